@@ -1,0 +1,38 @@
+# The two commands a new user runs: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test lint typecheck unit bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(VENV)/.installed-demo: $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install -q -e '.[sim,cli]'
+	touch $@
+
+$(VENV)/.installed-test: $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $@
+
+demo: $(VENV)/.installed-demo
+	$(BIN)/spmdkit demo
+
+test: $(VENV)/.installed-test lint typecheck unit
+
+lint: $(VENV)/.installed-test
+	$(BIN)/ruff check src tests benchmarks
+
+typecheck: $(VENV)/.installed-test
+	$(BIN)/mypy
+
+unit: $(VENV)/.installed-test
+	$(BIN)/python -m pytest -n 2 tests
+
+bench: $(VENV)/.installed-demo
+	$(BIN)/python benchmarks/bench_rules.py
+
+clean:
+	rm -rf $(VENV) build dist .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,123 @@
+"""The ``spmdkit`` command: infer, rules, demo (and more as they land)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from spmdkit.core.errors import SpmdError
+
+
+def _cmd_infer(ns: argparse.Namespace, out: TextIO) -> int:
+    from spmdkit.io.codec import answer_line, dumps, encode_error, encode_result, parse_case
+
+    if ns.batch:
+        src = open(ns.input, encoding="utf-8") if ns.input else sys.stdin  # noqa: SIM115
+        try:
+            for line in src:
+                if not line.strip():
+                    continue
+                out.write(dumps(answer_line(line)) + "\n")
+        finally:
+            if src is not sys.stdin:
+                src.close()
+        out.flush()
+        return 0
+    if ns.case is None:
+        print("spmdkit infer: give a case as JSON, or --batch to read JSON lines", file=sys.stderr)
+        return 2
+    try:
+        obj = json.loads(ns.case)
+    except ValueError as exc:
+        print(f"spmdkit infer: the case is not valid JSON: {exc}", file=sys.stderr)
+        return 2
+    case_id = obj.get("id") if isinstance(obj, dict) else None
+    try:
+        case = parse_case(obj)
+        result = case.run()
+    except SpmdError as exc:
+        if ns.json:
+            out.write(dumps(encode_error(exc, case_id)) + "\n")
+        else:
+            print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    if ns.json:
+        out.write(dumps(encode_result(result, case_id)) + "\n")
+        return 0
+    from spmdkit.report import print_result_table
+
+    print_result_table(case, result, out)
+    return 0
+
+
+def _cmd_rules(ns: argparse.Namespace, out: TextIO) -> int:
+    from spmdkit.rules.registry import all_rules
+
+    rules = all_rules()
+    rows: list[dict[str, Any]] = []
+    for name in sorted(rules):
+        r = rules[name]
+        rows.append(
+            {
+                "name": name,
+                "canonical": r.name,
+                "modes": list(r.modes),
+                "forward": r.forward.function_name,
+                "backward": r.backward.function_name if r.backward else None,
+            }
+        )
+    if ns.json:
+        out.write(json.dumps(rows) + "\n")
+        return 0
+    from spmdkit.report import print_rules_table
+
+    print_rules_table(rows, out)
+    return 0
+
+
+def _cmd_demo(ns: argparse.Namespace, out: TextIO) -> int:
+    from spmdkit.demo import run_demo
+
+    return run_demo(out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="spmdkit", description="SPMD sharding propagation rules and tools")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    pi = sub.add_parser("infer", help="run one rule call (JSON case, INTERFACE.md)")
+    pi.add_argument("case", nargs="?", help="one case as JSON")
+    pi.add_argument("--batch", action="store_true", help="read JSON lines from stdin, one result line each")
+    pi.add_argument("--json", action="store_true", help="print the result as JSON")
+    pi.add_argument("--input", help="with --batch: read this file instead of stdin")
+    pi.set_defaults(fn=_cmd_infer)
+
+    pr = sub.add_parser("rules", help="list every registered rule name and its modes")
+    pr.add_argument("--json", action="store_true")
+    pr.set_defaults(fn=_cmd_rules)
+
+    pd = sub.add_parser("demo", help="a short tour of the main job")
+    pd.set_defaults(fn=_cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        return int(ns.fn(ns, sys.stdout))
+    except BrokenPipeError:
+        return 0
+    except OSError as exc:
+        print(f"spmdkit: {exc}", file=sys.stderr)
+        return 1
+    except SpmdError as exc:
+        print(f"spmdkit: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""spmdkit.core: the data model (meshes, dist attrs, specs, results, errors, interop)."""
+
+from spmdkit.core.dist_attr import ReduceType, TensorDistAttr, format_dims_mapping
+from spmdkit.core.errors import (
+    CaseFormatError,
+    ConflictError,
+    InvalidArgumentError,
+    InvalidAttributeError,
+    InvalidDimsMappingError,
+    InvalidMeshError,
+    InvalidPartialError,
+    ShapeMismatchError,
+    SpmdError,
+    UnknownRuleError,
+    UnsupportedModeError,
+)
+from spmdkit.core.mesh import ProcessMesh
+from spmdkit.core.placements import (
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    from_partition_spec,
+    from_placements,
+    to_partition_spec,
+    to_placements,
+    to_torch_placements,
+)
+from spmdkit.core.spec import DistTensorSpec, SpmdResult
+
+__all__ = [
+    "ProcessMesh",
+    "ReduceType",
+    "TensorDistAttr",
+    "DistTensorSpec",
+    "SpmdResult",
+    "format_dims_mapping",
+    "SpmdError",
+    "InvalidMeshError",
+    "InvalidDimsMappingError",
+    "InvalidPartialError",
+    "ShapeMismatchError",
+    "InvalidAttributeError",
+    "InvalidArgumentError",
+    "UnknownRuleError",
+    "ConflictError",
+    "UnsupportedModeError",
+    "CaseFormatError",
+    "Placement",
+    "Shard",
+    "Replicate",
+    "Partial",
+    "to_placements",
+    "from_placements",
+    "to_torch_placements",
+    "to_partition_spec",
+    "from_partition_spec",
+]

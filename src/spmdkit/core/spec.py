@@ -1,0 +1,155 @@
+"""DistTensorSpec (global shape + dist attr) and SpmdResult."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Union
+
+from spmdkit.core.dist_attr import TensorDistAttr, format_dims_mapping
+from spmdkit.core.errors import InvalidDimsMappingError, ShapeMismatchError
+from spmdkit.core.mesh import ProcessMesh
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+class DistTensorSpec:
+    """A tensor's global shape and its dist attr (Paddle's ``DistTensorSpec``).
+
+    ``shape`` entries are non-negative ints (``-1`` is accepted as an unknown,
+    dynamic size). ``DistTensorSpec(shape, dist_attr)``, or
+    ``DistTensorSpec(shape, mesh=..., dims_mapping=..., partial=...)``.
+    """
+
+    __slots__ = ("shape", "dist_attr", "_hash")
+
+    shape: tuple[int, ...]
+    dist_attr: TensorDistAttr
+    _hash: int
+
+    def __init__(
+        self,
+        shape: Iterable[int],
+        dist_attr: TensorDistAttr | None = None,
+        *,
+        mesh: ProcessMesh | None = None,
+        dims_mapping: Iterable[object] | None = None,
+        partial: object = None,
+    ) -> None:
+        if isinstance(shape, (str, bytes)) or not isinstance(shape, Iterable):
+            raise ShapeMismatchError(f"shape must be a list of ints, got {shape!r}")
+        shp = tuple(shape)
+        for s in shp:
+            if not _is_int(s) or s < -1:
+                raise ShapeMismatchError(f"shape {list(shp)!r}: sizes must be ints >= 0 (or -1)")
+        if dist_attr is None:
+            if mesh is None:
+                raise InvalidDimsMappingError("DistTensorSpec needs a dist_attr or a mesh")
+            dist_attr = TensorDistAttr(
+                mesh, dims_mapping if dims_mapping is not None else (-1,) * len(shp), partial
+            )
+        elif not isinstance(dist_attr, TensorDistAttr):
+            raise InvalidDimsMappingError(
+                f"dist_attr must be a TensorDistAttr, got {type(dist_attr).__name__}"
+            )
+        if len(dist_attr.dims_mapping) != len(shp):
+            raise InvalidDimsMappingError(
+                f"dims_mapping {format_dims_mapping(dist_attr.dims_mapping)} has "
+                f"{len(dist_attr.dims_mapping)} entries but the tensor has {len(shp)} dims "
+                f"(shape {list(shp)})"
+            )
+        object.__setattr__(self, "shape", shp)
+        object.__setattr__(self, "dist_attr", dist_attr)
+        object.__setattr__(self, "_hash", hash((shp, dist_attr._hash)))
+
+    @classmethod
+    def _make(cls, shape: tuple[int, ...], dist_attr: TensorDistAttr) -> DistTensorSpec:
+        obj = object.__new__(cls)
+        object.__setattr__(obj, "shape", shape)
+        object.__setattr__(obj, "dist_attr", dist_attr)
+        object.__setattr__(obj, "_hash", hash((shape, dist_attr._hash)))
+        return obj
+
+    @property
+    def mesh(self) -> ProcessMesh:
+        return self.dist_attr.mesh
+
+    @property
+    def dims_mapping(self) -> tuple[object, ...]:
+        return self.dist_attr.dims_mapping
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, DistTensorSpec):
+            return NotImplemented
+        return self._hash == other._hash and self.shape == other.shape and self.dist_attr == other.dist_attr
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("DistTensorSpec is immutable")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (DistTensorSpec, (self.shape, self.dist_attr))
+
+    def __repr__(self) -> str:
+        return f"DistTensorSpec({list(self.shape)!r}, {self.dist_attr!r})"
+
+
+#: One argument's answer: a dist attr, ``None`` for an absent optional tensor,
+#: or a tuple of them for a vector argument.
+ArgDistAttr = Union[TensorDistAttr, None, tuple[Union[TensorDistAttr, None], ...]]
+
+
+class SpmdResult:
+    """A rule's answer: the dist attrs the inputs must have and those of the outputs."""
+
+    __slots__ = ("inputs", "outputs", "_hash")
+
+    inputs: tuple[ArgDistAttr, ...]
+    outputs: tuple[ArgDistAttr, ...]
+    _hash: int
+
+    def __init__(self, inputs: Sequence[object], outputs: Sequence[object]) -> None:
+        ins = tuple(_freeze(a) for a in inputs)
+        outs = tuple(_freeze(a) for a in outputs)
+        object.__setattr__(self, "inputs", ins)
+        object.__setattr__(self, "outputs", outs)
+        object.__setattr__(self, "_hash", hash((ins, outs)))
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        yield self.inputs
+        yield self.outputs
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SpmdResult):
+            return NotImplemented
+        return self.inputs == other.inputs and self.outputs == other.outputs
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("SpmdResult is immutable")
+
+    def __repr__(self) -> str:
+        return f"SpmdResult(inputs={list(self.inputs)!r}, outputs={list(self.outputs)!r})"
+
+
+def _freeze(a: object) -> ArgDistAttr:
+    if a is None or isinstance(a, TensorDistAttr):
+        return a
+    if isinstance(a, (list, tuple)):
+        items = tuple(_freeze(x) for x in a)
+        for x in items:
+            if isinstance(x, tuple):
+                raise TypeError("SpmdResult: nested vectors are not supported")
+        return items  # type: ignore[return-value]
+    raise TypeError(f"SpmdResult entries must be TensorDistAttr, None or a list of them, got {a!r}")

@@ -1,0 +1,1 @@
+"""spmdkit.engine: op-independent propagation machinery (notation, view algebra)."""

@@ -1,0 +1,79 @@
+"""Human-readable tables (rich where installed, plain text otherwise)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from spmdkit.core.dist_attr import TensorDistAttr, format_dims_mapping
+from spmdkit.core.spec import DistTensorSpec, SpmdResult
+
+
+def fmt_attr(a: Any) -> str:
+    if a is None:
+        return "-"
+    if isinstance(a, tuple):
+        return "[" + "; ".join(fmt_attr(x) for x in a) + "]"
+    assert isinstance(a, TensorDistAttr)
+    s = format_dims_mapping(a.dims_mapping)
+    if a.partial:
+        s += " partial{" + ", ".join(f"{d}: {r.value}" for d, r in a.partial) + "}"
+    return s
+
+
+def _table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]], out: TextIO) -> None:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+        out.write(title + "\n")
+        out.write("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip() + "\n")
+        out.write("  ".join("-" * w for w in widths) + "\n")
+        for r in rows:
+            out.write("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() + "\n")
+        return
+    t = Table(title=title, title_justify="left")
+    for h in header:
+        t.add_column(h)
+    for r in rows:
+        t.add_row(*r)
+    Console(file=out, width=max(100, sum(len(h) for h in header) * 3), soft_wrap=True).print(t)
+
+
+def print_result_table(case: Any, result: SpmdResult, out: TextIO) -> None:
+    mode = case.rule.mode(case.mode)
+    rows: list[list[str]] = []
+    tensor_params = [(p, a) for p, a in zip(mode.params, case.args) if p.is_tensor]
+    for i, (p, given) in enumerate(tensor_params):
+        got = result.inputs[i] if i < len(result.inputs) else None
+        shape = _shape(given)
+        rows.append(["input", p.name, shape, fmt_attr(_attrs(given)), fmt_attr(got)])
+    for i, a in enumerate(result.outputs):
+        rows.append(["output", f"out[{i}]", "", "", fmt_attr(a)])
+    title = f"{case.rule.name} {case.mode} on mesh {list(case.mesh.shape)}"
+    _table(title, ["", "tensor", "shape", "given", "inferred"], rows, out)
+
+
+def _shape(t: Any) -> str:
+    if isinstance(t, DistTensorSpec):
+        return str(list(t.shape))
+    if isinstance(t, (list, tuple)):
+        return "[" + "; ".join(_shape(x) for x in t) + "]"
+    return "-"
+
+
+def _attrs(t: Any) -> Any:
+    if isinstance(t, DistTensorSpec):
+        return t.dist_attr
+    if isinstance(t, (list, tuple)):
+        return tuple(_attrs(x) for x in t)
+    return None
+
+
+def print_rules_table(rows: Sequence[dict[str, Any]], out: TextIO) -> None:
+    table = [
+        [r["name"], r["canonical"] if r["canonical"] != r["name"] else "", ", ".join(r["modes"]), r["forward"], r["backward"] or "-"]
+        for r in rows
+    ]
+    _table(f"{len(rows)} registered rule names", ["name", "alias of", "modes", "forward", "backward"], table, out)

@@ -1,0 +1,394 @@
+"""Rule objects, argument binding and the name -> rule registry.
+
+A rule is registered with its forward function and, where it has one, its
+backward function (Paddle's reverse rule, or for some names the grad rule Paddle
+registers in that place), each with a signature string in Paddle 3.3.1's
+parameter order, e.g. ``"x: T, y: T, trans_x: bool = False, trans_y: bool = False"``.
+
+Kinds: ``T`` a tensor (DistTensorSpec), ``T?`` an optional tensor (``None`` when
+absent), ``[T]`` a list of tensors, ``[T?]`` a list whose items may be absent; attributes: ``bool``, ``int``,
+``float``, ``str``, ``ints`` (a list of ints; a single int is taken as a
+one-item list), ``floats``, ``scalar`` (int or float), ``any``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from spmdkit.core.errors import (
+    InvalidArgumentError,
+    InvalidAttributeError,
+    SpmdError,
+    UnknownRuleError,
+    UnsupportedModeError,
+)
+from spmdkit.core.spec import DistTensorSpec, SpmdResult
+
+RuleFn = Callable[..., SpmdResult]
+
+_NO_DEFAULT = object()
+_CACHE_LIMIT = 100_000
+_cache_enabled = True
+
+
+def set_cache_enabled(enabled: bool) -> None:
+    """Turn the per-call result cache on or off (on by default)."""
+    global _cache_enabled
+    _cache_enabled = bool(enabled)
+
+
+def cache_enabled() -> bool:
+    return _cache_enabled
+
+
+def clear_cache() -> None:
+    for r in set(_RULES.values()):
+        r._cache.clear()
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    kind: str
+    default: Any = _NO_DEFAULT
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.kind in ("T", "T?", "[T]", "[T?]")
+
+    @property
+    def required(self) -> bool:
+        return self.default is _NO_DEFAULT
+
+
+_ATTR_KINDS = {"bool", "int", "float", "str", "ints", "floats", "scalar", "any"}
+_TENSOR_KINDS = {"T", "T?", "[T]", "[T?]"}
+
+
+def parse_signature(sig: str) -> tuple[Param, ...]:
+    """``"x: T, axis: int = -1"`` -> Params."""
+    params: list[Param] = []
+    if not sig.strip():
+        return ()
+    for part in sig.split(","):
+        part = part.strip()
+        name, _, rest = part.partition(":")
+        kind, eq, default_text = rest.partition("=")
+        kind = kind.strip()
+        if kind not in _ATTR_KINDS and kind not in _TENSOR_KINDS:
+            raise ValueError(f"bad parameter kind {kind!r} in signature {sig!r}")
+        default: Any = _NO_DEFAULT
+        if eq:
+            default = _parse_default(default_text.strip())
+        params.append(Param(name.strip(), kind, default))
+    return tuple(params)
+
+
+def _parse_default(text: str) -> Any:
+    import ast
+
+    if text == "None":
+        return None
+    if text == "true":
+        return True
+    if text == "false":
+        return False
+    value = ast.literal_eval(text)
+    if isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def coerce_attr(op: str, p: Param, v: Any) -> Any:
+    """Validate one attribute and return it in canonical (hashable) form."""
+    k = p.kind
+    if k == "bool":
+        if isinstance(v, bool):
+            return v
+        if _is_int(v) and v in (0, 1):
+            return bool(v)
+    elif k == "int":
+        if _is_int(v):
+            return v
+        if isinstance(v, float) and v.is_integer():
+            return int(v)
+    elif k == "float" or k == "scalar":
+        if _is_int(v):
+            return v if k == "scalar" else float(v)
+        if isinstance(v, float):
+            return v
+        if isinstance(v, bool) and k == "scalar":
+            return v
+    elif k == "str":
+        if isinstance(v, str):
+            return v
+    elif k == "ints":
+        if _is_int(v):
+            return (v,)
+        if isinstance(v, (list, tuple)) and all(_is_int(x) for x in v):
+            return tuple(v)
+    elif k == "floats":
+        if isinstance(v, (list, tuple)) and all(_is_int(x) or isinstance(x, float) for x in v):
+            return tuple(float(x) for x in v)
+    elif k == "any":
+        return _freeze(v)
+    raise InvalidAttributeError(f"{op}: attribute {p.name!r} must be {_KIND_TEXT[k]}, got {v!r}")
+
+
+_KIND_TEXT = {
+    "bool": "a bool",
+    "int": "an int",
+    "float": "a number",
+    "scalar": "a number",
+    "str": "a string",
+    "ints": "a list of ints",
+    "floats": "a list of numbers",
+    "any": "a value",
+}
+
+
+def _freeze(v: Any) -> Any:
+    if isinstance(v, list):
+        return tuple(_freeze(x) for x in v)
+    if isinstance(v, dict):
+        return tuple(sorted((k, _freeze(x)) for k, x in v.items()))
+    return v
+
+
+def _check_tensor(op: str, p: Param, v: Any) -> Any:
+    k = p.kind
+    if k == "T":
+        if isinstance(v, DistTensorSpec):
+            return v
+        raise InvalidArgumentError(
+            f"{op}: argument {p.name!r} must be a tensor (DistTensorSpec), got {_what(v)}"
+        )
+    if k == "T?":
+        if v is None or isinstance(v, DistTensorSpec):
+            return v
+        raise InvalidArgumentError(
+            f"{op}: argument {p.name!r} must be a tensor or None, got {_what(v)}"
+        )
+    # vector kinds
+    if isinstance(v, (list, tuple)):
+        items = tuple(v)
+        for i, t in enumerate(items):
+            if not isinstance(t, DistTensorSpec) and not (t is None and k == "[T?]"):
+                raise InvalidArgumentError(
+                    f"{op}: argument {p.name!r}[{i}] must be a tensor, got {_what(t)}"
+                )
+        return items
+    raise InvalidArgumentError(f"{op}: argument {p.name!r} must be a list of tensors, got {_what(v)}")
+
+
+def _what(v: Any) -> str:
+    if v is None:
+        return "None"
+    if isinstance(v, (list, tuple)):
+        return "a list"
+    return f"{type(v).__name__} {v!r}"
+
+
+class Mode:
+    """One direction of a rule: a function and its parameters."""
+
+    __slots__ = ("fn", "params", "n_required", "names", "function_name")
+
+    def __init__(self, fn: RuleFn, signature: str, function_name: str = "") -> None:
+        self.fn = fn
+        self.params = parse_signature(signature)
+        self.n_required = sum(1 for p in self.params if p.required)
+        self.names = {p.name: i for i, p in enumerate(self.params)}
+        self.function_name = function_name or getattr(fn, "__name__", "")
+
+    def bind(self, op: str, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        params = self.params
+        n = len(params)
+        if len(args) > n:
+            raise InvalidArgumentError(
+                f"{op}: takes at most {n} arguments ({self.describe()}), got {len(args)}"
+            )
+        values: list[Any] = list(args) + [_NO_DEFAULT] * (n - len(args))
+        for key, v in kwargs.items():
+            i = self.names.get(key)
+            if i is None:
+                raise InvalidArgumentError(f"{op}: unknown argument {key!r} ({self.describe()})")
+            if values[i] is not _NO_DEFAULT:
+                raise InvalidArgumentError(f"{op}: argument {key!r} given twice")
+            values[i] = v
+        out: list[Any] = []
+        for p, v in zip(params, values):
+            if v is _NO_DEFAULT:
+                if p.required:
+                    raise InvalidArgumentError(f"{op}: missing argument {p.name!r} ({self.describe()})")
+                v = p.default
+                out.append(v)
+                continue
+            if p.is_tensor:
+                out.append(_check_tensor(op, p, v))
+            else:
+                out.append(coerce_attr(op, p, v))
+        return tuple(out)
+
+    def describe(self) -> str:
+        parts = []
+        for p in self.params:
+            s = f"{p.name}: {p.kind}"
+            if not p.required:
+                s += f" = {p.default!r}"
+            parts.append(s)
+        return ", ".join(parts)
+
+
+class Rule:
+    """A named SPMD rule: ``infer_forward(*args)`` and ``infer_backward(*args)``.
+
+    Arguments follow Paddle 3.3.1's parameter order and may also be given by
+    Paddle's parameter names. Answers are cached per distinct call.
+    """
+
+    __slots__ = ("name", "forward", "backward", "doc", "aliases", "_cache")
+
+    def __init__(self, name: str, forward: Mode, backward: Mode | None, doc: str = "") -> None:
+        self.name = name
+        self.forward = forward
+        self.backward = backward
+        self.doc = doc
+        self.aliases: tuple[str, ...] = ()
+        self._cache: dict[Any, SpmdResult] = {}
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        return ("forward", "backward") if self.backward is not None else ("forward",)
+
+    def mode(self, mode: str) -> Mode:
+        if mode == "forward":
+            return self.forward
+        if mode == "backward":
+            if self.backward is None:
+                raise UnsupportedModeError(f"{self.name}: has no backward (reverse) rule")
+            return self.backward
+        raise UnsupportedModeError(f"{self.name}: unknown mode {mode!r} (forward or backward)")
+
+    def infer_forward(self, *args: Any, **kwargs: Any) -> SpmdResult:
+        return self._call(self.forward, 0, args, kwargs)
+
+    def infer_backward(self, *args: Any, **kwargs: Any) -> SpmdResult:
+        if self.backward is None:
+            raise UnsupportedModeError(f"{self.name}: has no backward (reverse) rule")
+        return self._call(self.backward, 1, args, kwargs)
+
+    def infer(self, mode: str, *args: Any, **kwargs: Any) -> SpmdResult:
+        m = self.mode(mode)
+        return self._call(m, 0 if m is self.forward else 1, args, kwargs)
+
+    def _call(self, m: Mode, tag: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> SpmdResult:
+        use_cache = _cache_enabled
+        key: Any = None
+        if use_cache and not kwargs:
+            key = (tag, args)
+            try:
+                hit = self._cache.get(key)
+            except TypeError:  # an unhashable (list) attribute
+                key = None
+            else:
+                if hit is not None:
+                    return hit
+        bound = m.bind(self.name, args, kwargs)
+        if use_cache:
+            bkey = (tag, bound)
+            hit = self._cache.get(bkey)
+            if hit is not None:
+                if key is not None:
+                    self._cache[key] = hit
+                return hit
+        try:
+            result = m.fn(*bound)
+        except SpmdError:
+            raise
+        except (IndexError, KeyError, ValueError, TypeError, ZeroDivisionError) as exc:
+            # an unforeseen malformed input: report it as a library error, never a traceback
+            raise InvalidArgumentError(f"{self.name}: invalid input ({type(exc).__name__}: {exc})") from exc
+        if use_cache:
+            if len(self._cache) >= _CACHE_LIMIT:
+                self._cache.clear()
+            self._cache[bkey] = result
+            if key is not None:
+                self._cache[key] = result
+        return result
+
+    def __repr__(self) -> str:
+        return f"Rule({self.name!r}, modes={self.modes})"
+
+
+_RULES: dict[str, Rule] = {}
+_CANONICAL: dict[str, Rule] = {}
+
+
+def register(
+    name: str,
+    forward: RuleFn,
+    forward_sig: str,
+    backward: RuleFn | None = None,
+    backward_sig: str = "",
+    *,
+    aliases: Sequence[str] = (),
+    doc: str = "",
+    forward_name: str = "",
+    backward_name: str = "",
+) -> Rule:
+    """Register a rule (and its aliases). Re-registering a name is an error."""
+    rule = Rule(
+        name,
+        Mode(forward, forward_sig, forward_name),
+        Mode(backward, backward_sig, backward_name) if backward is not None else None,
+        doc or (forward.__doc__ or "").strip().split("\n")[0],
+    )
+    rule.aliases = tuple(aliases)
+    for n in (name, *aliases):
+        if n in _RULES:
+            raise ValueError(f"rule {n!r} registered twice")
+        _RULES[n] = rule
+    _CANONICAL[name] = rule
+    return rule
+
+
+def get_rule(name: str) -> Rule:
+    """The rule registered under ``name`` (or an alias of it)."""
+    _ensure_loaded()
+    try:
+        return _RULES[name]
+    except (KeyError, TypeError):
+        raise UnknownRuleError(f"no SPMD rule named {name!r}") from None
+
+
+def has_rule(name: str) -> bool:
+    _ensure_loaded()
+    return name in _RULES
+
+
+def rule_names(include_aliases: bool = True) -> list[str]:
+    """Every registered name, sorted."""
+    _ensure_loaded()
+    return sorted(_RULES if include_aliases else _CANONICAL)
+
+
+def all_rules() -> dict[str, Rule]:
+    _ensure_loaded()
+    return dict(_RULES)
+
+
+_loaded = False
+
+
+def _ensure_loaded() -> None:
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        import spmdkit.rules  # noqa: F401  (imports every rule module)
