@@ -15,7 +15,7 @@ def _cmd_infer(ns: argparse.Namespace, out: TextIO) -> int:
     from spmdkit.io.codec import answer_line, dumps, encode_error, encode_result, parse_case
 
     if ns.batch:
-        src = open(ns.input, encoding="utf-8") if ns.input else sys.stdin  # noqa: SIM115
+        src = open(ns.input, encoding="utf-8") if ns.input else sys.stdin
         try:
             for line in src:
                 if not line.strip():

@@ -15,7 +15,7 @@ Entry = Union[int, tuple[int, ...]]
 DimsMapping = tuple[Entry, ...]
 
 
-class ReduceType(str, enum.Enum):
+class ReduceType(enum.StrEnum):
     """How the per-rank values of a partial tensor combine into the true value."""
 
     SUM = "sum"
@@ -146,7 +146,7 @@ class TensorDistAttr:
     partial.
     """
 
-    __slots__ = ("mesh", "dims_mapping", "partial", "_hash")
+    __slots__ = ("_hash", "dims_mapping", "mesh", "partial")
 
     mesh: ProcessMesh
     dims_mapping: DimsMapping

@@ -18,7 +18,7 @@ class ProcessMesh:
     to ``d0, d1, ...``.
     """
 
-    __slots__ = ("_shape", "_process_ids", "_dim_names", "_hash")
+    __slots__ = ("_dim_names", "_hash", "_process_ids", "_shape")
 
     _shape: tuple[int, ...]
     _process_ids: tuple[int, ...]

@@ -22,7 +22,7 @@ class DistTensorSpec:
     ``DistTensorSpec(shape, mesh=..., dims_mapping=..., partial=...)``.
     """
 
-    __slots__ = ("shape", "dist_attr", "_hash")
+    __slots__ = ("_hash", "dist_attr", "shape")
 
     shape: tuple[int, ...]
     dist_attr: TensorDistAttr
@@ -111,7 +111,7 @@ ArgDistAttr = Union[TensorDistAttr, None, tuple[Union[TensorDistAttr, None], ...
 class SpmdResult:
     """A rule's answer: the dist attrs the inputs must have and those of the outputs."""
 
-    __slots__ = ("inputs", "outputs", "_hash")
+    __slots__ = ("_hash", "inputs", "outputs")
 
     inputs: tuple[ArgDistAttr, ...]
     outputs: tuple[ArgDistAttr, ...]

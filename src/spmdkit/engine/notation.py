@@ -53,7 +53,7 @@ class Notation:
     ``prune``: letters whose mesh dims must divide their size (``"*"`` for all).
     """
 
-    __slots__ = ("inputs", "outputs", "replicated", "reduce", "prune", "_key")
+    __slots__ = ("_key", "inputs", "outputs", "prune", "reduce", "replicated")
 
     def __init__(
         self,

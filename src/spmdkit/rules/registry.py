@@ -198,7 +198,7 @@ def _what(v: Any) -> str:
 class Mode:
     """One direction of a rule: a function and its parameters."""
 
-    __slots__ = ("fn", "params", "n_required", "names", "function_name")
+    __slots__ = ("fn", "function_name", "n_required", "names", "params")
 
     def __init__(self, fn: RuleFn, signature: str, function_name: str = "") -> None:
         self.fn = fn
@@ -253,7 +253,7 @@ class Rule:
     Paddle's parameter names. Answers are cached per distinct call.
     """
 
-    __slots__ = ("name", "forward", "backward", "doc", "aliases", "_cache")
+    __slots__ = ("_cache", "aliases", "backward", "doc", "forward", "name")
 
     def __init__(self, name: str, forward: Mode, backward: Mode | None, doc: str = "") -> None:
         self.name = name
