@@ -7,7 +7,10 @@
 Runs every case through spmdkit (in this interpreter) and through
 ../shared/tools/paddle_oracle.py (in the Paddle venv), prints the differences and
 a summary. With --write-golden, appends the cases where both agree (or where Paddle
-errors and spmdkit too) as golden lines.
+errors and spmdkit too) as golden lines, and the differing cases that a
+``--deviation RULE:MODE:KIND=ID`` option classifies (KIND: inputs-differ,
+outputs-differ, both-differ, paddle-error, ours-error; ``*`` matches any RULE or
+MODE) as golden lines carrying ``"deviation": ID`` and Paddle's answer.
 """
 
 from __future__ import annotations
@@ -49,6 +52,18 @@ def run_oracle(lines, py):
     return out
 
 
+def diff_kind(pr, ours):
+    if "error" in pr:
+        return "both-error" if "error" in ours else "paddle-error"
+    if "error" in ours:
+        return "ours-error"
+    if norm(pr["outputs"]) == norm(ours["outputs"]):
+        return "inputs-differ"
+    if norm(pr["inputs"]) == norm(ours["inputs"]):
+        return "outputs-differ"
+    return "both-differ"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("cases")
@@ -56,7 +71,12 @@ def main() -> int:
     ap.add_argument("--write-golden")
     ap.add_argument("--source", default="oracle")
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--deviation", action="append", default=[], metavar="RULE:MODE:KIND=ID")
     ns = ap.parse_args()
+    devs = {}
+    for d in ns.deviation:
+        k, _, v = d.partition("=")
+        devs[tuple(k.split(":"))] = v
     lines = [x for x in Path(ns.cases).read_text().splitlines() if x.strip()]
     paddle = run_oracle(lines, ns.paddle_python)
     agree = differ = both_err = 0
@@ -73,12 +93,23 @@ def main() -> int:
             golden.append({"case": case, "expect": {"inputs": ours["inputs"], "outputs": ours["outputs"]}, "source": ns.source})
             continue
         differ += 1
+        kind = diff_kind(pr, ours)
+        mode = case.get("mode", "forward")
+        dev = next((v for (r, m, k), v in devs.items()
+                    if r in (case["rule"], "*") and m in (mode, "*") and k == kind), None)
+        if dev is not None:
+            exp = {"error": ours["error"]} if "error" in ours else {"inputs": ours["inputs"], "outputs": ours["outputs"]}
+            pres = {"error": pr["error"]} if "error" in pr else {"inputs": pr["inputs"], "outputs": pr["outputs"]}
+            golden.append({"case": case, "expect": exp, "source": ns.source, "deviation": dev, "paddle": pres})
+            continue
         if not ns.quiet:
             print("CASE  ", line)
             print("paddle", json.dumps(pr))
             print("ours  ", json.dumps(ours))
             print()
-    print(f"{len(lines)} cases: {agree} agree, {both_err} both error, {differ} differ")
+    nd = sum(1 for g in golden if "deviation" in g)
+    print(f"{len(lines)} cases: {agree} agree, {both_err} both error, {differ} differ "
+          f"({nd} classified as deviations, {differ - nd} unexplained)")
     if ns.write_golden:
         with open(ns.write_golden, "a") as f:
             for g in golden:

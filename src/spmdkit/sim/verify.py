@@ -21,7 +21,7 @@ from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import SpmdError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.io.codec import Case, encode_arg, parse_case
+from spmdkit.io.codec import Case, decode_attr, encode_arg, parse_case
 from spmdkit.rules.registry import get_rule, rule_names
 from spmdkit.sim.cases import generate_case, make_array, mode_reference, output_params
 from spmdkit.sim.mesh import AssembleError, _close, assemble, local_slices, shard
@@ -150,11 +150,12 @@ def verify(
     seed: int = 0,
     rtol: float = RTOL,
     atol: float = ATOL,
-    result: SpmdResult | None = None,
+    result: SpmdResult | dict[str, Any] | None = None,
 ) -> Verdict:
     """Verify one rule answer. ``case``: an INTERFACE.md case (dict, JSON text or a decoded
     :class:`~spmdkit.io.codec.Case`); ``rule_name`` / ``mode`` override the case's.
-    ``result``: judge this answer instead of the rule's (to test the judge itself)."""
+    ``result``: judge this answer instead of the rule's (to test the judge itself, or to
+    judge another tool's answer): an SpmdResult or an INTERFACE.md result object."""
     try:
         obj, c = _case_obj(case, rule_name, mode)
     except SpmdError as exc:
@@ -164,6 +165,8 @@ def verify(
         obj = _rebuild_case(c)
     rule = c.rule
     md = c.mode
+    if isinstance(result, dict):
+        result = _decode_result(result, c.mesh)
     if result is None:
         try:
             result = c.run()
@@ -173,6 +176,15 @@ def verify(
     v = Verdict(SOUND, rule.name, md, case=obj, result=result)
     with np.errstate(all="ignore"):
         return _judge(v, c, result, seed, rtol, atol)
+
+
+def _decode_result(obj: dict[str, Any], mesh: ProcessMesh) -> SpmdResult:
+    def one(r: Any) -> Any:
+        if isinstance(r, list):
+            return [one(x) for x in r]
+        return decode_attr(r, mesh)
+
+    return SpmdResult([one(r) for r in obj.get("inputs", [])], [one(r) for r in obj.get("outputs", [])])
 
 
 def _judge(v: Verdict, c: Case, result: SpmdResult, seed: int, rtol: float, atol: float) -> Verdict:
