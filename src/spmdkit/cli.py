@@ -1,4 +1,4 @@
-"""The ``spmdkit`` command: infer, rules, demo (and more as they land)."""
+"""The ``spmdkit`` command: infer, rules, verify, demo."""
 
 from __future__ import annotations
 
@@ -98,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("rules", help="list every registered rule name and its modes")
     pr.add_argument("--json", action="store_true")
     pr.set_defaults(fn=_cmd_rules)
+
+    from spmdkit.sim.cli import add_verify_command
+
+    add_verify_command(sub)
 
     pd = sub.add_parser("demo", help="a short tour of the main job")
     pd.set_defaults(fn=_cmd_demo)

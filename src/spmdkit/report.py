@@ -35,10 +35,12 @@ def _table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]], out
         return
     t = Table(title=title, title_justify="left")
     for h in header:
-        t.add_column(h)
+        t.add_column(h, no_wrap=True)
     for r in rows:
         t.add_row(*r)
-    Console(file=out, width=max(100, sum(len(h) for h in header) * 3), soft_wrap=True).print(t)
+    # wide enough that no cell is cut or wrapped, whatever the terminal
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
+    Console(file=out, width=max(len(title), sum(widths) + 3 * len(widths) + 1), soft_wrap=True).print(t)
 
 
 def print_result_table(case: Any, result: SpmdResult, out: TextIO) -> None:
