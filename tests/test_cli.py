@@ -70,7 +70,7 @@ LINES = [
 ]
 EXPECT_ERRORS = [None, "CaseFormatError", "CaseFormatError", "UnknownRuleError", "UnsupportedModeError",
                  "InvalidMeshError", "InvalidArgumentError", "CaseFormatError", "InvalidPartialError", None,
-                 "InvalidArgumentError"]
+                 "CaseFormatError"]
 
 
 def test_batch_answers_every_line_in_order(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
