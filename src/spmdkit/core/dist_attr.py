@@ -151,7 +151,7 @@ class TensorDistAttr:
     mesh: ProcessMesh
     dims_mapping: DimsMapping
     partial: Partial
-    _hash: int
+    _hash: int | None
 
     def __init__(
         self,
@@ -184,8 +184,11 @@ class TensorDistAttr:
     @classmethod
     def _make(cls, mesh: ProcessMesh, dims_mapping: DimsMapping, partial: Partial = _NO_PARTIAL) -> TensorDistAttr:
         """Build without validation (engine-internal: the caller guarantees legality)."""
-        obj = object.__new__(cls)
-        _init(obj, mesh, dims_mapping, partial)
+        obj = _new(cls)
+        _set_mesh(obj, mesh)
+        _set_dm(obj, dims_mapping)
+        _set_partial(obj, partial)
+        _set_hash(obj, None)
         return obj
 
     @classmethod
@@ -230,14 +233,17 @@ class TensorDistAttr:
         if not isinstance(other, TensorDistAttr):
             return NotImplemented
         return (
-            self._hash == other._hash
-            and self.dims_mapping == other.dims_mapping
+            self.dims_mapping == other.dims_mapping
             and self.partial == other.partial
             and self.mesh == other.mesh
         )
 
     def __hash__(self) -> int:
-        return self._hash
+        h = self._hash
+        if h is None:  # computed on first use: most dist attrs are never hashed
+            h = hash((self.dims_mapping, self.partial, self.mesh._hash))
+            _set_hash(self, h)
+        return h
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("TensorDistAttr is immutable")
@@ -252,11 +258,20 @@ class TensorDistAttr:
         return s + ")"
 
 
+# the slots' own setters: faster than object.__setattr__, and they bypass the
+# immutability guard of __setattr__ (construction only)
+_set_mesh = TensorDistAttr.__dict__["mesh"].__set__
+_set_dm = TensorDistAttr.__dict__["dims_mapping"].__set__
+_set_partial = TensorDistAttr.__dict__["partial"].__set__
+_set_hash = TensorDistAttr.__dict__["_hash"].__set__
+_new = object.__new__
+
+
 def _init(obj: TensorDistAttr, mesh: ProcessMesh, dm: DimsMapping, pt: Partial) -> None:
-    object.__setattr__(obj, "mesh", mesh)
-    object.__setattr__(obj, "dims_mapping", dm)
-    object.__setattr__(obj, "partial", pt)
-    object.__setattr__(obj, "_hash", hash((dm, pt, mesh._hash)))
+    _set_mesh(obj, mesh)
+    _set_dm(obj, dm)
+    _set_partial(obj, pt)
+    _set_hash(obj, None)
 
 
 def _fmt_dm(dm: DimsMapping) -> str:

@@ -61,14 +61,14 @@ class DistTensorSpec:
             )
         object.__setattr__(self, "shape", shp)
         object.__setattr__(self, "dist_attr", dist_attr)
-        object.__setattr__(self, "_hash", hash((shp, dist_attr._hash)))
+        object.__setattr__(self, "_hash", hash((shp, hash(dist_attr))))
 
     @classmethod
     def _make(cls, shape: tuple[int, ...], dist_attr: TensorDistAttr) -> DistTensorSpec:
         obj = object.__new__(cls)
         object.__setattr__(obj, "shape", shape)
         object.__setattr__(obj, "dist_attr", dist_attr)
-        object.__setattr__(obj, "_hash", hash((shape, dist_attr._hash)))
+        object.__setattr__(obj, "_hash", hash((shape, hash(dist_attr))))
         return obj
 
     @property
@@ -115,14 +115,22 @@ class SpmdResult:
 
     inputs: tuple[ArgDistAttr, ...]
     outputs: tuple[ArgDistAttr, ...]
-    _hash: int
+    _hash: int | None
 
     def __init__(self, inputs: Sequence[object], outputs: Sequence[object]) -> None:
-        ins = tuple(_freeze(a) for a in inputs)
-        outs = tuple(_freeze(a) for a in outputs)
-        object.__setattr__(self, "inputs", ins)
-        object.__setattr__(self, "outputs", outs)
-        object.__setattr__(self, "_hash", hash((ins, outs)))
+        ins = tuple(inputs)
+        for a in ins:
+            if a is not None and a.__class__ is not TensorDistAttr:
+                ins = tuple(_freeze(x) for x in ins)
+                break
+        outs = tuple(outputs)
+        for a in outs:
+            if a is not None and a.__class__ is not TensorDistAttr:
+                outs = tuple(_freeze(x) for x in outs)
+                break
+        _set_inputs(self, ins)
+        _set_outputs(self, outs)
+        _set_result_hash(self, None)
 
     def __iter__(self):  # type: ignore[no-untyped-def]
         yield self.inputs
@@ -134,13 +142,22 @@ class SpmdResult:
         return self.inputs == other.inputs and self.outputs == other.outputs
 
     def __hash__(self) -> int:
-        return self._hash
+        h = self._hash
+        if h is None:
+            h = hash((self.inputs, self.outputs))
+            _set_result_hash(self, h)
+        return h
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("SpmdResult is immutable")
 
     def __repr__(self) -> str:
         return f"SpmdResult(inputs={list(self.inputs)!r}, outputs={list(self.outputs)!r})"
+
+
+_set_inputs = SpmdResult.__dict__["inputs"].__set__
+_set_outputs = SpmdResult.__dict__["outputs"].__set__
+_set_result_hash = SpmdResult.__dict__["_hash"].__set__
 
 
 def _freeze(a: object) -> ArgDistAttr:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
+from typing import Any
 
 from spmdkit.core.dist_attr import (
     DimsMapping,
@@ -53,7 +54,7 @@ class Notation:
     ``prune``: letters whose mesh dims must divide their size (``"*"`` for all).
     """
 
-    __slots__ = ("_key", "inputs", "outputs", "prune", "reduce", "replicated")
+    __slots__ = ("_hash", "_key", "_single", "input_letters", "inputs", "outputs", "prune", "reduce", "replicated")
 
     def __init__(
         self,
@@ -70,6 +71,33 @@ class Notation:
         self.prune = prune
         red = self.reduce if isinstance(self.reduce, ReduceType) else tuple(sorted(self.reduce.items()))
         self._key = (self.inputs, self.outputs, self.replicated, red, prune)
+        self._hash = hash(self._key)
+        self.input_letters = frozenset("".join(a for a in self.inputs if a))
+        self._single = self._single_plan()
+
+    def _single_plan(self) -> tuple[Any, ...] | None:
+        """For one input whose letters are all distinct (unary ops, transpose, softmax,
+        reductions): per input axis (dropped: replicated or broadcast, pruned) and per
+        output the input position of each axis (-1: a letter the input lacks) and the
+        (position, reduce type) of the input letters the output lacks. None otherwise."""
+        if len(self.inputs) != 1 or self.inputs[0] is None:
+            return None
+        x = self.inputs[0]
+        real = [c for c in x if c != BROADCAST]
+        if len(set(real)) != len(real):
+            return None
+        drop = tuple(c == BROADCAST or c in self.replicated for c in x)
+        prune = tuple(bool(self.prune) and (self.prune == "*" or c in self.prune) for c in x)
+        outs: list[tuple[tuple[int, ...], tuple[tuple[int, ReduceType], ...]] | None] = []
+        for o in self.outputs:
+            if o is None:
+                outs.append(None)
+                continue
+            pos = tuple(x.index(c) if c != BROADCAST and c in x else -1 for c in o)
+            missing = tuple((i, self.reduce_type(c)) for i, c in enumerate(x)
+                            if c != BROADCAST and c not in o)
+            outs.append((pos, missing))
+        return (drop, prune, tuple(outs))
 
     @classmethod
     def parse(cls, text: str, **kw: object) -> Notation:
@@ -87,10 +115,10 @@ class Notation:
         return self.reduce.get(letter, ReduceType.SUM)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Notation) and self._key == other._key
+        return self is other or (isinstance(other, Notation) and self._key == other._key)
 
     def __hash__(self) -> int:
-        return hash(self._key)
+        return self._hash
 
     def __repr__(self) -> str:
         def side(ts: tuple[str | None, ...]) -> str:
@@ -117,7 +145,26 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-@lru_cache(maxsize=65536)
+_memo_enabled = True
+
+
+def set_memo_enabled(enabled: bool) -> None:
+    """Turn the engine's memo tables (merge and projection results keyed by the input
+    mappings and shapes) on or off. ``spmdkit.rules.set_cache_enabled`` switches them with
+    the rule result cache, so that an "uncached" call really computes everything."""
+    global _memo_enabled
+    _memo_enabled = bool(enabled)
+
+
+def memo_enabled() -> bool:
+    return _memo_enabled
+
+
+def clear_memo() -> None:
+    _merge_memo.cache_clear()
+    _project_memo.cache_clear()
+
+
 def merge_letters(
     axes: tuple[str | None, ...],
     mappings: tuple[DimsMapping | None, ...],
@@ -127,54 +174,83 @@ def merge_letters(
     mesh_shape: tuple[int, ...],
 ) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """Merge per-letter shardings over several tensors; returns ``((letter, mesh dims), ...)``
-    in the order letters first appear."""
+    in the order letters first appear.
+
+    Per letter: the first tensor sharding it claims it; where another tensor shards it over
+    other mesh dims, the larger tensor (by element count) keeps its sharding and the other is
+    resharded (Paddle raises here). Then, in claim order, a mesh dim already taken by an
+    earlier letter is dropped, replicated letters lose their sharding, and pruned letters drop
+    minor mesh dims until the mesh size divides the axis size."""
+    if _memo_enabled:
+        return _merge_memo(axes, mappings, shapes, replicated, prune, mesh_shape)
+    return _merge_raw(axes, mappings, shapes, replicated, prune, mesh_shape)
+
+
+def _merge_raw(
+    axes: tuple[str | None, ...],
+    mappings: tuple[DimsMapping | None, ...],
+    shapes: tuple[tuple[int, ...] | None, ...],
+    replicated: frozenset[str],
+    prune: str,
+    mesh_shape: tuple[int, ...],
+) -> tuple[tuple[str, tuple[int, ...]], ...]:
     dims_of: dict[str, tuple[int, ...]] = {}
     weight: dict[str, int] = {}
-    claim_order: dict[str, int] = {}
-    order: list[str] = []
+    claims: list[str] = []
     size_of: dict[str, int] = {}
-    pos = 0
     for t_axes, dm, shape in zip(axes, mappings, shapes):
         if t_axes is None or dm is None:
             continue
-        n = _numel(shape) if shape is not None else 0
-        for i, ch in enumerate(t_axes):
-            pos += 1
-            if ch == BROADCAST:
-                continue
-            if ch not in dims_of:
+        n = -1
+        i = 0
+        for ch in t_axes:
+            e = dm[i]
+            if ch != BROADCAST:
+                if ch not in dims_of:
+                    dims_of[ch] = ()
+                if shape is not None and ch not in size_of and shape[i] != 1:
+                    size_of[ch] = shape[i]
+                if e.__class__ is int:
+                    d: tuple[int, ...] = () if e < 0 else (e,)  # type: ignore[operator,unused-ignore]
+                else:
+                    d = e  # type: ignore[assignment]
+                if d:
+                    cur = dims_of[ch]
+                    if not cur:
+                        if n < 0:
+                            n = _numel(shape) if shape is not None else 0
+                        dims_of[ch] = d
+                        weight[ch] = n
+                        claims.append(ch)
+                    elif d != cur:
+                        if n < 0:
+                            n = _numel(shape) if shape is not None else 0
+                        if n > weight[ch]:
+                            dims_of[ch] = d
+                            weight[ch] = n
+            i += 1
+    if claims:
+        used = 0  # bit mask of mesh dims already taken
+        prune_all = prune == "*"
+        for ch in claims:
+            if ch in replicated:
                 dims_of[ch] = ()
-                order.append(ch)
-            if shape is not None and ch not in size_of and shape[i] != 1:
-                size_of[ch] = shape[i]
-            d = entry_dims(dm[i])
-            if not d:
                 continue
-            cur = dims_of[ch]
-            if not cur:
-                dims_of[ch] = d
-                weight[ch] = n
-                claim_order[ch] = pos
-            elif d != cur and n > weight[ch]:
-                # two tensors shard one axis differently: the larger one keeps its
-                # sharding, the other is resharded (Paddle raises here)
-                dims_of[ch] = d
-                weight[ch] = n
-    # a mesh dim claimed by several letters: the first claim keeps it
-    used: set[int] = set()
-    for ch in sorted(claim_order, key=claim_order.__getitem__):
-        d = dims_of[ch]
-        if ch in replicated:
-            dims_of[ch] = ()
-            continue
-        kept = tuple(x for x in d if x not in used)
-        if prune and (prune == "*" or ch in prune):
-            size = size_of.get(ch, 1)
-            while kept and size > 0 and size % _prod(mesh_shape, kept) != 0:
-                kept = kept[:-1]
-        used.update(kept)
-        dims_of[ch] = kept
-    return tuple((ch, dims_of[ch]) for ch in order)
+            d = dims_of[ch]
+            if used:
+                d = tuple(x for x in d if not (used >> x) & 1)
+            if prune and d and (prune_all or ch in prune):
+                size = size_of.get(ch, 1)
+                if size > 0:
+                    while d and size % _prod(mesh_shape, d) != 0:
+                        d = d[:-1]
+            for x in d:
+                used |= 1 << x
+            dims_of[ch] = d
+    return tuple(dims_of.items())
+
+
+_merge_memo = lru_cache(maxsize=65536)(_merge_raw)
 
 
 def _prod(mesh_shape: tuple[int, ...], dims: tuple[int, ...]) -> int:
@@ -187,9 +263,15 @@ def _prod(mesh_shape: tuple[int, ...], dims: tuple[int, ...]) -> int:
 def project(axes: str, letters: Mapping[str, tuple[int, ...]]) -> DimsMapping:
     """The dims_mapping of a tensor labelled ``axes`` under a letter map."""
     out: list[Entry] = []
+    get = letters.get
     for ch in axes:
-        d = letters.get(ch, ())
-        out.append(dims_entry(d) if d else -1)
+        d = get(ch)
+        if not d:
+            out.append(-1)
+        elif len(d) == 1:
+            out.append(d[0])
+        else:
+            out.append(d)
     return tuple(out)
 
 
@@ -197,12 +279,16 @@ def partial_of(
     axes: str, letters: Mapping[str, tuple[int, ...]], notation: Notation
 ) -> Partial:
     """Partial status of an output: the mesh dims of letters it lacks."""
-    pt: dict[int, ReduceType] = {}
+    pt: dict[int, ReduceType] | None = None
     for ch, dims in letters.items():
         if dims and ch not in axes:
             r = notation.reduce_type(ch)
+            if pt is None:
+                pt = {}
             for d in dims:
                 pt[d] = r
+    if pt is None:
+        return ()
     return tuple(sorted(pt.items()))
 
 
@@ -216,10 +302,11 @@ def common_mesh(op: str, specs: Iterable[DistTensorSpec | None]) -> ProcessMesh:
     for s in specs:
         if s is None:
             continue
+        m = s.dist_attr.mesh
         if mesh is None:
-            mesh = s.dist_attr.mesh
-        elif s.dist_attr.mesh != mesh:
-            raise InvalidMeshError(f"{op}: the tensors lie on different meshes ({mesh!r} and {s.dist_attr.mesh!r})")
+            mesh = m
+        elif m is not mesh and m != mesh:
+            raise InvalidMeshError(f"{op}: the tensors lie on different meshes ({mesh!r} and {m!r})")
     if mesh is None:
         raise InvalidMeshError(f"{op}: no tensor given, so no mesh")
     return mesh
@@ -232,27 +319,35 @@ def check_letters(
     names: Sequence[str] | None = None,
 ) -> None:
     """Raise ShapeMismatchError where one letter has two sizes (size 1 and -1 excepted)."""
-    seen: dict[str, tuple[int, int]] = {}
-    for ti, (t_axes, s) in enumerate(zip(axes, specs)):
+    seen: dict[str, int] = {}
+    where: dict[str, int] = {}
+    ti = -1
+    for t_axes, s in zip(axes, specs):
+        ti += 1
         if t_axes is None or s is None:
             continue
-        if len(t_axes) != len(s.shape):
+        shape = s.shape
+        if len(t_axes) != len(shape):
             nm = names[ti] if names else f"tensor {ti}"
-            raise ShapeMismatchError(f"{op}: {nm} has {len(s.shape)} dims, expected {len(t_axes)}")
-        for i, ch in enumerate(t_axes):
+            raise ShapeMismatchError(f"{op}: {nm} has {len(shape)} dims, expected {len(t_axes)}")
+        i = -1
+        for ch in t_axes:
+            i += 1
             if ch == BROADCAST:
                 continue
-            size = s.shape[i]
+            size = shape[i]
             if size < 0:
                 continue
             prev = seen.get(ch)
             if prev is None:
-                seen[ch] = (size, ti)
-            elif prev[0] != size:
-                a = names[prev[1]] if names else f"tensor {prev[1]}"
+                seen[ch] = size
+                where[ch] = ti
+            elif prev != size:
+                pi = where[ch]
+                a = names[pi] if names else f"tensor {pi}"
                 b = names[ti] if names else f"tensor {ti}"
                 raise ShapeMismatchError(
-                    f"{op}: axis sizes disagree: {a} has {prev[0]} and {b} has {size} on the same axis"
+                    f"{op}: axis sizes disagree: {a} has {prev} and {b} has {size} on the same axis"
                 )
 
 
@@ -281,13 +376,36 @@ def attrs_from_letters(
     with_partial: bool,
 ) -> list[TensorDistAttr | None]:
     out: list[TensorDistAttr | None] = []
+    make = TensorDistAttr._make
     for t_axes in axes:
         if t_axes is None:
             out.append(None)
             continue
         pt = partial_of(t_axes, letters, notation) if with_partial else ()
-        out.append(TensorDistAttr._make(mesh, project(t_axes, letters), pt))
+        out.append(make(mesh, project(t_axes, letters), pt))
     return out
+
+
+def project_all(
+    notation: Notation, merged: tuple[tuple[str, tuple[int, ...]], ...], mesh: ProcessMesh
+) -> tuple[list[TensorDistAttr | None], list[TensorDistAttr | None]]:
+    """The dist attrs of all the notation's inputs and outputs under merged letters (the
+    result of :func:`merge_letters`); memoized while the engine memo is on."""
+    if _memo_enabled:
+        ins, outs = _project_memo(notation, merged, mesh)
+        return list(ins), list(outs)
+    letters = dict(merged)
+    return (attrs_from_letters(notation, letters, mesh, notation.inputs, False),
+            attrs_from_letters(notation, letters, mesh, notation.outputs, True))
+
+
+@lru_cache(maxsize=65536)
+def _project_memo(
+    notation: Notation, merged: tuple[tuple[str, tuple[int, ...]], ...], mesh: ProcessMesh
+) -> tuple[tuple[TensorDistAttr | None, ...], tuple[TensorDistAttr | None, ...]]:
+    letters = dict(merged)
+    return (tuple(attrs_from_letters(notation, letters, mesh, notation.inputs, False)),
+            tuple(attrs_from_letters(notation, letters, mesh, notation.outputs, True)))
 
 
 def einsum_forward(
@@ -297,12 +415,73 @@ def einsum_forward(
     names: Sequence[str] | None = None,
 ) -> tuple[list[TensorDistAttr | None], list[TensorDistAttr | None]]:
     """Infer the inputs' required dist attrs and the outputs' from the inputs."""
+    plan = notation._single
+    if plan is not None and len(inputs) == 1 and inputs[0] is not None:
+        return _forward_single(op, notation, plan, inputs[0], names)
     mesh = common_mesh(op, inputs)
     check_letters(op, notation.inputs, inputs, names)
-    letters = merge(notation, notation.inputs, inputs, mesh)
-    ins = attrs_from_letters(notation, letters, mesh, notation.inputs, False)
-    outs = attrs_from_letters(notation, letters, mesh, notation.outputs, True)
-    return ins, outs
+    merged = merge_letters(
+        notation.inputs,
+        tuple(None if s is None else s.dist_attr.dims_mapping for s in inputs),
+        tuple(None if s is None else s.shape for s in inputs),
+        notation.replicated,
+        notation.prune,
+        mesh.shape,
+    )
+    return project_all(notation, merged, mesh)
+
+
+def _forward_single(
+    op: str, notation: Notation, plan: tuple[Any, ...], x: DistTensorSpec, names: Sequence[str] | None
+) -> tuple[list[TensorDistAttr | None], list[TensorDistAttr | None]]:
+    """einsum_forward for one input with distinct letters: the same answer as the general
+    merge (no two letters can claim one mesh dim in a legal mapping), without the dicts."""
+    drop, prune, outs_plan = plan
+    shape = x.shape
+    attr = x.dist_attr
+    dm = attr.dims_mapping
+    if len(dm) != len(drop):
+        nm = names[0] if names else "tensor 0"
+        raise ShapeMismatchError(f"{op}: {nm} has {len(dm)} dims, expected {len(drop)}")
+    mesh = attr.mesh
+    new: list[Entry] = list(dm)
+    changed = False
+    for i, e in enumerate(dm):
+        if e.__class__ is int and e < 0:  # type: ignore[operator,unused-ignore]
+            continue
+        if drop[i]:
+            new[i] = -1
+            changed = True
+        elif prune[i]:
+            size = shape[i]
+            d = (e,) if e.__class__ is int else e
+            if size > 0:
+                ms = mesh.shape
+                kept = d
+                while kept and size % _prod(ms, kept) != 0:  # type: ignore[arg-type]
+                    kept = kept[:-1]  # type: ignore[index]
+                if kept != d:
+                    new[i] = dims_entry(kept)  # type: ignore[arg-type]
+                    changed = True
+    in_dm = tuple(new) if changed else dm
+    make = TensorDistAttr._make
+    outs: list[TensorDistAttr | None] = []
+    for op_plan in outs_plan:
+        if op_plan is None:
+            outs.append(None)
+            continue
+        pos, missing = op_plan
+        odm = tuple(-1 if p < 0 else in_dm[p] for p in pos)
+        pt: Partial = ()
+        if missing:
+            acc: dict[int, ReduceType] = {}
+            for i, r in missing:
+                for d in entry_dims(in_dm[i]):
+                    acc[d] = r
+            if acc:
+                pt = tuple(sorted(acc.items()))
+        outs.append(make(mesh, odm, pt))
+    return [make(mesh, in_dm, ())], outs
 
 
 def einsum_backward(
@@ -316,13 +495,18 @@ def einsum_backward(
     the inferred inputs produce."""
     mesh = common_mesh(op, list(inputs) + list(outputs))
     check_letters(op, list(notation.inputs) + list(notation.outputs), list(inputs) + list(outputs), names)
-    letters = merge(notation, notation.outputs, outputs, mesh)
+    merged = merge_letters(
+        notation.outputs,
+        tuple(None if s is None else s.dist_attr.dims_mapping for s in outputs),
+        tuple(None if s is None else s.shape for s in outputs),
+        notation.replicated,
+        notation.prune,
+        mesh.shape,
+    )
     # a letter no input carries cannot be sharded by the inputs
-    in_letters = set("".join(a for a in notation.inputs if a))
-    letters = {ch: d for ch, d in letters.items() if ch in in_letters}
-    ins = attrs_from_letters(notation, letters, mesh, notation.inputs, False)
-    outs = attrs_from_letters(notation, letters, mesh, notation.outputs, True)
-    return ins, outs
+    in_letters = notation.input_letters
+    merged = tuple((ch, d) for ch, d in merged if ch in in_letters)
+    return project_all(notation, merged, mesh)
 
 
 def with_partial(attr: TensorDistAttr, partial: Partial) -> TensorDistAttr:

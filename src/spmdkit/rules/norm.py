@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from spmdkit.core.dist_attr import DimsMapping, Entry, TensorDistAttr, entry_dims
+from spmdkit.core.dist_attr import DimsMapping, Entry, entry_dims
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
@@ -38,9 +38,9 @@ from spmdkit.engine.notation import (
     ALPHABET,
     BROADCAST,
     Notation,
-    attrs_from_letters,
     common_mesh,
     merge_letters,
+    project_all,
 )
 from spmdkit.rules.registry import register
 
@@ -176,19 +176,8 @@ def _infer(
 ) -> SpmdResult:
     """Merge ``mappings`` (labelled ``axes``), project onto the notation's inputs and outputs."""
     merged = merge_letters(axes, mappings, shapes, nt.replicated, nt.prune, mesh.shape)
-    ins, outs = _project(nt, merged, mesh)
+    ins, outs = project_all(nt, merged, mesh)
     return SpmdResult(ins, outs)
-
-
-@lru_cache(maxsize=65536)
-def _project(
-    nt: Notation, merged: tuple[tuple[str, tuple[int, ...]], ...], mesh: ProcessMesh
-) -> tuple[tuple[TensorDistAttr | None, ...], tuple[TensorDistAttr | None, ...]]:
-    """The dist attrs of the notation's tensors under merged letters (immutable: cached)."""
-    letters = dict(merged)
-    ins = attrs_from_letters(nt, letters, mesh, nt.inputs, False)
-    outs = attrs_from_letters(nt, letters, mesh, nt.outputs, True)
-    return tuple(ins), tuple(outs)
 
 
 # ---------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from spmdkit.core.errors import (
     UnsupportedModeError,
 )
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.notation import clear_memo, set_memo_enabled
 
 RuleFn = Callable[..., SpmdResult]
 
@@ -34,9 +35,11 @@ _cache_enabled = True
 
 
 def set_cache_enabled(enabled: bool) -> None:
-    """Turn the per-call result cache on or off (on by default)."""
+    """Turn the per-call result cache on or off (on by default). Off also turns off the
+    engine's memo tables, so an uncached call computes its answer from scratch."""
     global _cache_enabled
     _cache_enabled = bool(enabled)
+    set_memo_enabled(enabled)
 
 
 def cache_enabled() -> bool:
@@ -46,6 +49,7 @@ def cache_enabled() -> bool:
 def clear_cache() -> None:
     for r in set(_RULES.values()):
         r._cache.clear()
+    clear_memo()
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,12 @@ def coerce_attr(op: str, p: Param, v: Any) -> Any:
         if isinstance(v, str):
             return v
     elif k == "ints":
+        if v.__class__ is list or v.__class__ is tuple:
+            for x in v:
+                if x.__class__ is not int:
+                    break
+            else:
+                return tuple(v)
         if _is_int(v):
             return (v,)
         if isinstance(v, (list, tuple)) and all(_is_int(x) for x in v):
@@ -210,11 +220,28 @@ class Mode:
     def bind(self, op: str, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         params = self.params
         n = len(params)
+        if not kwargs and len(args) == n:
+            # the common call: every argument given positionally
+            out: list[Any] = []
+            for p, v in zip(params, args):
+                k = p.kind
+                if k == "T" and v.__class__ is DistTensorSpec:
+                    out.append(v)
+                elif (k == "bool" and v.__class__ is bool) or (k == "int" and v.__class__ is int) or (
+                    k == "float" and v.__class__ is float
+                ):
+                    out.append(v)
+                elif p.is_tensor:
+                    out.append(_check_tensor(op, p, v))
+                else:
+                    out.append(coerce_attr(op, p, v))
+            return tuple(out)
         if len(args) > n:
             raise InvalidArgumentError(
                 f"{op}: takes at most {n} arguments ({self.describe()}), got {len(args)}"
             )
         values: list[Any] = list(args) + [_NO_DEFAULT] * (n - len(args))
+        out = []
         for key, v in kwargs.items():
             i = self.names.get(key)
             if i is None:
@@ -222,7 +249,6 @@ class Mode:
             if values[i] is not _NO_DEFAULT:
                 raise InvalidArgumentError(f"{op}: argument {key!r} given twice")
             values[i] = v
-        out: list[Any] = []
         for p, v in zip(params, values):
             if v is _NO_DEFAULT:
                 if p.required:
@@ -292,10 +318,15 @@ class Rule:
         use_cache = _cache_enabled
         key: Any = None
         if use_cache and not kwargs:
-            key = (tag, args)
+            for a in args:
+                if a.__class__ is list:  # a list attribute: key on a tuple copy
+                    key = (tag, tuple(tuple(a) if a.__class__ is list else a for a in args))
+                    break
+            else:
+                key = (tag, args)
             try:
                 hit = self._cache.get(key)
-            except TypeError:  # an unhashable (list) attribute
+            except TypeError:  # an unhashable (nested list) attribute
                 key = None
             else:
                 if hit is not None:
