@@ -90,7 +90,7 @@ def test_default_dp_zero_d_output_replicates_everything() -> None:
     assert r.inputs[0].dims_mapping == (-1, -1) and r.outputs[0].dims_mapping == ()
 
 
-def test_default_dp_co_shard_keeps_major_non_trivial_dim() -> None:
+def test_default_dp_co_shard_keeps_largest_mesh_dim() -> None:
     m = ProcessMesh([1, 4])
     r = get_rule("default_data_parallel").infer_forward([T(m, [8], [(0, 1)])], [T(m, [8, 3], [-1, -1])])
     assert r.inputs[0].dims_mapping == (1,) and r.outputs[0].dims_mapping == (1, -1)
@@ -117,3 +117,10 @@ def test_bad_dims_mapping_names_argument() -> None:
     with pytest.raises(InvalidDimsMappingError):
         T(M23, [4, 6], [0, 0])
 
+
+
+def test_verify_reports_an_illegal_answer_as_unsound() -> None:
+    case = {"rule": "transpose", "mesh": [2, 3], "args": [{"shape": [4, 6], "dims_mapping": [0, -1]}, [1, 0]]}
+    bad = {"inputs": [{"dims_mapping": [0, -1], "partial": {"0": "sum"}}], "outputs": [{"dims_mapping": [-1, 0]}]}
+    v = verify("transpose", case, result=bad)
+    assert v.status == "unsound" and "illegal" in v.detail

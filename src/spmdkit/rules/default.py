@@ -9,7 +9,7 @@ per tensor of ``outs`` (flat lists, not nested).
   ``b..., b... -> b...``): the batch axes of all inputs are merged (where two
   inputs shard it over different mesh dims the larger tensor wins, Paddle raises),
   every input and output is sharded on axis 0 only (a co-sharded batch axis keeps
-  its major mesh dim of size > 1, as in Paddle), everything else replicated,
+  its largest mesh dim, the first of equal sizes, as in Paddle), everything else replicated,
   partial status cleared. Forward merges over the inputs, backward over the
   outputs. A 0-d tensor has no batch axis: a 0-d input is replicated; a 0-d
   output cannot be made batch-wise (it would be a reduction over the batch), so
@@ -43,16 +43,13 @@ def _replicate(mesh: ProcessMesh, specs: Specs) -> list[TensorDistAttr | None]:
 
 
 def _batch_dims(mesh: ProcessMesh, specs: Specs) -> tuple[int, ...]:
-    """The mesh dims of the merged batch axis: the largest tensor sharding it wins. In a
-    co-sharded entry, mesh dims of size 1 are dropped (they split nothing), as in Paddle."""
+    """The mesh dims of the merged batch axis: the largest tensor sharding it wins."""
     best: tuple[int, ...] = ()
     weight = -1
     for s in specs:
         if s is None or s.ndim == 0:
             continue
         d = entry_dims(s.dist_attr.dims_mapping[0])
-        if len(d) > 1:
-            d = tuple(x for x in d if mesh.shape[x] > 1) or d[:1]
         if not d:
             continue
         n = 1
@@ -64,7 +61,8 @@ def _batch_dims(mesh: ProcessMesh, specs: Specs) -> tuple[int, ...]:
 
 
 def _batch_only(mesh: ProcessMesh, dims: tuple[int, ...], specs: Specs) -> list[TensorDistAttr | None]:
-    head = dims[0] if dims else -1  # a co-sharded batch axis keeps its major mesh dim, as in Paddle
+    # a co-sharded batch axis keeps one mesh dim, its largest (the first of equal sizes), as in Paddle
+    head = max(dims, key=lambda d: (mesh.shape[d], -dims.index(d))) if dims else -1
     out: list[TensorDistAttr | None] = []
     for s in specs:
         if s is None:

@@ -8,7 +8,7 @@ Notations (Paddle 3.3.1's ``elementwise.cc``):
   (never sharded): x ``[4, 1]``, y ``[3, 4, 5]`` -> ``1bc, abc -> abc``
   (``bc`` for x but with a ``1``: ``b1``, ``abc -> abc``). Uneven shardings are kept
   (balanced split is sound for elementwise ops); a co-sharded axis keeps only its
-  major mesh dim (as Paddle 3.3.1 does).
+  largest mesh dim, the first of equal sizes (as Paddle 3.3.1 does).
 
 Partial inputs: the plain rules reshard a partial input to replicated (sound);
 ``multiply`` keeps one input's partial SUM/AVG status when it collides with no
@@ -63,10 +63,23 @@ def _check_same_shape(op: str, a: DistTensorSpec, b: DistTensorSpec, na: str, nb
             raise ShapeMismatchError(f"{op}: {na} and {nb} differ on axis {i} ({s} vs {t})")
 
 
-@lru_cache(maxsize=4096)
-def _major(dm: DimsMapping) -> DimsMapping:
-    """A co-sharded entry keeps only its major mesh dim (Paddle's binary rules)."""
-    return tuple(e[0] if isinstance(e, tuple) else e for e in dm)
+def _major(dm: DimsMapping, mesh_shape: tuple[int, ...]) -> DimsMapping:
+    """A co-sharded entry keeps one mesh dim, its largest (the first of equal sizes), as
+    Paddle 3.3.1's binary rules do: ``[[0, 1]]`` on mesh [2, 3] -> ``[1]``."""
+    for e in dm:
+        if e.__class__ is tuple:
+            break
+    else:
+        return dm
+    return tuple(_largest(e, mesh_shape) if isinstance(e, tuple) else e for e in dm)
+
+
+def _largest(e: tuple[int, ...], mesh_shape: tuple[int, ...]) -> int:
+    best = e[0]
+    for d in e[1:]:
+        if mesh_shape[d] > mesh_shape[best]:
+            best = d
+    return best
 
 
 def _has_coshard(dm: DimsMapping) -> bool:
@@ -295,7 +308,7 @@ def _binary_merge(
 ) -> tuple[DimsMapping, DimsMapping, DimsMapping]:
     # a sharded size-1 axis claims its mesh dim before later axes (then drops it), as in Paddle
     ma, mb = _claiming(xa, 0), _claiming(ya, 26)
-    letters = dict(merge_letters((ma, mb), (_major(dx), _major(dy)), (xs, ys), _EMPTY, "", mesh_shape))
+    letters = dict(merge_letters((ma, mb), (_major(dx, mesh_shape), _major(dy, mesh_shape)), (xs, ys), _EMPTY, "", mesh_shape))
     return project(xa, letters), project(ya, letters), project(oa, letters)
 
 
@@ -339,7 +352,7 @@ def _binary_bwd(op: str, x: DistTensorSpec, y: DistTensorSpec, out: DistTensorSp
 def _binary_rev(
     xa: str, ya: str, oa: str, do: DimsMapping, os_: tuple[int, ...], mesh_shape: tuple[int, ...]
 ) -> tuple[DimsMapping, DimsMapping, DimsMapping]:
-    letters = dict(merge_letters((_claiming(oa, 0),), (_major(do),), (os_,), _EMPTY, "", mesh_shape))
+    letters = dict(merge_letters((_claiming(oa, 0),), (_major(do, mesh_shape),), (os_,), _EMPTY, "", mesh_shape))
     mx, my = project(xa, letters), project(ya, letters)
     # the output is what the inferred inputs produce: a letter only sharded where an
     # input carries it

@@ -166,7 +166,10 @@ def verify(
     rule = c.rule
     md = c.mode
     if isinstance(result, dict):
-        result = _decode_result(result, c.mesh)
+        try:
+            result = _decode_result(result, c.mesh)
+        except SpmdError as exc:  # the answer judged is not even a legal dist attr
+            return Verdict(UNSOUND, rule.name, md, detail=f"illegal dist attr in the answer: {exc}", case=obj)
     if result is None:
         try:
             result = c.run()
