@@ -22,7 +22,6 @@ answer is always one the inputs really produce.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from functools import lru_cache
 from typing import Any
 
 from spmdkit.core.dist_attr import (
@@ -37,6 +36,7 @@ from spmdkit.core.dist_attr import (
 from spmdkit.core.errors import InvalidMeshError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec
+from spmdkit.engine.memo import memo
 
 LetterMap = dict[str, tuple[int, ...]]
 
@@ -145,26 +145,6 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-_memo_enabled = True
-
-
-def set_memo_enabled(enabled: bool) -> None:
-    """Turn the engine's memo tables (merge and projection results keyed by the input
-    mappings and shapes) on or off. ``spmdkit.rules.set_cache_enabled`` switches them with
-    the rule result cache, so that an "uncached" call really computes everything."""
-    global _memo_enabled
-    _memo_enabled = bool(enabled)
-
-
-def memo_enabled() -> bool:
-    return _memo_enabled
-
-
-def clear_memo() -> None:
-    _merge_memo.cache_clear()
-    _project_memo.cache_clear()
-
-
 def merge_letters(
     axes: tuple[str | None, ...],
     mappings: tuple[DimsMapping | None, ...],
@@ -181,9 +161,7 @@ def merge_letters(
     resharded (Paddle raises here). Then, in claim order, a mesh dim already taken by an
     earlier letter is dropped, replicated letters lose their sharding, and pruned letters drop
     minor mesh dims until the mesh size divides the axis size."""
-    if _memo_enabled:
-        return _merge_memo(axes, mappings, shapes, replicated, prune, mesh_shape)
-    return _merge_raw(axes, mappings, shapes, replicated, prune, mesh_shape)
+    return _merge_memo(axes, mappings, shapes, replicated, prune, mesh_shape)
 
 
 def _merge_raw(
@@ -250,7 +228,7 @@ def _merge_raw(
     return tuple(dims_of.items())
 
 
-_merge_memo = lru_cache(maxsize=65536)(_merge_raw)
+_merge_memo = memo()(_merge_raw)
 
 
 def _prod(mesh_shape: tuple[int, ...], dims: tuple[int, ...]) -> int:
@@ -391,15 +369,11 @@ def project_all(
 ) -> tuple[list[TensorDistAttr | None], list[TensorDistAttr | None]]:
     """The dist attrs of all the notation's inputs and outputs under merged letters (the
     result of :func:`merge_letters`); memoized while the engine memo is on."""
-    if _memo_enabled:
-        ins, outs = _project_memo(notation, merged, mesh)
-        return list(ins), list(outs)
-    letters = dict(merged)
-    return (attrs_from_letters(notation, letters, mesh, notation.inputs, False),
-            attrs_from_letters(notation, letters, mesh, notation.outputs, True))
+    ins, outs = _project_memo(notation, merged, mesh)
+    return list(ins), list(outs)
 
 
-@lru_cache(maxsize=65536)
+@memo()
 def _project_memo(
     notation: Notation, merged: tuple[tuple[str, tuple[int, ...]], ...], mesh: ProcessMesh
 ) -> tuple[tuple[TensorDistAttr | None, ...], tuple[TensorDistAttr | None, ...]]:

@@ -28,6 +28,7 @@ from spmdkit.core.dist_attr import DimsMapping, Entry, Partial, ReduceType, Tens
 from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import (
     ALPHABET,
     BROADCAST,
@@ -257,7 +258,7 @@ def scale_grad(out_grad: DistTensorSpec) -> SpmdResult:
 # ---------------------------------------------------------------------------
 
 
-@lru_cache(maxsize=4096)
+@memo(4096)
 def _binary_notation(xs: tuple[int, ...], ys: tuple[int, ...]) -> tuple[str, str, str] | str:
     """Paddle's GetBinaryNotations; a string result is the error message."""
     nx, ny = len(xs), len(ys)
@@ -295,7 +296,7 @@ def _notation2(op: str, x: DistTensorSpec, y: DistTensorSpec) -> tuple[str, str,
     return nt
 
 
-@lru_cache(maxsize=65536)
+@memo()
 def _binary_merge(
     xa: str,
     ya: str,
@@ -348,7 +349,7 @@ def _binary_bwd(op: str, x: DistTensorSpec, y: DistTensorSpec, out: DistTensorSp
     return SpmdResult([make(mesh, mx), make(mesh, my)], [make(mesh, mo)])
 
 
-@lru_cache(maxsize=65536)
+@memo()
 def _binary_rev(
     xa: str, ya: str, oa: str, do: DimsMapping, os_: tuple[int, ...], mesh_shape: tuple[int, ...]
 ) -> tuple[DimsMapping, DimsMapping, DimsMapping]:
@@ -418,7 +419,7 @@ def multiply_backward(x: DistTensorSpec, y: DistTensorSpec, out: DistTensorSpec)
 # ---------------------------------------------------------------------------
 
 
-@lru_cache(maxsize=65536)
+@memo()
 def _grad_input(
     shape: tuple[int, ...], og_shape: tuple[int, ...], og_dm: DimsMapping
 ) -> tuple[DimsMapping, tuple[int, ...]]:

@@ -25,7 +25,7 @@ from spmdkit.core.errors import (
     UnsupportedModeError,
 )
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.notation import clear_memo, set_memo_enabled
+from spmdkit.engine.memo import clear_memo, set_memo_enabled
 
 RuleFn = Callable[..., SpmdResult]
 
