@@ -15,7 +15,8 @@ import json
 import time
 from typing import Any, TextIO
 
-_MESH = {"shape": [2, 4], "dim_names": ["dp", "tp"]}
+_NAMES = ["dp", "tp"]
+_MESH: dict[str, Any] = {"shape": [2, 4], "dim_names": _NAMES}
 B, S, H, F = 16, 2048, 4096, 16384   # batch, sequence, hidden, FFN size
 b, s, h, f = 4, 3, 8, 16             # the same block, small enough to simulate
 
@@ -46,7 +47,7 @@ def run_demo(out: TextIO) -> int:
     from spmdkit.io.codec import answer_line
     from spmdkit.sim import verify
 
-    names = _MESH["dim_names"]
+    names = _NAMES
     out.write("spmdkit demo: a tensor-parallel transformer MLP block, x + W2 @ gelu(W1 @ layer_norm(x))\n")
     out.write(f"mesh dp=2 x tp=4 (8 ranks); x [{B}, {S}, {H}] sharded over dp on the batch axis;\n")
     out.write("W1 column-parallel, W2 row-parallel over tp (Megatron). Each rule infers what its op needs\n")
