@@ -1,1 +1,388 @@
-"""Placeholder removed when the family lands."""
+"""The reduction family: sum, mean, max, min, prod, any, all, squared_l2_norm,
+frobenius_norm, reduce_base, their reverse rules and their grads.
+
+Notation (Paddle 3.3.1's ``reduction.cc``): x ``abc``, ``axis`` the reduced axes
+(empty = all; negatives count from the end; duplicates allowed), ``keep_dim``
+keeps a reduced axis as a size-1 ``1``: axis [1] -> ``abc -> ac`` (``a1c`` with
+keep_dim). Kept axes keep their sharding (uneven too: a reduction is per slice);
+a reduced axis that is sharded makes ``out`` partial over its mesh dims, with the
+op's own reduce type::
+
+    sum, reduce_sum, squared_l2_norm   SUM      max, reduce_max, amax   MAX
+    mean, reduce_mean                  AVG      min, reduce_min, amin   MIN
+    prod, reduce_prod                  PROD     any, reduce_any         ANY
+    all, reduce_all                    ALL      reduce_base             its reduce_type
+    frobenius_norm                     none: a sharded reduced axis is replicated
+
+Where spmdkit answers otherwise than Paddle 3.3.1 (docs/deviations/reduction.md):
+Paddle's ``ReductionInferSpmd`` marks every one of these ops partial SUM (DESIGN
+class 1); ``frobenius_norm`` is a sqrt of a sum, so no partial type is right and
+the reduced axis is replicated (class 2); AVG over an uneven split is not the mean
+(class 7), so ``mean`` / ``reduce_base`` avg replicate a reduced axis whose size the
+mesh dim does not divide. A co-sharded axis keeps one mesh dim, its largest (the
+first of equal sizes), as Paddle 3.3.1 does.
+
+Partial inputs: x partial over a mesh dim with the op's own reduce type stays partial
+(the sum of a partial-sum is a partial-sum: ``sum(x_1 + x_2) = sum(x_1) + sum(x_2)``;
+the same for max, min, prod, any, all); ``sum`` and ``mean`` are linear, so they also
+keep a partial SUM or AVG x. Otherwise x is resharded to non-partial (as Paddle
+always does).
+
+Reverse (``ReductionInferSpmdReverse(x, out, axis, keep_dim)``): x takes out's
+sharding on the kept axes, the reduced axes replicated, x not partial; the returned
+out is what that x produces (Paddle echoes the requested out, partial included:
+DESIGN class 4).
+
+Grads (Paddle's ``ReductionGradInferSpmd``): ``(x, out_grad, axis, keep_dim,
+reduce_all)`` for sum / mean / squared_l2_norm, ``(x, out, out_grad, ...)`` for max /
+min / prod / frobenius_norm. x, x_grad take out_grad's sharding on the kept axes,
+the reduced axes replicated (also where keep_dim keeps them as size-1 axes);
+out_grad and out are made non-partial and unsharded on the size-1 kept axes;
+``reduce_all`` reduces every axis.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from spmdkit.core.dist_attr import DimsMapping, Entry, Partial, ReduceType, TensorDistAttr
+from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError, ShapeMismatchError
+from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation
+from spmdkit.rules.registry import register
+
+Shape = tuple[int, ...]
+
+#: Paddle's ReduceType enum (``reduce_base``'s ``reduce_type``): kRedSum .. kRedAll
+REDUCE_TYPES: dict[int, ReduceType] = {
+    0: ReduceType.SUM,
+    1: ReduceType.MAX,
+    2: ReduceType.MIN,
+    3: ReduceType.PROD,
+    4: ReduceType.AVG,
+    5: ReduceType.ANY,
+    6: ReduceType.ALL,
+}
+
+_LINEAR = frozenset({ReduceType.SUM, ReduceType.AVG})
+
+# how a kind treats a sharded reduced axis
+_PARTIAL = 0  # out partial with the reduce type (uneven splits too)
+_EVEN = 1  # out partial AVG where the split is even, else the axis is replicated
+_REPLICATE = 2  # the axis is replicated (no reduce type is right)
+
+
+# ---------------------------------------------------------------------------
+# notation
+# ---------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=4096)
+def _plan(op: str, ndim: int, axis: tuple[int, ...], keep_dim: bool) -> tuple[tuple[bool, ...], tuple[int, ...]]:
+    """(reduced flag per x axis, the x axis of each out axis (-1 for a kept size-1 axis))."""
+    if ndim > len(ALPHABET):
+        raise ShapeMismatchError(f"{op}: tensors of more than {len(ALPHABET)} dims are not supported")
+    reduced = [not axis] * ndim
+    for a in axis:
+        if ndim == 0:
+            if a not in (0, -1):
+                raise InvalidAttributeError(f"{op}: axis {a} is out of range for a 0-d x (0 or -1)")
+            continue
+        if not -ndim <= a < ndim:
+            raise InvalidAttributeError(
+                f"{op}: axis {a} is out of range for a {ndim}-D x [{-ndim}, {ndim})"
+            )
+        reduced[a + ndim if a < 0 else a] = True
+    pos: list[int] = []
+    for i, r in enumerate(reduced):
+        if not r:
+            pos.append(i)
+        elif keep_dim:
+            pos.append(-1)
+    return tuple(reduced), tuple(pos)
+
+
+def notation(ndim: int, axis: tuple[int, ...] = (), keep_dim: bool = False,
+             reduce: ReduceType | None = ReduceType.SUM) -> Notation:
+    """The rule's notation, e.g. ``abc -> ac`` for axis [1] (``a1c`` with keep_dim);
+    ``reduce=None`` (frobenius_norm) keeps the reduced letters replicated."""
+    reduced, pos = _plan("reduction", ndim, tuple(axis), keep_dim)
+    x = ALPHABET[:ndim]
+    out = "".join(BROADCAST if p < 0 else x[p] for p in pos)
+    red = "".join(c for c, r in zip(x, reduced) if r)
+    if reduce is None:
+        return Notation([x], [out], replicated=red)
+    return Notation([x], [out], reduce=reduce, prune=red if reduce == ReduceType.AVG else "")
+
+
+def _major(e: Entry, mesh_shape: Shape) -> int:
+    """A co-sharded entry keeps one mesh dim, its largest (the first of equal sizes)."""
+    if e.__class__ is int:
+        return e
+    best = -1
+    for d in e:  # type: ignore[union-attr]
+        if best < 0 or mesh_shape[d] > mesh_shape[best]:
+            best = d
+    return best
+
+
+@lru_cache(maxsize=65536)
+def _forward_core(
+    shape: Shape, dm: DimsMapping, mesh_shape: Shape, reduced: tuple[bool, ...], pos: tuple[int, ...], kind: int
+) -> tuple[DimsMapping, DimsMapping, tuple[int, ...]]:
+    """(x's dims_mapping, out's, the mesh dims out is partial over)."""
+    x: list[int] = []
+    pdims: list[int] = []
+    for i, e in enumerate(dm):
+        d = _major(e, mesh_shape)
+        if d >= 0 and reduced[i]:
+            if kind == _REPLICATE:
+                d = -1
+            elif kind == _EVEN and (shape[i] < 0 or shape[i] % mesh_shape[d] != 0):
+                d = -1
+            else:
+                pdims.append(d)
+        x.append(d)
+    out = tuple(-1 if p < 0 else x[p] for p in pos)
+    return tuple(x), out, tuple(sorted(pdims))
+
+
+def _passes(op_type: ReduceType | None, partial: Partial) -> bool:
+    """Whether x's partial status passes through the reduction unchanged."""
+    if op_type is None:
+        return False
+    if op_type in _LINEAR:
+        return all(r in _LINEAR for _, r in partial)
+    return all(r == op_type for _, r in partial)
+
+
+# ---------------------------------------------------------------------------
+# forward / reverse
+# ---------------------------------------------------------------------------
+
+
+def _forward(
+    op: str, x: DistTensorSpec, axis: tuple[int, ...], keep_dim: bool,
+    rtype: ReduceType | None, kind: int, pass_partial: bool = False,
+) -> SpmdResult:
+    shape = x.shape
+    attr = x.dist_attr
+    reduced, pos = _plan(op, len(shape), axis, keep_dim)
+    mesh = attr.mesh
+    xdm, odm, pdims = _forward_core(shape, attr.dims_mapping, mesh.shape, reduced, pos, kind)
+    make = TensorDistAttr._make
+    xp = attr.partial
+    if xp and pass_partial and _passes(rtype, xp):
+        in_pt: Partial = xp
+    else:
+        in_pt = ()
+    if pdims:
+        assert rtype is not None
+        acc = dict(in_pt)
+        for d in pdims:
+            acc[d] = rtype
+        out_pt: Partial = tuple(sorted(acc.items()))
+    else:
+        out_pt = in_pt
+    return SpmdResult([make(mesh, xdm, in_pt)], [make(mesh, odm, out_pt)])
+
+
+def _expected_out_shape(x: DistTensorSpec, pos: tuple[int, ...]) -> Shape:
+    return tuple(1 if p < 0 else x.shape[p] for p in pos)
+
+
+def _check_out(op: str, x: DistTensorSpec, out: DistTensorSpec, pos: tuple[int, ...], name: str = "out") -> None:
+    if out.dist_attr.mesh != x.dist_attr.mesh:
+        raise InvalidMeshError(f"{op}: x and {name} lie on different meshes")
+    want = _expected_out_shape(x, pos)
+    if len(out.shape) != len(want):
+        raise ShapeMismatchError(
+            f"{op}: {name} has {len(out.shape)} dims, but reducing x {list(x.shape)} gives {len(want)} "
+            f"(shape {list(want)})"
+        )
+    for i, (s, w) in enumerate(zip(out.shape, want)):
+        if s != w and s >= 0 and w >= 0:
+            raise ShapeMismatchError(f"{op}: {name} axis {i} has {s}, but reducing x gives {w}")
+
+
+@lru_cache(maxsize=65536)
+def _reverse_core(odm: DimsMapping, mesh_shape: Shape, ndim: int, pos: tuple[int, ...]) -> tuple[DimsMapping, DimsMapping]:
+    x = [-1] * ndim
+    for j, p in enumerate(pos):
+        if p >= 0:
+            x[p] = _major(odm[j], mesh_shape)
+    return tuple(x), tuple(-1 if p < 0 else x[p] for p in pos)
+
+
+def _reverse(op: str, x: DistTensorSpec, out: DistTensorSpec, axis: tuple[int, ...], keep_dim: bool) -> SpmdResult:
+    _, pos = _plan(op, len(x.shape), axis, keep_dim)
+    _check_out(op, x, out, pos)
+    mesh = x.dist_attr.mesh
+    xdm, odm = _reverse_core(out.dist_attr.dims_mapping, mesh.shape, len(x.shape), pos)
+    make = TensorDistAttr._make
+    return SpmdResult([make(mesh, xdm)], [make(mesh, odm)])
+
+
+def _make_rule(op: str, rtype: ReduceType | None, kind: int, pass_partial: bool = True) -> tuple[object, object]:
+    def forward(x: DistTensorSpec, axis: tuple[int, ...] = (), keep_dim: bool = False) -> SpmdResult:
+        return _forward(op, x, axis, keep_dim, rtype, kind, pass_partial)
+
+    def backward(x: DistTensorSpec, out: DistTensorSpec, axis: tuple[int, ...] = (),
+                 keep_dim: bool = False) -> SpmdResult:
+        return _reverse(op, x, out, axis, keep_dim)
+
+    what = "replicated" if rtype is None else f"partial {rtype}"
+    forward.__name__ = f"{op}_forward"
+    forward.__doc__ = f"{op}: kept axes keep their sharding; a sharded reduced axis makes out {what}."
+    backward.__name__ = f"{op}_backward"
+    backward.__doc__ = f"{op}: x from out, the reduced axes replicated."
+    return forward, backward
+
+
+def reduce_base_forward(
+    x: DistTensorSpec, axis: tuple[int, ...] = (), keep_dim: bool = False, reduce_type: int = 0
+) -> SpmdResult:
+    """ReductionInferSpmdBase: the reduce type is Paddle's ReduceType enum value
+    (0 sum, 1 max, 2 min, 3 prod, 4 avg, 5 any, 6 all)."""
+    rtype = REDUCE_TYPES.get(reduce_type)
+    if rtype is None:
+        raise InvalidAttributeError(
+            f"reduce_base: reduce_type {reduce_type} is not a reduce type (0 sum, 1 max, 2 min, 3 prod, "
+            "4 avg, 5 any, 6 all)"
+        )
+    return _forward("reduce_base", x, axis, keep_dim, rtype, _EVEN if rtype == ReduceType.AVG else _PARTIAL)
+
+
+def reduce_base_backward(x: DistTensorSpec, out: DistTensorSpec, axis: tuple[int, ...] = (),
+                         keep_dim: bool = False) -> SpmdResult:
+    """ReductionInferSpmdReverse."""
+    return _reverse("reduce_base", x, out, axis, keep_dim)
+
+
+# ---------------------------------------------------------------------------
+# grads
+# ---------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=65536)
+def _grad_core(gdm: DimsMapping, ndim: int, pos: tuple[int, ...]) -> tuple[DimsMapping, DimsMapping]:
+    """(x's dims_mapping, out_grad's) from out_grad's."""
+    x: list[Entry] = [-1] * ndim
+    g: list[Entry] = []
+    for j, p in enumerate(pos):
+        if p >= 0:
+            x[p] = gdm[j]
+            g.append(gdm[j])
+        else:
+            g.append(-1)
+    return tuple(x), tuple(g)
+
+
+def _grad(
+    op: str, x: DistTensorSpec, out: DistTensorSpec | None, out_grad: DistTensorSpec,
+    axis: tuple[int, ...], keep_dim: bool, reduce_all: bool,
+) -> SpmdResult:
+    nd = len(x.shape)
+    _, pos = _plan(op, nd, () if reduce_all else axis, keep_dim)
+    mesh = x.dist_attr.mesh
+    gshape = out_grad.shape
+    if not pos and gshape == (1,):
+        # a full reduction whose out is [1] (Paddle's squared_l2_norm): nothing to carry
+        xdm: DimsMapping = (-1,) * nd
+        gdm: DimsMapping = (-1,)
+        if out_grad.dist_attr.mesh != mesh:
+            raise InvalidMeshError(f"{op}: x and out_grad lie on different meshes")
+    else:
+        _check_out(op, x, out_grad, pos, "out_grad")
+        xdm, gdm = _grad_core(out_grad.dist_attr.dims_mapping, nd, pos)
+    if out is not None:
+        if out.dist_attr.mesh != mesh:
+            raise InvalidMeshError(f"{op}: x and out lie on different meshes")
+        if out.shape != gshape and not (len(out.shape) == len(gshape) and all(
+                a == b or a < 0 or b < 0 for a, b in zip(out.shape, gshape))):
+            raise ShapeMismatchError(f"{op}: out has shape {list(out.shape)} but out_grad {list(gshape)}")
+    make = TensorDistAttr._make
+    xa = make(mesh, xdm)
+    ga = make(mesh, gdm)
+    ins = [xa, ga] if out is None else [xa, ga, ga]
+    return SpmdResult(ins, [xa])
+
+
+def _make_grad(op: str, with_out: bool) -> object:
+    if with_out:
+
+        def grad_out(x: DistTensorSpec, out: DistTensorSpec, out_grad: DistTensorSpec, axis: tuple[int, ...] = (),
+                     keep_dim: bool = False, reduce_all: bool = False) -> SpmdResult:
+            return _grad(op, x, out, out_grad, axis, keep_dim, reduce_all)
+
+        grad_out.__doc__ = f"{op}: ReductionGradInferSpmd(x, out, out_grad, axis, keep_dim, reduce_all)"
+        return grad_out
+
+    def grad(x: DistTensorSpec, out_grad: DistTensorSpec, axis: tuple[int, ...] = (), keep_dim: bool = False,
+             reduce_all: bool = False) -> SpmdResult:
+        return _grad(op, x, None, out_grad, axis, keep_dim, reduce_all)
+
+    grad.__doc__ = f"{op}: ReductionGradInferSpmd(x, out_grad, axis, keep_dim, reduce_all)"
+    return grad
+
+
+# ---------------------------------------------------------------------------
+# registration
+# ---------------------------------------------------------------------------
+
+#: name -> (reduce type (None: replicate), how a sharded reduced axis is treated,
+#: whether a partial x may pass through, aliases)
+REDUCTION_OPS: dict[str, tuple[ReduceType | None, int, bool, tuple[str, ...]]] = {
+    # a partial input is resharded, as in Paddle (keeping a partial of the op's own type would
+    # be sound too, but Paddle's answer is sound and the reference)
+    "sum": (ReduceType.SUM, _PARTIAL, False, ("reduce_sum",)),
+    "mean": (ReduceType.AVG, _EVEN, False, ("reduce_mean",)),
+    "max": (ReduceType.MAX, _PARTIAL, False, ("reduce_max", "amax")),
+    "min": (ReduceType.MIN, _PARTIAL, False, ("reduce_min", "amin")),
+    "prod": (ReduceType.PROD, _PARTIAL, False, ("reduce_prod",)),
+    # Paddle marks any partial SUM: sound on booleans (a sum of booleans is their OR)
+    "any": (ReduceType.SUM, _PARTIAL, False, ("reduce_any",)),
+    "all": (ReduceType.ALL, _PARTIAL, False, ("reduce_all",)),
+    # a sum of squares: partial SUM over a sharded axis, but the square of a partial is not
+    "squared_l2_norm": (ReduceType.SUM, _PARTIAL, False, ()),
+    "frobenius_norm": (None, _REPLICATE, False, ()),
+}
+
+#: grad name -> (takes out, aliases)
+REDUCTION_GRADS: dict[str, tuple[bool, tuple[str, ...]]] = {
+    "sum_grad": (False, ("reduce_sum_grad",)),
+    "mean_grad": (False, ("reduce_mean_grad",)),
+    "squared_l2_norm_grad": (False, ()),
+    "max_grad": (True, ("reduce_max_grad", "amax_grad")),
+    "min_grad": (True, ("reduce_min_grad", "amin_grad")),
+    "prod_grad": (True, ("reduce_prod_grad",)),
+    "frobenius_norm_grad": (True, ()),
+}
+
+_FWD_SIG = "x: T, axis: ints = [], keep_dim: bool = false"
+_BWD_SIG = "x: T, out: T, axis: ints = [], keep_dim: bool = false"
+
+
+def _register_all() -> None:
+    for name, (rtype, kind, pp, aliases) in REDUCTION_OPS.items():
+        f, b = _make_rule(name, rtype, kind, pp)
+        register(
+            name, f, _FWD_SIG, b, _BWD_SIG, aliases=aliases,  # type: ignore[arg-type]
+            forward_name="ReductionMeanInferSpmdDynamic" if name == "mean" else "ReductionInferSpmd",
+            backward_name="ReductionInferSpmdReverse",
+        )  # fmt: skip
+    register(
+        "reduce_base", reduce_base_forward, _FWD_SIG + ", reduce_type: int = 0",
+        reduce_base_backward, _BWD_SIG,
+        forward_name="ReductionInferSpmdBase", backward_name="ReductionInferSpmdReverse",
+    )  # fmt: skip
+    for name, (with_out, aliases) in REDUCTION_GRADS.items():
+        sig = "x: T, " + ("out: T, " if with_out else "") + \
+            "out_grad: T, axis: ints = [], keep_dim: bool = false, reduce_all: bool = false"
+        register(name, _make_grad(name, with_out), sig, aliases=aliases,  # type: ignore[arg-type]
+                 forward_name="ReductionGradInferSpmd")  # fmt: skip
+
+
+_register_all()
+
+__all__ = ["REDUCE_TYPES", "REDUCTION_GRADS", "REDUCTION_OPS", "notation"]
