@@ -79,3 +79,47 @@ def print_rules_table(rows: Sequence[dict[str, Any]], out: TextIO) -> None:
         for r in rows
     ]
     _table(f"{len(rows)} registered rule names", ["name", "alias of", "modes", "forward", "backward"], table, out)
+
+
+def rules_markdown() -> str:
+    """The README's table of rules: one row per rule family (the module that defines it),
+    generated from the registry (and the simulator's references, when numpy is installed)."""
+    from spmdkit.rules.registry import all_rules, rule_names
+
+    try:
+        from spmdkit.sim.verify import verifiable_rules
+
+        verified = set(verifiable_rules())
+    except ImportError:  # pragma: no cover - numpy missing
+        verified = set()
+    rules = all_rules()
+    fams: dict[str, list[str]] = {}
+    for name in rule_names(include_aliases=False):
+        mod = rules[name].forward.fn.__module__.rsplit(".", 1)[-1]
+        fams.setdefault(mod, []).append(name)
+    lines = [
+        "| family | rules (forward + backward) | forward only | grad rules | aliases | simulator-verified |",
+        "|---|---|---|---|---|---|",
+    ]
+    total = [0, 0, 0, 0, 0]
+    for fam in sorted(fams):
+        names = fams[fam]
+        grads = [n for n in names if n.endswith("_grad")]
+        both = [n for n in names if n not in grads and rules[n].backward is not None]
+        fwd = [n for n in names if n not in grads and rules[n].backward is None]
+        aliases = [a for n in names for a in rules[n].aliases]
+        ver = [n for n in names if n in verified]
+        for i, v in enumerate((both, fwd, grads, aliases, ver)):
+            total[i] += len(v)
+
+        def cell(xs: list[str], limit: int = 12) -> str:
+            if not xs:
+                return "-"
+            shown = ", ".join(f"`{x}`" for x in xs[:limit])
+            return f"{len(xs)}: {shown}" + (", ..." if len(xs) > limit else "")
+
+        lines.append(f"| {fam} | {cell(both)} | {cell(fwd)} | {cell(grads)} | {cell(aliases)} | "
+                     f"{len(ver)} of {len(names)} |")
+    lines.append(f"| **all** | {total[0]} | {total[1]} | {total[2]} | {total[3]} | {total[4]} of "
+                 f"{sum(len(v) for v in fams.values())} |")
+    return "\n".join(lines)
