@@ -37,6 +37,8 @@ def _t(shape: list[int], dm: list[Any]) -> dict[str, Any]:
 
 #: (label, case): a case in the INTERFACE format.
 CASES: list[tuple[str, dict[str, Any]]] = [
+    ("reshape", {"rule": "reshape", "mesh": [2, 4], "mode": "forward",
+                 "args": [_t([6, 12, 48, 24], [0, 1, -1, -1]), [1, 72, 48, 4, 6]]}),
     ("matmul 3-D", {"rule": "matmul", "mesh": [2, 4], "mode": "forward",
                     "args": [_t([8, 1024, 512], [0, -1, 1]), _t([512, 2048], [1, -1]), False, False]}),
     ("matmul backward", {"rule": "matmul", "mesh": [2, 4], "mode": "backward",

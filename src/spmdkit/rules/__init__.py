@@ -21,6 +21,7 @@ RULE_MODULES = (
     "reduction",
     "softmax",
     "transpose",
+    "view",
     "default",
 )
 

@@ -354,8 +354,64 @@ def _g_reshape(r: random.Random, m: list[int], ref: Reference) -> Spec:
     return {"x": TGen(s), "shape": tgt}
 
 
+def _g_flatten(r: random.Random, m: list[int], ref: Reference) -> Spec:
+    s = rand_shape(r, m, 1, 4)
+    nd = len(s)
+    a = r.randrange(nd)
+    b = r.randrange(a, nd)
+    return {"x": TGen(s), "start_axis": a - nd if r.random() < 0.2 else a,
+            "stop_axis": b - nd if r.random() < 0.3 else b}
+
+
+def _g_squeeze(r: random.Random, m: list[int], ref: Reference) -> Spec:
+    s = list(rand_shape(r, m, 1, 4))
+    for _ in range(r.randint(0, 2)):
+        s.insert(r.randint(0, len(s)), 1)
+    nd = len(s)
+    ax = [] if r.random() < 0.25 else r.sample(range(nd), r.randint(1, nd))
+    return {"x": TGen(tuple(s)), "axis": [a - nd if r.random() < 0.25 else a for a in ax]}
+
+
+def _g_unsqueeze(r: random.Random, m: list[int], ref: Reference) -> Spec:
+    s = rand_shape(r, m, 0, 3)
+    rank = len(s)
+    ax: list[int] = []
+    for _ in range(r.randint(1, 3)):
+        a = r.randint(0, rank)
+        ax.append(a - rank - 1 if r.random() < 0.3 else a)
+        rank += 1
+    return {"x": TGen(s), "axis": ax}
+
+
+def _g_view_grad(r: random.Random, m: list[int], ref: Reference) -> Spec:
+    from spmdkit.engine import dim_trans as dt
+    from spmdkit.sim.ops import resolve_shape
+
+    holder = ref.meta["holder"]
+    op = ref.name[: -len("_grad")]
+    if op == "reshape":
+        sp = _g_reshape(r, m, ref)
+        s = sp["x"].shape
+        o = resolve_shape(sp["shape"], s)
+        return {holder: TGen(s), "out_grad": TGen(o)}
+    if op == "flatten":
+        sp = _g_flatten(r, m, ref)
+        s = sp["x"].shape
+        o = dt.flatten_trans.raw(s, sp["start_axis"], sp["stop_axis"])[1]  # type: ignore[attr-defined]
+        return {holder: TGen(s), "out_grad": TGen(o)}
+    sp = _g_squeeze(r, m, ref) if op == "squeeze" else _g_unsqueeze(r, m, ref)
+    s = sp["x"].shape
+    fn = dt.squeeze_trans if op == "squeeze" else dt.unsqueeze_trans
+    o = fn.raw(s, tuple(sp["axis"]))[1]  # type: ignore[attr-defined]
+    return {holder: TGen(s), "out_grad": TGen(o), "axis": sp["axis"]}
+
+
 GENERATORS: dict[str, Gen] = {
     "reshape": _g_reshape,
+    "flatten": _g_flatten,
+    "squeeze": _g_squeeze,
+    "unsqueeze": _g_unsqueeze,
+    "view_grad": _g_view_grad,
     "unary": _g_unary,
     "cast": _g_cast,
     "unary_grad": _g_unary_grad,

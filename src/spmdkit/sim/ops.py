@@ -968,6 +968,8 @@ def resolve_shape(target: Sequence[int], in_shape: Sequence[int]) -> tuple[int, 
 
 def _reshape(a: Arrays, c: Ctx) -> tuple[Any, ...]:
     x = np.asarray(a["x"])
+    if not c.is_global and c.out_attrs:  # a local target (from the out sharding): 0 is a size
+        return (x.reshape(tuple(a["shape"])),)
     return (x.reshape(resolve_shape(a["shape"], x.shape)),)
 
 
@@ -984,6 +986,93 @@ def _reshape_localize(a: Arrays, c: Ctx) -> Arrays:
 
 
 register_reference(Reference("reshape", _reshape, ("x",), ("out",), "reshape", localize=_reshape_localize), "reshape2")
+
+
+def _view_to(name: str) -> RefFn:
+    """A view op (flatten, squeeze, unsqueeze) run as a reshape to its global out shape; on
+    a rank the localize hook gives the local out shape (from the out sharding)."""
+
+    def fn(a: Arrays, c: Ctx) -> tuple[Any, ...]:
+        x = np.asarray(a[name])
+        return (x.reshape(tuple(a["shape"])),)
+
+    return fn
+
+
+def _view_localize(shape_of: Callable[[Arrays, tuple[int, ...]], tuple[int, ...]], name: str) -> Callable[
+        [Arrays, Ctx], Arrays]:
+    def loc(a: Arrays, c: Ctx) -> Arrays:
+        out = dict(a)
+        if c.is_global:
+            out["shape"] = shape_of(a, tuple(np.shape(a[name])))
+            return out
+        return _reshape_localize(out, c)
+
+    return loc
+
+
+def _view_run(shape_of: Callable[[Arrays, tuple[int, ...]], tuple[int, ...]], name: str) -> RefFn:
+    base = _view_to(name)
+    loc = _view_localize(shape_of, name)
+
+    def fn(a: Arrays, c: Ctx) -> tuple[Any, ...]:
+        if c.is_global:
+            a = loc(a, c)
+        return tuple(base(a, c))
+
+    return fn
+
+
+def _flatten_shape(a: Arrays, shp: tuple[int, ...]) -> tuple[int, ...]:
+    from spmdkit.engine.dim_trans import flatten_trans
+
+    return tuple(flatten_trans.raw(shp, int(a["start_axis"]), int(a["stop_axis"]))[1])  # type: ignore[attr-defined]
+
+
+def _squeeze_shape(a: Arrays, shp: tuple[int, ...]) -> tuple[int, ...]:
+    from spmdkit.engine.dim_trans import squeeze_trans
+
+    return tuple(squeeze_trans.raw(shp, tuple(a["axis"]))[1])  # type: ignore[attr-defined]
+
+
+def _unsqueeze_shape(a: Arrays, shp: tuple[int, ...]) -> tuple[int, ...]:
+    from spmdkit.engine.dim_trans import unsqueeze_trans
+
+    return tuple(unsqueeze_trans.raw(shp, tuple(a["axis"]))[1])  # type: ignore[attr-defined]
+
+
+def _grad_shape(holder: str) -> Callable[[Arrays, tuple[int, ...]], tuple[int, ...]]:
+    def f(a: Arrays, shp: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(np.shape(a[holder]))
+
+    return f
+
+
+def _grad_ref(holder: str) -> RefFn:
+    """x_grad = out_grad viewed as the holder's shape (global, or the local x_grad piece)."""
+
+    def fn(a: Arrays, c: Ctx) -> tuple[Any, ...]:
+        g = np.asarray(a["out_grad"])
+        if c.is_global:
+            return (g.reshape(tuple(np.shape(a[holder]))),)
+        return (g.reshape(tuple(a["shape"])),)
+
+    return fn
+
+
+def _grad_localize(a: Arrays, c: Ctx) -> Arrays:
+    return _reshape_localize(a, c)
+
+
+for _n, _f_shape, _fam in (("flatten", _flatten_shape, "flatten"), ("squeeze", _squeeze_shape, "squeeze"),
+                           ("unsqueeze", _unsqueeze_shape, "unsqueeze")):
+    register_reference(Reference(_n, _view_run(_f_shape, "x"), ("x",), ("out",), _fam,
+                                 localize=_reshape_localize), *(("unsqueeze2",) if _n == "unsqueeze" else ()))
+
+for _n, _holder in (("reshape_grad", "x_shape"), ("flatten_grad", "xshape"), ("squeeze_grad", "xshape"),
+                    ("unsqueeze_grad", "x")):
+    register_reference(Reference(_n, _grad_ref(_holder), ("out_grad",), ("x_grad",), "view_grad",
+                                 spec_params=(_holder,), localize=_grad_localize, meta={"holder": _holder}))
 
 
 def reference_names() -> list[str]:

@@ -1,0 +1,383 @@
+"""The view algebra: how each output axis of a reshape-like op is made of input axes.
+
+An output axis is one of
+
+- ``InputDim(k)``: input axis ``k`` unchanged;
+- ``Singleton()``: a new size-1 axis made of nothing;
+- ``Flatten((k0, k1, ...))``: input axes ``k0, k1, ...`` (adjacent, major to minor) merged;
+- ``Split(source, shape, piece)``: piece ``piece`` of ``source`` (an ``InputDim`` or a
+  ``Flatten``) split into ``shape``.
+
+``reshape_trans``, ``flatten_trans``, ``squeeze_trans`` and ``unsqueeze_trans`` build the list
+for each op; ``infer_from_trans`` moves a dims_mapping through a list. The propagation
+follows Paddle 3.3.1 (``dim_trans.cc``):
+
+- ``InputDim``: the axis keeps its sharding (co-sharding included, even when uneven: the
+  axis is not cut);
+- ``Flatten``: only the leftmost input axis's sharding can pass; if it is sharded, the mesh
+  dims of the following sharded axes are appended (co-shard), and the longest prefix of those
+  mesh dims whose product divides the leftmost axis's size is kept; the other flattened axes
+  are replicated;
+- ``Split``: only piece 0 can keep the source's sharding, and only if its size is divisible
+  by the mesh dims (all of an ``InputDim``'s mesh dims; a prefix of a ``Flatten``'s);
+- input axes feeding nothing (size-1 axes dropped by a reshape or a squeeze) are replicated.
+
+The returned input dims_mapping says what must be resharded. Every case is sound: each rank's
+local block of the input is the local block of the output in the same (row-major) order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple, Union
+
+from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
+from spmdkit.engine.memo import memo
+
+Entry = Union[int, tuple[int, ...]]  # a dims_mapping entry: -1, a mesh dim, or co-shard dims
+
+
+class InputDim(NamedTuple):
+    dim: int
+
+    def __repr__(self) -> str:
+        return f"InputDim({self.dim})"
+
+
+class Singleton(NamedTuple):
+    def __repr__(self) -> str:
+        return "Singleton()"
+
+
+class Flatten(NamedTuple):
+    dims: tuple[int, ...]
+
+    def __repr__(self) -> str:
+        return f"Flatten({','.join(map(str, self.dims))})"
+
+
+class Split(NamedTuple):
+    source: InputDim | Flatten
+    shape: tuple[int, ...]
+    piece: int
+
+    def __repr__(self) -> str:
+        return f"Split({self.source!r},{self.shape},{self.piece})"
+
+
+DimTrans = Union[InputDim, Singleton, Flatten, Split]
+
+
+def _prod(v: Sequence[int]) -> int:
+    p = 1
+    for x in v:
+        p *= x
+    return p
+
+
+# -- building the lists -------------------------------------------------------------------------
+
+
+def resolve_target(op: str, shape: Sequence[int], x_shape: Sequence[int], arg: str = "shape") -> tuple[int, ...]:
+    """Paddle's reshape target: 0 copies x's size at that index, one -1 is inferred."""
+    out: list[int] = []
+    infer = -1
+    for i, t in enumerate(shape):
+        t = int(t)
+        if t == 0:
+            if i >= len(x_shape):
+                raise InvalidAttributeError(
+                    f"{op}: {arg} {list(shape)} has 0 at index {i} but x has only {len(x_shape)} dims")
+            t = int(x_shape[i])
+        elif t == -1:
+            if infer >= 0:
+                raise InvalidAttributeError(f"{op}: {arg} {list(shape)} has more than one -1")
+            infer = i
+        elif t < 0:
+            raise InvalidAttributeError(f"{op}: {arg} {list(shape)} has a negative size {t}")
+        out.append(t)
+    n = _prod(x_shape)
+    if infer >= 0:
+        rest = _prod(out[:infer] + out[infer + 1:])
+        if rest == 0 or n % rest:
+            raise InvalidAttributeError(f"{op}: {arg} {list(shape)}: cannot infer -1 for x of shape {list(x_shape)}")
+        out[infer] = n // rest
+    if _prod(out) != n:
+        raise InvalidAttributeError(
+            f"{op}: {arg} {list(shape)} holds {_prod(out)} elements but x of shape {list(x_shape)} has {n}")
+    return tuple(out)
+
+
+def _check_shape(op: str, shape: Sequence[int], what: str) -> None:
+    for s in shape:
+        if s <= 0:
+            raise ShapeMismatchError(f"{op}: {what} has shape {list(shape)}; view rules need sizes >= 1")
+
+
+@memo()
+def reshape_trans(src: tuple[int, ...], tgt: tuple[int, ...]) -> tuple[DimTrans, ...]:
+    """The list for reshaping ``src`` into ``tgt`` (both resolved, same element count)."""
+    if _prod(src) != _prod(tgt):
+        raise ShapeMismatchError(f"reshape: {list(src)} and {list(tgt)} hold different element counts")
+    ret: list[DimTrans] = []
+    si = ti = 0
+    ns, nt = len(src), len(tgt)
+    while si < ns or ti < nt:
+        dims: list[int] = []
+        pieces: list[int] = []
+        if si < ns:
+            s = src[si]
+            dims.append(si)
+            si += 1
+        else:
+            s = 1
+        if ti < nt:
+            t = tgt[ti]
+            pieces.append(t)
+            ti += 1
+        else:
+            t = 1
+        if s == 1 and t == 1 and dims and pieces:
+            ret.append(InputDim(dims[0]))  # a 1 -> 1 axis keeps its sharding
+            continue
+        if s == 1 and t != 1:
+            ti -= 1  # the size-1 source axis feeds nothing
+            continue
+        if s != 1 and t == 1:
+            si -= 1
+            if pieces:
+                ret.append(Singleton())
+            continue
+        while s != t:
+            if s < t:
+                dims.append(si)
+                s *= src[si]
+                si += 1
+            else:
+                pieces.append(tgt[ti])
+                t *= tgt[ti]
+                ti += 1
+        if not pieces:
+            continue
+        real = tuple(d for d in dims if src[d] > 1)
+        source: DimTrans
+        if not real:
+            source = Singleton()
+        elif len(real) == 1:
+            source = InputDim(real[0])
+        else:
+            source = Flatten(real)
+        if len(pieces) == 1:
+            ret.append(source)
+            continue
+        shp = tuple(pieces)
+        for i, p in enumerate(pieces):
+            if p == 1 or isinstance(source, Singleton):
+                ret.append(Singleton())
+            else:
+                ret.append(Split(source, shp, i))
+    return tuple(ret)
+
+
+def norm_axis(op: str, axis: int, ndim: int, arg: str, extra: int = 0) -> int:
+    """``axis`` in ``[-ndim - extra, ndim + extra)`` made non-negative."""
+    lo, hi = -ndim - extra, ndim + extra
+    if not lo <= axis < hi:
+        raise InvalidAttributeError(f"{op}: {arg} {axis} is out of range [{lo}, {hi - 1}] for a {ndim}-D x")
+    return axis + hi if axis < 0 else axis
+
+
+@memo()
+def flatten_trans(shape: tuple[int, ...], start: int, stop: int) -> tuple[tuple[DimTrans, ...], tuple[int, ...]]:
+    """(list, out shape) for flatten(start_axis, stop_axis); start > stop is the identity."""
+    nd = len(shape)
+    if nd == 0:
+        raise InvalidAttributeError("flatten: x is 0-D; start_axis and stop_axis must be less than its rank 0")
+    a = norm_axis("flatten", start, nd, "start_axis")
+    b = norm_axis("flatten", stop, nd, "stop_axis")
+    if a >= b:
+        return tuple(InputDim(i) for i in range(nd)), shape
+    real = tuple(i for i in range(a, b + 1) if shape[i] != 1)
+    mid: DimTrans
+    if not real:
+        mid = InputDim(a)
+    elif len(real) == 1:
+        mid = InputDim(real[0])
+    else:
+        mid = Flatten(real)
+    trans = (*(InputDim(i) for i in range(a)), mid, *(InputDim(i) for i in range(b + 1, nd)))
+    return trans, (*shape[:a], _prod(shape[a:b + 1]), *shape[b + 1:])
+
+
+@memo()
+def squeeze_trans(shape: tuple[int, ...], axis: tuple[int, ...]) -> tuple[tuple[DimTrans, ...], tuple[int, ...]]:
+    """(list, out shape) for squeeze(axis): size-1 axes in ``axis`` (all of them when empty)
+    go; a listed axis of another size stays; a kept size-1 axis becomes a Singleton."""
+    nd = len(shape)
+    drop = {norm_axis("squeeze", int(a), max(nd, 1), "axis") for a in axis} if axis else None
+    trans: list[DimTrans] = []
+    out: list[int] = []
+    for i, s in enumerate(shape):
+        if s == 1:
+            if drop is None or i in drop:
+                continue
+            trans.append(Singleton())
+        else:
+            trans.append(InputDim(i))
+        out.append(s)
+    return tuple(trans), tuple(out)
+
+
+@memo()
+def unsqueeze_trans(shape: tuple[int, ...], axis: tuple[int, ...]) -> tuple[tuple[DimTrans, ...], tuple[int, ...]]:
+    """(list, out shape) for unsqueeze(axis), inserting one axis after another as the op does
+    (a negative axis counts from the end of the tensor built so far)."""
+    nd = len(shape)
+    new = [False] * (nd + len(axis))
+    rank = nd
+    for a in axis:
+        a = int(a)
+        cur = a + rank + 1 if a < 0 else a
+        if not 0 <= cur <= rank:
+            raise InvalidAttributeError(
+                f"unsqueeze: axis {a} is out of range [{-rank - 1}, {rank}] for a {rank}-D tensor")
+        for i in range(rank, cur, -1):
+            if new[i - 1]:
+                new[i], new[i - 1] = True, False
+        new[cur] = True
+        rank += 1
+    trans: list[DimTrans] = []
+    out: list[int] = []
+    k = 0
+    for is_new in new:
+        if is_new:
+            trans.append(Singleton())
+            out.append(1)
+        else:
+            trans.append(InputDim(k) if shape[k] != 1 else Singleton())
+            out.append(shape[k])
+            k += 1
+    return tuple(trans), tuple(out)
+
+
+def invert_trans(trans: tuple[DimTrans, ...], in_ndim: int) -> tuple[DimTrans, ...]:
+    """The list out -> x of a squeeze / unsqueeze list: x axis ``k`` is ``InputDim(j)`` where
+    out axis ``j`` is ``InputDim(k)``; every other x axis (size 1) is a Singleton."""
+    inv: list[DimTrans] = [Singleton()] * in_ndim
+    for j, t in enumerate(trans):
+        if type(t) is InputDim:
+            inv[t.dim] = InputDim(j)
+    return tuple(inv)
+
+
+@memo()
+def flatten_reverse_trans(shape: tuple[int, ...], start: int, stop: int) -> tuple[DimTrans, ...]:
+    """The list out -> x of flatten: the merged out axis split back into x's sizes (a size-1
+    piece is a Singleton)."""
+    nd = len(shape)
+    a = norm_axis("flatten", start, nd, "start_axis")
+    b = norm_axis("flatten", stop, nd, "stop_axis")
+    if a >= b:
+        return tuple(InputDim(i) for i in range(nd))
+    sizes = tuple(v for v in shape[a:b + 1] if v != 1)  # size-1 pieces are Singletons
+    mid: list[DimTrans] = []
+    j = 0
+    for sz in shape[a:b + 1]:
+        if sz == 1:
+            mid.append(Singleton())
+        else:
+            mid.append(Split(InputDim(a), sizes, j))
+            j += 1
+    return (*(InputDim(i) for i in range(a)), *mid, *(InputDim(i - (b - a)) for i in range(b + 1, nd)))
+
+
+# -- propagation --------------------------------------------------------------------------------
+
+
+def _dims(e: Entry) -> tuple[int, ...]:
+    if isinstance(e, tuple):
+        return e
+    return () if e < 0 else (e,)
+
+
+def _entry(dims: Sequence[int]) -> Entry:
+    if not dims:
+        return -1
+    if len(dims) == 1:
+        return dims[0]
+    return tuple(dims)
+
+
+def _prefix(groups: Sequence[tuple[int, ...]], mesh_shape: Sequence[int], sizes: Sequence[int]) -> tuple[int, ...]:
+    """The mesh dims of the longest run of whole ``groups`` (one per sharded axis) whose mesh
+    product divides every size in ``sizes``."""
+    p = 1
+    keep: list[int] = []
+    for g in groups:
+        for d in g:
+            p *= mesh_shape[d]
+        if any(s % p for s in sizes):
+            break
+        keep.extend(g)
+    return tuple(keep)
+
+
+def _flatten_dims(dims: Sequence[int], dm: Sequence[Entry]) -> list[tuple[int, ...]]:
+    """Mesh dims (one group per axis) a Flatten can carry: its leftmost axis's, then those of
+    the following axes while they are sharded."""
+    out: list[tuple[int, ...]] = []
+    for k in dims:
+        d = _dims(dm[k])
+        if not d:
+            break
+        out.append(d)
+    return out
+
+
+@memo()
+def infer_from_trans(
+    trans: tuple[DimTrans, ...],
+    in_shape: tuple[int, ...],
+    in_dm: tuple[Entry, ...],
+    mesh_shape: tuple[int, ...],
+) -> tuple[tuple[Entry, ...], tuple[Entry, ...]]:
+    """(the input dims_mapping to use, the output dims_mapping) for ``trans``."""
+    new_in: list[Entry] = [-1] * len(in_shape)
+    out: list[Entry] = [-1] * len(trans)
+    for i, t in enumerate(trans):
+        if type(t) is InputDim:
+            e = in_dm[t.dim]
+            out[i] = e
+            new_in[t.dim] = e
+        elif type(t) is Flatten:
+            k = t.dims[0]
+            keep = _prefix(_flatten_dims(t.dims, in_dm), mesh_shape, (in_shape[k],))
+            if keep:
+                out[i] = new_in[k] = _entry(keep)
+        elif type(t) is Split and t.piece == 0:
+            src = t.source
+            size = t.shape[0]
+            fdims = (src.dim,) if isinstance(src, InputDim) else src.dims
+            k = fdims[0]
+            keep = _prefix(_flatten_dims(fdims, in_dm), mesh_shape, (in_shape[k], size))
+            if keep:
+                out[i] = new_in[k] = _entry(keep)
+    return tuple(new_in), tuple(out)
+
+
+__all__ = [
+    "DimTrans",
+    "Flatten",
+    "InputDim",
+    "Singleton",
+    "Split",
+    "flatten_reverse_trans",
+    "flatten_trans",
+    "invert_trans",
+    "infer_from_trans",
+    "norm_axis",
+    "reshape_trans",
+    "resolve_target",
+    "squeeze_trans",
+    "unsqueeze_trans",
+]

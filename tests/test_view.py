@@ -1,0 +1,147 @@
+"""View family: the DimTrans algebra, reshape / flatten / squeeze / unsqueeze rules, errors,
+deviations from Paddle 3.3.1 and a hypothesis soundness property."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from spmdkit.core import DistTensorSpec, ProcessMesh, TensorDistAttr
+from spmdkit.core.errors import InvalidAttributeError, SpmdError
+from spmdkit.engine.dim_trans import (
+    Flatten,
+    InputDim,
+    Singleton,
+    Split,
+    flatten_trans,
+    reshape_trans,
+    squeeze_trans,
+    unsqueeze_trans,
+)
+from spmdkit.rules import get_rule
+from spmdkit.sim import verify_rule
+
+
+def spec(mesh: list[int], shape: list[int], dm: list[object], partial: object = None) -> DistTensorSpec:
+    return DistTensorSpec(shape, TensorDistAttr(ProcessMesh(mesh), dm, partial))
+
+
+def dms(res: object) -> tuple[list[object], list[object]]:
+    return ([list(a.dims_mapping) for a in res.inputs], [list(a.dims_mapping) for a in res.outputs])  # type: ignore[attr-defined]
+
+
+def test_reshape_trans_golden() -> None:
+    s = Split(InputDim(3), (4, 6), 0)
+    assert reshape_trans((6, 12, 48, 24), (1, 72, 48, 4, 6)) == (
+        Singleton(), Flatten((0, 1)), InputDim(2), s, Split(InputDim(3), (4, 6), 1))
+    assert reshape_trans((1, 8), (1, 8)) == (InputDim(0), InputDim(1))  # 1 -> 1 keeps the axis
+    assert reshape_trans((1, 8), (8,)) == (InputDim(1),)
+    assert reshape_trans((8,), (1, 8)) == (Singleton(), InputDim(0))
+    assert reshape_trans((4, 1, 8), (32,)) == (Flatten((0, 2)),)
+    assert flatten_trans((8, 16, 4), 1, 2) == ((InputDim(0), Flatten((1, 2))), (8, 64))
+    assert squeeze_trans((8, 1, 4), (0,)) == ((InputDim(0), Singleton(), InputDim(2)), (8, 1, 4))
+    assert unsqueeze_trans((8, 4), (0, -1)) == ((Singleton(), InputDim(0), InputDim(1), Singleton()), (1, 8, 4, 1))
+
+
+def test_reshape_coshard() -> None:
+    f = get_rule("reshape").infer_forward
+    assert dms(f(spec([2, 4], [8, 16], [0, 1]), [128])) == ([[(0, 1), -1]], [[(0, 1)]])
+    assert dms(f(spec([2, 4, 2], [8, 16, 4], [0, 1, 2]), [512])) == ([[(0, 1), -1, -1]], [[(0, 1)]])
+    assert dms(f(spec([2, 4], [6, 16], [0, 1]), [96])) == ([[0, -1]], [[0]])
+    assert dms(f(spec([2, 4], [16, 3], [(0, 1), -1]), [8, 2, 3])) == ([[(0, 1), -1]], [[(0, 1), -1, -1]])
+    assert dms(f(spec([2, 4], [8, 6], [(0, 1), -1]), [2, 4, 6])) == ([[-1, -1]], [[-1, -1, -1]])
+
+
+def test_reshape_split_divisibility_and_uneven() -> None:
+    f = get_rule("reshape").infer_forward
+    assert dms(f(spec([3, 4], [24], [1]), [2, 12])) == ([[-1]], [[-1, -1]])
+    assert dms(f(spec([4], [6, 5], [0, -1]), [30])) == ([[-1, -1]], [[-1]])  # uneven leftmost: dropped
+    assert dms(f(spec([4], [6, 5], [0, -1]), [0, 5])) == ([[0, -1]], [[0, -1]])  # axis unchanged: kept
+
+
+@pytest.mark.parametrize("target, msg", [([-1, -1], "more than one -1"), ([5, 7], "holds 35"),
+                                         ([-2, -16], "negative size"), ([4, 0, 0], "has 0 at index 2")])
+def test_reshape_bad_target(target: list[int], msg: str) -> None:
+    with pytest.raises(InvalidAttributeError, match=msg) as e:
+        get_rule("reshape").infer_forward(spec([2, 4], [8, 4], [0, 1]), target)
+    assert "shape" in str(e.value) and "reshape" in str(e.value)
+
+
+def test_axis_errors() -> None:
+    x = spec([2, 4], [8, 1, 4], [0, -1, -1])
+    with pytest.raises(InvalidAttributeError, match="stop_axis"):
+        get_rule("flatten").infer_forward(x, 0, 3)
+    with pytest.raises(InvalidAttributeError, match="squeeze: axis 5"):
+        get_rule("squeeze").infer_forward(x, [5])
+    with pytest.raises(InvalidAttributeError, match="unsqueeze: axis 5"):
+        get_rule("unsqueeze").infer_forward(x, [5])
+
+
+def test_invalid_axis_raises() -> None:
+    """view-invalid-attr: Paddle answers squeeze axis 5 of a 3-D x; spmdkit raises."""
+    with pytest.raises(SpmdError):
+        get_rule("squeeze").infer_forward(spec([2, 4], [8, 1, 4], [0, 1, -1]), [5])
+
+
+def test_unsqueeze_axis_order() -> None:
+    """view-unsqueeze-axis-order: [8,4] unsqueeze [0,-1] is [1,8,4,1] (as the op)."""
+    r = get_rule("unsqueeze").infer_forward(spec([2, 4], [8, 4], [0, 1]), [0, -1])
+    assert dms(r) == ([[0, 1]], [[-1, 0, 1, -1]])
+    r = get_rule("unsqueeze").infer_forward(spec([2, 4], [8, 4], [0, 1]), [1, 1])
+    assert dms(r) == ([[0, 1]], [[0, -1, -1, 1]])
+
+
+def test_reverse_partial_out_cleared() -> None:
+    """view-reverse-partial: out is what the (unpartial) x produces."""
+    x = spec([2, 4], [8, 16], [-1, -1])
+    out = spec([2, 4], [128], [0], [1])
+    r = get_rule("reshape").infer_backward(x, out, [-1])
+    assert dms(r) == ([[0, -1]], [[0]])
+    assert not r.outputs[0].partial and not r.inputs[0].partial
+
+
+def test_reverse_flatten_uneven() -> None:
+    """view-reverse-flatten-uneven: out [2,4,16] [0,1,-1] -> x [8,16] [0,-1] (not co-shard)."""
+    x = spec([2, 4], [8, 16], [-1, -1])
+    out = spec([2, 4], [2, 4, 16], [0, 1, -1])
+    assert dms(get_rule("reshape").infer_backward(x, out, [2, 4, 16])) == ([[0, -1]], [[0, -1, -1]])
+
+
+def test_partial_forward() -> None:
+    r = get_rule("reshape").infer_forward(spec([2, 4], [8, 16], [0, -1], [1]), [128])
+    assert r.outputs[0].partial and r.inputs[0].partial
+    r = get_rule("squeeze").infer_forward(spec([2, 4], [8, 1, 4], [0, -1, -1], [1]), [1])
+    assert not r.outputs[0].partial
+
+
+def test_grads() -> None:
+    r = get_rule("reshape_grad").infer_forward(spec([2, 4], [8, 4], [0, 1]), spec([2, 4], [32], [0]))
+    assert [list(a.dims_mapping) for a in r.outputs] == [[0, -1]]
+
+
+@pytest.mark.parametrize("name", ["reshape", "flatten", "squeeze", "unsqueeze", "reshape_grad",
+                                  "flatten_grad", "squeeze_grad", "unsqueeze_grad"])
+def test_sound_generated(name: str) -> None:
+    for mode in ("forward", "backward"):
+        rep = verify_rule(name, 60, seed=3, mode=mode)
+        assert rep.unsound == 0, rep.first_unsound
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from([1, 2, 3, 4, 6, 8]), min_size=1, max_size=4),
+       st.lists(st.sampled_from([-1, 0, 1]), min_size=4, max_size=4), st.data())
+def test_reshape_property(shape: list[int], dm: list[int], data: st.DataObject) -> None:
+    from spmdkit.sim.verify import verify
+
+    dm = dm[: len(shape)]
+    if dm.count(0) > 1 or dm.count(1) > 1:
+        return
+    n = 1
+    for s in shape:
+        n *= s
+    a = data.draw(st.sampled_from([d for d in range(1, n + 1) if n % d == 0]))
+    case = {"rule": "reshape", "mesh": [2, 3], "mode": "forward",
+            "args": [{"shape": shape, "dims_mapping": dm}, [a, -1]]}
+    v = verify(None, case)
+    assert v.status != "unsound", v.detail
