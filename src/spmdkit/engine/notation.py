@@ -35,7 +35,7 @@ from spmdkit.core.dist_attr import (
 )
 from spmdkit.core.errors import InvalidMeshError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
-from spmdkit.core.spec import DistTensorSpec
+from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.memo import memo
 
 LetterMap = dict[str, tuple[int, ...]]
@@ -497,3 +497,33 @@ def letters_for(ndim: int, offset: int = 0) -> str:
     if ndim + offset > len(ALPHABET):
         raise ShapeMismatchError(f"tensors of more than {len(ALPHABET) - offset} dims are not supported")
     return ALPHABET[offset : offset + ndim]
+
+
+# ---------------------------------------------------------------------------
+# unvalidated constructors for the rules' hot paths
+# ---------------------------------------------------------------------------
+
+_new = object.__new__
+_set_inputs = SpmdResult.__dict__["inputs"].__set__
+_set_outputs = SpmdResult.__dict__["outputs"].__set__
+_set_result_hash = SpmdResult.__dict__["_hash"].__set__
+_make_attr = TensorDistAttr._make
+
+
+def fast_result(
+    inputs: tuple[TensorDistAttr | None, ...], outputs: tuple[TensorDistAttr | None, ...]
+) -> SpmdResult:
+    """``SpmdResult(inputs, outputs)`` for tuples of dist attrs (or None), unvalidated."""
+    r = _new(SpmdResult)
+    _set_inputs(r, inputs)
+    _set_outputs(r, outputs)
+    _set_result_hash(r, None)
+    return r
+
+
+def attr_as(src: TensorDistAttr, mesh: ProcessMesh, dims_mapping: DimsMapping) -> TensorDistAttr:
+    """``TensorDistAttr._make(mesh, dims_mapping)``, or ``src`` itself where it is that attr
+    already (dist attrs are immutable, so the answer is the same)."""
+    if src.mesh is mesh and not src.partial and src.dims_mapping == dims_mapping:
+        return src
+    return _make_attr(mesh, dims_mapping)

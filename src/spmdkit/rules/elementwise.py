@@ -33,14 +33,15 @@ from spmdkit.engine.notation import (
     ALPHABET,
     BROADCAST,
     Notation,
+    attr_as,
     einsum_backward,
     einsum_forward,
-    merge_letters,
-    project,
+    fast_result,
 )
 from spmdkit.rules.registry import register
 
-_EMPTY: frozenset[str] = frozenset()
+_NLETTERS = len(ALPHABET)
+_make = TensorDistAttr._make
 
 # ---------------------------------------------------------------------------
 # helpers
@@ -62,17 +63,6 @@ def _check_same_shape(op: str, a: DistTensorSpec, b: DistTensorSpec, na: str, nb
     for i, (s, t) in enumerate(zip(a.shape, b.shape)):
         if s != t and s >= 0 and t >= 0:
             raise ShapeMismatchError(f"{op}: {na} and {nb} differ on axis {i} ({s} vs {t})")
-
-
-def _major(dm: DimsMapping, mesh_shape: tuple[int, ...]) -> DimsMapping:
-    """A co-sharded entry keeps one mesh dim, its largest (the first of equal sizes), as
-    Paddle 3.3.1's binary rules do: ``[[0, 1]]`` on mesh [2, 3] -> ``[1]``."""
-    for e in dm:
-        if e.__class__ is tuple:
-            break
-    else:
-        return dm
-    return tuple(_largest(e, mesh_shape) if isinstance(e, tuple) else e for e in dm)
 
 
 def _largest(e: tuple[int, ...], mesh_shape: tuple[int, ...]) -> int:
@@ -296,80 +286,173 @@ def _notation2(op: str, x: DistTensorSpec, y: DistTensorSpec) -> tuple[str, str,
     return nt
 
 
+def _numel1(shape: tuple[int, ...]) -> int:
+    """The merge weight of a tensor: its element count, unknown / zero sizes as 1."""
+    n = 1
+    for s in shape:
+        if s > 0:
+            n *= s
+    return n
+
+
 @memo()
 def _binary_merge(
-    xa: str,
-    ya: str,
-    oa: str,
-    dx: DimsMapping,
-    dy: DimsMapping,
-    xs: tuple[int, ...],
-    ys: tuple[int, ...],
-    mesh_shape: tuple[int, ...],
-) -> tuple[DimsMapping, DimsMapping, DimsMapping]:
-    # a sharded size-1 axis claims its mesh dim before later axes (then drops it), as in Paddle
-    ma, mb = _claiming(xa, 0), _claiming(ya, 26)
-    letters = dict(merge_letters((ma, mb), (_major(dx, mesh_shape), _major(dy, mesh_shape)), (xs, ys), _EMPTY, "", mesh_shape))
-    return project(xa, letters), project(ya, letters), project(oa, letters)
+    dx: DimsMapping, dy: DimsMapping, xs: tuple[int, ...], ys: tuple[int, ...], mesh_shape: tuple[int, ...]
+) -> tuple[DimsMapping, DimsMapping, DimsMapping] | None:
+    """The binary forward merge on ints (None where the shapes do not broadcast).
+
+    Out axis ``i`` is a letter; a size-1 axis of x or y is a claimer of its own (it takes
+    its mesh dim, in claim order, and then shards nothing), as in Paddle. A co-sharded
+    entry keeps its largest mesh dim. Claims: x's axes left to right, then y's; where x
+    and y shard one letter over different mesh dims the larger tensor wins (x on a tie);
+    a mesh dim already claimed is dropped."""
+    nx, ny = len(xs), len(ys)
+    n = nx if nx >= ny else ny
+    if n > _NLETTERS:
+        return None
+    ox, oy = n - nx, n - ny
+    # the shapes broadcast (Paddle's GetBinaryNotations)
+    for j in range(ox if ox > oy else oy, n):
+        sx, sy = xs[j - ox], ys[j - oy]
+        if sx != sy and sx != 1 and sy != 1 and sx >= 0 and sy >= 0:
+            return None
+    ld = [-1] * n  # per letter: its mesh dim
+    claims: list[int] = []  # a letter, or ~mesh dim for a size-1 axis's own claim
+    j = 0
+    for e in dx:
+        if e.__class__ is not int:
+            e = _largest(e, mesh_shape)  # type: ignore[arg-type]
+        if e >= 0:
+            if xs[j] == 1:
+                claims.append(~e)
+            else:
+                ld[j + ox] = e
+                claims.append(j + ox)
+        j += 1
+    j = 0
+    wx = -1
+    for e in dy:
+        if e.__class__ is not int:
+            e = _largest(e, mesh_shape)  # type: ignore[arg-type]
+        if e >= 0:
+            if ys[j] == 1:
+                claims.append(~e)
+            else:
+                a = j + oy
+                cur = ld[a]
+                if cur < 0:
+                    ld[a] = e
+                    claims.append(a)
+                elif cur != e:
+                    if wx < 0:
+                        wx, wy = _numel1(xs), _numel1(ys)
+                    if wy > wx:
+                        ld[a] = e
+        j += 1
+    if not claims:
+        return (-1,) * nx, (-1,) * ny, (-1,) * n
+    final = [-1] * n
+    used = 0
+    for c in claims:
+        if c >= 0:
+            d = ld[c]
+            if not (used >> d) & 1:
+                final[c] = d
+                used |= 1 << d
+        else:
+            used |= 1 << ~c
+    mx = tuple([-1 if s == 1 else final[j + ox] for j, s in enumerate(xs)])
+    my = tuple([-1 if s == 1 else final[j + oy] for j, s in enumerate(ys)])
+    return mx, my, tuple(final)
 
 
 def _binary_fwd(op: str, x: DistTensorSpec, y: DistTensorSpec, names: tuple[str, str] = ("x", "y")) -> SpmdResult:
-    mesh = _mesh2(op, x, y, *names)
-    xa, ya, oa = _notation2(op, x, y)
-    mx, my, mo = _binary_merge(
-        xa, ya, oa, x.dist_attr.dims_mapping, y.dist_attr.dims_mapping, x.shape, y.shape, mesh.shape
-    )
-    make = TensorDistAttr._make
-    return SpmdResult([make(mesh, mx), make(mesh, my)], [make(mesh, mo)])
+    xa, ya = x.dist_attr, y.dist_attr
+    mesh = xa.mesh
+    if ya.mesh is not mesh and ya.mesh != mesh:
+        _mesh2(op, x, y, *names)
+    r = _binary_merge(xa.dims_mapping, ya.dims_mapping, x.shape, y.shape, mesh.shape)
+    if r is None:
+        _notation2(op, x, y)  # raises
+        raise AssertionError("unreachable")
+    mx, my, mo = r
+    return fast_result((attr_as(xa, mesh, mx), attr_as(ya, mesh, my)), (_make(mesh, mo),))
+
+
+def _broadcasts(xs: tuple[int, ...], ys: tuple[int, ...]) -> bool:
+    """Whether :func:`_binary_notation` accepts the shapes."""
+    nx, ny = len(xs), len(ys)
+    n = nx if nx >= ny else ny
+    if n > _NLETTERS:
+        return False
+    ox, oy = n - nx, n - ny
+    for j in range(ox if ox > oy else oy, n):
+        sx, sy = xs[j - ox], ys[j - oy]
+        if sx != sy and sx != 1 and sy != 1 and sx >= 0 and sy >= 0:
+            return False
+    return True
 
 
 def _binary_bwd(op: str, x: DistTensorSpec, y: DistTensorSpec, out: DistTensorSpec) -> SpmdResult:
-    mesh = _mesh2(op, x, y, "x", "y")
-    if out.dist_attr.mesh != mesh:
+    xa, ya, oa = x.dist_attr, y.dist_attr, out.dist_attr
+    mesh = xa.mesh
+    if ya.mesh is not mesh and ya.mesh != mesh:
+        _mesh2(op, x, y, "x", "y")
+    if oa.mesh is not mesh and oa.mesh != mesh:
         raise InvalidMeshError(f"{op}: out lies on a different mesh than x and y")
-    xa, ya, oa = _notation2(op, x, y)
-    if len(out.shape) != len(oa):
+    xs, ys, os_ = x.shape, y.shape, out.shape
+    if not _broadcasts(xs, ys):
+        _notation2(op, x, y)  # raises
+    nx, ny = len(xs), len(ys)
+    n = nx if nx >= ny else ny
+    if len(os_) != n:
         raise ShapeMismatchError(
-            f"{op}: out has {len(out.shape)} dims but the broadcast of x and y has {len(oa)}"
+            f"{op}: out has {len(os_)} dims but the broadcast of x and y has {n}"
         )
-    for i, _ch in enumerate(oa):
-        s = out.shape[i]
+    for i in range(n):
+        s = os_[i]
         if s < 0:
             continue
-        ix, iy = i - (len(oa) - len(xa)), i - (len(oa) - len(ya))
+        ix, iy = i - (n - nx), i - (n - ny)
         want = 1
-        if ix >= 0 and x.shape[ix] != 1:
-            want = x.shape[ix]
-        elif iy >= 0 and y.shape[iy] != 1:
-            want = y.shape[iy]
+        if ix >= 0 and xs[ix] != 1:
+            want = xs[ix]
+        elif iy >= 0 and ys[iy] != 1:
+            want = ys[iy]
         if want >= 0 and s != want:
             raise ShapeMismatchError(f"{op}: out axis {i} has {s}, but x and y broadcast to {want}")
-    mx, my, mo = _binary_rev(xa, ya, oa, out.dist_attr.dims_mapping, out.shape, mesh.shape)
-    make = TensorDistAttr._make
-    return SpmdResult([make(mesh, mx), make(mesh, my)], [make(mesh, mo)])
+    mx, my, mo = _binary_rev(xs, ys, oa.dims_mapping, mesh.shape)
+    return fast_result((attr_as(xa, mesh, mx), attr_as(ya, mesh, my)), (attr_as(oa, mesh, mo),))
 
 
 @memo()
 def _binary_rev(
-    xa: str, ya: str, oa: str, do: DimsMapping, os_: tuple[int, ...], mesh_shape: tuple[int, ...]
+    xs: tuple[int, ...], ys: tuple[int, ...], do: DimsMapping, mesh_shape: tuple[int, ...]
 ) -> tuple[DimsMapping, DimsMapping, DimsMapping]:
-    letters = dict(merge_letters((_claiming(oa, 0),), (_major(do, mesh_shape),), (os_,), _EMPTY, "", mesh_shape))
-    mx, my = project(xa, letters), project(ya, letters)
-    # the output is what the inferred inputs produce: a letter only sharded where an
-    # input carries it
-    have = set(xa) | set(ya)
-    mo = project(oa, {ch: d for ch, d in letters.items() if ch in have})
-    return mx, my, mo
-
-
-_CLAIM = "ABCDEFGHIJKLMNOPQRSTUVWXYZ" + "".join(chr(c) for c in range(0x3B1, 0x3B1 + 26))
-
-
-def _claiming(axes: str, base: int) -> str:
-    """``axes`` with each ``1`` replaced by a letter of its own (merge only)."""
-    if BROADCAST not in axes:
-        return axes
-    return "".join(_CLAIM[base + i] if ch == BROADCAST else ch for i, ch in enumerate(axes))
+    """The binary reverse merge on ints: out's axes claim their mesh dims left to right (an
+    axis both x and y broadcast along claims its own and shards nothing); x and y are
+    projected from out's letters, and out is what they produce."""
+    nx, ny = len(xs), len(ys)
+    n = len(do)
+    ox, oy = n - nx, n - ny
+    final = [-1] * n
+    used = 0
+    for i in range(n):
+        e = do[i]
+        if e.__class__ is not int:
+            e = _largest(e, mesh_shape)  # type: ignore[arg-type]
+        if e < 0:
+            continue
+        bit = 1 << e
+        if used & bit:
+            continue
+        used |= bit
+        if (i < ox or xs[i - ox] == 1) and (i < oy or ys[i - oy] == 1):
+            continue  # both broadcast: out's axis is 1
+        final[i] = e
+    mx = tuple([-1 if s == 1 else final[j + ox] for j, s in enumerate(xs)])
+    my = tuple([-1 if s == 1 else final[j + oy] for j, s in enumerate(ys)])
+    return mx, my, tuple(final)
 
 
 def _make_binary(op: str) -> tuple[object, object]:

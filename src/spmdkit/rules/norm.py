@@ -28,24 +28,24 @@ Paddle 3.3.1 registers ``layer_norm`` and ``fused_rms_norm`` (not ``rms_norm`` n
 
 from __future__ import annotations
 
-from functools import lru_cache
-
-from spmdkit.core.dist_attr import DimsMapping, Entry, entry_dims
+from spmdkit.core.dist_attr import DimsMapping, Entry, ReduceType, TensorDistAttr, entry_dims
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.notation import (
     ALPHABET,
     BROADCAST,
-    Notation,
+    attr_as,
     common_mesh,
-    merge_letters,
-    project_all,
+    fast_result,
 )
 from spmdkit.rules.registry import register
 
+_SUM = ReduceType.SUM
+_make = TensorDistAttr._make
+
 # ---------------------------------------------------------------------------
-# notations (cached per (ndim, begin_norm_axis, which optional tensors exist))
+# notations (the letters are ints here: batch axis i is letter i)
 # ---------------------------------------------------------------------------
 
 
@@ -55,35 +55,6 @@ def _x_axes(ndim: int, bna: int) -> tuple[str, str]:
         raise ShapeMismatchError(f"tensors of more than {len(ALPHABET)} dims are not supported")
     batch = ALPHABET[:bna]
     return batch + BROADCAST * (ndim - bna), batch
-
-
-@lru_cache(maxsize=1024)
-def _ln_notation(ndim: int, bna: int, has_scale: bool, has_bias: bool) -> Notation:
-    x, b = _x_axes(ndim, bna)
-    return Notation([x, "1" if has_scale else None, "1" if has_bias else None], [x, b, b])
-
-
-def _param_axes(t: DistTensorSpec | None) -> str | None:
-    return None if t is None else BROADCAST * len(t.shape)
-
-
-@lru_cache(maxsize=1024)
-def _ln_grad_notation(ndim: int, bna: int, s: str | None, bb: str | None) -> Notation:
-    x, b = _x_axes(ndim, bna)
-    return Notation([x, s, bb, b, b, x], [x, s, bb])
-
-
-@lru_cache(maxsize=1024)
-def _rms_notation(ndim: int, has_scale: bool) -> Notation:
-    x, b = _x_axes(ndim, ndim - 1)
-    return Notation([x, "1" if has_scale else None], [x, b])
-
-
-@lru_cache(maxsize=1024)
-def _rms_grad_notation(ndim: int, has_scale: bool) -> Notation:
-    x, b = _x_axes(ndim, ndim - 1)
-    s = "1" if has_scale else None
-    return Notation([x, s, b, x], [x, s])
 
 
 # ---------------------------------------------------------------------------
@@ -159,25 +130,93 @@ def _check_stat(op: str, name: str, t: DistTensorSpec, x: DistTensorSpec, bna: i
         raise ShapeMismatchError(f"{op}: {name} has shape {list(t.shape)}, expected x.shape[:{bna}] = {list(want)}")
 
 
-def _dm(t: DistTensorSpec | None) -> DimsMapping | None:
-    return None if t is None else _single(t.dist_attr.dims_mapping, t.dist_attr.mesh.shape)
+# ---------------------------------------------------------------------------
+# the batch-letter merge on ints (what merge_letters answers for these notations)
+# ---------------------------------------------------------------------------
 
 
-def _shape(t: DistTensorSpec | None) -> tuple[int, ...] | None:
-    return None if t is None else t.shape
+def _weight(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        if s > 0:
+            n *= s
+    return n
 
 
-def _infer(
-    nt: Notation,
-    axes: tuple[str | None, ...],
-    mappings: tuple[DimsMapping | None, ...],
-    shapes: tuple[tuple[int, ...] | None, ...],
-    mesh: ProcessMesh,
-) -> SpmdResult:
-    """Merge ``mappings`` (labelled ``axes``), project onto the notation's inputs and outputs."""
-    merged = merge_letters(axes, mappings, shapes, nt.replicated, nt.prune, mesh.shape)
-    ins, outs = project_all(nt, merged, mesh)
-    return SpmdResult(ins, outs)
+def _merge_batch(
+    dms: tuple[DimsMapping, ...], shapes: tuple[tuple[int, ...], ...], nb: int
+) -> tuple[Entry, ...]:
+    """The batch letters' mesh dims, for tensors whose first ``nb`` axes are the batch
+    letters (the others broadcast) and whose entries are single mesh dims (after
+    :func:`_single`): per letter the first tensor sharding it claims it, another tensor
+    sharding it over another mesh dim takes it where it has more elements; then, in claim
+    order, a mesh dim already taken is dropped (:func:`merge_letters`)."""
+    if nb == 0:
+        return ()
+    ld = [-1] * nb
+    holder = [0] * nb
+    claims: list[int] = []
+    weights: list[int] | None = None
+    t = 0
+    for dm in dms:
+        for i in range(nb):
+            e = dm[i]
+            if e < 0:  # type: ignore[operator]
+                continue
+            cur = ld[i]
+            if cur < 0:
+                ld[i] = e  # type: ignore[assignment]
+                holder[i] = t
+                claims.append(i)
+            elif cur != e:
+                if weights is None:
+                    weights = [_weight(s) for s in shapes]
+                if weights[t] > weights[holder[i]]:
+                    ld[i] = e  # type: ignore[assignment]
+                    holder[i] = t
+        t += 1
+    if not claims:
+        return (-1,) * nb
+    if len(claims) == 1:
+        return tuple(ld)
+    final = [-1] * nb
+    used = 0
+    for i in claims:
+        d = ld[i]
+        if not (used >> d) & 1:
+            final[i] = d
+            used |= 1 << d
+    return tuple(final)
+
+
+def _mesh_of(op: str, tensors: tuple[DistTensorSpec | None, ...]) -> ProcessMesh:
+    """:func:`common_mesh` (the first tensor's mesh; the same errors)."""
+    first = tensors[0]
+    assert first is not None
+    mesh = first.dist_attr.mesh
+    for t in tensors:
+        if t is not None and t.dist_attr.mesh is not mesh:
+            return common_mesh(op, tensors)
+    return mesh
+
+
+def _rep(mesh: ProcessMesh, t: DistTensorSpec | None, ndim: int) -> TensorDistAttr | None:
+    """A replicated dist attr of ``ndim`` dims for the tensor (None where absent)."""
+    if t is None:
+        return None
+    return attr_as(t.dist_attr, mesh, _REP[ndim] if ndim < len(_REP) else (-1,) * ndim)
+
+
+_REP = tuple((-1,) * i for i in range(32))
+
+
+def _batch_sum(mesh: ProcessMesh, t: DistTensorSpec | None, b: tuple[Entry, ...]) -> TensorDistAttr | None:
+    """A replicated grad of ``t``'s rank, partial SUM over the batch letters' mesh dims."""
+    if t is None:
+        return None
+    pt = sorted([d for d in b if d >= 0])  # type: ignore[operator]
+    nd = len(t.shape)
+    return _make(mesh, _REP[nd] if nd < len(_REP) else (-1,) * nd, tuple([(d, _SUM) for d in pt]))  # type: ignore[misc]
 
 
 # ---------------------------------------------------------------------------
@@ -198,14 +237,19 @@ def layer_norm_forward(
 ) -> SpmdResult:
     """LayerNormInferSpmd: ``ab1, 1, 1 -> ab1, ab, ab`` (3-D x, begin_norm_axis 2)."""
     op = "layer_norm"
-    mesh = common_mesh(op, (x, scale, bias))
+    mesh = _mesh_of(op, (x, scale, bias))
     nd = len(x.shape)
     bna = _bna(op, begin_norm_axis, nd)
     size = _numel(x.shape[bna:])
     _check_param(op, "scale", scale, size)
     _check_param(op, "bias", bias, size)
-    nt = _ln_notation(nd, bna, scale is not None, bias is not None)
-    return _infer(nt, nt.inputs[:1], (_dm(x),), (x.shape,), mesh)
+    if nd > len(ALPHABET):
+        _x_axes(nd, bna)  # raises
+    xa = x.dist_attr
+    b = _merge_batch((_single(xa.dims_mapping, mesh.shape),), (x.shape,), bna)
+    ax = attr_as(xa, mesh, b + _REP[nd - bna])
+    st = _make(mesh, b)
+    return fast_result((ax, _rep(mesh, scale, 1), _rep(mesh, bias, 1)), (ax, st, st))
 
 
 def layer_norm_backward(
@@ -220,7 +264,7 @@ def layer_norm_backward(
 ) -> SpmdResult:
     """LayerNormInferSpmdReverse: x from out, mean and variance."""
     op = "layer_norm"
-    mesh = common_mesh(op, (x, scale, bias, out, mean, variance))
+    mesh = _mesh_of(op, (x, scale, bias, out, mean, variance))
     nd = len(x.shape)
     bna = _bna(op, begin_norm_axis, nd)
     size = _numel(x.shape[bna:])
@@ -229,22 +273,33 @@ def layer_norm_backward(
     _check_same(op, x, "x", out, "out")
     _check_stat(op, "mean", mean, x, bna)
     _check_stat(op, "variance", variance, x, bna)
-    nt = _ln_notation(nd, bna, scale is not None, bias is not None)
-    odm, mdm, vdm = _dm(out), _dm(mean), _dm(variance)
-    assert odm is not None and mdm is not None and vdm is not None
+    if nd > len(ALPHABET):
+        _x_axes(nd, bna)  # raises
+    ms = mesh.shape
+    odm = _single(out.dist_attr.dims_mapping, ms)
+    mdm, vdm = _single(mean.dist_attr.dims_mapping, ms), _single(variance.dist_attr.dims_mapping, ms)
     blocked = _norm_dims(odm, bna)
     if blocked:
         mdm, vdm = _without(mdm, blocked), _without(vdm, blocked)
-    return _infer(nt, nt.outputs, (odm, mdm, vdm), (out.shape, mean.shape, variance.shape), mesh)
+    b = _merge_batch((odm, mdm, vdm), (out.shape, mean.shape, variance.shape), bna)
+    ax = attr_as(x.dist_attr, mesh, b + _REP[nd - bna])
+    st = _make(mesh, b)
+    return fast_result((ax, _rep(mesh, scale, 1), _rep(mesh, bias, 1)), (ax, st, st))
 
 
 def _norm_dims(dm: DimsMapping, bna: int) -> frozenset[int]:
     """The mesh dims out shards its normalized axes on: Paddle's merge lets them claim the
     mesh dim first, so mean / variance lose it."""
-    s: set[int] = set()
+    s: set[int] | None = None
     for e in dm[bna:]:
-        s.update(entry_dims(e))
-    return frozenset(s)
+        if e != -1:
+            if s is None:
+                s = set()
+            s.update(entry_dims(e))
+    return _NONE if s is None else frozenset(s)
+
+
+_NONE: frozenset[int] = frozenset()
 
 
 def layer_norm_grad(
@@ -260,7 +315,7 @@ def layer_norm_grad(
     """LayerNormGradInferSpmd: ``ab1, 1, 1, ab, ab, ab1 -> ab1, 1, 1``; scale_grad and
     bias_grad are partial SUM over the mesh dims of the batch axes."""
     op = "layer_norm_grad"
-    mesh = common_mesh(op, (x, scale, bias, mean, variance, out_grad))
+    mesh = _mesh_of(op, (x, scale, bias, mean, variance, out_grad))
     nd = len(x.shape)
     bna = _bna(op, begin_norm_axis, nd)
     size = _numel(x.shape[bna:])
@@ -269,9 +324,22 @@ def layer_norm_grad(
     _check_same(op, x, "x", out_grad, "out_grad")
     _check_stat(op, "mean", mean, x, bna)
     _check_stat(op, "variance", variance, x, bna)
-    nt = _ln_grad_notation(nd, bna, _param_axes(scale), _param_axes(bias))
-    tensors = (x, scale, bias, mean, variance, out_grad)
-    return _infer(nt, nt.inputs, tuple(_dm(t) for t in tensors), tuple(_shape(t) for t in tensors), mesh)
+    if nd > len(ALPHABET):
+        _x_axes(nd, bna)  # raises
+    ms = mesh.shape
+    b = _merge_batch(
+        (_single(x.dist_attr.dims_mapping, ms), _single(mean.dist_attr.dims_mapping, ms),
+         _single(variance.dist_attr.dims_mapping, ms), _single(out_grad.dist_attr.dims_mapping, ms)),
+        (x.shape, mean.shape, variance.shape, out_grad.shape),
+        bna,
+    )  # fmt: skip
+    ax = attr_as(x.dist_attr, mesh, b + _REP[nd - bna])
+    st = _make(mesh, b)
+    return fast_result(
+        (ax, _rep(mesh, scale, len(scale.shape)) if scale is not None else None,
+         _rep(mesh, bias, len(bias.shape)) if bias is not None else None, st, st, ax),
+        (ax, _batch_sum(mesh, scale, b), _batch_sum(mesh, bias, b)),
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------
@@ -290,10 +358,14 @@ def _rms_checks(op: str, x: DistTensorSpec, scale: DistTensorSpec | None) -> int
 def rms_norm_forward(x: DistTensorSpec, scale: DistTensorSpec | None, epsilon: float) -> SpmdResult:
     """RmsNormInferSpmd: ``ab1, 1 -> ab1, ab`` (3-D x)."""
     op = "fused_rms_norm"
-    mesh = common_mesh(op, (x, scale))
+    mesh = _mesh_of(op, (x, scale))
     nd = _rms_checks(op, x, scale)
-    nt = _rms_notation(nd, scale is not None)
-    return _infer(nt, nt.inputs[:1], (_dm(x),), (x.shape,), mesh)
+    if nd > len(ALPHABET):
+        _x_axes(nd, nd - 1)  # raises
+    xa = x.dist_attr
+    b = _merge_batch((_single(xa.dims_mapping, mesh.shape),), (x.shape,), nd - 1)
+    ax = attr_as(xa, mesh, (*b, -1))
+    return fast_result((ax, _rep(mesh, scale, 1)), (ax, _make(mesh, b)))
 
 
 def rms_norm_backward(
@@ -305,17 +377,20 @@ def rms_norm_backward(
 ) -> SpmdResult:
     """RmsNormInferSpmdReverse: x from out and invvar."""
     op = "fused_rms_norm"
-    mesh = common_mesh(op, (x, scale, out, invvar))
+    mesh = _mesh_of(op, (x, scale, out, invvar))
     nd = _rms_checks(op, x, scale)
     _check_same(op, x, "x", out, "out")
     _check_stat(op, "invvar", invvar, x, nd - 1)
-    nt = _rms_notation(nd, scale is not None)
-    odm, idm = _dm(out), _dm(invvar)
-    assert odm is not None and idm is not None
+    if nd > len(ALPHABET):
+        _x_axes(nd, nd - 1)  # raises
+    ms = mesh.shape
+    odm, idm = _single(out.dist_attr.dims_mapping, ms), _single(invvar.dist_attr.dims_mapping, ms)
     blocked = _norm_dims(odm, nd - 1)
     if blocked:
         idm = _without(idm, blocked)
-    return _infer(nt, nt.outputs, (odm, idm), (out.shape, invvar.shape), mesh)
+    b = _merge_batch((odm, idm), (out.shape, invvar.shape), nd - 1)
+    ax = attr_as(x.dist_attr, mesh, (*b, -1))
+    return fast_result((ax, _rep(mesh, scale, 1)), (ax, _make(mesh, b)))
 
 
 def rms_norm_grad(
@@ -328,13 +403,21 @@ def rms_norm_grad(
     """RmsNormGradInferSpmd: ``ab1, 1, ab, ab1 -> ab1, 1``; scale_grad partial SUM over the
     mesh dims of the batch axes."""
     op = "rms_norm_grad"
-    mesh = common_mesh(op, (x, scale, invvar, out_grad))
+    mesh = _mesh_of(op, (x, scale, invvar, out_grad))
     nd = _rms_checks(op, x, scale)
     _check_same(op, x, "x", out_grad, "out_grad")
     _check_stat(op, "invvar", invvar, x, nd - 1)
-    nt = _rms_grad_notation(nd, scale is not None)
-    tensors = (x, scale, invvar, out_grad)
-    return _infer(nt, nt.inputs, tuple(_dm(t) for t in tensors), tuple(_shape(t) for t in tensors), mesh)
+    if nd > len(ALPHABET):
+        _x_axes(nd, nd - 1)  # raises
+    ms = mesh.shape
+    b = _merge_batch(
+        (_single(x.dist_attr.dims_mapping, ms), _single(invvar.dist_attr.dims_mapping, ms),
+         _single(out_grad.dist_attr.dims_mapping, ms)),
+        (x.shape, invvar.shape, out_grad.shape),
+        nd - 1,
+    )  # fmt: skip
+    ax = attr_as(x.dist_attr, mesh, (*b, -1))
+    return fast_result((ax, _rep(mesh, scale, 1), _make(mesh, b), ax), (ax, _batch_sum(mesh, scale, b)))
 
 
 # ---------------------------------------------------------------------------
