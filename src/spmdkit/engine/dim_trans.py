@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple, Union
 
+from spmdkit.core.dist_attr import dims_entry, entry_dims
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.engine.memo import memo
 
@@ -294,18 +295,8 @@ def flatten_reverse_trans(shape: tuple[int, ...], start: int, stop: int) -> tupl
 # -- propagation --------------------------------------------------------------------------------
 
 
-def _dims(e: Entry) -> tuple[int, ...]:
-    if isinstance(e, tuple):
-        return e
-    return () if e < 0 else (e,)
-
-
-def _entry(dims: Sequence[int]) -> Entry:
-    if not dims:
-        return -1
-    if len(dims) == 1:
-        return dims[0]
-    return tuple(dims)
+_dims = entry_dims
+_entry = dims_entry
 
 
 def _prefix(groups: Sequence[tuple[int, ...]], mesh_shape: Sequence[int], sizes: Sequence[int]) -> tuple[int, ...]:

@@ -145,6 +145,7 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+@memo()
 def merge_letters(
     axes: tuple[str | None, ...],
     mappings: tuple[DimsMapping | None, ...],
@@ -161,17 +162,6 @@ def merge_letters(
     resharded (Paddle raises here). Then, in claim order, a mesh dim already taken by an
     earlier letter is dropped, replicated letters lose their sharding, and pruned letters drop
     minor mesh dims until the mesh size divides the axis size."""
-    return _merge_memo(axes, mappings, shapes, replicated, prune, mesh_shape)
-
-
-def _merge_raw(
-    axes: tuple[str | None, ...],
-    mappings: tuple[DimsMapping | None, ...],
-    shapes: tuple[tuple[int, ...] | None, ...],
-    replicated: frozenset[str],
-    prune: str,
-    mesh_shape: tuple[int, ...],
-) -> tuple[tuple[str, tuple[int, ...]], ...]:
     dims_of: dict[str, tuple[int, ...]] = {}
     weight: dict[str, int] = {}
     claims: list[str] = []
@@ -228,7 +218,6 @@ def _merge_raw(
     return tuple(dims_of.items())
 
 
-_merge_memo = memo()(_merge_raw)
 
 
 def _prod(mesh_shape: tuple[int, ...], dims: tuple[int, ...]) -> int:
