@@ -318,13 +318,14 @@ def check_letters(
                 )
 
 
-def merge(
+def merge_specs(
     notation: Notation,
     axes: Sequence[str | None],
     specs: Sequence[DistTensorSpec | None],
     mesh: ProcessMesh,
-) -> LetterMap:
-    merged = merge_letters(
+) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """:func:`merge_letters` over tensors labelled ``axes``, with the notation's flags."""
+    return merge_letters(
         tuple(axes),
         tuple(None if s is None else s.dist_attr.dims_mapping for s in specs),
         tuple(None if s is None else s.shape for s in specs),
@@ -332,7 +333,15 @@ def merge(
         notation.prune,
         mesh.shape,
     )
-    return dict(merged)
+
+
+def merge(
+    notation: Notation,
+    axes: Sequence[str | None],
+    specs: Sequence[DistTensorSpec | None],
+    mesh: ProcessMesh,
+) -> LetterMap:
+    return dict(merge_specs(notation, axes, specs, mesh))
 
 
 def attrs_from_letters(
@@ -383,15 +392,7 @@ def einsum_forward(
         return _forward_single(op, notation, plan, inputs[0], names)
     mesh = common_mesh(op, inputs)
     check_letters(op, notation.inputs, inputs, names)
-    merged = merge_letters(
-        notation.inputs,
-        tuple(None if s is None else s.dist_attr.dims_mapping for s in inputs),
-        tuple(None if s is None else s.shape for s in inputs),
-        notation.replicated,
-        notation.prune,
-        mesh.shape,
-    )
-    return project_all(notation, merged, mesh)
+    return project_all(notation, merge_specs(notation, notation.inputs, inputs, mesh), mesh)
 
 
 def _forward_single(
@@ -458,14 +459,7 @@ def einsum_backward(
     the inferred inputs produce."""
     mesh = common_mesh(op, list(inputs) + list(outputs))
     check_letters(op, list(notation.inputs) + list(notation.outputs), list(inputs) + list(outputs), names)
-    merged = merge_letters(
-        notation.outputs,
-        tuple(None if s is None else s.dist_attr.dims_mapping for s in outputs),
-        tuple(None if s is None else s.shape for s in outputs),
-        notation.replicated,
-        notation.prune,
-        mesh.shape,
-    )
+    merged = merge_specs(notation, notation.outputs, outputs, mesh)
     # a letter no input carries cannot be sharded by the inputs
     in_letters = notation.input_letters
     merged = tuple((ch, d) for ch, d in merged if ch in in_letters)
