@@ -38,8 +38,6 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.memo import memo
 
-LetterMap = dict[str, tuple[int, ...]]
-
 BROADCAST = "1"
 ALPHABET = "abcdefghijklmnopqrstuvwxyz"
 
@@ -138,7 +136,9 @@ class Notation:
 # ---------------------------------------------------------------------------
 
 
-def _numel(shape: tuple[int, ...]) -> int:
+def merge_weight(shape: tuple[int, ...]) -> int:
+    """A tensor's weight when two tensors shard one axis differently (the larger keeps its
+    sharding): its element count, unknown (-1) and zero sizes counted as 1."""
     n = 1
     for s in shape:
         n *= s if s > 0 else 1
@@ -186,13 +186,13 @@ def merge_letters(
                     cur = dims_of[ch]
                     if not cur:
                         if n < 0:
-                            n = _numel(shape) if shape is not None else 0
+                            n = merge_weight(shape) if shape is not None else 0
                         dims_of[ch] = d
                         weight[ch] = n
                         claims.append(ch)
                     elif d != cur:
                         if n < 0:
-                            n = _numel(shape) if shape is not None else 0
+                            n = merge_weight(shape) if shape is not None else 0
                         if n > weight[ch]:
                             dims_of[ch] = d
                             weight[ch] = n
@@ -333,15 +333,6 @@ def merge_specs(
         notation.prune,
         mesh.shape,
     )
-
-
-def merge(
-    notation: Notation,
-    axes: Sequence[str | None],
-    specs: Sequence[DistTensorSpec | None],
-    mesh: ProcessMesh,
-) -> LetterMap:
-    return dict(merge_specs(notation, axes, specs, mesh))
 
 
 def attrs_from_letters(

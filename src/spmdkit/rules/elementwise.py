@@ -37,6 +37,7 @@ from spmdkit.engine.notation import (
     einsum_backward,
     einsum_forward,
     fast_result,
+    merge_weight,
 )
 from spmdkit.rules.registry import register
 
@@ -71,13 +72,6 @@ def _largest(e: tuple[int, ...], mesh_shape: tuple[int, ...]) -> int:
         if mesh_shape[d] > mesh_shape[best]:
             best = d
     return best
-
-
-def _has_coshard(dm: DimsMapping) -> bool:
-    for e in dm:
-        if isinstance(e, tuple):
-            return True
-    return False
 
 
 def _used_dims(dm: DimsMapping) -> set[int]:
@@ -286,15 +280,6 @@ def _notation2(op: str, x: DistTensorSpec, y: DistTensorSpec) -> tuple[str, str,
     return nt
 
 
-def _numel1(shape: tuple[int, ...]) -> int:
-    """The merge weight of a tensor: its element count, unknown / zero sizes as 1."""
-    n = 1
-    for s in shape:
-        if s > 0:
-            n *= s
-    return n
-
-
 @memo()
 def _binary_merge(
     dx: DimsMapping, dy: DimsMapping, xs: tuple[int, ...], ys: tuple[int, ...], mesh_shape: tuple[int, ...]
@@ -306,16 +291,11 @@ def _binary_merge(
     entry keeps its largest mesh dim. Claims: x's axes left to right, then y's; where x
     and y shard one letter over different mesh dims the larger tensor wins (x on a tie);
     a mesh dim already claimed is dropped."""
+    if not _broadcasts(xs, ys):
+        return None
     nx, ny = len(xs), len(ys)
     n = nx if nx >= ny else ny
-    if n > _NLETTERS:
-        return None
     ox, oy = n - nx, n - ny
-    # the shapes broadcast (Paddle's GetBinaryNotations)
-    for j in range(ox if ox > oy else oy, n):
-        sx, sy = xs[j - ox], ys[j - oy]
-        if sx != sy and sx != 1 and sy != 1 and sx >= 0 and sy >= 0:
-            return None
     ld = [-1] * n  # per letter: its mesh dim
     claims: list[int] = []  # a letter, or ~mesh dim for a size-1 axis's own claim
     j = 0
@@ -345,7 +325,7 @@ def _binary_merge(
                     claims.append(a)
                 elif cur != e:
                     if wx < 0:
-                        wx, wy = _numel1(xs), _numel1(ys)
+                        wx, wy = merge_weight(xs), merge_weight(ys)
                     if wy > wx:
                         ld[a] = e
         j += 1

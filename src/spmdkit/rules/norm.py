@@ -38,6 +38,7 @@ from spmdkit.engine.notation import (
     attr_as,
     common_mesh,
     fast_result,
+    merge_weight,
 )
 from spmdkit.rules.registry import register
 
@@ -135,14 +136,6 @@ def _check_stat(op: str, name: str, t: DistTensorSpec, x: DistTensorSpec, bna: i
 # ---------------------------------------------------------------------------
 
 
-def _weight(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        if s > 0:
-            n *= s
-    return n
-
-
 def _merge_batch(
     dms: tuple[DimsMapping, ...], shapes: tuple[tuple[int, ...], ...], nb: int
 ) -> tuple[Entry, ...]:
@@ -170,7 +163,7 @@ def _merge_batch(
                 claims.append(i)
             elif cur != e:
                 if weights is None:
-                    weights = [_weight(s) for s in shapes]
+                    weights = [merge_weight(s) for s in shapes]
                 if weights[t] > weights[holder[i]]:
                     ld[i] = e  # type: ignore[assignment]
                     holder[i] = t
