@@ -1,5 +1,10 @@
-"""spmdkit.rules: one module per op family; importing this package registers them all."""
+"""spmdkit.rules: one module per op family; importing this package registers them all.
 
+The families of the foundation are imported in a fixed order (RULE_MODULES); every other
+module of this package (one per later op family) is imported after them, by name.
+"""
+
+import pkgutil
 from importlib import import_module
 
 from spmdkit.rules.registry import (
@@ -25,7 +30,10 @@ RULE_MODULES = (
     "default",
 )
 
-for _m in RULE_MODULES:
+_LATER = sorted(m.name for m in pkgutil.iter_modules(__path__)
+                if m.name not in RULE_MODULES and m.name != "registry" and not m.name.startswith("_"))
+
+for _m in (*RULE_MODULES, *_LATER):
     import_module(f"spmdkit.rules.{_m}")
 
 __all__ = [

@@ -11,6 +11,7 @@ simulated mesh; ``spmdkit.sim.ops`` holds the numpy references of the ops;
 ``verify_rule`` many. See docs/simulator.md.
 """
 
+from spmdkit.sim import refs as _refs  # noqa: F401  (registers the later families' references)
 from spmdkit.sim.cases import generate_case, generate_cases
 from spmdkit.sim.mesh import AssembleError, assemble, balanced_split, local_slices, shard
 from spmdkit.sim.ops import Ctx, Reference, get_reference, reference_names, register_reference
