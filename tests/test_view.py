@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spmdkit.core import DistTensorSpec, ProcessMesh, TensorDistAttr
-from spmdkit.core.errors import InvalidAttributeError, SpmdError
+from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError, SpmdError
 from spmdkit.engine.dim_trans import (
     Flatten,
     InputDim,
@@ -72,6 +72,9 @@ def test_axis_errors() -> None:
     x = spec([2, 4], [8, 1, 4], [0, -1, -1])
     with pytest.raises(InvalidAttributeError, match="stop_axis"):
         get_rule("flatten").infer_forward(x, 0, 3)
+    with pytest.raises(InvalidAttributeError, match="flatten: start_axis 2 comes after stop_axis 1"):
+        get_rule("flatten").infer_forward(x, 2, 1)
+    assert dms(get_rule("flatten").infer_forward(x, 2, -1)) == ([[0, -1, -1]], [[0, -1, -1]])  # 2 == -1: identity
     with pytest.raises(InvalidAttributeError, match="squeeze: axis 5"):
         get_rule("squeeze").infer_forward(x, [5])
     with pytest.raises(InvalidAttributeError, match="unsqueeze: axis 5"):
@@ -145,3 +148,62 @@ def test_reshape_property(shape: list[int], dm: list[int], data: st.DataObject) 
             "args": [{"shape": shape, "dims_mapping": dm}, [a, -1]]}
     v = verify(None, case)
     assert v.status != "unsound", v.detail
+
+
+def test_reshape_dynamic_sizes() -> None:
+    """Paddle's reshape unit test: x [-1,-1,3072], shape [0,0,-1,192] (0 copies the dynamic axis,
+    -1 is inferred from the known sizes: 16)."""
+    f = get_rule("reshape").infer_forward
+    assert dms(f(spec([2, 3], [-1, -1, 3072], [0, 1, -1]), [0, 0, -1, 192])) == ([[0, 1, -1]], [[0, 1, -1, -1]])
+    # 16 is not divisible by mesh dim 1 (3): the split's first piece cannot keep it
+    assert dms(f(spec([2, 3], [-1, -1, 3072], [0, -1, 1]), [0, 0, -1, 192])) == ([[0, -1, -1]], [[0, -1, -1, -1]])
+    assert dms(f(spec([2, 3], [-1, -1, 3072], [1, -1, 0]), [0, 0, -1, 192])) == ([[1, -1, 0]], [[1, -1, 0, -1]])
+    b = get_rule("reshape").infer_backward
+    r = b(spec([2, 3], [-1, -1, 3072], [-1, -1, -1]), spec([2, 3], [-1, -1, 16, 192], [1, 0, -1, -1]),
+          [0, 0, -1, 192])
+    assert dms(r) == ([[1, 0, -1]], [[1, 0, -1, -1]])
+
+
+@pytest.mark.parametrize(("shape", "target", "msg"), [
+    ([6, -1], [0, 6], "must copy it with 0 at index 1"),
+    ([4, -1], [2, 0, 2], "same elements before the dynamic axis 1"),
+    ([-1, -1], [-1, 0], "must copy it with 0 at index 0"),
+])
+def test_reshape_dynamic_sizes_not_copied(shape: list[int], target: list[int], msg: str) -> None:
+    with pytest.raises(ShapeMismatchError) as e:
+        get_rule("reshape").infer_forward(spec([2], shape, [-1] * len(shape)), target)
+    assert msg in str(e.value) and "reshape" in str(e.value)
+
+
+def test_reshape_infer_matches_the_list() -> None:
+    """The reshape rule's one-pass reshape_infer equals infer_from_trans over reshape_trans."""
+    import random
+
+    from spmdkit.engine.dim_trans import infer_from_trans, reshape_infer
+
+    r = random.Random(7)
+
+    def factor(n: int) -> list[int]:
+        out = []
+        while n > 1:
+            d = r.choice([d for d in range(2, n + 1) if n % d == 0])
+            out.append(d)
+            n //= d
+        for _ in range(r.randint(0, 2)):
+            out.insert(r.randint(0, len(out)), 1)
+        return out or [1]
+
+    for _ in range(3000):
+        n = r.choice([1, 2, 6, 8, 12, 24, 48, 72])
+        a, b = tuple(factor(n)), tuple(factor(n))
+        mesh = tuple(r.choice([2, 3, 4]) for _ in range(r.randint(1, 3)))
+        dm: list[object] = [-1] * len(a)
+        for d in range(len(mesh)):
+            i = r.randrange(len(a))
+            if dm[i] == -1:
+                dm[i] = d
+            elif r.random() < 0.5:
+                prev = dm[i]
+                dm[i] = (*(prev if isinstance(prev, tuple) else (prev,)), d)
+        key = (a, b, tuple(dm), mesh)
+        assert reshape_infer(a, b, tuple(dm), mesh) == infer_from_trans(reshape_trans(a, b), a, tuple(dm), mesh), key

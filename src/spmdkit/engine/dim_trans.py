@@ -28,7 +28,8 @@ local block of the input is the local block of the output in the same (row-major
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple, Union
 
 from spmdkit.core.dist_attr import dims_entry, entry_dims
@@ -69,18 +70,29 @@ class Split(NamedTuple):
 DimTrans = Union[InputDim, Singleton, Flatten, Split]
 
 
-def _prod(v: Sequence[int]) -> int:
-    p = 1
-    for x in v:
-        p *= x
-    return p
+def _prod(v: Iterable[int]) -> int:
+    return math.prod(v)
 
 
 # -- building the lists -------------------------------------------------------------------------
 
 
 def resolve_target(op: str, shape: Sequence[int], x_shape: Sequence[int], arg: str = "shape") -> tuple[int, ...]:
-    """Paddle's reshape target: 0 copies x's size at that index, one -1 is inferred."""
+    """Paddle's reshape target: 0 copies x's size at that index, one -1 is inferred.
+
+    x may have dynamic (-1) sizes: each must be copied by a 0 at its own index, with the same
+    number of elements (of the known sizes) before it in x and in the target, so that it stays
+    one axis of its own; the -1 of the target is then inferred from the known sizes."""
+    if -1 not in x_shape:
+        fast = True
+        for t in shape:
+            if t.__class__ is not int or t <= 0:
+                fast = False
+                break
+        if fast:
+            n = _prod(x_shape)
+            if _prod(shape) == n:
+                return shape if shape.__class__ is tuple else tuple(shape)
     out: list[int] = []
     infer = -1
     for i, t in enumerate(shape):
@@ -90,6 +102,9 @@ def resolve_target(op: str, shape: Sequence[int], x_shape: Sequence[int], arg: s
                 raise InvalidAttributeError(
                     f"{op}: {arg} {list(shape)} has 0 at index {i} but x has only {len(x_shape)} dims")
             t = int(x_shape[i])
+            if t == -1:
+                out.append(-1)
+                continue
         elif t == -1:
             if infer >= 0:
                 raise InvalidAttributeError(f"{op}: {arg} {list(shape)} has more than one -1")
@@ -97,15 +112,27 @@ def resolve_target(op: str, shape: Sequence[int], x_shape: Sequence[int], arg: s
         elif t < 0:
             raise InvalidAttributeError(f"{op}: {arg} {list(shape)} has a negative size {t}")
         out.append(t)
-    n = _prod(x_shape)
+    dynamic = [i for i, v in enumerate(x_shape) if v == -1]
+    for i in dynamic:
+        if i >= len(shape) or int(shape[i]) != 0:
+            raise ShapeMismatchError(
+                f"{op}: x has a dynamic (-1) size at axis {i} (shape {list(x_shape)}); {arg} {list(shape)} must "
+                f"copy it with 0 at index {i}")
+    n = _prod(v for v in x_shape if v != -1)
     if infer >= 0:
-        rest = _prod(out[:infer] + out[infer + 1:])
+        rest = _prod(v for j, v in enumerate(out) if j != infer and v != -1)
         if rest == 0 or n % rest:
             raise InvalidAttributeError(f"{op}: {arg} {list(shape)}: cannot infer -1 for x of shape {list(x_shape)}")
         out[infer] = n // rest
-    if _prod(out) != n:
+    got = _prod(v for v in out if v != -1)
+    if got != n:
         raise InvalidAttributeError(
-            f"{op}: {arg} {list(shape)} holds {_prod(out)} elements but x of shape {list(x_shape)} has {n}")
+            f"{op}: {arg} {list(shape)} holds {got} elements but x of shape {list(x_shape)} has {n}")
+    for i in dynamic:
+        if _prod(v for v in x_shape[:i] if v != -1) != _prod(v for v in out[:i] if v != -1):
+            raise ShapeMismatchError(
+                f"{op}: x of shape {list(x_shape)} and {arg} {list(shape)} do not hold the same elements before "
+                f"the dynamic axis {i}")
     return tuple(out)
 
 
@@ -115,15 +142,93 @@ def _check_shape(op: str, shape: Sequence[int], what: str) -> None:
             raise ShapeMismatchError(f"{op}: {what} has shape {list(shape)}; view rules need sizes >= 1")
 
 
+def _check_counts(src: tuple[int, ...], tgt: tuple[int, ...]) -> None:
+    if -1 not in src and -1 not in tgt:
+        if math.prod(src) != math.prod(tgt):
+            raise ShapeMismatchError(f"reshape: {list(src)} and {list(tgt)} hold different element counts")
+        return
+    if _prod(v for v in src if v != -1) != _prod(v for v in tgt if v != -1) or src.count(-1) != tgt.count(-1):
+        raise ShapeMismatchError(f"reshape: {list(src)} and {list(tgt)} hold different element counts")
+
+
+@memo()
+def reshape_infer(
+    src: tuple[int, ...], tgt: tuple[int, ...], dm: tuple[Entry, ...], mesh_shape: tuple[int, ...]
+) -> tuple[tuple[Entry, ...], tuple[Entry, ...]]:
+    """``infer_from_trans(reshape_trans(src, tgt), src, dm, mesh_shape)`` in one pass on ints,
+    without building the list (the reshape rule's hot path; tests check both agree)."""
+    _check_counts(src, tgt)
+    ns, nt = len(src), len(tgt)
+    new_in: list[Entry] = [-1] * ns
+    out: list[Entry] = [-1] * nt
+    si = ti = 0
+    while si < ns or ti < nt:
+        s0, t0 = si, ti
+        if si < ns:
+            s = src[si]
+            si += 1
+            if s == -1:  # a dynamic axis, copied
+                out[ti] = new_in[s0] = dm[s0]
+                ti += 1
+                continue
+        else:
+            s = 1
+        if ti < nt:
+            t = tgt[ti]
+            ti += 1
+        else:
+            t = 1
+        if s == 1:
+            if t == 1:
+                if si > s0 and ti > t0:  # 1 -> 1 keeps its sharding
+                    out[t0] = new_in[s0] = dm[s0]
+                continue
+            ti -= 1  # a size-1 source axis feeds nothing
+            continue
+        if t == 1:
+            si -= 1  # a new size-1 output axis (Singleton)
+            continue
+        while s != t:
+            if s < t:
+                s *= src[si]
+                si += 1
+            else:
+                t *= tgt[ti]
+                ti += 1
+        k = s0
+        while src[k] == 1:
+            k += 1
+        e = dm[k]
+        if e == -1:
+            continue
+        one = ti - t0 == 1
+        if one and (si - s0 == 1 or all(src[j] == 1 for j in range(k + 1, si))):
+            out[t0] = new_in[k] = e  # InputDim: kept as it is
+            continue
+        size = tgt[t0]
+        if size == 1:
+            continue
+        groups = _flatten_dims([j for j in range(k, si) if src[j] != 1], dm)
+        keep = _prefix(groups, mesh_shape, (src[k],) if one else (src[k], size))
+        if keep:
+            out[t0] = new_in[k] = _entry(keep)
+    return tuple(new_in), tuple(out)
+
+
 @memo()
 def reshape_trans(src: tuple[int, ...], tgt: tuple[int, ...]) -> tuple[DimTrans, ...]:
-    """The list for reshaping ``src`` into ``tgt`` (both resolved, same element count)."""
-    if _prod(src) != _prod(tgt):
-        raise ShapeMismatchError(f"reshape: {list(src)} and {list(tgt)} hold different element counts")
+    """The list for reshaping ``src`` into ``tgt`` (both resolved, same element count; a
+    dynamic (-1) size is an axis of its own at the same index in both, see resolve_target)."""
+    _check_counts(src, tgt)
     ret: list[DimTrans] = []
     si = ti = 0
     ns, nt = len(src), len(tgt)
     while si < ns or ti < nt:
+        if si < ns and src[si] == -1:
+            ret.append(InputDim(si))
+            si += 1
+            ti += 1
+            continue
         dims: list[int] = []
         pieces: list[int] = []
         if si < ns:
@@ -190,13 +295,18 @@ def norm_axis(op: str, axis: int, ndim: int, arg: str, extra: int = 0) -> int:
 
 @memo()
 def flatten_trans(shape: tuple[int, ...], start: int, stop: int) -> tuple[tuple[DimTrans, ...], tuple[int, ...]]:
-    """(list, out shape) for flatten(start_axis, stop_axis); start > stop is the identity."""
+    """(list, out shape) for flatten(start_axis, stop_axis); start_axis after stop_axis (once
+    negative axes are counted from the end) is an error, as in the op (Paddle's rule answers
+    the identity for it: deviation view-invalid-attr)."""
     nd = len(shape)
     if nd == 0:
         raise InvalidAttributeError("flatten: x is 0-D; start_axis and stop_axis must be less than its rank 0")
     a = norm_axis("flatten", start, nd, "start_axis")
     b = norm_axis("flatten", stop, nd, "stop_axis")
-    if a >= b:
+    if a > b:
+        raise InvalidAttributeError(
+            f"flatten: start_axis {start} comes after stop_axis {stop} for a {nd}-D x (the op rejects it)")
+    if a == b:
         return tuple(InputDim(i) for i in range(nd)), shape
     real = tuple(i for i in range(a, b + 1) if shape[i] != 1)
     mid: DimTrans

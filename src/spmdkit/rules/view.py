@@ -27,18 +27,21 @@ from spmdkit.engine.dim_trans import (
     flatten_trans,
     infer_from_trans,
     invert_trans,
-    reshape_trans,
+    reshape_infer,
     resolve_target,
     squeeze_trans,
     unsqueeze_trans,
 )
+from spmdkit.engine.notation import attr_as, fast_result
 from spmdkit.rules.registry import register
 
 
-def _check_sizes(op: str, spec: DistTensorSpec, name: str) -> None:
+def _check_sizes(op: str, spec: DistTensorSpec, name: str, dynamic: bool = False) -> None:
+    """Sizes >= 1; with ``dynamic`` (reshape's x and out) a size may also be -1 (unknown)."""
     for s in spec.shape:
-        if s <= 0:
-            raise ShapeMismatchError(f"{op}: {name} has shape {list(spec.shape)}; view rules need sizes >= 1")
+        if s <= 0 and not (dynamic and s == -1):
+            raise ShapeMismatchError(f"{op}: {name} has shape {list(spec.shape)}; view rules need sizes >= 1"
+                                     + (" (or -1 for a dynamic size)" if dynamic else ""))
 
 
 def _legacy(dm: tuple[Entry, ...], mesh_shape: tuple[int, ...]) -> tuple[Entry, ...]:
@@ -73,7 +76,7 @@ def _forward(op: str, x: DistTensorSpec, trans: tuple[DimTrans, ...], keep_parti
 
 def _reverse(op: str, x: DistTensorSpec, out: DistTensorSpec, out_shape: tuple[int, ...],
              trans: tuple[DimTrans, ...] | None = None) -> SpmdResult:
-    _check_sizes(op, x, "x")
+    """x from out through the list out -> x (``trans``; reshape's list when None)."""
     if tuple(out.shape) != tuple(out_shape):
         raise ShapeMismatchError(f"{op}: out has shape {list(out.shape)} but x of shape {list(x.shape)} "
                                  f"gives {list(out_shape)}")
@@ -81,8 +84,9 @@ def _reverse(op: str, x: DistTensorSpec, out: DistTensorSpec, out_shape: tuple[i
     mesh = a.mesh
     odm = _legacy(a.dims_mapping, mesh.shape)
     if trans is None:
-        trans = reshape_trans(tuple(out.shape), tuple(x.shape))
-    new_out, x_dm = infer_from_trans(trans, tuple(out.shape), odm, mesh.shape)
+        new_out, x_dm = reshape_infer(out.shape, x.shape, odm, mesh.shape)
+    else:
+        new_out, x_dm = infer_from_trans(trans, out.shape, odm, mesh.shape)
     return SpmdResult([TensorDistAttr._make(mesh, x_dm)], [TensorDistAttr._make(mesh, new_out)])
 
 
@@ -90,15 +94,26 @@ def _reverse(op: str, x: DistTensorSpec, out: DistTensorSpec, out_shape: tuple[i
 
 
 def reshape_forward(x: DistTensorSpec, shape: tuple[int, ...]) -> SpmdResult:
-    """out = x viewed as ``shape`` (0 copies x's size, one -1 inferred)."""
-    _check_sizes("reshape", x, "x")
-    tgt = resolve_target("reshape", shape, x.shape)
-    return _forward("reshape", x, reshape_trans(x.shape, tgt))
+    """out = x viewed as ``shape`` (0 copies x's size, one -1 inferred; a dynamic (-1) size of x
+    must be copied by a 0 at its index)."""
+    xs = x.shape
+    for v in xs:
+        if v <= 0:
+            _check_sizes("reshape", x, "x", dynamic=True)
+            break
+    tgt = resolve_target("reshape", shape, xs)
+    a = x.dist_attr
+    mesh = a.mesh
+    new_in, out = reshape_infer(xs, tgt, a.dims_mapping, mesh.shape)
+    pt = a.partial
+    return fast_result((attr_as(a, mesh, new_in) if not pt else TensorDistAttr._make(mesh, new_in, pt),),
+                       (TensorDistAttr._make(mesh, out, pt),))
 
 
 def reshape_backward(x: DistTensorSpec, out: DistTensorSpec, shape: tuple[int, ...]) -> SpmdResult:
     """x from out through the list out -> x."""
-    _check_sizes("reshape", x, "x")
+    _check_sizes("reshape", x, "x", dynamic=True)
+    _check_sizes("reshape", out, "out", dynamic=True)
     return _reverse("reshape", x, out, resolve_target("reshape", shape, x.shape))
 
 
@@ -114,8 +129,10 @@ def _grad(op: str, xs: DistTensorSpec, out_grad: DistTensorSpec, xs_name: str) -
     if n != m:
         raise ShapeMismatchError(f"{op}: out_grad of shape {list(out_grad.shape)} does not hold the "
                                  f"{n} elements of {xs_name} of shape {list(xs.shape)}")
-    r = _forward(op, out_grad, reshape_trans(out_grad.shape, xs.shape))
-    return SpmdResult([xs.dist_attr, r.inputs[0]], list(r.outputs))
+    a = out_grad.dist_attr
+    new_in, out = reshape_infer(out_grad.shape, xs.shape, a.dims_mapping, a.mesh.shape)
+    return SpmdResult([xs.dist_attr, TensorDistAttr._make(a.mesh, new_in, a.partial)],
+                      [TensorDistAttr._make(a.mesh, out, a.partial)])
 
 
 def reshape_grad(x_shape: DistTensorSpec, out_grad: DistTensorSpec) -> SpmdResult:
