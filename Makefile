@@ -18,7 +18,7 @@ $(VENV)/.installed-test: $(BIN)/python pyproject.toml
 	touch $@
 
 demo: $(VENV)/.installed-demo
-	$(BIN)/spmdkit demo
+	$(BIN)/spmdkit plan --model llama-7b --mesh dp=2,tp=4 --strategy megatron --verify
 
 test: $(VENV)/.installed-test lint typecheck unit
 

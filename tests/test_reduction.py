@@ -20,7 +20,7 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.rules import get_rule
 from spmdkit.rules.reduction import REDUCTION_OPS, notation
-from spmdkit.sim import REJECTED, SOUND, verify
+from spmdkit.sim import REJECTED, SOUND, verify, verify_rule
 
 M4 = ProcessMesh([4])
 M23 = ProcessMesh([2, 3])
@@ -296,6 +296,21 @@ def test_max_grad_clears_partial() -> None:
     res = r.infer_forward(T(M23, [6, 4], [-1, 1]), og, og, [1], False, False)
     assert [(a.dims_mapping, a.partial) for a in res.inputs] == [((0, -1), ()), ((0,), ()), ((0,), ())]
     assert one(res) == ((0, -1), {})
+
+
+def test_reduction_grad_keeps_x_sharding() -> None:
+    """sum_grad: x_grad is out_grad broadcast over the reduced axes: x's sharding of those axes
+    is kept, so a sum over a batch-sharded loss needs no all-gather in backward; a mesh dim
+    out_grad already uses is not taken twice. (mean_grad divides by the reduced count, which a
+    rank's local kernel would take from its shard: it keeps the reduced axes replicated.)"""
+    r = get_rule("sum_grad")
+    res = r.infer_forward(T(M23, [4, 6, 1], [0, 1, -1]), T(M23, [], []), [], False, True)
+    assert one(res) == ((0, 1, -1), {})
+    res = r.infer_forward(T(M23, [4, 6], [0, 1]), T(M23, [4], [1]), [1], False, False)
+    assert one(res) == ((1, -1), {})
+    assert verify_rule("sum_grad", 200, 3).unsound == 0
+    res = get_rule("mean_grad").infer_forward(T(M23, [4, 6, 1], [0, 1, -1]), T(M23, [], []), [], False, True)
+    assert one(res) == ((-1, -1, -1), {})
 
 
 def test_squared_l2_norm_grad_one_element_out() -> None:

@@ -1,4 +1,4 @@
-"""The ``spmdkit`` command: infer, rules, verify, demo."""
+"""The ``spmdkit`` command: infer, rules, verify, plan, demo."""
 
 from __future__ import annotations
 
@@ -84,6 +84,12 @@ def _cmd_demo(ns: argparse.Namespace, out: TextIO) -> int:
     return run_demo(out)
 
 
+def _cmd_plan(ns: argparse.Namespace, out: TextIO) -> int:
+    from spmdkit.graph.plan_cli import run_plan
+
+    return run_plan(ns, out)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="spmdkit", description="SPMD sharding propagation rules and tools")
     sub = p.add_subparsers(dest="command", required=True)
@@ -102,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     from spmdkit.sim.cli import add_verify_command
 
     add_verify_command(sub)
+
+    from spmdkit.graph.plan_cli import add_plan_arguments
+
+    pp = sub.add_parser("plan", help="plan a model's training step on a mesh: shardings, reshards, memory")
+    add_plan_arguments(pp)
+    pp.set_defaults(fn=_cmd_plan)
 
     pd = sub.add_parser("demo", help="a short tour of the main job")
     pd.set_defaults(fn=_cmd_demo)

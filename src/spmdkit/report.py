@@ -33,11 +33,13 @@ def _table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]], out
         for r in rows:
             out.write("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() + "\n")
         return
-    t = Table(title=title, title_justify="left")
+    from rich.markup import escape
+
+    t = Table(title=escape(title), title_justify="left")
     for h in header:
-        t.add_column(h, no_wrap=True)
+        t.add_column(escape(h), no_wrap=True)
     for r in rows:
-        t.add_row(*r)
+        t.add_row(*(escape(c) for c in r))  # cells are text ("[dp:S(0), tp:R]"), not markup
     # wide enough that no cell is cut or wrapped, whatever the terminal
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
     Console(file=out, width=max(len(title), sum(widths) + 3 * len(widths) + 1), soft_wrap=True).print(t)

@@ -60,3 +60,8 @@ __all__ = [
     "UnsupportedModeError",
     "CaseFormatError",
 ]
+
+
+class ProgramError(SpmdError):
+    """A program (spmdkit.graph) is malformed: unknown rule, dangling or twice-produced tensor,
+    shapes the op's rule rejects, or an annotation that does not fit its tensor."""

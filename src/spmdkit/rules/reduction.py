@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from spmdkit.core.dist_attr import DimsMapping, Entry, Partial, ReduceType, TensorDistAttr
+from spmdkit.core.dist_attr import DimsMapping, Entry, Partial, ReduceType, TensorDistAttr, entry_dims
 from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation
@@ -265,16 +265,29 @@ def reduce_base_backward(x: DistTensorSpec, out: DistTensorSpec, axis: tuple[int
 
 
 @lru_cache(maxsize=65536)
-def _grad_core(gdm: DimsMapping, ndim: int, pos: tuple[int, ...]) -> tuple[DimsMapping, DimsMapping]:
-    """(x's dims_mapping, out_grad's) from out_grad's."""
-    x: list[Entry] = [-1] * ndim
+def _grad_core(gdm: DimsMapping, nd: int, pos: tuple[int, ...],
+               xdm: DimsMapping | None = None) -> tuple[DimsMapping, DimsMapping]:
+    """(x's and x_grad's dims_mapping, out_grad's): the kept axes as out_grad shards them. With
+    ``xdm`` (sum, whose x_grad is out_grad broadcast back over the reduced axes and depends on
+    neither x's values nor the reduced count, as mean's does) the reduced axes keep x's own sharding where its mesh dims
+    are free (a slice of a broadcast value: no communication); else they are replicated."""
+    x: list[Entry] = [-1] * nd
     g: list[Entry] = []
+    used: set[int] = set()
     for j, p in enumerate(pos):
         if p >= 0:
             x[p] = gdm[j]
             g.append(gdm[j])
+            used.update(entry_dims(gdm[j]))
         else:
             g.append(-1)
+    kept = {p for p in pos if p >= 0}
+    for i in range(nd if xdm is not None else 0):
+        if i not in kept and xdm[i] != -1:  # type: ignore[index]
+            d = entry_dims(xdm[i])  # type: ignore[index]
+            if not used.intersection(d):
+                x[i] = xdm[i]  # type: ignore[index]
+                used.update(d)
     return tuple(x), tuple(g)
 
 
@@ -294,7 +307,8 @@ def _grad(
             raise InvalidMeshError(f"{op}: x and out_grad lie on different meshes")
     else:
         _check_out(op, x, out_grad, pos, "out_grad")
-        xdm, gdm = _grad_core(out_grad.dist_attr.dims_mapping, nd, pos)
+        own = x.dist_attr.dims_mapping if op == "sum_grad" else None
+        xdm, gdm = _grad_core(out_grad.dist_attr.dims_mapping, nd, pos, own)
     if out is not None:
         if out.dist_attr.mesh != mesh:
             raise InvalidMeshError(f"{op}: x and out lie on different meshes")

@@ -390,6 +390,28 @@ def register(
     return rule
 
 
+def is_reverse(rule: Rule) -> bool:
+    """Is the rule's backward slot a reverse rule (the op's outputs -> its inputs), not a grad rule?"""
+    if rule.backward is None:
+        return False
+    fn = (rule.backward.function_name or "").lower()
+    if "reverse" in fn:
+        return True
+    if "grad" in fn:
+        return False
+    fwd = {p.name for p in rule.forward.params if p.is_tensor}
+    bwd = {p.name for p in rule.backward.params if p.is_tensor}
+    return fwd <= bwd and bool(bwd - fwd)
+
+
+def output_params(rule: Rule) -> list[str]:
+    """The backward (reverse) rule's tensor params that are outputs of the op, in order."""
+    if rule.backward is None:
+        return []
+    fwd = [p.name for p in rule.forward.params if p.is_tensor]
+    return [p.name for p in rule.backward.params if p.is_tensor and p.name not in fwd]
+
+
 def get_rule(name: str) -> Rule:
     """The rule registered under ``name`` (or an alias of it)."""
     _ensure_loaded()

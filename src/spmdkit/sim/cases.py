@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from spmdkit.rules.registry import is_reverse, output_params
 from spmdkit.sim.ops import REDUCE_BASE_TYPES, REDUCTIONS, Ctx, Reference, get_reference
 
 Shape = tuple[int, ...]
@@ -462,35 +463,15 @@ def _tensor_json(t: TGen, r: random.Random, mesh: list[int], ref: Reference, nam
     return {"shape": list(t.shape), **rand_attr(r, mesh, len(t.shape), dom)}
 
 
-def _is_reverse(rule: Any) -> bool:
-    """Is the rule's backward mode Paddle's reverse rule (outputs -> inputs), not a grad rule?"""
-    if rule.backward is None:
-        return False
-    fn = (rule.backward.function_name or "").lower()
-    if "reverse" in fn:
-        return True
-    if "grad" in fn:
-        return False
-    fwd = {p.name for p in rule.forward.params if p.is_tensor}
-    bwd = {p.name for p in rule.backward.params if p.is_tensor}
-    return fwd <= bwd and bool(bwd - fwd)
-
-
 def mode_reference(rule: Any, mode: str) -> tuple[Reference | None, bool]:
     """(reference, is_reverse) for a rule and mode: a grad-style backward uses ``<name>_grad``."""
-    if mode == "backward" and not _is_reverse(rule):
+    if mode == "backward" and not is_reverse(rule):
         for n in (rule.name, *rule.aliases):
             ref = get_reference(f"{n}_grad")
             if ref is not None:
                 return ref, False
         return None, False
     return get_reference(rule.name), mode == "backward"
-
-
-def output_params(rule: Any) -> list[str]:
-    """The backward (reverse) rule's tensor params that are outputs of the op."""
-    fwd = [p.name for p in rule.forward.params if p.is_tensor]
-    return [p.name for p in rule.backward.params if p.is_tensor and p.name not in fwd]
 
 
 def _layout(params: Any, values: dict[str, Any]) -> list[Any] | None:
@@ -575,5 +556,5 @@ def generate_cases(rule_name: str, n: int, seed: int = 0, mode: str = "forward")
     return out
 
 
-__all__ = ["GENERATORS", "TGen", "generate_case", "generate_cases", "make_array", "mode_reference", "rand_attr",
+__all__ = ["GENERATORS", "TGen", "generate_case", "generate_cases", "make_array", "mode_reference", "output_params", "rand_attr",
            "rand_mesh"]

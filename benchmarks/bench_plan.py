@@ -1,0 +1,64 @@
+#!/usr/bin/env python3
+"""Planning speed: llama-70b (forward + backward + AdamW) on dp=8 x tp=8, by layer count.
+
+    python benchmarks/bench_plan.py [--layers 8,16,32,64,80] [--strategy megatron] [--repeat 3]
+
+Prints, per layer count, the ops of the training step, the time to build the program, the
+time to propagate and plan the reshards (median of --repeat runs, rule caches cleared before
+each run, so every run computes its answers), the time per op, and the time relative to the
+smallest model scaled by its op count (1.00 = exactly linear).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from spmdkit.graph.memory import memory_per_device
+from spmdkit.graph.propagate import propagate
+from spmdkit.graph.strategy import annotate, parse_mesh, parse_strategy
+from spmdkit.graph.zoo import build_model, preset
+from spmdkit.rules import clear_cache
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama-70b")
+    ap.add_argument("--mesh", default="dp=8,tp=8")
+    ap.add_argument("--strategy", default="megatron")
+    ap.add_argument("--layers", default="8,16,32,64,80")
+    ap.add_argument("--repeat", type=int, default=3)
+    a = ap.parse_args()
+    mesh = parse_mesh(a.mesh)
+    st = parse_strategy(a.strategy, mesh)
+    rows = []
+    for n in [int(x) for x in a.layers.split(",")]:
+        cfg = preset(a.model).with_(layers=n)
+        builds, plans = [], []
+        for _ in range(a.repeat):
+            clear_cache()
+            t0 = time.perf_counter()
+            model = build_model(cfg, vocab_parallel_loss="megatron" in st)
+            t1 = time.perf_counter()
+            plan = propagate(model.program, mesh, annotate(model, mesh, st))
+            memory_per_device(plan)
+            t2 = time.perf_counter()
+            builds.append(t1 - t0)
+            plans.append(t2 - t1)
+        rows.append((n, len(model.program.ops), statistics.median(builds), statistics.median(plans)))
+    base = rows[0]
+    print(f"{a.model}, mesh {a.mesh}, strategy {','.join(st)} (median of {a.repeat}; caches cleared per run)")
+    print(f"{'layers':>6} {'ops':>6} {'build s':>8} {'plan s':>8} {'total s':>8} {'us/op':>7} {'vs linear':>9}")
+    for n, ops, b, p in rows:
+        lin = (b + p) / ((base[2] + base[3]) * ops / base[1])
+        print(f"{n:>6} {ops:>6} {b:>8.3f} {p:>8.3f} {b + p:>8.3f} {(b + p) / ops * 1e6:>7.1f} {lin:>9.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,109 @@
+"""Memory per device of a plan: parameters, gradients, optimizer states, activation peak.
+
+Sizes are local: each tensor's largest shard under its dist attr (a partial tensor is held
+whole on every rank), times its dtype's size. Parameters, optimizer states and the
+parameter gradients (the gradients the optimizer ops read) are held for the whole step; an
+optimizer's updated parameter overwrites its parameter (``inplace_of``) and adds nothing.
+Every other tensor (activations, activation gradients, and the copies reshards make) lives
+from the op that makes it to the last op that reads it; the activation peak is the largest
+sum of live bytes over the program order (one linear pass over the ops).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from spmdkit.core.dist_attr import TensorDistAttr, entry_dims
+from spmdkit.graph.program import Program
+
+
+def local_numel(attr: TensorDistAttr, shape: tuple[int, ...]) -> int:
+    """Elements of the largest local shard (uneven splits: the first, largest, piece)."""
+    mesh_shape = attr.mesh.shape
+    n = 1
+    for size, e in zip(shape, attr.dims_mapping):
+        k = 1
+        for d in entry_dims(e):
+            k *= mesh_shape[d]
+        n *= -(-size // k) if k > 1 else size
+    return n
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes per device."""
+
+    parameters: int
+    gradients: int
+    optimizer_states: int
+    activation_peak: int
+    peak_op: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_states + self.activation_peak
+
+    def to_json(self) -> dict[str, int]:
+        return {"parameters": self.parameters, "gradients": self.gradients,
+                "optimizer_states": self.optimizer_states, "activation_peak": self.activation_peak,
+                "peak_op": self.peak_op, "total": self.total}
+
+
+def memory_per_device(plan: object) -> Memory:
+    """Memory per device of a :class:`spmdkit.graph.propagate.Plan`."""
+    from spmdkit.graph.propagate import Plan
+
+    assert isinstance(plan, Plan)
+    prog: Program = plan.program
+    attrs = plan.attrs
+
+    def nbytes(name: str, attr: TensorDistAttr | None = None) -> int:
+        t = prog.tensors[name]
+        return local_numel(attr or attrs[name], t.shape) * t.itemsize
+
+    param_grads: set[str] = set()
+    for op in prog.ops:
+        if op.phase == "optimizer":
+            for n in op.input_names():
+                if prog.tensors[n].kind == "gradient":
+                    param_grads.add(n)
+    params = sum(nbytes(t.name) for t in prog.tensors.values() if t.kind == "parameter" and not t.inplace_of)
+    states = sum(nbytes(t.name) for t in prog.tensors.values() if t.kind == "optimizer_state" and not t.inplace_of)
+    grads = sum(nbytes(n) for n in param_grads)
+    n_ops = len(prog.ops)
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for i, op in enumerate(prog.ops):
+        for n in op.output_names():
+            first.setdefault(n, i)
+            last.setdefault(n, i)
+        for n in op.input_names():
+            if n in first:
+                last[n] = i
+    delta = [0] * (n_ops + 1)
+    for n, i in first.items():
+        t = prog.tensors[n]
+        if n in param_grads or t.inplace_of or t.kind in ("parameter", "optimizer_state"):
+            continue
+        b = nbytes(n)
+        delta[i] += b
+        delta[last[n] + 1] -= b
+    # copies made by reshards live from the first op that reads them to the last
+    spans: dict[tuple[str, TensorDistAttr], list[int]] = {}
+    for r in plan.reshards:
+        s = spans.setdefault((r.tensor, r.dst), [r.op_index, r.op_index])
+        s[0] = min(s[0], r.op_index)
+        s[1] = max(s[1], r.op_index)
+    for (n, dst), (a, b_) in spans.items():
+        size = nbytes(n, dst)
+        delta[a] += size
+        delta[b_ + 1] -= size
+    peak, at, cur = 0, 0, 0
+    for i in range(n_ops):
+        cur += delta[i]
+        if cur > peak:
+            peak, at = cur, i
+    return Memory(params, grads, states, peak, at)
+
+
+__all__ = ["Memory", "local_numel", "memory_per_device"]

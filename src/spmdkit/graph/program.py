@@ -1,0 +1,415 @@
+"""The program IR: tensors and ops of one training step, a builder, a JSON format, validation.
+
+A :class:`Program` is a list of :class:`Op` in topological order over named :class:`Tensor`
+objects. An op names a registered rule (``"matmul"``), binds the rule's tensor parameters
+to tensor names (``{"x": "h", "y": "w_q"}``; a vector parameter takes a list), lists its
+outputs in the rule's output order and carries the rule's attributes. Tensors have a kind:
+``input`` (data fed to the step), ``parameter``, ``activation``, ``gradient`` or
+``optimizer_state``; an optimizer's updated parameter names the parameter it overwrites
+(``inplace_of``), so it takes no memory of its own.
+
+JSON (``format: spmdkit-program``, ``version: 1``; docs/graph.md)::
+
+    {"format": "spmdkit-program", "version": 1,
+     "tensors": [{"name": "x", "shape": [8, 512], "dtype": "float32", "kind": "input"}, ...],
+     "ops": [{"rule": "matmul", "name": "fc1", "inputs": {"x": "x", "y": "w1"},
+              "outputs": ["h"], "attrs": {"trans_y": false}, "layer": "", "phase": "forward"}]}
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from spmdkit.core.dist_attr import TensorDistAttr
+from spmdkit.core.errors import ProgramError, SpmdError
+from spmdkit.core.mesh import ProcessMesh
+from spmdkit.core.spec import DistTensorSpec, SpmdResult
+
+FORMAT = "spmdkit-program"
+VERSION = 1
+KINDS = ("input", "parameter", "activation", "gradient", "optimizer_state")
+PHASES = ("forward", "backward", "optimizer")
+DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+               "int8": 1, "uint8": 1, "bool": 1}
+
+Ref = Any  # a tensor name, None (absent optional), or a list of those (vector parameter)
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """A named tensor of the program: global shape, dtype and kind."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+    kind: str = "activation"
+    inplace_of: str | None = None
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "kind": self.kind}
+        if self.inplace_of:
+            d["inplace_of"] = self.inplace_of
+        return d
+
+
+@dataclass(frozen=True)
+class Op:
+    """One op: a rule name, its tensor arguments by parameter name, its outputs in the rule's
+    output order, and its attributes. ``layer`` groups ops for reports (``"layer 3"``);
+    ``phase`` is forward, backward or optimizer."""
+
+    rule: str
+    inputs: Mapping[str, Ref]
+    outputs: tuple[Ref, ...]
+    attrs: Mapping[str, Any] = field(default_factory=dict)
+    name: str = ""
+    layer: str = ""
+    phase: str = "forward"
+
+    def input_names(self) -> list[str]:
+        return [n for v in self.inputs.values() for n in _flat(v) if n is not None]
+
+    def output_names(self) -> list[str]:
+        return [n for v in self.outputs for n in _flat(v) if n is not None]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rule": self.rule, "name": self.name, "inputs": {k: _jsonable(v) for k, v in self.inputs.items()},
+                "outputs": [_jsonable(v) for v in self.outputs], "attrs": {k: _jsonable(v) for k, v in
+                                                                          self.attrs.items()},
+                "layer": self.layer, "phase": self.phase}
+
+
+def _flat(v: Ref) -> list[str | None]:
+    if isinstance(v, (list, tuple)):
+        return list(v)
+    return [v]
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, tuple):
+        return [_jsonable(x) for x in v]
+    return v
+
+
+class Program:
+    """Tensors and ops in topological order. Build with :class:`ProgramBuilder` or
+    :func:`load_program`; :meth:`validate` checks it against the registered rules."""
+
+    def __init__(self, tensors: Iterable[Tensor], ops: Iterable[Op], name: str = "") -> None:
+        self.name = name
+        self.tensors: dict[str, Tensor] = {}
+        for t in tensors:
+            if t.name in self.tensors:
+                raise ProgramError(f"program: tensor {t.name!r} is declared twice")
+            self.tensors[t.name] = t
+        self.ops: list[Op] = list(ops)
+
+    def __iter__(self) -> Iterator[Op]:
+        return iter(self.ops)
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    def tensor(self, name: str) -> Tensor:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise ProgramError(f"program: no tensor named {name!r}") from None
+
+    def of_kind(self, *kinds: str) -> list[Tensor]:
+        return [t for t in self.tensors.values() if t.kind in kinds]
+
+    # -- validation ---------------------------------------------------------------------------
+    def validate(self, mesh: ProcessMesh | None = None) -> None:
+        """Raise :class:`ProgramError` (naming the op and what is wrong) unless every op names a
+        registered rule with its parameters bound, every input is a program input / parameter
+        or produced by an earlier op, no tensor is produced twice, and each rule accepts the
+        op's shapes with the declared output ranks (checked with every tensor replicated)."""
+        from spmdkit.rules.registry import get_rule
+
+        mesh = mesh or ProcessMesh([1])
+        for t in self.tensors.values():
+            if t.kind not in KINDS:
+                raise ProgramError(f"tensor {t.name!r}: unknown kind {t.kind!r} (one of {', '.join(KINDS)})")
+            if t.dtype not in DTYPE_BYTES:
+                raise ProgramError(f"tensor {t.name!r}: unknown dtype {t.dtype!r}")
+            if any((not isinstance(s, int)) or s < 0 for s in t.shape):
+                raise ProgramError(f"tensor {t.name!r}: shape {list(t.shape)} must be non-negative ints")
+        produced: set[str] = {t.name for t in self.tensors.values()
+                              if t.kind in ("input", "parameter", "optimizer_state") and not t.inplace_of}
+        made_by: dict[str, str] = {}
+        for i, op in enumerate(self.ops):
+            where = f"op {i} ({op.name or op.rule})"
+            if op.phase not in PHASES:
+                raise ProgramError(f"{where}: unknown phase {op.phase!r}")
+            try:
+                rule = get_rule(op.rule)
+            except SpmdError as exc:
+                raise ProgramError(f"{where}: {exc}") from None
+            params = {p.name: p for p in rule.forward.params}
+            for k in op.inputs:
+                if k not in params or not params[k].is_tensor:
+                    raise ProgramError(f"{where}: rule {rule.name} has no tensor parameter {k!r} "
+                                       f"({rule.forward.describe()})")
+            for k in op.attrs:
+                if k not in params or params[k].is_tensor:
+                    raise ProgramError(f"{where}: rule {rule.name} has no attribute {k!r} ({rule.forward.describe()})")
+            for p in rule.forward.params:
+                if p.is_tensor and p.required and p.kind != "T?" and op.inputs.get(p.name) is None:
+                    raise ProgramError(f"{where}: missing tensor argument {p.name!r} of rule {rule.name}")
+            for n in op.input_names():
+                if n not in self.tensors:
+                    raise ProgramError(f"{where}: input {n!r} is not a tensor of the program")
+                if n not in produced:
+                    raise ProgramError(f"{where}: input {n!r} is used before any op produces it (dangling)")
+            for n in op.output_names():
+                if n not in self.tensors:
+                    raise ProgramError(f"{where}: output {n!r} is not a tensor of the program")
+                if n in produced:
+                    by: str | None = made_by.get(n)
+                    raise ProgramError(f"{where}: output {n!r} is already " +
+                                       (f"produced by {by}" if by else f"a program {self.tensors[n].kind}"))
+                produced.add(n)
+                made_by[n] = where
+            try:
+                res = call_rule(self, op, {}, mesh)
+            except SpmdError as exc:
+                raise ProgramError(f"{where}: rule {rule.name} rejects the op: {type(exc).__name__}: {exc}") from None
+            flat = [a for v in res.outputs for a in (v if isinstance(v, tuple) else (v,))]
+            out_refs = [n for v in op.outputs for n in _flat(v)]
+            if len(flat) != len(out_refs):
+                raise ProgramError(f"{where}: rule {rule.name} answers {len(flat)} outputs, the op lists "
+                                   f"{len(out_refs)}")
+            for o, a in zip(out_refs, flat):
+                if o is None:
+                    continue
+                n = o
+                if a is not None and a.ndim != len(self.tensors[n].shape):
+                    raise ProgramError(f"{where}: output {n!r} has shape {list(self.tensors[n].shape)} but rule "
+                                       f"{rule.name} makes a {a.ndim}-D tensor")
+
+    # -- JSON ---------------------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT, "version": VERSION, "name": self.name,
+                "tensors": [t.to_json() for t in self.tensors.values()], "ops": [o.to_json() for o in self.ops]}
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=1)
+
+
+def _tensor_from_json(obj: Any, i: int) -> Tensor:
+    if not isinstance(obj, dict):
+        raise ProgramError(f"tensors[{i}]: expected an object, got {type(obj).__name__}")
+    try:
+        name = obj["name"]
+        shape = obj["shape"]
+    except KeyError as exc:
+        raise ProgramError(f"tensors[{i}]: missing {exc.args[0]!r}") from None
+    if not isinstance(name, str) or not name:
+        raise ProgramError(f"tensors[{i}]: name must be a non-empty string")
+    if not isinstance(shape, list) or any(not isinstance(s, int) or isinstance(s, bool) for s in shape):
+        raise ProgramError(f"tensor {name!r}: shape must be a list of ints")
+    unknown = set(obj) - {"name", "shape", "dtype", "kind", "inplace_of"}
+    if unknown:
+        raise ProgramError(f"tensor {name!r}: unknown fields {sorted(unknown)}")
+    return Tensor(name, tuple(shape), str(obj.get("dtype", "float32")), str(obj.get("kind", "activation")),
+                  obj.get("inplace_of"))
+
+
+def _ref_from_json(v: Any, where: str) -> Ref:
+    if v is None or isinstance(v, str):
+        return v
+    if isinstance(v, list) and all(x is None or isinstance(x, str) for x in v):
+        return tuple(v)
+    raise ProgramError(f"{where}: a tensor reference must be a name, null or a list of names, got {v!r}")
+
+
+def _attr_from_json(v: Any) -> Any:
+    return tuple(_attr_from_json(x) for x in v) if isinstance(v, list) else v
+
+
+def _op_from_json(obj: Any, i: int) -> Op:
+    if not isinstance(obj, dict):
+        raise ProgramError(f"ops[{i}]: expected an object, got {type(obj).__name__}")
+    unknown = set(obj) - {"rule", "name", "inputs", "outputs", "attrs", "layer", "phase"}
+    if unknown:
+        raise ProgramError(f"ops[{i}]: unknown fields {sorted(unknown)}")
+    rule = obj.get("rule")
+    if not isinstance(rule, str):
+        raise ProgramError(f"ops[{i}]: 'rule' must be a rule name")
+    ins = obj.get("inputs", {})
+    outs = obj.get("outputs", [])
+    attrs = obj.get("attrs", {})
+    if not isinstance(ins, dict) or not isinstance(outs, list) or not isinstance(attrs, dict):
+        raise ProgramError(f"ops[{i}] ({rule}): inputs must be an object, outputs a list, attrs an object")
+    where = f"ops[{i}] ({obj.get('name') or rule})"
+    return Op(rule, {k: _ref_from_json(v, where) for k, v in ins.items()},
+              tuple(_ref_from_json(v, where) for v in outs), {k: _attr_from_json(v) for k, v in attrs.items()},
+              str(obj.get("name", "")), str(obj.get("layer", "")), str(obj.get("phase", "forward")))
+
+
+def program_from_json(obj: Any) -> Program:
+    """A Program from its JSON object (raises ProgramError on a malformed one)."""
+    if not isinstance(obj, dict):
+        raise ProgramError("program: expected a JSON object")
+    if obj.get("format") != FORMAT:
+        raise ProgramError(f"program: 'format' must be {FORMAT!r}, got {obj.get('format')!r}")
+    if obj.get("version") != VERSION:
+        raise ProgramError(f"program: version {obj.get('version')!r} is not supported (this spmdkit reads {VERSION})")
+    tensors = obj.get("tensors")
+    ops = obj.get("ops")
+    if not isinstance(tensors, list) or not isinstance(ops, list):
+        raise ProgramError("program: 'tensors' and 'ops' must be lists")
+    return Program([_tensor_from_json(t, i) for i, t in enumerate(tensors)],
+                   [_op_from_json(o, i) for i, o in enumerate(ops)], str(obj.get("name", "")))
+
+
+def load_program(path: str) -> Program:
+    """Read and validate a program JSON file."""
+    try:
+        with open(path) as f:
+            obj = json.load(f)
+    except OSError as exc:
+        raise ProgramError(f"cannot read program file {path!r}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ProgramError(f"program file {path!r} is not JSON: {exc}") from None
+    prog = program_from_json(obj)
+    prog.validate()
+    return prog
+
+
+# -- calling a rule on an op ------------------------------------------------------------------
+
+
+def op_layout(op: Op, mode: str = "forward") -> list[tuple[str, Any]]:
+    """How the op's rule takes its arguments in ``mode``: per parameter ``("t", name)`` (a tensor
+    or None), ``("vec", names)`` (a vector parameter) or ``("a", value)`` (an attribute: the
+    op's, or the rule's default). In backward (reverse) mode the rule's output parameters take
+    the op's outputs in order."""
+    from spmdkit.rules.registry import get_rule, output_params
+
+    rule = get_rule(op.rule)
+    m = rule.mode(mode)
+    bound: dict[str, Ref] = dict(op.inputs)
+    if mode == "backward":
+        for name, v in zip(output_params(rule), op.outputs):
+            bound[name] = v
+    out: list[tuple[str, Any]] = []
+    for p in m.params:
+        if p.is_tensor:
+            v = bound.get(p.name)
+            out.append(("vec" if isinstance(v, (list, tuple)) else "t", v))
+        elif p.name in op.attrs:
+            out.append(("a", op.attrs[p.name]))
+        elif p.required:
+            raise ProgramError(f"op {op.name or op.rule}: missing attribute {p.name!r} of rule {rule.name}")
+        else:
+            out.append(("a", p.default))
+    return out
+
+
+def layout_args(layout: Sequence[tuple[str, Any]], get: Callable[[str], DistTensorSpec]) -> list[Any]:
+    """Positional rule arguments from :func:`op_layout`, tensors made by ``get(name)``."""
+    args: list[Any] = []
+    for kind, v in layout:
+        if kind == "a":
+            args.append(v)
+        elif kind == "t":
+            args.append(None if v is None else get(v))
+        else:
+            args.append([None if n is None else get(n) for n in v])
+    return args
+
+
+def call_rule(prog: Program, op: Op, attrs: Mapping[str, TensorDistAttr | None], mesh: ProcessMesh,
+              mode: str = "forward") -> SpmdResult:
+    """The op's rule in ``mode`` on its tensors (replicated where ``attrs`` has none)."""
+    from spmdkit.rules.registry import get_rule
+
+    def get(name: str) -> DistTensorSpec:
+        t = prog.tensors[name]
+        a = attrs.get(name) or TensorDistAttr.replicated(mesh, len(t.shape))
+        return DistTensorSpec(t.shape, a)
+
+    return get_rule(op.rule).infer(mode, *layout_args(op_layout(op, mode), get))
+
+
+# -- the builder ------------------------------------------------------------------------------
+
+
+class ProgramBuilder:
+    """Build a Program op by op::
+
+        b = ProgramBuilder()
+        x = b.tensor("x", [8, 512], kind="input")
+        w = b.tensor("w", [512, 2048], kind="parameter")
+        (h,) = b.op("matmul", {"x": x, "y": w}, [("h", [8, 2048])])
+        prog = b.build()
+    """
+
+    def __init__(self, name: str = "") -> None:
+        self.name = name
+        self._tensors: dict[str, Tensor] = {}
+        self._ops: list[Op] = []
+        self.layer = ""
+        self.phase = "forward"
+
+    def tensor(self, name: str, shape: Sequence[int], dtype: str = "float32", kind: str = "activation",
+               inplace_of: str | None = None) -> str:
+        if name in self._tensors:
+            raise ProgramError(f"builder: tensor {name!r} is declared twice")
+        self._tensors[name] = Tensor(name, tuple(int(s) for s in shape), dtype, kind, inplace_of)
+        return name
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    def get(self, name: str) -> Tensor:
+        return self._tensors[name]
+
+    def op(self, rule: str, inputs: Mapping[str, Ref], outputs: Sequence[Any], name: str = "",
+           **attrs: Any) -> list[str | None]:
+        """Add an op; ``outputs``: per output a declared tensor name, None, or ``(name, shape)``
+        / ``(name, shape, dtype)`` / ``(name, shape, dtype, kind)`` to declare it here."""
+        outs: list[str | None] = []
+        for o in outputs:
+            if o is None or isinstance(o, str):
+                outs.append(o)
+            else:
+                n, shape, *rest = o
+                dtype = rest[0] if rest else "float32"
+                kind = rest[1] if len(rest) > 1 else ("gradient" if self.phase == "backward" else "activation")
+                outs.append(self.tensor(n, shape, dtype, kind))
+        default = outs[0] if outs and outs[0] is not None else f"{rule}_{len(self._ops)}"
+        self._ops.append(Op(rule, dict(inputs), tuple(outs), dict(attrs), name or default, self.layer, self.phase))
+        return outs
+
+    def build(self, validate: bool = True) -> Program:
+        prog = Program(self._tensors.values(), self._ops, self.name)
+        if validate:
+            prog.validate()
+        return prog
+
+
+__all__ = ["DTYPE_BYTES", "FORMAT", "KINDS", "Op", "PHASES", "Program", "ProgramBuilder", "Tensor", "VERSION",
+           "call_rule", "layout_args", "load_program", "op_layout", "program_from_json"]

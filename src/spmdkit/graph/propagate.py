@@ -1,0 +1,302 @@
+"""Whole-program propagation: every tensor's dist attr from a few annotations, and the reshards.
+
+``propagate(program, mesh, annotations)`` runs sweeps over the ops until nothing changes:
+
+1. a forward sweep in program order: each op whose inputs have a dist attr (a tensor with
+   none yet counts as replicated) runs its rule's ``infer_forward``; its outputs take the
+   rule's answers, except annotated tensors, which never change;
+2. a backward sweep in reverse order: an op whose outputs have dist attrs and some inputs
+   none (an unannotated parameter, say) runs its reverse rule (``infer_backward``) and those
+   inputs take its answers; where several ops read such a tensor, the first in program order
+   decides (a parameter is laid out for its forward use, not for its optimizer update).
+
+A backward sweep only fills tensors that had no dist attr, and a forward sweep is a function
+of the annotations and the filled tensors, so the sweeps reach a fixed point after at most
+three forward sweeps (each op is visited a bounded number of times: the cost is linear in the
+number of ops); the answer is deterministic. The last forward sweep is the plan: where an
+op's rule needs an input otherwise than its producer made it, a reshard is planned
+(``spmdkit.reshard``: collectives, bytes, time); an annotated output that the rule makes
+otherwise is resharded after the op. Reshards of one tensor to one dist attr are shared by
+all its consumers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from spmdkit.core.dist_attr import TensorDistAttr
+from spmdkit.core.errors import ProgramError, SpmdError
+from spmdkit.core.mesh import ProcessMesh
+from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.graph.program import Op, Program, _flat, layout_args, op_layout
+from spmdkit.reshard import CostModel, ReshardPlan, plan_reshard
+from spmdkit.rules.registry import get_rule, is_reverse
+
+MAX_ROUNDS = 4
+
+
+@dataclass(frozen=True)
+class Reshard:
+    """One planned reshard: ``tensor`` from ``src`` to ``dst`` before op ``op_index`` (an input)
+    or after it (``output``); ``shared`` when an earlier reshard of the same tensor to the same
+    dist attr serves it (no communication of its own)."""
+
+    tensor: str
+    src: TensorDistAttr
+    dst: TensorDistAttr
+    op_index: int
+    output: bool
+    plan: ReshardPlan
+    shared: bool = False
+
+    @property
+    def bytes_per_rank(self) -> int:
+        return 0 if self.shared else self.plan.bytes_per_rank
+
+    @property
+    def time_s(self) -> float:
+        return 0.0 if self.shared else self.plan.time_s
+
+
+@dataclass
+class OpPlan:
+    """An op's place in the plan: the dist attrs its inputs had and needed, and its outputs'."""
+
+    index: int
+    op: Op
+    given: dict[str, Any]
+    required: dict[str, Any]
+    outputs: list[Any]
+    reshards: list[Reshard] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    """The result of :func:`propagate`."""
+
+    program: Program
+    mesh: ProcessMesh
+    attrs: dict[str, TensorDistAttr]
+    ops: list[OpPlan]
+    reshards: list[Reshard]
+    annotations: dict[str, TensorDistAttr]
+    rounds: int
+    cost: CostModel
+
+    def attr(self, name: str) -> TensorDistAttr:
+        return self.attrs[name]
+
+    def collectives(self, phase: str | None = None) -> list[tuple[Reshard, Any]]:
+        """(reshard, step) for every communicating step (shared reshards and free local steps
+        left out), optionally of one phase (forward / backward / optimizer)."""
+        out = []
+        for r in self.reshards:
+            if r.shared:
+                continue
+            if phase is not None and self.program.ops[r.op_index].phase != phase:
+                continue
+            for s in r.plan.steps:
+                if s.bytes_per_rank > 0:
+                    out.append((r, s))
+        return out
+
+    @property
+    def bytes_per_rank(self) -> int:
+        return sum(r.bytes_per_rank for r in self.reshards)
+
+    @property
+    def time_s(self) -> float:
+        return sum(r.time_s for r in self.reshards)
+
+
+def _flat_attrs(v: Any) -> list[Any]:
+    return list(v) if isinstance(v, tuple) else [v]
+
+
+class _Specs:
+    """DistTensorSpec per (tensor, dist attr), built once."""
+
+    def __init__(self, prog: Program, mesh: ProcessMesh) -> None:
+        self.prog = prog
+        self.mesh = mesh
+        self._cache: dict[tuple[str, TensorDistAttr | None], DistTensorSpec] = {}
+
+    def get(self, name: str, attr: TensorDistAttr | None) -> DistTensorSpec:
+        key = (name, attr)
+        s = self._cache.get(key)
+        if s is None:
+            shape = self.prog.tensors[name].shape
+            s = DistTensorSpec(shape, attr if attr is not None else TensorDistAttr.replicated(self.mesh, len(shape)))
+            self._cache[key] = s
+        return s
+
+
+class _OpCall:
+    """An op's rule and how to lay out its arguments (computed once per op)."""
+
+    __slots__ = ("bwd", "bwd_layout", "fwd", "fwd_layout", "op")
+
+    def __init__(self, op: Op) -> None:
+        rule = get_rule(op.rule)
+        self.op = op
+        self.fwd = rule.forward
+        self.bwd = rule.backward if is_reverse(rule) else None
+        self.fwd_layout = op_layout(op, "forward")
+        self.bwd_layout = op_layout(op, "backward") if self.bwd is not None else None
+
+
+def _parse_annotations(prog: Program, mesh: ProcessMesh,
+                       annotations: Mapping[str, Any] | None) -> dict[str, TensorDistAttr]:
+    out: dict[str, TensorDistAttr] = {}
+    for name, a in (annotations or {}).items():
+        if name not in prog.tensors:
+            raise ProgramError(f"annotation for {name!r}: the program has no such tensor")
+        t = prog.tensors[name]
+        if not isinstance(a, TensorDistAttr):
+            try:
+                a = TensorDistAttr(mesh, a)
+            except SpmdError as exc:
+                raise ProgramError(f"annotation for {name!r}: {exc}") from None
+        if a.mesh != mesh:
+            raise ProgramError(f"annotation for {name!r}: its mesh {list(a.mesh.shape)} is not the plan's "
+                               f"{list(mesh.shape)}")
+        if a.ndim != len(t.shape):
+            raise ProgramError(f"annotation for {name!r}: dims_mapping has {a.ndim} entries, the tensor has shape "
+                               f"{list(t.shape)}")
+        out[name] = a
+    return out
+
+
+def propagate(
+    program: Program,
+    mesh: ProcessMesh,
+    annotations: Mapping[str, Any] | None = None,
+    cost: CostModel | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Plan:
+    """Every tensor's dist attr and the reshards of ``program`` on ``mesh``; ``annotations``:
+    tensor name -> TensorDistAttr (or a dims_mapping list) that never changes."""
+    fixed = _parse_annotations(program, mesh, annotations)
+    cost = cost or CostModel.default(mesh)
+    attrs: dict[str, TensorDistAttr | None] = {n: None for n in program.tensors}
+    attrs.update(fixed)
+    specs = _Specs(program, mesh)
+    calls = [_OpCall(op) for op in program.ops]
+
+    def get(n: str) -> DistTensorSpec:
+        return specs.get(n, attrs[n])
+
+    def run(i: int, c: _OpCall, backward: bool) -> SpmdResult:
+        try:
+            if backward:
+                assert c.bwd is not None and c.bwd_layout is not None
+                return get_rule(c.op.rule).infer_backward(*layout_args(c.bwd_layout, get))
+            return get_rule(c.op.rule).infer_forward(*layout_args(c.fwd_layout, get))
+        except SpmdError as exc:
+            raise ProgramError(f"op {i} ({c.op.name or c.op.rule}): {type(exc).__name__}: {exc}") from None
+
+    rounds = 0
+    results: list[SpmdResult | None] = []
+    total = len(calls) * 2
+    while True:
+        rounds += 1
+        results = []
+        for i, c in enumerate(calls):
+            names = c.op.input_names()
+            if names and all(attrs[n] is None for n in names):
+                results.append(None)
+                continue
+            res = run(i, c, False)
+            results.append(res)
+            for v, a in zip(c.op.outputs, res.outputs):
+                for n, x in zip(_flat(v), _flat_attrs(a)):
+                    if n is not None and x is not None and n not in fixed:
+                        attrs[n] = x
+            if progress is not None and i % 256 == 0:
+                progress(i, total)
+        if rounds >= MAX_ROUNDS:
+            break
+        filled = False
+        by_sweep: set[str] = set()  # filled in this sweep: an earlier consumer's answer wins
+        for i in range(len(calls) - 1, -1, -1):
+            c = calls[i]
+            if c.bwd is None:
+                continue
+            unknown = [n for n in c.op.input_names() if attrs[n] is None or n in by_sweep]
+            if not unknown or all(attrs[n] is None for n in c.op.output_names()):
+                continue
+            res = run(i, c, True)
+            ins = dict(zip([p.name for p in c.bwd.params if p.is_tensor], res.inputs))
+            for p, v in c.op.inputs.items():
+                for n, x in zip(_flat(v), _flat_attrs(ins.get(p))):
+                    if n is not None and x is not None and (attrs[n] is None or n in by_sweep):
+                        if attrs[n] != x:
+                            attrs[n] = x
+                            filled = True
+                        by_sweep.add(n)
+        if progress is not None:
+            progress(len(calls), total)
+        if not filled:
+            break
+    # -- the plan: the last forward sweep's answers against what the producers made
+    for n, t in program.tensors.items():
+        if attrs[n] is None:
+            attrs[n] = TensorDistAttr.replicated(mesh, len(t.shape))
+    final: dict[str, TensorDistAttr] = {n: a for n, a in attrs.items() if a is not None}
+    made: dict[str, TensorDistAttr] = dict(final)  # what each tensor's producer gives
+    op_plans: list[OpPlan] = []
+    reshards: list[Reshard] = []
+    seen: dict[tuple[str, TensorDistAttr], Reshard] = {}
+    planned: dict[tuple[TensorDistAttr, TensorDistAttr, tuple[int, ...], int], ReshardPlan] = {}
+
+    def reshard(name: str, src: TensorDistAttr, dst: TensorDistAttr, i: int, output: bool) -> Reshard:
+        t = program.tensors[name]
+        key = (src, dst, t.shape, t.itemsize)
+        p = planned.get(key)
+        if p is None:
+            p = plan_reshard(src, dst, t.shape, t.itemsize, cost)
+            planned[key] = p
+        prev = seen.get((name, dst))
+        r = Reshard(name, src, dst, i, output, p, shared=prev is not None and not output)
+        if prev is None:
+            seen[(name, dst)] = r
+        reshards.append(r)
+        return r
+
+    for i, c in enumerate(calls):
+        got = results[i]
+        res = got if got is not None else run(i, c, False)
+        op_plan = OpPlan(i, c.op, {}, {}, [])
+        tparams = [p.name for p in c.fwd.params if p.is_tensor]
+        for p, req in zip(tparams, res.inputs):
+            v = c.op.inputs.get(p)
+            if v is None:
+                continue
+            refs = _flat(v)
+            reqs = _flat_attrs(req)
+            op_plan.given[p] = tuple(None if n is None else made[n] for n in refs) if isinstance(v, tuple) \
+                else made[v]
+            op_plan.required[p] = req
+            for n, r_attr in zip(refs, reqs):
+                if n is None or r_attr is None:
+                    continue
+                if made[n] != r_attr:
+                    op_plan.reshards.append(reshard(n, made[n], r_attr, i, False))
+        for v, a in zip(c.op.outputs, res.outputs):
+            op_plan.outputs.append(a)
+            for n, x in zip(_flat(v), _flat_attrs(a)):
+                if n is None or x is None:
+                    continue
+                if n in fixed and fixed[n] != x:
+                    op_plan.reshards.append(reshard(n, x, fixed[n], i, True))
+                    made[n] = fixed[n]
+                else:
+                    made[n] = x
+                    final[n] = x
+        op_plans.append(op_plan)
+    return Plan(program, mesh, final, op_plans, reshards, fixed, rounds, cost)
+
+
+__all__ = ["MAX_ROUNDS", "OpPlan", "Plan", "Reshard", "propagate"]

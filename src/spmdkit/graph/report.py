@@ -1,0 +1,173 @@
+"""The ``spmdkit plan`` report: readable text (rich tables where installed) and JSON."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from typing import Any, TextIO
+
+from spmdkit.core.dist_attr import TensorDistAttr, entry_dims
+from spmdkit.graph.memory import Memory, memory_per_device
+from spmdkit.graph.propagate import Plan, Reshard
+from spmdkit.io.codec import encode_attr
+from spmdkit.report import _table
+
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+_ANY_LAYER = re.compile(r"\blayers\.\d+\.")
+
+
+def placements(a: TensorDistAttr) -> str:
+    """DTensor-style placements per named mesh dim: ``[dp:S(0), tp:R]`` (P(sum) for partial)."""
+    names = a.mesh.dim_names
+    out = []
+    for m, nm in enumerate(names):
+        p = "R"
+        for axis, e in enumerate(a.dims_mapping):
+            if m in entry_dims(e):
+                p = f"S({axis})"
+        for d, r in a.partial:
+            if d == m:
+                p = f"P({r.value})"
+        out.append(f"{nm}:{p}")
+    return "[" + ", ".join(out) + "]"
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, k in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= k:
+            return f"{n / k:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt_time(s: float) -> str:
+    if s >= 1:
+        return f"{s:.2f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s * 1e6:.1f} us"
+
+
+def _generic(name: str) -> str:
+    """``layers.7.wq.grad`` -> ``layers.*.wq.grad`` (the same tensor in every layer)."""
+    return _ANY_LAYER.sub("layers.*.", name)
+
+
+def _reshard_key(plan: Plan, r: Reshard) -> tuple[Any, ...]:
+    op = plan.program.ops[r.op_index]
+    return (_generic(r.tensor), _generic(op.name), r.src, r.dst, r.output, op.phase)
+
+
+def step_kinds(plan: Plan, phase: str | None = None) -> Counter[str]:
+    """Collective kind -> count over the step (local steps left out)."""
+    return Counter(s.kind for _, s in plan.collectives(phase))
+
+
+def _layer_of(plan: Plan, r: Reshard) -> str:
+    return plan.program.ops[r.op_index].layer or "-"
+
+
+def write_report(plan: Plan, out: TextIO, title: str = "", memory: Memory | None = None,
+                 plan_seconds: float | None = None) -> None:
+    prog = plan.program
+    mesh = plan.mesh
+    mem = memory or memory_per_device(plan)
+    dims = " x ".join(f"{n}={s}" for n, s in zip(mesh.dim_names, mesh.shape))
+    out.write(f"{title or prog.name}\n")
+    out.write(f"mesh {dims} ({mesh.size} ranks); {len(prog.ops)} ops "
+              f"({sum(1 for o in prog.ops if o.phase == 'forward')} forward, "
+              f"{sum(1 for o in prog.ops if o.phase == 'backward')} backward, "
+              f"{sum(1 for o in prog.ops if o.phase == 'optimizer')} optimizer), {len(prog.tensors)} tensors; "
+              f"propagation converged in {plan.rounds} sweep(s)"
+              + (f", planned in {plan_seconds:.2f} s" if plan_seconds is not None else "") + "\n\n")
+    # -- sharding of the main tensors: the first layer in full
+    layers = sorted({int(m.group(1)) for n in prog.tensors if (m := _LAYER.match(n))})
+    first = [t for t in prog.tensors.values() if t.name.startswith("layers.0.") and t.kind in
+             ("parameter", "activation") and not t.inplace_of]
+    rows = [[t.name, t.kind, str(list(t.shape)), placements(plan.attrs[t.name])] for t in first]
+    other = [t for t in prog.tensors.values() if not _LAYER.match(t.name) and t.kind in ("input", "parameter",
+                                                                                     "activation")
+             and not t.inplace_of]
+    rows += [[t.name, t.kind, str(list(t.shape)), placements(plan.attrs[t.name])] for t in other]
+    if rows:
+        _table("Sharding (layer 0 in full, and the tensors outside the layers)",
+               ["tensor", "kind", "shape", "placements"], rows, out)
+    if len(layers) > 1:
+        base = {_generic(n): plan.attrs[n] for n in prog.tensors if n.startswith("layers.0.")}
+        differ = sorted({n for n in prog.tensors if (m := _LAYER.match(n)) and m.group(1) != "0"
+                         and base.get(_generic(n)) != plan.attrs[n]})
+        if differ:
+            out.write(f"layers 1-{layers[-1]}: {len(differ)} tensors are sharded otherwise than in layer 0, "
+                      f"e.g. {', '.join(differ[:5])}\n\n")
+        else:
+            out.write(f"layers 1-{layers[-1]}: every tensor sharded as in layer 0\n\n")
+    # -- reshards
+    groups: dict[tuple[Any, ...], list[Reshard]] = {}
+    for r in plan.reshards:
+        if r.shared:
+            continue
+        groups.setdefault(_reshard_key(plan, r), []).append(r)
+    rows = []
+    for rs in groups.values():
+        r = rs[0]
+        op = prog.ops[r.op_index]
+        where = sorted({_layer_of(plan, x) for x in rs})
+        layer = where[0] if len(where) == 1 else f"{len(where)} layers"
+        if layer == "optimizer":
+            layer = "-"
+        steps = "; ".join(s.describe() for s in r.plan.steps) or "-"
+        rows.append([op.phase, layer, _generic(r.tensor),
+                     ("after " if r.output else "before ") + f"{op.rule} ({_generic(op.name)})",
+                     f"{placements(r.src)} -> {placements(r.dst)}", steps, f"x{len(rs)}",
+                     fmt_bytes(sum(x.bytes_per_rank for x in rs)), fmt_time(sum(x.time_s for x in rs))])
+    if rows:
+        _table("Reshards (one row per kind of reshard; repeated layers counted in 'times')",
+               ["phase", "layer", "tensor", "where", "from -> to", "collectives", "times", "bytes/rank", "time"],
+               rows, out)
+    else:
+        out.write("No reshards: every op gets its inputs as their producers made them.\n")
+    out.write("\n")
+    # -- totals
+    rows = []
+    for phase in ("forward", "backward", "optimizer"):
+        kinds = step_kinds(plan, phase)
+        rs = [r for r in plan.reshards if prog.ops[r.op_index].phase == phase]
+        rows.append([phase, ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())) or "-",
+                     fmt_bytes(sum(r.bytes_per_rank for r in rs)), fmt_time(sum(r.time_s for r in rs))])
+    rows.append(["step", ", ".join(f"{k} x{v}" for k, v in sorted(step_kinds(plan).items())) or "-",
+                 fmt_bytes(plan.bytes_per_rank), fmt_time(plan.time_s)])
+    _table("Communication per training step (alpha-beta estimate, spmdkit.reshard)",
+           ["phase", "collectives", "bytes/rank", "time"], rows, out)
+    out.write("\n")
+    peak_op = prog.ops[mem.peak_op].name if prog.ops else "-"
+    rows = [["parameters", fmt_bytes(mem.parameters)], ["gradients", fmt_bytes(mem.gradients)],
+            ["optimizer states", fmt_bytes(mem.optimizer_states)],
+            ["activations (peak)", f"{fmt_bytes(mem.activation_peak)} (at {peak_op})"],
+            ["total", fmt_bytes(mem.total)]]
+    _table("Memory per device", ["", "bytes"], rows, out)
+
+
+def plan_json(plan: Plan, memory: Memory | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    prog = plan.program
+    mem = memory or memory_per_device(plan)
+    tensors = {n: {"shape": list(t.shape), "dtype": t.dtype, "kind": t.kind, **encode_attr(plan.attrs[n]),
+                   "placements": placements(plan.attrs[n])} for n, t in prog.tensors.items()}
+    reshards = []
+    for r in plan.reshards:
+        op = prog.ops[r.op_index]
+        reshards.append({"tensor": r.tensor, "op": op.name, "op_index": r.op_index, "phase": op.phase,
+                         "layer": op.layer, "output": r.output, "shared": r.shared, "src": encode_attr(r.src),
+                         "dst": encode_attr(r.dst), "bytes_per_rank": r.bytes_per_rank, "time_s": r.time_s,
+                         "steps": [{"kind": s.kind, "mesh_dims": list(s.mesh_dims),
+                                    "bytes_per_rank": s.bytes_per_rank, "time_s": s.time_s} for s in r.plan.steps]})
+    totals = {ph: {"collectives": dict(step_kinds(plan, ph)),
+                   "bytes_per_rank": sum(r.bytes_per_rank for r in plan.reshards if prog.ops[r.op_index].phase == ph),
+                   "time_s": sum(r.time_s for r in plan.reshards if prog.ops[r.op_index].phase == ph)}
+              for ph in ("forward", "backward", "optimizer")}
+    totals["step"] = {"collectives": dict(step_kinds(plan)), "bytes_per_rank": plan.bytes_per_rank,
+                      "time_s": plan.time_s}
+    return {"program": prog.name, "mesh": {"shape": list(plan.mesh.shape), "dim_names": list(plan.mesh.dim_names)},
+            "rounds": plan.rounds, "ops": len(prog.ops), **(extra or {}), "tensors": tensors, "reshards": reshards,
+            "totals": totals, "memory": mem.to_json()}
+
+
+__all__ = ["fmt_bytes", "fmt_time", "placements", "plan_json", "step_kinds", "write_report"]

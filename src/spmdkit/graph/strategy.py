@@ -1,0 +1,136 @@
+"""Parallel strategies as annotations on a zoo model, over named mesh dims.
+
+``--strategy`` takes a comma list of:
+
+- ``dp``: data parallel over the ``dp`` mesh dim: the batch axis of the inputs (tokens,
+  labels, positions) sharded; parameters, their optimizer states and updates replicated over
+  ``dp``, so each parameter gradient (partial over ``dp``) is all-reduced before the update.
+- ``megatron`` (``tp``): Megatron-LM tensor parallel over ``tp``: q/k/v, gate/up (and GPT-2's
+  fc1) column-parallel (output features sharded), output / down (fc2) projections
+  row-parallel (input features sharded), the embedding and the LM head vocab-parallel; the
+  loss is ``c_softmax_with_cross_entropy`` over the vocab-sharded logits.
+- ``sp``: Megatron sequence parallel (with ``megatron``): the residual stream is sharded on
+  its sequence axis over ``tp``, the normalised activations that feed the column-parallel
+  projections are gathered: the all-reduces become all-gather / reduce-scatter pairs.
+- ``zero``: ZeRO-2 style sharding over ``dp``: optimizer states sharded on their first axis
+  not already sharded (that ``dp`` divides), so the gradients are reduce-scattered, the
+  update runs on the shards and the updated parameter is all-gathered.
+
+``megatron`` alone means ``dp,megatron`` when the mesh has a ``dp`` dim; every strategy
+needs its mesh dims (``dp`` / ``tp``) to exist. User annotations (tensor -> dims_mapping)
+are applied last and win.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from spmdkit.core.dist_attr import TensorDistAttr
+from spmdkit.core.errors import ProgramError
+from spmdkit.core.mesh import ProcessMesh
+from spmdkit.graph.zoo import Model
+
+STRATEGIES = ("dp", "megatron", "sp", "zero")
+_ALIASES = {"tp": "megatron", "ddp": "dp", "zero2": "zero", "fsdp": "zero"}
+
+
+def parse_mesh(text: str) -> ProcessMesh:
+    """``"dp=2,tp=4"`` -> a 2x4 mesh with dims named dp and tp."""
+    names: list[str] = []
+    sizes: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        name, eq, size = part.partition("=")
+        if not eq or not size.strip().isdigit() or int(size) < 1:
+            raise ProgramError(f"--mesh {text!r}: expected name=size pairs like dp=2,tp=4")
+        names.append(name.strip())
+        sizes.append(int(size))
+    if not sizes:
+        raise ProgramError(f"--mesh {text!r}: no mesh dims")
+    return ProcessMesh(sizes, dim_names=names)
+
+
+def parse_strategy(text: str | Iterable[str], mesh: ProcessMesh) -> tuple[str, ...]:
+    items = [s.strip() for s in (text.split(",") if isinstance(text, str) else text) if s.strip()]
+    out: list[str] = []
+    for s in items:
+        s = _ALIASES.get(s, s)
+        if s == "none":
+            continue
+        if s not in STRATEGIES:
+            raise ProgramError(f"--strategy: unknown strategy {s!r} (one of {', '.join(STRATEGIES)}; tp = megatron)")
+        if s not in out:
+            out.append(s)
+    if "megatron" in out and "dp" not in out and "dp" in mesh.dim_names:
+        out.insert(0, "dp")
+    if "zero" in out and "dp" not in out:
+        out.insert(0, "dp")
+    for s in out:
+        need = "tp" if s in ("megatron", "sp") else "dp"
+        if need not in mesh.dim_names:
+            raise ProgramError(f"--strategy {s}: the mesh has no {need!r} dim (mesh dims: {', '.join(mesh.dim_names)})")
+    if "sp" in out and "megatron" not in out:
+        raise ProgramError("--strategy sp: sequence parallel needs megatron (tensor parallel) too")
+    return tuple(out)
+
+
+def annotate(model: Model, mesh: ProcessMesh, strategy: Iterable[str],
+                user: Mapping[str, Any] | None = None) -> dict[str, TensorDistAttr]:
+    """Tensor name -> dist attr for the strategies (and the user's own annotations)."""
+    prog = model.program
+    st = set(strategy)
+    dp = mesh.dim_index("dp") if "dp" in st else None
+    tp = mesh.dim_index("tp") if "megatron" in st else None
+    out: dict[str, list[Any]] = {}
+
+    def dm(name: str) -> list[Any]:
+        return out.setdefault(name, [-1] * len(prog.tensors[name].shape))
+
+    if dp is not None:
+        for key in ("tokens", "labels", "positions"):
+            n = model.inputs.get(key)
+            if n is not None:
+                dm(n)[0] = dp
+    if tp is not None:
+        for p, role in model.roles.items():
+            if role in ("column", "head"):
+                dm(p)[1] = tp
+            elif role in ("row", "embedding"):
+                dm(p)[0] = tp
+    for p, (_g, states, new, new_states) in model.optimizer.items():
+        base = list(out.get(p, [-1] * len(prog.tensors[p].shape)))
+        if p in out:
+            out[new] = list(base)
+        for s in (*states, *new_states):
+            out[s] = list(base)
+        if "zero" in st and dp is not None and states:
+            shape = prog.tensors[p].shape
+            axis = next((a for a, e in enumerate(base) if e == -1 and shape[a] % mesh.shape[dp] == 0), None)
+            if axis is not None:
+                for s in (*states, *new_states):
+                    out[s][axis] = dp
+                out[new] = list(base)
+    if "sp" in st and tp is not None:
+        for n in model.residual:
+            d = dm(n)
+            d[1] = tp
+            if dp is not None:
+                d[0] = dp
+        # gathered copies: the normalised activations the column-parallel projections read, and
+        # (backward) the gradients of the row-parallel projections' outputs
+        for n in [*model.norm_outputs, *(g for r in model.row_outputs if (g := r + ".grad") in prog.tensors)]:
+            d = dm(n)
+            if dp is not None:
+                d[0] = dp
+    attrs = {n: TensorDistAttr(mesh, d) for n, d in out.items()}
+    for n, a in (user or {}).items():
+        if n not in prog.tensors:
+            raise ProgramError(f"annotation for {n!r}: the program has no such tensor")
+        attrs[n] = a if isinstance(a, TensorDistAttr) else TensorDistAttr(mesh, a)
+    return attrs
+
+
+__all__ = ["STRATEGIES", "annotate", "parse_mesh", "parse_strategy"]

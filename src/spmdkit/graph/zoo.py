@@ -1,0 +1,467 @@
+"""Built-in models (no torch needed): GPT-2 and LLaMA style decoders as whole training steps.
+
+``build_model(config)`` gives a :class:`Model`: a validated :class:`Program` of the forward
+ops, the backward (grad) ops made by reverse-mode differentiation over the registered grad
+rules, and one optimizer update (AdamW) per parameter, plus the roles the strategies read
+(which weights are column- or row-parallel, which tensors form the residual stream).
+
+LLaMA: token embedding; per layer RMSNorm, q/k/v projections, rotary embedding
+(``fused_rotary_position_embedding``), causal ``flash_attention`` (grouped kv heads), output
+projection, residual add, RMSNorm, SwiGLU MLP (gate, up, ``swiglu``, down), residual add;
+final RMSNorm, LM head, ``cross_entropy_with_softmax`` (``c_softmax_with_cross_entropy`` when
+the head is vocab-parallel) and the mean loss. GPT-2: token + learned position embeddings,
+LayerNorm, q/k/v projections, matmul + softmax attention with a causal mask, GELU MLP.
+
+Gradients of a tensor read by several ops are summed with ``add_n`` (which keeps a common
+partial status, as Megatron sums the partial input gradients of its column-parallel
+projections before one all-reduce).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from spmdkit.core.errors import ProgramError
+from spmdkit.graph.program import Program, ProgramBuilder
+from spmdkit.rules.registry import get_rule, is_reverse, output_params
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Sizes of a decoder. ``arch``: llama or gpt2."""
+
+    arch: str = "llama"
+    layers: int = 2
+    hidden: int = 16
+    heads: int = 4
+    kv_heads: int | None = None
+    ffn: int = 32
+    vocab: int = 64
+    seq: int = 8
+    batch: int = 4
+    dtype: str = "float32"
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def n_kv(self) -> int:
+        return self.kv_heads or self.heads
+
+    def check(self) -> None:
+        if self.arch not in ("llama", "gpt2"):
+            raise ProgramError(f"model: unknown arch {self.arch!r} (llama or gpt2)")
+        for k in ("layers", "hidden", "heads", "ffn", "vocab", "seq", "batch"):
+            if int(getattr(self, k)) < 1:
+                raise ProgramError(f"model: {k} must be >= 1")
+        if self.hidden % self.heads:
+            raise ProgramError(f"model: hidden {self.hidden} is not divisible by heads {self.heads}")
+        if self.heads % self.n_kv:
+            raise ProgramError(f"model: heads {self.heads} is not divisible by kv_heads {self.n_kv}")
+
+    def with_(self, **kw: Any) -> ModelConfig:
+        return replace(self, **kw)
+
+
+#: Published sizes (GPT-2's vocabulary padded to 50304 as Megatron-LM does, so it divides
+#: tensor-parallel degrees); tiny ones for tests and ``--verify``.
+PRESETS: dict[str, ModelConfig] = {
+    "gpt2-small": ModelConfig("gpt2", 12, 768, 12, None, 3072, 50304, 1024, 8, "bfloat16"),
+    "gpt2-medium": ModelConfig("gpt2", 24, 1024, 16, None, 4096, 50304, 1024, 8, "bfloat16"),
+    "llama-7b": ModelConfig("llama", 32, 4096, 32, 32, 11008, 32000, 4096, 8, "bfloat16"),
+    "llama-13b": ModelConfig("llama", 40, 5120, 40, 40, 13824, 32000, 4096, 8, "bfloat16"),
+    "llama-70b": ModelConfig("llama", 80, 8192, 64, 8, 28672, 32000, 4096, 8, "bfloat16"),
+    "tiny-llama": ModelConfig("llama", 2, 16, 4, 2, 32, 64, 8, 4, "float32"),
+    "tiny-gpt2": ModelConfig("gpt2", 2, 16, 4, None, 32, 64, 8, 4, "float32"),
+}
+
+
+def preset(name: str) -> ModelConfig:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ProgramError(f"model: no preset {name!r} (presets: {', '.join(sorted(PRESETS))})") from None
+
+
+@dataclass
+class Model:
+    """A built training step and the roles strategies read."""
+
+    config: ModelConfig
+    program: Program
+    #: parameter name -> role: embedding, position, column, row, head, norm
+    roles: dict[str, str]
+    #: residual-stream activations (Megatron sequence parallel shards their sequence axis)
+    residual: list[str]
+    #: normalised activations that feed the column-parallel projections
+    norm_outputs: list[str]
+    #: parameter -> (gradient, optimizer states, updated parameter, updated states)
+    optimizer: dict[str, tuple[str, tuple[str, ...], str, tuple[str, ...]]]
+    #: outputs of the row-parallel projections (their gradients are gathered under sequence parallel)
+    row_outputs: list[str] = field(default_factory=list)
+    inputs: dict[str, str] = field(default_factory=dict)
+    loss: str = "loss"
+    vocab_parallel_loss: bool = False
+
+
+# -- reverse-mode differentiation over the grad rules ------------------------------------------
+
+#: forward rule -> (grad rule, forward tensor parameters whose gradients it returns, in order)
+GRADS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "matmul": ("matmul_grad", ("x", "y")),
+    "add": ("add_grad", ("x", "y")),
+    "multiply": ("multiply_grad", ("x", "y")),
+    "fused_rms_norm": ("rms_norm_grad", ("x", "scale")),
+    "layer_norm": ("layer_norm_grad", ("x", "scale", "bias")),
+    "reshape": ("reshape_grad", ("x",)),
+    "transpose": ("transpose_grad", ("x",)),
+    "softmax": ("softmax_grad", ("x",)),
+    "gelu": ("gelu_grad", ("x",)),
+    "scale": ("scale_grad", ("x",)),
+    "mean": ("mean_grad", ("x",)),
+    "sum": ("sum_grad", ("x",)),
+    "embedding": ("embedding_grad", ("weight",)),
+    "cross_entropy_with_softmax": ("cross_entropy_with_softmax_grad", ("x",)),
+    "c_softmax_with_cross_entropy": ("c_softmax_with_cross_entropy_grad", ("x",)),
+    "flash_attention": ("flash_attention_grad", ("q", "k", "v")),
+    "fused_rotary_position_embedding": ("fused_rotary_position_embedding_grad", ("q", "k", "v")),
+    "swiglu": ("swiglu_grad", ("x", "y")),
+}
+
+#: grad rule parameter -> forward output it reads, where the names differ
+_GRAD_ALIASES: dict[str, dict[str, str]] = {
+    "cross_entropy_with_softmax_grad": {"softmax": "softmax_out"},
+}
+
+
+def _output_names(rule_name: str) -> list[str]:
+    rule = get_rule(rule_name)
+    return output_params(rule) if is_reverse(rule) else ["out"]
+
+
+@dataclass
+class _Rec:
+    rule: str
+    inputs: dict[str, Any]
+    outputs: list[str | None]
+    attrs: dict[str, Any]
+    layer: str
+
+
+class Tape:
+    """A ProgramBuilder that records forward ops and emits their backward ops."""
+
+    def __init__(self, b: ProgramBuilder) -> None:
+        self.b = b
+        self.recs: list[_Rec] = []
+        self.needs_grad: set[str] = set()
+
+    def param(self, name: str, shape: Sequence[int], dtype: str) -> str:
+        self.b.tensor(name, shape, dtype, "parameter")
+        self.needs_grad.add(name)
+        return name
+
+    def op(self, rule: str, inputs: Mapping[str, Any], outputs: Sequence[Any], **attrs: Any) -> list[str | None]:
+        outs = self.b.op(rule, inputs, outputs, **attrs)
+        self.recs.append(_Rec(rule, dict(inputs), outs, dict(attrs), self.b.layer))
+        if any(isinstance(v, str) and v in self.needs_grad for v in inputs.values()):
+            self.needs_grad.update(o for o in outs if o is not None)
+        return outs
+
+    def backward(self, loss: str) -> dict[str, str]:
+        """Emit the backward ops of every recorded op (reverse order); returns tensor -> its
+        gradient for every parameter."""
+        b = self.b
+        b.phase = "backward"
+        seed = b.tensor(f"{loss}.grad", b.get(loss).shape, b.get(loss).dtype, "input")
+        contrib: dict[str, list[str]] = {loss: [seed]}
+        done: dict[str, str] = {}
+
+        def grad_of(name: str) -> str | None:
+            if name in done:
+                return done[name]
+            parts = contrib.get(name)
+            if not parts:
+                return None
+            if len(parts) == 1:
+                done[name] = parts[0]
+                return parts[0]
+            t = b.get(name)
+            (g,) = b.op("add_n", {"input": tuple(parts)}, [(f"{name}.grad.sum", t.shape, t.dtype, "gradient")],
+                        name=f"sum of {name}.grad")
+            assert g is not None
+            done[name] = g
+            return g
+
+        for rec in reversed(self.recs):
+            b.layer = rec.layer
+            out_names = _output_names(rec.rule)
+            by_out = dict(zip(out_names, rec.outputs))
+            ograds = {o: grad_of(n) for o, n in by_out.items() if n is not None}
+            if not any(ograds.values()):
+                continue
+            if rec.rule not in GRADS:
+                raise ProgramError(f"autodiff: no grad rule known for {rec.rule}")
+            gname, wrt = GRADS[rec.rule]
+            grule = get_rule(gname)
+            aliases = _GRAD_ALIASES.get(gname, {})
+            ins: dict[str, Any] = {}
+            gattrs: dict[str, Any] = {}
+            for p in grule.forward.params:
+                n = p.name
+                if not p.is_tensor:
+                    if n in rec.attrs:
+                        gattrs[n] = rec.attrs[n]
+                    continue
+                src: Any = None
+                if n in aliases:
+                    src = by_out.get(aliases[n])
+                elif n in rec.inputs:
+                    src = rec.inputs[n]
+                elif n in by_out:
+                    src = by_out[n]
+                elif n.endswith("_grad") and n[:-5] in by_out:
+                    src = ograds.get(n[:-5])
+                elif n in ("x_shape", "xshape"):
+                    src = rec.inputs.get("x")
+                elif n == "inputs" and "input" in rec.inputs:
+                    src = rec.inputs["input"]
+                if src is None and p.required and p.kind != "T?":
+                    raise ProgramError(f"autodiff: {gname} needs {n!r}, which {rec.rule} does not give")
+                if src is not None:
+                    ins[n] = src
+            outs: list[Any] = []
+            got: list[tuple[str, str]] = []
+            for w in wrt:
+                x = rec.inputs.get(w)
+                if not isinstance(x, str) or x not in self.needs_grad:
+                    outs.append(None)
+                    continue
+                t = b.get(x)
+                k = len(contrib.get(x, []))
+                gn = f"{x}.grad" if k == 0 else f"{x}.grad{k}"
+                if b.has(gn):
+                    gn = f"{x}.grad.{rec.rule}{len(self.recs)}{k}"
+                outs.append((gn, t.shape, t.dtype, "gradient"))
+                got.append((x, gn))
+            if not got:
+                continue
+            b.op(gname, ins, outs, name=f"grad of {rec.outputs[0]}", **gattrs)
+            for x, gn in got:
+                contrib.setdefault(x, []).append(gn)
+        grads: dict[str, str] = {}
+        for name in sorted(self.needs_grad):
+            if b.get(name).kind == "parameter":
+                g = grad_of(name)
+                if g is not None:
+                    grads[name] = g
+        return grads
+
+
+# -- the models -------------------------------------------------------------------------------
+
+
+def _llama_layer(t: Tape, cfg: ModelConfig, i: int, h: str, m: Model) -> str:
+    b = t.b
+    B, S, H, F = cfg.batch, cfg.seq, cfg.hidden, cfg.ffn
+    nh, nkv, hd = cfg.heads, cfg.n_kv, cfg.head_dim
+    dt = cfg.dtype
+    p = f"layers.{i}."
+    b.layer = f"layer {i}"
+    ln1 = t.param(p + "attn_norm", [H], dt)
+    wq = t.param(p + "wq", [H, nh * hd], dt)
+    wk = t.param(p + "wk", [H, nkv * hd], dt)
+    wv = t.param(p + "wv", [H, nkv * hd], dt)
+    wo = t.param(p + "wo", [nh * hd, H], dt)
+    ln2 = t.param(p + "mlp_norm", [H], dt)
+    wg = t.param(p + "w_gate", [H, F], dt)
+    wu = t.param(p + "w_up", [H, F], dt)
+    wd = t.param(p + "w_down", [F, H], dt)
+    m.roles.update({ln1: "norm", ln2: "norm", wq: "column", wk: "column", wv: "column", wo: "row",
+                    wg: "column", wu: "column", wd: "row"})
+    n1, _ = t.op("fused_rms_norm", {"x": h, "scale": ln1},
+                 [(p + "attn_norm.out", [B, S, H], dt), (p + "attn_norm.invvar", [B, S], "float32")], epsilon=1e-6)
+    assert n1 is not None
+    m.norm_outputs.append(n1)
+    (q,) = t.op("matmul", {"x": n1, "y": wq}, [(p + "q", [B, S, nh * hd], dt)])
+    (k,) = t.op("matmul", {"x": n1, "y": wk}, [(p + "k", [B, S, nkv * hd], dt)])
+    (v,) = t.op("matmul", {"x": n1, "y": wv}, [(p + "v", [B, S, nkv * hd], dt)])
+    (q4,) = t.op("reshape", {"x": q}, [(p + "q4", [B, S, nh, hd], dt)], shape=(B, S, nh, hd))
+    (k4,) = t.op("reshape", {"x": k}, [(p + "k4", [B, S, nkv, hd], dt)], shape=(B, S, nkv, hd))
+    (v4,) = t.op("reshape", {"x": v}, [(p + "v4", [B, S, nkv, hd], dt)], shape=(B, S, nkv, hd))
+    # q and k rotated by separate calls: with grouped kv heads their head counts differ
+    qr, _, _ = t.op("fused_rotary_position_embedding",
+                    {"q": q4, "k": None, "v": None, "sin": m.inputs["sin"], "cos": m.inputs["cos"]},
+                    [(p + "q_rope", [B, S, nh, hd], dt), None, None], use_neox_rotary_style=True)
+    kr, _, _ = t.op("fused_rotary_position_embedding",
+                    {"q": k4, "k": None, "v": None, "sin": m.inputs["sin"], "cos": m.inputs["cos"]},
+                    [(p + "k_rope", [B, S, nkv, hd], dt), None, None], use_neox_rotary_style=True)
+    att, _, _, _ = t.op("flash_attention", {"q": qr, "k": kr, "v": v4},
+                        [(p + "attn", [B, S, nh, hd], dt), None, (p + "attn.lse", [B, nh, S], "float32"),
+                         (p + "attn.seed_offset", [2], "int64")], causal=True)
+    (a2,) = t.op("reshape", {"x": att}, [(p + "attn2d", [B, S, nh * hd], dt)], shape=(B, S, nh * hd))
+    (o,) = t.op("matmul", {"x": a2, "y": wo}, [(p + "attn_out", [B, S, H], dt)])
+    (h1,) = t.op("add", {"x": h, "y": o}, [(p + "resid1", [B, S, H], dt)])
+    m.row_outputs.append(p + "attn_out")
+    assert h1 is not None
+    n2, _ = t.op("fused_rms_norm", {"x": h1, "scale": ln2},
+                 [(p + "mlp_norm.out", [B, S, H], dt), (p + "mlp_norm.invvar", [B, S], "float32")], epsilon=1e-6)
+    assert n2 is not None
+    m.norm_outputs.append(n2)
+    (g,) = t.op("matmul", {"x": n2, "y": wg}, [(p + "gate", [B, S, F], dt)])
+    (u,) = t.op("matmul", {"x": n2, "y": wu}, [(p + "up", [B, S, F], dt)])
+    (act,) = t.op("swiglu", {"x": g, "y": u}, [(p + "swiglu", [B, S, F], dt)])
+    (d,) = t.op("matmul", {"x": act, "y": wd}, [(p + "mlp_out", [B, S, H], dt)])
+    m.row_outputs.append(p + "mlp_out")
+    (h2,) = t.op("add", {"x": h1, "y": d}, [(p + "resid2", [B, S, H], dt)])
+    assert h2 is not None
+    m.residual.extend([h1, h2])
+    return h2
+
+
+def _gpt2_layer(t: Tape, cfg: ModelConfig, i: int, h: str, m: Model) -> str:
+    b = t.b
+    B, S, H, F = cfg.batch, cfg.seq, cfg.hidden, cfg.ffn
+    nh, hd = cfg.heads, cfg.head_dim
+    dt = cfg.dtype
+    p = f"layers.{i}."
+    b.layer = f"layer {i}"
+    names = ["ln1.w", "ln1.b", "wq", "wk", "wv", "wo", "ln2.w", "ln2.b", "fc1", "fc2"]
+    shapes = [[H], [H], [H, H], [H, H], [H, H], [H, H], [H], [H], [H, F], [F, H]]
+    roles = ["norm", "norm", "column", "column", "column", "row", "norm", "norm", "column", "row"]
+    w = {n: t.param(p + n, s, dt) for n, s in zip(names, shapes)}
+    m.roles.update({p + n: r for n, r in zip(names, roles)})
+    n1, _, _ = t.op("layer_norm", {"x": h, "scale": w["ln1.w"], "bias": w["ln1.b"]},
+                    [(p + "ln1.out", [B, S, H], dt), (p + "ln1.mean", [B, S], "float32"),
+                     (p + "ln1.var", [B, S], "float32")], epsilon=1e-5, begin_norm_axis=2)
+    assert n1 is not None
+    m.norm_outputs.append(n1)
+    heads: dict[str, str] = {}
+    for nm in ("q", "k", "v"):
+        (x,) = t.op("matmul", {"x": n1, "y": w["w" + nm]}, [(p + nm, [B, S, H], dt)])
+        (x4,) = t.op("reshape", {"x": x}, [(p + nm + "4", [B, S, nh, hd], dt)], shape=(B, S, nh, hd))
+        (xt,) = t.op("transpose", {"x": x4}, [(p + nm + "t", [B, nh, S, hd], dt)], perm=(0, 2, 1, 3))
+        assert xt is not None
+        heads[nm] = xt
+    (sc,) = t.op("matmul", {"x": heads["q"], "y": heads["k"]}, [(p + "scores", [B, nh, S, S], dt)], trans_y=True)
+    (sc2,) = t.op("scale", {"x": sc}, [(p + "scores.scaled", [B, nh, S, S], dt)])
+    (scm,) = t.op("add", {"x": sc2, "y": m.inputs["mask"]}, [(p + "scores.masked", [B, nh, S, S], dt)])
+    (pr,) = t.op("softmax", {"x": scm}, [(p + "probs", [B, nh, S, S], dt)], axis=-1)
+    (ctx,) = t.op("matmul", {"x": pr, "y": heads["v"]}, [(p + "ctx", [B, nh, S, hd], dt)])
+    (ct,) = t.op("transpose", {"x": ctx}, [(p + "ctx.t", [B, S, nh, hd], dt)], perm=(0, 2, 1, 3))
+    (c2,) = t.op("reshape", {"x": ct}, [(p + "ctx2d", [B, S, H], dt)], shape=(B, S, H))
+    (o,) = t.op("matmul", {"x": c2, "y": w["wo"]}, [(p + "attn_out", [B, S, H], dt)])
+    m.row_outputs.append(p + "attn_out")
+    (h1,) = t.op("add", {"x": h, "y": o}, [(p + "resid1", [B, S, H], dt)])
+    assert h1 is not None
+    n2, _, _ = t.op("layer_norm", {"x": h1, "scale": w["ln2.w"], "bias": w["ln2.b"]},
+                    [(p + "ln2.out", [B, S, H], dt), (p + "ln2.mean", [B, S], "float32"),
+                     (p + "ln2.var", [B, S], "float32")], epsilon=1e-5, begin_norm_axis=2)
+    assert n2 is not None
+    m.norm_outputs.append(n2)
+    (f1,) = t.op("matmul", {"x": n2, "y": w["fc1"]}, [(p + "fc1.out", [B, S, F], dt)])
+    (ge,) = t.op("gelu", {"x": f1}, [(p + "gelu", [B, S, F], dt)], approximate=True)
+    (f2,) = t.op("matmul", {"x": ge, "y": w["fc2"]}, [(p + "mlp_out", [B, S, H], dt)])
+    m.row_outputs.append(p + "mlp_out")
+    (h2,) = t.op("add", {"x": h1, "y": f2}, [(p + "resid2", [B, S, H], dt)])
+    assert h2 is not None
+    m.residual.extend([h1, h2])
+    return h2
+
+
+def build_model(cfg: ModelConfig, vocab_parallel_loss: bool = False, optimizer: str = "adamw",
+                validate: bool = True) -> Model:
+    """The training step of ``cfg``: forward, backward and one optimizer update per parameter.
+    ``vocab_parallel_loss`` uses ``c_softmax_with_cross_entropy`` (for a vocab-sharded head)."""
+    cfg.check()
+    b = ProgramBuilder(f"{cfg.arch} {cfg.layers} layers")
+    t = Tape(b)
+    m = Model(cfg, Program([], []), {}, [], [], {}, vocab_parallel_loss=vocab_parallel_loss)
+    B, S, H, V = cfg.batch, cfg.seq, cfg.hidden, cfg.vocab
+    dt = cfg.dtype
+    b.layer = "embedding"
+    tokens = b.tensor("tokens", [B, S], "int64", "input")
+    labels = b.tensor("labels", [B, S, 1], "int64", "input")
+    m.inputs.update({"tokens": tokens, "labels": labels})
+    emb = t.param("embed", [V, H], dt)
+    m.roles[emb] = "embedding"
+    (h,) = t.op("embedding", {"x": tokens, "weight": emb}, [("embed.out", [B, S, H], dt)])
+    assert h is not None
+    if cfg.arch == "llama":
+        m.inputs["sin"] = b.tensor("rope.sin", [1, S, 1, cfg.head_dim], dt, "input")
+        m.inputs["cos"] = b.tensor("rope.cos", [1, S, 1, cfg.head_dim], dt, "input")
+    else:
+        positions = b.tensor("positions", [B, S], "int64", "input")
+        m.inputs["positions"] = positions
+        m.inputs["mask"] = b.tensor("causal_mask", [1, 1, S, S], dt, "input")
+        wpe = t.param("pos_embed", [S, H], dt)
+        m.roles[wpe] = "position"
+        (pe,) = t.op("embedding", {"x": positions, "weight": wpe}, [("pos_embed.out", [B, S, H], dt)])
+        (h,) = t.op("add", {"x": h, "y": pe}, [("embed.sum", [B, S, H], dt)])
+        assert h is not None
+    m.residual.append(h)
+    for i in range(cfg.layers):
+        h = (_llama_layer if cfg.arch == "llama" else _gpt2_layer)(t, cfg, i, h, m)
+    b.layer = "head"
+    if cfg.arch == "llama":
+        fn = t.param("final_norm", [H], dt)
+        m.roles[fn] = "norm"
+        nf, _ = t.op("fused_rms_norm", {"x": h, "scale": fn},
+                     [("final_norm.out", [B, S, H], dt), ("final_norm.invvar", [B, S], "float32")], epsilon=1e-6)
+    else:
+        fw, fb = t.param("final_norm.w", [H], dt), t.param("final_norm.b", [H], dt)
+        m.roles.update({fw: "norm", fb: "norm"})
+        nf, _, _ = t.op("layer_norm", {"x": h, "scale": fw, "bias": fb},
+                        [("final_norm.out", [B, S, H], dt), ("final_norm.mean", [B, S], "float32"),
+                         ("final_norm.var", [B, S], "float32")], epsilon=1e-5, begin_norm_axis=2)
+    assert nf is not None
+    m.norm_outputs.append(nf)
+    head = t.param("lm_head", [H, V], dt)
+    m.roles[head] = "head"
+    (logits,) = t.op("matmul", {"x": nf, "y": head}, [("logits", [B, S, V], dt)])
+    if vocab_parallel_loss:
+        _, loss_tok = t.op("c_softmax_with_cross_entropy", {"x": logits, "label": labels},
+                           [("softmax", [B, S, V], dt), ("loss.token", [B, S, 1], "float32")])
+    else:
+        _, loss_tok = t.op("cross_entropy_with_softmax", {"x": logits, "label": labels},
+                           [("softmax", [B, S, V], dt), ("loss.token", [B, S, 1], "float32")])
+    # the loss is the sum of the token losses (a mean differs by a constant factor and shards alike)
+    (loss,) = t.op("sum", {"x": loss_tok}, [("loss", [], "float32")], axis=(), keep_dim=False)
+    assert loss is not None
+    m.loss = loss
+    grads = t.backward(loss)
+    _optimizer(b, m, grads, optimizer)
+    m.program = b.build(validate=validate)
+    return m
+
+
+def _optimizer(b: ProgramBuilder, m: Model, grads: Mapping[str, str], kind: str) -> None:
+    b.phase = "optimizer"
+    b.layer = "optimizer"
+    lr = b.tensor("learning_rate", [1], "float32", "input")
+    for p, g in grads.items():
+        t = b.get(p)
+        if kind == "sgd":
+            b.op("sgd", {"param": p, "learning_rate": lr, "grad": g},
+                 [b.tensor(p + ".new", t.shape, t.dtype, "parameter", inplace_of=p), None], name=f"update {p}")
+            m.optimizer[p] = (g, (), p + ".new", ())
+            continue
+        m1 = b.tensor(p + ".moment1", t.shape, "float32", "optimizer_state")
+        m2 = b.tensor(p + ".moment2", t.shape, "float32", "optimizer_state")
+        b1 = b.tensor(p + ".beta1_pow", [1], "float32", "optimizer_state")
+        b2 = b.tensor(p + ".beta2_pow", [1], "float32", "optimizer_state")
+        outs = [b.tensor(p + ".new", t.shape, t.dtype, "parameter", inplace_of=p),
+                b.tensor(m1 + ".new", t.shape, "float32", "optimizer_state", inplace_of=m1),
+                b.tensor(m2 + ".new", t.shape, "float32", "optimizer_state", inplace_of=m2), None,
+                b.tensor(b1 + ".new", [1], "float32", "optimizer_state", inplace_of=b1),
+                b.tensor(b2 + ".new", [1], "float32", "optimizer_state", inplace_of=b2), None]
+        b.op(kind, {"param": p, "grad": g, "learning_rate": lr, "moment1": m1, "moment2": m2,
+                    "beta1_pow": b1, "beta2_pow": b2}, outs, name=f"update {p}",
+             **({"with_decay": True, "coeff": 0.01} if kind == "adamw" else {}))
+        m.optimizer[p] = (g, (m1, m2), p + ".new", (m1 + ".new", m2 + ".new"))
+
+
+__all__ = ["GRADS", "Model", "ModelConfig", "PRESETS", "Tape", "build_model", "preset"]

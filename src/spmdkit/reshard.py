@@ -1,0 +1,249 @@
+"""Reshard planning: from one dist attr to another on an N-D mesh, per-mesh-dim collectives
+with their bytes per rank and an alpha-beta time. Standard library only.
+
+``plan_reshard(src, dst, shape, itemsize, cost)`` returns the steps, in this order:
+
+1. partial mesh dims ``dst`` does not keep: a reduce-scatter onto the axis ``dst`` shards with
+   that mesh dim (where it is the next mesh dim of that axis), else an all-reduce (with the
+   partial's reduce type; avg: a sum then a scale, same bytes);
+2. mesh dims sharding an axis otherwise than in ``dst``: a co-shard is unwound minor dim
+   first; a mesh dim that moves to another axis whose sharding it then extends is an
+   all-to-all, otherwise an all-gather;
+3. mesh dims ``dst`` shards with and the tensor does not yet: a local slice (no communication),
+   co-shards built major first;
+4. mesh dims ``dst`` marks partial that the tensor is not: ``to_partial`` (one rank keeps the
+   value, the others zeros: no communication).
+
+Every intermediate dist attr is legal. Bytes per rank are the ring formulas on the local
+buffer of the group (uneven shards: the largest): all-reduce ``2(n-1)/n·S``, all-gather
+``(n-1)/n·S_out``, reduce-scatter ``(n-1)/n·S_in``, all-to-all ``(n-1)/n·S``; time
+``k·(n-1)·alpha + bytes·beta`` (k = 2 for an all-reduce). The cost model (docs/reshard.md)
+has one link per mesh dim: by default a dim is intra-node (5 us, 150 GB/s) while the product
+of the sizes from the innermost dim up to it is at most 8, else inter-node (20 us, 25 GB/s).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from spmdkit.core.dist_attr import Entry, Partial, ReduceType, TensorDistAttr, dims_entry, entry_dims
+from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError
+from spmdkit.core.mesh import ProcessMesh
+
+INTRA = (5e-6, 1 / 150e9)
+INTER = (20e-6, 1 / 25e9)
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    """Latency (s) and inverse bandwidth (s per byte) of one mesh dim's links."""
+
+    alpha_s: float
+    beta_s_per_byte: float
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """One :class:`LinkCost` per mesh dim."""
+
+    links: tuple[LinkCost, ...]
+
+    @classmethod
+    def default(cls, mesh: ProcessMesh, intra_node: int = 8) -> CostModel:
+        links: list[LinkCost] = []
+        prod = 1
+        for size in reversed(mesh.shape):
+            prod *= size
+            links.append(LinkCost(*(INTRA if prod <= intra_node else INTER)))
+        return cls(tuple(reversed(links)))
+
+    @classmethod
+    def parse(cls, text: str, mesh: ProcessMesh) -> CostModel:
+        """``"tp=5us/150GB,dp=20us/25GB"`` (per mesh dim name or index: latency in s/ms/us/ns,
+        bandwidth in B/KB/MB/GB per second); unnamed dims keep the defaults."""
+        links = list(cls.default(mesh).links)
+        units = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+        bw = {"B": 1.0, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
+        for part in text.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            m = re.fullmatch(r"(\w+)=([\d.]+)(s|ms|us|ns)/([\d.]+)(B|KB|MB|GB|TB)", part)
+            if m is None:
+                raise InvalidAttributeError(f"--cost {part!r}: expected DIM=LATENCY/BANDWIDTH like tp=5us/150GB")
+            dim = int(m.group(1)) if m.group(1).isdigit() else mesh.dim_index(m.group(1))
+            if not 0 <= dim < mesh.ndim:
+                raise InvalidMeshError(f"--cost {part!r}: the mesh has no dim {dim}")
+            links[dim] = LinkCost(float(m.group(2)) * units[m.group(3)], 1 / (float(m.group(4)) * bw[m.group(5)]))
+        return cls(tuple(links))
+
+
+@dataclass(frozen=True)
+class Step:
+    """One collective (or local step) over the groups of ``mesh_dims``."""
+
+    kind: str
+    mesh_dims: tuple[int, ...]
+    tensor_axis: int | None
+    bytes_per_rank: int
+    time_s: float
+    src: TensorDistAttr
+    dst: TensorDistAttr
+    dst_axis: int | None = None
+    reduce_type: str | None = None
+
+    def describe(self) -> str:
+        names = self.src.mesh.dim_names
+        n = 1
+        for d in self.mesh_dims:
+            n *= self.src.mesh.shape[d]
+        over = "x".join(names[d] for d in self.mesh_dims)
+        what = self.kind.replace("_", "-")
+        if self.kind == "all_to_all":
+            what += f" axis {self.tensor_axis}->{self.dst_axis}"
+        elif self.tensor_axis is not None:
+            what += f" axis {self.tensor_axis}"
+        if self.reduce_type and self.reduce_type != "sum":
+            what += f" ({self.reduce_type})"
+        if self.bytes_per_rank == 0:
+            return f"{what} over {over} (local)"
+        return f"{what} over {over} ({n} ranks), {_fmt_bytes(self.bytes_per_rank)}/rank, {self.time_s * 1e6:.0f} us"
+
+
+@dataclass(frozen=True)
+class ReshardPlan:
+    steps: tuple[Step, ...]
+
+    @property
+    def bytes_per_rank(self) -> int:
+        return sum(s.bytes_per_rank for s in self.steps)
+
+    @property
+    def time_s(self) -> float:
+        return sum(s.time_s for s in self.steps)
+
+    def describe(self) -> str:
+        return "; ".join(s.describe() for s in self.steps) or "nothing to do"
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, k in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= k:
+            return f"{n / k:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def local_bytes(dm: Sequence[Entry], shape: Sequence[int], mesh_shape: Sequence[int], itemsize: int) -> int:
+    """Bytes of the largest local shard of a tensor sharded by ``dm``."""
+    n = itemsize
+    for size, e in zip(shape, dm):
+        k = 1
+        for d in entry_dims(e):
+            k *= mesh_shape[d]
+        n *= -(-size // k) if k > 1 else size
+    return n
+
+
+class _State:
+    def __init__(self, src: TensorDistAttr) -> None:
+        self.mesh = src.mesh
+        self.dims = [list(entry_dims(e)) for e in src.dims_mapping]
+        self.partial: dict[int, ReduceType] = dict(src.partial)
+
+    def attr(self) -> TensorDistAttr:
+        pt: Partial = tuple(sorted(self.partial.items()))
+        return TensorDistAttr._make(self.mesh, tuple(dims_entry(d) for d in self.dims), pt)
+
+    def axis_of(self, d: int) -> int | None:
+        for i, ds in enumerate(self.dims):
+            if d in ds:
+                return i
+        return None
+
+
+def plan_reshard(src: TensorDistAttr, dst: TensorDistAttr, shape: Sequence[int], itemsize: int = 4,
+                 cost: CostModel | None = None) -> ReshardPlan:
+    """The steps that turn a tensor distributed as ``src`` into one distributed as ``dst``."""
+    if src.mesh != dst.mesh:
+        raise InvalidMeshError(f"reshard: src lies on mesh {list(src.mesh.shape)}, dst on {list(dst.mesh.shape)}")
+    if src.ndim != len(shape) or dst.ndim != len(shape):
+        raise InvalidAttributeError(f"reshard: dims_mappings of {src.ndim} and {dst.ndim} entries for shape "
+                                    f"{list(shape)}")
+    if src == dst:
+        return ReshardPlan(())
+    mesh = src.mesh
+    ms = mesh.shape
+    cost = cost or CostModel.default(mesh)
+    want = [list(entry_dims(e)) for e in dst.dims_mapping]
+    want_partial = dict(dst.partial)
+    st = _State(src)
+    steps: list[Step] = []
+
+    def lb() -> int:
+        return local_bytes([dims_entry(x) for x in st.dims], shape, ms, itemsize)
+
+    # 1. partial dims dst does not keep
+    for d in sorted(st.partial):
+        if want_partial.get(d) == st.partial[d]:
+            continue
+        n = ms[d]
+        link = cost.links[d]
+        before = st.attr()
+        size = lb()
+        rt = st.partial.pop(d)
+        target = next((i for i, w in enumerate(want) if d in w), None)
+        if target is not None and want[target][: len(st.dims[target]) + 1] == [*st.dims[target], d]:
+            st.dims[target].append(d)
+            b = round((n - 1) / n * size)
+            steps.append(Step("reduce_scatter", (d,), target, b, (n - 1) * link.alpha_s + b * link.beta_s_per_byte,
+                              before, st.attr(), None, rt.value))
+        else:
+            b = round(2 * (n - 1) / n * size)
+            steps.append(Step("all_reduce", (d,), None, b, 2 * (n - 1) * link.alpha_s + b * link.beta_s_per_byte,
+                              before, st.attr(), None, rt.value))
+    # 2. shardings dst does not have: unwind minor first
+    for i in range(len(st.dims)):
+        keep = 0
+        while keep < len(st.dims[i]) and keep < len(want[i]) and st.dims[i][keep] == want[i][keep]:
+            keep += 1
+        while len(st.dims[i]) > keep:
+            d = st.dims[i][-1]
+            n = ms[d]
+            target = next((j for j, w in enumerate(want) if d in w), None)
+            before = st.attr()
+            size = lb()
+            link = cost.links[d]
+            if target is not None and target != i and want[target][: len(st.dims[target]) + 1] == [
+                    *st.dims[target], d]:
+                st.dims[i].pop()
+                st.dims[target].append(d)
+                b = round((n - 1) / n * size)
+                steps.append(Step("all_to_all", (d,), i, b, (n - 1) * link.alpha_s + b * link.beta_s_per_byte,
+                                  before, st.attr(), target))
+            else:
+                st.dims[i].pop()
+                out = lb()
+                b = round((n - 1) / n * out)
+                steps.append(Step("all_gather", (d,), i, b, (n - 1) * link.alpha_s + b * link.beta_s_per_byte,
+                                  before, st.attr()))
+    # 3. shardings dst adds: local slices, major first
+    for i, w in enumerate(want):
+        for d in w[len(st.dims[i]):]:
+            before = st.attr()
+            st.dims[i].append(d)
+            steps.append(Step("slice", (d,), i, 0, 0.0, before, st.attr()))
+    # 4. partial dims dst adds
+    for d, rt in sorted(want_partial.items()):
+        if st.partial.get(d) != rt:
+            before = st.attr()
+            st.partial[d] = rt
+            steps.append(Step("to_partial", (d,), None, 0, 0.0, before, st.attr(), None, rt.value))
+    final = st.attr()
+    if final != dst:  # pragma: no cover - the phases above always reach dst
+        raise InvalidAttributeError(f"reshard: could not reach {dst} from {src} (got {final})")
+    return ReshardPlan(tuple(steps))
+
+
+__all__ = ["CostModel", "LinkCost", "ReshardPlan", "Step", "local_bytes", "plan_reshard"]

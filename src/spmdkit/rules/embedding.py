@@ -1,0 +1,269 @@
+"""Embedding lookups: embedding (lookup_table_v2), c_embedding, one_hot and the grads.
+
+Notation (x: ids of any rank, letters ``ab...``; weight ``[vocab, hidden]`` = ``jk``)::
+
+    embedding       ab, jk -> abk          (x, weight -> out)
+    embedding_grad  ab, jk, abk -> jk      (x, weight, out_grad -> weight_grad)
+    c_embedding     jk, ab -> abk          (weight, x -> out; Paddle's argument order)
+    c_embedding_grad jk, ab, abk -> jk     (weight, x, out_grad -> weight_grad)
+    one_hot         ab -> abz              (the class axis z is new: never sharded)
+
+Vocab parallel: the weight's row letter ``j`` may stay sharded; each rank then looks up
+only the ids of its own row range and writes zeros for the others, so ``out`` is partial
+SUM over j's mesh dims (the simulator's localize hook gives a rank its row range). In the
+grads each rank accumulates only the ids of its rows, so ``weight_grad`` keeps the
+weight's row sharding; the batch letters are summed over, so ``weight_grad`` is partial
+SUM over their mesh dims. ``hidden`` (``k``) is elementwise. Where two tensors claim one
+mesh dim the first-claiming letter keeps it (x's batch letters before the weight's);
+where two shard one letter differently the larger tensor wins (Paddle raises on both).
+Every partial input is resharded to replicated (ids cannot be partial; Paddle clears a
+partial weight too).
+
+Rows are replicated where the vocab-parallel kernel cannot run: ``padding_idx != -1`` or
+``sparse`` (Paddle raises instead). The reverse rules infer x and the weight's hidden
+axis from out; a SUM-partial out over a free mesh dim becomes the weight's row sharding
+(vocab parallel), and the outputs returned are those the inferred inputs produce (Paddle
+echoes out, partial included). Deviations: ``docs/deviations.md`` ``embedding-*``.
+"""
+
+from __future__ import annotations
+
+from spmdkit.core.dist_attr import Entry, ReduceType, TensorDistAttr
+from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
+from spmdkit.core.mesh import ProcessMesh
+from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.memo import memo
+from spmdkit.engine.notation import (
+    ALPHABET,
+    Notation,
+    check_letters,
+    common_mesh,
+    einsum_backward,
+    einsum_forward,
+    fast_result,
+    merge_specs,
+    project_all,
+)
+from spmdkit.rules.registry import register
+
+
+def _largest(e: Entry, ms: tuple[int, ...]) -> Entry:
+    if e.__class__ is int:
+        return e
+    best = e[0]  # type: ignore[index]
+    for d in e[1:]:  # type: ignore[index]
+        if ms[d] > ms[best]:
+            best = d
+    return best
+
+
+def _one_dim(*specs: DistTensorSpec) -> list[DistTensorSpec]:
+    """A co-sharded axis keeps one mesh dim, its largest (the first of equal sizes), as
+    Paddle's merge does."""
+    out = []
+    for s in specs:
+        a = s.dist_attr
+        dm = a.dims_mapping
+        if all(e.__class__ is int for e in dm):
+            out.append(s)
+            continue
+        ms = a.mesh.shape
+        out.append(DistTensorSpec._make(s.shape, TensorDistAttr._make(a.mesh, tuple(_largest(e, ms) for e in dm),
+                                                                     a.partial)))
+    return out
+
+
+# batch letters of the ids: the alphabet without the weight's j (vocab) and k (hidden)
+_BATCH = "abcdefghilmnopqrstuvwxyz"
+
+
+def _batch(op: str, ndim: int) -> str:
+    if ndim > len(_BATCH):
+        raise ShapeMismatchError(f"{op}: x has {ndim} dims, at most {len(_BATCH)} are supported")
+    return _BATCH[:ndim]
+
+
+def _check_weight(op: str, weight: DistTensorSpec) -> None:
+    if len(weight.shape) != 2:
+        raise ShapeMismatchError(
+            f"{op}: weight (the embedding table) must be 2-D [vocab, hidden], got {len(weight.shape)}-D"
+        )
+
+
+def _check_int(op: str, name: str, v: object) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise InvalidAttributeError(f"{op}: {name} must be an int, got {v!r}")
+    return v
+
+
+def _rows_replicated(op: str, padding_idx: object, sparse: object) -> bool:
+    return _check_int(op, "padding_idx", padding_idx) != -1 or bool(sparse)
+
+
+@memo()
+def _emb_notation(nd: int, weight_first: bool, rows_replicated: bool) -> Notation:
+    b = _BATCH[:nd]
+    ins = ["jk", b] if weight_first else [b, "jk"]
+    return Notation(ins, [b + "k"], replicated="j" if rows_replicated else "")
+
+
+@memo()
+def _emb_grad_notation(nd: int, weight_first: bool, rows_replicated: bool) -> Notation:
+    b = _BATCH[:nd]
+    ins = ["jk", b, b + "k"] if weight_first else [b, "jk", b + "k"]
+    return Notation(ins, ["jk"], replicated="j" if rows_replicated else "")
+
+
+def _check_out(op: str, x: DistTensorSpec, weight: DistTensorSpec, out: DistTensorSpec, name: str) -> None:
+    want = (*x.shape, weight.shape[1])
+    if len(out.shape) != len(want):
+        raise ShapeMismatchError(f"{op}: {name} has {len(out.shape)} dims, expected x's {len(x.shape)} + 1")
+    for i, (s, t) in enumerate(zip(out.shape, want)):
+        if s != t and s >= 0 and t >= 0:
+            raise ShapeMismatchError(f"{op}: {name} has size {s} on axis {i}, expected {t} (x.shape + [hidden])")
+
+
+def embedding_forward(x: DistTensorSpec, weight: DistTensorSpec, padding_idx: int = -1,
+                      sparse: bool = False) -> SpmdResult:
+    """embedding (EmbeddingInferSpmd): ``ab, jk -> abk``; sharded rows make out partial SUM."""
+    op = "embedding"
+    _check_weight(op, weight)
+    n = _emb_notation(len(x.shape), False, _rows_replicated(op, padding_idx, sparse))
+    x, weight = _one_dim(x, weight)
+    ins, outs = einsum_forward(op, n, [x, weight], ["x", "weight"])
+    return fast_result(tuple(ins), tuple(outs))
+
+
+def _reverse_rows(
+    n: Notation, merged: tuple[tuple[str, tuple[int, ...]], ...], out: DistTensorSpec, mesh: ProcessMesh
+) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """Out partial SUM over mesh dims no letter uses: the weight's rows sharded on them."""
+    if "j" in n.replicated or not out.dist_attr.partial:
+        return merged
+    used = {d for _, ds in merged for d in ds}
+    free = tuple(d for d, r in out.dist_attr.partial if r is ReduceType.SUM and d not in used)
+    if not free:
+        return merged
+    return (*((c, d) for c, d in merged if c != "j"), ("j", free))
+
+
+def embedding_backward(x: DistTensorSpec, weight: DistTensorSpec, out: DistTensorSpec, padding_idx: int = -1,
+                       sparse: bool = False) -> SpmdResult:
+    """embedding (EmbeddingInferSpmdReverse): x and the hidden axis from out; out as they produce it."""
+    op = "embedding"
+    _check_weight(op, weight)
+    _check_out(op, x, weight, out, "out")
+    n = _emb_notation(len(x.shape), False, _rows_replicated(op, padding_idx, sparse))
+    mesh = common_mesh(op, (x, weight, out))
+    x, weight, out = _one_dim(x, weight, out)
+    check_letters(op, (*n.inputs, *n.outputs), (x, weight, out), ("x", "weight", "out"))
+    merged = tuple((c, d) for c, d in merge_specs(n, n.outputs, [out], mesh) if c in n.input_letters)
+    ins, outs = project_all(n, _reverse_rows(n, merged, out, mesh), mesh)
+    return fast_result(tuple(ins), tuple(outs))
+
+
+def embedding_grad(x: DistTensorSpec, weight: DistTensorSpec, out_grad: DistTensorSpec, padding_idx: int = -1,
+                   sparse: bool = False) -> SpmdResult:
+    """embedding_grad (EmbeddingGradInferSpmd): ``ab, jk, abk -> jk``; weight_grad keeps the
+    weight's row sharding and is partial SUM over the batch letters' mesh dims."""
+    op = "embedding_grad"
+    _check_weight(op, weight)
+    _check_out(op, x, weight, out_grad, "out_grad")
+    n = _emb_grad_notation(len(x.shape), False, _rows_replicated(op, padding_idx, sparse))
+    x, weight, out_grad = _one_dim(x, weight, out_grad)
+    ins, outs = einsum_forward(op, n, [x, weight, out_grad], ["x", "weight", "out_grad"])
+    return fast_result(tuple(ins), tuple(outs))
+
+
+# -- c_embedding (the vocab-parallel kernel with an explicit start index) ------------------------
+
+
+def c_embedding_forward(weight: DistTensorSpec, x: DistTensorSpec, start_index: int = 0,
+                        vocab_size: int = -1) -> SpmdResult:
+    """c_embedding (CEmbeddingInferSpmd): ``jk, ab -> abk``; ids outside
+    ``[start_index, start_index + rows)`` give zeros, sharded rows make out partial SUM."""
+    op = "c_embedding"
+    _check_weight(op, weight)
+    _check_int(op, "start_index", start_index)
+    _check_int(op, "vocab_size", vocab_size)
+    n = _emb_notation(len(x.shape), True, False)
+    weight, x = _one_dim(weight, x)
+    ins, outs = einsum_forward(op, n, [weight, x], ["weight", "x"])
+    return fast_result(tuple(ins), tuple(outs))
+
+
+def _make_c_embedding_grad(op: str):  # type: ignore[no-untyped-def]
+    def grad(weight: DistTensorSpec, x: DistTensorSpec, out_grad: DistTensorSpec, start_index: int = 0) -> SpmdResult:
+        _check_weight(op, weight)
+        _check_out(op, x, weight, out_grad, "out_grad")
+        _check_int(op, "start_index", start_index)
+        n = _emb_grad_notation(len(x.shape), True, False)
+        weight, x, out_grad = _one_dim(weight, x, out_grad)
+        ins, outs = einsum_forward(op, n, [weight, x, out_grad], ["weight", "x", "out_grad"])
+        return fast_result(tuple(ins), tuple(outs))
+
+    grad.__name__ = op
+    grad.__doc__ = (f"{op} (CEmbeddingGradInferSpmd): ``jk, ab, abk -> jk``; weight_grad keeps the weight's "
+                    "sharding, partial SUM over the batch letters' mesh dims.")
+    return grad
+
+
+# -- one_hot ------------------------------------------------------------------------------------
+
+
+@memo()
+def _one_hot_notation(nd: int) -> Notation:
+    if nd >= len(ALPHABET):
+        raise ShapeMismatchError(f"one_hot: x has {nd} dims, at most {len(ALPHABET) - 1} are supported")
+    a = ALPHABET[:nd]
+    return Notation([a], [a + ALPHABET[nd]])
+
+
+def _check_classes(num_classes: object) -> None:
+    if _check_int("one_hot", "num_classes", num_classes) < 1:
+        raise InvalidAttributeError(f"one_hot: num_classes must be positive, got {num_classes}")
+
+
+def one_hot_forward(x: DistTensorSpec, num_classes: int) -> SpmdResult:
+    """one_hot (OneHotInferSpmd): ``ab -> abz``, the new class axis replicated."""
+    _check_classes(num_classes)
+    (x,) = _one_dim(x)
+    ins, outs = einsum_forward("one_hot", _one_hot_notation(len(x.shape)), [x], ["x"])
+    return fast_result(tuple(ins), tuple(outs))
+
+
+def one_hot_backward(x: DistTensorSpec, out: DistTensorSpec, num_classes: int) -> SpmdResult:
+    """one_hot (OneHotInferSpmdReverse): x from out's leading axes; the class axis replicated."""
+    _check_classes(num_classes)
+    if len(out.shape) != len(x.shape) + 1:
+        raise ShapeMismatchError(f"one_hot: out has {len(out.shape)} dims, expected x's {len(x.shape)} + 1")
+    if out.shape[-1] >= 0 and out.shape[-1] != num_classes:
+        raise ShapeMismatchError(f"one_hot: out's last axis has {out.shape[-1]} classes, num_classes is {num_classes}")
+    x, out = _one_dim(x, out)
+    ins, outs = einsum_backward("one_hot", _one_hot_notation(len(x.shape)), [x], [out], ["x", "out"])
+    return fast_result(tuple(ins), tuple(outs))
+
+
+register(
+    "embedding", embedding_forward, "x: T, weight: T, padding_idx: int = -1, sparse: bool = False",
+    embedding_backward, "x: T, weight: T, out: T, padding_idx: int = -1, sparse: bool = False",
+    aliases=("lookup_table_v2",), forward_name="EmbeddingInferSpmd", backward_name="EmbeddingInferSpmdReverse",
+)  # fmt: skip
+register(
+    "embedding_grad", embedding_grad,
+    "x: T, weight: T, out_grad: T, padding_idx: int = -1, sparse: bool = False",
+    aliases=("lookup_table_v2_grad",), forward_name="EmbeddingGradInferSpmd",
+)  # fmt: skip
+register(
+    "c_embedding", c_embedding_forward, "weight: T, x: T, start_index: int = 0, vocab_size: int = -1",
+    _make_c_embedding_grad("c_embedding"), "weight: T, x: T, out_grad: T, start_index: int = 0",
+    forward_name="CEmbeddingInferSpmd", backward_name="CEmbeddingGradInferSpmd",
+)  # fmt: skip
+register(
+    "c_embedding_grad", _make_c_embedding_grad("c_embedding_grad"),
+    "weight: T, x: T, out_grad: T, start_index: int = 0", forward_name="CEmbeddingGradInferSpmd",
+)  # fmt: skip
+register(
+    "one_hot", one_hot_forward, "x: T, num_classes: int", one_hot_backward, "x: T, out: T, num_classes: int",
+    forward_name="OneHotInferSpmd", backward_name="OneHotInferSpmdReverse",
+)  # fmt: skip

@@ -1,0 +1,290 @@
+"""Fused LLM ops: swiglu, fused_dropout_add and their grads.
+
+swiglu (Paddle 3.3.1's ``swiglu.cc``): ``out = silu(x) * y``.
+
+* with y: elementwise binary on equal shapes, ``abc, abc -> abc``, merged as Paddle's
+  ElementwiseBinaryInferSpmd does: a co-sharded entry keeps its largest mesh dim, x's axes
+  claim their mesh dims first, then y's (a mesh dim already claimed is dropped; where x and
+  y shard one axis over different mesh dims x wins), a size-1 axis claims its mesh dim
+  but shards nothing. Uneven shardings are kept (a balanced split is sound elementwise).
+* without y (x split in halves on the last axis: ``silu(x[..., :n/2]) * x[..., n/2:]``):
+  ``abc -> abc`` with the last axis ``c`` replicated. Paddle runs the unary rule and keeps
+  the last axis sharded (unsound, DESIGN class 6: each rank would pair the wrong halves;
+  Paddle 3.3.1 also crashes the process on an absent y), ``swiglu-halved-axis``.
+
+The reverse rule infers x (and y) from out the same way and returns the out they produce.
+swiglu_grad (SwiGLUGradInferSpmd(x, y, out_grad)): x, y and out_grad merged as one
+elementwise op (with y absent: x and out_grad, the last axis replicated); x_grad and
+y_grad are sharded as x and y.
+
+fused_dropout_add (``fused_dropout_add.cc``): ``out = dropout(x) + y``, FusedDropoutAddSpmdBase
+``abc, abc -> abc`` merged as swiglu's binary case, and ``seed_offset`` (shape [2])
+replicated. Paddle returns x and y unchanged (partial status and conflicting shardings
+included) while out takes the merged sharding (``fda-inputs-echoed``, DESIGN class 6);
+spmdkit returns the merged shardings, partial cleared. The reverse returns the replicated
+seed_offset the op produces (Paddle echoes the requested one, ``fda-reverse-seed``, class 4).
+fused_dropout_add_grad (FusedDropoutAddGradInferSpmd(seed_offset, out_grad, p, is_test,
+mode, fix_seed)): x_grad and y_grad are sharded as out_grad; a SUM / AVG / MAX / MIN
+partial out_grad stays partial (the grad is out_grad times a non-negative mask), other
+reduce types are made replicated. Nothing else becomes partial.
+"""
+
+from __future__ import annotations
+
+from spmdkit.core.dist_attr import DimsMapping, Partial, ReduceType, TensorDistAttr, entry_dims
+from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError, ShapeMismatchError
+from spmdkit.core.mesh import ProcessMesh
+from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.memo import memo
+from spmdkit.engine.notation import fast_result, merge_letters, project
+from spmdkit.rules.registry import register
+
+Shape = tuple[int, ...]
+_make = TensorDistAttr._make
+
+
+def _mesh(op: str, named: list[tuple[str, DistTensorSpec | None]]) -> ProcessMesh:
+    mesh: ProcessMesh | None = None
+    first = ""
+    for n, t in named:
+        if t is None:
+            continue
+        m = t.dist_attr.mesh
+        if mesh is None:
+            mesh, first = m, n
+        elif m is not mesh and m != mesh:
+            raise InvalidMeshError(f"{op}: {n} and {first} lie on different meshes")
+    assert mesh is not None
+    return mesh
+
+
+def _same_shape(op: str, a: DistTensorSpec, b: DistTensorSpec, na: str, nb: str) -> None:
+    if len(a.shape) != len(b.shape):
+        raise ShapeMismatchError(f"{op}: {nb} has {len(b.shape)} dims but {na} has {len(a.shape)}")
+    for i, (s, t) in enumerate(zip(a.shape, b.shape)):
+        if s != t and s >= 0 and t >= 0:
+            raise ShapeMismatchError(f"{op}: {na} and {nb} differ on axis {i} ({s} vs {t})")
+
+
+def _largest(e: object, mesh_shape: Shape) -> int:
+    if e.__class__ is int:
+        return e
+    dims: tuple[int, ...] = e  # type: ignore[assignment]
+    best = dims[0]
+    for d in dims[1:]:
+        if mesh_shape[d] > mesh_shape[best]:
+            best = d
+    return best
+
+
+@memo()
+def _binary_merge(shape: Shape, dms: tuple[DimsMapping, ...], mesh_shape: Shape) -> DimsMapping:
+    """Paddle's elementwise binary merge for tensors of one shape: claims in tensor order,
+    the first claimer of an axis keeps it, a claimed mesh dim is dropped later, a size-1
+    axis claims its mesh dim and shards nothing, a co-shard keeps its largest mesh dim."""
+    n = len(shape)
+    ld = [-1] * n
+    claims: list[int] = []
+    for dm in dms:
+        for j, e in enumerate(dm):
+            d = _largest(e, mesh_shape)
+            if d < 0:
+                continue
+            if shape[j] == 1:
+                claims.append(~d)
+            elif ld[j] < 0:
+                ld[j] = d
+                claims.append(j)
+    final = [-1] * n
+    used = 0
+    for c in claims:
+        if c >= 0:
+            d = ld[c]
+            if not (used >> d) & 1:
+                final[c] = d
+                used |= 1 << d
+        else:
+            used |= 1 << ~c
+    return tuple(final)
+
+
+@memo()
+def _reverse_merge(shape: Shape, do: DimsMapping, mesh_shape: Shape) -> DimsMapping:
+    """The binary reverse on one shape: out's axes claim their mesh dims left to right."""
+    return _binary_merge(shape, (do,), mesh_shape)
+
+
+@memo()
+def _halved(dms: tuple[DimsMapping, ...], shapes: tuple[Shape, ...], mesh_shape: Shape) -> DimsMapping:
+    """swiglu without y: x (and out / out_grad, whose last axis is half x's) merged as
+    Paddle's unary rule does (uneven mesh dims dropped, minor first), the halved last axis
+    replicated; only mesh dims of size 1 (which split nothing) may stay there."""
+    nd = len(shapes[0])
+    a = "abcdefghijklmnopqrstuvwxyz"[:nd]
+    merged = dict(merge_letters(tuple(a for _ in dms), dms, shapes, frozenset(a[-1:]), "*", mesh_shape))
+    out = list(project(a, merged))
+    last = dms[0][-1]
+    if last != -1:
+        dims = entry_dims(last)
+        used = {d for e in out for d in entry_dims(e)}
+        if all(mesh_shape[d] == 1 and d not in used for d in dims):
+            out[-1] = last
+    return tuple(out)
+
+
+def _check_x(op: str, x: DistTensorSpec, halved: bool) -> None:
+    if not x.shape:
+        raise ShapeMismatchError(f"{op}: x must have at least 1 dim")
+    if halved and x.shape[-1] >= 0 and x.shape[-1] % 2 != 0:
+        raise ShapeMismatchError(f"{op}: without y, x's last axis ({x.shape[-1]}) must be even")
+
+
+def _check_half(op: str, x: DistTensorSpec, t: DistTensorSpec, name: str) -> None:
+    if len(t.shape) != len(x.shape):
+        raise ShapeMismatchError(f"{op}: {name} has {len(t.shape)} dims but x has {len(x.shape)}")
+    for i, (s, u) in enumerate(zip(x.shape[:-1], t.shape[:-1])):
+        if s != u and s >= 0 and u >= 0:
+            raise ShapeMismatchError(f"{op}: x and {name} differ on axis {i} ({s} vs {u})")
+    s, u = x.shape[-1], t.shape[-1]
+    if s >= 0 and u >= 0 and u * 2 != s:
+        raise ShapeMismatchError(f"{op}: {name}'s last axis ({u}) must be half of x's ({s}) when y is absent")
+
+
+# ---------------------------------------------------------------------------
+# swiglu
+# ---------------------------------------------------------------------------
+
+
+def swiglu_forward(x: DistTensorSpec, y: DistTensorSpec | None = None) -> SpmdResult:
+    """swiglu (SwiGLUInferSpmd): elementwise binary with y; without y the halved last axis
+    is replicated."""
+    op = "swiglu"
+    mesh = _mesh(op, [("x", x), ("y", y)])
+    _check_x(op, x, y is None)
+    if y is None:
+        dm = _halved((x.dist_attr.dims_mapping,), (x.shape,), mesh.shape)
+        a = _make(mesh, dm)
+        return fast_result((a, None), (a,))
+    _same_shape(op, x, y, "x", "y")
+    dm = _binary_merge(x.shape, (x.dist_attr.dims_mapping, y.dist_attr.dims_mapping), mesh.shape)
+    a = _make(mesh, dm)
+    return fast_result((a, a), (a,))
+
+
+def swiglu_backward(x: DistTensorSpec, y: DistTensorSpec | None, out: DistTensorSpec) -> SpmdResult:
+    """swiglu (SwiGLUInferSpmdReverse): x and y from out; out is what they produce."""
+    op = "swiglu"
+    mesh = _mesh(op, [("x", x), ("y", y), ("out", out)])
+    _check_x(op, x, y is None)
+    if y is None:
+        _check_half(op, x, out, "out")
+        dm = _halved((out.dist_attr.dims_mapping,), (out.shape,), mesh.shape)
+        a = _make(mesh, dm)
+        return fast_result((a, None), (a,))
+    _same_shape(op, x, y, "x", "y")
+    _same_shape(op, x, out, "x", "out")
+    dm = _reverse_merge(x.shape, out.dist_attr.dims_mapping, mesh.shape)
+    a = _make(mesh, dm)
+    return fast_result((a, a), (a,))
+
+
+def swiglu_grad(x: DistTensorSpec, y: DistTensorSpec | None, out_grad: DistTensorSpec) -> SpmdResult:
+    """swiglu_grad (SwiGLUGradInferSpmd): x, y, out_grad, x_grad, y_grad sharded alike."""
+    op = "swiglu_grad"
+    mesh = _mesh(op, [("x", x), ("y", y), ("out_grad", out_grad)])
+    _check_x(op, x, y is None)
+    if y is None:
+        _check_half(op, x, out_grad, "out_grad")
+        dm = _halved((x.dist_attr.dims_mapping, out_grad.dist_attr.dims_mapping), (x.shape, out_grad.shape), mesh.shape)
+        a = _make(mesh, dm)
+        return fast_result((a, None, a), (a, None))
+    _same_shape(op, x, y, "x", "y")
+    _same_shape(op, x, out_grad, "x", "out_grad")
+    dms = (x.dist_attr.dims_mapping, y.dist_attr.dims_mapping, out_grad.dist_attr.dims_mapping)
+    dm = _binary_merge(x.shape, dms, mesh.shape)
+    a = _make(mesh, dm)
+    return fast_result((a, a, a), (a, a))
+
+
+# ---------------------------------------------------------------------------
+# fused_dropout_add
+# ---------------------------------------------------------------------------
+
+
+def fused_dropout_add_forward(x: DistTensorSpec, y: DistTensorSpec) -> SpmdResult:
+    """fused_dropout_add (FusedDropoutAddSpmdBase): x, y and out merged elementwise, seed_offset
+    replicated."""
+    op = "fused_dropout_add"
+    mesh = _mesh(op, [("x", x), ("y", y)])
+    _same_shape(op, x, y, "x", "y")
+    dm = _binary_merge(x.shape, (x.dist_attr.dims_mapping, y.dist_attr.dims_mapping), mesh.shape)
+    a = _make(mesh, dm)
+    return fast_result((a, a), (a, _make(mesh, (-1,))))
+
+
+def fused_dropout_add_backward(
+    x: DistTensorSpec, y: DistTensorSpec, out: DistTensorSpec, seed_offset: DistTensorSpec | None
+) -> SpmdResult:
+    """fused_dropout_add (FusedDropoutAddSpmdReverseBase): x, y from out; the outputs are what
+    x and y produce."""
+    op = "fused_dropout_add"
+    mesh = _mesh(op, [("x", x), ("y", y), ("out", out), ("seed_offset", seed_offset)])
+    _same_shape(op, x, y, "x", "y")
+    _same_shape(op, x, out, "x", "out")
+    if seed_offset is not None and len(seed_offset.shape) != 1:
+        raise ShapeMismatchError(f"{op}: seed_offset must be 1-D [2], got {list(seed_offset.shape)}")
+    dm = _reverse_merge(x.shape, out.dist_attr.dims_mapping, mesh.shape)
+    a = _make(mesh, dm)
+    return fast_result((a, a), (a, None if seed_offset is None else _make(mesh, (-1,))))
+
+
+_KEEP = frozenset({ReduceType.SUM, ReduceType.AVG, ReduceType.MAX, ReduceType.MIN})
+
+
+@memo()
+def _grad_partial(dm: DimsMapping, partial: Partial) -> Partial:
+    return tuple((d, r) for d, r in partial if r in _KEEP)
+
+
+def fused_dropout_add_grad(
+    seed_offset: DistTensorSpec | None,
+    out_grad: DistTensorSpec,
+    p: object = 0.5,
+    is_test: bool = False,
+    mode: str = "upscale_in_train",
+    fix_seed: bool = False,
+) -> SpmdResult:
+    """fused_dropout_add_grad (FusedDropoutAddGradInferSpmd): x_grad and y_grad sharded as out_grad."""
+    op = "fused_dropout_add_grad"
+    mesh = _mesh(op, [("seed_offset", seed_offset), ("out_grad", out_grad)])
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
+        raise InvalidAttributeError(f"{op}: p must be a number in [0, 1], got {p!r}")
+    if mode not in ("upscale_in_train", "downscale_in_infer"):
+        raise InvalidAttributeError(f"{op}: mode must be upscale_in_train or downscale_in_infer, got {mode!r}")
+    ga = out_grad.dist_attr
+    pt = _grad_partial(ga.dims_mapping, ga.partial)
+    a = _make(mesh, ga.dims_mapping, pt)
+    so = None if seed_offset is None else _make(mesh, (-1,) * len(seed_offset.shape))
+    return fast_result((so, a), (a, a))
+
+
+# ---------------------------------------------------------------------------
+# registration
+# ---------------------------------------------------------------------------
+
+register(
+    "swiglu", swiglu_forward, "x: T, y: T? = None", swiglu_backward, "x: T, y: T?, out: T",
+    forward_name="SwiGLUInferSpmd", backward_name="SwiGLUInferSpmdReverse",
+)  # fmt: skip
+register("swiglu_grad", swiglu_grad, "x: T, y: T?, out_grad: T", forward_name="SwiGLUGradInferSpmd")
+register(
+    "fused_dropout_add", fused_dropout_add_forward, "x: T, y: T", fused_dropout_add_backward,
+    "x: T, y: T, out: T, seed_offset: T? = None",
+    forward_name="FusedDropoutAddSpmdBase", backward_name="FusedDropoutAddSpmdReverseBase",
+)  # fmt: skip
+register(
+    "fused_dropout_add_grad", fused_dropout_add_grad,
+    "seed_offset: T?, out_grad: T, p: scalar = 0.5, is_test: bool = False, mode: str = 'upscale_in_train', "
+    "fix_seed: bool = False",
+    forward_name="FusedDropoutAddGradInferSpmd",
+)  # fmt: skip

@@ -1,0 +1,568 @@
+"""Matmul variants: bmm, fused_gemm_epilogue, linear_v2, fused_linear_param_grad_add and
+einsum, with their grads.
+
+bmm (BmmInferSpmd / BmmGradInferSpmd in the backward slot, as Paddle): matmul's notation
+``b m k, b k n -> b m n`` on 3-D operands only (the matmul rule answers; a sharded ``k``
+makes out partial SUM). bmm_grad is matmul_grad on 3-D operands.
+
+fused_gemm_epilogue (FusedGemmEpilogueInferSpmdBase(x, y, bias, trans_x, trans_y)) and
+linear_v2 (LinearV2InferSpmdBase(input, weight, bias, transpose_weight)):
+``[b] m k, k n, n -> [b] m n`` (out, reserve_space). The matmul part merges as matmul;
+bias follows out's ``n`` (bias's own sharding is not merged). A sharded ``k`` would make
+out partial, which the bias add forbids: as Paddle, the last two axes of x, y, bias and
+out are then replicated (batch axes kept). reserve_space is sharded as out.
+Reverse (spmdkit's own, Paddle has none): matmul's reverse (``k`` replicated) from out,
+bias as out's ``n``; out and reserve_space are what those inputs produce.
+Grads: fused_gemm_epilogue_grad(x, y, reserve_space, out_grad, trans_x, trans_y,
+activation_grad) and linear_v2_grad(input, weight, bias, out_grad, transpose_weight):
+matmul_grad for x_grad / y_grad; bias_grad is sharded as out_grad's last axis and partial
+SUM over the mesh dims of out_grad's other axes; reserve_space as out_grad.
+
+fused_linear_param_grad_add (FusedLinearParamGradAddInferSpmd(x, dout, dweight, dbias,
+multi_precision, has_bias)): ``[b] s k, [b] s n -> k n`` (dweight_out = dweight + x^T dout
+over all leading axes) and ``[b] s n -> n`` (dbias_out = dbias + sum of dout): dweight_out is
+partial SUM over the mesh dims of the leading axes (Paddle: matmul with trans_x, then the
+broadcast batch axes reduced). dweight / dbias are required sharded as the outputs they
+accumulate into (Paddle raises where they differ; spmdkit answers the reshard).
+Reverse (spmdkit's own; Paddle's backward is a fake returning nothing): ``k`` and ``n``
+from dweight_out / dbias_out (dbias_out's ``n`` where dweight_out leaves it free), the
+leading axes replicated; the outputs are what those inputs produce (never partial).
+
+einsum (EinsumInferSpmd(inputs, equation); EinsumGradInferSpmd(inputs, inner_cache,
+out_grad, equation) in the backward slot, as Paddle): the equation is the notation
+(``...`` expanded to right-aligned letters, size-1 ellipsis axes broadcast; implicit
+output = the letters used once, sorted). Letters merge over the inputs (the engine's
+merge), a letter repeated in one operand (a diagonal) is replicated, every letter keeps
+only mesh dims that divide its size, out is partial SUM over the contracted letters.
+einsum_grad: the same merge over the inputs and out_grad; each input's grad is sharded as
+that input and partial SUM over the letters it lacks. Paddle 3.3.1 replicates every
+operand of a non-outer einsum (sound, but all communication): spmdkit shards
+(einsum-notation).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from spmdkit.core.dist_attr import DimsMapping, Entry, ReduceType, TensorDistAttr, entry_dims
+from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError, ShapeMismatchError, SpmdError
+from spmdkit.core.mesh import ProcessMesh
+from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.memo import memo
+from spmdkit.engine.notation import BROADCAST, Notation, einsum_forward, fast_result
+from spmdkit.rules.registry import Rule, get_rule, register
+
+Shape = tuple[int, ...]
+_SUM = ReduceType.SUM
+_make = TensorDistAttr._make
+
+_RULES: dict[str, Rule] = {}
+
+
+def _rule(name: str) -> Rule:
+    r = _RULES.get(name)
+    if r is None:
+        r = _RULES[name] = get_rule(name)
+    return r
+
+
+def _call(op: str, name: str, mode: str, *args: Any) -> SpmdResult:
+    """The public matmul rule, its errors renamed to ``op``."""
+    try:
+        return _rule(name).infer(mode, *args)
+    except SpmdError as e:
+        msg = str(e)
+        for pre in ("matmul_grad: ", "matmul: "):
+            if msg.startswith(pre):
+                msg = msg[len(pre):]
+        raise type(e)(f"{op}: {msg}") from None
+
+
+def _mesh(op: str, named: tuple[tuple[str, DistTensorSpec | None], ...]) -> ProcessMesh:
+    mesh: ProcessMesh | None = None
+    first = ""
+    for name, t in named:
+        if t is None:
+            continue
+        m = t.dist_attr.mesh
+        if mesh is None:
+            mesh, first = m, name
+        elif m is not mesh and m != mesh:
+            raise InvalidMeshError(f"{op}: {name} lies on a different mesh than {first} ({m!r} vs {mesh!r})")
+    assert mesh is not None
+    return mesh
+
+
+def _partial_over(mesh: ProcessMesh, dm: DimsMapping, entries: tuple[Entry, ...] | list[Entry]) -> TensorDistAttr:
+    pt: list[int] = []
+    for e in entries:
+        pt.extend(entry_dims(e))
+    return _make(mesh, dm, tuple((d, _SUM) for d in sorted(pt)))
+
+
+# ---------------------------------------------------------------------------
+# bmm
+# ---------------------------------------------------------------------------
+
+
+def _check_bmm(op: str, x: DistTensorSpec, y: DistTensorSpec, g: DistTensorSpec | None = None) -> None:
+    for name, t in (("x", x), ("y", y), ("out_grad", g)):
+        if t is not None and len(t.shape) != 3:
+            raise ShapeMismatchError(f"{op}: {name} must be 3-D, got shape {list(t.shape)}")
+    xs, ys = x.shape, y.shape
+
+    def eq(a: int, b: int) -> bool:
+        return a == b or a < 0 or b < 0
+
+    if not eq(xs[2], ys[1]):
+        raise ShapeMismatchError(f"{op}: x's width {xs[2]} differs from y's height {ys[1]} (x {list(xs)}, y {list(ys)})")
+    if not eq(xs[0], ys[0]):
+        raise ShapeMismatchError(f"{op}: x and y have different batch sizes ({xs[0]} vs {ys[0]})")
+    if g is not None:
+        want = (xs[0], xs[1], ys[2])
+        if not all(eq(a, b) for a, b in zip(g.shape, want)):
+            raise ShapeMismatchError(f"{op}: out_grad shape {list(g.shape)} does not match x @ y = {list(want)}")
+
+
+def bmm_forward(x: DistTensorSpec, y: DistTensorSpec) -> SpmdResult:
+    """BmmInferSpmd: ``bmk, bkn -> bmn`` (matmul on 3-D operands)."""
+    _check_bmm("bmm", x, y)
+    return _call("bmm", "matmul", "forward", x, y, False, False)
+
+
+def bmm_grad(x: DistTensorSpec, y: DistTensorSpec, out_grad: DistTensorSpec) -> SpmdResult:
+    """BmmGradInferSpmd: matmul_grad on 3-D operands."""
+    _check_bmm("bmm_grad", x, y, out_grad)
+    return _call("bmm_grad", "matmul_grad", "forward", x, y, out_grad, False, False)
+
+
+register("bmm", bmm_forward, "x: T, y: T", bmm_grad, "x: T, y: T, out_grad: T",
+         forward_name="BmmInferSpmd", backward_name="BmmGradInferSpmd")
+register("bmm_grad", bmm_grad, "x: T, y: T, out_grad: T", forward_name="BmmGradInferSpmd")
+
+
+# ---------------------------------------------------------------------------
+# fused_gemm_epilogue / linear_v2
+# ---------------------------------------------------------------------------
+
+
+def _check_bias(op: str, xname: str, yname: str, x: DistTensorSpec, y: DistTensorSpec, bias: DistTensorSpec | None,
+                tx: bool, ty: bool) -> None:
+    if len(y.shape) < 2:
+        raise ShapeMismatchError(f"{op}: {yname} must have at least 2 dims for the bias add, got shape {list(y.shape)}")
+    if len(x.shape) < 1:
+        raise ShapeMismatchError(f"{op}: {xname} must have at least 1 dim, got shape {list(x.shape)}")
+    if tx and len(x.shape) < 2:
+        raise InvalidAttributeError(f"{op}: trans_x needs {xname} with at least 2 dims, got {list(x.shape)}")
+    if bias is None:
+        return
+    if len(bias.shape) != 1:
+        raise ShapeMismatchError(f"{op}: bias must be 1-D, got shape {list(bias.shape)}")
+    n = y.shape[-2] if ty else y.shape[-1]
+    b = bias.shape[0]
+    if b != n and b >= 0 and n >= 0:
+        raise ShapeMismatchError(f"{op}: bias has {b} elements but {yname} gives n = {n} (shape {list(y.shape)})")
+
+
+def _repl_last2(dm: DimsMapping) -> DimsMapping:
+    n = len(dm)
+    return tuple(-1 if i >= n - 2 else e for i, e in enumerate(dm))
+
+
+@memo()
+def _gemm_fwd_fix(
+    mx: DimsMapping, my: DimsMapping, mo: DimsMapping, partial: bool
+) -> tuple[DimsMapping, DimsMapping, DimsMapping, DimsMapping]:
+    if partial:
+        return _repl_last2(mx), _repl_last2(my), (-1,), _repl_last2(mo)
+    return mx, my, (mo[-1],), mo
+
+
+def _gemm_forward(op: str, names: tuple[str, str], x: DistTensorSpec, y: DistTensorSpec, bias: DistTensorSpec,
+                  tx: bool, ty: bool) -> SpmdResult:
+    _check_bias(op, names[0], names[1], x, y, bias, tx, ty)
+    mesh = _mesh(op, ((names[0], x), (names[1], y), ("bias", bias)))
+    r = _call(op, "matmul", "forward", x, y, tx, ty)
+    ax, ay = r.inputs[0], r.inputs[1]
+    ao = r.outputs[0]
+    assert isinstance(ax, TensorDistAttr) and isinstance(ay, TensorDistAttr) and isinstance(ao, TensorDistAttr)
+    mx, my, mb, mo = _gemm_fwd_fix(ax.dims_mapping, ay.dims_mapping, ao.dims_mapping, bool(ao.partial))
+    out = _make(mesh, mo)
+    return fast_result((_make(mesh, mx), _make(mesh, my), _make(mesh, mb)), (out, out))
+
+
+def _gemm_backward(op: str, names: tuple[str, str], x: DistTensorSpec, y: DistTensorSpec, bias: DistTensorSpec,
+                   out: DistTensorSpec, reserve_space: DistTensorSpec | None, tx: bool, ty: bool) -> SpmdResult:
+    _check_bias(op, names[0], names[1], x, y, bias, tx, ty)
+    mesh = _mesh(op, ((names[0], x), (names[1], y), ("bias", bias), ("out", out), ("reserve_space", reserve_space)))
+    if reserve_space is not None and reserve_space.shape != out.shape:
+        raise ShapeMismatchError(
+            f"{op}: reserve_space shape {list(reserve_space.shape)} differs from out shape {list(out.shape)}"
+        )
+    r = _call(op, "matmul", "backward", x, y, out, tx, ty)
+    ao = r.outputs[0]
+    assert isinstance(ao, TensorDistAttr)
+    ab = _make(mesh, (ao.dims_mapping[-1],))
+    return fast_result((r.inputs[0], r.inputs[1], ab),  # type: ignore[arg-type]
+                       (ao, None if reserve_space is None else ao))
+
+
+def _gemm_grad(op: str, names: tuple[str, str], x: DistTensorSpec, y: DistTensorSpec,
+               extra: tuple[tuple[str, DistTensorSpec | None], ...], out_grad: DistTensorSpec,
+               tx: bool, ty: bool) -> SpmdResult:
+    _check_bias(op, names[0], names[1], x, y, None, tx, ty)
+    mesh = _mesh(op, ((names[0], x), (names[1], y), *extra, ("out_grad", out_grad)))
+    r = _call(op, "matmul_grad", "forward", x, y, out_grad, tx, ty)
+    ag = r.inputs[2]
+    assert isinstance(ag, TensorDistAttr)
+    gdm = ag.dims_mapping
+    bias_grad = _partial_over(mesh, (gdm[-1],), gdm[:-1])
+    ins: list[TensorDistAttr | None] = [r.inputs[0], r.inputs[1]]  # type: ignore[list-item]
+    for name, t in extra:
+        if t is None:
+            ins.append(None)
+        elif name == "reserve_space":
+            if t.shape != out_grad.shape:
+                raise ShapeMismatchError(
+                    f"{op}: reserve_space shape {list(t.shape)} differs from out_grad shape {list(out_grad.shape)}"
+                )
+            ins.append(ag)
+        else:  # bias: not used by the grads
+            if len(t.shape) != 1:
+                raise ShapeMismatchError(f"{op}: bias must be 1-D, got shape {list(t.shape)}")
+            ins.append(_make(mesh, (gdm[-1],)))
+    return fast_result((ins[0], ins[1], ins[2], ag), (r.outputs[0], r.outputs[1], bias_grad))  # type: ignore[arg-type]
+
+
+_XY = ("x", "y")
+_IW = ("input", "weight")
+
+
+def fused_gemm_epilogue_forward(x: DistTensorSpec, y: DistTensorSpec, bias: DistTensorSpec, trans_x: bool = False,
+                                trans_y: bool = False) -> SpmdResult:
+    """FusedGemmEpilogueInferSpmdBase: ``[b]mk, kn, n -> [b]mn`` (out, reserve_space); a
+    sharded k replicates the matmul axes (the bias add forbids a partial out)."""
+    return _gemm_forward("fused_gemm_epilogue", _XY, x, y, bias, trans_x, trans_y)
+
+
+def fused_gemm_epilogue_backward(x: DistTensorSpec, y: DistTensorSpec, bias: DistTensorSpec, out: DistTensorSpec,
+                                 reserve_space: DistTensorSpec | None, trans_x: bool = False,
+                                 trans_y: bool = False) -> SpmdResult:
+    """fused_gemm_epilogue reverse (spmdkit's own): x, y from out (k replicated), bias as n."""
+    return _gemm_backward("fused_gemm_epilogue", _XY, x, y, bias, out, reserve_space, trans_x, trans_y)
+
+
+def fused_gemm_epilogue_grad(x: DistTensorSpec, y: DistTensorSpec, reserve_space: DistTensorSpec | None,
+                             out_grad: DistTensorSpec, trans_x: bool = False, trans_y: bool = False,
+                             activation_grad: str = "none") -> SpmdResult:
+    """fused_gemm_epilogue_grad: matmul_grad for x_grad / y_grad; bias_grad as out_grad's
+    last axis, partial SUM over the mesh dims of its other axes."""
+    return _gemm_grad("fused_gemm_epilogue_grad", _XY, x, y, (("reserve_space", reserve_space),), out_grad,
+                      trans_x, trans_y)
+
+
+def _no_transpose(op: str, transpose_weight: bool) -> None:
+    if transpose_weight:
+        raise InvalidAttributeError(f"{op}: transpose_weight must be False in SPMD mode, got True")
+
+
+def linear_v2_forward(input: DistTensorSpec, weight: DistTensorSpec, bias: DistTensorSpec,
+                      transpose_weight: bool = False) -> SpmdResult:
+    """LinearV2InferSpmdBase: ``[b]mk, kn, n -> [b]mn`` (out, reserve); a sharded k
+    replicates the matmul axes."""
+    _no_transpose("linear_v2", transpose_weight)
+    return _gemm_forward("linear_v2", _IW, input, weight, bias, False, False)
+
+
+def linear_v2_backward(input: DistTensorSpec, weight: DistTensorSpec, bias: DistTensorSpec, out: DistTensorSpec,
+                       reserve_space: DistTensorSpec | None, transpose_weight: bool = False) -> SpmdResult:
+    """linear_v2 reverse (spmdkit's own): input, weight from out (k replicated), bias as n."""
+    _no_transpose("linear_v2", transpose_weight)
+    return _gemm_backward("linear_v2", _IW, input, weight, bias, out, reserve_space, False, False)
+
+
+def linear_v2_grad(input: DistTensorSpec, weight: DistTensorSpec, bias: DistTensorSpec, out_grad: DistTensorSpec,
+                   transpose_weight: bool = False) -> SpmdResult:
+    """linear_v2_grad: matmul_grad for input_grad / weight_grad; bias_grad as out_grad's last
+    axis, partial SUM over its other axes."""
+    _no_transpose("linear_v2_grad", transpose_weight)
+    return _gemm_grad("linear_v2_grad", _IW, input, weight, (("bias", bias),), out_grad, False, False)
+
+
+register(
+    "fused_gemm_epilogue", fused_gemm_epilogue_forward,
+    "x: T, y: T, bias: T, trans_x: bool = False, trans_y: bool = False",
+    fused_gemm_epilogue_backward,
+    "x: T, y: T, bias: T, out: T, reserve_space: T?, trans_x: bool = False, trans_y: bool = False",
+    forward_name="FusedGemmEpilogueInferSpmdBase", backward_name="FusedGemmEpilogueInferSpmdReverse",
+)  # fmt: skip
+register(
+    "fused_gemm_epilogue_grad", fused_gemm_epilogue_grad,
+    "x: T, y: T, reserve_space: T?, out_grad: T, trans_x: bool = False, trans_y: bool = False, "
+    "activation_grad: str = 'none'",
+    forward_name="FusedGemmEpilogueGradInferSpmd",
+)  # fmt: skip
+register(
+    "linear_v2", linear_v2_forward, "input: T, weight: T, bias: T, transpose_weight: bool = False",
+    linear_v2_backward, "input: T, weight: T, bias: T, out: T, reserve_space: T?, transpose_weight: bool = False",
+    forward_name="LinearV2InferSpmdBase", backward_name="LinearV2InferSpmdReverse",
+)  # fmt: skip
+register(
+    "linear_v2_grad", linear_v2_grad, "input: T, weight: T, bias: T, out_grad: T, transpose_weight: bool = False",
+    forward_name="LinearV2GradInferSpmd",
+)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------
+# fused_linear_param_grad_add
+# ---------------------------------------------------------------------------
+
+
+def _flpga_check(op: str, x: DistTensorSpec, dout: DistTensorSpec) -> None:
+    xs, ds = x.shape, dout.shape
+    if len(xs) < 2 or len(ds) < 2:
+        raise ShapeMismatchError(
+            f"{op}: x and dout must have at least 2 dims, got x {list(xs)} and dout {list(ds)}"
+        )
+    if len(xs) != len(ds):
+        raise ShapeMismatchError(f"{op}: x {list(xs)} and dout {list(ds)} have different ranks")
+    for i in range(len(xs) - 1):
+        if xs[i] != ds[i] and xs[i] >= 0 and ds[i] >= 0:
+            raise ShapeMismatchError(f"{op}: x {list(xs)} and dout {list(ds)} differ on leading axis {i}")
+
+
+def _flpga_shape(op: str, name: str, t: DistTensorSpec | None, want: Shape) -> None:
+    if t is None or len(t.shape) == 0 or 0 in t.shape:
+        return
+    if len(t.shape) != len(want) or any(a != b and a >= 0 and b >= 0 for a, b in zip(t.shape, want)):
+        raise ShapeMismatchError(f"{op}: {name} shape {list(t.shape)} should be {list(want)}")
+
+
+def _present(t: DistTensorSpec | None) -> bool:
+    return t is not None and len(t.shape) > 0 and 0 not in t.shape
+
+
+@memo()
+def _flpga_reverse(ek: Entry, en: Entry, k: int, n: int) -> tuple[Entry, Entry]:
+    """k and n of the reverse: a size-1 axis is never sharded, n drops mesh dims k holds."""
+    if k == 1:
+        ek = -1
+    dk = set(entry_dims(ek))
+    if n == 1 or dk & set(entry_dims(en)):
+        en = -1
+    return ek, en
+
+
+def _flpga(op: str, x: DistTensorSpec, dout: DistTensorSpec, dweight: DistTensorSpec | None,
+           dbias: DistTensorSpec | None, has_bias: bool,
+           outs: tuple[DistTensorSpec | None, DistTensorSpec | None] | None = None) -> SpmdResult:
+    named: tuple[tuple[str, DistTensorSpec | None], ...] = (("x", x), ("dout", dout), ("dweight", dweight),
+                                                            ("dbias", dbias))
+    if outs is not None:
+        named = (*named, ("dweight_out", outs[0]), ("dbias_out", outs[1]))
+    mesh = _mesh(op, named)
+    _flpga_check(op, x, dout)
+    k, n = x.shape[-1], dout.shape[-1]
+    _flpga_shape(op, "dweight", dweight, (k, n))
+    _flpga_shape(op, "dbias", dbias, (n,))
+    nd = len(x.shape)
+    if outs is None:
+        # x^T dout over the leading axes: matmul with trans_x (as Paddle), then the batch
+        # axes summed away (partial)
+        r = _call(op, "matmul", "forward", x, dout, True, False)
+        axa, ada, ao = r.inputs[0], r.inputs[1], r.outputs[0]
+        assert isinstance(axa, TensorDistAttr) and isinstance(ada, TensorDistAttr) and isinstance(ao, TensorDistAttr)
+        mx, md = axa.dims_mapping, ada.dims_mapping
+        odm = ao.dims_mapping
+        wdm: DimsMapping = (odm[-2], odm[-1])
+        lead_w: list[Entry] = [d for d, _ in ao.partial]
+        lead_w.extend(odm[:-2])
+    else:
+        wo, bo = outs
+        _flpga_shape(op, "dweight_out", wo, (k, n))
+        _flpga_shape(op, "dbias_out", bo, (n,))
+        ek: Entry = -1
+        en: Entry = -1
+        if _present(wo):
+            assert wo is not None
+            ek, en = wo.dist_attr.dims_mapping
+        if en == -1 and has_bias and _present(bo):
+            assert bo is not None
+            en = bo.dist_attr.dims_mapping[0]
+        ek, en = _flpga_reverse(ek, en, k, n)
+        rep = (-1,) * (nd - 1)
+        mx, md = (*rep, ek), (*rep, en)
+        wdm = (ek, en)
+        lead_w = []
+    aw = _partial_over(mesh, wdm, lead_w)
+    ab = _partial_over(mesh, (md[-1],), md[:-1]) if has_bias else None
+    return fast_result(
+        (_make(mesh, mx), _make(mesh, md), aw if _present(dweight) else _repl(mesh, dweight),
+         (ab if has_bias and _present(dbias) else _repl(mesh, dbias))),
+        (aw, ab),
+    )
+
+
+def _repl(mesh: ProcessMesh, t: DistTensorSpec | None) -> TensorDistAttr | None:
+    return None if t is None else _make(mesh, (-1,) * len(t.shape))
+
+
+def fused_linear_param_grad_add_forward(x: DistTensorSpec, dout: DistTensorSpec, dweight: DistTensorSpec | None,
+                                        dbias: DistTensorSpec | None, multi_precision: bool = False,
+                                        has_bias: bool = True) -> SpmdResult:
+    """FusedLinearParamGradAddInferSpmd: ``[b]sk, [b]sn -> kn, n``; dweight_out / dbias_out
+    partial SUM over the leading axes' mesh dims; dweight / dbias sharded as they."""
+    return _flpga("fused_linear_param_grad_add", x, dout, dweight, dbias, has_bias)
+
+
+def fused_linear_param_grad_add_backward(x: DistTensorSpec, dout: DistTensorSpec, dweight: DistTensorSpec | None,
+                                         dbias: DistTensorSpec | None, dweight_out: DistTensorSpec | None,
+                                         dbias_out: DistTensorSpec | None, multi_precision: bool = False,
+                                         has_bias: bool = True) -> SpmdResult:
+    """fused_linear_param_grad_add reverse (spmdkit's own; Paddle's is a fake): k and n from
+    the outputs, the leading axes replicated."""
+    return _flpga("fused_linear_param_grad_add", x, dout, dweight, dbias, has_bias, (dweight_out, dbias_out))
+
+
+register(
+    "fused_linear_param_grad_add", fused_linear_param_grad_add_forward,
+    "x: T, dout: T, dweight: T?, dbias: T?, multi_precision: bool = False, has_bias: bool = True",
+    fused_linear_param_grad_add_backward,
+    "x: T, dout: T, dweight: T?, dbias: T?, dweight_out: T?, dbias_out: T?, multi_precision: bool = False, "
+    "has_bias: bool = True",
+    forward_name="FusedLinearParamGradAddInferSpmd", backward_name="FusedLinearParamGradAddInferSpmdReverse",
+)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------
+# einsum
+# ---------------------------------------------------------------------------
+
+_ELL = "".join(chr(0x3B1 + i) for i in range(24))  # labels of ellipsis axes (never in an equation)
+
+
+@memo()
+def einsum_notation(equation: str, shapes: tuple[Shape, ...], grad: bool = False) -> Notation:
+    """The notation of an einsum call: the equation with ``...`` expanded (right-aligned,
+    size-1 axes broadcast), diagonal letters replicated, every letter pruned. With
+    ``grad``: inputs ``ops + [out]``, outputs the grads of the ops."""
+    op = "einsum_grad" if grad else "einsum"
+    eq = equation.replace(" ", "")
+    if eq.count("->") > 1:
+        raise InvalidAttributeError(f"{op}: equation {equation!r} has more than one '->'")
+    lhs, arrow, rhs = eq.partition("->")
+    terms = lhs.split(",")
+    if len(terms) != len(shapes):
+        raise InvalidAttributeError(
+            f"{op}: equation {equation!r} has {len(terms)} operands but inputs has {len(shapes)} tensors"
+        )
+    if not shapes:
+        raise InvalidAttributeError(f"{op}: inputs is empty")
+
+    def explicit(term: str, where: str) -> tuple[str, bool]:
+        has = "..." in term
+        t = term.replace("...", "", 1)
+        if "." in t:
+            raise InvalidAttributeError(f"{op}: equation {equation!r}: bad ellipsis in {where} {term!r}")
+        for ch in t:
+            if not ch.isascii() or not ch.isalpha():
+                raise InvalidAttributeError(f"{op}: equation {equation!r}: {ch!r} is not a letter ({where})")
+        return t, has
+
+    parts: list[tuple[str, bool]] = []
+    ell_n: list[int] = []
+    for i, (term, shape) in enumerate(zip(terms, shapes)):
+        t, has = explicit(term, f"operand {i}")
+        n_ell = len(shape) - len(t)
+        if (not has and n_ell != 0) or n_ell < 0:
+            raise ShapeMismatchError(
+                f"{op}: inputs[{i}] has {len(shape)} dims but the equation labels {term!r} give {len(t)}"
+            )
+        parts.append((t, has))
+        ell_n.append(n_ell if has else 0)
+    max_ell = max(ell_n)
+    if max_ell > len(_ELL):
+        raise ShapeMismatchError(f"{op}: too many ellipsis dims ({max_ell})")
+    ell = _ELL[:max_ell]
+    labels: list[str] = []
+    for (t, has), n_e, term in zip(parts, ell_n, terms):
+        if has:
+            pre, _, post = term.partition("...")
+            labels.append(pre + ell[max_ell - n_e:] + post)
+        else:
+            labels.append(t)
+    if arrow:
+        t, has = explicit(rhs, "the output")
+        if not has and max_ell:
+            raise InvalidAttributeError(f"{op}: equation {equation!r}: the operands have '...' but the output has not")
+        out = rhs.replace("...", ell) if has else t
+    else:
+        counts: dict[str, int] = {}
+        for lb in labels:
+            for ch in lb:
+                counts[ch] = counts.get(ch, 0) + 1
+        out = ell + "".join(sorted(c for c, k in counts.items() if k == 1 and c not in ell))
+    seen = set("".join(labels))
+    for ch in out:
+        if ch not in seen:
+            raise InvalidAttributeError(f"{op}: equation {equation!r}: output letter {ch!r} is in no operand")
+    if len(set(out)) != len(out):
+        raise InvalidAttributeError(f"{op}: equation {equation!r}: the output repeats a letter")
+    # sizes per letter; size-1 ellipsis axes broadcast
+    size: dict[str, int] = {}
+    for i, (lb, shape) in enumerate(zip(labels, shapes)):
+        for ch, s in zip(lb, shape):
+            if s < 0:
+                continue
+            cur = size.get(ch)
+            if cur is None or cur == 1:
+                if cur == 1 and s != 1 and ch not in ell:
+                    raise ShapeMismatchError(f"{op}: letter {ch!r} has sizes 1 and {s} (inputs[{i}] {list(shape)})")
+                size[ch] = s
+            elif s != cur and not (s == 1 and ch in ell):
+                raise ShapeMismatchError(
+                    f"{op}: letter {ch!r} has sizes {cur} and {s} (inputs[{i}] shape {list(shape)})"
+                )
+    final: list[str] = []
+    replicated: set[str] = set()
+    for lb, shape in zip(labels, shapes):
+        s2 = "".join(BROADCAST if (ch in ell and s == 1 and size.get(ch, 1) != 1) else ch for ch, s in zip(lb, shape))
+        final.append(s2)
+        real = [c for c in s2 if c != BROADCAST]
+        replicated.update(c for c in real if real.count(c) > 1)
+    if grad:
+        return Notation([*final, out], final, replicated=replicated, prune="*")
+    return Notation(final, [out], replicated=replicated, prune="*")
+
+
+def einsum_forward_rule(inputs: tuple[DistTensorSpec, ...], equation: str) -> SpmdResult:
+    """EinsumInferSpmd: the equation as notation; contracted letters make out partial SUM."""
+    op = "einsum"
+    nt = einsum_notation(equation, tuple(t.shape for t in inputs))
+    names = [f"inputs[{i}]" for i in range(len(inputs))]
+    ins, outs = einsum_forward(op, nt, list(inputs), names)
+    return SpmdResult([list(ins)], outs)
+
+
+def einsum_grad(inputs: tuple[DistTensorSpec, ...], inner_cache: tuple[DistTensorSpec | None, ...],
+                out_grad: DistTensorSpec, equation: str) -> SpmdResult:
+    """EinsumGradInferSpmd: merge over the inputs and out_grad; each input's grad sharded
+    as it and partial SUM over the letters it lacks."""
+    op = "einsum_grad"
+    nt = einsum_notation(equation, tuple(t.shape for t in inputs), True)
+    names = [*(f"inputs[{i}]" for i in range(len(inputs))), "out_grad"]
+    ins, outs = einsum_forward(op, nt, [*inputs, out_grad], names)
+    mesh = ins[-1].mesh  # type: ignore[union-attr]
+    cache = [None if t is None else _make(mesh, (-1,) * len(t.shape)) for t in inner_cache]
+    return SpmdResult([list(ins[:-1]), cache, ins[-1]], [list(outs)])
+
+
+register(
+    "einsum", einsum_forward_rule, "inputs: [T], equation: str",
+    einsum_grad, "inputs: [T], inner_cache: [T?], out_grad: T, equation: str",
+    forward_name="EinsumInferSpmd", backward_name="EinsumGradInferSpmd",
+)  # fmt: skip
+register(
+    "einsum_grad", einsum_grad, "inputs: [T], inner_cache: [T?], out_grad: T, equation: str",
+    forward_name="EinsumGradInferSpmd",
+)  # fmt: skip

@@ -1,0 +1,349 @@
+"""Losses: cross_entropy_with_softmax (softmax_with_cross_entropy), c_softmax_with_cross_entropy,
+mean_all, and their grads.
+
+Notation (3-D logits, class axis last; ``c`` is the class letter, ``1`` the size-1 axis of a
+hard label and of the loss)::
+
+    cross_entropy_with_softmax       abc, ab1 -> abc, ab1   (x, label -> softmax, loss)
+                                     abc, abc -> abc, ab1   (soft_label)
+    cross_entropy_with_softmax_grad  ab1, abc, ab1 -> abc   (label, softmax, loss_grad -> x_grad)
+    c_softmax_with_cross_entropy     abc, ab1 -> abc, ab1   (c may stay sharded: the kernel
+                                                             all-reduces max / sum over the
+                                                             ranks that share c; loss not partial)
+    c_softmax_with_cross_entropy_grad abc, ab1, ab1 -> abc  (softmax, label, loss_grad; each rank
+                                                             subtracts the one-hot of its classes)
+    mean_all                         ab -> (0-d)            partial AVG over every sharded axis
+    mean_all_grad                    ab, () -> ab           all replicated
+
+cross_entropy_with_softmax keeps the class letter replicated in every mode (DESIGN class 9:
+sharding it needs the communicating kernel, c_softmax_with_cross_entropy; Paddle 3.3.1 keeps it
+sharded and answers an unsound non-partial loss, and raises where the class axis is not last or
+the label is soft). With ``use_softmax=False`` the softmax output is x itself and is answered with
+x's dims_mapping (Paddle answers a 0-length dims_mapping, DESIGN class 5). The batch letters keep
+their sharding (uneven included: every row is computed on its own rank). Every partial input is
+resharded to replicated (softmax and log are not linear).
+
+mean_all averages local means: that is the mean only where every rank holds as many elements,
+so a sharded axis whose size its mesh dims do not divide drops them (minor first; Paddle answers
+AVG partial over uneven shards, DESIGN class 7). The grad kernel divides by the local element
+count, so mean_all_grad (Paddle's MeanAllGradInferSpmd, also mean_all's backward slot)
+replicates x, out_grad and x_grad, as Paddle does.
+
+The reverse rules merge the outputs (softmax, loss), project them onto the inputs and return the
+outputs the inferred inputs produce. Deviations: ``docs/deviations.md`` ``loss-*``.
+"""
+
+from __future__ import annotations
+
+from spmdkit.core.dist_attr import Entry, ReduceType, TensorDistAttr
+from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
+from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.memo import memo
+from spmdkit.engine.notation import (
+    ALPHABET,
+    BROADCAST,
+    Notation,
+    check_letters,
+    common_mesh,
+    einsum_forward,
+    fast_result,
+    merge_specs,
+    project_all,
+)
+from spmdkit.rules.registry import register
+
+_make = TensorDistAttr._make
+
+
+def _largest(e: Entry, ms: tuple[int, ...]) -> Entry:
+    if e.__class__ is int:
+        return e
+    best = e[0]  # type: ignore[index]
+    for d in e[1:]:  # type: ignore[index]
+        if ms[d] > ms[best]:
+            best = d
+    return best
+
+
+def _one_dim(*specs: DistTensorSpec) -> list[DistTensorSpec]:
+    """A co-sharded axis keeps one mesh dim, its largest (the first of equal sizes), as
+    Paddle's merge does."""
+    out = []
+    for s in specs:
+        a = s.dist_attr
+        dm = a.dims_mapping
+        if all(e.__class__ is int for e in dm):
+            out.append(s)
+            continue
+        ms = a.mesh.shape
+        out.append(DistTensorSpec._make(s.shape, TensorDistAttr._make(a.mesh, tuple(_largest(e, ms) for e in dm),
+                                                                     a.partial)))
+    return out
+
+
+def _axis(op: str, axis: object, ndim: int) -> int:
+    if isinstance(axis, bool) or not isinstance(axis, int):
+        raise InvalidAttributeError(f"{op}: axis must be an int, got {axis!r}")
+    if ndim == 0:
+        raise ShapeMismatchError(f"{op}: the logits must have at least 1 dim (got a 0-d tensor)")
+    if not -ndim <= axis < ndim:
+        raise InvalidAttributeError(f"{op}: axis {axis} is out of range for a {ndim}-D tensor [{-ndim}, {ndim})")
+    return axis + ndim if axis < 0 else axis
+
+
+def _bool(op: str, name: str, v: object) -> bool:
+    if not isinstance(v, (bool, int)):
+        raise InvalidAttributeError(f"{op}: {name} must be a bool, got {v!r}")
+    return bool(v)
+
+
+def _int(op: str, name: str, v: object) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise InvalidAttributeError(f"{op}: {name} must be an int, got {v!r}")
+    return v
+
+
+def _letters(op: str, nd: int) -> str:
+    if nd > len(ALPHABET):
+        raise ShapeMismatchError(f"{op}: tensors of more than {len(ALPHABET)} dims are not supported")
+    return ALPHABET[:nd]
+
+
+def _hard_label(op: str, name: str, label: DistTensorSpec, nd: int, ax: int) -> None:
+    if len(label.shape) != nd:
+        raise ShapeMismatchError(f"{op}: {name} has {len(label.shape)} dims, expected {nd} (as the logits)")
+    if label.shape[ax] not in (1, -1):
+        raise ShapeMismatchError(
+            f"{op}: {name} (a hard label) must have size 1 on the class axis {ax}, got {label.shape[ax]}"
+        )
+
+
+@memo()
+def _ce_axes(nd: int, ax: int, soft: bool) -> tuple[str, str, str]:
+    """(logits axes, label axes, loss axes)."""
+    full = ALPHABET[:nd]
+    one = full[:ax] + BROADCAST + full[ax + 1 :]
+    return full, full if soft else one, one
+
+
+@memo()
+def _ce_notation(nd: int, ax: int, soft: bool) -> Notation:
+    x, lab, loss = _ce_axes(nd, ax, soft)
+    return Notation([x, lab], [x, loss], replicated=x[ax])
+
+
+@memo()
+def _ce_grad_notation(nd: int, ax: int, soft: bool) -> Notation:
+    x, lab, loss = _ce_axes(nd, ax, soft)
+    return Notation([lab, x, loss], [x], replicated=x[ax])
+
+
+def _ce_attrs(op: str, x: DistTensorSpec, soft_label: object, use_softmax: object, numeric_stable_mode: object,
+              ignore_index: object, axis: object) -> tuple[int, bool]:
+    _letters(op, len(x.shape))
+    ax = _axis(op, axis, len(x.shape))
+    soft = _bool(op, "soft_label", soft_label)
+    _bool(op, "use_softmax", use_softmax)
+    _bool(op, "numeric_stable_mode", numeric_stable_mode)
+    _int(op, "ignore_index", ignore_index)
+    return ax, soft
+
+
+def _check_label(op: str, name: str, label: DistTensorSpec, nd: int, ax: int, soft: bool) -> None:
+    if soft:
+        if len(label.shape) != nd:
+            raise ShapeMismatchError(f"{op}: {name} (a soft label) has {len(label.shape)} dims, expected {nd}")
+    else:
+        _hard_label(op, name, label, nd, ax)
+
+
+def ce_forward(x: DistTensorSpec, label: DistTensorSpec, soft_label: bool = False, use_softmax: bool = True,
+               numeric_stable_mode: bool = True, ignore_index: int = -100, axis: int = -1) -> SpmdResult:
+    """cross_entropy_with_softmax (CrossEntropyWithSoftmaxInferSpmdStatic): batch axes merged,
+    the class axis replicated; softmax as x, loss as x with the class axis of size 1."""
+    op = "cross_entropy_with_softmax"
+    ax, soft = _ce_attrs(op, x, soft_label, use_softmax, numeric_stable_mode, ignore_index, axis)
+    _check_label(op, "label", label, len(x.shape), ax, soft)
+    x, label = _one_dim(x, label)
+    ins, outs = einsum_forward(op, _ce_notation(len(x.shape), ax, soft), [x, label], ["x", "label"])
+    return fast_result(tuple(ins), tuple(outs))
+
+
+def ce_backward(x: DistTensorSpec, label: DistTensorSpec, softmax_out: DistTensorSpec, loss: DistTensorSpec,
+                soft_label: bool = False, use_softmax: bool = True, numeric_stable_mode: bool = True,
+                ignore_index: int = -100, axis: int = -1) -> SpmdResult:
+    """cross_entropy_with_softmax (CrossEntropyWithSoftmaxInferSpmdReverse): the inputs from
+    softmax and loss (class axis replicated); the outputs those inputs produce."""
+    op = "cross_entropy_with_softmax"
+    nd = len(x.shape)
+    ax, soft = _ce_attrs(op, x, soft_label, use_softmax, numeric_stable_mode, ignore_index, axis)
+    _check_label(op, "label", label, nd, ax, soft)
+    _hard_label(op, "loss", loss, nd, ax)
+    x, label, softmax_out, loss = _one_dim(x, label, softmax_out, loss)
+    n = _ce_notation(nd, ax, soft)
+    specs = (x, label, softmax_out, loss)
+    mesh = common_mesh(op, specs)
+    check_letters(op, (*n.inputs, *n.outputs), specs, ("x", "label", "softmax_out", "loss"))
+    # loss claims its mesh dims before softmax_out (as Paddle's reverse merge does)
+    merged = merge_specs(n, (n.outputs[1], n.outputs[0]), (loss, softmax_out), mesh)
+    ins, outs = project_all(n, tuple((c, d) for c, d in merged if c != _ce_axes(nd, ax, soft)[0][ax]), mesh)
+    return fast_result(tuple(ins), tuple(outs))
+
+
+def ce_grad(label: DistTensorSpec, softmax: DistTensorSpec, loss_grad: DistTensorSpec, soft_label: bool = False,
+            use_softmax: bool = True, numeric_stable_mode: bool = True, ignore_index: int = -100,
+            axis: int = -1) -> SpmdResult:
+    """cross_entropy_with_softmax_grad (CrossEntropyWithSoftmaxGradInferSpmd): label, softmax and
+    loss_grad merged on the batch axes, the class axis replicated; x_grad as softmax."""
+    op = "cross_entropy_with_softmax_grad"
+    nd = len(softmax.shape)
+    ax, soft = _ce_attrs(op, softmax, soft_label, use_softmax, numeric_stable_mode, ignore_index, axis)
+    _check_label(op, "label", label, nd, ax, soft)
+    _hard_label(op, "loss_grad", loss_grad, nd, ax)
+    label, softmax, loss_grad = _one_dim(label, softmax, loss_grad)
+    ins, outs = einsum_forward(op, _ce_grad_notation(nd, ax, soft), [label, softmax, loss_grad],
+                               ["label", "softmax", "loss_grad"])
+    return fast_result(tuple(ins), tuple(outs))
+
+
+# -- c_softmax_with_cross_entropy: the class axis may stay sharded (a communicating kernel) -----
+
+
+@memo()
+def _c_notation(nd: int) -> Notation:
+    x, _, one = _ce_axes(nd, nd - 1, False)
+    return Notation([x, one], [x, one])
+
+
+@memo()
+def _c_grad_notation(nd: int) -> Notation:
+    x, _, one = _ce_axes(nd, nd - 1, False)
+    return Notation([x, one, one], [x])
+
+
+def _c_attrs(op: str, x: DistTensorSpec, ignore_index: object, rank: object, nranks: object) -> int:
+    nd = len(x.shape)
+    if nd == 0:
+        raise ShapeMismatchError(f"{op}: the logits must have at least 1 dim (got a 0-d tensor)")
+    _letters(op, nd)
+    _int(op, "ignore_index", ignore_index)
+    _int(op, "rank", rank)
+    if _int(op, "nranks", nranks) < 1:
+        raise InvalidAttributeError(f"{op}: nranks must be positive, got {nranks}")
+    return nd
+
+
+def _no_partial(outs: list[TensorDistAttr | None]) -> tuple[TensorDistAttr | None, ...]:
+    """The loss is all-reduced by the kernel: never partial."""
+    return tuple(None if a is None else _make(a.mesh, a.dims_mapping) if a.partial else a for a in outs)
+
+
+def c_softmax_forward(x: DistTensorSpec, label: DistTensorSpec, ignore_index: int = -100, rank: int = 0,
+                      nranks: int = 1) -> SpmdResult:
+    """c_softmax_with_cross_entropy (CSoftmaxWithCrossEntropyInferSpmd): the class axis (last)
+    keeps its sharding (the kernel reduces over it), label follows x's batch axes; loss not partial."""
+    op = "c_softmax_with_cross_entropy"
+    nd = _c_attrs(op, x, ignore_index, rank, nranks)
+    _hard_label(op, "label", label, nd, nd - 1)
+    x, label = _one_dim(x, label)
+    ins, outs = einsum_forward(op, _c_notation(nd), [x, label], ["x", "label"])
+    return fast_result(tuple(ins), _no_partial(outs))
+
+
+def c_softmax_reverse(x: DistTensorSpec, label: DistTensorSpec, softmax: DistTensorSpec, loss: DistTensorSpec,
+                       ignore_index: int = -100, rank: int = 0, nranks: int = 1) -> SpmdResult:
+    """c_softmax_with_cross_entropy reverse (Paddle has none): the inputs from softmax and loss."""
+    op = "c_softmax_with_cross_entropy"
+    nd = _c_attrs(op, x, ignore_index, rank, nranks)
+    _hard_label(op, "label", label, nd, nd - 1)
+    _hard_label(op, "loss", loss, nd, nd - 1)
+    n = _c_notation(nd)
+    specs = tuple(_one_dim(x, label, softmax, loss))
+    mesh = common_mesh(op, specs)
+    check_letters(op, (*n.inputs, *n.outputs), specs, ("x", "label", "softmax", "loss"))
+    merged = merge_specs(n, n.outputs, specs[2:], mesh)
+    ins, outs = project_all(n, merged, mesh)
+    return fast_result(tuple(ins), _no_partial(outs))
+
+
+def _make_c_grad(op: str):  # type: ignore[no-untyped-def]
+    def grad(softmax: DistTensorSpec, label: DistTensorSpec, loss_grad: DistTensorSpec, ignore_index: int = -100,
+             rank: int = 0, nranks: int = 1) -> SpmdResult:
+        nd = _c_attrs(op, softmax, ignore_index, rank, nranks)
+        _hard_label(op, "label", label, nd, nd - 1)
+        _hard_label(op, "loss_grad", loss_grad, nd, nd - 1)
+        softmax, label, loss_grad = _one_dim(softmax, label, loss_grad)
+        ins, outs = einsum_forward(op, _c_grad_notation(nd), [softmax, label, loss_grad],
+                                   ["softmax", "label", "loss_grad"])
+        return fast_result(tuple(ins), tuple(outs))
+
+    grad.__name__ = op
+    grad.__doc__ = (f"{op} (CSoftmaxWithCrossEntropyGradSpmd): softmax, label and loss_grad merged, "
+                    "x_grad as softmax (class axis sharded: each rank handles its own classes).")
+    return grad
+
+
+# -- mean_all -----------------------------------------------------------------------------------
+
+
+@memo()
+def _mean_notation(nd: int) -> Notation:
+    return Notation([ALPHABET[:nd]], [""], reduce=ReduceType.AVG, prune="*")
+
+
+def mean_all_forward(x: DistTensorSpec) -> SpmdResult:
+    """mean_all (MeanAllInferSpmd): a 0-d out, partial AVG over the mesh dims of x's (even) axes."""
+    op = "mean_all"
+    (x,) = _one_dim(x)
+    ins, outs = einsum_forward(op, _mean_notation(len(_letters(op, len(x.shape)))), [x], ["x"])
+    return fast_result(tuple(ins), tuple(outs))
+
+
+def _make_mean_grad(op: str):  # type: ignore[no-untyped-def]
+    def grad(x: DistTensorSpec, out_grad: DistTensorSpec) -> SpmdResult:
+        if len(out_grad.shape) != 0 and any(s != 1 for s in out_grad.shape):
+            raise ShapeMismatchError(f"{op}: out_grad must hold one element (0-d), got shape {list(out_grad.shape)}")
+        mesh = common_mesh(op, (x, out_grad))
+        ax = _make(mesh, (-1,) * len(x.shape))
+        return fast_result((ax, _make(mesh, (-1,) * len(out_grad.shape))), (ax,))
+
+    grad.__name__ = op
+    grad.__doc__ = f"{op} (MeanAllGradInferSpmd): x, out_grad and x_grad replicated."
+    return grad
+
+
+register(
+    "cross_entropy_with_softmax", ce_forward,
+    "x: T, label: T, soft_label: bool = False, use_softmax: bool = True, numeric_stable_mode: bool = True, "
+    "ignore_index: int = -100, axis: int = -1",
+    ce_backward,
+    "x: T, label: T, softmax_out: T, loss: T, soft_label: bool = False, use_softmax: bool = True, "
+    "numeric_stable_mode: bool = True, ignore_index: int = -100, axis: int = -1",
+    aliases=("softmax_with_cross_entropy",), forward_name="CrossEntropyWithSoftmaxInferSpmdStatic",
+    backward_name="CrossEntropyWithSoftmaxInferSpmdReverse",
+)  # fmt: skip
+register(
+    "cross_entropy_with_softmax_grad", ce_grad,
+    "label: T, softmax: T, loss_grad: T, soft_label: bool = False, use_softmax: bool = True, "
+    "numeric_stable_mode: bool = True, ignore_index: int = -100, axis: int = -1",
+    aliases=("softmax_with_cross_entropy_grad",), forward_name="CrossEntropyWithSoftmaxGradInferSpmd",
+)  # fmt: skip
+register(
+    "c_softmax_with_cross_entropy", c_softmax_forward,
+    "x: T, label: T, ignore_index: int = -100, rank: int = 0, nranks: int = 1",
+    c_softmax_reverse,
+    "x: T, label: T, softmax: T, loss: T, ignore_index: int = -100, rank: int = 0, nranks: int = 1",
+    forward_name="CSoftmaxWithCrossEntropyInferSpmd",
+)  # fmt: skip
+register(
+    "c_softmax_with_cross_entropy_grad", _make_c_grad("c_softmax_with_cross_entropy_grad"),
+    "softmax: T, label: T, loss_grad: T, ignore_index: int = -100, rank: int = 0, nranks: int = 1",
+    forward_name="CSoftmaxWithCrossEntropyGradSpmd",
+)  # fmt: skip
+register(
+    "mean_all", mean_all_forward, "x: T", _make_mean_grad("mean_all"), "x: T, out_grad: T",
+    forward_name="MeanAllInferSpmd", backward_name="MeanAllGradInferSpmd",
+)  # fmt: skip
+register(
+    "mean_all_grad", _make_mean_grad("mean_all_grad"), "x: T, out_grad: T", forward_name="MeanAllGradInferSpmd",
+)  # fmt: skip

@@ -1,0 +1,289 @@
+"""Optimizer update rules: adam, adamw and sgd (Paddle's AdamInferSpmdDynamic,
+AdamwInferSpmdDynamic, SgdInferSpmd; not registered under these names in Paddle 3.3.1).
+
+Notation: the update is elementwise over the parameter's axes, ``abc`` for param, grad,
+moment1, moment2 (and moment2_max with amsgrad, master_param), and the scalars
+learning_rate, beta1_pow, beta2_pow (and skip_update) are ``1`` (replicated).
+
+Merge (as Paddle): per axis, the mesh dims the state tensors (param, grad, moment1,
+moment2, moment2_max with amsgrad; sgd: param and grad) shard it with; where they all
+agree (ignoring the unsharded ones) every state tensor takes that sharding, where two
+disagree the axis is replicated on all. A mesh dim claimed by two axes stays with the
+first. master_param takes the result. Nothing is pruned (the update is elementwise, an
+uneven split is still one element per element).
+
+Partial: a partial input (a partial grad, typically) is answered as needing replication
+over those mesh dims: it must be reduced before the update (the update is not linear in
+grad). Outputs are never partial: param_out, moment1_out, moment2_out, moment2_max_out and
+master_param_out are sharded like param; beta1_pow_out / beta2_pow_out are replicated.
+
+Reverse (spmdkit's own; Paddle has none): the same merge over the state outputs
+(param_out, moment1_out, moment2_out, moment2_max_out, master_param_out); the inputs are
+sharded as merged, the scalars replicated, and the outputs are what those inputs produce.
+
+Deviations: Paddle keeps learning_rate / beta1_pow / beta2_pow (shape [1]) as given, also
+sharded; spmdkit replicates them (optimizer-scalars-replicated). Paddle raises on a sharded
+skip_update; spmdkit replicates it.
+"""
+
+from __future__ import annotations
+
+from spmdkit.core.dist_attr import DimsMapping, Entry, TensorDistAttr, entry_dims
+from spmdkit.core.errors import InvalidArgumentError, InvalidMeshError, ShapeMismatchError
+from spmdkit.core.mesh import ProcessMesh
+from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.memo import memo
+from spmdkit.engine.notation import fast_result
+from spmdkit.rules.registry import register
+
+Shape = tuple[int, ...]
+_make = TensorDistAttr._make
+
+
+@memo()
+def _vote(ndim: int, mappings: tuple[DimsMapping, ...]) -> DimsMapping:
+    """Per axis: the sharding all the mappings that shard it agree on, else -1; a mesh dim
+    claimed by an earlier axis is dropped."""
+    out: list[Entry] = []
+    used: set[int] = set()
+    for i in range(ndim):
+        cur: Entry = -1
+        for dm in mappings:
+            e = dm[i]
+            if e == -1:
+                continue
+            if cur == -1:
+                cur = e
+            elif cur != e:
+                cur = -1
+                break
+        if cur != -1:
+            d = entry_dims(cur)
+            if any(x in used for x in d):
+                cur = -1
+            else:
+                used.update(d)
+        out.append(cur)
+    return tuple(out)
+
+
+def _mesh(op: str, named: tuple[tuple[str, DistTensorSpec | None], ...]) -> ProcessMesh:
+    mesh: ProcessMesh | None = None
+    first = ""
+    for name, t in named:
+        if t is None:
+            continue
+        m = t.dist_attr.mesh
+        if mesh is None:
+            mesh, first = m, name
+        elif m is not mesh and m != mesh:
+            raise InvalidMeshError(f"{op}: {name} lies on a different mesh than {first} ({m!r} vs {mesh!r})")
+    assert mesh is not None
+    return mesh
+
+
+def _same_shape(op: str, ref_name: str, ref: DistTensorSpec, named: tuple[tuple[str, DistTensorSpec | None], ...]) -> None:
+    s = ref.shape
+    for name, t in named:
+        if t is None:
+            continue
+        ts = t.shape
+        if len(ts) != len(s):
+            raise ShapeMismatchError(
+                f"{op}: {name} has {len(ts)} dims (shape {list(ts)}) but {ref_name} has {len(s)} (shape {list(s)})"
+            )
+        for i, (a, b) in enumerate(zip(s, ts)):
+            if a != b and a >= 0 and b >= 0:
+                raise ShapeMismatchError(
+                    f"{op}: {name} shape {list(ts)} differs from {ref_name} shape {list(s)} on axis {i}"
+                )
+
+
+def _repl(mesh: ProcessMesh, t: DistTensorSpec | None) -> TensorDistAttr | None:
+    if t is None:
+        return None
+    return _make(mesh, (-1,) * len(t.shape))
+
+
+_ADAM_STATES = ("param", "grad", "moment1", "moment2", "moment2_max", "master_param")
+
+
+def _adam(
+    op: str,
+    param: DistTensorSpec,
+    grad: DistTensorSpec,
+    learning_rate: DistTensorSpec,
+    moment1: DistTensorSpec,
+    moment2: DistTensorSpec,
+    moment2_max: DistTensorSpec | None,
+    beta1_pow: DistTensorSpec,
+    beta2_pow: DistTensorSpec,
+    master_param: DistTensorSpec | None,
+    skip_update: DistTensorSpec | None,
+    amsgrad: bool,
+    outs: tuple[DistTensorSpec | None, ...] | None = None,
+) -> SpmdResult:
+    if amsgrad and moment2_max is None:
+        raise InvalidArgumentError(f"{op}: amsgrad=True needs moment2_max, which is absent")
+    states = (param, grad, moment1, moment2, moment2_max, master_param)
+    named = tuple(zip(_ADAM_STATES, states))
+    scalars = (("learning_rate", learning_rate), ("beta1_pow", beta1_pow), ("beta2_pow", beta2_pow),
+               ("skip_update", skip_update))
+    out_named: tuple[tuple[str, DistTensorSpec | None], ...] = ()
+    if outs is not None:
+        out_named = tuple(zip(("param_out", "moment1_out", "moment2_out", "moment2_max_out", "beta1_pow_out",
+                               "beta2_pow_out", "master_param_out"), outs))
+    mesh = _mesh(op, named + scalars + out_named)
+    _same_shape(op, "param", param, named[1:] + tuple(
+        (n, t) for n, t in out_named if n not in ("beta1_pow_out", "beta2_pow_out")))
+    nd = len(param.shape)
+    if outs is None:
+        voters = [param.dist_attr.dims_mapping, grad.dist_attr.dims_mapping, moment1.dist_attr.dims_mapping,
+                  moment2.dist_attr.dims_mapping]
+        if amsgrad and moment2_max is not None:
+            voters.append(moment2_max.dist_attr.dims_mapping)
+    else:
+        voters = []
+        for i in (0, 1, 2, 3, 6):
+            o = outs[i]
+            if o is not None and (i != 3 or amsgrad):
+                voters.append(o.dist_attr.dims_mapping)
+    dm = _vote(nd, tuple(voters))
+    a = _make(mesh, dm)
+
+    def opt(t: DistTensorSpec | None) -> TensorDistAttr | None:
+        return None if t is None else a
+
+    m2max_out = a if amsgrad and moment2_max is not None else None
+    b1, b2 = _repl(mesh, beta1_pow), _repl(mesh, beta2_pow)
+    return fast_result(
+        (a, a, _repl(mesh, learning_rate), a, a, opt(moment2_max), b1, b2, opt(master_param), _repl(mesh, skip_update)),
+        (a, a, a, m2max_out, b1, b2, opt(master_param)),
+    )
+
+
+def adam_forward(
+    param: DistTensorSpec, grad: DistTensorSpec, learning_rate: DistTensorSpec, moment1: DistTensorSpec,
+    moment2: DistTensorSpec, moment2_max: DistTensorSpec | None, beta1_pow: DistTensorSpec,
+    beta2_pow: DistTensorSpec, master_param: DistTensorSpec | None, skip_update: DistTensorSpec | None,
+    beta1: float = 0.9, beta2: float = 0.999, epsilon: float = 1e-8, lazy_mode: bool = False,
+    min_row_size_to_use_multithread: int = 1000, multi_precision: bool = False,
+    use_global_beta_pow: bool = False, amsgrad: bool = False,
+) -> SpmdResult:
+    """AdamInferSpmdDynamic: param, grad and the moments sharded alike (an axis they shard
+    differently is replicated), the scalars replicated, a partial grad reduced first."""
+    return _adam("adam", param, grad, learning_rate, moment1, moment2, moment2_max, beta1_pow, beta2_pow,
+                 master_param, skip_update, amsgrad)
+
+
+def adam_backward(
+    param: DistTensorSpec, grad: DistTensorSpec, learning_rate: DistTensorSpec, moment1: DistTensorSpec,
+    moment2: DistTensorSpec, moment2_max: DistTensorSpec | None, beta1_pow: DistTensorSpec,
+    beta2_pow: DistTensorSpec, master_param: DistTensorSpec | None, skip_update: DistTensorSpec | None,
+    param_out: DistTensorSpec, moment1_out: DistTensorSpec, moment2_out: DistTensorSpec,
+    moment2_max_out: DistTensorSpec | None, beta1_pow_out: DistTensorSpec, beta2_pow_out: DistTensorSpec,
+    master_param_out: DistTensorSpec | None,
+    beta1: float = 0.9, beta2: float = 0.999, epsilon: float = 1e-8, lazy_mode: bool = False,
+    min_row_size_to_use_multithread: int = 1000, multi_precision: bool = False,
+    use_global_beta_pow: bool = False, amsgrad: bool = False,
+) -> SpmdResult:
+    """adam reverse (spmdkit's own): the state inputs from the state outputs."""
+    return _adam("adam", param, grad, learning_rate, moment1, moment2, moment2_max, beta1_pow, beta2_pow,
+                 master_param, skip_update, amsgrad,
+                 (param_out, moment1_out, moment2_out, moment2_max_out, beta1_pow_out, beta2_pow_out,
+                  master_param_out))
+
+
+def adamw_forward(
+    param: DistTensorSpec, grad: DistTensorSpec, learning_rate: DistTensorSpec, moment1: DistTensorSpec,
+    moment2: DistTensorSpec, moment2_max: DistTensorSpec | None, beta1_pow: DistTensorSpec,
+    beta2_pow: DistTensorSpec, master_param: DistTensorSpec | None, skip_update: DistTensorSpec | None,
+    beta1: float = 0.9, beta2: float = 0.999, epsilon: float = 1e-8, lr_ratio: float = 1.0, coeff: float = 0.01,
+    with_decay: bool = False, lazy_mode: bool = False, min_row_size_to_use_multithread: int = 1000,
+    multi_precision: bool = False, use_global_beta_pow: bool = False, amsgrad: bool = False,
+) -> SpmdResult:
+    """AdamwInferSpmdDynamic: as adam (the decay is elementwise too)."""
+    return _adam("adamw", param, grad, learning_rate, moment1, moment2, moment2_max, beta1_pow, beta2_pow,
+                 master_param, skip_update, amsgrad)
+
+
+def adamw_backward(
+    param: DistTensorSpec, grad: DistTensorSpec, learning_rate: DistTensorSpec, moment1: DistTensorSpec,
+    moment2: DistTensorSpec, moment2_max: DistTensorSpec | None, beta1_pow: DistTensorSpec,
+    beta2_pow: DistTensorSpec, master_param: DistTensorSpec | None, skip_update: DistTensorSpec | None,
+    param_out: DistTensorSpec, moment1_out: DistTensorSpec, moment2_out: DistTensorSpec,
+    moment2_max_out: DistTensorSpec | None, beta1_pow_out: DistTensorSpec, beta2_pow_out: DistTensorSpec,
+    master_param_out: DistTensorSpec | None,
+    beta1: float = 0.9, beta2: float = 0.999, epsilon: float = 1e-8, lr_ratio: float = 1.0, coeff: float = 0.01,
+    with_decay: bool = False, lazy_mode: bool = False, min_row_size_to_use_multithread: int = 1000,
+    multi_precision: bool = False, use_global_beta_pow: bool = False, amsgrad: bool = False,
+) -> SpmdResult:
+    """adamw reverse (spmdkit's own): the state inputs from the state outputs."""
+    return _adam("adamw", param, grad, learning_rate, moment1, moment2, moment2_max, beta1_pow, beta2_pow,
+                 master_param, skip_update, amsgrad,
+                 (param_out, moment1_out, moment2_out, moment2_max_out, beta1_pow_out, beta2_pow_out,
+                  master_param_out))
+
+
+def _sgd(
+    param: DistTensorSpec, learning_rate: DistTensorSpec, grad: DistTensorSpec, master_param: DistTensorSpec | None,
+    outs: tuple[DistTensorSpec | None, ...] | None = None,
+) -> SpmdResult:
+    op = "sgd"
+    named = (("param", param), ("grad", grad), ("master_param", master_param))
+    out_named: tuple[tuple[str, DistTensorSpec | None], ...] = ()
+    if outs is not None:
+        out_named = (("param_out", outs[0]), ("master_param_out", outs[1]))
+    mesh = _mesh(op, (*named, ("learning_rate", learning_rate), *out_named))
+    _same_shape(op, "param", param, named[1:] + out_named)
+    if outs is None:
+        voters: tuple[DimsMapping, ...] = (param.dist_attr.dims_mapping, grad.dist_attr.dims_mapping)
+    else:
+        voters = tuple(o.dist_attr.dims_mapping for o in outs if o is not None)
+    a = _make(mesh, _vote(len(param.shape), voters))
+    m = None if master_param is None else a
+    return fast_result((a, _repl(mesh, learning_rate), a, m), (a, m))
+
+
+def sgd_forward(
+    param: DistTensorSpec, learning_rate: DistTensorSpec, grad: DistTensorSpec, master_param: DistTensorSpec | None,
+    multi_precision: bool = False,
+) -> SpmdResult:
+    """SgdInferSpmd: param and grad sharded alike, learning_rate replicated."""
+    return _sgd(param, learning_rate, grad, master_param)
+
+
+def sgd_backward(
+    param: DistTensorSpec, learning_rate: DistTensorSpec, grad: DistTensorSpec, master_param: DistTensorSpec | None,
+    param_out: DistTensorSpec, master_param_out: DistTensorSpec | None, multi_precision: bool = False,
+) -> SpmdResult:
+    """sgd reverse (spmdkit's own): param and grad from param_out (and master_param_out)."""
+    return _sgd(param, learning_rate, grad, master_param, (param_out, master_param_out))
+
+
+_ADAM_IN = ("param: T, grad: T, learning_rate: T, moment1: T, moment2: T, moment2_max: T?, beta1_pow: T, "
+            "beta2_pow: T, master_param: T?, skip_update: T?")
+_ADAM_OUT = ("param_out: T, moment1_out: T, moment2_out: T, moment2_max_out: T?, beta1_pow_out: T, "
+             "beta2_pow_out: T, master_param_out: T?")
+_ADAM_TAIL = ("lazy_mode: bool = False, min_row_size_to_use_multithread: int = 1000, multi_precision: bool = False, "
+              "use_global_beta_pow: bool = False, amsgrad: bool = False")
+_BETAS = "beta1: scalar = 0.9, beta2: scalar = 0.999, epsilon: scalar = 1e-08"
+_ADAMW_EXTRA = "lr_ratio: float = 1.0, coeff: float = 0.01, with_decay: bool = False"
+
+register(
+    "adam", adam_forward, f"{_ADAM_IN}, {_BETAS}, {_ADAM_TAIL}",
+    adam_backward, f"{_ADAM_IN}, {_ADAM_OUT}, {_BETAS}, {_ADAM_TAIL}",
+    aliases=("adam_",), forward_name="AdamInferSpmdDynamic", backward_name="AdamInferSpmdReverse",
+)  # fmt: skip
+register(
+    "adamw", adamw_forward, f"{_ADAM_IN}, {_BETAS}, {_ADAMW_EXTRA}, {_ADAM_TAIL}",
+    adamw_backward, f"{_ADAM_IN}, {_ADAM_OUT}, {_BETAS}, {_ADAMW_EXTRA}, {_ADAM_TAIL}",
+    aliases=("adamw_",), forward_name="AdamwInferSpmdDynamic", backward_name="AdamwInferSpmdReverse",
+)  # fmt: skip
+register(
+    "sgd", sgd_forward, "param: T, learning_rate: T, grad: T, master_param: T?, multi_precision: bool = False",
+    sgd_backward,
+    "param: T, learning_rate: T, grad: T, master_param: T?, param_out: T, master_param_out: T?, "
+    "multi_precision: bool = False",
+    aliases=("sgd_",), forward_name="SgdInferSpmd", backward_name="SgdInferSpmdReverse",
+)  # fmt: skip

@@ -1,0 +1,655 @@
+"""Scans, arg-reductions and misc: triu, tril_triu, cumsum, argmax, argmin, topk,
+logsumexp, add_n and the ``*_like`` creators, with their reverse and grad rules.
+
+Notation (x ``abc``; a co-sharded axis keeps one mesh dim, its largest (the first of
+equal sizes), as Paddle 3.3.1's rules do, except triu / tril_triu which keep it):
+
+- ``triu`` / ``tril_triu`` (TriuInferSpmd, TrilTriuInferSpmd): ``ab[ij] -> ab[ij]``, the
+  last two axes (the matrix) replicated: the mask depends on global row / column indices.
+  x must have at least 2 dims. Grads (TriuGradInferSpmd(out_grd, diagonal), spelled as in
+  Paddle; tril_triu_grad(out_grad, diagonal, lower) after Paddle's backward op): the same on
+  out_grad, x_grad sharded as out_grad.
+- ``cumsum`` (CumSumInferSpmd(x, axis, flatten, exclusive, reverse)): ``abc -> abc`` with
+  the scanned axis replicated; ``flatten`` replicates everything and out is 1-D
+  (``[numel]``). cumsum_grad (CumSumGradInferSpmd(x, out_grad, ...)): out_grad as the
+  reverse rule infers it, x and x_grad as x from it (Paddle returns x as given, but the
+  kernel shapes x_grad by the local x, so x must be sharded as x_grad).
+- ``argmax`` / ``argmin`` (ArgMaxInferSpmdBase / ArgMinInferSpmdBase(x, axis, keepdims,
+  flatten)): ``abc -> ac`` (``a1c`` with keepdims), the arg axis replicated; ``flatten``
+  replicates x and out is 0-d (``[1, 1, 1]`` with keepdims). No grad.
+- ``topk`` (TopkInferSpmd(x, k, axis, largest, sorted)): ``abc -> abc, abc`` (out,
+  indices), the topk axis replicated. Paddle registers TopkGradInferSpmd(x, indices,
+  out_grad, k, axis, largest, sorted) as topk's backward; it is also ``topk_grad``:
+  ``abc, akc, akc -> abc``, the non-axis letters merged over the three tensors.
+- ``logsumexp`` (LogSumExpInferSpmd(x, axis, keepdims, reduce_all)): a reduction whose
+  reduced axes are replicated (no partial type is right for a log of a sum); kept axes
+  keep their sharding. ``reduce_all`` (or an empty axis list) reduces every axis.
+  logsumexp_grad (LogSumExpGradInferSpmd(x, out, out_grad, ...)): x, x_grad take
+  out_grad's sharding on the kept axes, reduced axes replicated; out, out_grad not
+  partial and unsharded on kept size-1 axes.
+- ``add_n`` (AddNInferSpmd(input: vector)): ``ab, ab, ... -> ab``, shardings merged (a
+  conflict is resolved, the first tensor keeping its sharding); inputs all partial with
+  one and the same linear status (SUM / AVG) keep it and out is partial so, otherwise
+  partial inputs are made replicated. Reverse (Paddle has none): inputs take out's
+  sharding, not partial. add_n_grad(inputs, out_grad) (Paddle's backward op): each
+  input's grad is out_grad, partial included; the inputs are returned as given.
+- ``full_like`` (FullLikeInferSpmd(x, y, dtype)), ``empty_like`` (EmptyLikeInferSpmd(x,
+  dtype)), ``ones_like``, ``zeros_like`` (CreateLikeInferSpmd(x)): out sharded like x,
+  never partial; x is returned as given (only its shape is used). These are not Paddle
+  3.3.1 registered rule names (no oracle); the reverse rule (built here) gives x out's
+  sharding. No grads.
+
+Partial inputs of every other rule here are made replicated, as Paddle does.
+
+Deviations from Paddle 3.3.1 (docs/deviations.md, ``scan-*``): triu / tril_triu answer
+one mesh dim for the output of a co-sharded batch axis while keeping the co-shard on x
+(class 6: spmdkit keeps it on both); logsumexp marks a sharded reduced axis partial SUM
+(class 2: replicated); logsumexp ignores ``reduce_all`` (class 5: spmdkit reduces every
+axis, as the kernel does); argmax / argmin with flatten and not keepdims answer a 1-D out
+for a 0-d output (class 5); reverse rules echo a partial ``out`` (class 4); add_n keeps a
+common MAX / MIN / PROD partial status (unsound: a sum of maxima is not a maximum of
+sums) and raises on conflicting shardings (class 8); topk_grad and add_n raise on
+conflicts where spmdkit resolves them; Paddle crashes on a negative cumsum axis and on
+out-of-range axes (spmdkit raises SpmdError).
+"""
+
+from __future__ import annotations
+
+from spmdkit.core.dist_attr import DimsMapping, Entry, Partial, ReduceType, TensorDistAttr
+from spmdkit.core.errors import (
+    InvalidArgumentError,
+    InvalidAttributeError,
+    InvalidMeshError,
+    ShapeMismatchError,
+)
+from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.memo import memo
+from spmdkit.engine.notation import ALPHABET, fast_result, merge_letters
+from spmdkit.rules.registry import register
+
+Shape = tuple[int, ...]
+_make = TensorDistAttr._make
+
+# ---------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------
+
+
+def _major(e: Entry, mesh_shape: Shape) -> int:
+    """One mesh dim for an entry: a co-shard keeps its largest (the first of equal sizes)."""
+    if e.__class__ is int:
+        return e  # type: ignore[return-value,unused-ignore]
+    best = -1
+    for d in e:  # type: ignore[union-attr]
+        if best < 0 or mesh_shape[d] > mesh_shape[best]:
+            best = d
+    return best
+
+
+@memo()
+def _singles(dm: DimsMapping, mesh_shape: Shape) -> DimsMapping:
+    return tuple(_major(e, mesh_shape) for e in dm)
+
+
+def _axis(op: str, axis: int, ndim: int, name: str = "axis") -> int:
+    """A normalized axis; a 0-d tensor takes 0 or -1 (normalized to 0)."""
+    if ndim == 0:
+        if axis not in (0, -1):
+            raise InvalidAttributeError(f"{op}: {name} {axis} is out of range for a 0-d x (0 or -1)")
+        return 0
+    if not -ndim <= axis < ndim:
+        raise InvalidAttributeError(f"{op}: {name} {axis} is out of range for a {ndim}-D x [{-ndim}, {ndim})")
+    return axis + ndim if axis < 0 else axis
+
+
+def _same_mesh(op: str, a: DistTensorSpec, b: DistTensorSpec, na: str, nb: str) -> None:
+    if b.dist_attr.mesh != a.dist_attr.mesh:
+        raise InvalidMeshError(f"{op}: {na} and {nb} lie on different meshes")
+
+
+def _check_shape(op: str, got: Shape, want: Shape, name: str, what: str) -> None:
+    if len(got) != len(want):
+        raise ShapeMismatchError(f"{op}: {name} has {len(got)} dims, but {what} gives {len(want)} (shape {list(want)})")
+    for i, (s, w) in enumerate(zip(got, want)):
+        if s != w and s >= 0 and w >= 0:
+            raise ShapeMismatchError(f"{op}: {name} axis {i} has size {s}, but {what} gives {w}")
+
+
+def _numel(shape: Shape) -> int:
+    n = 1
+    for s in shape:
+        if s < 0:
+            return -1
+        n *= s
+    return n
+
+
+# ---------------------------------------------------------------------------
+# triu / tril_triu
+# ---------------------------------------------------------------------------
+
+
+@memo()
+def _triu_dm(dm: DimsMapping) -> DimsMapping:
+    return (*dm[:-2], -1, -1)
+
+
+def _triu_one(op: str, t: DistTensorSpec, name: str) -> TensorDistAttr:
+    if len(t.shape) < 2:
+        raise ShapeMismatchError(f"{op}: {name} must have at least 2 dims, got {len(t.shape)}")
+    attr = t.dist_attr
+    return _make(attr.mesh, _triu_dm(attr.dims_mapping))
+
+
+def _make_triu(op: str, fwd_name: str):  # type: ignore[no-untyped-def]
+    def forward(x: DistTensorSpec, diagonal: int = 0, lower: bool = False) -> SpmdResult:
+        a = _triu_one(op, x, "x")
+        return fast_result((a,), (a,))
+
+    def backward(x: DistTensorSpec, out: DistTensorSpec, diagonal: int = 0, lower: bool = False) -> SpmdResult:
+        _same_mesh(op, x, out, "x", "out")
+        _triu_one(op, x, "x")
+        _check_shape(op, out.shape, x.shape, "out", f"{op} of x")
+        a = _triu_one(op, out, "out")
+        return fast_result((a,), (a,))
+
+    forward.__name__ = f"{op}_forward"
+    forward.__doc__ = f"{op} ({fwd_name}): the last two axes replicated, batch axes keep their sharding."
+    backward.__name__ = f"{op}_backward"
+    backward.__doc__ = f"{op} ({fwd_name}Reverse): x from out, the last two axes replicated."
+    return forward, backward
+
+
+def triu_grad(out_grd: DistTensorSpec, diagonal: int = 0) -> SpmdResult:
+    """TriuGradInferSpmd(out_grd, diagonal): out_grad and x_grad alike, the last two axes
+    replicated, not partial."""
+    a = _triu_one("triu_grad", out_grd, "out_grd")
+    return fast_result((a,), (a,))
+
+
+def tril_triu_grad(out_grad: DistTensorSpec, diagonal: int = 0, lower: bool = False) -> SpmdResult:
+    """tril_triu_grad(out_grad, diagonal, lower): as triu_grad."""
+    a = _triu_one("tril_triu_grad", out_grad, "out_grad")
+    return fast_result((a,), (a,))
+
+
+# ---------------------------------------------------------------------------
+# cumsum
+# ---------------------------------------------------------------------------
+
+
+@memo()
+def _unshard_axis(dm: DimsMapping, mesh_shape: Shape, axis: int) -> DimsMapping:
+    s = list(_singles(dm, mesh_shape))
+    if s:
+        s[axis] = -1
+    return tuple(s)
+
+
+def cumsum_forward(
+    x: DistTensorSpec, axis: int = -1, flatten: bool = False, exclusive: bool = False, reverse: bool = False
+) -> SpmdResult:
+    """CumSumInferSpmd: the scanned axis replicated; flatten: all replicated, out 1-D."""
+    attr = x.dist_attr
+    mesh = attr.mesh
+    nd = len(x.shape)
+    if flatten:
+        return fast_result((_make(mesh, (-1,) * nd),), (_make(mesh, (-1,)),))
+    ax = _axis("cumsum", axis, nd)
+    dm = _unshard_axis(attr.dims_mapping, mesh.shape, ax)
+    a = _make(mesh, dm)
+    return fast_result((a,), (a,))
+
+
+def _cumsum_out_shape(x: DistTensorSpec, flatten: bool) -> Shape:
+    return (_numel(x.shape),) if flatten else x.shape
+
+
+def _cumsum_reverse(
+    op: str, x: DistTensorSpec, out: DistTensorSpec, axis: int, flatten: bool, name: str
+) -> tuple[TensorDistAttr, TensorDistAttr]:
+    _same_mesh(op, x, out, "x", name)
+    _check_shape(op, out.shape, _cumsum_out_shape(x, flatten), name, "cumsum of x")
+    mesh = x.dist_attr.mesh
+    nd = len(x.shape)
+    if flatten:
+        return _make(mesh, (-1,) * nd), _make(mesh, (-1,))
+    ax = _axis(op, axis, nd)
+    a = _make(mesh, _unshard_axis(out.dist_attr.dims_mapping, mesh.shape, ax))
+    return a, a
+
+
+def cumsum_backward(
+    x: DistTensorSpec, out: DistTensorSpec, axis: int = -1, flatten: bool = False,
+    exclusive: bool = False, reverse: bool = False,
+) -> SpmdResult:
+    """CumSumInferSpmdReverse: x from out, the scanned axis replicated."""
+    xa, oa = _cumsum_reverse("cumsum", x, out, axis, flatten, "out")
+    return fast_result((xa,), (oa,))
+
+
+def cumsum_grad(
+    x: DistTensorSpec, out_grad: DistTensorSpec, axis: int = -1, flatten: bool = False,
+    exclusive: bool = False, reverse: bool = False,
+) -> SpmdResult:
+    """CumSumGradInferSpmd: out_grad as the reverse rule infers it, x and x_grad as x from it
+    (Paddle returns x as given: the kernel shapes x_grad by the local x, so x must match)."""
+    xa, ga = _cumsum_reverse("cumsum_grad", x, out_grad, axis, flatten, "out_grad")
+    return fast_result((xa, ga), (xa,))
+
+
+# ---------------------------------------------------------------------------
+# argmax / argmin
+# ---------------------------------------------------------------------------
+
+
+def _arg_out_shape(shape: Shape, ax: int, keepdims: bool, flatten: bool) -> Shape:
+    if flatten:
+        return (1,) * len(shape) if keepdims else ()
+    if not shape:
+        return ()
+    if keepdims:
+        return (*shape[:ax], 1, *shape[ax + 1:])
+    return (*shape[:ax], *shape[ax + 1:])
+
+
+@memo()
+def _arg_core(xdm: DimsMapping, mesh_shape: Shape, ax: int, keepdims: bool) -> tuple[DimsMapping, DimsMapping]:
+    """(x, out) dims_mappings from x's: the arg axis replicated."""
+    x = _unshard_axis(xdm, mesh_shape, ax)
+    if not x:
+        return x, x
+    out = x if keepdims else (*x[:ax], *x[ax + 1:])
+    return x, out
+
+
+def _make_arg(op: str, fwd_name: str):  # type: ignore[no-untyped-def]
+    def forward(x: DistTensorSpec, axis: int = -1, keepdims: bool = False, flatten: bool = False) -> SpmdResult:
+        attr = x.dist_attr
+        mesh = attr.mesh
+        nd = len(x.shape)
+        ax = _axis(op, axis, nd)
+        if flatten:
+            return fast_result((_make(mesh, (-1,) * nd),), (_make(mesh, (-1,) * nd if keepdims else ()),))
+        xdm, odm = _arg_core(attr.dims_mapping, mesh.shape, ax, keepdims)
+        return fast_result((_make(mesh, xdm),), (_make(mesh, odm),))
+
+    def backward(
+        x: DistTensorSpec, out: DistTensorSpec, axis: int = -1, keepdims: bool = False, flatten: bool = False
+    ) -> SpmdResult:
+        _same_mesh(op, x, out, "x", "out")
+        mesh = x.dist_attr.mesh
+        nd = len(x.shape)
+        ax = _axis(op, axis, nd)
+        _check_shape(op, out.shape, _arg_out_shape(x.shape, ax, keepdims, flatten), "out", f"{op} of x")
+        if flatten:
+            return fast_result((_make(mesh, (-1,) * nd),), (_make(mesh, (-1,) * len(out.shape)),))
+        odm = out.dist_attr.dims_mapping
+        if nd == 0:
+            xin: DimsMapping = ()
+        elif keepdims:
+            xin = odm
+        else:
+            xin = (*odm[:ax], -1, *odm[ax:])
+        xdm, o = _arg_core(xin, mesh.shape, ax, keepdims)
+        return fast_result((_make(mesh, xdm),), (_make(mesh, o),))
+
+    forward.__name__ = f"{op}_forward"
+    forward.__doc__ = f"{op} ({fwd_name}): the arg axis replicated; flatten: x replicated, out 0-d."
+    backward.__name__ = f"{op}_backward"
+    backward.__doc__ = f"{op} ({fwd_name.replace('InferSpmdBase', 'InferSpmdReverseBase')}): x from out."
+    return forward, backward
+
+
+# ---------------------------------------------------------------------------
+# topk
+# ---------------------------------------------------------------------------
+
+
+def _topk_checks(op: str, x: DistTensorSpec, k: int, axis: int) -> int:
+    nd = len(x.shape)
+    if nd == 0:
+        raise ShapeMismatchError(f"{op}: x must have at least 1 dim (axis {axis} is out of range for a 0-d x)")
+    ax = _axis(op, axis, nd)
+    if k < 1:
+        raise InvalidAttributeError(f"{op}: k must be >= 1, got {k}")
+    size = x.shape[ax]
+    if 0 <= size < k:
+        raise InvalidAttributeError(f"{op}: k {k} is larger than x's axis {ax} size {size}")
+    return ax
+
+
+def topk_forward(
+    x: DistTensorSpec, k: int = 1, axis: int = -1, largest: bool = True, sorted: bool = True
+) -> SpmdResult:
+    """TopkInferSpmd: out and indices sharded as x, the topk axis replicated."""
+    ax = _topk_checks("topk", x, k, axis)
+    attr = x.dist_attr
+    mesh = attr.mesh
+    a = _make(mesh, _unshard_axis(attr.dims_mapping, mesh.shape, ax))
+    return fast_result((a,), (a, a))
+
+
+def _topk_grad(
+    op: str, x: DistTensorSpec, indices: DistTensorSpec, out_grad: DistTensorSpec, k: int, axis: int
+) -> SpmdResult:
+    nd = len(x.shape)
+    _same_mesh(op, x, indices, "x", "indices")
+    _same_mesh(op, x, out_grad, "x", "out_grad")
+    if len(indices.shape) != nd:
+        raise ShapeMismatchError(f"{op}: indices has {len(indices.shape)} dims but x has {nd}")
+    if len(out_grad.shape) != nd:
+        raise ShapeMismatchError(f"{op}: out_grad has {len(out_grad.shape)} dims but x has {nd}")
+    ax = _topk_checks(op, x, k, axis)
+    # the topk axis' size is not checked (Paddle's own unit test passes indices of x's shape)
+    for name, t in (("indices", indices), ("out_grad", out_grad)):
+        for i, (s, w) in enumerate(zip(t.shape, x.shape)):
+            if i != ax and s != w and s >= 0 and w >= 0:
+                raise ShapeMismatchError(f"{op}: {name} axis {i} has size {s}, but x has {w}")
+    mesh = x.dist_attr.mesh
+    a = _make(mesh, _topk_grad_core(
+        x.dist_attr.dims_mapping, indices.dist_attr.dims_mapping, out_grad.dist_attr.dims_mapping,
+        x.shape, indices.shape, out_grad.shape, ax, mesh.shape,
+    ))  # fmt: skip
+    return fast_result((a, a, a), (a,))
+
+
+@memo()
+def _topk_grad_core(
+    xdm: DimsMapping, idm: DimsMapping, gdm: DimsMapping, xs: Shape, ish: Shape, gs: Shape, ax: int,
+    mesh_shape: Shape,
+) -> DimsMapping:
+    nd = len(xs)
+    letters = ALPHABET[:nd]
+    kx = letters
+    ki = letters[:ax] + "1" + letters[ax + 1:]  # the topk axis is never merged
+    merged = dict(merge_letters(
+        (kx, ki, ki),
+        (_unshard_axis(xdm, mesh_shape, ax), _unshard_axis(idm, mesh_shape, ax), _unshard_axis(gdm, mesh_shape, ax)),
+        (xs, ish, gs), frozenset(), "", mesh_shape,
+    ))  # fmt: skip
+    out: list[int] = []
+    for i, ch in enumerate(letters):
+        d = merged.get(ch, ())
+        out.append(-1 if i == ax or not d else d[0])
+    return tuple(out)
+
+
+def topk_grad(
+    x: DistTensorSpec, indices: DistTensorSpec, out_grad: DistTensorSpec, k: int = 1, axis: int = -1,
+    largest: bool = True, sorted: bool = True,
+) -> SpmdResult:
+    """TopkGradInferSpmd: x, indices, out_grad and x_grad sharded alike, the topk axis replicated."""
+    return _topk_grad("topk_grad", x, indices, out_grad, k, axis)
+
+
+def _topk_backward(
+    x: DistTensorSpec, indices: DistTensorSpec, out_grad: DistTensorSpec, k: int = 1, axis: int = -1,
+    largest: bool = True, sorted: bool = True,
+) -> SpmdResult:
+    """TopkGradInferSpmd (Paddle's backward slot for topk): as topk_grad."""
+    return _topk_grad("topk", x, indices, out_grad, k, axis)
+
+
+# ---------------------------------------------------------------------------
+# logsumexp
+# ---------------------------------------------------------------------------
+
+
+@memo()
+def _lse_plan(ndim: int, axis: tuple[int, ...], keepdims: bool, reduce_all: bool) -> tuple[tuple[bool, ...], Shape]:
+    """(reduced flag per x axis, the x axis of each out axis (-1: a kept size-1 axis))."""
+    if reduce_all or not axis or ndim == 0:
+        reduced = [True] * ndim
+    else:
+        reduced = [False] * ndim
+    for a in axis:
+        if ndim == 0:
+            if a not in (0, -1):
+                raise InvalidAttributeError(f"logsumexp: axis {a} is out of range for a 0-d x (0 or -1)")
+            continue
+        if not -ndim <= a < ndim:
+            raise InvalidAttributeError(f"logsumexp: axis {a} is out of range for a {ndim}-D x [{-ndim}, {ndim})")
+        reduced[a + ndim if a < 0 else a] = True
+    pos: list[int] = []
+    for i, r in enumerate(reduced):
+        if not r:
+            pos.append(i)
+        elif keepdims:
+            pos.append(-1)
+    return tuple(reduced), tuple(pos)
+
+
+@memo()
+def _lse_core(src: DimsMapping, mesh_shape: Shape, reduced: tuple[bool, ...], pos: Shape,
+              from_out: bool) -> tuple[DimsMapping, DimsMapping]:
+    """(x, out) dims_mappings: kept axes from ``src`` (x's, or out's with ``from_out``)."""
+    nd = len(reduced)
+    if from_out:
+        x = [-1] * nd
+        for j, p in enumerate(pos):
+            if p >= 0:
+                x[p] = _major(src[j], mesh_shape)
+    else:
+        x = [-1 if r else _major(e, mesh_shape) for e, r in zip(src, reduced)]
+    return tuple(x), tuple(-1 if p < 0 else x[p] for p in pos)
+
+
+def _lse_out_shape(shape: Shape, pos: Shape) -> Shape:
+    return tuple(1 if p < 0 else shape[p] for p in pos)
+
+
+def logsumexp_forward(
+    x: DistTensorSpec, axis: tuple[int, ...] = (), keepdims: bool = False, reduce_all: bool = False
+) -> SpmdResult:
+    """LogSumExpInferSpmd: kept axes keep their sharding, reduced axes replicated (no partial)."""
+    attr = x.dist_attr
+    mesh = attr.mesh
+    reduced, pos = _lse_plan(len(x.shape), axis, keepdims, reduce_all)
+    xdm, odm = _lse_core(attr.dims_mapping, mesh.shape, reduced, pos, False)
+    return fast_result((_make(mesh, xdm),), (_make(mesh, odm),))
+
+
+def logsumexp_backward(
+    x: DistTensorSpec, out: DistTensorSpec, axis: tuple[int, ...] = (), keepdims: bool = False,
+    reduce_all: bool = False,
+) -> SpmdResult:
+    """LogSumExpInferSpmdReverse: x from out on the kept axes, reduced axes replicated."""
+    _same_mesh("logsumexp", x, out, "x", "out")
+    mesh = x.dist_attr.mesh
+    reduced, pos = _lse_plan(len(x.shape), axis, keepdims, reduce_all)
+    _check_shape("logsumexp", out.shape, _lse_out_shape(x.shape, pos), "out", "reducing x")
+    xdm, odm = _lse_core(out.dist_attr.dims_mapping, mesh.shape, reduced, pos, True)
+    return fast_result((_make(mesh, xdm),), (_make(mesh, odm),))
+
+
+def logsumexp_grad(
+    x: DistTensorSpec, out: DistTensorSpec, out_grad: DistTensorSpec, axis: tuple[int, ...] = (),
+    keepdims: bool = False, reduce_all: bool = False,
+) -> SpmdResult:
+    """LogSumExpGradInferSpmd: x, x_grad from out_grad's kept axes, reduced axes replicated."""
+    op = "logsumexp_grad"
+    _same_mesh(op, x, out, "x", "out")
+    _same_mesh(op, x, out_grad, "x", "out_grad")
+    mesh = x.dist_attr.mesh
+    reduced, pos = _lse_plan(len(x.shape), axis, keepdims, reduce_all)
+    want = _lse_out_shape(x.shape, pos)
+    _check_shape(op, out.shape, want, "out", "reducing x")
+    _check_shape(op, out_grad.shape, want, "out_grad", "reducing x")
+    xdm, odm = _lse_core(out_grad.dist_attr.dims_mapping, mesh.shape, reduced, pos, True)
+    xa = _make(mesh, xdm)
+    oa = _make(mesh, odm)
+    return fast_result((xa, oa, oa), (xa,))
+
+
+# ---------------------------------------------------------------------------
+# add_n
+# ---------------------------------------------------------------------------
+
+_LINEAR = frozenset({ReduceType.SUM, ReduceType.AVG})
+
+
+@memo()
+def _add_n_core(dms: tuple[DimsMapping, ...], shapes: tuple[Shape, ...], mesh_shape: Shape) -> DimsMapping:
+    first = dms[0]
+    if all(dm == first for dm in dms):  # the common case: nothing to merge
+        return _singles(first, mesh_shape)
+    nd = len(shapes[0])
+    letters = ALPHABET[:nd]
+    merged = dict(merge_letters(
+        (letters,) * len(dms), tuple(_singles(dm, mesh_shape) for dm in dms), shapes, frozenset(), "", mesh_shape,
+    ))  # fmt: skip
+    return tuple(d[0] if d else -1 for d in (merged.get(ch, ()) for ch in letters))
+
+
+def _add_n_inputs(op: str, inputs: tuple[DistTensorSpec, ...], name: str) -> None:
+    if not inputs:
+        raise InvalidArgumentError(f"{op}: {name} must hold at least one tensor")
+    first = inputs[0]
+    if len(first.shape) > len(ALPHABET):
+        raise ShapeMismatchError(f"{op}: tensors of more than {len(ALPHABET)} dims are not supported")
+    for i, t in enumerate(inputs[1:], 1):
+        _same_mesh(op, first, t, f"{name}[0]", f"{name}[{i}]")
+        _check_shape(op, t.shape, first.shape, f"{name}[{i}]", f"{name}[0]")
+
+
+def add_n_forward(input: tuple[DistTensorSpec, ...]) -> SpmdResult:
+    """AddNInferSpmd: shardings merged; a common linear partial status is kept."""
+    _add_n_inputs("add_n", input, "input")
+    mesh = input[0].dist_attr.mesh
+    dm = _add_n_core(tuple(t.dist_attr.dims_mapping for t in input), tuple(t.shape for t in input), mesh.shape)
+    pt: Partial = input[0].dist_attr.partial
+    if pt and not all(r in _LINEAR for _, r in pt):
+        pt = ()
+    if pt:
+        for t in input[1:]:
+            if t.dist_attr.partial != pt:
+                pt = ()
+                break
+    a = _make(mesh, dm, pt) if pt else _make(mesh, dm)
+    return fast_result(((a,) * len(input),), (a,))  # type: ignore[arg-type]
+
+
+def add_n_backward(input: tuple[DistTensorSpec, ...], out: DistTensorSpec) -> SpmdResult:
+    """add_n reverse (built here; Paddle 3.3.1 has none): every input takes out's sharding."""
+    _add_n_inputs("add_n", input, "input")
+    first = input[0]
+    _same_mesh("add_n", first, out, "input[0]", "out")
+    _check_shape("add_n", out.shape, first.shape, "out", "adding the inputs")
+    mesh = first.dist_attr.mesh
+    a = _make(mesh, _singles(out.dist_attr.dims_mapping, mesh.shape))
+    return fast_result(((a,) * len(input),), (a,))  # type: ignore[arg-type]
+
+
+def add_n_grad(inputs: tuple[DistTensorSpec, ...], out_grad: DistTensorSpec) -> SpmdResult:
+    """add_n_grad(inputs, out_grad): every input's grad is out_grad (partial included);
+    the inputs are returned as given (only their shapes are used)."""
+    _add_n_inputs("add_n_grad", inputs, "inputs")
+    _same_mesh("add_n_grad", inputs[0], out_grad, "inputs[0]", "out_grad")
+    _check_shape("add_n_grad", out_grad.shape, inputs[0].shape, "out_grad", "adding the inputs")
+    g = out_grad.dist_attr
+    return fast_result((tuple(t.dist_attr for t in inputs), g), ((g,) * len(inputs),))  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------
+# full_like and friends
+# ---------------------------------------------------------------------------
+
+
+def _like_fwd(x: DistTensorSpec) -> SpmdResult:
+    attr = x.dist_attr
+    out = _make(attr.mesh, attr.dims_mapping) if attr.partial else attr
+    return fast_result((attr,), (out,))
+
+
+def _like_bwd(op: str, x: DistTensorSpec, out: DistTensorSpec) -> SpmdResult:
+    _same_mesh(op, x, out, "x", "out")
+    _check_shape(op, out.shape, x.shape, "out", "x")
+    a = _make(out.dist_attr.mesh, out.dist_attr.dims_mapping)
+    return fast_result((a,), (a,))
+
+
+def full_like_forward(x: DistTensorSpec, y: object = 0.0, dtype: object = None) -> SpmdResult:
+    """FullLikeInferSpmd: out sharded like x, not partial; x as given."""
+    return _like_fwd(x)
+
+
+def full_like_backward(x: DistTensorSpec, out: DistTensorSpec, y: object = 0.0, dtype: object = None) -> SpmdResult:
+    """full_like reverse (built here): x takes out's sharding."""
+    return _like_bwd("full_like", x, out)
+
+
+def empty_like_forward(x: DistTensorSpec, dtype: object = None) -> SpmdResult:
+    """EmptyLikeInferSpmd: out sharded like x, not partial; x as given."""
+    return _like_fwd(x)
+
+
+def empty_like_backward(x: DistTensorSpec, out: DistTensorSpec, dtype: object = None) -> SpmdResult:
+    """empty_like reverse (built here): x takes out's sharding."""
+    return _like_bwd("empty_like", x, out)
+
+
+def _make_create_like(op: str):  # type: ignore[no-untyped-def]
+    def forward(x: DistTensorSpec) -> SpmdResult:
+        return _like_fwd(x)
+
+    def backward(x: DistTensorSpec, out: DistTensorSpec) -> SpmdResult:
+        return _like_bwd(op, x, out)
+
+    forward.__name__ = f"{op}_forward"
+    forward.__doc__ = f"{op} (CreateLikeInferSpmd): out sharded like x, not partial; x as given."
+    backward.__name__ = f"{op}_backward"
+    backward.__doc__ = f"{op} reverse (built here): x takes out's sharding."
+    return forward, backward
+
+
+# ---------------------------------------------------------------------------
+# registration
+# ---------------------------------------------------------------------------
+
+
+def _register_all() -> None:
+    f, b = _make_triu("triu", "TriuInferSpmd")
+    register("triu", f, "x: T, diagonal: int = 0", b, "x: T, out: T, diagonal: int = 0",
+             forward_name="TriuInferSpmd", backward_name="TriuInferSpmdReverse")  # fmt: skip
+    register("triu_grad", triu_grad, "out_grd: T, diagonal: int = 0", forward_name="TriuGradInferSpmd")
+    f2, b2 = _make_triu("tril_triu", "TrilTriuInferSpmd")
+    register("tril_triu", f2, "x: T, diagonal: int = 0, lower: bool = False",
+             b2, "x: T, out: T, diagonal: int = 0, lower: bool = False",
+             forward_name="TrilTriuInferSpmd", backward_name="TrilTriuInferSpmdReverse")  # fmt: skip
+    register("tril_triu_grad", tril_triu_grad, "out_grad: T, diagonal: int = 0, lower: bool = False",
+             forward_name="tril_triu_grad (backward op)")  # fmt: skip
+    cs = "axis: int = -1, flatten: bool = False, exclusive: bool = False, reverse: bool = False"
+    register("cumsum", cumsum_forward, f"x: T, {cs}", cumsum_backward, f"x: T, out: T, {cs}",
+             forward_name="CumSumInferSpmd", backward_name="CumSumInferSpmdReverse")  # fmt: skip
+    register("cumsum_grad", cumsum_grad, f"x: T, out_grad: T, {cs}", forward_name="CumSumGradInferSpmd")
+    for op, fn in (("argmax", "ArgMaxInferSpmdBase"), ("argmin", "ArgMinInferSpmdBase")):
+        af, ab = _make_arg(op, fn)
+        register(op, af, "x: T, axis: int = -1, keepdims: bool = False, flatten: bool = False",
+                 ab, "x: T, out: T, axis: int = -1, keepdims: bool = False, flatten: bool = False",
+                 forward_name=fn, backward_name=fn.replace("InferSpmdBase", "InferSpmdReverseBase"))  # fmt: skip
+    tk = "k: int = 1, axis: int = -1, largest: bool = True, sorted: bool = True"
+    register("topk", topk_forward, f"x: T, {tk}", _topk_backward, f"x: T, indices: T, out_grad: T, {tk}",
+             forward_name="TopkInferSpmd", backward_name="TopkGradInferSpmd")  # fmt: skip
+    register("topk_grad", topk_grad, f"x: T, indices: T, out_grad: T, {tk}", forward_name="TopkGradInferSpmd")
+    ls = "axis: ints = [], keepdims: bool = False, reduce_all: bool = False"
+    register("logsumexp", logsumexp_forward, f"x: T, {ls}", logsumexp_backward, f"x: T, out: T, {ls}",
+             forward_name="LogSumExpInferSpmd", backward_name="LogSumExpInferSpmdReverse")  # fmt: skip
+    register("logsumexp_grad", logsumexp_grad, f"x: T, out: T, out_grad: T, {ls}",
+             forward_name="LogSumExpGradInferSpmd")  # fmt: skip
+    register("add_n", add_n_forward, "input: [T]", add_n_backward, "input: [T], out: T",
+             forward_name="AddNInferSpmd", backward_name="add_n reverse (spmdkit)")  # fmt: skip
+    register("add_n_grad", add_n_grad, "inputs: [T], out_grad: T", forward_name="add_n_grad (backward op)")
+    register("full_like", full_like_forward, "x: T, y: scalar = 0.0, dtype: any = None",
+             full_like_backward, "x: T, out: T, y: scalar = 0.0, dtype: any = None",
+             forward_name="FullLikeInferSpmd", backward_name="full_like reverse (spmdkit)")  # fmt: skip
+    register("empty_like", empty_like_forward, "x: T, dtype: any = None",
+             empty_like_backward, "x: T, out: T, dtype: any = None",
+             forward_name="EmptyLikeInferSpmd", backward_name="empty_like reverse (spmdkit)")  # fmt: skip
+    for op in ("ones_like", "zeros_like"):
+        cf, cb = _make_create_like(op)
+        register(op, cf, "x: T", cb, "x: T, out: T",
+                 forward_name="CreateLikeInferSpmd", backward_name=f"{op} reverse (spmdkit)")  # fmt: skip
+
+
+_register_all()

@@ -1,0 +1,284 @@
+"""Simulator references and case generators: cross entropy (plain and model-parallel), mean_all.
+
+``cross_entropy_with_softmax`` runs the plain kernel on a rank's local logits (a sharded
+class axis gives a local softmax: the rule must keep that axis replicated). Hard labels are
+folded into ``[0, classes)`` by ``prepare``, with some set to ``ignore_index`` (loss and grad
+0 there); soft labels are normalized; with ``use_softmax=False`` the logits are made
+probabilities.
+
+``c_softmax_with_cross_entropy`` is a communicating kernel: the ranks that share the class
+axis all-reduce the max and the sum of exponentials. The simulator runs ranks one at a time,
+so a rank gets the group's gathered logits from the global run (``_GROUP``; the verifier runs
+the global op first, then every rank) after checking that its own local logits are exactly
+its slice of them (a partial or otherwise mis-sharded x fails there); it returns its own
+class slice of the softmax and the loss of its rows from its own local label. The grad is
+local: a rank subtracts the one-hot of the labels that fall in its class range.
+
+``mean_all`` averages the local x; ``mean_all_grad`` divides by the local element count (as
+the kernel does), so only a replicated x is sound.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+
+from spmdkit.sim.cases import GENERATORS, TGen, rand_axis, rand_shape
+from spmdkit.sim.ops import Arrays, Ctx, Reference, register_reference
+
+_GROUP: dict[str, Any] = {}
+
+
+def _f(x: Any) -> np.ndarray:
+    return np.asarray(x, dtype=np.float64)
+
+
+def _ax(axis: Any, nd: int) -> int:
+    a = int(axis)
+    return a + nd if a < 0 else a
+
+
+def log_softmax(x: np.ndarray, ax: int) -> np.ndarray:
+    x = _f(x)
+    if x.size == 0:
+        return x.copy()
+    m = x.max(axis=ax, keepdims=True)
+    return np.asarray(x - m - np.log(np.exp(x - m).sum(axis=ax, keepdims=True)))
+
+
+def _hard(label: Any, classes: int, ignore_index: int) -> tuple[np.ndarray, np.ndarray]:
+    lab = np.asarray(label).astype(np.int64)
+    valid = lab != ignore_index
+    return np.clip(lab, 0, max(classes - 1, 0)), valid
+
+
+def cross_entropy(x: Any, label: Any, soft: bool, use_softmax: bool, ignore_index: int, ax: int
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """(softmax, loss) of Paddle's cross_entropy_with_softmax kernel."""
+    x = _f(x)
+    if use_softmax:
+        logsm = log_softmax(x, ax)
+        sm = np.exp(logsm)
+    else:
+        sm = x.copy()
+        logsm = np.log(x)
+    if soft:
+        loss = -(_f(label) * logsm).sum(axis=ax, keepdims=True)
+    else:
+        idx, valid = _hard(label, x.shape[ax], ignore_index)
+        if x.shape[ax] == 0:
+            return sm, np.zeros(idx.shape)
+        picked = np.take_along_axis(logsm, idx, axis=ax)
+        loss = np.where(valid, -picked, 0.0)
+    return sm, np.asarray(loss)
+
+
+def cross_entropy_grad(label: Any, softmax: Any, loss_grad: Any, soft: bool, use_softmax: bool, ignore_index: int,
+                       ax: int, class_start: int = 0) -> np.ndarray:
+    """d(sum(loss * loss_grad)) / d(logits) given the softmax (classes from ``class_start``)."""
+    sm = _f(softmax)
+    g = _f(loss_grad)
+    if soft:
+        lab = _f(label)
+        return np.asarray((sm - lab) * g if use_softmax else -lab / sm * g)
+    lab = np.asarray(label).astype(np.int64)
+    valid = lab != ignore_index
+    shape = [1] * sm.ndim
+    shape[ax] = sm.shape[ax]
+    classes = np.arange(class_start, class_start + sm.shape[ax]).reshape(shape)
+    onehot = (lab == classes).astype(np.float64)
+    out = (sm - onehot) * g if use_softmax else -onehot / sm * g
+    return np.asarray(np.where(valid, out, 0.0))
+
+
+def _ce(a: Arrays, c: Ctx) -> tuple[Any, ...]:
+    x = a["x"]
+    ax = _ax(a.get("axis", -1), np.ndim(x))
+    return cross_entropy(x, a["label"], bool(a.get("soft_label", False)), bool(a.get("use_softmax", True)),
+                         int(a.get("ignore_index", -100)), ax)
+
+
+def _prep_label(a: Arrays, ax: int, classes: int, key: str = "label") -> None:
+    if bool(a.get("soft_label", False)):
+        lab = _f(a[key])
+        a[key] = np.exp(log_softmax(lab, ax)) if lab.size else lab
+        return
+    raw = np.asarray(a[key]).astype(np.int64)
+    lab = np.abs(raw) % max(classes, 1)
+    a[key] = np.where(raw % 5 == 0, int(a.get("ignore_index", -100)), lab)
+
+
+def _prep_ce(a: Arrays) -> None:
+    nd = np.ndim(a["x"])
+    ax = _ax(a.get("axis", -1), nd)
+    if not bool(a.get("use_softmax", True)) and np.size(a["x"]):
+        a["x"] = np.exp(log_softmax(a["x"], ax))
+    _prep_label(a, ax, int(np.shape(a["x"])[ax]))
+
+
+def _ce_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
+    sm = a["softmax"]
+    ax = _ax(a.get("axis", -1), np.ndim(sm))
+    return (cross_entropy_grad(a["label"], sm, a["loss_grad"], bool(a.get("soft_label", False)),
+                               bool(a.get("use_softmax", True)), int(a.get("ignore_index", -100)), ax),)
+
+
+def _prep_ce_grad(a: Arrays) -> None:
+    nd = np.ndim(a["softmax"])
+    ax = _ax(a.get("axis", -1), nd)
+    if np.size(a["softmax"]):
+        a["softmax"] = np.exp(log_softmax(a["softmax"], ax))
+    _prep_label(a, ax, int(np.shape(a["softmax"])[ax]))
+
+
+register_reference(Reference("cross_entropy_with_softmax", _ce, ("x", "label"), ("softmax", "loss"),
+                             "cross_entropy", domains={"label": "int"}, prepare=_prep_ce),
+                   "softmax_with_cross_entropy")
+register_reference(Reference("cross_entropy_with_softmax_grad", _ce_grad, ("label", "softmax", "loss_grad"),
+                             ("x_grad",), "cross_entropy_grad", domains={"label": "int"}, prepare=_prep_ce_grad),
+                   "softmax_with_cross_entropy_grad")
+
+
+# -- c_softmax_with_cross_entropy ----------------------------------------------------------------
+
+
+def _c_softmax(a: Arrays, c: Ctx) -> tuple[Any, ...]:
+    x = _f(a["x"])
+    ig = int(a.get("ignore_index", -100))
+    if c.is_global:
+        _GROUP["x"] = x.copy()
+        return cross_entropy(x, a["label"], False, True, ig, x.ndim - 1)
+    from spmdkit.sim.mesh import local_slices
+
+    gx = _GROUP.get("x")
+    gshape = tuple(c.shapes.get("x") or ())
+    if gx is None or gx.shape != gshape or c.coords is None:
+        raise ValueError("c_softmax_with_cross_entropy: no global run to gather the class axis from")
+    sl = local_slices(c.in_attrs["x"], gshape, c.coords)
+    if x.shape != gx[sl].shape or not np.allclose(x, gx[sl], rtol=1e-7, atol=1e-9):
+        raise ValueError("c_softmax_with_cross_entropy: the local logits are not this rank's slice of x")
+    rows = gx[(*sl[:-1], slice(None))]  # what the class group gathers: this rank's rows, every class
+    sm, loss = cross_entropy(rows, a["label"], False, True, ig, rows.ndim - 1)
+    return sm[..., sl[-1]], loss
+
+
+def _prep_c(a: Arrays) -> None:
+    x = a["x"]
+    _prep_label(a, np.ndim(x) - 1, int(np.shape(x)[-1]))
+
+
+def _class_start(c: Ctx, name: str) -> int:
+    if c.is_global or c.coords is None:
+        return 0
+    from spmdkit.sim.mesh import local_slices
+
+    return int(local_slices(c.in_attrs[name], c.shapes[name], c.coords)[-1].start)
+
+
+def _c_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
+    sm = a["softmax"]
+    return (cross_entropy_grad(a["label"], sm, a["loss_grad"], False, True, int(a.get("ignore_index", -100)),
+                               np.ndim(sm) - 1, int(a.get("_class_start", 0))),)
+
+
+def _localize_c_grad(a: Arrays, c: Ctx) -> Arrays:
+    out = dict(a)
+    out["_class_start"] = _class_start(c, "softmax")
+    return out
+
+
+def _prep_c_grad(a: Arrays) -> None:
+    sm = a["softmax"]
+    if np.size(sm):
+        a["softmax"] = np.exp(log_softmax(sm, np.ndim(sm) - 1))
+    _prep_label(a, np.ndim(sm) - 1, int(np.shape(sm)[-1]))
+
+
+register_reference(Reference("c_softmax_with_cross_entropy", _c_softmax, ("x", "label"), ("softmax", "loss"),
+                             "c_softmax", domains={"label": "int"}, prepare=_prep_c))
+register_reference(Reference("c_softmax_with_cross_entropy_grad", _c_grad, ("softmax", "label", "loss_grad"),
+                             ("x_grad",), "c_softmax_grad", domains={"label": "int"}, prepare=_prep_c_grad,
+                             localize=_localize_c_grad))
+
+
+# -- mean_all -----------------------------------------------------------------------------------
+
+
+def _mean_all(a: Arrays, c: Ctx) -> tuple[Any, ...]:
+    x = _f(a["x"])
+    return (np.asarray(x.mean() if x.size else np.nan),)
+
+
+def _mean_all_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
+    x = np.asarray(a["x"])
+    g = float(_f(a["out_grad"]).reshape(-1)[0]) if np.size(a["out_grad"]) else 0.0
+    return (np.full(x.shape, g / x.size if x.size else 0.0),)
+
+
+register_reference(Reference("mean_all", _mean_all, ("x",), ("out",), "mean_all"))
+register_reference(Reference("mean_all_grad", _mean_all_grad, ("x", "out_grad"), ("x_grad",), "mean_all_grad"))
+
+
+# -- generators ---------------------------------------------------------------------------------
+
+
+def _logits(r: random.Random, m: list[int], last: bool = False) -> tuple[tuple[int, ...], int]:
+    s = rand_shape(r, m, 1, 4)
+    ax = len(s) - 1 if last or r.random() < 0.5 else rand_axis(r, len(s)) % len(s)
+    return s, ax
+
+
+def _one(s: tuple[int, ...], ax: int) -> tuple[int, ...]:
+    return (*s[:ax], 1, *s[ax + 1:])
+
+
+def _g_ce(r: random.Random, m: list[int], ref: Reference) -> dict[str, Any]:
+    s, ax = _logits(r, m)
+    soft = r.random() < 0.25
+    return {"x": TGen(s), "label": TGen(s if soft else _one(s, ax), "real" if soft else "int"), "soft_label": soft,
+            "use_softmax": r.random() < 0.8, "numeric_stable_mode": r.random() < 0.8,
+            "ignore_index": r.choice((-100, -100, -1, 0)), "axis": ax - len(s) if r.random() < 0.5 else ax}
+
+
+def _g_ce_grad(r: random.Random, m: list[int], ref: Reference) -> dict[str, Any]:
+    sp = _g_ce(r, m, ref)
+    x = sp.pop("x")
+    ax = _ax(sp["axis"], len(x.shape))
+    sp["softmax"] = x
+    sp["loss_grad"] = TGen(_one(x.shape, ax), "real")
+    return sp
+
+
+def _g_c_softmax(r: random.Random, m: list[int], ref: Reference) -> dict[str, Any]:
+    s, ax = _logits(r, m, last=True)
+    nranks = r.choice((1, 2, 4))
+    return {"x": TGen(s), "label": TGen(_one(s, ax), "int"), "ignore_index": r.choice((-100, -100, 0)),
+            "rank": r.randrange(nranks), "nranks": nranks}
+
+
+def _g_c_softmax_grad(r: random.Random, m: list[int], ref: Reference) -> dict[str, Any]:
+    sp = _g_c_softmax(r, m, ref)
+    x = sp.pop("x")
+    sp["softmax"] = x
+    sp["loss_grad"] = TGen(_one(x.shape, len(x.shape) - 1), "real")
+    return sp
+
+
+def _g_mean_all(r: random.Random, m: list[int], ref: Reference) -> dict[str, Any]:
+    return {"x": TGen(rand_shape(r, m, 0, 4))}
+
+
+def _g_mean_all_grad(r: random.Random, m: list[int], ref: Reference) -> dict[str, Any]:
+    return {"x": TGen(rand_shape(r, m, 0, 4)), "out_grad": TGen((), "real")}
+
+
+GENERATORS.update({
+    "cross_entropy": _g_ce,
+    "cross_entropy_grad": _g_ce_grad,
+    "c_softmax": _g_c_softmax,
+    "c_softmax_grad": _g_c_softmax_grad,
+    "mean_all": _g_mean_all,
+    "mean_all_grad": _g_mean_all_grad,
+})

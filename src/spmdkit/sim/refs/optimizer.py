@@ -1,0 +1,138 @@
+"""Numpy references and case generators of the optimizer updates (adam, adamw, sgd): one
+real update step each, in Paddle's kernel formulas."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+
+from spmdkit.sim.cases import GENERATORS, TGen, rand_shape
+from spmdkit.sim.ops import Arrays, Ctx, Reference, register_reference
+
+
+def _f(x: Any) -> np.ndarray:
+    return np.asarray(x, dtype=np.float64)
+
+
+def _scalar(x: Any) -> float:
+    return float(_f(x).reshape(-1)[0])
+
+
+def _skip(a: Arrays) -> bool:
+    s = a.get("skip_update")
+    if s is None or np.size(s) == 0:
+        return False
+    return bool(np.asarray(s).reshape(-1)[0])
+
+
+def _adam_step(a: Arrays, decoupled: bool) -> tuple[Any, ...]:
+    amsgrad = bool(a.get("amsgrad", False))
+    b1, b2 = float(a.get("beta1", 0.9)), float(a.get("beta2", 0.999))
+    eps = float(a.get("epsilon", 1e-8))
+    lr = _scalar(a["learning_rate"])
+    b1p, b2p = _f(a["beta1_pow"]), _f(a["beta2_pow"])
+    g = _f(a["grad"])
+    m1, m2 = _f(a["moment1"]), _f(a["moment2"])
+    m2max = a.get("moment2_max")
+    master = a.get("master_param")
+    use_master = master is not None and bool(a.get("multi_precision", False))
+
+    def update(p: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+        step_lr = lr
+        if decoupled:
+            step_lr = lr * float(a.get("lr_ratio", 1.0))
+            if a.get("with_decay", False):
+                p = p * (1.0 - step_lr * float(a.get("coeff", 0.01)))
+        m1o = b1 * m1 + (1.0 - b1) * g
+        m2o = b2 * m2 + (1.0 - b2) * g * g
+        m2mo = None
+        denom = m2o
+        if amsgrad and m2max is not None:
+            m2mo = np.maximum(_f(m2max), m2o)
+            denom = m2mo
+        b1s, b2s = _scalar(b1p), _scalar(b2p)
+        lr_t = step_lr * np.sqrt(1.0 - b2s) / (1.0 - b1s)
+        po = p - lr_t * (m1o / (np.sqrt(denom) + eps * np.sqrt(1.0 - b2s)))
+        return po, m1o, m2o, m2mo
+
+    if _skip(a):
+        po: np.ndarray = _f(a["param"]).copy()
+        m1o, m2o = m1.copy(), m2.copy()
+        m2mo = _f(m2max).copy() if amsgrad and m2max is not None else None
+        mo = None if master is None else _f(master).copy()
+        return po, m1o, m2o, m2mo, b1p.copy(), b2p.copy(), mo
+    mo = None
+    if master is not None:
+        mo, m1o, m2o, m2mo = update(_f(master))
+    if use_master:
+        assert mo is not None
+        po = mo.copy()
+    else:
+        po, m1o, m2o, m2mo = update(_f(a["param"]))
+    if a.get("use_global_beta_pow", False):
+        b1o, b2o = b1p.copy(), b2p.copy()
+    else:
+        b1o, b2o = b1p * b1, b2p * b2
+    return po, m1o, m2o, m2mo, b1o, b2o, mo
+
+
+def _adam(a: Arrays, c: Ctx) -> tuple[Any, ...]:
+    return _adam_step(a, False)
+
+
+def _adamw(a: Arrays, c: Ctx) -> tuple[Any, ...]:
+    return _adam_step(a, True)
+
+
+def _sgd(a: Arrays, c: Ctx) -> tuple[Any, ...]:
+    lr = _scalar(a["learning_rate"])
+    g = _f(a["grad"])
+    master = a.get("master_param")
+    mo = None if master is None else _f(master) - lr * g
+    if master is not None and a.get("multi_precision", False):
+        assert mo is not None
+        return mo.copy(), mo
+    return _f(a["param"]) - lr * g, mo
+
+
+_OUTS = ("param_out", "moment1_out", "moment2_out", "moment2_max_out", "beta1_pow_out", "beta2_pow_out",
+         "master_param_out")
+_DOM = {"learning_rate": "pos", "moment2": "pos", "moment2_max": "pos", "beta1_pow": "prob", "beta2_pow": "prob",
+        "skip_update": "bool"}
+
+register_reference(Reference("adam", _adam, ("param", "grad", "learning_rate", "moment1", "moment2", "beta1_pow",
+                                              "beta2_pow"), _OUTS, "adam",
+                             optional=("moment2_max", "master_param", "skip_update"), domains=_DOM), "adam_")
+register_reference(Reference("adamw", _adamw, ("param", "grad", "learning_rate", "moment1", "moment2", "beta1_pow",
+                                                "beta2_pow"), _OUTS, "adam",
+                             optional=("moment2_max", "master_param", "skip_update"), domains=_DOM), "adamw_")
+register_reference(Reference("sgd", _sgd, ("param", "learning_rate", "grad"), ("param_out", "master_param_out"),
+                             "sgd", optional=("master_param",), domains={"learning_rate": "pos"}), "sgd_")
+
+
+def _g_adam(r: random.Random, m: list[int], ref: Any) -> dict[str, Any]:
+    s = rand_shape(r, m, 1, 3)
+    amsgrad = r.random() < 0.3
+    return {
+        "param": TGen(s), "grad": TGen(s), "learning_rate": TGen((1,), "pos"), "moment1": TGen(s),
+        "moment2": TGen(s, "pos"), "moment2_max": TGen(s, "pos") if amsgrad or r.random() < 0.1 else None,
+        "beta1_pow": TGen((1,), "prob"), "beta2_pow": TGen((1,), "prob"),
+        "master_param": TGen(s) if r.random() < 0.3 else None,
+        "skip_update": TGen((1,), "bool") if r.random() < 0.2 else None,
+        "beta1": r.choice((0.9, 0.5)), "beta2": r.choice((0.999, 0.9)), "epsilon": 1e-8,
+        "lr_ratio": r.choice((1.0, 0.5)), "coeff": r.choice((0.01, 0.1)), "with_decay": r.random() < 0.5,
+        "lazy_mode": False, "min_row_size_to_use_multithread": 1000, "multi_precision": r.random() < 0.3,
+        "use_global_beta_pow": r.random() < 0.2, "amsgrad": amsgrad,
+    }
+
+
+def _g_sgd(r: random.Random, m: list[int], ref: Any) -> dict[str, Any]:
+    s = rand_shape(r, m, 1, 3)
+    return {"param": TGen(s), "learning_rate": TGen((1,), "pos"), "grad": TGen(s),
+            "master_param": TGen(s) if r.random() < 0.3 else None, "multi_precision": r.random() < 0.4}
+
+
+GENERATORS["adam"] = _g_adam
+GENERATORS["sgd"] = _g_sgd
