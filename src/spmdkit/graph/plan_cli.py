@@ -59,7 +59,7 @@ def plan_model(model_name: str, mesh_text: str, strategy_text: str, overrides: d
     if overrides:
         cfg = cfg.with_(**{k: v for k, v in overrides.items() if v is not None})
     t0 = time.perf_counter()
-    model = build_model(cfg, vocab_parallel_loss="megatron" in st)
+    model = build_model(cfg, vocab_parallel_loss="megatron" in st, check_rules=False)
     ann = annotate(model, mesh, st, user)
     cost = CostModel.parse(cost_text, mesh) if cost_text else CostModel.default(mesh)
     plan = propagate(model.program, mesh, ann, cost, progress=progress)

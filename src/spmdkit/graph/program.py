@@ -140,11 +140,12 @@ class Program:
         return [t for t in self.tensors.values() if t.kind in kinds]
 
     # -- validation ---------------------------------------------------------------------------
-    def validate(self, mesh: ProcessMesh | None = None) -> None:
+    def validate(self, mesh: ProcessMesh | None = None, rules: bool = True) -> None:
         """Raise :class:`ProgramError` (naming the op and what is wrong) unless every op names a
         registered rule with its parameters bound, every input is a program input / parameter
-        or produced by an earlier op, no tensor is produced twice, and each rule accepts the
-        op's shapes with the declared output ranks (checked with every tensor replicated)."""
+        or produced by an earlier op, no tensor is produced twice, and (``rules``) each rule
+        accepts the op's shapes with the declared output ranks (checked with every tensor
+        replicated; propagation checks them again, so a planner may skip this)."""
         from spmdkit.rules.registry import get_rule
 
         mesh = mesh or ProcessMesh([1])
@@ -191,6 +192,8 @@ class Program:
                                        (f"produced by {by}" if by else f"a program {self.tensors[n].kind}"))
                 produced.add(n)
                 made_by[n] = where
+            if not rules:
+                continue
             try:
                 res = call_rule(self, op, {}, mesh)
             except SpmdError as exc:
@@ -404,10 +407,10 @@ class ProgramBuilder:
         self._ops.append(Op(rule, dict(inputs), tuple(outs), dict(attrs), name or default, self.layer, self.phase))
         return outs
 
-    def build(self, validate: bool = True) -> Program:
+    def build(self, validate: bool = True, rules: bool = True) -> Program:
         prog = Program(self._tensors.values(), self._ops, self.name)
         if validate:
-            prog.validate()
+            prog.validate(rules=rules)
         return prog
 
 

@@ -373,7 +373,7 @@ def _gpt2_layer(t: Tape, cfg: ModelConfig, i: int, h: str, m: Model) -> str:
 
 
 def build_model(cfg: ModelConfig, vocab_parallel_loss: bool = False, optimizer: str = "adamw",
-                validate: bool = True) -> Model:
+                validate: bool = True, check_rules: bool = True) -> Model:
     """The training step of ``cfg``: forward, backward and one optimizer update per parameter.
     ``vocab_parallel_loss`` uses ``c_softmax_with_cross_entropy`` (for a vocab-sharded head)."""
     cfg.check()
@@ -434,7 +434,7 @@ def build_model(cfg: ModelConfig, vocab_parallel_loss: bool = False, optimizer: 
     m.loss = loss
     grads = t.backward(loss)
     _optimizer(b, m, grads, optimizer)
-    m.program = b.build(validate=validate)
+    m.program = b.build(validate=validate, rules=check_rules)
     return m
 
 
