@@ -466,6 +466,30 @@ def with_partial(attr: TensorDistAttr, partial: Partial) -> TensorDistAttr:
     return TensorDistAttr._make(attr.mesh, attr.dims_mapping, tuple(sorted(merged.items())))
 
 
+def largest_mesh_dim(entry: Entry, mesh_shape: Sequence[int]) -> int:
+    """A dims_mapping entry read as one mesh dim, as Paddle 3.3.1's merges read a co-shard: its
+    largest mesh dim (the first of equal sizes); -1 and single dims unchanged."""
+    if isinstance(entry, int):
+        return entry
+    dims = entry
+    best = dims[0]
+    for d in dims[1:]:
+        if mesh_shape[d] > mesh_shape[best]:
+            best = d
+    return best
+
+
+def one_mesh_dim_per_axis(spec: DistTensorSpec) -> DistTensorSpec:
+    """``spec`` with every co-sharded axis read as its largest mesh dim (partial kept)."""
+    a = spec.dist_attr
+    dm = a.dims_mapping
+    if all(e.__class__ is int for e in dm):
+        return spec
+    ms = a.mesh.shape
+    return DistTensorSpec(spec.shape, TensorDistAttr._make(a.mesh, tuple(largest_mesh_dim(e, ms) for e in dm),
+                                                           a.partial))
+
+
 def letters_for(ndim: int, offset: int = 0) -> str:
     """The first ``ndim`` letters of the alphabet (after ``offset``)."""
     if ndim + offset > len(ALPHABET):

@@ -37,6 +37,7 @@ from spmdkit.engine.notation import (
     einsum_backward,
     einsum_forward,
     fast_result,
+    largest_mesh_dim,
     merge_weight,
 )
 from spmdkit.rules.registry import register
@@ -64,14 +65,6 @@ def _check_same_shape(op: str, a: DistTensorSpec, b: DistTensorSpec, na: str, nb
     for i, (s, t) in enumerate(zip(a.shape, b.shape)):
         if s != t and s >= 0 and t >= 0:
             raise ShapeMismatchError(f"{op}: {na} and {nb} differ on axis {i} ({s} vs {t})")
-
-
-def _largest(e: tuple[int, ...], mesh_shape: tuple[int, ...]) -> int:
-    best = e[0]
-    for d in e[1:]:
-        if mesh_shape[d] > mesh_shape[best]:
-            best = d
-    return best
 
 
 def _used_dims(dm: DimsMapping) -> set[int]:
@@ -301,7 +294,7 @@ def _binary_merge(
     j = 0
     for e in dx:
         if e.__class__ is not int:
-            e = _largest(e, mesh_shape)  # type: ignore[arg-type]
+            e = largest_mesh_dim(e, mesh_shape)
         if e >= 0:
             if xs[j] == 1:
                 claims.append(~e)
@@ -313,7 +306,7 @@ def _binary_merge(
     wx = -1
     for e in dy:
         if e.__class__ is not int:
-            e = _largest(e, mesh_shape)  # type: ignore[arg-type]
+            e = largest_mesh_dim(e, mesh_shape)
         if e >= 0:
             if ys[j] == 1:
                 claims.append(~e)
@@ -420,7 +413,7 @@ def _binary_rev(
     for i in range(n):
         e = do[i]
         if e.__class__ is not int:
-            e = _largest(e, mesh_shape)  # type: ignore[arg-type]
+            e = largest_mesh_dim(e, mesh_shape)
         if e < 0:
             continue
         bit = 1 << e

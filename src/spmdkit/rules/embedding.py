@@ -28,7 +28,7 @@ echoes out, partial included). Deviations: ``docs/deviations.md`` ``embedding-*`
 
 from __future__ import annotations
 
-from spmdkit.core.dist_attr import Entry, ReduceType, TensorDistAttr
+from spmdkit.core.dist_attr import ReduceType
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
@@ -42,35 +42,16 @@ from spmdkit.engine.notation import (
     einsum_forward,
     fast_result,
     merge_specs,
+    one_mesh_dim_per_axis,
     project_all,
 )
 from spmdkit.rules.registry import register
 
 
-def _largest(e: Entry, ms: tuple[int, ...]) -> Entry:
-    if e.__class__ is int:
-        return e
-    best = e[0]  # type: ignore[index]
-    for d in e[1:]:  # type: ignore[index]
-        if ms[d] > ms[best]:
-            best = d
-    return best
-
-
 def _one_dim(*specs: DistTensorSpec) -> list[DistTensorSpec]:
     """A co-sharded axis keeps one mesh dim, its largest (the first of equal sizes), as
     Paddle's merge does."""
-    out = []
-    for s in specs:
-        a = s.dist_attr
-        dm = a.dims_mapping
-        if all(e.__class__ is int for e in dm):
-            out.append(s)
-            continue
-        ms = a.mesh.shape
-        out.append(DistTensorSpec._make(s.shape, TensorDistAttr._make(a.mesh, tuple(_largest(e, ms) for e in dm),
-                                                                     a.partial)))
-    return out
+    return [one_mesh_dim_per_axis(s) for s in specs]
 
 
 # batch letters of the ids: the alphabet without the weight's j (vocab) and k (hidden)

@@ -36,7 +36,7 @@ from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError, ShapeMi
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import fast_result, merge_letters, project
+from spmdkit.engine.notation import fast_result, largest_mesh_dim, merge_letters, project
 from spmdkit.rules.registry import register
 
 Shape = tuple[int, ...]
@@ -66,17 +66,6 @@ def _same_shape(op: str, a: DistTensorSpec, b: DistTensorSpec, na: str, nb: str)
             raise ShapeMismatchError(f"{op}: {na} and {nb} differ on axis {i} ({s} vs {t})")
 
 
-def _largest(e: object, mesh_shape: Shape) -> int:
-    if e.__class__ is int:
-        return e
-    dims: tuple[int, ...] = e  # type: ignore[assignment]
-    best = dims[0]
-    for d in dims[1:]:
-        if mesh_shape[d] > mesh_shape[best]:
-            best = d
-    return best
-
-
 @memo()
 def _binary_merge(shape: Shape, dms: tuple[DimsMapping, ...], mesh_shape: Shape) -> DimsMapping:
     """Paddle's elementwise binary merge for tensors of one shape: claims in tensor order,
@@ -87,7 +76,7 @@ def _binary_merge(shape: Shape, dms: tuple[DimsMapping, ...], mesh_shape: Shape)
     claims: list[int] = []
     for dm in dms:
         for j, e in enumerate(dm):
-            d = _largest(e, mesh_shape)
+            d = largest_mesh_dim(e, mesh_shape)
             if d < 0:
                 continue
             if shape[j] == 1:

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from spmdkit.core.dist_attr import Entry, ReduceType, TensorDistAttr
+from spmdkit.core.dist_attr import ReduceType, TensorDistAttr
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
@@ -63,6 +63,7 @@ from spmdkit.engine.notation import (
     einsum_forward,
     fast_result,
     merge_letters,
+    one_mesh_dim_per_axis,
     project_all,
 )
 from spmdkit.rules.registry import register
@@ -74,29 +75,9 @@ Merged = tuple[tuple[str, tuple[int, ...]], ...]
 # -- helpers ------------------------------------------------------------------------------------
 
 
-def _largest(e: Entry, ms: tuple[int, ...]) -> Entry:
-    if e.__class__ is int:
-        return e
-    best = e[0]  # type: ignore[index]
-    for d in e[1:]:  # type: ignore[index]
-        if ms[d] > ms[best]:
-            best = d
-    return best
-
-
 def _one_dim(specs: Sequence[DistTensorSpec]) -> list[DistTensorSpec]:
     """A co-sharded axis keeps one mesh dim, its largest (the first of equal sizes)."""
-    out = []
-    for s in specs:
-        a = s.dist_attr
-        dm = a.dims_mapping
-        if all(e.__class__ is int for e in dm):
-            out.append(s)
-            continue
-        ms = a.mesh.shape
-        dm2 = tuple(_largest(e, ms) for e in dm)
-        out.append(DistTensorSpec._make(s.shape, TensorDistAttr._make(a.mesh, dm2, a.partial)))
-    return out
+    return [one_mesh_dim_per_axis(s) for s in specs]
 
 
 def _need(op: str, n: int) -> None:

@@ -32,7 +32,7 @@ from spmdkit.engine.dim_trans import (
     squeeze_trans,
     unsqueeze_trans,
 )
-from spmdkit.engine.notation import attr_as, fast_result
+from spmdkit.engine.notation import attr_as, fast_result, largest_mesh_dim
 from spmdkit.rules.registry import register
 
 
@@ -49,17 +49,7 @@ def _legacy(dm: tuple[Entry, ...], mesh_shape: tuple[int, ...]) -> tuple[Entry, 
     unsqueeze rules do: the largest mesh dim (the first of equal ones)."""
     if not any(isinstance(e, tuple) for e in dm):
         return dm
-    out: list[Entry] = []
-    for e in dm:
-        if isinstance(e, tuple):
-            best = e[0]
-            for d in e[1:]:
-                if mesh_shape[d] > mesh_shape[best]:
-                    best = d
-            out.append(best)
-        else:
-            out.append(e)
-    return tuple(out)
+    return tuple(largest_mesh_dim(e, mesh_shape) for e in dm)
 
 
 def _forward(op: str, x: DistTensorSpec, trans: tuple[DimTrans, ...], keep_partial: bool = True) -> SpmdResult:
