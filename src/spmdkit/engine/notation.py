@@ -279,6 +279,24 @@ def common_mesh(op: str, specs: Iterable[DistTensorSpec | None]) -> ProcessMesh:
     return mesh
 
 
+def named_mesh(op: str, named: Iterable[tuple[str, DistTensorSpec | None]]) -> ProcessMesh:
+    """The one mesh of the named tensors (absent ones skipped); InvalidMeshError naming the two
+    tensors that disagree."""
+    mesh: ProcessMesh | None = None
+    first = ""
+    for name, t in named:
+        if t is None:
+            continue
+        m = t.dist_attr.mesh
+        if mesh is None:
+            mesh, first = m, name
+        elif m is not mesh and m != mesh:
+            raise InvalidMeshError(f"{op}: {name} lies on a different mesh than {first} ({m!r} vs {mesh!r})")
+    if mesh is None:
+        raise InvalidMeshError(f"{op}: no tensor given, so no mesh")
+    return mesh
+
+
 def check_letters(
     op: str,
     axes: Sequence[str | None],

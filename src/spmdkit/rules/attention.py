@@ -44,12 +44,14 @@ kernel is the forward kernel with sin negated).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from spmdkit.core.dist_attr import DimsMapping, TensorDistAttr
-from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError, ShapeMismatchError
+from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import BROADCAST, fast_result, merge_letters, project
+from spmdkit.engine.notation import BROADCAST, fast_result, merge_letters, named_mesh, project
 from spmdkit.rules.registry import register
 
 Shape = tuple[int, ...]
@@ -62,19 +64,8 @@ _make = TensorDistAttr._make
 # ---------------------------------------------------------------------------
 
 
-def _mesh(op: str, named: list[tuple[str, DistTensorSpec | None]]) -> ProcessMesh:
-    mesh: ProcessMesh | None = None
-    first = ""
-    for n, t in named:
-        if t is None:
-            continue
-        m = t.dist_attr.mesh
-        if mesh is None:
-            mesh, first = m, n
-        elif m is not mesh and m != mesh:
-            raise InvalidMeshError(f"{op}: {n} and {first} lie on different meshes")
-    assert mesh is not None
-    return mesh
+def _mesh(op: str, named: Iterable[tuple[str, DistTensorSpec | None]]) -> ProcessMesh:
+    return named_mesh(op, named)
 
 
 def _ndim(op: str, t: DistTensorSpec, name: str, nds: tuple[int, ...], what: str) -> None:

@@ -31,31 +31,22 @@ reduce types are made replicated. Nothing else becomes partial.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from spmdkit.core.dist_attr import DimsMapping, Partial, ReduceType, TensorDistAttr, entry_dims
-from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError, ShapeMismatchError
+from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import fast_result, largest_mesh_dim, merge_letters, project
+from spmdkit.engine.notation import fast_result, largest_mesh_dim, merge_letters, named_mesh, project
 from spmdkit.rules.registry import register
 
 Shape = tuple[int, ...]
 _make = TensorDistAttr._make
 
 
-def _mesh(op: str, named: list[tuple[str, DistTensorSpec | None]]) -> ProcessMesh:
-    mesh: ProcessMesh | None = None
-    first = ""
-    for n, t in named:
-        if t is None:
-            continue
-        m = t.dist_attr.mesh
-        if mesh is None:
-            mesh, first = m, n
-        elif m is not mesh and m != mesh:
-            raise InvalidMeshError(f"{op}: {n} and {first} lie on different meshes")
-    assert mesh is not None
-    return mesh
+def _mesh(op: str, named: Iterable[tuple[str, DistTensorSpec | None]]) -> ProcessMesh:
+    return named_mesh(op, named)
 
 
 def _same_shape(op: str, a: DistTensorSpec, b: DistTensorSpec, na: str, nb: str) -> None:

@@ -42,14 +42,15 @@ operand of a non-outer einsum (sound, but all communication): spmdkit shards
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from spmdkit.core.dist_attr import DimsMapping, Entry, ReduceType, TensorDistAttr, entry_dims
-from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError, ShapeMismatchError, SpmdError
+from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError, SpmdError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import BROADCAST, Notation, einsum_forward, fast_result
+from spmdkit.engine.notation import BROADCAST, Notation, einsum_forward, fast_result, named_mesh
 from spmdkit.rules.registry import Rule, get_rule, register
 
 Shape = tuple[int, ...]
@@ -78,19 +79,8 @@ def _call(op: str, name: str, mode: str, *args: Any) -> SpmdResult:
         raise type(e)(f"{op}: {msg}") from None
 
 
-def _mesh(op: str, named: tuple[tuple[str, DistTensorSpec | None], ...]) -> ProcessMesh:
-    mesh: ProcessMesh | None = None
-    first = ""
-    for name, t in named:
-        if t is None:
-            continue
-        m = t.dist_attr.mesh
-        if mesh is None:
-            mesh, first = m, name
-        elif m is not mesh and m != mesh:
-            raise InvalidMeshError(f"{op}: {name} lies on a different mesh than {first} ({m!r} vs {mesh!r})")
-    assert mesh is not None
-    return mesh
+def _mesh(op: str, named: Iterable[tuple[str, DistTensorSpec | None]]) -> ProcessMesh:
+    return named_mesh(op, named)
 
 
 def _partial_over(mesh: ProcessMesh, dm: DimsMapping, entries: tuple[Entry, ...] | list[Entry]) -> TensorDistAttr:

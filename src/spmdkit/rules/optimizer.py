@@ -28,12 +28,14 @@ skip_update; spmdkit replicates it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from spmdkit.core.dist_attr import DimsMapping, Entry, TensorDistAttr, entry_dims
-from spmdkit.core.errors import InvalidArgumentError, InvalidMeshError, ShapeMismatchError
+from spmdkit.core.errors import InvalidArgumentError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import fast_result
+from spmdkit.engine.notation import fast_result, named_mesh
 from spmdkit.rules.registry import register
 
 Shape = tuple[int, ...]
@@ -67,19 +69,8 @@ def _vote(ndim: int, mappings: tuple[DimsMapping, ...]) -> DimsMapping:
     return tuple(out)
 
 
-def _mesh(op: str, named: tuple[tuple[str, DistTensorSpec | None], ...]) -> ProcessMesh:
-    mesh: ProcessMesh | None = None
-    first = ""
-    for name, t in named:
-        if t is None:
-            continue
-        m = t.dist_attr.mesh
-        if mesh is None:
-            mesh, first = m, name
-        elif m is not mesh and m != mesh:
-            raise InvalidMeshError(f"{op}: {name} lies on a different mesh than {first} ({m!r} vs {mesh!r})")
-    assert mesh is not None
-    return mesh
+def _mesh(op: str, named: Iterable[tuple[str, DistTensorSpec | None]]) -> ProcessMesh:
+    return named_mesh(op, named)
 
 
 def _same_shape(op: str, ref_name: str, ref: DistTensorSpec, named: tuple[tuple[str, DistTensorSpec | None], ...]) -> None:
