@@ -161,9 +161,10 @@ def test_megatron_tp_two_all_reduces_per_layer_each_way(layers: int) -> None:
             assert s.bytes_per_rank == pytest.approx(_ring("all_reduce", 2, act // 2))
 
 
-def test_megatron_sp_all_gather_reduce_scatter_pairs() -> None:
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2"])
+def test_megatron_sp_all_gather_reduce_scatter_pairs(name: str) -> None:
     layers = 2
-    model, plan = _plan(strategy="megatron,sp", layers=layers)
+    model, plan = _plan(name, strategy="megatron,sp", layers=layers)
     cfg = model.config
     act = cfg.batch * cfg.seq * cfg.hidden * 4 // 2  # the local batch of the gathered activation
     for phase in ("forward", "backward"):

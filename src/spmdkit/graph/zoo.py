@@ -400,6 +400,7 @@ def build_model(cfg: ModelConfig, vocab_parallel_loss: bool = False, optimizer: 
         wpe = t.param("pos_embed", [S, H], dt)
         m.roles[wpe] = "position"
         (pe,) = t.op("embedding", {"x": positions, "weight": wpe}, [("pos_embed.out", [B, S, H], dt)])
+        m.residual.append(h)  # the token embedding's (partial) output joins the residual stream
         (h,) = t.op("add", {"x": h, "y": pe}, [("embed.sum", [B, S, H], dt)])
         assert h is not None
     m.residual.append(h)
