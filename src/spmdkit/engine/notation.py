@@ -497,6 +497,13 @@ def largest_mesh_dim(entry: Entry, mesh_shape: Sequence[int]) -> int:
     return best
 
 
+def one_mesh_dim(dm: DimsMapping, mesh_shape: Sequence[int]) -> DimsMapping:
+    """``dm`` with every co-sharded entry read as its largest mesh dim (see largest_mesh_dim)."""
+    if all(e.__class__ is int for e in dm):
+        return dm
+    return tuple(largest_mesh_dim(e, mesh_shape) for e in dm)
+
+
 def one_mesh_dim_per_axis(spec: DistTensorSpec) -> DistTensorSpec:
     """``spec`` with every co-sharded axis read as its largest mesh dim (partial kept)."""
     a = spec.dist_attr
@@ -504,8 +511,7 @@ def one_mesh_dim_per_axis(spec: DistTensorSpec) -> DistTensorSpec:
     if all(e.__class__ is int for e in dm):
         return spec
     ms = a.mesh.shape
-    return DistTensorSpec(spec.shape, TensorDistAttr._make(a.mesh, tuple(largest_mesh_dim(e, ms) for e in dm),
-                                                           a.partial))
+    return DistTensorSpec(spec.shape, TensorDistAttr._make(a.mesh, one_mesh_dim(dm, ms), a.partial))
 
 
 def letters_for(ndim: int, offset: int = 0) -> str:

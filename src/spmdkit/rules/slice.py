@@ -43,7 +43,15 @@ from spmdkit.core.dist_attr import DimsMapping, Partial, ReduceType, TensorDistA
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import BROADCAST, common_mesh, fast_result, letters_for, merge_letters, project
+from spmdkit.engine.notation import (
+    BROADCAST,
+    common_mesh,
+    fast_result,
+    letters_for,
+    merge_letters,
+    one_mesh_dim,
+    project,
+)
 from spmdkit.rules.registry import register
 
 Shape = tuple[int, ...]
@@ -65,16 +73,7 @@ def _norm_axes(op: str, name: str, axes: Sequence[int], ndim: int) -> tuple[int,
 def _collapse(dm: DimsMapping, mesh_shape: Shape) -> DimsMapping:
     """Paddle's dims_mapping of a co-sharded axis: its largest mesh dim (the first of equal
     sizes)."""
-    if all(e.__class__ is int for e in dm):
-        return dm
-    out: list[Any] = []
-    for e in dm:
-        if e.__class__ is int:
-            out.append(e)
-        else:
-            d = entry_dims(e)
-            out.append(max(d, key=lambda m: (mesh_shape[m], -d.index(m))))
-    return tuple(out)
+    return one_mesh_dim(dm, mesh_shape)
 
 
 def _blank(dm: DimsMapping, axes: Sequence[int]) -> DimsMapping:

@@ -32,7 +32,7 @@ from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import common_mesh, letters_for, merge_letters
+from spmdkit.engine.notation import common_mesh, letters_for, merge_letters, one_mesh_dim
 from spmdkit.engine.notation import fast_result as _fast_result
 from spmdkit.rules.registry import register
 
@@ -63,16 +63,7 @@ def _drop(dm: DimsMapping, axis: int) -> DimsMapping:
 def _collapse(dm: DimsMapping, mesh_shape: Shape) -> DimsMapping:
     """Paddle's dims_mapping of a co-sharded axis: its largest mesh dim (the first of equal
     sizes)."""
-    if all(e.__class__ is int for e in dm):
-        return dm
-    out: list[Entry] = []
-    for e in dm:
-        if e.__class__ is int:
-            out.append(e)
-        else:
-            d = entry_dims(e)
-            out.append(max(d, key=lambda m: (mesh_shape[m], -d.index(m))))
-    return tuple(out)
+    return one_mesh_dim(dm, mesh_shape)
 
 
 # -- split / unbind ---------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from spmdkit.engine.dim_trans import (
     squeeze_trans,
     unsqueeze_trans,
 )
-from spmdkit.engine.notation import attr_as, fast_result, largest_mesh_dim
+from spmdkit.engine.notation import attr_as, fast_result, one_mesh_dim
 from spmdkit.rules.registry import register
 
 
@@ -47,9 +47,7 @@ def _check_sizes(op: str, spec: DistTensorSpec, name: str, dynamic: bool = False
 def _legacy(dm: tuple[Entry, ...], mesh_shape: tuple[int, ...]) -> tuple[Entry, ...]:
     """A co-sharded entry read as one mesh dim, as Paddle 3.3.1's reverse rules and its squeeze /
     unsqueeze rules do: the largest mesh dim (the first of equal ones)."""
-    if not any(isinstance(e, tuple) for e in dm):
-        return dm
-    return tuple(largest_mesh_dim(e, mesh_shape) for e in dm)
+    return one_mesh_dim(dm, mesh_shape)
 
 
 def _forward(op: str, x: DistTensorSpec, trans: tuple[DimTrans, ...], keep_partial: bool = True) -> SpmdResult:
