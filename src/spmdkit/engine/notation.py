@@ -497,6 +497,23 @@ def largest_mesh_dim(entry: Entry, mesh_shape: Sequence[int]) -> int:
     return best
 
 
+def resolve_claims(claims: Sequence[int], mesh_dim_of: Sequence[int], n: int) -> tuple[int, ...]:
+    """Paddle's elementwise resolution of mesh-dim claims, in claim order: ``c >= 0`` is axis c
+    claiming ``mesh_dim_of[c]`` (kept unless an earlier claim took that mesh dim); ``~d`` is a
+    size-1 axis that takes mesh dim d without sharding anything. The dims_mapping of n axes."""
+    final = [-1] * n
+    used = 0
+    for c in claims:
+        if c >= 0:
+            d = mesh_dim_of[c]
+            if not (used >> d) & 1:
+                final[c] = d
+                used |= 1 << d
+        else:
+            used |= 1 << ~c
+    return tuple(final)
+
+
 def one_mesh_dim(dm: DimsMapping, mesh_shape: Sequence[int]) -> DimsMapping:
     """``dm`` with every co-sharded entry read as its largest mesh dim (see largest_mesh_dim)."""
     if all(e.__class__ is int for e in dm):

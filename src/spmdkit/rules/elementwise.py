@@ -39,6 +39,7 @@ from spmdkit.engine.notation import (
     fast_result,
     largest_mesh_dim,
     merge_weight,
+    resolve_claims,
 )
 from spmdkit.rules.registry import register
 
@@ -324,16 +325,7 @@ def _binary_merge(
         j += 1
     if not claims:
         return (-1,) * nx, (-1,) * ny, (-1,) * n
-    final = [-1] * n
-    used = 0
-    for c in claims:
-        if c >= 0:
-            d = ld[c]
-            if not (used >> d) & 1:
-                final[c] = d
-                used |= 1 << d
-        else:
-            used |= 1 << ~c
+    final = resolve_claims(claims, ld, n)
     mx = tuple([-1 if s == 1 else final[j + ox] for j, s in enumerate(xs)])
     my = tuple([-1 if s == 1 else final[j + oy] for j, s in enumerate(ys)])
     return mx, my, tuple(final)

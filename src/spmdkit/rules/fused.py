@@ -38,7 +38,7 @@ from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import fast_result, largest_mesh_dim, merge_letters, named_mesh, project
+from spmdkit.engine.notation import fast_result, largest_mesh_dim, merge_letters, named_mesh, project, resolve_claims
 from spmdkit.rules.registry import register
 
 Shape = tuple[int, ...]
@@ -75,17 +75,7 @@ def _binary_merge(shape: Shape, dms: tuple[DimsMapping, ...], mesh_shape: Shape)
             elif ld[j] < 0:
                 ld[j] = d
                 claims.append(j)
-    final = [-1] * n
-    used = 0
-    for c in claims:
-        if c >= 0:
-            d = ld[c]
-            if not (used >> d) & 1:
-                final[c] = d
-                used |= 1 << d
-        else:
-            used |= 1 << ~c
-    return tuple(final)
+    return resolve_claims(claims, ld, n)
 
 
 @memo()
