@@ -51,7 +51,6 @@ def plan_model(model_name: str, mesh_text: str, strategy_text: str, overrides: d
     from spmdkit.graph.propagate import propagate
     from spmdkit.graph.strategy import annotate, parse_mesh, parse_strategy
     from spmdkit.graph.zoo import build_model, preset
-    from spmdkit.reshard import CostModel
 
     mesh = parse_mesh(mesh_text)
     st = parse_strategy(strategy_text, mesh)
@@ -61,12 +60,17 @@ def plan_model(model_name: str, mesh_text: str, strategy_text: str, overrides: d
     t0 = time.perf_counter()
     model = build_model(cfg, vocab_parallel_loss="megatron" in st, check_rules=False)
     ann = annotate(model, mesh, st, user)
-    cost = CostModel.parse(cost_text, mesh) if cost_text else CostModel.default(mesh)
-    plan = propagate(model.program, mesh, ann, cost, progress=progress)
+    plan = propagate(model.program, mesh, ann, _cost(cost_text, mesh), progress=progress)
     return model, plan, time.perf_counter() - t0
 
 
-def _progress(out: TextIO) -> Any:
+def _cost(text: str | None, mesh: Any) -> Any:
+    from spmdkit.reshard import CostModel
+
+    return CostModel.parse(text, mesh) if text else CostModel.default(mesh)
+
+
+def _progress() -> Any:
     """A rich progress bar on a terminal's stderr, else None."""
     if not sys.stderr.isatty():
         return None
@@ -95,20 +99,18 @@ def run_plan(ns: argparse.Namespace, out: TextIO) -> int:
         from spmdkit.graph.program import load_program
         from spmdkit.graph.propagate import propagate
         from spmdkit.graph.strategy import parse_mesh
-        from spmdkit.reshard import CostModel
 
         mesh = parse_mesh(ns.mesh)
         t0 = time.perf_counter()
         prog = load_program(ns.program)
-        cost = CostModel.parse(ns.cost, mesh) if ns.cost else CostModel.default(mesh)
-        plan = propagate(prog, mesh, user, cost)
+        plan = propagate(prog, mesh, user, _cost(ns.cost, mesh))
         secs = time.perf_counter() - t0
         title = f"program {ns.program}"
         model_name = None
     else:
         overrides = {"layers": ns.layers, "batch": ns.batch, "seq": ns.seq}
         model, plan, secs = plan_model(ns.model, ns.mesh, ns.strategy, overrides, user, ns.cost,
-                                       progress=_progress(out))
+                                       progress=_progress())
         c = model.config
         title = (f"{ns.model}: {c.arch}, {c.layers} layers, hidden {c.hidden}, {c.heads} heads"
                  f"{f' ({c.n_kv} kv)' if c.n_kv != c.heads else ''}, FFN {c.ffn}, vocab {c.vocab}, "
