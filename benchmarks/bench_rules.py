@@ -13,7 +13,9 @@ Prints one row per case: the median microseconds per call of
   a Python that has paddlepaddle==3.3.1 and spmdkit's ``src`` on ``sys.path``, e.g.
   ``PYTHONPATH=src /path/to/paddle-venv/bin/python benchmarks/bench_rules.py``).
 
-Argument construction is outside the timed loop for both sides.
+Argument construction is outside the timed loop for both sides. The three timings are taken
+round by round (uncached, cached, paddle, then again), and each figure is the median over the
+rounds, so a load change on the machine during the run does not favour one side.
 """
 
 from __future__ import annotations
@@ -62,9 +64,19 @@ CASES: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
-def _median_us(fn: Any, repeat: int, number: int) -> float:
-    times = timeit.repeat(fn, repeat=repeat, number=number)
-    return statistics.median(times) / number * 1e6
+def _interleaved_us(fns: list[Any], repeat: int, number: int) -> list[float | None]:
+    """Median microseconds per call of each callable (None stays None), timed round by round:
+    each round times every callable once in turn, so a change of machine load during the run
+    hits all sides alike instead of whichever block happened to run then."""
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeat):
+        for i, (fn, cache) in enumerate(fns):
+            if fn is None:
+                continue
+            set_cache_enabled(cache)
+            times[i].append(timeit.timeit(fn, number=number))
+    set_cache_enabled(True)
+    return [statistics.median(t) / number * 1e6 if t else None for t in times]
 
 
 def _spmdkit_call(case: dict[str, Any]) -> Any:
@@ -126,13 +138,9 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((label, None, None, None))
             continue
         call = _spmdkit_call(case)
-        set_cache_enabled(False)
-        unc = _median_us(call, ns.repeat, ns.number)
-        set_cache_enabled(True)
         call()
-        cached = _median_us(call, ns.repeat, ns.number)
         pcall = _paddle_call(case)
-        pad = _median_us(pcall, ns.repeat, ns.number) if pcall is not None else None
+        unc, cached, pad = _interleaved_us([(call, False), (call, True), (pcall, True)], ns.repeat, ns.number)
         rows.append((label, unc, cached, pad))
     head = ("case", "spmdkit uncached us", "spmdkit cached us", "paddle us", "uncached/paddle")
     fmt = "{:<22} {:>20} {:>18} {:>10} {:>16}"

@@ -153,11 +153,15 @@ def _check_counts(src: tuple[int, ...], tgt: tuple[int, ...]) -> None:
 
 @memo()
 def reshape_infer(
-    src: tuple[int, ...], tgt: tuple[int, ...], dm: tuple[Entry, ...], mesh_shape: tuple[int, ...]
+    src: tuple[int, ...], tgt: tuple[int, ...], dm: tuple[Entry, ...], mesh_shape: tuple[int, ...],
+    checked: bool = False,
 ) -> tuple[tuple[Entry, ...], tuple[Entry, ...]]:
     """``infer_from_trans(reshape_trans(src, tgt), src, dm, mesh_shape)`` in one pass on ints,
-    without building the list (the reshape rule's hot path; tests check both agree)."""
-    _check_counts(src, tgt)
+    without building the list (the reshape rule's hot path; tests check both agree).
+    ``checked``: the caller has already checked that src and tgt hold the same elements
+    (``resolve_target`` does)."""
+    if not checked:
+        _check_counts(src, tgt)
     ns, nt = len(src), len(tgt)
     new_in: list[Entry] = [-1] * ns
     out: list[Entry] = [-1] * nt
@@ -208,10 +212,30 @@ def reshape_infer(
         size = tgt[t0]
         if size == 1:
             continue
-        groups = _flatten_dims([j for j in range(k, si) if src[j] != 1], dm)
-        keep = _prefix(groups, mesh_shape, (src[k],) if one else (src[k], size))
+        # the longest run of the sharded axes from k on (size-1 axes skipped) whose mesh product
+        # divides src[k] and, for a Split, the leftmost piece: _prefix(_flatten_dims(...)) inline
+        lead = src[k]
+        p = 1
+        keep: list[int] = []
+        for j in range(k, si):
+            if src[j] == 1:
+                continue
+            g = dm[j]
+            if isinstance(g, int):
+                if g < 0:
+                    break
+                p *= mesh_shape[g]
+                if lead % p or (not one and size % p):
+                    break
+                keep.append(g)
+            else:
+                for d in g:
+                    p *= mesh_shape[d]
+                if lead % p or (not one and size % p):
+                    break
+                keep.extend(g)
         if keep:
-            out[t0] = new_in[k] = _entry(keep)
+            out[t0] = new_in[k] = keep[0] if len(keep) == 1 else tuple(keep)
     return tuple(new_in), tuple(out)
 
 

@@ -92,7 +92,7 @@ def reshape_forward(x: DistTensorSpec, shape: tuple[int, ...]) -> SpmdResult:
     tgt = resolve_target("reshape", shape, xs)
     a = x.dist_attr
     mesh = a.mesh
-    new_in, out = reshape_infer(xs, tgt, a.dims_mapping, mesh.shape)
+    new_in, out = reshape_infer(xs, tgt, a.dims_mapping, mesh.shape, True)
     pt = a.partial
     return fast_result((attr_as(a, mesh, new_in) if not pt else TensorDistAttr._make(mesh, new_in, pt),),
                        (TensorDistAttr._make(mesh, out, pt),))
