@@ -10,7 +10,8 @@ a summary. With --write-golden, appends the cases where both agree (or where Pad
 errors and spmdkit too) as golden lines, and the differing cases that a
 ``--deviation RULE:MODE:KIND=ID`` option classifies (KIND: inputs-differ,
 outputs-differ, both-differ, paddle-error, ours-error; ``*`` matches any RULE or
-MODE) as golden lines carrying ``"deviation": ID`` and Paddle's answer.
+MODE) as golden lines carrying ``"deviation": ID`` and Paddle's answer. Paddle's flat
+list for a rule's one vector output (split, unbind) is nested as spmdkit writes it.
 """
 
 from __future__ import annotations
@@ -52,6 +53,16 @@ def run_oracle(lines, py):
     return out
 
 
+def nest_vector_outputs(pr, ours):
+    """Paddle's binding returns a rule's one vector output (split, unbind, ...) as a flat list
+    of dist attrs; spmdkit nests it as one list entry. Nest Paddle's to compare like with like."""
+    po, oo = pr.get("outputs"), ours.get("outputs")
+    if (isinstance(po, list) and isinstance(oo, list) and len(oo) == 1 and isinstance(oo[0], list)
+            and all(isinstance(x, dict) for x in po) and len(po) == len(oo[0])):
+        pr["outputs"] = [po]
+    return pr
+
+
 def diff_kind(pr, ours):
     if "error" in pr:
         return "both-error" if "error" in ours else "paddle-error"
@@ -84,6 +95,7 @@ def main() -> int:
     for line, pr in zip(lines, paddle):
         ours = answer_line(line)
         case = json.loads(line)
+        pr = nest_vector_outputs(pr, ours)
         if "error" in pr and "error" in ours:
             both_err += 1
             golden.append({"case": case, "expect": {"error": ours["error"]}, "source": ns.source, "paddle_error": pr["error"]})

@@ -8,9 +8,11 @@ makes out partial SUM). bmm_grad is matmul_grad on 3-D operands.
 fused_gemm_epilogue (FusedGemmEpilogueInferSpmdBase(x, y, bias, trans_x, trans_y)) and
 linear_v2 (LinearV2InferSpmdBase(input, weight, bias, transpose_weight)):
 ``[b] m k, k n, n -> [b] m n`` (out, reserve_space). The matmul part merges as matmul;
-bias follows out's ``n`` (bias's own sharding is not merged). A sharded ``k`` would make
-out partial, which the bias add forbids: as Paddle, the last two axes of x, y, bias and
-out are then replicated (batch axes kept). reserve_space is sharded as out.
+bias follows out's ``n`` (bias's own sharding is not merged). A sharded ``k`` makes out
+partial SUM: fused_gemm_epilogue then asks for bias partial SUM over the same mesh dims
+(each rank adds its share, as Paddle 3.3.1 answers); linear_v2 replicates the last two axes
+of input, weight, bias and out instead (batch axes kept), as Paddle does. reserve_space is
+sharded as out (Paddle answers it with an empty dims_mapping: gemm-reserve-space).
 Reverse (spmdkit's own, Paddle has none): matmul's reverse (``k`` replicated) from out,
 bias as out's ``n``; out and reserve_space are what those inputs produce.
 Grads: fused_gemm_epilogue_grad(x, y, reserve_space, out_grad, trans_x, trans_y,
@@ -169,13 +171,18 @@ def _gemm_fwd_fix(
 
 
 def _gemm_forward(op: str, names: tuple[str, str], x: DistTensorSpec, y: DistTensorSpec, bias: DistTensorSpec,
-                  tx: bool, ty: bool) -> SpmdResult:
+                  tx: bool, ty: bool, partial_ok: bool = False) -> SpmdResult:
     _check_bias(op, names[0], names[1], x, y, bias, tx, ty)
     mesh = _mesh(op, ((names[0], x), (names[1], y), ("bias", bias)))
     r = _call(op, "matmul", "forward", x, y, tx, ty)
     ax, ay = r.inputs[0], r.inputs[1]
     ao = r.outputs[0]
     assert isinstance(ax, TensorDistAttr) and isinstance(ay, TensorDistAttr) and isinstance(ao, TensorDistAttr)
+    if partial_ok and ao.partial:
+        # a sharded k: out is partial SUM, and the bias is added once in total by asking for it
+        # partial over the same mesh dims (each rank adds its share)
+        ab = _make(mesh, (ao.dims_mapping[-1],), ao.partial)
+        return fast_result((ax, ay, ab), (ao, ao))
     mx, my, mb, mo = _gemm_fwd_fix(ax.dims_mapping, ay.dims_mapping, ao.dims_mapping, bool(ao.partial))
     out = _make(mesh, mo)
     return fast_result((_make(mesh, mx), _make(mesh, my), _make(mesh, mb)), (out, out))
@@ -231,8 +238,8 @@ _IW = ("input", "weight")
 def fused_gemm_epilogue_forward(x: DistTensorSpec, y: DistTensorSpec, bias: DistTensorSpec, trans_x: bool = False,
                                 trans_y: bool = False) -> SpmdResult:
     """FusedGemmEpilogueInferSpmdBase: ``[b]mk, kn, n -> [b]mn`` (out, reserve_space); a
-    sharded k replicates the matmul axes (the bias add forbids a partial out)."""
-    return _gemm_forward("fused_gemm_epilogue", _XY, x, y, bias, trans_x, trans_y)
+    sharded k makes out partial SUM and asks for bias partial alike (as Paddle 3.3.1)."""
+    return _gemm_forward("fused_gemm_epilogue", _XY, x, y, bias, trans_x, trans_y, partial_ok=True)
 
 
 def fused_gemm_epilogue_backward(x: DistTensorSpec, y: DistTensorSpec, bias: DistTensorSpec, out: DistTensorSpec,

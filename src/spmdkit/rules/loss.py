@@ -95,7 +95,8 @@ def _hard_label(op: str, name: str, label: DistTensorSpec, nd: int, ax: int) -> 
         raise ShapeMismatchError(f"{op}: {name} has {len(label.shape)} dims, expected {nd} (as the logits)")
     if label.shape[ax] not in (1, -1):
         raise ShapeMismatchError(
-            f"{op}: {name} (a hard label) must have size 1 on the class axis {ax}, got {label.shape[ax]}"
+            f"{op}: {name}{' (a hard label)' if name == 'label' else ''} must have size 1 on the class axis {ax}, "
+            f"got {label.shape[ax]}"
         )
 
 

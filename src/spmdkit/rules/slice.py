@@ -21,7 +21,8 @@ others keep their sharding. Partial status is cleared, as in Paddle.
   x and out_grad merged on the untiled axes; out_grad sharded on a new leading axis makes
   x_grad partial SUM.
 * ``expand_as(x, y, target_shape)`` (alias expand_as_v2): out is sharded as y; x takes y's
-  sharding where its size equals y's, else (a broadcast axis) is replicated. Its backward
+  sharding where its size equals y's, else (a broadcast axis) is replicated. y may be absent
+  (as in Paddle): out then has ``target_shape`` and x's sharding on the axes x keeps. Its backward
   slot is the grad rule ``ExpandAsGradInferSpmd(x, out_grad, target_shape)``, also
   ``expand_as_grad``: x_grad as x, partial SUM over the mesh dims out_grad has on broadcast
   axes.
@@ -32,6 +33,11 @@ others keep their sharding. Partial status is cleared, as in Paddle.
   ``PadGradInferSpmd(x, out, paddings, pad_value)``, which infers x from out (padded axes
   replicated). ``pad_grad(out_grad, paddings, pad_value)`` (Paddle's PadGradInferSpmdDynamic):
   x_grad = out_grad with the padded axes replicated.
+
+Deviations from Paddle 3.3.1 (docs/deviations.md): slice-decrease-out, slice-reverse-decrease,
+slice-invalid-decrease, strided-slice-sharded-axis (Paddle keeps a sliced last axis sharded),
+tile-reverse-out, pad-coshard (Paddle answers one mesh dim for out, co-shard for x),
+expand-as-no-y (Paddle returns x as given without y).
 """
 
 from __future__ import annotations
@@ -206,6 +212,15 @@ def _repeats(op: str, repeat_times: Sequence[int], ndim: int) -> tuple[int, ...]
     return (1,) * (ndim - len(r)) + r if len(r) < ndim else r
 
 
+def _check_tiled(op: str, x: DistTensorSpec, out: DistTensorSpec, oname: str, rep: tuple[int, ...]) -> None:
+    if out.ndim != len(rep):
+        raise ShapeMismatchError(f"{op}: {oname} has {out.ndim} dims, repeat_times makes {len(rep)}")
+    xs = (1,) * (len(rep) - x.ndim) + x.shape
+    for i, (s, r, o) in enumerate(zip(xs, rep, out.shape)):
+        if s >= 0 and o >= 0 and s * r != o:
+            raise ShapeMismatchError(f"{op}: {oname} has size {o} on axis {i}; x tiled {r} times makes {s * r}")
+
+
 def tile_forward(x: DistTensorSpec, repeat_times: tuple[int, ...]) -> SpmdResult:
     """Tiled axes replicated; new leading axes replicated in out."""
     a = x.dist_attr
@@ -220,8 +235,7 @@ def tile_backward(x: DistTensorSpec, out: DistTensorSpec, repeat_times: tuple[in
     mesh = common_mesh("tile", (x, out))
     rep = _repeats("tile", repeat_times, x.ndim)
     lead = len(rep) - x.ndim
-    if out.ndim != len(rep):
-        raise ShapeMismatchError(f"tile: out has {out.ndim} dims, repeat_times makes {len(rep)}")
+    _check_tiled("tile", x, out, "out", rep)
     odm = out.dist_attr.dims_mapping
     dm = tuple(-1 if rep[lead + i] != 1 else odm[lead + i] for i in range(x.ndim))
     return fast_result((_make(mesh, dm),), (_make(mesh, (-1,) * lead + dm),))
@@ -233,8 +247,7 @@ def tile_grad(x: DistTensorSpec, out_grad: DistTensorSpec, repeat_times: tuple[i
     mesh = common_mesh(op, (x, out_grad))
     rep = _repeats(op, repeat_times, x.ndim)
     lead = len(rep) - x.ndim
-    if out_grad.ndim != len(rep):
-        raise ShapeMismatchError(f"{op}: out_grad has {out_grad.ndim} dims, repeat_times makes {len(rep)}")
+    _check_tiled(op, x, out_grad, "out_grad", rep)
     tiled = tuple(lead + i for i in range(x.ndim) if rep[lead + i] != 1)
     gdm = _blank(out_grad.dist_attr.dims_mapping, tiled)
     x_dm = (-1,) * lead + x.dist_attr.dims_mapping
@@ -266,8 +279,16 @@ def _expand_map(op: str, xs: Shape, target: Shape, tname: str) -> tuple[bool, ..
     return tuple(keep)
 
 
-def expand_as_forward(x: DistTensorSpec, y: DistTensorSpec, target_shape: tuple[int, ...] = ()) -> SpmdResult:
-    """out sharded as y; x as y on the axes it does not broadcast."""
+def expand_as_forward(x: DistTensorSpec, y: DistTensorSpec | None,
+                      target_shape: tuple[int, ...] = ()) -> SpmdResult:
+    """out sharded as y; x as y on the axes it does not broadcast. Without y (Paddle allows it):
+    out has target_shape, sharded as x on x's kept axes, broadcast and new axes replicated."""
+    if y is None:
+        a = x.dist_attr
+        tgt = tuple(target_shape)
+        keep = _expand_map("expand_as", x.shape, tgt, "target_shape")
+        xdm = tuple(e if k else -1 for e, k in zip(a.dims_mapping, keep))
+        return fast_result((_make(a.mesh, xdm), None), (_make(a.mesh, (-1,) * (len(tgt) - x.ndim) + xdm),))
     mesh = common_mesh("expand_as", (x, y))
     keep = _expand_map("expand_as", x.shape, y.shape, "y")
     d = y.ndim - x.ndim
@@ -390,7 +411,7 @@ register(
 )  # fmt: skip
 register("tile_grad", tile_grad, "x: T, out_grad: T, repeat_times: ints", forward_name="TileGradInferSpmd")
 register(
-    "expand_as", expand_as_forward, "x: T, y: T, target_shape: ints = []",
+    "expand_as", expand_as_forward, "x: T, y: T?, target_shape: ints = []",
     expand_as_grad, "x: T, out_grad: T, target_shape: ints = []", aliases=("expand_as_v2",),
     forward_name="ExpandAsInferSpmd", backward_name="ExpandAsGradInferSpmd",
 )  # fmt: skip

@@ -21,6 +21,10 @@ Vector outputs (split, unbind, concat_grad, stack_grad) are one tuple of dist at
   ``unbind_grad(out_grad, axis)`` = stack, ``concat_grad(x, output_grad, axis)`` aligns x and
   output_grad as concat does (x_grad pieces sharded as x), ``stack_grad(output_grad, axis)``
   replicates the stacked axis and gives every x_grad the rest.
+
+Deviations from Paddle 3.3.1 (docs/deviations.md): concat-reverse-out, stack-reverse-out,
+concat-partial-input, unbind-partial-input (Paddle keeps x partial, the slices not),
+split-reverse-conflict.
 """
 
 from __future__ import annotations

@@ -533,10 +533,15 @@ def generate_case(rule_name: str, mode: str, seed: int, index: int) -> dict[str,
             except Exception:
                 return None
             names = output_params(rule)
-            real = [o for o in outs]
+            kinds = {p.name: p.kind for p in m.params}
+            real: list[Any] = list(outs)
+            if len(names) == 1 and kinds.get(names[0], "").startswith("[") and len(real) != 1:
+                real = [real]  # one vector output (split, unbind): the reference's outputs are its items
             for nm, o in zip(names, real):
                 if o is None:
                     values[nm] = None
+                elif isinstance(o, list):
+                    values[nm] = [{"shape": list(np.shape(x)), **rand_attr(r, mesh, np.ndim(x), "real")} for x in o]
                 else:
                     values[nm] = {"shape": list(np.shape(o)), **rand_attr(r, mesh, np.ndim(o), "real")}
     args = _layout(m.params, values)

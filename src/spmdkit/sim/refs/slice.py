@@ -81,7 +81,21 @@ def _tile_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
 
 
 def _expand_as(a: Arrays, c: Ctx) -> tuple[Any, ...]:
-    return (np.array(np.broadcast_to(np.asarray(a["x"]), np.shape(a["y"]))),)
+    x = np.asarray(a["x"])
+    tgt = np.shape(a["y"]) if a.get("y") is not None else _target(a["target_shape"], x.shape)
+    return (np.array(np.broadcast_to(x, tgt)),)
+
+
+def _expand_as_localize(a: Arrays, c: Ctx) -> Arrays:
+    """Without y a rank expands to its local out shape (target_shape is global)."""
+    if a.get("y") is not None:
+        return a
+    from spmdkit.sim.mesh import local_shape
+
+    out = dict(a)
+    if c.out_attrs and c.out_shapes and c.coords is not None:
+        out["target_shape"] = list(local_shape(c.out_attrs[0], c.out_shapes[0], c.coords))
+    return out
 
 
 def _expand_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
@@ -132,7 +146,8 @@ register_reference(Reference("strided_slice_grad", _slice_grad, ("input", "out_g
                              "strided_slice_grad"))
 register_reference(Reference("tile", _tile, ("x",), ("out",), "tile"))
 register_reference(Reference("tile_grad", _tile_grad, ("x", "out_grad"), ("x_grad",), "tile_grad"))
-register_reference(Reference("expand_as", _expand_as, ("x", "y"), ("out",), "expand_as"), "expand_as_v2")
+register_reference(Reference("expand_as", _expand_as, ("x",), ("out",), "expand_as", optional=("y",),
+                             localize=_expand_as_localize), "expand_as_v2")
 register_reference(Reference("expand_as_grad", _expand_grad, ("x", "out_grad"), ("x_grad",), "expand_as_grad"),
                    "expand_as_v2_grad")
 register_reference(Reference("expand", _expand, ("x",), ("out",), "expand", localize=_expand_localize))
@@ -233,7 +248,7 @@ def _broadcast_target(r: random.Random, m: list[int]) -> tuple[Shape, Shape]:
 
 def _g_expand_as(r: random.Random, m: list[int], ref: Reference) -> dict[str, Any]:
     x, y = _broadcast_target(r, m)
-    return {"x": TGen(x), "y": TGen(y), "target_shape": list(y)}
+    return {"x": TGen(x), "y": TGen(y) if r.random() < 0.8 else None, "target_shape": list(y)}
 
 
 def _g_expand_as_grad(r: random.Random, m: list[int], ref: Reference) -> dict[str, Any]:
