@@ -13,8 +13,11 @@ $(VENV)/.installed-demo: $(BIN)/python pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[sim,cli]'
 	touch $@
 
+# torch==2.13.0 first: the CPU build this machine keeps on disk; '.[torch]' (torch>=2.5) then
+# installs nothing more (a bare torch requirement would fetch a CUDA build of several GB)
 $(VENV)/.installed-test: $(BIN)/python pyproject.toml
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test,torch]'
 	touch $@
 
 demo: $(VENV)/.installed-demo

@@ -90,6 +90,12 @@ def _cmd_plan(ns: argparse.Namespace, out: TextIO) -> int:
     return run_plan(ns, out)
 
 
+def _cmd_run(ns: argparse.Namespace, out: TextIO) -> int:
+    from spmdkit.run_cli import run_command
+
+    return run_command(ns, out, ns.argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="spmdkit", description="SPMD sharding propagation rules and tools")
     sub = p.add_subparsers(dest="command", required=True)
@@ -115,6 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_arguments(pp)
     pp.set_defaults(fn=_cmd_plan)
 
+    from spmdkit.run_cli import add_run_arguments
+
+    pn = sub.add_parser("run", help="run a planned training step on torch.distributed, one process per rank "
+                                    "(needs spmdkit[torch])")
+    add_run_arguments(pn)
+    pn.set_defaults(fn=_cmd_run)
+
     pd = sub.add_parser("demo", help="a short tour of the main job")
     pd.set_defaults(fn=_cmd_demo)
     return p
@@ -122,7 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    ns = parser.parse_args(args)
+    ns.argv = args[args.index("run") + 1:] if ns.command == "run" else []
     try:
         return int(ns.fn(ns, sys.stdout))
     except BrokenPipeError:

@@ -125,6 +125,76 @@ def _flat_out(vals: Any) -> list[Any]:
     return flat
 
 
+@dataclass
+class OpIO:
+    """What running one planned op needs, whoever runs it (the simulator's global and per-rank
+    runs, the torch.distributed executor): its reference, attributes, the dist attr each tensor
+    input is required in, the shapes, and its outputs' dist attrs."""
+
+    ref: Reference
+    attrs: dict[str, Any]
+    inputs: dict[str, Any]  # param -> tensor name, tuple of names (vector) or None
+    required: dict[str, Any]
+    in_attrs: dict[str, Any]
+    shapes: dict[str, Any]
+    out_attrs: tuple[Any, ...]
+    out_ndims: tuple[int | None, ...]
+    out_refs: list[str | None]
+
+    def values(self, fetch: Any) -> dict[str, Any]:
+        """The op's arguments: attributes, and ``fetch(name, required_attr)`` per tensor input
+        (a list for a vector parameter, None where absent)."""
+        out: dict[str, Any] = dict(self.attrs)
+        for p, v in self.inputs.items():
+            req = self.required.get(p)
+            if isinstance(v, tuple):
+                reqs = list(req) if isinstance(req, tuple) else [req] * len(v)
+                out[p] = [None if n is None else fetch(n, r) for n, r in zip(v, reqs)]
+            elif v is None:
+                out[p] = None
+            else:
+                out[p] = fetch(v, req)
+        for p in self.ref.tensor_params:
+            out.setdefault(p, None)
+        return out
+
+    def on_rank(self, per_rank: dict[str, Any], r: int) -> dict[str, Any]:
+        """One rank's arguments from :meth:`values` whose fetch returned every rank's pieces."""
+        out = dict(self.attrs)
+        for p in per_rank:
+            if p in self.attrs:
+                continue
+            v = per_rank[p]
+            if isinstance(self.inputs.get(p), tuple):
+                out[p] = [None if pc is None else pc[r] for pc in v]
+            else:
+                out[p] = None if v is None else v[r]
+        return out
+
+
+def op_io(op_plan: Any, prog: Program) -> OpIO:
+    op = op_plan.op
+    ref = _ref(op)
+    in_attrs: dict[str, Any] = {}
+    shapes: dict[str, Any] = {}
+    for p, v in op.inputs.items():
+        req = op_plan.required.get(p)
+        if isinstance(v, tuple):
+            shapes[p] = [None if n is None else prog.tensors[n].shape for n in v]
+            in_attrs[p] = tuple(req) if isinstance(req, tuple) else (req,) * len(v)
+        elif v is None:
+            shapes[p] = None
+        else:
+            shapes[p] = prog.tensors[v].shape
+            in_attrs[p] = req
+    for p in ref.tensor_params:
+        shapes.setdefault(p, None)
+    out_attrs = tuple(a for v in op_plan.outputs for a in (v if isinstance(v, tuple) else (v,)))
+    out_ndims = tuple(a.ndim if isinstance(a, TensorDistAttr) else None for a in out_attrs)
+    return OpIO(ref, _attrs_of(op), dict(op.inputs), dict(op_plan.required), in_attrs, shapes, out_attrs,
+                out_ndims, [n for v in op.outputs for n in _flat(v)])
+
+
 def simulate_plan(plan: Plan, seed: int = 0, rtol: float = 1e-7, atol: float = 1e-9) -> SimReport:
     """Run ``plan`` sharded and unsharded and compare every tensor it makes."""
     prog = plan.program
@@ -155,42 +225,12 @@ def simulate_plan(plan: Plan, seed: int = 0, rtol: float = 1e-7, atol: float = 1
 
     for op_plan in plan.ops:
         op = op_plan.op
-        ref = _ref(op)
-        attrs = _attrs_of(op)
-        shapes: dict[str, Any] = {}
-        gargs: dict[str, Any] = dict(attrs)
-        largs: list[dict[str, Any]] = [dict(attrs) for _ in range(n_ranks)]
-        in_attrs: dict[str, Any] = {}
-        for p, v in op.inputs.items():
-            req = op_plan.required.get(p)
-            if isinstance(v, tuple):
-                gargs[p] = [None if n is None else glob[n] for n in v]
-                shapes[p] = [None if n is None else prog.tensors[n].shape for n in v]
-                reqs = list(req) if isinstance(req, tuple) else [req] * len(v)
-                pieces = [None if n is None else move(n, r) for n, r in zip(v, reqs)]
-                for r in range(n_ranks):
-                    largs[r][p] = [None if pc is None else pc[r] for pc in pieces]
-                in_attrs[p] = tuple(reqs)
-            elif v is None:
-                gargs[p] = None
-                shapes[p] = None
-                for r in range(n_ranks):
-                    largs[r][p] = None
-            else:
-                gargs[p] = glob[v]
-                shapes[p] = prog.tensors[v].shape
-                pc = move(v, req)
-                for r in range(n_ranks):
-                    largs[r][p] = pc[r]
-                in_attrs[p] = req
-        for p in ref.tensor_params:
-            if p not in gargs:
-                gargs[p] = None
-                shapes[p] = None
-                for r in range(n_ranks):
-                    largs[r][p] = None
-        out_attrs = tuple(a for v in op_plan.outputs for a in (v if isinstance(v, tuple) else (v,)))
-        out_ndims = tuple(a.ndim if isinstance(a, TensorDistAttr) else None for a in out_attrs)
+        io = op_io(op_plan, prog)
+        ref = io.ref
+        gargs = io.values(lambda n, req: glob[n])
+        sharded = io.values(move)
+        largs = [io.on_rank(sharded, r) for r in range(n_ranks)]
+        in_attrs, shapes, out_attrs, out_ndims = io.in_attrs, io.shapes, io.out_attrs, io.out_ndims
         with np.errstate(all="ignore"):
             gouts = _flat_out(ref.run(gargs, Ctx(mesh, None, None, in_attrs, shapes, out_ndims, out_attrs)))
         gshapes = tuple(None if o is None else np.shape(o) for o in gouts)
@@ -204,7 +244,7 @@ def simulate_plan(plan: Plan, seed: int = 0, rtol: float = 1e-7, atol: float = 1
                 report.failures.append((op.output_names()[0] if op.output_names() else op.name,
                                         f"{op.name} fails on rank {r}: {type(exc).__name__}: {exc}"))
                 return report
-        out_refs = [n for v in op.outputs for n in _flat(v)]
+        out_refs = io.out_refs
         for k, o in enumerate(out_refs):
             if o is None or k >= len(gouts) or gouts[k] is None:
                 continue
@@ -231,4 +271,4 @@ def simulate_plan(plan: Plan, seed: int = 0, rtol: float = 1e-7, atol: float = 1
     return report
 
 
-__all__ = ["SimReport", "simulate_plan", "source_values"]
+__all__ = ["OpIO", "SimReport", "op_io", "simulate_plan", "source_values"]

@@ -36,6 +36,10 @@ class Ctx:
     out_ndims: tuple[int | None, ...] = ()
     out_attrs: tuple[Any, ...] = ()
     out_shapes: tuple[Any, ...] = ()
+    #: where a kernel itself communicates (c_softmax_with_cross_entropy's class group) and a real
+    #: engine runs the rank (the torch.distributed executor): ``comm.all_reduce(array, mesh_dims,
+    #: op)`` with op "sum" or "max" over the groups of those mesh dims. None in the simulator.
+    comm: Any = None
 
     @property
     def is_global(self) -> bool:

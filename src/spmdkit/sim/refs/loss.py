@@ -150,6 +150,8 @@ def _c_softmax(a: Arrays, c: Ctx) -> tuple[Any, ...]:
     if c.is_global:
         _GROUP["x"] = x.copy()
         return cross_entropy(x, a["label"], False, True, ig, x.ndim - 1)
+    if c.comm is not None:
+        return _c_softmax_comm(x, a["label"], ig, c)
     from spmdkit.sim.mesh import local_slices
 
     gx = _GROUP.get("x")
@@ -162,6 +164,24 @@ def _c_softmax(a: Arrays, c: Ctx) -> tuple[Any, ...]:
     rows = gx[(*sl[:-1], slice(None))]  # what the class group gathers: this rank's rows, every class
     sm, loss = cross_entropy(rows, a["label"], False, True, ig, rows.ndim - 1)
     return sm[..., sl[-1]], loss
+
+
+def _c_softmax_comm(x: np.ndarray, label: Any, ig: int, c: Ctx) -> tuple[Any, ...]:
+    """The kernel as a rank runs it on a real engine: max, sum of exponentials and the
+    label's logit all-reduced over the mesh dims that shard the class axis."""
+    from spmdkit.core.dist_attr import entry_dims
+
+    dims = entry_dims(c.in_attrs["x"].dims_mapping[-1])
+    start = _class_start(c, "x")
+    m = c.comm.all_reduce(x.max(axis=-1, keepdims=True), dims, "max")
+    e = np.exp(x - m)
+    s = c.comm.all_reduce(e.sum(axis=-1, keepdims=True), dims, "sum")
+    idx, valid = _hard(label, int(c.shapes["x"][-1]), ig)
+    loc = idx - start
+    mine = (loc >= 0) & (loc < x.shape[-1])
+    picked = np.take_along_axis(x, np.clip(loc, 0, max(x.shape[-1] - 1, 0)), axis=-1)
+    xl = c.comm.all_reduce(np.where(mine, picked, 0.0), dims, "sum")
+    return e / s, np.where(valid, -(xl - m - np.log(s)), 0.0)
 
 
 def _prep_c(a: Arrays) -> None:

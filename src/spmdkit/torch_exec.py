@@ -1,0 +1,406 @@
+"""Run a planned training step on torch.distributed: one process per rank (``spmdkit run``).
+
+Each process is one rank of the plan's mesh (gloo on CPU, nccl where GPUs exist). It holds
+only its own shards: every source tensor (inputs, parameters, optimizer states) is made from
+the same seed in every process and cut to the rank's piece as the plan distributes it; every op
+runs on the rank's pieces with spmdkit's numpy reference kernel for that op (``spmdkit.sim``),
+in float64; every planned reshard runs as real collectives over the mesh dim's process group,
+step by step as :func:`spmdkit.reshard.plan_reshard` lays it out: ``all_reduce``,
+``reduce_scatter_single``, ``all_gather_single`` (``*_tensor`` before torch 2.13), ``all_to_all_single``, and the local
+``slice`` / ``to_partial`` steps.
+
+Every collective a rank issues is recorded (kind, mesh dim, tensor, local element counts) and
+checked against the plan's reshards (same kinds, same sizes, same count, same order). At the
+end rank 0 gathers every tensor the step made, assembles it as the plan says it is
+distributed and compares it with a single-process run of the unsharded step.
+
+Limits: the executor needs every sharded axis to split evenly over its mesh dims (the
+collectives exchange equal chunks); the local kernels are numpy references, not torch ops, so
+this proves the plan's communication on a real engine, not its speed.
+
+Launch: ``spmdkit run --model tiny-llama --mesh dp=2,tp=2 --nproc 4`` starts four local
+processes; under ``torchrun`` (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set) each process
+runs its rank directly, so the same command scales to several machines.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from spmdkit.core.dist_attr import ReduceType, TensorDistAttr
+from spmdkit.core.errors import ProgramError
+from spmdkit.graph.propagate import Plan
+from spmdkit.graph.simulate import _flat_out, op_io, source_values
+from spmdkit.reshard import Step, local_bytes, plan_reshard
+from spmdkit.sim.mesh import AssembleError, _close, assemble, shard
+from spmdkit.sim.ops import Ctx
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
+
+# torch >= 2.13 names the tensor collectives *_single (the *_tensor names are deprecated)
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective a rank issued: element counts of its local buffer before and after."""
+
+    tensor: str
+    kind: str
+    mesh_dim: int
+    numel_in: int
+    numel_out: int
+
+
+@dataclass
+class RunReport:
+    """Rank 0's verdict on a distributed run."""
+
+    world_size: int
+    backend: str
+    checked: int = 0
+    failures: list[tuple[str, str]] = field(default_factory=list)
+    loss: float | None = None
+    reference_loss: float | None = None
+    max_error: float = 0.0
+    collectives: list[Collective] = field(default_factory=list)
+    expected: list[Collective] = field(default_factory=list)
+    collectives_match: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures and self.collectives_match
+
+
+def expected_collectives(plan: Plan) -> list[Collective]:
+    """The collectives the plan's reshards issue on every rank, in program order."""
+    out: list[Collective] = []
+    ms = plan.mesh.shape
+    for rs in plan.reshards:
+        if rs.shared:
+            continue
+        shape = plan.program.tensors[rs.tensor].shape
+        for st in rs.plan.steps:
+            if st.kind in COLLECTIVES:
+                out.append(Collective(rs.tensor, st.kind, st.mesh_dims[0],
+                                      local_bytes(st.src.dims_mapping, shape, ms, 1),
+                                      local_bytes(st.dst.dims_mapping, shape, ms, 1)))
+    return out
+
+
+class _Groups:
+    """One process group per mesh dim and fixed coordinates of the other dims; a group's
+    members are ordered by their coordinate along that dim."""
+
+    def __init__(self, mesh: Any, rank: int) -> None:
+        self.mesh = mesh
+        self.rank = rank
+        self.coords = mesh.coords(rank)
+        self.of_dim: dict[int, Any] = {}
+        for d in range(mesh.ndim):
+            keyed: dict[tuple[int, ...], list[int]] = {}
+            for r in range(mesh.size):
+                c = mesh.coords(r)
+                keyed.setdefault(tuple(c[i] for i in range(mesh.ndim) if i != d), []).append(r)
+            for key in sorted(keyed):
+                members = sorted(keyed[key], key=lambda r: int(mesh.coords(r)[d]))
+                g = dist.new_group(members) if mesh.shape[d] > 1 else None  # every rank calls new_group
+                if self.rank in members:
+                    self.of_dim[d] = g
+
+
+_OPS = {ReduceType.SUM: dist.ReduceOp.SUM, ReduceType.AVG: dist.ReduceOp.SUM, ReduceType.MAX: dist.ReduceOp.MAX,
+        ReduceType.MIN: dist.ReduceOp.MIN, ReduceType.PROD: dist.ReduceOp.PRODUCT,
+        ReduceType.ANY: dist.ReduceOp.MAX, ReduceType.ALL: dist.ReduceOp.MIN}
+
+
+class Rank:
+    """One rank of a mesh on torch.distributed: its process groups, the reshard steps it
+    executes on its local pieces (:meth:`step`), a kernel all-reduce (:meth:`all_reduce`, the
+    ``Ctx.comm`` hook), and a planned step (:meth:`run`)."""
+
+    def __init__(self, mesh: Any, rank: int, device: torch.device, plan: Plan | None = None) -> None:
+        self.plan = plan
+        self.mesh = mesh
+        self.rank = rank
+        self.device = device
+        self.groups = _Groups(self.mesh, rank)
+        self.coords = self.groups.coords
+        self.record: list[Collective] = []
+        self.kernel_record: list[Collective] = []
+
+    # -- torch <-> numpy
+    def _t(self, a: np.ndarray) -> torch.Tensor:
+        """A torch copy (collectives work in place; the rank's numpy pieces must stay as they are)."""
+        return torch.from_numpy(np.array(a, copy=True, order="C")).to(self.device)
+
+    @staticmethod
+    def _n(t: torch.Tensor) -> np.ndarray:
+        return t.cpu().numpy()
+
+    def _split(self, name: str, a: np.ndarray, axis: int, n: int) -> list[np.ndarray]:
+        if a.shape[axis] % n:
+            raise ProgramError(f"spmdkit run: {name} axis {axis} of local size {a.shape[axis]} does not split "
+                               f"evenly over {n} ranks (the executor needs even shards)")
+        return np.split(a, n, axis=axis)
+
+    def step(self, name: str, st: Step, a: np.ndarray) -> np.ndarray:
+        d = st.mesh_dims[0]
+        n = self.mesh.shape[d]
+        g = self.groups.of_dim.get(d)
+        c = self.coords[d]
+        if st.kind in COLLECTIVES:
+            before = int(a.size)
+        if st.kind == "all_reduce":
+            rt = ReduceType(st.reduce_type or "sum")
+            work = a.astype(np.float64) if a.dtype == np.bool_ else a
+            t = self._t(work)
+            dist.all_reduce(t, op=_OPS[rt], group=g)
+            out = self._n(t)
+            if rt == ReduceType.AVG:
+                out = out / n
+            if a.dtype == np.bool_:
+                out = out.astype(np.bool_)
+        elif st.kind == "reduce_scatter":
+            rt = ReduceType(st.reduce_type or "sum")
+            ax = st.tensor_axis
+            assert ax is not None
+            chunks = self._split(name, a, ax, n)
+            inp = self._t(np.concatenate([np.ascontiguousarray(np.moveaxis(x, ax, 0)) for x in chunks], axis=0))
+            res = torch.empty_like(self._t(np.moveaxis(chunks[0], ax, 0)))
+            _reduce_scatter(res, inp, op=_OPS[rt], group=g)
+            out = np.moveaxis(self._n(res), 0, ax)
+            if rt == ReduceType.AVG:
+                out = out / n
+        elif st.kind == "all_gather":
+            ax = st.tensor_axis
+            assert ax is not None
+            loc = self._t(np.moveaxis(a, ax, 0))
+            res = torch.empty((n * loc.shape[0], *loc.shape[1:]), dtype=loc.dtype, device=self.device)
+            _all_gather(res, loc.contiguous(), group=g)
+            out = np.moveaxis(self._n(res), 0, ax)
+        elif st.kind == "all_to_all":
+            src_ax, dst_ax = st.tensor_axis, st.dst_axis
+            assert src_ax is not None and dst_ax is not None
+            chunks = self._split(name, a, dst_ax, n)
+            inp = self._t(np.concatenate([np.ascontiguousarray(np.moveaxis(x, src_ax, 0)) for x in chunks], axis=0))
+            res = torch.empty_like(inp)
+            dist.all_to_all_single(res, inp, group=g)
+            got = np.split(self._n(res), n, axis=0)
+            out = np.concatenate([np.moveaxis(x, 0, src_ax) for x in got], axis=src_ax)
+        elif st.kind == "slice":
+            ax = st.tensor_axis
+            assert ax is not None
+            out = np.array(self._split(name, a, ax, n)[c], copy=True)
+        elif st.kind == "to_partial":
+            rt = ReduceType(st.reduce_type or "sum")
+            if c == 0 or rt in (ReduceType.AVG, ReduceType.MAX, ReduceType.MIN, ReduceType.ALL):
+                out = a
+            else:
+                out = np.ones_like(a) if rt == ReduceType.PROD else np.zeros_like(a)
+        else:  # pragma: no cover - plan_reshard makes no other kinds
+            raise ProgramError(f"spmdkit run: unknown reshard step {st.kind}")
+        if st.kind in COLLECTIVES:
+            self.record.append(Collective(name, st.kind, d, before, int(out.size)))
+        return out
+
+    def all_reduce(self, a: np.ndarray, mesh_dims: tuple[int, ...], op: str) -> np.ndarray:
+        """A kernel's own all-reduce (Ctx.comm) over the groups of ``mesh_dims``; recorded apart
+        from the plan's reshards."""
+        out = np.asarray(a, dtype=np.float64)
+        for d in mesh_dims:
+            g = self.groups.of_dim.get(d)
+            if g is None:
+                continue
+            t = self._t(out)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=g)
+            out = self._n(t)
+            self.kernel_record.append(Collective("(kernel)", "all_reduce", d, int(out.size), int(out.size)))
+        return out
+
+    def run(self, seed: int) -> dict[str, np.ndarray]:
+        """Execute the step; the rank's local piece of every tensor the step makes."""
+        plan = self.plan
+        if plan is None:
+            raise ProgramError("spmdkit run: this rank has no plan to run")
+        prog = plan.program
+        rng = np.random.default_rng(seed + 1)
+        local: dict[str, np.ndarray] = {}
+        made: dict[str, TensorDistAttr] = {}
+        for n, v in source_values(prog, seed).items():  # same order and rng draws as the simulator
+            made[n] = plan.attrs[n]
+            local[n] = shard(v, plan.attrs[n], rng)[self.rank]
+        moved: dict[tuple[str, TensorDistAttr], np.ndarray] = {}
+
+        def move(n: str, dst: TensorDistAttr | None) -> np.ndarray:
+            src = made[n]
+            if dst is None or src == dst:
+                return local[n]
+            key = (n, dst)
+            if key not in moved:
+                a = local[n]
+                for st in plan_reshard(src, dst, prog.tensors[n].shape, 8, plan.cost).steps:
+                    a = self.step(n, st, a)
+                moved[key] = a
+            return moved[key]
+
+        outputs: dict[str, np.ndarray] = {}
+        for op_plan in plan.ops:
+            io = op_io(op_plan, prog)
+            args = io.values(move)
+            gshapes = tuple(None if o is None else prog.tensors[o].shape for o in io.out_refs)
+            ctx = Ctx(self.mesh, self.rank, self.coords, io.in_attrs, io.shapes, io.out_ndims, io.out_attrs,
+                      gshapes, comm=self)
+            with np.errstate(all="ignore"):
+                outs = _flat_out(io.ref.run(args, ctx))
+            for k, o in enumerate(io.out_refs):
+                if o is None or k >= len(outs) or outs[k] is None:
+                    continue
+                local[o] = np.asarray(outs[k])
+                made[o] = io.out_attrs[k]
+                fixed = plan.annotations.get(o)
+                if fixed is not None and fixed != made[o]:
+                    local[o] = move(o, fixed)
+                    made[o] = fixed
+                outputs[o] = local[o]
+        self.made = made
+        return outputs
+
+
+def _global_step(plan: Plan, seed: int) -> dict[str, np.ndarray]:
+    """The single-process run: the unsharded step on global arrays."""
+    prog = plan.program
+    glob: dict[str, Any] = dict(source_values(prog, seed))
+    out: dict[str, np.ndarray] = {}
+    for op_plan in plan.ops:
+        io = op_io(op_plan, prog)
+        args = io.values(lambda n, req: glob[n])
+        with np.errstate(all="ignore"):
+            gouts = _flat_out(io.ref.run(args, Ctx(plan.mesh, None, None, io.in_attrs, io.shapes, io.out_ndims,
+                                                   io.out_attrs)))
+        for k, o in enumerate(io.out_refs):
+            if o is not None and k < len(gouts) and gouts[k] is not None:
+                glob[o] = out[o] = np.asarray(gouts[k])
+    return out
+
+
+def run_rank(plan: Plan, seed: int = 0, rtol: float = 1e-5, atol: float = 1e-8) -> RunReport | None:
+    """Run this process's rank of ``plan`` (the process group must be initialised, one rank per
+    mesh rank). Rank 0 returns the report; the others None."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = plan.mesh
+    if world != mesh.size:
+        raise ProgramError(f"spmdkit run: {world} processes for a mesh of {mesh.size} ranks")
+    backend = str(dist.get_backend())
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if backend == "nccl" \
+        else torch.device("cpu")
+    me = Rank(mesh, rank, device, plan)
+    outputs = me.run(seed)
+    pieces: list[Any] = [None] * world if rank == 0 else []
+    dist.gather_object((outputs, me.record), pieces if rank == 0 else None, dst=0)
+    if rank != 0:
+        return None
+    rep = RunReport(world, backend)
+    rep.expected = expected_collectives(plan)
+    rep.collectives = me.record
+    records = [p[1] for p in pieces]
+    rep.collectives_match = all(r == rep.expected for r in records)
+    if not rep.collectives_match:
+        bad = next(i for i, r in enumerate(records) if r != rep.expected)
+        rep.failures.append(("collectives", f"rank {bad} issued {len(records[bad])} collectives, the plan "
+                                            f"{len(rep.expected)}, or they differ in kind or size"))
+    ref = _global_step(plan, seed)
+    for name, g in ref.items():
+        attr = me.made.get(name)
+        if attr is None:
+            continue
+        rep.checked += 1
+        try:
+            got = assemble([p[0][name] for p in pieces], attr, g.shape, rtol=rtol, atol=atol)
+        except (AssembleError, KeyError) as exc:
+            rep.failures.append((name, f"not distributed as {attr}: {exc}"))
+            continue
+        if got.dtype.kind == "f" and got.shape == g.shape and g.size:
+            rep.max_error = max(rep.max_error, float(np.max(np.abs(got - g))))
+        if not _close(got, g, rtol, atol):
+            rep.failures.append((name, "differs from the single-process run"))
+    if "loss" in ref:
+        rep.reference_loss = float(np.asarray(ref["loss"]).sum())
+        got = assemble([p[0]["loss"] for p in pieces], me.made["loss"], ref["loss"].shape, rtol=rtol, atol=atol)
+        rep.loss = float(np.asarray(got).sum())
+    return rep
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch_local(argv: list[str], nproc: int, timeout: float = 600.0) -> int:
+    """Start ``nproc`` local processes of ``spmdkit run`` with torchrun's environment; rank 0's
+    output is this process's output. Returns the worst exit code."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(nproc),
+               LOCAL_WORLD_SIZE=str(nproc))
+    procs = []
+    for r in range(nproc):
+        e = dict(env, RANK=str(r), LOCAL_RANK=str(r))
+        procs.append(subprocess.Popen([sys.executable, "-m", "spmdkit", "run", *argv], env=e,
+                                      stdout=None if r == 0 else subprocess.DEVNULL,
+                                      stderr=None if r == 0 else subprocess.PIPE))
+    rc = 0
+    for r, p in enumerate(procs):
+        try:
+            _, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            print(f"spmdkit run: rank {r} did not finish in {timeout:.0f} s", file=sys.stderr)
+            return 1
+        if p.returncode and r and err:
+            sys.stderr.write(err.decode(errors="replace")[-2000:])
+        rc = max(rc, abs(p.returncode or 0))
+    return rc
+
+
+def init_from_env(backend: str = "auto") -> str:
+    """Initialise the default process group from torchrun's environment variables."""
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, init_method="env://")
+    return backend
+
+
+def format_report(rep: RunReport, title: str) -> str:
+    kinds: dict[str, int] = {}
+    for c in rep.collectives:
+        kinds[c.kind] = kinds.get(c.kind, 0) + 1
+    kind_text = ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())) or "none"
+    lines = [f"spmdkit run: {title}; {rep.world_size} processes ({rep.backend})"]
+    if rep.loss is not None:
+        lines.append(f"loss {rep.loss:.12g} (single process {rep.reference_loss:.12g})")
+    lines.append(f"{rep.checked} tensors compared with the single-process step (loss, every gradient, "
+                 f"every update, every activation): max abs error {rep.max_error:.3g}, "
+                 + ("all equal" if not [f for f in rep.failures if f[0] != "collectives"]
+                    else f"{len([f for f in rep.failures if f[0] != 'collectives'])} differ"))
+    lines.append(f"collectives per rank: {len(rep.collectives)} ({kind_text}); plan: {len(rep.expected)}; "
+                 + ("every rank's equal the plan's" if rep.collectives_match else "NOT equal to the plan's"))
+    for name, why in rep.failures[:20]:
+        lines.append(f"  {name}: {why}")
+    return "\n".join(lines)
+
+
+__all__ = ["Collective", "Rank", "RunReport", "expected_collectives", "format_report", "init_from_env", "launch_local",
+           "run_rank"]
