@@ -9,34 +9,21 @@ from typing import Any
 import numpy as np
 import pytest
 
+from spmd_helpers import J, T, assert_sound, dms
+from spmd_helpers import global_ctx as _ctx
+from spmd_helpers import numeric_grad as _numeric_grad
 from spmdkit.core.dist_attr import ReduceType
 from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError, ShapeMismatchError, SpmdError
 from spmdkit.core.mesh import ProcessMesh
-from spmdkit.core.spec import DistTensorSpec
 from spmdkit.rules import get_rule
-from spmdkit.sim import SOUND, UNSOUND, verify, verify_rule
-from spmdkit.sim.ops import Ctx, get_reference
+from spmdkit.sim import SOUND, UNSOUND, verify
+from spmdkit.sim.ops import get_reference
 
 M2 = ProcessMesh([2])
 M4 = ProcessMesh([4])
 M22 = ProcessMesh([2, 2])
 M24 = ProcessMesh([2, 4])
 SUM = ReduceType.SUM
-
-
-def T(mesh: ProcessMesh, shape: list[int], dm: list[Any], partial: Any = None) -> DistTensorSpec:
-    return DistTensorSpec(shape, mesh=mesh, dims_mapping=dm, partial=partial)
-
-
-def dms(attrs: Any) -> list[Any]:
-    return [a.dims_mapping for a in attrs]
-
-
-def J(shape: list[int], dm: list[Any], partial: Any = None) -> dict[str, Any]:
-    d: dict[str, Any] = {"shape": shape, "dims_mapping": dm}
-    if partial is not None:
-        d["partial"] = partial
-    return d
 
 
 def R(dm: list[Any], partial: dict[str, str] | None = None) -> dict[str, Any]:
@@ -353,21 +340,6 @@ def test_errors(name: str, mode: str, args: tuple[Any, ...], exc: type, words: s
 # ---------------------------------------------------------------------------
 
 
-def _numeric_grad(fwd: Any, x: np.ndarray, g: np.ndarray) -> np.ndarray:
-    out = np.zeros_like(x)
-    h = 1e-6
-    for i in np.ndindex(x.shape):
-        xp, xm = x.copy(), x.copy()
-        xp[i] += h
-        xm[i] -= h
-        out[i] = (np.sum(fwd(xp) * g) - np.sum(fwd(xm) * g)) / (2 * h)
-    return out
-
-
-def _ctx() -> Ctx:
-    return Ctx(ProcessMesh([1]))
-
-
 @pytest.mark.parametrize("padding_idx", [-1, 2])
 def test_embedding_grad_numeric(padding_idx: int) -> None:
     rng = np.random.default_rng(0)
@@ -409,11 +381,9 @@ GRADS = ["embedding_grad", "c_embedding_grad"]
 @pytest.mark.parametrize("name", RULES)
 @pytest.mark.parametrize("mode", ["forward", "backward"])
 def test_sound(name: str, mode: str) -> None:
-    rep = verify_rule(name, 200, seed=7, mode=mode)
-    assert rep.cases == 200 and rep.unsound == 0 and rep.skipped == 0, rep.first_unsound or rep.first_skipped
+    assert_sound(name, 200, 7, mode)
 
 
 @pytest.mark.parametrize("name", GRADS)
 def test_grad_sound(name: str) -> None:
-    rep = verify_rule(name, 200, seed=7, mode="forward")
-    assert rep.cases == 200 and rep.unsound == 0 and rep.skipped == 0, rep.first_unsound or rep.first_skipped
+    assert_sound(name, 200, 7, "forward")

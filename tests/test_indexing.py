@@ -10,6 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from spmd_helpers import J, T, assert_sound, dms
+from spmd_helpers import global_ctx as _ctx
 from spmdkit.core.dist_attr import ReduceType
 from spmdkit.core.errors import (
     InvalidAttributeError,
@@ -22,8 +24,8 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.io.codec import answer_line
 from spmdkit.rules import get_rule
-from spmdkit.sim import SOUND, UNSOUND, verify, verify_rule
-from spmdkit.sim.ops import Ctx, get_reference
+from spmdkit.sim import SOUND, UNSOUND, verify
+from spmdkit.sim.ops import get_reference
 
 M2 = ProcessMesh([2])
 M4 = ProcessMesh([4])
@@ -31,21 +33,6 @@ M22 = ProcessMesh([2, 2])
 M23 = ProcessMesh([2, 3])
 M24 = ProcessMesh([2, 4])
 SUM0 = ((0, ReduceType.SUM),)
-
-
-def T(mesh: ProcessMesh, shape: list[int], dm: list[Any], partial: Any = None) -> DistTensorSpec:
-    return DistTensorSpec(shape, mesh=mesh, dims_mapping=dm, partial=partial)
-
-
-def dms(attrs: Any) -> list[Any]:
-    return [a.dims_mapping for a in attrs]
-
-
-def J(shape: list[int], dm: list[Any], partial: Any = None) -> dict[str, Any]:
-    d: dict[str, Any] = {"shape": shape, "dims_mapping": dm}
-    if partial is not None:
-        d["partial"] = partial
-    return d
 
 
 def R(dm: list[Any], partial: Any = None) -> dict[str, Any]:
@@ -531,10 +518,6 @@ def _numeric_grad(fwd: Any, x: np.ndarray, g: np.ndarray) -> np.ndarray:
     return out
 
 
-def _ctx() -> Ctx:
-    return Ctx(ProcessMesh([1]))
-
-
 def _run(name: str, args: dict[str, Any]) -> tuple[Any, ...]:
     return get_reference(name).run(args, _ctx())
 
@@ -629,11 +612,9 @@ GRADS = ["gather_grad", "index_select_grad", "gather_nd_grad", "scatter_grad", "
 @pytest.mark.parametrize("name", RULES)
 @pytest.mark.parametrize("mode", ["forward", "backward"])
 def test_sound(name: str, mode: str) -> None:
-    rep = verify_rule(name, 200, seed=7, mode=mode)
-    assert rep.cases == 200 and rep.unsound == 0 and rep.skipped == 0, rep.first_unsound or rep.first_skipped
+    assert_sound(name, 200, 7, mode)
 
 
 @pytest.mark.parametrize("name", GRADS)
 def test_grad_sound(name: str) -> None:
-    rep = verify_rule(name, 200, seed=7, mode="forward")
-    assert rep.cases == 200 and rep.unsound == 0 and rep.skipped == 0, rep.first_unsound or rep.first_skipped
+    assert_sound(name, 200, 7, "forward")

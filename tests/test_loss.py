@@ -10,13 +10,15 @@ from typing import Any
 import numpy as np
 import pytest
 
+from spmd_helpers import J, T, assert_sound, dms
+from spmd_helpers import global_ctx as _ctx
+from spmd_helpers import numeric_grad as _numeric_grad
 from spmdkit.core.dist_attr import ReduceType
 from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError, ShapeMismatchError, SpmdError
 from spmdkit.core.mesh import ProcessMesh
-from spmdkit.core.spec import DistTensorSpec
 from spmdkit.rules import get_rule
-from spmdkit.sim import SOUND, UNSOUND, verify, verify_rule
-from spmdkit.sim.ops import Ctx, get_reference
+from spmdkit.sim import SOUND, UNSOUND, verify
+from spmdkit.sim.ops import get_reference
 
 M2 = ProcessMesh([2])
 M4 = ProcessMesh([4])
@@ -29,21 +31,6 @@ CE = "cross_entropy_with_softmax"
 CS = "c_softmax_with_cross_entropy"
 # soft_label, use_softmax, numeric_stable_mode, ignore_index, axis as in Paddle's test
 CE_ATTRS = (False, True, True, -1, -1)
-
-
-def T(mesh: ProcessMesh, shape: list[int], dm: list[Any], partial: Any = None) -> DistTensorSpec:
-    return DistTensorSpec(shape, mesh=mesh, dims_mapping=dm, partial=partial)
-
-
-def dms(attrs: Any) -> list[Any]:
-    return [a.dims_mapping for a in attrs]
-
-
-def J(shape: list[int], dm: list[Any], partial: Any = None) -> dict[str, Any]:
-    d: dict[str, Any] = {"shape": shape, "dims_mapping": dm}
-    if partial is not None:
-        d["partial"] = partial
-    return d
 
 
 def R(dm: list[Any], partial: dict[str, str] | None = None) -> dict[str, Any]:
@@ -342,21 +329,6 @@ def test_errors(name: str, mode: str, args: tuple[Any, ...], exc: type, words: s
 # ---------------------------------------------------------------------------
 
 
-def _numeric_grad(fwd: Any, x: np.ndarray, g: np.ndarray) -> np.ndarray:
-    out = np.zeros_like(x)
-    h = 1e-6
-    for i in np.ndindex(x.shape):
-        xp, xm = x.copy(), x.copy()
-        xp[i] += h
-        xm[i] -= h
-        out[i] = (np.sum(fwd(xp) * g) - np.sum(fwd(xm) * g)) / (2 * h)
-    return out
-
-
-def _ctx() -> Ctx:
-    return Ctx(ProcessMesh([1]))
-
-
 def _softmax(x: np.ndarray, ax: int) -> np.ndarray:
     e = np.exp(x - x.max(axis=ax, keepdims=True))
     return np.asarray(e / e.sum(axis=ax, keepdims=True))
@@ -425,11 +397,9 @@ GRADS = ["cross_entropy_with_softmax_grad", "c_softmax_with_cross_entropy_grad",
 @pytest.mark.parametrize("name", RULES)
 @pytest.mark.parametrize("mode", ["forward", "backward"])
 def test_sound(name: str, mode: str) -> None:
-    rep = verify_rule(name, 200, seed=7, mode=mode)
-    assert rep.cases == 200 and rep.unsound == 0 and rep.skipped == 0, rep.first_unsound or rep.first_skipped
+    assert_sound(name, 200, 7, mode)
 
 
 @pytest.mark.parametrize("name", GRADS)
 def test_grad_sound(name: str) -> None:
-    rep = verify_rule(name, 200, seed=7, mode="forward")
-    assert rep.cases == 200 and rep.unsound == 0 and rep.skipped == 0, rep.first_unsound or rep.first_skipped
+    assert_sound(name, 200, 7, "forward")

@@ -9,6 +9,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from spmd_helpers import J, T, assert_sound, dms
+from spmd_helpers import global_ctx as _ctx
+from spmd_helpers import numeric_grad as _numeric_grad
 from spmdkit.core.dist_attr import ReduceType
 from spmdkit.core.errors import (
     InvalidArgumentError,
@@ -18,30 +21,14 @@ from spmdkit.core.errors import (
     SpmdError,
 )
 from spmdkit.core.mesh import ProcessMesh
-from spmdkit.core.spec import DistTensorSpec
 from spmdkit.rules import get_rule
-from spmdkit.sim import SOUND, UNSOUND, verify, verify_rule
-from spmdkit.sim.ops import Ctx, get_reference
+from spmdkit.sim import SOUND, UNSOUND, verify
+from spmdkit.sim.ops import get_reference
 
 M22 = ProcessMesh([2, 2])
 M23 = ProcessMesh([2, 3])
 M24 = ProcessMesh([2, 4])
 M4 = ProcessMesh([4])
-
-
-def T(mesh: ProcessMesh, shape: list[int], dm: list[Any], partial: Any = None) -> DistTensorSpec:
-    return DistTensorSpec(shape, mesh=mesh, dims_mapping=dm, partial=partial)
-
-
-def dms(attrs: Any) -> list[Any]:
-    return [a.dims_mapping for a in attrs]
-
-
-def J(shape: list[int], dm: list[Any], partial: Any = None) -> dict[str, Any]:
-    d: dict[str, Any] = {"shape": shape, "dims_mapping": dm}
-    if partial is not None:
-        d["partial"] = partial
-    return d
 
 
 # ---------------------------------------------------------------------------
@@ -374,21 +361,6 @@ def test_backward_errors() -> None:
 # ---------------------------------------------------------------------------
 
 
-def _numeric_grad(fwd: Any, x: np.ndarray, g: np.ndarray) -> np.ndarray:
-    out = np.zeros_like(x)
-    h = 1e-6
-    for i in np.ndindex(x.shape):
-        xp, xm = x.copy(), x.copy()
-        xp[i] += h
-        xm[i] -= h
-        out[i] = (np.sum(fwd(xp) * g) - np.sum(fwd(xm) * g)) / (2 * h)
-    return out
-
-
-def _ctx() -> Ctx:
-    return Ctx(ProcessMesh([1]))
-
-
 @pytest.mark.parametrize(
     ("axis", "flatten", "exclusive", "reverse"),
     [(0, False, False, False), (1, False, True, False), (-1, False, False, True), (0, False, True, True),
@@ -473,11 +445,9 @@ GRADS = ["triu_grad", "tril_triu_grad", "cumsum_grad", "topk_grad", "logsumexp_g
 @pytest.mark.parametrize("name", RULES)
 @pytest.mark.parametrize("mode", ["forward", "backward"])
 def test_sound(name: str, mode: str) -> None:
-    rep = verify_rule(name, 60, seed=7, mode=mode)
-    assert rep.cases == 60 and rep.unsound == 0 and rep.skipped == 0, rep.first_unsound or rep.first_skipped
+    assert_sound(name, 60, 7, mode)
 
 
 @pytest.mark.parametrize("name", GRADS)
 def test_grad_sound(name: str) -> None:
-    rep = verify_rule(name, 60, seed=7, mode="forward")
-    assert rep.cases == 60 and rep.unsound == 0 and rep.skipped == 0, rep.first_unsound or rep.first_skipped
+    assert_sound(name, 60, 7, "forward")

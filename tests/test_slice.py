@@ -12,34 +12,20 @@ from typing import Any
 import numpy as np
 import pytest
 
+from spmd_helpers import J, T, assert_sound, dms
+from spmd_helpers import global_ctx as _ctx
 from spmdkit.core.dist_attr import ReduceType
 from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
-from spmdkit.core.spec import DistTensorSpec
 from spmdkit.rules import get_rule
-from spmdkit.sim import SOUND, UNSOUND, verify, verify_rule
-from spmdkit.sim.ops import Ctx, get_reference
+from spmdkit.sim import SOUND, UNSOUND, verify
+from spmdkit.sim.ops import get_reference
 
 M22 = ProcessMesh([2, 2])
 M24 = ProcessMesh([2, 4])
 M2 = ProcessMesh([2])
 M3 = ProcessMesh([3])
 M4 = ProcessMesh([4])
-
-
-def T(mesh: ProcessMesh, shape: list[int], dm: list[Any], partial: Any = None) -> DistTensorSpec:
-    return DistTensorSpec(shape, mesh=mesh, dims_mapping=dm, partial=partial)
-
-
-def dms(attrs: Any) -> list[Any]:
-    return [None if a is None else a.dims_mapping for a in attrs]
-
-
-def J(shape: list[int], dm: list[Any], partial: Any = None) -> dict[str, Any]:
-    d: dict[str, Any] = {"shape": shape, "dims_mapping": dm}
-    if partial is not None:
-        d["partial"] = partial
-    return d
 
 
 def R(dm: list[Any], partial: Any = None) -> dict[str, Any]:
@@ -433,10 +419,6 @@ def test_backward_errors() -> None:
 # ---------------------------------------------------------------------------
 
 
-def _ctx() -> Ctx:
-    return Ctx(ProcessMesh([1]))
-
-
 def _numeric_vjp(f: Any, x: np.ndarray, g: np.ndarray) -> np.ndarray:
     out = np.zeros_like(x)
     h = 1e-3
@@ -507,11 +489,9 @@ GRADS = ["slice_grad", "strided_slice_grad", "tile_grad", "expand_as_grad", "exp
 @pytest.mark.parametrize("name", RULES)
 @pytest.mark.parametrize("mode", ["forward", "backward"])
 def test_sound(name: str, mode: str) -> None:
-    rep = verify_rule(name, 200, seed=11, mode=mode)
-    assert rep.cases == 200 and rep.unsound == 0 and rep.skipped == 0, rep.first_unsound or rep.first_skipped
+    assert_sound(name, 200, 11, mode)
 
 
 @pytest.mark.parametrize("name", GRADS)
 def test_grad_sound(name: str) -> None:
-    rep = verify_rule(name, 200, seed=11, mode="forward")
-    assert rep.cases == 200 and rep.unsound == 0 and rep.skipped == 0, rep.first_unsound or rep.first_skipped
+    assert_sound(name, 200, 11, "forward")

@@ -9,13 +9,14 @@ from typing import Any
 import numpy as np
 import pytest
 
+from spmd_helpers import J, T, assert_sound, dms
+from spmd_helpers import global_ctx as _ctx
 from spmdkit.core.dist_attr import ReduceType
 from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError, ShapeMismatchError, SpmdError
 from spmdkit.core.mesh import ProcessMesh
-from spmdkit.core.spec import DistTensorSpec
 from spmdkit.rules import get_rule
-from spmdkit.sim import SOUND, UNSOUND, verify, verify_rule
-from spmdkit.sim.ops import Ctx, get_reference
+from spmdkit.sim import SOUND, UNSOUND, verify
+from spmdkit.sim.ops import get_reference
 
 M22 = ProcessMesh([2, 2])
 M23 = ProcessMesh([2, 3])
@@ -23,21 +24,6 @@ M24 = ProcessMesh([2, 4])
 M2 = ProcessMesh([2])
 M4 = ProcessMesh([4])
 SUM = ((0, ReduceType.SUM),)
-
-
-def T(mesh: ProcessMesh, shape: list[int], dm: list[Any], partial: Any = None) -> DistTensorSpec:
-    return DistTensorSpec(shape, mesh=mesh, dims_mapping=dm, partial=partial)
-
-
-def dms(attrs: Any) -> list[Any]:
-    return [a.dims_mapping for a in attrs]
-
-
-def J(shape: list[int], dm: list[Any], partial: Any = None) -> dict[str, Any]:
-    d: dict[str, Any] = {"shape": shape, "dims_mapping": dm}
-    if partial is not None:
-        d["partial"] = partial
-    return d
 
 
 def R(dm: list[Any], partial: Any = None) -> dict[str, Any]:
@@ -353,10 +339,6 @@ def test_backward_errors() -> None:
 # ---------------------------------------------------------------------------
 
 
-def _ctx() -> Ctx:
-    return Ctx(ProcessMesh([1]))
-
-
 def _numeric_vjp(f: Any, x: np.ndarray, gs: list[np.ndarray]) -> np.ndarray:
     """d/dx of sum_i <f(x)[i], gs[i]> by central differences (exact for these linear ops)."""
     def loss(v: np.ndarray) -> float:
@@ -433,11 +415,9 @@ GRADS = ["split_grad", "split_with_num_grad", "unbind_grad", "concat_grad", "sta
 @pytest.mark.parametrize("name", RULES)
 @pytest.mark.parametrize("mode", ["forward", "backward"])
 def test_sound(name: str, mode: str) -> None:
-    rep = verify_rule(name, 200, seed=11, mode=mode)
-    assert rep.cases == 200 and rep.unsound == 0 and rep.skipped == 0, rep.first_unsound or rep.first_skipped
+    assert_sound(name, 200, 11, mode)
 
 
 @pytest.mark.parametrize("name", GRADS)
 def test_grad_sound(name: str) -> None:
-    rep = verify_rule(name, 200, seed=11, mode="forward")
-    assert rep.cases == 200 and rep.unsound == 0 and rep.skipped == 0, rep.first_unsound or rep.first_skipped
+    assert_sound(name, 200, 11, "forward")
