@@ -160,3 +160,22 @@ def test_every_reshard_step_runs_as_real_collectives(tmp_path: Path, mesh_shape:
     assert out["bad"] == []
     assert {"all_reduce", "reduce_scatter", "all_gather", "all_to_all", "slice", "to_partial"} <= set(out["kinds"])
     assert out["dtensor_checked"] > 20
+
+
+def test_run_a_program_file(tmp_path: Path) -> None:
+    """--program: a program JSON (here the tiny GPT-2 step) planned from --annotate alone."""
+    from spmdkit.graph.zoo import build_model, preset
+
+    f = tmp_path / "prog.json"
+    f.write_text(build_model(preset("tiny-gpt2")).program.dumps())
+    rep = _spmdkit_run("--program", str(f), "--mesh", "dp=4", "--annotate", "tokens=[0,-1]")
+    assert rep["ok"] and rep["collectives_match"] and rep["max_error"] <= 1e-5
+    assert {c["kind"] for c in rep["collectives"]} == {"all_reduce"}  # data parallel: the gradients
+
+
+def test_wrong_process_count_is_an_error() -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    p = subprocess.run([sys.executable, "-m", "spmdkit", "run", "--mesh", "dp=2,tp=2", "--nproc", "3"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 1
+    assert "--nproc 3 but the mesh dp=2,tp=2 has 4 ranks" in p.stderr and "Traceback" not in p.stderr

@@ -14,6 +14,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     from spmdkit.graph.zoo import PRESETS
 
     p.add_argument("--model", default="tiny-llama", help=f"a preset ({', '.join(sorted(PRESETS))}); default tiny-llama")
+    p.add_argument("--program", help="run a program JSON file (docs/graph.md) instead of a preset; its annotations "
+                                      "come from --annotate")
     p.add_argument("--mesh", default="dp=2,tp=2", help="named mesh dims, e.g. dp=2,tp=2 (default)")
     p.add_argument("--strategy", default="megatron", help="comma list of dp, megatron (tp), sp, zero; default megatron")
     p.add_argument("--layers", type=int, help="override the preset's layer count")
@@ -69,15 +71,22 @@ def run_command(ns: argparse.Namespace, out: TextIO, argv: list[str]) -> int:
 
     init_from_env(ns.backend)
     try:
-        overrides = {"layers": ns.layers, "batch": ns.batch, "seq": ns.seq}
-        model, plan, _ = plan_model(ns.model, ns.mesh, ns.strategy, overrides, user)
+        if ns.program:
+            from spmdkit.graph.program import load_program
+            from spmdkit.graph.propagate import propagate
+
+            plan = propagate(load_program(ns.program), mesh, user)
+            title = f"program {ns.program}, mesh {ns.mesh}"
+        else:
+            overrides = {"layers": ns.layers, "batch": ns.batch, "seq": ns.seq}
+            model, plan, _ = plan_model(ns.model, ns.mesh, ns.strategy, overrides, user)
+            title = f"{ns.model} ({model.config.layers} layers), mesh {ns.mesh}, strategy {ns.strategy}"
         rep = run_rank(plan, ns.seed)
     finally:
         dist.barrier()
         dist.destroy_process_group()
     if rep is None:
         return 0
-    title = f"{ns.model} ({model.config.layers} layers), mesh {ns.mesh}, strategy {ns.strategy}"
     if ns.json:
         d: dict[str, Any] = {
             "title": title, "world_size": rep.world_size, "backend": rep.backend, "ok": rep.ok,
