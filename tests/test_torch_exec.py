@@ -126,6 +126,19 @@ _WORKER = textwrap.dedent('''
             if loc.shape != a.shape or not np.allclose(loc, a):
                 bad.append((case, f"DTensor local shard of {dst} differs from spmdkit's"))
             dt_checked += 1
+    # a module's parameters distributed as a plan says
+    from types import SimpleNamespace
+    from spmdkit.dtensor import distribute_parameters
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 16).double()
+    w0 = lin.weight.detach().numpy().copy()
+    wattr = TensorDistAttr(mesh, [0, -1] if mesh.ndim == 1 else [0, 1])
+    plan = SimpleNamespace(mesh=mesh, attrs={"w": wattr, "b": TensorDistAttr(mesh, [-1])})
+    applied = distribute_parameters(lin, plan, {"weight": "w", "bias": "b"}, dmesh)
+    if not np.allclose(lin.weight.to_local().detach().numpy(), shard(w0, wattr)[rank]):
+        bad.append(("distribute_parameters", "weight shard differs"))
+    if sorted(applied) != ["bias", "weight"]:
+        bad.append(("distribute_parameters", str(applied)))
     if rank == 0:
         print(json.dumps({"bad": bad, "kinds": sorted(kinds), "dtensor_checked": dt_checked}))
     dist.barrier()
@@ -179,3 +192,22 @@ def test_wrong_process_count_is_an_error() -> None:
                        capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 1
     assert "--nproc 3 but the mesh dp=2,tp=2 has 4 ranks" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_placements_of_dist_attrs() -> None:
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from spmdkit.core.dist_attr import TensorDistAttr
+    from spmdkit.core.errors import InvalidAttributeError
+    from spmdkit.core.mesh import ProcessMesh
+    from spmdkit.dtensor import placements
+
+    m = ProcessMesh([2, 2], dim_names=["dp", "tp"])
+    assert placements(TensorDistAttr(m, [0, -1], [1])) == (Shard(0), Partial("sum"))
+    assert placements(TensorDistAttr(m, [-1, 1])) == (Replicate(), Shard(1))
+    assert placements(TensorDistAttr(m, [(0, 1), -1])) == (Shard(0), Shard(0))  # co-shard, mesh-dim order
+    assert placements(TensorDistAttr(m, [-1, -1], {0: "max"})) == (Partial("max"), Replicate())
+    with pytest.raises(InvalidAttributeError, match="higher mesh dim major"):
+        placements(TensorDistAttr(m, [(1, 0), -1]))
+    with pytest.raises(InvalidAttributeError, match="partial any"):
+        placements(TensorDistAttr(m, [-1, -1], {0: "any"}))
