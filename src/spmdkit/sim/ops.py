@@ -514,6 +514,20 @@ def _log_softmax(x: np.ndarray, axis: int) -> np.ndarray:
     return np.asarray(x - m - np.log(np.exp(x - m).sum(axis=axis, keepdims=True)))
 
 
+def norm_axis(axis: Any, ndim: int) -> int:
+    """A reference's axis attribute in [0, ndim) (a 0-d tensor takes 0 or -1); ValueError else."""
+    a = int(axis)
+    if ndim == 0:
+        if a not in (0, -1):
+            raise ValueError(f"axis {axis} out of range for a 0-d tensor")
+        return 0
+    if a < 0:
+        a += ndim
+    if not 0 <= a < ndim:
+        raise ValueError(f"axis {axis} out of range")
+    return a
+
+
 def _axis1(axis: Any, ndim: int) -> int:
     a = int(axis)
     if ndim == 0:

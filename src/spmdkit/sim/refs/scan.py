@@ -17,26 +17,10 @@ from typing import Any
 import numpy as np
 
 from spmdkit.sim.cases import GENERATORS, TGen, rand_axis, rand_shape
-from spmdkit.sim.ops import Arrays, Ctx, Reference, register_reference
+from spmdkit.sim.ops import Arrays, Ctx, Reference, _f, register_reference
+from spmdkit.sim.ops import norm_axis as _ax
 
 Shape = tuple[int, ...]
-
-
-def _f(x: Any) -> np.ndarray:
-    return np.asarray(x, dtype=np.float64)
-
-
-def _ax(axis: Any, ndim: int) -> int:
-    a = int(axis)
-    if ndim == 0:
-        if a not in (0, -1):
-            raise ValueError(f"axis {axis} out of range for a 0-d tensor")
-        return 0
-    if a < 0:
-        a += ndim
-    if not 0 <= a < ndim:
-        raise ValueError(f"axis {axis} out of range")
-    return a
 
 
 # -- triu / tril_triu ---------------------------------------------------------------------------
