@@ -21,17 +21,9 @@ PADDLE: dict[str, dict[str, str | None]] = {k: v for k, v in _TABLE.items() if n
 #: Paddle names spmdkit does not have yet (issue 7). Must shrink to empty; the test below fails
 #: when a name here gets registered, so the list cannot go stale.
 NOT_YET: set[str] = {
-    "batch_norm",
     "c_softmax_with_multi_label_cross_entropy",
-    "conv2d",
-    "conv2d_transpose",
-    "conv3d",
-    "depthwise_conv2d",
-    "group_norm",
-    "instance_norm",
     "moe_combine",
     "moe_gate_dispatch",
-    "roi_align",
 }
 
 #: Slots where spmdkit deliberately registers another function than Paddle, with the reason.

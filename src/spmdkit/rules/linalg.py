@@ -40,6 +40,11 @@ einsum_grad: the same merge over the inputs and out_grad; each input's grad is s
 that input and partial SUM over the letters it lacks. Paddle 3.3.1 replicates every
 operand of a non-outer einsum (sound, but all communication): spmdkit shards
 (einsum-notation).
+
+Deviations (docs/deviations.md): gemm-reserve-space, gemm-matmul-merge, gemm-two-mesh-dims,
+gemm-partial-unsharded-k, gemm-shape-checks, bmm-grad-raises, mm-size1-axis,
+flpga-paddle-crash, flpga-accumulator-reshard, flpga-dbias-from-input, flpga-fake-reverse,
+einsum-notation.
 """
 
 from __future__ import annotations

@@ -23,7 +23,11 @@ sharded as merged, the scalars replicated, and the outputs are what those inputs
 
 Deviations: Paddle keeps learning_rate / beta1_pow / beta2_pow (shape [1]) as given, also
 sharded; spmdkit replicates them (optimizer-scalars-replicated). Paddle raises on a sharded
-skip_update; spmdkit replicates it.
+skip_update; spmdkit replicates it (optimizer-skip-update). Paddle's first step, an elementwise
+merge of param and grad, raises where they shard one axis on different mesh dims; spmdkit
+replicates the axis (optimizer-two-mesh-dims). Paddle's per-axis vote can put one mesh dim on
+two axes (param [0,-1], moment1 [-1,0] -> [0,0]); spmdkit keeps it on the first
+(optimizer-repeated-mesh-dim).
 """
 
 from __future__ import annotations
