@@ -20,11 +20,7 @@ PADDLE: dict[str, dict[str, str | None]] = {k: v for k, v in _TABLE.items() if n
 
 #: Paddle names spmdkit does not have yet (issue 7). Must shrink to empty; the test below fails
 #: when a name here gets registered, so the list cannot go stale.
-NOT_YET: set[str] = {
-    "c_softmax_with_multi_label_cross_entropy",
-    "moe_combine",
-    "moe_gate_dispatch",
-}
+NOT_YET: set[str] = set()
 
 #: Slots where spmdkit deliberately registers another function than Paddle, with the reason.
 OTHER_FUNCTION = {
