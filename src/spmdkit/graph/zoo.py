@@ -129,6 +129,23 @@ GRADS: dict[str, tuple[str, tuple[str, ...]]] = {
     "flash_attention": ("flash_attention_grad", ("q", "k", "v")),
     "fused_rotary_position_embedding": ("fused_rotary_position_embedding_grad", ("q", "k", "v")),
     "swiglu": ("swiglu_grad", ("x", "y")),
+    # ops of models imported from torch (spmdkit.torch_import; tests/test_torch_import.py checks
+    # each gradient against torch's autograd)
+    "square": ("square_grad", ("x",)),
+    "rsqrt": ("rsqrt_grad", ("x",)),
+    "silu": ("silu_grad", ("x",)),
+    "sqrt": ("sqrt_grad", ("x",)),
+    "relu": ("relu_grad", ("x",)),
+    "tanh": ("tanh_grad", ("x",)),
+    "exp": ("exp_grad", ("x",)),
+    "sigmoid": ("sigmoid_grad", ("x",)),
+    "subtract": ("subtract_grad", ("x", "y")),
+    "divide": ("divide_grad", ("x", "y")),
+    "elementwise_pow": ("elementwise_pow_grad", ("x", "y")),
+    "log_softmax": ("log_softmax_grad", ("x",)),
+    "unsqueeze": ("unsqueeze_grad", ("x",)),
+    "squeeze": ("squeeze_grad", ("x",)),
+    "expand": ("expand_grad", ("x",)),
 }
 
 #: grad rule parameter -> forward output it reads, where the names differ
