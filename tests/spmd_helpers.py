@@ -50,3 +50,20 @@ def assert_sound(name: str, cases: int, seed: int, mode: str = "forward") -> Non
     """Every generated case of the rule and mode is answered soundly (none skipped)."""
     rep = verify_rule(name, cases, seed=seed, mode=mode)
     assert rep.cases == cases and rep.unsound == 0 and rep.skipped == 0, rep.first_unsound or rep.first_skipped
+
+
+def soundness_tests(rules: list[str], grads: list[str], cases: int, seed: int) -> tuple[Any, Any]:
+    """``test_sound`` (every rule, both modes) and ``test_grad_sound`` (every grad rule) for a
+    family's test module: ``test_sound, test_grad_sound = soundness_tests(RULES, GRADS, 200, 7)``."""
+    import pytest
+
+    @pytest.mark.parametrize("name", rules)
+    @pytest.mark.parametrize("mode", ["forward", "backward"])
+    def test_sound(name: str, mode: str) -> None:
+        assert_sound(name, cases, seed, mode)
+
+    @pytest.mark.parametrize("name", grads)
+    def test_grad_sound(name: str) -> None:
+        assert_sound(name, cases, seed, "forward")
+
+    return test_sound, test_grad_sound

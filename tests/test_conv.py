@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from spmd_helpers import T, assert_sound, dms
+from spmd_helpers import T, dms, soundness_tests
 from spmd_helpers import global_ctx as _ctx
 from spmd_helpers import numeric_grad as _numeric_grad
 from spmdkit.core.dist_attr import ReduceType
@@ -532,12 +532,4 @@ GRADS = ["conv2d_grad", "conv3d_grad", "conv2d_transpose_grad", "depthwise_conv2
          "group_norm_grad", "instance_norm_grad", "roi_align_grad"]
 
 
-@pytest.mark.parametrize("name", RULES)
-@pytest.mark.parametrize("mode", ["forward", "backward"])
-def test_sound(name: str, mode: str) -> None:
-    assert_sound(name, 200, 7, mode)
-
-
-@pytest.mark.parametrize("name", GRADS)
-def test_grad_sound(name: str) -> None:
-    assert_sound(name, 200, 7, "forward")
+test_sound, test_grad_sound = soundness_tests(RULES, GRADS, 200, 7)

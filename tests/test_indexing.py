@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from spmd_helpers import J, T, assert_sound, dms
+from spmd_helpers import J, T, dms, soundness_tests
 from spmd_helpers import global_ctx as _ctx
 from spmdkit.core.dist_attr import ReduceType
 from spmdkit.core.errors import (
@@ -609,12 +609,4 @@ RULES = ["gather", "index_select", "gather_nd", "scatter", "scatter_nd_add", "wh
 GRADS = ["gather_grad", "index_select_grad", "gather_nd_grad", "scatter_grad", "scatter_nd_add_grad", "where_grad"]
 
 
-@pytest.mark.parametrize("name", RULES)
-@pytest.mark.parametrize("mode", ["forward", "backward"])
-def test_sound(name: str, mode: str) -> None:
-    assert_sound(name, 200, 7, mode)
-
-
-@pytest.mark.parametrize("name", GRADS)
-def test_grad_sound(name: str) -> None:
-    assert_sound(name, 200, 7, "forward")
+test_sound, test_grad_sound = soundness_tests(RULES, GRADS, 200, 7)

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from spmd_helpers import J, T, assert_sound, dms
+from spmd_helpers import J, T, dms, soundness_tests
 from spmd_helpers import global_ctx as _ctx
 from spmd_helpers import numeric_grad as _numeric_grad
 from spmdkit.core.dist_attr import ReduceType
@@ -442,12 +442,4 @@ RULES = ["triu", "tril_triu", "cumsum", "argmax", "argmin", "topk", "logsumexp",
 GRADS = ["triu_grad", "tril_triu_grad", "cumsum_grad", "topk_grad", "logsumexp_grad", "add_n_grad"]
 
 
-@pytest.mark.parametrize("name", RULES)
-@pytest.mark.parametrize("mode", ["forward", "backward"])
-def test_sound(name: str, mode: str) -> None:
-    assert_sound(name, 60, 7, mode)
-
-
-@pytest.mark.parametrize("name", GRADS)
-def test_grad_sound(name: str) -> None:
-    assert_sound(name, 60, 7, "forward")
+test_sound, test_grad_sound = soundness_tests(RULES, GRADS, 60, 7)

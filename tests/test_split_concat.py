@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from spmd_helpers import J, T, assert_sound, dms
+from spmd_helpers import J, T, dms, soundness_tests
 from spmd_helpers import global_ctx as _ctx
 from spmdkit.core.dist_attr import ReduceType
 from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError, ShapeMismatchError, SpmdError
@@ -412,12 +412,4 @@ RULES = ["split", "split_with_num", "unbind", "concat", "stack"]
 GRADS = ["split_grad", "split_with_num_grad", "unbind_grad", "concat_grad", "stack_grad"]
 
 
-@pytest.mark.parametrize("name", RULES)
-@pytest.mark.parametrize("mode", ["forward", "backward"])
-def test_sound(name: str, mode: str) -> None:
-    assert_sound(name, 200, 11, mode)
-
-
-@pytest.mark.parametrize("name", GRADS)
-def test_grad_sound(name: str) -> None:
-    assert_sound(name, 200, 11, "forward")
+test_sound, test_grad_sound = soundness_tests(RULES, GRADS, 200, 11)

@@ -198,7 +198,7 @@ def test_placements_of_dist_attrs() -> None:
     from torch.distributed.tensor import Partial, Replicate, Shard
 
     from spmdkit.core.dist_attr import TensorDistAttr
-    from spmdkit.core.errors import InvalidAttributeError
+    from spmdkit.core.errors import InvalidDimsMappingError, InvalidPartialError
     from spmdkit.core.mesh import ProcessMesh
     from spmdkit.dtensor import placements
 
@@ -207,7 +207,7 @@ def test_placements_of_dist_attrs() -> None:
     assert placements(TensorDistAttr(m, [-1, 1])) == (Replicate(), Shard(1))
     assert placements(TensorDistAttr(m, [(0, 1), -1])) == (Shard(0), Shard(0))  # co-shard, mesh-dim order
     assert placements(TensorDistAttr(m, [-1, -1], {0: "max"})) == (Partial("max"), Replicate())
-    with pytest.raises(InvalidAttributeError, match="higher mesh dim major"):
+    with pytest.raises(InvalidDimsMappingError, match="in an order DTensor"):
         placements(TensorDistAttr(m, [(1, 0), -1]))
-    with pytest.raises(InvalidAttributeError, match="partial any"):
+    with pytest.raises(InvalidPartialError, match="no Partial reduce op for 'any'"):
         placements(TensorDistAttr(m, [-1, -1], {0: "any"}))

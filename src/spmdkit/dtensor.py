@@ -11,7 +11,8 @@ DTensor splits a tensor axis sharded by several mesh dims in mesh-dim order (the
 is the major split), which is spmdkit's co-shard ``(d0, d1)`` with ``d0 < d1``; a co-shard
 listing a higher mesh dim first has no DTensor placement and raises. Both split the same way
 (``torch.chunk``: equal chunks, the last ones smaller on an uneven axis; spmdkit's uneven
-shards take the ceiling first, as DTensor does).
+shards take the ceiling first, as DTensor does). The mapping itself is
+``spmdkit.core.placements`` (torch-free placement classes and ``to_torch_placements``).
 
 ``device_mesh(plan)`` builds the matching ``DeviceMesh`` (the plan's mesh dim names), and
 ``distribute_parameters(module, plan, names)`` replaces a module's parameters by DTensors
@@ -25,34 +26,16 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import Partial, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Partial, Placement, distribute_tensor
 
-from spmdkit.core.dist_attr import ReduceType, TensorDistAttr, entry_dims
+from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import InvalidAttributeError
-
-_REDUCE = {ReduceType.SUM: "sum", ReduceType.AVG: "avg", ReduceType.MAX: "max", ReduceType.MIN: "min",
-           ReduceType.PROD: "product"}
+from spmdkit.core.placements import to_torch_placements
 
 
 def placements(attr: TensorDistAttr) -> tuple[Placement, ...]:
-    """DTensor placements (one per mesh dim) of a dist attr."""
-    mesh = attr.mesh
-    out: list[Placement] = [Replicate() for _ in range(mesh.ndim)]
-    for i, e in enumerate(attr.dims_mapping):
-        dims = entry_dims(e)
-        if list(dims) != sorted(dims):
-            raise InvalidAttributeError(
-                f"dtensor: axis {i} is co-sharded as {list(dims)} (a higher mesh dim major); DTensor splits "
-                f"in mesh-dim order and has no placement for it")
-        for d in dims:
-            out[d] = Shard(i)
-    for d, rt in attr.partial:
-        op = _REDUCE.get(rt)
-        if op is None:
-            raise InvalidAttributeError(f"dtensor: mesh dim {d} is partial {rt.value}, which DTensor has no "
-                                        f"Partial for")
-        out[d] = Partial(op)
-    return tuple(out)
+    """DTensor placements (one per mesh dim) of a dist attr (``core.placements.to_torch_placements``)."""
+    return to_torch_placements(attr)
 
 
 def plan_placements(plan: Any) -> dict[str, tuple[Placement, ...]]:

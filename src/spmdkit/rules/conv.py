@@ -52,6 +52,7 @@ roi-shape-checks, conv-norm-grads.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from spmdkit.core.dist_attr import DimsMapping, Entry, ReduceType, TensorDistAttr, dims_entry, entry_dims
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
@@ -296,190 +297,83 @@ def conv2d_backward(input: DistTensorSpec, filter: DistTensorSpec, output: DistT
     return _conv_reverse("conv2d", input, filter, output, 2, False, 1, False)
 
 
-def conv2d_grad(
-    input: DistTensorSpec,
-    filter: DistTensorSpec,
-    output_grad: DistTensorSpec,
-    strides: Sequence[int] = (1, 1),
-    paddings: Sequence[int] = (0, 0),
-    padding_algorithm: str = "EXPLICIT",
-    dilations: Sequence[int] = (1, 1),
-    groups: int = 1,
-    data_format: str = "NCHW",
-) -> SpmdResult:
-    """Conv2dGradInferSpmd: ``ncPQ, mcIJ, nmXY -> ncPQ, mcIJ``; input_grad partial SUM over m,
-    filter_grad over n."""
-    op = "conv2d_grad"
-    return _conv_grad(op, input, filter, output_grad, 2, _channel_last(op, data_format, 2),
-                      _groups(op, groups), False)
+def _attr_names(sig: str) -> tuple[str, ...]:
+    return tuple(part.split(":")[0].strip() for part in sig.split(", "))
+
+
+def _conv_rule(op: str, sig: str, nd: int, transpose: bool, grad: bool, doc: str) -> Any:
+    """A conv forward (``input, filter, *attrs``) or grad (``input, filter, output_grad,
+    *attrs``) rule over the attributes of Paddle's signature ``sig`` (only ``groups`` and
+    ``data_format`` decide a sharding; strides, paddings and dilations do not)."""
+    names = _attr_names(sig)
+    gi, fi = names.index("groups"), names.index("data_format")
+
+    def fwd(input: DistTensorSpec, filter: DistTensorSpec, *attrs: Any) -> SpmdResult:
+        groups, fmt = _conv_attrs(attrs, gi, fi, nd)
+        return _conv_forward(op, input, filter, nd, _channel_last(op, fmt, nd), _groups(op, groups), transpose)
+
+    def grd(input: DistTensorSpec, filter: DistTensorSpec, output_grad: DistTensorSpec, *attrs: Any) -> SpmdResult:
+        groups, fmt = _conv_attrs(attrs, gi, fi, nd)
+        return _conv_grad(op, input, filter, output_grad, nd, _channel_last(op, fmt, nd), _groups(op, groups),
+                          transpose)
+
+    fn = grd if grad else fwd
+    fn.__name__ = fn.__qualname__ = f"{op}_{'rule' if grad else 'forward'}"
+    fn.__doc__ = doc
+    return fn
+
+
+def _conv_attrs(attrs: tuple[Any, ...], gi: int, fi: int, nd: int) -> tuple[int, str]:
+    groups = attrs[gi] if gi < len(attrs) else 1
+    fmt = attrs[fi] if fi < len(attrs) else ("NCHW" if nd == 2 else "NCDHW")
+    return groups, fmt
 
 
 _CONV2D_ATTRS = ('strides: ints = [], paddings: ints = [], padding_algorithm: str = "EXPLICIT", '
                  'dilations: ints = [], groups: int = 1, data_format: str = "NCHW"')
+_CONV3D_ATTRS = ('strides: ints = [], paddings: ints = [], padding_algorithm: str = "EXPLICIT", '
+                 'groups: int = 1, dilations: ints = [], data_format: str = "NCDHW"')
+_CT_ATTRS = ('strides: ints = [], paddings: ints = [], output_padding: ints = [], '
+             'output_size: ints = [], padding_algorithm: str = "EXPLICIT", groups: int = 1, '
+             'dilations: ints = [], data_format: str = "NCHW"')
+_DW_ATTRS = ('strides: ints = [], paddings: ints = [], padding_algorithm: str = "EXPLICIT", '
+             'groups: int = 1, dilations: ints = [], data_format: str = "NCHW"')
+
+conv2d_grad = _conv_rule("conv2d_grad", _CONV2D_ATTRS, 2, False, True,
+                         "Conv2dGradInferSpmd: ``ncPQ, mcIJ, nmXY -> ncPQ, mcIJ``; input_grad partial SUM "
+                         "over m, filter_grad over n.")
+conv3d_forward = _conv_rule("conv3d", _CONV3D_ATTRS, 3, False, False,
+                            "Conv3dInferSpmd: ``ncPQR, mcIJK -> nmXYZ`` (NCDHW); NDHWC puts c / m last.")
+conv3d_grad = _conv_rule("conv3d_grad", _CONV3D_ATTRS, 3, False, True,
+                         "Conv3dGradInferSpmd: input_grad partial SUM over m, filter_grad over n.")
+conv2d_transpose_forward = _conv_rule("conv2d_transpose", _CT_ATTRS, 2, True, False,
+                                      "Conv2dTransposeInferSpmd: ``ncPQ, cmIJ -> nmXY``; out partial SUM over c.")
+conv2d_transpose_grad = _conv_rule("conv2d_transpose_grad", _CT_ATTRS, 2, True, True,
+                                   "Conv2dTransposeGradInferSpmd: input_grad partial SUM over m, filter_grad "
+                                   "over n.")
+depthwise_conv2d_forward = _conv_rule("depthwise_conv2d", _DW_ATTRS, 2, False, False,
+                                      "DepthwiseConv2dInferSpmd: a grouped conv2d; with groups > 1 only the "
+                                      "batch is shardable.")
+depthwise_conv2d_grad = _conv_rule("depthwise_conv2d_grad", _DW_ATTRS, 2, False, True,
+                                   "DepthwiseConv2dGradInferSpmd: the grouped conv grad; filter_grad partial SUM "
+                                   "over n.")
 
 register(
     "conv2d", conv2d_forward, "input: T, filter: T", conv2d_backward, "input: T, filter: T, output: T",
     forward_name="Conv2dInferSpmdBase", backward_name="Conv2dInferSpmdReverseBase",
 )  # fmt: skip
-register(
-    "conv2d_grad", conv2d_grad, "input: T, filter: T, output_grad: T, " + _CONV2D_ATTRS,
-    forward_name="Conv2dGradInferSpmd",
-)  # fmt: skip
-
-# ---------------------------------------------------------------------------
-# conv3d (Conv3dInferSpmd / Conv3dGradInferSpmd)
-# ---------------------------------------------------------------------------
-
-
-def conv3d_forward(
-    input: DistTensorSpec,
-    filter: DistTensorSpec,
-    strides: Sequence[int] = (1, 1, 1),
-    paddings: Sequence[int] = (0, 0, 0),
-    padding_algorithm: str = "EXPLICIT",
-    groups: int = 1,
-    dilations: Sequence[int] = (1, 1, 1),
-    data_format: str = "NCDHW",
-) -> SpmdResult:
-    """Conv3dInferSpmd: ``ncPQR, mcIJK -> nmXYZ`` (NCDHW); NDHWC puts c / m last."""
-    op = "conv3d"
-    return _conv_forward(op, input, filter, 3, _channel_last(op, data_format, 3), _groups(op, groups), False)
-
-
-def conv3d_grad(
-    input: DistTensorSpec,
-    filter: DistTensorSpec,
-    output_grad: DistTensorSpec,
-    strides: Sequence[int] = (1, 1, 1),
-    paddings: Sequence[int] = (0, 0, 0),
-    padding_algorithm: str = "EXPLICIT",
-    groups: int = 1,
-    dilations: Sequence[int] = (1, 1, 1),
-    data_format: str = "NCDHW",
-) -> SpmdResult:
-    """Conv3dGradInferSpmd: input_grad partial SUM over m, filter_grad over n."""
-    op = "conv3d_grad"
-    return _conv_grad(op, input, filter, output_grad, 3, _channel_last(op, data_format, 3),
-                      _groups(op, groups), False)
-
-
-_CONV3D_ATTRS = ('strides: ints = [], paddings: ints = [], padding_algorithm: str = "EXPLICIT", '
-                 'groups: int = 1, dilations: ints = [], data_format: str = "NCDHW"')
-
-register(
-    "conv3d", conv3d_forward, "input: T, filter: T, " + _CONV3D_ATTRS,
-    conv3d_grad, "input: T, filter: T, output_grad: T, " + _CONV3D_ATTRS,
-    forward_name="Conv3dInferSpmd", backward_name="Conv3dGradInferSpmd",
-)  # fmt: skip
-register(
-    "conv3d_grad", conv3d_grad, "input: T, filter: T, output_grad: T, " + _CONV3D_ATTRS,
-    forward_name="Conv3dGradInferSpmd",
-)  # fmt: skip
-
-# ---------------------------------------------------------------------------
-# conv2d_transpose (Conv2dTransposeInferSpmd / Conv2dTransposeGradInferSpmd)
-# ---------------------------------------------------------------------------
-
-
-def conv2d_transpose_forward(
-    input: DistTensorSpec,
-    filter: DistTensorSpec,
-    strides: Sequence[int] = (1, 1),
-    paddings: Sequence[int] = (0, 0),
-    output_padding: Sequence[int] = (),
-    output_size: Sequence[int] = (),
-    padding_algorithm: str = "EXPLICIT",
-    groups: int = 1,
-    dilations: Sequence[int] = (1, 1),
-    data_format: str = "NCHW",
-) -> SpmdResult:
-    """Conv2dTransposeInferSpmd: ``ncPQ, cmIJ -> nmXY``; out partial SUM over c."""
-    op = "conv2d_transpose"
-    return _conv_forward(op, input, filter, 2, _channel_last(op, data_format, 2), _groups(op, groups), True)
-
-
-def conv2d_transpose_grad(
-    input: DistTensorSpec,
-    filter: DistTensorSpec,
-    output_grad: DistTensorSpec,
-    strides: Sequence[int] = (1, 1),
-    paddings: Sequence[int] = (0, 0),
-    output_padding: Sequence[int] = (),
-    output_size: Sequence[int] = (),
-    padding_algorithm: str = "EXPLICIT",
-    groups: int = 1,
-    dilations: Sequence[int] = (1, 1),
-    data_format: str = "NCHW",
-) -> SpmdResult:
-    """Conv2dTransposeGradInferSpmd: input_grad partial SUM over m, filter_grad over n."""
-    op = "conv2d_transpose_grad"
-    return _conv_grad(op, input, filter, output_grad, 2, _channel_last(op, data_format, 2),
-                      _groups(op, groups), True)
-
-
-_CT_ATTRS = ('strides: ints = [], paddings: ints = [], output_padding: ints = [], '
-             'output_size: ints = [], padding_algorithm: str = "EXPLICIT", groups: int = 1, '
-             'dilations: ints = [], data_format: str = "NCHW"')
-
-register(
-    "conv2d_transpose", conv2d_transpose_forward, "input: T, filter: T, " + _CT_ATTRS,
-    conv2d_transpose_grad, "input: T, filter: T, output_grad: T, " + _CT_ATTRS,
-    forward_name="Conv2dTransposeInferSpmd", backward_name="Conv2dTransposeGradInferSpmd",
-)  # fmt: skip
-register(
-    "conv2d_transpose_grad", conv2d_transpose_grad, "input: T, filter: T, output_grad: T, " + _CT_ATTRS,
-    forward_name="Conv2dTransposeGradInferSpmd",
-)  # fmt: skip
-
-# ---------------------------------------------------------------------------
-# depthwise_conv2d (DepthwiseConv2dInferSpmd / DepthwiseConv2dGradInferSpmd)
-# ---------------------------------------------------------------------------
-
-
-def depthwise_conv2d_forward(
-    input: DistTensorSpec,
-    filter: DistTensorSpec,
-    strides: Sequence[int] = (1, 1),
-    paddings: Sequence[int] = (0, 0),
-    padding_algorithm: str = "EXPLICIT",
-    groups: int = 1,
-    dilations: Sequence[int] = (1, 1),
-    data_format: str = "NCHW",
-) -> SpmdResult:
-    """DepthwiseConv2dInferSpmd: a grouped conv2d; with groups > 1 only the batch is shardable."""
-    op = "depthwise_conv2d"
-    return _conv_forward(op, input, filter, 2, _channel_last(op, data_format, 2), _groups(op, groups), False)
-
-
-def depthwise_conv2d_grad(
-    input: DistTensorSpec,
-    filter: DistTensorSpec,
-    output_grad: DistTensorSpec,
-    strides: Sequence[int] = (1, 1),
-    paddings: Sequence[int] = (0, 0),
-    padding_algorithm: str = "EXPLICIT",
-    groups: int = 1,
-    dilations: Sequence[int] = (1, 1),
-    data_format: str = "NCHW",
-) -> SpmdResult:
-    """DepthwiseConv2dGradInferSpmd: the grouped conv grad; filter_grad partial SUM over n."""
-    op = "depthwise_conv2d_grad"
-    return _conv_grad(op, input, filter, output_grad, 2, _channel_last(op, data_format, 2),
-                      _groups(op, groups), False)
-
-
-_DW_ATTRS = ('strides: ints = [], paddings: ints = [], padding_algorithm: str = "EXPLICIT", '
-             'groups: int = 1, dilations: ints = [], data_format: str = "NCHW"')
-
-register(
-    "depthwise_conv2d", depthwise_conv2d_forward, "input: T, filter: T, " + _DW_ATTRS,
-    depthwise_conv2d_grad, "input: T, filter: T, output_grad: T, " + _DW_ATTRS,
-    forward_name="DepthwiseConv2dInferSpmd", backward_name="DepthwiseConv2dGradInferSpmd",
-)  # fmt: skip
-register(
-    "depthwise_conv2d_grad", depthwise_conv2d_grad, "input: T, filter: T, output_grad: T, " + _DW_ATTRS,
-    forward_name="DepthwiseConv2dGradInferSpmd",
-)  # fmt: skip
+_G = "input: T, filter: T, output_grad: T, "
+_F = "input: T, filter: T, "
+register("conv2d_grad", conv2d_grad, _G + _CONV2D_ATTRS, forward_name="Conv2dGradInferSpmd")
+register("conv3d", conv3d_forward, _F + _CONV3D_ATTRS, conv3d_grad, _G + _CONV3D_ATTRS,
+         forward_name="Conv3dInferSpmd", backward_name="Conv3dGradInferSpmd")
+register("conv3d_grad", conv3d_grad, _G + _CONV3D_ATTRS, forward_name="Conv3dGradInferSpmd")
+register("conv2d_transpose", conv2d_transpose_forward, _F + _CT_ATTRS, conv2d_transpose_grad, _G + _CT_ATTRS,
+         forward_name="Conv2dTransposeInferSpmd", backward_name="Conv2dTransposeGradInferSpmd")
+register("conv2d_transpose_grad", conv2d_transpose_grad, _G + _CT_ATTRS, forward_name="Conv2dTransposeGradInferSpmd")
+register("depthwise_conv2d", depthwise_conv2d_forward, _F + _DW_ATTRS, depthwise_conv2d_grad, _G + _DW_ATTRS,
+         forward_name="DepthwiseConv2dInferSpmd", backward_name="DepthwiseConv2dGradInferSpmd")
+register("depthwise_conv2d_grad", depthwise_conv2d_grad, _G + _DW_ATTRS, forward_name="DepthwiseConv2dGradInferSpmd")
 
 
 # ---------------------------------------------------------------------------
