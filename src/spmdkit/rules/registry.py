@@ -76,7 +76,7 @@ def parse_signature(sig: str) -> tuple[Param, ...]:
     params: list[Param] = []
     if not sig.strip():
         return ()
-    for part in sig.split(","):
+    for part in _split_params(sig):
         part = part.strip()
         name, _, rest = part.partition(":")
         kind, eq, default_text = rest.partition("=")
@@ -88,6 +88,32 @@ def parse_signature(sig: str) -> tuple[Param, ...]:
             default = _parse_default(default_text.strip())
         params.append(Param(name.strip(), kind, default))
     return tuple(params)
+
+
+def _split_params(sig: str) -> list[str]:
+    """The comma-separated parameters of a signature; commas inside brackets or quotes (a
+    default like ``ints = [1, 1]`` or ``str = "a,b"``) do not split."""
+    parts: list[str] = []
+    depth = 0
+    quote = ""
+    cur: list[str] = []
+    for ch in sig:
+        if quote:
+            if ch == quote:
+                quote = ""
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[(":
+            depth += 1
+        elif ch in "])":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+            continue
+        cur.append(ch)
+    parts.append("".join(cur))
+    return parts
 
 
 def _parse_default(text: str) -> Any:
