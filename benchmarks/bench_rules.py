@@ -61,6 +61,14 @@ CASES: list[tuple[str, dict[str, Any]]] = [
              "args": [_t([8, 1024, 768], [0, -1, 1]), [1, 2], False]}),
     ("transpose", {"rule": "transpose", "mesh": [2, 4], "mode": "forward",
                    "args": [_t([8, 1024, 12, 64], [0, -1, 1, -1]), [0, 2, 1, 3]]}),
+    ("conv2d", {"rule": "conv2d", "mesh": [2, 4], "mode": "forward",
+                "args": [_t([8, 64, 32, 32], [0, 1, -1, -1]), _t([128, 64, 3, 3], [-1, 1, -1, -1])]}),
+    ("embedding", {"rule": "embedding", "mesh": [2, 4], "mode": "forward",
+                   "args": [_t([8, 1024], [0, -1]), _t([32000, 4096], [1, -1]), -1, False]}),
+    ("flash_attention", {"rule": "flash_attention", "mesh": [2, 4], "mode": "forward",
+                         "args": [_t([8, 1024, 32, 128], [0, -1, 1, -1]), _t([8, 1024, 32, 128], [0, -1, 1, -1]),
+                                  _t([8, 1024, 32, 128], [0, -1, 1, -1]), _t([2], [-1]), _t([8, 1, 1024, 1024],
+                                  [0, -1, -1, -1]), 0.0, True, False, False]}),
 ]
 
 
