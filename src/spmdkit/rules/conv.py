@@ -67,6 +67,7 @@ from spmdkit.engine.notation import (
     fast_result,
     largest_mesh_dim,
     merge_specs,
+    merge_weight,
     named_mesh,
     one_mesh_dim_per_axis,
     project_all,
@@ -235,10 +236,63 @@ _NAMES3 = ("input", "filter", "output")
 _GNAMES = ("input", "filter", "output_grad")
 
 
+#: the hand-written forward for the plain case (channels first, groups 1, not transposed, no
+#: co-shard); tests compare it with the notation engine, which answers every other case
+FAST = True
+
+
+def _conv_fast(x: DistTensorSpec, w: DistTensorSpec, nsp: int) -> SpmdResult | None:
+    """``nc<spatial>, mc<kernel> -> nm<spatial>`` as the notation engine merges it: claims in
+    order n, c (x), m, c (w: the larger tensor's c wins a disagreement), spatial letters
+    replicated, a mesh dim taken by an earlier claim dropped; out partial SUM over c."""
+    xa, wa = x.dist_attr, w.dist_attr
+    xd, wd = xa.dims_mapping, wa.dims_mapping
+    n, c, m, wc = xd[0], xd[1], wd[0], wd[1]
+    if n.__class__ is not int or c.__class__ is not int or m.__class__ is not int or wc.__class__ is not int:
+        return None  # a co-shard: the generic path collapses it first
+    for e in xd[2:]:
+        if e.__class__ is not int:
+            return None
+    for e in wd[2:]:
+        if e.__class__ is not int:
+            return None
+    # c: the first claim is x's unless x leaves it unsharded; where both shard it differently
+    # the larger tensor keeps its own (x on a tie)
+    c_late = False  # c is claimed after m (x does not shard it, w does)
+    if c < 0:
+        if wc >= 0:
+            c, c_late = wc, True
+    elif wc >= 0 and wc != c and merge_weight(w.shape) > merge_weight(x.shape):
+        c = wc
+    used = 0
+    if n >= 0:
+        used = 1 << n
+    if not c_late and c >= 0:
+        if (used >> c) & 1:
+            c = -1
+        else:
+            used |= 1 << c
+    if m >= 0:
+        if (used >> m) & 1:
+            m = -1
+        else:
+            used |= 1 << m
+    if c_late and (used >> c) & 1:
+        c = -1
+    mesh = xa.mesh
+    rest = (-1,) * nsp
+    pt = ((c, _SUM),) if c >= 0 else ()
+    return fast_result((_make(mesh, (n, c, *rest)), _make(mesh, (m, c, *rest))), (_make(mesh, (n, m, *rest), pt),))
+
+
 def _conv_forward(op: str, x: DistTensorSpec, w: DistTensorSpec, nsp: int, channel_last: bool,
                   groups: int, transpose: bool) -> SpmdResult:
     _conv_checks(op, x, w, nsp, channel_last, groups, transpose)
     named_mesh(op, zip(_NAMES2, (x, w)))
+    if FAST and not channel_last and not transpose and groups == 1:
+        r = _conv_fast(x, w, nsp)
+        if r is not None:
+            return r
     x, w = _ones(x, w)
     nt = _conv_notation(nsp, channel_last, groups > 1, transpose)
     ins, outs = einsum_forward(op, nt, (x, w), _NAMES2)
