@@ -489,10 +489,59 @@ def test_fallback_replicate_warns_and_plans() -> None:
     assert abs(float(_sim(prog, m, (x,))[prog.outputs[0]]) - m(x).item()) < 1e-12
 
 
+def test_training_through_list_ops_equals_torch() -> None:
+    """The autodiff differentiates ops with list inputs or outputs: GPT-2's fused qkv
+    projection split into q, k, v (split_grad), and chunk / cat / select / slice (split_grad
+    with a zero gradient for an unread piece, concat_grad, slice_grad)."""
+    m = _model(GPT2, fused_qkv=True)
+    toks, labels = _data()
+    prog = import_module(m, (toks, labels), training=True)
+    assert "split_grad" in _rules(prog)
+    vals = _sim(prog, m, (toks, labels))
+    loss = m(toks, labels)
+    loss.backward()
+    assert prog.loss is not None and abs(float(vals[prog.loss]) - loss.item()) < 1e-9
+    for p, t in m.named_parameters():
+        if p == "head.weight":
+            continue  # tied to wte.weight
+        assert t.grad is not None
+        np.testing.assert_allclose(vals[prog.grads[p]], t.grad.numpy(), rtol=0, atol=1e-9, err_msg=p)
+
+    class Pieces(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x: Any) -> Any:
+            y = x @ self.w
+            a, b, c = y.chunk(4, dim=-1)[:3]  # the fourth piece is never read
+            z = torch.cat([c, a * 2.0, b], dim=-1)
+            return (z[:, 1:3].sum() + z.select(1, 0).sum()) * 1.0
+
+    m2 = _model(Pieces)
+    x = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    prog2 = import_module(m2, (x,), training=True)
+    assert {"split_grad", "concat_grad", "slice_grad", "zeros_like"} <= _rules(prog2)
+    vals2 = _sim(prog2, m2, (x,))
+    loss2 = m2(x)
+    loss2.backward()
+    assert prog2.loss is not None and abs(float(vals2[prog2.loss]) - loss2.item()) < 1e-9
+    assert m2.w.grad is not None
+    np.testing.assert_allclose(vals2[prog2.grads["w"]], m2.w.grad.numpy(), rtol=0, atol=1e-9)
+
+
 def test_training_through_an_op_without_grad_rule_raises() -> None:
-    m = _model(GPT2, fused_qkv=True)  # split: a list output the autodiff does not differentiate
-    with pytest.raises(ProgramError, match=r"aten\.split.*training"):
-        import_module(m, _data(), training=True)
+    class Cum(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x: Any) -> Any:
+            return torch.cumsum(x @ self.w, dim=0).sum()
+
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with pytest.raises(ProgramError, match=r"aten\.cumsum.*training.*no grad rule"):
+        import_module(_model(Cum), (x,), training=True)
 
 
 def test_loss_by_index_and_by_callable() -> None:

@@ -364,12 +364,13 @@ class _Importer:
             if twice and rule in GRADS and not vector_in:
                 raise ctx.unsupported(f"training: maps to {rule} reading one tensor twice ({', '.join(twice)}), "
                                       f"which the autodiff does not differentiate")
-            if rule not in GRADS or vector_out or vector_in:
-                why = ("has no grad rule in the autodiff (spmdkit.graph.zoo.GRADS)" if rule not in GRADS else
-                       "takes or makes a list of tensors, which the autodiff does not differentiate")
+            if rule not in GRADS:
+                why = "has no grad rule in the autodiff (spmdkit.graph.zoo.GRADS)"
                 raise ctx.unsupported(f"training: maps to {rule}, which {why}; import with training=False, or "
                                       f"map the op otherwise (register_aten / mapping=)")
-        if vector_out:
+        if self.tape is not None:
+            result: list[Any] = self.tape.op(rule, inputs, outputs, **attrs)
+        elif vector_out:
             outs: list[Any] = []
             for o in outputs:
                 if isinstance(o, list):
@@ -378,9 +379,7 @@ class _Importer:
                     outs.append(self._declare(o))
             self.b._ops.append(Op(rule, dict(inputs), tuple(outs), dict(attrs), str(_flat(outs[0])[0] or rule),
                                   self.b.layer, self.b.phase))
-            result: list[Any] = outs
-        elif self.tape is not None:
-            result = self.tape.op(rule, inputs, outputs, **attrs)
+            result = outs
         else:
             result = self.b.op(rule, inputs, outputs, **attrs)
         for i in range(start, len(self.b._ops)):

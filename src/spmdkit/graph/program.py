@@ -393,19 +393,26 @@ class ProgramBuilder:
     def op(self, rule: str, inputs: Mapping[str, Ref], outputs: Sequence[Any], name: str = "",
            **attrs: Any) -> list[str | None]:
         """Add an op; ``outputs``: per output a declared tensor name, None, or ``(name, shape)``
-        / ``(name, shape, dtype)`` / ``(name, shape, dtype, kind)`` to declare it here."""
-        outs: list[str | None] = []
+        / ``(name, shape, dtype)`` / ``(name, shape, dtype, kind)`` to declare it here, or a list
+        of those for a vector output parameter (split's ``out``)."""
+        outs: list[Any] = []
         for o in outputs:
-            if o is None or isinstance(o, str):
-                outs.append(o)
+            if isinstance(o, list):  # a vector output parameter (split's out): its items
+                outs.append(tuple(self._declare(x) for x in o))
             else:
-                n, shape, *rest = o
-                dtype = rest[0] if rest else "float32"
-                kind = rest[1] if len(rest) > 1 else ("gradient" if self.phase == "backward" else "activation")
-                outs.append(self.tensor(n, shape, dtype, kind))
-        default = outs[0] if outs and outs[0] is not None else f"{rule}_{len(self._ops)}"
+                outs.append(self._declare(o))
+        first = _flat(outs[0])[0] if outs and _flat(outs[0]) else None
+        default = first if first is not None else f"{rule}_{len(self._ops)}"
         self._ops.append(Op(rule, dict(inputs), tuple(outs), dict(attrs), name or default, self.layer, self.phase))
         return outs
+
+    def _declare(self, o: Any) -> str | None:
+        if o is None or isinstance(o, str):
+            return o
+        n, shape, *rest = o
+        dtype = rest[0] if rest else "float32"
+        kind = rest[1] if len(rest) > 1 else ("gradient" if self.phase == "backward" else "activation")
+        return self.tensor(n, shape, dtype, kind)
 
     def build(self, validate: bool = True, rules: bool = True) -> Program:
         prog = Program(self._tensors.values(), self._ops, self.name)

@@ -129,6 +129,13 @@ GRADS: dict[str, tuple[str, tuple[str, ...]]] = {
     "flash_attention": ("flash_attention_grad", ("q", "k", "v")),
     "fused_rotary_position_embedding": ("fused_rotary_position_embedding_grad", ("q", "k", "v")),
     "swiglu": ("swiglu_grad", ("x", "y")),
+    # ops taking or making a list of tensors (their gradients are lists too)
+    "split": ("split_grad", ("x",)),
+    "split_with_num": ("split_with_num_grad", ("x",)),
+    "unbind": ("unbind_grad", ("x",)),
+    "concat": ("concat_grad", ("x",)),
+    "stack": ("stack_grad", ("x",)),
+    "slice": ("slice_grad", ("input",)),
     # ops of models imported from torch (spmdkit.torch_import; tests/test_torch_import.py checks
     # each gradient against torch's autograd)
     "square": ("square_grad", ("x",)),
@@ -159,6 +166,15 @@ def _output_names(rule_name: str) -> list[str]:
     return output_params(rule) if is_reverse(rule) else ["out"]
 
 
+def _names(v: Any) -> list[str]:
+    """The tensor names of one parameter's value (a name, a tuple of names for a vector)."""
+    if isinstance(v, str):
+        return [v]
+    if isinstance(v, tuple):
+        return [n for n in v if isinstance(n, str)]
+    return []
+
+
 @dataclass
 class _Rec:
     rule: str
@@ -184,9 +200,23 @@ class Tape:
     def op(self, rule: str, inputs: Mapping[str, Any], outputs: Sequence[Any], **attrs: Any) -> list[str | None]:
         outs = self.b.op(rule, inputs, outputs, **attrs)
         self.recs.append(_Rec(rule, dict(inputs), outs, dict(attrs), self.b.layer))
-        if any(isinstance(v, str) and v in self.needs_grad for v in inputs.values()):
-            self.needs_grad.update(o for o in outs if o is not None)
+        if any(n in self.needs_grad for v in inputs.values() for n in _names(v)):
+            self.needs_grad.update(n for o in outs for n in _names(o))
         return outs
+
+    def _grad_decl(self, x: Any, got: list[tuple[str, str]], contrib: dict[str, list[str]], rule: str) -> Any:
+        """The declaration of one gradient output for input ``x`` (None where x needs none);
+        the name is recorded in ``got``."""
+        if not isinstance(x, str) or x not in self.needs_grad:
+            return None
+        b = self.b
+        t = b.get(x)
+        k = len(contrib.get(x, [])) + sum(1 for y, _ in got if y == x)
+        gn = f"{x}.grad" if k == 0 else f"{x}.grad{k}"
+        if b.has(gn) or any(g == gn for _, g in got):
+            gn = f"{x}.grad.{rule}{len(self.recs)}{k}"
+        got.append((x, gn))
+        return (gn, t.shape, t.dtype, "gradient")
 
     def backward(self, loss: str) -> dict[str, str]:
         """Emit the backward ops of every recorded op (reverse order); returns tensor -> its
@@ -213,11 +243,28 @@ class Tape:
             done[name] = g
             return g
 
+        def zeros(n: str) -> str:
+            """A zero gradient for a piece of a vector output nothing reads (split_grad needs
+            every piece's)."""
+            t = b.get(n)
+            (z,) = b.op("zeros_like", {"x": n}, [(f"{n}.grad.zero", t.shape, t.dtype, "gradient")],
+                        name=f"zero grad of {n}")
+            assert z is not None
+            return z
+
+        def ograd(n: Any) -> Any:
+            if isinstance(n, tuple):
+                gs = [None if x is None else grad_of(x) for x in n]
+                if not any(gs):
+                    return None
+                return tuple(g if g is not None or x is None else zeros(x) for g, x in zip(gs, n))
+            return grad_of(n)
+
         for rec in reversed(self.recs):
             b.layer = rec.layer
             out_names = _output_names(rec.rule)
             by_out = dict(zip(out_names, rec.outputs))
-            ograds = {o: grad_of(n) for o, n in by_out.items() if n is not None}
+            ograds = {o: ograd(n) for o, n in by_out.items() if n is not None}
             if not any(ograds.values()):
                 continue
             if rec.rule not in GRADS:
@@ -242,6 +289,8 @@ class Tape:
                     src = by_out[n]
                 elif n.endswith("_grad") and n[:-5] in by_out:
                     src = ograds.get(n[:-5])
+                elif n.endswith("_grad") and len(ograds) == 1:  # slice: output "output", grad "out_grad"
+                    src = next(iter(ograds.values()))
                 elif n in ("x_shape", "xshape"):
                     src = rec.inputs.get("x")
                 elif n == "inputs" and "input" in rec.inputs:
@@ -254,19 +303,15 @@ class Tape:
             got: list[tuple[str, str]] = []
             for w in wrt:
                 x = rec.inputs.get(w)
-                if not isinstance(x, str) or x not in self.needs_grad:
-                    outs.append(None)
-                    continue
-                t = b.get(x)
-                k = len(contrib.get(x, []))
-                gn = f"{x}.grad" if k == 0 else f"{x}.grad{k}"
-                if b.has(gn):
-                    gn = f"{x}.grad.{rec.rule}{len(self.recs)}{k}"
-                outs.append((gn, t.shape, t.dtype, "gradient"))
-                got.append((x, gn))
+                if isinstance(x, tuple):  # a vector input (concat's x): a list of gradients
+                    items = [self._grad_decl(y, got, contrib, rec.rule) for y in x]
+                    outs.append(items if any(i is not None for i in items) else None)
+                else:
+                    outs.append(self._grad_decl(x, got, contrib, rec.rule))
             if not got:
                 continue
-            b.op(gname, ins, outs, name=f"grad of {rec.outputs[0]}", **gattrs)
+            first = next((n for o in rec.outputs for n in _names(o)), rec.rule)
+            b.op(gname, ins, outs, name=f"grad of {first}", **gattrs)
             for x, gn in got:
                 contrib.setdefault(x, []).append(gn)
         grads: dict[str, str] = {}
