@@ -33,6 +33,7 @@ two axes (param [0,-1], moment1 [-1,0] -> [0,0]); spmdkit keeps it on the first
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from spmdkit.core.dist_attr import DimsMapping, Entry, TensorDistAttr, entry_dims
 from spmdkit.core.errors import InvalidArgumentError, ShapeMismatchError
@@ -157,67 +158,30 @@ def _adam(
     )
 
 
-def adam_forward(
-    param: DistTensorSpec, grad: DistTensorSpec, learning_rate: DistTensorSpec, moment1: DistTensorSpec,
-    moment2: DistTensorSpec, moment2_max: DistTensorSpec | None, beta1_pow: DistTensorSpec,
-    beta2_pow: DistTensorSpec, master_param: DistTensorSpec | None, skip_update: DistTensorSpec | None,
-    beta1: float = 0.9, beta2: float = 0.999, epsilon: float = 1e-8, lazy_mode: bool = False,
-    min_row_size_to_use_multithread: int = 1000, multi_precision: bool = False,
-    use_global_beta_pow: bool = False, amsgrad: bool = False,
-) -> SpmdResult:
-    """AdamInferSpmdDynamic: param, grad and the moments sharded alike (an axis they shard
-    differently is replicated), the scalars replicated, a partial grad reduced first."""
-    return _adam("adam", param, grad, learning_rate, moment1, moment2, moment2_max, beta1_pow, beta2_pow,
-                 master_param, skip_update, amsgrad)
+def _adam_rule(op: str, reverse: bool, doc: str) -> Any:
+    """adam / adamw's forward (the 10 tensor inputs, then the attributes) or reverse rule (the
+    10 inputs, the 7 outputs, then the attributes); amsgrad is the last attribute of both, and
+    the only one that decides a sharding."""
+    n = 17 if reverse else 10
+
+    def fn(*args: Any) -> SpmdResult:
+        ts, attrs = args[:n], args[n:]
+        amsgrad = bool(attrs[-1]) if attrs else False
+        param, grad, lr, m1, m2, m2max, b1, b2, master, skip = ts[:10]
+        return _adam(op, param, grad, lr, m1, m2, m2max, b1, b2, master, skip, amsgrad,
+                     tuple(ts[10:]) if reverse else None)
+
+    fn.__name__ = fn.__qualname__ = f"{op}_{'backward' if reverse else 'forward'}"
+    fn.__doc__ = doc
+    return fn
 
 
-def adam_backward(
-    param: DistTensorSpec, grad: DistTensorSpec, learning_rate: DistTensorSpec, moment1: DistTensorSpec,
-    moment2: DistTensorSpec, moment2_max: DistTensorSpec | None, beta1_pow: DistTensorSpec,
-    beta2_pow: DistTensorSpec, master_param: DistTensorSpec | None, skip_update: DistTensorSpec | None,
-    param_out: DistTensorSpec, moment1_out: DistTensorSpec, moment2_out: DistTensorSpec,
-    moment2_max_out: DistTensorSpec | None, beta1_pow_out: DistTensorSpec, beta2_pow_out: DistTensorSpec,
-    master_param_out: DistTensorSpec | None,
-    beta1: float = 0.9, beta2: float = 0.999, epsilon: float = 1e-8, lazy_mode: bool = False,
-    min_row_size_to_use_multithread: int = 1000, multi_precision: bool = False,
-    use_global_beta_pow: bool = False, amsgrad: bool = False,
-) -> SpmdResult:
-    """adam reverse (spmdkit's own): the state inputs from the state outputs."""
-    return _adam("adam", param, grad, learning_rate, moment1, moment2, moment2_max, beta1_pow, beta2_pow,
-                 master_param, skip_update, amsgrad,
-                 (param_out, moment1_out, moment2_out, moment2_max_out, beta1_pow_out, beta2_pow_out,
-                  master_param_out))
-
-
-def adamw_forward(
-    param: DistTensorSpec, grad: DistTensorSpec, learning_rate: DistTensorSpec, moment1: DistTensorSpec,
-    moment2: DistTensorSpec, moment2_max: DistTensorSpec | None, beta1_pow: DistTensorSpec,
-    beta2_pow: DistTensorSpec, master_param: DistTensorSpec | None, skip_update: DistTensorSpec | None,
-    beta1: float = 0.9, beta2: float = 0.999, epsilon: float = 1e-8, lr_ratio: float = 1.0, coeff: float = 0.01,
-    with_decay: bool = False, lazy_mode: bool = False, min_row_size_to_use_multithread: int = 1000,
-    multi_precision: bool = False, use_global_beta_pow: bool = False, amsgrad: bool = False,
-) -> SpmdResult:
-    """AdamwInferSpmdDynamic: as adam (the decay is elementwise too)."""
-    return _adam("adamw", param, grad, learning_rate, moment1, moment2, moment2_max, beta1_pow, beta2_pow,
-                 master_param, skip_update, amsgrad)
-
-
-def adamw_backward(
-    param: DistTensorSpec, grad: DistTensorSpec, learning_rate: DistTensorSpec, moment1: DistTensorSpec,
-    moment2: DistTensorSpec, moment2_max: DistTensorSpec | None, beta1_pow: DistTensorSpec,
-    beta2_pow: DistTensorSpec, master_param: DistTensorSpec | None, skip_update: DistTensorSpec | None,
-    param_out: DistTensorSpec, moment1_out: DistTensorSpec, moment2_out: DistTensorSpec,
-    moment2_max_out: DistTensorSpec | None, beta1_pow_out: DistTensorSpec, beta2_pow_out: DistTensorSpec,
-    master_param_out: DistTensorSpec | None,
-    beta1: float = 0.9, beta2: float = 0.999, epsilon: float = 1e-8, lr_ratio: float = 1.0, coeff: float = 0.01,
-    with_decay: bool = False, lazy_mode: bool = False, min_row_size_to_use_multithread: int = 1000,
-    multi_precision: bool = False, use_global_beta_pow: bool = False, amsgrad: bool = False,
-) -> SpmdResult:
-    """adamw reverse (spmdkit's own): the state inputs from the state outputs."""
-    return _adam("adamw", param, grad, learning_rate, moment1, moment2, moment2_max, beta1_pow, beta2_pow,
-                 master_param, skip_update, amsgrad,
-                 (param_out, moment1_out, moment2_out, moment2_max_out, beta1_pow_out, beta2_pow_out,
-                  master_param_out))
+adam_forward = _adam_rule("adam", False, "AdamInferSpmdDynamic: param, grad and the moments sharded alike (an "
+                          "axis they shard differently is replicated), the scalars replicated, a partial grad "
+                          "reduced first.")
+adam_backward = _adam_rule("adam", True, "adam reverse (spmdkit's own): the state inputs from the state outputs.")
+adamw_forward = _adam_rule("adamw", False, "AdamwInferSpmdDynamic: as adam (the decay is elementwise too).")
+adamw_backward = _adam_rule("adamw", True, "adamw reverse (spmdkit's own): the state inputs from the state outputs.")
 
 
 def _sgd(
