@@ -138,6 +138,8 @@ class Rank:
         self.coords = self.groups.coords
         self.record: list[Collective] = []
         self.kernel_record: list[Collective] = []
+        #: after :meth:`run`: the dist attr each tensor of the step ended up with
+        self.made: dict[str, TensorDistAttr] = {}
 
     # -- torch <-> numpy
     def _t(self, a: np.ndarray) -> torch.Tensor:
@@ -236,7 +238,8 @@ class Rank:
         prog = plan.program
         rng = np.random.default_rng(seed + 1)
         local: dict[str, np.ndarray] = {}
-        made: dict[str, TensorDistAttr] = {}
+        made = self.made
+        made.clear()
         for n, v in source_values(prog, seed).items():  # same order and rng draws as the simulator
             made[n] = plan.attrs[n]
             local[n] = shard(v, plan.attrs[n], rng)[self.rank]
@@ -273,7 +276,6 @@ class Rank:
                     local[o] = move(o, fixed)
                     made[o] = fixed
                 outputs[o] = local[o]
-        self.made = made
         return outputs
 
 
