@@ -30,6 +30,35 @@ def J(shape: list[int], dm: list[Any], partial: Any = None) -> dict[str, Any]:
     return d
 
 
+def R(dm: list[Any], partial: Any = None) -> dict[str, Any]:
+    """An expected dist attr in the INTERFACE JSON form."""
+    return {"dims_mapping": dm, "partial": partial or {}}
+
+
+def rand_dims_mapping(r: Any, nd: int, mesh: ProcessMesh, p_shard: float, p_coshard: float = 0.3) -> list[Any]:
+    """A random legal dims_mapping: each mesh dim shards a random axis with probability
+    ``p_shard``, joining an already sharded axis as a co-shard with probability ``p_coshard``."""
+    dm: list[Any] = [-1] * nd
+    for d in range(mesh.ndim):
+        if r.random() < p_shard:
+            i = r.randrange(nd)
+            if dm[i] == -1:
+                dm[i] = d
+            elif r.random() < p_coshard:
+                dm[i] = (*((dm[i],) if isinstance(dm[i], int) else dm[i]), d)
+    return dm
+
+
+def answer_or_error(f: Any, args: Any) -> Any:
+    """``f(*args)``, or the SpmdError's class name and message."""
+    from spmdkit.core.errors import SpmdError
+
+    try:
+        return f(*args)
+    except SpmdError as e:
+        return (type(e).__name__, str(e))
+
+
 def numeric_grad(fwd: Any, x: np.ndarray, g: np.ndarray, h: float = 1e-6) -> np.ndarray:
     """d(sum(fwd(x) * g)) / dx by central differences."""
     out = np.zeros_like(x)

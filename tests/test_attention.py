@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from spmd_helpers import R, T, dms
 from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError, ShapeMismatchError, SpmdError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec
@@ -23,18 +24,6 @@ from spmdkit.sim.ops import Ctx, get_reference
 M23 = ProcessMesh([2, 3])
 M24 = ProcessMesh([2, 4])
 M4 = ProcessMesh([4])
-
-
-def T(mesh: ProcessMesh, shape: list[int], dm: list[Any], partial: Any = None) -> DistTensorSpec:
-    return DistTensorSpec(shape, mesh=mesh, dims_mapping=dm, partial=partial)
-
-
-def dms(attrs: Any) -> list[Any]:
-    return [None if a is None else a.dims_mapping for a in attrs]
-
-
-def R(dm: list[Any], partial: Any = None) -> dict[str, Any]:
-    return {"dims_mapping": dm, "partial": partial or {}}
 
 
 FA = get_rule("flash_attention")

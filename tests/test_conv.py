@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from spmd_helpers import T, dms, soundness_tests
+from spmd_helpers import T, answer_or_error, dms, rand_dims_mapping, soundness_tests
 from spmd_helpers import global_ctx as _ctx
 from spmd_helpers import numeric_grad as _numeric_grad
 from spmdkit.core.dist_attr import ReduceType
@@ -548,21 +548,9 @@ def test_fast_forward_equals_the_notation_engine() -> None:
     r = random.Random(0)
 
     def rand_dm(nd: int, mesh: ProcessMesh) -> list[Any]:
-        dm: list[Any] = [-1] * nd
-        for d in range(mesh.ndim):
-            if r.random() < 0.45:
-                i = r.randrange(nd)
-                if dm[i] == -1:
-                    dm[i] = d
-                elif r.random() < 0.3:
-                    dm[i] = (*((dm[i],) if isinstance(dm[i], int) else dm[i]), d)
-        return dm
+        return rand_dims_mapping(r, nd, mesh, 0.45)
 
-    def answer(f: Any, args: Any) -> Any:
-        try:
-            return f(*args)
-        except SpmdError as e:
-            return (type(e).__name__, str(e))
+    answer = answer_or_error
 
     set_cache_enabled(False)
     fast_used = 0

@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from spmd_helpers import R, T, dms
 from spmdkit.core.dist_attr import ReduceType
 from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
-from spmdkit.core.spec import DistTensorSpec
 from spmdkit.rules import get_rule
 from spmdkit.sim import SOUND, UNSOUND, verify, verify_rule
 from spmdkit.sim.ops import Ctx, get_reference
@@ -28,18 +28,6 @@ SW = get_rule("swiglu")
 SWG = get_rule("swiglu_grad")
 FDA = get_rule("fused_dropout_add")
 FDAG = get_rule("fused_dropout_add_grad")
-
-
-def T(mesh: ProcessMesh, shape: list[int], dm: list[Any], partial: Any = None) -> DistTensorSpec:
-    return DistTensorSpec(shape, mesh=mesh, dims_mapping=dm, partial=partial)
-
-
-def dms(attrs: Any) -> list[Any]:
-    return [None if a is None else a.dims_mapping for a in attrs]
-
-
-def R(dm: list[Any], partial: Any = None) -> dict[str, Any]:
-    return {"dims_mapping": dm, "partial": partial or {}}
 
 
 # -- Paddle's unit tests (test_fused_dropout_add_rule.py) ----------------------------------------
