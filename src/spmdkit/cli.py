@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import sys
 from collections.abc import Sequence
@@ -11,18 +12,53 @@ from typing import Any, TextIO
 from spmdkit.core.errors import SpmdError
 
 
-def _cmd_infer(ns: argparse.Namespace, out: TextIO) -> int:
-    from spmdkit.io.codec import answer_line, dumps, encode_error, encode_result, parse_case
+#: The longest input line ``infer --batch`` reads (16 MiB); a longer one is answered with a
+#: CaseFormatError line and skipped without being held in memory.
+MAX_LINE_BYTES = 16 * 2**20
 
+
+def _batch_lines(src: Any) -> Any:
+    """The lines of a binary stream as bytes (``\\n`` ends a line; a last line without one counts),
+    an over-long line as ``None``."""
+    while True:
+        line = src.readline(MAX_LINE_BYTES + 1)
+        if not line:
+            return
+        if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+            while True:  # skip the rest of the over-long line
+                more = src.readline(MAX_LINE_BYTES)
+                if not more or more.endswith(b"\n"):
+                    break
+            yield None
+            continue
+        yield line
+
+
+def _cmd_infer(ns: argparse.Namespace, out: TextIO) -> int:
+    from spmdkit.io.codec import answer_text, dumps, encode_error, encode_result, parse_case
+    from spmdkit.rules.registry import set_cache_enabled
+
+    if ns.no_cache:
+        set_cache_enabled(False)
     if ns.batch:
-        src = open(ns.input, encoding="utf-8") if ns.input else sys.stdin
+        from spmdkit.core.errors import CaseFormatError
+
+        too_long = dumps(encode_error(CaseFormatError(f"line is longer than {MAX_LINE_BYTES} bytes")))
+        if ns.input:
+            src: Any = open(ns.input, "rb")
+        else:
+            src = getattr(sys.stdin, "buffer", None)
+            if src is None:  # a text stream without bytes underneath (tests, embedding)
+                src = sys.stdin
         try:
-            for line in src:
-                if not line.strip():
-                    continue
-                out.write(dumps(answer_line(line)) + "\n")
+            if isinstance(src, io.TextIOBase) or not hasattr(src, "readline"):
+                lines: Any = iter(src)
+            else:
+                lines = _batch_lines(src)
+            for line in lines:
+                out.write((too_long if line is None else answer_text(line)) + "\n")
         finally:
-            if src is not sys.stdin:
+            if ns.input:
                 src.close()
         out.flush()
         return 0
@@ -105,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     pi.add_argument("--batch", action="store_true", help="read JSON lines from stdin, one result line each")
     pi.add_argument("--json", action="store_true", help="print the result as JSON")
     pi.add_argument("--input", help="with --batch: read this file instead of stdin")
+    pi.add_argument("--no-cache", action="store_true",
+                    help="answer every case from scratch (no result cache or memo tables: constant memory)")
     pi.set_defaults(fn=_cmd_infer)
 
     pr = sub.add_parser("rules", help="list every registered rule name and its modes")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from spmdkit.core.dist_attr import ReduceType, TensorDistAttr
-from spmdkit.core.errors import CaseFormatError, SpmdError
+from spmdkit.core.errors import CaseFormatError, InternalError, SpmdError, bounded
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import ArgDistAttr, DistTensorSpec, SpmdResult
 from spmdkit.rules.registry import Mode, Rule, get_rule
@@ -35,11 +35,11 @@ def parse_mesh(obj: Any) -> ProcessMesh:
     if isinstance(obj, dict):
         unknown = set(obj) - {"shape", "process_ids", "dim_names"}
         if unknown:
-            raise CaseFormatError(f"mesh: unknown field(s) {sorted(unknown)}")
+            raise CaseFormatError(f"mesh: unknown field(s) {_short(sorted(unknown))}")
         if "shape" not in obj:
             raise CaseFormatError("mesh: an object mesh needs a 'shape'")
         return ProcessMesh(obj["shape"], obj.get("process_ids"), obj.get("dim_names"))
-    raise CaseFormatError(f"mesh must be a list of sizes or an object, got {obj!r}")
+    raise CaseFormatError(f"mesh must be a list of sizes or an object, got {_short(obj)}")
 
 
 def parse_partial(obj: Any, where: str) -> Any:
@@ -49,7 +49,7 @@ def parse_partial(obj: Any, where: str) -> Any:
         return obj
     if isinstance(obj, dict):
         return {k: v for k, v in obj.items()}
-    raise CaseFormatError(f"{where}: partial must be a list of mesh dims or an object, got {obj!r}")
+    raise CaseFormatError(f"{where}: partial must be a list of mesh dims or an object, got {_short(obj)}")
 
 
 def parse_tensor(obj: Any, mesh: ProcessMesh, where: str) -> DistTensorSpec:
@@ -57,7 +57,7 @@ def parse_tensor(obj: Any, mesh: ProcessMesh, where: str) -> DistTensorSpec:
         raise CaseFormatError(f"{where}: a tensor must be an object with a 'shape', got {_short(obj)}")
     unknown = set(obj) - {"shape", "dims_mapping", "partial"}
     if unknown:
-        raise CaseFormatError(f"{where}: unknown tensor field(s) {sorted(unknown)}")
+        raise CaseFormatError(f"{where}: unknown tensor field(s) {_short(sorted(unknown))}")
     shape = obj["shape"]
     if not isinstance(shape, list):
         raise CaseFormatError(f"{where}: shape must be a list of ints, got {_short(shape)}")
@@ -103,10 +103,17 @@ def _mode_name(rule: Rule, mode: Mode) -> str:
     return "forward" if mode is rule.forward else "backward"
 
 
+#: The keys a case may have (INTERFACE.md); any other key is a CaseFormatError naming it.
+CASE_KEYS = ("id", "rule", "mesh", "mode", "args")
+
+
 def parse_case(obj: Any) -> Case:
     """Decode one case object (already parsed from JSON)."""
     if not isinstance(obj, dict):
         raise CaseFormatError(f"a case must be a JSON object, got {_short(obj)}")
+    for key in obj:
+        if key not in CASE_KEYS:
+            raise CaseFormatError(f"case has an unknown key {_short(key)} (known: {', '.join(CASE_KEYS)})")
     for key in ("rule", "mesh"):
         if key not in obj:
             raise CaseFormatError(f"case has no {key!r}")
@@ -151,30 +158,80 @@ def encode_result(result: SpmdResult, case_id: Any = None) -> dict[str, Any]:
 
 
 def encode_error(exc: BaseException, case_id: Any = None) -> dict[str, Any]:
-    return {"id": case_id, "error": type(exc).__name__, "message": str(exc)}
+    if not isinstance(exc, SpmdError):
+        exc = InternalError(f"{type(exc).__name__}: {_str(exc)}")
+    return {"id": case_id, "error": type(exc).__name__, "message": bounded(_str(exc))}
+
+
+def _str(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception:  # noqa: BLE001 (an exception whose str fails is still reported)
+        return f"<{type(exc).__name__}>"
 
 
 def _short(v: Any) -> str:
-    s = repr(v)
+    try:
+        s = repr(v)
+    except Exception:  # noqa: BLE001 (a value whose repr fails, or a huge int, is still named)
+        s = f"<{type(v).__name__}>"
     return s if len(s) <= 80 else s[:77] + "..."
 
 
-def answer_line(line: str) -> dict[str, Any]:
-    """Answer one input line of ``infer --batch``: a result or an error object, never raises."""
+def answer_line(line: str | bytes) -> dict[str, Any]:
+    """Answer one input line of ``infer --batch``: a result or an error object, never raises
+    (an exception that is not an SpmdError becomes an InternalError naming its type)."""
     case_id: Any = None
     try:
+        if isinstance(line, bytes):
+            try:
+                line = line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise CaseFormatError(
+                    f"line is not valid UTF-8 (byte {exc.object[exc.start]:#04x} at offset {exc.start})"
+                ) from None
+        if not line.strip():
+            raise CaseFormatError("blank line: expected one case as a JSON object")
         try:
             obj = json.loads(line, parse_constant=_reject_constant)
         except (ValueError, RecursionError) as exc:
-            raise CaseFormatError(f"line is not valid JSON: {exc}") from None
+            raise CaseFormatError(f"line is not valid JSON: {_str(exc)}") from None
         if isinstance(obj, dict):
             case_id = obj.get("id")
         case = parse_case(obj)
         return encode_result(case.run(), case_id)
-    except SpmdError as exc:
-        return encode_error(exc, case_id)
     except RecursionError:
         return encode_error(CaseFormatError("case is nested too deeply"), case_id)
+    except Exception as exc:  # noqa: BLE001 (one line never ends a batch: every failure is its line's answer)
+        return encode_error(exc, case_id)
+
+
+def echo_id(case_id: Any) -> Any:
+    """``case_id`` if it can be written as strict JSON; else its JSON text with non-finite numbers
+    (``1e400`` decodes to infinity: echoed as the string ``"Infinity"``); else ``None``."""
+    try:
+        json.dumps(case_id, allow_nan=False)
+        return case_id
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        return json.dumps(case_id, allow_nan=True)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def answer_text(line: str | bytes) -> str:
+    """One output line of ``infer --batch`` for one input line (without the newline); never raises."""
+    ans = answer_line(line)
+    try:
+        return dumps(ans)
+    except Exception:  # noqa: BLE001 (an id that cannot be echoed as JSON)
+        pass
+    ans["id"] = echo_id(ans.get("id"))
+    try:
+        return dumps(ans)
+    except Exception as exc:  # noqa: BLE001
+        return dumps(encode_error(exc, ans["id"]))
 
 
 def _reject_constant(name: str) -> float:
@@ -211,6 +268,9 @@ __all__: Sequence[str] = [
     "encode_error",
     "encode_attr",
     "answer_line",
+    "answer_text",
+    "echo_id",
+    "CASE_KEYS",
     "decode_attr",
     "dumps",
 ]

@@ -30,8 +30,16 @@ from spmdkit.engine.memo import clear_memo, set_memo_enabled
 RuleFn = Callable[..., SpmdResult]
 
 _NO_DEFAULT = object()
+#: The result cache (shared by every rule) holds at most this many answers ...
 _CACHE_LIMIT = 100_000
+#: ... and at most about this many bytes (an estimate per answer: its key's tensors and attributes,
+#: its result, and once per cache generation each mesh with explicit process ids it holds). Reaching
+#: either bound empties it; a call never depends on what is cached (the key carries argument types).
+_CACHE_BYTES_LIMIT = 64 * 2**20
 _cache_enabled = True
+_cache_entries = 0
+_cache_bytes = 0
+_cache_meshes: set[int] = set()  # id() of the explicit-id meshes counted in _cache_bytes
 
 
 def set_cache_enabled(enabled: bool) -> None:
@@ -47,9 +55,124 @@ def cache_enabled() -> bool:
 
 
 def clear_cache() -> None:
+    _clear_results()
+    clear_memo()
+
+
+def _clear_results() -> None:
+    global _cache_entries, _cache_bytes
     for r in set(_RULES.values()):
         r._cache.clear()
-    clear_memo()
+    _cache_entries = 0
+    _cache_bytes = 0
+    _cache_meshes.clear()
+
+
+def cache_stats() -> dict[str, int]:
+    """The result cache's size: ``entries`` and estimated ``bytes`` (both bounded, see above)."""
+    return {"entries": _cache_entries, "bytes": _cache_bytes,
+            "entries_limit": _CACHE_LIMIT, "bytes_limit": _CACHE_BYTES_LIMIT}
+
+
+class _Uncacheable(Exception):
+    pass
+
+
+# Tags of the typed cache key: a key never makes True equal 1, 1.0 equal 1, -0.0 equal 0.0, a list
+# equal a tuple or a dict equal a list of pairs (all equal under ==, but rules may answer otherwise).
+_K_BOOL = object()
+_K_FLOAT = object()
+_K_NEGZERO = object()
+_K_LIST = object()
+_K_TUPLE = object()
+_K_DICT = object()
+_K_KW = object()
+
+
+def _typed(v: Any) -> Any:
+    """``v`` as a cache-key item that equals another only for equal values of equal types;
+    _Uncacheable for a value of another class (its equality is not known to be exact)."""
+    c = v.__class__
+    if c is DistTensorSpec or c is int or c is str or v is None:
+        return v
+    if c is bool:
+        return (_K_BOOL, v)
+    if c is float:
+        if v == 0.0 and str(v)[0] == "-":
+            return _K_NEGZERO
+        return (_K_FLOAT, v)
+    if c is list or c is tuple:
+        return (_K_LIST if c is list else _K_TUPLE, *[_typed(x) for x in v])
+    if c is dict:
+        return (_K_DICT, *[(_typed(k), _typed(x)) for k, x in v.items()])
+    raise _Uncacheable
+
+
+def _cache_key(tag: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The typed key of a call, or None when it cannot be cached."""
+    key: list[Any] = [tag]
+    try:
+        for a in args:
+            c = a.__class__
+            if c is DistTensorSpec or c is int or c is str or a is None:
+                key.append(a)
+            else:
+                key.append(_typed(a))
+        if kwargs:
+            key.append(_K_KW)
+            for name, v in kwargs.items():
+                key.append(name)
+                key.append(_typed(v))
+        out = tuple(key)
+        hash(out)
+    except (_Uncacheable, RecursionError, TypeError):
+        return None
+    return out
+
+
+def _spec_bytes(v: Any, meshes: list[Any]) -> int:
+    """Estimated bytes of one key item (tensors' meshes are collected in ``meshes``)."""
+    c = v.__class__
+    if c is DistTensorSpec:
+        meshes.append(v.dist_attr.mesh)
+        return 360 + 24 * len(v.shape)
+    if c is tuple:
+        return 64 + sum(8 + _spec_bytes(x, meshes) for x in v)
+    if c is str:
+        return 50 + len(v)
+    if c is int:
+        return 32 if v.bit_length() < 60 else 32 + v.bit_length() // 8
+    return 32
+
+
+def _result_bytes(result: SpmdResult) -> int:
+    n = 160
+    for group in (result.inputs, result.outputs):
+        for a in group:
+            if a is None:
+                n += 8
+            elif a.__class__ is tuple:
+                n += 64 + sum(8 if x is None else 200 + 16 * len(x.dims_mapping) for x in a)
+            else:
+                n += 200 + 16 * len(a.dims_mapping)
+    return n
+
+
+def _store(cache: dict[Any, SpmdResult], key: Any, result: SpmdResult) -> None:
+    global _cache_entries, _cache_bytes
+    meshes: list[Any] = []
+    size = 200 + _spec_bytes(key, meshes) + _result_bytes(result)
+    explicit = {id(m): m.size for m in meshes if m._process_ids is not None}
+    extra = sum(100 + 40 * n for i, n in explicit.items() if i not in _cache_meshes)
+    if _cache_entries >= _CACHE_LIMIT or _cache_bytes + size + extra > _CACHE_BYTES_LIMIT:
+        _clear_results()
+        extra = sum(100 + 40 * n for n in explicit.values())
+        if size + extra > _CACHE_BYTES_LIMIT:
+            return
+    _cache_meshes.update(explicit)
+    cache[key] = result
+    _cache_entries += 1
+    _cache_bytes += size + extra
 
 
 @dataclass(frozen=True)
@@ -341,30 +464,12 @@ class Rule:
         return self._call(m, 0 if m is self.forward else 1, args, kwargs)
 
     def _call(self, m: Mode, tag: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> SpmdResult:
-        use_cache = _cache_enabled
-        key: Any = None
-        if use_cache and not kwargs:
-            for a in args:
-                if a.__class__ is list:  # a list attribute: key on a tuple copy
-                    key = (tag, tuple(tuple(a) if a.__class__ is list else a for a in args))
-                    break
-            else:
-                key = (tag, args)
-            try:
-                hit = self._cache.get(key)
-            except TypeError:  # an unhashable (nested list) attribute
-                key = None
-            else:
-                if hit is not None:
-                    return hit
-        bound = m.bind(self.name, args, kwargs)
-        if use_cache:
-            bkey = (tag, bound)
-            hit = self._cache.get(bkey)
+        key: Any = _cache_key(tag, args, kwargs) if _cache_enabled else None
+        if key is not None:
+            hit = self._cache.get(key)
             if hit is not None:
-                if key is not None:
-                    self._cache[key] = hit
                 return hit
+        bound = m.bind(self.name, args, kwargs)
         try:
             result = m.fn(*bound)
         except SpmdError:
@@ -372,12 +477,8 @@ class Rule:
         except (IndexError, KeyError, ValueError, TypeError, ZeroDivisionError) as exc:
             # an unforeseen malformed input: report it as a library error, never a traceback
             raise InvalidArgumentError(f"{self.name}: invalid input ({type(exc).__name__}: {exc})") from exc
-        if use_cache:
-            if len(self._cache) >= _CACHE_LIMIT:
-                self._cache.clear()
-            self._cache[bkey] = result
-            if key is not None:
-                self._cache[key] = result
+        if key is not None:
+            _store(self._cache, key, result)
         return result
 
     def __repr__(self) -> str:

@@ -1,0 +1,94 @@
+"""Throughput and peak memory of ``spmdkit infer --batch`` on distinct and on repeated cases.
+
+    python benchmarks/bench_batch.py [--distinct N] [--repeated N] [--no-cache]
+
+Generates N distinct cases (softmax, matmul, add, layer_norm, transpose with a different leading
+size each, on a few meshes) and N repeated cases (the same 50 cases over and over), pipes each set
+through a fresh ``python -m spmdkit infer --batch`` process and prints cases/s (wall clock of the
+whole process, start-up included) and the process's peak RSS (``resource.getrusage`` of the
+child). Every output line is checked to be one JSON object per input line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+
+MESHES: list[Any] = [[2, 4], [4, 2], [8], {"shape": [2, 2], "dim_names": ["dp", "tp"]}]
+
+
+def _t(shape: list[int], dm: list[int]) -> dict[str, Any]:
+    return {"shape": shape, "dims_mapping": dm}
+
+
+def make_case(i: int) -> dict[str, Any]:
+    """The i-th distinct case (distinct by the leading size ``k`` and the template)."""
+    k = 1 + i // 5
+    mesh = MESHES[(i // 5) % len(MESHES)]
+    kind = i % 5
+    if kind == 0:
+        return {"rule": "softmax", "mesh": mesh, "args": [_t([k, 64], [0, -1]), -1]}
+    if kind == 1:
+        return {"rule": "matmul", "mesh": mesh, "args": [_t([k, 64], [0, -1]), _t([64, 32], [-1, 0]), False, False]}
+    if kind == 2:
+        return {"rule": "add", "mesh": mesh, "args": [_t([k, 16, 8], [0, -1, -1]), _t([16, 8], [-1, -1])]}
+    if kind == 3:
+        return {"rule": "layer_norm", "mesh": mesh, "args": [_t([k, 8, 32], [0, -1, -1]), _t([32], [-1]),
+                                                             _t([32], [-1]), 1e-5, 2]}
+    return {"rule": "transpose", "mesh": mesh, "args": [_t([k, 4, 8], [0, -1, -1]), [2, 0, 1]]}
+
+
+def run_batch(lines: list[str], extra: list[str]) -> tuple[float, float, int]:
+    """(seconds, peak RSS in MB of the child, output line count)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+        f.write("\n".join(lines) + "\n")
+        path = f.name
+    env = dict(os.environ, PYTHONPATH=str(SRC))
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    t0 = time.perf_counter()
+    with open(path, "rb") as inp:
+        p = subprocess.run([sys.executable, "-m", "spmdkit", "infer", "--batch", *extra], stdin=inp,
+                           capture_output=True, env=env, check=False)
+    dt = time.perf_counter() - t0
+    os.unlink(path)
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    if p.returncode != 0:
+        raise SystemExit(f"spmdkit infer --batch exited {p.returncode}: {p.stderr.decode()[-2000:]}")
+    out = p.stdout.decode().splitlines()
+    errors = sum(1 for o in out if "error" in json.loads(o))
+    if len(out) != len(lines):
+        raise SystemExit(f"{len(lines)} lines in, {len(out)} out")
+    if errors:
+        print(f"  ({errors} error answers)")
+    # ru_maxrss of children is the max over every child so far: report it only when it grew
+    return dt, max(peak, before) / 1024.0, len(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--distinct", type=int, default=100_000)
+    ap.add_argument("--repeated", type=int, default=100_000)
+    ap.add_argument("--no-cache", action="store_true", help="pass --no-cache to spmdkit infer")
+    ns = ap.parse_args()
+    extra = ["--no-cache"] if ns.no_cache else []
+    # repeated first: RUSAGE_CHILDREN keeps the largest child's peak, and the distinct run is the larger
+    rep = [json.dumps(make_case(i % 50)) for i in range(ns.repeated)]
+    dt, rss, n = run_batch(rep, extra)
+    print(f"repeated: {n} cases in {dt:.2f} s = {n / dt:,.0f} cases/s, peak RSS {rss:.0f} MB")
+    dis = [json.dumps(make_case(i)) for i in range(ns.distinct)]
+    dt, rss, n = run_batch(dis, extra)
+    print(f"distinct: {n} cases in {dt:.2f} s = {n / dt:,.0f} cases/s, peak RSS {rss:.0f} MB")
+
+
+if __name__ == "__main__":
+    main()
