@@ -1,6 +1,6 @@
 """Throughput and peak memory of ``spmdkit infer --batch`` on distinct and on repeated cases.
 
-    python benchmarks/bench_batch.py [--distinct N] [--repeated N] [--no-cache]
+    python benchmarks/bench_batch.py [--distinct N] [--repeated N] [--no-cache] [--src DIR]
 
 Generates N distinct cases (softmax, matmul, add, layer_norm, transpose with a different leading
 size each, on a few meshes) and N repeated cases (the same 50 cases over and over), pipes each set
@@ -48,12 +48,12 @@ def make_case(i: int) -> dict[str, Any]:
     return {"rule": "transpose", "mesh": mesh, "args": [_t([k, 4, 8], [0, -1, -1]), [2, 0, 1]]}
 
 
-def run_batch(lines: list[str], extra: list[str]) -> tuple[float, float, int]:
+def run_batch(lines: list[str], extra: list[str], src: Path = SRC) -> tuple[float, float, int]:
     """(seconds, peak RSS in MB of the child, output line count)."""
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
         f.write("\n".join(lines) + "\n")
         path = f.name
-    env = dict(os.environ, PYTHONPATH=str(SRC))
+    env = dict(os.environ, PYTHONPATH=str(src))
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     t0 = time.perf_counter()
     with open(path, "rb") as inp:
@@ -79,14 +79,16 @@ def main() -> None:
     ap.add_argument("--distinct", type=int, default=100_000)
     ap.add_argument("--repeated", type=int, default=100_000)
     ap.add_argument("--no-cache", action="store_true", help="pass --no-cache to spmdkit infer")
+    ap.add_argument("--src", type=Path, default=SRC,
+                    help="the spmdkit source tree to run (another checkout's src/, to compare before/after)")
     ns = ap.parse_args()
     extra = ["--no-cache"] if ns.no_cache else []
     # repeated first: RUSAGE_CHILDREN keeps the largest child's peak, and the distinct run is the larger
     rep = [json.dumps(make_case(i % 50)) for i in range(ns.repeated)]
-    dt, rss, n = run_batch(rep, extra)
+    dt, rss, n = run_batch(rep, extra, ns.src)
     print(f"repeated: {n} cases in {dt:.2f} s = {n / dt:,.0f} cases/s, peak RSS {rss:.0f} MB")
     dis = [json.dumps(make_case(i)) for i in range(ns.distinct)]
-    dt, rss, n = run_batch(dis, extra)
+    dt, rss, n = run_batch(dis, extra, ns.src)
     print(f"distinct: {n} cases in {dt:.2f} s = {n / dt:,.0f} cases/s, peak RSS {rss:.0f} MB")
 
 

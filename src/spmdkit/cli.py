@@ -11,7 +11,6 @@ from typing import Any, TextIO
 
 from spmdkit.core.errors import SpmdError
 
-
 #: The longest input line ``infer --batch`` reads (16 MiB); a longer one is answered with a
 #: CaseFormatError line and skipped without being held in memory.
 MAX_LINE_BYTES = 16 * 2**20

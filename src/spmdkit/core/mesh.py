@@ -34,7 +34,7 @@ def _is_int(v: object) -> bool:
 def _short(v: Any) -> str:
     try:
         s = repr(v)
-    except Exception:  # noqa: BLE001 (a value whose repr fails is still named)
+    except Exception:
         s = f"<{type(v).__name__}>"
     return s if len(s) <= 100 else s[:60] + " ... " + s[-30:]
 

@@ -151,7 +151,7 @@ def _result_bytes(result: SpmdResult) -> int:
         for a in group:
             if a is None:
                 n += 8
-            elif a.__class__ is tuple:
+            elif isinstance(a, tuple):
                 n += 64 + sum(8 if x is None else 200 + 16 * len(x.dims_mapping) for x in a)
             else:
                 n += 200 + 16 * len(a.dims_mapping)
