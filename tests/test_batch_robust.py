@@ -436,3 +436,13 @@ def test_fuzz_batch_through_the_cli() -> None:
             answered += 1
             assert set(got) == {"id", "inputs", "outputs"}
     assert errors > 1000 and answered > 200  # the fuzz reaches both kinds of answer
+
+
+def test_single_case_json_echoes_an_unechoable_id(capsys: pytest.CaptureFixture[str]) -> None:
+    line = json.dumps({**SOFTMAX_1, "id": 5}).replace("5", "1e400", 1)
+    assert cli.main(["infer", "--json", line]) == 0
+    assert json.loads(capsys.readouterr().out)["id"] == "Infinity"
+    bad = json.dumps({**SOFTMAX_1, "mesh": [2**63]})
+    assert cli.main(["infer", bad]) == 1
+    err = capsys.readouterr().err
+    assert "InvalidMeshError" in err and "Traceback" not in err

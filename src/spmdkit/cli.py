@@ -34,7 +34,7 @@ def _batch_lines(src: Any) -> Any:
 
 
 def _cmd_infer(ns: argparse.Namespace, out: TextIO) -> int:
-    from spmdkit.io.codec import answer_text, dumps, encode_error, encode_result, parse_case
+    from spmdkit.io.codec import answer_text, dumps, echo_id, encode_error, encode_result, parse_case
     from spmdkit.rules.registry import set_cache_enabled
 
     if ns.no_cache:
@@ -69,15 +69,16 @@ def _cmd_infer(ns: argparse.Namespace, out: TextIO) -> int:
     except ValueError as exc:
         print(f"spmdkit infer: the case is not valid JSON: {exc}", file=sys.stderr)
         return 2
-    case_id = obj.get("id") if isinstance(obj, dict) else None
+    case_id = echo_id(obj.get("id")) if isinstance(obj, dict) else None
     try:
         case = parse_case(obj)
         result = case.run()
-    except SpmdError as exc:
+    except Exception as exc:  # (a non-SpmdError is reported as an InternalError, no traceback)
+        err = encode_error(exc, case_id)
         if ns.json:
-            out.write(dumps(encode_error(exc, case_id)) + "\n")
+            out.write(dumps(err) + "\n")
         else:
-            print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+            print(f"error: {err['error']}: {err['message']}", file=sys.stderr)
         return 1
     if ns.json:
         out.write(dumps(encode_result(result, case_id)) + "\n")

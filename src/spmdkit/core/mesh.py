@@ -21,7 +21,7 @@ MAX_MESH_DIMS = 64
 _INTERN_LIMIT = 4096
 #: ... and at most this many explicitly listed process ids over all of them (it is emptied when
 #: either bound would be passed; a mesh dropped from it stays valid, it is only no longer shared).
-_INTERN_ID_LIMIT = 2**22
+_INTERN_ID_LIMIT = 2**20
 
 _interned: dict[Any, ProcessMesh] = {}
 _interned_ids = 0
