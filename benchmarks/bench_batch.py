@@ -5,7 +5,7 @@
 Generates N distinct cases (softmax, matmul, add, layer_norm, transpose with a different leading
 size each, on a few meshes) and N repeated cases (the same 50 cases over and over), pipes each set
 through a fresh ``python -m spmdkit infer --batch`` process and prints cases/s (wall clock of the
-whole process, start-up included) and the process's peak RSS (``resource.getrusage`` of the
+whole process, start-up included) and the process's peak RSS (``ru_maxrss`` of the
 child). Every output line is checked to be one JSON object per input line.
 """
 
@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,30 +48,37 @@ def make_case(i: int) -> dict[str, Any]:
     return {"rule": "transpose", "mesh": mesh, "args": [_t([k, 4, 8], [0, -1, -1]), [2, 0, 1]]}
 
 
-def run_batch(lines: list[str], extra: list[str], src: Path = SRC) -> tuple[float, float, int]:
-    """(seconds, peak RSS in MB of the child, output line count)."""
+def run_batch(cases: Iterator[dict[str, Any]], extra: list[str], src: Path = SRC) -> tuple[float, float, int]:
+    """(seconds, peak RSS in MB of the child, line count). The cases are streamed to a file first,
+    so this process stays small (a forked child's peak RSS counts its parent's pages before exec)."""
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
-        f.write("\n".join(lines) + "\n")
+        n_in = 0
+        for case in cases:
+            f.write(json.dumps(case) + "\n")
+            n_in += 1
         path = f.name
     env = dict(os.environ, PYTHONPATH=str(src))
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     t0 = time.perf_counter()
-    with open(path, "rb") as inp:
-        p = subprocess.run([sys.executable, "-m", "spmdkit", "infer", "--batch", *extra], stdin=inp,
-                           capture_output=True, env=env, check=False)
-    dt = time.perf_counter() - t0
-    os.unlink(path)
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    if p.returncode != 0:
-        raise SystemExit(f"spmdkit infer --batch exited {p.returncode}: {p.stderr.decode()[-2000:]}")
-    out = p.stdout.decode().splitlines()
-    errors = sum(1 for o in out if "error" in json.loads(o))
-    if len(out) != len(lines):
-        raise SystemExit(f"{len(lines)} lines in, {len(out)} out")
+    with open(path, "rb") as inp, tempfile.TemporaryFile() as outp:
+        p = subprocess.Popen([sys.executable, "-m", "spmdkit", "infer", "--batch", *extra], stdin=inp,
+                             stdout=outp, stderr=subprocess.PIPE, env=env)
+        _, status, usage = os.wait4(p.pid, 0)
+        dt = time.perf_counter() - t0
+        p.returncode = os.waitstatus_to_exitcode(status)
+        err = p.stderr.read() if p.stderr else b""
+        os.unlink(path)
+        if p.returncode != 0:
+            raise SystemExit(f"spmdkit infer --batch exited {p.returncode}: {err.decode()[-2000:]}")
+        outp.seek(0)
+        n_out = errors = 0
+        for o in outp:
+            n_out += 1
+            errors += "error" in json.loads(o)
+    if n_out != n_in:
+        raise SystemExit(f"{n_in} lines in, {n_out} out")
     if errors:
         print(f"  ({errors} error answers)")
-    # ru_maxrss of children is the max over every child so far: report it only when it grew
-    return dt, max(peak, before) / 1024.0, len(out)
+    return dt, usage.ru_maxrss / 1024.0, n_out
 
 
 def main() -> None:
@@ -83,12 +90,9 @@ def main() -> None:
                     help="the spmdkit source tree to run (another checkout's src/, to compare before/after)")
     ns = ap.parse_args()
     extra = ["--no-cache"] if ns.no_cache else []
-    # repeated first: RUSAGE_CHILDREN keeps the largest child's peak, and the distinct run is the larger
-    rep = [json.dumps(make_case(i % 50)) for i in range(ns.repeated)]
-    dt, rss, n = run_batch(rep, extra, ns.src)
+    dt, rss, n = run_batch((make_case(i % 50) for i in range(ns.repeated)), extra, ns.src)
     print(f"repeated: {n} cases in {dt:.2f} s = {n / dt:,.0f} cases/s, peak RSS {rss:.0f} MB")
-    dis = [json.dumps(make_case(i)) for i in range(ns.distinct)]
-    dt, rss, n = run_batch(dis, extra, ns.src)
+    dt, rss, n = run_batch((make_case(i) for i in range(ns.distinct)), extra, ns.src)
     print(f"distinct: {n} cases in {dt:.2f} s = {n / dt:,.0f} cases/s, peak RSS {rss:.0f} MB")
 
 

@@ -9,6 +9,7 @@ holds at most :data:`MAX_MESH_RANKS` ranks and :data:`MAX_MESH_DIMS` dims; a lar
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import pairwise
 from typing import Any
 
 from spmdkit.core.errors import InvalidMeshError
@@ -108,10 +109,17 @@ class ProcessMesh:
             for p in ids:
                 if not _is_int(p) or p < 0:
                     raise InvalidMeshError(f"process_ids must be non-negative ints, got {_short(p)}")
-            if len(set(ids)) != n:
-                raise InvalidMeshError(f"process_ids has duplicates: {_short(list(ids))}")
-            if ids == tuple(range(n)):
-                ids = None
+            # sorted, not a set: a mesh of 2**20 ids is checked without a second table of them
+            srt = sorted(ids)
+            for a, b in pairwise(srt):
+                if a == b:
+                    raise InvalidMeshError(f"process_ids has duplicates ({a} twice): {_short(list(ids))}")
+            del srt
+            for i, p in enumerate(ids):
+                if i != p:
+                    break
+            else:
+                ids = None  # the default 0..n-1: not stored
         default_names = tuple(f"d{i}" for i in range(len(shp)))
         if dim_names is None:
             names = default_names
