@@ -432,11 +432,11 @@ def _index_put_check(
     off = len(target) - len(vs)
     along: list[int] = []
     for j, v in enumerate(vs):
-        t = target[off + j]
-        if v >= 0 and t >= 0 and v != t and v != 1:
+        size = target[off + j]
+        if v >= 0 and size >= 0 and v != size and v != 1:
             raise ShapeMismatchError(
                 f"{op}: value shape {list(vs)} does not broadcast onto the indexed shape {list(target)} "
-                f"(value axis {j} has size {v}, the indexed shape {t})"
+                f"(value axis {j} has size {v}, the indexed shape {size})"
             )
         xa = k - 1 + off + j  # the x axis this value axis meets (k - 1: the indexed positions)
         along.append(xa if xa >= k and v != 1 else -1)

@@ -219,14 +219,14 @@ def _freeze(v: Any, op: str = "", name: str = "", depth: int = 0) -> Any:
     if tolist is not None and type(v).__module__ == "numpy":
         try:
             plain = v.tolist()
-        except Exception as exc:  # noqa: BLE001  (a broken array-like: refuse it)
+        except Exception as exc:  # a broken array-like: refuse it
             raise InvalidAttributeError(
                 f"{op}: attribute {name!r}: cannot read {type(v).__name__} value ({type(exc).__name__})"
             ) from None
         return _freeze(plain, op, name, d)
     try:
         hash(v)
-    except Exception:  # noqa: BLE001  (an unhashable or hostile value)
+    except Exception:  # an unhashable or hostile value
         raise InvalidAttributeError(
             f"{op}: attribute {name!r} must be a number, string, bool, None or a list / dict of them, "
             f"got {type(v).__name__}"
@@ -244,7 +244,7 @@ def _show(v: Any, limit: int = 200) -> str:
     """``repr(v)`` cut to ``limit`` characters, and safe for values whose repr fails or recurses."""
     try:
         text = reprlib_repr(v)
-    except Exception:  # noqa: BLE001  (a hostile __repr__)
+    except Exception:  # a hostile __repr__
         return f"<{type(v).__name__}>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 

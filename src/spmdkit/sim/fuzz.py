@@ -249,8 +249,16 @@ class FuzzReport:
 def _short(v: Any, limit: int = 300) -> str:
     try:
         s = repr(v)
-    except Exception as e:  # noqa: BLE001  (a deep or hostile value: describe it instead)
+    except Exception as e:  # a deep or hostile value: describe it instead
         s = f"<unrepresentable {type(v).__name__}: {type(e).__name__}>"
+    return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
+def _text(e: BaseException, limit: int = 500) -> str:
+    try:
+        s = str(e)
+    except Exception:  # a hostile __str__
+        s = "<no message>"
     return s if len(s) <= limit else s[: limit - 3] + "..."
 
 
@@ -389,12 +397,12 @@ def _fuzz_mode(rep: FuzzReport, rule: Rule, mode_name: str, count: int, seed: in
             rep.answered += 1
         except SpmdError:
             rep.refused += 1
-        except BaseException as e:  # noqa: BLE001  (the very thing collected)
+        except BaseException as e:  # the very thing collected
             if isinstance(e, KeyboardInterrupt):
                 raise
             rep.failures.append(Failure(
                 rule.name, mode_name, f"args={_short(args)} kwargs={_short(kwargs)}",
-                f"{type(e).__name__}: {_short(str(e), 500)}", traceback.format_exc(limit=-4),
+                f"{type(e).__name__}: {_text(e)}", traceback.format_exc(limit=-4),
             ))
         dt = time.perf_counter() - t0
         rep.calls += 1
