@@ -147,3 +147,50 @@ def test_errors_from_inside_a_rule_are_spmd_errors() -> None:
         with pytest.raises(InvalidArgumentError, match="raiser: ") as e:
             rule.infer_forward(S([2]))
         assert isinstance(e.value, SpmdError)
+
+
+def test_deeply_nested_attribute_refused_without_recursing() -> None:
+    # a 100,000-deep tuple: hashing or printing it would overflow the C stack (a crash, not
+    # an exception), so binding refuses it by depth before anything recurses over it. Run in
+    # a child process so that a regression fails this test instead of killing the suite.
+    import subprocess
+    import sys
+
+    code = (
+        "from spmdkit.rules import get_rule, set_cache_enabled\n"
+        "from spmdkit.core import DistTensorSpec, ProcessMesh\n"
+        "from spmdkit.core.errors import InvalidAttributeError\n"
+        "set_cache_enabled(False)\n"
+        "x = DistTensorSpec([4], mesh=ProcessMesh([2]), dims_mapping=[0])\n"
+        "v = 1\n"
+        "for _ in range(100_000):\n"
+        "    v = (v,)\n"
+        "for rule, arg in (('cast', v), ('softmax', v), ('transpose', v)):\n"
+        "    try:\n"
+        "        get_rule(rule).infer_forward(x, arg)\n"
+        "    except InvalidAttributeError as e:\n"
+        "        assert len(str(e)) < 400, e\n"
+        "        print('refused', rule)\n"
+        "from spmdkit.core.errors import UnknownRuleError\n"
+        "try:\n"
+        "    get_rule(v)\n"
+        "except UnknownRuleError as e:\n"
+        "    assert len(str(e)) < 400, e\n"
+        "    print('refused get_rule')\n"
+    )
+    import os
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split("\n")[:4] == ["refused cast", "refused softmax", "refused transpose", "refused get_rule"]
+
+
+@pytest.mark.parametrize("name", [None, 1, ["softmax"], b"softmax", {"a": 1}, np.str_("nope"), "nope"])
+def test_get_rule_refuses_foreign_names(name: Any) -> None:
+    from spmdkit.core.errors import UnknownRuleError
+    from spmdkit.rules import has_rule
+
+    with pytest.raises(UnknownRuleError):
+        get_rule(name)
+    assert not has_rule(name)

@@ -525,15 +525,17 @@ def output_params(rule: Rule) -> list[str]:
 def get_rule(name: str) -> Rule:
     """The rule registered under ``name`` (or an alias of it)."""
     _ensure_loaded()
+    if not isinstance(name, str):  # never hash or compare a foreign value (a deep tuple would crash)
+        raise UnknownRuleError(f"a rule name is a string, got {type(name).__name__} {_show(name)}")
     try:
         return _RULES[name]
-    except (KeyError, TypeError):
-        raise UnknownRuleError(f"no SPMD rule named {name!r}") from None
+    except KeyError:
+        raise UnknownRuleError(f"no SPMD rule named {_show(name)}") from None
 
 
 def has_rule(name: str) -> bool:
     _ensure_loaded()
-    return name in _RULES
+    return isinstance(name, str) and name in _RULES
 
 
 def rule_names(include_aliases: bool = True) -> list[str]:

@@ -10,9 +10,10 @@ collects every call that raised anything else::
     >>> report.failures
     []
 
-Each call starts from a plausible one (a mesh, tensors of random ranks and sizes
-with legal dims_mappings, the attributes' defaults or typical values) and applies
-one to three mutations: a wrong value in a slot (None, numbers of every kind and
+Each call starts from a valid one (half the time: a case of the simulator's
+generators, answered as is a fifth of those times) or a plausible one (a mesh,
+tensors of random ranks and sizes with legal dims_mappings, the attributes'
+defaults or typical values) and applies one to three mutations: a wrong value in a slot (None, numbers of every kind and
 size, NaN and infinities, strings, bytes, bytearrays, sets, dicts with mixed keys,
 numpy scalars and arrays, deep nesting, foreign objects), tensors of unusual
 ranks, huge / zero / dynamic sizes, tensors on other meshes, partials, empty or
@@ -37,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import SpmdError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec
@@ -121,6 +123,41 @@ def _spec(r: random.Random, mesh: ProcessMesh, nd: int | None = None, sizes: tup
     return DistTensorSpec(shape, mesh=mesh, dims_mapping=dm, partial=partial)
 
 
+_RAW_ENTRIES: tuple[Any, ...] = (
+    -1, 0, 1, 2, 5, -2, 2**63, 1.5, True, None, "0", [0, 1], (1, 0), [0, 0], [-1, 0], [[0]], [], np.int64(0),
+)
+_RAW_PARTIALS: tuple[Any, ...] = (
+    None, [0], [1], {0: "sum"}, {1: "avg"}, {0: "bogus"}, {5: "sum"}, {-1: "max"}, {"0": "min"}, [(0, "sum")],
+    {0.0: "sum"}, {True: "sum"}, "sum", 0, {0, 1}, [(0, "sum", 1)], np.array([0]), {0: None},
+)
+
+
+def _raw_spec(r: random.Random, mesh: ProcessMesh) -> DistTensorSpec:
+    """A spec from adversarial pieces (dims_mapping entries out of range, repeated, co-shards,
+    of the wrong length or type; partials on sharding mesh dims or of unknown reduce types;
+    odd sizes; meshes with odd process ids / names): most are refused by the constructors
+    (SpmdError), the rest are legal but unusual."""
+    if r.random() < 0.3:
+        shp = list(r.choice(_MESH_SHAPES))
+        n = 1
+        for v in shp:
+            n *= v
+        ids = r.sample(range(3 * n), n) if r.random() < 0.5 else None
+        names = [f"m{i}" for i in range(len(shp))] if r.random() < 0.5 else None
+        mesh = ProcessMesh(shp, ids, names)
+    nd = r.choice((0, 1, 2, 3, 4))
+    shape: list[Any] = [r.choice((*_SMALL_SIZES, 0, -1)) for _ in range(nd)]
+    if r.random() < 0.2:
+        shape = [r.choice((-2, 1.5, True, None, 2**63, np.int64(2), "3")) for _ in range(max(nd, 1))]
+    n_entries = nd if r.random() < 0.8 else r.choice((0, nd + 1, max(nd - 1, 0)))
+    dm = [r.choice(_RAW_ENTRIES) if r.random() < 0.3 else r.choice((-1, *range(mesh.ndim)))
+          for _ in range(n_entries)]
+    partial = r.choice(_RAW_PARTIALS) if r.random() < 0.4 else None
+    if r.random() < 0.5:
+        return DistTensorSpec(shape, TensorDistAttr(mesh, dm, partial))
+    return DistTensorSpec(shape, mesh=mesh, dims_mapping=dm, partial=partial)
+
+
 def _attr(r: random.Random, p: Param) -> Any:
     """A typical value of an attribute (its default when it has one, most of the time)."""
     if not p.required and r.random() < 0.6:
@@ -165,7 +202,7 @@ def _base_call(r: random.Random, mode: Mode, mesh: ProcessMesh) -> list[Any]:
 
 def _mutate_tensor(r: random.Random, v: Any, mesh: ProcessMesh) -> Any:
     """An adversarial tensor (or list of them) in place of ``v``."""
-    kind = r.randrange(9)
+    kind = r.randrange(10)
     if kind == 0:  # huge sizes, sharded or not
         nd = r.choice((0, 1, 2, 3))
         sizes = tuple(r.choice(_HUGE) for _ in range(3))
@@ -185,6 +222,8 @@ def _mutate_tensor(r: random.Random, v: Any, mesh: ProcessMesh) -> Any:
         return [v, v] if r.random() < 0.5 else [v]
     if kind == 6:  # a long list of tensors
         return [_spec(r, mesh, 1) for _ in range(r.choice((0, 17, 64)))]
+    if kind == 8:  # built from raw adversarial pieces through the public constructors
+        return _raw_spec(r, mesh)
     if kind == 7:  # a 0-D tensor
         return _spec(r, mesh, 0)
     return _junk(r, mesh)
@@ -230,6 +269,7 @@ class FuzzReport:
     calls: int = 0
     answered: int = 0
     refused: int = 0
+    constructor_refused: int = 0  # calls not made: a DistTensorSpec / mesh constructor refused a piece
     failures: list[Failure] = field(default_factory=list)
     slowest: tuple[float, str] = (0.0, "")
     slow: list[tuple[float, str]] = field(default_factory=list)  # calls over SLOW_CALL_S
@@ -239,6 +279,7 @@ class FuzzReport:
         self.calls += other.calls
         self.answered += other.answered
         self.refused += other.refused
+        self.constructor_refused += other.constructor_refused
         self.failures.extend(other.failures)
         self.slow.extend(other.slow)
         self.per_mode.update(other.per_mode)
@@ -262,12 +303,38 @@ def _text(e: BaseException, limit: int = 500) -> str:
     return s if len(s) <= limit else s[: limit - 3] + "..."
 
 
-def _make_call(r: random.Random, mode: Mode) -> tuple[list[Any], dict[str, Any]]:
-    mesh = ProcessMesh(list(r.choice(_MESH_SHAPES)))
-    args = _base_call(r, mode, mesh)
+def _valid_pool(rule: Rule, mode_name: str, seed: int, n: int) -> list[tuple[ProcessMesh, list[Any]]]:
+    """Up to ``n`` valid calls of the mode from the simulator's case generators (none where the
+    rule has no generator): the starting points that reach the rules' deeper code."""
+    from spmdkit.io.codec import parse_case
+    from spmdkit.sim.cases import generate_case
+
+    out: list[tuple[ProcessMesh, list[Any]]] = []
+    for i in range(n):
+        try:
+            case = generate_case(rule.name, mode_name, seed, i)
+            if case is None:
+                break
+            c = parse_case(case)
+        except SpmdError:
+            continue
+        out.append((c.mesh, list(c.args)))
+    return out
+
+
+def _make_call(r: random.Random, mode: Mode,
+               pool: list[tuple[ProcessMesh, list[Any]]] | None = None) -> tuple[list[Any], dict[str, Any]]:
+    if pool and r.random() < 0.5:  # a valid case, then (mostly) mutated
+        mesh, base = r.choice(pool)
+        args = list(base)
+        n_mut = r.choice((0, 1, 1, 2, 3))
+    else:
+        mesh = ProcessMesh(list(r.choice(_MESH_SHAPES)))
+        args = _base_call(r, mode, mesh)
+        n_mut = r.choice((1, 1, 2, 3))
     params = mode.params
     kwargs: dict[str, Any] = {}
-    for _ in range(r.choice((1, 1, 2, 3))):
+    for _ in range(n_mut):
         what = r.randrange(10)
         if what <= 5 and params:  # a slot
             i = r.randrange(len(params))
@@ -376,14 +443,22 @@ def _fuzz_mode(rep: FuzzReport, rule: Rule, mode_name: str, count: int, seed: in
     mode = rule.mode(mode_name)
     r = random.Random(f"{seed}:{rule.name}:{mode_name}")
     targeted = _targeted_calls(r, mode) if targeted_calls else []
+    pool = _valid_pool(rule, mode_name, seed, 8)
     for k in range(count + len(targeted)):
         if k < len(targeted):
             args, kwargs = targeted[k]
         else:
             try:
-                args, kwargs = _make_call(r, mode)
+                args, kwargs = _make_call(r, mode, pool)
             except SpmdError:
-                continue  # building the call itself was refused (e.g. an illegal spec): not a rule call
+                rep.constructor_refused += 1  # an illegal spec refused by its constructor: no rule call
+                continue
+            except Exception as e:  # a constructor failing otherwise is a failure too
+                rep.failures.append(Failure(
+                    "<constructor>", mode_name, f"building a call of {rule.name}",
+                    f"{type(e).__name__}: {_text(e)}", traceback.format_exc(limit=-4),
+                ))
+                continue
         how = r.randrange(2)
         t0 = time.perf_counter()
         try:
@@ -445,7 +520,8 @@ def main(argv: list[str] | None = None) -> int:
     rep = fuzz_all(a.count, a.seed, a.rule, a.call_timeout)
     dt = time.perf_counter() - t0
     print(f"{len(rep.per_mode)} rule-modes, {rep.calls} calls in {dt:.1f} s: {rep.answered} answered, "
-          f"{rep.refused} refused (SpmdError), {len(rep.failures)} other exceptions; "
+          f"{rep.refused} refused (SpmdError), {len(rep.failures)} other exceptions "
+          f"({rep.constructor_refused} built specs refused by their constructors); "
           f"slowest call {rep.slowest[0] * 1e3:.1f} ms ({rep.slowest[1]})")
     for dt, what in sorted(rep.slow, reverse=True)[:10]:
         print(f"  slow: {dt * 1e3:.0f} ms {what}")
