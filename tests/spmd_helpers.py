@@ -96,3 +96,45 @@ def soundness_tests(rules: list[str], grads: list[str], cases: int, seed: int) -
         assert_sound(name, cases, seed, "forward")
 
     return test_sound, test_grad_sound
+
+
+def assert_0d_is_absent(rule: str, mode: str, seed: int, slots: list[str], n: int = 12,
+                        sim_reads_0d: bool = True) -> int:
+    """A 0-D tensor (shape ``[]``) in each optional slot of ``slots`` is read as absent: on ``n``
+    generated cases, the answer equals the answer with None there, except that the slot's own
+    answer is a replicated 0-D dist attr (``[]``) where None's is null; and the simulator judges
+    it sound (the 0-D case itself where its reference reads a 0-D optional as absent,
+    ``sim_reads_0d``; else the None case, whose answer it equals). Returns how many (case, slot) pairs were checked (>0 asserted)."""
+    import json
+
+    from spmdkit.io.codec import answer_line
+    from spmdkit.rules import get_rule
+    from spmdkit.sim import SOUND, verify
+    from spmdkit.sim.cases import generate_case
+
+    params = [p.name for p in get_rule(rule).mode(mode).params]
+    checked = 0
+    for i in range(n):
+        case = generate_case(rule, mode, seed, i)
+        assert case is not None, f"no generator for {rule} {mode}"
+        for name in slots:
+            pos = params.index(name)
+            none_case = json.loads(json.dumps(case))
+            none_case["args"][pos] = None
+            want = answer_line(json.dumps(none_case))
+            if "error" in want:
+                continue
+            zero_case = json.loads(json.dumps(case))
+            zero_case["args"][pos] = {"shape": [], "dims_mapping": []}
+            got = answer_line(json.dumps(zero_case))
+            assert "error" not in got, (name, got)
+            for side in ("inputs", "outputs"):
+                assert len(got[side]) == len(want[side])
+                for g, w in zip(got[side], want[side]):
+                    assert g == w or (w is None and g == {"dims_mapping": [], "partial": {}}), (name, side, g, w)
+            assert got != want  # the 0-D slot itself is answered
+            v = verify(None, zero_case if sim_reads_0d else none_case)
+            assert v.status == SOUND, v.describe()
+            checked += 1
+    assert checked > 0
+    return checked

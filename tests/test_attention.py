@@ -400,3 +400,47 @@ def test_generated_cases_exercise_sharding() -> None:
     bad = {"inputs": [R([-1, 0, -1, -1])] * 3 + [None, None],
            "outputs": [R([-1, 0, -1, -1]), R([-1, -1, 0, -1]), R([-1, -1, 0]), R([-1])]}
     assert verify(None, case, result=bad).status == UNSOUND
+
+
+# ---------------------------------------------------------------------------
+# a 0-D optional tensor (shape []) is how Paddle's callers pass an absent one
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("rule", "mode", "slots"), [
+    ("flash_attention", "forward", ["fixed_seed_offset", "attn_mask"]),
+    ("flash_attention", "backward", ["fixed_seed_offset", "attn_mask"]),
+    ("flash_attention_grad", "forward", ["seed_offset", "attn_mask"]),
+    ("fused_rotary_position_embedding", "forward", ["k", "v", "position_ids"]),
+    ("fused_rotary_position_embedding_grad", "forward", ["out_k_grad", "out_v_grad", "position_ids"]),
+])
+def test_zero_d_optional_is_absent(rule: str, mode: str, slots: list[str]) -> None:
+    from spmd_helpers import assert_0d_is_absent
+
+    assert_0d_is_absent(rule, mode, 11, slots)
+
+
+def test_zero_d_optional_flash_attention_answers() -> None:
+    m = ProcessMesh([2, 2])
+    q = T(m, [4, 8, 4, 16], [0, -1, 1, -1])
+    zero = T(m, [], [])
+    fa = get_rule("flash_attention")
+    with_none = fa.infer_forward(q, q, q, None, None, 0.0, False, False, False)
+    with_zero = fa.infer_forward(q, q, q, zero, zero, 0.0, False, False, False)
+    assert with_zero.outputs == with_none.outputs
+    assert dms(with_zero.inputs) == [*dms(with_none.inputs)[:3], (), ()]
+    # the reverse: softmax 0-D is absent only where return_softmax is false (the op makes it otherwise)
+    out = T(m, [4, 8, 4, 16], [0, -1, 1, -1])
+    lse = T(m, [4, 4, 8], [0, 1, -1])
+    seed = T(m, [2], [-1])
+    res = fa.infer_backward(q, q, q, zero, zero, out, zero, lse, seed, 0.0, False, False, False)
+    assert dms(res.outputs)[1] == ()
+    with pytest.raises(ShapeMismatchError, match="flash_attention: softmax"):
+        fa.infer_backward(q, q, q, zero, zero, out, zero, lse, seed, 0.0, False, True, False)
+    # sin and cos 0-D together: both absent (a 0-D sin with a real cos is still an error, as with None)
+    rope = get_rule("fused_rotary_position_embedding")
+    a = rope.infer_forward(q, q, None, zero, zero, None)
+    b = rope.infer_forward(q, q, None, None, None, None)
+    assert a.outputs == b.outputs and dms(a.inputs)[3:5] == [(), ()]
+    with pytest.raises(ShapeMismatchError, match="sin and cos"):
+        rope.infer_forward(q, q, None, zero, T(m, [1, 8, 1, 16], [-1, -1, -1, -1]), None)

@@ -237,3 +237,21 @@ def test_sound_on_generated_cases(rule: str, mode: str) -> None:
     rep = verify_rule(rule, n=200, seed=7, mode=mode)
     assert rep.cases == 200 and rep.skipped == 0, rep.first_skipped
     assert rep.unsound == 0, rep.first_unsound
+
+
+# ---------------------------------------------------------------------------
+# a 0-D optional tensor (shape []) is how Paddle's callers pass an absent one
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("rule", "mode", "slots"), [
+    ("swiglu", "forward", ["y"]),
+    ("swiglu", "backward", ["y"]),
+    ("swiglu_grad", "forward", ["y"]),
+    ("fused_dropout_add_grad", "forward", ["seed_offset"]),
+])
+def test_zero_d_optional_is_absent(rule: str, mode: str, slots: list[str]) -> None:
+    from spmd_helpers import assert_0d_is_absent
+
+    assert_0d_is_absent(rule, mode, 13, slots, n=20)
+

@@ -467,3 +467,53 @@ def test_sound_on_generated_cases(name: str) -> None:
         rep = verify_rule(name, 200, 5, mode)
         assert rep.cases == 200 and rep.unsound == 0, rep.first_unsound
         assert rep.sound > 100
+
+
+# ---------------------------------------------------------------------------
+# linear_v2: an absent bias (None / JSON null, or 0-D as Paddle's callers pass it)
+# ---------------------------------------------------------------------------
+
+
+def test_linear_v2_absent_bias() -> None:
+    from spmdkit.io.codec import answer_line
+
+    lin = get_rule("linear_v2")
+    x, w = T([8, 4], [0, -1]), T([4, 6], [-1, 1])
+    with_bias = lin.infer_forward(x, w, T([6], [-1]))
+    no_bias = lin.infer_forward(x, w, None)
+    assert no_bias.inputs[2] is None
+    assert no_bias.inputs[:2] == with_bias.inputs[:2] and no_bias.outputs == with_bias.outputs
+    # keyword and default-free JSON forms
+    assert lin.infer_forward(input=x, weight=w, bias=None) == no_bias
+    got = answer_line('{"rule": "linear_v2", "mesh": [2, 3], "args": [{"shape": [8, 4], "dims_mapping": [0, -1]}, '
+                      '{"shape": [4, 6], "dims_mapping": [-1, 1]}, null, false]}')
+    assert "error" not in got and got["inputs"][2] is None
+    # a sharded k: the matmul axes replicated, as with a bias
+    r = lin.infer_forward(T([8, 4], [0, 1]), T([4, 6], [1, -1]), None)
+    assert [a.dims_mapping for a in r.inputs[:2]] == [(-1, -1), (-1, -1)] and r.inputs[2] is None
+    # grad: no bias, no bias_grad
+    g = get_rule("linear_v2_grad").infer_forward(T([2, 8, 4], [0, -1, -1]), T([4, 6], [-1, 1]), None,
+                                                 T([2, 8, 6], [0, -1, 1]))
+    assert g.inputs[2] is None and g.outputs[2] is None and g.outputs[0] is not None
+    # reverse
+    rv = get_rule("linear_v2").infer_backward(x, w, None, T([8, 6], [0, 1]), None)
+    assert rv.inputs[2] is None
+
+
+@pytest.mark.parametrize(("rule", "mode", "slots"), [
+    ("linear_v2", "forward", ["bias"]),
+    ("linear_v2", "backward", ["bias", "reserve_space"]),
+    ("linear_v2_grad", "forward", ["bias"]),
+    ("fused_gemm_epilogue_grad", "forward", ["reserve_space"]),
+])
+def test_zero_d_optional_is_absent(rule: str, mode: str, slots: list[str]) -> None:
+    from spmd_helpers import assert_0d_is_absent
+
+    assert_0d_is_absent(rule, mode, 17, slots, n=16)
+
+
+def test_linear_v2_absent_bias_sound() -> None:
+    # the generator makes a quarter of its cases without a bias
+    for mode, rule in (("forward", "linear_v2"), ("backward", "linear_v2"), ("forward", "linear_v2_grad")):
+        rep = verify_rule(rule, 60, seed=23, mode=mode)
+        assert rep.unsound == 0 and rep.skipped == 0, rep.first_unsound or rep.first_skipped

@@ -358,3 +358,13 @@ def _spmd_error_classes() -> list[type]:
         out.append(c)
         todo.extend(c.__subclasses__())
     return out
+
+
+@pytest.mark.parametrize(("rule", "mode"), [
+    ("fused_rms_norm", "forward"), ("fused_rms_norm", "backward"), ("rms_norm_grad", "forward"),
+])
+def test_fused_rms_norm_zero_d_scale_is_absent(rule: str, mode: str) -> None:
+    # a 0-D scale (shape []) is how Paddle's callers pass an absent one
+    from spmd_helpers import assert_0d_is_absent
+
+    assert_0d_is_absent(rule, mode, 19, ["scale"], n=12, sim_reads_0d=False)

@@ -52,6 +52,7 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import BROADCAST, fast_result, merge_letters, named_mesh, project
+from spmdkit.rules._absent import zero_d_absent
 from spmdkit.rules.registry import register
 
 Shape = tuple[int, ...]
@@ -522,34 +523,46 @@ def fused_rope_grad(
 # ---------------------------------------------------------------------------
 
 _FA_ATTRS = "dropout: float = 0.0, causal: bool = False, return_softmax: bool = False, is_test: bool = False"
+# a 0-D optional tensor (shape []) is read as absent: see spmdkit.rules._absent
+_FA_FWD = "q: T, k: T, v: T, fixed_seed_offset: T? = None, attn_mask: T? = None, " + _FA_ATTRS
+_FA_REV = ("q: T, k: T, v: T, fixed_seed_offset: T?, attn_mask: T?, out: T, softmax: T?, softmax_lse: T?, "
+           "seed_offset: T?, " + _FA_ATTRS)
+_FA_GRAD = ("q: T, k: T, v: T, out: T, softmax_lse: T, seed_offset: T?, attn_mask: T?, out_grad: T, "
+            "dropout: float = 0.0, causal: bool = False")
 register(
-    "flash_attention", flash_attention_forward,
-    "q: T, k: T, v: T, fixed_seed_offset: T? = None, attn_mask: T? = None, " + _FA_ATTRS,
-    flash_attention_backward,
-    "q: T, k: T, v: T, fixed_seed_offset: T?, attn_mask: T?, out: T, softmax: T?, softmax_lse: T?, "
-    "seed_offset: T?, " + _FA_ATTRS,
+    "flash_attention", zero_d_absent(flash_attention_forward, _FA_FWD, ("fixed_seed_offset", "attn_mask")),
+    _FA_FWD,
+    # of the outputs, only softmax may be absent (where return_softmax is false: the op makes it
+    # only when asked); softmax_lse and seed_offset always exist
+    zero_d_absent(flash_attention_backward, _FA_REV,
+                  ("fixed_seed_offset", "attn_mask", ("softmax", lambda args: not args[11])),
+                  outputs=("out", "softmax", "softmax_lse", "seed_offset")),
+    _FA_REV,
     forward_name="FlashAttInferSpmdStatic", backward_name="FlashAttInferSpmdReverse",
 )  # fmt: skip
 register(
-    "flash_attention_grad", flash_attention_grad,
-    "q: T, k: T, v: T, out: T, softmax_lse: T, seed_offset: T?, attn_mask: T?, out_grad: T, "
-    "dropout: float = 0.0, causal: bool = False",
+    "flash_attention_grad", zero_d_absent(flash_attention_grad, _FA_GRAD, ("seed_offset", "attn_mask")), _FA_GRAD,
     forward_name="FlashAttGradInferSpmd",
 )  # fmt: skip
 _ROPE_ATTRS = "use_neox_rotary_style: bool = True, time_major: bool = False, rotary_emb_base: float = 10000.0"
+_ROPE_FWD = "q: T, k: T? = None, v: T? = None, sin: T? = None, cos: T? = None, position_ids: T? = None, " + _ROPE_ATTRS
+_ROPE_REV = ("q: T, k: T?, v: T?, sin: T?, cos: T?, position_ids: T?, out_q: T, out_k: T? = None, out_v: T? = None, "
+             + _ROPE_ATTRS)
+_ROPE_GRAD = ("sin: T?, cos: T?, position_ids: T?, out_q_grad: T, out_k_grad: T? = None, out_v_grad: T? = None, "
+              + _ROPE_ATTRS)
 register(
-    "fused_rotary_position_embedding", fused_rope_forward,
-    "q: T, k: T? = None, v: T? = None, sin: T? = None, cos: T? = None, position_ids: T? = None, " + _ROPE_ATTRS,
-    fused_rope_backward,
-    "q: T, k: T?, v: T?, sin: T?, cos: T?, position_ids: T?, out_q: T, out_k: T? = None, out_v: T? = None, "
-    + _ROPE_ATTRS,
+    "fused_rotary_position_embedding",
+    zero_d_absent(fused_rope_forward, _ROPE_FWD, ("k", "v", "sin", "cos", "position_ids")), _ROPE_FWD,
+    zero_d_absent(fused_rope_backward, _ROPE_REV, ("k", "v", "sin", "cos", "position_ids", "out_k", "out_v"),
+                  outputs=("out_q", "out_k", "out_v")),
+    _ROPE_REV,
     aliases=("fused_rope",),
     forward_name="FusedRopeInferSpmd", backward_name="FusedRopeInferSpmdReverse",
 )  # fmt: skip
 register(
-    "fused_rotary_position_embedding_grad", fused_rope_grad,
-    "sin: T?, cos: T?, position_ids: T?, out_q_grad: T, out_k_grad: T? = None, out_v_grad: T? = None, "
-    + _ROPE_ATTRS,
+    "fused_rotary_position_embedding_grad",
+    zero_d_absent(fused_rope_grad, _ROPE_GRAD, ("sin", "cos", "position_ids", "out_k_grad", "out_v_grad")),
+    _ROPE_GRAD,
     aliases=("fused_rope_grad",),
     forward_name="FusedRopeGradInferSpmd",
 )  # fmt: skip

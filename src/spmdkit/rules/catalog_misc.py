@@ -33,13 +33,16 @@ co-sharded axis is read as one mesh dim, its largest (the first of equal sizes),
   out_grad alone; outputs x_grad, value_grad.
 - ``index_put`` (IndexPutInferSpmd(x, indices, value, accumulate)): x's first
   ``len(indices)`` axes replicated, the rest keep their sharding; indices 1-D replicated;
-  value 1-D: replicated, except where it broadcasts onto x's last (non-indexed) axis
-  (``len(indices) < x.ndim`` and value's size is not 1): then it is sharded as that axis
-  (Paddle replicates it while the axis stays sharded: the local shapes do not broadcast).
+  value (any rank up to that of the indexed shape ``[n, *x.shape[len(indices):]]``, onto
+  which it broadcasts from the right): an axis that meets one of x's kept axes with the
+  same size (not 1) is sharded as that axis, every other axis (the indexed positions, a
+  size-1 axis) replicated (Paddle replicates value while x's axes stay sharded: the local
+  shapes do not broadcast). A 1-D value is thus sharded as x's last axis where
+  ``len(indices) < x.ndim`` and its size is not 1.
   Backward slot and ``index_put_grad`` (x, indices, value, out_grad, accumulate): x,
-  out_grad and x_grad as x above; value_grad sums out_grad[indices] over the trailing axes,
-  so it is partial SUM over the mesh dims sharding those axes (except the last when value
-  is sharded along it). Paddle never marks value_grad partial (unsound).
+  out_grad and x_grad as x above; value_grad sums out_grad[indices] over the kept axes
+  value does not lie along, so it is partial SUM over the mesh dims sharding those axes.
+  Paddle never marks value_grad partial (unsound).
 - ``nonzero`` (NonZeroInferSpmd(x) / NonZeroInferSpmdReverse(x, out)): ``abc -> 11``: all
   replicated. The output's row count is data-dependent; the rule takes whatever shape it
   is given (2-D, second size x.ndim) and assumes nothing else about it.
@@ -396,8 +399,13 @@ def put_along_axis_grad(
 
 def _index_put_check(
     op: str, x: DistTensorSpec, indices: tuple[DistTensorSpec, ...], value: DistTensorSpec
-) -> tuple[int, bool]:
-    """(number of indexed axes, whether value lies along x's last axis)."""
+) -> tuple[int, tuple[int, ...]]:
+    """(number of indexed axes, per value axis the x axis it lies along or -1).
+
+    ``x[indices]`` has the indexed shape ``[n, *x.shape[k:]]`` (n the indices' length, k their
+    number); value broadcasts onto it from the right (numpy rules). A value axis lies along
+    an x axis where it meets one of x's kept axes with the same size (not 1); it lies along
+    nothing (-1) where it meets the indexed positions or has size 1 (a broadcast)."""
     nd = len(x.shape)
     k = len(indices)
     if k == 0:
@@ -412,32 +420,41 @@ def _index_put_check(
             n = t.shape[0]
         elif 0 <= t.shape[0] != n:
             raise ShapeMismatchError(f"{op}: indices[{i}] has {t.shape[0]} entries, indices[0] has {n}")
-    if len(value.shape) != 1:
-        raise ShapeMismatchError(f"{op}: value must be 1-D, got {len(value.shape)} dims")
-    v = value.shape[0]
-    along_last = k < nd and v != 1
-    if along_last:
-        last = x.shape[-1]
-        if v >= 0 and last >= 0 and v != last:
+    target = (n, *x.shape[k:])  # the indexed shape value broadcasts onto
+    vs = value.shape
+    if len(vs) == 0:
+        raise ShapeMismatchError(f"{op}: value must have at least 1 dim, got a 0-d value")
+    if len(vs) > len(target):
+        raise ShapeMismatchError(
+            f"{op}: value has {len(vs)} dims, more than the {len(target)} of the indexed shape "
+            f"{list(target)} (indices' length, then x's axes {k}..{nd - 1})"
+        )
+    off = len(target) - len(vs)
+    along: list[int] = []
+    for j, v in enumerate(vs):
+        size = target[off + j]
+        if v >= 0 and size >= 0 and v != size and v != 1:
             raise ShapeMismatchError(
-                f"{op}: value has {v} entries, which does not broadcast onto x's last axis of size {last}"
+                f"{op}: value shape {list(vs)} does not broadcast onto the indexed shape {list(target)} "
+                f"(value axis {j} has size {v}, the indexed shape {size})"
             )
-    elif v not in (1, -1) and n >= 0 and v != n:
-        raise ShapeMismatchError(f"{op}: value has {v} entries for {n} indexed positions (1 or {n})")
-    return k, along_last
+        xa = k - 1 + off + j  # the x axis this value axis meets (k - 1: the indexed positions)
+        along.append(xa if xa >= k and v != 1 else -1)
+    return k, tuple(along)
 
 
 @memo()
 def _index_put_core(
-    dm: DimsMapping, k: int, along_last: bool
+    dm: DimsMapping, k: int, along: tuple[int, ...]
 ) -> tuple[DimsMapping, DimsMapping, tuple[int, ...]]:
-    """(x mapping, value mapping, mesh dims of the trailing axes value_grad sums over)."""
+    """(x mapping, value mapping, mesh dims of the kept axes value_grad sums over)."""
     nd = len(dm)
     xdm = tuple(-1 if i < k else e for i, e in enumerate(dm))
-    vdm: DimsMapping = (xdm[-1],) if along_last else (-1,)
+    vdm: DimsMapping = tuple(xdm[a] if a >= 0 else -1 for a in along)
     summed: list[int] = []
-    for i in range(k, nd - 1 if along_last else nd):
-        summed.extend(entry_dims(xdm[i]))
+    for i in range(k, nd):
+        if i not in along:
+            summed.extend(entry_dims(xdm[i]))
     return xdm, vdm, tuple(sorted(summed))
 
 

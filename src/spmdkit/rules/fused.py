@@ -39,6 +39,7 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import fast_result, largest_mesh_dim, merge_letters, named_mesh, project, resolve_claims
+from spmdkit.rules._absent import zero_d_absent
 from spmdkit.rules.registry import register
 
 Shape = tuple[int, ...]
@@ -242,19 +243,24 @@ def fused_dropout_add_grad(
 # registration
 # ---------------------------------------------------------------------------
 
+# a 0-D optional tensor (shape []) is read as absent (spmdkit.rules._absent); swiglu's x is at
+# least 1-D, so a 0-D y is never a real operand
 register(
-    "swiglu", swiglu_forward, "x: T, y: T? = None", swiglu_backward, "x: T, y: T?, out: T",
+    "swiglu", zero_d_absent(swiglu_forward, "x: T, y: T? = None", ("y",)), "x: T, y: T? = None",
+    zero_d_absent(swiglu_backward, "x: T, y: T?, out: T", ("y",), outputs=("out",)),
+    "x: T, y: T?, out: T",
     forward_name="SwiGLUInferSpmd", backward_name="SwiGLUInferSpmdReverse",
 )  # fmt: skip
-register("swiglu_grad", swiglu_grad, "x: T, y: T?, out_grad: T", forward_name="SwiGLUGradInferSpmd")
+register("swiglu_grad", zero_d_absent(swiglu_grad, "x: T, y: T?, out_grad: T", ("y",)),
+         "x: T, y: T?, out_grad: T", forward_name="SwiGLUGradInferSpmd")
 register(
     "fused_dropout_add", fused_dropout_add_forward, "x: T, y: T", fused_dropout_add_backward,
     "x: T, y: T, out: T, seed_offset: T? = None",
     forward_name="FusedDropoutAddSpmdBase", backward_name="FusedDropoutAddSpmdReverseBase",
 )  # fmt: skip
+_FDA_GRAD = ("seed_offset: T?, out_grad: T, p: scalar = 0.5, is_test: bool = False, mode: str = 'upscale_in_train', "
+             "fix_seed: bool = False")
 register(
-    "fused_dropout_add_grad", fused_dropout_add_grad,
-    "seed_offset: T?, out_grad: T, p: scalar = 0.5, is_test: bool = False, mode: str = 'upscale_in_train', "
-    "fix_seed: bool = False",
+    "fused_dropout_add_grad", zero_d_absent(fused_dropout_add_grad, _FDA_GRAD, ("seed_offset",)), _FDA_GRAD,
     forward_name="FusedDropoutAddGradInferSpmd",
 )  # fmt: skip

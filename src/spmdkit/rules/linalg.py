@@ -15,6 +15,8 @@ of input, weight, bias and out instead (batch axes kept), as Paddle does. reserv
 sharded as out (Paddle answers it with an empty dims_mapping: gemm-reserve-space).
 Reverse (spmdkit's own, Paddle has none): matmul's reverse (``k`` replicated) from out,
 bias as out's ``n``; out and reserve_space are what those inputs produce.
+linear_v2's bias is optional (``None`` / JSON null, as Paddle accepts): its answer is then
+None, and so is linear_v2_grad's bias_grad.
 Grads: fused_gemm_epilogue_grad(x, y, reserve_space, out_grad, trans_x, trans_y,
 activation_grad) and linear_v2_grad(input, weight, bias, out_grad, transpose_weight):
 matmul_grad for x_grad / y_grad; bias_grad is sharded as out_grad's last axis and partial
@@ -58,6 +60,7 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import BROADCAST, Notation, einsum_forward, fast_result, named_mesh
+from spmdkit.rules._absent import zero_d_absent
 from spmdkit.rules.registry import Rule, get_rule, register
 
 Shape = tuple[int, ...]
@@ -175,7 +178,7 @@ def _gemm_fwd_fix(
     return mx, my, (mo[-1],), mo
 
 
-def _gemm_forward(op: str, names: tuple[str, str], x: DistTensorSpec, y: DistTensorSpec, bias: DistTensorSpec,
+def _gemm_forward(op: str, names: tuple[str, str], x: DistTensorSpec, y: DistTensorSpec, bias: DistTensorSpec | None,
                   tx: bool, ty: bool, partial_ok: bool = False) -> SpmdResult:
     _check_bias(op, names[0], names[1], x, y, bias, tx, ty)
     mesh = _mesh(op, ((names[0], x), (names[1], y), ("bias", bias)))
@@ -190,10 +193,10 @@ def _gemm_forward(op: str, names: tuple[str, str], x: DistTensorSpec, y: DistTen
         return fast_result((ax, ay, ab), (ao, ao))
     mx, my, mb, mo = _gemm_fwd_fix(ax.dims_mapping, ay.dims_mapping, ao.dims_mapping, bool(ao.partial))
     out = _make(mesh, mo)
-    return fast_result((_make(mesh, mx), _make(mesh, my), _make(mesh, mb)), (out, out))
+    return fast_result((_make(mesh, mx), _make(mesh, my), None if bias is None else _make(mesh, mb)), (out, out))
 
 
-def _gemm_backward(op: str, names: tuple[str, str], x: DistTensorSpec, y: DistTensorSpec, bias: DistTensorSpec,
+def _gemm_backward(op: str, names: tuple[str, str], x: DistTensorSpec, y: DistTensorSpec, bias: DistTensorSpec | None,
                    out: DistTensorSpec, reserve_space: DistTensorSpec | None, tx: bool, ty: bool) -> SpmdResult:
     _check_bias(op, names[0], names[1], x, y, bias, tx, ty)
     mesh = _mesh(op, ((names[0], x), (names[1], y), ("bias", bias), ("out", out), ("reserve_space", reserve_space)))
@@ -204,21 +207,21 @@ def _gemm_backward(op: str, names: tuple[str, str], x: DistTensorSpec, y: DistTe
     r = _call(op, "matmul", "backward", x, y, out, tx, ty)
     ao = r.outputs[0]
     assert isinstance(ao, TensorDistAttr)
-    ab = _make(mesh, (ao.dims_mapping[-1],))
+    ab = None if bias is None else _make(mesh, (ao.dims_mapping[-1],))
     return fast_result((r.inputs[0], r.inputs[1], ab),  # type: ignore[arg-type]
                        (ao, None if reserve_space is None else ao))
 
 
 def _gemm_grad(op: str, names: tuple[str, str], x: DistTensorSpec, y: DistTensorSpec,
                extra: tuple[tuple[str, DistTensorSpec | None], ...], out_grad: DistTensorSpec,
-               tx: bool, ty: bool) -> SpmdResult:
+               tx: bool, ty: bool, absent_bias_grad: bool = False) -> SpmdResult:
     _check_bias(op, names[0], names[1], x, y, None, tx, ty)
     mesh = _mesh(op, ((names[0], x), (names[1], y), *extra, ("out_grad", out_grad)))
     r = _call(op, "matmul_grad", "forward", x, y, out_grad, tx, ty)
     ag = r.inputs[2]
     assert isinstance(ag, TensorDistAttr)
     gdm = ag.dims_mapping
-    bias_grad = _partial_over(mesh, (gdm[-1],), gdm[:-1])
+    bias_grad: TensorDistAttr | None = _partial_over(mesh, (gdm[-1],), gdm[:-1])
     ins: list[TensorDistAttr | None] = [r.inputs[0], r.inputs[1]]  # type: ignore[list-item]
     for name, t in extra:
         if t is None:
@@ -233,6 +236,8 @@ def _gemm_grad(op: str, names: tuple[str, str], x: DistTensorSpec, y: DistTensor
             if len(t.shape) != 1:
                 raise ShapeMismatchError(f"{op}: bias must be 1-D, got shape {list(t.shape)}")
             ins.append(_make(mesh, (gdm[-1],)))
+    if absent_bias_grad:
+        bias_grad = None  # no bias, no bias_grad
     return fast_result((ins[0], ins[1], ins[2], ag), (r.outputs[0], r.outputs[1], bias_grad))  # type: ignore[arg-type]
 
 
@@ -268,7 +273,7 @@ def _no_transpose(op: str, transpose_weight: bool) -> None:
         raise InvalidAttributeError(f"{op}: transpose_weight must be False in SPMD mode, got True")
 
 
-def linear_v2_forward(input: DistTensorSpec, weight: DistTensorSpec, bias: DistTensorSpec,
+def linear_v2_forward(input: DistTensorSpec, weight: DistTensorSpec, bias: DistTensorSpec | None,
                       transpose_weight: bool = False) -> SpmdResult:
     """LinearV2InferSpmdBase: ``[b]mk, kn, n -> [b]mn`` (out, reserve); a sharded k
     replicates the matmul axes."""
@@ -276,41 +281,48 @@ def linear_v2_forward(input: DistTensorSpec, weight: DistTensorSpec, bias: DistT
     return _gemm_forward("linear_v2", _IW, input, weight, bias, False, False)
 
 
-def linear_v2_backward(input: DistTensorSpec, weight: DistTensorSpec, bias: DistTensorSpec, out: DistTensorSpec,
+def linear_v2_backward(input: DistTensorSpec, weight: DistTensorSpec, bias: DistTensorSpec | None, out: DistTensorSpec,
                        reserve_space: DistTensorSpec | None, transpose_weight: bool = False) -> SpmdResult:
     """linear_v2 reverse (spmdkit's own): input, weight from out (k replicated), bias as n."""
     _no_transpose("linear_v2", transpose_weight)
     return _gemm_backward("linear_v2", _IW, input, weight, bias, out, reserve_space, False, False)
 
 
-def linear_v2_grad(input: DistTensorSpec, weight: DistTensorSpec, bias: DistTensorSpec, out_grad: DistTensorSpec,
+def linear_v2_grad(input: DistTensorSpec, weight: DistTensorSpec, bias: DistTensorSpec | None, out_grad: DistTensorSpec,
                    transpose_weight: bool = False) -> SpmdResult:
     """linear_v2_grad: matmul_grad for input_grad / weight_grad; bias_grad as out_grad's last
     axis, partial SUM over its other axes."""
     _no_transpose("linear_v2_grad", transpose_weight)
-    return _gemm_grad("linear_v2_grad", _IW, input, weight, (("bias", bias),), out_grad, False, False)
+    return _gemm_grad("linear_v2_grad", _IW, input, weight, (("bias", bias),), out_grad, False, False,
+                      absent_bias_grad=bias is None)
 
 
+# a 0-D optional tensor (shape []) is read as absent (spmdkit.rules._absent)
+_GEMM_REV = "x: T, y: T, bias: T, out: T, reserve_space: T?, trans_x: bool = False, trans_y: bool = False"
+_GEMM_GRAD = ("x: T, y: T, reserve_space: T?, out_grad: T, trans_x: bool = False, trans_y: bool = False, "
+              "activation_grad: str = 'none'")
+_LIN_FWD = "input: T, weight: T, bias: T?, transpose_weight: bool = False"
+_LIN_REV = "input: T, weight: T, bias: T?, out: T, reserve_space: T?, transpose_weight: bool = False"
+_LIN_GRAD = "input: T, weight: T, bias: T?, out_grad: T, transpose_weight: bool = False"
 register(
     "fused_gemm_epilogue", fused_gemm_epilogue_forward,
     "x: T, y: T, bias: T, trans_x: bool = False, trans_y: bool = False",
-    fused_gemm_epilogue_backward,
-    "x: T, y: T, bias: T, out: T, reserve_space: T?, trans_x: bool = False, trans_y: bool = False",
+    zero_d_absent(fused_gemm_epilogue_backward, _GEMM_REV, ("reserve_space",), outputs=("out", "reserve_space")),
+    _GEMM_REV,
     forward_name="FusedGemmEpilogueInferSpmdBase", backward_name="FusedGemmEpilogueInferSpmdReverse",
 )  # fmt: skip
 register(
-    "fused_gemm_epilogue_grad", fused_gemm_epilogue_grad,
-    "x: T, y: T, reserve_space: T?, out_grad: T, trans_x: bool = False, trans_y: bool = False, "
-    "activation_grad: str = 'none'",
+    "fused_gemm_epilogue_grad", zero_d_absent(fused_gemm_epilogue_grad, _GEMM_GRAD, ("reserve_space",)), _GEMM_GRAD,
     forward_name="FusedGemmEpilogueGradInferSpmd",
 )  # fmt: skip
 register(
-    "linear_v2", linear_v2_forward, "input: T, weight: T, bias: T, transpose_weight: bool = False",
-    linear_v2_backward, "input: T, weight: T, bias: T, out: T, reserve_space: T?, transpose_weight: bool = False",
+    "linear_v2", zero_d_absent(linear_v2_forward, _LIN_FWD, ("bias",)), _LIN_FWD,
+    zero_d_absent(linear_v2_backward, _LIN_REV, ("bias", "reserve_space"), outputs=("out", "reserve_space")),
+    _LIN_REV,
     forward_name="LinearV2InferSpmdBase", backward_name="LinearV2InferSpmdReverse",
 )  # fmt: skip
 register(
-    "linear_v2_grad", linear_v2_grad, "input: T, weight: T, bias: T, out_grad: T, transpose_weight: bool = False",
+    "linear_v2_grad", zero_d_absent(linear_v2_grad, _LIN_GRAD, ("bias",)), _LIN_GRAD,
     forward_name="LinearV2GradInferSpmd",
 )  # fmt: skip
 

@@ -40,6 +40,7 @@ from spmdkit.engine.notation import (
     fast_result,
     merge_weight,
 )
+from spmdkit.rules._absent import zero_d_absent
 from spmdkit.rules.registry import register
 
 _SUM = ReduceType.SUM
@@ -432,18 +433,20 @@ register(
     "x: T, scale: T?, bias: T?, mean: T, variance: T, out_grad: T, epsilon: float = 1e-5, begin_norm_axis: int = 1",
     forward_name="LayerNormGradInferSpmd",
 )
+# fused_rms_norm: a 0-D scale (shape []) is read as absent (spmdkit.rules._absent)
 register(
     "fused_rms_norm",
-    rms_norm_forward,
+    zero_d_absent(rms_norm_forward, "x: T, scale: T?, epsilon: float = 1e-5", ("scale",)),
     "x: T, scale: T?, epsilon: float = 1e-5",
-    rms_norm_backward,
+    zero_d_absent(rms_norm_backward, "x: T, scale: T?, out: T, invvar: T, epsilon: float = 1e-5", ("scale",),
+                  outputs=("out", "invvar")),
     "x: T, scale: T?, out: T, invvar: T, epsilon: float = 1e-5",
     forward_name="RmsNormInferSpmd",
     backward_name="RmsNormInferSpmdReverse",
 )
 register(
     "rms_norm_grad",
-    rms_norm_grad,
+    zero_d_absent(rms_norm_grad, "x: T, scale: T?, invvar: T, out_grad: T, epsilon: float = 1e-5", ("scale",)),
     "x: T, scale: T?, invvar: T, out_grad: T, epsilon: float = 1e-5",
     aliases=("fused_rms_norm_grad",),
     forward_name="RmsNormGradInferSpmd",

@@ -296,8 +296,8 @@ def coerce_attr(op: str, p: Param, v: Any) -> Any:
         if isinstance(v, (list, tuple)) and all(_is_int(x) or isinstance(x, float) for x in v):
             return tuple(float(x) for x in v)
     elif k == "any":
-        return _freeze(v)
-    raise InvalidAttributeError(f"{op}: attribute {p.name!r} must be {_KIND_TEXT[k]}, got {v!r}")
+        return _freeze(v, op, p.name)
+    raise InvalidAttributeError(f"{op}: attribute {p.name!r} must be {_KIND_TEXT[k]}, got {_show(v)}")
 
 
 _KIND_TEXT = {
@@ -312,12 +312,82 @@ _KIND_TEXT = {
 }
 
 
-def _freeze(v: Any) -> Any:
-    if isinstance(v, list):
-        return tuple(_freeze(x) for x in v)
+#: How deep an "any" attribute may nest lists / dicts (a dtype or a fill value needs 1 or 2).
+MAX_ATTR_DEPTH = 32
+
+
+def _freeze(v: Any, op: str = "", name: str = "", depth: int = 0) -> Any:
+    """An "any" attribute in hashable canonical form: lists and tuples become tuples, dicts
+    tuples of (key, value) pairs in a total order (keys of mixed types sort by type name,
+    then value), sets frozensets, bytearrays bytes, numpy arrays and scalars their
+    ``tolist()``. A value that stays unhashable, or nests deeper than
+    :data:`MAX_ATTR_DEPTH`, is an InvalidAttributeError."""
+    if v is None or v.__class__ in (str, int, float, bool):
+        return v
+    if depth >= MAX_ATTR_DEPTH:
+        raise InvalidAttributeError(
+            f"{op}: attribute {name!r} nests deeper than {MAX_ATTR_DEPTH} levels"
+        )
+    d = depth + 1
+    if isinstance(v, (list, tuple)):
+        return tuple(_freeze(x, op, name, d) for x in v)
     if isinstance(v, dict):
-        return tuple(sorted((k, _freeze(x)) for k, x in v.items()))
+        items = [(_freeze(k, op, name, d), _freeze(x, op, name, d)) for k, x in v.items()]
+        return tuple(sorted(items, key=_order_key))
+    if isinstance(v, (set, frozenset)):
+        return frozenset(_freeze(x, op, name, d) for x in v)
+    if isinstance(v, bytearray):
+        return bytes(v)
+    tolist = getattr(type(v), "tolist", None)  # numpy arrays and scalars (no numpy import here)
+    if tolist is not None and type(v).__module__ == "numpy":
+        try:
+            plain = v.tolist()
+        except Exception as exc:  # a broken array-like: refuse it
+            raise InvalidAttributeError(
+                f"{op}: attribute {name!r}: cannot read {type(v).__name__} value ({type(exc).__name__})"
+            ) from None
+        return _freeze(plain, op, name, d)
+    try:
+        hash(v)
+    except Exception:  # an unhashable or hostile value
+        raise InvalidAttributeError(
+            f"{op}: attribute {name!r} must be a number, string, bool, None or a list / dict of them, "
+            f"got {type(v).__name__}"
+        ) from None
     return v
+
+
+def _order_key(kv: tuple[Any, Any]) -> tuple[str, str]:
+    """A total order on frozen dict items whatever the key types (repr after type name)."""
+    k = kv[0]
+    return (type(k).__name__, _show(k, 200))
+
+
+def _show(v: Any, limit: int = 200) -> str:
+    """``repr(v)`` cut to ``limit`` characters, and safe for values whose repr fails or recurses."""
+    try:
+        text = reprlib_repr(v)
+    except Exception:  # a hostile __repr__
+        return f"<{type(v).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _cut(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _make_repr() -> Callable[[Any], str]:
+    import reprlib
+
+    r = reprlib.Repr()
+    r.maxlevel = 4
+    r.maxlist = r.maxtuple = r.maxset = r.maxfrozenset = r.maxdict = 12
+    r.maxstring = r.maxother = 120
+    r.maxlong = 60
+    return r.repr
+
+
+reprlib_repr = _make_repr()
 
 
 def _check_tensor(op: str, p: Param, v: Any) -> Any:
@@ -351,7 +421,7 @@ def _what(v: Any) -> str:
         return "None"
     if isinstance(v, (list, tuple)):
         return "a list"
-    return f"{type(v).__name__} {v!r}"
+    return f"{type(v).__name__} {_show(v)}"
 
 
 class Mode:
@@ -443,23 +513,29 @@ class Rule:
         return ("forward", "backward") if self.backward is not None else ("forward",)
 
     def mode(self, mode: str) -> Mode:
+        if not isinstance(mode, str):
+            raise UnsupportedModeError(
+                f"{self.name}: mode must be 'forward' or 'backward', got {type(mode).__name__} {_show(mode)}"
+            )
         if mode == "forward":
             return self.forward
         if mode == "backward":
             if self.backward is None:
                 raise UnsupportedModeError(f"{self.name}: has no backward (reverse) rule")
             return self.backward
-        raise UnsupportedModeError(f"{self.name}: unknown mode {mode!r} (forward or backward)")
+        raise UnsupportedModeError(f"{self.name}: unknown mode {_show(mode)} (forward or backward)")
 
-    def infer_forward(self, *args: Any, **kwargs: Any) -> SpmdResult:
+    # ``self`` and ``mode`` are positional-only: a rule parameter may be called ``mode``, and an
+    # unknown keyword ``self=`` is the rule's InvalidArgumentError, not Python's TypeError
+    def infer_forward(self, /, *args: Any, **kwargs: Any) -> SpmdResult:
         return self._call(self.forward, 0, args, kwargs)
 
-    def infer_backward(self, *args: Any, **kwargs: Any) -> SpmdResult:
+    def infer_backward(self, /, *args: Any, **kwargs: Any) -> SpmdResult:
         if self.backward is None:
             raise UnsupportedModeError(f"{self.name}: has no backward (reverse) rule")
         return self._call(self.backward, 1, args, kwargs)
 
-    def infer(self, mode: str, *args: Any, **kwargs: Any) -> SpmdResult:
+    def infer(self, mode: str, /, *args: Any, **kwargs: Any) -> SpmdResult:
         m = self.mode(mode)
         return self._call(m, 0 if m is self.forward else 1, args, kwargs)
 
@@ -474,9 +550,17 @@ class Rule:
             result = m.fn(*bound)
         except SpmdError:
             raise
-        except (IndexError, KeyError, ValueError, TypeError, ZeroDivisionError) as exc:
-            # an unforeseen malformed input: report it as a library error, never a traceback
-            raise InvalidArgumentError(f"{self.name}: invalid input ({type(exc).__name__}: {exc})") from exc
+        except (IndexError, KeyError, ValueError, TypeError, ArithmeticError, AttributeError) as exc:
+            # an unforeseen malformed input (ArithmeticError: also OverflowError from a size past
+            # what Python indexes): report it as a library error, never a traceback
+            raise InvalidArgumentError(
+                f"{self.name}: invalid input ({type(exc).__name__}: {_cut(str(exc))})"
+            ) from exc
+        except (MemoryError, RecursionError) as exc:
+            # sizes or nesting beyond what one call may take: refused, named, never a traceback
+            raise InvalidArgumentError(
+                f"{self.name}: input too large to answer ({type(exc).__name__})"
+            ) from None
         if key is not None:
             _store(self._cache, key, result)
         return result
@@ -542,15 +626,17 @@ def output_params(rule: Rule) -> list[str]:
 def get_rule(name: str) -> Rule:
     """The rule registered under ``name`` (or an alias of it)."""
     _ensure_loaded()
+    if not isinstance(name, str):  # never hash or compare a foreign value (a deep tuple would crash)
+        raise UnknownRuleError(f"a rule name is a string, got {type(name).__name__} {_show(name)}")
     try:
         return _RULES[name]
-    except (KeyError, TypeError):
-        raise UnknownRuleError(f"no SPMD rule named {name!r}") from None
+    except KeyError:
+        raise UnknownRuleError(f"no SPMD rule named {_show(name)}") from None
 
 
 def has_rule(name: str) -> bool:
     _ensure_loaded()
-    return name in _RULES
+    return isinstance(name, str) and name in _RULES
 
 
 def rule_names(include_aliases: bool = True) -> list[str]:

@@ -22,6 +22,14 @@ Vector outputs (split, unbind, concat_grad, stack_grad) are one tuple of dist at
   output_grad as concat does (x_grad pieces sharded as x), ``stack_grad(output_grad, axis)``
   replicates the stacked axis and gives every x_grad the rest.
 
+Output count bound: a rule whose number of outputs comes from a size (split's sections,
+split_with_num's num, unbind's axis size, stack_grad's stacked axis size; forward and
+reverse alike) refuses more than :data:`MAX_OUTPUTS` (4096) outputs with an
+InvalidAttributeError (num, sections) or ShapeMismatchError (a tensor's size) naming the op
+and the argument, before any work: Paddle has no such bound, but an answer of millions of
+identical dist attrs is never what a real program needs, and building it would take
+minutes and gigabytes.
+
 Deviations from Paddle 3.3.1 (docs/deviations.md): concat-reverse-out, stack-reverse-out,
 concat-partial-input, unbind-partial-input (Paddle keeps x partial, the slices not),
 split-reverse-conflict.
@@ -45,6 +53,17 @@ _make = TensorDistAttr._make
 _INF = float("inf")
 #: fast_result for answers holding vector (tuple) arguments
 fast_result: Callable[..., SpmdResult] = _fast_result
+
+
+#: The most outputs a split / unbind / stack_grad answers (see the module docstring).
+MAX_OUTPUTS = 4096
+
+
+def _check_count(op: str, what: str, n: int, attr: bool) -> None:
+    """Refuse an output count past MAX_OUTPUTS (``what`` names the argument it comes from)."""
+    if n > MAX_OUTPUTS:
+        err = InvalidAttributeError if attr else ShapeMismatchError
+        raise err(f"{op}: {what} asks for {n} outputs; at most {MAX_OUTPUTS} are answered")
 
 
 def _axis(op: str, axis: int, ndim: int, extra: int = 0) -> int:
@@ -76,6 +95,7 @@ def _collapse(dm: DimsMapping, mesh_shape: Shape) -> DimsMapping:
 def _split_sizes(op: str, size: int, sections: tuple[int, ...]) -> None:
     if not sections:
         raise InvalidAttributeError(f"{op}: sections is empty")
+    _check_count(op, f"sections (of {len(sections)} entries)", len(sections), True)
     if any(s < -1 for s in sections) or sections.count(-1) > 1:
         raise InvalidAttributeError(f"{op}: sections {list(sections)} may hold sizes >= 0 and at most one -1")
     if size >= 0:
@@ -87,6 +107,7 @@ def _split_sizes(op: str, size: int, sections: tuple[int, ...]) -> None:
 def _num(op: str, size: int, num: int) -> None:
     if num <= 0:
         raise InvalidAttributeError(f"{op}: num must be positive, got {num}")
+    _check_count(op, f"num {num}", num, True)
     if size >= 0 and size % num:
         raise InvalidAttributeError(f"{op}: num {num} does not divide the axis size {size}")
 
@@ -119,6 +140,7 @@ def unbind_forward(x: DistTensorSpec, axis: int = 0) -> SpmdResult:
     ax = _axis("unbind", axis, x.ndim)
     if x.shape[ax] < 0:
         raise ShapeMismatchError(f"unbind: the size of axis {axis} of x is unknown, so is the number of outputs")
+    _check_count("unbind", f"x's axis {axis} (size {x.shape[ax]})", x.shape[ax], False)
     return _split_fwd(x, x.shape[ax], ax, True)
 
 
@@ -188,6 +210,7 @@ def unbind_backward(x: DistTensorSpec, out: tuple[DistTensorSpec, ...], axis: in
     ax = _axis("unbind", axis, x.ndim)
     if x.shape[ax] < 0:
         raise ShapeMismatchError(f"unbind: the size of axis {axis} of x is unknown, so is the number of outputs")
+    _check_count("unbind", f"x's axis {axis} (size {x.shape[ax]})", x.shape[ax], False)
     return _split_bwd("unbind", x, out, x.shape[ax], ax, True)
 
 
@@ -233,6 +256,24 @@ def _align(
                 sharded.add(ax)
         elif p0[0] == "P" and p0[1] in (ReduceType.SUM, ReduceType.AVG):
             partial[md] = p0[1]  # type: ignore[assignment]
+    local_size: dict[int, int] = {}  # per live tensor: its local element count (0: empty)
+    if any(mismatch):
+        for i in live:
+            shp = shapes[i]
+            n = 1
+            for s in shp:
+                n *= s if s >= 0 else 1
+            if n == 0:
+                local_size[i] = 0
+                continue
+            local = 1
+            for a2, s in enumerate(shp):
+                k = 1
+                for d in entry_dims(mappings[i][a2]):
+                    k *= mesh_shape[d]
+                s = s if s >= 0 else 1
+                local *= -(-s // k)
+            local_size[i] = local
     for md in range(nmesh):
         if not mismatch[md]:
             continue
@@ -240,7 +281,7 @@ def _align(
         for ax in range(ndim):
             if ax == skip or ax in sharded:
                 continue
-            cost = 0.0
+            cost: float = 0  # exact int sums (huge sizes overflow a float)
             for i in live:
                 shp = shapes[i]
                 if 0 <= shp[ax] < mesh_shape[md]:
@@ -248,18 +289,9 @@ def _align(
                     break
                 if entry_dims(mappings[i][ax]):
                     continue
-                n = 1
-                for s in shp:
-                    n *= s if s >= 0 else 1
-                if n == 0:
+                local = local_size[i]
+                if local == 0:
                     continue
-                local = 1
-                for a2, s in enumerate(shp):
-                    k = 1
-                    for d in entry_dims(mappings[i][a2]):
-                        k *= mesh_shape[d]
-                    s = s if s >= 0 else 1
-                    local *= -(-s // k)
                 cost += local * mesh_shape[md]
             if cost < best_cost:
                 best, best_cost = ax, cost
@@ -418,6 +450,7 @@ def stack_grad(output_grad: DistTensorSpec, axis: int = 0) -> SpmdResult:
     n = output_grad.shape[ax]
     if n < 0:
         raise ShapeMismatchError(f"{op}: the size of axis {axis} of output_grad is unknown, so is the number of x_grad")
+    _check_count(op, f"output_grad's axis {axis} (size {n})", n, False)
     a = output_grad.dist_attr
     dm = _drop(a.dims_mapping, ax)
     ga = _make(a.mesh, dm, a.partial)

@@ -13,12 +13,16 @@ Grad rules reshape out_grad back to x's shape (the shape of ``x_shape`` / ``xsha
 Deviations from Paddle 3.3.1 (docs/deviations.md, "View family"): invalid targets and axes
 raise; unsqueeze places new axes as the op does (one after another), and the reverse rules
 do not co-shard an out axis whose size the mesh dims do not divide.
+
+Bound: unsqueeze inserts at most :data:`MAX_NEW_AXES` (1024) axes (Paddle's tensors have at
+most 9 dims); a longer ``axis`` list is an InvalidAttributeError (placing the axes one after
+another costs time quadratic in their number).
 """
 
 from __future__ import annotations
 
 from spmdkit.core.dist_attr import TensorDistAttr
-from spmdkit.core.errors import ShapeMismatchError
+from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.dim_trans import (
     DimTrans,
@@ -167,15 +171,28 @@ def squeeze_grad(xshape: DistTensorSpec, out_grad: DistTensorSpec, axis: tuple[i
     return _grad("squeeze_grad", xshape, out_grad, "xshape")
 
 
+#: The most axes one unsqueeze inserts (see the module docstring).
+MAX_NEW_AXES = 1024
+
+
+def _check_new_axes(axis: tuple[int, ...]) -> None:
+    if len(axis) > MAX_NEW_AXES:
+        raise InvalidAttributeError(
+            f"unsqueeze: axis has {len(axis)} entries; at most {MAX_NEW_AXES} new axes are answered"
+        )
+
+
 def unsqueeze_forward(x: DistTensorSpec, axis: tuple[int, ...]) -> SpmdResult:
     """New size-1 axes inserted at ``axis`` (one after another, as the op does)."""
     _check_sizes("unsqueeze", x, "x")
+    _check_new_axes(axis)
     trans, _ = unsqueeze_trans(x.shape, tuple(axis))
     return _forward("unsqueeze", x, trans, keep_partial=False)
 
 
 def unsqueeze_backward(x: DistTensorSpec, out: DistTensorSpec, axis: tuple[int, ...]) -> SpmdResult:
     _check_sizes("unsqueeze", x, "x")
+    _check_new_axes(axis)
     trans, oshape = unsqueeze_trans(x.shape, tuple(axis))
     return _reverse("unsqueeze", x, out, oshape, invert_trans(trans, x.ndim))
 

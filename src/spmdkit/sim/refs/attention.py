@@ -31,6 +31,12 @@ def _expand_kv(t: np.ndarray, hq: int) -> np.ndarray:
     return np.repeat(t, hq // hk, axis=2)
 
 
+def _opt(a: Arrays, name: str) -> Any:
+    """An optional input, None where absent or 0-D (how Paddle's callers pass an absent one)."""
+    v = a.get(name)
+    return None if v is None or np.ndim(v) == 0 else v
+
+
 def _scores(a: Arrays) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
     q, k, v = (np.asarray(a[n], dtype=np.float64) for n in ("q", "k", "v"))
     hq = q.shape[2]
@@ -38,7 +44,7 @@ def _scores(a: Arrays) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
     d = q.shape[3]
     scale = 1.0 / math.sqrt(d) if d else 1.0
     s = np.einsum("bshd,bthd->bhst", q, ke) * scale
-    mask = a.get("attn_mask")
+    mask = _opt(a, "attn_mask")
     if mask is not None:
         s = s + np.asarray(mask, dtype=np.float64)
     if a.get("causal"):
@@ -166,8 +172,8 @@ def _sin_cos(a: Arrays, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     neox = bool(a.get("use_neox_rotary_style", True))
     s = q.shape[0] if tm else q.shape[1]
     d = q.shape[3]
-    ids = a.get("position_ids")
-    sin, cos = a.get("sin"), a.get("cos")
+    ids = _opt(a, "position_ids")
+    sin, cos = _opt(a, "sin"), _opt(a, "cos")
     if sin is None or cos is None:
         base = float(a.get("rotary_emb_base", 10000.0))
         inv = base ** (-np.arange(0, d, 2, dtype=np.float64) / max(d, 1))
@@ -195,7 +201,7 @@ def _rope(a: Arrays, c: Ctx) -> tuple[Any, ...]:
     st, ct = _sin_cos(a, q)
     outs: list[Any] = []
     for n in ("q", "k", "v"):
-        x = a.get(n)
+        x = _opt(a, n)
         if x is None:
             outs.append(None)
             continue
@@ -210,7 +216,7 @@ def _rope_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
     st, ct = _sin_cos(a, g0)
     outs: list[Any] = []
     for n in ("out_q_grad", "out_k_grad", "out_v_grad"):
-        g = a.get(n)
+        g = _opt(a, n)
         if g is None:
             outs.append(None)
             continue
@@ -220,10 +226,10 @@ def _rope_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
 
 
 def _prep_rope(a: Arrays) -> None:
-    ids = a.get("position_ids")
+    ids = _opt(a, "position_ids")
     if ids is None:
         return
-    sin = a.get("sin")
+    sin = _opt(a, "sin")
     n = int(np.shape(sin)[-3] if np.ndim(sin) == 4 else np.shape(sin)[0]) if sin is not None else 64
     a["position_ids"] = np.abs(np.asarray(ids, dtype=np.int64)) % max(n, 1)
 

@@ -514,10 +514,12 @@ def _g_index_put(r: random.Random, m: list[int], ref: Any) -> dict[str, Any]:
     for v in s[:k]:
         total *= v
     n = r.randint(1, max(1, min(total, 6)))
-    if k < nd:
-        vs = (1,) if r.random() < 0.4 or s[-1] == 1 else (s[-1],)
-    else:
-        vs = (1,) if r.random() < 0.4 else (n,)
+    target = (n, *s[k:])  # the indexed shape: value broadcasts onto it from the right
+    if r.random() < 0.5:  # 1-D value
+        vs: tuple[int, ...] = (1,) if r.random() < 0.4 or target[-1] == 1 else (target[-1],)
+    else:  # a value of several dims, some axes broadcast (size 1)
+        rank = r.randint(1, len(target))
+        vs = tuple(1 if r.random() < 0.3 else t for t in target[len(target) - rank:])
     return {"x": TGen(s), "indices": [TGen((n,), "int") for _ in range(k)], "value": TGen(vs),
             "accumulate": r.random() < 0.5, "out_grad": TGen(s, "real")}
 

@@ -24,6 +24,8 @@ def _sig(x: np.ndarray) -> np.ndarray:
 def _halves(a: Arrays) -> tuple[np.ndarray, np.ndarray, bool]:
     x = np.asarray(a["x"], dtype=np.float64)
     y = a.get("y")
+    if y is not None and np.ndim(y) == 0 and x.ndim > 0:
+        y = None  # a 0-D y is how Paddle's callers pass an absent one
     if y is None:
         h = x.shape[-1] // 2
         return x[..., :h], x[..., h:], True

@@ -58,11 +58,19 @@ def _g_bmm_grad(r: random.Random, m: list[int], ref: Reference) -> Spec:
 # -- linear_v2 / fused_gemm_epilogue ---------------------------------------------------------------
 
 
+def _has_bias(a: Arrays) -> bool:
+    b = a.get("bias")
+    return b is not None and np.ndim(b) > 0
+
+
 def _linear(a: Arrays, c: Ctx) -> tuple[Any, ...]:
-    x, w, bias = _f(a["input"]), _f(a["weight"]), _f(a["bias"])
+    x, w = _f(a["input"]), _f(a["weight"])
     if a.get("transpose_weight", False):
         w = _t(w)
-    return (np.matmul(x, w) + bias, None)
+    out = np.matmul(x, w)
+    if _has_bias(a):  # bias is optional (absent: None or 0-D, as Paddle accepts)
+        out = out + _f(a["bias"])
+    return (out, None)
 
 
 def _linear_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
@@ -72,20 +80,21 @@ def _linear_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
     dx = np.matmul(g, _t(ww))
     x2, g2 = _rows(x), _rows(g)
     dw = x2.T @ g2
-    return (dx, dw.T if tw else dw, g2.sum(axis=0))
+    return (dx, dw.T if tw else dw, g2.sum(axis=0) if _has_bias(a) else None)
 
 
 def _g_linear(r: random.Random, m: list[int], ref: Reference) -> Spec:
     k, n = rand_size(r, m), rand_size(r, m)
     batch = [rand_size(r, m) for _ in range(r.choice((1, 1, 2)))]
     tw = r.random() < 0.3
-    return {"input": TGen((*batch, k)), "weight": TGen((n, k) if tw else (k, n)), "bias": TGen((n,)),
-            "transpose_weight": tw}
+    return {"input": TGen((*batch, k)), "weight": TGen((n, k) if tw else (k, n)),
+            "bias": TGen((n,)) if r.random() < 0.75 else None, "transpose_weight": tw}
 
 
 def _g_linear_grad(r: random.Random, m: list[int], ref: Reference) -> Spec:
     sp = _g_linear(r, m, ref)
-    n = sp["bias"].shape[0]
+    w = sp["weight"].shape
+    n = w[0] if sp["transpose_weight"] else w[1]
     sp["out_grad"] = TGen((*sp["input"].shape[:-1], n))
     return sp
 
@@ -162,10 +171,10 @@ GENERATORS.update({"bmm": _g_bmm, "bmm_grad": _g_bmm_grad, "linear_v2": _g_linea
 
 register_reference(Reference("bmm", _bmm, ("x", "y"), ("out",), "bmm"))
 register_reference(Reference("bmm_grad", _bmm_grad, ("x", "y", "out_grad"), ("x_grad", "y_grad"), "bmm_grad"))
-register_reference(Reference("linear_v2", _linear, ("input", "weight", "bias"), ("out", "reserve_space"),
-                             "linear_v2"))
-register_reference(Reference("linear_v2_grad", _linear_grad, ("input", "weight", "bias", "out_grad"),
-                             ("input_grad", "weight_grad", "bias_grad"), "linear_v2_grad"))
+register_reference(Reference("linear_v2", _linear, ("input", "weight"), ("out", "reserve_space"),
+                             "linear_v2", optional=("bias",)))
+register_reference(Reference("linear_v2_grad", _linear_grad, ("input", "weight", "out_grad"),
+                             ("input_grad", "weight_grad", "bias_grad"), "linear_v2_grad", optional=("bias",)))
 register_reference(Reference("fused_gemm_epilogue", _gemm, ("x", "y", "bias"), ("out", "reserve_space"), "gemm"))
 register_reference(Reference("fused_gemm_epilogue_grad", _gemm_grad, ("x", "y", "out_grad"),
                              ("x_grad", "y_grad", "bias_grad"), "gemm_grad", optional=("reserve_space",)))
