@@ -102,9 +102,9 @@ def plan_model(model_name: str, mesh_text: str, strategy_text: str, overrides: d
     from spmdkit.graph.strategy import annotate, parse_mesh, parse_strategy
     from spmdkit.graph.zoo import build_model, preset
 
+    cfg = preset(model_name)
     mesh = parse_mesh(mesh_text)
     st = parse_strategy(strategy_text, mesh)
-    cfg = preset(model_name)
     if overrides:
         limits = {"layers": MAX_LAYERS, "batch": MAX_SIZE, "seq": MAX_SIZE}
         checked = {k: _size_arg(f"--{k}", v, limits.get(k, MAX_SIZE)) for k, v in overrides.items()}
@@ -127,12 +127,15 @@ def _cost(text: str | None, mesh: Any) -> Any:
         raise ProgramError(f"--cost: {len(text)} characters (at most 4096)")
     try:
         cost = CostModel.parse(text, mesh)
+    except SpmdError as exc:
+        msg = str(exc)
+        raise ProgramError(msg if msg.startswith("--cost") else f"--cost {_cut(text)}: {msg[:300]}") from None
     except (ZeroDivisionError, ValueError, OverflowError):
         raise ProgramError(f"--cost {_cut(text)}: latency and bandwidth must be finite numbers, the "
                            f"bandwidth > 0 (e.g. tp=5us/150GB)") from None
     for link in cost.links:
-        vals = [float(x) for x in vars(link).values() if isinstance(x, (int, float))]
-        if not all(math.isfinite(x) and x >= 0 for x in vals):
+        a, b = link.alpha_s, link.beta_s_per_byte
+        if not (math.isfinite(a) and a >= 0 and math.isfinite(b) and b > 0):
             raise ProgramError(f"--cost {_cut(text)}: latency and bandwidth must be finite numbers, the "
                                f"bandwidth > 0 (e.g. tp=5us/150GB)")
     return cost

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spmdkit.core.dist_attr import TensorDistAttr
-from spmdkit.core.errors import ProgramError, SpmdError
+from spmdkit.core.errors import ProgramError, ShapeMismatchError, SpmdError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 
@@ -216,6 +216,25 @@ class Program:
                 if a is not None and a.ndim != len(self.tensors[n].shape):
                     raise ProgramError(f"{where}: output {n!r} has shape {list(self.tensors[n].shape)} but rule "
                                        f"{rule.name} makes a {a.ndim}-D tensor")
+            self._check_output_shapes(op, rule, where, out_refs, mesh)
+
+    def _check_output_shapes(self, op: Op, rule: Any, where: str, out_refs: list[str | None],
+                             mesh: ProcessMesh) -> None:
+        """The declared output shapes against the input shapes: a rule's reverse (backward)
+        mode takes the outputs as arguments and checks every axis the notation ties to an
+        input axis (``ShapeMismatchError``), so it is called once with every tensor
+        replicated. Rules without a backward mode, and ops with an output the program does
+        not keep (``null``), are not checked here (docs/graph.md)."""
+        if rule.backward is None or any(o is None for o in out_refs):
+            return
+        try:
+            call_rule(self, op, {}, mesh, mode="backward")
+        except ShapeMismatchError as exc:
+            shapes = ", ".join(f"{n} {list(self.tensors[n].shape)}" for n in out_refs if n is not None)
+            raise ProgramError(f"{where}: the declared output shape contradicts rule {rule.name} "
+                               f"({shapes}): {exc}") from None
+        except SpmdError:
+            return  # the reverse rule refuses for another reason: forward already accepted the op
 
     # -- JSON ---------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:

@@ -41,7 +41,7 @@ _ALIASES = {"tp": "megatron", "ddp": "dp", "zero2": "zero", "fsdp": "zero"}
 #: independent of that change and must stay equal to it.
 MAX_RANKS = 1 << 20
 
-_MESH_PART = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)=([0-9]{1,9})")
+_MESH_PART = re.compile(r"([A-Za-z_][A-Za-z0-9_]*) *= *([0-9]{1,9})")
 
 
 def _cut(text: str, n: int = 80) -> str:
@@ -59,7 +59,7 @@ def parse_mesh(text: str) -> ProcessMesh:
         part = part.strip()
         if not part:
             continue
-        m = _MESH_PART.fullmatch(part.replace(" ", ""))
+        m = _MESH_PART.fullmatch(part)
         if m is None or int(m.group(2)) < 1:
             raise ProgramError(f"--mesh {_cut(text)}: {_cut(part, 40)} is not name=size (an identifier, "
                                f"an integer >= 1), e.g. dp=2,tp=4")
