@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any, TextIO
 
 from spmdkit.core.errors import ProgramError, SpmdError
@@ -94,7 +95,8 @@ def _annotations(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def plan_model(model_name: str, mesh_text: str, strategy_text: str, overrides: dict[str, int] | None = None,
+def plan_model(model_name: str, mesh_text: str, strategy_text: str,
+               overrides: Mapping[str, int | str | None] | None = None,
                user: dict[str, Any] | None = None, cost_text: str | None = None,
                progress: Any = None) -> tuple[Any, Any, float]:
     """(model, plan, seconds) for a preset on a mesh under a strategy."""
