@@ -286,9 +286,9 @@ def test_cli_plan_json_and_verify() -> None:
 
 
 def test_cli_plan_bad_input_is_an_error_not_a_traceback(capsys: Any) -> None:
-    assert main(["plan", "--model", "gpt5", "--mesh", MESH]) == 1
+    assert main(["plan", "--model", "gpt5", "--mesh", MESH]) == 2  # a bad argument: exit 2 (issue 13)
     assert "no preset 'gpt5'" in capsys.readouterr().err
-    assert main(["plan", "--model", "tiny-llama", "--mesh", "dp=2", "--strategy", "sp"]) == 1
+    assert main(["plan", "--model", "tiny-llama", "--mesh", "dp=2", "--strategy", "sp"]) == 2
     assert "tp" in capsys.readouterr().err
 
 

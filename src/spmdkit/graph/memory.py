@@ -30,6 +30,52 @@ def local_numel(attr: TensorDistAttr, shape: tuple[int, ...]) -> int:
 
 
 @dataclass(frozen=True)
+class UnevenShard:
+    """A tensor axis its mesh dims do not divide: ``size`` split in ``parts`` pieces of
+    ``largest`` (the first ones) down to ``smallest`` elements (Paddle's uneven split)."""
+
+    tensor: str
+    axis: int
+    size: int
+    parts: int
+    mesh_dims: tuple[int, ...]
+
+    @property
+    def largest(self) -> int:
+        return -(-self.size // self.parts)
+
+    @property
+    def smallest(self) -> int:
+        return max(0, self.size - self.largest * (self.parts - 1))
+
+    def to_json(self) -> dict[str, object]:
+        return {"tensor": self.tensor, "axis": self.axis, "size": self.size, "parts": self.parts,
+                "mesh_dims": list(self.mesh_dims), "largest": self.largest, "smallest": self.smallest}
+
+
+def uneven_shards(plan: object) -> list[UnevenShard]:
+    """Every (tensor, axis) of a plan sharded over mesh dims whose product does not divide the
+    axis (tensors in program order). Memory counts the largest shard of each."""
+    from spmdkit.graph.propagate import Plan
+
+    assert isinstance(plan, Plan)
+    out: list[UnevenShard] = []
+    mesh_shape = plan.mesh.shape
+    for name, t in plan.program.tensors.items():
+        attr = plan.attrs.get(name)
+        if attr is None:
+            continue
+        for axis, (size, e) in enumerate(zip(t.shape, attr.dims_mapping)):
+            dims = tuple(entry_dims(e))
+            k = 1
+            for d in dims:
+                k *= mesh_shape[d]
+            if k > 1 and size % k:
+                out.append(UnevenShard(name, axis, size, k, dims))
+    return out
+
+
+@dataclass(frozen=True)
 class Memory:
     """Bytes per device."""
 
@@ -106,4 +152,4 @@ def memory_per_device(plan: object) -> Memory:
     return Memory(params, grads, states, peak, at)
 
 
-__all__ = ["Memory", "local_numel", "memory_per_device"]
+__all__ = ["Memory", "UnevenShard", "local_numel", "memory_per_device", "uneven_shards"]

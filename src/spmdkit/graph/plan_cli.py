@@ -6,9 +6,10 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any, TextIO
 
-from spmdkit.core.errors import ProgramError
+from spmdkit.core.errors import ProgramError, SpmdError
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
@@ -20,9 +21,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mesh", default="dp=2,tp=4", help="named mesh dims, e.g. dp=2,tp=4 (default)")
     p.add_argument("--strategy", default="megatron",
                    help="comma list of dp, megatron (tp), sp, zero; default megatron (= dp,megatron)")
-    p.add_argument("--layers", type=int, help="override the preset's layer count")
-    p.add_argument("--batch", type=int, help="override the preset's batch size")
-    p.add_argument("--seq", type=int, help="override the preset's sequence length")
+    p.add_argument("--layers", help=f"override the preset's layer count (1 to {MAX_LAYERS})")
+    p.add_argument("--batch", help=f"override the preset's batch size (1 to {MAX_SIZE})")
+    p.add_argument("--seq", help=f"override the preset's sequence length (1 to {MAX_SIZE})")
     p.add_argument("--annotate", action="append", default=[], metavar="TENSOR=DIMS_MAPPING",
                    help='pin a tensor, e.g. --annotate "tokens=[0,-1]" (repeatable)')
     p.add_argument("--cost", help='link costs per mesh dim, e.g. "tp=5us/150GB,dp=20us/25GB"')
@@ -31,20 +32,71 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="also run the same plan at tiny sizes through the simulator (needs numpy)")
 
 
+#: The most layers ``--layers`` takes: planning is linear in the ops (~30 per layer with its
+#: backward and optimizer), and 512 is over six times the largest preset (llama-70b, 80).
+MAX_LAYERS = 512
+#: The largest ``--batch`` / ``--seq`` (2**31 - 1, the int32 range frameworks index with).
+MAX_SIZE = (1 << 31) - 1
+#: The longest ``--annotate`` dims_mapping text, and the most entries one may have.
+MAX_ANNOTATION_CHARS = 4096
+MAX_ANNOTATION_RANK = 64
+
+
+def _cut(text: str, n: int = 60) -> str:
+    return repr(text) if len(text) <= n else repr(text[:n]) + f"... ({len(text)} characters)"
+
+
+def _size_arg(flag: str, text: str | int | None, hi: int) -> int | None:
+    """An ASCII decimal int in [1, hi] for ``flag`` (None when not given)."""
+    if text is None:
+        return None
+    t = str(text).strip()
+    if not (t.isascii() and t.isdigit() and len(t) <= 12):
+        raise ProgramError(f"{flag} {_cut(str(text), 40)}: expected an integer from 1 to {hi}")
+    v = int(t)
+    if not 1 <= v <= hi:
+        raise ProgramError(f"{flag} {v}: out of range (1 to {hi})")
+    return v
+
+
+def _dims_mapping_ok(v: Any) -> bool:
+    """A list of entries, each an int or a list of ints (co-shard), no bools, bounded size."""
+    if not isinstance(v, list) or len(v) > MAX_ANNOTATION_RANK:
+        return False
+    for e in v:
+        if isinstance(e, list):
+            if len(e) > MAX_ANNOTATION_RANK or not all(type(x) is int for x in e):
+                return False
+        elif type(e) is not int:
+            return False
+    return True
+
+
 def _annotations(items: list[str]) -> dict[str, Any]:
+    """``["x=[0,-1]", ...]`` -> ``{"x": [0, -1]}``; ProgramError naming ``--annotate`` for a
+    malformed one (no ``=``, not JSON, too long or nested, not a list of ints / int lists)."""
     out: dict[str, Any] = {}
     for it in items:
         name, eq, dm = it.partition("=")
-        if not eq:
-            raise ProgramError(f"--annotate {it!r}: expected TENSOR=DIMS_MAPPING")
+        name = name.strip()
+        if not eq or not name:
+            raise ProgramError(f"--annotate {_cut(it)}: expected TENSOR=DIMS_MAPPING, e.g. x=[0,-1]")
+        if len(dm) > MAX_ANNOTATION_CHARS:
+            raise ProgramError(f"--annotate {_cut(name)}: the dims_mapping is {len(dm)} characters "
+                               f"(at most {MAX_ANNOTATION_CHARS})")
         try:
-            out[name.strip()] = json.loads(dm)
-        except ValueError:
-            raise ProgramError(f"--annotate {it!r}: the dims_mapping is not JSON (e.g. [0,-1])") from None
+            v = json.loads(dm)
+        except (ValueError, RecursionError):
+            raise ProgramError(f"--annotate {_cut(it)}: the dims_mapping is not JSON (e.g. [0,-1])") from None
+        if not _dims_mapping_ok(v):
+            raise ProgramError(f"--annotate {_cut(it)}: the dims_mapping must be a list of mesh dims "
+                               f"(ints, -1 for none, or lists of ints), at most {MAX_ANNOTATION_RANK} entries")
+        out[name] = v
     return out
 
 
-def plan_model(model_name: str, mesh_text: str, strategy_text: str, overrides: dict[str, int] | None = None,
+def plan_model(model_name: str, mesh_text: str, strategy_text: str,
+               overrides: Mapping[str, int | str | None] | None = None,
                user: dict[str, Any] | None = None, cost_text: str | None = None,
                progress: Any = None) -> tuple[Any, Any, float]:
     """(model, plan, seconds) for a preset on a mesh under a strategy."""
@@ -52,11 +104,13 @@ def plan_model(model_name: str, mesh_text: str, strategy_text: str, overrides: d
     from spmdkit.graph.strategy import annotate, parse_mesh, parse_strategy
     from spmdkit.graph.zoo import build_model, preset
 
+    cfg = preset(model_name)
     mesh = parse_mesh(mesh_text)
     st = parse_strategy(strategy_text, mesh)
-    cfg = preset(model_name)
     if overrides:
-        cfg = cfg.with_(**{k: v for k, v in overrides.items() if v is not None})
+        limits = {"layers": MAX_LAYERS, "batch": MAX_SIZE, "seq": MAX_SIZE}
+        checked = {k: _size_arg(f"--{k}", v, limits.get(k, MAX_SIZE)) for k, v in overrides.items()}
+        cfg = cfg.with_(**{k: v for k, v in checked.items() if v is not None})
     t0 = time.perf_counter()
     model = build_model(cfg, vocab_parallel_loss="megatron" in st, check_rules=False)
     ann = annotate(model, mesh, st, user)
@@ -65,9 +119,28 @@ def plan_model(model_name: str, mesh_text: str, strategy_text: str, overrides: d
 
 
 def _cost(text: str | None, mesh: Any) -> Any:
+    import math
+
     from spmdkit.reshard import CostModel
 
-    return CostModel.parse(text, mesh) if text else CostModel.default(mesh)
+    if not text:
+        return CostModel.default(mesh)
+    if len(text) > 4096:
+        raise ProgramError(f"--cost: {len(text)} characters (at most 4096)")
+    try:
+        cost = CostModel.parse(text, mesh)
+    except SpmdError as exc:
+        msg = str(exc)
+        raise ProgramError(msg if msg.startswith("--cost") else f"--cost {_cut(text)}: {msg[:300]}") from None
+    except (ZeroDivisionError, ValueError, OverflowError):
+        raise ProgramError(f"--cost {_cut(text)}: latency and bandwidth must be finite numbers, the "
+                           f"bandwidth > 0 (e.g. tp=5us/150GB)") from None
+    for link in cost.links:
+        a, b = link.alpha_s, link.beta_s_per_byte
+        if not (math.isfinite(a) and a >= 0 and math.isfinite(b) and b > 0):
+            raise ProgramError(f"--cost {_cut(text)}: latency and bandwidth must be finite numbers, the "
+                               f"bandwidth > 0 (e.g. tp=5us/150GB)")
+    return cost
 
 
 def _progress() -> Any:
@@ -91,24 +164,46 @@ def _progress() -> Any:
 
 
 def run_plan(ns: argparse.Namespace, out: TextIO) -> int:
+    """Plan and print; a bad argument or program file is one line on stderr naming it and
+    exit status 2 (no traceback); 1 when ``--verify`` finds a difference."""
+    try:
+        return _run_plan(ns, out)
+    except SpmdError as exc:
+        msg = " ".join(str(exc).split())
+        if len(msg) > 500:
+            msg = msg[:500] + "..."
+        print(f"spmdkit plan: {type(exc).__name__}: {msg}", file=sys.stderr)
+        return 2
+
+
+def _run_plan(ns: argparse.Namespace, out: TextIO) -> int:
     from spmdkit.graph.memory import memory_per_device
     from spmdkit.graph.report import plan_json, write_report
 
     user = _annotations(ns.annotate)
+    layers = _size_arg("--layers", ns.layers, MAX_LAYERS)
+    batch = _size_arg("--batch", ns.batch, MAX_SIZE)
+    seq = _size_arg("--seq", ns.seq, MAX_SIZE)
     if ns.program:
+        given = [f for f, v in (("--layers", layers), ("--batch", batch), ("--seq", seq)) if v is not None]
+        if given:
+            raise ProgramError(f"{given[0]}: overrides a preset's size; it does not apply to --program")
+        if ns.verify:
+            raise ProgramError("--verify: simulates a preset model; it does not apply to --program")
         from spmdkit.graph.program import load_program
         from spmdkit.graph.propagate import propagate
-        from spmdkit.graph.strategy import parse_mesh
+        from spmdkit.graph.strategy import parse_mesh, user_attrs
 
         mesh = parse_mesh(ns.mesh)
         t0 = time.perf_counter()
         prog = load_program(ns.program)
-        plan = propagate(prog, mesh, user, _cost(ns.cost, mesh))
+        cost = _cost(ns.cost, mesh)
+        plan = propagate(prog, mesh, user_attrs(prog, mesh, user), cost)
         secs = time.perf_counter() - t0
         title = f"program {ns.program}"
         model_name = None
     else:
-        overrides = {"layers": ns.layers, "batch": ns.batch, "seq": ns.seq}
+        overrides = {"layers": layers, "batch": batch, "seq": seq}
         model, plan, secs = plan_model(ns.model, ns.mesh, ns.strategy, overrides, user, ns.cost,
                                        progress=_progress())
         c = model.config
@@ -154,6 +249,6 @@ def _verify(ns: argparse.Namespace, model_name: str | None, user: dict[str, Any]
             "loss": rep.loss, "text": "\n".join(lines)}
 
 
-__all__ = ["add_plan_arguments", "plan_model", "run_plan"]
+__all__ = ["MAX_LAYERS", "MAX_SIZE", "add_plan_arguments", "plan_model", "run_plan"]
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spmdkit.core.dist_attr import TensorDistAttr
-from spmdkit.core.errors import ProgramError, SpmdError
+from spmdkit.core.errors import ProgramError, ShapeMismatchError, SpmdError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 
@@ -36,6 +36,12 @@ KINDS = ("input", "parameter", "activation", "gradient", "optimizer_state")
 PHASES = ("forward", "backward", "optimizer")
 DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
                "int8": 1, "uint8": 1, "bool": 1}
+
+#: Limits on a program's tensors (load_program refuses more): rank, size of one axis, and
+#: elements of one tensor (2**62: byte counts and cost estimates stay finite floats).
+MAX_RANK = 64
+MAX_DIM = 1 << 62
+MAX_NUMEL = 1 << 62
 
 Ref = Any  # a tensor name, None (absent optional), or a list of those (vector parameter)
 
@@ -210,6 +216,25 @@ class Program:
                 if a is not None and a.ndim != len(self.tensors[n].shape):
                     raise ProgramError(f"{where}: output {n!r} has shape {list(self.tensors[n].shape)} but rule "
                                        f"{rule.name} makes a {a.ndim}-D tensor")
+            self._check_output_shapes(op, rule, where, out_refs, mesh)
+
+    def _check_output_shapes(self, op: Op, rule: Any, where: str, out_refs: list[str | None],
+                             mesh: ProcessMesh) -> None:
+        """The declared output shapes against the input shapes: a rule's reverse (backward)
+        mode takes the outputs as arguments and checks every axis the notation ties to an
+        input axis (``ShapeMismatchError``), so it is called once with every tensor
+        replicated. Rules without a backward mode, and ops with an output the program does
+        not keep (``null``), are not checked here (docs/graph.md)."""
+        if rule.backward is None or any(o is None for o in out_refs):
+            return
+        try:
+            call_rule(self, op, {}, mesh, mode="backward")
+        except ShapeMismatchError as exc:
+            shapes = ", ".join(f"{n} {list(self.tensors[n].shape)}" for n in out_refs if n is not None)
+            raise ProgramError(f"{where}: the declared output shape contradicts rule {rule.name} "
+                               f"({shapes}): {exc}") from None
+        except SpmdError:
+            return  # the reverse rule refuses for another reason: forward already accepted the op
 
     # -- JSON ---------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
@@ -231,7 +256,18 @@ def _tensor_from_json(obj: Any, i: int) -> Tensor:
     if not isinstance(name, str) or not name:
         raise ProgramError(f"tensors[{i}]: name must be a non-empty string")
     if not isinstance(shape, list) or any(not isinstance(s, int) or isinstance(s, bool) for s in shape):
-        raise ProgramError(f"tensor {name!r}: shape must be a list of ints")
+        raise ProgramError(f"tensor {name[:100]!r}: shape must be a list of ints")
+    if len(shape) > MAX_RANK or any(not 0 <= s <= MAX_DIM for s in shape):
+        raise ProgramError(f"tensor {name[:100]!r}: shape must have at most {MAX_RANK} sizes, each from 0 to "
+                           f"{MAX_DIM}")
+    n = 1
+    for s in shape:
+        n *= s
+    if n > MAX_NUMEL:
+        raise ProgramError(f"tensor {name[:100]!r}: {n} elements, more than {MAX_NUMEL} (the limit)")
+    for key in ("dtype", "kind", "inplace_of"):
+        if key in obj and not isinstance(obj[key], str) and not (key == "inplace_of" and obj[key] is None):
+            raise ProgramError(f"tensor {name[:100]!r}: {key} must be a string")
     unknown = set(obj) - {"name", "shape", "dtype", "kind", "inplace_of"}
     if unknown:
         raise ProgramError(f"tensor {name!r}: unknown fields {sorted(unknown)}")
@@ -244,7 +280,7 @@ def _ref_from_json(v: Any, where: str) -> Ref:
         return v
     if isinstance(v, list) and all(x is None or isinstance(x, str) for x in v):
         return tuple(v)
-    raise ProgramError(f"{where}: a tensor reference must be a name, null or a list of names, got {v!r}")
+    raise ProgramError(f"{where}: a tensor reference must be a name, null or a list of names, got {repr(v)[:100]}")
 
 
 def _attr_from_json(v: Any) -> Any:
@@ -290,12 +326,18 @@ def program_from_json(obj: Any) -> Program:
 def load_program(path: str) -> Program:
     """Read and validate a program JSON file."""
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             obj = json.load(f)
     except OSError as exc:
-        raise ProgramError(f"cannot read program file {path!r}: {exc.strerror}") from None
+        raise ProgramError(f"--program: cannot read program file {path!r}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ProgramError(f"--program: program file {path!r} is not UTF-8 text (byte {exc.start})") from None
     except json.JSONDecodeError as exc:
-        raise ProgramError(f"program file {path!r} is not JSON: {exc}") from None
+        raise ProgramError(f"--program: program file {path!r} is not JSON: {exc}") from None
+    except RecursionError:
+        raise ProgramError(f"--program: program file {path!r} nests JSON too deeply") from None
+    except ValueError as exc:  # e.g. an integer literal over Python's digit limit
+        raise ProgramError(f"--program: program file {path!r} is not valid JSON: {str(exc)[:200]}") from None
     prog = program_from_json(obj)
     prog.validate()
     return prog
@@ -421,5 +463,5 @@ class ProgramBuilder:
         return prog
 
 
-__all__ = ["DTYPE_BYTES", "FORMAT", "KINDS", "Op", "PHASES", "Program", "ProgramBuilder", "Tensor", "VERSION",
+__all__ = ["DTYPE_BYTES", "FORMAT", "KINDS", "MAX_DIM", "MAX_NUMEL", "MAX_RANK", "Op", "PHASES", "Program", "ProgramBuilder", "Tensor", "VERSION",
            "call_rule", "layout_args", "load_program", "op_layout", "program_from_json"]

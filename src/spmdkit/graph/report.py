@@ -7,7 +7,7 @@ from collections import Counter
 from typing import Any, TextIO
 
 from spmdkit.core.dist_attr import TensorDistAttr, entry_dims
-from spmdkit.graph.memory import Memory, memory_per_device
+from spmdkit.graph.memory import Memory, memory_per_device, uneven_shards
 from spmdkit.graph.propagate import Plan, Reshard
 from spmdkit.io.codec import encode_attr
 from spmdkit.report import _table
@@ -144,6 +144,17 @@ def write_report(plan: Plan, out: TextIO, title: str = "", memory: Memory | None
             ["activations (peak)", f"{fmt_bytes(mem.activation_peak)} (at {peak_op})"],
             ["total", fmt_bytes(mem.total)]]
     _table("Memory per device", ["", "bytes"], rows, out)
+    uneven = uneven_shards(plan)
+    if uneven:
+        names = plan.mesh.dim_names
+        out.write(f"\nUneven shards: {len(uneven)} tensor axes are not divided evenly by their mesh dims; "
+                  f"the first ranks hold the larger pieces and the memory above counts the largest shard:\n")
+        for u in uneven[:10]:
+            over = "x".join(f"{names[d]}={plan.mesh.shape[d]}" for d in u.mesh_dims)
+            out.write(f"  {u.tensor} axis {u.axis}: size {u.size} over {over}: pieces of {u.largest} "
+                      f"down to {u.smallest}\n")
+        if len(uneven) > 10:
+            out.write(f"  ... and {len(uneven) - 10} more (--json lists them all)\n")
 
 
 def plan_json(plan: Plan, memory: Memory | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -167,7 +178,7 @@ def plan_json(plan: Plan, memory: Memory | None = None, extra: dict[str, Any] | 
                       "time_s": plan.time_s}
     return {"program": prog.name, "mesh": {"shape": list(plan.mesh.shape), "dim_names": list(plan.mesh.dim_names)},
             "rounds": plan.rounds, "ops": len(prog.ops), **(extra or {}), "tensors": tensors, "reshards": reshards,
-            "totals": totals, "memory": mem.to_json()}
+            "totals": totals, "memory": mem.to_json(), "uneven_shards": [u.to_json() for u in uneven_shards(plan)]}
 
 
 __all__ = ["fmt_bytes", "fmt_time", "placements", "plan_json", "step_kinds", "write_report"]

@@ -23,11 +23,12 @@ are applied last and win.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from spmdkit.core.dist_attr import TensorDistAttr
-from spmdkit.core.errors import ProgramError
+from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.graph.zoo import Model
 
@@ -35,21 +36,44 @@ STRATEGIES = ("dp", "megatron", "sp", "zero")
 _ALIASES = {"tp": "megatron", "ddp": "dp", "zero2": "zero", "fsdp": "zero"}
 
 
+#: The most ranks a ``--mesh`` may have (2**20, about a million devices). The core is getting
+#: the same limit (``spmdkit.core.mesh.MAX_RANKS``, issue 13); this copy keeps the CLI check
+#: independent of that change and must stay equal to it.
+MAX_RANKS = 1 << 20
+
+_MESH_PART = re.compile(r"([A-Za-z_][A-Za-z0-9_]*) *= *([0-9]{1,9})")
+
+
+def _cut(text: str, n: int = 80) -> str:
+    """``text`` for an error message, cut to about ``n`` characters."""
+    return repr(text) if len(text) <= n else repr(text[:n]) + f"... ({len(text)} characters)"
+
+
 def parse_mesh(text: str) -> ProcessMesh:
-    """``"dp=2,tp=4"`` -> a 2x4 mesh with dims named dp and tp."""
+    """``"dp=2,tp=4"`` -> a 2x4 mesh with dims named dp and tp. Names are identifiers
+    (ASCII letters, digits, ``_``), sizes ASCII decimal ints >= 1, names distinct, at most
+    :data:`MAX_RANKS` ranks in all."""
     names: list[str] = []
     sizes: list[int] = []
     for part in text.split(","):
         part = part.strip()
         if not part:
             continue
-        name, eq, size = part.partition("=")
-        if not eq or not size.strip().isdigit() or int(size) < 1:
-            raise ProgramError(f"--mesh {text!r}: expected name=size pairs like dp=2,tp=4")
-        names.append(name.strip())
-        sizes.append(int(size))
+        m = _MESH_PART.fullmatch(part)
+        if m is None or int(m.group(2)) < 1:
+            raise ProgramError(f"--mesh {_cut(text)}: {_cut(part, 40)} is not name=size (an identifier, "
+                               f"an integer >= 1), e.g. dp=2,tp=4")
+        if m.group(1) in names:
+            raise ProgramError(f"--mesh {_cut(text)}: dim name {m.group(1)!r} is given twice")
+        names.append(m.group(1))
+        sizes.append(int(m.group(2)))
+        n = 1
+        for k in sizes:
+            n *= k
+        if n > MAX_RANKS:
+            raise ProgramError(f"--mesh {_cut(text)}: more than {MAX_RANKS} ranks (the limit)")
     if not sizes:
-        raise ProgramError(f"--mesh {text!r}: no mesh dims")
+        raise ProgramError(f"--mesh {_cut(text)}: no mesh dims")
     return ProcessMesh(sizes, dim_names=names)
 
 
@@ -61,7 +85,7 @@ def parse_strategy(text: str | Iterable[str], mesh: ProcessMesh) -> tuple[str, .
         if s == "none":
             continue
         if s not in STRATEGIES:
-            raise ProgramError(f"--strategy: unknown strategy {s!r} (one of {', '.join(STRATEGIES)}; tp = megatron)")
+            raise ProgramError(f"--strategy: unknown strategy {_cut(s, 40)} (one of {', '.join(STRATEGIES)}; tp = megatron)")
         if s not in out:
             out.append(s)
     if "megatron" in out and "dp" not in out and "dp" in mesh.dim_names:
@@ -126,11 +150,28 @@ def annotate(model: Model, mesh: ProcessMesh, strategy: Iterable[str],
             if dp is not None:
                 d[0] = dp
     attrs = {n: TensorDistAttr(mesh, d) for n, d in out.items()}
-    for n, a in (user or {}).items():
-        if n not in prog.tensors:
-            raise ProgramError(f"annotation for {n!r}: the program has no such tensor")
-        attrs[n] = a if isinstance(a, TensorDistAttr) else TensorDistAttr(mesh, a)
+    attrs.update(user_attrs(prog, mesh, user))
     return attrs
 
 
-__all__ = ["STRATEGIES", "annotate", "parse_mesh", "parse_strategy"]
+def user_attrs(prog: Any, mesh: ProcessMesh, user: Mapping[str, Any] | None) -> dict[str, TensorDistAttr]:
+    """The user's annotations (tensor -> dims_mapping or dist attr) as dist attrs on ``mesh``;
+    ProgramError (naming ``--annotate`` and the tensor) for an unknown tensor, a dims_mapping
+    the mesh rejects or one whose length is not the tensor's rank."""
+    attrs: dict[str, TensorDistAttr] = {}
+    for n, a in (user or {}).items():
+        if n not in prog.tensors:
+            raise ProgramError(f"--annotate {_cut(n, 60)}: the program has no such tensor")
+        if not isinstance(a, TensorDistAttr):
+            try:
+                a = TensorDistAttr(mesh, a)
+            except SpmdError as exc:
+                raise ProgramError(f"--annotate {n}: {str(exc)[:300]}") from None
+        if len(a.dims_mapping) != len(prog.tensors[n].shape):
+            raise ProgramError(f"--annotate {n}: dims_mapping has {len(a.dims_mapping)} entries, the tensor "
+                               f"has shape {list(prog.tensors[n].shape)}")
+        attrs[n] = a
+    return attrs
+
+
+__all__ = ["MAX_RANKS", "STRATEGIES", "annotate", "parse_mesh", "parse_strategy", "user_attrs"]

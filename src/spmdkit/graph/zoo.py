@@ -83,7 +83,7 @@ def preset(name: str) -> ModelConfig:
     try:
         return PRESETS[name]
     except KeyError:
-        raise ProgramError(f"model: no preset {name!r} (presets: {', '.join(sorted(PRESETS))})") from None
+        raise ProgramError(f"--model: no preset {name[:60]!r} (presets: {', '.join(sorted(PRESETS))})") from None
 
 
 @dataclass

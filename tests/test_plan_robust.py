@@ -1,0 +1,233 @@
+"""`spmdkit plan` under hostile but fair input: one line on stderr naming the argument, exit
+status 2, no traceback (issue 13); uneven meshes stated in the report; declared output shapes
+checked against the rule."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spmdkit.cli import main
+from spmdkit.core.errors import ProgramError
+from spmdkit.graph.plan_cli import MAX_LAYERS
+from spmdkit.graph.program import ProgramBuilder
+from spmdkit.graph.strategy import MAX_RANKS, parse_mesh
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def plan(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = main(["plan", *argv])
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+def assert_refused(capsys: pytest.CaptureFixture[str], argv: list[str], names: str) -> str:
+    rc, out, err = plan(capsys, *argv)
+    assert rc == 2, (argv, rc, err)
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    assert names in lines[0], (names, lines[0])
+    assert len(lines[0]) < 700
+    return lines[0]
+
+
+TINY = ["--model", "tiny-llama"]
+
+
+@pytest.mark.parametrize("mesh", [
+    "dp=100000,tp=100000", "dp=99999999999999999999", "dp=\u00b2", "dp=\u0662", "dp=0", "dp=-1",
+    "dp=2,dp=2", "=2", "dp=", "dp", "", ",,", "dp=2.0", "dp=1e3", "d p=2", "dp=2,tp=x", "\u00e9=2",
+    f"dp={MAX_RANKS},tp=2",
+])
+def test_bad_mesh_is_one_line_exit_2(capsys: pytest.CaptureFixture[str], mesh: str) -> None:
+    assert_refused(capsys, [*TINY, "--mesh", mesh], "--mesh")
+
+
+def test_mesh_rank_limit_is_inclusive() -> None:
+    assert parse_mesh(f"dp={MAX_RANKS}").size == MAX_RANKS
+    with pytest.raises(ProgramError, match="--mesh"):
+        parse_mesh(f"dp={MAX_RANKS + 1}")
+
+
+@pytest.mark.parametrize("cost", [
+    "tp=5us/0GB", "tp=5us/0.0GB", "tp=5us/GB", "tp=5/150GB", "tp=5us/1.2.3GB", "tp=..us/1GB", "garbage",
+    "tp=5us/150GB,zz=1us/1GB", "7=1us/1GB", "tp=" + "9" * 400 + "us/1GB", "tp=1us/" + "9" * 400 + "GB",
+    "tp=1us/1GB," * 1000,
+])
+def test_bad_cost_is_one_line_exit_2(capsys: pytest.CaptureFixture[str], cost: str) -> None:
+    assert_refused(capsys, [*TINY, "--mesh", "dp=2,tp=2", "--cost", cost], "--cost")
+
+
+@pytest.mark.parametrize("flag,value", [
+    ("--layers", "1000000"), ("--layers", str(MAX_LAYERS + 1)), ("--layers", "0"), ("--layers", "-3"),
+    ("--batch", "1e20"), ("--batch", "0"), ("--batch", "-1"), ("--batch", "99999999999999999999"),
+    ("--batch", "\u0663"), ("--seq", "1" * 5000), ("--seq", "0"), ("--seq", "4.5"), ("--seq", "nan"),
+])
+def test_bad_sizes_are_one_line_exit_2(capsys: pytest.CaptureFixture[str], flag: str, value: str) -> None:
+    assert_refused(capsys, [*TINY, "--mesh", "dp=2,tp=2", f"{flag}={value}"], flag)
+
+
+@pytest.mark.parametrize("ann", [
+    "tokens=" + "[" * 5000 + "]" * 5000, "tokens=" + "[" * 1500 + "]" * 1500, "tokens=[0", "tokens",
+    "=[0,-1]", "tokens=[5,5]", "tokens=[0]", "tokens=\"x\"", "tokens=[true,-1]", "tokens=[0.5,-1]",
+    "tokens={\"a\":1}", "tokens=[[[0]],-1]", "nope=[0,-1]", "x" * 10000 + "=[0]", "tokens=[-7,-1]",
+])
+def test_bad_annotation_is_one_line_exit_2(capsys: pytest.CaptureFixture[str], ann: str) -> None:
+    assert_refused(capsys, [*TINY, "--mesh", "dp=2,tp=2", "--annotate", ann], "--annotate")
+
+
+def test_unknown_model_and_strategy(capsys: pytest.CaptureFixture[str]) -> None:
+    assert_refused(capsys, ["--model", "nope", "--mesh", "dp=2"], "preset")
+    assert_refused(capsys, [*TINY, "--mesh", "dp=2,tp=2", "--strategy", "x" * 5000], "--strategy")
+    assert_refused(capsys, [*TINY, "--mesh", "dp=2", "--strategy", "megatron"], "--strategy")
+
+
+def test_program_with_preset_flags_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    f = tmp_path / "p.json"
+    f.write_text(_mlp_json([8, 32]))
+    assert_refused(capsys, ["--program", str(f), "--mesh", "dp=2", "--layers", "3"], "--layers")
+    assert_refused(capsys, ["--program", str(f), "--mesh", "dp=2", "--verify"], "--verify")
+
+
+def _mlp_json(h_shape: list[int]) -> str:
+    return json.dumps({"format": "spmdkit-program", "version": 1, "tensors": [
+        {"name": "x", "shape": [8, 16], "kind": "input"}, {"name": "w", "shape": [16, 32], "kind": "parameter"},
+        {"name": "h", "shape": h_shape}],
+        "ops": [{"rule": "matmul", "name": "fc1", "inputs": {"x": "x", "y": "w"}, "outputs": ["h"]}]})
+
+
+@pytest.mark.parametrize("content,names", [
+    (b"\xff\xfe{\"format\": 1}", "UTF-8"),
+    (b"[" * 100000 + b"]" * 100000, "deeply"),
+    (b"{" + b"\"a\":{" * 50000 + b"}" * 50001, "deeply"),
+    (b"[1, 2]", "object"),
+    (b"{\"format\": \"spmdkit-program\", \"version\": 1}", "'tensors'"),
+    (b"{\"format\": \"spmdkit-program\", \"version\": 1, \"tensors\": [{\"name\": \"x\", \"shape\": [1"
+     + b"0" * 5000 + b"]}], \"ops\": []}", "--program"),
+    (b"{\"format\": \"spmdkit-program\", \"version\": 1, \"tensors\": [{\"name\": \"x\", \"shape\": [1e400]}],"
+     b" \"ops\": []}", "shape"),
+    (b"{\"format\": \"spmdkit-program\", \"version\": 1, \"tensors\": [{\"name\": \"x\", \"shape\": "
+     b"[4611686018427387904, 4]}], \"ops\": []}", "elements"),
+    (b"{\"format\": \"spmdkit-program\", \"version\": 1, \"tensors\": [{\"name\": \"x\", \"shape\": [2],"
+     b" \"kind\": [\"input\"]}], \"ops\": []}", "kind"),
+    (b"{\"format\": \"spmdkit-program\", \"version\": 1, \"tensors\": [], \"ops\": [{\"rule\": \"nope\"}]}",
+     "nope"),
+    (b"{\"format\": \"spmdkit-program\", \"version\": 1, \"tensors\": [], \"ops\": [7]}", "ops[0]"),
+    (b"", "JSON"),
+])
+def test_bad_program_file_is_one_line_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                             content: bytes, names: str) -> None:
+    f = tmp_path / "p.json"
+    f.write_bytes(content)
+    assert_refused(capsys, ["--program", str(f), "--mesh", "dp=2"], names)
+
+
+def test_missing_program_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert_refused(capsys, ["--program", str(tmp_path / "absent.json"), "--mesh", "dp=2"], "--program")
+
+
+def test_declared_output_shape_contradicting_the_op(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    f = tmp_path / "p.json"
+    f.write_text(_mlp_json([9, 33]))
+    line = assert_refused(capsys, ["--program", str(f), "--mesh", "dp=2"], "fc1")
+    assert "ProgramError" in line and "[9, 33]" in line
+    f.write_text(_mlp_json([8, 32]))
+    rc, out, err = plan(capsys, "--program", str(f), "--mesh", "dp=2", "--annotate", "x=[0,-1]")
+    assert rc == 0 and err == "" and "fc1" in out
+
+
+@pytest.mark.parametrize("rule,inputs,out_shape,bad", [
+    ("relu", {"x": [4, 6]}, [4, 6], [4, 7]),
+    ("softmax", {"x": [4, 6]}, [4, 6], [5, 6]),
+    ("transpose", {"x": [4, 6]}, [6, 4], [4, 6]),
+    ("add", {"x": [4, 6], "y": [4, 6]}, [4, 6], [4, 8]),
+])
+def test_output_shape_checked_through_the_reverse_rule(rule: str, inputs: dict[str, list[int]],
+                                                       out_shape: list[int], bad: list[int]) -> None:
+    attrs = {"perm": [1, 0]} if rule == "transpose" else {}
+    for shape, ok in ((out_shape, True), (bad, False)):
+        b = ProgramBuilder()
+        ins = {k: b.tensor(k, v, kind="input") for k, v in inputs.items()}
+        b.op(rule, ins, [("out", shape)], name="the_op", **attrs)
+        if ok:
+            b.build()
+        else:
+            with pytest.raises(ProgramError, match="the_op"):
+                b.build()
+
+
+def test_uneven_tp_is_planned_and_stated(capsys: pytest.CaptureFixture[str]) -> None:
+    for tp in ("3", "5"):
+        rc, out, err = plan(capsys, *TINY, "--mesh", f"tp={tp}")
+        assert rc == 0, err
+        assert "Uneven shards:" in out
+        assert f"over tp={tp}" in out
+    rc, out, _ = plan(capsys, *TINY, "--mesh", "tp=3", "--json")
+    doc = json.loads(out)
+    un = doc["uneven_shards"]
+    assert un and all(u["size"] % u["parts"] for u in un)
+    wq = next(u for u in un if u["tensor"] == "layers.0.wq")
+    assert (wq["largest"], wq["parts"]) == (-(-wq["size"] // 3), 3)
+    # an even mesh says nothing of the kind
+    rc, out, _ = plan(capsys, *TINY, "--mesh", "dp=2,tp=2")
+    assert rc == 0 and "Uneven shards" not in out
+    assert json.loads(main_json(capsys, "dp=2,tp=2"))["uneven_shards"] == []
+
+
+def main_json(capsys: pytest.CaptureFixture[str], mesh: str) -> str:
+    rc, out, _ = plan(capsys, *TINY, "--mesh", mesh, "--json")
+    assert rc == 0
+    return out
+
+
+def test_uneven_dp_batch_is_stated(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = plan(capsys, *TINY, "--mesh", "dp=3", "--strategy", "dp", "--batch", "8", "--json")
+    assert rc == 0, err
+    un = {(u["tensor"], u["axis"]): u for u in json.loads(out)["uneven_shards"]}
+    assert (8, 3, 3, 2) == tuple(un[("tokens", 0)][k] for k in ("size", "parts", "largest", "smallest"))
+
+
+def test_subprocess_has_no_traceback() -> None:
+    for argv in (["--mesh", "dp=100000,tp=100000"], ["--cost", "tp=5us/0GB"], ["--batch", "1e20"]):
+        p = subprocess.run([sys.executable, "-m", "spmdkit.cli", "plan", *TINY, *argv], capture_output=True,
+                           text=True, timeout=60, env={"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin"})
+        assert p.returncode == 2, p.stderr
+        assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
+
+
+_PIECES = ["dp", "tp", "=", ",", "2", "3", "0", "-1", "\u00b2", "[", "]", "{", "}", "\"", "us", "/", "GB", "e9",
+           ".", " ", "x", "9999999999", "tokens", "null", "true", "-", "\x00", "\u0662", ":", "ms", "TB"]
+
+
+def _junk(r: random.Random) -> str:
+    return "".join(r.choice(_PIECES) for _ in range(r.randint(0, 12)))
+
+
+def test_fuzz_plan_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    """Seeded random malformed --mesh / --cost / --annotate / --layers / --batch / --seq: never a
+    traceback, exit 0, 1 or 2, and a refusal is one line. 150 runs of a tiny model."""
+    r = random.Random(1313)
+    for _ in range(150):
+        # --flag=value: a value starting with "-" given as its own word is argparse's usage error
+        argv = [*TINY, "--mesh=" + r.choice(["dp=2,tp=2", "tp=2", "dp=2", _junk(r)])]
+        if r.random() < 0.5:
+            argv += ["--cost=" + r.choice(["tp=5us/150GB", _junk(r)])]
+        if r.random() < 0.5:
+            argv += ["--annotate=" + r.choice(["tokens=", "labels=", ""]) + _junk(r)]
+        for flag in ("--layers", "--batch", "--seq"):
+            if r.random() < 0.3:
+                argv += [f"{flag}={r.choice(['1', '2', '4', _junk(r)])}"]
+        rc = main(["plan", *argv])
+        cap = capsys.readouterr()
+        assert rc in (0, 1, 2), argv
+        assert "Traceback" not in cap.err
+        if rc:
+            assert len(cap.err.strip().splitlines()) == 1, (argv, cap.err)
