@@ -748,3 +748,51 @@ def test_sum_grad_and_local_mean_grad() -> None:
     assert verify(None, make_case(rule, [2], args)).status == UNSOUND
     rule = fake_rule("mean_grad", answer([2], [[-1, 0], [0]], [[-1, 0]]), sig)
     assert verify(None, make_case(rule, [2], args)).status == SOUND
+
+
+# -- a NaN never counts as equal (issue 13) -------------------------------------------------------
+
+
+def test_close_never_equates_nan() -> None:
+    from spmdkit.sim.mesh import _close, max_abs_error, nonfinite_count
+
+    a = np.array([1.0, np.nan, np.inf])
+    assert not _close(a, a.copy(), 1e-7, 1e-9)  # NaN equals nothing, itself included
+    assert _close(a, a.copy(), 1e-7, 1e-9, equal_nan=True)  # replicas agreeing bit for bit
+    assert _close(np.array([np.inf, -np.inf]), np.array([np.inf, -np.inf]), 1e-7, 1e-9)  # exact infinities
+    assert not _close(np.array([np.inf]), np.array([-np.inf]), 1e-7, 1e-9)
+    assert not _close(np.array([np.nan]), np.array([0.0]), 1e-7, 1e-9, equal_nan=True)
+    assert nonfinite_count(a) == 2 and nonfinite_count(np.arange(3)) == 0
+    assert max_abs_error(np.array([1.0, np.nan, 5.0]), np.array([1.5, 2.0, 5.0])) == 0.5  # finite positions
+    # replicas that are NaN at the same places assemble; the value check is the caller's
+    m = ProcessMesh([2])
+    got = assemble([a, a.copy()], attr(m, [-1]), a.shape)
+    assert np.isnan(got[1]) and got[0] == 1.0
+
+
+def test_verify_never_calls_a_nan_output_sound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """log of normal samples (outside the reference's domain) is NaN at about half the places on
+    every rank and in the unsharded run alike: not checkable, so skipped, never sound."""
+    import importlib
+
+    vmod = importlib.import_module("spmdkit.sim.verify")
+    case = {"rule": "log", "mesh": [2], "args": [{"shape": [4, 6], "dims_mapping": [0, -1]}]}
+    assert verify(None, case).status == SOUND  # positive inputs: checkable and sound
+    monkeypatch.setattr(vmod, "make_array", lambda shape, domain, rng: rng.standard_normal(shape))
+    v = verify(None, case)
+    assert v.status == "skipped" and v.detail.startswith("not checkable: the unsharded op gives NaN"), v.detail
+    assert "output 0 (" in v.detail and "values NaN)" in v.detail
+
+
+def test_simulate_plan_fails_a_nan_step() -> None:
+    from spmdkit.graph.program import program_from_json
+    from spmdkit.graph.propagate import propagate
+    from spmdkit.graph.simulate import simulate_plan
+
+    prog = program_from_json({"format": "spmdkit-program", "version": 1, "name": "log",
+                              "tensors": [{"name": "x", "shape": [4, 8], "kind": "input"},
+                                          {"name": "y", "shape": [4, 8]}],
+                              "ops": [{"rule": "log", "name": "log", "inputs": {"x": "x"}, "outputs": ["y"]}]})
+    rep = simulate_plan(propagate(prog, ProcessMesh([2]), {"x": [0, -1]}))
+    assert not rep.ok
+    assert rep.failures == [("y", "after log: not checkable, the unsharded value has 18 non-finite values of 32")]

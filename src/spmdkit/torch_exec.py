@@ -26,6 +26,7 @@ runs its rank directly, so the same command scales to several machines.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -36,12 +37,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from spmdkit.core.dist_attr import ReduceType, TensorDistAttr
+from spmdkit.core.dist_attr import ReduceType, TensorDistAttr, entry_dims
 from spmdkit.core.errors import ProgramError
 from spmdkit.graph.propagate import Plan
 from spmdkit.graph.simulate import _flat_out, op_io, source_values
 from spmdkit.reshard import Step, local_bytes, plan_reshard
-from spmdkit.sim.mesh import AssembleError, _close, assemble, shard
+from spmdkit.sim.mesh import AssembleError, _close, assemble, max_abs_error, nonfinite_count, shard
 from spmdkit.sim.ops import Ctx
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
@@ -76,6 +77,8 @@ class RunReport:
     collectives: list[Collective] = field(default_factory=list)
     expected: list[Collective] = field(default_factory=list)
     collectives_match: bool = False
+    #: tensors with a NaN or infinity in the distributed or the single-process value (failures)
+    nonfinite: int = 0
 
     @property
     def ok(self) -> bool:
@@ -102,7 +105,9 @@ class _Groups:
     """One process group per mesh dim and fixed coordinates of the other dims; a group's
     members are ordered by their coordinate along that dim."""
 
-    def __init__(self, mesh: Any, rank: int) -> None:
+    def __init__(self, mesh: Any, rank: int, timeout: float | None = None) -> None:
+        from datetime import timedelta
+
         self.mesh = mesh
         self.rank = rank
         self.coords = mesh.coords(rank)
@@ -114,7 +119,9 @@ class _Groups:
                 keyed.setdefault(tuple(c[i] for i in range(mesh.ndim) if i != d), []).append(r)
             for key in sorted(keyed):
                 members = sorted(keyed[key], key=lambda r: int(mesh.coords(r)[d]))
-                g = dist.new_group(members) if mesh.shape[d] > 1 else None  # every rank calls new_group
+                # every rank calls new_group; a group's collectives wait at most ``timeout`` seconds
+                g = dist.new_group(members, timeout=None if timeout is None else timedelta(seconds=timeout)) \
+                    if mesh.shape[d] > 1 else None
                 if self.rank in members:
                     self.of_dim[d] = g
 
@@ -129,12 +136,13 @@ class Rank:
     executes on its local pieces (:meth:`step`), a kernel all-reduce (:meth:`all_reduce`, the
     ``Ctx.comm`` hook), and a planned step (:meth:`run`)."""
 
-    def __init__(self, mesh: Any, rank: int, device: torch.device, plan: Plan | None = None) -> None:
+    def __init__(self, mesh: Any, rank: int, device: torch.device, plan: Plan | None = None,
+                 timeout: float | None = None) -> None:
         self.plan = plan
         self.mesh = mesh
         self.rank = rank
         self.device = device
-        self.groups = _Groups(self.mesh, rank)
+        self.groups = _Groups(self.mesh, rank, timeout)
         self.coords = self.groups.coords
         self.record: list[Collective] = []
         self.kernel_record: list[Collective] = []
@@ -296,9 +304,11 @@ def _global_step(plan: Plan, seed: int) -> dict[str, np.ndarray]:
     return out
 
 
-def run_rank(plan: Plan, seed: int = 0, rtol: float = 1e-5, atol: float = 1e-8) -> RunReport | None:
+def run_rank(plan: Plan, seed: int = 0, rtol: float = 1e-5, atol: float = 1e-8,
+             timeout: float | None = None) -> RunReport | None:
     """Run this process's rank of ``plan`` (the process group must be initialised, one rank per
-    mesh rank). Rank 0 returns the report; the others None."""
+    mesh rank; ``timeout``: seconds each mesh-dim group's collectives may wait). Rank 0 returns
+    the report; the others None."""
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = plan.mesh
     if world != mesh.size:
@@ -306,7 +316,7 @@ def run_rank(plan: Plan, seed: int = 0, rtol: float = 1e-5, atol: float = 1e-8) 
     backend = str(dist.get_backend())
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if backend == "nccl" \
         else torch.device("cpu")
-    me = Rank(mesh, rank, device, plan)
+    me = Rank(mesh, rank, device, plan, timeout)
     outputs = me.run(seed)
     pieces: list[Any] = [None] * world if rank == 0 else []
     dist.gather_object((outputs, me.record), pieces if rank == 0 else None, dst=0)
@@ -332,56 +342,287 @@ def run_rank(plan: Plan, seed: int = 0, rtol: float = 1e-5, atol: float = 1e-8) 
         except (AssembleError, KeyError) as exc:
             rep.failures.append((name, f"not distributed as {attr}: {exc}"))
             continue
+        bad_ref = nonfinite_count(g)
+        if bad_ref:  # a reference that is NaN or infinite proves nothing: never a pass
+            rep.nonfinite += 1
+            rep.failures.append((name, f"not checkable: the single-process value has {bad_ref} non-finite values "
+                                       f"of {g.size}"))
+            continue
         if got.dtype.kind == "f" and got.shape == g.shape and g.size:
-            rep.max_error = max(rep.max_error, float(np.max(np.abs(got - g))))
-        if not _close(got, g, rtol, atol):
+            rep.max_error = max(rep.max_error, max_abs_error(got, g))
+        bad_got = nonfinite_count(got)
+        if bad_got:
+            rep.nonfinite += 1
+            rep.failures.append((name, f"{bad_got} non-finite values of {got.size} where the single-process "
+                                       f"value is finite"))
+        elif not _close(got, g, rtol, atol):
             rep.failures.append((name, "differs from the single-process run"))
-    if "loss" in ref:
+    if "loss" in ref and "loss" in me.made:
         rep.reference_loss = float(np.asarray(ref["loss"]).sum())
-        got = assemble([p[0]["loss"] for p in pieces], me.made["loss"], ref["loss"].shape, rtol=rtol, atol=atol)
-        rep.loss = float(np.asarray(got).sum())
+        try:
+            got = assemble([p[0]["loss"] for p in pieces], me.made["loss"], ref["loss"].shape, rtol=rtol, atol=atol)
+            rep.loss = float(np.asarray(got).sum())
+        except (AssembleError, KeyError):
+            pass  # already a failure above
     return rep
 
 
-def _free_port() -> int:
+def uneven_shards(plan: Plan) -> str | None:
+    """Why the executor cannot run ``plan`` (a tensor axis its collectives would split unevenly),
+    or None. Checks every dist attr the step uses: each tensor's, each op's required inputs and
+    its outputs, and every reshard step's source and destination."""
+    prog = plan.program
+    ms = plan.mesh.shape
+    names = plan.mesh.dim_names
+
+    def check(name: Any, attr: Any) -> str | None:
+        if isinstance(name, (tuple, list)):
+            attrs = attr if isinstance(attr, (tuple, list)) else (attr,) * len(name)
+            for n, a in zip(name, attrs):
+                why = check(n, a)
+                if why:
+                    return why
+            return None
+        if not isinstance(name, str) or not isinstance(attr, TensorDistAttr) or name not in prog.tensors:
+            return None
+        shape = prog.tensors[name].shape
+        for axis, (size, e) in enumerate(zip(shape, attr.dims_mapping)):
+            dims = entry_dims(e)
+            n = 1
+            for d in dims:
+                n *= ms[d]
+            if n > 1 and size % n:
+                over = " x ".join(f"{names[d]}={ms[d]}" for d in dims)
+                return (f"tensor {name} axis {axis} of size {size} does not split evenly over mesh dim"
+                        f"{'s' if len(dims) > 1 else ''} {over} ({size} % {n} = {size % n}); the executor "
+                        f"needs even shards: choose mesh sizes that divide it")
+        return None
+
+    for name, attr in plan.attrs.items():
+        why = check(name, attr)
+        if why:
+            return why
+    for op_plan in plan.ops:
+        op = op_plan.op
+        for p, v in op.inputs.items():
+            why = check(v, op_plan.required.get(p))
+            if why:
+                return why
+        why = check(list(op.outputs), list(op_plan.outputs))
+        if why:
+            return why
+    for rs in plan.reshards:
+        for st in rs.plan.steps:
+            why = check(rs.tensor, st.src) or check(rs.tensor, st.dst)
+            if why:
+                return why
+    return None
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now (bind port 0 on 127.0.0.1)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-def launch_local(argv: list[str], nproc: int, timeout: float = 600.0) -> int:
-    """Start ``nproc`` local processes of ``spmdkit run`` with torchrun's environment; rank 0's
-    output is this process's output. Returns the worst exit code."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(nproc),
-               LOCAL_WORLD_SIZE=str(nproc))
-    procs = []
-    for r in range(nproc):
-        e = dict(env, RANK=str(r), LOCAL_RANK=str(r))
-        procs.append(subprocess.Popen([sys.executable, "-m", "spmdkit", "run", *argv], env=e,
-                                      stdout=None if r == 0 else subprocess.DEVNULL,
-                                      stderr=None if r == 0 else subprocess.PIPE))
-    rc = 0
-    for r, p in enumerate(procs):
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether ``port`` cannot be bound on ``host`` (someone holds it)."""
+    with socket.socket() as s:
         try:
-            _, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            print(f"spmdkit run: rank {r} did not finish in {timeout:.0f} s", file=sys.stderr)
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+#: a rank's exit code when its rendezvous port was taken (the launcher retries on another port)
+EXIT_PORT_IN_USE = 4
+#: a rank's exit code for a failure of the run itself (a collective timed out, a peer died, ...)
+EXIT_RANK_FAILED = 3
+
+
+class _Interrupted(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _proc_state(pid: int) -> str:
+    """The one-letter state of a live process from /proc (``T`` stopped), or ``?``."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
+def _error_line(err: str) -> str:
+    """The line of a rank's stderr that says what went wrong."""
+    lines = [ln.strip() for ln in err.splitlines() if ln.strip()]
+    for ln in lines:
+        if ln.startswith("spmdkit"):
+            return ln
+    if any(ln.startswith("Traceback") for ln in lines):
+        tail = [ln for ln in lines if not ln.startswith(("File ", "Traceback", "^", "~"))]
+        return tail[-1] if tail else lines[-1]
+    return lines[0] if lines else "(no message)"
+
+
+def _kill(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGKILL every rank still alive, with anything it started (SIGKILL also ends a stopped
+    process), and reap them."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                try:
+                    p.kill()
+                except ProcessLookupError:
+                    pass
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL is not ignorable
+            pass
+
+
+def _signame(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
+def launch_local(argv: list[str], nproc: int, timeout: float = 120.0, port: int | None = None,
+                 retries: int = 3) -> int:
+    """Start ``nproc`` local processes of ``spmdkit run`` with torchrun's environment (on
+    ``port``, or a free one) and watch them: rank 0's output is this process's output; when a
+    rank fails or dies, the others are ended at once and one line on stderr names the rank and
+    its error. Killing this process (SIGTERM, SIGINT, SIGHUP) ends the ranks; so does its death
+    (each rank asks the kernel for SIGKILL when its parent dies). Returns 0 when every rank
+    succeeded, 1 when the check failed or a rank did, ``128 + signal`` when interrupted."""
+    chosen = port is None
+    for _attempt in range(max(1, retries)):
+        rc = _launch_once(argv, nproc, timeout, free_port() if port is None else port)
+        if rc != -EXIT_PORT_IN_USE:
+            return rc
+        if not chosen:
+            break
+    print(f"spmdkit run: the rendezvous port{'' if chosen else f' {port}'} was taken by another process"
+          + (f" {retries} times" if chosen else "; unset MASTER_PORT to let spmdkit run pick a free one"),
+          file=sys.stderr)
+    return 1
+
+
+def _launch_once(argv: list[str], nproc: int, timeout: float, port: int) -> int:
+    import threading
+
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nproc),
+               LOCAL_WORLD_SIZE=str(nproc), SPMDKIT_LAUNCHER_PID=str(os.getpid()))
+    errs: list[list[bytes]] = [[] for _ in range(nproc)]
+
+    def read(stream: Any, buf: list[bytes]) -> None:
+        size = 0
+        for line in iter(stream.readline, b""):
+            if size < 1 << 16:
+                buf.append(line)
+                size += len(line)
+        stream.close()
+
+    procs: list[subprocess.Popen[bytes]] = []
+    readers: list[threading.Thread] = []
+    old: dict[int, Any] = {}
+
+    def on_signal(signum: int, frame: Any) -> None:
+        raise _Interrupted(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        try:
+            old[sig] = signal.signal(sig, on_signal)
+        except (ValueError, OSError):  # not the main thread: the ranks still die with this process
+            pass
+    try:
+        for r in range(nproc):
+            e = dict(env, RANK=str(r), LOCAL_RANK=str(r))
+            # a session of its own: a terminal's Ctrl-C reaches the launcher, which ends the ranks
+            procs.append(subprocess.Popen([sys.executable, "-m", "spmdkit", "run", *argv], env=e,
+                                          stdout=None if r == 0 else subprocess.DEVNULL,
+                                          stderr=subprocess.PIPE, start_new_session=True))
+            t = threading.Thread(target=read, args=(procs[-1].stderr, errs[r]), daemon=True)
+            t.start()
+            readers.append(t)
+        return _watch(procs, errs, readers, timeout)
+    except _Interrupted as exc:
+        _kill(procs)
+        print(f"spmdkit run: interrupted ({_signame(exc.signum)}); ended {len(procs)} rank processes",
+              file=sys.stderr)
+        return 128 + exc.signum
+    except KeyboardInterrupt:
+        _kill(procs)
+        print(f"spmdkit run: interrupted (SIGINT); ended {len(procs)} rank processes", file=sys.stderr)
+        return 128 + int(signal.SIGINT)
+    finally:
+        _kill(procs)
+        for signum, h in old.items():
+            signal.signal(signum, h)
+
+
+_CONSEQUENCES = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout", "peer",
+                 "socket", "rendezvous")
+
+
+def _watch(procs: list[subprocess.Popen[bytes]], errs: list[list[bytes]], readers: list[Any],
+           timeout: float) -> int:
+    import time
+
+    def text(r: int) -> str:
+        readers[r].join(timeout=2)
+        return b"".join(errs[r]).decode(errors="replace")
+
+    while True:
+        codes = [p.poll() for p in procs]
+        # rank 0's exit 1 is its report saying the check failed; any other non-zero exit is a fault
+        failed = [r for r, c in enumerate(codes) if c is not None and c != 0 and not (r == 0 and c == 1)]
+        if failed:
+            stopped = [r for r, p in enumerate(procs) if p.poll() is None and _proc_state(p.pid) == "T"]
+            _kill(procs)
+            lines = {r: _error_line(text(r)) for r in failed}
+
+            # a rank killed by a signal caused the others' failures; then one whose own error is not a
+            # lost peer or a timeout; then the lowest rank
+            bad = min(failed, key=lambda r: (int(codes[r] or 0) >= 0,
+                                             any(w in lines[r].lower() for w in _CONSEQUENCES), r))
+            c = int(codes[bad] or 0)
+            if c == EXIT_PORT_IN_USE and bad == 0:
+                return -EXIT_PORT_IN_USE
+            what = f"was killed by {_signame(-c)}" if c < 0 else f"failed (exit {c}): {lines[bad]}"
+            msg = f"spmdkit run: rank {bad} {what}"
+            if stopped:
+                msg = (f"spmdkit run: rank{'s' if len(stopped) > 1 else ''} {', '.join(map(str, stopped))} "
+                       f"stopped (SIGSTOP?) and did not answer within --timeout {timeout:g} s; rank {bad} {what}")
+            print(msg + "; ended every rank", file=sys.stderr)
             return 1
-        if p.returncode and r and err:
-            sys.stderr.write(err.decode(errors="replace")[-2000:])
-        rc = max(rc, abs(p.returncode or 0))
-    return rc
+        if all(c is not None for c in codes):
+            break
+        time.sleep(0.05)
+    err = text(0)
+    if err:
+        sys.stderr.write(err)
+    return 1 if any(p.returncode for p in procs) else 0
 
 
-def init_from_env(backend: str = "auto") -> str:
-    """Initialise the default process group from torchrun's environment variables."""
+def init_from_env(backend: str = "auto", timeout: float = 120.0) -> str:
+    """Initialise the default process group from torchrun's environment variables; every
+    collective and group of the run waits at most ``timeout`` seconds."""
+    from datetime import timedelta
+
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend, init_method="env://")
+    dist.init_process_group(backend=backend, init_method="env://", timeout=timedelta(seconds=timeout))
     return backend
 
 
@@ -393,10 +634,12 @@ def format_report(rep: RunReport, title: str) -> str:
     lines = [f"spmdkit run: {title}; {rep.world_size} processes ({rep.backend})"]
     if rep.loss is not None:
         lines.append(f"loss {rep.loss:.12g} (single process {rep.reference_loss:.12g})")
+    differ = [f for f in rep.failures if f[0] != "collectives"]
+    verdict = "all equal" if not differ else f"{len(differ)} differ (first: {differ[0][0]})"
+    if rep.nonfinite:
+        verdict += f"; {rep.nonfinite} hold NaN or infinite values"
     lines.append(f"{rep.checked} tensors compared with the single-process step (loss, every gradient, "
-                 f"every update, every activation): max abs error {rep.max_error:.3g}, "
-                 + ("all equal" if not [f for f in rep.failures if f[0] != "collectives"]
-                    else f"{len([f for f in rep.failures if f[0] != 'collectives'])} differ"))
+                 f"every update, every activation): max abs error {rep.max_error:.3g} where finite, {verdict}")
     lines.append(f"collectives per rank: {len(rep.collectives)} ({kind_text}); plan: {len(rep.expected)}; "
                  + ("every rank's equal the plan's" if rep.collectives_match else "NOT equal to the plan's"))
     for name, why in rep.failures[:20]:
@@ -404,5 +647,5 @@ def format_report(rep: RunReport, title: str) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Collective", "Rank", "RunReport", "expected_collectives", "format_report", "init_from_env", "launch_local",
-           "run_rank"]
+__all__ = ["Collective", "Rank", "RunReport", "expected_collectives", "format_report", "free_port",
+           "init_from_env", "launch_local", "port_in_use", "run_rank", "uneven_shards"]
