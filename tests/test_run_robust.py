@@ -266,3 +266,26 @@ def test_a_taken_master_port_is_refused(capsys: pytest.CaptureFixture[str], monk
         monkeypatch.setenv("MASTER_PORT", str(port))
         rc, line = _cli(capsys, "--mesh", "dp=2", "--strategy", "dp")
     assert rc == 2 and line.startswith(f"spmdkit run: MASTER_PORT {port} is in use on 127.0.0.1")
+
+
+def test_torchrun_style_ranks_on_a_taken_port_end(tmp_path: Path) -> None:
+    """RANK / WORLD_SIZE / MASTER_* set by hand (as torchrun does) on a port something else
+    listens on: rank 0 says the port is in use; rank 1, whose client would wait on that listener
+    forever, is ended by its rendezvous watchdog. Before, rank 1 hung."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        env = dict(_env(tmp_path), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
+        procs = [subprocess.Popen([sys.executable, "-m", "spmdkit", "run", "--timeout", "2", *DP2],
+                                  env=dict(env, RANK=str(r)), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                  text=True) for r in range(2)]
+        try:
+            errs = [p.communicate(timeout=60)[1] for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+    assert procs[0].returncode == 4 and errs[0].strip() == (
+        f"spmdkit run: rank 0 cannot listen on 127.0.0.1:{port}: the port is in use")
+    assert procs[1].returncode == 3 and errs[1].strip().startswith(
+        f"spmdkit run: rank 1: rendezvous at 127.0.0.1:{port} did not complete within --timeout 2 s"), errs[1]

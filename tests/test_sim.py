@@ -129,7 +129,7 @@ def test_round_trip_partial_float(rtype: str, mesh: list[int]) -> None:
     loc = shard(x, a, rng)
     # the ranks hold different values, none of which is the truth everywhere
     assert not all(np.allclose(loc[0], p) for p in loc[1:])
-    np.testing.assert_allclose(assemble(loc, a, x.shape), x, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(assemble(loc, a, x.shape), x, rtol=1e-9, atol=1e-12, equal_nan=False)
 
 
 @pytest.mark.parametrize("rtype", ["any", "all", "sum", "max", "min", "prod"])
@@ -154,7 +154,7 @@ def test_partial_with_sharding_round_trip() -> None:
     rng = np.random.default_rng(11)
     x = rng.standard_normal((7, 6))
     a = attr([2, 3, 2], [2, -1], {"0": "max", "1": "sum"})
-    np.testing.assert_allclose(assemble(shard(x, a, rng), a, x.shape), x, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(assemble(shard(x, a, rng), a, x.shape), x, rtol=1e-9, atol=1e-12, equal_nan=False)
 
 
 @pytest.mark.parametrize("true_type", _FLOAT_TYPES)
@@ -164,7 +164,7 @@ def test_wrong_reduce_type_never_passes(true_type: str) -> None:
     x = rng.standard_normal((6, 6))
     for n in (2, 3, 4):
         pieces = split_partial(x, ReduceType(true_type), n, rng)
-        np.testing.assert_allclose(reduce_pieces(pieces, ReduceType(true_type)), x, rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(reduce_pieces(pieces, ReduceType(true_type)), x, rtol=1e-9, atol=1e-12, equal_nan=False)
         for other in _FLOAT_TYPES:
             if other != true_type:
                 assert not np.allclose(reduce_pieces(pieces, ReduceType(other)), x), (true_type, other, n)
@@ -351,10 +351,10 @@ def test_layer_norm_grad_matches_numeric() -> None:
     dx, ds, db = _fwd("layer_norm_grad", x=x, scale=s, bias=b, mean=mean, variance=var, out_grad=g,
                       epsilon=1e-5, begin_norm_axis=1)
     np.testing.assert_allclose(dx, _num_grad(lambda t: _fwd("layer_norm", x=t, scale=s, bias=b, begin_norm_axis=1)[0],
-                                             x, g), rtol=1e-5, atol=1e-6)
+                                             x, g), rtol=1e-5, atol=1e-6, equal_nan=False)
     np.testing.assert_allclose(ds, _num_grad(lambda t: _fwd("layer_norm", x=x, scale=t, bias=b, begin_norm_axis=1)[0],
-                                             s, g), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(db, g.sum(axis=0).reshape(-1), rtol=1e-9)
+                                             s, g), rtol=1e-5, atol=1e-6, equal_nan=False)
+    np.testing.assert_allclose(db, g.sum(axis=0).reshape(-1), rtol=1e-9, equal_nan=False)
 
 
 def test_rms_norm_grad_matches_numeric() -> None:
@@ -364,9 +364,9 @@ def test_rms_norm_grad_matches_numeric() -> None:
     _, inv = _fwd("fused_rms_norm", x=x, scale=s, epsilon=1e-6)
     dx, ds = _fwd("rms_norm_grad", x=x, scale=s, invvar=inv, out_grad=g, epsilon=1e-6)
     np.testing.assert_allclose(dx, _num_grad(lambda t: _fwd("fused_rms_norm", x=t, scale=s, epsilon=1e-6)[0], x, g),
-                               rtol=1e-5, atol=1e-6)
+                               rtol=1e-5, atol=1e-6, equal_nan=False)
     np.testing.assert_allclose(ds, _num_grad(lambda t: _fwd("fused_rms_norm", x=x, scale=t, epsilon=1e-6)[0], s, g),
-                               rtol=1e-5, atol=1e-6)
+                               rtol=1e-5, atol=1e-6, equal_nan=False)
 
 
 @pytest.mark.parametrize(("xs", "ys", "tx", "ty"), [
@@ -380,9 +380,9 @@ def test_matmul_grad_matches_numeric(xs: tuple[int, ...], ys: tuple[int, ...], t
     g = rng.standard_normal(np.shape(o))
     dx, dy = _fwd("matmul_grad", x=x, y=y, out_grad=g, trans_x=tx, trans_y=ty)
     np.testing.assert_allclose(dx, _num_grad(lambda t: _fwd("matmul", x=t, y=y, trans_x=tx, trans_y=ty)[0], x, g),
-                               rtol=1e-5, atol=1e-6)
+                               rtol=1e-5, atol=1e-6, equal_nan=False)
     np.testing.assert_allclose(dy, _num_grad(lambda t: _fwd("matmul", x=x, y=t, trans_x=tx, trans_y=ty)[0], y, g),
-                               rtol=1e-5, atol=1e-6)
+                               rtol=1e-5, atol=1e-6, equal_nan=False)
 
 
 @pytest.mark.parametrize("name", ["softmax", "log_softmax"])
@@ -392,7 +392,7 @@ def test_softmax_grads_match_numeric(name: str) -> None:
     g = rng.standard_normal(x.shape)
     (out,) = _fwd(name, x=x, axis=0)
     (dx,) = _fwd(f"{name}_grad", out=out, out_grad=g, axis=0)
-    np.testing.assert_allclose(dx, _num_grad(lambda t: _fwd(name, x=t, axis=0)[0], x, g), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dx, _num_grad(lambda t: _fwd(name, x=t, axis=0)[0], x, g), rtol=1e-5, atol=1e-6, equal_nan=False)
 
 
 @pytest.mark.parametrize("name", ["add", "subtract", "multiply", "divide", "elementwise_pow", "maximum", "fmin"])
@@ -402,8 +402,8 @@ def test_binary_grads_match_numeric_with_broadcast(name: str) -> None:
     y = rng.uniform(0.5, 2.0, (2, 4))
     g = rng.standard_normal((3, 2, 4))
     dx, dy = _fwd(f"{name}_grad", x=x, y=y, out_grad=g)
-    np.testing.assert_allclose(dx, _num_grad(lambda t: _fwd(name, x=t, y=y)[0], x, g), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(dy, _num_grad(lambda t: _fwd(name, x=x, y=t)[0], y, g), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dx, _num_grad(lambda t: _fwd(name, x=t, y=y)[0], x, g), rtol=1e-5, atol=1e-6, equal_nan=False)
+    np.testing.assert_allclose(dy, _num_grad(lambda t: _fwd(name, x=x, y=t)[0], y, g), rtol=1e-5, atol=1e-6, equal_nan=False)
 
 
 @pytest.mark.parametrize("name", ["sum", "mean", "max", "min", "prod", "squared_l2_norm", "frobenius_norm"])
@@ -415,7 +415,7 @@ def test_reduction_grads_match_numeric(name: str, keep: bool) -> None:
     g = rng.standard_normal(np.shape(o))
     (dx,) = _fwd(f"{name}_grad", x=x, out=o, out_grad=g, axis=[0, -1], keep_dim=keep, reduce_all=False)
     np.testing.assert_allclose(dx, _num_grad(lambda t: _fwd(name, x=t, axis=[0, -1], keep_dim=keep)[0], x, g),
-                               rtol=1e-5, atol=1e-6)
+                               rtol=1e-5, atol=1e-6, equal_nan=False)
 
 
 @pytest.mark.parametrize("name", ["relu", "gelu", "silu", "tanh", "exp", "log", "sqrt", "asin", "lgamma", "erf",
@@ -428,7 +428,7 @@ def test_unary_grads_match_numeric(name: str) -> None:
     x = make_array((7,), dom, rng) + (0.01 if name == "relu" else 0.0)
     g = rng.standard_normal(x.shape)
     (dx,) = _fwd(f"{name}_grad", x=x, out_grad=g)
-    np.testing.assert_allclose(dx, _num_grad(lambda t: _fwd(name, x=t)[0], x, g, h=1e-5), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(dx, _num_grad(lambda t: _fwd(name, x=t)[0], x, g, h=1e-5), rtol=1e-4, atol=1e-5, equal_nan=False)
 
 
 def test_transpose_grad_inverts() -> None:

@@ -74,7 +74,7 @@ def die_with_launcher() -> None:
     except (OSError, AttributeError):
         ok = False
     if os.getppid() != int(want):  # it died before we asked
-        os._exit(3)
+        os._exit(3)  # EXIT_RANK_FAILED
     if ok:
         return
     import threading
@@ -83,7 +83,7 @@ def die_with_launcher() -> None:
     def watch() -> None:
         while os.getppid() == int(want):
             time.sleep(0.5)
-        os._exit(3)
+        os._exit(3)  # EXIT_RANK_FAILED
 
     threading.Thread(target=watch, daemon=True).start()
 
@@ -143,18 +143,19 @@ def _env_int(name: str, lo: int, hi: int) -> int:
 
 
 def _run_command(ns: argparse.Namespace, out: TextIO, argv: list[str]) -> int:
-    try:
-        import torch.distributed  # noqa: F401
-    except ImportError as exc:
-        raise RunUsageError(f"needs torch (pip install 'spmdkit[torch]'): {exc}") from None
+    import importlib.util
+
     from spmdkit.graph.plan_cli import _annotations
     from spmdkit.graph.strategy import parse_mesh
-    from spmdkit.torch_exec import uneven_shards
+    from spmdkit.launch import uneven_shards
 
+    if importlib.util.find_spec("torch") is None:
+        raise RunUsageError("needs torch (pip install 'spmdkit[torch]')")
     if ns.nproc is not None and ns.nproc < 1:
         raise RunUsageError(f"--nproc {ns.nproc}: must be at least 1")
-    _check_backend(ns.backend)
     rank_mode = "RANK" in os.environ
+    if rank_mode or ns.backend == "nccl":  # the launcher itself does not import torch (seconds)
+        _check_backend(ns.backend)
     if rank_mode:  # one rank under torchrun (or our launcher): the rendezvous must be complete
         missing = [v for v in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v, "").strip()]
         if missing:
@@ -180,13 +181,13 @@ def _run_command(ns: argparse.Namespace, out: TextIO, argv: list[str]) -> int:
             raise RunUsageError(f"--nproc {nproc} but the mesh {ns.mesh} has {mesh.size} ranks")
         port = None
         if os.environ.get("MASTER_PORT", "").strip():
-            from spmdkit.torch_exec import port_in_use
+            from spmdkit.launch import port_in_use
 
             port = _env_int("MASTER_PORT", 1, 65535)
             if port_in_use(port):
                 raise RunUsageError(f"MASTER_PORT {port} is in use on 127.0.0.1; free it, or unset MASTER_PORT "
                                     "to let spmdkit run pick a free port")
-        from spmdkit.torch_exec import launch_local
+        from spmdkit.launch import launch_local
 
         out.flush()
         return launch_local(_strip_nproc(argv), nproc, ns.timeout, port)
@@ -198,13 +199,24 @@ def _run_command(ns: argparse.Namespace, out: TextIO, argv: list[str]) -> int:
 def _run_rank(ns: argparse.Namespace, out: TextIO, plan: Any, title: str, rank: int) -> int:
     """One rank: any failure is one line on stderr and exit EXIT_RANK_FAILED (EXIT_PORT_IN_USE when
     rank 0 cannot listen on MASTER_PORT), without waiting on peers that may be gone."""
+    import threading
+
     import torch.distributed as dist
 
-    from spmdkit.torch_exec import EXIT_PORT_IN_USE, EXIT_RANK_FAILED, format_report, init_from_env, run_rank
+    from spmdkit.launch import EXIT_PORT_IN_USE, EXIT_RANK_FAILED
+    from spmdkit.torch_exec import format_report, init_from_env, run_rank
 
     where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    # torch bounds the rendezvous by the timeout, except a TCPStore client talking to something
+    # else listening on the port, which waits forever: a watchdog ends that
+    watchdog = threading.Timer(ns.timeout + 5.0, _die, (
+        f"spmdkit run: rank {rank}: rendezvous at {where} did not complete within --timeout {ns.timeout:g} s "
+        "(is something else listening on MASTER_PORT?)", EXIT_RANK_FAILED))
+    watchdog.daemon = True
+    watchdog.start()
     try:
         init_from_env(ns.backend, ns.timeout)
+        watchdog.cancel()
     except Exception as exc:  # every rendezvous failure becomes one line
         text = f"{type(exc).__name__}: {_first_line(exc)}"
         if rank == 0 and ("address already in use" in str(exc).lower() or "EADDRINUSE" in str(exc)):
