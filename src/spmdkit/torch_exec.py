@@ -14,8 +14,14 @@ checked against the plan's reshards (same kinds, same sizes, same count, same or
 end rank 0 gathers every tensor the step made, assembles it as the plan says it is
 distributed and compares it with a single-process run of the unsharded step.
 
+A NaN never passes: a non-finite value where the single-process value is finite fails, and so
+does a single-process value that is itself non-finite (not checkable). Every process group and
+collective waits at most the ``timeout`` given to :func:`init_from_env` / :func:`run_rank`; the
+local launcher (:mod:`spmdkit.launch`) ends every rank when one fails, dies or stops.
+
 Limits: the executor needs every sharded axis to split evenly over its mesh dims (the
-collectives exchange equal chunks); the local kernels are numpy references, not torch ops, so
+collectives exchange equal chunks; :func:`uneven_shards` says which does not, and
+:func:`run_rank` refuses such a plan before any collective); the local kernels are numpy references, not torch ops, so
 this proves the plan's communication on a real engine, not its speed.
 
 Launch: ``spmdkit run --model tiny-llama --mesh dp=2,tp=2 --nproc 4`` starts four local
@@ -310,6 +316,9 @@ def run_rank(plan: Plan, seed: int = 0, rtol: float = 1e-5, atol: float = 1e-8,
     mesh = plan.mesh
     if world != mesh.size:
         raise ProgramError(f"spmdkit run: {world} processes for a mesh of {mesh.size} ranks")
+    why = uneven_shards(plan)
+    if why:  # every rank refuses alike, before any collective (an uneven split would hang in it)
+        raise ProgramError(f"spmdkit run: {why}")
     backend = str(dist.get_backend())
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if backend == "nccl" \
         else torch.device("cpu")
