@@ -23,7 +23,10 @@ torch = pytest.importorskip("torch", reason="torch is not installed (pip install
 from spmdkit.cli import main  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-TIMEOUT = "5"  # seconds every rendezvous, group and collective of a faulty run may wait
+# seconds every rendezvous, group and collective may wait: generous where the run ends through the
+# fault itself (ranks that start seconds apart on a loaded machine still meet), short where the
+# test waits for it to pass
+TIMEOUT = "60"
 
 # the ranks' fault injection: RANK and SPMDKIT_TEST_FAULT="rank:point:action" choose where
 _HOOK = '''
@@ -118,11 +121,11 @@ def _assert_no_ranks_left(tmp: Path, n: int = 2, within: float = 5.0) -> None:
     assert not left, f"rank processes {left} still alive"
 
 
-def _run(tmp: Path, *args: str, fault: str = "", limit: float = 60) -> tuple[subprocess.CompletedProcess[str], float]:
-    t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "spmdkit", "run", "--timeout", TIMEOUT, *args], env=_env(tmp, fault),
+def _run(tmp: Path, *args: str, fault: str = "", limit: float = 60,
+         timeout: str = TIMEOUT) -> subprocess.CompletedProcess[str]:
+    p = subprocess.run([sys.executable, "-m", "spmdkit", "run", "--timeout", timeout, *args], env=_env(tmp, fault),
                        capture_output=True, text=True, timeout=limit)
-    return p, time.monotonic() - t0
+    return p
 
 
 DP2 = ("--mesh", "dp=2", "--strategy", "dp")
@@ -133,22 +136,21 @@ DP2 = ("--mesh", "dp=2", "--strategy", "dp")
     ("1:all_reduce:raise", "rank 1 failed (exit 3): spmdkit run: rank 1: RuntimeError: injected fault"),
 ])
 def test_a_failing_rank_ends_the_run(tmp_path: Path, fault: str, says: str) -> None:
-    p, secs = _run(tmp_path, *DP2, fault=fault)
+    # bounded below the --timeout (60 s): the launcher ends the peers, they do not wait it out
+    p = _run(tmp_path, *DP2, fault=fault, limit=45)
     assert p.returncode == 1, p.stderr
     assert says in p.stderr and "ended every rank" in p.stderr
     assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
-    assert secs < 40  # seconds after the failure, not the --timeout (5 s) x collectives
     _assert_no_ranks_left(tmp_path)
 
 
 def test_a_stopped_rank_times_out_and_is_named(tmp_path: Path) -> None:
     """Rank 1 stops itself (SIGSTOP) in its first all-reduce: rank 0's collective times out after
     --timeout, and the launcher kills everything, the stopped rank included."""
-    p, secs = _run(tmp_path, *DP2, fault="1:all_reduce:stop")
+    p = _run(tmp_path, *DP2, fault="1:all_reduce:stop", timeout="6")
     assert p.returncode == 1, p.stderr
-    assert "rank 1 stopped (SIGSTOP?) and did not answer within --timeout 5 s" in p.stderr, p.stderr
+    assert "rank 1 stopped (SIGSTOP?) and did not answer within --timeout 6 s" in p.stderr, p.stderr
     assert "rank 0 failed" in p.stderr and "Timed out" in p.stderr
-    assert secs < 45
     _assert_no_ranks_left(tmp_path)
 
 
@@ -181,7 +183,7 @@ def test_nan_in_the_reference_never_passes(tmp_path: Path) -> None:
     prog.write_text('{"format": "spmdkit-program", "version": 1, "name": "log", '
                     '"tensors": [{"name": "x", "shape": [4, 8], "kind": "input"}, {"name": "y", "shape": [4, 8]}], '
                     '"ops": [{"rule": "log", "name": "log", "inputs": {"x": "x"}, "outputs": ["y"]}]}')
-    p, _ = _run(tmp_path, "--program", str(prog), "--mesh", "dp=2", "--annotate", "x=[0,-1]")
+    p = _run(tmp_path, "--program", str(prog), "--mesh", "dp=2", "--annotate", "x=[0,-1]")
     assert p.returncode == 1, p.stdout + p.stderr
     assert "all equal" not in p.stdout
     assert "1 differ (first: y); 1 hold NaN or infinite values" in p.stdout
@@ -190,7 +192,7 @@ def test_nan_in_the_reference_never_passes(tmp_path: Path) -> None:
 
 def test_nan_on_one_rank_fails_the_check(tmp_path: Path) -> None:
     """One NaN written into rank 1's piece of one sharded tensor: the run exits 1 naming it."""
-    p, _ = _run(tmp_path, *DP2, "--json", fault="1:output:nan")
+    p = _run(tmp_path, *DP2, "--json", fault="1:output:nan")
     assert p.returncode == 1, p.stderr
     import json
 

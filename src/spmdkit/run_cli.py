@@ -209,7 +209,7 @@ def _run_rank(ns: argparse.Namespace, out: TextIO, plan: Any, title: str, rank: 
     where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
     # torch bounds the rendezvous by the timeout, except a TCPStore client talking to something
     # else listening on the port, which waits forever: a watchdog ends that
-    watchdog = threading.Timer(ns.timeout + 5.0, _die, (
+    watchdog = threading.Timer(ns.timeout + min(5.0, ns.timeout), _die, (
         f"spmdkit run: rank {rank}: rendezvous at {where} did not complete within --timeout {ns.timeout:g} s "
         "(is something else listening on MASTER_PORT?)", EXIT_RANK_FAILED))
     watchdog.daemon = True
