@@ -61,9 +61,9 @@ def test_linear_v2_grad_reference_is_the_gradient(tw: bool) -> None:
     def out(x_: Any = x, w_: Any = w, b_: Any = b) -> np.ndarray:
         return _run("linear_v2", {"input": x_, "weight": w_, "bias": b_, "transpose_weight": tw})[0]
 
-    np.testing.assert_allclose(dx, _num_grad(lambda v: out(x_=v), x, g), rtol=1e-6)
-    np.testing.assert_allclose(dw, _num_grad(lambda v: out(w_=v), w, g), rtol=1e-6)
-    np.testing.assert_allclose(db, _num_grad(lambda v: out(b_=v), b, g), rtol=1e-6)
+    np.testing.assert_allclose(dx, _num_grad(lambda v: out(x_=v), x, g), rtol=1e-6, equal_nan=False)
+    np.testing.assert_allclose(dw, _num_grad(lambda v: out(w_=v), w, g), rtol=1e-6, equal_nan=False)
+    np.testing.assert_allclose(db, _num_grad(lambda v: out(b_=v), b, g), rtol=1e-6, equal_nan=False)
 
 
 def test_gemm_and_bmm_grad_references_are_gradients() -> None:
@@ -76,13 +76,13 @@ def test_gemm_and_bmm_grad_references_are_gradients() -> None:
     def out(x_: Any = x, y_: Any = y, b_: Any = b) -> np.ndarray:
         return _run("fused_gemm_epilogue", {"x": x_, "y": y_, "bias": b_, **kw})[0]
 
-    np.testing.assert_allclose(dx, _num_grad(lambda v: out(x_=v), x, g), rtol=1e-6)
-    np.testing.assert_allclose(dy, _num_grad(lambda v: out(y_=v), y, g), rtol=1e-6)
-    np.testing.assert_allclose(db, _num_grad(lambda v: out(b_=v), b, g), rtol=1e-6)
+    np.testing.assert_allclose(dx, _num_grad(lambda v: out(x_=v), x, g), rtol=1e-6, equal_nan=False)
+    np.testing.assert_allclose(dy, _num_grad(lambda v: out(y_=v), y, g), rtol=1e-6, equal_nan=False)
+    np.testing.assert_allclose(db, _num_grad(lambda v: out(b_=v), b, g), rtol=1e-6, equal_nan=False)
     x3, y3, g3 = rng.standard_normal((2, 3, 4)), rng.standard_normal((2, 4, 5)), rng.standard_normal((2, 3, 5))
     bx, by = _run("bmm_grad", {"x": x3, "y": y3, "out_grad": g3})
-    np.testing.assert_allclose(bx, _num_grad(lambda v: _run("bmm", {"x": v, "y": y3})[0], x3, g3), rtol=1e-6)
-    np.testing.assert_allclose(by, _num_grad(lambda v: _run("bmm", {"x": x3, "y": v})[0], y3, g3), rtol=1e-6)
+    np.testing.assert_allclose(bx, _num_grad(lambda v: _run("bmm", {"x": v, "y": y3})[0], x3, g3), rtol=1e-6, equal_nan=False)
+    np.testing.assert_allclose(by, _num_grad(lambda v: _run("bmm", {"x": x3, "y": v})[0], y3, g3), rtol=1e-6, equal_nan=False)
 
 
 def test_fused_linear_param_grad_add_accumulates() -> None:
@@ -90,8 +90,8 @@ def test_fused_linear_param_grad_add_accumulates() -> None:
     x, d, dw, db = (rng.standard_normal(s) for s in ((2, 3, 4), (2, 3, 5), (4, 5), (5,)))
     w_out, b_out = _run("fused_linear_param_grad_add", {"x": x, "dout": d, "dweight": dw, "dbias": db,
                                                         "has_bias": True})
-    np.testing.assert_allclose(w_out, dw + x.reshape(6, 4).T @ d.reshape(6, 5))
-    np.testing.assert_allclose(b_out, db + d.reshape(6, 5).sum(0))
+    np.testing.assert_allclose(w_out, dw + x.reshape(6, 4).T @ d.reshape(6, 5), equal_nan=False)
+    np.testing.assert_allclose(b_out, db + d.reshape(6, 5).sum(0), equal_nan=False)
 
 
 def _dm(attrs: Any) -> list[Any]:
@@ -446,7 +446,7 @@ def test_einsum_grad_reference_is_the_gradient(eq: str, shapes: list[tuple[int, 
     rng = np.random.default_rng(5)
     xs = [rng.standard_normal(s) for s in shapes]
     out = _run("einsum", {"inputs": xs, "equation": eq})[0]
-    np.testing.assert_allclose(out, np.einsum(eq, *xs))
+    np.testing.assert_allclose(out, np.einsum(eq, *xs), equal_nan=False)
     g = rng.standard_normal(np.shape(out))
     grads = _run("einsum_grad", {"inputs": xs, "inner_cache": [], "out_grad": g, "equation": eq})
     for i in range(len(xs)):
@@ -454,7 +454,7 @@ def test_einsum_grad_reference_is_the_gradient(eq: str, shapes: list[tuple[int, 
             return np.asarray(_run("einsum", {"inputs": [v if j == i else x for j, x in enumerate(xs)],
                                               "equation": eq})[0])
 
-        np.testing.assert_allclose(grads[i], _num_grad(f, xs[i], g), rtol=1e-5, atol=1e-8)
+        np.testing.assert_allclose(grads[i], _num_grad(f, xs[i], g), rtol=1e-5, atol=1e-8, equal_nan=False)
 
 
 SOUND_RULES = ["bmm", "bmm_grad", "linear_v2", "linear_v2_grad", "fused_gemm_epilogue", "fused_gemm_epilogue_grad",

@@ -129,7 +129,7 @@ def test_round_trip_partial_float(rtype: str, mesh: list[int]) -> None:
     loc = shard(x, a, rng)
     # the ranks hold different values, none of which is the truth everywhere
     assert not all(np.allclose(loc[0], p) for p in loc[1:])
-    np.testing.assert_allclose(assemble(loc, a, x.shape), x, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(assemble(loc, a, x.shape), x, rtol=1e-9, atol=1e-12, equal_nan=False)
 
 
 @pytest.mark.parametrize("rtype", ["any", "all", "sum", "max", "min", "prod"])
@@ -154,7 +154,7 @@ def test_partial_with_sharding_round_trip() -> None:
     rng = np.random.default_rng(11)
     x = rng.standard_normal((7, 6))
     a = attr([2, 3, 2], [2, -1], {"0": "max", "1": "sum"})
-    np.testing.assert_allclose(assemble(shard(x, a, rng), a, x.shape), x, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(assemble(shard(x, a, rng), a, x.shape), x, rtol=1e-9, atol=1e-12, equal_nan=False)
 
 
 @pytest.mark.parametrize("true_type", _FLOAT_TYPES)
@@ -164,7 +164,7 @@ def test_wrong_reduce_type_never_passes(true_type: str) -> None:
     x = rng.standard_normal((6, 6))
     for n in (2, 3, 4):
         pieces = split_partial(x, ReduceType(true_type), n, rng)
-        np.testing.assert_allclose(reduce_pieces(pieces, ReduceType(true_type)), x, rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(reduce_pieces(pieces, ReduceType(true_type)), x, rtol=1e-9, atol=1e-12, equal_nan=False)
         for other in _FLOAT_TYPES:
             if other != true_type:
                 assert not np.allclose(reduce_pieces(pieces, ReduceType(other)), x), (true_type, other, n)
@@ -351,10 +351,10 @@ def test_layer_norm_grad_matches_numeric() -> None:
     dx, ds, db = _fwd("layer_norm_grad", x=x, scale=s, bias=b, mean=mean, variance=var, out_grad=g,
                       epsilon=1e-5, begin_norm_axis=1)
     np.testing.assert_allclose(dx, _num_grad(lambda t: _fwd("layer_norm", x=t, scale=s, bias=b, begin_norm_axis=1)[0],
-                                             x, g), rtol=1e-5, atol=1e-6)
+                                             x, g), rtol=1e-5, atol=1e-6, equal_nan=False)
     np.testing.assert_allclose(ds, _num_grad(lambda t: _fwd("layer_norm", x=x, scale=t, bias=b, begin_norm_axis=1)[0],
-                                             s, g), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(db, g.sum(axis=0).reshape(-1), rtol=1e-9)
+                                             s, g), rtol=1e-5, atol=1e-6, equal_nan=False)
+    np.testing.assert_allclose(db, g.sum(axis=0).reshape(-1), rtol=1e-9, equal_nan=False)
 
 
 def test_rms_norm_grad_matches_numeric() -> None:
@@ -364,9 +364,9 @@ def test_rms_norm_grad_matches_numeric() -> None:
     _, inv = _fwd("fused_rms_norm", x=x, scale=s, epsilon=1e-6)
     dx, ds = _fwd("rms_norm_grad", x=x, scale=s, invvar=inv, out_grad=g, epsilon=1e-6)
     np.testing.assert_allclose(dx, _num_grad(lambda t: _fwd("fused_rms_norm", x=t, scale=s, epsilon=1e-6)[0], x, g),
-                               rtol=1e-5, atol=1e-6)
+                               rtol=1e-5, atol=1e-6, equal_nan=False)
     np.testing.assert_allclose(ds, _num_grad(lambda t: _fwd("fused_rms_norm", x=x, scale=t, epsilon=1e-6)[0], s, g),
-                               rtol=1e-5, atol=1e-6)
+                               rtol=1e-5, atol=1e-6, equal_nan=False)
 
 
 @pytest.mark.parametrize(("xs", "ys", "tx", "ty"), [
@@ -380,9 +380,9 @@ def test_matmul_grad_matches_numeric(xs: tuple[int, ...], ys: tuple[int, ...], t
     g = rng.standard_normal(np.shape(o))
     dx, dy = _fwd("matmul_grad", x=x, y=y, out_grad=g, trans_x=tx, trans_y=ty)
     np.testing.assert_allclose(dx, _num_grad(lambda t: _fwd("matmul", x=t, y=y, trans_x=tx, trans_y=ty)[0], x, g),
-                               rtol=1e-5, atol=1e-6)
+                               rtol=1e-5, atol=1e-6, equal_nan=False)
     np.testing.assert_allclose(dy, _num_grad(lambda t: _fwd("matmul", x=x, y=t, trans_x=tx, trans_y=ty)[0], y, g),
-                               rtol=1e-5, atol=1e-6)
+                               rtol=1e-5, atol=1e-6, equal_nan=False)
 
 
 @pytest.mark.parametrize("name", ["softmax", "log_softmax"])
@@ -392,7 +392,7 @@ def test_softmax_grads_match_numeric(name: str) -> None:
     g = rng.standard_normal(x.shape)
     (out,) = _fwd(name, x=x, axis=0)
     (dx,) = _fwd(f"{name}_grad", out=out, out_grad=g, axis=0)
-    np.testing.assert_allclose(dx, _num_grad(lambda t: _fwd(name, x=t, axis=0)[0], x, g), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dx, _num_grad(lambda t: _fwd(name, x=t, axis=0)[0], x, g), rtol=1e-5, atol=1e-6, equal_nan=False)
 
 
 @pytest.mark.parametrize("name", ["add", "subtract", "multiply", "divide", "elementwise_pow", "maximum", "fmin"])
@@ -402,8 +402,8 @@ def test_binary_grads_match_numeric_with_broadcast(name: str) -> None:
     y = rng.uniform(0.5, 2.0, (2, 4))
     g = rng.standard_normal((3, 2, 4))
     dx, dy = _fwd(f"{name}_grad", x=x, y=y, out_grad=g)
-    np.testing.assert_allclose(dx, _num_grad(lambda t: _fwd(name, x=t, y=y)[0], x, g), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(dy, _num_grad(lambda t: _fwd(name, x=x, y=t)[0], y, g), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dx, _num_grad(lambda t: _fwd(name, x=t, y=y)[0], x, g), rtol=1e-5, atol=1e-6, equal_nan=False)
+    np.testing.assert_allclose(dy, _num_grad(lambda t: _fwd(name, x=x, y=t)[0], y, g), rtol=1e-5, atol=1e-6, equal_nan=False)
 
 
 @pytest.mark.parametrize("name", ["sum", "mean", "max", "min", "prod", "squared_l2_norm", "frobenius_norm"])
@@ -415,7 +415,7 @@ def test_reduction_grads_match_numeric(name: str, keep: bool) -> None:
     g = rng.standard_normal(np.shape(o))
     (dx,) = _fwd(f"{name}_grad", x=x, out=o, out_grad=g, axis=[0, -1], keep_dim=keep, reduce_all=False)
     np.testing.assert_allclose(dx, _num_grad(lambda t: _fwd(name, x=t, axis=[0, -1], keep_dim=keep)[0], x, g),
-                               rtol=1e-5, atol=1e-6)
+                               rtol=1e-5, atol=1e-6, equal_nan=False)
 
 
 @pytest.mark.parametrize("name", ["relu", "gelu", "silu", "tanh", "exp", "log", "sqrt", "asin", "lgamma", "erf",
@@ -428,7 +428,7 @@ def test_unary_grads_match_numeric(name: str) -> None:
     x = make_array((7,), dom, rng) + (0.01 if name == "relu" else 0.0)
     g = rng.standard_normal(x.shape)
     (dx,) = _fwd(f"{name}_grad", x=x, out_grad=g)
-    np.testing.assert_allclose(dx, _num_grad(lambda t: _fwd(name, x=t)[0], x, g, h=1e-5), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(dx, _num_grad(lambda t: _fwd(name, x=t)[0], x, g, h=1e-5), rtol=1e-4, atol=1e-5, equal_nan=False)
 
 
 def test_transpose_grad_inverts() -> None:
@@ -748,3 +748,51 @@ def test_sum_grad_and_local_mean_grad() -> None:
     assert verify(None, make_case(rule, [2], args)).status == UNSOUND
     rule = fake_rule("mean_grad", answer([2], [[-1, 0], [0]], [[-1, 0]]), sig)
     assert verify(None, make_case(rule, [2], args)).status == SOUND
+
+
+# -- a NaN never counts as equal (issue 13) -------------------------------------------------------
+
+
+def test_close_never_equates_nan() -> None:
+    from spmdkit.sim.mesh import _close, max_abs_error, nonfinite_count
+
+    a = np.array([1.0, np.nan, np.inf])
+    assert not _close(a, a.copy(), 1e-7, 1e-9)  # NaN equals nothing, itself included
+    assert _close(a, a.copy(), 1e-7, 1e-9, equal_nan=True)  # replicas agreeing bit for bit
+    assert _close(np.array([np.inf, -np.inf]), np.array([np.inf, -np.inf]), 1e-7, 1e-9)  # exact infinities
+    assert not _close(np.array([np.inf]), np.array([-np.inf]), 1e-7, 1e-9)
+    assert not _close(np.array([np.nan]), np.array([0.0]), 1e-7, 1e-9, equal_nan=True)
+    assert nonfinite_count(a) == 2 and nonfinite_count(np.arange(3)) == 0
+    assert max_abs_error(np.array([1.0, np.nan, 5.0]), np.array([1.5, 2.0, 5.0])) == 0.5  # finite positions
+    # replicas that are NaN at the same places assemble; the value check is the caller's
+    m = ProcessMesh([2])
+    got = assemble([a, a.copy()], attr(m, [-1]), a.shape)
+    assert np.isnan(got[1]) and got[0] == 1.0
+
+
+def test_verify_never_calls_a_nan_output_sound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """log of normal samples (outside the reference's domain) is NaN at about half the places on
+    every rank and in the unsharded run alike: not checkable, so skipped, never sound."""
+    import importlib
+
+    vmod = importlib.import_module("spmdkit.sim.verify")
+    case = {"rule": "log", "mesh": [2], "args": [{"shape": [4, 6], "dims_mapping": [0, -1]}]}
+    assert verify(None, case).status == SOUND  # positive inputs: checkable and sound
+    monkeypatch.setattr(vmod, "make_array", lambda shape, domain, rng: rng.standard_normal(shape))
+    v = verify(None, case)
+    assert v.status == "skipped" and v.detail.startswith("not checkable: the unsharded op gives NaN"), v.detail
+    assert "output 0 (" in v.detail and "values NaN)" in v.detail
+
+
+def test_simulate_plan_fails_a_nan_step() -> None:
+    from spmdkit.graph.program import program_from_json
+    from spmdkit.graph.propagate import propagate
+    from spmdkit.graph.simulate import simulate_plan
+
+    prog = program_from_json({"format": "spmdkit-program", "version": 1, "name": "log",
+                              "tensors": [{"name": "x", "shape": [4, 8], "kind": "input"},
+                                          {"name": "y", "shape": [4, 8]}],
+                              "ops": [{"rule": "log", "name": "log", "inputs": {"x": "x"}, "outputs": ["y"]}]})
+    rep = simulate_plan(propagate(prog, ProcessMesh([2]), {"x": [0, -1]}))
+    assert not rep.ok
+    assert rep.failures == [("y", "after log: not checkable, the unsharded value has 18 non-finite values of 32")]

@@ -190,7 +190,7 @@ def test_wrong_process_count_is_an_error() -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     p = subprocess.run([sys.executable, "-m", "spmdkit", "run", "--mesh", "dp=2,tp=2", "--nproc", "3"],
                        capture_output=True, text=True, env=env, timeout=120)
-    assert p.returncode == 1
+    assert p.returncode == 2
     assert "--nproc 3 but the mesh dp=2,tp=2 has 4 ranks" in p.stderr and "Traceback" not in p.stderr
 
 

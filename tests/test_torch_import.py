@@ -330,7 +330,7 @@ def test_many_small_ops_reproduce_torch() -> None:
             "elementwise_pow", "bitwise_not"} <= _rules(prog)
     vals = _sim(prog, m, (x,))
     for name, want in zip(prog.outputs, m(x)):
-        np.testing.assert_allclose(vals[name], want.detach().numpy(), rtol=0, atol=1e-9)
+        np.testing.assert_allclose(vals[name], want.detach().numpy(), rtol=0, atol=1e-9, equal_nan=False)
 
 
 def test_more_ops_reproduce_torch() -> None:
@@ -350,7 +350,7 @@ def test_more_ops_reproduce_torch() -> None:
         w = want.detach().numpy()
         assert vals[name].dtype.kind == w.dtype.kind, name
         np.testing.assert_allclose(vals[name].astype(np.float64), w.astype(np.float64), rtol=0, atol=1e-9,
-                                   err_msg=name)
+                                   err_msg=name, equal_nan=False)
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # torch's own, in run_decompositions
@@ -390,7 +390,7 @@ def test_training_step_gradients_equal_torch(arch: str) -> None:
     for p, g in prog.grads.items():
         want = params[p].grad
         assert want is not None
-        np.testing.assert_allclose(vals[g], want.numpy(), rtol=0, atol=1e-9, err_msg=p)
+        np.testing.assert_allclose(vals[g], want.numpy(), rtol=0, atol=1e-9, err_msg=p, equal_nan=False)
 
 
 def test_elementwise_training_gradients_equal_torch() -> None:
@@ -406,7 +406,7 @@ def test_elementwise_training_gradients_equal_torch() -> None:
     assert prog.loss is not None and abs(float(vals[prog.loss]) - loss.item()) < 1e-9
     for p, t in m.named_parameters():
         assert t.grad is not None
-        np.testing.assert_allclose(vals[prog.grads[p]], t.grad.numpy(), rtol=0, atol=1e-9, err_msg=p)
+        np.testing.assert_allclose(vals[prog.grads[p]], t.grad.numpy(), rtol=0, atol=1e-9, err_msg=p, equal_nan=False)
 
 
 # -- planning the imported programs ------------------------------------------------------------------
@@ -505,7 +505,7 @@ def test_training_through_list_ops_equals_torch() -> None:
         if p == "head.weight":
             continue  # tied to wte.weight
         assert t.grad is not None
-        np.testing.assert_allclose(vals[prog.grads[p]], t.grad.numpy(), rtol=0, atol=1e-9, err_msg=p)
+        np.testing.assert_allclose(vals[prog.grads[p]], t.grad.numpy(), rtol=0, atol=1e-9, err_msg=p, equal_nan=False)
 
     class Pieces(nn.Module):
         def __init__(self) -> None:
@@ -527,7 +527,7 @@ def test_training_through_list_ops_equals_torch() -> None:
     loss2.backward()
     assert prog2.loss is not None and abs(float(vals2[prog2.loss]) - loss2.item()) < 1e-9
     assert m2.w.grad is not None
-    np.testing.assert_allclose(vals2[prog2.grads["w"]], m2.w.grad.numpy(), rtol=0, atol=1e-9)
+    np.testing.assert_allclose(vals2[prog2.grads["w"]], m2.w.grad.numpy(), rtol=0, atol=1e-9, equal_nan=False)
 
 
 def test_training_through_an_op_without_grad_rule_raises() -> None:

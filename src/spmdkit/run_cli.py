@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
-from typing import Any, TextIO
+import signal
+import sys
+from typing import Any, NoReturn, TextIO
 
 from spmdkit.core.errors import ProgramError
 
@@ -29,6 +32,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch.distributed backend (auto: nccl where GPUs exist, else gloo)")
     p.add_argument("--seed", type=int, default=0, help="seed of the step's data and parameters")
     p.add_argument("--json", action="store_true", help="print rank 0's report as JSON")
+    p.add_argument("--timeout", type=_positive_seconds, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+                   help="the longest any rendezvous, process group or collective may wait; a rank that "
+                        "waits longer fails and the run ends (default %(default)g)")
 
 
 def _strip_nproc(argv: list[str]) -> list[str]:
@@ -47,51 +53,193 @@ def _strip_nproc(argv: list[str]) -> list[str]:
     return out
 
 
-def run_command(ns: argparse.Namespace, out: TextIO, argv: list[str]) -> int:
+class RunUsageError(ProgramError):
+    """Bad arguments or environment for ``spmdkit run`` (exit 2, one line, before any rank starts)."""
+
+
+DEFAULT_TIMEOUT = 120.0
+
+
+def die_with_launcher() -> None:
+    """In a rank ``launch_local`` started: end this process when the launcher dies (Linux:
+    PR_SET_PDEATHSIG; elsewhere a thread that watches the parent pid)."""
+    want = os.environ.get("SPMDKIT_LAUNCHER_PID", "")
+    if not want.isdigit() or "RANK" not in os.environ:
+        return
     try:
-        import torch.distributed  # noqa: F401
-    except ImportError as exc:
-        raise ProgramError(f"spmdkit run needs torch (pip install 'spmdkit[torch]'): {exc}") from None
-    from spmdkit.graph.plan_cli import _annotations, plan_model
-    from spmdkit.graph.strategy import parse_mesh
+        import ctypes
 
-    mesh = parse_mesh(ns.mesh)
-    user = _annotations(ns.annotate)
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        nproc = ns.nproc or mesh.size
-        if nproc != mesh.size:
-            raise ProgramError(f"spmdkit run: --nproc {nproc} but the mesh {ns.mesh} has {mesh.size} ranks")
-        from spmdkit.torch_exec import launch_local
+        libc = ctypes.CDLL(None, use_errno=True)
+        ok = libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) == 0  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        ok = False
+    if os.getppid() != int(want):  # it died before we asked
+        os._exit(3)  # EXIT_RANK_FAILED
+    if ok:
+        return
+    import threading
+    import time
 
-        out.flush()
-        return launch_local(_strip_nproc(argv), nproc)
+    def watch() -> None:
+        while os.getppid() == int(want):
+            time.sleep(0.5)
+        os._exit(3)  # EXIT_RANK_FAILED
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not math.isfinite(v) or v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return v
+
+
+def run_command(ns: argparse.Namespace, out: TextIO, argv: list[str]) -> int:
+    """``spmdkit run``: exit 0 (every tensor and collective as planned), 1 (the check failed, or a
+    rank failed: one line names it), 2 (bad arguments or environment, before any rank starts)."""
+    die_with_launcher()  # first: importing torch takes seconds
+    try:
+        return _run_command(ns, out, argv)
+    except RunUsageError as exc:
+        print(f"spmdkit run: {exc}", file=sys.stderr)
+        return 2
+
+
+def _check_backend(backend: str) -> None:
+    import torch
     import torch.distributed as dist
 
+    if backend == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
+        raise RunUsageError("--backend nccl needs CUDA GPUs and a torch built with NCCL; this machine has "
+                            + ("no usable GPU" if not torch.cuda.is_available() else "no NCCL")
+                            + " (use --backend gloo)")
+    if backend == "gloo" and not dist.is_gloo_available():
+        raise RunUsageError("--backend gloo: this torch build has no gloo")
+
+
+def _plan(ns: argparse.Namespace, mesh: Any, user: dict[str, Any]) -> tuple[Any, str]:
+    if ns.program:
+        from spmdkit.graph.program import load_program
+        from spmdkit.graph.propagate import propagate
+
+        return propagate(load_program(ns.program), mesh, user), f"program {ns.program}, mesh {ns.mesh}"
+    from spmdkit.graph.plan_cli import plan_model
+
+    overrides = {"layers": ns.layers, "batch": ns.batch, "seq": ns.seq}
+    model, plan, _ = plan_model(ns.model, ns.mesh, ns.strategy, overrides, user)
+    return plan, f"{ns.model} ({model.config.layers} layers), mesh {ns.mesh}, strategy {ns.strategy}"
+
+
+def _env_int(name: str, lo: int, hi: int) -> int:
+    v = os.environ.get(name, "").strip()
+    if not v.isdigit() or not lo <= int(v) <= hi:
+        raise RunUsageError(f"environment variable {name}={os.environ.get(name)!r}: expected an integer in "
+                            f"[{lo}, {hi}]")
+    return int(v)
+
+
+def _run_command(ns: argparse.Namespace, out: TextIO, argv: list[str]) -> int:
+    import importlib.util
+
+    from spmdkit.graph.plan_cli import _annotations
+    from spmdkit.graph.strategy import parse_mesh
+    from spmdkit.launch import uneven_shards
+
+    if importlib.util.find_spec("torch") is None:
+        raise RunUsageError("needs torch (pip install 'spmdkit[torch]')")
+    if ns.nproc is not None and ns.nproc < 1:
+        raise RunUsageError(f"--nproc {ns.nproc}: must be at least 1")
+    rank_mode = "RANK" in os.environ
+    if rank_mode or ns.backend == "nccl":  # the launcher itself does not import torch (seconds)
+        _check_backend(ns.backend)
+    if rank_mode:  # one rank under torchrun (or our launcher): the rendezvous must be complete
+        missing = [v for v in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v, "").strip()]
+        if missing:
+            raise RunUsageError(f"RANK is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: "
+                                "set all of RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (as torchrun does), or "
+                                "none of them to start local processes")
+        world = _env_int("WORLD_SIZE", 1, 1 << 20)
+        rank = _env_int("RANK", 0, world - 1)
+        _env_int("MASTER_PORT", 1, 65535)
+    try:
+        mesh = parse_mesh(ns.mesh)
+        plan, title = _plan(ns, mesh, _annotations(ns.annotate))
+    except RunUsageError:
+        raise
+    except ProgramError as exc:
+        raise RunUsageError(str(exc)) from None
+    why = uneven_shards(plan)
+    if why:
+        raise RunUsageError(f"mesh {ns.mesh}: {why}")
+    if not rank_mode:
+        nproc = mesh.size if ns.nproc is None else ns.nproc
+        if nproc != mesh.size:
+            raise RunUsageError(f"--nproc {nproc} but the mesh {ns.mesh} has {mesh.size} ranks")
+        port = None
+        if os.environ.get("MASTER_PORT", "").strip():
+            from spmdkit.launch import port_in_use
+
+            port = _env_int("MASTER_PORT", 1, 65535)
+            if port_in_use(port):
+                raise RunUsageError(f"MASTER_PORT {port} is in use on 127.0.0.1; free it, or unset MASTER_PORT "
+                                    "to let spmdkit run pick a free port")
+        from spmdkit.launch import launch_local
+
+        out.flush()
+        return launch_local(_strip_nproc(argv), nproc, ns.timeout, port)
+    if world != mesh.size:
+        raise RunUsageError(f"WORLD_SIZE {world} but the mesh {ns.mesh} has {mesh.size} ranks")
+    return _run_rank(ns, out, plan, title, rank)
+
+
+def _run_rank(ns: argparse.Namespace, out: TextIO, plan: Any, title: str, rank: int) -> int:
+    """One rank: any failure is one line on stderr and exit EXIT_RANK_FAILED (EXIT_PORT_IN_USE when
+    rank 0 cannot listen on MASTER_PORT), without waiting on peers that may be gone."""
+    import threading
+
+    import torch.distributed as dist
+
+    from spmdkit.launch import EXIT_PORT_IN_USE, EXIT_RANK_FAILED
     from spmdkit.torch_exec import format_report, init_from_env, run_rank
 
-    init_from_env(ns.backend)
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    # torch bounds the rendezvous by the timeout, except a TCPStore client talking to something
+    # else listening on the port, which waits forever: a watchdog ends that
+    watchdog = threading.Timer(ns.timeout + min(5.0, ns.timeout), _die, (
+        f"spmdkit run: rank {rank}: rendezvous at {where} did not complete within --timeout {ns.timeout:g} s "
+        "(is something else listening on MASTER_PORT?)", EXIT_RANK_FAILED))
+    watchdog.daemon = True
+    watchdog.start()
     try:
-        if ns.program:
-            from spmdkit.graph.program import load_program
-            from spmdkit.graph.propagate import propagate
-
-            plan = propagate(load_program(ns.program), mesh, user)
-            title = f"program {ns.program}, mesh {ns.mesh}"
-        else:
-            overrides = {"layers": ns.layers, "batch": ns.batch, "seq": ns.seq}
-            model, plan, _ = plan_model(ns.model, ns.mesh, ns.strategy, overrides, user)
-            title = f"{ns.model} ({model.config.layers} layers), mesh {ns.mesh}, strategy {ns.strategy}"
-        rep = run_rank(plan, ns.seed)
-    finally:
+        init_from_env(ns.backend, ns.timeout)
+        watchdog.cancel()
+    except Exception as exc:  # every rendezvous failure becomes one line
+        text = f"{type(exc).__name__}: {_first_line(exc)}"
+        if rank == 0 and ("address already in use" in str(exc).lower() or "EADDRINUSE" in str(exc)):
+            _die(f"spmdkit run: rank 0 cannot listen on {where}: the port is in use", EXIT_PORT_IN_USE)
+        _die(f"spmdkit run: rank {rank}: rendezvous at {where} failed within --timeout {ns.timeout:g} s: {text}",
+             EXIT_RANK_FAILED)
+    try:
+        rep = run_rank(plan, ns.seed, timeout=ns.timeout)
         dist.barrier()
         dist.destroy_process_group()
+    except Exception as exc:  # a collective timed out, a peer died, a kernel failed
+        if os.environ.get("SPMDKIT_TRACEBACK"):
+            import traceback
+
+            traceback.print_exc()
+        _die(f"spmdkit run: rank {rank}: {type(exc).__name__}: {_first_line(exc)}", EXIT_RANK_FAILED)
     if rep is None:
         return 0
     if ns.json:
         d: dict[str, Any] = {
             "title": title, "world_size": rep.world_size, "backend": rep.backend, "ok": rep.ok,
-            "loss": rep.loss, "reference_loss": rep.reference_loss, "checked": rep.checked,
-            "max_error": rep.max_error, "failures": [list(f) for f in rep.failures],
+            "loss": _finite(rep.loss), "reference_loss": _finite(rep.reference_loss), "checked": rep.checked,
+            "max_error": rep.max_error, "nonfinite": rep.nonfinite, "failures": [list(f) for f in rep.failures],
             "collectives": [c.__dict__ for c in rep.collectives], "collectives_match": rep.collectives_match,
             "expected_collectives": len(rep.expected),
         }
@@ -100,3 +248,23 @@ def run_command(ns: argparse.Namespace, out: TextIO, argv: list[str]) -> int:
         out.write(format_report(rep, title) + "\n")
     out.flush()
     return 0 if rep.ok else 1
+
+
+def _finite(x: float | None) -> float | str | None:
+    """JSON has no NaN or infinity: such a loss is written as its name."""
+    if x is None or math.isfinite(x):
+        return x
+    return str(x)
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return lines[0][:500] if lines else "(no message)"
+
+
+def _die(msg: str, code: int) -> NoReturn:
+    """Print one line and end this rank now: no exit handlers, no waiting in torch's teardown for
+    peers that may be dead or stopped."""
+    sys.stdout.flush()
+    print(msg, file=sys.stderr, flush=True)
+    os._exit(code)

@@ -14,8 +14,14 @@ checked against the plan's reshards (same kinds, same sizes, same count, same or
 end rank 0 gathers every tensor the step made, assembles it as the plan says it is
 distributed and compares it with a single-process run of the unsharded step.
 
+A NaN never passes: a non-finite value where the single-process value is finite fails, and so
+does a single-process value that is itself non-finite (not checkable). Every process group and
+collective waits at most the ``timeout`` given to :func:`init_from_env` / :func:`run_rank`; the
+local launcher (:mod:`spmdkit.launch`) ends every rank when one fails, dies or stops.
+
 Limits: the executor needs every sharded axis to split evenly over its mesh dims (the
-collectives exchange equal chunks); the local kernels are numpy references, not torch ops, so
+collectives exchange equal chunks; :func:`uneven_shards` says which does not, and
+:func:`run_rank` refuses such a plan before any collective); the local kernels are numpy references, not torch ops, so
 this proves the plan's communication on a real engine, not its speed.
 
 Launch: ``spmdkit run --model tiny-llama --mesh dp=2,tp=2 --nproc 4`` starts four local
@@ -26,9 +32,6 @@ runs its rank directly, so the same command scales to several machines.
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,8 +43,9 @@ from spmdkit.core.dist_attr import ReduceType, TensorDistAttr
 from spmdkit.core.errors import ProgramError
 from spmdkit.graph.propagate import Plan
 from spmdkit.graph.simulate import _flat_out, op_io, source_values
+from spmdkit.launch import free_port, launch_local, port_in_use, uneven_shards
 from spmdkit.reshard import Step, local_bytes, plan_reshard
-from spmdkit.sim.mesh import AssembleError, _close, assemble, shard
+from spmdkit.sim.mesh import AssembleError, _close, assemble, max_abs_error, nonfinite_count, shard
 from spmdkit.sim.ops import Ctx
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
@@ -76,6 +80,8 @@ class RunReport:
     collectives: list[Collective] = field(default_factory=list)
     expected: list[Collective] = field(default_factory=list)
     collectives_match: bool = False
+    #: tensors with a NaN or infinity in the distributed or the single-process value (failures)
+    nonfinite: int = 0
 
     @property
     def ok(self) -> bool:
@@ -102,7 +108,9 @@ class _Groups:
     """One process group per mesh dim and fixed coordinates of the other dims; a group's
     members are ordered by their coordinate along that dim."""
 
-    def __init__(self, mesh: Any, rank: int) -> None:
+    def __init__(self, mesh: Any, rank: int, timeout: float | None = None) -> None:
+        from datetime import timedelta
+
         self.mesh = mesh
         self.rank = rank
         self.coords = mesh.coords(rank)
@@ -114,7 +122,9 @@ class _Groups:
                 keyed.setdefault(tuple(c[i] for i in range(mesh.ndim) if i != d), []).append(r)
             for key in sorted(keyed):
                 members = sorted(keyed[key], key=lambda r: int(mesh.coords(r)[d]))
-                g = dist.new_group(members) if mesh.shape[d] > 1 else None  # every rank calls new_group
+                # every rank calls new_group; a group's collectives wait at most ``timeout`` seconds
+                g = dist.new_group(members, timeout=None if timeout is None else timedelta(seconds=timeout)) \
+                    if mesh.shape[d] > 1 else None
                 if self.rank in members:
                     self.of_dim[d] = g
 
@@ -129,12 +139,13 @@ class Rank:
     executes on its local pieces (:meth:`step`), a kernel all-reduce (:meth:`all_reduce`, the
     ``Ctx.comm`` hook), and a planned step (:meth:`run`)."""
 
-    def __init__(self, mesh: Any, rank: int, device: torch.device, plan: Plan | None = None) -> None:
+    def __init__(self, mesh: Any, rank: int, device: torch.device, plan: Plan | None = None,
+                 timeout: float | None = None) -> None:
         self.plan = plan
         self.mesh = mesh
         self.rank = rank
         self.device = device
-        self.groups = _Groups(self.mesh, rank)
+        self.groups = _Groups(self.mesh, rank, timeout)
         self.coords = self.groups.coords
         self.record: list[Collective] = []
         self.kernel_record: list[Collective] = []
@@ -296,17 +307,22 @@ def _global_step(plan: Plan, seed: int) -> dict[str, np.ndarray]:
     return out
 
 
-def run_rank(plan: Plan, seed: int = 0, rtol: float = 1e-5, atol: float = 1e-8) -> RunReport | None:
+def run_rank(plan: Plan, seed: int = 0, rtol: float = 1e-5, atol: float = 1e-8,
+             timeout: float | None = None) -> RunReport | None:
     """Run this process's rank of ``plan`` (the process group must be initialised, one rank per
-    mesh rank). Rank 0 returns the report; the others None."""
+    mesh rank; ``timeout``: seconds each mesh-dim group's collectives may wait). Rank 0 returns
+    the report; the others None."""
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = plan.mesh
     if world != mesh.size:
         raise ProgramError(f"spmdkit run: {world} processes for a mesh of {mesh.size} ranks")
+    why = uneven_shards(plan)
+    if why:  # every rank refuses alike, before any collective (an uneven split would hang in it)
+        raise ProgramError(f"spmdkit run: {why}")
     backend = str(dist.get_backend())
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if backend == "nccl" \
         else torch.device("cpu")
-    me = Rank(mesh, rank, device, plan)
+    me = Rank(mesh, rank, device, plan, timeout)
     outputs = me.run(seed)
     pieces: list[Any] = [None] * world if rank == 0 else []
     dist.gather_object((outputs, me.record), pieces if rank == 0 else None, dst=0)
@@ -332,56 +348,41 @@ def run_rank(plan: Plan, seed: int = 0, rtol: float = 1e-5, atol: float = 1e-8) 
         except (AssembleError, KeyError) as exc:
             rep.failures.append((name, f"not distributed as {attr}: {exc}"))
             continue
+        bad_ref = nonfinite_count(g)
+        if bad_ref:  # a reference that is NaN or infinite proves nothing: never a pass
+            rep.nonfinite += 1
+            rep.failures.append((name, f"not checkable: the single-process value has {bad_ref} non-finite values "
+                                       f"of {g.size}"))
+            continue
         if got.dtype.kind == "f" and got.shape == g.shape and g.size:
-            rep.max_error = max(rep.max_error, float(np.max(np.abs(got - g))))
-        if not _close(got, g, rtol, atol):
+            rep.max_error = max(rep.max_error, max_abs_error(got, g))
+        bad_got = nonfinite_count(got)
+        if bad_got:
+            rep.nonfinite += 1
+            rep.failures.append((name, f"{bad_got} non-finite values of {got.size} where the single-process "
+                                       f"value is finite"))
+        elif not _close(got, g, rtol, atol):
             rep.failures.append((name, "differs from the single-process run"))
-    if "loss" in ref:
+    if "loss" in ref and "loss" in me.made:
         rep.reference_loss = float(np.asarray(ref["loss"]).sum())
-        got = assemble([p[0]["loss"] for p in pieces], me.made["loss"], ref["loss"].shape, rtol=rtol, atol=atol)
-        rep.loss = float(np.asarray(got).sum())
+        try:
+            got = assemble([p[0]["loss"] for p in pieces], me.made["loss"], ref["loss"].shape, rtol=rtol, atol=atol)
+            rep.loss = float(np.asarray(got).sum())
+        except (AssembleError, KeyError):
+            pass  # already a failure above
     return rep
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def init_from_env(backend: str = "auto", timeout: float = 120.0) -> str:
+    """Initialise the default process group from torchrun's environment variables; every
+    collective and group of the run waits at most ``timeout`` seconds."""
+    from datetime import timedelta
 
-
-def launch_local(argv: list[str], nproc: int, timeout: float = 600.0) -> int:
-    """Start ``nproc`` local processes of ``spmdkit run`` with torchrun's environment; rank 0's
-    output is this process's output. Returns the worst exit code."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(nproc),
-               LOCAL_WORLD_SIZE=str(nproc))
-    procs = []
-    for r in range(nproc):
-        e = dict(env, RANK=str(r), LOCAL_RANK=str(r))
-        procs.append(subprocess.Popen([sys.executable, "-m", "spmdkit", "run", *argv], env=e,
-                                      stdout=None if r == 0 else subprocess.DEVNULL,
-                                      stderr=None if r == 0 else subprocess.PIPE))
-    rc = 0
-    for r, p in enumerate(procs):
-        try:
-            _, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            print(f"spmdkit run: rank {r} did not finish in {timeout:.0f} s", file=sys.stderr)
-            return 1
-        if p.returncode and r and err:
-            sys.stderr.write(err.decode(errors="replace")[-2000:])
-        rc = max(rc, abs(p.returncode or 0))
-    return rc
-
-
-def init_from_env(backend: str = "auto") -> str:
-    """Initialise the default process group from torchrun's environment variables."""
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend, init_method="env://")
+    dist.init_process_group(backend=backend, init_method="env://", timeout=timedelta(seconds=timeout))
     return backend
 
 
@@ -393,10 +394,12 @@ def format_report(rep: RunReport, title: str) -> str:
     lines = [f"spmdkit run: {title}; {rep.world_size} processes ({rep.backend})"]
     if rep.loss is not None:
         lines.append(f"loss {rep.loss:.12g} (single process {rep.reference_loss:.12g})")
+    differ = [f for f in rep.failures if f[0] != "collectives"]
+    verdict = "all equal" if not differ else f"{len(differ)} differ (first: {differ[0][0]})"
+    if rep.nonfinite:
+        verdict += f"; {rep.nonfinite} hold NaN or infinite values"
     lines.append(f"{rep.checked} tensors compared with the single-process step (loss, every gradient, "
-                 f"every update, every activation): max abs error {rep.max_error:.3g}, "
-                 + ("all equal" if not [f for f in rep.failures if f[0] != "collectives"]
-                    else f"{len([f for f in rep.failures if f[0] != 'collectives'])} differ"))
+                 f"every update, every activation): max abs error {rep.max_error:.3g} where finite, {verdict}")
     lines.append(f"collectives per rank: {len(rep.collectives)} ({kind_text}); plan: {len(rep.expected)}; "
                  + ("every rank's equal the plan's" if rep.collectives_match else "NOT equal to the plan's"))
     for name, why in rep.failures[:20]:
@@ -404,5 +407,5 @@ def format_report(rep: RunReport, title: str) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Collective", "Rank", "RunReport", "expected_collectives", "format_report", "init_from_env", "launch_local",
-           "run_rank"]
+__all__ = ["Collective", "Rank", "RunReport", "expected_collectives", "format_report", "free_port",
+           "init_from_env", "launch_local", "port_in_use", "run_rank", "uneven_shards"]

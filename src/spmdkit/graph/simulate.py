@@ -7,7 +7,9 @@ on the local pieces its rule requires, and every planned reshard moves the piece
 from the producer's dist attr, checking that replicas agree, and split to the consumer's).
 Then every tensor the step makes (the loss, each gradient, each updated parameter and
 optimizer state, every activation) is assembled from its ranks as the plan says it is
-distributed and compared with the unsharded value.
+distributed and compared with the unsharded value. A NaN equals nothing: a non-finite value
+where the unsharded one is finite is a failure, and so is a tensor whose unsharded value is
+itself non-finite (not checkable, never a pass).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.graph.program import Op, Program, _flat
 from spmdkit.graph.propagate import Plan
 from spmdkit.rules.registry import get_rule
-from spmdkit.sim.mesh import AssembleError, _close, assemble, shard
+from spmdkit.sim.mesh import AssembleError, _close, assemble, max_abs_error, nonfinite_count, shard
 from spmdkit.sim.ops import Ctx, Reference, get_reference
 
 
@@ -91,6 +93,11 @@ def source_values(prog: Program, seed: int = 0) -> dict[str, np.ndarray]:
             f = np.outer(np.arange(s), inv)
             f = np.concatenate([f, f], axis=-1)
             out[n] = (np.sin(f) if n.endswith("sin") else np.cos(f)).reshape(shape)
+        elif t.kind == "input" and not shape and not t.dtype.startswith(("int", "uint", "bool")):
+            # a 0-D float input is a constant of the step (an epsilon, a scale: torch_import's
+            # const_N); a program file does not carry its value, and a negative draw would make
+            # rsqrt(mean + eps) NaN, a step nothing can be checked on. Positive, like the real ones.
+            out[n] = np.asarray(rng.uniform(0.5, 1.5))
         elif t.kind == "parameter":
             out[n] = rng.standard_normal(shape) * 0.3 + (1.0 if len(shape) == 1 else 0.0)
         else:
@@ -263,9 +270,17 @@ def simulate_plan(plan: Plan, seed: int = 0, rtol: float = 1e-7, atol: float = 1
             except AssembleError as exc:
                 report.failures.append((n, f"after {op.name}: {exc}"))
                 continue
+            bad_ref = nonfinite_count(glob[n])
+            if bad_ref:  # a step whose own value is NaN or infinite proves nothing: never a pass
+                report.failures.append((n, f"after {op.name}: not checkable, the unsharded value has {bad_ref} "
+                                           f"non-finite values of {glob[n].size}"))
+                continue
             if not _close(got, glob[n], rtol, atol):
-                err = float(np.max(np.abs(got - glob[n]))) if got.shape == glob[n].shape else float("nan")
-                report.failures.append((n, f"after {op.name}: differs from the unsharded value (max error {err:.3g})"))
+                bad_got = nonfinite_count(got)
+                err = max_abs_error(got, glob[n]) if got.shape == glob[n].shape else float("nan")
+                report.failures.append((n, f"after {op.name}: differs from the unsharded value (max error {err:.3g}"
+                                           + (f", {bad_got} non-finite values where it is finite)" if bad_got
+                                              else ")")))
     if "loss" in glob:
         report.loss = float(np.asarray(glob["loss"]).sum())
     return report

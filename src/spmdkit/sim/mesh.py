@@ -205,15 +205,39 @@ def shard(
 # -- assemble ---------------------------------------------------------------------------------
 
 
-def _close(a: np.ndarray, b: np.ndarray, rtol: float, atol: float) -> bool:
+def _close(a: np.ndarray, b: np.ndarray, rtol: float, atol: float, *, equal_nan: bool = False) -> bool:
+    """Equal shapes and values within ``rtol`` / ``atol``. A NaN equals nothing, itself included,
+    unless ``equal_nan`` (only for checking that replicas agree bit for bit in where they are NaN:
+    that is agreement, not a correct value; the value check against a reference stays strict).
+    Infinities are compared exactly (same sign at the same position)."""
     if a.shape != b.shape:
         return False
     if a.dtype == np.bool_ or b.dtype == np.bool_ or (_is_int(a) and _is_int(b)):
         return bool(np.array_equal(a, b))
     try:
-        return bool(np.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True))
+        return bool(np.allclose(a, b, rtol=rtol, atol=atol, equal_nan=equal_nan))
     except TypeError:
-        return bool(np.array_equal(a, b))
+        return bool(np.array_equal(a, b, equal_nan=equal_nan))
+
+
+def nonfinite_count(a: Any) -> int:
+    """How many values of ``a`` are NaN or infinite (0 for integer, bool or non-numeric arrays)."""
+    x = np.asarray(a)
+    if x.dtype.kind not in "fc":
+        return 0
+    return int(x.size - np.count_nonzero(np.isfinite(x)))
+
+
+def max_abs_error(got: Any, want: Any) -> float:
+    """The largest ``|got - want|`` over the positions where both are finite (0.0 for none).
+    Non-finite values are not hidden by this: callers count them with :func:`nonfinite_count`
+    and fail on them; a NaN never makes a maximum look small."""
+    g = np.asarray(got, dtype=np.float64)
+    w = np.asarray(want, dtype=np.float64)
+    if g.shape != w.shape or not g.size:
+        return 0.0
+    ok = np.isfinite(g) & np.isfinite(w)
+    return float(np.max(np.abs(g[ok] - w[ok]))) if ok.any() else 0.0
 
 
 def replica_groups(attr: TensorDistAttr) -> list[list[int]]:
@@ -259,7 +283,9 @@ def assemble(
             )
     for group in replica_groups(dist_attr):
         first = locs[group[0]]
-        bad = [r for r in group[1:] if not _close(first, locs[r], rtol, atol)]
+        # replicas that are NaN at the same places agree; whether the value is right is the caller's
+        # comparison with its reference, which never counts a NaN as equal
+        bad = [r for r in group[1:] if not _close(first, locs[r], rtol, atol, equal_nan=True)]
         if bad:
             diff = ""
             try:
@@ -309,6 +335,8 @@ __all__ = [
     "balanced_split",
     "local_shape",
     "local_slices",
+    "max_abs_error",
+    "nonfinite_count",
     "piece_index",
     "reduce_pieces",
     "replica_groups",

@@ -5,6 +5,10 @@ dist attrs, partial included); run the op on every rank; assemble the outputs as
 the rule claims; compare with the op run on the global inputs (float64,
 allclose). A backward (reverse) answer is checked the same way: the op runs on
 the inputs it returned and its outputs must come out as it returned them.
+
+A NaN equals nothing: a NaN where the unsharded op gives a number is unsound, and an output
+whose unsharded value itself has NaN proves nothing, so such a case is skipped ("not
+checkable"), never counted sound. Infinities must match exactly (sign and position).
 """
 
 from __future__ import annotations
@@ -313,8 +317,13 @@ def _judge(v: Verdict, c: Case, result: SpmdResult, seed: int, rtol: float, atol
                            f"{type(exc).__name__}: {exc}", ranks=(r,))
         louts.append(o)
     # -- assemble and compare
+    uncheckable: list[str] = []
     for k, (a, g) in enumerate(zip(outs_attr, gouts)):
         if g is None:
+            continue
+        nan = _nan_count(g)
+        if nan:  # NaN compares to nothing: this output proves nothing either way
+            uncheckable.append(f"output {k} ({nan} of {g.size} values NaN)")
             continue
         pieces = [louts[r][k] for r in range(mesh.size)]
         if any(p is None for p in pieces):
@@ -326,7 +335,16 @@ def _judge(v: Verdict, c: Case, result: SpmdResult, seed: int, rtol: float, atol
         if not _close(got, g, rtol, atol):
             return _bad(v, f"output {k} ({_fmt_attr(a)}): {_first_diff(got, g, a)}", output=k,
                         ranks=_rank_of_diff(got, g, a))
+    if uncheckable:
+        v.status = SKIPPED
+        v.detail = ("not checkable: the unsharded op gives NaN on these inputs, and a NaN equals nothing: "
+                    + ", ".join(uncheckable))
     return v
+
+
+def _nan_count(a: Any) -> int:
+    x = np.asarray(a)
+    return int(np.count_nonzero(np.isnan(x))) if x.dtype.kind in "fc" else 0
 
 
 def _align_inputs(
@@ -383,7 +401,7 @@ def _shapes_text(args: dict[str, Any], names: Sequence[str]) -> str:
 def _diff_index(got: np.ndarray, want: np.ndarray) -> tuple[int, ...] | None:
     try:
         bad = ~np.isclose(np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64),
-                          rtol=RTOL, atol=ATOL, equal_nan=True)
+                          rtol=RTOL, atol=ATOL, equal_nan=False)
     except (TypeError, ValueError):
         bad = np.asarray(got != want)
     idx = np.argwhere(bad)
@@ -399,7 +417,7 @@ def _first_diff(got: np.ndarray, want: np.ndarray, a: TensorDistAttr) -> str:
     if i is None:
         return "values differ"
     n = int(np.sum(~np.isclose(np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64),
-                               rtol=RTOL, atol=ATOL, equal_nan=True))) if got.dtype != np.bool_ else int(
+                               rtol=RTOL, atol=ATOL, equal_nan=False))) if got.dtype != np.bool_ else int(
         np.sum(got != want))
     return (f"assembled value differs from the unsharded op at {n} of {got.size} positions; "
             f"first at index {list(i)}: got {got[i]!r}, expected {want[i]!r}")
