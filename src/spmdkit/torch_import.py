@@ -1,6 +1,6 @@
 """Import a ``torch.nn.Module`` as a spmdkit :class:`~spmdkit.graph.program.Program`.
 
-``import_module(module, example_inputs)`` exports the module with ``torch.export.export``
+``import_module(module, args, kwargs)`` exports the module with ``torch.export.export``
 (static shapes from the example inputs; the pre-dispatch ATen graph, so ``linear``,
 ``layer_norm``, ``rms_norm``, ``scaled_dot_product_attention`` and ``cross_entropy_loss`` keep
 their names) and maps every ATen op to registered rules with their Paddle 3.3.1 attributes:
@@ -130,7 +130,7 @@ class ImportedProgram(Program):
     """A Program imported from torch, and where its source tensors come from.
 
     ``sources``: tensor -> ``("parameter", fqn)``, ``("buffer", fqn)``, ``("input", i)`` (the
-    i-th flattened example input) or ``("constant", None)`` (value in ``constants``);
+    i-th flattened input of the call; ``input_paths`` says where it is in ``(args, kwargs)``) or ``("constant", None)`` (value in ``constants``);
     ``outputs``: the module's (flattened) outputs; ``loss``, ``grads`` (parameter -> gradient)
     and ``optimizer`` (as :class:`spmdkit.graph.zoo.Model.optimizer`) for a training import;
     ``origins``: op index -> the ATen node it came from (``aten.linear.default at model.py:12``);
@@ -149,6 +149,16 @@ class ImportedProgram(Program):
         self.origins: dict[int, str] = {}
         self.fallbacks: dict[int, tuple[Any, Any, Any]] = {}
         self.aliases: dict[str, str] = {}
+        self.input_paths: dict[str, tuple[Any, ...]] = {}
+
+    def input_path(self, name: str) -> str:
+        """Where an ``input`` tensor comes from in the call: ``args[0]``, ``kwargs['input_ids']``."""
+        path = self.input_paths.get(name)
+        if path is None:
+            return name
+        head, *rest = path
+        root = "args" if getattr(head, "idx", 0) == 0 else "kwargs"
+        return root + "".join(str(k) for k in rest)
 
     def parameters(self) -> list[str]:
         """The tensors imported as parameters (their module paths)."""
@@ -326,6 +336,7 @@ class _Importer:
         self.fused: dict[Any, Any] = {}
         self.out_names: list[str] = []
         self.aliases: dict[str, str] = {}
+        self.input_paths: dict[str, tuple[Any, ...]] = {}
         self._keep: list[Any] = []
 
     # -- tensors
@@ -451,6 +462,7 @@ class _Importer:
         self.plan_fusions(graph)
         specs = {s.arg.name: s for s in ep.graph_signature.input_specs if hasattr(s.arg, "name")}
         user_i = 0
+        paths = _input_paths(ep)
         out_names: list[str] = []
         first: dict[int, str] = {}
         for sp in ep.graph_signature.input_specs:
@@ -469,6 +481,8 @@ class _Importer:
                     if isinstance(val, torch.Tensor):
                         n = self.b.tensor(node.name, tuple(int(s) for s in val.shape), _dtype_name(val.dtype), "input")
                         self.sources[n] = ("input", user_i)
+                        if user_i < len(paths) and paths[user_i] is not None:
+                            self.input_paths[n] = paths[user_i]
                         self.env[node] = Name(n)
                     else:
                         self.env[node] = val
@@ -606,6 +620,7 @@ class _Importer:
         ip.sources, ip.constants, ip.outputs = self.sources, self.constants, list(self.out_names)
         ip.loss, ip.grads, ip.optimizer = loss_name, grads, model.optimizer
         ip.origins, ip.fallbacks, ip.aliases = self.origins, self.fallbacks, dict(self.aliases)
+        ip.input_paths = dict(self.input_paths)
         try:
             ip.validate()
         except ProgramError as exc:
@@ -613,6 +628,21 @@ class _Importer:
             origin = ip.origins.get(int(m.group(1))) if m else None
             raise ProgramError(f"{exc} [imported from {origin}]" if origin else str(exc)) from None
         return ip
+
+
+def _input_paths(ep: Any) -> list[Any]:
+    """Per flattened user input of ``ep``: its key path in ``(args, kwargs)`` (None if unknown)."""
+    from torch.utils import _pytree as pt
+
+    spec = getattr(getattr(ep, "call_spec", None), "in_spec", None)
+    if spec is None:
+        return []
+    n = spec.num_leaves
+    paths: list[Any] = [None] * n
+    for path, i in pt.tree_flatten_with_path(pt.tree_unflatten(list(range(n)), spec))[0]:
+        if isinstance(i, int) and 0 <= i < n:
+            paths[i] = tuple(path)
+    return paths
 
 
 def _last(node: Any) -> int | None:
@@ -992,6 +1022,283 @@ def _cumsum(c: ImportContext) -> Any:
     return c.emit1("cumsum", {"x": x}, axis=_norm_dim(int(c.arg(1, "dim", -1)), len(c.shape(x))))
 
 
+def _pad(c: ImportContext) -> Any:
+    """``pad`` / ``constant_pad_nd`` (constant mode): torch's pairs run from the last dim back;
+    Paddle's ``paddings`` are (before, after) per dim in order. Negative pads crop (a slice
+    first); a fill that is not an integer (-inf, 0.5) pads zeros and adds a constant that holds
+    the fill where the padding is."""
+    x, pads = c.args[0], [int(p) for p in c.arg(1, "pad")]
+    mode = c.arg(2, "mode", "constant") if c.target.startswith("aten.pad") else "constant"
+    value = c.arg(3, "value") if c.target.startswith("aten.pad") else c.arg(2, "value", 0)
+    if mode != "constant":
+        raise c.unsupported(f"pad mode {mode!r} (constant only)")
+    value = 0.0 if value is None else float(value)
+    xs = c.shape(x)
+    nd = len(xs)
+    per = [(0, 0)] * nd
+    for i in range(len(pads) // 2):
+        per[nd - 1 - i] = (pads[2 * i], pads[2 * i + 1])
+    if any(lo < 0 or hi < 0 for lo, hi in per):  # crop first
+        for d, (lo, hi) in enumerate(per):
+            if lo < 0 or hi < 0:
+                cur = c.shape(x)
+                start, end = max(0, -lo), cur[d] - max(0, -hi)
+                shp = (*cur[:d], end - start, *cur[d + 1:])
+                x = c.emit1("slice", {"input": x}, (c.fresh("crop"), shp, c.dtype(x)), axes=(d,), starts=(start,),
+                            ends=(end,))
+        per = [(max(lo, 0), max(hi, 0)) for lo, hi in per]
+    if all(lo == 0 and hi == 0 for lo, hi in per):
+        return c.tensor(x)
+    flat = tuple(v for lohi in per for v in lohi)
+    if value.is_integer():
+        return c.emit1("pad", {"x": x}, paddings=flat, pad_value=int(value))
+    padded = c.emit1("pad", {"x": x}, c.fresh("zero_padded"), paddings=flat, pad_value=0)
+    fill = torch.full(c.out_shape(), value, dtype=_TORCH_DTYPES[c.out_dtype()])
+    fill[tuple(slice(lo, lo + s) for (lo, _), s in zip(per, c.shape(x)))] = 0
+    return c.emit1("add", {"x": padded, "y": fill})
+
+
+def _arith_axis(t: torch.Tensor, bshape: Sequence[int]) -> tuple[int, int] | None:
+    """Where a constant index tensor, broadcast to ``bshape``, is ``start + arange(n)`` along one
+    axis (and constant along the others): (that axis, start); None otherwise. An axis the
+    tensor itself spans is preferred (a size-1 axis matches any constant)."""
+    tb = t.expand(*bshape)
+    if tb.numel() == 0:
+        return None
+    start = int(tb.reshape(-1)[0])
+    own = [a for a in range(len(bshape)) if a - (len(bshape) - t.ndim) >= 0
+           and t.shape[a - (len(bshape) - t.ndim)] == bshape[a]]
+    for a in sorted(range(len(bshape)), key=lambda a: (a not in own, bshape[a] == 1)):
+        shp = [1] * len(bshape)
+        shp[a] = bshape[a]
+        want = torch.arange(start, start + bshape[a], dtype=tb.dtype).view(shp).expand(*bshape)
+        if torch.equal(tb, want):
+            return a, start
+    return None
+
+
+def _index(c: ImportContext) -> Any:
+    """``x[i0, i1, ...]`` (advanced indexing; None = a full dim). Constant indices that are
+    ranges along the broadcast axes (the HF mask builders) are views: a slice, a transpose and a
+    reshape (expand where broadcast); one index tensor is ``index_select`` on its dim (reshaped);
+    several are ``gather_nd`` over the indexed dims moved to the front."""
+    x = c.args[0]
+    idx = list(c.args[1])
+    xs = c.shape(x)
+    nd = len(xs)
+    idx += [None] * (nd - len(idx))
+    dims = [d for d, t in enumerate(idx) if t is not None]
+    for d in dims:
+        t = idx[d]
+        dt = c.dtype(t)
+        if dt == "bool":
+            raise c.unsupported("a boolean mask index (a data-dependent shape)")
+        if isinstance(t, torch.Tensor):
+            idx[d] = torch.where(t < 0, t + xs[d], t)  # negative indices count from the end
+    adjacent = dims == list(range(dims[0], dims[-1] + 1))
+    bshape = list(torch.broadcast_shapes(*(tuple(c.shape(idx[d])) for d in dims)))
+    out = c.out_shape()
+    rest = [d for d in range(nd) if d not in dims]
+    pre = [d for d in rest if d < dims[0]] if adjacent else []
+    post = [d for d in rest if d not in pre]
+    if all(isinstance(idx[d], torch.Tensor) for d in dims):
+        found = [_arith_axis(idx[d], bshape) for d in dims]
+        axes = [f[0] for f in found if f is not None]
+        if all(f is not None for f in found) and len(set(axes)) == len(axes):
+            cur: Any = x
+            for d, f in zip(dims, found):  # the ranges as slices
+                assert f is not None
+                a, start = f
+                if start != 0 or bshape[a] != xs[d]:
+                    shp = list(c.shape(cur))
+                    shp[d] = bshape[a]
+                    cur = c.emit1("slice", {"input": cur}, (c.fresh("range"), shp, c.dtype(cur)), axes=(d,),
+                                  starts=(start,), ends=(start + bshape[a],))
+            by_axis = {f[0]: d for d, f in zip(dims, found) if f is not None}
+            order = pre + [by_axis[a] for a in sorted(by_axis)] + post
+            if order != list(range(nd)):
+                cur = c.transpose(cur, order, c.fresh("t"))
+            cs = c.shape(cur)
+            mid = [cs[len(pre) + sorted(by_axis).index(a)] if a in by_axis else 1 for a in range(len(bshape))]
+            shp = [cs[i] for i in range(len(pre))] + mid + [cs[i] for i in range(len(pre) + len(by_axis), nd)]
+            cur = c.reshape(cur, shp, c.fresh("r")) if tuple(shp) != tuple(out) else c.reshape(cur, shp)
+            if tuple(c.shape(cur)) != tuple(out):
+                cur = c.emit1("expand", {"x": cur}, shape=tuple(out))
+            return cur
+    if len(dims) == 1:
+        d = dims[0]
+        t = idx[d]
+        ts = c.shape(t)
+        flat_i = c.reshape(c.tensor(t, "int64"), (math.prod(ts),), c.fresh("flat_index")) if len(ts) != 1 \
+            else c.tensor(t, "int64")
+        sel_shape = (*xs[:d], math.prod(ts), *xs[d + 1:])
+        sel = c.emit1("index_select", {"x": x, "index": flat_i},
+                      c.name if tuple(sel_shape) == tuple(out) else (c.fresh("selected"), sel_shape, c.dtype(x)),
+                      axis=d)
+        return c.reshape(sel, out) if tuple(sel_shape) != tuple(out) else sel
+    # gather_nd: indexed dims first, the index [*bshape, k]
+    cur = x if dims == list(range(len(dims))) else c.transpose(x, dims + rest, c.fresh("t"))
+    parts = []
+    for d in dims:
+        t = c.tensor(idx[d], "int64")
+        if c.dtype(t) != "int64":
+            t = c.emit1("cast", {"x": t}, (c.fresh("i64"), c.shape(t), "int64"), dtype="int64")
+        ts = c.shape(t)
+        if tuple(ts) != tuple(bshape):
+            if len(ts) < len(bshape):
+                t = c.reshape(t, [1] * (len(bshape) - len(ts)) + list(ts), c.fresh("r"))
+            t = c.emit1("expand", {"x": t}, (c.fresh("bcast"), tuple(bshape), "int64"), shape=tuple(bshape))
+        parts.append(t)
+    nd_index = c.emit1("stack", {"x": tuple(parts)}, (c.fresh("nd_index"), (*bshape, len(dims)), "int64"),
+                       axis=len(bshape))
+    got_shape = (*bshape, *[xs[d] for d in rest])
+    g = c.emit1("gather_nd", {"x": cur, "index": nd_index},
+                c.name if tuple(got_shape) == tuple(out) else (c.fresh("gathered"), got_shape, c.dtype(x)))
+    if tuple(got_shape) == tuple(out):
+        return g
+    # adjacent indexed dims after leading dims: move the broadcast block back in place
+    nb = len(bshape)
+    perm = list(range(nb, nb + len(pre))) + list(range(nb)) + list(range(nb + len(pre), len(got_shape)))
+    return c.transpose(g, perm, c.name)
+
+
+def _broadcast_to(c: ImportContext, v: Any, shape: Sequence[int], dtype: str, name: str | None = None) -> Any:
+    """``v`` (a tensor name, a torch constant or a Python scalar) as ``shape`` and ``dtype``:
+    constants are made at import time; a program tensor is cast, reshaped and expanded."""
+    if not isinstance(v, Name):
+        t = v.to(_TORCH_DTYPES[dtype]) if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=_TORCH_DTYPES[dtype])
+        return c.tensor(t.expand(*shape).clone())
+    if c.dtype(v) != dtype:
+        v = c.emit1("cast", {"x": v}, (c.fresh("cast"), c.shape(v), dtype), dtype=dtype)
+    vs = c.shape(v)
+    if tuple(vs) == tuple(shape):
+        return c.tensor(v) if name is None else c.reshape(v, shape, name)
+    if len(vs) < len(shape):
+        v = c.reshape(v, [1] * (len(shape) - len(vs)) + list(vs), c.fresh("r"))
+    return c.emit1("expand", {"x": v}, (name or c.fresh("bcast"), tuple(shape), dtype), shape=tuple(shape))
+
+
+def _copy(c: ImportContext) -> Any:
+    """Functional ``copy(self, src)``: src broadcast to self's shape in self's dtype."""
+    return _broadcast_to(c, c.args[1], c.out_shape(), c.out_dtype(), c.name)
+
+
+def _fill(c: ImportContext) -> Any:
+    """``fill(self, value)``: self's shape and dtype, every element value."""
+    return _broadcast_to(c, c.args[1], c.out_shape(), c.out_dtype(), c.name)
+
+
+def _piece(c: ImportContext, x: Any, d: int, start: int, end: int) -> Any:
+    xs = c.shape(x)
+    if isinstance(x, torch.Tensor):
+        return c.tensor(x.narrow(d, start, end - start).clone())
+    shp = (*xs[:d], end - start, *xs[d + 1:])
+    return c.emit1("slice", {"input": x}, (c.fresh("keep"), shp, c.dtype(x)), axes=(d,), starts=(start,),
+                   ends=(end,))
+
+
+def _scatter_into(c: ImportContext, x: Any, src: Any, d: int, start: int, end: int) -> Any:
+    """x with ``x[..., start:end, ...]`` (along d) replaced by src: a concat of the kept pieces."""
+    xs = c.shape(x)
+    dt = c.out_dtype()
+    src = _broadcast_to(c, src, (*xs[:d], end - start, *xs[d + 1:]), dt)
+    if not isinstance(x, Name) and c.dtype(x) != dt:
+        x = x.to(_TORCH_DTYPES[dt])
+    parts = []
+    if start > 0:
+        parts.append(_piece(c, x, d, 0, start))
+    parts.append(src)
+    if end < xs[d]:
+        parts.append(_piece(c, x, d, end, xs[d]))
+    if len(parts) == 1:
+        return c.tensor(parts[0])
+    return c.emit1("concat", {"x": tuple(parts)}, axis=d)
+
+
+def _slice_scatter(c: ImportContext) -> Any:
+    x, src = c.args[0], c.args[1]
+    xs = c.shape(x)
+    d = _norm_dim(int(c.arg(2, "dim", 0)), len(xs))
+    start, end, step = c.arg(3, "start"), c.arg(4, "end"), int(c.arg(5, "step", 1))
+    n = xs[d]
+    start = 0 if start is None else int(start)
+    end = n if end is None else int(end)
+    start = max(0, min(n, start + n if start < 0 else start))
+    end = max(0, min(n, end + n if end < 0 else end))
+    if step != 1:
+        raise c.unsupported(f"slice_scatter with step {step} (step 1 only)")
+    return _scatter_into(c, x, src, d, start, end)
+
+
+def _select_scatter(c: ImportContext) -> Any:
+    x, src = c.args[0], c.args[1]
+    xs = c.shape(x)
+    d = _norm_dim(int(c.args[2]), len(xs))
+    i = int(c.args[3])
+    i = i + xs[d] if i < 0 else i
+    if isinstance(src, Name):
+        ss = c.shape(src)
+        src = c.emit1("unsqueeze", {"x": src}, (c.fresh("u"), (*ss[:d], 1, *ss[d:]), c.dtype(src)), axis=(d,))
+    elif isinstance(src, torch.Tensor):
+        src = src.unsqueeze(d)
+    return _scatter_into(c, x, src, d, i, i + 1)
+
+
+def _pair(v: Any, n: int = 2) -> tuple[int, ...]:
+    if isinstance(v, int):
+        return (v,) * n
+    t = tuple(int(x) for x in v)
+    return t * n if len(t) == 1 else t
+
+
+def _conv2d(c: ImportContext) -> Any:
+    """``conv2d`` / ``convolution`` (2-D, not transposed). Stride 1, no padding, dilation 1,
+    groups 1: the ``conv2d`` rule (Paddle's Conv2dInferSpmdBase takes no geometry attributes,
+    so its program op cannot carry any). Any other geometry: ``conv3d`` over a unit depth axis
+    (input and filter unsqueezed at axis 2, the output squeezed), whose rule carries strides,
+    paddings, dilations and groups; the same arithmetic, and the same shardings (batch; the
+    channels only with groups 1). A bias is added as ``[C_out, 1, 1]``."""
+    x, w, bias = c.args[0], c.args[1], c.arg(2, "bias")
+    conv = c.target.startswith("aten.convolution")
+    if conv and bool(c.arg(6, "transposed", False)):
+        raise c.unsupported("a transposed convolution")
+    stride = _pair(c.arg(3, "stride", 1))
+    padding: Any = c.arg(4, "padding", 0)
+    dilation = _pair(c.arg(5, "dilation", 1))
+    groups = int(c.arg(8 if conv else 6, "groups", 1))
+    xs, ws = c.shape(x), c.shape(w)
+    if len(xs) != 4 or len(ws) != 4:
+        raise c.unsupported(f"a {len(ws) - 2}-D convolution (2-D with a batch axis only)")
+    out = c.out_shape()
+    if isinstance(padding, str):  # 'valid' / 'same' (stride 1): the explicit pads torch uses
+        if padding == "valid":
+            pads: tuple[int, ...] = (0, 0, 0, 0)
+        else:
+            tot = [d * (k - 1) for d, k in zip(dilation, ws[2:])]
+            pads = (tot[0] // 2, tot[0] - tot[0] // 2, tot[1] // 2, tot[1] - tot[1] // 2)
+    else:
+        p2 = _pair(padding)
+        pads = (p2[0], p2[0], p2[1], p2[1])
+    dt = c.dtype(x)
+    has_bias = bias is not None
+    res_name = c.fresh("conv") if has_bias else c.name
+    res_shape = (out[0], out[1], out[2], out[3])
+    if stride == (1, 1) and not any(pads) and dilation == (1, 1) and groups == 1:
+        y = c.emit1("conv2d", {"input": x, "filter": w}, (res_name, res_shape, dt))
+    else:
+        x5 = c.emit1("unsqueeze", {"x": x}, (c.fresh("input3d"), (xs[0], xs[1], 1, xs[2], xs[3]), dt), axis=(2,))
+        w5 = c.emit1("unsqueeze", {"x": w}, (c.fresh("filter3d"), (ws[0], ws[1], 1, ws[2], ws[3]), c.dtype(w)),
+                     axis=(2,))
+        y5 = c.emit1("conv3d", {"input": x5, "filter": w5}, (c.fresh("conv3d"), (out[0], out[1], 1, out[2], out[3]), dt),
+                     strides=(1, *stride), paddings=(0, 0, *pads), dilations=(1, *dilation), groups=groups,
+                     padding_algorithm="EXPLICIT", data_format="NCDHW")
+        y = c.emit1("squeeze", {"x": y5}, (res_name, res_shape, dt), axis=(2,))
+    if not has_bias:
+        return y
+    b3 = c.reshape(bias, (c.shape(bias)[0], 1, 1), c.fresh("bias"))
+    return c.emit1("add", {"x": y, "y": b3})
+
+
 def _sdpa(c: ImportContext) -> Any:
     q, k, v = c.args[:3]
     mask = c.arg(3, "attn_mask")
@@ -1039,8 +1346,12 @@ def _sdpa(c: ImportContext) -> Any:
             m = mask if mask.dtype != torch.bool else torch.zeros(mask.shape, dtype=_TORCH_DTYPES[dt]).masked_fill(
                 ~mask, float("-inf"))
             add = m if add is None else add + m
-        elif c.dtype(mask) == "bool":
-            raise c.unsupported("a boolean attention mask computed in the model (pass an additive float mask)")
+        elif c.dtype(mask) == "bool":  # True = attend: where(mask, scores, -inf)
+            if add is not None:
+                sc = c.emit1("add", {"x": sc, "y": add}, (c.fresh("causal"), (b_, hq, s, t_), dt))
+                add = None
+            sc = c.emit1("where", {"condition": mask, "x": sc, "y": c.tensor(float("-inf"), dt)},
+                         (c.fresh("masked"), (b_, hq, s, t_), dt))
         else:
             if add is not None:
                 sc = c.emit1("add", {"x": sc, "y": add}, (c.fresh("causal"), (b_, hq, s, t_), dt))
@@ -1072,8 +1383,20 @@ def _ce_core(c: ImportContext, x: Any, target: Any, reduction: int, ignore_index
                     use_softmax=use_softmax)
     if reduction == 0:
         return c.reshape(tok, ts, c.name)
-    rule = "mean" if reduction == 1 else "sum"
-    return c.emit1(rule, {"x": tok}, (c.name, (), c.dtype(x)), axis=(), keep_dim=False)
+    dt = c.dtype(x)
+    if reduction == 2:
+        return c.emit1("sum", {"x": tok}, (c.name, (), dt), axis=(), keep_dim=False)
+    # mean: over the counted tokens (torch divides by the number of labels != ignore_index;
+    # ignored tokens have loss 0)
+    total = c.emit1("sum", {"x": tok}, (c.fresh("loss_sum"), (), dt), axis=(), keep_dim=False)
+    if isinstance(target, torch.Tensor):
+        n = int((target != ignore_index).sum())
+        return c.emit1("divide", {"x": total, "y": c.tensor(float(n), dt)}, (c.name, (), dt))
+    keep = c.emit1("not_equal", {"x": lab, "y": c.tensor(int(ignore_index), "int64")},
+                   (c.fresh("counted"), (*ts, 1), "bool"))
+    keepf = c.emit1("cast", {"x": keep}, (c.fresh("counted_f"), (*ts, 1), dt), dtype=dt)
+    count = c.emit1("sum", {"x": keepf}, (c.fresh("count"), (), dt), axis=(), keep_dim=False)
+    return c.emit1("divide", {"x": total, "y": count}, (c.name, (), dt))
 
 
 def _loss_args(c: ImportContext, first: int) -> tuple[int, int]:
@@ -1170,6 +1493,13 @@ def _builtin() -> dict[str, Hook]:
     t["aten.dropout"] = _dropout
     t["aten.where"] = _where_op
     t["aten.masked_fill"] = _masked_fill
+    t["aten.pad"] = t["aten.constant_pad_nd"] = _pad
+    t["aten.copy"] = _copy
+    t["aten.fill"] = _fill
+    t["aten.slice_scatter"] = _slice_scatter
+    t["aten.select_scatter"] = _select_scatter
+    t["aten.conv2d"] = t["aten.convolution"] = _conv2d
+    t["aten.index"] = _index
     t["aten.scaled_dot_product_attention"] = _sdpa
     for k in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
               "_scaled_dot_product_efficient_attention"):
@@ -1197,8 +1527,25 @@ class _WithLoss(torch.nn.Module):
         self.module = module
         self.loss_fn = loss
 
-    def forward(self, *args: Any) -> Any:
-        return self.loss_fn(self.module(*args))
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.loss_fn(self.module(*args, **kwargs))
+
+
+def _hf_call(module: Any, kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A HuggingFace model's call as a step: ``use_cache=False`` unless given (a KV cache is
+    inference state, and torch.export cannot return HF's cache objects)."""
+    kw = dict(kwargs or {})
+    cfg = getattr(module, "config", None)
+    if isinstance(module, torch.nn.Module) and getattr(cfg, "use_cache", None) and "use_cache" not in kw:
+        import inspect
+
+        try:
+            takes = "use_cache" in inspect.signature(module.forward).parameters
+        except (TypeError, ValueError):
+            takes = False
+        if takes:
+            kw["use_cache"] = False
+    return kw
 
 
 def _mutates(ep: Any) -> bool:
@@ -1209,21 +1556,24 @@ def _mutates(ep: Any) -> bool:
     return False
 
 
-def export(module: Any, example_inputs: tuple[Any, ...]) -> Any:
+def export(module: Any, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
     """``torch.export.export`` with static shapes (an ExportedProgram is passed through)."""
     if isinstance(module, torch.export.ExportedProgram):
         return module
     try:
-        return torch.export.export(module, tuple(example_inputs))
+        return torch.export.export(module, tuple(args), dict(kwargs or {}))
     except Exception as exc:  # export cannot trace it: say so, with torch's reason
         raise ProgramError(f"torch import: torch.export.export failed: {type(exc).__name__}: {exc}") from exc
 
 
-def import_module(module: Any, example_inputs: tuple[Any, ...], *, name: str = "", training: bool = False,
+def import_module(module: Any, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None, *, name: str = "",
+                  training: bool = False,
                   loss: Any = None, mapping: Mapping[Any, Hook | str] | None = None, fallback: str = "error",
                   buffers: str = "input", optimizer: str | None = "adamw", decompose: bool = False
                   ) -> ImportedProgram:
-    """The module's step as a validated spmdkit Program (see the module docstring).
+    """The module's step as a validated spmdkit Program (see the module docstring), for the
+    call ``module(*args, **kwargs)`` (the example inputs: their shapes and dtypes are the
+    program's; a HuggingFace model takes ``input_ids=``, ``attention_mask=``, ``labels=``, ...).
 
     ``training``: add the backward (reverse-mode over the registered grad rules) and, unless
     ``optimizer`` is None, an ``adamw`` (or ``sgd``) update per parameter; ``loss``: which output
@@ -1235,6 +1585,7 @@ def import_module(module: Any, example_inputs: tuple[Any, ...], *, name: str = "
     first (core ATen: ``addmm``, ``native_layer_norm``, ``_softmax``, ...). ``module`` may also be
     a ``torch.export.ExportedProgram``."""
     modes = {m: m.training for m in module.modules()} if isinstance(module, torch.nn.Module) else {}
+    kwargs = _hf_call(module, kwargs)
     name = name or type(module).__name__
     if callable(loss) and not isinstance(loss, torch.nn.Module) and isinstance(module, torch.nn.Module):
         module = _WithLoss(module, loss)
@@ -1242,7 +1593,7 @@ def import_module(module: Any, example_inputs: tuple[Any, ...], *, name: str = "
     if isinstance(module, torch.nn.Module):
         module.eval()  # dropout off, as the simulator and the planner see the step
     try:
-        ep = export(module, tuple(example_inputs))
+        ep = export(module, tuple(args), kwargs)
     finally:
         for m, was in modes.items():
             m.train(was)
@@ -1258,10 +1609,11 @@ def import_module(module: Any, example_inputs: tuple[Any, ...], *, name: str = "
 # -- values and the unsharded run (numpy) --------------------------------------------------------
 
 
-def torch_values(prog: ImportedProgram, module: Any, example_inputs: tuple[Any, ...], *,
-                 dtype: Any = None, learning_rate: float = 1e-3) -> dict[str, Any]:
+def torch_values(prog: ImportedProgram, module: Any, args: Sequence[Any] = (),
+                 kwargs: Mapping[str, Any] | None = None, *, dtype: Any = None, learning_rate: float = 1e-3
+                 ) -> dict[str, Any]:
     """numpy values of every source tensor of ``prog``: the module's own parameters and
-    buffers, the example inputs, the recorded constants, the loss seed (ones), and for the
+    buffers, the call's inputs (``args`` and ``kwargs`` as given to :func:`import_module`), the recorded constants, the loss seed (ones), and for the
     optimizer a learning rate, zero moments and beta powers 0.9 / 0.999. Floats become
     ``dtype`` (default float64, as the simulator computes)."""
     import numpy as np
@@ -1276,7 +1628,22 @@ def torch_values(prog: ImportedProgram, module: Any, example_inputs: tuple[Any, 
             module = module.module
         state.update(dict(module.named_parameters(remove_duplicate=False)))
         state.update(dict(module.named_buffers(remove_duplicate=False)))
-    flat_in, _ = torch.utils._pytree.tree_flatten(tuple(example_inputs))
+    call = (tuple(args), dict(kwargs or {}))
+    flat_in, _ = torch.utils._pytree.tree_flatten(call)
+    paths = getattr(prog, "input_paths", {})
+
+    def call_input(name: str, i: int) -> Any:
+        path = paths.get(name)
+        if path is None:
+            return flat_in[i]
+        v: Any = call
+        try:
+            for k in path:
+                v = k.get(v)
+        except (KeyError, IndexError, AttributeError, TypeError):
+            where = prog.input_path(name) if isinstance(prog, ImportedProgram) else name
+            raise ProgramError(f"torch_values: input {name!r} ({where}) is not in the given args / kwargs") from None
+        return v
 
     def conv(t: Any) -> Any:
         a = t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
@@ -1297,7 +1664,7 @@ def torch_values(prog: ImportedProgram, module: Any, example_inputs: tuple[Any, 
                     raise ProgramError(f"torch_values: the module has no parameter or buffer {where!r}")
                 out[name] = conv(state[where])
             elif kind == "input":
-                out[name] = conv(flat_in[where])
+                out[name] = conv(call_input(name, where))
             else:
                 out[name] = conv(prog.constants[name])
         elif name.endswith(".grad") and t.kind == "input":
