@@ -271,6 +271,16 @@ class ImportContext:
                    else (None if v is None else self.tensor(v))) for k, v in inputs.items()}
         return self.imp.emit(self, rule, ins, list(outputs), attrs)
 
+    def emit_nograd(self, rule: str, inputs: Mapping[str, Any], outputs: Sequence[Any], /,
+                    **attrs: Any) -> list[str | None]:
+        """An op the autodiff does not differentiate through (its outputs carry no gradient:
+        indices chosen by topk, say); a training import differentiates the values otherwise."""
+        tape, self.imp.tape = self.imp.tape, None
+        try:
+            return self.emit(rule, inputs, outputs, **attrs)
+        finally:
+            self.imp.tape = tape
+
     def emit1(self, rule: str, inputs: Mapping[str, Any], out: Any = None, /, **attrs: Any) -> Name:
         """One op with one output: ``out`` is its name (the node's shape and dtype), ``(name,
         shape, dtype)``, or None (the node's name, shape and dtype)."""
@@ -381,6 +391,9 @@ class _Importer:
                                       f"map the op otherwise (register_aten / mapping=)")
         if self.tape is not None:
             result: list[Any] = self.tape.op(rule, inputs, outputs, **attrs)
+            for n in (x for o in result for x in _flat(o)):  # indices, masks, counts carry no gradient
+                if n is not None and n in self.tape.needs_grad and not self.b.get(n).dtype.startswith(("float", "bfloat")):
+                    self.tape.needs_grad.discard(n)
         elif vector_out:
             outs: list[Any] = []
             for o in outputs:
@@ -568,6 +581,10 @@ class _Importer:
                     return type(v)(stand_in(x) for x in v)
                 return v
             args, kwargs = stand_in(args), {k: stand_in(v) for k, v in kwargs.items()}
+            if pk in ("aten.empty_like", "aten.new_empty"):  # uninitialised memory: zeros, reproducibly
+                with torch.no_grad():
+                    out = node.target(*args, **kwargs)
+                return out.zero_() if isinstance(out, torch.Tensor) else out
         elif self._has_name(args) or self._has_name(kwargs):
             return None
         if not callable(node.target):
@@ -1244,6 +1261,128 @@ def _select_scatter(c: ImportContext) -> Any:
     return _scatter_into(c, x, src, d, i, i + 1)
 
 
+def _topk(c: ImportContext) -> Any:
+    x = c.args[0]
+    k = int(c.args[1])
+    xs = c.shape(x)
+    dim = _norm_dim(int(c.arg(2, "dim", -1)), len(xs))
+    largest, srt = bool(c.arg(3, "largest", True)), bool(c.arg(4, "sorted", True))
+    vals, idx = c.val()
+    outs = [(c.fresh("values"), tuple(vals.shape), c.dtype(x)), (c.fresh("indices"), tuple(idx.shape), "int64")]
+    if c.imp.tape is None or x not in c.imp.tape.needs_grad:
+        v, i = c.emit("topk", {"x": x}, outs, k=k, axis=dim, largest=largest, sorted=srt)
+        return (Name(str(v)), Name(str(i)))
+    # training: the indices from topk, the values gathered at them (the gradient flows to the
+    # chosen entries, as torch's topk backward scatters it)
+    _, i = c.emit_nograd("topk", {"x": x}, outs, k=k, axis=dim, largest=largest, sorted=srt)
+    v = c.emit1("take_along_axis", {"x": x, "index": i}, (c.fresh("chosen"), tuple(vals.shape), c.dtype(x)), axis=dim)
+    return (v, Name(str(i)))
+
+
+def _sort(c: ImportContext) -> Any:
+    """``sort`` / ``argsort`` -> ``argsort`` (sorted values and indices), stable: ties keep their
+    order (torch's unstable sort may order ties otherwise; every HF use, MoE routing, undoes
+    the permutation it makes, so the result does not depend on the order of ties)."""
+    x = c.args[0]
+    xs = c.shape(x)
+    if c.target.startswith("aten.sort.stable"):
+        dim, desc = c.kwargs.get("dim", -1), c.kwargs.get("descending", False)
+    else:
+        dim, desc = c.arg(1, "dim", -1), c.arg(2, "descending", False)
+    dim = _norm_dim(int(dim), len(xs))
+    outs = [(c.fresh("sorted"), xs, c.dtype(x)), (c.fresh("indices"), xs, "int64")]
+    v, i = c.emit("argsort", {"x": x}, outs, axis=dim, descending=bool(desc), stable=True)
+    if c.target.startswith("aten.argsort"):
+        return Name(str(i))
+    return (Name(str(v)), Name(str(i)))
+
+
+def _histc(c: ImportContext) -> Any:
+    """``histc`` of integer values (a cast of an integer tensor, as HF's MoE counts tokens per
+    expert) with one bin per integer of [min, max]: the sum over ``one_hot(x - min, bins)``."""
+    x = c.args[0]
+    bins, lo, hi = int(c.arg(1, "bins", 100)), c.arg(2, "min", 0), c.arg(3, "max", 0)
+    src = c.node.args[0]
+    ints = None
+    if getattr(src, "op", None) == "call_function" and _packet(src.target) in ("aten.to", "aten._to_copy"):
+        v = src.args[0].meta.get("val") if hasattr(src.args[0], "meta") else None
+        if isinstance(v, torch.Tensor) and not v.is_floating_point() and v.dtype != torch.bool:
+            ints = c.imp.env[src.args[0]]
+    if ints is None or float(lo) != int(lo) or float(hi) != int(hi) or bins != int(hi) - int(lo) + 1:
+        raise c.unsupported("histc other than one bin per integer value of an integer tensor cast to float")
+    ids = c.tensor(ints)
+    if c.dtype(ids) != "int64":
+        ids = c.emit1("cast", {"x": ids}, (c.fresh("ids"), c.shape(ids), "int64"), dtype="int64")
+    if int(lo):
+        ids = c.emit1("subtract", {"x": ids, "y": c.tensor(int(lo), "int64")}, (c.fresh("shift"), c.shape(ids), "int64"))
+    flat = c.reshape(ids, (math.prod(c.shape(ids)),), c.fresh("flat"))
+    n = c.shape(flat)[0]
+    oh = c.emit1("one_hot", {"x": flat}, (c.fresh("one_hot"), (n, bins), "float32"), num_classes=bins)
+    counts = c.emit1("sum", {"x": oh}, (c.fresh("counts"), (bins,), "float32"), axis=(0,), keep_dim=False)
+    if c.out_dtype() == "float32":
+        return c.reshape(counts, (bins,), c.name)
+    return c.emit1("cast", {"x": counts}, dtype=c.out_dtype())
+
+
+def _grouped_mm(c: ImportContext) -> Any:
+    """A grouped matmul over rows sorted by group: ``out[r] = x[r] @ w[g]`` for the rows r in
+    ``[offs[g-1], offs[g])`` (zeros past ``offs[-1]``), HF's ``grouped_mm_fallback`` /
+    ``aten._grouped_mm`` (2-D x, 3-D w). As registered rules: every group's matmul on every
+    row (``[1, N, H] @ [E, H, O]``, the expert axis shardable), multiplied by the 0/1 mask of
+    the rows each group owns (built from ``offs``) and summed over the groups: the same values
+    (each row is its group's product plus exact zeros), and differentiable."""
+    x, w, offs = c.args[0], c.args[1], c.arg(2, "offs")
+    xs, ws = c.shape(x), c.shape(w)
+    if len(xs) != 2 or len(ws) != 3 or offs is None:
+        raise c.unsupported("a grouped matmul other than 2-D input, 3-D weight and offsets")
+    if c.arg(3, "bias") is not None:
+        raise c.unsupported("a grouped matmul bias")
+    n, e, o = xs[0], ws[0], ws[2]
+    dt = c.out_dtype()
+    ends = c.tensor(offs)
+    if c.dtype(ends) != "int64":
+        ends = c.emit1("cast", {"x": ends}, (c.fresh("ends"), (e,), "int64"), dtype="int64")
+    if e > 1:
+        head = c.emit1("slice", {"input": ends}, (c.fresh("prev"), (e - 1,), "int64"), axes=(0,), starts=(0,),
+                       ends=(e - 1,))
+        starts: Any = c.emit1("concat", {"x": (c.tensor(torch.zeros(1, dtype=torch.int64)), head)},
+                              (c.fresh("starts"), (e,), "int64"), axis=0)
+    else:
+        starts = c.tensor(torch.zeros(1, dtype=torch.int64))
+    rows = c.tensor(torch.arange(n, dtype=torch.int64).view(1, n))
+    s2 = c.reshape(starts, (e, 1), c.fresh("starts_col"))
+    e2 = c.reshape(ends, (e, 1), c.fresh("ends_col"))
+    before = c.emit1("less_than", {"x": rows, "y": s2}, (c.fresh("before"), (e, n), "bool"))
+    after = c.emit1("logical_not", {"x": before}, (c.fresh("from_start"), (e, n), "bool"))
+    upto = c.emit1("less_than", {"x": rows, "y": e2}, (c.fresh("to_end"), (e, n), "bool"))
+    own = c.emit1("logical_and", {"x": after, "y": upto}, (c.fresh("owns"), (e, n), "bool"))
+    maskf = c.emit1("cast", {"x": own}, (c.fresh("owns_f"), (e, n), dt), dtype=dt)
+    mask3 = c.reshape(maskf, (e, n, 1), c.fresh("owns_col"))
+    xb = c.emit1("unsqueeze", {"x": x}, (c.fresh("rows"), (1, n, xs[1]), c.dtype(x)), axis=(0,))
+    if c.dtype(w) != c.dtype(x):
+        w = c.emit1("cast", {"x": w}, (c.fresh("w"), ws, c.dtype(x)), dtype=c.dtype(x))
+    allg = c.emit1("matmul", {"x": xb, "y": w}, (c.fresh("every_group"), (e, n, o), dt))
+    mine = c.emit1("multiply", {"x": allg, "y": mask3}, (c.fresh("own_group"), (e, n, o), dt))
+    return c.emit1("sum", {"x": mine}, axis=(0,), keep_dim=False)
+
+
+def _index_put(c: ImportContext) -> Any:
+    x, indices, value = c.args[0], list(c.args[1]), c.args[2]
+    acc = bool(c.arg(3, "accumulate", False))
+    if any(i is None for i in indices):
+        raise c.unsupported("index_put with a None (full-dim) index")
+    idx = []
+    for t in indices:
+        t = c.tensor(t, "int64")
+        if c.dtype(t) == "bool":
+            raise c.unsupported("index_put with a boolean mask index")
+        if c.dtype(t) != "int64":
+            t = c.emit1("cast", {"x": t}, (c.fresh("i64"), c.shape(t), "int64"), dtype="int64")
+        idx.append(t)
+    return c.emit1("index_put", {"x": c.tensor(x), "indices": tuple(idx), "value": c.tensor(value, c.out_dtype())},
+                   accumulate=acc)
+
+
 def _pair(v: Any, n: int = 2) -> tuple[int, ...]:
     if isinstance(v, int):
         return (v,) * n
@@ -1468,7 +1607,7 @@ def _builtin() -> dict[str, Hook]:
     for k, r in (("ne", "not_equal"), ("lt", "less_than"), ("gt", "greater_than"), ("logical_and", "logical_and"),
                  ("logical_or", "logical_or"), ("bitwise_and", "bitwise_and"), ("bitwise_or", "bitwise_or"),
                  ("maximum", "maximum"), ("minimum", "minimum"), ("__or__", "bitwise_or"),
-                 ("__and__", "bitwise_and")):
+                 ("__and__", "bitwise_and"), ("floor_divide", "floor_divide"), ("remainder", "remainder")):
         t["aten." + k] = _binary(r)
     for k, r in (("eq", "not_equal"), ("le", "greater_than"), ("ge", "less_than")):
         t["aten." + k] = _binary(r, negate=True)
@@ -1494,6 +1633,11 @@ def _builtin() -> dict[str, Hook]:
     t["aten.where"] = _where_op
     t["aten.masked_fill"] = _masked_fill
     t["aten.pad"] = t["aten.constant_pad_nd"] = _pad
+    t["aten.topk"] = _topk
+    t["aten.sort"] = t["aten.argsort"] = _sort
+    t["aten.histc"] = _histc
+    t["transformers.grouped_mm_fallback"] = t["aten._grouped_mm"] = _grouped_mm
+    t["aten.index_put"] = _index_put
     t["aten.copy"] = _copy
     t["aten.fill"] = _fill
     t["aten.slice_scatter"] = _slice_scatter
