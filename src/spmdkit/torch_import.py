@@ -358,6 +358,10 @@ class _Importer:
             t = v.detach().clone()
         elif isinstance(v, (bool, int, float)):
             key = -1
+            # torch computes half-precision ops with a Python scalar in float32 (its opmath type),
+            # so the scalar is not rounded to bfloat16 / float16 (gelu_new's 0.7978845608 would be)
+            if dtype in ("bfloat16", "float16") and isinstance(v, float):
+                dtype = "float32"
             t = torch.tensor(v, dtype=_TORCH_DTYPES[dtype])
         else:
             raise ProgramError(f"torch import: cannot make a tensor of {type(v).__name__} {v!r}")
@@ -379,7 +383,7 @@ class _Importer:
         start = len(self.b._ops)
         vector_out = any(isinstance(o, list) for o in outputs)
         names = [n for v in inputs.values() for n in _flat(v) if n is not None]
-        if self.tape is not None and any(n in self.tape.needs_grad for n in names):
+        if self.tape is not None and any(n in self.tape.needs_grad for n in names) and _float_out(self.b, outputs):
             vector_in = any(isinstance(v, tuple) for v in inputs.values())
             twice = sorted({n for n in names if names.count(n) > 1 and n in self.tape.needs_grad})
             if twice and rule in GRADS and not vector_in:
@@ -645,6 +649,22 @@ class _Importer:
             origin = ip.origins.get(int(m.group(1))) if m else None
             raise ProgramError(f"{exc} [imported from {origin}]" if origin else str(exc)) from None
         return ip
+
+
+def _float_out(b: ProgramBuilder, outputs: Sequence[Any]) -> bool:
+    """Whether an op declared with ``outputs`` makes a floating-point tensor (a comparison or
+    an index op does not: no gradient flows through it)."""
+    for o in outputs:
+        for spec in (o if isinstance(o, list) else [o]):
+            if spec is None:
+                continue
+            if isinstance(spec, str):
+                dt = b.get(spec).dtype if b.has(spec) else "float32"
+            else:
+                dt = spec[2] if len(spec) > 2 else "float32"
+            if dt.startswith(("float", "bfloat")):
+                return True
+    return False
 
 
 def _input_paths(ep: Any) -> list[Any]:
@@ -1383,6 +1403,42 @@ def _index_put(c: ImportContext) -> Any:
                    accumulate=acc)
 
 
+def _clamp(c: ImportContext) -> Any:
+    """``clamp`` / ``clip`` / ``clamp_min`` / ``clamp_max``: ``where(x < lo, lo, x)`` then
+    ``where(x > hi, hi, .)``: the gradient reaches x where lo <= x <= hi, as torch's does
+    (``maximum`` / ``minimum`` would give it to the bound at a tie); NaN passes through."""
+    x = c.args[0]
+    if c.target.startswith("aten.clamp_min"):
+        lo, hi = c.args[1], None
+    elif c.target.startswith("aten.clamp_max"):
+        lo, hi = None, c.args[1]
+    else:
+        lo, hi = c.arg(1, "min"), c.arg(2, "max")
+    xs, od = c.shape(x), c.out_dtype()
+    cur: Any = x
+    for bound, rule, tag in ((lo, "less_than", "lo"), (hi, "greater_than", "hi")):
+        if bound is None:
+            continue
+        b = c.tensor(bound, od)
+        out_of = c.emit1(rule, {"x": cur, "y": b}, (c.fresh(f"below_{tag}" if tag == "lo" else f"above_{tag}"),
+                                                    xs, "bool"))
+        last = tag == "hi" or hi is None
+        cur = c.emit1("where", {"condition": out_of, "x": b, "y": cur}, None if last else (c.fresh("clamped"), xs, od))
+    return cur if cur is not x else c.tensor(x)
+
+
+def _isinf(c: ImportContext) -> Any:
+    """``isinf(x)``: not (x != inf and x != -inf); ``isnan``: ``x != x``."""
+    x = c.args[0]
+    xs = c.shape(x)
+    if c.target.startswith("aten.isnan"):
+        return c.emit1("not_equal", {"x": x, "y": x})
+    pos = c.emit1("not_equal", {"x": x, "y": c.tensor(float("inf"), c.dtype(x))}, (c.fresh("not_pos_inf"), xs, "bool"))
+    neg = c.emit1("not_equal", {"x": x, "y": c.tensor(float("-inf"), c.dtype(x))}, (c.fresh("not_neg_inf"), xs, "bool"))
+    fin = c.emit1("logical_and", {"x": pos, "y": neg}, (c.fresh("not_inf"), xs, "bool"))
+    return c.emit1("logical_not", {"x": fin})
+
+
 def _pair(v: Any, n: int = 2) -> tuple[int, ...]:
     if isinstance(v, int):
         return (v,) * n
@@ -1633,6 +1689,8 @@ def _builtin() -> dict[str, Hook]:
     t["aten.where"] = _where_op
     t["aten.masked_fill"] = _masked_fill
     t["aten.pad"] = t["aten.constant_pad_nd"] = _pad
+    t["aten.clamp"] = t["aten.clip"] = t["aten.clamp_min"] = t["aten.clamp_max"] = _clamp
+    t["aten.isinf"] = t["aten.isnan"] = _isinf
     t["aten.topk"] = _topk
     t["aten.sort"] = t["aten.argsort"] = _sort
     t["aten.histc"] = _histc
@@ -1790,7 +1848,11 @@ def torch_values(prog: ImportedProgram, module: Any, args: Sequence[Any] = (),
         return v
 
     def conv(t: Any) -> Any:
-        a = t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
+        if isinstance(t, torch.Tensor):
+            t = t.detach().cpu()
+            a = (t.double() if t.dtype in (torch.bfloat16, torch.float16) else t).numpy()  # numpy has no bfloat16
+        else:
+            a = np.asarray(t)
         return a.astype(fdt) if a.dtype.kind == "f" else a
 
     out: dict[str, Any] = {}
