@@ -1095,6 +1095,17 @@ def _pad(c: ImportContext) -> Any:
     return c.emit1("add", {"x": padded, "y": fill})
 
 
+def _broadcast_shape(shapes: Sequence[Sequence[int]]) -> list[int]:
+    n = max(len(s) for s in shapes)
+    out = [1] * n
+    for s in shapes:
+        for i, d in enumerate(s):
+            j = n - len(s) + i
+            if d != 1:
+                out[j] = d
+    return out
+
+
 def _arith_axis(t: torch.Tensor, bshape: Sequence[int]) -> tuple[int, int] | None:
     """Where a constant index tensor, broadcast to ``bshape``, is ``start + arange(n)`` along one
     axis (and constant along the others): (that axis, start); None otherwise. An axis the
@@ -1133,7 +1144,7 @@ def _index(c: ImportContext) -> Any:
         if isinstance(t, torch.Tensor):
             idx[d] = torch.where(t < 0, t + xs[d], t)  # negative indices count from the end
     adjacent = dims == list(range(dims[0], dims[-1] + 1))
-    bshape = list(torch.broadcast_shapes(*(tuple(c.shape(idx[d])) for d in dims)))
+    bshape = _broadcast_shape([c.shape(idx[d]) for d in dims])
     out = c.out_shape()
     rest = [d for d in range(nd) if d not in dims]
     pre = [d for d in rest if d < dims[0]] if adjacent else []
@@ -1320,7 +1331,6 @@ def _sort(c: ImportContext) -> Any:
 def _histc(c: ImportContext) -> Any:
     """``histc`` of integer values (a cast of an integer tensor, as HF's MoE counts tokens per
     expert) with one bin per integer of [min, max]: the sum over ``one_hot(x - min, bins)``."""
-    x = c.args[0]
     bins, lo, hi = int(c.arg(1, "bins", 100)), c.arg(2, "min", 0), c.arg(3, "max", 0)
     src = c.node.args[0]
     ints = None
