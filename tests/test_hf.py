@@ -27,6 +27,8 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 from spmdkit.torch_import import ImportedProgram, import_module, run_program, torch_values  # noqa: E402
 
+pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")  # torch's own, in export
+
 B, S, V, H = 2, 16, 256, 64
 _COMMON = dict(num_hidden_layers=2, hidden_size=H, num_attention_heads=4, intermediate_size=128, vocab_size=V,
                max_position_embeddings=64)
@@ -56,10 +58,10 @@ def _configs() -> dict[str, tuple[Any, Any]]:
 
 
 MODELS = list(_configs())
-#: training in float64 against torch's autograd: GQA, MoE, softcapping + sliding window,
-#: masked LM with -100 labels, encoder-decoder, conv patches (the others' training imports are
-#: exercised by the same code paths; docs/torch.md has the full matrix's figures)
-TRAIN = ["llama", "mixtral", "gemma2", "bert", "t5", "vit"]
+#: training in float64 against torch's autograd: MoE, softcapping + sliding window, masked LM
+#: with -100 labels, encoder-decoder, conv patches (Llama's GQA trains in the bfloat16 test; the
+#: others' training imports take the same code paths; docs/torch.md has the full matrix's figures)
+TRAIN = ["mixtral", "gemma2", "bert", "t5", "vit"]
 
 
 def _default_dtype(name: str) -> Any:
@@ -263,3 +265,32 @@ def test_half_precision_training_imports(model: Any, name: str, dtype: str) -> N
     assert prog.tensors[prog.loss].dtype == "float32"  # HF's loss upcasts the logits
     ref = copy.deepcopy(m).to(_default_dtype(name))
     _check_training(m, kw, prog, ref, 1e-5, f"{name} {dtype}")
+
+
+# -- spmdkit.hf: by class name and config ------------------------------------------------------------
+
+
+def test_hf_helpers_build_inputs_in_range_and_import(tmp_path: Any) -> None:
+    from spmdkit.core.errors import ProgramError
+    from spmdkit.hf import build, example_inputs, import_hf
+
+    cfg = dict(_COMMON, num_key_value_heads=1)
+    path = tmp_path / "config.json"
+    path.write_text(__import__("json").dumps(cfg))
+    prog, m, kw = import_hf("Qwen2ForCausalLM", str(path), dtype="bf16", pad=3, seed=4, fallback="error")
+    assert isinstance(m, transformers.Qwen2ForCausalLM) and m.dtype == torch.bfloat16
+    ids, mask, lab = kw["input_ids"], kw["attention_mask"], kw["labels"]
+    assert int(ids.min()) >= 0 and int(ids.max()) < V
+    assert mask.tolist()[-1] == [1] * (S - 3) + [0] * 3 and int(mask[0].min()) == 1
+    counted = lab[lab != -100]
+    assert 0 < counted.numel() < lab.numel() and int(counted.min()) >= 0 and int(counted.max()) < V
+    assert prog.loss is not None and {prog.tensors[g].dtype for g in prog.grads.values()} == {"bfloat16"}
+    vit = build("ViTForImageClassification", _configs()["vit"][1].to_dict())
+    kv = example_inputs(vit, 3, labels=True)
+    assert tuple(kv["pixel_values"].shape) == (3, 3, 32, 32) and int(kv["labels"].max()) < 10
+    t5 = build("T5ForConditionalGeneration", _configs()["t5"][1].to_dict())
+    assert set(example_inputs(t5, labels=False)) == {"input_ids", "attention_mask", "decoder_input_ids"}
+    for cls, cfg_arg, why in (("NoSuchModel", {}, "no model class"), ("LlamaForCausalLM", "{oops", "not valid JSON"),
+                              ("LlamaForCausalLM", str(tmp_path / "missing.json"), "neither a JSON object")):
+        with pytest.raises(ProgramError, match=why):
+            build(cls, cfg_arg)
