@@ -183,6 +183,60 @@ def test_conv2d_geometry_imports_exactly() -> None:
         _close(vals[prog.grads[p]], t.grad, 1e-12, p)
 
 
+class _IndexingOps(torch.nn.Module):
+    """The ATen ops HF models reach beyond plain layers, on one parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(3, 5, 4, dtype=torch.float64))
+
+    def forward(self, x: Any, ids: Any, ids2: Any) -> Any:
+        a = x * self.w  # [3, 5, 4]
+        r = [a[ids], a[:, ids2],  # index_select on dims 0 and 1 (a 2-D index)
+             a[ids, :, ids2[0, 0] + ids],  # non-adjacent index tensors: gather_nd
+             a[torch.arange(3).view(3, 1), torch.arange(1, 4).view(1, 3)],  # constant ranges: a view
+             a[torch.tensor([-1, 0])],  # negative constant indices
+             torch.nn.functional.pad(a, (1, -1, 0, 2), value=-float("inf"))[..., :4].clamp(-1.0, 0.5),
+             torch.nn.functional.pad(a, (0, 0, 2, 1), value=3.0)]
+        b = a.clone()
+        b[:, 1:3] = a[:, :2] * 2  # slice_scatter
+        b[0] = a[2]  # select_scatter
+        r.append(b)
+        r.append(torch.isinf(r[5]).to(torch.float64))
+        r.append(torch.topk(a, 2, dim=-1)[0])
+        r.append(a.sort(dim=1)[0])
+        loss = sum(t.sum() for k, t in enumerate(r) if k != 5) + r[5].clamp_min(-5).sum()
+        return loss, *r
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_indexing_padding_scatter_clamp_sort_equal_torch(training: bool) -> None:
+    torch.manual_seed(0)
+    m = _IndexingOps()
+    g = torch.Generator().manual_seed(3)
+    args = (torch.randn(3, 5, 4, dtype=torch.float64, generator=g), torch.tensor([2, 0, 2]),
+            torch.tensor([[1, 4], [0, 0]]))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="torch import")
+        prog = import_module(m, args, training=training, fallback="error")
+    rules = {op.rule for op in prog.ops}
+    assert {"index_select", "gather_nd", "pad", "where", "concat", "topk", "argsort"} <= rules
+    vals = run_program(prog, torch_values(prog, m, args))
+    m.zero_grad()
+    outs = m(*args)
+    assert len(prog.outputs) == len(outs)
+    for name, want in zip(prog.outputs, outs):
+        got, w = np.asarray(vals[name], dtype=np.float64), want.detach().numpy()
+        assert got.shape == w.shape, name
+        assert np.array_equal(np.isneginf(got), np.isneginf(w)), name  # the -inf padding
+        fin = np.isfinite(w)
+        np.testing.assert_allclose(got[fin], w[fin], rtol=0, atol=1e-12, err_msg=name)
+    if training:
+        outs[0].backward()
+        assert {"take_along_axis_grad", "gather_nd_grad", "pad_grad", "where_grad"} <= rules
+        np.testing.assert_allclose(vals[prog.grads["w"]], m.w.grad.numpy(), rtol=0, atol=1e-12)
+
+
 # -- training with the model's own loss ----------------------------------------------------------------
 
 

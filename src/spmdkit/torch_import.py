@@ -1322,10 +1322,15 @@ def _sort(c: ImportContext) -> Any:
         dim, desc = c.arg(1, "dim", -1), c.arg(2, "descending", False)
     dim = _norm_dim(int(dim), len(xs))
     outs = [(c.fresh("sorted"), xs, c.dtype(x)), (c.fresh("indices"), xs, "int64")]
-    v, i = c.emit("argsort", {"x": x}, outs, axis=dim, descending=bool(desc), stable=True)
+    if c.imp.tape is None or x not in c.imp.tape.needs_grad:
+        v, i = c.emit("argsort", {"x": x}, outs, axis=dim, descending=bool(desc), stable=True)
+        return Name(str(i)) if c.target.startswith("aten.argsort") else (Name(str(v)), Name(str(i)))
+    # training: the permutation from argsort, the sorted values gathered by it (differentiable)
+    _, i = c.emit_nograd("argsort", {"x": x}, outs, axis=dim, descending=bool(desc), stable=True)
     if c.target.startswith("aten.argsort"):
         return Name(str(i))
-    return (Name(str(v)), Name(str(i)))
+    v = c.emit1("take_along_axis", {"x": x, "index": i}, (c.fresh("sorted_values"), xs, c.dtype(x)), axis=dim)
+    return (v, Name(str(i)))
 
 
 def _histc(c: ImportContext) -> Any:
