@@ -143,6 +143,14 @@ def test_forward_imports_and_equals_torch(model: Any, name: str) -> None:
     prog = _import(m, kw)
     for k in kw:  # keyword inputs are program inputs under their names, found by their key path
         assert prog.tensors[k].kind == "input" and prog.input_path(k) == f"kwargs['{k}']"
+    # every op knows the module that made it: a projection's matmul, the module owning its weight
+    params = set(prog.parameters())
+    projections = [(i, op) for i, op in enumerate(prog.ops) if op.rule == "matmul" and op.inputs["y"] in params]
+    assert projections
+    for i, op in projections:
+        w = op.inputs["y"]
+        owners = {n.rsplit(".", 1)[0] for n in [w, *(a for a, t in prog.aliases.items() if t == w)]}
+        assert prog.modules[i][0] in owners, (i, prog.modules[i], owners)
     vals = run_program(prog, torch_values(prog, m, (), kw))
     with torch.no_grad():
         out = _eager(m, kw)

@@ -136,7 +136,9 @@ class ImportedProgram(Program):
     ``origins``: op index -> the ATen node it came from (``aten.linear.default at model.py:12``);
     ``fallbacks``: op index -> (torch callable, args, kwargs) of a ``replicated`` fallback op, so
     :func:`run_program` can run it with torch; ``aliases``: a tied parameter's other names ->
-    the tensor it is (``head.weight`` -> ``wte.weight``)."""
+    the tensor it is (``head.weight`` -> ``wte.weight``); ``modules``: op index -> (path, class
+    name) of the innermost ``nn.Module`` whose forward made it (``("model.layers.0.self_attn.q_proj",
+    "Linear")``; absent for ops outside any submodule), so strategies can go by module names."""
 
     def __init__(self, tensors: Iterable[Tensor], ops: Iterable[Op], name: str = "") -> None:
         super().__init__(tensors, ops, name)
@@ -150,6 +152,7 @@ class ImportedProgram(Program):
         self.fallbacks: dict[int, tuple[Any, Any, Any]] = {}
         self.aliases: dict[str, str] = {}
         self.input_paths: dict[str, tuple[Any, ...]] = {}
+        self.modules: dict[int, tuple[str, str]] = {}
 
     def input_path(self, name: str) -> str:
         """Where an ``input`` tensor comes from in the call: ``args[0]``, ``kwargs['input_ids']``."""
@@ -179,6 +182,15 @@ def _where(node: Any) -> str:
         path, typ = list(mod.values())[-1]
         return f"module {path or '<root>'} ({getattr(typ, '__name__', typ)})"
     return "unknown source location"
+
+
+def _module_of(node: Any) -> tuple[str, str] | None:
+    mod = node.meta.get("nn_module_stack")
+    if not mod:
+        return None
+    path, typ = list(mod.values())[-1]
+    name = getattr(typ, "__name__", None) or str(typ).rsplit(".", 1)[-1]
+    return (str(path), str(name))
 
 
 def _layer(node: Any) -> str:
@@ -347,6 +359,7 @@ class _Importer:
         self.out_names: list[str] = []
         self.aliases: dict[str, str] = {}
         self.input_paths: dict[str, tuple[Any, ...]] = {}
+        self.modules: dict[int, tuple[str, str]] = {}
         self._keep: list[Any] = []
 
     # -- tensors
@@ -410,8 +423,11 @@ class _Importer:
             result = outs
         else:
             result = self.b.op(rule, inputs, outputs, **attrs)
+        mod = _module_of(ctx.node)
         for i in range(start, len(self.b._ops)):
             self.origins[i] = f"{ctx.target} (node {ctx.name}) at {ctx.where}"
+            if mod is not None:
+                self.modules[i] = mod
         return result
 
     def _declare(self, o: Any) -> str | None:
@@ -642,6 +658,7 @@ class _Importer:
         ip.loss, ip.grads, ip.optimizer = loss_name, grads, model.optimizer
         ip.origins, ip.fallbacks, ip.aliases = self.origins, self.fallbacks, dict(self.aliases)
         ip.input_paths = dict(self.input_paths)
+        ip.modules = dict(self.modules)
         try:
             ip.validate()
         except ProgramError as exc:
