@@ -1,6 +1,6 @@
 """Import a ``torch.nn.Module`` as a spmdkit :class:`~spmdkit.graph.program.Program`.
 
-``import_module(module, example_inputs)`` exports the module with ``torch.export.export``
+``import_module(module, args, kwargs)`` exports the module with ``torch.export.export``
 (static shapes from the example inputs; the pre-dispatch ATen graph, so ``linear``,
 ``layer_norm``, ``rms_norm``, ``scaled_dot_product_attention`` and ``cross_entropy_loss`` keep
 their names) and maps every ATen op to registered rules with their Paddle 3.3.1 attributes:
@@ -130,13 +130,15 @@ class ImportedProgram(Program):
     """A Program imported from torch, and where its source tensors come from.
 
     ``sources``: tensor -> ``("parameter", fqn)``, ``("buffer", fqn)``, ``("input", i)`` (the
-    i-th flattened example input) or ``("constant", None)`` (value in ``constants``);
+    i-th flattened input of the call; ``input_paths`` says where it is in ``(args, kwargs)``) or ``("constant", None)`` (value in ``constants``);
     ``outputs``: the module's (flattened) outputs; ``loss``, ``grads`` (parameter -> gradient)
     and ``optimizer`` (as :class:`spmdkit.graph.zoo.Model.optimizer`) for a training import;
     ``origins``: op index -> the ATen node it came from (``aten.linear.default at model.py:12``);
     ``fallbacks``: op index -> (torch callable, args, kwargs) of a ``replicated`` fallback op, so
     :func:`run_program` can run it with torch; ``aliases``: a tied parameter's other names ->
-    the tensor it is (``head.weight`` -> ``wte.weight``)."""
+    the tensor it is (``head.weight`` -> ``wte.weight``); ``modules``: op index -> (path, class
+    name) of the innermost ``nn.Module`` whose forward made it (``("model.layers.0.self_attn.q_proj",
+    "Linear")``; absent for ops outside any submodule), so strategies can go by module names."""
 
     def __init__(self, tensors: Iterable[Tensor], ops: Iterable[Op], name: str = "") -> None:
         super().__init__(tensors, ops, name)
@@ -149,6 +151,17 @@ class ImportedProgram(Program):
         self.origins: dict[int, str] = {}
         self.fallbacks: dict[int, tuple[Any, Any, Any]] = {}
         self.aliases: dict[str, str] = {}
+        self.input_paths: dict[str, tuple[Any, ...]] = {}
+        self.modules: dict[int, tuple[str, str]] = {}
+
+    def input_path(self, name: str) -> str:
+        """Where an ``input`` tensor comes from in the call: ``args[0]``, ``kwargs['input_ids']``."""
+        path = self.input_paths.get(name)
+        if path is None:
+            return name
+        head, *rest = path
+        root = "args" if getattr(head, "idx", 0) == 0 else "kwargs"
+        return root + "".join(str(k) for k in rest)
 
     def parameters(self) -> list[str]:
         """The tensors imported as parameters (their module paths)."""
@@ -169,6 +182,15 @@ def _where(node: Any) -> str:
         path, typ = list(mod.values())[-1]
         return f"module {path or '<root>'} ({getattr(typ, '__name__', typ)})"
     return "unknown source location"
+
+
+def _module_of(node: Any) -> tuple[str, str] | None:
+    mod = node.meta.get("nn_module_stack")
+    if not mod:
+        return None
+    path, typ = list(mod.values())[-1]
+    name = getattr(typ, "__name__", None) or str(typ).rsplit(".", 1)[-1]
+    return (str(path), str(name))
 
 
 def _layer(node: Any) -> str:
@@ -261,6 +283,16 @@ class ImportContext:
                    else (None if v is None else self.tensor(v))) for k, v in inputs.items()}
         return self.imp.emit(self, rule, ins, list(outputs), attrs)
 
+    def emit_nograd(self, rule: str, inputs: Mapping[str, Any], outputs: Sequence[Any], /,
+                    **attrs: Any) -> list[str | None]:
+        """An op the autodiff does not differentiate through (its outputs carry no gradient:
+        indices chosen by topk, say); a training import differentiates the values otherwise."""
+        tape, self.imp.tape = self.imp.tape, None
+        try:
+            return self.emit(rule, inputs, outputs, **attrs)
+        finally:
+            self.imp.tape = tape
+
     def emit1(self, rule: str, inputs: Mapping[str, Any], out: Any = None, /, **attrs: Any) -> Name:
         """One op with one output: ``out`` is its name (the node's shape and dtype), ``(name,
         shape, dtype)``, or None (the node's name, shape and dtype)."""
@@ -326,6 +358,8 @@ class _Importer:
         self.fused: dict[Any, Any] = {}
         self.out_names: list[str] = []
         self.aliases: dict[str, str] = {}
+        self.input_paths: dict[str, tuple[Any, ...]] = {}
+        self.modules: dict[int, tuple[str, str]] = {}
         self._keep: list[Any] = []
 
     # -- tensors
@@ -337,6 +371,10 @@ class _Importer:
             t = v.detach().clone()
         elif isinstance(v, (bool, int, float)):
             key = -1
+            # torch computes half-precision ops with a Python scalar in float32 (its opmath type),
+            # so the scalar is not rounded to bfloat16 / float16 (gelu_new's 0.7978845608 would be)
+            if dtype in ("bfloat16", "float16") and isinstance(v, float):
+                dtype = "float32"
             t = torch.tensor(v, dtype=_TORCH_DTYPES[dtype])
         else:
             raise ProgramError(f"torch import: cannot make a tensor of {type(v).__name__} {v!r}")
@@ -358,7 +396,7 @@ class _Importer:
         start = len(self.b._ops)
         vector_out = any(isinstance(o, list) for o in outputs)
         names = [n for v in inputs.values() for n in _flat(v) if n is not None]
-        if self.tape is not None and any(n in self.tape.needs_grad for n in names):
+        if self.tape is not None and any(n in self.tape.needs_grad for n in names) and _float_out(self.b, outputs):
             vector_in = any(isinstance(v, tuple) for v in inputs.values())
             twice = sorted({n for n in names if names.count(n) > 1 and n in self.tape.needs_grad})
             if twice and rule in GRADS and not vector_in:
@@ -370,6 +408,9 @@ class _Importer:
                                       f"map the op otherwise (register_aten / mapping=)")
         if self.tape is not None:
             result: list[Any] = self.tape.op(rule, inputs, outputs, **attrs)
+            for n in (x for o in result for x in _flat(o)):  # indices, masks, counts carry no gradient
+                if n is not None and n in self.tape.needs_grad and not self.b.get(n).dtype.startswith(("float", "bfloat")):
+                    self.tape.needs_grad.discard(n)
         elif vector_out:
             outs: list[Any] = []
             for o in outputs:
@@ -382,8 +423,11 @@ class _Importer:
             result = outs
         else:
             result = self.b.op(rule, inputs, outputs, **attrs)
+        mod = _module_of(ctx.node)
         for i in range(start, len(self.b._ops)):
             self.origins[i] = f"{ctx.target} (node {ctx.name}) at {ctx.where}"
+            if mod is not None:
+                self.modules[i] = mod
         return result
 
     def _declare(self, o: Any) -> str | None:
@@ -451,6 +495,7 @@ class _Importer:
         self.plan_fusions(graph)
         specs = {s.arg.name: s for s in ep.graph_signature.input_specs if hasattr(s.arg, "name")}
         user_i = 0
+        paths = _input_paths(ep)
         out_names: list[str] = []
         first: dict[int, str] = {}
         for sp in ep.graph_signature.input_specs:
@@ -469,6 +514,8 @@ class _Importer:
                     if isinstance(val, torch.Tensor):
                         n = self.b.tensor(node.name, tuple(int(s) for s in val.shape), _dtype_name(val.dtype), "input")
                         self.sources[n] = ("input", user_i)
+                        if user_i < len(paths) and paths[user_i] is not None:
+                            self.input_paths[n] = paths[user_i]
                         self.env[node] = Name(n)
                     else:
                         self.env[node] = val
@@ -554,6 +601,10 @@ class _Importer:
                     return type(v)(stand_in(x) for x in v)
                 return v
             args, kwargs = stand_in(args), {k: stand_in(v) for k, v in kwargs.items()}
+            if pk in ("aten.empty_like", "aten.new_empty"):  # uninitialised memory: zeros, reproducibly
+                with torch.no_grad():
+                    out = node.target(*args, **kwargs)
+                return out.zero_() if isinstance(out, torch.Tensor) else out
         elif self._has_name(args) or self._has_name(kwargs):
             return None
         if not callable(node.target):
@@ -606,6 +657,8 @@ class _Importer:
         ip.sources, ip.constants, ip.outputs = self.sources, self.constants, list(self.out_names)
         ip.loss, ip.grads, ip.optimizer = loss_name, grads, model.optimizer
         ip.origins, ip.fallbacks, ip.aliases = self.origins, self.fallbacks, dict(self.aliases)
+        ip.input_paths = dict(self.input_paths)
+        ip.modules = dict(self.modules)
         try:
             ip.validate()
         except ProgramError as exc:
@@ -613,6 +666,37 @@ class _Importer:
             origin = ip.origins.get(int(m.group(1))) if m else None
             raise ProgramError(f"{exc} [imported from {origin}]" if origin else str(exc)) from None
         return ip
+
+
+def _float_out(b: ProgramBuilder, outputs: Sequence[Any]) -> bool:
+    """Whether an op declared with ``outputs`` makes a floating-point tensor (a comparison or
+    an index op does not: no gradient flows through it)."""
+    for o in outputs:
+        for spec in (o if isinstance(o, list) else [o]):
+            if spec is None:
+                continue
+            if isinstance(spec, str):
+                dt = b.get(spec).dtype if b.has(spec) else "float32"
+            else:
+                dt = spec[2] if len(spec) > 2 else "float32"
+            if dt.startswith(("float", "bfloat")):
+                return True
+    return False
+
+
+def _input_paths(ep: Any) -> list[Any]:
+    """Per flattened user input of ``ep``: its key path in ``(args, kwargs)`` (None if unknown)."""
+    from torch.utils import _pytree as pt
+
+    spec = getattr(getattr(ep, "call_spec", None), "in_spec", None)
+    if spec is None:
+        return []
+    n = spec.num_leaves
+    paths: list[Any] = [None] * n
+    for path, i in pt.tree_flatten_with_path(pt.tree_unflatten(list(range(n)), spec))[0]:
+        if isinstance(i, int) and 0 <= i < n:
+            paths[i] = tuple(path)
+    return paths
 
 
 def _last(node: Any) -> int | None:
@@ -992,6 +1076,456 @@ def _cumsum(c: ImportContext) -> Any:
     return c.emit1("cumsum", {"x": x}, axis=_norm_dim(int(c.arg(1, "dim", -1)), len(c.shape(x))))
 
 
+def _pad(c: ImportContext) -> Any:
+    """``pad`` / ``constant_pad_nd`` (constant mode): torch's pairs run from the last dim back;
+    Paddle's ``paddings`` are (before, after) per dim in order. Negative pads crop (a slice
+    first); a fill that is not an integer (-inf, 0.5) pads zeros and adds a constant that holds
+    the fill where the padding is."""
+    x, pads = c.args[0], [int(p) for p in c.arg(1, "pad")]
+    mode = c.arg(2, "mode", "constant") if c.target.startswith("aten.pad") else "constant"
+    value = c.arg(3, "value") if c.target.startswith("aten.pad") else c.arg(2, "value", 0)
+    if mode != "constant":
+        raise c.unsupported(f"pad mode {mode!r} (constant only)")
+    value = 0.0 if value is None else float(value)
+    xs = c.shape(x)
+    nd = len(xs)
+    per = [(0, 0)] * nd
+    for i in range(len(pads) // 2):
+        per[nd - 1 - i] = (pads[2 * i], pads[2 * i + 1])
+    if any(lo < 0 or hi < 0 for lo, hi in per):  # crop first
+        for d, (lo, hi) in enumerate(per):
+            if lo < 0 or hi < 0:
+                cur = c.shape(x)
+                start, end = max(0, -lo), cur[d] - max(0, -hi)
+                shp = (*cur[:d], end - start, *cur[d + 1:])
+                x = c.emit1("slice", {"input": x}, (c.fresh("crop"), shp, c.dtype(x)), axes=(d,), starts=(start,),
+                            ends=(end,))
+        per = [(max(lo, 0), max(hi, 0)) for lo, hi in per]
+    if all(lo == 0 and hi == 0 for lo, hi in per):
+        return c.tensor(x)
+    flat = tuple(v for lohi in per for v in lohi)
+    if value.is_integer():
+        return c.emit1("pad", {"x": x}, paddings=flat, pad_value=int(value))
+    padded = c.emit1("pad", {"x": x}, c.fresh("zero_padded"), paddings=flat, pad_value=0)
+    fill = torch.full(c.out_shape(), value, dtype=_TORCH_DTYPES[c.out_dtype()])
+    fill[tuple(slice(lo, lo + s) for (lo, _), s in zip(per, c.shape(x)))] = 0
+    return c.emit1("add", {"x": padded, "y": fill})
+
+
+def _broadcast_shape(shapes: Sequence[Sequence[int]]) -> list[int]:
+    n = max(len(s) for s in shapes)
+    out = [1] * n
+    for s in shapes:
+        for i, d in enumerate(s):
+            j = n - len(s) + i
+            if d != 1:
+                out[j] = d
+    return out
+
+
+def _arith_axis(t: torch.Tensor, bshape: Sequence[int]) -> tuple[int, int] | None:
+    """Where a constant index tensor, broadcast to ``bshape``, is ``start + arange(n)`` along one
+    axis (and constant along the others): (that axis, start); None otherwise. An axis the
+    tensor itself spans is preferred (a size-1 axis matches any constant)."""
+    tb = t.expand(*bshape)
+    if tb.numel() == 0:
+        return None
+    start = int(tb.reshape(-1)[0])
+    own = [a for a in range(len(bshape)) if a - (len(bshape) - t.ndim) >= 0
+           and t.shape[a - (len(bshape) - t.ndim)] == bshape[a]]
+    for a in sorted(range(len(bshape)), key=lambda a: (a not in own, bshape[a] == 1)):
+        shp = [1] * len(bshape)
+        shp[a] = bshape[a]
+        want = torch.arange(start, start + bshape[a], dtype=tb.dtype).view(shp).expand(*bshape)
+        if torch.equal(tb, want):
+            return a, start
+    return None
+
+
+def _index(c: ImportContext) -> Any:
+    """``x[i0, i1, ...]`` (advanced indexing; None = a full dim). Constant indices that are
+    ranges along the broadcast axes (the HF mask builders) are views: a slice, a transpose and a
+    reshape (expand where broadcast); one index tensor is ``index_select`` on its dim (reshaped);
+    several are ``gather_nd`` over the indexed dims moved to the front."""
+    x = c.args[0]
+    idx = list(c.args[1])
+    xs = c.shape(x)
+    nd = len(xs)
+    idx += [None] * (nd - len(idx))
+    dims = [d for d, t in enumerate(idx) if t is not None]
+    for d in dims:
+        t = idx[d]
+        dt = c.dtype(t)
+        if dt == "bool":
+            raise c.unsupported("a boolean mask index (a data-dependent shape)")
+        if isinstance(t, torch.Tensor):
+            idx[d] = torch.where(t < 0, t + xs[d], t)  # negative indices count from the end
+    adjacent = dims == list(range(dims[0], dims[-1] + 1))
+    bshape = _broadcast_shape([c.shape(idx[d]) for d in dims])
+    out = c.out_shape()
+    rest = [d for d in range(nd) if d not in dims]
+    pre = [d for d in rest if d < dims[0]] if adjacent else []
+    post = [d for d in rest if d not in pre]
+    if all(isinstance(idx[d], torch.Tensor) for d in dims):
+        found = [_arith_axis(idx[d], bshape) for d in dims]
+        axes = [f[0] for f in found if f is not None]
+        if all(f is not None for f in found) and len(set(axes)) == len(axes):
+            cur: Any = x
+            for d, f in zip(dims, found):  # the ranges as slices
+                assert f is not None
+                a, start = f
+                if start != 0 or bshape[a] != xs[d]:
+                    shp = list(c.shape(cur))
+                    shp[d] = bshape[a]
+                    cur = c.emit1("slice", {"input": cur}, (c.fresh("range"), shp, c.dtype(cur)), axes=(d,),
+                                  starts=(start,), ends=(start + bshape[a],))
+            by_axis = {f[0]: d for d, f in zip(dims, found) if f is not None}
+            order = pre + [by_axis[a] for a in sorted(by_axis)] + post
+            if order != list(range(nd)):
+                cur = c.transpose(cur, order, c.fresh("t"))
+            cs = c.shape(cur)
+            mid = [cs[len(pre) + sorted(by_axis).index(a)] if a in by_axis else 1 for a in range(len(bshape))]
+            shp = [cs[i] for i in range(len(pre))] + mid + [cs[i] for i in range(len(pre) + len(by_axis), nd)]
+            cur = c.reshape(cur, shp, c.fresh("r")) if tuple(shp) != tuple(out) else c.reshape(cur, shp)
+            if tuple(c.shape(cur)) != tuple(out):
+                cur = c.emit1("expand", {"x": cur}, shape=tuple(out))
+            return cur
+    if len(dims) == 1:
+        d = dims[0]
+        t = idx[d]
+        ts = c.shape(t)
+        flat_i = c.reshape(c.tensor(t, "int64"), (math.prod(ts),), c.fresh("flat_index")) if len(ts) != 1 \
+            else c.tensor(t, "int64")
+        sel_shape = (*xs[:d], math.prod(ts), *xs[d + 1:])
+        sel = c.emit1("index_select", {"x": x, "index": flat_i},
+                      c.name if tuple(sel_shape) == tuple(out) else (c.fresh("selected"), sel_shape, c.dtype(x)),
+                      axis=d)
+        return c.reshape(sel, out) if tuple(sel_shape) != tuple(out) else sel
+    # gather_nd: indexed dims first, the index [*bshape, k]
+    cur = x if dims == list(range(len(dims))) else c.transpose(x, dims + rest, c.fresh("t"))
+    parts = []
+    for d in dims:
+        t = c.tensor(idx[d], "int64")
+        if c.dtype(t) != "int64":
+            t = c.emit1("cast", {"x": t}, (c.fresh("i64"), c.shape(t), "int64"), dtype="int64")
+        ts = c.shape(t)
+        if tuple(ts) != tuple(bshape):
+            if len(ts) < len(bshape):
+                t = c.reshape(t, [1] * (len(bshape) - len(ts)) + list(ts), c.fresh("r"))
+            t = c.emit1("expand", {"x": t}, (c.fresh("bcast"), tuple(bshape), "int64"), shape=tuple(bshape))
+        parts.append(t)
+    nd_index = c.emit1("stack", {"x": tuple(parts)}, (c.fresh("nd_index"), (*bshape, len(dims)), "int64"),
+                       axis=len(bshape))
+    got_shape = (*bshape, *[xs[d] for d in rest])
+    g = c.emit1("gather_nd", {"x": cur, "index": nd_index},
+                c.name if tuple(got_shape) == tuple(out) else (c.fresh("gathered"), got_shape, c.dtype(x)))
+    if tuple(got_shape) == tuple(out):
+        return g
+    # adjacent indexed dims after leading dims: move the broadcast block back in place
+    nb = len(bshape)
+    perm = list(range(nb, nb + len(pre))) + list(range(nb)) + list(range(nb + len(pre), len(got_shape)))
+    return c.transpose(g, perm, c.name)
+
+
+def _broadcast_to(c: ImportContext, v: Any, shape: Sequence[int], dtype: str, name: str | None = None) -> Any:
+    """``v`` (a tensor name, a torch constant or a Python scalar) as ``shape`` and ``dtype``:
+    constants are made at import time; a program tensor is cast, reshaped and expanded."""
+    if not isinstance(v, Name):
+        t = v.to(_TORCH_DTYPES[dtype]) if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=_TORCH_DTYPES[dtype])
+        return c.tensor(t.expand(*shape).clone())
+    if c.dtype(v) != dtype:
+        v = c.emit1("cast", {"x": v}, (c.fresh("cast"), c.shape(v), dtype), dtype=dtype)
+    vs = c.shape(v)
+    if tuple(vs) == tuple(shape):
+        return c.tensor(v) if name is None else c.reshape(v, shape, name)
+    if len(vs) < len(shape):
+        v = c.reshape(v, [1] * (len(shape) - len(vs)) + list(vs), c.fresh("r"))
+    return c.emit1("expand", {"x": v}, (name or c.fresh("bcast"), tuple(shape), dtype), shape=tuple(shape))
+
+
+def _copy(c: ImportContext) -> Any:
+    """Functional ``copy(self, src)``: src broadcast to self's shape in self's dtype."""
+    return _broadcast_to(c, c.args[1], c.out_shape(), c.out_dtype(), c.name)
+
+
+def _fill(c: ImportContext) -> Any:
+    """``fill(self, value)``: self's shape and dtype, every element value."""
+    return _broadcast_to(c, c.args[1], c.out_shape(), c.out_dtype(), c.name)
+
+
+def _piece(c: ImportContext, x: Any, d: int, start: int, end: int) -> Any:
+    xs = c.shape(x)
+    if isinstance(x, torch.Tensor):
+        return c.tensor(x.narrow(d, start, end - start).clone())
+    shp = (*xs[:d], end - start, *xs[d + 1:])
+    return c.emit1("slice", {"input": x}, (c.fresh("keep"), shp, c.dtype(x)), axes=(d,), starts=(start,),
+                   ends=(end,))
+
+
+def _scatter_into(c: ImportContext, x: Any, src: Any, d: int, start: int, end: int) -> Any:
+    """x with ``x[..., start:end, ...]`` (along d) replaced by src: a concat of the kept pieces."""
+    xs = c.shape(x)
+    dt = c.out_dtype()
+    src = _broadcast_to(c, src, (*xs[:d], end - start, *xs[d + 1:]), dt)
+    if not isinstance(x, Name) and c.dtype(x) != dt:
+        x = x.to(_TORCH_DTYPES[dt])
+    parts = []
+    if start > 0:
+        parts.append(_piece(c, x, d, 0, start))
+    parts.append(src)
+    if end < xs[d]:
+        parts.append(_piece(c, x, d, end, xs[d]))
+    if len(parts) == 1:
+        return c.tensor(parts[0])
+    return c.emit1("concat", {"x": tuple(parts)}, axis=d)
+
+
+def _slice_scatter(c: ImportContext) -> Any:
+    x, src = c.args[0], c.args[1]
+    xs = c.shape(x)
+    d = _norm_dim(int(c.arg(2, "dim", 0)), len(xs))
+    start, end, step = c.arg(3, "start"), c.arg(4, "end"), int(c.arg(5, "step", 1))
+    n = xs[d]
+    start = 0 if start is None else int(start)
+    end = n if end is None else int(end)
+    start = max(0, min(n, start + n if start < 0 else start))
+    end = max(0, min(n, end + n if end < 0 else end))
+    if step != 1:
+        raise c.unsupported(f"slice_scatter with step {step} (step 1 only)")
+    return _scatter_into(c, x, src, d, start, end)
+
+
+def _select_scatter(c: ImportContext) -> Any:
+    x, src = c.args[0], c.args[1]
+    xs = c.shape(x)
+    d = _norm_dim(int(c.args[2]), len(xs))
+    i = int(c.args[3])
+    i = i + xs[d] if i < 0 else i
+    if isinstance(src, Name):
+        ss = c.shape(src)
+        src = c.emit1("unsqueeze", {"x": src}, (c.fresh("u"), (*ss[:d], 1, *ss[d:]), c.dtype(src)), axis=(d,))
+    elif isinstance(src, torch.Tensor):
+        src = src.unsqueeze(d)
+    return _scatter_into(c, x, src, d, i, i + 1)
+
+
+def _topk(c: ImportContext) -> Any:
+    x = c.args[0]
+    k = int(c.args[1])
+    xs = c.shape(x)
+    dim = _norm_dim(int(c.arg(2, "dim", -1)), len(xs))
+    largest, srt = bool(c.arg(3, "largest", True)), bool(c.arg(4, "sorted", True))
+    vals, idx = c.val()
+    outs = [(c.fresh("values"), tuple(vals.shape), c.dtype(x)), (c.fresh("indices"), tuple(idx.shape), "int64")]
+    if c.imp.tape is None or x not in c.imp.tape.needs_grad:
+        v, i = c.emit("topk", {"x": x}, outs, k=k, axis=dim, largest=largest, sorted=srt)
+        return (Name(str(v)), Name(str(i)))
+    # training: the indices from topk, the values gathered at them (the gradient flows to the
+    # chosen entries, as torch's topk backward scatters it)
+    _, i = c.emit_nograd("topk", {"x": x}, outs, k=k, axis=dim, largest=largest, sorted=srt)
+    v = c.emit1("take_along_axis", {"x": x, "index": i}, (c.fresh("chosen"), tuple(vals.shape), c.dtype(x)), axis=dim)
+    return (v, Name(str(i)))
+
+
+def _sort(c: ImportContext) -> Any:
+    """``sort`` / ``argsort`` -> ``argsort`` (sorted values and indices), stable: ties keep their
+    order (torch's unstable sort may order ties otherwise; every HF use, MoE routing, undoes
+    the permutation it makes, so the result does not depend on the order of ties)."""
+    x = c.args[0]
+    xs = c.shape(x)
+    if c.target.startswith("aten.sort.stable"):
+        dim, desc = c.kwargs.get("dim", -1), c.kwargs.get("descending", False)
+    else:
+        dim, desc = c.arg(1, "dim", -1), c.arg(2, "descending", False)
+    dim = _norm_dim(int(dim), len(xs))
+    outs = [(c.fresh("sorted"), xs, c.dtype(x)), (c.fresh("indices"), xs, "int64")]
+    if c.imp.tape is None or x not in c.imp.tape.needs_grad:
+        v, i = c.emit("argsort", {"x": x}, outs, axis=dim, descending=bool(desc), stable=True)
+        return Name(str(i)) if c.target.startswith("aten.argsort") else (Name(str(v)), Name(str(i)))
+    # training: the permutation from argsort, the sorted values gathered by it (differentiable)
+    _, i = c.emit_nograd("argsort", {"x": x}, outs, axis=dim, descending=bool(desc), stable=True)
+    if c.target.startswith("aten.argsort"):
+        return Name(str(i))
+    v = c.emit1("take_along_axis", {"x": x, "index": i}, (c.fresh("sorted_values"), xs, c.dtype(x)), axis=dim)
+    return (v, Name(str(i)))
+
+
+def _histc(c: ImportContext) -> Any:
+    """``histc`` of integer values (a cast of an integer tensor, as HF's MoE counts tokens per
+    expert) with one bin per integer of [min, max]: the sum over ``one_hot(x - min, bins)``."""
+    bins, lo, hi = int(c.arg(1, "bins", 100)), c.arg(2, "min", 0), c.arg(3, "max", 0)
+    src = c.node.args[0]
+    ints = None
+    if getattr(src, "op", None) == "call_function" and _packet(src.target) in ("aten.to", "aten._to_copy"):
+        v = src.args[0].meta.get("val") if hasattr(src.args[0], "meta") else None
+        if isinstance(v, torch.Tensor) and not v.is_floating_point() and v.dtype != torch.bool:
+            ints = c.imp.env[src.args[0]]
+    if ints is None or float(lo) != int(lo) or float(hi) != int(hi) or bins != int(hi) - int(lo) + 1:
+        raise c.unsupported("histc other than one bin per integer value of an integer tensor cast to float")
+    ids = c.tensor(ints)
+    if c.dtype(ids) != "int64":
+        ids = c.emit1("cast", {"x": ids}, (c.fresh("ids"), c.shape(ids), "int64"), dtype="int64")
+    if int(lo):
+        ids = c.emit1("subtract", {"x": ids, "y": c.tensor(int(lo), "int64")}, (c.fresh("shift"), c.shape(ids), "int64"))
+    flat = c.reshape(ids, (math.prod(c.shape(ids)),), c.fresh("flat"))
+    n = c.shape(flat)[0]
+    oh = c.emit1("one_hot", {"x": flat}, (c.fresh("one_hot"), (n, bins), "float32"), num_classes=bins)
+    counts = c.emit1("sum", {"x": oh}, (c.fresh("counts"), (bins,), "float32"), axis=(0,), keep_dim=False)
+    if c.out_dtype() == "float32":
+        return c.reshape(counts, (bins,), c.name)
+    return c.emit1("cast", {"x": counts}, dtype=c.out_dtype())
+
+
+def _grouped_mm(c: ImportContext) -> Any:
+    """A grouped matmul over rows sorted by group: ``out[r] = x[r] @ w[g]`` for the rows r in
+    ``[offs[g-1], offs[g])`` (zeros past ``offs[-1]``), HF's ``grouped_mm_fallback`` /
+    ``aten._grouped_mm`` (2-D x, 3-D w). As registered rules: every group's matmul on every
+    row (``[1, N, H] @ [E, H, O]``, the expert axis shardable), multiplied by the 0/1 mask of
+    the rows each group owns (built from ``offs``) and summed over the groups: the same values
+    (each row is its group's product plus exact zeros), and differentiable."""
+    x, w, offs = c.args[0], c.args[1], c.arg(2, "offs")
+    xs, ws = c.shape(x), c.shape(w)
+    if len(xs) != 2 or len(ws) != 3 or offs is None:
+        raise c.unsupported("a grouped matmul other than 2-D input, 3-D weight and offsets")
+    if c.arg(3, "bias") is not None:
+        raise c.unsupported("a grouped matmul bias")
+    n, e, o = xs[0], ws[0], ws[2]
+    dt = c.out_dtype()
+    ends = c.tensor(offs)
+    if c.dtype(ends) != "int64":
+        ends = c.emit1("cast", {"x": ends}, (c.fresh("ends"), (e,), "int64"), dtype="int64")
+    if e > 1:
+        head = c.emit1("slice", {"input": ends}, (c.fresh("prev"), (e - 1,), "int64"), axes=(0,), starts=(0,),
+                       ends=(e - 1,))
+        starts: Any = c.emit1("concat", {"x": (c.tensor(torch.zeros(1, dtype=torch.int64)), head)},
+                              (c.fresh("starts"), (e,), "int64"), axis=0)
+    else:
+        starts = c.tensor(torch.zeros(1, dtype=torch.int64))
+    rows = c.tensor(torch.arange(n, dtype=torch.int64).view(1, n))
+    s2 = c.reshape(starts, (e, 1), c.fresh("starts_col"))
+    e2 = c.reshape(ends, (e, 1), c.fresh("ends_col"))
+    before = c.emit1("less_than", {"x": rows, "y": s2}, (c.fresh("before"), (e, n), "bool"))
+    after = c.emit1("logical_not", {"x": before}, (c.fresh("from_start"), (e, n), "bool"))
+    upto = c.emit1("less_than", {"x": rows, "y": e2}, (c.fresh("to_end"), (e, n), "bool"))
+    own = c.emit1("logical_and", {"x": after, "y": upto}, (c.fresh("owns"), (e, n), "bool"))
+    maskf = c.emit1("cast", {"x": own}, (c.fresh("owns_f"), (e, n), dt), dtype=dt)
+    mask3 = c.reshape(maskf, (e, n, 1), c.fresh("owns_col"))
+    xb = c.emit1("unsqueeze", {"x": x}, (c.fresh("rows"), (1, n, xs[1]), c.dtype(x)), axis=(0,))
+    if c.dtype(w) != c.dtype(x):
+        w = c.emit1("cast", {"x": w}, (c.fresh("w"), ws, c.dtype(x)), dtype=c.dtype(x))
+    allg = c.emit1("matmul", {"x": xb, "y": w}, (c.fresh("every_group"), (e, n, o), dt))
+    mine = c.emit1("multiply", {"x": allg, "y": mask3}, (c.fresh("own_group"), (e, n, o), dt))
+    return c.emit1("sum", {"x": mine}, axis=(0,), keep_dim=False)
+
+
+def _index_put(c: ImportContext) -> Any:
+    x, indices, value = c.args[0], list(c.args[1]), c.args[2]
+    acc = bool(c.arg(3, "accumulate", False))
+    if any(i is None for i in indices):
+        raise c.unsupported("index_put with a None (full-dim) index")
+    idx = []
+    for t in indices:
+        t = c.tensor(t, "int64")
+        if c.dtype(t) == "bool":
+            raise c.unsupported("index_put with a boolean mask index")
+        if c.dtype(t) != "int64":
+            t = c.emit1("cast", {"x": t}, (c.fresh("i64"), c.shape(t), "int64"), dtype="int64")
+        idx.append(t)
+    return c.emit1("index_put", {"x": c.tensor(x), "indices": tuple(idx), "value": c.tensor(value, c.out_dtype())},
+                   accumulate=acc)
+
+
+def _clamp(c: ImportContext) -> Any:
+    """``clamp`` / ``clip`` / ``clamp_min`` / ``clamp_max``: ``where(x < lo, lo, x)`` then
+    ``where(x > hi, hi, .)``: the gradient reaches x where lo <= x <= hi, as torch's does
+    (``maximum`` / ``minimum`` would give it to the bound at a tie); NaN passes through."""
+    x = c.args[0]
+    if c.target.startswith("aten.clamp_min"):
+        lo, hi = c.args[1], None
+    elif c.target.startswith("aten.clamp_max"):
+        lo, hi = None, c.args[1]
+    else:
+        lo, hi = c.arg(1, "min"), c.arg(2, "max")
+    xs, od = c.shape(x), c.out_dtype()
+    cur: Any = x
+    for bound, rule, tag in ((lo, "less_than", "lo"), (hi, "greater_than", "hi")):
+        if bound is None:
+            continue
+        b = c.tensor(bound, od)
+        out_of = c.emit1(rule, {"x": cur, "y": b}, (c.fresh(f"below_{tag}" if tag == "lo" else f"above_{tag}"),
+                                                    xs, "bool"))
+        last = tag == "hi" or hi is None
+        cur = c.emit1("where", {"condition": out_of, "x": b, "y": cur}, None if last else (c.fresh("clamped"), xs, od))
+    return cur if cur is not x else c.tensor(x)
+
+
+def _isinf(c: ImportContext) -> Any:
+    """``isinf(x)``: not (x != inf and x != -inf); ``isnan``: ``x != x``."""
+    x = c.args[0]
+    xs = c.shape(x)
+    if c.target.startswith("aten.isnan"):
+        return c.emit1("not_equal", {"x": x, "y": x})
+    pos = c.emit1("not_equal", {"x": x, "y": c.tensor(float("inf"), c.dtype(x))}, (c.fresh("not_pos_inf"), xs, "bool"))
+    neg = c.emit1("not_equal", {"x": x, "y": c.tensor(float("-inf"), c.dtype(x))}, (c.fresh("not_neg_inf"), xs, "bool"))
+    fin = c.emit1("logical_and", {"x": pos, "y": neg}, (c.fresh("not_inf"), xs, "bool"))
+    return c.emit1("logical_not", {"x": fin})
+
+
+def _pair(v: Any, n: int = 2) -> tuple[int, ...]:
+    if isinstance(v, int):
+        return (v,) * n
+    t = tuple(int(x) for x in v)
+    return t * n if len(t) == 1 else t
+
+
+def _conv2d(c: ImportContext) -> Any:
+    """``conv2d`` / ``convolution`` (2-D, not transposed). Stride 1, no padding, dilation 1,
+    groups 1: the ``conv2d`` rule (Paddle's Conv2dInferSpmdBase takes no geometry attributes,
+    so its program op cannot carry any). Any other geometry: ``conv3d`` over a unit depth axis
+    (input and filter unsqueezed at axis 2, the output squeezed), whose rule carries strides,
+    paddings, dilations and groups; the same arithmetic, and the same shardings (batch; the
+    channels only with groups 1). A bias is added as ``[C_out, 1, 1]``."""
+    x, w, bias = c.args[0], c.args[1], c.arg(2, "bias")
+    conv = c.target.startswith("aten.convolution")
+    if conv and bool(c.arg(6, "transposed", False)):
+        raise c.unsupported("a transposed convolution")
+    stride = _pair(c.arg(3, "stride", 1))
+    padding: Any = c.arg(4, "padding", 0)
+    dilation = _pair(c.arg(5, "dilation", 1))
+    groups = int(c.arg(8 if conv else 6, "groups", 1))
+    xs, ws = c.shape(x), c.shape(w)
+    if len(xs) != 4 or len(ws) != 4:
+        raise c.unsupported(f"a {len(ws) - 2}-D convolution (2-D with a batch axis only)")
+    out = c.out_shape()
+    if isinstance(padding, str):  # 'valid' / 'same' (stride 1): the explicit pads torch uses
+        if padding == "valid":
+            pads: tuple[int, ...] = (0, 0, 0, 0)
+        else:
+            tot = [d * (k - 1) for d, k in zip(dilation, ws[2:])]
+            pads = (tot[0] // 2, tot[0] - tot[0] // 2, tot[1] // 2, tot[1] - tot[1] // 2)
+    else:
+        p2 = _pair(padding)
+        pads = (p2[0], p2[0], p2[1], p2[1])
+    dt = c.dtype(x)
+    has_bias = bias is not None
+    res_name = c.fresh("conv") if has_bias else c.name
+    res_shape = (out[0], out[1], out[2], out[3])
+    if stride == (1, 1) and not any(pads) and dilation == (1, 1) and groups == 1:
+        y = c.emit1("conv2d", {"input": x, "filter": w}, (res_name, res_shape, dt))
+    else:
+        x5 = c.emit1("unsqueeze", {"x": x}, (c.fresh("input3d"), (xs[0], xs[1], 1, xs[2], xs[3]), dt), axis=(2,))
+        w5 = c.emit1("unsqueeze", {"x": w}, (c.fresh("filter3d"), (ws[0], ws[1], 1, ws[2], ws[3]), c.dtype(w)),
+                     axis=(2,))
+        y5 = c.emit1("conv3d", {"input": x5, "filter": w5}, (c.fresh("conv3d"), (out[0], out[1], 1, out[2], out[3]), dt),
+                     strides=(1, *stride), paddings=(0, 0, *pads), dilations=(1, *dilation), groups=groups,
+                     padding_algorithm="EXPLICIT", data_format="NCDHW")
+        y = c.emit1("squeeze", {"x": y5}, (res_name, res_shape, dt), axis=(2,))
+    if not has_bias:
+        return y
+    b3 = c.reshape(bias, (c.shape(bias)[0], 1, 1), c.fresh("bias"))
+    return c.emit1("add", {"x": y, "y": b3})
+
+
 def _sdpa(c: ImportContext) -> Any:
     q, k, v = c.args[:3]
     mask = c.arg(3, "attn_mask")
@@ -1039,8 +1573,12 @@ def _sdpa(c: ImportContext) -> Any:
             m = mask if mask.dtype != torch.bool else torch.zeros(mask.shape, dtype=_TORCH_DTYPES[dt]).masked_fill(
                 ~mask, float("-inf"))
             add = m if add is None else add + m
-        elif c.dtype(mask) == "bool":
-            raise c.unsupported("a boolean attention mask computed in the model (pass an additive float mask)")
+        elif c.dtype(mask) == "bool":  # True = attend: where(mask, scores, -inf)
+            if add is not None:
+                sc = c.emit1("add", {"x": sc, "y": add}, (c.fresh("causal"), (b_, hq, s, t_), dt))
+                add = None
+            sc = c.emit1("where", {"condition": mask, "x": sc, "y": c.tensor(float("-inf"), dt)},
+                         (c.fresh("masked"), (b_, hq, s, t_), dt))
         else:
             if add is not None:
                 sc = c.emit1("add", {"x": sc, "y": add}, (c.fresh("causal"), (b_, hq, s, t_), dt))
@@ -1072,8 +1610,20 @@ def _ce_core(c: ImportContext, x: Any, target: Any, reduction: int, ignore_index
                     use_softmax=use_softmax)
     if reduction == 0:
         return c.reshape(tok, ts, c.name)
-    rule = "mean" if reduction == 1 else "sum"
-    return c.emit1(rule, {"x": tok}, (c.name, (), c.dtype(x)), axis=(), keep_dim=False)
+    dt = c.dtype(x)
+    if reduction == 2:
+        return c.emit1("sum", {"x": tok}, (c.name, (), dt), axis=(), keep_dim=False)
+    # mean: over the counted tokens (torch divides by the number of labels != ignore_index;
+    # ignored tokens have loss 0)
+    total = c.emit1("sum", {"x": tok}, (c.fresh("loss_sum"), (), dt), axis=(), keep_dim=False)
+    if isinstance(target, torch.Tensor):
+        n = int((target != ignore_index).sum())
+        return c.emit1("divide", {"x": total, "y": c.tensor(float(n), dt)}, (c.name, (), dt))
+    keep = c.emit1("not_equal", {"x": lab, "y": c.tensor(int(ignore_index), "int64")},
+                   (c.fresh("counted"), (*ts, 1), "bool"))
+    keepf = c.emit1("cast", {"x": keep}, (c.fresh("counted_f"), (*ts, 1), dt), dtype=dt)
+    count = c.emit1("sum", {"x": keepf}, (c.fresh("count"), (), dt), axis=(), keep_dim=False)
+    return c.emit1("divide", {"x": total, "y": count}, (c.name, (), dt))
 
 
 def _loss_args(c: ImportContext, first: int) -> tuple[int, int]:
@@ -1145,7 +1695,7 @@ def _builtin() -> dict[str, Hook]:
     for k, r in (("ne", "not_equal"), ("lt", "less_than"), ("gt", "greater_than"), ("logical_and", "logical_and"),
                  ("logical_or", "logical_or"), ("bitwise_and", "bitwise_and"), ("bitwise_or", "bitwise_or"),
                  ("maximum", "maximum"), ("minimum", "minimum"), ("__or__", "bitwise_or"),
-                 ("__and__", "bitwise_and")):
+                 ("__and__", "bitwise_and"), ("floor_divide", "floor_divide"), ("remainder", "remainder")):
         t["aten." + k] = _binary(r)
     for k, r in (("eq", "not_equal"), ("le", "greater_than"), ("ge", "less_than")):
         t["aten." + k] = _binary(r, negate=True)
@@ -1170,6 +1720,20 @@ def _builtin() -> dict[str, Hook]:
     t["aten.dropout"] = _dropout
     t["aten.where"] = _where_op
     t["aten.masked_fill"] = _masked_fill
+    t["aten.pad"] = t["aten.constant_pad_nd"] = _pad
+    t["aten.clamp"] = t["aten.clip"] = t["aten.clamp_min"] = t["aten.clamp_max"] = _clamp
+    t["aten.isinf"] = t["aten.isnan"] = _isinf
+    t["aten.topk"] = _topk
+    t["aten.sort"] = t["aten.argsort"] = _sort
+    t["aten.histc"] = _histc
+    t["transformers.grouped_mm_fallback"] = t["aten._grouped_mm"] = _grouped_mm
+    t["aten.index_put"] = _index_put
+    t["aten.copy"] = _copy
+    t["aten.fill"] = _fill
+    t["aten.slice_scatter"] = _slice_scatter
+    t["aten.select_scatter"] = _select_scatter
+    t["aten.conv2d"] = t["aten.convolution"] = _conv2d
+    t["aten.index"] = _index
     t["aten.scaled_dot_product_attention"] = _sdpa
     for k in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
               "_scaled_dot_product_efficient_attention"):
@@ -1197,8 +1761,25 @@ class _WithLoss(torch.nn.Module):
         self.module = module
         self.loss_fn = loss
 
-    def forward(self, *args: Any) -> Any:
-        return self.loss_fn(self.module(*args))
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.loss_fn(self.module(*args, **kwargs))
+
+
+def _hf_call(module: Any, kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A HuggingFace model's call as a step: ``use_cache=False`` unless given (a KV cache is
+    inference state, and torch.export cannot return HF's cache objects)."""
+    kw = dict(kwargs or {})
+    cfg = getattr(module, "config", None)
+    if isinstance(module, torch.nn.Module) and getattr(cfg, "use_cache", None) and "use_cache" not in kw:
+        import inspect
+
+        try:
+            takes = "use_cache" in inspect.signature(module.forward).parameters
+        except (TypeError, ValueError):
+            takes = False
+        if takes:
+            kw["use_cache"] = False
+    return kw
 
 
 def _mutates(ep: Any) -> bool:
@@ -1209,21 +1790,24 @@ def _mutates(ep: Any) -> bool:
     return False
 
 
-def export(module: Any, example_inputs: tuple[Any, ...]) -> Any:
+def export(module: Any, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
     """``torch.export.export`` with static shapes (an ExportedProgram is passed through)."""
     if isinstance(module, torch.export.ExportedProgram):
         return module
     try:
-        return torch.export.export(module, tuple(example_inputs))
+        return torch.export.export(module, tuple(args), dict(kwargs or {}))
     except Exception as exc:  # export cannot trace it: say so, with torch's reason
         raise ProgramError(f"torch import: torch.export.export failed: {type(exc).__name__}: {exc}") from exc
 
 
-def import_module(module: Any, example_inputs: tuple[Any, ...], *, name: str = "", training: bool = False,
+def import_module(module: Any, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None, *, name: str = "",
+                  training: bool = False,
                   loss: Any = None, mapping: Mapping[Any, Hook | str] | None = None, fallback: str = "error",
                   buffers: str = "input", optimizer: str | None = "adamw", decompose: bool = False
                   ) -> ImportedProgram:
-    """The module's step as a validated spmdkit Program (see the module docstring).
+    """The module's step as a validated spmdkit Program (see the module docstring), for the
+    call ``module(*args, **kwargs)`` (the example inputs: their shapes and dtypes are the
+    program's; a HuggingFace model takes ``input_ids=``, ``attention_mask=``, ``labels=``, ...).
 
     ``training``: add the backward (reverse-mode over the registered grad rules) and, unless
     ``optimizer`` is None, an ``adamw`` (or ``sgd``) update per parameter; ``loss``: which output
@@ -1235,6 +1819,7 @@ def import_module(module: Any, example_inputs: tuple[Any, ...], *, name: str = "
     first (core ATen: ``addmm``, ``native_layer_norm``, ``_softmax``, ...). ``module`` may also be
     a ``torch.export.ExportedProgram``."""
     modes = {m: m.training for m in module.modules()} if isinstance(module, torch.nn.Module) else {}
+    kwargs = _hf_call(module, kwargs)
     name = name or type(module).__name__
     if callable(loss) and not isinstance(loss, torch.nn.Module) and isinstance(module, torch.nn.Module):
         module = _WithLoss(module, loss)
@@ -1242,7 +1827,7 @@ def import_module(module: Any, example_inputs: tuple[Any, ...], *, name: str = "
     if isinstance(module, torch.nn.Module):
         module.eval()  # dropout off, as the simulator and the planner see the step
     try:
-        ep = export(module, tuple(example_inputs))
+        ep = export(module, tuple(args), kwargs)
     finally:
         for m, was in modes.items():
             m.train(was)
@@ -1258,10 +1843,11 @@ def import_module(module: Any, example_inputs: tuple[Any, ...], *, name: str = "
 # -- values and the unsharded run (numpy) --------------------------------------------------------
 
 
-def torch_values(prog: ImportedProgram, module: Any, example_inputs: tuple[Any, ...], *,
-                 dtype: Any = None, learning_rate: float = 1e-3) -> dict[str, Any]:
+def torch_values(prog: ImportedProgram, module: Any, args: Sequence[Any] = (),
+                 kwargs: Mapping[str, Any] | None = None, *, dtype: Any = None, learning_rate: float = 1e-3
+                 ) -> dict[str, Any]:
     """numpy values of every source tensor of ``prog``: the module's own parameters and
-    buffers, the example inputs, the recorded constants, the loss seed (ones), and for the
+    buffers, the call's inputs (``args`` and ``kwargs`` as given to :func:`import_module`), the recorded constants, the loss seed (ones), and for the
     optimizer a learning rate, zero moments and beta powers 0.9 / 0.999. Floats become
     ``dtype`` (default float64, as the simulator computes)."""
     import numpy as np
@@ -1276,10 +1862,29 @@ def torch_values(prog: ImportedProgram, module: Any, example_inputs: tuple[Any, 
             module = module.module
         state.update(dict(module.named_parameters(remove_duplicate=False)))
         state.update(dict(module.named_buffers(remove_duplicate=False)))
-    flat_in, _ = torch.utils._pytree.tree_flatten(tuple(example_inputs))
+    call = (tuple(args), dict(kwargs or {}))
+    flat_in, _ = torch.utils._pytree.tree_flatten(call)
+    paths = getattr(prog, "input_paths", {})
+
+    def call_input(name: str, i: int) -> Any:
+        path = paths.get(name)
+        if path is None:
+            return flat_in[i]
+        v: Any = call
+        try:
+            for k in path:
+                v = k.get(v)
+        except (KeyError, IndexError, AttributeError, TypeError):
+            where = prog.input_path(name) if isinstance(prog, ImportedProgram) else name
+            raise ProgramError(f"torch_values: input {name!r} ({where}) is not in the given args / kwargs") from None
+        return v
 
     def conv(t: Any) -> Any:
-        a = t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
+        if isinstance(t, torch.Tensor):
+            t = t.detach().cpu()
+            a = (t.double() if t.dtype in (torch.bfloat16, torch.float16) else t).numpy()  # numpy has no bfloat16
+        else:
+            a = np.asarray(t)
         return a.astype(fdt) if a.dtype.kind == "f" else a
 
     out: dict[str, Any] = {}
@@ -1297,7 +1902,7 @@ def torch_values(prog: ImportedProgram, module: Any, example_inputs: tuple[Any, 
                     raise ProgramError(f"torch_values: the module has no parameter or buffer {where!r}")
                 out[name] = conv(state[where])
             elif kind == "input":
-                out[name] = conv(flat_in[where])
+                out[name] = conv(call_input(name, where))
             else:
                 out[name] = conv(prog.constants[name])
         elif name.endswith(".grad") and t.kind == "input":

@@ -153,6 +153,16 @@ GRADS: dict[str, tuple[str, tuple[str, ...]]] = {
     "unsqueeze": ("unsqueeze_grad", ("x",)),
     "squeeze": ("squeeze_grad", ("x",)),
     "expand": ("expand_grad", ("x",)),
+    # HuggingFace models (tests/test_hf.py checks the gradients against torch's autograd): masks,
+    # mixed-precision casts, padded labels, gathers, patch-embedding convolutions
+    "where": ("where_grad", ("x", "y")),
+    "cast": ("cast_grad", ("x",)),
+    "pad": ("pad_grad", ("x",)),
+    "index_select": ("index_select_grad", ("x",)),
+    "gather_nd": ("gather_nd_grad", ("x",)),
+    "take_along_axis": ("take_along_axis_grad", ("x",)),
+    "conv2d": ("conv2d_grad", ("input", "filter")),
+    "conv3d": ("conv3d_grad", ("input", "filter")),
 }
 
 #: grad rule parameter -> forward output it reads, where the names differ
