@@ -7,7 +7,7 @@ Prints one row per case: the median microseconds per call of
 * ``spmdkit (uncached)``: ``get_rule(name).infer_forward(*args)`` with the result cache off,
   so every call runs the rule;
 * ``spmdkit (cached)``: the same call with the cache on (a repeated call returns the stored
-  answer after binding the arguments);
+  answer, looked up by a typed key of the arguments before binding);
 * ``paddle``: ``core.get_phi_spmd_rule(name).infer_forward(*args)`` with Paddle's own
   DistTensorSpec arguments built once, when ``paddle`` can be imported (run this script with
   a Python that has paddlepaddle==3.3.1 and spmdkit's ``src`` on ``sys.path``, e.g.

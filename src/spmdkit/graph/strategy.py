@@ -29,17 +29,16 @@ from typing import Any
 
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import ProgramError, SpmdError
-from spmdkit.core.mesh import ProcessMesh
+from spmdkit.core.mesh import MAX_MESH_RANKS, ProcessMesh
 from spmdkit.graph.zoo import Model
 
 STRATEGIES = ("dp", "megatron", "sp", "zero")
 _ALIASES = {"tp": "megatron", "ddp": "dp", "zero2": "zero", "fsdp": "zero"}
 
 
-#: The most ranks a ``--mesh`` may have (2**20, about a million devices). The core is getting
-#: the same limit (``spmdkit.core.mesh.MAX_RANKS``, issue 13); this copy keeps the CLI check
-#: independent of that change and must stay equal to it.
-MAX_RANKS = 1 << 20
+#: The most ranks a ``--mesh`` may have: the core's limit (2**20, about a million devices),
+#: checked here before any mesh is built so the CLI names ``--mesh``.
+MAX_RANKS = MAX_MESH_RANKS
 
 _MESH_PART = re.compile(r"([A-Za-z_][A-Za-z0-9_]*) *= *([0-9]{1,9})")
 
