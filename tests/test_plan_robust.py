@@ -231,3 +231,14 @@ def test_fuzz_plan_arguments(capsys: pytest.CaptureFixture[str]) -> None:
         assert "Traceback" not in cap.err
         if rc:
             assert len(cap.err.strip().splitlines()) == 1, (argv, cap.err)
+
+
+@pytest.mark.parametrize("argv", [["--mesh", "--x"], ["--bogus"], ["--layers"], ["--mesh", "-x"]])
+def test_argparse_errors_are_one_line(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    """argparse's own refusals (a flag without its value, an unknown flag) are one line too, no usage block."""
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", *TINY, *argv])
+    cap = capsys.readouterr()
+    assert exc.value.code == 2
+    lines = cap.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("spmdkit") and "error" in lines[0], cap.err

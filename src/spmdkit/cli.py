@@ -7,7 +7,7 @@ import io
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 from spmdkit.core.errors import SpmdError
 
@@ -132,9 +132,16 @@ def _cmd_run(ns: argparse.Namespace, out: TextIO) -> int:
     return run_command(ns, out, ns.argv)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``spmdkit plan: error: ... (--help for usage)``, exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (--help for usage)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="spmdkit", description="SPMD sharding propagation rules and tools")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = _Parser(prog="spmdkit", description="SPMD sharding propagation rules and tools")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     pi = sub.add_parser("infer", help="run one rule call (JSON case, INTERFACE.md)")
     pi.add_argument("case", nargs="?", help="one case as JSON")
