@@ -136,7 +136,7 @@ class _Specs:
 class _OpCall:
     """An op's rule and how to lay out its arguments (computed once per op)."""
 
-    __slots__ = ("bwd", "bwd_layout", "fwd", "fwd_layout", "op")
+    __slots__ = ("bwd", "bwd_layout", "fwd", "fwd_layout", "op", "tparams")
 
     def __init__(self, op: Op) -> None:
         rule = get_rule(op.rule)
@@ -144,6 +144,7 @@ class _OpCall:
         self.fwd = rule.forward
         self.bwd = rule.backward if is_reverse(rule) else None
         self.fwd_layout = op_layout(op, "forward")
+        self.tparams = [p.name for p in self.fwd.params if p.is_tensor]
         self.bwd_layout = op_layout(op, "backward") if self.bwd is not None else None
 
 
@@ -200,9 +201,15 @@ def propagate(
     rounds = 0
     results: list[SpmdResult | None] = []
     total = len(calls) * 2
+    reduced: dict[str, TensorDistAttr] = {}  # partial tensors reduced right after their producer
+    readers: dict[str, int] = {}
+    for op in program.ops:
+        for n in set(op.input_names()):
+            readers[n] = readers.get(n, 0) + 1
     while True:
         rounds += 1
         results = []
+        grew = False
         for i, c in enumerate(calls):
             names = c.op.input_names()
             if names and all(attrs[n] is None for n in names):
@@ -210,15 +217,29 @@ def propagate(
                 continue
             res = run(i, c, False)
             results.append(res)
+            for p, req in zip(c.tparams, res.inputs):
+                v = c.op.inputs.get(p)
+                if v is None:
+                    continue
+                for n, r_attr in zip(_flat(v), _flat_attrs(req)):
+                    if n is None or r_attr is None or n in fixed or n in reduced or readers.get(n, 0) < 2:
+                        continue
+                    a_n = attrs[n]
+                    if a_n is not None and a_n.partial and not (set(a_n.partial) <= set(r_attr.partial)):
+                        # a partial tensor this op needs reduced: reduce it once, after its
+                        # producer, so every reader shares the one reduction
+                        reduced[n] = r_attr
+                        attrs[n] = r_attr
+                        grew = True
             for v, a in zip(c.op.outputs, res.outputs):
                 for n, x in zip(_flat(v), _flat_attrs(a)):
                     if n is not None and x is not None and n not in fixed:
-                        attrs[n] = x
+                        attrs[n] = reduced[n] if n in reduced and x.partial else x
             if progress is not None and i % 256 == 0:
                 progress(i, total)
         if rounds >= MAX_ROUNDS:
             break
-        filled = False
+        filled = grew
         by_sweep: set[str] = set()  # filled in this sweep: an earlier consumer's answer wins
         for i in range(len(calls) - 1, -1, -1):
             c = calls[i]
@@ -292,6 +313,9 @@ def propagate(
                 if n in fixed and fixed[n] != x:
                     op_plan.reshards.append(reshard(n, x, fixed[n], i, True))
                     made[n] = fixed[n]
+                elif n in reduced and x.partial and reduced[n] != x:
+                    op_plan.reshards.append(reshard(n, x, reduced[n], i, True))
+                    made[n] = final[n] = reduced[n]
                 else:
                     made[n] = x
                     final[n] = x

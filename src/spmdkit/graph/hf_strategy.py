@@ -1,0 +1,358 @@
+"""Parallel strategies for imported programs (HuggingFace models and any torch module), by
+parameter names.
+
+A program imported from torch (:mod:`spmdkit.torch_import`, :mod:`spmdkit.hf`) names its
+parameters by their state-dict paths (``model.layers.0.self_attn.q_proj.weight``); a program
+JSON exported from one keeps those names. The strategies of :mod:`spmdkit.graph.strategy` read
+them here:
+
+- ``dp``: the batch axis (axis 0) of every data input (``input_ids``, ``attention_mask``,
+  ``labels``, ``pixel_values``...: the call's arguments, not the recorded constants or
+  buffers) over ``dp``; every parameter gradient is then all-reduced over ``dp``.
+- ``zero``: each parameter's optimizer states sharded over ``dp`` on their first axis that is
+  not already sharded and that ``dp`` divides (as the zoo's ``zero``).
+- ``megatron`` (``tp``): a parameter's module path (its name without ``.weight`` / ``.bias``,
+  or a tied parameter's other names) is matched against the patterns below, first match
+  wins, the user's before the defaults: ``column`` shards a linear layer's output features
+  over ``tp`` (and its bias), ``row`` its input features, ``vocab`` the vocabulary axis of
+  an embedding table, an LM head (tied or not) or its bias, ``replicate`` leaves it alone.
+  Which axis is the output features follows the op that reads the weight: ``matmul`` with
+  ``trans_y`` (torch's ``Linear``, ``[out, in]``) or without (GPT-2's ``Conv1D``,
+  ``[in, out]``). A column layer whose output is split into heads (a ``reshape`` to
+  ``[..., heads, head_dim]``) needs ``heads % tp == 0``, else :class:`ProgramError` naming
+  the module (give it ``replicate`` to keep going: ``{"*.k_proj": "replicate", ...}``).
+
+Default patterns (:data:`DEFAULT_PATTERNS`; a pattern is a glob over the module path that
+also matches any ``.``-suffix, so ``"q_proj"`` matches ``model.layers.3.self_attn.q_proj``;
+a pattern starting ``re:`` is a regular expression, full match):
+
+==========================================================  =========
+q_proj k_proj v_proj gate_proj up_proj fc1 c_fc query key    column
+value wi wi_0 wi_1 q k v (T5), intermediate.dense (BERT)
+o_proj down_proj fc2 c_proj wo o out_proj dense              row
+(attention.output.dense and output.dense of BERT, Phi's dense)
+embed_tokens wte word_embeddings shared lm_head embed_out    vocab
+cls.predictions (BERT's decoder bias)
+c_attn (GPT-2's fused q/k/v), transform.dense, pooler.dense  replicate
+==========================================================  =========
+
+GPT-2's fused ``c_attn`` (``[in, 3 * hidden]``) is left replicated: sharding its output axis
+in contiguous blocks would cut across q, k and v (the split after it would all-gather);
+a head-wise split needs the weight rewritten as three parameters, which the importer does not
+do yet. Its attention then runs replicated over ``tp`` and ``c_proj`` slices its input
+locally (no communication in the forward step).
+
+``megatron`` also makes the loss vocab-parallel: :func:`vocab_parallel_loss` rewrites the
+imported ``cross_entropy_with_softmax`` (hard labels, ``ignore_index``) and its grad into
+``c_softmax_with_cross_entropy`` (Megatron's cross entropy: max, sum of exponentials and the
+label's logit all-reduced over the vocab shards), so the ``[tokens, vocab]`` logits are never
+all-gathered. The sum / count of counted tokens after it is unchanged.
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import replace
+from typing import Any
+
+from spmdkit.core.dist_attr import TensorDistAttr
+from spmdkit.core.errors import ProgramError
+from spmdkit.core.mesh import ProcessMesh
+from spmdkit.graph.program import Op, Program
+from spmdkit.graph.strategy import user_attrs
+
+ROLES = ("column", "row", "vocab", "replicate")
+
+_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "fc1", "c_fc", "query", "key", "value",
+           "wi", "wi_0", "wi_1", "q", "k", "v", "w1", "w3")
+_ROW = ("o_proj", "down_proj", "fc2", "c_proj", "wo", "o", "out_proj", "w2")
+_VOCAB = ("embed_tokens", "wte", "word_embeddings", "shared", "lm_head", "embed_out", "embed_in",
+          "cls.predictions.decoder", "cls.predictions")
+
+#: (pattern, role) in the order they are tried (after the user's).
+DEFAULT_PATTERNS: tuple[tuple[str, str], ...] = (
+    ("c_attn", "replicate"),
+    ("transform.dense", "replicate"),
+    ("pooler.dense", "replicate"),
+    ("intermediate.dense", "column"),
+    ("dense", "row"),
+    *((p, "column") for p in _COLUMN),
+    *((p, "row") for p in _ROW),
+    *((p, "vocab") for p in _VOCAB),
+)
+
+
+def _matches(pattern: str, path: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.fullmatch(pattern[3:], path) is not None
+    return fnmatch.fnmatchcase(path, pattern) or fnmatch.fnmatchcase(path, "*." + pattern)
+
+
+def check_patterns(patterns: Mapping[str, str] | Iterable[tuple[str, str]] | None) -> list[tuple[str, str]]:
+    """The user's patterns as (pattern, role) pairs; ProgramError for a role not in
+    :data:`ROLES` or a regular expression that does not compile."""
+    items = list(patterns.items() if isinstance(patterns, Mapping) else (patterns or ()))
+    out: list[tuple[str, str]] = []
+    for k, v in items:
+        if not isinstance(k, str) or not k:
+            raise ProgramError(f"tp pattern {k!r}: must be a non-empty string (a glob or re:REGEX)")
+        if v not in ROLES:
+            raise ProgramError(f"tp pattern {k!r}: role {v!r} is not one of {', '.join(ROLES)}")
+        if k.startswith("re:"):
+            try:
+                re.compile(k[3:])
+            except re.error as exc:
+                raise ProgramError(f"tp pattern {k!r}: not a regular expression: {exc}") from None
+        out.append((k, v))
+    return out
+
+
+def role_of(path: str, patterns: Iterable[tuple[str, str]]) -> str | None:
+    """The role of the module ``path`` under ``patterns`` (first match), else None."""
+    for k, v in patterns:
+        if _matches(k, path):
+            return v
+    return None
+
+
+# -- what the program says about itself ----------------------------------------------------------
+
+
+def data_inputs(prog: Program) -> list[str]:
+    """The inputs fed by the call: an :class:`ImportedProgram`'s ``input`` sources; for a plain
+    program, ``input`` tensors that are not recorded constants (``const_N``), gradients seeds,
+    the learning rate or 0-d."""
+    sources = getattr(prog, "sources", None)
+    if sources:
+        return [n for n, (kind, _) in sources.items() if kind == "input" and n in prog.tensors]
+    made = {n for op in prog.ops for n in op.output_names()}
+    return [t.name for t in prog.tensors.values()
+            if t.kind == "input" and t.shape and t.name not in made and not re.fullmatch(r"const_\d+", t.name)
+            and not t.name.endswith(".grad") and t.name != "learning_rate"]
+
+
+def parameters(prog: Program) -> list[str]:
+    """The program's parameters (not their updated copies)."""
+    return [t.name for t in prog.tensors.values() if t.kind == "parameter" and not t.inplace_of]
+
+
+def optimizer_of(prog: Program) -> dict[str, tuple[str, tuple[str, ...], str, tuple[str, ...]]]:
+    """parameter -> (grad, states, updated parameter, updated states): an imported program's
+    ``optimizer``, else read from the optimizer ops (``param``, ``grad``, the inputs of kind
+    ``optimizer_state`` shaped as the parameter, and the outputs that overwrite them)."""
+    opt = getattr(prog, "optimizer", None)
+    if opt:
+        return dict(opt)
+    out: dict[str, tuple[str, tuple[str, ...], str, tuple[str, ...]]] = {}
+    for op in prog.ops:
+        if op.phase != "optimizer" or not isinstance(op.inputs.get("param"), str):
+            continue
+        p = op.inputs["param"]
+        g = op.inputs.get("grad")
+        shape = prog.tensors[p].shape
+        states = tuple(n for n in op.input_names() if prog.tensors[n].kind == "optimizer_state"
+                       and prog.tensors[n].shape == shape)
+        by_src = {prog.tensors[n].inplace_of: n for n in op.output_names() if prog.tensors[n].inplace_of}
+        new = by_src.get(p)
+        if not isinstance(g, str) or new is None:
+            continue
+        out[p] = (g, states, new, tuple(by_src[s] for s in states if s in by_src))
+    return out
+
+
+def _module_paths(prog: Program, param: str) -> list[str]:
+    """The module paths a parameter goes by: its own and those of its tied aliases."""
+    names = [param] + [a for a, t in (getattr(prog, "aliases", None) or {}).items() if t == param]
+    return [n.rsplit(".", 1)[0] if "." in n else n for n in names]
+
+
+def _readers(prog: Program) -> dict[str, list[tuple[int, Op, str]]]:
+    out: dict[str, list[tuple[int, Op, str]]] = {}
+    for i, op in enumerate(prog.ops):
+        if op.phase != "forward":
+            continue
+        for p, v in op.inputs.items():
+            if isinstance(v, str):
+                out.setdefault(v, []).append((i, op, p))
+    return out
+
+
+def _heads(prog: Program, readers: dict[str, list[tuple[int, Op, str]]], out: str, features: int) -> int | None:
+    """The head count a column layer's output ``out`` is reshaped into (``[..., heads, d]``
+    with ``heads * d == features``), following a bias add; None when it is not."""
+    frontier = [out]
+    for _ in range(3):
+        nxt: list[str] = []
+        for n in frontier:
+            for _i, op, _p in readers.get(n, []):
+                o = op.output_names()
+                if not o:
+                    continue
+                shape = prog.tensors[o[0]].shape
+                if op.rule == "reshape" and len(shape) >= 2 and shape[-1] * shape[-2] == features \
+                        and shape[-1] != features:
+                    return shape[-2]
+                if op.rule in ("add", "elementwise_add", "cast"):
+                    nxt.append(o[0])
+        frontier = nxt
+    return None
+
+
+def _weight_axes(prog: Program, readers: dict[str, list[tuple[int, Op, str]]],
+                 param: str) -> tuple[str, int, int, Op | None]:
+    """(how the weight is read, output-feature axis, input-feature axis, the reading op):
+    ``linear`` for a 2-D matmul ``y``, ``embedding`` for a table; ``other`` otherwise."""
+    t = prog.tensors[param]
+    for _i, op, p in readers.get(param, []):
+        if op.rule == "matmul" and p == "y" and len(t.shape) == 2:
+            ty = bool(op.attrs.get("trans_y", False))
+            return ("linear", 0 if ty else 1, 1 if ty else 0, op)
+        if op.rule in ("embedding", "c_embedding") and p == "weight":
+            return ("embedding", 1, 0, op)
+    return ("other", -1, -1, None)
+
+
+# -- the annotations -----------------------------------------------------------------------------
+
+
+def tp_roles(prog: Program, patterns: Mapping[str, str] | Iterable[tuple[str, str]] | None = None
+             ) -> dict[str, str]:
+    """parameter -> role (``column`` / ``row`` / ``vocab``; replicated ones left out) under the
+    user's ``patterns`` then :data:`DEFAULT_PATTERNS`."""
+    pats = check_patterns(patterns) + list(DEFAULT_PATTERNS)
+    out: dict[str, str] = {}
+    for p in parameters(prog):
+        for path in _module_paths(prog, p):
+            r = role_of(path, pats)
+            if r is not None:
+                if r != "replicate":
+                    out[p] = r
+                break
+    return out
+
+
+def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
+                     user: Mapping[str, Any] | None = None,
+                     patterns: Mapping[str, str] | Iterable[tuple[str, str]] | None = None
+                     ) -> dict[str, TensorDistAttr]:
+    """Tensor name -> dist attr for ``strategy`` (parsed: see
+    :func:`spmdkit.graph.strategy.parse_strategy`) on an imported program (module docstring);
+    ``patterns``: the user's module-name patterns -> role for ``megatron``; ``user``:
+    annotations (tensor -> dims_mapping) applied last, which win. ``sp`` is refused (not yet
+    done for imported programs)."""
+    st = set(strategy)
+    if "sp" in st:
+        raise ProgramError("--strategy sp: sequence parallel is not yet done for imported programs "
+                           "(use megatron, dp, zero)")
+    dp = mesh.dim_index("dp") if "dp" in st else None
+    tp = mesh.dim_index("tp") if "megatron" in st else None
+    out: dict[str, list[Any]] = {}
+
+    def dm(name: str) -> list[Any]:
+        return out.setdefault(name, [-1] * len(prog.tensors[name].shape))
+
+    if dp is not None:
+        size = mesh.shape[dp]
+        for n in data_inputs(prog):
+            shape = prog.tensors[n].shape
+            if not shape:
+                continue
+            if shape[0] % size:
+                raise ProgramError(f"--strategy dp: input {n} has batch size {shape[0]}, which dp={size} "
+                                   f"does not divide")
+            dm(n)[0] = dp
+    if tp is not None:
+        size = mesh.shape[tp]
+        readers = _readers(prog)
+        roles = tp_roles(prog, patterns)
+        for p, role in roles.items():
+            t = prog.tensors[p]
+            mod = _module_paths(prog, p)[0]
+            how, out_ax, in_ax, op = _weight_axes(prog, readers, p)
+            if len(t.shape) == 1:
+                # a bias: a column layer's (output features) or a vocab head's is sharded
+                if role in ("column", "vocab"):
+                    if t.shape[0] % size:
+                        raise ProgramError(f"--strategy megatron: {mod} ({role}): bias size {t.shape[0]} is not "
+                                           f"divisible by tp={size}")
+                    dm(p)[0] = tp
+                continue
+            if how == "other":
+                continue  # not a linear layer or a table (a conv, an expert bank): replicated
+            if role == "vocab":
+                axis = 0 if how == "embedding" else out_ax
+            elif how == "embedding":
+                continue
+            else:
+                axis = out_ax if role == "column" else in_ax
+            if t.shape[axis] % size:
+                raise ProgramError(f"--strategy megatron: {mod} ({role}): its {'vocabulary' if role == 'vocab' else 'feature'} "
+                                   f"axis has {t.shape[axis]} entries, not divisible by tp={size}")
+            if role == "column" and op is not None:
+                heads = _heads(prog, readers, op.output_names()[0], t.shape[axis])
+                if heads is not None and heads % size:
+                    raise ProgramError(f"--strategy megatron: {mod} (column) makes {heads} heads, not divisible "
+                                       f"by tp={size} (give it a pattern, e.g. {{'{mod.rsplit('.', 1)[-1]}': "
+                                       f"'replicate'}}, or a smaller tp)")
+            dm(p)[axis] = tp
+    for p, (_g, states, new, new_states) in optimizer_of(prog).items():
+        base = list(out.get(p, [-1] * len(prog.tensors[p].shape)))
+        if p in out:
+            out[new] = list(base)
+        for s in (*states, *new_states):
+            out[s] = list(base)
+        if "zero" in st and dp is not None and states:
+            shape = prog.tensors[p].shape
+            axis = next((a for a, e in enumerate(base) if e == -1 and shape[a] % mesh.shape[dp] == 0), None)
+            if axis is not None:
+                for s in (*states, *new_states):
+                    out[s][axis] = dp
+                out[new] = list(base)
+    attrs = {n: TensorDistAttr(mesh, d) for n, d in out.items()}
+    attrs.update(user_attrs(prog, mesh, user))
+    return attrs
+
+
+# -- the vocab-parallel loss ---------------------------------------------------------------------
+
+
+def vocab_parallel_loss(prog: Program) -> Program:
+    """A copy of ``prog`` whose hard-label ``cross_entropy_with_softmax`` ops (softmax over the
+    last axis) and their grads are ``c_softmax_with_cross_entropy`` (and its grad) with the same
+    ``ignore_index``: the same values, but the class axis may stay sharded. ``prog`` itself
+    when it has none. An imported program's other fields (sources, loss, ...) are kept."""
+    ops = list(prog.ops)
+    changed = False
+    for i, op in enumerate(ops):
+        a = op.attrs
+        hard = not a.get("soft_label", False) and a.get("use_softmax", True)
+        x = op.inputs.get("x") if op.rule == "cross_entropy_with_softmax" else op.inputs.get("softmax")
+        if not isinstance(x, str):
+            continue
+        nd = len(prog.tensors[x].shape)
+        ax = int(a.get("axis", -1))
+        if not hard or ax not in (-1, nd - 1):
+            continue
+        attrs = {"ignore_index": int(a.get("ignore_index", -100))}
+        if op.rule == "cross_entropy_with_softmax":
+            ops[i] = replace(op, rule="c_softmax_with_cross_entropy", attrs=attrs,
+                             inputs={"x": x, "label": op.inputs["label"]})
+            changed = True
+        elif op.rule == "cross_entropy_with_softmax_grad":
+            ops[i] = replace(op, rule="c_softmax_with_cross_entropy_grad", attrs=attrs,
+                             inputs={"softmax": x, "label": op.inputs["label"], "loss_grad": op.inputs["loss_grad"]})
+            changed = True
+    if not changed:
+        return prog
+    new = prog.__class__.__new__(prog.__class__)
+    new.__dict__.update(prog.__dict__)
+    Program.__init__(new, list(prog.tensors.values()), ops, prog.name)
+    return new
+
+
+__all__ = ["DEFAULT_PATTERNS", "ROLES", "annotate_program", "check_patterns", "data_inputs", "optimizer_of",
+           "parameters", "role_of", "tp_roles", "vocab_parallel_loss"]
