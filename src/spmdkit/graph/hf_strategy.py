@@ -193,8 +193,8 @@ def _heads(prog: Program, readers: dict[str, list[tuple[int, Op, str]]], out: st
                 if not o:
                     continue
                 shape = prog.tensors[o[0]].shape
-                if op.rule == "reshape" and len(shape) >= 2 and shape[-1] * shape[-2] == features \
-                        and shape[-1] != features:
+                if op.rule == "reshape" and len(shape) == len(prog.tensors[n].shape) + 1 \
+                        and shape[-1] * shape[-2] == features:
                     return shape[-2]
                 if op.rule in ("add", "elementwise_add", "cast"):
                     nxt.append(o[0])

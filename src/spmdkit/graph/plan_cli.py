@@ -18,9 +18,18 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="llama-7b",
                    help=f"a preset ({', '.join(sorted(PRESETS))}); default llama-7b")
     p.add_argument("--program", help="plan a program JSON file (docs/graph.md) instead of a preset")
+    p.add_argument("--hf", metavar="CLASS",
+                   help="plan a HuggingFace transformers model built from --hf-config, e.g. LlamaForCausalLM "
+                        "(needs spmdkit[hf])")
+    p.add_argument("--hf-config", metavar="FILE|JSON", help="the --hf model's config: a config.json file or a JSON object")
+    p.add_argument("--dtype", default="float32", help="the --hf model's dtype: float32 (default), bf16, fp16, float64")
+    p.add_argument("--tp-plan", metavar="FILE|JSON",
+                   help='megatron for --hf / --program: module-name patterns -> column, row, vocab or replicate, '
+                        'tried before the defaults, e.g. \'{"*.k_proj": "replicate"}\'')
     p.add_argument("--mesh", default="dp=2,tp=4", help="named mesh dims, e.g. dp=2,tp=4 (default)")
-    p.add_argument("--strategy", default="megatron",
-                   help="comma list of dp, megatron (tp), sp, zero; default megatron (= dp,megatron)")
+    p.add_argument("--strategy", default=None,
+                   help="comma list of dp, megatron (tp), sp, zero; default megatron (= dp,megatron) for a preset "
+                        "or --hf, none for --program")
     p.add_argument("--layers", help=f"override the preset's layer count (1 to {MAX_LAYERS})")
     p.add_argument("--batch", help=f"override the preset's batch size (1 to {MAX_SIZE})")
     p.add_argument("--seq", help=f"override the preset's sequence length (1 to {MAX_SIZE})")
@@ -118,6 +127,87 @@ def plan_model(model_name: str, mesh_text: str, strategy_text: str,
     return model, plan, time.perf_counter() - t0
 
 
+def plan_program(prog: Any, mesh_text: str, strategy_text: str | None, user: dict[str, Any] | None = None,
+                 patterns: Any = None, cost_text: str | None = None) -> tuple[Any, Any]:
+    """(program, plan) for an imported program (or a program JSON from one) under a strategy
+    (:mod:`spmdkit.graph.hf_strategy`): with megatron the program is a copy whose loss is
+    vocab-parallel, and the plan is over that copy."""
+    from spmdkit.graph.hf_strategy import annotate_program, vocab_parallel_loss
+    from spmdkit.graph.propagate import propagate
+    from spmdkit.graph.strategy import parse_mesh, parse_strategy, user_attrs
+
+    mesh = parse_mesh(mesh_text)
+    st = parse_strategy(strategy_text or "none", mesh)
+    cost = _cost(cost_text, mesh)
+    if not st:  # no strategy: the user's annotations alone, as a program file always was
+        return prog, propagate(prog, mesh, user_attrs(prog, mesh, user), cost)
+    if "megatron" in st:
+        prog = vocab_parallel_loss(prog)
+    ann = annotate_program(prog, mesh, st, user, patterns)
+    return prog, propagate(prog, mesh, ann, cost)
+
+
+def plan_hf(class_name: str, config: Any, mesh_text: str, strategy_text: str | None, dtype: str = "float32",
+            batch: int = 2, seq: int = 16, user: dict[str, Any] | None = None, patterns: Any = None,
+            cost_text: str | None = None) -> tuple[Any, Any, dict[str, Any], Any]:
+    """(program, model, keyword inputs, plan) for the HuggingFace model ``class_name`` built
+    from ``config`` (a dict, a JSON object text or a config.json path; :func:`spmdkit.hf.build`),
+    its training step imported at ``batch`` x ``seq`` and planned on ``mesh_text`` under
+    ``strategy_text`` (default megatron). The program is the one planned (with megatron, its
+    loss made vocab-parallel); run it with ``torch_values(prog, model, (), kw)``."""
+    from spmdkit.hf import dtype_name, import_hf
+
+    dt = dtype_name(dtype)
+    b = _size_arg("--batch", batch, MAX_SIZE)
+    sq = _size_arg("--seq", seq, MAX_SIZE)
+    assert b is not None and sq is not None
+    from spmdkit.graph.strategy import parse_mesh, parse_strategy
+
+    parse_strategy(strategy_text or "megatron", parse_mesh(mesh_text))  # refuse a bad mesh / strategy before importing
+    prog, model, kw = _import_hf(import_hf, class_name, config, b, sq, dt)
+    prog, plan = plan_program(prog, mesh_text, strategy_text or "megatron", user, patterns, cost_text)
+    return prog, model, kw, plan
+
+
+def _import_hf(import_hf: Any, class_name: str, config: Any, batch: int, seq: int, dtype: str) -> Any:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        try:
+            return import_hf(class_name, config, batch=batch, seq=seq, dtype=dtype)
+        except SpmdError:
+            raise
+        except (ValueError, TypeError, RuntimeError, IndexError, KeyError) as exc:
+            msg = " ".join(str(exc).split())[:300]
+            raise ProgramError(f"--hf {class_name}: the model does not import: {type(exc).__name__}: {msg}") from None
+
+
+def _tp_plan(text: str | None) -> dict[str, str] | None:
+    """``--tp-plan``: a JSON object (or a file holding one) of pattern -> role."""
+    import os
+
+    from spmdkit.graph.hf_strategy import check_patterns
+
+    if text is None:
+        return None
+    if not text.lstrip().startswith("{"):
+        if not os.path.isfile(text):
+            raise ProgramError(f"--tp-plan {_cut(text)}: neither a JSON object nor an existing file")
+        with open(text, encoding="utf-8") as f:
+            text = f.read(1 << 20)
+    try:
+        obj = json.loads(text)
+    except (ValueError, RecursionError):
+        raise ProgramError(f"--tp-plan {_cut(text)}: not JSON (e.g. {{\"*.k_proj\": \"replicate\"}})") from None
+    if not isinstance(obj, dict):
+        raise ProgramError("--tp-plan: must be a JSON object of module-name pattern -> role")
+    try:
+        return dict(check_patterns(obj))
+    except ProgramError as exc:
+        raise ProgramError(f"--tp-plan: {exc}") from None
+
+
 def _cost(text: str | None, mesh: Any) -> Any:
     import math
 
@@ -184,27 +274,45 @@ def _run_plan(ns: argparse.Namespace, out: TextIO) -> int:
     layers = _size_arg("--layers", ns.layers, MAX_LAYERS)
     batch = _size_arg("--batch", ns.batch, MAX_SIZE)
     seq = _size_arg("--seq", ns.seq, MAX_SIZE)
-    if ns.program:
+    hf = getattr(ns, "hf", None)
+    if hf is not None and ns.program:
+        raise ProgramError("--hf: give either --hf or --program, not both")
+    if hf is None and getattr(ns, "hf_config", None) is not None:
+        raise ProgramError("--hf-config: configures an --hf model; give --hf CLASS too")
+    patterns = _tp_plan(getattr(ns, "tp_plan", None))
+    if patterns is not None and hf is None and not ns.program:
+        raise ProgramError("--tp-plan: applies to --hf or --program models (a preset has its own roles)")
+    if hf is not None:
+        if ns.hf_config is None:
+            raise ProgramError(f"--hf {_cut(hf, 40)}: needs --hf-config FILE|JSON (the model's config)")
+        for f, v in (("--layers", layers), ("--verify", ns.verify or None)):
+            if v is not None:
+                raise ProgramError(f"{f}: does not apply to --hf (set num_hidden_layers in --hf-config)")
+        t0 = time.perf_counter()
+        _, _, _, plan = plan_hf(hf, ns.hf_config, ns.mesh, ns.strategy, getattr(ns, "dtype", "float32"),
+                                batch or 2, seq or 16, user, patterns, ns.cost)
+        secs = time.perf_counter() - t0
+        title = f"{hf} (HuggingFace), batch {batch or 2}, seq {seq or 16}; strategy {ns.strategy or 'megatron'}"
+        model_name = None
+    elif ns.program:
         given = [f for f, v in (("--layers", layers), ("--batch", batch), ("--seq", seq)) if v is not None]
         if given:
             raise ProgramError(f"{given[0]}: overrides a preset's size; it does not apply to --program")
         if ns.verify:
             raise ProgramError("--verify: simulates a preset model; it does not apply to --program")
         from spmdkit.graph.program import load_program
-        from spmdkit.graph.propagate import propagate
-        from spmdkit.graph.strategy import parse_mesh, user_attrs
 
-        mesh = parse_mesh(ns.mesh)
         t0 = time.perf_counter()
         prog = load_program(ns.program)
-        cost = _cost(ns.cost, mesh)
-        plan = propagate(prog, mesh, user_attrs(prog, mesh, user), cost)
+        _, plan = plan_program(prog, ns.mesh, ns.strategy, user, patterns, ns.cost)
         secs = time.perf_counter() - t0
-        title = f"program {ns.program}"
+        title = f"program {ns.program}" + (f"; strategy {ns.strategy}" if ns.strategy else "")
         model_name = None
     else:
         overrides = {"layers": layers, "batch": batch, "seq": seq}
-        model, plan, secs = plan_model(ns.model, ns.mesh, ns.strategy, overrides, user, ns.cost,
+        strategy = ns.strategy or "megatron"
+        ns.strategy = strategy
+        model, plan, secs = plan_model(ns.model, ns.mesh, strategy, overrides, user, ns.cost,
                                        progress=_progress())
         c = model.config
         title = (f"{ns.model}: {c.arch}, {c.layers} layers, hidden {c.hidden}, {c.heads} heads"
@@ -249,6 +357,6 @@ def _verify(ns: argparse.Namespace, model_name: str | None, user: dict[str, Any]
             "loss": rep.loss, "text": "\n".join(lines)}
 
 
-__all__ = ["MAX_LAYERS", "MAX_SIZE", "add_plan_arguments", "plan_model", "run_plan"]
+__all__ = ["MAX_LAYERS", "MAX_SIZE", "add_plan_arguments", "plan_hf", "plan_model", "plan_program", "run_plan"]
 
 

@@ -1,0 +1,226 @@
+"""Strategies on imported HuggingFace programs (spmdkit.graph.hf_strategy, ``spmdkit plan --hf``):
+megatron by module names with a vocab-parallel loss, dp, zero, the user's patterns, and the
+simulator agreeing with the unsharded step on the model's own weights and inputs.
+
+Tiny models (2 layers, hidden 64, 4 heads, vocab 256, batch 2, seq 16), imported once per
+module. Collective counts are per phase on a dp=2 x tp=2 mesh; ``tp`` ones are those over the
+tp mesh dim. With 2 layers, Llama's 2 all-reduces per layer each way give 4, plus one each way
+outside the layers: the vocab-parallel embedding's output (forward) and the LM head's input
+gradient (backward). The dp ones of the forward step are the loss's two scalars (the sum of
+token losses and the count of counted tokens: the mean is over the whole batch)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'spmdkit[torch]')")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install 'spmdkit[hf]')")
+
+from spmdkit.core.errors import ProgramError  # noqa: E402
+from spmdkit.graph.hf_strategy import annotate_program, tp_roles, vocab_parallel_loss  # noqa: E402
+from spmdkit.graph.plan_cli import plan_program  # noqa: E402
+from spmdkit.graph.strategy import parse_mesh, parse_strategy  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+
+V = 256
+_COMMON = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
+           "vocab_size": V, "max_position_embeddings": 64}
+CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaForCausalLM", {"num_key_value_heads": 2, **_COMMON}),
+    "gpt2": ("GPT2LMHeadModel", {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": V, "n_positions": 64,
+                                 "bos_token_id": 0, "eos_token_id": 0}),
+    "phi": ("PhiForCausalLM", {"num_key_value_heads": 4, **_COMMON}),
+}
+
+
+@pytest.fixture(scope="module")
+def imported() -> Callable[[str], Any]:
+    """``imported(name)`` -> (program, model, kwargs), imported once per module, seeded."""
+    from spmdkit.hf import import_hf
+
+    cache: dict[str, Any] = {}
+
+    def get(name: str) -> Any:
+        if name not in cache:
+            cls, cfg = CONFIGS[name]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                cache[name] = import_hf(cls, cfg, batch=2, seq=16, seed=0)
+        return cache[name]
+
+    return get
+
+
+def _counts(plan: Any, phase: str, dim: str | None = None) -> Counter[str]:
+    names = plan.mesh.dim_names
+    return Counter(s.kind for _r, s in plan.collectives(phase)
+                   if dim is None or any(names[d] == dim for d in s.mesh_dims))
+
+
+def _plan(imported: Callable[[str], Any], name: str, mesh: str, strategy: str, **kw: Any) -> tuple[Any, Any]:
+    prog, _model, _kw = imported(name)
+    return plan_program(prog, mesh, strategy, **kw)
+
+
+def test_llama_megatron_two_all_reduces_per_layer_each_way(imported: Callable[[str], Any]) -> None:
+    prog, plan = _plan(imported, "llama", "dp=2,tp=2", "megatron")
+    assert _counts(plan, "forward", "tp") == Counter(all_reduce=2 * 2 + 1)
+    assert _counts(plan, "backward", "tp") == Counter(all_reduce=2 * 2 + 1)
+    assert _counts(plan, "forward", "dp") == Counter(all_reduce=2)  # the loss sum and the token count
+    a = plan.attrs
+    assert a["model.layers.0.self_attn.q_proj.weight"].dims_mapping == (1, -1)  # column: [out, in]
+    assert a["model.layers.0.self_attn.o_proj.weight"].dims_mapping == (-1, 1,)  # row
+    assert a["model.layers.1.mlp.down_proj.weight"].dims_mapping == (-1, 1,)
+    assert a["model.embed_tokens.weight"].dims_mapping == (1, -1)  # vocab
+    assert a["lm_head.weight"].dims_mapping == (1, -1)
+    # the loss is Megatron's vocab-parallel cross entropy, and its optimizer states follow the params
+    assert [op.rule for op in prog.ops if "softmax_with_cross_entropy" in op.rule] == \
+        ["c_softmax_with_cross_entropy", "c_softmax_with_cross_entropy_grad"]
+    assert a["model.layers.0.mlp.up_proj.weight.moment1"].dims_mapping == (1, -1)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "phi"])
+def test_megatron_never_gathers_the_logits(imported: Callable[[str], Any], name: str) -> None:
+    prog, plan = _plan(imported, name, "dp=2,tp=2", "megatron")
+    moved = [(r.tensor, s.kind) for r, s in plan.collectives()
+             if len(prog.tensors[r.tensor].shape) >= 2 and prog.tensors[r.tensor].shape[-1] == V
+             and prog.tensors[r.tensor].kind not in ("parameter", "optimizer_state")
+             and r.tensor.removesuffix(".grad") not in prog.parameters()]  # GPT-2's c_fc is [64, 256] too
+    assert moved == []
+    logits = next(op.inputs["x"] for op in prog.ops if op.rule == "c_softmax_with_cross_entropy")
+    assert plan.attrs[logits].dims_mapping[-1] == 1  # vocab-sharded over tp
+
+
+def test_phi_megatron_counts(imported: Callable[[str], Any]) -> None:
+    # Phi's parallel attention + MLP block: both row outputs are summed before one all-reduce
+    # would do, but the rules reduce each (2 per layer forward); backward one per layer
+    _, plan = _plan(imported, "phi", "dp=2,tp=2", "megatron")
+    assert _counts(plan, "forward", "tp") == Counter(all_reduce=2 * 2 + 1)
+    assert _counts(plan, "backward", "tp") == Counter(all_reduce=1 * 2 + 1)
+
+
+def test_dp_only_gradient_all_reduces(imported: Callable[[str], Any]) -> None:
+    prog, _m, _k = imported("llama")
+    _, plan = plan_program(prog, "dp=2", "dp")
+    for n in ("input_ids", "attention_mask", "labels"):
+        assert plan.attrs[n].dims_mapping == (0, -1)
+    assert _counts(plan, "backward") == Counter()
+    assert _counts(plan, "optimizer") == Counter(all_reduce=len(prog.parameters()))
+    fwd = [(r.tensor, s.kind) for r, s in plan.collectives("forward")]
+    assert sorted(fwd) == [("cross_entropy_loss.count", "all_reduce"), ("cross_entropy_loss.loss_sum", "all_reduce")]
+
+
+def test_zero_shards_optimizer_states(imported: Callable[[str], Any]) -> None:
+    prog, _m, _k = imported("llama")
+    _, plan = plan_program(prog, "dp=2", "dp,zero")
+    n = len(prog.parameters())
+    assert _counts(plan, "optimizer") == Counter(reduce_scatter=n, all_gather=n)
+    assert plan.attrs["model.layers.0.mlp.gate_proj.weight.moment2"].dims_mapping == (0, -1)
+    assert plan.attrs["model.norm.weight.moment1"].dims_mapping == (0,)
+    assert plan.attrs["model.norm.weight"].dims_mapping == (-1,)
+
+
+def test_heads_must_divide_tp_or_a_pattern_says_otherwise(imported: Callable[[str], Any]) -> None:
+    prog, _m, _k = imported("llama")  # 2 kv heads
+    with pytest.raises(ProgramError, match=r"model\.layers\.0\.self_attn\.k_proj .*2 heads.*tp=4"):
+        plan_program(prog, "tp=4", "megatron")
+    pats = {"*.k_proj": "replicate", "re:.*\\.v_proj": "replicate"}
+    _, plan = plan_program(prog, "tp=4", "megatron", patterns=pats)
+    assert plan.attrs["model.layers.0.self_attn.k_proj.weight"].dims_mapping == (-1, -1)
+    assert plan.attrs["model.layers.0.self_attn.v_proj.weight"].dims_mapping == (-1, -1)
+    assert plan.attrs["model.layers.0.self_attn.q_proj.weight"].dims_mapping == (0, -1)
+    with pytest.raises(ProgramError, match="role 'columns'"):
+        tp_roles(prog, {"q_proj": "columns"})
+
+
+def test_user_pattern_wins_and_bert_dense_layout() -> None:
+    # names only (no import): BERT's dense layers and a user's override, first match wins
+    from spmdkit.graph.hf_strategy import DEFAULT_PATTERNS, role_of
+
+    d = list(DEFAULT_PATTERNS)
+    assert role_of("bert.encoder.layer.0.attention.output.dense", d) == "row"
+    assert role_of("bert.encoder.layer.0.intermediate.dense", d) == "column"
+    assert role_of("bert.encoder.layer.0.output.dense", d) == "row"
+    assert role_of("bert.encoder.layer.0.attention.self.query", d) == "column"
+    assert role_of("cls.predictions.transform.dense", d) == "replicate"
+    assert role_of("model.layers.0.self_attn.dense", d) == "row"  # Phi
+    assert role_of("decoder.block.0.layer.2.DenseReluDense.wi", d) == "column"
+    assert role_of("encoder.block.0.layer.0.SelfAttention.o", d) == "row"
+    assert role_of("transformer.h.0.attn.c_attn", d) == "replicate"
+    assert role_of("model.layers.0.input_layernorm", d) is None
+    assert role_of("model.layers.0.mlp.up_proj", [("re:model\\.layers\\.0\\..*", "replicate"), *d]) == "replicate"
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_simulator_agrees_on_four_ranks(imported: Callable[[str], Any], name: str,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """dp=2 x tp=2 megatron, the sharded step against the unsharded one on the model's own
+    weights and inputs (labels with -100: the vocab-parallel loss's ignore_index)."""
+    import spmdkit.graph.simulate as sim
+    from spmdkit.torch_import import torch_values
+
+    prog, model, kw = imported(name)
+    assert (kw["labels"] == -100).any()
+    prog, plan = plan_program(prog, "dp=2,tp=2", "megatron")
+    vals = torch_values(prog, model, (), kw)
+    monkeypatch.setattr(sim, "source_values", lambda p, seed=0: vals)
+    rep = sim.simulate_plan(plan, rtol=1e-6, atol=1e-8)
+    # the masked attention scores hold -inf by design (not checkable); nothing else may differ
+    others = [f for f in rep.failures if not (f[0].endswith(".masked") and "not checkable" in f[1])]
+    assert others == []
+    assert rep.checked > 300
+
+
+def test_vocab_parallel_loss_keeps_ignore_index(imported: Callable[[str], Any]) -> None:
+    prog, _m, _k = imported("llama")
+    new = vocab_parallel_loss(prog)
+    assert new is not prog and prog.ops is not new.ops
+    ops = [op for op in new.ops if op.rule.startswith("c_softmax")]
+    assert [op.attrs for op in ops] == [{"ignore_index": -100}] * 2
+    assert new.loss == prog.loss and new.sources == prog.sources  # an ImportedProgram still
+    assert any(op.rule == "cross_entropy_with_softmax" for op in prog.ops)  # the original untouched
+
+
+def test_program_json_keeps_what_the_strategy_reads(imported: Callable[[str], Any], tmp_path: Any,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from spmdkit.cli import main
+
+    prog, _m, _k = imported("llama")
+    f = tmp_path / "llama.json"
+    f.write_text(prog.dumps())
+    assert main(["plan", "--program", str(f), "--mesh", "dp=2,tp=2", "--strategy", "megatron", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    t = out["tensors"]
+    assert t["model.layers.0.self_attn.q_proj.weight"]["dims_mapping"] == [1, -1]
+    assert t["input_ids"]["dims_mapping"] == [0, -1]
+    assert t["const_0"]["dims_mapping"] == [-1, -1, -1, -1]
+
+
+def test_cli_refusals_are_one_line(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from spmdkit.cli import main
+
+    cfg = json.dumps(CONFIGS["llama"][1])
+    for argv, word in [(["--hf", "LlamaForCausalLM"], "--hf-config"),
+                       (["--hf-config", cfg], "--hf-config"),
+                       (["--hf", "LlamaForCausalLM", "--hf-config", cfg, "--tp-plan", '{"q_proj": "col"}'], "--tp-plan"),
+                       (["--hf", "NoSuchModel", "--hf-config", cfg], "NoSuchModel"),
+                       (["--hf", "LlamaForCausalLM", "--hf-config", cfg, "--strategy", "megatron,sp",
+                         "--mesh", "tp=2"], "sp"),
+                       (["--tp-plan", "{}"], "--tp-plan")]:
+        assert main(["plan", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and word in err and "Traceback" not in err, (argv, err)
+
+
+def test_annotate_program_refuses_indivisible_batch(imported: Callable[[str], Any]) -> None:
+    prog, _m, _k = imported("llama")
+    mesh = parse_mesh("dp=4")
+    with pytest.raises(ProgramError, match="input_ids has batch size 2"):
+        annotate_program(prog, mesh, parse_strategy("dp", mesh))
