@@ -307,10 +307,10 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
             out[s] = list(base)
         if "zero" in st and dp is not None and states:
             shape = prog.tensors[p].shape
-            axis = next((a for a, e in enumerate(base) if e == -1 and shape[a] % mesh.shape[dp] == 0), None)
-            if axis is not None:
+            zaxis = next((a for a, e in enumerate(base) if e == -1 and shape[a] % mesh.shape[dp] == 0), None)
+            if zaxis is not None:
                 for s in (*states, *new_states):
-                    out[s][axis] = dp
+                    out[s][zaxis] = dp
                 out[new] = list(base)
     attrs = {n: TensorDistAttr(mesh, d) for n, d in out.items()}
     attrs.update(user_attrs(prog, mesh, user))

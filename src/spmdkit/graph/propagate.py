@@ -204,8 +204,8 @@ def propagate(
     reduced: dict[str, TensorDistAttr] = {}  # partial tensors reduced right after their producer
     readers: dict[str, int] = {}
     for op in program.ops:
-        for n in set(op.input_names()):
-            readers[n] = readers.get(n, 0) + 1
+        for read in set(op.input_names()):
+            readers[read] = readers.get(read, 0) + 1
     while True:
         rounds += 1
         results = []
