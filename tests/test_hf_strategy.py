@@ -37,6 +37,7 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt2": ("GPT2LMHeadModel", {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": V, "n_positions": 64,
                                  "bos_token_id": 0, "eos_token_id": 0}),
     "phi": ("PhiForCausalLM", {"num_key_value_heads": 4, **_COMMON}),
+    "bert": ("BertForMaskedLM", dict(_COMMON)),  # post-LN, padding_idx 0
 }
 
 
@@ -158,7 +159,7 @@ def test_user_pattern_wins_and_bert_dense_layout() -> None:
     assert role_of("model.layers.0.mlp.up_proj", [("re:model\\.layers\\.0\\..*", "replicate"), *d]) == "replicate"
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "bert"])
 def test_simulator_agrees_on_four_ranks(imported: Callable[[str], Any], name: str,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """dp=2 x tp=2 megatron, the sharded step against the unsharded one on the model's own
@@ -224,3 +225,44 @@ def test_annotate_program_refuses_indivisible_batch(imported: Callable[[str], An
     mesh = parse_mesh("dp=4")
     with pytest.raises(ProgramError, match="input_ids has batch size 2"):
         annotate_program(prog, mesh, parse_strategy("dp", mesh))
+
+
+def test_bert_post_ln_and_padding_idx(imported: Callable[[str], Any]) -> None:
+    """BERT: one all-reduce per row-parallel layer each way (the q/k/v input gradients summed
+    before one reduction, not reduced each before the add_n with the residual's), plus the
+    vocab-parallel embedding (forward) and the MLM head's input gradient (backward); the
+    padding_idx table is never all-gathered."""
+    prog, plan = _plan(imported, "bert", "dp=2,tp=2", "megatron")
+    assert _counts(plan, "forward", "tp") == Counter(all_reduce=2 * 2 + 1)
+    assert _counts(plan, "backward", "tp") == Counter(all_reduce=2 * 2 + 1)
+    table = "bert.embeddings.word_embeddings.weight"
+    assert plan.attrs[table].dims_mapping == (1, -1)
+    assert not [r for r in plan.reshards if r.tensor == table]
+    assert [op.attrs["padding_idx"] for op in prog.ops if op.rule.startswith("embedding")
+            and op.inputs["weight"] == table] == [-1, -1]
+
+
+def test_padding_idx_rewrite_keeps_the_step(imported: Callable[[str], Any]) -> None:
+    """The rewritten program (padding_idx lookups as torch's forward, padding positions'
+    gradients masked) computes the same loss and gradients as the imported one on BERT's own
+    weights and inputs, which include the padding id 0 (the zero row stays zero)."""
+    from spmdkit.graph.hf_strategy import megatron_program
+    from spmdkit.torch_import import run_program, torch_values
+
+    prog, model, kw = imported("bert")
+    kw = dict(kw)
+    kw["input_ids"] = kw["input_ids"].clone()
+    kw["input_ids"][:, :3] = 0  # the padding id, here: its rows must get no gradient
+    new = megatron_program(prog)
+    assert new is not prog and any(op.rule == "full_like" for op in new.ops)
+    a = run_program(prog, torch_values(prog, model, (), kw))
+    b = run_program(new, torch_values(new, model, (), kw))
+    import numpy as np
+
+    assert np.isfinite(a[prog.loss]) and abs(float(a[prog.loss]) - float(b[new.loss])) <= 1e-12
+    for p, g in prog.grads.items():
+        assert np.allclose(a[g], b[new.grads[p]], rtol=0, atol=1e-12), p
+    # the lookup's own contribution (the table is tied to the MLM decoder, whose adds to row 0)
+    (eg,) = [op.outputs[0] for op in new.ops if op.rule == "embedding_grad"
+             and op.inputs["weight"] == "bert.embeddings.word_embeddings.weight"]
+    assert not b[eg][0].any() and b[eg][1:].any()

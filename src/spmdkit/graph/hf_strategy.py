@@ -62,7 +62,7 @@ from typing import Any
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
-from spmdkit.graph.program import Op, Program
+from spmdkit.graph.program import Op, Program, Tensor
 from spmdkit.graph.strategy import user_attrs
 
 ROLES = ("column", "row", "vocab", "replicate")
@@ -348,11 +348,126 @@ def vocab_parallel_loss(prog: Program) -> Program:
             changed = True
     if not changed:
         return prog
+    return _rebuild(prog, list(prog.tensors.values()), [(i, op) for i, op in enumerate(ops)])
+
+
+def _rebuild(prog: Program, tensors: list[Any], ops: list[tuple[int | None, Op]]) -> Program:
+    """A copy of ``prog`` (of its class, its other fields kept) with ``tensors`` and ``ops``
+    (each with the index it had, None for a new one); an imported program's per-op maps
+    (``modules``, ``origins``, ``fallbacks``) follow the ops to their new indices."""
     new = prog.__class__.__new__(prog.__class__)
     new.__dict__.update(prog.__dict__)
-    Program.__init__(new, list(prog.tensors.values()), ops, prog.name)
+    Program.__init__(new, tensors, [op for _, op in ops], prog.name)
+    where = {old: i for i, (old, _) in enumerate(ops) if old is not None}
+    for field in ("modules", "origins", "fallbacks"):
+        m = getattr(prog, field, None)
+        if isinstance(m, dict):
+            setattr(new, field, {where[k]: v for k, v in m.items() if k in where})
     return new
 
 
-__all__ = ["DEFAULT_PATTERNS", "ROLES", "annotate_program", "check_patterns", "data_inputs", "optimizer_of",
-           "parameters", "role_of", "tp_roles", "vocab_parallel_loss"]
+def vocab_parallel_embedding(prog: Program, tables: Iterable[str]) -> Program:
+    """A copy of ``prog`` whose ``embedding`` ops on ``tables`` with a ``padding_idx`` look up
+    every row (``padding_idx=-1``: torch's forward, which does not zero the padding row) and
+    whose ``embedding_grad`` ops on them mask the padding positions' output gradient instead
+    (``full_like`` / ``not_equal`` / ``cast`` / ``unsqueeze`` / ``multiply``, then
+    ``padding_idx=-1``): the same values, and the table may be vocab-sharded (the rule keeps a
+    padded table's rows replicated). ``prog`` itself when no such op reads them."""
+    tabs = set(tables)
+    tensors = list(prog.tensors.values())
+    names = set(prog.tensors)
+    out: list[tuple[int | None, Op]] = []
+    changed = False
+
+    def fresh(base: str) -> str:
+        n, k = base, 1
+        while n in names:
+            n, k = f"{base}{k}", k + 1
+        names.add(n)
+        return n
+
+    for i, op in enumerate(prog.ops):
+        pad = int(op.attrs.get("padding_idx", -1))
+        w = op.inputs.get("weight")
+        if op.rule not in ("embedding", "embedding_grad") or pad < 0 or w not in tabs:
+            out.append((i, op))
+            continue
+        changed = True
+        attrs = {**op.attrs, "padding_idx": -1}
+        if op.rule == "embedding":
+            out.append((i, replace(op, attrs=attrs)))
+            continue
+        ids, g = op.inputs["x"], op.inputs["out_grad"]
+        it, gt = prog.tensors[ids], prog.tensors[g]
+        kw = {"layer": op.layer, "phase": op.phase}
+        full = fresh(f"{ids}.padding_idx")
+        keep = fresh(f"{ids}.not_padding")
+        keepf = fresh(f"{ids}.not_padding_f")
+        keep1 = fresh(f"{ids}.not_padding_f1")
+        masked = fresh(f"{g}.unpadded")
+        tensors += [Tensor(full, it.shape, it.dtype), Tensor(keep, it.shape, "bool"),
+                    Tensor(keepf, it.shape, gt.dtype), Tensor(keep1, (*it.shape, 1), gt.dtype),
+                    Tensor(masked, gt.shape, gt.dtype, "gradient" if gt.kind == "gradient" else "activation")]
+        out += [(None, Op("full_like", {"x": ids}, (full,), {"y": pad, "dtype": it.dtype}, name=full, **kw)),
+                (None, Op("not_equal", {"x": ids, "y": full}, (keep,), {}, name=keep, **kw)),
+                (None, Op("cast", {"x": keep}, (keepf,), {"dtype": gt.dtype}, name=keepf, **kw)),
+                (None, Op("unsqueeze", {"x": keepf}, (keep1,), {"axis": (len(it.shape),)}, name=keep1, **kw)),
+                (None, Op("multiply", {"x": g, "y": keep1}, (masked,), {}, name=masked, **kw)),
+                (i, replace(op, inputs={**op.inputs, "out_grad": masked}, attrs=attrs))]
+    if not changed:
+        return prog
+    return _rebuild(prog, tensors, out)
+
+
+def regroup_partial_sums(prog: Program, plan: Any) -> Program:
+    """A copy of ``prog`` where an ``add_n`` that ``plan`` feeds two or more partial inputs
+    (partial alike) and some that are not first sums the partial ones (one ``add_n``, still
+    partial: one reduction where the rule would reduce each) and then adds the rest. BERT's
+    post-LN backward: the q, k and v input gradients (partial over tp) meet the residual one
+    (not partial) in one ``add_n``. ``prog`` itself when there is no such op. The sum is the
+    same up to the order of floating-point additions."""
+    out: list[tuple[int | None, Op]] = []
+    tensors = list(prog.tensors.values())
+    names = set(prog.tensors)
+    changed = False
+    for i, op in enumerate(prog.ops):
+        ins = op.inputs.get("input")
+        given = plan.ops[i].given.get("input") if op.rule == "add_n" else None
+        if op.rule != "add_n" or not isinstance(ins, (list, tuple)) or not isinstance(given, tuple):
+            out.append((i, op))
+            continue
+        part = [k for k, a in enumerate(given) if a is not None and a.partial]
+        if part:
+            ref = given[part[0]]
+            part = [k for k in part if given[k] == ref]
+        rest = [k for k in range(len(ins)) if k not in part]
+        if len(part) < 2 or not rest:
+            out.append((i, op))
+            continue
+        o = op.output_names()[0]
+        t = prog.tensors[o]
+        n, k = f"{o}.partial", 1
+        while n in names:
+            n, k = f"{o}.partial{k}", k + 1
+        names.add(n)
+        tensors.append(Tensor(n, t.shape, t.dtype, "gradient" if t.kind == "gradient" else "activation"))
+        out.append((None, Op("add_n", {"input": tuple(ins[k] for k in part)}, (n,), {}, name=n, layer=op.layer,
+                             phase=op.phase)))
+        out.append((i, replace(op, inputs={**op.inputs, "input": (n, *(ins[k] for k in rest))})))
+        changed = True
+    if not changed:
+        return prog
+    return _rebuild(prog, tensors, out)
+
+
+def megatron_program(prog: Program, patterns: Mapping[str, str] | Iterable[tuple[str, str]] | None = None
+                     ) -> Program:
+    """``prog`` made ready for ``megatron``: its loss vocab-parallel
+    (:func:`vocab_parallel_loss`) and its vocab-parallel tables' ``padding_idx`` lookups
+    rewritten (:func:`vocab_parallel_embedding`)."""
+    vocab = [p for p, r in tp_roles(prog, patterns).items() if r == "vocab"]
+    return vocab_parallel_embedding(vocab_parallel_loss(prog), vocab)
+
+
+__all__ = ["DEFAULT_PATTERNS", "ROLES", "annotate_program", "check_patterns", "data_inputs", "megatron_program",
+           "optimizer_of", "parameters", "regroup_partial_sums", "role_of", "tp_roles", "vocab_parallel_embedding", "vocab_parallel_loss"]

@@ -132,7 +132,7 @@ def plan_program(prog: Any, mesh_text: str, strategy_text: str | None, user: dic
     """(program, plan) for an imported program (or a program JSON from one) under a strategy
     (:mod:`spmdkit.graph.hf_strategy`): with megatron the program is a copy whose loss is
     vocab-parallel, and the plan is over that copy."""
-    from spmdkit.graph.hf_strategy import annotate_program, vocab_parallel_loss
+    from spmdkit.graph.hf_strategy import annotate_program, megatron_program, regroup_partial_sums
     from spmdkit.graph.propagate import propagate
     from spmdkit.graph.strategy import parse_mesh, parse_strategy, user_attrs
 
@@ -142,9 +142,13 @@ def plan_program(prog: Any, mesh_text: str, strategy_text: str | None, user: dic
     if not st:  # no strategy: the user's annotations alone, as a program file always was
         return prog, propagate(prog, mesh, user_attrs(prog, mesh, user), cost)
     if "megatron" in st:
-        prog = vocab_parallel_loss(prog)
+        prog = megatron_program(prog, patterns)
     ann = annotate_program(prog, mesh, st, user, patterns)
-    return prog, propagate(prog, mesh, ann, cost)
+    plan = propagate(prog, mesh, ann, cost)
+    regrouped = regroup_partial_sums(prog, plan)  # partial gradients summed before one reduction
+    if regrouped is not prog:
+        prog, plan = regrouped, propagate(regrouped, mesh, ann, cost)
+    return prog, plan
 
 
 def plan_hf(class_name: str, config: Any, mesh_text: str, strategy_text: str | None, dtype: str = "float32",
