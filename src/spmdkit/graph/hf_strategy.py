@@ -42,6 +42,16 @@ a head-wise split needs the weight rewritten as three parameters, which the impo
 do yet. Its attention then runs replicated over ``tp`` and ``c_proj`` slices its input
 locally (no communication in the forward step).
 
+- ``sp`` (with ``megatron``): Megatron sequence parallel. The residual stream (the
+  vocab-parallel embeddings' outputs, the row layers' outputs and the adds that take them)
+  and its gradient are sharded on their sequence axis over ``tp``, so HF's decomposed norms
+  (``square`` / ``mean`` / ``rsqrt`` / ``multiply``, or ``layer_norm``) run on sequence
+  shards; the inputs of the column layers and of the LM head are gathered (their summed
+  gradients reduce-scattered back), the row layers' partial outputs reduce-scattered and
+  their output gradients gathered: every tensor-parallel all-reduce becomes an all-gather /
+  reduce-scatter pair. A sequence length ``tp`` does not divide is refused (ViT's 17 tokens
+  at tp=2).
+
 ``megatron`` also makes the loss vocab-parallel: :func:`vocab_parallel_loss` rewrites the
 imported ``cross_entropy_with_softmax`` (hard labels, ``ignore_index``) and its grad into
 ``c_softmax_with_cross_entropy`` (Megatron's cross entropy: max, sum of exponentials and the
@@ -242,12 +252,8 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
     """Tensor name -> dist attr for ``strategy`` (parsed: see
     :func:`spmdkit.graph.strategy.parse_strategy`) on an imported program (module docstring);
     ``patterns``: the user's module-name patterns -> role for ``megatron``; ``user``:
-    annotations (tensor -> dims_mapping) applied last, which win. ``sp`` is refused (not yet
-    done for imported programs)."""
+    annotations (tensor -> dims_mapping) applied last, which win."""
     st = set(strategy)
-    if "sp" in st:
-        raise ProgramError("--strategy sp: sequence parallel is not yet done for imported programs "
-                           "(use megatron, dp, zero)")
     dp = mesh.dim_index("dp") if "dp" in st else None
     tp = mesh.dim_index("tp") if "megatron" in st else None
     out: dict[str, list[Any]] = {}
@@ -269,6 +275,7 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
         size = mesh.shape[tp]
         readers = _readers(prog)
         roles = tp_roles(prog, patterns)
+        sharded: dict[str, str] = {}  # 2-D weights sharded over tp -> column / row / vocab / vocab_head
         for p, role in roles.items():
             t = prog.tensors[p]
             mod = _module_paths(prog, p)[0]
@@ -299,6 +306,9 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
                                        f"by tp={size} (give it a pattern, e.g. {{'{mod.rsplit('.', 1)[-1]}': "
                                        f"'replicate'}}, or a smaller tp)")
             dm(p)[axis] = tp
+            sharded[p] = "vocab_head" if role == "vocab" and how == "linear" else role
+        if "sp" in st:
+            _sequence_parallel(prog, mesh, sharded, dm, dp, tp)
     for p, (_g, states, new, new_states) in optimizer_of(prog).items():
         base = list(out.get(p, [-1] * len(prog.tensors[p].shape)))
         if p in out:
@@ -315,6 +325,94 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
     attrs = {n: TensorDistAttr(mesh, d) for n, d in out.items()}
     attrs.update(user_attrs(prog, mesh, user))
     return attrs
+
+
+def _sequence_parallel(prog: Program, mesh: ProcessMesh, sharded: Mapping[str, str], dm: Any,
+                       dp: int | None, tp: int) -> None:
+    """Megatron sequence parallel on an imported program: the residual stream (the outputs of
+    the adds that take a row-parallel layer's output, and of the vocab-parallel embeddings)
+    sharded on its sequence axis (1) over tp, so the row layers' partial outputs are
+    reduce-scattered into it and the norms between run on sequence shards; the inputs of the
+    column-parallel layers and of the LM head are gathered (sequence whole), and so are the
+    gradients of the row layers' outputs in the backward step."""
+    size = mesh.shape[tp]
+    fwd = [(i, op) for i, op in enumerate(prog.ops) if op.phase == "forward"]
+    readers = _readers(prog)
+    seq: list[str] = []
+    row_out: list[str] = []
+    gather: list[str] = []
+    for _i, op in fwd:
+        y = op.inputs.get("y") if op.rule == "matmul" else op.inputs.get("weight")
+        role = sharded.get(y) if isinstance(y, str) else None
+        if role is None:
+            continue
+        if op.rule in ("embedding", "c_embedding"):
+            seq.append(op.output_names()[0])
+        elif role in ("column", "vocab_head"):
+            gather.append(op.inputs["x"])
+        elif role == "row":
+            cur = op.output_names()[0]
+            row_out.append(cur)  # reduce-scattered right after the layer (a post-norm then runs on shards)
+            for _ in range(4):  # through a bias add and a reshape to the residual add
+                nxt = None
+                for _j, r, _p in readers.get(cur, []):
+                    ins = [prog.tensors[n] for n in r.input_names()]
+                    o = r.output_names()
+                    if r.rule == "add" and len(ins) == 2 and all(t.kind != "parameter" for t in ins) \
+                            and ins[0].shape == ins[1].shape:
+                        seq.append(o[0])
+                        nxt = None
+                        break
+                    if r.rule in ("add", "reshape") and o:
+                        nxt = o[0]
+                if nxt is None:
+                    break
+                cur = nxt
+    for op in prog.ops:
+        y = op.inputs.get("y")
+        if op.phase == "backward" and op.rule == "matmul_grad" and isinstance(y, str) and sharded.get(y) == "row":
+            gather.append(op.inputs["out_grad"])
+
+    def grads_of(n: str) -> list[str]:
+        """The gradients of activation ``n`` (the importer's ``n.grad``, ``n.gradK``, and their
+        sum ``n.grad.sum``)."""
+        pat = re.compile(re.escape(n) + r"\.grad(\d*|\.sum)")
+        return [g for g in prog.tensors if pat.fullmatch(g) and prog.tensors[g].shape == prog.tensors[n].shape]
+
+    batch = {prog.tensors[n].shape[0] for n in data_inputs(prog) if prog.tensors[n].shape}
+
+    def shard_seq(n: str) -> None:
+        shape = prog.tensors[n].shape
+        if len(shape) == 2 and batch and shape[0] % max(batch) == 0 and shape[0] > max(batch):
+            # tokens flattened ([batch * seq, hidden], GPT-2's Conv1D): batch over dp, then seq over tp
+            if (shape[0] // max(batch)) % size:
+                raise ProgramError(f"--strategy sp: {n} has {shape[0] // max(batch)} tokens per sequence, not "
+                                   f"divisible by tp={size}")
+            dm(n)[0] = [dp, tp] if dp is not None else tp
+            return
+        if len(shape) != 3:
+            return
+        if shape[1] % size:
+            raise ProgramError(f"--strategy sp: {n} has sequence length {shape[1]}, not divisible by tp={size}")
+        d = dm(n)
+        d[0], d[1] = (dp if dp is not None else -1), tp
+
+    for n in seq:
+        # the residual stream and its gradient, sequence-sharded
+        shard_seq(n)
+        for g in grads_of(n):
+            shard_seq(g)
+    for n in row_out:
+        shard_seq(n)  # its gradient stays gathered: the row layer's weight gradient reads it whole
+    for n in gather:
+        d = dm(n)
+        if dp is not None and d:
+            d[0] = dp
+        # the summed gradient of a gathered input: reduce-scattered back to sequence shards
+        gs = grads_of(n)
+        total = n + ".grad.sum" if n + ".grad.sum" in gs else (n + ".grad" if n + ".grad" in gs else None)
+        if total is not None:
+            shard_seq(total)
 
 
 # -- the vocab-parallel loss ---------------------------------------------------------------------
