@@ -373,6 +373,8 @@ def _sequence_parallel(prog: Program, mesh: ProcessMesh, sharded: Mapping[str, s
         if op.phase == "backward" and op.rule == "matmul_grad" and isinstance(y, str) and sharded.get(y) == "row":
             gather.append(op.inputs["out_grad"])
 
+    producer = {o: op for op in prog.ops if op.phase == "forward" for o in op.output_names()}
+
     def grads_of(n: str) -> list[str]:
         """The gradients of activation ``n`` (the importer's ``n.grad``, ``n.gradK``, and their
         sum ``n.grad.sum``)."""
@@ -409,6 +411,11 @@ def _sequence_parallel(prog: Program, mesh: ProcessMesh, sharded: Mapping[str, s
         if dp is not None and d:
             d[0] = dp
         # the summed gradient of a gathered input: reduce-scattered back to sequence shards
+        # (of the [batch, seq, hidden] tensor a flattened input was reshaped from)
+        src = producer.get(n)
+        if len(prog.tensors[n].shape) == 2 and src is not None and src.rule == "reshape" \
+                and len(prog.tensors[src.inputs["x"]].shape) == 3:
+            n = src.inputs["x"]
         gs = grads_of(n)
         total = n + ".grad.sum" if n + ".grad.sum" in gs else (n + ".grad" if n + ".grad" in gs else None)
         if total is not None:

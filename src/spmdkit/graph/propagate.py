@@ -74,7 +74,10 @@ class OpPlan:
 
 @dataclass
 class Plan:
-    """The result of :func:`propagate`."""
+    """The result of :func:`propagate`. ``annotations``: the dist attr a tensor is held in
+    right after its producer where that differs from the producer's rule: the annotations
+    given, and the partial tensors reduced once for all their readers (an output reshard in
+    ``reshards``)."""
 
     program: Program
     mesh: ProcessMesh
@@ -268,6 +271,7 @@ def propagate(
     final: dict[str, TensorDistAttr] = {n: a for n, a in attrs.items() if a is not None}
     made: dict[str, TensorDistAttr] = dict(final)  # what each tensor's producer gives
     op_plans: list[OpPlan] = []
+    held: dict[str, TensorDistAttr] = dict(fixed)
     reshards: list[Reshard] = []
     seen: dict[tuple[str, TensorDistAttr], Reshard] = {}
     planned: dict[tuple[TensorDistAttr, TensorDistAttr, tuple[int, ...], int], ReshardPlan] = {}
@@ -315,12 +319,12 @@ def propagate(
                     made[n] = fixed[n]
                 elif n in reduced and x.partial and reduced[n] != x:
                     op_plan.reshards.append(reshard(n, x, reduced[n], i, True))
-                    made[n] = final[n] = reduced[n]
+                    made[n] = final[n] = held[n] = reduced[n]
                 else:
                     made[n] = x
                     final[n] = x
         op_plans.append(op_plan)
-    return Plan(program, mesh, final, op_plans, reshards, fixed, rounds, cost)
+    return Plan(program, mesh, final, op_plans, reshards, held, rounds, cost)
 
 
 __all__ = ["MAX_ROUNDS", "OpPlan", "Plan", "Reshard", "propagate"]
