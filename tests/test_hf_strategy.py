@@ -301,3 +301,21 @@ def test_simulator_agrees_under_sequence_parallel(imported: Callable[[str], Any]
     rep = sim.simulate_plan(plan, rtol=1e-6, atol=1e-8)
     assert [f for f in rep.failures if not (f[0].endswith(".masked") and "not checkable" in f[1])] == []
     assert rep.checked > 300
+
+
+def test_cli_plans_an_hf_model(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """``spmdkit plan --hf CLASS --hf-config FILE`` end to end (the config from a file, bf16)."""
+    from spmdkit.cli import main
+
+    f = tmp_path / "config.json"
+    f.write_text(json.dumps(CONFIGS["llama"][1]))
+    assert main(["plan", "--hf", "LlamaForCausalLM", "--hf-config", str(f), "--dtype", "bf16", "--batch", "4",
+                 "--mesh", "dp=2,tp=2", "--strategy", "megatron,sp", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    t = out["tensors"]
+    assert t["model.layers.1.mlp.gate_proj.weight"]["dims_mapping"] == [1, -1]
+    assert t["model.layers.1.mlp.gate_proj.weight"]["dtype"] == "bfloat16"
+    assert t["input_ids"]["shape"] == [4, 16] and t["input_ids"]["dims_mapping"] == [0, -1]
+    tp_fwd = Counter(st["kind"] for r in out["reshards"] if r["phase"] == "forward" and not r["shared"]
+                     for st in r["steps"] if st["mesh_dims"] == [1] and st["bytes_per_rank"] > 0)
+    assert tp_fwd == Counter(reduce_scatter=5, all_gather=5)
