@@ -348,7 +348,7 @@ def _sequence_parallel(prog: Program, mesh: ProcessMesh, sharded: Mapping[str, s
             continue
         if op.rule in ("embedding", "c_embedding"):
             seq.append(op.output_names()[0])
-        elif role in ("column", "vocab_head"):
+        elif role in ("column", "vocab_head") or (role == "vocab" and op.rule == "matmul"):  # a tied head too
             gather.append(op.inputs["x"])
         elif role == "row":
             cur = op.output_names()[0]
