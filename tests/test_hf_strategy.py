@@ -319,3 +319,14 @@ def test_cli_plans_an_hf_model(tmp_path: Any, capsys: pytest.CaptureFixture[str]
     tp_fwd = Counter(st["kind"] for r in out["reshards"] if r["phase"] == "forward" and not r["shared"]
                      for st in r["steps"] if st["mesh_dims"] == [1] and st["bytes_per_rank"] > 0)
     assert tp_fwd == Counter(reduce_scatter=5, all_gather=5)
+
+
+def test_data_inputs_of_a_program_file(imported: Callable[[str], Any]) -> None:
+    """A program JSON has no sources: the batch-leading inputs are the data, not the rotary
+    buffer or the recorded constants."""
+    from spmdkit.graph.hf_strategy import data_inputs
+    from spmdkit.graph.program import program_from_json
+
+    prog, _m, _k = imported("llama")
+    plain = program_from_json(json.loads(prog.dumps()))
+    assert sorted(data_inputs(plain)) == ["attention_mask", "input_ids", "labels"] == sorted(data_inputs(prog))

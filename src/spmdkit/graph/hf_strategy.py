@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from typing import Any
@@ -133,16 +134,24 @@ def role_of(path: str, patterns: Iterable[tuple[str, str]]) -> str | None:
 
 
 def data_inputs(prog: Program) -> list[str]:
-    """The inputs fed by the call: an :class:`ImportedProgram`'s ``input`` sources; for a plain
-    program, ``input`` tensors that are not recorded constants (``const_N``), gradients seeds,
-    the learning rate or 0-d."""
+    """The inputs fed by the call: an :class:`ImportedProgram`'s ``input`` sources. For a plain
+    program (a program JSON), the ``input`` tensors that lead with the batch: not recorded
+    constants (``const_N``), gradient seeds or the learning rate, and of the most common
+    leading size among those of rank 2 or more (rank 1 only for integer tensors, class
+    labels): a buffer recorded as an input (a rotary table) is left out."""
     sources = getattr(prog, "sources", None)
     if sources:
         return [n for n, (kind, _) in sources.items() if kind == "input" and n in prog.tensors]
     made = {n for op in prog.ops for n in op.output_names()}
-    return [t.name for t in prog.tensors.values()
-            if t.kind == "input" and t.shape and t.name not in made and not re.fullmatch(r"const_\d+", t.name)
-            and not t.name.endswith(".grad") and t.name != "learning_rate"]
+    cands = [t for t in prog.tensors.values()
+             if t.kind == "input" and t.shape and t.name not in made and not re.fullmatch(r"const_\d+", t.name)
+             and not t.name.endswith(".grad") and t.name != "learning_rate"]
+    lead = Counter(t.shape[0] for t in cands if len(t.shape) >= 2)
+    if not lead:
+        return []
+    batch = lead.most_common(1)[0][0]
+    return [t.name for t in cands if t.shape[0] == batch
+            and (len(t.shape) >= 2 or t.dtype.startswith(("int", "uint")))]
 
 
 def parameters(prog: Program) -> list[str]:
