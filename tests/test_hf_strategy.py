@@ -129,9 +129,17 @@ def test_zero_shards_optimizer_states(imported: Callable[[str], Any]) -> None:
 
 
 def test_heads_must_divide_tp_or_a_pattern_says_otherwise(imported: Callable[[str], Any]) -> None:
-    prog, _m, _k = imported("llama")  # 2 kv heads
+    prog, _m, _k = imported("llama")  # 4 heads, 2 kv heads
+    # kv heads fewer than tp (and dividing it): replicated, as Megatron does, and said so
+    with pytest.warns(UserWarning, match=r"model\.layers\.0\.self_attn\.k_proj makes 2 heads, fewer than tp=4"):
+        _, plan = plan_program(prog, "tp=4", "megatron")
+    assert plan.attrs["model.layers.1.self_attn.v_proj.weight"].dims_mapping == (-1, -1)
+    assert plan.attrs["model.layers.1.self_attn.q_proj.weight"].dims_mapping == (0, -1)
+    # heads tp does not divide, or a user's explicit column: refused, naming the module
+    with pytest.raises(ProgramError, match=r"model\.layers\.0\.self_attn\.q_proj .*4 heads.*tp=8"):
+        plan_program(prog, "tp=8", "megatron")
     with pytest.raises(ProgramError, match=r"model\.layers\.0\.self_attn\.k_proj .*2 heads.*tp=4"):
-        plan_program(prog, "tp=4", "megatron")
+        plan_program(prog, "tp=4", "megatron", patterns={"k_proj": "column"})
     pats = {"*.k_proj": "replicate", "re:.*\\.v_proj": "replicate"}
     _, plan = plan_program(prog, "tp=4", "megatron", patterns=pats)
     assert plan.attrs["model.layers.0.self_attn.k_proj.weight"].dims_mapping == (-1, -1)
@@ -202,6 +210,13 @@ def test_program_json_keeps_what_the_strategy_reads(imported: Callable[[str], An
     assert t["model.layers.0.self_attn.q_proj.weight"]["dims_mapping"] == [1, -1]
     assert t["input_ids"]["dims_mapping"] == [0, -1]
     assert t["const_0"]["dims_mapping"] == [-1, -1, -1, -1]
+    # tp=4 > 2 kv heads: k / v replicated, one warning line each on stderr
+    assert main(["plan", "--program", str(f), "--mesh", "tp=4", "--strategy", "megatron", "--json"]) == 0
+    cap = capsys.readouterr()
+    assert json.loads(cap.out)["tensors"]["model.layers.0.self_attn.k_proj.weight"]["dims_mapping"] == [-1, -1]
+    err = cap.err.strip().splitlines()
+    assert len(err) == 4 and all(e.startswith("spmdkit plan: warning: --strategy megatron: model.layers.")
+                                 and "fewer than tp=4" in e for e in err), err
 
 
 def test_cli_refusals_are_one_line(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:

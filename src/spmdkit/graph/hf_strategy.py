@@ -19,8 +19,11 @@ them here:
   Which axis is the output features follows the op that reads the weight: ``matmul`` with
   ``trans_y`` (torch's ``Linear``, ``[out, in]``) or without (GPT-2's ``Conv1D``,
   ``[in, out]``). A column layer whose output is split into heads (a ``reshape`` to
-  ``[..., heads, head_dim]``) needs ``heads % tp == 0``, else :class:`ProgramError` naming
-  the module (give it ``replicate`` to keep going: ``{"*.k_proj": "replicate", ...}``).
+  ``[..., heads, head_dim]``) needs ``heads % tp == 0``. A k / v projection with fewer heads
+  than ``tp`` (GQA / MQA: 1 or 2 kv heads) that divide it is replicated over ``tp``, as Megatron
+  replicates kv heads, with a warning naming it (unless the user's patterns named its role);
+  any other is a :class:`ProgramError` naming the module (give it ``replicate`` to keep
+  going: ``{"*.k_proj": "replicate", ...}``).
 
 Default patterns (:data:`DEFAULT_PATTERNS`; a pattern is a glob over the module path that
 also matches any ``.``-suffix, so ``"q_proj"`` matches ``model.layers.3.self_attn.q_proj``;
@@ -65,6 +68,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
+import warnings
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
@@ -80,6 +84,7 @@ ROLES = ("column", "row", "vocab", "replicate")
 
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "fc1", "c_fc", "query", "key", "value",
            "wi", "wi_0", "wi_1", "q", "k", "v", "w1", "w3")
+_KV = ("k_proj", "v_proj", "key", "value", "k", "v")  # kv projections: replicated when kv heads < tp
 _ROW = ("o_proj", "down_proj", "fc2", "c_proj", "wo", "o", "out_proj", "w2")
 _VOCAB = ("embed_tokens", "wte", "word_embeddings", "shared", "lm_head", "embed_out", "embed_in",
           "cls.predictions.decoder", "cls.predictions")
@@ -285,9 +290,21 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
         readers = _readers(prog)
         roles = tp_roles(prog, patterns)
         sharded: dict[str, str] = {}  # 2-D weights sharded over tp -> column / row / vocab / vocab_head
-        for p, role in roles.items():
+        user_pats = check_patterns(patterns)
+
+        def user_role(p: str) -> str | None:
+            for path in _module_paths(prog, p):
+                r = role_of(path, user_pats)
+                if r is not None:
+                    return r
+            return None
+
+        replicated: set[str] = set()  # column layers left whole (kv heads fewer than tp), with their bias
+        for p, role in sorted(roles.items(), key=lambda kv: len(prog.tensors[kv[0]].shape) == 1):
             t = prog.tensors[p]
             mod = _module_paths(prog, p)[0]
+            if mod in replicated:
+                continue
             how, out_ax, in_ax, op = _weight_axes(prog, readers, p)
             if len(t.shape) == 1:
                 # a bias: a column layer's (output features) or a vocab head's is sharded
@@ -310,6 +327,13 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
                                    f"axis has {t.shape[axis]} entries, not divisible by tp={size}")
             if role == "column" and op is not None:
                 heads = _heads(prog, readers, op.output_names()[0], t.shape[axis])
+                if heads is not None and heads < size and size % heads == 0 and user_role(p) is None \
+                        and mod.rsplit(".", 1)[-1] in _KV:
+                    # fewer kv heads than tp (GQA / MQA): replicated on every rank, as Megatron does
+                    warnings.warn(f"--strategy megatron: {mod} makes {heads} heads, fewer than tp={size}: "
+                                  f"replicated over tp (its gradients are all-reduced)", stacklevel=2)
+                    replicated.add(mod)
+                    continue
                 if heads is not None and heads % size:
                     raise ProgramError(f"--strategy megatron: {mod} (column) makes {heads} heads, not divisible "
                                        f"by tp={size} (give it a pattern, e.g. {{'{mod.rsplit('.', 1)[-1]}': "

@@ -260,8 +260,17 @@ def _progress() -> Any:
 def run_plan(ns: argparse.Namespace, out: TextIO) -> int:
     """Plan and print; a bad argument or program file is one line on stderr naming it and
     exit status 2 (no traceback); 1 when ``--verify`` finds a difference."""
+    import warnings
+
     try:
-        return _run_plan(ns, out)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", UserWarning)
+            try:
+                return _run_plan(ns, out)
+            finally:
+                for w in caught:  # the strategy's notes (a kv projection replicated): one line each
+                    if issubclass(w.category, UserWarning) and str(w.message).startswith("--"):
+                        print(f"spmdkit plan: warning: {' '.join(str(w.message).split())}", file=sys.stderr)
     except SpmdError as exc:
         msg = " ".join(str(exc).split())
         if len(msg) > 500:
