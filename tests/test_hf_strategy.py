@@ -162,7 +162,7 @@ def test_user_pattern_wins_and_bert_dense_layout() -> None:
     assert role_of("model.layers.0.self_attn.dense", d) == "row"  # Phi
     assert role_of("decoder.block.0.layer.2.DenseReluDense.wi", d) == "column"
     assert role_of("encoder.block.0.layer.0.SelfAttention.o", d) == "row"
-    assert role_of("transformer.h.0.attn.c_attn", d) == "replicate"
+    assert role_of("transformer.h.0.attn.c_attn", d) == "column"  # fused q/k/v, split head-wise
     assert role_of("model.layers.0.input_layernorm", d) is None
     assert role_of("model.layers.0.mlp.up_proj", [("re:model\\.layers\\.0\\..*", "replicate"), *d]) == "replicate"
 
@@ -345,3 +345,32 @@ def test_data_inputs_of_a_program_file(imported: Callable[[str], Any]) -> None:
     prog, _m, _k = imported("llama")
     plain = program_from_json(json.loads(prog.dumps()))
     assert sorted(data_inputs(plain)) == ["attention_mask", "input_ids", "labels"] == sorted(data_inputs(prog))
+
+
+def test_gpt2_fused_qkv_is_split_head_wise(imported: Callable[[str], Any]) -> None:
+    """GPT-2's fused c_attn ([in, 3 * hidden], Conv1D) becomes q / k / v projections on slices
+    of the module's weight: each column-parallel (heads over tp), so the attention is tensor
+    parallel with Llama's 2 all-reduces per layer each way; the weight stays replicated, its
+    parts' gradients all-gathered (weight-sized) into its gradient. The rewritten step equals
+    the imported one on GPT-2's own weights."""
+    import numpy as np
+
+    from spmdkit.graph.hf_strategy import megatron_program
+    from spmdkit.torch_import import run_program, torch_values
+
+    prog, model, kw = imported("gpt2")
+    _, plan = plan_program(prog, "dp=2,tp=2", "megatron")
+    assert plan.attrs["transformer.h.0.attn.c_attn.weight.part1"].dims_mapping == (-1, 1)  # Conv1D [in, out]
+    assert plan.attrs["transformer.h.0.attn.c_attn.bias.part2"].dims_mapping == (1,)
+    assert plan.attrs["transformer.h.0.attn.c_attn.weight"].dims_mapping == (-1, -1)
+    assert _counts(plan, "forward", "tp") == Counter(all_reduce=2 * 2 + 1)
+    bwd = [(r.tensor, s.kind) for r, s in plan.collectives("backward") if 1 in s.mesh_dims]
+    assert Counter(k for _, k in bwd) == Counter(all_reduce=2 * 2 + 1, all_gather=6 * 2)
+    assert all(".c_attn." in t for t, k in bwd if k == "all_gather")
+    rewritten = megatron_program(prog)
+    assert not any(op.rule == "split" for op in rewritten.ops)
+    a = run_program(prog, torch_values(prog, model, (), kw))
+    b = run_program(rewritten, torch_values(rewritten, model, (), kw))
+    assert np.isfinite(a[prog.loss]) and abs(float(a[prog.loss]) - float(b[rewritten.loss])) <= 1e-12
+    for p, g in prog.grads.items():
+        assert np.allclose(a[g], b[rewritten.grads[p]], rtol=1e-10, atol=1e-12), p

@@ -31,19 +31,21 @@ a pattern starting ``re:`` is a regular expression, full match):
 
 ==========================================================  =========
 q_proj k_proj v_proj gate_proj up_proj fc1 c_fc query key    column
-value wi wi_0 wi_1 q k v (T5), intermediate.dense (BERT)
+value wi wi_0 wi_1 q k v (T5), intermediate.dense (BERT),
+c_attn (GPT-2's fused q/k/v, split head-wise)
 o_proj down_proj fc2 c_proj wo o out_proj dense              row
 (attention.output.dense and output.dense of BERT, Phi's dense)
 embed_tokens wte word_embeddings shared lm_head embed_out    vocab
 cls.predictions (BERT's decoder bias)
-c_attn (GPT-2's fused q/k/v), transform.dense, pooler.dense  replicate
+transform.dense, pooler.dense                                replicate
 ==========================================================  =========
 
-GPT-2's fused ``c_attn`` (``[in, 3 * hidden]``) is left replicated: sharding its output axis
-in contiguous blocks would cut across q, k and v (the split after it would all-gather);
-a head-wise split needs the weight rewritten as three parameters, which the importer does not
-do yet. Its attention then runs replicated over ``tp`` and ``c_proj`` slices its input
-locally (no communication in the forward step).
+GPT-2's fused ``c_attn`` (``[in, 3 * hidden]``): sharding its output axis in contiguous
+blocks would cut across q, k and v (the split after it would all-gather), so
+:func:`split_fused_projections` rewrites the projection as three on slices of the weight and
+bias (the parameters stay the module's, replicated over ``tp``), each part column-parallel:
+the attention is tensor parallel head-wise, and the parts' weight gradients are all-gathered
+(weight-sized, not activation-sized) into the weight's gradient.
 
 - ``sp`` (with ``megatron``): Megatron sequence parallel. The residual stream (the
   vocab-parallel embeddings' outputs, the row layers' outputs and the adds that take them)
@@ -91,7 +93,7 @@ _VOCAB = ("embed_tokens", "wte", "word_embeddings", "shared", "lm_head", "embed_
 
 #: (pattern, role) in the order they are tried (after the user's).
 DEFAULT_PATTERNS: tuple[tuple[str, str], ...] = (
-    ("c_attn", "replicate"),
+    ("c_attn", "column"),  # fused q/k/v: split head-wise (split_fused_projections)
     ("transform.dense", "replicate"),
     ("pooler.dense", "replicate"),
     ("intermediate.dense", "column"),
@@ -308,6 +310,9 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
             how, out_ax, in_ax, op = _weight_axes(prog, readers, p)
             if len(t.shape) == 1:
                 # a bias: a column layer's (output features) or a vocab head's is sharded
+                # (a fused projection's is sliced: its parts are, below)
+                if any(op.rule == "slice" for _i, op, _p in readers.get(p, [])):
+                    continue
                 if role in ("column", "vocab"):
                     if t.shape[0] % size:
                         raise ProgramError(f"--strategy megatron: {mod} ({role}): bias size {t.shape[0]} is not "
@@ -340,6 +345,32 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
                                        f"'replicate'}}, or a smaller tp)")
             dm(p)[axis] = tp
             sharded[p] = "vocab_head" if role == "vocab" and how == "linear" else role
+        # the parts of a split fused projection (split_fused_projections): each column-parallel
+        for op in prog.ops:
+            src = op.inputs.get("input") if op.rule == "slice" and op.phase == "forward" else None
+            if not isinstance(src, str) or roles.get(src) != "column" or src in sharded:
+                continue
+            part = op.output_names()[0]
+            pt = prog.tensors[part]
+            mod = _module_paths(prog, src)[0]
+            if pt.shape and pt.shape[-1 if len(pt.shape) == 1 else 0] % size and len(pt.shape) == 1:
+                raise ProgramError(f"--strategy megatron: {mod} (column): a part of {pt.shape[0]} is not "
+                                   f"divisible by tp={size}")
+            if len(pt.shape) == 1:
+                dm(part)[0] = tp
+                continue
+            how, out_ax, _in, mop = _weight_axes(prog, readers, part)
+            if how != "linear" or mop is None:
+                continue
+            if pt.shape[out_ax] % size:
+                raise ProgramError(f"--strategy megatron: {mod} (column): a part of {pt.shape[out_ax]} features is "
+                                   f"not divisible by tp={size}")
+            heads = _heads(prog, readers, mop.output_names()[0], pt.shape[out_ax])
+            if heads is not None and heads % size:
+                raise ProgramError(f"--strategy megatron: {mod} (column) makes {heads} heads, not divisible "
+                                   f"by tp={size}")
+            dm(part)[out_ax] = tp
+            sharded[part] = "column"
         if "sp" in st:
             _sequence_parallel(prog, mesh, sharded, dm, dp, tp)
     for p, (_g, states, new, new_states) in optimizer_of(prog).items():
@@ -598,14 +629,156 @@ def regroup_partial_sums(prog: Program, plan: Any) -> Program:
     return _rebuild(prog, tensors, out)
 
 
+def split_fused_projections(prog: Program, weights: Iterable[str]) -> Program:
+    """A copy of ``prog`` where a fused projection (GPT-2's ``c_attn``: ``x @ W + b`` reshaped
+    and ``split`` into k equal parts on its last axis, q / k / v) on one of ``weights`` is k
+    projections on slices of ``W`` and ``b`` (``slice`` ops, so the parameters stay the
+    module's), and its backward likewise: each part's gradient through its own projection,
+    the input gradients summed (``add_n``), the weight and bias gradients the ``concat`` of
+    the parts'. The same values; each part can then be column-parallel (head-wise) on its
+    own. ``prog`` itself when no projection matches."""
+    ws = set(weights)
+    ops = list(prog.ops)
+    producer: dict[str, int] = {}
+    readers: dict[str, list[int]] = {}
+    for i, op in enumerate(ops):
+        for n in op.output_names():
+            producer[n] = i
+        for n in op.input_names():
+            readers.setdefault(n, []).append(i)
+
+    def only(name: str, rule: str) -> int | None:
+        rs = [i for i in readers.get(name, []) if ops[i].phase == "forward"]
+        return rs[0] if len(rs) == 1 and ops[rs[0]].rule == rule else None
+
+    def find(rule: str, **inputs: Any) -> int | None:
+        for i, op in enumerate(ops):
+            if op.phase == "backward" and op.rule == rule and all(op.inputs.get(k) == v for k, v in inputs.items()):
+                return i
+        return None
+
+    tensors = list(prog.tensors.values())
+    names = set(prog.tensors)
+    replace_at: dict[int, list[Op]] = {}
+    drop: set[int] = set()
+    dead: set[Any] = set()  # the fused tensors no op makes or reads any more
+    for i, op in enumerate(ops):
+        w = op.inputs.get("y")
+        if op.phase != "forward" or op.rule != "matmul" or w not in ws or len(prog.tensors[w].shape) != 2:
+            continue
+        ty = bool(op.attrs.get("trans_y", False))
+        out_ax = 0 if ty else 1
+        x, mm = op.inputs["x"], op.output_names()[0]
+        ia = only(mm, "add")
+        b = ops[ia].inputs.get("y") if ia is not None else None
+        if ia is None or not isinstance(b, str) or prog.tensors[b].kind != "parameter" or ops[ia].inputs.get("x") != mm:
+            continue
+        added = ops[ia].output_names()[0]
+        ir = only(added, "reshape")
+        if ir is None:
+            continue
+        ish = only(ops[ir].output_names()[0], "split")
+        if ish is None:
+            continue
+        sp = ops[ish]
+        parts = list(sp.outputs[0]) if isinstance(sp.outputs[0], (list, tuple)) else []
+        nd = len(prog.tensors[sp.inputs["x"]].shape)
+        secs = tuple(sp.attrs.get("sections", ()))
+        if len(parts) < 2 or int(sp.attrs.get("axis", -1)) not in (-1, nd - 1) or len(set(secs)) != 1 \
+                or len(secs) != len(parts) or None in parts:
+            continue
+        grads = tuple(p + ".grad" for p in parts)
+        isg = find("split_grad", out_grad=grads)
+        irg = find("reshape_grad", x_shape=added)
+        iag = find("add_grad", x=mm, y=b)
+        img = find("matmul_grad", x=x, y=w)
+        if None in (isg, irg, iag, img):
+            continue
+        assert isg is not None and irg is not None and iag is not None and img is not None
+        if ops[irg].inputs.get("out_grad") != ops[isg].output_names()[0] \
+                or ops[iag].inputs.get("out_grad") != ops[irg].output_names()[0] \
+                or ops[img].inputs.get("out_grad") != ops[iag].outputs[0]:
+            continue
+        xg, wg = ops[img].outputs[0], ops[img].outputs[1]
+        bg = ops[iag].outputs[1]
+        if xg is None or wg is None or bg is None:
+            continue
+        sec = secs[0]
+        wt, bt, xt = prog.tensors[w], prog.tensors[b], prog.tensors[x]
+        fwd_kw = {"layer": op.layer, "phase": "forward"}
+        bwd_kw = {"layer": ops[isg].layer, "phase": "backward"}
+
+        def fresh(base: str) -> str:
+            n, k = base, 1
+            while n in names:
+                n, k = f"{base}{k}", k + 1
+            names.add(n)
+            return n
+
+        fwd: list[Op] = []
+        bwd: list[Op] = []
+        xgs, wgs, bgs = [], [], []
+        for j, part in enumerate(parts):
+            wj, bj = fresh(f"{w}.part{j}"), fresh(f"{b}.part{j}")
+            mmj, aj = fresh(f"{mm}.part{j}"), fresh(f"{added}.part{j}")
+            wshape = list(wt.shape)
+            wshape[out_ax] = sec
+            mshape = list(prog.tensors[mm].shape)
+            mshape[-1] = sec
+            tensors += [Tensor(wj, tuple(wshape), wt.dtype), Tensor(bj, (sec,), bt.dtype),
+                        Tensor(mmj, tuple(mshape), prog.tensors[mm].dtype),
+                        Tensor(aj, tuple(mshape), prog.tensors[added].dtype)]
+            fwd += [Op("slice", {"input": w}, (wj,), {"axes": (out_ax,), "starts": (j * sec,), "ends": ((j + 1) * sec,)},
+                       name=wj, **fwd_kw),
+                    Op("slice", {"input": b}, (bj,), {"axes": (0,), "starts": (j * sec,), "ends": ((j + 1) * sec,)},
+                       name=bj, **fwd_kw),
+                    Op("matmul", {"x": x, "y": wj}, (mmj,), dict(op.attrs), name=mmj, **fwd_kw),
+                    Op("add", {"x": mmj, "y": bj}, (aj,), {}, name=aj, **fwd_kw),
+                    Op("reshape", {"x": aj}, (part,), {"shape": prog.tensors[part].shape}, name=part, **fwd_kw)]
+            ajg, mmjg, bjg = fresh(aj + ".grad"), fresh(mmj + ".grad"), fresh(bj + ".grad")
+            xjg, wjg = fresh(f"{xg}.part{j}"), fresh(wj + ".grad")
+            tensors += [Tensor(ajg, tuple(mshape), prog.tensors[added].dtype, "gradient"),
+                        Tensor(mmjg, tuple(mshape), prog.tensors[mm].dtype, "gradient"),
+                        Tensor(bjg, (sec,), bt.dtype, "gradient"),
+                        Tensor(xjg, xt.shape, prog.tensors[xg].dtype, "gradient"),
+                        Tensor(wjg, tuple(wshape), prog.tensors[wg].dtype, "gradient")]
+            bwd += [Op("reshape_grad", {"x_shape": aj, "out_grad": grads[j]}, (ajg,), {}, name=ajg, **bwd_kw),
+                    Op("add_grad", {"x": mmj, "y": bj, "out_grad": ajg}, (mmjg, bjg), {}, name=mmjg, **bwd_kw),
+                    Op("matmul_grad", {"x": x, "y": wj, "out_grad": mmjg}, (xjg, wjg), dict(ops[img].attrs),
+                       name=xjg, **bwd_kw)]
+            xgs.append(xjg)
+            wgs.append(wjg)
+            bgs.append(bjg)
+        bwd += [Op("add_n", {"input": tuple(xgs)}, (xg,), {}, name=xg, **bwd_kw),
+                Op("concat", {"x": tuple(wgs)}, (wg,), {"axis": out_ax}, name=wg, **bwd_kw),
+                Op("concat", {"x": tuple(bgs)}, (bg,), {"axis": 0}, name=bg, **bwd_kw)]
+        replace_at[i] = fwd
+        replace_at[isg] = bwd
+        drop.update({ia, ir, ish, irg, iag, img})
+        dead.update({mm, added, ops[ir].output_names()[0], *ops[isg].output_names(), *ops[irg].output_names(),
+                     ops[iag].outputs[0]})
+    if not replace_at:
+        return prog
+    out: list[tuple[int | None, Op]] = []
+    for i, op in enumerate(ops):
+        if i in replace_at:
+            out += [(None, o) for o in replace_at[i]]
+        elif i not in drop:
+            out.append((i, op))
+    return _rebuild(prog, [t for t in tensors if t.name not in dead], out)
+
+
 def megatron_program(prog: Program, patterns: Mapping[str, str] | Iterable[tuple[str, str]] | None = None
                      ) -> Program:
     """``prog`` made ready for ``megatron``: its loss vocab-parallel
-    (:func:`vocab_parallel_loss`) and its vocab-parallel tables' ``padding_idx`` lookups
-    rewritten (:func:`vocab_parallel_embedding`)."""
-    vocab = [p for p, r in tp_roles(prog, patterns).items() if r == "vocab"]
-    return vocab_parallel_embedding(vocab_parallel_loss(prog), vocab)
+    (:func:`vocab_parallel_loss`), its vocab-parallel tables' ``padding_idx`` lookups
+    rewritten (:func:`vocab_parallel_embedding`) and its fused column projections split
+    (:func:`split_fused_projections`)."""
+    roles = tp_roles(prog, patterns)
+    vocab = [p for p, r in roles.items() if r == "vocab"]
+    fused = [p for p, r in roles.items() if r == "column" and len(prog.tensors[p].shape) == 2]
+    return split_fused_projections(vocab_parallel_embedding(vocab_parallel_loss(prog), vocab), fused)
 
 
 __all__ = ["DEFAULT_PATTERNS", "ROLES", "annotate_program", "check_patterns", "data_inputs", "megatron_program",
-           "optimizer_of", "parameters", "regroup_partial_sums", "role_of", "tp_roles", "vocab_parallel_embedding", "vocab_parallel_loss"]
+           "optimizer_of", "parameters", "regroup_partial_sums", "role_of", "split_fused_projections", "tp_roles", "vocab_parallel_embedding", "vocab_parallel_loss"]
