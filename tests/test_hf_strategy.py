@@ -162,6 +162,7 @@ def test_user_pattern_wins_and_bert_dense_layout() -> None:
     assert role_of("model.layers.0.self_attn.dense", d) == "row"  # Phi
     assert role_of("decoder.block.0.layer.2.DenseReluDense.wi", d) == "column"
     assert role_of("encoder.block.0.layer.0.SelfAttention.o", d) == "row"
+    assert role_of("encoder.block.0.layer.0.SelfAttention.relative_attention_bias", d) == "column"
     assert role_of("transformer.h.0.attn.c_attn", d) == "column"  # fused q/k/v, split head-wise
     assert role_of("model.layers.0.input_layernorm", d) is None
     assert role_of("model.layers.0.mlp.up_proj", [("re:model\\.layers\\.0\\..*", "replicate"), *d]) == "replicate"

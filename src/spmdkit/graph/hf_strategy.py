@@ -32,7 +32,8 @@ a pattern starting ``re:`` is a regular expression, full match):
 ==========================================================  =========
 q_proj k_proj v_proj gate_proj up_proj fc1 c_fc query key    column
 value wi wi_0 wi_1 q k v (T5), intermediate.dense (BERT),
-c_attn (GPT-2's fused q/k/v, split head-wise)
+c_attn (GPT-2's fused q/k/v, split head-wise),
+relative_attention_bias (T5's table: heads over tp)
 o_proj down_proj fc2 c_proj wo o out_proj dense              row
 (attention.output.dense and output.dense of BERT, Phi's dense)
 embed_tokens wte word_embeddings shared lm_head embed_out    vocab
@@ -97,6 +98,7 @@ DEFAULT_PATTERNS: tuple[tuple[str, str], ...] = (
     ("transform.dense", "replicate"),
     ("pooler.dense", "replicate"),
     ("intermediate.dense", "column"),
+    ("relative_attention_bias", "column"),
     ("dense", "row"),
     *((p, "column") for p in _COLUMN),
     *((p, "row") for p in _ROW),
@@ -324,7 +326,9 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
             if role == "vocab":
                 axis = 0 if how == "embedding" else out_ax
             elif how == "embedding":
-                continue
+                if role != "column":
+                    continue
+                axis = 1  # a table's output features (T5's relative position bias: one column per head)
             else:
                 axis = out_ax if role == "column" else in_ax
             if t.shape[axis] % size:
@@ -353,10 +357,10 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
             part = op.output_names()[0]
             pt = prog.tensors[part]
             mod = _module_paths(prog, src)[0]
-            if pt.shape and pt.shape[-1 if len(pt.shape) == 1 else 0] % size and len(pt.shape) == 1:
-                raise ProgramError(f"--strategy megatron: {mod} (column): a part of {pt.shape[0]} is not "
-                                   f"divisible by tp={size}")
-            if len(pt.shape) == 1:
+            if len(pt.shape) == 1:  # a part of the bias
+                if pt.shape[0] % size:
+                    raise ProgramError(f"--strategy megatron: {mod} (column): a bias part of {pt.shape[0]} is not "
+                                       f"divisible by tp={size}")
                 dm(part)[0] = tp
                 continue
             how, out_ax, _in, mop = _weight_axes(prog, readers, part)
@@ -411,7 +415,8 @@ def _sequence_parallel(prog: Program, mesh: ProcessMesh, sharded: Mapping[str, s
         if role is None:
             continue
         if op.rule in ("embedding", "c_embedding"):
-            seq.append(op.output_names()[0])
+            if role == "vocab":  # a token table (not T5's per-head position bias)
+                seq.append(op.output_names()[0])
         elif role in ("column", "vocab_head") or (role == "vocab" and op.rule == "matmul"):  # a tied head too
             gather.append(op.inputs["x"])
         elif role == "row":

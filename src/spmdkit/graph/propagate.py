@@ -11,13 +11,16 @@
    decides (a parameter is laid out for its forward use, not for its optimizer update).
 
 A backward sweep only fills tensors that had no dist attr, and a forward sweep is a function
-of the annotations and the filled tensors, so the sweeps reach a fixed point after at most
-three forward sweeps (each op is visited a bounded number of times: the cost is linear in the
-number of ops); the answer is deterministic. The last forward sweep is the plan: where an
-op's rule needs an input otherwise than its producer made it, a reshard is planned
+of the annotations and the filled tensors, so the sweeps reach a fixed point in a few forward
+sweeps, at most ``MAX_ROUNDS`` (each op is visited a bounded number of times: the cost is
+linear in the number of ops); the answer is deterministic. The last forward sweep is the plan:
+where an op's rule needs an input otherwise than its producer made it, a reshard is planned
 (``spmdkit.reshard``: collectives, bytes, time); an annotated output that the rule makes
 otherwise is resharded after the op. Reshards of one tensor to one dist attr are shared by
-all its consumers.
+all its consumers. A partial tensor read by several ops, one of which needs it reduced
+(a residual stream read by a norm's ``square`` and its ``multiply``), is reduced once right
+after its producer and every reader gets the reduced one (a sweep that finds one more such
+tensor counts as not converged); one with a single reader is reduced where that reader needs it.
 """
 
 from __future__ import annotations
@@ -225,7 +228,8 @@ def propagate(
                 if v is None:
                     continue
                 for n, r_attr in zip(_flat(v), _flat_attrs(req)):
-                    if n is None or r_attr is None or n in fixed or n in reduced or readers.get(n, 0) < 2:
+                    if n is None or r_attr is None or n in fixed or n in reduced or readers.get(n, 0) < 2 \
+                            or rounds >= MAX_ROUNDS:  # the last sweep is the plan: no new reductions
                         continue
                     a_n = attrs[n]
                     if a_n is not None and a_n.partial and not (set(a_n.partial) <= set(r_attr.partial)):
