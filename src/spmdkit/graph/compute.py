@@ -36,6 +36,7 @@ from typing import Any
 from spmdkit.core.dist_attr import TensorDistAttr, entry_dims
 from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.core.mesh import ProcessMesh
+from spmdkit.graph.program import Program
 from spmdkit.reshard import CostModel, LinkCost, ReshardPlan, Step
 
 # -- devices ------------------------------------------------------------------------------------
@@ -835,7 +836,7 @@ def model_flops(plan: Any, tokens: int) -> tuple[float, int, float]:
     return 6.0 * n_params * tokens + att, n_params, att
 
 
-def guess_tokens(program: Any) -> int | None:
+def guess_tokens(program: Program) -> int | None:
     """Tokens per step of a program: the elements of its token-id input (``tokens`` or
     ``input_ids``, else the first integer input of rank 2), None if it has none."""
     ins = [t for t in program.tensors.values() if t.kind == "input"]
@@ -915,8 +916,9 @@ def estimate_step(plan: Any, device: Device, tokens: int | None = None) -> StepE
         n = 1
         for d in dims:
             n *= mesh.shape[d]
-        a = sum(plan.cost.links[d].alpha_s for d in dims) / len(dims)
-        b = max(plan.cost.links[d].beta_s_per_byte for d in dims)
+        cost: CostModel = plan.cost
+        a = sum(cost.links[d].alpha_s for d in dims) / len(dims)
+        b = max(cost.links[d].beta_s_per_byte for d in dims)
         if kind == "all_reduce":
             return 2 * (n - 1) * a + round(2 * (n - 1) / n * size) * b
         return (n - 1) * a + round((n - 1) / n * size) * b
