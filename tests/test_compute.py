@@ -207,7 +207,7 @@ def test_links_map_onto_mesh_dims_by_ranks_per_node() -> None:
 def test_vocab_parallel_loss_all_reduces_inside_the_kernel() -> None:
     _, plan, _ = plan_model("tiny-llama", "dp=2,tp=2", "megatron")
     ks = kernel_collectives(plan)
-    assert [(k.what, k.reduce_type) for k in ks] == [("max of the logits", "max"), ("label logit", "sum"),
+    assert [(k.what, k.reduce_type) for k in ks] == [("row max of the logits", "max"), ("label logit", "sum"),
                                                      ("sum of exp", "sum")]
     rows = 4 * 8 // 2  # batch 4 over dp=2, seq 8: float32 rows
     assert all(k.mesh_dims == (1,) and k.bytes_per_rank == round(2 * (2 - 1) / 2 * 4 * rows) for k in ks)
@@ -370,3 +370,14 @@ def test_device_argument_errors(capsys: Any, tmp_path: Path) -> None:
         assert main(["plan", "--model", "tiny-llama", "--mesh", "dp=2", "--strategy", "dp", *argv]) == 2
         err = capsys.readouterr().err
         assert why in err and err.count("\n") == 1, err
+
+
+def test_readme_step_example_is_real() -> None:
+    """The README's --device example shows this run's lines, figure for figure."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rc, out = _run("plan", "--model", "llama-7b", "--mesh", "dp=2,tp=4", "--strategy", "megatron", "--device", "h100")
+    assert rc == 0
+    shown = [ln for ln in out.splitlines() if ln.startswith(("Device:", "step time:", "FLOPs per device:", "tokens/s:"))]
+    assert len(shown) == 4
+    for ln in shown:
+        assert ln in readme, ln

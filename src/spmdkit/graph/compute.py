@@ -654,8 +654,8 @@ class KernelCollective:
 #: (what, reduce type) per all-reduce of a float32 [rows] buffer (Megatron-LM's
 #: vocab_parallel_cross_entropy, Paddle's c_softmax_with_cross_entropy kernel)
 _CLASS_AXIS_ALLREDUCES = {
-    "c_softmax_with_cross_entropy": (("max of the logits", "max"), ("label logit", "sum"), ("sum of exp", "sum")),
-    "c_softmax_with_multi_label_cross_entropy": (("max of the logits", "max"), ("label logits", "sum"),
+    "c_softmax_with_cross_entropy": (("row max of the logits", "max"), ("label logit", "sum"), ("sum of exp", "sum")),
+    "c_softmax_with_multi_label_cross_entropy": (("row max of the logits", "max"), ("label logits", "sum"),
                                                  ("sum of exp", "sum")),
 }
 

@@ -147,7 +147,7 @@ def write_report(plan: Plan, out: TextIO, title: str = "", memory: Memory | None
         groups_k: dict[tuple[Any, ...], list[KernelCollective]] = {}
         for k in kernel:
             groups_k.setdefault((k.rule, prog.ops[k.op_index].phase, k.what, k.mesh_dims), []).append(k)
-        rows = [[ph, rule, f"all-reduce ({ks[0].reduce_type}) of the {what} over "
+        rows = [[ph, rule, f"all-reduce ({ks[0].reduce_type}), {what}, over "
                  + "x".join(mesh.dim_names[d] for d in dims), f"x{len(ks)}",
                  fmt_bytes(sum(k.bytes_per_rank for k in ks)), fmt_time(sum(k.time_s for k in ks))]
                 for (rule, ph, what, dims), ks in groups_k.items()]
