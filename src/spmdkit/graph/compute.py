@@ -289,9 +289,22 @@ class OpCost:
 _Arg = tuple[tuple[int, ...], int, str]  # local shape, itemsize, dtype
 
 
-def _local(shape: Sequence[int], attr: TensorDistAttr | None) -> tuple[int, ...]:
+_LOCAL: dict[tuple[tuple[int, ...], TensorDistAttr], tuple[int, ...]] = {}
+
+
+def _local(shape: tuple[int, ...], attr: TensorDistAttr | None) -> tuple[int, ...]:
+    """The largest shard's shape (memoised: a model repeats few (shape, dist attr) pairs)."""
     if attr is None:
-        return tuple(shape)
+        return shape
+    got = _LOCAL.get((shape, attr))
+    if got is None:
+        if len(_LOCAL) > 100_000:
+            _LOCAL.clear()
+        got = _LOCAL[(shape, attr)] = _local_shape(shape, attr)
+    return got
+
+
+def _local_shape(shape: Sequence[int], attr: TensorDistAttr) -> tuple[int, ...]:
     ms = attr.mesh.shape
     out = []
     for size, e in zip(shape, attr.dims_mapping):
