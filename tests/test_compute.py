@@ -324,6 +324,12 @@ def test_cli_plan_device_text_and_json() -> None:
     assert set(step["comm_s"]) == {"forward", "backward", "optimizer", "inside_ops", "gradient_buckets"}
     rc, plain = _run("plan", "--model", "tiny-llama", "--mesh", "dp=2,tp=2", "--json")
     assert "step" not in json.loads(plain)  # no device: no prediction
+    # --nodes-of alone: the default links, tp across nodes when a node holds one rank
+    rc, one = _run("plan", "--model", "tiny-llama", "--mesh", "dp=2,tp=2", "--nodes-of", "1", "--json")
+    t_default, t_one = (json.loads(x)["totals"]["forward"]["time_s"] for x in (plain, one))
+    assert rc == 0 and t_one > t_default and "step" not in json.loads(one)
+    rc, out = _run("plan", "--model", "llama-7b", "--layers", "2", "--mesh", "dp=2,tp=4", "--device", "a100-40gb")
+    assert "fits in the 40.00 GiB of a NVIDIA A100 SXM4 40GB" in out or "does NOT fit in the 40.00 GiB" in out
 
 
 def test_device_json_file(tmp_path: Path) -> None:

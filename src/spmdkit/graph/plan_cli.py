@@ -271,7 +271,8 @@ def _step_estimate(ns: argparse.Namespace, plan: Any, config: Any) -> tuple[Any,
     plan = recost(plan, cost)
     if device is None:
         return plan, None
-    tokens = config.batch * config.seq if config is not None else guess_tokens(plan.program)
+    batch, seq = getattr(config, "batch", None), getattr(config, "seq", None)
+    tokens = batch * seq if isinstance(batch, int) and isinstance(seq, int) else guess_tokens(plan.program)
     return plan, estimate_step(plan, device, tokens)
 
 

@@ -172,6 +172,10 @@ def write_report(plan: Plan, out: TextIO, title: str = "", memory: Memory | None
             ["activations (peak)", f"{fmt_bytes(mem.activation_peak)} (at {peak_op})"],
             ["total", fmt_bytes(mem.total)]]
     _table("Memory per device", ["", "bytes"], rows, out)
+    if estimate is not None and estimate.device.memory_bytes:
+        cap = estimate.device.memory_bytes
+        out.write(f"{'fits in' if mem.total <= cap else 'does NOT fit in'} the {fmt_bytes(cap)} of a "
+                  f"{estimate.device.name} ({100 * mem.total / cap:.0f}%)\n")
     uneven = uneven_shards(plan)
     if uneven:
         names = plan.mesh.dim_names
