@@ -240,6 +240,11 @@ def test_every_zoo_rule_is_costed() -> None:
         for vp in (False, True):
             rules |= {op.rule for op in build_model(preset(name), vocab_parallel_loss=vp).program.ops}
     assert rules - COSTED == set()
+    # of every registered rule, only the importer's stand-in for an unmapped op has no cost
+    from spmdkit.rules.registry import rule_names
+
+    assert set(rule_names(include_aliases=False)) - COSTED == {"replicated"}
+    assert COSTED <= set(rule_names(include_aliases=False))
     _, plan, _ = plan_model("tiny-gpt2", "dp=2,tp=2", "megatron,sp")
     assert all(op_cost(plan, i).covered for i in range(len(plan.program.ops)))
 
@@ -285,7 +290,7 @@ def test_uncovered_rules_are_listed_not_zero() -> None:
     prog = b.build()
     plan = propagate(prog, ProcessMesh([1]), {})
     assert op_cost(plan, 0).covered
-    assert "roi_align" not in COSTED
+    assert "replicated" not in COSTED
     # a rule without a cost: the estimate names it and times it by its bytes (never a silent zero)
     from spmdkit.graph import compute
 

@@ -480,6 +480,14 @@ def _conv_transpose(c: _Ctx) -> OpCost:
     return OpCost(f, f, c.in_bytes + c.out_bytes, True, c.dtype())
 
 
+def _conv_transpose_grad(c: _Ctx) -> OpCost:
+    x, w = c.one("input"), c.one("filter")
+    assert x is not None and w is not None
+    grads = sum(1 for o in c.outs[:2] if o is not None)
+    f = 2.0 * _numel(x[0]) * _numel(w[0][1:]) * grads
+    return OpCost(f, f, c.in_bytes + c.out_bytes, True, c.dtype())
+
+
 def _conv_grad(c: _Ctx) -> OpCost:
     w, go = c.one("filter"), c.one("output_grad") or c.one("out_grad")
     assert w is not None and go is not None
@@ -562,9 +570,9 @@ not_equal logical_and logical_or logical_xor bitwise_and bitwise_or bitwise_xor 
 _REDUCE = """sum mean max min prod all any reduce_base mean_all logsumexp p_norm frobenius_norm squared_l2_norm
 numel argmax argmin""".split()
 _COPY = """transpose expand expand_as tile concat split split_with_num stack unbind slice strided_slice pad roll
-flatten_copy tril_triu triu one_hot cumsum cummax cummin argsort topk unique nonzero index_put scatter
+tril_triu triu one_hot cumsum cummax cummin argsort topk unique nonzero index_put scatter
 scatter_nd_add put_along_axis coalesce_tensor check_finite_and_unscale update_loss_scaling moe_gate_dispatch
-moe_combine replicated_copy""".split()
+moe_combine""".split()
 _VIEWS = "reshape squeeze unsqueeze flatten".split()
 _GATHER = "embedding c_embedding index_select gather gather_nd take_along_axis".split()
 _SCATTER_GRAD = "embedding_grad c_embedding_grad index_select_grad gather_grad gather_nd_grad " \
@@ -594,7 +602,6 @@ for _n in ("conv2d", "conv3d", "depthwise_conv2d"):
     _FAMILY[_n] = _conv
     _FAMILY[_n + "_grad"] = _conv_grad
 _FAMILY["conv2d_transpose"] = _conv_transpose
-_FAMILY["conv2d_transpose_grad"] = _conv_grad
 _FAMILY["einsum"] = _einsum
 _FAMILY["einsum_grad"] = _einsum
 for _n in _VIEWS:
@@ -613,9 +620,22 @@ for _n in [*_UNARY, *_BINARY, *_REDUCE, *_COPY]:
 for _n, _k in _PER_ELEMENT.items():
     _FAMILY.setdefault(_n, _by_bytes(_k))
 _FAMILY["default_data_parallel"] = _by_bytes(0)
+_FAMILY["roi_align"] = _by_bytes(_PER_ELEMENT.get("roi_align", 16))  # 4 bilinear taps per sample
+_FAMILY["roi_align_grad"] = _by_bytes(16)
+_FAMILY["conv2d_transpose_grad"] = _conv_transpose_grad
 
-#: every rule with a cost (the others are listed as uncovered by :func:`estimate_step`)
-COSTED = frozenset(_FAMILY)
+
+def _registered() -> frozenset[str]:
+    from spmdkit.rules.registry import has_rule
+
+    for n in [n for n in _FAMILY if not has_rule(n)]:  # a grad name the family tables made up
+        del _FAMILY[n]
+    return frozenset(_FAMILY)
+
+
+#: every registered rule with a cost; the others (today: ``replicated``, the importer's stand-in
+#: for an op it could not map) are listed as uncovered by :func:`estimate_step`
+COSTED = _registered()
 
 
 def _canonical(rule: str) -> str:
