@@ -392,3 +392,19 @@ def test_readme_step_example_is_real() -> None:
     assert len(shown) == 4
     for ln in shown:
         assert ln in readme, ln
+
+
+def test_c_embedding_all_reduce_is_the_reshard_of_its_partial_output() -> None:
+    """c_embedding with vocab-sharded rows makes a partial output; the plan's reshard of it is
+    the all-reduce (counted once), not a collective inside the kernel."""
+    from spmdkit.graph.report import step_kinds
+
+    b = ProgramBuilder()
+    b.tensor("ids", [4, 8], "int64", "input")
+    b.tensor("table", [64, 16], "bfloat16", "parameter")
+    b.op("c_embedding", {"weight": "table", "x": "ids"}, [("e", [4, 8, 16], "bfloat16")])
+    b.op("relu", {"x": "e"}, [("r", [4, 8, 16], "bfloat16")])
+    plan = _plan(b, ProcessMesh([2]), {"table": [0, -1]})
+    kernel = kernel_collectives(plan)
+    assert kernel == [] and step_kinds(plan, None, kernel) == {"all_reduce": 1}
+    assert op_cost(plan, 0).bytes == 2 * (4 * 8 * 16 * 2) + 4 * 8 * 8  # rows read + written, the ids
