@@ -362,6 +362,8 @@ def test_device_json_file(tmp_path: Path) -> None:
     ('{"base": "h100", "tf32": "yes"}', "tf32"),
     ('{"base": "tpu"}', "no such preset"),
     ('{"base": "h100", "intra_node": {"gb_per_s": 1e999}}', "intra_node.gb_per_s"),
+    ('{"base": "h100", "memory_gb": 1e308}', "memory_gb"),
+    ('{"base": "h100", "peak_tflops": {"bf16": NaN}}', "peak_tflops.bf16"),
 ])
 def test_device_json_errors_are_one_line(tmp_path: Path, capsys: Any, content: str, why: str) -> None:
     f = tmp_path / "dev.json"
@@ -408,3 +410,30 @@ def test_c_embedding_all_reduce_is_the_reshard_of_its_partial_output() -> None:
     kernel = kernel_collectives(plan)
     assert kernel == [] and step_kinds(plan, None, kernel) == {"all_reduce": 1}
     assert op_cost(plan, 0).bytes == 2 * (4 * 8 * 16 * 2) + 4 * 8 * 8  # rows read + written, the ids
+
+
+def test_device_json_fuzz_is_a_device_or_a_program_error() -> None:
+    """Seeded random device objects (wrong types, NaN, infinities, huge, nested, unknown keys):
+    each is a Device or a ProgramError naming --device, never another exception."""
+    import random
+
+    rng = random.Random(15)
+    values: list[Any] = [0, -1, 1, 2.5, 1e308, 1e30, 1e-320, float("nan"), float("inf"), True, None, "h100", [], {}, {"x": 1},
+                         {"gb_per_s": 10}, {"latency_us": -1}, {"bf16": 100, "fp32": 10}, {"fp32": "x"}, 10**30]
+    keys = ["base", "name", "peak_tflops", "hbm_gb_per_s", "memory_gb", "intra_node", "inter_node",
+            "ranks_per_node", "tf32", "other"]
+    ok = 0
+    for _ in range(400):
+        obj = {k: rng.choice(values) for k in rng.sample(keys, rng.randint(0, 5))}
+        if rng.random() < 0.5:
+            obj["base"] = rng.choice(["h100", "a100", "h200", "a100-40gb"])
+        try:
+            dev = device_from_json(json.loads(json.dumps(obj)))
+        except ProgramError as exc:
+            assert str(exc).startswith("--device") and "\n" not in str(exc)
+            continue
+        ok += 1
+        assert all(math.isfinite(v) and v > 0 for v in dev.peak.values())
+        assert dev.hbm_bytes_per_s > 0 and 1 <= dev.ranks_per_node
+        assert math.isfinite(dev.intra.bytes_per_s) and math.isfinite(float(dev.memory_bytes))
+    assert ok > 0

@@ -123,19 +123,21 @@ _JSON_KEYS = {"name", "peak_tflops", "hbm_gb_per_s", "memory_gb", "intra_node", 
               "tf32", "base"}
 
 
-def _num(what: str, v: Any, positive: bool = True) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or \
-            (positive and v == 0):
-        raise ProgramError(f"--device {what}: expected a finite number {'> 0' if positive else '>= 0'}, "
+def _num(what: str, v: Any, positive: bool = True, scale: float = 1.0) -> float:
+    """``v * scale`` for a finite number ``v`` (> 0, or >= 0), the product finite too."""
+    ok = not isinstance(v, bool) and isinstance(v, (int, float)) and (1e-9 <= v <= 1e30 or v == 0)
+    x = float(v) * scale if ok else math.nan
+    if not ok or not math.isfinite(x) or x < 0 or (positive and x == 0):
+        raise ProgramError(f"--device {what}: expected a number from {'1e-9' if positive else '0'} to 1e30, "
                            f"got {json.dumps(v)[:40]}")
-    return float(v)
+    return x
 
 
 def _link(what: str, v: Any, base: Link) -> Link:
     if not isinstance(v, dict) or set(v) - {"latency_us", "gb_per_s"}:
         raise ProgramError(f"--device {what}: expected an object with latency_us and gb_per_s")
-    a = _num(f"{what}.latency_us", v["latency_us"], False) * 1e-6 if "latency_us" in v else base.alpha_s
-    b = _num(f"{what}.gb_per_s", v["gb_per_s"]) * G if "gb_per_s" in v else base.bytes_per_s
+    a = _num(f"{what}.latency_us", v["latency_us"], False, 1e-6) if "latency_us" in v else base.alpha_s
+    b = _num(f"{what}.gb_per_s", v["gb_per_s"], True, G) if "gb_per_s" in v else base.bytes_per_s
     return Link(a, b)
 
 
@@ -164,12 +166,13 @@ def device_from_json(obj: Any) -> Device:
         for k, v in pk.items():
             if k not in PEAK_KEYS:
                 raise ProgramError(f"--device peak_tflops: unknown dtype {str(k)[:20]!r} (one of {', '.join(PEAK_KEYS)})")
-            peak[k] = _num(f"peak_tflops.{k}", v) * T
+            peak[k] = _num(f"peak_tflops.{k}", v, True, T)
     if "fp32" not in peak:
         raise ProgramError("--device peak_tflops: needs fp32 (the rate of the non-tensor-core ops)")
-    hbm = _num("hbm_gb_per_s", obj["hbm_gb_per_s"]) * G if "hbm_gb_per_s" in obj else \
+    hbm = _num("hbm_gb_per_s", obj["hbm_gb_per_s"], True, G) if "hbm_gb_per_s" in obj else \
         (base.hbm_bytes_per_s if base else 0.0)
-    mem = int(_num("memory_gb", obj["memory_gb"]) * G) if "memory_gb" in obj else (base.memory_bytes if base else 0)
+    mem = int(_num("memory_gb", obj["memory_gb"], True, G)) if "memory_gb" in obj else \
+        (base.memory_bytes if base else 0)
     intra = _link("intra_node", obj["intra_node"], base.intra if base else _NVLINK4) if "intra_node" in obj \
         else (base.intra if base else _NVLINK4)
     inter = _link("inter_node", obj["inter_node"], base.inter if base else _IB_NDR) if "inter_node" in obj \
