@@ -319,7 +319,7 @@ def test_cli_plan_device_text_and_json() -> None:
     rc, out = _run("plan", "--model", "tiny-llama", "--mesh", "dp=2,tp=2", "--device", "h100", "--nodes-of", "2")
     assert rc == 0
     for part in ("Predicted step per device", "step time:", "tokens/s:", "MFU", "Collectives inside ops",
-                 "NVIDIA H100"):
+                 "NVIDIA H100", "2 ranks per node"):
         assert part in out, part
     rc, out = _run("plan", "--model", "tiny-llama", "--mesh", "dp=2,tp=2", "--device", "a100-80gb", "--json")
     assert rc == 0

@@ -818,6 +818,7 @@ class StepEstimate:
                 "bytes_per_device": self.bytes_per_device, "tokens": self.tokens,
                 "tokens_per_s": self.tokens_per_s, "model_flops": self.model_flops, "parameters": self.n_params,
                 "attention_flops": self.attention_flops, "peak_flops": self.peak, "mfu": self.mfu,
+                "memory_bound_ops": self.memory_bound_ops,
                 "buckets": [b.to_json() for b in self.buckets], "uncovered_rules": dict(self.uncovered)}
 
 

@@ -265,6 +265,10 @@ def _step_estimate(ns: argparse.Namespace, plan: Any, config: Any) -> tuple[Any,
 
     device = load_device(str(device_text)) if device_text else None
     nodes = _size_arg("--nodes-of", nodes_text, 1 << 20)
+    if device is not None and nodes:
+        from dataclasses import replace
+
+        device = replace(device, ranks_per_node=nodes)
     cost = cost_model(plan.mesh, device, nodes)
     if ns.cost:
         cost = CostModel.parse(ns.cost, plan.mesh, base=cost)  # already checked by _cost

@@ -233,7 +233,8 @@ def write_estimate(est: StepEstimate, out: TextIO) -> None:
     rows = [[ph, fmt_time(est.compute_s.get(ph, 0.0)), fmt_time(est.comm_s.get(ph, 0.0))]
             for ph in ("forward", "backward", "optimizer")]
     rows.append(["collectives inside ops", "-", fmt_time(est.kernel_comm_s)])
-    rows.append([f"gradient reductions ({len(est.buckets)} DDP buckets)", "-", fmt_time(est.grad_sync_s)])
+    nb = len(est.buckets)
+    rows.append([f"gradient reductions ({nb} DDP bucket{'' if nb == 1 else 's'})", "-", fmt_time(est.grad_sync_s)])
     rows.append(["total", fmt_time(est.compute_total_s), fmt_time(est.comm_total_s)])
     _table("Predicted step per device (roofline compute, alpha-beta communication; spmdkit.graph.compute)",
            ["", "compute", "communication"], rows, out)
