@@ -6,7 +6,9 @@
 Prints, per layer count, the ops of the training step, the time to build the program, the
 time to propagate and plan the reshards (median of --repeat runs, rule caches cleared before
 each run, so every run computes its answers), the time per op, and the time relative to the
-smallest model scaled by its op count (1.00 = exactly linear).
+smallest model scaled by its op count (1.00 = exactly linear); ``--device h100`` adds the time
+of the step prediction (spmdkit.graph.compute: re-timing the reshards by the device's links
+and costing every op), median of --repeat runs.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from spmdkit.graph.compute import cost_model, estimate_step, preset_device, recost
 from spmdkit.graph.memory import memory_per_device
 from spmdkit.graph.propagate import propagate
 from spmdkit.graph.strategy import annotate, parse_mesh, parse_strategy
@@ -33,13 +36,14 @@ def main() -> int:
     ap.add_argument("--strategy", default="megatron")
     ap.add_argument("--layers", default="8,16,32,64,80")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--device", help="also time the step prediction on this device preset (e.g. h100)")
     a = ap.parse_args()
     mesh = parse_mesh(a.mesh)
     st = parse_strategy(a.strategy, mesh)
     rows = []
     for n in [int(x) for x in a.layers.split(",")]:
         cfg = preset(a.model).with_(layers=n)
-        builds, plans = [], []
+        builds, plans, ests = [], [], []
         for _ in range(a.repeat):
             clear_cache()
             t0 = time.perf_counter()
@@ -50,13 +54,21 @@ def main() -> int:
             t2 = time.perf_counter()
             builds.append(t1 - t0)
             plans.append(t2 - t1)
-        rows.append((n, len(model.program.ops), statistics.median(builds), statistics.median(plans)))
+            if a.device:
+                dev = preset_device(a.device)
+                t3 = time.perf_counter()
+                estimate_step(recost(plan, cost_model(mesh, dev)), dev, cfg.batch * cfg.seq)
+                ests.append(time.perf_counter() - t3)
+        rows.append((n, len(model.program.ops), statistics.median(builds), statistics.median(plans),
+                     statistics.median(ests) if ests else None))
     base = rows[0]
     print(f"{a.model}, mesh {a.mesh}, strategy {','.join(st)} (median of {a.repeat}; caches cleared per run)")
-    print(f"{'layers':>6} {'ops':>6} {'build s':>8} {'plan s':>8} {'total s':>8} {'us/op':>7} {'vs linear':>9}")
-    for n, ops, b, p in rows:
+    print(f"{'layers':>6} {'ops':>6} {'build s':>8} {'plan s':>8} {'total s':>8} {'us/op':>7} {'vs linear':>9}"
+          + (f" {'predict s':>9}" if a.device else ""))
+    for n, ops, b, p, e in rows:
         lin = (b + p) / ((base[2] + base[3]) * ops / base[1])
-        print(f"{n:>6} {ops:>6} {b:>8.3f} {p:>8.3f} {b + p:>8.3f} {(b + p) / ops * 1e6:>7.1f} {lin:>9.2f}")
+        print(f"{n:>6} {ops:>6} {b:>8.3f} {p:>8.3f} {b + p:>8.3f} {(b + p) / ops * 1e6:>7.1f} {lin:>9.2f}"
+              + (f" {e:>9.3f}" if e is not None else ""))
     return 0
 
 

@@ -280,7 +280,10 @@ def test_cli_plan_json_and_verify() -> None:
     assert rc == 0
     d = json.loads(out)
     assert d["verify"]["ok"] is True
-    assert d["totals"]["forward"]["collectives"] == {"all_gather": 5, "reduce_scatter": 5}
+    # sequence parallel: 5 all-gather / reduce-scatter pairs, and the 3 all-reduces inside the
+    # vocab-parallel loss kernel (max, label logit, sum of exp: spmdkit.graph.compute)
+    assert d["totals"]["forward"]["collectives"] == {"all_gather": 5, "reduce_scatter": 5, "all_reduce": 3}
+    assert [k["what"] for k in d["kernel_collectives"]] == ["row max of the logits", "label logit", "sum of exp"]
     assert d["memory"]["total"] > 0
     assert d["tensors"]["layers.0.wq"]["dims_mapping"] == [-1, 1]
 

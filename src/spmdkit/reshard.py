@@ -60,10 +60,10 @@ class CostModel:
         return cls(tuple(reversed(links)))
 
     @classmethod
-    def parse(cls, text: str, mesh: ProcessMesh) -> CostModel:
+    def parse(cls, text: str, mesh: ProcessMesh, base: CostModel | None = None) -> CostModel:
         """``"tp=5us/150GB,dp=20us/25GB"`` (per mesh dim name or index: latency in s/ms/us/ns,
-        bandwidth in B/KB/MB/GB per second); unnamed dims keep the defaults."""
-        links = list(cls.default(mesh).links)
+        bandwidth in B/KB/MB/GB per second); unnamed dims keep ``base``'s links (the defaults)."""
+        links = list((base or cls.default(mesh)).links)
         units = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
         bw = {"B": 1.0, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
         for part in text.split(","):

@@ -36,6 +36,10 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--annotate", action="append", default=[], metavar="TENSOR=DIMS_MAPPING",
                    help='pin a tensor, e.g. --annotate "tokens=[0,-1]" (repeatable)')
     p.add_argument("--cost", help='link costs per mesh dim, e.g. "tp=5us/150GB,dp=20us/25GB"')
+    p.add_argument("--device", help="predict the step on this GPU: a preset (a100-40gb, a100-80gb, h100, h200) "
+                                    "or a JSON file (docs/devices.md); also sets the links of --cost")
+    p.add_argument("--nodes-of", dest="nodes_of", metavar="N",
+                   help="ranks per node (the device's, 8, by default): inner mesh dims within N ranks use NVLink")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--verify", action="store_true",
                    help="also run the same plan at tiny sizes through the simulator (needs numpy)")
@@ -305,6 +309,7 @@ def _run_plan(ns: argparse.Namespace, out: TextIO) -> int:
         _, _, _, plan = plan_hf(hf, ns.hf_config, ns.mesh, ns.strategy, getattr(ns, "dtype", "float32"),
                                 batch or 2, seq or 16, user, patterns, ns.cost)
         secs = time.perf_counter() - t0
+        config = None
         title = f"{hf} (HuggingFace), batch {batch or 2}, seq {seq or 16}; strategy {ns.strategy or 'megatron'}"
         model_name = None
     elif ns.program:
@@ -319,6 +324,7 @@ def _run_plan(ns: argparse.Namespace, out: TextIO) -> int:
         prog = load_program(ns.program)
         _, plan = plan_program(prog, ns.mesh, ns.strategy, user, patterns, ns.cost)
         secs = time.perf_counter() - t0
+        config = None
         title = f"program {ns.program}" + (f"; strategy {ns.strategy}" if ns.strategy else "")
         model_name = None
     else:
@@ -327,11 +333,12 @@ def _run_plan(ns: argparse.Namespace, out: TextIO) -> int:
         ns.strategy = strategy
         model, plan, secs = plan_model(ns.model, ns.mesh, strategy, overrides, user, ns.cost,
                                        progress=_progress())
-        c = model.config
+        c = config = model.config
         title = (f"{ns.model}: {c.arch}, {c.layers} layers, hidden {c.hidden}, {c.heads} heads"
                  f"{f' ({c.n_kv} kv)' if c.n_kv != c.heads else ''}, FFN {c.ffn}, vocab {c.vocab}, "
                  f"seq {c.seq}, batch {c.batch}, {c.dtype}; strategy {ns.strategy}")
         model_name = ns.model
+    plan, est = _step_estimate(ns, plan, config)
     mem = memory_per_device(plan)
     verdict = None
     if ns.verify:
@@ -340,9 +347,9 @@ def _run_plan(ns: argparse.Namespace, out: TextIO) -> int:
         extra: dict[str, Any] = {"title": title, "plan_seconds": secs}
         if verdict is not None:
             extra["verify"] = verdict
-        out.write(json.dumps(plan_json(plan, mem, extra)) + "\n")
+        out.write(json.dumps(plan_json(plan, mem, extra, est)) + "\n")
     else:
-        write_report(plan, out, title, mem, secs)
+        write_report(plan, out, title, mem, secs, est)
         if verdict is not None:
             out.write("\n" + verdict["text"] + "\n")
     return 0 if verdict is None or verdict["ok"] else 1
@@ -368,6 +375,32 @@ def _verify(ns: argparse.Namespace, model_name: str | None, user: dict[str, Any]
         lines.append(f"  {name}: {what}")
     return {"ok": ok, "model": tiny, "checked": rep.checked, "failures": [list(f) for f in rep.failures],
             "loss": rep.loss, "text": "\n".join(lines)}
+
+
+def _step_estimate(ns: argparse.Namespace, plan: Any, config: Any) -> tuple[Any, Any]:
+    """``--device`` / ``--nodes-of``: the plan with its reshards timed by the device's links
+    (``--cost`` applied on top) and the predicted step (None without ``--device``)."""
+    device_text, nodes_text = getattr(ns, "device", None), getattr(ns, "nodes_of", None)
+    if not device_text and not nodes_text:
+        return plan, None
+    from spmdkit.graph.compute import cost_model, estimate_step, guess_tokens, load_device, recost
+    from spmdkit.reshard import CostModel
+
+    device = load_device(str(device_text)) if device_text else None
+    nodes = _size_arg("--nodes-of", nodes_text, 1 << 20)
+    if device is not None and nodes:
+        from dataclasses import replace
+
+        device = replace(device, ranks_per_node=nodes)
+    cost = cost_model(plan.mesh, device, nodes)
+    if ns.cost:
+        cost = CostModel.parse(ns.cost, plan.mesh, base=cost)  # already checked by _cost
+    plan = recost(plan, cost)
+    if device is None:
+        return plan, None
+    batch, seq = getattr(config, "batch", None), getattr(config, "seq", None)
+    tokens = batch * seq if isinstance(batch, int) and isinstance(seq, int) else guess_tokens(plan.program)
+    return plan, estimate_step(plan, device, tokens)
 
 
 __all__ = ["MAX_LAYERS", "MAX_SIZE", "add_plan_arguments", "plan_hf", "plan_model", "plan_program", "run_plan"]

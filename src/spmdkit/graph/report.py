@@ -7,6 +7,7 @@ from collections import Counter
 from typing import Any, TextIO
 
 from spmdkit.core.dist_attr import TensorDistAttr, entry_dims
+from spmdkit.graph.compute import KernelCollective, StepEstimate, kernel_collectives
 from spmdkit.graph.memory import Memory, memory_per_device, uneven_shards
 from spmdkit.graph.propagate import Plan, Reshard
 from spmdkit.io.codec import encode_attr
@@ -57,9 +58,23 @@ def _reshard_key(plan: Plan, r: Reshard) -> tuple[Any, ...]:
     return (_generic(r.tensor), _generic(op.name), r.src, r.dst, r.output, op.phase)
 
 
-def step_kinds(plan: Plan, phase: str | None = None) -> Counter[str]:
-    """Collective kind -> count over the step (local steps left out)."""
-    return Counter(s.kind for _, s in plan.collectives(phase))
+def step_kinds(plan: Plan, phase: str | None = None, kernel: list[KernelCollective] | None = None) -> Counter[str]:
+    """Collective kind -> count over the step (local steps left out), the collectives inside
+    ops (``kernel``, :func:`spmdkit.graph.compute.kernel_collectives`) included when given."""
+    c = Counter(s.kind for _, s in plan.collectives(phase))
+    for k in kernel or ():
+        if phase is None or plan.program.ops[k.op_index].phase == phase:
+            c[k.kind] += 1
+    return c
+
+
+def _phase_comm(plan: Plan, kernel: list[KernelCollective], phase: str | None) -> tuple[int, float]:
+    """(bytes per rank, seconds) of a phase's reshards and collectives inside ops."""
+    prog = plan.program
+    rs = [r for r in plan.reshards if phase is None or prog.ops[r.op_index].phase == phase]
+    ks = [k for k in kernel if phase is None or prog.ops[k.op_index].phase == phase]
+    return (sum(r.bytes_per_rank for r in rs) + sum(k.bytes_per_rank for k in ks),
+            sum(r.time_s for r in rs) + sum(k.time_s for k in ks))
 
 
 def _layer_of(plan: Plan, r: Reshard) -> str:
@@ -67,7 +82,7 @@ def _layer_of(plan: Plan, r: Reshard) -> str:
 
 
 def write_report(plan: Plan, out: TextIO, title: str = "", memory: Memory | None = None,
-                 plan_seconds: float | None = None) -> None:
+                 plan_seconds: float | None = None, estimate: StepEstimate | None = None) -> None:
     prog = plan.program
     mesh = plan.mesh
     mem = memory or memory_per_device(plan)
@@ -127,23 +142,40 @@ def write_report(plan: Plan, out: TextIO, title: str = "", memory: Memory | None
         out.write("No reshards: every op gets its inputs as their producers made them.\n")
     out.write("\n")
     # -- totals
+    kernel = kernel_collectives(plan)
+    if kernel:
+        groups_k: dict[tuple[Any, ...], list[KernelCollective]] = {}
+        for k in kernel:
+            groups_k.setdefault((k.rule, prog.ops[k.op_index].phase, k.what, k.mesh_dims), []).append(k)
+        rows = [[ph, rule, f"all-reduce ({ks[0].reduce_type}), {what}, over "
+                 + "x".join(mesh.dim_names[d] for d in dims), f"x{len(ks)}",
+                 fmt_bytes(sum(k.bytes_per_rank for k in ks)), fmt_time(sum(k.time_s for k in ks))]
+                for (rule, ph, what, dims), ks in groups_k.items()]
+        _table("Collectives inside ops (the kernel communicates; counted in the totals below)",
+               ["phase", "op", "collective", "times", "bytes/rank", "time"], rows, out)
+        out.write("\n")
     rows = []
-    for phase in ("forward", "backward", "optimizer"):
-        kinds = step_kinds(plan, phase)
-        rs = [r for r in plan.reshards if prog.ops[r.op_index].phase == phase]
-        rows.append([phase, ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())) or "-",
-                     fmt_bytes(sum(r.bytes_per_rank for r in rs)), fmt_time(sum(r.time_s for r in rs))])
-    rows.append(["step", ", ".join(f"{k} x{v}" for k, v in sorted(step_kinds(plan).items())) or "-",
-                 fmt_bytes(plan.bytes_per_rank), fmt_time(plan.time_s)])
+    for phase in ("forward", "backward", "optimizer", None):
+        kinds = step_kinds(plan, phase, kernel)
+        b, t = _phase_comm(plan, kernel, phase)
+        rows.append([phase or "step", ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())) or "-",
+                     fmt_bytes(b), fmt_time(t)])
     _table("Communication per training step (alpha-beta estimate, spmdkit.reshard)",
            ["phase", "collectives", "bytes/rank", "time"], rows, out)
     out.write("\n")
+    if estimate is not None:
+        write_estimate(estimate, out)
+        out.write("\n")
     peak_op = prog.ops[mem.peak_op].name if prog.ops else "-"
     rows = [["parameters", fmt_bytes(mem.parameters)], ["gradients", fmt_bytes(mem.gradients)],
             ["optimizer states", fmt_bytes(mem.optimizer_states)],
             ["activations (peak)", f"{fmt_bytes(mem.activation_peak)} (at {peak_op})"],
             ["total", fmt_bytes(mem.total)]]
     _table("Memory per device", ["", "bytes"], rows, out)
+    if estimate is not None and estimate.device.memory_bytes:
+        cap = estimate.device.memory_bytes
+        out.write(f"{'fits in' if mem.total <= cap else 'does NOT fit in'} the {fmt_bytes(cap)} of a "
+                  f"{estimate.device.name} ({100 * mem.total / cap:.0f}%)\n")
     uneven = uneven_shards(plan)
     if uneven:
         names = plan.mesh.dim_names
@@ -157,7 +189,8 @@ def write_report(plan: Plan, out: TextIO, title: str = "", memory: Memory | None
             out.write(f"  ... and {len(uneven) - 10} more (--json lists them all)\n")
 
 
-def plan_json(plan: Plan, memory: Memory | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def plan_json(plan: Plan, memory: Memory | None = None, extra: dict[str, Any] | None = None,
+              estimate: StepEstimate | None = None) -> dict[str, Any]:
     prog = plan.program
     mem = memory or memory_per_device(plan)
     tensors = {n: {"shape": list(t.shape), "dtype": t.dtype, "kind": t.kind, **encode_attr(plan.attrs[n]),
@@ -170,15 +203,58 @@ def plan_json(plan: Plan, memory: Memory | None = None, extra: dict[str, Any] | 
                          "dst": encode_attr(r.dst), "bytes_per_rank": r.bytes_per_rank, "time_s": r.time_s,
                          "steps": [{"kind": s.kind, "mesh_dims": list(s.mesh_dims),
                                     "bytes_per_rank": s.bytes_per_rank, "time_s": s.time_s} for s in r.plan.steps]})
-    totals = {ph: {"collectives": dict(step_kinds(plan, ph)),
-                   "bytes_per_rank": sum(r.bytes_per_rank for r in plan.reshards if prog.ops[r.op_index].phase == ph),
-                   "time_s": sum(r.time_s for r in plan.reshards if prog.ops[r.op_index].phase == ph)}
-              for ph in ("forward", "backward", "optimizer")}
-    totals["step"] = {"collectives": dict(step_kinds(plan)), "bytes_per_rank": plan.bytes_per_rank,
-                      "time_s": plan.time_s}
+    kernel = kernel_collectives(plan)
+    totals: dict[str, Any] = {}
+    for ph in ("forward", "backward", "optimizer", None):
+        b, t = _phase_comm(plan, kernel, ph)
+        totals[ph or "step"] = {"collectives": dict(step_kinds(plan, ph, kernel)), "bytes_per_rank": b, "time_s": t}
+    if estimate is not None:
+        extra = {**(extra or {}), "step": estimate.to_json()}
     return {"program": prog.name, "mesh": {"shape": list(plan.mesh.shape), "dim_names": list(plan.mesh.dim_names)},
             "rounds": plan.rounds, "ops": len(prog.ops), **(extra or {}), "tensors": tensors, "reshards": reshards,
-            "totals": totals, "memory": mem.to_json(), "uneven_shards": [u.to_json() for u in uneven_shards(plan)]}
+            "totals": totals,
+            "kernel_collectives": [k.to_json() for k in kernel], "memory": mem.to_json(), "uneven_shards": [u.to_json() for u in uneven_shards(plan)]}
 
 
-__all__ = ["fmt_bytes", "fmt_time", "placements", "plan_json", "step_kinds", "write_report"]
+def fmt_flops(f: float) -> str:
+    for unit, k in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if f >= k:
+            return f"{f / k:.2f} {unit}"
+    return f"{f:.0f} FLOP"
+
+
+def write_estimate(est: StepEstimate, out: TextIO) -> None:
+    """The predicted step (spmdkit.graph.compute.estimate_step) as a table and a few lines."""
+    d = est.device
+    peak = est.peak / 1e12
+    out.write(f"Device: {d.name}, {peak:g} TFLOP/s dense at the program's dtype, HBM "
+              f"{d.hbm_bytes_per_s / 1e9:g} GB/s, {d.ranks_per_node} ranks per node "
+              f"(in a node {d.intra.bytes_per_s / 1e9:g} GB/s, across {d.inter.bytes_per_s / 1e9:g} GB/s per GPU)\n")
+    rows = [[ph, fmt_time(est.compute_s.get(ph, 0.0)), fmt_time(est.comm_s.get(ph, 0.0))]
+            for ph in ("forward", "backward", "optimizer")]
+    rows.append(["collectives inside ops", "-", fmt_time(est.kernel_comm_s)])
+    nb = len(est.buckets)
+    rows.append([f"gradient reductions ({nb} DDP bucket{'' if nb == 1 else 's'})", "-", fmt_time(est.grad_sync_s)])
+    rows.append(["total", fmt_time(est.compute_total_s), fmt_time(est.comm_total_s)])
+    _table("Predicted step per device (roofline compute, alpha-beta communication; spmdkit.graph.compute)",
+           ["", "compute", "communication"], rows, out)
+    exposed = est.step_overlap_s - est.compute_total_s
+    out.write(f"step time: {fmt_time(est.step_serial_s)} serial, {fmt_time(est.step_overlap_s)} with the gradient "
+              f"reductions overlapped with the backward ({fmt_time(exposed)} of communication exposed)\n")
+    out.write(f"FLOPs per device: {fmt_flops(est.flops_per_device)} executed "
+              f"({fmt_time(est.matmul_s)} on the tensor cores); memory traffic {fmt_bytes(est.bytes_per_device)}\n")
+    if est.tokens:
+        tps = est.tokens_per_s or 0.0
+        mfu = est.mfu or 0.0
+        out.write(f"tokens/s: {tps:,.0f} ({est.tokens} tokens per step); MFU {100 * mfu:.1f}% "
+                  f"(model FLOPs {fmt_flops(est.model_flops)} = 6 x {est.n_params:,} parameters x tokens + "
+                  f"{fmt_flops(est.attention_flops)} attention, over {est.ranks} x {peak:g} TFLOP/s)\n")
+    else:
+        out.write("tokens/s and MFU: the program names no token input (tokens / input_ids)\n")
+    if est.uncovered:
+        out.write("NOT COSTED (no FLOP model for these rules: timed by the bytes they read and write alone): "
+                  + ", ".join(f"{r} x{n}" for r, n in sorted(est.uncovered.items())) + "\n")
+
+
+__all__ = ["fmt_bytes", "fmt_flops", "fmt_time", "placements", "plan_json", "step_kinds", "write_estimate",
+           "write_report"]
