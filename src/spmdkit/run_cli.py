@@ -8,6 +8,7 @@ import math
 import os
 import signal
 import sys
+from dataclasses import dataclass
 from typing import Any, NoReturn, TextIO
 
 from spmdkit.core.errors import ProgramError
@@ -19,11 +20,19 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-llama", help=f"a preset ({', '.join(sorted(PRESETS))}); default tiny-llama")
     p.add_argument("--program", help="run a program JSON file (docs/graph.md) instead of a preset; its annotations "
                                       "come from --annotate")
+    p.add_argument("--hf", metavar="CLASS", help="run a HuggingFace transformers model (e.g. LlamaForCausalLM) built "
+                                                 "from --hf-config, on its own weights (needs spmdkit[hf])")
+    p.add_argument("--hf-config", metavar="FILE|JSON", help="the --hf model's config: a config.json path or a JSON "
+                                                            "object")
+    p.add_argument("--dtype", default="float32", help="the --hf model's dtype (float32, float64, bfloat16, float16; "
+                                                      "default float32)")
+    p.add_argument("--pad", type=int, default=0, help="--hf: padded positions (attention mask 0) at the end of the "
+                                                      "batch's last row (default 0)")
     p.add_argument("--mesh", default="dp=2,tp=2", help="named mesh dims, e.g. dp=2,tp=2 (default)")
-    p.add_argument("--strategy", default="megatron", help="comma list of dp, megatron (tp), sp, zero; default megatron")
+    p.add_argument("--strategy", help="comma list of dp, megatron (tp), sp, zero; default megatron (--hf: dp)")
     p.add_argument("--layers", type=int, help="override the preset's layer count")
-    p.add_argument("--batch", type=int, help="override the preset's batch size")
-    p.add_argument("--seq", type=int, help="override the preset's sequence length")
+    p.add_argument("--batch", type=int, help=f"override the preset's batch size (--hf: default {HF_BATCH})")
+    p.add_argument("--seq", type=int, help=f"override the preset's sequence length (--hf: default {HF_SEQ})")
     p.add_argument("--annotate", action="append", default=[], metavar="TENSOR=DIMS_MAPPING",
                    help='pin a tensor, e.g. --annotate "tokens=[0,-1]" (repeatable)')
     p.add_argument("--nproc", type=int,
@@ -58,6 +67,9 @@ class RunUsageError(ProgramError):
 
 
 DEFAULT_TIMEOUT = 120.0
+#: ``--hf`` example inputs when --batch / --seq are not given
+HF_BATCH = 4
+HF_SEQ = 16
 
 
 def die_with_launcher() -> None:
@@ -121,17 +133,90 @@ def _check_backend(backend: str) -> None:
         raise RunUsageError("--backend gloo: this torch build has no gloo")
 
 
-def _plan(ns: argparse.Namespace, mesh: Any, user: dict[str, Any]) -> tuple[Any, str]:
+@dataclass
+class _Step:
+    """What a run executes: the plan, its title, and for a ``--hf`` model the module and its
+    call (the step then runs on the module's weights and is compared with torch eager)."""
+
+    plan: Any
+    title: str
+    model: Any = None
+    kwargs: dict[str, Any] | None = None
+
+
+def _plan(ns: argparse.Namespace, mesh: Any, user: dict[str, Any]) -> _Step:
+    if ns.hf:
+        return _plan_hf_step(ns, user)
+    if ns.hf_config is not None:
+        raise RunUsageError("--hf-config needs --hf CLASS")
     if ns.program:
         from spmdkit.graph.program import load_program
         from spmdkit.graph.propagate import propagate
 
-        return propagate(load_program(ns.program), mesh, user), f"program {ns.program}, mesh {ns.mesh}"
+        return _Step(propagate(load_program(ns.program), mesh, user), f"program {ns.program}, mesh {ns.mesh}")
     from spmdkit.graph.plan_cli import plan_model
 
+    strategy = ns.strategy or "megatron"
     overrides = {"layers": ns.layers, "batch": ns.batch, "seq": ns.seq}
-    model, plan, _ = plan_model(ns.model, ns.mesh, ns.strategy, overrides, user)
-    return plan, f"{ns.model} ({model.config.layers} layers), mesh {ns.mesh}, strategy {ns.strategy}"
+    model, plan, _ = plan_model(ns.model, ns.mesh, strategy, overrides, user)
+    return _Step(plan, f"{ns.model} ({model.config.layers} layers), mesh {ns.mesh}, strategy {strategy}")
+
+
+def _plan_hf_step(ns: argparse.Namespace, user: dict[str, Any]) -> _Step:
+    if ns.program:
+        raise RunUsageError("--hf and --program: give one of them")
+    if ns.hf_config is None:
+        raise RunUsageError("--hf needs --hf-config FILE|JSON (the model's config)")
+    if ns.layers is not None:
+        raise RunUsageError("--layers applies to a preset; set the layer count in --hf-config")
+    for flag, v in (("--batch", ns.batch), ("--seq", ns.seq)):
+        if v is not None and v < 1:
+            raise RunUsageError(f"{flag} {v}: must be at least 1")
+    batch = HF_BATCH if ns.batch is None else ns.batch
+    seq = HF_SEQ if ns.seq is None else ns.seq
+    if not 0 <= ns.pad < seq:
+        raise RunUsageError(f"--pad {ns.pad}: must be in [0, --seq {seq})")
+    strategy = ns.strategy or "dp"
+    _prog, model, kw, plan = _plan_hf(ns.hf, ns.hf_config, ns.mesh, strategy, ns.dtype, batch, seq, user)
+    if ns.pad:  # the same shapes, a padded last row: the program does not depend on the inputs' values
+        from spmdkit.hf import example_inputs
+
+        kw = example_inputs(model, batch, seq, labels=True, pad=ns.pad)
+    return _Step(plan, f"{ns.hf} ({ns.dtype}, batch {batch}, seq {seq}), mesh {ns.mesh}, strategy {strategy}",
+                 model, kw)
+
+
+def _plan_hf(class_name: str, config: Any, mesh_text: str, strategy_text: str, dtype: str, batch: int, seq: int,
+             user: dict[str, Any]) -> tuple[Any, Any, dict[str, Any], Any]:
+    """(program, model, call kwargs, plan) of a HF model's training step.
+
+    STAND-IN, to be replaced by ``spmdkit.graph.plan_cli.plan_hf`` (the strategies for
+    imported programs, ``annotate_program``): plain propagation from the user's ``--annotate``
+    pins plus, under ``dp``, the batch axis of each of the call's inputs over the ``dp`` mesh
+    dim; megatron / sp / zero are refused here."""
+    from spmdkit.graph.propagate import propagate
+    from spmdkit.graph.strategy import parse_mesh, parse_strategy
+    from spmdkit.hf import import_hf
+
+    mesh = parse_mesh(mesh_text)
+    st = parse_strategy(strategy_text, mesh)
+    other = [s for s in st if s != "dp"]
+    if other:
+        raise ProgramError(f"--strategy {','.join(other)}: not available for --hf models in this version (dp, "
+                           "plus tensors pinned with --annotate)")
+    prog, model, kw = import_hf(class_name, config, batch=batch, seq=seq, dtype=dtype, training=True)
+    ann: dict[str, Any] = {}
+    if "dp" in st:
+        d = mesh.dim_names.index("dp")
+        for n, (kind, _) in prog.sources.items():
+            shape = prog.tensors[n].shape
+            if kind == "input" and shape:
+                ann[n] = [d] + [-1] * (len(shape) - 1)
+    for n in user:
+        if n not in prog.tensors:
+            raise ProgramError(f"--annotate {n[:60]!r}: the program has no such tensor")
+    ann.update(user)
+    return prog, model, kw, propagate(prog, mesh, ann)
 
 
 def _env_int(name: str, lo: int, hi: int) -> int:
@@ -167,11 +252,12 @@ def _run_command(ns: argparse.Namespace, out: TextIO, argv: list[str]) -> int:
         _env_int("MASTER_PORT", 1, 65535)
     try:
         mesh = parse_mesh(ns.mesh)
-        plan, title = _plan(ns, mesh, _annotations(ns.annotate))
+        step = _plan(ns, mesh, _annotations(ns.annotate))
     except RunUsageError:
         raise
     except ProgramError as exc:
         raise RunUsageError(str(exc)) from None
+    plan = step.plan
     why = uneven_shards(plan)
     if why:
         raise RunUsageError(f"mesh {ns.mesh}: {why}")
@@ -193,10 +279,10 @@ def _run_command(ns: argparse.Namespace, out: TextIO, argv: list[str]) -> int:
         return launch_local(_strip_nproc(argv), nproc, ns.timeout, port)
     if world != mesh.size:
         raise RunUsageError(f"WORLD_SIZE {world} but the mesh {ns.mesh} has {mesh.size} ranks")
-    return _run_rank(ns, out, plan, title, rank)
+    return _run_rank(ns, out, step, rank)
 
 
-def _run_rank(ns: argparse.Namespace, out: TextIO, plan: Any, title: str, rank: int) -> int:
+def _run_rank(ns: argparse.Namespace, out: TextIO, step: _Step, rank: int) -> int:
     """One rank: any failure is one line on stderr and exit EXIT_RANK_FAILED (EXIT_PORT_IN_USE when
     rank 0 cannot listen on MASTER_PORT), without waiting on peers that may be gone."""
     import threading
@@ -223,8 +309,19 @@ def _run_rank(ns: argparse.Namespace, out: TextIO, plan: Any, title: str, rank: 
             _die(f"spmdkit run: rank 0 cannot listen on {where}: the port is in use", EXIT_PORT_IN_USE)
         _die(f"spmdkit run: rank {rank}: rendezvous at {where} failed within --timeout {ns.timeout:g} s: {text}",
              EXIT_RANK_FAILED)
+    plan, title = step.plan, step.title
     try:
-        rep = run_rank(plan, ns.seed, timeout=ns.timeout)
+        values: dict[str, Any] | None = None
+        eager: Any = None
+        if step.model is not None:  # the module's weights, buffers and constants, the call's inputs
+            from functools import partial
+
+            from spmdkit.torch_exec import eager_reference
+            from spmdkit.torch_import import torch_values
+
+            values = torch_values(plan.program, step.model, kwargs=step.kwargs)
+            eager = partial(eager_reference, plan.program, step.model, (), step.kwargs)
+        rep = run_rank(plan, ns.seed, timeout=ns.timeout, values=values, eager=eager)
         dist.barrier()
         dist.destroy_process_group()
     except Exception as exc:  # a collective timed out, a peer died, a kernel failed
@@ -238,10 +335,15 @@ def _run_rank(ns: argparse.Namespace, out: TextIO, plan: Any, title: str, rank: 
     if ns.json:
         d: dict[str, Any] = {
             "title": title, "world_size": rep.world_size, "backend": rep.backend, "ok": rep.ok,
-            "loss": _finite(rep.loss), "reference_loss": _finite(rep.reference_loss), "checked": rep.checked,
+            "loss": _finite(rep.loss), "reference_loss": _finite(rep.reference_loss), "loss_tensor": rep.loss_tensor,
+            "checked": rep.checked,
             "max_error": rep.max_error, "nonfinite": rep.nonfinite, "failures": [list(f) for f in rep.failures],
             "collectives": [c.__dict__ for c in rep.collectives], "collectives_match": rep.collectives_match,
             "expected_collectives": len(rep.expected),
+            "eager": None if rep.eager is None else {
+                "dtype": rep.eager.dtype, "loss": _finite(rep.eager.loss), "checked": rep.eager.checked,
+                "max_rel_error": rep.eager.max_rel_error, "rtol": rep.eager.rtol,
+                "failures": [list(f) for f in rep.eager.failures]},
         }
         out.write(json.dumps(d) + "\n")
     else:
