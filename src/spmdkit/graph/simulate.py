@@ -187,8 +187,8 @@ def source_values(prog: Program, seed: int = 0, values: Mapping[str, Any] | None
     ``values`` (name -> array-like) are used as given; then the program's recorded values
     (``prog.values``: an imported module's constants and buffers); the rest is drawn from
     ``seed``, each in its valid range (:func:`int_roles`): ids below the table they index,
-    labels below the class count with about a tenth of them the loss's ``ignore_index`` where it
-    records one (the first kept), masks of ones with the last row right-padded, the loss
+    labels below the class count with a tenth of them (at least one, never the first) the
+    loss's ``ignore_index`` where it records one, masks of ones with the last row right-padded, the loss
     gradient seed ones, optimizer scalars at their usual values, parameters and data random."""
     rng = np.random.default_rng(seed)
     out: dict[str, np.ndarray] = {}
@@ -217,10 +217,9 @@ def source_values(prog: Program, seed: int = 0, values: Mapping[str, Any] | None
                 out[n] = _mask(shape, np.bool_ if t.dtype == "bool" else np.int64)
                 continue
             ids = rng.integers(0, role.bound, size=shape).astype(np.int64)
-            if role.ignore_index is not None and ids.size:
-                drop = rng.random(shape) < 0.1
-                drop.reshape(-1)[0] = False  # at least one label counted
-                ids[drop] = role.ignore_index
+            if role.ignore_index is not None and ids.size > 1:  # a tenth (at least one) ignored, the first kept
+                drop = rng.choice(np.arange(1, ids.size), max(1, ids.size // 10), replace=False)
+                ids.reshape(-1)[drop] = role.ignore_index
             out[n] = ids
         elif n.endswith(".grad") and t.kind == "input":
             out[n] = np.ones(shape)
