@@ -246,3 +246,33 @@ def test_run_hf_equals_torch_eager(name: str, mesh: str, extra: tuple[str, ...])
     assert ("all_reduce", 0) in kinds  # the data-parallel gradients
     if name in _PINS:
         assert ("all_reduce", 1) in kinds  # the row-parallel MLP output
+
+
+def test_run_hf_bad_arguments_are_one_line_errors(capsys: pytest.CaptureFixture[str], monkeypatch: Any) -> None:
+    from spmdkit.cli import main
+
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    cfg = json.dumps(_CFG["llama"][1])
+    cases = [
+        (["--hf", "LlamaForCausalLM"], "spmdkit run: --hf needs --hf-config FILE|JSON"),
+        (["--pad", "2"], "spmdkit run: --pad applies to --hf CLASS only"),
+        (["--hf-config", cfg], "spmdkit run: --hf-config applies to --hf CLASS only"),
+        (["--hf", "LlamaForCausalLM", "--hf-config", cfg, "--dtype", "fp8"], "hf: dtype 'fp8' is not one of"),
+        (["--hf", "LlamaForCausalLM", "--hf-config", cfg, "--pad", "16"], "--pad 16: must be in [0, --seq 16)"),
+        (["--hf", "NoSuchModel", "--hf-config", cfg], "hf: transformers has no model class 'NoSuchModel'"),
+        (["--hf", "LlamaForCausalLM", "--hf-config", "{not json"], "hf: config is not valid JSON"),
+        (["--hf", "LlamaForCausalLM", "--hf-config", cfg, "--mesh", "dp=3"],
+         "tensor input_ids axis 0 of size 4 does not split evenly over mesh dim dp=3"),
+        (["--hf", "LlamaForCausalLM", "--hf-config", cfg, "--mesh", "dp=2", "--annotate", "nosuch=[0]"],
+         "--annotate 'nosuch': the program has no such tensor"),
+    ]
+    for args, says in cases:
+        try:
+            rc = main(["run", *args])
+        except SystemExit as exc:  # argparse
+            rc = int(exc.code or 0)
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        line = err.strip().splitlines()[-1] if err.strip() else ""
+        assert rc == 2 and says in line, (args, rc, line)

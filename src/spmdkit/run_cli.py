@@ -24,10 +24,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                                                  "from --hf-config, on its own weights (needs spmdkit[hf])")
     p.add_argument("--hf-config", metavar="FILE|JSON", help="the --hf model's config: a config.json path or a JSON "
                                                             "object")
-    p.add_argument("--dtype", default="float32", help="the --hf model's dtype (float32, float64, bfloat16, float16; "
-                                                      "default float32)")
-    p.add_argument("--pad", type=int, default=0, help="--hf: padded positions (attention mask 0) at the end of the "
-                                                      "batch's last row (default 0)")
+    p.add_argument("--dtype", help="the --hf model's dtype (float32, float64, bfloat16, float16; default float32)")
+    p.add_argument("--pad", type=int, help="--hf: padded positions (attention mask 0) at the end of the batch's last "
+                                           "row (default 0)")
     p.add_argument("--mesh", default="dp=2,tp=2", help="named mesh dims, e.g. dp=2,tp=2 (default)")
     p.add_argument("--strategy", help="comma list of dp, megatron (tp), sp, zero; default megatron (--hf: dp)")
     p.add_argument("--layers", type=int, help="override the preset's layer count")
@@ -147,8 +146,9 @@ class _Step:
 def _plan(ns: argparse.Namespace, mesh: Any, user: dict[str, Any]) -> _Step:
     if ns.hf:
         return _plan_hf_step(ns, user)
-    if ns.hf_config is not None:
-        raise RunUsageError("--hf-config needs --hf CLASS")
+    for flag, v in (("--hf-config", ns.hf_config), ("--dtype", ns.dtype), ("--pad", ns.pad)):
+        if v is not None:
+            raise RunUsageError(f"{flag} applies to --hf CLASS only")
     if ns.program:
         from spmdkit.graph.program import load_program
         from spmdkit.graph.propagate import propagate
@@ -174,16 +174,20 @@ def _plan_hf_step(ns: argparse.Namespace, user: dict[str, Any]) -> _Step:
             raise RunUsageError(f"{flag} {v}: must be at least 1")
     batch = HF_BATCH if ns.batch is None else ns.batch
     seq = HF_SEQ if ns.seq is None else ns.seq
-    if not 0 <= ns.pad < seq:
-        raise RunUsageError(f"--pad {ns.pad}: must be in [0, --seq {seq})")
+    pad = ns.pad or 0
+    if not 0 <= pad < seq:
+        raise RunUsageError(f"--pad {pad}: must be in [0, --seq {seq})")
+    from spmdkit.hf import dtype_name
+
+    dtype = dtype_name(ns.dtype or "float32")
     strategy = ns.strategy or "dp"
-    _prog, model, kw, plan = _plan_hf(ns.hf, ns.hf_config, ns.mesh, strategy, ns.dtype, batch, seq, user)
-    if ns.pad:  # the same shapes, a padded last row: the program does not depend on the inputs' values
+    _prog, model, kw, plan = _plan_hf(ns.hf, ns.hf_config, ns.mesh, strategy, dtype, batch, seq, user)
+    if pad:  # the same shapes, a padded last row: the program does not depend on the inputs' values
         from spmdkit.hf import example_inputs
 
-        kw = example_inputs(model, batch, seq, labels=True, pad=ns.pad)
-    return _Step(plan, f"{ns.hf} ({ns.dtype}, batch {batch}, seq {seq}), mesh {ns.mesh}, strategy {strategy}",
-                 model, kw)
+        kw = example_inputs(model, batch, seq, labels=True, pad=pad)
+    return _Step(plan, f"{ns.hf} ({dtype}, batch {batch}, seq {seq}" + (f", {pad} padded" if pad else "")
+                 + f"), mesh {ns.mesh}, strategy {strategy}", model, kw)
 
 
 def _plan_hf(class_name: str, config: Any, mesh_text: str, strategy_text: str, dtype: str, batch: int, seq: int,

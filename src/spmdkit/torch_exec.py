@@ -1,10 +1,12 @@
 """Run a planned training step on torch.distributed: one process per rank (``spmdkit run``).
 
 Each process is one rank of the plan's mesh (gloo on CPU, nccl where GPUs exist). It holds
-only its own shards: every source tensor (inputs, parameters, optimizer states) is made from
-the same seed in every process and cut to the rank's piece as the plan distributes it; every op
-runs on the rank's pieces with spmdkit's numpy reference kernel for that op (``spmdkit.sim``),
-in float64; every planned reshard runs as real collectives over the mesh dim's process group,
+only its own shards: every source tensor (inputs, parameters, optimizer states) is made alike
+in every process (the values given to :func:`run_rank`, else the program's recorded constants
+and buffers, else draws from the seed in each tensor's valid range:
+:func:`spmdkit.graph.simulate.source_values`) and cut to the rank's piece as the plan
+distributes it; every op runs on the rank's pieces with spmdkit's numpy reference kernel for
+that op (``spmdkit.sim``), in float64; every planned reshard runs as real collectives over the mesh dim's process group,
 step by step as :func:`spmdkit.reshard.plan_reshard` lays it out: ``all_reduce``,
 ``reduce_scatter_single``, ``all_gather_single`` (``*_tensor`` before torch 2.13), ``all_to_all_single``, and the local
 ``slice`` / ``to_partial`` steps.
@@ -12,7 +14,9 @@ step by step as :func:`spmdkit.reshard.plan_reshard` lays it out: ``all_reduce``
 Every collective a rank issues is recorded (kind, mesh dim, tensor, local element counts) and
 checked against the plan's reshards (same kinds, same sizes, same count, same order). At the
 end rank 0 gathers every tensor the step made, assembles it as the plan says it is
-distributed and compares it with a single-process run of the unsharded step.
+distributed and compares it with a single-process run of the unsharded step, and, given a
+torch module (``run_rank(eager=...)``, :func:`eager_reference`), the loss and every parameter
+gradient with torch eager's autograd on the same inputs and weights (:class:`EagerCheck`).
 
 A NaN never passes: a non-finite value where the single-process value is finite fails, and so
 does a single-process value that is itself non-finite (not checkable). Every process group and

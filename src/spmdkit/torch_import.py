@@ -138,7 +138,9 @@ class ImportedProgram(Program):
     :func:`run_program` can run it with torch; ``aliases``: a tied parameter's other names ->
     the tensor it is (``head.weight`` -> ``wte.weight``); ``modules``: op index -> (path, class
     name) of the innermost ``nn.Module`` whose forward made it (``("model.layers.0.self_attn.q_proj",
-    "Linear")``; absent for ops outside any submodule), so strategies can go by module names."""
+    "Linear")``; absent for ops outside any submodule), so strategies can go by module names;
+    ``values`` (as every :class:`~spmdkit.graph.program.Program`): the recorded values of the
+    constants and buffers, which the simulator and ``spmdkit run`` use and the JSON keeps."""
 
     def __init__(self, tensors: Iterable[Tensor], ops: Iterable[Op], name: str = "") -> None:
         super().__init__(tensors, ops, name)
