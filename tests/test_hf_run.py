@@ -276,3 +276,54 @@ def test_run_hf_bad_arguments_are_one_line_errors(capsys: pytest.CaptureFixture[
         assert "Traceback" not in err
         line = err.strip().splitlines()[-1] if err.strip() else ""
         assert rc == 2 and says in line, (args, rc, line)
+
+
+def test_eager_comparison_can_fail() -> None:
+    """The comparison with torch eager: within rtol of each tensor's scale (a gradient's scale at
+    least a thousandth of the largest gradient), every value finite, every tensor present."""
+    from spmdkit.torch_exec import RunReport, _compare_eager
+
+    ref = {"loss": np.array(5.0), "a.grad": np.array([1.0, -2.0]), "b.grad": np.array([1e-12, 0.0])}
+    rep = RunReport(4, "gloo")
+    rep.values = {"loss": np.array(5.0 + 4e-5), "a.grad": np.array([1.0, -2.0 + 1e-5]),
+                  "b.grad": np.array([0.0, 1e-9])}  # b: noise under 1e-5 of 2e-3, the floor
+    chk = _compare_eager(rep, "float32", ref, "loss", 1e-5)
+    assert not chk.failures and chk.checked == 3 and chk.loss == 5.0
+    assert chk.max_rel_error == pytest.approx(8e-6)
+    rep.values["a.grad"] = np.array([1.0, -2.0 + 1e-4])
+    rep.values["loss"] = np.array(5.0 + 1e-4)
+    rep.values["b.grad"] = np.array([np.nan, 0.0])
+    chk = _compare_eager(rep, "float32", ref, "loss", 1e-5)
+    assert {n for n, _ in chk.failures} == {"loss", "a.grad", "b.grad"}
+    del rep.values["a.grad"]
+    chk = _compare_eager(rep, "float32", ref, "loss", 1e-5)
+    assert any(n == "a.grad" and "did not make" in why for n, why in chk.failures)
+
+
+def test_launcher_hands_its_ranks_the_step(monkeypatch: Any) -> None:
+    """The local launcher computes a --hf step's values and torch eager's reference once and
+    hands them with the plan to its own ranks (not to processes it did not start)."""
+    import shutil
+
+    from spmdkit.run_cli import STEP_ENV, _load_step, _plan_hf, _save_step, _Step
+    from spmdkit.torch_exec import eager_reference
+
+    cls, cfg = _CFG["gpt2"]
+    prog, model, kw, plan = _plan_hf(cls, json.dumps(cfg), "dp=2", "dp", "float32", 2, 16, {})
+    monkeypatch.delenv(STEP_ENV, raising=False)
+    d = _save_step(_Step(plan, "t", model, kw))
+    try:
+        monkeypatch.setenv("SPMDKIT_LAUNCHER_PID", str(os.getppid()))
+        got = _load_step()
+        assert got is not None and got.model is None and got.plan.program.tensors == prog.tensors
+        assert got.values is not None and set(got.values) == set(torch_values(prog, model, kwargs=kw))
+        assert isinstance(got.eager_ref, tuple)
+        dtype, ref = got.eager_ref
+        want = eager_reference(prog, model, (), kw)[1]
+        assert dtype == "float32" and set(ref) == set(want) and len(ref) == 1 + len(prog.grads)
+        assert all(np.array_equal(ref[n], want[n]) for n in ref)
+        monkeypatch.setenv("SPMDKIT_LAUNCHER_PID", "1")  # another parent: it plans for itself
+        assert _load_step() is None
+    finally:
+        shutil.rmtree(d)
+        os.environ.pop(STEP_ENV, None)

@@ -135,12 +135,57 @@ def _check_backend(backend: str) -> None:
 @dataclass
 class _Step:
     """What a run executes: the plan, its title, and for a ``--hf`` model the module and its
-    call (the step then runs on the module's weights and is compared with torch eager)."""
+    call (the step then runs on the module's weights and is compared with torch eager), or,
+    as the launcher hands it to its ranks, the values and torch eager's reference themselves."""
 
     plan: Any
     title: str
     model: Any = None
     kwargs: dict[str, Any] | None = None
+    values: dict[str, Any] | None = None
+    #: torch eager's (dtype, reference values), or why torch could not run the module
+    eager_ref: tuple[str, dict[str, Any]] | str | None = None
+
+
+#: the environment variable naming the file in which the local launcher hands a ``--hf`` step
+#: (plan, values, torch eager's reference) to its ranks, so that they need not import
+#: transformers, build and export the model again (under torchrun every rank makes its own)
+STEP_ENV = "SPMDKIT_RUN_STEP"
+
+
+def _save_step(step: _Step) -> str:
+    """Compute a ``--hf`` step's values and torch eager's reference once, in the launcher, and
+    write them with the plan to a private temporary directory (returned) for the ranks."""
+    import pickle
+    import tempfile
+
+    from spmdkit.torch_exec import eager_reference
+    from spmdkit.torch_import import torch_values
+
+    prog = step.plan.program
+    values = torch_values(prog, step.model, kwargs=step.kwargs)
+    try:
+        ref: tuple[str, dict[str, Any]] | str = eager_reference(prog, step.model, (), step.kwargs)
+    except Exception as exc:  # rank 0 reports it as a failure of the check
+        ref = f"{type(exc).__name__}: {_first_line(exc)}"
+    d = tempfile.mkdtemp(prefix="spmdkit-run-")
+    path = os.path.join(d, "step.pickle")
+    with open(path, "wb") as f:
+        pickle.dump(_Step(step.plan, step.title, None, None, values, ref), f, protocol=pickle.HIGHEST_PROTOCOL)
+    os.environ[STEP_ENV] = path
+    return d
+
+
+def _load_step() -> _Step | None:
+    """The step the local launcher (this process's parent) saved for its ranks, if any."""
+    path = os.environ.get(STEP_ENV, "")
+    if not path or os.environ.get("SPMDKIT_LAUNCHER_PID", "") != str(os.getppid()) or not os.path.isfile(path):
+        return None
+    import pickle
+
+    with open(path, "rb") as f:
+        step = pickle.load(f)
+    return step if isinstance(step, _Step) else None
 
 
 def _plan(ns: argparse.Namespace, mesh: Any, user: dict[str, Any]) -> _Step:
@@ -254,9 +299,11 @@ def _run_command(ns: argparse.Namespace, out: TextIO, argv: list[str]) -> int:
         world = _env_int("WORLD_SIZE", 1, 1 << 20)
         rank = _env_int("RANK", 0, world - 1)
         _env_int("MASTER_PORT", 1, 65535)
+    step = _load_step() if rank_mode else None  # what our launcher made for its ranks
     try:
         mesh = parse_mesh(ns.mesh)
-        step = _plan(ns, mesh, _annotations(ns.annotate))
+        if step is None:
+            step = _plan(ns, mesh, _annotations(ns.annotate))
     except RunUsageError:
         raise
     except ProgramError as exc:
@@ -279,8 +326,16 @@ def _run_command(ns: argparse.Namespace, out: TextIO, argv: list[str]) -> int:
                                     "to let spmdkit run pick a free port")
         from spmdkit.launch import launch_local
 
+        saved = _save_step(step) if step.model is not None else None
         out.flush()
-        return launch_local(_strip_nproc(argv), nproc, ns.timeout, port)
+        try:
+            return launch_local(_strip_nproc(argv), nproc, ns.timeout, port)
+        finally:
+            if saved is not None:
+                import shutil
+
+                os.environ.pop(STEP_ENV, None)
+                shutil.rmtree(saved, ignore_errors=True)
     if world != mesh.size:
         raise RunUsageError(f"WORLD_SIZE {world} but the mesh {ns.mesh} has {mesh.size} ranks")
     return _run_rank(ns, out, step, rank)
@@ -315,9 +370,16 @@ def _run_rank(ns: argparse.Namespace, out: TextIO, step: _Step, rank: int) -> in
              EXIT_RANK_FAILED)
     plan, title = step.plan, step.title
     try:
-        values: dict[str, Any] | None = None
+        values: dict[str, Any] | None = step.values
         eager: Any = None
-        if step.model is not None:  # the module's weights, buffers and constants, the call's inputs
+        if step.eager_ref is not None:
+            ref = step.eager_ref
+
+            def eager() -> Any:
+                if isinstance(ref, str):
+                    raise ProgramError(ref)
+                return ref
+        elif step.model is not None:  # the module's weights, buffers and constants, the call's inputs
             from functools import partial
 
             from spmdkit.torch_exec import eager_reference
