@@ -153,11 +153,25 @@ class _Step:
 STEP_ENV = "SPMDKIT_RUN_STEP"
 
 
-def _save_step(step: _Step) -> str:
+def _save_step(step: _Step) -> str | None:
     """Compute a ``--hf`` step's values and torch eager's reference once, in the launcher, and
-    write them with the plan to a private temporary directory (returned) for the ranks."""
-    import pickle
+    write them with the plan to a private temporary directory (returned) for the ranks; None
+    where that cannot be done (the ranks then make the step themselves, as under torchrun)."""
+    import shutil
     import tempfile
+
+    d = tempfile.mkdtemp(prefix="spmdkit-run-")
+    try:
+        path = _write_step(step, os.path.join(d, "step.pickle"))
+    except Exception:  # not an error of the run: each rank makes its own step and says what fails
+        shutil.rmtree(d, ignore_errors=True)
+        return None
+    os.environ[STEP_ENV] = path
+    return d
+
+
+def _write_step(step: _Step, path: str) -> str:
+    import pickle
 
     from spmdkit.torch_exec import eager_reference
     from spmdkit.torch_import import torch_values
@@ -168,12 +182,9 @@ def _save_step(step: _Step) -> str:
         ref: tuple[str, dict[str, Any]] | str = eager_reference(prog, step.model, (), step.kwargs)
     except Exception as exc:  # rank 0 reports it as a failure of the check
         ref = f"{type(exc).__name__}: {_first_line(exc)}"
-    d = tempfile.mkdtemp(prefix="spmdkit-run-")
-    path = os.path.join(d, "step.pickle")
     with open(path, "wb") as f:
         pickle.dump(_Step(step.plan, step.title, None, None, values, ref), f, protocol=pickle.HIGHEST_PROTOCOL)
-    os.environ[STEP_ENV] = path
-    return d
+    return path
 
 
 def _load_step() -> _Step | None:
@@ -183,8 +194,11 @@ def _load_step() -> _Step | None:
         return None
     import pickle
 
-    with open(path, "rb") as f:
-        step = pickle.load(f)
+    try:
+        with open(path, "rb") as f:
+            step = pickle.load(f)
+    except Exception:  # unreadable: this rank makes the step itself
+        return None
     return step if isinstance(step, _Step) else None
 
 
