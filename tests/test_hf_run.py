@@ -215,15 +215,18 @@ _PINS = {
 }
 
 
-def _run_hf(name: str, mesh: str, *extra: str) -> dict[str, Any]:
-    cls, cfg = _CFG[name]
-    ann = [a for n, dm in _PINS.get(name, {}).items() for a in ("--annotate", f"{n}={json.dumps(dm)}")]
+def _spmdkit_run(*args: str) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    p = subprocess.run([sys.executable, "-m", "spmdkit", "run", "--json", "--hf", cls, "--hf-config", json.dumps(cfg),
-                        "--mesh", mesh, "--timeout", "120", *ann, *extra],
+    p = subprocess.run([sys.executable, "-m", "spmdkit", "run", "--json", "--timeout", "120", *args],
                        capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return dict(json.loads(p.stdout.strip().splitlines()[-1]))
+
+
+def _run_hf(name: str, mesh: str, *extra: str) -> dict[str, Any]:
+    cls, cfg = _CFG[name]
+    ann = [a for n, dm in _PINS.get(name, {}).items() for a in ("--annotate", f"{n}={json.dumps(dm)}")]
+    return _spmdkit_run("--hf", cls, "--hf-config", json.dumps(cfg), "--mesh", mesh, *ann, *extra)
 
 
 @pytest.mark.parametrize(("name", "mesh", "extra"), [
@@ -246,6 +249,21 @@ def test_run_hf_equals_torch_eager(name: str, mesh: str, extra: tuple[str, ...])
     assert ("all_reduce", 0) in kinds  # the data-parallel gradients
     if name in _PINS:
         assert ("all_reduce", 1) in kinds  # the row-parallel MLP output
+
+
+def test_run_program_file_on_its_recorded_values(imported: Any, tmp_path: Path) -> None:
+    """--program: an imported BERT step written to JSON (its masks and buffers in `values`) runs
+    on 2 gloo processes: every value finite, the loss line found by role (its weights drawn)."""
+    prog, _, _ = imported("bert")
+    f = tmp_path / "bert.json"
+    f.write_text(prog.dumps())
+    ann = [a for n in ("input_ids", "attention_mask", "labels") for a in ("--annotate", f"{n}=[0,-1]")]
+    rep = _spmdkit_run("--program", str(f), "--mesh", "dp=2", *ann)
+    assert rep["ok"] and rep["collectives_match"] and not rep["failures"] and rep["nonfinite"] == 0
+    assert rep["loss_tensor"] == "cross_entropy_loss" and rep["eager"] is None
+    assert isinstance(rep["loss"], float) and rep["loss"] > 0
+    assert rep["loss"] == pytest.approx(rep["reference_loss"], rel=1e-12)
+    assert rep["checked"] > 400
 
 
 def test_run_hf_bad_arguments_are_one_line_errors(capsys: pytest.CaptureFixture[str], monkeypatch: Any) -> None:
