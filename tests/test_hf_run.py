@@ -345,3 +345,17 @@ def test_launcher_hands_its_ranks_the_step(monkeypatch: Any) -> None:
     finally:
         shutil.rmtree(d)
         os.environ.pop(STEP_ENV, None)
+
+
+def test_a_rewritten_copy_keeps_the_recorded_values(imported: Any) -> None:
+    """A program rewritten as a copy (``__dict__`` copied, then ``Program.__init__`` with new
+    tensors and ops, as strategies rewrite imported programs) keeps the recorded values of the
+    tensors it still has, and only those."""
+    prog, _, _ = imported("bert")
+    new = prog.__class__.__new__(prog.__class__)
+    new.__dict__.update(prog.__dict__)
+    gone = next(iter(prog.values))
+    Program.__init__(new, [t for n, t in prog.tensors.items() if n != gone],
+                     [op for op in prog.ops if gone not in op.input_names()], prog.name)
+    assert new.values == {n: v for n, v in prog.values.items() if n != gone} and new.values
+    assert Program(prog.tensors.values(), prog.ops).values == {}

@@ -193,8 +193,12 @@ class Program:
                 raise ProgramError(f"program: tensor {t.name!r} is declared twice")
             self.tensors[t.name] = t
         self.ops: list[Op] = list(ops)
-        #: recorded values of source tensors (constants, buffers): name -> RecordedValue
-        self.values: dict[str, RecordedValue] = {}
+        #: recorded values of source tensors (constants, buffers): name -> RecordedValue. An
+        #: object re-initialised in place (a rewritten copy of an imported program, made as
+        #: ``__dict__`` copy + ``Program.__init__``) keeps those of the tensors it still has.
+        kept = getattr(self, "values", None)
+        self.values: dict[str, RecordedValue] = \
+            {n: v for n, v in kept.items() if n in self.tensors} if isinstance(kept, dict) else {}
 
     def __iter__(self) -> Iterator[Op]:
         return iter(self.ops)
