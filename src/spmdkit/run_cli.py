@@ -8,6 +8,7 @@ import math
 import os
 import signal
 import sys
+from dataclasses import dataclass
 from typing import Any, NoReturn, TextIO
 
 from spmdkit.core.errors import ProgramError
@@ -19,11 +20,22 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-llama", help=f"a preset ({', '.join(sorted(PRESETS))}); default tiny-llama")
     p.add_argument("--program", help="run a program JSON file (docs/graph.md) instead of a preset; its annotations "
                                       "come from --annotate")
+    p.add_argument("--hf", metavar="CLASS", help="run a HuggingFace transformers model (e.g. LlamaForCausalLM) built "
+                                                 "from --hf-config, on its own weights (needs spmdkit[hf])")
+    p.add_argument("--hf-config", metavar="FILE|JSON", help="the --hf model's config: a config.json path or a JSON "
+                                                            "object")
+    p.add_argument("--dtype", help="the --hf model's dtype (float32, float64, bfloat16, float16; default float32)")
+    p.add_argument("--pad", type=int, help="--hf: padded positions (attention mask 0) at the end of the batch's last "
+                                           "row (default 0)")
     p.add_argument("--mesh", default="dp=2,tp=2", help="named mesh dims, e.g. dp=2,tp=2 (default)")
-    p.add_argument("--strategy", default="megatron", help="comma list of dp, megatron (tp), sp, zero; default megatron")
+    p.add_argument("--strategy", help="comma list of dp, megatron (tp), sp, zero; default megatron (--program: "
+                                      "none, its --annotate pins alone)")
+    p.add_argument("--tp-plan", metavar="FILE|JSON",
+                   help='megatron for --hf / --program: module-name patterns -> column, row, vocab or replicate, '
+                        'e.g. \'{"*.k_proj": "replicate"}\' (docs/torch.md)')
     p.add_argument("--layers", type=int, help="override the preset's layer count")
-    p.add_argument("--batch", type=int, help="override the preset's batch size")
-    p.add_argument("--seq", type=int, help="override the preset's sequence length")
+    p.add_argument("--batch", type=int, help=f"override the preset's batch size (--hf: default {HF_BATCH})")
+    p.add_argument("--seq", type=int, help=f"override the preset's sequence length (--hf: default {HF_SEQ})")
     p.add_argument("--annotate", action="append", default=[], metavar="TENSOR=DIMS_MAPPING",
                    help='pin a tensor, e.g. --annotate "tokens=[0,-1]" (repeatable)')
     p.add_argument("--nproc", type=int,
@@ -58,6 +70,9 @@ class RunUsageError(ProgramError):
 
 
 DEFAULT_TIMEOUT = 120.0
+#: ``--hf`` example inputs when --batch / --seq are not given
+HF_BATCH = 4
+HF_SEQ = 16
 
 
 def die_with_launcher() -> None:
@@ -121,17 +136,146 @@ def _check_backend(backend: str) -> None:
         raise RunUsageError("--backend gloo: this torch build has no gloo")
 
 
-def _plan(ns: argparse.Namespace, mesh: Any, user: dict[str, Any]) -> tuple[Any, str]:
-    if ns.program:
-        from spmdkit.graph.program import load_program
-        from spmdkit.graph.propagate import propagate
+@dataclass
+class _Step:
+    """What a run executes: the plan, its title, and for a ``--hf`` model the module and its
+    call (the step then runs on the module's weights and is compared with torch eager), or,
+    as the launcher hands it to its ranks, the values and torch eager's reference themselves."""
 
-        return propagate(load_program(ns.program), mesh, user), f"program {ns.program}, mesh {ns.mesh}"
+    plan: Any
+    title: str
+    model: Any = None
+    kwargs: dict[str, Any] | None = None
+    values: dict[str, Any] | None = None
+    #: torch eager's (dtype, reference values), or why torch could not run the module
+    eager_ref: tuple[str, dict[str, Any]] | str | None = None
+
+
+#: the environment variable naming the file in which the local launcher hands a ``--hf`` step
+#: (plan, values, torch eager's reference) to its ranks, so that they need not import
+#: transformers, build and export the model again (under torchrun every rank makes its own)
+STEP_ENV = "SPMDKIT_RUN_STEP"
+
+
+def _save_step(step: _Step) -> str | None:
+    """Compute a ``--hf`` step's values and torch eager's reference once, in the launcher, and
+    write them with the plan to a private temporary directory (returned) for the ranks; None
+    where that cannot be done (the ranks then make the step themselves, as under torchrun)."""
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="spmdkit-run-")
+    try:
+        path = _write_step(step, os.path.join(d, "step.pickle"))
+    except Exception:  # not an error of the run: each rank makes its own step and says what fails
+        shutil.rmtree(d, ignore_errors=True)
+        return None
+    os.environ[STEP_ENV] = path
+    return d
+
+
+def _write_step(step: _Step, path: str) -> str:
+    import pickle
+
+    from spmdkit.torch_exec import eager_reference
+    from spmdkit.torch_import import torch_values
+
+    prog = step.plan.program
+    values = torch_values(prog, step.model, kwargs=step.kwargs)
+    try:
+        ref: tuple[str, dict[str, Any]] | str = eager_reference(prog, step.model, (), step.kwargs)
+    except Exception as exc:  # rank 0 reports it as a failure of the check
+        ref = f"{type(exc).__name__}: {_first_line(exc)}"
+    with open(path, "wb") as f:
+        pickle.dump(_Step(step.plan, step.title, None, None, values, ref), f, protocol=pickle.HIGHEST_PROTOCOL)
+    return path
+
+
+def _load_step() -> _Step | None:
+    """The step the local launcher (this process's parent) saved for its ranks, if any."""
+    path = os.environ.get(STEP_ENV, "")
+    if not path or os.environ.get("SPMDKIT_LAUNCHER_PID", "") != str(os.getppid()) or not os.path.isfile(path):
+        return None
+    import pickle
+
+    try:
+        with open(path, "rb") as f:
+            step = pickle.load(f)
+    except Exception:  # unreadable: this rank makes the step itself
+        return None
+    return step if isinstance(step, _Step) else None
+
+
+def _plan(ns: argparse.Namespace, mesh: Any, user: dict[str, Any]) -> _Step:
+    if ns.hf:
+        return _plan_hf_step(ns, user)
+    for flag, v in (("--hf-config", ns.hf_config), ("--dtype", ns.dtype), ("--pad", ns.pad)):
+        if v is not None:
+            raise RunUsageError(f"{flag} applies to --hf CLASS only")
+    if ns.program:
+        from spmdkit.graph.plan_cli import _tp_plan, plan_program
+        from spmdkit.graph.program import load_program
+
+        _prog, plan = plan_program(load_program(ns.program), ns.mesh, ns.strategy, user, _tp_plan(ns.tp_plan))
+        return _Step(plan, f"program {ns.program}, mesh {ns.mesh}" + (f", strategy {ns.strategy}" if ns.strategy
+                                                                       else ""))
     from spmdkit.graph.plan_cli import plan_model
 
+    if ns.tp_plan is not None:
+        raise RunUsageError("--tp-plan applies to --hf or --program models (a preset has its own roles)")
+    strategy = ns.strategy or "megatron"
     overrides = {"layers": ns.layers, "batch": ns.batch, "seq": ns.seq}
-    model, plan, _ = plan_model(ns.model, ns.mesh, ns.strategy, overrides, user)
-    return plan, f"{ns.model} ({model.config.layers} layers), mesh {ns.mesh}, strategy {ns.strategy}"
+    model, plan, _ = plan_model(ns.model, ns.mesh, strategy, overrides, user)
+    return _Step(plan, f"{ns.model} ({model.config.layers} layers), mesh {ns.mesh}, strategy {strategy}")
+
+
+def _plan_hf_step(ns: argparse.Namespace, user: dict[str, Any]) -> _Step:
+    if ns.program:
+        raise RunUsageError("--hf and --program: give one of them")
+    if ns.hf_config is None:
+        raise RunUsageError("--hf needs --hf-config FILE|JSON (the model's config)")
+    if ns.layers is not None:
+        raise RunUsageError("--layers applies to a preset; set the layer count in --hf-config")
+    for flag, v in (("--batch", ns.batch), ("--seq", ns.seq)):
+        if v is not None and v < 1:
+            raise RunUsageError(f"{flag} {v}: must be at least 1")
+    batch = HF_BATCH if ns.batch is None else ns.batch
+    seq = HF_SEQ if ns.seq is None else ns.seq
+    pad = ns.pad or 0
+    if not 0 <= pad < seq:
+        raise RunUsageError(f"--pad {pad}: must be in [0, --seq {seq})")
+    from spmdkit.hf import dtype_name
+
+    dtype = dtype_name(ns.dtype or "float32")
+    strategy = ns.strategy or "megatron"
+    from spmdkit.graph.plan_cli import _tp_plan
+
+    _prog, model, kw, plan = _plan_hf(ns.hf, ns.hf_config, ns.mesh, strategy, dtype, batch, seq, user,
+                                      _tp_plan(ns.tp_plan))
+    if pad:  # the same shapes, a padded last row: the program does not depend on the inputs' values
+        from spmdkit.hf import example_inputs
+
+        kw = example_inputs(model, batch, seq, labels=True, pad=pad)
+    return _Step(plan, f"{ns.hf} ({dtype}, batch {batch}, seq {seq}" + (f", {pad} padded" if pad else "")
+                 + f"), mesh {ns.mesh}, strategy {strategy}", model, kw)
+
+
+def _plan_hf(class_name: str, config: Any, mesh_text: str, strategy_text: str, dtype: str, batch: int, seq: int,
+             user: dict[str, Any], patterns: Any = None) -> tuple[Any, Any, dict[str, Any], Any]:
+    """(program, model, call kwargs, plan) of a HF model's training step under the strategies
+    for imported programs (:func:`spmdkit.graph.plan_cli.plan_hf`); its warnings (kv heads
+    replicated over tp) are one line each on stderr."""
+    import warnings
+
+    from spmdkit.graph.plan_cli import plan_hf
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        out = plan_hf(class_name, config, mesh_text, strategy_text, dtype, batch, seq, user, patterns)
+    for w in caught:
+        if issubclass(w.category, UserWarning) and str(w.message).startswith("--"):
+            print(f"spmdkit run: warning: {' '.join(str(w.message).split())}", file=sys.stderr)
+    return out
 
 
 def _env_int(name: str, lo: int, hi: int) -> int:
@@ -165,13 +309,16 @@ def _run_command(ns: argparse.Namespace, out: TextIO, argv: list[str]) -> int:
         world = _env_int("WORLD_SIZE", 1, 1 << 20)
         rank = _env_int("RANK", 0, world - 1)
         _env_int("MASTER_PORT", 1, 65535)
+    step = _load_step() if rank_mode else None  # what our launcher made for its ranks
     try:
         mesh = parse_mesh(ns.mesh)
-        plan, title = _plan(ns, mesh, _annotations(ns.annotate))
+        if step is None:
+            step = _plan(ns, mesh, _annotations(ns.annotate))
     except RunUsageError:
         raise
     except ProgramError as exc:
         raise RunUsageError(str(exc)) from None
+    plan = step.plan
     why = uneven_shards(plan)
     if why:
         raise RunUsageError(f"mesh {ns.mesh}: {why}")
@@ -189,14 +336,22 @@ def _run_command(ns: argparse.Namespace, out: TextIO, argv: list[str]) -> int:
                                     "to let spmdkit run pick a free port")
         from spmdkit.launch import launch_local
 
+        saved = _save_step(step) if step.model is not None else None
         out.flush()
-        return launch_local(_strip_nproc(argv), nproc, ns.timeout, port)
+        try:
+            return launch_local(_strip_nproc(argv), nproc, ns.timeout, port)
+        finally:
+            if saved is not None:
+                import shutil
+
+                os.environ.pop(STEP_ENV, None)
+                shutil.rmtree(saved, ignore_errors=True)
     if world != mesh.size:
         raise RunUsageError(f"WORLD_SIZE {world} but the mesh {ns.mesh} has {mesh.size} ranks")
-    return _run_rank(ns, out, plan, title, rank)
+    return _run_rank(ns, out, step, rank)
 
 
-def _run_rank(ns: argparse.Namespace, out: TextIO, plan: Any, title: str, rank: int) -> int:
+def _run_rank(ns: argparse.Namespace, out: TextIO, step: _Step, rank: int) -> int:
     """One rank: any failure is one line on stderr and exit EXIT_RANK_FAILED (EXIT_PORT_IN_USE when
     rank 0 cannot listen on MASTER_PORT), without waiting on peers that may be gone."""
     import threading
@@ -223,8 +378,26 @@ def _run_rank(ns: argparse.Namespace, out: TextIO, plan: Any, title: str, rank: 
             _die(f"spmdkit run: rank 0 cannot listen on {where}: the port is in use", EXIT_PORT_IN_USE)
         _die(f"spmdkit run: rank {rank}: rendezvous at {where} failed within --timeout {ns.timeout:g} s: {text}",
              EXIT_RANK_FAILED)
+    plan, title = step.plan, step.title
     try:
-        rep = run_rank(plan, ns.seed, timeout=ns.timeout)
+        values: dict[str, Any] | None = step.values
+        eager: Any = None
+        if step.eager_ref is not None:
+            ref = step.eager_ref
+
+            def eager() -> Any:
+                if isinstance(ref, str):
+                    raise ProgramError(ref)
+                return ref
+        elif step.model is not None:  # the module's weights, buffers and constants, the call's inputs
+            from functools import partial
+
+            from spmdkit.torch_exec import eager_reference
+            from spmdkit.torch_import import torch_values
+
+            values = torch_values(plan.program, step.model, kwargs=step.kwargs)
+            eager = partial(eager_reference, plan.program, step.model, (), step.kwargs)
+        rep = run_rank(plan, ns.seed, timeout=ns.timeout, values=values, eager=eager)
         dist.barrier()
         dist.destroy_process_group()
     except Exception as exc:  # a collective timed out, a peer died, a kernel failed
@@ -238,10 +411,15 @@ def _run_rank(ns: argparse.Namespace, out: TextIO, plan: Any, title: str, rank: 
     if ns.json:
         d: dict[str, Any] = {
             "title": title, "world_size": rep.world_size, "backend": rep.backend, "ok": rep.ok,
-            "loss": _finite(rep.loss), "reference_loss": _finite(rep.reference_loss), "checked": rep.checked,
+            "loss": _finite(rep.loss), "reference_loss": _finite(rep.reference_loss), "loss_tensor": rep.loss_tensor,
+            "checked": rep.checked,
             "max_error": rep.max_error, "nonfinite": rep.nonfinite, "failures": [list(f) for f in rep.failures],
             "collectives": [c.__dict__ for c in rep.collectives], "collectives_match": rep.collectives_match,
             "expected_collectives": len(rep.expected),
+            "eager": None if rep.eager is None else {
+                "dtype": rep.eager.dtype, "loss": _finite(rep.eager.loss), "checked": rep.eager.checked,
+                "max_rel_error": rep.eager.max_rel_error, "rtol": rep.eager.rtol,
+                "failures": [list(f) for f in rep.eager.failures]},
         }
         out.write(json.dumps(d) + "\n")
     else:

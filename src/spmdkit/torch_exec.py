@@ -1,10 +1,12 @@
 """Run a planned training step on torch.distributed: one process per rank (``spmdkit run``).
 
 Each process is one rank of the plan's mesh (gloo on CPU, nccl where GPUs exist). It holds
-only its own shards: every source tensor (inputs, parameters, optimizer states) is made from
-the same seed in every process and cut to the rank's piece as the plan distributes it; every op
-runs on the rank's pieces with spmdkit's numpy reference kernel for that op (``spmdkit.sim``),
-in float64; every planned reshard runs as real collectives over the mesh dim's process group,
+only its own shards: every source tensor (inputs, parameters, optimizer states) is made alike
+in every process (the values given to :func:`run_rank`, else the program's recorded constants
+and buffers, else draws from the seed in each tensor's valid range:
+:func:`spmdkit.graph.simulate.source_values`) and cut to the rank's piece as the plan
+distributes it; every op runs on the rank's pieces with spmdkit's numpy reference kernel for
+that op (``spmdkit.sim``), in float64; every planned reshard runs as real collectives over the mesh dim's process group,
 step by step as :func:`spmdkit.reshard.plan_reshard` lays it out: ``all_reduce``,
 ``reduce_scatter_single``, ``all_gather_single`` (``*_tensor`` before torch 2.13), ``all_to_all_single``, and the local
 ``slice`` / ``to_partial`` steps.
@@ -12,7 +14,9 @@ step by step as :func:`spmdkit.reshard.plan_reshard` lays it out: ``all_reduce``
 Every collective a rank issues is recorded (kind, mesh dim, tensor, local element counts) and
 checked against the plan's reshards (same kinds, same sizes, same count, same order). At the
 end rank 0 gathers every tensor the step made, assembles it as the plan says it is
-distributed and compares it with a single-process run of the unsharded step.
+distributed and compares it with a single-process run of the unsharded step, and, given a
+torch module (``run_rank(eager=...)``, :func:`eager_reference`), the loss and every parameter
+gradient with torch eager's autograd on the same inputs and weights (:class:`EagerCheck`).
 
 A NaN never passes: a non-finite value where the single-process value is finite fails, and so
 does a single-process value that is itself non-finite (not checkable). Every process group and
@@ -31,7 +35,9 @@ runs its rank directly, so the same command scales to several machines.
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +48,7 @@ import torch.distributed as dist
 from spmdkit.core.dist_attr import ReduceType, TensorDistAttr
 from spmdkit.core.errors import ProgramError
 from spmdkit.graph.propagate import Plan
-from spmdkit.graph.simulate import _flat_out, op_io, source_values
+from spmdkit.graph.simulate import _flat_out, loss_name, op_io, source_values, unusable
 from spmdkit.launch import free_port, launch_local, port_in_use, uneven_shards
 from spmdkit.reshard import Step, local_bytes, plan_reshard
 from spmdkit.sim.mesh import AssembleError, _close, assemble, max_abs_error, nonfinite_count, shard
@@ -67,6 +73,24 @@ class Collective:
 
 
 @dataclass
+class EagerCheck:
+    """The distributed step against torch eager on the same inputs and weights: the loss and
+    every parameter gradient of the module computed by torch autograd (in ``dtype``), every
+    value finite, each tensor's max abs error within ``rtol`` of its scale: the largest
+    magnitude of torch's tensor, for a gradient at least a thousandth of the step's largest
+    gradient (a gradient that is zero in exact arithmetic, as attention's key bias, is
+    rounding noise in torch's float32)."""
+
+    dtype: str
+    rtol: float
+    loss: float | None = None
+    checked: int = 0
+    #: the largest max|spmdkit - torch| / scale over the compared tensors
+    max_rel_error: float = 0.0
+    failures: list[tuple[str, str]] = field(default_factory=list)
+
+
+@dataclass
 class RunReport:
     """Rank 0's verdict on a distributed run."""
 
@@ -82,6 +106,12 @@ class RunReport:
     collectives_match: bool = False
     #: tensors with a NaN or infinity in the distributed or the single-process value (failures)
     nonfinite: int = 0
+    #: the loss tensor (found by its role: :func:`spmdkit.graph.simulate.loss_name`)
+    loss_tensor: str | None = None
+    #: assembled global values of the tensors asked for (``run_rank(keep=...)``)
+    values: dict[str, np.ndarray] = field(default_factory=dict)
+    #: the comparison with torch eager (``run_rank(eager=...)``), None where not asked for
+    eager: EagerCheck | None = None
 
     @property
     def ok(self) -> bool:
@@ -140,8 +170,10 @@ class Rank:
     ``Ctx.comm`` hook), and a planned step (:meth:`run`)."""
 
     def __init__(self, mesh: Any, rank: int, device: torch.device, plan: Plan | None = None,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, values: dict[str, Any] | None = None) -> None:
         self.plan = plan
+        #: source values to run on (name -> global array); the rest from :func:`source_values`
+        self.values = values
         self.mesh = mesh
         self.rank = rank
         self.device = device
@@ -251,7 +283,7 @@ class Rank:
         local: dict[str, np.ndarray] = {}
         made = self.made
         made.clear()
-        for n, v in source_values(prog, seed).items():  # same order and rng draws as the simulator
+        for n, v in source_values(prog, seed, self.values).items():  # same order and draws as the simulator
             made[n] = plan.attrs[n]
             local[n] = shard(v, plan.attrs[n], rng)[self.rank]
         moved: dict[tuple[str, TensorDistAttr], np.ndarray] = {}
@@ -290,10 +322,10 @@ class Rank:
         return outputs
 
 
-def _global_step(plan: Plan, seed: int) -> dict[str, np.ndarray]:
+def _global_step(plan: Plan, seed: int, values: dict[str, Any] | None = None) -> dict[str, np.ndarray]:
     """The single-process run: the unsharded step on global arrays."""
     prog = plan.program
-    glob: dict[str, Any] = dict(source_values(prog, seed))
+    glob: dict[str, Any] = dict(source_values(prog, seed, values))
     out: dict[str, np.ndarray] = {}
     for op_plan in plan.ops:
         io = op_io(op_plan, prog)
@@ -308,10 +340,20 @@ def _global_step(plan: Plan, seed: int) -> dict[str, np.ndarray]:
 
 
 def run_rank(plan: Plan, seed: int = 0, rtol: float = 1e-5, atol: float = 1e-8,
-             timeout: float | None = None) -> RunReport | None:
+             timeout: float | None = None, values: dict[str, Any] | None = None, keep: Any = (),
+             eager: Callable[[], tuple[str, dict[str, np.ndarray]]] | None = None,
+             eager_rtol: float = 1e-5) -> RunReport | None:
     """Run this process's rank of ``plan`` (the process group must be initialised, one rank per
     mesh rank; ``timeout``: seconds each mesh-dim group's collectives may wait). Rank 0 returns
-    the report; the others None."""
+    the report; the others None.
+
+    ``values``: source tensor values (name -> global array, the same in every process: e.g.
+    :func:`spmdkit.torch_import.torch_values` of a module's weights and inputs); the other
+    sources come from :func:`spmdkit.graph.simulate.source_values` with ``seed``. ``keep``:
+    names whose assembled global values the report keeps (``RunReport.values``). ``eager``:
+    called on rank 0, returns (dtype name, tensor name -> torch's value), e.g.
+    :func:`eager_reference`; each such tensor, assembled from the ranks, must be finite and
+    within ``eager_rtol`` of torch's (:class:`EagerCheck`)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = plan.mesh
     if world != mesh.size:
@@ -322,7 +364,7 @@ def run_rank(plan: Plan, seed: int = 0, rtol: float = 1e-5, atol: float = 1e-8,
     backend = str(dist.get_backend())
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if backend == "nccl" \
         else torch.device("cpu")
-    me = Rank(mesh, rank, device, plan, timeout)
+    me = Rank(mesh, rank, device, plan, timeout, values)
     outputs = me.run(seed)
     pieces: list[Any] = [None] * world if rank == 0 else []
     dist.gather_object((outputs, me.record), pieces if rank == 0 else None, dst=0)
@@ -337,7 +379,17 @@ def run_rank(plan: Plan, seed: int = 0, rtol: float = 1e-5, atol: float = 1e-8,
         bad = next(i for i, r in enumerate(records) if r != rep.expected)
         rep.failures.append(("collectives", f"rank {bad} issued {len(records[bad])} collectives, the plan "
                                             f"{len(rep.expected)}, or they differ in kind or size"))
-    ref = _global_step(plan, seed)
+    ref = _global_step(plan, seed, values)
+    loss = rep.loss_tensor = loss_name(plan.program)
+    want = set(keep)
+    eager_ref: dict[str, np.ndarray] = {}
+    eager_dtype, eager_error = "", ""
+    if eager is not None:
+        try:
+            eager_dtype, eager_ref = eager()
+        except Exception as exc:  # torch could not run the module: a failure of the check, said as such
+            eager_error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
+        want |= set(eager_ref)
     for name, g in ref.items():
         attr = me.made.get(name)
         if attr is None:
@@ -348,7 +400,9 @@ def run_rank(plan: Plan, seed: int = 0, rtol: float = 1e-5, atol: float = 1e-8,
         except (AssembleError, KeyError) as exc:
             rep.failures.append((name, f"not distributed as {attr}: {exc}"))
             continue
-        bad_ref = nonfinite_count(g)
+        if name in want:
+            rep.values[name] = got
+        bad_ref = unusable(plan.program, name, g, loss)
         if bad_ref:  # a reference that is NaN or infinite proves nothing: never a pass
             rep.nonfinite += 1
             rep.failures.append((name, f"not checkable: the single-process value has {bad_ref} non-finite values "
@@ -357,20 +411,118 @@ def run_rank(plan: Plan, seed: int = 0, rtol: float = 1e-5, atol: float = 1e-8,
         if got.dtype.kind == "f" and got.shape == g.shape and g.size:
             rep.max_error = max(rep.max_error, max_abs_error(got, g))
         bad_got = nonfinite_count(got)
+        if bad_got and got.shape == g.shape:  # the reference's -inf (a masked score) at the same place is equal
+            bad_got = int(np.count_nonzero(~np.isfinite(got) & (got != g)))
         if bad_got:
             rep.nonfinite += 1
             rep.failures.append((name, f"{bad_got} non-finite values of {got.size} where the single-process "
                                        f"value is finite"))
         elif not _close(got, g, rtol, atol):
             rep.failures.append((name, "differs from the single-process run"))
-    if "loss" in ref and "loss" in me.made:
-        rep.reference_loss = float(np.asarray(ref["loss"]).sum())
+    if loss is not None and loss in ref and loss in me.made:
+        rep.reference_loss = float(np.asarray(ref[loss]).sum())
         try:
-            got = assemble([p[0]["loss"] for p in pieces], me.made["loss"], ref["loss"].shape, rtol=rtol, atol=atol)
+            got = assemble([p[0][loss] for p in pieces], me.made[loss], ref[loss].shape, rtol=rtol, atol=atol)
             rep.loss = float(np.asarray(got).sum())
         except (AssembleError, KeyError):
             pass  # already a failure above
+    if eager is not None:
+        rep.eager = _compare_eager(rep, eager_dtype, eager_ref, loss, eager_rtol)
+        if eager_error:
+            rep.eager.failures.append(("torch eager", f"could not run the module: {eager_error}"))
+        rep.failures.extend(rep.eager.failures)
     return rep
+
+
+def _compare_eager(rep: RunReport, dtype: str, ref: dict[str, np.ndarray], loss: str | None,
+                   rtol: float) -> EagerCheck:
+    chk = EagerCheck(dtype, rtol)
+    if loss is not None and loss in ref:
+        chk.loss = float(np.asarray(ref[loss], dtype=np.float64).sum())
+    # a gradient that is zero in exact arithmetic (attention's key bias: softmax ignores a
+    # per-query constant) is torch's rounding noise: scales stop at a thousandth of the step's
+    # largest gradient
+    grads = [float(np.max(np.abs(np.asarray(w, dtype=np.float64)))) for n, w in ref.items()
+             if n != loss and np.size(w)]
+    floor = 1e-3 * max(grads, default=0.0)
+    for name, want in ref.items():
+        w = np.asarray(want, dtype=np.float64)
+        got = rep.values.get(name)
+        if got is None:
+            chk.failures.append((name, "torch eager: the distributed step did not make this tensor"))
+            continue
+        g = np.asarray(got, dtype=np.float64)
+        chk.checked += 1
+        if g.shape != w.shape:
+            chk.failures.append((name, f"torch eager: shape {list(g.shape)}, torch's {list(w.shape)}"))
+            continue
+        bad = nonfinite_count(g) + nonfinite_count(w)
+        if bad:
+            chk.failures.append((name, f"torch eager: {nonfinite_count(g)} non-finite values here, "
+                                       f"{nonfinite_count(w)} in torch's"))
+            continue
+        scale = max(float(np.max(np.abs(w))) if w.size else 0.0, 0.0 if name == loss else floor)
+        err = float(np.max(np.abs(g - w))) if w.size else 0.0
+        rel = err / scale if scale > 0 else (0.0 if err == 0 else math.inf)
+        chk.max_rel_error = max(chk.max_rel_error, rel)
+        if rel > rtol:
+            chk.failures.append((name, f"torch eager: max error {err:.3g} is {rel:.3g} of its scale {scale:.3g} "
+                                       f"(rtol {rtol:g})"))
+    return chk
+
+
+def eager_reference(prog: Any, module: Any, args: Any = (), kwargs: dict[str, Any] | None = None,
+                    ) -> tuple[str, dict[str, np.ndarray]]:
+    """torch eager's training step of ``module`` (an :class:`~spmdkit.torch_import.ImportedProgram`'s
+    module, called as it was imported): the loss and every parameter's gradient by torch
+    autograd, keyed by ``prog``'s tensor names (``prog.loss``, ``prog.grads[param]``). A
+    float64 module runs in float64, any other in a float32 copy (a bfloat16 / float16 model on
+    its rounded weights: the numpy run computes in float64 and does not round at casts).
+    Returns (the dtype torch ran in, the values)."""
+    import copy
+
+    from spmdkit.torch_import import _hf_call
+
+    pl = getattr(prog, "loss", None)
+    if not isinstance(pl, str):
+        raise ProgramError("torch eager: the program has no loss (import it with training=True)")
+    outs = list(getattr(prog, "outputs", []))
+    if pl not in outs:
+        raise ProgramError(f"torch eager: the loss {pl!r} is not an output of the module")
+    p0 = next(iter(module.parameters()), None)
+    dt = torch.float64 if p0 is not None and p0.dtype == torch.float64 else torch.float32
+    m = module if p0 is None or p0.dtype == dt else copy.deepcopy(module).to(dt)
+
+    def cast(v: Any) -> Any:
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return v.detach().to(dt)
+        if isinstance(v, (list, tuple)):
+            return type(v)(cast(x) for x in v)
+        if isinstance(v, dict):
+            return {k: cast(x) for k, x in v.items()}
+        return v
+
+    m.zero_grad(set_to_none=True)
+    with torch.enable_grad():
+        out = m(*cast(tuple(args)), **cast(_hf_call(m, kwargs)))
+        flat = [v for v in torch.utils._pytree.tree_flatten(out)[0] if isinstance(v, torch.Tensor)]
+        if len(flat) != len(outs):
+            raise ProgramError(f"torch eager: the module returned {len(flat)} tensors, the program records "
+                               f"{len(outs)} outputs")
+        lt = flat[outs.index(pl)]
+        lt.backward()  # type: ignore[no-untyped-call]
+    res: dict[str, np.ndarray] = {pl: lt.detach().double().numpy()}
+    named = dict(m.named_parameters(remove_duplicate=False))
+    for param, grad in prog.grads.items():
+        kind, fqn = prog.sources.get(param, (None, None))
+        if kind != "parameter":
+            continue
+        w = named.get(fqn if fqn in named else str(fqn).removeprefix("module."))
+        if w is None:
+            raise ProgramError(f"torch eager: the module has no parameter {fqn!r}")
+        res[grad] = (w.grad if w.grad is not None else torch.zeros_like(w)).detach().double().numpy()
+    m.zero_grad(set_to_none=True)
+    return str(dt).removeprefix("torch."), res
 
 
 def init_from_env(backend: str = "auto", timeout: float = 120.0) -> str:
@@ -393,7 +545,8 @@ def format_report(rep: RunReport, title: str) -> str:
     kind_text = ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())) or "none"
     lines = [f"spmdkit run: {title}; {rep.world_size} processes ({rep.backend})"]
     if rep.loss is not None:
-        lines.append(f"loss {rep.loss:.12g} (single process {rep.reference_loss:.12g})")
+        which = f"tensor {rep.loss_tensor}; " if rep.loss_tensor not in (None, "loss") else ""
+        lines.append(f"loss {rep.loss:.12g} ({which}single process {rep.reference_loss:.12g})")
     differ = [f for f in rep.failures if f[0] != "collectives"]
     verdict = "all equal" if not differ else f"{len(differ)} differ (first: {differ[0][0]})"
     if rep.nonfinite:
@@ -402,10 +555,20 @@ def format_report(rep: RunReport, title: str) -> str:
                  f"every update, every activation): max abs error {rep.max_error:.3g} where finite, {verdict}")
     lines.append(f"collectives per rank: {len(rep.collectives)} ({kind_text}); plan: {len(rep.expected)}; "
                  + ("every rank's equal the plan's" if rep.collectives_match else "NOT equal to the plan's"))
+    if rep.eager is not None:
+        e = rep.eager
+        head = f"torch eager ({e.dtype or '?'} autograd, same inputs and weights):"
+        if e.loss is not None:
+            head += f" loss {e.loss:.12g};"
+        bad = len(e.failures)
+        lines.append(f"{head} {e.checked} tensors compared (the loss and every parameter gradient): max error "
+                     f"{e.max_rel_error:.3g} of each tensor's largest magnitude (rtol {e.rtol:g}; gradients: at "
+                     "least a thousandth of the largest gradient), "
+                     + ("all within, every value finite" if not bad else f"{bad} NOT within or not finite"))
     for name, why in rep.failures[:20]:
         lines.append(f"  {name}: {why}")
     return "\n".join(lines)
 
 
-__all__ = ["Collective", "Rank", "RunReport", "expected_collectives", "format_report", "free_port",
+__all__ = ["Collective", "EagerCheck", "Rank", "RunReport", "eager_reference", "expected_collectives", "format_report", "free_port",
            "init_from_env", "launch_local", "port_in_use", "run_rank", "uneven_shards"]

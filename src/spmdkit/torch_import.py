@@ -57,7 +57,7 @@ from typing import Any
 import torch
 
 from spmdkit.core.errors import ProgramError
-from spmdkit.graph.program import Op, Program, ProgramBuilder, Tensor, _flat
+from spmdkit.graph.program import Op, Program, ProgramBuilder, RecordedValue, Tensor, _flat
 from spmdkit.graph.zoo import GRADS, Model, ModelConfig, Tape, _optimizer
 from spmdkit.rules.registry import get_rule, has_rule
 
@@ -138,7 +138,9 @@ class ImportedProgram(Program):
     :func:`run_program` can run it with torch; ``aliases``: a tied parameter's other names ->
     the tensor it is (``head.weight`` -> ``wte.weight``); ``modules``: op index -> (path, class
     name) of the innermost ``nn.Module`` whose forward made it (``("model.layers.0.self_attn.q_proj",
-    "Linear")``; absent for ops outside any submodule), so strategies can go by module names."""
+    "Linear")``; absent for ops outside any submodule), so strategies can go by module names;
+    ``values`` (as every :class:`~spmdkit.graph.program.Program`): the recorded values of the
+    constants and buffers, which the simulator and ``spmdkit run`` use and the JSON keeps."""
 
     def __init__(self, tensors: Iterable[Tensor], ops: Iterable[Op], name: str = "") -> None:
         super().__init__(tensors, ops, name)
@@ -642,6 +644,25 @@ class _Importer:
         res = [None if n is None else Name(n) for n in names]
         return tuple(res) if isinstance(val, (list, tuple)) else res[0]
 
+    def recorded_values(self, prog: Program) -> dict[str, RecordedValue]:
+        """The values of the constants and buffers (what the module recorded), for the simulator
+        and ``spmdkit run`` (and a program file: ``values`` in its JSON)."""
+        out: dict[str, RecordedValue] = {}
+        for n, (kind, where) in self.sources.items():
+            if n not in prog.tensors:
+                continue
+            if kind == "constant":
+                v: Any = self.constants.get(n)
+            elif kind == "buffer":
+                v = self.ep.state_dict.get(where)
+                if v is None:
+                    v = self.ep.constants.get(where)
+            else:
+                continue
+            if isinstance(v, torch.Tensor):
+                out[n] = _recorded(v)
+        return out
+
     def finish(self, loss: Any, optimizer: str | None) -> ImportedProgram:
         b = self.b
         loss_name: str | None = None
@@ -659,6 +680,7 @@ class _Importer:
         ip.origins, ip.fallbacks, ip.aliases = self.origins, self.fallbacks, dict(self.aliases)
         ip.input_paths = dict(self.input_paths)
         ip.modules = dict(self.modules)
+        ip.values = self.recorded_values(ip)
         try:
             ip.validate()
         except ProgramError as exc:
@@ -666,6 +688,13 @@ class _Importer:
             origin = ip.origins.get(int(m.group(1))) if m else None
             raise ProgramError(f"{exc} [imported from {origin}]" if origin else str(exc)) from None
         return ip
+
+
+def _recorded(t: torch.Tensor) -> RecordedValue:
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: float32 holds it exactly
+        t = t.float()
+    return RecordedValue.of(t.contiguous().numpy())
 
 
 def _float_out(b: ProgramBuilder, outputs: Sequence[Any]) -> bool:

@@ -13,14 +13,23 @@ JSON (``format: spmdkit-program``, ``version: 1``; docs/graph.md)::
     {"format": "spmdkit-program", "version": 1,
      "tensors": [{"name": "x", "shape": [8, 512], "dtype": "float32", "kind": "input"}, ...],
      "ops": [{"rule": "matmul", "name": "fc1", "inputs": {"x": "x", "y": "w1"},
-              "outputs": ["h"], "attrs": {"trans_y": false}, "layer": "", "phase": "forward"}]}
+              "outputs": ["h"], "attrs": {"trans_y": false}, "layer": "", "phase": "forward"}],
+     "values": {"eps": {"dtype": "float32", "shape": [], "zlib_base64": "..."}}}
+
+``values`` (optional) records the values of source tensors that are part of the step, not data
+(an imported module's constants and buffers: masks, epsilons, position ids): little-endian
+bytes of ``dtype``, zlib-compressed, base64. The simulator and ``spmdkit run`` use them instead
+of drawing random values.
 
 Standard library only.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +51,10 @@ DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64":
 MAX_RANK = 64
 MAX_DIM = 1 << 62
 MAX_NUMEL = 1 << 62
+
+#: dtypes a recorded value is stored in (little-endian; numpy's names), and their item sizes
+VALUE_DTYPES = {"float64": 8, "float32": 4, "float16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1,
+                "uint8": 1, "bool": 1}
 
 Ref = Any  # a tensor name, None (absent optional), or a list of those (vector parameter)
 
@@ -105,6 +118,57 @@ class Op:
                 "layer": self.layer, "phase": self.phase}
 
 
+@dataclass(frozen=True)
+class RecordedValue:
+    """The recorded value of a source tensor, standard library only: the dtype it is stored in
+    (one of :data:`VALUE_DTYPES`; a bfloat16 constant is stored exactly as float32), its shape
+    and its little-endian bytes (``numpy.frombuffer(data, "<" + dtype)`` reads it)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+    @staticmethod
+    def of(array: Any) -> RecordedValue:
+        """From a numpy array (or anything with ``dtype``, ``shape`` and ``tobytes``, C order)."""
+        name = array.dtype.name
+        if name not in VALUE_DTYPES:
+            raise ProgramError(f"recorded value: dtype {name} is not one of {', '.join(VALUE_DTYPES)}")
+        data = array.astype(array.dtype.newbyteorder("<")).tobytes(order="C")
+        return RecordedValue(name, tuple(int(d) for d in array.shape), data)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "shape": list(self.shape),
+                "zlib_base64": base64.b64encode(zlib.compress(self.data, 6)).decode("ascii")}
+
+
+def _value_from_json(name: str, obj: Any, prog: Program) -> RecordedValue:
+    where = f"values[{name[:100]!r}]"
+    if not isinstance(obj, dict) or set(obj) != {"dtype", "shape", "zlib_base64"}:
+        raise ProgramError(f"{where}: expected an object with exactly dtype, shape and zlib_base64")
+    t = prog.tensors.get(name)
+    if t is None:
+        raise ProgramError(f"{where}: the program has no tensor {name[:100]!r}")
+    dtype, shape, text = obj["dtype"], obj["shape"], obj["zlib_base64"]
+    if dtype not in VALUE_DTYPES:
+        raise ProgramError(f"{where}: dtype {str(dtype)[:40]!r} is not one of {', '.join(VALUE_DTYPES)}")
+    if not isinstance(shape, list) or tuple(shape) != t.shape:
+        raise ProgramError(f"{where}: shape {str(shape)[:100]} is not the tensor's {list(t.shape)}")
+    if not isinstance(text, str):
+        raise ProgramError(f"{where}: zlib_base64 must be a string")
+    want = t.numel * VALUE_DTYPES[dtype]
+    try:
+        d = zlib.decompressobj()
+        data = d.decompress(base64.b64decode(text.encode("ascii"), validate=True), want + 1)
+    except (binascii.Error, zlib.error, UnicodeEncodeError, ValueError) as exc:
+        raise ProgramError(f"{where}: zlib_base64 does not decode: {exc}") from None
+    if len(data) != want or not d.eof:
+        got = f"{len(data)} bytes" if len(data) < want else \
+            f"more than {want} bytes" if len(data) > want else f"{want} bytes, then not the end of the zlib stream"
+        raise ProgramError(f"{where}: {got}, expected {want} ({t.numel} values of {dtype})")
+    return RecordedValue(dtype, t.shape, data)
+
+
 def _flat(v: Ref) -> list[str | None]:
     if isinstance(v, (list, tuple)):
         return list(v)
@@ -129,6 +193,12 @@ class Program:
                 raise ProgramError(f"program: tensor {t.name!r} is declared twice")
             self.tensors[t.name] = t
         self.ops: list[Op] = list(ops)
+        #: recorded values of source tensors (constants, buffers): name -> RecordedValue. An
+        #: object re-initialised in place (a rewritten copy of an imported program, made as
+        #: ``__dict__`` copy + ``Program.__init__``) keeps those of the tensors it still has.
+        kept = getattr(self, "values", None)
+        self.values: dict[str, RecordedValue] = \
+            {n: v for n, v in kept.items() if n in self.tensors} if isinstance(kept, dict) else {}
 
     def __iter__(self) -> Iterator[Op]:
         return iter(self.ops)
@@ -238,8 +308,11 @@ class Program:
 
     # -- JSON ---------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
-        return {"format": FORMAT, "version": VERSION, "name": self.name,
-                "tensors": [t.to_json() for t in self.tensors.values()], "ops": [o.to_json() for o in self.ops]}
+        d = {"format": FORMAT, "version": VERSION, "name": self.name,
+             "tensors": [t.to_json() for t in self.tensors.values()], "ops": [o.to_json() for o in self.ops]}
+        if self.values:
+            d["values"] = {n: v.to_json() for n, v in self.values.items()}
+        return d
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=1)
@@ -319,8 +392,19 @@ def program_from_json(obj: Any) -> Program:
     ops = obj.get("ops")
     if not isinstance(tensors, list) or not isinstance(ops, list):
         raise ProgramError("program: 'tensors' and 'ops' must be lists")
-    return Program([_tensor_from_json(t, i) for i, t in enumerate(tensors)],
+    prog = Program([_tensor_from_json(t, i) for i, t in enumerate(tensors)],
                    [_op_from_json(o, i) for i, o in enumerate(ops)], str(obj.get("name", "")))
+    values = obj.get("values", {})
+    if not isinstance(values, dict):
+        raise ProgramError("program: 'values' must be an object (tensor name -> recorded value)")
+    if values:
+        made = {n for op in prog.ops for n in op.output_names()}
+        for name, v in values.items():
+            if name in made:
+                raise ProgramError(f"values[{name[:100]!r}]: an op makes this tensor; only source tensors have "
+                                   "recorded values")
+            prog.values[name] = _value_from_json(name, v, prog)
+    return prog
 
 
 def load_program(path: str) -> Program:
@@ -463,5 +547,6 @@ class ProgramBuilder:
         return prog
 
 
-__all__ = ["DTYPE_BYTES", "FORMAT", "KINDS", "MAX_DIM", "MAX_NUMEL", "MAX_RANK", "Op", "PHASES", "Program", "ProgramBuilder", "Tensor", "VERSION",
+__all__ = ["DTYPE_BYTES", "FORMAT", "KINDS", "MAX_DIM", "MAX_NUMEL", "MAX_RANK", "Op", "PHASES", "Program", "ProgramBuilder",
+           "RecordedValue", "Tensor", "VALUE_DTYPES", "VERSION",
            "call_rule", "layout_args", "load_program", "op_layout", "program_from_json"]
