@@ -242,9 +242,12 @@ def _gemm(a: Args) -> list[Expect]:
 
 
 def _einsum(a: Args) -> list[Expect]:
+    """numpy / Paddle einsum: letters name axes (size-1 axes broadcast), ``...`` the broadcast
+    of the operands' unnamed axes; an implicit output is ``...`` then the letters used once,
+    sorted."""
     eq = a.a("equation")
     xs = a.vec("inputs")
-    if not isinstance(eq, str) or "." in eq or any(s is None for s in xs):
+    if not isinstance(eq, str) or any(s is None for s in xs):
         raise _Unknown
     eq = eq.replace(" ", "")
     lhs, arrow, rhs = eq.partition("->")
@@ -253,20 +256,36 @@ def _einsum(a: Args) -> list[Expect]:
         raise _Unknown
     size: dict[str, int] = {}
     count: dict[str, int] = {}
-    for t, s in zip(terms, xs):
-        assert s is not None
-        if len(t) != len(s):
+    ell: list[tuple[int, ...]] = []
+    for t, shape in zip(terms, xs):
+        assert shape is not None
+        if t.count("...") > 1 or ("." in t.replace("...", "")):
             raise _Unknown
-        for ch, v in zip(t, s):
+        head, dots, tail = t.partition("...")
+        n_ell = len(shape) - len(head) - len(tail)
+        if n_ell < 0 or (n_ell and not dots):
+            raise _Unknown
+        named = list(zip(head, shape[:len(head)])) + list(zip(tail, shape[len(shape) - len(tail):]))
+        if dots:
+            ell.append(tuple(shape[len(head):len(head) + n_ell]))
+        for ch, v in named:
+            if not ch.isalpha():
+                raise _Unknown
             count[ch] = count.get(ch, 0) + 1
             if v != 1:
+                if size.get(ch, 1) not in (1, v):
+                    raise _Unknown
                 size[ch] = v
             else:
                 size.setdefault(ch, 1)
-    out = rhs if arrow else "".join(sorted(ch for ch, n in count.items() if n == 1))
-    if any(ch not in size for ch in out):
+    dims = broadcast(*ell) if ell else ()
+    out = rhs if arrow else ("..." if ell else "") + "".join(sorted(ch for ch, n in count.items() if n == 1))
+    if out.count("...") > 1 or "." in out.replace("...", ""):
         raise _Unknown
-    return [tuple(size[ch] for ch in out)]
+    head, dots, tail = out.partition("...")
+    if any(ch not in size for ch in head + tail):
+        raise _Unknown
+    return [tuple(size[ch] for ch in head) + (dims if dots else ()) + tuple(size[ch] for ch in tail)]
 
 
 def _concat(a: Args) -> list[Expect]:
@@ -553,12 +572,23 @@ def _rms_norm(a: Args) -> list[Expect]:
 
 
 def _batch_norm(a: Args) -> list[Expect]:
-    x = a.s("x")
-    return [x, a.opt("mean"), a.opt("variance"), None, None, None]
+    """out like x; the running and saved statistics like the running mean ([C], whichever
+    axis of x the channels are); reserve_space is kernel workspace."""
+    x, mean = a.s("x"), a.opt("mean")
+    return [x, mean, a.opt("variance"), mean, mean, None]
 
 
 def _group_norm(a: Args) -> list[Expect]:
-    return [a.s("x"), None, None]
+    """y like x; mean and variance are [N, groups] and the rule takes no groups."""
+    x = a.s("x")
+    return [x, (x[0], None) if x else None, (x[0], None) if x else None]
+
+
+def _instance_norm(a: Args) -> list[Expect]:
+    """y like x; saved_mean and saved_variance are [N * C] (InstanceNormInferMeta)."""
+    x = a.s("x")
+    stat = (x[0] * x[1],) if len(x) >= 2 else None
+    return [x, stat, stat]
 
 
 def _cross_entropy(a: Args) -> list[Expect]:
@@ -605,27 +635,81 @@ def _flpga(a: Args) -> list[Expect]:
     return [(x[-1], d[-1]), (d[-1],) if a.a("has_bias", True) else None]
 
 
-def _conv_nchw(a: Args, out_channels: int | None) -> list[Expect]:
-    """Batch and channel axes; the spatial sizes (strides, padding, dilation) are not checked."""
-    x = a.s("input")
-    nhwc = str(a.a("data_format", "NCHW")).upper() in ("NHWC", "NDHWC")
-    nd = len(x)
-    if nd < 3:
+def _ints(v: Any, n: int, fill: int) -> list[int]:
+    """A per-spatial-axis attribute: empty means ``fill``, one value means every axis."""
+    vals = list(v or ())
+    if not vals:
+        return [fill] * n
+    if len(vals) == 1:
+        return vals * n
+    if len(vals) != n:
         raise _Unknown
-    out: list[int | None] = [x[0]] + [None] * (nd - 1)
-    out[-1 if nhwc else 1] = out_channels
-    return [tuple(out)]
+    return vals
+
+
+def _conv_pads(v: Any, n: int) -> list[tuple[int, int]]:
+    """Paddle's conv paddings: one per spatial axis (both sides) or (before, after) pairs."""
+    p = list(v or ()) or [0]
+    if len(p) == 1:
+        p = p * n
+    if len(p) == n:
+        return [(x, x) for x in p]
+    if len(p) == 2 * n:
+        return [(p[2 * i], p[2 * i + 1]) for i in range(n)]
+    raise _Unknown
+
+
+def _conv_out(a: Args, x_sp: Sequence[int], k_sp: Sequence[int], transpose: bool) -> list[int | None]:
+    """The spatial output sizes (Paddle's ConvInferMeta / ConvTransposeInferMeta)."""
+    n = len(x_sp)
+    st = _ints(a.a("strides"), n, 1)
+    dil = _ints(a.a("dilations"), n, 1)
+    alg = str(a.a("padding_algorithm", "EXPLICIT"))
+    if any(v <= 0 for v in st + dil):
+        raise _Unknown
+    if alg == "SAME" and not transpose:
+        return [-(-s // t) for s, t in zip(x_sp, st)]
+    if alg == "VALID":
+        pads = [(0, 0)] * n
+    elif alg == "EXPLICIT":
+        pads = _conv_pads(a.a("paddings"), n)
+    else:
+        return [None] * n
+    if not transpose:
+        return [(s + p[0] + p[1] - d * (k - 1) - 1) // t + 1 for s, k, t, p, d in zip(x_sp, k_sp, st, pads, dil)]
+    size = list(a.a("output_size") or ())
+    if size:
+        return [v if isinstance(v, int) and v > 0 else None for v in _ints(size, n, 0)]
+    extra = _ints(a.a("output_padding"), n, 0)
+    return [(s - 1) * t - p[0] - p[1] + d * (k - 1) + 1 + e
+            for s, k, t, p, d, e in zip(x_sp, k_sp, st, pads, dil, extra)]
+
+
+def _conv_shape(a: Args, transpose: bool) -> list[Expect]:
+    """Batch, channel and (where the rule takes the geometry attributes) spatial axes."""
+    x, w = a.s("input"), a.s("filter")
+    nd = len(x)
+    if nd < 3 or len(w) != nd:
+        raise _Unknown
+    fmt = str(a.a("data_format", "NCHW"))
+    last = fmt in ("NHWC", "NDHWC")
+    x_sp = x[1:-1] if last else x[2:]
+    if transpose:
+        g = a.a("groups", 1)
+        channels: int | None = w[1] * g if isinstance(g, int) and g > 0 else None
+    else:
+        channels = w[0]
+    geometry = any(p.startswith("strides") for p in a.values)
+    spatial = _conv_out(a, x_sp, w[2:], transpose) if geometry else [None] * len(x_sp)
+    return [tuple([x[0], *spatial, channels] if last else [x[0], channels, *spatial])]
 
 
 def _conv(a: Args) -> list[Expect]:
-    w = a.s("filter")
-    return _conv_nchw(a, w[0] if w else None)
+    return _conv_shape(a, False)
 
 
 def _conv_transpose(a: Args) -> list[Expect]:
-    w = a.s("filter")
-    g = a.a("groups", 1)
-    return _conv_nchw(a, w[1] * g if len(w) > 1 and isinstance(g, int) and g > 0 else None)
+    return _conv_shape(a, True)
 
 
 def _roi_align(a: Args) -> list[Expect]:
@@ -640,6 +724,27 @@ def _moe_combine(a: Args) -> list[Expect]:
     if len(x) != 2 or not w:
         raise _Unknown
     return [(w[0], x[1])]
+
+
+def _moe_dispatch(a: Args) -> list[Expect]:
+    """x [S, H], gate_logits [S, E], k, capacity: y [E, capacity, H] (the padded layout, the
+    rule's rank-3 answer), combine_weights and expert_id [S, k], scatter_index [k, S],
+    expert_offset [E]."""
+    x, gl = a.s("x"), a.s("gate_logits")
+    k, cap = a.a("k"), a.a("capacity")
+    if len(x) != 2 or len(gl) != 2 or not isinstance(k, int) or not isinstance(cap, int):
+        raise _Unknown
+    s, e = gl
+    y: Expect = (e, cap, x[1]) if a.nd(0) == 3 else None
+    return [y, (s, k), (k, s), (e,), (s, k)]
+
+
+def _moe_dispatch_grad(a: Args) -> list[Expect]:
+    """grad_x [S, H] and grad_gate_logits [S, E] from combine_weights [S, k] and grad_y [E, C, H]."""
+    cw, gy = a.s("combine_weights"), a.s("grad_y")
+    if len(cw) != 2 or len(gy) != 3:
+        raise _Unknown
+    return [(cw[0], gy[2]), (cw[0], gy[0])]
 
 
 def _in_place(pairs: Sequence[str]) -> ShapeFn:
@@ -659,7 +764,11 @@ def _check_finite(a: Args) -> list[Expect]:
 
 
 def _data_parallel(a: Args) -> list[Expect]:
-    return [list(a.vec("outs"))] if len(a.ndims) == 1 else [None] * len(a.ndims)
+    """default_data_parallel / replicated: ``outs`` describes the op's outputs, one each."""
+    outs = a.vec("outs")
+    if len(outs) != len(a.ndims):
+        raise _Unknown
+    return list(outs)
 
 
 #: Shape functions by the rule's forward function (a family) ...
@@ -719,7 +828,7 @@ FAMILIES: dict[str, ShapeFn] = {
     "RmsNormInferSpmd": _rms_norm,
     "BatchNormInferSpmdStatic": _batch_norm,
     "GroupNormInferSpmdBase": _group_norm,
-    "InstanceNormInferSpmd": _group_norm,
+    "InstanceNormInferSpmd": _instance_norm,
     "CrossEntropyWithSoftmaxInferSpmdStatic": _cross_entropy,
     "CSoftmaxWithCrossEntropyInferSpmd": _c_softmax,
     "CSoftmaxWithMultiLabelCrossEntropyInferSpmd": _c_softmax_multi_label,
@@ -733,6 +842,8 @@ FAMILIES: dict[str, ShapeFn] = {
     "Conv2dTransposeInferSpmd": _conv_transpose,
     "RoiAlignInferSpmd": _roi_align,
     "MoECombineInferSpmd": _moe_combine,
+    "MoEGateDispatchInferSpmd": _moe_dispatch,
+    "MoEGateDispatchGradInferSpmd": _moe_dispatch_grad,
     "AdamInferSpmdDynamic": _in_place(("param", "moment1", "moment2", "moment2_max", "beta1_pow", "beta2_pow",
                                        "master_param")),
     "AdamwInferSpmdDynamic": _in_place(("param", "moment1", "moment2", "moment2_max", "beta1_pow", "beta2_pow",
@@ -749,23 +860,17 @@ FAMILIES: dict[str, ShapeFn] = {
 UNCHECKED: dict[str, str] = {
     "nonzero": "out's first axis is the number of nonzero elements (data); its second axis is checked",
     "unique": "every output's size is the number of distinct values (data)",
-    "moe_gate_dispatch": "the expert layout and capacity use come from the gate values (data)",
-    "moe_gate_dispatch_grad": "grad_x's row count comes from the dispatch (data); not checked",
-    "batch_norm": "saved_mean, saved_variance and reserve_space are kernel workspace; out, mean_out and "
-                  "variance_out are checked",
-    "group_norm": "mean and variance have a kernel-defined layout; y is checked",
-    "instance_norm": "saved_mean and saved_variance have a kernel-defined layout; y is checked",
+    "moe_gate_dispatch": "y is checked in the padded layout only (the rule's rank-3 answer, [E, capacity, H])",
+    "batch_norm": "reserve_space is kernel workspace; every other output is checked",
+    "group_norm": "mean and variance are [N, groups] and the rule takes no groups: their N axis is checked",
     "flash_attention": "softmax, softmax_lse and seed_offset are kernel outputs (layout, RNG state); out is checked",
     "fused_dropout_add": "seed_offset is RNG state; out is checked",
     "fused_gemm_epilogue": "reserve_space is kernel workspace; out is checked",
     "linear_v2": "reserve_space is kernel workspace; out is checked",
     "coalesce_tensor": "fused_output's size includes the kernel's alignment padding; output is checked",
     "check_finite_and_unscale": "found_infinite is a flag whose shape the kernel picks; out is checked",
-    "conv2d": "the spatial sizes depend on strides / padding / dilation, attributes the rule does not take; "
-              "batch and channel axes are checked",
-    "conv3d": "spatial sizes not checked (batch and channel axes are)",
-    "depthwise_conv2d": "spatial sizes not checked (batch and channel axes are)",
-    "conv2d_transpose": "spatial sizes not checked (output_size / output_padding; batch and channel axes are)",
+    "conv2d": "the rule takes no strides / paddings / dilations, so the output's spatial sizes are not "
+              "fixed by the op; its batch and channel axes are checked",
 }
 
 
@@ -936,7 +1041,19 @@ def expected_output_shapes(rule: Any, values: Mapping[str, Any], ndims: Sequence
     except (_Unknown, IndexError, KeyError, TypeError, ValueError, ZeroDivisionError, AttributeError):
         return [None] * len(ndims)
     out = out[: len(ndims)] + [None] * (len(ndims) - len(out))
-    return out
+    return [_clean(e) for e in out]
+
+
+def _clean(e: Any) -> Any:
+    """An answer as :data:`Expect`: a size that is not a non-negative int (a negative one from an
+    impossible geometry, which the kernel refuses or clamps) is not checked."""
+    if e is None:
+        return None
+    if isinstance(e, list):
+        return [_clean(x) for x in e]
+    if not isinstance(e, tuple):
+        return None
+    return tuple(v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None for v in e)
 
 
 def unchecked_rules() -> dict[str, str]:
