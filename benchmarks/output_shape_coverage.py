@@ -275,7 +275,7 @@ def measure(case: OneOp, t: Tally, alarms: list[str]) -> None:
         return  # a case the rule itself refuses (not an output-shape question)
     t.cases += 1
     for out in case.outputs():
-        for ax, s in enumerate(out.shape):
+        for ax in range(len(out.shape)):
             t.tried += 1
             try:
                 case.program((out.name, ax)).validate()

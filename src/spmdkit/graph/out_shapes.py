@@ -24,11 +24,11 @@ Standard library only.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Optional, Union
+from typing import Any, Union
 
-Shape = tuple[Optional[int], ...]
+Shape = tuple[int | None, ...]
 #: One output's expected shape: None (unchecked), a Shape, or a list of them (a vector output).
-Expect = Union[None, Shape, list[Optional[Shape]]]
+Expect = Union[None, Shape, list[Shape | None]]
 
 
 class _Unknown(Exception):
@@ -162,7 +162,7 @@ def _swiglu(a: Args) -> list[Expect]:
         return [broadcast(x, y)]
     if not x or x[-1] % 2:
         raise _Unknown
-    return [x[:-1] + (x[-1] // 2,)]
+    return [(*x[:-1], x[-1] // 2)]
 
 
 def _reduction(a: Args) -> list[Expect]:
@@ -229,7 +229,7 @@ def _linear_v2(a: Args) -> list[Expect]:
     if not x or len(w) != 2:
         raise _Unknown
     n = w[0] if a.a("transpose_weight", False) else w[1]
-    return [x[:-1] + (n,), None]
+    return [(*x[:-1], n), None]
 
 
 def _gemm(a: Args) -> list[Expect]:
@@ -238,7 +238,7 @@ def _gemm(a: Args) -> list[Expect]:
         raise _Unknown
     m = x[:-2] + ((x[-1],) if a.a("trans_x", False) else (x[-2],))
     n = y[0] if a.a("trans_y", False) else y[1]
-    return [m + (n,), None]
+    return [(*m, n), None]
 
 
 def _einsum(a: Args) -> list[Expect]:
@@ -309,7 +309,7 @@ def _stack(a: Args) -> list[Expect]:
     if s is None or any(x != s for x in xs):
         raise _Unknown
     ax = _axis(a.a("axis", 0), len(s) + 1)
-    return [s[:ax] + (len(xs),) + s[ax:]]
+    return [(*s[:ax], len(xs), *s[ax:])]
 
 
 def _split(a: Args) -> list[Expect]:
@@ -320,7 +320,7 @@ def _split(a: Args) -> list[Expect]:
         raise _Unknown
     if -1 in secs:
         secs[secs.index(-1)] = x[ax] - sum(v for v in secs if v != -1)
-    return [[x[:ax] + (v,) + x[ax + 1:] for v in secs]]
+    return [[(*x[:ax], v, *x[ax + 1:]) for v in secs]]
 
 
 def _split_with_num(a: Args) -> list[Expect]:
@@ -329,7 +329,7 @@ def _split_with_num(a: Args) -> list[Expect]:
     num = a.a("num")
     if not isinstance(num, int) or num <= 0 or x[ax] % num:
         raise _Unknown
-    return [[x[:ax] + (x[ax] // num,) + x[ax + 1:] for _ in range(num)]]
+    return [[(*x[:ax], x[ax] // num, *x[ax + 1:]) for _ in range(num)]]
 
 
 def _unbind(a: Args) -> list[Expect]:
@@ -382,7 +382,7 @@ def _flatten(a: Args) -> list[Expect]:
     start, stop = _axis(a.a("start_axis"), len(x)), _axis(a.a("stop_axis"), len(x))
     if start > stop:
         raise _Unknown
-    return [x[:start] + (_prod(x[start:stop + 1]),) + x[stop + 1:]]
+    return [(*x[:start], _prod(x[start:stop + 1]), *x[stop + 1:])]
 
 
 def _squeeze(a: Args) -> list[Expect]:
@@ -510,14 +510,14 @@ def _embedding(a: Args) -> list[Expect]:
     w = a.s("weight")
     if len(w) != 2:
         raise _Unknown
-    return [a.s("x") + (w[1],)]
+    return [(*a.s("x"), w[1])]
 
 
 def _one_hot(a: Args) -> list[Expect]:
     n = a.a("num_classes")
     if not isinstance(n, int) or n < 0:
         raise _Unknown
-    return [a.s("x") + (n,)]
+    return [(*a.s("x"), n)]
 
 
 def _topk(a: Args) -> list[Expect]:
@@ -526,7 +526,7 @@ def _topk(a: Args) -> list[Expect]:
         return [(), ()]
     ax = _axis(a.a("axis", -1), len(x))
     k = a.a("k", 1)
-    out = x[:ax] + (k,) + x[ax + 1:]
+    out = (*x[:ax], k, *x[ax + 1:])
     return [out, out]
 
 
@@ -535,7 +535,8 @@ def _nonzero(a: Args) -> list[Expect]:
 
 
 def _unique(a: Args) -> list[Expect]:
-    return [None, None, None, None][: max(len(a.ndims), 1)]
+    out: list[Expect] = [None] * max(len(a.ndims), 1)
+    return out
 
 
 def _stats(x: tuple[int, ...], keep: int, nd: int | None) -> Shape:
@@ -596,21 +597,21 @@ def _cross_entropy(a: Args) -> list[Expect]:
     if not x:
         raise _Unknown
     ax = _axis(a.a("axis", -1), len(x))
-    return [x, x[:ax] + (1,) + x[ax + 1:]]
+    return [x, (*x[:ax], 1, *x[ax + 1:])]
 
 
 def _c_softmax(a: Args) -> list[Expect]:
     x = a.s("x")
     if not x:
         raise _Unknown
-    return [x, x[:-1] + (1,)]
+    return [x, (*x[:-1], 1)]
 
 
 def _c_softmax_multi_label(a: Args) -> list[Expect]:
     x, label = a.s("x"), a.s("label")
     if not label:
         raise _Unknown
-    return [x, label[:-1] + (1,) if a.a("sum_multi_label_loss", True) else label]
+    return [x, (*label[:-1], 1) if a.a("sum_multi_label_loss", True) else label]
 
 
 def _flash_attention(a: Args) -> list[Expect]:
@@ -754,7 +755,8 @@ def _in_place(pairs: Sequence[str]) -> ShapeFn:
 
 def _vec_like(vec: str, *rest: str) -> ShapeFn:
     def fn(a: Args) -> list[Expect]:
-        return [list(a.vec(vec))] + [a.opt(r) for r in rest]
+        out: list[Expect] = [list(a.vec(vec))]
+        return out + [a.opt(r) for r in rest]
 
     return fn
 
@@ -955,7 +957,7 @@ _VIEW_GRADS = {"reshape_grad": "x_shape", "flatten_grad": "xshape", "squeeze_gra
 
 def _grad_sources(rule: Any) -> Sequence[str] | None:
     """The grad rule's inputs whose shapes its outputs have (see :data:`GRAD_OUTPUTS`)."""
-    from spmdkit.rules.registry import has_rule, get_rule
+    from spmdkit.rules.registry import get_rule, has_rule
 
     name = rule.name
     if name in GRAD_OUTPUTS:
