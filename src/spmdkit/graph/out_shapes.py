@@ -1021,12 +1021,16 @@ def _grad_fn(rule: Any) -> ShapeFn | None:
 # -- the entry point --------------------------------------------------------------------------
 
 
+_FNS: dict[str, ShapeFn | None] = {}
+
+
 def shape_fn(rule: Any) -> ShapeFn | None:
     """The shape function of a rule (None where none is declared)."""
-    fn = FAMILIES.get(rule.forward.function_name)
-    if fn is not None:
-        return fn
-    return _grad_fn(rule)
+    if rule.name in _FNS:
+        return _FNS[rule.name]
+    fn = FAMILIES.get(rule.forward.function_name) or _grad_fn(rule)
+    _FNS[rule.name] = fn
+    return fn
 
 
 def expected_output_shapes(rule: Any, values: Mapping[str, Any], ndims: Sequence[Any]) -> list[Expect]:

@@ -227,16 +227,21 @@ class Program:
         from spmdkit.rules.registry import coerce_attr
 
         values: dict[str, Any] = {}
-        for p, (kind, v) in zip(rule.forward.params, op_layout(op)):
-            if kind == "t":
-                values[p.name] = None if v is None else tuple(self.tensors[v].shape)
-            elif kind == "vec":
-                values[p.name] = [None if n is None else tuple(self.tensors[n].shape) for n in v]
-            else:
+        for p in rule.forward.params:
+            if p.is_tensor:
+                v = op.inputs.get(p.name)
+                if isinstance(v, (list, tuple)):
+                    values[p.name] = [None if n is None else tuple(self.tensors[n].shape) for n in v]
+                else:
+                    values[p.name] = None if v is None else tuple(self.tensors[v].shape)
+            elif p.name in op.attrs:
+                v = op.attrs[p.name]
                 try:
                     values[p.name] = v if v is None else coerce_attr(rule.name, p, v)
                 except SpmdError:
                     values[p.name] = v
+            elif not p.required:
+                values[p.name] = p.default
         ndims = [tuple(None if x is None else x.ndim for x in a) if isinstance(a, tuple)
                  else (None if a is None else a.ndim) for a in res.outputs]
         expected = expected_output_shapes(rule, values, ndims)
