@@ -535,8 +535,20 @@ def _nonzero(a: Args) -> list[Expect]:
 
 
 def _unique(a: Args) -> list[Expect]:
-    out: list[Expect] = [None] * max(len(a.ndims), 1)
-    return out
+    """out, indices and counts have as many entries as distinct values (data): only their
+    other axes are checked; inverse has one entry per element of x (per slice along axis)."""
+    x = a.s("x")
+    axes = a.a("axis") or ()
+    if len(axes) > 1:
+        raise _Unknown
+    if axes:
+        ax = _axis(axes[0], len(x))
+        out: Shape = (*x[:ax], None, *x[ax + 1:])
+        inverse: Shape = (x[ax],)
+    else:
+        out, inverse = (None,), (_prod(x),)
+    shapes: list[Shape] = [out, (None,), inverse, (None,)]
+    return [s if a.nd(i) == len(s) else None for i, s in enumerate(shapes)]
 
 
 def _stats(x: tuple[int, ...], keep: int, nd: int | None) -> Shape:
@@ -615,10 +627,14 @@ def _c_softmax_multi_label(a: Args) -> list[Expect]:
 
 
 def _flash_attention(a: Args) -> list[Expect]:
+    """q [B, Sq, H, D], v [B, Sk, Hk, Dv]: out [B, Sq, H, Dv]; softmax [B, H, Sq', Sk'] and
+    softmax_lse [B, H, Sq'] (the kernel may round the sequence axes: not checked); seed_offset [2]."""
     q, v = a.s("q"), a.s("v")
-    if not q or not v:
+    if len(q) != 4 or not v:
         raise _Unknown
-    return [q[:-1] + v[-1:], None, None, None]
+    softmax: Expect = (q[0], q[2], None, None) if a.nd(1) == 4 else None
+    lse: Expect = (q[0], q[2], None) if a.nd(2) == 3 else None
+    return [(*q[:-1], v[-1]), softmax, lse, (2,)]
 
 
 def _rope(a: Args) -> list[Expect]:
@@ -626,7 +642,8 @@ def _rope(a: Args) -> list[Expect]:
 
 
 def _dropout_add(a: Args) -> list[Expect]:
-    return [broadcast(a.s("x"), a.s("y")), None]
+    """out like x + y; seed_offset is the RNG seed and offset, [2]."""
+    return [broadcast(a.s("x"), a.s("y")), (2,)]
 
 
 def _flpga(a: Args) -> list[Expect]:
@@ -861,12 +878,13 @@ FAMILIES: dict[str, ShapeFn] = {
 #: Outputs whose sizes the shapes and attributes do not fix, by rule, with the reason.
 UNCHECKED: dict[str, str] = {
     "nonzero": "out's first axis is the number of nonzero elements (data); its second axis is checked",
-    "unique": "every output's size is the number of distinct values (data)",
+    "unique": "out's, indices' and counts' length is the number of distinct values (data); inverse and "
+              "out's other axes are checked",
     "moe_gate_dispatch": "y is checked in the padded layout only (the rule's rank-3 answer, [E, capacity, H])",
     "batch_norm": "reserve_space is kernel workspace; every other output is checked",
     "group_norm": "mean and variance are [N, groups] and the rule takes no groups: their N axis is checked",
-    "flash_attention": "softmax, softmax_lse and seed_offset are kernel outputs (layout, RNG state); out is checked",
-    "fused_dropout_add": "seed_offset is RNG state; out is checked",
+    "flash_attention": "softmax's and softmax_lse's sequence axes (the kernel may round them up); their batch "
+                       "and head axes, out and seed_offset are checked",
     "fused_gemm_epilogue": "reserve_space is kernel workspace; out is checked",
     "linear_v2": "reserve_space is kernel workspace; out is checked",
     "coalesce_tensor": "fused_output's size includes the kernel's alignment padding; output is checked",
