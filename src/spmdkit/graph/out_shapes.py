@@ -778,6 +778,22 @@ def _vec_like(vec: str, *rest: str) -> ShapeFn:
     return fn
 
 
+def _coalesce(a: Args) -> list[Expect]:
+    """output like input; fused_output [total elements], each input's count rounded up to
+    align_size bytes (CoalesceTensorInferMeta) where use_align, align_size and size_of_dtype
+    say it (a -1 size means the dtype's and place's default: not checked)."""
+    xs = a.vec("input")
+    out: list[Expect] = [list(xs)]
+    counts = [_prod(x) for x in xs if x is not None]
+    if not a.a("use_align", True):
+        return [*out, (sum(counts),)]
+    align, size = a.a("align_size", -1), a.a("size_of_dtype", -1)
+    if not (isinstance(align, int) and isinstance(size, int) and align > 0 and size > 0 and align % size == 0):
+        return [*out, None]
+    unit = align // size
+    return [*out, (sum(-(-n // unit) * unit for n in counts),)]
+
+
 def _check_finite(a: Args) -> list[Expect]:
     return [list(a.vec("xs")), None]
 
@@ -870,7 +886,7 @@ FAMILIES: dict[str, ShapeFn] = {
     "SgdInferSpmd": _in_place(("param", "master_param")),
     "CheckFiniteAndUnscaleSpmd": _check_finite,
     "UpdateLossScalingSpmd": _vec_like("xs", "prev_loss_scaling", "in_good_steps", "in_bad_steps"),
-    "CoalesceTensorInferSpmd": lambda a: [list(a.vec("input")), None],
+    "CoalesceTensorInferSpmd": _coalesce,
     "DefaultDataParallelInferSpmd": _data_parallel,
     "ReplicatedInferSpmd": _data_parallel,
 }
@@ -887,7 +903,8 @@ UNCHECKED: dict[str, str] = {
                        "and head axes, out and seed_offset are checked",
     "fused_gemm_epilogue": "reserve_space is kernel workspace; out is checked",
     "linear_v2": "reserve_space is kernel workspace; out is checked",
-    "coalesce_tensor": "fused_output's size includes the kernel's alignment padding; output is checked",
+    "coalesce_tensor": "fused_output's size when align_size or size_of_dtype is -1 (the place's and dtype's "
+                       "defaults); output is checked",
     "check_finite_and_unscale": "found_infinite is a flag whose shape the kernel picks; out is checked",
     "conv2d": "the rule takes no strides / paddings / dilations, so the output's spatial sizes are not "
               "fixed by the op; its batch and channel axes are checked",
