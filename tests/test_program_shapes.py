@@ -144,6 +144,10 @@ def test_expected_shapes_answer_none_on_nonsense_instead_of_raising() -> None:
     rule = get_rule("concat")
     assert expected_output_shapes(rule, {"x": [(2, 3), (2, 3)], "axis": 7}, [2]) == [None]
     assert expected_output_shapes(get_rule("matmul"), {"x": (), "y": (3,)}, [0]) == [None]
+    mm = {"x": (8, 16), "y": (16, 32), "trans_x": False, "trans_y": False}
+    assert expected_output_shapes(get_rule("matmul"), mm, [2]) == [(8, 32)]
+    # a rank that disagrees with the rule's own answer is this table's doubt: not used
+    assert expected_output_shapes(get_rule("matmul"), mm, [3]) == [None]
 
 
 def test_seeded_sweep_every_rule_no_false_alarm_and_perturbations_caught() -> None:

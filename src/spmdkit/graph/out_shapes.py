@@ -1082,7 +1082,22 @@ def expected_output_shapes(rule: Any, values: Mapping[str, Any], ndims: Sequence
     except (_Unknown, IndexError, KeyError, TypeError, ValueError, ZeroDivisionError, AttributeError):
         return [None] * len(ndims)
     out = out[: len(ndims)] + [None] * (len(ndims) - len(out))
-    return [_clean(e) for e in out]
+    return [_agree(_clean(e), nd) for e, nd in zip(out, ndims)]
+
+
+def _agree(e: Any, nd: Any) -> Any:
+    """An answer whose rank differs from the rank the rule itself answers is not used (the
+    rule's rank is checked separately; a disagreement is this table's doubt, not the program's
+    error)."""
+    if e is None:
+        return None
+    if isinstance(e, list):
+        if not isinstance(nd, (list, tuple)) or len(nd) != len(e):
+            return e if not isinstance(nd, (list, tuple)) else [None] * len(nd)
+        return [x if x is None or n is None or len(x) == n else None for x, n in zip(e, nd)]
+    if isinstance(nd, int) and len(e) != nd:
+        return None
+    return e
 
 
 def _clean(e: Any) -> Any:
