@@ -286,17 +286,71 @@ class Program:
                 if a is not None and a.ndim != len(self.tensors[n].shape):
                     raise ProgramError(f"{where}: output {n!r} has shape {list(self.tensors[n].shape)} but rule "
                                        f"{rule.name} makes a {a.ndim}-D tensor")
+            self._check_expected_shapes(op, rule, where, res)
             self._check_output_shapes(op, rule, where, out_refs, mesh)
+
+    def _check_expected_shapes(self, op: Op, rule: Any, where: str, res: SpmdResult) -> None:
+        """Each declared output shape against the shape the op makes from its input shapes and
+        attributes (:func:`spmdkit.graph.out_shapes.expected_output_shapes`; axes whose size the
+        op does not fix, e.g. nonzero's count, are not compared)."""
+        from spmdkit.graph.out_shapes import expected_output_shapes
+        from spmdkit.rules.registry import coerce_attr
+
+        values: dict[str, Any] = {}
+        for p in rule.forward.params:
+            if p.is_tensor:
+                v = op.inputs.get(p.name)
+                if isinstance(v, (list, tuple)):
+                    values[p.name] = [None if n is None else tuple(self.tensors[n].shape) for n in v]
+                else:
+                    values[p.name] = None if v is None else tuple(self.tensors[v].shape)
+            elif p.name in op.attrs:
+                v = op.attrs[p.name]
+                try:
+                    values[p.name] = v if v is None else coerce_attr(rule.name, p, v)
+                except SpmdError:
+                    values[p.name] = v
+            elif not p.required:
+                values[p.name] = p.default
+        ndims = [tuple(None if x is None else x.ndim for x in a) if isinstance(a, tuple)
+                 else (None if a is None else a.ndim) for a in res.outputs]
+        expected = expected_output_shapes(rule, values, ndims)
+        for k, (ref, want) in enumerate(zip(op.outputs, expected)):
+            if want is None or ref is None:
+                continue
+            if isinstance(ref, tuple):
+                if not isinstance(want, list):
+                    continue
+                if len(want) != len(ref):
+                    raise ProgramError(f"{where}: output {k} of rule {rule.name} is a list of {len(want)} tensors "
+                                       f"for these inputs, the op lists {len(ref)}")
+                pairs = list(zip(ref, want))
+            elif isinstance(want, list):
+                continue
+            else:
+                pairs = [(ref, want)]
+            for name, shape in pairs:
+                if name is None or shape is None:
+                    continue
+                have = self.tensors[name].shape
+                if len(have) != len(shape) or any(w is not None and w != h for h, w in zip(have, shape)):
+                    ins = ", ".join(f"{n} {list(self.tensors[n].shape)}" for n in op.input_names())
+                    shown = "[" + ", ".join("?" if w is None else str(w) for w in shape) + "]"
+                    raise ProgramError(f"{where}: output {name!r} is declared {list(have)} but the op makes "
+                                       f"{shown} (rule {rule.name}, inputs {ins}): the declared output shape "
+                                       f"contradicts the op")
 
     def _check_output_shapes(self, op: Op, rule: Any, where: str, out_refs: list[str | None],
                              mesh: ProcessMesh) -> None:
-        """The declared output shapes against the input shapes: a rule's reverse (backward)
-        mode takes the outputs as arguments and checks every axis the notation ties to an
-        input axis (``ShapeMismatchError``), so it is called once with every tensor
+        """The declared output shapes against the input shapes, a second way: a rule's reverse
+        (backward) mode takes the outputs as arguments and checks every axis the notation ties
+        to an input axis (``ShapeMismatchError``), so it is called once with every tensor
         replicated. Rules without a backward mode, and ops with an output the program does
-        not keep (``null``), are not checked here (docs/graph.md)."""
-        if rule.backward is None or any(o is None for o in out_refs):
-            return
+        not keep (``null``), are not checked this way (docs/graph.md)."""
+        from spmdkit.rules.registry import is_reverse
+
+        if not is_reverse(rule) or any(o is None for o in out_refs):
+            return  # a grad rule in the backward slot (cummax's) does not take the op's outputs
         try:
             call_rule(self, op, {}, mesh, mode="backward")
         except ShapeMismatchError as exc:
