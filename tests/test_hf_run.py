@@ -8,7 +8,7 @@ magnitude) with every value finite.
 In-process (fast): all 12 tiny models of tests/test_hf.py, padded batch and -100 labels, a
 data-parallel plan simulated on recorded values with drawn inputs and on the model's own values
 (its loss equal to torch eager's). On gloo (about 15-25 s each): Llama (dp=4, padded), GPT-2
-(dp=2 x tp=2, MLP pinned column / row parallel), BERT (dp=2 x tp=2, padded, MLM labels)."""
+(dp=2 x tp=2, megatron), BERT (dp=2 x tp=2, megatron,sp, padded, MLM labels)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+
+from conftest import run_cli_line
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'spmdkit[torch]')")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install 'spmdkit[hf]')")
@@ -257,8 +259,6 @@ def test_run_program_file_on_its_recorded_values(imported: Any, tmp_path: Path) 
 
 
 def test_run_hf_bad_arguments_are_one_line_errors(capsys: pytest.CaptureFixture[str], monkeypatch: Any) -> None:
-    from spmdkit.cli import main
-
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)
     cfg = json.dumps(_CFG["llama"][1])
@@ -281,13 +281,7 @@ def test_run_hf_bad_arguments_are_one_line_errors(capsys: pytest.CaptureFixture[
          "--annotate 'nosuch': the program has no such tensor"),
     ]
     for args, says in cases:
-        try:
-            rc = main(["run", *args])
-        except SystemExit as exc:  # argparse
-            rc = int(exc.code or 0)
-        err = capsys.readouterr().err
-        assert "Traceback" not in err
-        line = err.strip().splitlines()[-1] if err.strip() else ""
+        rc, line = run_cli_line(capsys, *args)
         assert rc == 2 and says in line, (args, rc, line)
 
 

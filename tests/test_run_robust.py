@@ -18,9 +18,10 @@ from typing import Any
 
 import pytest
 
+from conftest import run_cli_line
+
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'spmdkit[torch]')")
 
-from spmdkit.cli import main  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # seconds every rendezvous, group and collective may wait: generous where the run ends through the
@@ -207,13 +208,7 @@ def test_nan_on_one_rank_fails_the_check(tmp_path: Path) -> None:
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
-    try:
-        rc = main(["run", *args])
-    except SystemExit as exc:  # argparse
-        rc = int(exc.code or 0)
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    return rc, err.strip().splitlines()[-1] if err.strip() else ""
+    return run_cli_line(capsys, *args)
 
 
 def test_bad_arguments_are_one_line_errors(capsys: pytest.CaptureFixture[str], monkeypatch: Any) -> None:
