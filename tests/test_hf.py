@@ -356,3 +356,20 @@ def test_hf_helpers_build_inputs_in_range_and_import(tmp_path: Any) -> None:
                               ("LlamaForCausalLM", str(tmp_path / "missing.json"), "neither a JSON object")):
         with pytest.raises(ProgramError, match=why):
             build(cls, cfg_arg)
+
+
+def test_hf_build_refuses_a_model_larger_than_memory(monkeypatch: Any) -> None:
+    """A config whose parameters do not fit is a one-line ProgramError before anything is
+    allocated (counted on the meta device), not an out-of-memory kill."""
+    import spmdkit.hf as hf
+    from spmdkit.core.errors import ProgramError
+
+    cfg = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
+           "vocab_size": 256}
+    n = hf._param_count(transformers.LlamaForCausalLM, transformers.LlamaConfig(**cfg))
+    assert n == 2 * 256 * 64 + 2 * (4 * 64 * 64 + 3 * 64 * 128 + 2 * 64) + 64 + 16  # + rotary buffers
+    monkeypatch.setattr(hf, "_available_bytes", lambda: 2 * n * 4 - 1)  # just under twice the fp32 size
+    with pytest.raises(ProgramError, match=r"LlamaForCausalLM with this config has 0.00 billion parameters"):
+        hf.build("LlamaForCausalLM", cfg, dtype="bf16")
+    monkeypatch.setattr(hf, "_available_bytes", lambda: 2 * n * 4)
+    assert hf.build("LlamaForCausalLM", cfg, dtype="bf16").dtype == torch.bfloat16

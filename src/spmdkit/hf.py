@@ -77,10 +77,46 @@ def build(class_name: str, config: Any, *, dtype: str = "float32", seed: int = 0
         conf = cfg_cls(**cfg)
     except (TypeError, ValueError) as exc:
         raise ProgramError(f"hf: {cfg_cls.__name__} rejects the config: {exc}") from None
+    dt = getattr(torch, dtype_name(dtype))
+    n = _param_count(cls, conf)
+    need = n * max(torch.empty((), dtype=dt).element_size(), 4)  # built in float32, then cast
+    have = _available_bytes()
+    if have is not None and need > MEMORY_FRACTION * have:
+        raise ProgramError(f"hf: {class_name} with this config has {n / 1e9:.2f} billion parameters, "
+                           f"{need / 2**30:.1f} GiB while it is built (float32, then {dtype_name(dtype)}); "
+                           f"this machine has {have / 2**30:.1f} GiB available and the model is built in "
+                           f"memory: use fewer layers or a smaller config")
     torch.manual_seed(seed)
-    model = cls(conf).to(getattr(torch, dtype_name(dtype)))
+    model = cls(conf).to(dt)
     model.eval()
     return model
+
+
+#: ``build`` refuses a model whose parameters would take more than this share of the memory
+#: available, instead of letting the operating system kill the process.
+MEMORY_FRACTION = 0.5
+
+
+def _param_count(cls: Any, conf: Any) -> int:
+    """Elements of ``cls(conf)``'s parameters and buffers, counted on the meta device (nothing
+    allocated)."""
+    import torch
+
+    with torch.device("meta"):
+        m = cls(conf)
+    return int(sum(t.numel() for t in (*m.parameters(), *m.buffers())))
+
+
+def _available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), else None (not checked)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def example_inputs(model: Any, batch: int = 2, seq: int = 16, *, labels: bool = True, pad: int = 0,
