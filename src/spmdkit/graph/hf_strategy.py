@@ -81,7 +81,7 @@ from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.graph.program import Op, Program, Tensor
-from spmdkit.graph.strategy import user_attrs
+from spmdkit.graph.strategy import optimizer_layouts, user_attrs
 
 ROLES = ("column", "row", "vocab", "replicate")
 
@@ -377,19 +377,7 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
             sharded[part] = "column"
         if "sp" in st:
             _sequence_parallel(prog, mesh, sharded, dm, dp, tp)
-    for p, (_g, states, new, new_states) in optimizer_of(prog).items():
-        base = list(out.get(p, [-1] * len(prog.tensors[p].shape)))
-        if p in out:
-            out[new] = list(base)
-        for s in (*states, *new_states):
-            out[s] = list(base)
-        if "zero" in st and dp is not None and states:
-            shape = prog.tensors[p].shape
-            zaxis = next((a for a, e in enumerate(base) if e == -1 and shape[a] % mesh.shape[dp] == 0), None)
-            if zaxis is not None:
-                for s in (*states, *new_states):
-                    out[s][zaxis] = dp
-                out[new] = list(base)
+    optimizer_layouts(prog, mesh, optimizer_of(prog), out, st, dp, user)
     attrs = {n: TensorDistAttr(mesh, d) for n, d in out.items()}
     attrs.update(user_attrs(prog, mesh, user))
     return attrs

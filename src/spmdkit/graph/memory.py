@@ -7,6 +7,11 @@ optimizer's updated parameter overwrites its parameter (``inplace_of``) and adds
 Every other tensor (activations, activation gradients, and the copies reshards make) lives
 from the op that makes it to the last op that reads it; the activation peak is the largest
 sum of live bytes over the program order (one linear pass over the ops).
+
+ZeRO-3 / FSDP (a plan's ``storage``): a parameter counts at its stored shard; the copy each
+phase gathers lives over its layer's ops of that phase (from the layer's first op to its last),
+so one layer's gathered parameters are live at a time, once in the forward and once in the
+backward.
 """
 
 from __future__ import annotations
@@ -135,12 +140,26 @@ def memory_per_device(plan: object) -> Memory:
         delta[i] += b
         delta[last[n] + 1] -= b
     # copies made by reshards live from the first op that reads them to the last
-    spans: dict[tuple[str, TensorDistAttr], list[int]] = {}
+    spans: dict[tuple[str, TensorDistAttr, str], list[int]] = {}
+    stored = getattr(plan, "storage", None) or {}
+    blocks: dict[tuple[str, str], list[int]] = {}  # (layer, phase) -> its first and last op
+    if stored:
+        for i, op in enumerate(prog.ops):
+            blk = blocks.setdefault((op.layer, op.phase), [i, i])
+            blk[1] = i
     for r in plan.reshards:
-        s = spans.setdefault((r.tensor, r.dst), [r.op_index, r.op_index])
+        op = prog.ops[r.op_index]
+        if r.tensor in stored:
+            # ZeRO-3 / FSDP: gathered for its layer's ops of one phase, freed after them (one
+            # layer's gathered parameters live at a time), gathered again in the next phase
+            lo, hi = blocks[(op.layer, op.phase)]
+            s = spans.setdefault((r.tensor, r.dst, op.phase), [lo, hi])
+            s[0], s[1] = min(s[0], lo), max(s[1], hi)
+            continue
+        s = spans.setdefault((r.tensor, r.dst, ""), [r.op_index, r.op_index])
         s[0] = min(s[0], r.op_index)
         s[1] = max(s[1], r.op_index)
-    for (n, dst), (a, b_) in spans.items():
+    for (n, dst, _phase), (a, b_) in spans.items():
         size = nbytes(n, dst)
         delta[a] += size
         delta[b_ + 1] -= size
