@@ -164,3 +164,48 @@ def test_zero_cli_verify_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
         assert rc == 2, args
         assert msg in text and text.count("\n") == 1 and "Traceback" not in text, text
     assert sys.modules["spmdkit.graph.strategy"].zero_stage(("dp", "zero3")) == 3
+
+
+# -- gradient accumulation ---------------------------------------------------------------------
+
+
+def test_grad_accum_counts_memory_and_step(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from spmdkit.cli import main
+    from spmdkit.graph.compute import estimate_step, preset_device
+
+    def totals(strategy: str, k: int) -> dict[str, Any]:
+        rc = main(["plan", "--model", "llama-7b", "--layers", "2", "--mesh", "dp=8", "--strategy", strategy,
+                   "--grad-accum", str(k), "--json"])
+        assert rc == 0
+        d = json.loads(capsys.readouterr().out)
+        assert d["grad_accum"] == k
+        return dict(d["totals"], memory=d["memory"])
+
+    n = 9 * 2 + 3  # parameters of a 2-layer llama
+    one, four = totals("zero3", 1), totals("zero3", 4)
+    # parameters gathered in every micro-step; gradients reduce-scattered once per step
+    assert one["forward"]["collectives"] == {"all_gather": n}
+    assert four["forward"]["collectives"] == {"all_gather": 4 * n}
+    assert four["backward"]["collectives"] == {"all_gather": 4 * n, "reduce_scatter": n}
+    assert four["forward"]["bytes_per_rank"] == 4 * one["forward"]["bytes_per_rank"]
+    # the gradients wait unreduced (whole) for the step's one reduction: 8x the shard
+    assert four["memory"]["gradients"] == 8 * one["memory"]["gradients"]
+    assert four["memory"]["parameters"] == one["memory"]["parameters"]
+    dp1, dp4 = totals("dp", 1), totals("dp", 4)
+    assert dp4["optimizer"] == dp1["optimizer"] and dp4["memory"] == dp1["memory"]
+
+    _, plan, _ = plan_model("llama-7b", "dp=8", "zero2", {"layers": 2})
+    dev = preset_device("h100")
+    e1 = estimate_step(plan, dev, 32768)
+    plan.grad_accum = 3
+    e3 = estimate_step(plan, dev, 32768)
+    assert e3.tokens == 3 * 32768
+    assert e3.compute_s["forward"] == pytest.approx(3 * e1.compute_s["forward"])
+    assert e3.compute_s["optimizer"] == pytest.approx(e1.compute_s["optimizer"])
+    assert e3.grad_sync_s == pytest.approx(e1.grad_sync_s)
+    micro = sum(e1.compute_s[ph] + e1.comm_s[ph] for ph in ("forward", "backward")) + e1.kernel_comm_s
+    # two more forward / backward passes, without gradient reductions (those overlap the last)
+    assert e3.step_overlap_s == pytest.approx(e1.step_overlap_s + 2 * micro)
+    assert e3.step_serial_s == pytest.approx(e1.step_serial_s + 2 * micro)

@@ -11,7 +11,8 @@ sum of live bytes over the program order (one linear pass over the ops).
 ZeRO-3 / FSDP (a plan's ``storage``): a parameter counts at its stored shard; the copy each
 phase gathers lives over its layer's ops of that phase (from the layer's first op to its last),
 so one layer's gathered parameters are live at a time, once in the forward and once in the
-backward.
+backward. With gradient accumulation (``plan.grad_accum`` > 1) a gradient that ZeRO holds
+reduce-scattered is held unreduced until the step's one reduction.
 """
 
 from __future__ import annotations
@@ -121,6 +122,12 @@ def memory_per_device(plan: object) -> Memory:
     params = sum(nbytes(t.name) for t in prog.tensors.values() if t.kind == "parameter" and not t.inplace_of)
     states = sum(nbytes(t.name) for t in prog.tensors.values() if t.kind == "optimizer_state" and not t.inplace_of)
     grads = sum(nbytes(n) for n in param_grads)
+    if getattr(plan, "grad_accum", 1) > 1:
+        # gradient accumulation: a gradient reduced once per step is held, and accumulated,
+        # as its backward op makes it (unreduced, whole on a partial mesh dim) until then
+        for r in plan.reshards:
+            if r.output and r.tensor in param_grads:
+                grads += max(0, nbytes(r.tensor, r.src) - nbytes(r.tensor))
     n_ops = len(prog.ops)
     first: dict[str, int] = {}
     last: dict[str, int] = {}

@@ -40,6 +40,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                                     "or a JSON file (docs/devices.md); also sets the links of --cost")
     p.add_argument("--nodes-of", dest="nodes_of", metavar="N",
                    help="ranks per node (the device's, 8, by default): inner mesh dims within N ranks use NVLink")
+    p.add_argument("--grad-accum", dest="grad_accum", metavar="K",
+                   help="gradient accumulation: K forward/backward micro-steps per optimizer step, the gradients "
+                        "accumulated and reduced once (default 1)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--verify", action="store_true",
                    help="also run the same plan at tiny sizes through the simulator (needs numpy)")
@@ -341,6 +344,7 @@ def _run_plan(ns: argparse.Namespace, out: TextIO) -> int:
                  f"{f' ({c.n_kv} kv)' if c.n_kv != c.heads else ''}, FFN {c.ffn}, vocab {c.vocab}, "
                  f"seq {c.seq}, batch {c.batch}, {c.dtype}; strategy {ns.strategy}")
         model_name = ns.model
+    plan.grad_accum = _size_arg("--grad-accum", getattr(ns, "grad_accum", None), 1 << 20) or 1
     plan, est = _step_estimate(ns, plan, config)
     mem = memory_per_device(plan)
     verdict = None

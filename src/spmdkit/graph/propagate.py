@@ -107,9 +107,27 @@ class Plan:
     cost: CostModel
     #: tensors stored otherwise than their readers get them (ZeRO-3): name -> stored dist attr
     storage: dict[str, TensorDistAttr] = field(default_factory=dict)
+    #: gradient accumulation: forward and backward run this many times per step, the parameter
+    #: gradients are accumulated and reduced once (``--grad-accum``)
+    grad_accum: int = 1
 
     def attr(self, name: str) -> TensorDistAttr:
         return self.attrs[name]
+
+    def param_grads(self) -> frozenset[str]:
+        """The gradients the optimizer-phase ops read (the parameter gradients)."""
+        prog = self.program
+        return frozenset(n for op in prog.ops if op.phase == "optimizer" for n in op.input_names()
+                         if prog.tensors[n].kind == "gradient")
+
+    def repeats(self, r: Reshard, param_grads: frozenset[str] | None = None) -> int:
+        """How many times per step reshard ``r`` runs: ``grad_accum`` times in the forward and
+        the backward, except a parameter gradient's (reduced once, after accumulation); once in
+        the optimizer."""
+        if self.grad_accum == 1 or self.program.ops[r.op_index].phase == "optimizer":
+            return 1
+        pg = self.param_grads() if param_grads is None else param_grads
+        return 1 if r.tensor in pg else self.grad_accum
 
     def collectives(self, phase: str | None = None) -> list[tuple[Reshard, Any]]:
         """(reshard, step) for every communicating step (shared reshards and free local steps
