@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-from spmdkit.core.errors import ProgramError
 from spmdkit.graph.memory import memory_per_device
 from spmdkit.graph.plan_cli import plan_model
 from spmdkit.graph.strategy import parse_mesh, parse_strategy

@@ -1009,27 +1009,27 @@ def estimate_step(plan: Any, device: Device, tokens: int | None = None) -> StepE
     mf, n_params, att = model_flops(plan, tokens or 0)
     dtypes = [t.dtype for t in prog.tensors.values() if t.kind == "parameter"]
     main_dtype = max(set(dtypes), key=dtypes.count) if dtypes else "float32"
-    k = getattr(plan, "grad_accum", 1)
-    if k > 1:
-        # gradient accumulation: k - 1 more forward and backward passes before the one above,
+    accum = getattr(plan, "grad_accum", 1)
+    if accum > 1:
+        # gradient accumulation: accum - 1 more forward and backward passes before the one above,
         # whose backward overlaps the step's only gradient reductions
-        extra = (k - 1) * (compute["forward"] + compute["backward"] + comm["forward"] + comm["backward"]
+        extra = (accum - 1) * (compute["forward"] + compute["backward"] + comm["forward"] + comm["backward"]
                            + kern_total)
         serial += extra
         clock += extra
         for ph in ("forward", "backward"):
-            compute[ph] *= k
-            comm[ph] *= k
-        kern_total *= k
+            compute[ph] *= accum
+            comm[ph] *= accum
+        kern_total *= accum
         opt_flops = [op_cost(plan, i) for i, op in enumerate(prog.ops) if op.phase == "optimizer"]
         of, om, ob = (sum(c.flops for c in opt_flops), sum(c.model_flops for c in opt_flops),
                       sum(c.bytes for c in opt_flops))
-        flops, mflops, nbytes = (k * (flops - of) + of, k * (mflops - om) + om, k * (nbytes - ob) + ob)
-        matmul_s *= k
-        tokens = tokens * k if tokens else tokens
-        mf = mf * k
+        flops, mflops, nbytes = (accum * (flops - of) + of, accum * (mflops - om) + om, accum * (nbytes - ob) + ob)
+        matmul_s *= accum
+        tokens = tokens * accum if tokens else tokens
+        mf = mf * accum
     est = StepEstimate(device, n_ranks, compute, comm, kern_total, grad_sync, buckets, serial, clock, flops, mflops,
-                       nbytes, tokens, mf if tokens else 0.0, n_params, att * k, uncovered, matmul_s, memory_bound, kern)
+                       nbytes, tokens, mf if tokens else 0.0, n_params, att * accum, uncovered, matmul_s, memory_bound, kern)
     est.peak = device.matmul_peak(main_dtype)
     return est
 

@@ -140,9 +140,8 @@ def plan_program(prog: Any, mesh_text: str, strategy_text: str | None, user: dic
     """(program, plan) for an imported program (or a program JSON from one) under a strategy
     (:mod:`spmdkit.graph.hf_strategy`): with megatron the program is a copy whose loss is
     vocab-parallel, and the plan is over that copy."""
-    from spmdkit.graph.hf_strategy import annotate_program, megatron_program, regroup_partial_sums
+    from spmdkit.graph.hf_strategy import annotate_program, megatron_program, optimizer_of, regroup_partial_sums
     from spmdkit.graph.propagate import propagate
-    from spmdkit.graph.hf_strategy import optimizer_of
     from spmdkit.graph.strategy import parse_mesh, parse_strategy, user_attrs, zero3_storage
 
     mesh = parse_mesh(mesh_text)

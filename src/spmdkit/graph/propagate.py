@@ -225,9 +225,9 @@ def propagate(
     forward and the backward readers (ZeRO-3)."""
     fixed = _parse_annotations(program, mesh, annotations)
     store = _parse_annotations(program, mesh, storage)
-    for n in store:
-        if program.tensors[n].kind not in ("parameter", "input", "optimizer_state"):
-            raise ProgramError(f"storage for {n!r}: only a program input (a parameter) can be stored sharded")
+    for stored in store:
+        if program.tensors[stored].kind not in ("parameter", "input", "optimizer_state"):
+            raise ProgramError(f"storage for {stored!r}: only a program input (a parameter) can be stored sharded")
     cost = cost or CostModel.default(mesh)
     attrs: dict[str, TensorDistAttr | None] = {n: None for n in program.tensors}
     attrs.update(fixed)
@@ -236,11 +236,11 @@ def propagate(
     # outputs that overwrite one of their op's inputs in place: held in that input's dist attr
     tied: dict[int, dict[str, str]] = {}
     for i, op in enumerate(program.ops):
-        ins = set(op.input_names())
-        for n in op.output_names():
-            src = program.tensors[n].inplace_of
-            if src is not None and src in ins and n not in fixed:
-                tied.setdefault(i, {})[n] = src
+        reads = set(op.input_names())
+        for out_name in op.output_names():
+            over = program.tensors[out_name].inplace_of
+            if over is not None and over in reads and out_name not in fixed:
+                tied.setdefault(i, {})[out_name] = over
     planned: dict[tuple[TensorDistAttr, TensorDistAttr, tuple[int, ...], int], ReshardPlan] = {}
 
     def plan_of(name: str, src: TensorDistAttr, dst: TensorDistAttr) -> ReshardPlan:
