@@ -297,11 +297,25 @@ def propagate(
                     t, b = t + rp.time_s, b + rp.bytes_per_rank
         return t, b
 
+    chosen: dict[tuple[Any, ...], SpmdResult] = {}  # repeated layers: one choice per kind of op
+
     def in_place(i: int, c: _OpCall, res: SpmdResult) -> SpmdResult:
         """The cheaper of the forward answer and the layout the in-place outputs ask for."""
         targets = {n: held_attr(s) for n, s in tied[i].items()}
         if c.bwd is None or c.bwd_layout is None:
             return res
+        op = c.op
+        key = (op.rule, repr(sorted(op.attrs.items())),
+               tuple((program.tensors[n].shape, program.tensors[n].itemsize, attrs[n], held_attr(n))
+                     for n in op.input_names()),
+               tuple((targets.get(n), attrs[n]) for n in op.output_names()), res)
+        got = chosen.get(key)
+        if got is None:
+            got = chosen[key] = _choose(c, res, targets)
+        return got
+
+    def _choose(c: _OpCall, res: SpmdResult, targets: dict[str, TensorDistAttr]) -> SpmdResult:
+        assert c.bwd is not None and c.bwd_layout is not None
 
         def get_out(n: str) -> DistTensorSpec:
             return specs.get(n, targets[n] if n in targets else attrs[n])
