@@ -9,8 +9,10 @@ them here:
 - ``dp``: the batch axis (axis 0) of every data input (``input_ids``, ``attention_mask``,
   ``labels``, ``pixel_values``...: the call's arguments, not the recorded constants or
   buffers) over ``dp``; every parameter gradient is then all-reduced over ``dp``.
-- ``zero``: each parameter's optimizer states sharded over ``dp`` on their first axis that is
-  not already sharded and that ``dp`` divides (as the zoo's ``zero``).
+- ``zero1`` / ``zero2`` (``zero``) / ``zero3`` (``fsdp``): each parameter's optimizer states
+  sharded over ``dp`` on their first axis that is not already sharded and that ``dp`` divides,
+  then its gradient, then the parameter itself (stored sharded, gathered per phase), as the
+  zoo's (:func:`spmdkit.graph.strategy.optimizer_layouts`).
 - ``megatron`` (``tp``): a parameter's module path (its name without ``.weight`` / ``.bias``,
   or a tied parameter's other names) is matched against the patterns below, first match
   wins, the user's before the defaults: ``column`` shards a linear layer's output features

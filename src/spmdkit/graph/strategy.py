@@ -12,9 +12,12 @@
 - ``sp``: Megatron sequence parallel (with ``megatron``): the residual stream is sharded on
   its sequence axis over ``tp``, the normalised activations that feed the column-parallel
   projections are gathered: the all-reduces become all-gather / reduce-scatter pairs.
-- ``zero``: ZeRO-2 style sharding over ``dp``: optimizer states sharded on their first axis
-  not already sharded (that ``dp`` divides), so the gradients are reduce-scattered, the
-  update runs on the shards and the updated parameter is all-gathered.
+- ``zero1`` / ``zero2`` (``zero``) / ``zero3`` (``fsdp``): ZeRO over ``dp``
+  (:func:`optimizer_layouts`): optimizer states (moments, fp32 master weights) sharded on
+  their first axis not already sharded that ``dp`` divides; zero1 all-reduces each gradient,
+  zero2 reduce-scatters it, zero3 also stores the parameter sharded and gathers it before its
+  forward and backward readers (:func:`zero3_storage`). The update runs on the shards; the
+  updated parameter is held as the parameter (all-gathered under zero1/2).
 
 ``megatron`` alone means ``dp,megatron`` when the mesh has a ``dp`` dim; every strategy
 needs its mesh dims (``dp`` / ``tp``) to exist. User annotations (tensor -> dims_mapping)
