@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from spmdkit.core.errors import ProgramError
 from spmdkit.graph.memory import memory_per_device
 from spmdkit.graph.plan_cli import plan_model
 from spmdkit.graph.strategy import parse_mesh, parse_strategy
@@ -208,3 +209,17 @@ def test_grad_accum_counts_memory_and_step(capsys: pytest.CaptureFixture[str]) -
     # two more forward / backward passes, without gradient reductions (those overlap the last)
     assert e3.step_overlap_s == pytest.approx(e1.step_overlap_s + 2 * micro)
     assert e3.step_serial_s == pytest.approx(e1.step_serial_s + 2 * micro)
+
+
+def test_storage_of_a_made_tensor_is_refused() -> None:
+    from spmdkit.graph.propagate import propagate
+    from spmdkit.graph.strategy import annotate
+    from spmdkit.graph.zoo import build_model, preset
+
+    model = build_model(preset("tiny-llama"))
+    mesh = parse_mesh("dp=2")
+    ann = annotate(model, mesh, ("dp",))
+    with pytest.raises(ProgramError, match=r"storage for 'embed.out': only a program input"):
+        propagate(model.program, mesh, ann, storage={"embed.out": [0, -1, -1]})
+    with pytest.raises(ProgramError, match=r"storage for 'embed': dims_mapping has 1 entries"):
+        propagate(model.program, mesh, ann, storage={"embed": [0]})

@@ -190,22 +190,22 @@ class _OpCall:
 
 
 def _parse_annotations(prog: Program, mesh: ProcessMesh,
-                       annotations: Mapping[str, Any] | None) -> dict[str, TensorDistAttr]:
+                       annotations: Mapping[str, Any] | None, what: str = "annotation") -> dict[str, TensorDistAttr]:
     out: dict[str, TensorDistAttr] = {}
     for name, a in (annotations or {}).items():
         if name not in prog.tensors:
-            raise ProgramError(f"annotation for {name!r}: the program has no such tensor")
+            raise ProgramError(f"{what} for {name!r}: the program has no such tensor")
         t = prog.tensors[name]
         if not isinstance(a, TensorDistAttr):
             try:
                 a = TensorDistAttr(mesh, a)
             except SpmdError as exc:
-                raise ProgramError(f"annotation for {name!r}: {exc}") from None
+                raise ProgramError(f"{what} for {name!r}: {exc}") from None
         if a.mesh != mesh:
-            raise ProgramError(f"annotation for {name!r}: its mesh {list(a.mesh.shape)} is not the plan's "
+            raise ProgramError(f"{what} for {name!r}: its mesh {list(a.mesh.shape)} is not the plan's "
                                f"{list(mesh.shape)}")
         if a.ndim != len(t.shape):
-            raise ProgramError(f"annotation for {name!r}: dims_mapping has {a.ndim} entries, the tensor has shape "
+            raise ProgramError(f"{what} for {name!r}: dims_mapping has {a.ndim} entries, the tensor has shape "
                                f"{list(t.shape)}")
         out[name] = a
     return out
@@ -224,7 +224,7 @@ def propagate(
     tensor -> the dist attr it is stored in, gathered to its (annotated) dist attr before the
     forward and the backward readers (ZeRO-3)."""
     fixed = _parse_annotations(program, mesh, annotations)
-    store = _parse_annotations(program, mesh, storage)
+    store = _parse_annotations(program, mesh, storage, "storage")
     for stored in store:
         if program.tensors[stored].kind not in ("parameter", "input", "optimizer_state"):
             raise ProgramError(f"storage for {stored!r}: only a program input (a parameter) can be stored sharded")
