@@ -122,10 +122,42 @@ def test_zero_shards_optimizer_states(imported: Callable[[str], Any]) -> None:
     prog, _m, _k = imported("llama")
     _, plan = plan_program(prog, "dp=2", "dp,zero")
     n = len(prog.parameters())
-    assert _counts(plan, "optimizer") == Counter(reduce_scatter=n, all_gather=n)
+    # ZeRO-2: each gradient reduce-scattered as the backward makes it, the update on the
+    # shards, the updated parameter all-gathered
+    assert _counts(plan, "backward") == Counter(reduce_scatter=n)
+    assert _counts(plan, "optimizer") == Counter(all_gather=n)
     assert plan.attrs["model.layers.0.mlp.gate_proj.weight.moment2"].dims_mapping == (0, -1)
     assert plan.attrs["model.norm.weight.moment1"].dims_mapping == (0,)
     assert plan.attrs["model.norm.weight"].dims_mapping == (-1,)
+
+
+def test_replicated_projection_updates_on_its_own_layout(imported: Callable[[str], Any]) -> None:
+    """o_proj / down_proj replicated by pattern: their gradients come out tp-sharded; the update
+    runs replicated (the gradient gathered once), never leaving the parameter or its moments
+    sharded or gathering the moments after it."""
+    prog, _m, _k = imported("llama")
+    prog, plan = plan_program(prog, "dp=2,tp=2", "megatron",
+                              patterns={"o_proj": "replicate", "down_proj": "replicate"})
+    opt = optimizer_of(prog)
+    for p in ("model.layers.0.self_attn.o_proj.weight", "model.layers.0.mlp.down_proj.weight"):
+        _g, states, new, new_states = opt[p]
+        assert plan.attrs[p].dims_mapping == (-1, -1)
+        for n in (new, *states, *new_states):
+            assert plan.attrs[n] == plan.attrs[p], n
+    moved = {r.tensor for r, _s in plan.collectives("optimizer")}
+    assert not [n for n in moved if prog.tensors[n].kind != "gradient"]
+
+
+def test_zero3_gathers_parameters_per_phase(imported: Callable[[str], Any]) -> None:
+    prog, _m, _k = imported("llama")
+    _, plan = plan_program(prog, "dp=2", "fsdp")
+    n = len(prog.parameters())
+    stored = set(plan.storage)
+    assert len(stored) == n
+    fwd = Counter(r.tensor for r, s in plan.collectives("forward") if s.kind == "all_gather")
+    assert set(fwd) == stored and set(fwd.values()) == {1}
+    assert _counts(plan, "backward")["reduce_scatter"] == n
+    assert not plan.collectives("optimizer")
 
 
 def test_heads_must_divide_tp_or_a_pattern_says_otherwise(imported: Callable[[str], Any]) -> None:

@@ -35,6 +35,7 @@ def _spmdkit_run(*args: str) -> dict[str, Any]:
     ("tiny-llama", "megatron"),
     ("tiny-llama", "megatron,sp"),
     ("tiny-gpt2", "megatron,sp,zero"),
+    ("tiny-llama", "megatron,zero3"),  # parameters gathered again in the backward: issued twice
 ])
 def test_run_equals_single_process_and_plan(model: str, strategy: str) -> None:
     rep = _spmdkit_run("--model", model, "--mesh", "dp=2,tp=2", "--strategy", strategy)

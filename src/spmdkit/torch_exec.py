@@ -286,13 +286,15 @@ class Rank:
         for n, v in source_values(prog, seed, self.values).items():  # same order and draws as the simulator
             made[n] = plan.attrs[n]
             local[n] = shard(v, plan.attrs[n], rng)[self.rank]
-        moved: dict[tuple[str, TensorDistAttr], np.ndarray] = {}
+        moved: dict[tuple[str, TensorDistAttr, str], np.ndarray] = {}
+        stored = plan.storage
+        phase = [""]  # the running op's phase: a ZeRO-3 parameter is gathered again in each
 
         def move(n: str, dst: TensorDistAttr | None) -> np.ndarray:
             src = made[n]
             if dst is None or src == dst:
                 return local[n]
-            key = (n, dst)
+            key = (n, dst, phase[0] if n in stored else "")
             if key not in moved:
                 a = local[n]
                 for st in plan_reshard(src, dst, prog.tensors[n].shape, 8, plan.cost).steps:
@@ -302,6 +304,7 @@ class Rank:
 
         outputs: dict[str, np.ndarray] = {}
         for op_plan in plan.ops:
+            phase[0] = op_plan.op.phase
             io = op_io(op_plan, prog)
             args = io.values(move)
             gshapes = tuple(None if o is None else prog.tensors[o].shape for o in io.out_refs)

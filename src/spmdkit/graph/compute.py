@@ -822,10 +822,15 @@ class StepEstimate:
                 "buckets": [b.to_json() for b in self.buckets], "uncovered_rules": dict(self.uncovered)}
 
 
-def _is_grad_sync(plan: Any, r: Any, s: Step) -> bool:
+def _is_grad_sync(plan: Any, r: Any, s: Step, param_grads: frozenset[str]) -> bool:
+    """A parameter gradient's reduction: before its optimizer update, or (ZeRO-1/2/3, the
+    gradient held reduced) right after the backward op that makes it."""
     prog = plan.program
-    return (not r.output and s.kind in ("all_reduce", "reduce_scatter")
-            and prog.ops[r.op_index].phase == "optimizer" and prog.tensors[r.tensor].kind == "gradient")
+    if s.kind not in ("all_reduce", "reduce_scatter") or prog.tensors[r.tensor].kind != "gradient":
+        return False
+    if not r.output:
+        return bool(prog.ops[r.op_index].phase == "optimizer")
+    return r.tensor in param_grads
 
 
 def model_flops(plan: Any, tokens: int) -> tuple[float, int, float]:
@@ -907,6 +912,8 @@ def estimate_step(plan: Any, device: Device, tokens: int | None = None) -> StepE
         for n in op.output_names():
             producer.setdefault(n, i)
     comm = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+    param_grads = frozenset(n for op in prog.ops if op.phase == "optimizer" for n in op.input_names()
+                            if prog.tensors[n].kind == "gradient")
     for r in plan.reshards:
         if r.shared:
             continue
@@ -914,7 +921,7 @@ def estimate_step(plan: Any, device: Device, tokens: int | None = None) -> StepE
         for s in r.plan.steps:
             if s.bytes_per_rank == 0:
                 continue
-            if _is_grad_sync(plan, r, s):
+            if _is_grad_sync(plan, r, s, param_grads):
                 t = prog.tensors[r.tensor]
                 size = _numel(_local(t.shape, s.src)) * t.itemsize
                 at = producer.get(r.tensor, r.op_index)
@@ -1002,8 +1009,27 @@ def estimate_step(plan: Any, device: Device, tokens: int | None = None) -> StepE
     mf, n_params, att = model_flops(plan, tokens or 0)
     dtypes = [t.dtype for t in prog.tensors.values() if t.kind == "parameter"]
     main_dtype = max(set(dtypes), key=dtypes.count) if dtypes else "float32"
+    accum = getattr(plan, "grad_accum", 1)
+    if accum > 1:
+        # gradient accumulation: accum - 1 more forward and backward passes before the one above,
+        # whose backward overlaps the step's only gradient reductions
+        extra = (accum - 1) * (compute["forward"] + compute["backward"] + comm["forward"] + comm["backward"]
+                           + kern_total)
+        serial += extra
+        clock += extra
+        for ph in ("forward", "backward"):
+            compute[ph] *= accum
+            comm[ph] *= accum
+        kern_total *= accum
+        opt_flops = [op_cost(plan, i) for i, op in enumerate(prog.ops) if op.phase == "optimizer"]
+        of, om, ob = (sum(c.flops for c in opt_flops), sum(c.model_flops for c in opt_flops),
+                      sum(c.bytes for c in opt_flops))
+        flops, mflops, nbytes = (accum * (flops - of) + of, accum * (mflops - om) + om, accum * (nbytes - ob) + ob)
+        matmul_s *= accum
+        tokens = tokens * accum if tokens else tokens
+        mf = mf * accum
     est = StepEstimate(device, n_ranks, compute, comm, kern_total, grad_sync, buckets, serial, clock, flops, mflops,
-                       nbytes, tokens, mf if tokens else 0.0, n_params, att, uncovered, matmul_s, memory_bound, kern)
+                       nbytes, tokens, mf if tokens else 0.0, n_params, att * accum, uncovered, matmul_s, memory_bound, kern)
     est.peak = device.matmul_peak(main_dtype)
     return est
 

@@ -9,8 +9,10 @@ them here:
 - ``dp``: the batch axis (axis 0) of every data input (``input_ids``, ``attention_mask``,
   ``labels``, ``pixel_values``...: the call's arguments, not the recorded constants or
   buffers) over ``dp``; every parameter gradient is then all-reduced over ``dp``.
-- ``zero``: each parameter's optimizer states sharded over ``dp`` on their first axis that is
-  not already sharded and that ``dp`` divides (as the zoo's ``zero``).
+- ``zero1`` / ``zero2`` (``zero``) / ``zero3`` (``fsdp``): each parameter's optimizer states
+  sharded over ``dp`` on their first axis that is not already sharded and that ``dp`` divides,
+  then its gradient, then the parameter itself (stored sharded, gathered per phase), as the
+  zoo's (:func:`spmdkit.graph.strategy.optimizer_layouts`).
 - ``megatron`` (``tp``): a parameter's module path (its name without ``.weight`` / ``.bias``,
   or a tied parameter's other names) is matched against the patterns below, first match
   wins, the user's before the defaults: ``column`` shards a linear layer's output features
@@ -81,7 +83,7 @@ from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.graph.program import Op, Program, Tensor
-from spmdkit.graph.strategy import user_attrs
+from spmdkit.graph.strategy import optimizer_layouts, user_attrs
 
 ROLES = ("column", "row", "vocab", "replicate")
 
@@ -377,19 +379,7 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
             sharded[part] = "column"
         if "sp" in st:
             _sequence_parallel(prog, mesh, sharded, dm, dp, tp)
-    for p, (_g, states, new, new_states) in optimizer_of(prog).items():
-        base = list(out.get(p, [-1] * len(prog.tensors[p].shape)))
-        if p in out:
-            out[new] = list(base)
-        for s in (*states, *new_states):
-            out[s] = list(base)
-        if "zero" in st and dp is not None and states:
-            shape = prog.tensors[p].shape
-            zaxis = next((a for a, e in enumerate(base) if e == -1 and shape[a] % mesh.shape[dp] == 0), None)
-            if zaxis is not None:
-                for s in (*states, *new_states):
-                    out[s][zaxis] = dp
-                out[new] = list(base)
+    optimizer_layouts(prog, mesh, optimizer_of(prog), out, st, dp, user)
     attrs = {n: TensorDistAttr(mesh, d) for n, d in out.items()}
     attrs.update(user_attrs(prog, mesh, user))
     return attrs

@@ -7,6 +7,12 @@ optimizer's updated parameter overwrites its parameter (``inplace_of``) and adds
 Every other tensor (activations, activation gradients, and the copies reshards make) lives
 from the op that makes it to the last op that reads it; the activation peak is the largest
 sum of live bytes over the program order (one linear pass over the ops).
+
+ZeRO-3 / FSDP (a plan's ``storage``): a parameter counts at its stored shard; the copy each
+phase gathers lives over its layer's ops of that phase (from the layer's first op to its last),
+so one layer's gathered parameters are live at a time, once in the forward and once in the
+backward. With gradient accumulation (``plan.grad_accum`` > 1) a gradient that ZeRO holds
+reduce-scattered is held unreduced until the step's one reduction.
 """
 
 from __future__ import annotations
@@ -116,6 +122,12 @@ def memory_per_device(plan: object) -> Memory:
     params = sum(nbytes(t.name) for t in prog.tensors.values() if t.kind == "parameter" and not t.inplace_of)
     states = sum(nbytes(t.name) for t in prog.tensors.values() if t.kind == "optimizer_state" and not t.inplace_of)
     grads = sum(nbytes(n) for n in param_grads)
+    if getattr(plan, "grad_accum", 1) > 1:
+        # gradient accumulation: a gradient reduced once per step is held, and accumulated,
+        # as its backward op makes it (unreduced, whole on a partial mesh dim) until then
+        for r in plan.reshards:
+            if r.output and r.tensor in param_grads:
+                grads += max(0, nbytes(r.tensor, r.src) - nbytes(r.tensor))
     n_ops = len(prog.ops)
     first: dict[str, int] = {}
     last: dict[str, int] = {}
@@ -135,12 +147,26 @@ def memory_per_device(plan: object) -> Memory:
         delta[i] += b
         delta[last[n] + 1] -= b
     # copies made by reshards live from the first op that reads them to the last
-    spans: dict[tuple[str, TensorDistAttr], list[int]] = {}
+    spans: dict[tuple[str, TensorDistAttr, str], list[int]] = {}
+    stored = getattr(plan, "storage", None) or {}
+    blocks: dict[tuple[str, str], list[int]] = {}  # (layer, phase) -> its first and last op
+    if stored:
+        for i, op in enumerate(prog.ops):
+            blk = blocks.setdefault((op.layer, op.phase), [i, i])
+            blk[1] = i
     for r in plan.reshards:
-        s = spans.setdefault((r.tensor, r.dst), [r.op_index, r.op_index])
+        op = prog.ops[r.op_index]
+        if r.tensor in stored:
+            # ZeRO-3 / FSDP: gathered for its layer's ops of one phase, freed after them (one
+            # layer's gathered parameters live at a time), gathered again in the next phase
+            lo, hi = blocks[(op.layer, op.phase)]
+            s = spans.setdefault((r.tensor, r.dst, op.phase), [lo, hi])
+            s[0], s[1] = min(s[0], lo), max(s[1], hi)
+            continue
+        s = spans.setdefault((r.tensor, r.dst, ""), [r.op_index, r.op_index])
         s[0] = min(s[0], r.op_index)
         s[1] = max(s[1], r.op_index)
-    for (n, dst), (a, b_) in spans.items():
+    for (n, dst, _phase), (a, b_) in spans.items():
         size = nbytes(n, dst)
         delta[a] += size
         delta[b_ + 1] -= size

@@ -28,7 +28,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                         'tried before the defaults, e.g. \'{"*.k_proj": "replicate"}\'')
     p.add_argument("--mesh", default="dp=2,tp=4", help="named mesh dims, e.g. dp=2,tp=4 (default)")
     p.add_argument("--strategy", default=None,
-                   help="comma list of dp, megatron (tp), sp, zero; default megatron (= dp,megatron) for a preset "
+                   help="comma list of dp, megatron (tp), sp, zero1, zero2 (zero), zero3 (fsdp); default megatron (= dp,megatron) for a preset "
                         "or --hf, none for --program")
     p.add_argument("--layers", help=f"override the preset's layer count (1 to {MAX_LAYERS})")
     p.add_argument("--batch", help=f"override the preset's batch size (1 to {MAX_SIZE})")
@@ -40,6 +40,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                                     "or a JSON file (docs/devices.md); also sets the links of --cost")
     p.add_argument("--nodes-of", dest="nodes_of", metavar="N",
                    help="ranks per node (the device's, 8, by default): inner mesh dims within N ranks use NVLink")
+    p.add_argument("--grad-accum", dest="grad_accum", metavar="K",
+                   help="gradient accumulation: K forward/backward micro-steps per optimizer step, the gradients "
+                        "accumulated and reduced once (default 1)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--verify", action="store_true",
                    help="also run the same plan at tiny sizes through the simulator (needs numpy)")
@@ -114,7 +117,7 @@ def plan_model(model_name: str, mesh_text: str, strategy_text: str,
                progress: Any = None) -> tuple[Any, Any, float]:
     """(model, plan, seconds) for a preset on a mesh under a strategy."""
     from spmdkit.graph.propagate import propagate
-    from spmdkit.graph.strategy import annotate, parse_mesh, parse_strategy
+    from spmdkit.graph.strategy import annotate, parse_mesh, parse_strategy, zero3_storage
     from spmdkit.graph.zoo import build_model, preset
 
     cfg = preset(model_name)
@@ -127,7 +130,8 @@ def plan_model(model_name: str, mesh_text: str, strategy_text: str,
     t0 = time.perf_counter()
     model = build_model(cfg, vocab_parallel_loss="megatron" in st, check_rules=False)
     ann = annotate(model, mesh, st, user)
-    plan = propagate(model.program, mesh, ann, _cost(cost_text, mesh), progress=progress)
+    plan = propagate(model.program, mesh, ann, _cost(cost_text, mesh), progress=progress,
+                     storage=zero3_storage(model.optimizer, ann, st))
     return model, plan, time.perf_counter() - t0
 
 
@@ -136,9 +140,9 @@ def plan_program(prog: Any, mesh_text: str, strategy_text: str | None, user: dic
     """(program, plan) for an imported program (or a program JSON from one) under a strategy
     (:mod:`spmdkit.graph.hf_strategy`): with megatron the program is a copy whose loss is
     vocab-parallel, and the plan is over that copy."""
-    from spmdkit.graph.hf_strategy import annotate_program, megatron_program, regroup_partial_sums
+    from spmdkit.graph.hf_strategy import annotate_program, megatron_program, optimizer_of, regroup_partial_sums
     from spmdkit.graph.propagate import propagate
-    from spmdkit.graph.strategy import parse_mesh, parse_strategy, user_attrs
+    from spmdkit.graph.strategy import parse_mesh, parse_strategy, user_attrs, zero3_storage
 
     mesh = parse_mesh(mesh_text)
     st = parse_strategy(strategy_text or "none", mesh)
@@ -148,10 +152,11 @@ def plan_program(prog: Any, mesh_text: str, strategy_text: str | None, user: dic
     if "megatron" in st:
         prog = megatron_program(prog, patterns)
     ann = annotate_program(prog, mesh, st, user, patterns)
-    plan = propagate(prog, mesh, ann, cost)
+    storage = zero3_storage(optimizer_of(prog), ann, st)
+    plan = propagate(prog, mesh, ann, cost, storage=storage)
     regrouped = regroup_partial_sums(prog, plan)  # partial gradients summed before one reduction
     if regrouped is not prog:
-        prog, plan = regrouped, propagate(regrouped, mesh, ann, cost)
+        prog, plan = regrouped, propagate(regrouped, mesh, ann, cost, storage=storage)
     return prog, plan
 
 
@@ -338,6 +343,7 @@ def _run_plan(ns: argparse.Namespace, out: TextIO) -> int:
                  f"{f' ({c.n_kv} kv)' if c.n_kv != c.heads else ''}, FFN {c.ffn}, vocab {c.vocab}, "
                  f"seq {c.seq}, batch {c.batch}, {c.dtype}; strategy {ns.strategy}")
         model_name = ns.model
+    plan.grad_accum = _size_arg("--grad-accum", getattr(ns, "grad_accum", None), 1 << 20) or 1
     plan, est = _step_estimate(ns, plan, config)
     mem = memory_per_device(plan)
     verdict = None

@@ -21,6 +21,21 @@ all its consumers. A partial tensor read by several ops, one of which needs it r
 (a residual stream read by a norm's ``square`` and its ``multiply``), is reduced once right
 after its producer and every reader gets the reduced one (a sweep that finds one more such
 tensor counts as not converged); one with a single reader is reduced where that reader needs it.
+
+An output that overwrites one of its op's inputs in place (``inplace_of``: an optimizer's
+updated parameter and moments) is held in that input's dist attr: the next step reads it
+there. The op may still run in another layout; the engine takes the cheaper of two (by the
+cost model's time, then bytes): the rule's forward answer on the inputs as they come, or the
+layout the reverse rule derives from the in-place outputs' dist attrs (the update on the
+parameter's layout, or on the ZeRO shards of its states), run forward from there. Whatever
+the rule makes differently is resharded after the op (a replicated parameter's update on tp
+shards would leave its moments and the parameter to all-gather; on the parameter's layout
+only the gradient is gathered, once).
+
+``storage`` (ZeRO-3 / FSDP): tensors stored in another dist attr than the one their readers
+get (a parameter sharded over ``dp``): every forward and every backward phase gathers it again
+before its readers (one reshard per phase, shared by that phase's readers only: the gathered
+copy is freed after use), and the optimizer-phase ops read the stored shard.
 """
 
 from __future__ import annotations
@@ -90,9 +105,29 @@ class Plan:
     annotations: dict[str, TensorDistAttr]
     rounds: int
     cost: CostModel
+    #: tensors stored otherwise than their readers get them (ZeRO-3): name -> stored dist attr
+    storage: dict[str, TensorDistAttr] = field(default_factory=dict)
+    #: gradient accumulation: forward and backward run this many times per step, the parameter
+    #: gradients are accumulated and reduced once (``--grad-accum``)
+    grad_accum: int = 1
 
     def attr(self, name: str) -> TensorDistAttr:
         return self.attrs[name]
+
+    def param_grads(self) -> frozenset[str]:
+        """The gradients the optimizer-phase ops read (the parameter gradients)."""
+        prog = self.program
+        return frozenset(n for op in prog.ops if op.phase == "optimizer" for n in op.input_names()
+                         if prog.tensors[n].kind == "gradient")
+
+    def repeats(self, r: Reshard, param_grads: frozenset[str] | None = None) -> int:
+        """How many times per step reshard ``r`` runs: ``grad_accum`` times in the forward and
+        the backward, except a parameter gradient's (reduced once, after accumulation); once in
+        the optimizer."""
+        if self.grad_accum == 1 or self.program.ops[r.op_index].phase == "optimizer":
+            return 1
+        pg = self.param_grads() if param_grads is None else param_grads
+        return 1 if r.tensor in pg else self.grad_accum
 
     def collectives(self, phase: str | None = None) -> list[tuple[Reshard, Any]]:
         """(reshard, step) for every communicating step (shared reshards and free local steps
@@ -155,22 +190,22 @@ class _OpCall:
 
 
 def _parse_annotations(prog: Program, mesh: ProcessMesh,
-                       annotations: Mapping[str, Any] | None) -> dict[str, TensorDistAttr]:
+                       annotations: Mapping[str, Any] | None, what: str = "annotation") -> dict[str, TensorDistAttr]:
     out: dict[str, TensorDistAttr] = {}
     for name, a in (annotations or {}).items():
         if name not in prog.tensors:
-            raise ProgramError(f"annotation for {name!r}: the program has no such tensor")
+            raise ProgramError(f"{what} for {name!r}: the program has no such tensor")
         t = prog.tensors[name]
         if not isinstance(a, TensorDistAttr):
             try:
                 a = TensorDistAttr(mesh, a)
             except SpmdError as exc:
-                raise ProgramError(f"annotation for {name!r}: {exc}") from None
+                raise ProgramError(f"{what} for {name!r}: {exc}") from None
         if a.mesh != mesh:
-            raise ProgramError(f"annotation for {name!r}: its mesh {list(a.mesh.shape)} is not the plan's "
+            raise ProgramError(f"{what} for {name!r}: its mesh {list(a.mesh.shape)} is not the plan's "
                                f"{list(mesh.shape)}")
         if a.ndim != len(t.shape):
-            raise ProgramError(f"annotation for {name!r}: dims_mapping has {a.ndim} entries, the tensor has shape "
+            raise ProgramError(f"{what} for {name!r}: dims_mapping has {a.ndim} entries, the tensor has shape "
                                f"{list(t.shape)}")
         out[name] = a
     return out
@@ -182,20 +217,59 @@ def propagate(
     annotations: Mapping[str, Any] | None = None,
     cost: CostModel | None = None,
     progress: Callable[[int, int], None] | None = None,
+    storage: Mapping[str, Any] | None = None,
 ) -> Plan:
     """Every tensor's dist attr and the reshards of ``program`` on ``mesh``; ``annotations``:
-    tensor name -> TensorDistAttr (or a dims_mapping list) that never changes."""
+    tensor name -> TensorDistAttr (or a dims_mapping list) that never changes; ``storage``:
+    tensor -> the dist attr it is stored in, gathered to its (annotated) dist attr before the
+    forward and the backward readers (ZeRO-3)."""
     fixed = _parse_annotations(program, mesh, annotations)
+    store = _parse_annotations(program, mesh, storage, "storage")
+    for stored in store:
+        if program.tensors[stored].kind not in ("parameter", "input", "optimizer_state"):
+            raise ProgramError(f"storage for {stored!r}: only a program input (a parameter) can be stored sharded")
     cost = cost or CostModel.default(mesh)
     attrs: dict[str, TensorDistAttr | None] = {n: None for n in program.tensors}
     attrs.update(fixed)
     specs = _Specs(program, mesh)
     calls = [_OpCall(op) for op in program.ops]
+    # outputs that overwrite one of their op's inputs in place: held in that input's dist attr
+    tied: dict[int, dict[str, str]] = {}
+    for i, op in enumerate(program.ops):
+        reads = set(op.input_names())
+        for out_name in op.output_names():
+            over = program.tensors[out_name].inplace_of
+            if over is not None and over in reads and out_name not in fixed:
+                tied.setdefault(i, {})[out_name] = over
+    planned: dict[tuple[TensorDistAttr, TensorDistAttr, tuple[int, ...], int], ReshardPlan] = {}
+
+    def plan_of(name: str, src: TensorDistAttr, dst: TensorDistAttr) -> ReshardPlan:
+        t = program.tensors[name]
+        key = (src, dst, t.shape, t.itemsize)
+        p = planned.get(key)
+        if p is None:
+            p = plan_reshard(src, dst, t.shape, t.itemsize, cost)
+            planned[key] = p
+        return p
+
+    def held_attr(n: str) -> TensorDistAttr:
+        a = store[n] if n in store else attrs[n]
+        return a if a is not None else TensorDistAttr.replicated(mesh, len(program.tensors[n].shape))
 
     def get(n: str) -> DistTensorSpec:
         return specs.get(n, attrs[n])
 
+    def get_stored(n: str) -> DistTensorSpec:  # the optimizer reads a stored tensor as stored
+        return specs.get(n, store[n] if n in store else attrs[n])
+
     def run(i: int, c: _OpCall, backward: bool) -> SpmdResult:
+        if store and c.op.phase == "optimizer":
+            try:
+                return get_rule(c.op.rule).infer(
+                    "backward" if backward else "forward",
+                    *layout_args(c.bwd_layout if backward else c.fwd_layout, get_stored))  # type: ignore[arg-type]
+            except SpmdError as exc:
+                raise ProgramError(f"op {i} ({c.op.name or c.op.rule}): {type(exc).__name__}: {exc}") from None
         try:
             if backward:
                 assert c.bwd is not None and c.bwd_layout is not None
@@ -203,6 +277,66 @@ def propagate(
             return get_rule(c.op.rule).infer_forward(*layout_args(c.fwd_layout, get))
         except SpmdError as exc:
             raise ProgramError(f"op {i} ({c.op.name or c.op.rule}): {type(exc).__name__}: {exc}") from None
+
+    def price(c: _OpCall, res: SpmdResult, targets: Mapping[str, TensorDistAttr]) -> tuple[float, int]:
+        """(time, bytes) of the reshards ``res`` needs: its inputs from how they are held, its
+        in-place outputs to their targets."""
+        t, b = 0.0, 0
+        for p, req in zip(c.tparams, res.inputs):
+            v = c.op.inputs.get(p)
+            if v is None:
+                continue
+            for n, r_attr in zip(_flat(v), _flat_attrs(req)):
+                if n is not None and r_attr is not None and held_attr(n) != r_attr:
+                    rp = plan_of(n, held_attr(n), r_attr)
+                    t, b = t + rp.time_s, b + rp.bytes_per_rank
+        for v, a in zip(c.op.outputs, res.outputs):
+            for n, x in zip(_flat(v), _flat_attrs(a)):
+                if n is not None and x is not None and n in targets and targets[n] != x:
+                    rp = plan_of(n, x, targets[n])
+                    t, b = t + rp.time_s, b + rp.bytes_per_rank
+        return t, b
+
+    chosen: dict[tuple[Any, ...], SpmdResult] = {}  # repeated layers: one choice per kind of op
+
+    def in_place(i: int, c: _OpCall, res: SpmdResult) -> SpmdResult:
+        """The cheaper of the forward answer and the layout the in-place outputs ask for."""
+        targets = {n: held_attr(s) for n, s in tied[i].items()}
+        if c.bwd is None or c.bwd_layout is None:
+            return res
+        op = c.op
+        key = (op.rule, repr(sorted(op.attrs.items())),
+               tuple((program.tensors[n].shape, program.tensors[n].itemsize, attrs[n], held_attr(n))
+                     for n in op.input_names()),
+               tuple((targets.get(n), attrs[n]) for n in op.output_names()), res)
+        got = chosen.get(key)
+        if got is None:
+            got = chosen[key] = _choose(c, res, targets)
+        return got
+
+    def _choose(c: _OpCall, res: SpmdResult, targets: dict[str, TensorDistAttr]) -> SpmdResult:
+        assert c.bwd is not None and c.bwd_layout is not None
+
+        def get_out(n: str) -> DistTensorSpec:
+            return specs.get(n, targets[n] if n in targets else attrs[n])
+
+        try:
+            back = get_rule(c.op.rule).infer_backward(*layout_args(c.bwd_layout, get_out))
+            req: dict[str, TensorDistAttr] = {}
+            for p, a in zip([p.name for p in c.bwd.params if p.is_tensor], back.inputs):
+                v = c.op.inputs.get(p)
+                if v is not None:
+                    for n, x in zip(_flat(v), _flat_attrs(a)):
+                        if n is not None and x is not None:
+                            req[n] = x
+
+            def get_in(n: str) -> DistTensorSpec:
+                return specs.get(n, req[n] if n in req else store[n] if n in store else attrs[n])
+
+            alt = get_rule(c.op.rule).infer_forward(*layout_args(c.fwd_layout, get_in))
+        except SpmdError:
+            return res  # the reverse rule has no answer here: the forward one stands
+        return alt if price(c, alt, targets) <= price(c, res, targets) else res
 
     rounds = 0
     results: list[SpmdResult | None] = []
@@ -222,6 +356,8 @@ def propagate(
                 results.append(None)
                 continue
             res = run(i, c, False)
+            if i in tied:
+                res = in_place(i, c, res)
             results.append(res)
             for p, req in zip(c.tparams, res.inputs):
                 v = c.op.inputs.get(p)
@@ -238,10 +374,12 @@ def propagate(
                         reduced[n] = r_attr
                         attrs[n] = r_attr
                         grew = True
+            ties = tied.get(i, {})
             for v, a in zip(c.op.outputs, res.outputs):
                 for n, x in zip(_flat(v), _flat_attrs(a)):
                     if n is not None and x is not None and n not in fixed:
-                        attrs[n] = reduced[n] if n in reduced and x.partial else x
+                        attrs[n] = held_attr(ties[n]) if n in ties else \
+                            reduced[n] if n in reduced and x.partial else x
             if progress is not None and i % 256 == 0:
                 progress(i, total)
         if rounds >= MAX_ROUNDS:
@@ -273,24 +411,20 @@ def propagate(
         if attrs[n] is None:
             attrs[n] = TensorDistAttr.replicated(mesh, len(t.shape))
     final: dict[str, TensorDistAttr] = {n: a for n, a in attrs.items() if a is not None}
+    final.update(store)
     made: dict[str, TensorDistAttr] = dict(final)  # what each tensor's producer gives
     op_plans: list[OpPlan] = []
     held: dict[str, TensorDistAttr] = dict(fixed)
     reshards: list[Reshard] = []
-    seen: dict[tuple[str, TensorDistAttr], Reshard] = {}
-    planned: dict[tuple[TensorDistAttr, TensorDistAttr, tuple[int, ...], int], ReshardPlan] = {}
+    seen: dict[tuple[str, TensorDistAttr, str], Reshard] = {}
 
     def reshard(name: str, src: TensorDistAttr, dst: TensorDistAttr, i: int, output: bool) -> Reshard:
-        t = program.tensors[name]
-        key = (src, dst, t.shape, t.itemsize)
-        p = planned.get(key)
-        if p is None:
-            p = plan_reshard(src, dst, t.shape, t.itemsize, cost)
-            planned[key] = p
-        prev = seen.get((name, dst))
+        p = plan_of(name, src, dst)
+        key = (name, dst, program.ops[i].phase if name in store else "")  # stored: gathered again per phase
+        prev = seen.get(key)
         r = Reshard(name, src, dst, i, output, p, shared=prev is not None and not output)
         if prev is None:
-            seen[(name, dst)] = r
+            seen[key] = r
         reshards.append(r)
         return r
 
@@ -313,12 +447,19 @@ def propagate(
                     continue
                 if made[n] != r_attr:
                     op_plan.reshards.append(reshard(n, made[n], r_attr, i, False))
+        ties = tied.get(i, {})
         for v, a in zip(c.op.outputs, res.outputs):
             op_plan.outputs.append(a)
             for n, x in zip(_flat(v), _flat_attrs(a)):
                 if n is None or x is None:
                     continue
-                if n in fixed and fixed[n] != x:
+                if n in ties:  # an in-place output: held as the tensor it overwrites
+                    target = made[ties[n]]
+                    if target != x:
+                        op_plan.reshards.append(reshard(n, x, target, i, True))
+                        held[n] = target
+                    made[n] = final[n] = target
+                elif n in fixed and fixed[n] != x:
                     op_plan.reshards.append(reshard(n, x, fixed[n], i, True))
                     made[n] = fixed[n]
                 elif n in reduced and x.partial and reduced[n] != x:
@@ -328,7 +469,7 @@ def propagate(
                     made[n] = x
                     final[n] = x
         op_plans.append(op_plan)
-    return Plan(program, mesh, final, op_plans, reshards, held, rounds, cost)
+    return Plan(program, mesh, final, op_plans, reshards, held, rounds, cost, dict(store))
 
 
 __all__ = ["MAX_ROUNDS", "OpPlan", "Plan", "Reshard", "propagate"]

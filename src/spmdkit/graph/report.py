@@ -60,11 +60,17 @@ def _reshard_key(plan: Plan, r: Reshard) -> tuple[Any, ...]:
 
 def step_kinds(plan: Plan, phase: str | None = None, kernel: list[KernelCollective] | None = None) -> Counter[str]:
     """Collective kind -> count over the step (local steps left out), the collectives inside
-    ops (``kernel``, :func:`spmdkit.graph.compute.kernel_collectives`) included when given."""
-    c = Counter(s.kind for _, s in plan.collectives(phase))
+    ops (``kernel``, :func:`spmdkit.graph.compute.kernel_collectives`) included when given.
+    With gradient accumulation the forward and backward ones count ``plan.grad_accum`` times,
+    a parameter gradient's reduction once."""
+    pg = plan.param_grads()
+    c: Counter[str] = Counter()
+    for r, s in plan.collectives(phase):
+        c[s.kind] += plan.repeats(r, pg)
     for k in kernel or ():
-        if phase is None or plan.program.ops[k.op_index].phase == phase:
-            c[k.kind] += 1
+        ph = plan.program.ops[k.op_index].phase
+        if phase is None or ph == phase:
+            c[k.kind] += 1 if ph == "optimizer" else plan.grad_accum
     return c
 
 
@@ -73,8 +79,11 @@ def _phase_comm(plan: Plan, kernel: list[KernelCollective], phase: str | None) -
     prog = plan.program
     rs = [r for r in plan.reshards if phase is None or prog.ops[r.op_index].phase == phase]
     ks = [k for k in kernel if phase is None or prog.ops[k.op_index].phase == phase]
-    return (sum(r.bytes_per_rank for r in rs) + sum(k.bytes_per_rank for k in ks),
-            sum(r.time_s for r in rs) + sum(k.time_s for k in ks))
+    pg = plan.param_grads()
+    rep = [plan.repeats(r, pg) for r in rs]
+    krep = [1 if prog.ops[k.op_index].phase == "optimizer" else plan.grad_accum for k in ks]
+    return (sum(r.bytes_per_rank * n for r, n in zip(rs, rep)) + sum(k.bytes_per_rank * n for k, n in zip(ks, krep)),
+            sum(r.time_s * n for r, n in zip(rs, rep)) + sum(k.time_s * n for k, n in zip(ks, krep)))
 
 
 def _layer_of(plan: Plan, r: Reshard) -> str:
@@ -160,7 +169,8 @@ def write_report(plan: Plan, out: TextIO, title: str = "", memory: Memory | None
         b, t = _phase_comm(plan, kernel, phase)
         rows.append([phase or "step", ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())) or "-",
                      fmt_bytes(b), fmt_time(t)])
-    _table("Communication per training step (alpha-beta estimate, spmdkit.reshard)",
+    accum = f"; {plan.grad_accum} micro-steps accumulated, gradients reduced once" if plan.grad_accum > 1 else ""
+    _table(f"Communication per training step (alpha-beta estimate, spmdkit.reshard{accum})",
            ["phase", "collectives", "bytes/rank", "time"], rows, out)
     out.write("\n")
     if estimate is not None:
@@ -211,7 +221,8 @@ def plan_json(plan: Plan, memory: Memory | None = None, extra: dict[str, Any] | 
     if estimate is not None:
         extra = {**(extra or {}), "step": estimate.to_json()}
     return {"program": prog.name, "mesh": {"shape": list(plan.mesh.shape), "dim_names": list(plan.mesh.dim_names)},
-            "rounds": plan.rounds, "ops": len(prog.ops), **(extra or {}), "tensors": tensors, "reshards": reshards,
+            "rounds": plan.rounds, "ops": len(prog.ops), "grad_accum": plan.grad_accum,
+            "stored_sharded": sorted(plan.storage), **(extra or {}), "tensors": tensors, "reshards": reshards,
             "totals": totals,
             "kernel_collectives": [k.to_json() for k in kernel], "memory": mem.to_json(), "uneven_shards": [u.to_json() for u in uneven_shards(plan)]}
 

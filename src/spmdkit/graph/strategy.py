@@ -12,9 +12,12 @@
 - ``sp``: Megatron sequence parallel (with ``megatron``): the residual stream is sharded on
   its sequence axis over ``tp``, the normalised activations that feed the column-parallel
   projections are gathered: the all-reduces become all-gather / reduce-scatter pairs.
-- ``zero``: ZeRO-2 style sharding over ``dp``: optimizer states sharded on their first axis
-  not already sharded (that ``dp`` divides), so the gradients are reduce-scattered, the
-  update runs on the shards and the updated parameter is all-gathered.
+- ``zero1`` / ``zero2`` (``zero``) / ``zero3`` (``fsdp``): ZeRO over ``dp``
+  (:func:`optimizer_layouts`): optimizer states (moments, fp32 master weights) sharded on
+  their first axis not already sharded that ``dp`` divides; zero1 all-reduces each gradient,
+  zero2 reduce-scatters it, zero3 also stores the parameter sharded and gathers it before its
+  forward and backward readers (:func:`zero3_storage`). The update runs on the shards; the
+  updated parameter is held as the parameter (all-gathered under zero1/2).
 
 ``megatron`` alone means ``dp,megatron`` when the mesh has a ``dp`` dim; every strategy
 needs its mesh dims (``dp`` / ``tp``) to exist. User annotations (tensor -> dims_mapping)
@@ -32,8 +35,8 @@ from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.core.mesh import MAX_MESH_RANKS, ProcessMesh
 from spmdkit.graph.zoo import Model
 
-STRATEGIES = ("dp", "megatron", "sp", "zero")
-_ALIASES = {"tp": "megatron", "ddp": "dp", "zero2": "zero", "fsdp": "zero"}
+STRATEGIES = ("dp", "megatron", "sp", "zero1", "zero2", "zero3")
+_ALIASES = {"tp": "megatron", "ddp": "dp", "zero": "zero2", "fsdp": "zero3"}
 
 
 #: The most ranks a ``--mesh`` may have: the core's limit (2**20, about a million devices),
@@ -84,12 +87,16 @@ def parse_strategy(text: str | Iterable[str], mesh: ProcessMesh) -> tuple[str, .
         if s == "none":
             continue
         if s not in STRATEGIES:
-            raise ProgramError(f"--strategy: unknown strategy {_cut(s, 40)} (one of {', '.join(STRATEGIES)}; tp = megatron)")
+            raise ProgramError(f"--strategy: unknown strategy {_cut(s, 40)} (one of {', '.join(STRATEGIES)}; "
+                               f"tp = megatron, zero = zero2, fsdp = zero3)")
         if s not in out:
             out.append(s)
     if "megatron" in out and "dp" not in out and "dp" in mesh.dim_names:
         out.insert(0, "dp")
-    if "zero" in out and "dp" not in out:
+    zeros = [s for s in out if s.startswith("zero")]
+    if len(zeros) > 1:
+        raise ProgramError(f"--strategy: {' and '.join(zeros)}: give one ZeRO stage")
+    if zeros and "dp" not in out:
         out.insert(0, "dp")
     for s in out:
         need = "tp" if s in ("megatron", "sp") else "dp"
@@ -123,19 +130,7 @@ def annotate(model: Model, mesh: ProcessMesh, strategy: Iterable[str],
                 dm(p)[1] = tp
             elif role in ("row", "embedding"):
                 dm(p)[0] = tp
-    for p, (_g, states, new, new_states) in model.optimizer.items():
-        base = list(out.get(p, [-1] * len(prog.tensors[p].shape)))
-        if p in out:
-            out[new] = list(base)
-        for s in (*states, *new_states):
-            out[s] = list(base)
-        if "zero" in st and dp is not None and states:
-            shape = prog.tensors[p].shape
-            axis = next((a for a, e in enumerate(base) if e == -1 and shape[a] % mesh.shape[dp] == 0), None)
-            if axis is not None:
-                for s in (*states, *new_states):
-                    out[s][axis] = dp
-                out[new] = list(base)
+    optimizer_layouts(prog, mesh, model.optimizer, out, st, dp, user)
     if "sp" in st and tp is not None:
         for n in model.residual:
             d = dm(n)
@@ -151,6 +146,61 @@ def annotate(model: Model, mesh: ProcessMesh, strategy: Iterable[str],
     attrs = {n: TensorDistAttr(mesh, d) for n, d in out.items()}
     attrs.update(user_attrs(prog, mesh, user))
     return attrs
+
+
+def zero_stage(strategy: Iterable[str]) -> int:
+    """The ZeRO stage a strategy asks for (0: none)."""
+    st = set(strategy)
+    return max((int(s[4]) for s in st if s in ("zero1", "zero2", "zero3")), default=0)
+
+
+def optimizer_layouts(prog: Any, mesh: ProcessMesh, optimizer: Mapping[str, tuple[str, tuple[str, ...], str, tuple[str, ...]]],
+                      out: dict[str, list[Any]], strategy: Iterable[str], dp: int | None,
+                      user: Mapping[str, Any] | None) -> dict[str, TensorDistAttr]:
+    """Lay out each parameter's optimizer states in ``out`` (tensor -> dims_mapping, edited in
+    place): as the parameter (its layout from ``out``, or the user's pin of it, which wins), and
+    under ZeRO (``zero1`` / ``zero2`` / ``zero3``) sharded over ``dp`` on their first axis not
+    already sharded that ``dp`` divides. zero1 holds the gradient all-reduced (whole on every
+    rank), zero2 and zero3 hold it reduce-scattered like the states. The updated parameter and
+    states are not annotated: propagation holds an in-place output as the tensor it overwrites.
+    Returns the stored layout of each ZeRO-3 parameter (``propagate(storage=...)``)."""
+    stage = zero_stage(strategy)
+    pins = user_attrs(prog, mesh, user) if user else {}
+    storage: dict[str, TensorDistAttr] = {}
+    for p, (g, states, _new, new_states) in optimizer.items():
+        pin = pins.get(p)
+        base = list(pin.dims_mapping) if pin is not None else list(out.get(p, [-1] * len(prog.tensors[p].shape)))
+        for s in (*states, *new_states):
+            out[s] = list(base)
+        if not stage or dp is None or not states:
+            continue
+        shape = prog.tensors[p].shape
+        axis = next((a for a, e in enumerate(base) if e == -1 and shape[a] % mesh.shape[dp] == 0), None)
+        if axis is None:
+            continue
+        shard = list(base)
+        shard[axis] = dp
+        for s in (*states, *new_states):
+            out[s] = list(shard)
+        out[g] = list(base) if stage == 1 else list(shard)
+        if stage >= 3:
+            storage[p] = TensorDistAttr(mesh, shard)
+    return storage
+
+
+def zero3_storage(optimizer: Mapping[str, tuple[str, tuple[str, ...], str, tuple[str, ...]]],
+                  attrs: Mapping[str, TensorDistAttr], strategy: Iterable[str]) -> dict[str, TensorDistAttr]:
+    """ZeRO-3 / FSDP: each parameter stored as its optimizer states are laid out (sharded over
+    ``dp``), gathered before its forward and backward readers (``propagate(storage=...)``);
+    empty below stage 3."""
+    if zero_stage(strategy) < 3:
+        return {}
+    out: dict[str, TensorDistAttr] = {}
+    for p, (_g, states, _new, _ns) in optimizer.items():
+        a = attrs.get(states[0]) if states else None
+        if a is not None and a != attrs.get(p) and not a.partial:
+            out[p] = a
+    return out
 
 
 def user_attrs(prog: Any, mesh: ProcessMesh, user: Mapping[str, Any] | None) -> dict[str, TensorDistAttr]:
@@ -173,4 +223,4 @@ def user_attrs(prog: Any, mesh: ProcessMesh, user: Mapping[str, Any] | None) -> 
     return attrs
 
 
-__all__ = ["MAX_RANKS", "STRATEGIES", "annotate", "parse_mesh", "parse_strategy", "user_attrs"]
+__all__ = ["MAX_RANKS", "STRATEGIES", "annotate", "optimizer_layouts", "parse_mesh", "parse_strategy", "user_attrs", "zero3_storage", "zero_stage"]

@@ -526,15 +526,27 @@ def _optimizer(b: ProgramBuilder, m: Model, grads: Mapping[str, str], kind: str)
         m2 = b.tensor(p + ".moment2", t.shape, "float32", "optimizer_state")
         b1 = b.tensor(p + ".beta1_pow", [1], "float32", "optimizer_state")
         b2 = b.tensor(p + ".beta2_pow", [1], "float32", "optimizer_state")
+        # mixed precision: a parameter below fp32 has an fp32 master copy the update runs on
+        # (Paddle's multi_precision), held with the moments (the K = 12 bytes per parameter of
+        # ZeRO's mixed-precision Adam: master, moment1, moment2)
+        master = None if t.dtype in ("float32", "float64") else \
+            b.tensor(p + ".master", t.shape, "float32", "optimizer_state")
         outs = [b.tensor(p + ".new", t.shape, t.dtype, "parameter", inplace_of=p),
                 b.tensor(m1 + ".new", t.shape, "float32", "optimizer_state", inplace_of=m1),
                 b.tensor(m2 + ".new", t.shape, "float32", "optimizer_state", inplace_of=m2), None,
                 b.tensor(b1 + ".new", [1], "float32", "optimizer_state", inplace_of=b1),
-                b.tensor(b2 + ".new", [1], "float32", "optimizer_state", inplace_of=b2), None]
-        b.op(kind, {"param": p, "grad": g, "learning_rate": lr, "moment1": m1, "moment2": m2,
-                    "beta1_pow": b1, "beta2_pow": b2}, outs, name=f"update {p}",
-             **({"with_decay": True, "coeff": 0.01} if kind == "adamw" else {}))
-        m.optimizer[p] = (g, (m1, m2), p + ".new", (m1 + ".new", m2 + ".new"))
+                b.tensor(b2 + ".new", [1], "float32", "optimizer_state", inplace_of=b2),
+                None if master is None else
+                b.tensor(master + ".new", t.shape, "float32", "optimizer_state", inplace_of=master)]
+        ins = {"param": p, "grad": g, "learning_rate": lr, "moment1": m1, "moment2": m2,
+               "beta1_pow": b1, "beta2_pow": b2}
+        extra: dict[str, Any] = {"with_decay": True, "coeff": 0.01} if kind == "adamw" else {}
+        if master is not None:
+            ins["master_param"] = master
+            extra["multi_precision"] = True
+        b.op(kind, ins, outs, name=f"update {p}", **extra)
+        states = (m1, m2) if master is None else (m1, m2, master)
+        m.optimizer[p] = (g, states, p + ".new", tuple(s + ".new" for s in states))
 
 
 __all__ = ["GRADS", "Model", "ModelConfig", "PRESETS", "Tape", "build_model", "preset"]
