@@ -314,7 +314,7 @@ def stage_costs(plan: Any, stages: list[int], counts: tuple[int, ...], device: A
 
     def nbytes(name: str) -> int:
         t = prog.tensors[name]
-        return local_numel(attrs[name], t.shape) * t.itemsize
+        return int(local_numel(attrs[name], t.shape) * t.itemsize)
 
     # -- memory: parameters, their gradients, optimizer states; stash and working peak
     param_grads: dict[str, int] = {}
@@ -357,7 +357,7 @@ def stage_costs(plan: Any, stages: list[int], counts: tuple[int, ...], device: A
                 continue
             a, b = stages[j], stages[i]
             if op.phase == "forward" and prog.ops[j].phase == "forward" and b > a:
-                lo, hi = crossing.get(nm, (a, a))
+                _lo, hi = crossing.get(nm, (a, a))
                 crossing[nm] = (a, max(hi, b))
             if op.phase == "backward" and prog.ops[j].phase == "forward" and nm not in stashed:
                 stashed.add(nm)
@@ -398,8 +398,8 @@ def stage_costs(plan: Any, stages: list[int], counts: tuple[int, ...], device: A
     from spmdkit.graph.compute import _is_grad_sync, kernel_collectives, op_cost
 
     extra: dict[int, float] = {}
-    for k in kernel_collectives(plan):
-        extra[k.op_index] = extra.get(k.op_index, 0.0) + k.time_s
+    for kc in kernel_collectives(plan):
+        extra[kc.op_index] = extra.get(kc.op_index, 0.0) + kc.time_s
     for r in plan.reshards:
         if r.shared:
             continue
@@ -647,7 +647,7 @@ def run_pipeline_plan(ns: argparse.Namespace, out: TextIO) -> int:
             extra["verify"] = verdict
         out.write(json.dumps(plan_json(plan, est.memory[worst], extra)) + "\n")
     else:
-        write_report(plan, out, title + f" (the plan of one microbatch on the stages' sub-mesh)",
+        write_report(plan, out, title + " (the plan of one microbatch on the stages' sub-mesh)",
                      est.memory[worst], secs)
         write_pipeline(est, out)
         if verdict is not None:
@@ -692,7 +692,8 @@ def _verify_pipeline(ns: argparse.Namespace, spec: PipelineSpec, strategy: str) 
 
 
 def write_pipeline(est: PipelineEstimate, out: TextIO) -> None:
-    from spmdkit.graph.report import _table, fmt_bytes, fmt_time
+    from spmdkit.graph.report import fmt_bytes, fmt_time
+    from spmdkit.report import _table
 
     s = est.spec
     p, v, m = s.pp, s.virtual, s.microbatches
