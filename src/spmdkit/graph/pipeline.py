@@ -34,8 +34,8 @@ activations of the microbatches it keeps in flight: one microbatch at its workin
 reads (the forward tensors a backward op uses). ``n``: GPipe ``m``; 1F1B ``min(p - r, m)``
 on device ``r``; interleaved, Megatron-LM's warm-up count plus one, ``(p - r - 1) * 2 +
 (v - 1) * p + 1`` model chunks (at most ``m v``) of ``1/v`` of the stage each: on the first
-device ``p + (p - 1)/v`` stage-microbatches, Narayanan et al. (2021) section 2.2 and
-Korthikanti et al. (2022) section 4.2.3.
+device ``p + (p - 1)/v`` stage-microbatches (Narayanan et al. 2021; Korthikanti et al.
+2022).
 """
 
 from __future__ import annotations
@@ -488,8 +488,11 @@ class PipelineEstimate:
 
 def estimate_pipeline(plan: Any, spec: PipelineSpec, counts: tuple[int, ...], device: Any = None,
                       pp_link: tuple[float, float] = (20e-6, 1 / 25e9), tokens: int | None = None,
-                      ranks: int | None = None) -> PipelineEstimate:
-    """The pipeline of ``plan`` (ONE microbatch's step on the sub-mesh without pp)."""
+                      ranks: int | None = None, recompute_forward: bool = False) -> PipelineEstimate:
+    """The pipeline of ``plan`` (ONE microbatch's step on the sub-mesh without pp).
+    ``recompute_forward``: time only, each stage's forward run again before its backward (full
+    activation recomputation, as Narayanan et al. 2021 train; benchmarks/megatron_table.py);
+    the memory stays that of a step without recomputation."""
     p, v, m = spec.pp, spec.virtual, spec.microbatches
     stages = op_stages(plan.program, counts)
     costs = stage_costs(plan, stages, counts, device)
@@ -514,7 +517,8 @@ def estimate_pipeline(plan: Any, spec: PipelineSpec, counts: tuple[int, ...], de
     est = PipelineEstimate(spec, counts, costs, pp_link, send_f, send_b, flight, mems)
     if device is None:
         return est
-    run = run_schedule(spec.schedule, p, v, m, [c.forward_s for c in costs], [c.backward_s for c in costs],
+    bwd = [c.backward_s + (c.forward_s if recompute_forward else 0.0) for c in costs]
+    run = run_schedule(spec.schedule, p, v, m, [c.forward_s for c in costs], bwd,
                        send_f, send_b)
     est.run = run
     serial, overlap = [], []
