@@ -150,6 +150,11 @@ def test_verify_with_pp(capsys: pytest.CaptureFixture[str]) -> None:
     (["--model", "llama-7b", "--mesh", "pp=4,tp=2", "--schedule", "interleaved", "--microbatches", "6"],
      "not a multiple of pp=4"),
     (["--model", "llama-7b", "--mesh", "pp=4,tp=2", "--schedule", "zigzag"], "--schedule 'zigzag': unknown"),
+    (["--model", "llama-7b", "--mesh", "pp=4,tp=2", "--microbatches", "65536", "--virtual-stages", "4"],
+     "forward units to simulate"),
+    (["--model", "llama-7b", "--mesh", "dp=2,pp=4,tp=2", "--annotate", "tokens=[1,-1]"],
+     "mesh dim 1 is pp; a tensor cannot be sharded over the pipeline dim"),
+    (["--program", "x.json", "--mesh", "pp=2,tp=2"], "pipeline planning applies to preset models"),
 ])
 def test_errors_are_one_line(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, err = _run(["plan", *argv], capsys)
@@ -163,3 +168,22 @@ def test_spec_and_split() -> None:
     assert split_layers(10, PipelineSpec(2, 8, "1f1b", 1, (6, 4))) == (6, 4)
     with pytest.raises(ProgramError, match="--virtual-stages 2: model chunks apply to --schedule interleaved"):
         parse_spec(4, "8", "gpipe", "2")
+
+
+def test_annotations_name_the_full_mesh(capsys: pytest.CaptureFixture[str]) -> None:
+    # dims after pp move down by one: tokens sharded over dp (full-mesh dim 2) is dp on the sub-mesh
+    rc, out, err = _run(["plan", "--model", "tiny-llama", "--layers", "2", "--mesh", "pp=2,tp=2,dp=2",
+                         "--strategy", "megatron", "--annotate", "tokens=[-1,2]", "--json"], capsys)
+    assert rc == 0, err
+    res = json.loads(out)
+    assert res["mesh"]["dim_names"] == ["tp", "dp"]
+    assert res["tensors"]["tokens"]["dims_mapping"] == [-1, 1]
+
+
+def test_microbatches_without_pp_is_gradient_accumulation(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = _run(["plan", "--model", "tiny-gpt2", "--mesh", "dp=2,tp=2", "--microbatches", "2",
+                         "--device", "a100-80gb", "--json"], capsys)
+    assert rc == 0, err
+    pp = json.loads(out)["pipeline"]
+    assert pp["pp"] == 1 and pp["bubble_fraction"] == pytest.approx(0.0, abs=1e-12)
+    assert pp["tokens"] == 2 * 4 * 8 and pp["stages"][0]["send_bytes"] == 0

@@ -55,6 +55,8 @@ _SCHEDULE_ALIASES = {"interleaved-1f1b": "interleaved", "interleaved1f1b": "inte
                      "GPipe": "gpipe"}
 _LAYER = re.compile(r"layer (\d+)$")
 MAX_MICROBATCHES = 1 << 16
+#: The most (virtual stage, microbatch) pairs a schedule simulates (about a second of Python).
+MAX_UNITS = 1 << 19
 
 
 def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
@@ -109,6 +111,9 @@ def parse_spec(pp: int, microbatches: Any = None, schedule: Any = None, virtual:
         if m % pp:
             raise ProgramError(f"--schedule interleaved: --microbatches {m} is not a multiple of pp={pp} "
                                f"(Megatron-LM's interleaved schedule needs it)")
+    if pp * (v or 1) * m > MAX_UNITS:
+        raise ProgramError(f"--microbatches {m}: {m} microbatches x {pp * (v or 1)} stages is more than "
+                           f"{MAX_UNITS:,} forward units to simulate")
     counts = None
     if stages is not None:
         parts = [s.strip() for s in str(stages).split(",") if s.strip()]
@@ -615,8 +620,8 @@ def run_pipeline_plan(ns: argparse.Namespace, out: TextIO) -> int:
     if getattr(ns, "hf", None) is not None or ns.program:
         raise ProgramError("--mesh pp / --microbatches: pipeline planning applies to preset models (--model), "
                            "not --hf or --program")
-    user = _annotations(ns.annotate)
     full = parse_mesh(ns.mesh)
+    user = _sub_mesh_annotations(_annotations(ns.annotate), full)
     strategy = ns.strategy or "megatron"
     _cost(ns.cost, full)  # a bad --cost is named before planning
     spec_args = {"microbatches": ns.microbatches, "schedule": ns.schedule, "virtual": ns.virtual_stages,
@@ -657,6 +662,22 @@ def run_pipeline_plan(ns: argparse.Namespace, out: TextIO) -> int:
         if verdict is not None:
             out.write("\n" + verdict["text"] + "\n")
     return 0 if verdict is None or verdict["ok"] else 1
+
+
+def _sub_mesh_annotations(user: dict[str, Any], mesh: Any) -> dict[str, Any]:
+    """``--annotate`` dims_mappings name the dims of the full mesh; the plan is on the mesh
+    without pp: the dims after pp move down by one, and pp itself cannot shard a tensor."""
+    if "pp" not in mesh.dim_names:
+        return user
+    k = mesh.dim_index("pp")
+
+    def one(name: str, e: int) -> int:
+        if e == k:
+            raise ProgramError(f"--annotate {name[:60]}: mesh dim {k} is pp; a tensor cannot be sharded over "
+                               f"the pipeline dim (each stage holds its layers whole)")
+        return e - 1 if e > k else e
+
+    return {n: [[one(n, x) for x in e] if isinstance(e, list) else one(n, e) for e in dm] for n, dm in user.items()}
 
 
 def _verify_pipeline(ns: argparse.Namespace, spec: PipelineSpec, strategy: str) -> dict[str, Any]:
