@@ -139,6 +139,7 @@ def test_verify_with_pp(capsys: pytest.CaptureFixture[str]) -> None:
                          "--microbatches", "4", "--verify"], capsys)
     assert rc == 0, err
     assert "in order: yes" in out and "all equal" in out
+    assert "2 microbatches of 4" in out and "the microbatch losses sum to the whole batch's loss: yes" in out
 
 
 @pytest.mark.parametrize("argv,needle", [

@@ -682,10 +682,12 @@ def _sub_mesh_annotations(user: dict[str, Any], mesh: Any) -> dict[str, Any]:
 
 def _verify_pipeline(ns: argparse.Namespace, spec: PipelineSpec, strategy: str) -> dict[str, Any]:
     """The tiny model of the same arch with ``pp * v`` layers (at least 2), split one layer
-    per stage and planned on the sub-mesh: its ops checked to run stage after stage (forward
-    0..n-1, backward n-1..0) and the step simulated, every tensor against the unsharded step."""
+    per stage and planned on the sub-mesh: its ops are checked to run stage after stage
+    (forward 0..n-1, backward n-1..0); a step of 2 microbatches is simulated, each microbatch
+    on its own half of the batch (every tensor against its unsharded step), and the sum of the
+    microbatch losses is compared with the unsharded loss of the whole batch."""
     try:
-        from spmdkit.graph.simulate import simulate_plan
+        from spmdkit.graph.simulate import simulate_plan, source_values
     except ImportError as exc:  # numpy missing
         raise ProgramError(f"--verify needs numpy (pip install 'spmdkit[sim]'): {exc}") from None
     from spmdkit.graph.plan_cli import plan_model
@@ -698,22 +700,41 @@ def _verify_pipeline(ns: argparse.Namespace, spec: PipelineSpec, strategy: str) 
     layers = max(2, n)
     counts = split_layers(layers, PipelineSpec(spec.pp, 1, spec.schedule, spec.virtual,
                                                tuple(_uneven(layers, n)) if layers % n else None))
-    _, plan, _ = plan_model(tiny, sub, strategy, {"layers": layers})
+    model, plan, _ = plan_model(tiny, sub, strategy, {"layers": layers})
     stages = op_stages(plan.program, counts)
     phases = [op.phase for op in plan.program.ops]
     fw = [s for s, ph in zip(stages, phases) if ph == "forward"]
     bw = [s for s, ph in zip(stages, phases) if ph == "backward"]
     ordered = fw == sorted(fw) and bw == sorted(bw, reverse=True) and set(fw) == set(range(n))
-    rep = simulate_plan(plan)
-    ok = rep.ok and ordered
+    b = model.config.batch
+    n_mb = 2
+    _, whole, _ = plan_model(tiny, "dp=1", "none", {"layers": layers, "batch": b * n_mb})
+    vals = source_values(whole.program, 0)
+    ref = simulate_plan(whole, values=vals)  # one rank: the unsharded step of the whole batch
+    batched = {model.inputs[k] for k in ("tokens", "labels", "positions") if k in model.inputs}
+    reps = []
+    for i in range(n_mb):
+        mine = {k: (v[i * b:(i + 1) * b] if k in batched else v) for k, v in vals.items()}
+        reps.append(simulate_plan(plan, values=mine))
+    failures = [f for r in reps for f in r.failures]
+    losses = [r.loss for r in reps]
+    total = sum(x for x in losses if x is not None)
+    summed = (ref.loss is not None and None not in losses
+              and abs(total - ref.loss) <= 1e-9 * max(1.0, abs(ref.loss)))
+    ok = not failures and ordered and summed
+    checked = sum(r.checked for r in reps)
     lines = [f"verify: {tiny} with {layers} layers in {n} pipeline stages (forward runs stages 0..{n - 1}, backward "
-             f"{n - 1}..0, in order: {'yes' if ordered else 'NO'}), each stage on the sub-mesh {sub}, simulated on "
-             f"{plan.mesh.size} ranks: {rep.checked} tensors compared with the unsharded step (loss, every "
-             f"gradient, every update): " + ("all equal" if rep.ok else f"{len(rep.failures)} differ")]
-    for name, what in rep.failures[:10]:
+             f"{n - 1}..0, in order: {'yes' if ordered else 'NO'}), each stage on the sub-mesh {sub}, {n_mb} "
+             f"microbatches of {b} simulated on {plan.mesh.size} ranks: {checked} tensors compared with the "
+             f"unsharded step (loss, every gradient, every update): "
+             + ("all equal" if not failures else f"{len(failures)} differ")
+             + f"; the microbatch losses sum to the whole batch's loss: {'yes' if summed else 'NO'} "
+             f"({total:.12g} vs {ref.loss if ref.loss is not None else float('nan'):.12g})"]
+    for name, what in failures[:10]:
         lines.append(f"  {name}: {what}")
-    return {"ok": ok, "model": tiny, "layers": layers, "stages_in_order": ordered, "checked": rep.checked,
-            "failures": [list(f) for f in rep.failures], "loss": rep.loss, "text": "\n".join(lines)}
+    return {"ok": ok, "model": tiny, "layers": layers, "stages_in_order": ordered, "microbatches": n_mb,
+            "losses_sum": summed, "checked": checked, "failures": [list(f) for f in failures], "loss": total,
+            "text": "\n".join(lines)}
 
 
 def write_pipeline(est: PipelineEstimate, out: TextIO) -> None:
