@@ -317,9 +317,14 @@ def stage_costs(plan: Any, stages: list[int], counts: tuple[int, ...], device: A
     n = len(counts)
     out = [StageCost(c) for c in counts]
 
+    sizes: dict[str, int] = {}
+
     def nbytes(name: str) -> int:
-        t = prog.tensors[name]
-        return int(local_numel(attrs[name], t.shape) * t.itemsize)
+        b = sizes.get(name)
+        if b is None:
+            t = prog.tensors[name]
+            b = sizes[name] = int(local_numel(attrs[name], t.shape) * t.itemsize)
+        return b
 
     # -- memory: parameters, their gradients, optimizer states; stash and working peak
     param_grads: dict[str, int] = {}
@@ -450,6 +455,7 @@ class PipelineEstimate:
     ranks: int = 0
     peak: float = 0.0
     device_name: str = ""
+    device_memory: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -542,6 +548,7 @@ def estimate_pipeline(plan: Any, spec: PipelineSpec, counts: tuple[int, ...], de
     dtypes = [t.dtype for t in plan.program.tensors.values() if t.kind == "parameter"]
     est.peak = device.matmul_peak(max(set(dtypes), key=dtypes.count) if dtypes else "float32")
     est.device_name = device.name
+    est.device_memory = device.memory_bytes
     return est
 
 
@@ -767,6 +774,12 @@ def write_pipeline(est: PipelineEstimate, out: TextIO) -> None:
         out.write(f"bubble (formula): {100 * f:.1f}% of the work; give --device for the step time\n")
         return
     run = est.run
+    worst = max(range(p), key=lambda r: est.memory[r].total)
+    tot = est.memory[worst].total
+    cap = est.device_memory
+    if cap:
+        out.write(f"fullest pipeline rank {worst}: {fmt_bytes(tot)} {'fits in' if tot <= cap else 'does NOT fit in'} "
+                  f"the {fmt_bytes(cap)} of a {est.device_name} ({100 * tot / cap:.0f}%)\n")
     out.write(f"pipeline: {fmt_time(run.pipeline_s)} for {m} microbatches; busiest device works "
               f"{fmt_time(max(run.busy_s))}; bubble {fmt_time(run.bubble_s)} = {100 * run.bubble_fraction:.1f}% "
               f"(formula {100 * f:.1f}%)\n")
