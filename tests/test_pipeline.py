@@ -188,3 +188,29 @@ def test_microbatches_without_pp_is_gradient_accumulation(capsys: pytest.Capture
     pp = json.loads(out)["pipeline"]
     assert pp["pp"] == 1 and pp["bubble_fraction"] == pytest.approx(0.0, abs=1e-12)
     assert pp["tokens"] == 2 * 4 * 8 and pp["stages"][0]["send_bytes"] == 0
+
+
+def test_stages_partition_the_state_of_the_step() -> None:
+    from spmdkit.graph.memory import memory_per_device
+
+    _, plan, _, counts, _ = _tiny("pp=4,dp=2,tp=2", 2, layers=8)
+    whole = memory_per_device(plan)
+    est = estimate_pipeline(plan, PipelineSpec(4, 2, "1f1b", 1), counts)
+    for key in ("parameters", "gradients", "optimizer_states"):
+        parts = [getattr(m, key) for m in est.memory]
+        assert sum(parts) == getattr(whole, key) and min(parts) > 0, key
+    # every op in exactly one stage, stages in program order in the forward
+    assert sum(st.ops for st in est.stages) == len(plan.program.ops)
+
+
+def test_interleaved_memory_counts_chunks() -> None:
+    _, plan, _, counts, _ = _tiny("pp=2,dp=1,tp=2", 4, layers=4, schedule="interleaved", v=2)
+    assert counts == (1, 1, 1, 1)
+    est = estimate_pipeline(plan, PipelineSpec(2, 4, "interleaved", 2), counts)
+    # rank 0 holds virtual stages 0 and 2: (2-0-1)*2 + (2-1)*2 + 1 = 5 chunks of half a stage
+    assert est.in_flight[0] == pytest.approx(2.5)
+    mine = [est.stages[0], est.stages[2]]
+    stash = sum(c.stash_bytes for c in mine)
+    work = max(c.working_peak for c in mine)
+    assert est.memory[0].activation_peak == work + round((2.5 - 0.5) * stash)
+    assert est.memory[0].parameters == mine[0].parameters + mine[1].parameters
