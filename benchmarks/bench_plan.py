@@ -9,6 +9,11 @@ each run, so every run computes its answers), the time per op, and the time rela
 smallest model scaled by its op count (1.00 = exactly linear); ``--device h100`` adds the time
 of the step prediction (spmdkit.graph.compute: re-timing the reshards by the device's links
 and costing every op), median of --repeat runs.
+
+With a ``pp`` dim (``--mesh pp=4,dp=8,tp=8 --strategy megatron,sp --microbatches 16``) the
+program is one microbatch (the preset's batch) planned on the sub-mesh without pp, and the
+plan time includes the pipeline analysis (graph/pipeline.py: stages, sends, per-stage
+memory); with ``--device`` the prediction includes the schedule's simulation.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from spmdkit.graph.compute import cost_model, estimate_step, preset_device, recost
 from spmdkit.graph.memory import memory_per_device
+from spmdkit.graph.pipeline import estimate_pipeline, parse_spec, split_layers, sub_mesh_text
 from spmdkit.graph.propagate import propagate
 from spmdkit.graph.strategy import annotate, parse_mesh, parse_strategy
 from spmdkit.graph.zoo import build_model, preset
@@ -37,8 +43,14 @@ def main() -> int:
     ap.add_argument("--layers", default="8,16,32,64,80")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--device", help="also time the step prediction on this device preset (e.g. h100)")
+    ap.add_argument("--microbatches", default="1", help="with a pp mesh dim: microbatches per step")
+    ap.add_argument("--schedule", default=None, help="with a pp mesh dim: gpipe, 1f1b (default), interleaved")
     a = ap.parse_args()
-    mesh = parse_mesh(a.mesh)
+    full = parse_mesh(a.mesh)
+    pp, sub = sub_mesh_text(full)
+    piped = "pp" in full.dim_names
+    spec = parse_spec(pp, a.microbatches, a.schedule) if piped else None
+    mesh = parse_mesh(sub) if piped else full
     st = parse_strategy(a.strategy, mesh)
     rows = []
     for n in [int(x) for x in a.layers.split(",")]:
@@ -51,13 +63,21 @@ def main() -> int:
             t1 = time.perf_counter()
             plan = propagate(model.program, mesh, annotate(model, mesh, st))
             memory_per_device(plan)
+            if spec is not None:
+                estimate_pipeline(plan, spec, split_layers(n, spec))
             t2 = time.perf_counter()
             builds.append(t1 - t0)
             plans.append(t2 - t1)
             if a.device:
                 dev = preset_device(a.device)
                 t3 = time.perf_counter()
-                estimate_step(recost(plan, cost_model(mesh, dev)), dev, cfg.batch * cfg.seq)
+                if spec is None:
+                    estimate_step(recost(plan, cost_model(mesh, dev)), dev, cfg.batch * cfg.seq)
+                else:
+                    link = cost_model(full, dev).links[full.dim_index("pp")]
+                    estimate_pipeline(recost(plan, cost_model(mesh, dev)), spec, split_layers(n, spec), dev,
+                                      (link.alpha_s, link.beta_s_per_byte),
+                                      cfg.batch * cfg.seq * spec.microbatches, full.size)
                 ests.append(time.perf_counter() - t3)
         rows.append((n, len(model.program.ops), statistics.median(builds), statistics.median(plans),
                      statistics.median(ests) if ests else None))

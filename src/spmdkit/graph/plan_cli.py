@@ -46,6 +46,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--verify", action="store_true",
                    help="also run the same plan at tiny sizes through the simulator (needs numpy)")
+    from spmdkit.graph.pipeline import add_pipeline_arguments
+
+    add_pipeline_arguments(p)  # a pp mesh dim: --microbatches, --schedule, --virtual-stages, --stages
 
 
 #: The most layers ``--layers`` takes: planning is linear in the ops (~30 per layer with its
@@ -275,6 +278,10 @@ def run_plan(ns: argparse.Namespace, out: TextIO) -> int:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", UserWarning)
             try:
+                from spmdkit.graph.pipeline import run_pipeline_plan, wants_pipeline
+
+                if wants_pipeline(ns):  # a pp mesh dim: graph/pipeline.py
+                    return run_pipeline_plan(ns, out)
                 return _run_plan(ns, out)
             finally:
                 for w in caught:  # the strategy's notes (a kv projection replicated): one line each
