@@ -206,5 +206,78 @@ def saved_activations(plan: object, recompute: str = "none") -> ActivationMemory
     return ActivationMemory(recompute, per_layer, tensors, regions, regathered)
 
 
+def spans_with_recompute(plan: object, saved: ActivationMemory) -> dict[str, list[tuple[int, int, int]]]:
+    """Tensor -> [(first op, last op, bytes)] live intervals for the tensors whose life
+    recomputation or a backward re-gather splits (:func:`spmdkit.graph.memory.memory_per_device`);
+    other tensors live from their producer to their last reader."""
+    from spmdkit.graph.propagate import Plan
+
+    assert isinstance(plan, Plan)
+    prog = plan.program
+    out: dict[str, list[tuple[int, int, int]]] = {}
+    if not saved.recomputed and not saved.regathered:
+        return out
+    made_at: dict[str, int] = {}
+    fwd_last: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for i, op in enumerate(prog.ops):
+        for n in op.output_names():
+            made_at.setdefault(n, i)
+        for n in op.input_names():
+            last[n] = i
+            if op.phase == "forward":
+                fwd_last[n] = i
+    reads = _value_reads(prog)
+    kept = {n for lst in saved.tensors.values() for n, _ in lst}
+
+    def size(n: str, attr: object = None) -> int:
+        t = prog.tensors[n]
+        return local_numel(attr or plan.attrs[n], t.shape) * t.itemsize  # type: ignore[arg-type]
+
+    for region in saved.recomputed:
+        made = [n for i in region for n in prog.ops[i].output_names()]
+        dropped = [n for n in made if n in reads and n not in kept]
+        if not dropped:
+            continue
+        again = min(reads[n][0] for n in dropped)  # the region runs again right before this op
+        for n in dropped:
+            a = made_at[n]
+            e = max(fwd_last.get(n, a), a)
+            b = size(n)
+            out[n] = [(a, e, b), (again, last.get(n, again), b)] if again > e else [(a, last.get(n, a), b)]
+    shards = {r.tensor: r.src for r in plan.reshards if r.output}
+    for n, _ in saved.regathered:
+        a = made_at[n]
+        e = max(fwd_last.get(n, a), a)
+        back = reads[n][0]
+        full = size(n)
+        if back <= e + 1:
+            continue
+        out[n] = [(a, e, full), (e + 1, back - 1, size(n, shards[n])), (back, last.get(n, back), full)]
+    return out
+
+
+def rerun_points(plan: object, saved: ActivationMemory) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+    """Where the backward runs forward work again: (backward op index -> the recomputed forward
+    ops run right before it, backward op index -> the indices of the output reshards whose
+    all-gather runs again right before it). A region runs again before the first backward op
+    that reads one of its outputs; a re-gathered tensor before its first backward reader."""
+    from spmdkit.graph.propagate import Plan
+
+    assert isinstance(plan, Plan)
+    prog = plan.program
+    reads = _value_reads(prog)
+    rerun: dict[int, list[int]] = {}
+    for region in saved.recomputed:
+        firsts = [reads[n][0] for i in region for n in prog.ops[i].output_names() if n in reads]
+        if firsts:
+            rerun.setdefault(min(firsts), []).extend(region)
+    regather: dict[int, list[int]] = {}
+    out_reshards = {r.tensor: k for k, r in enumerate(plan.reshards) if r.output}
+    for n, _ in saved.regathered:
+        regather.setdefault(reads[n][0], []).append(out_reshards[n])
+    return rerun, regather
+
+
 __all__ = ["RECOMPUTE", "SHAPE_ONLY", "ActivationMemory", "check_recompute", "recompute_regions",
-           "saved_activations"]
+           "rerun_points", "saved_activations", "spans_with_recompute"]
