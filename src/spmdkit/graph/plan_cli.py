@@ -40,6 +40,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                                     "or a JSON file (docs/devices.md); also sets the links of --cost")
     p.add_argument("--nodes-of", dest="nodes_of", metavar="N",
                    help="ranks per node (the device's, 8, by default): inner mesh dims within N ranks use NVLink")
+    p.add_argument("--recompute", default="none", metavar="none|selective|full",
+                   help="activation recomputation: selective (the attention core, Korthikanti et al. 2022) or "
+                        "full (every layer, only its input kept); in the memory and the --device step")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--verify", action="store_true",
                    help="also run the same plan at tiny sizes through the simulator (needs numpy)")
@@ -287,6 +290,9 @@ def _run_plan(ns: argparse.Namespace, out: TextIO) -> int:
     from spmdkit.graph.memory import memory_per_device
     from spmdkit.graph.report import plan_json, write_report
 
+    from spmdkit.graph.activations import check_recompute
+
+    recompute = ns.recompute = check_recompute(getattr(ns, "recompute", None) or "none")
     user = _annotations(ns.annotate)
     layers = _size_arg("--layers", ns.layers, MAX_LAYERS)
     batch = _size_arg("--batch", ns.batch, MAX_SIZE)
@@ -339,7 +345,7 @@ def _run_plan(ns: argparse.Namespace, out: TextIO) -> int:
                  f"seq {c.seq}, batch {c.batch}, {c.dtype}; strategy {ns.strategy}")
         model_name = ns.model
     plan, est = _step_estimate(ns, plan, config)
-    mem = memory_per_device(plan)
+    mem = memory_per_device(plan, recompute)
     verdict = None
     if ns.verify:
         verdict = _verify(ns, model_name, user)
@@ -363,8 +369,9 @@ def _verify(ns: argparse.Namespace, model_name: str | None, user: dict[str, Any]
         raise ProgramError(f"--verify needs numpy (pip install 'spmdkit[sim]'): {exc}") from None
     from spmdkit.graph.zoo import preset
 
-    arch = preset(model_name).arch if model_name else "llama"
-    tiny = "tiny-llama" if arch == "llama" else "tiny-gpt2"
+    cfg = preset(model_name) if model_name else None
+    arch = cfg.arch if cfg else "llama"
+    tiny = "tiny-llama" if arch == "llama" else "tiny-gpt-dropout" if cfg and cfg.dropout else "tiny-gpt2"
     _, plan, _ = plan_model(tiny, ns.mesh, ns.strategy, None, None, ns.cost)
     rep = simulate_plan(plan)
     ok = rep.ok
@@ -400,7 +407,7 @@ def _step_estimate(ns: argparse.Namespace, plan: Any, config: Any) -> tuple[Any,
         return plan, None
     batch, seq = getattr(config, "batch", None), getattr(config, "seq", None)
     tokens = batch * seq if isinstance(batch, int) and isinstance(seq, int) else guess_tokens(plan.program)
-    return plan, estimate_step(plan, device, tokens)
+    return plan, estimate_step(plan, device, tokens, getattr(ns, "recompute", None) or "none")
 
 
 __all__ = ["MAX_LAYERS", "MAX_SIZE", "add_plan_arguments", "plan_hf", "plan_model", "plan_program", "run_plan"]
