@@ -984,8 +984,8 @@ def estimate_step(plan: Any, device: Device, tokens: int | None = None, recomput
             extra_at[at] = extra_at.get(at, 0.0) + times[j] + cm
     n_regather = 0
     for at, ks in regather.items():
-        for k in ks:
-            t_ = plan.reshards[k].plan.time_s
+        for ix in ks:
+            t_ = plan.reshards[ix].plan.time_s
             n_regather += 1
             comm["backward"] += t_
             extra_at[at] = extra_at.get(at, 0.0) + t_

@@ -287,10 +287,9 @@ def run_plan(ns: argparse.Namespace, out: TextIO) -> int:
 
 
 def _run_plan(ns: argparse.Namespace, out: TextIO) -> int:
+    from spmdkit.graph.activations import check_recompute
     from spmdkit.graph.memory import memory_per_device
     from spmdkit.graph.report import plan_json, write_report
-
-    from spmdkit.graph.activations import check_recompute
 
     recompute = ns.recompute = check_recompute(getattr(ns, "recompute", None) or "none")
     user = _annotations(ns.annotate)
