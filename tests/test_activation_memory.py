@@ -184,3 +184,15 @@ def test_cli_recompute_reports_memory_and_time(capsys: pytest.CaptureFixture[str
     rc = main(["plan", "--model", "tiny-gpt-dropout", "--mesh", "tp=2", "--recompute", "selective"])
     text = capsys.readouterr().out
     assert rc == 0 and "kept for the backward (recompute selective)" in text
+
+
+def test_full_recompute_needs_numbered_layers() -> None:
+    from dataclasses import replace
+
+    from spmdkit.graph.program import Program
+
+    prog = build_model(preset("tiny-gpt-dropout")).program
+    flat = Program(prog.tensors.values(), [replace(op, layer="transformer") for op in prog.ops], prog.name)
+    with pytest.raises(ProgramError, match=r"--recompute full: no forward op is labelled with a numbered layer"):
+        recompute_regions(flat, "full")
+    assert len(recompute_regions(flat, "selective")) == 2  # found by structure, not by labels

@@ -19,12 +19,14 @@ Recomputation (``recompute``):
 - ``selective``: the attention core of each layer (Korthikanti et al.: ``QK^T``, the
   scaling and mask, softmax, dropout on the probabilities and the product with V) is run
   again in the backward; its outputs are not kept, its inputs are. A core starts at a
-  forward ``matmul`` / ``bmm`` of two activations (``QK^T``) and takes every later forward
-  op that reads a tensor of the core, up to and including the next matmul of two activations
-  (the product with V). ``flash_attention`` keeps no score-sized tensor: nothing to do.
+  forward ``matmul`` / ``bmm`` of two batched activations (rank >= 3, neither a parameter:
+  ``QK^T``) and takes every later forward op that reads a tensor of the core, up to and
+  including the next such matmul (the product with V). ``flash_attention`` keeps no
+  score-sized tensor: nothing to do.
 - ``full``: every transformer layer (the ops of a layer group whose label has a number:
   ``layer 3``) is run again in the backward; only the tensors a layer reads from before it
-  (its input) are kept.
+  (its input) are kept. A program without numbered layer labels (a HuggingFace import,
+  labelled by its top module) is refused with a ProgramError.
 
 :data:`RECOMPUTE` names the modes. :func:`recompute_regions` gives the recomputed forward ops.
 """
@@ -86,6 +88,11 @@ def recompute_regions(prog: Program, mode: str) -> list[list[int]]:
             layer = prog.ops[i].layer
             if _layer_key(layer) is not None:
                 groups.setdefault(layer, []).append(i)
+        if not groups:
+            labels = sorted({prog.ops[i].layer for i in fwd})
+            raise ProgramError(f"--recompute full: no forward op is labelled with a numbered layer (the program's "
+                               f"layer labels: {', '.join(repr(x) for x in labels[:8]) or 'none'}); full "
+                               f"recomputation runs each numbered layer group again")
         return list(groups.values())
     regions: list[list[int]] = []
     region: list[int] | None = None
@@ -93,7 +100,8 @@ def recompute_regions(prog: Program, mode: str) -> list[list[int]]:
     for i in fwd:
         op = prog.ops[i]
         two_acts = op.rule in ("matmul", "bmm") and all(
-            isinstance(op.inputs.get(p), str) and _is_act(prog, op.inputs[p]) for p in ("x", "y"))
+            isinstance(op.inputs.get(p), str) and _is_act(prog, op.inputs[p]) and len(prog.tensors[op.inputs[p]].shape) >= 3
+            for p in ("x", "y"))
         if region is None:
             if two_acts:
                 region, made = [i], set(op.output_names())
