@@ -950,8 +950,10 @@ def estimate_step(plan: Any, device: Device, tokens: int | None = None, recomput
     flops = mflops = nbytes = matmul_s = 0.0
     memory_bound = 0
     times: list[float] = []
+    costs: list[OpCost] = []
     for i, op in enumerate(prog.ops):
         c = op_cost(plan, i)
+        costs.append(c)
         if not c.covered:
             uncovered[op.rule] = uncovered.get(op.rule, 0) + 1
         t = c.time_s(device)
@@ -974,7 +976,7 @@ def estimate_step(plan: Any, device: Device, tokens: int | None = None, recomput
     re_flops = re_mm_flops = 0.0
     for at, idx in rerun.items():
         for j in idx:
-            c = op_cost(plan, j)
+            c = costs[j]
             re_flops += c.flops
             if c.matmul:
                 re_mm_flops += c.model_flops
