@@ -175,7 +175,8 @@ def write_report(plan: Plan, out: TextIO, title: str = "", memory: Memory | None
     if saved is not None and saved.per_layer:
         per = [b for k, b in saved.per_layer.items() if re.search(r"\d", k)]
         rows.insert(4, [f"kept for the backward (recompute {saved.recompute})",
-                        fmt_bytes(saved.total) + (f"; {fmt_bytes(max(per))} per layer" if per else "")])
+                        fmt_bytes(saved.total) + (f"; {'' if min(per) == max(per) else 'up to '}"
+                                                        f"{fmt_bytes(max(per))} per layer" if per else "")])
     _table("Memory per device", ["", "bytes"], rows, out)
     if estimate is not None and estimate.device.memory_bytes:
         cap = estimate.device.memory_bytes
