@@ -196,3 +196,24 @@ def test_full_recompute_needs_numbered_layers() -> None:
     with pytest.raises(ProgramError, match=r"--recompute full: no forward op is labelled with a numbered layer"):
         recompute_regions(flat, "full")
     assert len(recompute_regions(flat, "selective")) == 2  # found by structure, not by labels
+
+
+def test_model_flops_attention_skips_weights_made_activations() -> None:
+    """An imported program's weights can be activations (transposed, split by megatron):
+    their matmuls are not attention; a batched q @ k^T is."""
+    from spmdkit.core.mesh import ProcessMesh
+    from spmdkit.graph.compute import model_flops
+    from spmdkit.graph.program import ProgramBuilder
+
+    b = ProgramBuilder("t")
+    x_in = b.tensor("x.in", [2, 8, 16], "float32", "input")
+    (x,) = b.op("scale", {"x": x_in}, [("x", [2, 8, 16], "float32")])  # an activation, as after a norm
+    w = b.tensor("w", [16, 16], "float32", "parameter")
+    (wt,) = b.op("transpose", {"x": w}, [("w.t", [16, 16], "float32")], perm=(1, 0))
+    (h,) = b.op("matmul", {"x": x, "y": wt}, [("h", [2, 8, 16], "float32")])
+    (k,) = b.op("matmul", {"x": x, "y": wt}, [("k", [2, 8, 16], "float32")])
+    b.op("matmul", {"x": h, "y": k}, [("scores", [2, 8, 8], "float32")], trans_y=True)
+    plan = propagate(b.build(), ProcessMesh([1]), {})
+    _, n_params, att = model_flops(plan, 16)
+    assert n_params == 256
+    assert att == 3 * 2.0 * (2 * 8 * 8) * 16  # only the scores matmul, forward and backward

@@ -851,7 +851,8 @@ def model_flops(plan: Any, tokens: int) -> tuple[float, int, float]:
     matmul reads (an embedding table read only by a lookup does no multiply), plus the
     attention's ``QK^T`` and ``PV`` over the full ``s x s`` square, three times (forward and
     backward): PaLM's ``12·L·H·Q·T`` per token. Global shapes; attention is flash_attention or
-    a forward matmul of two activations."""
+    a forward matmul of two batched activations (rank >= 3: an imported program's weights may be
+    activations, transposed or split, but are 2-D)."""
     prog = plan.program
     lookups = {"embedding", "c_embedding", "index_select", "gather", "gather_nd", "take_along_axis"}
     read_by: dict[str, set[str]] = {}
@@ -880,6 +881,8 @@ def model_flops(plan: Any, tokens: int) -> tuple[float, int, float]:
                 continue
             if prog.tensors[x].kind in ("parameter", "input") or prog.tensors[y].kind in ("parameter", "input"):
                 continue
+            if len(prog.tensors[x].shape) < 3 or len(prog.tensors[y].shape) < 3:
+                continue  # a weight made an activation (transposed, split by megatron_program): not attention
             xs = prog.tensors[x].shape
             out = op.output_names()
             if not out or not xs:
