@@ -782,6 +782,13 @@ class StepEstimate:
     kernel: list[KernelCollective] = field(default_factory=list)
     #: the tensor-core peak MFU divides by (the program's parameter dtype)
     peak: float = 0.0
+    #: activation recomputation (none, selective, full) and the FLOPs per device it re-runs
+    recompute: str = "none"
+    recompute_flops_per_device: float = 0.0
+    #: model FLOPs plus the matmul / attention FLOPs recomputed on every rank (HFU's numerator)
+    hardware_flops: float = 0.0
+    #: all-gathers run again in the backward (a tensor kept as its producer's shard)
+    regathers: int = 0
 
     @property
     def compute_total_s(self) -> float:
@@ -807,6 +814,14 @@ class StepEstimate:
             return None
         return self.model_flops / (self.step_overlap_s * self.ranks * self.peak)
 
+    @property
+    def hfu(self) -> float | None:
+        """Hardware FLOPs utilisation: :attr:`hardware_flops` (the recomputed forward matmuls
+        counted too, as Korthikanti et al. 2022 count them) over the same peak."""
+        if not self.tokens or self.step_overlap_s <= 0:
+            return None
+        return self.hardware_flops / (self.step_overlap_s * self.ranks * self.peak)
+
     def to_json(self) -> dict[str, Any]:
         return {"device": self.device.to_json(), "ranks": self.ranks,
                 "compute_s": dict(self.compute_s), "compute_total_s": self.compute_total_s,
@@ -818,6 +833,8 @@ class StepEstimate:
                 "bytes_per_device": self.bytes_per_device, "tokens": self.tokens,
                 "tokens_per_s": self.tokens_per_s, "model_flops": self.model_flops, "parameters": self.n_params,
                 "attention_flops": self.attention_flops, "peak_flops": self.peak, "mfu": self.mfu,
+                "recompute": self.recompute, "recompute_flops_per_device": self.recompute_flops_per_device,
+                "hardware_flops": self.hardware_flops, "hfu": self.hfu, "regathers": self.regathers,
                 "memory_bound_ops": self.memory_bound_ops,
                 "buckets": [b.to_json() for b in self.buckets], "uncovered_rules": dict(self.uncovered)}
 
@@ -839,7 +856,8 @@ def model_flops(plan: Any, tokens: int) -> tuple[float, int, float]:
     matmul reads (an embedding table read only by a lookup does no multiply), plus the
     attention's ``QK^T`` and ``PV`` over the full ``s x s`` square, three times (forward and
     backward): PaLM's ``12·L·H·Q·T`` per token. Global shapes; attention is flash_attention or
-    a forward matmul of two activations."""
+    a forward matmul of two batched activations (rank >= 3: an imported program's weights may be
+    activations, transposed or split, but are 2-D)."""
     prog = plan.program
     lookups = {"embedding", "c_embedding", "index_select", "gather", "gather_nd", "take_along_axis"}
     read_by: dict[str, set[str]] = {}
@@ -868,6 +886,8 @@ def model_flops(plan: Any, tokens: int) -> tuple[float, int, float]:
                 continue
             if prog.tensors[x].kind in ("parameter", "input") or prog.tensors[y].kind in ("parameter", "input"):
                 continue
+            if len(prog.tensors[x].shape) < 3 or len(prog.tensors[y].shape) < 3:
+                continue  # a weight made an activation (transposed, split by megatron_program): not attention
             xs = prog.tensors[x].shape
             out = op.output_names()
             if not out or not xs:
@@ -891,7 +911,7 @@ def guess_tokens(program: Program) -> int | None:
     return None
 
 
-def estimate_step(plan: Any, device: Device, tokens: int | None = None) -> StepEstimate:
+def estimate_step(plan: Any, device: Device, tokens: int | None = None, recompute: str = "none") -> StepEstimate:
     """The training step of ``plan`` on ``device`` (every rank one such device). Roofline time
     per op; communication from the plan's reshards (timed by the plan's cost model: see
     :func:`recost`) and :func:`kernel_collectives`. Gradient reductions (a parameter gradient
@@ -899,7 +919,13 @@ def estimate_step(plan: Any, device: Device, tokens: int | None = None) -> StepE
     order the backward makes the gradients; a bucket is launched when full and at the end of
     the backward. Serial: everything one after the other. Overlapped: the buckets run on their
     own stream while the backward computes; every other collective blocks (the optimizer waits
-    for the last bucket)."""
+    for own stream while the backward computes; every other collective blocks (the optimizer waits
+    for the last bucket). ``recompute`` (none, selective, full; :mod:`spmdkit.graph.activations`):
+    the recomputed forward ops (and their forward collectives) run again in the backward right
+    before the first op that reads their outputs (``compute_s["recompute"]``,
+    ``comm_s["recompute"]``); a tensor kept as its producer's shard (sequence parallel's norm
+    outputs) is all-gathered again there (``comm_s["backward"]``). MFU counts model FLOPs only,
+    so recomputation lowers it; :attr:`StepEstimate.hfu` counts the recomputed matmuls too."""
     prog = plan.program
     kern = kernel_collectives(plan)
     kern_by_op: dict[int, float] = {}
@@ -934,8 +960,10 @@ def estimate_step(plan: Any, device: Device, tokens: int | None = None) -> StepE
     flops = mflops = nbytes = matmul_s = 0.0
     memory_bound = 0
     times: list[float] = []
+    costs: list[OpCost] = []
     for i, op in enumerate(prog.ops):
         c = op_cost(plan, i)
+        costs.append(c)
         if not c.covered:
             uncovered[op.rule] = uncovered.get(op.rule, 0) + 1
         t = c.time_s(device)
@@ -949,6 +977,31 @@ def estimate_step(plan: Any, device: Device, tokens: int | None = None) -> StepE
         if c.bytes / device.hbm_bytes_per_s > c.flops / (device.matmul_peak(c.dtype) if c.matmul else
                                                           device.vector_peak) and t > 0:
             memory_bound += 1
+    # -- activation recomputation and the backward's re-gathers
+    from spmdkit.graph.activations import rerun_points, saved_activations
+
+    saved = saved_activations(plan, recompute)
+    rerun, regather = rerun_points(plan, saved)
+    extra_at: dict[int, float] = {}
+    re_flops = re_mm_flops = 0.0
+    for at, idx in rerun.items():
+        for j in idx:
+            c = costs[j]
+            re_flops += c.flops
+            if c.matmul:
+                re_mm_flops += c.model_flops
+            compute["recompute"] = compute.get("recompute", 0.0) + times[j]
+            cm = blocking.get(j, 0.0) + kern_by_op.get(j, 0.0)
+            comm["recompute"] = comm.get("recompute", 0.0) + cm
+            extra_at[at] = extra_at.get(at, 0.0) + times[j] + cm
+    n_regather = 0
+    for at, ks in regather.items():
+        for ix in ks:
+            t_ = plan.reshards[ix].plan.time_s
+            n_regather += 1
+            comm["backward"] += t_
+            extra_at[at] = extra_at.get(at, 0.0) + t_
+    flops += re_flops
     # -- buckets, in the order the gradients are made
     mesh = plan.mesh
     buckets: list[Bucket] = []
@@ -985,7 +1038,7 @@ def estimate_step(plan: Any, device: Device, tokens: int | None = None) -> StepE
                 launch(key, clock)
             clock = max(clock, comm_free)
             flushed = True
-        clock += blocking.get(i, 0.0) + kern_by_op.get(i, 0.0) + times[i]
+        clock += blocking.get(i, 0.0) + kern_by_op.get(i, 0.0) + times[i] + extra_at.get(i, 0.0)
         serial_compute += times[i]
         for dt, s, size in pending.get(i, []):
             key = (s.kind, s.mesh_dims, s.reduce_type or "sum", dt)
@@ -1004,7 +1057,7 @@ def estimate_step(plan: Any, device: Device, tokens: int | None = None) -> StepE
         clock = max(clock, comm_free)
     grad_sync = sum(b.time_s for b in buckets)
     kern_total = sum(k.time_s for k in kern)
-    serial = serial_compute + sum(comm.values()) + kern_total + grad_sync
+    serial = serial_compute + compute.get("recompute", 0.0) + sum(comm.values()) + kern_total + grad_sync
     n_ranks = mesh.size
     mf, n_params, att = model_flops(plan, tokens or 0)
     dtypes = [t.dtype for t in prog.tensors.values() if t.kind == "parameter"]
@@ -1031,6 +1084,10 @@ def estimate_step(plan: Any, device: Device, tokens: int | None = None) -> StepE
     est = StepEstimate(device, n_ranks, compute, comm, kern_total, grad_sync, buckets, serial, clock, flops, mflops,
                        nbytes, tokens, mf if tokens else 0.0, n_params, att * accum, uncovered, matmul_s, memory_bound, kern)
     est.peak = device.matmul_peak(main_dtype)
+    est.recompute = recompute
+    est.recompute_flops_per_device = re_flops
+    est.hardware_flops = (mf + n_ranks * re_mm_flops) if tokens else 0.0
+    est.regathers = n_regather
     return est
 
 

@@ -13,11 +13,20 @@ phase gathers lives over its layer's ops of that phase (from the layer's first o
 so one layer's gathered parameters are live at a time, once in the forward and once in the
 backward. With gradient accumulation (``plan.grad_accum`` > 1) a gradient that ZeRO holds
 reduce-scattered is held unreduced until the step's one reduction.
+
+``recompute`` (``none``, ``selective``, ``full``; :mod:`spmdkit.graph.activations`): a
+forward activation that a recomputed region makes and the backward reads lives from its
+producer to its last forward reader, and again from the first backward op that reads any of
+the region's tensors (the region is run again right before it) to its last reader. A tensor
+kept as its producer's shard and gathered again for the backward (sequence parallel's norm
+outputs) is held as the shard between its last forward reader and its first backward one.
+:attr:`Memory.saved` is what the backward keeps (:func:`spmdkit.graph.activations.saved_activations`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from spmdkit.core.dist_attr import TensorDistAttr, entry_dims
 from spmdkit.graph.program import Program
@@ -90,22 +99,30 @@ class Memory:
     optimizer_states: int
     activation_peak: int
     peak_op: int
+    #: the activations the backward keeps (an :class:`spmdkit.graph.activations.ActivationMemory`)
+    saved: Any = None
 
     @property
     def total(self) -> int:
         return self.parameters + self.gradients + self.optimizer_states + self.activation_peak
 
-    def to_json(self) -> dict[str, int]:
-        return {"parameters": self.parameters, "gradients": self.gradients,
-                "optimizer_states": self.optimizer_states, "activation_peak": self.activation_peak,
-                "peak_op": self.peak_op, "total": self.total}
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"parameters": self.parameters, "gradients": self.gradients,
+                             "optimizer_states": self.optimizer_states, "activation_peak": self.activation_peak,
+                             "peak_op": self.peak_op, "total": self.total}
+        if self.saved is not None:
+            d["saved_for_backward"] = {k: v for k, v in self.saved.to_json().items() if k != "tensors"}
+        return d
 
 
-def memory_per_device(plan: object) -> Memory:
-    """Memory per device of a :class:`spmdkit.graph.propagate.Plan`."""
+def memory_per_device(plan: object, recompute: str = "none") -> Memory:
+    """Memory per device of a :class:`spmdkit.graph.propagate.Plan` under activation
+    recomputation ``recompute`` (none, selective, full)."""
+    from spmdkit.graph.activations import saved_activations, spans_with_recompute
     from spmdkit.graph.propagate import Plan
 
     assert isinstance(plan, Plan)
+    saved = saved_activations(plan, recompute)
     prog: Program = plan.program
     attrs = plan.attrs
 
@@ -139,13 +156,15 @@ def memory_per_device(plan: object) -> Memory:
             if n in first:
                 last[n] = i
     delta = [0] * (n_ops + 1)
+    split = spans_with_recompute(plan, saved)
     for n, i in first.items():
         t = prog.tensors[n]
         if n in param_grads or t.inplace_of or t.kind in ("parameter", "optimizer_state"):
             continue
         b = nbytes(n)
-        delta[i] += b
-        delta[last[n] + 1] -= b
+        for a, e, size in split.get(n, ((i, last[n], b),)):
+            delta[a] += size
+            delta[e + 1] -= size
     # copies made by reshards live from the first op that reads them to the last
     spans: dict[tuple[str, TensorDistAttr, str], list[int]] = {}
     stored = getattr(plan, "storage", None) or {}
@@ -175,7 +194,7 @@ def memory_per_device(plan: object) -> Memory:
         cur += delta[i]
         if cur > peak:
             peak, at = cur, i
-    return Memory(params, grads, states, peak, at)
+    return Memory(params, grads, states, peak, at, saved)
 
 
 __all__ = ["Memory", "UnevenShard", "local_numel", "memory_per_device", "uneven_shards"]

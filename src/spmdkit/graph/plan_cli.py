@@ -43,6 +43,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-accum", dest="grad_accum", metavar="K",
                    help="gradient accumulation: K forward/backward micro-steps per optimizer step, the gradients "
                         "accumulated and reduced once (default 1)")
+    p.add_argument("--recompute", default="none", metavar="none|selective|full",
+                   help="activation recomputation: selective (the attention core, Korthikanti et al. 2022) or "
+                        "full (every layer, only its input kept); in the memory and the --device step")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--verify", action="store_true",
                    help="also run the same plan at tiny sizes through the simulator (needs numpy)")
@@ -296,9 +299,11 @@ def run_plan(ns: argparse.Namespace, out: TextIO) -> int:
 
 
 def _run_plan(ns: argparse.Namespace, out: TextIO) -> int:
+    from spmdkit.graph.activations import check_recompute
     from spmdkit.graph.memory import memory_per_device
     from spmdkit.graph.report import plan_json, write_report
 
+    recompute = ns.recompute = check_recompute(getattr(ns, "recompute", None) or "none")
     user = _annotations(ns.annotate)
     layers = _size_arg("--layers", ns.layers, MAX_LAYERS)
     batch = _size_arg("--batch", ns.batch, MAX_SIZE)
@@ -352,7 +357,7 @@ def _run_plan(ns: argparse.Namespace, out: TextIO) -> int:
         model_name = ns.model
     plan.grad_accum = _size_arg("--grad-accum", getattr(ns, "grad_accum", None), 1 << 20) or 1
     plan, est = _step_estimate(ns, plan, config)
-    mem = memory_per_device(plan)
+    mem = memory_per_device(plan, recompute)
     verdict = None
     if ns.verify:
         verdict = _verify(ns, model_name, user)
@@ -376,8 +381,9 @@ def _verify(ns: argparse.Namespace, model_name: str | None, user: dict[str, Any]
         raise ProgramError(f"--verify needs numpy (pip install 'spmdkit[sim]'): {exc}") from None
     from spmdkit.graph.zoo import preset
 
-    arch = preset(model_name).arch if model_name else "llama"
-    tiny = "tiny-llama" if arch == "llama" else "tiny-gpt2"
+    cfg = preset(model_name) if model_name else None
+    arch = cfg.arch if cfg else "llama"
+    tiny = "tiny-llama" if arch == "llama" else "tiny-gpt-dropout" if cfg and cfg.dropout else "tiny-gpt2"
     _, plan, _ = plan_model(tiny, ns.mesh, ns.strategy, None, None, ns.cost)
     rep = simulate_plan(plan)
     ok = rep.ok
@@ -413,7 +419,7 @@ def _step_estimate(ns: argparse.Namespace, plan: Any, config: Any) -> tuple[Any,
         return plan, None
     batch, seq = getattr(config, "batch", None), getattr(config, "seq", None)
     tokens = batch * seq if isinstance(batch, int) and isinstance(seq, int) else guess_tokens(plan.program)
-    return plan, estimate_step(plan, device, tokens)
+    return plan, estimate_step(plan, device, tokens, getattr(ns, "recompute", None) or "none")
 
 
 __all__ = ["MAX_LAYERS", "MAX_SIZE", "add_plan_arguments", "plan_hf", "plan_model", "plan_program", "run_plan"]

@@ -181,6 +181,12 @@ def write_report(plan: Plan, out: TextIO, title: str = "", memory: Memory | None
             ["optimizer states", fmt_bytes(mem.optimizer_states)],
             ["activations (peak)", f"{fmt_bytes(mem.activation_peak)} (at {peak_op})"],
             ["total", fmt_bytes(mem.total)]]
+    saved = getattr(mem, "saved", None)
+    if saved is not None and saved.per_layer:
+        per = [b for k, b in saved.per_layer.items() if re.search(r"\d", k)]
+        rows.insert(4, [f"kept for the backward (recompute {saved.recompute})",
+                        fmt_bytes(saved.total) + (f"; {'' if min(per) == max(per) else 'up to '}"
+                                                        f"{fmt_bytes(max(per))} per layer" if per else "")])
     _table("Memory per device", ["", "bytes"], rows, out)
     if estimate is not None and estimate.device.memory_bytes:
         cap = estimate.device.memory_bytes
@@ -243,6 +249,9 @@ def write_estimate(est: StepEstimate, out: TextIO) -> None:
               f"(in a node {d.intra.bytes_per_s / 1e9:g} GB/s, across {d.inter.bytes_per_s / 1e9:g} GB/s per GPU)\n")
     rows = [[ph, fmt_time(est.compute_s.get(ph, 0.0)), fmt_time(est.comm_s.get(ph, 0.0))]
             for ph in ("forward", "backward", "optimizer")]
+    if est.recompute != "none":
+        rows.append([f"recomputation ({est.recompute})", fmt_time(est.compute_s.get("recompute", 0.0)),
+                     fmt_time(est.comm_s.get("recompute", 0.0))])
     rows.append(["collectives inside ops", "-", fmt_time(est.kernel_comm_s)])
     nb = len(est.buckets)
     rows.append([f"gradient reductions ({nb} DDP bucket{'' if nb == 1 else 's'})", "-", fmt_time(est.grad_sync_s)])
@@ -260,6 +269,10 @@ def write_estimate(est: StepEstimate, out: TextIO) -> None:
         out.write(f"tokens/s: {tps:,.0f} ({est.tokens} tokens per step); MFU {100 * mfu:.1f}% "
                   f"(model FLOPs {fmt_flops(est.model_flops)} = 6 x {est.n_params:,} parameters x tokens + "
                   f"{fmt_flops(est.attention_flops)} attention, over {est.ranks} x {peak:g} TFLOP/s)\n")
+        if est.recompute != "none":
+            out.write(f"recompute {est.recompute}: {fmt_flops(est.recompute_flops_per_device)} per device run again "
+                      f"in the backward; HFU {100 * (est.hfu or 0.0):.1f}% (hardware FLOPs "
+                      f"{fmt_flops(est.hardware_flops)}: the recomputed matmuls counted too)\n")
     else:
         out.write("tokens/s and MFU: the program names no token input (tokens / input_ids)\n")
     if est.uncovered:

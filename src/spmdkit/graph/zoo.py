@@ -42,6 +42,10 @@ class ModelConfig:
     seq: int = 8
     batch: int = 4
     dtype: str = "float32"
+    #: dropout probability (gpt2 only): > 0 adds Megatron GPT's three dropouts per layer, on
+    #: the attention probabilities, after the attention output projection and after the MLP,
+    #: each keeping a 1-byte mask for the backward (Korthikanti et al. 2022, section 4.1)
+    dropout: float = 0.0
 
     @property
     def head_dim(self) -> int:
@@ -61,6 +65,10 @@ class ModelConfig:
             raise ProgramError(f"model: hidden {self.hidden} is not divisible by heads {self.heads}")
         if self.heads % self.n_kv:
             raise ProgramError(f"model: heads {self.heads} is not divisible by kv_heads {self.n_kv}")
+        if not 0.0 <= float(self.dropout) < 1.0:
+            raise ProgramError(f"model: dropout must be in [0, 1), got {self.dropout}")
+        if self.dropout and self.arch != "gpt2":
+            raise ProgramError(f"model: dropout is modelled for gpt2 only, not {self.arch}")
 
     def with_(self, **kw: Any) -> ModelConfig:
         return replace(self, **kw)
@@ -76,6 +84,11 @@ PRESETS: dict[str, ModelConfig] = {
     "llama-70b": ModelConfig("llama", 80, 8192, 64, 8, 28672, 32000, 4096, 8, "bfloat16"),
     "tiny-llama": ModelConfig("llama", 2, 16, 4, 2, 32, 64, 8, 4, "float32"),
     "tiny-gpt2": ModelConfig("gpt2", 2, 16, 4, None, 32, 64, 8, 4, "float32"),
+    # GPT with Megatron's dropouts (p = 0.1), the layer Korthikanti et al. (2022) count: GPT-2
+    # small's sizes, the 22B model of their Table 3 (microbatch 4, seq 2048, vocab 51200), tiny
+    "gpt-dropout-small": ModelConfig("gpt2", 12, 768, 12, None, 3072, 50304, 1024, 8, "bfloat16", 0.1),
+    "gpt-dropout-22b": ModelConfig("gpt2", 48, 6144, 64, None, 24576, 51200, 2048, 4, "bfloat16", 0.1),
+    "tiny-gpt-dropout": ModelConfig("gpt2", 2, 16, 4, None, 32, 64, 8, 4, "float32", 0.1),
 }
 
 
@@ -129,6 +142,7 @@ GRADS: dict[str, tuple[str, tuple[str, ...]]] = {
     "flash_attention": ("flash_attention_grad", ("q", "k", "v")),
     "fused_rotary_position_embedding": ("fused_rotary_position_embedding_grad", ("q", "k", "v")),
     "swiglu": ("swiglu_grad", ("x", "y")),
+    "dropout": ("dropout_grad", ("x",)),  # the mask and p: the Tape's grad_extra (_dropout)
     # ops taking or making a list of tensors (their gradients are lists too)
     "split": ("split_grad", ("x",)),
     "split_with_num": ("split_with_num_grad", ("x",)),
@@ -192,6 +206,8 @@ class _Rec:
     outputs: list[str | None]
     attrs: dict[str, Any]
     layer: str
+    #: grad-rule arguments the forward op does not have (dropout_grad's mask and p)
+    grad_extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Tape:
@@ -207,9 +223,12 @@ class Tape:
         self.needs_grad.add(name)
         return name
 
-    def op(self, rule: str, inputs: Mapping[str, Any], outputs: Sequence[Any], **attrs: Any) -> list[str | None]:
+    def op(self, rule: str, inputs: Mapping[str, Any], outputs: Sequence[Any],
+           grad_extra: Mapping[str, Any] | None = None, **attrs: Any) -> list[str | None]:
+        """Record a forward op; ``grad_extra``: arguments of its grad rule that the forward op
+        does not take (a tensor name or an attribute value by grad-rule parameter name)."""
         outs = self.b.op(rule, inputs, outputs, **attrs)
-        self.recs.append(_Rec(rule, dict(inputs), outs, dict(attrs), self.b.layer))
+        self.recs.append(_Rec(rule, dict(inputs), outs, dict(attrs), self.b.layer, dict(grad_extra or {})))
         if any(n in self.needs_grad for v in inputs.values() for n in _names(v)):
             self.needs_grad.update(n for o in outs for n in _names(o))
         return outs
@@ -287,11 +306,15 @@ class Tape:
             for p in grule.forward.params:
                 n = p.name
                 if not p.is_tensor:
-                    if n in rec.attrs:
+                    if n in rec.grad_extra:
+                        gattrs[n] = rec.grad_extra[n]
+                    elif n in rec.attrs:
                         gattrs[n] = rec.attrs[n]
                     continue
                 src: Any = None
-                if n in aliases:
+                if n in rec.grad_extra:
+                    src = rec.grad_extra[n]
+                elif n in aliases:
                     src = by_out.get(aliases[n])
                 elif n in rec.inputs:
                     src = rec.inputs[n]
@@ -394,6 +417,25 @@ def _llama_layer(t: Tape, cfg: ModelConfig, i: int, h: str, m: Model) -> str:
     return h2
 
 
+def _dropout(t: Tape, cfg: ModelConfig, x: Any, name: str, m: Model | None = None) -> str:
+    """Megatron's dropout on ``x``: the dropped tensor (``dropout``) and its keep mask, uint8
+    (one byte an element, as the backward keeps it); the gradient is ``dropout_grad(mask,
+    out_grad, p)``. The registered ``dropout`` rule has one output, so the mask is made by a
+    ``bernoulli`` op of the same shape and layout right after it; it reads the dropout's output
+    (not ``x``, whose layout it has). ``m``: ``x`` is a row-parallel projection's output and the
+    dropout is on the residual stream: sequence parallel shards ``x`` (its partial sum
+    reduce-scattered, as Megatron's row-parallel linear does), the output and the mask on
+    the sequence axis; tensor parallel alone all-reduces ``x`` before the dropout."""
+    shape = list(t.b.get(x).shape)
+    mask = name + ".mask"
+    (out,) = t.op("dropout", {"x": x}, [(name, shape, cfg.dtype)], grad_extra={"mask": mask, "p": float(cfg.dropout)})
+    t.op("bernoulli", {"x": out}, [(mask, shape, "uint8")])
+    assert out is not None and mask is not None
+    if m is not None:
+        m.residual.extend([x, out, mask])
+    return out
+
+
 def _gpt2_layer(t: Tape, cfg: ModelConfig, i: int, h: str, m: Model) -> str:
     b = t.b
     B, S, H, F = cfg.batch, cfg.seq, cfg.hidden, cfg.ffn
@@ -422,11 +464,15 @@ def _gpt2_layer(t: Tape, cfg: ModelConfig, i: int, h: str, m: Model) -> str:
     (sc2,) = t.op("scale", {"x": sc}, [(p + "scores.scaled", [B, nh, S, S], dt)])
     (scm,) = t.op("add", {"x": sc2, "y": m.inputs["mask"]}, [(p + "scores.masked", [B, nh, S, S], dt)])
     (pr,) = t.op("softmax", {"x": scm}, [(p + "probs", [B, nh, S, S], dt)], axis=-1)
+    if cfg.dropout:
+        pr = _dropout(t, cfg, pr, p + "probs.dropout")
     (ctx,) = t.op("matmul", {"x": pr, "y": heads["v"]}, [(p + "ctx", [B, nh, S, hd], dt)])
     (ct,) = t.op("transpose", {"x": ctx}, [(p + "ctx.t", [B, S, nh, hd], dt)], perm=(0, 2, 1, 3))
     (c2,) = t.op("reshape", {"x": ct}, [(p + "ctx2d", [B, S, H], dt)], shape=(B, S, H))
     (o,) = t.op("matmul", {"x": c2, "y": w["wo"]}, [(p + "attn_out", [B, S, H], dt)])
     m.row_outputs.append(p + "attn_out")
+    if cfg.dropout:
+        o = _dropout(t, cfg, o, p + "attn_out.dropout", m)
     (h1,) = t.op("add", {"x": h, "y": o}, [(p + "resid1", [B, S, H], dt)])
     assert h1 is not None
     n2, _, _ = t.op("layer_norm", {"x": h1, "scale": w["ln2.w"], "bias": w["ln2.b"]},
@@ -438,6 +484,8 @@ def _gpt2_layer(t: Tape, cfg: ModelConfig, i: int, h: str, m: Model) -> str:
     (ge,) = t.op("gelu", {"x": f1}, [(p + "gelu", [B, S, F], dt)], approximate=True)
     (f2,) = t.op("matmul", {"x": ge, "y": w["fc2"]}, [(p + "mlp_out", [B, S, H], dt)])
     m.row_outputs.append(p + "mlp_out")
+    if cfg.dropout:
+        f2 = _dropout(t, cfg, f2, p + "mlp_out.dropout", m)
     (h2,) = t.op("add", {"x": h1, "y": f2}, [(p + "resid2", [B, S, H], dt)])
     assert h2 is not None
     m.residual.extend([h1, h2])
