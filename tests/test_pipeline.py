@@ -214,3 +214,27 @@ def test_interleaved_memory_counts_chunks() -> None:
     work = max(c.working_peak for c in mine)
     assert est.memory[0].activation_peak == work + round((2.5 - 0.5) * stash)
     assert est.memory[0].parameters == mine[0].parameters + mine[1].parameters
+
+
+def test_recompute_reaches_the_pipeline() -> None:
+    """--recompute with pp: a recomputed region's activations leave each stage's stash (memory
+    of the in-flight microbatches) and its ops' time is added to the stage's backward."""
+    from spmdkit.graph.activations import saved_activations
+
+    _model, plan, spec, counts, _ = plan_pipeline("tiny-gpt-dropout", "pp=2,tp=2", "megatron", {"microbatches": 4},
+                                                 {"layers": 4, "batch": 8}, None, None)
+    dev = preset_device("a100-80gb")
+    ests = {r: estimate_pipeline(plan, spec, counts, dev, (10e-6, 1 / 10e9), 8 * 16, 4, recompute=r)
+            for r in ("none", "selective", "full")}
+    for s in range(2):
+        stash = {r: e.stages[s].stash_bytes for r, e in ests.items()}
+        assert stash["none"] > stash["selective"] > stash["full"] > 0
+        assert ests["none"].stages[s].recompute_s == 0.0
+        assert 0 < ests["selective"].stages[s].recompute_s < ests["full"].stages[s].recompute_s
+        # full recompute re-runs the stage's layers: about its forward time (the embedding / head aside)
+        assert ests["full"].stages[s].recompute_s <= ests["full"].stages[s].forward_s
+    # what leaves the stash is what the activation analysis says is not kept
+    kept = {r: {n for lst in saved_activations(plan, r).tensors.values() for n, _ in lst} for r in ("none", "full")}
+    assert kept["full"] < kept["none"]
+    assert ests["full"].step_serial_s > ests["selective"].step_serial_s > ests["none"].step_serial_s
+    assert ests["full"].memory[0].activation_peak < ests["none"].memory[0].activation_peak

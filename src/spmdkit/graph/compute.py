@@ -938,8 +938,7 @@ def estimate_step(plan: Any, device: Device, tokens: int | None = None, recomput
         for n in op.output_names():
             producer.setdefault(n, i)
     comm = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
-    param_grads = frozenset(n for op in prog.ops if op.phase == "optimizer" for n in op.input_names()
-                            if prog.tensors[n].kind == "gradient")
+    param_grads = plan.param_grads()
     for r in plan.reshards:
         if r.shared:
             continue

@@ -303,6 +303,7 @@ class StageCost:
     gradients: int = 0
     optimizer_states: int = 0
     stash_bytes: int = 0      # what one microbatch keeps for the backward
+    recompute_s: float = 0.0  # the forward ops --recompute runs again in the backward
     working_peak: int = 0     # the liveness peak of one microbatch through the stage
     peak_op: int = 0
     flops: float = 0.0
@@ -311,8 +312,25 @@ class StageCost:
         return dict(self.__dict__)
 
 
-def stage_costs(plan: Any, stages: list[int], counts: tuple[int, ...], device: Any = None) -> list[StageCost]:
+def stage_costs(plan: Any, stages: list[int], counts: tuple[int, ...], device: Any = None,
+                recompute: str = "none") -> list[StageCost]:
+    """Per stage: parameters, gradients and states, the stash and working peak of one
+    microbatch, the bytes sent, and (``device``) the times. ``recompute`` (none, selective,
+    full; :mod:`spmdkit.graph.activations`): the activations a recomputed region makes are not
+    stashed (they are made again), and its ops' times go to ``recompute_s``."""
     prog = plan.program
+    dropped: set[str] = set()
+    regions: list[list[int]] = []
+    if recompute != "none":
+        from spmdkit.graph.activations import saved_activations
+
+        def kept(mode: str) -> tuple[set[str], list[list[int]]]:
+            a = saved_activations(plan, mode)
+            return {nm for lst in a.tensors.values() for nm, _ in lst}, a.recomputed
+
+        base, _ = kept("none")
+        mine, regions = kept(recompute)
+        dropped = base - mine
     attrs = plan.attrs
     n = len(counts)
     out = [StageCost(c) for c in counts]
@@ -369,7 +387,8 @@ def stage_costs(plan: Any, stages: list[int], counts: tuple[int, ...], device: A
             if op.phase == "forward" and prog.ops[j].phase == "forward" and b > a:
                 _lo, hi = crossing.get(nm, (a, a))
                 crossing[nm] = (a, max(hi, b))
-            if op.phase == "backward" and prog.ops[j].phase == "forward" and nm not in stashed:
+            if op.phase == "backward" and prog.ops[j].phase == "forward" and nm not in stashed \
+                    and nm not in dropped:
                 stashed.add(nm)
                 out[a].stash_bytes += nbytes(nm)
     for nm, (a, b) in crossing.items():
@@ -408,6 +427,7 @@ def stage_costs(plan: Any, stages: list[int], counts: tuple[int, ...], device: A
     from spmdkit.graph.compute import _is_grad_sync, kernel_collectives, op_cost
 
     extra: dict[int, float] = {}
+    grads_synced = plan.param_grads()
     for kc in kernel_collectives(plan):
         extra[kc.op_index] = extra.get(kc.op_index, 0.0) + kc.time_s
     for r in plan.reshards:
@@ -416,14 +436,17 @@ def stage_costs(plan: Any, stages: list[int], counts: tuple[int, ...], device: A
         for st in r.plan.steps:
             if st.bytes_per_rank == 0:
                 continue
-            if _is_grad_sync(plan, r, st):
+            if _is_grad_sync(plan, r, st, grads_synced):
                 out[stages[r.op_index]].grad_sync_s += st.time_s
             else:
                 extra[r.op_index] = extra.get(r.op_index, 0.0) + st.time_s
+    rerun = {j for r in regions for j in r}
     for i, op in enumerate(prog.ops):
         c = op_cost(plan, i)
         t = c.time_s(device) + extra.get(i, 0.0)
         sc = out[stages[i]]
+        if i in rerun:
+            sc.recompute_s += t
         sc.flops += c.flops
         if op.phase == "forward":
             sc.forward_s += t
@@ -499,14 +522,17 @@ class PipelineEstimate:
 
 def estimate_pipeline(plan: Any, spec: PipelineSpec, counts: tuple[int, ...], device: Any = None,
                       pp_link: tuple[float, float] = (20e-6, 1 / 25e9), tokens: int | None = None,
-                      ranks: int | None = None, recompute_forward: bool = False) -> PipelineEstimate:
+                      ranks: int | None = None, recompute_forward: bool = False,
+                      recompute: str = "none") -> PipelineEstimate:
     """The pipeline of ``plan`` (ONE microbatch's step on the sub-mesh without pp).
     ``recompute_forward``: time only, each stage's forward run again before its backward (full
     activation recomputation, as Narayanan et al. 2021 train; benchmarks/megatron_table.py);
-    the memory stays that of a step without recomputation."""
+    the memory stays that of a step without recomputation. ``recompute`` (``--recompute``):
+    the recomputed regions' activations leave each stage's stash and their ops' times are
+    added to its backward (:func:`stage_costs`)."""
     p, v, m = spec.pp, spec.virtual, spec.microbatches
     stages = op_stages(plan.program, counts)
-    costs = stage_costs(plan, stages, counts, device)
+    costs = stage_costs(plan, stages, counts, device, recompute)
     n = p * v
     alpha, beta = pp_link
 
@@ -528,7 +554,7 @@ def estimate_pipeline(plan: Any, spec: PipelineSpec, counts: tuple[int, ...], de
     est = PipelineEstimate(spec, counts, costs, pp_link, send_f, send_b, flight, mems)
     if device is None:
         return est
-    bwd = [c.backward_s + (c.forward_s if recompute_forward else 0.0) for c in costs]
+    bwd = [c.backward_s + c.recompute_s + (c.forward_s if recompute_forward else 0.0) for c in costs]
     run = run_schedule(spec.schedule, p, v, m, [c.forward_s for c in costs], bwd,
                        send_f, send_b)
     est.run = run
@@ -620,6 +646,7 @@ def _pp_link(ns: argparse.Namespace, mesh: Any, device: Any) -> tuple[float, flo
 
 def run_pipeline_plan(ns: argparse.Namespace, out: TextIO) -> int:
     """``spmdkit plan`` with a ``pp`` mesh dim (preset models)."""
+    from spmdkit.graph.activations import check_recompute
     from spmdkit.graph.plan_cli import _annotations, _cost, _step_estimate
     from spmdkit.graph.report import plan_json, write_report
     from spmdkit.graph.strategy import parse_mesh
@@ -650,12 +677,14 @@ def run_pipeline_plan(ns: argparse.Namespace, out: TextIO) -> int:
             device = replace(device, ranks_per_node=int(ns.nodes_of))
     c = model.config
     tokens = c.batch * c.seq * spec.microbatches
-    est = estimate_pipeline(plan, spec, counts, device, _pp_link(ns, full, device), tokens, full.size)
+    est = estimate_pipeline(plan, spec, counts, device, _pp_link(ns, full, device), tokens, full.size,
+                            recompute=check_recompute(getattr(ns, "recompute", "none") or "none"))
     worst = max(range(spec.pp), key=lambda r: est.memory[r].total)
     title = (f"{ns.model}: {c.arch}, {c.layers} layers, hidden {c.hidden}, {c.heads} heads"
              f"{f' ({c.n_kv} kv)' if c.n_kv != c.heads else ''}, FFN {c.ffn}, vocab {c.vocab}, seq {c.seq}, "
              f"batch {c.batch * spec.microbatches} as {spec.microbatches} microbatches of {c.batch}, {c.dtype}; "
-             f"strategy {strategy}; pipeline pp={spec.pp}")
+             f"strategy {strategy}; pipeline pp={spec.pp}"
+             + (f"; recompute {ns.recompute}" if getattr(ns, "recompute", "none") not in (None, "none") else ""))
     verdict = _verify_pipeline(ns, spec, strategy) if ns.verify else None
     if ns.json:
         extra: dict[str, Any] = {"title": title, "plan_seconds": secs, "pipeline": est.to_json()}
