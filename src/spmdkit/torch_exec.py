@@ -206,7 +206,11 @@ class Rank:
         c = self.coords[d]
         if st.kind in COLLECTIVES:
             before = int(a.size)
-        if st.kind == "all_reduce":
+        if st.kind in COLLECTIVES and n == 1:
+            # a one-rank mesh dim: the collective is the identity (no group exists for it; a
+            # collective on group None would run over the whole world)
+            out = a.copy()
+        elif st.kind == "all_reduce":
             rt = ReduceType(st.reduce_type or "sum")
             work = a.astype(np.float64) if a.dtype == np.bool_ else a
             t = self._t(work)
