@@ -75,7 +75,7 @@ import fnmatch
 import re
 import warnings
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -83,7 +83,7 @@ from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.graph.program import Op, Program, Tensor
-from spmdkit.graph.strategy import optimizer_layouts, user_attrs
+from spmdkit.graph.strategy import Marks, optimizer_layouts, strategy_dims, user_attrs
 
 ROLES = ("column", "row", "vocab", "replicate")
 
@@ -273,13 +273,8 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
     :func:`spmdkit.graph.strategy.parse_strategy`) on an imported program (module docstring);
     ``patterns``: the user's module-name patterns -> role for ``megatron``; ``user``:
     annotations (tensor -> dims_mapping) applied last, which win."""
-    st = set(strategy)
-    dp = mesh.dim_index("dp") if "dp" in st else None
-    tp = mesh.dim_index("tp") if "megatron" in st else None
-    out: dict[str, list[Any]] = {}
-
-    def dm(name: str) -> list[Any]:
-        return out.setdefault(name, [-1] * len(prog.tensors[name].shape))
+    st, dp, tp = strategy_dims(mesh, strategy)
+    out = dm = Marks(prog)
 
     if dp is not None:
         size = mesh.shape[dp]
@@ -515,6 +510,20 @@ def vocab_parallel_loss(prog: Program) -> Program:
     return _rebuild(prog, list(prog.tensors.values()), [(i, op) for i, op in enumerate(ops)])
 
 
+def _namer(names: set[str]) -> Callable[[str], str]:
+    """``fresh(base)``: ``base``, or ``base1``, ``base2``, ... the first not in ``names`` (which
+    it joins)."""
+
+    def fresh(base: str) -> str:
+        n, k = base, 1
+        while n in names:
+            n, k = f"{base}{k}", k + 1
+        names.add(n)
+        return n
+
+    return fresh
+
+
 def _rebuild(prog: Program, tensors: list[Any], ops: list[tuple[int | None, Op]]) -> Program:
     """A copy of ``prog`` (of its class, its other fields kept) with ``tensors`` and ``ops``
     (each with the index it had, None for a new one); an imported program's per-op maps
@@ -543,12 +552,7 @@ def vocab_parallel_embedding(prog: Program, tables: Iterable[str]) -> Program:
     out: list[tuple[int | None, Op]] = []
     changed = False
 
-    def fresh(base: str) -> str:
-        n, k = base, 1
-        while n in names:
-            n, k = f"{base}{k}", k + 1
-        names.add(n)
-        return n
+    fresh = _namer(names)
 
     for i, op in enumerate(prog.ops):
         pad = int(op.attrs.get("padding_idx", -1))
@@ -703,12 +707,7 @@ def split_fused_projections(prog: Program, weights: Iterable[str]) -> Program:
         fwd_kw = {"layer": op.layer, "phase": "forward"}
         bwd_kw = {"layer": ops[isg].layer, "phase": "backward"}
 
-        def fresh(base: str) -> str:
-            n, k = base, 1
-            while n in names:
-                n, k = f"{base}{k}", k + 1
-            names.add(n)
-            return n
+        fresh = _namer(names)
 
         fwd: list[Op] = []
         bwd: list[Op] = []

@@ -107,17 +107,31 @@ def parse_strategy(text: str | Iterable[str], mesh: ProcessMesh) -> tuple[str, .
     return tuple(out)
 
 
+def strategy_dims(mesh: ProcessMesh, strategy: Iterable[str]) -> tuple[set[str], int | None, int | None]:
+    """(the strategies as a set, the dp mesh dim or None, the tp mesh dim or None (megatron))."""
+    st = set(strategy)
+    return (st, mesh.dim_index("dp") if "dp" in st else None,
+            mesh.dim_index("tp") if "megatron" in st else None)
+
+
+class Marks(dict[str, list[Any]]):
+    """Tensor name -> the dims_mapping a strategy is writing; ``marks(name)`` is the tensor's
+    (all ``-1`` the first time)."""
+
+    def __init__(self, prog: Any) -> None:
+        super().__init__()
+        self.prog = prog
+
+    def __call__(self, name: str) -> list[Any]:
+        return self.setdefault(name, [-1] * len(self.prog.tensors[name].shape))
+
+
 def annotate(model: Model, mesh: ProcessMesh, strategy: Iterable[str],
                 user: Mapping[str, Any] | None = None) -> dict[str, TensorDistAttr]:
     """Tensor name -> dist attr for the strategies (and the user's own annotations)."""
     prog = model.program
-    st = set(strategy)
-    dp = mesh.dim_index("dp") if "dp" in st else None
-    tp = mesh.dim_index("tp") if "megatron" in st else None
-    out: dict[str, list[Any]] = {}
-
-    def dm(name: str) -> list[Any]:
-        return out.setdefault(name, [-1] * len(prog.tensors[name].shape))
+    st, dp, tp = strategy_dims(mesh, strategy)
+    out = dm = Marks(prog)
 
     if dp is not None:
         for key in ("tokens", "labels", "positions"):
