@@ -286,3 +286,9 @@ def test_torchrun_style_ranks_on_a_taken_port_end(tmp_path: Path) -> None:
         f"spmdkit run: rank 0 cannot listen on 127.0.0.1:{port}: the port is in use")
     assert procs[1].returncode == 3 and errs[1].strip().startswith(
         f"spmdkit run: rank 1: rendezvous at 127.0.0.1:{port} did not complete within --timeout 2 s"), errs[1]
+
+
+def test_a_pipeline_mesh_is_refused_not_run_replicated(capsys: pytest.CaptureFixture[str]) -> None:
+    """A pp dim would run as a plain replicated dim (every pp rank the whole step): refused."""
+    rc, line = _cli(capsys, "--mesh", "pp=2,dp=2", "--strategy", "dp")
+    assert rc == 2 and "--mesh pp=2,dp=2: a pp dim (pipeline parallelism) is planned by 'spmdkit plan'" in line

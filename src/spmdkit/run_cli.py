@@ -312,6 +312,10 @@ def _run_command(ns: argparse.Namespace, out: TextIO, argv: list[str]) -> int:
     step = _load_step() if rank_mode else None  # what our launcher made for its ranks
     try:
         mesh = parse_mesh(ns.mesh)
+        if "pp" in mesh.dim_names:
+            raise RunUsageError(f"--mesh {ns.mesh}: a pp dim (pipeline parallelism) is planned by 'spmdkit plan' "
+                                "(stages, schedule, bubble); 'spmdkit run' executes one step without stages, so it "
+                                "would run pp as a plain replicated dim: drop pp from --mesh")
         if step is None:
             step = _plan(ns, mesh, _annotations(ns.annotate))
     except RunUsageError:
