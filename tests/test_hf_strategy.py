@@ -401,3 +401,19 @@ def test_gpt2_fused_qkv_is_split_head_wise(imported: Callable[[str], Any]) -> No
     assert np.isfinite(a[prog.loss]) and abs(float(a[prog.loss]) - float(b[rewritten.loss])) <= 1e-12
     for p, g in prog.grads.items():
         assert np.allclose(a[g], b[rewritten.grads[p]], rtol=1e-10, atol=1e-12), p
+
+
+def test_full_recompute_on_an_imported_model(imported: Callable[[str], Any]) -> None:
+    """Imported ops are labelled by their numbered block (model.layers.0, ...), so --recompute
+    full keeps only what each transformer layer reads from outside it."""
+    from spmdkit.graph.activations import saved_activations
+
+    prog, _, _ = imported("llama")
+    assert {op.layer for op in prog.ops if op.phase == "forward"} >= {"model.layers.0", "model.layers.1"}
+    _, plan = plan_program(prog, "dp=2,tp=2", "megatron")
+    none, full = saved_activations(plan, "none"), saved_activations(plan, "full")
+    kept = {k: [n for n, _ in v] for k, v in full.tensors.items()}
+    # layer 1 keeps its input (the residual stream leaving layer 0), nothing it makes itself
+    assert len(kept["model.layers.1"]) == 1
+    assert full.layer("model.layers.1") * 10 < none.layer("model.layers.1")
+    assert len(full.recomputed) == 2  # one region per layer

@@ -201,8 +201,11 @@ def _layer(node: Any) -> str:
         return ""
     path = str(list(mod.values())[-1][0])
     parts = [p for p in path.split(".") if p]
-    if len(parts) >= 2 and parts[1].isdigit():
-        return ".".join(parts[:2])
+    # a numbered block of a module list (model.layers.3, transformer.h.0, encoder.block.1):
+    # the path up to its number, so each transformer layer is one group
+    for k, p in enumerate(parts):
+        if p.isdigit() and k:
+            return ".".join(parts[:k + 1])
     return parts[0] if parts else ""
 
 
