@@ -49,6 +49,23 @@ def test_auto_no_worse_than_hand_strategies(hand: dict[str, Any], auto: Any) -> 
     assert info.candidates > len(model.program.ops)
 
 
+def test_with_a_device_compute_plus_communication_no_worse_than_hand() -> None:
+    from spmdkit.graph.compute import op_cost, preset_device
+
+    dev = preset_device("h200")
+
+    def step(p: Any) -> float:
+        return float(p.time_s + sum(op_cost(p, i).time_s(dev) for i in range(len(p.ops))))
+
+    hand = {s: plan_model("tiny-llama", MESH, s, {"batch": 8, "seq": 256}) for s in ("dp", "megatron", "dp,megatron")}
+    model = hand["dp"][0]
+    plan, info = auto_plan(model.program, hand["dp"][1].mesh, {model.inputs["tokens"]: [0, -1]}, time_limit=20,
+                           device=dev)
+    assert info.status == "Optimal"
+    assert step(plan) <= min(step(p) for _, p, _ in hand.values())
+    assert step(plan) > plan.time_s  # compute counted
+
+
 def test_auto_plan_is_sound_and_respects_pins(auto: Any) -> None:
     model, (plan, _) = auto
     tokens = model.inputs["tokens"]
@@ -88,3 +105,38 @@ def test_without_highspy_a_one_line_program_error(hand: dict[str, Any], monkeypa
     with pytest.raises(ProgramError) as exc:
         auto_plan(model.program, p.mesh)
     assert "highspy" in str(exc.value) and "\n" not in str(exc.value)
+
+
+def _cli(*args: str) -> tuple[int, str]:
+    import io
+    from contextlib import redirect_stderr
+
+    from spmdkit.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    from contextlib import redirect_stdout
+
+    with redirect_stdout(out), redirect_stderr(err):
+        rc = main(list(args))
+    return rc, out.getvalue() + err.getvalue()
+
+
+def test_cli_auto_json() -> None:
+    import json
+
+    rc, out = _cli("plan", "--model", "tiny-llama", "--mesh", MESH, "--auto", "--annotate", "tokens=[0,-1]", "--json")
+    assert rc == 0, out
+    got = json.loads(out)
+    assert got["auto"]["status"] == "Optimal"
+    assert got["auto"]["folded_layers"] is False and got["auto"]["merged_elementwise"] is False
+
+
+@pytest.mark.parametrize(("args", "msg"), [
+    (("--strategy", "dp"), "--strategy: does not apply with --auto"),
+    (("--auto-time-limit", "x"), "--auto-time-limit: 'x' is not a number"),
+    (("--auto-time-limit", "0"), "--auto-time-limit: 0 is not between"),
+])
+def test_cli_auto_bad_arguments(args: tuple[str, ...], msg: str) -> None:
+    rc, out = _cli("plan", "--model", "tiny-llama", "--mesh", MESH, "--auto", *args)
+    assert rc == 2
+    assert msg in out and "Traceback" not in out

@@ -58,8 +58,23 @@ def _options(mesh: ProcessMesh, ndim: int) -> list[tuple[int, int]]:
     return [(a, d) for a in range(ndim) for d in range(len(mesh.shape)) if mesh.shape[d] > 1]
 
 
-def _candidates(prog: Program, i: int, mesh: ProcessMesh, limit: int) -> list[tuple[dict[str, TensorDistAttr], dict[str, TensorDistAttr]]]:
-    """(required attr per input tensor name, output attr per output tensor name) per candidate."""
+class _OneOp:
+    """What compute.op_cost reads of a plan, for one op under one candidate."""
+
+    def __init__(self, prog: Program, i: int, required: dict[str, Any], outputs: list[Any]) -> None:
+        self.program = prog
+        self.attrs: dict[str, TensorDistAttr] = {}
+        self.ops = {i: self}
+        self.required = required
+        self.outputs = outputs
+
+
+Cand = tuple[dict[str, TensorDistAttr], dict[str, TensorDistAttr], float]
+
+
+def _candidates(prog: Program, i: int, mesh: ProcessMesh, limit: int, device: Any = None) -> list[Cand]:
+    """(required attr per input tensor name, output attr per output tensor name, compute time on
+    ``device`` or 0) per candidate."""
     op = prog.ops[i]
     rule = get_rule(op.rule)
     layout = op_layout(op, "forward")
@@ -79,7 +94,7 @@ def _candidates(prog: Program, i: int, mesh: ProcessMesh, limit: int) -> list[tu
         for o1, o2 in itertools.combinations(opts, 2):
             if o1[0] != o2[0] and o1[1] != o2[1]:
                 seeds.append({n: (o1, o2)})
-    out: list[tuple[dict[str, TensorDistAttr], dict[str, TensorDistAttr]]] = []
+    out: list[Cand] = []
     seen: set[Any] = set()
     for seed in seeds:
         def get(n: str, seed: dict[str, tuple[tuple[int, int], ...]] = seed) -> DistTensorSpec:
@@ -109,7 +124,13 @@ def _candidates(prog: Program, i: int, mesh: ProcessMesh, limit: int) -> list[tu
         if key in seen:
             continue
         seen.add(key)
-        out.append((req, outs))
+        t = 0.0
+        if device is not None:
+            from spmdkit.graph.compute import op_cost
+
+            shim = _OneOp(prog, i, dict(zip(tparams, res.inputs)), list(res.outputs))
+            t = op_cost(shim, i).time_s(device)
+        out.append((req, outs, t))
         if len(out) >= limit:
             break
     if not out:
@@ -135,16 +156,18 @@ def _quiet_highs(highspy: Any) -> Any:
 
 def auto_plan(prog: Program, mesh: ProcessMesh, pins: Mapping[str, Any] | None = None,
               cost: CostModel | None = None, time_limit: float = 30.0,
-              max_candidates: int = 24) -> tuple[Plan, AutoInfo]:
+              max_candidates: int = 24, device: Any = None) -> tuple[Plan, AutoInfo]:
     """A plan of ``prog`` on ``mesh`` whose shardings minimise the predicted communication
-    time, ``pins`` (tensor -> dims_mapping or dist attr) held as hard constraints."""
+    time (plus each op's compute time from compute.op_cost on ``device``, a compute.Device,
+    where one is given), ``pins`` (tensor -> dims_mapping or dist attr) held as hard
+    constraints."""
     try:
         import highspy
     except ImportError:
         raise ProgramError("auto: the search needs highspy (pip install 'spmdkit[auto]')") from None
     cost = cost or CostModel.default(mesh)
     fixed = user_attrs(prog, mesh, pins)
-    cands = [_candidates(prog, i, mesh, max_candidates) for i in range(len(prog.ops))]
+    cands = [_candidates(prog, i, mesh, max_candidates, device) for i in range(len(prog.ops))]
     producer: dict[str, int] = {}
     for i, op in enumerate(prog.ops):
         for n in op.output_names():
@@ -180,13 +203,13 @@ def auto_plan(prog: Program, mesh: ProcessMesh, pins: Mapping[str, Any] | None =
         return k
 
     for i, cs in enumerate(cands):
-        x.append([new_var(0.0, integer=True) for _ in cs])
+        x.append([new_var(c[2], integer=True) for c in cs])
         h.addRow(1.0, 1.0, len(cs), x[i], [1.0] * len(cs))
     # pinned outputs: their producer's candidate pays the reshard to the pin
     for n, pin in fixed.items():
         if n in producer:
             i = producer[n]
-            for k, (_, outs) in enumerate(cands[i]):
+            for k, (_, outs, _) in enumerate(cands[i]):
                 if n in outs:
                     obj[x[i][k]] = obj.get(x[i][k], 0.0) + price(n, outs[n], pin)
     # free sources: one choice among the attrs their readers ask for
@@ -195,7 +218,7 @@ def auto_plan(prog: Program, mesh: ProcessMesh, pins: Mapping[str, Any] | None =
         for n in set(op.input_names()):
             if (n in producer and producer[n] < i) or n in fixed or n in src_choice:
                 continue
-            attrs = list(dict.fromkeys(req[n] for op2 in cands for req, _ in op2 if n in req))
+            attrs = list(dict.fromkeys(req[n] for op2 in cands for req, _, _ in op2 if n in req))
             attrs = [a for a in attrs if not a.partial] or [TensorDistAttr.replicated(mesh, len(prog.tensors[n].shape))]
             vs = [new_var(0.0, integer=True) for _ in attrs]
             h.addRow(1.0, 1.0, len(vs), vs, [1.0] * len(vs))
@@ -208,7 +231,7 @@ def auto_plan(prog: Program, mesh: ProcessMesh, pins: Mapping[str, Any] | None =
         if n in producer and producer[n] < reader:
             i = producer[n]
             groups: dict[TensorDistAttr, list[int]] = {}
-            for k, (_, outs) in enumerate(cands[i]):
+            for k, (_, outs, _) in enumerate(cands[i]):
                 a = outs.get(n) or TensorDistAttr.replicated(mesh, len(prog.tensors[n].shape))
                 groups.setdefault(a, []).append(x[i][k])
             return list(groups.items())
@@ -219,7 +242,7 @@ def auto_plan(prog: Program, mesh: ProcessMesh, pins: Mapping[str, Any] | None =
         for n in set(op.input_names()):
             src = held(n, j)
             dst: dict[TensorDistAttr, list[int]] = {}
-            for k, (req, _) in enumerate(cands[j]):
+            for k, (req, _, _) in enumerate(cands[j]):
                 a = req.get(n) or TensorDistAttr.replicated(mesh, len(prog.tensors[n].shape))
                 dst.setdefault(a, []).append(x[j][k])
             if len(src) == 1 and not src[0][1]:  # a fixed source: a cost on the reader's candidates

@@ -49,6 +49,12 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--verify", action="store_true",
                    help="also run the same plan at tiny sizes through the simulator (needs numpy)")
+    p.add_argument("--auto", action="store_true",
+                   help="search the shardings (an ILP over the rules' candidates, solved by HiGHS; needs highspy) "
+                        "instead of a --strategy; --annotate pins are kept; minimises communication time, plus compute "
+                        "time with --device")
+    p.add_argument("--auto-time-limit", dest="auto_time_limit", default="60", metavar="SECONDS",
+                   help="the --auto solver's time limit (default 60)")
     from spmdkit.graph.pipeline import add_pipeline_arguments
 
     add_pipeline_arguments(p)  # a pp mesh dim: --microbatches, --schedule, --virtual-stages, --stages
@@ -309,6 +315,8 @@ def _run_plan(ns: argparse.Namespace, out: TextIO) -> int:
     batch = _size_arg("--batch", ns.batch, MAX_SIZE)
     seq = _size_arg("--seq", ns.seq, MAX_SIZE)
     hf = getattr(ns, "hf", None)
+    if getattr(ns, "auto", False):
+        return _run_auto(ns, out, user, {"layers": layers, "batch": batch, "seq": seq})
     if hf is not None and ns.program:
         raise ProgramError("--hf: give either --hf or --program, not both")
     if hf is None and getattr(ns, "hf_config", None) is not None:
@@ -371,6 +379,64 @@ def _run_plan(ns: argparse.Namespace, out: TextIO) -> int:
         if verdict is not None:
             out.write("\n" + verdict["text"] + "\n")
     return 0 if verdict is None or verdict["ok"] else 1
+
+
+def _run_auto(ns: argparse.Namespace, out: TextIO, user: dict[str, Any], overrides: dict[str, int | None]) -> int:
+    """``--auto``: the searched plan of a preset or a --program file (graph/auto.py)."""
+    from spmdkit.graph.auto import auto_plan
+    from spmdkit.graph.memory import memory_per_device
+    from spmdkit.graph.report import plan_json, write_report
+    from spmdkit.graph.strategy import parse_mesh
+    from spmdkit.graph.zoo import build_model, preset
+
+    for flag, v in (("--strategy", ns.strategy), ("--hf", getattr(ns, "hf", None)), ("--verify", ns.verify or None)):
+        if v is not None:
+            raise ProgramError(f"{flag}: does not apply with --auto (the search chooses the shardings of a preset "
+                               "or a --program file)")
+    try:
+        limit = float(ns.auto_time_limit)
+    except ValueError:
+        raise ProgramError(f"--auto-time-limit: {_cut(str(ns.auto_time_limit))} is not a number of seconds") from None
+    if not 0 < limit <= 86400:
+        raise ProgramError(f"--auto-time-limit: {limit:g} is not between 0 and 86400 seconds")
+    mesh = parse_mesh(ns.mesh)
+    config = None
+    t0 = time.perf_counter()
+    if ns.program:
+        given = [f"--{k}" for k, v in overrides.items() if v is not None]
+        if given:
+            raise ProgramError(f"{given[0]}: overrides a preset's size; it does not apply to --program")
+        from spmdkit.graph.program import load_program
+
+        prog = load_program(ns.program)
+        title = f"program {ns.program}"
+    else:
+        cfg = preset(ns.model)
+        cfg = cfg.with_(**{k: v for k, v in overrides.items() if v is not None})
+        config = cfg
+        prog = build_model(cfg, check_rules=False).program
+        title = f"{ns.model}: {cfg.arch}, {cfg.layers} layers, hidden {cfg.hidden}, seq {cfg.seq}, batch {cfg.batch}"
+    from spmdkit.graph.compute import load_device
+
+    device = load_device(ns.device) if getattr(ns, "device", None) else None
+    plan, info = auto_plan(prog, mesh, user, _cost(ns.cost, mesh), time_limit=limit, device=device)
+    secs = time.perf_counter() - t0
+    title += (f"; --auto: HiGHS {info.status}, gap {info.gap:.2%}, solve {info.solve_s:.2f} s, "
+              f"{info.candidates} candidates, predicted {'compute + ' if device else ''}communication "
+              f"{info.objective_s * 1e3:.3f} ms")
+    plan.grad_accum = _size_arg("--grad-accum", getattr(ns, "grad_accum", None), 1 << 20) or 1
+    plan, est = _step_estimate(ns, plan, config)
+    mem = memory_per_device(plan, ns.recompute)
+    if ns.json:
+        extra = {"title": title, "plan_seconds": secs,
+                 "auto": {"status": info.status, "gap": info.gap, "solve_seconds": info.solve_s,
+                          "objective_seconds": info.objective_s, "candidates": info.candidates,
+                          "variables": info.variables, "merged_elementwise": info.merged,
+                          "folded_layers": info.folded}}
+        out.write(json.dumps(plan_json(plan, mem, extra, est)) + "\n")
+    else:
+        write_report(plan, out, title, mem, secs, est)
+    return 0
 
 
 def _verify(ns: argparse.Namespace, model_name: str | None, user: dict[str, Any]) -> dict[str, Any]:
