@@ -9,9 +9,13 @@ holds it to how the reader requires it; edges are linearised as in Alpa, over th
 attrs of each tensor. Pins are hard constraints. The choice becomes annotations for
 :func:`propagate`, so the result is the usual :class:`Plan`.
 
-Not done: compute time (communication only), a memory cap, merging elementwise chains, folding
+The choice is realised twice, as the chosen candidates exactly (no propagation) and as
+annotations run through propagate; the cheaper plan is returned (``AutoInfo.realized``).
+
+Not done: a memory cap, merging elementwise chains, folding
 identical layers, an outer search over meshes. Costs are per reader: a reshard several readers
-share is counted once per reader by the ILP (propagate shares it).
+share is counted once per reader by the ILP (the plan shares it). Compute time counts only
+where a device is given.
 """
 
 from __future__ import annotations
@@ -45,6 +49,9 @@ class AutoInfo:
     status: str
     candidates: int
     variables: int
+    #: which realisation of the choice the plan is: "direct" (the chosen candidates as they are)
+    #: or "propagate" (propagate from the chosen dist attrs as annotations)
+    realized: str = "direct"
     merged: bool = False
     folded: bool = False
 
@@ -69,7 +76,7 @@ class _OneOp:
         self.outputs = outputs
 
 
-Cand = tuple[dict[str, TensorDistAttr], dict[str, TensorDistAttr], float]
+Cand = tuple[dict[str, TensorDistAttr], dict[str, TensorDistAttr], float, Any]
 
 
 def _candidates(prog: Program, i: int, mesh: ProcessMesh, limit: int, device: Any = None) -> list[Cand]:
@@ -130,12 +137,66 @@ def _candidates(prog: Program, i: int, mesh: ProcessMesh, limit: int, device: An
 
             shim = _OneOp(prog, i, dict(zip(tparams, res.inputs)), list(res.outputs))
             t = op_cost(shim, i).time_s(device)
-        out.append((req, outs, t))
+        out.append((req, outs, t, res))
         if len(out) >= limit:
             break
     if not out:
         raise ProgramError(f"auto: op {i} ({op.name or op.rule}): its rule answers no candidate sharding")
     return out
+
+
+def _direct(prog: Program, mesh: ProcessMesh, cost: CostModel, chosen: list[Any],
+            sources: dict[str, TensorDistAttr], fixed: dict[str, TensorDistAttr]) -> Plan:
+    """The plan of exactly the chosen candidates (no propagation): each op runs as its
+    candidate says, its inputs resharded from how they are held."""
+    from spmdkit.graph.propagate import OpPlan, Reshard
+
+    made: dict[str, TensorDistAttr] = {}
+    for n, t in prog.tensors.items():
+        made[n] = fixed.get(n) or sources.get(n) or TensorDistAttr.replicated(mesh, len(t.shape))
+    final = dict(made)
+    held: dict[str, TensorDistAttr] = dict(fixed)
+    reshards: list[Reshard] = []
+    seen: set[tuple[str, TensorDistAttr]] = set()
+
+    def reshard(n: str, a: TensorDistAttr, b: TensorDistAttr, i: int, output: bool) -> Reshard:
+        t = prog.tensors[n]
+        r = Reshard(n, a, b, i, output, plan_reshard(a, b, t.shape, t.itemsize, cost),
+                    shared=(n, b) in seen and not output)
+        seen.add((n, b))
+        reshards.append(r)
+        return r
+
+    ops: list[OpPlan] = []
+    for i, (op, res) in enumerate(zip(prog.ops, chosen)):
+        rule = get_rule(op.rule)
+        tparams = [p.name for p in rule.forward.params if p.is_tensor]
+        opp = OpPlan(i, op, {}, {}, [])
+        for p, req in zip(tparams, res.inputs):
+            v = op.inputs.get(p)
+            if v is None:
+                continue
+            refs = _flat(v)
+            opp.given[p] = tuple(None if n is None else made[n] for n in refs) if isinstance(v, tuple) else made[v]
+            opp.required[p] = req
+            for rn, r in zip(refs, _flat_attrs(req)):
+                if rn is not None and r is not None and made[rn] != r:
+                    opp.reshards.append(reshard(rn, made[rn], r, i, False))
+        for v, a in zip(op.outputs, res.outputs):
+            opp.outputs.append(a)
+            for on, o in zip(_flat(v), _flat_attrs(a)):
+                if on is None or o is None:
+                    continue
+                over = prog.tensors[on].inplace_of
+                target = fixed.get(on) or (made[over] if over is not None and over in op.input_names() else None)
+                if target is not None and target != o:
+                    opp.reshards.append(reshard(on, o, target, i, True))
+                    held[on] = target
+                    made[on] = final[on] = target
+                else:
+                    made[on] = final[on] = o
+        ops.append(opp)
+    return Plan(prog, mesh, final, ops, reshards, held, 0, cost)
 
 
 def _quiet_highs(highspy: Any) -> Any:
@@ -209,16 +270,16 @@ def auto_plan(prog: Program, mesh: ProcessMesh, pins: Mapping[str, Any] | None =
     for n, pin in fixed.items():
         if n in producer:
             i = producer[n]
-            for k, (_, outs, _) in enumerate(cands[i]):
+            for k, (_, outs, _, _) in enumerate(cands[i]):
                 if n in outs:
                     obj[x[i][k]] = obj.get(x[i][k], 0.0) + price(n, outs[n], pin)
     # free sources: one choice among the attrs their readers ask for
     src_choice: dict[str, tuple[list[TensorDistAttr], list[int]]] = {}
     for i, op in enumerate(prog.ops):
-        for n in set(op.input_names()):
+        for n in dict.fromkeys(op.input_names()):
             if (n in producer and producer[n] < i) or n in fixed or n in src_choice:
                 continue
-            attrs = list(dict.fromkeys(req[n] for op2 in cands for req, _, _ in op2 if n in req))
+            attrs = list(dict.fromkeys(req[n] for op2 in cands for req, _, _, _ in op2 if n in req))
             attrs = [a for a in attrs if not a.partial] or [TensorDistAttr.replicated(mesh, len(prog.tensors[n].shape))]
             vs = [new_var(0.0, integer=True) for _ in attrs]
             h.addRow(1.0, 1.0, len(vs), vs, [1.0] * len(vs))
@@ -231,49 +292,59 @@ def auto_plan(prog: Program, mesh: ProcessMesh, pins: Mapping[str, Any] | None =
         if n in producer and producer[n] < reader:
             i = producer[n]
             groups: dict[TensorDistAttr, list[int]] = {}
-            for k, (_, outs, _) in enumerate(cands[i]):
+            for k, (_, outs, _, _) in enumerate(cands[i]):
                 a = outs.get(n) or TensorDistAttr.replicated(mesh, len(prog.tensors[n].shape))
                 groups.setdefault(a, []).append(x[i][k])
             return list(groups.items())
         attrs, vs = src_choice[n]
         return [(a, [v]) for a, v in zip(attrs, vs)]
 
+    const = 0.0
+
+    def edge(n: str, src: list[tuple[TensorDistAttr, list[int]]], dst: list[tuple[TensorDistAttr, list[int]]]) -> None:
+        """The reshard of ``n`` from how it is (one of ``src``) to how it is wanted (one of
+        ``dst``); each side: (attr, the 0/1 variables whose sum says it is that attr)."""
+        nonlocal const
+        if len(src) == 1 and len(dst) == 1:  # both certain
+            const += price(n, src[0][0], dst[0][0])
+            return
+        if len(dst) == 1:  # the wanted attr is certain: the cost falls on the held groups
+            for a, vs in src:
+                for v in vs:
+                    obj[v] = obj.get(v, 0.0) + price(n, a, dst[0][0])
+            return
+        if len(src) == 1:  # the held attr is certain: the cost falls on the wanted groups
+            for b, ys in dst:
+                for y in ys:
+                    obj[y] = obj.get(y, 0.0) + price(n, src[0][0], b)
+            return
+        e: dict[tuple[int, int], int] = {}
+        for ai, (a, _) in enumerate(src):
+            for bi, (b, _) in enumerate(dst):
+                e[ai, bi] = new_var(price(n, a, b))
+        for ai, (_, vs) in enumerate(src):  # sum_b e_ab = [held as a]
+            idx = [e[ai, bi] for bi in range(len(dst))] + vs
+            h.addRow(0.0, 0.0, len(idx), idx, [1.0] * len(dst) + [-1.0] * len(vs))
+        for bi, (_, ys) in enumerate(dst):  # sum_a e_ab = [required as b]
+            idx = [e[ai, bi] for ai in range(len(src))] + ys
+            h.addRow(0.0, 0.0, len(idx), idx, [1.0] * len(src) + [-1.0] * len(ys))
+
+    def groups(j: int, n: str, side: int) -> list[tuple[TensorDistAttr, list[int]]]:
+        g: dict[TensorDistAttr, list[int]] = {}
+        for k, cand in enumerate(cands[j]):
+            got = cand[0] if side == 0 else cand[1]
+            a = got.get(n) or TensorDistAttr.replicated(mesh, len(prog.tensors[n].shape))
+            g.setdefault(a, []).append(x[j][k])
+        return list(g.items())
+
     for j, op in enumerate(prog.ops):
-        for n in set(op.input_names()):
-            src = held(n, j)
-            dst: dict[TensorDistAttr, list[int]] = {}
-            for k, (req, _, _) in enumerate(cands[j]):
-                a = req.get(n) or TensorDistAttr.replicated(mesh, len(prog.tensors[n].shape))
-                dst.setdefault(a, []).append(x[j][k])
-            if len(src) == 1 and not src[0][1]:  # a fixed source: a cost on the reader's candidates
-                for b, ys in dst.items():
-                    c = price(n, src[0][0], b)
-                    for y in ys:
-                        obj[y] = obj.get(y, 0.0) + c
-                continue
-            if len(src) == 1 or len(dst) == 1:
-                # one side is certain: the cost falls on the other side's groups
-                if len(dst) == 1:
-                    b = next(iter(dst))
-                    for a, vs in src:
-                        for v in vs:
-                            obj[v] = obj.get(v, 0.0) + price(n, a, b)
-                else:
-                    a = src[0][0]
-                    for b, ys in dst.items():
-                        for y in ys:
-                            obj[y] = obj.get(y, 0.0) + price(n, a, b)
-                continue
-            e: dict[tuple[int, int], int] = {}
-            for ai, (a, _) in enumerate(src):
-                for bi, b in enumerate(dst):
-                    e[ai, bi] = new_var(price(n, a, b))
-            for ai, (_, vs) in enumerate(src):  # sum_b e_ab = [held as a]
-                idx = [e[ai, bi] for bi in range(len(dst))] + vs
-                h.addRow(0.0, 0.0, len(idx), idx, [1.0] * len(dst) + [-1.0] * len(vs))
-            for bi, ys in enumerate(dst.values()):  # sum_a e_ab = [required as b]
-                idx = [e[ai, bi] for ai in range(len(src))] + ys
-                h.addRow(0.0, 0.0, len(idx), idx, [1.0] * len(src) + [-1.0] * len(ys))
+        reads = list(dict.fromkeys(op.input_names()))
+        for n in reads:
+            edge(n, held(n, j), groups(j, n, 0))
+        for n in op.output_names():  # an in-place output: back to how the tensor it overwrites is held
+            over = prog.tensors[n].inplace_of
+            if over is not None and over in reads and n not in fixed:
+                edge(n, groups(j, n, 1), held(over, j))
     for k, c in obj.items():
         h.changeColCost(k, c)
     h.changeObjectiveSense(highspy.ObjSense.kMinimize)
@@ -294,9 +365,23 @@ def auto_plan(prog: Program, mesh: ProcessMesh, pins: Mapping[str, Any] | None =
             if producer.get(n) == i and prog.tensors[n].inplace_of is None and not a.partial:
                 ann[n] = a
     ann.update(fixed)
-    plan = propagate(prog, mesh, ann, cost)
-    return plan, AutoInfo(objective_s=float(info.objective_function_value), gap=float(info.mip_gap),
-                          solve_s=solve_s, status=status, candidates=sum(len(c) for c in cands), variables=nvar)
+    # two realisations of the choice, both ordinary plans: exactly the chosen candidates, and
+    # propagate run from the chosen dist attrs as annotations; the cheaper is returned
+    chosen = [cands[i][max(range(len(x[i])), key=lambda k: sol[x[i][k]])][3] for i in range(len(prog.ops))]
+    plans = {"direct": _direct(prog, mesh, cost, chosen, {n: ann[n] for n in src_choice}, fixed),
+             "propagate": propagate(prog, mesh, ann, cost)}
+
+    def total(p: Plan) -> float:
+        if device is None:
+            return p.time_s
+        from spmdkit.graph.compute import op_cost
+
+        return p.time_s + sum(op_cost(p, i).time_s(device) for i in range(len(p.ops)))
+
+    realized = min(plans, key=lambda k: total(plans[k]))
+    plan = plans[realized]
+    return plan, AutoInfo(objective_s=float(info.objective_function_value) + const, gap=float(info.mip_gap),
+                          solve_s=solve_s, status=status, realized=realized, candidates=sum(len(c) for c in cands), variables=nvar)
 
 
 __all__ = ["AutoInfo", "auto_plan"]

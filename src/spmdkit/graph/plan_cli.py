@@ -423,7 +423,7 @@ def _run_auto(ns: argparse.Namespace, out: TextIO, user: dict[str, Any], overrid
     secs = time.perf_counter() - t0
     title += (f"; --auto: HiGHS {info.status}, gap {info.gap:.2%}, solve {info.solve_s:.2f} s, "
               f"{info.candidates} candidates, predicted {'compute + ' if device else ''}communication "
-              f"{info.objective_s * 1e3:.3f} ms")
+              f"{info.objective_s * 1e3:.3f} ms, realised {info.realized}")
     plan.grad_accum = _size_arg("--grad-accum", getattr(ns, "grad_accum", None), 1 << 20) or 1
     plan, est = _step_estimate(ns, plan, config)
     mem = memory_per_device(plan, ns.recompute)
@@ -431,7 +431,7 @@ def _run_auto(ns: argparse.Namespace, out: TextIO, user: dict[str, Any], overrid
         extra = {"title": title, "plan_seconds": secs,
                  "auto": {"status": info.status, "gap": info.gap, "solve_seconds": info.solve_s,
                           "objective_seconds": info.objective_s, "candidates": info.candidates,
-                          "variables": info.variables, "merged_elementwise": info.merged,
+                          "variables": info.variables, "realized": info.realized, "merged_elementwise": info.merged,
                           "folded_layers": info.folded}}
         out.write(json.dumps(plan_json(plan, mem, extra, est)) + "\n")
     else:
