@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+
 import pytest
 
 
@@ -16,3 +19,13 @@ def run_cli_line(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, s
     err = capsys.readouterr().err
     assert "Traceback" not in err
     return rc, err.strip().splitlines()[-1] if err.strip() else ""
+
+
+def cli_stdout(*argv: str) -> tuple[int, str]:
+    """``spmdkit ARGV`` in-process: (exit status, what it printed on stdout)."""
+    from spmdkit.cli import main
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main(list(argv))
+    return rc, buf.getvalue()

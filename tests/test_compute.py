@@ -5,7 +5,6 @@ imports costed."""
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import math
@@ -15,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from conftest import cli_stdout
 from spmdkit.cli import main
 from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
@@ -309,10 +309,7 @@ def test_uncovered_rules_are_listed_not_zero() -> None:
 
 
 def _run(*argv: str) -> tuple[int, str]:
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        rc = main(list(argv))
-    return rc, buf.getvalue()
+    return cli_stdout(*argv)
 
 
 def test_cli_plan_device_text_and_json() -> None:

@@ -3,13 +3,13 @@ simulation and ``spmdkit plan``."""
 
 from __future__ import annotations
 
-import io
 import json
 from collections import Counter
 from typing import Any
 
 import pytest
 
+from conftest import cli_stdout
 from spmdkit.cli import main
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import ProgramError
@@ -261,12 +261,7 @@ def test_simulation_catches_an_unsound_plan() -> None:
 
 
 def _run(*argv: str) -> tuple[int, str]:
-    import contextlib
-
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        rc = main(list(argv))
-    return rc, buf.getvalue()
+    return cli_stdout(*argv)
 
 
 def test_cli_plan_report() -> None:

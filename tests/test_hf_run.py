@@ -312,11 +312,12 @@ def test_launcher_hands_its_ranks_the_step(monkeypatch: Any) -> None:
     hands them with the plan to its own ranks (not to processes it did not start)."""
     import shutil
 
-    from spmdkit.run_cli import STEP_ENV, _load_step, _plan_hf, _save_step, _Step
+    from spmdkit.graph.plan_cli import plan_hf
+    from spmdkit.run_cli import STEP_ENV, _load_step, _save_step, _Step
     from spmdkit.torch_exec import eager_reference
 
     cls, cfg = _CFG["gpt2"]
-    prog, model, kw, plan = _plan_hf(cls, json.dumps(cfg), "dp=2", "dp", "float32", 2, 16, {})
+    prog, model, kw, plan = plan_hf(cls, json.dumps(cfg), "dp=2", "dp", "float32", 2, 16, {})
     monkeypatch.delenv(STEP_ENV, raising=False)
     d = _save_step(_Step(plan, "t", model, kw))
     try:

@@ -248,9 +248,9 @@ def _plan_hf_step(ns: argparse.Namespace, user: dict[str, Any]) -> _Step:
 
     dtype = dtype_name(ns.dtype or "float32")
     strategy = ns.strategy or "megatron"
-    from spmdkit.graph.plan_cli import _tp_plan
+    from spmdkit.graph.plan_cli import _tp_plan, plan_hf
 
-    _prog, model, kw, plan = _plan_hf(ns.hf, ns.hf_config, ns.mesh, strategy, dtype, batch, seq, user,
+    _prog, model, kw, plan = plan_hf(ns.hf, ns.hf_config, ns.mesh, strategy, dtype, batch, seq, user,
                                       _tp_plan(ns.tp_plan))
     if pad:  # the same shapes, a padded last row: the program does not depend on the inputs' values
         from spmdkit.hf import example_inputs
@@ -258,24 +258,6 @@ def _plan_hf_step(ns: argparse.Namespace, user: dict[str, Any]) -> _Step:
         kw = example_inputs(model, batch, seq, labels=True, pad=pad)
     return _Step(plan, f"{ns.hf} ({dtype}, batch {batch}, seq {seq}" + (f", {pad} padded" if pad else "")
                  + f"), mesh {ns.mesh}, strategy {strategy}", model, kw)
-
-
-def _plan_hf(class_name: str, config: Any, mesh_text: str, strategy_text: str, dtype: str, batch: int, seq: int,
-             user: dict[str, Any], patterns: Any = None) -> tuple[Any, Any, dict[str, Any], Any]:
-    """(program, model, call kwargs, plan) of a HF model's training step under the strategies
-    for imported programs (:func:`spmdkit.graph.plan_cli.plan_hf`); its warnings (kv heads
-    replicated over tp) are one line each on stderr."""
-    import warnings
-
-    from spmdkit.graph.plan_cli import plan_hf
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", UserWarning)
-        out = plan_hf(class_name, config, mesh_text, strategy_text, dtype, batch, seq, user, patterns)
-    for w in caught:
-        if issubclass(w.category, UserWarning) and str(w.message).startswith("--"):
-            print(f"spmdkit run: warning: {' '.join(str(w.message).split())}", file=sys.stderr)
-    return out
 
 
 def _env_int(name: str, lo: int, hi: int) -> int:
@@ -289,7 +271,7 @@ def _env_int(name: str, lo: int, hi: int) -> int:
 def _run_command(ns: argparse.Namespace, out: TextIO, argv: list[str]) -> int:
     import importlib.util
 
-    from spmdkit.graph.plan_cli import _annotations
+    from spmdkit.graph.plan_cli import _annotations, strategy_notes
     from spmdkit.graph.strategy import parse_mesh
     from spmdkit.launch import uneven_shards
 
@@ -317,7 +299,8 @@ def _run_command(ns: argparse.Namespace, out: TextIO, argv: list[str]) -> int:
                                 "(stages, schedule, bubble); 'spmdkit run' executes one step without stages, so it "
                                 "would run pp as a plain replicated dim: drop pp from --mesh")
         if step is None:
-            step = _plan(ns, mesh, _annotations(ns.annotate))
+            with strategy_notes("run"):  # --hf / --program strategies' notes, one line each
+                step = _plan(ns, mesh, _annotations(ns.annotate))
     except RunUsageError:
         raise
     except ProgramError as exc:

@@ -101,20 +101,16 @@ _NVLINK4 = Link(5e-6, 450 * G)   # H100 / H200 SXM5: 900 GB/s bidirectional = 45
 _IB_HDR = Link(20e-6, 25 * G)    # DGX A100: one 200 Gb/s HDR InfiniBand port per GPU
 _IB_NDR = Link(20e-6, 50 * G)    # DGX H100 / H200: one 400 Gb/s NDR ConnectX-7 port per GPU
 
+#: Dense peaks by dtype: A100 SXM4 (40 and 80 GB alike) and H100 / H200 SXM5 (the same GPU).
+_A100_PEAKS = {"bf16": 312 * T, "fp16": 312 * T, "tf32": 156 * T, "fp32": 19.5 * T, "fp64": 9.7 * T}
+_H100_PEAKS = {"bf16": 989.5 * T, "fp16": 989.5 * T, "tf32": 494.5 * T, "fp32": 67 * T, "fp64": 34 * T}
+
 #: The presets (docs/devices.md gives the datasheet of every figure; dense, not sparse).
 DEVICES: dict[str, Device] = {
-    "a100-40gb": Device("NVIDIA A100 SXM4 40GB", {"bf16": 312 * T, "fp16": 312 * T, "tf32": 156 * T,
-                                                 "fp32": 19.5 * T, "fp64": 9.7 * T},
-                        1555 * G, 40 * 1024**3, _NVLINK3, _IB_HDR),
-    "a100-80gb": Device("NVIDIA A100 SXM4 80GB", {"bf16": 312 * T, "fp16": 312 * T, "tf32": 156 * T,
-                                                 "fp32": 19.5 * T, "fp64": 9.7 * T},
-                        2039 * G, 80 * 1024**3, _NVLINK3, _IB_HDR),
-    "h100": Device("NVIDIA H100 SXM5 80GB", {"bf16": 989.5 * T, "fp16": 989.5 * T, "tf32": 494.5 * T,
-                                            "fp32": 67 * T, "fp64": 34 * T},
-                   3350 * G, 80 * 1024**3, _NVLINK4, _IB_NDR),
-    "h200": Device("NVIDIA H200 SXM5 141GB", {"bf16": 989.5 * T, "fp16": 989.5 * T, "tf32": 494.5 * T,
-                                             "fp32": 67 * T, "fp64": 34 * T},
-                   4800 * G, 141 * 10**9, _NVLINK4, _IB_NDR),
+    "a100-40gb": Device("NVIDIA A100 SXM4 40GB", dict(_A100_PEAKS), 1555 * G, 40 * 1024**3, _NVLINK3, _IB_HDR),
+    "a100-80gb": Device("NVIDIA A100 SXM4 80GB", dict(_A100_PEAKS), 2039 * G, 80 * 1024**3, _NVLINK3, _IB_HDR),
+    "h100": Device("NVIDIA H100 SXM5 80GB", dict(_H100_PEAKS), 3350 * G, 80 * 1024**3, _NVLINK4, _IB_NDR),
+    "h200": Device("NVIDIA H200 SXM5 141GB", dict(_H100_PEAKS), 4800 * G, 141 * 10**9, _NVLINK4, _IB_NDR),
 }
 _DEVICE_ALIASES = {"a100": "a100-80gb", "a100-80": "a100-80gb", "a100-40": "a100-40gb", "h100-sxm": "h100",
                    "h100-80gb": "h100", "h200-sxm": "h200", "h200-141gb": "h200"}

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, TextIO
 
 from spmdkit.core.errors import ProgramError, SpmdError
@@ -278,24 +279,33 @@ def _progress() -> Any:
     return cb
 
 
+@contextlib.contextmanager
+def strategy_notes(command: str) -> Iterator[None]:
+    """The strategies' notes (a kv projection replicated over tp: a UserWarning starting with
+    ``--``) printed as one ``spmdkit COMMAND: warning: ...`` line each on stderr, whatever
+    the planning raises."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        try:
+            yield
+        finally:
+            for w in caught:
+                if issubclass(w.category, UserWarning) and str(w.message).startswith("--"):
+                    print(f"spmdkit {command}: warning: {' '.join(str(w.message).split())}", file=sys.stderr)
+
+
 def run_plan(ns: argparse.Namespace, out: TextIO) -> int:
     """Plan and print; a bad argument or program file is one line on stderr naming it and
     exit status 2 (no traceback); 1 when ``--verify`` finds a difference."""
-    import warnings
-
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", UserWarning)
-            try:
-                from spmdkit.graph.pipeline import run_pipeline_plan, wants_pipeline
+        with strategy_notes("plan"):
+            from spmdkit.graph.pipeline import run_pipeline_plan, wants_pipeline
 
-                if wants_pipeline(ns):  # a pp mesh dim: graph/pipeline.py
-                    return run_pipeline_plan(ns, out)
-                return _run_plan(ns, out)
-            finally:
-                for w in caught:  # the strategy's notes (a kv projection replicated): one line each
-                    if issubclass(w.category, UserWarning) and str(w.message).startswith("--"):
-                        print(f"spmdkit plan: warning: {' '.join(str(w.message).split())}", file=sys.stderr)
+            if wants_pipeline(ns):  # a pp mesh dim: graph/pipeline.py
+                return run_pipeline_plan(ns, out)
+            return _run_plan(ns, out)
     except SpmdError as exc:
         msg = " ".join(str(exc).split())
         if len(msg) > 500:
