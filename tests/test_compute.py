@@ -18,6 +18,7 @@ from conftest import cli_stdout
 from spmdkit.cli import main
 from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
+from spmdkit.graph.autodiff import GRADS
 from spmdkit.graph.compute import (
     BUCKET_BYTES,
     COSTED,
@@ -35,7 +36,7 @@ from spmdkit.graph.compute import (
 from spmdkit.graph.plan_cli import plan_model
 from spmdkit.graph.program import ProgramBuilder
 from spmdkit.graph.propagate import propagate
-from spmdkit.graph.zoo import GRADS, build_model, preset
+from spmdkit.graph.zoo import build_model, preset
 
 
 def _plan(b: ProgramBuilder, mesh: ProcessMesh | None = None, ann: dict[str, Any] | None = None) -> Any:

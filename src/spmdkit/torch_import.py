@@ -37,7 +37,7 @@ its source line, unless it is mapped (:func:`register_aten`, or ``mapping=`` per
 ``fn(ctx) -> value`` or the name of a rule taking the node's tensor arguments in order) or
 ``fallback="replicate"`` (a ``replicated`` op, with a warning).
 
-``training=True`` differentiates the imported forward with :class:`spmdkit.graph.zoo.Tape` (the
+``training=True`` differentiates the imported forward with :class:`spmdkit.graph.autodiff.Tape` (the
 registered grad rules) and adds an AdamW (or SGD) update per parameter, as the zoo builders do.
 
 :func:`torch_values` gives the source values of an imported program from the module's own
@@ -57,8 +57,9 @@ from typing import Any
 import torch
 
 from spmdkit.core.errors import ProgramError
+from spmdkit.graph.autodiff import GRADS, Tape
 from spmdkit.graph.program import Op, Program, ProgramBuilder, RecordedValue, Tensor, _flat
-from spmdkit.graph.zoo import GRADS, Model, ModelConfig, Tape, _optimizer
+from spmdkit.graph.zoo import Model, ModelConfig, _optimizer
 from spmdkit.rules.registry import get_rule, has_rule
 
 _DTYPES: dict[Any, str] = {
@@ -408,7 +409,7 @@ class _Importer:
                 raise ctx.unsupported(f"training: maps to {rule} reading one tensor twice ({', '.join(twice)}), "
                                       f"which the autodiff does not differentiate")
             if rule not in GRADS:
-                why = "has no grad rule in the autodiff (spmdkit.graph.zoo.GRADS)"
+                why = "has no grad rule in the autodiff (spmdkit.graph.autodiff.GRADS)"
                 raise ctx.unsupported(f"training: maps to {rule}, which {why}; import with training=False, or "
                                       f"map the op otherwise (register_aten / mapping=)")
         if self.tape is not None:
