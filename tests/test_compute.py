@@ -16,6 +16,7 @@ import pytest
 
 from conftest import cli_stdout
 from spmdkit.cli import main
+from spmdkit.cli.plan import plan_model
 from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.graph.autodiff import GRADS
@@ -33,7 +34,6 @@ from spmdkit.graph.compute import (
     op_cost,
     recost,
 )
-from spmdkit.graph.plan_cli import plan_model
 from spmdkit.graph.program import ProgramBuilder
 from spmdkit.graph.propagate import propagate
 from spmdkit.graph.zoo import build_model, preset

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from spmdkit.cli import main
+from spmdkit.cli.plan import MAX_LAYERS
 from spmdkit.core.errors import ProgramError
-from spmdkit.graph.plan_cli import MAX_LAYERS
 from spmdkit.graph.program import ProgramBuilder
 from spmdkit.graph.strategy import MAX_RANKS, parse_mesh
 
@@ -197,7 +197,7 @@ def test_uneven_dp_batch_is_stated(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_subprocess_has_no_traceback() -> None:
     for argv in (["--mesh", "dp=100000,tp=100000"], ["--cost", "tp=5us/0GB"], ["--batch", "1e20"]):
-        p = subprocess.run([sys.executable, "-m", "spmdkit.cli", "plan", *TINY, *argv], capture_output=True,
+        p = subprocess.run([sys.executable, "-m", "spmdkit", "plan", *TINY, *argv], capture_output=True,
                            text=True, timeout=60, env={"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin"})
         assert p.returncode == 2, p.stderr
         assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from spmdkit.cli.verify import add_verify_command
 from spmdkit.core import ProcessMesh, ReduceType, SpmdResult, TensorDistAttr
 from spmdkit.io.codec import Case, decode_args
 from spmdkit.rules import registry
@@ -28,7 +29,6 @@ from spmdkit.sim import (
     verify_rule,
 )
 from spmdkit.sim.cases import mode_reference
-from spmdkit.sim.cli import add_verify_command
 from spmdkit.sim.mesh import reduce_pieces, split_partial
 from spmdkit.sim.ops import REFERENCES, Ctx, get_reference
 

@@ -5,7 +5,7 @@ process per rank and watches them until every one has ended, one way or another.
 A rank that fails or dies ends the run at once: the launcher kills the others and prints one line
 naming the rank and its error (a stopped rank is named as such once its peers' collectives time
 out). Killing the launcher ends the ranks: SIGTERM / SIGINT / SIGHUP from its handler, its death
-through each rank's parent-death signal (``run_cli.die_with_launcher``).
+through each rank's parent-death signal (``spmdkit.cli.run.die_with_launcher``).
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ class PipelineSpec:
 
 
 def _int(flag: str, text: Any, hi: int) -> int | None:
-    from spmdkit.graph.plan_cli import _size_arg
+    from spmdkit.cli.plan import _size_arg
 
     return _size_arg(flag, text, hi)
 
@@ -598,7 +598,7 @@ def plan_pipeline(model_name: str, mesh_text: str, strategy_text: str, spec_args
                   overrides: dict[str, Any] | None = None, user: dict[str, Any] | None = None,
                   cost_text: str | None = None) -> tuple[Any, Any, PipelineSpec, tuple[int, ...], float]:
     """(model, plan of one microbatch on the sub-mesh, spec, layers per virtual stage, seconds)."""
-    from spmdkit.graph.plan_cli import MAX_LAYERS, MAX_SIZE, _size_arg, plan_model
+    from spmdkit.cli.plan import MAX_LAYERS, MAX_SIZE, _size_arg, plan_model
     from spmdkit.graph.strategy import parse_mesh
     from spmdkit.graph.zoo import preset
 
@@ -646,8 +646,8 @@ def _pp_link(ns: argparse.Namespace, mesh: Any, device: Any) -> tuple[float, flo
 
 def run_pipeline_plan(ns: argparse.Namespace, out: TextIO) -> int:
     """``spmdkit plan`` with a ``pp`` mesh dim (preset models)."""
+    from spmdkit.cli.plan import _annotations, _cost, _step_estimate
     from spmdkit.graph.activations import check_recompute
-    from spmdkit.graph.plan_cli import _annotations, _cost, _step_estimate
     from spmdkit.graph.report import plan_json, write_report
     from spmdkit.graph.strategy import parse_mesh
 
@@ -726,7 +726,7 @@ def _verify_pipeline(ns: argparse.Namespace, spec: PipelineSpec, strategy: str) 
         from spmdkit.graph.simulate import simulate_plan, source_values
     except ImportError as exc:  # numpy missing
         raise ProgramError(f"--verify needs numpy (pip install 'spmdkit[sim]'): {exc}") from None
-    from spmdkit.graph.plan_cli import plan_model
+    from spmdkit.cli.plan import plan_model
     from spmdkit.graph.strategy import parse_mesh
     from spmdkit.graph.zoo import preset
 

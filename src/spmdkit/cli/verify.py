@@ -1,6 +1,6 @@
 """``spmdkit verify [RULE ...] [--cases N] [--seed S] [--mode forward|backward|both]``.
 
-The lead wires :func:`add_verify_command` into ``spmdkit.cli``'s subparsers.
+:func:`spmdkit.cli.build_parser` wires :func:`add_verify_command` into its subparsers.
 """
 
 from __future__ import annotations

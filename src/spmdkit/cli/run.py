@@ -213,13 +213,13 @@ def _plan(ns: argparse.Namespace, mesh: Any, user: dict[str, Any]) -> _Step:
         if v is not None:
             raise RunUsageError(f"{flag} applies to --hf CLASS only")
     if ns.program:
-        from spmdkit.graph.plan_cli import _tp_plan, plan_program
+        from spmdkit.cli.plan import _tp_plan, plan_program
         from spmdkit.graph.program import load_program
 
         _prog, plan = plan_program(load_program(ns.program), ns.mesh, ns.strategy, user, _tp_plan(ns.tp_plan))
         return _Step(plan, f"program {ns.program}, mesh {ns.mesh}" + (f", strategy {ns.strategy}" if ns.strategy
                                                                        else ""))
-    from spmdkit.graph.plan_cli import plan_model
+    from spmdkit.cli.plan import plan_model
 
     if ns.tp_plan is not None:
         raise RunUsageError("--tp-plan applies to --hf or --program models (a preset has its own roles)")
@@ -248,7 +248,7 @@ def _plan_hf_step(ns: argparse.Namespace, user: dict[str, Any]) -> _Step:
 
     dtype = dtype_name(ns.dtype or "float32")
     strategy = ns.strategy or "megatron"
-    from spmdkit.graph.plan_cli import _tp_plan, plan_hf
+    from spmdkit.cli.plan import _tp_plan, plan_hf
 
     _prog, model, kw, plan = plan_hf(ns.hf, ns.hf_config, ns.mesh, strategy, dtype, batch, seq, user,
                                       _tp_plan(ns.tp_plan))
@@ -271,7 +271,7 @@ def _env_int(name: str, lo: int, hi: int) -> int:
 def _run_command(ns: argparse.Namespace, out: TextIO, argv: list[str]) -> int:
     import importlib.util
 
-    from spmdkit.graph.plan_cli import _annotations, strategy_notes
+    from spmdkit.cli.plan import _annotations, strategy_notes
     from spmdkit.graph.strategy import parse_mesh
     from spmdkit.launch import uneven_shards
 

@@ -121,13 +121,13 @@ def _cmd_demo(ns: argparse.Namespace, out: TextIO) -> int:
 
 
 def _cmd_plan(ns: argparse.Namespace, out: TextIO) -> int:
-    from spmdkit.graph.plan_cli import run_plan
+    from spmdkit.cli.plan import run_plan
 
     return run_plan(ns, out)
 
 
 def _cmd_run(ns: argparse.Namespace, out: TextIO) -> int:
-    from spmdkit.run_cli import run_command
+    from spmdkit.cli.run import run_command
 
     return run_command(ns, out, ns.argv)
 
@@ -156,17 +156,17 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--json", action="store_true")
     pr.set_defaults(fn=_cmd_rules)
 
-    from spmdkit.sim.cli import add_verify_command
+    from spmdkit.cli.verify import add_verify_command
 
     add_verify_command(sub)
 
-    from spmdkit.graph.plan_cli import add_plan_arguments
+    from spmdkit.cli.plan import add_plan_arguments
 
     pp = sub.add_parser("plan", help="plan a model's training step on a mesh: shardings, reshards, memory")
     add_plan_arguments(pp)
     pp.set_defaults(fn=_cmd_plan)
 
-    from spmdkit.run_cli import add_run_arguments
+    from spmdkit.cli.run import add_run_arguments
 
     pn = sub.add_parser("run", help="run a planned training step on torch.distributed, one process per rank "
                                     "(needs spmdkit[torch])")
@@ -194,6 +194,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"spmdkit: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
 
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
