@@ -754,14 +754,14 @@ def test_sum_grad_and_local_mean_grad() -> None:
 
 
 def test_close_never_equates_nan() -> None:
-    from spmdkit.sim.mesh import _close, max_abs_error, nonfinite_count
+    from spmdkit.sim.mesh import arrays_close, max_abs_error, nonfinite_count
 
     a = np.array([1.0, np.nan, np.inf])
-    assert not _close(a, a.copy(), 1e-7, 1e-9)  # NaN equals nothing, itself included
-    assert _close(a, a.copy(), 1e-7, 1e-9, equal_nan=True)  # replicas agreeing bit for bit
-    assert _close(np.array([np.inf, -np.inf]), np.array([np.inf, -np.inf]), 1e-7, 1e-9)  # exact infinities
-    assert not _close(np.array([np.inf]), np.array([-np.inf]), 1e-7, 1e-9)
-    assert not _close(np.array([np.nan]), np.array([0.0]), 1e-7, 1e-9, equal_nan=True)
+    assert not arrays_close(a, a.copy(), 1e-7, 1e-9)  # NaN equals nothing, itself included
+    assert arrays_close(a, a.copy(), 1e-7, 1e-9, equal_nan=True)  # replicas agreeing bit for bit
+    assert arrays_close(np.array([np.inf, -np.inf]), np.array([np.inf, -np.inf]), 1e-7, 1e-9)  # exact infinities
+    assert not arrays_close(np.array([np.inf]), np.array([-np.inf]), 1e-7, 1e-9)
+    assert not arrays_close(np.array([np.nan]), np.array([0.0]), 1e-7, 1e-9, equal_nan=True)
     assert nonfinite_count(a) == 2 and nonfinite_count(np.arange(3)) == 0
     assert max_abs_error(np.array([1.0, np.nan, 5.0]), np.array([1.5, 2.0, 5.0])) == 0.5  # finite positions
     # replicas that are NaN at the same places assemble; the value check is the caller's

@@ -21,7 +21,7 @@ def fmt_attr(a: Any) -> str:
     return s
 
 
-def _table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]], out: TextIO) -> None:
+def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]], out: TextIO) -> None:
     try:
         from rich.console import Console
         from rich.table import Table
@@ -56,7 +56,7 @@ def print_result_table(case: Any, result: SpmdResult, out: TextIO) -> None:
     for i, a in enumerate(result.outputs):
         rows.append(["output", f"out[{i}]", "", "", fmt_attr(a)])
     title = f"{case.rule.name} {case.mode} on mesh {list(case.mesh.shape)}"
-    _table(title, ["", "tensor", "shape", "given", "inferred"], rows, out)
+    print_table(title, ["", "tensor", "shape", "given", "inferred"], rows, out)
 
 
 def _shape(t: Any) -> str:
@@ -80,7 +80,7 @@ def print_rules_table(rows: Sequence[dict[str, Any]], out: TextIO) -> None:
         [r["name"], r["canonical"] if r["canonical"] != r["name"] else "", ", ".join(r["modes"]), r["forward"], r["backward"] or "-"]
         for r in rows
     ]
-    _table(f"{len(rows)} registered rule names", ["name", "alias of", "modes", "forward", "backward"], table, out)
+    print_table(f"{len(rows)} registered rule names", ["name", "alias of", "modes", "forward", "backward"], table, out)
 
 
 def rules_markdown() -> str:

@@ -51,7 +51,7 @@ from spmdkit.graph.propagate import Plan
 from spmdkit.graph.simulate import _flat_out, loss_name, op_io, source_values, unusable
 from spmdkit.launch import free_port, launch_local, port_in_use, uneven_shards
 from spmdkit.reshard import Step, local_bytes, plan_reshard
-from spmdkit.sim.mesh import AssembleError, _close, assemble, max_abs_error, nonfinite_count, shard
+from spmdkit.sim.mesh import AssembleError, arrays_close, assemble, max_abs_error, nonfinite_count, shard
 from spmdkit.sim.ops import Ctx
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
@@ -424,7 +424,7 @@ def run_rank(plan: Plan, seed: int = 0, rtol: float = 1e-5, atol: float = 1e-8,
             rep.nonfinite += 1
             rep.failures.append((name, f"{bad_got} non-finite values of {got.size} where the single-process "
                                        f"value is finite"))
-        elif not _close(got, g, rtol, atol):
+        elif not arrays_close(got, g, rtol, atol):
             rep.failures.append((name, "differs from the single-process run"))
     if loss is not None and loss in ref and loss in me.made:
         rep.reference_loss = float(np.asarray(ref[loss]).sum())

@@ -775,7 +775,7 @@ def _verify_pipeline(ns: argparse.Namespace, spec: PipelineSpec, strategy: str) 
 
 def write_pipeline(est: PipelineEstimate, out: TextIO) -> None:
     from spmdkit.graph.report import fmt_bytes, fmt_time
-    from spmdkit.report import _table
+    from spmdkit.report import print_table
 
     s = est.spec
     p, v, m = s.pp, s.virtual, s.microbatches
@@ -788,16 +788,16 @@ def write_pipeline(est: PipelineEstimate, out: TextIO) -> None:
         rows.append([str(k), str(k % p), str(st.layers), fmt_time(st.forward_s), fmt_time(st.backward_s),
                      fmt_bytes(st.send_bytes), fmt_time(est.send_f_s[k]), fmt_time(st.grad_sync_s),
                      fmt_time(st.optimizer_s)])
-    _table("Stages (per microbatch; the activation gradients come back as many bytes)",
-           ["stage", "device", "layers", "forward", "backward", "send", "send time", "grad sync", "optimizer"],
-           rows, out)
+    print_table("Stages (per microbatch; the activation gradients come back as many bytes)",
+                ["stage", "device", "layers", "forward", "backward", "send", "send time", "grad sync", "optimizer"],
+                rows, out)
     rows = []
     for r in range(p):
         mm = est.memory[r]
         rows.append([str(r), f"{est.in_flight[r]:g}", fmt_bytes(mm.parameters), fmt_bytes(mm.gradients),
                      fmt_bytes(mm.optimizer_states), fmt_bytes(mm.activation_peak), fmt_bytes(mm.total)])
-    _table("Memory per device of each pipeline rank (in flight: microbatches of activations held)",
-           ["pp rank", "in flight", "parameters", "gradients", "optimizer", "activations", "total"], rows, out)
+    print_table("Memory per device of each pipeline rank (in flight: microbatches of activations held)",
+                ["pp rank", "in flight", "parameters", "gradients", "optimizer", "activations", "total"], rows, out)
     f = bubble_formula(s.schedule, p, v, m)
     if est.run is None:
         out.write(f"bubble (formula): {100 * f:.1f}% of the work; give --device for the step time\n")

@@ -11,7 +11,7 @@ from spmdkit.graph.compute import KernelCollective, StepEstimate, kernel_collect
 from spmdkit.graph.memory import Memory, memory_per_device, uneven_shards
 from spmdkit.graph.propagate import Plan, Reshard
 from spmdkit.io.codec import encode_attr
-from spmdkit.report import _table
+from spmdkit.report import print_table
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 _ANY_LAYER = re.compile(r"\blayers\.\d+\.")
@@ -113,8 +113,8 @@ def write_report(plan: Plan, out: TextIO, title: str = "", memory: Memory | None
              and not t.inplace_of]
     rows += [[t.name, t.kind, str(list(t.shape)), placements(plan.attrs[t.name])] for t in other]
     if rows:
-        _table("Sharding (layer 0 in full, and the tensors outside the layers)",
-               ["tensor", "kind", "shape", "placements"], rows, out)
+        print_table("Sharding (layer 0 in full, and the tensors outside the layers)",
+                    ["tensor", "kind", "shape", "placements"], rows, out)
     if len(layers) > 1:
         base = {_generic(n): plan.attrs[n] for n in prog.tensors if n.startswith("layers.0.")}
         differ = sorted({n for n in prog.tensors if (m := _LAYER.match(n)) and m.group(1) != "0"
@@ -144,9 +144,9 @@ def write_report(plan: Plan, out: TextIO, title: str = "", memory: Memory | None
                      f"{placements(r.src)} -> {placements(r.dst)}", steps, f"x{len(rs)}",
                      fmt_bytes(sum(x.bytes_per_rank for x in rs)), fmt_time(sum(x.time_s for x in rs))])
     if rows:
-        _table("Reshards (one row per kind of reshard; repeated layers counted in 'times')",
-               ["phase", "layer", "tensor", "where", "from -> to", "collectives", "times", "bytes/rank", "time"],
-               rows, out)
+        print_table("Reshards (one row per kind of reshard; repeated layers counted in 'times')",
+                    ["phase", "layer", "tensor", "where", "from -> to", "collectives", "times", "bytes/rank", "time"],
+                    rows, out)
     else:
         out.write("No reshards: every op gets its inputs as their producers made them.\n")
     out.write("\n")
@@ -160,8 +160,8 @@ def write_report(plan: Plan, out: TextIO, title: str = "", memory: Memory | None
                  + "x".join(mesh.dim_names[d] for d in dims), f"x{len(ks)}",
                  fmt_bytes(sum(k.bytes_per_rank for k in ks)), fmt_time(sum(k.time_s for k in ks))]
                 for (rule, ph, what, dims), ks in groups_k.items()]
-        _table("Collectives inside ops (the kernel communicates; counted in the totals below)",
-               ["phase", "op", "collective", "times", "bytes/rank", "time"], rows, out)
+        print_table("Collectives inside ops (the kernel communicates; counted in the totals below)",
+                    ["phase", "op", "collective", "times", "bytes/rank", "time"], rows, out)
         out.write("\n")
     rows = []
     for phase in ("forward", "backward", "optimizer", None):
@@ -170,8 +170,8 @@ def write_report(plan: Plan, out: TextIO, title: str = "", memory: Memory | None
         rows.append([phase or "step", ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())) or "-",
                      fmt_bytes(b), fmt_time(t)])
     accum = f"; {plan.grad_accum} micro-steps accumulated, gradients reduced once" if plan.grad_accum > 1 else ""
-    _table(f"Communication per training step (alpha-beta estimate, spmdkit.reshard{accum})",
-           ["phase", "collectives", "bytes/rank", "time"], rows, out)
+    print_table(f"Communication per training step (alpha-beta estimate, spmdkit.reshard{accum})",
+                ["phase", "collectives", "bytes/rank", "time"], rows, out)
     out.write("\n")
     if estimate is not None:
         write_estimate(estimate, out)
@@ -187,7 +187,7 @@ def write_report(plan: Plan, out: TextIO, title: str = "", memory: Memory | None
         rows.insert(4, [f"kept for the backward (recompute {saved.recompute})",
                         fmt_bytes(saved.total) + (f"; {'' if min(per) == max(per) else 'up to '}"
                                                         f"{fmt_bytes(max(per))} per layer" if per else "")])
-    _table("Memory per device", ["", "bytes"], rows, out)
+    print_table("Memory per device", ["", "bytes"], rows, out)
     if estimate is not None and estimate.device.memory_bytes:
         cap = estimate.device.memory_bytes
         out.write(f"{'fits in' if mem.total <= cap else 'does NOT fit in'} the {fmt_bytes(cap)} of a "
@@ -256,8 +256,8 @@ def write_estimate(est: StepEstimate, out: TextIO) -> None:
     nb = len(est.buckets)
     rows.append([f"gradient reductions ({nb} DDP bucket{'' if nb == 1 else 's'})", "-", fmt_time(est.grad_sync_s)])
     rows.append(["total", fmt_time(est.compute_total_s), fmt_time(est.comm_total_s)])
-    _table("Predicted step per device (roofline compute, alpha-beta communication; spmdkit.graph.compute)",
-           ["", "compute", "communication"], rows, out)
+    print_table("Predicted step per device (roofline compute, alpha-beta communication; spmdkit.graph.compute)",
+                ["", "compute", "communication"], rows, out)
     exposed = est.step_overlap_s - est.compute_total_s
     out.write(f"step time: {fmt_time(est.step_serial_s)} serial, {fmt_time(est.step_overlap_s)} with the gradient "
               f"reductions overlapped with the backward ({fmt_time(exposed)} of communication exposed)\n")

@@ -32,7 +32,7 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.graph.program import Op, Program, RecordedValue, _flat
 from spmdkit.graph.propagate import Plan
 from spmdkit.rules.registry import get_rule
-from spmdkit.sim.mesh import AssembleError, _close, assemble, max_abs_error, nonfinite_count, shard
+from spmdkit.sim.mesh import AssembleError, arrays_close, assemble, max_abs_error, nonfinite_count, shard
 from spmdkit.sim.ops import Ctx, Reference, get_reference
 
 
@@ -441,7 +441,7 @@ def simulate_plan(plan: Plan, seed: int = 0, rtol: float = 1e-7, atol: float = 1
                 report.failures.append((n, f"after {op.name}: not checkable, the unsharded value has {bad_ref} "
                                            f"non-finite values of {glob[n].size}"))
                 continue
-            if not _close(got, glob[n], rtol, atol):
+            if not arrays_close(got, glob[n], rtol, atol):
                 bad_got = nonfinite_count(got)
                 err = max_abs_error(got, glob[n]) if got.shape == glob[n].shape else float("nan")
                 report.failures.append((n, f"after {op.name}: differs from the unsharded value (max error {err:.3g}"

@@ -205,7 +205,7 @@ def shard(
 # -- assemble ---------------------------------------------------------------------------------
 
 
-def _close(a: np.ndarray, b: np.ndarray, rtol: float, atol: float, *, equal_nan: bool = False) -> bool:
+def arrays_close(a: np.ndarray, b: np.ndarray, rtol: float, atol: float, *, equal_nan: bool = False) -> bool:
     """Equal shapes and values within ``rtol`` / ``atol``. A NaN equals nothing, itself included,
     unless ``equal_nan`` (only for checking that replicas agree bit for bit in where they are NaN:
     that is agreement, not a correct value; the value check against a reference stays strict).
@@ -285,7 +285,7 @@ def assemble(
         first = locs[group[0]]
         # replicas that are NaN at the same places agree; whether the value is right is the caller's
         # comparison with its reference, which never counts a NaN as equal
-        bad = [r for r in group[1:] if not _close(first, locs[r], rtol, atol, equal_nan=True)]
+        bad = [r for r in group[1:] if not arrays_close(first, locs[r], rtol, atol, equal_nan=True)]
         if bad:
             diff = ""
             try:
@@ -331,6 +331,7 @@ def assemble(
 
 __all__ = [
     "AssembleError",
+    "arrays_close",
     "assemble",
     "balanced_split",
     "local_shape",

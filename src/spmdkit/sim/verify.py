@@ -28,7 +28,7 @@ from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.io.codec import Case, decode_attr, encode_arg, parse_case
 from spmdkit.rules.registry import get_rule, rule_names
 from spmdkit.sim.cases import generate_case, make_array, mode_reference, output_params
-from spmdkit.sim.mesh import AssembleError, _close, assemble, local_slices, shard
+from spmdkit.sim.mesh import AssembleError, arrays_close, assemble, local_slices, shard
 from spmdkit.sim.ops import Ctx
 
 SOUND = "sound"
@@ -332,7 +332,7 @@ def _judge(v: Verdict, c: Case, result: SpmdResult, seed: int, rtol: float, atol
             got = assemble(pieces, a, g.shape, rtol=rtol, atol=atol)
         except AssembleError as exc:
             return _bad(v, f"output {k} ({_fmt_attr(a)}): {exc}", output=k, ranks=exc.ranks)
-        if not _close(got, g, rtol, atol):
+        if not arrays_close(got, g, rtol, atol):
             return _bad(v, f"output {k} ({_fmt_attr(a)}): {_first_diff(got, g, a)}", output=k,
                         ranks=_rank_of_diff(got, g, a))
     if uncheckable:
