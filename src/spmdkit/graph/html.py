@@ -104,7 +104,7 @@ def _mesh_svg(names: Sequence[str], shape: Sequence[int], ids: Sequence[int], pe
         x, y = pad_l + c * cw, pad_t + r * ch
         parts.append(f'<g class="rank"><title>rank {rid} ({coords}), node {node}</title>'
                      f'<rect x="{x + 2}" y="{y + 2}" width="{cw - 4}" height="{ch - 4}" rx="4" '
-                     f'fill="{rank_colour(rid)}" stroke="{rank_colour(node + 3)}" stroke-width="3"/>'
+                     f'fill="{rank_colour(node)}" stroke="#fff" stroke-width="1"/>'
                      f'<text x="{x + cw / 2}" y="{y + ch / 2 + 4}" text-anchor="middle" class="lbl">{rid}</text></g>')
     parts.append("</svg>")
     return "".join(parts)
@@ -130,11 +130,14 @@ def _mesh_section(mesh: Any, per_node: int) -> str:
                 break
         rows.append(f"<tr><td>{_e(nm)}</td><td>{s}</td><td>{'inside a node (NVLink)' if inside else 'across nodes'}"
                     f"</td></tr>")
-    nodes = "; ".join(f"node {n}: ranks {_ranges([i for i in ids if i // per_node == n])}" for n in range(n_nodes))
+    if n_nodes <= 4:
+        nodes = "; ".join(f"node {n}: ranks {_ranges([i for i in ids if i // per_node == n])}" for n in range(n_nodes))
+    else:
+        nodes = f"node n: ranks {per_node}n to {per_node}n+{per_node - 1}"
     return (f'<section id="mesh"><h2>Mesh</h2><p>{" x ".join(f"{_e(n)}={s}" for n, s in zip(names, shape))}: '
             f'{len(ids)} ranks on {n_nodes} node{"s" if n_nodes != 1 else ""} of {per_node} ranks '
-            f'(rows: {"x".join(_e(n) for n in names[:-1]) or "-"}, columns: {_e(names[-1])}; the outline colour '
-            f'is the node). {_e(nodes)}</p><div class="row">{_mesh_svg(names, shape, ids, per_node)}'
+            f'(rows: {" x ".join(_e(n) for n in names[:-1]) or "-"}, columns: {_e(names[-1])}; coloured by '
+            f'node). {_e(nodes)}.</p><div class="row">{_mesh_svg(names, shape, ids, per_node)}'
             f'<table class="small"><tr><th>mesh dim</th><th>size</th><th>its groups</th></tr>{"".join(rows)}'
             f'</table></div></section>')
 
