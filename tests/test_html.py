@@ -292,3 +292,5 @@ def test_page_renders_in_chromium(tmp_path: Path, page: str, llama: tuple[Any, A
     want = sum(1 for g in reshard_groups(plan) if "optimizer" in " ".join(
         str(v) for v in g.values()).lower())
     assert body["data-selftest-filtered"] == str(want) and 0 < want < len(reshard_groups(plan))
+    cards = re.findall(r'<div class="card" data-name="([^"]+)"', page)
+    assert body["data-selftest-tensors"] == str(sum("wq" in n for n in cards)) != "0"

@@ -117,6 +117,12 @@ def test_fitted_wraps_long_text_lines() -> None:
     assert " ".join(ln.strip() for ln in lines[1:]).split() == ("a long line of words " * 6 + "indented and also "
                                                                  "long enough " * 2 + "to wrap it over").split()
     assert lines[-1].startswith("    ")  # an indented line's continuation: two more spaces
+    out = io.StringIO()
+    with fitted(out, 40) as f:
+        f.write("a partial ")
+        f.flush()  # a flush does not end the line
+        f.write("line\nand an unended one")
+    assert out.getvalue() == "a partial line\nand an unended one\n"
     raw = io.StringIO()
     with fitted(raw, None) as f:
         assert f is raw

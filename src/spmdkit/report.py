@@ -176,6 +176,9 @@ class _Wrapped:
             self.out.write(part + "\n")
 
     def flush(self) -> None:
+        self.out.flush()  # a partial line stays until its newline (or :meth:`finish`)
+
+    def finish(self) -> None:
         if self._part:
             self._line(self._part)
             self._part = ""
@@ -201,7 +204,7 @@ def fitted(out: TextIO, width: int | None) -> Iterator[TextIO]:
         try:
             yield wrapped  # type: ignore[misc]
         finally:
-            wrapped.flush()
+            wrapped.finish()
 
 
 def print_result_table(case: Any, result: SpmdResult, out: TextIO) -> None:

@@ -727,6 +727,8 @@ _JS = """
       b.setAttribute('data-selftest-sorted',sorted?'yes':'no');
       var f=document.getElementById('reshard-filter');f.value='optimizer';
       b.setAttribute('data-selftest-filtered',String(refilter()));}
+    if(tf){tf.value='wq';filterTensors();
+      b.setAttribute('data-selftest-tensors',String(document.querySelectorAll('.card:not(.hidden)').length));}
   }
   b.setAttribute('data-ready','yes');
 })();
