@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.conftest import cli_stdout
 
+from conftest import cli_stdout
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh

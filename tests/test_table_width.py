@@ -162,7 +162,7 @@ def test_plan_wide_prints_everything(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "left out" not in text
     assert "all-reduce over tp (4 ranks), 192.0 MiB/rank" in text and "after matmul (layers.*.attn_out)" in text
     # a pipe gets the same whole lines as --wide
-    from tests.conftest import cli_stdout
+    from conftest import cli_stdout
 
     rc, piped = cli_stdout("plan", "--model", "llama-7b", "--layers", "2", "--mesh", "dp=2,tp=4", "--device", "h100")
     strip = re.compile(r"planned in [\d.]+ s")
