@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint typecheck unit bench clean
+.PHONY: demo test lint typecheck unit bench clean chromium
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,8 +31,18 @@ lint: $(VENV)/.installed-test
 typecheck: $(VENV)/.installed-test
 	$(BIN)/mypy
 
-unit: $(VENV)/.installed-test
+unit: $(VENV)/.installed-test chromium
 	$(BIN)/python -m pytest -n 2 tests
+
+# headless Chromium for the browser checks of tests/test_html.py: Debian's package, installed
+# where missing when root and apt-get is there; never fails (the tests skip, saying why)
+chromium:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  { if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	      apt-get install -y -q chromium >/dev/null 2>&1 || \
+	      { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1; } || \
+	      echo "make chromium: apt-get could not install chromium; tests/test_html.py skips its browser checks"; \
+	    else echo "make chromium: no chromium (not root or no apt-get); tests/test_html.py skips its browser checks"; fi; }
 
 bench: $(VENV)/.installed-demo
 	$(BIN)/python benchmarks/bench_rules.py

@@ -48,6 +48,11 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="activation recomputation: selective (the attention core, Korthikanti et al. 2022) or "
                         "full (every layer, only its input kept); in the memory and the --device step")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--html", metavar="FILE",
+                   help="also write the plan as one self-contained HTML page (figures of the mesh, the shardings, "
+                        "communication, memory and the step's timeline; no network needed)")
+    p.add_argument("--wide", action="store_true",
+                   help="print the tables whole, however wide (on a terminal they are fitted to its width)")
     p.add_argument("--verify", action="store_true",
                    help="also run the same plan at tiny sizes through the simulator (needs numpy)")
     p.add_argument("--auto", action="store_true",
@@ -302,10 +307,17 @@ def run_plan(ns: argparse.Namespace, out: TextIO) -> int:
     try:
         with strategy_notes("plan"):
             from spmdkit.graph.pipeline import run_pipeline_plan, wants_pipeline
+            from spmdkit.report import fitted, terminal_width
 
-            if wants_pipeline(ns):  # a pp mesh dim: graph/pipeline.py
-                return run_pipeline_plan(ns, out)
-            return _run_plan(ns, out)
+            if getattr(ns, "html", None):
+                from spmdkit.graph.html import check_html_path
+
+                check_html_path(ns.html)  # before planning
+            width = None if ns.json else terminal_width(out, getattr(ns, "wide", False))
+            with fitted(out, width) as fout:
+                if wants_pipeline(ns):  # a pp mesh dim: graph/pipeline.py
+                    return run_pipeline_plan(ns, fout)
+                return _run_plan(ns, fout)
     except SpmdError as exc:
         msg = " ".join(str(exc).split())
         if len(msg) > 500:
@@ -379,6 +391,7 @@ def _run_plan(ns: argparse.Namespace, out: TextIO) -> int:
     verdict = None
     if ns.verify:
         verdict = _verify(ns, model_name, user)
+    write_html(ns, plan, title, mem, est, config)
     if ns.json:
         extra: dict[str, Any] = {"title": title, "plan_seconds": secs}
         if verdict is not None:
@@ -437,6 +450,7 @@ def _run_auto(ns: argparse.Namespace, out: TextIO, user: dict[str, Any], overrid
     plan.grad_accum = _size_arg("--grad-accum", getattr(ns, "grad_accum", None), 1 << 20) or 1
     plan, est = _step_estimate(ns, plan, config)
     mem = memory_per_device(plan, ns.recompute)
+    write_html(ns, plan, title, mem, est, config, auto=info)
     if ns.json:
         extra = {"title": title, "plan_seconds": secs,
                  "auto": {"status": info.status, "gap": info.gap, "solve_seconds": info.solve_s,
@@ -447,6 +461,21 @@ def _run_auto(ns: argparse.Namespace, out: TextIO, user: dict[str, Any], overrid
     else:
         write_report(plan, out, title, mem, secs, est)
     return 0
+
+
+def write_html(ns: argparse.Namespace, plan: Any, title: str, mem: Any, est: Any, config: Any = None,
+               **more: Any) -> None:
+    """``--html FILE``: the page of :mod:`spmdkit.graph.html`, written atomically; a line on stderr."""
+    path = getattr(ns, "html", None)
+    if not path:
+        return
+    from spmdkit.graph.html import save_html
+    from spmdkit.graph.strategy import parse_mesh
+
+    nodes = _size_arg("--nodes-of", getattr(ns, "nodes_of", None), 1 << 20)
+    size = save_html(path, plan, title, mem, est, config=config, recompute=getattr(ns, "recompute", None) or "none",
+                     mesh=parse_mesh(ns.mesh), ranks_per_node=nodes, **more)
+    print(f"spmdkit plan: wrote {path} ({size / 1024:.0f} KiB)", file=sys.stderr)
 
 
 def _verify(ns: argparse.Namespace, model_name: str | None, user: dict[str, Any]) -> dict[str, Any]:

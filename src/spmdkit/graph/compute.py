@@ -785,6 +785,10 @@ class StepEstimate:
     hardware_flops: float = 0.0
     #: all-gathers run again in the backward (a tensor kept as its producer's shard)
     regathers: int = 0
+    #: one micro-step in program order, per op: (op index, start s, blocking communication s
+    #: before it, recomputation and re-gathers s before it, its compute s); the gradient buckets
+    #: run beside it on their own stream (:attr:`buckets`)
+    timeline: list[tuple[int, float, float, float, float]] = field(default_factory=list, repr=False)
 
     @property
     def compute_total_s(self) -> float:
@@ -1026,6 +1030,7 @@ def estimate_step(plan: Any, device: Device, tokens: int | None = None, recomput
 
     clock = 0.0
     serial_compute = 0.0
+    timeline: list[tuple[int, float, float, float, float]] = []
     flushed = False
     for i, op in enumerate(prog.ops):
         if op.phase == "optimizer" and not flushed:
@@ -1033,6 +1038,7 @@ def estimate_step(plan: Any, device: Device, tokens: int | None = None, recomput
                 launch(key, clock)
             clock = max(clock, comm_free)
             flushed = True
+        timeline.append((i, clock, blocking.get(i, 0.0) + kern_by_op.get(i, 0.0), extra_at.get(i, 0.0), times[i]))
         clock += blocking.get(i, 0.0) + kern_by_op.get(i, 0.0) + times[i] + extra_at.get(i, 0.0)
         serial_compute += times[i]
         for dt, s, size in pending.get(i, []):
@@ -1083,6 +1089,7 @@ def estimate_step(plan: Any, device: Device, tokens: int | None = None, recomput
     est.recompute_flops_per_device = re_flops
     est.hardware_flops = (mf + n_ranks * re_mm_flops) if tokens else 0.0
     est.regathers = n_regather
+    est.timeline = timeline
     return est
 
 

@@ -25,7 +25,7 @@ outputs) is held as the shard between its last forward reader and its first back
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from spmdkit.core.dist_attr import TensorDistAttr, entry_dims
@@ -101,6 +101,8 @@ class Memory:
     peak_op: int
     #: the activations the backward keeps (an :class:`spmdkit.graph.activations.ActivationMemory`)
     saved: Any = None
+    #: the live activation bytes while each op runs (program order; the peak is their maximum)
+    curve: tuple[int, ...] = field(default=(), repr=False, compare=False)
 
     @property
     def total(self) -> int:
@@ -189,12 +191,16 @@ def memory_per_device(plan: object, recompute: str = "none") -> Memory:
         size = nbytes(n, dst)
         delta[a] += size
         delta[b_ + 1] -= size
-    peak, at, cur = 0, 0, 0
+    curve = []
+    cur = 0
     for i in range(n_ops):
         cur += delta[i]
-        if cur > peak:
-            peak, at = cur, i
-    return Memory(params, grads, states, peak, at, saved)
+        curve.append(cur)
+    peak, at = 0, 0
+    for i, v in enumerate(curve):
+        if v > peak:
+            peak, at = v, i
+    return Memory(params, grads, states, peak, at, saved, tuple(curve))
 
 
 __all__ = ["Memory", "UnevenShard", "local_numel", "memory_per_device", "uneven_shards"]

@@ -220,6 +220,8 @@ class ScheduleRun:
     finish_s: list[float]   # per device: the end of its last backward
     busy_s: list[float]     # per device: its own forward + backward work
     last_backward_s: list[float]
+    #: every unit run: (device, "F" | "B", virtual stage, microbatch, start s, end s)
+    units: list[tuple[int, str, int, int, float, float]] = field(default_factory=list, repr=False)
 
     @property
     def pipeline_s(self) -> float:
@@ -249,6 +251,7 @@ def run_schedule(schedule: str, p: int, v: int, m: int, fwd: list[float], bwd: l
     pos = [0] * p
     free = [0.0] * p
     last_b = [0.0] * p
+    units: list[tuple[int, str, int, int, float, float]] = []
     remaining = sum(len(o) for o in orders)
     while remaining:
         progressed = False
@@ -268,6 +271,7 @@ def run_schedule(schedule: str, p: int, v: int, m: int, fwd: list[float], bwd: l
                     break
                 start = max(free[r], dep)
                 free[r] = start + dur
+                units.append((r, kind, k, i, start, free[r]))
                 done[(kind, k, i)] = free[r]
                 if kind == "B":
                     last_b[r] = dur
@@ -277,7 +281,7 @@ def run_schedule(schedule: str, p: int, v: int, m: int, fwd: list[float], bwd: l
         if not progressed:  # cannot happen for the three schedules; never loop forever
             raise ProgramError(f"--schedule {schedule}: the schedule deadlocks (p={p}, v={v}, m={m})")
     busy = [m * sum(fwd[c * p + r] + bwd[c * p + r] for c in range(v)) for r in range(p)]
-    return ScheduleRun(free, busy, last_b)
+    return ScheduleRun(free, busy, last_b, units)
 
 
 def bubble_formula(schedule: str, p: int, v: int, m: int) -> float:
@@ -685,6 +689,9 @@ def run_pipeline_plan(ns: argparse.Namespace, out: TextIO) -> int:
              f"batch {c.batch * spec.microbatches} as {spec.microbatches} microbatches of {c.batch}, {c.dtype}; "
              f"strategy {strategy}; pipeline pp={spec.pp}"
              + (f"; recompute {ns.recompute}" if getattr(ns, "recompute", "none") not in (None, "none") else ""))
+    from spmdkit.cli.plan import write_html
+
+    write_html(ns, plan, title, est.memory[worst], _est, c, pipeline=est)
     verdict = _verify_pipeline(ns, spec, strategy) if ns.verify else None
     if ns.json:
         extra: dict[str, Any] = {"title": title, "plan_seconds": secs, "pipeline": est.to_json()}

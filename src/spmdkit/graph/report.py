@@ -13,6 +13,9 @@ from spmdkit.graph.propagate import Plan, Reshard
 from spmdkit.io.codec import encode_attr
 from spmdkit.report import print_table
 
+#: The reshard table's columns left out first, in this order, where the terminal is too narrow
+#: for them all (``--wide`` prints them; the text of the others wraps).
+RESHARD_OPTIONAL = ("where", "collectives", "phase", "times")
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 _ANY_LAYER = re.compile(r"\blayers\.\d+\.")
 
@@ -90,6 +93,32 @@ def _layer_of(plan: Plan, r: Reshard) -> str:
     return plan.program.ops[r.op_index].layer or "-"
 
 
+def reshard_groups(plan: Plan) -> list[dict[str, Any]]:
+    """The plan's reshards (shared ones left out), one entry per kind: the same tensor of every
+    layer, reshaped alike before or after the same op (``times``: how many; ``bytes_per_rank``
+    and ``time_s``: their sum over the step)."""
+    prog = plan.program
+    groups: dict[tuple[Any, ...], list[Reshard]] = {}
+    for r in plan.reshards:
+        if r.shared:
+            continue
+        groups.setdefault(_reshard_key(plan, r), []).append(r)
+    out = []
+    for rs in groups.values():
+        r = rs[0]
+        op = prog.ops[r.op_index]
+        where = sorted({_layer_of(plan, x) for x in rs})
+        layer = where[0] if len(where) == 1 else f"{len(where)} layers"
+        if layer == "optimizer":
+            layer = "-"
+        out.append({"phase": op.phase, "layer": layer, "tensor": _generic(r.tensor),
+                    "where": ("after " if r.output else "before ") + f"{op.rule} ({_generic(op.name)})",
+                    "from_to": f"{placements(r.src)} -> {placements(r.dst)}",
+                    "collectives": "; ".join(s.describe() for s in r.plan.steps) or "-", "times": len(rs),
+                    "bytes_per_rank": sum(x.bytes_per_rank for x in rs), "time_s": sum(x.time_s for x in rs)})
+    return out
+
+
 def write_report(plan: Plan, out: TextIO, title: str = "", memory: Memory | None = None,
                  plan_seconds: float | None = None, estimate: StepEstimate | None = None) -> None:
     prog = plan.program
@@ -114,7 +143,7 @@ def write_report(plan: Plan, out: TextIO, title: str = "", memory: Memory | None
     rows += [[t.name, t.kind, str(list(t.shape)), placements(plan.attrs[t.name])] for t in other]
     if rows:
         print_table("Sharding (layer 0 in full, and the tensors outside the layers)",
-                    ["tensor", "kind", "shape", "placements"], rows, out)
+               ["tensor", "kind", "shape", "placements"], rows, out, optional=("kind",))
     if len(layers) > 1:
         base = {_generic(n): plan.attrs[n] for n in prog.tensors if n.startswith("layers.0.")}
         differ = sorted({n for n in prog.tensors if (m := _LAYER.match(n)) and m.group(1) != "0"
@@ -125,28 +154,12 @@ def write_report(plan: Plan, out: TextIO, title: str = "", memory: Memory | None
         else:
             out.write(f"layers 1-{layers[-1]}: every tensor sharded as in layer 0\n\n")
     # -- reshards
-    groups: dict[tuple[Any, ...], list[Reshard]] = {}
-    for r in plan.reshards:
-        if r.shared:
-            continue
-        groups.setdefault(_reshard_key(plan, r), []).append(r)
-    rows = []
-    for rs in groups.values():
-        r = rs[0]
-        op = prog.ops[r.op_index]
-        where = sorted({_layer_of(plan, x) for x in rs})
-        layer = where[0] if len(where) == 1 else f"{len(where)} layers"
-        if layer == "optimizer":
-            layer = "-"
-        steps = "; ".join(s.describe() for s in r.plan.steps) or "-"
-        rows.append([op.phase, layer, _generic(r.tensor),
-                     ("after " if r.output else "before ") + f"{op.rule} ({_generic(op.name)})",
-                     f"{placements(r.src)} -> {placements(r.dst)}", steps, f"x{len(rs)}",
-                     fmt_bytes(sum(x.bytes_per_rank for x in rs)), fmt_time(sum(x.time_s for x in rs))])
+    rows = [[g["phase"], g["layer"], g["tensor"], g["where"], g["from_to"], g["collectives"], f"x{g['times']}",
+             fmt_bytes(g["bytes_per_rank"]), fmt_time(g["time_s"])] for g in reshard_groups(plan)]
     if rows:
         print_table("Reshards (one row per kind of reshard; repeated layers counted in 'times')",
-                    ["phase", "layer", "tensor", "where", "from -> to", "collectives", "times", "bytes/rank", "time"],
-                    rows, out)
+               ["phase", "layer", "tensor", "where", "from -> to", "collectives", "times", "bytes/rank", "time"],
+               rows, out, optional=RESHARD_OPTIONAL)
     else:
         out.write("No reshards: every op gets its inputs as their producers made them.\n")
     out.write("\n")
@@ -161,7 +174,7 @@ def write_report(plan: Plan, out: TextIO, title: str = "", memory: Memory | None
                  fmt_bytes(sum(k.bytes_per_rank for k in ks)), fmt_time(sum(k.time_s for k in ks))]
                 for (rule, ph, what, dims), ks in groups_k.items()]
         print_table("Collectives inside ops (the kernel communicates; counted in the totals below)",
-                    ["phase", "op", "collective", "times", "bytes/rank", "time"], rows, out)
+               ["phase", "op", "collective", "times", "bytes/rank", "time"], rows, out, optional=("op",))
         out.write("\n")
     rows = []
     for phase in ("forward", "backward", "optimizer", None):
@@ -171,7 +184,7 @@ def write_report(plan: Plan, out: TextIO, title: str = "", memory: Memory | None
                      fmt_bytes(b), fmt_time(t)])
     accum = f"; {plan.grad_accum} micro-steps accumulated, gradients reduced once" if plan.grad_accum > 1 else ""
     print_table(f"Communication per training step (alpha-beta estimate, spmdkit.reshard{accum})",
-                ["phase", "collectives", "bytes/rank", "time"], rows, out)
+           ["phase", "collectives", "bytes/rank", "time"], rows, out)
     out.write("\n")
     if estimate is not None:
         write_estimate(estimate, out)
@@ -257,7 +270,7 @@ def write_estimate(est: StepEstimate, out: TextIO) -> None:
     rows.append([f"gradient reductions ({nb} DDP bucket{'' if nb == 1 else 's'})", "-", fmt_time(est.grad_sync_s)])
     rows.append(["total", fmt_time(est.compute_total_s), fmt_time(est.comm_total_s)])
     print_table("Predicted step per device (roofline compute, alpha-beta communication; spmdkit.graph.compute)",
-                ["", "compute", "communication"], rows, out)
+           ["", "compute", "communication"], rows, out)
     exposed = est.step_overlap_s - est.compute_total_s
     out.write(f"step time: {fmt_time(est.step_serial_s)} serial, {fmt_time(est.step_overlap_s)} with the gradient "
               f"reductions overlapped with the backward ({fmt_time(exposed)} of communication exposed)\n")
@@ -280,5 +293,6 @@ def write_estimate(est: StepEstimate, out: TextIO) -> None:
                   + ", ".join(f"{r} x{n}" for r, n in sorted(est.uncovered.items())) + "\n")
 
 
-__all__ = ["fmt_bytes", "fmt_flops", "fmt_time", "placements", "plan_json", "step_kinds", "write_estimate",
+__all__ = ["RESHARD_OPTIONAL", "fmt_bytes", "fmt_flops", "fmt_time", "placements", "plan_json", "reshard_groups",
+           "step_kinds", "write_estimate",
            "write_report"]
