@@ -48,6 +48,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="activation recomputation: selective (the attention core, Korthikanti et al. 2022) or "
                         "full (every layer, only its input kept); in the memory and the --device step")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--export", nargs=2, metavar=("dtensor|jax|paddle", "FILE"),
+                   help="also write the parameters' shardings for torch DTensor (a parallelize_module plan and "
+                        "placements), JAX (PartitionSpecs) or Paddle (shard_tensor placements) to FILE (docs/export.md)")
     p.add_argument("--verify", action="store_true",
                    help="also run the same plan at tiny sizes through the simulator (needs numpy)")
     p.add_argument("--auto", action="store_true",
@@ -303,7 +306,13 @@ def run_plan(ns: argparse.Namespace, out: TextIO) -> int:
         with strategy_notes("plan"):
             from spmdkit.graph.pipeline import run_pipeline_plan, wants_pipeline
 
+            if getattr(ns, "export", None):  # a bad format or folder refused before planning
+                from spmdkit.export import check_target
+
+                check_target(*ns.export)
             if wants_pipeline(ns):  # a pp mesh dim: graph/pipeline.py
+                if getattr(ns, "export", None):
+                    raise ProgramError("--export: does not apply to a pipeline (pp) plan yet")
                 return run_pipeline_plan(ns, out)
             return _run_plan(ns, out)
     except SpmdError as exc:
@@ -376,6 +385,7 @@ def _run_plan(ns: argparse.Namespace, out: TextIO) -> int:
     plan.grad_accum = _size_arg("--grad-accum", getattr(ns, "grad_accum", None), 1 << 20) or 1
     plan, est = _step_estimate(ns, plan, config)
     mem = memory_per_device(plan, recompute)
+    _export(ns, plan)
     verdict = None
     if ns.verify:
         verdict = _verify(ns, model_name, user)
@@ -437,6 +447,7 @@ def _run_auto(ns: argparse.Namespace, out: TextIO, user: dict[str, Any], overrid
     plan.grad_accum = _size_arg("--grad-accum", getattr(ns, "grad_accum", None), 1 << 20) or 1
     plan, est = _step_estimate(ns, plan, config)
     mem = memory_per_device(plan, ns.recompute)
+    _export(ns, plan)
     if ns.json:
         extra = {"title": title, "plan_seconds": secs,
                  "auto": {"status": info.status, "gap": info.gap, "solve_seconds": info.solve_s,
@@ -447,6 +458,14 @@ def _run_auto(ns: argparse.Namespace, out: TextIO, user: dict[str, Any], overrid
     else:
         write_report(plan, out, title, mem, secs, est)
     return 0
+
+
+def _export(ns: argparse.Namespace, plan: Any) -> None:
+    """``--export FORMAT FILE``: the plan's shardings for another framework (spmdkit/export.py)."""
+    if getattr(ns, "export", None):
+        from spmdkit.export import export_plan
+
+        export_plan(plan, ns.export[0], ns.export[1])
 
 
 def _verify(ns: argparse.Namespace, model_name: str | None, user: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,515 @@
+"""Export a plan's parameter shardings for torch DTensor, JAX and Paddle (``spmdkit plan --export``).
+
+``export_plan(plan, fmt, path)`` writes one JSON document (atomically: a temporary file in the
+same folder, renamed over ``path``) with the plan's mesh (dim names, shape, process ids) and,
+per parameter, its shape and its sharding in the framework's terms. The names are the plan's
+(for an ``--hf`` import, the module's state-dict names), the shapes are the plan's (torch's
+``[out, in]`` for a ``Linear`` weight). ``fmt``:
+
+- ``dtensor``: the DTensor placements of every parameter, one per mesh dim (``Shard(d)``,
+  ``Replicate()``), and a ``torch.distributed.tensor.parallel.parallelize_module`` plan over the
+  tensor-parallel mesh dim, derived from those placements and from how the program reads each
+  weight: a ``Linear`` weight (``[out, in]``, read by ``matmul`` with ``trans_y``) sharded on its
+  output features is ``ColwiseParallel``, on its input features ``RowwiseParallel``; an
+  ``Embedding`` table sharded on its rows (vocab-parallel) is ``RowwiseParallel``, on its columns
+  ``ColwiseParallel``. Input and output layouts are the plan's: a row layer's output goes to the
+  layout the plan reduces it to (all-reduced: ``Replicate()``; reduce-scattered:
+  ``Shard(1)``); a column layer whose output feeds the vocab-parallel loss keeps it a DTensor
+  (``use_local_output=False``: compute the loss under ``loss_parallel()``, the document says
+  ``"loss_parallel": true``). Where two or more column layers read one tensor that a module makes
+  (the q / k / v projections reading the attention norm's output), that module gets
+  ``PrepareModuleOutput`` to a replicated DTensor, so the layers share it and its gradient is
+  summed before one all-reduce, as the plan has it (instead of one all-reduce per layer).
+  Sequence-parallel plans: the norms whose input the plan shards on the sequence get
+  ``SequenceParallel``, the column layers ``input_layouts=Shard(1)`` (each all-gathers its own
+  input: torch then moves more than the plan's one gather per block). Load with
+  :func:`load_dtensor_plan` (``parallelize_module(model, mesh["tp"], load_dtensor_plan(path))``)
+  and :func:`load_dtensor_placements`.
+- ``jax``: a ``PartitionSpec`` (mesh axis names, ``None`` for a replicated axis, a tuple for a
+  co-sharded one) per parameter and per data input; :func:`load_jax_specs`.
+- ``paddle``: ``paddle.distributed.shard_tensor`` placements (``Shard(d)`` / ``Replicate()``,
+  ``Partial()`` for a partial one) per parameter on a ``ProcessMesh`` with the plan's dim
+  names; :func:`load_paddle_placements`.
+
+Errors (an unknown format, a path that cannot be written, a plan without parameters, a
+sharding the framework cannot express) are :class:`ExportError` naming the format, the tensor
+and what is wrong. Standard library only; the loaders import their framework when called.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+from spmdkit.core.dist_attr import TensorDistAttr, entry_dims
+from spmdkit.core.errors import SpmdError
+from spmdkit.core.placements import Partial, Replicate, Shard, to_partition_spec, to_placements
+
+FORMATS = ("dtensor", "jax", "paddle")
+#: The ``format`` field of each document.
+DOC_FORMATS = {f: f"spmdkit-{f}-export" for f in FORMATS}
+VERSION = 1
+
+
+class ExportError(SpmdError):
+    """A plan cannot be exported: an unknown format, an unwritable path, no parameters, or a
+    sharding the target framework has no form for."""
+
+
+# -- what the plan says --------------------------------------------------------------------------
+
+
+def _parameters(plan: Any, fmt: str) -> list[str]:
+    from spmdkit.graph.hf_strategy import parameters
+
+    names = parameters(plan.program)
+    if not names:
+        raise ExportError(f"--export {fmt}: the plan's program has no parameters (no tensor of kind "
+                          f"'parameter'), so there is nothing to place")
+    return names
+
+
+def _mesh_doc(plan: Any) -> dict[str, Any]:
+    m = plan.mesh
+    return {"dim_names": list(m.dim_names), "shape": list(m.shape), "process_ids": list(m.process_ids)}
+
+
+def _placement_text(p: Any) -> str:
+    if isinstance(p, Shard):
+        return f"Shard({p.dim})"
+    if isinstance(p, Partial):
+        return f"Partial({p.reduce_op.value})"
+    return "Replicate()"
+
+
+def _placements(attr: TensorDistAttr, fmt: str, name: str) -> list[str]:
+    try:
+        return [_placement_text(p) for p in to_placements(attr)]
+    except SpmdError as exc:
+        raise ExportError(f"--export {fmt}: {name}: {exc}") from None
+
+
+def _producers(prog: Any) -> dict[str, int]:
+    return {n: i for i, op in enumerate(prog.ops) for n in op.output_names()}
+
+
+def _forward_readers(prog: Any) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for i, op in enumerate(prog.ops):
+        if op.phase == "forward":
+            for n in op.input_names():
+                out.setdefault(n, []).append(i)
+    return out
+
+
+# -- dtensor -------------------------------------------------------------------------------------
+
+
+def _tp_dim(plan: Any, weights: list[str]) -> int | None:
+    """The tensor-parallel mesh dim: the one named ``tp``, else the only mesh dim that shards a
+    weight; None when no weight is sharded."""
+    names = plan.mesh.dim_names
+    if "tp" in names:
+        return int(names.index("tp"))
+    dims = {d for w in weights for e in plan.attrs[w].dims_mapping for d in entry_dims(e)}
+    if len(dims) == 1:
+        return dims.pop()
+    if not dims:
+        return None
+    raise ExportError(f"--export dtensor: weights are sharded over mesh dims {sorted(names[d] for d in dims)} and "
+                      f"none is named 'tp': name the tensor-parallel one tp")
+
+
+def _tp_placement(attr: TensorDistAttr, tp: int) -> Any:
+    return to_placements(attr)[tp]
+
+
+def _feeds_loss(prog: Any, readers: dict[str, list[int]], name: str) -> bool:
+    """Whether ``name`` reaches a vocab-parallel loss through views / casts / a bias add."""
+    frontier, seen = [name], set()
+    for _ in range(8):
+        nxt = []
+        for n in frontier:
+            for i in readers.get(n, []):
+                op = prog.ops[i]
+                if op.rule == "c_softmax_with_cross_entropy":
+                    return True
+                if op.rule in ("reshape", "cast", "slice", "add", "transpose", "scale", "multiply"):
+                    nxt += [o for o in op.output_names() if o not in seen]
+        seen.update(nxt)
+        frontier = nxt
+    return False
+
+
+def _reduced_to(plan: Any, name: str, tp: int) -> Any:
+    """The tp placement a partial tensor is first reshard to (its readers' layout), else None."""
+    for r in plan.reshards:
+        if r.tensor == name and _tp_placement(r.src, tp).is_partial():
+            return _tp_placement(r.dst, tp)
+    return None
+
+
+def _module_of_param(name: str, fmt: str) -> str:
+    if not name.endswith(".weight"):
+        raise ExportError(f"--export {fmt}: {name}: a sharded 2-D parameter not named <module>.weight has no "
+                          f"torch parallel style (ColwiseParallel / RowwiseParallel shard a module's weight)")
+    return name[: -len(".weight")]
+
+
+def _style_doc(style: str, **kw: Any) -> dict[str, Any]:
+    return {"style": style, **kw}
+
+
+def dtensor_document(plan: Any) -> dict[str, Any]:
+    """The ``dtensor`` export of ``plan`` (module docstring) as a JSON-able dict."""
+    from spmdkit.graph.hf_strategy import _readers, _weight_axes
+
+    fmt = "dtensor"
+    prog = plan.program
+    params = _parameters(plan, fmt)
+    placements = {p: _placements(plan.attrs[p], fmt, p) for p in params}
+    readers = _readers(prog)
+    fwd_readers = _forward_readers(prog)
+    producers = _producers(prog)
+    modules: dict[int, tuple[str, str]] = getattr(prog, "modules", None) or {}
+    aliases: dict[str, str] = getattr(prog, "aliases", None) or {}
+    weights = [p for p in params if len(prog.tensors[p].shape) == 2]
+    tp = _tp_dim(plan, weights)
+    styles: dict[str, dict[str, Any]] = {}
+    loss_parallel = False
+    notes: list[str] = []
+    column_inputs: dict[str, list[str]] = {}
+    sp = False
+    if tp is not None:
+        for p in weights:
+            pl = _tp_placement(plan.attrs[p], tp)
+            if not pl.is_shard():
+                continue
+            how, out_ax, _in_ax, op = _weight_axes(prog, readers, p)
+            if op is None:
+                raise ExportError(f"--export dtensor: {p}: sharded over tp ({placements[p][tp]}) but not read as a "
+                                  f"Linear weight or an Embedding table: torch has no parallel style for it")
+            if how == "linear" and out_ax != 0:
+                raise ExportError(f"--export dtensor: {p}: read as x @ W with W [in, out] (GPT-2's Conv1D, a "
+                                  f"preset's weights): ColwiseParallel / RowwiseParallel take nn.Linear ([out, in]) and "
+                                  f"nn.Embedding weights")
+            tied = [a for a, t in aliases.items() if t == p]
+            if tied:
+                raise ExportError(f"--export dtensor: {p}: tied with {', '.join(tied)}; parallelize_module would "
+                                  f"distribute the shared parameter once per module")
+            mod = _module_of_param(p, fmt)
+            i = prog.ops.index(op)
+            given = plan.ops[i].given
+            required = plan.ops[i].required
+            x = op.inputs["x"]
+            out = op.output_names()[0]
+            colwise = (pl.dim == 0) if how == "linear" else (pl.dim == 1)
+            x_in = _tp_placement(given["x"], tp)
+            x_req = _tp_placement(required["x"], tp)
+            if how == "linear" and colwise:
+                if not x_req.is_replicate():
+                    raise ExportError(f"--export dtensor: {mod} (ColwiseParallel): the plan reads its input {x} as "
+                                      f"{_placement_text(x_req)} over tp, ColwiseParallel as Replicate()")
+                local = not _feeds_loss(prog, fwd_readers, out)
+                loss_parallel = loss_parallel or not local
+                o = _tp_placement(plan.attrs[out], tp)
+                if not (o.is_shard() and o.dim == len(prog.tensors[out].shape) - 1):
+                    raise ExportError(f"--export dtensor: {mod} (ColwiseParallel): the plan makes its output {out} "
+                                      f"{_placement_text(o)} over tp, ColwiseParallel Shard(-1)")
+                styles[mod] = _style_doc("ColwiseParallel", input_layouts=_placement_text(x_in),
+                                         output_layouts="Shard(-1)", use_local_output=local)
+                if x_in.is_shard():
+                    sp = True
+                column_inputs.setdefault(x, []).append(mod)
+            else:
+                want = "Shard(-1)" if how == "linear" else "Replicate()"
+                if how == "linear" and not (x_req.is_shard() and x_req.dim == len(prog.tensors[x].shape) - 1) \
+                        or how == "embedding" and not x_req.is_replicate():
+                    raise ExportError(f"--export dtensor: {mod} (RowwiseParallel): the plan reads its input {x} as "
+                                      f"{_placement_text(x_req)} over tp, RowwiseParallel as {want}")
+                if how == "embedding" and colwise:
+                    styles[mod] = _style_doc("ColwiseParallel", input_layouts="Replicate()", output_layouts="Shard(-1)",
+                                             use_local_output=True)
+                else:
+                    dst = _reduced_to(plan, out, tp)
+                    if dst is None:
+                        raise ExportError(f"--export dtensor: {mod} (RowwiseParallel): the plan never reduces its "
+                                          f"partial output {out} over tp")
+                    if dst.is_shard():
+                        sp = True
+                    styles[mod] = _style_doc("RowwiseParallel", input_layouts=want if how == "linear" else "Replicate()",
+                                             output_layouts=_placement_text(dst), use_local_output=True)
+            bias = mod + ".bias"
+            if bias in placements:
+                bp = _tp_placement(plan.attrs[bias], tp)
+                style = styles[mod]["style"]
+                ok = bp == Shard(0) if style == "ColwiseParallel" else bp == Replicate()
+                if not ok:
+                    raise ExportError(f"--export dtensor: {bias}: the plan places it {_placement_text(bp)} over tp, "
+                                      f"{style} {'Shard(0)' if style == 'ColwiseParallel' else 'Replicate()'}")
+        # column layers sharing one input made by one module: the module's output a replicated DTensor
+        for x, mods in column_inputs.items():
+            if len(mods) < 2 or x not in producers:
+                continue
+            made = modules.get(producers[x])
+            if made is None or sp:
+                continue
+            path = made[0]
+            outside = all(not (modules.get(j, ("", ""))[0] + ".").startswith(path + ".")
+                          for j in fwd_readers.get(x, []))
+            if not outside or path in styles:
+                continue
+            styles[path] = _style_doc("PrepareModuleOutput", output_layouts="Replicate()",
+                                      desired_output_layouts="Replicate()", use_local_output=False)
+            notes.append(f"{path}: its output {x} is read by {', '.join(mods)}: one replicated DTensor, its gradient "
+                         f"all-reduced once")
+        if sp:
+            for i, op in enumerate(prog.ops):
+                m = modules.get(i)
+                if op.phase != "forward" or m is None or "norm" not in m[1].lower() or m[0] in styles:
+                    continue
+                sharded = False
+                for k, v in op.inputs.items():
+                    g = plan.ops[i].given.get(k)
+                    if isinstance(v, str) and prog.tensors[v].kind != "parameter" and isinstance(g, TensorDistAttr):
+                        sharded = sharded or _tp_placement(g, tp).is_shard()
+                if sharded:
+                    styles[m[0]] = _style_doc("SequenceParallel", sequence_dim=1, use_local_output=False)
+            notes.append("sequence parallel: each column layer all-gathers its own input (torch cannot share one "
+                         "gather between the layers of a block here), more than the plan's one gather per block")
+    return {"format": DOC_FORMATS[fmt], "version": VERSION, "mesh": _mesh_doc(plan),
+            "tp_dim": None if tp is None else plan.mesh.dim_names[tp],
+            "parallelize_plan": dict(sorted(styles.items())), "loss_parallel": loss_parallel,
+            "placements": placements, "shapes": {p: list(prog.tensors[p].shape) for p in params}, "notes": notes}
+
+
+# -- jax / paddle --------------------------------------------------------------------------------
+
+
+def jax_document(plan: Any) -> dict[str, Any]:
+    """The ``jax`` export: a PartitionSpec (a list of axis names / None / lists) per parameter and
+    data input."""
+    from spmdkit.graph.hf_strategy import data_inputs
+
+    fmt = "jax"
+    params = _parameters(plan, fmt)
+    prog = plan.program
+
+    def spec(n: str) -> list[Any]:
+        try:
+            return [list(e) if isinstance(e, tuple) else e for e in to_partition_spec(plan.attrs[n])]
+        except SpmdError as exc:
+            raise ExportError(f"--export jax: {n}: {exc}") from None
+
+    inputs = [n for n in data_inputs(prog) if n in plan.attrs]
+    return {"format": DOC_FORMATS[fmt], "version": VERSION, "mesh": _mesh_doc(plan),
+            "params": {p: spec(p) for p in params}, "inputs": {n: spec(n) for n in inputs},
+            "shapes": {n: list(prog.tensors[n].shape) for n in params + inputs}}
+
+
+def paddle_document(plan: Any) -> dict[str, Any]:
+    """The ``paddle`` export: ``shard_tensor`` placements per parameter, one per mesh dim."""
+    fmt = "paddle"
+    params = _parameters(plan, fmt)
+    prog = plan.program
+    out: dict[str, list[str]] = {}
+    for p in params:
+        attr = plan.attrs[p]
+        for axis, e in enumerate(attr.dims_mapping):
+            if len(entry_dims(e)) > 1:
+                raise ExportError(f"--export paddle: {p}: axis {axis} is co-sharded over mesh dims "
+                                  f"{list(entry_dims(e))}; a Paddle placement list shards an axis over one mesh dim")
+        out[p] = _placements(attr, fmt, p)
+    return {"format": DOC_FORMATS[fmt], "version": VERSION, "mesh": _mesh_doc(plan), "placements": out,
+            "shapes": {p: list(prog.tensors[p].shape) for p in params}}
+
+
+_DOCUMENTS = {"dtensor": dtensor_document, "jax": jax_document, "paddle": paddle_document}
+
+
+def export_document(plan: Any, fmt: str) -> dict[str, Any]:
+    """The export of ``plan`` in ``fmt`` (one of :data:`FORMATS`) as a JSON-able dict."""
+    if fmt not in _DOCUMENTS:
+        raise ExportError(f"--export {str(fmt)[:40]!r}: unknown format (one of {', '.join(FORMATS)})")
+    return _DOCUMENTS[fmt](plan)
+
+
+def check_target(fmt: str, path: str) -> None:
+    """ExportError for an unknown format, or a path that is a folder or in no folder."""
+    if fmt not in _DOCUMENTS:
+        raise ExportError(f"--export {str(fmt)[:40]!r}: unknown format (one of {', '.join(FORMATS)})")
+    p = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(p))
+    if not p or os.path.isdir(p):
+        raise ExportError(f"--export {fmt}: {p!r} is a folder, not a file path")
+    if not os.path.isdir(folder):
+        raise ExportError(f"--export {fmt}: cannot write {p!r}: the folder {folder!r} does not exist")
+
+
+def write_json(doc: Mapping[str, Any], path: str, what: str = "--export") -> None:
+    """Write ``doc`` to ``path`` atomically (a temporary file in the same folder, then renamed):
+    a reader never sees half a file; ExportError naming the path when it cannot be written."""
+    p = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(p))
+    if not p or os.path.isdir(p):
+        raise ExportError(f"{what}: {p!r} is a folder, not a file path")
+    if not os.path.isdir(folder):
+        raise ExportError(f"{what}: cannot write {p!r}: the folder {folder!r} does not exist")
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(p) + ".", suffix=".tmp", dir=folder)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, p)
+        tmp = None
+    except OSError as exc:
+        raise ExportError(f"{what}: cannot write {p!r}: {exc.strerror or exc}") from None
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+
+def export_plan(plan: Any, fmt: str, path: str) -> dict[str, Any]:
+    """Write the ``fmt`` export of ``plan`` to ``path`` (atomically) and return it."""
+    doc = export_document(plan, fmt)
+    write_json(doc, path, f"--export {fmt}")
+    return doc
+
+
+# -- loaders (need the framework) ----------------------------------------------------------------
+
+
+def read_document(path: str, fmt: str) -> dict[str, Any]:
+    """An export document of ``fmt`` read back; ExportError when it is not one."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except OSError as exc:
+        raise ExportError(f"{fmt} export {path!r}: cannot read: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise ExportError(f"{fmt} export {path!r}: not JSON: {exc}") from None
+    if not isinstance(doc, dict) or doc.get("format") != DOC_FORMATS.get(fmt):
+        got = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+        raise ExportError(f"{fmt} export {path!r}: format is {got!r}, expected {DOC_FORMATS.get(fmt)!r}")
+    return doc
+
+
+def _parse_placement(text: str, mod: Any, partial: Any) -> Any:
+    t = text.strip()
+    if t == "Replicate()":
+        return mod.Replicate()
+    if t.startswith("Shard(") and t.endswith(")"):
+        return mod.Shard(int(t[6:-1]))
+    if t.startswith("Partial(") and t.endswith(")"):
+        return partial(t[8:-1].strip("'\""))
+    raise ExportError(f"export: placement {t!r} is not Shard(d), Replicate() or Partial(op)")
+
+
+def load_dtensor_plan(path: str) -> dict[str, Any]:
+    """The ``parallelize_module`` plan of a ``dtensor`` export: module path -> ParallelStyle.
+    Apply with ``parallelize_module(model, mesh[doc_tp_dim], load_dtensor_plan(path))`` (the
+    tp sub-mesh of the plan's mesh); run the loss under ``loss_parallel()`` when the document
+    says ``"loss_parallel": true``."""
+    import torch.distributed.tensor as dt
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    doc = read_document(path, "dtensor")
+
+    def pl(v: Any) -> Any:
+        return _parse_placement(v, dt, dt.Partial) if isinstance(v, str) else v
+
+    classes = {"ColwiseParallel": ColwiseParallel, "RowwiseParallel": RowwiseParallel,
+               "SequenceParallel": SequenceParallel, "PrepareModuleInput": PrepareModuleInput,
+               "PrepareModuleOutput": PrepareModuleOutput}
+    out: dict[str, Any] = {}
+    for mod, spec in doc.get("parallelize_plan", {}).items():
+        kw = {k: pl(v) for k, v in spec.items() if k != "style"}
+        cls = classes.get(spec.get("style"))
+        if cls is None:
+            raise ExportError(f"dtensor export {path!r}: {mod}: unknown style {spec.get('style')!r}")
+        out[mod] = cls(**kw)
+    return out
+
+
+def load_dtensor_placements(path: str) -> dict[str, tuple[Any, ...]]:
+    """Parameter name -> its DTensor placements (one per mesh dim of the plan's mesh)."""
+    import torch.distributed.tensor as dt
+
+    doc = read_document(path, "dtensor")
+    return {p: tuple(_parse_placement(v, dt, dt.Partial) for v in pls) for p, pls in doc["placements"].items()}
+
+
+def load_jax_specs(path: str) -> dict[str, dict[str, Any]]:
+    """``{"params": {name: PartitionSpec}, "inputs": {name: PartitionSpec}}`` of a ``jax``
+    export; make the mesh with ``jax.make_mesh(tuple(doc["mesh"]["shape"]),
+    tuple(doc["mesh"]["dim_names"]))`` (or :func:`jax_mesh`)."""
+    from jax.sharding import PartitionSpec
+
+    doc = read_document(path, "jax")
+
+    def ps(spec: list[Any]) -> Any:
+        return PartitionSpec(*(tuple(e) if isinstance(e, list) else e for e in spec))
+
+    return {k: {n: ps(s) for n, s in doc[k].items()} for k in ("params", "inputs")}
+
+
+def jax_mesh(path: str, devices: Any = None) -> Any:
+    """The ``jax.sharding.Mesh`` of a ``jax`` export (over ``jax.devices()`` by default)."""
+    import jax
+    import numpy as np
+
+    doc = read_document(path, "jax")
+    shape, names = tuple(doc["mesh"]["shape"]), tuple(doc["mesh"]["dim_names"])
+    devs = list(jax.devices() if devices is None else devices)
+    n = 1
+    for s in shape:
+        n *= s
+    if len(devs) < n:
+        raise ExportError(f"jax export {path!r}: the mesh {dict(zip(names, shape))} needs {n} devices, "
+                          f"{len(devs)} given")
+    return jax.sharding.Mesh(np.array(devs[:n]).reshape(shape), names)
+
+
+def load_paddle_placements(path: str) -> tuple[Any, dict[str, list[Any]]]:
+    """(``paddle.distributed.ProcessMesh``, parameter name -> placements) of a ``paddle``
+    export; shard a tensor with ``dist.shard_tensor(t, mesh, placements[name])``."""
+    import paddle.distributed as dist
+
+    doc = read_document(path, "paddle")
+    m = doc["mesh"]
+    ids = list(m["process_ids"])
+
+    def nest(flat: list[int], shape: list[int]) -> Any:
+        if len(shape) == 1:
+            return flat
+        step = len(flat) // shape[0]
+        return [nest(flat[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]
+
+    mesh = dist.ProcessMesh(nest(ids, list(m["shape"])), dim_names=list(m["dim_names"]))
+
+    def partial(op: str) -> Any:
+        kinds = {"sum": dist.ReduceType.kRedSum, "avg": dist.ReduceType.kRedAvg, "max": dist.ReduceType.kRedMax,
+                 "min": dist.ReduceType.kRedMin, "prod": dist.ReduceType.kRedProd}
+        if op not in kinds:
+            raise ExportError(f"paddle export {path!r}: Partial({op}) has no Paddle reduce type")
+        return dist.Partial(kinds[op])
+
+    return mesh, {p: [_parse_placement(v, dist, partial) for v in pls] for p, pls in doc["placements"].items()}
+
+
+__all__ = ["DOC_FORMATS", "FORMATS", "ExportError", "check_target", "dtensor_document", "export_document", "export_plan",
+           "jax_document", "jax_mesh", "load_dtensor_placements", "load_dtensor_plan", "load_jax_specs",
+           "load_paddle_placements", "paddle_document", "read_document", "write_json"]
