@@ -177,10 +177,30 @@ def _kinds(cm: Any) -> Counter[str]:
     return Counter({str(k).rsplit(".", 1)[-1]: v for k, v in cm.get_comm_counts().items()})
 
 
-@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
-def test_dtensor_plan_on_hf_llama_matches_the_plans_collectives(tmp_path: Path) -> None:
-    torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'spmdkit[torch]')")
+@pytest.fixture(scope="module")
+def llama() -> Any:
+    """(program, model, inputs) of the imported HF Llama, seeded."""
+    pytest.importorskip("torch", reason="torch is not installed (pip install 'spmdkit[torch]')")
     pytest.importorskip("transformers", reason="transformers is not installed (pip install 'spmdkit[hf]')")
+    from spmdkit.hf import import_hf
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return import_hf("LlamaForCausalLM", LLAMA, batch=2, seq=16, seed=0)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+def test_dtensor_refuses_sequence_parallel(llama: Any) -> None:
+    from spmdkit.graph.plan_cli import plan_program
+
+    _, plan = plan_program(llama[0], "tp=2", "megatron,sp")
+    with pytest.raises(ExportError, match=r"dtensor: model\.embed_tokens: .*Shard\(1\) over tp \(sequence parallel\)"):
+        dtensor_document(plan)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+def test_dtensor_plan_on_hf_llama_matches_the_plans_collectives(llama: Any, tmp_path: Path) -> None:
+    import torch
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
@@ -190,14 +210,13 @@ def test_dtensor_plan_on_hf_llama_matches_the_plans_collectives(tmp_path: Path) 
 
     from spmdkit.dtensor import placements as torch_placements
     from spmdkit.export import load_dtensor_placements, load_dtensor_plan
-    from spmdkit.graph.plan_cli import plan_hf
+    from spmdkit.graph.plan_cli import plan_program
 
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
     torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        prog, model, kw, plan = plan_hf("LlamaForCausalLM", LLAMA, "dp=2,tp=2", "megatron")
+    _, model, kw = llama
+    prog, plan = plan_program(llama[0], "dp=2,tp=2", "megatron")
     path = tmp_path / "plan.dtensor.json"
     doc = export_plan(plan, "dtensor", str(path))
     names = plan.mesh.dim_names

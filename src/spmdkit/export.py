@@ -20,9 +20,7 @@ per parameter, its shape and its sharding in the framework's terms. The names ar
   (the q / k / v projections reading the attention norm's output), that module gets
   ``PrepareModuleOutput`` to a replicated DTensor, so the layers share it and its gradient is
   summed before one all-reduce, as the plan has it (instead of one all-reduce per layer).
-  Sequence-parallel plans: the norms whose input the plan shards on the sequence get
-  ``SequenceParallel``, the column layers ``input_layouts=Shard(1)`` (each all-gathers its own
-  input: torch then moves more than the plan's one gather per block). Load with
+  Sequence-parallel plans are refused (not exported yet). Load with
   :func:`load_dtensor_plan` (``parallelize_module(model, mesh["tp"], load_dtensor_plan(path))``)
   and :func:`load_dtensor_placements`.
 - ``jax``: a ``PartitionSpec`` (mesh axis names, ``None`` for a replicated axis, a tuple for a
@@ -159,6 +157,11 @@ def _module_of_param(name: str, fmt: str) -> str:
     return name[: -len(".weight")]
 
 
+def _sequence_parallel(mod: str, name: str, pl: Any) -> ExportError:
+    return ExportError(f"--export dtensor: {mod}: the plan holds {name} as {_placement_text(pl)} over tp (sequence "
+                       f"parallel): sequence-parallel plans are not exported to DTensor yet")
+
+
 def _style_doc(style: str, **kw: Any) -> dict[str, Any]:
     return {"style": style, **kw}
 
@@ -182,7 +185,6 @@ def dtensor_document(plan: Any) -> dict[str, Any]:
     loss_parallel = False
     notes: list[str] = []
     column_inputs: dict[str, list[str]] = {}
-    sp = False
     if tp is not None:
         for p in weights:
             pl = _tp_placement(plan.attrs[p], tp)
@@ -222,12 +224,14 @@ def dtensor_document(plan: Any) -> dict[str, Any]:
                 styles[mod] = _style_doc("ColwiseParallel", input_layouts=_placement_text(x_in),
                                          output_layouts="Shard(-1)", use_local_output=local)
                 if x_in.is_shard():
-                    sp = True
+                    raise _sequence_parallel(mod, x, x_in)
                 column_inputs.setdefault(x, []).append(mod)
             else:
                 want = "Shard(-1)" if how == "linear" else "Replicate()"
-                if how == "linear" and not (x_req.is_shard() and x_req.dim == len(prog.tensors[x].shape) - 1) \
-                        or how == "embedding" and not x_req.is_replicate():
+                if how == "embedding" and x_req.is_shard():
+                    raise _sequence_parallel(mod, x, x_req)
+                if (how == "linear" and not (x_req.is_shard() and x_req.dim == len(prog.tensors[x].shape) - 1)) \
+                        or (how == "embedding" and not x_req.is_replicate()):
                     raise ExportError(f"--export dtensor: {mod} (RowwiseParallel): the plan reads its input {x} as "
                                       f"{_placement_text(x_req)} over tp, RowwiseParallel as {want}")
                 if how == "embedding" and colwise:
@@ -239,7 +243,7 @@ def dtensor_document(plan: Any) -> dict[str, Any]:
                         raise ExportError(f"--export dtensor: {mod} (RowwiseParallel): the plan never reduces its "
                                           f"partial output {out} over tp")
                     if dst.is_shard():
-                        sp = True
+                        raise _sequence_parallel(mod, out, dst)
                     styles[mod] = _style_doc("RowwiseParallel", input_layouts=want if how == "linear" else "Replicate()",
                                              output_layouts=_placement_text(dst), use_local_output=True)
             bias = mod + ".bias"
@@ -255,7 +259,7 @@ def dtensor_document(plan: Any) -> dict[str, Any]:
             if len(mods) < 2 or x not in producers:
                 continue
             made = modules.get(producers[x])
-            if made is None or sp:
+            if made is None:
                 continue
             path = made[0]
             outside = all(not (modules.get(j, ("", ""))[0] + ".").startswith(path + ".")
@@ -266,20 +270,6 @@ def dtensor_document(plan: Any) -> dict[str, Any]:
                                       desired_output_layouts="Replicate()", use_local_output=False)
             notes.append(f"{path}: its output {x} is read by {', '.join(mods)}: one replicated DTensor, its gradient "
                          f"all-reduced once")
-        if sp:
-            for i, op in enumerate(prog.ops):
-                m = modules.get(i)
-                if op.phase != "forward" or m is None or "norm" not in m[1].lower() or m[0] in styles:
-                    continue
-                sharded = False
-                for k, v in op.inputs.items():
-                    g = plan.ops[i].given.get(k)
-                    if isinstance(v, str) and prog.tensors[v].kind != "parameter" and isinstance(g, TensorDistAttr):
-                        sharded = sharded or _tp_placement(g, tp).is_shard()
-                if sharded:
-                    styles[m[0]] = _style_doc("SequenceParallel", sequence_dim=1, use_local_output=False)
-            notes.append("sequence parallel: each column layer all-gathers its own input (torch cannot share one "
-                         "gather between the layers of a block here), more than the plan's one gather per block")
     return {"format": DOC_FORMATS[fmt], "version": VERSION, "mesh": _mesh_doc(plan),
             "tp_dim": None if tp is None else plan.mesh.dim_names[tp],
             "parallelize_plan": dict(sorted(styles.items())), "loss_parallel": loss_parallel,
@@ -423,7 +413,6 @@ def load_dtensor_plan(path: str) -> dict[str, Any]:
         PrepareModuleInput,
         PrepareModuleOutput,
         RowwiseParallel,
-        SequenceParallel,
     )
 
     doc = read_document(path, "dtensor")
@@ -432,7 +421,7 @@ def load_dtensor_plan(path: str) -> dict[str, Any]:
         return _parse_placement(v, dt, dt.Partial) if isinstance(v, str) else v
 
     classes = {"ColwiseParallel": ColwiseParallel, "RowwiseParallel": RowwiseParallel,
-               "SequenceParallel": SequenceParallel, "PrepareModuleInput": PrepareModuleInput,
+               "PrepareModuleInput": PrepareModuleInput,
                "PrepareModuleOutput": PrepareModuleOutput}
     out: dict[str, Any] = {}
     for mod, spec in doc.get("parallelize_plan", {}).items():
