@@ -199,6 +199,17 @@ def test_dtensor_refuses_sequence_parallel(llama: Any) -> None:
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+def test_dtensor_refuses_kv_heads_replicated_beside_sharded_queries(llama: Any) -> None:
+    from spmdkit.graph.plan_cli import plan_program
+
+    _, plan = plan_program(llama[0], "tp=4", "megatron")  # 2 kv heads, tp=4: k / v replicated by the plan
+    assert plan.attrs["model.layers.0.self_attn.k_proj.weight"].dims_mapping == (-1, -1)
+    with pytest.raises(ExportError, match=r"dtensor: model\.layers\.0\.self_attn\.k_proj\.weight: replicated over tp "
+                                          r"while model\.layers\.0\.self_attn\.q_proj"):
+        dtensor_document(plan)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 def test_dtensor_plan_on_hf_llama_matches_the_plans_collectives(llama: Any, tmp_path: Path) -> None:
     import torch
     import torch.distributed as dist
@@ -263,3 +274,16 @@ def test_dtensor_plan_on_hf_llama_matches_the_plans_collectives(llama: Any, tmp_
             "c_softmax_with_cross_entropy", "c_softmax_with_cross_entropy_grad"]
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+def test_cli_export_dtensor_of_an_hf_model(llama: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from spmdkit.cli import main
+    from spmdkit.graph.plan_cli import plan_program
+
+    path = tmp_path / "plan.dtensor.json"
+    assert main(["plan", "--hf", "LlamaForCausalLM", "--hf-config", json.dumps(LLAMA), "--mesh", "dp=2,tp=2",
+                 "--export", "dtensor", str(path)]) == 0
+    assert "tp" in capsys.readouterr().out  # the report still printed
+    _, plan = plan_program(llama[0], "dp=2,tp=2", "megatron")
+    assert json.loads(path.read_text()) == dtensor_document(plan)

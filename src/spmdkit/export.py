@@ -13,14 +13,15 @@ per parameter, its shape and its sharding in the framework's terms. The names ar
   output features is ``ColwiseParallel``, on its input features ``RowwiseParallel``; an
   ``Embedding`` table sharded on its rows (vocab-parallel) is ``RowwiseParallel``, on its columns
   ``ColwiseParallel``. Input and output layouts are the plan's: a row layer's output goes to the
-  layout the plan reduces it to (all-reduced: ``Replicate()``; reduce-scattered:
-  ``Shard(1)``); a column layer whose output feeds the vocab-parallel loss keeps it a DTensor
+  layout the plan reduces it to (all-reduced: ``Replicate()``); a column layer whose output feeds the vocab-parallel loss keeps it a DTensor
   (``use_local_output=False``: compute the loss under ``loss_parallel()``, the document says
   ``"loss_parallel": true``). Where two or more column layers read one tensor that a module makes
   (the q / k / v projections reading the attention norm's output), that module gets
   ``PrepareModuleOutput`` to a replicated DTensor, so the layers share it and its gradient is
   summed before one all-reduce, as the plan has it (instead of one all-reduce per layer).
-  Sequence-parallel plans are refused (not exported yet). Load with
+  Refused: ``[in, out]`` weights (GPT-2's Conv1D, the presets'), tied sharded parameters, a
+  weight left replicated beside column layers of the same input (kv heads fewer than tp), and
+  sequence-parallel plans (docs/export.md says why). Load with
   :func:`load_dtensor_plan` (``parallelize_module(model, mesh["tp"], load_dtensor_plan(path))``)
   and :func:`load_dtensor_placements`.
 - ``jax``: a ``PartitionSpec`` (mesh axis names, ``None`` for a replicated axis, a tuple for a
@@ -254,6 +255,17 @@ def dtensor_document(plan: Any) -> dict[str, Any]:
                 if not ok:
                     raise ExportError(f"--export dtensor: {bias}: the plan places it {_placement_text(bp)} over tp, "
                                       f"{style} {'Shard(0)' if style == 'ColwiseParallel' else 'Replicate()'}")
+        # a layer left whole beside column layers of the same input (kv projections with fewer heads
+        # than tp): on local shards its output would not match theirs (2 kv heads against 1 query head)
+        for x, mods in column_inputs.items():
+            for j in fwd_readers.get(x, []):
+                w = prog.ops[j].inputs.get("y") if prog.ops[j].rule == "matmul" else None
+                if isinstance(w, str) and w in placements and len(prog.tensors[w].shape) == 2 \
+                        and not _tp_placement(plan.attrs[w], tp).is_shard():
+                    raise ExportError(f"--export dtensor: {w}: replicated over tp while {', '.join(mods)} reading the "
+                                      f"same input {x} are column-parallel (kv heads fewer than tp?): torch runs the "
+                                      f"module's code on local shards, which would pair its whole output with their "
+                                      f"shards; use a tp that divides the kv heads")
         # column layers sharing one input made by one module: the module's output a replicated DTensor
         for x, mods in column_inputs.items():
             if len(mods) < 2 or x not in producers:
