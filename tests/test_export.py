@@ -177,16 +177,20 @@ def _kinds(cm: Any) -> Counter[str]:
     return Counter({str(k).rsplit(".", 1)[-1]: v for k, v in cm.get_comm_counts().items()})
 
 
-@pytest.fixture(scope="module")
-def llama() -> Any:
-    """(program, model, inputs) of the imported HF Llama, seeded."""
+def _import_llama(tied: bool) -> Any:
     pytest.importorskip("torch", reason="torch is not installed (pip install 'spmdkit[torch]')")
     pytest.importorskip("transformers", reason="transformers is not installed (pip install 'spmdkit[hf]')")
     from spmdkit.hf import import_hf
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return import_hf("LlamaForCausalLM", LLAMA, batch=2, seq=16, seed=0)
+        return import_hf("LlamaForCausalLM", {**LLAMA, "tie_word_embeddings": tied}, batch=2, seq=16, seed=0)
+
+
+@pytest.fixture(scope="module")
+def llama() -> Any:
+    """(program, model, inputs) of the imported HF Llama, seeded."""
+    return _import_llama(False)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -210,7 +214,8 @@ def test_dtensor_refuses_kv_heads_replicated_beside_sharded_queries(llama: Any) 
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
-def test_dtensor_plan_on_hf_llama_matches_the_plans_collectives(llama: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_dtensor_plan_on_hf_llama_matches_the_plans_collectives(llama: Any, tied: bool, tmp_path: Path) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -220,14 +225,14 @@ def test_dtensor_plan_on_hf_llama_matches_the_plans_collectives(llama: Any, tmp_
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from spmdkit.dtensor import placements as torch_placements
-    from spmdkit.export import load_dtensor_placements, load_dtensor_plan
+    from spmdkit.export import apply_dtensor_plan, load_dtensor_placements, load_dtensor_plan
     from spmdkit.graph.plan_cli import plan_program
 
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
     torch.manual_seed(0)
-    _, model, kw = llama
-    prog, plan = plan_program(llama[0], "dp=2,tp=2", "megatron")
+    imported, model, kw = _import_llama(True) if tied else llama
+    prog, plan = plan_program(imported, "dp=2,tp=2", "megatron")
     path = tmp_path / "plan.dtensor.json"
     doc = export_plan(plan, "dtensor", str(path))
     names = plan.mesh.dim_names
@@ -241,20 +246,25 @@ def test_dtensor_plan_on_hf_llama_matches_the_plans_collectives(llama: Any, tmp_
     assert styles == Counter(ColwiseParallel=2 * 5 + 1, RowwiseParallel=2 * 2 + 1, PrepareModuleOutput=2 * 2)
     assert doc["parallelize_plan"]["lm_head"]["use_local_output"] is False and doc["loss_parallel"] is True
     assert doc["tp_dim"] == "tp"
+    assert doc["tied"] == ({"lm_head.weight": "model.embed_tokens.weight"} if tied else {})
     for p in parameters(prog):
         assert load_dtensor_placements(str(path))[p] == torch_placements(plan.attrs[p]), p
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.mesh.size)
     try:
         mesh = init_device_mesh("cpu", tuple(plan.mesh.shape), mesh_dim_names=tuple(names))
-        parallelize_module(model, mesh["tp"], load_dtensor_plan(str(path)))  # the documented one-liner
+        if tied:  # parallelize_module unties: apply_dtensor_plan ties again
+            apply_dtensor_plan(model, mesh, str(path))
+            assert model.lm_head.weight is model.model.embed_tokens.weight
+        else:
+            parallelize_module(model, mesh["tp"], load_dtensor_plan(str(path)))  # the documented one-liner
         tp = names.index("tp")
         for pname, param in model.named_parameters():
             want = torch_placements(plan.attrs[pname])[tp]
             got = param.placements[0] if isinstance(param, DTensor) else None
             assert (got if got is not None else type(want)()) == want, pname
         sharded = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
-        assert len(sharded) == 2 * 7 + 2  # every linear layer and both vocab tables
+        assert len(sharded) == 2 * 7 + 2 - tied  # every linear layer and both vocab tables (one when tied)
         inputs = {k: v for k, v in kw.items() if k != "labels"}
         with _counter() as fwd:
             logits = model(**inputs).logits

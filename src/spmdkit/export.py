@@ -19,10 +19,13 @@ per parameter, its shape and its sharding in the framework's terms. The names ar
   (the q / k / v projections reading the attention norm's output), that module gets
   ``PrepareModuleOutput`` to a replicated DTensor, so the layers share it and its gradient is
   summed before one all-reduce, as the plan has it (instead of one all-reduce per layer).
-  Refused: ``[in, out]`` weights (GPT-2's Conv1D, the presets'), tied sharded parameters, a
+  A tied parameter gets the style of each module reading it and is listed in ``tied``
+  (:func:`apply_dtensor_plan` ties it again after ``parallelize_module``).
+  Refused: ``[in, out]`` weights (GPT-2's Conv1D, the presets'), a
   weight left replicated beside column layers of the same input (kv heads fewer than tp), and
   sequence-parallel plans (docs/export.md says why). Load with
-  :func:`load_dtensor_plan` (``parallelize_module(model, mesh["tp"], load_dtensor_plan(path))``)
+  :func:`apply_dtensor_plan` (``apply_dtensor_plan(model, mesh, path)``) or
+  :func:`load_dtensor_plan` (``parallelize_module(model, mesh["tp"], load_dtensor_plan(path))``),
   and :func:`load_dtensor_placements`.
 - ``jax``: a ``PartitionSpec`` (mesh axis names, ``None`` for a replicated axis, a tuple for a
   co-sharded one) per parameter and per data input; :func:`load_jax_specs`.
@@ -186,75 +189,114 @@ def dtensor_document(plan: Any) -> dict[str, Any]:
     loss_parallel = False
     notes: list[str] = []
     column_inputs: dict[str, list[str]] = {}
+    tied_to: dict[str, str] = {}
+
+    def _uses(p: str) -> list[tuple[str, str, int, Any]]:
+        """(module path, linear / embedding, output-feature axis, reading op) of each module
+        that reads weight ``p``: one, or one per name of a tied parameter."""
+        assert tp is not None
+
+        def linear_in_out(how: str, out_ax: int) -> None:
+            if how == "linear" and out_ax != 0:
+                raise ExportError(f"--export dtensor: {p}: read as x @ W with W [in, out] (GPT-2's Conv1D, a "
+                                  f"preset's weights): ColwiseParallel / RowwiseParallel take nn.Linear ([out, in]) "
+                                  f"and nn.Embedding weights")
+
+        tied = sorted(a for a, t in aliases.items() if t == p)
+        if not tied:
+            how, out_ax, _in_ax, op = _weight_axes(prog, readers, p)
+            if op is None:
+                raise ExportError(f"--export dtensor: {p}: sharded over tp ({placements[p][tp]}) but not read as a "
+                                  f"Linear weight or an Embedding table: torch has no parallel style for it")
+            linear_in_out(how, out_ax)
+            return [(_module_of_param(p, fmt), how, out_ax, op)]
+        paths = {_module_of_param(n, fmt) for n in [p, *tied]}
+        out = []
+        for i, op in enumerate(prog.ops):
+            if op.phase != "forward":
+                continue
+            if op.rule == "matmul" and op.inputs.get("y") == p:
+                how, out_ax = "linear", 0 if op.attrs.get("trans_y", False) else 1
+            elif op.rule in ("embedding", "c_embedding") and op.inputs.get("weight") == p:
+                how, out_ax = "embedding", 1
+            else:
+                continue
+            linear_in_out(how, out_ax)
+            m = modules.get(i, ("", ""))[0]
+            if m not in paths:
+                raise ExportError(f"--export dtensor: {p} (tied with {', '.join(tied)}): read in module {m or '?'}, "
+                                  f"not one of {', '.join(sorted(paths))}")
+            out.append((m, how, out_ax, op))
+            tied_to.update({a: p for a in tied})
+        if {m for m, *_ in out} != paths:
+            raise ExportError(f"--export dtensor: {p} (tied with {', '.join(tied)}): not read by every module named "
+                              f"{', '.join(sorted(paths))}")
+        return out
+
+    def _style(mod: str, how: str, op: Any, pl: Any) -> bool:
+        """Add ``mod``'s style; True when its output feeds the vocab-parallel loss."""
+        assert tp is not None
+        feeds_loss = False
+        i = prog.ops.index(op)
+        given = plan.ops[i].given
+        required = plan.ops[i].required
+        x = op.inputs["x"]
+        out = op.output_names()[0]
+        colwise = (pl.dim == 0) if how == "linear" else (pl.dim == 1)
+        x_in = _tp_placement(given["x"], tp)
+        x_req = _tp_placement(required["x"], tp)
+        if how == "linear" and colwise:
+            if not x_req.is_replicate():
+                raise ExportError(f"--export dtensor: {mod} (ColwiseParallel): the plan reads its input {x} as "
+                                  f"{_placement_text(x_req)} over tp, ColwiseParallel as Replicate()")
+            local = not _feeds_loss(prog, fwd_readers, out)
+            feeds_loss = not local
+            o = _tp_placement(plan.attrs[out], tp)
+            if not (o.is_shard() and o.dim == len(prog.tensors[out].shape) - 1):
+                raise ExportError(f"--export dtensor: {mod} (ColwiseParallel): the plan makes its output {out} "
+                                  f"{_placement_text(o)} over tp, ColwiseParallel Shard(-1)")
+            styles[mod] = _style_doc("ColwiseParallel", input_layouts=_placement_text(x_in),
+                                     output_layouts="Shard(-1)", use_local_output=local)
+            if x_in.is_shard():
+                raise _sequence_parallel(mod, x, x_in)
+            column_inputs.setdefault(x, []).append(mod)
+        else:
+            want = "Shard(-1)" if how == "linear" else "Replicate()"
+            if how == "embedding" and x_req.is_shard():
+                raise _sequence_parallel(mod, x, x_req)
+            if (how == "linear" and not (x_req.is_shard() and x_req.dim == len(prog.tensors[x].shape) - 1)) \
+                    or (how == "embedding" and not x_req.is_replicate()):
+                raise ExportError(f"--export dtensor: {mod} (RowwiseParallel): the plan reads its input {x} as "
+                                  f"{_placement_text(x_req)} over tp, RowwiseParallel as {want}")
+            if how == "embedding" and colwise:
+                styles[mod] = _style_doc("ColwiseParallel", input_layouts="Replicate()", output_layouts="Shard(-1)",
+                                         use_local_output=True)
+            else:
+                dst = _reduced_to(plan, out, tp)
+                if dst is None:
+                    raise ExportError(f"--export dtensor: {mod} (RowwiseParallel): the plan never reduces its "
+                                      f"partial output {out} over tp")
+                if dst.is_shard():
+                    raise _sequence_parallel(mod, out, dst)
+                styles[mod] = _style_doc("RowwiseParallel", input_layouts=want if how == "linear" else "Replicate()",
+                                         output_layouts=_placement_text(dst), use_local_output=True)
+        bias = mod + ".bias"
+        if bias in placements:
+            bp = _tp_placement(plan.attrs[bias], tp)
+            style = styles[mod]["style"]
+            ok = bp == Shard(0) if style == "ColwiseParallel" else bp == Replicate()
+            if not ok:
+                raise ExportError(f"--export dtensor: {bias}: the plan places it {_placement_text(bp)} over tp, "
+                                  f"{style} {'Shard(0)' if style == 'ColwiseParallel' else 'Replicate()'}")
+        return feeds_loss
+
     if tp is not None:
         for p in weights:
             pl = _tp_placement(plan.attrs[p], tp)
             if not pl.is_shard():
                 continue
-            how, out_ax, _in_ax, op = _weight_axes(prog, readers, p)
-            if op is None:
-                raise ExportError(f"--export dtensor: {p}: sharded over tp ({placements[p][tp]}) but not read as a "
-                                  f"Linear weight or an Embedding table: torch has no parallel style for it")
-            if how == "linear" and out_ax != 0:
-                raise ExportError(f"--export dtensor: {p}: read as x @ W with W [in, out] (GPT-2's Conv1D, a "
-                                  f"preset's weights): ColwiseParallel / RowwiseParallel take nn.Linear ([out, in]) and "
-                                  f"nn.Embedding weights")
-            tied = [a for a, t in aliases.items() if t == p]
-            if tied:
-                raise ExportError(f"--export dtensor: {p}: tied with {', '.join(tied)}; parallelize_module would "
-                                  f"distribute the shared parameter once per module")
-            mod = _module_of_param(p, fmt)
-            i = prog.ops.index(op)
-            given = plan.ops[i].given
-            required = plan.ops[i].required
-            x = op.inputs["x"]
-            out = op.output_names()[0]
-            colwise = (pl.dim == 0) if how == "linear" else (pl.dim == 1)
-            x_in = _tp_placement(given["x"], tp)
-            x_req = _tp_placement(required["x"], tp)
-            if how == "linear" and colwise:
-                if not x_req.is_replicate():
-                    raise ExportError(f"--export dtensor: {mod} (ColwiseParallel): the plan reads its input {x} as "
-                                      f"{_placement_text(x_req)} over tp, ColwiseParallel as Replicate()")
-                local = not _feeds_loss(prog, fwd_readers, out)
-                loss_parallel = loss_parallel or not local
-                o = _tp_placement(plan.attrs[out], tp)
-                if not (o.is_shard() and o.dim == len(prog.tensors[out].shape) - 1):
-                    raise ExportError(f"--export dtensor: {mod} (ColwiseParallel): the plan makes its output {out} "
-                                      f"{_placement_text(o)} over tp, ColwiseParallel Shard(-1)")
-                styles[mod] = _style_doc("ColwiseParallel", input_layouts=_placement_text(x_in),
-                                         output_layouts="Shard(-1)", use_local_output=local)
-                if x_in.is_shard():
-                    raise _sequence_parallel(mod, x, x_in)
-                column_inputs.setdefault(x, []).append(mod)
-            else:
-                want = "Shard(-1)" if how == "linear" else "Replicate()"
-                if how == "embedding" and x_req.is_shard():
-                    raise _sequence_parallel(mod, x, x_req)
-                if (how == "linear" and not (x_req.is_shard() and x_req.dim == len(prog.tensors[x].shape) - 1)) \
-                        or (how == "embedding" and not x_req.is_replicate()):
-                    raise ExportError(f"--export dtensor: {mod} (RowwiseParallel): the plan reads its input {x} as "
-                                      f"{_placement_text(x_req)} over tp, RowwiseParallel as {want}")
-                if how == "embedding" and colwise:
-                    styles[mod] = _style_doc("ColwiseParallel", input_layouts="Replicate()", output_layouts="Shard(-1)",
-                                             use_local_output=True)
-                else:
-                    dst = _reduced_to(plan, out, tp)
-                    if dst is None:
-                        raise ExportError(f"--export dtensor: {mod} (RowwiseParallel): the plan never reduces its "
-                                          f"partial output {out} over tp")
-                    if dst.is_shard():
-                        raise _sequence_parallel(mod, out, dst)
-                    styles[mod] = _style_doc("RowwiseParallel", input_layouts=want if how == "linear" else "Replicate()",
-                                             output_layouts=_placement_text(dst), use_local_output=True)
-            bias = mod + ".bias"
-            if bias in placements:
-                bp = _tp_placement(plan.attrs[bias], tp)
-                style = styles[mod]["style"]
-                ok = bp == Shard(0) if style == "ColwiseParallel" else bp == Replicate()
-                if not ok:
-                    raise ExportError(f"--export dtensor: {bias}: the plan places it {_placement_text(bp)} over tp, "
-                                      f"{style} {'Shard(0)' if style == 'ColwiseParallel' else 'Replicate()'}")
+            for mod, how, _out_ax, op in _uses(p):
+                loss_parallel = _style(mod, how, op, pl) or loss_parallel
         # a layer left whole beside column layers of the same input (kv projections with fewer heads
         # than tp): on local shards its output would not match theirs (2 kv heads against 1 query head)
         for x, mods in column_inputs.items():
@@ -284,7 +326,7 @@ def dtensor_document(plan: Any) -> dict[str, Any]:
                          f"all-reduced once")
     return {"format": DOC_FORMATS[fmt], "version": VERSION, "mesh": _mesh_doc(plan),
             "tp_dim": None if tp is None else plan.mesh.dim_names[tp],
-            "parallelize_plan": dict(sorted(styles.items())), "loss_parallel": loss_parallel,
+            "parallelize_plan": dict(sorted(styles.items())), "loss_parallel": loss_parallel, "tied": tied_to,
             "placements": placements, "shapes": {p: list(prog.tensors[p].shape) for p in params}, "notes": notes}
 
 
@@ -445,6 +487,34 @@ def load_dtensor_plan(path: str) -> dict[str, Any]:
     return out
 
 
+def apply_dtensor_plan(model: Any, mesh: Any, path: str) -> Any:
+    """``parallelize_module`` of ``model`` on ``mesh``'s tp dim (or ``mesh`` itself when it is
+    1-D) with a ``dtensor`` export, then its tied parameters tied again (``parallelize_module``
+    gives each module its own): ``model`` returned."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    doc = read_document(path, "dtensor")
+    tp = doc.get("tp_dim")
+    if tp is None:
+        return model
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    sub = mesh[tp] if mesh.ndim > 1 or (names and names != (tp,)) else mesh
+    parallelize_module(model, sub, load_dtensor_plan(path))
+
+    def owner(name: str) -> tuple[Any, str]:
+        *path_, leaf = name.split(".")
+        m = model
+        for part in path_:
+            m = getattr(m, part)
+        return m, leaf
+
+    for alias, canon in doc.get("tied", {}).items():
+        o, leaf = owner(alias)
+        c, cleaf = owner(canon)
+        setattr(o, leaf, getattr(c, cleaf))
+    return model
+
+
 def load_dtensor_placements(path: str) -> dict[str, tuple[Any, ...]]:
     """Parameter name -> its DTensor placements (one per mesh dim of the plan's mesh)."""
     import torch.distributed.tensor as dt
@@ -512,5 +582,5 @@ def load_paddle_placements(path: str) -> tuple[Any, dict[str, list[Any]]]:
 
 
 __all__ = ["DOC_FORMATS", "FORMATS", "ExportError", "check_target", "dtensor_document", "export_document", "export_plan",
-           "jax_document", "jax_mesh", "load_dtensor_placements", "load_dtensor_plan", "load_jax_specs",
+           "apply_dtensor_plan", "jax_document", "jax_mesh", "load_dtensor_placements", "load_dtensor_plan", "load_jax_specs",
            "load_paddle_placements", "paddle_document", "read_document", "write_json"]
