@@ -2,10 +2,10 @@
 HF Llama's megatron plan, applied with ``parallelize_module`` on ``--tp`` gloo ranks, computes the
 same loss and gradients as the unsharded model.
 
-    PYTHONPATH=src python scripts/export_dtensor_check.py [--tp 2] [--layers 2]
+    PYTHONPATH=src python scripts/export_dtensor_check.py [--tp 2] [--layers 2] [--tied]
 
 Plans ``LlamaForCausalLM`` (hidden 64, 4 heads, 2 kv heads, vocab 256, batch 2, seq 16) on
-``tp=N`` with megatron, writes the export to a temporary folder, then on each rank builds the
+``tp=N`` with megatron, writes the export to a temporary folder, applies it with ``apply_dtensor_plan``, then on each rank builds the
 same seeded model twice, runs one forward / backward unsharded and one through the exported plan
 (the loss vocab-parallel under ``loss_parallel``), and prints the loss of both and the largest
 gradient difference relative to the gradient's largest value. Exit status 1 when the loss
@@ -23,8 +23,8 @@ import warnings
 from typing import Any
 
 
-def _config(layers: int) -> dict[str, Any]:
-    return {"num_key_value_heads": 2, "num_hidden_layers": layers, "hidden_size": 64, "num_attention_heads": 4,
+def _config(layers: int, tied: bool = False) -> dict[str, Any]:
+    return {"tie_word_embeddings": tied, "num_key_value_heads": 2, "num_hidden_layers": layers, "hidden_size": 64, "num_attention_heads": 4,
             "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 64}
 
 
@@ -41,26 +41,25 @@ def _step(model: Any, kw: dict[str, Any], parallel: bool) -> Any:
     return loss
 
 
-def _rank(r: int, world: int, folder: str, layers: int, out: Any) -> None:
+def _rank(r: int, world: int, folder: str, layers: int, tied: bool, out: Any) -> None:
     warnings.simplefilter("ignore")
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import parallelize_module
 
-    from spmdkit.export import load_dtensor_plan
+    from spmdkit.export import apply_dtensor_plan
     from spmdkit.hf import build, example_inputs
 
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=r, world_size=world)
     try:
-        ref = build("LlamaForCausalLM", _config(layers), seed=0)
-        model = build("LlamaForCausalLM", _config(layers), seed=0)
+        ref = build("LlamaForCausalLM", _config(layers, tied), seed=0)
+        model = build("LlamaForCausalLM", _config(layers, tied), seed=0)
         torch.manual_seed(1)
         kw = example_inputs(ref, 2, 16)
         ref_loss = _step(ref, kw, False)
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-        parallelize_module(model, mesh["tp"], load_dtensor_plan(f"{folder}/plan.json"))
+        apply_dtensor_plan(model, mesh, f"{folder}/plan.json")
         loss = _step(model, kw, True)
         full = loss.full_tensor() if isinstance(loss, DTensor) else loss
         refp = dict(ref.named_parameters())
@@ -80,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--tied", action="store_true", help="tie the embedding and the LM head")
     a = ap.parse_args(argv)
     warnings.simplefilter("ignore")
     import torch.multiprocessing as mp
@@ -88,11 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     from spmdkit.graph.plan_cli import plan_hf
 
     with tempfile.TemporaryDirectory() as folder:
-        _prog, _model, _kw, plan = plan_hf("LlamaForCausalLM", _config(a.layers), f"tp={a.tp}", "megatron")
+        _prog, _model, _kw, plan = plan_hf("LlamaForCausalLM", _config(a.layers, a.tied), f"tp={a.tp}", "megatron")
         doc = export_plan(plan, "dtensor", os.path.join(folder, "plan.json"))
         ctx = mp.get_context("spawn")
         q = ctx.SimpleQueue()
-        mp.start_processes(_rank, args=(a.tp, folder, a.layers, q), nprocs=a.tp, start_method="spawn")
+        mp.start_processes(_rank, args=(a.tp, folder, a.layers, a.tied, q), nprocs=a.tp, start_method="spawn")
         loss, ref, worst, where = q.get()
     print(f"{len(doc['parallelize_plan'])} styles on tp={a.tp}: loss {loss:.8f}, unsharded {ref:.8f}; "
           f"largest relative gradient difference {worst:.2e} ({where})")

@@ -193,12 +193,35 @@ def llama() -> Any:
     return _import_llama(False)
 
 
+@pytest.fixture(scope="module")
+def llama_tied() -> Any:
+    """The same with its embedding and LM head tied (``tie_word_embeddings``)."""
+    return _import_llama(True)
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 def test_dtensor_refuses_sequence_parallel(llama: Any) -> None:
     from spmdkit.graph.plan_cli import plan_program
 
     _, plan = plan_program(llama[0], "tp=2", "megatron,sp")
     with pytest.raises(ExportError, match=r"dtensor: model\.embed_tokens: .*Shard\(1\) over tp \(sequence parallel\)"):
+        dtensor_document(plan)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+def test_dtensor_of_a_program_json_notes_what_it_cannot_derive(llama: Any, llama_tied: Any) -> None:
+    from spmdkit.graph.plan_cli import plan_program
+    from spmdkit.graph.program import program_from_json
+
+    prog = program_from_json(json.loads(json.dumps(llama[0].to_json())))  # no module paths, no aliases
+    _, plan = plan_program(prog, "tp=2", "megatron")
+    doc = dtensor_document(plan)
+    styles = Counter(s["style"] for s in doc["parallelize_plan"].values())
+    assert styles == Counter(ColwiseParallel=2 * 5 + 1, RowwiseParallel=2 * 2 + 1)  # no PrepareModuleOutput
+    assert any("records no module paths" in n for n in doc["notes"])
+    tied = program_from_json(json.loads(json.dumps(llama_tied[0].to_json())))
+    _, plan = plan_program(tied, "tp=2", "megatron")
+    with pytest.raises(ExportError, match=r"model\.embed_tokens\.weight: read by 2 layers \(embedding, matmul\)"):
         dtensor_document(plan)
 
 
@@ -215,7 +238,8 @@ def test_dtensor_refuses_kv_heads_replicated_beside_sharded_queries(llama: Any) 
 
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_dtensor_plan_on_hf_llama_matches_the_plans_collectives(llama: Any, tied: bool, tmp_path: Path) -> None:
+def test_dtensor_plan_on_hf_llama_matches_the_plans_collectives(llama: Any, tied: bool, tmp_path: Path,
+                                                                request: pytest.FixtureRequest) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -231,7 +255,7 @@ def test_dtensor_plan_on_hf_llama_matches_the_plans_collectives(llama: Any, tied
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
     torch.manual_seed(0)
-    imported, model, kw = _import_llama(True) if tied else llama
+    imported, model, kw = request.getfixturevalue("llama_tied") if tied else llama
     prog, plan = plan_program(imported, "dp=2,tp=2", "megatron")
     path = tmp_path / "plan.dtensor.json"
     doc = export_plan(plan, "dtensor", str(path))

@@ -203,6 +203,13 @@ def dtensor_document(plan: Any) -> dict[str, Any]:
                                   f"and nn.Embedding weights")
 
         tied = sorted(a for a, t in aliases.items() if t == p)
+        layers = [op for op in prog.ops if op.phase == "forward" and (
+            (op.rule == "matmul" and op.inputs.get("y") == p)
+            or (op.rule in ("embedding", "c_embedding") and op.inputs.get("weight") == p))]
+        if not tied and len(layers) > 1:
+            raise ExportError(f"--export dtensor: {p}: read by {len(layers)} layers ({', '.join(op.rule for op in layers)}) "
+                              f"and the program names no other module for it (a tied parameter in a program JSON, "
+                              f"which keeps no module paths): export from --hf")
         if not tied:
             how, out_ax, _in_ax, op = _weight_axes(prog, readers, p)
             if op is None:
@@ -324,6 +331,9 @@ def dtensor_document(plan: Any) -> dict[str, Any]:
                                       desired_output_layouts="Replicate()", use_local_output=False)
             notes.append(f"{path}: its output {x} is read by {', '.join(mods)}: one replicated DTensor, its gradient "
                          f"all-reduced once")
+    if styles and not modules:
+        notes.append("the program records no module paths (a program JSON): no PrepareModuleOutput derived, so each "
+                     "column layer all-reduces its own input gradient (more than the plan's one per block)")
     return {"format": DOC_FORMATS[fmt], "version": VERSION, "mesh": _mesh_doc(plan),
             "tp_dim": None if tp is None else plan.mesh.dim_names[tp],
             "parallelize_plan": dict(sorted(styles.items())), "loss_parallel": loss_parallel, "tied": tied_to,
