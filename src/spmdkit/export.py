@@ -147,7 +147,7 @@ def _feeds_loss(prog: Any, readers: dict[str, list[int]], name: str) -> bool:
 
 
 def _reduced_to(plan: Any, name: str, tp: int) -> Any:
-    """The tp placement a partial tensor is first reshard to (its readers' layout), else None."""
+    """The tp placement a partial tensor is first resharded to (its readers' layout), else None."""
     for r in plan.reshards:
         if r.tensor == name and _tp_placement(r.src, tp).is_partial():
             return _tp_placement(r.dst, tp)
