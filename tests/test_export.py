@@ -174,6 +174,7 @@ def _counter() -> Any:
 
 
 def _kinds(cm: Any) -> Counter[str]:
+    """The collectives counted, by kind (``all_reduce``)."""
     return Counter({str(k).rsplit(".", 1)[-1]: v for k, v in cm.get_comm_counts().items()})
 
 
@@ -290,20 +291,42 @@ def test_dtensor_plan_on_hf_llama_matches_the_plans_collectives(llama: Any, tied
         sharded = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
         assert len(sharded) == 2 * 7 + 2 - tied  # every linear layer and both vocab tables (one when tied)
         inputs = {k: v for k, v in kw.items() if k != "labels"}
-        with _counter() as fwd:
+        with _counter() as comm, loss_parallel():
             logits = model(**inputs).logits
-        assert isinstance(logits, DTensor) and logits.placements[0].is_shard(2)  # vocab-sharded, never gathered
-        with _counter() as loss_comm, loss_parallel():
+            assert isinstance(logits, DTensor) and logits.placements[0].is_shard(2)  # vocab-sharded, never gathered
             vocab = logits.shape[-1]
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, vocab), kw["labels"][:, 1:].reshape(-1),
                                    ignore_index=-100)
-        with _counter() as bwd, loss_parallel():
             loss.backward()
-        assert _kinds(fwd) == planned("forward")
-        assert _kinds(bwd) == planned("backward")
-        # the loss's own reductions (max, sum of exponentials, the label's logit), inside spmdkit's
-        # c_softmax_with_cross_entropy rule and not among the plan's reshards
-        assert _kinds(loss_comm) == Counter(all_reduce=3)
+        assert set(_kinds(comm)) == {"all_reduce"}
+        # where: the modules whose forward / backward runs a collective in torch are the plan's
+        produced = {n: i for i, op in enumerate(prog.ops) for n in op.output_names()}
+
+        def made_in(name: str) -> str:
+            return str(prog.modules[produced[name]][0])
+
+        def boundary(grad: str) -> str:
+            """Where torch reduces the gradient of a column layers' input: at the module that made
+            it when that module's output is a shared DTensor, else at the one column layer reading it."""
+            base = grad.split(".grad")[0]
+            if doc["parallelize_plan"].get(made_in(base), {}).get("style") == "PrepareModuleOutput":
+                return made_in(base)
+            readers = sorted({prog.modules[i][0] for i, op in enumerate(prog.ops) if op.phase == "forward"
+                              and base in op.input_names() and prog.modules.get(i, ("",))[0] in doc["parallelize_plan"]})
+            assert len(readers) == 1, f"{grad}: the plan reduces it once, torch once per reader {readers}"
+            return str(readers[0])
+
+        root = type(model).__name__
+        for phase, site in (("forward", made_in), ("backward", boundary)):
+            want = Counter(site(r.tensor) for r, s in plan.collectives(phase) if tp in s.mesh_dims)
+            got = Counter({k.removeprefix(root + "."): sum(v[phase].values()) for k, v in comm.comm_module_counts.items()
+                           if k.removeprefix(root + ".") in doc["parallelize_plan"] and sum(v[phase].values())})
+            assert got == want, phase
+            assert sum(comm.comm_module_counts[root][phase].values()) == sum(planned(phase).values()) == 5
+        # forward, outside the model: the loss's own reductions (max, sum of exponentials, the label's
+        # logit), inside spmdkit's c_softmax_with_cross_entropy rule, not among the plan's reshards
+        fwd_global = sum(comm.comm_module_counts["Global"]["forward"].values())
+        assert fwd_global - sum(comm.comm_module_counts[root]["forward"].values()) == 3
         assert [op.rule for op in prog.ops if op.rule.startswith("c_softmax")] == [
             "c_softmax_with_cross_entropy", "c_softmax_with_cross_entropy_grad"]
     finally:
