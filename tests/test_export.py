@@ -4,10 +4,12 @@ The jax and paddle exports are checked against the plan's dist attrs (no jax or 
 every parameter's PartitionSpec read back is its dims_mapping, every placement list is its
 per-mesh-dim placements. The dtensor export is applied to the imported HF Llama (2 layers,
 kv heads 2) with ``parallelize_module`` on a fake 4-rank process group (dp=2 x tp=2), and the
-collectives torch's DTensor runs under ``CommDebugMode`` are counted against the plan's: the
-forward's tp all-reduces (2 per layer + the vocab-parallel embedding = 5) and the backward's
-(the attention and MLP inputs' summed gradients, 2 per layer, + the LM head's input = 5); the
-loss, vocab-parallel in both (torch's ``loss_parallel``), is counted apart. Every parameter's
+collectives torch's DTensor runs under ``CommDebugMode`` are counted against the plan's, per
+phase and per module: the forward's tp all-reduces (2 per layer + the vocab-parallel embedding
+= 5, in the modules that make the tensors the plan reduces: o_proj, down_proj, embed_tokens)
+and the backward's (the attention and MLP inputs' summed gradients, 2 per layer, at the norms
+whose output they share, + the LM head's input = 5); the loss, vocab-parallel in both (torch's
+``loss_parallel``), runs outside the model and is counted apart. Every parameter's
 DTensor placement on the tp mesh dim is the plan's."""
 
 from __future__ import annotations
