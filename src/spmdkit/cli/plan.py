@@ -53,6 +53,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                         "communication, memory and the step's timeline; no network needed)")
     p.add_argument("--wide", action="store_true",
                    help="print the tables whole, however wide (on a terminal they are fitted to its width)")
+    p.add_argument("--export", nargs=2, metavar=("dtensor|jax|paddle", "FILE"),
+                   help="also write the parameters' shardings for torch DTensor (a parallelize_module plan and "
+                        "placements), JAX (PartitionSpecs) or Paddle (shard_tensor placements) to FILE (docs/export.md)")
     p.add_argument("--verify", action="store_true",
                    help="also run the same plan at tiny sizes through the simulator (needs numpy)")
     p.add_argument("--auto", action="store_true",
@@ -313,9 +316,15 @@ def run_plan(ns: argparse.Namespace, out: TextIO) -> int:
                 from spmdkit.graph.html import check_html_path
 
                 check_html_path(ns.html)  # before planning
+            if getattr(ns, "export", None):  # a bad format or folder refused before planning
+                from spmdkit.export import check_target
+
+                check_target(*ns.export)
             width = None if ns.json else terminal_width(out, getattr(ns, "wide", False))
             with fitted(out, width) as fout:
                 if wants_pipeline(ns):  # a pp mesh dim: graph/pipeline.py
+                    if getattr(ns, "export", None):
+                        raise ProgramError("--export: does not apply to a pipeline (pp) plan yet")
                     return run_pipeline_plan(ns, fout)
                 return _run_plan(ns, fout)
     except SpmdError as exc:
@@ -388,6 +397,7 @@ def _run_plan(ns: argparse.Namespace, out: TextIO) -> int:
     plan.grad_accum = _size_arg("--grad-accum", getattr(ns, "grad_accum", None), 1 << 20) or 1
     plan, est = _step_estimate(ns, plan, config)
     mem = memory_per_device(plan, recompute)
+    _export(ns, plan)
     verdict = None
     if ns.verify:
         verdict = _verify(ns, model_name, user)
@@ -451,6 +461,7 @@ def _run_auto(ns: argparse.Namespace, out: TextIO, user: dict[str, Any], overrid
     plan, est = _step_estimate(ns, plan, config)
     mem = memory_per_device(plan, ns.recompute)
     write_html(ns, plan, title, mem, est, config, auto=info)
+    _export(ns, plan)
     if ns.json:
         extra = {"title": title, "plan_seconds": secs,
                  "auto": {"status": info.status, "gap": info.gap, "solve_seconds": info.solve_s,
@@ -476,6 +487,14 @@ def write_html(ns: argparse.Namespace, plan: Any, title: str, mem: Any, est: Any
     size = save_html(path, plan, title, mem, est, config=config, recompute=getattr(ns, "recompute", None) or "none",
                      mesh=parse_mesh(ns.mesh), ranks_per_node=nodes, **more)
     print(f"spmdkit plan: wrote {path} ({size / 1024:.0f} KiB)", file=sys.stderr)
+
+
+def _export(ns: argparse.Namespace, plan: Any) -> None:
+    """``--export FORMAT FILE``: the plan's shardings for another framework (spmdkit/export.py)."""
+    if getattr(ns, "export", None):
+        from spmdkit.export import export_plan
+
+        export_plan(plan, ns.export[0], ns.export[1])
 
 
 def _verify(ns: argparse.Namespace, model_name: str | None, user: dict[str, Any]) -> dict[str, Any]:
