@@ -192,19 +192,15 @@ def test_cli_devices_json_and_verify() -> None:
     assert got["step"]["step_overlap_s"] == pytest.approx(best["step_s"], rel=1e-12)
 
 
-def test_cli_devices_memory_cap_too_small(monkeypatch: pytest.MonkeyPatch) -> None:
-    # --memory is parsed by plan_cli when that flag exists; the search reads ns.memory
-    import argparse
-
-    from spmdkit.graph.auto_search import run_devices
-
-    ns = argparse.Namespace(devices="2", mesh=None, model="tiny-llama", program=None, hf=None, hf_config=None,
-                            strategy=None, recompute="none", layers=None, batch=None, seq=None, annotate=[],
-                            cost=None, device="h100", nodes_of=None, memory="1KB", json=False, verify=False,
-                            auto=False, auto_time_limit="60")
-    out = io.StringIO()
-    assert run_devices(ns, out) == 1
-    assert "no configuration fits" in out.getvalue() and "rejected over the memory cap" in out.getvalue()
+def test_cli_devices_memory_cap_too_small() -> None:
+    rc, out, err = _cli("plan", "--model", "tiny-llama", "--devices", "2", "--memory", "1KB", "--recompute", "none")
+    assert rc == 1, err
+    assert "no configuration fits" in out and "rejected over the memory cap" in out
+    rc, out, err = _cli("plan", "--model", "tiny-llama", "--devices", "2", "--memory", "100KiB", "--json")
+    assert rc == 0, err
+    got = json.loads(out)
+    assert got["search"]["memory_cap"] == 100 << 10
+    assert 0 < got["memory"]["total"] <= 100 << 10 and got["search"]["over_memory_cap"] > 0
 
 
 @pytest.mark.parametrize(("args", "msg"), [
@@ -213,6 +209,7 @@ def test_cli_devices_memory_cap_too_small(monkeypatch: pytest.MonkeyPatch) -> No
     (("--devices", "0"), "--devices 0: out of range"),
     (("--devices", "x"), "--devices 'x': expected an integer"),
     (("--recompute", "most"), "--recompute"),
+    (("--memory", "lots"), "--memory 'lots': expected a size"),
 ])
 def test_cli_devices_bad_arguments(args: tuple[str, ...], msg: str) -> None:
     rc, out, err = _cli("plan", "--model", "tiny-llama", "--devices", "2", *args)

@@ -97,6 +97,7 @@ class Candidate:
     memory_detail: Any = field(repr=False, default=None)
     title: str = ""
     auto: Any = None                                    # auto.AutoInfo for strategy "auto"
+    plan_s: float = 0.0                                 # seconds to plan its shardings
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {**self.config.to_json(), "step_s": self.step_s, "mfu": self.mfu,
@@ -333,6 +334,8 @@ def search_meshes(model: Any, devices: int, device: Any = "h100", memory_cap: in
             m = (batch // dp) if (pp > 1 and batch) else 1
             cfg = Config(dp, tp, pp, s, "none", m)
             bar.update(note=cfg.label())
+            t1 = time.perf_counter()
+            k = len(cands)
             try:
                 if prog is not None:
                     cands += _plan_program_config(cfg, prog, dev, tokens, modes, cap, pins, cost_text, nodes_of,
@@ -343,6 +346,8 @@ def search_meshes(model: Any, devices: int, device: Any = "h100", memory_cap: in
                                                  cost_text, nodes_of, time_limit)
             except SpmdError as exc:
                 refused.append((cfg, " ".join(str(exc).split())[:300]))
+            for c in cands[k:]:
+                c.plan_s = time.perf_counter() - t1
             bar.advance()
     finally:
         if progress is None:
@@ -547,10 +552,10 @@ def _write_best(best: Candidate, out: TextIO) -> None:
         from spmdkit.graph.pipeline import write_pipeline
 
         write_report(best.plan, out, title + " (the plan of one microbatch on the stages' sub-mesh)",
-                     best.memory_detail, 0.0)
+                     best.memory_detail, best.plan_s)
         write_pipeline(best.estimate, out)
     else:
-        write_report(best.plan, out, title, best.memory_detail, 0.0, best.estimate)
+        write_report(best.plan, out, title, best.memory_detail, best.plan_s, best.estimate)
 
 
 def auto_time_limit(ns: argparse.Namespace) -> float:

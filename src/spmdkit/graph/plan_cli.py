@@ -64,6 +64,10 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     from spmdkit.graph.pipeline import add_pipeline_arguments
 
     add_pipeline_arguments(p)  # a pp mesh dim: --microbatches, --schedule, --virtual-stages, --stages
+    if "--memory" not in p._option_string_actions:  # (one flag, whichever module adds it first)
+        p.add_argument("--memory", metavar="SIZE",
+                       help="memory cap per device, e.g. 80GB or 80GiB (default the --device's): --devices rejects "
+                            "configurations over it")
 
 
 #: ``--mesh`` when neither it nor ``--devices`` is given.
