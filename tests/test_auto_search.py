@@ -314,3 +314,12 @@ def test_cli_auto_hf(hf_prog: Any) -> None:
     assert rc == 2 and "--verify: simulates a preset model; it does not apply to --hf" in err
     rc, out, err = _cli("plan", "--hf", "LlamaForCausalLM", "--mesh", "dp=2", "--auto")
     assert rc == 2 and "needs --hf-config" in err
+
+
+def test_cli_devices_hf(hf_prog: Any) -> None:
+    rc, out, err = _cli("plan", "--hf", "LlamaForCausalLM", "--hf-config", json.dumps(HF_CFG), "--batch", "2",
+                        "--seq", "8", "--devices", "2", "--recompute", "none", "--json")
+    assert rc == 0, err
+    s = json.loads(out)["search"]
+    assert s["top"] and all(r["pp"] == 1 and r["dp"] * r["tp"] == 2 for r in s["top"])
+    assert {r["strategy"] for r in s["top"]} >= {"dp", "megatron"}
