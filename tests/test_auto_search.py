@@ -323,3 +323,16 @@ def test_cli_devices_hf(hf_prog: Any) -> None:
     s = json.loads(out)["search"]
     assert s["top"] and all(r["pp"] == 1 and r["dp"] * r["tp"] == 2 for r in s["top"])
     assert {r["strategy"] for r in s["top"]} >= {"dp", "megatron"}
+
+
+def test_cost_pp_entry_times_only_the_pipeline_sends(tiny4: Any) -> None:
+    slow = search_meshes("tiny-llama", 4, "h100", strategies=["dp"], recompute=["none"],
+                         cost_text="pp=20us/0.1GB")
+    base = {c.config: c.step_s for c in tiny4.candidates}
+    piped = [c for c in slow.candidates if c.config.pp > 1 and c.config in base]
+    flat = [c for c in slow.candidates if c.config.pp == 1 and c.config in base]
+    assert piped and flat
+    for c in flat:
+        assert c.step_s == base[c.config]
+    for c in piped:
+        assert c.step_s > base[c.config]

@@ -377,9 +377,11 @@ def _auto(prog: Any, mesh: Any, pins: Mapping[str, Any] | None, device: Any, cos
 def _plan_preset_config(cfg: Config, name: str, mc: Any, device: Any, tokens: int, modes: Sequence[str], cap: int,
                         pins: Mapping[str, Any] | None, cost_text: str | None, nodes_of: int | None,
                         time_limit: float) -> list[Candidate]:
+    from spmdkit.graph.pipeline import _pp_cost_text
     from spmdkit.graph.plan_cli import plan_model
     from spmdkit.graph.zoo import build_model
 
+    full_cost, cost_text = cost_text, _pp_cost_text(cost_text, None)  # pp= times the sends only
     over = {"layers": mc.layers, "batch": mc.batch // cfg.microbatches, "seq": mc.seq}
     title = (f"{name}: {mc.arch}, {mc.layers} layers, hidden {mc.hidden}, seq {mc.seq}, batch {mc.batch}"
              + (f" as {cfg.microbatches} microbatches of {mc.batch // cfg.microbatches}" if cfg.pp > 1 else "")
@@ -397,14 +399,16 @@ def _plan_preset_config(cfg: Config, name: str, mc: Any, device: Any, tokens: in
     from spmdkit.graph.pipeline import parse_spec, split_layers
 
     counts = split_layers(mc.layers, parse_spec(cfg.pp, microbatches=cfg.microbatches))
-    return _pipeline_candidates(cfg, plan, counts, device, tokens, modes, cap, title, cost_text, nodes_of, info)
+    return _pipeline_candidates(cfg, plan, counts, device, tokens, modes, cap, title, full_cost, nodes_of, info)
 
 
 def _plan_program_config(cfg: Config, prog: Any, device: Any, tokens: int | None, modes: Sequence[str], cap: int,
                          pins: Mapping[str, Any] | None, cost_text: str | None, nodes_of: int | None,
                          patterns: Any, time_limit: float) -> list[Candidate]:
+    from spmdkit.graph.pipeline import _pp_cost_text
     from spmdkit.graph.plan_cli import plan_program
 
+    cost_text = _pp_cost_text(cost_text, None)  # no pipeline for a program: a pp= entry has nothing to time
     info = None
     title = f"mesh {cfg.mesh_text}; {cfg.strategy}"
     if cfg.strategy == "auto":
@@ -476,8 +480,10 @@ def run_devices(ns: argparse.Namespace, out: TextIO) -> int:
     hf = getattr(ns, "hf", None)
     if hf is not None and ns.program:
         raise ProgramError("--hf: give either --hf or --program, not both")
-    if ns.cost:
-        _cost(ns.cost, _sub_mesh(1, 1))  # names --cost before planning (dims other than dp/tp/pp are refused later)
+    if ns.cost:  # named before planning: dims dp, tp and pp (its entry times the pipeline's sends)
+        from spmdkit.graph.strategy import parse_mesh
+
+        _cost(ns.cost, parse_mesh("pp=2,dp=1,tp=1"))
     limit = auto_time_limit(ns)
     user = _annotations(ns.annotate)
     layers = _size_arg("--layers", ns.layers, 1 << 20)
