@@ -210,6 +210,9 @@ def test_cli_devices_memory_cap_too_small() -> None:
     (("--devices", "x"), "--devices 'x': expected an integer"),
     (("--recompute", "most"), "--recompute"),
     (("--memory", "lots"), "--memory 'lots': expected a size"),
+    (("--tp-plan", "{}"), "--tp-plan: applies to --hf or --program"),
+    (("--hf-config", "{}"), "--hf-config: configures an --hf model"),
+    (("--cost", "xx=5us/150GB"), "mesh has no dim named 'xx'"),
 ])
 def test_cli_devices_bad_arguments(args: tuple[str, ...], msg: str) -> None:
     rc, out, err = _cli("plan", "--model", "tiny-llama", "--devices", "2", *args)

@@ -480,6 +480,10 @@ def run_devices(ns: argparse.Namespace, out: TextIO) -> int:
     hf = getattr(ns, "hf", None)
     if hf is not None and ns.program:
         raise ProgramError("--hf: give either --hf or --program, not both")
+    if hf is None and getattr(ns, "hf_config", None) is not None:
+        raise ProgramError("--hf-config: configures an --hf model; give --hf CLASS too")
+    if getattr(ns, "tp_plan", None) is not None and hf is None and not ns.program:
+        raise ProgramError("--tp-plan: applies to --hf or --program models (a preset has its own roles)")
     if ns.cost:  # named before planning: dims dp, tp and pp (its entry times the pipeline's sends)
         from spmdkit.graph.strategy import parse_mesh
 
