@@ -27,7 +27,11 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp-plan", metavar="FILE|JSON",
                    help='megatron for --hf / --program: module-name patterns -> column, row, vocab or replicate, '
                         'tried before the defaults, e.g. \'{"*.k_proj": "replicate"}\'')
-    p.add_argument("--mesh", default="dp=2,tp=4", help="named mesh dims, e.g. dp=2,tp=4 (default)")
+    p.add_argument("--mesh", default=None, help="named mesh dims, e.g. dp=2,tp=4 (default)")
+    p.add_argument("--devices", metavar="N",
+                   help="instead of --mesh: search every dp x tp x pp mesh of N devices, the strategies, ZeRO stages "
+                        "and recomputation (and --auto's search per mesh) for the fastest plan that fits the memory "
+                        "(graph/auto_search.py); prints the top configurations and the best plan")
     p.add_argument("--strategy", default=None,
                    help="comma list of dp, megatron (tp), sp, zero1, zero2 (zero), zero3 (fsdp); default megatron (= dp,megatron) for a preset "
                         "or --hf, none for --program")
@@ -44,9 +48,10 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-accum", dest="grad_accum", metavar="K",
                    help="gradient accumulation: K forward/backward micro-steps per optimizer step, the gradients "
                         "accumulated and reduced once (default 1)")
-    p.add_argument("--recompute", default="none", metavar="none|selective|full",
+    p.add_argument("--recompute", default=None, metavar="none|selective|full",
                    help="activation recomputation: selective (the attention core, Korthikanti et al. 2022) or "
-                        "full (every layer, only its input kept); in the memory and the --device step")
+                        "full (every layer, only its input kept); in the memory and the --device step (default "
+                        "none; --devices tries all three)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--html", metavar="FILE",
                    help="also write the plan as one self-contained HTML page (figures of the mesh, the shardings, "
@@ -67,8 +72,14 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     from spmdkit.graph.pipeline import add_pipeline_arguments
 
     add_pipeline_arguments(p)  # a pp mesh dim: --microbatches, --schedule, --virtual-stages, --stages
+    if "--memory" not in p._option_string_actions:  # (one flag, whichever module adds it first)
+        p.add_argument("--memory", metavar="SIZE",
+                       help="memory cap per device, e.g. 80GB or 80GiB (default the --device's): --devices rejects "
+                            "configurations over it")
 
 
+#: ``--mesh`` when neither it nor ``--devices`` is given.
+DEFAULT_MESH = "dp=2,tp=4"
 #: The most layers ``--layers`` takes: planning is linear in the ops (~30 per layer with its
 #: backward and optimizer), and 512 is over six times the largest preset (llama-70b, 80).
 MAX_LAYERS = 512
@@ -309,6 +320,12 @@ def run_plan(ns: argparse.Namespace, out: TextIO) -> int:
     exit status 2 (no traceback); 1 when ``--verify`` finds a difference."""
     try:
         with strategy_notes("plan"):
+            if getattr(ns, "devices", None) is not None:  # the outer search: graph/auto_search.py
+                from spmdkit.graph.auto_search import run_devices
+
+                return run_devices(ns, out)
+            if getattr(ns, "mesh", None) is None:
+                ns.mesh = DEFAULT_MESH
             from spmdkit.graph.pipeline import run_pipeline_plan, wants_pipeline
             from spmdkit.report import fitted, terminal_width
 
@@ -415,17 +432,23 @@ def _run_plan(ns: argparse.Namespace, out: TextIO) -> int:
 
 
 def _run_auto(ns: argparse.Namespace, out: TextIO, user: dict[str, Any], overrides: dict[str, int | None]) -> int:
-    """``--auto``: the searched plan of a preset or a --program file (graph/auto.py)."""
+    """``--auto``: the searched plan of a preset, a --program file or an --hf model (graph/auto.py);
+    ``--verify``: a preset's plan checked on its tiny model (graph/auto_search.verify_auto)."""
     from spmdkit.graph.auto import auto_plan
     from spmdkit.graph.memory import memory_per_device
     from spmdkit.graph.report import plan_json, write_report
     from spmdkit.graph.strategy import parse_mesh
     from spmdkit.graph.zoo import build_model, preset
 
-    for flag, v in (("--strategy", ns.strategy), ("--hf", getattr(ns, "hf", None)), ("--verify", ns.verify or None)):
-        if v is not None:
-            raise ProgramError(f"{flag}: does not apply with --auto (the search chooses the shardings of a preset "
-                               "or a --program file)")
+    hf = getattr(ns, "hf", None)
+    if ns.strategy is not None:
+        raise ProgramError("--strategy: does not apply with --auto (the search chooses the shardings)")
+    if hf is not None and ns.program:
+        raise ProgramError("--hf: give either --hf or --program, not both")
+    if hf is None and getattr(ns, "hf_config", None) is not None:
+        raise ProgramError("--hf-config: configures an --hf model; give --hf CLASS too")
+    if ns.verify and (hf is not None or ns.program):
+        raise ProgramError(f"--verify: simulates a preset model; it does not apply to {'--hf' if hf else '--program'}")
     try:
         limit = float(ns.auto_time_limit)
     except ValueError:
@@ -435,7 +458,17 @@ def _run_auto(ns: argparse.Namespace, out: TextIO, user: dict[str, Any], overrid
     mesh = parse_mesh(ns.mesh)
     config = None
     t0 = time.perf_counter()
-    if ns.program:
+    if hf is not None:
+        if ns.hf_config is None:
+            raise ProgramError(f"--hf {_cut(hf, 40)}: needs --hf-config FILE|JSON (the model's config)")
+        if overrides.get("layers") is not None:
+            raise ProgramError("--layers: does not apply to --hf (set num_hidden_layers in --hf-config)")
+        from spmdkit.graph.auto_search import import_hf_program
+
+        b, sq = overrides.get("batch") or 2, overrides.get("seq") or 16
+        prog = import_hf_program(hf, ns.hf_config, b, sq, getattr(ns, "dtype", "float32"))
+        title = f"{hf} (HuggingFace), batch {b}, seq {sq}"
+    elif ns.program:
         given = [f"--{k}" for k, v in overrides.items() if v is not None]
         if given:
             raise ProgramError(f"{given[0]}: overrides a preset's size; it does not apply to --program")
@@ -462,16 +495,25 @@ def _run_auto(ns: argparse.Namespace, out: TextIO, user: dict[str, Any], overrid
     mem = memory_per_device(plan, ns.recompute)
     write_html(ns, plan, title, mem, est, config, auto=info)
     _export(ns, plan)
+    verdict = None
+    if ns.verify:
+        from spmdkit.graph.auto_search import verify_auto
+
+        verdict = verify_auto(plan, ns.model, ns.cost)
     if ns.json:
-        extra = {"title": title, "plan_seconds": secs,
+        extra: dict[str, Any] = {"title": title, "plan_seconds": secs,
                  "auto": {"status": info.status, "gap": info.gap, "solve_seconds": info.solve_s,
                           "objective_seconds": info.objective_s, "candidates": info.candidates,
                           "variables": info.variables, "realized": info.realized, "merged_elementwise": info.merged,
                           "folded_layers": info.folded}}
+        if verdict is not None:
+            extra["verify"] = verdict
         out.write(json.dumps(plan_json(plan, mem, extra, est)) + "\n")
     else:
         write_report(plan, out, title, mem, secs, est)
-    return 0
+        if verdict is not None:
+            out.write("\n" + verdict["text"] + "\n")
+    return 0 if verdict is None or verdict["ok"] else 1
 
 
 def write_html(ns: argparse.Namespace, plan: Any, title: str, mem: Any, est: Any, config: Any = None,

@@ -44,16 +44,22 @@ def run_verify(ns: argparse.Namespace, out: TextIO | None = None) -> int:
     modes = ("forward", "backward") if ns.mode == "both" else (ns.mode,)
     t0 = time.perf_counter()
     reports = []
-    for name in names:
-        try:
-            rule = get_rule(name)
-        except SpmdError as exc:
-            print(f"spmdkit verify: {exc}", file=sys.stderr)
-            return 2
-        for m in modes:
-            if m not in rule.modes:
-                continue
-            reports.append(verify_rule(name, ns.cases, ns.seed, m))
+    from spmdkit.progress import Progress
+
+    with Progress("spmdkit verify", total=len(names)) as bar:  # stderr, a terminal only
+        for name in names:
+            bar.update(note=name)
+            try:
+                rule = get_rule(name)
+            except SpmdError as exc:
+                bar.close()
+                print(f"spmdkit verify: {exc}", file=sys.stderr)
+                return 2
+            for m in modes:
+                if m not in rule.modes:
+                    continue
+                reports.append(verify_rule(name, ns.cases, ns.seed, m))
+            bar.advance()
     elapsed = time.perf_counter() - t0
     if getattr(ns, "json", False):
         import json
