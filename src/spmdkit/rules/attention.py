@@ -50,6 +50,7 @@ from spmdkit.core.dist_attr import DimsMapping, TensorDistAttr
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.axes import mesh_size, one_mesh_dim, replicated_like
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import BROADCAST, fast_result, merge_letters, named_mesh, project
 from spmdkit.rules._absent import zero_d_absent
@@ -57,7 +58,7 @@ from spmdkit.rules.registry import register
 
 Shape = tuple[int, ...]
 Letters = dict[str, tuple[int, ...]]
-_make = TensorDistAttr._make
+_make = TensorDistAttr.unchecked
 
 
 # ---------------------------------------------------------------------------
@@ -79,23 +80,12 @@ def _eq(op: str, a: int, b: int, what: str) -> None:
         raise ShapeMismatchError(f"{op}: {what} ({a} vs {b})")
 
 
-def _prod(mesh_shape: Shape, dims: tuple[int, ...]) -> int:
-    p = 1
-    for d in dims:
-        p *= mesh_shape[d]
-    return p
-
-
 def _dm(t: DistTensorSpec | None) -> DimsMapping | None:
     return None if t is None else t.dist_attr.dims_mapping
 
 
 def _shape(t: DistTensorSpec | None) -> Shape | None:
     return None if t is None else t.shape
-
-
-def _repl(mesh: ProcessMesh, t: DistTensorSpec | None) -> TensorDistAttr | None:
-    return None if t is None else _make(mesh, (-1,) * len(t.shape))
 
 
 # ---------------------------------------------------------------------------
@@ -112,21 +102,8 @@ def _mask_axes(ms: Shape, b: int, h: int) -> str:
 
 
 def _single(dm: DimsMapping | None, mesh_shape: Shape) -> DimsMapping | None:
-    """A co-sharded entry keeps its largest mesh dim (the first of equal sizes), as
-    Paddle's ShardingMergeForTensors does."""
-    if dm is None:
-        return None
-    out = []
-    for e in dm:
-        if e.__class__ is not int:
-            dims: tuple[int, ...] = e  # type: ignore[assignment]
-            best = dims[0]
-            for d in dims[1:]:
-                if mesh_shape[d] > mesh_shape[best]:
-                    best = d
-            e = best
-        out.append(e)
-    return tuple(out)
+    """A co-sharded entry keeps its largest mesh dim, as Paddle's ShardingMergeForTensors does."""
+    return None if dm is None else one_mesh_dim(dm, mesh_shape)
 
 
 def _unshard_heads(axes: str | None, dm: DimsMapping | None, hk: int, mesh_shape: Shape) -> DimsMapping | None:
@@ -156,7 +133,7 @@ def _fa_letters(
     d = merged.get("h", ())
     if d and hq != hk and hk > 0:
         # grouped heads: every rank must hold whole kv heads for its q heads
-        while d and hk % _prod(mesh_shape, d) != 0:
+        while d and hk % mesh_size(mesh_shape, d) != 0:
             d = d[:-1]
         merged["h"] = d
     return merged
@@ -231,7 +208,7 @@ def flash_attention_forward(
         _dm(attn_mask), mesh.shape,
     )
     return fast_result(
-        (_make(mesh, qd), _make(mesh, kd), _make(mesh, vd), _repl(mesh, fixed_seed_offset),
+        (_make(mesh, qd), _make(mesh, kd), _make(mesh, vd), replicated_like(mesh, fixed_seed_offset),
          None if attn_mask is None else _make(mesh, mkd)),
         (_make(mesh, od), _make(mesh, sd), _make(mesh, ld), _make(mesh, (-1,))),
     )  # fmt: skip
@@ -287,7 +264,7 @@ def flash_attention_backward(
         qs, k.shape, ma, v.dist_attr.dims_mapping, _dm(softmax_lse), mesh.shape
     )
     return fast_result(
-        (_make(mesh, qd), _make(mesh, kd), _make(mesh, vd), _repl(mesh, fixed_seed_offset),
+        (_make(mesh, qd), _make(mesh, kd), _make(mesh, vd), replicated_like(mesh, fixed_seed_offset),
          None if attn_mask is None else _make(mesh, mkd)),
         (_make(mesh, od), None if softmax is None else _make(mesh, sd),
          None if softmax_lse is None else _make(mesh, ld), None if seed_offset is None else _make(mesh, (-1,))),
@@ -340,7 +317,7 @@ def flash_attention_grad(
     )
     qa, ka, va, oa = _make(mesh, qd), _make(mesh, kd), _make(mesh, vd), _make(mesh, od)
     return fast_result(
-        (qa, ka, va, oa, _make(mesh, ld), _repl(mesh, seed_offset),
+        (qa, ka, va, oa, _make(mesh, ld), replicated_like(mesh, seed_offset),
          None if attn_mask is None else _make(mesh, mkd), oa),
         (qa, ka, va),
     )  # fmt: skip

@@ -86,35 +86,17 @@ from spmdkit.core.dist_attr import DimsMapping, Entry, ReduceType, TensorDistAtt
 from spmdkit.core.errors import InvalidArgumentError, InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.axes import normalize_axis, one_mesh_dim_per_axis
 from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import (
-    ALPHABET,
-    BROADCAST,
-    Notation,
-    fast_result,
-    merge_letters,
-    named_mesh,
-    one_mesh_dim_per_axis,
-    project_all,
-)
+from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, fast_result, merge_letters, named_mesh, project_all
 from spmdkit.rules.registry import register
 
 Shape = tuple[int, ...]
-_make = TensorDistAttr._make
+_make = TensorDistAttr.unchecked
 
 # ---------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------
-
-
-def _norm_axis(op: str, axis: int, ndim: int, name: str = "axis") -> int:
-    if ndim == 0:
-        if axis not in (0, -1):
-            raise InvalidAttributeError(f"{op}: {name} {axis} is out of range for a 0-d tensor (0 or -1)")
-        return 0
-    if not -ndim <= axis < ndim:
-        raise InvalidAttributeError(f"{op}: {name} {axis} is out of range for a {ndim}-D tensor [{-ndim}, {ndim})")
-    return axis + ndim if axis < 0 else axis
 
 
 def _letters(op: str, n: int) -> str:
@@ -176,7 +158,7 @@ def _run(
 def _axis_cleared(op: str, x: DistTensorSpec, axis: int) -> TensorDistAttr:
     attr = x.dist_attr
     nd = len(x.shape)
-    ax = _norm_axis(op, axis, nd)
+    ax = normalize_axis(op, axis, nd)
     dm = _clear(attr.dims_mapping, frozenset((ax,))) if nd else ()
     return _make(attr.mesh, dm)
 
@@ -214,7 +196,7 @@ def _make_cum(op: str, fwd_name: str):  # type: ignore[no-untyped-def]
         nd = len(x.shape)
         _same_ndim(g, indices, nd, "indices", "x")
         _same_ndim(g, out_grad, nd, "out_grad", "x")
-        ax = _norm_axis(g, axis, nd)
+        ax = normalize_axis(g, axis, nd)
         if nd == 0:
             a = _make(mesh, ())
             return fast_result((a, a, a), (a,))
@@ -245,7 +227,7 @@ def _roll_axes(op: str, nd: int, shifts: tuple[int, ...], axis: tuple[int, ...])
         raise InvalidAttributeError(
             f"{op}: axis has {len(axis)} entries but shifts has {len(shifts)} (they must be equal)"
         )
-    return frozenset(_norm_axis(op, a, nd) for a in axis) if nd else frozenset()
+    return frozenset(normalize_axis(op, a, nd) for a in axis) if nd else frozenset()
 
 
 def roll_forward(x: DistTensorSpec, shifts: tuple[int, ...] = (), axis: tuple[int, ...] = ()) -> SpmdResult:
@@ -297,7 +279,7 @@ def _take_check(op: str, x: DistTensorSpec, index: DistTensorSpec, axis: int) ->
         raise ShapeMismatchError(f"{op}: x must have at least 1 dim")
     if nd > len(ALPHABET):
         raise ShapeMismatchError(f"{op}: tensors of more than {len(ALPHABET)} dims are not supported")
-    return _norm_axis(op, axis, nd)
+    return normalize_axis(op, axis, nd)
 
 
 def take_along_axis_forward(x: DistTensorSpec, index: DistTensorSpec, axis: int = 0) -> SpmdResult:
@@ -360,7 +342,7 @@ def _put_check(
         raise ShapeMismatchError(f"{op}: tensors of more than {len(ALPHABET)} dims are not supported")
     if reduce not in _PUT_REDUCE:
         raise InvalidAttributeError(f"{op}: reduce {reduce!r} is not one of {', '.join(_PUT_REDUCE)}")
-    ax = _norm_axis(op, axis, nd)
+    ax = normalize_axis(op, axis, nd)
     return _put_axes(x.shape, index.shape, value.shape, ax)
 
 
@@ -534,7 +516,7 @@ def _unique_axis(op: str, nd: int, axis: tuple[int, ...]) -> int | None:
         raise InvalidAttributeError(f"{op}: axis must hold at most one axis, got {list(axis)}")
     if nd == 0:
         raise InvalidAttributeError(f"{op}: axis {axis[0]} given for a 0-d x")
-    return _norm_axis(op, axis[0], nd)
+    return normalize_axis(op, axis[0], nd)
 
 
 def _unique_outs(
@@ -621,7 +603,7 @@ def _pnorm_setup(op: str, x: DistTensorSpec, porder: float, axis: int, keepdims:
         raise ShapeMismatchError(f"{op}: tensors of more than {len(ALPHABET)} dims are not supported")
     if math.isnan(porder):
         raise InvalidAttributeError(f"{op}: porder must be a number, got nan")
-    ax = 0 if asvector and nd else _norm_axis(op, axis, nd)
+    ax = 0 if asvector and nd else normalize_axis(op, axis, nd)
     return _pnorm_notation(nd, ax, bool(keepdims), bool(asvector), float(porder))
 
 

@@ -58,6 +58,7 @@ from spmdkit.core.dist_attr import DimsMapping, Entry, ReduceType, TensorDistAtt
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.axes import largest_mesh_dim, mesh_size, one_mesh_dim_specs, replicated, replicated_like
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import (
     Notation,
@@ -65,17 +66,15 @@ from spmdkit.engine.notation import (
     einsum_backward,
     einsum_forward,
     fast_result,
-    largest_mesh_dim,
     merge_specs,
     merge_weight,
     named_mesh,
-    one_mesh_dim_per_axis,
     project_all,
 )
 from spmdkit.rules.registry import register
 
 _SUM = ReduceType.SUM
-_make = TensorDistAttr._make
+_make = TensorDistAttr.unchecked
 
 # ---------------------------------------------------------------------------
 # shared helpers
@@ -97,21 +96,9 @@ def _same_size(op: str, na: str, a: int, nb: str, b: int) -> None:
         raise ShapeMismatchError(f"{op}: {na} is {a} but {nb} is {b}")
 
 
-def _one(t: DistTensorSpec | None) -> DistTensorSpec | None:
-    """A co-sharded axis read as its largest mesh dim, as Paddle 3.3.1's rules read it."""
-    return None if t is None else one_mesh_dim_per_axis(t)
-
-
 def _ones(*ts: DistTensorSpec | None) -> tuple[DistTensorSpec, ...]:
-    return tuple(_one(t) for t in ts)  # type: ignore[misc]
-
-
-def _rep(mesh: ProcessMesh, nd: int) -> TensorDistAttr:
-    return _make(mesh, (-1,) * nd)
-
-
-def _opt_rep(mesh: ProcessMesh, t: DistTensorSpec | None) -> TensorDistAttr | None:
-    return None if t is None else _rep(mesh, len(t.shape))
+    """A co-sharded axis read as its largest mesh dim, as Paddle 3.3.1's rules read it."""
+    return tuple(one_mesh_dim_specs(*ts))  # type: ignore[arg-type]
 
 
 def _sum_partial(dims: Sequence[int]) -> tuple[tuple[int, ReduceType], ...]:
@@ -494,7 +481,7 @@ def _bn_result(mesh: ProcessMesh, x: DistTensorSpec, c: int, e: Entry,
     xa = _make(mesh, _with_axis(len(x.shape), c, e))
     va = _make(mesh, (e,))
     ins = (xa, *(None if v is None else va for v in vecs))
-    outs = (xa, va, va, va, va, _rep(mesh, 1) if reserve else None)
+    outs = (xa, va, va, va, va, replicated(mesh, 1) if reserve else None)
     return fast_result(ins, outs)
 
 
@@ -573,7 +560,7 @@ def batch_norm_grad(
     xa = _make(mesh, _with_axis(len(x.shape), c, e))
     va = _make(mesh, (e,))
     ins = (xa, _vec_attr(mesh, scale, e), _vec_attr(mesh, bias, e), va, va, va, va,
-           _opt_rep(mesh, reserve_space), xa)
+           replicated_like(mesh, reserve_space), xa)
     outs = (xa, _vec_attr(mesh, scale, e), _vec_attr(mesh, bias, e))
     return fast_result(ins, outs)
 
@@ -620,7 +607,7 @@ def _gn_result(mesh: ProcessMesh, x: DistTensorSpec, e: Entry, scale: DistTensor
                bias: DistTensorSpec | None) -> SpmdResult:
     xa = _make(mesh, _with_axis(len(x.shape), 0, e))
     st = _make(mesh, (e, -1))
-    return fast_result((xa, _opt_rep(mesh, scale), _opt_rep(mesh, bias)), (xa, st, st))
+    return fast_result((xa, replicated_like(mesh, scale), replicated_like(mesh, bias)), (xa, st, st))
 
 
 def group_norm_forward(x: DistTensorSpec, scale: DistTensorSpec | None, bias: DistTensorSpec | None) -> SpmdResult:
@@ -680,7 +667,7 @@ def group_norm_grad(
     pt = _sum_partial(entry_dims(e))
     g_s = None if scale is None else _make(mesh, (-1,), pt)
     g_b = None if bias is None else _make(mesh, (-1,), pt)
-    ins = (xa, _opt_rep(mesh, scale), _opt_rep(mesh, bias), xa, st, st, xa)
+    ins = (xa, replicated_like(mesh, scale), replicated_like(mesh, bias), xa, st, st, xa)
     return fast_result(ins, (xa, g_s, g_b))
 
 
@@ -729,18 +716,11 @@ def _flat_ok(n_size: int, c_size: int, kn: int, kc: int) -> bool:
     return True
 
 
-def _prod(ms: tuple[int, ...], dims: tuple[int, ...]) -> int:
-    p = 1
-    for d in dims:
-        p *= ms[d]
-    return p
-
-
 def _in_split(x: DistTensorSpec, dn: tuple[int, ...], dc: tuple[int, ...], ms: tuple[int, ...]) -> tuple[
         tuple[int, ...], tuple[int, ...]]:
     """The n / c mesh dims kept so that the flat statistics can carry them."""
     n, c = x.shape[0], x.shape[1]
-    kn, kc = _prod(ms, dn), _prod(ms, dc)
+    kn, kc = mesh_size(ms, dn), mesh_size(ms, dc)
     if _flat_ok(n, c, kn, kc):
         return dn, dc
     if _flat_ok(n, c, kn, 1):  # c's split does not fit the flat axis: c replicated
@@ -852,7 +832,7 @@ def roi_align_forward(
     _roi_checks(op, x, boxes, boxes_num, pooled_height, pooled_width)
     e = _e(x, 1)
     xa = _make(mesh, (-1, e, -1, -1))
-    return fast_result((xa, _rep(mesh, 2), _opt_rep(mesh, boxes_num)), (xa,))
+    return fast_result((xa, replicated(mesh, 2), replicated_like(mesh, boxes_num)), (xa,))
 
 
 def roi_align_grad(
@@ -875,7 +855,7 @@ def roi_align_grad(
     _same_size(op, "out_grad's channels", out_grad.shape[1], "x's channels", x.shape[1])
     e = _merge_one((x, out_grad), (1, 1), mesh)
     xa = _make(mesh, (-1, e, -1, -1))
-    return fast_result((xa, _rep(mesh, 2), _opt_rep(mesh, boxes_num), xa), (xa,))
+    return fast_result((xa, replicated(mesh, 2), replicated_like(mesh, boxes_num), xa), (xa,))
 
 
 _ROI_GRAD_SIG = "x: T, boxes: T, boxes_num: T?, out_grad: T, " + _ROI_ATTRS

@@ -28,6 +28,7 @@ from spmdkit.core.dist_attr import DimsMapping, Entry, Partial, ReduceType, Tens
 from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.axes import largest_mesh_dim
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import (
     ALPHABET,
@@ -37,14 +38,13 @@ from spmdkit.engine.notation import (
     einsum_backward,
     einsum_forward,
     fast_result,
-    largest_mesh_dim,
     merge_weight,
     resolve_claims,
 )
 from spmdkit.rules.registry import register
 
 _NLETTERS = len(ALPHABET)
-_make = TensorDistAttr._make
+_make = TensorDistAttr.unchecked
 
 # ---------------------------------------------------------------------------
 # helpers
@@ -152,8 +152,8 @@ def cast_forward(x: DistTensorSpec, dtype: object = "float32") -> SpmdResult:
     if pt:
         xi, o = ins[0], outs[0]
         assert xi is not None and o is not None
-        ins = [TensorDistAttr._make(xi.mesh, xi.dims_mapping, pt)]
-        outs = [TensorDistAttr._make(o.mesh, o.dims_mapping, pt)]
+        ins = [TensorDistAttr.unchecked(xi.mesh, xi.dims_mapping, pt)]
+        outs = [TensorDistAttr.unchecked(o.mesh, o.dims_mapping, pt)]
     return SpmdResult(ins, outs)
 
 
@@ -180,8 +180,8 @@ def _unary_grad(
             raise InvalidMeshError(f"{op}: {n} and out_grad lie on different meshes")
         _check_same_shape(op, out_grad, t, "out_grad", n)
     dm = out_grad.dist_attr.dims_mapping
-    plain = TensorDistAttr._make(mesh, dm)
-    grad = TensorDistAttr._make(mesh, dm, out_grad.dist_attr.partial) if keep_partial else plain
+    plain = TensorDistAttr.unchecked(mesh, dm)
+    grad = TensorDistAttr.unchecked(mesh, dm, out_grad.dist_attr.partial) if keep_partial else plain
     return SpmdResult([plain] * len(tensors) + [grad], [grad])
 
 
@@ -454,8 +454,8 @@ def multiply_forward(x: DistTensorSpec, y: DistTensorSpec) -> SpmdResult:
     ins = list(res.inputs)
     a = ins[primary]
     assert isinstance(a, TensorDistAttr)
-    ins[primary] = TensorDistAttr._make(a.mesh, a.dims_mapping, pt)
-    return SpmdResult(ins, [TensorDistAttr._make(ox.mesh, ox.dims_mapping, pt)])
+    ins[primary] = TensorDistAttr.unchecked(a.mesh, a.dims_mapping, pt)
+    return SpmdResult(ins, [TensorDistAttr.unchecked(ox.mesh, ox.dims_mapping, pt)])
 
 
 def multiply_backward(x: DistTensorSpec, y: DistTensorSpec, out: DistTensorSpec) -> SpmdResult:
@@ -528,7 +528,7 @@ def _binary_grad(
                 f"{op}: axis {axis} is not supported (only -1, numpy-style trailing alignment)"
             )
     og_dm = out_grad.dist_attr.dims_mapping
-    make = TensorDistAttr._make
+    make = TensorDistAttr.unchecked
     og_attr = make(mesh, og_dm)
     ins: list[TensorDistAttr] = []
     outs: list[TensorDistAttr] = []

@@ -37,13 +37,14 @@ from spmdkit.core.dist_attr import DimsMapping, Partial, ReduceType, TensorDistA
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.axes import largest_mesh_dim
 from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import fast_result, largest_mesh_dim, merge_letters, named_mesh, project, resolve_claims
+from spmdkit.engine.notation import fast_result, merge_letters, named_mesh, project, resolve_claims
 from spmdkit.rules._absent import zero_d_absent
 from spmdkit.rules.registry import register
 
 Shape = tuple[int, ...]
-_make = TensorDistAttr._make
+_make = TensorDistAttr.unchecked
 
 
 def _mesh(op: str, named: Iterable[tuple[str, DistTensorSpec | None]]) -> ProcessMesh:

@@ -52,6 +52,7 @@ from spmdkit.core.dist_attr import ReduceType, TensorDistAttr
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.axes import one_mesh_dim_per_axis
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import (
     ALPHABET,
@@ -63,7 +64,6 @@ from spmdkit.engine.notation import (
     einsum_forward,
     fast_result,
     merge_letters,
-    one_mesh_dim_per_axis,
     project_all,
 )
 from spmdkit.rules.registry import register
@@ -136,7 +136,7 @@ def _merge_some(
 def _no_partial(a: TensorDistAttr | None) -> TensorDistAttr | None:
     if a is None or not a.partial:
         return a
-    return TensorDistAttr._make(a.mesh, a.dims_mapping)
+    return TensorDistAttr.unchecked(a.mesh, a.dims_mapping)
 
 
 def _with_sum(a: TensorDistAttr | None, dims: tuple[int, ...]) -> TensorDistAttr | None:
@@ -145,7 +145,7 @@ def _with_sum(a: TensorDistAttr | None, dims: tuple[int, ...]) -> TensorDistAttr
     pt = dict(a.partial)
     for d in dims:
         pt[d] = ReduceType.SUM
-    return TensorDistAttr._make(a.mesh, a.dims_mapping, tuple(sorted(pt.items())))
+    return TensorDistAttr.unchecked(a.mesh, a.dims_mapping, tuple(sorted(pt.items())))
 
 
 # -- gather / index_select ----------------------------------------------------------------------

@@ -58,6 +58,7 @@ from spmdkit.core.dist_attr import DimsMapping, Entry, ReduceType, TensorDistAtt
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError, SpmdError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.axes import replicated_like
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import BROADCAST, Notation, einsum_forward, fast_result, named_mesh
 from spmdkit.rules._absent import zero_d_absent
@@ -65,7 +66,7 @@ from spmdkit.rules.registry import Rule, get_rule, register
 
 Shape = tuple[int, ...]
 _SUM = ReduceType.SUM
-_make = TensorDistAttr._make
+_make = TensorDistAttr.unchecked
 
 _RULES: dict[str, Rule] = {}
 
@@ -411,14 +412,10 @@ def _flpga(op: str, x: DistTensorSpec, dout: DistTensorSpec, dweight: DistTensor
     aw = _partial_over(mesh, wdm, lead_w)
     ab = _partial_over(mesh, (md[-1],), md[:-1]) if has_bias else None
     return fast_result(
-        (_make(mesh, mx), _make(mesh, md), aw if _present(dweight) else _repl(mesh, dweight),
-         (ab if has_bias and _present(dbias) else _repl(mesh, dbias))),
+        (_make(mesh, mx), _make(mesh, md), aw if _present(dweight) else replicated_like(mesh, dweight),
+         (ab if has_bias and _present(dbias) else replicated_like(mesh, dbias))),
         (aw, ab),
     )
-
-
-def _repl(mesh: ProcessMesh, t: DistTensorSpec | None) -> TensorDistAttr | None:
-    return None if t is None else _make(mesh, (-1,) * len(t.shape))
 
 
 def fused_linear_param_grad_add_forward(x: DistTensorSpec, dout: DistTensorSpec, dweight: DistTensorSpec | None,

@@ -38,6 +38,7 @@ from __future__ import annotations
 from spmdkit.core.dist_attr import ReduceType, TensorDistAttr
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.axes import normalize_axis, one_mesh_dim_specs
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import (
     ALPHABET,
@@ -48,18 +49,11 @@ from spmdkit.engine.notation import (
     einsum_forward,
     fast_result,
     merge_specs,
-    one_mesh_dim_per_axis,
     project_all,
 )
 from spmdkit.rules.registry import register
 
-_make = TensorDistAttr._make
-
-
-def _one_dim(*specs: DistTensorSpec) -> list[DistTensorSpec]:
-    """A co-sharded axis keeps one mesh dim, its largest (the first of equal sizes), as
-    Paddle's merge does."""
-    return [one_mesh_dim_per_axis(s) for s in specs]
+_make = TensorDistAttr.unchecked
 
 
 def _axis(op: str, axis: object, ndim: int) -> int:
@@ -67,9 +61,7 @@ def _axis(op: str, axis: object, ndim: int) -> int:
         raise InvalidAttributeError(f"{op}: axis must be an int, got {axis!r}")
     if ndim == 0:
         raise ShapeMismatchError(f"{op}: the logits must have at least 1 dim (got a 0-d tensor)")
-    if not -ndim <= axis < ndim:
-        raise InvalidAttributeError(f"{op}: axis {axis} is out of range for a {ndim}-D tensor [{-ndim}, {ndim})")
-    return axis + ndim if axis < 0 else axis
+    return normalize_axis(op, axis, ndim)
 
 
 def _bool(op: str, name: str, v: object) -> bool:
@@ -146,7 +138,7 @@ def ce_forward(x: DistTensorSpec, label: DistTensorSpec, soft_label: bool = Fals
     op = "cross_entropy_with_softmax"
     ax, soft = _ce_attrs(op, x, soft_label, use_softmax, numeric_stable_mode, ignore_index, axis)
     _check_label(op, "label", label, len(x.shape), ax, soft)
-    x, label = _one_dim(x, label)
+    x, label = one_mesh_dim_specs(x, label)
     ins, outs = einsum_forward(op, _ce_notation(len(x.shape), ax, soft), [x, label], ["x", "label"])
     return fast_result(tuple(ins), tuple(outs))
 
@@ -161,7 +153,7 @@ def ce_backward(x: DistTensorSpec, label: DistTensorSpec, softmax_out: DistTenso
     ax, soft = _ce_attrs(op, x, soft_label, use_softmax, numeric_stable_mode, ignore_index, axis)
     _check_label(op, "label", label, nd, ax, soft)
     _hard_label(op, "loss", loss, nd, ax)
-    x, label, softmax_out, loss = _one_dim(x, label, softmax_out, loss)
+    x, label, softmax_out, loss = one_mesh_dim_specs(x, label, softmax_out, loss)
     n = _ce_notation(nd, ax, soft)
     specs = (x, label, softmax_out, loss)
     mesh = common_mesh(op, specs)
@@ -182,7 +174,7 @@ def ce_grad(label: DistTensorSpec, softmax: DistTensorSpec, loss_grad: DistTenso
     ax, soft = _ce_attrs(op, softmax, soft_label, use_softmax, numeric_stable_mode, ignore_index, axis)
     _check_label(op, "label", label, nd, ax, soft)
     _hard_label(op, "loss_grad", loss_grad, nd, ax)
-    label, softmax, loss_grad = _one_dim(label, softmax, loss_grad)
+    label, softmax, loss_grad = one_mesh_dim_specs(label, softmax, loss_grad)
     ins, outs = einsum_forward(op, _ce_grad_notation(nd, ax, soft), [label, softmax, loss_grad],
                                ["label", "softmax", "loss_grad"])
     return fast_result(tuple(ins), tuple(outs))
@@ -227,7 +219,7 @@ def c_softmax_forward(x: DistTensorSpec, label: DistTensorSpec, ignore_index: in
     op = "c_softmax_with_cross_entropy"
     nd = _c_attrs(op, x, ignore_index, rank, nranks)
     _hard_label(op, "label", label, nd, nd - 1)
-    x, label = _one_dim(x, label)
+    x, label = one_mesh_dim_specs(x, label)
     ins, outs = einsum_forward(op, _c_notation(nd), [x, label], ["x", "label"])
     return fast_result(tuple(ins), _no_partial(outs))
 
@@ -240,7 +232,7 @@ def c_softmax_reverse(x: DistTensorSpec, label: DistTensorSpec, softmax: DistTen
     _hard_label(op, "label", label, nd, nd - 1)
     _hard_label(op, "loss", loss, nd, nd - 1)
     n = _c_notation(nd)
-    specs = tuple(_one_dim(x, label, softmax, loss))
+    specs = tuple(one_mesh_dim_specs(x, label, softmax, loss))
     mesh = common_mesh(op, specs)
     check_letters(op, (*n.inputs, *n.outputs), specs, ("x", "label", "softmax", "loss"))
     merged = merge_specs(n, n.outputs, specs[2:], mesh)
@@ -254,7 +246,7 @@ def _make_c_grad(op: str):  # type: ignore[no-untyped-def]
         nd = _c_attrs(op, softmax, ignore_index, rank, nranks)
         _hard_label(op, "label", label, nd, nd - 1)
         _hard_label(op, "loss_grad", loss_grad, nd, nd - 1)
-        softmax, label, loss_grad = _one_dim(softmax, label, loss_grad)
+        softmax, label, loss_grad = one_mesh_dim_specs(softmax, label, loss_grad)
         ins, outs = einsum_forward(op, _c_grad_notation(nd), [softmax, label, loss_grad],
                                    ["softmax", "label", "loss_grad"])
         return fast_result(tuple(ins), tuple(outs))
@@ -276,7 +268,7 @@ def _mean_notation(nd: int) -> Notation:
 def mean_all_forward(x: DistTensorSpec) -> SpmdResult:
     """mean_all (MeanAllInferSpmd): a 0-d out, partial AVG over the mesh dims of x's (even) axes."""
     op = "mean_all"
-    (x,) = _one_dim(x)
+    (x,) = one_mesh_dim_specs(x)
     ins, outs = einsum_forward(op, _mean_notation(len(_letters(op, len(x.shape)))), [x], ["x"])
     return fast_result(tuple(ins), tuple(outs))
 

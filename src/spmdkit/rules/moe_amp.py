@@ -66,6 +66,7 @@ from spmdkit.core.dist_attr import DimsMapping, Partial, ReduceType, TensorDistA
 from spmdkit.core.errors import InvalidArgumentError, InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.axes import one_mesh_dim_per_axis
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import (
     ALPHABET,
@@ -75,12 +76,11 @@ from spmdkit.engine.notation import (
     fast_result,
     merge_specs,
     named_mesh,
-    one_mesh_dim_per_axis,
     project,
 )
 from spmdkit.rules.registry import register
 
-_make = TensorDistAttr._make
+_make = TensorDistAttr.unchecked
 Letters = tuple[tuple[str, tuple[int, ...]], ...]
 
 

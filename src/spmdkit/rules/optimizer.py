@@ -39,12 +39,13 @@ from spmdkit.core.dist_attr import DimsMapping, Entry, TensorDistAttr, entry_dim
 from spmdkit.core.errors import InvalidArgumentError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.axes import replicated_like
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import fast_result, named_mesh
 from spmdkit.rules.registry import register
 
 Shape = tuple[int, ...]
-_make = TensorDistAttr._make
+_make = TensorDistAttr.unchecked
 
 
 @memo()
@@ -93,12 +94,6 @@ def _same_shape(op: str, ref_name: str, ref: DistTensorSpec, named: tuple[tuple[
                 raise ShapeMismatchError(
                     f"{op}: {name} shape {list(ts)} differs from {ref_name} shape {list(s)} on axis {i}"
                 )
-
-
-def _repl(mesh: ProcessMesh, t: DistTensorSpec | None) -> TensorDistAttr | None:
-    if t is None:
-        return None
-    return _make(mesh, (-1,) * len(t.shape))
 
 
 _ADAM_STATES = ("param", "grad", "moment1", "moment2", "moment2_max", "master_param")
@@ -151,9 +146,9 @@ def _adam(
         return None if t is None else a
 
     m2max_out = a if amsgrad and moment2_max is not None else None
-    b1, b2 = _repl(mesh, beta1_pow), _repl(mesh, beta2_pow)
+    b1, b2 = replicated_like(mesh, beta1_pow), replicated_like(mesh, beta2_pow)
     return fast_result(
-        (a, a, _repl(mesh, learning_rate), a, a, opt(moment2_max), b1, b2, opt(master_param), _repl(mesh, skip_update)),
+        (a, a, replicated_like(mesh, learning_rate), a, a, opt(moment2_max), b1, b2, opt(master_param), replicated_like(mesh, skip_update)),
         (a, a, a, m2max_out, b1, b2, opt(master_param)),
     )
 
@@ -201,7 +196,7 @@ def _sgd(
         voters = tuple(o.dist_attr.dims_mapping for o in outs if o is not None)
     a = _make(mesh, _vote(len(param.shape), voters))
     m = None if master_param is None else a
-    return fast_result((a, _repl(mesh, learning_rate), a, m), (a, m))
+    return fast_result((a, replicated_like(mesh, learning_rate), a, m), (a, m))
 
 
 def sgd_forward(

@@ -48,6 +48,7 @@ from functools import lru_cache
 from spmdkit.core.dist_attr import DimsMapping, Entry, Partial, ReduceType, TensorDistAttr, entry_dims
 from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.axes import largest_mesh_dim, reduced_axes
 from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation
 from spmdkit.rules.registry import register
 
@@ -82,24 +83,7 @@ def _plan(op: str, ndim: int, axis: tuple[int, ...], keep_dim: bool) -> tuple[tu
     """(reduced flag per x axis, the x axis of each out axis (-1 for a kept size-1 axis))."""
     if ndim > len(ALPHABET):
         raise ShapeMismatchError(f"{op}: tensors of more than {len(ALPHABET)} dims are not supported")
-    reduced = [not axis] * ndim
-    for a in axis:
-        if ndim == 0:
-            if a not in (0, -1):
-                raise InvalidAttributeError(f"{op}: axis {a} is out of range for a 0-d x (0 or -1)")
-            continue
-        if not -ndim <= a < ndim:
-            raise InvalidAttributeError(
-                f"{op}: axis {a} is out of range for a {ndim}-D x [{-ndim}, {ndim})"
-            )
-        reduced[a + ndim if a < 0 else a] = True
-    pos: list[int] = []
-    for i, r in enumerate(reduced):
-        if not r:
-            pos.append(i)
-        elif keep_dim:
-            pos.append(-1)
-    return tuple(reduced), tuple(pos)
+    return reduced_axes(op, ndim, axis, keep_dim)
 
 
 def notation(ndim: int, axis: tuple[int, ...] = (), keep_dim: bool = False,
@@ -115,17 +99,6 @@ def notation(ndim: int, axis: tuple[int, ...] = (), keep_dim: bool = False,
     return Notation([x], [out], reduce=reduce, prune=red if reduce == ReduceType.AVG else "")
 
 
-def _major(e: Entry, mesh_shape: Shape) -> int:
-    """A co-sharded entry keeps one mesh dim, its largest (the first of equal sizes)."""
-    if e.__class__ is int:
-        return e
-    best = -1
-    for d in e:  # type: ignore[union-attr]
-        if best < 0 or mesh_shape[d] > mesh_shape[best]:
-            best = d
-    return best
-
-
 @lru_cache(maxsize=65536)
 def _forward_core(
     shape: Shape, dm: DimsMapping, mesh_shape: Shape, reduced: tuple[bool, ...], pos: tuple[int, ...], kind: int
@@ -134,7 +107,7 @@ def _forward_core(
     x: list[int] = []
     pdims: list[int] = []
     for i, e in enumerate(dm):
-        d = _major(e, mesh_shape)
+        d = largest_mesh_dim(e, mesh_shape)
         if d >= 0 and reduced[i]:
             if kind == _REPLICATE:
                 d = -1
@@ -170,7 +143,7 @@ def _forward(
     reduced, pos = _plan(op, len(shape), axis, keep_dim)
     mesh = attr.mesh
     xdm, odm, pdims = _forward_core(shape, attr.dims_mapping, mesh.shape, reduced, pos, kind)
-    make = TensorDistAttr._make
+    make = TensorDistAttr.unchecked
     xp = attr.partial
     if xp and pass_partial and _passes(rtype, xp):
         in_pt: Partial = xp
@@ -210,7 +183,7 @@ def _reverse_core(odm: DimsMapping, mesh_shape: Shape, ndim: int, pos: tuple[int
     x = [-1] * ndim
     for j, p in enumerate(pos):
         if p >= 0:
-            x[p] = _major(odm[j], mesh_shape)
+            x[p] = largest_mesh_dim(odm[j], mesh_shape)
     return tuple(x), tuple(-1 if p < 0 else x[p] for p in pos)
 
 
@@ -219,7 +192,7 @@ def _reverse(op: str, x: DistTensorSpec, out: DistTensorSpec, axis: tuple[int, .
     _check_out(op, x, out, pos)
     mesh = x.dist_attr.mesh
     xdm, odm = _reverse_core(out.dist_attr.dims_mapping, mesh.shape, len(x.shape), pos)
-    make = TensorDistAttr._make
+    make = TensorDistAttr.unchecked
     return SpmdResult([make(mesh, xdm)], [make(mesh, odm)])
 
 
@@ -315,7 +288,7 @@ def _grad(
         if out.shape != gshape and not (len(out.shape) == len(gshape) and all(
                 a == b or a < 0 or b < 0 for a, b in zip(out.shape, gshape))):
             raise ShapeMismatchError(f"{op}: out has shape {list(out.shape)} but out_grad {list(gshape)}")
-    make = TensorDistAttr._make
+    make = TensorDistAttr.unchecked
     xa = make(mesh, xdm)
     ga = make(mesh, gdm)
     ins = [xa, ga] if out is None else [xa, ga, ga]
