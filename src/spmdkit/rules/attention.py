@@ -54,7 +54,7 @@ from spmdkit.engine.axes import mesh_size, one_mesh_dim, replicated_like
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import BROADCAST, fast_result, merge_letters, named_mesh, project
 from spmdkit.rules._absent import zero_d_absent
-from spmdkit.rules.registry import register
+from spmdkit.rules.registry import register, reverse_signature
 
 Shape = tuple[int, ...]
 Letters = dict[str, tuple[int, ...]]
@@ -502,8 +502,8 @@ def fused_rope_grad(
 _FA_ATTRS = "dropout: float = 0.0, causal: bool = False, return_softmax: bool = False, is_test: bool = False"
 # a 0-D optional tensor (shape []) is read as absent: see spmdkit.rules._absent
 _FA_FWD = "q: T, k: T, v: T, fixed_seed_offset: T? = None, attn_mask: T? = None, " + _FA_ATTRS
-_FA_REV = ("q: T, k: T, v: T, fixed_seed_offset: T?, attn_mask: T?, out: T, softmax: T?, softmax_lse: T?, "
-           "seed_offset: T?, " + _FA_ATTRS)
+_FA_OUTS = "out: T, softmax: T?, softmax_lse: T?, seed_offset: T?"
+_FA_REV = reverse_signature(_FA_FWD, _FA_OUTS)
 _FA_GRAD = ("q: T, k: T, v: T, out: T, softmax_lse: T, seed_offset: T?, attn_mask: T?, out_grad: T, "
             "dropout: float = 0.0, causal: bool = False")
 register(
@@ -514,7 +514,7 @@ register(
     zero_d_absent(flash_attention_backward, _FA_REV,
                   ("fixed_seed_offset", "attn_mask", ("softmax", lambda args: not args[11])),
                   outputs=("out", "softmax", "softmax_lse", "seed_offset")),
-    _FA_REV,
+    kind="reverse", outputs=_FA_OUTS,
     forward_name="FlashAttInferSpmdStatic", backward_name="FlashAttInferSpmdReverse",
 )  # fmt: skip
 register(
@@ -523,8 +523,8 @@ register(
 )  # fmt: skip
 _ROPE_ATTRS = "use_neox_rotary_style: bool = True, time_major: bool = False, rotary_emb_base: float = 10000.0"
 _ROPE_FWD = "q: T, k: T? = None, v: T? = None, sin: T? = None, cos: T? = None, position_ids: T? = None, " + _ROPE_ATTRS
-_ROPE_REV = ("q: T, k: T?, v: T?, sin: T?, cos: T?, position_ids: T?, out_q: T, out_k: T? = None, out_v: T? = None, "
-             + _ROPE_ATTRS)
+_ROPE_OUTS = "out_q: T, out_k: T? = None, out_v: T? = None"
+_ROPE_REV = reverse_signature(_ROPE_FWD, _ROPE_OUTS)
 _ROPE_GRAD = ("sin: T?, cos: T?, position_ids: T?, out_q_grad: T, out_k_grad: T? = None, out_v_grad: T? = None, "
               + _ROPE_ATTRS)
 register(
@@ -532,7 +532,7 @@ register(
     zero_d_absent(fused_rope_forward, _ROPE_FWD, ("k", "v", "sin", "cos", "position_ids")), _ROPE_FWD,
     zero_d_absent(fused_rope_backward, _ROPE_REV, ("k", "v", "sin", "cos", "position_ids", "out_k", "out_v"),
                   outputs=("out_q", "out_k", "out_v")),
-    _ROPE_REV,
+    kind="reverse", outputs=_ROPE_OUTS,
     aliases=("fused_rope",),
     forward_name="FusedRopeInferSpmd", backward_name="FusedRopeInferSpmdReverse",
 )  # fmt: skip

@@ -763,7 +763,7 @@ def label_smooth_grad(out_grad: DistTensorSpec, epsilon: float = 0.0) -> SpmdRes
 
 def _register_all() -> None:
     ag = "axis: int = -1, descending: bool = False, stable: bool = False"
-    register("argsort", argsort_forward, f"x: T, {ag}", argsort_grad, f"indices: T, x: T, out_grad: T, {ag}",
+    register("argsort", argsort_forward, f"x: T, {ag}", argsort_grad, f"indices: T, x: T, out_grad: T, {ag}", kind="grad",
              forward_name="ArgSortInferSpmd", backward_name="ArgSortGradInferSpmd")  # fmt: skip
     register("argsort_grad", argsort_grad, f"indices: T, x: T, out_grad: T, {ag}",
              forward_name="ArgSortGradInferSpmd")  # fmt: skip
@@ -771,42 +771,42 @@ def _register_all() -> None:
         f, g = _make_cum(op, fn)
         cs = "axis: int = -1, dtype: any = 'int64'"
         gname = fn.replace("InferSpmd", "GradInferSpmd")
-        register(op, f, f"x: T, {cs}", g, f"x: T, indices: T, out_grad: T, {cs}",
+        register(op, f, f"x: T, {cs}", g, f"x: T, indices: T, out_grad: T, {cs}", kind="grad",
                  forward_name=fn, backward_name=gname)  # fmt: skip
         register(f"{op}_grad", g, f"x: T, indices: T, out_grad: T, {cs}", forward_name=gname)
     rs = "shifts: ints, axis: ints = []"
-    register("roll", roll_forward, f"x: T, {rs}", roll_grad, f"x: T, out_grad: T, {rs}",
+    register("roll", roll_forward, f"x: T, {rs}", roll_grad, f"x: T, out_grad: T, {rs}", kind="grad",
              forward_name="RollInferSpmd", backward_name="RollGradInferSpmd")  # fmt: skip
     register("roll_grad", roll_grad, f"x: T, out_grad: T, {rs}", forward_name="RollGradInferSpmd")
     register("take_along_axis", take_along_axis_forward, "x: T, index: T, axis: int",
-             take_along_axis_grad, "x: T, index: T, out_grad: T, axis: int",
+             take_along_axis_grad, "x: T, index: T, out_grad: T, axis: int", kind="grad",
              forward_name="TakeAlongAxisInferSpmd", backward_name="TakeAlongAxisGradInferSpmd")  # fmt: skip
     register("take_along_axis_grad", take_along_axis_grad, "x: T, index: T, out_grad: T, axis: int",
              forward_name="TakeAlongAxisGradInferSpmd")  # fmt: skip
     ps = "axis: int, reduce: str = 'assign', include_self: bool = True"
     register("put_along_axis", put_along_axis_forward, f"x: T, index: T, value: T, {ps}",
-             put_along_axis_grad, f"x: T, index: T, value: T, out: T, out_grad: T, {ps}",
+             put_along_axis_grad, f"x: T, index: T, value: T, out: T, out_grad: T, {ps}", kind="grad",
              forward_name="PutAlongAxisInferSpmd", backward_name="PutAlongAxisGradInferSpmd")  # fmt: skip
     register("put_along_axis_grad", put_along_axis_grad, f"x: T, index: T, value: T, out: T, out_grad: T, {ps}",
              forward_name="PutAlongAxisGradInferSpmd")  # fmt: skip
     register("index_put", index_put_forward, "x: T, indices: [T], value: T, accumulate: bool = False",
-             index_put_grad, "x: T, indices: [T], value: T, out_grad: T, accumulate: bool = False",
+             index_put_grad, "x: T, indices: [T], value: T, out_grad: T, accumulate: bool = False", kind="grad",
              forward_name="IndexPutInferSpmd", backward_name="IndexPutGradInferSpmd")  # fmt: skip
     register("index_put_grad", index_put_grad, "x: T, indices: [T], value: T, out_grad: T, accumulate: bool = False",
              forward_name="IndexPutGradInferSpmd")  # fmt: skip
-    register("nonzero", nonzero_forward, "x: T", nonzero_backward, "x: T, out: T",
+    register("nonzero", nonzero_forward, "x: T", nonzero_backward, kind="reverse", outputs="out: T",
              forward_name="NonZeroInferSpmd", backward_name="NonZeroInferSpmdReverse")  # fmt: skip
     us = ("return_index: bool = False, return_inverse: bool = False, return_counts: bool = False, "
           "axis: ints = [], dtype: any = 'int64'")
     register("unique", unique_forward, f"x: T, {us}", unique_backward,
-             f"x: T, out: T, indices: T? = None, inverse: T? = None, counts: T? = None, {us}",
+             kind="reverse", outputs="out: T, indices: T? = None, inverse: T? = None, counts: T? = None",
              forward_name="UniqueInferSpmd", backward_name="unique reverse (spmdkit)")  # fmt: skip
     pn = "porder: float = 2.0, axis: int = -1, epsilon: float = 1e-12, keepdims: bool = False, asvector: bool = False"
-    register("p_norm", p_norm_forward, f"x: T, {pn}", p_norm_backward, f"x: T, out: T, {pn}",
+    register("p_norm", p_norm_forward, f"x: T, {pn}", p_norm_backward, kind="reverse", outputs="out: T",
              forward_name="PNormInferSpmd", backward_name="PNormInferSpmdReverse")  # fmt: skip
     register("p_norm_grad", p_norm_grad, f"x: T, out: T, out_grad: T, {pn}", forward_name="PNormGradInferSpmd")
     register("label_smooth", label_smooth_forward, "label: T, prior_dist: T?, epsilon: float = 0.0",
-             label_smooth_grad, "out_grad: T, epsilon: float = 0.0",
+             label_smooth_grad, "out_grad: T, epsilon: float = 0.0", kind="grad",
              forward_name="LabelSmoothInferSpmd", backward_name="LabelSmoothGradInferSpmd")  # fmt: skip
     register("label_smooth_grad", label_smooth_grad, "out_grad: T, epsilon: float = 0.0",
              forward_name="LabelSmoothGradInferSpmd")  # fmt: skip

@@ -400,19 +400,19 @@ depthwise_conv2d_grad = _conv_rule("depthwise_conv2d_grad", _DW_ATTRS, 2, False,
                                    "over n.")
 
 register(
-    "conv2d", conv2d_forward, "input: T, filter: T", conv2d_backward, "input: T, filter: T, output: T",
+    "conv2d", conv2d_forward, "input: T, filter: T", conv2d_backward, kind="reverse", outputs="output: T",
     forward_name="Conv2dInferSpmdBase", backward_name="Conv2dInferSpmdReverseBase",
 )  # fmt: skip
 _G = "input: T, filter: T, output_grad: T, "
 _F = "input: T, filter: T, "
 register("conv2d_grad", conv2d_grad, _G + _CONV2D_ATTRS, forward_name="Conv2dGradInferSpmd")
-register("conv3d", conv3d_forward, _F + _CONV3D_ATTRS, conv3d_grad, _G + _CONV3D_ATTRS,
+register("conv3d", conv3d_forward, _F + _CONV3D_ATTRS, conv3d_grad, _G + _CONV3D_ATTRS, kind="grad",
          forward_name="Conv3dInferSpmd", backward_name="Conv3dGradInferSpmd")
 register("conv3d_grad", conv3d_grad, _G + _CONV3D_ATTRS, forward_name="Conv3dGradInferSpmd")
-register("conv2d_transpose", conv2d_transpose_forward, _F + _CT_ATTRS, conv2d_transpose_grad, _G + _CT_ATTRS,
+register("conv2d_transpose", conv2d_transpose_forward, _F + _CT_ATTRS, conv2d_transpose_grad, _G + _CT_ATTRS, kind="grad",
          forward_name="Conv2dTransposeInferSpmd", backward_name="Conv2dTransposeGradInferSpmd")
 register("conv2d_transpose_grad", conv2d_transpose_grad, _G + _CT_ATTRS, forward_name="Conv2dTransposeGradInferSpmd")
-register("depthwise_conv2d", depthwise_conv2d_forward, _F + _DW_ATTRS, depthwise_conv2d_grad, _G + _DW_ATTRS,
+register("depthwise_conv2d", depthwise_conv2d_forward, _F + _DW_ATTRS, depthwise_conv2d_grad, _G + _DW_ATTRS, kind="grad",
          forward_name="DepthwiseConv2dInferSpmd", backward_name="DepthwiseConv2dGradInferSpmd")
 register("depthwise_conv2d_grad", depthwise_conv2d_grad, _G + _DW_ATTRS, forward_name="DepthwiseConv2dGradInferSpmd")
 
@@ -568,8 +568,7 @@ def batch_norm_grad(
 register(
     "batch_norm", batch_norm_forward, "x: T, mean: T, variance: T, scale: T?, bias: T?",
     batch_norm_backward,
-    "x: T, mean: T, variance: T, scale: T?, bias: T?, out: T, mean_out: T, variance_out: T, saved_mean: T, "
-    "saved_variance: T, reserve_space: T? = None",
+    kind="reverse", outputs="out: T, mean_out: T, variance_out: T, saved_mean: T, saved_variance: T, reserve_space: T? = None",
     forward_name="BatchNormInferSpmdStatic", backward_name="BatchNormInferSpmdReverse",
 )  # fmt: skip
 register(
@@ -673,7 +672,7 @@ def group_norm_grad(
 
 register(
     "group_norm", group_norm_forward, "x: T, scale: T?, bias: T?",
-    group_norm_backward, "x: T, scale: T?, bias: T?, y: T, mean: T, variance: T",
+    group_norm_backward, kind="reverse", outputs="y: T, mean: T, variance: T",
     forward_name="GroupNormInferSpmdBase", backward_name="GroupNormInferSpmdReverse",
 )  # fmt: skip
 register(
@@ -788,7 +787,7 @@ def instance_norm_grad(
 _IN_GRAD_SIG = "x: T, scale: T?, bias: T?, saved_mean: T, saved_variance: T, y_grad: T, epsilon: float = 1e-5"
 register(
     "instance_norm", instance_norm_forward, "x: T, scale: T?, bias: T?, epsilon: float = 1e-5",
-    instance_norm_grad, _IN_GRAD_SIG,
+    instance_norm_grad, _IN_GRAD_SIG, kind="grad",
     forward_name="InstanceNormInferSpmd", backward_name="InstanceNormGradInferSpmd",
 )  # fmt: skip
 register("instance_norm_grad", instance_norm_grad, _IN_GRAD_SIG, forward_name="InstanceNormGradInferSpmd")
@@ -861,7 +860,7 @@ def roi_align_grad(
 _ROI_GRAD_SIG = "x: T, boxes: T, boxes_num: T?, out_grad: T, " + _ROI_ATTRS
 register(
     "roi_align", roi_align_forward, "x: T, boxes: T, boxes_num: T?, " + _ROI_ATTRS,
-    roi_align_grad, _ROI_GRAD_SIG,
+    roi_align_grad, _ROI_GRAD_SIG, kind="grad",
     forward_name="RoiAlignInferSpmd", backward_name="RoiAlignGradInferSpmd",
 )  # fmt: skip
 register("roi_align_grad", roi_align_grad, _ROI_GRAD_SIG, forward_name="RoiAlignGradInferSpmd")

@@ -107,7 +107,7 @@ register(
     default_data_parallel_forward,
     _SIG,
     default_data_parallel_backward,
-    _SIG,
+    kind="reverse", outputs="",
     aliases=("default_",),
     forward_name="DefaultDataParallelInferSpmd",
     backward_name="DefaultDataParallelInferSpmdReverse",
@@ -117,7 +117,7 @@ register(
     replicated_forward,
     _SIG,
     replicated_backward,
-    _SIG,
+    kind="reverse", outputs="",
     forward_name="ReplicatedInferSpmd",
     backward_name="ReplicatedInferSpmdReverse",
 )

@@ -625,27 +625,27 @@ def _register_all() -> None:
     for name in UNARY_OPS:
         f, b = _make_unary(name)
         register(
-            name, f, "x: T", b, "x: T, out: T",  # type: ignore[arg-type]
+            name, f, "x: T", b, kind="reverse", outputs="out: T",  # type: ignore[arg-type]
             forward_name="ElementwiseUnaryInferSpmd", backward_name="ElementwiseUnaryInferSpmdReverse",
         )  # fmt: skip
     register(
         "gelu", gelu_forward, "x: T, approximate: bool = False", gelu_grad,
-        "x: T, out_grad: T, approximate: bool = False",
+        "x: T, out_grad: T, approximate: bool = False", kind="grad",
         forward_name="GeluInferSpmd", backward_name="GeluGradInferSpmd",
     )  # fmt: skip
     register(
         "cast", cast_forward, "x: T, dtype: any = 'float32'", cast_backward,
-        "x: T, out: T, dtype: any = 'float32'",
+        kind="reverse", outputs="out: T",
         forward_name="CastInferSpmd", backward_name="ElementwiseUnaryInferSpmdReverse",
     )  # fmt: skip
     for name in BINARY_OPS:
         f, b = _make_binary(name)
         register(
-            name, f, "x: T, y: T", b, "x: T, y: T, out: T",  # type: ignore[arg-type]
+            name, f, "x: T, y: T", b, kind="reverse", outputs="out: T",  # type: ignore[arg-type]
             forward_name="ElementwiseBinaryInferSpmd", backward_name="ElementwiseBinaryInferSpmdReverse",
         )  # fmt: skip
     register(
-        "multiply", multiply_forward, "x: T, y: T", multiply_backward, "x: T, y: T, out: T",
+        "multiply", multiply_forward, "x: T, y: T", multiply_backward, kind="reverse", outputs="out: T",
         forward_name="ElementwiseBinaryWithPartialInferSpmd",
         backward_name="ElementwiseBinaryInferSpmdReverse",
     )  # fmt: skip

@@ -263,7 +263,7 @@ def one_hot_backward(x: DistTensorSpec, out: DistTensorSpec, num_classes: int) -
 
 register(
     "embedding", embedding_forward, "x: T, weight: T, padding_idx: int = -1, sparse: bool = False",
-    embedding_backward, "x: T, weight: T, out: T, padding_idx: int = -1, sparse: bool = False",
+    embedding_backward, kind="reverse", outputs="out: T",
     aliases=("lookup_table_v2",), forward_name="EmbeddingInferSpmd", backward_name="EmbeddingInferSpmdReverse",
 )  # fmt: skip
 register(
@@ -273,7 +273,7 @@ register(
 )  # fmt: skip
 register(
     "c_embedding", c_embedding_forward, "weight: T, x: T, start_index: int = 0, vocab_size: int = -1",
-    _make_c_embedding_grad("c_embedding"), "weight: T, x: T, out_grad: T, start_index: int = 0",
+    _make_c_embedding_grad("c_embedding"), "weight: T, x: T, out_grad: T, start_index: int = 0", kind="grad",
     forward_name="CEmbeddingInferSpmd", backward_name="CEmbeddingGradInferSpmd",
 )  # fmt: skip
 register(
@@ -281,6 +281,6 @@ register(
     "weight: T, x: T, out_grad: T, start_index: int = 0", forward_name="CEmbeddingGradInferSpmd",
 )  # fmt: skip
 register(
-    "one_hot", one_hot_forward, "x: T, num_classes: int", one_hot_backward, "x: T, out: T, num_classes: int",
+    "one_hot", one_hot_forward, "x: T, num_classes: int", one_hot_backward, kind="reverse", outputs="out: T",
     forward_name="OneHotInferSpmd", backward_name="OneHotInferSpmdReverse",
 )  # fmt: skip

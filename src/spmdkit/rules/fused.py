@@ -249,14 +249,14 @@ def fused_dropout_add_grad(
 register(
     "swiglu", zero_d_absent(swiglu_forward, "x: T, y: T? = None", ("y",)), "x: T, y: T? = None",
     zero_d_absent(swiglu_backward, "x: T, y: T?, out: T", ("y",), outputs=("out",)),
-    "x: T, y: T?, out: T",
+    kind="reverse", outputs="out: T",
     forward_name="SwiGLUInferSpmd", backward_name="SwiGLUInferSpmdReverse",
 )  # fmt: skip
 register("swiglu_grad", zero_d_absent(swiglu_grad, "x: T, y: T?, out_grad: T", ("y",)),
          "x: T, y: T?, out_grad: T", forward_name="SwiGLUGradInferSpmd")
 register(
     "fused_dropout_add", fused_dropout_add_forward, "x: T, y: T", fused_dropout_add_backward,
-    "x: T, y: T, out: T, seed_offset: T? = None",
+    kind="reverse", outputs="out: T, seed_offset: T? = None",
     forward_name="FusedDropoutAddSpmdBase", backward_name="FusedDropoutAddSpmdReverseBase",
 )  # fmt: skip
 _FDA_GRAD = ("seed_offset: T?, out_grad: T, p: scalar = 0.5, is_test: bool = False, mode: str = 'upscale_in_train', "

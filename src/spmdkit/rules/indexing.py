@@ -214,7 +214,7 @@ def _make_gather_grad(op: str, index_1d: bool, fname: str):  # type: ignore[no-u
 _gather_fwd, _gather_bwd = _make_gather("gather", False, "GatherInferSpmdBase", "GatherInferSpmdReverseBase")
 register(
     "gather", _gather_fwd, "x: T, index: T, axis: int = 0",
-    _gather_bwd, "x: T, index: T, out: T, axis: int = 0",
+    _gather_bwd, kind="reverse", outputs="out: T",
     forward_name="GatherInferSpmdBase", backward_name="GatherInferSpmdReverseBase",
 )  # fmt: skip
 register(
@@ -226,7 +226,7 @@ _is_fwd, _ = _make_gather("index_select", True, "IndexSelectInferSpmd", "")
 _is_grad = _make_gather_grad("index_select_grad", True, "IndexSelectGradInferSpmd")
 register(
     "index_select", _is_fwd, "x: T, index: T, axis: int = 0",
-    _is_grad, "x: T, index: T, out_grad: T, axis: int = 0",
+    _is_grad, "x: T, index: T, out_grad: T, axis: int = 0", kind="grad",
     forward_name="IndexSelectInferSpmd", backward_name="IndexSelectGradInferSpmd",
 )  # fmt: skip
 register(
@@ -313,7 +313,7 @@ def gather_nd_grad(x: DistTensorSpec, index: DistTensorSpec, out_grad: DistTenso
 
 
 register(
-    "gather_nd", gather_nd_forward, "x: T, index: T", gather_nd_backward, "x: T, index: T, out: T",
+    "gather_nd", gather_nd_forward, "x: T, index: T", gather_nd_backward, kind="reverse", outputs="out: T",
     forward_name="GatherNdInferSpmd", backward_name="GatherNdInferSpmdReverse",
 )  # fmt: skip
 register("gather_nd_grad", gather_nd_grad, "x: T, index: T, out_grad: T", forward_name="GatherNdGradInferSpmd")
@@ -377,7 +377,7 @@ def scatter_nd_add_grad(index: DistTensorSpec, updates: DistTensorSpec, out_grad
 
 register(
     "scatter_nd_add", scatter_nd_add_forward, "x: T, index: T, updates: T",
-    scatter_nd_add_backward, "x: T, index: T, updates: T, out: T",
+    scatter_nd_add_backward, kind="reverse", outputs="out: T",
     forward_name="ScatterNdAddInferSpmd", backward_name="ScatterNdAddInferSpmdReverse",
 )  # fmt: skip
 register("scatter_nd_add_grad", scatter_nd_add_grad, "index: T, updates: T, out_grad: T")
@@ -458,7 +458,7 @@ def scatter_grad(index: DistTensorSpec, updates: DistTensorSpec, out_grad: DistT
 
 register(
     "scatter", scatter_forward, "x: T, index: T, updates: T, overwrite: bool = True",
-    scatter_backward, "x: T, index: T, updates: T, out: T, overwrite: bool = True",
+    scatter_backward, kind="reverse", outputs="out: T",
     forward_name="ScatterInferSpmd", backward_name="ScatterInferSpmdReverse",
 )  # fmt: skip
 register("scatter_grad", scatter_grad, "index: T, updates: T, out_grad: T, overwrite: bool = True",
@@ -561,7 +561,7 @@ def where_grad(condition: DistTensorSpec, x: DistTensorSpec, y: DistTensorSpec,
 
 
 register(
-    "where", where_forward, "condition: T, x: T, y: T", where_backward, "condition: T, x: T, y: T, output: T",
+    "where", where_forward, "condition: T, x: T, y: T", where_backward, kind="reverse", outputs="output: T",
     forward_name="WhereInferSpmd", backward_name="WhereInferSpmdReverse",
 )  # fmt: skip
 register("where_grad", where_grad, "condition: T, x: T, y: T, out_grad: T", forward_name="WhereGradInferSpmd")

@@ -291,8 +291,7 @@ register(
     "x: T, label: T, soft_label: bool = False, use_softmax: bool = True, numeric_stable_mode: bool = True, "
     "ignore_index: int = -100, axis: int = -1",
     ce_backward,
-    "x: T, label: T, softmax_out: T, loss: T, soft_label: bool = False, use_softmax: bool = True, "
-    "numeric_stable_mode: bool = True, ignore_index: int = -100, axis: int = -1",
+    kind="reverse", outputs="softmax_out: T, loss: T",
     aliases=("softmax_with_cross_entropy",), forward_name="CrossEntropyWithSoftmaxInferSpmdStatic",
     backward_name="CrossEntropyWithSoftmaxInferSpmdReverse",
 )  # fmt: skip
@@ -306,7 +305,7 @@ register(
     "c_softmax_with_cross_entropy", c_softmax_forward,
     "x: T, label: T, ignore_index: int = -100, rank: int = 0, nranks: int = 1",
     c_softmax_reverse,
-    "x: T, label: T, softmax: T, loss: T, ignore_index: int = -100, rank: int = 0, nranks: int = 1",
+    kind="reverse", outputs="softmax: T, loss: T",
     forward_name="CSoftmaxWithCrossEntropyInferSpmd",
 )  # fmt: skip
 register(
@@ -315,7 +314,7 @@ register(
     forward_name="CSoftmaxWithCrossEntropyGradSpmd",
 )  # fmt: skip
 register(
-    "mean_all", mean_all_forward, "x: T", _make_mean_grad("mean_all"), "x: T, out_grad: T",
+    "mean_all", mean_all_forward, "x: T", _make_mean_grad("mean_all"), "x: T, out_grad: T", kind="grad",
     forward_name="MeanAllInferSpmd", backward_name="MeanAllGradInferSpmd",
 )  # fmt: skip
 register(

@@ -543,21 +543,21 @@ _COALESCE_ATTRS = ("dtype: any = 'float32', copy_data: bool = False, set_constan
                    "concated_ranks: ints = []")
 
 register(
-    "moe_combine", moe_combine_forward, _COMBINE_SIG, moe_combine_grad, _COMBINE_GRAD_SIG,
+    "moe_combine", moe_combine_forward, _COMBINE_SIG, moe_combine_grad, _COMBINE_GRAD_SIG, kind="grad",
     forward_name="MoECombineInferSpmd", backward_name="MoECombineGradInferSpmd",
 )  # fmt: skip
 register("moe_combine_grad", moe_combine_grad, _COMBINE_GRAD_SIG, forward_name="MoECombineGradInferSpmd")
 register(
     "moe_gate_dispatch", moe_gate_dispatch_forward,
     "x: T, gate_logits: T, corr_bias: T?, k: int, capacity: int, use_pad: bool",
-    moe_gate_dispatch_grad, _DISPATCH_GRAD_SIG,
+    moe_gate_dispatch_grad, _DISPATCH_GRAD_SIG, kind="grad",
     forward_name="MoEGateDispatchInferSpmd", backward_name="MoEGateDispatchGradInferSpmd",
 )  # fmt: skip
 register("moe_gate_dispatch_grad", moe_gate_dispatch_grad, _DISPATCH_GRAD_SIG,
          forward_name="MoEGateDispatchGradInferSpmd")
 register(
     "c_softmax_with_multi_label_cross_entropy", ml_forward, f"x: T, label: T, smooth_weight: T, {_ML_ATTRS}",
-    ml_reverse, f"x: T, label: T, smooth_weight: T, softmax: T, loss: T, {_ML_ATTRS}",
+    ml_reverse, kind="reverse", outputs="softmax: T, loss: T",
     forward_name="CSoftmaxWithMultiLabelCrossEntropyInferSpmd",
     backward_name="CSoftmaxWithMultiLabelCrossEntropyInferSpmdReverse",
 )  # fmt: skip
@@ -566,23 +566,22 @@ register(
     f"softmax: T, label: T, smooth_weight: T, loss_grad: T, {_ML_ATTRS}",
     forward_name="CSoftmaxWithMultiLabelCrossEntropyGradSpmd",
 )  # fmt: skip
-register("numel", numel_forward, "x: T", numel_reverse, "x: T, out: T", forward_name="NumelInferSpmd",
+register("numel", numel_forward, "x: T", numel_reverse, kind="reverse", outputs="out: T", forward_name="NumelInferSpmd",
          backward_name="NumelInferSpmdReverse")
 register(
     "check_finite_and_unscale", cfu_forward, "xs: [T], scale: T", cfu_reverse,
-    "xs: [T], scale: T, out: [T], found_infinite: T",
+    kind="reverse", outputs="out: [T], found_infinite: T",
     forward_name="CheckFiniteAndUnscaleSpmd", backward_name="CheckFiniteAndUnscaleSpmdReverse",
 )  # fmt: skip
 register(
     "update_loss_scaling", uls_forward,
     f"xs: [T], found_infinite: T, prev_loss_scaling: T, in_good_steps: T, in_bad_steps: T, {_ULS_ATTRS}",
     uls_reverse,
-    "xs: [T], found_infinite: T, prev_loss_scaling: T, in_good_steps: T, in_bad_steps: T, out: [T], "
-    f"loss_scaling: T, out_good_steps: T, out_bad_steps: T, {_ULS_ATTRS}",
+    kind="reverse", outputs="out: [T], loss_scaling: T, out_good_steps: T, out_bad_steps: T",
     forward_name="UpdateLossScalingSpmd", backward_name="UpdateLossScalingSpmdReverse",
 )  # fmt: skip
 register(
     "coalesce_tensor", coalesce_forward, f"input: [T], {_COALESCE_ATTRS}", coalesce_reverse,
-    f"input: [T], output: [T], fused_output: T, {_COALESCE_ATTRS}",
+    kind="reverse", outputs="output: [T], fused_output: T",
     forward_name="CoalesceTensorInferSpmd", backward_name="CoalesceTensorInferSpmdReverse",
 )  # fmt: skip

@@ -226,18 +226,17 @@ _ADAMW_EXTRA = "lr_ratio: float = 1.0, coeff: float = 0.01, with_decay: bool = F
 
 register(
     "adam", adam_forward, f"{_ADAM_IN}, {_BETAS}, {_ADAM_TAIL}",
-    adam_backward, f"{_ADAM_IN}, {_ADAM_OUT}, {_BETAS}, {_ADAM_TAIL}",
+    adam_backward, kind="reverse", outputs=_ADAM_OUT,
     aliases=("adam_",), forward_name="AdamInferSpmdDynamic", backward_name="AdamInferSpmdReverse",
 )  # fmt: skip
 register(
     "adamw", adamw_forward, f"{_ADAM_IN}, {_BETAS}, {_ADAMW_EXTRA}, {_ADAM_TAIL}",
-    adamw_backward, f"{_ADAM_IN}, {_ADAM_OUT}, {_BETAS}, {_ADAMW_EXTRA}, {_ADAM_TAIL}",
+    adamw_backward, kind="reverse", outputs=_ADAM_OUT,
     aliases=("adamw_",), forward_name="AdamwInferSpmdDynamic", backward_name="AdamwInferSpmdReverse",
 )  # fmt: skip
 register(
     "sgd", sgd_forward, "param: T, learning_rate: T, grad: T, master_param: T?, multi_precision: bool = False",
     sgd_backward,
-    "param: T, learning_rate: T, grad: T, master_param: T?, param_out: T, master_param_out: T?, "
-    "multi_precision: bool = False",
+    kind="reverse", outputs="param_out: T, master_param_out: T?",
     aliases=("sgd_",), forward_name="SgdInferSpmd", backward_name="SgdInferSpmdReverse",
 )  # fmt: skip

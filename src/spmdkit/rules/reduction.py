@@ -227,8 +227,8 @@ def reduce_base_forward(
 
 
 def reduce_base_backward(x: DistTensorSpec, out: DistTensorSpec, axis: tuple[int, ...] = (),
-                         keep_dim: bool = False) -> SpmdResult:
-    """ReductionInferSpmdReverse."""
+                         keep_dim: bool = False, reduce_type: int = 0) -> SpmdResult:
+    """ReductionInferSpmdReverse (reduce_type, the forward's attribute, does not change it)."""
     return _reverse("reduce_base", x, out, axis, keep_dim)
 
 
@@ -347,20 +347,19 @@ REDUCTION_GRADS: dict[str, tuple[bool, tuple[str, ...]]] = {
 }
 
 _FWD_SIG = "x: T, axis: ints = [], keep_dim: bool = false"
-_BWD_SIG = "x: T, out: T, axis: ints = [], keep_dim: bool = false"
 
 
 def _register_all() -> None:
     for name, (rtype, kind, pp, aliases) in REDUCTION_OPS.items():
         f, b = _make_rule(name, rtype, kind, pp)
         register(
-            name, f, _FWD_SIG, b, _BWD_SIG, aliases=aliases,  # type: ignore[arg-type]
+            name, f, _FWD_SIG, b, kind="reverse", outputs="out: T", aliases=aliases,  # type: ignore[arg-type]
             forward_name="ReductionMeanInferSpmdDynamic" if name == "mean" else "ReductionInferSpmd",
             backward_name="ReductionInferSpmdReverse",
         )  # fmt: skip
     register(
         "reduce_base", reduce_base_forward, _FWD_SIG + ", reduce_type: int = 0",
-        reduce_base_backward, _BWD_SIG,
+        reduce_base_backward, kind="reverse", outputs="out: T",
         forward_name="ReductionInferSpmdBase", backward_name="ReductionInferSpmdReverse",
     )  # fmt: skip
     for name, (with_out, aliases) in REDUCTION_GRADS.items():

@@ -557,45 +557,45 @@ def _make_create_like(op: str):  # type: ignore[no-untyped-def]
 
 def _register_all() -> None:
     f, b = _make_triu("triu", "TriuInferSpmd")
-    register("triu", f, "x: T, diagonal: int = 0", b, "x: T, out: T, diagonal: int = 0",
+    register("triu", f, "x: T, diagonal: int = 0", b, kind="reverse", outputs="out: T",
              forward_name="TriuInferSpmd", backward_name="TriuInferSpmdReverse")  # fmt: skip
     register("triu_grad", triu_grad, "out_grd: T, diagonal: int = 0", forward_name="TriuGradInferSpmd")
     f2, b2 = _make_triu("tril_triu", "TrilTriuInferSpmd")
     register("tril_triu", f2, "x: T, diagonal: int = 0, lower: bool = False",
-             b2, "x: T, out: T, diagonal: int = 0, lower: bool = False",
+             b2, kind="reverse", outputs="out: T",
              forward_name="TrilTriuInferSpmd", backward_name="TrilTriuInferSpmdReverse")  # fmt: skip
     register("tril_triu_grad", tril_triu_grad, "out_grad: T, diagonal: int = 0, lower: bool = False",
              forward_name="tril_triu_grad (backward op)")  # fmt: skip
     cs = "axis: int = -1, flatten: bool = False, exclusive: bool = False, reverse: bool = False"
-    register("cumsum", cumsum_forward, f"x: T, {cs}", cumsum_backward, f"x: T, out: T, {cs}",
+    register("cumsum", cumsum_forward, f"x: T, {cs}", cumsum_backward, kind="reverse", outputs="out: T",
              forward_name="CumSumInferSpmd", backward_name="CumSumInferSpmdReverse")  # fmt: skip
     register("cumsum_grad", cumsum_grad, f"x: T, out_grad: T, {cs}", forward_name="CumSumGradInferSpmd")
     for op, fn in (("argmax", "ArgMaxInferSpmdBase"), ("argmin", "ArgMinInferSpmdBase")):
         af, ab = _make_arg(op, fn)
         register(op, af, "x: T, axis: int = -1, keepdims: bool = False, flatten: bool = False",
-                 ab, "x: T, out: T, axis: int = -1, keepdims: bool = False, flatten: bool = False",
+                 ab, kind="reverse", outputs="out: T",
                  forward_name=fn, backward_name=fn.replace("InferSpmdBase", "InferSpmdReverseBase"))  # fmt: skip
     tk = "k: int = 1, axis: int = -1, largest: bool = True, sorted: bool = True"
-    register("topk", topk_forward, f"x: T, {tk}", _topk_backward, f"x: T, indices: T, out_grad: T, {tk}",
+    register("topk", topk_forward, f"x: T, {tk}", _topk_backward, f"x: T, indices: T, out_grad: T, {tk}", kind="grad",
              forward_name="TopkInferSpmd", backward_name="TopkGradInferSpmd")  # fmt: skip
     register("topk_grad", topk_grad, f"x: T, indices: T, out_grad: T, {tk}", forward_name="TopkGradInferSpmd")
     ls = "axis: ints = [], keepdims: bool = False, reduce_all: bool = False"
-    register("logsumexp", logsumexp_forward, f"x: T, {ls}", logsumexp_backward, f"x: T, out: T, {ls}",
+    register("logsumexp", logsumexp_forward, f"x: T, {ls}", logsumexp_backward, kind="reverse", outputs="out: T",
              forward_name="LogSumExpInferSpmd", backward_name="LogSumExpInferSpmdReverse")  # fmt: skip
     register("logsumexp_grad", logsumexp_grad, f"x: T, out: T, out_grad: T, {ls}",
              forward_name="LogSumExpGradInferSpmd")  # fmt: skip
-    register("add_n", add_n_forward, "input: [T]", add_n_backward, "input: [T], out: T",
+    register("add_n", add_n_forward, "input: [T]", add_n_backward, kind="reverse", outputs="out: T",
              forward_name="AddNInferSpmd", backward_name="add_n reverse (spmdkit)")  # fmt: skip
     register("add_n_grad", add_n_grad, "inputs: [T], out_grad: T", forward_name="add_n_grad (backward op)")
     register("full_like", full_like_forward, "x: T, y: scalar = 0.0, dtype: any = None",
-             full_like_backward, "x: T, out: T, y: scalar = 0.0, dtype: any = None",
+             full_like_backward, kind="reverse", outputs="out: T",
              forward_name="FullLikeInferSpmd", backward_name="full_like reverse (spmdkit)")  # fmt: skip
     register("empty_like", empty_like_forward, "x: T, dtype: any = None",
-             empty_like_backward, "x: T, out: T, dtype: any = None",
+             empty_like_backward, kind="reverse", outputs="out: T",
              forward_name="EmptyLikeInferSpmd", backward_name="empty_like reverse (spmdkit)")  # fmt: skip
     for op in ("ones_like", "zeros_like"):
         cf, cb = _make_create_like(op)
-        register(op, cf, "x: T", cb, "x: T, out: T",
+        register(op, cf, "x: T", cb, kind="reverse", outputs="out: T",
                  forward_name="CreateLikeInferSpmd", backward_name=f"{op} reverse (spmdkit)")  # fmt: skip
 
 

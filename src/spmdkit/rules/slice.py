@@ -382,37 +382,37 @@ _SLICE = "input: T, axes: ints, starts: ints, ends: ints, infer_flags: ints = []
 _SSLICE = "input: T, axes: ints, starts: ints, ends: ints, strides: ints"
 _SSLICE_G = "input: T, out_grad: T, axes: ints, starts: ints, ends: ints, strides: ints"
 register(
-    "slice", slice_forward, _SLICE, slice_backward, _SLICE.replace("input: T,", "input: T, output: T,"),
+    "slice", slice_forward, _SLICE, slice_backward, kind="reverse", outputs="output: T",
     forward_name="SliceInferSpmd", backward_name="SliceInferSpmdReverse",
 )  # fmt: skip
 register("slice_grad", slice_grad, _SLICE.replace("input: T,", "input: T, out_grad: T,"),
          forward_name="SliceGradInferSpmdDynamic")
 register(
-    "strided_slice", strided_slice_forward, _SSLICE, _make_strided_grad("strided_slice"), _SSLICE_G,
+    "strided_slice", strided_slice_forward, _SSLICE, _make_strided_grad("strided_slice"), _SSLICE_G, kind="grad",
     forward_name="StridedSliceInferSpmd", backward_name="StridedSliceGradInferSpmd",
 )  # fmt: skip
 register("strided_slice_grad", _make_strided_grad("strided_slice_grad"), _SSLICE_G,
          forward_name="StridedSliceGradInferSpmd")
 register(
-    "tile", tile_forward, "x: T, repeat_times: ints", tile_backward, "x: T, out: T, repeat_times: ints",
+    "tile", tile_forward, "x: T, repeat_times: ints", tile_backward, kind="reverse", outputs="out: T",
     forward_name="TileInferSpmd", backward_name="TileInferSpmdReverse",
 )  # fmt: skip
 register("tile_grad", tile_grad, "x: T, out_grad: T, repeat_times: ints", forward_name="TileGradInferSpmd")
 register(
     "expand_as", expand_as_forward, "x: T, y: T?, target_shape: ints = []",
-    expand_as_grad, "x: T, out_grad: T, target_shape: ints = []", aliases=("expand_as_v2",),
+    expand_as_grad, "x: T, out_grad: T, target_shape: ints = []", kind="grad", aliases=("expand_as_v2",),
     forward_name="ExpandAsInferSpmd", backward_name="ExpandAsGradInferSpmd",
 )  # fmt: skip
 register("expand_as_grad", expand_as_grad, "x: T, out_grad: T, target_shape: ints = []",
          aliases=("expand_as_v2_grad",), forward_name="ExpandAsGradInferSpmd")
 register(
-    "expand", expand_forward, "x: T, shape: ints", expand_backward, "x: T, out: T, shape: ints",
+    "expand", expand_forward, "x: T, shape: ints", expand_backward, kind="reverse", outputs="out: T",
     forward_name="ExpandInferSpmd", backward_name="ExpandInferSpmdReverse",
 )  # fmt: skip
 register("expand_grad", expand_grad, "x: T, out_grad: T, shape: ints", forward_name="ExpandGradInferSpmd")
 register(
     "pad", pad_forward, "x: T, paddings: ints, pad_value: int = 0",
-    pad_backward, "x: T, out: T, paddings: ints, pad_value: int = 0",
+    pad_backward, "x: T, out: T, paddings: ints, pad_value: int = 0", kind="grad",
     forward_name="PadInferSpmd", backward_name="PadGradInferSpmd",
 )  # fmt: skip
 register("pad_grad", pad_grad, "out_grad: T, paddings: ints, pad_value: scalar = 0",

@@ -456,24 +456,24 @@ def stack_grad(output_grad: DistTensorSpec, axis: int = 0) -> SpmdResult:
 
 register(
     "split", split_forward, "x: T, sections: ints, axis: int = 0",
-    split_backward, "x: T, out: [T], sections: ints, axis: int = 0",
+    split_backward, kind="reverse", outputs="out: [T]",
     forward_name="SplitInferSpmd", backward_name="SplitInferSpmdReverse",
 )  # fmt: skip
 register(
     "split_with_num", split_with_num_forward, "x: T, num: int, axis: int = 0",
-    split_with_num_backward, "x: T, out: [T], num: int, axis: int = 0",
+    split_with_num_backward, kind="reverse", outputs="out: [T]",
     forward_name="SplitWithNumInferSpmd", backward_name="SplitWithNumInferSpmdReverse",
 )  # fmt: skip
 register(
-    "unbind", unbind_forward, "x: T, axis: int = 0", unbind_backward, "x: T, out: [T], axis: int = 0",
+    "unbind", unbind_forward, "x: T, axis: int = 0", unbind_backward, kind="reverse", outputs="out: [T]",
     forward_name="UnbindInferSpmd", backward_name="UnbindInferSpmdReverse",
 )  # fmt: skip
 register(
-    "concat", concat_forward, "x: [T], axis: int = 0", concat_backward, "x: [T], output: T, axis: int = 0",
+    "concat", concat_forward, "x: [T], axis: int = 0", concat_backward, kind="reverse", outputs="output: T",
     forward_name="ConcatInferSpmd", backward_name="ConcatInferSpmdReverse",
 )  # fmt: skip
 register(
-    "stack", stack_forward, "x: [T], axis: int = 0", stack_backward, "x: [T], output: T, axis: int = 0",
+    "stack", stack_forward, "x: [T], axis: int = 0", stack_backward, kind="reverse", outputs="output: T",
     forward_name="StackInferSpmd", backward_name="StackInferSpmdReverse",
 )  # fmt: skip
 register("split_grad", split_grad, "out_grad: [T], axis: int = -1")

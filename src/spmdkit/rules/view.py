@@ -196,18 +196,18 @@ def unsqueeze_grad(x: DistTensorSpec, out_grad: DistTensorSpec, axis: tuple[int,
     return _grad("unsqueeze_grad", x, out_grad, "x")
 
 
-register("reshape", reshape_forward, "x: T, shape: ints", reshape_backward, "x: T, out: T, shape: ints",
+register("reshape", reshape_forward, "x: T, shape: ints", reshape_backward, kind="reverse", outputs="out: T",
          aliases=("reshape2",), forward_name="ReshapeInferSpmd", backward_name="ReshapeInferSpmdReverse")
 register("reshape_grad", reshape_grad, "x_shape: T, out_grad: T", forward_name="ReshapeGradInferSpmd")
 register("flatten", flatten_forward, "x: T, start_axis: int, stop_axis: int", flatten_backward,
-         "x: T, out: T, start_axis: int, stop_axis: int",
+         kind="reverse", outputs="out: T",
          forward_name="FlattenInferSpmd", backward_name="FlattenInferSpmdReverse")
 register("flatten_grad", flatten_grad, "xshape: T, out_grad: T", forward_name="FlattenGradInferSpmd")
-register("squeeze", squeeze_forward, "x: T, axis: ints", squeeze_backward, "x: T, out: T, axis: ints",
+register("squeeze", squeeze_forward, "x: T, axis: ints", squeeze_backward, kind="reverse", outputs="out: T",
          forward_name="SqueezeInferSpmd", backward_name="SqueezeInferSpmdReverse")
 register("squeeze_grad", squeeze_grad, "xshape: T, out_grad: T, axis: ints = []",
          forward_name="SqueezeGradInferSpmd")
-register("unsqueeze", unsqueeze_forward, "x: T, axis: ints", unsqueeze_backward, "x: T, out: T, axis: ints",
+register("unsqueeze", unsqueeze_forward, "x: T, axis: ints", unsqueeze_backward, kind="reverse", outputs="out: T",
          aliases=("unsqueeze2",), forward_name="UnsqueezeInferSpmd", backward_name="UnsqueezeInferSpmdReverse")
 register("unsqueeze_grad", unsqueeze_grad, "x: T, out_grad: T, axis: ints = []",
          forward_name="UnsqueezeGradInferSpmd")
