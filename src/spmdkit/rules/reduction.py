@@ -1,5 +1,5 @@
 """The reduction family: sum, mean, max, min, prod, any, all, squared_l2_norm,
-frobenius_norm, reduce_base, their reverse rules and their grads.
+frobenius_norm, reduce_base, p_norm and numel, their reverse rules and their grads.
 
 Notation (Paddle 3.3.1's ``reduction.cc``): x ``abc``, ``axis`` the reduced axes
 (empty = all; negatives count from the end; duplicates allowed), ``keep_dim``
@@ -39,18 +39,38 @@ min / prod / frobenius_norm. x, x_grad take out_grad's sharding on the kept axes
 the reduced axes replicated (also where keep_dim keeps them as size-1 axes);
 out_grad and out are made non-partial and unsharded on the size-1 kept axes;
 ``reduce_all`` reduces every axis.
+
+p_norm and numel (x ``abc``; a co-sharded axis read as its largest mesh dim):
+
+- ``p_norm`` (PNormInferSpmd(x, porder, axis, epsilon, keepdims, asvector)): a reduction
+  over ``axis`` (every axis with ``asvector``). A sharded reduced axis leaves out partial
+  where a reduce type is right: SUM for porder 0 (a count) and 1 (a sum of |x|), MAX for
+  +inf, MIN for -inf; for any other porder the reduced axes are replicated (a sum of local
+  norms is not the norm; Paddle marks them partial SUM). Reverse (PNormInferSpmdReverse):
+  x takes out's sharding on the kept axes, reduced axes replicated, out as x produces it.
+  ``p_norm_grad`` (PNormGradInferSpmd(x, out, out_grad, ...)): ``abc, ac, ac -> abc`` (``a1c``
+  with keepdims), merged over the three, the reduced axes replicated.
+- ``numel`` (NumelInferSpmd): ``x -> ()``, x as given, out partial SUM over x's mesh dims (local
+  element counts add up to the global one). Reverse (Paddle has none): x and out replicated.
+
+Their deviations (``docs/deviations.md`` ``misc-*``): p_norm's partial type and its reverse echoing out.
 """
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 from spmdkit.core.dist_attr import DimsMapping, Entry, Partial, ReduceType, TensorDistAttr, entry_dims
 from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.axes import largest_mesh_dim, reduced_axes
-from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation
+from spmdkit.engine.axes import largest_mesh_dim, normalize_axis, one_mesh_dim_per_axis, reduced_axes
+from spmdkit.engine.memo import memo
+from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, fast_result, named_mesh
+from spmdkit.rules._common import check_same_shape, merge_project
 from spmdkit.rules.registry import register
+
+_make = TensorDistAttr.unchecked
 
 Shape = tuple[int, ...]
 
@@ -370,5 +390,149 @@ def _register_all() -> None:
 
 
 _register_all()
+
+
+# ---------------------------------------------------------------------------
+# p_norm
+# ---------------------------------------------------------------------------
+
+
+def _pnorm_reduce(porder: float) -> ReduceType | None:
+    """The partial type a sharded reduced axis leaves, None where there is none."""
+    if porder == 0.0 or porder == 1.0:
+        return ReduceType.SUM
+    if math.isinf(porder):
+        return ReduceType.MAX if porder > 0 else ReduceType.MIN
+    return None
+
+
+@memo()
+def _pnorm_notation(nd: int, axis: int, keepdims: bool, asvector: bool, porder: float) -> Notation:
+    s = ALPHABET[:nd]
+    if nd == 0:
+        red: frozenset[int] = frozenset()
+    elif asvector:
+        red = frozenset(range(nd))
+    else:
+        red = frozenset((axis,))
+    if keepdims:
+        o = "".join(BROADCAST if i in red else c for i, c in enumerate(s))
+    else:
+        o = "".join(c for i, c in enumerate(s) if i not in red)
+    rt = _pnorm_reduce(porder)
+    reduced = "".join(s[i] for i in sorted(red))
+    return Notation((s,), (o,), replicated="" if rt is not None else reduced, reduce=rt or ReduceType.SUM)
+
+
+def _pnorm_setup(op: str, x: DistTensorSpec, porder: float, axis: int, keepdims: bool, asvector: bool) -> Notation:
+    nd = len(x.shape)
+    if nd > len(ALPHABET):
+        raise ShapeMismatchError(f"{op}: tensors of more than {len(ALPHABET)} dims are not supported")
+    if math.isnan(porder):
+        raise InvalidAttributeError(f"{op}: porder must be a number, got nan")
+    ax = 0 if asvector and nd else normalize_axis(op, axis, nd)
+    return _pnorm_notation(nd, ax, bool(keepdims), bool(asvector), float(porder))
+
+
+def p_norm_forward(
+    x: DistTensorSpec, porder: float = 2.0, axis: int = -1, epsilon: float = 1e-12, keepdims: bool = False,
+    asvector: bool = False,
+) -> SpmdResult:
+    """PNormInferSpmd: a reduction; a sharded reduced axis is partial only where a type is right."""
+    n = _pnorm_setup("p_norm", x, porder, axis, keepdims, asvector)
+    mesh = x.dist_attr.mesh
+    ins, outs = merge_project(n, n.inputs, (one_mesh_dim_per_axis(x),), mesh)
+    return fast_result(tuple(ins), tuple(outs))
+
+
+def p_norm_backward(
+    x: DistTensorSpec, out: DistTensorSpec, porder: float = 2.0, axis: int = -1, epsilon: float = 1e-12,
+    keepdims: bool = False, asvector: bool = False,
+) -> SpmdResult:
+    """PNormInferSpmdReverse: x from out on the kept axes, reduced axes replicated."""
+    op = "p_norm"
+    mesh = named_mesh(op, (("x", x), ("out", out)))
+    n = _pnorm_setup(op, x, porder, axis, keepdims, asvector)
+    o = n.outputs[0]
+    assert o is not None
+    check_same_shape(op, out, _pnorm_out_shape(x.shape, n), "out", "p_norm of x")
+    # x's letters from out only; the reduced letters (absent from out or `1`) stay unsharded
+    ins, _ = merge_project(n, (None, o), (None, one_mesh_dim_per_axis(out)), mesh)
+    xa = ins[0]
+    assert xa is not None
+    ins2, outs2 = merge_project(n, n.inputs, (DistTensorSpec(x.shape, xa),), mesh)
+    return fast_result(tuple(ins2), tuple(outs2))
+
+
+def _pnorm_out_shape(shape: Shape, n: Notation) -> Shape:
+    x, o = n.inputs[0], n.outputs[0]
+    assert x is not None and o is not None
+    size = dict(zip(x, shape))
+    return tuple(1 if c == BROADCAST else size[c] for c in o)
+
+
+def p_norm_grad(
+    x: DistTensorSpec, out: DistTensorSpec, out_grad: DistTensorSpec, porder: float = 2.0, axis: int = -1,
+    epsilon: float = 1e-12, keepdims: bool = False, asvector: bool = False,
+) -> SpmdResult:
+    """PNormGradInferSpmd: ``abc, ac, ac -> abc``, merged over the three, reduced axes replicated."""
+    op = "p_norm_grad"
+    mesh = named_mesh(op, (("x", x), ("out", out), ("out_grad", out_grad)))
+    n0 = _pnorm_setup(op, x, porder, axis, keepdims, asvector)
+    xs, o = n0.inputs[0], n0.outputs[0]
+    assert xs is not None and o is not None
+    oshape = _pnorm_out_shape(x.shape, n0)
+    check_same_shape(op, out, oshape, "out", "p_norm of x")
+    check_same_shape(op, out_grad, oshape, "out_grad", "p_norm of x")
+    reduced = "".join(c for c in xs if c not in o)
+    n = _grad_notation(xs, o, reduced)
+    ins, outs = merge_project(n, n.inputs, (one_mesh_dim_per_axis(x), one_mesh_dim_per_axis(out), one_mesh_dim_per_axis(out_grad)), mesh)
+    return fast_result(tuple(ins), tuple(outs))
+
+
+@memo()
+def _grad_notation(xs: str, o: str, reduced: str) -> Notation:
+    return Notation((xs, o, o), (xs,), replicated=reduced)
+
+
+
+
+_PN_SIG = "porder: float = 2.0, axis: int = -1, epsilon: float = 1e-12, keepdims: bool = False, asvector: bool = False"
+register("p_norm", p_norm_forward, f"x: T, {_PN_SIG}", p_norm_backward, kind="reverse", outputs="out: T",
+         forward_name="PNormInferSpmd", backward_name="PNormInferSpmdReverse")  # fmt: skip
+register("p_norm_grad", p_norm_grad, f"x: T, out: T, out_grad: T, {_PN_SIG}", forward_name="PNormGradInferSpmd")
+
+
+
+# -- numel -----------------------------------------------------------------------------------------
+
+
+@memo()
+def _numel_partial(dm: DimsMapping) -> Partial:
+    return tuple(sorted((d, ReduceType.SUM) for e in dm for d in entry_dims(e)))
+
+
+def numel_forward(x: DistTensorSpec) -> SpmdResult:
+    """numel (NumelInferSpmd): x as given; the 0-d count partial SUM over every mesh dim sharding x
+    (local element counts add up to the global one, uneven shards included)."""
+    a = x.dist_attr
+    return fast_result((a,), (_make(a.mesh, (), _numel_partial(a.dims_mapping)),))
+
+
+def numel_reverse(x: DistTensorSpec, out: DistTensorSpec) -> SpmdResult:
+    """numel reverse (Paddle has none): a 0-d count says nothing about x's axes: x replicated,
+    the count replicated."""
+    op = "numel"
+    if len(out.shape) != 0:
+        raise ShapeMismatchError(f"{op}: out must be a 0-d tensor, got shape {list(out.shape)}")
+    mesh = named_mesh(op, (("x", x), ("out", out)))
+    return fast_result((_make(mesh, (-1,) * len(x.shape)),), (_make(mesh, ()),))
+
+
+
+
+register("numel", numel_forward, "x: T", numel_reverse, kind="reverse", outputs="out: T", forward_name="NumelInferSpmd",
+         backward_name="NumelInferSpmdReverse")
+
 
 __all__ = ["REDUCE_TYPES", "REDUCTION_GRADS", "REDUCTION_OPS", "notation"]
