@@ -22,11 +22,9 @@ the reduced axis is replicated (class 2); AVG over an uneven split is not the me
 mesh dim does not divide. A co-sharded axis keeps one mesh dim, its largest (the
 first of equal sizes), as Paddle 3.3.1 does.
 
-Partial inputs: x partial over a mesh dim with the op's own reduce type stays partial
-(the sum of a partial-sum is a partial-sum: ``sum(x_1 + x_2) = sum(x_1) + sum(x_2)``;
-the same for max, min, prod, any, all); ``sum`` and ``mean`` are linear, so they also
-keep a partial SUM or AVG x. Otherwise x is resharded to non-partial (as Paddle
-always does).
+Partial inputs: x is resharded to non-partial, as Paddle does (keeping a partial x of
+the op's own reduce type would be sound too: the sum of a partial-sum is a partial-sum,
+but Paddle's answer is sound and the reference).
 
 Reverse (``ReductionInferSpmdReverse(x, out, axis, keep_dim)``): x takes out's
 sharding on the kept axes, the reduced axes replicated, x not partial; the returned
@@ -64,9 +62,17 @@ from functools import lru_cache
 from spmdkit.core.dist_attr import DimsMapping, Entry, Partial, ReduceType, TensorDistAttr, entry_dims
 from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.axes import largest_mesh_dim, normalize_axis, one_mesh_dim_per_axis, reduced_axes
+from spmdkit.engine.axes import normalize_axis, one_mesh_dim_per_axis, reduced_axes
 from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, fast_result, named_mesh
+from spmdkit.engine.notation import (
+    ALPHABET,
+    BROADCAST,
+    Notation,
+    einsum_backward,
+    einsum_forward,
+    fast_result,
+    named_mesh,
+)
 from spmdkit.rules._common import check_same_shape, merge_project
 from spmdkit.rules.registry import register
 
@@ -85,7 +91,6 @@ REDUCE_TYPES: dict[int, ReduceType] = {
     6: ReduceType.ALL,
 }
 
-_LINEAR = frozenset({ReduceType.SUM, ReduceType.AVG})
 
 # how a kind treats a sharded reduced axis
 _PARTIAL = 0  # out partial with the reduce type (uneven splits too)
@@ -119,34 +124,21 @@ def notation(ndim: int, axis: tuple[int, ...] = (), keep_dim: bool = False,
     return Notation([x], [out], reduce=reduce, prune=red if reduce == ReduceType.AVG else "")
 
 
-@lru_cache(maxsize=65536)
-def _forward_core(
-    shape: Shape, dm: DimsMapping, mesh_shape: Shape, reduced: tuple[bool, ...], pos: tuple[int, ...], kind: int
-) -> tuple[DimsMapping, DimsMapping, tuple[int, ...]]:
-    """(x's dims_mapping, out's, the mesh dims out is partial over)."""
-    x: list[int] = []
-    pdims: list[int] = []
-    for i, e in enumerate(dm):
-        d = largest_mesh_dim(e, mesh_shape)
-        if d >= 0 and reduced[i]:
-            if kind == _REPLICATE:
-                d = -1
-            elif kind == _EVEN and (shape[i] < 0 or shape[i] % mesh_shape[d] != 0):
-                d = -1
-            else:
-                pdims.append(d)
-        x.append(d)
-    out = tuple(-1 if p < 0 else x[p] for p in pos)
-    return tuple(x), out, tuple(sorted(pdims))
-
-
-def _passes(op_type: ReduceType | None, partial: Partial) -> bool:
-    """Whether x's partial status passes through the reduction unchanged."""
-    if op_type is None:
-        return False
-    if op_type in _LINEAR:
-        return all(r in _LINEAR for _, r in partial)
-    return all(r == op_type for _, r in partial)
+@lru_cache(maxsize=4096)
+def _forward_notation(reduced: tuple[bool, ...], pos: tuple[int, ...], rtype: ReduceType | None, kind: int,
+                      unknown: tuple[int, ...]) -> Notation:
+    """The forward's notation for one plan: the reduced letters replicated (``_REPLICATE``),
+    pruned where the mesh dim does not divide them and replicated where their size is unknown
+    (``_EVEN``: the ``unknown`` axes), or left to make out partial with ``rtype``."""
+    x = ALPHABET[: len(reduced)]
+    out = "".join(BROADCAST if p < 0 else x[p] for p in pos)
+    red = "".join(c for c, r in zip(x, reduced) if r)
+    if kind == _REPLICATE or rtype is None:
+        return Notation([x], [out], replicated=red)
+    if kind == _EVEN:
+        unk = "".join(x[i] for i in unknown)
+        return Notation([x], [out], reduce=rtype, replicated=unk, prune="".join(c for c in red if c not in unk))
+    return Notation([x], [out], reduce=rtype)
 
 
 # ---------------------------------------------------------------------------
@@ -156,28 +148,15 @@ def _passes(op_type: ReduceType | None, partial: Partial) -> bool:
 
 def _forward(
     op: str, x: DistTensorSpec, axis: tuple[int, ...], keep_dim: bool,
-    rtype: ReduceType | None, kind: int, pass_partial: bool = False,
+    rtype: ReduceType | None, kind: int,
 ) -> SpmdResult:
     shape = x.shape
-    attr = x.dist_attr
     reduced, pos = _plan(op, len(shape), axis, keep_dim)
-    mesh = attr.mesh
-    xdm, odm, pdims = _forward_core(shape, attr.dims_mapping, mesh.shape, reduced, pos, kind)
-    make = TensorDistAttr.unchecked
-    xp = attr.partial
-    if xp and pass_partial and _passes(rtype, xp):
-        in_pt: Partial = xp
-    else:
-        in_pt = ()
-    if pdims:
-        assert rtype is not None
-        acc = dict(in_pt)
-        for d in pdims:
-            acc[d] = rtype
-        out_pt: Partial = tuple(sorted(acc.items()))
-    else:
-        out_pt = in_pt
-    return SpmdResult([make(mesh, xdm, in_pt)], [make(mesh, odm, out_pt)])
+    unknown = tuple(i for i, r in enumerate(reduced) if r and shape[i] < 0) if kind == _EVEN else ()
+    # a co-sharded axis is read as its largest mesh dim (Paddle's reading) before the merge;
+    # the engine reshards a partial x
+    ins, outs = einsum_forward(op, _forward_notation(reduced, pos, rtype, kind, unknown), [one_mesh_dim_per_axis(x)])
+    return fast_result(tuple(ins), tuple(outs))
 
 
 def _expected_out_shape(x: DistTensorSpec, pos: tuple[int, ...]) -> Shape:
@@ -198,27 +177,24 @@ def _check_out(op: str, x: DistTensorSpec, out: DistTensorSpec, pos: tuple[int, 
             raise ShapeMismatchError(f"{op}: {name} axis {i} has {s}, but reducing x gives {w}")
 
 
-@lru_cache(maxsize=65536)
-def _reverse_core(odm: DimsMapping, mesh_shape: Shape, ndim: int, pos: tuple[int, ...]) -> tuple[DimsMapping, DimsMapping]:
-    x = [-1] * ndim
-    for j, p in enumerate(pos):
-        if p >= 0:
-            x[p] = largest_mesh_dim(odm[j], mesh_shape)
-    return tuple(x), tuple(-1 if p < 0 else x[p] for p in pos)
+@lru_cache(maxsize=4096)
+def _reverse_notation(ndim: int, pos: tuple[int, ...]) -> Notation:
+    x = ALPHABET[:ndim]
+    return Notation([x], ["".join(BROADCAST if p < 0 else x[p] for p in pos)])
 
 
 def _reverse(op: str, x: DistTensorSpec, out: DistTensorSpec, axis: tuple[int, ...], keep_dim: bool) -> SpmdResult:
     _, pos = _plan(op, len(x.shape), axis, keep_dim)
     _check_out(op, x, out, pos)
-    mesh = x.dist_attr.mesh
-    xdm, odm = _reverse_core(out.dist_attr.dims_mapping, mesh.shape, len(x.shape), pos)
-    make = TensorDistAttr.unchecked
-    return SpmdResult([make(mesh, xdm)], [make(mesh, odm)])
+    # x takes out's letters (a co-shard read as its largest mesh dim), the reduced ones
+    # replicated; out is what that x produces
+    ins, outs = einsum_backward(op, _reverse_notation(len(x.shape), pos), [x], [one_mesh_dim_per_axis(out)])
+    return fast_result(tuple(ins), tuple(outs))
 
 
-def _make_rule(op: str, rtype: ReduceType | None, kind: int, pass_partial: bool = True) -> tuple[object, object]:
+def _make_rule(op: str, rtype: ReduceType | None, kind: int) -> tuple[object, object]:
     def forward(x: DistTensorSpec, axis: tuple[int, ...] = (), keep_dim: bool = False) -> SpmdResult:
-        return _forward(op, x, axis, keep_dim, rtype, kind, pass_partial)
+        return _forward(op, x, axis, keep_dim, rtype, kind)
 
     def backward(x: DistTensorSpec, out: DistTensorSpec, axis: tuple[int, ...] = (),
                  keep_dim: bool = False) -> SpmdResult:
@@ -337,22 +313,19 @@ def _make_grad(op: str, with_out: bool) -> object:
 # registration
 # ---------------------------------------------------------------------------
 
-#: name -> (reduce type (None: replicate), how a sharded reduced axis is treated,
-#: whether a partial x may pass through, aliases)
-REDUCTION_OPS: dict[str, tuple[ReduceType | None, int, bool, tuple[str, ...]]] = {
-    # a partial input is resharded, as in Paddle (keeping a partial of the op's own type would
-    # be sound too, but Paddle's answer is sound and the reference)
-    "sum": (ReduceType.SUM, _PARTIAL, False, ("reduce_sum",)),
-    "mean": (ReduceType.AVG, _EVEN, False, ("reduce_mean",)),
-    "max": (ReduceType.MAX, _PARTIAL, False, ("reduce_max", "amax")),
-    "min": (ReduceType.MIN, _PARTIAL, False, ("reduce_min", "amin")),
-    "prod": (ReduceType.PROD, _PARTIAL, False, ("reduce_prod",)),
+#: name -> (reduce type (None: replicate), how a sharded reduced axis is treated, aliases)
+REDUCTION_OPS: dict[str, tuple[ReduceType | None, int, tuple[str, ...]]] = {
+    "sum": (ReduceType.SUM, _PARTIAL, ("reduce_sum",)),
+    "mean": (ReduceType.AVG, _EVEN, ("reduce_mean",)),
+    "max": (ReduceType.MAX, _PARTIAL, ("reduce_max", "amax")),
+    "min": (ReduceType.MIN, _PARTIAL, ("reduce_min", "amin")),
+    "prod": (ReduceType.PROD, _PARTIAL, ("reduce_prod",)),
     # Paddle marks any partial SUM: sound on booleans (a sum of booleans is their OR)
-    "any": (ReduceType.SUM, _PARTIAL, False, ("reduce_any",)),
-    "all": (ReduceType.ALL, _PARTIAL, False, ("reduce_all",)),
+    "any": (ReduceType.SUM, _PARTIAL, ("reduce_any",)),
+    "all": (ReduceType.ALL, _PARTIAL, ("reduce_all",)),
     # a sum of squares: partial SUM over a sharded axis, but the square of a partial is not
-    "squared_l2_norm": (ReduceType.SUM, _PARTIAL, False, ()),
-    "frobenius_norm": (None, _REPLICATE, False, ()),
+    "squared_l2_norm": (ReduceType.SUM, _PARTIAL, ()),
+    "frobenius_norm": (None, _REPLICATE, ()),
 }
 
 #: grad name -> (takes out, aliases)
@@ -370,8 +343,8 @@ _FWD_SIG = "x: T, axis: ints = [], keep_dim: bool = false"
 
 
 def _register_all() -> None:
-    for name, (rtype, kind, pp, aliases) in REDUCTION_OPS.items():
-        f, b = _make_rule(name, rtype, kind, pp)
+    for name, (rtype, kind, aliases) in REDUCTION_OPS.items():
+        f, b = _make_rule(name, rtype, kind)
         register(
             name, f, _FWD_SIG, b, kind="reverse", outputs="out: T", aliases=aliases,  # type: ignore[arg-type]
             forward_name="ReductionMeanInferSpmdDynamic" if name == "mean" else "ReductionInferSpmd",
