@@ -28,7 +28,7 @@ from spmdkit.core.dist_attr import DimsMapping, Entry, Partial, ReduceType, Tens
 from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.axes import largest_mesh_dim
+from spmdkit.engine.axes import largest_mesh_dim, one_mesh_dim_per_axis
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import (
     ALPHABET,
@@ -386,38 +386,18 @@ def _binary_bwd(op: str, x: DistTensorSpec, y: DistTensorSpec, out: DistTensorSp
             want = ys[iy]
         if want >= 0 and s != want:
             raise ShapeMismatchError(f"{op}: out axis {i} has {s}, but x and y broadcast to {want}")
-    mx, my, mo = _binary_rev(xs, ys, oa.dims_mapping, mesh.shape)
-    return fast_result((attr_as(xa, mesh, mx), attr_as(ya, mesh, my)), (attr_as(oa, mesh, mo),))
+    # x and y take out's letters (a co-shard read as its largest mesh dim); out is what they make
+    nt = _binary_nt(tuple([s == 1 for s in xs]), tuple([s == 1 for s in ys]))
+    ins, outs = einsum_backward(op, nt, (x, y), (one_mesh_dim_per_axis(out),))
+    return fast_result(tuple(ins), tuple(outs))
 
 
-@memo()
-def _binary_rev(
-    xs: tuple[int, ...], ys: tuple[int, ...], do: DimsMapping, mesh_shape: tuple[int, ...]
-) -> tuple[DimsMapping, DimsMapping, DimsMapping]:
-    """The binary reverse merge on ints: out's axes claim their mesh dims left to right (an
-    axis both x and y broadcast along claims its own and shards nothing); x and y are
-    projected from out's letters, and out is what they produce."""
-    nx, ny = len(xs), len(ys)
-    n = len(do)
-    ox, oy = n - nx, n - ny
-    final = [-1] * n
-    used = 0
-    for i in range(n):
-        e = do[i]
-        if e.__class__ is not int:
-            e = largest_mesh_dim(e, mesh_shape)
-        if e < 0:
-            continue
-        bit = 1 << e
-        if used & bit:
-            continue
-        used |= bit
-        if (i < ox or xs[i - ox] == 1) and (i < oy or ys[i - oy] == 1):
-            continue  # both broadcast: out's axis is 1
-        final[i] = e
-    mx = tuple([-1 if s == 1 else final[j + ox] for j, s in enumerate(xs)])
-    my = tuple([-1 if s == 1 else final[j + oy] for j, s in enumerate(ys)])
-    return mx, my, tuple(final)
+@lru_cache(maxsize=4096)
+def _binary_nt(x_unit: tuple[bool, ...], y_unit: tuple[bool, ...]) -> Notation:
+    """The binary notation of shapes that broadcast, from their size-1 masks alone."""
+    ax, ay, ao = _binary_notation(tuple([1 if u else 2 for u in x_unit]),  # type: ignore[misc]
+                                  tuple([1 if u else 2 for u in y_unit]))
+    return Notation([ax, ay], [ao])
 
 
 def _make_binary(op: str) -> tuple[object, object]:
