@@ -11,7 +11,7 @@ from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import make_attr, one_mesh_dim_specs
-from spmdkit.engine.notation import ALPHABET, Notation, check_letters, merge_letters, merge_specs, project, project_all
+from spmdkit.engine.notation import ALPHABET, Notation, check_letters, merge_specs, project, project_all
 
 Shape = tuple[int, ...]
 
@@ -71,15 +71,7 @@ def merge_project(
 ) -> tuple[list[TensorDistAttr | None], list[TensorDistAttr | None]]:
     """Merge the letters of the tensors labelled ``merge_axes`` (None: not merged) with the
     notation's flags, and project every input and output of the notation."""
-    merged = merge_letters(
-        tuple(merge_axes),
-        tuple(None if s is None else s.dist_attr.dims_mapping for s in specs),
-        tuple(None if s is None else s.shape for s in specs),
-        notation.replicated,
-        notation.prune,
-        mesh.shape,
-    )
-    return project_all(notation, merged, mesh)
+    return project_all(notation, merge_specs(notation, merge_axes, specs, mesh), mesh)
 
 
 def merge_one_dim(op: str, notation: Notation, axes: Sequence[str | None], specs: Sequence[DistTensorSpec | None],

@@ -50,9 +50,8 @@ from collections.abc import Sequence
 
 from spmdkit.core.dist_attr import ReduceType, TensorDistAttr
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
-from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.axes import one_mesh_dim_per_axis
+from spmdkit.engine.axes import one_mesh_dim_per_axis, unpartial
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import (
     ALPHABET,
@@ -63,7 +62,7 @@ from spmdkit.engine.notation import (
     einsum_backward,
     einsum_forward,
     fast_result,
-    merge_letters,
+    merge_specs,
     project_all,
 )
 from spmdkit.rules.registry import register
@@ -120,23 +119,8 @@ def _result(ins: Sequence[TensorDistAttr | None], outs: Sequence[TensorDistAttr 
     return fast_result(tuple(ins), tuple(outs))
 
 
-def _merge_some(
-    n: Notation, axes: Sequence[str | None], specs: Sequence[DistTensorSpec | None], mesh: ProcessMesh
-) -> Merged:
-    return merge_letters(
-        tuple(axes),
-        tuple(None if s is None else s.dist_attr.dims_mapping for s in specs),
-        tuple(None if s is None else s.shape for s in specs),
-        n.replicated,
-        n.prune,
-        mesh.shape,
-    )
-
-
 def _no_partial(a: TensorDistAttr | None) -> TensorDistAttr | None:
-    if a is None or not a.partial:
-        return a
-    return TensorDistAttr.unchecked(a.mesh, a.dims_mapping)
+    return None if a is None else unpartial(a)
 
 
 def _with_sum(a: TensorDistAttr | None, dims: tuple[int, ...]) -> TensorDistAttr | None:
@@ -201,7 +185,7 @@ def _make_gather_grad(op: str, index_1d: bool, fname: str):  # type: ignore[no-u
         # own sharding is not read); sound, so kept
         mesh = common_mesh(op, (x, index, out_grad))
         check_letters(op, n.inputs, (x, index, out_grad), ("x", "index", "out_grad"))
-        merged = _merge_some(n, n.inputs[:2], (x, index), mesh)
+        merged = merge_specs(n, n.inputs[:2], (x, index), mesh)
         ins, outs = project_all(n, merged, mesh)
         return _result(ins, outs)
 
@@ -345,7 +329,7 @@ def scatter_nd_add_forward(x: DistTensorSpec, index: DistTensorSpec, updates: Di
     mesh = common_mesh(op, (x, index, updates))
     check_letters(op, n.inputs, (x, index, updates), ("x", "index", "updates"))
     x, index, updates = _one_dim((x, index, updates))
-    merged = _merge_some(n, n.inputs[1:], (index, updates), mesh)
+    merged = merge_specs(n, n.inputs[1:], (index, updates), mesh)
     ins, outs = project_all(n, merged, mesh)
     bdims = _batch_dims(merged, (n.inputs[1] or "")[:-1])
     ins[0] = _with_sum(ins[0], bdims)
@@ -428,7 +412,7 @@ def scatter_forward(x: DistTensorSpec, index: DistTensorSpec, updates: DistTenso
     mesh = common_mesh(op, (x, index, updates))
     check_letters(op, n.inputs, (x, index, updates), ("x", "index", "updates"))
     x, index, updates = _one_dim((x, index, updates))
-    merged = _merge_some(n, n.inputs[1:], (index, updates), mesh)
+    merged = merge_specs(n, n.inputs[1:], (index, updates), mesh)
     ins, outs = project_all(n, merged, mesh)
     return _result(ins, outs)
 
@@ -451,7 +435,7 @@ def scatter_grad(index: DistTensorSpec, updates: DistTensorSpec, out_grad: DistT
     mesh = common_mesh(op, (index, updates, out_grad))
     check_letters(op, n.inputs, (index, updates, out_grad), ("index", "updates", "out_grad"))
     index, updates, out_grad = _one_dim((index, updates, out_grad))
-    merged = _merge_some(n, (n.inputs[0], n.inputs[2]), (index, out_grad), mesh)
+    merged = merge_specs(n, (n.inputs[0], n.inputs[2]), (index, out_grad), mesh)
     ins, outs = project_all(n, merged, mesh)
     return _result(ins, outs)
 
@@ -533,7 +517,7 @@ def where_forward(condition: DistTensorSpec, x: DistTensorSpec, y: DistTensorSpe
     c_axes, x_axes, y_full = (a or "" for a in n.inputs)
     seen = set(c_axes) | set(x_axes)
     y_axes = "".join(c if c not in seen else BROADCAST for c in y_full)
-    merged = _merge_some(n, (c_axes, x_axes, y_axes), (condition, x, y), mesh)
+    merged = merge_specs(n, (c_axes, x_axes, y_axes), (condition, x, y), mesh)
     ins, outs = project_all(n, merged, mesh)
     return _result(ins, outs)
 
