@@ -9,9 +9,19 @@ from collections.abc import Mapping, Sequence
 from spmdkit.core.dist_attr import ReduceType, TensorDistAttr
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
-from spmdkit.core.spec import DistTensorSpec
+from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.axes import make_attr, one_mesh_dim_specs
-from spmdkit.engine.notation import ALPHABET, Notation, check_letters, merge_specs, project, project_all
+from spmdkit.engine.notation import (
+    ALPHABET,
+    Notation,
+    check_letters,
+    einsum_backward,
+    einsum_forward,
+    fast_result,
+    merge_specs,
+    project,
+    project_all,
+)
 
 Shape = tuple[int, ...]
 
@@ -93,3 +103,21 @@ def letter_attr(mesh: ProcessMesh, axes: str | None, letters: Mapping[str, tuple
         for d in letters.get(ch, ()):
             pt[d] = reduce
     return make_attr(mesh, project(axes, letters), tuple(sorted(pt.items())))
+
+
+# -- einsum with Paddle's reading of a co-shard ------------------------------------------------
+# (the policy "co-shard read as its largest mesh dim" the engine's Notation does not declare yet)
+
+
+def forward_largest(op: str, notation: Notation, specs: Sequence[DistTensorSpec | None],
+                    names: Sequence[str]) -> SpmdResult:
+    """einsum_forward over ``specs``, each co-shard read as its largest mesh dim first."""
+    ins, outs = einsum_forward(op, notation, one_mesh_dim_specs(*specs), names)
+    return fast_result(tuple(ins), tuple(outs))
+
+
+def reverse_largest(op: str, notation: Notation, inputs: Sequence[DistTensorSpec | None],
+                    outputs: Sequence[DistTensorSpec | None], names: Sequence[str]) -> SpmdResult:
+    """einsum_backward from ``outputs``, each co-shard read as its largest mesh dim first."""
+    ins, outs = einsum_backward(op, notation, one_mesh_dim_specs(*inputs), one_mesh_dim_specs(*outputs), names)
+    return fast_result(tuple(ins), tuple(outs))

@@ -65,6 +65,7 @@ from spmdkit.engine.notation import (
     merge_specs,
     project_all,
 )
+from spmdkit.rules._common import forward_largest, reverse_largest
 from spmdkit.rules.registry import register
 
 Shape = tuple[int, ...]
@@ -272,8 +273,7 @@ def gather_nd_forward(x: DistTensorSpec, index: DistTensorSpec) -> SpmdResult:
     op = "gather_nd"
     nd, ni, k = _nd_parts(op, x.shape, index)
     n = _gather_nd_notation(nd, ni, k, False)
-    ins, outs = einsum_forward(op, n, _one_dim((x, index)), ("x", "index"))
-    return _result(ins, outs)
+    return forward_largest(op, n, (x, index), ("x", "index"))
 
 
 def gather_nd_backward(x: DistTensorSpec, index: DistTensorSpec, out: DistTensorSpec) -> SpmdResult:
@@ -282,8 +282,7 @@ def gather_nd_backward(x: DistTensorSpec, index: DistTensorSpec, out: DistTensor
     nd, ni, k = _nd_parts(op, x.shape, index)
     _check_batch_trailing(op, "out", out, index, x.shape, k)
     n = _gather_nd_notation(nd, ni, k, False)
-    ins, outs = einsum_backward(op, n, _one_dim((x, index)), _one_dim((out,)), ("x", "index", "out"))
-    return _result(ins, outs)
+    return reverse_largest(op, n, (x, index), (out,), ("x", "index", "out"))
 
 
 def gather_nd_grad(x: DistTensorSpec, index: DistTensorSpec, out_grad: DistTensorSpec) -> SpmdResult:
@@ -292,8 +291,7 @@ def gather_nd_grad(x: DistTensorSpec, index: DistTensorSpec, out_grad: DistTenso
     nd, ni, k = _nd_parts(op, x.shape, index)
     _check_batch_trailing(op, "out_grad", out_grad, index, x.shape, k)
     n = _gather_nd_notation(nd, ni, k, True)
-    ins, outs = einsum_forward(op, n, _one_dim((x, index, out_grad)), ("x", "index", "out_grad"))
-    return _result(ins, outs)
+    return forward_largest(op, n, (x, index, out_grad), ("x", "index", "out_grad"))
 
 
 register(
@@ -343,9 +341,7 @@ def scatter_nd_add_backward(x: DistTensorSpec, index: DistTensorSpec, updates: D
     nd, ni, k = _nd_parts(op, x.shape, index)
     _check_batch_trailing(op, "updates", updates, index, x.shape, k)
     n = _snd_notation(nd, ni, k, False)
-    ins, outs = einsum_backward(op, n, _one_dim((x, index, updates)), _one_dim((out,)),
-                                ("x", "index", "updates", "out"))
-    return _result(ins, outs)
+    return reverse_largest(op, n, (x, index, updates), (out,), ("x", "index", "updates", "out"))
 
 
 def scatter_nd_add_grad(index: DistTensorSpec, updates: DistTensorSpec, out_grad: DistTensorSpec) -> SpmdResult:
@@ -422,9 +418,7 @@ def scatter_backward(x: DistTensorSpec, index: DistTensorSpec, updates: DistTens
     """scatter (ScatterInferSpmdReverse): the trailing axes from out; rows and batch replicated."""
     op = "scatter"
     n = _scatter_setup(op, x.shape, index, updates, overwrite, "x")
-    ins, outs = einsum_backward(op, n, _one_dim((x, index, updates)), _one_dim((out,)),
-                                ("x", "index", "updates", "out"))
-    return _result(ins, outs)
+    return reverse_largest(op, n, (x, index, updates), (out,), ("x", "index", "updates", "out"))
 
 
 def scatter_grad(index: DistTensorSpec, updates: DistTensorSpec, out_grad: DistTensorSpec,
@@ -528,9 +522,7 @@ def where_backward(condition: DistTensorSpec, x: DistTensorSpec, y: DistTensorSp
     op = "where"
     n, shape = _where_setup(op, condition, x, y, False)
     _check_out(op, "output", output, shape)
-    ins, outs = einsum_backward(op, n, _one_dim((condition, x, y)), _one_dim((output,)),
-                                ("condition", "x", "y", "output"))
-    return _result(ins, outs)
+    return reverse_largest(op, n, (condition, x, y), (output,), ("condition", "x", "y", "output"))
 
 
 def where_grad(condition: DistTensorSpec, x: DistTensorSpec, y: DistTensorSpec,
@@ -540,8 +532,7 @@ def where_grad(condition: DistTensorSpec, x: DistTensorSpec, y: DistTensorSpec,
     op = "where_grad"
     n, shape = _where_setup(op, condition, x, y, True)
     _check_out(op, "out_grad", out_grad, shape)
-    ins, outs = einsum_forward(op, n, _one_dim((condition, x, y, out_grad)), ("condition", "x", "y", "out_grad"))
-    return _result(ins, outs)
+    return forward_largest(op, n, (condition, x, y, out_grad), ("condition", "x", "y", "out_grad"))
 
 
 register(
