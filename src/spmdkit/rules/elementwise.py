@@ -284,7 +284,14 @@ def _binary_merge(
     its mesh dim, in claim order, and then shards nothing), as in Paddle. A co-sharded
     entry keeps its largest mesh dim. Claims: x's axes left to right, then y's; where x
     and y shard one letter over different mesh dims the larger tensor wins (x on a tie);
-    a mesh dim already claimed is dropped."""
+    a mesh dim already claimed is dropped.
+
+    Engine policy needed to answer this through Notation (issue 17): ``coshard="largest"``
+    (each entry read as its largest mesh dim before merging) and ``unit_axes="claim"`` (a
+    size-1 axis labelled ``1`` takes its mesh dim in claim order, so a later letter sharded
+    on that mesh dim loses it, and shards nothing); today's merge skips ``1`` axes. Rules:
+    every binary elementwise forward (add, subtract, multiply, divide, maximum, ... and their
+    aliases)."""
     if not _broadcasts(xs, ys):
         return None
     nx, ny = len(xs), len(ys)

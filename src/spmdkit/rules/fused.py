@@ -63,7 +63,12 @@ def _same_shape(op: str, a: DistTensorSpec, b: DistTensorSpec, na: str, nb: str)
 def _binary_merge(shape: Shape, dms: tuple[DimsMapping, ...], mesh_shape: Shape) -> DimsMapping:
     """Paddle's elementwise binary merge for tensors of one shape: claims in tensor order,
     the first claimer of an axis keeps it, a claimed mesh dim is dropped later, a size-1
-    axis claims its mesh dim and shards nothing, a co-shard keeps its largest mesh dim."""
+    axis claims its mesh dim and shards nothing, a co-shard keeps its largest mesh dim.
+
+    Engine policy needed (issue 17): ``coshard="largest"``, ``unit_axes="claim"`` (see
+    elementwise._binary_merge) and ``conflict="first"`` (where two tensors shard one letter
+    differently the first claimer keeps it, whatever the sizes; today's merge lets the larger
+    tensor win). Rules: swiglu and fused_dropout_add (forward, reverse) and their grads."""
     n = len(shape)
     ld = [-1] * n
     claims: list[int] = []

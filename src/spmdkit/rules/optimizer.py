@@ -57,7 +57,12 @@ _make = TensorDistAttr.unchecked
 @memo()
 def _vote(ndim: int, mappings: tuple[DimsMapping, ...]) -> DimsMapping:
     """Per axis: the sharding all the mappings that shard it agree on, else -1; a mesh dim
-    claimed by an earlier axis is dropped."""
+    claimed by an earlier axis is dropped.
+
+    Engine policy needed to answer this through Notation (issue 17): ``conflict="replicate"``
+    (where two tensors shard one letter differently, co-shards compared whole, the letter is
+    replicated on every tensor; today's merge lets the larger tensor win), co-shards kept.
+    Rules: adam, adamw, sgd (forward and reverse, and their ``*_`` aliases)."""
     out: list[Entry] = []
     used: set[int] = set()
     for i in range(ndim):

@@ -239,7 +239,14 @@ def _grad_core(gdm: DimsMapping, nd: int, pos: tuple[int, ...],
     """(x's and x_grad's dims_mapping, out_grad's): the kept axes as out_grad shards them. With
     ``xdm`` (sum, whose x_grad is out_grad broadcast back over the reduced axes and depends on
     neither x's values nor the reduced count, as mean's does) the reduced axes keep x's own sharding where its mesh dims
-    are free (a slice of a broadcast value: no communication); else they are replicated."""
+    are free (a slice of a broadcast value: no communication); else they are replicated.
+
+    Engine policy needed to answer this through Notation (issue 17): ``authority=out_grad``
+    (out_grad's letters win outright on the kept axes; no size-weighted conflict with x) and,
+    for sum_grad, ``coshard_claim="whole"`` (x's co-sharded reduced axis keeps its sharding only
+    where every one of its mesh dims is free; today's merge drops the taken dims one by one).
+    Co-shards are kept. Rules: sum_grad, mean_grad, max_grad, min_grad, prod_grad,
+    squared_l2_norm_grad, frobenius_norm_grad and their aliases."""
     x: list[Entry] = [-1] * nd
     g: list[Entry] = []
     used: set[int] = set()
