@@ -85,3 +85,22 @@ def test_register_refuses_bad_declarations(kw: dict, text: str) -> None:
 def test_register_refuses_kind_without_backward() -> None:
     with pytest.raises(ValueError, match="without a backward"):
         register("kind_test_rule_never_registered", _f, "x: T", kind="reverse")  # type: ignore[arg-type]
+
+
+def test_grad_name_registers_the_grad_rule_itself() -> None:
+    for fwd, grad in (("argsort", "argsort_grad"), ("cummax", "cummax_grad"), ("conv3d", "conv3d_grad")):
+        f, g = _CANONICAL[fwd], _CANONICAL[grad]
+        assert f.backward is not None and g.backward is None
+        assert g.forward.fn is f.backward.fn
+        assert g.forward.params == f.backward.params
+        assert g.forward.function_name == f.backward.function_name
+    from spmdkit.rules.registry import get_rule
+
+    assert get_rule("expand_as_v2_grad") is _CANONICAL["expand_as_grad"]
+
+
+def test_grad_name_needs_a_grad_rule() -> None:
+    with pytest.raises(ValueError, match="needs a grad rule"):
+        register("kind_test_rule_never_registered", _f, "x: T", _f, kind="reverse", outputs="out: T",  # type: ignore[arg-type]
+                 grad_name="kind_test_rule_never_registered_grad")
+    assert "kind_test_rule_never_registered" not in _CANONICAL

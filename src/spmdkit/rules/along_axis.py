@@ -281,18 +281,12 @@ def index_put_grad(
 
 
 register("take_along_axis", take_along_axis_forward, "x: T, index: T, axis: int",
-         take_along_axis_grad, "x: T, index: T, out_grad: T, axis: int", kind="grad",
+         take_along_axis_grad, "x: T, index: T, out_grad: T, axis: int", kind="grad", grad_name="take_along_axis_grad",
          forward_name="TakeAlongAxisInferSpmd", backward_name="TakeAlongAxisGradInferSpmd")  # fmt: skip
-register("take_along_axis_grad", take_along_axis_grad, "x: T, index: T, out_grad: T, axis: int",
-         forward_name="TakeAlongAxisGradInferSpmd")  # fmt: skip
 _PS_SIG = "axis: int, reduce: str = 'assign', include_self: bool = True"
 register("put_along_axis", put_along_axis_forward, f"x: T, index: T, value: T, {_PS_SIG}",
-         put_along_axis_grad, f"x: T, index: T, value: T, out: T, out_grad: T, {_PS_SIG}", kind="grad",
+         put_along_axis_grad, f"x: T, index: T, value: T, out: T, out_grad: T, {_PS_SIG}", kind="grad", grad_name="put_along_axis_grad",
          forward_name="PutAlongAxisInferSpmd", backward_name="PutAlongAxisGradInferSpmd")  # fmt: skip
-register("put_along_axis_grad", put_along_axis_grad, f"x: T, index: T, value: T, out: T, out_grad: T, {_PS_SIG}",
-         forward_name="PutAlongAxisGradInferSpmd")  # fmt: skip
 register("index_put", index_put_forward, "x: T, indices: [T], value: T, accumulate: bool = False",
-         index_put_grad, "x: T, indices: [T], value: T, out_grad: T, accumulate: bool = False", kind="grad",
+         index_put_grad, "x: T, indices: [T], value: T, out_grad: T, accumulate: bool = False", kind="grad", grad_name="index_put_grad",
          forward_name="IndexPutInferSpmd", backward_name="IndexPutGradInferSpmd")  # fmt: skip
-register("index_put_grad", index_put_grad, "x: T, indices: [T], value: T, out_grad: T, accumulate: bool = False",
-         forward_name="IndexPutGradInferSpmd")  # fmt: skip

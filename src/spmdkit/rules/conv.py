@@ -406,15 +406,12 @@ register(
 _G = "input: T, filter: T, output_grad: T, "
 _F = "input: T, filter: T, "
 register("conv2d_grad", conv2d_grad, _G + _CONV2D_ATTRS, forward_name="Conv2dGradInferSpmd")
-register("conv3d", conv3d_forward, _F + _CONV3D_ATTRS, conv3d_grad, _G + _CONV3D_ATTRS, kind="grad",
+register("conv3d", conv3d_forward, _F + _CONV3D_ATTRS, conv3d_grad, _G + _CONV3D_ATTRS, kind="grad", grad_name="conv3d_grad",
          forward_name="Conv3dInferSpmd", backward_name="Conv3dGradInferSpmd")
-register("conv3d_grad", conv3d_grad, _G + _CONV3D_ATTRS, forward_name="Conv3dGradInferSpmd")
-register("conv2d_transpose", conv2d_transpose_forward, _F + _CT_ATTRS, conv2d_transpose_grad, _G + _CT_ATTRS, kind="grad",
+register("conv2d_transpose", conv2d_transpose_forward, _F + _CT_ATTRS, conv2d_transpose_grad, _G + _CT_ATTRS, kind="grad", grad_name="conv2d_transpose_grad",
          forward_name="Conv2dTransposeInferSpmd", backward_name="Conv2dTransposeGradInferSpmd")
-register("conv2d_transpose_grad", conv2d_transpose_grad, _G + _CT_ATTRS, forward_name="Conv2dTransposeGradInferSpmd")
-register("depthwise_conv2d", depthwise_conv2d_forward, _F + _DW_ATTRS, depthwise_conv2d_grad, _G + _DW_ATTRS, kind="grad",
+register("depthwise_conv2d", depthwise_conv2d_forward, _F + _DW_ATTRS, depthwise_conv2d_grad, _G + _DW_ATTRS, kind="grad", grad_name="depthwise_conv2d_grad",
          forward_name="DepthwiseConv2dInferSpmd", backward_name="DepthwiseConv2dGradInferSpmd")
-register("depthwise_conv2d_grad", depthwise_conv2d_grad, _G + _DW_ATTRS, forward_name="DepthwiseConv2dGradInferSpmd")
 
 
 # ---------------------------------------------------------------------------
@@ -787,10 +784,9 @@ def instance_norm_grad(
 _IN_GRAD_SIG = "x: T, scale: T?, bias: T?, saved_mean: T, saved_variance: T, y_grad: T, epsilon: float = 1e-5"
 register(
     "instance_norm", instance_norm_forward, "x: T, scale: T?, bias: T?, epsilon: float = 1e-5",
-    instance_norm_grad, _IN_GRAD_SIG, kind="grad",
+    instance_norm_grad, _IN_GRAD_SIG, kind="grad", grad_name="instance_norm_grad",
     forward_name="InstanceNormInferSpmd", backward_name="InstanceNormGradInferSpmd",
 )  # fmt: skip
-register("instance_norm_grad", instance_norm_grad, _IN_GRAD_SIG, forward_name="InstanceNormGradInferSpmd")
 
 # ---------------------------------------------------------------------------
 # roi_align (RoiAlignInferSpmd / RoiAlignGradInferSpmd)
@@ -860,7 +856,6 @@ def roi_align_grad(
 _ROI_GRAD_SIG = "x: T, boxes: T, boxes_num: T?, out_grad: T, " + _ROI_ATTRS
 register(
     "roi_align", roi_align_forward, "x: T, boxes: T, boxes_num: T?, " + _ROI_ATTRS,
-    roi_align_grad, _ROI_GRAD_SIG, kind="grad",
+    roi_align_grad, _ROI_GRAD_SIG, kind="grad", grad_name="roi_align_grad",
     forward_name="RoiAlignInferSpmd", backward_name="RoiAlignGradInferSpmd",
 )  # fmt: skip
-register("roi_align_grad", roi_align_grad, _ROI_GRAD_SIG, forward_name="RoiAlignGradInferSpmd")

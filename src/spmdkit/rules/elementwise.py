@@ -617,7 +617,7 @@ def _register_all() -> None:
         )  # fmt: skip
     register(
         "gelu", gelu_forward, "x: T, approximate: bool = False", gelu_grad,
-        "x: T, out_grad: T, approximate: bool = False", kind="grad",
+        "x: T, out_grad: T, approximate: bool = False", kind="grad", grad_name="gelu_grad",
         forward_name="GeluInferSpmd", backward_name="GeluGradInferSpmd",
     )  # fmt: skip
     register(
@@ -639,8 +639,6 @@ def _register_all() -> None:
     # grads
     register("elementwise_unary_grad", elementwise_unary_grad, "x: T, out_grad: T",
              forward_name="ElementwiseUnaryGradInferSpmd")  # fmt: skip
-    register("gelu_grad", gelu_grad, "x: T, out_grad: T, approximate: bool = False",
-             forward_name="GeluGradInferSpmd")  # fmt: skip
     for name, inputs in UNARY_GRADS.items():
         fn, sig = _make_unary_grad(name, inputs)
         register(name, fn, sig, forward_name="ElementwiseUnaryGradInferSpmd")  # type: ignore[arg-type]

@@ -137,9 +137,8 @@ def bmm_grad(x: DistTensorSpec, y: DistTensorSpec, out_grad: DistTensorSpec) -> 
     return _call("bmm_grad", "matmul_grad", "forward", x, y, out_grad, False, False)
 
 
-register("bmm", bmm_forward, "x: T, y: T", bmm_grad, "x: T, y: T, out_grad: T", kind="grad",
+register("bmm", bmm_forward, "x: T, y: T", bmm_grad, "x: T, y: T, out_grad: T", kind="grad", grad_name="bmm_grad",
          forward_name="BmmInferSpmd", backward_name="BmmGradInferSpmd")
-register("bmm_grad", bmm_grad, "x: T, y: T, out_grad: T", forward_name="BmmGradInferSpmd")
 
 
 # ---------------------------------------------------------------------------
@@ -569,10 +568,6 @@ def einsum_grad(inputs: tuple[DistTensorSpec, ...], inner_cache: tuple[DistTenso
 
 register(
     "einsum", einsum_forward_rule, "inputs: [T], equation: str",
-    einsum_grad, "inputs: [T], inner_cache: [T?], out_grad: T, equation: str", kind="grad",
+    einsum_grad, "inputs: [T], inner_cache: [T?], out_grad: T, equation: str", kind="grad", grad_name="einsum_grad",
     forward_name="EinsumInferSpmd", backward_name="EinsumGradInferSpmd",
-)  # fmt: skip
-register(
-    "einsum_grad", einsum_grad, "inputs: [T], inner_cache: [T?], out_grad: T, equation: str",
-    forward_name="EinsumGradInferSpmd",
 )  # fmt: skip

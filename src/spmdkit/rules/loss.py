@@ -450,10 +450,8 @@ def label_smooth_grad(out_grad: DistTensorSpec, epsilon: float = 0.0) -> SpmdRes
 
 
 register("label_smooth", label_smooth_forward, "label: T, prior_dist: T?, epsilon: float = 0.0",
-         label_smooth_grad, "out_grad: T, epsilon: float = 0.0", kind="grad",
+         label_smooth_grad, "out_grad: T, epsilon: float = 0.0", kind="grad", grad_name="label_smooth_grad",
          forward_name="LabelSmoothInferSpmd", backward_name="LabelSmoothGradInferSpmd")  # fmt: skip
-register("label_smooth_grad", label_smooth_grad, "out_grad: T, epsilon: float = 0.0",
-         forward_name="LabelSmoothGradInferSpmd")  # fmt: skip
 
 
 # -- c_softmax_with_multi_label_cross_entropy ------------------------------------------------------

@@ -160,15 +160,12 @@ _COMBINE_GRAD_SIG = "x: T, combine_weights: T, scatter_index: T, grad_y: T"
 _DISPATCH_GRAD_SIG = ("combine_weights: T, scatter_index: T, expert_id: T, grad_y: T, grad_combine_weights: T, "
                       "k: int, capacity: int, use_pad: bool")
 register(
-    "moe_combine", moe_combine_forward, _COMBINE_SIG, moe_combine_grad, _COMBINE_GRAD_SIG, kind="grad",
+    "moe_combine", moe_combine_forward, _COMBINE_SIG, moe_combine_grad, _COMBINE_GRAD_SIG, kind="grad", grad_name="moe_combine_grad",
     forward_name="MoECombineInferSpmd", backward_name="MoECombineGradInferSpmd",
 )  # fmt: skip
-register("moe_combine_grad", moe_combine_grad, _COMBINE_GRAD_SIG, forward_name="MoECombineGradInferSpmd")
 register(
     "moe_gate_dispatch", moe_gate_dispatch_forward,
     "x: T, gate_logits: T, corr_bias: T?, k: int, capacity: int, use_pad: bool",
-    moe_gate_dispatch_grad, _DISPATCH_GRAD_SIG, kind="grad",
+    moe_gate_dispatch_grad, _DISPATCH_GRAD_SIG, kind="grad", grad_name="moe_gate_dispatch_grad",
     forward_name="MoEGateDispatchInferSpmd", backward_name="MoEGateDispatchGradInferSpmd",
 )  # fmt: skip
-register("moe_gate_dispatch_grad", moe_gate_dispatch_grad, _DISPATCH_GRAD_SIG,
-         forward_name="MoEGateDispatchGradInferSpmd")

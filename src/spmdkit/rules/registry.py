@@ -609,6 +609,8 @@ def register(
     *,
     kind: str = "",
     outputs: str = "",
+    grad_name: str = "",
+    grad_aliases: Sequence[str] = (),
     aliases: Sequence[str] = (),
     doc: str = "",
     forward_name: str = "",
@@ -620,7 +622,10 @@ def register(
     the op's ``outputs`` (e.g. ``"out: T"``; empty where the forward signature holds them
     already), its signature then derived by :func:`reverse_signature` (``backward_sig`` is not
     given); or ``"grad"`` (a grad rule in
-    that place) with its ``backward_sig`` in Paddle's order."""
+    that place) with its ``backward_sig`` in Paddle's order; ``grad_name`` (and
+    ``grad_aliases``) also registers that grad rule as a rule of its own, forward only."""
+    if grad_name and (kind != GRAD or backward is None):
+        raise ValueError(f"rule {name!r}: grad_name {grad_name!r} needs a grad rule in the backward slot")
     if backward is None:
         if kind or outputs or backward_sig:
             raise ValueError(f"rule {name!r}: kind / outputs / backward_sig without a backward function")
@@ -650,6 +655,8 @@ def register(
             raise ValueError(f"rule {n!r} registered twice")
         _RULES[n] = rule
     _CANONICAL[name] = rule
+    if grad_name:
+        register(grad_name, backward, backward_sig, aliases=grad_aliases, forward_name=backward_name)
     return rule
 
 

@@ -400,11 +400,9 @@ register(
 register("tile_grad", tile_grad, "x: T, out_grad: T, repeat_times: ints", forward_name="TileGradInferSpmd")
 register(
     "expand_as", expand_as_forward, "x: T, y: T?, target_shape: ints = []",
-    expand_as_grad, "x: T, out_grad: T, target_shape: ints = []", kind="grad", aliases=("expand_as_v2",),
+    expand_as_grad, "x: T, out_grad: T, target_shape: ints = []", kind="grad", grad_name="expand_as_grad", grad_aliases=("expand_as_v2_grad",), aliases=("expand_as_v2",),
     forward_name="ExpandAsInferSpmd", backward_name="ExpandAsGradInferSpmd",
 )  # fmt: skip
-register("expand_as_grad", expand_as_grad, "x: T, out_grad: T, target_shape: ints = []",
-         aliases=("expand_as_v2_grad",), forward_name="ExpandAsGradInferSpmd")
 register(
     "expand", expand_forward, "x: T, shape: ints", expand_backward, kind="reverse", outputs="out: T",
     forward_name="ExpandInferSpmd", backward_name="ExpandInferSpmdReverse",

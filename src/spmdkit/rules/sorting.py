@@ -140,18 +140,13 @@ def roll_grad(
 
 
 _AG_SIG = "axis: int = -1, descending: bool = False, stable: bool = False"
-register("argsort", argsort_forward, f"x: T, {_AG_SIG}", argsort_grad, f"indices: T, x: T, out_grad: T, {_AG_SIG}", kind="grad",
+register("argsort", argsort_forward, f"x: T, {_AG_SIG}", argsort_grad, f"indices: T, x: T, out_grad: T, {_AG_SIG}", kind="grad", grad_name="argsort_grad",
          forward_name="ArgSortInferSpmd", backward_name="ArgSortGradInferSpmd")  # fmt: skip
-register("argsort_grad", argsort_grad, f"indices: T, x: T, out_grad: T, {_AG_SIG}",
-         forward_name="ArgSortGradInferSpmd")  # fmt: skip
-for op, fn in (("cummax", "CummaxInferSpmd"), ("cummin", "CumminInferSpmd")):
-    f, g = _make_cum(op, fn)
-    _CS_SIG = "axis: int = -1, dtype: any = 'int64'"
-    gname = fn.replace("InferSpmd", "GradInferSpmd")
-    register(op, f, f"x: T, {_CS_SIG}", g, f"x: T, indices: T, out_grad: T, {_CS_SIG}", kind="grad",
-             forward_name=fn, backward_name=gname)  # fmt: skip
-    register(f"{op}_grad", g, f"x: T, indices: T, out_grad: T, {_CS_SIG}", forward_name=gname)
+_CS_SIG = "axis: int = -1, dtype: any = 'int64'"
+for _op, _fn in (("cummax", "CummaxInferSpmd"), ("cummin", "CumminInferSpmd")):
+    _f, _g = _make_cum(_op, _fn)
+    register(_op, _f, f"x: T, {_CS_SIG}", _g, f"x: T, indices: T, out_grad: T, {_CS_SIG}", kind="grad",
+             grad_name=f"{_op}_grad", forward_name=_fn, backward_name=_fn.replace("InferSpmd", "GradInferSpmd"))
 _RS_SIG = "shifts: ints, axis: ints = []"
-register("roll", roll_forward, f"x: T, {_RS_SIG}", roll_grad, f"x: T, out_grad: T, {_RS_SIG}", kind="grad",
+register("roll", roll_forward, f"x: T, {_RS_SIG}", roll_grad, f"x: T, out_grad: T, {_RS_SIG}", kind="grad", grad_name="roll_grad",
          forward_name="RollInferSpmd", backward_name="RollGradInferSpmd")  # fmt: skip
-register("roll_grad", roll_grad, f"x: T, out_grad: T, {_RS_SIG}", forward_name="RollGradInferSpmd")
