@@ -411,7 +411,8 @@ def _rope_infer(
     position_ids: DistTensorSpec | None,
     time_major: bool,
     merge_ids: bool,
-) -> tuple[ProcessMesh, TensorDistAttr, TensorDistAttr | None, TensorDistAttr | None]:
+) -> tuple[tuple[TensorDistAttr | None, ...], tuple[TensorDistAttr | None, ...]]:
+    """((q, k, v) answers, None where absent; (sin, cos, position_ids) answers)."""
     mesh = _mesh(op, [(names[0], q), (names[1], k), (names[2], v), ("sin", sin), ("cos", cos),
                       ("position_ids", position_ids)])
     _rope_check(op, names[0], q, [(names[1], k), (names[2], v)], sin, cos, position_ids, time_major)
@@ -425,7 +426,7 @@ def _rope_infer(
     qa = _make(mesh, qd)
     sa = None if sin is None else _make(mesh, sd)
     ia = None if idd is None else _make(mesh, idd)
-    return mesh, qa, sa, ia
+    return (qa, None if k is None else qa, None if v is None else qa), (sa, sa, ia)
 
 
 def fused_rope_forward(
@@ -441,11 +442,9 @@ def fused_rope_forward(
 ) -> SpmdResult:
     """fused_rotary_position_embedding (FusedRopeInferSpmd): q, k, v and the outputs alike;
     head_dim replicated, seq_len sharded only with sin/cos and without position_ids."""
-    _, qa, sa, ia = _rope_infer("fused_rotary_position_embedding", ("q", "k", "v"), q, k, v, sin, cos,
+    qkv, tables = _rope_infer("fused_rotary_position_embedding", ("q", "k", "v"), q, k, v, sin, cos,
                                 position_ids, time_major, True)
-    ka = None if k is None else qa
-    va = None if v is None else qa
-    return fast_result((qa, ka, va, sa, sa, ia), (qa, ka, va))
+    return fast_result(qkv + tables, qkv)
 
 
 def fused_rope_backward(
@@ -469,11 +468,9 @@ def fused_rope_backward(
     _rope_check(op, "q", q, [("k", k), ("v", v), ("out_q", out_q)], None, None, None, time_major)
     if (k is None) != (out_k is None) or (v is None) != (out_v is None):
         raise ShapeMismatchError(f"{op}: out_k / out_v must be given exactly where k / v are")
-    _, qa, sa, ia = _rope_infer(op, ("out_q", "out_k", "out_v"), out_q, out_k, out_v, sin, cos, position_ids,
+    qkv, tables = _rope_infer(op, ("out_q", "out_k", "out_v"), out_q, out_k, out_v, sin, cos, position_ids,
                                 time_major, False)
-    ka = None if k is None else qa
-    va = None if v is None else qa
-    return fast_result((qa, ka, va, sa, sa, ia), (qa, ka, va))
+    return fast_result(qkv + tables, qkv)
 
 
 def fused_rope_grad(
@@ -488,11 +485,9 @@ def fused_rope_grad(
     rotary_emb_base: float = 10000.0,
 ) -> SpmdResult:
     """fused_rotary_position_embedding_grad (FusedRopeGradInferSpmd): the forward rule on the grads."""
-    _, qa, sa, ia = _rope_infer("fused_rotary_position_embedding_grad", ("out_q_grad", "out_k_grad", "out_v_grad"),
+    qkv, tables = _rope_infer("fused_rotary_position_embedding_grad", ("out_q_grad", "out_k_grad", "out_v_grad"),
                                 out_q_grad, out_k_grad, out_v_grad, sin, cos, position_ids, time_major, True)
-    ka = None if out_k_grad is None else qa
-    va = None if out_v_grad is None else qa
-    return fast_result((sa, sa, ia, qa, ka, va), (qa, ka, va))
+    return fast_result(tables + qkv, qkv)
 
 
 # ---------------------------------------------------------------------------

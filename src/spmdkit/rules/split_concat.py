@@ -454,28 +454,17 @@ def stack_grad(output_grad: DistTensorSpec, axis: int = 0) -> SpmdResult:
     return fast_result((ga,), ((xa,) * n,))
 
 
-register(
-    "split", split_forward, "x: T, sections: ints, axis: int = 0",
-    split_backward, kind="reverse", outputs="out: [T]",
-    forward_name="SplitInferSpmd", backward_name="SplitInferSpmdReverse",
-)  # fmt: skip
-register(
-    "split_with_num", split_with_num_forward, "x: T, num: int, axis: int = 0",
-    split_with_num_backward, kind="reverse", outputs="out: [T]",
-    forward_name="SplitWithNumInferSpmd", backward_name="SplitWithNumInferSpmdReverse",
-)  # fmt: skip
-register(
-    "unbind", unbind_forward, "x: T, axis: int = 0", unbind_backward, kind="reverse", outputs="out: [T]",
-    forward_name="UnbindInferSpmd", backward_name="UnbindInferSpmdReverse",
-)  # fmt: skip
-register(
-    "concat", concat_forward, "x: [T], axis: int = 0", concat_backward, kind="reverse", outputs="output: T",
-    forward_name="ConcatInferSpmd", backward_name="ConcatInferSpmdReverse",
-)  # fmt: skip
-register(
-    "stack", stack_forward, "x: [T], axis: int = 0", stack_backward, kind="reverse", outputs="output: T",
-    forward_name="StackInferSpmd", backward_name="StackInferSpmdReverse",
-)  # fmt: skip
+# name, forward, signature, reverse, the op's outputs, Paddle's name stem ({stem}InferSpmd[Reverse])
+for _name, _fwd, _sig, _rev, _outs, _stem in (
+    ("split", split_forward, "x: T, sections: ints, axis: int = 0", split_backward, "out: [T]", "Split"),
+    ("split_with_num", split_with_num_forward, "x: T, num: int, axis: int = 0", split_with_num_backward, "out: [T]",
+     "SplitWithNum"),
+    ("unbind", unbind_forward, "x: T, axis: int = 0", unbind_backward, "out: [T]", "Unbind"),
+    ("concat", concat_forward, "x: [T], axis: int = 0", concat_backward, "output: T", "Concat"),
+    ("stack", stack_forward, "x: [T], axis: int = 0", stack_backward, "output: T", "Stack"),
+):
+    register(_name, _fwd, _sig, _rev, kind="reverse", outputs=_outs,
+             forward_name=f"{_stem}InferSpmd", backward_name=f"{_stem}InferSpmdReverse")
 register("split_grad", split_grad, "out_grad: [T], axis: int = -1")
 register("split_with_num_grad", split_with_num_grad, "out_grad: [T], axis: int = -1")
 register("unbind_grad", unbind_grad, "out_grad: [T], axis: int = 0")
