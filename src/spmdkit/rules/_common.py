@@ -63,6 +63,15 @@ def check_same_shape(op: str, t: DistTensorSpec, shape: Shape, name: str, what: 
             raise ShapeMismatchError(f"{op}: {name} axis {i} has size {s}, but {what} has {w}")
 
 
+def check_like(op: str, a: DistTensorSpec, b: DistTensorSpec, na: str, nb: str) -> None:
+    """``b`` has ``a``'s shape (unknown sizes, -1, match anything)."""
+    if len(a.shape) != len(b.shape):
+        raise ShapeMismatchError(f"{op}: {nb} has {len(b.shape)} dims, expected {len(a.shape)} (as {na})")
+    for i, (s, t) in enumerate(zip(a.shape, b.shape)):
+        if s != t and s >= 0 and t >= 0:
+            raise ShapeMismatchError(f"{op}: {na} and {nb} differ on axis {i} ({s} vs {t})")
+
+
 def letters(op: str, n: int) -> str:
     """The first ``n`` letters of the alphabet (ShapeMismatchError past 26 dims)."""
     if n > len(ALPHABET):

@@ -41,6 +41,7 @@ from spmdkit.engine.notation import (
     merge_weight,
     resolve_claims,
 )
+from spmdkit.rules._common import check_like
 from spmdkit.rules.registry import register
 
 _NLETTERS = len(ALPHABET)
@@ -58,14 +59,6 @@ def _mesh2(op: str, a: DistTensorSpec, b: DistTensorSpec, na: str, nb: str) -> P
             f"{op}: {na} and {nb} lie on different meshes ({m!r} and {b.dist_attr.mesh!r})"
         )
     return m
-
-
-def _check_same_shape(op: str, a: DistTensorSpec, b: DistTensorSpec, na: str, nb: str) -> None:
-    if len(a.shape) != len(b.shape):
-        raise ShapeMismatchError(f"{op}: {nb} has {len(b.shape)} dims, expected {len(a.shape)} (as {na})")
-    for i, (s, t) in enumerate(zip(a.shape, b.shape)):
-        if s != t and s >= 0 and t >= 0:
-            raise ShapeMismatchError(f"{op}: {na} and {nb} differ on axis {i} ({s} vs {t})")
 
 
 def _used_dims(dm: DimsMapping) -> set[int]:
@@ -178,7 +171,7 @@ def _unary_grad(
     for t, n in zip(tensors, names):
         if t.dist_attr.mesh != mesh:
             raise InvalidMeshError(f"{op}: {n} and out_grad lie on different meshes")
-        _check_same_shape(op, out_grad, t, "out_grad", n)
+        check_like(op, out_grad, t, "out_grad", n)
     dm = out_grad.dist_attr.dims_mapping
     plain = TensorDistAttr.unchecked(mesh, dm)
     grad = TensorDistAttr.unchecked(mesh, dm, out_grad.dist_attr.partial) if keep_partial else plain
@@ -506,7 +499,7 @@ def _binary_grad(
     _check_grad_shapes(op, x, "x", out_grad)
     _check_grad_shapes(op, y, "y", out_grad)
     if out is not None:
-        _check_same_shape(op, out_grad, out, "out_grad", "out")
+        check_like(op, out_grad, out, "out_grad", "out")
     nd = len(out_grad.shape)
     if axis != -1:
         ok = all(len(t.shape) == nd or axis == nd - len(t.shape) for t in (x, y))

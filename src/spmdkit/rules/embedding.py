@@ -41,11 +41,11 @@ from spmdkit.engine.notation import (
     check_letters,
     common_mesh,
     einsum_backward,
-    einsum_forward,
     fast_result,
     merge_specs,
     project_all,
 )
+from spmdkit.rules._common import forward_largest
 from spmdkit.rules.registry import register
 
 # batch letters of the ids: the alphabet without the weight's j (vocab) and k (hidden)
@@ -146,9 +146,7 @@ def embedding_forward(x: DistTensorSpec, weight: DistTensorSpec, padding_idx: in
         if r is not None:
             return r
     n = _emb_notation(len(x.shape), False, rows)
-    x, weight = one_mesh_dim_specs(x, weight)
-    ins, outs = einsum_forward(op, n, [x, weight], ["x", "weight"])
-    return fast_result(tuple(ins), tuple(outs))
+    return forward_largest(op, n, [x, weight], ["x", "weight"])
 
 
 def _reverse_rows(
@@ -187,9 +185,7 @@ def embedding_grad(x: DistTensorSpec, weight: DistTensorSpec, out_grad: DistTens
     _check_weight(op, weight)
     _check_out(op, x, weight, out_grad, "out_grad")
     n = _emb_grad_notation(len(x.shape), False, _rows_replicated(op, padding_idx, sparse))
-    x, weight, out_grad = one_mesh_dim_specs(x, weight, out_grad)
-    ins, outs = einsum_forward(op, n, [x, weight, out_grad], ["x", "weight", "out_grad"])
-    return fast_result(tuple(ins), tuple(outs))
+    return forward_largest(op, n, [x, weight, out_grad], ["x", "weight", "out_grad"])
 
 
 # -- c_embedding (the vocab-parallel kernel with an explicit start index) ------------------------
@@ -204,9 +200,7 @@ def c_embedding_forward(weight: DistTensorSpec, x: DistTensorSpec, start_index: 
     _check_int(op, "start_index", start_index)
     _check_int(op, "vocab_size", vocab_size)
     n = _emb_notation(len(x.shape), True, False)
-    weight, x = one_mesh_dim_specs(weight, x)
-    ins, outs = einsum_forward(op, n, [weight, x], ["weight", "x"])
-    return fast_result(tuple(ins), tuple(outs))
+    return forward_largest(op, n, [weight, x], ["weight", "x"])
 
 
 def _make_c_embedding_grad(op: str):  # type: ignore[no-untyped-def]
@@ -215,9 +209,7 @@ def _make_c_embedding_grad(op: str):  # type: ignore[no-untyped-def]
         _check_out(op, x, weight, out_grad, "out_grad")
         _check_int(op, "start_index", start_index)
         n = _emb_grad_notation(len(x.shape), True, False)
-        weight, x, out_grad = one_mesh_dim_specs(weight, x, out_grad)
-        ins, outs = einsum_forward(op, n, [weight, x, out_grad], ["weight", "x", "out_grad"])
-        return fast_result(tuple(ins), tuple(outs))
+        return forward_largest(op, n, [weight, x, out_grad], ["weight", "x", "out_grad"])
 
     grad.__name__ = op
     grad.__doc__ = (f"{op} (CEmbeddingGradInferSpmd): ``jk, ab, abk -> jk``; weight_grad keeps the weight's "
@@ -244,9 +236,7 @@ def _check_classes(num_classes: object) -> None:
 def one_hot_forward(x: DistTensorSpec, num_classes: int) -> SpmdResult:
     """one_hot (OneHotInferSpmd): ``ab -> abz``, the new class axis replicated."""
     _check_classes(num_classes)
-    (x,) = one_mesh_dim_specs(x)
-    ins, outs = einsum_forward("one_hot", _one_hot_notation(len(x.shape)), [x], ["x"])
-    return fast_result(tuple(ins), tuple(outs))
+    return forward_largest("one_hot", _one_hot_notation(len(x.shape)), [x], ["x"])
 
 
 def one_hot_backward(x: DistTensorSpec, out: DistTensorSpec, num_classes: int) -> SpmdResult:

@@ -85,7 +85,15 @@ from spmdkit.engine.notation import (
     named_mesh,
     project_all,
 )
-from spmdkit.rules._common import check_bool, check_int, check_ndim, letter_attr, merge_one_dim, merge_project
+from spmdkit.rules._common import (
+    check_bool,
+    check_int,
+    check_ndim,
+    forward_largest,
+    letter_attr,
+    merge_one_dim,
+    merge_project,
+)
 from spmdkit.rules.registry import register
 
 Shape = tuple[int, ...]
@@ -175,9 +183,7 @@ def ce_forward(x: DistTensorSpec, label: DistTensorSpec, soft_label: bool = Fals
     op = "cross_entropy_with_softmax"
     ax, soft = _ce_attrs(op, x, soft_label, use_softmax, numeric_stable_mode, ignore_index, axis)
     _check_label(op, "label", label, len(x.shape), ax, soft)
-    x, label = one_mesh_dim_specs(x, label)
-    ins, outs = einsum_forward(op, _ce_notation(len(x.shape), ax, soft), [x, label], ["x", "label"])
-    return fast_result(tuple(ins), tuple(outs))
+    return forward_largest(op, _ce_notation(len(x.shape), ax, soft), [x, label], ["x", "label"])
 
 
 def ce_backward(x: DistTensorSpec, label: DistTensorSpec, softmax_out: DistTensorSpec, loss: DistTensorSpec,
@@ -211,10 +217,7 @@ def ce_grad(label: DistTensorSpec, softmax: DistTensorSpec, loss_grad: DistTenso
     ax, soft = _ce_attrs(op, softmax, soft_label, use_softmax, numeric_stable_mode, ignore_index, axis)
     _check_label(op, "label", label, nd, ax, soft)
     _hard_label(op, "loss_grad", loss_grad, nd, ax)
-    label, softmax, loss_grad = one_mesh_dim_specs(label, softmax, loss_grad)
-    ins, outs = einsum_forward(op, _ce_grad_notation(nd, ax, soft), [label, softmax, loss_grad],
-                               ["label", "softmax", "loss_grad"])
-    return fast_result(tuple(ins), tuple(outs))
+    return forward_largest(op, _ce_grad_notation(nd, ax, soft), [label, softmax, loss_grad], ["label", "softmax", "loss_grad"])
 
 
 # -- c_softmax_with_cross_entropy: the class axis may stay sharded (a communicating kernel) -----
