@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from spmdkit.rules.registry import (
+    _CANONICAL,
     GRAD,
     REVERSE,
-    _CANONICAL,
     _ensure_loaded,
     backward_kind,
     is_reverse,

@@ -16,6 +16,7 @@ normalises an axis the same way:
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import overload
 
 from spmdkit.core.dist_attr import DimsMapping, Entry, TensorDistAttr
 from spmdkit.core.errors import InvalidAttributeError
@@ -48,7 +49,7 @@ def largest_mesh_dim(entry: Entry, mesh_shape: Sequence[int]) -> int:
     """A dims_mapping entry read as one mesh dim, as Paddle 3.3.1's merges read a co-shard: its
     largest mesh dim (the first of equal sizes); -1 and single dims unchanged."""
     if entry.__class__ is int:
-        return entry  # type: ignore[return-value]
+        return entry
     dims: tuple[int, ...] = entry  # type: ignore[assignment]
     best = dims[0]
     for d in dims[1:]:
@@ -75,7 +76,11 @@ def one_mesh_dim_per_axis(spec: DistTensorSpec) -> DistTensorSpec:
     return DistTensorSpec(spec.shape, make_attr(a.mesh, one, a.partial))
 
 
-def one_mesh_dim_specs(*specs: DistTensorSpec | None) -> list[DistTensorSpec | None]:
+@overload
+def one_mesh_dim_specs(*specs: DistTensorSpec) -> Sequence[DistTensorSpec]: ...
+@overload
+def one_mesh_dim_specs(*specs: DistTensorSpec | None) -> Sequence[DistTensorSpec | None]: ...
+def one_mesh_dim_specs(*specs: DistTensorSpec | None) -> Sequence[DistTensorSpec | None]:
     """:func:`one_mesh_dim_per_axis` of each spec (None stays None)."""
     return [None if s is None else one_mesh_dim_per_axis(s) for s in specs]
 

@@ -395,9 +395,9 @@ def _binary_bwd(op: str, x: DistTensorSpec, y: DistTensorSpec, out: DistTensorSp
 @lru_cache(maxsize=4096)
 def _binary_nt(x_unit: tuple[bool, ...], y_unit: tuple[bool, ...]) -> Notation:
     """The binary notation of shapes that broadcast, from their size-1 masks alone."""
-    ax, ay, ao = _binary_notation(tuple([1 if u else 2 for u in x_unit]),  # type: ignore[misc]
-                                  tuple([1 if u else 2 for u in y_unit]))
-    return Notation([ax, ay], [ao])
+    nt = _binary_notation(tuple([1 if u else 2 for u in x_unit]), tuple([1 if u else 2 for u in y_unit]))
+    assert not isinstance(nt, str)  # the shapes were checked to broadcast
+    return Notation(nt[:2], nt[2:])
 
 
 def _make_binary(op: str) -> tuple[object, object]:

@@ -656,6 +656,7 @@ def register(
         _RULES[n] = rule
     _CANONICAL[name] = rule
     if grad_name:
+        assert backward is not None  # checked above
         register(grad_name, backward, backward_sig, aliases=grad_aliases, forward_name=backward_name)
     return rule
 
