@@ -42,7 +42,7 @@ def attr(mesh: list[int] | ProcessMesh, dm: list[Any], partial: Any = None) -> T
 
 def fake_rule(name: str, fwd: Any, sig: str, bwd: Any = None, bsig: str = "") -> Rule:
     """An unregistered rule (for feeding the judge deliberately wrong answers)."""
-    return Rule(name, Mode(fwd, sig, "FakeInferSpmd"), Mode(bwd, bsig, "FakeInferSpmdReverse") if bwd else None)
+    return Rule(name, Mode(fwd, sig, "FakeInferSpmd"), Mode(bwd, bsig, "FakeInferSpmdReverse", "reverse") if bwd else None)
 
 
 def make_case(rule: Rule, mesh: list[int], args: list[Any], mode: str = "forward") -> Case:

@@ -191,6 +191,11 @@ class TensorDistAttr:
         _set_hash(obj, None)
         return obj
 
+    #: The public name of :meth:`_make` for rules and the engine: a dist attr built without
+    #: validation, for answers that are legal by construction (each mesh dim shards at most one
+    #: axis and is never also partial; ``partial`` sorted by mesh dim).
+    unchecked = _make
+
     @classmethod
     def replicated(cls, mesh: ProcessMesh, ndim: int) -> TensorDistAttr:
         return cls._make(mesh, (-1,) * ndim)

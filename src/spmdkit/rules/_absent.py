@@ -19,7 +19,7 @@ from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.rules.registry import parse_signature
 
-_make = TensorDistAttr._make
+_make = TensorDistAttr.unchecked
 
 
 def zero_d_absent(

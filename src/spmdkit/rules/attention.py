@@ -50,14 +50,15 @@ from spmdkit.core.dist_attr import DimsMapping, TensorDistAttr
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.axes import mesh_size, one_mesh_dim, replicated_like
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import BROADCAST, fast_result, merge_letters, named_mesh, project
 from spmdkit.rules._absent import zero_d_absent
-from spmdkit.rules.registry import register
+from spmdkit.rules.registry import register, reverse_signature
 
 Shape = tuple[int, ...]
 Letters = dict[str, tuple[int, ...]]
-_make = TensorDistAttr._make
+_make = TensorDistAttr.unchecked
 
 
 # ---------------------------------------------------------------------------
@@ -79,23 +80,12 @@ def _eq(op: str, a: int, b: int, what: str) -> None:
         raise ShapeMismatchError(f"{op}: {what} ({a} vs {b})")
 
 
-def _prod(mesh_shape: Shape, dims: tuple[int, ...]) -> int:
-    p = 1
-    for d in dims:
-        p *= mesh_shape[d]
-    return p
-
-
 def _dm(t: DistTensorSpec | None) -> DimsMapping | None:
     return None if t is None else t.dist_attr.dims_mapping
 
 
 def _shape(t: DistTensorSpec | None) -> Shape | None:
     return None if t is None else t.shape
-
-
-def _repl(mesh: ProcessMesh, t: DistTensorSpec | None) -> TensorDistAttr | None:
-    return None if t is None else _make(mesh, (-1,) * len(t.shape))
 
 
 # ---------------------------------------------------------------------------
@@ -112,21 +102,8 @@ def _mask_axes(ms: Shape, b: int, h: int) -> str:
 
 
 def _single(dm: DimsMapping | None, mesh_shape: Shape) -> DimsMapping | None:
-    """A co-sharded entry keeps its largest mesh dim (the first of equal sizes), as
-    Paddle's ShardingMergeForTensors does."""
-    if dm is None:
-        return None
-    out = []
-    for e in dm:
-        if e.__class__ is not int:
-            dims: tuple[int, ...] = e  # type: ignore[assignment]
-            best = dims[0]
-            for d in dims[1:]:
-                if mesh_shape[d] > mesh_shape[best]:
-                    best = d
-            e = best
-        out.append(e)
-    return tuple(out)
+    """A co-sharded entry keeps its largest mesh dim, as Paddle's ShardingMergeForTensors does."""
+    return None if dm is None else one_mesh_dim(dm, mesh_shape)
 
 
 def _unshard_heads(axes: str | None, dm: DimsMapping | None, hk: int, mesh_shape: Shape) -> DimsMapping | None:
@@ -156,7 +133,7 @@ def _fa_letters(
     d = merged.get("h", ())
     if d and hq != hk and hk > 0:
         # grouped heads: every rank must hold whole kv heads for its q heads
-        while d and hk % _prod(mesh_shape, d) != 0:
+        while d and hk % mesh_size(mesh_shape, d) != 0:
             d = d[:-1]
         merged["h"] = d
     return merged
@@ -231,7 +208,7 @@ def flash_attention_forward(
         _dm(attn_mask), mesh.shape,
     )
     return fast_result(
-        (_make(mesh, qd), _make(mesh, kd), _make(mesh, vd), _repl(mesh, fixed_seed_offset),
+        (_make(mesh, qd), _make(mesh, kd), _make(mesh, vd), replicated_like(mesh, fixed_seed_offset),
          None if attn_mask is None else _make(mesh, mkd)),
         (_make(mesh, od), _make(mesh, sd), _make(mesh, ld), _make(mesh, (-1,))),
     )  # fmt: skip
@@ -287,7 +264,7 @@ def flash_attention_backward(
         qs, k.shape, ma, v.dist_attr.dims_mapping, _dm(softmax_lse), mesh.shape
     )
     return fast_result(
-        (_make(mesh, qd), _make(mesh, kd), _make(mesh, vd), _repl(mesh, fixed_seed_offset),
+        (_make(mesh, qd), _make(mesh, kd), _make(mesh, vd), replicated_like(mesh, fixed_seed_offset),
          None if attn_mask is None else _make(mesh, mkd)),
         (_make(mesh, od), None if softmax is None else _make(mesh, sd),
          None if softmax_lse is None else _make(mesh, ld), None if seed_offset is None else _make(mesh, (-1,))),
@@ -340,7 +317,7 @@ def flash_attention_grad(
     )
     qa, ka, va, oa = _make(mesh, qd), _make(mesh, kd), _make(mesh, vd), _make(mesh, od)
     return fast_result(
-        (qa, ka, va, oa, _make(mesh, ld), _repl(mesh, seed_offset),
+        (qa, ka, va, oa, _make(mesh, ld), replicated_like(mesh, seed_offset),
          None if attn_mask is None else _make(mesh, mkd), oa),
         (qa, ka, va),
     )  # fmt: skip
@@ -434,7 +411,8 @@ def _rope_infer(
     position_ids: DistTensorSpec | None,
     time_major: bool,
     merge_ids: bool,
-) -> tuple[ProcessMesh, TensorDistAttr, TensorDistAttr | None, TensorDistAttr | None]:
+) -> tuple[tuple[TensorDistAttr | None, ...], tuple[TensorDistAttr | None, ...]]:
+    """((q, k, v) answers, None where absent; (sin, cos, position_ids) answers)."""
     mesh = _mesh(op, [(names[0], q), (names[1], k), (names[2], v), ("sin", sin), ("cos", cos),
                       ("position_ids", position_ids)])
     _rope_check(op, names[0], q, [(names[1], k), (names[2], v)], sin, cos, position_ids, time_major)
@@ -448,7 +426,7 @@ def _rope_infer(
     qa = _make(mesh, qd)
     sa = None if sin is None else _make(mesh, sd)
     ia = None if idd is None else _make(mesh, idd)
-    return mesh, qa, sa, ia
+    return (qa, None if k is None else qa, None if v is None else qa), (sa, sa, ia)
 
 
 def fused_rope_forward(
@@ -464,11 +442,9 @@ def fused_rope_forward(
 ) -> SpmdResult:
     """fused_rotary_position_embedding (FusedRopeInferSpmd): q, k, v and the outputs alike;
     head_dim replicated, seq_len sharded only with sin/cos and without position_ids."""
-    _, qa, sa, ia = _rope_infer("fused_rotary_position_embedding", ("q", "k", "v"), q, k, v, sin, cos,
+    qkv, tables = _rope_infer("fused_rotary_position_embedding", ("q", "k", "v"), q, k, v, sin, cos,
                                 position_ids, time_major, True)
-    ka = None if k is None else qa
-    va = None if v is None else qa
-    return fast_result((qa, ka, va, sa, sa, ia), (qa, ka, va))
+    return fast_result(qkv + tables, qkv)
 
 
 def fused_rope_backward(
@@ -492,11 +468,9 @@ def fused_rope_backward(
     _rope_check(op, "q", q, [("k", k), ("v", v), ("out_q", out_q)], None, None, None, time_major)
     if (k is None) != (out_k is None) or (v is None) != (out_v is None):
         raise ShapeMismatchError(f"{op}: out_k / out_v must be given exactly where k / v are")
-    _, qa, sa, ia = _rope_infer(op, ("out_q", "out_k", "out_v"), out_q, out_k, out_v, sin, cos, position_ids,
+    qkv, tables = _rope_infer(op, ("out_q", "out_k", "out_v"), out_q, out_k, out_v, sin, cos, position_ids,
                                 time_major, False)
-    ka = None if k is None else qa
-    va = None if v is None else qa
-    return fast_result((qa, ka, va, sa, sa, ia), (qa, ka, va))
+    return fast_result(qkv + tables, qkv)
 
 
 def fused_rope_grad(
@@ -511,11 +485,9 @@ def fused_rope_grad(
     rotary_emb_base: float = 10000.0,
 ) -> SpmdResult:
     """fused_rotary_position_embedding_grad (FusedRopeGradInferSpmd): the forward rule on the grads."""
-    _, qa, sa, ia = _rope_infer("fused_rotary_position_embedding_grad", ("out_q_grad", "out_k_grad", "out_v_grad"),
+    qkv, tables = _rope_infer("fused_rotary_position_embedding_grad", ("out_q_grad", "out_k_grad", "out_v_grad"),
                                 out_q_grad, out_k_grad, out_v_grad, sin, cos, position_ids, time_major, True)
-    ka = None if out_k_grad is None else qa
-    va = None if out_v_grad is None else qa
-    return fast_result((sa, sa, ia, qa, ka, va), (qa, ka, va))
+    return fast_result(tables + qkv, qkv)
 
 
 # ---------------------------------------------------------------------------
@@ -525,8 +497,8 @@ def fused_rope_grad(
 _FA_ATTRS = "dropout: float = 0.0, causal: bool = False, return_softmax: bool = False, is_test: bool = False"
 # a 0-D optional tensor (shape []) is read as absent: see spmdkit.rules._absent
 _FA_FWD = "q: T, k: T, v: T, fixed_seed_offset: T? = None, attn_mask: T? = None, " + _FA_ATTRS
-_FA_REV = ("q: T, k: T, v: T, fixed_seed_offset: T?, attn_mask: T?, out: T, softmax: T?, softmax_lse: T?, "
-           "seed_offset: T?, " + _FA_ATTRS)
+_FA_OUTS = "out: T, softmax: T?, softmax_lse: T?, seed_offset: T?"
+_FA_REV = reverse_signature(_FA_FWD, _FA_OUTS)
 _FA_GRAD = ("q: T, k: T, v: T, out: T, softmax_lse: T, seed_offset: T?, attn_mask: T?, out_grad: T, "
             "dropout: float = 0.0, causal: bool = False")
 register(
@@ -537,7 +509,7 @@ register(
     zero_d_absent(flash_attention_backward, _FA_REV,
                   ("fixed_seed_offset", "attn_mask", ("softmax", lambda args: not args[11])),
                   outputs=("out", "softmax", "softmax_lse", "seed_offset")),
-    _FA_REV,
+    kind="reverse", outputs=_FA_OUTS,
     forward_name="FlashAttInferSpmdStatic", backward_name="FlashAttInferSpmdReverse",
 )  # fmt: skip
 register(
@@ -546,8 +518,8 @@ register(
 )  # fmt: skip
 _ROPE_ATTRS = "use_neox_rotary_style: bool = True, time_major: bool = False, rotary_emb_base: float = 10000.0"
 _ROPE_FWD = "q: T, k: T? = None, v: T? = None, sin: T? = None, cos: T? = None, position_ids: T? = None, " + _ROPE_ATTRS
-_ROPE_REV = ("q: T, k: T?, v: T?, sin: T?, cos: T?, position_ids: T?, out_q: T, out_k: T? = None, out_v: T? = None, "
-             + _ROPE_ATTRS)
+_ROPE_OUTS = "out_q: T, out_k: T? = None, out_v: T? = None"
+_ROPE_REV = reverse_signature(_ROPE_FWD, _ROPE_OUTS)
 _ROPE_GRAD = ("sin: T?, cos: T?, position_ids: T?, out_q_grad: T, out_k_grad: T? = None, out_v_grad: T? = None, "
               + _ROPE_ATTRS)
 register(
@@ -555,7 +527,7 @@ register(
     zero_d_absent(fused_rope_forward, _ROPE_FWD, ("k", "v", "sin", "cos", "position_ids")), _ROPE_FWD,
     zero_d_absent(fused_rope_backward, _ROPE_REV, ("k", "v", "sin", "cos", "position_ids", "out_k", "out_v"),
                   outputs=("out_q", "out_k", "out_v")),
-    _ROPE_REV,
+    kind="reverse", outputs=_ROPE_OUTS,
     aliases=("fused_rope",),
     forward_name="FusedRopeInferSpmd", backward_name="FusedRopeInferSpmdReverse",
 )  # fmt: skip

@@ -58,6 +58,7 @@ from spmdkit.core.dist_attr import DimsMapping, Entry, ReduceType, TensorDistAtt
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.axes import largest_mesh_dim, mesh_size, one_mesh_dim_specs, replicated, replicated_like
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import (
     Notation,
@@ -65,17 +66,15 @@ from spmdkit.engine.notation import (
     einsum_backward,
     einsum_forward,
     fast_result,
-    largest_mesh_dim,
     merge_specs,
     merge_weight,
     named_mesh,
-    one_mesh_dim_per_axis,
     project_all,
 )
 from spmdkit.rules.registry import register
 
 _SUM = ReduceType.SUM
-_make = TensorDistAttr._make
+_make = TensorDistAttr.unchecked
 
 # ---------------------------------------------------------------------------
 # shared helpers
@@ -97,21 +96,9 @@ def _same_size(op: str, na: str, a: int, nb: str, b: int) -> None:
         raise ShapeMismatchError(f"{op}: {na} is {a} but {nb} is {b}")
 
 
-def _one(t: DistTensorSpec | None) -> DistTensorSpec | None:
-    """A co-sharded axis read as its largest mesh dim, as Paddle 3.3.1's rules read it."""
-    return None if t is None else one_mesh_dim_per_axis(t)
-
-
 def _ones(*ts: DistTensorSpec | None) -> tuple[DistTensorSpec, ...]:
-    return tuple(_one(t) for t in ts)  # type: ignore[misc]
-
-
-def _rep(mesh: ProcessMesh, nd: int) -> TensorDistAttr:
-    return _make(mesh, (-1,) * nd)
-
-
-def _opt_rep(mesh: ProcessMesh, t: DistTensorSpec | None) -> TensorDistAttr | None:
-    return None if t is None else _rep(mesh, len(t.shape))
+    """A co-sharded axis read as its largest mesh dim, as Paddle 3.3.1's rules read it."""
+    return tuple(one_mesh_dim_specs(*ts))  # type: ignore[arg-type]
 
 
 def _sum_partial(dims: Sequence[int]) -> tuple[tuple[int, ReduceType], ...]:
@@ -413,21 +400,18 @@ depthwise_conv2d_grad = _conv_rule("depthwise_conv2d_grad", _DW_ATTRS, 2, False,
                                    "over n.")
 
 register(
-    "conv2d", conv2d_forward, "input: T, filter: T", conv2d_backward, "input: T, filter: T, output: T",
+    "conv2d", conv2d_forward, "input: T, filter: T", conv2d_backward, kind="reverse", outputs="output: T",
     forward_name="Conv2dInferSpmdBase", backward_name="Conv2dInferSpmdReverseBase",
 )  # fmt: skip
 _G = "input: T, filter: T, output_grad: T, "
 _F = "input: T, filter: T, "
 register("conv2d_grad", conv2d_grad, _G + _CONV2D_ATTRS, forward_name="Conv2dGradInferSpmd")
-register("conv3d", conv3d_forward, _F + _CONV3D_ATTRS, conv3d_grad, _G + _CONV3D_ATTRS,
+register("conv3d", conv3d_forward, _F + _CONV3D_ATTRS, conv3d_grad, _G + _CONV3D_ATTRS, kind="grad", grad_name="conv3d_grad",
          forward_name="Conv3dInferSpmd", backward_name="Conv3dGradInferSpmd")
-register("conv3d_grad", conv3d_grad, _G + _CONV3D_ATTRS, forward_name="Conv3dGradInferSpmd")
-register("conv2d_transpose", conv2d_transpose_forward, _F + _CT_ATTRS, conv2d_transpose_grad, _G + _CT_ATTRS,
+register("conv2d_transpose", conv2d_transpose_forward, _F + _CT_ATTRS, conv2d_transpose_grad, _G + _CT_ATTRS, kind="grad", grad_name="conv2d_transpose_grad",
          forward_name="Conv2dTransposeInferSpmd", backward_name="Conv2dTransposeGradInferSpmd")
-register("conv2d_transpose_grad", conv2d_transpose_grad, _G + _CT_ATTRS, forward_name="Conv2dTransposeGradInferSpmd")
-register("depthwise_conv2d", depthwise_conv2d_forward, _F + _DW_ATTRS, depthwise_conv2d_grad, _G + _DW_ATTRS,
+register("depthwise_conv2d", depthwise_conv2d_forward, _F + _DW_ATTRS, depthwise_conv2d_grad, _G + _DW_ATTRS, kind="grad", grad_name="depthwise_conv2d_grad",
          forward_name="DepthwiseConv2dInferSpmd", backward_name="DepthwiseConv2dGradInferSpmd")
-register("depthwise_conv2d_grad", depthwise_conv2d_grad, _G + _DW_ATTRS, forward_name="DepthwiseConv2dGradInferSpmd")
 
 
 # ---------------------------------------------------------------------------
@@ -494,7 +478,7 @@ def _bn_result(mesh: ProcessMesh, x: DistTensorSpec, c: int, e: Entry,
     xa = _make(mesh, _with_axis(len(x.shape), c, e))
     va = _make(mesh, (e,))
     ins = (xa, *(None if v is None else va for v in vecs))
-    outs = (xa, va, va, va, va, _rep(mesh, 1) if reserve else None)
+    outs = (xa, va, va, va, va, replicated(mesh, 1) if reserve else None)
     return fast_result(ins, outs)
 
 
@@ -573,7 +557,7 @@ def batch_norm_grad(
     xa = _make(mesh, _with_axis(len(x.shape), c, e))
     va = _make(mesh, (e,))
     ins = (xa, _vec_attr(mesh, scale, e), _vec_attr(mesh, bias, e), va, va, va, va,
-           _opt_rep(mesh, reserve_space), xa)
+           replicated_like(mesh, reserve_space), xa)
     outs = (xa, _vec_attr(mesh, scale, e), _vec_attr(mesh, bias, e))
     return fast_result(ins, outs)
 
@@ -581,8 +565,7 @@ def batch_norm_grad(
 register(
     "batch_norm", batch_norm_forward, "x: T, mean: T, variance: T, scale: T?, bias: T?",
     batch_norm_backward,
-    "x: T, mean: T, variance: T, scale: T?, bias: T?, out: T, mean_out: T, variance_out: T, saved_mean: T, "
-    "saved_variance: T, reserve_space: T? = None",
+    kind="reverse", outputs="out: T, mean_out: T, variance_out: T, saved_mean: T, saved_variance: T, reserve_space: T? = None",
     forward_name="BatchNormInferSpmdStatic", backward_name="BatchNormInferSpmdReverse",
 )  # fmt: skip
 register(
@@ -620,7 +603,7 @@ def _gn_result(mesh: ProcessMesh, x: DistTensorSpec, e: Entry, scale: DistTensor
                bias: DistTensorSpec | None) -> SpmdResult:
     xa = _make(mesh, _with_axis(len(x.shape), 0, e))
     st = _make(mesh, (e, -1))
-    return fast_result((xa, _opt_rep(mesh, scale), _opt_rep(mesh, bias)), (xa, st, st))
+    return fast_result((xa, replicated_like(mesh, scale), replicated_like(mesh, bias)), (xa, st, st))
 
 
 def group_norm_forward(x: DistTensorSpec, scale: DistTensorSpec | None, bias: DistTensorSpec | None) -> SpmdResult:
@@ -680,13 +663,13 @@ def group_norm_grad(
     pt = _sum_partial(entry_dims(e))
     g_s = None if scale is None else _make(mesh, (-1,), pt)
     g_b = None if bias is None else _make(mesh, (-1,), pt)
-    ins = (xa, _opt_rep(mesh, scale), _opt_rep(mesh, bias), xa, st, st, xa)
+    ins = (xa, replicated_like(mesh, scale), replicated_like(mesh, bias), xa, st, st, xa)
     return fast_result(ins, (xa, g_s, g_b))
 
 
 register(
     "group_norm", group_norm_forward, "x: T, scale: T?, bias: T?",
-    group_norm_backward, "x: T, scale: T?, bias: T?, y: T, mean: T, variance: T",
+    group_norm_backward, kind="reverse", outputs="y: T, mean: T, variance: T",
     forward_name="GroupNormInferSpmdBase", backward_name="GroupNormInferSpmdReverse",
 )  # fmt: skip
 register(
@@ -729,18 +712,11 @@ def _flat_ok(n_size: int, c_size: int, kn: int, kc: int) -> bool:
     return True
 
 
-def _prod(ms: tuple[int, ...], dims: tuple[int, ...]) -> int:
-    p = 1
-    for d in dims:
-        p *= ms[d]
-    return p
-
-
 def _in_split(x: DistTensorSpec, dn: tuple[int, ...], dc: tuple[int, ...], ms: tuple[int, ...]) -> tuple[
         tuple[int, ...], tuple[int, ...]]:
     """The n / c mesh dims kept so that the flat statistics can carry them."""
     n, c = x.shape[0], x.shape[1]
-    kn, kc = _prod(ms, dn), _prod(ms, dc)
+    kn, kc = mesh_size(ms, dn), mesh_size(ms, dc)
     if _flat_ok(n, c, kn, kc):
         return dn, dc
     if _flat_ok(n, c, kn, 1):  # c's split does not fit the flat axis: c replicated
@@ -808,10 +784,9 @@ def instance_norm_grad(
 _IN_GRAD_SIG = "x: T, scale: T?, bias: T?, saved_mean: T, saved_variance: T, y_grad: T, epsilon: float = 1e-5"
 register(
     "instance_norm", instance_norm_forward, "x: T, scale: T?, bias: T?, epsilon: float = 1e-5",
-    instance_norm_grad, _IN_GRAD_SIG,
+    instance_norm_grad, _IN_GRAD_SIG, kind="grad", grad_name="instance_norm_grad",
     forward_name="InstanceNormInferSpmd", backward_name="InstanceNormGradInferSpmd",
 )  # fmt: skip
-register("instance_norm_grad", instance_norm_grad, _IN_GRAD_SIG, forward_name="InstanceNormGradInferSpmd")
 
 # ---------------------------------------------------------------------------
 # roi_align (RoiAlignInferSpmd / RoiAlignGradInferSpmd)
@@ -852,7 +827,7 @@ def roi_align_forward(
     _roi_checks(op, x, boxes, boxes_num, pooled_height, pooled_width)
     e = _e(x, 1)
     xa = _make(mesh, (-1, e, -1, -1))
-    return fast_result((xa, _rep(mesh, 2), _opt_rep(mesh, boxes_num)), (xa,))
+    return fast_result((xa, replicated(mesh, 2), replicated_like(mesh, boxes_num)), (xa,))
 
 
 def roi_align_grad(
@@ -875,13 +850,12 @@ def roi_align_grad(
     _same_size(op, "out_grad's channels", out_grad.shape[1], "x's channels", x.shape[1])
     e = _merge_one((x, out_grad), (1, 1), mesh)
     xa = _make(mesh, (-1, e, -1, -1))
-    return fast_result((xa, _rep(mesh, 2), _opt_rep(mesh, boxes_num), xa), (xa,))
+    return fast_result((xa, replicated(mesh, 2), replicated_like(mesh, boxes_num), xa), (xa,))
 
 
 _ROI_GRAD_SIG = "x: T, boxes: T, boxes_num: T?, out_grad: T, " + _ROI_ATTRS
 register(
     "roi_align", roi_align_forward, "x: T, boxes: T, boxes_num: T?, " + _ROI_ATTRS,
-    roi_align_grad, _ROI_GRAD_SIG,
+    roi_align_grad, _ROI_GRAD_SIG, kind="grad", grad_name="roi_align_grad",
     forward_name="RoiAlignInferSpmd", backward_name="RoiAlignGradInferSpmd",
 )  # fmt: skip
-register("roi_align_grad", roi_align_grad, _ROI_GRAD_SIG, forward_name="RoiAlignGradInferSpmd")

@@ -26,7 +26,8 @@ from spmdkit.core.dist_attr import DimsMapping, TensorDistAttr, entry_dims
 from spmdkit.core.errors import InvalidArgumentError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.notation import common_mesh
+from spmdkit.engine.axes import largest_mesh_dim, replicated_like
+from spmdkit.engine.notation import common_mesh, merge_weight
 from spmdkit.rules.registry import register
 
 Specs = Sequence[DistTensorSpec | None]
@@ -39,7 +40,7 @@ def _mesh(op: str, ins: Specs, outs: Specs) -> ProcessMesh:
 
 
 def _replicate(mesh: ProcessMesh, specs: Specs) -> list[TensorDistAttr | None]:
-    return [None if s is None else TensorDistAttr._make(mesh, (-1,) * s.ndim, ()) for s in specs]
+    return [replicated_like(mesh, s) for s in specs]
 
 
 def _batch_dims(mesh: ProcessMesh, specs: Specs) -> tuple[int, ...]:
@@ -52,9 +53,7 @@ def _batch_dims(mesh: ProcessMesh, specs: Specs) -> tuple[int, ...]:
         d = entry_dims(s.dist_attr.dims_mapping[0])
         if not d:
             continue
-        n = 1
-        for v in s.shape:
-            n *= max(v, 1)
+        n = merge_weight(s.shape)
         if n > weight:
             best, weight = d, n
     return best
@@ -62,14 +61,14 @@ def _batch_dims(mesh: ProcessMesh, specs: Specs) -> tuple[int, ...]:
 
 def _batch_only(mesh: ProcessMesh, dims: tuple[int, ...], specs: Specs) -> list[TensorDistAttr | None]:
     # a co-sharded batch axis keeps one mesh dim, its largest (the first of equal sizes), as in Paddle
-    head = max(dims, key=lambda d: (mesh.shape[d], -dims.index(d))) if dims else -1
+    head = largest_mesh_dim(dims, mesh.shape) if dims else -1
     out: list[TensorDistAttr | None] = []
     for s in specs:
         if s is None:
             out.append(None)
             continue
         dm: DimsMapping = (head, *([-1] * (s.ndim - 1))) if s.ndim else ()
-        out.append(TensorDistAttr._make(mesh, dm, ()))
+        out.append(TensorDistAttr.unchecked(mesh, dm, ()))
     return out
 
 
@@ -108,7 +107,7 @@ register(
     default_data_parallel_forward,
     _SIG,
     default_data_parallel_backward,
-    _SIG,
+    kind="reverse", outputs="",
     aliases=("default_",),
     forward_name="DefaultDataParallelInferSpmd",
     backward_name="DefaultDataParallelInferSpmdReverse",
@@ -118,7 +117,7 @@ register(
     replicated_forward,
     _SIG,
     replicated_backward,
-    _SIG,
+    kind="reverse", outputs="",
     forward_name="ReplicatedInferSpmd",
     backward_name="ReplicatedInferSpmdReverse",
 )

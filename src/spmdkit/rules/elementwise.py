@@ -28,6 +28,7 @@ from spmdkit.core.dist_attr import DimsMapping, Entry, Partial, ReduceType, Tens
 from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.axes import largest_mesh_dim, one_mesh_dim_per_axis
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import (
     ALPHABET,
@@ -37,14 +38,14 @@ from spmdkit.engine.notation import (
     einsum_backward,
     einsum_forward,
     fast_result,
-    largest_mesh_dim,
     merge_weight,
     resolve_claims,
 )
+from spmdkit.rules._common import check_like
 from spmdkit.rules.registry import register
 
 _NLETTERS = len(ALPHABET)
-_make = TensorDistAttr._make
+_make = TensorDistAttr.unchecked
 
 # ---------------------------------------------------------------------------
 # helpers
@@ -58,14 +59,6 @@ def _mesh2(op: str, a: DistTensorSpec, b: DistTensorSpec, na: str, nb: str) -> P
             f"{op}: {na} and {nb} lie on different meshes ({m!r} and {b.dist_attr.mesh!r})"
         )
     return m
-
-
-def _check_same_shape(op: str, a: DistTensorSpec, b: DistTensorSpec, na: str, nb: str) -> None:
-    if len(a.shape) != len(b.shape):
-        raise ShapeMismatchError(f"{op}: {nb} has {len(b.shape)} dims, expected {len(a.shape)} (as {na})")
-    for i, (s, t) in enumerate(zip(a.shape, b.shape)):
-        if s != t and s >= 0 and t >= 0:
-            raise ShapeMismatchError(f"{op}: {na} and {nb} differ on axis {i} ({s} vs {t})")
 
 
 def _used_dims(dm: DimsMapping) -> set[int]:
@@ -152,8 +145,8 @@ def cast_forward(x: DistTensorSpec, dtype: object = "float32") -> SpmdResult:
     if pt:
         xi, o = ins[0], outs[0]
         assert xi is not None and o is not None
-        ins = [TensorDistAttr._make(xi.mesh, xi.dims_mapping, pt)]
-        outs = [TensorDistAttr._make(o.mesh, o.dims_mapping, pt)]
+        ins = [TensorDistAttr.unchecked(xi.mesh, xi.dims_mapping, pt)]
+        outs = [TensorDistAttr.unchecked(o.mesh, o.dims_mapping, pt)]
     return SpmdResult(ins, outs)
 
 
@@ -178,10 +171,10 @@ def _unary_grad(
     for t, n in zip(tensors, names):
         if t.dist_attr.mesh != mesh:
             raise InvalidMeshError(f"{op}: {n} and out_grad lie on different meshes")
-        _check_same_shape(op, out_grad, t, "out_grad", n)
+        check_like(op, out_grad, t, "out_grad", n)
     dm = out_grad.dist_attr.dims_mapping
-    plain = TensorDistAttr._make(mesh, dm)
-    grad = TensorDistAttr._make(mesh, dm, out_grad.dist_attr.partial) if keep_partial else plain
+    plain = TensorDistAttr.unchecked(mesh, dm)
+    grad = TensorDistAttr.unchecked(mesh, dm, out_grad.dist_attr.partial) if keep_partial else plain
     return SpmdResult([plain] * len(tensors) + [grad], [grad])
 
 
@@ -284,7 +277,14 @@ def _binary_merge(
     its mesh dim, in claim order, and then shards nothing), as in Paddle. A co-sharded
     entry keeps its largest mesh dim. Claims: x's axes left to right, then y's; where x
     and y shard one letter over different mesh dims the larger tensor wins (x on a tie);
-    a mesh dim already claimed is dropped."""
+    a mesh dim already claimed is dropped.
+
+    Engine policy needed to answer this through Notation (issue 17): ``coshard="largest"``
+    (each entry read as its largest mesh dim before merging) and ``unit_axes="claim"`` (a
+    size-1 axis labelled ``1`` takes its mesh dim in claim order, so a later letter sharded
+    on that mesh dim loses it, and shards nothing); today's merge skips ``1`` axes. Rules:
+    every binary elementwise forward (add, subtract, multiply, divide, maximum, ... and their
+    aliases)."""
     if not _broadcasts(xs, ys):
         return None
     nx, ny = len(xs), len(ys)
@@ -386,38 +386,18 @@ def _binary_bwd(op: str, x: DistTensorSpec, y: DistTensorSpec, out: DistTensorSp
             want = ys[iy]
         if want >= 0 and s != want:
             raise ShapeMismatchError(f"{op}: out axis {i} has {s}, but x and y broadcast to {want}")
-    mx, my, mo = _binary_rev(xs, ys, oa.dims_mapping, mesh.shape)
-    return fast_result((attr_as(xa, mesh, mx), attr_as(ya, mesh, my)), (attr_as(oa, mesh, mo),))
+    # x and y take out's letters (a co-shard read as its largest mesh dim); out is what they make
+    nt = _binary_nt(tuple([s == 1 for s in xs]), tuple([s == 1 for s in ys]))
+    ins, outs = einsum_backward(op, nt, (x, y), (one_mesh_dim_per_axis(out),))
+    return fast_result(tuple(ins), tuple(outs))
 
 
-@memo()
-def _binary_rev(
-    xs: tuple[int, ...], ys: tuple[int, ...], do: DimsMapping, mesh_shape: tuple[int, ...]
-) -> tuple[DimsMapping, DimsMapping, DimsMapping]:
-    """The binary reverse merge on ints: out's axes claim their mesh dims left to right (an
-    axis both x and y broadcast along claims its own and shards nothing); x and y are
-    projected from out's letters, and out is what they produce."""
-    nx, ny = len(xs), len(ys)
-    n = len(do)
-    ox, oy = n - nx, n - ny
-    final = [-1] * n
-    used = 0
-    for i in range(n):
-        e = do[i]
-        if e.__class__ is not int:
-            e = largest_mesh_dim(e, mesh_shape)
-        if e < 0:
-            continue
-        bit = 1 << e
-        if used & bit:
-            continue
-        used |= bit
-        if (i < ox or xs[i - ox] == 1) and (i < oy or ys[i - oy] == 1):
-            continue  # both broadcast: out's axis is 1
-        final[i] = e
-    mx = tuple([-1 if s == 1 else final[j + ox] for j, s in enumerate(xs)])
-    my = tuple([-1 if s == 1 else final[j + oy] for j, s in enumerate(ys)])
-    return mx, my, tuple(final)
+@lru_cache(maxsize=4096)
+def _binary_nt(x_unit: tuple[bool, ...], y_unit: tuple[bool, ...]) -> Notation:
+    """The binary notation of shapes that broadcast, from their size-1 masks alone."""
+    nt = _binary_notation(tuple([1 if u else 2 for u in x_unit]), tuple([1 if u else 2 for u in y_unit]))
+    assert not isinstance(nt, str)  # the shapes were checked to broadcast
+    return Notation(nt[:2], nt[2:])
 
 
 def _make_binary(op: str) -> tuple[object, object]:
@@ -454,8 +434,8 @@ def multiply_forward(x: DistTensorSpec, y: DistTensorSpec) -> SpmdResult:
     ins = list(res.inputs)
     a = ins[primary]
     assert isinstance(a, TensorDistAttr)
-    ins[primary] = TensorDistAttr._make(a.mesh, a.dims_mapping, pt)
-    return SpmdResult(ins, [TensorDistAttr._make(ox.mesh, ox.dims_mapping, pt)])
+    ins[primary] = TensorDistAttr.unchecked(a.mesh, a.dims_mapping, pt)
+    return SpmdResult(ins, [TensorDistAttr.unchecked(ox.mesh, ox.dims_mapping, pt)])
 
 
 def multiply_backward(x: DistTensorSpec, y: DistTensorSpec, out: DistTensorSpec) -> SpmdResult:
@@ -519,7 +499,7 @@ def _binary_grad(
     _check_grad_shapes(op, x, "x", out_grad)
     _check_grad_shapes(op, y, "y", out_grad)
     if out is not None:
-        _check_same_shape(op, out_grad, out, "out_grad", "out")
+        check_like(op, out_grad, out, "out_grad", "out")
     nd = len(out_grad.shape)
     if axis != -1:
         ok = all(len(t.shape) == nd or axis == nd - len(t.shape) for t in (x, y))
@@ -528,7 +508,7 @@ def _binary_grad(
                 f"{op}: axis {axis} is not supported (only -1, numpy-style trailing alignment)"
             )
     og_dm = out_grad.dist_attr.dims_mapping
-    make = TensorDistAttr._make
+    make = TensorDistAttr.unchecked
     og_attr = make(mesh, og_dm)
     ins: list[TensorDistAttr] = []
     outs: list[TensorDistAttr] = []
@@ -625,35 +605,33 @@ def _register_all() -> None:
     for name in UNARY_OPS:
         f, b = _make_unary(name)
         register(
-            name, f, "x: T", b, "x: T, out: T",  # type: ignore[arg-type]
+            name, f, "x: T", b, kind="reverse", outputs="out: T",  # type: ignore[arg-type]
             forward_name="ElementwiseUnaryInferSpmd", backward_name="ElementwiseUnaryInferSpmdReverse",
         )  # fmt: skip
     register(
         "gelu", gelu_forward, "x: T, approximate: bool = False", gelu_grad,
-        "x: T, out_grad: T, approximate: bool = False",
+        "x: T, out_grad: T, approximate: bool = False", kind="grad", grad_name="gelu_grad",
         forward_name="GeluInferSpmd", backward_name="GeluGradInferSpmd",
     )  # fmt: skip
     register(
         "cast", cast_forward, "x: T, dtype: any = 'float32'", cast_backward,
-        "x: T, out: T, dtype: any = 'float32'",
+        kind="reverse", outputs="out: T",
         forward_name="CastInferSpmd", backward_name="ElementwiseUnaryInferSpmdReverse",
     )  # fmt: skip
     for name in BINARY_OPS:
         f, b = _make_binary(name)
         register(
-            name, f, "x: T, y: T", b, "x: T, y: T, out: T",  # type: ignore[arg-type]
+            name, f, "x: T, y: T", b, kind="reverse", outputs="out: T",  # type: ignore[arg-type]
             forward_name="ElementwiseBinaryInferSpmd", backward_name="ElementwiseBinaryInferSpmdReverse",
         )  # fmt: skip
     register(
-        "multiply", multiply_forward, "x: T, y: T", multiply_backward, "x: T, y: T, out: T",
+        "multiply", multiply_forward, "x: T, y: T", multiply_backward, kind="reverse", outputs="out: T",
         forward_name="ElementwiseBinaryWithPartialInferSpmd",
         backward_name="ElementwiseBinaryInferSpmdReverse",
     )  # fmt: skip
     # grads
     register("elementwise_unary_grad", elementwise_unary_grad, "x: T, out_grad: T",
              forward_name="ElementwiseUnaryGradInferSpmd")  # fmt: skip
-    register("gelu_grad", gelu_grad, "x: T, out_grad: T, approximate: bool = False",
-             forward_name="GeluGradInferSpmd")  # fmt: skip
     for name, inputs in UNARY_GRADS.items():
         fn, sig = _make_unary_grad(name, inputs)
         register(name, fn, sig, forward_name="ElementwiseUnaryGradInferSpmd")  # type: ignore[arg-type]

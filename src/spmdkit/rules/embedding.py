@@ -32,6 +32,7 @@ from spmdkit.core.dist_attr import ReduceType, TensorDistAttr
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.axes import one_mesh_dim_specs
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import (
     ALPHABET,
@@ -40,20 +41,12 @@ from spmdkit.engine.notation import (
     check_letters,
     common_mesh,
     einsum_backward,
-    einsum_forward,
     fast_result,
     merge_specs,
-    one_mesh_dim_per_axis,
     project_all,
 )
+from spmdkit.rules._common import forward_largest
 from spmdkit.rules.registry import register
-
-
-def _one_dim(*specs: DistTensorSpec) -> list[DistTensorSpec]:
-    """A co-sharded axis keeps one mesh dim, its largest (the first of equal sizes), as
-    Paddle's merge does."""
-    return [one_mesh_dim_per_axis(s) for s in specs]
-
 
 # batch letters of the ids: the alphabet without the weight's j (vocab) and k (hidden)
 _BATCH = "abcdefghilmnopqrstuvwxyz"
@@ -138,8 +131,8 @@ def _emb_fast(x: DistTensorSpec, weight: DistTensorSpec, rows_replicated: bool) 
         k = -1
     xdm = xa.dims_mapping
     pt = ((j, ReduceType.SUM),) if j >= 0 else ()
-    return fast_result((attr_as(xa, mesh, xdm), TensorDistAttr._make(mesh, (j, k))),
-                       (TensorDistAttr._make(mesh, (*xdm, k), pt),))
+    return fast_result((attr_as(xa, mesh, xdm), TensorDistAttr.unchecked(mesh, (j, k))),
+                       (TensorDistAttr.unchecked(mesh, (*xdm, k), pt),))
 
 
 def embedding_forward(x: DistTensorSpec, weight: DistTensorSpec, padding_idx: int = -1,
@@ -153,9 +146,7 @@ def embedding_forward(x: DistTensorSpec, weight: DistTensorSpec, padding_idx: in
         if r is not None:
             return r
     n = _emb_notation(len(x.shape), False, rows)
-    x, weight = _one_dim(x, weight)
-    ins, outs = einsum_forward(op, n, [x, weight], ["x", "weight"])
-    return fast_result(tuple(ins), tuple(outs))
+    return forward_largest(op, n, [x, weight], ["x", "weight"])
 
 
 def _reverse_rows(
@@ -179,7 +170,7 @@ def embedding_backward(x: DistTensorSpec, weight: DistTensorSpec, out: DistTenso
     _check_out(op, x, weight, out, "out")
     n = _emb_notation(len(x.shape), False, _rows_replicated(op, padding_idx, sparse))
     mesh = common_mesh(op, (x, weight, out))
-    x, weight, out = _one_dim(x, weight, out)
+    x, weight, out = one_mesh_dim_specs(x, weight, out)
     check_letters(op, (*n.inputs, *n.outputs), (x, weight, out), ("x", "weight", "out"))
     merged = tuple((c, d) for c, d in merge_specs(n, n.outputs, [out], mesh) if c in n.input_letters)
     ins, outs = project_all(n, _reverse_rows(n, merged, out, mesh), mesh)
@@ -194,9 +185,7 @@ def embedding_grad(x: DistTensorSpec, weight: DistTensorSpec, out_grad: DistTens
     _check_weight(op, weight)
     _check_out(op, x, weight, out_grad, "out_grad")
     n = _emb_grad_notation(len(x.shape), False, _rows_replicated(op, padding_idx, sparse))
-    x, weight, out_grad = _one_dim(x, weight, out_grad)
-    ins, outs = einsum_forward(op, n, [x, weight, out_grad], ["x", "weight", "out_grad"])
-    return fast_result(tuple(ins), tuple(outs))
+    return forward_largest(op, n, [x, weight, out_grad], ["x", "weight", "out_grad"])
 
 
 # -- c_embedding (the vocab-parallel kernel with an explicit start index) ------------------------
@@ -211,9 +200,7 @@ def c_embedding_forward(weight: DistTensorSpec, x: DistTensorSpec, start_index: 
     _check_int(op, "start_index", start_index)
     _check_int(op, "vocab_size", vocab_size)
     n = _emb_notation(len(x.shape), True, False)
-    weight, x = _one_dim(weight, x)
-    ins, outs = einsum_forward(op, n, [weight, x], ["weight", "x"])
-    return fast_result(tuple(ins), tuple(outs))
+    return forward_largest(op, n, [weight, x], ["weight", "x"])
 
 
 def _make_c_embedding_grad(op: str):  # type: ignore[no-untyped-def]
@@ -222,9 +209,7 @@ def _make_c_embedding_grad(op: str):  # type: ignore[no-untyped-def]
         _check_out(op, x, weight, out_grad, "out_grad")
         _check_int(op, "start_index", start_index)
         n = _emb_grad_notation(len(x.shape), True, False)
-        weight, x, out_grad = _one_dim(weight, x, out_grad)
-        ins, outs = einsum_forward(op, n, [weight, x, out_grad], ["weight", "x", "out_grad"])
-        return fast_result(tuple(ins), tuple(outs))
+        return forward_largest(op, n, [weight, x, out_grad], ["weight", "x", "out_grad"])
 
     grad.__name__ = op
     grad.__doc__ = (f"{op} (CEmbeddingGradInferSpmd): ``jk, ab, abk -> jk``; weight_grad keeps the weight's "
@@ -251,9 +236,7 @@ def _check_classes(num_classes: object) -> None:
 def one_hot_forward(x: DistTensorSpec, num_classes: int) -> SpmdResult:
     """one_hot (OneHotInferSpmd): ``ab -> abz``, the new class axis replicated."""
     _check_classes(num_classes)
-    (x,) = _one_dim(x)
-    ins, outs = einsum_forward("one_hot", _one_hot_notation(len(x.shape)), [x], ["x"])
-    return fast_result(tuple(ins), tuple(outs))
+    return forward_largest("one_hot", _one_hot_notation(len(x.shape)), [x], ["x"])
 
 
 def one_hot_backward(x: DistTensorSpec, out: DistTensorSpec, num_classes: int) -> SpmdResult:
@@ -263,14 +246,14 @@ def one_hot_backward(x: DistTensorSpec, out: DistTensorSpec, num_classes: int) -
         raise ShapeMismatchError(f"one_hot: out has {len(out.shape)} dims, expected x's {len(x.shape)} + 1")
     if out.shape[-1] >= 0 and out.shape[-1] != num_classes:
         raise ShapeMismatchError(f"one_hot: out's last axis has {out.shape[-1]} classes, num_classes is {num_classes}")
-    x, out = _one_dim(x, out)
+    x, out = one_mesh_dim_specs(x, out)
     ins, outs = einsum_backward("one_hot", _one_hot_notation(len(x.shape)), [x], [out], ["x", "out"])
     return fast_result(tuple(ins), tuple(outs))
 
 
 register(
     "embedding", embedding_forward, "x: T, weight: T, padding_idx: int = -1, sparse: bool = False",
-    embedding_backward, "x: T, weight: T, out: T, padding_idx: int = -1, sparse: bool = False",
+    embedding_backward, kind="reverse", outputs="out: T",
     aliases=("lookup_table_v2",), forward_name="EmbeddingInferSpmd", backward_name="EmbeddingInferSpmdReverse",
 )  # fmt: skip
 register(
@@ -280,7 +263,7 @@ register(
 )  # fmt: skip
 register(
     "c_embedding", c_embedding_forward, "weight: T, x: T, start_index: int = 0, vocab_size: int = -1",
-    _make_c_embedding_grad("c_embedding"), "weight: T, x: T, out_grad: T, start_index: int = 0",
+    _make_c_embedding_grad("c_embedding"), "weight: T, x: T, out_grad: T, start_index: int = 0", kind="grad",
     forward_name="CEmbeddingInferSpmd", backward_name="CEmbeddingGradInferSpmd",
 )  # fmt: skip
 register(
@@ -288,6 +271,6 @@ register(
     "weight: T, x: T, out_grad: T, start_index: int = 0", forward_name="CEmbeddingGradInferSpmd",
 )  # fmt: skip
 register(
-    "one_hot", one_hot_forward, "x: T, num_classes: int", one_hot_backward, "x: T, out: T, num_classes: int",
+    "one_hot", one_hot_forward, "x: T, num_classes: int", one_hot_backward, kind="reverse", outputs="out: T",
     forward_name="OneHotInferSpmd", backward_name="OneHotInferSpmdReverse",
 )  # fmt: skip

@@ -37,32 +37,31 @@ from spmdkit.core.dist_attr import DimsMapping, Partial, ReduceType, TensorDistA
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.axes import largest_mesh_dim
 from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import fast_result, largest_mesh_dim, merge_letters, named_mesh, project, resolve_claims
+from spmdkit.engine.notation import fast_result, merge_letters, named_mesh, project, resolve_claims
 from spmdkit.rules._absent import zero_d_absent
+from spmdkit.rules._common import check_like
 from spmdkit.rules.registry import register
 
 Shape = tuple[int, ...]
-_make = TensorDistAttr._make
+_make = TensorDistAttr.unchecked
 
 
 def _mesh(op: str, named: Iterable[tuple[str, DistTensorSpec | None]]) -> ProcessMesh:
     return named_mesh(op, named)
 
 
-def _same_shape(op: str, a: DistTensorSpec, b: DistTensorSpec, na: str, nb: str) -> None:
-    if len(a.shape) != len(b.shape):
-        raise ShapeMismatchError(f"{op}: {nb} has {len(b.shape)} dims but {na} has {len(a.shape)}")
-    for i, (s, t) in enumerate(zip(a.shape, b.shape)):
-        if s != t and s >= 0 and t >= 0:
-            raise ShapeMismatchError(f"{op}: {na} and {nb} differ on axis {i} ({s} vs {t})")
-
-
 @memo()
 def _binary_merge(shape: Shape, dms: tuple[DimsMapping, ...], mesh_shape: Shape) -> DimsMapping:
     """Paddle's elementwise binary merge for tensors of one shape: claims in tensor order,
     the first claimer of an axis keeps it, a claimed mesh dim is dropped later, a size-1
-    axis claims its mesh dim and shards nothing, a co-shard keeps its largest mesh dim."""
+    axis claims its mesh dim and shards nothing, a co-shard keeps its largest mesh dim.
+
+    Engine policy needed (issue 17): ``coshard="largest"``, ``unit_axes="claim"`` (see
+    elementwise._binary_merge) and ``conflict="first"`` (where two tensors shard one letter
+    differently the first claimer keeps it, whatever the sizes; today's merge lets the larger
+    tensor win). Rules: swiglu and fused_dropout_add (forward, reverse) and their grads."""
     n = len(shape)
     ld = [-1] * n
     claims: list[int] = []
@@ -136,7 +135,7 @@ def swiglu_forward(x: DistTensorSpec, y: DistTensorSpec | None = None) -> SpmdRe
         dm = _halved((x.dist_attr.dims_mapping,), (x.shape,), mesh.shape)
         a = _make(mesh, dm)
         return fast_result((a, None), (a,))
-    _same_shape(op, x, y, "x", "y")
+    check_like(op, x, y, "x", "y")
     dm = _binary_merge(x.shape, (x.dist_attr.dims_mapping, y.dist_attr.dims_mapping), mesh.shape)
     a = _make(mesh, dm)
     return fast_result((a, a), (a,))
@@ -152,8 +151,8 @@ def swiglu_backward(x: DistTensorSpec, y: DistTensorSpec | None, out: DistTensor
         dm = _halved((out.dist_attr.dims_mapping,), (out.shape,), mesh.shape)
         a = _make(mesh, dm)
         return fast_result((a, None), (a,))
-    _same_shape(op, x, y, "x", "y")
-    _same_shape(op, x, out, "x", "out")
+    check_like(op, x, y, "x", "y")
+    check_like(op, x, out, "x", "out")
     dm = _reverse_merge(x.shape, out.dist_attr.dims_mapping, mesh.shape)
     a = _make(mesh, dm)
     return fast_result((a, a), (a,))
@@ -169,8 +168,8 @@ def swiglu_grad(x: DistTensorSpec, y: DistTensorSpec | None, out_grad: DistTenso
         dm = _halved((x.dist_attr.dims_mapping, out_grad.dist_attr.dims_mapping), (x.shape, out_grad.shape), mesh.shape)
         a = _make(mesh, dm)
         return fast_result((a, None, a), (a, None))
-    _same_shape(op, x, y, "x", "y")
-    _same_shape(op, x, out_grad, "x", "out_grad")
+    check_like(op, x, y, "x", "y")
+    check_like(op, x, out_grad, "x", "out_grad")
     dms = (x.dist_attr.dims_mapping, y.dist_attr.dims_mapping, out_grad.dist_attr.dims_mapping)
     dm = _binary_merge(x.shape, dms, mesh.shape)
     a = _make(mesh, dm)
@@ -187,7 +186,7 @@ def fused_dropout_add_forward(x: DistTensorSpec, y: DistTensorSpec) -> SpmdResul
     replicated."""
     op = "fused_dropout_add"
     mesh = _mesh(op, [("x", x), ("y", y)])
-    _same_shape(op, x, y, "x", "y")
+    check_like(op, x, y, "x", "y")
     dm = _binary_merge(x.shape, (x.dist_attr.dims_mapping, y.dist_attr.dims_mapping), mesh.shape)
     a = _make(mesh, dm)
     return fast_result((a, a), (a, _make(mesh, (-1,))))
@@ -200,8 +199,8 @@ def fused_dropout_add_backward(
     x and y produce."""
     op = "fused_dropout_add"
     mesh = _mesh(op, [("x", x), ("y", y), ("out", out), ("seed_offset", seed_offset)])
-    _same_shape(op, x, y, "x", "y")
-    _same_shape(op, x, out, "x", "out")
+    check_like(op, x, y, "x", "y")
+    check_like(op, x, out, "x", "out")
     if seed_offset is not None and len(seed_offset.shape) != 1:
         raise ShapeMismatchError(f"{op}: seed_offset must be 1-D [2], got {list(seed_offset.shape)}")
     dm = _reverse_merge(x.shape, out.dist_attr.dims_mapping, mesh.shape)
@@ -248,14 +247,14 @@ def fused_dropout_add_grad(
 register(
     "swiglu", zero_d_absent(swiglu_forward, "x: T, y: T? = None", ("y",)), "x: T, y: T? = None",
     zero_d_absent(swiglu_backward, "x: T, y: T?, out: T", ("y",), outputs=("out",)),
-    "x: T, y: T?, out: T",
+    kind="reverse", outputs="out: T",
     forward_name="SwiGLUInferSpmd", backward_name="SwiGLUInferSpmdReverse",
 )  # fmt: skip
 register("swiglu_grad", zero_d_absent(swiglu_grad, "x: T, y: T?, out_grad: T", ("y",)),
          "x: T, y: T?, out_grad: T", forward_name="SwiGLUGradInferSpmd")
 register(
     "fused_dropout_add", fused_dropout_add_forward, "x: T, y: T", fused_dropout_add_backward,
-    "x: T, y: T, out: T, seed_offset: T? = None",
+    kind="reverse", outputs="out: T, seed_offset: T? = None",
     forward_name="FusedDropoutAddSpmdBase", backward_name="FusedDropoutAddSpmdReverseBase",
 )  # fmt: skip
 _FDA_GRAD = ("seed_offset: T?, out_grad: T, p: scalar = 0.5, is_test: bool = False, mode: str = 'upscale_in_train', "

@@ -50,8 +50,8 @@ from collections.abc import Sequence
 
 from spmdkit.core.dist_attr import ReduceType, TensorDistAttr
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
-from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.axes import one_mesh_dim_per_axis, unpartial
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import (
     ALPHABET,
@@ -62,10 +62,10 @@ from spmdkit.engine.notation import (
     einsum_backward,
     einsum_forward,
     fast_result,
-    merge_letters,
-    one_mesh_dim_per_axis,
+    merge_specs,
     project_all,
 )
+from spmdkit.rules._common import forward_largest, reverse_largest
 from spmdkit.rules.registry import register
 
 Shape = tuple[int, ...]
@@ -120,23 +120,8 @@ def _result(ins: Sequence[TensorDistAttr | None], outs: Sequence[TensorDistAttr 
     return fast_result(tuple(ins), tuple(outs))
 
 
-def _merge_some(
-    n: Notation, axes: Sequence[str | None], specs: Sequence[DistTensorSpec | None], mesh: ProcessMesh
-) -> Merged:
-    return merge_letters(
-        tuple(axes),
-        tuple(None if s is None else s.dist_attr.dims_mapping for s in specs),
-        tuple(None if s is None else s.shape for s in specs),
-        n.replicated,
-        n.prune,
-        mesh.shape,
-    )
-
-
 def _no_partial(a: TensorDistAttr | None) -> TensorDistAttr | None:
-    if a is None or not a.partial:
-        return a
-    return TensorDistAttr._make(a.mesh, a.dims_mapping)
+    return None if a is None else unpartial(a)
 
 
 def _with_sum(a: TensorDistAttr | None, dims: tuple[int, ...]) -> TensorDistAttr | None:
@@ -145,7 +130,7 @@ def _with_sum(a: TensorDistAttr | None, dims: tuple[int, ...]) -> TensorDistAttr
     pt = dict(a.partial)
     for d in dims:
         pt[d] = ReduceType.SUM
-    return TensorDistAttr._make(a.mesh, a.dims_mapping, tuple(sorted(pt.items())))
+    return TensorDistAttr.unchecked(a.mesh, a.dims_mapping, tuple(sorted(pt.items())))
 
 
 # -- gather / index_select ----------------------------------------------------------------------
@@ -201,7 +186,7 @@ def _make_gather_grad(op: str, index_1d: bool, fname: str):  # type: ignore[no-u
         # own sharding is not read); sound, so kept
         mesh = common_mesh(op, (x, index, out_grad))
         check_letters(op, n.inputs, (x, index, out_grad), ("x", "index", "out_grad"))
-        merged = _merge_some(n, n.inputs[:2], (x, index), mesh)
+        merged = merge_specs(n, n.inputs[:2], (x, index), mesh)
         ins, outs = project_all(n, merged, mesh)
         return _result(ins, outs)
 
@@ -214,7 +199,7 @@ def _make_gather_grad(op: str, index_1d: bool, fname: str):  # type: ignore[no-u
 _gather_fwd, _gather_bwd = _make_gather("gather", False, "GatherInferSpmdBase", "GatherInferSpmdReverseBase")
 register(
     "gather", _gather_fwd, "x: T, index: T, axis: int = 0",
-    _gather_bwd, "x: T, index: T, out: T, axis: int = 0",
+    _gather_bwd, kind="reverse", outputs="out: T",
     forward_name="GatherInferSpmdBase", backward_name="GatherInferSpmdReverseBase",
 )  # fmt: skip
 register(
@@ -226,7 +211,7 @@ _is_fwd, _ = _make_gather("index_select", True, "IndexSelectInferSpmd", "")
 _is_grad = _make_gather_grad("index_select_grad", True, "IndexSelectGradInferSpmd")
 register(
     "index_select", _is_fwd, "x: T, index: T, axis: int = 0",
-    _is_grad, "x: T, index: T, out_grad: T, axis: int = 0",
+    _is_grad, "x: T, index: T, out_grad: T, axis: int = 0", kind="grad",
     forward_name="IndexSelectInferSpmd", backward_name="IndexSelectGradInferSpmd",
 )  # fmt: skip
 register(
@@ -288,8 +273,7 @@ def gather_nd_forward(x: DistTensorSpec, index: DistTensorSpec) -> SpmdResult:
     op = "gather_nd"
     nd, ni, k = _nd_parts(op, x.shape, index)
     n = _gather_nd_notation(nd, ni, k, False)
-    ins, outs = einsum_forward(op, n, _one_dim((x, index)), ("x", "index"))
-    return _result(ins, outs)
+    return forward_largest(op, n, (x, index), ("x", "index"))
 
 
 def gather_nd_backward(x: DistTensorSpec, index: DistTensorSpec, out: DistTensorSpec) -> SpmdResult:
@@ -298,8 +282,7 @@ def gather_nd_backward(x: DistTensorSpec, index: DistTensorSpec, out: DistTensor
     nd, ni, k = _nd_parts(op, x.shape, index)
     _check_batch_trailing(op, "out", out, index, x.shape, k)
     n = _gather_nd_notation(nd, ni, k, False)
-    ins, outs = einsum_backward(op, n, _one_dim((x, index)), _one_dim((out,)), ("x", "index", "out"))
-    return _result(ins, outs)
+    return reverse_largest(op, n, (x, index), (out,), ("x", "index", "out"))
 
 
 def gather_nd_grad(x: DistTensorSpec, index: DistTensorSpec, out_grad: DistTensorSpec) -> SpmdResult:
@@ -308,12 +291,11 @@ def gather_nd_grad(x: DistTensorSpec, index: DistTensorSpec, out_grad: DistTenso
     nd, ni, k = _nd_parts(op, x.shape, index)
     _check_batch_trailing(op, "out_grad", out_grad, index, x.shape, k)
     n = _gather_nd_notation(nd, ni, k, True)
-    ins, outs = einsum_forward(op, n, _one_dim((x, index, out_grad)), ("x", "index", "out_grad"))
-    return _result(ins, outs)
+    return forward_largest(op, n, (x, index, out_grad), ("x", "index", "out_grad"))
 
 
 register(
-    "gather_nd", gather_nd_forward, "x: T, index: T", gather_nd_backward, "x: T, index: T, out: T",
+    "gather_nd", gather_nd_forward, "x: T, index: T", gather_nd_backward, kind="reverse", outputs="out: T",
     forward_name="GatherNdInferSpmd", backward_name="GatherNdInferSpmdReverse",
 )  # fmt: skip
 register("gather_nd_grad", gather_nd_grad, "x: T, index: T, out_grad: T", forward_name="GatherNdGradInferSpmd")
@@ -345,7 +327,7 @@ def scatter_nd_add_forward(x: DistTensorSpec, index: DistTensorSpec, updates: Di
     mesh = common_mesh(op, (x, index, updates))
     check_letters(op, n.inputs, (x, index, updates), ("x", "index", "updates"))
     x, index, updates = _one_dim((x, index, updates))
-    merged = _merge_some(n, n.inputs[1:], (index, updates), mesh)
+    merged = merge_specs(n, n.inputs[1:], (index, updates), mesh)
     ins, outs = project_all(n, merged, mesh)
     bdims = _batch_dims(merged, (n.inputs[1] or "")[:-1])
     ins[0] = _with_sum(ins[0], bdims)
@@ -359,9 +341,7 @@ def scatter_nd_add_backward(x: DistTensorSpec, index: DistTensorSpec, updates: D
     nd, ni, k = _nd_parts(op, x.shape, index)
     _check_batch_trailing(op, "updates", updates, index, x.shape, k)
     n = _snd_notation(nd, ni, k, False)
-    ins, outs = einsum_backward(op, n, _one_dim((x, index, updates)), _one_dim((out,)),
-                                ("x", "index", "updates", "out"))
-    return _result(ins, outs)
+    return reverse_largest(op, n, (x, index, updates), (out,), ("x", "index", "updates", "out"))
 
 
 def scatter_nd_add_grad(index: DistTensorSpec, updates: DistTensorSpec, out_grad: DistTensorSpec) -> SpmdResult:
@@ -377,7 +357,7 @@ def scatter_nd_add_grad(index: DistTensorSpec, updates: DistTensorSpec, out_grad
 
 register(
     "scatter_nd_add", scatter_nd_add_forward, "x: T, index: T, updates: T",
-    scatter_nd_add_backward, "x: T, index: T, updates: T, out: T",
+    scatter_nd_add_backward, kind="reverse", outputs="out: T",
     forward_name="ScatterNdAddInferSpmd", backward_name="ScatterNdAddInferSpmdReverse",
 )  # fmt: skip
 register("scatter_nd_add_grad", scatter_nd_add_grad, "index: T, updates: T, out_grad: T")
@@ -428,7 +408,7 @@ def scatter_forward(x: DistTensorSpec, index: DistTensorSpec, updates: DistTenso
     mesh = common_mesh(op, (x, index, updates))
     check_letters(op, n.inputs, (x, index, updates), ("x", "index", "updates"))
     x, index, updates = _one_dim((x, index, updates))
-    merged = _merge_some(n, n.inputs[1:], (index, updates), mesh)
+    merged = merge_specs(n, n.inputs[1:], (index, updates), mesh)
     ins, outs = project_all(n, merged, mesh)
     return _result(ins, outs)
 
@@ -438,9 +418,7 @@ def scatter_backward(x: DistTensorSpec, index: DistTensorSpec, updates: DistTens
     """scatter (ScatterInferSpmdReverse): the trailing axes from out; rows and batch replicated."""
     op = "scatter"
     n = _scatter_setup(op, x.shape, index, updates, overwrite, "x")
-    ins, outs = einsum_backward(op, n, _one_dim((x, index, updates)), _one_dim((out,)),
-                                ("x", "index", "updates", "out"))
-    return _result(ins, outs)
+    return reverse_largest(op, n, (x, index, updates), (out,), ("x", "index", "updates", "out"))
 
 
 def scatter_grad(index: DistTensorSpec, updates: DistTensorSpec, out_grad: DistTensorSpec,
@@ -451,14 +429,14 @@ def scatter_grad(index: DistTensorSpec, updates: DistTensorSpec, out_grad: DistT
     mesh = common_mesh(op, (index, updates, out_grad))
     check_letters(op, n.inputs, (index, updates, out_grad), ("index", "updates", "out_grad"))
     index, updates, out_grad = _one_dim((index, updates, out_grad))
-    merged = _merge_some(n, (n.inputs[0], n.inputs[2]), (index, out_grad), mesh)
+    merged = merge_specs(n, (n.inputs[0], n.inputs[2]), (index, out_grad), mesh)
     ins, outs = project_all(n, merged, mesh)
     return _result(ins, outs)
 
 
 register(
     "scatter", scatter_forward, "x: T, index: T, updates: T, overwrite: bool = True",
-    scatter_backward, "x: T, index: T, updates: T, out: T, overwrite: bool = True",
+    scatter_backward, kind="reverse", outputs="out: T",
     forward_name="ScatterInferSpmd", backward_name="ScatterInferSpmdReverse",
 )  # fmt: skip
 register("scatter_grad", scatter_grad, "index: T, updates: T, out_grad: T, overwrite: bool = True",
@@ -533,7 +511,7 @@ def where_forward(condition: DistTensorSpec, x: DistTensorSpec, y: DistTensorSpe
     c_axes, x_axes, y_full = (a or "" for a in n.inputs)
     seen = set(c_axes) | set(x_axes)
     y_axes = "".join(c if c not in seen else BROADCAST for c in y_full)
-    merged = _merge_some(n, (c_axes, x_axes, y_axes), (condition, x, y), mesh)
+    merged = merge_specs(n, (c_axes, x_axes, y_axes), (condition, x, y), mesh)
     ins, outs = project_all(n, merged, mesh)
     return _result(ins, outs)
 
@@ -544,9 +522,7 @@ def where_backward(condition: DistTensorSpec, x: DistTensorSpec, y: DistTensorSp
     op = "where"
     n, shape = _where_setup(op, condition, x, y, False)
     _check_out(op, "output", output, shape)
-    ins, outs = einsum_backward(op, n, _one_dim((condition, x, y)), _one_dim((output,)),
-                                ("condition", "x", "y", "output"))
-    return _result(ins, outs)
+    return reverse_largest(op, n, (condition, x, y), (output,), ("condition", "x", "y", "output"))
 
 
 def where_grad(condition: DistTensorSpec, x: DistTensorSpec, y: DistTensorSpec,
@@ -556,12 +532,11 @@ def where_grad(condition: DistTensorSpec, x: DistTensorSpec, y: DistTensorSpec,
     op = "where_grad"
     n, shape = _where_setup(op, condition, x, y, True)
     _check_out(op, "out_grad", out_grad, shape)
-    ins, outs = einsum_forward(op, n, _one_dim((condition, x, y, out_grad)), ("condition", "x", "y", "out_grad"))
-    return _result(ins, outs)
+    return forward_largest(op, n, (condition, x, y, out_grad), ("condition", "x", "y", "out_grad"))
 
 
 register(
-    "where", where_forward, "condition: T, x: T, y: T", where_backward, "condition: T, x: T, y: T, output: T",
+    "where", where_forward, "condition: T, x: T, y: T", where_backward, kind="reverse", outputs="output: T",
     forward_name="WhereInferSpmd", backward_name="WhereInferSpmdReverse",
 )  # fmt: skip
 register("where_grad", where_grad, "condition: T, x: T, y: T, out_grad: T", forward_name="WhereGradInferSpmd")

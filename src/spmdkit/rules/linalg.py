@@ -58,14 +58,15 @@ from spmdkit.core.dist_attr import DimsMapping, Entry, ReduceType, TensorDistAtt
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError, SpmdError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.axes import replicated_like
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import BROADCAST, Notation, einsum_forward, fast_result, named_mesh
 from spmdkit.rules._absent import zero_d_absent
-from spmdkit.rules.registry import Rule, get_rule, register
+from spmdkit.rules.registry import Rule, get_rule, register, reverse_signature
 
 Shape = tuple[int, ...]
 _SUM = ReduceType.SUM
-_make = TensorDistAttr._make
+_make = TensorDistAttr.unchecked
 
 _RULES: dict[str, Rule] = {}
 
@@ -136,9 +137,8 @@ def bmm_grad(x: DistTensorSpec, y: DistTensorSpec, out_grad: DistTensorSpec) -> 
     return _call("bmm_grad", "matmul_grad", "forward", x, y, out_grad, False, False)
 
 
-register("bmm", bmm_forward, "x: T, y: T", bmm_grad, "x: T, y: T, out_grad: T",
+register("bmm", bmm_forward, "x: T, y: T", bmm_grad, "x: T, y: T, out_grad: T", kind="grad", grad_name="bmm_grad",
          forward_name="BmmInferSpmd", backward_name="BmmGradInferSpmd")
-register("bmm_grad", bmm_grad, "x: T, y: T, out_grad: T", forward_name="BmmGradInferSpmd")
 
 
 # ---------------------------------------------------------------------------
@@ -298,17 +298,17 @@ def linear_v2_grad(input: DistTensorSpec, weight: DistTensorSpec, bias: DistTens
 
 
 # a 0-D optional tensor (shape []) is read as absent (spmdkit.rules._absent)
-_GEMM_REV = "x: T, y: T, bias: T, out: T, reserve_space: T?, trans_x: bool = False, trans_y: bool = False"
+_GEMM_FWD = "x: T, y: T, bias: T, trans_x: bool = False, trans_y: bool = False"
+_GEMM_REV = reverse_signature(_GEMM_FWD, "out: T, reserve_space: T?")
 _GEMM_GRAD = ("x: T, y: T, reserve_space: T?, out_grad: T, trans_x: bool = False, trans_y: bool = False, "
               "activation_grad: str = 'none'")
 _LIN_FWD = "input: T, weight: T, bias: T?, transpose_weight: bool = False"
-_LIN_REV = "input: T, weight: T, bias: T?, out: T, reserve_space: T?, transpose_weight: bool = False"
+_LIN_REV = reverse_signature(_LIN_FWD, "out: T, reserve_space: T?")
 _LIN_GRAD = "input: T, weight: T, bias: T?, out_grad: T, transpose_weight: bool = False"
 register(
-    "fused_gemm_epilogue", fused_gemm_epilogue_forward,
-    "x: T, y: T, bias: T, trans_x: bool = False, trans_y: bool = False",
+    "fused_gemm_epilogue", fused_gemm_epilogue_forward, _GEMM_FWD,
     zero_d_absent(fused_gemm_epilogue_backward, _GEMM_REV, ("reserve_space",), outputs=("out", "reserve_space")),
-    _GEMM_REV,
+    kind="reverse", outputs="out: T, reserve_space: T?",
     forward_name="FusedGemmEpilogueInferSpmdBase", backward_name="FusedGemmEpilogueInferSpmdReverse",
 )  # fmt: skip
 register(
@@ -318,7 +318,7 @@ register(
 register(
     "linear_v2", zero_d_absent(linear_v2_forward, _LIN_FWD, ("bias",)), _LIN_FWD,
     zero_d_absent(linear_v2_backward, _LIN_REV, ("bias", "reserve_space"), outputs=("out", "reserve_space")),
-    _LIN_REV,
+    kind="reverse", outputs="out: T, reserve_space: T?",
     forward_name="LinearV2InferSpmdBase", backward_name="LinearV2InferSpmdReverse",
 )  # fmt: skip
 register(
@@ -411,14 +411,10 @@ def _flpga(op: str, x: DistTensorSpec, dout: DistTensorSpec, dweight: DistTensor
     aw = _partial_over(mesh, wdm, lead_w)
     ab = _partial_over(mesh, (md[-1],), md[:-1]) if has_bias else None
     return fast_result(
-        (_make(mesh, mx), _make(mesh, md), aw if _present(dweight) else _repl(mesh, dweight),
-         (ab if has_bias and _present(dbias) else _repl(mesh, dbias))),
+        (_make(mesh, mx), _make(mesh, md), aw if _present(dweight) else replicated_like(mesh, dweight),
+         (ab if has_bias and _present(dbias) else replicated_like(mesh, dbias))),
         (aw, ab),
     )
-
-
-def _repl(mesh: ProcessMesh, t: DistTensorSpec | None) -> TensorDistAttr | None:
-    return None if t is None else _make(mesh, (-1,) * len(t.shape))
 
 
 def fused_linear_param_grad_add_forward(x: DistTensorSpec, dout: DistTensorSpec, dweight: DistTensorSpec | None,
@@ -442,8 +438,7 @@ register(
     "fused_linear_param_grad_add", fused_linear_param_grad_add_forward,
     "x: T, dout: T, dweight: T?, dbias: T?, multi_precision: bool = False, has_bias: bool = True",
     fused_linear_param_grad_add_backward,
-    "x: T, dout: T, dweight: T?, dbias: T?, dweight_out: T?, dbias_out: T?, multi_precision: bool = False, "
-    "has_bias: bool = True",
+    kind="reverse", outputs="dweight_out: T?, dbias_out: T?",
     forward_name="FusedLinearParamGradAddInferSpmd", backward_name="FusedLinearParamGradAddInferSpmdReverse",
 )  # fmt: skip
 
@@ -573,10 +568,6 @@ def einsum_grad(inputs: tuple[DistTensorSpec, ...], inner_cache: tuple[DistTenso
 
 register(
     "einsum", einsum_forward_rule, "inputs: [T], equation: str",
-    einsum_grad, "inputs: [T], inner_cache: [T?], out_grad: T, equation: str",
+    einsum_grad, "inputs: [T], inner_cache: [T?], out_grad: T, equation: str", kind="grad", grad_name="einsum_grad",
     forward_name="EinsumInferSpmd", backward_name="EinsumGradInferSpmd",
-)  # fmt: skip
-register(
-    "einsum_grad", einsum_grad, "inputs: [T], inner_cache: [T?], out_grad: T, equation: str",
-    forward_name="EinsumGradInferSpmd",
 )  # fmt: skip

@@ -1,5 +1,5 @@
 """Losses: cross_entropy_with_softmax (softmax_with_cross_entropy), c_softmax_with_cross_entropy,
-mean_all, and their grads.
+mean_all, c_softmax_with_multi_label_cross_entropy and label_smooth, and their grads.
 
 Notation (3-D logits, class axis last; ``c`` is the class letter, ``1`` the size-1 axis of a
 hard label and of the loss)::
@@ -31,13 +31,47 @@ replicates x, out_grad and x_grad, as Paddle does.
 
 The reverse rules merge the outputs (softmax, loss), project them onto the inputs and return the
 outputs the inferred inputs produce. Deviations: ``docs/deviations.md`` ``loss-*``.
+
+Multi-label model-parallel cross entropy (letters)::
+
+                           replicated; nothing partial
+    c_softmax_with_multi_label_cross_entropy
+                           abc, abd, abd -> abc, ab1 | abd   (x, label, smooth_weight -> softmax, loss;
+                           the class letter c may stay sharded: the kernel all-reduces max, sum
+                           and the picked logits over the ranks that share c; loss partial SUM
+                           over the mesh dims of d when sum_multi_label_loss)
+    c_softmax_with_multi_label_cross_entropy_grad
+                           abc, abd, abd, ab1 | abd -> abc   (d replicated)
+
+Its deviations (``docs/deviations.md`` ``moe-amp-*``): loss partial over a sharded label axis (Paddle:
+not partial) and its grad with the label axis replicated.
+
+Label smoothing (x ``abc``; ``1`` an axis that is never sharded):
+
+- ``label_smooth`` (LabelSmoothInferSpmd(label, prior_dist, epsilon)): with prior_dist an
+  elementwise binary op (prior_dist broadcast from the right; its mesh dims that label's
+  leading axes use are dropped first, as Paddle does; size-1 axes are never sharded).
+  Without it the class (last) axis is replicated: the kernel adds epsilon / the class count
+  it sees locally (Paddle keeps the axis sharded, unsound); on the other axes, as Paddle's
+  elementwise unary rule, mesh dims that do not divide the axis are dropped (minor first).
+  Backward slot and ``label_smooth_grad`` (LabelSmoothGradInferSpmd(out_grad, epsilon)):
+  out_grad and label_grad sharded as out_grad, not partial.
+
+
+Its deviations (``docs/deviations.md`` ``misc-*``): without prior_dist the class axis replicated;
+conflicts Paddle raises on.
 """
 
 from __future__ import annotations
 
-from spmdkit.core.dist_attr import ReduceType, TensorDistAttr
+import math
+from collections.abc import Mapping
+
+from spmdkit.core.dist_attr import DimsMapping, Entry, ReduceType, TensorDistAttr, entry_dims
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
+from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.axes import normalize_axis, one_mesh_dim_per_axis, one_mesh_dim_specs
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import (
     ALPHABET,
@@ -48,18 +82,23 @@ from spmdkit.engine.notation import (
     einsum_forward,
     fast_result,
     merge_specs,
-    one_mesh_dim_per_axis,
+    named_mesh,
     project_all,
+)
+from spmdkit.rules._common import (
+    check_bool,
+    check_int,
+    check_ndim,
+    forward_largest,
+    letter_attr,
+    merge_one_dim,
+    merge_project,
 )
 from spmdkit.rules.registry import register
 
-_make = TensorDistAttr._make
+Shape = tuple[int, ...]
 
-
-def _one_dim(*specs: DistTensorSpec) -> list[DistTensorSpec]:
-    """A co-sharded axis keeps one mesh dim, its largest (the first of equal sizes), as
-    Paddle's merge does."""
-    return [one_mesh_dim_per_axis(s) for s in specs]
+_make = TensorDistAttr.unchecked
 
 
 def _axis(op: str, axis: object, ndim: int) -> int:
@@ -67,9 +106,7 @@ def _axis(op: str, axis: object, ndim: int) -> int:
         raise InvalidAttributeError(f"{op}: axis must be an int, got {axis!r}")
     if ndim == 0:
         raise ShapeMismatchError(f"{op}: the logits must have at least 1 dim (got a 0-d tensor)")
-    if not -ndim <= axis < ndim:
-        raise InvalidAttributeError(f"{op}: axis {axis} is out of range for a {ndim}-D tensor [{-ndim}, {ndim})")
-    return axis + ndim if axis < 0 else axis
+    return normalize_axis(op, axis, ndim)
 
 
 def _bool(op: str, name: str, v: object) -> bool:
@@ -146,9 +183,7 @@ def ce_forward(x: DistTensorSpec, label: DistTensorSpec, soft_label: bool = Fals
     op = "cross_entropy_with_softmax"
     ax, soft = _ce_attrs(op, x, soft_label, use_softmax, numeric_stable_mode, ignore_index, axis)
     _check_label(op, "label", label, len(x.shape), ax, soft)
-    x, label = _one_dim(x, label)
-    ins, outs = einsum_forward(op, _ce_notation(len(x.shape), ax, soft), [x, label], ["x", "label"])
-    return fast_result(tuple(ins), tuple(outs))
+    return forward_largest(op, _ce_notation(len(x.shape), ax, soft), [x, label], ["x", "label"])
 
 
 def ce_backward(x: DistTensorSpec, label: DistTensorSpec, softmax_out: DistTensorSpec, loss: DistTensorSpec,
@@ -161,7 +196,7 @@ def ce_backward(x: DistTensorSpec, label: DistTensorSpec, softmax_out: DistTenso
     ax, soft = _ce_attrs(op, x, soft_label, use_softmax, numeric_stable_mode, ignore_index, axis)
     _check_label(op, "label", label, nd, ax, soft)
     _hard_label(op, "loss", loss, nd, ax)
-    x, label, softmax_out, loss = _one_dim(x, label, softmax_out, loss)
+    x, label, softmax_out, loss = one_mesh_dim_specs(x, label, softmax_out, loss)
     n = _ce_notation(nd, ax, soft)
     specs = (x, label, softmax_out, loss)
     mesh = common_mesh(op, specs)
@@ -182,10 +217,7 @@ def ce_grad(label: DistTensorSpec, softmax: DistTensorSpec, loss_grad: DistTenso
     ax, soft = _ce_attrs(op, softmax, soft_label, use_softmax, numeric_stable_mode, ignore_index, axis)
     _check_label(op, "label", label, nd, ax, soft)
     _hard_label(op, "loss_grad", loss_grad, nd, ax)
-    label, softmax, loss_grad = _one_dim(label, softmax, loss_grad)
-    ins, outs = einsum_forward(op, _ce_grad_notation(nd, ax, soft), [label, softmax, loss_grad],
-                               ["label", "softmax", "loss_grad"])
-    return fast_result(tuple(ins), tuple(outs))
+    return forward_largest(op, _ce_grad_notation(nd, ax, soft), [label, softmax, loss_grad], ["label", "softmax", "loss_grad"])
 
 
 # -- c_softmax_with_cross_entropy: the class axis may stay sharded (a communicating kernel) -----
@@ -227,7 +259,7 @@ def c_softmax_forward(x: DistTensorSpec, label: DistTensorSpec, ignore_index: in
     op = "c_softmax_with_cross_entropy"
     nd = _c_attrs(op, x, ignore_index, rank, nranks)
     _hard_label(op, "label", label, nd, nd - 1)
-    x, label = _one_dim(x, label)
+    x, label = one_mesh_dim_specs(x, label)
     ins, outs = einsum_forward(op, _c_notation(nd), [x, label], ["x", "label"])
     return fast_result(tuple(ins), _no_partial(outs))
 
@@ -240,7 +272,7 @@ def c_softmax_reverse(x: DistTensorSpec, label: DistTensorSpec, softmax: DistTen
     _hard_label(op, "label", label, nd, nd - 1)
     _hard_label(op, "loss", loss, nd, nd - 1)
     n = _c_notation(nd)
-    specs = tuple(_one_dim(x, label, softmax, loss))
+    specs = tuple(one_mesh_dim_specs(x, label, softmax, loss))
     mesh = common_mesh(op, specs)
     check_letters(op, (*n.inputs, *n.outputs), specs, ("x", "label", "softmax", "loss"))
     merged = merge_specs(n, n.outputs, specs[2:], mesh)
@@ -254,7 +286,7 @@ def _make_c_grad(op: str):  # type: ignore[no-untyped-def]
         nd = _c_attrs(op, softmax, ignore_index, rank, nranks)
         _hard_label(op, "label", label, nd, nd - 1)
         _hard_label(op, "loss_grad", loss_grad, nd, nd - 1)
-        softmax, label, loss_grad = _one_dim(softmax, label, loss_grad)
+        softmax, label, loss_grad = one_mesh_dim_specs(softmax, label, loss_grad)
         ins, outs = einsum_forward(op, _c_grad_notation(nd), [softmax, label, loss_grad],
                                    ["softmax", "label", "loss_grad"])
         return fast_result(tuple(ins), tuple(outs))
@@ -276,7 +308,7 @@ def _mean_notation(nd: int) -> Notation:
 def mean_all_forward(x: DistTensorSpec) -> SpmdResult:
     """mean_all (MeanAllInferSpmd): a 0-d out, partial AVG over the mesh dims of x's (even) axes."""
     op = "mean_all"
-    (x,) = _one_dim(x)
+    (x,) = one_mesh_dim_specs(x)
     ins, outs = einsum_forward(op, _mean_notation(len(_letters(op, len(x.shape)))), [x], ["x"])
     return fast_result(tuple(ins), tuple(outs))
 
@@ -299,8 +331,7 @@ register(
     "x: T, label: T, soft_label: bool = False, use_softmax: bool = True, numeric_stable_mode: bool = True, "
     "ignore_index: int = -100, axis: int = -1",
     ce_backward,
-    "x: T, label: T, softmax_out: T, loss: T, soft_label: bool = False, use_softmax: bool = True, "
-    "numeric_stable_mode: bool = True, ignore_index: int = -100, axis: int = -1",
+    kind="reverse", outputs="softmax_out: T, loss: T",
     aliases=("softmax_with_cross_entropy",), forward_name="CrossEntropyWithSoftmaxInferSpmdStatic",
     backward_name="CrossEntropyWithSoftmaxInferSpmdReverse",
 )  # fmt: skip
@@ -314,7 +345,7 @@ register(
     "c_softmax_with_cross_entropy", c_softmax_forward,
     "x: T, label: T, ignore_index: int = -100, rank: int = 0, nranks: int = 1",
     c_softmax_reverse,
-    "x: T, label: T, softmax: T, loss: T, ignore_index: int = -100, rank: int = 0, nranks: int = 1",
+    kind="reverse", outputs="softmax: T, loss: T",
     forward_name="CSoftmaxWithCrossEntropyInferSpmd",
 )  # fmt: skip
 register(
@@ -323,9 +354,222 @@ register(
     forward_name="CSoftmaxWithCrossEntropyGradSpmd",
 )  # fmt: skip
 register(
-    "mean_all", mean_all_forward, "x: T", _make_mean_grad("mean_all"), "x: T, out_grad: T",
+    "mean_all", mean_all_forward, "x: T", _make_mean_grad("mean_all"), "x: T, out_grad: T", kind="grad",
     forward_name="MeanAllInferSpmd", backward_name="MeanAllGradInferSpmd",
 )  # fmt: skip
 register(
     "mean_all_grad", _make_mean_grad("mean_all_grad"), "x: T, out_grad: T", forward_name="MeanAllGradInferSpmd",
+)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------
+# label_smooth
+# ---------------------------------------------------------------------------
+
+
+@memo()
+def _label_axes(l_shape: Shape, p_shape: Shape) -> tuple[str, str]:
+    """Right-aligned broadcast letters; a size-1 axis is ``1`` (never sharded, as in Paddle's
+    elementwise rules)."""
+    nd = len(l_shape)
+    s = "".join(BROADCAST if v == 1 else c for v, c in zip(l_shape, ALPHABET[:nd]))
+    off = nd - len(p_shape)
+    p = "".join(BROADCAST if p_shape[i] == 1 else ALPHABET[off + i] for i in range(len(p_shape)))
+    return s, p
+
+
+def label_smooth_forward(label: DistTensorSpec, prior_dist: DistTensorSpec | None = None,
+                         epsilon: float = 0.0) -> SpmdResult:
+    """LabelSmoothInferSpmd: elementwise with prior_dist; without it the class axis replicated."""
+    op = "label_smooth"
+    nd = len(label.shape)
+    if nd == 0:
+        raise ShapeMismatchError(f"{op}: label must have at least 1 dim (the class axis)")
+    if nd > len(ALPHABET):
+        raise ShapeMismatchError(f"{op}: tensors of more than {len(ALPHABET)} dims are not supported")
+    if prior_dist is None:
+        attr = label.dist_attr
+        a = _make(attr.mesh, _unary_dm(label.shape, attr.dims_mapping, attr.mesh.shape))
+        return fast_result((a, None), (a,))
+    mesh = named_mesh(op, (("label", label), ("prior_dist", prior_dist)))
+    pn = len(prior_dist.shape)
+    if pn > nd:
+        raise ShapeMismatchError(f"{op}: prior_dist has {pn} dims, more than label's {nd}")
+    off = nd - pn
+    for i, s in enumerate(prior_dist.shape):
+        t = label.shape[off + i]
+        if s != t and s != 1 and s >= 0 and t >= 0:
+            raise ShapeMismatchError(
+                f"{op}: prior_dist axis {i} has size {s}, which does not broadcast onto label's {t}"
+            )
+    la, pa = _label_axes(label.shape, prior_dist.shape)
+    # Paddle drops prior_dist's mesh dims that label's leading (extra) axes use
+    label = one_mesh_dim_per_axis(label)
+    lead = {d for e in label.dist_attr.dims_mapping[:off] for d in entry_dims(e)}
+    pdm = prior_dist.dist_attr.dims_mapping
+    if lead:
+        pdm = tuple(_drop_dims(e, lead) for e in pdm)
+    p2 = one_mesh_dim_per_axis(DistTensorSpec(prior_dist.shape, _make(mesh, pdm)))
+    n = _label_notation(la, pa)
+    ins, outs = merge_project(n, (la, pa), (label, p2), mesh)
+    return fast_result(tuple(ins), tuple(outs))
+
+
+@memo()
+def _unary_dm(shape: Shape, dm: DimsMapping, mesh_shape: Shape) -> DimsMapping:
+    """label_smooth without prior_dist: the class axis replicated; elsewhere, as Paddle's
+    elementwise unary rule, the mesh dims that do not divide an axis dropped (minor first)."""
+    out: list[Entry] = []
+    last = len(dm) - 1
+    for i, e in enumerate(dm):
+        d = entry_dims(e)
+        if i == last:
+            d = ()
+        size = shape[i]
+        if size >= 0:
+            while d and size % math.prod(mesh_shape[x] for x in d) != 0:
+                d = d[:-1]
+        out.append(-1 if not d else d[0] if len(d) == 1 else d)
+    return tuple(out)
+
+
+def _drop_dims(e: Entry, drop: set[int]) -> Entry:
+    d = tuple(x for x in entry_dims(e) if x not in drop)
+    return -1 if not d else d[0] if len(d) == 1 else d
+
+
+@memo()
+def _label_notation(la: str, pa: str) -> Notation:
+    return Notation((la, pa), (la,))
+
+
+def label_smooth_grad(out_grad: DistTensorSpec, epsilon: float = 0.0) -> SpmdResult:
+    """LabelSmoothGradInferSpmd: out_grad and label_grad sharded as out_grad, not partial."""
+    attr = out_grad.dist_attr
+    a = attr if not attr.partial else _make(attr.mesh, attr.dims_mapping)
+    return fast_result((a,), (a,))
+
+
+
+
+register("label_smooth", label_smooth_forward, "label: T, prior_dist: T?, epsilon: float = 0.0",
+         label_smooth_grad, "out_grad: T, epsilon: float = 0.0", kind="grad", grad_name="label_smooth_grad",
+         forward_name="LabelSmoothInferSpmd", backward_name="LabelSmoothGradInferSpmd")  # fmt: skip
+
+
+# -- c_softmax_with_multi_label_cross_entropy ------------------------------------------------------
+
+
+@memo()
+def _ml_axes(nd: int, summed: bool) -> tuple[str, str, str]:
+    """(x axes, label / smooth_weight axes, loss axes)."""
+    x = ALPHABET[:nd]
+    lab = x[:-1] + ALPHABET[nd]
+    return x, lab, (x[:-1] + BROADCAST) if summed else lab
+
+
+@memo()
+def _ml_notation(nd: int, summed: bool) -> Notation:
+    x, lab, loss = _ml_axes(nd, summed)
+    return Notation([x, lab, lab], [x, loss])
+
+
+@memo()
+def _ml_grad_notation(nd: int, summed: bool) -> Notation:
+    x, lab, loss = _ml_axes(nd, summed)
+    return Notation([x, lab, lab, loss], [x], replicated=lab[-1])
+
+
+def _ml_checks(op: str, x: DistTensorSpec, label: DistTensorSpec, smooth_weight: DistTensorSpec,
+               ignore_index: object, sum_multi_label_loss: object, rank: object, nranks: object,
+               xname: str = "x") -> tuple[int, bool]:
+    nd = len(x.shape)
+    if nd == 0:
+        raise ShapeMismatchError(f"{op}: {xname} must have at least 1 dim (got a 0-d tensor)")
+    if nd >= len(ALPHABET):
+        raise ShapeMismatchError(f"{op}: tensors of more than {len(ALPHABET) - 1} dims are not supported")
+    check_int(op, "ignore_index", ignore_index)
+    summed = check_bool(op, "sum_multi_label_loss", sum_multi_label_loss)
+    check_int(op, "rank", rank)
+    check_int(op, "nranks", nranks, 1)
+    check_ndim(op, "label", label, nd)
+    check_ndim(op, "smooth_weight", smooth_weight, nd)
+    return nd, summed
+
+
+def _ml_outputs(mesh: ProcessMesh, letters: Mapping[str, tuple[int, ...]], nd: int, summed: bool
+                ) -> tuple[TensorDistAttr | None, ...]:
+    x, lab, loss = _ml_axes(nd, summed)
+    # softmax never partial (the kernel all-reduces over c); the summed loss is partial over the
+    # mesh dims of the label axis d (each rank sums its own labels)
+    return (letter_attr(mesh, x, letters), letter_attr(mesh, loss, letters, lab[-1] if summed else ""))
+
+
+def ml_forward(x: DistTensorSpec, label: DistTensorSpec, smooth_weight: DistTensorSpec, ignore_index: int = -100,
+               sum_multi_label_loss: bool = True, rank: int = 0, nranks: int = 1) -> SpmdResult:
+    """c_softmax_with_multi_label_cross_entropy (CSoftmaxWithMultiLabelCrossEntropyInferSpmd):
+    batch axes merged, the class axis keeps its sharding, the label axis follows label and
+    smooth_weight; the summed loss partial SUM over the label axis' mesh dims."""
+    op = "c_softmax_with_multi_label_cross_entropy"
+    nd, summed = _ml_checks(op, x, label, smooth_weight, ignore_index, sum_multi_label_loss, rank, nranks)
+    n = _ml_notation(nd, summed)
+    specs = (x, label, smooth_weight)
+    names = ("x", "label", "smooth_weight")
+    mesh = named_mesh(op, zip(names, specs))
+    letters = merge_one_dim(op, n, n.inputs, specs, names, mesh)
+    ins = tuple(letter_attr(mesh, a, letters) for a in n.inputs)
+    return fast_result(ins, _ml_outputs(mesh, letters, nd, summed))
+
+
+def ml_reverse(x: DistTensorSpec, label: DistTensorSpec, smooth_weight: DistTensorSpec, softmax: DistTensorSpec,
+               loss: DistTensorSpec, ignore_index: int = -100, sum_multi_label_loss: bool = True, rank: int = 0,
+               nranks: int = 1) -> SpmdResult:
+    """c_softmax_with_multi_label_cross_entropy reverse (Paddle has none): the inputs from softmax
+    and loss; the outputs those inputs produce."""
+    op = "c_softmax_with_multi_label_cross_entropy"
+    nd, summed = _ml_checks(op, x, label, smooth_weight, ignore_index, sum_multi_label_loss, rank, nranks)
+    n = _ml_notation(nd, summed)
+    check_ndim(op, "softmax", softmax, nd)
+    check_ndim(op, "loss", loss, nd)
+    specs = (x, label, smooth_weight, softmax, loss)
+    names = ("x", "label", "smooth_weight", "softmax", "loss")
+    mesh = named_mesh(op, zip(names, specs))
+    check_letters(op, (*n.inputs, *n.outputs), specs, names)
+    letters = dict(merge_specs(n, n.outputs, one_mesh_dim_specs(*specs[3:]), mesh))
+    ins = tuple(letter_attr(mesh, a, letters) for a in n.inputs)
+    return fast_result(ins, _ml_outputs(mesh, letters, nd, summed))
+
+
+def ml_grad(softmax: DistTensorSpec, label: DistTensorSpec, smooth_weight: DistTensorSpec, loss_grad: DistTensorSpec,
+            ignore_index: int = -100, sum_multi_label_loss: bool = True, rank: int = 0, nranks: int = 1
+            ) -> SpmdResult:
+    """c_softmax_with_multi_label_cross_entropy_grad (CSoftmaxWithMultiLabelCrossEntropyGradSpmd):
+    batch axes merged, the class axis keeps its sharding (each rank subtracts the labels in its
+    class range), the label axis replicated; x_grad as softmax."""
+    op = "c_softmax_with_multi_label_cross_entropy_grad"
+    nd, summed = _ml_checks(op, softmax, label, smooth_weight, ignore_index, sum_multi_label_loss, rank, nranks,
+                            "softmax")
+    check_ndim(op, "loss_grad", loss_grad, nd)
+    n = _ml_grad_notation(nd, summed)
+    specs = (softmax, label, smooth_weight, loss_grad)
+    names = ("softmax", "label", "smooth_weight", "loss_grad")
+    mesh = named_mesh(op, zip(names, specs))
+    letters = merge_one_dim(op, n, n.inputs, specs, names, mesh)
+    ins = tuple(letter_attr(mesh, a, letters) for a in n.inputs)
+    return fast_result(ins, (letter_attr(mesh, n.outputs[0], letters),))
+
+
+
+
+_ML_ATTRS = "ignore_index: int = -100, sum_multi_label_loss: bool = True, rank: int = 0, nranks: int = 1"
+register(
+    "c_softmax_with_multi_label_cross_entropy", ml_forward, f"x: T, label: T, smooth_weight: T, {_ML_ATTRS}",
+    ml_reverse, kind="reverse", outputs="softmax: T, loss: T",
+    forward_name="CSoftmaxWithMultiLabelCrossEntropyInferSpmd",
+    backward_name="CSoftmaxWithMultiLabelCrossEntropyInferSpmdReverse",
+)  # fmt: skip
+register(
+    "c_softmax_with_multi_label_cross_entropy_grad", ml_grad,
+    f"softmax: T, label: T, smooth_weight: T, loss_grad: T, {_ML_ATTRS}",
+    forward_name="CSoftmaxWithMultiLabelCrossEntropyGradSpmd",
 )  # fmt: skip

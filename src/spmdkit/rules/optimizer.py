@@ -1,5 +1,6 @@
 """Optimizer update rules: adam, adamw and sgd (Paddle's AdamInferSpmdDynamic,
-AdamwInferSpmdDynamic, SgdInferSpmd; not registered under these names in Paddle 3.3.1).
+AdamwInferSpmdDynamic, SgdInferSpmd; not registered under these names in Paddle 3.3.1), and
+coalesce_tensor, which fuses their parameters or grads into one buffer.
 
 Notation: the update is elementwise over the parameter's axes, ``abc`` for param, grad,
 moment1, moment2 (and moment2_max with amsgrad, master_param), and the scalars
@@ -28,29 +29,40 @@ merge of param and grad, raises where they shard one axis on different mesh dims
 replicates the axis (optimizer-two-mesh-dims). Paddle's per-axis vote can put one mesh dim on
 two axes (param [0,-1], moment1 [-1,0] -> [0,0]); spmdkit keeps it on the first
 (optimizer-repeated-mesh-dim).
+
+coalesce_tensor (CoalesceTensorInferSpmd): ``[T] -> [T], fused``, everything replicated (Paddle keeps the
+inputs sharded and answers a replicated fused output: ``docs/deviations.md`` ``moe-amp-*``). Its
+reverse rule (Paddle has none) infers the inputs from the outputs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from spmdkit.core.dist_attr import DimsMapping, Entry, TensorDistAttr, entry_dims
-from spmdkit.core.errors import InvalidArgumentError, ShapeMismatchError
+from spmdkit.core.errors import InvalidArgumentError, InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.axes import replicated_like
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import fast_result, named_mesh
+from spmdkit.rules._common import check_bool, check_int
 from spmdkit.rules.registry import register
 
 Shape = tuple[int, ...]
-_make = TensorDistAttr._make
+_make = TensorDistAttr.unchecked
 
 
 @memo()
 def _vote(ndim: int, mappings: tuple[DimsMapping, ...]) -> DimsMapping:
     """Per axis: the sharding all the mappings that shard it agree on, else -1; a mesh dim
-    claimed by an earlier axis is dropped."""
+    claimed by an earlier axis is dropped.
+
+    Engine policy needed to answer this through Notation (issue 17): ``conflict="replicate"``
+    (where two tensors shard one letter differently, co-shards compared whole, the letter is
+    replicated on every tensor; today's merge lets the larger tensor win), co-shards kept.
+    Rules: adam, adamw, sgd (forward and reverse, and their ``*_`` aliases)."""
     out: list[Entry] = []
     used: set[int] = set()
     for i in range(ndim):
@@ -93,12 +105,6 @@ def _same_shape(op: str, ref_name: str, ref: DistTensorSpec, named: tuple[tuple[
                 raise ShapeMismatchError(
                     f"{op}: {name} shape {list(ts)} differs from {ref_name} shape {list(s)} on axis {i}"
                 )
-
-
-def _repl(mesh: ProcessMesh, t: DistTensorSpec | None) -> TensorDistAttr | None:
-    if t is None:
-        return None
-    return _make(mesh, (-1,) * len(t.shape))
 
 
 _ADAM_STATES = ("param", "grad", "moment1", "moment2", "moment2_max", "master_param")
@@ -151,9 +157,9 @@ def _adam(
         return None if t is None else a
 
     m2max_out = a if amsgrad and moment2_max is not None else None
-    b1, b2 = _repl(mesh, beta1_pow), _repl(mesh, beta2_pow)
+    b1, b2 = replicated_like(mesh, beta1_pow), replicated_like(mesh, beta2_pow)
     return fast_result(
-        (a, a, _repl(mesh, learning_rate), a, a, opt(moment2_max), b1, b2, opt(master_param), _repl(mesh, skip_update)),
+        (a, a, replicated_like(mesh, learning_rate), a, a, opt(moment2_max), b1, b2, opt(master_param), replicated_like(mesh, skip_update)),
         (a, a, a, m2max_out, b1, b2, opt(master_param)),
     )
 
@@ -201,7 +207,7 @@ def _sgd(
         voters = tuple(o.dist_attr.dims_mapping for o in outs if o is not None)
     a = _make(mesh, _vote(len(param.shape), voters))
     m = None if master_param is None else a
-    return fast_result((a, _repl(mesh, learning_rate), a, m), (a, m))
+    return fast_result((a, replicated_like(mesh, learning_rate), a, m), (a, m))
 
 
 def sgd_forward(
@@ -231,18 +237,84 @@ _ADAMW_EXTRA = "lr_ratio: float = 1.0, coeff: float = 0.01, with_decay: bool = F
 
 register(
     "adam", adam_forward, f"{_ADAM_IN}, {_BETAS}, {_ADAM_TAIL}",
-    adam_backward, f"{_ADAM_IN}, {_ADAM_OUT}, {_BETAS}, {_ADAM_TAIL}",
+    adam_backward, kind="reverse", outputs=_ADAM_OUT,
     aliases=("adam_",), forward_name="AdamInferSpmdDynamic", backward_name="AdamInferSpmdReverse",
 )  # fmt: skip
 register(
     "adamw", adamw_forward, f"{_ADAM_IN}, {_BETAS}, {_ADAMW_EXTRA}, {_ADAM_TAIL}",
-    adamw_backward, f"{_ADAM_IN}, {_ADAM_OUT}, {_BETAS}, {_ADAMW_EXTRA}, {_ADAM_TAIL}",
+    adamw_backward, kind="reverse", outputs=_ADAM_OUT,
     aliases=("adamw_",), forward_name="AdamwInferSpmdDynamic", backward_name="AdamwInferSpmdReverse",
 )  # fmt: skip
 register(
     "sgd", sgd_forward, "param: T, learning_rate: T, grad: T, master_param: T?, multi_precision: bool = False",
     sgd_backward,
-    "param: T, learning_rate: T, grad: T, master_param: T?, param_out: T, master_param_out: T?, "
-    "multi_precision: bool = False",
+    kind="reverse", outputs="param_out: T, master_param_out: T?",
     aliases=("sgd_",), forward_name="SgdInferSpmd", backward_name="SgdInferSpmdReverse",
+)  # fmt: skip
+
+
+# -- coalesce_tensor -------------------------------------------------------------------------------
+
+
+def _coalesce_attrs(op: str, dtype: object, copy_data: object, set_constant: object, persist_output: object,
+                    constant: object, use_align: object, align_size: object, size_of_dtype: object) -> None:
+    if not isinstance(dtype, (str, int)) or isinstance(dtype, bool):
+        raise InvalidAttributeError(f"{op}: dtype must be a data type name, got {dtype!r}")
+    for n, v in (("copy_data", copy_data), ("set_constant", set_constant), ("persist_output", persist_output),
+                 ("use_align", use_align)):
+        check_bool(op, n, v)
+    if isinstance(constant, bool) or not isinstance(constant, (int, float)):
+        raise InvalidAttributeError(f"{op}: constant must be a number, got {constant!r}")
+    check_int(op, "align_size", align_size)
+    check_int(op, "size_of_dtype", size_of_dtype)
+
+
+def _coalesce(op: str, inputs: Sequence[DistTensorSpec], extra: Sequence[tuple[str, DistTensorSpec]]) -> SpmdResult:
+    if not inputs:
+        raise InvalidArgumentError(f"{op}: input must hold at least one tensor")
+    mesh = named_mesh(op, [*((f"input[{i}]", t) for i, t in enumerate(inputs)), *extra])
+    ins = tuple(_make(mesh, (-1,) * len(t.shape)) for t in inputs)
+    return SpmdResult((ins,), (ins, _make(mesh, (-1,))))
+
+
+def coalesce_forward(input: Sequence[DistTensorSpec], dtype: object = "float32", copy_data: bool = False,
+                     set_constant: bool = False, persist_output: bool = False, constant: float = 0.0,
+                     use_align: bool = True, align_size: int = -1, size_of_dtype: int = -1,
+                     concated_shapes: Sequence[int] = (), concated_ranks: Sequence[int] = ()) -> SpmdResult:
+    """coalesce_tensor (CoalesceTensorInferSpmd): the fused 1-D buffer holds every input whole, so
+    every input is replicated; output as the inputs, fused_output replicated."""
+    op = "coalesce_tensor"
+    _coalesce_attrs(op, dtype, copy_data, set_constant, persist_output, constant, use_align, align_size,
+                    size_of_dtype)
+    return _coalesce(op, input, ())
+
+
+def coalesce_reverse(input: Sequence[DistTensorSpec], output: Sequence[DistTensorSpec], fused_output: DistTensorSpec,
+                     dtype: object = "float32", copy_data: bool = False, set_constant: bool = False,
+                     persist_output: bool = False, constant: float = 0.0, use_align: bool = True,
+                     align_size: int = -1, size_of_dtype: int = -1, concated_shapes: Sequence[int] = (),
+                     concated_ranks: Sequence[int] = ()) -> SpmdResult:
+    """coalesce_tensor reverse (Paddle has none): every input replicated whatever the outputs ask
+    (the fused buffer needs them whole); the outputs those inputs produce."""
+    op = "coalesce_tensor"
+    _coalesce_attrs(op, dtype, copy_data, set_constant, persist_output, constant, use_align, align_size,
+                    size_of_dtype)
+    if len(output) != len(input):
+        raise ShapeMismatchError(f"{op}: output has {len(output)} tensors but input has {len(input)}")
+    if len(fused_output.shape) != 1:
+        raise ShapeMismatchError(f"{op}: fused_output must be 1-D, got shape {list(fused_output.shape)}")
+    return _coalesce(op, input, (*((f"output[{i}]", t) for i, t in enumerate(output)),
+                                 ("fused_output", fused_output)))
+
+
+
+
+_COALESCE_ATTRS = ("dtype: any = 'float32', copy_data: bool = False, set_constant: bool = False, "
+                   "persist_output: bool = False, constant: float = 0.0, use_align: bool = True, "
+                   "align_size: int = -1, size_of_dtype: int = -1, concated_shapes: ints = [], "
+                   "concated_ranks: ints = []")
+register(
+    "coalesce_tensor", coalesce_forward, f"input: [T], {_COALESCE_ATTRS}", coalesce_reverse,
+    kind="reverse", outputs="output: [T], fused_output: T",
+    forward_name="CoalesceTensorInferSpmd", backward_name="CoalesceTensorInferSpmdReverse",
 )  # fmt: skip

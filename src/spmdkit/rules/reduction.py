@@ -1,5 +1,5 @@
 """The reduction family: sum, mean, max, min, prod, any, all, squared_l2_norm,
-frobenius_norm, reduce_base, their reverse rules and their grads.
+frobenius_norm, reduce_base, p_norm and numel, their reverse rules and their grads.
 
 Notation (Paddle 3.3.1's ``reduction.cc``): x ``abc``, ``axis`` the reduced axes
 (empty = all; negatives count from the end; duplicates allowed), ``keep_dim``
@@ -22,11 +22,9 @@ the reduced axis is replicated (class 2); AVG over an uneven split is not the me
 mesh dim does not divide. A co-sharded axis keeps one mesh dim, its largest (the
 first of equal sizes), as Paddle 3.3.1 does.
 
-Partial inputs: x partial over a mesh dim with the op's own reduce type stays partial
-(the sum of a partial-sum is a partial-sum: ``sum(x_1 + x_2) = sum(x_1) + sum(x_2)``;
-the same for max, min, prod, any, all); ``sum`` and ``mean`` are linear, so they also
-keep a partial SUM or AVG x. Otherwise x is resharded to non-partial (as Paddle
-always does).
+Partial inputs: x is resharded to non-partial, as Paddle does (keeping a partial x of
+the op's own reduce type would be sound too: the sum of a partial-sum is a partial-sum,
+but Paddle's answer is sound and the reference).
 
 Reverse (``ReductionInferSpmdReverse(x, out, axis, keep_dim)``): x takes out's
 sharding on the kept axes, the reduced axes replicated, x not partial; the returned
@@ -39,17 +37,46 @@ min / prod / frobenius_norm. x, x_grad take out_grad's sharding on the kept axes
 the reduced axes replicated (also where keep_dim keeps them as size-1 axes);
 out_grad and out are made non-partial and unsharded on the size-1 kept axes;
 ``reduce_all`` reduces every axis.
+
+p_norm and numel (x ``abc``; a co-sharded axis read as its largest mesh dim):
+
+- ``p_norm`` (PNormInferSpmd(x, porder, axis, epsilon, keepdims, asvector)): a reduction
+  over ``axis`` (every axis with ``asvector``). A sharded reduced axis leaves out partial
+  where a reduce type is right: SUM for porder 0 (a count) and 1 (a sum of |x|), MAX for
+  +inf, MIN for -inf; for any other porder the reduced axes are replicated (a sum of local
+  norms is not the norm; Paddle marks them partial SUM). Reverse (PNormInferSpmdReverse):
+  x takes out's sharding on the kept axes, reduced axes replicated, out as x produces it.
+  ``p_norm_grad`` (PNormGradInferSpmd(x, out, out_grad, ...)): ``abc, ac, ac -> abc`` (``a1c``
+  with keepdims), merged over the three, the reduced axes replicated.
+- ``numel`` (NumelInferSpmd): ``x -> ()``, x as given, out partial SUM over x's mesh dims (local
+  element counts add up to the global one). Reverse (Paddle has none): x and out replicated.
+
+Their deviations (``docs/deviations.md`` ``misc-*``): p_norm's partial type and its reverse echoing out.
 """
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 from spmdkit.core.dist_attr import DimsMapping, Entry, Partial, ReduceType, TensorDistAttr, entry_dims
 from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation
+from spmdkit.engine.axes import normalize_axis, one_mesh_dim_per_axis, reduced_axes
+from spmdkit.engine.memo import memo
+from spmdkit.engine.notation import (
+    ALPHABET,
+    BROADCAST,
+    Notation,
+    einsum_backward,
+    einsum_forward,
+    fast_result,
+    named_mesh,
+)
+from spmdkit.rules._common import check_same_shape, merge_project
 from spmdkit.rules.registry import register
+
+_make = TensorDistAttr.unchecked
 
 Shape = tuple[int, ...]
 
@@ -64,7 +91,6 @@ REDUCE_TYPES: dict[int, ReduceType] = {
     6: ReduceType.ALL,
 }
 
-_LINEAR = frozenset({ReduceType.SUM, ReduceType.AVG})
 
 # how a kind treats a sharded reduced axis
 _PARTIAL = 0  # out partial with the reduce type (uneven splits too)
@@ -82,24 +108,7 @@ def _plan(op: str, ndim: int, axis: tuple[int, ...], keep_dim: bool) -> tuple[tu
     """(reduced flag per x axis, the x axis of each out axis (-1 for a kept size-1 axis))."""
     if ndim > len(ALPHABET):
         raise ShapeMismatchError(f"{op}: tensors of more than {len(ALPHABET)} dims are not supported")
-    reduced = [not axis] * ndim
-    for a in axis:
-        if ndim == 0:
-            if a not in (0, -1):
-                raise InvalidAttributeError(f"{op}: axis {a} is out of range for a 0-d x (0 or -1)")
-            continue
-        if not -ndim <= a < ndim:
-            raise InvalidAttributeError(
-                f"{op}: axis {a} is out of range for a {ndim}-D x [{-ndim}, {ndim})"
-            )
-        reduced[a + ndim if a < 0 else a] = True
-    pos: list[int] = []
-    for i, r in enumerate(reduced):
-        if not r:
-            pos.append(i)
-        elif keep_dim:
-            pos.append(-1)
-    return tuple(reduced), tuple(pos)
+    return reduced_axes(op, ndim, axis, keep_dim)
 
 
 def notation(ndim: int, axis: tuple[int, ...] = (), keep_dim: bool = False,
@@ -115,45 +124,21 @@ def notation(ndim: int, axis: tuple[int, ...] = (), keep_dim: bool = False,
     return Notation([x], [out], reduce=reduce, prune=red if reduce == ReduceType.AVG else "")
 
 
-def _major(e: Entry, mesh_shape: Shape) -> int:
-    """A co-sharded entry keeps one mesh dim, its largest (the first of equal sizes)."""
-    if e.__class__ is int:
-        return e
-    best = -1
-    for d in e:  # type: ignore[union-attr]
-        if best < 0 or mesh_shape[d] > mesh_shape[best]:
-            best = d
-    return best
-
-
-@lru_cache(maxsize=65536)
-def _forward_core(
-    shape: Shape, dm: DimsMapping, mesh_shape: Shape, reduced: tuple[bool, ...], pos: tuple[int, ...], kind: int
-) -> tuple[DimsMapping, DimsMapping, tuple[int, ...]]:
-    """(x's dims_mapping, out's, the mesh dims out is partial over)."""
-    x: list[int] = []
-    pdims: list[int] = []
-    for i, e in enumerate(dm):
-        d = _major(e, mesh_shape)
-        if d >= 0 and reduced[i]:
-            if kind == _REPLICATE:
-                d = -1
-            elif kind == _EVEN and (shape[i] < 0 or shape[i] % mesh_shape[d] != 0):
-                d = -1
-            else:
-                pdims.append(d)
-        x.append(d)
-    out = tuple(-1 if p < 0 else x[p] for p in pos)
-    return tuple(x), out, tuple(sorted(pdims))
-
-
-def _passes(op_type: ReduceType | None, partial: Partial) -> bool:
-    """Whether x's partial status passes through the reduction unchanged."""
-    if op_type is None:
-        return False
-    if op_type in _LINEAR:
-        return all(r in _LINEAR for _, r in partial)
-    return all(r == op_type for _, r in partial)
+@lru_cache(maxsize=4096)
+def _forward_notation(reduced: tuple[bool, ...], pos: tuple[int, ...], rtype: ReduceType | None, kind: int,
+                      unknown: tuple[int, ...]) -> Notation:
+    """The forward's notation for one plan: the reduced letters replicated (``_REPLICATE``),
+    pruned where the mesh dim does not divide them and replicated where their size is unknown
+    (``_EVEN``: the ``unknown`` axes), or left to make out partial with ``rtype``."""
+    x = ALPHABET[: len(reduced)]
+    out = "".join(BROADCAST if p < 0 else x[p] for p in pos)
+    red = "".join(c for c, r in zip(x, reduced) if r)
+    if kind == _REPLICATE or rtype is None:
+        return Notation([x], [out], replicated=red)
+    if kind == _EVEN:
+        unk = "".join(x[i] for i in unknown)
+        return Notation([x], [out], reduce=rtype, replicated=unk, prune="".join(c for c in red if c not in unk))
+    return Notation([x], [out], reduce=rtype)
 
 
 # ---------------------------------------------------------------------------
@@ -163,28 +148,15 @@ def _passes(op_type: ReduceType | None, partial: Partial) -> bool:
 
 def _forward(
     op: str, x: DistTensorSpec, axis: tuple[int, ...], keep_dim: bool,
-    rtype: ReduceType | None, kind: int, pass_partial: bool = False,
+    rtype: ReduceType | None, kind: int,
 ) -> SpmdResult:
     shape = x.shape
-    attr = x.dist_attr
     reduced, pos = _plan(op, len(shape), axis, keep_dim)
-    mesh = attr.mesh
-    xdm, odm, pdims = _forward_core(shape, attr.dims_mapping, mesh.shape, reduced, pos, kind)
-    make = TensorDistAttr._make
-    xp = attr.partial
-    if xp and pass_partial and _passes(rtype, xp):
-        in_pt: Partial = xp
-    else:
-        in_pt = ()
-    if pdims:
-        assert rtype is not None
-        acc = dict(in_pt)
-        for d in pdims:
-            acc[d] = rtype
-        out_pt: Partial = tuple(sorted(acc.items()))
-    else:
-        out_pt = in_pt
-    return SpmdResult([make(mesh, xdm, in_pt)], [make(mesh, odm, out_pt)])
+    unknown = tuple(i for i, r in enumerate(reduced) if r and shape[i] < 0) if kind == _EVEN else ()
+    # a co-sharded axis is read as its largest mesh dim (Paddle's reading) before the merge;
+    # the engine reshards a partial x
+    ins, outs = einsum_forward(op, _forward_notation(reduced, pos, rtype, kind, unknown), [one_mesh_dim_per_axis(x)])
+    return fast_result(tuple(ins), tuple(outs))
 
 
 def _expected_out_shape(x: DistTensorSpec, pos: tuple[int, ...]) -> Shape:
@@ -205,27 +177,24 @@ def _check_out(op: str, x: DistTensorSpec, out: DistTensorSpec, pos: tuple[int, 
             raise ShapeMismatchError(f"{op}: {name} axis {i} has {s}, but reducing x gives {w}")
 
 
-@lru_cache(maxsize=65536)
-def _reverse_core(odm: DimsMapping, mesh_shape: Shape, ndim: int, pos: tuple[int, ...]) -> tuple[DimsMapping, DimsMapping]:
-    x = [-1] * ndim
-    for j, p in enumerate(pos):
-        if p >= 0:
-            x[p] = _major(odm[j], mesh_shape)
-    return tuple(x), tuple(-1 if p < 0 else x[p] for p in pos)
+@lru_cache(maxsize=4096)
+def _reverse_notation(ndim: int, pos: tuple[int, ...]) -> Notation:
+    x = ALPHABET[:ndim]
+    return Notation([x], ["".join(BROADCAST if p < 0 else x[p] for p in pos)])
 
 
 def _reverse(op: str, x: DistTensorSpec, out: DistTensorSpec, axis: tuple[int, ...], keep_dim: bool) -> SpmdResult:
     _, pos = _plan(op, len(x.shape), axis, keep_dim)
     _check_out(op, x, out, pos)
-    mesh = x.dist_attr.mesh
-    xdm, odm = _reverse_core(out.dist_attr.dims_mapping, mesh.shape, len(x.shape), pos)
-    make = TensorDistAttr._make
-    return SpmdResult([make(mesh, xdm)], [make(mesh, odm)])
+    # x takes out's letters (a co-shard read as its largest mesh dim), the reduced ones
+    # replicated; out is what that x produces
+    ins, outs = einsum_backward(op, _reverse_notation(len(x.shape), pos), [x], [one_mesh_dim_per_axis(out)])
+    return fast_result(tuple(ins), tuple(outs))
 
 
-def _make_rule(op: str, rtype: ReduceType | None, kind: int, pass_partial: bool = True) -> tuple[object, object]:
+def _make_rule(op: str, rtype: ReduceType | None, kind: int) -> tuple[object, object]:
     def forward(x: DistTensorSpec, axis: tuple[int, ...] = (), keep_dim: bool = False) -> SpmdResult:
-        return _forward(op, x, axis, keep_dim, rtype, kind, pass_partial)
+        return _forward(op, x, axis, keep_dim, rtype, kind)
 
     def backward(x: DistTensorSpec, out: DistTensorSpec, axis: tuple[int, ...] = (),
                  keep_dim: bool = False) -> SpmdResult:
@@ -254,8 +223,8 @@ def reduce_base_forward(
 
 
 def reduce_base_backward(x: DistTensorSpec, out: DistTensorSpec, axis: tuple[int, ...] = (),
-                         keep_dim: bool = False) -> SpmdResult:
-    """ReductionInferSpmdReverse."""
+                         keep_dim: bool = False, reduce_type: int = 0) -> SpmdResult:
+    """ReductionInferSpmdReverse (reduce_type, the forward's attribute, does not change it)."""
     return _reverse("reduce_base", x, out, axis, keep_dim)
 
 
@@ -270,7 +239,14 @@ def _grad_core(gdm: DimsMapping, nd: int, pos: tuple[int, ...],
     """(x's and x_grad's dims_mapping, out_grad's): the kept axes as out_grad shards them. With
     ``xdm`` (sum, whose x_grad is out_grad broadcast back over the reduced axes and depends on
     neither x's values nor the reduced count, as mean's does) the reduced axes keep x's own sharding where its mesh dims
-    are free (a slice of a broadcast value: no communication); else they are replicated."""
+    are free (a slice of a broadcast value: no communication); else they are replicated.
+
+    Engine policy needed to answer this through Notation (issue 17): ``authority=out_grad``
+    (out_grad's letters win outright on the kept axes; no size-weighted conflict with x) and,
+    for sum_grad, ``coshard_claim="whole"`` (x's co-sharded reduced axis keeps its sharding only
+    where every one of its mesh dims is free; today's merge drops the taken dims one by one).
+    Co-shards are kept. Rules: sum_grad, mean_grad, max_grad, min_grad, prod_grad,
+    squared_l2_norm_grad, frobenius_norm_grad and their aliases."""
     x: list[Entry] = [-1] * nd
     g: list[Entry] = []
     used: set[int] = set()
@@ -315,7 +291,7 @@ def _grad(
         if out.shape != gshape and not (len(out.shape) == len(gshape) and all(
                 a == b or a < 0 or b < 0 for a, b in zip(out.shape, gshape))):
             raise ShapeMismatchError(f"{op}: out has shape {list(out.shape)} but out_grad {list(gshape)}")
-    make = TensorDistAttr._make
+    make = TensorDistAttr.unchecked
     xa = make(mesh, xdm)
     ga = make(mesh, gdm)
     ins = [xa, ga] if out is None else [xa, ga, ga]
@@ -344,22 +320,19 @@ def _make_grad(op: str, with_out: bool) -> object:
 # registration
 # ---------------------------------------------------------------------------
 
-#: name -> (reduce type (None: replicate), how a sharded reduced axis is treated,
-#: whether a partial x may pass through, aliases)
-REDUCTION_OPS: dict[str, tuple[ReduceType | None, int, bool, tuple[str, ...]]] = {
-    # a partial input is resharded, as in Paddle (keeping a partial of the op's own type would
-    # be sound too, but Paddle's answer is sound and the reference)
-    "sum": (ReduceType.SUM, _PARTIAL, False, ("reduce_sum",)),
-    "mean": (ReduceType.AVG, _EVEN, False, ("reduce_mean",)),
-    "max": (ReduceType.MAX, _PARTIAL, False, ("reduce_max", "amax")),
-    "min": (ReduceType.MIN, _PARTIAL, False, ("reduce_min", "amin")),
-    "prod": (ReduceType.PROD, _PARTIAL, False, ("reduce_prod",)),
+#: name -> (reduce type (None: replicate), how a sharded reduced axis is treated, aliases)
+REDUCTION_OPS: dict[str, tuple[ReduceType | None, int, tuple[str, ...]]] = {
+    "sum": (ReduceType.SUM, _PARTIAL, ("reduce_sum",)),
+    "mean": (ReduceType.AVG, _EVEN, ("reduce_mean",)),
+    "max": (ReduceType.MAX, _PARTIAL, ("reduce_max", "amax")),
+    "min": (ReduceType.MIN, _PARTIAL, ("reduce_min", "amin")),
+    "prod": (ReduceType.PROD, _PARTIAL, ("reduce_prod",)),
     # Paddle marks any partial SUM: sound on booleans (a sum of booleans is their OR)
-    "any": (ReduceType.SUM, _PARTIAL, False, ("reduce_any",)),
-    "all": (ReduceType.ALL, _PARTIAL, False, ("reduce_all",)),
+    "any": (ReduceType.SUM, _PARTIAL, ("reduce_any",)),
+    "all": (ReduceType.ALL, _PARTIAL, ("reduce_all",)),
     # a sum of squares: partial SUM over a sharded axis, but the square of a partial is not
-    "squared_l2_norm": (ReduceType.SUM, _PARTIAL, False, ()),
-    "frobenius_norm": (None, _REPLICATE, False, ()),
+    "squared_l2_norm": (ReduceType.SUM, _PARTIAL, ()),
+    "frobenius_norm": (None, _REPLICATE, ()),
 }
 
 #: grad name -> (takes out, aliases)
@@ -374,20 +347,19 @@ REDUCTION_GRADS: dict[str, tuple[bool, tuple[str, ...]]] = {
 }
 
 _FWD_SIG = "x: T, axis: ints = [], keep_dim: bool = false"
-_BWD_SIG = "x: T, out: T, axis: ints = [], keep_dim: bool = false"
 
 
 def _register_all() -> None:
-    for name, (rtype, kind, pp, aliases) in REDUCTION_OPS.items():
-        f, b = _make_rule(name, rtype, kind, pp)
+    for name, (rtype, kind, aliases) in REDUCTION_OPS.items():
+        f, b = _make_rule(name, rtype, kind)
         register(
-            name, f, _FWD_SIG, b, _BWD_SIG, aliases=aliases,  # type: ignore[arg-type]
+            name, f, _FWD_SIG, b, kind="reverse", outputs="out: T", aliases=aliases,  # type: ignore[arg-type]
             forward_name="ReductionMeanInferSpmdDynamic" if name == "mean" else "ReductionInferSpmd",
             backward_name="ReductionInferSpmdReverse",
         )  # fmt: skip
     register(
         "reduce_base", reduce_base_forward, _FWD_SIG + ", reduce_type: int = 0",
-        reduce_base_backward, _BWD_SIG,
+        reduce_base_backward, kind="reverse", outputs="out: T",
         forward_name="ReductionInferSpmdBase", backward_name="ReductionInferSpmdReverse",
     )  # fmt: skip
     for name, (with_out, aliases) in REDUCTION_GRADS.items():
@@ -398,5 +370,149 @@ def _register_all() -> None:
 
 
 _register_all()
+
+
+# ---------------------------------------------------------------------------
+# p_norm
+# ---------------------------------------------------------------------------
+
+
+def _pnorm_reduce(porder: float) -> ReduceType | None:
+    """The partial type a sharded reduced axis leaves, None where there is none."""
+    if porder == 0.0 or porder == 1.0:
+        return ReduceType.SUM
+    if math.isinf(porder):
+        return ReduceType.MAX if porder > 0 else ReduceType.MIN
+    return None
+
+
+@memo()
+def _pnorm_notation(nd: int, axis: int, keepdims: bool, asvector: bool, porder: float) -> Notation:
+    s = ALPHABET[:nd]
+    if nd == 0:
+        red: frozenset[int] = frozenset()
+    elif asvector:
+        red = frozenset(range(nd))
+    else:
+        red = frozenset((axis,))
+    if keepdims:
+        o = "".join(BROADCAST if i in red else c for i, c in enumerate(s))
+    else:
+        o = "".join(c for i, c in enumerate(s) if i not in red)
+    rt = _pnorm_reduce(porder)
+    reduced = "".join(s[i] for i in sorted(red))
+    return Notation((s,), (o,), replicated="" if rt is not None else reduced, reduce=rt or ReduceType.SUM)
+
+
+def _pnorm_setup(op: str, x: DistTensorSpec, porder: float, axis: int, keepdims: bool, asvector: bool) -> Notation:
+    nd = len(x.shape)
+    if nd > len(ALPHABET):
+        raise ShapeMismatchError(f"{op}: tensors of more than {len(ALPHABET)} dims are not supported")
+    if math.isnan(porder):
+        raise InvalidAttributeError(f"{op}: porder must be a number, got nan")
+    ax = 0 if asvector and nd else normalize_axis(op, axis, nd)
+    return _pnorm_notation(nd, ax, bool(keepdims), bool(asvector), float(porder))
+
+
+def p_norm_forward(
+    x: DistTensorSpec, porder: float = 2.0, axis: int = -1, epsilon: float = 1e-12, keepdims: bool = False,
+    asvector: bool = False,
+) -> SpmdResult:
+    """PNormInferSpmd: a reduction; a sharded reduced axis is partial only where a type is right."""
+    n = _pnorm_setup("p_norm", x, porder, axis, keepdims, asvector)
+    mesh = x.dist_attr.mesh
+    ins, outs = merge_project(n, n.inputs, (one_mesh_dim_per_axis(x),), mesh)
+    return fast_result(tuple(ins), tuple(outs))
+
+
+def p_norm_backward(
+    x: DistTensorSpec, out: DistTensorSpec, porder: float = 2.0, axis: int = -1, epsilon: float = 1e-12,
+    keepdims: bool = False, asvector: bool = False,
+) -> SpmdResult:
+    """PNormInferSpmdReverse: x from out on the kept axes, reduced axes replicated."""
+    op = "p_norm"
+    mesh = named_mesh(op, (("x", x), ("out", out)))
+    n = _pnorm_setup(op, x, porder, axis, keepdims, asvector)
+    o = n.outputs[0]
+    assert o is not None
+    check_same_shape(op, out, _pnorm_out_shape(x.shape, n), "out", "p_norm of x")
+    # x's letters from out only; the reduced letters (absent from out or `1`) stay unsharded
+    ins, _ = merge_project(n, (None, o), (None, one_mesh_dim_per_axis(out)), mesh)
+    xa = ins[0]
+    assert xa is not None
+    ins2, outs2 = merge_project(n, n.inputs, (DistTensorSpec(x.shape, xa),), mesh)
+    return fast_result(tuple(ins2), tuple(outs2))
+
+
+def _pnorm_out_shape(shape: Shape, n: Notation) -> Shape:
+    x, o = n.inputs[0], n.outputs[0]
+    assert x is not None and o is not None
+    size = dict(zip(x, shape))
+    return tuple(1 if c == BROADCAST else size[c] for c in o)
+
+
+def p_norm_grad(
+    x: DistTensorSpec, out: DistTensorSpec, out_grad: DistTensorSpec, porder: float = 2.0, axis: int = -1,
+    epsilon: float = 1e-12, keepdims: bool = False, asvector: bool = False,
+) -> SpmdResult:
+    """PNormGradInferSpmd: ``abc, ac, ac -> abc``, merged over the three, reduced axes replicated."""
+    op = "p_norm_grad"
+    mesh = named_mesh(op, (("x", x), ("out", out), ("out_grad", out_grad)))
+    n0 = _pnorm_setup(op, x, porder, axis, keepdims, asvector)
+    xs, o = n0.inputs[0], n0.outputs[0]
+    assert xs is not None and o is not None
+    oshape = _pnorm_out_shape(x.shape, n0)
+    check_same_shape(op, out, oshape, "out", "p_norm of x")
+    check_same_shape(op, out_grad, oshape, "out_grad", "p_norm of x")
+    reduced = "".join(c for c in xs if c not in o)
+    n = _grad_notation(xs, o, reduced)
+    ins, outs = merge_project(n, n.inputs, (one_mesh_dim_per_axis(x), one_mesh_dim_per_axis(out), one_mesh_dim_per_axis(out_grad)), mesh)
+    return fast_result(tuple(ins), tuple(outs))
+
+
+@memo()
+def _grad_notation(xs: str, o: str, reduced: str) -> Notation:
+    return Notation((xs, o, o), (xs,), replicated=reduced)
+
+
+
+
+_PN_SIG = "porder: float = 2.0, axis: int = -1, epsilon: float = 1e-12, keepdims: bool = False, asvector: bool = False"
+register("p_norm", p_norm_forward, f"x: T, {_PN_SIG}", p_norm_backward, kind="reverse", outputs="out: T",
+         forward_name="PNormInferSpmd", backward_name="PNormInferSpmdReverse")  # fmt: skip
+register("p_norm_grad", p_norm_grad, f"x: T, out: T, out_grad: T, {_PN_SIG}", forward_name="PNormGradInferSpmd")
+
+
+
+# -- numel -----------------------------------------------------------------------------------------
+
+
+@memo()
+def _numel_partial(dm: DimsMapping) -> Partial:
+    return tuple(sorted((d, ReduceType.SUM) for e in dm for d in entry_dims(e)))
+
+
+def numel_forward(x: DistTensorSpec) -> SpmdResult:
+    """numel (NumelInferSpmd): x as given; the 0-d count partial SUM over every mesh dim sharding x
+    (local element counts add up to the global one, uneven shards included)."""
+    a = x.dist_attr
+    return fast_result((a,), (_make(a.mesh, (), _numel_partial(a.dims_mapping)),))
+
+
+def numel_reverse(x: DistTensorSpec, out: DistTensorSpec) -> SpmdResult:
+    """numel reverse (Paddle has none): a 0-d count says nothing about x's axes: x replicated,
+    the count replicated."""
+    op = "numel"
+    if len(out.shape) != 0:
+        raise ShapeMismatchError(f"{op}: out must be a 0-d tensor, got shape {list(out.shape)}")
+    mesh = named_mesh(op, (("x", x), ("out", out)))
+    return fast_result((_make(mesh, (-1,) * len(x.shape)),), (_make(mesh, ()),))
+
+
+
+
+register("numel", numel_forward, "x: T", numel_reverse, kind="reverse", outputs="out: T", forward_name="NumelInferSpmd",
+         backward_name="NumelInferSpmdReverse")
+
 
 __all__ = ["REDUCE_TYPES", "REDUCTION_GRADS", "REDUCTION_OPS", "notation"]

@@ -1,9 +1,11 @@
 """Rule objects, argument binding and the name -> rule registry.
 
 A rule is registered with its forward function and, where it has one, its
-backward function (Paddle's reverse rule, or for some names the grad rule Paddle
-registers in that place), each with a signature string in Paddle 3.3.1's
-parameter order, e.g. ``"x: T, y: T, trans_x: bool = False, trans_y: bool = False"``.
+backward function, declared as one of two kinds: Paddle's reverse rule
+(``kind="reverse"``, with the op's ``outputs``: its signature is derived, the forward's
+tensors, then the outputs, then the forward's attributes) or the grad rule Paddle
+registers in that place (``kind="grad"``, with its own signature). Signatures are strings
+in Paddle 3.3.1's parameter order, e.g. ``"x: T, y: T, trans_x: bool = False"``.
 
 Kinds: ``T`` a tensor (DistTensorSpec), ``T?`` an optional tensor (``None`` when
 absent), ``[T]`` a list of tensors, ``[T?]`` a list whose items may be absent; attributes: ``bool``, ``int``,
@@ -424,17 +426,29 @@ def _what(v: Any) -> str:
     return f"{type(v).__name__} {_show(v)}"
 
 
+#: The kinds of a rule's modes: its forward rule; in the backward slot either Paddle's reverse
+#: rule (the op's outputs -> its inputs) or a grad rule Paddle registers in that place.
+FORWARD = "forward"
+REVERSE = "reverse"
+GRAD = "grad"
+_KINDS = (FORWARD, REVERSE, GRAD)
+
+
 class Mode:
-    """One direction of a rule: a function and its parameters."""
+    """One direction of a rule: a function, its parameters and its declared kind
+    (:data:`FORWARD`, :data:`REVERSE` or :data:`GRAD`; ``""`` where not declared)."""
 
-    __slots__ = ("fn", "function_name", "n_required", "names", "params")
+    __slots__ = ("fn", "function_name", "kind", "n_required", "names", "params")
 
-    def __init__(self, fn: RuleFn, signature: str, function_name: str = "") -> None:
+    def __init__(self, fn: RuleFn, signature: str, function_name: str = "", kind: str = "") -> None:
+        if kind and kind not in _KINDS:
+            raise ValueError(f"bad mode kind {kind!r} (one of {', '.join(_KINDS)})")
         self.fn = fn
         self.params = parse_signature(signature)
         self.n_required = sum(1 for p in self.params if p.required)
         self.names = {p.name: i for i, p in enumerate(self.params)}
         self.function_name = function_name or getattr(fn, "__name__", "")
+        self.kind = kind
 
     def bind(self, op: str, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         params = self.params
@@ -498,14 +512,17 @@ class Rule:
     Paddle's parameter names. Answers are cached per distinct call.
     """
 
-    __slots__ = ("_cache", "aliases", "backward", "doc", "forward", "name")
+    __slots__ = ("_cache", "aliases", "backward", "doc", "forward", "name", "outputs")
 
-    def __init__(self, name: str, forward: Mode, backward: Mode | None, doc: str = "") -> None:
+    def __init__(self, name: str, forward: Mode, backward: Mode | None, doc: str = "",
+                 outputs: Sequence[str] = ()) -> None:
         self.name = name
         self.forward = forward
         self.backward = backward
         self.doc = doc
         self.aliases: tuple[str, ...] = ()
+        #: the op's output tensors (the reverse rule's extra parameters), where declared
+        self.outputs = tuple(outputs)
         self._cache: dict[Any, SpmdResult] = {}
 
     @property
@@ -573,6 +590,16 @@ _RULES: dict[str, Rule] = {}
 _CANONICAL: dict[str, Rule] = {}
 
 
+def reverse_signature(forward_sig: str, outputs: str) -> str:
+    """The signature of a reverse rule: the forward's tensors, then the op's ``outputs``
+    (``"out: T"``, ``"out: T, indices: T?"``), then the forward's attributes."""
+    fwd = _split_params(forward_sig) if forward_sig.strip() else []
+    tensors = [p for p, q in zip(fwd, parse_signature(forward_sig)) if q.is_tensor]
+    attrs = [p for p, q in zip(fwd, parse_signature(forward_sig)) if not q.is_tensor]
+    outs = _split_params(outputs) if outputs.strip() else []
+    return ",".join([*tensors, *outs, *attrs])
+
+
 def register(
     name: str,
     forward: RuleFn,
@@ -580,17 +607,47 @@ def register(
     backward: RuleFn | None = None,
     backward_sig: str = "",
     *,
+    kind: str = "",
+    outputs: str = "",
+    grad_name: str = "",
+    grad_aliases: Sequence[str] = (),
     aliases: Sequence[str] = (),
     doc: str = "",
     forward_name: str = "",
     backward_name: str = "",
 ) -> Rule:
-    """Register a rule (and its aliases). Re-registering a name is an error."""
+    """Register a rule (and its aliases). Re-registering a name is an error.
+
+    The backward slot is declared with its ``kind``: ``"reverse"`` (Paddle's reverse rule) with
+    the op's ``outputs`` (e.g. ``"out: T"``; empty where the forward signature holds them
+    already), its signature then derived by :func:`reverse_signature` (``backward_sig`` is not
+    given); or ``"grad"`` (a grad rule in
+    that place) with its ``backward_sig`` in Paddle's order; ``grad_name`` (and
+    ``grad_aliases``) also registers that grad rule as a rule of its own, forward only."""
+    if grad_name and (kind != GRAD or backward is None):
+        raise ValueError(f"rule {name!r}: grad_name {grad_name!r} needs a grad rule in the backward slot")
+    if backward is None:
+        if kind or outputs or backward_sig:
+            raise ValueError(f"rule {name!r}: kind / outputs / backward_sig without a backward function")
+        bwd = None
+    elif kind == REVERSE:
+        if backward_sig:
+            raise ValueError(f"rule {name!r}: a reverse rule declares its outputs, not a signature")
+        bwd = Mode(backward, reverse_signature(forward_sig, outputs), backward_name, REVERSE)
+    elif kind == GRAD:
+        if outputs or not backward_sig:
+            raise ValueError(f"rule {name!r}: a grad rule declares its signature, not outputs")
+        bwd = Mode(backward, backward_sig, backward_name, GRAD)
+    elif not kind:
+        bwd = Mode(backward, backward_sig, backward_name)  # undeclared: see _undeclared_kind
+    else:
+        raise ValueError(f"rule {name!r}: bad backward kind {kind!r} (reverse or grad)")
     rule = Rule(
         name,
-        Mode(forward, forward_sig, forward_name),
-        Mode(backward, backward_sig, backward_name) if backward is not None else None,
+        Mode(forward, forward_sig, forward_name, FORWARD),
+        bwd,
         doc or (forward.__doc__ or "").strip().split("\n")[0],
+        [p.name for p in parse_signature(outputs)] if outputs.strip() else (),
     )
     rule.aliases = tuple(aliases)
     for n in (name, *aliases):
@@ -598,27 +655,46 @@ def register(
             raise ValueError(f"rule {n!r} registered twice")
         _RULES[n] = rule
     _CANONICAL[name] = rule
+    if grad_name:
+        assert backward is not None  # checked above
+        register(grad_name, backward, backward_sig, aliases=grad_aliases, forward_name=backward_name)
     return rule
+
+
+def backward_kind(rule: Rule) -> str:
+    """The declared kind of the rule's backward slot (:data:`REVERSE` or :data:`GRAD`), ``""``
+    without one."""
+    if rule.backward is None:
+        return ""
+    return rule.backward.kind or _undeclared_kind(rule)
 
 
 def is_reverse(rule: Rule) -> bool:
     """Is the rule's backward slot a reverse rule (the op's outputs -> its inputs), not a grad rule?"""
-    if rule.backward is None:
-        return False
+    return backward_kind(rule) == REVERSE
+
+
+def _undeclared_kind(rule: Rule) -> str:
+    """Transitional, for rules registered without a declared kind (matmul, norm and softmax
+    until their declarations say it; a test lists them): read from the backward function's
+    Paddle name and the signatures. Every other family declares ``kind``."""
+    assert rule.backward is not None
     fn = (rule.backward.function_name or "").lower()
     if "reverse" in fn:
-        return True
+        return REVERSE
     if "grad" in fn:
-        return False
+        return GRAD
     fwd = {p.name for p in rule.forward.params if p.is_tensor}
     bwd = {p.name for p in rule.backward.params if p.is_tensor}
-    return fwd <= bwd and bool(bwd - fwd)
+    return REVERSE if fwd <= bwd and bool(bwd - fwd) else GRAD
 
 
 def output_params(rule: Rule) -> list[str]:
     """The backward (reverse) rule's tensor params that are outputs of the op, in order."""
     if rule.backward is None:
         return []
+    if rule.outputs:
+        return list(rule.outputs)
     fwd = [p.name for p in rule.forward.params if p.is_tensor]
     return [p.name for p in rule.backward.params if p.is_tensor and p.name not in fwd]
 

@@ -55,7 +55,7 @@ out-of-range axes (spmdkit raises SpmdError).
 
 from __future__ import annotations
 
-from spmdkit.core.dist_attr import DimsMapping, Entry, Partial, ReduceType, TensorDistAttr
+from spmdkit.core.dist_attr import DimsMapping, Partial, ReduceType, TensorDistAttr
 from spmdkit.core.errors import (
     InvalidArgumentError,
     InvalidAttributeError,
@@ -63,43 +63,17 @@ from spmdkit.core.errors import (
     ShapeMismatchError,
 )
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.axes import largest_mesh_dim, normalize_axis, numel, one_mesh_dim, reduced_axes
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import ALPHABET, fast_result, merge_letters
 from spmdkit.rules.registry import register
 
 Shape = tuple[int, ...]
-_make = TensorDistAttr._make
+_make = TensorDistAttr.unchecked
 
 # ---------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------
-
-
-def _major(e: Entry, mesh_shape: Shape) -> int:
-    """One mesh dim for an entry: a co-shard keeps its largest (the first of equal sizes)."""
-    if e.__class__ is int:
-        return e  # type: ignore[return-value,unused-ignore]
-    best = -1
-    for d in e:  # type: ignore[union-attr]
-        if best < 0 or mesh_shape[d] > mesh_shape[best]:
-            best = d
-    return best
-
-
-@memo()
-def _singles(dm: DimsMapping, mesh_shape: Shape) -> DimsMapping:
-    return tuple(_major(e, mesh_shape) for e in dm)
-
-
-def _axis(op: str, axis: int, ndim: int, name: str = "axis") -> int:
-    """A normalized axis; a 0-d tensor takes 0 or -1 (normalized to 0)."""
-    if ndim == 0:
-        if axis not in (0, -1):
-            raise InvalidAttributeError(f"{op}: {name} {axis} is out of range for a 0-d x (0 or -1)")
-        return 0
-    if not -ndim <= axis < ndim:
-        raise InvalidAttributeError(f"{op}: {name} {axis} is out of range for a {ndim}-D x [{-ndim}, {ndim})")
-    return axis + ndim if axis < 0 else axis
 
 
 def _same_mesh(op: str, a: DistTensorSpec, b: DistTensorSpec, na: str, nb: str) -> None:
@@ -113,15 +87,6 @@ def _check_shape(op: str, got: Shape, want: Shape, name: str, what: str) -> None
     for i, (s, w) in enumerate(zip(got, want)):
         if s != w and s >= 0 and w >= 0:
             raise ShapeMismatchError(f"{op}: {name} axis {i} has size {s}, but {what} gives {w}")
-
-
-def _numel(shape: Shape) -> int:
-    n = 1
-    for s in shape:
-        if s < 0:
-            return -1
-        n *= s
-    return n
 
 
 # ---------------------------------------------------------------------------
@@ -180,7 +145,7 @@ def tril_triu_grad(out_grad: DistTensorSpec, diagonal: int = 0, lower: bool = Fa
 
 @memo()
 def _unshard_axis(dm: DimsMapping, mesh_shape: Shape, axis: int) -> DimsMapping:
-    s = list(_singles(dm, mesh_shape))
+    s = list(one_mesh_dim(dm, mesh_shape))
     if s:
         s[axis] = -1
     return tuple(s)
@@ -195,14 +160,14 @@ def cumsum_forward(
     nd = len(x.shape)
     if flatten:
         return fast_result((_make(mesh, (-1,) * nd),), (_make(mesh, (-1,)),))
-    ax = _axis("cumsum", axis, nd)
+    ax = normalize_axis("cumsum", axis, nd, tensor="x")
     dm = _unshard_axis(attr.dims_mapping, mesh.shape, ax)
     a = _make(mesh, dm)
     return fast_result((a,), (a,))
 
 
 def _cumsum_out_shape(x: DistTensorSpec, flatten: bool) -> Shape:
-    return (_numel(x.shape),) if flatten else x.shape
+    return (numel(x.shape),) if flatten else x.shape
 
 
 def _cumsum_reverse(
@@ -214,7 +179,7 @@ def _cumsum_reverse(
     nd = len(x.shape)
     if flatten:
         return _make(mesh, (-1,) * nd), _make(mesh, (-1,))
-    ax = _axis(op, axis, nd)
+    ax = normalize_axis(op, axis, nd, tensor="x")
     a = _make(mesh, _unshard_axis(out.dist_attr.dims_mapping, mesh.shape, ax))
     return a, a
 
@@ -268,7 +233,7 @@ def _make_arg(op: str, fwd_name: str):  # type: ignore[no-untyped-def]
         attr = x.dist_attr
         mesh = attr.mesh
         nd = len(x.shape)
-        ax = _axis(op, axis, nd)
+        ax = normalize_axis(op, axis, nd, tensor="x")
         if flatten:
             return fast_result((_make(mesh, (-1,) * nd),), (_make(mesh, (-1,) * nd if keepdims else ()),))
         xdm, odm = _arg_core(attr.dims_mapping, mesh.shape, ax, keepdims)
@@ -280,7 +245,7 @@ def _make_arg(op: str, fwd_name: str):  # type: ignore[no-untyped-def]
         _same_mesh(op, x, out, "x", "out")
         mesh = x.dist_attr.mesh
         nd = len(x.shape)
-        ax = _axis(op, axis, nd)
+        ax = normalize_axis(op, axis, nd, tensor="x")
         _check_shape(op, out.shape, _arg_out_shape(x.shape, ax, keepdims, flatten), "out", f"{op} of x")
         if flatten:
             return fast_result((_make(mesh, (-1,) * nd),), (_make(mesh, (-1,) * len(out.shape)),))
@@ -310,7 +275,7 @@ def _topk_checks(op: str, x: DistTensorSpec, k: int, axis: int) -> int:
     nd = len(x.shape)
     if nd == 0:
         raise ShapeMismatchError(f"{op}: x must have at least 1 dim (axis {axis} is out of range for a 0-d x)")
-    ax = _axis(op, axis, nd)
+    ax = normalize_axis(op, axis, nd, tensor="x")
     if k < 1:
         raise InvalidAttributeError(f"{op}: k must be >= 1, got {k}")
     size = x.shape[ax]
@@ -399,25 +364,7 @@ def _topk_backward(
 @memo()
 def _lse_plan(ndim: int, axis: tuple[int, ...], keepdims: bool, reduce_all: bool) -> tuple[tuple[bool, ...], Shape]:
     """(reduced flag per x axis, the x axis of each out axis (-1: a kept size-1 axis))."""
-    if reduce_all or not axis or ndim == 0:
-        reduced = [True] * ndim
-    else:
-        reduced = [False] * ndim
-    for a in axis:
-        if ndim == 0:
-            if a not in (0, -1):
-                raise InvalidAttributeError(f"logsumexp: axis {a} is out of range for a 0-d x (0 or -1)")
-            continue
-        if not -ndim <= a < ndim:
-            raise InvalidAttributeError(f"logsumexp: axis {a} is out of range for a {ndim}-D x [{-ndim}, {ndim})")
-        reduced[a + ndim if a < 0 else a] = True
-    pos: list[int] = []
-    for i, r in enumerate(reduced):
-        if not r:
-            pos.append(i)
-        elif keepdims:
-            pos.append(-1)
-    return tuple(reduced), tuple(pos)
+    return reduced_axes("logsumexp", ndim, axis, keepdims, reduce_all)
 
 
 @memo()
@@ -429,9 +376,9 @@ def _lse_core(src: DimsMapping, mesh_shape: Shape, reduced: tuple[bool, ...], po
         x = [-1] * nd
         for j, p in enumerate(pos):
             if p >= 0:
-                x[p] = _major(src[j], mesh_shape)
+                x[p] = largest_mesh_dim(src[j], mesh_shape)
     else:
-        x = [-1 if r else _major(e, mesh_shape) for e, r in zip(src, reduced)]
+        x = [-1 if r else largest_mesh_dim(e, mesh_shape) for e, r in zip(src, reduced)]
     return tuple(x), tuple(-1 if p < 0 else x[p] for p in pos)
 
 
@@ -493,11 +440,11 @@ _LINEAR = frozenset({ReduceType.SUM, ReduceType.AVG})
 def _add_n_core(dms: tuple[DimsMapping, ...], shapes: tuple[Shape, ...], mesh_shape: Shape) -> DimsMapping:
     first = dms[0]
     if all(dm == first for dm in dms):  # the common case: nothing to merge
-        return _singles(first, mesh_shape)
+        return one_mesh_dim(first, mesh_shape)
     nd = len(shapes[0])
     letters = ALPHABET[:nd]
     merged = dict(merge_letters(
-        (letters,) * len(dms), tuple(_singles(dm, mesh_shape) for dm in dms), shapes, frozenset(), "", mesh_shape,
+        (letters,) * len(dms), tuple(one_mesh_dim(dm, mesh_shape) for dm in dms), shapes, frozenset(), "", mesh_shape,
     ))  # fmt: skip
     return tuple(d[0] if d else -1 for d in (merged.get(ch, ()) for ch in letters))
 
@@ -537,7 +484,7 @@ def add_n_backward(input: tuple[DistTensorSpec, ...], out: DistTensorSpec) -> Sp
     _same_mesh("add_n", first, out, "input[0]", "out")
     _check_shape("add_n", out.shape, first.shape, "out", "adding the inputs")
     mesh = first.dist_attr.mesh
-    a = _make(mesh, _singles(out.dist_attr.dims_mapping, mesh.shape))
+    a = _make(mesh, one_mesh_dim(out.dist_attr.dims_mapping, mesh.shape))
     return fast_result(((a,) * len(input),), (a,))  # type: ignore[arg-type]
 
 
@@ -610,45 +557,45 @@ def _make_create_like(op: str):  # type: ignore[no-untyped-def]
 
 def _register_all() -> None:
     f, b = _make_triu("triu", "TriuInferSpmd")
-    register("triu", f, "x: T, diagonal: int = 0", b, "x: T, out: T, diagonal: int = 0",
+    register("triu", f, "x: T, diagonal: int = 0", b, kind="reverse", outputs="out: T",
              forward_name="TriuInferSpmd", backward_name="TriuInferSpmdReverse")  # fmt: skip
     register("triu_grad", triu_grad, "out_grd: T, diagonal: int = 0", forward_name="TriuGradInferSpmd")
     f2, b2 = _make_triu("tril_triu", "TrilTriuInferSpmd")
     register("tril_triu", f2, "x: T, diagonal: int = 0, lower: bool = False",
-             b2, "x: T, out: T, diagonal: int = 0, lower: bool = False",
+             b2, kind="reverse", outputs="out: T",
              forward_name="TrilTriuInferSpmd", backward_name="TrilTriuInferSpmdReverse")  # fmt: skip
     register("tril_triu_grad", tril_triu_grad, "out_grad: T, diagonal: int = 0, lower: bool = False",
              forward_name="tril_triu_grad (backward op)")  # fmt: skip
     cs = "axis: int = -1, flatten: bool = False, exclusive: bool = False, reverse: bool = False"
-    register("cumsum", cumsum_forward, f"x: T, {cs}", cumsum_backward, f"x: T, out: T, {cs}",
+    register("cumsum", cumsum_forward, f"x: T, {cs}", cumsum_backward, kind="reverse", outputs="out: T",
              forward_name="CumSumInferSpmd", backward_name="CumSumInferSpmdReverse")  # fmt: skip
     register("cumsum_grad", cumsum_grad, f"x: T, out_grad: T, {cs}", forward_name="CumSumGradInferSpmd")
     for op, fn in (("argmax", "ArgMaxInferSpmdBase"), ("argmin", "ArgMinInferSpmdBase")):
         af, ab = _make_arg(op, fn)
         register(op, af, "x: T, axis: int = -1, keepdims: bool = False, flatten: bool = False",
-                 ab, "x: T, out: T, axis: int = -1, keepdims: bool = False, flatten: bool = False",
+                 ab, kind="reverse", outputs="out: T",
                  forward_name=fn, backward_name=fn.replace("InferSpmdBase", "InferSpmdReverseBase"))  # fmt: skip
     tk = "k: int = 1, axis: int = -1, largest: bool = True, sorted: bool = True"
-    register("topk", topk_forward, f"x: T, {tk}", _topk_backward, f"x: T, indices: T, out_grad: T, {tk}",
+    register("topk", topk_forward, f"x: T, {tk}", _topk_backward, f"x: T, indices: T, out_grad: T, {tk}", kind="grad",
              forward_name="TopkInferSpmd", backward_name="TopkGradInferSpmd")  # fmt: skip
     register("topk_grad", topk_grad, f"x: T, indices: T, out_grad: T, {tk}", forward_name="TopkGradInferSpmd")
     ls = "axis: ints = [], keepdims: bool = False, reduce_all: bool = False"
-    register("logsumexp", logsumexp_forward, f"x: T, {ls}", logsumexp_backward, f"x: T, out: T, {ls}",
+    register("logsumexp", logsumexp_forward, f"x: T, {ls}", logsumexp_backward, kind="reverse", outputs="out: T",
              forward_name="LogSumExpInferSpmd", backward_name="LogSumExpInferSpmdReverse")  # fmt: skip
     register("logsumexp_grad", logsumexp_grad, f"x: T, out: T, out_grad: T, {ls}",
              forward_name="LogSumExpGradInferSpmd")  # fmt: skip
-    register("add_n", add_n_forward, "input: [T]", add_n_backward, "input: [T], out: T",
+    register("add_n", add_n_forward, "input: [T]", add_n_backward, kind="reverse", outputs="out: T",
              forward_name="AddNInferSpmd", backward_name="add_n reverse (spmdkit)")  # fmt: skip
     register("add_n_grad", add_n_grad, "inputs: [T], out_grad: T", forward_name="add_n_grad (backward op)")
     register("full_like", full_like_forward, "x: T, y: scalar = 0.0, dtype: any = None",
-             full_like_backward, "x: T, out: T, y: scalar = 0.0, dtype: any = None",
+             full_like_backward, kind="reverse", outputs="out: T",
              forward_name="FullLikeInferSpmd", backward_name="full_like reverse (spmdkit)")  # fmt: skip
     register("empty_like", empty_like_forward, "x: T, dtype: any = None",
-             empty_like_backward, "x: T, out: T, dtype: any = None",
+             empty_like_backward, kind="reverse", outputs="out: T",
              forward_name="EmptyLikeInferSpmd", backward_name="empty_like reverse (spmdkit)")  # fmt: skip
     for op in ("ones_like", "zeros_like"):
         cf, cb = _make_create_like(op)
-        register(op, cf, "x: T", cb, "x: T, out: T",
+        register(op, cf, "x: T", cb, kind="reverse", outputs="out: T",
                  forward_name="CreateLikeInferSpmd", backward_name=f"{op} reverse (spmdkit)")  # fmt: skip
 
 

@@ -48,20 +48,13 @@ from typing import Any
 from spmdkit.core.dist_attr import DimsMapping, Partial, ReduceType, TensorDistAttr, entry_dims
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.axes import one_mesh_dim
 from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import (
-    BROADCAST,
-    common_mesh,
-    fast_result,
-    letters_for,
-    merge_letters,
-    one_mesh_dim,
-    project,
-)
+from spmdkit.engine.notation import BROADCAST, common_mesh, fast_result, letters_for, merge_letters, project
 from spmdkit.rules.registry import register
 
 Shape = tuple[int, ...]
-_make = TensorDistAttr._make
+_make = TensorDistAttr.unchecked
 
 
 def _norm_axes(op: str, name: str, axes: Sequence[int], ndim: int) -> tuple[int, ...]:
@@ -75,11 +68,6 @@ def _norm_axes(op: str, name: str, axes: Sequence[int], ndim: int) -> tuple[int,
         out.append(a)
     return tuple(out)
 
-
-def _collapse(dm: DimsMapping, mesh_shape: Shape) -> DimsMapping:
-    """Paddle's dims_mapping of a co-sharded axis: its largest mesh dim (the first of equal
-    sizes)."""
-    return one_mesh_dim(dm, mesh_shape)
 
 
 def _blank(dm: DimsMapping, axes: Sequence[int]) -> DimsMapping:
@@ -138,7 +126,7 @@ def slice_forward(input: DistTensorSpec, axes: tuple[int, ...], starts: tuple[in
     """The sliced axes replicated; the decreased axes dropped from the output."""
     a = input.dist_attr
     ax, dec = _slice_attrs("slice", input.ndim, axes, starts, ends, decrease_axis)
-    dm = _blank(_collapse(a.dims_mapping, a.mesh.shape), ax)
+    dm = _blank(one_mesh_dim(a.dims_mapping, a.mesh.shape), ax)
     return fast_result((_make(a.mesh, dm),), (_make(a.mesh, _remove(dm, dec)),))
 
 
@@ -153,7 +141,7 @@ def slice_backward(input: DistTensorSpec, output: DistTensorSpec, axes: tuple[in
                                  f"decrease_axis removes {len(dec)}")
     _check_shapes("slice", "input", _remove(input.shape, dec), "output", output.shape,
                   [i for i, k in enumerate(j for j in range(input.ndim) if j not in dec) if k in ax])
-    dm = _blank(_insert(_collapse(output.dist_attr.dims_mapping, mesh.shape), dec, input.ndim), ax)
+    dm = _blank(_insert(one_mesh_dim(output.dist_attr.dims_mapping, mesh.shape), dec, input.ndim), ax)
     return fast_result((_make(mesh, dm),), (_make(mesh, _remove(dm, dec)),))
 
 
@@ -164,11 +152,11 @@ def _slice_grad(op: str, input: DistTensorSpec, out_grad: DistTensorSpec, ax: tu
     if out_grad.ndim != nd - len(dec):
         raise ShapeMismatchError(f"{op}: out_grad has {out_grad.ndim} dims; input has {nd} and "
                                  f"decrease_axis removes {len(dec)}")
-    g_dm = _insert(_collapse(out_grad.dist_attr.dims_mapping, mesh.shape), dec, nd)
+    g_dm = _insert(one_mesh_dim(out_grad.dist_attr.dims_mapping, mesh.shape), dec, nd)
     g_shape = _insert(out_grad.shape, dec, nd)
     _check_shapes(op, "input", input.shape, "out_grad", g_shape, ax)
     # out_grad claims first, input fills the axes it leaves (as Paddle's strided_slice grad)
-    x_dm = _collapse(input.dist_attr.dims_mapping, mesh.shape)
+    x_dm = one_mesh_dim(input.dist_attr.dims_mapping, mesh.shape)
     dm = _merge2(nd, ax, (g_dm, x_dm), (g_shape, input.shape), mesh.shape)
     xa = _make(mesh, dm)
     return fast_result((xa, _make(mesh, _remove(dm, dec))), (xa,))
@@ -187,7 +175,7 @@ def strided_slice_forward(input: DistTensorSpec, axes: tuple[int, ...], starts: 
     """The sliced axes replicated."""
     a = input.dist_attr
     ax, _ = _slice_attrs("strided_slice", input.ndim, axes, starts, ends, (), strides)
-    at = _make(a.mesh, _blank(_collapse(a.dims_mapping, a.mesh.shape), ax))
+    at = _make(a.mesh, _blank(one_mesh_dim(a.dims_mapping, a.mesh.shape), ax))
     return fast_result((at,), (at,))
 
 
@@ -292,7 +280,7 @@ def expand_as_forward(x: DistTensorSpec, y: DistTensorSpec | None,
     mesh = common_mesh("expand_as", (x, y))
     keep = _expand_map("expand_as", x.shape, y.shape, "y")
     d = y.ndim - x.ndim
-    ydm = _collapse(y.dist_attr.dims_mapping, mesh.shape)
+    ydm = one_mesh_dim(y.dist_attr.dims_mapping, mesh.shape)
     xdm = tuple(ydm[d + i] if k else -1 for i, k in enumerate(keep))
     ya = _make(mesh, ydm)
     return fast_result((_make(mesh, xdm), ya), (ya,))
@@ -305,7 +293,7 @@ def _expand_grad(op: str, x: DistTensorSpec, out_grad: DistTensorSpec, gname: st
     if target is not None:
         _expand_map(op, x.shape, out_grad.shape, "out_grad")
     d = out_grad.ndim - x.ndim
-    gdm = _collapse(out_grad.dist_attr.dims_mapping, mesh.shape)
+    gdm = one_mesh_dim(out_grad.dist_attr.dims_mapping, mesh.shape)
     xdm = tuple(gdm[d + i] if k else -1 for i, k in enumerate(keep))
     pdims = [dd for i, e in enumerate(gdm) if i < d or not keep[i - d] for dd in entry_dims(e)]
     pt: Partial = tuple((dd, _SUM) for dd in sorted(pdims))
@@ -377,7 +365,7 @@ def pad_backward(x: DistTensorSpec, out: DistTensorSpec, paddings: tuple[int, ..
     mesh = common_mesh("pad", (x, out))
     ax = _padded("pad", paddings, x.ndim)
     _check_shapes("pad", "x", x.shape, "out", out.shape, ax)
-    at = _make(mesh, _blank(_collapse(out.dist_attr.dims_mapping, mesh.shape), ax))
+    at = _make(mesh, _blank(one_mesh_dim(out.dist_attr.dims_mapping, mesh.shape), ax))
     return fast_result((at,), (at,))
 
 
@@ -394,37 +382,35 @@ _SLICE = "input: T, axes: ints, starts: ints, ends: ints, infer_flags: ints = []
 _SSLICE = "input: T, axes: ints, starts: ints, ends: ints, strides: ints"
 _SSLICE_G = "input: T, out_grad: T, axes: ints, starts: ints, ends: ints, strides: ints"
 register(
-    "slice", slice_forward, _SLICE, slice_backward, _SLICE.replace("input: T,", "input: T, output: T,"),
+    "slice", slice_forward, _SLICE, slice_backward, kind="reverse", outputs="output: T",
     forward_name="SliceInferSpmd", backward_name="SliceInferSpmdReverse",
 )  # fmt: skip
 register("slice_grad", slice_grad, _SLICE.replace("input: T,", "input: T, out_grad: T,"),
          forward_name="SliceGradInferSpmdDynamic")
 register(
-    "strided_slice", strided_slice_forward, _SSLICE, _make_strided_grad("strided_slice"), _SSLICE_G,
+    "strided_slice", strided_slice_forward, _SSLICE, _make_strided_grad("strided_slice"), _SSLICE_G, kind="grad",
     forward_name="StridedSliceInferSpmd", backward_name="StridedSliceGradInferSpmd",
 )  # fmt: skip
 register("strided_slice_grad", _make_strided_grad("strided_slice_grad"), _SSLICE_G,
          forward_name="StridedSliceGradInferSpmd")
 register(
-    "tile", tile_forward, "x: T, repeat_times: ints", tile_backward, "x: T, out: T, repeat_times: ints",
+    "tile", tile_forward, "x: T, repeat_times: ints", tile_backward, kind="reverse", outputs="out: T",
     forward_name="TileInferSpmd", backward_name="TileInferSpmdReverse",
 )  # fmt: skip
 register("tile_grad", tile_grad, "x: T, out_grad: T, repeat_times: ints", forward_name="TileGradInferSpmd")
 register(
     "expand_as", expand_as_forward, "x: T, y: T?, target_shape: ints = []",
-    expand_as_grad, "x: T, out_grad: T, target_shape: ints = []", aliases=("expand_as_v2",),
+    expand_as_grad, "x: T, out_grad: T, target_shape: ints = []", kind="grad", grad_name="expand_as_grad", grad_aliases=("expand_as_v2_grad",), aliases=("expand_as_v2",),
     forward_name="ExpandAsInferSpmd", backward_name="ExpandAsGradInferSpmd",
 )  # fmt: skip
-register("expand_as_grad", expand_as_grad, "x: T, out_grad: T, target_shape: ints = []",
-         aliases=("expand_as_v2_grad",), forward_name="ExpandAsGradInferSpmd")
 register(
-    "expand", expand_forward, "x: T, shape: ints", expand_backward, "x: T, out: T, shape: ints",
+    "expand", expand_forward, "x: T, shape: ints", expand_backward, kind="reverse", outputs="out: T",
     forward_name="ExpandInferSpmd", backward_name="ExpandInferSpmdReverse",
 )  # fmt: skip
 register("expand_grad", expand_grad, "x: T, out_grad: T, shape: ints", forward_name="ExpandGradInferSpmd")
 register(
     "pad", pad_forward, "x: T, paddings: ints, pad_value: int = 0",
-    pad_backward, "x: T, out: T, paddings: ints, pad_value: int = 0",
+    pad_backward, "x: T, out: T, paddings: ints, pad_value: int = 0", kind="grad",
     forward_name="PadInferSpmd", backward_name="PadGradInferSpmd",
 )  # fmt: skip
 register("pad_grad", pad_grad, "out_grad: T, paddings: ints, pad_value: scalar = 0",

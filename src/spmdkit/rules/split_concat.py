@@ -43,13 +43,14 @@ from spmdkit.core.dist_attr import DimsMapping, Entry, Partial, ReduceType, Tens
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.axes import one_mesh_dim
 from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import common_mesh, letters_for, merge_letters, one_mesh_dim
+from spmdkit.engine.notation import common_mesh, letters_for, merge_letters
 from spmdkit.engine.notation import fast_result as _fast_result
 from spmdkit.rules.registry import register
 
 Shape = tuple[int, ...]
-_make = TensorDistAttr._make
+_make = TensorDistAttr.unchecked
 _INF = float("inf")
 #: fast_result for answers holding vector (tuple) arguments
 fast_result: Callable[..., SpmdResult] = _fast_result
@@ -83,11 +84,6 @@ def _drop(dm: DimsMapping, axis: int) -> DimsMapping:
     return tuple(-1 if i == axis else e for i, e in enumerate(dm))
 
 
-def _collapse(dm: DimsMapping, mesh_shape: Shape) -> DimsMapping:
-    """Paddle's dims_mapping of a co-sharded axis: its largest mesh dim (the first of equal
-    sizes)."""
-    return one_mesh_dim(dm, mesh_shape)
-
 
 # -- split / unbind ---------------------------------------------------------------------------
 
@@ -115,7 +111,7 @@ def _num(op: str, size: int, num: int) -> None:
 def _split_fwd(x: DistTensorSpec, n: int, axis: int, unbind: bool) -> SpmdResult:
     a = x.dist_attr
     mesh = a.mesh
-    dm = _drop(_collapse(a.dims_mapping, mesh.shape), axis)
+    dm = _drop(one_mesh_dim(a.dims_mapping, mesh.shape), axis)
     xa = _make(mesh, dm)
     oa = _make(mesh, dm[:axis] + dm[axis + 1:]) if unbind else xa
     return fast_result((xa,), ((oa,) * n,))
@@ -155,7 +151,7 @@ def _merge_pieces(
     in Paddle. The split axis is then replicated."""
     letters = letters_for(ndim)
     axes = letters[:axis] + letters[axis + 1:] if unbind else letters
-    dms = tuple(_collapse(dm, mesh_shape) for dm in mappings)
+    dms = tuple(one_mesh_dim(dm, mesh_shape) for dm in mappings)
     merged = dict(merge_letters(tuple(axes for _ in dms), dms, shapes, frozenset(), "", mesh_shape))
     count: dict[int, int] = {}
     for d in merged.values():
@@ -388,7 +384,7 @@ def concat_backward(x: tuple[DistTensorSpec, ...], output: DistTensorSpec, axis:
     for i, t in enumerate(x):
         if t.ndim != ndim and not _is_empty(t.shape, ndim):
             raise ShapeMismatchError(f"concat: x[{i}] has {t.ndim} dims, output has {ndim}")
-    dm = _drop(_collapse(output.dist_attr.dims_mapping, mesh.shape), ax)
+    dm = _drop(one_mesh_dim(output.dist_attr.dims_mapping, mesh.shape), ax)
     a = _make(mesh, dm)
     return fast_result((tuple(_make(mesh, (-1,) * t.ndim) if t.ndim != ndim else a for t in x),), (a,))
 
@@ -407,7 +403,7 @@ def stack_backward(x: tuple[DistTensorSpec, ...], output: DistTensorSpec, axis: 
             raise ShapeMismatchError(f"stack: x[{i}] has {t.ndim} dims, output has {ndim} (expected {ndim - 1})")
     if output.shape[ax] >= 0 and output.shape[ax] != len(x):
         raise ShapeMismatchError(f"stack: output has size {output.shape[ax]} on axis {ax}, x has {len(x)} tensors")
-    odm = _collapse(output.dist_attr.dims_mapping, mesh.shape)
+    odm = one_mesh_dim(output.dist_attr.dims_mapping, mesh.shape)
     dm = odm[:ax] + odm[ax + 1:]
     return fast_result(((_make(mesh, dm),) * len(x),), (_make(mesh, (*dm[:ax], -1, *dm[ax:])),))
 
@@ -458,28 +454,17 @@ def stack_grad(output_grad: DistTensorSpec, axis: int = 0) -> SpmdResult:
     return fast_result((ga,), ((xa,) * n,))
 
 
-register(
-    "split", split_forward, "x: T, sections: ints, axis: int = 0",
-    split_backward, "x: T, out: [T], sections: ints, axis: int = 0",
-    forward_name="SplitInferSpmd", backward_name="SplitInferSpmdReverse",
-)  # fmt: skip
-register(
-    "split_with_num", split_with_num_forward, "x: T, num: int, axis: int = 0",
-    split_with_num_backward, "x: T, out: [T], num: int, axis: int = 0",
-    forward_name="SplitWithNumInferSpmd", backward_name="SplitWithNumInferSpmdReverse",
-)  # fmt: skip
-register(
-    "unbind", unbind_forward, "x: T, axis: int = 0", unbind_backward, "x: T, out: [T], axis: int = 0",
-    forward_name="UnbindInferSpmd", backward_name="UnbindInferSpmdReverse",
-)  # fmt: skip
-register(
-    "concat", concat_forward, "x: [T], axis: int = 0", concat_backward, "x: [T], output: T, axis: int = 0",
-    forward_name="ConcatInferSpmd", backward_name="ConcatInferSpmdReverse",
-)  # fmt: skip
-register(
-    "stack", stack_forward, "x: [T], axis: int = 0", stack_backward, "x: [T], output: T, axis: int = 0",
-    forward_name="StackInferSpmd", backward_name="StackInferSpmdReverse",
-)  # fmt: skip
+# name, forward, signature, reverse, the op's outputs, Paddle's name stem ({stem}InferSpmd[Reverse])
+for _name, _fwd, _sig, _rev, _outs, _stem in (
+    ("split", split_forward, "x: T, sections: ints, axis: int = 0", split_backward, "out: [T]", "Split"),
+    ("split_with_num", split_with_num_forward, "x: T, num: int, axis: int = 0", split_with_num_backward, "out: [T]",
+     "SplitWithNum"),
+    ("unbind", unbind_forward, "x: T, axis: int = 0", unbind_backward, "out: [T]", "Unbind"),
+    ("concat", concat_forward, "x: [T], axis: int = 0", concat_backward, "output: T", "Concat"),
+    ("stack", stack_forward, "x: [T], axis: int = 0", stack_backward, "output: T", "Stack"),
+):
+    register(_name, _fwd, _sig, _rev, kind="reverse", outputs=_outs,
+             forward_name=f"{_stem}InferSpmd", backward_name=f"{_stem}InferSpmdReverse")
 register("split_grad", split_grad, "out_grad: [T], axis: int = -1")
 register("split_with_num_grad", split_with_num_grad, "out_grad: [T], axis: int = -1")
 register("unbind_grad", unbind_grad, "out_grad: [T], axis: int = 0")

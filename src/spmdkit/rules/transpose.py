@@ -83,7 +83,7 @@ register(
     transpose_forward,
     "x: T, perm: ints",
     transpose_backward,
-    "x: T, out: T, perm: ints",
+    kind="reverse", outputs="out: T",
     aliases=("transpose2",),
     forward_name="TransposeInferSpmd",
     backward_name="TransposeInferSpmdReverse",

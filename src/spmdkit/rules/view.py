@@ -24,9 +24,9 @@ from __future__ import annotations
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.axes import one_mesh_dim
 from spmdkit.engine.dim_trans import (
     DimTrans,
-    Entry,
     flatten_reverse_trans,
     flatten_trans,
     infer_from_trans,
@@ -36,7 +36,7 @@ from spmdkit.engine.dim_trans import (
     squeeze_trans,
     unsqueeze_trans,
 )
-from spmdkit.engine.notation import attr_as, fast_result, one_mesh_dim
+from spmdkit.engine.notation import attr_as, fast_result
 from spmdkit.rules.registry import register
 
 
@@ -48,11 +48,6 @@ def _check_sizes(op: str, spec: DistTensorSpec, name: str, dynamic: bool = False
                                      + (" (or -1 for a dynamic size)" if dynamic else ""))
 
 
-def _legacy(dm: tuple[Entry, ...], mesh_shape: tuple[int, ...]) -> tuple[Entry, ...]:
-    """A co-sharded entry read as one mesh dim, as Paddle 3.3.1's reverse rules and its squeeze /
-    unsqueeze rules do: the largest mesh dim (the first of equal ones)."""
-    return one_mesh_dim(dm, mesh_shape)
-
 
 def _forward(op: str, x: DistTensorSpec, trans: tuple[DimTrans, ...], keep_partial: bool = True) -> SpmdResult:
     """x's mapping through ``trans``; a partial x stays partial when ``keep_partial`` (reshape,
@@ -60,10 +55,10 @@ def _forward(op: str, x: DistTensorSpec, trans: tuple[DimTrans, ...], keep_parti
     (squeeze, unsqueeze: as Paddle 3.3.1)."""
     a = x.dist_attr
     mesh = a.mesh
-    dm = a.dims_mapping if keep_partial else _legacy(a.dims_mapping, mesh.shape)
+    dm = a.dims_mapping if keep_partial else one_mesh_dim(a.dims_mapping, mesh.shape)
     new_in, out = infer_from_trans(trans, x.shape, dm, mesh.shape)
     pt = a.partial if keep_partial else ()
-    return SpmdResult([TensorDistAttr._make(mesh, new_in, pt)], [TensorDistAttr._make(mesh, out, pt)])
+    return SpmdResult([TensorDistAttr.unchecked(mesh, new_in, pt)], [TensorDistAttr.unchecked(mesh, out, pt)])
 
 
 def _reverse(op: str, x: DistTensorSpec, out: DistTensorSpec, out_shape: tuple[int, ...],
@@ -74,12 +69,12 @@ def _reverse(op: str, x: DistTensorSpec, out: DistTensorSpec, out_shape: tuple[i
                                  f"gives {list(out_shape)}")
     a = out.dist_attr
     mesh = a.mesh
-    odm = _legacy(a.dims_mapping, mesh.shape)
+    odm = one_mesh_dim(a.dims_mapping, mesh.shape)
     if trans is None:
         new_out, x_dm = reshape_infer(out.shape, x.shape, odm, mesh.shape)
     else:
         new_out, x_dm = infer_from_trans(trans, out.shape, odm, mesh.shape)
-    return SpmdResult([TensorDistAttr._make(mesh, x_dm)], [TensorDistAttr._make(mesh, new_out)])
+    return SpmdResult([TensorDistAttr.unchecked(mesh, x_dm)], [TensorDistAttr.unchecked(mesh, new_out)])
 
 
 # -- reshape -------------------------------------------------------------------------------------
@@ -98,8 +93,8 @@ def reshape_forward(x: DistTensorSpec, shape: tuple[int, ...]) -> SpmdResult:
     mesh = a.mesh
     new_in, out = reshape_infer(xs, tgt, a.dims_mapping, mesh.shape, True)
     pt = a.partial
-    return fast_result((attr_as(a, mesh, new_in) if not pt else TensorDistAttr._make(mesh, new_in, pt),),
-                       (TensorDistAttr._make(mesh, out, pt),))
+    return fast_result((attr_as(a, mesh, new_in) if not pt else TensorDistAttr.unchecked(mesh, new_in, pt),),
+                       (TensorDistAttr.unchecked(mesh, out, pt),))
 
 
 def reshape_backward(x: DistTensorSpec, out: DistTensorSpec, shape: tuple[int, ...]) -> SpmdResult:
@@ -123,8 +118,8 @@ def _grad(op: str, xs: DistTensorSpec, out_grad: DistTensorSpec, xs_name: str) -
                                  f"{n} elements of {xs_name} of shape {list(xs.shape)}")
     a = out_grad.dist_attr
     new_in, out = reshape_infer(out_grad.shape, xs.shape, a.dims_mapping, a.mesh.shape)
-    return SpmdResult([xs.dist_attr, TensorDistAttr._make(a.mesh, new_in, a.partial)],
-                      [TensorDistAttr._make(a.mesh, out, a.partial)])
+    return SpmdResult([xs.dist_attr, TensorDistAttr.unchecked(a.mesh, new_in, a.partial)],
+                      [TensorDistAttr.unchecked(a.mesh, out, a.partial)])
 
 
 def reshape_grad(x_shape: DistTensorSpec, out_grad: DistTensorSpec) -> SpmdResult:
@@ -201,18 +196,18 @@ def unsqueeze_grad(x: DistTensorSpec, out_grad: DistTensorSpec, axis: tuple[int,
     return _grad("unsqueeze_grad", x, out_grad, "x")
 
 
-register("reshape", reshape_forward, "x: T, shape: ints", reshape_backward, "x: T, out: T, shape: ints",
+register("reshape", reshape_forward, "x: T, shape: ints", reshape_backward, kind="reverse", outputs="out: T",
          aliases=("reshape2",), forward_name="ReshapeInferSpmd", backward_name="ReshapeInferSpmdReverse")
 register("reshape_grad", reshape_grad, "x_shape: T, out_grad: T", forward_name="ReshapeGradInferSpmd")
 register("flatten", flatten_forward, "x: T, start_axis: int, stop_axis: int", flatten_backward,
-         "x: T, out: T, start_axis: int, stop_axis: int",
+         kind="reverse", outputs="out: T",
          forward_name="FlattenInferSpmd", backward_name="FlattenInferSpmdReverse")
 register("flatten_grad", flatten_grad, "xshape: T, out_grad: T", forward_name="FlattenGradInferSpmd")
-register("squeeze", squeeze_forward, "x: T, axis: ints", squeeze_backward, "x: T, out: T, axis: ints",
+register("squeeze", squeeze_forward, "x: T, axis: ints", squeeze_backward, kind="reverse", outputs="out: T",
          forward_name="SqueezeInferSpmd", backward_name="SqueezeInferSpmdReverse")
 register("squeeze_grad", squeeze_grad, "xshape: T, out_grad: T, axis: ints = []",
          forward_name="SqueezeGradInferSpmd")
-register("unsqueeze", unsqueeze_forward, "x: T, axis: ints", unsqueeze_backward, "x: T, out: T, axis: ints",
+register("unsqueeze", unsqueeze_forward, "x: T, axis: ints", unsqueeze_backward, kind="reverse", outputs="out: T",
          aliases=("unsqueeze2",), forward_name="UnsqueezeInferSpmd", backward_name="UnsqueezeInferSpmdReverse")
 register("unsqueeze_grad", unsqueeze_grad, "x: T, out_grad: T, axis: ints = []",
          forward_name="UnsqueezeGradInferSpmd")

@@ -1,0 +1,292 @@
+"""Gathers and scatters along axes by an index tensor: take_along_axis, put_along_axis and
+index_put, with their grads.
+
+Notation (x ``abc``; ``1`` marks an axis that is never sharded). Partial inputs are made replicated. A co-sharded axis is read as one mesh dim, its
+largest (the first of equal sizes), as Paddle 3.3.1's rules read ``dims_mapping()``.
+
+- ``take_along_axis`` (TakeAlongAxisInferSpmd(x, index, axis)): ``a1c, abc -> abc``: x is
+  never sharded on the axis, index (and out) may be; an axis where x and index differ in
+  size is ``1`` in both (replicated: the kernel reads x's leading rows). Backward slot and
+  ``take_along_axis_grad`` (x, index, out_grad, axis): letters from out_grad alone, x and
+  x_grad ``a1c``; where out_grad / index are sharded on the axis each rank scatters only its
+  part, so x_grad is partial SUM over those mesh dims of size > 1 (Paddle: not partial,
+  unsound).
+- ``put_along_axis`` (PutAlongAxisInferSpmd(x, index, value, axis, reduce, include_self)):
+  ``a1c, a1c, a1c -> a1c``: the axis, and every axis where index or value differ from x in
+  size, replicated; the other axes merged over the three. Backward slot and
+  ``put_along_axis_grad`` (x, index, value, out, out_grad, ...): the same letters taken from
+  out_grad alone; outputs x_grad, value_grad.
+- ``index_put`` (IndexPutInferSpmd(x, indices, value, accumulate)): x's first
+  ``len(indices)`` axes replicated, the rest keep their sharding; indices 1-D replicated;
+  value (any rank up to that of the indexed shape ``[n, *x.shape[len(indices):]]``, onto
+  which it broadcasts from the right): an axis that meets one of x's kept axes with the
+  same size (not 1) is sharded as that axis, every other axis (the indexed positions, a
+  size-1 axis) replicated (Paddle replicates value while x's axes stay sharded: the local
+  shapes do not broadcast). A 1-D value is thus sharded as x's last axis where
+  ``len(indices) < x.ndim`` and its size is not 1.
+  Backward slot and ``index_put_grad`` (x, indices, value, out_grad, accumulate): x,
+  out_grad and x_grad as x above; value_grad sums out_grad[indices] over the kept axes
+  value does not lie along, so it is partial SUM over the mesh dims sharding those axes.
+  Paddle never marks value_grad partial (unsound).
+
+Deviations from Paddle 3.3.1 (docs/deviations.md, ``misc-*``): take_along_axis_grad's
+missing partial; index_put's value broadcast, partial indices and value_grad partial; conflicts Paddle
+raises on (take_along_axis); take_along_axis's negative axis (Paddle fails).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from spmdkit.core.dist_attr import DimsMapping, ReduceType, TensorDistAttr, entry_dims
+from spmdkit.core.errors import InvalidArgumentError, InvalidAttributeError, ShapeMismatchError
+from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.axes import normalize_axis, one_mesh_dim_per_axis
+from spmdkit.engine.memo import memo
+from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, fast_result, named_mesh
+from spmdkit.rules._common import check_same_ndim, check_same_shape, merge_project
+from spmdkit.rules.registry import register
+
+_make = TensorDistAttr.unchecked
+Shape = tuple[int, ...]
+
+
+# ---------------------------------------------------------------------------
+# take_along_axis / put_along_axis
+# ---------------------------------------------------------------------------
+
+
+@memo()
+def _take_axes(x_shape: Shape, i_shape: Shape, ax: int) -> tuple[str, str]:
+    """(x axes, index axes): x's axis is ``1``; an axis where the sizes differ is ``1`` in both."""
+    s = ALPHABET[: len(i_shape)]
+    xs = list(s)
+    is_ = list(s)
+    xs[ax] = BROADCAST
+    for i in range(len(i_shape)):
+        if i != ax and x_shape[i] != i_shape[i]:
+            xs[i] = BROADCAST
+            is_[i] = BROADCAST
+    return "".join(xs), "".join(is_)
+
+
+def _take_check(op: str, x: DistTensorSpec, index: DistTensorSpec, axis: int) -> int:
+    nd = len(x.shape)
+    check_same_ndim(op, index, nd, "index", "x")
+    if nd == 0:
+        raise ShapeMismatchError(f"{op}: x must have at least 1 dim")
+    if nd > len(ALPHABET):
+        raise ShapeMismatchError(f"{op}: tensors of more than {len(ALPHABET)} dims are not supported")
+    return normalize_axis(op, axis, nd)
+
+
+def take_along_axis_forward(x: DistTensorSpec, index: DistTensorSpec, axis: int = 0) -> SpmdResult:
+    """TakeAlongAxisInferSpmd: ``a1c, abc -> abc``."""
+    op = "take_along_axis"
+    mesh = named_mesh(op, (("x", x), ("index", index)))
+    ax = _take_check(op, x, index, axis)
+    xa, ia = _take_axes(x.shape, index.shape, ax)
+    n = Notation((xa, ia), (ia,))
+    ins, outs = merge_project(n, (xa, ia), (one_mesh_dim_per_axis(x), one_mesh_dim_per_axis(index)), mesh)
+    return fast_result(tuple(ins), tuple(outs))
+
+
+def take_along_axis_grad(
+    x: DistTensorSpec, index: DistTensorSpec, out_grad: DistTensorSpec, axis: int = 0
+) -> SpmdResult:
+    """TakeAlongAxisGradInferSpmd: letters from out_grad; x_grad ``a1c``, partial SUM over the
+    mesh dims that shard index / out_grad on the axis."""
+    op = "take_along_axis_grad"
+    mesh = named_mesh(op, (("x", x), ("index", index), ("out_grad", out_grad)))
+    ax = _take_check(op, x, index, axis)
+    check_same_ndim(op, out_grad, len(x.shape), "out_grad", "x")
+    xa, ia = _take_axes(x.shape, index.shape, ax)
+    n = Notation((xa, ia, ia), (xa,))
+    ins, outs = merge_project(n, (None, None, ia), (x, index, one_mesh_dim_per_axis(out_grad)), mesh)
+    return fast_result(tuple(ins), tuple(_no_unit_partial(a) for a in outs))
+
+
+def _no_unit_partial(a: TensorDistAttr | None) -> TensorDistAttr | None:
+    """``a`` without partial mesh dims of size 1 (a no-op reduction; Paddle does not mark them)."""
+    if a is None or not a.partial:
+        return a
+    ms = a.mesh.shape
+    pt = tuple((d, r) for d, r in a.partial if ms[d] != 1)
+    return a if pt == a.partial else _make(a.mesh, a.dims_mapping, pt)
+
+
+_PUT_REDUCE = ("assign", "add", "mul", "multiply", "amin", "amax", "mean")
+
+
+@memo()
+def _put_axes(x_shape: Shape, i_shape: Shape, v_shape: Shape, ax: int) -> str:
+    s = list(ALPHABET[: len(x_shape)])
+    s[ax] = BROADCAST
+    for i in range(len(x_shape)):
+        if i != ax and (x_shape[i] != i_shape[i] or x_shape[i] != v_shape[i]):
+            s[i] = BROADCAST
+    return "".join(s)
+
+
+def _put_check(
+    op: str, x: DistTensorSpec, index: DistTensorSpec, value: DistTensorSpec, axis: int, reduce: str
+) -> str:
+    nd = len(x.shape)
+    check_same_ndim(op, index, nd, "index", "x")
+    check_same_ndim(op, value, nd, "value", "x")
+    if nd == 0:
+        raise ShapeMismatchError(f"{op}: x must have at least 1 dim")
+    if nd > len(ALPHABET):
+        raise ShapeMismatchError(f"{op}: tensors of more than {len(ALPHABET)} dims are not supported")
+    if reduce not in _PUT_REDUCE:
+        raise InvalidAttributeError(f"{op}: reduce {reduce!r} is not one of {', '.join(_PUT_REDUCE)}")
+    ax = normalize_axis(op, axis, nd)
+    return _put_axes(x.shape, index.shape, value.shape, ax)
+
+
+def put_along_axis_forward(
+    x: DistTensorSpec, index: DistTensorSpec, value: DistTensorSpec, axis: int = 0,
+    reduce: str = "assign", include_self: bool = True,
+) -> SpmdResult:
+    """PutAlongAxisInferSpmd: ``a1c, a1c, a1c -> a1c``."""
+    op = "put_along_axis"
+    mesh = named_mesh(op, (("x", x), ("index", index), ("value", value)))
+    s = _put_check(op, x, index, value, axis, reduce)
+    n = Notation((s, s, s), (s,))
+    ins, outs = merge_project(n, (s, s, s), (one_mesh_dim_per_axis(x), one_mesh_dim_per_axis(index), one_mesh_dim_per_axis(value)), mesh)
+    return fast_result(tuple(ins), tuple(outs))
+
+
+def put_along_axis_grad(
+    x: DistTensorSpec, index: DistTensorSpec, value: DistTensorSpec, out: DistTensorSpec,
+    out_grad: DistTensorSpec, axis: int = 0, reduce: str = "assign", include_self: bool = True,
+) -> SpmdResult:
+    """PutAlongAxisGradInferSpmd: every tensor ``a1c``, the letters taken from out_grad."""
+    op = "put_along_axis_grad"
+    mesh = named_mesh(op, (("x", x), ("index", index), ("value", value), ("out", out), ("out_grad", out_grad)))
+    s = _put_check(op, x, index, value, axis, reduce)
+    check_same_shape(op, out, x.shape, "out", "x")
+    check_same_shape(op, out_grad, x.shape, "out_grad", "x")
+    n = Notation((s, s, s, s, s), (s, s))
+    ins, outs = merge_project(n, (None, None, None, None, s), (x, index, value, out, one_mesh_dim_per_axis(out_grad)), mesh)
+    return fast_result(tuple(ins), tuple(outs))
+
+
+# ---------------------------------------------------------------------------
+# index_put
+# ---------------------------------------------------------------------------
+
+
+def _index_put_check(
+    op: str, x: DistTensorSpec, indices: tuple[DistTensorSpec, ...], value: DistTensorSpec
+) -> tuple[int, tuple[int, ...]]:
+    """(number of indexed axes, per value axis the x axis it lies along or -1).
+
+    ``x[indices]`` has the indexed shape ``[n, *x.shape[k:]]`` (n the indices' length, k their
+    number); value broadcasts onto it from the right (numpy rules). A value axis lies along
+    an x axis where it meets one of x's kept axes with the same size (not 1); it lies along
+    nothing (-1) where it meets the indexed positions or has size 1 (a broadcast)."""
+    nd = len(x.shape)
+    k = len(indices)
+    if k == 0:
+        raise InvalidArgumentError(f"{op}: indices must hold at least one index tensor")
+    if k > nd:
+        raise ShapeMismatchError(f"{op}: {k} index tensors for a {nd}-D x (at most {nd})")
+    n = -2
+    for i, t in enumerate(indices):
+        if len(t.shape) != 1:
+            raise ShapeMismatchError(f"{op}: indices[{i}] must be 1-D, got {len(t.shape)} dims")
+        if n == -2 or n < 0:
+            n = t.shape[0]
+        elif 0 <= t.shape[0] != n:
+            raise ShapeMismatchError(f"{op}: indices[{i}] has {t.shape[0]} entries, indices[0] has {n}")
+    target = (n, *x.shape[k:])  # the indexed shape value broadcasts onto
+    vs = value.shape
+    if len(vs) == 0:
+        raise ShapeMismatchError(f"{op}: value must have at least 1 dim, got a 0-d value")
+    if len(vs) > len(target):
+        raise ShapeMismatchError(
+            f"{op}: value has {len(vs)} dims, more than the {len(target)} of the indexed shape "
+            f"{list(target)} (indices' length, then x's axes {k}..{nd - 1})"
+        )
+    off = len(target) - len(vs)
+    along: list[int] = []
+    for j, v in enumerate(vs):
+        size = target[off + j]
+        if v >= 0 and size >= 0 and v != size and v != 1:
+            raise ShapeMismatchError(
+                f"{op}: value shape {list(vs)} does not broadcast onto the indexed shape {list(target)} "
+                f"(value axis {j} has size {v}, the indexed shape {size})"
+            )
+        xa = k - 1 + off + j  # the x axis this value axis meets (k - 1: the indexed positions)
+        along.append(xa if xa >= k and v != 1 else -1)
+    return k, tuple(along)
+
+
+@memo()
+def _index_put_core(
+    dm: DimsMapping, k: int, along: tuple[int, ...]
+) -> tuple[DimsMapping, DimsMapping, tuple[int, ...]]:
+    """(x mapping, value mapping, mesh dims of the kept axes value_grad sums over)."""
+    nd = len(dm)
+    xdm = tuple(-1 if i < k else e for i, e in enumerate(dm))
+    vdm: DimsMapping = tuple(xdm[a] if a >= 0 else -1 for a in along)
+    summed: list[int] = []
+    for i in range(k, nd):
+        if i not in along:
+            summed.extend(entry_dims(xdm[i]))
+    return xdm, vdm, tuple(sorted(summed))
+
+
+def _unit_free(dims: tuple[int, ...], mesh_shape: Shape) -> tuple[int, ...]:
+    return tuple(d for d in dims if mesh_shape[d] != 1)
+
+
+def index_put_forward(
+    x: DistTensorSpec, indices: tuple[DistTensorSpec, ...], value: DistTensorSpec, accumulate: bool = False
+) -> SpmdResult:
+    """IndexPutInferSpmd: the indexed axes replicated, indices replicated, value replicated or
+    sharded as x's last axis where it broadcasts onto it."""
+    op = "index_put"
+    mesh = named_mesh(op, (("x", x), *((f"indices[{i}]", t) for i, t in enumerate(indices)), ("value", value)))
+    k, along = _index_put_check(op, x, indices, value)
+    xdm, vdm, _ = _index_put_core(one_mesh_dim_per_axis(x).dist_attr.dims_mapping, k, along)
+    xa = _make(mesh, xdm)
+    rep = _make(mesh, (-1,))
+    ins: tuple[Any, ...] = (xa, tuple(rep for _ in indices), _make(mesh, vdm))
+    return fast_result(ins, (xa,))
+
+
+def index_put_grad(
+    x: DistTensorSpec, indices: tuple[DistTensorSpec, ...], value: DistTensorSpec, out_grad: DistTensorSpec,
+    accumulate: bool = False,
+) -> SpmdResult:
+    """IndexPutGradInferSpmd: x, out_grad, x_grad as the forward's x; value_grad partial SUM over
+    the mesh dims of the trailing axes it sums over."""
+    op = "index_put_grad"
+    mesh = named_mesh(op, (("x", x), *((f"indices[{i}]", t) for i, t in enumerate(indices)), ("value", value),
+                      ("out_grad", out_grad)))
+    k, along = _index_put_check(op, x, indices, value)
+    check_same_shape(op, out_grad, x.shape, "out_grad", "x")
+    xdm, vdm, summed = _index_put_core(one_mesh_dim_per_axis(x).dist_attr.dims_mapping, k, along)
+    summed = _unit_free(summed, mesh.shape)
+    xa = _make(mesh, xdm)
+    va = _make(mesh, vdm)
+    rep = _make(mesh, (-1,))
+    vg = _make(mesh, vdm, tuple((d, ReduceType.SUM) for d in summed)) if summed else va
+    ins: tuple[Any, ...] = (xa, tuple(rep for _ in indices), va, xa)
+    return fast_result(ins, (xa, vg))
+
+
+
+
+register("take_along_axis", take_along_axis_forward, "x: T, index: T, axis: int",
+         take_along_axis_grad, "x: T, index: T, out_grad: T, axis: int", kind="grad", grad_name="take_along_axis_grad",
+         forward_name="TakeAlongAxisInferSpmd", backward_name="TakeAlongAxisGradInferSpmd")  # fmt: skip
+_PS_SIG = "axis: int, reduce: str = 'assign', include_self: bool = True"
+register("put_along_axis", put_along_axis_forward, f"x: T, index: T, value: T, {_PS_SIG}",
+         put_along_axis_grad, f"x: T, index: T, value: T, out: T, out_grad: T, {_PS_SIG}", kind="grad", grad_name="put_along_axis_grad",
+         forward_name="PutAlongAxisInferSpmd", backward_name="PutAlongAxisGradInferSpmd")  # fmt: skip
+register("index_put", index_put_forward, "x: T, indices: [T], value: T, accumulate: bool = False",
+         index_put_grad, "x: T, indices: [T], value: T, out_grad: T, accumulate: bool = False", kind="grad", grad_name="index_put_grad",
+         forward_name="IndexPutInferSpmd", backward_name="IndexPutGradInferSpmd")  # fmt: skip
