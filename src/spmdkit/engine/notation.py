@@ -37,22 +37,49 @@ from spmdkit.core.errors import InvalidMeshError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.memo import memo
+from spmdkit.engine.merge import largest_mesh_dim, merge_weight
+from spmdkit.engine.merge import prod as _prod
 
 BROADCAST = "1"
 ALPHABET = "abcdefghijklmnopqrstuvwxyz"
 
 
 class Notation:
-    """An einsum-like labelling of one op call.
+    """An einsum-like labelling of one op call, with the policy of its merge.
 
     ``inputs`` / ``outputs``: one string of letters per tensor (``None`` for an absent
     optional tensor). ``replicated``: letters that must stay unsharded.
     ``reduce``: the reduce type of outputs made partial by letters they lack
     (one type, or a mapping letter -> type; unlisted letters use SUM).
     ``prune``: letters whose mesh dims must divide their size (``"*"`` for all).
+
+    Policy (keywords; the defaults are :func:`merge_letters`'s behaviour; the steps are
+    spelled out in :mod:`spmdkit.engine.merge`):
+
+    * ``coshard``: ``"keep"`` a co-sharded entry as it is, or read it as its ``"largest"``
+      mesh dim (Paddle's merges);
+    * ``conflict``: two tensors sharding one letter differently: the one with more elements
+      keeps it (``"weight"``), the first (``"first"``), or the letter is co-sharded over both
+      (``"union"``, as Paddle's matmul);
+    * ``order``: the order letters resolve a mesh dim several claim: as first claimed
+      (``"claim"``), as they appear in the notation (``"notation"``), or a tuple of groups:
+      ``"*"`` the letters no group names, by claim; ``"mn"`` these letters by claim; ``">mn"``
+      these letters by size, largest first (the written order on a tie);
+    * ``replicated_claims``: ``"drop"`` (a replicated letter's mesh dims are simply dropped)
+      or ``"block"`` (they are removed from every other entry before merging);
+    * ``uneven``: pruned letters that keep uneven shardings, pruned only where their size is 1;
+    * ``size1_claims``: letters that, where their size is 1, still claim the mesh dims pruning
+      took from them (so later letters cannot take them);
+    * ``sizes``: a letter's size: the first size other than 1 on the merged tensors
+      (``"first"``), or the first known one (>= 0, not 1) on any tensor, inputs first
+      (``"known"``);
+    * ``size1``: ``"keep"``, or ``"broadcast"``: an input's size-1 axes shard nothing (their
+      sharding still counts for the letter in the merge).
     """
 
-    __slots__ = ("_hash", "_key", "_single", "input_letters", "inputs", "outputs", "prune", "reduce", "replicated")
+    __slots__ = ("_hash", "_key", "_single", "coshard", "conflict", "input_letters", "inputs", "letters",
+                 "order", "outputs", "prune", "reduce", "replicated", "replicated_claims", "size1",
+                 "size1_claims", "sizes", "uneven")
 
     def __init__(
         self,
@@ -61,17 +88,49 @@ class Notation:
         replicated: Iterable[str] = "",
         reduce: ReduceType | Mapping[str, ReduceType] = ReduceType.SUM,
         prune: str = "",
+        *,
+        coshard: str = "keep",
+        conflict: str = "weight",
+        order: str | tuple[str, ...] = "claim",
+        replicated_claims: str = "drop",
+        uneven: str = "",
+        size1_claims: str = "",
+        sizes: str = "first",
+        size1: str = "keep",
     ) -> None:
         self.inputs = tuple(inputs)
         self.outputs = tuple(outputs)
         self.replicated = frozenset(replicated)
         self.reduce = reduce if isinstance(reduce, ReduceType) else dict(reduce)
         self.prune = prune
+        for name, val, allowed in (("coshard", coshard, ("keep", "largest")),
+                                   ("conflict", conflict, ("weight", "first", "union")),
+                                   ("replicated_claims", replicated_claims, ("drop", "block")),
+                                   ("sizes", sizes, ("first", "known")), ("size1", size1, ("keep", "broadcast"))):
+            if val not in allowed:
+                raise ValueError(f"Notation: {name} must be one of {allowed}, got {val!r}")
+        if isinstance(order, str) and order not in ("claim", "notation"):
+            raise ValueError(f"Notation: order must be 'claim', 'notation' or a tuple of groups, got {order!r}")
+        self.coshard, self.conflict, self.order = coshard, conflict, order if isinstance(order, str) else tuple(order)
+        self.replicated_claims, self.uneven, self.size1_claims = replicated_claims, uneven, size1_claims
+        self.sizes, self.size1 = sizes, size1
+        seen: dict[str, None] = {}
+        for a in (*self.inputs, *self.outputs):
+            for c in a or "":
+                if c != BROADCAST:
+                    seen[c] = None
+        self.letters = "".join(seen)
         red = self.reduce if isinstance(self.reduce, ReduceType) else tuple(sorted(self.reduce.items()))
-        self._key = (self.inputs, self.outputs, self.replicated, red, prune)
+        self._key = (self.inputs, self.outputs, self.replicated, red, prune, coshard, conflict, self.order,
+                     replicated_claims, uneven, size1_claims, sizes, size1)
         self._hash = hash(self._key)
         self.input_letters = frozenset("".join(a for a in self.inputs if a))
-        self._single = self._single_plan()
+        default = self._key[5:] == ("keep", "weight", "claim", "drop", "", "", "first", "keep")
+        self._single = self._single_plan() if default else None
+
+    def prunes(self, letter: str) -> bool:
+        """Whether ``letter``'s mesh dims must divide its size."""
+        return bool(self.prune) and (self.prune == "*" or letter in self.prune)
 
     def _single_plan(self) -> tuple[Any, ...] | None:
         """For one input whose letters are all distinct (unary ops, transpose, softmax,
@@ -128,21 +187,17 @@ class Notation:
             extra.append(f"replicated={''.join(sorted(self.replicated))!r}")
         if self.prune:
             extra.append(f"prune={self.prune!r}")
+        for name, default in (("coshard", "keep"), ("conflict", "weight"), ("order", "claim"),
+                              ("replicated_claims", "drop"), ("uneven", ""), ("size1_claims", ""),
+                              ("sizes", "first"), ("size1", "keep")):
+            if getattr(self, name) != default:
+                extra.append(f"{name}={getattr(self, name)!r}")
         return f"Notation({s!r}{', ' if extra else ''}{', '.join(extra)})"
 
 
 # ---------------------------------------------------------------------------
 # merge / resolve / project on plain tuples (cached: pure functions of small keys)
 # ---------------------------------------------------------------------------
-
-
-def merge_weight(shape: tuple[int, ...]) -> int:
-    """A tensor's weight when two tensors shard one axis differently (the larger keeps its
-    sharding): its element count, unknown (-1) and zero sizes counted as 1."""
-    n = 1
-    for s in shape:
-        n *= s if s > 0 else 1
-    return n
 
 
 @memo()
@@ -218,13 +273,6 @@ def merge_letters(
     return tuple(dims_of.items())
 
 
-
-
-def _prod(mesh_shape: tuple[int, ...], dims: tuple[int, ...]) -> int:
-    p = 1
-    for d in dims:
-        p *= mesh_shape[d]
-    return p
 
 
 def project(axes: str, letters: Mapping[str, tuple[int, ...]]) -> DimsMapping:
@@ -482,19 +530,6 @@ def with_partial(attr: TensorDistAttr, partial: Partial) -> TensorDistAttr:
     merged = dict(attr.partial)
     merged.update(partial)
     return TensorDistAttr._make(attr.mesh, attr.dims_mapping, tuple(sorted(merged.items())))
-
-
-def largest_mesh_dim(entry: Entry, mesh_shape: Sequence[int]) -> int:
-    """A dims_mapping entry read as one mesh dim, as Paddle 3.3.1's merges read a co-shard: its
-    largest mesh dim (the first of equal sizes); -1 and single dims unchanged."""
-    if isinstance(entry, int):
-        return entry
-    dims = entry
-    best = dims[0]
-    for d in dims[1:]:
-        if mesh_shape[d] > mesh_shape[best]:
-            best = d
-    return best
 
 
 def resolve_claims(claims: Sequence[int], mesh_dim_of: Sequence[int], n: int) -> tuple[int, ...]:
