@@ -61,7 +61,7 @@ class Plan:
         # letter sizes: (tensor index, axis) sources in the order they are read
         self.sizes_known = nt.sizes == "known"
         if self.sizes_known:
-            every = list(enumerate(nt.inputs)) + [(len(nt.inputs) + j, a) for j, a in enumerate(nt.outputs)]
+            every = list(enumerate(nt.inputs))
         else:
             every = list(enumerate(merged))
         src: list[list[tuple[int, int]]] = [[] for _ in range(n)]
@@ -144,7 +144,7 @@ def run(
     mesh_shape: Sequence[int],
 ) -> list[tuple[int, ...]]:
     """The mesh dims of every letter (by id) for the merged tensors' ``dms`` / ``shapes``
-    (``all_shapes``: inputs then outputs, for ``sizes="known"``)."""
+    (``all_shapes``: the inputs', for ``sizes="known"``)."""
     n = p.n
     rep = p.rep
     largest = p.largest
@@ -363,10 +363,8 @@ def infer(
         dms.append(dm)
         shapes.append(t.shape)
     all_shapes: Any = shapes
-    if p.sizes_known:
-        all_shapes = [None if t is None else t.shape for t in inputs] + (
-            [None if t is None else t.shape for t in outputs] if outputs else [None] * len(nt.outputs)
-        )
+    if p.sizes_known and not forward:
+        all_shapes = [None if t is None else t.shape for t in inputs]
     final = run(p, dms, shapes, all_shapes, mesh.shape)
     if p.in_letters is not None:
         keep = p.in_letters

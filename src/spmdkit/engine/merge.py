@@ -22,8 +22,8 @@ the notation's policy fields (see ``Notation``):
    or, for ``size1_claims`` letters of size 1, those it had before pruning.
 
 Letter sizes (``sizes="first"``): the first size other than 1 on the merged tensors;
-(``"known"``): the first size >= 0 other than 1 on any tensor, inputs first (-1 where only
--1 is seen, 1 where only 1).
+(``"known"``): the first size >= 0 other than 1 on the inputs (-1 where only -1 is seen,
+1 where only 1).
 """
 
 from __future__ import annotations
@@ -160,8 +160,8 @@ def reference_merge(
     all_shapes: Sequence[Sequence[int] | None] | None = None,
 ) -> dict[str, tuple[int, ...]]:
     """The mesh dims of every letter the tensors labelled ``axes`` carry, under the notation's
-    policy (module docstring); ``all_axes`` / ``all_shapes``: every tensor of the call, for
-    ``sizes="known"`` (default: the merged ones)."""
+    policy (module docstring); ``all_axes`` / ``all_shapes``: the inputs, for
+    ``sizes="known"`` (default: the merged tensors)."""
     if all_axes is None or all_shapes is None:
         all_axes, all_shapes = axes, shapes
     rep = notation.replicated

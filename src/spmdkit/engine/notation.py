@@ -71,8 +71,7 @@ class Notation:
     * ``size1_claims``: letters that, where their size is 1, still claim the mesh dims pruning
       took from them (so later letters cannot take them);
     * ``sizes``: a letter's size: the first size other than 1 on the merged tensors
-      (``"first"``), or the first known one (>= 0, not 1) on any tensor, inputs first
-      (``"known"``);
+      (``"first"``), or the first known one (>= 0, not 1) on the inputs (``"known"``);
     * ``size1``: ``"keep"``, or ``"broadcast"``: an input's size-1 axes shard nothing (their
       sharding still counts for the letter in the merge).
     """
