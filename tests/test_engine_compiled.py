@@ -71,7 +71,8 @@ def _random_notation(rng: random.Random) -> Notation:
     pick = lambda: "".join(c for c in seen if rng.random() < 0.3)  # noqa: E731
     order: Any = rng.choice(["claim", "notation", "groups"])
     if order == "groups":
-        a, b = pick(), pick()
+        a = pick()
+        b = "".join(c for c in pick() if c not in a)
         order = ("*", ">" + b, a) if rng.random() < 0.5 else (a, "*")
     return Notation(
         ins,
@@ -159,6 +160,41 @@ def test_rule_plans_match_the_reference() -> None:
         _check(p, direction, dms, shapes, mesh_shape)
 
 
+def _specs(mesh: ProcessMesh, dms: list[Any], shapes: list[Any]) -> list[DistTensorSpec | None]:
+    return [None if d is None else DistTensorSpec(list(s), mesh=mesh, dims_mapping=list(d)) for d, s in zip(dms, shapes)]
+
+
+def _attrs(res: Any) -> Any:
+    return [[None if a is None else (a.dims_mapping, a.partial) for a in side] for side in res]
+
+
+def test_generated_fast_path_equals_the_general_path() -> None:
+    """The plans' generated code (infer's first try) answers as the general path, or declines."""
+    rng = random.Random(11)
+    plans = _rule_plans()
+    answered = 0
+    for i in range(3000):
+        if i % 2:
+            p, direction = rng.choice(plans)
+        else:
+            direction = rng.choice(["forward", "backward"])
+            p = compile_plan(_random_notation(rng), direction)
+        nt = p.notation
+        mesh = ProcessMesh(list(rng.choice(MESHES)))
+        dms, shapes = _tensors(rng, nt.inputs + nt.outputs, mesh.ndim)
+        dms = [None if a is None else d for a, d in zip(nt.inputs + nt.outputs, dms)]
+        specs = _specs(mesh, dms, shapes)
+        ins, outs = specs[: len(nt.inputs)], specs[len(nt.inputs) :] if direction == "backward" else []
+        if direction == "backward" and not any(outs):
+            continue
+        general = infer(p, "op", ins, outs, mesh, fast=False)
+        got = p.fast(tuple(ins), tuple(outs), mesh)
+        if got is not None:
+            answered += 1
+            assert _attrs(got) == _attrs(general), (nt, direction, dms, shapes, mesh.shape)
+    assert answered > 1000  # the fast path answers most cases
+
+
 def test_matmul_coshard_union_through_infer() -> None:
     # x k on 0, y k on 1 -> k co-sharded over both, the larger mesh dim major; out partial
     m = ProcessMesh([3, 2])
@@ -175,3 +211,5 @@ def test_bad_policy_value_rejected() -> None:
         Notation(["ab"], ["ab"], conflict="largest")
     with pytest.raises(ValueError, match="order"):
         Notation(["ab"], ["ab"], order="size")
+    with pytest.raises(ValueError, match="share letters"):
+        Notation(["ab"], ["ab"], order=(">ab", "b"))

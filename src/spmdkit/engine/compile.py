@@ -33,7 +33,7 @@ class Plan:
     """A notation compiled for one direction and key (see the module docstring)."""
 
     __slots__ = (
-        "block", "conflict", "groups", "in_axes", "in_letters", "largest", "n", "notation",
+        "block", "conflict", "fast", "groups", "in_axes", "in_letters", "largest", "n", "notation",
         "order_kind", "out_axes", "out_missing", "prune", "rep", "s1claim", "size_src", "sizes_known",
         "src", "uneven",
     )  # fmt: skip
@@ -106,6 +106,7 @@ class Plan:
             None if a is None else tuple((lid[c], nt.reduce_type(c)) for c in letters if c not in a)
             for a in nt.outputs
         )
+        self.fast = _generate(self, direction)
 
 
 _plans: dict[tuple[Notation, str, tuple[int, ...]], Plan] = {}
@@ -340,10 +341,16 @@ def infer(
     outputs: Sequence[DistTensorSpec | None],
     mesh: ProcessMesh,
     names: Sequence[str] | None = None,
+    fast: bool = True,
 ) -> tuple[tuple[TensorDistAttr | None, ...], tuple[TensorDistAttr | None, ...]]:
     """Every input's and output's dist attr under the plan (``outputs`` empty in the forward
     direction). Inputs come back without partial (a partial input is resharded); outputs are
-    partial over the mesh dims of the letters they lack."""
+    partial over the mesh dims of the letters they lack. ``fast``: try the plan's generated
+    code first (it answers the common case; ``fast=False`` for the general path alone)."""
+    if fast:
+        r = p.fast(inputs, outputs, mesh)
+        if r is not None:
+            return r  # type: ignore[no-any-return]
     nt = p.notation
     forward = not outputs
     merged = inputs if forward else outputs
@@ -385,3 +392,128 @@ def infer(
         else:
             outs.append(_make(mesh, dm, pt))
     return tuple(ins), tuple(outs)
+
+
+# ---------------------------------------------------------------------------
+# the generated fast path
+# ---------------------------------------------------------------------------
+
+
+def _generate(p: Plan, direction: str) -> Any:
+    """Straight-line Python for the plan's common case: every entry a single mesh dim (or a
+    co-shard read as its largest), no two tensors sharding one letter differently (under
+    ``conflict="first"`` the first simply wins), no two letters on one mesh dim, no replicated
+    letter sharded under ``replicated_claims="block"``. Then the order of resolution cannot
+    matter and each letter prunes on its own. Any other case returns None: :func:`infer` takes
+    the general path (:func:`run`), which answers it as the reference does."""
+    nt = p.notation
+    forward = direction == "forward"
+    src_name = "I" if forward else "O"
+    n_in = len(nt.inputs)
+    lines = ["def fast(I, O, mesh):", "    ms = mesh.shape"]
+    emit = lines.append
+    read: set[int] = set()
+    for ti, ids in p.src:
+        emit(f"    t = {src_name}[{ti}]")
+        emit("    if t is None: return None")
+        emit(f"    d{ti} = t.dist_attr.dims_mapping")
+        emit(f"    if len(d{ti}) != {len(ids)}: return None")
+        emit(f"    s{ti} = t.shape")
+        for i, a in enumerate(ids):
+            if a < 0:
+                continue
+            var = f"L{a}" if a not in read else "e"
+            emit(f"    {var} = d{ti}[{i}]")
+            emit(f"    if {var}.__class__ is not int:")
+            emit(f"        {var} = _largest({var}, ms)" if p.largest else "        return None")
+            if a in read:
+                emit("    if e != -1:")
+                emit(f"        if L{a} == -1: L{a} = e")
+                if p.conflict != 1:
+                    emit(f"        elif e != L{a}: return None")
+            read.add(a)
+    for a in sorted(read):
+        if p.rep[a]:
+            if p.block:
+                emit(f"    if L{a} != -1: return None")
+            emit(f"    L{a} = -1")
+    live = [a for a in sorted(read) if not p.rep[a]]
+    if len(live) > 1:
+        emit("    u = 0")
+        for a in live:
+            emit(f"    if L{a} >= 0:")
+            emit(f"        b = 1 << L{a}")
+            emit("        if u & b: return None")
+            emit("        u |= b")
+    for a in live:
+        if not p.prune[a]:
+            continue
+        srcs = p.size_src[a]
+        emit(f"    if L{a} >= 0:")
+        if p.sizes_known:
+            # the first size >= 0 other than 1; else -1 where one is -1; else 1
+            for ti, _ in srcs:
+                emit(f"        if I[{ti}] is None: return None")
+            if not srcs:
+                emit("        s = 1")
+            for k, (ti, i) in enumerate(srcs):
+                if k == 0:
+                    emit(f"        s = I[{ti}].shape[{i}]")
+                    continue
+                emit("        if s == 1 or s == -1:")
+                emit(f"            v = I[{ti}].shape[{i}]")
+                emit("            if v >= 0 and v != 1: s = v")
+                emit("            elif v == -1: s = -1")
+        else:
+            if not srcs:
+                emit("        s = 1")
+            for k, (ti, i) in enumerate(srcs):
+                emit(f"        {'s' if k == 0 else '    s'} = s{ti}[{i}]" if k == 0 else f"        if s == 1: s = s{ti}[{i}]")
+        cond = "s == 1" if p.uneven[a] else "s >= 0"
+        emit(f"        if {cond} and s % ms[L{a}]: L{a} = -1")
+    for a in range(p.n):
+        if a not in read or (p.in_letters is not None and not p.in_letters[a]):
+            emit(f"    L{a} = -1")
+
+    def dm(ids: tuple[int, ...]) -> str:
+        return "(" + "".join(("-1" if a < 0 else f"L{a}") + ", " for a in ids) + ")"
+
+    ins = []
+    for j, ids in enumerate(p.in_axes):
+        ins.append("None" if ids is None else f"_attr_as(I[{j}].dist_attr, mesh, {dm(ids)})")
+        if ids is not None:
+            emit(f"    if I[{j}] is None: return None")
+    outs = []
+    consts: dict[str, Any] = {}
+    for j, (ids, missing) in enumerate(zip(p.out_axes, p.out_missing)):
+        if ids is None or missing is None:
+            outs.append("None")
+            continue
+        if not missing:
+            pt = "()"
+        elif len(missing) == 1:
+            a, r = missing[0]
+            consts[f"R{j}_0"] = r
+            pt = f"(((L{a}, R{j}_0),) if L{a} >= 0 else ())"
+        else:
+            emit(f"    pt{j} = []")
+            for k, (a, r) in enumerate(missing):
+                consts[f"R{j}_{k}"] = r
+                emit(f"    if L{a} >= 0: pt{j}.append((L{a}, R{j}_{k}))")
+            emit(f"    pt{j}.sort(key=_first)")
+            pt = f"tuple(pt{j})"
+        if not forward and not missing:
+            emit(f"    if O[{j}] is None: return None")
+            outs.append(f"_attr_as(O[{j}].dist_attr, mesh, {dm(ids)})")
+        else:
+            outs.append(f"_make(mesh, {dm(ids)}, {pt})")
+    emit(f"    return ({''.join(x + ', ' for x in ins)}), ({''.join(x + ', ' for x in outs)})")
+    del n_in
+    ns: dict[str, Any] = {"_attr_as": attr_as, "_make": _make, "_largest": largest_mesh_dim,
+                          "_first": _first, **consts}
+    exec(compile("\n".join(lines), f"<plan {nt!r} {direction}>", "exec"), ns)  # noqa: S102
+    return ns["fast"]
+
+
+def _first(t: tuple[int, ReduceType]) -> int:
+    return t[0]

@@ -110,6 +110,10 @@ class Notation:
                 raise ValueError(f"Notation: {name} must be one of {allowed}, got {val!r}")
         if isinstance(order, str) and order not in ("claim", "notation"):
             raise ValueError(f"Notation: order must be 'claim', 'notation' or a tuple of groups, got {order!r}")
+        if not isinstance(order, str):
+            named = [c for g in order if g != "*" for c in g.lstrip(">")]
+            if len(named) != len(set(named)) or list(order).count("*") > 1:
+                raise ValueError(f"Notation: order groups must not share letters, got {order!r}")
         self.coshard, self.conflict, self.order = coshard, conflict, order if isinstance(order, str) else tuple(order)
         self.replicated_claims, self.uneven, self.size1_claims = replicated_claims, uneven, size1_claims
         self.sizes, self.size1 = sizes, size1

@@ -77,6 +77,13 @@ def _notation(nx: int, ny: int, tx: bool, ty: bool, kind: str) -> Notation:
 
 
 @lru_cache(maxsize=4096)
+def _plan(nx: int, ny: int, tx: bool, ty: bool, kind: str, mask: tuple[int, ...]) -> Plan:
+    """The compiled plan of matmul (``kind``: forward / reverse) for the ranks, the transposes
+    and the inputs' size-1 axes."""
+    return compile_plan(_notation(nx, ny, tx, ty, kind), "forward" if kind == "forward" else "backward", mask)
+
+
+@lru_cache(maxsize=4096)
 def _grad_plan(nx: int, ny: int, tx: bool, ty: bool, mask: tuple[int, ...]) -> Plan:
     """``[b]mk, [b]kn, bmn -> [b]mk, [b]kn``: x_grad / y_grad carry the letters of x / y but
     their size-1 axes (``mask``), so they are partial SUM over the mesh dims of the others."""
@@ -108,18 +115,21 @@ def _out_shape(op: str, xs: Shape, ys: Shape, tx: bool, ty: bool) -> Shape:
             f"{op}: the contracting axis k differs: x shape {list(xs)} has {kx}, y shape {list(ys)} "
             f"has {ky} (trans_x={tx}, trans_y={ty})"
         )
-    bx, by = max(nx - 2, 0), max(ny - 2, 0)
-    nb = max(bx, by)
+    bx = nx - 2 if nx > 2 else 0
+    by = ny - 2 if ny > 2 else 0
     batch: list[int] = []
-    for i in range(nb):
-        ix, iy = i - (nb - bx), i - (nb - by)
-        sx = xs[ix] if ix >= 0 else 1
-        sy = ys[iy] if iy >= 0 else 1
-        if sx != 1 and sy != 1 and sx != sy and sx >= 0 and sy >= 0:
-            raise ShapeMismatchError(
-                f"{op}: the batch axes of x shape {list(xs)} and y shape {list(ys)} do not broadcast ({sx} vs {sy})"
-            )
-        batch.append(sx if sx != 1 else sy)
+    if bx or by:
+        nb = bx if bx > by else by
+        for i in range(nb):
+            ix, iy = i - (nb - bx), i - (nb - by)
+            sx = xs[ix] if ix >= 0 else 1
+            sy = ys[iy] if iy >= 0 else 1
+            if sx != 1 and sy != 1 and sx != sy and sx >= 0 and sy >= 0:
+                raise ShapeMismatchError(
+                    f"{op}: the batch axes of x shape {list(xs)} and y shape {list(ys)} do not broadcast "
+                    f"({sx} vs {sy})"
+                )
+            batch.append(sx if sx != 1 else sy)
     if nx > 1:
         batch.append(xs[-1 if tx else -2])
     if ny > 1:
@@ -129,6 +139,8 @@ def _out_shape(op: str, xs: Shape, ys: Shape, tx: bool, ty: bool) -> Shape:
 
 def _check_out(op: str, name: str, os_: Shape, xs: Shape, ys: Shape, tx: bool, ty: bool) -> None:
     want = _out_shape(op, xs, ys, tx, ty)
+    if os_ == want:
+        return
     if len(os_) != len(want):
         raise ShapeMismatchError(
             f"{op}: {name} has {len(os_)} dims (shape {list(os_)}), but x {list(xs)} @ y {list(ys)} "
@@ -149,9 +161,9 @@ def matmul_forward(x: DistTensorSpec, y: DistTensorSpec, trans_x: bool = False, 
         named_mesh(op, (("x", x), ("y", y)))  # raises
     xs, ys = x.shape, y.shape
     _out_shape(op, xs, ys, trans_x, trans_y)
-    nt = _notation(len(xs), len(ys), trans_x, trans_y, "forward")
     mask = size1_mask((x, y)) if 1 in xs or 1 in ys else ()
-    return fast_result(*infer(compile_plan(nt, "forward", mask), op, (x, y), (), mesh, ("x", "y")))
+    p = _plan(len(xs), len(ys), trans_x, trans_y, "forward", mask)
+    return fast_result(*infer(p, op, (x, y), (), mesh, ("x", "y")))
 
 
 def matmul_backward(
@@ -160,12 +172,12 @@ def matmul_backward(
     """MatmulInferSpmdReverse: x and y from out's sharding (k replicated); out is what they give."""
     op = "matmul"
     mesh = x.dist_attr.mesh
-    if any(t.dist_attr.mesh is not mesh and t.dist_attr.mesh != mesh for t in (y, out)):
+    ym, om = y.dist_attr.mesh, out.dist_attr.mesh
+    if (ym is not mesh and ym != mesh) or (om is not mesh and om != mesh):
         named_mesh(op, (("x", x), ("y", y), ("out", out)))  # raises
     _check_out(op, "out", out.shape, x.shape, y.shape, trans_x, trans_y)
-    nt = _notation(len(x.shape), len(y.shape), trans_x, trans_y, "reverse")
     mask = size1_mask((x, y)) if 1 in x.shape or 1 in y.shape else ()
-    p = compile_plan(nt, "backward", mask)
+    p = _plan(len(x.shape), len(y.shape), trans_x, trans_y, "reverse", mask)
     return fast_result(*infer(p, op, (x, y), (out,), mesh, ("x", "y", "out")))
 
 
@@ -176,7 +188,8 @@ def matmul_grad(
     broadcast batch letters), y_grad (partial over m and y's broadcast batch letters)."""
     op = "matmul_grad"
     mesh = x.dist_attr.mesh
-    if any(t.dist_attr.mesh is not mesh and t.dist_attr.mesh != mesh for t in (y, out_grad)):
+    ym, gm = y.dist_attr.mesh, out_grad.dist_attr.mesh
+    if (ym is not mesh and ym != mesh) or (gm is not mesh and gm != mesh):
         named_mesh(op, (("x", x), ("y", y), ("out_grad", out_grad)))  # raises
     _check_out(op, "out_grad", out_grad.shape, x.shape, y.shape, trans_x, trans_y)
     mask = size1_mask((x, y, out_grad))
