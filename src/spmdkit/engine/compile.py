@@ -409,7 +409,6 @@ def _generate(p: Plan, direction: str) -> Any:
     nt = p.notation
     forward = direction == "forward"
     src_name = "I" if forward else "O"
-    n_in = len(nt.inputs)
     lines = ["def fast(I, O, mesh):", "    ms = mesh.shape"]
     emit = lines.append
     read: set[int] = set()
@@ -478,11 +477,18 @@ def _generate(p: Plan, direction: str) -> Any:
     def dm(ids: tuple[int, ...]) -> str:
         return "(" + "".join(("-1" if a < 0 else f"L{a}") + ", " for a in ids) + ")"
 
+    # one attr per distinct (dims_mapping, no partial): an output sharded as an input is that
+    # input's attr (dist attrs are immutable)
+    plain: dict[str, str] = {}
     ins = []
     for j, ids in enumerate(p.in_axes):
-        ins.append("None" if ids is None else f"_attr_as(I[{j}].dist_attr, mesh, {dm(ids)})")
-        if ids is not None:
-            emit(f"    if I[{j}] is None: return None")
+        if ids is None:
+            ins.append("None")
+            continue
+        emit(f"    if I[{j}] is None: return None")
+        emit(f"    i{j} = _attr_as(I[{j}].dist_attr, mesh, {dm(ids)})")
+        plain.setdefault(dm(ids), f"i{j}")
+        ins.append(f"i{j}")
     outs = []
     consts: dict[str, Any] = {}
     for j, (ids, missing) in enumerate(zip(p.out_axes, p.out_missing)):
@@ -490,8 +496,17 @@ def _generate(p: Plan, direction: str) -> Any:
             outs.append("None")
             continue
         if not missing:
-            pt = "()"
-        elif len(missing) == 1:
+            if not forward:
+                emit(f"    if O[{j}] is None: return None")
+                outs.append(f"_attr_as(O[{j}].dist_attr, mesh, {dm(ids)})")
+            elif dm(ids) in plain:
+                outs.append(plain[dm(ids)])
+            else:
+                emit(f"    o{j} = _make(mesh, {dm(ids)})")
+                plain[dm(ids)] = f"o{j}"
+                outs.append(f"o{j}")
+            continue
+        if len(missing) == 1:
             a, r = missing[0]
             consts[f"R{j}_0"] = r
             pt = f"(((L{a}, R{j}_0),) if L{a} >= 0 else ())"
@@ -502,13 +517,8 @@ def _generate(p: Plan, direction: str) -> Any:
                 emit(f"    if L{a} >= 0: pt{j}.append((L{a}, R{j}_{k}))")
             emit(f"    pt{j}.sort(key=_first)")
             pt = f"tuple(pt{j})"
-        if not forward and not missing:
-            emit(f"    if O[{j}] is None: return None")
-            outs.append(f"_attr_as(O[{j}].dist_attr, mesh, {dm(ids)})")
-        else:
-            outs.append(f"_make(mesh, {dm(ids)}, {pt})")
+        outs.append(f"_make(mesh, {dm(ids)}, {pt})")
     emit(f"    return ({''.join(x + ', ' for x in ins)}), ({''.join(x + ', ' for x in outs)})")
-    del n_in
     ns: dict[str, Any] = {"_attr_as": attr_as, "_make": _make, "_largest": largest_mesh_dim,
                           "_first": _first, **consts}
     exec(compile("\n".join(lines), f"<plan {nt!r} {direction}>", "exec"), ns)  # noqa: S102
