@@ -158,8 +158,8 @@ def run(
             for a, e in zip(ids, dm):
                 if a >= 0 and rep[a]:
                     if e.__class__ is int:
-                        if e >= 0:  # type: ignore[operator]
-                            blocked |= 1 << e  # type: ignore[operator]
+                        if e >= 0:
+                            blocked |= 1 << e
                     else:
                         for x in (largest_mesh_dim(e, mesh_shape),) if largest else e:  # type: ignore[union-attr]
                             blocked |= 1 << x
@@ -176,9 +176,9 @@ def run(
             if a < 0:
                 continue
             if e.__class__ is int:
-                if e < 0:  # type: ignore[operator]
+                if e < 0:
                     continue
-                d: tuple[int, ...] = _ONE[e]  # type: ignore[index]
+                d: tuple[int, ...] = _ONE[e]
             elif largest:
                 d = _ONE[largest_mesh_dim(e, mesh_shape)]
             else:
@@ -297,15 +297,15 @@ def _unions(
                     out.append(x)
         cur[a] = tuple(out)
     count: dict[int, int] = {}
-    for d in cur:
-        if d:
-            for x in d:
+    for dims in cur:
+        if dims:
+            for x in dims:
                 count[x] = count.get(x, 0) + 1
     if any(v > 1 for v in count.values()):
         for a in cands:
-            d = cur[a]
-            if d is not None and len(d) > 1:
-                cur[a] = tuple(x for x in d if count[x] == 1) + tuple(x for x in d if count[x] > 1)
+            dims = cur[a]
+            if dims is not None and len(dims) > 1:
+                cur[a] = tuple(x for x in dims if count[x] == 1) + tuple(x for x in dims if count[x] > 1)
 
 
 def entries(final: list[tuple[int, ...]]) -> list[Entry]:
@@ -379,7 +379,12 @@ def infer(
     ent = entries(final)
     ins: list[TensorDistAttr | None] = []
     for t, ids in zip(inputs, p.in_axes):
-        ins.append(None if t is None or ids is None else attr_as(t.dist_attr, mesh, project_dm(ids, ent)))
+        if ids is None:
+            ins.append(None)
+        elif t is None:  # an absent tensor the notation labels: the attr it would need
+            ins.append(_make(mesh, project_dm(ids, ent)))
+        else:
+            ins.append(attr_as(t.dist_attr, mesh, project_dm(ids, ent)))
     outs: list[TensorDistAttr | None] = []
     for j, (ids, missing) in enumerate(zip(p.out_axes, p.out_missing)):
         if ids is None or missing is None:
@@ -481,20 +486,21 @@ def _generate(p: Plan, direction: str) -> Any:
     # input's attr (dist attrs are immutable)
     plain: dict[str, str] = {}
     ins = []
-    for j, ids in enumerate(p.in_axes):
-        if ids is None:
+    for j, in_ids in enumerate(p.in_axes):
+        if in_ids is None:
             ins.append("None")
             continue
         emit(f"    if I[{j}] is None: return None")
-        emit(f"    i{j} = _attr_as(I[{j}].dist_attr, mesh, {dm(ids)})")
-        plain.setdefault(dm(ids), f"i{j}")
+        emit(f"    i{j} = _attr_as(I[{j}].dist_attr, mesh, {dm(in_ids)})")
+        plain.setdefault(dm(in_ids), f"i{j}")
         ins.append(f"i{j}")
     outs = []
     consts: dict[str, Any] = {}
-    for j, (ids, missing) in enumerate(zip(p.out_axes, p.out_missing)):
-        if ids is None or missing is None:
+    for j, (out_ids, missing) in enumerate(zip(p.out_axes, p.out_missing)):
+        if out_ids is None or missing is None:
             outs.append("None")
             continue
+        ids = out_ids
         if not missing:
             if not forward:
                 emit(f"    if O[{j}] is None: return None")
@@ -521,7 +527,7 @@ def _generate(p: Plan, direction: str) -> Any:
     emit(f"    return ({''.join(x + ', ' for x in ins)}), ({''.join(x + ', ' for x in outs)})")
     ns: dict[str, Any] = {"_attr_as": attr_as, "_make": _make, "_largest": largest_mesh_dim,
                           "_first": _first, **consts}
-    exec(compile("\n".join(lines), f"<plan {nt!r} {direction}>", "exec"), ns)  # noqa: S102
+    exec(compile("\n".join(lines), f"<plan {nt!r} {direction}>", "exec"), ns)
     return ns["fast"]
 
 

@@ -22,7 +22,6 @@ answer is always one the inputs really produce.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
 
 from spmdkit.core.dist_attr import (
     DimsMapping,
@@ -30,14 +29,13 @@ from spmdkit.core.dist_attr import (
     Partial,
     ReduceType,
     TensorDistAttr,
-    dims_entry,
-    entry_dims,
 )
 from spmdkit.core.errors import InvalidMeshError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.memo import memo
-from spmdkit.engine.merge import largest_mesh_dim, merge_weight
+from spmdkit.engine.merge import largest_mesh_dim as largest_mesh_dim
+from spmdkit.engine.merge import merge_weight as merge_weight
 from spmdkit.engine.merge import prod as _prod
 
 BROADCAST = "1"
@@ -76,9 +74,25 @@ class Notation:
       sharding still counts for the letter in the merge).
     """
 
-    __slots__ = ("_hash", "_key", "_single", "coshard", "conflict", "input_letters", "inputs", "letters",
-                 "order", "outputs", "prune", "reduce", "replicated", "replicated_claims", "size1",
-                 "size1_claims", "sizes", "uneven")
+    __slots__ = (
+        "_hash",
+        "_key",
+        "conflict",
+        "coshard",
+        "input_letters",
+        "inputs",
+        "letters",
+        "order",
+        "outputs",
+        "prune",
+        "reduce",
+        "replicated",
+        "replicated_claims",
+        "size1",
+        "size1_claims",
+        "sizes",
+        "uneven",
+    )
 
     def __init__(
         self,
@@ -128,36 +142,18 @@ class Notation:
                      replicated_claims, uneven, size1_claims, sizes, size1)
         self._hash = hash(self._key)
         self.input_letters = frozenset("".join(a for a in self.inputs if a))
-        default = self._key[5:] == ("keep", "weight", "claim", "drop", "", "", "first", "keep")
-        self._single = self._single_plan() if default else None
+
+    def relabel(self, inputs: Sequence[str | None], outputs: Sequence[str | None]) -> Notation:
+        """A notation of other tensors with the same flags and policy (a grad rule's, say)."""
+        return Notation(
+            inputs, outputs, self.replicated, self.reduce, self.prune, coshard=self.coshard, conflict=self.conflict,
+            order=self.order, replicated_claims=self.replicated_claims, uneven=self.uneven,
+            size1_claims=self.size1_claims, sizes=self.sizes, size1=self.size1,
+        )  # fmt: skip
 
     def prunes(self, letter: str) -> bool:
         """Whether ``letter``'s mesh dims must divide its size."""
         return bool(self.prune) and (self.prune == "*" or letter in self.prune)
-
-    def _single_plan(self) -> tuple[Any, ...] | None:
-        """For one input whose letters are all distinct (unary ops, transpose, softmax,
-        reductions): per input axis (dropped: replicated or broadcast, pruned) and per
-        output the input position of each axis (-1: a letter the input lacks) and the
-        (position, reduce type) of the input letters the output lacks. None otherwise."""
-        if len(self.inputs) != 1 or self.inputs[0] is None:
-            return None
-        x = self.inputs[0]
-        real = [c for c in x if c != BROADCAST]
-        if len(set(real)) != len(real):
-            return None
-        drop = tuple(c == BROADCAST or c in self.replicated for c in x)
-        prune = tuple(bool(self.prune) and (self.prune == "*" or c in self.prune) for c in x)
-        outs: list[tuple[tuple[int, ...], tuple[tuple[int, ReduceType], ...]] | None] = []
-        for o in self.outputs:
-            if o is None:
-                outs.append(None)
-                continue
-            pos = tuple(x.index(c) if c != BROADCAST and c in x else -1 for c in o)
-            missing = tuple((i, self.reduce_type(c)) for i, c in enumerate(x)
-                            if c != BROADCAST and c not in o)
-            outs.append((pos, missing))
-        return (drop, prune, tuple(outs))
 
     @classmethod
     def parse(cls, text: str, **kw: object) -> Notation:
@@ -446,66 +442,15 @@ def einsum_forward(
     inputs: Sequence[DistTensorSpec | None],
     names: Sequence[str] | None = None,
 ) -> tuple[list[TensorDistAttr | None], list[TensorDistAttr | None]]:
-    """Infer the inputs' required dist attrs and the outputs' from the inputs."""
-    plan = notation._single
-    if plan is not None and len(inputs) == 1 and inputs[0] is not None:
-        return _forward_single(op, notation, plan, inputs[0], names)
-    mesh = common_mesh(op, inputs)
-    check_letters(op, notation.inputs, inputs, names)
-    return project_all(notation, merge_specs(notation, notation.inputs, inputs, mesh), mesh)
-
-
-def _forward_single(
-    op: str, notation: Notation, plan: tuple[Any, ...], x: DistTensorSpec, names: Sequence[str] | None
-) -> tuple[list[TensorDistAttr | None], list[TensorDistAttr | None]]:
-    """einsum_forward for one input with distinct letters: the same answer as the general
-    merge (no two letters can claim one mesh dim in a legal mapping), without the dicts."""
-    drop, prune, outs_plan = plan
-    shape = x.shape
-    attr = x.dist_attr
-    dm = attr.dims_mapping
-    if len(dm) != len(drop):
-        nm = names[0] if names else "tensor 0"
-        raise ShapeMismatchError(f"{op}: {nm} has {len(dm)} dims, expected {len(drop)}")
-    mesh = attr.mesh
-    new: list[Entry] = list(dm)
-    changed = False
-    for i, e in enumerate(dm):
-        if e.__class__ is int and e < 0:  # type: ignore[operator,unused-ignore]
-            continue
-        if drop[i]:
-            new[i] = -1
-            changed = True
-        elif prune[i]:
-            size = shape[i]
-            d = (e,) if e.__class__ is int else e
-            if size > 0:
-                ms = mesh.shape
-                kept = d
-                while kept and size % _prod(ms, kept) != 0:  # type: ignore[arg-type]
-                    kept = kept[:-1]  # type: ignore[index]
-                if kept != d:
-                    new[i] = dims_entry(kept)  # type: ignore[arg-type]
-                    changed = True
-    in_dm = tuple(new) if changed else dm
-    make = TensorDistAttr._make
-    outs: list[TensorDistAttr | None] = []
-    for op_plan in outs_plan:
-        if op_plan is None:
-            outs.append(None)
-            continue
-        pos, missing = op_plan
-        odm = tuple(-1 if p < 0 else in_dm[p] for p in pos)
-        pt: Partial = ()
-        if missing:
-            acc: dict[int, ReduceType] = {}
-            for i, r in missing:
-                for d in entry_dims(in_dm[i]):
-                    acc[d] = r
-            if acc:
-                pt = tuple(sorted(acc.items()))
-        outs.append(make(mesh, odm, pt))
-    return [make(mesh, in_dm, ())], outs
+    """Infer the inputs' required dist attrs and the outputs' from the inputs (the notation's
+    compiled plan)."""
+    if len(inputs) == 1 and inputs[0] is not None:
+        mesh = inputs[0].dist_attr.mesh  # one tensor: its letters cannot disagree in size
+    else:
+        mesh = common_mesh(op, inputs)
+        check_letters(op, notation.inputs, inputs, names)
+    ins, outs = _compile.infer(_compile.compile_plan(notation), op, inputs, (), mesh, names)
+    return list(ins), list(outs)
 
 
 def einsum_backward(
@@ -519,11 +464,9 @@ def einsum_backward(
     the inferred inputs produce."""
     mesh = common_mesh(op, list(inputs) + list(outputs))
     check_letters(op, list(notation.inputs) + list(notation.outputs), list(inputs) + list(outputs), names)
-    merged = merge_specs(notation, notation.outputs, outputs, mesh)
-    # a letter no input carries cannot be sharded by the inputs
-    in_letters = notation.input_letters
-    merged = tuple((ch, d) for ch, d in merged if ch in in_letters)
-    return project_all(notation, merged, mesh)
+    # the compiled plan drops the letters no input carries (the inputs cannot shard them)
+    ins, outs = _compile.infer(_compile.compile_plan(notation, "backward"), op, inputs, outputs, mesh, names)
+    return list(ins), list(outs)
 
 
 def with_partial(attr: TensorDistAttr, partial: Partial) -> TensorDistAttr:
@@ -604,3 +547,7 @@ def attr_as(src: TensorDistAttr, mesh: ProcessMesh, dims_mapping: DimsMapping) -
     if src.mesh is mesh and not src.partial and src.dims_mapping == dims_mapping:
         return src
     return _make_attr(mesh, dims_mapping)
+
+
+# the compiled plans (engine/compile.py imports this module: bound here, read at call time)
+from spmdkit.engine import compile as _compile  # noqa: E402

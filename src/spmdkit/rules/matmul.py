@@ -43,10 +43,14 @@ Shape = tuple[int, ...]
 #: batch letters (m, k, n are the matrix letters)
 _BATCH = "abcdefghijlopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
-#: Paddle 3.3.1's matmul merge (module docstring)
-_POLICY = {
-    "conflict": "union", "order": ("*", ">mn", "k"), "size1_claims": "mn", "sizes": "known", "size1": "broadcast",
-}  # fmt: skip
+
+def _matmul_notation(x: str, y: str, out: str, uneven: str) -> Notation:
+    """Paddle 3.3.1's matmul merge (module docstring): a letter two operands shard differently
+    co-sharded over both; batch letters claim first, then m / n (the larger first), then k;
+    every letter pruned but ``uneven``; a size-1 m / n still claims its mesh dims; an operand's
+    size-1 axes shard nothing."""
+    return Notation([x, y], [out], prune="*", uneven=uneven, conflict="union", order=("*", ">mn", "k"),
+                    size1_claims="mn", sizes="known", size1="broadcast")  # fmt: skip
 
 
 def _swap(t: str, on: bool) -> str:
@@ -71,9 +75,7 @@ def _notation(nx: int, ny: int, tx: bool, ty: bool, kind: str) -> Notation:
     """forward: ``[b]mk, [b]kn -> bmn`` (m and n keep uneven shardings); reverse: the same
     letters, every one pruned."""
     x, y, out = _letters(nx, ny, tx, ty)
-    if kind == "forward":
-        return Notation([x, y], [out], prune="*", uneven="mn", **_POLICY)  # type: ignore[arg-type]
-    return Notation([x, y], [out], prune="*", **_POLICY)  # type: ignore[arg-type]
+    return _matmul_notation(x, y, out, "mn" if kind == "forward" else "")
 
 
 @lru_cache(maxsize=4096)
@@ -92,7 +94,7 @@ def _grad_plan(nx: int, ny: int, tx: bool, ty: bool, mask: tuple[int, ...]) -> P
     def grad(t: str, m: int) -> str:
         return "".join("1" if (m >> i) & 1 else c for i, c in enumerate(t))
 
-    nt = Notation([x, y, out], [grad(x, mask[0]), grad(y, mask[1])], prune="*", uneven="mn", **_POLICY)  # type: ignore[arg-type]
+    nt = _matmul_notation(x, y, out, "mn").relabel([x, y, out], [grad(x, mask[0]), grad(y, mask[1])])
     return compile_plan(nt, "forward", mask)
 
 

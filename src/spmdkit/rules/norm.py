@@ -43,9 +43,9 @@ from spmdkit.rules.registry import register
 # their mesh dims, where the reverse rules read them off out)
 # ---------------------------------------------------------------------------
 
-#: Paddle 3.3.1's merge: a co-sharded axis read as its largest mesh dim, the larger tensor
-#: keeps an axis two shard differently, letters resolve in claim order
-_POLICY = {"coshard": "largest"}
+#: Paddle 3.3.1's merge: a co-sharded axis read as its largest mesh dim (coshard="largest"),
+#: the larger tensor keeps an axis two shard differently, letters resolve in claim order
+_COSHARD = "largest"
 
 
 def _rank(t: DistTensorSpec | None) -> int:
@@ -65,14 +65,14 @@ def _plan(kind: str, nd: int, bna: int, ranks: tuple[int, ...]) -> Plan:
     named = letters_for(nd)  # out in the reverse rules: the normalized axes named
     params = [_ones(r) for r in ranks]
     if kind in ("ln", "rms"):
-        nt = Notation([x, *params], [x, batch] + ([batch] if kind == "ln" else []), **_POLICY)
+        nt = Notation([x, *params], [x, batch] + ([batch] if kind == "ln" else []), coshard=_COSHARD)
         return compile_plan(nt)
     if kind in ("ln_rev", "rms_rev"):
         stats = [batch, batch] if kind == "ln_rev" else [batch]
-        nt = Notation([x, *params], [named, *stats], replicated=named[bna:], replicated_claims="block", **_POLICY)
+        nt = Notation([x, *params], [named, *stats], replicated=named[bna:], replicated_claims="block", coshard=_COSHARD)
         return compile_plan(nt, "backward")
     stats = [batch, batch] if kind == "ln_grad" else [batch]
-    nt = Notation([x, *params, *stats, x], [x, *params], **_POLICY)
+    nt = Notation([x, *params, *stats, x], [x, *params], coshard=_COSHARD)
     return compile_plan(nt)
 
 
