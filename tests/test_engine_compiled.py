@@ -103,7 +103,7 @@ def _check(p: Plan, direction: str, dms: list[Any], shapes: list[Any], mesh_shap
 
 def test_random_notations_and_policies() -> None:
     rng = random.Random(17)
-    for _ in range(3000):
+    for _ in range(1200):
         nt = _random_notation(rng)
         mesh_shape = rng.choice(MESHES)
         dms, shapes = _tensors(rng, nt.inputs + nt.outputs, len(mesh_shape))
@@ -113,7 +113,7 @@ def test_random_notations_and_policies() -> None:
 
 def test_default_policy_is_merge_letters() -> None:
     rng = random.Random(3)
-    for _ in range(2000):
+    for _ in range(1000):
         nt = _random_notation(rng)
         nt = Notation(nt.inputs, nt.outputs, replicated=nt.replicated, prune=nt.prune)
         mesh_shape = rng.choice(MESHES)
@@ -173,7 +173,7 @@ def test_generated_fast_path_equals_the_general_path() -> None:
     rng = random.Random(11)
     plans = _rule_plans()
     answered = 0
-    for i in range(3000):
+    for i in range(2000):
         if i % 2:
             p, direction = rng.choice(plans)
         else:
@@ -192,7 +192,7 @@ def test_generated_fast_path_equals_the_general_path() -> None:
         if got is not None:
             answered += 1
             assert _attrs(got) == _attrs(general), (nt, direction, dms, shapes, mesh.shape)
-    assert answered > 1000  # the fast path answers most cases
+    assert answered > 600  # the fast path answers most cases
 
 
 def test_matmul_coshard_union_through_infer() -> None:
@@ -213,3 +213,22 @@ def test_bad_policy_value_rejected() -> None:
         Notation(["ab"], ["ab"], order="size")
     with pytest.raises(ValueError, match="share letters"):
         Notation(["ab"], ["ab"], order=(">ab", "b"))
+
+
+def test_docs_rules_md_examples_run() -> None:
+    """docs/rules.md is true: its Python example runs (its asserts hold) and the notations it
+    spells out are those norm.py compiles."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "rules.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert blocks
+    for b in blocks:
+        exec(compile(b, "docs/rules.md", "exec"), {})  # noqa: S102
+    rev = Notation(["ab1", "1", "1"], ["abc", "ab", "ab"], replicated="c", replicated_claims="block",
+                   coshard="largest")  # fmt: skip
+    assert norm._plan("ln_rev", 3, 2, (1, 1)).notation == rev
+    assert norm._plan("ln_grad", 3, 2, (1, 1)).notation == Notation(
+        ["ab1", "1", "1", "ab", "ab", "ab1"], ["ab1", "1", "1"], coshard="largest"
+    )
