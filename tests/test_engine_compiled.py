@@ -225,7 +225,7 @@ def test_docs_rules_md_examples_run() -> None:
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     assert blocks
     for b in blocks:
-        exec(compile(b, "docs/rules.md", "exec"), {})  # noqa: S102
+        exec(compile(b, "docs/rules.md", "exec"), {})
     rev = Notation(["ab1", "1", "1"], ["abc", "ab", "ab"], replicated="c", replicated_claims="block",
                    coshard="largest")  # fmt: skip
     assert norm._plan("ln_rev", 3, 2, (1, 1)).notation == rev

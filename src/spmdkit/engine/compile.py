@@ -33,7 +33,7 @@ class Plan:
     """A notation compiled for one direction and key (see the module docstring)."""
 
     __slots__ = (
-        "block", "conflict", "fast", "groups", "in_axes", "in_letters", "largest", "n", "notation",
+        "block", "conflict", "fast", "groups", "in_axes", "in_letters", "largest", "letter_ids", "n", "notation",
         "order_kind", "out_axes", "out_missing", "prune", "rep", "s1claim", "size_src", "sizes_known",
         "src", "uneven",
     )  # fmt: skip
@@ -42,6 +42,7 @@ class Plan:
         nt = notation
         letters = nt.letters
         lid = {c: i for i, c in enumerate(letters)}
+        self.letter_ids = lid
         n = len(letters)
         self.notation = nt
         self.n = n

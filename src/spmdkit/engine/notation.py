@@ -22,6 +22,7 @@ answer is always one the inputs really produce.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from functools import lru_cache
 
 from spmdkit.core.dist_attr import (
     DimsMapping,
@@ -36,7 +37,6 @@ from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.memo import memo
 from spmdkit.engine.merge import largest_mesh_dim as largest_mesh_dim
 from spmdkit.engine.merge import merge_weight as merge_weight
-from spmdkit.engine.merge import prod as _prod
 
 BROADCAST = "1"
 ALPHABET = "abcdefghijklmnopqrstuvwxyz"
@@ -215,61 +215,24 @@ def merge_letters(
     other mesh dims, the larger tensor (by element count) keeps its sharding and the other is
     resharded (Paddle raises here). Then, in claim order, a mesh dim already taken by an
     earlier letter is dropped, replicated letters lose their sharding, and pruned letters drop
-    minor mesh dims until the mesh size divides the axis size."""
-    dims_of: dict[str, tuple[int, ...]] = {}
-    weight: dict[str, int] = {}
-    claims: list[str] = []
-    size_of: dict[str, int] = {}
-    for t_axes, dm, shape in zip(axes, mappings, shapes):
-        if t_axes is None or dm is None:
-            continue
-        n = -1
-        i = 0
-        for ch in t_axes:
-            e = dm[i]
-            if ch != BROADCAST:
-                if ch not in dims_of:
-                    dims_of[ch] = ()
-                if shape is not None and ch not in size_of and shape[i] != 1:
-                    size_of[ch] = shape[i]
-                if e.__class__ is int:
-                    d: tuple[int, ...] = () if e < 0 else (e,)  # type: ignore[operator,unused-ignore]
-                else:
-                    d = e  # type: ignore[assignment]
-                if d:
-                    cur = dims_of[ch]
-                    if not cur:
-                        if n < 0:
-                            n = merge_weight(shape) if shape is not None else 0
-                        dims_of[ch] = d
-                        weight[ch] = n
-                        claims.append(ch)
-                    elif d != cur:
-                        if n < 0:
-                            n = merge_weight(shape) if shape is not None else 0
-                        if n > weight[ch]:
-                            dims_of[ch] = d
-                            weight[ch] = n
-            i += 1
-    if claims:
-        used = 0  # bit mask of mesh dims already taken
-        prune_all = prune == "*"
-        for ch in claims:
-            if ch in replicated:
-                dims_of[ch] = ()
-                continue
-            d = dims_of[ch]
-            if used:
-                d = tuple(x for x in d if not (used >> x) & 1)
-            if prune and d and (prune_all or ch in prune):
-                size = size_of.get(ch, 1)
-                if size > 0:
-                    while d and size % _prod(mesh_shape, d) != 0:
-                        d = d[:-1]
-            for x in d:
-                used |= 1 << x
-            dims_of[ch] = d
-    return tuple(dims_of.items())
+    minor mesh dims until the mesh size divides the axis size (the default policy of a
+    :class:`Notation`, run by its compiled plan)."""
+    p = _compile.compile_plan(_merge_notation(axes, replicated, prune))
+    shapes = tuple(None if dm is None else s for dm, s in zip(mappings, shapes))
+    final = _compile.run(p, mappings, shapes, shapes, mesh_shape)
+    lid = p.letter_ids
+    seen: dict[str, tuple[int, ...]] = {}
+    for t_axes, dm in zip(axes, mappings):
+        if t_axes is not None and dm is not None:
+            for ch in t_axes:
+                if ch != BROADCAST and ch not in seen:
+                    seen[ch] = final[lid[ch]]
+    return tuple(seen.items())
+
+
+@lru_cache(maxsize=4096)
+def _merge_notation(axes: tuple[str | None, ...], replicated: frozenset[str], prune: str) -> Notation:
+    return Notation(axes, (), replicated, prune=prune)
 
 
 
