@@ -17,6 +17,9 @@ Prints one row per case: the median microseconds per call of
   divisibility is kept), with the result cache on as by default; each round uses shapes no
   earlier round used. The ratio of these two is what a planner exploring new shapes sees.
 
+``--timer cpu`` times with this process's CPU time instead of the wall clock (both sides alike;
+on a shared, loaded machine the ratios are then far steadier).
+
 Argument construction (the specs of every distinct call included) is outside the timed loop
 for both sides. The timings are taken round by round (uncached, cached, paddle, distinct,
 paddle distinct, then again), and each figure is the median over the rounds, so a load change
@@ -101,6 +104,11 @@ def _vary(case: dict[str, Any], size: int, k: int) -> dict[str, Any]:
     return {**case, "args": [sub(a) for a in case["args"]]}
 
 
+#: the clock of every timing (``--timer cpu``: this process's CPU time, which a shared machine's
+#: load disturbs far less than wall time)
+_clock = time.perf_counter
+
+
 def _interleaved_us(fns: list[Any], repeat: int, number: int) -> list[float | None]:
     """Median microseconds per call of each callable (None stays None), timed round by round:
     each round times every callable once in turn, so a change of machine load during the run
@@ -115,11 +123,11 @@ def _interleaved_us(fns: list[Any], repeat: int, number: int) -> list[float | No
                 continue
             set_cache_enabled(cache)
             if len(entry) == 3:
-                t0 = time.perf_counter()
+                t0 = _clock()
                 fn(r)
-                times[i].append((time.perf_counter() - t0) / entry[2] * number)
+                times[i].append((_clock() - t0) / entry[2] * number)
             else:
-                times[i].append(timeit.timeit(fn, number=number))
+                times[i].append(timeit.Timer(fn, timer=_clock).timeit(number=number))
     set_cache_enabled(True)
     return [statistics.median(t) / number * 1e6 if t else None for t in times]
 
@@ -205,7 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--number", type=int, default=2000)
     ap.add_argument("--distinct", type=int, default=500, help="calls per round in the distinct-shapes column")
+    ap.add_argument("--timer", choices=("wall", "cpu"), default="wall",
+                    help="wall clock (default) or this process's CPU time (steadier on a loaded machine)")
     ns = ap.parse_args(argv)
+    global _clock
+    _clock = time.process_time if ns.timer == "cpu" else time.perf_counter
     rows = []
     k0 = 2  # scale factors already used (the repeated case is k = 1)
     for label, case in CASES:

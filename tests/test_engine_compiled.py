@@ -232,3 +232,42 @@ def test_docs_rules_md_examples_run() -> None:
     assert norm._plan("ln_grad", 3, 2, (1, 1)).notation == Notation(
         ["ab1", "1", "1", "ab", "ab", "ab1"], ["ab1", "1", "1"], coshard="largest"
     )
+
+
+def test_rules_on_the_engine_are_answered_through_it() -> None:
+    """Every mode of matmul, the norm family and softmax reaches a compiled plan (traced)."""
+    from spmdkit.engine.compile import traced
+    from spmdkit.rules import get_rule, set_cache_enabled
+
+    m = ProcessMesh([2, 2])
+
+    def t(shape: list[int], dm: list[Any]) -> DistTensorSpec:
+        return DistTensorSpec(shape, mesh=m, dims_mapping=dm)
+
+    x3, w = t([4, 6, 8], [0, -1, 1]), t([8, 10], [1, -1])
+    calls = [
+        ("matmul", "forward", (x3, w)),
+        ("matmul", "backward", (x3, w, t([4, 6, 10], [0, 1, -1]))),
+        ("matmul_grad", "forward", (x3, w, t([4, 6, 10], [0, -1, -1]))),
+        ("layer_norm", "forward", (x3, t([8], [-1]), None, 1e-5, 2)),
+        ("layer_norm", "backward", (x3, None, None, x3, t([4, 6], [0, -1]), t([4, 6], [0, -1]), 1e-5, 2)),
+        ("layer_norm_grad", "forward", (x3, None, None, t([4, 6], [0, -1]), t([4, 6], [0, -1]), x3, 1e-5, 2)),
+        ("fused_rms_norm", "forward", (x3, t([8], [-1]), 1e-5)),
+        ("fused_rms_norm", "backward", (x3, None, x3, t([4, 6], [0, -1]), 1e-5)),
+        ("rms_norm_grad", "forward", (x3, None, t([4, 6], [0, -1]), x3, 1e-5)),
+        ("softmax", "forward", (x3, -1)),
+        ("softmax", "backward", (x3, x3, -1)),
+        ("softmax_grad", "forward", (x3, x3, -1)),
+        ("log_softmax", "forward", (x3, 1)),
+        ("log_softmax_grad", "forward", (x3, x3, 0)),
+    ]
+    set_cache_enabled(False)
+    try:
+        for name, mode, args in calls:
+            rule = get_rule(name)
+            f = rule.infer_forward if mode == "forward" else rule.infer_backward
+            with traced() as seen:
+                f(*args)
+            assert seen, f"{name} {mode} did not reach a compiled plan"
+    finally:
+        set_cache_enabled(True)

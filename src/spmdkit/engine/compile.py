@@ -12,7 +12,8 @@ holds them equal on random cases).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from spmdkit.core.dist_attr import DimsMapping, Entry, ReduceType, TensorDistAttr
@@ -111,6 +112,29 @@ class Plan:
 
 
 _plans: dict[tuple[Notation, str, tuple[int, ...]], Plan] = {}
+
+#: while :func:`traced` is active: the op of every call the engine answers
+_trace: list[str] | None = None
+
+
+@contextmanager
+def traced() -> Iterator[list[str]]:
+    """Record the op name of every call answered through a compiled plan (:func:`infer`, and
+    ``merge_letters`` as ``"merge_letters"``) while active: a test can assert a rule is
+    answered by the engine (with the result cache off, ``set_cache_enabled(False)``, which also
+    turns off the memo tables: a cached answer reaches no rule)."""
+    global _trace
+    prev, _trace = _trace, []
+    try:
+        yield _trace
+    finally:
+        _trace = prev
+
+
+def note(op: str) -> None:
+    """Record ``op`` while :func:`traced` is active."""
+    if _trace is not None:
+        _trace.append(op)
 
 
 def compile_plan(notation: Notation, direction: str = "forward", mask: tuple[int, ...] = ()) -> Plan:
@@ -348,6 +372,8 @@ def infer(
     direction). Inputs come back without partial (a partial input is resharded); outputs are
     partial over the mesh dims of the letters they lack. ``fast``: try the plan's generated
     code first (it answers the common case; ``fast=False`` for the general path alone)."""
+    if _trace is not None:
+        _trace.append(op)
     if fast:
         r = p.fast(inputs, outputs, mesh)
         if r is not None:

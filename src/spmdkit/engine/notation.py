@@ -217,6 +217,7 @@ def merge_letters(
     earlier letter is dropped, replicated letters lose their sharding, and pruned letters drop
     minor mesh dims until the mesh size divides the axis size (the default policy of a
     :class:`Notation`, run by its compiled plan)."""
+    _compile.note("merge_letters")
     p = _compile.compile_plan(_merge_notation(axes, replicated, prune))
     shapes = tuple(None if dm is None else s for dm, s in zip(mappings, shapes))
     final = _compile.run(p, mappings, shapes, shapes, mesh_shape)
