@@ -449,7 +449,8 @@ def _generate(p: Plan, direction: str) -> Any:
         emit("    if t is None: return None")
         emit(f"    d{ti} = t.dist_attr.dims_mapping")
         emit(f"    if len(d{ti}) != {len(ids)}: return None")
-        emit(f"    s{ti} = t.shape")
+        if not p.sizes_known:
+            emit(f"    s{ti} = t.shape")
         for i, a in enumerate(ids):
             if a < 0:
                 continue
