@@ -34,7 +34,7 @@ class Plan:
     """A notation compiled for one direction and key (see the module docstring)."""
 
     __slots__ = (
-        "block", "conflict", "fast", "groups", "in_axes", "in_letters", "largest", "letter_ids", "n", "notation",
+        "block", "conflict", "fast", "fast_letters", "groups", "in_axes", "in_letters", "largest", "letter_ids", "n", "notation",
         "order_kind", "out_axes", "out_missing", "prune", "rep", "s1claim", "size_src", "sizes_known",
         "src", "uneven",
     )  # fmt: skip
@@ -109,6 +109,7 @@ class Plan:
             for a in nt.outputs
         )
         self.fast = _generate(self, direction)
+        self.fast_letters: Any = None  # merge_letters' generated code, made on first use
 
 
 _plans: dict[tuple[Notation, str, tuple[int, ...]], Plan] = {}
@@ -431,25 +432,34 @@ def infer(
 # ---------------------------------------------------------------------------
 
 
-def _generate(p: Plan, direction: str) -> Any:
+def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
     """Straight-line Python for the plan's common case: every entry a single mesh dim (or a
     co-shard read as its largest), no two tensors sharding one letter differently (under
     ``conflict="first"`` the first simply wins), no two letters on one mesh dim, no replicated
     letter sharded under ``replicated_claims="block"``. Then the order of resolution cannot
     matter and each letter prunes on its own. Any other case returns None: :func:`infer` takes
-    the general path (:func:`run`), which answers it as the reference does."""
+    the general path (:func:`run`), which answers it as the reference does.
+
+    ``raw`` (forward only): ``fast(D, S, ms)`` on the inputs' dims_mappings, shapes and the
+    mesh shape, returning ``((letter, mesh dims), ...)`` in the notation's letter order (what
+    ``merge_letters`` answers), or None."""
     nt = p.notation
     forward = direction == "forward"
     src_name = "I" if forward else "O"
-    lines = ["def fast(I, O, mesh):", "    ms = mesh.shape"]
+    lines = ["def fast(D, S, ms):"] if raw else ["def fast(I, O, mesh):", "    ms = mesh.shape"]
     emit = lines.append
     read: set[int] = set()
     for ti, ids in p.src:
-        emit(f"    t = {src_name}[{ti}]")
-        emit("    if t is None: return None")
-        emit(f"    d{ti} = t.dist_attr.dims_mapping")
+        if raw:
+            emit(f"    d{ti} = D[{ti}]")
+            emit(f"    s{ti} = S[{ti}]")
+            emit(f"    if d{ti} is None or s{ti} is None: return None")
+        else:
+            emit(f"    t = {src_name}[{ti}]")
+            emit("    if t is None: return None")
+            emit(f"    d{ti} = t.dist_attr.dims_mapping")
         emit(f"    if len(d{ti}) != {len(ids)}: return None")
-        if not p.sizes_known:
+        if not p.sizes_known and not raw:
             emit(f"    s{ti} = t.shape")
         for i, a in enumerate(ids):
             if a < 0:
@@ -484,16 +494,17 @@ def _generate(p: Plan, direction: str) -> Any:
         emit(f"    if L{a} >= 0:")
         if p.sizes_known:
             # the first size >= 0 other than 1; else -1 where one is -1; else 1
+            shape = "S[{}]" if raw else "I[{}].shape"
             for ti, _ in srcs:
-                emit(f"        if I[{ti}] is None: return None")
+                emit(f"        if {'S' if raw else 'I'}[{ti}] is None: return None")
             if not srcs:
                 emit("        s = 1")
             for k, (ti, i) in enumerate(srcs):
                 if k == 0:
-                    emit(f"        s = I[{ti}].shape[{i}]")
+                    emit(f"        s = {shape.format(ti)}[{i}]")
                     continue
                 emit("        if s == 1 or s == -1:")
-                emit(f"            v = I[{ti}].shape[{i}]")
+                emit(f"            v = {shape.format(ti)}[{i}]")
                 emit("            if v >= 0 and v != 1: s = v")
                 emit("            elif v == -1: s = -1")
         else:
@@ -509,6 +520,10 @@ def _generate(p: Plan, direction: str) -> Any:
 
     def dm(ids: tuple[int, ...]) -> str:
         return "(" + "".join(("-1" if a < 0 else f"L{a}") + ", " for a in ids) + ")"
+
+    if raw:
+        emit("    return (" + "".join(f"({c!r}, () if L{a} < 0 else _ONE[L{a}]), " for a, c in enumerate(nt.letters)) + ")")
+        return _exec(lines, f"<plan {nt!r} letters>", {})
 
     # one attr per distinct (dims_mapping, no partial): an output sharded as an input is that
     # input's attr (dist attrs are immutable)
@@ -553,9 +568,14 @@ def _generate(p: Plan, direction: str) -> Any:
             pt = f"tuple(pt{j})"
         outs.append(f"_make(mesh, {dm(ids)}, {pt})")
     emit(f"    return ({''.join(x + ', ' for x in ins)}), ({''.join(x + ', ' for x in outs)})")
-    ns: dict[str, Any] = {"_attr_as": attr_as, "_make": _make, "_largest": largest_mesh_dim,
-                          "_first": _first, **consts}
-    exec(compile("\n".join(lines), f"<plan {nt!r} {direction}>", "exec"), ns)
+    return _exec(lines, f"<plan {nt!r} {direction}>", consts)
+
+
+def _exec(lines: list[str], name: str, consts: dict[str, Any]) -> Any:
+    """The function ``fast`` the generated ``lines`` define."""
+    ns: dict[str, Any] = {"_attr_as": attr_as, "_make": _make, "_largest": largest_mesh_dim, "_first": _first,
+                          "_ONE": _ONE, **consts}  # fmt: skip
+    exec(compile("\n".join(lines), name, "exec"), ns)
     return ns["fast"]
 
 

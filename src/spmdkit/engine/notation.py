@@ -42,6 +42,25 @@ BROADCAST = "1"
 ALPHABET = "abcdefghijklmnopqrstuvwxyz"
 
 
+def _check_policy(
+    coshard: str, conflict: str, order: str | tuple[str, ...], replicated_claims: str, sizes: str, size1: str
+) -> None:
+    """ValueError for a policy value the engine does not know (a rule's declaration error)."""
+    for name, val, allowed in (("coshard", coshard, ("keep", "largest")),
+                               ("conflict", conflict, ("weight", "first", "union")),
+                               ("replicated_claims", replicated_claims, ("drop", "block")),
+                               ("sizes", sizes, ("first", "known")), ("size1", size1, ("keep", "broadcast"))):
+        if val not in allowed:
+            raise ValueError(f"Notation: {name} must be one of {allowed}, got {val!r}")
+    if isinstance(order, str):
+        if order not in ("claim", "notation"):
+            raise ValueError(f"Notation: order must be 'claim', 'notation' or a tuple of groups, got {order!r}")
+        return
+    named = [c for g in order if g != "*" for c in g.lstrip(">")]
+    if len(named) != len(set(named)) or list(order).count("*") > 1:
+        raise ValueError(f"Notation: order groups must not share letters, got {order!r}")
+
+
 class Notation:
     """An einsum-like labelling of one op call, with the policy of its merge.
 
@@ -116,27 +135,15 @@ class Notation:
         self.replicated = frozenset(replicated)
         self.reduce = reduce if isinstance(reduce, ReduceType) else dict(reduce)
         self.prune = prune
-        for name, val, allowed in (("coshard", coshard, ("keep", "largest")),
-                                   ("conflict", conflict, ("weight", "first", "union")),
-                                   ("replicated_claims", replicated_claims, ("drop", "block")),
-                                   ("sizes", sizes, ("first", "known")), ("size1", size1, ("keep", "broadcast"))):
-            if val not in allowed:
-                raise ValueError(f"Notation: {name} must be one of {allowed}, got {val!r}")
-        if isinstance(order, str) and order not in ("claim", "notation"):
-            raise ValueError(f"Notation: order must be 'claim', 'notation' or a tuple of groups, got {order!r}")
-        if not isinstance(order, str):
-            named = [c for g in order if g != "*" for c in g.lstrip(">")]
-            if len(named) != len(set(named)) or list(order).count("*") > 1:
-                raise ValueError(f"Notation: order groups must not share letters, got {order!r}")
+        if (coshard != "keep" or conflict != "weight" or order != "claim" or replicated_claims != "drop"
+                or sizes != "first" or size1 != "keep"):  # fmt: skip
+            _check_policy(coshard, conflict, order, replicated_claims, sizes, size1)
         self.coshard, self.conflict, self.order = coshard, conflict, order if isinstance(order, str) else tuple(order)
         self.replicated_claims, self.uneven, self.size1_claims = replicated_claims, uneven, size1_claims
         self.sizes, self.size1 = sizes, size1
-        seen: dict[str, None] = {}
-        for a in (*self.inputs, *self.outputs):
-            for c in a or "":
-                if c != BROADCAST:
-                    seen[c] = None
-        self.letters = "".join(seen)
+        self.letters = "".join(dict.fromkeys("".join([a for a in (*self.inputs, *self.outputs) if a]))).replace(
+            BROADCAST, ""
+        )
         red = self.reduce if isinstance(self.reduce, ReduceType) else tuple(sorted(self.reduce.items()))
         self._key = (self.inputs, self.outputs, self.replicated, red, prune, coshard, conflict, self.order,
                      replicated_claims, uneven, size1_claims, sizes, size1)
@@ -217,10 +224,20 @@ def merge_letters(
     earlier letter is dropped, replicated letters lose their sharding, and pruned letters drop
     minor mesh dims until the mesh size divides the axis size (the default policy of a
     :class:`Notation`, run by its compiled plan)."""
-    _compile.note("merge_letters")
+    if _compile._trace is not None:
+        _compile.note("merge_letters")
     p = _compile.compile_plan(_merge_notation(axes, replicated, prune))
-    shapes = tuple(None if dm is None else s for dm, s in zip(mappings, shapes))
+    fast = p.fast_letters
+    if fast is None:
+        fast = p.fast_letters = _compile._generate(p, "forward", raw=True)
+    got = fast(mappings, shapes, mesh_shape)
+    if got is not None:
+        return got  # type: ignore[no-any-return]
+    if None in mappings:
+        shapes = tuple(None if dm is None else s for dm, s in zip(mappings, shapes))
     final = _compile.run(p, mappings, shapes, shapes, mesh_shape)
+    if None not in mappings:  # every letter seen, in the notation's order
+        return tuple(zip(p.notation.letters, final))
     lid = p.letter_ids
     seen: dict[str, tuple[int, ...]] = {}
     for t_axes, dm in zip(axes, mappings):
