@@ -11,11 +11,19 @@ Prints one row per case: the median microseconds per call of
 * ``paddle``: ``core.get_phi_spmd_rule(name).infer_forward(*args)`` with Paddle's own
   DistTensorSpec arguments built once, when ``paddle`` can be imported (run this script with
   a Python that has paddlepaddle==3.3.1 and spmdkit's ``src`` on ``sys.path``, e.g.
-  ``PYTHONPATH=src /path/to/paddle-venv/bin/python benchmarks/bench_rules.py``).
+  ``PYTHONPATH=src /path/to/paddle-venv/bin/python benchmarks/bench_rules.py``);
+* ``spmdkit distinct`` / ``paddle distinct``: a case never seen before on every call (one
+  size of the case, ``VARY``, scaled by the call's index, so every call has new shapes and
+  divisibility is kept), with the result cache on as by default; each round uses shapes no
+  earlier round used. The ratio of these two is what a planner exploring new shapes sees.
 
-Argument construction is outside the timed loop for both sides. The three timings are taken
-round by round (uncached, cached, paddle, then again), and each figure is the median over the
-rounds, so a load change on the machine during the run does not favour one side.
+``--timer cpu`` times with this process's CPU time instead of the wall clock (both sides alike;
+on a shared, loaded machine the ratios are then far steadier).
+
+Argument construction (the specs of every distinct call included) is outside the timed loop
+for both sides. The timings are taken round by round (uncached, cached, paddle, distinct,
+paddle distinct, then again), and each figure is the median over the rounds, so a load change
+on the machine during the run does not favour one side.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 import timeit
 from pathlib import Path
 from typing import Any
@@ -72,25 +81,64 @@ CASES: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
+#: per case label: the size scaled by the call's index in the distinct-shapes column
+VARY: dict[str, int] = {
+    "reshape": 48, "matmul 3-D": 1024, "matmul backward": 1024, "layer_norm": 1024,
+    "layer_norm backward": 1024, "add (broadcast)": 1024, "relu": 1024, "softmax": 12, "sum": 1024,
+    "transpose": 1024, "conv2d": 32, "embedding": 1024, "flash_attention": 1024,
+}
+
+
+def _vary(case: dict[str, Any], size: int, k: int) -> dict[str, Any]:
+    """A copy of ``case`` with every ``size`` in a shape or a list attribute made ``size * k``."""
+
+    def sub(a: Any) -> Any:
+        if isinstance(a, dict):
+            return {**a, "shape": [s * k if s == size else s for s in a["shape"]]}
+        if isinstance(a, list) and a and all(isinstance(x, int) and not isinstance(x, bool) for x in a):
+            return [s * k if s == size else s for s in a]
+        if isinstance(a, list):
+            return [sub(x) for x in a]
+        return a
+
+    return {**case, "args": [sub(a) for a in case["args"]]}
+
+
+#: the clock of every timing (``--timer cpu``: this process's CPU time, which a shared machine's
+#: load disturbs far less than wall time)
+_clock = time.perf_counter
+
+
 def _interleaved_us(fns: list[Any], repeat: int, number: int) -> list[float | None]:
     """Median microseconds per call of each callable (None stays None), timed round by round:
     each round times every callable once in turn, so a change of machine load during the run
-    hits all sides alike instead of whichever block happened to run then."""
+    hits all sides alike instead of whichever block happened to run then. An entry is
+    ``(fn, cache)`` (``fn()`` timed ``number`` times) or ``(loop, cache, n)`` with ``loop(r)``
+    making ``n`` calls of round r's own arguments (timed once, reported per call)."""
     times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeat):
-        for i, (fn, cache) in enumerate(fns):
+    for r in range(repeat):
+        for i, entry in enumerate(fns):
+            fn, cache = entry[0], entry[1]
             if fn is None:
                 continue
             set_cache_enabled(cache)
-            times[i].append(timeit.timeit(fn, number=number))
+            if len(entry) == 3:
+                t0 = _clock()
+                fn(r)
+                times[i].append((_clock() - t0) / entry[2] * number)
+            else:
+                times[i].append(timeit.Timer(fn, timer=_clock).timeit(number=number))
     set_cache_enabled(True)
     return [statistics.median(t) / number * 1e6 if t else None for t in times]
 
 
-def _spmdkit_call(case: dict[str, Any]) -> Any:
+def _spmdkit_args(case: dict[str, Any]) -> tuple[Any, tuple[Any, ...]]:
     c = parse_case(case)
-    f = c.rule.infer_forward if c.mode == "forward" else c.rule.infer_backward
-    args = tuple(c.args)
+    return (c.rule.infer_forward if c.mode == "forward" else c.rule.infer_backward), tuple(c.args)
+
+
+def _spmdkit_call(case: dict[str, Any]) -> Any:
+    f, args = _spmdkit_args(case)
 
     def call() -> Any:
         return f(*args)
@@ -98,8 +146,21 @@ def _spmdkit_call(case: dict[str, Any]) -> Any:
     return call
 
 
-def _paddle_call(case: dict[str, Any]) -> Any | None:
-    """A zero-argument callable running Paddle's rule on the case, or None without paddle."""
+def _distinct_loop(cases: list[list[dict[str, Any]]], build: Any) -> Any:
+    """``loop(r)``: one call on each of round r's cases, arguments built beforehand."""
+    built = [[build(c) for c in rnd] for rnd in cases]
+    if any(b is None for rnd in built for b in rnd):
+        return None
+
+    def loop(r: int) -> None:
+        for f, args in built[r]:
+            f(*args)
+
+    return loop
+
+
+def _paddle_args(case: dict[str, Any]) -> tuple[Any, list[Any]] | None:
+    """Paddle's rule function and its arguments for the case, or None without paddle."""
     try:
         import numpy as np
         from paddle.base import core
@@ -107,11 +168,14 @@ def _paddle_call(case: dict[str, Any]) -> Any | None:
         from paddle.distributed.auto_parallel.static.dist_attribute import DistTensorSpec, TensorDistAttr
     except Exception:
         return None
-    shape = case["mesh"]
-    n = 1
-    for s in shape:
-        n *= s
-    mesh = ProcessMesh(np.arange(n).reshape(shape).tolist(), dim_names=[f"d{i}" for i in range(len(shape))])
+    shape = tuple(case["mesh"])
+    mesh = _MESHES.get(shape)
+    if mesh is None:
+        n = 1
+        for s in shape:
+            n *= s
+        mesh = ProcessMesh(np.arange(n).reshape(shape).tolist(), dim_names=[f"d{i}" for i in range(len(shape))])
+        _MESHES[shape] = mesh
 
     def spec(a: Any) -> Any:
         if not isinstance(a, dict):
@@ -123,7 +187,18 @@ def _paddle_call(case: dict[str, Any]) -> Any | None:
 
     args = [spec(a) for a in case["args"]]
     rule = core.get_phi_spmd_rule(case["rule"])
-    f = rule.infer_forward if case["mode"] == "forward" else rule.infer_backward
+    return (rule.infer_forward if case["mode"] == "forward" else rule.infer_backward), args
+
+
+_MESHES: dict[tuple[int, ...], Any] = {}
+
+
+def _paddle_call(case: dict[str, Any]) -> Any | None:
+    """A zero-argument callable running Paddle's rule on the case, or None without paddle."""
+    fa = _paddle_args(case)
+    if fa is None:
+        return None
+    f, args = fa
     f(*args)
 
     def call() -> Any:
@@ -137,30 +212,54 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("rules", nargs="*", help="only these rules (default: all cases)")
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--number", type=int, default=2000)
+    ap.add_argument("--distinct", type=int, default=500, help="calls per round in the distinct-shapes column")
+    ap.add_argument("--timer", choices=("wall", "cpu"), default="wall",
+                    help="wall clock (default) or this process's CPU time (steadier on a loaded machine)")
     ns = ap.parse_args(argv)
+    global _clock
+    _clock = time.process_time if ns.timer == "cpu" else time.perf_counter
     rows = []
+    k0 = 2  # scale factors already used (the repeated case is k = 1)
     for label, case in CASES:
         if ns.rules and case["rule"] not in ns.rules:
             continue
         if not has_rule(case["rule"]):
-            rows.append((label, None, None, None))
+            rows.append((label, None, None, None, None, None))
             continue
         call = _spmdkit_call(case)
         call()
         pcall = _paddle_call(case)
-        unc, cached, pad = _interleaved_us([(call, False), (call, True), (pcall, True)], ns.repeat, ns.number)
-        rows.append((label, unc, cached, pad))
-    head = ("case", "spmdkit uncached us", "spmdkit cached us", "paddle us", "uncached/paddle")
-    fmt = "{:<22} {:>20} {:>18} {:>10} {:>16}"
+        size = VARY[label]
+        rounds = [[_vary(case, size, k0 + r * ns.distinct + j) for j in range(ns.distinct)]
+                  for r in range(ns.repeat)]
+        dist = _distinct_loop(rounds, _spmdkit_args)
+        pdist = _distinct_loop(rounds, _paddle_args) if pcall is not None else None
+        unc, cached, pad, d, pd = _interleaved_us(
+            [(call, False), (call, True), (pcall, True), (dist, True, ns.distinct), (pdist, True, ns.distinct)],
+            ns.repeat, ns.number,
+        )
+        rows.append((label, unc, cached, pad, d, pd))
+    head = ("case", "uncached us", "cached us", "paddle us", "uncached/paddle",
+            "distinct us", "paddle distinct us", "distinct/paddle")
+    fmt = "{:<20} {:>11} {:>9} {:>9} {:>15} {:>11} {:>18} {:>15}"
     print(fmt.format(*head))
-    for label, unc, cached, pad in rows:
+
+    def num(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}"
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return "-" if a is None or b is None else f"{a / b:.2f}"
+
+    ratios = []
+    for label, unc, cached, pad, d, pd in rows:
+        if d is not None and pd is not None:
+            ratios.append(d / pd)
         print(fmt.format(
-            label,
-            "not registered" if unc is None else f"{unc:.2f}",
-            "-" if cached is None else f"{cached:.2f}",
-            "-" if pad is None else f"{pad:.2f}",
-            "-" if pad is None or unc is None else f"{unc / pad:.2f}",
+            label, "not registered" if unc is None else num(unc), num(cached), num(pad), ratio(unc, pad),
+            num(d), num(pd), ratio(d, pd),
         ))
+    if ratios:
+        print(f"geometric mean distinct/paddle: {statistics.geometric_mean(ratios):.2f}")
     return 0
 
 

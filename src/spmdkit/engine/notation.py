@@ -22,7 +22,7 @@ answer is always one the inputs really produce.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from functools import lru_cache
 
 from spmdkit.core.dist_attr import (
     DimsMapping,
@@ -30,29 +30,88 @@ from spmdkit.core.dist_attr import (
     Partial,
     ReduceType,
     TensorDistAttr,
-    dims_entry,
-    entry_dims,
 )
 from spmdkit.core.errors import InvalidMeshError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.memo import memo
+from spmdkit.engine.merge import largest_mesh_dim as largest_mesh_dim
+from spmdkit.engine.merge import merge_weight as merge_weight
 
 BROADCAST = "1"
 ALPHABET = "abcdefghijklmnopqrstuvwxyz"
 
 
+def _check_policy(
+    coshard: str, conflict: str, order: str | tuple[str, ...], replicated_claims: str, sizes: str, size1: str
+) -> None:
+    """ValueError for a policy value the engine does not know (a rule's declaration error)."""
+    for name, val, allowed in (("coshard", coshard, ("keep", "largest")),
+                               ("conflict", conflict, ("weight", "first", "union")),
+                               ("replicated_claims", replicated_claims, ("drop", "block")),
+                               ("sizes", sizes, ("first", "known")), ("size1", size1, ("keep", "broadcast"))):
+        if val not in allowed:
+            raise ValueError(f"Notation: {name} must be one of {allowed}, got {val!r}")
+    if isinstance(order, str):
+        if order not in ("claim", "notation"):
+            raise ValueError(f"Notation: order must be 'claim', 'notation' or a tuple of groups, got {order!r}")
+        return
+    named = [c for g in order if g != "*" for c in g.lstrip(">")]
+    if len(named) != len(set(named)) or list(order).count("*") > 1:
+        raise ValueError(f"Notation: order groups must not share letters, got {order!r}")
+
+
 class Notation:
-    """An einsum-like labelling of one op call.
+    """An einsum-like labelling of one op call, with the policy of its merge.
 
     ``inputs`` / ``outputs``: one string of letters per tensor (``None`` for an absent
     optional tensor). ``replicated``: letters that must stay unsharded.
     ``reduce``: the reduce type of outputs made partial by letters they lack
     (one type, or a mapping letter -> type; unlisted letters use SUM).
     ``prune``: letters whose mesh dims must divide their size (``"*"`` for all).
+
+    Policy (keywords; the defaults are :func:`merge_letters`'s behaviour; the steps are
+    spelled out in :mod:`spmdkit.engine.merge`):
+
+    * ``coshard``: ``"keep"`` a co-sharded entry as it is, or read it as its ``"largest"``
+      mesh dim (Paddle's merges);
+    * ``conflict``: two tensors sharding one letter differently: the one with more elements
+      keeps it (``"weight"``), the first (``"first"``), or the letter is co-sharded over both
+      (``"union"``, as Paddle's matmul);
+    * ``order``: the order letters resolve a mesh dim several claim: as first claimed
+      (``"claim"``), as they appear in the notation (``"notation"``), or a tuple of groups:
+      ``"*"`` the letters no group names, by claim; ``"mn"`` these letters by claim; ``">mn"``
+      these letters by size, largest first (the written order on a tie);
+    * ``replicated_claims``: ``"drop"`` (a replicated letter's mesh dims are simply dropped)
+      or ``"block"`` (they are removed from every other entry before merging);
+    * ``uneven``: pruned letters that keep uneven shardings, pruned only where their size is 1;
+    * ``size1_claims``: letters that, where their size is 1, still claim the mesh dims pruning
+      took from them (so later letters cannot take them);
+    * ``sizes``: a letter's size: the first size other than 1 on the merged tensors
+      (``"first"``), or the first known one (>= 0, not 1) on the inputs (``"known"``);
+    * ``size1``: ``"keep"``, or ``"broadcast"``: an input's size-1 axes shard nothing (their
+      sharding still counts for the letter in the merge).
     """
 
-    __slots__ = ("_hash", "_key", "_single", "input_letters", "inputs", "outputs", "prune", "reduce", "replicated")
+    __slots__ = (
+        "_hash",
+        "_key",
+        "conflict",
+        "coshard",
+        "input_letters",
+        "inputs",
+        "letters",
+        "order",
+        "outputs",
+        "prune",
+        "reduce",
+        "replicated",
+        "replicated_claims",
+        "size1",
+        "size1_claims",
+        "sizes",
+        "uneven",
+    )
 
     def __init__(
         self,
@@ -61,41 +120,47 @@ class Notation:
         replicated: Iterable[str] = "",
         reduce: ReduceType | Mapping[str, ReduceType] = ReduceType.SUM,
         prune: str = "",
+        *,
+        coshard: str = "keep",
+        conflict: str = "weight",
+        order: str | tuple[str, ...] = "claim",
+        replicated_claims: str = "drop",
+        uneven: str = "",
+        size1_claims: str = "",
+        sizes: str = "first",
+        size1: str = "keep",
     ) -> None:
         self.inputs = tuple(inputs)
         self.outputs = tuple(outputs)
         self.replicated = frozenset(replicated)
         self.reduce = reduce if isinstance(reduce, ReduceType) else dict(reduce)
         self.prune = prune
+        if (coshard != "keep" or conflict != "weight" or order != "claim" or replicated_claims != "drop"
+                or sizes != "first" or size1 != "keep"):  # fmt: skip
+            _check_policy(coshard, conflict, order, replicated_claims, sizes, size1)
+        self.coshard, self.conflict, self.order = coshard, conflict, order if isinstance(order, str) else tuple(order)
+        self.replicated_claims, self.uneven, self.size1_claims = replicated_claims, uneven, size1_claims
+        self.sizes, self.size1 = sizes, size1
+        self.letters = "".join(dict.fromkeys("".join([a for a in (*self.inputs, *self.outputs) if a]))).replace(
+            BROADCAST, ""
+        )
         red = self.reduce if isinstance(self.reduce, ReduceType) else tuple(sorted(self.reduce.items()))
-        self._key = (self.inputs, self.outputs, self.replicated, red, prune)
+        self._key = (self.inputs, self.outputs, self.replicated, red, prune, coshard, conflict, self.order,
+                     replicated_claims, uneven, size1_claims, sizes, size1)
         self._hash = hash(self._key)
         self.input_letters = frozenset("".join(a for a in self.inputs if a))
-        self._single = self._single_plan()
 
-    def _single_plan(self) -> tuple[Any, ...] | None:
-        """For one input whose letters are all distinct (unary ops, transpose, softmax,
-        reductions): per input axis (dropped: replicated or broadcast, pruned) and per
-        output the input position of each axis (-1: a letter the input lacks) and the
-        (position, reduce type) of the input letters the output lacks. None otherwise."""
-        if len(self.inputs) != 1 or self.inputs[0] is None:
-            return None
-        x = self.inputs[0]
-        real = [c for c in x if c != BROADCAST]
-        if len(set(real)) != len(real):
-            return None
-        drop = tuple(c == BROADCAST or c in self.replicated for c in x)
-        prune = tuple(bool(self.prune) and (self.prune == "*" or c in self.prune) for c in x)
-        outs: list[tuple[tuple[int, ...], tuple[tuple[int, ReduceType], ...]] | None] = []
-        for o in self.outputs:
-            if o is None:
-                outs.append(None)
-                continue
-            pos = tuple(x.index(c) if c != BROADCAST and c in x else -1 for c in o)
-            missing = tuple((i, self.reduce_type(c)) for i, c in enumerate(x)
-                            if c != BROADCAST and c not in o)
-            outs.append((pos, missing))
-        return (drop, prune, tuple(outs))
+    def relabel(self, inputs: Sequence[str | None], outputs: Sequence[str | None]) -> Notation:
+        """A notation of other tensors with the same flags and policy (a grad rule's, say)."""
+        return Notation(
+            inputs, outputs, self.replicated, self.reduce, self.prune, coshard=self.coshard, conflict=self.conflict,
+            order=self.order, replicated_claims=self.replicated_claims, uneven=self.uneven,
+            size1_claims=self.size1_claims, sizes=self.sizes, size1=self.size1,
+        )  # fmt: skip
+
+    def prunes(self, letter: str) -> bool:
+        """Whether ``letter``'s mesh dims must divide its size."""
+        return bool(self.prune) and (self.prune == "*" or letter in self.prune)
 
     @classmethod
     def parse(cls, text: str, **kw: object) -> Notation:
@@ -128,21 +193,17 @@ class Notation:
             extra.append(f"replicated={''.join(sorted(self.replicated))!r}")
         if self.prune:
             extra.append(f"prune={self.prune!r}")
+        for name, default in (("coshard", "keep"), ("conflict", "weight"), ("order", "claim"),
+                              ("replicated_claims", "drop"), ("uneven", ""), ("size1_claims", ""),
+                              ("sizes", "first"), ("size1", "keep")):
+            if getattr(self, name) != default:
+                extra.append(f"{name}={getattr(self, name)!r}")
         return f"Notation({s!r}{', ' if extra else ''}{', '.join(extra)})"
 
 
 # ---------------------------------------------------------------------------
 # merge / resolve / project on plain tuples (cached: pure functions of small keys)
 # ---------------------------------------------------------------------------
-
-
-def merge_weight(shape: tuple[int, ...]) -> int:
-    """A tensor's weight when two tensors shard one axis differently (the larger keeps its
-    sharding): its element count, unknown (-1) and zero sizes counted as 1."""
-    n = 1
-    for s in shape:
-        n *= s if s > 0 else 1
-    return n
 
 
 @memo()
@@ -161,70 +222,37 @@ def merge_letters(
     other mesh dims, the larger tensor (by element count) keeps its sharding and the other is
     resharded (Paddle raises here). Then, in claim order, a mesh dim already taken by an
     earlier letter is dropped, replicated letters lose their sharding, and pruned letters drop
-    minor mesh dims until the mesh size divides the axis size."""
-    dims_of: dict[str, tuple[int, ...]] = {}
-    weight: dict[str, int] = {}
-    claims: list[str] = []
-    size_of: dict[str, int] = {}
-    for t_axes, dm, shape in zip(axes, mappings, shapes):
-        if t_axes is None or dm is None:
-            continue
-        n = -1
-        i = 0
-        for ch in t_axes:
-            e = dm[i]
-            if ch != BROADCAST:
-                if ch not in dims_of:
-                    dims_of[ch] = ()
-                if shape is not None and ch not in size_of and shape[i] != 1:
-                    size_of[ch] = shape[i]
-                if e.__class__ is int:
-                    d: tuple[int, ...] = () if e < 0 else (e,)  # type: ignore[operator,unused-ignore]
-                else:
-                    d = e  # type: ignore[assignment]
-                if d:
-                    cur = dims_of[ch]
-                    if not cur:
-                        if n < 0:
-                            n = merge_weight(shape) if shape is not None else 0
-                        dims_of[ch] = d
-                        weight[ch] = n
-                        claims.append(ch)
-                    elif d != cur:
-                        if n < 0:
-                            n = merge_weight(shape) if shape is not None else 0
-                        if n > weight[ch]:
-                            dims_of[ch] = d
-                            weight[ch] = n
-            i += 1
-    if claims:
-        used = 0  # bit mask of mesh dims already taken
-        prune_all = prune == "*"
-        for ch in claims:
-            if ch in replicated:
-                dims_of[ch] = ()
-                continue
-            d = dims_of[ch]
-            if used:
-                d = tuple(x for x in d if not (used >> x) & 1)
-            if prune and d and (prune_all or ch in prune):
-                size = size_of.get(ch, 1)
-                if size > 0:
-                    while d and size % _prod(mesh_shape, d) != 0:
-                        d = d[:-1]
-            for x in d:
-                used |= 1 << x
-            dims_of[ch] = d
-    return tuple(dims_of.items())
+    minor mesh dims until the mesh size divides the axis size (the default policy of a
+    :class:`Notation`, run by its compiled plan)."""
+    if _compile._trace is not None:
+        _compile.note("merge_letters")
+    p = _compile.compile_plan(_merge_notation(axes, replicated, prune))
+    fast = p.fast_letters
+    if fast is None:
+        fast = p.fast_letters = _compile._generate(p, "forward", raw=True)
+    got = fast(mappings, shapes, mesh_shape)
+    if got is not None:
+        return got  # type: ignore[no-any-return]
+    if None in mappings:
+        shapes = tuple(None if dm is None else s for dm, s in zip(mappings, shapes))
+    final = _compile.run(p, mappings, shapes, shapes, mesh_shape)
+    if None not in mappings:  # every letter seen, in the notation's order
+        return tuple(zip(p.notation.letters, final))
+    lid = p.letter_ids
+    seen: dict[str, tuple[int, ...]] = {}
+    for t_axes, dm in zip(axes, mappings):
+        if t_axes is not None and dm is not None:
+            for ch in t_axes:
+                if ch != BROADCAST and ch not in seen:
+                    seen[ch] = final[lid[ch]]
+    return tuple(seen.items())
 
 
+@lru_cache(maxsize=4096)
+def _merge_notation(axes: tuple[str | None, ...], replicated: frozenset[str], prune: str) -> Notation:
+    return Notation(axes, (), replicated, prune=prune)
 
 
-def _prod(mesh_shape: tuple[int, ...], dims: tuple[int, ...]) -> int:
-    p = 1
-    for d in dims:
-        p *= mesh_shape[d]
-    return p
 
 
 def project(axes: str, letters: Mapping[str, tuple[int, ...]]) -> DimsMapping:
@@ -395,66 +423,15 @@ def einsum_forward(
     inputs: Sequence[DistTensorSpec | None],
     names: Sequence[str] | None = None,
 ) -> tuple[list[TensorDistAttr | None], list[TensorDistAttr | None]]:
-    """Infer the inputs' required dist attrs and the outputs' from the inputs."""
-    plan = notation._single
-    if plan is not None and len(inputs) == 1 and inputs[0] is not None:
-        return _forward_single(op, notation, plan, inputs[0], names)
-    mesh = common_mesh(op, inputs)
-    check_letters(op, notation.inputs, inputs, names)
-    return project_all(notation, merge_specs(notation, notation.inputs, inputs, mesh), mesh)
-
-
-def _forward_single(
-    op: str, notation: Notation, plan: tuple[Any, ...], x: DistTensorSpec, names: Sequence[str] | None
-) -> tuple[list[TensorDistAttr | None], list[TensorDistAttr | None]]:
-    """einsum_forward for one input with distinct letters: the same answer as the general
-    merge (no two letters can claim one mesh dim in a legal mapping), without the dicts."""
-    drop, prune, outs_plan = plan
-    shape = x.shape
-    attr = x.dist_attr
-    dm = attr.dims_mapping
-    if len(dm) != len(drop):
-        nm = names[0] if names else "tensor 0"
-        raise ShapeMismatchError(f"{op}: {nm} has {len(dm)} dims, expected {len(drop)}")
-    mesh = attr.mesh
-    new: list[Entry] = list(dm)
-    changed = False
-    for i, e in enumerate(dm):
-        if e.__class__ is int and e < 0:  # type: ignore[operator,unused-ignore]
-            continue
-        if drop[i]:
-            new[i] = -1
-            changed = True
-        elif prune[i]:
-            size = shape[i]
-            d = (e,) if e.__class__ is int else e
-            if size > 0:
-                ms = mesh.shape
-                kept = d
-                while kept and size % _prod(ms, kept) != 0:  # type: ignore[arg-type]
-                    kept = kept[:-1]  # type: ignore[index]
-                if kept != d:
-                    new[i] = dims_entry(kept)  # type: ignore[arg-type]
-                    changed = True
-    in_dm = tuple(new) if changed else dm
-    make = TensorDistAttr._make
-    outs: list[TensorDistAttr | None] = []
-    for op_plan in outs_plan:
-        if op_plan is None:
-            outs.append(None)
-            continue
-        pos, missing = op_plan
-        odm = tuple(-1 if p < 0 else in_dm[p] for p in pos)
-        pt: Partial = ()
-        if missing:
-            acc: dict[int, ReduceType] = {}
-            for i, r in missing:
-                for d in entry_dims(in_dm[i]):
-                    acc[d] = r
-            if acc:
-                pt = tuple(sorted(acc.items()))
-        outs.append(make(mesh, odm, pt))
-    return [make(mesh, in_dm, ())], outs
+    """Infer the inputs' required dist attrs and the outputs' from the inputs (the notation's
+    compiled plan)."""
+    if len(inputs) == 1 and inputs[0] is not None:
+        mesh = inputs[0].dist_attr.mesh  # one tensor: its letters cannot disagree in size
+    else:
+        mesh = common_mesh(op, inputs)
+        check_letters(op, notation.inputs, inputs, names)
+    ins, outs = _compile.infer(_compile.compile_plan(notation), op, inputs, (), mesh, names)
+    return list(ins), list(outs)
 
 
 def einsum_backward(
@@ -468,11 +445,9 @@ def einsum_backward(
     the inferred inputs produce."""
     mesh = common_mesh(op, list(inputs) + list(outputs))
     check_letters(op, list(notation.inputs) + list(notation.outputs), list(inputs) + list(outputs), names)
-    merged = merge_specs(notation, notation.outputs, outputs, mesh)
-    # a letter no input carries cannot be sharded by the inputs
-    in_letters = notation.input_letters
-    merged = tuple((ch, d) for ch, d in merged if ch in in_letters)
-    return project_all(notation, merged, mesh)
+    # the compiled plan drops the letters no input carries (the inputs cannot shard them)
+    ins, outs = _compile.infer(_compile.compile_plan(notation, "backward"), op, inputs, outputs, mesh, names)
+    return list(ins), list(outs)
 
 
 def with_partial(attr: TensorDistAttr, partial: Partial) -> TensorDistAttr:
@@ -482,19 +457,6 @@ def with_partial(attr: TensorDistAttr, partial: Partial) -> TensorDistAttr:
     merged = dict(attr.partial)
     merged.update(partial)
     return TensorDistAttr._make(attr.mesh, attr.dims_mapping, tuple(sorted(merged.items())))
-
-
-def largest_mesh_dim(entry: Entry, mesh_shape: Sequence[int]) -> int:
-    """A dims_mapping entry read as one mesh dim, as Paddle 3.3.1's merges read a co-shard: its
-    largest mesh dim (the first of equal sizes); -1 and single dims unchanged."""
-    if isinstance(entry, int):
-        return entry
-    dims = entry
-    best = dims[0]
-    for d in dims[1:]:
-        if mesh_shape[d] > mesh_shape[best]:
-            best = d
-    return best
 
 
 def resolve_claims(claims: Sequence[int], mesh_dim_of: Sequence[int], n: int) -> tuple[int, ...]:
@@ -566,3 +528,7 @@ def attr_as(src: TensorDistAttr, mesh: ProcessMesh, dims_mapping: DimsMapping) -
     if src.mesh is mesh and not src.partial and src.dims_mapping == dims_mapping:
         return src
     return _make_attr(mesh, dims_mapping)
+
+
+# the compiled plans (engine/compile.py imports this module: bound here, read at call time)
+from spmdkit.engine import compile as _compile  # noqa: E402

@@ -28,67 +28,57 @@ Paddle 3.3.1 registers ``layer_norm`` and ``fused_rms_norm`` (not ``rms_norm`` n
 
 from __future__ import annotations
 
-from spmdkit.core.dist_attr import DimsMapping, Entry, ReduceType, TensorDistAttr, entry_dims
+from functools import lru_cache
+
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.notation import (
-    ALPHABET,
-    BROADCAST,
-    attr_as,
-    common_mesh,
-    fast_result,
-    merge_weight,
-)
+from spmdkit.engine.compile import Plan, compile_plan, infer
+from spmdkit.engine.notation import BROADCAST, Notation, common_mesh, fast_result, letters_for
 from spmdkit.rules._absent import zero_d_absent
 from spmdkit.rules.registry import register
 
-_SUM = ReduceType.SUM
-_make = TensorDistAttr._make
-
 # ---------------------------------------------------------------------------
-# notations (the letters are ints here: batch axis i is letter i)
+# notations: batch letters ``ab``, normalized axes ``1`` (named, replicated and blocking
+# their mesh dims, where the reverse rules read them off out)
 # ---------------------------------------------------------------------------
 
+#: Paddle 3.3.1's merge: a co-sharded axis read as its largest mesh dim (coshard="largest"),
+#: the larger tensor keeps an axis two shard differently, letters resolve in claim order
+_COSHARD = "largest"
 
-def _x_axes(ndim: int, bna: int) -> tuple[str, str]:
-    """(x's axes, the batch axes): ``ab1`` and ``ab`` for ndim 3, begin_norm_axis 2."""
-    if ndim > len(ALPHABET):
-        raise ShapeMismatchError(f"tensors of more than {len(ALPHABET)} dims are not supported")
-    batch = ALPHABET[:bna]
-    return batch + BROADCAST * (ndim - bna), batch
+
+def _rank(t: DistTensorSpec | None) -> int:
+    return -1 if t is None else len(t.shape)
+
+
+def _ones(rank: int) -> str | None:
+    return None if rank < 0 else BROADCAST * rank
+
+
+@lru_cache(maxsize=4096)
+def _plan(kind: str, nd: int, bna: int, ranks: tuple[int, ...]) -> Plan:
+    """The compiled plan of one norm rule (``kind``: ln / ln_rev / ln_grad / rms / rms_rev /
+    rms_grad) for x's rank, begin_norm_axis and the ranks of scale / bias (-1: absent)."""
+    batch = letters_for(nd)[:bna]
+    x = batch + BROADCAST * (nd - bna)
+    named = letters_for(nd)  # out in the reverse rules: the normalized axes named
+    params = [_ones(r) for r in ranks]
+    if kind in ("ln", "rms"):
+        nt = Notation([x, *params], [x, batch] + ([batch] if kind == "ln" else []), coshard=_COSHARD)
+        return compile_plan(nt)
+    if kind in ("ln_rev", "rms_rev"):
+        stats = [batch, batch] if kind == "ln_rev" else [batch]
+        nt = Notation([x, *params], [named, *stats], replicated=named[bna:], replicated_claims="block", coshard=_COSHARD)
+        return compile_plan(nt, "backward")
+    stats = [batch, batch] if kind == "ln_grad" else [batch]
+    nt = Notation([x, *params, *stats, x], [x, *params], coshard=_COSHARD)
+    return compile_plan(nt)
 
 
 # ---------------------------------------------------------------------------
-# helpers
+# checks
 # ---------------------------------------------------------------------------
-
-
-def _pick(e: Entry, mesh_shape: tuple[int, ...]) -> int:
-    if not isinstance(e, tuple):
-        return e
-    best = e[0]
-    for d in e[1:]:
-        if mesh_shape[d] > mesh_shape[best]:
-            best = d
-    return best
-
-
-def _single(dm: DimsMapping, mesh_shape: tuple[int, ...]) -> DimsMapping:
-    """A co-sharded entry keeps one mesh dim, as Paddle 3.3.1 does: its largest (the
-    first of equal sizes): ``[[0, 1]]`` on mesh [2, 3] -> ``[1]``, on [2, 2] -> ``[0]``."""
-    for e in dm:
-        if isinstance(e, tuple):
-            return tuple(_pick(e, mesh_shape) for e in dm)
-    return dm
-
-
-def _without(dm: DimsMapping, drop: frozenset[int]) -> DimsMapping:
-    out: list[Entry] = []
-    for e in dm:
-        d = tuple(x for x in entry_dims(e) if x not in drop)
-        out.append(-1 if not d else d[0] if len(d) == 1 else d)
-    return tuple(out)
 
 
 def _bna(op: str, begin_norm_axis: int, ndim: int) -> int:
@@ -132,57 +122,6 @@ def _check_stat(op: str, name: str, t: DistTensorSpec, x: DistTensorSpec, bna: i
         raise ShapeMismatchError(f"{op}: {name} has shape {list(t.shape)}, expected x.shape[:{bna}] = {list(want)}")
 
 
-# ---------------------------------------------------------------------------
-# the batch-letter merge on ints (what merge_letters answers for these notations)
-# ---------------------------------------------------------------------------
-
-
-def _merge_batch(
-    dms: tuple[DimsMapping, ...], shapes: tuple[tuple[int, ...], ...], nb: int
-) -> tuple[Entry, ...]:
-    """The batch letters' mesh dims, for tensors whose first ``nb`` axes are the batch
-    letters (the others broadcast) and whose entries are single mesh dims (after
-    :func:`_single`): per letter the first tensor sharding it claims it, another tensor
-    sharding it over another mesh dim takes it where it has more elements; then, in claim
-    order, a mesh dim already taken is dropped (:func:`merge_letters`)."""
-    if nb == 0:
-        return ()
-    ld = [-1] * nb
-    holder = [0] * nb
-    claims: list[int] = []
-    weights: list[int] | None = None
-    t = 0
-    for dm in dms:
-        for i in range(nb):
-            e = dm[i]
-            if e < 0:  # type: ignore[operator]
-                continue
-            cur = ld[i]
-            if cur < 0:
-                ld[i] = e  # type: ignore[assignment]
-                holder[i] = t
-                claims.append(i)
-            elif cur != e:
-                if weights is None:
-                    weights = [merge_weight(s) for s in shapes]
-                if weights[t] > weights[holder[i]]:
-                    ld[i] = e  # type: ignore[assignment]
-                    holder[i] = t
-        t += 1
-    if not claims:
-        return (-1,) * nb
-    if len(claims) == 1:
-        return tuple(ld)
-    final = [-1] * nb
-    used = 0
-    for i in claims:
-        d = ld[i]
-        if not (used >> d) & 1:
-            final[i] = d
-            used |= 1 << d
-    return tuple(final)
-
-
 def _mesh_of(op: str, tensors: tuple[DistTensorSpec | None, ...]) -> ProcessMesh:
     """:func:`common_mesh` (the first tensor's mesh; the same errors)."""
     first = tensors[0]
@@ -192,25 +131,6 @@ def _mesh_of(op: str, tensors: tuple[DistTensorSpec | None, ...]) -> ProcessMesh
         if t is not None and t.dist_attr.mesh is not mesh:
             return common_mesh(op, tensors)
     return mesh
-
-
-def _rep(mesh: ProcessMesh, t: DistTensorSpec | None, ndim: int) -> TensorDistAttr | None:
-    """A replicated dist attr of ``ndim`` dims for the tensor (None where absent)."""
-    if t is None:
-        return None
-    return attr_as(t.dist_attr, mesh, _REP[ndim] if ndim < len(_REP) else (-1,) * ndim)
-
-
-_REP = tuple((-1,) * i for i in range(32))
-
-
-def _batch_sum(mesh: ProcessMesh, t: DistTensorSpec | None, b: tuple[Entry, ...]) -> TensorDistAttr | None:
-    """A replicated grad of ``t``'s rank, partial SUM over the batch letters' mesh dims."""
-    if t is None:
-        return None
-    pt = sorted([d for d in b if d >= 0])  # type: ignore[operator]
-    nd = len(t.shape)
-    return _make(mesh, _REP[nd] if nd < len(_REP) else (-1,) * nd, tuple([(d, _SUM) for d in pt]))  # type: ignore[misc]
 
 
 # ---------------------------------------------------------------------------
@@ -237,13 +157,8 @@ def layer_norm_forward(
     size = _numel(x.shape[bna:])
     _check_param(op, "scale", scale, size)
     _check_param(op, "bias", bias, size)
-    if nd > len(ALPHABET):
-        _x_axes(nd, bna)  # raises
-    xa = x.dist_attr
-    b = _merge_batch((_single(xa.dims_mapping, mesh.shape),), (x.shape,), bna)
-    ax = attr_as(xa, mesh, b + _REP[nd - bna])
-    st = _make(mesh, b)
-    return fast_result((ax, _rep(mesh, scale, 1), _rep(mesh, bias, 1)), (ax, st, st))
+    p = _plan("ln", nd, bna, (_rank(scale), _rank(bias)))
+    return fast_result(*infer(p, op, (x, scale, bias), (), mesh, _LN_NAMES))
 
 
 def layer_norm_backward(
@@ -267,33 +182,8 @@ def layer_norm_backward(
     _check_same(op, x, "x", out, "out")
     _check_stat(op, "mean", mean, x, bna)
     _check_stat(op, "variance", variance, x, bna)
-    if nd > len(ALPHABET):
-        _x_axes(nd, bna)  # raises
-    ms = mesh.shape
-    odm = _single(out.dist_attr.dims_mapping, ms)
-    mdm, vdm = _single(mean.dist_attr.dims_mapping, ms), _single(variance.dist_attr.dims_mapping, ms)
-    blocked = _norm_dims(odm, bna)
-    if blocked:
-        mdm, vdm = _without(mdm, blocked), _without(vdm, blocked)
-    b = _merge_batch((odm, mdm, vdm), (out.shape, mean.shape, variance.shape), bna)
-    ax = attr_as(x.dist_attr, mesh, b + _REP[nd - bna])
-    st = _make(mesh, b)
-    return fast_result((ax, _rep(mesh, scale, 1), _rep(mesh, bias, 1)), (ax, st, st))
-
-
-def _norm_dims(dm: DimsMapping, bna: int) -> frozenset[int]:
-    """The mesh dims out shards its normalized axes on: Paddle's merge lets them claim the
-    mesh dim first, so mean / variance lose it."""
-    s: set[int] | None = None
-    for e in dm[bna:]:
-        if e != -1:
-            if s is None:
-                s = set()
-            s.update(entry_dims(e))
-    return _NONE if s is None else frozenset(s)
-
-
-_NONE: frozenset[int] = frozenset()
+    p = _plan("ln_rev", nd, bna, (_rank(scale), _rank(bias)))
+    return fast_result(*infer(p, op, (x, scale, bias), (out, mean, variance), mesh, _LN_REV_NAMES))
 
 
 def layer_norm_grad(
@@ -318,22 +208,8 @@ def layer_norm_grad(
     _check_same(op, x, "x", out_grad, "out_grad")
     _check_stat(op, "mean", mean, x, bna)
     _check_stat(op, "variance", variance, x, bna)
-    if nd > len(ALPHABET):
-        _x_axes(nd, bna)  # raises
-    ms = mesh.shape
-    b = _merge_batch(
-        (_single(x.dist_attr.dims_mapping, ms), _single(mean.dist_attr.dims_mapping, ms),
-         _single(variance.dist_attr.dims_mapping, ms), _single(out_grad.dist_attr.dims_mapping, ms)),
-        (x.shape, mean.shape, variance.shape, out_grad.shape),
-        bna,
-    )  # fmt: skip
-    ax = attr_as(x.dist_attr, mesh, b + _REP[nd - bna])
-    st = _make(mesh, b)
-    return fast_result(
-        (ax, _rep(mesh, scale, len(scale.shape)) if scale is not None else None,
-         _rep(mesh, bias, len(bias.shape)) if bias is not None else None, st, st, ax),
-        (ax, _batch_sum(mesh, scale, b), _batch_sum(mesh, bias, b)),
-    )  # fmt: skip
+    p = _plan("ln_grad", nd, bna, (_rank(scale), _rank(bias)))
+    return fast_result(*infer(p, op, (x, scale, bias, mean, variance, out_grad), (), mesh, _LN_GRAD_NAMES))
 
 
 # ---------------------------------------------------------------------------
@@ -354,12 +230,8 @@ def rms_norm_forward(x: DistTensorSpec, scale: DistTensorSpec | None, epsilon: f
     op = "fused_rms_norm"
     mesh = _mesh_of(op, (x, scale))
     nd = _rms_checks(op, x, scale)
-    if nd > len(ALPHABET):
-        _x_axes(nd, nd - 1)  # raises
-    xa = x.dist_attr
-    b = _merge_batch((_single(xa.dims_mapping, mesh.shape),), (x.shape,), nd - 1)
-    ax = attr_as(xa, mesh, (*b, -1))
-    return fast_result((ax, _rep(mesh, scale, 1)), (ax, _make(mesh, b)))
+    p = _plan("rms", nd, nd - 1, (_rank(scale),))
+    return fast_result(*infer(p, op, (x, scale), (), mesh, ("x", "scale")))
 
 
 def rms_norm_backward(
@@ -375,16 +247,8 @@ def rms_norm_backward(
     nd = _rms_checks(op, x, scale)
     _check_same(op, x, "x", out, "out")
     _check_stat(op, "invvar", invvar, x, nd - 1)
-    if nd > len(ALPHABET):
-        _x_axes(nd, nd - 1)  # raises
-    ms = mesh.shape
-    odm, idm = _single(out.dist_attr.dims_mapping, ms), _single(invvar.dist_attr.dims_mapping, ms)
-    blocked = _norm_dims(odm, nd - 1)
-    if blocked:
-        idm = _without(idm, blocked)
-    b = _merge_batch((odm, idm), (out.shape, invvar.shape), nd - 1)
-    ax = attr_as(x.dist_attr, mesh, (*b, -1))
-    return fast_result((ax, _rep(mesh, scale, 1)), (ax, _make(mesh, b)))
+    p = _plan("rms_rev", nd, nd - 1, (_rank(scale),))
+    return fast_result(*infer(p, op, (x, scale), (out, invvar), mesh, ("x", "scale", "out", "invvar")))
 
 
 def rms_norm_grad(
@@ -401,17 +265,8 @@ def rms_norm_grad(
     nd = _rms_checks(op, x, scale)
     _check_same(op, x, "x", out_grad, "out_grad")
     _check_stat(op, "invvar", invvar, x, nd - 1)
-    if nd > len(ALPHABET):
-        _x_axes(nd, nd - 1)  # raises
-    ms = mesh.shape
-    b = _merge_batch(
-        (_single(x.dist_attr.dims_mapping, ms), _single(invvar.dist_attr.dims_mapping, ms),
-         _single(out_grad.dist_attr.dims_mapping, ms)),
-        (x.shape, invvar.shape, out_grad.shape),
-        nd - 1,
-    )  # fmt: skip
-    ax = attr_as(x.dist_attr, mesh, (*b, -1))
-    return fast_result((ax, _rep(mesh, scale, 1), _make(mesh, b), ax), (ax, _batch_sum(mesh, scale, b)))
+    p = _plan("rms_grad", nd, nd - 1, (_rank(scale),))
+    return fast_result(*infer(p, op, (x, scale, invvar, out_grad), (), mesh, ("x", "scale", "invvar", "out_grad")))
 
 
 # ---------------------------------------------------------------------------

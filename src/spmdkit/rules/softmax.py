@@ -16,13 +16,13 @@ sharding wins), x_grad is sharded as they are. Partial inputs are made replicate
 
 from __future__ import annotations
 
-from spmdkit.core.dist_attr import DimsMapping, Entry, TensorDistAttr, entry_dims
+from functools import lru_cache
+
 from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.memo import memo
+from spmdkit.engine.compile import Plan, compile_plan, infer
+from spmdkit.engine.notation import Notation, fast_result, letters_for
 from spmdkit.rules.registry import register
-
-Shape = tuple[int, ...]
 
 
 def _axis(op: str, axis: int, ndim: int) -> int:
@@ -35,28 +35,21 @@ def _axis(op: str, axis: int, ndim: int) -> int:
     return axis + ndim if axis < 0 else axis
 
 
-def _prod(mesh_shape: Shape, dims: tuple[int, ...]) -> int:
-    p = 1
-    for d in dims:
-        p *= mesh_shape[d]
-    return p
+@lru_cache(maxsize=4096)
+def _plan(ndim: int, axis: int, direction: str) -> Plan:
+    """``abc -> abc``, the softmax axis replicated, every other uneven mesh dim dropped."""
+    x = letters_for(ndim)
+    rep = x[axis] if axis >= 0 else ""
+    return compile_plan(Notation([x], [x], replicated=rep, prune="*"), direction)
 
 
-@memo()
-def _infer(shape: Shape, dm: DimsMapping, axis: int, mesh_shape: Shape, prune: bool) -> DimsMapping:
-    """The softmax axis replicated, every other uneven mesh dim dropped (minor first)."""
-    out: list[Entry] = []
-    for i, e in enumerate(dm):
-        if i == axis or e == -1:
-            out.append(-1)
-            continue
-        d = entry_dims(e)
-        size = shape[i]
-        if prune and size >= 0:
-            while d and size % _prod(mesh_shape, d) != 0:
-                d = d[:-1]
-        out.append(-1 if not d else d[0] if len(d) == 1 else d)
-    return tuple(out)
+@lru_cache(maxsize=4096)
+def _grad_plan(ndim: int, axis: int) -> Plan:
+    """``abc, abc -> abc`` (out, out_grad -> x_grad), the axis replicated; merged as an
+    elementwise binary op: out's sharding wins an axis both shard, axes claim in order."""
+    x = letters_for(ndim)
+    rep = x[axis] if axis >= 0 else ""
+    return compile_plan(Notation([x, x], [x], replicated=rep, conflict="first", order="notation"))
 
 
 def _check_same(op: str, a: DistTensorSpec, b: DistTensorSpec, na: str, nb: str) -> None:
@@ -71,19 +64,15 @@ def _check_same(op: str, a: DistTensorSpec, b: DistTensorSpec, na: str, nb: str)
 
 def _make_forward(op: str):  # type: ignore[no-untyped-def]
     def forward(x: DistTensorSpec, axis: int = -1) -> SpmdResult:
-        mesh = x.dist_attr.mesh
-        ax = _axis(op, axis, len(x.shape))
-        dm = _infer(x.shape, x.dist_attr.dims_mapping, ax, mesh.shape, True)
-        a = TensorDistAttr._make(mesh, dm)
-        return SpmdResult([a], [a])
+        nd = len(x.shape)
+        ins, outs = infer(_plan(nd, _axis(op, axis, nd), "forward"), op, (x,), (), x.dist_attr.mesh, ("x",))
+        return fast_result(ins, outs)
 
     def backward(x: DistTensorSpec, out: DistTensorSpec, axis: int = -1) -> SpmdResult:
         _check_same(op, x, out, "x", "out")
-        mesh = x.dist_attr.mesh
-        ax = _axis(op, axis, len(x.shape))
-        dm = _infer(out.shape, out.dist_attr.dims_mapping, ax, mesh.shape, True)
-        a = TensorDistAttr._make(mesh, dm)
-        return SpmdResult([a], [a])
+        nd = len(x.shape)
+        p = _plan(nd, _axis(op, axis, nd), "backward")
+        return fast_result(*infer(p, op, (x,), (out,), x.dist_attr.mesh, ("x", "out")))
 
     forward.__name__ = f"{op}_forward"
     forward.__doc__ = f"{op} (SoftmaxInferSpmd): the softmax axis replicated, uneven shardings dropped."
@@ -92,31 +81,12 @@ def _make_forward(op: str):  # type: ignore[no-untyped-def]
     return forward, backward
 
 
-@memo()
-def _grad(shape: Shape, do: DimsMapping, dg: DimsMapping, axis: int, mesh_shape: Shape) -> DimsMapping:
-    # elementwise merge of out and out_grad: out's sharding wins an axis both shard
-    # differently; a mesh dim already taken by an earlier axis is dropped
-    used: set[int] = set()
-    res: list[Entry] = []
-    for i in range(len(shape)):
-        if i == axis:
-            res.append(-1)
-            continue
-        e = do[i] if do[i] != -1 else dg[i]
-        d = tuple(x for x in entry_dims(e) if x not in used)
-        used.update(d)
-        res.append(-1 if not d else d[0] if len(d) == 1 else d)
-    return tuple(res)
-
-
 def _make_grad(op: str):  # type: ignore[no-untyped-def]
     def grad(out: DistTensorSpec, out_grad: DistTensorSpec, axis: int = -1) -> SpmdResult:
         _check_same(op, out, out_grad, "out", "out_grad")
-        mesh = out.dist_attr.mesh
-        ax = _axis(op, axis, len(out.shape))
-        dm = _grad(out.shape, out.dist_attr.dims_mapping, out_grad.dist_attr.dims_mapping, ax, mesh.shape)
-        a = TensorDistAttr._make(mesh, dm)
-        return SpmdResult([a, a], [a])
+        nd = len(out.shape)
+        p = _grad_plan(nd, _axis(op, axis, nd))
+        return fast_result(*infer(p, op, (out, out_grad), (), out.dist_attr.mesh, ("out", "out_grad")))
 
     grad.__name__ = op
     grad.__doc__ = f"{op} (SoftmaxGradInferSpmd): out, out_grad and x_grad sharded alike, axis replicated."

@@ -1,0 +1,583 @@
+"""Compiled plans: a notation and its policy, specialised once per key, run on int tuples.
+
+:func:`compile_plan` turns a :class:`~spmdkit.engine.notation.Notation` (letters, flags and
+policy), a direction (``"forward"``: merge the inputs; ``"backward"``: merge the outputs, as
+Paddle's reverse rules do) and a key of what changes the plan (for ``size1="broadcast"`` the
+size-1 axes of each input) into a :class:`Plan`: letters become ints, every policy a flag or
+an int tuple, every tensor a tuple of letter ids. :func:`run` answers a call from the plan
+with lists indexed by letter, no dicts; :func:`infer` adds the projection onto every tensor.
+The answer is :func:`spmdkit.engine.merge.reference_merge`'s (tests/test_engine_compiled.py
+holds them equal on random cases).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from spmdkit.core.dist_attr import DimsMapping, Entry, ReduceType, TensorDistAttr
+from spmdkit.core.errors import ShapeMismatchError
+from spmdkit.core.mesh import ProcessMesh
+from spmdkit.core.spec import DistTensorSpec
+from spmdkit.engine.merge import BROADCAST, largest_mesh_dim, merge_weight, prod
+from spmdkit.engine.notation import Notation, attr_as
+
+_make = TensorDistAttr._make
+#: (d,) for a mesh dim d: no tuple built per entry
+_ONE = tuple((d,) for d in range(64))
+
+_CONFLICT = {"weight": 0, "first": 1, "union": 2}
+
+
+class Plan:
+    """A notation compiled for one direction and key (see the module docstring)."""
+
+    __slots__ = (
+        "block", "conflict", "fast", "fast_letters", "groups", "in_axes", "in_letters", "largest", "letter_ids", "n", "notation",
+        "order_kind", "out_axes", "out_missing", "prune", "rep", "s1claim", "size_src", "sizes_known",
+        "src", "uneven",
+    )  # fmt: skip
+
+    def __init__(self, notation: Notation, direction: str, mask: tuple[int, ...]) -> None:
+        nt = notation
+        letters = nt.letters
+        lid = {c: i for i, c in enumerate(letters)}
+        self.letter_ids = lid
+        n = len(letters)
+        self.notation = nt
+        self.n = n
+
+        def ids(axes: str) -> tuple[int, ...]:
+            return tuple(-1 if c == BROADCAST else lid[c] for c in axes)
+
+        merged = nt.inputs if direction == "forward" else nt.outputs
+        self.src = tuple((ti, ids(a)) for ti, a in enumerate(merged) if a is not None)
+        self.rep = tuple(c in nt.replicated for c in letters)
+        self.block = nt.replicated_claims == "block" and any(self.rep)
+        self.largest = nt.coshard == "largest"
+        self.conflict = _CONFLICT[nt.conflict]
+        self.prune = tuple(nt.prunes(c) for c in letters)
+        self.uneven = tuple(c in nt.uneven for c in letters)
+        self.s1claim = tuple(c in nt.size1_claims for c in letters)
+        # letter sizes: (tensor index, axis) sources in the order they are read
+        self.sizes_known = nt.sizes == "known"
+        if self.sizes_known:
+            every = list(enumerate(nt.inputs))
+        else:
+            every = list(enumerate(merged))
+        src: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+        for ti, a in every:
+            if a is not None:
+                for i, c in enumerate(a):
+                    if c != BROADCAST:
+                        src[lid[c]].append((ti, i))
+        self.size_src = tuple(tuple(s) for s in src)
+        # the order of resolution
+        order = nt.order
+        groups: list[tuple[int, tuple[int, ...]]] = []
+        if order == "claim":
+            self.order_kind = 0
+        elif order == "notation":
+            self.order_kind = 1
+        else:
+            self.order_kind = 2
+            named = {c for g in order if g != "*" for c in g.lstrip(">")}
+            for g in order:
+                if g == "*":
+                    groups.append((0, tuple(lid[c] for c in letters if c not in named)))
+                elif g.startswith(">"):
+                    groups.append((1, tuple(lid[c] for c in g[1:] if c in lid)))
+                else:
+                    groups.append((0, tuple(lid[c] for c in g if c in lid)))
+        self.groups = tuple(groups)
+        # backward: a letter no input carries shards nothing
+        have = set("".join(a for a in nt.inputs if a))
+        self.in_letters = tuple(c in have for c in letters) if direction == "backward" else None
+        # projections; an input's size-1 axes (mask bits) shard nothing under size1="broadcast"
+        in_axes: list[tuple[int, ...] | None] = []
+        for j, a in enumerate(nt.inputs):
+            if a is None:
+                in_axes.append(None)
+                continue
+            m = mask[j] if mask else 0
+            in_axes.append(tuple(-1 if (m >> i) & 1 else x for i, x in enumerate(ids(a))))
+        self.in_axes = tuple(in_axes)
+        self.out_axes = tuple(None if a is None else ids(a) for a in nt.outputs)
+        self.out_missing = tuple(
+            None if a is None else tuple((lid[c], nt.reduce_type(c)) for c in letters if c not in a)
+            for a in nt.outputs
+        )
+        self.fast = _generate(self, direction)
+        self.fast_letters: Any = None  # merge_letters' generated code, made on first use
+
+
+_plans: dict[tuple[Notation, str, tuple[int, ...]], Plan] = {}
+
+#: while :func:`traced` is active: the op of every call the engine answers
+_trace: list[str] | None = None
+
+
+@contextmanager
+def traced() -> Iterator[list[str]]:
+    """Record the op name of every call answered through a compiled plan (:func:`infer`, and
+    ``merge_letters`` as ``"merge_letters"``) while active: a test can assert a rule is
+    answered by the engine (with the result cache off, ``set_cache_enabled(False)``, which also
+    turns off the memo tables: a cached answer reaches no rule)."""
+    global _trace
+    prev, _trace = _trace, []
+    try:
+        yield _trace
+    finally:
+        _trace = prev
+
+
+def note(op: str) -> None:
+    """Record ``op`` while :func:`traced` is active."""
+    if _trace is not None:
+        _trace.append(op)
+
+
+def compile_plan(notation: Notation, direction: str = "forward", mask: tuple[int, ...] = ()) -> Plan:
+    """The plan of ``notation`` for ``direction`` and the inputs' size-1 ``mask`` (one bit per
+    axis per input; ``()`` for none), compiled once."""
+    key = (notation, direction, mask)
+    p = _plans.get(key)
+    if p is None:
+        if len(_plans) > 65536:
+            _plans.clear()
+        p = _plans[key] = Plan(notation, direction, mask)
+    return p
+
+
+def size1_mask(specs: Sequence[DistTensorSpec | None]) -> tuple[int, ...]:
+    """The size-1 axes of each tensor as a bit mask (the key of ``size1="broadcast"``)."""
+    out = []
+    for s in specs:
+        m = 0
+        if s is not None and 1 in s.shape:
+            for i, x in enumerate(s.shape):
+                if x == 1:
+                    m |= 1 << i
+        out.append(m)
+    return tuple(out)
+
+
+def run(
+    p: Plan,
+    dms: Sequence[DimsMapping | None],
+    shapes: Sequence[Sequence[int] | None],
+    all_shapes: Sequence[Sequence[int] | None],
+    mesh_shape: Sequence[int],
+) -> list[tuple[int, ...]]:
+    """The mesh dims of every letter (by id) for the merged tensors' ``dms`` / ``shapes``
+    (``all_shapes``: the inputs', for ``sizes="known"``)."""
+    n = p.n
+    rep = p.rep
+    largest = p.largest
+    blocked = 0
+    if p.block:
+        for ti, ids in p.src:
+            dm = dms[ti]
+            if dm is None:
+                continue
+            for a, e in zip(ids, dm):
+                if a >= 0 and rep[a]:
+                    if e.__class__ is int:
+                        if e >= 0:
+                            blocked |= 1 << e
+                    else:
+                        for x in (largest_mesh_dim(e, mesh_shape),) if largest else e:  # type: ignore[union-attr]
+                            blocked |= 1 << x
+    cur: list[tuple[int, ...] | None] = [None] * n
+    hold = [0] * n
+    claims: list[int] = []
+    conflict = p.conflict
+    cands: dict[int, list[tuple[int, ...]]] | None = None
+    for ti, ids in p.src:
+        dm = dms[ti]
+        if dm is None:
+            continue
+        for a, e in zip(ids, dm):
+            if a < 0:
+                continue
+            if e.__class__ is int:
+                if e < 0:
+                    continue
+                d: tuple[int, ...] = _ONE[e]
+            elif largest:
+                d = _ONE[largest_mesh_dim(e, mesh_shape)]
+            else:
+                d = e  # type: ignore[assignment]
+            if blocked and not rep[a]:
+                d = tuple([x for x in d if not (blocked >> x) & 1])
+                if not d:
+                    continue
+            c = cur[a]
+            if c is None:
+                cur[a] = d
+                hold[a] = ti
+                claims.append(a)
+            elif c != d:
+                if conflict == 0:
+                    s_new, s_old = shapes[ti], shapes[hold[a]]
+                    if (merge_weight(s_new) if s_new is not None else 0) > (
+                        merge_weight(s_old) if s_old is not None else 0
+                    ):
+                        cur[a] = d
+                        hold[a] = ti
+                elif conflict == 2:
+                    if cands is None:
+                        cands = {}
+                    lst = cands.get(a)
+                    if lst is None:
+                        cands[a] = [c, d]
+                    elif d not in lst:
+                        lst.append(d)
+    if not claims:
+        return [()] * n
+    if cands:
+        _unions(cur, cands, mesh_shape)
+    # sizes (only read where a letter prunes)
+    size_src = p.size_src
+    known = p.sizes_known
+    kind = p.order_kind
+    if kind == 0:
+        order: Sequence[int] = claims
+    elif kind == 1:
+        order = sorted(claims)
+    else:
+        order = []
+        for gk, g in p.groups:
+            if gk == 0:
+                if len(g) == 1:
+                    if cur[g[0]] is not None:
+                        order.append(g[0])
+                else:
+                    order.extend([a for a in claims if a in g])
+            else:
+                got = [a for a in g if cur[a] is not None]
+                if len(got) > 1:
+                    sz = [_size(size_src[a], shapes, all_shapes, known) for a in got]
+                    got = [a for _, a in sorted(zip([-s for s in sz], got), key=lambda t: t[0])]
+                order.extend(got)
+    final: list[tuple[int, ...]] = [()] * n
+    prune, uneven, s1claim = p.prune, p.uneven, p.s1claim
+    used = 0
+    for a in order:
+        if rep[a]:
+            continue
+        d = cur[a]  # type: ignore[assignment]
+        if used:
+            d = tuple([x for x in d if not (used >> x) & 1])
+        claim = d
+        if prune[a] and d:
+            size = _size(size_src[a], shapes, all_shapes, known)
+            if size >= 0 and (size == 1 or not uneven[a]):
+                while d and size % prod(mesh_shape, d) != 0:
+                    d = d[:-1]
+                if not (size == 1 and s1claim[a]):
+                    claim = d
+        for x in claim:
+            used |= 1 << x
+        final[a] = d
+    return final
+
+
+def _size(
+    src: tuple[tuple[int, int], ...],
+    shapes: Sequence[Sequence[int] | None],
+    all_shapes: Sequence[Sequence[int] | None],
+    known: bool,
+) -> int:
+    """A letter's size from its sources (see ``Notation.sizes``)."""
+    if not known:
+        for ti, i in src:
+            s = shapes[ti]
+            if s is not None and s[i] != 1:
+                return s[i]
+        return 1
+    res = 1
+    for ti, i in src:
+        s = all_shapes[ti]
+        if s is None:
+            continue
+        x = s[i]
+        if x >= 0 and x != 1:
+            return x
+        if x == -1:
+            res = -1
+    return res
+
+
+def _unions(
+    cur: list[tuple[int, ...] | None], cands: dict[int, list[tuple[int, ...]]], mesh_shape: Sequence[int]
+) -> None:
+    """``conflict="union"``: co-shard each contested letter over all its candidates; a mesh dim
+    another letter also wants goes minor."""
+    for a, lst in cands.items():
+        out: list[int] = []
+        for d in sorted(lst, key=lambda c: -prod(mesh_shape, c)):
+            for x in d:
+                if x not in out:
+                    out.append(x)
+        cur[a] = tuple(out)
+    count: dict[int, int] = {}
+    for dims in cur:
+        if dims:
+            for x in dims:
+                count[x] = count.get(x, 0) + 1
+    if any(v > 1 for v in count.values()):
+        for a in cands:
+            dims = cur[a]
+            if dims is not None and len(dims) > 1:
+                cur[a] = tuple(x for x in dims if count[x] == 1) + tuple(x for x in dims if count[x] > 1)
+
+
+def entries(final: list[tuple[int, ...]]) -> list[Entry]:
+    return [-1 if not d else d[0] if len(d) == 1 else d for d in final]
+
+
+def project_dm(ids: tuple[int, ...], ent: list[Entry]) -> DimsMapping:
+    return tuple([-1 if a < 0 else ent[a] for a in ids])
+
+
+def out_partial(
+    missing: tuple[tuple[int, ReduceType], ...], final: list[tuple[int, ...]]
+) -> tuple[tuple[int, ReduceType], ...]:
+    """The partial of an output: the mesh dims of the letters it lacks, with their reduce types."""
+    pt: list[tuple[int, ReduceType]] | None = None
+    for a, r in missing:
+        d = final[a]
+        if d:
+            if pt is None:
+                pt = []
+            pt.extend((x, r) for x in d)
+    if pt is None:
+        return ()
+    if len(pt) > 1:
+        pt.sort(key=lambda t: t[0])
+    return tuple(pt)
+
+
+def infer(
+    p: Plan,
+    op: str,
+    inputs: Sequence[DistTensorSpec | None],
+    outputs: Sequence[DistTensorSpec | None],
+    mesh: ProcessMesh,
+    names: Sequence[str] | None = None,
+    fast: bool = True,
+) -> tuple[tuple[TensorDistAttr | None, ...], tuple[TensorDistAttr | None, ...]]:
+    """Every input's and output's dist attr under the plan (``outputs`` empty in the forward
+    direction). Inputs come back without partial (a partial input is resharded); outputs are
+    partial over the mesh dims of the letters they lack. ``fast``: try the plan's generated
+    code first (it answers the common case; ``fast=False`` for the general path alone)."""
+    if _trace is not None:
+        _trace.append(op)
+    if fast:
+        r = p.fast(inputs, outputs, mesh)
+        if r is not None:
+            return r  # type: ignore[no-any-return]
+    nt = p.notation
+    forward = not outputs
+    merged = inputs if forward else outputs
+    axes = nt.inputs if forward else nt.outputs
+    dms: list[DimsMapping | None] = []
+    shapes: list[Any] = []
+    for j, t in enumerate(merged):
+        if t is None:
+            dms.append(None)
+            shapes.append(None)
+            continue
+        dm = t.dist_attr.dims_mapping
+        a = axes[j]
+        if a is not None and len(dm) != len(a):
+            nm = names[j if forward else len(inputs) + j] if names else f"tensor {j}"
+            raise ShapeMismatchError(f"{op}: {nm} has {len(dm)} dims, expected {len(a)}")
+        dms.append(dm)
+        shapes.append(t.shape)
+    all_shapes: Any = shapes
+    if p.sizes_known and not forward:
+        all_shapes = [None if t is None else t.shape for t in inputs]
+    final = run(p, dms, shapes, all_shapes, mesh.shape)
+    if p.in_letters is not None:
+        keep = p.in_letters
+        final = [d if keep[a] else () for a, d in enumerate(final)]
+    ent = entries(final)
+    ins: list[TensorDistAttr | None] = []
+    for t, ids in zip(inputs, p.in_axes):
+        if ids is None:
+            ins.append(None)
+        elif t is None:  # an absent tensor the notation labels: the attr it would need
+            ins.append(_make(mesh, project_dm(ids, ent)))
+        else:
+            ins.append(attr_as(t.dist_attr, mesh, project_dm(ids, ent)))
+    outs: list[TensorDistAttr | None] = []
+    for j, (ids, missing) in enumerate(zip(p.out_axes, p.out_missing)):
+        if ids is None or missing is None:
+            outs.append(None)
+            continue
+        dm = project_dm(ids, ent)
+        pt = out_partial(missing, final) if missing else ()
+        if not forward and not pt and outputs[j] is not None:
+            outs.append(attr_as(outputs[j].dist_attr, mesh, dm))  # type: ignore[union-attr]
+        else:
+            outs.append(_make(mesh, dm, pt))
+    return tuple(ins), tuple(outs)
+
+
+# ---------------------------------------------------------------------------
+# the generated fast path
+# ---------------------------------------------------------------------------
+
+
+def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
+    """Straight-line Python for the plan's common case: every entry a single mesh dim (or a
+    co-shard read as its largest), no two tensors sharding one letter differently (under
+    ``conflict="first"`` the first simply wins), no two letters on one mesh dim, no replicated
+    letter sharded under ``replicated_claims="block"``. Then the order of resolution cannot
+    matter and each letter prunes on its own. Any other case returns None: :func:`infer` takes
+    the general path (:func:`run`), which answers it as the reference does.
+
+    ``raw`` (forward only): ``fast(D, S, ms)`` on the inputs' dims_mappings, shapes and the
+    mesh shape, returning ``((letter, mesh dims), ...)`` in the notation's letter order (what
+    ``merge_letters`` answers), or None."""
+    nt = p.notation
+    forward = direction == "forward"
+    src_name = "I" if forward else "O"
+    lines = ["def fast(D, S, ms):"] if raw else ["def fast(I, O, mesh):", "    ms = mesh.shape"]
+    emit = lines.append
+    read: set[int] = set()
+    for ti, ids in p.src:
+        if raw:
+            emit(f"    d{ti} = D[{ti}]")
+            emit(f"    s{ti} = S[{ti}]")
+            emit(f"    if d{ti} is None or s{ti} is None: return None")
+        else:
+            emit(f"    t = {src_name}[{ti}]")
+            emit("    if t is None: return None")
+            emit(f"    d{ti} = t.dist_attr.dims_mapping")
+        emit(f"    if len(d{ti}) != {len(ids)}: return None")
+        if not p.sizes_known and not raw:
+            emit(f"    s{ti} = t.shape")
+        for i, a in enumerate(ids):
+            if a < 0:
+                continue
+            var = f"L{a}" if a not in read else "e"
+            emit(f"    {var} = d{ti}[{i}]")
+            emit(f"    if {var}.__class__ is not int:")
+            emit(f"        {var} = _largest({var}, ms)" if p.largest else "        return None")
+            if a in read:
+                emit("    if e != -1:")
+                emit(f"        if L{a} == -1: L{a} = e")
+                if p.conflict != 1:
+                    emit(f"        elif e != L{a}: return None")
+            read.add(a)
+    for a in sorted(read):
+        if p.rep[a]:
+            if p.block:
+                emit(f"    if L{a} != -1: return None")
+            emit(f"    L{a} = -1")
+    live = [a for a in sorted(read) if not p.rep[a]]
+    if len(live) > 1:
+        emit("    u = 0")
+        for a in live:
+            emit(f"    if L{a} >= 0:")
+            emit(f"        b = 1 << L{a}")
+            emit("        if u & b: return None")
+            emit("        u |= b")
+    for a in live:
+        if not p.prune[a]:
+            continue
+        srcs = p.size_src[a]
+        emit(f"    if L{a} >= 0:")
+        if p.sizes_known:
+            # the first size >= 0 other than 1; else -1 where one is -1; else 1
+            shape = "S[{}]" if raw else "I[{}].shape"
+            for ti, _ in srcs:
+                emit(f"        if {'S' if raw else 'I'}[{ti}] is None: return None")
+            if not srcs:
+                emit("        s = 1")
+            for k, (ti, i) in enumerate(srcs):
+                if k == 0:
+                    emit(f"        s = {shape.format(ti)}[{i}]")
+                    continue
+                emit("        if s == 1 or s == -1:")
+                emit(f"            v = {shape.format(ti)}[{i}]")
+                emit("            if v >= 0 and v != 1: s = v")
+                emit("            elif v == -1: s = -1")
+        else:
+            if not srcs:
+                emit("        s = 1")
+            for k, (ti, i) in enumerate(srcs):
+                emit(f"        {'s' if k == 0 else '    s'} = s{ti}[{i}]" if k == 0 else f"        if s == 1: s = s{ti}[{i}]")
+        cond = "s == 1" if p.uneven[a] else "s >= 0"
+        emit(f"        if {cond} and s % ms[L{a}]: L{a} = -1")
+    for a in range(p.n):
+        if a not in read or (p.in_letters is not None and not p.in_letters[a]):
+            emit(f"    L{a} = -1")
+
+    def dm(ids: tuple[int, ...]) -> str:
+        return "(" + "".join(("-1" if a < 0 else f"L{a}") + ", " for a in ids) + ")"
+
+    if raw:
+        emit("    return (" + "".join(f"({c!r}, () if L{a} < 0 else _ONE[L{a}]), " for a, c in enumerate(nt.letters)) + ")")
+        return _exec(lines, f"<plan {nt!r} letters>", {})
+
+    # one attr per distinct (dims_mapping, no partial): an output sharded as an input is that
+    # input's attr (dist attrs are immutable)
+    plain: dict[str, str] = {}
+    ins = []
+    for j, in_ids in enumerate(p.in_axes):
+        if in_ids is None:
+            ins.append("None")
+            continue
+        emit(f"    if I[{j}] is None: return None")
+        emit(f"    i{j} = _attr_as(I[{j}].dist_attr, mesh, {dm(in_ids)})")
+        plain.setdefault(dm(in_ids), f"i{j}")
+        ins.append(f"i{j}")
+    outs = []
+    consts: dict[str, Any] = {}
+    for j, (out_ids, missing) in enumerate(zip(p.out_axes, p.out_missing)):
+        if out_ids is None or missing is None:
+            outs.append("None")
+            continue
+        ids = out_ids
+        if not missing:
+            if not forward:
+                emit(f"    if O[{j}] is None: return None")
+                outs.append(f"_attr_as(O[{j}].dist_attr, mesh, {dm(ids)})")
+            elif dm(ids) in plain:
+                outs.append(plain[dm(ids)])
+            else:
+                emit(f"    o{j} = _make(mesh, {dm(ids)})")
+                plain[dm(ids)] = f"o{j}"
+                outs.append(f"o{j}")
+            continue
+        if len(missing) == 1:
+            a, r = missing[0]
+            consts[f"R{j}_0"] = r
+            pt = f"(((L{a}, R{j}_0),) if L{a} >= 0 else ())"
+        else:
+            emit(f"    pt{j} = []")
+            for k, (a, r) in enumerate(missing):
+                consts[f"R{j}_{k}"] = r
+                emit(f"    if L{a} >= 0: pt{j}.append((L{a}, R{j}_{k}))")
+            emit(f"    pt{j}.sort(key=_first)")
+            pt = f"tuple(pt{j})"
+        outs.append(f"_make(mesh, {dm(ids)}, {pt})")
+    emit(f"    return ({''.join(x + ', ' for x in ins)}), ({''.join(x + ', ' for x in outs)})")
+    return _exec(lines, f"<plan {nt!r} {direction}>", consts)
+
+
+def _exec(lines: list[str], name: str, consts: dict[str, Any]) -> Any:
+    """The function ``fast`` the generated ``lines`` define."""
+    ns: dict[str, Any] = {"_attr_as": attr_as, "_make": _make, "_largest": largest_mesh_dim, "_first": _first,
+                          "_ONE": _ONE, **consts}  # fmt: skip
+    exec(compile("\n".join(lines), name, "exec"), ns)
+    return ns["fast"]
+
+
+def _first(t: tuple[int, ReduceType]) -> int:
+    return t[0]

@@ -1,0 +1,231 @@
+"""Merge helpers and the reference merge: what a :class:`~spmdkit.engine.notation.Notation`
+and its policy mean, written plainly with dicts keyed by letter.
+
+The compiled plans of :mod:`spmdkit.engine.compile` are the fast path; :func:`reference_merge`
+is the specification they are tested against (tests/test_engine_compiled.py). The steps, per
+the notation's policy fields (see ``Notation``):
+
+1. *read* each merged tensor's entry per axis: ``coshard="keep"`` takes a co-sharded entry as
+   it is, ``"largest"`` as its largest mesh dim (Paddle's reading); ``replicated_claims=
+   "block"`` removes from every entry the mesh dims that the tensors shard replicated letters
+   on (the replicated letter keeps the mesh dim, as Paddle's merge lets it);
+2. *merge* per letter: the first tensor sharding a letter claims it; another tensor sharding
+   it over other mesh dims: ``conflict="weight"`` the one with more elements keeps it (the
+   first on a tie), ``"first"`` the first keeps it, ``"union"`` the letter is co-sharded over
+   all of them (larger mesh product major, earlier tensor first on a tie; a mesh dim that
+   another letter also wants goes minor);
+3. *order* the letters: ``order="claim"`` as first claimed, ``"notation"`` as they first appear
+   in the notation's tensors, or groups (see ``Notation``);
+4. *resolve* in that order: replicated letters shard nothing, a mesh dim taken by an earlier
+   letter is dropped, pruned letters drop minor mesh dims until the product divides their size
+   (``uneven`` letters only where their size is 1); a letter claims the mesh dims it keeps,
+   or, for ``size1_claims`` letters of size 1, those it had before pruning.
+
+Letter sizes (``sizes="first"``): the first size other than 1 on the merged tensors;
+(``"known"``): the first size >= 0 other than 1 on the inputs (-1 where only -1 is seen,
+1 where only 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from spmdkit.core.dist_attr import DimsMapping, Entry
+
+if TYPE_CHECKING:
+    from spmdkit.engine.notation import Notation
+
+BROADCAST = "1"
+
+
+def prod(mesh_shape: Sequence[int], dims: Sequence[int]) -> int:
+    """The number of shards of mesh dims ``dims``."""
+    p = 1
+    for d in dims:
+        p *= mesh_shape[d]
+    return p
+
+
+def merge_weight(shape: Sequence[int]) -> int:
+    """A tensor's weight when two tensors shard one axis differently (the larger keeps its
+    sharding): its element count, unknown (-1) and zero sizes counted as 1."""
+    n = 1
+    for s in shape:
+        n *= s if s > 0 else 1
+    return n
+
+
+def largest_mesh_dim(entry: Entry, mesh_shape: Sequence[int]) -> int:
+    """A dims_mapping entry read as one mesh dim, as Paddle 3.3.1's merges read a co-shard: its
+    largest mesh dim (the first of equal sizes); -1 and single dims unchanged."""
+    if isinstance(entry, int):
+        return entry
+    dims = entry
+    best = dims[0]
+    for d in dims[1:]:
+        if mesh_shape[d] > mesh_shape[best]:
+            best = d
+    return best
+
+
+def entry_of(dims: Sequence[int]) -> Entry:
+    """The dims_mapping entry of a letter's mesh dims: -1, one dim, or a co-shard tuple."""
+    return -1 if not dims else dims[0] if len(dims) == 1 else tuple(dims)
+
+
+def union_dims(cands: Sequence[tuple[int, ...]], mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    """A letter sharded differently by several tensors, co-sharded over all their mesh dims:
+    the larger mesh product major (the earlier on a tie), each mesh dim once."""
+    out: list[int] = []
+    for d in sorted(cands, key=lambda c: -prod(mesh_shape, c)):
+        for x in d:
+            if x not in out:
+                out.append(x)
+    return tuple(out)
+
+
+def shared_minor(merged: dict[str, tuple[int, ...]], unions: Sequence[str]) -> None:
+    """In a co-sharded (union) letter, the mesh dims another letter also wants go minor."""
+    count: dict[int, int] = {}
+    for d in merged.values():
+        for x in d:
+            count[x] = count.get(x, 0) + 1
+    if all(v == 1 for v in count.values()):
+        return
+    for ch in unions:
+        d = merged[ch]
+        if len(d) > 1:
+            merged[ch] = tuple(x for x in d if count[x] == 1) + tuple(x for x in d if count[x] > 1)
+
+
+def letter_order(notation: Notation, claims: Sequence[str], sizes: dict[str, int]) -> list[str]:
+    """The letters in the order they resolve mesh-dim conflicts (see ``Notation.order``)."""
+    order = notation.order
+    if order == "claim":
+        return list(claims)
+    if order == "notation":
+        return [c for c in notation.letters if c in claims]
+    named = {c for g in order for c in g.lstrip(">") if g != "*"}
+    out: list[str] = []
+    for g in order:
+        if g == "*":
+            out.extend(c for c in claims if c not in named)
+        elif g.startswith(">"):
+            out.extend(sorted((c for c in g[1:] if c in claims), key=lambda c: -sizes.get(c, 1)))
+        else:
+            out.extend(c for c in claims if c in g)
+    return out
+
+
+def letter_sizes(
+    notation: Notation,
+    axes: Sequence[str | None],
+    shapes: Sequence[Sequence[int] | None],
+    all_axes: Sequence[str | None],
+    all_shapes: Sequence[Sequence[int] | None],
+) -> dict[str, int]:
+    """Each letter's size under the notation's ``sizes`` policy (module docstring)."""
+    sizes: dict[str, int] = {}
+    if notation.sizes == "first":
+        for t_axes, shape in zip(axes, shapes):
+            if t_axes is None or shape is None:
+                continue
+            for ch, s in zip(t_axes, shape):
+                if ch != BROADCAST and ch not in sizes and s != 1:
+                    sizes[ch] = s
+        return sizes
+    seen: dict[str, int] = {}
+    for t_axes, shape in zip(all_axes, all_shapes):
+        if t_axes is None or shape is None:
+            continue
+        for ch, s in zip(t_axes, shape):
+            if ch == BROADCAST:
+                continue
+            if s >= 0 and s != 1:
+                if seen.get(ch, 0) != 2:
+                    sizes[ch], seen[ch] = s, 2
+            elif s == -1 and seen.get(ch, 0) < 1:
+                sizes[ch], seen[ch] = -1, 1
+    return sizes
+
+
+def reference_merge(
+    notation: Notation,
+    axes: Sequence[str | None],
+    mappings: Sequence[DimsMapping | None],
+    shapes: Sequence[Sequence[int] | None],
+    mesh_shape: Sequence[int],
+    all_axes: Sequence[str | None] | None = None,
+    all_shapes: Sequence[Sequence[int] | None] | None = None,
+) -> dict[str, tuple[int, ...]]:
+    """The mesh dims of every letter the tensors labelled ``axes`` carry, under the notation's
+    policy (module docstring); ``all_axes`` / ``all_shapes``: the inputs, for
+    ``sizes="known"`` (default: the merged tensors)."""
+    if all_axes is None or all_shapes is None:
+        all_axes, all_shapes = axes, shapes
+    rep = notation.replicated
+    # 1. read
+    read: list[list[tuple[str, tuple[int, ...]]]] = []
+    blocked: set[int] = set()
+    for t_axes, dm in zip(axes, mappings):
+        row: list[tuple[str, tuple[int, ...]]] = []
+        if t_axes is not None and dm is not None:
+            for ch, e in zip(t_axes, dm):
+                if ch == BROADCAST:
+                    continue
+                if notation.coshard == "largest":
+                    e = largest_mesh_dim(e, mesh_shape)
+                d = (() if e < 0 else (e,)) if isinstance(e, int) else tuple(e)
+                row.append((ch, d))
+                if notation.replicated_claims == "block" and ch in rep:
+                    blocked.update(d)
+        read.append(row)
+    # 2. merge
+    merged: dict[str, tuple[int, ...]] = {}
+    cands: dict[str, list[tuple[int, ...]]] = {}
+    holder: dict[str, int] = {}
+    claims: list[str] = []
+    for ti, row in enumerate(read):
+        for ch, d in row:
+            if blocked and ch not in rep:
+                d = tuple(x for x in d if x not in blocked)
+            merged.setdefault(ch, ())
+            if not d:
+                continue
+            if ch not in claims:
+                claims.append(ch)
+                merged[ch], holder[ch], cands[ch] = d, ti, [d]
+            elif d != merged[ch] or notation.conflict == "union":
+                if notation.conflict == "weight":
+                    s_new, s_old = shapes[ti], shapes[holder[ch]]
+                    w_new = merge_weight(s_new) if s_new is not None else 0
+                    w_old = merge_weight(s_old) if s_old is not None else 0
+                    if w_new > w_old:
+                        merged[ch], holder[ch] = d, ti
+                elif notation.conflict == "union" and d not in cands[ch]:
+                    cands[ch].append(d)
+    if notation.conflict == "union":
+        unions = [ch for ch in claims if len(cands[ch]) > 1]
+        for ch in unions:
+            merged[ch] = union_dims(cands[ch], mesh_shape)
+        if unions:
+            shared_minor(merged, unions)
+    # 3. order, 4. resolve
+    sizes = letter_sizes(notation, axes, shapes, all_axes, all_shapes)
+    used: set[int] = set()
+    for ch in letter_order(notation, claims, sizes):
+        if ch in rep:
+            merged[ch] = ()
+            continue
+        d = tuple(x for x in merged[ch] if x not in used)
+        size = sizes.get(ch, 1)
+        claim = d
+        if notation.prunes(ch) and size >= 0 and (size == 1 or ch not in notation.uneven):
+            while d and size % prod(mesh_shape, d) != 0:
+                d = d[:-1]
+            if not (size == 1 and ch in notation.size1_claims):
+                claim = d
+        used.update(claim)
+        merged[ch] = d
+    return merged

@@ -1,0 +1,273 @@
+"""Compiled plans (spmdkit.engine.compile) against the reference merge (spmdkit.engine.merge).
+
+Every compiled plan must answer what the plain dict-based reference answers for its notation
+and policy: on random notations and policies, on the notations the rules on the engine compile
+(matmul, the norm family, softmax), and, for the default policy, what merge_letters answers.
+Seeded and bounded: a few thousand cases, a few seconds.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from spmdkit.core.mesh import ProcessMesh
+from spmdkit.core.spec import DistTensorSpec
+from spmdkit.engine.compile import Plan, compile_plan, infer, run
+from spmdkit.engine.merge import BROADCAST, reference_merge
+from spmdkit.engine.notation import Notation, merge_letters
+from spmdkit.rules import matmul, norm, softmax
+
+MESHES = [(2,), (3,), (2, 2), (2, 3), (3, 2), (2, 4), (2, 2, 2), (1, 2), (2, 3, 2)]
+SIZES = [1, 1, 2, 3, 4, 6, 8, 12, 5, -1, 0]
+
+
+def _entry(rng: random.Random, ndim: int, used: set[int]) -> Any:
+    free = [d for d in range(ndim) if d not in used]
+    r = rng.random()
+    if r < 0.4 or not free:
+        return -1
+    if r < 0.8 or len(free) < 2:
+        d = rng.choice(free)
+        used.add(d)
+        return d
+    pair = rng.sample(free, 2)
+    used.update(pair)
+    return tuple(pair)
+
+
+def _mapping(rng: random.Random, n: int, mesh_ndim: int) -> tuple[Any, ...]:
+    used: set[int] = set()
+    return tuple(_entry(rng, mesh_ndim, used) for _ in range(n))
+
+
+def _tensors(rng: random.Random, axes: tuple[str | None, ...], mesh_ndim: int) -> tuple[list[Any], list[Any]]:
+    """Random dims_mappings and shapes for tensors labelled ``axes`` (one size per letter, some
+    axes size 1, a few absent tensors)."""
+    size = {c: rng.choice(SIZES) for a in axes if a for c in a}
+    dms: list[Any] = []
+    shapes: list[Any] = []
+    for a in axes:
+        if a is None or rng.random() < 0.05:
+            dms.append(None)
+            shapes.append(None)
+            continue
+        shapes.append(tuple(1 if c == BROADCAST or rng.random() < 0.15 else size[c] for c in a))
+        dms.append(_mapping(rng, len(a), mesh_ndim))
+    return dms, shapes
+
+
+def _random_notation(rng: random.Random) -> Notation:
+    letters = "abcde"
+
+    def tensor() -> str:
+        return "".join(rng.sample(letters, rng.randint(0, 4))) + BROADCAST * rng.choice([0, 0, 1])
+
+    ins = [tensor() for _ in range(rng.randint(1, 3))]
+    outs = [tensor() for _ in range(rng.randint(1, 2))]
+    seen = "".join(dict.fromkeys("".join(ins + outs).replace(BROADCAST, "")))
+    pick = lambda: "".join(c for c in seen if rng.random() < 0.3)  # noqa: E731
+    order: Any = rng.choice(["claim", "notation", "groups"])
+    if order == "groups":
+        a = pick()
+        b = "".join(c for c in pick() if c not in a)
+        order = ("*", ">" + b, a) if rng.random() < 0.5 else (a, "*")
+    return Notation(
+        ins,
+        outs,
+        replicated=pick(),
+        prune=rng.choice(["", "*", pick()]),
+        coshard=rng.choice(["keep", "largest"]),
+        conflict=rng.choice(["weight", "first", "union"]),
+        order=order,
+        replicated_claims=rng.choice(["drop", "block"]),
+        uneven=pick(),
+        size1_claims=pick(),
+        sizes=rng.choice(["first", "known"]),
+    )
+
+
+def _check(p: Plan, direction: str, dms: list[Any], shapes: list[Any], mesh_shape: tuple[int, ...]) -> None:
+    nt = p.notation
+    n_in = len(nt.inputs)
+    merged = slice(0, n_in) if direction == "forward" else slice(n_in, None)
+    axes = (nt.inputs + nt.outputs)[merged]
+    m_dms, m_shapes = dms[merged], shapes[merged]
+    got = run(p, m_dms, m_shapes, shapes[:n_in], mesh_shape)
+    want = reference_merge(nt, axes, m_dms, m_shapes, mesh_shape, nt.inputs, shapes[:n_in])
+    for i, c in enumerate(nt.letters):
+        assert got[i] == want.get(c, ()), (nt, direction, dms, shapes, mesh_shape, c, got, want)
+
+
+def test_random_notations_and_policies() -> None:
+    rng = random.Random(17)
+    for _ in range(1200):
+        nt = _random_notation(rng)
+        mesh_shape = rng.choice(MESHES)
+        dms, shapes = _tensors(rng, nt.inputs + nt.outputs, len(mesh_shape))
+        for direction in ("forward", "backward"):
+            _check(compile_plan(nt, direction), direction, dms, shapes, mesh_shape)
+
+
+def test_default_policy_is_merge_letters() -> None:
+    rng = random.Random(3)
+    for _ in range(1000):
+        nt = _random_notation(rng)
+        nt = Notation(nt.inputs, nt.outputs, replicated=nt.replicated, prune=nt.prune)
+        mesh_shape = rng.choice(MESHES)
+        dms, shapes = _tensors(rng, nt.inputs, len(mesh_shape))
+        old = dict(merge_letters(nt.inputs, tuple(dms), tuple(shapes), nt.replicated, nt.prune, mesh_shape))
+        new = reference_merge(nt, nt.inputs, dms, shapes, mesh_shape)
+        assert {c: d for c, d in old.items() if d} == {c: d for c, d in new.items() if d}, (nt, dms, shapes)
+        got = run(compile_plan(nt), dms, shapes, shapes, mesh_shape)
+        assert {c: got[i] for i, c in enumerate(nt.letters) if got[i]} == {c: d for c, d in new.items() if d}
+
+
+def _rule_plans() -> list[tuple[Plan, str]]:
+    plans: list[tuple[Plan, str]] = []
+    for nx in (1, 2, 3, 4):
+        for ny in (1, 2, 3):
+            for tx in (False, True) if nx > 1 else (False,):
+                for ty in (False, True) if ny > 1 else (False,):
+                    plans.append((compile_plan(matmul._notation(nx, ny, tx, ty, "forward")), "forward"))
+                    plans.append((compile_plan(matmul._notation(nx, ny, tx, ty, "reverse"), "backward"), "backward"))
+                    plans.append((matmul._grad_plan(nx, ny, tx, ty, (1, 0, 0)), "forward"))
+                    plans.append((matmul._grad_plan(nx, ny, tx, ty, (0, 0, 0)), "forward"))
+    for nd in (1, 2, 3, 4):
+        for bna in range(nd + 1):
+            for kind in ("ln", "ln_rev", "ln_grad"):
+                p = norm._plan(kind, nd, bna, (1, -1))
+                plans.append((p, "backward" if kind.endswith("rev") else "forward"))
+        for kind in ("rms", "rms_rev", "rms_grad"):
+            p = norm._plan(kind, nd, nd - 1, (1,))
+            plans.append((p, "backward" if kind.endswith("rev") else "forward"))
+        for axis in range(nd):
+            plans.append((softmax._plan(nd, axis, "forward"), "forward"))
+            plans.append((softmax._plan(nd, axis, "backward"), "backward"))
+            plans.append((softmax._grad_plan(nd, axis), "forward"))
+    return plans
+
+
+def test_rule_plans_match_the_reference() -> None:
+    rng = random.Random(5)
+    plans = _rule_plans()
+    for _ in range(4000):
+        p, direction = rng.choice(plans)
+        mesh_shape = rng.choice(MESHES)
+        dms, shapes = _tensors(rng, p.notation.inputs + p.notation.outputs, len(mesh_shape))
+        _check(p, direction, dms, shapes, mesh_shape)
+
+
+def _specs(mesh: ProcessMesh, dms: list[Any], shapes: list[Any]) -> list[DistTensorSpec | None]:
+    return [None if d is None else DistTensorSpec(list(s), mesh=mesh, dims_mapping=list(d)) for d, s in zip(dms, shapes)]
+
+
+def _attrs(res: Any) -> Any:
+    return [[None if a is None else (a.dims_mapping, a.partial) for a in side] for side in res]
+
+
+def test_generated_fast_path_equals_the_general_path() -> None:
+    """The plans' generated code (infer's first try) answers as the general path, or declines."""
+    rng = random.Random(11)
+    plans = _rule_plans()
+    answered = 0
+    for i in range(2000):
+        if i % 2:
+            p, direction = rng.choice(plans)
+        else:
+            direction = rng.choice(["forward", "backward"])
+            p = compile_plan(_random_notation(rng), direction)
+        nt = p.notation
+        mesh = ProcessMesh(list(rng.choice(MESHES)))
+        dms, shapes = _tensors(rng, nt.inputs + nt.outputs, mesh.ndim)
+        dms = [None if a is None else d for a, d in zip(nt.inputs + nt.outputs, dms)]
+        specs = _specs(mesh, dms, shapes)
+        ins, outs = specs[: len(nt.inputs)], specs[len(nt.inputs) :] if direction == "backward" else []
+        if direction == "backward" and not any(outs):
+            continue
+        general = infer(p, "op", ins, outs, mesh, fast=False)
+        got = p.fast(tuple(ins), tuple(outs), mesh)
+        if got is not None:
+            answered += 1
+            assert _attrs(got) == _attrs(general), (nt, direction, dms, shapes, mesh.shape)
+    assert answered > 600  # the fast path answers most cases
+
+
+def test_matmul_coshard_union_through_infer() -> None:
+    # x k on 0, y k on 1 -> k co-sharded over both, the larger mesh dim major; out partial
+    m = ProcessMesh([3, 2])
+    x = DistTensorSpec([6, 36], mesh=m, dims_mapping=[-1, 0])
+    y = DistTensorSpec([36, 6], mesh=m, dims_mapping=[1, -1])
+    p = compile_plan(matmul._notation(2, 2, False, False, "forward"))
+    ins, outs = infer(p, "matmul", (x, y), (), m)
+    assert [a.dims_mapping for a in ins] == [(-1, (0, 1)), ((0, 1), -1)]  # type: ignore[union-attr]
+    assert [d for d, _ in outs[0].partial] == [0, 1]  # type: ignore[union-attr]
+
+
+def test_bad_policy_value_rejected() -> None:
+    with pytest.raises(ValueError, match="conflict"):
+        Notation(["ab"], ["ab"], conflict="largest")
+    with pytest.raises(ValueError, match="order"):
+        Notation(["ab"], ["ab"], order="size")
+    with pytest.raises(ValueError, match="share letters"):
+        Notation(["ab"], ["ab"], order=(">ab", "b"))
+
+
+def test_docs_rules_md_examples_run() -> None:
+    """docs/rules.md is true: its Python example runs (its asserts hold) and the notations it
+    spells out are those norm.py compiles."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "rules.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert blocks
+    for b in blocks:
+        exec(compile(b, "docs/rules.md", "exec"), {})
+    rev = Notation(["ab1", "1", "1"], ["abc", "ab", "ab"], replicated="c", replicated_claims="block",
+                   coshard="largest")  # fmt: skip
+    assert norm._plan("ln_rev", 3, 2, (1, 1)).notation == rev
+    assert norm._plan("ln_grad", 3, 2, (1, 1)).notation == Notation(
+        ["ab1", "1", "1", "ab", "ab", "ab1"], ["ab1", "1", "1"], coshard="largest"
+    )
+
+
+def test_rules_on_the_engine_are_answered_through_it() -> None:
+    """Every mode of matmul, the norm family and softmax reaches a compiled plan (traced)."""
+    from spmdkit.engine.compile import traced
+    from spmdkit.rules import get_rule, set_cache_enabled
+
+    m = ProcessMesh([2, 2])
+
+    def t(shape: list[int], dm: list[Any]) -> DistTensorSpec:
+        return DistTensorSpec(shape, mesh=m, dims_mapping=dm)
+
+    x3, w = t([4, 6, 8], [0, -1, 1]), t([8, 10], [1, -1])
+    calls = [
+        ("matmul", "forward", (x3, w)),
+        ("matmul", "backward", (x3, w, t([4, 6, 10], [0, 1, -1]))),
+        ("matmul_grad", "forward", (x3, w, t([4, 6, 10], [0, -1, -1]))),
+        ("layer_norm", "forward", (x3, t([8], [-1]), None, 1e-5, 2)),
+        ("layer_norm", "backward", (x3, None, None, x3, t([4, 6], [0, -1]), t([4, 6], [0, -1]), 1e-5, 2)),
+        ("layer_norm_grad", "forward", (x3, None, None, t([4, 6], [0, -1]), t([4, 6], [0, -1]), x3, 1e-5, 2)),
+        ("fused_rms_norm", "forward", (x3, t([8], [-1]), 1e-5)),
+        ("fused_rms_norm", "backward", (x3, None, x3, t([4, 6], [0, -1]), 1e-5)),
+        ("rms_norm_grad", "forward", (x3, None, t([4, 6], [0, -1]), x3, 1e-5)),
+        ("softmax", "forward", (x3, -1)),
+        ("softmax", "backward", (x3, x3, -1)),
+        ("softmax_grad", "forward", (x3, x3, -1)),
+        ("log_softmax", "forward", (x3, 1)),
+        ("log_softmax_grad", "forward", (x3, x3, 0)),
+    ]
+    set_cache_enabled(False)
+    try:
+        for name, mode, args in calls:
+            rule = get_rule(name)
+            f = rule.infer_forward if mode == "forward" else rule.infer_backward
+            with traced() as seen:
+                f(*args)
+            assert seen, f"{name} {mode} did not reach a compiled plan"
+    finally:
+        set_cache_enabled(True)
