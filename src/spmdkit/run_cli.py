@@ -43,10 +43,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
                    help="torch.distributed backend (auto: nccl where GPUs exist, else gloo)")
     p.add_argument("--seed", type=int, default=0, help="seed of the step's data and parameters")
-    p.add_argument("--kernels", choices=("torch", "numpy"), default="torch",
-                   help="what each rank computes with: torch's ops in the program's dtypes (default; a real "
-                        "training step, checked against a single-process step within each dtype's tolerance) "
-                        "or spmdkit's numpy references in float64 (exact checks)")
+    p.add_argument("--kernels", choices=("numpy", "torch"), default="numpy",
+                   help="what each rank computes with: spmdkit's numpy references in float64 (default; exact "
+                        "checks) or torch's ops in the program's dtypes (a real training step, checked against "
+                        "a single-process torch step within each dtype's tolerance; docs/torch.md)")
     p.add_argument("--warmup", type=int, default=1, metavar="N",
                    help="untimed steps before the timed, checked one (torch initialises its kernels on their "
                         "first call; default %(default)s)")

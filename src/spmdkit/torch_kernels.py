@@ -1254,38 +1254,59 @@ def _scalar(x: Any) -> float:
 
 
 def _adam_kernel(decoupled: bool) -> Kernel:
-    """Adam / AdamW as Paddle's kernel computes them (the reference's update, in torch); the
-    moments and the update in the parameter's dtype."""
+    """Adam / AdamW as Paddle's kernel computes them (the reference's update, in torch): the
+    moments in their own dtype, a float32 master copy updated where given (multi-precision:
+    the parameter is then the master rounded to its dtype)."""
 
     def fn(a: Args, c: Ctx) -> tuple[Any, ...]:
+        amsgrad = bool(a.get("amsgrad", False))
         b1, b2 = float(a.get("beta1", 0.9)), float(a.get("beta2", 0.999))
         eps = float(a.get("epsilon", 1e-8))
         lr = _scalar(a["learning_rate"])
         b1p, b2p = _t(a["beta1_pow"]), _t(a["beta2_pow"])
-        g = _t(a["grad"])
         m1, m2 = _t(a["moment1"]), _t(a["moment2"])
+        g = _t(a["grad"]).to(m1.dtype)
+        m2max = a.get("moment2_max")
+        master = a.get("master_param")
+        use_master = master is not None and bool(a.get("multi_precision", False))
+        p0 = _t(a["param"])
         skip = a.get("skip_update")
-        if a.get("amsgrad", False) or a.get("master_param") is not None:
-            raise ValueError("adam: amsgrad and master_param have no torch kernel")
-        p = _t(a["param"])
         if skip is not None and _t(skip).numel() and bool(_t(skip).reshape(-1)[0]):
-            return p.clone(), m1.clone(), m2.clone(), None, b1p.clone(), b2p.clone(), None
-        step_lr = lr
-        if decoupled:
-            step_lr = lr * float(a.get("lr_ratio", 1.0))
-            if a.get("with_decay", False):
-                p = p * (1.0 - step_lr * float(a.get("coeff", 0.01)))
-        g = g.to(m1.dtype)
-        m1o = b1 * m1 + (1.0 - b1) * g
-        m2o = b2 * m2 + (1.0 - b2) * g * g
-        b1s, b2s = _scalar(b1p), _scalar(b2p)
-        lr_t = step_lr * math.sqrt(1.0 - b2s) / (1.0 - b1s)
-        po = p - lr_t * (m1o / (torch.sqrt(m2o) + eps * math.sqrt(1.0 - b2s))).to(p.dtype)
+            mm = _t(m2max).clone() if amsgrad and m2max is not None else None
+            return (p0.clone(), m1.clone(), m2.clone(), mm, b1p.clone(), b2p.clone(),
+                    None if master is None else _t(master).clone())
+
+        def update(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+            step_lr = lr
+            if decoupled:
+                step_lr = lr * float(a.get("lr_ratio", 1.0))
+                if a.get("with_decay", False):
+                    p = p * (1.0 - step_lr * float(a.get("coeff", 0.01)))
+            m1o = b1 * m1 + (1.0 - b1) * g
+            m2o = b2 * m2 + (1.0 - b2) * g * g
+            m2mo = None
+            denom = m2o
+            if amsgrad and m2max is not None:
+                m2mo = torch.maximum(_t(m2max), m2o)
+                denom = m2mo
+            b1s, b2s = _scalar(b1p), _scalar(b2p)
+            lr_t = step_lr * math.sqrt(1.0 - b2s) / (1.0 - b1s)
+            po = p - (lr_t * (m1o / (torch.sqrt(denom) + eps * math.sqrt(1.0 - b2s)))).to(p.dtype)
+            return po, m1o, m2o, m2mo
+
+        mo = None
+        if master is not None:
+            mo, m1o, m2o, m2mo = update(_t(master))
+        if use_master:
+            assert mo is not None
+            po = mo.to(p0.dtype)
+        else:
+            po, m1o, m2o, m2mo = update(p0)
         if a.get("use_global_beta_pow", False):
             b1o, b2o = b1p.clone(), b2p.clone()
         else:
             b1o, b2o = b1p * b1, b2p * b2
-        return po, m1o, m2o, None, b1o, b2o, None
+        return po, m1o, m2o, m2mo, b1o, b2o, mo
 
     return fn
 
@@ -1296,9 +1317,13 @@ register("adamw", "adamw_")(_adam_kernel(True))
 
 @register("sgd", "sgd_")
 def _k_sgd(a: Args, c: Ctx) -> tuple[Any, ...]:
-    if a.get("master_param") is not None:
-        raise ValueError("sgd: master_param has no torch kernel")
-    return (_t(a["param"]) - _scalar(a["learning_rate"]) * _t(a["grad"]), None)
+    lr = _scalar(a["learning_rate"])
+    g = _t(a["grad"])
+    master = a.get("master_param")
+    mo = None if master is None else _t(master) - lr * g.to(_t(master).dtype)
+    if mo is not None and a.get("multi_precision", False):
+        return mo.to(_t(a["param"]).dtype), mo
+    return (_t(a["param"]) - lr * g, mo)
 
 
 def reference_of(rule: str) -> Reference | None:

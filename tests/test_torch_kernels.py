@@ -1,0 +1,171 @@
+"""``spmdkit run --kernels torch``: torch's own ops on each rank's shards, in the program's dtype.
+
+In-process (fast): the torch kernels in float64 equal the numpy references on whole training
+steps (every tensor of tiny-llama's and tiny-gpt-dropout's steps); every rule the zoo presets use
+has a kernel; a rule without one is refused by name, suggesting ``--kernels numpy``; the
+per-dtype check fails on a wrong value and on a NaN. On gloo (seconds each): tiny-llama
+(megatron, float32) and a bfloat16 Llama (--hf, megatron, padded) equal the single-process torch
+step within their dtype's tolerance, with the plan's collectives, and print the time per phase
+beside the plan's prediction."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'spmdkit[torch]')")
+
+from spmdkit.core.errors import SpmdError  # noqa: E402
+from spmdkit.graph.plan_cli import plan_model  # noqa: E402
+from spmdkit.graph.program import ProgramBuilder  # noqa: E402
+from spmdkit.graph.propagate import propagate  # noqa: E402
+from spmdkit.graph.strategy import parse_mesh  # noqa: E402
+from spmdkit.graph.zoo import PRESETS  # noqa: E402
+from spmdkit.torch_exec import TOLERANCES, _global_step, global_step_torch  # noqa: E402
+from spmdkit.torch_kernels import NoTorchKernelError, check_kernels, missing_kernels  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _float64(plan: Any) -> None:
+    """Every floating tensor of the plan's program as float64 (a cast op keeps its own target)."""
+    for t in plan.program.tensors.values():
+        if t.dtype in ("float32", "bfloat16", "float16"):
+            object.__setattr__(t, "dtype", "float64")
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-gpt-dropout"])
+def test_torch_kernels_in_float64_equal_the_numpy_references(model: str) -> None:
+    _, plan, _ = plan_model(model, "dp=2,tp=2", "megatron", {"layers": 1})
+    _float64(plan)
+    want = _global_step(plan, 3)
+    got, secs = global_step_torch(plan, 3)
+    assert set(got) == set(want) and len(want) > 100
+    assert set(secs) == {"forward", "backward", "optimizer"}
+    for n, w in want.items():
+        g = got[n].numpy()
+        assert g.shape == w.shape, n
+        if w.dtype.kind != "f":
+            assert np.array_equal(g, w), n
+            continue
+        assert np.isfinite(g).all() and np.isfinite(w).all(), n
+        # gelu's numpy gradient is a central difference (1e-10); everything else to rounding
+        assert np.max(np.abs(g - w), initial=0.0) <= 1e-8 * max(1.0, float(np.max(np.abs(w), initial=0.0))), n
+
+
+def test_every_zoo_rule_has_a_torch_kernel() -> None:
+    for name in sorted(PRESETS):
+        for strategy in ("megatron", "dp"):
+            _, plan, _ = plan_model(name, "dp=2,tp=2" if strategy == "megatron" else "dp=2", strategy, {"layers": 1})
+            assert missing_kernels(plan.program) == {}, (name, strategy)
+
+
+def test_an_op_without_a_torch_kernel_is_refused_by_name() -> None:
+    b = ProgramBuilder("t")
+    x = b.tensor("x", (4, 3), "float32", "input")
+    b.op("cummax", {"x": x}, [("m", (4, 3), "float32"), ("i", (4, 3), "int64")], axis=0)
+    prog = b.build()
+    assert missing_kernels(prog) == {"cummax": prog.ops[0].name}
+    with pytest.raises(NoTorchKernelError, match="no torch kernel for cummax .*--kernels numpy") as exc:
+        check_kernels(prog)
+    assert isinstance(exc.value, SpmdError)
+    plan = propagate(prog, parse_mesh("dp=2"), {"x": [0, -1]})
+    with pytest.raises(NoTorchKernelError):
+        global_step_torch(plan)
+    p = tmp_program(prog)
+    r = subprocess.run([sys.executable, "-m", "spmdkit", "run", "--kernels", "torch", "--program", p, "--mesh", "dp=2",
+                        "--annotate", "x=[0,-1]"], capture_output=True, text=True, env=_env(), timeout=120)
+    assert r.returncode == 2 and "no torch kernel for cummax" in r.stderr and "--kernels numpy" in r.stderr, r.stderr
+    os.unlink(p)
+
+
+def tmp_program(prog: Any) -> str:
+    import tempfile
+
+    fd, path = tempfile.mkstemp(suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        f.write(prog.dumps())
+    return path
+
+
+def test_the_dtype_check_fails_on_a_wrong_value_and_on_nan() -> None:
+    """_check_torch: within the dtype's tolerance of each tensor's scale passes, beyond fails, a NaN never passes."""
+    from spmdkit.torch_exec import Rank, RunReport, _check_torch
+
+    b = ProgramBuilder("t")
+    x = b.tensor("x", (4, 3), "bfloat16", "input")
+    w = b.tensor("w", (3,), "bfloat16", "parameter")
+    b.op("multiply", {"x": x, "y": w}, [("y", (4, 3), "bfloat16")])
+    prog = b.build()
+    plan = propagate(prog, parse_mesh("dp=2"), {"x": [0, -1]})
+    ref = {n: v.float().numpy() for n, v in global_step_torch(plan, 0)[0].items()}
+    me = Rank.__new__(Rank)
+    me.made = {"y": plan.attrs["y"]}
+
+    def check(y: np.ndarray) -> RunReport:
+        rep = RunReport(2, "gloo")
+        _check_torch(rep, plan, [({"y": y[:2]}, [], {}), ({"y": y[2:]}, [], {})], me, 0, None, torch.device("cpu"))
+        return rep
+
+    y = ref["y"]
+    scale = float(np.abs(y).max())
+    assert not check(y).failures and check(y).max_rel_error == 0.0
+    near = y.copy()
+    near[0, 0] += 0.5 * TOLERANCES["bfloat16"] * scale
+    assert not check(near).failures
+    far = y.copy()
+    far[0, 0] += 2 * TOLERANCES["bfloat16"] * scale
+    assert [n for n, _ in check(far).failures] == ["y"]
+    nan = y.copy()
+    nan[3, 2] = np.nan
+    rep = check(nan)
+    assert rep.nonfinite == 1 and "non-finite" in rep.failures[0][1]
+
+
+# -- on gloo --------------------------------------------------------------------------------------------
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+
+
+def _run(*args: str) -> dict[str, Any]:
+    p = subprocess.run([sys.executable, "-m", "spmdkit", "run", "--json", "--kernels", "torch", "--warmup", "0",
+                        "--timeout", "120", *args], capture_output=True, text=True, env=_env(), timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return dict(json.loads(p.stdout.strip().splitlines()[-1]))
+
+
+def _common(rep: dict[str, Any], dtype: str) -> None:
+    assert rep["ok"] and rep["collectives_match"] and not rep["failures"] and rep["nonfinite"] == 0, rep["failures"][:5]
+    assert rep["kernels"] == "torch" and rep["checked"] > 100
+    assert 0 < rep["max_rel_error"] <= TOLERANCES[dtype]  # sharding reorders sums: not bit-equal, within tolerance
+    assert rep["loss"] == pytest.approx(rep["reference_loss"], rel=10 * TOLERANCES[dtype])
+    for ph in ("forward", "backward", "optimizer"):  # measured and predicted, per phase
+        assert rep["timing"][ph]["compute"] > 0 and rep["predicted"][ph]["compute"] > 0
+    assert rep["timing"]["step"]["wall"] > 0 and rep["predicted_on"]
+
+
+def test_run_tiny_llama_float32_with_torch_kernels() -> None:
+    rep = _run("--model", "tiny-llama", "--layers", "1", "--mesh", "dp=2,tp=2")
+    _common(rep, "float32")
+    assert {(c["kind"], c["mesh_dim"]) for c in rep["collectives"]} >= {("all_reduce", 0), ("all_reduce", 1)}
+
+
+def test_run_hf_llama_bfloat16_with_torch_kernels() -> None:
+    pytest.importorskip("transformers", reason="transformers is not installed (pip install 'spmdkit[hf]')")
+    cfg = {"num_hidden_layers": 1, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "intermediate_size": 128, "vocab_size": 256}
+    rep = _run("--hf", "LlamaForCausalLM", "--hf-config", json.dumps(cfg), "--dtype", "bfloat16", "--mesh",
+               "dp=2,tp=2", "--pad", "3")
+    _common(rep, "bfloat16")
+    assert rep["loss_tensor"] == "cross_entropy_loss" and 4.5 < rep["loss"] < 7  # about ln(256)
+    eager = rep["eager"]  # torch's float32 autograd on the same bfloat16 weights
+    assert eager["checked"] > 10 and not eager["failures"] and eager["max_rel_error"] <= TOLERANCES["bfloat16"]
