@@ -6,7 +6,10 @@ in every process (the values given to :func:`run_rank`, else the program's recor
 and buffers, else draws from the seed in each tensor's valid range:
 :func:`spmdkit.graph.simulate.source_values`) and cut to the rank's piece as the plan
 distributes it; every op runs on the rank's pieces with spmdkit's numpy reference kernel for
-that op (``spmdkit.sim``), in float64; every planned reshard runs as real collectives over the mesh dim's process group,
+that op (``spmdkit.sim``), in float64 (``kernels="numpy"``), or with torch's own ops in the
+program's dtypes on the rank's device (``kernels="torch"``, :mod:`spmdkit.torch_kernels`; the
+check is then against a single-process torch step within each dtype's tolerance,
+:data:`TOLERANCES`); every planned reshard runs as real collectives over the mesh dim's process group,
 step by step as :func:`spmdkit.reshard.plan_reshard` lays it out: ``all_reduce``,
 ``reduce_scatter_single``, ``all_gather_single`` (``*_tensor`` before torch 2.13), ``all_to_all_single``, and the local
 ``slice`` / ``to_partial`` steps.
@@ -25,8 +28,8 @@ local launcher (:mod:`spmdkit.launch`) ends every rank when one fails, dies or s
 
 Limits: the executor needs every sharded axis to split evenly over its mesh dims (the
 collectives exchange equal chunks; :func:`uneven_shards` says which does not, and
-:func:`run_rank` refuses such a plan before any collective); the local kernels are numpy references, not torch ops, so
-this proves the plan's communication on a real engine, not its speed.
+:func:`run_rank` refuses such a plan before any collective). Every rank times each phase
+(compute, comm) and the report sets it beside the plan's prediction (:func:`predicted_timing`).
 
 Launch: ``spmdkit run --model tiny-llama --mesh dp=2,tp=2 --nproc 4`` starts four local
 processes; under ``torchrun`` (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set) each process
@@ -40,6 +43,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -448,7 +452,8 @@ def to_numpy(t: Any) -> np.ndarray:
     t = t.detach().cpu()
     if t.dtype in (torch.bfloat16, torch.float16):
         t = t.float()
-    return t.numpy()
+    out: np.ndarray = t.numpy()
+    return out
 
 
 def _global_step(plan: Plan, seed: int, values: dict[str, Any] | None = None, kernels: str = "numpy",
@@ -472,6 +477,11 @@ def _global_step(plan: Plan, seed: int, values: dict[str, Any] | None = None, ke
     return out
 
 
+def _fetch(glob: dict[str, Any], feed: dict[str, Any], prog: Any, dev: torch.device, n: str, req: Any) -> Any:
+    v = feed.get(n)
+    return glob[n] if v is None else _to_torch(np.asarray(v), prog.tensors[n].dtype, dev)
+
+
 def global_step_torch(plan: Plan, seed: int = 0, values: dict[str, Any] | None = None,
                       device: torch.device | None = None, optimizer_inputs: dict[str, Any] | None = None,
                       ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
@@ -492,12 +502,7 @@ def global_step_torch(plan: Plan, seed: int = 0, values: dict[str, Any] | None =
     for op_plan in plan.ops:
         io = op_io(op_plan, prog)
         feed = optimizer_inputs if optimizer_inputs is not None and op_plan.op.phase == "optimizer" else {}
-
-        def fetch(n: str, req: Any) -> Any:
-            v = feed.get(n) if n in feed else None
-            return glob[n] if v is None else _to_torch(np.asarray(v), prog.tensors[n].dtype, dev)
-
-        args = io.values(fetch)
+        args = io.values(partial(_fetch, glob, feed, prog, dev))
         t0 = time.perf_counter()
         gouts = _flat_out(_run_torch(op_plan.op, io, args, Ctx(plan.mesh, None, None, io.in_attrs, io.shapes,
                                                                 io.out_ndims, io.out_attrs)))

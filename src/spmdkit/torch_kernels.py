@@ -245,6 +245,11 @@ _DOUT: dict[str, UnaryT] = {
 }
 
 
+def _generic_dout(o: torch.Tensor) -> torch.Tensor:
+    """The numpy reference's derivative for an op given only ``out`` that has no formula: 1 + out²."""
+    return 1.0 + o * o
+
+
 def _unary_kernel(name: str) -> Kernel:
     fn = UNARY[name]
     return lambda a, c: (fn(_t(a["x"])),)
@@ -259,7 +264,7 @@ def _unary_grad_kernel(name: str) -> Kernel:
         x = a.get("x")
         if x is None and a.get("out") is not None:
             o = _t(a["out"])
-            return (g * _DOUT.get(name, lambda v: 1.0 + v ** 2)(o),)
+            return (g * _DOUT.get(name, _generic_dout)(o),)
         at = _t(x) if x is not None else torch.zeros_like(g)  # out_grad only: a constant derivative
         if deriv is not None:
             return (g * deriv(at),)
@@ -653,7 +658,8 @@ def _k_matmul_grad(a: Args, c: Ctx) -> tuple[Any, ...]:
     y2 = y.reshape(-1, 1) if y.ndim == 1 else y
     A = _tr(x2) if tx and x.ndim >= 2 else x2
     B = _tr(y2) if ty and y.ndim >= 2 else y2
-    out_shape = torch.broadcast_shapes(A.shape[:-2], B.shape[:-2]) + (A.shape[-2], B.shape[-1])
+    batch = torch.broadcast_shapes(A.shape[:-2], B.shape[:-2])  # type: ignore[no-untyped-call]
+    out_shape = (*batch, A.shape[-2], B.shape[-1])
     g2 = g.reshape(out_shape)
     dA = torch.matmul(g2, _tr(B))
     dB = torch.matmul(_tr(A), g2)
