@@ -588,6 +588,19 @@ def _k_layer_norm(a: Args, c: Ctx) -> tuple[Any, ...]:
     return (out, _stat_shape(mean, c, 1), _stat_shape(var, c, 2))
 
 
+_LN_STAT: dict[tuple[str, torch.dtype], torch.dtype] = {}
+
+
+def _ln_stat_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype of the statistics torch's layer norm keeps for ``x`` on its device (a half
+    input's are float32 on CUDA, its own dtype on the CPU): what its backward expects."""
+    key = (x.device.type, x.dtype)
+    if key not in _LN_STAT:
+        probe = torch.zeros((1, 2), dtype=x.dtype, device=x.device)
+        _LN_STAT[key] = torch.native_layer_norm(probe, [2], None, None, 1e-5)[1].dtype
+    return _LN_STAT[key]
+
+
 @register("layer_norm_grad")
 def _k_layer_norm_grad(a: Args, c: Ctx) -> tuple[Any, ...]:
     x, g = _t(a["x"]), _t(a["out_grad"])
@@ -600,7 +613,9 @@ def _k_layer_norm_grad(a: Args, c: Ctx) -> tuple[Any, ...]:
     w = None if a.get("scale") is None else _t(a["scale"]).reshape(tail).to(x.dtype)
     bias = None if a.get("bias") is None else _t(a["bias"]).reshape(tail).to(x.dtype)
     mask = [True, w is not None, bias is not None]
-    dx, dw, db = torch.ops.aten.native_layer_norm_backward(g.to(x.dtype), x, list(tail), mean, rstd, w, bias, mask)
+    sd = _ln_stat_dtype(x)
+    dx, dw, db = torch.ops.aten.native_layer_norm_backward(g.to(x.dtype), x, list(tail), mean.to(sd), rstd.to(sd), w,
+                                                           bias, mask)
     n_tail = int(math.prod(tail)) if tail else 1
     return (dx, None if dw is None else dw.reshape(n_tail), None if db is None else db.reshape(n_tail))
 
