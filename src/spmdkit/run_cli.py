@@ -47,9 +47,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="what each rank computes with: spmdkit's numpy references in float64 (default; exact "
                         "checks) or torch's ops in the program's dtypes (a real training step, checked against "
                         "a single-process torch step within each dtype's tolerance; docs/torch.md)")
-    p.add_argument("--warmup", type=int, default=1, metavar="N",
+    p.add_argument("--warmup", type=int, metavar="N",
                    help="untimed steps before the timed, checked one (torch initialises its kernels on their "
-                        "first call; default %(default)s)")
+                        "first call; default 1 with --kernels torch, 0 with numpy)")
     p.add_argument("--device", metavar="NAME|FILE",
                    help="the plan's prediction of the step's time on this GPU (a preset: a100-40gb, a100-80gb, "
                         "h100, h200, or a JSON file), printed beside the measured time; default: this GPU's "
@@ -306,6 +306,8 @@ def _run_command(ns: argparse.Namespace, out: TextIO, argv: list[str]) -> int:
 
     if importlib.util.find_spec("torch") is None:
         raise RunUsageError("needs torch (pip install 'spmdkit[torch]')")
+    if ns.warmup is None:
+        ns.warmup = 1 if ns.kernels == "torch" else 0
     if ns.warmup < 0:
         raise RunUsageError(f"--warmup {ns.warmup}: must be at least 0")
     if ns.nproc is not None and ns.nproc < 1:

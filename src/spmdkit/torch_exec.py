@@ -732,8 +732,12 @@ def _check_torch(rep: RunReport, plan: Plan, pieces: list[Any], me: Rank, seed: 
         worst = max(worst, rel)
         tol = tolerance(name)
         if rel > tol:
+            d = got[both].astype(np.float64) - g[both]
+            rms = float(np.linalg.norm(d) / max(float(np.linalg.norm(g[both])), 1e-300))
             rep.failures.append((name, f"differs from the single-process run: max error {err:.3g} is {rel:.3g} of "
-                                       f"its scale {scale:.3g} (tolerance {tol:g})"))
+                                       f"its scale {scale:.3g} (tolerance {tol:g}); "
+                                       f"{int(np.count_nonzero(np.abs(d) > tol * scale))} of {d.size} elements beyond, "
+                                       f"relative L2 error {rms:.3g}"))
     rep.max_rel_error = worst
     if loss is not None and loss in ref:
         rep.reference_loss = float(np.asarray(ref[loss], dtype=np.float64).sum())
