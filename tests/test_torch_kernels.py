@@ -169,3 +169,22 @@ def test_run_hf_llama_bfloat16_with_torch_kernels() -> None:
     assert rep["loss_tensor"] == "cross_entropy_loss" and 4.5 < rep["loss"] < 7  # about ln(256)
     eager = rep["eager"]  # torch's float32 autograd on the same bfloat16 weights
     assert eager["checked"] > 10 and not eager["failures"] and eager["max_rel_error"] <= TOLERANCES["bfloat16"]
+
+
+def test_the_report_prints_time_per_phase_beside_the_prediction() -> None:
+    from spmdkit.torch_exec import RunReport, format_report, predicted_timing
+
+    _, plan, _ = plan_model("tiny-llama", "dp=2,tp=2", "megatron", {"layers": 1})
+    pred, on = predicted_timing(plan, "h100")
+    assert on == "NVIDIA H100 SXM5 80GB" and set(pred) == {"forward", "backward", "optimizer", "step"}
+    assert all(pred[p]["compute"] > 0 for p in ("forward", "backward", "optimizer"))
+    assert pred["forward"]["comm"] > 0 and pred["step"]["wall"] == pytest.approx(
+        sum(v["compute"] + v["comm"] for k, v in pred.items() if k != "step"))
+    rep = RunReport(4, "gloo", kernels="torch", predicted=pred, predicted_on=on,
+                    timing={"forward": {"compute": 0.25, "comm": 0.002}, "backward": {"compute": 1.5, "comm": 3e-4},
+                            "optimizer": {"compute": 2e-5, "comm": 0.0}, "step": {"wall": 1.75}})
+    text = format_report(rep, "t")
+    assert "time per phase (torch kernels, slowest rank; predicted: the plan on NVIDIA H100 SXM5 80GB" in text
+    line = next(ln for ln in text.splitlines() if ln.strip().startswith("forward"))
+    assert "250.00 ms" in line and "2.00 ms" in line
+    assert "step           1.75 s (predicted" in text
