@@ -642,8 +642,10 @@ def run_rank(plan: Plan, seed: int = 0, rtol: float = 1e-5, atol: float = 1e-8,
 #: single-process value, at least :data:`FLOOR` of the largest of its kind: a gradient that is
 #: zero in exact arithmetic is rounding noise). Sharding changes the order of sums (a
 #: row-parallel matmul's partial products, a gradient's all-reduce), so two runs agree to the
-#: rounding of the dtype, compounded over the step: measured in docs/torch.md.
-TOLERANCES = {"float64": 1e-9, "float32": 1e-4, "float16": 2e-2, "bfloat16": 6e-2}
+#: rounding of the dtype, compounded over the step: about 10x the largest error measured on the
+#: zoo's tiny models and the 12 tiny HF models (float32 3.1e-6, float16 2.2e-3; bfloat16 2x its
+#: 2.8e-2), docs/torch.md.
+TOLERANCES = {"float64": 1e-9, "float32": 3e-5, "float16": 1e-2, "bfloat16": 6e-2}
 FLOOR = 1e-2
 
 
