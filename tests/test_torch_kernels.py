@@ -22,6 +22,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'spmdkit[torch]')")
 
+from conftest import run_cli_line  # noqa: E402
 from spmdkit.core.errors import SpmdError  # noqa: E402
 from spmdkit.graph.plan_cli import plan_model  # noqa: E402
 from spmdkit.graph.program import ProgramBuilder  # noqa: E402
@@ -67,7 +68,8 @@ def test_every_zoo_rule_has_a_torch_kernel() -> None:
             assert missing_kernels(plan.program) == {}, (name, strategy)
 
 
-def test_an_op_without_a_torch_kernel_is_refused_by_name() -> None:
+def test_an_op_without_a_torch_kernel_is_refused_by_name(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                        monkeypatch: Any) -> None:
     b = ProgramBuilder("t")
     x = b.tensor("x", (4, 3), "float32", "input")
     b.op("cummax", {"x": x}, [("m", (4, 3), "float32"), ("i", (4, 3), "int64")], axis=0)
@@ -79,20 +81,18 @@ def test_an_op_without_a_torch_kernel_is_refused_by_name() -> None:
     plan = propagate(prog, parse_mesh("dp=2"), {"x": [0, -1]})
     with pytest.raises(NoTorchKernelError):
         global_step_torch(plan)
-    p = tmp_program(prog)
-    r = subprocess.run([sys.executable, "-m", "spmdkit", "run", "--kernels", "torch", "--program", p, "--mesh", "dp=2",
-                        "--annotate", "x=[0,-1]"], capture_output=True, text=True, env=_env(), timeout=120)
-    assert r.returncode == 2 and "no torch kernel for cummax" in r.stderr and "--kernels numpy" in r.stderr, r.stderr
-    os.unlink(p)
-
-
-def tmp_program(prog: Any) -> str:
-    import tempfile
-
-    fd, path = tempfile.mkstemp(suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        f.write(prog.dumps())
-    return path
+    # the command refuses it before any rank starts (exit 2, one line), and a device it does not know
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    f = tmp_path / "p.json"
+    f.write_text(prog.dumps())
+    rc, line = run_cli_line(capsys, "--kernels", "torch", "--program", str(f), "--mesh", "dp=2",
+                            "--annotate", "x=[0,-1]")
+    assert rc == 2 and "no torch kernel for cummax" in line and "--kernels numpy" in line, line
+    rc, line = run_cli_line(capsys, "--kernels", "torch", "--mesh", "dp=2", "--strategy", "dp", "--device", "tpu9")
+    assert rc == 2 and "tpu9" in line, line
+    rc, line = run_cli_line(capsys, "--mesh", "dp=2", "--strategy", "dp", "--warmup", "-1")
+    assert rc == 2 and "--warmup -1: must be at least 0" in line, line
 
 
 def test_the_dtype_check_fails_on_a_wrong_value_and_on_nan() -> None:
