@@ -86,12 +86,19 @@ def kernel_names() -> list[str]:
     return sorted(KERNELS)
 
 
+#: rule -> (attribute, what): a kernel that exists but not for this attribute set true
+_UNSUPPORTED = {"flash_attention": ("return_softmax", "flash_attention with return_softmax")}
+
+
 def missing_kernels(program: Any) -> dict[str, str]:
-    """Rules of ``program`` with no torch kernel: rule -> the first op that uses it."""
+    """Rules of ``program`` with no torch kernel, or none for the attributes an op sets
+    ("flash_attention with return_softmax"): -> the first op that uses it."""
     out: dict[str, str] = {}
     for op in program.ops:
-        if get_kernel(op.rule) is None and op.rule not in out:
-            out[op.rule] = op.name
+        bad = _UNSUPPORTED.get(op.rule)
+        key = bad[1] if bad is not None and op.attrs.get(bad[0]) else op.rule
+        if (get_kernel(op.rule) is None or key != op.rule) and key not in out:
+            out[key] = op.name
     return out
 
 
