@@ -588,8 +588,13 @@ def _k_layer_norm(a: Args, c: Ctx) -> tuple[Any, ...]:
     tail = tuple(x.shape[b:])
     w = None if a.get("scale") is None else _t(a["scale"]).reshape(tail).to(x.dtype)
     bias = None if a.get("bias") is None else _t(a["bias"]).reshape(tail).to(x.dtype)
-    out = F.layer_norm(x, tail, w, bias, eps)
     ax = tuple(range(b, x.ndim))
+    if not tail:  # nothing to normalise over: (x - x) / sqrt(eps), then the affine part
+        out = torch.zeros_like(x)
+        out = out if w is None else out * w
+        out = out if bias is None else out + bias
+        return (out, _stat_shape(_acc(x).clone(), c, 1), _stat_shape(torch.zeros(x.shape, device=x.device), c, 2))
+    out = F.layer_norm(x, tail, w, bias, eps)
     var, mean = torch.var_mean(_acc(x), dim=ax, unbiased=False) if ax else (torch.zeros(x.shape, device=x.device),
                                                                              _acc(x).clone())
     return (out, _stat_shape(mean, c, 1), _stat_shape(var, c, 2))
@@ -619,6 +624,9 @@ def _k_layer_norm_grad(a: Args, c: Ctx) -> tuple[Any, ...]:
     rstd = torch.rsqrt(_acc(_t(a["variance"])).reshape(kshape) + eps)
     w = None if a.get("scale") is None else _t(a["scale"]).reshape(tail).to(x.dtype)
     bias = None if a.get("bias") is None else _t(a["bias"]).reshape(tail).to(x.dtype)
+    if not tail:  # x_hat is 0: no gradient to x or the scale, the bias gets the sum of out_grad
+        return (torch.zeros_like(x), None if w is None else torch.zeros(1, dtype=g.dtype, device=g.device),
+                None if bias is None else g.sum().reshape(1))
     mask = [True, w is not None, bias is not None]
     sd = _ln_stat_dtype(x)
     dx, dw, db = torch.ops.aten.native_layer_norm_backward(g.to(x.dtype), x, list(tail), mean.to(sd), rstd.to(sd), w,
