@@ -858,6 +858,108 @@ def _k_stack(a: Args, c: Ctx) -> tuple[Any, ...]:
     return (torch.stack(xs, dim=_ax(a.get("axis", 0), xs[0].ndim + 1)),)
 
 
+@register("unbind")
+def _k_unbind(a: Args, c: Ctx) -> tuple[Any, ...]:
+    x = _t(a["x"])
+    return tuple(v.clone() for v in torch.unbind(x, dim=_ax(a.get("axis", 0), x.ndim)))
+
+
+@register("unbind_grad")
+def _k_unbind_grad(a: Args, c: Ctx) -> tuple[Any, ...]:
+    gs = [_t(t) for t in a["out_grad"]]
+    return (torch.stack(gs, dim=_ax(a.get("axis", 0), gs[0].ndim + 1)),)
+
+
+@register("stack_grad")
+def _k_stack_grad(a: Args, c: Ctx) -> tuple[Any, ...]:
+    g = _t(a["output_grad"])
+    return tuple(v.clone() for v in torch.unbind(g, dim=_ax(a.get("axis", 0), g.ndim)))
+
+
+@register("add_n_grad")
+def _k_add_n_grad(a: Args, c: Ctx) -> tuple[Any, ...]:
+    g = _t(a["out_grad"])
+    return tuple(g.clone() for _ in a["inputs"])
+
+
+@register("tile")
+def _k_tile(a: Args, c: Ctx) -> tuple[Any, ...]:
+    return (torch.tile(_t(a["x"]), tuple(int(v) for v in a["repeat_times"])),)
+
+
+@register("tile_grad")
+def _k_tile_grad(a: Args, c: Ctx) -> tuple[Any, ...]:
+    x, g = _t(a["x"]), _t(a["out_grad"])
+    lead = g.ndim - x.ndim
+    g = g.sum(dim=tuple(range(lead))) if lead else g
+    if 0 in x.shape:
+        return (torch.zeros(x.shape, dtype=g.dtype, device=g.device),)
+    shp: list[int] = []
+    for sx, sg in zip(x.shape, g.shape):  # the repeats this rank sees: local out_grad / local x
+        shp += [sg // sx, sx]
+    return (g.reshape(shp).sum(dim=tuple(range(0, 2 * x.ndim, 2))),)
+
+
+@register("expand_as", "expand_as_v2")
+def _k_expand_as(a: Args, c: Ctx) -> tuple[Any, ...]:
+    from spmdkit.sim.refs.slice import _target
+
+    x = _t(a["x"])
+    tgt = tuple(_t(a["y"]).shape) if a.get("y") is not None else _target(a["target_shape"], tuple(x.shape))
+    return (torch.broadcast_to(x, tgt).contiguous(),)
+
+
+def _like_kernel(value: float | None) -> Kernel:
+    def fn(a: Args, c: Ctx) -> tuple[Any, ...]:
+        x = _t(a["x"])
+        v = float(a.get("y", 0.0)) if value is None else value
+        return (torch.full(x.shape, v, dtype=torch.float64, device=x.device),)
+
+    return fn
+
+
+register("empty_like", "zeros_like")(_like_kernel(0.0))
+register("ones_like")(_like_kernel(1.0))
+
+
+@register("numel")
+def _k_numel(a: Args, c: Ctx) -> tuple[Any, ...]:
+    x = _t(a["x"])
+    return (torch.tensor(x.numel(), dtype=torch.int64, device=x.device),)
+
+
+def _put_along_kernel(a: Args, c: Ctx) -> tuple[Any, ...]:
+    """topk_grad / argsort_grad: out_grad put back where the indices took it from."""
+    x, g = _fl(a["x"]), _t(a["out_grad"])
+    if x.ndim == 0:
+        return (g.clone(),)
+    ax = _ax(a.get("axis", -1), x.ndim)
+    out = torch.zeros(x.shape, dtype=g.dtype, device=g.device)
+    return (out.scatter(ax, _t(a["indices"]).to(torch.int64), g),)
+
+
+register("topk_grad", "argsort_grad")(_put_along_kernel)
+
+
+@register("cumsum_grad")
+def _k_cumsum_grad(a: Args, c: Ctx) -> tuple[Any, ...]:
+    x = _t(a["x"])
+    flatten = bool(a.get("flatten", False))
+    args = {"x": _t(a["out_grad"]), "axis": 0 if flatten else a.get("axis", -1), "flatten": False,
+            "exclusive": bool(a.get("exclusive", False)), "reverse": not bool(a.get("reverse", False))}
+    return (_k_cumsum(args, c)[0].reshape(x.shape),)
+
+
+@register("index_put_grad")
+def _k_index_put_grad(a: Args, c: Ctx) -> tuple[Any, ...]:
+    g = _t(a["out_grad"])
+    idx = tuple(_t(t).to(torch.int64) for t in a["indices"])
+    gx = g.clone()
+    if not bool(a.get("accumulate", False)):
+        gx[idx] = 0.0
+    return gx, sum_to_shape(g[idx], _t(a["value"]).shape)
+
+
 # -- embedding, one_hot, gathers ---------------------------------------------------------------------
 
 
