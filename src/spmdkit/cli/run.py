@@ -43,6 +43,17 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
                    help="torch.distributed backend (auto: nccl where GPUs exist, else gloo)")
     p.add_argument("--seed", type=int, default=0, help="seed of the step's data and parameters")
+    p.add_argument("--kernels", choices=("numpy", "torch"), default="numpy",
+                   help="what each rank computes with: spmdkit's numpy references in float64 (default; exact "
+                        "checks) or torch's ops in the program's dtypes (a real training step, checked against "
+                        "a single-process torch step within each dtype's tolerance; docs/torch.md)")
+    p.add_argument("--warmup", type=int, metavar="N",
+                   help="untimed steps before the timed, checked one (torch initialises its kernels on their "
+                        "first call; default 1 with --kernels torch, 0 with numpy)")
+    p.add_argument("--device", metavar="NAME|FILE",
+                   help="the plan's prediction of the step's time on this GPU (a preset: a100-40gb, a100-80gb, "
+                        "h100, h200, or a JSON file), printed beside the measured time; default: this GPU's "
+                        "preset, else h100")
     p.add_argument("--json", action="store_true", help="print rank 0's report as JSON")
     p.add_argument("--timeout", type=_positive_seconds, default=DEFAULT_TIMEOUT, metavar="SECONDS",
                    help="the longest any rendezvous, process group or collective may wait; a rank that "
@@ -260,6 +271,24 @@ def _plan_hf_step(ns: argparse.Namespace, user: dict[str, Any]) -> _Step:
                  + f"), mesh {ns.mesh}, strategy {strategy}", model, kw)
 
 
+def _check_kernels_and_device(ns: argparse.Namespace, plan: Any) -> None:
+    """--kernels torch: every op has a torch kernel; --device: a known device (both before any rank starts)."""
+    if ns.kernels == "torch":
+        from spmdkit.torch_kernels import check_kernels
+
+        try:
+            check_kernels(plan.program)
+        except ProgramError as exc:
+            raise RunUsageError(str(exc)) from None
+    if ns.device is not None:
+        from spmdkit.graph.compute import load_device
+
+        try:
+            load_device(ns.device)
+        except ProgramError as exc:
+            raise RunUsageError(str(exc)) from None
+
+
 def _env_int(name: str, lo: int, hi: int) -> int:
     v = os.environ.get(name, "").strip()
     if not v.isdigit() or not lo <= int(v) <= hi:
@@ -277,6 +306,10 @@ def _run_command(ns: argparse.Namespace, out: TextIO, argv: list[str]) -> int:
 
     if importlib.util.find_spec("torch") is None:
         raise RunUsageError("needs torch (pip install 'spmdkit[torch]')")
+    if ns.warmup is None:
+        ns.warmup = 1 if ns.kernels == "torch" else 0
+    if ns.warmup < 0:
+        raise RunUsageError(f"--warmup {ns.warmup}: must be at least 0")
     if ns.nproc is not None and ns.nproc < 1:
         raise RunUsageError(f"--nproc {ns.nproc}: must be at least 1")
     rank_mode = "RANK" in os.environ
@@ -309,6 +342,7 @@ def _run_command(ns: argparse.Namespace, out: TextIO, argv: list[str]) -> int:
     why = uneven_shards(plan)
     if why:
         raise RunUsageError(f"mesh {ns.mesh}: {why}")
+    _check_kernels_and_device(ns, plan)
     if not rank_mode:
         nproc = mesh.size if ns.nproc is None else ns.nproc
         if nproc != mesh.size:
@@ -384,7 +418,8 @@ def _run_rank(ns: argparse.Namespace, out: TextIO, step: _Step, rank: int) -> in
 
             values = torch_values(plan.program, step.model, kwargs=step.kwargs)
             eager = partial(eager_reference, plan.program, step.model, (), step.kwargs)
-        rep = run_rank(plan, ns.seed, timeout=ns.timeout, values=values, eager=eager)
+        rep = run_rank(plan, ns.seed, timeout=ns.timeout, values=values, eager=eager, kernels=ns.kernels,
+                       predict_on=ns.device, warmup=ns.warmup)
         dist.barrier()
         dist.destroy_process_group()
     except Exception as exc:  # a collective timed out, a peer died, a kernel failed
@@ -403,6 +438,8 @@ def _run_rank(ns: argparse.Namespace, out: TextIO, step: _Step, rank: int) -> in
             "max_error": rep.max_error, "nonfinite": rep.nonfinite, "failures": [list(f) for f in rep.failures],
             "collectives": [c.__dict__ for c in rep.collectives], "collectives_match": rep.collectives_match,
             "expected_collectives": len(rep.expected),
+            "kernels": rep.kernels, "max_rel_error": rep.max_rel_error, "timing": rep.timing,
+            "predicted": rep.predicted, "predicted_on": rep.predicted_on,
             "eager": None if rep.eager is None else {
                 "dtype": rep.eager.dtype, "loss": _finite(rep.eager.loss), "checked": rep.eager.checked,
                 "max_rel_error": rep.eager.max_rel_error, "rtol": rep.eager.rtol,

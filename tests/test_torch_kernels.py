@@ -1,0 +1,268 @@
+"""``spmdkit run --kernels torch``: torch's own ops on each rank's shards, in the program's dtype.
+
+In-process (fast): the torch kernels in float64 equal the numpy references on whole training
+steps (every tensor of tiny-llama's and tiny-gpt-dropout's steps); every rule the zoo presets use
+has a kernel; a rule without one is refused by name, suggesting ``--kernels numpy``; the
+per-dtype check fails on a wrong value and on a NaN. On gloo (seconds each): tiny-llama
+(megatron, float32) and a bfloat16 Llama (--hf, megatron on tp=2, padded) equal the single-process torch
+step within their dtype's tolerance, with the plan's collectives, and print the time per phase
+beside the plan's prediction."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'spmdkit[torch]')")
+
+from spmdkit.graph.plan_cli import plan_model  # noqa: E402
+
+from conftest import run_cli_line  # noqa: E402
+from spmdkit.core.errors import SpmdError  # noqa: E402
+from spmdkit.graph.program import ProgramBuilder  # noqa: E402
+from spmdkit.graph.propagate import propagate  # noqa: E402
+from spmdkit.graph.strategy import parse_mesh  # noqa: E402
+from spmdkit.graph.zoo import PRESETS  # noqa: E402
+from spmdkit.torch_exec import TOLERANCES, _global_step, global_step_torch  # noqa: E402
+from spmdkit.torch_kernels import NoTorchKernelError, check_kernels, missing_kernels  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _float64(plan: Any) -> None:
+    """Every floating tensor of the plan's program as float64 (a cast op keeps its own target)."""
+    for t in plan.program.tensors.values():
+        if t.dtype in ("float32", "bfloat16", "float16"):
+            object.__setattr__(t, "dtype", "float64")
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-gpt-dropout"])
+def test_torch_kernels_in_float64_equal_the_numpy_references(model: str) -> None:
+    _, plan, _ = plan_model(model, "dp=2,tp=2", "megatron", {"layers": 1})
+    _float64(plan)
+    want = _global_step(plan, 3)
+    got, secs = global_step_torch(plan, 3)
+    assert set(got) == set(want) and len(want) > 100
+    assert set(secs) == {"forward", "backward", "optimizer"}
+    for n, w in want.items():
+        g = got[n].numpy()
+        assert g.shape == w.shape, n
+        if w.dtype.kind != "f":
+            assert np.array_equal(g, w), n
+            continue
+        assert np.isfinite(g).all() and np.isfinite(w).all(), n
+        # gelu's numpy gradient is a central difference (1e-10); everything else to rounding
+        assert np.max(np.abs(g - w), initial=0.0) <= 1e-8 * max(1.0, float(np.max(np.abs(w), initial=0.0))), n
+
+
+def test_every_zoo_rule_has_a_torch_kernel() -> None:
+    for name in sorted(PRESETS):
+        for strategy in ("megatron", "dp"):
+            _, plan, _ = plan_model(name, "dp=2,tp=2" if strategy == "megatron" else "dp=2", strategy, {"layers": 1})
+            assert missing_kernels(plan.program) == {}, (name, strategy)
+
+
+def test_an_op_without_a_torch_kernel_is_refused_by_name(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                        monkeypatch: Any) -> None:
+    b = ProgramBuilder("t")
+    x = b.tensor("x", (4, 3), "float32", "input")
+    b.op("cummax", {"x": x}, [("m", (4, 3), "float32"), ("i", (4, 3), "int64")], axis=0)
+    prog = b.build()
+    assert missing_kernels(prog) == {"cummax": prog.ops[0].name}
+    with pytest.raises(NoTorchKernelError, match=r"no torch kernel for cummax .*--kernels numpy") as exc:
+        check_kernels(prog)
+    assert isinstance(exc.value, SpmdError)
+    plan = propagate(prog, parse_mesh("dp=2"), {"x": [0, -1]})
+    with pytest.raises(NoTorchKernelError):
+        global_step_torch(plan)
+    # the command refuses it before any rank starts (exit 2, one line), and a device it does not know
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    f = tmp_path / "p.json"
+    f.write_text(prog.dumps())
+    rc, line = run_cli_line(capsys, "--kernels", "torch", "--program", str(f), "--mesh", "dp=2",
+                            "--annotate", "x=[0,-1]")
+    assert rc == 2 and "no torch kernel for cummax" in line and "--kernels numpy" in line, line
+    rc, line = run_cli_line(capsys, "--kernels", "torch", "--mesh", "dp=2", "--strategy", "dp", "--device", "tpu9")
+    assert rc == 2 and "tpu9" in line, line
+    rc, line = run_cli_line(capsys, "--mesh", "dp=2", "--strategy", "dp", "--warmup", "-1")
+    assert rc == 2 and "--warmup -1: must be at least 0" in line, line
+
+
+def test_the_dtype_check_fails_on_a_wrong_value_and_on_nan() -> None:
+    """_check_torch: within the dtype's tolerance of each tensor's scale passes, beyond fails, a NaN never passes."""
+    from spmdkit.torch_exec import Rank, RunReport, _check_torch
+
+    b = ProgramBuilder("t")
+    x = b.tensor("x", (4, 3), "bfloat16", "input")
+    w = b.tensor("w", (3,), "bfloat16", "parameter")
+    b.op("multiply", {"x": x, "y": w}, [("y", (4, 3), "bfloat16")])
+    prog = b.build()
+    plan = propagate(prog, parse_mesh("dp=2"), {"x": [0, -1]})
+    ref = {n: v.float().numpy() for n, v in global_step_torch(plan, 0)[0].items()}
+    me = Rank.__new__(Rank)
+    me.made = {"y": plan.attrs["y"]}
+
+    def check(y: np.ndarray) -> RunReport:
+        rep = RunReport(2, "gloo")
+        _check_torch(rep, plan, [({"y": y[:2]}, [], {}), ({"y": y[2:]}, [], {})], me, 0, None, torch.device("cpu"))
+        return rep
+
+    y = ref["y"]
+    scale = float(np.abs(y).max())
+    assert not check(y).failures and check(y).max_rel_error == 0.0
+    near = y.copy()
+    near[0, 0] += 0.5 * TOLERANCES["bfloat16"] * scale
+    assert not check(near).failures
+    far = y.copy()
+    far[0, 0] += 2 * TOLERANCES["bfloat16"] * scale
+    assert [n for n, _ in check(far).failures] == ["y"]
+    nan = y.copy()
+    nan[3, 2] = np.nan
+    rep = check(nan)
+    assert rep.nonfinite == 1 and "non-finite" in rep.failures[0][1]
+
+
+# -- on gloo --------------------------------------------------------------------------------------------
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+
+
+def _run(*args: str) -> dict[str, Any]:
+    p = subprocess.run([sys.executable, "-m", "spmdkit", "run", "--json", "--kernels", "torch", "--warmup", "0",
+                        "--timeout", "120", *args], capture_output=True, text=True, env=_env(), timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return dict(json.loads(p.stdout.strip().splitlines()[-1]))
+
+
+def _common(rep: dict[str, Any], dtype: str) -> None:
+    assert rep["ok"] and rep["collectives_match"] and not rep["failures"] and rep["nonfinite"] == 0, rep["failures"][:5]
+    assert rep["kernels"] == "torch" and rep["checked"] > 100
+    assert 0 < rep["max_rel_error"] <= TOLERANCES[dtype]  # sharding reorders sums: not bit-equal, within tolerance
+    assert rep["loss"] == pytest.approx(rep["reference_loss"], rel=10 * TOLERANCES[dtype])
+    for ph in ("forward", "backward", "optimizer"):  # measured and predicted, per phase
+        assert rep["timing"][ph]["compute"] > 0 and rep["predicted"][ph]["compute"] > 0
+    assert rep["timing"]["step"]["wall"] > 0 and rep["predicted_on"]
+
+
+def test_run_tiny_llama_float32_with_torch_kernels() -> None:
+    rep = _run("--model", "tiny-llama", "--layers", "1", "--mesh", "dp=2,tp=2")
+    _common(rep, "float32")
+    assert {(c["kind"], c["mesh_dim"]) for c in rep["collectives"]} >= {("all_reduce", 0), ("all_reduce", 1)}
+
+
+def test_run_hf_llama_bfloat16_with_torch_kernels() -> None:
+    pytest.importorskip("transformers", reason="transformers is not installed (pip install 'spmdkit[hf]')")
+    cfg = {"num_hidden_layers": 1, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "intermediate_size": 128, "vocab_size": 256}
+    rep = _run("--hf", "LlamaForCausalLM", "--hf-config", json.dumps(cfg), "--dtype", "bfloat16", "--mesh",
+               "dp=1,tp=2", "--pad", "3")
+    _common(rep, "bfloat16")
+    assert rep["loss_tensor"] == "cross_entropy_loss" and 4.5 < rep["loss"] < 7  # about ln(256)
+    eager = rep["eager"]  # torch's float32 autograd on the same bfloat16 weights
+    assert eager["checked"] > 10 and not eager["failures"] and eager["max_rel_error"] <= TOLERANCES["bfloat16"]
+
+
+def test_the_report_prints_time_per_phase_beside_the_prediction() -> None:
+    from spmdkit.torch_exec import RunReport, format_report, predicted_timing
+
+    _, plan, _ = plan_model("tiny-llama", "dp=2,tp=2", "megatron", {"layers": 1})
+    pred, on = predicted_timing(plan, "h100")
+    assert on == "NVIDIA H100 SXM5 80GB" and set(pred) == {"forward", "backward", "optimizer", "step"}
+    assert all(pred[p]["compute"] > 0 for p in ("forward", "backward", "optimizer"))
+    assert pred["forward"]["comm"] > 0 and pred["step"]["wall"] == pytest.approx(
+        sum(v["compute"] + v["comm"] for k, v in pred.items() if k != "step"))
+    rep = RunReport(4, "gloo", kernels="torch", predicted=pred, predicted_on=on,
+                    timing={"forward": {"compute": 0.25, "comm": 0.002}, "backward": {"compute": 1.5, "comm": 3e-4},
+                            "optimizer": {"compute": 2e-5, "comm": 0.0}, "step": {"wall": 1.75}})
+    text = format_report(rep, "t")
+    assert "time per phase (torch kernels, slowest rank; predicted: the plan on NVIDIA H100 SXM5 80GB" in text
+    line = next(ln for ln in text.splitlines() if ln.strip().startswith("forward"))
+    assert "250.00 ms" in line and "2.00 ms" in line
+    assert "step           1.75 s (predicted" in text
+
+
+def _arrays(ref: Any, spec: dict[str, Any], rng: Any) -> dict[str, Any]:
+    from spmdkit.sim.cases import TGen, make_array
+
+    out: dict[str, Any] = {}
+    for k, v in spec.items():
+        if isinstance(v, TGen):
+            out[k] = make_array(v.shape, v.domain or ref.domain(k), rng)
+        elif isinstance(v, list) and v and all(isinstance(t, (TGen, type(None))) for t in v):
+            out[k] = [None if t is None else make_array(t.shape, t.domain or ref.domain(k), rng) for t in v]
+        else:
+            out[k] = v
+    for p in ref.tensor_params:
+        out.setdefault(p, None)
+    return out
+
+
+def _torch_args(a: dict[str, Any]) -> dict[str, Any]:
+    def conv(v: Any) -> Any:
+        if isinstance(v, (np.ndarray, np.generic)):
+            return torch.as_tensor(np.array(v))
+        if isinstance(v, list) and v and all(isinstance(x, (np.ndarray, type(None))) for x in v):
+            return [None if x is None else torch.as_tensor(np.array(x)) for x in v]
+        return v
+
+    return {k: conv(v) for k, v in a.items()}
+
+
+def test_every_torch_kernel_equals_its_numpy_reference_on_the_simulator_cases() -> None:
+    """Every rule with a torch kernel and a case generator, 6 generated cases each, global, float64:
+    the kernel's outputs equal the reference's (cast excepted: it really casts, the reference
+    keeps float64; flash_attention's return_softmax is refused by design)."""
+    import random
+
+    from spmdkit.sim.cases import GENERATORS, rand_mesh
+    from spmdkit.sim.ops import REFERENCES, Ctx
+    from spmdkit.torch_kernels import get_kernel, run_kernel
+
+    checked: set[str] = set()
+    for name, ref in sorted(REFERENCES.items()):
+        kernel = get_kernel(name)
+        if kernel is None or ref.family not in GENERATORS or name == "cast":
+            continue
+        for i in range(6):
+            r = random.Random(f"torch:{name}:{i}")
+            spec = GENERATORS[ref.family](r, rand_mesh(r), ref)
+            if name.startswith("flash_attention") and spec.get("return_softmax"):
+                continue
+            a = _arrays(ref, spec, np.random.default_rng(i))
+            if ref.prepare is not None:
+                ref.prepare(a)
+            shapes = {k: (list(np.shape(v)) if isinstance(v, np.ndarray) else
+                          [None if x is None else list(np.shape(x)) for x in v]
+                          if isinstance(v, list) and v and isinstance(v[0], (np.ndarray, type(None))) else None)
+                      for k, v in a.items()}
+            ctx = Ctx(None, shapes=shapes)  # type: ignore[arg-type]  # the global run needs no mesh
+            try:
+                with np.errstate(all="ignore"):
+                    want = ref.run(dict(a), ctx)
+            except Exception:  # a case the reference itself rejects (an out-of-range attribute)
+                continue
+            with torch.no_grad():
+                got = run_kernel(ref, kernel, _torch_args(a), ctx)
+            assert len(got) == len(want), name
+            for j, (w, g) in enumerate(zip(want, got)):
+                if w is None:
+                    continue
+                wa = np.asarray(w, dtype=np.float64)
+                ga = g.double().numpy()
+                assert ga.shape == wa.shape, (name, i, j)
+                fin = np.isfinite(wa)
+                assert np.array_equal(fin, np.isfinite(ga)) and np.array_equal(wa[~fin], ga[~fin]), (name, i, j)
+                tol = 1e-6 * max(1.0, float(np.max(np.abs(wa[fin]), initial=0.0)))
+                assert np.max(np.abs(wa[fin] - ga[fin]), initial=0.0) <= tol, (name, i, j)
+            checked.add(name)
+    assert len(checked) > 250  # nearly every kernel has cases
