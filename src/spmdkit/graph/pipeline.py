@@ -428,7 +428,7 @@ def stage_costs(plan: Any, stages: list[int], counts: tuple[int, ...], device: A
     if device is None:
         return out
     # -- times
-    from spmdkit.graph.compute import _is_grad_sync, kernel_collectives, op_cost
+    from spmdkit.graph.compute import is_grad_sync, kernel_collectives, op_cost
 
     extra: dict[int, float] = {}
     grads_synced = plan.param_grads()
@@ -440,7 +440,7 @@ def stage_costs(plan: Any, stages: list[int], counts: tuple[int, ...], device: A
         for st in r.plan.steps:
             if st.bytes_per_rank == 0:
                 continue
-            if _is_grad_sync(plan, r, st, grads_synced):
+            if is_grad_sync(plan, r, st, grads_synced):
                 out[stages[r.op_index]].grad_sync_s += st.time_s
             else:
                 extra[r.op_index] = extra.get(r.op_index, 0.0) + st.time_s
