@@ -287,13 +287,13 @@ def search_meshes(model: Any, devices: int, device: Any = "h100", memory_cap: in
         heads = None
         layers = None
     else:
-        from spmdkit.cli.plan import MAX_LAYERS, MAX_SIZE, _size_arg
+        from spmdkit.graph.planning import MAX_LAYERS, MAX_SIZE, parse_size
         from spmdkit.graph.zoo import preset
 
         cfg_model = preset(str(model))
         ov = dict(overrides or {})
         limits = {"layers": MAX_LAYERS, "batch": MAX_SIZE, "seq": MAX_SIZE}
-        checked = {k: _size_arg(f"--{k}", v, limits.get(k, MAX_SIZE)) for k, v in ov.items()}
+        checked = {k: parse_size(f"--{k}", v, limits.get(k, MAX_SIZE)) for k, v in ov.items()}
         cfg_model = cfg_model.with_(**{k: v for k, v in checked.items() if v is not None})
         batch, tokens, heads, layers = cfg_model.batch, cfg_model.batch * cfg_model.seq, cfg_model.heads, cfg_model.layers
     # the plans to make: (dp, tp, pp, strategy)
@@ -377,8 +377,8 @@ def _auto(prog: Any, mesh: Any, pins: Mapping[str, Any] | None, device: Any, cos
 def _plan_preset_config(cfg: Config, name: str, mc: Any, device: Any, tokens: int, modes: Sequence[str], cap: int,
                         pins: Mapping[str, Any] | None, cost_text: str | None, nodes_of: int | None,
                         time_limit: float) -> list[Candidate]:
-    from spmdkit.cli.plan import plan_model
     from spmdkit.graph.pipeline import _pp_cost_text
+    from spmdkit.graph.planning import plan_model
     from spmdkit.graph.zoo import build_model
 
     full_cost, cost_text = cost_text, _pp_cost_text(cost_text, None)  # pp= times the sends only
@@ -405,8 +405,8 @@ def _plan_preset_config(cfg: Config, name: str, mc: Any, device: Any, tokens: in
 def _plan_program_config(cfg: Config, prog: Any, device: Any, tokens: int | None, modes: Sequence[str], cap: int,
                          pins: Mapping[str, Any] | None, cost_text: str | None, nodes_of: int | None,
                          patterns: Any, time_limit: float) -> list[Candidate]:
-    from spmdkit.cli.plan import plan_program
     from spmdkit.graph.pipeline import _pp_cost_text
+    from spmdkit.graph.planning import plan_program
 
     cost_text = _pp_cost_text(cost_text, None)  # no pipeline for a program: a pp= entry has nothing to time
     info = None
@@ -465,10 +465,11 @@ def search_json(res: SearchResult, top: int = 10) -> dict[str, Any]:
 
 def run_devices(ns: argparse.Namespace, out: TextIO) -> int:
     """``spmdkit plan --devices N``: the search's table, then the best plan's report."""
-    from spmdkit.cli.plan import MAX_SIZE, _annotations, _cost, _size_arg, _tp_plan
+    from spmdkit.cli.plan import parse_annotations, parse_tp_plan
+    from spmdkit.graph.planning import MAX_SIZE, parse_cost, parse_size
     from spmdkit.graph.strategy import MAX_RANKS
 
-    n = _size_arg("--devices", ns.devices, MAX_RANKS)
+    n = parse_size("--devices", ns.devices, MAX_RANKS)
     assert n is not None
     if ns.mesh is not None:
         raise ProgramError("--devices: give either --mesh or --devices (the search chooses the mesh)")
@@ -487,13 +488,13 @@ def run_devices(ns: argparse.Namespace, out: TextIO) -> int:
     if ns.cost:  # named before planning: dims dp, tp and pp (its entry times the pipeline's sends)
         from spmdkit.graph.strategy import parse_mesh
 
-        _cost(ns.cost, parse_mesh("pp=2,dp=1,tp=1"))
+        parse_cost(ns.cost, parse_mesh("pp=2,dp=1,tp=1"))
     limit = auto_time_limit(ns)
-    user = _annotations(ns.annotate)
-    layers = _size_arg("--layers", ns.layers, 1 << 20)
-    batch = _size_arg("--batch", ns.batch, MAX_SIZE)
-    seq = _size_arg("--seq", ns.seq, MAX_SIZE)
-    nodes = _size_arg("--nodes-of", getattr(ns, "nodes_of", None), 1 << 20)
+    user = parse_annotations(ns.annotate)
+    layers = parse_size("--layers", ns.layers, 1 << 20)
+    batch = parse_size("--batch", ns.batch, MAX_SIZE)
+    seq = parse_size("--seq", ns.seq, MAX_SIZE)
+    nodes = parse_size("--nodes-of", getattr(ns, "nodes_of", None), 1 << 20)
     mem = getattr(ns, "memory", None)
     device = getattr(ns, "device", None) or "h100"
     model: Any
@@ -520,7 +521,7 @@ def run_devices(ns: argparse.Namespace, out: TextIO) -> int:
                         recompute=[ns.recompute] if getattr(ns, "recompute", None) else None,
                         overrides={"layers": layers, "batch": batch, "seq": seq} if isinstance(model, str) else None,
                         pins=user, cost_text=ns.cost, time_limit=limit, nodes_of=nodes,
-                        patterns=_tp_plan(getattr(ns, "tp_plan", None)))
+                        patterns=parse_tp_plan(getattr(ns, "tp_plan", None)))
     best = res.best
     verdict = None
     if ns.verify and best is not None:
@@ -569,13 +570,13 @@ def _write_best(best: Candidate, out: TextIO) -> None:
 
 
 def auto_time_limit(ns: argparse.Namespace) -> float:
-    from spmdkit.cli.plan import _cut
+    from spmdkit.graph.planning import clip_repr
 
     text = getattr(ns, "auto_time_limit", None) or "60"
     try:
         limit = float(text)
     except ValueError:
-        raise ProgramError(f"--auto-time-limit: {_cut(str(text))} is not a number of seconds") from None
+        raise ProgramError(f"--auto-time-limit: {clip_repr(str(text))} is not a number of seconds") from None
     if not 0 < limit <= 86400:
         raise ProgramError(f"--auto-time-limit: {limit:g} is not between 0 and 86400 seconds")
     return limit
@@ -584,10 +585,10 @@ def auto_time_limit(ns: argparse.Namespace) -> float:
 def import_hf_program(class_name: str, config: Any, batch: int, seq: int, dtype: str = "float32") -> Any:
     """The training step of the HuggingFace model ``class_name`` (config: dict, JSON text or a
     config.json path) imported at ``batch`` x ``seq`` (no strategy: as the model computes)."""
-    from spmdkit.cli.plan import _import_hf
-    from spmdkit.hf import dtype_name, import_hf
+    from spmdkit.graph.planning import import_hf_checked
+    from spmdkit.hf import dtype_name
 
-    prog, _model, _kw = _import_hf(import_hf, class_name, config, batch, seq, dtype_name(dtype))
+    prog, _model, _kw = import_hf_checked(class_name, config, batch, seq, dtype_name(dtype))
     return prog
 
 
@@ -607,7 +608,7 @@ def verify_auto(plan: Any, model_name: str, cost_text: str | None = None, layers
         from spmdkit.graph.simulate import simulate_plan
     except ImportError as exc:  # numpy missing
         raise ProgramError(f"--verify needs numpy (pip install 'spmdkit[sim]'): {exc}") from None
-    from spmdkit.cli.plan import _cost
+    from spmdkit.graph.planning import parse_cost
     from spmdkit.graph.propagate import propagate
     from spmdkit.graph.zoo import build_model, preset
 
@@ -625,7 +626,7 @@ def verify_auto(plan: Any, model_name: str, cost_text: str | None = None, layers
         if t is None or t.inplace_of or a.partial or len(t.shape) != len(a.dims_mapping):
             continue
         ann[n] = a
-    tplan = propagate(tp, plan.mesh, ann, _cost(cost_text, plan.mesh))
+    tplan = propagate(tp, plan.mesh, ann, parse_cost(cost_text, plan.mesh))
     held = sum(1 for n, a in ann.items() if tplan.attrs.get(n) == a)
     try:
         rep = simulate_plan(tplan)
@@ -656,9 +657,9 @@ def verify_config(best: Candidate, model_name: str, cost_text: str | None = None
         from spmdkit.graph.pipeline import _verify_pipeline, parse_spec
 
         return _verify_pipeline(ns, parse_spec(cfg.pp, microbatches=1), cfg.strategy)
-    from spmdkit.cli.plan import _verify
+    from spmdkit.graph.planning import verify_strategy
 
-    return _verify(ns, model_name, {})
+    return verify_strategy(model_name, cfg.mesh_text, cfg.strategy, cost_text)
 
 
 __all__ = ["RECOMPUTE_MODES", "Candidate", "Config", "SearchResult", "factorizations", "hand_strategies",

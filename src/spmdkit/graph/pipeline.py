@@ -49,6 +49,7 @@ from typing import Any, TextIO
 
 from spmdkit.core.errors import ProgramError
 from spmdkit.graph.memory import Memory, local_numel
+from spmdkit.graph.planning import parse_size
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 _SCHEDULE_ALIASES = {"interleaved-1f1b": "interleaved", "interleaved1f1b": "interleaved", "1F1B": "1f1b",
@@ -88,9 +89,7 @@ class PipelineSpec:
 
 
 def _int(flag: str, text: Any, hi: int) -> int | None:
-    from spmdkit.cli.plan import _size_arg
-
-    return _size_arg(flag, text, hi)
+    return parse_size(flag, text, hi)
 
 
 def parse_spec(pp: int, microbatches: Any = None, schedule: Any = None, virtual: Any = None,
@@ -602,7 +601,7 @@ def plan_pipeline(model_name: str, mesh_text: str, strategy_text: str, spec_args
                   overrides: dict[str, Any] | None = None, user: dict[str, Any] | None = None,
                   cost_text: str | None = None) -> tuple[Any, Any, PipelineSpec, tuple[int, ...], float]:
     """(model, plan of one microbatch on the sub-mesh, spec, layers per virtual stage, seconds)."""
-    from spmdkit.cli.plan import MAX_LAYERS, MAX_SIZE, _size_arg, plan_model
+    from spmdkit.graph.planning import MAX_LAYERS, MAX_SIZE, plan_model
     from spmdkit.graph.strategy import parse_mesh
     from spmdkit.graph.zoo import preset
 
@@ -612,8 +611,8 @@ def plan_pipeline(model_name: str, mesh_text: str, strategy_text: str, spec_args
     spec = parse_spec(pp, **spec_args)
     cfg = preset(model_name)
     ov = dict(overrides or {})
-    layers = _size_arg("--layers", ov.get("layers"), MAX_LAYERS) or cfg.layers
-    given = _size_arg("--batch", ov.get("batch"), MAX_SIZE)
+    layers = parse_size("--layers", ov.get("layers"), MAX_LAYERS) or cfg.layers
+    given = parse_size("--batch", ov.get("batch"), MAX_SIZE)
     # without --batch, each microbatch is the preset's batch (the step is m of them)
     batch = given or cfg.batch * spec.microbatches
     counts = split_layers(layers, spec)
@@ -650,8 +649,9 @@ def _pp_link(ns: argparse.Namespace, mesh: Any, device: Any) -> tuple[float, flo
 
 def run_pipeline_plan(ns: argparse.Namespace, out: TextIO) -> int:
     """``spmdkit plan`` with a ``pp`` mesh dim (preset models)."""
-    from spmdkit.cli.plan import _annotations, _cost, _step_estimate
+    from spmdkit.cli.plan import parse_annotations, step_estimate
     from spmdkit.graph.activations import check_recompute
+    from spmdkit.graph.planning import parse_cost
     from spmdkit.graph.report import plan_json, write_report
     from spmdkit.graph.strategy import parse_mesh
 
@@ -659,9 +659,9 @@ def run_pipeline_plan(ns: argparse.Namespace, out: TextIO) -> int:
         raise ProgramError("--mesh pp / --microbatches: pipeline planning applies to preset models (--model), "
                            "not --hf or --program")
     full = parse_mesh(ns.mesh)
-    user = _sub_mesh_annotations(_annotations(ns.annotate), full)
+    user = _sub_mesh_annotations(parse_annotations(ns.annotate), full)
     strategy = ns.strategy or "megatron"
-    _cost(ns.cost, full)  # a bad --cost is named before planning
+    parse_cost(ns.cost, full)  # a bad --cost is named before planning
     spec_args = {"microbatches": ns.microbatches, "schedule": ns.schedule, "virtual": ns.virtual_stages,
                  "stages": ns.stages}
     model, plan, spec, counts, secs = plan_pipeline(ns.model, ns.mesh, strategy, spec_args,
@@ -669,7 +669,7 @@ def run_pipeline_plan(ns: argparse.Namespace, out: TextIO) -> int:
                                                     user, ns.cost)
     full_ns = argparse.Namespace(**vars(ns))
     full_ns.cost = _pp_cost_text(ns.cost, full)
-    plan, _est = _step_estimate(full_ns, plan, None)
+    plan, _est = step_estimate(full_ns, plan, None)
     device = None
     if getattr(ns, "device", None):
         from dataclasses import replace
@@ -733,7 +733,7 @@ def _verify_pipeline(ns: argparse.Namespace, spec: PipelineSpec, strategy: str) 
         from spmdkit.graph.simulate import simulate_plan, source_values
     except ImportError as exc:  # numpy missing
         raise ProgramError(f"--verify needs numpy (pip install 'spmdkit[sim]'): {exc}") from None
-    from spmdkit.cli.plan import plan_model
+    from spmdkit.graph.planning import plan_model
     from spmdkit.graph.strategy import parse_mesh
     from spmdkit.graph.zoo import preset
 
