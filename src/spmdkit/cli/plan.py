@@ -80,7 +80,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                         "time with --device")
     p.add_argument("--auto-time-limit", dest="auto_time_limit", default="60", metavar="SECONDS",
                    help="the --auto solver's time limit (default 60)")
-    from spmdkit.graph.pipeline import add_pipeline_arguments
+    from spmdkit.cli.pipeline import add_pipeline_arguments
 
     add_pipeline_arguments(p)  # a pp mesh dim: --microbatches, --schedule, --virtual-stages, --stages
     if "--memory" not in p._option_string_actions:  # (one flag, whichever module adds it first)
@@ -205,7 +205,7 @@ def run_plan(ns: argparse.Namespace, out: TextIO) -> int:
                 return run_devices(ns, out)
             if getattr(ns, "mesh", None) is None:
                 ns.mesh = DEFAULT_MESH
-            from spmdkit.graph.pipeline import run_pipeline_plan, wants_pipeline
+            from spmdkit.cli.pipeline import run_pipeline_plan, wants_pipeline
             from spmdkit.report import fitted, terminal_width
 
             if getattr(ns, "html", None):
@@ -218,7 +218,7 @@ def run_plan(ns: argparse.Namespace, out: TextIO) -> int:
                 check_target(*ns.export)
             width = None if ns.json else terminal_width(out, getattr(ns, "wide", False))
             with fitted(out, width) as fout:
-                if wants_pipeline(ns):  # a pp mesh dim: graph/pipeline.py
+                if wants_pipeline(ns):  # a pp mesh dim: cli/pipeline.py, graph/pipeline.py
                     if getattr(ns, "export", None):
                         raise ProgramError("--export: does not apply to a pipeline (pp) plan yet")
                     return run_pipeline_plan(ns, fout)

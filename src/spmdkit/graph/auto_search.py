@@ -377,11 +377,11 @@ def _auto(prog: Any, mesh: Any, pins: Mapping[str, Any] | None, device: Any, cos
 def _plan_preset_config(cfg: Config, name: str, mc: Any, device: Any, tokens: int, modes: Sequence[str], cap: int,
                         pins: Mapping[str, Any] | None, cost_text: str | None, nodes_of: int | None,
                         time_limit: float) -> list[Candidate]:
-    from spmdkit.graph.pipeline import _pp_cost_text
+    from spmdkit.graph.pipeline import pp_cost_text
     from spmdkit.graph.planning import plan_model
     from spmdkit.graph.zoo import build_model
 
-    full_cost, cost_text = cost_text, _pp_cost_text(cost_text, None)  # pp= times the sends only
+    full_cost, cost_text = cost_text, pp_cost_text(cost_text, None)  # pp= times the sends only
     over = {"layers": mc.layers, "batch": mc.batch // cfg.microbatches, "seq": mc.seq}
     title = (f"{name}: {mc.arch}, {mc.layers} layers, hidden {mc.hidden}, seq {mc.seq}, batch {mc.batch}"
              + (f" as {cfg.microbatches} microbatches of {mc.batch // cfg.microbatches}" if cfg.pp > 1 else "")
@@ -405,10 +405,10 @@ def _plan_preset_config(cfg: Config, name: str, mc: Any, device: Any, tokens: in
 def _plan_program_config(cfg: Config, prog: Any, device: Any, tokens: int | None, modes: Sequence[str], cap: int,
                          pins: Mapping[str, Any] | None, cost_text: str | None, nodes_of: int | None,
                          patterns: Any, time_limit: float) -> list[Candidate]:
-    from spmdkit.graph.pipeline import _pp_cost_text
+    from spmdkit.graph.pipeline import pp_cost_text
     from spmdkit.graph.planning import plan_program
 
-    cost_text = _pp_cost_text(cost_text, None)  # no pipeline for a program: a pp= entry has nothing to time
+    cost_text = pp_cost_text(cost_text, None)  # no pipeline for a program: a pp= entry has nothing to time
     info = None
     title = f"mesh {cfg.mesh_text}; {cfg.strategy}"
     if cfg.strategy == "auto":
@@ -652,11 +652,10 @@ def verify_config(best: Candidate, model_name: str, cost_text: str | None = None
     cfg = best.config
     if cfg.strategy == "auto":
         return verify_auto(best.plan, model_name, cost_text)
-    ns = argparse.Namespace(mesh=cfg.mesh_text, strategy=cfg.strategy, cost=cost_text, model=model_name)
     if cfg.pp > 1:
-        from spmdkit.graph.pipeline import _verify_pipeline, parse_spec
+        from spmdkit.graph.pipeline import parse_spec, verify_pipeline
 
-        return _verify_pipeline(ns, parse_spec(cfg.pp, microbatches=1), cfg.strategy)
+        return verify_pipeline(model_name, cfg.mesh_text, parse_spec(cfg.pp, microbatches=1), cfg.strategy)
     from spmdkit.graph.planning import verify_strategy
 
     return verify_strategy(model_name, cfg.mesh_text, cfg.strategy, cost_text)
