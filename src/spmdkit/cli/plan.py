@@ -199,8 +199,8 @@ def run_plan(ns: argparse.Namespace, out: TextIO) -> int:
     exit status 2 (no traceback); 1 when ``--verify`` finds a difference."""
     try:
         with strategy_notes("plan"):
-            if getattr(ns, "devices", None) is not None:  # the outer search: graph/auto_search.py
-                from spmdkit.graph.auto_search import run_devices
+            if getattr(ns, "devices", None) is not None:  # the outer search: cli/devices.py
+                from spmdkit.cli.devices import run_devices
 
                 return run_devices(ns, out)
             if getattr(ns, "mesh", None) is None:
