@@ -399,7 +399,7 @@ class _Importer:
              attrs: dict[str, Any]) -> list[str | None]:
         if not has_rule(rule):
             raise ctx.unsupported(f"maps to rule {rule!r}, which is not registered (see `spmdkit rules`)")
-        start = len(self.b._ops)
+        start = self.b.op_count
         vector_out = any(isinstance(o, list) for o in outputs)
         names = [n for v in inputs.values() for n in flat_refs(v) if n is not None]
         if self.tape is not None and any(n in self.tape.needs_grad for n in names) and _float_out(self.b, outputs):
@@ -424,13 +424,13 @@ class _Importer:
                     outs.append(tuple(self._declare(x) for x in o))
                 else:
                     outs.append(self._declare(o))
-            self.b._ops.append(Op(rule, dict(inputs), tuple(outs), dict(attrs), str(flat_refs(outs[0])[0] or rule),
-                                  self.b.layer, self.b.phase))
+            self.b.append_op(Op(rule, dict(inputs), tuple(outs), dict(attrs), str(flat_refs(outs[0])[0] or rule),
+                                self.b.layer, self.b.phase))
             result = outs
         else:
             result = self.b.op(rule, inputs, outputs, **attrs)
         mod = _module_of(ctx.node)
-        for i in range(start, len(self.b._ops)):
+        for i in range(start, self.b.op_count):
             self.origins[i] = f"{ctx.target} (node {ctx.name}) at {ctx.where}"
             if mod is not None:
                 self.modules[i] = mod
@@ -642,7 +642,7 @@ class _Importer:
                 outs.append(None)
         warnings.warn(f"torch import: no mapping for aten op {ctx.target} (node {ctx.name}) at {ctx.where}; it is "
                       f"imported as a `replicated` op (every input and output replicated)", stacklevel=5)
-        start = len(self.b._ops)
+        start = self.b.op_count
         names = ctx.emit("replicated", {"ins": tuple(dict.fromkeys(ins)), "outs": (None,) * len(outs)}, outs)
         self.fallbacks[start] = (ctx.node.target, ctx.args, ctx.kwargs)
         res = [None if n is None else Name(n) for n in names]

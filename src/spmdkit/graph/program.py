@@ -590,6 +590,15 @@ class ProgramBuilder:
         self._ops.append(Op(rule, dict(inputs), tuple(outs), dict(attrs), name or default, self.layer, self.phase))
         return outs
 
+    @property
+    def op_count(self) -> int:
+        """How many ops were added so far (the index the next one gets)."""
+        return len(self._ops)
+
+    def append_op(self, op: Op) -> None:
+        """Add an op built by the caller, as is (its tensors already declared)."""
+        self._ops.append(op)
+
     def _declare(self, o: Any) -> str | None:
         if o is None or isinstance(o, str):
             return o
