@@ -50,7 +50,7 @@ def _step(plan: Any, device: Any, tokens: int | None) -> float:
 
 
 def hand_zoo(name: str, layers: int, mesh: str, device: Any) -> tuple[str, float]:
-    from spmdkit.cli.plan import plan_model
+    from spmdkit.graph.planning import plan_model
 
     best = ("-", float("inf"))
     for s in HAND:
@@ -66,7 +66,7 @@ def hand_zoo(name: str, layers: int, mesh: str, device: Any) -> tuple[str, float
 
 
 def hand_program(prog: Any, mesh: str, device: Any) -> tuple[str, float]:
-    from spmdkit.cli.plan import plan_program
+    from spmdkit.graph.planning import plan_program
 
     best = ("-", float("inf"))
     for s in HAND:

@@ -142,7 +142,7 @@ def test_recompute_lowers_memory_and_adds_time() -> None:
 
 def test_dropout_model_simulates_sharded() -> None:
     pytest.importorskip("numpy")
-    from spmdkit.cli.plan import plan_model
+    from spmdkit.graph.planning import plan_model
     from spmdkit.graph.simulate import simulate_plan
 
     _, plan, _ = plan_model("tiny-gpt-dropout", "dp=2,tp=2", "megatron,sp")

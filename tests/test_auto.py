@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from spmdkit.cli.plan import plan_model
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import ProgramError
 from spmdkit.graph.auto import auto_plan
+from spmdkit.graph.planning import plan_model
 from spmdkit.graph.simulate import simulate_plan
 
 pytest.importorskip("highspy")

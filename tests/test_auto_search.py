@@ -232,9 +232,9 @@ def test_cli_auto_verify_checks_the_chosen_plan() -> None:
 
 
 def test_verify_auto_holds_unusual_attrs_and_catches_a_wrong_plan(monkeypatch: pytest.MonkeyPatch) -> None:
-    from spmdkit.cli.plan import plan_model
     from spmdkit.core.dist_attr import TensorDistAttr
     from spmdkit.graph import propagate as prop
+    from spmdkit.graph.planning import plan_model
 
     _m, plan, _ = plan_model("tiny-llama", "dp=2,tp=2", "megatron", None)
     plan.attrs["tokens"] = TensorDistAttr(plan.mesh, [-1, 0])  # tokens cut along the sequence: held so

@@ -16,7 +16,6 @@ import pytest
 
 from conftest import cli_stdout
 from spmdkit.cli import main
-from spmdkit.cli.plan import plan_model
 from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.graph.autodiff import GRADS
@@ -34,6 +33,7 @@ from spmdkit.graph.compute import (
     op_cost,
     recost,
 )
+from spmdkit.graph.planning import plan_model
 from spmdkit.graph.program import ProgramBuilder
 from spmdkit.graph.propagate import propagate
 from spmdkit.graph.zoo import build_model, preset

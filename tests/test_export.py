@@ -23,7 +23,6 @@ from typing import Any
 
 import pytest
 
-from spmdkit.cli.plan import plan_model
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.placements import from_partition_spec, to_placements
 from spmdkit.export import (
@@ -36,6 +35,7 @@ from spmdkit.export import (
     read_document,
 )
 from spmdkit.graph.hf_strategy import parameters
+from spmdkit.graph.planning import plan_model
 from spmdkit.graph.program import Program, Tensor
 
 
@@ -204,7 +204,7 @@ def llama_tied() -> Any:
 
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 def test_dtensor_refuses_sequence_parallel(llama: Any) -> None:
-    from spmdkit.cli.plan import plan_program
+    from spmdkit.graph.planning import plan_program
 
     _, plan = plan_program(llama[0], "tp=2", "megatron,sp")
     with pytest.raises(ExportError, match=r"dtensor: model\.embed_tokens: .*Shard\(1\) over tp \(sequence parallel\)"):
@@ -213,7 +213,7 @@ def test_dtensor_refuses_sequence_parallel(llama: Any) -> None:
 
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 def test_dtensor_of_a_program_json_notes_what_it_cannot_derive(llama: Any, llama_tied: Any) -> None:
-    from spmdkit.cli.plan import plan_program
+    from spmdkit.graph.planning import plan_program
     from spmdkit.graph.program import program_from_json
 
     prog = program_from_json(json.loads(json.dumps(llama[0].to_json())))  # no module paths, no aliases
@@ -230,7 +230,7 @@ def test_dtensor_of_a_program_json_notes_what_it_cannot_derive(llama: Any, llama
 
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 def test_dtensor_refuses_kv_heads_replicated_beside_sharded_queries(llama: Any) -> None:
-    from spmdkit.cli.plan import plan_program
+    from spmdkit.graph.planning import plan_program
 
     _, plan = plan_program(llama[0], "tp=4", "megatron")  # 2 kv heads, tp=4: k / v replicated by the plan
     assert plan.attrs["model.layers.0.self_attn.k_proj.weight"].dims_mapping == (-1, -1)
@@ -251,9 +251,9 @@ def test_dtensor_plan_on_hf_llama_matches_the_plans_collectives(llama: Any, tied
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from spmdkit.cli.plan import plan_program
     from spmdkit.dtensor import placements as torch_placements
     from spmdkit.export import apply_dtensor_plan, load_dtensor_placements, load_dtensor_plan
+    from spmdkit.graph.planning import plan_program
 
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
@@ -338,7 +338,7 @@ def test_dtensor_plan_on_hf_llama_matches_the_plans_collectives(llama: Any, tied
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 def test_cli_export_dtensor_of_an_hf_model(llama: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from spmdkit.cli import main
-    from spmdkit.cli.plan import plan_program
+    from spmdkit.graph.planning import plan_program
 
     path = tmp_path / "plan.dtensor.json"
     assert main(["plan", "--hf", "LlamaForCausalLM", "--hf-config", json.dumps(LLAMA), "--mesh", "dp=2,tp=2",

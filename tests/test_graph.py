@@ -11,11 +11,11 @@ import pytest
 
 from conftest import cli_stdout
 from spmdkit.cli import main
-from spmdkit.cli.plan import plan_model
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.graph.memory import local_numel, memory_per_device
+from spmdkit.graph.planning import plan_model
 from spmdkit.graph.program import ProgramBuilder, program_from_json
 from spmdkit.graph.propagate import MAX_ROUNDS, Plan, propagate
 from spmdkit.graph.simulate import simulate_plan

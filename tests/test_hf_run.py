@@ -312,8 +312,8 @@ def test_launcher_hands_its_ranks_the_step(monkeypatch: Any) -> None:
     hands them with the plan to its own ranks (not to processes it did not start)."""
     import shutil
 
-    from spmdkit.cli.plan import plan_hf
     from spmdkit.cli.run import STEP_ENV, _load_step, _save_step, _Step
+    from spmdkit.graph.planning import plan_hf
     from spmdkit.torch_exec import eager_reference
 
     cls, cfg = _CFG["gpt2"]

@@ -22,9 +22,9 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'spmdkit[torch]')")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install 'spmdkit[hf]')")
 
-from spmdkit.cli.plan import plan_program  # noqa: E402
 from spmdkit.core.errors import ProgramError  # noqa: E402
 from spmdkit.graph.hf_strategy import annotate_program, optimizer_of, tp_roles, vocab_parallel_loss  # noqa: E402
+from spmdkit.graph.planning import plan_program  # noqa: E402
 from spmdkit.graph.strategy import parse_mesh, parse_strategy  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")

@@ -15,13 +15,13 @@ from typing import Any
 import pytest
 
 from conftest import cli_stdout
-from spmdkit.cli.plan import plan_model
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.graph import html as H
 from spmdkit.graph.compute import estimate_step, kernel_collectives, preset_device
 from spmdkit.graph.memory import memory_per_device
+from spmdkit.graph.planning import plan_model
 from spmdkit.graph.report import _phase_comm, reshard_groups
 
 

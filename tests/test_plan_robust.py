@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from spmdkit.cli import main
-from spmdkit.cli.plan import MAX_LAYERS
 from spmdkit.core.errors import ProgramError
+from spmdkit.graph.planning import MAX_LAYERS
 from spmdkit.graph.program import ProgramBuilder
 from spmdkit.graph.strategy import MAX_RANKS, parse_mesh
 

@@ -17,7 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'spmdkit[torch]')")
 
-from spmdkit.cli.plan import plan_model  # noqa: E402
+from spmdkit.graph.planning import plan_model  # noqa: E402
 from spmdkit.torch_exec import Collective, expected_collectives  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

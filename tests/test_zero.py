@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from spmdkit.cli.plan import plan_model
 from spmdkit.core.errors import ProgramError
 from spmdkit.graph.memory import memory_per_device
+from spmdkit.graph.planning import plan_model
 from spmdkit.graph.strategy import parse_mesh, parse_strategy
 
 MiB = 1 << 20

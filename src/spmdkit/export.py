@@ -172,13 +172,13 @@ def _style_doc(style: str, **kw: Any) -> dict[str, Any]:
 
 def dtensor_document(plan: Any) -> dict[str, Any]:
     """The ``dtensor`` export of ``plan`` (module docstring) as a JSON-able dict."""
-    from spmdkit.graph.hf_strategy import _readers, _weight_axes
+    from spmdkit.graph.hf_strategy import forward_readers, weight_axes
 
     fmt = "dtensor"
     prog = plan.program
     params = _parameters(plan, fmt)
     placements = {p: _placements(plan.attrs[p], fmt, p) for p in params}
-    readers = _readers(prog)
+    readers = forward_readers(prog)
     fwd_readers = _forward_readers(prog)
     producers = _producers(prog)
     modules: dict[int, tuple[str, str]] = getattr(prog, "modules", None) or {}
@@ -211,7 +211,7 @@ def dtensor_document(plan: Any) -> dict[str, Any]:
                               f"and the program names no other module for it (a tied parameter in a program JSON, "
                               f"which keeps no module paths): export from --hf")
         if not tied:
-            how, out_ax, _in_ax, op = _weight_axes(prog, readers, p)
+            how, out_ax, _in_ax, op = weight_axes(prog, readers, p)
             if op is None:
                 raise ExportError(f"--export dtensor: {p}: sharded over tp ({placements[p][tp]}) but not read as a "
                                   f"Linear weight or an Embedding table: torch has no parallel style for it")

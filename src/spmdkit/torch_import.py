@@ -58,8 +58,8 @@ import torch
 
 from spmdkit.core.errors import ProgramError
 from spmdkit.graph.autodiff import GRADS, Tape
-from spmdkit.graph.program import Op, Program, ProgramBuilder, RecordedValue, Tensor, _flat
-from spmdkit.graph.zoo import Model, ModelConfig, _optimizer
+from spmdkit.graph.program import Op, Program, ProgramBuilder, RecordedValue, Tensor, flat_refs
+from spmdkit.graph.zoo import Model, ModelConfig, add_optimizer
 from spmdkit.rules.registry import get_rule, has_rule
 
 _DTYPES: dict[Any, str] = {
@@ -399,9 +399,9 @@ class _Importer:
              attrs: dict[str, Any]) -> list[str | None]:
         if not has_rule(rule):
             raise ctx.unsupported(f"maps to rule {rule!r}, which is not registered (see `spmdkit rules`)")
-        start = len(self.b._ops)
+        start = self.b.op_count
         vector_out = any(isinstance(o, list) for o in outputs)
-        names = [n for v in inputs.values() for n in _flat(v) if n is not None]
+        names = [n for v in inputs.values() for n in flat_refs(v) if n is not None]
         if self.tape is not None and any(n in self.tape.needs_grad for n in names) and _float_out(self.b, outputs):
             vector_in = any(isinstance(v, tuple) for v in inputs.values())
             twice = sorted({n for n in names if names.count(n) > 1 and n in self.tape.needs_grad})
@@ -414,7 +414,7 @@ class _Importer:
                                       f"map the op otherwise (register_aten / mapping=)")
         if self.tape is not None:
             result: list[Any] = self.tape.op(rule, inputs, outputs, **attrs)
-            for n in (x for o in result for x in _flat(o)):  # indices, masks, counts carry no gradient
+            for n in (x for o in result for x in flat_refs(o)):  # indices, masks, counts carry no gradient
                 if n is not None and n in self.tape.needs_grad and not self.b.get(n).dtype.startswith(("float", "bfloat")):
                     self.tape.needs_grad.discard(n)
         elif vector_out:
@@ -424,13 +424,13 @@ class _Importer:
                     outs.append(tuple(self._declare(x) for x in o))
                 else:
                     outs.append(self._declare(o))
-            self.b._ops.append(Op(rule, dict(inputs), tuple(outs), dict(attrs), str(_flat(outs[0])[0] or rule),
-                                  self.b.layer, self.b.phase))
+            self.b.append_op(Op(rule, dict(inputs), tuple(outs), dict(attrs), str(flat_refs(outs[0])[0] or rule),
+                                self.b.layer, self.b.phase))
             result = outs
         else:
             result = self.b.op(rule, inputs, outputs, **attrs)
         mod = _module_of(ctx.node)
-        for i in range(start, len(self.b._ops)):
+        for i in range(start, self.b.op_count):
             self.origins[i] = f"{ctx.target} (node {ctx.name}) at {ctx.where}"
             if mod is not None:
                 self.modules[i] = mod
@@ -642,7 +642,7 @@ class _Importer:
                 outs.append(None)
         warnings.warn(f"torch import: no mapping for aten op {ctx.target} (node {ctx.name}) at {ctx.where}; it is "
                       f"imported as a `replicated` op (every input and output replicated)", stacklevel=5)
-        start = len(self.b._ops)
+        start = self.b.op_count
         names = ctx.emit("replicated", {"ins": tuple(dict.fromkeys(ins)), "outs": (None,) * len(outs)}, outs)
         self.fallbacks[start] = (ctx.node.target, ctx.args, ctx.kwargs)
         res = [None if n is None else Name(n) for n in names]
@@ -676,7 +676,7 @@ class _Importer:
             loss_name = _pick_loss(self.out_names, b, loss)
             grads = self.tape.backward(loss_name)
             if optimizer:
-                _optimizer(b, model, grads, optimizer)
+                add_optimizer(b, model, grads, optimizer)
         prog = b.build(validate=False)
         ip = ImportedProgram(prog.tensors.values(), prog.ops, prog.name)
         ip.sources, ip.constants, ip.outputs = self.sources, self.constants, list(self.out_names)
@@ -1798,7 +1798,7 @@ class _WithLoss(torch.nn.Module):
         return self.loss_fn(self.module(*args, **kwargs))
 
 
-def _hf_call(module: Any, kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+def hf_call_kwargs(module: Any, kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
     """A HuggingFace model's call as a step: ``use_cache=False`` unless given (a KV cache is
     inference state, and torch.export cannot return HF's cache objects)."""
     kw = dict(kwargs or {})
@@ -1813,6 +1813,9 @@ def _hf_call(module: Any, kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
         if takes:
             kw["use_cache"] = False
     return kw
+
+
+_hf_call = hf_call_kwargs  # alias for auto.py/torch_exec.py until merged
 
 
 def _mutates(ep: Any) -> bool:
@@ -1852,7 +1855,7 @@ def import_module(module: Any, args: Sequence[Any] = (), kwargs: Mapping[str, An
     first (core ATen: ``addmm``, ``native_layer_norm``, ``_softmax``, ...). ``module`` may also be
     a ``torch.export.ExportedProgram``."""
     modes = {m: m.training for m in module.modules()} if isinstance(module, torch.nn.Module) else {}
-    kwargs = _hf_call(module, kwargs)
+    kwargs = hf_call_kwargs(module, kwargs)
     name = name or type(module).__name__
     if callable(loss) and not isinstance(loss, torch.nn.Module) and isinstance(module, torch.nn.Module):
         module = _WithLoss(module, loss)
@@ -1997,5 +2000,5 @@ def run_program(prog: Program, values: Mapping[str, Any]) -> dict[str, Any]:
     return glob
 
 
-__all__ = ["ImportContext", "ImportedProgram", "Name", "export", "import_module", "mapped_ops", "register_aten",
+__all__ = ["ImportContext", "ImportedProgram", "Name", "export", "hf_call_kwargs", "import_module", "mapped_ops", "register_aten",
            "run_program", "torch_values", "unregister_aten"]

@@ -7,10 +7,21 @@ import contextlib
 import json
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any, TextIO
 
 from spmdkit.core.errors import ProgramError, SpmdError
+from spmdkit.graph.planning import (
+    MAX_LAYERS,
+    MAX_SIZE,
+    clip_repr,
+    parse_cost,
+    parse_size,
+    plan_hf,
+    plan_model,
+    plan_program,
+    verify_strategy,
+)
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
@@ -69,7 +80,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                         "time with --device")
     p.add_argument("--auto-time-limit", dest="auto_time_limit", default="60", metavar="SECONDS",
                    help="the --auto solver's time limit (default 60)")
-    from spmdkit.graph.pipeline import add_pipeline_arguments
+    from spmdkit.cli.pipeline import add_pipeline_arguments
 
     add_pipeline_arguments(p)  # a pp mesh dim: --microbatches, --schedule, --virtual-stages, --stages
     if "--memory" not in p._option_string_actions:  # (one flag, whichever module adds it first)
@@ -80,31 +91,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
 
 #: ``--mesh`` when neither it nor ``--devices`` is given.
 DEFAULT_MESH = "dp=2,tp=4"
-#: The most layers ``--layers`` takes: planning is linear in the ops (~30 per layer with its
-#: backward and optimizer), and 512 is over six times the largest preset (llama-70b, 80).
-MAX_LAYERS = 512
-#: The largest ``--batch`` / ``--seq`` (2**31 - 1, the int32 range frameworks index with).
-MAX_SIZE = (1 << 31) - 1
 #: The longest ``--annotate`` dims_mapping text, and the most entries one may have.
 MAX_ANNOTATION_CHARS = 4096
 MAX_ANNOTATION_RANK = 64
-
-
-def _cut(text: str, n: int = 60) -> str:
-    return repr(text) if len(text) <= n else repr(text[:n]) + f"... ({len(text)} characters)"
-
-
-def _size_arg(flag: str, text: str | int | None, hi: int) -> int | None:
-    """An ASCII decimal int in [1, hi] for ``flag`` (None when not given)."""
-    if text is None:
-        return None
-    t = str(text).strip()
-    if not (t.isascii() and t.isdigit() and len(t) <= 12):
-        raise ProgramError(f"{flag} {_cut(str(text), 40)}: expected an integer from 1 to {hi}")
-    v = int(t)
-    if not 1 <= v <= hi:
-        raise ProgramError(f"{flag} {v}: out of range (1 to {hi})")
-    return v
 
 
 def _dims_mapping_ok(v: Any) -> bool:
@@ -120,7 +109,7 @@ def _dims_mapping_ok(v: Any) -> bool:
     return True
 
 
-def _annotations(items: list[str]) -> dict[str, Any]:
+def parse_annotations(items: list[str]) -> dict[str, Any]:
     """``["x=[0,-1]", ...]`` -> ``{"x": [0, -1]}``; ProgramError naming ``--annotate`` for a
     malformed one (no ``=``, not JSON, too long or nested, not a list of ints / int lists)."""
     out: dict[str, Any] = {}
@@ -128,107 +117,22 @@ def _annotations(items: list[str]) -> dict[str, Any]:
         name, eq, dm = it.partition("=")
         name = name.strip()
         if not eq or not name:
-            raise ProgramError(f"--annotate {_cut(it)}: expected TENSOR=DIMS_MAPPING, e.g. x=[0,-1]")
+            raise ProgramError(f"--annotate {clip_repr(it)}: expected TENSOR=DIMS_MAPPING, e.g. x=[0,-1]")
         if len(dm) > MAX_ANNOTATION_CHARS:
-            raise ProgramError(f"--annotate {_cut(name)}: the dims_mapping is {len(dm)} characters "
+            raise ProgramError(f"--annotate {clip_repr(name)}: the dims_mapping is {len(dm)} characters "
                                f"(at most {MAX_ANNOTATION_CHARS})")
         try:
             v = json.loads(dm)
         except (ValueError, RecursionError):
-            raise ProgramError(f"--annotate {_cut(it)}: the dims_mapping is not JSON (e.g. [0,-1])") from None
+            raise ProgramError(f"--annotate {clip_repr(it)}: the dims_mapping is not JSON (e.g. [0,-1])") from None
         if not _dims_mapping_ok(v):
-            raise ProgramError(f"--annotate {_cut(it)}: the dims_mapping must be a list of mesh dims "
+            raise ProgramError(f"--annotate {clip_repr(it)}: the dims_mapping must be a list of mesh dims "
                                f"(ints, -1 for none, or lists of ints), at most {MAX_ANNOTATION_RANK} entries")
         out[name] = v
     return out
 
 
-def plan_model(model_name: str, mesh_text: str, strategy_text: str,
-               overrides: Mapping[str, int | str | None] | None = None,
-               user: dict[str, Any] | None = None, cost_text: str | None = None,
-               progress: Any = None) -> tuple[Any, Any, float]:
-    """(model, plan, seconds) for a preset on a mesh under a strategy."""
-    from spmdkit.graph.propagate import propagate
-    from spmdkit.graph.strategy import annotate, parse_mesh, parse_strategy, zero3_storage
-    from spmdkit.graph.zoo import build_model, preset
-
-    cfg = preset(model_name)
-    mesh = parse_mesh(mesh_text)
-    st = parse_strategy(strategy_text, mesh)
-    if overrides:
-        limits = {"layers": MAX_LAYERS, "batch": MAX_SIZE, "seq": MAX_SIZE}
-        checked = {k: _size_arg(f"--{k}", v, limits.get(k, MAX_SIZE)) for k, v in overrides.items()}
-        cfg = cfg.with_(**{k: v for k, v in checked.items() if v is not None})
-    t0 = time.perf_counter()
-    model = build_model(cfg, vocab_parallel_loss="megatron" in st, check_rules=False)
-    ann = annotate(model, mesh, st, user)
-    plan = propagate(model.program, mesh, ann, _cost(cost_text, mesh), progress=progress,
-                     storage=zero3_storage(model.optimizer, ann, st))
-    return model, plan, time.perf_counter() - t0
-
-
-def plan_program(prog: Any, mesh_text: str, strategy_text: str | None, user: dict[str, Any] | None = None,
-                 patterns: Any = None, cost_text: str | None = None) -> tuple[Any, Any]:
-    """(program, plan) for an imported program (or a program JSON from one) under a strategy
-    (:mod:`spmdkit.graph.hf_strategy`): with megatron the program is a copy whose loss is
-    vocab-parallel, and the plan is over that copy."""
-    from spmdkit.graph.hf_strategy import annotate_program, megatron_program, optimizer_of, regroup_partial_sums
-    from spmdkit.graph.propagate import propagate
-    from spmdkit.graph.strategy import parse_mesh, parse_strategy, user_attrs, zero3_storage
-
-    mesh = parse_mesh(mesh_text)
-    st = parse_strategy(strategy_text or "none", mesh)
-    cost = _cost(cost_text, mesh)
-    if not st:  # no strategy: the user's annotations alone, as a program file always was
-        return prog, propagate(prog, mesh, user_attrs(prog, mesh, user), cost)
-    if "megatron" in st:
-        prog = megatron_program(prog, patterns)
-    ann = annotate_program(prog, mesh, st, user, patterns)
-    storage = zero3_storage(optimizer_of(prog), ann, st)
-    plan = propagate(prog, mesh, ann, cost, storage=storage)
-    regrouped = regroup_partial_sums(prog, plan)  # partial gradients summed before one reduction
-    if regrouped is not prog:
-        prog, plan = regrouped, propagate(regrouped, mesh, ann, cost, storage=storage)
-    return prog, plan
-
-
-def plan_hf(class_name: str, config: Any, mesh_text: str, strategy_text: str | None, dtype: str = "float32",
-            batch: int = 2, seq: int = 16, user: dict[str, Any] | None = None, patterns: Any = None,
-            cost_text: str | None = None) -> tuple[Any, Any, dict[str, Any], Any]:
-    """(program, model, keyword inputs, plan) for the HuggingFace model ``class_name`` built
-    from ``config`` (a dict, a JSON object text or a config.json path; :func:`spmdkit.hf.build`),
-    its training step imported at ``batch`` x ``seq`` and planned on ``mesh_text`` under
-    ``strategy_text`` (default megatron). The program is the one planned (with megatron, its
-    loss made vocab-parallel); run it with ``torch_values(prog, model, (), kw)``."""
-    from spmdkit.hf import dtype_name, import_hf
-
-    dt = dtype_name(dtype)
-    b = _size_arg("--batch", batch, MAX_SIZE)
-    sq = _size_arg("--seq", seq, MAX_SIZE)
-    assert b is not None and sq is not None
-    from spmdkit.graph.strategy import parse_mesh, parse_strategy
-
-    parse_strategy(strategy_text or "megatron", parse_mesh(mesh_text))  # refuse a bad mesh / strategy before importing
-    prog, model, kw = _import_hf(import_hf, class_name, config, b, sq, dt)
-    prog, plan = plan_program(prog, mesh_text, strategy_text or "megatron", user, patterns, cost_text)
-    return prog, model, kw, plan
-
-
-def _import_hf(import_hf: Any, class_name: str, config: Any, batch: int, seq: int, dtype: str) -> Any:
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        try:
-            return import_hf(class_name, config, batch=batch, seq=seq, dtype=dtype)
-        except SpmdError:
-            raise
-        except (ValueError, TypeError, RuntimeError, IndexError, KeyError) as exc:
-            msg = " ".join(str(exc).split())[:300]
-            raise ProgramError(f"--hf {class_name}: the model does not import: {type(exc).__name__}: {msg}") from None
-
-
-def _tp_plan(text: str | None) -> dict[str, str] | None:
+def parse_tp_plan(text: str | None) -> dict[str, str] | None:
     """``--tp-plan``: a JSON object (or a file holding one) of pattern -> role."""
     import os
 
@@ -238,44 +142,19 @@ def _tp_plan(text: str | None) -> dict[str, str] | None:
         return None
     if not text.lstrip().startswith("{"):
         if not os.path.isfile(text):
-            raise ProgramError(f"--tp-plan {_cut(text)}: neither a JSON object nor an existing file")
+            raise ProgramError(f"--tp-plan {clip_repr(text)}: neither a JSON object nor an existing file")
         with open(text, encoding="utf-8") as f:
             text = f.read(1 << 20)
     try:
         obj = json.loads(text)
     except (ValueError, RecursionError):
-        raise ProgramError(f"--tp-plan {_cut(text)}: not JSON (e.g. {{\"*.k_proj\": \"replicate\"}})") from None
+        raise ProgramError(f"--tp-plan {clip_repr(text)}: not JSON (e.g. {{\"*.k_proj\": \"replicate\"}})") from None
     if not isinstance(obj, dict):
         raise ProgramError("--tp-plan: must be a JSON object of module-name pattern -> role")
     try:
         return dict(check_patterns(obj))
     except ProgramError as exc:
         raise ProgramError(f"--tp-plan: {exc}") from None
-
-
-def _cost(text: str | None, mesh: Any) -> Any:
-    import math
-
-    from spmdkit.reshard import CostModel
-
-    if not text:
-        return CostModel.default(mesh)
-    if len(text) > 4096:
-        raise ProgramError(f"--cost: {len(text)} characters (at most 4096)")
-    try:
-        cost = CostModel.parse(text, mesh)
-    except SpmdError as exc:
-        msg = str(exc)
-        raise ProgramError(msg if msg.startswith("--cost") else f"--cost {_cut(text)}: {msg[:300]}") from None
-    except (ZeroDivisionError, ValueError, OverflowError):
-        raise ProgramError(f"--cost {_cut(text)}: latency and bandwidth must be finite numbers, the "
-                           f"bandwidth > 0 (e.g. tp=5us/150GB)") from None
-    for link in cost.links:
-        a, b = link.alpha_s, link.beta_s_per_byte
-        if not (math.isfinite(a) and a >= 0 and math.isfinite(b) and b > 0):
-            raise ProgramError(f"--cost {_cut(text)}: latency and bandwidth must be finite numbers, the "
-                               f"bandwidth > 0 (e.g. tp=5us/150GB)")
-    return cost
 
 
 def _progress() -> Any:
@@ -320,13 +199,13 @@ def run_plan(ns: argparse.Namespace, out: TextIO) -> int:
     exit status 2 (no traceback); 1 when ``--verify`` finds a difference."""
     try:
         with strategy_notes("plan"):
-            if getattr(ns, "devices", None) is not None:  # the outer search: graph/auto_search.py
-                from spmdkit.graph.auto_search import run_devices
+            if getattr(ns, "devices", None) is not None:  # the outer search: cli/devices.py
+                from spmdkit.cli.devices import run_devices
 
                 return run_devices(ns, out)
             if getattr(ns, "mesh", None) is None:
                 ns.mesh = DEFAULT_MESH
-            from spmdkit.graph.pipeline import run_pipeline_plan, wants_pipeline
+            from spmdkit.cli.pipeline import run_pipeline_plan, wants_pipeline
             from spmdkit.report import fitted, terminal_width
 
             if getattr(ns, "html", None):
@@ -339,7 +218,7 @@ def run_plan(ns: argparse.Namespace, out: TextIO) -> int:
                 check_target(*ns.export)
             width = None if ns.json else terminal_width(out, getattr(ns, "wide", False))
             with fitted(out, width) as fout:
-                if wants_pipeline(ns):  # a pp mesh dim: graph/pipeline.py
+                if wants_pipeline(ns):  # a pp mesh dim: cli/pipeline.py, graph/pipeline.py
                     if getattr(ns, "export", None):
                         raise ProgramError("--export: does not apply to a pipeline (pp) plan yet")
                     return run_pipeline_plan(ns, fout)
@@ -358,10 +237,10 @@ def _run_plan(ns: argparse.Namespace, out: TextIO) -> int:
     from spmdkit.graph.report import plan_json, write_report
 
     recompute = ns.recompute = check_recompute(getattr(ns, "recompute", None) or "none")
-    user = _annotations(ns.annotate)
-    layers = _size_arg("--layers", ns.layers, MAX_LAYERS)
-    batch = _size_arg("--batch", ns.batch, MAX_SIZE)
-    seq = _size_arg("--seq", ns.seq, MAX_SIZE)
+    user = parse_annotations(ns.annotate)
+    layers = parse_size("--layers", ns.layers, MAX_LAYERS)
+    batch = parse_size("--batch", ns.batch, MAX_SIZE)
+    seq = parse_size("--seq", ns.seq, MAX_SIZE)
     hf = getattr(ns, "hf", None)
     if getattr(ns, "auto", False):
         return _run_auto(ns, out, user, {"layers": layers, "batch": batch, "seq": seq})
@@ -369,12 +248,12 @@ def _run_plan(ns: argparse.Namespace, out: TextIO) -> int:
         raise ProgramError("--hf: give either --hf or --program, not both")
     if hf is None and getattr(ns, "hf_config", None) is not None:
         raise ProgramError("--hf-config: configures an --hf model; give --hf CLASS too")
-    patterns = _tp_plan(getattr(ns, "tp_plan", None))
+    patterns = parse_tp_plan(getattr(ns, "tp_plan", None))
     if patterns is not None and hf is None and not ns.program:
         raise ProgramError("--tp-plan: applies to --hf or --program models (a preset has its own roles)")
     if hf is not None:
         if ns.hf_config is None:
-            raise ProgramError(f"--hf {_cut(hf, 40)}: needs --hf-config FILE|JSON (the model's config)")
+            raise ProgramError(f"--hf {clip_repr(hf, 40)}: needs --hf-config FILE|JSON (the model's config)")
         for f, v in (("--layers", layers), ("--verify", ns.verify or None)):
             if v is not None:
                 raise ProgramError(f"{f}: does not apply to --hf (set num_hidden_layers in --hf-config)")
@@ -411,13 +290,13 @@ def _run_plan(ns: argparse.Namespace, out: TextIO) -> int:
                  f"{f' ({c.n_kv} kv)' if c.n_kv != c.heads else ''}, FFN {c.ffn}, vocab {c.vocab}, "
                  f"seq {c.seq}, batch {c.batch}, {c.dtype}; strategy {ns.strategy}")
         model_name = ns.model
-    plan.grad_accum = _size_arg("--grad-accum", getattr(ns, "grad_accum", None), 1 << 20) or 1
-    plan, est = _step_estimate(ns, plan, config)
+    plan.grad_accum = parse_size("--grad-accum", getattr(ns, "grad_accum", None), 1 << 20) or 1
+    plan, est = step_estimate(ns, plan, config)
     mem = memory_per_device(plan, recompute)
     _export(ns, plan)
     verdict = None
     if ns.verify:
-        verdict = _verify(ns, model_name, user)
+        verdict = verify_strategy(model_name, ns.mesh, ns.strategy, ns.cost)
     write_html(ns, plan, title, mem, est, config)
     if ns.json:
         extra: dict[str, Any] = {"title": title, "plan_seconds": secs}
@@ -452,7 +331,7 @@ def _run_auto(ns: argparse.Namespace, out: TextIO, user: dict[str, Any], overrid
     try:
         limit = float(ns.auto_time_limit)
     except ValueError:
-        raise ProgramError(f"--auto-time-limit: {_cut(str(ns.auto_time_limit))} is not a number of seconds") from None
+        raise ProgramError(f"--auto-time-limit: {clip_repr(str(ns.auto_time_limit))} is not a number of seconds") from None
     if not 0 < limit <= 86400:
         raise ProgramError(f"--auto-time-limit: {limit:g} is not between 0 and 86400 seconds")
     mesh = parse_mesh(ns.mesh)
@@ -460,7 +339,7 @@ def _run_auto(ns: argparse.Namespace, out: TextIO, user: dict[str, Any], overrid
     t0 = time.perf_counter()
     if hf is not None:
         if ns.hf_config is None:
-            raise ProgramError(f"--hf {_cut(hf, 40)}: needs --hf-config FILE|JSON (the model's config)")
+            raise ProgramError(f"--hf {clip_repr(hf, 40)}: needs --hf-config FILE|JSON (the model's config)")
         if overrides.get("layers") is not None:
             raise ProgramError("--layers: does not apply to --hf (set num_hidden_layers in --hf-config)")
         from spmdkit.graph.auto_search import import_hf_program
@@ -485,13 +364,13 @@ def _run_auto(ns: argparse.Namespace, out: TextIO, user: dict[str, Any], overrid
     from spmdkit.graph.compute import load_device
 
     device = load_device(ns.device) if getattr(ns, "device", None) else None
-    plan, info = auto_plan(prog, mesh, user, _cost(ns.cost, mesh), time_limit=limit, device=device)
+    plan, info = auto_plan(prog, mesh, user, parse_cost(ns.cost, mesh), time_limit=limit, device=device)
     secs = time.perf_counter() - t0
     title += (f"; --auto: HiGHS {info.status}, gap {info.gap:.2%}, solve {info.solve_s:.2f} s, "
               f"{info.candidates} candidates, predicted {'compute + ' if device else ''}communication "
               f"{info.objective_s * 1e3:.3f} ms, realised {info.realized}")
-    plan.grad_accum = _size_arg("--grad-accum", getattr(ns, "grad_accum", None), 1 << 20) or 1
-    plan, est = _step_estimate(ns, plan, config)
+    plan.grad_accum = parse_size("--grad-accum", getattr(ns, "grad_accum", None), 1 << 20) or 1
+    plan, est = step_estimate(ns, plan, config)
     mem = memory_per_device(plan, ns.recompute)
     write_html(ns, plan, title, mem, est, config, auto=info)
     _export(ns, plan)
@@ -525,7 +404,7 @@ def write_html(ns: argparse.Namespace, plan: Any, title: str, mem: Any, est: Any
     from spmdkit.graph.html import save_html
     from spmdkit.graph.strategy import parse_mesh
 
-    nodes = _size_arg("--nodes-of", getattr(ns, "nodes_of", None), 1 << 20)
+    nodes = parse_size("--nodes-of", getattr(ns, "nodes_of", None), 1 << 20)
     size = save_html(path, plan, title, mem, est, config=config, recompute=getattr(ns, "recompute", None) or "none",
                      mesh=parse_mesh(ns.mesh), ranks_per_node=nodes, **more)
     print(f"spmdkit plan: wrote {path} ({size / 1024:.0f} KiB)", file=sys.stderr)
@@ -539,30 +418,7 @@ def _export(ns: argparse.Namespace, plan: Any) -> None:
         export_plan(plan, ns.export[0], ns.export[1])
 
 
-def _verify(ns: argparse.Namespace, model_name: str | None, user: dict[str, Any]) -> dict[str, Any]:
-    """The same strategy on the tiny model of the same arch, simulated end to end."""
-    try:
-        from spmdkit.graph.simulate import simulate_plan
-    except ImportError as exc:  # numpy missing
-        raise ProgramError(f"--verify needs numpy (pip install 'spmdkit[sim]'): {exc}") from None
-    from spmdkit.graph.zoo import preset
-
-    cfg = preset(model_name) if model_name else None
-    arch = cfg.arch if cfg else "llama"
-    tiny = "tiny-llama" if arch == "llama" else "tiny-gpt-dropout" if cfg and cfg.dropout else "tiny-gpt2"
-    _, plan, _ = plan_model(tiny, ns.mesh, ns.strategy, None, None, ns.cost)
-    rep = simulate_plan(plan)
-    ok = rep.ok
-    lines = [f"verify: {tiny} with the same mesh and strategy, simulated on {plan.mesh.size} ranks: "
-             f"{rep.checked} tensors compared with the unsharded step (loss, every gradient, every update): "
-             + ("all equal" if ok else f"{len(rep.failures)} differ")]
-    for name, what in rep.failures[:10]:
-        lines.append(f"  {name}: {what}")
-    return {"ok": ok, "model": tiny, "checked": rep.checked, "failures": [list(f) for f in rep.failures],
-            "loss": rep.loss, "text": "\n".join(lines)}
-
-
-def _step_estimate(ns: argparse.Namespace, plan: Any, config: Any) -> tuple[Any, Any]:
+def step_estimate(ns: argparse.Namespace, plan: Any, config: Any) -> tuple[Any, Any]:
     """``--device`` / ``--nodes-of``: the plan with its reshards timed by the device's links
     (``--cost`` applied on top) and the predicted step (None without ``--device``)."""
     device_text, nodes_text = getattr(ns, "device", None), getattr(ns, "nodes_of", None)
@@ -572,14 +428,14 @@ def _step_estimate(ns: argparse.Namespace, plan: Any, config: Any) -> tuple[Any,
     from spmdkit.reshard import CostModel
 
     device = load_device(str(device_text)) if device_text else None
-    nodes = _size_arg("--nodes-of", nodes_text, 1 << 20)
+    nodes = parse_size("--nodes-of", nodes_text, 1 << 20)
     if device is not None and nodes:
         from dataclasses import replace
 
         device = replace(device, ranks_per_node=nodes)
     cost = cost_model(plan.mesh, device, nodes)
     if ns.cost:
-        cost = CostModel.parse(ns.cost, plan.mesh, base=cost)  # already checked by _cost
+        cost = CostModel.parse(ns.cost, plan.mesh, base=cost)  # already checked by parse_cost
     plan = recost(plan, cost)
     if device is None:
         return plan, None
@@ -588,6 +444,7 @@ def _step_estimate(ns: argparse.Namespace, plan: Any, config: Any) -> tuple[Any,
     return plan, estimate_step(plan, device, tokens, getattr(ns, "recompute", None) or "none")
 
 
-__all__ = ["MAX_LAYERS", "MAX_SIZE", "add_plan_arguments", "plan_hf", "plan_model", "plan_program", "run_plan"]
+__all__ = ["DEFAULT_MESH", "MAX_ANNOTATION_CHARS", "MAX_ANNOTATION_RANK", "add_plan_arguments",
+           "parse_annotations", "parse_tp_plan", "run_plan", "step_estimate", "strategy_notes", "write_html"]
 
 

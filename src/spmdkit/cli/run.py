@@ -224,13 +224,14 @@ def _plan(ns: argparse.Namespace, mesh: Any, user: dict[str, Any]) -> _Step:
         if v is not None:
             raise RunUsageError(f"{flag} applies to --hf CLASS only")
     if ns.program:
-        from spmdkit.cli.plan import _tp_plan, plan_program
+        from spmdkit.cli.plan import parse_tp_plan
+        from spmdkit.graph.planning import plan_program
         from spmdkit.graph.program import load_program
 
-        _prog, plan = plan_program(load_program(ns.program), ns.mesh, ns.strategy, user, _tp_plan(ns.tp_plan))
+        _prog, plan = plan_program(load_program(ns.program), ns.mesh, ns.strategy, user, parse_tp_plan(ns.tp_plan))
         return _Step(plan, f"program {ns.program}, mesh {ns.mesh}" + (f", strategy {ns.strategy}" if ns.strategy
                                                                        else ""))
-    from spmdkit.cli.plan import plan_model
+    from spmdkit.graph.planning import plan_model
 
     if ns.tp_plan is not None:
         raise RunUsageError("--tp-plan applies to --hf or --program models (a preset has its own roles)")
@@ -259,10 +260,11 @@ def _plan_hf_step(ns: argparse.Namespace, user: dict[str, Any]) -> _Step:
 
     dtype = dtype_name(ns.dtype or "float32")
     strategy = ns.strategy or "megatron"
-    from spmdkit.cli.plan import _tp_plan, plan_hf
+    from spmdkit.cli.plan import parse_tp_plan
+    from spmdkit.graph.planning import plan_hf
 
     _prog, model, kw, plan = plan_hf(ns.hf, ns.hf_config, ns.mesh, strategy, dtype, batch, seq, user,
-                                      _tp_plan(ns.tp_plan))
+                                      parse_tp_plan(ns.tp_plan))
     if pad:  # the same shapes, a padded last row: the program does not depend on the inputs' values
         from spmdkit.hf import example_inputs
 
@@ -300,7 +302,7 @@ def _env_int(name: str, lo: int, hi: int) -> int:
 def _run_command(ns: argparse.Namespace, out: TextIO, argv: list[str]) -> int:
     import importlib.util
 
-    from spmdkit.cli.plan import _annotations, strategy_notes
+    from spmdkit.cli.plan import parse_annotations, strategy_notes
     from spmdkit.graph.strategy import parse_mesh
     from spmdkit.launch import uneven_shards
 
@@ -333,7 +335,7 @@ def _run_command(ns: argparse.Namespace, out: TextIO, argv: list[str]) -> int:
                                 "would run pp as a plain replicated dim: drop pp from --mesh")
         if step is None:
             with strategy_notes("run"):  # --hf / --program strategies' notes, one line each
-                step = _plan(ns, mesh, _annotations(ns.annotate))
+                step = _plan(ns, mesh, parse_annotations(ns.annotate))
     except RunUsageError:
         raise
     except ProgramError as exc:

@@ -35,8 +35,6 @@ model, planned by propagate on the same mesh and simulated against the unsharded
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -287,13 +285,13 @@ def search_meshes(model: Any, devices: int, device: Any = "h100", memory_cap: in
         heads = None
         layers = None
     else:
-        from spmdkit.cli.plan import MAX_LAYERS, MAX_SIZE, _size_arg
+        from spmdkit.graph.planning import MAX_LAYERS, MAX_SIZE, parse_size
         from spmdkit.graph.zoo import preset
 
         cfg_model = preset(str(model))
         ov = dict(overrides or {})
         limits = {"layers": MAX_LAYERS, "batch": MAX_SIZE, "seq": MAX_SIZE}
-        checked = {k: _size_arg(f"--{k}", v, limits.get(k, MAX_SIZE)) for k, v in ov.items()}
+        checked = {k: parse_size(f"--{k}", v, limits.get(k, MAX_SIZE)) for k, v in ov.items()}
         cfg_model = cfg_model.with_(**{k: v for k, v in checked.items() if v is not None})
         batch, tokens, heads, layers = cfg_model.batch, cfg_model.batch * cfg_model.seq, cfg_model.heads, cfg_model.layers
     # the plans to make: (dp, tp, pp, strategy)
@@ -377,11 +375,11 @@ def _auto(prog: Any, mesh: Any, pins: Mapping[str, Any] | None, device: Any, cos
 def _plan_preset_config(cfg: Config, name: str, mc: Any, device: Any, tokens: int, modes: Sequence[str], cap: int,
                         pins: Mapping[str, Any] | None, cost_text: str | None, nodes_of: int | None,
                         time_limit: float) -> list[Candidate]:
-    from spmdkit.cli.plan import plan_model
-    from spmdkit.graph.pipeline import _pp_cost_text
+    from spmdkit.graph.pipeline import pp_cost_text
+    from spmdkit.graph.planning import plan_model
     from spmdkit.graph.zoo import build_model
 
-    full_cost, cost_text = cost_text, _pp_cost_text(cost_text, None)  # pp= times the sends only
+    full_cost, cost_text = cost_text, pp_cost_text(cost_text, None)  # pp= times the sends only
     over = {"layers": mc.layers, "batch": mc.batch // cfg.microbatches, "seq": mc.seq}
     title = (f"{name}: {mc.arch}, {mc.layers} layers, hidden {mc.hidden}, seq {mc.seq}, batch {mc.batch}"
              + (f" as {cfg.microbatches} microbatches of {mc.batch // cfg.microbatches}" if cfg.pp > 1 else "")
@@ -405,10 +403,10 @@ def _plan_preset_config(cfg: Config, name: str, mc: Any, device: Any, tokens: in
 def _plan_program_config(cfg: Config, prog: Any, device: Any, tokens: int | None, modes: Sequence[str], cap: int,
                          pins: Mapping[str, Any] | None, cost_text: str | None, nodes_of: int | None,
                          patterns: Any, time_limit: float) -> list[Candidate]:
-    from spmdkit.cli.plan import plan_program
-    from spmdkit.graph.pipeline import _pp_cost_text
+    from spmdkit.graph.pipeline import pp_cost_text
+    from spmdkit.graph.planning import plan_program
 
-    cost_text = _pp_cost_text(cost_text, None)  # no pipeline for a program: a pp= entry has nothing to time
+    cost_text = pp_cost_text(cost_text, None)  # no pipeline for a program: a pp= entry has nothing to time
     info = None
     title = f"mesh {cfg.mesh_text}; {cfg.strategy}"
     if cfg.strategy == "auto":
@@ -460,134 +458,13 @@ def search_json(res: SearchResult, top: int = 10) -> dict[str, Any]:
             "refused": [{**cfg.to_json(), "reason": why} for cfg, why in res.refused]}
 
 
-# -- the CLI: spmdkit plan --devices N --------------------------------------------------------------------
-
-
-def run_devices(ns: argparse.Namespace, out: TextIO) -> int:
-    """``spmdkit plan --devices N``: the search's table, then the best plan's report."""
-    from spmdkit.cli.plan import MAX_SIZE, _annotations, _cost, _size_arg, _tp_plan
-    from spmdkit.graph.strategy import MAX_RANKS
-
-    n = _size_arg("--devices", ns.devices, MAX_RANKS)
-    assert n is not None
-    if ns.mesh is not None:
-        raise ProgramError("--devices: give either --mesh or --devices (the search chooses the mesh)")
-    for flag, key in (("--microbatches", "microbatches"), ("--schedule", "schedule"),
-                      ("--virtual-stages", "virtual_stages"), ("--stages", "stages"), ("--grad-accum", "grad_accum")):
-        if getattr(ns, key, None) is not None:
-            raise ProgramError(f"{flag}: does not apply with --devices (the search chooses the pipeline: 1F1B, "
-                               "one sequence per dp rank per microbatch)")
-    hf = getattr(ns, "hf", None)
-    if hf is not None and ns.program:
-        raise ProgramError("--hf: give either --hf or --program, not both")
-    if hf is None and getattr(ns, "hf_config", None) is not None:
-        raise ProgramError("--hf-config: configures an --hf model; give --hf CLASS too")
-    if getattr(ns, "tp_plan", None) is not None and hf is None and not ns.program:
-        raise ProgramError("--tp-plan: applies to --hf or --program models (a preset has its own roles)")
-    if ns.cost:  # named before planning: dims dp, tp and pp (its entry times the pipeline's sends)
-        from spmdkit.graph.strategy import parse_mesh
-
-        _cost(ns.cost, parse_mesh("pp=2,dp=1,tp=1"))
-    limit = auto_time_limit(ns)
-    user = _annotations(ns.annotate)
-    layers = _size_arg("--layers", ns.layers, 1 << 20)
-    batch = _size_arg("--batch", ns.batch, MAX_SIZE)
-    seq = _size_arg("--seq", ns.seq, MAX_SIZE)
-    nodes = _size_arg("--nodes-of", getattr(ns, "nodes_of", None), 1 << 20)
-    mem = getattr(ns, "memory", None)
-    device = getattr(ns, "device", None) or "h100"
-    model: Any
-    if hf is not None:
-        if ns.hf_config is None:
-            raise ProgramError(f"--hf {hf[:40]!r}: needs --hf-config FILE|JSON (the model's config)")
-        if layers is not None:
-            raise ProgramError("--layers: does not apply to --hf (set num_hidden_layers in --hf-config)")
-        model = import_hf_program(hf, ns.hf_config, batch or 2, seq or 16, getattr(ns, "dtype", "float32"))
-        what = f"{hf} (HuggingFace), batch {batch or 2}, seq {seq or 16}"
-    elif ns.program:
-        given = [f for f, v in (("--layers", layers), ("--batch", batch), ("--seq", seq)) if v is not None]
-        if given:
-            raise ProgramError(f"{given[0]}: overrides a preset's size; it does not apply to --program")
-        from spmdkit.graph.program import load_program
-
-        model = load_program(ns.program)
-        what = f"program {ns.program}"
-    else:
-        model = ns.model
-        what = ns.model
-    res = search_meshes(model, n, device, mem, auto=bool(getattr(ns, "auto", False)),
-                        strategies=[ns.strategy] if ns.strategy else None,
-                        recompute=[ns.recompute] if getattr(ns, "recompute", None) else None,
-                        overrides={"layers": layers, "batch": batch, "seq": seq} if isinstance(model, str) else None,
-                        pins=user, cost_text=ns.cost, time_limit=limit, nodes_of=nodes,
-                        patterns=_tp_plan(getattr(ns, "tp_plan", None)))
-    best = res.best
-    verdict = None
-    if ns.verify and best is not None:
-        if not isinstance(model, str):
-            raise ProgramError("--verify: simulates a preset model; it does not apply to --hf or --program")
-        verdict = verify_config(best, model, ns.cost)
-    if ns.json:
-        from spmdkit.graph.report import plan_json
-
-        extra: dict[str, Any] = {"search": search_json(res)}
-        if best is None:
-            out.write(json.dumps(extra) + "\n")
-            return 1
-        extra["title"] = f"{what}; best of {n} devices: {best.title}"
-        if verdict is not None:
-            extra["verify"] = verdict
-        if best.config.pp > 1:
-            extra["pipeline"] = best.estimate.to_json()
-            out.write(json.dumps(plan_json(best.plan, best.memory_detail, extra)) + "\n")
-        else:
-            out.write(json.dumps(plan_json(best.plan, best.memory_detail, extra, best.estimate)) + "\n")
-    else:
-        out.write(f"{what} on {n} devices ({res.device.name})\n")
-        write_search(res, out)
-        if best is None:
-            out.write("no configuration fits: raise --memory, add devices, or shorten the model\n")
-            return 1
-        _write_best(best, out)
-        if verdict is not None:
-            out.write("\n" + verdict["text"] + "\n")
-    return 0 if verdict is None or verdict["ok"] else 1
-
-
-def _write_best(best: Candidate, out: TextIO) -> None:
-    from spmdkit.graph.report import write_report
-
-    title = f"\nThe best: {best.config.label()}. {best.title}"
-    if best.config.pp > 1:
-        from spmdkit.graph.pipeline import write_pipeline
-
-        write_report(best.plan, out, title + " (the plan of one microbatch on the stages' sub-mesh)",
-                     best.memory_detail, best.plan_s)
-        write_pipeline(best.estimate, out)
-    else:
-        write_report(best.plan, out, title, best.memory_detail, best.plan_s, best.estimate)
-
-
-def auto_time_limit(ns: argparse.Namespace) -> float:
-    from spmdkit.cli.plan import _cut
-
-    text = getattr(ns, "auto_time_limit", None) or "60"
-    try:
-        limit = float(text)
-    except ValueError:
-        raise ProgramError(f"--auto-time-limit: {_cut(str(text))} is not a number of seconds") from None
-    if not 0 < limit <= 86400:
-        raise ProgramError(f"--auto-time-limit: {limit:g} is not between 0 and 86400 seconds")
-    return limit
-
-
 def import_hf_program(class_name: str, config: Any, batch: int, seq: int, dtype: str = "float32") -> Any:
     """The training step of the HuggingFace model ``class_name`` (config: dict, JSON text or a
     config.json path) imported at ``batch`` x ``seq`` (no strategy: as the model computes)."""
-    from spmdkit.cli.plan import _import_hf
-    from spmdkit.hf import dtype_name, import_hf
+    from spmdkit.graph.planning import import_hf_checked
+    from spmdkit.hf import dtype_name
 
-    prog, _model, _kw = _import_hf(import_hf, class_name, config, batch, seq, dtype_name(dtype))
+    prog, _model, _kw = import_hf_checked(class_name, config, batch, seq, dtype_name(dtype))
     return prog
 
 
@@ -607,7 +484,7 @@ def verify_auto(plan: Any, model_name: str, cost_text: str | None = None, layers
         from spmdkit.graph.simulate import simulate_plan
     except ImportError as exc:  # numpy missing
         raise ProgramError(f"--verify needs numpy (pip install 'spmdkit[sim]'): {exc}") from None
-    from spmdkit.cli.plan import _cost
+    from spmdkit.graph.planning import parse_cost
     from spmdkit.graph.propagate import propagate
     from spmdkit.graph.zoo import build_model, preset
 
@@ -625,7 +502,7 @@ def verify_auto(plan: Any, model_name: str, cost_text: str | None = None, layers
         if t is None or t.inplace_of or a.partial or len(t.shape) != len(a.dims_mapping):
             continue
         ann[n] = a
-    tplan = propagate(tp, plan.mesh, ann, _cost(cost_text, plan.mesh))
+    tplan = propagate(tp, plan.mesh, ann, parse_cost(cost_text, plan.mesh))
     held = sum(1 for n, a in ann.items() if tplan.attrs.get(n) == a)
     try:
         rep = simulate_plan(tplan)
@@ -651,16 +528,15 @@ def verify_config(best: Candidate, model_name: str, cost_text: str | None = None
     cfg = best.config
     if cfg.strategy == "auto":
         return verify_auto(best.plan, model_name, cost_text)
-    ns = argparse.Namespace(mesh=cfg.mesh_text, strategy=cfg.strategy, cost=cost_text, model=model_name)
     if cfg.pp > 1:
-        from spmdkit.graph.pipeline import _verify_pipeline, parse_spec
+        from spmdkit.graph.pipeline import parse_spec, verify_pipeline
 
-        return _verify_pipeline(ns, parse_spec(cfg.pp, microbatches=1), cfg.strategy)
-    from spmdkit.cli.plan import _verify
+        return verify_pipeline(model_name, cfg.mesh_text, parse_spec(cfg.pp, microbatches=1), cfg.strategy)
+    from spmdkit.graph.planning import verify_strategy
 
-    return _verify(ns, model_name, {})
+    return verify_strategy(model_name, cfg.mesh_text, cfg.strategy, cost_text)
 
 
 __all__ = ["RECOMPUTE_MODES", "Candidate", "Config", "SearchResult", "factorizations", "hand_strategies",
-           "import_hf_program", "parse_memory", "run_devices", "search_meshes", "search_json", "verify_auto",
+           "import_hf_program", "parse_memory", "search_meshes", "search_json", "verify_auto",
            "verify_config", "write_search"]

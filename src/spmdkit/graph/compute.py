@@ -326,7 +326,7 @@ class _Ctx:
     ``outs`` (per output position, None where absent)."""
 
     def __init__(self, plan: Any, i: int) -> None:
-        from spmdkit.graph.program import _flat
+        from spmdkit.graph.program import flat_refs
 
         prog = plan.program
         op = prog.ops[i]
@@ -334,7 +334,7 @@ class _Ctx:
         self.op = op
         self.ins: dict[str, list[_Arg]] = {}
         for p, v in op.inputs.items():
-            names = _flat(v)
+            names = flat_refs(v)
             req = opp.required.get(p)
             reqs = list(req) if isinstance(req, tuple) else [req] * len(names)
             args = []
@@ -348,7 +348,7 @@ class _Ctx:
         self.outs: list[_Arg | None] = []
         for k, v in enumerate(op.outputs):
             got = opp.outputs[k] if k < len(opp.outputs) else None
-            names = _flat(v)
+            names = flat_refs(v)
             attrs = list(got) if isinstance(got, tuple) else [got] * len(names)
             for n, a in zip(names, attrs):
                 if n is None:
@@ -839,7 +839,7 @@ class StepEstimate:
                 "buckets": [b.to_json() for b in self.buckets], "uncovered_rules": dict(self.uncovered)}
 
 
-def _is_grad_sync(plan: Any, r: Any, s: Step, param_grads: frozenset[str]) -> bool:
+def is_grad_sync(plan: Any, r: Any, s: Step, param_grads: frozenset[str]) -> bool:
     """A parameter gradient's reduction: before its optimizer update, or (ZeRO-1/2/3, the
     gradient held reduced) right after the backward op that makes it."""
     prog = plan.program
@@ -946,7 +946,7 @@ def estimate_step(plan: Any, device: Device, tokens: int | None = None, recomput
         for s in r.plan.steps:
             if s.bytes_per_rank == 0:
                 continue
-            if _is_grad_sync(plan, r, s, param_grads):
+            if is_grad_sync(plan, r, s, param_grads):
                 t = prog.tensors[r.tensor]
                 size = _numel(_local(t.shape, s.src)) * t.itemsize
                 at = producer.get(r.tensor, r.op_index)
@@ -1095,4 +1095,4 @@ def estimate_step(plan: Any, device: Device, tokens: int | None = None, recomput
 
 __all__ = ["BUCKET_BYTES", "COSTED", "DEVICES", "Bucket", "Device", "FIRST_BUCKET_BYTES", "KernelCollective", "Link",
            "OpCost", "StepEstimate", "cost_model", "device_from_json", "estimate_step", "guess_tokens",
-           "kernel_collectives", "load_device", "model_flops", "op_cost", "preset_device", "recost"]
+           "is_grad_sync", "kernel_collectives", "load_device", "model_flops", "op_cost", "preset_device", "recost"]

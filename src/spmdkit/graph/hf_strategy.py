@@ -200,7 +200,8 @@ def _module_paths(prog: Program, param: str) -> list[str]:
     return [n.rsplit(".", 1)[0] if "." in n else n for n in names]
 
 
-def _readers(prog: Program) -> dict[str, list[tuple[int, Op, str]]]:
+def forward_readers(prog: Program) -> dict[str, list[tuple[int, Op, str]]]:
+    """Per tensor name: the forward ops reading it as (op index, op, input slot)."""
     out: dict[str, list[tuple[int, Op, str]]] = {}
     for i, op in enumerate(prog.ops):
         if op.phase != "forward":
@@ -232,7 +233,7 @@ def _heads(prog: Program, readers: dict[str, list[tuple[int, Op, str]]], out: st
     return None
 
 
-def _weight_axes(prog: Program, readers: dict[str, list[tuple[int, Op, str]]],
+def weight_axes(prog: Program, readers: dict[str, list[tuple[int, Op, str]]],
                  param: str) -> tuple[str, int, int, Op | None]:
     """(how the weight is read, output-feature axis, input-feature axis, the reading op):
     ``linear`` for a 2-D matmul ``y``, ``embedding`` for a table; ``other`` otherwise."""
@@ -288,7 +289,7 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
             dm(n)[0] = dp
     if tp is not None:
         size = mesh.shape[tp]
-        readers = _readers(prog)
+        readers = forward_readers(prog)
         roles = tp_roles(prog, patterns)
         sharded: dict[str, str] = {}  # 2-D weights sharded over tp -> column / row / vocab / vocab_head
         user_pats = check_patterns(patterns)
@@ -306,7 +307,7 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
             mod = _module_paths(prog, p)[0]
             if mod in replicated:
                 continue
-            how, out_ax, in_ax, op = _weight_axes(prog, readers, p)
+            how, out_ax, in_ax, op = weight_axes(prog, readers, p)
             if len(t.shape) == 1:
                 # a bias: a column layer's (output features) or a vocab head's is sharded
                 # (a fused projection's is sliced: its parts are, below)
@@ -360,7 +361,7 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
                                        f"divisible by tp={size}")
                 dm(part)[0] = tp
                 continue
-            how, out_ax, _in, mop = _weight_axes(prog, readers, part)
+            how, out_ax, _in, mop = weight_axes(prog, readers, part)
             if how != "linear" or mop is None:
                 continue
             if pt.shape[out_ax] % size:
@@ -390,7 +391,7 @@ def _sequence_parallel(prog: Program, mesh: ProcessMesh, sharded: Mapping[str, s
     gradients of the row layers' outputs in the backward step."""
     size = mesh.shape[tp]
     fwd = [(i, op) for i, op in enumerate(prog.ops) if op.phase == "forward"]
-    readers = _readers(prog)
+    readers = forward_readers(prog)
     seq: list[str] = []
     row_out: list[str] = []
     gather: list[str] = []
@@ -774,5 +775,6 @@ def megatron_program(prog: Program, patterns: Mapping[str, str] | Iterable[tuple
     return split_fused_projections(vocab_parallel_embedding(vocab_parallel_loss(prog), vocab), fused)
 
 
-__all__ = ["DEFAULT_PATTERNS", "ROLES", "annotate_program", "check_patterns", "data_inputs", "megatron_program",
-           "optimizer_of", "parameters", "regroup_partial_sums", "role_of", "split_fused_projections", "tp_roles", "vocab_parallel_embedding", "vocab_parallel_loss"]
+__all__ = ["DEFAULT_PATTERNS", "ROLES", "annotate_program", "check_patterns", "data_inputs", "forward_readers", "megatron_program",
+           "optimizer_of", "parameters", "regroup_partial_sums", "role_of", "split_fused_projections", "tp_roles", "vocab_parallel_embedding", "vocab_parallel_loss",
+           "weight_axes"]

@@ -40,8 +40,6 @@ device ``p + (p - 1)/v`` stage-microbatches (Narayanan et al. 2021; Korthikanti 
 
 from __future__ import annotations
 
-import argparse
-import json
 import re
 import time
 from dataclasses import dataclass, field
@@ -49,6 +47,7 @@ from typing import Any, TextIO
 
 from spmdkit.core.errors import ProgramError
 from spmdkit.graph.memory import Memory, local_numel
+from spmdkit.graph.planning import parse_size
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 _SCHEDULE_ALIASES = {"interleaved-1f1b": "interleaved", "interleaved1f1b": "interleaved", "1F1B": "1f1b",
@@ -57,25 +56,6 @@ _LAYER = re.compile(r"layer (\d+)$")
 MAX_MICROBATCHES = 1 << 16
 #: The most (virtual stage, microbatch) pairs a schedule simulates (about a second of Python).
 MAX_UNITS = 1 << 19
-
-
-def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--microbatches", metavar="M",
-                   help="pipeline (a pp mesh dim): microbatches per step (batch / M each; gradients accumulated)")
-    p.add_argument("--schedule", help="pipeline schedule: gpipe, 1f1b (default) or interleaved")
-    p.add_argument("--virtual-stages", dest="virtual_stages", metavar="V",
-                   help="interleaved 1F1B: model chunks per device (default 2 with --schedule interleaved)")
-    p.add_argument("--stages", metavar="N,N,...",
-                   help="layers per (virtual) stage, in order, e.g. 20,20,20,20 (default: an even split)")
-
-
-def wants_pipeline(ns: argparse.Namespace) -> bool:
-    """True when the mesh names a ``pp`` dim or a pipeline flag is given."""
-    if any(getattr(ns, k, None) is not None for k in ("microbatches", "schedule", "virtual_stages", "stages")):
-        return True
-    from spmdkit.graph.strategy import parse_mesh
-
-    return "pp" in parse_mesh(ns.mesh).dim_names
 
 
 @dataclass(frozen=True)
@@ -88,9 +68,7 @@ class PipelineSpec:
 
 
 def _int(flag: str, text: Any, hi: int) -> int | None:
-    from spmdkit.cli.plan import _size_arg
-
-    return _size_arg(flag, text, hi)
+    return parse_size(flag, text, hi)
 
 
 def parse_spec(pp: int, microbatches: Any = None, schedule: Any = None, virtual: Any = None,
@@ -428,7 +406,7 @@ def stage_costs(plan: Any, stages: list[int], counts: tuple[int, ...], device: A
     if device is None:
         return out
     # -- times
-    from spmdkit.graph.compute import _is_grad_sync, kernel_collectives, op_cost
+    from spmdkit.graph.compute import is_grad_sync, kernel_collectives, op_cost
 
     extra: dict[int, float] = {}
     grads_synced = plan.param_grads()
@@ -440,7 +418,7 @@ def stage_costs(plan: Any, stages: list[int], counts: tuple[int, ...], device: A
         for st in r.plan.steps:
             if st.bytes_per_rank == 0:
                 continue
-            if _is_grad_sync(plan, r, st, grads_synced):
+            if is_grad_sync(plan, r, st, grads_synced):
                 out[stages[r.op_index]].grad_sync_s += st.time_s
             else:
                 extra[r.op_index] = extra.get(r.op_index, 0.0) + st.time_s
@@ -582,7 +560,7 @@ def estimate_pipeline(plan: Any, spec: PipelineSpec, counts: tuple[int, ...], de
     return est
 
 
-# -- CLI --------------------------------------------------------------------------------------------
+# -- planning, verification and the report ----------------------------------------------------------
 
 
 def sub_mesh_text(mesh: Any) -> tuple[int, str]:
@@ -602,7 +580,7 @@ def plan_pipeline(model_name: str, mesh_text: str, strategy_text: str, spec_args
                   overrides: dict[str, Any] | None = None, user: dict[str, Any] | None = None,
                   cost_text: str | None = None) -> tuple[Any, Any, PipelineSpec, tuple[int, ...], float]:
     """(model, plan of one microbatch on the sub-mesh, spec, layers per virtual stage, seconds)."""
-    from spmdkit.cli.plan import MAX_LAYERS, MAX_SIZE, _size_arg, plan_model
+    from spmdkit.graph.planning import MAX_LAYERS, MAX_SIZE, plan_model
     from spmdkit.graph.strategy import parse_mesh
     from spmdkit.graph.zoo import preset
 
@@ -612,8 +590,8 @@ def plan_pipeline(model_name: str, mesh_text: str, strategy_text: str, spec_args
     spec = parse_spec(pp, **spec_args)
     cfg = preset(model_name)
     ov = dict(overrides or {})
-    layers = _size_arg("--layers", ov.get("layers"), MAX_LAYERS) or cfg.layers
-    given = _size_arg("--batch", ov.get("batch"), MAX_SIZE)
+    layers = parse_size("--layers", ov.get("layers"), MAX_LAYERS) or cfg.layers
+    given = parse_size("--batch", ov.get("batch"), MAX_SIZE)
     # without --batch, each microbatch is the preset's batch (the step is m of them)
     batch = given or cfg.batch * spec.microbatches
     counts = split_layers(layers, spec)
@@ -621,110 +599,23 @@ def plan_pipeline(model_name: str, mesh_text: str, strategy_text: str, spec_args
         raise ProgramError(f"--microbatches {spec.microbatches}: does not divide the batch {batch} "
                            f"(each microbatch is batch / microbatches sequences)")
     ov.update(layers=layers, batch=batch // spec.microbatches)
-    cost = _pp_cost_text(cost_text, mesh)
+    cost = pp_cost_text(cost_text, mesh)
     model, plan, _ = plan_model(model_name, sub, strategy_text, ov, user, cost)
     return model, plan, spec, counts, time.perf_counter() - t0
 
 
-def _pp_cost_text(cost_text: str | None, mesh: Any) -> str | None:
-    """``--cost`` without its ``pp=`` entry (that one times the sends, :func:`_pp_link`)."""
+def pp_cost_text(cost_text: str | None, mesh: Any) -> str | None:
+    """``--cost`` without its ``pp=`` entry (that one times the sends: the ``pp_link`` of
+    :func:`estimate_pipeline`)."""
     if not cost_text:
         return cost_text
     parts = [s for s in cost_text.split(",") if not s.strip().startswith("pp=") and s.strip()]
     return ",".join(parts) or None
 
 
-def _pp_link(ns: argparse.Namespace, mesh: Any, device: Any) -> tuple[float, float]:
-    from spmdkit.graph.compute import cost_model
-    from spmdkit.reshard import CostModel
-
-    nodes = getattr(ns, "nodes_of", None)
-    cost = cost_model(mesh, device, int(nodes) if nodes else None)
-    if ns.cost:
-        cost = CostModel.parse(ns.cost, mesh, base=cost)
-    if "pp" not in mesh.dim_names:
-        return (0.0, 0.0)
-    link = cost.links[mesh.dim_index("pp")]
-    return link.alpha_s, link.beta_s_per_byte
-
-
-def run_pipeline_plan(ns: argparse.Namespace, out: TextIO) -> int:
-    """``spmdkit plan`` with a ``pp`` mesh dim (preset models)."""
-    from spmdkit.cli.plan import _annotations, _cost, _step_estimate
-    from spmdkit.graph.activations import check_recompute
-    from spmdkit.graph.report import plan_json, write_report
-    from spmdkit.graph.strategy import parse_mesh
-
-    if getattr(ns, "hf", None) is not None or ns.program:
-        raise ProgramError("--mesh pp / --microbatches: pipeline planning applies to preset models (--model), "
-                           "not --hf or --program")
-    full = parse_mesh(ns.mesh)
-    user = _sub_mesh_annotations(_annotations(ns.annotate), full)
-    strategy = ns.strategy or "megatron"
-    _cost(ns.cost, full)  # a bad --cost is named before planning
-    spec_args = {"microbatches": ns.microbatches, "schedule": ns.schedule, "virtual": ns.virtual_stages,
-                 "stages": ns.stages}
-    model, plan, spec, counts, secs = plan_pipeline(ns.model, ns.mesh, strategy, spec_args,
-                                                    {"layers": ns.layers, "batch": ns.batch, "seq": ns.seq},
-                                                    user, ns.cost)
-    full_ns = argparse.Namespace(**vars(ns))
-    full_ns.cost = _pp_cost_text(ns.cost, full)
-    plan, _est = _step_estimate(full_ns, plan, None)
-    device = None
-    if getattr(ns, "device", None):
-        from dataclasses import replace
-
-        from spmdkit.graph.compute import load_device
-
-        device = load_device(str(ns.device))
-        if getattr(ns, "nodes_of", None):
-            device = replace(device, ranks_per_node=int(ns.nodes_of))
-    c = model.config
-    tokens = c.batch * c.seq * spec.microbatches
-    est = estimate_pipeline(plan, spec, counts, device, _pp_link(ns, full, device), tokens, full.size,
-                            recompute=check_recompute(getattr(ns, "recompute", "none") or "none"))
-    worst = max(range(spec.pp), key=lambda r: est.memory[r].total)
-    title = (f"{ns.model}: {c.arch}, {c.layers} layers, hidden {c.hidden}, {c.heads} heads"
-             f"{f' ({c.n_kv} kv)' if c.n_kv != c.heads else ''}, FFN {c.ffn}, vocab {c.vocab}, seq {c.seq}, "
-             f"batch {c.batch * spec.microbatches} as {spec.microbatches} microbatches of {c.batch}, {c.dtype}; "
-             f"strategy {strategy}; pipeline pp={spec.pp}"
-             + (f"; recompute {ns.recompute}" if getattr(ns, "recompute", "none") not in (None, "none") else ""))
-    from spmdkit.cli.plan import write_html
-
-    write_html(ns, plan, title, est.memory[worst], _est, c, pipeline=est)
-    verdict = _verify_pipeline(ns, spec, strategy) if ns.verify else None
-    if ns.json:
-        extra: dict[str, Any] = {"title": title, "plan_seconds": secs, "pipeline": est.to_json()}
-        if verdict is not None:
-            extra["verify"] = verdict
-        out.write(json.dumps(plan_json(plan, est.memory[worst], extra)) + "\n")
-    else:
-        write_report(plan, out, title + " (the plan of one microbatch on the stages' sub-mesh)",
-                     est.memory[worst], secs)
-        write_pipeline(est, out)
-        if verdict is not None:
-            out.write("\n" + verdict["text"] + "\n")
-    return 0 if verdict is None or verdict["ok"] else 1
-
-
-def _sub_mesh_annotations(user: dict[str, Any], mesh: Any) -> dict[str, Any]:
-    """``--annotate`` dims_mappings name the dims of the full mesh; the plan is on the mesh
-    without pp: the dims after pp move down by one, and pp itself cannot shard a tensor."""
-    if "pp" not in mesh.dim_names:
-        return user
-    k = mesh.dim_index("pp")
-
-    def one(name: str, e: int) -> int:
-        if e == k:
-            raise ProgramError(f"--annotate {name[:60]}: mesh dim {k} is pp; a tensor cannot be sharded over "
-                               f"the pipeline dim (each stage holds its layers whole)")
-        return e - 1 if e > k else e
-
-    return {n: [[one(n, x) for x in e] if isinstance(e, list) else one(n, e) for e in dm] for n, dm in user.items()}
-
-
-def _verify_pipeline(ns: argparse.Namespace, spec: PipelineSpec, strategy: str) -> dict[str, Any]:
-    """The tiny model of the same arch with ``pp * v`` layers (at least 2), split one layer
+def verify_pipeline(model_name: str, mesh_text: str, spec: PipelineSpec, strategy: str) -> dict[str, Any]:
+    """``--verify`` of a pipeline plan of the preset ``model_name`` on ``mesh_text`` (with its pp
+    dim): the tiny model of the same arch with ``pp * v`` layers (at least 2), split one layer
     per stage and planned on the sub-mesh: its ops are checked to run stage after stage
     (forward 0..n-1, backward n-1..0); a step of 2 microbatches is simulated, each microbatch
     on its own half of the batch (every tensor against its unsharded step), and the sum of the
@@ -733,12 +624,12 @@ def _verify_pipeline(ns: argparse.Namespace, spec: PipelineSpec, strategy: str) 
         from spmdkit.graph.simulate import simulate_plan, source_values
     except ImportError as exc:  # numpy missing
         raise ProgramError(f"--verify needs numpy (pip install 'spmdkit[sim]'): {exc}") from None
-    from spmdkit.cli.plan import plan_model
+    from spmdkit.graph.planning import plan_model
     from spmdkit.graph.strategy import parse_mesh
     from spmdkit.graph.zoo import preset
 
-    _pp, sub = sub_mesh_text(parse_mesh(ns.mesh))
-    tiny = "tiny-llama" if preset(ns.model).arch == "llama" else "tiny-gpt2"
+    _pp, sub = sub_mesh_text(parse_mesh(mesh_text))
+    tiny = "tiny-llama" if preset(model_name).arch == "llama" else "tiny-gpt2"
     n = spec.pp * spec.virtual
     layers = max(2, n)
     counts = split_layers(layers, PipelineSpec(spec.pp, 1, spec.schedule, spec.virtual,
@@ -827,7 +718,6 @@ def write_pipeline(est: PipelineEstimate, out: TextIO) -> None:
                   f"{est.ranks} x {est.peak / 1e12:g} TFLOP/s on {est.device_name})\n")
 
 
-__all__ = ["SCHEDULES", "PipelineEstimate", "PipelineSpec", "ScheduleRun", "StageCost", "add_pipeline_arguments",
-           "bubble_formula", "estimate_pipeline", "in_flight", "op_stages", "parse_spec", "plan_pipeline",
-           "run_pipeline_plan", "run_schedule", "schedule_order", "split_layers", "stage_costs", "sub_mesh_text",
-           "wants_pipeline"]
+__all__ = ["SCHEDULES", "PipelineEstimate", "PipelineSpec", "ScheduleRun", "StageCost", "bubble_formula",
+           "estimate_pipeline", "in_flight", "op_stages", "parse_spec", "plan_pipeline", "pp_cost_text", "run_schedule",
+           "schedule_order", "split_layers", "stage_costs", "sub_mesh_text", "verify_pipeline", "write_pipeline"]

@@ -106,10 +106,10 @@ class Op:
     phase: str = "forward"
 
     def input_names(self) -> list[str]:
-        return [n for v in self.inputs.values() for n in _flat(v) if n is not None]
+        return [n for v in self.inputs.values() for n in flat_refs(v) if n is not None]
 
     def output_names(self) -> list[str]:
-        return [n for v in self.outputs for n in _flat(v) if n is not None]
+        return [n for v in self.outputs for n in flat_refs(v) if n is not None]
 
     def to_json(self) -> dict[str, Any]:
         return {"rule": self.rule, "name": self.name, "inputs": {k: _jsonable(v) for k, v in self.inputs.items()},
@@ -169,10 +169,14 @@ def _value_from_json(name: str, obj: Any, prog: Program) -> RecordedValue:
     return RecordedValue(dtype, t.shape, data)
 
 
-def _flat(v: Ref) -> list[str | None]:
+def flat_refs(v: Ref) -> list[str | None]:
+    """An op slot's tensor names as a list (a list slot as is, one name or None as one item)."""
     if isinstance(v, (list, tuple)):
         return list(v)
     return [v]
+
+
+_flat = flat_refs  # alias for auto.py/torch_exec.py until merged
 
 
 def _jsonable(v: Any) -> Any:
@@ -275,7 +279,7 @@ class Program:
             except SpmdError as exc:
                 raise ProgramError(f"{where}: rule {rule.name} rejects the op: {type(exc).__name__}: {exc}") from None
             flat = [a for v in res.outputs for a in (v if isinstance(v, tuple) else (v,))]
-            out_refs = [n for v in op.outputs for n in _flat(v)]
+            out_refs = [n for v in op.outputs for n in flat_refs(v)]
             if len(flat) != len(out_refs):
                 raise ProgramError(f"{where}: rule {rule.name} answers {len(flat)} outputs, the op lists "
                                    f"{len(out_refs)}")
@@ -581,10 +585,19 @@ class ProgramBuilder:
                 outs.append(tuple(self._declare(x) for x in o))
             else:
                 outs.append(self._declare(o))
-        first = _flat(outs[0])[0] if outs and _flat(outs[0]) else None
+        first = flat_refs(outs[0])[0] if outs and flat_refs(outs[0]) else None
         default = first if first is not None else f"{rule}_{len(self._ops)}"
         self._ops.append(Op(rule, dict(inputs), tuple(outs), dict(attrs), name or default, self.layer, self.phase))
         return outs
+
+    @property
+    def op_count(self) -> int:
+        """How many ops were added so far (the index the next one gets)."""
+        return len(self._ops)
+
+    def append_op(self, op: Op) -> None:
+        """Add an op built by the caller, as is (its tensors already declared)."""
+        self._ops.append(op)
 
     def _declare(self, o: Any) -> str | None:
         if o is None or isinstance(o, str):
@@ -603,4 +616,4 @@ class ProgramBuilder:
 
 __all__ = ["DTYPE_BYTES", "FORMAT", "KINDS", "MAX_DIM", "MAX_NUMEL", "MAX_RANK", "Op", "PHASES", "Program", "ProgramBuilder",
            "RecordedValue", "Tensor", "VALUE_DTYPES", "VERSION",
-           "call_rule", "layout_args", "load_program", "op_layout", "program_from_json"]
+           "call_rule", "flat_refs", "layout_args", "load_program", "op_layout", "program_from_json"]

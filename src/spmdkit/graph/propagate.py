@@ -48,7 +48,7 @@ from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.graph.program import Op, Program, _flat, layout_args, op_layout
+from spmdkit.graph.program import Op, Program, flat_refs, layout_args, op_layout
 from spmdkit.reshard import CostModel, ReshardPlan, plan_reshard
 from spmdkit.rules.registry import get_rule, is_reverse
 
@@ -286,12 +286,12 @@ def propagate(
             v = c.op.inputs.get(p)
             if v is None:
                 continue
-            for n, r_attr in zip(_flat(v), _flat_attrs(req)):
+            for n, r_attr in zip(flat_refs(v), _flat_attrs(req)):
                 if n is not None and r_attr is not None and held_attr(n) != r_attr:
                     rp = plan_of(n, held_attr(n), r_attr)
                     t, b = t + rp.time_s, b + rp.bytes_per_rank
         for v, a in zip(c.op.outputs, res.outputs):
-            for n, x in zip(_flat(v), _flat_attrs(a)):
+            for n, x in zip(flat_refs(v), _flat_attrs(a)):
                 if n is not None and x is not None and n in targets and targets[n] != x:
                     rp = plan_of(n, x, targets[n])
                     t, b = t + rp.time_s, b + rp.bytes_per_rank
@@ -326,7 +326,7 @@ def propagate(
             for p, a in zip([p.name for p in c.bwd.params if p.is_tensor], back.inputs):
                 v = c.op.inputs.get(p)
                 if v is not None:
-                    for n, x in zip(_flat(v), _flat_attrs(a)):
+                    for n, x in zip(flat_refs(v), _flat_attrs(a)):
                         if n is not None and x is not None:
                             req[n] = x
 
@@ -363,7 +363,7 @@ def propagate(
                 v = c.op.inputs.get(p)
                 if v is None:
                     continue
-                for n, r_attr in zip(_flat(v), _flat_attrs(req)):
+                for n, r_attr in zip(flat_refs(v), _flat_attrs(req)):
                     if n is None or r_attr is None or n in fixed or n in reduced or readers.get(n, 0) < 2 \
                             or rounds >= MAX_ROUNDS:  # the last sweep is the plan: no new reductions
                         continue
@@ -376,7 +376,7 @@ def propagate(
                         grew = True
             ties = tied.get(i, {})
             for v, a in zip(c.op.outputs, res.outputs):
-                for n, x in zip(_flat(v), _flat_attrs(a)):
+                for n, x in zip(flat_refs(v), _flat_attrs(a)):
                     if n is not None and x is not None and n not in fixed:
                         attrs[n] = held_attr(ties[n]) if n in ties else \
                             reduced[n] if n in reduced and x.partial else x
@@ -396,7 +396,7 @@ def propagate(
             res = run(i, c, True)
             ins = dict(zip([p.name for p in c.bwd.params if p.is_tensor], res.inputs))
             for p, v in c.op.inputs.items():
-                for n, x in zip(_flat(v), _flat_attrs(ins.get(p))):
+                for n, x in zip(flat_refs(v), _flat_attrs(ins.get(p))):
                     if n is not None and x is not None and (attrs[n] is None or n in by_sweep):
                         if attrs[n] != x:
                             attrs[n] = x
@@ -437,7 +437,7 @@ def propagate(
             v = c.op.inputs.get(p)
             if v is None:
                 continue
-            refs = _flat(v)
+            refs = flat_refs(v)
             reqs = _flat_attrs(req)
             op_plan.given[p] = tuple(None if n is None else made[n] for n in refs) if isinstance(v, tuple) \
                 else made[v]
@@ -450,7 +450,7 @@ def propagate(
         ties = tied.get(i, {})
         for v, a in zip(c.op.outputs, res.outputs):
             op_plan.outputs.append(a)
-            for n, x in zip(_flat(v), _flat_attrs(a)):
+            for n, x in zip(flat_refs(v), _flat_attrs(a)):
                 if n is None or x is None:
                     continue
                 if n in ties:  # an in-place output: held as the tensor it overwrites

@@ -29,7 +29,7 @@ import numpy as np
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
-from spmdkit.graph.program import Op, Program, RecordedValue, _flat
+from spmdkit.graph.program import Op, Program, RecordedValue, flat_refs
 from spmdkit.graph.propagate import Plan
 from spmdkit.rules.registry import get_rule
 from spmdkit.sim.mesh import AssembleError, arrays_close, assemble, max_abs_error, nonfinite_count, shard
@@ -91,7 +91,7 @@ def int_roles(prog: Program) -> dict[str, IntRole]:
     readers: dict[str, list[tuple[Op, str]]] = {}
     for op in prog.ops:
         for p, v in op.inputs.items():
-            for n in _flat(v):
+            for n in flat_refs(v):
                 if n is not None:
                     readers.setdefault(n, []).append((op, p))
     made = {n for op in prog.ops for n in op.output_names()}
@@ -271,7 +271,8 @@ def _attrs_of(op: Op) -> dict[str, Any]:
     return out
 
 
-def _flat_out(vals: Any) -> list[Any]:
+def flat_values(vals: Any) -> list[Any]:
+    """A reference's outputs flattened: a list output (a tensor list slot) spliced in place."""
     flat: list[Any] = []
     for v in vals:
         if isinstance(v, list):
@@ -279,6 +280,9 @@ def _flat_out(vals: Any) -> list[Any]:
         else:
             flat.append(v)
     return flat
+
+
+_flat_out = flat_values  # alias for auto.py/torch_exec.py until merged
 
 
 @dataclass
@@ -348,7 +352,7 @@ def op_io(op_plan: Any, prog: Program) -> OpIO:
     out_attrs = tuple(a for v in op_plan.outputs for a in (v if isinstance(v, tuple) else (v,)))
     out_ndims = tuple(a.ndim if isinstance(a, TensorDistAttr) else None for a in out_attrs)
     return OpIO(ref, _attrs_of(op), dict(op.inputs), dict(op_plan.required), in_attrs, shapes, out_attrs,
-                out_ndims, [n for v in op.outputs for n in _flat(v)])
+                out_ndims, [n for v in op.outputs for n in flat_refs(v)])
 
 
 def unusable(prog: Program, name: str, value: Any, loss: str | None = None) -> int:
@@ -405,14 +409,14 @@ def simulate_plan(plan: Plan, seed: int = 0, rtol: float = 1e-7, atol: float = 1
         largs = [io.on_rank(sharded, r) for r in range(n_ranks)]
         in_attrs, shapes, out_attrs, out_ndims = io.in_attrs, io.shapes, io.out_attrs, io.out_ndims
         with np.errstate(all="ignore"):
-            gouts = _flat_out(ref.run(gargs, Ctx(mesh, None, None, in_attrs, shapes, out_ndims, out_attrs)))
+            gouts = flat_values(ref.run(gargs, Ctx(mesh, None, None, in_attrs, shapes, out_ndims, out_attrs)))
         gshapes = tuple(None if o is None else np.shape(o) for o in gouts)
         louts = []
         for r in range(n_ranks):
             ctx = Ctx(mesh, r, mesh.coords(r), in_attrs, shapes, out_ndims, out_attrs, gshapes)
             try:
                 with np.errstate(all="ignore"):
-                    louts.append(_flat_out(ref.run(largs[r], ctx)))
+                    louts.append(flat_values(ref.run(largs[r], ctx)))
             except Exception as exc:  # the op cannot run on what this rank holds: the plan is wrong upstream
                 report.failures.append((op.output_names()[0] if op.output_names() else op.name,
                                         f"{op.name} fails on rank {r}: {type(exc).__name__}: {exc}"))
@@ -452,5 +456,5 @@ def simulate_plan(plan: Plan, seed: int = 0, rtol: float = 1e-7, atol: float = 1
     return report
 
 
-__all__ = ["IntRole", "OpIO", "SimReport", "int_roles", "loss_name", "op_io", "recorded_array", "simulate_plan",
+__all__ = ["IntRole", "OpIO", "SimReport", "flat_values", "int_roles", "loss_name", "op_io", "recorded_array", "simulate_plan",
            "source_values", "unusable"]

@@ -319,12 +319,13 @@ def build_model(cfg: ModelConfig, vocab_parallel_loss: bool = False, optimizer: 
     assert loss is not None
     m.loss = loss
     grads = t.backward(loss)
-    _optimizer(b, m, grads, optimizer)
+    add_optimizer(b, m, grads, optimizer)
     m.program = b.build(validate=validate, rules=check_rules)
     return m
 
 
-def _optimizer(b: ProgramBuilder, m: Model, grads: Mapping[str, str], kind: str) -> None:
+def add_optimizer(b: ProgramBuilder, m: Model, grads: Mapping[str, str], kind: str) -> None:
+    """The optimizer phase: one ``kind`` (sgd, adam, adamw) update per parameter -> gradient of ``grads``."""
     b.phase = "optimizer"
     b.layer = "optimizer"
     lr = b.tensor("learning_rate", [1], "float32", "input")
@@ -362,4 +363,4 @@ def _optimizer(b: ProgramBuilder, m: Model, grads: Mapping[str, str], kind: str)
         m.optimizer[p] = (g, states, p + ".new", tuple(s + ".new" for s in states))
 
 
-__all__ = ["Model", "ModelConfig", "PRESETS", "build_model", "preset"]
+__all__ = ["Model", "ModelConfig", "PRESETS", "add_optimizer", "build_model", "preset"]

@@ -154,7 +154,7 @@ class _State:
 
     def attr(self) -> TensorDistAttr:
         pt: Partial = tuple(sorted(self.partial.items()))
-        return TensorDistAttr._make(self.mesh, tuple(dims_entry(d) for d in self.dims), pt)
+        return TensorDistAttr.unchecked(self.mesh, tuple(dims_entry(d) for d in self.dims), pt)
 
     def axis_of(self, d: int) -> int | None:
         for i, ds in enumerate(self.dims):

@@ -118,7 +118,8 @@ def get_reference(name: str) -> Reference | None:
 # -- helpers ----------------------------------------------------------------------------------
 
 
-def _f(x: Any) -> np.ndarray:
+def as_f64(x: Any) -> np.ndarray:
+    """``x`` as a float64 array (the references compute in float64)."""
     return np.asarray(x, dtype=np.float64)
 
 
@@ -156,7 +157,7 @@ def _vec(fn: Callable[[float], float]) -> Callable[[np.ndarray], np.ndarray]:
     v = np.vectorize(fn, otypes=[np.float64])
 
     def g(x: np.ndarray) -> np.ndarray:
-        x = _f(x)
+        x = as_f64(x)
         return np.asarray(v(x)) if x.size else x.copy()
 
     return g
@@ -196,16 +197,16 @@ _erfinv = _vec(_erfinv_scalar)
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
-    return np.asarray(1.0 / (1.0 + np.exp(-_f(x))))
+    return np.asarray(1.0 / (1.0 + np.exp(-as_f64(x))))
 
 
 def _softplus(x: np.ndarray) -> np.ndarray:
-    x = _f(x)
+    x = as_f64(x)
     return np.asarray(np.logaddexp(0.0, x))
 
 
 def _gelu(x: np.ndarray, approximate: bool = False) -> np.ndarray:
-    x = _f(x)
+    x = as_f64(x)
     if approximate:
         return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
     return 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))
@@ -217,7 +218,7 @@ _SELU_S = 1.0507009873554805
 
 def _num_deriv(fn: Callable[[np.ndarray], np.ndarray]) -> Callable[[np.ndarray], np.ndarray]:
     def d(x: np.ndarray) -> np.ndarray:
-        x = _f(x)
+        x = as_f64(x)
         h = 1e-6 * (1.0 + np.abs(x))
         return np.asarray((fn(x + h) - fn(x - h)) / (2 * h))
 
@@ -236,27 +237,27 @@ UNARY: dict[str, tuple[UnaryFn, UnaryFn | None, str]] = {
     "acosh": (np.arccosh, lambda x: 1.0 / np.sqrt(x * x - 1), "gt1"),
     "asin": (np.arcsin, lambda x: 1.0 / np.sqrt(1 - x * x), "unit"),
     "asinh": (np.arcsinh, lambda x: 1.0 / np.sqrt(x * x + 1), "real"),
-    "assign": (lambda x: np.array(x, copy=True), lambda x: np.ones_like(_f(x)), "real"),
+    "assign": (lambda x: np.array(x, copy=True), lambda x: np.ones_like(as_f64(x)), "real"),
     "atan": (np.arctan, lambda x: 1.0 / (1 + x * x), "real"),
     "atanh": (np.arctanh, lambda x: 1.0 / (1 - x * x), "unit"),
-    "bernoulli": (lambda x: (_f(x) > 0.5).astype(np.float64), lambda x: np.zeros_like(_f(x)), "prob"),
+    "bernoulli": (lambda x: (as_f64(x) > 0.5).astype(np.float64), lambda x: np.zeros_like(as_f64(x)), "prob"),
     "bitwise_not": (np.invert, None, "int"),
-    "ceil": (np.ceil, lambda x: np.zeros_like(_f(x)), "real"),
+    "ceil": (np.ceil, lambda x: np.zeros_like(as_f64(x)), "real"),
     "celu": (lambda x: np.maximum(0, x) + np.minimum(0, np.expm1(x)), lambda x: np.where(x > 0, 1.0, np.exp(x)), "real"),
     "clip": (lambda x: np.clip(x, -0.5, 0.5), lambda x: ((x > -0.5) & (x < 0.5)).astype(np.float64), "real"),
-    "conj": (np.conj, lambda x: np.ones_like(_f(x)), "real"),
+    "conj": (np.conj, lambda x: np.ones_like(as_f64(x)), "real"),
     "cos": (np.cos, lambda x: -np.sin(x), "real"),
     "cosh": (np.cosh, np.sinh, "real"),
     "digamma": (_digamma, None, "pos"),
-    "dropout": (lambda x: np.array(x, copy=True), lambda x: np.ones_like(_f(x)), "real"),
+    "dropout": (lambda x: np.array(x, copy=True), lambda x: np.ones_like(as_f64(x)), "real"),
     "elementwise_unary": (np.tanh, lambda x: 1 - np.tanh(x) ** 2, "real"),
     "elu": (lambda x: np.where(x > 0, x, np.expm1(np.minimum(x, 0))), lambda x: np.where(x > 0, 1.0, np.exp(x)), "real"),
     "erf": (_erf, lambda x: 2 / math.sqrt(math.pi) * np.exp(-x * x), "real"),
     "erfinv": (_erfinv, None, "unit"),
     "exp": (np.exp, np.exp, "real"),
     "expm1": (np.expm1, np.exp, "real"),
-    "fill": (lambda x: np.full_like(_f(x), 0.5), lambda x: np.zeros_like(_f(x)), "real"),
-    "floor": (np.floor, lambda x: np.zeros_like(_f(x)), "real"),
+    "fill": (lambda x: np.full_like(as_f64(x), 0.5), lambda x: np.zeros_like(as_f64(x)), "real"),
+    "floor": (np.floor, lambda x: np.zeros_like(as_f64(x)), "real"),
     "hardshrink": (lambda x: np.where(np.abs(x) > 0.5, x, 0.0), lambda x: (np.abs(x) > 0.5).astype(np.float64), "real"),
     "hardsigmoid": (lambda x: np.clip(x / 6 + 0.5, 0, 1), lambda x: ((x > -3) & (x < 3)) / 6.0, "real"),
     "hardswish": (lambda x: x * np.clip(x + 3, 0, 6) / 6, None, "real"),
@@ -271,18 +272,18 @@ UNARY: dict[str, tuple[UnaryFn, UnaryFn | None, str]] = {
     "logit": (lambda x: np.log(x / (1 - x)), lambda x: 1.0 / (x * (1 - x)), "prob"),
     "logsigmoid": (lambda x: -_softplus(-x), lambda x: _sigmoid(-x), "real"),
     "mish": (lambda x: x * np.tanh(_softplus(x)), None, "real"),
-    "poisson": (lambda x: np.floor(_f(x) * 3.0), lambda x: np.zeros_like(_f(x)), "pos"),
-    "pow": (lambda x: _f(x) ** 3, lambda x: 3 * _f(x) ** 2, "real"),
-    "reciprocal": (lambda x: 1.0 / _f(x), lambda x: -1.0 / _f(x) ** 2, "nonzero"),
+    "poisson": (lambda x: np.floor(as_f64(x) * 3.0), lambda x: np.zeros_like(as_f64(x)), "pos"),
+    "pow": (lambda x: as_f64(x) ** 3, lambda x: 3 * as_f64(x) ** 2, "real"),
+    "reciprocal": (lambda x: 1.0 / as_f64(x), lambda x: -1.0 / as_f64(x) ** 2, "nonzero"),
     "relu": (lambda x: np.maximum(x, 0.0), lambda x: (x > 0).astype(np.float64), "real"),
     "relu6": (lambda x: np.clip(x, 0.0, 6.0), lambda x: ((x > 0) & (x < 6)).astype(np.float64), "real"),
-    "round": (np.round, lambda x: np.zeros_like(_f(x)), "real"),
-    "rsqrt": (lambda x: 1.0 / np.sqrt(x), lambda x: -0.5 * _f(x) ** -1.5, "pos"),
-    "scale": (lambda x: 2.0 * _f(x) + 0.5, lambda x: np.full_like(_f(x), 2.0), "real"),
+    "round": (np.round, lambda x: np.zeros_like(as_f64(x)), "real"),
+    "rsqrt": (lambda x: 1.0 / np.sqrt(x), lambda x: -0.5 * as_f64(x) ** -1.5, "pos"),
+    "scale": (lambda x: 2.0 * as_f64(x) + 0.5, lambda x: np.full_like(as_f64(x), 2.0), "real"),
     "selu": (lambda x: _SELU_S * np.where(x > 0, x, _SELU_A * np.expm1(np.minimum(x, 0))),
              lambda x: _SELU_S * np.where(x > 0, 1.0, _SELU_A * np.exp(x)), "real"),
     "sigmoid": (_sigmoid, lambda x: _sigmoid(x) * (1 - _sigmoid(x)), "real"),
-    "sign": (np.sign, lambda x: np.zeros_like(_f(x)), "real"),
+    "sign": (np.sign, lambda x: np.zeros_like(as_f64(x)), "real"),
     "silu": (lambda x: x * _sigmoid(x), lambda x: _sigmoid(x) * (1 + x * (1 - _sigmoid(x))), "real"),
     "sin": (np.sin, np.cos, "real"),
     "sinh": (np.sinh, np.cosh, "real"),
@@ -291,14 +292,14 @@ UNARY: dict[str, tuple[UnaryFn, UnaryFn | None, str]] = {
                    lambda x: (np.abs(x) > 0.5).astype(np.float64), "real"),
     "softsign": (lambda x: x / (1 + np.abs(x)), lambda x: 1.0 / (1 + np.abs(x)) ** 2, "real"),
     "sqrt": (np.sqrt, lambda x: 0.5 / np.sqrt(x), "pos"),
-    "square": (np.square, lambda x: 2 * _f(x), "real"),
+    "square": (np.square, lambda x: 2 * as_f64(x), "real"),
     "stanh": (lambda x: 1.7159 * np.tanh(0.67 * x), lambda x: 1.7159 * 0.67 * (1 - np.tanh(0.67 * x) ** 2), "real"),
     "swish": (lambda x: x * _sigmoid(x), lambda x: _sigmoid(x) * (1 + x * (1 - _sigmoid(x))), "real"),
     "tan": (np.tan, lambda x: 1.0 / np.cos(x) ** 2, "unit"),
     "tanh": (np.tanh, lambda x: 1 - np.tanh(x) ** 2, "real"),
     "tanh_shrink": (lambda x: x - np.tanh(x), lambda x: np.tanh(x) ** 2, "real"),
     "thresholded_relu": (lambda x: np.where(x > 1.0, x, 0.0), lambda x: (x > 1.0).astype(np.float64), "real"),
-    "trunc": (np.trunc, lambda x: np.zeros_like(_f(x)), "real"),
+    "trunc": (np.trunc, lambda x: np.zeros_like(as_f64(x)), "real"),
 }
 
 
@@ -310,7 +311,7 @@ def _unary_derivative(name: str) -> UnaryFn:
 # derivative expressed through the output (for grad rules that take out, not x)
 _DOUT: dict[str, UnaryFn] = {
     "relu": lambda o: (o > 0).astype(np.float64),
-    "exp": lambda o: _f(o),
+    "exp": lambda o: as_f64(o),
     "sigmoid": lambda o: o * (1 - o),
     "tanh": lambda o: 1 - o * o,
     "sqrt": lambda o: 0.5 / o,
@@ -318,15 +319,15 @@ _DOUT: dict[str, UnaryFn] = {
     "reciprocal": lambda o: -o * o,
     "relu6": lambda o: ((o > 0) & (o < 6)).astype(np.float64),
     "elu": lambda o: np.where(o > 0, 1.0, o + 1.0),
-    "expm1": lambda o: _f(o) + 1.0,
+    "expm1": lambda o: as_f64(o) + 1.0,
     "selu": lambda o: np.where(o > 0, _SELU_S, o + _SELU_S * _SELU_A),
     "hardsigmoid": lambda o: ((o > 0) & (o < 1)) / 6.0,
-    "silu": lambda o: np.ones_like(_f(o)),
+    "silu": lambda o: np.ones_like(as_f64(o)),
 }
 
 
 def _generic_dout(o: np.ndarray) -> np.ndarray:
-    return np.asarray(1.0 + _f(o) ** 2)
+    return np.asarray(1.0 + as_f64(o) ** 2)
 
 
 def _unary_ref(name: str) -> Reference:
@@ -340,11 +341,11 @@ def _unary_grad_ref(name: str) -> Reference:
     dout: UnaryFn = _DOUT.get(name, _generic_dout)
 
     def grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
-        g = _f(a["out_grad"])
+        g = as_f64(a["out_grad"])
         if a.get("x") is not None:
-            return (g * deriv(_f(a["x"])),)
+            return (g * deriv(as_f64(a["x"])),)
         if a.get("out") is not None:
-            return (g * dout(_f(a["out"])),)
+            return (g * dout(as_f64(a["out"])),)
         # out_grad only: ops with a constant derivative (scale, ceil, sign, ...)
         return (g * deriv(np.zeros_like(g)),)
 
@@ -373,7 +374,7 @@ def _gelu_fwd(a: Arrays, c: Ctx) -> tuple[Any, ...]:
 def _gelu_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
     approx = bool(a.get("approximate", False))
     d = _num_deriv(lambda x: _gelu(x, approx))
-    return (_f(a["out_grad"]) * d(_f(a["x"])),)
+    return (as_f64(a["out_grad"]) * d(as_f64(a["x"])),)
 
 
 register_reference(Reference("gelu", _gelu_fwd, ("x",), ("out",), "unary"))
@@ -381,13 +382,13 @@ register_reference(Reference("gelu_grad", _gelu_grad, ("x", "out_grad"), ("x_gra
 
 def _pow_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
     y = float(a.get("y", 1.0))
-    x = _f(a["x"])
-    return (_f(a["out_grad"]) * y * x ** (y - 1.0),)
+    x = as_f64(a["x"])
+    return (as_f64(a["out_grad"]) * y * x ** (y - 1.0),)
 
 
 def _dropout_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
-    mask = _f(a["mask"])
-    g = _f(a["out_grad"])
+    mask = as_f64(a["mask"])
+    g = as_f64(a["out_grad"])
     p = float(a.get("p", 0.5))
     if bool(a.get("is_test", False)):
         return (g * (1.0 - p) if a.get("mode", "upscale_in_train") != "upscale_in_train" else g.copy(),)
@@ -400,7 +401,7 @@ register_reference(Reference("pow_grad", _pow_grad, ("x", "out_grad"), ("x_grad"
                              domains={"x": "pos"}, meta={"op": "pow"}))
 register_reference(Reference("dropout_grad", _dropout_grad, ("mask", "out_grad"), ("x_grad",), "dropout_grad",
                              domains={"mask": "bool"}))
-register_reference(Reference("cast_grad", lambda a, c: (_f(a["out_grad"]).copy(),), ("out_grad",), ("x_grad",),
+register_reference(Reference("cast_grad", lambda a, c: (as_f64(a["out_grad"]).copy(),), ("out_grad",), ("x_grad",),
                              "unary_grad", optional=("x",)))
 
 _CAST_TYPES = {
@@ -475,7 +476,7 @@ def _binary_grad_ref(name: str) -> Reference:
     dfx, dfy = dd
 
     def grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
-        x, y, g = _f(a["x"]), _f(a["y"]), _f(a["out_grad"])
+        x, y, g = as_f64(a["x"]), as_f64(a["y"]), as_f64(a["out_grad"])
         gx = g * np.broadcast_to(dfx(x, y), g.shape)
         gy = g * np.broadcast_to(dfy(x, y), g.shape)
         return (sum_to_shape(gx, x.shape), sum_to_shape(gy, y.shape))
@@ -498,7 +499,7 @@ for _n, (_fn, _d, _dx, _dy) in BINARY.items():
 
 
 def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
-    x = _f(x)
+    x = as_f64(x)
     if x.ndim == 0:
         return np.ones_like(x)
     m = x.max(axis=axis, keepdims=True) if x.size else x
@@ -507,7 +508,7 @@ def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
 
 
 def _log_softmax(x: np.ndarray, axis: int) -> np.ndarray:
-    x = _f(x)
+    x = as_f64(x)
     if x.ndim == 0:
         return np.zeros_like(x)
     m = x.max(axis=axis, keepdims=True) if x.size else x
@@ -540,7 +541,7 @@ def _axis1(axis: Any, ndim: int) -> int:
 
 
 def _softmax_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
-    out, g = _f(a["out"]), _f(a["out_grad"])
+    out, g = as_f64(a["out"]), as_f64(a["out_grad"])
     if out.ndim == 0:
         return (np.zeros_like(g),)
     ax = _axis1(a.get("axis", -1), out.ndim)
@@ -548,7 +549,7 @@ def _softmax_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
 
 
 def _log_softmax_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
-    out, g = _f(a["out"]), _f(a["out_grad"])
+    out, g = as_f64(a["out"]), as_f64(a["out_grad"])
     if out.ndim == 0:
         return (np.zeros_like(g),)
     ax = _axis1(a.get("axis", -1), out.ndim)
@@ -599,7 +600,7 @@ def _stat_shape(stat: np.ndarray, c: Ctx, i: int) -> np.ndarray:
 
 
 def _layer_norm(a: Arrays, c: Ctx) -> tuple[Any, ...]:
-    x = _f(a["x"])
+    x = as_f64(a["x"])
     b = _bna(a, x.ndim)
     eps = float(a.get("epsilon", 1e-5))
     ax = tuple(range(b, x.ndim))
@@ -608,26 +609,26 @@ def _layer_norm(a: Arrays, c: Ctx) -> tuple[Any, ...]:
     out = (x - mean) / np.sqrt(var + eps)
     tail = x.shape[b:]
     if a.get("scale") is not None:
-        out = out * _f(a["scale"]).reshape(tail)
+        out = out * as_f64(a["scale"]).reshape(tail)
     if a.get("bias") is not None:
-        out = out + _f(a["bias"]).reshape(tail)
+        out = out + as_f64(a["bias"]).reshape(tail)
     bs = x.shape[:b]
     return (out, _stat_shape(mean.reshape(bs), c, 1), _stat_shape(var.reshape(bs), c, 2))
 
 
 def _layer_norm_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
-    x, g = _f(a["x"]), _f(a["out_grad"])
+    x, g = as_f64(a["x"]), as_f64(a["out_grad"])
     b = _bna(a, x.ndim)
     eps = float(a.get("epsilon", 1e-5))
     bs, tail = x.shape[:b], x.shape[b:]
     ax = tuple(range(b, x.ndim))
     bax = tuple(range(b))
     kshape = bs + (1,) * len(tail)
-    mean = _f(a["mean"]).reshape(kshape)
-    var = _f(a["variance"]).reshape(kshape)
+    mean = as_f64(a["mean"]).reshape(kshape)
+    var = as_f64(a["variance"]).reshape(kshape)
     inv = 1.0 / np.sqrt(var + eps)
     xh = (x - mean) * inv
-    scale = _f(a["scale"]).reshape(tail) if a.get("scale") is not None else np.ones(tail)
+    scale = as_f64(a["scale"]).reshape(tail) if a.get("scale") is not None else np.ones(tail)
     gs = g * scale
     if x.size:
         dx = inv * (gs - gs.mean(axis=ax, keepdims=True) - xh * (gs * xh).mean(axis=ax, keepdims=True))
@@ -640,7 +641,7 @@ def _layer_norm_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
 
 
 def _prep_layer_norm_grad(a: Arrays) -> None:
-    x = _f(a["x"])
+    x = as_f64(a["x"])
     b = _bna(a, x.ndim)
     ax = tuple(range(b, x.ndim))
     shp = np.shape(a["mean"])
@@ -659,7 +660,7 @@ register_reference(Reference("layer_norm_grad", _layer_norm_grad, ("x", "mean", 
 
 
 def _rms_norm(a: Arrays, c: Ctx) -> tuple[Any, ...]:
-    x = _f(a["x"])
+    x = as_f64(a["x"])
     eps = float(a.get("epsilon", 1e-5))
     if x.ndim == 0:
         raise ValueError("rms_norm needs at least 1-D x")
@@ -667,14 +668,14 @@ def _rms_norm(a: Arrays, c: Ctx) -> tuple[Any, ...]:
     inv = 1.0 / np.sqrt(ms + eps)
     out = x * inv
     if a.get("scale") is not None:
-        out = out * _f(a["scale"]).reshape(x.shape[-1:])
+        out = out * as_f64(a["scale"]).reshape(x.shape[-1:])
     return (out, _stat_shape(inv.reshape(x.shape[:-1]), c, 1))
 
 
 def _rms_norm_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
-    x, g = _f(a["x"]), _f(a["out_grad"])
-    inv = _f(a["invvar"]).reshape((*x.shape[:-1], 1))
-    scale = _f(a["scale"]).reshape(x.shape[-1:]) if a.get("scale") is not None else np.ones(x.shape[-1:])
+    x, g = as_f64(a["x"]), as_f64(a["out_grad"])
+    inv = as_f64(a["invvar"]).reshape((*x.shape[:-1], 1))
+    scale = as_f64(a["scale"]).reshape(x.shape[-1:]) if a.get("scale") is not None else np.ones(x.shape[-1:])
     gs = g * scale
     m = (gs * x).mean(axis=-1, keepdims=True) if x.shape[-1] else np.zeros_like(inv)
     dx = inv * gs - x * inv**3 * m
@@ -683,7 +684,7 @@ def _rms_norm_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
 
 
 def _prep_rms_norm_grad(a: Arrays) -> None:
-    x = _f(a["x"])
+    x = as_f64(a["x"])
     eps = float(a.get("epsilon", 1e-5))
     if x.ndim and x.shape[-1]:
         a["invvar"] = (1.0 / np.sqrt((x * x).mean(axis=-1) + eps)).reshape(np.shape(a["invvar"]))
@@ -704,7 +705,7 @@ def _t(a: np.ndarray) -> np.ndarray:
 
 
 def _matmul(a: Arrays, c: Ctx) -> tuple[Any, ...]:
-    x, y = _f(a["x"]), _f(a["y"])
+    x, y = as_f64(a["x"]), as_f64(a["y"])
     if a.get("trans_x", False):
         x = _t(x)
     if a.get("trans_y", False):
@@ -713,7 +714,7 @@ def _matmul(a: Arrays, c: Ctx) -> tuple[Any, ...]:
 
 
 def _matmul_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
-    x, y, g = _f(a["x"]), _f(a["y"]), _f(a["out_grad"])
+    x, y, g = as_f64(a["x"]), as_f64(a["y"]), as_f64(a["out_grad"])
     tx, ty = bool(a.get("trans_x", False)), bool(a.get("trans_y", False))
     x2 = x.reshape(1, -1) if x.ndim == 1 else x
     y2 = y.reshape(-1, 1) if y.ndim == 1 else y
@@ -746,7 +747,7 @@ def _red(np_fn: Callable[..., np.ndarray]) -> Callable[[np.ndarray, tuple[int, .
 
 
 def _sq_l2(x: np.ndarray, ax: tuple[int, ...], keep: bool) -> np.ndarray:
-    x = _f(x)
+    x = as_f64(x)
     return np.asarray((x * x).sum(axis=ax, keepdims=keep))
 
 
@@ -836,7 +837,7 @@ def _expand_back(g: np.ndarray, xshape: tuple[int, ...], ax: tuple[int, ...], ke
 
 def _reduction_grad(name: str) -> RefFn:
     def run(a: Arrays, c: Ctx) -> tuple[Any, ...]:
-        x, g = _f(a["x"]), _f(a["out_grad"])
+        x, g = as_f64(a["x"]), as_f64(a["out_grad"])
         ax = _axes(a.get("axis", ()), x.ndim)
         if a.get("reduce_all", False):
             ax = tuple(range(x.ndim))
@@ -856,13 +857,13 @@ def _reduction_grad(name: str) -> RefFn:
             out: Any = a.get("out")
             if out is None:
                 out = (np.max if name == "max" else np.min)(x, axis=ax, keepdims=True)
-            ob = _expand_back(_f(out), x.shape, ax, keep)
+            ob = _expand_back(as_f64(out), x.shape, ax, keep)
             return ((x == ob) * gb,)
         if name == "prod":
             pout: Any = a.get("out")
             if pout is None:
                 pout = np.prod(x, axis=ax, keepdims=True)
-            return (_expand_back(_f(pout), x.shape, ax, keep) / x * gb,)
+            return (_expand_back(as_f64(pout), x.shape, ax, keep) / x * gb,)
         raise ValueError(f"no gradient for {name}")
 
     return run
@@ -937,7 +938,7 @@ def _dp(a: Arrays, c: Ctx) -> tuple[Any, ...]:
     for t in ins:
         if t.ndim == 0:
             continue
-        r = np.tanh(_f(t)).reshape(t.shape[0], int(np.prod(t.shape[1:]))).sum(axis=1)
+        r = np.tanh(as_f64(t)).reshape(t.shape[0], int(np.prod(t.shape[1:]))).sum(axis=1)
         rowsum = r if rowsum is None else rowsum + r
     outs: list[Any] = []
     for s in out_shapes:
@@ -945,7 +946,7 @@ def _dp(a: Arrays, c: Ctx) -> tuple[Any, ...]:
             outs.append(None)
             continue
         if not s:
-            outs.append(np.asarray(sum(float(np.tanh(_f(t)).sum()) for t in ins)))
+            outs.append(np.asarray(sum(float(np.tanh(as_f64(t)).sum()) for t in ins)))
             continue
         b = batch if batch is not None else s[0]
         shp = (b, *s[1:])
@@ -956,7 +957,7 @@ def _dp(a: Arrays, c: Ctx) -> tuple[Any, ...]:
 
 def _replicated(a: Arrays, c: Ctx) -> tuple[Any, ...]:
     ins = [np.asarray(t) for t in (a.get("ins") or []) if t is not None]
-    total = sum(float(np.tanh(_f(t)).sum()) for t in ins)
+    total = sum(float(np.tanh(as_f64(t)).sum()) for t in ins)
     return tuple(None if s is None else total * _pattern(tuple(s)) for s in c.shapes.get("outs", []))
 
 
@@ -1105,6 +1106,7 @@ __all__ = [
     "REDUCTIONS",
     "Reference",
     "UNARY",
+    "as_f64",
     "get_reference",
     "reference_names",
     "register_reference",

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from spmdkit.sim.cases import GENERATORS, TGen, rand_axis, rand_shape, rand_size
-from spmdkit.sim.ops import Arrays, Ctx, Reference, _f, register_reference, sum_to_shape
+from spmdkit.sim.ops import Arrays, Ctx, Reference, as_f64, register_reference, sum_to_shape
 from spmdkit.sim.ops import norm_axis as _ax
 
 Shape = tuple[int, ...]
@@ -36,7 +36,7 @@ def _i(x: Any) -> np.ndarray:
 
 
 def argsort(x: Any, axis: Any = -1, descending: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    x = _f(x)
+    x = as_f64(x)
     if x.ndim == 0:
         return x.copy(), np.zeros((), dtype=np.int64)
     ax = _ax(axis, x.ndim)
@@ -49,12 +49,12 @@ def _argsort(a: Arrays, c: Ctx) -> tuple[Any, ...]:
 
 
 def _argsort_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
-    x = _f(a["x"])
+    x = as_f64(a["x"])
     if x.ndim == 0:
-        return (_f(a["out_grad"]).copy(),)
+        return (as_f64(a["out_grad"]).copy(),)
     ax = _ax(a.get("axis", -1), x.ndim)
     gx = np.zeros_like(x)
-    np.put_along_axis(gx, _i(a["indices"]), _f(a["out_grad"]), axis=ax)
+    np.put_along_axis(gx, _i(a["indices"]), as_f64(a["out_grad"]), axis=ax)
     return (gx,)
 
 
@@ -72,7 +72,7 @@ register_reference(Reference("argsort_grad", _argsort_grad, ("indices", "x", "ou
 
 def cum_extreme(x: Any, axis: Any, largest: bool) -> tuple[np.ndarray, np.ndarray]:
     """(running max / min along axis, index of the element that gives it; ties: the later one)."""
-    x = _f(x)
+    x = as_f64(x)
     if x.ndim == 0:
         return x.copy(), np.zeros((), dtype=np.int64)
     ax = _ax(axis, x.ndim)
@@ -103,7 +103,7 @@ def scatter_add(shape: Shape, idx: np.ndarray, src: np.ndarray, ax: int) -> np.n
     sl = tuple(slice(None) if i == ax else slice(0, idx.shape[i]) for i in range(len(shape)))
     blk = np.moveaxis(out[sl].copy(), ax, -1)
     i2 = np.moveaxis(idx, ax, -1)
-    s2 = np.moveaxis(_f(src), ax, -1)
+    s2 = np.moveaxis(as_f64(src), ax, -1)
     rows = int(np.prod(i2.shape[:-1]))
     b2 = blk.reshape(rows, blk.shape[-1])
     r = np.arange(rows)[:, None]
@@ -120,8 +120,8 @@ def _cum(largest: bool) -> Any:
 
 
 def _cum_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
-    x = _f(a["x"])
-    g = _f(a["out_grad"])
+    x = as_f64(a["x"])
+    g = as_f64(a["out_grad"])
     if x.ndim == 0:
         return (g.copy(),)
     ax = _ax(a.get("axis", -1), x.ndim)
@@ -145,7 +145,7 @@ for _op, _lg in (("cummax", True), ("cummin", False)):
 
 
 def roll(x: Any, shifts: Any, axis: Any, sign: int = 1) -> np.ndarray:
-    x = _f(x)
+    x = as_f64(x)
     sh = [int(s) * sign for s in ((shifts,) if isinstance(shifts, int) else shifts)]
     ax = [] if axis is None else list((axis,) if isinstance(axis, int) else axis)
     if not ax:
@@ -174,7 +174,7 @@ def _crop(x: np.ndarray, shape: Shape, ax: int) -> tuple[slice, ...]:
 
 
 def take_along_axis(x: Any, index: Any, axis: Any) -> np.ndarray:
-    x = _f(x)
+    x = as_f64(x)
     idx = _i(index)
     ax = _ax(axis, x.ndim)
     return np.asarray(np.take_along_axis(x[_crop(x, idx.shape, ax)], idx, axis=ax))
@@ -189,9 +189,9 @@ def _prep_index_along(a: Arrays) -> None:
 
 
 def _take_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
-    x = _f(a["x"])
+    x = as_f64(a["x"])
     ax = _ax(a.get("axis", 0), x.ndim)
-    return (scatter_add(x.shape, _i(a["index"]), _f(a["out_grad"]), ax),)
+    return (scatter_add(x.shape, _i(a["index"]), as_f64(a["out_grad"]), ax),)
 
 
 register_reference(Reference("take_along_axis", lambda a, c: (take_along_axis(a["x"], a["index"], a.get("axis", 0)),),
@@ -206,9 +206,9 @@ _IDENTITY = {"add": 0.0, "mul": 1.0, "multiply": 1.0, "amin": math.inf, "amax": 
 
 def put_along_axis(x: Any, index: Any, value: Any, axis: Any, reduce: str = "assign",
                    include_self: bool = True) -> np.ndarray:
-    x = _f(x)
+    x = as_f64(x)
     idx = _i(index)
-    v = np.broadcast_to(_f(value), idx.shape)
+    v = np.broadcast_to(as_f64(value), idx.shape)
     ax = _ax(axis, x.ndim)
     out = x.copy()
     sl = _crop(x, idx.shape, ax)
@@ -271,10 +271,10 @@ def _prep_put_grad(a: Arrays) -> None:
 
 
 def _put_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
-    x = _f(a["x"])
+    x = as_f64(a["x"])
     ax = _ax(a.get("axis", 0), x.ndim)
     idx = _i(a["index"])
-    g = _f(a["out_grad"])
+    g = as_f64(a["out_grad"])
     reduce = a.get("reduce", "assign")
     if reduce not in ("assign", "add"):
         raise ValueError(f"the put_along_axis_grad reference covers assign and add, not {reduce!r}")
@@ -314,9 +314,9 @@ def _prep_index_put(a: Arrays) -> None:
 
 
 def index_put(x: Any, indices: Any, value: Any, accumulate: bool) -> np.ndarray:
-    out = _f(x).copy()
+    out = as_f64(x).copy()
     idx = tuple(_i(t) for t in indices)
-    v = _f(value)
+    v = as_f64(value)
     if accumulate:
         np.add.at(out, idx, np.broadcast_to(v, out[idx].shape))
     else:
@@ -325,7 +325,7 @@ def index_put(x: Any, indices: Any, value: Any, accumulate: bool) -> np.ndarray:
 
 
 def _index_put_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
-    g = _f(a["out_grad"])
+    g = as_f64(a["out_grad"])
     idx = tuple(_i(t) for t in a["indices"])
     gx = g.copy()
     if not bool(a.get("accumulate", False)):
@@ -384,7 +384,7 @@ def _pn_axes(a: Arrays, ndim: int) -> tuple[int, ...]:
 
 
 def p_norm(x: Any, porder: float, axes: tuple[int, ...], keep: bool) -> np.ndarray:
-    x = np.abs(_f(x))
+    x = np.abs(as_f64(x))
     if not axes:
         return np.asarray(x.copy() if porder != 0 else (x != 0).astype(np.float64))
     p = float(porder)
@@ -402,17 +402,17 @@ def p_norm(x: Any, porder: float, axes: tuple[int, ...], keep: bool) -> np.ndarr
 
 
 def _pnorm(a: Arrays, c: Ctx) -> tuple[Any, ...]:
-    x = _f(a["x"])
+    x = as_f64(a["x"])
     return (p_norm(x, a.get("porder", 2.0), _pn_axes(a, x.ndim), bool(a.get("keepdims", False))),)
 
 
 def _pnorm_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
-    x = _f(a["x"])
+    x = as_f64(a["x"])
     axes = _pn_axes(a, x.ndim)
     p = float(a.get("porder", 2.0))
     keep = [1 if i in axes else s for i, s in enumerate(x.shape)]
-    out = _f(a["out"]).reshape(keep)
-    g = _f(a["out_grad"]).reshape(keep)
+    out = as_f64(a["out"]).reshape(keep)
+    g = as_f64(a["out_grad"]).reshape(keep)
     if p == 0:
         return (np.zeros_like(x),)
     if math.isinf(p):
@@ -421,7 +421,7 @@ def _pnorm_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
 
 
 def _prep_pnorm_grad(a: Arrays) -> None:
-    x = _f(a["x"])
+    x = as_f64(a["x"])
     a["out"] = p_norm(x, a.get("porder", 2.0), _pn_axes(a, x.ndim), bool(a.get("keepdims", False)))
 
 
@@ -434,17 +434,17 @@ register_reference(Reference("p_norm_grad", _pnorm_grad, ("x", "out", "out_grad"
 
 
 def label_smooth(label: Any, prior: Any, eps: float) -> np.ndarray:
-    lab = _f(label)
+    lab = as_f64(label)
     if prior is None:
         return np.asarray((1 - eps) * lab + eps / lab.shape[-1])
-    return np.asarray((1 - eps) * lab + eps * _f(prior))
+    return np.asarray((1 - eps) * lab + eps * as_f64(prior))
 
 
 register_reference(Reference("label_smooth",
                              lambda a, c: (label_smooth(a["label"], a.get("prior_dist"), float(a.get("epsilon", 0.0))),),
                              ("label",), ("out",), "misc_label", optional=("prior_dist",)))
 register_reference(Reference("label_smooth_grad",
-                             lambda a, c: ((1 - float(a.get("epsilon", 0.0))) * _f(a["out_grad"]),),
+                             lambda a, c: ((1 - float(a.get("epsilon", 0.0))) * as_f64(a["out_grad"]),),
                              ("out_grad",), ("label_grad",), "misc_label_grad"))
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from spmdkit.sim.cases import GENERATORS, TGen, rand_axis, rand_shape
-from spmdkit.sim.ops import Arrays, Ctx, Reference, _f, register_reference
+from spmdkit.sim.ops import Arrays, Ctx, Reference, as_f64, register_reference
 from spmdkit.sim.ops import norm_axis as _ax
 
 Shape = tuple[int, ...]
@@ -27,7 +27,7 @@ Shape = tuple[int, ...]
 
 
 def _tri(x: Any, diagonal: Any, lower: Any) -> np.ndarray:
-    x = _f(x)
+    x = as_f64(x)
     if x.ndim < 2:
         raise ValueError("triu needs at least 2 dims")
     k = int(diagonal)
@@ -49,7 +49,7 @@ register_reference(Reference("tril_triu_grad",
 
 
 def cumsum(x: Any, axis: Any = -1, flatten: bool = False, exclusive: bool = False, reverse: bool = False) -> np.ndarray:
-    x = _f(x)
+    x = as_f64(x)
     if flatten:
         x = x.reshape(-1)
         ax = 0
@@ -74,8 +74,8 @@ def _cumsum(a: Arrays, c: Ctx) -> tuple[Any, ...]:
 
 def _cumsum_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
     # d/dx of a (reversed, exclusive) scan: the scan of out_grad in the other direction
-    x = _f(a["x"])
-    g = _f(a["out_grad"])
+    x = as_f64(a["x"])
+    g = as_f64(a["out_grad"])
     flatten = bool(a.get("flatten", False))
     axis = 0 if flatten else a.get("axis", -1)
     gx = cumsum(g, axis, False, bool(a.get("exclusive", False)), not bool(a.get("reverse", False)))
@@ -91,7 +91,7 @@ register_reference(Reference("cumsum_grad", _cumsum_grad, ("x", "out_grad"), ("x
 
 def _arg(fn: Any) -> Any:
     def run(a: Arrays, c: Ctx) -> tuple[Any, ...]:
-        x = _f(a["x"])
+        x = as_f64(a["x"])
         keep = bool(a.get("keepdims", False))
         ax = _ax(a.get("axis", -1), x.ndim)
         if a.get("flatten", False) or x.ndim == 0:
@@ -110,7 +110,7 @@ register_reference(Reference("argmin", _arg(np.argmin), ("x",), ("out",), "argmi
 
 
 def topk(x: Any, k: int, axis: Any, largest: bool) -> tuple[np.ndarray, np.ndarray]:
-    x = _f(x)
+    x = as_f64(x)
     ax = _ax(axis, x.ndim)
     order = np.argsort(-x if largest else x, axis=ax, kind="stable")
     idx = np.take(order, np.arange(int(k)), axis=ax)
@@ -122,10 +122,10 @@ def _topk(a: Arrays, c: Ctx) -> tuple[Any, ...]:
 
 
 def _topk_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
-    x = _f(a["x"])
+    x = as_f64(a["x"])
     ax = _ax(a.get("axis", -1), x.ndim)
     gx = np.zeros_like(x)
-    np.put_along_axis(gx, np.asarray(a["indices"], dtype=np.int64), _f(a["out_grad"]), axis=ax)
+    np.put_along_axis(gx, np.asarray(a["indices"], dtype=np.int64), as_f64(a["out_grad"]), axis=ax)
     return (gx,)
 
 
@@ -151,7 +151,7 @@ def _lse_axes(a: Arrays, ndim: int) -> tuple[int, ...]:
 
 
 def logsumexp(x: Any, axes: tuple[int, ...], keep: bool) -> np.ndarray:
-    x = _f(x)
+    x = as_f64(x)
     if x.ndim == 0 or not axes:
         return np.array(x, copy=True)
     m = np.max(x, axis=axes, keepdims=True) if x.size else np.zeros([1 if i in axes else s for i, s in
@@ -161,7 +161,7 @@ def logsumexp(x: Any, axes: tuple[int, ...], keep: bool) -> np.ndarray:
 
 
 def _lse(a: Arrays, c: Ctx) -> tuple[Any, ...]:
-    x = _f(a["x"])
+    x = as_f64(a["x"])
     return (logsumexp(x, _lse_axes(a, x.ndim), bool(a.get("keepdims", False))),)
 
 
@@ -172,16 +172,16 @@ def _keep_shape(t: np.ndarray, x: np.ndarray, axes: tuple[int, ...], keep: bool)
 
 
 def _lse_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
-    x = _f(a["x"])
+    x = as_f64(a["x"])
     axes = _lse_axes(a, x.ndim)
     keep = bool(a.get("keepdims", False))
-    out = _keep_shape(_f(a["out"]), x, axes, keep)
-    g = _keep_shape(_f(a["out_grad"]), x, axes, keep)
+    out = _keep_shape(as_f64(a["out"]), x, axes, keep)
+    g = _keep_shape(as_f64(a["out_grad"]), x, axes, keep)
     return (np.asarray(g * np.exp(x - out)),)
 
 
 def _prep_lse_grad(a: Arrays) -> None:
-    x = _f(a["x"])
+    x = as_f64(a["x"])
     a["out"] = logsumexp(x, _lse_axes(a, x.ndim), bool(a.get("keepdims", False)))
 
 
@@ -194,7 +194,7 @@ register_reference(Reference("logsumexp_grad", _lse_grad, ("x", "out", "out_grad
 
 
 def _add_n(a: Arrays, c: Ctx) -> tuple[Any, ...]:
-    xs = [_f(t) for t in a["input"]]
+    xs = [as_f64(t) for t in a["input"]]
     out = xs[0].copy()
     for t in xs[1:]:
         out = out + t
@@ -202,7 +202,7 @@ def _add_n(a: Arrays, c: Ctx) -> tuple[Any, ...]:
 
 
 def _add_n_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
-    g = _f(a["out_grad"])
+    g = as_f64(a["out_grad"])
     return tuple(g.copy() for _ in a["inputs"])
 
 

@@ -1,0 +1,144 @@
+"""``spmdkit plan --devices N``: the outer search's command.
+
+The flags checked, the search run (:func:`spmdkit.graph.auto_search.search_meshes`, the
+library), its table printed and the best configuration's plan reported (text or JSON), with
+``--verify`` the best one checked at tiny sizes (:func:`spmdkit.graph.auto_search.verify_config`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any, TextIO
+
+from spmdkit.core.errors import ProgramError
+from spmdkit.graph.auto_search import (
+    Candidate,
+    import_hf_program,
+    search_json,
+    search_meshes,
+    verify_config,
+    write_search,
+)
+
+
+def run_devices(ns: argparse.Namespace, out: TextIO) -> int:
+    """``spmdkit plan --devices N``: the search's table, then the best plan's report."""
+    from spmdkit.cli.plan import parse_annotations, parse_tp_plan
+    from spmdkit.graph.planning import MAX_SIZE, parse_cost, parse_size
+    from spmdkit.graph.strategy import MAX_RANKS
+
+    n = parse_size("--devices", ns.devices, MAX_RANKS)
+    assert n is not None
+    if ns.mesh is not None:
+        raise ProgramError("--devices: give either --mesh or --devices (the search chooses the mesh)")
+    for flag, key in (("--microbatches", "microbatches"), ("--schedule", "schedule"),
+                      ("--virtual-stages", "virtual_stages"), ("--stages", "stages"), ("--grad-accum", "grad_accum")):
+        if getattr(ns, key, None) is not None:
+            raise ProgramError(f"{flag}: does not apply with --devices (the search chooses the pipeline: 1F1B, "
+                               "one sequence per dp rank per microbatch)")
+    hf = getattr(ns, "hf", None)
+    if hf is not None and ns.program:
+        raise ProgramError("--hf: give either --hf or --program, not both")
+    if hf is None and getattr(ns, "hf_config", None) is not None:
+        raise ProgramError("--hf-config: configures an --hf model; give --hf CLASS too")
+    if getattr(ns, "tp_plan", None) is not None and hf is None and not ns.program:
+        raise ProgramError("--tp-plan: applies to --hf or --program models (a preset has its own roles)")
+    if ns.cost:  # named before planning: dims dp, tp and pp (its entry times the pipeline's sends)
+        from spmdkit.graph.strategy import parse_mesh
+
+        parse_cost(ns.cost, parse_mesh("pp=2,dp=1,tp=1"))
+    limit = auto_time_limit(ns)
+    user = parse_annotations(ns.annotate)
+    layers = parse_size("--layers", ns.layers, 1 << 20)
+    batch = parse_size("--batch", ns.batch, MAX_SIZE)
+    seq = parse_size("--seq", ns.seq, MAX_SIZE)
+    nodes = parse_size("--nodes-of", getattr(ns, "nodes_of", None), 1 << 20)
+    mem = getattr(ns, "memory", None)
+    device = getattr(ns, "device", None) or "h100"
+    model: Any
+    if hf is not None:
+        if ns.hf_config is None:
+            raise ProgramError(f"--hf {hf[:40]!r}: needs --hf-config FILE|JSON (the model's config)")
+        if layers is not None:
+            raise ProgramError("--layers: does not apply to --hf (set num_hidden_layers in --hf-config)")
+        model = import_hf_program(hf, ns.hf_config, batch or 2, seq or 16, getattr(ns, "dtype", "float32"))
+        what = f"{hf} (HuggingFace), batch {batch or 2}, seq {seq or 16}"
+    elif ns.program:
+        given = [f for f, v in (("--layers", layers), ("--batch", batch), ("--seq", seq)) if v is not None]
+        if given:
+            raise ProgramError(f"{given[0]}: overrides a preset's size; it does not apply to --program")
+        from spmdkit.graph.program import load_program
+
+        model = load_program(ns.program)
+        what = f"program {ns.program}"
+    else:
+        model = ns.model
+        what = ns.model
+    res = search_meshes(model, n, device, mem, auto=bool(getattr(ns, "auto", False)),
+                        strategies=[ns.strategy] if ns.strategy else None,
+                        recompute=[ns.recompute] if getattr(ns, "recompute", None) else None,
+                        overrides={"layers": layers, "batch": batch, "seq": seq} if isinstance(model, str) else None,
+                        pins=user, cost_text=ns.cost, time_limit=limit, nodes_of=nodes,
+                        patterns=parse_tp_plan(getattr(ns, "tp_plan", None)))
+    best = res.best
+    verdict = None
+    if ns.verify and best is not None:
+        if not isinstance(model, str):
+            raise ProgramError("--verify: simulates a preset model; it does not apply to --hf or --program")
+        verdict = verify_config(best, model, ns.cost)
+    if ns.json:
+        from spmdkit.graph.report import plan_json
+
+        extra: dict[str, Any] = {"search": search_json(res)}
+        if best is None:
+            out.write(json.dumps(extra) + "\n")
+            return 1
+        extra["title"] = f"{what}; best of {n} devices: {best.title}"
+        if verdict is not None:
+            extra["verify"] = verdict
+        if best.config.pp > 1:
+            extra["pipeline"] = best.estimate.to_json()
+            out.write(json.dumps(plan_json(best.plan, best.memory_detail, extra)) + "\n")
+        else:
+            out.write(json.dumps(plan_json(best.plan, best.memory_detail, extra, best.estimate)) + "\n")
+    else:
+        out.write(f"{what} on {n} devices ({res.device.name})\n")
+        write_search(res, out)
+        if best is None:
+            out.write("no configuration fits: raise --memory, add devices, or shorten the model\n")
+            return 1
+        _write_best(best, out)
+        if verdict is not None:
+            out.write("\n" + verdict["text"] + "\n")
+    return 0 if verdict is None or verdict["ok"] else 1
+
+
+def _write_best(best: Candidate, out: TextIO) -> None:
+    from spmdkit.graph.report import write_report
+
+    title = f"\nThe best: {best.config.label()}. {best.title}"
+    if best.config.pp > 1:
+        from spmdkit.graph.pipeline import write_pipeline
+
+        write_report(best.plan, out, title + " (the plan of one microbatch on the stages' sub-mesh)",
+                     best.memory_detail, best.plan_s)
+        write_pipeline(best.estimate, out)
+    else:
+        write_report(best.plan, out, title, best.memory_detail, best.plan_s, best.estimate)
+
+
+def auto_time_limit(ns: argparse.Namespace) -> float:
+    from spmdkit.graph.planning import clip_repr
+
+    text = getattr(ns, "auto_time_limit", None) or "60"
+    try:
+        limit = float(text)
+    except ValueError:
+        raise ProgramError(f"--auto-time-limit: {clip_repr(str(text))} is not a number of seconds") from None
+    if not 0 < limit <= 86400:
+        raise ProgramError(f"--auto-time-limit: {limit:g} is not between 0 and 86400 seconds")
+    return limit
+
+
+__all__ = ["auto_time_limit", "run_devices"]
