@@ -22,10 +22,9 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'spmdkit[torch]')")
 
-from spmdkit.graph.plan_cli import plan_model  # noqa: E402
-
 from conftest import run_cli_line  # noqa: E402
 from spmdkit.core.errors import SpmdError  # noqa: E402
+from spmdkit.graph.planning import plan_model  # noqa: E402
 from spmdkit.graph.program import ProgramBuilder  # noqa: E402
 from spmdkit.graph.propagate import propagate  # noqa: E402
 from spmdkit.graph.strategy import parse_mesh  # noqa: E402

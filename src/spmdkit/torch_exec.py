@@ -53,7 +53,7 @@ import torch.distributed as dist
 from spmdkit.core.dist_attr import ReduceType, TensorDistAttr
 from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.graph.propagate import Plan
-from spmdkit.graph.simulate import _flat_out, loss_name, op_io, source_values, unusable
+from spmdkit.graph.simulate import flat_values, loss_name, op_io, source_values, unusable
 from spmdkit.launch import free_port, launch_local, port_in_use, uneven_shards
 from spmdkit.reshard import Step, local_bytes, plan_reshard
 from spmdkit.sim.mesh import AssembleError, arrays_close, assemble, max_abs_error, nonfinite_count, shard
@@ -380,10 +380,10 @@ class Rank:
                       gshapes, comm=comm)
             k0 = self.kernel_comm_s
             if torch_kernels:
-                outs = _flat_out(_run_torch(op_plan.op, io, args, ctx))
+                outs = flat_values(_run_torch(op_plan.op, io, args, ctx))
             else:
                 with np.errstate(all="ignore"):
-                    outs = _flat_out(io.ref.run(args, ctx))
+                    outs = flat_values(io.ref.run(args, ctx))
             t2 = self._clock()
             inner = self.kernel_comm_s - k0
             slot["comm"] += (t1 - t0) + inner
@@ -469,7 +469,7 @@ def _global_step(plan: Plan, seed: int, values: dict[str, Any] | None = None, ke
         io = op_io(op_plan, prog)
         args = io.values(lambda n, req: glob[n])
         with np.errstate(all="ignore"):
-            gouts = _flat_out(io.ref.run(args, Ctx(plan.mesh, None, None, io.in_attrs, io.shapes, io.out_ndims,
+            gouts = flat_values(io.ref.run(args, Ctx(plan.mesh, None, None, io.in_attrs, io.shapes, io.out_ndims,
                                                    io.out_attrs)))
         for k, o in enumerate(io.out_refs):
             if o is not None and k < len(gouts) and gouts[k] is not None:
@@ -504,7 +504,7 @@ def global_step_torch(plan: Plan, seed: int = 0, values: dict[str, Any] | None =
         feed = optimizer_inputs if optimizer_inputs is not None and op_plan.op.phase == "optimizer" else {}
         args = io.values(partial(_fetch, glob, feed, prog, dev))
         t0 = time.perf_counter()
-        gouts = _flat_out(_run_torch(op_plan.op, io, args, Ctx(plan.mesh, None, None, io.in_attrs, io.shapes,
+        gouts = flat_values(_run_torch(op_plan.op, io, args, Ctx(plan.mesh, None, None, io.in_attrs, io.shapes,
                                                                 io.out_ndims, io.out_attrs)))
         if sync:
             torch.cuda.synchronize(dev)
@@ -851,7 +851,7 @@ def eager_reference(prog: Any, module: Any, args: Any = (), kwargs: dict[str, An
     Returns (the dtype torch ran in, the values)."""
     import copy
 
-    from spmdkit.torch_import import _hf_call
+    from spmdkit.torch_import import hf_call_kwargs
 
     pl = getattr(prog, "loss", None)
     if not isinstance(pl, str):
@@ -874,7 +874,7 @@ def eager_reference(prog: Any, module: Any, args: Any = (), kwargs: dict[str, An
 
     m.zero_grad(set_to_none=True)
     with torch.enable_grad():
-        out = m(*cast(tuple(args)), **cast(_hf_call(m, kwargs)))
+        out = m(*cast(tuple(args)), **cast(hf_call_kwargs(m, kwargs)))
         flat = [v for v in torch.utils._pytree.tree_flatten(out)[0] if isinstance(v, torch.Tensor)]
         if len(flat) != len(outs):
             raise ProgramError(f"torch eager: the module returned {len(flat)} tensors, the program records "

@@ -1815,7 +1815,6 @@ def hf_call_kwargs(module: Any, kwargs: Mapping[str, Any] | None) -> dict[str, A
     return kw
 
 
-_hf_call = hf_call_kwargs  # alias for auto.py/torch_exec.py until merged
 
 
 def _mutates(ep: Any) -> bool:

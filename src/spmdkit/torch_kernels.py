@@ -765,8 +765,8 @@ _register_views()
 # -- slice, expand, pad, split, concat -------------------------------------------------------------
 
 
-def _slice_index(shape: Sequence[int], axes: Any, starts: Any, ends: Any, strides: Any = None) -> tuple[slice, ...]:
-    from spmdkit.sim.refs.slice import _slice_index as idx
+def slice_index(shape: Sequence[int], axes: Any, starts: Any, ends: Any, strides: Any = None) -> tuple[slice, ...]:
+    from spmdkit.sim.refs.slice import slice_index as idx
 
     return idx(tuple(shape), axes, starts, ends, strides)
 
@@ -774,7 +774,7 @@ def _slice_index(shape: Sequence[int], axes: Any, starts: Any, ends: Any, stride
 @register("slice")
 def _k_slice(a: Args, c: Ctx) -> tuple[Any, ...]:
     x = _t(a["input"])
-    out = x[_slice_index(x.shape, a["axes"], a["starts"], a["ends"])]
+    out = x[slice_index(x.shape, a["axes"], a["starts"], a["ends"])]
     dec = [int(d) + x.ndim if int(d) < 0 else int(d) for d in (a.get("decrease_axis") or ())]
     if dec:
         out = out.reshape(tuple(s for i, s in enumerate(out.shape) if i not in dec))
@@ -784,7 +784,7 @@ def _k_slice(a: Args, c: Ctx) -> tuple[Any, ...]:
 @register("slice_grad")
 def _k_slice_grad(a: Args, c: Ctx) -> tuple[Any, ...]:
     x, g = _t(a["input"]), _t(a["out_grad"])
-    idx = _slice_index(x.shape, a["axes"], a["starts"], a["ends"], a.get("strides"))
+    idx = slice_index(x.shape, a["axes"], a["starts"], a["ends"], a.get("strides"))
     out = torch.zeros(x.shape, dtype=g.dtype, device=g.device)
     out[idx] = g.reshape(out[idx].shape)
     return (out,)
@@ -792,10 +792,10 @@ def _k_slice_grad(a: Args, c: Ctx) -> tuple[Any, ...]:
 
 @register("expand")
 def _k_expand(a: Args, c: Ctx) -> tuple[Any, ...]:
-    from spmdkit.sim.refs.slice import _target
+    from spmdkit.sim.refs.slice import expand_target
 
     x = _t(a["x"])
-    return (torch.broadcast_to(x, _target(a["shape"], tuple(x.shape))).contiguous(),)
+    return (torch.broadcast_to(x, expand_target(a["shape"], tuple(x.shape))).contiguous(),)
 
 
 @register("expand_grad", "expand_as_grad", "expand_as_v2_grad")
@@ -902,10 +902,10 @@ def _k_tile_grad(a: Args, c: Ctx) -> tuple[Any, ...]:
 
 @register("expand_as", "expand_as_v2")
 def _k_expand_as(a: Args, c: Ctx) -> tuple[Any, ...]:
-    from spmdkit.sim.refs.slice import _target
+    from spmdkit.sim.refs.slice import expand_target
 
     x = _t(a["x"])
-    tgt = tuple(_t(a["y"]).shape) if a.get("y") is not None else _target(a["target_shape"], tuple(x.shape))
+    tgt = tuple(_t(a["y"]).shape) if a.get("y") is not None else expand_target(a["target_shape"], tuple(x.shape))
     return (torch.broadcast_to(x, tgt).contiguous(),)
 
 
@@ -1319,7 +1319,7 @@ def _k_c_softmax(a: Args, c: Ctx) -> tuple[Any, ...]:
     """The class axis sharded: the max, the sum of exponentials and the label's logit
     all-reduced over the mesh dims that shard it (``Ctx.comm``), as Megatron's kernel does."""
     from spmdkit.core.dist_attr import entry_dims
-    from spmdkit.sim.refs.loss import _class_start
+    from spmdkit.sim.refs.loss import class_start
 
     x = _t(a["x"])
     ig = int(a.get("ignore_index", -100))
@@ -1328,7 +1328,7 @@ def _k_c_softmax(a: Args, c: Ctx) -> tuple[Any, ...]:
     if c.comm is None:
         raise ValueError("c_softmax_with_cross_entropy: a rank's torch kernel needs Ctx.comm (the class group)")
     dims = entry_dims(c.in_attrs["x"].dims_mapping[-1])
-    start = _class_start(c, "x")
+    start = class_start(c, "x")
     m = c.comm.all_reduce(torch.amax(x, dim=-1, keepdim=True), dims, "max")
     e = torch.exp(x - m)
     s = c.comm.all_reduce(e.sum(dim=-1, keepdim=True), dims, "sum")
@@ -1353,15 +1353,15 @@ def _k_c_softmax_grad(a: Args, c: Ctx) -> tuple[Any, ...]:
 
 
 def _conv_fn(a: Args) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    from spmdkit.sim.refs.conv import _conv_geometry, _last
+    from spmdkit.sim.refs.conv import channels_last, conv_geometry
 
-    last = _last(a)
+    last = channels_last(a)
     groups = int(a.get("groups", 1))
 
     def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         xc = x.movedim(-1, 1) if last else x
         nsp = xc.ndim - 2
-        st, pads, dil = _conv_geometry(tuple(xc.shape[2:]), tuple(w.shape[2:]), a, nsp)
+        st, pads, dil = conv_geometry(tuple(xc.shape[2:]), tuple(w.shape[2:]), a, nsp)
         flat: list[int] = []
         for lo, hi in reversed(pads):
             flat += [lo, hi]

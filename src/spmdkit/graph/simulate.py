@@ -282,7 +282,6 @@ def flat_values(vals: Any) -> list[Any]:
     return flat
 
 
-_flat_out = flat_values  # alias for auto.py/torch_exec.py until merged
 
 
 @dataclass

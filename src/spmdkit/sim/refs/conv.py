@@ -53,7 +53,7 @@ def _pads(paddings: Any, nsp: int) -> Pads:
     raise ValueError(f"paddings {p} for {nsp} spatial dims")
 
 
-def _conv_geometry(
+def conv_geometry(
     in_sp: Sequence[int], k_sp: Sequence[int], a: Arrays, nsp: int
 ) -> tuple[list[int], Pads, list[int]]:
     """(strides, pads, dilations) after padding_algorithm (SAME / VALID / EXPLICIT)."""
@@ -159,7 +159,7 @@ def _from_cf(x: np.ndarray, last: bool) -> np.ndarray:
     return np.moveaxis(x, 1, -1) if last else x
 
 
-def _last(a: Arrays) -> bool:
+def channels_last(a: Arrays) -> bool:
     fmt = str(a.get("data_format", "NCHW"))
     return fmt in ("NHWC", "NDHWC")
 
@@ -169,11 +169,11 @@ def _f(x: Any) -> np.ndarray:
 
 
 def _conv_setup(a: Arrays) -> tuple[np.ndarray, np.ndarray, list[int], Pads, list[int], int, bool]:
-    last = _last(a)
+    last = channels_last(a)
     x = _to_cf(_f(a["input"]), last)
     w = _f(a["filter"])
     nsp = x.ndim - 2
-    st, pads, dil = _conv_geometry(x.shape[2:], w.shape[2:], a, nsp)
+    st, pads, dil = conv_geometry(x.shape[2:], w.shape[2:], a, nsp)
     return x, w, st, pads, dil, int(a.get("groups", 1)), last
 
 
@@ -215,7 +215,7 @@ def _ct_geometry(a: Arrays, x: np.ndarray, w: np.ndarray) -> tuple[list[int], Pa
 
 
 def _ct_setup(a: Arrays) -> tuple[np.ndarray, np.ndarray, list[int], Pads, list[int], list[int], int, bool]:
-    last = _last(a)
+    last = channels_last(a)
     x = _to_cf(_f(a["input"]), last)
     w = _f(a["filter"])
     st, pads, dil, sizes = _ct_geometry(a, x, w)

@@ -172,7 +172,7 @@ def _c_softmax_comm(x: np.ndarray, label: Any, ig: int, c: Ctx) -> tuple[Any, ..
     from spmdkit.core.dist_attr import entry_dims
 
     dims = entry_dims(c.in_attrs["x"].dims_mapping[-1])
-    start = _class_start(c, "x")
+    start = class_start(c, "x")
     m = c.comm.all_reduce(x.max(axis=-1, keepdims=True), dims, "max")
     e = np.exp(x - m)
     s = c.comm.all_reduce(e.sum(axis=-1, keepdims=True), dims, "sum")
@@ -189,7 +189,7 @@ def _prep_c(a: Arrays) -> None:
     _prep_label(a, np.ndim(x) - 1, int(np.shape(x)[-1]))
 
 
-def _class_start(c: Ctx, name: str) -> int:
+def class_start(c: Ctx, name: str) -> int:
     if c.is_global or c.coords is None:
         return 0
     from spmdkit.sim.mesh import local_slices
@@ -205,7 +205,7 @@ def _c_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
 
 def _localize_c_grad(a: Arrays, c: Ctx) -> Arrays:
     out = dict(a)
-    out["_class_start"] = _class_start(c, "softmax")
+    out["_class_start"] = class_start(c, "softmax")
     return out
 
 

@@ -47,6 +47,7 @@ import numpy as np
 
 from spmdkit.sim.cases import GENERATORS, TGen, rand_shape, rand_size
 from spmdkit.sim.ops import Arrays, Ctx, Reference, register_reference
+from spmdkit.sim.refs.loss import class_start
 
 _GROUP: dict[str, Any] = {}
 
@@ -215,7 +216,7 @@ def _ml_comm(x: np.ndarray, a: Arrays, ig: int, summed: bool, c: Ctx) -> tuple[A
     from spmdkit.core.dist_attr import entry_dims
 
     dims = entry_dims(c.in_attrs["x"].dims_mapping[-1])
-    start = _class_start(c, "x")
+    start = class_start(c, "x")
     m = c.comm.all_reduce(x.max(axis=-1, keepdims=True), dims, "max")
     e = np.exp(x - m)
     s = c.comm.all_reduce(e.sum(axis=-1, keepdims=True), dims, "sum")
@@ -226,13 +227,6 @@ def _ml_comm(x: np.ndarray, a: Arrays, ig: int, summed: bool, c: Ctx) -> tuple[A
     xl = c.comm.all_reduce(np.where(mine, picked, 0.0), dims, "sum")
     return e / s, _ml_loss(xl - m - np.log(s), lab, _f(a["smooth_weight"]), ig, summed)
 
-
-def _class_start(c: Ctx, name: str) -> int:
-    if c.is_global or c.coords is None:
-        return 0
-    from spmdkit.sim.mesh import local_slices
-
-    return int(local_slices(c.in_attrs[name], c.shapes[name], c.coords)[-1].start)
 
 
 def ml_grad(softmax: Any, label: Any, w: Any, loss_grad: Any, ig: int, class_start: int = 0) -> np.ndarray:
@@ -251,7 +245,7 @@ def _ml_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
 
 def _localize_ml_grad(a: Arrays, c: Ctx) -> Arrays:
     out = dict(a)
-    out["_class_start"] = _class_start(c, "softmax")
+    out["_class_start"] = class_start(c, "softmax")
     return out
 
 

@@ -23,7 +23,7 @@ def _norm(axes: Any, ndim: int) -> list[int]:
     return [int(a) + ndim if int(a) < 0 else int(a) for a in axes]
 
 
-def _slice_index(shape: Shape, axes: Any, starts: Any, ends: Any, strides: Any = None) -> tuple[slice, ...]:
+def slice_index(shape: Shape, axes: Any, starts: Any, ends: Any, strides: Any = None) -> tuple[slice, ...]:
     idx = [slice(None)] * len(shape)
     ax = _norm(axes, len(shape))
     for k, a in enumerate(ax):
@@ -41,7 +41,7 @@ def _slice_index(shape: Shape, axes: Any, starts: Any, ends: Any, strides: Any =
 
 def _slice(a: Arrays, c: Ctx) -> tuple[Any, ...]:
     x = np.asarray(a["input"])
-    out = x[_slice_index(x.shape, a["axes"], a["starts"], a["ends"])]
+    out = x[slice_index(x.shape, a["axes"], a["starts"], a["ends"])]
     dec = _norm(a.get("decrease_axis") or (), x.ndim)
     if dec:
         out = out.reshape(tuple(s for i, s in enumerate(out.shape) if i not in dec))
@@ -51,7 +51,7 @@ def _slice(a: Arrays, c: Ctx) -> tuple[Any, ...]:
 def _slice_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
     x = np.asarray(a["input"])
     g = np.asarray(a["out_grad"], dtype=np.float64)
-    idx = _slice_index(x.shape, a["axes"], a["starts"], a["ends"], a.get("strides"))
+    idx = slice_index(x.shape, a["axes"], a["starts"], a["ends"], a.get("strides"))
     out = np.zeros(x.shape)
     target = out[idx].shape
     out[idx] = g.reshape(target)
@@ -60,7 +60,7 @@ def _slice_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
 
 def _strided_slice(a: Arrays, c: Ctx) -> tuple[Any, ...]:
     x = np.asarray(a["input"])
-    return (x[_slice_index(x.shape, a["axes"], a["starts"], a["ends"], a["strides"])],)
+    return (x[slice_index(x.shape, a["axes"], a["starts"], a["ends"], a["strides"])],)
 
 
 def _tile(a: Arrays, c: Ctx) -> tuple[Any, ...]:
@@ -82,7 +82,7 @@ def _tile_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
 
 def _expand_as(a: Arrays, c: Ctx) -> tuple[Any, ...]:
     x = np.asarray(a["x"])
-    tgt = np.shape(a["y"]) if a.get("y") is not None else _target(a["target_shape"], x.shape)
+    tgt = np.shape(a["y"]) if a.get("y") is not None else expand_target(a["target_shape"], x.shape)
     return (np.array(np.broadcast_to(x, tgt)),)
 
 
@@ -102,14 +102,14 @@ def _expand_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
     return (sum_to_shape(np.asarray(a["out_grad"], dtype=np.float64), np.shape(a["x"])),)
 
 
-def _target(shape: Any, xs: Shape) -> Shape:
+def expand_target(shape: Any, xs: Shape) -> Shape:
     d = len(shape) - len(xs)
     return tuple(xs[i - d] if int(s) == -1 else int(s) for i, s in enumerate(shape))
 
 
 def _expand(a: Arrays, c: Ctx) -> tuple[Any, ...]:
     x = np.asarray(a["x"])
-    return (np.array(np.broadcast_to(x, _target(a["shape"], x.shape))),)
+    return (np.array(np.broadcast_to(x, expand_target(a["shape"], x.shape))),)
 
 
 def _expand_localize(a: Arrays, c: Ctx) -> Arrays:
