@@ -132,7 +132,7 @@ def test_cli_auto_json() -> None:
     assert rc == 0, out
     got = json.loads(out)
     assert got["auto"]["status"] == "Optimal"
-    assert got["auto"]["folded_layers"] is False and got["auto"]["merged_elementwise"] is False
+    assert got["auto"]["folded_layers"] is False and got["auto"]["merged_elementwise"] is True
 
 
 @pytest.mark.parametrize(("args", "msg"), [
