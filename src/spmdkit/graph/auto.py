@@ -209,10 +209,12 @@ class _Gen:
         for _d in self.dims:
             ch: list[Any] = [None]
             if floats:
-                ch.append(("P", None))
+                ch.append(("p", None))
                 if len(floats) > 1:
-                    ch.extend(("P", n) for n in floats)
-            ch.extend((n, a) for n in names for a in range(len(t[n].shape)))
+                    ch.extend(("p", n) for n in floats)
+            ch.extend(("t", n, a) for n in names for a in range(len(t[n].shape)))
+            if len(names) > 1:  # axis a of every input that has one (a shape-only argument follows)
+                ch.extend(("a", a) for a in range(max(len(t[n].shape) for n in names)))
             per_dim.append(ch)
         out = []
         for combo in itertools.islice(itertools.product(*per_dim), MAX_SEEDS):
@@ -220,11 +222,15 @@ class _Gen:
             for d, c in zip(self.dims, combo):
                 if c is None:
                     continue
-                if c[0] == "P":
+                if c[0] == "p":
                     for n in ([c[1]] if c[1] is not None else floats):
                         seed.setdefault(n, ([[] for _ in t[n].shape], []))[1].append(d)
+                elif c[0] == "a":
+                    for n in names:
+                        if c[1] < len(t[n].shape):
+                            seed.setdefault(n, ([[] for _ in t[n].shape], []))[0][c[1]].append(d)
                 else:
-                    n, a = c
+                    _, n, a = c
                     seed.setdefault(n, ([[] for _ in t[n].shape], []))[0][a].append(d)
             out.append(seed)
         return out
