@@ -65,6 +65,8 @@ from spmdkit.rules.registry import get_rule
 MAX_SEEDS = 4096
 #: how many times the memory row is tightened when the realised plan's peak exceeds the cap
 MEMORY_ROUNDS = 3
+#: the program's costs are microseconds (seconds are too small for the solver's tolerances)
+_SCALE = 1e6
 
 Progress = Callable[[str, int, int], None]
 _FLOAT = ("float16", "bfloat16", "float32", "float64")
@@ -149,9 +151,16 @@ class _Gen:
         self.prog, self.mesh, self.cost, self.device, self.limit = prog, mesh, cost, device, max_candidates
         self.cache: dict[Any, list[_SlotCand]] = {}
         self.derived: dict[Any, _SlotCand | None] = {}
+        self.keys: dict[int, tuple[Any, list[str], list[str]]] = {}
         self.dims = [d for d in range(len(mesh.shape)) if mesh.shape[d] > 1]
 
     def key(self, i: int) -> tuple[Any, list[str], list[str]]:
+        got = self.keys.get(i)
+        if got is None:
+            got = self.keys[i] = self._key(i)
+        return got
+
+    def _key(self, i: int) -> tuple[Any, list[str], list[str]]:
         op = self.prog.ops[i]
         names = list(dict.fromkeys(op.input_names()))
         onames = list(dict.fromkeys(op.output_names()))
@@ -630,20 +639,23 @@ def auto_plan(prog: Program, mesh: ProcessMesh, pins: Mapping[str, Any] | None =
     const = 0.0
     shared: dict[Any, list[list[float]]] = {}  # (src var groups, dst var groups) -> summed prices
 
-    def edge(n: str, src: Side, dst: Side) -> None:
+    def edge(n: str, src: Side, dst: Side, w: int) -> None:
+        """The reshard of ``n`` from how it is held (one of ``src``) to how it is wanted (one of
+        ``dst``), ``w`` times (identical layers); each side: (attr, the 0/1 variables whose sum
+        says it is that attr)."""
         nonlocal const
         if len(src) == 1 and len(dst) == 1:  # both certain
-            const += price(n, src[0][0], dst[0][0])
+            const += w * price(n, src[0][0], dst[0][0])
             return
         if len(dst) == 1:  # the wanted attr is certain: the cost falls on the held groups
             for a, vs in src:
-                p = price(n, a, dst[0][0])
+                p = w * price(n, a, dst[0][0])
                 for v in vs:
                     costs[v] += p
             return
         if len(src) == 1:
             for b, ys in dst:
-                p = price(n, src[0][0], b)
+                p = w * price(n, src[0][0], b)
                 for y in ys:
                     costs[y] += p
             return
@@ -651,7 +663,7 @@ def auto_plan(prog: Program, mesh: ProcessMesh, pins: Mapping[str, Any] | None =
         da = {v: b for b, ys in dst for v in ys}
         if sa.keys() == da.keys():  # one choice decides both sides (merged or tied ops)
             for v, a in sa.items():
-                costs[v] += price(n, a, da[v])
+                costs[v] += w * price(n, a, da[v])
             return
         key = (tuple(tuple(vs) for _, vs in src), tuple(tuple(ys) for _, ys in dst))
         m = shared.get(key)
@@ -659,16 +671,37 @@ def auto_plan(prog: Program, mesh: ProcessMesh, pins: Mapping[str, Any] | None =
             m = shared[key] = [[0.0] * len(dst) for _ in src]
         for ai, (a, _) in enumerate(src):
             for bi, (b, _) in enumerate(dst):
-                m[ai][bi] += price(n, a, b)
+                m[ai][bi] += w * price(n, a, b)
+
+    # an op tied to another whose every read is held by the same variables (or pin) as the
+    # other's is priced once, times the number of such copies
+    weight = [1] * n_ops
+
+    def holder(n: str, reader: int) -> Any:
+        if n in fixed:
+            return ("pin", fixed[n])
+        if n in producer and producer[n] < reader:
+            return ("op", id(x[producer[n]]))
+        return ("src", id(src_choice[n][1]))
+
+    for j, r in tie.items():
+        a_reads = prog.ops[j].input_names()
+        b_reads = prog.ops[r].input_names()
+        if len(a_reads) == len(b_reads) and all(holder(a, j) == holder(b, r) for a, b in zip(a_reads, b_reads)):
+            weight[r] += 1
+            weight[j] = 0
 
     for j, op in enumerate(prog.ops):
+        w = weight[j]
+        if not w:
+            continue
         reads = list(dict.fromkeys(op.input_names()))
         for n in reads:
-            edge(n, held(n, j), side(j, n, 0))
+            edge(n, held(n, j), side(j, n, 0), w)
         for n in op.output_names():  # an in-place output: back to how the tensor it overwrites is held
             over = tensors[n].inplace_of
             if over is not None and over in reads and n not in fixed:
-                edge(n, side(j, n, 1), held(over, j))
+                edge(n, side(j, n, 1), held(over, j), w)
     for (sg, dg), m in shared.items():
         e = {}
         for ai in range(len(sg)):
@@ -712,8 +745,14 @@ def auto_plan(prog: Program, mesh: ProcessMesh, pins: Mapping[str, Any] | None =
     h.setOptionValue("time_limit", float(time_limit))
     h.setOptionValue("random_seed", 0)
     h.setOptionValue("threads", 1)
+    if os.environ.get("SPMDKIT_AUTO_LOG"):
+        h.setOptionValue("output_flag", True)
+    for kv in os.environ.get("SPMDKIT_AUTO_OPT", "").split(","):
+        if kv:
+            k_, v_ = kv.split("=")
+            h.setOptionValue(k_, v_ if not v_.replace(".", "").isdigit() else (float(v_) if "." in v_ else int(v_)))
     zeros = np.zeros(nvar)
-    h.addCols(nvar, np.array(costs, dtype=np.float64), zeros, np.ones(nvar), 0, np.zeros(0, dtype=np.int32),
+    h.addCols(nvar, np.array(costs, dtype=np.float64) * _SCALE, zeros, np.ones(nvar), 0, np.zeros(0, dtype=np.int32),
               np.zeros(0, dtype=np.int32), np.zeros(0))
     h.changeColsIntegrality(len(integer), np.array(integer, dtype=np.int32),
                             np.array([highspy.HighsVarType.kInteger] * len(integer)))
@@ -799,7 +838,7 @@ def auto_plan(prog: Program, mesh: ProcessMesh, pins: Mapping[str, Any] | None =
             plan, realized = realise(sol)
     solve_s = time.perf_counter() - t0
     info = h.getInfo()
-    objective = float(info.objective_function_value) + const
+    objective = float(info.objective_function_value) / _SCALE + const
     mem_bytes = int(round(mem_const + sum(mem_coef[v] * sol[v] for v in mem_ix)))
     result = AutoInfo(objective_s=objective, gap=float(info.mip_gap), solve_s=solve_s, status=status,
                       candidates=sum(len(c) for i, c in enumerate(cands) if i not in parent and i not in tie),
@@ -862,7 +901,7 @@ def _explain(prog: Program, h: Any, highspy: Any, np: Any, groups_ops: dict[int 
         status = h.modelStatusToString(h.getModelStatus())
         alt = h.getSolution().col_value
         if status in ("Optimal", "Time limit reached") and len(alt) == len(sol) and h.getInfo().primal_solution_status >= 2:
-            other = float(h.getInfo().objective_function_value) + const
+            other = float(h.getInfo().objective_function_value) / _SCALE + const
             apick = lambda i, alt=alt: max(range(len(x[i])), key=lambda k: alt[x[i][k]])  # noqa: E731
             what = _describe(prog, ix, cands, apick)
             out.append(LayerChoice(label, len(ix), chosen, objective, other, what if what != chosen else
