@@ -28,10 +28,15 @@ tensor's distinct dist attrs on each side (edges between the same variables shar
 linearisation). In-place outputs pay the reshard back to the tensor they overwrite, pinned
 outputs the reshard to the pin. With a device each candidate also costs its op's compute time
 (compute.op_cost) and the collectives inside its kernel (compute.kernel_collectives).
-``memory_cap``: one linear row: parameters, parameter gradients and optimizer states (as held),
-and the activations the backward reads (activations._value_reads), local bytes per device,
-<= the cap; the realised plan's memory_per_device is checked and the row tightened by the excess
-(at most :data:`MEMORY_ROUNDS` times) when transients push it over.
+``memory_cap``: per-device memory is linear in the choices: parameters, parameter gradients
+and optimizer states (as held), the activations the backward reads (activations._value_reads)
+and, per op position, the activations live there and the reshard copies the op reads (local
+bytes). A choice whose realised plan (memory.memory_per_device) exceeds the cap is re-solved
+with memory priced into the objective (Lagrangian relaxation of the memory rows: the kept
+activations' row and the row of every position where a realised plan peaked), the price raised
+until a plan fits and then bisected, at most :data:`MEMORY_ROUNDS` solves within the time limit;
+the gap is then against the Lagrangian bound, so a capped plan is not proven optimal. A cap
+below the least any choice holds is a ProgramError at once.
 
 The choice is realised twice, as the chosen candidates exactly (no propagation) and as
 annotations run through propagate; the cheaper plan is returned (``AutoInfo.realized``).
@@ -41,6 +46,7 @@ Costs are per reader: a reshard several readers share is counted once per reader
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import re
 import sys
@@ -63,8 +69,8 @@ from spmdkit.rules.registry import get_rule
 #: the most seeds pushed through one op's rule (the product over the mesh dims of the choices
 #: per dim; a 2-D mesh never reaches it)
 MAX_SEEDS = 4096
-#: how many times the memory row is tightened when the realised plan's peak exceeds the cap
-MEMORY_ROUNDS = 3
+#: the most re-solves (with the memory penalty) when the cheapest plan does not fit the cap
+MEMORY_ROUNDS = 8
 #: the program's costs are microseconds (seconds are too small for the solver's tolerances)
 _SCALE = 1e6
 
@@ -702,8 +708,9 @@ def auto_plan(prog: Program, mesh: ProcessMesh, pins: Mapping[str, Any] | None =
             over = tensors[n].inplace_of
             if over is not None and over in reads and n not in fixed:
                 edge(n, side(j, n, 1), held(over, j), w)
+    e_vars: dict[Any, dict[tuple[int, int], int]] = {}
     for (sg, dg), m in shared.items():
-        e = {}
+        e = e_vars[sg, dg] = {}
         for ai in range(len(sg)):
             for bi in range(len(dg)):
                 e[ai, bi] = new_vars(1, False)[0]
@@ -715,42 +722,86 @@ def auto_plan(prog: Program, mesh: ProcessMesh, pins: Mapping[str, Any] | None =
             rows.append((0.0, 0.0, [e[ai, bi] for ai in range(len(sg))] + list(ys),
                          [1.0] * len(sg) + [-1.0] * len(ys)))
 
-    # -- memory: what is held for the step plus the activations the backward reads
-    mem_coef: dict[int, float] = {}
-    mem_const = 0.0
+    # -- memory: what is held for the step (parameters, their gradients, optimizer states) and
+    # the activations the backward keeps, local bytes per device, linear in the choices
     from spmdkit.graph.activations import _value_reads
     from spmdkit.graph.memory import local_numel
 
-    param_grads = {n for op in prog.ops if op.phase == "optimizer" for n in op.input_names()
-                   if tensors[n].kind == "gradient"}
-    resident = [n for n, t in tensors.items() if t.kind in ("parameter", "optimizer_state") and not t.inplace_of]
-    resident += sorted(param_grads) + sorted(_value_reads(prog))
-    for n in resident:
+    def size_terms(n: str, coef: dict[int, float]) -> float:
+        """Add ``n``'s local bytes to ``coef`` (per variable); returns the certain part."""
         t = tensors[n]
         if n in fixed:
-            mem_const += local_numel(fixed[n], t.shape) * t.itemsize
-        elif n in producer:
+            return float(local_numel(fixed[n], t.shape) * t.itemsize)
+        if n in producer:
             for a, vs in side(producer[n], n, 1):
+                b = local_numel(a, t.shape) * t.itemsize
                 for v in vs:
-                    mem_coef[v] = mem_coef.get(v, 0.0) + local_numel(a, t.shape) * t.itemsize
-        elif n in src_choice:
+                    coef[v] = coef.get(v, 0.0) + b
+            return 0.0
+        if n in src_choice:
             for a, v in zip(*src_choice[n]):
-                mem_coef[v] = mem_coef.get(v, 0.0) + local_numel(a, t.shape) * t.itemsize
-        else:  # read by nothing: held replicated
-            mem_const += t.nbytes
+                coef[v] = coef.get(v, 0.0) + local_numel(a, t.shape) * t.itemsize
+            return 0.0
+        return float(t.nbytes)
+
+    param_grads = {n for op in prog.ops if op.phase == "optimizer" for n in op.input_names()
+                   if tensors[n].kind == "gradient"}
+    held_all = [n for n, t in tensors.items() if t.kind in ("parameter", "optimizer_state") and not t.inplace_of]
+    held_all += sorted(param_grads)
+    base_coef: dict[int, float] = {}
+    base_const = sum(size_terms(n, base_coef) for n in held_all)
+    mem_coef = dict(base_coef)
+    mem_const = base_const + sum(size_terms(n, mem_coef) for n in sorted(_value_reads(prog)))
+    first_op: dict[str, int] = {}
+    last_op: dict[str, int] = {}
+    for i, op in enumerate(prog.ops):
+        for n in op.output_names():
+            first_op.setdefault(n, i)
+            last_op.setdefault(n, i)
+        for n in op.input_names():
+            if n in first_op:
+                last_op[n] = i
+    transient = [n for n in first_op if n not in param_grads and not tensors[n].inplace_of
+                 and tensors[n].kind not in ("parameter", "optimizer_state")]
+
+    def live_row(at: int) -> tuple[dict[int, float], float]:
+        """Memory at op ``at`` (memory.py's spans, reshards' copies left out): what is held for
+        the step and the activations made before ``at`` and read at or after it."""
+        coef = dict(base_coef)
+        c = base_const + sum(size_terms(n, coef) for n in transient if first_op[n] <= at <= last_op[n])
+        for n in dict.fromkeys(prog.ops[at].input_names()):  # the copies op ``at`` reads
+            src, dst = held(n, at), side(at, n, 0)
+            t = tensors[n]
+
+            def nb(b: TensorDistAttr) -> float:
+                return float(local_numel(b, t.shape) * t.itemsize)
+            if len(dst) == 1 or len(src) == 1:
+                for a, vs in src:
+                    for b, ys in dst:
+                        if a != b:
+                            if not vs and not ys:
+                                c += nb(b)
+                            for v in (vs if len(dst) == 1 else ys):
+                                coef[v] = coef.get(v, 0.0) + nb(b)
+                continue
+            sa = {v: a for a, vs in src for v in vs}
+            da = {v: b for b, ys in dst for v in ys}
+            if sa.keys() == da.keys():
+                for v, a in sa.items():
+                    if a != da[v]:
+                        coef[v] = coef.get(v, 0.0) + nb(da[v])
+                continue
+            e = e_vars.get((tuple(tuple(vs) for _, vs in src), tuple(tuple(ys) for _, ys in dst)), {})
+            for (ai, bi), v in e.items():
+                if src[ai][0] != dst[bi][0]:
+                    coef[v] = coef.get(v, 0.0) + nb(dst[bi][0])
+        return coef, c
 
     # -- the program, to HiGHS
     nvar = len(costs)
     h = _quiet_highs(highspy)
-    h.setOptionValue("time_limit", float(time_limit))
     h.setOptionValue("random_seed", 0)
     h.setOptionValue("threads", 1)
-    if os.environ.get("SPMDKIT_AUTO_LOG"):
-        h.setOptionValue("output_flag", True)
-    for kv in os.environ.get("SPMDKIT_AUTO_OPT", "").split(","):
-        if kv:
-            k_, v_ = kv.split("=")
-            h.setOptionValue(k_, v_ if not v_.replace(".", "").isdigit() else (float(v_) if "." in v_ else int(v_)))
     zeros = np.zeros(nvar)
     h.addCols(nvar, np.array(costs, dtype=np.float64) * _SCALE, zeros, np.ones(nvar), 0, np.zeros(0, dtype=np.int32),
               np.zeros(0, dtype=np.int32), np.zeros(0))
@@ -764,14 +815,13 @@ def auto_plan(prog: Program, mesh: ProcessMesh, pins: Mapping[str, Any] | None =
     h.addRows(len(rows), np.array([r[0] for r in rows], dtype=np.float64), np.array([r[1] for r in rows], dtype=np.float64),
               len(idx), np.array(starts, dtype=np.int32), np.array(idx, dtype=np.int32), np.array(vals, dtype=np.float64))
     h.changeObjectiveSense(highspy.ObjSense.kMinimize)
-    mem_row = None
     mem_ix = sorted(mem_coef)
-    if memory_cap is not None:
-        mem_row = h.getNumRow()
-        h.addRow(-highspy.kHighsInf, float(memory_cap) - mem_const, len(mem_ix), np.array(mem_ix, dtype=np.int32),
-                 np.array([mem_coef[v] for v in mem_ix]))
+    mem_w = np.array([mem_coef[v] for v in mem_ix])
+    base = np.array(costs, dtype=np.float64)
+    deadline = time.perf_counter() + float(time_limit)
 
     def solve() -> tuple[str, list[float] | None]:
+        h.setOptionValue("time_limit", max(1.0, deadline - time.perf_counter()))
         h.run()
         status = h.modelStatusToString(h.getModelStatus())
         sol = list(h.getSolution().col_value)
@@ -782,11 +832,11 @@ def auto_plan(prog: Program, mesh: ProcessMesh, pins: Mapping[str, Any] | None =
     tick("solve", 0, 1)
     t0 = time.perf_counter()
     status, sol = solve()
-    if sol is None and memory_cap is not None:
-        raise ProgramError(_min_memory_message(h, highspy, np, nvar, mem_ix, mem_coef, mem_const, mem_row,
-                                               memory_cap, status, time_limit))
     if sol is None:
         raise ProgramError(f"auto: HiGHS found no solution ({status}) within {time_limit} s")
+    info = h.getInfo()
+    objective = float(info.objective_function_value) / _SCALE + const
+    gap = float(info.mip_gap)
 
     def pick_of(s: list[float]) -> Callable[[int], int]:
         return lambda i: max(range(len(x[i])), key=lambda k: s[x[i][k]])
@@ -815,32 +865,93 @@ def auto_plan(prog: Program, mesh: ProcessMesh, pins: Mapping[str, Any] | None =
         if memory_cap is not None:
             from spmdkit.graph.memory import memory_per_device
 
-            fits = [k for k, p in plans.items() if memory_per_device(p).total <= memory_cap]
-            if fits:
-                plans = {k: plans[k] for k in fits}
+            need = {k: memory_per_device(p).total for k, p in plans.items()}
+            fits = [k for k in plans if need[k] <= memory_cap]
+            if not fits:  # neither fits: the smaller
+                return plans[min(need, key=lambda k: need[k])], min(need, key=lambda k: need[k])
+            plans = {k: plans[k] for k in fits}
         best = min(plans, key=lambda k: total(plans[k]))
         return plans[best], best
 
     plan, realized = realise(sol)
-    if memory_cap is not None and mem_row is not None:
+    rounds = 0
+    if memory_cap is not None:
         from spmdkit.graph.memory import memory_per_device
 
-        for _ in range(MEMORY_ROUNDS):
-            over = memory_per_device(plan).total - memory_cap
-            if over <= 0:
-                break
-            bound = sum(mem_coef[v] * sol[v] for v in mem_ix) - over
-            h.changeRowBounds(mem_row, -highspy.kHighsInf, bound)
-            status2, sol2 = solve()
-            if sol2 is None:
-                break
-            sol, status = sol2, status2
-            plan, realized = realise(sol)
+        def mem_of(x_: list[float]) -> float:
+            return mem_const + float(sum(w * x_[v] for v, w in zip(mem_ix, mem_w)))
+
+        def time_of(x_: list[float]) -> float:
+            return const + float(np.dot(base, np.array(x_)))
+
+        # a bound no choice goes below: the certain part and the least of each one-hot choice
+        least = mem_const + sum(min(mem_coef.get(v, 0.0) for v in x[i]) for i in range(n_ops)
+                                if i not in parent and i not in tie and x[i])
+        least += sum(min(mem_coef.get(v, 0.0) for v in vs) for n, (_a, vs) in src_choice.items()
+                     if src_tie.get(n) is None)
+        if least > memory_cap:
+            raise ProgramError(f"auto: --memory {_size(memory_cap)}: no plan fits in it per device: every choice "
+                               f"holds at least {_size(least)} (parameters, gradients, optimizer states and the "
+                               "activations kept for the backward)")
+        if memory_per_device(plan).total > memory_cap:
+            # Lagrangian relaxation of the memory row: minimise time + lam * memory, lam raised
+            # until the realised plan fits, then bisected; max over lam of the penalised optimum
+            # less lam * (cap - memory) bounds the capped optimum from below (the gap)
+            best: tuple[float, list[float], Plan, str, str] | None = None
+            bound = objective
+            var_mem = max(mem_of(sol) - mem_const, 1.0)
+            lam, lo, hi = max(objective, 1e-12) / var_mem, 0.0, math.inf
+            # the penalised memory: the rows of the kept activations and of every position
+            # where a realised plan peaked so far (each at most the cap: the bound stays valid)
+            pen_rows: list[tuple[np.ndarray, np.ndarray, float]] = [(np.array(mem_ix, dtype=np.int64), mem_w, mem_const)]
+            peaks: set[int] = set()
+
+            def add_peak(at: int) -> None:
+                if at not in peaks:
+                    peaks.add(at)
+                    coef, c = live_row(at)
+                    ix = sorted(coef)
+                    pen_rows.append((np.array(ix, dtype=np.int64), np.array([coef[v] for v in ix]), c))
+
+            add_peak(memory_per_device(plan).peak_op)
+            while rounds < MEMORY_ROUNDS and time.perf_counter() < deadline:
+                rounds += 1
+                pen = base.copy()
+                for ix_, w_, _c in pen_rows:
+                    np.add.at(pen, ix_, lam * w_)
+                h.changeColsCost(nvar, np.arange(nvar, dtype=np.int32), pen * _SCALE)
+                st, xs = solve()
+                if xs is None:
+                    break
+                hinfo = h.getInfo()
+                dual = float(hinfo.mip_dual_bound) / _SCALE if st != "Optimal" else \
+                    float(hinfo.objective_function_value) / _SCALE
+                bound = max(bound, dual + const - lam * sum(memory_cap - c_ for _i, _w, c_ in pen_rows))
+                p_, r_ = realise(xs)
+                got_mem = memory_per_device(p_)
+                add_peak(got_mem.peak_op)
+                if got_mem.total <= memory_cap:
+                    hi = lam
+                    if best is None or time_of(xs) < best[0]:
+                        best = (time_of(xs), xs, p_, r_, st)
+                else:
+                    lo = lam
+                if hi == math.inf:
+                    lam *= 8.0
+                elif hi / max(lo, 1e-300) < 1.5:
+                    break
+                else:
+                    lam = math.sqrt(lo * hi) if lo > 0 else hi / 8.0
+            h.changeColsCost(nvar, np.arange(nvar, dtype=np.int32), base * _SCALE)
+            if best is None:
+                raise ProgramError(_min_memory_message(h, highspy, np, nvar, mem_ix, mem_coef, mem_const, memory_cap,
+                                                       realise, memory_per_device))
+            objective, sol, plan, realized, status = best
+            gap = max(0.0, (objective - bound) / objective) if objective > 0 else 0.0
+            status = f"{status}, memory-capped ({rounds} rounds)"
     solve_s = time.perf_counter() - t0
-    info = h.getInfo()
-    objective = float(info.objective_function_value) / _SCALE + const
     mem_bytes = int(round(mem_const + sum(mem_coef[v] * sol[v] for v in mem_ix)))
-    result = AutoInfo(objective_s=objective, gap=float(info.mip_gap), solve_s=solve_s, status=status,
+    result = AutoInfo(objective_s=objective, gap=gap, solve_s=solve_s, status=status,
                       candidates=sum(len(c) for i, c in enumerate(cands) if i not in parent and i not in tie),
                       variables=nvar, realized=realized, merged=bool(parent), folded=bool(folded_layers),
                       merged_ops=len(parent), folded_layers=folded_layers, candidates_s=candidates_s,
@@ -848,39 +959,43 @@ def auto_plan(prog: Program, mesh: ProcessMesh, pins: Mapping[str, Any] | None =
     tick("solve", 1, 1)
     if explain:
         result.explain = _explain(prog, h, highspy, np, groups_ops, tie, parent, x, cands, sol, objective, const,
-                                  tick)
+                                  tick, float(time_limit))
     return plan, result
 
 
 def _min_memory_message(h: Any, highspy: Any, np: Any, nvar: int, mem_ix: list[int], mem_coef: dict[int, float],
-                        mem_const: float, mem_row: int | None, cap: int, status: str, limit: float) -> str:
-    """The ProgramError text for a cap nothing meets: the least memory the candidates allow."""
-    if mem_row is not None:
-        h.changeRowBounds(mem_row, -highspy.kHighsInf, highspy.kHighsInf)
+                        mem_const: float, cap: int, realise: Any, memory_per_device: Any) -> str:
+    """The ProgramError text for a cap no plan found meets: the least memory the candidates
+    allow (as the integer program counts it, and as the realised plan needs it)."""
     h.changeColsCost(nvar, np.arange(nvar, dtype=np.int32), np.zeros(nvar))
-    h.changeColsCost(len(mem_ix), np.array(mem_ix, dtype=np.int32), np.array([mem_coef[v] for v in mem_ix]))
+    h.changeColsCost(len(mem_ix), np.array(mem_ix, dtype=np.int32), np.array([mem_coef[v] for v in mem_ix]) / 2**20)
     h.run()
-    sol = h.getSolution().col_value
+    sol = list(h.getSolution().col_value)
     least = ""
     if len(sol) == nvar:
-        least = f"; the smallest the search found is {_gib(mem_const + sum(mem_coef[v] * sol[v] for v in mem_ix))}"
-    return (f"auto: --memory {_gib(cap)}: no sharding among the candidates fits in it per device "
-            f"({status} within {limit:g} s){least} (parameters, gradients, optimizer states and activations "
-            "kept for the backward)")
+        need = memory_per_device(realise(sol)[0]).total
+        least = (f"; the smallest the search found needs {_size(need)} (parameters, gradients, optimizer states and "
+                 f"the activation peak; {_size(mem_const + sum(mem_coef[v] * sol[v] for v in mem_ix))} without "
+                 "transient activations)")
+    return f"auto: --memory {_size(cap)}: no plan the search found fits in it per device{least}"
 
 
-def _gib(b: float) -> str:
-    return f"{b / 2**30:.2f} GiB"
+def _size(b: float) -> str:
+    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if b >= k:
+            return f"{b / k:.2f} {unit}"
+    return f"{int(b)} B"
 
 
 def _explain(prog: Program, h: Any, highspy: Any, np: Any, groups_ops: dict[int | None, list[int]],
              tie: dict[int, int], parent: dict[int, int], x: list[list[int]], cands: list[list[Cand]],
-             sol: list[float], objective: float, const: float, tick: Progress) -> list[LayerChoice]:
+             sol: list[float], objective: float, const: float, tick: Progress, limit: float) -> list[LayerChoice]:
     """Per layer group (tied layers once): the choice, and the best objective with that group's
     choice excluded (a no-good cut: not all of its chosen variables at 1)."""
     pick = lambda i: max(range(len(x[i])), key=lambda k: sol[x[i][k]])  # noqa: E731
     out: list[LayerChoice] = []
     groups = [(g, ix) for g, ix in groups_ops.items() if not all(i in tie for i in ix)]
+    h.setOptionValue("time_limit", max(2.0, limit / max(1, len(groups))))
     for done, (_g, ix) in enumerate(groups):
         tick("explain", done, len(groups))
         roots = sorted({x[i][pick(i)] for i in ix if i not in parent and i not in tie
