@@ -71,6 +71,10 @@ from spmdkit.rules.registry import get_rule
 MAX_SEEDS = 4096
 #: the most re-solves (with the memory penalty) when the cheapest plan does not fit the cap
 MEMORY_ROUNDS = 8
+#: the relative gap each memory-priced re-solve stops at
+PENALISED_GAP = 0.01
+#: the memory price is bisected until the price that fits is within this factor of one that does not
+BISECT_RATIO = 2.0
 #: the program's costs are microseconds (seconds are too small for the solver's tolerances)
 _SCALE = 1e6
 
@@ -517,8 +521,8 @@ def auto_plan(prog: Program, mesh: ProcessMesh, pins: Mapping[str, Any] | None =
             pi = parent[i]
             src = next(iter(dict.fromkeys(prog.ops[i].input_names())))
             for c in cands[pi]:
-                a = c[1].get(src) or TensorDistAttr.replicated(mesh, len(tensors[src].shape))
-                f = gen.follow(i, a)
+                made = c[1].get(src) or TensorDistAttr.replicated(mesh, len(tensors[src].shape))
+                f = gen.follow(i, made)
                 if f is None:  # the rule refuses its input as that candidate makes it: no merge
                     break
                 got.append(f)
@@ -580,18 +584,17 @@ def auto_plan(prog: Program, mesh: ProcessMesh, pins: Mapping[str, Any] | None =
     for n, pin in fixed.items():
         if n in producer:
             i = producer[n]
-            for k, (_, outs, _, _) in enumerate(cands[i]):
-                if n in outs:
-                    costs[x[i][k]] += price(n, outs[n], pin)
+            for k, cand in enumerate(cands[i]):
+                if n in cand[1]:
+                    costs[x[i][k]] += price(n, cand[1][n], pin)
     # free sources: one choice among the attrs their readers ask for (tied with a tied reader's)
     src_choice: dict[str, tuple[list[TensorDistAttr], list[int]]] = {}
     src_tie: dict[str, str] = {}
-    for i, op in enumerate(prog.ops):
+    for i in range(n_ops):
         if i in tie:
-            r = tie[i]
-            for a, b in zip(prog.ops[i].input_names(), prog.ops[r].input_names()):
-                if a not in fixed and not (a in producer and producer[a] < i) and a != b:
-                    src_tie.setdefault(a, b)
+            for na, nb_ in zip(prog.ops[i].input_names(), prog.ops[tie[i]].input_names()):
+                if na not in fixed and not (na in producer and producer[na] < i) and na != nb_:
+                    src_tie.setdefault(na, nb_)
     asked: dict[str, dict[TensorDistAttr, None]] = {}  # source -> the attrs its readers ask for
     for i, op in enumerate(prog.ops):
         srcs = [n for n in dict.fromkeys(op.input_names()) if not (n in producer and producer[n] < i)
@@ -613,11 +616,11 @@ def auto_plan(prog: Program, mesh: ProcessMesh, pins: Mapping[str, Any] | None =
             vs = new_vars(len(attrs), True)
             rows.append((1.0, 1.0, vs, [1.0] * len(vs)))
             src_choice[n] = (attrs, vs)
-    for n, r in list(src_tie.items()):
-        while r in src_tie:
-            r = src_tie[r]
-        if r in src_choice:
-            src_choice[n] = src_choice[r]
+    for n, rn in list(src_tie.items()):
+        while rn in src_tie:
+            rn = src_tie[rn]
+        if rn in src_choice:
+            src_choice[n] = src_choice[rn]
         else:  # the representative is not a free source after all: its own choice
             attrs = source_attrs(n)
             vs = new_vars(len(attrs), True)
@@ -638,8 +641,8 @@ def auto_plan(prog: Program, mesh: ProcessMesh, pins: Mapping[str, Any] | None =
     def side(j: int, n: str, s: int) -> Side:
         g: dict[TensorDistAttr, list[int]] = {}
         for k, cand in enumerate(cands[j]):
-            a = cand[s].get(n) or TensorDistAttr.replicated(mesh, len(tensors[n].shape))
-            g.setdefault(a, []).append(x[j][k])
+            got_a = (cand[0] if s == 0 else cand[1]).get(n) or TensorDistAttr.replicated(mesh, len(tensors[n].shape))
+            g.setdefault(got_a, []).append(x[j][k])
         return list(g.items())
 
     const = 0.0
@@ -771,9 +774,7 @@ def auto_plan(prog: Program, mesh: ProcessMesh, pins: Mapping[str, Any] | None =
         c = base_const + sum(size_terms(n, coef) for n in transient if first_op[n] <= at <= last_op[n])
         for n in dict.fromkeys(prog.ops[at].input_names()):  # the copies op ``at`` reads
             src, dst = held(n, at), side(at, n, 0)
-            t = tensors[n]
-
-            def nb(b: TensorDistAttr) -> float:
+            def nb(b: TensorDistAttr, t: Any = tensors[n]) -> float:
                 return float(local_numel(b, t.shape) * t.itemsize)
             if len(dst) == 1 or len(src) == 1:
                 for a, vs in src:
@@ -807,7 +808,9 @@ def auto_plan(prog: Program, mesh: ProcessMesh, pins: Mapping[str, Any] | None =
               np.zeros(0, dtype=np.int32), np.zeros(0))
     h.changeColsIntegrality(len(integer), np.array(integer, dtype=np.int32),
                             np.array([highspy.HighsVarType.kInteger] * len(integer)))
-    starts, idx, vals = [], [], []
+    starts: list[int] = []
+    idx: list[int] = []
+    vals: list[float] = []
     for _lo, _hi, ix, vx in rows:
         starts.append(len(idx))
         idx.extend(ix)
@@ -825,10 +828,21 @@ def auto_plan(prog: Program, mesh: ProcessMesh, pins: Mapping[str, Any] | None =
         h.run()
         status = h.modelStatusToString(h.getModelStatus())
         sol = list(h.getSolution().col_value)
-        if len(sol) != nvar or status in ("Infeasible", "Time limit reached") and h.getInfo().primal_solution_status < 2:
+        if len(sol) != nvar or (status in ("Infeasible", "Time limit reached")
+                                and h.getInfo().primal_solution_status < 2):
             return status, None
         return status, sol
 
+    if memory_cap is not None:
+        # a bound no choice goes below: the certain part and the least of each one-hot choice
+        least = mem_const + sum(min(mem_coef.get(v, 0.0) for v in x[i]) for i in range(n_ops)
+                                if i not in parent and i not in tie and x[i])
+        least += sum(min(mem_coef.get(v, 0.0) for v in vs) for n, (_a, vs) in src_choice.items()
+                     if src_tie.get(n) is None)
+        if least > memory_cap:
+            raise ProgramError(f"auto: --memory {_size(memory_cap)}: no plan fits in it per device: every choice "
+                               f"holds at least {_size(least)} (parameters, gradients, optimizer states and the "
+                               "activations kept for the backward)")
     tick("solve", 0, 1)
     t0 = time.perf_counter()
     status, sol = solve()
@@ -884,15 +898,6 @@ def auto_plan(prog: Program, mesh: ProcessMesh, pins: Mapping[str, Any] | None =
         def time_of(x_: list[float]) -> float:
             return const + float(np.dot(base, np.array(x_)))
 
-        # a bound no choice goes below: the certain part and the least of each one-hot choice
-        least = mem_const + sum(min(mem_coef.get(v, 0.0) for v in x[i]) for i in range(n_ops)
-                                if i not in parent and i not in tie and x[i])
-        least += sum(min(mem_coef.get(v, 0.0) for v in vs) for n, (_a, vs) in src_choice.items()
-                     if src_tie.get(n) is None)
-        if least > memory_cap:
-            raise ProgramError(f"auto: --memory {_size(memory_cap)}: no plan fits in it per device: every choice "
-                               f"holds at least {_size(least)} (parameters, gradients, optimizer states and the "
-                               "activations kept for the backward)")
         if memory_per_device(plan).total > memory_cap:
             # Lagrangian relaxation of the memory row: minimise time + lam * memory, lam raised
             # until the realised plan fits, then bisected; max over lam of the penalised optimum
@@ -914,6 +919,7 @@ def auto_plan(prog: Program, mesh: ProcessMesh, pins: Mapping[str, Any] | None =
                     pen_rows.append((np.array(ix, dtype=np.int64), np.array([coef[v] for v in ix]), c))
 
             add_peak(memory_per_device(plan).peak_op)
+            h.setOptionValue("mip_rel_gap", PENALISED_GAP)  # the rounds are a heuristic: near-optimal is enough
             while rounds < MEMORY_ROUNDS and time.perf_counter() < deadline:
                 rounds += 1
                 pen = base.copy()
@@ -938,11 +944,12 @@ def auto_plan(prog: Program, mesh: ProcessMesh, pins: Mapping[str, Any] | None =
                     lo = lam
                 if hi == math.inf:
                     lam *= 8.0
-                elif hi / max(lo, 1e-300) < 1.5:
+                elif hi / max(lo, 1e-300) < BISECT_RATIO:
                     break
                 else:
                     lam = math.sqrt(lo * hi) if lo > 0 else hi / 8.0
             h.changeColsCost(nvar, np.arange(nvar, dtype=np.int32), base * _SCALE)
+            h.setOptionValue("mip_rel_gap", 1e-4)
             if best is None:
                 raise ProgramError(_min_memory_message(h, highspy, np, nvar, mem_ix, mem_coef, mem_const, memory_cap,
                                                        realise, memory_per_device))
@@ -950,7 +957,7 @@ def auto_plan(prog: Program, mesh: ProcessMesh, pins: Mapping[str, Any] | None =
             gap = max(0.0, (objective - bound) / objective) if objective > 0 else 0.0
             status = f"{status}, memory-capped ({rounds} rounds)"
     solve_s = time.perf_counter() - t0
-    mem_bytes = int(round(mem_const + sum(mem_coef[v] * sol[v] for v in mem_ix)))
+    mem_bytes = round(mem_const + sum(mem_coef[v] * sol[v] for v in mem_ix))
     result = AutoInfo(objective_s=objective, gap=gap, solve_s=solve_s, status=status,
                       candidates=sum(len(c) for i, c in enumerate(cands) if i not in parent and i not in tie),
                       variables=nvar, realized=realized, merged=bool(parent), folded=bool(folded_layers),
@@ -992,7 +999,8 @@ def _explain(prog: Program, h: Any, highspy: Any, np: Any, groups_ops: dict[int 
              sol: list[float], objective: float, const: float, tick: Progress, limit: float) -> list[LayerChoice]:
     """Per layer group (tied layers once): the choice, and the best objective with that group's
     choice excluded (a no-good cut: not all of its chosen variables at 1)."""
-    pick = lambda i: max(range(len(x[i])), key=lambda k: sol[x[i][k]])  # noqa: E731
+    def pick(i: int) -> int:
+        return max(range(len(x[i])), key=lambda k: sol[x[i][k]])
     out: list[LayerChoice] = []
     groups = [(g, ix) for g, ix in groups_ops.items() if not all(i in tie for i in ix)]
     h.setOptionValue("time_limit", max(2.0, limit / max(1, len(groups))))
