@@ -412,12 +412,22 @@ def _label(prog: Program, ops: list[int]) -> str:
     return op.layer or op.phase
 
 
+_DESCRIBED = ("matmul", "embedding", "c_embedding", "flash_attention")
+
+
+def _layout_key(prog: Program, i: int, cand: Cand) -> tuple[Any, Any]:
+    """What ``--explain`` shows of an op's candidate: its weight's and its output's dist attrs."""
+    op = prog.ops[i]
+    w = next((n for n in op.input_names() if prog.tensors[n].kind == "parameter"), None)
+    return (cand[0].get(w) if w else None), cand[1].get(op.output_names()[0])
+
+
 def _describe(prog: Program, ops: list[int], cands: list[list[Cand]], pick: Callable[[int], int]) -> str:
     """A short account of a layer's choice: how its matmuls' weights and outputs are laid out."""
     parts: list[str] = []
     for i in ops:
         op = prog.ops[i]
-        if op.phase != "forward" or op.rule not in ("matmul", "embedding", "c_embedding", "flash_attention"):
+        if op.phase != "forward" or op.rule not in _DESCRIBED:
             continue
         req, outs, _t, _r = cands[i][pick(i)]
         w = next((n for n in op.input_names() if prog.tensors[n].kind == "parameter"), None)
@@ -1006,8 +1016,19 @@ def _explain(prog: Program, h: Any, highspy: Any, np: Any, groups_ops: dict[int 
     h.setOptionValue("time_limit", max(2.0, limit / max(1, len(groups))))
     for done, (_g, ix) in enumerate(groups):
         tick("explain", done, len(groups))
-        roots = sorted({x[i][pick(i)] for i in ix if i not in parent and i not in tie
-                        and len(x[i]) > 1})
+        # the cut: not every described op (forward matmuls, embedding, attention) keeps its
+        # layout (weight and output dist attrs); a layer without one: not every choice stays
+        shown = [i for i in ix if i not in parent and i not in tie and prog.ops[i].phase == "forward"
+                 and prog.ops[i].rule in _DESCRIBED]
+        keep: list[list[int]] = []
+        for i in shown:
+            mine = _layout_key(prog, i, cands[i][pick(i)])
+            same = [x[i][k] for k, c in enumerate(cands[i]) if _layout_key(prog, i, c) == mine]
+            if len(same) < len(x[i]):
+                keep.append(same)
+        if not shown:
+            keep = [[x[i][pick(i)]] for i in ix if i not in parent and i not in tie and len(x[i]) > 1]
+        roots = sorted({v for vs in keep for v in vs})
         label = _label(prog, ix)
         n_tied = sum(1 for gg, jx in groups_ops.items() if jx and all(j in tie for j in jx)
                      and tie[jx[0]] == ix[0])
@@ -1018,17 +1039,19 @@ def _explain(prog: Program, h: Any, highspy: Any, np: Any, groups_ops: dict[int 
             out.append(LayerChoice(label, len(ix), chosen, objective, None, "no other candidate"))
             continue
         row = h.getNumRow()
-        h.addRow(-highspy.kHighsInf, float(len(roots) - 1), len(roots), np.array(roots, dtype=np.int32),
+        h.addRow(-highspy.kHighsInf, float(len(keep) - 1), len(roots), np.array(roots, dtype=np.int32),
                  np.ones(len(roots)))
         h.run()
         status = h.modelStatusToString(h.getModelStatus())
         alt = h.getSolution().col_value
         if status in ("Optimal", "Time limit reached") and len(alt) == len(sol) and h.getInfo().primal_solution_status >= 2:
             other = float(h.getInfo().objective_function_value) / _SCALE + const
-            apick = lambda i, alt=alt: max(range(len(x[i])), key=lambda k: alt[x[i][k]])  # noqa: E731
+            def apick(i: int, alt: Any = alt) -> int:
+                return max(range(len(x[i])), key=lambda kk: alt[x[i][kk]])
             what = _describe(prog, ix, cands, apick)
-            out.append(LayerChoice(label, len(ix), chosen, objective, other, what if what != chosen else
-                                   "same matmul layouts, other ops differ"))
+            shown_parts = set(chosen.split())
+            diff = " ".join(p for p in what.split() if p not in shown_parts)
+            out.append(LayerChoice(label, len(ix), chosen, objective, other, diff or "other ops differ"))
         else:
             out.append(LayerChoice(label, len(ix), chosen, objective, None, f"none found ({status})"))
         h.deleteRows(1, np.array([row], dtype=np.int32))

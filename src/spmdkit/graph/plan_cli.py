@@ -503,10 +503,10 @@ def _memory_arg(text: str | None) -> int | None:
 def _explain_table(rows: list[Any]) -> str:
     """``--explain``: per layer, the choice and the best plan choosing otherwise there."""
     lines = ["--explain: per layer (identical layers once), the chosen layouts (forward matmul / embedding: "
-             "weight -> output dims_mapping, pN = partial over mesh dim N) and the best predicted step whose "
-             "choice differs in that layer"]
+             "weight -> output dims_mapping, pN = partial over mesh dim N) and the search's objective (predicted "
+             "step) of the best choice where one of them is laid out otherwise"]
     w = max(len(r.layer) for r in rows)
-    lines.append(f"  {'layer'.ljust(w)}  {'ops':>4}  {'step ms':>9}  {'runner-up':>9}  {'+ms':>8}  chosen | runner-up")
+    lines.append(f"  {'layer'.ljust(w)}  {'ops':>4}  {'obj. ms':>9}  {'runner-up':>9}  {'+ms':>8}  chosen | runner-up")
     for r in rows:
         alt = "-" if r.runner_up_s is None else f"{r.runner_up_s * 1e3:9.3f}"
         d = "-" if r.runner_up_s is None else f"{(r.runner_up_s - r.objective_s) * 1e3:+8.3f}"
