@@ -314,9 +314,12 @@ class _Gen:
 
 
 def _direct(prog: Program, mesh: ProcessMesh, cost: CostModel, chosen: list[Any],
-            sources: dict[str, TensorDistAttr], fixed: dict[str, TensorDistAttr]) -> Plan:
+            sources: dict[str, TensorDistAttr], fixed: dict[str, TensorDistAttr],
+            kept: list[dict[str, TensorDistAttr]] | None = None) -> Plan:
     """The plan of exactly the chosen candidates (no propagation): each op runs as its
-    candidate says, its inputs resharded from how they are held."""
+    candidate says, its inputs resharded from how they are held; an output its candidate
+    holds otherwise than the rule makes it (``kept``: a partial output reduced once for all its
+    readers) is resharded right after the op."""
     from spmdkit.graph.propagate import OpPlan, Reshard
 
     made: dict[str, TensorDistAttr] = {}
@@ -360,7 +363,8 @@ def _direct(prog: Program, mesh: ProcessMesh, cost: CostModel, chosen: list[Any]
                 if on is None or o is None:
                     continue
                 over = prog.tensors[on].inplace_of
-                target = fixed.get(on) or (made[over] if over is not None and over in op.input_names() else None)
+                target = fixed.get(on) or (made[over] if over is not None and over in op.input_names() else None) \
+                    or (kept[i].get(on) if kept is not None else None)
                 if target is not None and target != o:
                     opp.reshards.append(reshard(on, o, target, i, True))
                     held[on] = target
@@ -522,6 +526,60 @@ def auto_plan(prog: Program, mesh: ProcessMesh, pins: Mapping[str, Any] | None =
             else:
                 first[sig] = g
 
+    priced: dict[Any, float] = {}
+
+    def price(n: str, src: TensorDistAttr, dst: TensorDistAttr) -> float:
+        if src == dst:
+            return 0.0
+        t = tensors[n]
+        key = (src, dst, t.shape, t.itemsize)
+        p = priced.get(key)
+        if p is None:
+            p = priced[key] = plan_reshard(src, dst, t.shape, t.itemsize, cost).time_s
+        return p
+
+    readers: dict[str, int] = {}
+    for op in prog.ops:
+        for n in set(op.input_names()):
+            readers[n] = readers.get(n, 0) + 1
+
+    def reduced_variants(i: int, cs: list[Cand]) -> list[Cand]:
+        """A partial output read by several ops may be reduced once, right after its op, for
+        all of them (as propagate does): per candidate with such outputs, the variants holding
+        them reduced (replicated, or scattered on a free axis: a reduce-scatter), the op paying
+        the reduction once."""
+        multi = [n for n in prog.ops[i].output_names() if readers.get(n, 0) >= 2 and n not in fixed
+                 and tensors[n].inplace_of is None]
+        if not multi:
+            return cs
+        out = list(cs)
+        seen = {(tuple(sorted(c[0].items())), tuple(sorted(c[1].items()))) for c in cs}
+        for c in cs:
+            part = [n for n in multi if n in c[1] and c[1][n].partial]
+            if not part:
+                continue
+            nd = max(len(tensors[n].shape) for n in part)
+            for axis in (None, *range(nd)):
+                outs = dict(c[1])
+                extra = 0.0
+                for n in part:
+                    a = c[1][n]
+                    dm = list(a.dims_mapping)
+                    if axis is not None:
+                        if len(a.partial) != 1 or axis >= len(dm) or dm[axis] != -1:
+                            continue
+                        dm[axis] = a.partial[0][0]
+                    b = TensorDistAttr(mesh, dm)
+                    outs[n] = b
+                    extra += price(n, a, b)
+                if outs == c[1]:
+                    continue
+                key = (tuple(sorted(c[0].items())), tuple(sorted(outs.items())))
+                if key not in seen:
+                    seen.add(key)
+                    out.append((c[0], outs, c[2] + extra, c[3]))
+        return out
+
     # -- candidates
     t_c = time.perf_counter()
     cands: list[list[Cand]] = []
@@ -542,7 +600,7 @@ def auto_plan(prog: Program, mesh: ProcessMesh, pins: Mapping[str, Any] | None =
                     tick("candidates", i, n_ops)
                 continue
             del parent[i]
-        cands.append(gen.candidates(i))
+        cands.append(reduced_variants(i, gen.candidates(i)))
         if i % 64 == 0:
             tick("candidates", i, n_ops)
     tick("candidates", n_ops, n_ops)
@@ -577,18 +635,6 @@ def auto_plan(prog: Program, mesh: ProcessMesh, pins: Mapping[str, Any] | None =
     for i in range(n_ops):
         for k, c in enumerate(cands[i]):
             costs[x[i][k]] += c[2]
-
-    priced: dict[Any, float] = {}
-
-    def price(n: str, src: TensorDistAttr, dst: TensorDistAttr) -> float:
-        if src == dst:
-            return 0.0
-        t = tensors[n]
-        key = (src, dst, t.shape, t.itemsize)
-        p = priced.get(key)
-        if p is None:
-            p = priced[key] = plan_reshard(src, dst, t.shape, t.itemsize, cost).time_s
-        return p
 
     # pinned outputs: their producer's candidate pays the reshard to the pin
     for n, pin in fixed.items():
@@ -876,7 +922,8 @@ def auto_plan(prog: Program, mesh: ProcessMesh, pins: Mapping[str, Any] | None =
                     ann[n] = a
         ann.update(fixed)
         chosen = [cands[i][pick(i)][3] for i in range(n_ops)]
-        plans = {"direct": _direct(prog, mesh, cost, chosen, {n: ann[n] for n in src_choice}, fixed),
+        plans = {"direct": _direct(prog, mesh, cost, chosen, {n: ann[n] for n in src_choice}, fixed,
+                                   [cands[i][pick(i)][1] for i in range(n_ops)]),
                  "propagate": propagate(prog, mesh, ann, cost)}
 
         def total(p: Plan) -> float:
