@@ -6,7 +6,9 @@ partial over it, or one axis of one input sharded over it (the same axis on two 
 co-shard); the product over the mesh dims (at most :data:`MAX_SEEDS`). The distinct answers
 (required input dist attrs, output dist attrs) are the op's candidates, all of them (no cap
 unless ``max_candidates`` is given: then the cheapest by compute time). Ops that are the same
-op on the same shapes (repeated layers) share one generation.
+op on the same shapes (repeated layers) share one generation. A partial output read by several
+ops may also be held reduced right after its op (replicated or reduce-scattered onto a free
+axis: variants of the candidate paying the reduction once, as propagate reduces it once).
 
 Merging (Alpa): an op whose only input is made by an earlier op (a reshape, a reduction, an
 elementwise op of one tensor), with no pinned or in-place output, takes no choice of its own:
