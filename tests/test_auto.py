@@ -277,20 +277,16 @@ def _cli(*args: str) -> tuple[int, str]:
 def test_cli_auto_json() -> None:
     import json
 
-    rc, out = _cli("plan", "--model", "tiny-llama", "--mesh", MESH, "--auto", "--annotate", "tokens=[0,-1]", "--json")
+    rc, out = _cli("plan", "--model", "tiny-llama", "--layers", "1", "--mesh", MESH, "--auto", "--annotate",
+                   "tokens=[0,-1]", "--memory", "1GiB", "--json")
     assert rc == 0, out
     got = json.loads(out)
     assert got["auto"]["status"] == "Optimal"
     assert got["auto"]["folded_layers"] is False and got["auto"]["merged_elementwise"] is True
     assert got["auto"]["merged_ops"] > 0 and got["auto"]["layers_folded"] == 0
-    assert got["auto"]["memory_cap"] is None and got["auto"]["explain"] == []
-
-
-def test_cli_auto_memory_in_the_title() -> None:
-    rc, out = _cli("plan", "--model", "tiny-llama", "--layers", "1", "--mesh", MESH, "--auto", "--annotate",
-                   "tokens=[0,-1]", "--memory", "1GiB")
-    assert rc == 0, out
-    assert "memory cap 1.00 GiB" in out and "--explain: per layer" not in out
+    assert got["auto"]["memory_cap"] == 2**30 and 0 < got["auto"]["memory_counted"] <= 2**30
+    assert got["auto"]["explain"] == []
+    assert "memory cap 1.00 GiB" in got["title"]
 
 
 @pytest.mark.parametrize(("args", "msg"), [
