@@ -35,6 +35,50 @@ def auto(hand: dict[str, Any]) -> Any:
     return model, auto_plan(model.program, plan.mesh, {tokens: [0, -1]}, time_limit=20)
 
 
+def _step(p: Any, dev: Any) -> float:
+    """Communication (the device's links) + compute + the collectives inside kernels."""
+    from spmdkit.graph.compute import cost_model, kernel_collectives, op_cost, recost
+
+    p = recost(p, cost_model(p.mesh, dev))
+    return float(p.time_s + sum(op_cost(p, i).time_s(dev) for i in range(len(p.ops)))
+                 + sum(k.time_s for k in kernel_collectives(p)))
+
+
+def _per_op(plan: Any) -> list[tuple[dict[str, TensorDistAttr], dict[str, TensorDistAttr]]]:
+    from spmdkit.graph.program import flat_refs
+
+    out = []
+    for opp in plan.ops:
+        req: dict[str, TensorDistAttr] = {}
+        for p, r in opp.required.items():
+            for n, a in zip(flat_refs(opp.op.inputs[p]), r if isinstance(r, tuple) else (r,)):
+                if n is not None and a is not None:
+                    req[n] = a
+        outs: dict[str, TensorDistAttr] = {}
+        for v, a in zip(opp.op.outputs, opp.outputs):
+            for n, x in zip(flat_refs(v), a if isinstance(a, tuple) else (a,)):
+                if n is not None and x is not None:
+                    outs[n] = x
+        out.append((req, outs))
+    return out
+
+
+def test_every_hand_strategy_sharding_is_a_candidate() -> None:
+    """Megatron's per-op shardings (tp-partial, dp-sharded gradients summed by add_n;
+    reshape_grad with its shape-only input sharded as the gradient) are among the candidates."""
+    from spmdkit.graph.auto import _Gen
+    from spmdkit.reshard import CostModel
+
+    gens: dict[bool, Any] = {}
+    for s in ("dp", "megatron", "megatron,sp", "dp,zero"):
+        model, plan, _ = plan_model("tiny-llama", MESH, s, None)
+        # one generation per program (megatron's has the vocab-parallel loss)
+        gen = gens.setdefault("megatron" in s, _Gen(model.program, plan.mesh, CostModel.default(plan.mesh), None, None))
+        for i, (req, outs) in enumerate(_per_op(plan)):
+            got = [(c[0], c[1]) for c in gen.candidates(i)]
+            assert (req, outs) in got, (s, i, model.program.ops[i].rule)
+
+
 def test_auto_no_worse_than_hand_strategies(hand: dict[str, Any], auto: Any) -> None:
     model, (plan, info) = auto
     tokens = model.inputs["tokens"]
@@ -54,20 +98,125 @@ def test_auto_no_worse_than_hand_strategies(hand: dict[str, Any], auto: Any) -> 
 
 
 def test_with_a_device_compute_plus_communication_no_worse_than_hand() -> None:
-    from spmdkit.graph.compute import op_cost, preset_device
+    from spmdkit.graph.compute import preset_device
+    from spmdkit.graph.zoo import build_model, preset
 
     dev = preset_device("h200")
-
-    def step(p: Any) -> float:
-        return float(p.time_s + sum(op_cost(p, i).time_s(dev) for i in range(len(p.ops))))
-
-    hand = {s: plan_model("tiny-llama", MESH, s, {"batch": 8, "seq": 256}) for s in ("dp", "megatron", "dp,megatron")}
-    model = hand["dp"][0]
+    hand = {s: plan_model("tiny-llama", MESH, s, {"batch": 8, "seq": 256})
+            for s in ("dp", "megatron", "megatron,sp", "dp,zero")}
+    model = build_model(preset("tiny-llama").with_(batch=8, seq=256), vocab_parallel_loss=True, check_rules=False)
+    seen: list[tuple[str, int, int]] = []
     plan, info = auto_plan(model.program, hand["dp"][1].mesh, {model.inputs["tokens"]: [0, -1]}, time_limit=20,
-                           device=dev)
+                           device=dev, progress=lambda ph, d, t: seen.append((ph, d, t)))
     assert info.status == "Optimal"
-    assert step(plan) <= min(step(p) for _, p, _ in hand.values())
-    assert step(plan) > plan.time_s  # compute counted
+    assert _step(plan, dev) <= min(_step(p, dev) for _, p, _ in hand.values())
+    assert _step(plan, dev) > plan.time_s  # compute counted
+    # the progress callback: candidates then the solve, each ending done == total
+    phases = [ph for ph, _, _ in seen]
+    assert phases[0] == "candidates" and phases[-1] == "solve"
+    assert all(0 <= d <= t for _, d, t in seen)
+    assert ("candidates", len(model.program.ops), len(model.program.ops)) in seen and ("solve", 1, 1) in seen
+
+
+def test_column_weights_pinned_no_worse_than_the_all_gather_plan() -> None:
+    """llama-7b (1 layer) on dp=2 x tp=4, only the tokens (dp) and the column-parallel weights
+    pinned: propagation all-reduces attn_out and mlp_out (384 MiB forward); XLA all-gathers attn2d
+    (96 + 192 = 288 MiB). The search's plan moves no more in the forward and is no slower."""
+    from spmdkit.graph.compute import cost_model, preset_device
+    from spmdkit.graph.propagate import propagate
+    from spmdkit.graph.strategy import parse_mesh
+    from spmdkit.graph.zoo import build_model, preset
+
+    model = build_model(preset("llama-7b").with_(layers=1), vocab_parallel_loss=True, check_rules=False)
+    prog = model.program
+    mesh = parse_mesh("dp=2,tp=4")
+    dev = preset_device("h100")
+    cost = cost_model(mesh, dev)
+    pins: dict[str, Any] = {model.inputs["tokens"]: [0, -1]}
+    pins.update({p: [-1, 1] for p, r in model.roles.items() if r == "column"})
+
+    def forward_mib(p: Any) -> float:
+        return sum(r.bytes_per_rank for r in p.reshards if prog.ops[r.op_index].phase == "forward"
+                   and prog.ops[r.op_index].layer == "layer 0") / 2**20
+
+    greedy = propagate(prog, mesh, pins, cost)
+    xla = propagate(prog, mesh, {**pins, "layers.0.attn2d": [0, -1, -1], "layers.0.wo": [-1, -1]}, cost)
+    assert forward_mib(greedy) == 384.0 and forward_mib(xla) == 288.0
+    plan, info = auto_plan(prog, mesh, pins, cost, time_limit=20)  # communication only
+    assert info.status == "Optimal"
+    assert forward_mib(plan) <= 288.0
+    assert plan.time_s <= min(xla.time_s, greedy.time_s)
+    for p, dm in pins.items():
+        assert list(plan.attrs[p].dims_mapping) == dm
+
+
+def test_folded_layers_share_one_choice() -> None:
+    from spmdkit.graph.zoo import build_model, preset
+
+    model = build_model(preset("tiny-llama").with_(layers=4), check_rules=False)
+    prog = model.program
+    mesh = TensorDistAttr.replicated(plan_model("tiny-llama", MESH, "dp", None)[1].mesh, 1).mesh
+    pins = {model.inputs["tokens"]: [0, -1]}
+    plan, info = auto_plan(prog, mesh, pins, time_limit=20)
+    _free, finfo = auto_plan(prog, mesh, pins, time_limit=20, fold=False)
+    assert info.folded and info.folded_layers >= 1 and info.merged_ops > 0
+    assert not finfo.folded and finfo.folded_layers == 0
+    assert info.variables < finfo.variables
+    # folding restricts the choice: never cheaper than the unfolded optimum
+    assert info.objective_s >= finfo.objective_s * (1 - 1e-9)
+    # the middle layers (1 and 2: the same ops) hold every tensor alike
+    for n in prog.tensors:
+        if n.startswith("layers.1."):
+            m = "layers.2." + n[len("layers.1."):]
+            if m in prog.tensors:
+                assert plan.attrs[n].dims_mapping == plan.attrs[m].dims_mapping, n
+    assert simulate_plan(plan, seed=0).ok
+
+
+def test_memory_cap_megatron_cannot_meet() -> None:
+    """A cap below megatron's memory: the search's plan fits it (the fastest choice does not: the
+    program is re-solved with memory priced in); a cap below what any choice holds is a one-line
+    ProgramError."""
+    from spmdkit.graph.compute import preset_device
+    from spmdkit.graph.memory import memory_per_device
+    from spmdkit.graph.zoo import build_model, preset
+
+    dev = preset_device("h200")
+    sizes = {"batch": 8, "seq": 256, "layers": 1}
+    hand = {s: plan_model("tiny-llama", MESH, s, sizes)[1] for s in ("dp", "megatron", "megatron,sp", "dp,zero")}
+    cap = int(memory_per_device(hand["megatron"]).total * 0.99)
+    model = build_model(preset("tiny-llama").with_(**sizes), vocab_parallel_loss=True, check_rules=False)
+    mesh = hand["dp"].mesh
+    pins = {model.inputs["tokens"]: [0, -1]}
+    plan, info = auto_plan(model.program, mesh, pins, time_limit=10, device=dev, memory_cap=cap)
+    assert memory_per_device(plan).total <= cap
+    assert info.memory_cap == cap and info.memory_bytes is not None and 0 < info.memory_bytes <= cap
+    assert "memory-capped" in info.status and info.gap >= 0.0
+    assert simulate_plan(plan, seed=0).ok
+    with pytest.raises(ProgramError) as exc:
+        auto_plan(model.program, mesh, pins, time_limit=10, device=dev, memory_cap=4096)
+    msg = str(exc.value)
+    assert "--memory 4.00 KiB" in msg and "at least" in msg and "\n" not in msg
+
+
+def test_explain_prices_the_runner_up() -> None:
+    from spmdkit.cli.plan import explain_table
+    from spmdkit.graph.zoo import build_model, preset
+
+    model = build_model(preset("tiny-llama").with_(layers=1), check_rules=False)
+    mesh = plan_model("tiny-llama", MESH, "dp", {"layers": 1})[1].mesh
+    _, info = auto_plan(model.program, mesh, {model.inputs["tokens"]: [0, -1]}, time_limit=20, explain=True)
+    rows = info.explain
+    assert info.status == "Optimal"
+    assert "layer 0" in {r.layer for r in rows}
+    for r in rows:
+        assert r.objective_s == pytest.approx(info.objective_s)
+        if r.runner_up_s is not None:  # excluding the layer's choice can only cost more
+            assert r.runner_up_s >= r.objective_s * (1 - 1e-6)
+    assert any(r.runner_up_s is not None for r in rows)
+    table = explain_table(rows).splitlines()
+    assert table[0].startswith("--explain: per layer") and len(table) == len(rows) + 2
+    assert any(line.strip().startswith("layer 0") for line in table)
 
 
 def test_auto_plan_is_sound_and_respects_pins(auto: Any) -> None:
@@ -128,19 +277,34 @@ def _cli(*args: str) -> tuple[int, str]:
 def test_cli_auto_json() -> None:
     import json
 
-    rc, out = _cli("plan", "--model", "tiny-llama", "--mesh", MESH, "--auto", "--annotate", "tokens=[0,-1]", "--json")
+    rc, out = _cli("plan", "--model", "tiny-llama", "--layers", "1", "--mesh", MESH, "--auto", "--annotate",
+                   "tokens=[0,-1]", "--memory", "1GiB", "--json")
     assert rc == 0, out
     got = json.loads(out)
     assert got["auto"]["status"] == "Optimal"
-    assert got["auto"]["folded_layers"] is False and got["auto"]["merged_elementwise"] is False
+    assert got["auto"]["folded_layers"] is False and got["auto"]["merged_elementwise"] is True
+    assert got["auto"]["merged_ops"] > 0 and got["auto"]["layers_folded"] == 0
+    assert got["auto"]["memory_cap"] == 2**30 and 0 < got["auto"]["memory_counted"] <= 2**30
+    assert got["auto"]["explain"] == []
+    assert "memory cap 1.00 GiB" in got["title"]
 
 
 @pytest.mark.parametrize(("args", "msg"), [
     (("--strategy", "dp"), "--strategy: does not apply with --auto"),
     (("--auto-time-limit", "x"), "--auto-time-limit: 'x' is not a number"),
     (("--auto-time-limit", "0"), "--auto-time-limit: 0 is not between"),
+    (("--memory", "lots"), "--memory 'lots': expected a size"),
+    (("--memory", "0GB"), "--memory '0GB': expected a size from 1 byte to 1 EiB"),
+    (("--memory", "1KiB"), "--memory 1.00 KiB: no plan fits"),
 ])
 def test_cli_auto_bad_arguments(args: tuple[str, ...], msg: str) -> None:
     rc, out = _cli("plan", "--model", "tiny-llama", "--mesh", MESH, "--auto", *args)
     assert rc == 2
     assert msg in out and "Traceback" not in out
+
+
+@pytest.mark.parametrize("flag", [("--memory", "80GB"), ("--explain",)])
+def test_cli_auto_only_flags_need_auto(flag: tuple[str, ...]) -> None:
+    rc, out = _cli("plan", "--model", "tiny-llama", "--mesh", MESH, "--strategy", "dp", *flag)
+    assert rc == 2
+    assert f"{flag[0]}: applies to the --auto search" in out and "Traceback" not in out

@@ -80,13 +80,15 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                         "time with --device")
     p.add_argument("--auto-time-limit", dest="auto_time_limit", default="60", metavar="SECONDS",
                    help="the --auto solver's time limit (default 60)")
+    p.add_argument("--memory", metavar="SIZE",
+                   help="memory per device the plan must fit in, e.g. 80GiB, 80GB (10^9 bytes), 512MiB or a byte "
+                        "count (default: the --device's memory): the --auto search's cap; --devices rejects "
+                        "configurations over it")
+    p.add_argument("--explain", action="store_true",
+                   help="--auto: per layer, what was chosen and what the best plan choosing otherwise there costs")
     from spmdkit.cli.pipeline import add_pipeline_arguments
 
     add_pipeline_arguments(p)  # a pp mesh dim: --microbatches, --schedule, --virtual-stages, --stages
-    if "--memory" not in p._option_string_actions:  # (one flag, whichever module adds it first)
-        p.add_argument("--memory", metavar="SIZE",
-                       help="memory cap per device, e.g. 80GB or 80GiB (default the --device's): --devices rejects "
-                            "configurations over it")
 
 
 #: ``--mesh`` when neither it nor ``--devices`` is given.
@@ -203,6 +205,10 @@ def run_plan(ns: argparse.Namespace, out: TextIO) -> int:
                 from spmdkit.cli.devices import run_devices
 
                 return run_devices(ns, out)
+            for flag, given in (("--memory", getattr(ns, "memory", None) is not None),
+                                ("--explain", getattr(ns, "explain", False))):
+                if given and not getattr(ns, "auto", False):
+                    raise ProgramError(f"{flag}: applies to the --auto search and --devices; give --auto too")
             if getattr(ns, "mesh", None) is None:
                 ns.mesh = DEFAULT_MESH
             from spmdkit.cli.pipeline import run_pipeline_plan, wants_pipeline
@@ -359,16 +365,35 @@ def _run_auto(ns: argparse.Namespace, out: TextIO, user: dict[str, Any], overrid
         cfg = preset(ns.model)
         cfg = cfg.with_(**{k: v for k, v in overrides.items() if v is not None})
         config = cfg
-        prog = build_model(cfg, check_rules=False).program
+        # the vocab-parallel loss: its rule also takes the class axis whole (the plain loss)
+        prog = build_model(cfg, vocab_parallel_loss=True, check_rules=False).program
         title = f"{ns.model}: {cfg.arch}, {cfg.layers} layers, hidden {cfg.hidden}, seq {cfg.seq}, batch {cfg.batch}"
-    from spmdkit.graph.compute import load_device
+    from spmdkit.graph.compute import cost_model, load_device
 
     device = load_device(ns.device) if getattr(ns, "device", None) else None
-    plan, info = auto_plan(prog, mesh, user, parse_cost(ns.cost, mesh), time_limit=limit, device=device)
+    cost = parse_cost(ns.cost, mesh)
+    if device is not None:  # the device's links, --cost on top (as _step_estimate times the plan)
+        from dataclasses import replace
+
+        from spmdkit.reshard import CostModel
+
+        nodes = parse_size("--nodes-of", getattr(ns, "nodes_of", None), 1 << 20)
+        device = replace(device, ranks_per_node=nodes) if nodes else device
+        cost = cost_model(mesh, device, nodes)
+        if ns.cost:
+            cost = CostModel.parse(ns.cost, mesh, base=cost)
+    from spmdkit.graph.auto_search import parse_memory
+
+    cap = None if getattr(ns, "memory", None) is None else parse_memory(ns.memory)
+    if cap is None and device is not None:
+        cap = int(device.memory_bytes)
+    plan, info = auto_plan(prog, mesh, user, cost, time_limit=limit, device=device, memory_cap=cap,
+                           explain=bool(getattr(ns, "explain", False)))
     secs = time.perf_counter() - t0
     title += (f"; --auto: HiGHS {info.status}, gap {info.gap:.2%}, solve {info.solve_s:.2f} s, "
               f"{info.candidates} candidates, predicted {'compute + ' if device else ''}communication "
-              f"{info.objective_s * 1e3:.3f} ms, realised {info.realized}")
+              f"{info.objective_s * 1e3:.3f} ms, realised {info.realized}, {info.merged_ops} ops merged, "
+              f"{info.folded_layers} layers folded" + (f", memory cap {cap / 2**30:.2f} GiB" if cap else ""))
     plan.grad_accum = parse_size("--grad-accum", getattr(ns, "grad_accum", None), 1 << 20) or 1
     plan, est = step_estimate(ns, plan, config)
     mem = memory_per_device(plan, ns.recompute)
@@ -384,15 +409,35 @@ def _run_auto(ns: argparse.Namespace, out: TextIO, user: dict[str, Any], overrid
                  "auto": {"status": info.status, "gap": info.gap, "solve_seconds": info.solve_s,
                           "objective_seconds": info.objective_s, "candidates": info.candidates,
                           "variables": info.variables, "realized": info.realized, "merged_elementwise": info.merged,
-                          "folded_layers": info.folded}}
+                          "folded_layers": info.folded, "merged_ops": info.merged_ops,
+                          "layers_folded": info.folded_layers, "candidates_seconds": info.candidates_s,
+                          "memory_cap": cap, "memory_counted": info.memory_bytes,
+                          "explain": [e.to_json() for e in info.explain]}}
         if verdict is not None:
             extra["verify"] = verdict
         out.write(json.dumps(plan_json(plan, mem, extra, est)) + "\n")
     else:
         write_report(plan, out, title, mem, secs, est)
+        if info.explain:
+            out.write("\n" + explain_table(info.explain) + "\n")
         if verdict is not None:
             out.write("\n" + verdict["text"] + "\n")
     return 0 if verdict is None or verdict["ok"] else 1
+
+
+def explain_table(rows: list[Any]) -> str:
+    """``--explain``: per layer, the choice and the best plan choosing otherwise there."""
+    lines = ["--explain: per layer (identical layers once), the chosen layouts (forward matmul / embedding: "
+             "weight -> output dims_mapping, pN = partial over mesh dim N) and the search's objective (predicted "
+             "step) of the best choice where one of them is laid out otherwise"]
+    w = max(len(r.layer) for r in rows)
+    lines.append(f"  {'layer'.ljust(w)}  {'ops':>4}  {'obj. ms':>9}  {'runner-up':>9}  {'+ms':>8}  chosen | runner-up")
+    for r in rows:
+        alt = "-" if r.runner_up_s is None else f"{r.runner_up_s * 1e3:9.3f}"
+        d = "-" if r.runner_up_s is None else f"{(r.runner_up_s - r.objective_s) * 1e3:+8.3f}"
+        lines.append(f"  {r.layer.ljust(w)}  {r.ops:>4}  {r.objective_s * 1e3:9.3f}  {alt:>9}  {d:>8}  "
+                     f"{r.chosen or '(no matmul)'} | {r.runner_up}")
+    return "\n".join(lines)
 
 
 def write_html(ns: argparse.Namespace, plan: Any, title: str, mem: Any, est: Any, config: Any = None,

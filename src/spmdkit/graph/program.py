@@ -176,7 +176,6 @@ def flat_refs(v: Ref) -> list[str | None]:
     return [v]
 
 
-_flat = flat_refs  # alias for auto.py/torch_exec.py until merged
 
 
 def _jsonable(v: Any) -> Any:
