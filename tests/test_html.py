@@ -177,6 +177,23 @@ def test_alternatives_and_auto_section(llama: tuple[Any, Any, Any, Any]) -> None
     fig = p.figures("alternatives")
     assert len(fig) == 1 and fig[0]["data-rows"] == "2"
     assert "HiGHS Optimal" in text and "dp only" in text
+    assert 'id="runner-ups"' not in text  # no --explain rows: no runner-up table
+
+
+def test_auto_runner_ups_from_explain(llama: tuple[Any, Any, Any, Any]) -> None:
+    from spmdkit.graph.auto import AutoInfo, LayerChoice
+
+    _model, plan, est, mem = llama
+    rows = [LayerChoice("layers 0", 30, "wq [-1,1] -> [0,-1,1]", 0.020, 0.023, "wq [-1,-1] -> [0,-1,-1]"),
+            LayerChoice("head", 5, "", 0.020, None, "-")]
+    info = AutoInfo(objective_s=0.02, gap=0.0, solve_s=0.5, status="Optimal", candidates=10, variables=20,
+                    explain=rows)
+    text = H.render_html(plan, "t", mem, est, auto=info)
+    table = text[text.index('id="runner-ups"'):]
+    table = table[:table.index("</table>")]
+    assert table.count("<tr>") == 3  # the header and one row per layer group
+    assert "layers 0" in table and "wq [-1,-1] -&gt; [0,-1,-1]" in table and "+3.00 ms" in table
+    assert "(no matmul)" in table
 
 
 def test_pipeline_schedule_figure(tmp_path: Path) -> None:

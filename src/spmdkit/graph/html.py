@@ -20,8 +20,8 @@ page loads nothing from the network. Figures:
 - the live memory over the step (:attr:`spmdkit.graph.memory.Memory.curve` plus what is held
   for the whole step), the peak marked;
 - the reshard table (:func:`spmdkit.graph.report.reshard_groups`), sortable and filterable;
-- with ``--auto``: how the search went, and other plans to compare where a caller gives them
-  (``alternatives``).
+- with ``--auto``: how the search went, the runner-ups of ``--explain`` per layer, and other
+  plans to compare where a caller gives them (``alternatives``).
 
 :func:`save_html` writes the page atomically (a temporary file in the same directory, then
 renamed): an error leaves no partial file.
@@ -644,6 +644,20 @@ def _auto_section(auto: Any, alternatives: Sequence[tuple[str, Plan]], plan: Pla
         out += (f'<p>--auto: HiGHS {_e(auto.status)}, gap {auto.gap:.2%}, solved in {auto.solve_s:.2f} s over '
                 f'{auto.candidates} candidates ({auto.variables} variables); objective '
                 f'{fmt_time(auto.objective_s)}, realised as {_e(auto.realized)}.</p>')
+        explain = list(getattr(auto, "explain", None) or ())
+        if explain:  # --explain: per layer, the choice and the runner-up (the best plan choosing otherwise there)
+            rows = "".join(
+                f"<tr><td>{_e(r.layer)}</td><td>{r.ops}</td><td>{_e(r.chosen or '(no matmul)')}</td>"
+                f"<td>{fmt_time(r.objective_s)}</td>"
+                + ("<td>-</td><td>-</td>" if r.runner_up_s is None else
+                   f"<td>{fmt_time(r.runner_up_s)}</td><td>+{fmt_time(max(0.0, r.runner_up_s - r.objective_s))}</td>")
+                + f"<td>{_e(r.runner_up)}</td></tr>" for r in explain)
+            out += ('<p>Runner-up plans (--explain): per layer (identical layers once), the chosen layouts of the '
+                    'forward matmuls (weight -&gt; output dims_mapping, pN partial over mesh dim N) and the best plan '
+                    'whose choice differs in that layer, by the search\'s objective.</p>'
+                    '<table class="small" id="runner-ups"><tr><th>layer</th><th>ops</th><th>chosen</th>'
+                    '<th>objective</th><th>runner-up</th><th>costs more by</th><th>runner-up layouts</th></tr>'
+                    f'{rows}</table>')
     if alternatives:
         rows = [("this plan", plan), *list(alternatives)]
         mems = [memory_per_device(p) for _, p in rows]
