@@ -646,7 +646,7 @@ def _auto_section(auto: Any, alternatives: Sequence[tuple[str, Plan]], plan: Pla
                 f'{fmt_time(auto.objective_s)}, realised as {_e(auto.realized)}.</p>')
         explain = list(getattr(auto, "explain", None) or ())
         if explain:  # --explain: per layer, the choice and the runner-up (the best plan choosing otherwise there)
-            rows = "".join(
+            lines = "".join(
                 f"<tr><td>{_e(r.layer)}</td><td>{r.ops}</td><td>{_e(r.chosen or '(no matmul)')}</td>"
                 f"<td>{fmt_time(r.objective_s)}</td>"
                 + ("<td>-</td><td>-</td>" if r.runner_up_s is None else
@@ -657,7 +657,7 @@ def _auto_section(auto: Any, alternatives: Sequence[tuple[str, Plan]], plan: Pla
                     'whose choice differs in that layer, by the search\'s objective.</p>'
                     '<table class="small" id="runner-ups"><tr><th>layer</th><th>ops</th><th>chosen</th>'
                     '<th>objective</th><th>runner-up</th><th>costs more by</th><th>runner-up layouts</th></tr>'
-                    f'{rows}</table>')
+                    f'{lines}</table>')
     if alternatives:
         rows = [("this plan", plan), *list(alternatives)]
         mems = [memory_per_device(p) for _, p in rows]
