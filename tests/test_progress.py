@@ -106,3 +106,20 @@ def test_spmdkit_verify_shows_progress_on_a_terminal_only(monkeypatch: Any) -> N
     assert run_verify(_verify_ns(), out2) == 0
     assert pipe.getvalue() == ""
     assert out2.getvalue().splitlines()[2].startswith("matmul")
+
+
+def test_plan_auto_shows_its_phases_on_a_terminal(monkeypatch: Any) -> None:
+    import sys
+
+    import pytest
+
+    pytest.importorskip("highspy")
+    from spmdkit.cli import main
+
+    tty = FakeTty()
+    monkeypatch.setattr(sys, "stderr", tty)
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    assert main(["plan", "--model", "tiny-llama", "--mesh", "dp=2,tp=2", "--layers", "1", "--auto",
+                 "--annotate", "tokens=[0,-1]"]) == 0
+    shown = tty.getvalue()
+    assert "plan --auto" in shown and "candidates" in shown and "solve" in shown

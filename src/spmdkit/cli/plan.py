@@ -387,8 +387,12 @@ def _run_auto(ns: argparse.Namespace, out: TextIO, user: dict[str, Any], overrid
     cap = None if getattr(ns, "memory", None) is None else parse_memory(ns.memory)
     if cap is None and device is not None:
         cap = int(device.memory_bytes)
-    plan, info = auto_plan(prog, mesh, user, cost, time_limit=limit, device=device, memory_cap=cap,
-                           explain=bool(getattr(ns, "explain", False)))
+    from spmdkit.progress import Progress
+
+    with Progress("plan --auto") as bar:  # a line on a terminal's stderr, nothing on a pipe
+        plan, info = auto_plan(prog, mesh, user, cost, time_limit=limit, device=device, memory_cap=cap,
+                               explain=bool(getattr(ns, "explain", False)),
+                               progress=lambda phase, done, total: bar.update(done, total, phase))
     secs = time.perf_counter() - t0
     title += (f"; --auto: HiGHS {info.status}, gap {info.gap:.2%}, solve {info.solve_s:.2f} s, "
               f"{info.candidates} candidates, predicted {'compute + ' if device else ''}communication "
