@@ -203,6 +203,25 @@ def test_cli_devices_memory_cap_too_small() -> None:
     assert 0 < got["memory"]["total"] <= 100 << 10 and got["search"]["over_memory_cap"] > 0
 
 
+def test_cli_devices_writes_the_best_plans_page_and_export(tmp_path: Any) -> None:
+    import stat
+
+    page, exp = tmp_path / "best.html", tmp_path / "best.json"
+    rc, out, err = _cli("plan", "--model", "tiny-llama", "--devices", "4", "--recompute", "none", "--json",
+                        "--html", str(page), "--export", "jax", str(exp))
+    assert rc == 0, err
+    got = json.loads(out)
+    best = got["search"]["top"][0]
+    text = page.read_text()
+    assert f"wrote {page}" in err and "best of 4 devices" in text
+    assert 'data-figure="alternatives"' in text  # the next fitting configurations, compared
+    doc = json.loads(exp.read_text())
+    assert doc["mesh"]["shape"] == [best["dp"], best["tp"]] and doc["mesh"]["dim_names"] == ["dp", "tp"]
+    assert stat.S_IMODE(exp.stat().st_mode) == 0o644 and stat.S_IMODE(page.stat().st_mode) == 0o644
+    rc, out, err = _cli("plan", "--model", "tiny-llama", "--devices", "4", "--html", str(tmp_path / "no" / "x.html"))
+    assert rc == 2 and "--html" in err and out == ""  # refused before the search
+
+
 @pytest.mark.parametrize(("args", "msg"), [
     (("--mesh", "dp=2"), "--devices: give either --mesh or --devices"),
     (("--microbatches", "2"), "--microbatches: does not apply with --devices"),

@@ -418,6 +418,7 @@ def write_json(doc: Mapping[str, Any], path: str, what: str = "--export") -> Non
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(doc, f, indent=1)
             f.write("\n")
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would make the export unreadable to others
         os.replace(tmp, p)
         tmp = None
     except OSError as exc:

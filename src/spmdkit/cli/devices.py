@@ -87,6 +87,8 @@ def run_devices(ns: argparse.Namespace, out: TextIO) -> int:
         if not isinstance(model, str):
             raise ProgramError("--verify: simulates a preset model; it does not apply to --hf or --program")
         verdict = verify_config(best, model, ns.cost)
+    if best is not None:
+        _write_files(ns, res, best, f"{what}; best of {n} devices: {best.title}")
     if ns.json:
         from spmdkit.graph.report import plan_json
 
@@ -112,6 +114,30 @@ def run_devices(ns: argparse.Namespace, out: TextIO) -> int:
         if verdict is not None:
             out.write("\n" + verdict["text"] + "\n")
     return 0 if verdict is None or verdict["ok"] else 1
+
+
+#: The most other configurations the --html page compares with the best one.
+MAX_ALTERNATIVES = 5
+
+
+def _write_files(ns: argparse.Namespace, res: Any, best: Candidate, title: str) -> None:
+    """``--html`` (the best configuration's page; the next fitting configurations without a
+    pipeline as the plans to compare) and ``--export`` (the best plan's shardings; a pipeline
+    configuration is refused, as for ``--mesh``)."""
+    from spmdkit.cli.plan import export_plan_file, write_html
+
+    if getattr(ns, "export", None) and best.config.pp > 1:
+        raise ProgramError(f"--export: the best configuration ({best.config.label()}) is a pipeline (pp) plan; "
+                           "--export does not apply to one yet (give --mesh without pp)")
+    others = [(c.config.label(), c.plan) for c in res.fitting[1:]
+              if c.plan is not None and c.config.pp == 1][:MAX_ALTERNATIVES]
+    if best.config.pp > 1:
+        write_html(ns, best.plan, title, best.memory_detail, None, mesh_text=best.config.mesh_text,
+                   recompute=best.config.recompute, pipeline=best.estimate, auto=best.auto, alternatives=others)
+    else:
+        write_html(ns, best.plan, title, best.memory_detail, best.estimate, mesh_text=best.config.mesh_text,
+                   recompute=best.config.recompute, auto=best.auto, alternatives=others)
+    export_plan_file(ns, best.plan)
 
 
 def _write_best(best: Candidate, out: TextIO) -> None:

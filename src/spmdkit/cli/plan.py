@@ -201,15 +201,12 @@ def run_plan(ns: argparse.Namespace, out: TextIO) -> int:
     exit status 2 (no traceback); 1 when ``--verify`` finds a difference."""
     try:
         with strategy_notes("plan"):
-            if getattr(ns, "devices", None) is not None:  # the outer search: cli/devices.py
-                from spmdkit.cli.devices import run_devices
-
-                return run_devices(ns, out)
+            devices = getattr(ns, "devices", None) is not None
             for flag, given in (("--memory", getattr(ns, "memory", None) is not None),
                                 ("--explain", getattr(ns, "explain", False))):
-                if given and not getattr(ns, "auto", False):
+                if given and not getattr(ns, "auto", False) and not (flag == "--memory" and devices):
                     raise ProgramError(f"{flag}: applies to the --auto search and --devices; give --auto too")
-            if getattr(ns, "mesh", None) is None:
+            if getattr(ns, "mesh", None) is None and not devices:
                 ns.mesh = DEFAULT_MESH
             from spmdkit.cli.pipeline import run_pipeline_plan, wants_pipeline
             from spmdkit.report import fitted, terminal_width
@@ -224,6 +221,10 @@ def run_plan(ns: argparse.Namespace, out: TextIO) -> int:
                 check_target(*ns.export)
             width = None if ns.json else terminal_width(out, getattr(ns, "wide", False))
             with fitted(out, width) as fout:
+                if devices:  # the outer search: cli/devices.py
+                    from spmdkit.cli.devices import run_devices
+
+                    return run_devices(ns, fout)
                 if wants_pipeline(ns):  # a pp mesh dim: cli/pipeline.py, graph/pipeline.py
                     if getattr(ns, "export", None):
                         raise ProgramError("--export: does not apply to a pipeline (pp) plan yet")
@@ -299,7 +300,7 @@ def _run_plan(ns: argparse.Namespace, out: TextIO) -> int:
     plan.grad_accum = parse_size("--grad-accum", getattr(ns, "grad_accum", None), 1 << 20) or 1
     plan, est = step_estimate(ns, plan, config)
     mem = memory_per_device(plan, recompute)
-    _export(ns, plan)
+    export_plan_file(ns, plan)
     verdict = None
     if ns.verify:
         verdict = verify_strategy(model_name, ns.mesh, ns.strategy, ns.cost)
@@ -402,7 +403,7 @@ def _run_auto(ns: argparse.Namespace, out: TextIO, user: dict[str, Any], overrid
     plan, est = step_estimate(ns, plan, config)
     mem = memory_per_device(plan, ns.recompute)
     write_html(ns, plan, title, mem, est, config, auto=info)
-    _export(ns, plan)
+    export_plan_file(ns, plan)
     verdict = None
     if ns.verify:
         from spmdkit.graph.auto_search import verify_auto
@@ -445,8 +446,10 @@ def explain_table(rows: list[Any]) -> str:
 
 
 def write_html(ns: argparse.Namespace, plan: Any, title: str, mem: Any, est: Any, config: Any = None,
-               **more: Any) -> None:
-    """``--html FILE``: the page of :mod:`spmdkit.graph.html`, written atomically; a line on stderr."""
+               mesh_text: str | None = None, recompute: str | None = None, **more: Any) -> None:
+    """``--html FILE``: the page of :mod:`spmdkit.graph.html`, written atomically; a line on stderr.
+    ``mesh_text`` / ``recompute``: the full mesh and the recomputation (default ``--mesh`` /
+    ``--recompute``; ``--devices`` gives those of the configuration it chose)."""
     path = getattr(ns, "html", None)
     if not path:
         return
@@ -454,12 +457,13 @@ def write_html(ns: argparse.Namespace, plan: Any, title: str, mem: Any, est: Any
     from spmdkit.graph.strategy import parse_mesh
 
     nodes = parse_size("--nodes-of", getattr(ns, "nodes_of", None), 1 << 20)
-    size = save_html(path, plan, title, mem, est, config=config, recompute=getattr(ns, "recompute", None) or "none",
-                     mesh=parse_mesh(ns.mesh), ranks_per_node=nodes, **more)
+    size = save_html(path, plan, title, mem, est, config=config,
+                     recompute=recompute or getattr(ns, "recompute", None) or "none",
+                     mesh=parse_mesh(mesh_text or ns.mesh), ranks_per_node=nodes, **more)
     print(f"spmdkit plan: wrote {path} ({size / 1024:.0f} KiB)", file=sys.stderr)
 
 
-def _export(ns: argparse.Namespace, plan: Any) -> None:
+def export_plan_file(ns: argparse.Namespace, plan: Any) -> None:
     """``--export FORMAT FILE``: the plan's shardings for another framework (spmdkit/export.py)."""
     if getattr(ns, "export", None):
         from spmdkit.export import export_plan
