@@ -308,3 +308,33 @@ def test_cli_auto_only_flags_need_auto(flag: tuple[str, ...]) -> None:
     rc, out = _cli("plan", "--model", "tiny-llama", "--mesh", MESH, "--strategy", "dp", *flag)
     assert rc == 2
     assert f"{flag[0]}: applies to the --auto search" in out and "Traceback" not in out
+
+
+def test_overlapped_step_no_worse_than_hand_strategies() -> None:
+    """With a device the gradient reductions before the optimizer overlap the backward (the
+    step's DDP buckets): the search weights them by GRAD_SYNC_WEIGHT, and its plan's overlapped
+    step is no longer than megatron's, megatron+sp's or dp's, and shorter than the plan of the
+    serial objective (weight 1) on this case."""
+    from spmdkit.graph.auto import GRAD_SYNC_WEIGHT
+    from spmdkit.graph.compute import cost_model, estimate_step, preset_device
+    from spmdkit.graph.strategy import parse_mesh
+    from spmdkit.graph.zoo import build_model, preset
+
+    dev = preset_device("h100")
+    cfg = preset("gpt2-small").with_(layers=1)
+    prog = build_model(cfg, vocab_parallel_loss=True, check_rules=False).program
+    mesh = parse_mesh("dp=4,tp=2")
+    tokens = cfg.batch * cfg.seq
+
+    def step(p: Any) -> float:
+        return float(estimate_step(p, dev, tokens).step_overlap_s)
+
+    plan, _ = auto_plan(prog, mesh, {"tokens": [0, -1]}, cost_model(mesh, dev, None), time_limit=30, device=dev)
+    serial, _ = auto_plan(prog, mesh, {"tokens": [0, -1]}, cost_model(mesh, dev, None), time_limit=30, device=dev,
+                          grad_sync_weight=1.0)
+    hand = {s: step(plan_model("gpt2-small", "dp=4,tp=2", s, {"layers": 1})[1]) for s in ("dp", "megatron", "megatron,sp")}
+    assert 0 < GRAD_SYNC_WEIGHT < 1
+    assert step(plan) <= min(hand.values()) * (1 + 1e-9), (step(plan), hand)
+    assert step(plan) < step(serial)
+    with pytest.raises(ProgramError, match="grad_sync_weight 2 is not between 0 and 1"):
+        auto_plan(prog, mesh, grad_sync_weight=2)
