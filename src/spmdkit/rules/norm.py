@@ -278,7 +278,8 @@ register(
     layer_norm_forward,
     "x: T, scale: T?, bias: T?, epsilon: float = 1e-5, begin_norm_axis: int = 1",
     layer_norm_backward,
-    "x: T, scale: T?, bias: T?, out: T, mean: T, variance: T, epsilon: float = 1e-5, begin_norm_axis: int = 1",
+    kind="reverse",
+    outputs="out: T, mean: T, variance: T",
     forward_name="LayerNormInferSpmd",
     backward_name="LayerNormInferSpmdReverse",
 )
@@ -295,7 +296,8 @@ register(
     "x: T, scale: T?, epsilon: float = 1e-5",
     zero_d_absent(rms_norm_backward, "x: T, scale: T?, out: T, invvar: T, epsilon: float = 1e-5", ("scale",),
                   outputs=("out", "invvar")),
-    "x: T, scale: T?, out: T, invvar: T, epsilon: float = 1e-5",
+    kind="reverse",
+    outputs="out: T, invvar: T",
     forward_name="RmsNormInferSpmd",
     backward_name="RmsNormInferSpmdReverse",
 )

@@ -96,7 +96,7 @@ def _make_grad(op: str):  # type: ignore[no-untyped-def]
 for _name in ("softmax", "log_softmax"):
     _f, _b = _make_forward(_name)
     register(
-        _name, _f, "x: T, axis: int = -1", _b, "x: T, out: T, axis: int = -1",
+        _name, _f, "x: T, axis: int = -1", _b, kind="reverse", outputs="out: T",
         forward_name="SoftmaxInferSpmd", backward_name="SoftmaxInferSpmdReverse",
     )  # fmt: skip
     register(
