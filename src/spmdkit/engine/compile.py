@@ -20,7 +20,8 @@ from spmdkit.core.dist_attr import DimsMapping, Entry, ReduceType, TensorDistAtt
 from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec
-from spmdkit.engine.merge import BROADCAST, largest_mesh_dim, merge_weight, prod
+from spmdkit.engine.axes import largest_mesh_dim, mesh_size
+from spmdkit.engine.merge import BROADCAST, merge_weight
 from spmdkit.engine.notation import Notation, attr_as
 
 _make = TensorDistAttr._make
@@ -274,7 +275,7 @@ def run(
         if prune[a] and d:
             size = _size(size_src[a], shapes, all_shapes, known)
             if size >= 0 and (size == 1 or not uneven[a]):
-                while d and size % prod(mesh_shape, d) != 0:
+                while d and size % mesh_size(mesh_shape, d) != 0:
                     d = d[:-1]
                 if not (size == 1 and s1claim[a]):
                     claim = d
@@ -317,7 +318,7 @@ def _unions(
     another letter also wants goes minor."""
     for a, lst in cands.items():
         out: list[int] = []
-        for d in sorted(lst, key=lambda c: -prod(mesh_shape, c)):
+        for d in sorted(lst, key=lambda c: -mesh_size(mesh_shape, c)):
             for x in d:
                 if x not in out:
                     out.append(x)

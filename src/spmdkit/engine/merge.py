@@ -32,19 +32,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from spmdkit.core.dist_attr import DimsMapping, Entry
+from spmdkit.engine.axes import largest_mesh_dim, mesh_size
 
 if TYPE_CHECKING:
     from spmdkit.engine.notation import Notation
 
 BROADCAST = "1"
-
-
-def prod(mesh_shape: Sequence[int], dims: Sequence[int]) -> int:
-    """The number of shards of mesh dims ``dims``."""
-    p = 1
-    for d in dims:
-        p *= mesh_shape[d]
-    return p
 
 
 def merge_weight(shape: Sequence[int]) -> int:
@@ -56,19 +49,6 @@ def merge_weight(shape: Sequence[int]) -> int:
     return n
 
 
-def largest_mesh_dim(entry: Entry, mesh_shape: Sequence[int]) -> int:
-    """A dims_mapping entry read as one mesh dim, as Paddle 3.3.1's merges read a co-shard: its
-    largest mesh dim (the first of equal sizes); -1 and single dims unchanged."""
-    if isinstance(entry, int):
-        return entry
-    dims = entry
-    best = dims[0]
-    for d in dims[1:]:
-        if mesh_shape[d] > mesh_shape[best]:
-            best = d
-    return best
-
-
 def entry_of(dims: Sequence[int]) -> Entry:
     """The dims_mapping entry of a letter's mesh dims: -1, one dim, or a co-shard tuple."""
     return -1 if not dims else dims[0] if len(dims) == 1 else tuple(dims)
@@ -78,7 +58,7 @@ def union_dims(cands: Sequence[tuple[int, ...]], mesh_shape: Sequence[int]) -> t
     """A letter sharded differently by several tensors, co-sharded over all their mesh dims:
     the larger mesh product major (the earlier on a tie), each mesh dim once."""
     out: list[int] = []
-    for d in sorted(cands, key=lambda c: -prod(mesh_shape, c)):
+    for d in sorted(cands, key=lambda c: -mesh_size(mesh_shape, c)):
         for x in d:
             if x not in out:
                 out.append(x)
@@ -222,7 +202,7 @@ def reference_merge(
         size = sizes.get(ch, 1)
         claim = d
         if notation.prunes(ch) and size >= 0 and (size == 1 or ch not in notation.uneven):
-            while d and size % prod(mesh_shape, d) != 0:
+            while d and size % mesh_size(mesh_shape, d) != 0:
                 d = d[:-1]
             if not (size == 1 and ch in notation.size1_claims):
                 claim = d

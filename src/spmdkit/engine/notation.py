@@ -35,7 +35,6 @@ from spmdkit.core.errors import InvalidMeshError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.memo import memo
-from spmdkit.engine.merge import largest_mesh_dim as largest_mesh_dim
 from spmdkit.engine.merge import merge_weight as merge_weight
 
 BROADCAST = "1"
@@ -474,23 +473,6 @@ def resolve_claims(claims: Sequence[int], mesh_dim_of: Sequence[int], n: int) ->
         else:
             used |= 1 << ~c
     return tuple(final)
-
-
-def one_mesh_dim(dm: DimsMapping, mesh_shape: Sequence[int]) -> DimsMapping:
-    """``dm`` with every co-sharded entry read as its largest mesh dim (see largest_mesh_dim)."""
-    if all(e.__class__ is int for e in dm):
-        return dm
-    return tuple(largest_mesh_dim(e, mesh_shape) for e in dm)
-
-
-def one_mesh_dim_per_axis(spec: DistTensorSpec) -> DistTensorSpec:
-    """``spec`` with every co-sharded axis read as its largest mesh dim (partial kept)."""
-    a = spec.dist_attr
-    dm = a.dims_mapping
-    if all(e.__class__ is int for e in dm):
-        return spec
-    ms = a.mesh.shape
-    return DistTensorSpec(spec.shape, TensorDistAttr._make(a.mesh, one_mesh_dim(dm, ms), a.partial))
 
 
 def letters_for(ndim: int, offset: int = 0) -> str:
