@@ -86,6 +86,7 @@ def _random_notation(rng: random.Random) -> Notation:
         uneven=pick(),
         size1_claims=pick(),
         sizes=rng.choice(["first", "known"]),
+        unit_axes=rng.choice(["skip", "claim"]) if order == "claim" else "skip",
     )
 
 
@@ -213,6 +214,8 @@ def test_bad_policy_value_rejected() -> None:
         Notation(["ab"], ["ab"], order="size")
     with pytest.raises(ValueError, match="share letters"):
         Notation(["ab"], ["ab"], order=(">ab", "b"))
+    with pytest.raises(ValueError, match="claim order"):
+        Notation(["ab"], ["ab"], unit_axes="claim", order="notation")
 
 
 def test_docs_rules_md_examples_run() -> None:

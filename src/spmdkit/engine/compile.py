@@ -37,7 +37,7 @@ class Plan:
     __slots__ = (
         "block", "conflict", "fast", "fast_letters", "groups", "in_axes", "in_letters", "largest", "letter_ids", "n", "notation",
         "order_kind", "out_axes", "out_missing", "prune", "rep", "s1claim", "size_src", "sizes_known",
-        "src", "uneven",
+        "src", "uneven", "unit",
     )  # fmt: skip
 
     def __init__(self, notation: Notation, direction: str, mask: tuple[int, ...]) -> None:
@@ -57,6 +57,7 @@ class Plan:
         self.rep = tuple(c in nt.replicated for c in letters)
         self.block = nt.replicated_claims == "block" and any(self.rep)
         self.largest = nt.coshard == "largest"
+        self.unit = nt.unit_axes == "claim"
         self.conflict = _CONFLICT[nt.conflict]
         self.prune = tuple(nt.prunes(c) for c in letters)
         self.uneven = tuple(c in nt.uneven for c in letters)
@@ -194,13 +195,14 @@ def run(
     hold = [0] * n
     claims: list[int] = []
     conflict = p.conflict
+    unit = p.unit
     cands: dict[int, list[tuple[int, ...]]] | None = None
     for ti, ids in p.src:
         dm = dms[ti]
         if dm is None:
             continue
         for a, e in zip(ids, dm):
-            if a < 0:
+            if a < 0 and not unit:
                 continue
             if e.__class__ is int:
                 if e < 0:
@@ -210,10 +212,16 @@ def run(
                 d = _ONE[largest_mesh_dim(e, mesh_shape)]
             else:
                 d = e  # type: ignore[assignment]
-            if blocked and not rep[a]:
+            if blocked and (a < 0 or not rep[a]):
                 d = tuple([x for x in d if not (blocked >> x) & 1])
                 if not d:
                     continue
+            if a < 0:  # unit_axes="claim": a size-1 axis takes its mesh dims (~mask) in claim order
+                m = 0
+                for x in d:
+                    m |= 1 << x
+                claims.append(~m)
+                continue
             c = cur[a]
             if c is None:
                 cur[a] = d
@@ -266,6 +274,9 @@ def run(
     prune, uneven, s1claim = p.prune, p.uneven, p.s1claim
     used = 0
     for a in order:
+        if a < 0:
+            used |= ~a
+            continue
         if rep[a]:
             continue
         d = cur[a]  # type: ignore[assignment]
@@ -450,6 +461,7 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
     lines = ["def fast(D, S, ms):"] if raw else ["def fast(I, O, mesh):", "    ms = mesh.shape"]
     emit = lines.append
     read: set[int] = set()
+    units: list[str] = []  # unit_axes="claim": the mesh dim of each size-1 axis
     for ti, ids in p.src:
         if raw:
             emit(f"    d{ti} = D[{ti}]")
@@ -464,6 +476,12 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
             emit(f"    s{ti} = t.shape")
         for i, a in enumerate(ids):
             if a < 0:
+                if p.unit:
+                    var = f"U{len(units)}"
+                    units.append(var)
+                    emit(f"    {var} = d{ti}[{i}]")
+                    emit(f"    if {var}.__class__ is not int:")
+                    emit(f"        {var} = _largest({var}, ms)" if p.largest else "        return None")
                 continue
             var = f"L{a}" if a not in read else "e"
             emit(f"    {var} = d{ti}[{i}]")
@@ -481,11 +499,13 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
                 emit(f"    if L{a} != -1: return None")
             emit(f"    L{a} = -1")
     live = [a for a in sorted(read) if not p.rep[a]]
-    if len(live) > 1:
+    # no two claimers (letters, size-1 axes) on one mesh dim: the claim order cannot matter
+    claimers = [f"L{a}" for a in live] + units
+    if len(claimers) > 1:
         emit("    u = 0")
-        for a in live:
-            emit(f"    if L{a} >= 0:")
-            emit(f"        b = 1 << L{a}")
+        for v in claimers:
+            emit(f"    if {v} >= 0:")
+            emit(f"        b = 1 << {v}")
             emit("        if u & b: return None")
             emit("        u |= b")
     for a in live:

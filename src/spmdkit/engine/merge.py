@@ -19,7 +19,9 @@ the notation's policy fields (see ``Notation``):
 4. *resolve* in that order: replicated letters shard nothing, a mesh dim taken by an earlier
    letter is dropped, pruned letters drop minor mesh dims until the product divides their size
    (``uneven`` letters only where their size is 1); a letter claims the mesh dims it keeps,
-   or, for ``size1_claims`` letters of size 1, those it had before pruning.
+   or, for ``size1_claims`` letters of size 1, those it had before pruning. Under
+   ``unit_axes="claim"`` an axis labelled ``1`` that is sharded takes its mesh dims (those not
+   taken yet) at its place in the claim order, and shards nothing.
 
 Letter sizes (``sizes="first"``): the first size other than 1 on the merged tensors;
 (``"known"``): the first size >= 0 other than 1 on the inputs (-1 where only -1 is seen,
@@ -148,11 +150,12 @@ def reference_merge(
     # 1. read
     read: list[list[tuple[str, tuple[int, ...]]]] = []
     blocked: set[int] = set()
+    unit = notation.unit_axes == "claim"
     for t_axes, dm in zip(axes, mappings):
         row: list[tuple[str, tuple[int, ...]]] = []
         if t_axes is not None and dm is not None:
             for ch, e in zip(t_axes, dm):
-                if ch == BROADCAST:
+                if ch == BROADCAST and not unit:
                     continue
                 if notation.coshard == "largest":
                     e = largest_mesh_dim(e, mesh_shape)
@@ -166,15 +169,21 @@ def reference_merge(
     cands: dict[str, list[tuple[int, ...]]] = {}
     holder: dict[str, int] = {}
     claims: list[str] = []
+    seq: list[str | tuple[int, ...]] = []  # claim order: a letter, or a unit axis's mesh dims
     for ti, row in enumerate(read):
         for ch, d in row:
             if blocked and ch not in rep:
                 d = tuple(x for x in d if x not in blocked)
+            if ch == BROADCAST:
+                if d:
+                    seq.append(d)
+                continue
             merged.setdefault(ch, ())
             if not d:
                 continue
             if ch not in claims:
                 claims.append(ch)
+                seq.append(ch)
                 merged[ch], holder[ch], cands[ch] = d, ti, [d]
             elif d != merged[ch] or notation.conflict == "union":
                 if notation.conflict == "weight":
@@ -194,7 +203,10 @@ def reference_merge(
     # 3. order, 4. resolve
     sizes = letter_sizes(notation, axes, shapes, all_axes, all_shapes)
     used: set[int] = set()
-    for ch in letter_order(notation, claims, sizes):
+    for ch in seq if unit else letter_order(notation, claims, sizes):
+        if isinstance(ch, tuple):
+            used.update(ch)
+            continue
         if ch in rep:
             merged[ch] = ()
             continue

@@ -42,15 +42,19 @@ ALPHABET = "abcdefghijklmnopqrstuvwxyz"
 
 
 def _check_policy(
-    coshard: str, conflict: str, order: str | tuple[str, ...], replicated_claims: str, sizes: str, size1: str
+    coshard: str, conflict: str, order: str | tuple[str, ...], replicated_claims: str, sizes: str, size1: str,
+    unit_axes: str = "skip",
 ) -> None:
     """ValueError for a policy value the engine does not know (a rule's declaration error)."""
     for name, val, allowed in (("coshard", coshard, ("keep", "largest")),
                                ("conflict", conflict, ("weight", "first", "union")),
                                ("replicated_claims", replicated_claims, ("drop", "block")),
-                               ("sizes", sizes, ("first", "known")), ("size1", size1, ("keep", "broadcast"))):
+                               ("sizes", sizes, ("first", "known")), ("size1", size1, ("keep", "broadcast")),
+                               ("unit_axes", unit_axes, ("skip", "claim"))):
         if val not in allowed:
             raise ValueError(f"Notation: {name} must be one of {allowed}, got {val!r}")
+    if unit_axes == "claim" and order != "claim":
+        raise ValueError(f"Notation: unit_axes='claim' resolves in claim order, got order={order!r}")
     if isinstance(order, str):
         if order not in ("claim", "notation"):
             raise ValueError(f"Notation: order must be 'claim', 'notation' or a tuple of groups, got {order!r}")
@@ -89,7 +93,11 @@ class Notation:
     * ``sizes``: a letter's size: the first size other than 1 on the merged tensors
       (``"first"``), or the first known one (>= 0, not 1) on the inputs (``"known"``);
     * ``size1``: ``"keep"``, or ``"broadcast"``: an input's size-1 axes shard nothing (their
-      sharding still counts for the letter in the merge).
+      sharding still counts for the letter in the merge);
+    * ``unit_axes``: an axis labelled ``1`` on a merged tensor is ``"skip"``-ped, or, with
+      ``"claim"`` (Paddle's elementwise merge; ``order="claim"`` only), takes the mesh dims it
+      is sharded on at its place in the claim order (a later letter loses them) and shards
+      nothing.
     """
 
     __slots__ = (
@@ -110,6 +118,7 @@ class Notation:
         "size1_claims",
         "sizes",
         "uneven",
+        "unit_axes",
     )
 
     def __init__(
@@ -128,6 +137,7 @@ class Notation:
         size1_claims: str = "",
         sizes: str = "first",
         size1: str = "keep",
+        unit_axes: str = "skip",
     ) -> None:
         self.inputs = tuple(inputs)
         self.outputs = tuple(outputs)
@@ -135,17 +145,17 @@ class Notation:
         self.reduce = reduce if isinstance(reduce, ReduceType) else dict(reduce)
         self.prune = prune
         if (coshard != "keep" or conflict != "weight" or order != "claim" or replicated_claims != "drop"
-                or sizes != "first" or size1 != "keep"):  # fmt: skip
-            _check_policy(coshard, conflict, order, replicated_claims, sizes, size1)
+                or sizes != "first" or size1 != "keep" or unit_axes != "skip"):  # fmt: skip
+            _check_policy(coshard, conflict, order, replicated_claims, sizes, size1, unit_axes)
         self.coshard, self.conflict, self.order = coshard, conflict, order if isinstance(order, str) else tuple(order)
         self.replicated_claims, self.uneven, self.size1_claims = replicated_claims, uneven, size1_claims
-        self.sizes, self.size1 = sizes, size1
+        self.sizes, self.size1, self.unit_axes = sizes, size1, unit_axes
         self.letters = "".join(dict.fromkeys("".join([a for a in (*self.inputs, *self.outputs) if a]))).replace(
             BROADCAST, ""
         )
         red = self.reduce if isinstance(self.reduce, ReduceType) else tuple(sorted(self.reduce.items()))
         self._key = (self.inputs, self.outputs, self.replicated, red, prune, coshard, conflict, self.order,
-                     replicated_claims, uneven, size1_claims, sizes, size1)
+                     replicated_claims, uneven, size1_claims, sizes, size1, unit_axes)
         self._hash = hash(self._key)
         self.input_letters = frozenset("".join(a for a in self.inputs if a))
 
@@ -154,7 +164,7 @@ class Notation:
         return Notation(
             inputs, outputs, self.replicated, self.reduce, self.prune, coshard=self.coshard, conflict=self.conflict,
             order=self.order, replicated_claims=self.replicated_claims, uneven=self.uneven,
-            size1_claims=self.size1_claims, sizes=self.sizes, size1=self.size1,
+            size1_claims=self.size1_claims, sizes=self.sizes, size1=self.size1, unit_axes=self.unit_axes,
         )  # fmt: skip
 
     def prunes(self, letter: str) -> bool:
@@ -194,7 +204,7 @@ class Notation:
             extra.append(f"prune={self.prune!r}")
         for name, default in (("coshard", "keep"), ("conflict", "weight"), ("order", "claim"),
                               ("replicated_claims", "drop"), ("uneven", ""), ("size1_claims", ""),
-                              ("sizes", "first"), ("size1", "keep")):
+                              ("sizes", "first"), ("size1", "keep"), ("unit_axes", "skip")):
             if getattr(self, name) != default:
                 extra.append(f"{name}={getattr(self, name)!r}")
         return f"Notation({s!r}{', ' if extra else ''}{', '.join(extra)})"

@@ -28,18 +28,15 @@ from spmdkit.core.dist_attr import DimsMapping, Entry, Partial, ReduceType, Tens
 from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.axes import largest_mesh_dim, one_mesh_dim_per_axis
+from spmdkit.engine.compile import Plan, compile_plan, infer
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import (
     ALPHABET,
     BROADCAST,
     Notation,
-    attr_as,
     einsum_backward,
     einsum_forward,
     fast_result,
-    merge_weight,
-    resolve_claims,
 )
 from spmdkit.rules._common import check_like
 from spmdkit.rules.registry import register
@@ -267,81 +264,24 @@ def _notation2(op: str, x: DistTensorSpec, y: DistTensorSpec) -> tuple[str, str,
     return nt
 
 
-@memo()
-def _binary_merge(
-    dx: DimsMapping, dy: DimsMapping, xs: tuple[int, ...], ys: tuple[int, ...], mesh_shape: tuple[int, ...]
-) -> tuple[DimsMapping, DimsMapping, DimsMapping] | None:
-    """The binary forward merge on ints (None where the shapes do not broadcast).
-
-    Out axis ``i`` is a letter; a size-1 axis of x or y is a claimer of its own (it takes
-    its mesh dim, in claim order, and then shards nothing), as in Paddle. A co-sharded
-    entry keeps its largest mesh dim. Claims: x's axes left to right, then y's; where x
-    and y shard one letter over different mesh dims the larger tensor wins (x on a tie);
-    a mesh dim already claimed is dropped.
-
-    Engine policy needed to answer this through Notation (issue 17): ``coshard="largest"``
-    (each entry read as its largest mesh dim before merging) and ``unit_axes="claim"`` (a
-    size-1 axis labelled ``1`` takes its mesh dim in claim order, so a later letter sharded
-    on that mesh dim loses it, and shards nothing); today's merge skips ``1`` axes. Rules:
-    every binary elementwise forward (add, subtract, multiply, divide, maximum, ... and their
-    aliases)."""
-    if not _broadcasts(xs, ys):
-        return None
-    nx, ny = len(xs), len(ys)
-    n = nx if nx >= ny else ny
-    ox, oy = n - nx, n - ny
-    ld = [-1] * n  # per letter: its mesh dim
-    claims: list[int] = []  # a letter, or ~mesh dim for a size-1 axis's own claim
-    j = 0
-    for e in dx:
-        if e.__class__ is not int:
-            e = largest_mesh_dim(e, mesh_shape)
-        if e >= 0:
-            if xs[j] == 1:
-                claims.append(~e)
-            else:
-                ld[j + ox] = e
-                claims.append(j + ox)
-        j += 1
-    j = 0
-    wx = -1
-    for e in dy:
-        if e.__class__ is not int:
-            e = largest_mesh_dim(e, mesh_shape)
-        if e >= 0:
-            if ys[j] == 1:
-                claims.append(~e)
-            else:
-                a = j + oy
-                cur = ld[a]
-                if cur < 0:
-                    ld[a] = e
-                    claims.append(a)
-                elif cur != e:
-                    if wx < 0:
-                        wx, wy = merge_weight(xs), merge_weight(ys)
-                    if wy > wx:
-                        ld[a] = e
-        j += 1
-    if not claims:
-        return (-1,) * nx, (-1,) * ny, (-1,) * n
-    final = resolve_claims(claims, ld, n)
-    mx = tuple([-1 if s == 1 else final[j + ox] for j, s in enumerate(xs)])
-    my = tuple([-1 if s == 1 else final[j + oy] for j, s in enumerate(ys)])
-    return mx, my, tuple(final)
-
-
 def _binary_fwd(op: str, x: DistTensorSpec, y: DistTensorSpec, names: tuple[str, str] = ("x", "y")) -> SpmdResult:
-    xa, ya = x.dist_attr, y.dist_attr
-    mesh = xa.mesh
-    if ya.mesh is not mesh and ya.mesh != mesh:
+    mesh = x.dist_attr.mesh
+    ym = y.dist_attr.mesh
+    if ym is not mesh and ym != mesh:
         _mesh2(op, x, y, *names)
-    r = _binary_merge(xa.dims_mapping, ya.dims_mapping, x.shape, y.shape, mesh.shape)
-    if r is None:
+    p = _binary_plan(x.shape, y.shape)
+    if p is None:
         _notation2(op, x, y)  # raises
         raise AssertionError("unreachable")
-    mx, my, mo = r
-    return fast_result((attr_as(xa, mesh, mx), attr_as(ya, mesh, my)), (_make(mesh, mo),))
+    return fast_result(*infer(p, op, (x, y), (), mesh, names))
+
+
+@lru_cache(maxsize=4096)
+def _binary_plan(xs: tuple[int, ...], ys: tuple[int, ...]) -> Plan | None:
+    """The forward plan for x / y shapes that broadcast (None where they do not)."""
+    if not _broadcasts(xs, ys):
+        return None
+    return compile_plan(_binary_nt(tuple([s == 1 for s in xs]), tuple([s == 1 for s in ys]), "forward"))
 
 
 def _broadcasts(xs: tuple[int, ...], ys: tuple[int, ...]) -> bool:
@@ -387,17 +327,23 @@ def _binary_bwd(op: str, x: DistTensorSpec, y: DistTensorSpec, out: DistTensorSp
         if want >= 0 and s != want:
             raise ShapeMismatchError(f"{op}: out axis {i} has {s}, but x and y broadcast to {want}")
     # x and y take out's letters (a co-shard read as its largest mesh dim); out is what they make
-    nt = _binary_nt(tuple([s == 1 for s in xs]), tuple([s == 1 for s in ys]))
-    ins, outs = einsum_backward(op, nt, (x, y), (one_mesh_dim_per_axis(out),))
+    nt = _binary_nt(tuple([s == 1 for s in xs]), tuple([s == 1 for s in ys]), "backward")
+    ins, outs = einsum_backward(op, nt, (x, y), (out,))
     return fast_result(tuple(ins), tuple(outs))
 
 
 @lru_cache(maxsize=4096)
-def _binary_nt(x_unit: tuple[bool, ...], y_unit: tuple[bool, ...]) -> Notation:
-    """The binary notation of shapes that broadcast, from their size-1 masks alone."""
+def _binary_nt(x_unit: tuple[bool, ...], y_unit: tuple[bool, ...], direction: str) -> Notation:
+    """The binary notation of shapes that broadcast, from their size-1 masks alone, with
+    Paddle's merge: a co-shard read as its largest mesh dim; forward: where x and y shard one
+    letter over different mesh dims the larger tensor wins (x on a tie), letters and the
+    sharded size-1 axes (``1``) take their mesh dims in claim order (x's axes, then y's), a
+    size-1 axis sharding nothing."""
     nt = _binary_notation(tuple([1 if u else 2 for u in x_unit]), tuple([1 if u else 2 for u in y_unit]))
     assert not isinstance(nt, str)  # the shapes were checked to broadcast
-    return Notation(nt[:2], nt[2:])
+    if direction == "forward":
+        return Notation(nt[:2], nt[2:], coshard="largest", unit_axes="claim")
+    return Notation(nt[:2], nt[2:], coshard="largest")
 
 
 def _make_binary(op: str) -> tuple[object, object]:
