@@ -468,23 +468,6 @@ def with_partial(attr: TensorDistAttr, partial: Partial) -> TensorDistAttr:
     return TensorDistAttr._make(attr.mesh, attr.dims_mapping, tuple(sorted(merged.items())))
 
 
-def resolve_claims(claims: Sequence[int], mesh_dim_of: Sequence[int], n: int) -> tuple[int, ...]:
-    """Paddle's elementwise resolution of mesh-dim claims, in claim order: ``c >= 0`` is axis c
-    claiming ``mesh_dim_of[c]`` (kept unless an earlier claim took that mesh dim); ``~d`` is a
-    size-1 axis that takes mesh dim d without sharding anything. The dims_mapping of n axes."""
-    final = [-1] * n
-    used = 0
-    for c in claims:
-        if c >= 0:
-            d = mesh_dim_of[c]
-            if not (used >> d) & 1:
-                final[c] = d
-                used |= 1 << d
-        else:
-            used |= 1 << ~c
-    return tuple(final)
-
-
 def letters_for(ndim: int, offset: int = 0) -> str:
     """The first ``ndim`` letters of the alphabet (after ``offset``)."""
     if ndim + offset > len(ALPHABET):
