@@ -80,13 +80,14 @@ def _random_notation(rng: random.Random) -> Notation:
         replicated=pick(),
         prune=rng.choice(["", "*", pick()]),
         coshard=rng.choice(["keep", "largest"]),
-        conflict=rng.choice(["weight", "first", "union"]),
+        conflict=rng.choice(["weight", "first", "union", "replicate"]),
         order=order,
         replicated_claims=rng.choice(["drop", "block"]),
         uneven=pick(),
         size1_claims=pick(),
         sizes=rng.choice(["first", "known"]),
         unit_axes=rng.choice(["skip", "claim"]) if order == "claim" else "skip",
+        taken=rng.choice(["dims", "letter"]),
     )
 
 

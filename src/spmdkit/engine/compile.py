@@ -28,7 +28,7 @@ _make = TensorDistAttr._make
 #: (d,) for a mesh dim d: no tuple built per entry
 _ONE = tuple((d,) for d in range(64))
 
-_CONFLICT = {"weight": 0, "first": 1, "union": 2}
+_CONFLICT = {"weight": 0, "first": 1, "union": 2, "replicate": 3}
 
 
 class Plan:
@@ -37,7 +37,7 @@ class Plan:
     __slots__ = (
         "block", "conflict", "fast", "fast_letters", "groups", "in_axes", "in_letters", "largest", "letter_ids", "n", "notation",
         "order_kind", "out_axes", "out_missing", "prune", "rep", "s1claim", "size_src", "sizes_known",
-        "src", "uneven", "unit",
+        "src", "taken_letter", "uneven", "unit",
     )  # fmt: skip
 
     def __init__(self, notation: Notation, direction: str, mask: tuple[int, ...]) -> None:
@@ -58,6 +58,7 @@ class Plan:
         self.block = nt.replicated_claims == "block" and any(self.rep)
         self.largest = nt.coshard == "largest"
         self.unit = nt.unit_axes == "claim"
+        self.taken_letter = nt.taken == "letter"
         self.conflict = _CONFLICT[nt.conflict]
         self.prune = tuple(nt.prunes(c) for c in letters)
         self.uneven = tuple(c in nt.uneven for c in letters)
@@ -243,6 +244,8 @@ def run(
                         cands[a] = [c, d]
                     elif d not in lst:
                         lst.append(d)
+                elif conflict == 3:
+                    cur[a] = ()
     if not claims:
         return [()] * n
     if cands:
@@ -281,7 +284,8 @@ def run(
             continue
         d = cur[a]  # type: ignore[assignment]
         if used:
-            d = tuple([x for x in d if not (used >> x) & 1])
+            d2 = tuple([x for x in d if not (used >> x) & 1])
+            d = () if p.taken_letter and len(d2) < len(d) else d2
         claim = d
         if prune[a] and d:
             size = _size(size_src[a], shapes, all_shapes, known)

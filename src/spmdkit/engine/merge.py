@@ -11,13 +11,13 @@ the notation's policy fields (see ``Notation``):
    on (the replicated letter keeps the mesh dim, as Paddle's merge lets it);
 2. *merge* per letter: the first tensor sharding a letter claims it; another tensor sharding
    it over other mesh dims: ``conflict="weight"`` the one with more elements keeps it (the
-   first on a tie), ``"first"`` the first keeps it, ``"union"`` the letter is co-sharded over
-   all of them (larger mesh product major, earlier tensor first on a tie; a mesh dim that
+   first on a tie), ``"first"`` the first keeps it, ``"replicate"`` the letter shards nothing
+   (co-shards compared whole), ``"union"`` the letter is co-sharded over all of them (larger mesh product major, earlier tensor first on a tie; a mesh dim that
    another letter also wants goes minor);
 3. *order* the letters: ``order="claim"`` as first claimed, ``"notation"`` as they first appear
    in the notation's tensors, or groups (see ``Notation``);
 4. *resolve* in that order: replicated letters shard nothing, a mesh dim taken by an earlier
-   letter is dropped, pruned letters drop minor mesh dims until the product divides their size
+   letter is dropped (``taken="letter"``: the letter shards nothing), pruned letters drop minor mesh dims until the product divides their size
    (``uneven`` letters only where their size is 1); a letter claims the mesh dims it keeps,
    or, for ``size1_claims`` letters of size 1, those it had before pruning. Under
    ``unit_axes="claim"`` an axis labelled ``1`` that is sharded takes its mesh dims (those not
@@ -192,6 +192,8 @@ def reference_merge(
                     w_old = merge_weight(s_old) if s_old is not None else 0
                     if w_new > w_old:
                         merged[ch], holder[ch] = d, ti
+                elif notation.conflict == "replicate":
+                    merged[ch] = ()
                 elif notation.conflict == "union" and d not in cands[ch]:
                     cands[ch].append(d)
     if notation.conflict == "union":
@@ -211,6 +213,8 @@ def reference_merge(
             merged[ch] = ()
             continue
         d = tuple(x for x in merged[ch] if x not in used)
+        if notation.taken == "letter" and len(d) < len(merged[ch]):
+            d = ()
         size = sizes.get(ch, 1)
         claim = d
         if notation.prunes(ch) and size >= 0 and (size == 1 or ch not in notation.uneven):

@@ -43,14 +43,14 @@ ALPHABET = "abcdefghijklmnopqrstuvwxyz"
 
 def _check_policy(
     coshard: str, conflict: str, order: str | tuple[str, ...], replicated_claims: str, sizes: str, size1: str,
-    unit_axes: str = "skip",
+    unit_axes: str = "skip", taken: str = "dims",
 ) -> None:
     """ValueError for a policy value the engine does not know (a rule's declaration error)."""
     for name, val, allowed in (("coshard", coshard, ("keep", "largest")),
-                               ("conflict", conflict, ("weight", "first", "union")),
+                               ("conflict", conflict, ("weight", "first", "union", "replicate")),
                                ("replicated_claims", replicated_claims, ("drop", "block")),
                                ("sizes", sizes, ("first", "known")), ("size1", size1, ("keep", "broadcast")),
-                               ("unit_axes", unit_axes, ("skip", "claim"))):
+                               ("unit_axes", unit_axes, ("skip", "claim")), ("taken", taken, ("dims", "letter"))):
         if val not in allowed:
             raise ValueError(f"Notation: {name} must be one of {allowed}, got {val!r}")
     if unit_axes == "claim" and order != "claim":
@@ -79,8 +79,9 @@ class Notation:
     * ``coshard``: ``"keep"`` a co-sharded entry as it is, or read it as its ``"largest"``
       mesh dim (Paddle's merges);
     * ``conflict``: two tensors sharding one letter differently: the one with more elements
-      keeps it (``"weight"``), the first (``"first"``), or the letter is co-sharded over both
-      (``"union"``, as Paddle's matmul);
+      keeps it (``"weight"``), the first (``"first"``), the letter is co-sharded over both
+      (``"union"``, as Paddle's matmul), or it is replicated (``"replicate"``, co-shards
+      compared whole: Paddle's optimizer vote);
     * ``order``: the order letters resolve a mesh dim several claim: as first claimed
       (``"claim"``), as they appear in the notation (``"notation"``), or a tuple of groups:
       ``"*"`` the letters no group names, by claim; ``"mn"`` these letters by claim; ``">mn"``
@@ -97,7 +98,9 @@ class Notation:
     * ``unit_axes``: an axis labelled ``1`` on a merged tensor is ``"skip"``-ped, or, with
       ``"claim"`` (Paddle's elementwise merge; ``order="claim"`` only), takes the mesh dims it
       is sharded on at its place in the claim order (a later letter loses them) and shards
-      nothing.
+      nothing;
+    * ``taken``: a letter whose mesh dims an earlier letter took loses those ``"dims"``, or
+      shards nothing (``"letter"``).
     """
 
     __slots__ = (
@@ -117,6 +120,7 @@ class Notation:
         "size1",
         "size1_claims",
         "sizes",
+        "taken",
         "uneven",
         "unit_axes",
     )
@@ -138,6 +142,7 @@ class Notation:
         sizes: str = "first",
         size1: str = "keep",
         unit_axes: str = "skip",
+        taken: str = "dims",
     ) -> None:
         self.inputs = tuple(inputs)
         self.outputs = tuple(outputs)
@@ -145,17 +150,17 @@ class Notation:
         self.reduce = reduce if isinstance(reduce, ReduceType) else dict(reduce)
         self.prune = prune
         if (coshard != "keep" or conflict != "weight" or order != "claim" or replicated_claims != "drop"
-                or sizes != "first" or size1 != "keep" or unit_axes != "skip"):  # fmt: skip
-            _check_policy(coshard, conflict, order, replicated_claims, sizes, size1, unit_axes)
+                or sizes != "first" or size1 != "keep" or unit_axes != "skip" or taken != "dims"):  # fmt: skip
+            _check_policy(coshard, conflict, order, replicated_claims, sizes, size1, unit_axes, taken)
         self.coshard, self.conflict, self.order = coshard, conflict, order if isinstance(order, str) else tuple(order)
         self.replicated_claims, self.uneven, self.size1_claims = replicated_claims, uneven, size1_claims
-        self.sizes, self.size1, self.unit_axes = sizes, size1, unit_axes
+        self.sizes, self.size1, self.unit_axes, self.taken = sizes, size1, unit_axes, taken
         self.letters = "".join(dict.fromkeys("".join([a for a in (*self.inputs, *self.outputs) if a]))).replace(
             BROADCAST, ""
         )
         red = self.reduce if isinstance(self.reduce, ReduceType) else tuple(sorted(self.reduce.items()))
         self._key = (self.inputs, self.outputs, self.replicated, red, prune, coshard, conflict, self.order,
-                     replicated_claims, uneven, size1_claims, sizes, size1, unit_axes)
+                     replicated_claims, uneven, size1_claims, sizes, size1, unit_axes, taken)
         self._hash = hash(self._key)
         self.input_letters = frozenset("".join(a for a in self.inputs if a))
 
@@ -165,6 +170,7 @@ class Notation:
             inputs, outputs, self.replicated, self.reduce, self.prune, coshard=self.coshard, conflict=self.conflict,
             order=self.order, replicated_claims=self.replicated_claims, uneven=self.uneven,
             size1_claims=self.size1_claims, sizes=self.sizes, size1=self.size1, unit_axes=self.unit_axes,
+            taken=self.taken,
         )  # fmt: skip
 
     def prunes(self, letter: str) -> bool:
@@ -204,7 +210,7 @@ class Notation:
             extra.append(f"prune={self.prune!r}")
         for name, default in (("coshard", "keep"), ("conflict", "weight"), ("order", "claim"),
                               ("replicated_claims", "drop"), ("uneven", ""), ("size1_claims", ""),
-                              ("sizes", "first"), ("size1", "keep"), ("unit_axes", "skip")):
+                              ("sizes", "first"), ("size1", "keep"), ("unit_axes", "skip"), ("taken", "dims")):
             if getattr(self, name) != default:
                 extra.append(f"{name}={getattr(self, name)!r}")
         return f"Notation({s!r}{', ' if extra else ''}{', '.join(extra)})"
