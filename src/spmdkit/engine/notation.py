@@ -64,6 +64,10 @@ def _check_policy(
         raise ValueError(f"Notation: order groups must not share letters, got {order!r}")
 
 
+_POLICY = ("coshard", "conflict", "order", "replicated_claims", "uneven", "size1_claims", "sizes", "size1",
+           "unit_axes", "taken")
+
+
 class Notation:
     """An einsum-like labelling of one op call, with the policy of its merge.
 
@@ -172,6 +176,12 @@ class Notation:
             size1_claims=self.size1_claims, sizes=self.sizes, size1=self.size1, unit_axes=self.unit_axes,
             taken=self.taken,
         )  # fmt: skip
+
+    def replace(self, **policy: str) -> Notation:
+        """This notation with some policy fields changed (``nt.replace(coshard="largest")``)."""
+        kw = {name: getattr(self, name) for name in _POLICY}
+        kw.update(policy)
+        return Notation(self.inputs, self.outputs, self.replicated, self.reduce, self.prune, **kw)  # type: ignore[arg-type]
 
     def prunes(self, letter: str) -> bool:
         """Whether ``letter``'s mesh dims must divide its size."""

@@ -5,6 +5,7 @@ over the engine's :mod:`spmdkit.engine.notation`."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from functools import lru_cache
 
 from spmdkit.core.dist_attr import ReduceType, TensorDistAttr
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
@@ -115,18 +116,23 @@ def letter_attr(mesh: ProcessMesh, axes: str | None, letters: Mapping[str, tuple
 
 
 # -- einsum with Paddle's reading of a co-shard ------------------------------------------------
-# (the policy "co-shard read as its largest mesh dim" the engine's Notation does not declare yet)
+
+
+@lru_cache(maxsize=4096)
+def largest(notation: Notation) -> Notation:
+    """``notation`` with ``coshard="largest"``: each co-shard read as its largest mesh dim."""
+    return notation.replace(coshard="largest")
 
 
 def forward_largest(op: str, notation: Notation, specs: Sequence[DistTensorSpec | None],
                     names: Sequence[str]) -> SpmdResult:
-    """einsum_forward over ``specs``, each co-shard read as its largest mesh dim first."""
-    ins, outs = einsum_forward(op, notation, one_mesh_dim_specs(*specs), names)
+    """einsum_forward over ``specs`` under the notation with ``coshard="largest"``."""
+    ins, outs = einsum_forward(op, largest(notation), specs, names)
     return fast_result(tuple(ins), tuple(outs))
 
 
 def reverse_largest(op: str, notation: Notation, inputs: Sequence[DistTensorSpec | None],
                     outputs: Sequence[DistTensorSpec | None], names: Sequence[str]) -> SpmdResult:
-    """einsum_backward from ``outputs``, each co-shard read as its largest mesh dim first."""
-    ins, outs = einsum_backward(op, notation, one_mesh_dim_specs(*inputs), one_mesh_dim_specs(*outputs), names)
+    """einsum_backward from ``outputs`` under the notation with ``coshard="largest"``."""
+    ins, outs = einsum_backward(op, largest(notation), inputs, outputs, names)
     return fast_result(tuple(ins), tuple(outs))
