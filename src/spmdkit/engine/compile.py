@@ -52,7 +52,9 @@ class Plan:
         def ids(axes: str) -> tuple[int, ...]:
             return tuple(-1 if c == BROADCAST else lid[c] for c in axes)
 
-        merged = nt.inputs if direction == "forward" else nt.outputs
+        merged: tuple[str | None, ...] = nt.inputs if direction == "forward" else nt.outputs
+        if direction == "forward" and nt.sources is not None:  # the other inputs are projected only
+            merged = tuple(a if ti in nt.sources else None for ti, a in enumerate(merged))
         self.src = tuple((ti, ids(a)) for ti, a in enumerate(merged) if a is not None)
         self.rep = tuple(c in nt.replicated for c in letters)
         self.block = nt.replicated_claims == "block" and any(self.rep)

@@ -65,7 +65,7 @@ def _check_policy(
 
 
 _POLICY = ("coshard", "conflict", "order", "replicated_claims", "uneven", "size1_claims", "sizes", "size1",
-           "unit_axes", "taken")
+           "unit_axes", "taken", "sources")
 
 
 class Notation:
@@ -104,7 +104,10 @@ class Notation:
       is sharded on at its place in the claim order (a later letter loses them) and shards
       nothing;
     * ``taken``: a letter whose mesh dims an earlier letter took loses those ``"dims"``, or
-      shards nothing (``"letter"``).
+      shards nothing (``"letter"``);
+    * ``sources``: the indices of the inputs the forward merge reads (``None``: all); the
+      others take the merged letters without adding theirs (a grad rule's tensors sharded as
+      out_grad says, say).
     """
 
     __slots__ = (
@@ -124,6 +127,7 @@ class Notation:
         "size1",
         "size1_claims",
         "sizes",
+        "sources",
         "taken",
         "uneven",
         "unit_axes",
@@ -147,6 +151,7 @@ class Notation:
         size1: str = "keep",
         unit_axes: str = "skip",
         taken: str = "dims",
+        sources: Iterable[int] | None = None,
     ) -> None:
         self.inputs = tuple(inputs)
         self.outputs = tuple(outputs)
@@ -159,12 +164,15 @@ class Notation:
         self.coshard, self.conflict, self.order = coshard, conflict, order if isinstance(order, str) else tuple(order)
         self.replicated_claims, self.uneven, self.size1_claims = replicated_claims, uneven, size1_claims
         self.sizes, self.size1, self.unit_axes, self.taken = sizes, size1, unit_axes, taken
+        self.sources = None if sources is None else tuple(sources)
+        if self.sources is not None and not all(0 <= i < len(self.inputs) for i in self.sources):
+            raise ValueError(f"Notation: sources {self.sources} must index the {len(self.inputs)} inputs")
         self.letters = "".join(dict.fromkeys("".join([a for a in (*self.inputs, *self.outputs) if a]))).replace(
             BROADCAST, ""
         )
         red = self.reduce if isinstance(self.reduce, ReduceType) else tuple(sorted(self.reduce.items()))
         self._key = (self.inputs, self.outputs, self.replicated, red, prune, coshard, conflict, self.order,
-                     replicated_claims, uneven, size1_claims, sizes, size1, unit_axes, taken)
+                     replicated_claims, uneven, size1_claims, sizes, size1, unit_axes, taken, self.sources)
         self._hash = hash(self._key)
         self.input_letters = frozenset("".join(a for a in self.inputs if a))
 
@@ -174,7 +182,7 @@ class Notation:
             inputs, outputs, self.replicated, self.reduce, self.prune, coshard=self.coshard, conflict=self.conflict,
             order=self.order, replicated_claims=self.replicated_claims, uneven=self.uneven,
             size1_claims=self.size1_claims, sizes=self.sizes, size1=self.size1, unit_axes=self.unit_axes,
-            taken=self.taken,
+            taken=self.taken, sources=self.sources,
         )  # fmt: skip
 
     def replace(self, **policy: str) -> Notation:
@@ -220,7 +228,7 @@ class Notation:
             extra.append(f"prune={self.prune!r}")
         for name, default in (("coshard", "keep"), ("conflict", "weight"), ("order", "claim"),
                               ("replicated_claims", "drop"), ("uneven", ""), ("size1_claims", ""),
-                              ("sizes", "first"), ("size1", "keep"), ("unit_axes", "skip"), ("taken", "dims")):
+                              ("sizes", "first"), ("size1", "keep"), ("unit_axes", "skip"), ("taken", "dims"), ("sources", None)):
             if getattr(self, name) != default:
                 extra.append(f"{name}={getattr(self, name)!r}")
         return f"Notation({s!r}{', ' if extra else ''}{', '.join(extra)})"

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from spmdkit.core.dist_attr import DimsMapping, Entry, Partial, ReduceType, TensorDistAttr, entry_dims
+from spmdkit.core.dist_attr import DimsMapping, Partial, ReduceType, TensorDistAttr, entry_dims
 from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
@@ -37,6 +37,7 @@ from spmdkit.engine.notation import (
     einsum_backward,
     einsum_forward,
     fast_result,
+    letters_for,
 )
 from spmdkit.rules._common import check_like
 from spmdkit.rules.registry import register
@@ -163,16 +164,27 @@ def _unary_grad(
     out_grad: DistTensorSpec,
     keep_partial: bool = False,
 ) -> SpmdResult:
-    """Every tensor (and the grad) takes out_grad's dims_mapping; partial cleared."""
+    """Every tensor (and the grad) takes out_grad's dims_mapping (``abc, abc -> abc``, merged
+    from out_grad alone); partial cleared (``keep_partial``: out_grad's kept on it and the grad)."""
     mesh = out_grad.dist_attr.mesh
     for t, n in zip(tensors, names):
         if t.dist_attr.mesh != mesh:
             raise InvalidMeshError(f"{op}: {n} and out_grad lie on different meshes")
         check_like(op, out_grad, t, "out_grad", n)
-    dm = out_grad.dist_attr.dims_mapping
-    plain = TensorDistAttr.unchecked(mesh, dm)
-    grad = TensorDistAttr.unchecked(mesh, dm, out_grad.dist_attr.partial) if keep_partial else plain
-    return SpmdResult([plain] * len(tensors) + [grad], [grad])
+    ins, outs = infer(_unary_grad_plan(len(out_grad.shape), len(tensors)), op, (*tensors, out_grad), (), mesh)
+    if keep_partial and out_grad.dist_attr.partial:
+        g = outs[0]
+        assert g is not None
+        g = TensorDistAttr.unchecked(mesh, g.dims_mapping, out_grad.dist_attr.partial)
+        return fast_result((*ins[:-1], g), (g,))
+    return fast_result(ins, outs)
+
+
+@lru_cache(maxsize=256)
+def _unary_grad_plan(ndim: int, n: int) -> Plan:
+    """``n`` tensors and out_grad, ``abc, ..., abc -> abc``: the letters from out_grad alone."""
+    a = letters_for(ndim)
+    return compile_plan(Notation([a] * (n + 1), [a], sources=(n,)))
 
 
 def elementwise_unary_grad(x: DistTensorSpec, out_grad: DistTensorSpec) -> SpmdResult:
@@ -393,26 +405,25 @@ def multiply_backward(x: DistTensorSpec, y: DistTensorSpec, out: DistTensorSpec)
 # ---------------------------------------------------------------------------
 
 
-@memo()
-def _grad_input(
-    shape: tuple[int, ...], og_shape: tuple[int, ...], og_dm: DimsMapping
-) -> tuple[DimsMapping, tuple[int, ...]]:
-    """An input's dims_mapping under out_grad's, and the mesh dims its grad is partial over."""
-    diff = len(og_shape) - len(shape)
-    dm: list[Entry] = []
-    partial: list[int] = []
-    for i in range(diff):
-        partial.extend(entry_dims(og_dm[i]))
-    for i, s in enumerate(shape):
-        e = og_dm[i + diff]
-        if s == 1 and e != -1:
-            # broadcast along this axis (or a size-1 axis sharded in out_grad):
-            # the grad is reduced over it, so partial over its mesh dims
-            partial.extend(entry_dims(e))
-            dm.append(-1)
-        else:
-            dm.append(e)
-    return tuple(dm), tuple(sorted(partial))
+@lru_cache(maxsize=4096)
+def _binary_grad_plan(xs: tuple[int, ...], ys: tuple[int, ...], nd: int, with_out: bool) -> Plan:
+    return _binary_grad_unit_plan(tuple([s == 1 for s in xs]), tuple([s == 1 for s in ys]), nd, with_out)
+
+
+@lru_cache(maxsize=1024)
+def _binary_grad_unit_plan(x_unit: tuple[bool, ...], y_unit: tuple[bool, ...], nd: int, with_out: bool) -> Plan:
+    """``1c, bc, abc -> 1c, bc`` (x, y, [out,] out_grad -> x_grad, y_grad), merged from out_grad
+    alone: an input takes out_grad's sharding on its axes (a size-1 axis ``1``: unsharded),
+    its grad is partial SUM over the mesh dims of the axes it was broadcast along."""
+    g = letters_for(nd)
+
+    def lab(unit: tuple[bool, ...]) -> str:
+        off = nd - len(unit)
+        return "".join(BROADCAST if u else g[i + off] for i, u in enumerate(unit))
+
+    x, y = lab(x_unit), lab(y_unit)
+    ins = [x, y, g, g] if with_out else [x, y, g]
+    return compile_plan(Notation(ins, [x, y], sources=(len(ins) - 1,)))
 
 
 def _check_grad_shapes(op: str, t: DistTensorSpec, name: str, og: DistTensorSpec) -> None:
@@ -453,19 +464,9 @@ def _binary_grad(
             raise InvalidAttributeError(
                 f"{op}: axis {axis} is not supported (only -1, numpy-style trailing alignment)"
             )
-    og_dm = out_grad.dist_attr.dims_mapping
-    make = TensorDistAttr.unchecked
-    og_attr = make(mesh, og_dm)
-    ins: list[TensorDistAttr] = []
-    outs: list[TensorDistAttr] = []
-    for t in (x, y):
-        dm, pdims = _grad_input(t.shape, out_grad.shape, og_dm)
-        ins.append(make(mesh, dm))
-        outs.append(make(mesh, dm, tuple((d, ReduceType.SUM) for d in pdims)))
-    if out is not None:
-        ins.append(og_attr)
-    ins.append(og_attr)
-    return SpmdResult(ins, outs)
+    p = _binary_grad_plan(x.shape, y.shape, nd, out is not None)
+    specs = (x, y, out_grad) if out is None else (x, y, out, out_grad)
+    return fast_result(*infer(p, op, specs, (), mesh))
 
 
 def _make_binary_grad(op: str, with_out: bool) -> object:
