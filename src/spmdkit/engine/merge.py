@@ -205,10 +205,12 @@ def reference_merge(
     # 3. order, 4. resolve
     sizes = letter_sizes(notation, axes, shapes, all_axes, all_shapes)
     used: set[int] = set()
-    for ch in seq if unit else letter_order(notation, claims, sizes):
-        if isinstance(ch, tuple):
-            used.update(ch)
+    steps: list[str | tuple[int, ...]] = seq if unit else list(letter_order(notation, claims, sizes))
+    for step in steps:
+        if isinstance(step, tuple):
+            used.update(step)
             continue
+        ch = step
         if ch in rep:
             merged[ch] = ()
             continue

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
+from typing import Any
 
 from spmdkit.core.dist_attr import (
     DimsMapping,
@@ -185,11 +186,11 @@ class Notation:
             taken=self.taken, sources=self.sources,
         )  # fmt: skip
 
-    def replace(self, **policy: str) -> Notation:
+    def replace(self, **policy: object) -> Notation:
         """This notation with some policy fields changed (``nt.replace(coshard="largest")``)."""
-        kw = {name: getattr(self, name) for name in _POLICY}
+        kw: dict[str, Any] = {name: getattr(self, name) for name in _POLICY}
         kw.update(policy)
-        return Notation(self.inputs, self.outputs, self.replicated, self.reduce, self.prune, **kw)  # type: ignore[arg-type]
+        return Notation(self.inputs, self.outputs, self.replicated, self.reduce, self.prune, **kw)
 
     def prunes(self, letter: str) -> bool:
         """Whether ``letter``'s mesh dims must divide its size."""
