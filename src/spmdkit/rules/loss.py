@@ -66,12 +66,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from functools import lru_cache
 
 from spmdkit.core.dist_attr import DimsMapping, Entry, ReduceType, TensorDistAttr, entry_dims
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.axes import normalize_axis, one_mesh_dim_per_axis, one_mesh_dim_specs
+from spmdkit.engine.compile import Plan, compile_plan, infer
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import (
     ALPHABET,
@@ -313,13 +315,18 @@ def mean_all_forward(x: DistTensorSpec) -> SpmdResult:
     return fast_result(tuple(ins), tuple(outs))
 
 
+@lru_cache(maxsize=64)
+def _mean_grad_plan(nd: int, ng: int) -> Plan:
+    """``11, 1 -> 11``: x, out_grad and x_grad all unsharded."""
+    return compile_plan(Notation([BROADCAST * nd, BROADCAST * ng], [BROADCAST * nd]))
+
+
 def _make_mean_grad(op: str):  # type: ignore[no-untyped-def]
     def grad(x: DistTensorSpec, out_grad: DistTensorSpec) -> SpmdResult:
         if len(out_grad.shape) != 0 and any(s != 1 for s in out_grad.shape):
             raise ShapeMismatchError(f"{op}: out_grad must hold one element (0-d), got shape {list(out_grad.shape)}")
         mesh = common_mesh(op, (x, out_grad))
-        ax = _make(mesh, (-1,) * len(x.shape))
-        return fast_result((ax, _make(mesh, (-1,) * len(out_grad.shape))), (ax,))
+        return fast_result(*infer(_mean_grad_plan(len(x.shape), len(out_grad.shape)), op, (x, out_grad), (), mesh))
 
     grad.__name__ = op
     grad.__doc__ = f"{op} (MeanAllGradInferSpmd): x, out_grad and x_grad replicated."

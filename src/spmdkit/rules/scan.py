@@ -55,6 +55,8 @@ out-of-range axes (spmdkit raises SpmdError).
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from spmdkit.core.dist_attr import DimsMapping, Partial, ReduceType, TensorDistAttr
 from spmdkit.core.errors import (
     InvalidArgumentError,
@@ -64,8 +66,9 @@ from spmdkit.core.errors import (
 )
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.axes import largest_mesh_dim, normalize_axis, numel, one_mesh_dim, reduced_axes
+from spmdkit.engine.compile import Plan, compile_plan, infer
 from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import ALPHABET, fast_result, merge_letters
+from spmdkit.engine.notation import ALPHABET, Notation, fast_result, letters_for, merge_letters
 from spmdkit.rules.registry import register
 
 Shape = tuple[int, ...]
@@ -510,10 +513,16 @@ def _like_fwd(x: DistTensorSpec) -> SpmdResult:
 
 
 def _like_bwd(op: str, x: DistTensorSpec, out: DistTensorSpec) -> SpmdResult:
+    """``abc -> abc`` from out: x and out take out's sharding, not partial."""
     _same_mesh(op, x, out, "x", "out")
     _check_shape(op, out.shape, x.shape, "out", "x")
-    a = _make(out.dist_attr.mesh, out.dist_attr.dims_mapping)
-    return fast_result((a,), (a,))
+    return fast_result(*infer(_like_plan(len(x.shape)), op, (x,), (out,), out.dist_attr.mesh, ("x", "out")))
+
+
+@lru_cache(maxsize=64)
+def _like_plan(ndim: int) -> Plan:
+    a = letters_for(ndim)
+    return compile_plan(Notation([a], [a]), "backward")
 
 
 def full_like_forward(x: DistTensorSpec, y: object = 0.0, dtype: object = None) -> SpmdResult:
