@@ -68,7 +68,7 @@ from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.axes import largest_mesh_dim, normalize_axis, numel, one_mesh_dim, reduced_axes
 from spmdkit.engine.compile import Plan, compile_plan, infer
 from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import ALPHABET, Notation, fast_result, letters_for, merge_letters
+from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, fast_result, letters_for, merge_letters
 from spmdkit.rules.registry import register
 
 Shape = tuple[int, ...]
@@ -97,29 +97,31 @@ def _check_shape(op: str, got: Shape, want: Shape, name: str, what: str) -> None
 # ---------------------------------------------------------------------------
 
 
-@memo()
-def _triu_dm(dm: DimsMapping) -> DimsMapping:
-    return (*dm[:-2], -1, -1)
+@lru_cache(maxsize=64)
+def _triu_plan(ndim: int, direction: str) -> Plan:
+    """``abcd -> abcd``, the last two axes replicated; the batch axes keep their sharding."""
+    a = letters_for(ndim)
+    return compile_plan(Notation([a], [a], replicated=a[-2:]), direction)
 
 
-def _triu_one(op: str, t: DistTensorSpec, name: str) -> TensorDistAttr:
-    if len(t.shape) < 2:
-        raise ShapeMismatchError(f"{op}: {name} must have at least 2 dims, got {len(t.shape)}")
-    attr = t.dist_attr
-    return _make(attr.mesh, _triu_dm(attr.dims_mapping))
+def _triu(op: str, t: DistTensorSpec, name: str, out: DistTensorSpec | None = None) -> SpmdResult:
+    """``t`` (and ``out``: the reverse, from out) under the triu notation."""
+    nd = len(t.shape)
+    if nd < 2:
+        raise ShapeMismatchError(f"{op}: {name} must have at least 2 dims, got {nd}")
+    if out is None:
+        return fast_result(*infer(_triu_plan(nd, "forward"), op, (t,), (), t.dist_attr.mesh, (name,)))
+    _check_shape(op, out.shape, t.shape, "out", f"{op} of x")
+    return fast_result(*infer(_triu_plan(nd, "backward"), op, (t,), (out,), t.dist_attr.mesh, (name, "out")))
 
 
 def _make_triu(op: str, fwd_name: str):  # type: ignore[no-untyped-def]
     def forward(x: DistTensorSpec, diagonal: int = 0, lower: bool = False) -> SpmdResult:
-        a = _triu_one(op, x, "x")
-        return fast_result((a,), (a,))
+        return _triu(op, x, "x")
 
     def backward(x: DistTensorSpec, out: DistTensorSpec, diagonal: int = 0, lower: bool = False) -> SpmdResult:
         _same_mesh(op, x, out, "x", "out")
-        _triu_one(op, x, "x")
-        _check_shape(op, out.shape, x.shape, "out", f"{op} of x")
-        a = _triu_one(op, out, "out")
-        return fast_result((a,), (a,))
+        return _triu(op, x, "x", out)
 
     forward.__name__ = f"{op}_forward"
     forward.__doc__ = f"{op} ({fwd_name}): the last two axes replicated, batch axes keep their sharding."
@@ -131,14 +133,12 @@ def _make_triu(op: str, fwd_name: str):  # type: ignore[no-untyped-def]
 def triu_grad(out_grd: DistTensorSpec, diagonal: int = 0) -> SpmdResult:
     """TriuGradInferSpmd(out_grd, diagonal): out_grad and x_grad alike, the last two axes
     replicated, not partial."""
-    a = _triu_one("triu_grad", out_grd, "out_grd")
-    return fast_result((a,), (a,))
+    return _triu("triu_grad", out_grd, "out_grd")
 
 
 def tril_triu_grad(out_grad: DistTensorSpec, diagonal: int = 0, lower: bool = False) -> SpmdResult:
     """tril_triu_grad(out_grad, diagonal, lower): as triu_grad."""
-    a = _triu_one("tril_triu_grad", out_grad, "out_grad")
-    return fast_result((a,), (a,))
+    return _triu("tril_triu_grad", out_grad, "out_grad")
 
 
 # ---------------------------------------------------------------------------
@@ -154,19 +154,27 @@ def _unshard_axis(dm: DimsMapping, mesh_shape: Shape, axis: int) -> DimsMapping:
     return tuple(s)
 
 
+@lru_cache(maxsize=4096)
+def _axis_plan(nd: int, ax: int, out: str, direction: str) -> Plan:
+    """``abc -> <out>`` with axis ``ax`` replicated, each co-shard read as its largest mesh dim
+    (``out``: ``"same"``, ``"drop"`` the axis, ``"flat"``: everything replicated, out 1-D,
+    ``"flat0"`` / ``"flatk"``: everything replicated, out 0-d / x's rank of size-1 axes)."""
+    a = letters_for(nd)
+    if out.startswith("flat"):
+        o = {"flat": BROADCAST, "flat0": "", "flatk": BROADCAST * nd}[out]
+        return compile_plan(Notation([a], [o], replicated=a), direction)
+    o = a if out == "same" else a[:ax] + a[ax + 1 :]
+    return compile_plan(Notation([a], [o], replicated=a[ax : ax + 1], coshard="largest"), direction)
+
+
 def cumsum_forward(
     x: DistTensorSpec, axis: int = -1, flatten: bool = False, exclusive: bool = False, reverse: bool = False
 ) -> SpmdResult:
     """CumSumInferSpmd: the scanned axis replicated; flatten: all replicated, out 1-D."""
-    attr = x.dist_attr
-    mesh = attr.mesh
     nd = len(x.shape)
-    if flatten:
-        return fast_result((_make(mesh, (-1,) * nd),), (_make(mesh, (-1,)),))
-    ax = normalize_axis("cumsum", axis, nd, tensor="x")
-    dm = _unshard_axis(attr.dims_mapping, mesh.shape, ax)
-    a = _make(mesh, dm)
-    return fast_result((a,), (a,))
+    ax = 0 if flatten else normalize_axis("cumsum", axis, nd, tensor="x")
+    p = _axis_plan(nd, ax, "flat" if flatten else "same", "forward")
+    return fast_result(*infer(p, "cumsum", (x,), (), x.dist_attr.mesh, ("x",)))
 
 
 def _cumsum_out_shape(x: DistTensorSpec, flatten: bool) -> Shape:
@@ -178,13 +186,12 @@ def _cumsum_reverse(
 ) -> tuple[TensorDistAttr, TensorDistAttr]:
     _same_mesh(op, x, out, "x", name)
     _check_shape(op, out.shape, _cumsum_out_shape(x, flatten), name, "cumsum of x")
-    mesh = x.dist_attr.mesh
     nd = len(x.shape)
-    if flatten:
-        return _make(mesh, (-1,) * nd), _make(mesh, (-1,))
-    ax = normalize_axis(op, axis, nd, tensor="x")
-    a = _make(mesh, _unshard_axis(out.dist_attr.dims_mapping, mesh.shape, ax))
-    return a, a
+    ax = 0 if flatten else normalize_axis(op, axis, nd, tensor="x")
+    p = _axis_plan(nd, ax, "flat" if flatten else "same", "backward")
+    ins, outs = infer(p, op, (x,), (out,), x.dist_attr.mesh, ("x", name))
+    assert ins[0] is not None and outs[0] is not None
+    return ins[0], outs[0]
 
 
 def cumsum_backward(
@@ -221,26 +228,19 @@ def _arg_out_shape(shape: Shape, ax: int, keepdims: bool, flatten: bool) -> Shap
     return (*shape[:ax], *shape[ax + 1:])
 
 
-@memo()
-def _arg_core(xdm: DimsMapping, mesh_shape: Shape, ax: int, keepdims: bool) -> tuple[DimsMapping, DimsMapping]:
-    """(x, out) dims_mappings from x's: the arg axis replicated."""
-    x = _unshard_axis(xdm, mesh_shape, ax)
-    if not x:
-        return x, x
-    out = x if keepdims else (*x[:ax], *x[ax + 1:])
-    return x, out
+def _arg_out(nd: int, keepdims: bool, flatten: bool) -> str:
+    """The out of argmax / argmin's notation (see _axis_plan)."""
+    if flatten:
+        return "flatk" if keepdims else "flat0"
+    return "same" if keepdims or nd == 0 else "drop"
 
 
 def _make_arg(op: str, fwd_name: str):  # type: ignore[no-untyped-def]
     def forward(x: DistTensorSpec, axis: int = -1, keepdims: bool = False, flatten: bool = False) -> SpmdResult:
-        attr = x.dist_attr
-        mesh = attr.mesh
         nd = len(x.shape)
         ax = normalize_axis(op, axis, nd, tensor="x")
-        if flatten:
-            return fast_result((_make(mesh, (-1,) * nd),), (_make(mesh, (-1,) * nd if keepdims else ()),))
-        xdm, odm = _arg_core(attr.dims_mapping, mesh.shape, ax, keepdims)
-        return fast_result((_make(mesh, xdm),), (_make(mesh, odm),))
+        p = _axis_plan(nd, ax, _arg_out(nd, keepdims, flatten), "forward")
+        return fast_result(*infer(p, op, (x,), (), x.dist_attr.mesh, ("x",)))
 
     def backward(
         x: DistTensorSpec, out: DistTensorSpec, axis: int = -1, keepdims: bool = False, flatten: bool = False
@@ -250,17 +250,8 @@ def _make_arg(op: str, fwd_name: str):  # type: ignore[no-untyped-def]
         nd = len(x.shape)
         ax = normalize_axis(op, axis, nd, tensor="x")
         _check_shape(op, out.shape, _arg_out_shape(x.shape, ax, keepdims, flatten), "out", f"{op} of x")
-        if flatten:
-            return fast_result((_make(mesh, (-1,) * nd),), (_make(mesh, (-1,) * len(out.shape)),))
-        odm = out.dist_attr.dims_mapping
-        if nd == 0:
-            xin: DimsMapping = ()
-        elif keepdims:
-            xin = odm
-        else:
-            xin = (*odm[:ax], -1, *odm[ax:])
-        xdm, o = _arg_core(xin, mesh.shape, ax, keepdims)
-        return fast_result((_make(mesh, xdm),), (_make(mesh, o),))
+        p = _axis_plan(nd, ax, _arg_out(nd, keepdims, flatten), "backward")
+        return fast_result(*infer(p, op, (x,), (out,), mesh, ("x", "out")))
 
     forward.__name__ = f"{op}_forward"
     forward.__doc__ = f"{op} ({fwd_name}): the arg axis replicated; flatten: x replicated, out 0-d."
