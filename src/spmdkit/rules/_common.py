@@ -12,6 +12,7 @@ from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.axes import make_attr, one_mesh_dim_specs
+from spmdkit.engine.compile import Plan, compile_plan
 from spmdkit.engine.notation import (
     ALPHABET,
     Notation,
@@ -113,6 +114,20 @@ def letter_attr(mesh: ProcessMesh, axes: str | None, letters: Mapping[str, tuple
         for d in letters.get(ch, ()):
             pt[d] = reduce
     return make_attr(mesh, project(axes, letters), tuple(sorted(pt.items())))
+
+
+# -- one axis replicated ------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=4096)
+def axis_plan(nd: int, ax: int, n_in: int, n_out: int, coshard: str = "keep", source: int = -1,
+              direction: str = "forward") -> Plan:
+    """``abc, ... -> abc, ...`` (``n_in`` / ``n_out`` tensors of one rank) with axis ``ax``
+    replicated; ``source``: the one input merged (-1: all)."""
+    a = ALPHABET[:nd]
+    nt = Notation([a] * n_in, [a] * n_out, replicated=a[ax : ax + 1], coshard=coshard,
+                  sources=None if source < 0 else (source,))  # fmt: skip
+    return compile_plan(nt, direction)
 
 
 # -- einsum with Paddle's reading of a co-shard ------------------------------------------------

@@ -452,9 +452,15 @@ def _label_notation(la: str, pa: str) -> Notation:
 
 def label_smooth_grad(out_grad: DistTensorSpec, epsilon: float = 0.0) -> SpmdResult:
     """LabelSmoothGradInferSpmd: out_grad and label_grad sharded as out_grad, not partial."""
-    attr = out_grad.dist_attr
-    a = attr if not attr.partial else _make(attr.mesh, attr.dims_mapping)
-    return fast_result((a,), (a,))
+    p = _same_plan(len(out_grad.shape))
+    return fast_result(*infer(p, "label_smooth_grad", (out_grad,), (), out_grad.dist_attr.mesh, ("out_grad",)))
+
+
+@lru_cache(maxsize=64)
+def _same_plan(nd: int) -> Plan:
+    """``abc -> abc``: sharded as the input, not partial."""
+    a = _letters("label_smooth_grad", nd)
+    return compile_plan(Notation([a], [a]))
 
 
 

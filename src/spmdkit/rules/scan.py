@@ -69,6 +69,7 @@ from spmdkit.engine.axes import largest_mesh_dim, normalize_axis, numel, one_mes
 from spmdkit.engine.compile import Plan, compile_plan, infer
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, fast_result, letters_for, merge_letters
+from spmdkit.rules._common import axis_plan
 from spmdkit.rules.registry import register
 
 Shape = tuple[int, ...]
@@ -283,10 +284,7 @@ def topk_forward(
 ) -> SpmdResult:
     """TopkInferSpmd: out and indices sharded as x, the topk axis replicated."""
     ax = _topk_checks("topk", x, k, axis)
-    attr = x.dist_attr
-    mesh = attr.mesh
-    a = _make(mesh, _unshard_axis(attr.dims_mapping, mesh.shape, ax))
-    return fast_result((a,), (a, a))
+    return fast_result(*infer(axis_plan(len(x.shape), ax, 1, 2, "largest"), "topk", (x,), (), x.dist_attr.mesh, ("x",)))
 
 
 def _topk_grad(
