@@ -65,7 +65,7 @@ from spmdkit.core.errors import (
     ShapeMismatchError,
 )
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.axes import largest_mesh_dim, normalize_axis, numel, one_mesh_dim, reduced_axes
+from spmdkit.engine.axes import normalize_axis, numel, one_mesh_dim, reduced_axes
 from spmdkit.engine.compile import Plan, compile_plan, infer
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, fast_result, letters_for, merge_letters
@@ -359,19 +359,16 @@ def _lse_plan(ndim: int, axis: tuple[int, ...], keepdims: bool, reduce_all: bool
     return reduced_axes("logsumexp", ndim, axis, keepdims, reduce_all)
 
 
-@memo()
-def _lse_core(src: DimsMapping, mesh_shape: Shape, reduced: tuple[bool, ...], pos: Shape,
-              from_out: bool) -> tuple[DimsMapping, DimsMapping]:
-    """(x, out) dims_mappings: kept axes from ``src`` (x's, or out's with ``from_out``)."""
-    nd = len(reduced)
-    if from_out:
-        x = [-1] * nd
-        for j, p in enumerate(pos):
-            if p >= 0:
-                x[p] = largest_mesh_dim(src[j], mesh_shape)
-    else:
-        x = [-1 if r else largest_mesh_dim(e, mesh_shape) for e, r in zip(src, reduced)]
-    return tuple(x), tuple(-1 if p < 0 else x[p] for p in pos)
+@lru_cache(maxsize=4096)
+def _lse_notation(reduced: tuple[bool, ...], pos: Shape, grad: bool) -> Notation:
+    """``abc -> ac`` (``a1c`` with keepdims), the reduced letters replicated, each co-shard read
+    as its largest mesh dim; the grad ``abc, ac, ac -> abc`` merged from out_grad alone."""
+    x = letters_for(len(reduced))
+    o = "".join(BROADCAST if p < 0 else x[p] for p in pos)
+    red = "".join(c for c, r in zip(x, reduced) if r)
+    if grad:
+        return Notation([x, o, o], [x], replicated=red, coshard="largest", sources=(2,))
+    return Notation([x], [o], replicated=red, coshard="largest")
 
 
 def _lse_out_shape(shape: Shape, pos: Shape) -> Shape:
@@ -382,11 +379,9 @@ def logsumexp_forward(
     x: DistTensorSpec, axis: tuple[int, ...] = (), keepdims: bool = False, reduce_all: bool = False
 ) -> SpmdResult:
     """LogSumExpInferSpmd: kept axes keep their sharding, reduced axes replicated (no partial)."""
-    attr = x.dist_attr
-    mesh = attr.mesh
     reduced, pos = _lse_plan(len(x.shape), axis, keepdims, reduce_all)
-    xdm, odm = _lse_core(attr.dims_mapping, mesh.shape, reduced, pos, False)
-    return fast_result((_make(mesh, xdm),), (_make(mesh, odm),))
+    p = compile_plan(_lse_notation(reduced, pos, False))
+    return fast_result(*infer(p, "logsumexp", (x,), (), x.dist_attr.mesh, ("x",)))
 
 
 def logsumexp_backward(
@@ -398,8 +393,8 @@ def logsumexp_backward(
     mesh = x.dist_attr.mesh
     reduced, pos = _lse_plan(len(x.shape), axis, keepdims, reduce_all)
     _check_shape("logsumexp", out.shape, _lse_out_shape(x.shape, pos), "out", "reducing x")
-    xdm, odm = _lse_core(out.dist_attr.dims_mapping, mesh.shape, reduced, pos, True)
-    return fast_result((_make(mesh, xdm),), (_make(mesh, odm),))
+    p = compile_plan(_lse_notation(reduced, pos, False), "backward")
+    return fast_result(*infer(p, "logsumexp", (x,), (out,), mesh, ("x", "out")))
 
 
 def logsumexp_grad(
@@ -415,10 +410,8 @@ def logsumexp_grad(
     want = _lse_out_shape(x.shape, pos)
     _check_shape(op, out.shape, want, "out", "reducing x")
     _check_shape(op, out_grad.shape, want, "out_grad", "reducing x")
-    xdm, odm = _lse_core(out_grad.dist_attr.dims_mapping, mesh.shape, reduced, pos, True)
-    xa = _make(mesh, xdm)
-    oa = _make(mesh, odm)
-    return fast_result((xa, oa, oa), (xa,))
+    p = compile_plan(_lse_notation(reduced, pos, True))
+    return fast_result(*infer(p, op, (x, out, out_grad), (), mesh, ("x", "out", "out_grad")))
 
 
 # ---------------------------------------------------------------------------
