@@ -207,11 +207,23 @@ def fused_dropout_add_grad(
         raise InvalidAttributeError(f"{op}: p must be a number in [0, 1], got {p!r}")
     if mode not in ("upscale_in_train", "downscale_in_infer"):
         raise InvalidAttributeError(f"{op}: mode must be upscale_in_train or downscale_in_infer, got {mode!r}")
+    so_rank = -1 if seed_offset is None else len(seed_offset.shape)
+    ins, outs = infer(_fda_grad_plan(len(out_grad.shape), so_rank), op, (seed_offset, out_grad), (), mesh,
+                      ("seed_offset", "out_grad"))  # fmt: skip
     ga = out_grad.dist_attr
     pt = _grad_partial(ga.dims_mapping, ga.partial)
-    a = _make(mesh, ga.dims_mapping, pt)
-    so = None if seed_offset is None else _make(mesh, (-1,) * len(seed_offset.shape))
-    return fast_result((so, a), (a, a))
+    if not pt:
+        return fast_result(ins, outs)
+    a = _make(mesh, ga.dims_mapping, pt)  # a SUM / AVG / MAX / MIN partial out_grad stays partial
+    return fast_result((ins[0], a), (a, a))
+
+
+@lru_cache(maxsize=256)
+def _fda_grad_plan(nd: int, so_rank: int) -> Plan:
+    """``11, abc -> abc, abc`` (seed_offset, out_grad -> x_grad, y_grad): sharded as out_grad,
+    seed_offset replicated."""
+    a = letters_for(nd)
+    return compile_plan(Notation([None if so_rank < 0 else BROADCAST * so_rank, a], [a, a]))
 
 
 # ---------------------------------------------------------------------------

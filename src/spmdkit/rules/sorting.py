@@ -25,11 +25,13 @@ Deviations from Paddle 3.3.1 (docs/deviations.md, ``misc-*``): conflicts Paddle 
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import InvalidAttributeError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.axes import cleared, normalize_axis, one_mesh_dim_per_axis
-from spmdkit.engine.compile import infer
+from spmdkit.engine.axes import normalize_axis, one_mesh_dim_per_axis
+from spmdkit.engine.compile import Plan, compile_plan, infer
 from spmdkit.engine.notation import Notation, fast_result, named_mesh
 from spmdkit.rules._common import axis_plan, check_same_ndim, check_same_shape, letters, merge_project
 from spmdkit.rules.registry import register
@@ -117,10 +119,16 @@ def _roll_axes(op: str, nd: int, shifts: tuple[int, ...], axis: tuple[int, ...])
 
 def roll_forward(x: DistTensorSpec, shifts: tuple[int, ...] = (), axis: tuple[int, ...] = ()) -> SpmdResult:
     """RollInferSpmd: the rolled axes replicated (all of them for a flattened roll)."""
-    attr = one_mesh_dim_per_axis(x).dist_attr
-    rolled = _roll_axes("roll", len(x.shape), shifts, axis)
-    a = _make(attr.mesh, cleared(attr.dims_mapping, rolled))
-    return fast_result((a,), (a,))
+    nd = len(x.shape)
+    p = _roll_plan(nd, tuple(sorted(_roll_axes("roll", nd, shifts, axis))))
+    return fast_result(*infer(p, "roll", (x,), (), x.dist_attr.mesh, ("x",)))
+
+
+@lru_cache(maxsize=1024)
+def _roll_plan(nd: int, rolled: tuple[int, ...]) -> Plan:
+    """``abc -> abc``, the rolled axes replicated, each co-shard read as its largest mesh dim."""
+    s = letters("roll", nd)
+    return compile_plan(Notation((s,), (s,), replicated="".join(s[i] for i in rolled), coshard="largest"))
 
 
 def roll_grad(
