@@ -20,8 +20,8 @@ from spmdkit.sim.cases import generate_case
 #: rule-modes (``name:mode``) some of whose cases are answered without a compiled plan: hand-written
 #: rules (creation, view / dim_trans, split / concat / stack, scan, sorting, the special cases)
 NOT_ON_ENGINE = frozenset({
-    "add_n:backward", "add_n:forward", "add_n_grad:forward", "batch_norm:forward",
-    "batch_norm_grad:forward", "check_finite_and_unscale:backward", "check_finite_and_unscale:forward",
+    "add_n_grad:forward", "batch_norm:forward", "batch_norm_grad:forward",
+    "check_finite_and_unscale:backward", "check_finite_and_unscale:forward",
     "coalesce_tensor:backward", "coalesce_tensor:forward", "concat:backward", "concat:forward",
     "concat_grad:forward", "conv2d:forward", "conv3d:forward", "default_data_parallel:backward",
     "default_data_parallel:forward", "depthwise_conv2d:forward", "embedding:forward",

@@ -421,17 +421,12 @@ def logsumexp_grad(
 _LINEAR = frozenset({ReduceType.SUM, ReduceType.AVG})
 
 
-@memo()
-def _add_n_core(dms: tuple[DimsMapping, ...], shapes: tuple[Shape, ...], mesh_shape: Shape) -> DimsMapping:
-    first = dms[0]
-    if all(dm == first for dm in dms):  # the common case: nothing to merge
-        return one_mesh_dim(first, mesh_shape)
-    nd = len(shapes[0])
-    letters = ALPHABET[:nd]
-    merged = dict(merge_letters(
-        (letters,) * len(dms), tuple(one_mesh_dim(dm, mesh_shape) for dm in dms), shapes, frozenset(), "", mesh_shape,
-    ))  # fmt: skip
-    return tuple(d[0] if d else -1 for d in (merged.get(ch, ()) for ch in letters))
+@lru_cache(maxsize=1024)
+def _add_n_plan(nd: int, n: int, direction: str) -> Plan:
+    """``abc, abc, ... -> abc``: merged (a letter sharded differently: the larger tensor keeps
+    it), each co-shard read as its largest mesh dim; the reverse from out alone."""
+    a = letters_for(nd)
+    return compile_plan(Notation([a] * n, [a], coshard="largest"), direction)
 
 
 def _add_n_inputs(op: str, inputs: tuple[DistTensorSpec, ...], name: str) -> None:
@@ -449,7 +444,9 @@ def add_n_forward(input: tuple[DistTensorSpec, ...]) -> SpmdResult:
     """AddNInferSpmd: shardings merged; a common linear partial status is kept."""
     _add_n_inputs("add_n", input, "input")
     mesh = input[0].dist_attr.mesh
-    dm = _add_n_core(tuple(t.dist_attr.dims_mapping for t in input), tuple(t.shape for t in input), mesh.shape)
+    _, outs = infer(_add_n_plan(len(input[0].shape), len(input), "forward"), "add_n", input, (), mesh)
+    a = outs[0]
+    assert a is not None
     pt: Partial = input[0].dist_attr.partial
     if pt and not all(r in _LINEAR for _, r in pt):
         pt = ()
@@ -458,7 +455,8 @@ def add_n_forward(input: tuple[DistTensorSpec, ...]) -> SpmdResult:
             if t.dist_attr.partial != pt:
                 pt = ()
                 break
-    a = _make(mesh, dm, pt) if pt else _make(mesh, dm)
+    if pt:
+        a = _make(mesh, a.dims_mapping, pt)
     return fast_result(((a,) * len(input),), (a,))  # type: ignore[arg-type]
 
 
@@ -468,9 +466,9 @@ def add_n_backward(input: tuple[DistTensorSpec, ...], out: DistTensorSpec) -> Sp
     first = input[0]
     _same_mesh("add_n", first, out, "input[0]", "out")
     _check_shape("add_n", out.shape, first.shape, "out", "adding the inputs")
-    mesh = first.dist_attr.mesh
-    a = _make(mesh, one_mesh_dim(out.dist_attr.dims_mapping, mesh.shape))
-    return fast_result(((a,) * len(input),), (a,))  # type: ignore[arg-type]
+    p = _add_n_plan(len(first.shape), len(input), "backward")
+    _, outs = infer(p, "add_n", input, (out,), first.dist_attr.mesh)
+    return fast_result((outs * len(input),), outs)  # type: ignore[arg-type]
 
 
 def add_n_grad(inputs: tuple[DistTensorSpec, ...], out_grad: DistTensorSpec) -> SpmdResult:
