@@ -64,11 +64,10 @@ conflicts Paddle raises on.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from functools import lru_cache
 
-from spmdkit.core.dist_attr import DimsMapping, Entry, ReduceType, TensorDistAttr, entry_dims
+from spmdkit.core.dist_attr import Entry, ReduceType, TensorDistAttr, entry_dims
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
@@ -395,9 +394,7 @@ def label_smooth_forward(label: DistTensorSpec, prior_dist: DistTensorSpec | Non
     if nd > len(ALPHABET):
         raise ShapeMismatchError(f"{op}: tensors of more than {len(ALPHABET)} dims are not supported")
     if prior_dist is None:
-        attr = label.dist_attr
-        a = _make(attr.mesh, _unary_dm(label.shape, attr.dims_mapping, attr.mesh.shape))
-        return fast_result((a, None), (a,))
+        return fast_result(*infer(_unary_plan(nd), op, (label, None), (), label.dist_attr.mesh, ("label", "prior_dist")))
     mesh = named_mesh(op, (("label", label), ("prior_dist", prior_dist)))
     pn = len(prior_dist.shape)
     if pn > nd:
@@ -422,22 +419,13 @@ def label_smooth_forward(label: DistTensorSpec, prior_dist: DistTensorSpec | Non
     return fast_result(tuple(ins), tuple(outs))
 
 
-@memo()
-def _unary_dm(shape: Shape, dm: DimsMapping, mesh_shape: Shape) -> DimsMapping:
-    """label_smooth without prior_dist: the class axis replicated; elsewhere, as Paddle's
-    elementwise unary rule, the mesh dims that do not divide an axis dropped (minor first)."""
-    out: list[Entry] = []
-    last = len(dm) - 1
-    for i, e in enumerate(dm):
-        d = entry_dims(e)
-        if i == last:
-            d = ()
-        size = shape[i]
-        if size >= 0:
-            while d and size % math.prod(mesh_shape[x] for x in d) != 0:
-                d = d[:-1]
-        out.append(-1 if not d else d[0] if len(d) == 1 else d)
-    return tuple(out)
+@lru_cache(maxsize=64)
+def _unary_plan(nd: int) -> Plan:
+    """label_smooth without prior_dist, ``abc, _ -> abc``: the class axis replicated; elsewhere,
+    as Paddle's elementwise unary rule, the mesh dims that do not divide an axis dropped (minor
+    first)."""
+    a = ALPHABET[:nd]
+    return compile_plan(Notation([a, None], [a], replicated=a[-1], prune="*"))
 
 
 def _drop_dims(e: Entry, drop: set[int]) -> Entry:
