@@ -453,7 +453,8 @@ def infer(
 def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
     """Straight-line Python for the plan's common case: every entry a single mesh dim (or a
     co-shard read as its largest), no two tensors sharding one letter differently (under
-    ``conflict="first"`` the first simply wins), no two letters on one mesh dim, no replicated
+    ``conflict="first"`` the first simply wins), no two letters (nor, under ``unit_axes="claim"``,
+    sharded size-1 axes) on one mesh dim, no replicated
     letter sharded under ``replicated_claims="block"``. Then the order of resolution cannot
     matter and each letter prunes on its own. Any other case returns None: :func:`infer` takes
     the general path (:func:`run`), which answers it as the reference does.

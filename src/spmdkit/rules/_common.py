@@ -1,6 +1,7 @@
-"""Helpers shared by the rule families that merge einsum letters by hand (sorting, along_axis,
-moe, loss, reduction's p_norm): attribute and shape checks, and the merge-then-project steps
-over the engine's :mod:`spmdkit.engine.notation`."""
+"""Helpers shared by the rule families: attribute and shape checks, the merge-then-project steps
+over the engine's :mod:`spmdkit.engine.notation` (sorting, along_axis, moe, loss, reduction's
+p_norm), a one-axis-replicated plan (:func:`axis_plan`) and einsum under ``coshard="largest"``
+(:func:`forward_largest` / :func:`reverse_largest`)."""
 
 from __future__ import annotations
 
