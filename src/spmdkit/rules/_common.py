@@ -16,6 +16,7 @@ from spmdkit.engine.axes import make_attr, one_mesh_dim_specs
 from spmdkit.engine.compile import Plan, compile_plan
 from spmdkit.engine.notation import (
     ALPHABET,
+    BROADCAST,
     Notation,
     check_letters,
     einsum_backward,
@@ -129,6 +130,16 @@ def axis_plan(nd: int, ax: int, n_in: int, n_out: int, coshard: str = "keep", so
     nt = Notation([a] * n_in, [a] * n_out, replicated=a[ax : ax + 1], coshard=coshard,
                   sources=None if source < 0 else (source,))  # fmt: skip
     return compile_plan(nt, direction)
+
+
+@lru_cache(maxsize=1024)
+def replicated_plan(ins: tuple[int, ...], outs: tuple[int, ...]) -> Plan:
+    """Every tensor unsharded: each labelled ``1`` per axis (rank -1: an absent tensor)."""
+
+    def lab(r: int) -> str | None:
+        return None if r < 0 else BROADCAST * r
+
+    return compile_plan(Notation([lab(r) for r in ins], [lab(r) for r in outs]))
 
 
 # -- einsum with Paddle's reading of a co-shard ------------------------------------------------

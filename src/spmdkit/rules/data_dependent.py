@@ -16,14 +16,13 @@ Deviations from Paddle 3.3.1 (docs/deviations.md, ``misc-*``): conflicts Paddle 
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import InvalidArgumentError, InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.axes import normalize_axis
-from spmdkit.engine.compile import Plan, compile_plan, infer
-from spmdkit.engine.notation import BROADCAST, Notation, fast_result, named_mesh
+from spmdkit.engine.compile import infer
+from spmdkit.engine.notation import fast_result, named_mesh
+from spmdkit.rules._common import replicated_plan
 from spmdkit.rules.registry import register
 
 _make = TensorDistAttr.unchecked
@@ -34,19 +33,9 @@ _make = TensorDistAttr.unchecked
 # ---------------------------------------------------------------------------
 
 
-@lru_cache(maxsize=256)
-def _replicated_plan(ins: tuple[int, ...], outs: tuple[int, ...]) -> Plan:
-    """Every tensor unsharded: each labelled ``1`` per axis (rank -1: an absent tensor)."""
-
-    def lab(r: int) -> str | None:
-        return None if r < 0 else BROADCAST * r
-
-    return compile_plan(Notation([lab(r) for r in ins], [lab(r) for r in outs]))
-
-
 def _replicated(op: str, x: DistTensorSpec, outs: tuple[int, ...]) -> SpmdResult:
     """x and outputs of ranks ``outs`` replicated (the answer needs nothing else of a call)."""
-    return fast_result(*infer(_replicated_plan((len(x.shape),), outs), op, (x,), (), x.dist_attr.mesh, ("x",)))
+    return fast_result(*infer(replicated_plan((len(x.shape),), outs), op, (x,), (), x.dist_attr.mesh, ("x",)))
 
 
 def _nonzero_check(op: str, x: DistTensorSpec) -> None:

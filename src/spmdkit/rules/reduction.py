@@ -74,7 +74,7 @@ from spmdkit.engine.notation import (
     fast_result,
     named_mesh,
 )
-from spmdkit.rules._common import check_same_shape, merge_project
+from spmdkit.rules._common import check_same_shape, merge_project, replicated_plan
 from spmdkit.rules.registry import register
 
 _make = TensorDistAttr.unchecked
@@ -488,7 +488,7 @@ def numel_reverse(x: DistTensorSpec, out: DistTensorSpec) -> SpmdResult:
     if len(out.shape) != 0:
         raise ShapeMismatchError(f"{op}: out must be a 0-d tensor, got shape {list(out.shape)}")
     mesh = named_mesh(op, (("x", x), ("out", out)))
-    return fast_result((_make(mesh, (-1,) * len(x.shape)),), (_make(mesh, ()),))
+    return fast_result(*infer(replicated_plan((len(x.shape),), (0,)), op, (x,), (), mesh, ("x",)))
 
 
 
