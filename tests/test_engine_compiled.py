@@ -80,12 +80,15 @@ def _random_notation(rng: random.Random) -> Notation:
         replicated=pick(),
         prune=rng.choice(["", "*", pick()]),
         coshard=rng.choice(["keep", "largest"]),
-        conflict=rng.choice(["weight", "first", "union"]),
+        conflict=rng.choice(["weight", "first", "union", "replicate"]),
         order=order,
         replicated_claims=rng.choice(["drop", "block"]),
         uneven=pick(),
         size1_claims=pick(),
         sizes=rng.choice(["first", "known"]),
+        unit_axes=rng.choice(["skip", "claim"]) if order == "claim" else "skip",
+        taken=rng.choice(["dims", "letter"]),
+        sources=None if rng.random() < 0.6 else [i for i in range(len(ins)) if rng.random() < 0.6],
     )
 
 
@@ -94,6 +97,8 @@ def _check(p: Plan, direction: str, dms: list[Any], shapes: list[Any], mesh_shap
     n_in = len(nt.inputs)
     merged = slice(0, n_in) if direction == "forward" else slice(n_in, None)
     axes = (nt.inputs + nt.outputs)[merged]
+    if direction == "forward" and nt.sources is not None:  # the other inputs are not merged
+        axes = tuple(a if i in nt.sources else None for i, a in enumerate(axes))
     m_dms, m_shapes = dms[merged], shapes[merged]
     got = run(p, m_dms, m_shapes, shapes[:n_in], mesh_shape)
     want = reference_merge(nt, axes, m_dms, m_shapes, mesh_shape, nt.inputs, shapes[:n_in])
@@ -213,6 +218,10 @@ def test_bad_policy_value_rejected() -> None:
         Notation(["ab"], ["ab"], order="size")
     with pytest.raises(ValueError, match="share letters"):
         Notation(["ab"], ["ab"], order=(">ab", "b"))
+    with pytest.raises(ValueError, match="sources"):
+        Notation(["ab"], ["ab"], sources=[1])
+    with pytest.raises(ValueError, match="claim order"):
+        Notation(["ab"], ["ab"], unit_axes="claim", order="notation")
 
 
 def test_docs_rules_md_examples_run() -> None:

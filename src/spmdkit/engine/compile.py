@@ -20,14 +20,15 @@ from spmdkit.core.dist_attr import DimsMapping, Entry, ReduceType, TensorDistAtt
 from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec
-from spmdkit.engine.merge import BROADCAST, largest_mesh_dim, merge_weight, prod
+from spmdkit.engine.axes import largest_mesh_dim, mesh_size
+from spmdkit.engine.merge import BROADCAST, merge_weight
 from spmdkit.engine.notation import Notation, attr_as
 
 _make = TensorDistAttr._make
 #: (d,) for a mesh dim d: no tuple built per entry
 _ONE = tuple((d,) for d in range(64))
 
-_CONFLICT = {"weight": 0, "first": 1, "union": 2}
+_CONFLICT = {"weight": 0, "first": 1, "union": 2, "replicate": 3}
 
 
 class Plan:
@@ -36,7 +37,7 @@ class Plan:
     __slots__ = (
         "block", "conflict", "fast", "fast_letters", "groups", "in_axes", "in_letters", "largest", "letter_ids", "n", "notation",
         "order_kind", "out_axes", "out_missing", "prune", "rep", "s1claim", "size_src", "sizes_known",
-        "src", "uneven",
+        "src", "taken_letter", "uneven", "unit",
     )  # fmt: skip
 
     def __init__(self, notation: Notation, direction: str, mask: tuple[int, ...]) -> None:
@@ -51,11 +52,15 @@ class Plan:
         def ids(axes: str) -> tuple[int, ...]:
             return tuple(-1 if c == BROADCAST else lid[c] for c in axes)
 
-        merged = nt.inputs if direction == "forward" else nt.outputs
+        merged: tuple[str | None, ...] = nt.inputs if direction == "forward" else nt.outputs
+        if direction == "forward" and nt.sources is not None:  # the other inputs are projected only
+            merged = tuple(a if ti in nt.sources else None for ti, a in enumerate(merged))
         self.src = tuple((ti, ids(a)) for ti, a in enumerate(merged) if a is not None)
         self.rep = tuple(c in nt.replicated for c in letters)
         self.block = nt.replicated_claims == "block" and any(self.rep)
         self.largest = nt.coshard == "largest"
+        self.unit = nt.unit_axes == "claim"
+        self.taken_letter = nt.taken == "letter"
         self.conflict = _CONFLICT[nt.conflict]
         self.prune = tuple(nt.prunes(c) for c in letters)
         self.uneven = tuple(c in nt.uneven for c in letters)
@@ -193,13 +198,14 @@ def run(
     hold = [0] * n
     claims: list[int] = []
     conflict = p.conflict
+    unit = p.unit
     cands: dict[int, list[tuple[int, ...]]] | None = None
     for ti, ids in p.src:
         dm = dms[ti]
         if dm is None:
             continue
         for a, e in zip(ids, dm):
-            if a < 0:
+            if a < 0 and not unit:
                 continue
             if e.__class__ is int:
                 if e < 0:
@@ -209,10 +215,16 @@ def run(
                 d = _ONE[largest_mesh_dim(e, mesh_shape)]
             else:
                 d = e  # type: ignore[assignment]
-            if blocked and not rep[a]:
+            if blocked and (a < 0 or not rep[a]):
                 d = tuple([x for x in d if not (blocked >> x) & 1])
                 if not d:
                     continue
+            if a < 0:  # unit_axes="claim": a size-1 axis takes its mesh dims (~mask) in claim order
+                m = 0
+                for x in d:
+                    m |= 1 << x
+                claims.append(~m)
+                continue
             c = cur[a]
             if c is None:
                 cur[a] = d
@@ -234,6 +246,8 @@ def run(
                         cands[a] = [c, d]
                     elif d not in lst:
                         lst.append(d)
+                elif conflict == 3:
+                    cur[a] = ()
     if not claims:
         return [()] * n
     if cands:
@@ -265,16 +279,20 @@ def run(
     prune, uneven, s1claim = p.prune, p.uneven, p.s1claim
     used = 0
     for a in order:
+        if a < 0:
+            used |= ~a
+            continue
         if rep[a]:
             continue
         d = cur[a]  # type: ignore[assignment]
         if used:
-            d = tuple([x for x in d if not (used >> x) & 1])
+            d2 = tuple([x for x in d if not (used >> x) & 1])
+            d = () if p.taken_letter and len(d2) < len(d) else d2
         claim = d
         if prune[a] and d:
             size = _size(size_src[a], shapes, all_shapes, known)
             if size >= 0 and (size == 1 or not uneven[a]):
-                while d and size % prod(mesh_shape, d) != 0:
+                while d and size % mesh_size(mesh_shape, d) != 0:
                     d = d[:-1]
                 if not (size == 1 and s1claim[a]):
                     claim = d
@@ -317,7 +335,7 @@ def _unions(
     another letter also wants goes minor."""
     for a, lst in cands.items():
         out: list[int] = []
-        for d in sorted(lst, key=lambda c: -prod(mesh_shape, c)):
+        for d in sorted(lst, key=lambda c: -mesh_size(mesh_shape, c)):
             for x in d:
                 if x not in out:
                     out.append(x)
@@ -435,7 +453,8 @@ def infer(
 def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
     """Straight-line Python for the plan's common case: every entry a single mesh dim (or a
     co-shard read as its largest), no two tensors sharding one letter differently (under
-    ``conflict="first"`` the first simply wins), no two letters on one mesh dim, no replicated
+    ``conflict="first"`` the first simply wins), no two letters (nor, under ``unit_axes="claim"``,
+    sharded size-1 axes) on one mesh dim, no replicated
     letter sharded under ``replicated_claims="block"``. Then the order of resolution cannot
     matter and each letter prunes on its own. Any other case returns None: :func:`infer` takes
     the general path (:func:`run`), which answers it as the reference does.
@@ -449,6 +468,7 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
     lines = ["def fast(D, S, ms):"] if raw else ["def fast(I, O, mesh):", "    ms = mesh.shape"]
     emit = lines.append
     read: set[int] = set()
+    units: list[str] = []  # unit_axes="claim": the mesh dim of each size-1 axis
     for ti, ids in p.src:
         if raw:
             emit(f"    d{ti} = D[{ti}]")
@@ -463,6 +483,12 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
             emit(f"    s{ti} = t.shape")
         for i, a in enumerate(ids):
             if a < 0:
+                if p.unit:
+                    var = f"U{len(units)}"
+                    units.append(var)
+                    emit(f"    {var} = d{ti}[{i}]")
+                    emit(f"    if {var}.__class__ is not int:")
+                    emit(f"        {var} = _largest({var}, ms)" if p.largest else "        return None")
                 continue
             var = f"L{a}" if a not in read else "e"
             emit(f"    {var} = d{ti}[{i}]")
@@ -480,11 +506,13 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
                 emit(f"    if L{a} != -1: return None")
             emit(f"    L{a} = -1")
     live = [a for a in sorted(read) if not p.rep[a]]
-    if len(live) > 1:
+    # no two claimers (letters, size-1 axes) on one mesh dim: the claim order cannot matter
+    claimers = [f"L{a}" for a in live] + units
+    if len(claimers) > 1:
         emit("    u = 0")
-        for a in live:
-            emit(f"    if L{a} >= 0:")
-            emit(f"        b = 1 << L{a}")
+        for v in claimers:
+            emit(f"    if {v} >= 0:")
+            emit(f"        b = 1 << {v}")
             emit("        if u & b: return None")
             emit("        u |= b")
     for a in live:

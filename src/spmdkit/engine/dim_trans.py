@@ -29,7 +29,7 @@ local block of the input is the local block of the output in the same (row-major
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple, Union
 
 from spmdkit.core.dist_attr import dims_entry, entry_dims
@@ -70,9 +70,6 @@ class Split(NamedTuple):
 DimTrans = Union[InputDim, Singleton, Flatten, Split]
 
 
-def _prod(v: Iterable[int]) -> int:
-    return math.prod(v)
-
 
 # -- building the lists -------------------------------------------------------------------------
 
@@ -90,8 +87,8 @@ def resolve_target(op: str, shape: Sequence[int], x_shape: Sequence[int], arg: s
                 fast = False
                 break
         if fast:
-            n = _prod(x_shape)
-            if _prod(shape) == n:
+            n = math.prod(x_shape)
+            if math.prod(shape) == n:
                 return shape if shape.__class__ is tuple else tuple(shape)
     out: list[int] = []
     infer = -1
@@ -118,18 +115,18 @@ def resolve_target(op: str, shape: Sequence[int], x_shape: Sequence[int], arg: s
             raise ShapeMismatchError(
                 f"{op}: x has a dynamic (-1) size at axis {i} (shape {list(x_shape)}); {arg} {list(shape)} must "
                 f"copy it with 0 at index {i}")
-    n = _prod(v for v in x_shape if v != -1)
+    n = math.prod(v for v in x_shape if v != -1)
     if infer >= 0:
-        rest = _prod(v for j, v in enumerate(out) if j != infer and v != -1)
+        rest = math.prod(v for j, v in enumerate(out) if j != infer and v != -1)
         if rest == 0 or n % rest:
             raise InvalidAttributeError(f"{op}: {arg} {list(shape)}: cannot infer -1 for x of shape {list(x_shape)}")
         out[infer] = n // rest
-    got = _prod(v for v in out if v != -1)
+    got = math.prod(v for v in out if v != -1)
     if got != n:
         raise InvalidAttributeError(
             f"{op}: {arg} {list(shape)} holds {got} elements but x of shape {list(x_shape)} has {n}")
     for i in dynamic:
-        if _prod(v for v in x_shape[:i] if v != -1) != _prod(v for v in out[:i] if v != -1):
+        if math.prod(v for v in x_shape[:i] if v != -1) != math.prod(v for v in out[:i] if v != -1):
             raise ShapeMismatchError(
                 f"{op}: x of shape {list(x_shape)} and {arg} {list(shape)} do not hold the same elements before "
                 f"the dynamic axis {i}")
@@ -147,7 +144,7 @@ def _check_counts(src: tuple[int, ...], tgt: tuple[int, ...]) -> None:
         if math.prod(src) != math.prod(tgt):
             raise ShapeMismatchError(f"reshape: {list(src)} and {list(tgt)} hold different element counts")
         return
-    if _prod(v for v in src if v != -1) != _prod(v for v in tgt if v != -1) or src.count(-1) != tgt.count(-1):
+    if math.prod(v for v in src if v != -1) != math.prod(v for v in tgt if v != -1) or src.count(-1) != tgt.count(-1):
         raise ShapeMismatchError(f"reshape: {list(src)} and {list(tgt)} hold different element counts")
 
 
@@ -341,7 +338,7 @@ def flatten_trans(shape: tuple[int, ...], start: int, stop: int) -> tuple[tuple[
     else:
         mid = Flatten(real)
     trans = (*(InputDim(i) for i in range(a)), mid, *(InputDim(i) for i in range(b + 1, nd)))
-    return trans, (*shape[:a], _prod(shape[a:b + 1]), *shape[b + 1:])
+    return trans, (*shape[:a], math.prod(shape[a:b + 1]), *shape[b + 1:])
 
 
 @memo()

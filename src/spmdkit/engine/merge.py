@@ -11,15 +11,17 @@ the notation's policy fields (see ``Notation``):
    on (the replicated letter keeps the mesh dim, as Paddle's merge lets it);
 2. *merge* per letter: the first tensor sharding a letter claims it; another tensor sharding
    it over other mesh dims: ``conflict="weight"`` the one with more elements keeps it (the
-   first on a tie), ``"first"`` the first keeps it, ``"union"`` the letter is co-sharded over
-   all of them (larger mesh product major, earlier tensor first on a tie; a mesh dim that
+   first on a tie), ``"first"`` the first keeps it, ``"replicate"`` the letter shards nothing
+   (co-shards compared whole), ``"union"`` the letter is co-sharded over all of them (larger mesh product major, earlier tensor first on a tie; a mesh dim that
    another letter also wants goes minor);
 3. *order* the letters: ``order="claim"`` as first claimed, ``"notation"`` as they first appear
    in the notation's tensors, or groups (see ``Notation``);
 4. *resolve* in that order: replicated letters shard nothing, a mesh dim taken by an earlier
-   letter is dropped, pruned letters drop minor mesh dims until the product divides their size
+   letter is dropped (``taken="letter"``: the letter shards nothing), pruned letters drop minor mesh dims until the product divides their size
    (``uneven`` letters only where their size is 1); a letter claims the mesh dims it keeps,
-   or, for ``size1_claims`` letters of size 1, those it had before pruning.
+   or, for ``size1_claims`` letters of size 1, those it had before pruning. Under
+   ``unit_axes="claim"`` an axis labelled ``1`` that is sharded takes its mesh dims (those not
+   taken yet) at its place in the claim order, and shards nothing.
 
 Letter sizes (``sizes="first"``): the first size other than 1 on the merged tensors;
 (``"known"``): the first size >= 0 other than 1 on the inputs (-1 where only -1 is seen,
@@ -32,19 +34,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from spmdkit.core.dist_attr import DimsMapping, Entry
+from spmdkit.engine.axes import largest_mesh_dim, mesh_size
 
 if TYPE_CHECKING:
     from spmdkit.engine.notation import Notation
 
 BROADCAST = "1"
-
-
-def prod(mesh_shape: Sequence[int], dims: Sequence[int]) -> int:
-    """The number of shards of mesh dims ``dims``."""
-    p = 1
-    for d in dims:
-        p *= mesh_shape[d]
-    return p
 
 
 def merge_weight(shape: Sequence[int]) -> int:
@@ -56,19 +51,6 @@ def merge_weight(shape: Sequence[int]) -> int:
     return n
 
 
-def largest_mesh_dim(entry: Entry, mesh_shape: Sequence[int]) -> int:
-    """A dims_mapping entry read as one mesh dim, as Paddle 3.3.1's merges read a co-shard: its
-    largest mesh dim (the first of equal sizes); -1 and single dims unchanged."""
-    if isinstance(entry, int):
-        return entry
-    dims = entry
-    best = dims[0]
-    for d in dims[1:]:
-        if mesh_shape[d] > mesh_shape[best]:
-            best = d
-    return best
-
-
 def entry_of(dims: Sequence[int]) -> Entry:
     """The dims_mapping entry of a letter's mesh dims: -1, one dim, or a co-shard tuple."""
     return -1 if not dims else dims[0] if len(dims) == 1 else tuple(dims)
@@ -78,7 +60,7 @@ def union_dims(cands: Sequence[tuple[int, ...]], mesh_shape: Sequence[int]) -> t
     """A letter sharded differently by several tensors, co-sharded over all their mesh dims:
     the larger mesh product major (the earlier on a tie), each mesh dim once."""
     out: list[int] = []
-    for d in sorted(cands, key=lambda c: -prod(mesh_shape, c)):
+    for d in sorted(cands, key=lambda c: -mesh_size(mesh_shape, c)):
         for x in d:
             if x not in out:
                 out.append(x)
@@ -168,11 +150,12 @@ def reference_merge(
     # 1. read
     read: list[list[tuple[str, tuple[int, ...]]]] = []
     blocked: set[int] = set()
+    unit = notation.unit_axes == "claim"
     for t_axes, dm in zip(axes, mappings):
         row: list[tuple[str, tuple[int, ...]]] = []
         if t_axes is not None and dm is not None:
             for ch, e in zip(t_axes, dm):
-                if ch == BROADCAST:
+                if ch == BROADCAST and not unit:
                     continue
                 if notation.coshard == "largest":
                     e = largest_mesh_dim(e, mesh_shape)
@@ -186,15 +169,21 @@ def reference_merge(
     cands: dict[str, list[tuple[int, ...]]] = {}
     holder: dict[str, int] = {}
     claims: list[str] = []
+    seq: list[str | tuple[int, ...]] = []  # claim order: a letter, or a unit axis's mesh dims
     for ti, row in enumerate(read):
         for ch, d in row:
             if blocked and ch not in rep:
                 d = tuple(x for x in d if x not in blocked)
+            if ch == BROADCAST:
+                if d:
+                    seq.append(d)
+                continue
             merged.setdefault(ch, ())
             if not d:
                 continue
             if ch not in claims:
                 claims.append(ch)
+                seq.append(ch)
                 merged[ch], holder[ch], cands[ch] = d, ti, [d]
             elif d != merged[ch] or notation.conflict == "union":
                 if notation.conflict == "weight":
@@ -203,6 +192,8 @@ def reference_merge(
                     w_old = merge_weight(s_old) if s_old is not None else 0
                     if w_new > w_old:
                         merged[ch], holder[ch] = d, ti
+                elif notation.conflict == "replicate":
+                    merged[ch] = ()
                 elif notation.conflict == "union" and d not in cands[ch]:
                     cands[ch].append(d)
     if notation.conflict == "union":
@@ -214,15 +205,22 @@ def reference_merge(
     # 3. order, 4. resolve
     sizes = letter_sizes(notation, axes, shapes, all_axes, all_shapes)
     used: set[int] = set()
-    for ch in letter_order(notation, claims, sizes):
+    steps: list[str | tuple[int, ...]] = seq if unit else list(letter_order(notation, claims, sizes))
+    for step in steps:
+        if isinstance(step, tuple):
+            used.update(step)
+            continue
+        ch = step
         if ch in rep:
             merged[ch] = ()
             continue
         d = tuple(x for x in merged[ch] if x not in used)
+        if notation.taken == "letter" and len(d) < len(merged[ch]):
+            d = ()
         size = sizes.get(ch, 1)
         claim = d
         if notation.prunes(ch) and size >= 0 and (size == 1 or ch not in notation.uneven):
-            while d and size % prod(mesh_shape, d) != 0:
+            while d and size % mesh_size(mesh_shape, d) != 0:
                 d = d[:-1]
             if not (size == 1 and ch in notation.size1_claims):
                 claim = d

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
+from typing import Any
 
 from spmdkit.core.dist_attr import (
     DimsMapping,
@@ -35,7 +36,6 @@ from spmdkit.core.errors import InvalidMeshError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.memo import memo
-from spmdkit.engine.merge import largest_mesh_dim as largest_mesh_dim
 from spmdkit.engine.merge import merge_weight as merge_weight
 
 BROADCAST = "1"
@@ -43,15 +43,19 @@ ALPHABET = "abcdefghijklmnopqrstuvwxyz"
 
 
 def _check_policy(
-    coshard: str, conflict: str, order: str | tuple[str, ...], replicated_claims: str, sizes: str, size1: str
+    coshard: str, conflict: str, order: str | tuple[str, ...], replicated_claims: str, sizes: str, size1: str,
+    unit_axes: str = "skip", taken: str = "dims",
 ) -> None:
     """ValueError for a policy value the engine does not know (a rule's declaration error)."""
     for name, val, allowed in (("coshard", coshard, ("keep", "largest")),
-                               ("conflict", conflict, ("weight", "first", "union")),
+                               ("conflict", conflict, ("weight", "first", "union", "replicate")),
                                ("replicated_claims", replicated_claims, ("drop", "block")),
-                               ("sizes", sizes, ("first", "known")), ("size1", size1, ("keep", "broadcast"))):
+                               ("sizes", sizes, ("first", "known")), ("size1", size1, ("keep", "broadcast")),
+                               ("unit_axes", unit_axes, ("skip", "claim")), ("taken", taken, ("dims", "letter"))):
         if val not in allowed:
             raise ValueError(f"Notation: {name} must be one of {allowed}, got {val!r}")
+    if unit_axes == "claim" and order != "claim":
+        raise ValueError(f"Notation: unit_axes='claim' resolves in claim order, got order={order!r}")
     if isinstance(order, str):
         if order not in ("claim", "notation"):
             raise ValueError(f"Notation: order must be 'claim', 'notation' or a tuple of groups, got {order!r}")
@@ -59,6 +63,10 @@ def _check_policy(
     named = [c for g in order if g != "*" for c in g.lstrip(">")]
     if len(named) != len(set(named)) or list(order).count("*") > 1:
         raise ValueError(f"Notation: order groups must not share letters, got {order!r}")
+
+
+_POLICY = ("coshard", "conflict", "order", "replicated_claims", "uneven", "size1_claims", "sizes", "size1",
+           "unit_axes", "taken", "sources")
 
 
 class Notation:
@@ -76,8 +84,9 @@ class Notation:
     * ``coshard``: ``"keep"`` a co-sharded entry as it is, or read it as its ``"largest"``
       mesh dim (Paddle's merges);
     * ``conflict``: two tensors sharding one letter differently: the one with more elements
-      keeps it (``"weight"``), the first (``"first"``), or the letter is co-sharded over both
-      (``"union"``, as Paddle's matmul);
+      keeps it (``"weight"``), the first (``"first"``), the letter is co-sharded over both
+      (``"union"``, as Paddle's matmul), or it is replicated (``"replicate"``, co-shards
+      compared whole: Paddle's optimizer vote);
     * ``order``: the order letters resolve a mesh dim several claim: as first claimed
       (``"claim"``), as they appear in the notation (``"notation"``), or a tuple of groups:
       ``"*"`` the letters no group names, by claim; ``"mn"`` these letters by claim; ``">mn"``
@@ -90,7 +99,16 @@ class Notation:
     * ``sizes``: a letter's size: the first size other than 1 on the merged tensors
       (``"first"``), or the first known one (>= 0, not 1) on the inputs (``"known"``);
     * ``size1``: ``"keep"``, or ``"broadcast"``: an input's size-1 axes shard nothing (their
-      sharding still counts for the letter in the merge).
+      sharding still counts for the letter in the merge);
+    * ``unit_axes``: an axis labelled ``1`` on a merged tensor is ``"skip"``-ped, or, with
+      ``"claim"`` (Paddle's elementwise merge; ``order="claim"`` only), takes the mesh dims it
+      is sharded on at its place in the claim order (a later letter loses them) and shards
+      nothing;
+    * ``taken``: a letter whose mesh dims an earlier letter took loses those ``"dims"``, or
+      shards nothing (``"letter"``);
+    * ``sources``: the indices of the inputs the forward merge reads (``None``: all); the
+      others take the merged letters without adding theirs (a grad rule's tensors sharded as
+      out_grad says, say).
     """
 
     __slots__ = (
@@ -110,7 +128,10 @@ class Notation:
         "size1",
         "size1_claims",
         "sizes",
+        "sources",
+        "taken",
         "uneven",
+        "unit_axes",
     )
 
     def __init__(
@@ -129,6 +150,9 @@ class Notation:
         size1_claims: str = "",
         sizes: str = "first",
         size1: str = "keep",
+        unit_axes: str = "skip",
+        taken: str = "dims",
+        sources: Iterable[int] | None = None,
     ) -> None:
         self.inputs = tuple(inputs)
         self.outputs = tuple(outputs)
@@ -136,17 +160,20 @@ class Notation:
         self.reduce = reduce if isinstance(reduce, ReduceType) else dict(reduce)
         self.prune = prune
         if (coshard != "keep" or conflict != "weight" or order != "claim" or replicated_claims != "drop"
-                or sizes != "first" or size1 != "keep"):  # fmt: skip
-            _check_policy(coshard, conflict, order, replicated_claims, sizes, size1)
+                or sizes != "first" or size1 != "keep" or unit_axes != "skip" or taken != "dims"):  # fmt: skip
+            _check_policy(coshard, conflict, order, replicated_claims, sizes, size1, unit_axes, taken)
         self.coshard, self.conflict, self.order = coshard, conflict, order if isinstance(order, str) else tuple(order)
         self.replicated_claims, self.uneven, self.size1_claims = replicated_claims, uneven, size1_claims
-        self.sizes, self.size1 = sizes, size1
+        self.sizes, self.size1, self.unit_axes, self.taken = sizes, size1, unit_axes, taken
+        self.sources = None if sources is None else tuple(sources)
+        if self.sources is not None and not all(0 <= i < len(self.inputs) for i in self.sources):
+            raise ValueError(f"Notation: sources {self.sources} must index the {len(self.inputs)} inputs")
         self.letters = "".join(dict.fromkeys("".join([a for a in (*self.inputs, *self.outputs) if a]))).replace(
             BROADCAST, ""
         )
         red = self.reduce if isinstance(self.reduce, ReduceType) else tuple(sorted(self.reduce.items()))
         self._key = (self.inputs, self.outputs, self.replicated, red, prune, coshard, conflict, self.order,
-                     replicated_claims, uneven, size1_claims, sizes, size1)
+                     replicated_claims, uneven, size1_claims, sizes, size1, unit_axes, taken, self.sources)
         self._hash = hash(self._key)
         self.input_letters = frozenset("".join(a for a in self.inputs if a))
 
@@ -155,8 +182,15 @@ class Notation:
         return Notation(
             inputs, outputs, self.replicated, self.reduce, self.prune, coshard=self.coshard, conflict=self.conflict,
             order=self.order, replicated_claims=self.replicated_claims, uneven=self.uneven,
-            size1_claims=self.size1_claims, sizes=self.sizes, size1=self.size1,
+            size1_claims=self.size1_claims, sizes=self.sizes, size1=self.size1, unit_axes=self.unit_axes,
+            taken=self.taken, sources=self.sources,
         )  # fmt: skip
+
+    def replace(self, **policy: object) -> Notation:
+        """This notation with some policy fields changed (``nt.replace(coshard="largest")``)."""
+        kw: dict[str, Any] = {name: getattr(self, name) for name in _POLICY}
+        kw.update(policy)
+        return Notation(self.inputs, self.outputs, self.replicated, self.reduce, self.prune, **kw)
 
     def prunes(self, letter: str) -> bool:
         """Whether ``letter``'s mesh dims must divide its size."""
@@ -195,7 +229,7 @@ class Notation:
             extra.append(f"prune={self.prune!r}")
         for name, default in (("coshard", "keep"), ("conflict", "weight"), ("order", "claim"),
                               ("replicated_claims", "drop"), ("uneven", ""), ("size1_claims", ""),
-                              ("sizes", "first"), ("size1", "keep")):
+                              ("sizes", "first"), ("size1", "keep"), ("unit_axes", "skip"), ("taken", "dims"), ("sources", None)):
             if getattr(self, name) != default:
                 extra.append(f"{name}={getattr(self, name)!r}")
         return f"Notation({s!r}{', ' if extra else ''}{', '.join(extra)})"
@@ -457,40 +491,6 @@ def with_partial(attr: TensorDistAttr, partial: Partial) -> TensorDistAttr:
     merged = dict(attr.partial)
     merged.update(partial)
     return TensorDistAttr._make(attr.mesh, attr.dims_mapping, tuple(sorted(merged.items())))
-
-
-def resolve_claims(claims: Sequence[int], mesh_dim_of: Sequence[int], n: int) -> tuple[int, ...]:
-    """Paddle's elementwise resolution of mesh-dim claims, in claim order: ``c >= 0`` is axis c
-    claiming ``mesh_dim_of[c]`` (kept unless an earlier claim took that mesh dim); ``~d`` is a
-    size-1 axis that takes mesh dim d without sharding anything. The dims_mapping of n axes."""
-    final = [-1] * n
-    used = 0
-    for c in claims:
-        if c >= 0:
-            d = mesh_dim_of[c]
-            if not (used >> d) & 1:
-                final[c] = d
-                used |= 1 << d
-        else:
-            used |= 1 << ~c
-    return tuple(final)
-
-
-def one_mesh_dim(dm: DimsMapping, mesh_shape: Sequence[int]) -> DimsMapping:
-    """``dm`` with every co-sharded entry read as its largest mesh dim (see largest_mesh_dim)."""
-    if all(e.__class__ is int for e in dm):
-        return dm
-    return tuple(largest_mesh_dim(e, mesh_shape) for e in dm)
-
-
-def one_mesh_dim_per_axis(spec: DistTensorSpec) -> DistTensorSpec:
-    """``spec`` with every co-sharded axis read as its largest mesh dim (partial kept)."""
-    a = spec.dist_attr
-    dm = a.dims_mapping
-    if all(e.__class__ is int for e in dm):
-        return spec
-    ms = a.mesh.shape
-    return DistTensorSpec(spec.shape, TensorDistAttr._make(a.mesh, one_mesh_dim(dm, ms), a.partial))
 
 
 def letters_for(ndim: int, offset: int = 0) -> str:

@@ -23,6 +23,7 @@ Standard library only.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Union
 
@@ -86,12 +87,6 @@ def _axis(ax: Any, nd: int) -> int:
         raise _Unknown
     return ax % nd if nd else 0
 
-
-def _prod(s: Sequence[int]) -> int:
-    n = 1
-    for v in s:
-        n *= v
-    return n
 
 
 def broadcast(*shapes: Sequence[int]) -> tuple[int, ...]:
@@ -192,7 +187,7 @@ def _scalar(a: Args) -> list[Expect]:
 
 def _cumsum(a: Args) -> list[Expect]:
     x = a.s("x")
-    return [(_prod(x),) if a.a("flatten", False) else x]
+    return [(math.prod(x),) if a.a("flatten", False) else x]
 
 
 def _matmul(a: Args) -> list[Expect]:
@@ -368,10 +363,10 @@ def _reshape_shape(x: tuple[int, ...], shape: Any) -> tuple[int, ...]:
         else:
             raise _Unknown
     if infer >= 0:
-        known = _prod([v for v in out if v != -1])
+        known = math.prod([v for v in out if v != -1])
         if known == 0:
             raise _Unknown
-        out[infer] = _prod(x) // known
+        out[infer] = math.prod(x) // known
     return tuple(out)
 
 
@@ -382,7 +377,7 @@ def _flatten(a: Args) -> list[Expect]:
     start, stop = _axis(a.a("start_axis"), len(x)), _axis(a.a("stop_axis"), len(x))
     if start > stop:
         raise _Unknown
-    return [(*x[:start], _prod(x[start:stop + 1]), *x[stop + 1:])]
+    return [(*x[:start], math.prod(x[start:stop + 1]), *x[stop + 1:])]
 
 
 def _squeeze(a: Args) -> list[Expect]:
@@ -546,7 +541,7 @@ def _unique(a: Args) -> list[Expect]:
         out: Shape = (*x[:ax], None, *x[ax + 1:])
         inverse: Shape = (x[ax],)
     else:
-        out, inverse = (None,), (_prod(x),)
+        out, inverse = (None,), (math.prod(x),)
     shapes: list[Shape] = [out, (None,), inverse, (None,)]
     return [s if a.nd(i) == len(s) else None for i, s in enumerate(shapes)]
 
@@ -558,8 +553,8 @@ def _stats(x: tuple[int, ...], keep: int, nd: int | None) -> Shape:
     if nd == len(lead):
         return lead
     if nd == 1:
-        return (_prod(lead),)
-    if nd == 0 and _prod(lead) == 1:
+        return (math.prod(lead),)
+    if nd == 0 and math.prod(lead) == 1:
         return ()
     raise _Unknown
 
@@ -784,7 +779,7 @@ def _coalesce(a: Args) -> list[Expect]:
     say it (a -1 size means the dtype's and place's default: not checked)."""
     xs = a.vec("input")
     out: list[Expect] = [list(xs)]
-    counts = [_prod(x) for x in xs if x is not None]
+    counts = [math.prod(x) for x in xs if x is not None]
     if not a.a("use_align", True):
         return [*out, (sum(counts),)]
     align, size = a.a("align_size", -1), a.a("size_of_dtype", -1)

@@ -1,18 +1,22 @@
-"""Helpers shared by the rule families that merge einsum letters by hand (sorting, along_axis,
-moe, loss, reduction's p_norm): attribute and shape checks, and the merge-then-project steps
-over the engine's :mod:`spmdkit.engine.notation`."""
+"""Helpers shared by the rule families: attribute and shape checks, the merge-then-project steps
+over the engine's :mod:`spmdkit.engine.notation` (sorting, along_axis, moe, loss, reduction's
+p_norm), a one-axis-replicated plan (:func:`axis_plan`) and einsum under ``coshard="largest"``
+(:func:`forward_largest` / :func:`reverse_largest`)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from functools import lru_cache
 
 from spmdkit.core.dist_attr import ReduceType, TensorDistAttr
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.axes import make_attr, one_mesh_dim_specs
+from spmdkit.engine.compile import Plan, compile_plan
 from spmdkit.engine.notation import (
     ALPHABET,
+    BROADCAST,
     Notation,
     check_letters,
     einsum_backward,
@@ -114,19 +118,48 @@ def letter_attr(mesh: ProcessMesh, axes: str | None, letters: Mapping[str, tuple
     return make_attr(mesh, project(axes, letters), tuple(sorted(pt.items())))
 
 
+# -- one axis replicated ------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=4096)
+def axis_plan(nd: int, ax: int, n_in: int, n_out: int, coshard: str = "keep", source: int = -1,
+              direction: str = "forward") -> Plan:
+    """``abc, ... -> abc, ...`` (``n_in`` / ``n_out`` tensors of one rank) with axis ``ax``
+    replicated; ``source``: the one input merged (-1: all)."""
+    a = ALPHABET[:nd]
+    nt = Notation([a] * n_in, [a] * n_out, replicated=a[ax : ax + 1], coshard=coshard,
+                  sources=None if source < 0 else (source,))  # fmt: skip
+    return compile_plan(nt, direction)
+
+
+@lru_cache(maxsize=1024)
+def replicated_plan(ins: tuple[int, ...], outs: tuple[int, ...]) -> Plan:
+    """Every tensor unsharded: each labelled ``1`` per axis (rank -1: an absent tensor)."""
+
+    def lab(r: int) -> str | None:
+        return None if r < 0 else BROADCAST * r
+
+    return compile_plan(Notation([lab(r) for r in ins], [lab(r) for r in outs]))
+
+
 # -- einsum with Paddle's reading of a co-shard ------------------------------------------------
-# (the policy "co-shard read as its largest mesh dim" the engine's Notation does not declare yet)
+
+
+@lru_cache(maxsize=4096)
+def largest(notation: Notation) -> Notation:
+    """``notation`` with ``coshard="largest"``: each co-shard read as its largest mesh dim."""
+    return notation.replace(coshard="largest")
 
 
 def forward_largest(op: str, notation: Notation, specs: Sequence[DistTensorSpec | None],
                     names: Sequence[str]) -> SpmdResult:
-    """einsum_forward over ``specs``, each co-shard read as its largest mesh dim first."""
-    ins, outs = einsum_forward(op, notation, one_mesh_dim_specs(*specs), names)
+    """einsum_forward over ``specs`` under the notation with ``coshard="largest"``."""
+    ins, outs = einsum_forward(op, largest(notation), specs, names)
     return fast_result(tuple(ins), tuple(outs))
 
 
 def reverse_largest(op: str, notation: Notation, inputs: Sequence[DistTensorSpec | None],
                     outputs: Sequence[DistTensorSpec | None], names: Sequence[str]) -> SpmdResult:
-    """einsum_backward from ``outputs``, each co-shard read as its largest mesh dim first."""
-    ins, outs = einsum_backward(op, notation, one_mesh_dim_specs(*inputs), one_mesh_dim_specs(*outputs), names)
+    """einsum_backward from ``outputs`` under the notation with ``coshard="largest"``."""
+    ins, outs = einsum_backward(op, largest(notation), inputs, outputs, names)
     return fast_result(tuple(ins), tuple(outs))

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import InvalidArgumentError, InvalidAttributeError, ShapeMismatchError
-from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.axes import normalize_axis
+from spmdkit.engine.compile import infer
 from spmdkit.engine.notation import fast_result, named_mesh
+from spmdkit.rules._common import replicated_plan
 from spmdkit.rules.registry import register
 
 _make = TensorDistAttr.unchecked
@@ -32,6 +33,11 @@ _make = TensorDistAttr.unchecked
 # ---------------------------------------------------------------------------
 
 
+def _replicated(op: str, x: DistTensorSpec, outs: tuple[int, ...]) -> SpmdResult:
+    """x and outputs of ranks ``outs`` replicated (the answer needs nothing else of a call)."""
+    return fast_result(*infer(replicated_plan((len(x.shape),), outs), op, (x,), (), x.dist_attr.mesh, ("x",)))
+
+
 def _nonzero_check(op: str, x: DistTensorSpec) -> None:
     if len(x.shape) == 0:
         raise ShapeMismatchError(f"{op}: x must have at least 1 dim (nonzero of a 0-d tensor is undefined)")
@@ -40,20 +46,19 @@ def _nonzero_check(op: str, x: DistTensorSpec) -> None:
 def nonzero_forward(x: DistTensorSpec) -> SpmdResult:
     """NonZeroInferSpmd: x and out ([nnz, x.ndim], data-dependent rows) replicated."""
     _nonzero_check("nonzero", x)
-    mesh = x.dist_attr.mesh
-    return fast_result((_make(mesh, (-1,) * len(x.shape)),), (_make(mesh, (-1, -1)),))
+    return _replicated("nonzero", x, (2,))
 
 
 def nonzero_backward(x: DistTensorSpec, out: DistTensorSpec) -> SpmdResult:
     """NonZeroInferSpmdReverse: everything replicated; out's row count is not checked."""
     op = "nonzero"
-    mesh = named_mesh(op, (("x", x), ("out", out)))
+    named_mesh(op, (("x", x), ("out", out)))  # raises where they disagree
     _nonzero_check(op, x)
     if len(out.shape) != 2:
         raise ShapeMismatchError(f"{op}: out must be 2-D ([nnz, x.ndim]), got {len(out.shape)} dims")
     if out.shape[1] >= 0 and out.shape[1] != len(x.shape):
         raise ShapeMismatchError(f"{op}: out's second axis has size {out.shape[1]}, x has {len(x.shape)} dims")
-    return fast_result((_make(mesh, (-1,) * len(x.shape)),), (_make(mesh, (-1, -1)),))
+    return _replicated(op, x, (2,))
 
 
 def _unique_axis(op: str, nd: int, axis: tuple[int, ...]) -> int | None:
@@ -66,12 +71,9 @@ def _unique_axis(op: str, nd: int, axis: tuple[int, ...]) -> int | None:
     return normalize_axis(op, axis[0], nd)
 
 
-def _unique_outs(
-    mesh: ProcessMesh, nd: int, ax: int | None, ri: bool, rv: bool, rc: bool
-) -> tuple[TensorDistAttr | None, ...]:
-    one = _make(mesh, (-1,))
-    out = one if ax is None else _make(mesh, (-1,) * nd)
-    return (out, one if ri else None, one if rv else None, one if rc else None)
+def _unique_outs(nd: int, ax: int | None, ri: bool, rv: bool, rc: bool) -> tuple[int, ...]:
+    """The ranks of out, index, inverse and counts (-1: absent)."""
+    return (1 if ax is None else nd, 1 if ri else -1, 1 if rv else -1, 1 if rc else -1)
 
 
 def unique_forward(
@@ -82,9 +84,7 @@ def unique_forward(
     op = "unique"
     nd = len(x.shape)
     ax = _unique_axis(op, nd, axis)
-    mesh = x.dist_attr.mesh
-    return fast_result((_make(mesh, (-1,) * nd),), _unique_outs(mesh, nd, ax, return_index, return_inverse,
-                                                                  return_counts))
+    return _replicated(op, x, _unique_outs(nd, ax, return_index, return_inverse, return_counts))
 
 
 def unique_backward(
@@ -95,7 +95,7 @@ def unique_backward(
 ) -> SpmdResult:
     """unique reverse (spmdkit): all replicated; only the outputs' ranks are checked."""
     op = "unique"
-    mesh = named_mesh(op, (("x", x), ("out", out), ("indices", indices), ("inverse", inverse), ("counts", counts)))
+    named_mesh(op, (("x", x), ("out", out), ("indices", indices), ("inverse", inverse), ("counts", counts)))
     nd = len(x.shape)
     ax = _unique_axis(op, nd, axis)
     want = 1 if ax is None else nd
@@ -108,8 +108,7 @@ def unique_backward(
             raise ShapeMismatchError(f"{op}: {name} must be 1-D, got {len(t.shape)} dims")
         if t is not None and not flag:
             raise InvalidArgumentError(f"{op}: {name} given but {attr} is False")
-    return fast_result((_make(mesh, (-1,) * nd),), _unique_outs(mesh, nd, ax, return_index, return_inverse,
-                                                                  return_counts))
+    return _replicated(op, x, _unique_outs(nd, ax, return_index, return_inverse, return_counts))
 
 
 

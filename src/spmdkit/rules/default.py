@@ -27,7 +27,9 @@ from spmdkit.core.errors import InvalidArgumentError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.axes import largest_mesh_dim, replicated_like
+from spmdkit.engine.compile import infer
 from spmdkit.engine.notation import common_mesh, merge_weight
+from spmdkit.rules._common import replicated_plan
 from spmdkit.rules.registry import register
 
 Specs = Sequence[DistTensorSpec | None]
@@ -93,7 +95,11 @@ def default_data_parallel_backward(ins: Specs, outs: Specs) -> SpmdResult:
 def replicated_forward(ins: Specs, outs: Specs) -> SpmdResult:
     """Every input and output replicated."""
     mesh = _mesh("replicated", ins, outs)
-    return SpmdResult(_replicate(mesh, ins), _replicate(mesh, outs))
+    p = replicated_plan(tuple(-1 if s is None else s.ndim for s in ins),
+                         tuple(-1 if s is None else s.ndim for s in outs))  # fmt: skip
+    a, b = infer(p, "replicated", ins, (), mesh)
+    return SpmdResult(list(a), list(b))
+
 
 
 def replicated_backward(ins: Specs, outs: Specs) -> SpmdResult:

@@ -24,22 +24,20 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from spmdkit.core.dist_attr import DimsMapping, Entry, Partial, ReduceType, TensorDistAttr, entry_dims
+from spmdkit.core.dist_attr import DimsMapping, Partial, ReduceType, TensorDistAttr, entry_dims
 from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.axes import largest_mesh_dim, one_mesh_dim_per_axis
+from spmdkit.engine.compile import Plan, compile_plan, infer
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import (
     ALPHABET,
     BROADCAST,
     Notation,
-    attr_as,
     einsum_backward,
     einsum_forward,
     fast_result,
-    merge_weight,
-    resolve_claims,
+    letters_for,
 )
 from spmdkit.rules._common import check_like
 from spmdkit.rules.registry import register
@@ -166,16 +164,27 @@ def _unary_grad(
     out_grad: DistTensorSpec,
     keep_partial: bool = False,
 ) -> SpmdResult:
-    """Every tensor (and the grad) takes out_grad's dims_mapping; partial cleared."""
+    """Every tensor (and the grad) takes out_grad's dims_mapping (``abc, abc -> abc``, merged
+    from out_grad alone); partial cleared (``keep_partial``: out_grad's kept on it and the grad)."""
     mesh = out_grad.dist_attr.mesh
     for t, n in zip(tensors, names):
         if t.dist_attr.mesh != mesh:
             raise InvalidMeshError(f"{op}: {n} and out_grad lie on different meshes")
         check_like(op, out_grad, t, "out_grad", n)
-    dm = out_grad.dist_attr.dims_mapping
-    plain = TensorDistAttr.unchecked(mesh, dm)
-    grad = TensorDistAttr.unchecked(mesh, dm, out_grad.dist_attr.partial) if keep_partial else plain
-    return SpmdResult([plain] * len(tensors) + [grad], [grad])
+    ins, outs = infer(_unary_grad_plan(len(out_grad.shape), len(tensors)), op, (*tensors, out_grad), (), mesh)
+    if keep_partial and out_grad.dist_attr.partial:
+        g = outs[0]
+        assert g is not None
+        g = TensorDistAttr.unchecked(mesh, g.dims_mapping, out_grad.dist_attr.partial)
+        return fast_result((*ins[:-1], g), (g,))
+    return fast_result(ins, outs)
+
+
+@lru_cache(maxsize=256)
+def _unary_grad_plan(ndim: int, n: int) -> Plan:
+    """``n`` tensors and out_grad, ``abc, ..., abc -> abc``: the letters from out_grad alone."""
+    a = letters_for(ndim)
+    return compile_plan(Notation([a] * (n + 1), [a], sources=(n,)))
 
 
 def elementwise_unary_grad(x: DistTensorSpec, out_grad: DistTensorSpec) -> SpmdResult:
@@ -267,81 +276,24 @@ def _notation2(op: str, x: DistTensorSpec, y: DistTensorSpec) -> tuple[str, str,
     return nt
 
 
-@memo()
-def _binary_merge(
-    dx: DimsMapping, dy: DimsMapping, xs: tuple[int, ...], ys: tuple[int, ...], mesh_shape: tuple[int, ...]
-) -> tuple[DimsMapping, DimsMapping, DimsMapping] | None:
-    """The binary forward merge on ints (None where the shapes do not broadcast).
-
-    Out axis ``i`` is a letter; a size-1 axis of x or y is a claimer of its own (it takes
-    its mesh dim, in claim order, and then shards nothing), as in Paddle. A co-sharded
-    entry keeps its largest mesh dim. Claims: x's axes left to right, then y's; where x
-    and y shard one letter over different mesh dims the larger tensor wins (x on a tie);
-    a mesh dim already claimed is dropped.
-
-    Engine policy needed to answer this through Notation (issue 17): ``coshard="largest"``
-    (each entry read as its largest mesh dim before merging) and ``unit_axes="claim"`` (a
-    size-1 axis labelled ``1`` takes its mesh dim in claim order, so a later letter sharded
-    on that mesh dim loses it, and shards nothing); today's merge skips ``1`` axes. Rules:
-    every binary elementwise forward (add, subtract, multiply, divide, maximum, ... and their
-    aliases)."""
-    if not _broadcasts(xs, ys):
-        return None
-    nx, ny = len(xs), len(ys)
-    n = nx if nx >= ny else ny
-    ox, oy = n - nx, n - ny
-    ld = [-1] * n  # per letter: its mesh dim
-    claims: list[int] = []  # a letter, or ~mesh dim for a size-1 axis's own claim
-    j = 0
-    for e in dx:
-        if e.__class__ is not int:
-            e = largest_mesh_dim(e, mesh_shape)
-        if e >= 0:
-            if xs[j] == 1:
-                claims.append(~e)
-            else:
-                ld[j + ox] = e
-                claims.append(j + ox)
-        j += 1
-    j = 0
-    wx = -1
-    for e in dy:
-        if e.__class__ is not int:
-            e = largest_mesh_dim(e, mesh_shape)
-        if e >= 0:
-            if ys[j] == 1:
-                claims.append(~e)
-            else:
-                a = j + oy
-                cur = ld[a]
-                if cur < 0:
-                    ld[a] = e
-                    claims.append(a)
-                elif cur != e:
-                    if wx < 0:
-                        wx, wy = merge_weight(xs), merge_weight(ys)
-                    if wy > wx:
-                        ld[a] = e
-        j += 1
-    if not claims:
-        return (-1,) * nx, (-1,) * ny, (-1,) * n
-    final = resolve_claims(claims, ld, n)
-    mx = tuple([-1 if s == 1 else final[j + ox] for j, s in enumerate(xs)])
-    my = tuple([-1 if s == 1 else final[j + oy] for j, s in enumerate(ys)])
-    return mx, my, tuple(final)
-
-
 def _binary_fwd(op: str, x: DistTensorSpec, y: DistTensorSpec, names: tuple[str, str] = ("x", "y")) -> SpmdResult:
-    xa, ya = x.dist_attr, y.dist_attr
-    mesh = xa.mesh
-    if ya.mesh is not mesh and ya.mesh != mesh:
+    mesh = x.dist_attr.mesh
+    ym = y.dist_attr.mesh
+    if ym is not mesh and ym != mesh:
         _mesh2(op, x, y, *names)
-    r = _binary_merge(xa.dims_mapping, ya.dims_mapping, x.shape, y.shape, mesh.shape)
-    if r is None:
+    p = _binary_plan(x.shape, y.shape)
+    if p is None:
         _notation2(op, x, y)  # raises
         raise AssertionError("unreachable")
-    mx, my, mo = r
-    return fast_result((attr_as(xa, mesh, mx), attr_as(ya, mesh, my)), (_make(mesh, mo),))
+    return fast_result(*infer(p, op, (x, y), (), mesh, names))
+
+
+@lru_cache(maxsize=4096)
+def _binary_plan(xs: tuple[int, ...], ys: tuple[int, ...]) -> Plan | None:
+    """The forward plan for x / y shapes that broadcast (None where they do not)."""
+    if not _broadcasts(xs, ys):
+        return None
+    return compile_plan(_binary_nt(tuple([s == 1 for s in xs]), tuple([s == 1 for s in ys]), "forward"))
 
 
 def _broadcasts(xs: tuple[int, ...], ys: tuple[int, ...]) -> bool:
@@ -387,17 +339,23 @@ def _binary_bwd(op: str, x: DistTensorSpec, y: DistTensorSpec, out: DistTensorSp
         if want >= 0 and s != want:
             raise ShapeMismatchError(f"{op}: out axis {i} has {s}, but x and y broadcast to {want}")
     # x and y take out's letters (a co-shard read as its largest mesh dim); out is what they make
-    nt = _binary_nt(tuple([s == 1 for s in xs]), tuple([s == 1 for s in ys]))
-    ins, outs = einsum_backward(op, nt, (x, y), (one_mesh_dim_per_axis(out),))
+    nt = _binary_nt(tuple([s == 1 for s in xs]), tuple([s == 1 for s in ys]), "backward")
+    ins, outs = einsum_backward(op, nt, (x, y), (out,))
     return fast_result(tuple(ins), tuple(outs))
 
 
 @lru_cache(maxsize=4096)
-def _binary_nt(x_unit: tuple[bool, ...], y_unit: tuple[bool, ...]) -> Notation:
-    """The binary notation of shapes that broadcast, from their size-1 masks alone."""
+def _binary_nt(x_unit: tuple[bool, ...], y_unit: tuple[bool, ...], direction: str) -> Notation:
+    """The binary notation of shapes that broadcast, from their size-1 masks alone, with
+    Paddle's merge: a co-shard read as its largest mesh dim; forward: where x and y shard one
+    letter over different mesh dims the larger tensor wins (x on a tie), letters and the
+    sharded size-1 axes (``1``) take their mesh dims in claim order (x's axes, then y's), a
+    size-1 axis sharding nothing."""
     nt = _binary_notation(tuple([1 if u else 2 for u in x_unit]), tuple([1 if u else 2 for u in y_unit]))
     assert not isinstance(nt, str)  # the shapes were checked to broadcast
-    return Notation(nt[:2], nt[2:])
+    if direction == "forward":
+        return Notation(nt[:2], nt[2:], coshard="largest", unit_axes="claim")
+    return Notation(nt[:2], nt[2:], coshard="largest")
 
 
 def _make_binary(op: str) -> tuple[object, object]:
@@ -447,26 +405,25 @@ def multiply_backward(x: DistTensorSpec, y: DistTensorSpec, out: DistTensorSpec)
 # ---------------------------------------------------------------------------
 
 
-@memo()
-def _grad_input(
-    shape: tuple[int, ...], og_shape: tuple[int, ...], og_dm: DimsMapping
-) -> tuple[DimsMapping, tuple[int, ...]]:
-    """An input's dims_mapping under out_grad's, and the mesh dims its grad is partial over."""
-    diff = len(og_shape) - len(shape)
-    dm: list[Entry] = []
-    partial: list[int] = []
-    for i in range(diff):
-        partial.extend(entry_dims(og_dm[i]))
-    for i, s in enumerate(shape):
-        e = og_dm[i + diff]
-        if s == 1 and e != -1:
-            # broadcast along this axis (or a size-1 axis sharded in out_grad):
-            # the grad is reduced over it, so partial over its mesh dims
-            partial.extend(entry_dims(e))
-            dm.append(-1)
-        else:
-            dm.append(e)
-    return tuple(dm), tuple(sorted(partial))
+@lru_cache(maxsize=4096)
+def _binary_grad_plan(xs: tuple[int, ...], ys: tuple[int, ...], nd: int, with_out: bool) -> Plan:
+    return _binary_grad_unit_plan(tuple([s == 1 for s in xs]), tuple([s == 1 for s in ys]), nd, with_out)
+
+
+@lru_cache(maxsize=1024)
+def _binary_grad_unit_plan(x_unit: tuple[bool, ...], y_unit: tuple[bool, ...], nd: int, with_out: bool) -> Plan:
+    """``1c, bc, abc -> 1c, bc`` (x, y, [out,] out_grad -> x_grad, y_grad), merged from out_grad
+    alone: an input takes out_grad's sharding on its axes (a size-1 axis ``1``: unsharded),
+    its grad is partial SUM over the mesh dims of the axes it was broadcast along."""
+    g = letters_for(nd)
+
+    def lab(unit: tuple[bool, ...]) -> str:
+        off = nd - len(unit)
+        return "".join(BROADCAST if u else g[i + off] for i, u in enumerate(unit))
+
+    x, y = lab(x_unit), lab(y_unit)
+    ins = [x, y, g, g] if with_out else [x, y, g]
+    return compile_plan(Notation(ins, [x, y], sources=(len(ins) - 1,)))
 
 
 def _check_grad_shapes(op: str, t: DistTensorSpec, name: str, og: DistTensorSpec) -> None:
@@ -507,19 +464,9 @@ def _binary_grad(
             raise InvalidAttributeError(
                 f"{op}: axis {axis} is not supported (only -1, numpy-style trailing alignment)"
             )
-    og_dm = out_grad.dist_attr.dims_mapping
-    make = TensorDistAttr.unchecked
-    og_attr = make(mesh, og_dm)
-    ins: list[TensorDistAttr] = []
-    outs: list[TensorDistAttr] = []
-    for t in (x, y):
-        dm, pdims = _grad_input(t.shape, out_grad.shape, og_dm)
-        ins.append(make(mesh, dm))
-        outs.append(make(mesh, dm, tuple((d, ReduceType.SUM) for d in pdims)))
-    if out is not None:
-        ins.append(og_attr)
-    ins.append(og_attr)
-    return SpmdResult(ins, outs)
+    p = _binary_grad_plan(x.shape, y.shape, nd, out is not None)
+    specs = (x, y, out_grad) if out is None else (x, y, out, out_grad)
+    return fast_result(*infer(p, op, specs, (), mesh))
 
 
 def _make_binary_grad(op: str, with_out: bool) -> object:

@@ -32,14 +32,15 @@ reduce types are made replicated. Nothing else becomes partial.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import lru_cache
 
 from spmdkit.core.dist_attr import DimsMapping, Partial, ReduceType, TensorDistAttr, entry_dims
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.axes import largest_mesh_dim
+from spmdkit.engine.compile import Plan, compile_plan, infer
 from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import fast_result, merge_letters, named_mesh, project, resolve_claims
+from spmdkit.engine.notation import BROADCAST, Notation, fast_result, letters_for, merge_letters, named_mesh, project
 from spmdkit.rules._absent import zero_d_absent
 from spmdkit.rules._common import check_like
 from spmdkit.rules.registry import register
@@ -52,36 +53,20 @@ def _mesh(op: str, named: Iterable[tuple[str, DistTensorSpec | None]]) -> Proces
     return named_mesh(op, named)
 
 
-@memo()
-def _binary_merge(shape: Shape, dms: tuple[DimsMapping, ...], mesh_shape: Shape) -> DimsMapping:
-    """Paddle's elementwise binary merge for tensors of one shape: claims in tensor order,
-    the first claimer of an axis keeps it, a claimed mesh dim is dropped later, a size-1
-    axis claims its mesh dim and shards nothing, a co-shard keeps its largest mesh dim.
-
-    Engine policy needed (issue 17): ``coshard="largest"``, ``unit_axes="claim"`` (see
-    elementwise._binary_merge) and ``conflict="first"`` (where two tensors shard one letter
-    differently the first claimer keeps it, whatever the sizes; today's merge lets the larger
-    tensor win). Rules: swiglu and fused_dropout_add (forward, reverse) and their grads."""
-    n = len(shape)
-    ld = [-1] * n
-    claims: list[int] = []
-    for dm in dms:
-        for j, e in enumerate(dm):
-            d = largest_mesh_dim(e, mesh_shape)
-            if d < 0:
-                continue
-            if shape[j] == 1:
-                claims.append(~d)
-            elif ld[j] < 0:
-                ld[j] = d
-                claims.append(j)
-    return resolve_claims(claims, ld, n)
+@lru_cache(maxsize=4096)
+def _plan(shape: Shape, n_in: int, outs: int, direction: str) -> Plan:
+    """Paddle's elementwise binary merge over ``n_in`` tensors of one shape (and ``outs``
+    outputs of that shape): each co-shard read as its largest mesh dim, claims in tensor
+    order, the first claimer of an axis keeps it (``conflict="first"``), a claimed mesh dim is
+    dropped later, a size-1 axis claims its mesh dim and shards nothing (``unit_axes="claim"``)."""
+    return _unit_plan(tuple([s == 1 for s in shape]), n_in, outs, direction)
 
 
-@memo()
-def _reverse_merge(shape: Shape, do: DimsMapping, mesh_shape: Shape) -> DimsMapping:
-    """The binary reverse on one shape: out's axes claim their mesh dims left to right."""
-    return _binary_merge(shape, (do,), mesh_shape)
+@lru_cache(maxsize=1024)
+def _unit_plan(unit: tuple[bool, ...], n_in: int, outs: int, direction: str) -> Plan:
+    a = "".join(BROADCAST if u else c for u, c in zip(unit, letters_for(len(unit))))
+    nt = Notation([a] * n_in, [a] * outs, coshard="largest", conflict="first", unit_axes="claim")
+    return compile_plan(nt, direction)
 
 
 @memo()
@@ -136,9 +121,7 @@ def swiglu_forward(x: DistTensorSpec, y: DistTensorSpec | None = None) -> SpmdRe
         a = _make(mesh, dm)
         return fast_result((a, None), (a,))
     check_like(op, x, y, "x", "y")
-    dm = _binary_merge(x.shape, (x.dist_attr.dims_mapping, y.dist_attr.dims_mapping), mesh.shape)
-    a = _make(mesh, dm)
-    return fast_result((a, a), (a,))
+    return fast_result(*infer(_plan(x.shape, 2, 1, "forward"), op, (x, y), (), mesh, ("x", "y")))
 
 
 def swiglu_backward(x: DistTensorSpec, y: DistTensorSpec | None, out: DistTensorSpec) -> SpmdResult:
@@ -153,9 +136,7 @@ def swiglu_backward(x: DistTensorSpec, y: DistTensorSpec | None, out: DistTensor
         return fast_result((a, None), (a,))
     check_like(op, x, y, "x", "y")
     check_like(op, x, out, "x", "out")
-    dm = _reverse_merge(x.shape, out.dist_attr.dims_mapping, mesh.shape)
-    a = _make(mesh, dm)
-    return fast_result((a, a), (a,))
+    return fast_result(*infer(_plan(x.shape, 2, 1, "backward"), op, (x, y), (out,), mesh, ("x", "y", "out")))
 
 
 def swiglu_grad(x: DistTensorSpec, y: DistTensorSpec | None, out_grad: DistTensorSpec) -> SpmdResult:
@@ -170,10 +151,7 @@ def swiglu_grad(x: DistTensorSpec, y: DistTensorSpec | None, out_grad: DistTenso
         return fast_result((a, None, a), (a, None))
     check_like(op, x, y, "x", "y")
     check_like(op, x, out_grad, "x", "out_grad")
-    dms = (x.dist_attr.dims_mapping, y.dist_attr.dims_mapping, out_grad.dist_attr.dims_mapping)
-    dm = _binary_merge(x.shape, dms, mesh.shape)
-    a = _make(mesh, dm)
-    return fast_result((a, a, a), (a, a))
+    return fast_result(*infer(_plan(x.shape, 3, 2, "forward"), op, (x, y, out_grad), (), mesh, ("x", "y", "out_grad")))
 
 
 # ---------------------------------------------------------------------------
@@ -187,9 +165,8 @@ def fused_dropout_add_forward(x: DistTensorSpec, y: DistTensorSpec) -> SpmdResul
     op = "fused_dropout_add"
     mesh = _mesh(op, [("x", x), ("y", y)])
     check_like(op, x, y, "x", "y")
-    dm = _binary_merge(x.shape, (x.dist_attr.dims_mapping, y.dist_attr.dims_mapping), mesh.shape)
-    a = _make(mesh, dm)
-    return fast_result((a, a), (a, _make(mesh, (-1,))))
+    ins, outs = infer(_plan(x.shape, 2, 1, "forward"), op, (x, y), (), mesh, ("x", "y"))
+    return fast_result(ins, (outs[0], _make(mesh, (-1,))))
 
 
 def fused_dropout_add_backward(
@@ -203,9 +180,8 @@ def fused_dropout_add_backward(
     check_like(op, x, out, "x", "out")
     if seed_offset is not None and len(seed_offset.shape) != 1:
         raise ShapeMismatchError(f"{op}: seed_offset must be 1-D [2], got {list(seed_offset.shape)}")
-    dm = _reverse_merge(x.shape, out.dist_attr.dims_mapping, mesh.shape)
-    a = _make(mesh, dm)
-    return fast_result((a, a), (a, None if seed_offset is None else _make(mesh, (-1,))))
+    ins, outs = infer(_plan(x.shape, 2, 1, "backward"), op, (x, y), (out,), mesh, ("x", "y", "out"))
+    return fast_result(ins, (outs[0], None if seed_offset is None else _make(mesh, (-1,))))
 
 
 _KEEP = frozenset({ReduceType.SUM, ReduceType.AVG, ReduceType.MAX, ReduceType.MIN})
@@ -231,11 +207,23 @@ def fused_dropout_add_grad(
         raise InvalidAttributeError(f"{op}: p must be a number in [0, 1], got {p!r}")
     if mode not in ("upscale_in_train", "downscale_in_infer"):
         raise InvalidAttributeError(f"{op}: mode must be upscale_in_train or downscale_in_infer, got {mode!r}")
+    so_rank = -1 if seed_offset is None else len(seed_offset.shape)
+    ins, outs = infer(_fda_grad_plan(len(out_grad.shape), so_rank), op, (seed_offset, out_grad), (), mesh,
+                      ("seed_offset", "out_grad"))  # fmt: skip
     ga = out_grad.dist_attr
     pt = _grad_partial(ga.dims_mapping, ga.partial)
-    a = _make(mesh, ga.dims_mapping, pt)
-    so = None if seed_offset is None else _make(mesh, (-1,) * len(seed_offset.shape))
-    return fast_result((so, a), (a, a))
+    if not pt:
+        return fast_result(ins, outs)
+    a = _make(mesh, ga.dims_mapping, pt)  # a SUM / AVG / MAX / MIN partial out_grad stays partial
+    return fast_result((ins[0], a), (a, a))
+
+
+@lru_cache(maxsize=256)
+def _fda_grad_plan(nd: int, so_rank: int) -> Plan:
+    """``11, abc -> abc, abc`` (seed_offset, out_grad -> x_grad, y_grad): sharded as out_grad,
+    seed_offset replicated."""
+    a = letters_for(nd)
+    return compile_plan(Notation([None if so_rank < 0 else BROADCAST * so_rank, a], [a, a]))
 
 
 # ---------------------------------------------------------------------------

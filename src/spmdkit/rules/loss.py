@@ -64,14 +64,15 @@ conflicts Paddle raises on.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
+from functools import lru_cache
 
-from spmdkit.core.dist_attr import DimsMapping, Entry, ReduceType, TensorDistAttr, entry_dims
+from spmdkit.core.dist_attr import Entry, ReduceType, TensorDistAttr, entry_dims
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.axes import normalize_axis, one_mesh_dim_per_axis, one_mesh_dim_specs
+from spmdkit.engine.compile import Plan, compile_plan, infer
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import (
     ALPHABET,
@@ -313,13 +314,18 @@ def mean_all_forward(x: DistTensorSpec) -> SpmdResult:
     return fast_result(tuple(ins), tuple(outs))
 
 
+@lru_cache(maxsize=64)
+def _mean_grad_plan(nd: int, ng: int) -> Plan:
+    """``11, 1 -> 11``: x, out_grad and x_grad all unsharded."""
+    return compile_plan(Notation([BROADCAST * nd, BROADCAST * ng], [BROADCAST * nd]))
+
+
 def _make_mean_grad(op: str):  # type: ignore[no-untyped-def]
     def grad(x: DistTensorSpec, out_grad: DistTensorSpec) -> SpmdResult:
         if len(out_grad.shape) != 0 and any(s != 1 for s in out_grad.shape):
             raise ShapeMismatchError(f"{op}: out_grad must hold one element (0-d), got shape {list(out_grad.shape)}")
         mesh = common_mesh(op, (x, out_grad))
-        ax = _make(mesh, (-1,) * len(x.shape))
-        return fast_result((ax, _make(mesh, (-1,) * len(out_grad.shape))), (ax,))
+        return fast_result(*infer(_mean_grad_plan(len(x.shape), len(out_grad.shape)), op, (x, out_grad), (), mesh))
 
     grad.__name__ = op
     grad.__doc__ = f"{op} (MeanAllGradInferSpmd): x, out_grad and x_grad replicated."
@@ -388,9 +394,7 @@ def label_smooth_forward(label: DistTensorSpec, prior_dist: DistTensorSpec | Non
     if nd > len(ALPHABET):
         raise ShapeMismatchError(f"{op}: tensors of more than {len(ALPHABET)} dims are not supported")
     if prior_dist is None:
-        attr = label.dist_attr
-        a = _make(attr.mesh, _unary_dm(label.shape, attr.dims_mapping, attr.mesh.shape))
-        return fast_result((a, None), (a,))
+        return fast_result(*infer(_unary_plan(nd), op, (label, None), (), label.dist_attr.mesh, ("label", "prior_dist")))
     mesh = named_mesh(op, (("label", label), ("prior_dist", prior_dist)))
     pn = len(prior_dist.shape)
     if pn > nd:
@@ -415,22 +419,13 @@ def label_smooth_forward(label: DistTensorSpec, prior_dist: DistTensorSpec | Non
     return fast_result(tuple(ins), tuple(outs))
 
 
-@memo()
-def _unary_dm(shape: Shape, dm: DimsMapping, mesh_shape: Shape) -> DimsMapping:
-    """label_smooth without prior_dist: the class axis replicated; elsewhere, as Paddle's
-    elementwise unary rule, the mesh dims that do not divide an axis dropped (minor first)."""
-    out: list[Entry] = []
-    last = len(dm) - 1
-    for i, e in enumerate(dm):
-        d = entry_dims(e)
-        if i == last:
-            d = ()
-        size = shape[i]
-        if size >= 0:
-            while d and size % math.prod(mesh_shape[x] for x in d) != 0:
-                d = d[:-1]
-        out.append(-1 if not d else d[0] if len(d) == 1 else d)
-    return tuple(out)
+@lru_cache(maxsize=64)
+def _unary_plan(nd: int) -> Plan:
+    """label_smooth without prior_dist, ``abc, _ -> abc``: the class axis replicated; elsewhere,
+    as Paddle's elementwise unary rule, the mesh dims that do not divide an axis dropped (minor
+    first)."""
+    a = ALPHABET[:nd]
+    return compile_plan(Notation([a, None], [a], replicated=a[-1], prune="*"))
 
 
 def _drop_dims(e: Entry, drop: set[int]) -> Entry:
@@ -445,9 +440,15 @@ def _label_notation(la: str, pa: str) -> Notation:
 
 def label_smooth_grad(out_grad: DistTensorSpec, epsilon: float = 0.0) -> SpmdResult:
     """LabelSmoothGradInferSpmd: out_grad and label_grad sharded as out_grad, not partial."""
-    attr = out_grad.dist_attr
-    a = attr if not attr.partial else _make(attr.mesh, attr.dims_mapping)
-    return fast_result((a,), (a,))
+    p = _same_plan(len(out_grad.shape))
+    return fast_result(*infer(p, "label_smooth_grad", (out_grad,), (), out_grad.dist_attr.mesh, ("out_grad",)))
+
+
+@lru_cache(maxsize=64)
+def _same_plan(nd: int) -> Plan:
+    """``abc -> abc``: sharded as the input, not partial."""
+    a = _letters("label_smooth_grad", nd)
+    return compile_plan(Notation([a], [a]))
 
 
 

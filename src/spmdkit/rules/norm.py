@@ -33,6 +33,7 @@ from functools import lru_cache
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.axes import numel
 from spmdkit.engine.compile import Plan, compile_plan, infer
 from spmdkit.engine.notation import BROADCAST, Notation, common_mesh, fast_result, letters_for
 from spmdkit.rules._absent import zero_d_absent
@@ -89,15 +90,6 @@ def _bna(op: str, begin_norm_axis: int, ndim: int) -> int:
     return begin_norm_axis
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        if s < 0:
-            return -1
-        n *= s
-    return n
-
-
 def _check_param(op: str, name: str, t: DistTensorSpec | None, size: int, flat: bool = True) -> None:
     """scale / bias: 1-D of ``size`` (the product of the normalized axes); the grad rule
     also takes them in any shape of that many elements (as Paddle's C++ test does)."""
@@ -105,7 +97,7 @@ def _check_param(op: str, name: str, t: DistTensorSpec | None, size: int, flat: 
         return
     if flat and len(t.shape) != 1:
         raise ShapeMismatchError(f"{op}: {name} must be 1-D, got shape {list(t.shape)}")
-    n = _numel(t.shape)
+    n = numel(t.shape)
     if size >= 0 and n >= 0 and n != size:
         raise ShapeMismatchError(f"{op}: {name} has {n} elements, the normalized axes of x have {size}")
 
@@ -154,7 +146,7 @@ def layer_norm_forward(
     mesh = _mesh_of(op, (x, scale, bias))
     nd = len(x.shape)
     bna = _bna(op, begin_norm_axis, nd)
-    size = _numel(x.shape[bna:])
+    size = numel(x.shape[bna:])
     _check_param(op, "scale", scale, size)
     _check_param(op, "bias", bias, size)
     p = _plan("ln", nd, bna, (_rank(scale), _rank(bias)))
@@ -176,7 +168,7 @@ def layer_norm_backward(
     mesh = _mesh_of(op, (x, scale, bias, out, mean, variance))
     nd = len(x.shape)
     bna = _bna(op, begin_norm_axis, nd)
-    size = _numel(x.shape[bna:])
+    size = numel(x.shape[bna:])
     _check_param(op, "scale", scale, size)
     _check_param(op, "bias", bias, size)
     _check_same(op, x, "x", out, "out")
@@ -202,7 +194,7 @@ def layer_norm_grad(
     mesh = _mesh_of(op, (x, scale, bias, mean, variance, out_grad))
     nd = len(x.shape)
     bna = _bna(op, begin_norm_axis, nd)
-    size = _numel(x.shape[bna:])
+    size = numel(x.shape[bna:])
     _check_param(op, "scale", scale, size, flat=False)
     _check_param(op, "bias", bias, size, flat=False)
     _check_same(op, x, "x", out_grad, "out_grad")
@@ -278,7 +270,8 @@ register(
     layer_norm_forward,
     "x: T, scale: T?, bias: T?, epsilon: float = 1e-5, begin_norm_axis: int = 1",
     layer_norm_backward,
-    "x: T, scale: T?, bias: T?, out: T, mean: T, variance: T, epsilon: float = 1e-5, begin_norm_axis: int = 1",
+    kind="reverse",
+    outputs="out: T, mean: T, variance: T",
     forward_name="LayerNormInferSpmd",
     backward_name="LayerNormInferSpmdReverse",
 )
@@ -295,7 +288,8 @@ register(
     "x: T, scale: T?, epsilon: float = 1e-5",
     zero_d_absent(rms_norm_backward, "x: T, scale: T?, out: T, invvar: T, epsilon: float = 1e-5", ("scale",),
                   outputs=("out", "invvar")),
-    "x: T, scale: T?, out: T, invvar: T, epsilon: float = 1e-5",
+    kind="reverse",
+    outputs="out: T, invvar: T",
     forward_name="RmsNormInferSpmd",
     backward_name="RmsNormInferSpmdReverse",
 )

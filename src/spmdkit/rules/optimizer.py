@@ -38,15 +38,16 @@ reverse rule (Paddle has none) infers the inputs from the outputs.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from functools import lru_cache
 from typing import Any
 
-from spmdkit.core.dist_attr import DimsMapping, Entry, TensorDistAttr, entry_dims
+from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import InvalidArgumentError, InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.axes import replicated_like
-from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import fast_result, named_mesh
+from spmdkit.engine.compile import Plan, compile_plan, infer
+from spmdkit.engine.notation import Notation, fast_result, letters_for, named_mesh
 from spmdkit.rules._common import check_bool, check_int
 from spmdkit.rules.registry import register
 
@@ -54,36 +55,22 @@ Shape = tuple[int, ...]
 _make = TensorDistAttr.unchecked
 
 
-@memo()
-def _vote(ndim: int, mappings: tuple[DimsMapping, ...]) -> DimsMapping:
-    """Per axis: the sharding all the mappings that shard it agree on, else -1; a mesh dim
-    claimed by an earlier axis is dropped.
+@lru_cache(maxsize=256)
+def _vote_plan(ndim: int, n: int) -> Plan:
+    """Paddle's vote over ``n`` state tensors, ``abc, abc, ... -> abc``: per axis the sharding
+    all the tensors that shard it agree on, else replicated (``conflict="replicate"``, co-shards
+    compared whole and kept); mesh dims go to the axes in order, an axis whose mesh dim an
+    earlier axis took shards nothing (``taken="letter"``); nothing pruned."""
+    a = letters_for(ndim)
+    return compile_plan(Notation([a] * n, [a], conflict="replicate", order="notation", taken="letter"))
 
-    Engine policy needed to answer this through Notation (issue 17): ``conflict="replicate"``
-    (where two tensors shard one letter differently, co-shards compared whole, the letter is
-    replicated on every tensor; today's merge lets the larger tensor win), co-shards kept.
-    Rules: adam, adamw, sgd (forward and reverse, and their ``*_`` aliases)."""
-    out: list[Entry] = []
-    used: set[int] = set()
-    for i in range(ndim):
-        cur: Entry = -1
-        for dm in mappings:
-            e = dm[i]
-            if e == -1:
-                continue
-            if cur == -1:
-                cur = e
-            elif cur != e:
-                cur = -1
-                break
-        if cur != -1:
-            d = entry_dims(cur)
-            if any(x in used for x in d):
-                cur = -1
-            else:
-                used.update(d)
-        out.append(cur)
-    return tuple(out)
+
+def _vote(op: str, mesh: ProcessMesh, voters: Sequence[DistTensorSpec]) -> TensorDistAttr:
+    """The state tensors' common dist attr (not partial) under the vote."""
+    _, outs = infer(_vote_plan(len(voters[0].shape), len(voters)), op, voters, (), mesh)
+    a = outs[0]
+    assert a is not None
+    return a
 
 
 def _mesh(op: str, named: Iterable[tuple[str, DistTensorSpec | None]]) -> ProcessMesh:
@@ -138,20 +125,17 @@ def _adam(
     mesh = _mesh(op, named + scalars + out_named)
     _same_shape(op, "param", param, named[1:] + tuple(
         (n, t) for n, t in out_named if n not in ("beta1_pow_out", "beta2_pow_out")))
-    nd = len(param.shape)
     if outs is None:
-        voters = [param.dist_attr.dims_mapping, grad.dist_attr.dims_mapping, moment1.dist_attr.dims_mapping,
-                  moment2.dist_attr.dims_mapping]
+        voters = [param, grad, moment1, moment2]
         if amsgrad and moment2_max is not None:
-            voters.append(moment2_max.dist_attr.dims_mapping)
+            voters.append(moment2_max)
     else:
         voters = []
         for i in (0, 1, 2, 3, 6):
             o = outs[i]
             if o is not None and (i != 3 or amsgrad):
-                voters.append(o.dist_attr.dims_mapping)
-    dm = _vote(nd, tuple(voters))
-    a = _make(mesh, dm)
+                voters.append(o)
+    a = _vote(op, mesh, voters)
 
     def opt(t: DistTensorSpec | None) -> TensorDistAttr | None:
         return None if t is None else a
@@ -202,10 +186,10 @@ def _sgd(
     mesh = _mesh(op, (*named, ("learning_rate", learning_rate), *out_named))
     _same_shape(op, "param", param, named[1:] + out_named)
     if outs is None:
-        voters: tuple[DimsMapping, ...] = (param.dist_attr.dims_mapping, grad.dist_attr.dims_mapping)
+        voters: Sequence[DistTensorSpec] = (param, grad)
     else:
-        voters = tuple(o.dist_attr.dims_mapping for o in outs if o is not None)
-    a = _make(mesh, _vote(len(param.shape), voters))
+        voters = [o for o in outs if o is not None]
+    a = _vote(op, mesh, voters)
     m = None if master_param is None else a
     return fast_result((a, replicated_like(mesh, learning_rate), a, m), (a, m))
 

@@ -59,10 +59,11 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from spmdkit.core.dist_attr import DimsMapping, Entry, Partial, ReduceType, TensorDistAttr, entry_dims
+from spmdkit.core.dist_attr import DimsMapping, Partial, ReduceType, TensorDistAttr, entry_dims
 from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.axes import normalize_axis, one_mesh_dim_per_axis, reduced_axes
+from spmdkit.engine.compile import Plan, compile_plan, infer
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import (
     ALPHABET,
@@ -73,7 +74,7 @@ from spmdkit.engine.notation import (
     fast_result,
     named_mesh,
 )
-from spmdkit.rules._common import check_same_shape, merge_project
+from spmdkit.rules._common import check_same_shape, merge_project, replicated_plan
 from spmdkit.rules.registry import register
 
 _make = TensorDistAttr.unchecked
@@ -233,38 +234,22 @@ def reduce_base_backward(x: DistTensorSpec, out: DistTensorSpec, axis: tuple[int
 # ---------------------------------------------------------------------------
 
 
-@lru_cache(maxsize=65536)
-def _grad_core(gdm: DimsMapping, nd: int, pos: tuple[int, ...],
-               xdm: DimsMapping | None = None) -> tuple[DimsMapping, DimsMapping]:
-    """(x's and x_grad's dims_mapping, out_grad's): the kept axes as out_grad shards them. With
-    ``xdm`` (sum, whose x_grad is out_grad broadcast back over the reduced axes and depends on
-    neither x's values nor the reduced count, as mean's does) the reduced axes keep x's own sharding where its mesh dims
-    are free (a slice of a broadcast value: no communication); else they are replicated.
-
-    Engine policy needed to answer this through Notation (issue 17): ``authority=out_grad``
-    (out_grad's letters win outright on the kept axes; no size-weighted conflict with x) and,
-    for sum_grad, ``coshard_claim="whole"`` (x's co-sharded reduced axis keeps its sharding only
-    where every one of its mesh dims is free; today's merge drops the taken dims one by one).
-    Co-shards are kept. Rules: sum_grad, mean_grad, max_grad, min_grad, prod_grad,
-    squared_l2_norm_grad, frobenius_norm_grad and their aliases."""
-    x: list[Entry] = [-1] * nd
-    g: list[Entry] = []
-    used: set[int] = set()
-    for j, p in enumerate(pos):
-        if p >= 0:
-            x[p] = gdm[j]
-            g.append(gdm[j])
-            used.update(entry_dims(gdm[j]))
-        else:
-            g.append(-1)
-    kept = {p for p in pos if p >= 0}
-    for i in range(nd if xdm is not None else 0):
-        if i not in kept and xdm[i] != -1:  # type: ignore[index]
-            d = entry_dims(xdm[i])  # type: ignore[index]
-            if not used.intersection(d):
-                x[i] = xdm[i]  # type: ignore[index]
-                used.update(d)
-    return tuple(x), tuple(g)
+@lru_cache(maxsize=4096)
+def _grad_plan(nd: int, pos: tuple[int, ...], own: bool, one: bool) -> Plan:
+    """x_grad (and x) from out_grad, e.g. ``ac -> abc`` (axis 1 reduced; ``a1c`` with keep_dim,
+    ``1`` for Paddle's [1] out_grad of a full reduction, ``one``): the kept axes as out_grad
+    shards them (co-shards kept), the reduced ones unsharded. With ``own`` (sum, whose x_grad
+    is out_grad broadcast back over the reduced axes and depends on neither x's values nor the
+    reduced count, as mean's does) ``ac, 1b1 -> abc``: x's reduced axes keep its own sharding
+    where all their mesh dims are free (``taken="letter"``; a slice of a broadcast value: no
+    communication)."""
+    x = ALPHABET[:nd]
+    o = BROADCAST if one else "".join(BROADCAST if p < 0 else x[p] for p in pos)
+    if not own:
+        return compile_plan(Notation([o], [x]))
+    kept = set(pos)
+    view = "".join(BROADCAST if i in kept else c for i, c in enumerate(x))
+    return compile_plan(Notation([o, view], [x], taken="letter"))
 
 
 def _grad(
@@ -275,27 +260,24 @@ def _grad(
     _, pos = _plan(op, nd, () if reduce_all else axis, keep_dim)
     mesh = x.dist_attr.mesh
     gshape = out_grad.shape
-    if not pos and gshape == (1,):
+    one = not pos and gshape == (1,)
+    if one:
         # a full reduction whose out is [1] (Paddle's squared_l2_norm): nothing to carry
-        xdm: DimsMapping = (-1,) * nd
-        gdm: DimsMapping = (-1,)
         if out_grad.dist_attr.mesh != mesh:
             raise InvalidMeshError(f"{op}: x and out_grad lie on different meshes")
     else:
         _check_out(op, x, out_grad, pos, "out_grad")
-        own = x.dist_attr.dims_mapping if op == "sum_grad" else None
-        xdm, gdm = _grad_core(out_grad.dist_attr.dims_mapping, nd, pos, own)
+    own = op == "sum_grad" and not one
+    p = _grad_plan(nd, pos, own, one)
+    ins_, outs_ = infer(p, op, (out_grad, x) if own else (out_grad,), (), mesh, ("out_grad", "x"))
     if out is not None:
         if out.dist_attr.mesh != mesh:
             raise InvalidMeshError(f"{op}: x and out lie on different meshes")
         if out.shape != gshape and not (len(out.shape) == len(gshape) and all(
                 a == b or a < 0 or b < 0 for a, b in zip(out.shape, gshape))):
             raise ShapeMismatchError(f"{op}: out has shape {list(out.shape)} but out_grad {list(gshape)}")
-    make = TensorDistAttr.unchecked
-    xa = make(mesh, xdm)
-    ga = make(mesh, gdm)
-    ins = [xa, ga] if out is None else [xa, ga, ga]
-    return SpmdResult(ins, [xa])
+    xa, ga = outs_[0], ins_[0]
+    return fast_result((xa, ga) if out is None else (xa, ga, ga), (xa,))
 
 
 def _make_grad(op: str, with_out: bool) -> object:
@@ -506,7 +488,7 @@ def numel_reverse(x: DistTensorSpec, out: DistTensorSpec) -> SpmdResult:
     if len(out.shape) != 0:
         raise ShapeMismatchError(f"{op}: out must be a 0-d tensor, got shape {list(out.shape)}")
     mesh = named_mesh(op, (("x", x), ("out", out)))
-    return fast_result((_make(mesh, (-1,) * len(x.shape)),), (_make(mesh, ()),))
+    return fast_result(*infer(replicated_plan((len(x.shape),), (0,)), op, (x,), (), mesh, ("x",)))
 
 
 

@@ -638,10 +638,8 @@ def register(
         if outputs or not backward_sig:
             raise ValueError(f"rule {name!r}: a grad rule declares its signature, not outputs")
         bwd = Mode(backward, backward_sig, backward_name, GRAD)
-    elif not kind:
-        bwd = Mode(backward, backward_sig, backward_name)  # undeclared: see _undeclared_kind
     else:
-        raise ValueError(f"rule {name!r}: bad backward kind {kind!r} (reverse or grad)")
+        raise ValueError(f"rule {name!r}: bad backward kind {kind!r} (a backward declares kind='reverse' or 'grad')")
     rule = Rule(
         name,
         Mode(forward, forward_sig, forward_name, FORWARD),
@@ -666,27 +664,12 @@ def backward_kind(rule: Rule) -> str:
     without one."""
     if rule.backward is None:
         return ""
-    return rule.backward.kind or _undeclared_kind(rule)
+    return rule.backward.kind
 
 
 def is_reverse(rule: Rule) -> bool:
     """Is the rule's backward slot a reverse rule (the op's outputs -> its inputs), not a grad rule?"""
     return backward_kind(rule) == REVERSE
-
-
-def _undeclared_kind(rule: Rule) -> str:
-    """Transitional, for rules registered without a declared kind (matmul, norm and softmax
-    until their declarations say it; a test lists them): read from the backward function's
-    Paddle name and the signatures. Every other family declares ``kind``."""
-    assert rule.backward is not None
-    fn = (rule.backward.function_name or "").lower()
-    if "reverse" in fn:
-        return REVERSE
-    if "grad" in fn:
-        return GRAD
-    fwd = {p.name for p in rule.forward.params if p.is_tensor}
-    bwd = {p.name for p in rule.backward.params if p.is_tensor}
-    return REVERSE if fwd <= bwd and bool(bwd - fwd) else GRAD
 
 
 def output_params(rule: Rule) -> list[str]:

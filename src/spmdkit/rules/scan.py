@@ -55,6 +55,8 @@ out-of-range axes (spmdkit raises SpmdError).
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from spmdkit.core.dist_attr import DimsMapping, Partial, ReduceType, TensorDistAttr
 from spmdkit.core.errors import (
     InvalidArgumentError,
@@ -63,9 +65,11 @@ from spmdkit.core.errors import (
     ShapeMismatchError,
 )
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.axes import largest_mesh_dim, normalize_axis, numel, one_mesh_dim, reduced_axes
+from spmdkit.engine.axes import normalize_axis, numel, one_mesh_dim, reduced_axes
+from spmdkit.engine.compile import Plan, compile_plan, infer
 from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import ALPHABET, fast_result, merge_letters
+from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, fast_result, letters_for, merge_letters
+from spmdkit.rules._common import axis_plan
 from spmdkit.rules.registry import register
 
 Shape = tuple[int, ...]
@@ -94,29 +98,31 @@ def _check_shape(op: str, got: Shape, want: Shape, name: str, what: str) -> None
 # ---------------------------------------------------------------------------
 
 
-@memo()
-def _triu_dm(dm: DimsMapping) -> DimsMapping:
-    return (*dm[:-2], -1, -1)
+@lru_cache(maxsize=64)
+def _triu_plan(ndim: int, direction: str) -> Plan:
+    """``abcd -> abcd``, the last two axes replicated; the batch axes keep their sharding."""
+    a = letters_for(ndim)
+    return compile_plan(Notation([a], [a], replicated=a[-2:]), direction)
 
 
-def _triu_one(op: str, t: DistTensorSpec, name: str) -> TensorDistAttr:
-    if len(t.shape) < 2:
-        raise ShapeMismatchError(f"{op}: {name} must have at least 2 dims, got {len(t.shape)}")
-    attr = t.dist_attr
-    return _make(attr.mesh, _triu_dm(attr.dims_mapping))
+def _triu(op: str, t: DistTensorSpec, name: str, out: DistTensorSpec | None = None) -> SpmdResult:
+    """``t`` (and ``out``: the reverse, from out) under the triu notation."""
+    nd = len(t.shape)
+    if nd < 2:
+        raise ShapeMismatchError(f"{op}: {name} must have at least 2 dims, got {nd}")
+    if out is None:
+        return fast_result(*infer(_triu_plan(nd, "forward"), op, (t,), (), t.dist_attr.mesh, (name,)))
+    _check_shape(op, out.shape, t.shape, "out", f"{op} of x")
+    return fast_result(*infer(_triu_plan(nd, "backward"), op, (t,), (out,), t.dist_attr.mesh, (name, "out")))
 
 
 def _make_triu(op: str, fwd_name: str):  # type: ignore[no-untyped-def]
     def forward(x: DistTensorSpec, diagonal: int = 0, lower: bool = False) -> SpmdResult:
-        a = _triu_one(op, x, "x")
-        return fast_result((a,), (a,))
+        return _triu(op, x, "x")
 
     def backward(x: DistTensorSpec, out: DistTensorSpec, diagonal: int = 0, lower: bool = False) -> SpmdResult:
         _same_mesh(op, x, out, "x", "out")
-        _triu_one(op, x, "x")
-        _check_shape(op, out.shape, x.shape, "out", f"{op} of x")
-        a = _triu_one(op, out, "out")
-        return fast_result((a,), (a,))
+        return _triu(op, x, "x", out)
 
     forward.__name__ = f"{op}_forward"
     forward.__doc__ = f"{op} ({fwd_name}): the last two axes replicated, batch axes keep their sharding."
@@ -128,14 +134,12 @@ def _make_triu(op: str, fwd_name: str):  # type: ignore[no-untyped-def]
 def triu_grad(out_grd: DistTensorSpec, diagonal: int = 0) -> SpmdResult:
     """TriuGradInferSpmd(out_grd, diagonal): out_grad and x_grad alike, the last two axes
     replicated, not partial."""
-    a = _triu_one("triu_grad", out_grd, "out_grd")
-    return fast_result((a,), (a,))
+    return _triu("triu_grad", out_grd, "out_grd")
 
 
 def tril_triu_grad(out_grad: DistTensorSpec, diagonal: int = 0, lower: bool = False) -> SpmdResult:
     """tril_triu_grad(out_grad, diagonal, lower): as triu_grad."""
-    a = _triu_one("tril_triu_grad", out_grad, "out_grad")
-    return fast_result((a,), (a,))
+    return _triu("tril_triu_grad", out_grad, "out_grad")
 
 
 # ---------------------------------------------------------------------------
@@ -151,19 +155,27 @@ def _unshard_axis(dm: DimsMapping, mesh_shape: Shape, axis: int) -> DimsMapping:
     return tuple(s)
 
 
+@lru_cache(maxsize=4096)
+def _axis_plan(nd: int, ax: int, out: str, direction: str) -> Plan:
+    """``abc -> <out>`` with axis ``ax`` replicated, each co-shard read as its largest mesh dim
+    (``out``: ``"same"``, ``"drop"`` the axis, ``"flat"``: everything replicated, out 1-D,
+    ``"flat0"`` / ``"flatk"``: everything replicated, out 0-d / x's rank of size-1 axes)."""
+    a = letters_for(nd)
+    if out.startswith("flat"):
+        o = {"flat": BROADCAST, "flat0": "", "flatk": BROADCAST * nd}[out]
+        return compile_plan(Notation([a], [o], replicated=a), direction)
+    o = a if out == "same" else a[:ax] + a[ax + 1 :]
+    return compile_plan(Notation([a], [o], replicated=a[ax : ax + 1], coshard="largest"), direction)
+
+
 def cumsum_forward(
     x: DistTensorSpec, axis: int = -1, flatten: bool = False, exclusive: bool = False, reverse: bool = False
 ) -> SpmdResult:
     """CumSumInferSpmd: the scanned axis replicated; flatten: all replicated, out 1-D."""
-    attr = x.dist_attr
-    mesh = attr.mesh
     nd = len(x.shape)
-    if flatten:
-        return fast_result((_make(mesh, (-1,) * nd),), (_make(mesh, (-1,)),))
-    ax = normalize_axis("cumsum", axis, nd, tensor="x")
-    dm = _unshard_axis(attr.dims_mapping, mesh.shape, ax)
-    a = _make(mesh, dm)
-    return fast_result((a,), (a,))
+    ax = 0 if flatten else normalize_axis("cumsum", axis, nd, tensor="x")
+    p = _axis_plan(nd, ax, "flat" if flatten else "same", "forward")
+    return fast_result(*infer(p, "cumsum", (x,), (), x.dist_attr.mesh, ("x",)))
 
 
 def _cumsum_out_shape(x: DistTensorSpec, flatten: bool) -> Shape:
@@ -175,13 +187,12 @@ def _cumsum_reverse(
 ) -> tuple[TensorDistAttr, TensorDistAttr]:
     _same_mesh(op, x, out, "x", name)
     _check_shape(op, out.shape, _cumsum_out_shape(x, flatten), name, "cumsum of x")
-    mesh = x.dist_attr.mesh
     nd = len(x.shape)
-    if flatten:
-        return _make(mesh, (-1,) * nd), _make(mesh, (-1,))
-    ax = normalize_axis(op, axis, nd, tensor="x")
-    a = _make(mesh, _unshard_axis(out.dist_attr.dims_mapping, mesh.shape, ax))
-    return a, a
+    ax = 0 if flatten else normalize_axis(op, axis, nd, tensor="x")
+    p = _axis_plan(nd, ax, "flat" if flatten else "same", "backward")
+    ins, outs = infer(p, op, (x,), (out,), x.dist_attr.mesh, ("x", name))
+    assert ins[0] is not None and outs[0] is not None
+    return ins[0], outs[0]
 
 
 def cumsum_backward(
@@ -218,26 +229,19 @@ def _arg_out_shape(shape: Shape, ax: int, keepdims: bool, flatten: bool) -> Shap
     return (*shape[:ax], *shape[ax + 1:])
 
 
-@memo()
-def _arg_core(xdm: DimsMapping, mesh_shape: Shape, ax: int, keepdims: bool) -> tuple[DimsMapping, DimsMapping]:
-    """(x, out) dims_mappings from x's: the arg axis replicated."""
-    x = _unshard_axis(xdm, mesh_shape, ax)
-    if not x:
-        return x, x
-    out = x if keepdims else (*x[:ax], *x[ax + 1:])
-    return x, out
+def _arg_out(nd: int, keepdims: bool, flatten: bool) -> str:
+    """The out of argmax / argmin's notation (see _axis_plan)."""
+    if flatten:
+        return "flatk" if keepdims else "flat0"
+    return "same" if keepdims or nd == 0 else "drop"
 
 
 def _make_arg(op: str, fwd_name: str):  # type: ignore[no-untyped-def]
     def forward(x: DistTensorSpec, axis: int = -1, keepdims: bool = False, flatten: bool = False) -> SpmdResult:
-        attr = x.dist_attr
-        mesh = attr.mesh
         nd = len(x.shape)
         ax = normalize_axis(op, axis, nd, tensor="x")
-        if flatten:
-            return fast_result((_make(mesh, (-1,) * nd),), (_make(mesh, (-1,) * nd if keepdims else ()),))
-        xdm, odm = _arg_core(attr.dims_mapping, mesh.shape, ax, keepdims)
-        return fast_result((_make(mesh, xdm),), (_make(mesh, odm),))
+        p = _axis_plan(nd, ax, _arg_out(nd, keepdims, flatten), "forward")
+        return fast_result(*infer(p, op, (x,), (), x.dist_attr.mesh, ("x",)))
 
     def backward(
         x: DistTensorSpec, out: DistTensorSpec, axis: int = -1, keepdims: bool = False, flatten: bool = False
@@ -247,17 +251,8 @@ def _make_arg(op: str, fwd_name: str):  # type: ignore[no-untyped-def]
         nd = len(x.shape)
         ax = normalize_axis(op, axis, nd, tensor="x")
         _check_shape(op, out.shape, _arg_out_shape(x.shape, ax, keepdims, flatten), "out", f"{op} of x")
-        if flatten:
-            return fast_result((_make(mesh, (-1,) * nd),), (_make(mesh, (-1,) * len(out.shape)),))
-        odm = out.dist_attr.dims_mapping
-        if nd == 0:
-            xin: DimsMapping = ()
-        elif keepdims:
-            xin = odm
-        else:
-            xin = (*odm[:ax], -1, *odm[ax:])
-        xdm, o = _arg_core(xin, mesh.shape, ax, keepdims)
-        return fast_result((_make(mesh, xdm),), (_make(mesh, o),))
+        p = _axis_plan(nd, ax, _arg_out(nd, keepdims, flatten), "backward")
+        return fast_result(*infer(p, op, (x,), (out,), mesh, ("x", "out")))
 
     forward.__name__ = f"{op}_forward"
     forward.__doc__ = f"{op} ({fwd_name}): the arg axis replicated; flatten: x replicated, out 0-d."
@@ -289,10 +284,7 @@ def topk_forward(
 ) -> SpmdResult:
     """TopkInferSpmd: out and indices sharded as x, the topk axis replicated."""
     ax = _topk_checks("topk", x, k, axis)
-    attr = x.dist_attr
-    mesh = attr.mesh
-    a = _make(mesh, _unshard_axis(attr.dims_mapping, mesh.shape, ax))
-    return fast_result((a,), (a, a))
+    return fast_result(*infer(axis_plan(len(x.shape), ax, 1, 2, "largest"), "topk", (x,), (), x.dist_attr.mesh, ("x",)))
 
 
 def _topk_grad(
@@ -367,19 +359,16 @@ def _lse_plan(ndim: int, axis: tuple[int, ...], keepdims: bool, reduce_all: bool
     return reduced_axes("logsumexp", ndim, axis, keepdims, reduce_all)
 
 
-@memo()
-def _lse_core(src: DimsMapping, mesh_shape: Shape, reduced: tuple[bool, ...], pos: Shape,
-              from_out: bool) -> tuple[DimsMapping, DimsMapping]:
-    """(x, out) dims_mappings: kept axes from ``src`` (x's, or out's with ``from_out``)."""
-    nd = len(reduced)
-    if from_out:
-        x = [-1] * nd
-        for j, p in enumerate(pos):
-            if p >= 0:
-                x[p] = largest_mesh_dim(src[j], mesh_shape)
-    else:
-        x = [-1 if r else largest_mesh_dim(e, mesh_shape) for e, r in zip(src, reduced)]
-    return tuple(x), tuple(-1 if p < 0 else x[p] for p in pos)
+@lru_cache(maxsize=4096)
+def _lse_notation(reduced: tuple[bool, ...], pos: Shape, grad: bool) -> Notation:
+    """``abc -> ac`` (``a1c`` with keepdims), the reduced letters replicated, each co-shard read
+    as its largest mesh dim; the grad ``abc, ac, ac -> abc`` merged from out_grad alone."""
+    x = letters_for(len(reduced))
+    o = "".join(BROADCAST if p < 0 else x[p] for p in pos)
+    red = "".join(c for c, r in zip(x, reduced) if r)
+    if grad:
+        return Notation([x, o, o], [x], replicated=red, coshard="largest", sources=(2,))
+    return Notation([x], [o], replicated=red, coshard="largest")
 
 
 def _lse_out_shape(shape: Shape, pos: Shape) -> Shape:
@@ -390,11 +379,9 @@ def logsumexp_forward(
     x: DistTensorSpec, axis: tuple[int, ...] = (), keepdims: bool = False, reduce_all: bool = False
 ) -> SpmdResult:
     """LogSumExpInferSpmd: kept axes keep their sharding, reduced axes replicated (no partial)."""
-    attr = x.dist_attr
-    mesh = attr.mesh
     reduced, pos = _lse_plan(len(x.shape), axis, keepdims, reduce_all)
-    xdm, odm = _lse_core(attr.dims_mapping, mesh.shape, reduced, pos, False)
-    return fast_result((_make(mesh, xdm),), (_make(mesh, odm),))
+    p = compile_plan(_lse_notation(reduced, pos, False))
+    return fast_result(*infer(p, "logsumexp", (x,), (), x.dist_attr.mesh, ("x",)))
 
 
 def logsumexp_backward(
@@ -406,8 +393,8 @@ def logsumexp_backward(
     mesh = x.dist_attr.mesh
     reduced, pos = _lse_plan(len(x.shape), axis, keepdims, reduce_all)
     _check_shape("logsumexp", out.shape, _lse_out_shape(x.shape, pos), "out", "reducing x")
-    xdm, odm = _lse_core(out.dist_attr.dims_mapping, mesh.shape, reduced, pos, True)
-    return fast_result((_make(mesh, xdm),), (_make(mesh, odm),))
+    p = compile_plan(_lse_notation(reduced, pos, False), "backward")
+    return fast_result(*infer(p, "logsumexp", (x,), (out,), mesh, ("x", "out")))
 
 
 def logsumexp_grad(
@@ -423,10 +410,8 @@ def logsumexp_grad(
     want = _lse_out_shape(x.shape, pos)
     _check_shape(op, out.shape, want, "out", "reducing x")
     _check_shape(op, out_grad.shape, want, "out_grad", "reducing x")
-    xdm, odm = _lse_core(out_grad.dist_attr.dims_mapping, mesh.shape, reduced, pos, True)
-    xa = _make(mesh, xdm)
-    oa = _make(mesh, odm)
-    return fast_result((xa, oa, oa), (xa,))
+    p = compile_plan(_lse_notation(reduced, pos, True))
+    return fast_result(*infer(p, op, (x, out, out_grad), (), mesh, ("x", "out", "out_grad")))
 
 
 # ---------------------------------------------------------------------------
@@ -436,17 +421,12 @@ def logsumexp_grad(
 _LINEAR = frozenset({ReduceType.SUM, ReduceType.AVG})
 
 
-@memo()
-def _add_n_core(dms: tuple[DimsMapping, ...], shapes: tuple[Shape, ...], mesh_shape: Shape) -> DimsMapping:
-    first = dms[0]
-    if all(dm == first for dm in dms):  # the common case: nothing to merge
-        return one_mesh_dim(first, mesh_shape)
-    nd = len(shapes[0])
-    letters = ALPHABET[:nd]
-    merged = dict(merge_letters(
-        (letters,) * len(dms), tuple(one_mesh_dim(dm, mesh_shape) for dm in dms), shapes, frozenset(), "", mesh_shape,
-    ))  # fmt: skip
-    return tuple(d[0] if d else -1 for d in (merged.get(ch, ()) for ch in letters))
+@lru_cache(maxsize=1024)
+def _add_n_plan(nd: int, n: int, direction: str) -> Plan:
+    """``abc, abc, ... -> abc``: merged (a letter sharded differently: the larger tensor keeps
+    it), each co-shard read as its largest mesh dim; the reverse from out alone."""
+    a = letters_for(nd)
+    return compile_plan(Notation([a] * n, [a], coshard="largest"), direction)
 
 
 def _add_n_inputs(op: str, inputs: tuple[DistTensorSpec, ...], name: str) -> None:
@@ -464,7 +444,9 @@ def add_n_forward(input: tuple[DistTensorSpec, ...]) -> SpmdResult:
     """AddNInferSpmd: shardings merged; a common linear partial status is kept."""
     _add_n_inputs("add_n", input, "input")
     mesh = input[0].dist_attr.mesh
-    dm = _add_n_core(tuple(t.dist_attr.dims_mapping for t in input), tuple(t.shape for t in input), mesh.shape)
+    _, outs = infer(_add_n_plan(len(input[0].shape), len(input), "forward"), "add_n", input, (), mesh)
+    a = outs[0]
+    assert a is not None
     pt: Partial = input[0].dist_attr.partial
     if pt and not all(r in _LINEAR for _, r in pt):
         pt = ()
@@ -473,7 +455,8 @@ def add_n_forward(input: tuple[DistTensorSpec, ...]) -> SpmdResult:
             if t.dist_attr.partial != pt:
                 pt = ()
                 break
-    a = _make(mesh, dm, pt) if pt else _make(mesh, dm)
+    if pt:
+        a = _make(mesh, a.dims_mapping, pt)
     return fast_result(((a,) * len(input),), (a,))  # type: ignore[arg-type]
 
 
@@ -483,9 +466,9 @@ def add_n_backward(input: tuple[DistTensorSpec, ...], out: DistTensorSpec) -> Sp
     first = input[0]
     _same_mesh("add_n", first, out, "input[0]", "out")
     _check_shape("add_n", out.shape, first.shape, "out", "adding the inputs")
-    mesh = first.dist_attr.mesh
-    a = _make(mesh, one_mesh_dim(out.dist_attr.dims_mapping, mesh.shape))
-    return fast_result(((a,) * len(input),), (a,))  # type: ignore[arg-type]
+    p = _add_n_plan(len(first.shape), len(input), "backward")
+    _, outs = infer(p, "add_n", input, (out,), first.dist_attr.mesh)
+    return fast_result((outs * len(input),), outs)  # type: ignore[arg-type]
 
 
 def add_n_grad(inputs: tuple[DistTensorSpec, ...], out_grad: DistTensorSpec) -> SpmdResult:
@@ -510,10 +493,16 @@ def _like_fwd(x: DistTensorSpec) -> SpmdResult:
 
 
 def _like_bwd(op: str, x: DistTensorSpec, out: DistTensorSpec) -> SpmdResult:
+    """``abc -> abc`` from out: x and out take out's sharding, not partial."""
     _same_mesh(op, x, out, "x", "out")
     _check_shape(op, out.shape, x.shape, "out", "x")
-    a = _make(out.dist_attr.mesh, out.dist_attr.dims_mapping)
-    return fast_result((a,), (a,))
+    return fast_result(*infer(_like_plan(len(x.shape)), op, (x,), (out,), out.dist_attr.mesh, ("x", "out")))
+
+
+@lru_cache(maxsize=64)
+def _like_plan(ndim: int) -> Plan:
+    a = letters_for(ndim)
+    return compile_plan(Notation([a], [a]), "backward")
 
 
 def full_like_forward(x: DistTensorSpec, y: object = 0.0, dtype: object = None) -> SpmdResult:

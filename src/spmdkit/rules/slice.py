@@ -43,14 +43,24 @@ expand-as-no-y (Paddle returns x as given without y).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import Any
 
 from spmdkit.core.dist_attr import DimsMapping, Partial, ReduceType, TensorDistAttr, entry_dims
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.axes import one_mesh_dim
+from spmdkit.engine.compile import Plan, compile_plan, infer
 from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import BROADCAST, common_mesh, fast_result, letters_for, merge_letters, project
+from spmdkit.engine.notation import (
+    BROADCAST,
+    Notation,
+    common_mesh,
+    fast_result,
+    letters_for,
+    merge_letters,
+    project,
+)
 from spmdkit.rules.registry import register
 
 Shape = tuple[int, ...]
@@ -355,9 +365,8 @@ def _padded(op: str, paddings: Sequence[int], ndim: int) -> tuple[int, ...]:
 
 def pad_forward(x: DistTensorSpec, paddings: tuple[int, ...], pad_value: int = 0) -> SpmdResult:
     """Padded axes replicated, the others as x."""
-    a = x.dist_attr
-    at = _make(a.mesh, _blank(a.dims_mapping, _padded("pad", paddings, x.ndim)))
-    return fast_result((at,), (at,))
+    p = _pad_plan(x.ndim, _padded("pad", paddings, x.ndim), "keep", "forward")
+    return fast_result(*infer(p, "pad", (x,), (), x.dist_attr.mesh, ("x",)))
 
 
 def pad_backward(x: DistTensorSpec, out: DistTensorSpec, paddings: tuple[int, ...], pad_value: int = 0) -> SpmdResult:
@@ -365,15 +374,21 @@ def pad_backward(x: DistTensorSpec, out: DistTensorSpec, paddings: tuple[int, ..
     mesh = common_mesh("pad", (x, out))
     ax = _padded("pad", paddings, x.ndim)
     _check_shapes("pad", "x", x.shape, "out", out.shape, ax)
-    at = _make(mesh, _blank(one_mesh_dim(out.dist_attr.dims_mapping, mesh.shape), ax))
-    return fast_result((at,), (at,))
+    return fast_result(*infer(_pad_plan(x.ndim, ax, "largest", "backward"), "pad", (x,), (out,), mesh, ("x", "out")))
 
 
 def pad_grad(out_grad: DistTensorSpec, paddings: tuple[int, ...], pad_value: float = 0) -> SpmdResult:
     """x_grad = out_grad cropped: padded axes replicated, the others as out_grad."""
-    a = out_grad.dist_attr
-    at = _make(a.mesh, _blank(a.dims_mapping, _padded("pad_grad", paddings, out_grad.ndim)))
-    return fast_result((at,), (at,))
+    p = _pad_plan(out_grad.ndim, _padded("pad_grad", paddings, out_grad.ndim), "keep", "forward")
+    return fast_result(*infer(p, "pad_grad", (out_grad,), (), out_grad.dist_attr.mesh, ("out_grad",)))
+
+
+@lru_cache(maxsize=1024)
+def _pad_plan(nd: int, padded: tuple[int, ...], coshard: str, direction: str) -> Plan:
+    """``abc -> abc``, the padded axes replicated (the reverse reads a co-shard as its largest
+    mesh dim)."""
+    a = letters_for(nd)
+    return compile_plan(Notation([a], [a], replicated="".join(a[i] for i in padded), coshard=coshard), direction)
 
 
 _SUM = ReduceType.SUM

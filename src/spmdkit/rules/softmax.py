@@ -18,28 +18,19 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError, ShapeMismatchError
+from spmdkit.core.errors import InvalidMeshError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.axes import normalize_axis
 from spmdkit.engine.compile import Plan, compile_plan, infer
 from spmdkit.engine.notation import Notation, fast_result, letters_for
 from spmdkit.rules.registry import register
-
-
-def _axis(op: str, axis: int, ndim: int) -> int:
-    if ndim == 0:
-        if axis not in (0, -1):
-            raise InvalidAttributeError(f"{op}: axis {axis} is out of range for a 0-d tensor (0 or -1)")
-        return -1
-    if not -ndim <= axis < ndim:
-        raise InvalidAttributeError(f"{op}: axis {axis} is out of range for a {ndim}-D tensor [{-ndim}, {ndim})")
-    return axis + ndim if axis < 0 else axis
 
 
 @lru_cache(maxsize=4096)
 def _plan(ndim: int, axis: int, direction: str) -> Plan:
     """``abc -> abc``, the softmax axis replicated, every other uneven mesh dim dropped."""
     x = letters_for(ndim)
-    rep = x[axis] if axis >= 0 else ""
+    rep = x[axis] if ndim else ""
     return compile_plan(Notation([x], [x], replicated=rep, prune="*"), direction)
 
 
@@ -48,7 +39,7 @@ def _grad_plan(ndim: int, axis: int) -> Plan:
     """``abc, abc -> abc`` (out, out_grad -> x_grad), the axis replicated; merged as an
     elementwise binary op: out's sharding wins an axis both shard, axes claim in order."""
     x = letters_for(ndim)
-    rep = x[axis] if axis >= 0 else ""
+    rep = x[axis] if ndim else ""
     return compile_plan(Notation([x, x], [x], replicated=rep, conflict="first", order="notation"))
 
 
@@ -65,13 +56,13 @@ def _check_same(op: str, a: DistTensorSpec, b: DistTensorSpec, na: str, nb: str)
 def _make_forward(op: str):  # type: ignore[no-untyped-def]
     def forward(x: DistTensorSpec, axis: int = -1) -> SpmdResult:
         nd = len(x.shape)
-        ins, outs = infer(_plan(nd, _axis(op, axis, nd), "forward"), op, (x,), (), x.dist_attr.mesh, ("x",))
+        ins, outs = infer(_plan(nd, normalize_axis(op, axis, nd), "forward"), op, (x,), (), x.dist_attr.mesh, ("x",))
         return fast_result(ins, outs)
 
     def backward(x: DistTensorSpec, out: DistTensorSpec, axis: int = -1) -> SpmdResult:
         _check_same(op, x, out, "x", "out")
         nd = len(x.shape)
-        p = _plan(nd, _axis(op, axis, nd), "backward")
+        p = _plan(nd, normalize_axis(op, axis, nd), "backward")
         return fast_result(*infer(p, op, (x,), (out,), x.dist_attr.mesh, ("x", "out")))
 
     forward.__name__ = f"{op}_forward"
@@ -85,7 +76,7 @@ def _make_grad(op: str):  # type: ignore[no-untyped-def]
     def grad(out: DistTensorSpec, out_grad: DistTensorSpec, axis: int = -1) -> SpmdResult:
         _check_same(op, out, out_grad, "out", "out_grad")
         nd = len(out.shape)
-        p = _grad_plan(nd, _axis(op, axis, nd))
+        p = _grad_plan(nd, normalize_axis(op, axis, nd))
         return fast_result(*infer(p, op, (out, out_grad), (), out.dist_attr.mesh, ("out", "out_grad")))
 
     grad.__name__ = op
@@ -96,7 +87,7 @@ def _make_grad(op: str):  # type: ignore[no-untyped-def]
 for _name in ("softmax", "log_softmax"):
     _f, _b = _make_forward(_name)
     register(
-        _name, _f, "x: T, axis: int = -1", _b, "x: T, out: T, axis: int = -1",
+        _name, _f, "x: T, axis: int = -1", _b, kind="reverse", outputs="out: T",
         forward_name="SoftmaxInferSpmd", backward_name="SoftmaxInferSpmdReverse",
     )  # fmt: skip
     register(

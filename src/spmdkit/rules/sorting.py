@@ -25,12 +25,15 @@ Deviations from Paddle 3.3.1 (docs/deviations.md, ``misc-*``): conflicts Paddle 
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import InvalidAttributeError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.axes import cleared, normalize_axis, one_mesh_dim_per_axis
+from spmdkit.engine.axes import normalize_axis, one_mesh_dim_per_axis
+from spmdkit.engine.compile import Plan, compile_plan, infer
 from spmdkit.engine.notation import Notation, fast_result, named_mesh
-from spmdkit.rules._common import check_same_ndim, check_same_shape, letters, merge_project
+from spmdkit.rules._common import axis_plan, check_same_ndim, check_same_shape, letters, merge_project
 from spmdkit.rules.registry import register
 
 _make = TensorDistAttr.unchecked
@@ -41,18 +44,16 @@ _make = TensorDistAttr.unchecked
 # ---------------------------------------------------------------------------
 
 
-def _axis_cleared(op: str, x: DistTensorSpec, axis: int) -> TensorDistAttr:
-    attr = x.dist_attr
+def _axis_cleared(op: str, x: DistTensorSpec, axis: int, coshard: str = "keep") -> SpmdResult:
+    """x -> out, indices: sharded as x with the axis replicated."""
     nd = len(x.shape)
     ax = normalize_axis(op, axis, nd)
-    dm = cleared(attr.dims_mapping, frozenset((ax,))) if nd else ()
-    return _make(attr.mesh, dm)
+    return fast_result(*infer(axis_plan(nd, ax, 1, 2, coshard), op, (x,), (), x.dist_attr.mesh, ("x",)))
 
 
 def argsort_forward(x: DistTensorSpec, axis: int = -1, descending: bool = False, stable: bool = False) -> SpmdResult:
     """ArgSortInferSpmd: x, out and indices sharded as x with the sorted axis replicated."""
-    a = _axis_cleared("argsort", x, axis)
-    return fast_result((a,), (a, a))
+    return _axis_cleared("argsort", x, axis)
 
 
 def argsort_grad(
@@ -64,14 +65,14 @@ def argsort_grad(
     named_mesh(op, (("indices", indices), ("x", x), ("out_grad", out_grad)))
     check_same_shape(op, indices, x.shape, "indices", "x")
     check_same_shape(op, out_grad, x.shape, "out_grad", "x")
-    a = _axis_cleared(op, x, axis)
-    return fast_result((a, a, a), (a,))
+    nd = len(x.shape)
+    p = axis_plan(nd, normalize_axis(op, axis, nd), 3, 1, source=1)
+    return fast_result(*infer(p, op, (indices, x, out_grad), (), x.dist_attr.mesh, ("indices", "x", "out_grad")))
 
 
 def _make_cum(op: str, fwd_name: str):  # type: ignore[no-untyped-def]
     def forward(x: DistTensorSpec, axis: int = -1, dtype: object = "int64") -> SpmdResult:
-        a = _axis_cleared(op, one_mesh_dim_per_axis(x), axis)
-        return fast_result((a,), (a, a))
+        return _axis_cleared(op, x, axis, "largest")
 
     def grad(
         x: DistTensorSpec, indices: DistTensorSpec, out_grad: DistTensorSpec, axis: int = -1,
@@ -118,10 +119,16 @@ def _roll_axes(op: str, nd: int, shifts: tuple[int, ...], axis: tuple[int, ...])
 
 def roll_forward(x: DistTensorSpec, shifts: tuple[int, ...] = (), axis: tuple[int, ...] = ()) -> SpmdResult:
     """RollInferSpmd: the rolled axes replicated (all of them for a flattened roll)."""
-    attr = one_mesh_dim_per_axis(x).dist_attr
-    rolled = _roll_axes("roll", len(x.shape), shifts, axis)
-    a = _make(attr.mesh, cleared(attr.dims_mapping, rolled))
-    return fast_result((a,), (a,))
+    nd = len(x.shape)
+    p = _roll_plan(nd, tuple(sorted(_roll_axes("roll", nd, shifts, axis))))
+    return fast_result(*infer(p, "roll", (x,), (), x.dist_attr.mesh, ("x",)))
+
+
+@lru_cache(maxsize=1024)
+def _roll_plan(nd: int, rolled: tuple[int, ...]) -> Plan:
+    """``abc -> abc``, the rolled axes replicated, each co-shard read as its largest mesh dim."""
+    s = letters("roll", nd)
+    return compile_plan(Notation((s,), (s,), replicated="".join(s[i] for i in rolled), coshard="largest"))
 
 
 def roll_grad(

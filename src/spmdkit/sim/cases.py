@@ -11,6 +11,7 @@ the generated inputs, mappings drawn the same way.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -181,12 +182,6 @@ def _g_softmax_grad(r: random.Random, m: list[int], ref: Reference) -> Spec:
     return {"out": TGen(s), "out_grad": TGen(s), "axis": rand_axis(r, len(s))}
 
 
-def _prod(s: Shape) -> int:
-    n = 1
-    for v in s:
-        n *= v
-    return n
-
 
 def _bna(r: random.Random, nd: int) -> int:
     if nd <= 1 or r.random() < 0.15:
@@ -197,7 +192,7 @@ def _bna(r: random.Random, nd: int) -> int:
 def _g_layer_norm(r: random.Random, m: list[int], ref: Reference) -> Spec:
     s = rand_shape(r, m, 1, 4)
     b = _bna(r, len(s))
-    tail = (_prod(s[b:]),)
+    tail = (math.prod(s[b:]),)
     return {
         "x": TGen(s),
         "scale": TGen(tail) if r.random() < 0.8 else None,
