@@ -66,19 +66,9 @@ def register(*names: str) -> Callable[[Kernel], Kernel]:
 
 def get_kernel(name: str) -> Kernel | None:
     """The torch kernel of a rule name (or any alias of that rule), None if there is none."""
-    k = KERNELS.get(name)
-    if k is not None:
-        return k
-    try:
-        from spmdkit.rules.registry import get_rule
+    from spmdkit.rules.registry import by_rule_name
 
-        rule = get_rule(name)
-    except Exception:
-        return None
-    for n in (rule.name, *rule.aliases):
-        if n in KERNELS:
-            return KERNELS[n]
-    return None
+    return by_rule_name(KERNELS, name)
 
 
 def kernel_names() -> list[str]:

@@ -15,9 +15,9 @@ one-item list), ``floats``, ``scalar`` (int or float), ``any``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from spmdkit.core.errors import (
     InvalidArgumentError,
@@ -28,6 +28,8 @@ from spmdkit.core.errors import (
 )
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.memo import clear_memo, set_memo_enabled
+
+T = TypeVar("T")
 
 RuleFn = Callable[..., SpmdResult]
 
@@ -691,6 +693,20 @@ def get_rule(name: str) -> Rule:
         return _RULES[name]
     except KeyError:
         raise UnknownRuleError(f"no SPMD rule named {_show(name)}") from None
+
+
+def by_rule_name(table: Mapping[str, T], name: str) -> T | None:
+    """``table[name]``, else the entry of the rule ``name`` names under its own name or any of its
+    aliases (a table keyed by some of a rule's names: the simulator's references, the torch
+    kernels); None when there is none or ``name`` is no rule."""
+    got = table.get(name) if isinstance(name, str) else None
+    if got is not None or not has_rule(name):
+        return got
+    rule = _RULES[name]
+    for n in (rule.name, *rule.aliases):
+        if n in table:
+            return table[n]
+    return None
 
 
 def has_rule(name: str) -> bool:

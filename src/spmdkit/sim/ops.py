@@ -100,19 +100,9 @@ def register_reference(ref: Reference, *aliases: str) -> Reference:
 
 def get_reference(name: str) -> Reference | None:
     """The reference for a rule name (or any alias of that rule), None if there is none."""
-    ref = REFERENCES.get(name)
-    if ref is not None:
-        return ref
-    try:
-        from spmdkit.rules.registry import get_rule
+    from spmdkit.rules.registry import by_rule_name
 
-        rule = get_rule(name)
-    except Exception:
-        return None
-    for n in (rule.name, *rule.aliases):
-        if n in REFERENCES:
-            return REFERENCES[n]
-    return None
+    return by_rule_name(REFERENCES, name)
 
 
 # -- helpers ----------------------------------------------------------------------------------
