@@ -231,3 +231,31 @@ def test_twins_that_bind_alike_share_an_entry_others_do_not() -> None:
     with pytest.raises(SpmdError):
         softmax.infer_forward(x, True)
     clear_cache()
+
+
+def test_memo_stores_on_the_second_call_and_is_bypassed_when_off() -> None:
+    from spmdkit.engine.memo import memo, memo_enabled, set_memo_enabled
+
+    calls: list[tuple[int, ...]] = []
+
+    @memo(maxsize=3)
+    def double(*xs: int) -> tuple[int, ...]:
+        calls.append(xs)
+        return tuple(2 * x for x in xs)
+
+    assert memo_enabled()
+    assert [double(1), double(1), double(1), double(1)] == [(2,)] * 4
+    assert len(calls) == 2  # computed on the first and second call, then served
+    for k in range(2, 9):  # past maxsize the tables start over; answers stay right
+        assert double(k) == double(k) == double(k) == (2 * k,)
+    set_memo_enabled(False)
+    try:
+        n = len(calls)
+        assert double(1) == (2,) and len(calls) == n + 1
+    finally:
+        set_memo_enabled(True)
+    double.cache_clear()  # type: ignore[attr-defined]
+    n = len(calls)
+    double(5)
+    double(5)
+    assert len(calls) == n + 2
