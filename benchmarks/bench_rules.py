@@ -17,6 +17,9 @@ Prints one row per case: the median microseconds per call of
   divisibility is kept), with the result cache on as by default; each round uses shapes no
   earlier round used. The ratio of these two is what a planner exploring new shapes sees.
 
+``--all-cached`` times instead a repeated (cached) call of every registered rule-mode, one valid
+case each (golden or generated), and prints the slowest.
+
 ``--timer cpu`` times with this process's CPU time instead of the wall clock (both sides alike;
 on a shared, loaded machine the ratios are then far steadier).
 
@@ -232,6 +235,51 @@ def _paddle_call(case: dict[str, Any]) -> Any | None:
     return call
 
 
+def cached_all(top: int = 10) -> int:
+    """``--all-cached``: a repeated (cached) call of every rule-mode, one valid case each (the first
+    golden case, else the simulator's first valid generated case), timed like the cached column;
+    prints the slowest and how many take over 2 us."""
+    import json
+
+    from spmdkit.core.errors import SpmdError
+    from spmdkit.rules import get_rule, rule_names
+    from spmdkit.sim.cases import generate_case
+
+    cases: dict[tuple[str, str], dict[str, Any]] = {}
+    golden = Path(__file__).resolve().parent.parent / "tests" / "golden"
+    for f in sorted(golden.glob("*.jsonl")):
+        for line in f.read_text().splitlines():
+            d = json.loads(line) if line.strip() else {}
+            if d and "error" not in d.get("expect", {}):
+                c = d["case"]
+                cases.setdefault((get_rule(c["rule"]).name, c.get("mode", "forward")), c)
+    rows = []
+    missing = []
+    for name in rule_names(include_aliases=False):
+        for mode in get_rule(name).modes:
+            found = [cases[(name, mode)]] if (name, mode) in cases else []
+            found += [c for i in range(10) if (c := generate_case(name, mode, 0, i)) is not None]
+            for c in found:
+                try:
+                    call = _spmdkit_call(c)
+                    call()
+                    break
+                except SpmdError:
+                    continue
+            else:
+                missing.append(f"{name} {mode}")
+                continue
+            call()
+            rows.append((min(timeit.Timer(call, timer=_clock).repeat(9, 1000)) / 1000 * 1e6, name, mode))
+    rows.sort(reverse=True)
+    print(f"cached call of {len(rows)} rule-modes (no valid case: {len(missing)} {missing[:5]}):")
+    for t, name, mode in rows[:top]:
+        print(f"  {t:6.2f} us  {name} {mode}")
+    print(f"over 2 us: {sum(1 for t, _, _ in rows if t > 2.0)}, max {rows[0][0]:.2f}, "
+          f"median {statistics.median(t for t, _, _ in rows):.2f}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("rules", nargs="*", help="only these rules (default: all cases)")
@@ -240,9 +288,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--distinct", type=int, default=500, help="calls per round in the distinct-shapes column")
     ap.add_argument("--timer", choices=("wall", "cpu"), default="wall",
                     help="wall clock (default) or this process's CPU time (steadier on a loaded machine)")
+    ap.add_argument("--all-cached", action="store_true",
+                    help="instead: time a cached call of every rule-mode (one valid case each)")
     ns = ap.parse_args(argv)
     global _clock
     _clock = time.process_time if ns.timer == "cpu" else time.perf_counter
+    if ns.all_cached:
+        return cached_all()
     rows = []
     k0 = 2  # scale factors already used (the repeated case is k = 1)
     for label, case in CASES:
