@@ -17,6 +17,9 @@ Prints one row per case: the median microseconds per call of
   divisibility is kept), with the result cache on as by default; each round uses shapes no
   earlier round used. The ratio of these two is what a planner exploring new shapes sees.
 
+``--all-cached`` times instead a repeated (cached) call of every registered rule-mode, one valid
+case each (golden or generated), and prints the slowest.
+
 ``--timer cpu`` times with this process's CPU time instead of the wall clock (both sides alike;
 on a shared, loaded machine the ratios are then far steadier).
 
@@ -78,7 +81,30 @@ CASES: list[tuple[str, dict[str, Any]]] = [
                          "args": [_t([8, 1024, 32, 128], [0, -1, 1, -1]), _t([8, 1024, 32, 128], [0, -1, 1, -1]),
                                   _t([8, 1024, 32, 128], [0, -1, 1, -1]), _t([2], [-1]), _t([8, 1, 1024, 1024],
                                   [0, -1, -1, -1]), 0.0, True, False, False]}),
+    # rules on the generic path (no hand-written fast path)
+    ("conv2d_transpose", {"rule": "conv2d_transpose", "mesh": [2, 4], "mode": "forward",
+                          "args": [_t([8, 64, 32, 32], [0, -1, -1, -1]), _t([64, 128, 3, 3], [-1, 1, -1, -1]),
+                                   [1, 1], [0, 0], [], [], "EXPLICIT", 1, [1, 1], "NCHW"]}),
+    ("depthwise_conv2d", {"rule": "depthwise_conv2d", "mesh": [2, 4], "mode": "forward",
+                          "args": [_t([8, 64, 32, 32], [0, 1, -1, -1]), _t([64, 1, 3, 3], [1, -1, -1, -1]),
+                                   [1, 1], [0, 0], "EXPLICIT", 64, [1, 1], "NCHW"]}),
+    ("argsort", {"rule": "argsort", "mesh": [2, 4], "mode": "forward",
+                 "args": [_t([8, 1024, 768], [0, -1, 1]), -1, False, False]}),
+    ("topk", {"rule": "topk", "mesh": [2, 4], "mode": "forward",
+              "args": [_t([8, 1024, 768], [0, -1, 1]), 4, -1, True, True]}),
+    ("take_along_axis", {"rule": "take_along_axis", "mesh": [2, 4], "mode": "forward",
+                         "args": [_t([8, 1024, 768], [0, -1, 1]), _t([8, 1024, 768], [0, 1, -1]), 1]}),
+    ("gather", {"rule": "gather", "mesh": [2, 4], "mode": "forward",
+                "args": [_t([1024, 768], [0, 1]), _t([512], [0]), 0]}),
+    ("index_select", {"rule": "index_select", "mesh": [2, 4], "mode": "forward",
+                      "args": [_t([8, 1024, 768], [0, -1, 1]), _t([512], [-1]), 1]}),
 ]
+
+#: the cases of issue 17's distinct-shapes target (geometric mean <= 0.8x Paddle, each <= 1.0x)
+TARGET = ("reshape", "matmul 3-D", "layer_norm", "layer_norm backward", "add (broadcast)", "softmax", "sum",
+          "transpose")
+#: the generic-path cases (target: within 2x Paddle)
+GENERIC = ("conv2d_transpose", "depthwise_conv2d", "argsort", "topk", "take_along_axis", "gather", "index_select")
 
 
 #: per case label: the size scaled by the call's index in the distinct-shapes column
@@ -86,6 +112,8 @@ VARY: dict[str, int] = {
     "reshape": 48, "matmul 3-D": 1024, "matmul backward": 1024, "layer_norm": 1024,
     "layer_norm backward": 1024, "add (broadcast)": 1024, "relu": 1024, "softmax": 12, "sum": 1024,
     "transpose": 1024, "conv2d": 32, "embedding": 1024, "flash_attention": 1024,
+    "conv2d_transpose": 32, "depthwise_conv2d": 32, "argsort": 1024, "topk": 1024, "take_along_axis": 1024,
+    "gather": 1024, "index_select": 1024,
 }
 
 
@@ -207,6 +235,51 @@ def _paddle_call(case: dict[str, Any]) -> Any | None:
     return call
 
 
+def cached_all(top: int = 10) -> int:
+    """``--all-cached``: a repeated (cached) call of every rule-mode, one valid case each (the first
+    golden case, else the simulator's first valid generated case), timed like the cached column;
+    prints the slowest and how many take over 2 us."""
+    import json
+
+    from spmdkit.core.errors import SpmdError
+    from spmdkit.rules import get_rule, rule_names
+    from spmdkit.sim.cases import generate_case
+
+    cases: dict[tuple[str, str], dict[str, Any]] = {}
+    golden = Path(__file__).resolve().parent.parent / "tests" / "golden"
+    for f in sorted(golden.glob("*.jsonl")):
+        for line in f.read_text().splitlines():
+            d = json.loads(line) if line.strip() else {}
+            if d and "error" not in d.get("expect", {}):
+                c = d["case"]
+                cases.setdefault((get_rule(c["rule"]).name, c.get("mode", "forward")), c)
+    rows = []
+    missing = []
+    for name in rule_names(include_aliases=False):
+        for mode in get_rule(name).modes:
+            found = [cases[(name, mode)]] if (name, mode) in cases else []
+            found += [c for i in range(10) if (c := generate_case(name, mode, 0, i)) is not None]
+            for c in found:
+                try:
+                    call = _spmdkit_call(c)
+                    call()
+                    break
+                except SpmdError:
+                    continue
+            else:
+                missing.append(f"{name} {mode}")
+                continue
+            call()
+            rows.append((min(timeit.Timer(call, timer=_clock).repeat(9, 1000)) / 1000 * 1e6, name, mode))
+    rows.sort(reverse=True)
+    print(f"cached call of {len(rows)} rule-modes (no valid case: {len(missing)} {missing[:5]}):")
+    for t, name, mode in rows[:top]:
+        print(f"  {t:6.2f} us  {name} {mode}")
+    print(f"over 2 us: {sum(1 for t, _, _ in rows if t > 2.0)}, max {rows[0][0]:.2f}, "
+          f"median {statistics.median(t for t, _, _ in rows):.2f}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("rules", nargs="*", help="only these rules (default: all cases)")
@@ -215,9 +288,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--distinct", type=int, default=500, help="calls per round in the distinct-shapes column")
     ap.add_argument("--timer", choices=("wall", "cpu"), default="wall",
                     help="wall clock (default) or this process's CPU time (steadier on a loaded machine)")
+    ap.add_argument("--all-cached", action="store_true",
+                    help="instead: time a cached call of every rule-mode (one valid case each)")
     ns = ap.parse_args(argv)
     global _clock
     _clock = time.process_time if ns.timer == "cpu" else time.perf_counter
+    if ns.all_cached:
+        return cached_all()
     rows = []
     k0 = 2  # scale factors already used (the repeated case is k = 1)
     for label, case in CASES:
@@ -250,16 +327,20 @@ def main(argv: list[str] | None = None) -> int:
     def ratio(a: float | None, b: float | None) -> str:
         return "-" if a is None or b is None else f"{a / b:.2f}"
 
-    ratios = []
+    ratios: dict[str, float] = {}
     for label, unc, cached, pad, d, pd in rows:
         if d is not None and pd is not None:
-            ratios.append(d / pd)
+            ratios[label] = d / pd
         print(fmt.format(
             label, "not registered" if unc is None else num(unc), num(cached), num(pad), ratio(unc, pad),
             num(d), num(pd), ratio(d, pd),
         ))
     if ratios:
-        print(f"geometric mean distinct/paddle: {statistics.geometric_mean(ratios):.2f}")
+        print(f"geometric mean distinct/paddle: {statistics.geometric_mean(ratios.values()):.2f} (all cases)")
+        for name, group in (("issue 17's eight", TARGET), ("generic path", GENERIC)):
+            got = [ratios[k] for k in group if k in ratios]
+            if got:
+                print(f"  {name}: {statistics.geometric_mean(got):.2f}, max {max(got):.2f} ({len(got)} cases)")
     return 0
 
 

@@ -22,11 +22,16 @@ class DistTensorSpec:
     ``DistTensorSpec(shape, mesh=..., dims_mapping=..., partial=...)``.
     """
 
-    __slots__ = ("_hash", "dist_attr", "shape")
+    __slots__ = ("_eq", "_hash", "_nbytes", "dist_attr", "shape")
 
     shape: tuple[int, ...]
     dist_attr: TensorDistAttr
     _hash: int
+    #: the result cache's estimate of the bytes this spec holds (see :func:`spec_nbytes`)
+    _nbytes: int
+    #: what equality compares, as one tuple (shape, dims_mapping, partial, mesh): two specs are
+    #: equal when these are, a comparison made in C (the result cache compares them on a hit)
+    _eq: tuple[object, ...]
 
     def __init__(
         self,
@@ -62,6 +67,8 @@ class DistTensorSpec:
         object.__setattr__(self, "shape", shp)
         object.__setattr__(self, "dist_attr", dist_attr)
         object.__setattr__(self, "_hash", hash((shp, hash(dist_attr))))
+        object.__setattr__(self, "_nbytes", spec_nbytes(shp, dist_attr))
+        object.__setattr__(self, "_eq", (shp, dist_attr.dims_mapping, dist_attr.partial, dist_attr.mesh))
 
     @classmethod
     def _make(cls, shape: tuple[int, ...], dist_attr: TensorDistAttr) -> DistTensorSpec:
@@ -69,6 +76,8 @@ class DistTensorSpec:
         object.__setattr__(obj, "shape", shape)
         object.__setattr__(obj, "dist_attr", dist_attr)
         object.__setattr__(obj, "_hash", hash((shape, hash(dist_attr))))
+        object.__setattr__(obj, "_nbytes", spec_nbytes(shape, dist_attr))
+        object.__setattr__(obj, "_eq", (shape, dist_attr.dims_mapping, dist_attr.partial, dist_attr.mesh))
         return obj
 
     @property
@@ -88,7 +97,7 @@ class DistTensorSpec:
             return True
         if not isinstance(other, DistTensorSpec):
             return NotImplemented
-        return self._hash == other._hash and self.shape == other.shape and self.dist_attr == other.dist_attr
+        return self._hash == other._hash and self._eq == other._eq
 
     def __hash__(self) -> int:
         return self._hash
@@ -101,6 +110,22 @@ class DistTensorSpec:
 
     def __repr__(self) -> str:
         return f"DistTensorSpec({list(self.shape)!r}, {self.dist_attr!r})"
+
+
+#: Added to :func:`spec_nbytes` for a spec whose mesh lists its process ids explicitly: such a
+#: mesh is counted by the result cache once per cache generation, not per spec (the flag sends
+#: the cache to its exact, slower estimate).
+EXPLICIT_MESH_FLAG = 1 << 50
+
+
+def spec_nbytes(shape: tuple[int, ...], dist_attr: TensorDistAttr) -> int:
+    """An estimate of the bytes a spec holds (its object, shape, dist attr and dims_mapping; not
+    its mesh), computed once at construction so that the result cache never walks a spec; plus
+    :data:`EXPLICIT_MESH_FLAG` when the mesh has explicit process ids."""
+    n = 360 + 24 * len(shape)
+    if dist_attr.mesh._process_ids is not None:
+        n += EXPLICIT_MESH_FLAG
+    return n
 
 
 #: One argument's answer: a dist attr, ``None`` for an absent optional tensor,

@@ -9,7 +9,7 @@ scratch (the benchmark's uncached figure means exactly that).
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import lru_cache, wraps
+from functools import wraps
 from typing import Any, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -32,20 +32,45 @@ def clear_memo() -> None:
         t.cache_clear()
 
 
+_MISS = object()
+
+
 def memo(maxsize: int = 65536) -> Callable[[F], F]:
-    """``@memo()``: like ``functools.lru_cache``, bypassed while memo tables are off."""
+    """``@memo()``: a memo table for a pure function of hashable arguments, bypassed while memo
+    tables are off. Like the rule result cache, an answer is stored on the second call with its
+    arguments (the hashes of arguments seen once are kept, as plain ints), so arguments never
+    seen before (new shapes) cost no store and leave nothing behind; at most ``maxsize``
+    answers and ``maxsize`` hashes are kept (each table starts over when full)."""
 
     def deco(fn: F) -> F:
-        cached = lru_cache(maxsize=maxsize)(fn)
-        _tables.append(cached)
+        table: dict[Any, Any] = {}
+        seen: set[int] = set()
 
         @wraps(fn)
         def wrapper(*args: Any) -> Any:
-            if _enabled:
-                return cached(*args)
-            return fn(*args)
+            if not _enabled:
+                return fn(*args)
+            r = table.get(args, _MISS)
+            if r is not _MISS:
+                return r
+            r = fn(*args)
+            h = hash(args)
+            if h in seen:
+                if len(table) >= maxsize:
+                    table.clear()
+                table[args] = r
+            else:
+                if len(seen) >= maxsize:
+                    seen.clear()
+                seen.add(h)
+            return r
 
-        wrapper.cache_clear = cached.cache_clear  # type: ignore[attr-defined]
+        def cache_clear() -> None:
+            table.clear()
+            seen.clear()
+
+        _tables.append(wrapper)
+        wrapper.cache_clear = cache_clear  # type: ignore[attr-defined]
         wrapper.raw = fn  # type: ignore[attr-defined]
         return wrapper  # type: ignore[return-value]
 
