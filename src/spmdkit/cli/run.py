@@ -159,7 +159,7 @@ class _Step:
     kwargs: dict[str, Any] | None = None
     values: dict[str, Any] | None = None
     #: torch eager's (dtype, reference values), or why torch could not run the module
-    eager_ref: tuple[str, dict[str, Any]] | str | None = None
+    eager_ref: tuple[Any, ...] | str | None = None
 
 
 #: the environment variable naming the file in which the local launcher hands a ``--hf`` step
@@ -194,7 +194,7 @@ def _write_step(step: _Step, path: str) -> str:
     prog = step.plan.program
     values = torch_values(prog, step.model, kwargs=step.kwargs)
     try:
-        ref: tuple[str, dict[str, Any]] | str = eager_reference(prog, step.model, (), step.kwargs)
+        ref: tuple[Any, ...] | str = eager_reference(prog, step.model, (), step.kwargs, native=True)
     except Exception as exc:  # rank 0 reports it as a failure of the check
         ref = f"{type(exc).__name__}: {_first_line(exc)}"
     with open(path, "wb") as f:
@@ -419,7 +419,7 @@ def _run_rank(ns: argparse.Namespace, out: TextIO, step: _Step, rank: int) -> in
             from spmdkit.torch_import import torch_values
 
             values = torch_values(plan.program, step.model, kwargs=step.kwargs)
-            eager = partial(eager_reference, plan.program, step.model, (), step.kwargs)
+            eager = partial(eager_reference, plan.program, step.model, (), step.kwargs, native=True)
         rep = run_rank(plan, ns.seed, timeout=ns.timeout, values=values, eager=eager, kernels=ns.kernels,
                        predict_on=ns.device, warmup=ns.warmup)
         dist.barrier()
@@ -445,6 +445,7 @@ def _run_rank(ns: argparse.Namespace, out: TextIO, step: _Step, rank: int) -> in
             "eager": None if rep.eager is None else {
                 "dtype": rep.eager.dtype, "loss": _finite(rep.eager.loss), "checked": rep.eager.checked,
                 "max_rel_error": rep.eager.max_rel_error, "rtol": rep.eager.rtol,
+                "native_error": rep.eager.native_error,
                 "failures": [list(f) for f in rep.eager.failures]},
         }
         out.write(json.dumps(d) + "\n")
