@@ -261,7 +261,10 @@ def test_the_report_prints_time_per_phase_beside_the_prediction() -> None:
                     timing={"forward": {"compute": 0.25, "comm": 0.002}, "backward": {"compute": 1.5, "comm": 3e-4},
                             "optimizer": {"compute": 2e-5, "comm": 0.0}, "step": {"wall": 1.75}})
     text = format_report(rep, "t")
-    assert "time per phase (torch kernels, slowest rank; predicted: the plan on NVIDIA H100 SXM5 80GB" in text
+    assert ("time per phase (torch kernels, slowest rank; no warm-up: includes torch's first-call overhead, "
+            "--warmup 1 to exclude it; predicted: the plan on NVIDIA H100 SXM5 80GB") in text
+    rep.warmup = 1
+    assert "time per phase (torch kernels, slowest rank; after 1 untimed step; predicted:" in format_report(rep, "t")
     line = next(ln for ln in text.splitlines() if ln.strip().startswith("forward"))
     assert "250.00 ms" in line and "2.00 ms" in line
     assert "step           1.75 s (predicted" in text

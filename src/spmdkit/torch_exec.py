@@ -123,6 +123,8 @@ class RunReport:
     eager: EagerCheck | None = None
     #: the kernels the ranks ran ("numpy" float64 references, or "torch" in the program's dtypes)
     kernels: str = "numpy"
+    #: the untimed steps run before the timed one (0: the times include first-call overhead)
+    warmup: int = 0
     #: --kernels torch: the largest error of a tensor as a fraction of its scale (:func:`_check_torch`)
     max_rel_error: float = 0.0
     #: seconds per phase (forward, backward, optimizer: compute, comm) and of the step (wall),
@@ -539,7 +541,7 @@ def run_rank(plan: Plan, seed: int = 0, rtol: float = 1e-5, atol: float = 1e-8,
              timeout: float | None = None, values: dict[str, Any] | None = None, keep: Any = (),
              eager: Callable[[], tuple[Any, ...]] | None = None,
              eager_rtol: float = 1e-5, kernels: str = "numpy", predict_on: str | None = None,
-             warmup: int = 0) -> RunReport | None:
+             warmup: int = 0, phase: Callable[[str], None] | None = None) -> RunReport | None:
     """Run this process's rank of ``plan`` (the process group must be initialised, one rank per
     mesh rank; ``timeout``: seconds each mesh-dim group's collectives may wait). Rank 0 returns
     the report; the others None.
@@ -559,7 +561,8 @@ def run_rank(plan: Plan, seed: int = 0, rtol: float = 1e-5, atol: float = 1e-8,
     (:attr:`RunReport.timing`, the slowest rank's) and the plan's prediction of them on
     ``predict_on`` (a device preset; default: this GPU's, else h100); ``warmup`` untimed steps
     run first (torch's first calls initialise its kernels and allocators), their collectives
-    not recorded."""
+    not recorded. ``phase``: called with "warm-up", "step", "checking" as the run gets there
+    (the launcher's progress line)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = plan.mesh
     if world != mesh.size:
@@ -571,10 +574,14 @@ def run_rank(plan: Plan, seed: int = 0, rtol: float = 1e-5, atol: float = 1e-8,
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if backend == "nccl" \
         else torch.device("cpu")
     me = Rank(mesh, rank, device, plan, timeout, values, kernels)
+    say = phase or (lambda _: None)
+    if warmup > 0:
+        say("warm-up")
     for _ in range(max(0, warmup)):
         me.run(seed)
         me.record.clear()
         me.kernel_record.clear()
+    say("step")
     outputs = me.run(seed)
     if kernels == "torch":
         outputs = {n: to_numpy(v) for n, v in outputs.items()}
@@ -582,8 +589,10 @@ def run_rank(plan: Plan, seed: int = 0, rtol: float = 1e-5, atol: float = 1e-8,
     dist.gather_object((outputs, me.record, me.timing), pieces if rank == 0 else None, dst=0)
     if rank != 0:
         return None
+    say("checking")
     rep = RunReport(world, backend)
     rep.kernels = kernels
+    rep.warmup = max(0, warmup)
     rep.timing = _slowest([p[2] for p in pieces])
     try:
         rep.predicted, rep.predicted_on = predicted_timing(plan, predict_on or _this_gpu(device))
@@ -1024,7 +1033,11 @@ def format_timing(rep: RunReport) -> list[str]:
     if not rep.timing:
         return []
     kern = "torch kernels" if rep.kernels == "torch" else "numpy float64 references"
-    out = [f"time per phase ({kern}, slowest rank; predicted: the plan on {rep.predicted_on or '?'}, serial):"]
+    first = ("" if rep.kernels != "torch" else
+             "; no warm-up: includes torch's first-call overhead, --warmup 1 to exclude it" if not rep.warmup
+             else f"; after {rep.warmup} untimed step{'s' if rep.warmup > 1 else ''}")
+    out = [f"time per phase ({kern}, slowest rank{first}; predicted: the plan on {rep.predicted_on or '?'}, "
+           "serial):"]
     out.append(f"  {'phase':<10} {'compute':>10} {'predicted':>10} {'comm':>10} {'predicted':>10}")
     for ph in ("forward", "backward", "optimizer"):
         m = rep.timing.get(ph)
