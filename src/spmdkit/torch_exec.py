@@ -491,9 +491,12 @@ def _fetch(glob: dict[str, Any], feed: dict[str, Any], prog: Any, dev: torch.dev
 #: grad ops whose derivative steps (a ReLU's mask): a forward value within rounding of the step
 #: flips the derivative between two runs that sum in different orders, so the single-process
 #: check runs them on the distributed run's forward operand (which is itself checked)
+#: (the maxima and minima too: which element is the largest can flip the same way)
 STEP_GRADS = frozenset({"relu_grad", "relu6_grad", "leaky_relu_grad", "hardtanh_grad", "hardsigmoid_grad",
-                        "hardswish_grad", "clip_grad", "abs_grad", "thresholded_relu_grad", "elu_grad",
-                        "selu_grad", "celu_grad"})
+                        "hardswish_grad", "hardshrink_grad", "clip_grad", "abs_grad", "thresholded_relu_grad",
+                        "elu_grad", "selu_grad", "celu_grad", "maximum_grad", "minimum_grad", "fmax_grad",
+                        "fmin_grad", "max_grad", "min_grad", "amax_grad", "amin_grad", "reduce_max_grad",
+                        "reduce_min_grad"})
 
 
 def global_step_torch(plan: Plan, seed: int = 0, values: dict[str, Any] | None = None,
