@@ -193,17 +193,19 @@ class _Show:
 
     def __init__(self, bar: Any, phases: list[str], lock: Any) -> None:
         self.bar, self.phases, self.lock = bar, phases, lock
+        self.quiet = False  # rank 0 has written its output: the line is not drawn again
 
     def phase(self, name: str) -> None:
         if self.bar is not None:
             with self.lock:
-                done = self.phases.index(name) if name in self.phases else None
-                self.bar.update(done, note=name)
+                if not self.quiet:
+                    self.bar.update(self.phases.index(name) if name in self.phases else None, note=name)
 
     def tick(self) -> None:
         if self.bar is not None:
             with self.lock:
-                self.bar.update()
+                if not self.quiet:
+                    self.bar.update()
 
     def clear(self) -> None:
         if self.bar is not None:
@@ -215,6 +217,7 @@ class _Show:
         with self.lock:
             if self.bar is not None:
                 self.bar.clear()
+                self.quiet = True
             buf = getattr(sys.stdout, "buffer", None)
             if buf is not None:
                 buf.write(data)
