@@ -208,8 +208,8 @@ _CFG = {
 }
 def _spmdkit_run(*args: str) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    p = subprocess.run([sys.executable, "-m", "spmdkit", "run", "--json", "--timeout", "120", *args],
-                       capture_output=True, text=True, env=env, timeout=300)
+    p = subprocess.run([sys.executable, "-m", "spmdkit", "run", "--json", "--kernels", "numpy", "--timeout", "120",
+                        *args], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return dict(json.loads(p.stdout.strip().splitlines()[-1]))
 

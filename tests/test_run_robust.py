@@ -124,7 +124,7 @@ def _assert_no_ranks_left(tmp: Path, n: int = 2, within: float = 5.0) -> None:
 
 def _run(tmp: Path, *args: str, fault: str = "", limit: float = 60,
          timeout: str = TIMEOUT) -> subprocess.CompletedProcess[str]:
-    p = subprocess.run([sys.executable, "-m", "spmdkit", "run", "--timeout", timeout, *args], env=_env(tmp, fault),
+    p = subprocess.run([sys.executable, "-m", "spmdkit", "run", "--kernels", "numpy", "--timeout", timeout, *args], env=_env(tmp, fault),
                        capture_output=True, text=True, timeout=limit)
     return p
 
@@ -159,7 +159,7 @@ def test_a_stopped_rank_times_out_and_is_named(tmp_path: Path) -> None:
 def test_killing_the_launcher_ends_the_ranks(tmp_path: Path, sig: int) -> None:
     """Rank 1 sleeps inside its first all-reduce; the launcher is killed: SIGTERM ends the ranks
     from its handler, SIGKILL through the ranks' parent-death signal."""
-    launcher = subprocess.Popen([sys.executable, "-m", "spmdkit", "run", "--timeout", "60", *DP2],
+    launcher = subprocess.Popen([sys.executable, "-m", "spmdkit", "run", "--kernels", "numpy", "--timeout", "60", *DP2],
                                 env=_env(tmp_path, "1:all_reduce:sleep"), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True)
     try:
@@ -274,7 +274,7 @@ def test_torchrun_style_ranks_on_a_taken_port_end(tmp_path: Path) -> None:
         s.listen()
         port = s.getsockname()[1]
         env = dict(_env(tmp_path), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
-        procs = [subprocess.Popen([sys.executable, "-m", "spmdkit", "run", "--timeout", "2", *DP2],
+        procs = [subprocess.Popen([sys.executable, "-m", "spmdkit", "run", "--kernels", "numpy", "--timeout", "2", *DP2],
                                   env=dict(env, RANK=str(r)), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                   text=True) for r in range(2)]
         try:

@@ -129,6 +129,83 @@ def test_the_dtype_check_fails_on_a_wrong_value_and_on_nan() -> None:
     assert rep.nonfinite == 1 and "non-finite" in rep.failures[0][1]
 
 
+def test_a_relu_mask_flipped_by_rounding_passes_and_a_wrong_gradient_or_nan_still_fails() -> None:
+    """A ReLU input within rounding of zero takes the other side of the mask in a run that sums in
+    another order (bfloat16 T5): the single-process check runs relu_grad on the distributed
+    run's forward value (itself checked), so the flip passes; a wrong gradient, a gradient with
+    the wrong mask for its own forward value, a NaN and a forward value beyond the tolerance fail."""
+    from spmdkit.torch_exec import Rank, RunReport, _check_torch
+
+    b = ProgramBuilder("t")
+    x = b.tensor("x", (4, 8), "bfloat16", "input")
+    g = b.tensor("g", (4, 8), "bfloat16", "input")
+    (r,) = b.op("relu", {"x": x}, [("r", (4, 8), "bfloat16")])
+    b.phase = "backward"
+    b.op("relu_grad", {"out": r, "out_grad": g}, [("x.grad", (4, 8), "bfloat16")])
+    prog = b.build()
+    plan = propagate(prog, parse_mesh("dp=2"), {"x": [0, -1], "g": [0, -1]})
+    rng = np.random.default_rng(3)
+    xv = rng.uniform(0.5, 1.0, (4, 8)) * rng.choice([-1.0, 1.0], (4, 8))
+    gv = rng.uniform(0.5, 1.0, (4, 8))
+    xv[0, 0] = -2 ** -10  # within bfloat16's rounding of zero next to values near 1
+    values = {"x": xv, "g": gv}
+    ref = {n: v.float().numpy() for n, v in global_step_torch(plan, 0, values)[0].items()}
+    assert ref["r"][0, 0] == 0 and ref["x.grad"][0, 0] == 0  # the single-process run's own mask: 0
+    me = Rank.__new__(Rank)
+    me.made = {"r": plan.attrs["r"], "x.grad": plan.attrs["x.grad"]}
+
+    def check(rv: np.ndarray, gr: np.ndarray) -> RunReport:
+        rep = RunReport(2, "gloo")
+        _check_torch(rep, plan, [({"r": rv[:2], "x.grad": gr[:2]}, [], {}), ({"r": rv[2:], "x.grad": gr[2:]}, [], {})],
+                     me, 0, values, torch.device("cpu"))
+        return rep
+
+    r_flip, g_flip = ref["r"].copy(), ref["x.grad"].copy()
+    r_flip[0, 0] = 2 ** -10  # the distributed run rounded the input to the other side of zero ...
+    g_flip[0, 0] = np.float32(torch.tensor(gv[0, 0]).bfloat16().float())  # ... and its mask passes the gradient
+    rep = check(r_flip, g_flip)
+    assert not rep.failures and rep.checked == 2 and rep.max_rel_error < TOLERANCES["bfloat16"]
+    scale = float(np.abs(ref["x.grad"]).max())
+    wrong = g_flip.copy()
+    wrong[2, 3] += 2 * TOLERANCES["bfloat16"] * scale  # a planted wrong gradient element
+    assert [n for n, _ in check(r_flip, wrong).failures] == ["x.grad"]
+    assert [n for n, _ in check(r_flip, ref["x.grad"]).failures] == ["x.grad"]  # mask 0 where its r > 0
+    nan = g_flip.copy()
+    nan[1, 1] = np.nan
+    rep = check(r_flip, nan)
+    assert rep.nonfinite == 1 and [n for n, _ in rep.failures] == ["x.grad"]
+    far = r_flip.copy()
+    far[0, 0] = 0.5  # a forward value beyond rounding is no flip: it fails itself
+    assert "r" in [n for n, _ in check(far, g_flip).failures]
+
+
+def test_the_half_precision_eager_check_is_bounded_by_torchs_own_half_step() -> None:
+    """Against torch eager's float32 step, a half-precision run's gradient passes within rtol or twice
+    torch's own half-precision step's largest relative L2 error; beyond it, or a NaN, fails."""
+    from spmdkit.torch_exec import RunReport, _compare_eager
+
+    rng = np.random.default_rng(5)
+    want = {"loss": np.array(2.0), "a.grad": rng.normal(size=(64, 32)), "b.grad": rng.normal(size=(32,))}
+    own = {k: v.copy() for k, v in want.items()}
+    own["a.grad"] = want["a.grad"] + 0.05 * rng.normal(size=(64, 32))  # torch's bf16: about 5% norm-wise
+    rep = RunReport(4, "gloo")
+
+    def check(a: np.ndarray) -> Any:
+        rep.values = {"loss": np.array(2.0), "a.grad": a, "b.grad": want["b.grad"]}
+        return _compare_eager(rep, "float32", want, "loss", 0.06, native=own)
+
+    near = want["a.grad"] + 0.08 * rng.normal(size=(64, 32))  # beyond rtol, within twice torch's own
+    chk = check(near)
+    assert not chk.failures and 0.04 < chk.native_error < 0.06 and 0.06 < chk.max_rel_error < 2 * chk.native_error
+    far = want["a.grad"] + 0.2 * rng.normal(size=(64, 32))
+    assert [n for n, _ in check(far).failures] == ["a.grad"]
+    nan = near.copy()
+    nan[3, 4] = np.nan
+    assert [n for n, _ in check(nan).failures] == ["a.grad"]
+    rep.values = {"loss": np.array(2.0), "a.grad": near, "b.grad": want["b.grad"]}
+    assert [n for n, _ in _compare_eager(rep, "float32", want, "loss", 0.06).failures] == ["a.grad"]  # float32: max
+
+
 # -- on gloo --------------------------------------------------------------------------------------------
 
 
@@ -184,7 +261,10 @@ def test_the_report_prints_time_per_phase_beside_the_prediction() -> None:
                     timing={"forward": {"compute": 0.25, "comm": 0.002}, "backward": {"compute": 1.5, "comm": 3e-4},
                             "optimizer": {"compute": 2e-5, "comm": 0.0}, "step": {"wall": 1.75}})
     text = format_report(rep, "t")
-    assert "time per phase (torch kernels, slowest rank; predicted: the plan on NVIDIA H100 SXM5 80GB" in text
+    assert ("time per phase (torch kernels, slowest rank; no warm-up: includes torch's first-call overhead, "
+            "--warmup 1 to exclude it; predicted: the plan on NVIDIA H100 SXM5 80GB") in text
+    rep.warmup = 1
+    assert "time per phase (torch kernels, slowest rank; after 1 untimed step; predicted:" in format_report(rep, "t")
     line = next(ln for ln in text.splitlines() if ln.strip().startswith("forward"))
     assert "250.00 ms" in line and "2.00 ms" in line
     assert "step           1.75 s (predicted" in text

@@ -100,6 +100,18 @@ class Progress:
             return
         self._shown = len(text)
 
+    def clear(self) -> None:
+        """Erase the line for a moment (another writer's output comes next); the next update
+        draws it again."""
+        if self.enabled and self._shown:
+            try:
+                self.stream.write("\r" + " " * self._shown + "\r")
+                self.stream.flush()
+            except (OSError, ValueError):
+                self.enabled = False
+        self._shown = 0
+        self._last = None
+
     def close(self) -> None:
         """Erase the line (a terminal only); further updates write nothing."""
         if self.enabled and self._shown:

@@ -90,8 +90,12 @@ class EagerCheck:
     rtol: float
     loss: float | None = None
     checked: int = 0
-    #: the largest max|spmdkit - torch| / scale over the compared tensors
+    #: the largest max|spmdkit - torch| / scale over the compared tensors (a gradient's relative
+    #: L2 error where torch's own half-precision step was given)
     max_rel_error: float = 0.0
+    #: the largest relative L2 error of torch's own half-precision step's gradients against its
+    #: float32 ones (0 if not run): twice it (at least ``rtol``) bounds the half-precision comparison
+    native_error: float = 0.0
     failures: list[tuple[str, str]] = field(default_factory=list)
 
 
@@ -119,6 +123,8 @@ class RunReport:
     eager: EagerCheck | None = None
     #: the kernels the ranks ran ("numpy" float64 references, or "torch" in the program's dtypes)
     kernels: str = "numpy"
+    #: the untimed steps run before the timed one (0: the times include first-call overhead)
+    warmup: int = 0
     #: --kernels torch: the largest error of a tensor as a fraction of its scale (:func:`_check_torch`)
     max_rel_error: float = 0.0
     #: seconds per phase (forward, backward, optimizer: compute, comm) and of the step (wall),
@@ -482,13 +488,27 @@ def _fetch(glob: dict[str, Any], feed: dict[str, Any], prog: Any, dev: torch.dev
     return glob[n] if v is None else _to_torch(np.asarray(v), prog.tensors[n].dtype, dev)
 
 
+#: grad ops whose derivative steps (a ReLU's mask): a forward value within rounding of the step
+#: flips the derivative between two runs that sum in different orders, so the single-process
+#: check runs them on the distributed run's forward operand (which is itself checked)
+#: (the maxima and minima too: which element is the largest can flip the same way)
+STEP_GRADS = frozenset({"relu_grad", "relu6_grad", "leaky_relu_grad", "hardtanh_grad", "hardsigmoid_grad",
+                        "hardswish_grad", "hardshrink_grad", "clip_grad", "abs_grad", "thresholded_relu_grad",
+                        "elu_grad", "selu_grad", "celu_grad", "maximum_grad", "minimum_grad", "fmax_grad",
+                        "fmin_grad", "max_grad", "min_grad", "amax_grad", "amin_grad", "reduce_max_grad",
+                        "reduce_min_grad"})
+
+
 def global_step_torch(plan: Plan, seed: int = 0, values: dict[str, Any] | None = None,
                       device: torch.device | None = None, optimizer_inputs: dict[str, Any] | None = None,
+                      step_inputs: dict[str, Any] | None = None,
                       ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """The unsharded step with torch kernels in the program's dtypes (one process, ``device``,
     CPU by default): (every tensor the step makes, seconds per phase). ``optimizer_inputs``
     (name -> global array): what the optimizer-phase ops read instead of this run's own values
-    (the distributed run's gradients, so that its updates are checked on the same gradients)."""
+    (the distributed run's gradients, so that its updates are checked on the same gradients).
+    ``step_inputs`` (name -> global array): what the grad ops of :data:`STEP_GRADS` read for
+    their forward-phase operands (the distributed run's, so that both take the same mask)."""
     from spmdkit.torch_kernels import check_kernels
 
     prog = plan.program
@@ -501,7 +521,11 @@ def global_step_torch(plan: Plan, seed: int = 0, values: dict[str, Any] | None =
     sync = dev.type == "cuda"
     for op_plan in plan.ops:
         io = op_io(op_plan, prog)
-        feed = optimizer_inputs if optimizer_inputs is not None and op_plan.op.phase == "optimizer" else {}
+        feed: dict[str, Any] = {}
+        if optimizer_inputs is not None and op_plan.op.phase == "optimizer":
+            feed = optimizer_inputs
+        elif step_inputs is not None and op_plan.op.rule in STEP_GRADS:
+            feed = step_inputs
         args = io.values(partial(_fetch, glob, feed, prog, dev))
         t0 = time.perf_counter()
         gouts = flat_values(_run_torch(op_plan.op, io, args, Ctx(plan.mesh, None, None, io.in_attrs, io.shapes,
@@ -518,9 +542,9 @@ def global_step_torch(plan: Plan, seed: int = 0, values: dict[str, Any] | None =
 
 def run_rank(plan: Plan, seed: int = 0, rtol: float = 1e-5, atol: float = 1e-8,
              timeout: float | None = None, values: dict[str, Any] | None = None, keep: Any = (),
-             eager: Callable[[], tuple[str, dict[str, np.ndarray]]] | None = None,
+             eager: Callable[[], tuple[Any, ...]] | None = None,
              eager_rtol: float = 1e-5, kernels: str = "numpy", predict_on: str | None = None,
-             warmup: int = 0) -> RunReport | None:
+             warmup: int = 0, phase: Callable[[str], None] | None = None) -> RunReport | None:
     """Run this process's rank of ``plan`` (the process group must be initialised, one rank per
     mesh rank; ``timeout``: seconds each mesh-dim group's collectives may wait). Rank 0 returns
     the report; the others None.
@@ -540,7 +564,8 @@ def run_rank(plan: Plan, seed: int = 0, rtol: float = 1e-5, atol: float = 1e-8,
     (:attr:`RunReport.timing`, the slowest rank's) and the plan's prediction of them on
     ``predict_on`` (a device preset; default: this GPU's, else h100); ``warmup`` untimed steps
     run first (torch's first calls initialise its kernels and allocators), their collectives
-    not recorded."""
+    not recorded. ``phase``: called with "warm-up", "step", "checking" as the run gets there
+    (the launcher's progress line)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = plan.mesh
     if world != mesh.size:
@@ -552,10 +577,14 @@ def run_rank(plan: Plan, seed: int = 0, rtol: float = 1e-5, atol: float = 1e-8,
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if backend == "nccl" \
         else torch.device("cpu")
     me = Rank(mesh, rank, device, plan, timeout, values, kernels)
+    say = phase or (lambda _: None)
+    if warmup > 0:
+        say("warm-up")
     for _ in range(max(0, warmup)):
         me.run(seed)
         me.record.clear()
         me.kernel_record.clear()
+    say("step")
     outputs = me.run(seed)
     if kernels == "torch":
         outputs = {n: to_numpy(v) for n, v in outputs.items()}
@@ -563,8 +592,10 @@ def run_rank(plan: Plan, seed: int = 0, rtol: float = 1e-5, atol: float = 1e-8,
     dist.gather_object((outputs, me.record, me.timing), pieces if rank == 0 else None, dst=0)
     if rank != 0:
         return None
+    say("checking")
     rep = RunReport(world, backend)
     rep.kernels = kernels
+    rep.warmup = max(0, warmup)
     rep.timing = _slowest([p[2] for p in pieces])
     try:
         rep.predicted, rep.predicted_on = predicted_timing(plan, predict_on or _this_gpu(device))
@@ -589,9 +620,12 @@ def run_rank(plan: Plan, seed: int = 0, rtol: float = 1e-5, atol: float = 1e-8,
     want = set(keep)
     eager_ref: dict[str, np.ndarray] = {}
     eager_dtype, eager_error = "", ""
+    eager_native: dict[str, np.ndarray] | None = None
     if eager is not None:
         try:
-            eager_dtype, eager_ref = eager()
+            got_eager = eager()
+            eager_dtype, eager_ref = got_eager[0], got_eager[1]
+            eager_native = got_eager[2] if len(got_eager) > 2 else None
         except Exception as exc:  # torch could not run the module: a failure of the check, said as such
             eager_error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
         want |= set(eager_ref)
@@ -633,7 +667,8 @@ def run_rank(plan: Plan, seed: int = 0, rtol: float = 1e-5, atol: float = 1e-8,
         except (AssembleError, KeyError):
             pass  # already a failure above
     if eager is not None:
-        rep.eager = _compare_eager(rep, eager_dtype, eager_ref, loss, eager_rtol)
+        rep.eager = _compare_eager(rep, eager_dtype, eager_ref, loss, eager_rtol,
+                                   native=eager_native if kernels == "torch" else None)
         if eager_error:
             rep.eager.failures.append(("torch eager", f"could not run the module: {eager_error}"))
         rep.failures.extend(rep.eager.failures)
@@ -691,7 +726,9 @@ def _check_torch(rep: RunReport, plan: Plan, pieces: list[Any], me: Rank, seed: 
     made_by: dict[str, str] = {n: op.phase for op in prog.ops for n in op.output_names()}
     feed = {n: assembled[n] for op in prog.ops if op.phase == "optimizer" for n in op.input_names()
             if n in assembled and made_by.get(n) not in (None, "optimizer")}
-    ref_t, _ = global_step_torch(plan, seed, values, device, optimizer_inputs=feed)
+    masks = {n: assembled[n] for op in prog.ops if op.rule in STEP_GRADS for n in op.input_names()
+             if n in assembled and made_by.get(n) == "forward"}
+    ref_t, _ = global_step_torch(plan, seed, values, device, optimizer_inputs=feed, step_inputs=masks)
     ref = {n: to_numpy(v) for n, v in ref_t.items()}
     largest: dict[str, float] = {}
     for n, g in ref.items():
@@ -805,7 +842,17 @@ def predicted_timing(plan: Plan, device_name: str) -> tuple[dict[str, dict[str, 
 
 
 def _compare_eager(rep: RunReport, dtype: str, ref: dict[str, np.ndarray], loss: str | None,
-                   rtol: float) -> EagerCheck:
+                   rtol: float, native: dict[str, np.ndarray] | None = None) -> EagerCheck:
+    """The distributed step's loss and gradients against torch eager's (float32) autograd: each
+    tensor's max error within ``rtol`` of its scale. With ``native`` (torch's own step of a
+    float16 / bfloat16 module in its dtype, :func:`eager_reference`): a ReLU input within the
+    half dtype's rounding of zero takes the other side of the mask than in float32 and the
+    gradient behind it moves (T5), in torch's own half-precision step as in spmdkit's, so a
+    gradient is compared by its relative L2 error, within ``rtol`` or twice torch's own
+    half-precision step's largest (over the step's gradients), whichever is larger (NaNs and
+    shapes as always). The sharding itself
+    is checked elementwise against the single-process step in the program's dtype
+    (:func:`_check_torch`)."""
     chk = EagerCheck(dtype, rtol)
     if loss is not None and loss in ref:
         chk.loss = float(np.asarray(ref[loss], dtype=np.float64).sum())
@@ -815,6 +862,18 @@ def _compare_eager(rep: RunReport, dtype: str, ref: dict[str, np.ndarray], loss:
     grads = [float(np.max(np.abs(np.asarray(w, dtype=np.float64)))) for n, w in ref.items()
              if n != loss and np.size(w)]
     floor = 1e-3 * max(grads, default=0.0)
+
+    def rel_l2(g: np.ndarray, w: np.ndarray) -> float:  # the norm stops at the floor's, like the scale
+        return float(np.linalg.norm(g - w)) / max(float(np.linalg.norm(w)), floor * math.sqrt(w.size), 1e-300)
+
+    if native is not None:  # torch's own half-precision step against its float32 one, over the gradients
+        for name, want in ref.items():
+            own_w = native.get(name)
+            if name != loss and own_w is not None and np.shape(own_w) == np.shape(want) and np.size(want):
+                own = rel_l2(np.asarray(own_w, dtype=np.float64), np.asarray(want, dtype=np.float64))
+                if math.isfinite(own):  # torch's own half step overflowing gives no budget
+                    chk.native_error = max(chk.native_error, own)
+    budget = max(rtol, 2 * chk.native_error)
     for name, want in ref.items():
         w = np.asarray(want, dtype=np.float64)
         got = rep.values.get(name)
@@ -834,6 +893,14 @@ def _compare_eager(rep: RunReport, dtype: str, ref: dict[str, np.ndarray], loss:
         scale = max(float(np.max(np.abs(w))) if w.size else 0.0, 0.0 if name == loss else floor)
         err = float(np.max(np.abs(g - w))) if w.size else 0.0
         rel = err / scale if scale > 0 else (0.0 if err == 0 else math.inf)
+        if native is not None and name != loss and w.size:
+            l2 = rel_l2(g, w)
+            chk.max_rel_error = max(chk.max_rel_error, l2)
+            if l2 > budget:
+                chk.failures.append((name, f"torch eager: relative L2 error {l2:.3g}, beyond rtol {rtol:g} and "
+                                           f"twice the largest of torch's own half-precision step, "
+                                           f"{chk.native_error:.3g} (max error {err:.3g}, {rel:.3g} of its scale)"))
+            continue
         chk.max_rel_error = max(chk.max_rel_error, rel)
         if rel > rtol:
             chk.failures.append((name, f"torch eager: max error {err:.3g} is {rel:.3g} of its scale {scale:.3g} "
@@ -842,13 +909,15 @@ def _compare_eager(rep: RunReport, dtype: str, ref: dict[str, np.ndarray], loss:
 
 
 def eager_reference(prog: Any, module: Any, args: Any = (), kwargs: dict[str, Any] | None = None,
-                    ) -> tuple[str, dict[str, np.ndarray]]:
+                    native: bool = False, _dtype: Any = None) -> tuple[Any, ...]:
     """torch eager's training step of ``module`` (an :class:`~spmdkit.torch_import.ImportedProgram`'s
     module, called as it was imported): the loss and every parameter's gradient by torch
     autograd, keyed by ``prog``'s tensor names (``prog.loss``, ``prog.grads[param]``). A
     float64 module runs in float64, any other in a float32 copy (a bfloat16 / float16 model on
     its rounded weights: the numpy run computes in float64 and does not round at casts).
-    Returns (the dtype torch ran in, the values)."""
+    Returns (the dtype torch ran in, the values); with ``native`` and a float16 / bfloat16
+    module, a third item: the same values from torch's own step in the module's dtype (how far
+    torch's half-precision step is from its float32 one: the error budget of the comparison)."""
     import copy
 
     from spmdkit.torch_import import hf_call_kwargs
@@ -860,7 +929,10 @@ def eager_reference(prog: Any, module: Any, args: Any = (), kwargs: dict[str, An
     if pl not in outs:
         raise ProgramError(f"torch eager: the loss {pl!r} is not an output of the module")
     p0 = next(iter(module.parameters()), None)
-    dt = torch.float64 if p0 is not None and p0.dtype == torch.float64 else torch.float32
+    if native and p0 is not None and p0.dtype in (torch.float16, torch.bfloat16):
+        own = eager_reference(prog, module, args, kwargs, native=False, _dtype=p0.dtype)[1]
+        return (*eager_reference(prog, module, args, kwargs), own)
+    dt = _dtype or (torch.float64 if p0 is not None and p0.dtype == torch.float64 else torch.float32)
     m = module if p0 is None or p0.dtype == dt else copy.deepcopy(module).to(dt)
 
     def cast(v: Any) -> Any:
@@ -918,13 +990,15 @@ def format_report(rep: RunReport, title: str) -> str:
         which = f"tensor {rep.loss_tensor}; " if rep.loss_tensor not in (None, "loss") else ""
         lines.append(f"loss {rep.loss:.12g} ({which}single process {rep.reference_loss:.12g})")
     differ = [f for f in rep.failures if f[0] != "collectives"]
-    verdict = "all equal" if not differ else f"{len(differ)} differ (first: {differ[0][0]})"
+    same = "all within" if rep.kernels == "torch" else "all equal"  # torch: to each dtype's rounding
+    verdict = same if not differ else f"{len(differ)} differ (first: {differ[0][0]})"
     if rep.nonfinite:
         verdict += f"; {rep.nonfinite} hold NaN or infinite values"
     if rep.kernels == "torch":
         dt = sorted({d for d in TOLERANCES})
         lines.append(f"{rep.checked} tensors compared with the single-process step on the same torch kernels and "
-                     f"dtypes (loss, every gradient, every update on the distributed gradients, every activation): "
+                     f"dtypes (loss, every gradient, every update on the distributed gradients, every activation; "
+                     f"ReLU-type grads on the distributed forward values): "
                      f"max error {rep.max_rel_error:.3g} of a tensor's scale (tolerance "
                      + ", ".join(f"{d} {TOLERANCES[d]:g}" for d in dt if d != "float64")
                      + f"), max abs error {rep.max_error:.3g}, {verdict}")
@@ -939,9 +1013,11 @@ def format_report(rep: RunReport, title: str) -> str:
         if e.loss is not None:
             head += f" loss {e.loss:.12g};"
         bad = len(e.failures)
-        lines.append(f"{head} {e.checked} tensors compared (the loss and every parameter gradient): max error "
-                     f"{e.max_rel_error:.3g} of each tensor's largest magnitude (rtol {e.rtol:g}; gradients: at "
-                     "least a thousandth of the largest gradient), "
+        how = (f"largest relative L2 error of a gradient {e.max_rel_error:.3g} (within rtol {e.rtol:g} or twice "
+               f"torch's own half-precision step's largest, {e.native_error:.3g})" if e.native_error else
+               f"max error {e.max_rel_error:.3g} of each tensor's largest magnitude (rtol {e.rtol:g}; gradients: at "
+               "least a thousandth of the largest gradient)")
+        lines.append(f"{head} {e.checked} tensors compared (the loss and every parameter gradient): {how}, "
                      + ("all within, every value finite" if not bad else f"{bad} NOT within or not finite"))
     lines.extend(format_timing(rep))
     for name, why in rep.failures[:20]:
@@ -962,7 +1038,11 @@ def format_timing(rep: RunReport) -> list[str]:
     if not rep.timing:
         return []
     kern = "torch kernels" if rep.kernels == "torch" else "numpy float64 references"
-    out = [f"time per phase ({kern}, slowest rank; predicted: the plan on {rep.predicted_on or '?'}, serial):"]
+    first = ("" if rep.kernels != "torch" else
+             "; no warm-up: includes torch's first-call overhead, --warmup 1 to exclude it" if not rep.warmup
+             else f"; after {rep.warmup} untimed step{'s' if rep.warmup > 1 else ''}")
+    out = [f"time per phase ({kern}, slowest rank{first}; predicted: the plan on {rep.predicted_on or '?'}, "
+           "serial):"]
     out.append(f"  {'phase':<10} {'compute':>10} {'predicted':>10} {'comm':>10} {'predicted':>10}")
     for ph in ("forward", "backward", "optimizer"):
         m = rep.timing.get(ph)

@@ -43,13 +43,14 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
                    help="torch.distributed backend (auto: nccl where GPUs exist, else gloo)")
     p.add_argument("--seed", type=int, default=0, help="seed of the step's data and parameters")
-    p.add_argument("--kernels", choices=("numpy", "torch"), default="numpy",
-                   help="what each rank computes with: spmdkit's numpy references in float64 (default; exact "
-                        "checks) or torch's ops in the program's dtypes (a real training step, checked against "
-                        "a single-process torch step within each dtype's tolerance; docs/torch.md)")
-    p.add_argument("--warmup", type=int, metavar="N",
-                   help="untimed steps before the timed, checked one (torch initialises its kernels on their "
-                        "first call; default 1 with --kernels torch, 0 with numpy)")
+    p.add_argument("--kernels", choices=("numpy", "torch"), default="torch",
+                   help="what each rank computes with: torch's ops in the program's dtypes (default: a real "
+                        "training step, checked against a single-process torch step within each dtype's "
+                        "tolerance; docs/torch.md) or spmdkit's numpy references in float64 (exact checks)")
+    p.add_argument("--warmup", type=int, metavar="N", default=0,
+                   help="untimed steps before the timed, checked one (default 0: the times then include torch's "
+                        "first-call initialisation of its kernels, and the report says so; 1 for times to set "
+                        "beside the prediction)")
     p.add_argument("--device", metavar="NAME|FILE",
                    help="the plan's prediction of the step's time on this GPU (a preset: a100-40gb, a100-80gb, "
                         "h100, h200, or a JSON file), printed beside the measured time; default: this GPU's "
@@ -159,7 +160,7 @@ class _Step:
     kwargs: dict[str, Any] | None = None
     values: dict[str, Any] | None = None
     #: torch eager's (dtype, reference values), or why torch could not run the module
-    eager_ref: tuple[str, dict[str, Any]] | str | None = None
+    eager_ref: tuple[Any, ...] | str | None = None
 
 
 #: the environment variable naming the file in which the local launcher hands a ``--hf`` step
@@ -194,7 +195,7 @@ def _write_step(step: _Step, path: str) -> str:
     prog = step.plan.program
     values = torch_values(prog, step.model, kwargs=step.kwargs)
     try:
-        ref: tuple[str, dict[str, Any]] | str = eager_reference(prog, step.model, (), step.kwargs)
+        ref: tuple[Any, ...] | str = eager_reference(prog, step.model, (), step.kwargs, native=True)
     except Exception as exc:  # rank 0 reports it as a failure of the check
         ref = f"{type(exc).__name__}: {_first_line(exc)}"
     with open(path, "wb") as f:
@@ -302,14 +303,8 @@ def _env_int(name: str, lo: int, hi: int) -> int:
 def _run_command(ns: argparse.Namespace, out: TextIO, argv: list[str]) -> int:
     import importlib.util
 
-    from spmdkit.cli.plan import parse_annotations, strategy_notes
-    from spmdkit.graph.strategy import parse_mesh
-    from spmdkit.launch import uneven_shards
-
     if importlib.util.find_spec("torch") is None:
         raise RunUsageError("needs torch (pip install 'spmdkit[torch]')")
-    if ns.warmup is None:
-        ns.warmup = 1 if ns.kernels == "torch" else 0
     if ns.warmup < 0:
         raise RunUsageError(f"--warmup {ns.warmup}: must be at least 0")
     if ns.nproc is not None and ns.nproc < 1:
@@ -323,19 +318,47 @@ def _run_command(ns: argparse.Namespace, out: TextIO, argv: list[str]) -> int:
             raise RunUsageError(f"RANK is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: "
                                 "set all of RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (as torchrun does), or "
                                 "none of them to start local processes")
-        world = _env_int("WORLD_SIZE", 1, 1 << 20)
-        rank = _env_int("RANK", 0, world - 1)
+        _env_int("RANK", 0, _env_int("WORLD_SIZE", 1, 1 << 20) - 1)
         _env_int("MASTER_PORT", 1, 65535)
     step = _load_step() if rank_mode else None  # what our launcher made for its ranks
+    from spmdkit.progress import Progress
+
+    bar = Progress("spmdkit run", stream=sys.stderr) if not rank_mode else None
+    try:
+        return _run_command_with(ns, out, argv, rank_mode, step, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _run_command_with(ns: argparse.Namespace, out: TextIO, argv: list[str], rank_mode: bool, step: Any,
+                      bar: Any) -> int:
+    from spmdkit.cli.plan import parse_annotations, strategy_notes
+    from spmdkit.graph.strategy import parse_mesh
+    from spmdkit.launch import uneven_shards
+
+    if rank_mode:
+        world = _env_int("WORLD_SIZE", 1, 1 << 20)
+        rank = _env_int("RANK", 0, world - 1)
     try:
         mesh = parse_mesh(ns.mesh)
         if "pp" in mesh.dim_names:
             raise RunUsageError(f"--mesh {ns.mesh}: a pp dim (pipeline parallelism) is planned by 'spmdkit plan' "
                                 "(stages, schedule, bubble); 'spmdkit run' executes one step without stages, so it "
                                 "would run pp as a plain replicated dim: drop pp from --mesh")
+        n = mesh.size if ns.nproc is None else ns.nproc
+        phases = ["planning", f"starting {n} ranks", *(["warm-up"] if ns.warmup else []), "step", "checking"]
+        if bar is not None:
+            bar.total = len(phases)
         if step is None:
             with strategy_notes("run"):  # --hf / --program strategies' notes, one line each
-                step = _plan(ns, mesh, parse_annotations(ns.annotate))
+                if bar is not None:
+                    bar.update(0, note="planning")
+                try:
+                    step = _plan(ns, mesh, parse_annotations(ns.annotate))
+                finally:
+                    if bar is not None:
+                        bar.clear()  # the notes, or an error, come next
     except RunUsageError:
         raise
     except ProgramError as exc:
@@ -362,7 +385,7 @@ def _run_command(ns: argparse.Namespace, out: TextIO, argv: list[str]) -> int:
         saved = _save_step(step) if step.model is not None else None
         out.flush()
         try:
-            return launch_local(_strip_nproc(argv), nproc, ns.timeout, port)
+            return launch_local(_strip_nproc(argv), nproc, ns.timeout, port, progress=bar, phases=phases)
         finally:
             if saved is not None:
                 import shutil
@@ -374,6 +397,14 @@ def _run_command(ns: argparse.Namespace, out: TextIO, argv: list[str]) -> int:
     return _run_rank(ns, out, step, rank)
 
 
+def _tell_launcher(name: str) -> None:
+    """Rank 0: the phase of the run, for the launcher's progress line (spmdkit.launch.PHASE_MARK)."""
+    from spmdkit.launch import PHASE_MARK
+
+    sys.stderr.write(f"{PHASE_MARK}{name}\n")
+    sys.stderr.flush()
+
+
 def _run_rank(ns: argparse.Namespace, out: TextIO, step: _Step, rank: int) -> int:
     """One rank: any failure is one line on stderr and exit EXIT_RANK_FAILED (EXIT_PORT_IN_USE when
     rank 0 cannot listen on MASTER_PORT), without waiting on peers that may be gone."""
@@ -381,7 +412,7 @@ def _run_rank(ns: argparse.Namespace, out: TextIO, step: _Step, rank: int) -> in
 
     import torch.distributed as dist
 
-    from spmdkit.launch import EXIT_PORT_IN_USE, EXIT_RANK_FAILED
+    from spmdkit.launch import EXIT_PORT_IN_USE, EXIT_RANK_FAILED, PROGRESS_ENV
     from spmdkit.torch_exec import format_report, init_from_env, run_rank
 
     where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
@@ -419,9 +450,11 @@ def _run_rank(ns: argparse.Namespace, out: TextIO, step: _Step, rank: int) -> in
             from spmdkit.torch_import import torch_values
 
             values = torch_values(plan.program, step.model, kwargs=step.kwargs)
-            eager = partial(eager_reference, plan.program, step.model, (), step.kwargs)
+            eager = partial(eager_reference, plan.program, step.model, (), step.kwargs, native=True)
+        # the launcher's progress line on a terminal
+        phase = _tell_launcher if rank == 0 and os.environ.get(PROGRESS_ENV) else None
         rep = run_rank(plan, ns.seed, timeout=ns.timeout, values=values, eager=eager, kernels=ns.kernels,
-                       predict_on=ns.device, warmup=ns.warmup)
+                       predict_on=ns.device, warmup=ns.warmup, phase=phase)
         dist.barrier()
         dist.destroy_process_group()
     except Exception as exc:  # a collective timed out, a peer died, a kernel failed
@@ -440,11 +473,12 @@ def _run_rank(ns: argparse.Namespace, out: TextIO, step: _Step, rank: int) -> in
             "max_error": rep.max_error, "nonfinite": rep.nonfinite, "failures": [list(f) for f in rep.failures],
             "collectives": [c.__dict__ for c in rep.collectives], "collectives_match": rep.collectives_match,
             "expected_collectives": len(rep.expected),
-            "kernels": rep.kernels, "max_rel_error": rep.max_rel_error, "timing": rep.timing,
+            "kernels": rep.kernels, "max_rel_error": rep.max_rel_error, "timing": rep.timing, "warmup": rep.warmup,
             "predicted": rep.predicted, "predicted_on": rep.predicted_on,
             "eager": None if rep.eager is None else {
                 "dtype": rep.eager.dtype, "loss": _finite(rep.eager.loss), "checked": rep.eager.checked,
                 "max_rel_error": rep.eager.max_rel_error, "rtol": rep.eager.rtol,
+                "native_error": rep.eager.native_error,
                 "failures": [list(f) for f in rep.eager.failures]},
         }
         out.write(json.dumps(d) + "\n")
