@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -395,40 +394,28 @@ def check_target(fmt: str, path: str) -> None:
     """ExportError for an unknown format, or a path that is a folder or in no folder."""
     if fmt not in _DOCUMENTS:
         raise ExportError(f"--export {str(fmt)[:40]!r}: unknown format (one of {', '.join(FORMATS)})")
-    p = os.fspath(path)
+    _check_path(os.fspath(path), f"--export {fmt}")
+
+
+def _check_path(p: str, what: str) -> None:
     folder = os.path.dirname(os.path.abspath(p))
     if not p or os.path.isdir(p):
-        raise ExportError(f"--export {fmt}: {p!r} is a folder, not a file path")
+        raise ExportError(f"{what}: {p!r} is a folder, not a file path")
     if not os.path.isdir(folder):
-        raise ExportError(f"--export {fmt}: cannot write {p!r}: the folder {folder!r} does not exist")
+        raise ExportError(f"{what}: cannot write {p!r}: the folder {folder!r} does not exist")
 
 
 def write_json(doc: Mapping[str, Any], path: str, what: str = "--export") -> None:
     """Write ``doc`` to ``path`` atomically (a temporary file in the same folder, then renamed):
     a reader never sees half a file; ExportError naming the path when it cannot be written."""
     p = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(p))
-    if not p or os.path.isdir(p):
-        raise ExportError(f"{what}: {p!r} is a folder, not a file path")
-    if not os.path.isdir(folder):
-        raise ExportError(f"{what}: cannot write {p!r}: the folder {folder!r} does not exist")
-    tmp = None
+    _check_path(p, what)
+    from spmdkit.io.atomic import write_atomic
+
     try:
-        fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(p) + ".", suffix=".tmp", dir=folder)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would make the export unreadable to others
-        os.replace(tmp, p)
-        tmp = None
+        write_atomic(p, (json.dumps(doc, indent=1) + "\n").encode("utf-8"))
     except OSError as exc:
         raise ExportError(f"{what}: cannot write {p!r}: {exc.strerror or exc}") from None
-    finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
 
 
 def export_plan(plan: Any, fmt: str, path: str) -> dict[str, Any]:

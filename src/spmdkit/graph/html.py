@@ -33,7 +33,6 @@ import html
 import json
 import os
 import re
-import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -817,21 +816,14 @@ def save_html(path: str, plan: Plan, title: str = "", memory: Memory | None = No
     """Render the page and write it to ``path`` atomically (a temporary file beside it, renamed
     over it); the bytes written. A path that cannot be written is a ProgramError naming
     ``--html``; nothing is left behind."""
-    d = check_html_path(path)
+    from spmdkit.io.atomic import write_atomic
+
+    check_html_path(path)
     text = render_html(plan, title, memory, estimate, **kw).encode("utf-8")
-    tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=".spmdkit-", suffix=".html.tmp", dir=d)
-        with os.fdopen(fd, "wb") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-        tmp = None
+        write_atomic(path, text)
     except OSError as exc:
         raise ProgramError(f"--html {path!r}: cannot write it: {exc.strerror or exc}") from None
-    finally:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
     return len(text)
 
 
