@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from spmdkit.core.errors import ProgramError
-from spmdkit.sim.ops import Ctx, Reference, get_reference
+from spmdkit.sim.ops import Ctx, Reference, get_reference, paddle_axes
 
 Args = dict[str, Any]
 Kernel = Callable[[Args, Ctx], Sequence[Any]]
@@ -119,23 +119,6 @@ def _fl(x: Any) -> torch.Tensor:
     """A floating tensor (ints and bools become the default float dtype, as numpy's _f does)."""
     t = _t(x)
     return t if t.is_floating_point() else t.to(torch.get_default_dtype())
-
-
-def _axes(axis: Any, ndim: int) -> tuple[int, ...]:
-    if axis is None:
-        return tuple(range(ndim))
-    ax = (axis,) if isinstance(axis, int) else tuple(axis)
-    if not ax:
-        return tuple(range(ndim))
-    out = []
-    for a in ax:
-        a = int(a)
-        if a < 0:
-            a += ndim
-        if not 0 <= a < max(ndim, 1):
-            raise ValueError(f"axis {a} out of range for a {ndim}-D tensor")
-        out.append(a)
-    return tuple(sorted(set(out)))
 
 
 def _ax(axis: Any, ndim: int) -> int:
@@ -458,7 +441,7 @@ def _reduce(name: str, a: Args, c: Ctx) -> torch.Tensor:
     if x.ndim == 0:
         out = x.clone() if name not in ("squared_l2_norm", "frobenius_norm") else fn(x.reshape(1), (0,), False)
     else:
-        out = fn(x, _axes(a.get("axis", ()), x.ndim), keep)
+        out = fn(x, paddle_axes(a.get("axis", ()), x.ndim), keep)
     if c.out_ndim(0) == 1 and out.ndim == 0:  # squared_l2_norm: Paddle's output is [1]
         out = out.reshape(1)
     return out
@@ -480,7 +463,7 @@ def _k_reduce_base(a: Args, c: Ctx) -> tuple[Any, ...]:
 def _reduction_grad_kernel(name: str) -> Kernel:
     def grad(a: Args, c: Ctx) -> tuple[Any, ...]:
         x, g = _fl(a["x"]), _t(a["out_grad"])
-        ax = _axes(a.get("axis", ()), x.ndim)
+        ax = paddle_axes(a.get("axis", ()), x.ndim)
         if a.get("reduce_all", False):
             ax = tuple(range(x.ndim))
         keep = bool(a.get("keep_dim", False))

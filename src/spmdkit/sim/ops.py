@@ -113,7 +113,7 @@ def as_f64(x: Any) -> np.ndarray:
     return np.asarray(x, dtype=np.float64)
 
 
-def _axes(axis: Any, ndim: int) -> tuple[int, ...]:
+def paddle_axes(axis: Any, ndim: int) -> tuple[int, ...]:
     """Paddle's axis list: empty (or None) = all axes; negatives count from the end."""
     if axis is None:
         return tuple(range(ndim))
@@ -786,7 +786,7 @@ REDUCE_BASE_TYPES = {0: "sum", 1: "max", 2: "min", 3: "prod", 4: "mean", 5: "any
 def _reduction(fn: ReduceFn, name: str) -> RefFn:
     def run(a: Arrays, c: Ctx) -> tuple[Any, ...]:
         x = np.asarray(a["x"])
-        ax = _axes(a.get("axis", ()), x.ndim)
+        ax = paddle_axes(a.get("axis", ()), x.ndim)
         keep = bool(a.get("keep_dim", False))
         if x.ndim == 0:
             out = np.asarray(fn(x, (), keep)) if name != "mean" else x.astype(np.float64)
@@ -828,7 +828,7 @@ def _expand_back(g: np.ndarray, xshape: tuple[int, ...], ax: tuple[int, ...], ke
 def _reduction_grad(name: str) -> RefFn:
     def run(a: Arrays, c: Ctx) -> tuple[Any, ...]:
         x, g = as_f64(a["x"]), as_f64(a["out_grad"])
-        ax = _axes(a.get("axis", ()), x.ndim)
+        ax = paddle_axes(a.get("axis", ()), x.ndim)
         if a.get("reduce_all", False):
             ax = tuple(range(x.ndim))
         keep = bool(a.get("keep_dim", False))
@@ -865,7 +865,7 @@ def _prep_reduction_grad(name: str) -> Callable[[Arrays], None]:
     def prep(a: Arrays) -> None:
         if a.get("out") is not None:
             x = np.asarray(a["x"])
-            ax = _axes(a.get("axis", ()), x.ndim)
+            ax = paddle_axes(a.get("axis", ()), x.ndim)
             if a.get("reduce_all", False):
                 ax = tuple(range(x.ndim))
             a["out"] = np.asarray(fn(x, ax, bool(a.get("keep_dim", False)))).reshape(np.shape(a["out"]))
@@ -1098,6 +1098,7 @@ __all__ = [
     "UNARY",
     "as_f64",
     "get_reference",
+    "paddle_axes",
     "reference_names",
     "register_reference",
     "sum_to_shape",
