@@ -1372,7 +1372,6 @@ def _adam_kernel(decoupled: bool) -> Kernel:
     def fn(a: Args, c: Ctx) -> tuple[Any, ...]:
         amsgrad = bool(a.get("amsgrad", False))
         b1, b2 = float(a.get("beta1", 0.9)), float(a.get("beta2", 0.999))
-        eps = float(a.get("epsilon", 1e-8))
         lr = _scalar(a["learning_rate"])
         b1p, b2p = _t(a["beta1_pow"]), _t(a["beta2_pow"])
         m1, m2 = _t(a["moment1"]), _t(a["moment2"])
@@ -1388,22 +1387,11 @@ def _adam_kernel(decoupled: bool) -> Kernel:
                     None if master is None else _t(master).clone())
 
         def update(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-            step_lr = lr
-            if decoupled:
-                step_lr = lr * float(a.get("lr_ratio", 1.0))
-                if a.get("with_decay", False):
-                    p = p * (1.0 - step_lr * float(a.get("coeff", 0.01)))
-            m1o = b1 * m1 + (1.0 - b1) * g
-            m2o = b2 * m2 + (1.0 - b2) * g * g
-            m2mo = None
-            denom = m2o
-            if amsgrad and m2max is not None:
-                m2mo = torch.maximum(_t(m2max), m2o)
-                denom = m2mo
-            b1s, b2s = _scalar(b1p), _scalar(b2p)
-            lr_t = step_lr * math.sqrt(1.0 - b2s) / (1.0 - b1s)
-            po = p - (lr_t * (m1o / (torch.sqrt(denom) + eps * math.sqrt(1.0 - b2s)))).to(p.dtype)
-            return po, m1o, m2o, m2mo
+            from spmdkit.sim.refs.optimizer import adam_update
+
+            return adam_update(p, g, m1, m2, _t(m2max) if amsgrad and m2max is not None else None, a, decoupled,
+                               lr, _scalar(b1p), _scalar(b2p), torch.sqrt, torch.maximum,
+                               lambda x, like: x.to(like.dtype))
 
         mo = None
         if master is not None:

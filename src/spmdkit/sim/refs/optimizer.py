@@ -3,7 +3,9 @@ real update step each, in Paddle's kernel formulas."""
 
 from __future__ import annotations
 
+import math
 import random
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -27,10 +29,35 @@ def _skip(a: Arrays) -> bool:
     return bool(np.asarray(s).reshape(-1)[0])
 
 
+def adam_update(p: Any, g: Any, m1: Any, m2: Any, m2max: Any, a: Mapping[str, Any], decoupled: bool, lr: float,
+                b1s: float, b2s: float, sqrt: Callable[[Any], Any], maximum: Callable[[Any, Any], Any],
+                cast: Callable[[Any, Any], Any] = lambda x, like: x) -> tuple[Any, Any, Any, Any]:
+    """One Adam / AdamW update as Paddle's kernel computes it, for any array library (``sqrt``,
+    ``maximum`` its functions; ``cast(x, like)`` the step in ``like``'s dtype): (param, moment1,
+    moment2, moment2_max or None). ``m2max``: the amsgrad running maximum, None without amsgrad;
+    ``b1s`` / ``b2s``: the beta powers; ``a``: the op's attributes."""
+    b1, b2 = float(a.get("beta1", 0.9)), float(a.get("beta2", 0.999))
+    eps = float(a.get("epsilon", 1e-8))
+    step_lr = lr
+    if decoupled:
+        step_lr = lr * float(a.get("lr_ratio", 1.0))
+        if a.get("with_decay", False):
+            p = p * (1.0 - step_lr * float(a.get("coeff", 0.01)))
+    m1o = b1 * m1 + (1.0 - b1) * g
+    m2o = b2 * m2 + (1.0 - b2) * g * g
+    m2mo = None
+    denom = m2o
+    if m2max is not None:
+        m2mo = maximum(m2max, m2o)
+        denom = m2mo
+    lr_t = step_lr * math.sqrt(1.0 - b2s) / (1.0 - b1s)
+    po = p - cast(lr_t * (m1o / (sqrt(denom) + eps * math.sqrt(1.0 - b2s))), p)
+    return po, m1o, m2o, m2mo
+
+
 def _adam_step(a: Arrays, decoupled: bool) -> tuple[Any, ...]:
     amsgrad = bool(a.get("amsgrad", False))
     b1, b2 = float(a.get("beta1", 0.9)), float(a.get("beta2", 0.999))
-    eps = float(a.get("epsilon", 1e-8))
     lr = _scalar(a["learning_rate"])
     b1p, b2p = _f(a["beta1_pow"]), _f(a["beta2_pow"])
     g = _f(a["grad"])
@@ -40,22 +67,8 @@ def _adam_step(a: Arrays, decoupled: bool) -> tuple[Any, ...]:
     use_master = master is not None and bool(a.get("multi_precision", False))
 
     def update(p: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-        step_lr = lr
-        if decoupled:
-            step_lr = lr * float(a.get("lr_ratio", 1.0))
-            if a.get("with_decay", False):
-                p = p * (1.0 - step_lr * float(a.get("coeff", 0.01)))
-        m1o = b1 * m1 + (1.0 - b1) * g
-        m2o = b2 * m2 + (1.0 - b2) * g * g
-        m2mo = None
-        denom = m2o
-        if amsgrad and m2max is not None:
-            m2mo = np.maximum(_f(m2max), m2o)
-            denom = m2mo
-        b1s, b2s = _scalar(b1p), _scalar(b2p)
-        lr_t = step_lr * np.sqrt(1.0 - b2s) / (1.0 - b1s)
-        po = p - lr_t * (m1o / (np.sqrt(denom) + eps * np.sqrt(1.0 - b2s)))
-        return po, m1o, m2o, m2mo
+        return adam_update(p, g, m1, m2, _f(m2max) if amsgrad and m2max is not None else None, a, decoupled,
+                           lr, _scalar(b1p), _scalar(b2p), np.sqrt, np.maximum)
 
     if _skip(a):
         po: np.ndarray = _f(a["param"]).copy()
