@@ -823,23 +823,14 @@ def auto_plan(prog: Program, mesh: ProcessMesh, pins: Mapping[str, Any] | None =
             return 0.0
         return float(t.nbytes)
 
-    param_grads = {n for op in prog.ops if op.phase == "optimizer" for n in op.input_names()
-                   if tensors[n].kind == "gradient"}
+    param_grads = prog.param_grads()
     held_all = [n for n, t in tensors.items() if t.kind in ("parameter", "optimizer_state") and not t.inplace_of]
     held_all += sorted(param_grads)
     base_coef: dict[int, float] = {}
     base_const = sum(size_terms(n, base_coef) for n in held_all)
     mem_coef = dict(base_coef)
     mem_const = base_const + sum(size_terms(n, mem_coef) for n in sorted(_value_reads(prog)))
-    first_op: dict[str, int] = {}
-    last_op: dict[str, int] = {}
-    for i, op in enumerate(prog.ops):
-        for n in op.output_names():
-            first_op.setdefault(n, i)
-            last_op.setdefault(n, i)
-        for n in op.input_names():
-            if n in first_op:
-                last_op[n] = i
+    first_op, last_op = prog.live_spans()
     transient = [n for n in first_op if n not in param_grads and not tensors[n].inplace_of
                  and tensors[n].kind not in ("parameter", "optimizer_state")]
 

@@ -132,12 +132,7 @@ def memory_per_device(plan: object, recompute: str = "none") -> Memory:
         t = prog.tensors[name]
         return local_numel(attr or attrs[name], t.shape) * t.itemsize
 
-    param_grads: set[str] = set()
-    for op in prog.ops:
-        if op.phase == "optimizer":
-            for n in op.input_names():
-                if prog.tensors[n].kind == "gradient":
-                    param_grads.add(n)
+    param_grads = prog.param_grads()
     params = sum(nbytes(t.name) for t in prog.tensors.values() if t.kind == "parameter" and not t.inplace_of)
     states = sum(nbytes(t.name) for t in prog.tensors.values() if t.kind == "optimizer_state" and not t.inplace_of)
     grads = sum(nbytes(n) for n in param_grads)
@@ -148,15 +143,7 @@ def memory_per_device(plan: object, recompute: str = "none") -> Memory:
             if r.output and r.tensor in param_grads:
                 grads += max(0, nbytes(r.tensor, r.src) - nbytes(r.tensor))
     n_ops = len(prog.ops)
-    first: dict[str, int] = {}
-    last: dict[str, int] = {}
-    for i, op in enumerate(prog.ops):
-        for n in op.output_names():
-            first.setdefault(n, i)
-            last.setdefault(n, i)
-        for n in op.input_names():
-            if n in first:
-                last[n] = i
+    first, last = prog.live_spans()
     delta = [0] * (n_ops + 1)
     split = spans_with_recompute(plan, saved)
     for n, i in first.items():

@@ -218,6 +218,25 @@ class Program:
     def of_kind(self, *kinds: str) -> list[Tensor]:
         return [t for t in self.tensors.values() if t.kind in kinds]
 
+    def param_grads(self) -> frozenset[str]:
+        """The gradients the optimizer-phase ops read (the parameter gradients)."""
+        return frozenset(n for op in self.ops if op.phase == "optimizer" for n in op.input_names()
+                         if self.tensors[n].kind == "gradient")
+
+    def live_spans(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(the op that makes each tensor, the last op that reads it, or makes it if none does),
+        by op index, for every tensor an op makes."""
+        first: dict[str, int] = {}
+        last: dict[str, int] = {}
+        for i, op in enumerate(self.ops):
+            for n in op.output_names():
+                first.setdefault(n, i)
+                last.setdefault(n, i)
+            for n in op.input_names():
+                if n in first:
+                    last[n] = i
+        return first, last
+
     # -- validation ---------------------------------------------------------------------------
     def validate(self, mesh: ProcessMesh | None = None, rules: bool = True) -> None:
         """Raise :class:`ProgramError` (naming the op and what is wrong) unless every op names a

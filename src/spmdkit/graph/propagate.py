@@ -116,9 +116,7 @@ class Plan:
 
     def param_grads(self) -> frozenset[str]:
         """The gradients the optimizer-phase ops read (the parameter gradients)."""
-        prog = self.program
-        return frozenset(n for op in prog.ops if op.phase == "optimizer" for n in op.input_names()
-                         if prog.tensors[n].kind == "gradient")
+        return self.program.param_grads()
 
     def repeats(self, r: Reshard, param_grads: frozenset[str] | None = None) -> int:
         """How many times per step reshard ``r`` runs: ``grad_accum`` times in the forward and
