@@ -36,7 +36,19 @@ import torch
 import torch.nn.functional as F
 
 from spmdkit.core.errors import ProgramError
-from spmdkit.sim.ops import Ctx, Reference, get_reference, paddle_axes
+from spmdkit.sim.ops import (
+    ArrayLib,
+    Ctx,
+    Reference,
+    get_reference,
+    matmul,
+    matmul_grad,
+    paddle_axes,
+    reduce_axes,
+    sum_to_shape,
+)
+from spmdkit.sim.refs.attention import rope
+from spmdkit.sim.refs.optimizer import adam_update
 
 Args = dict[str, Any]
 Kernel = Callable[[Args, Ctx], Sequence[Any]]
@@ -128,15 +140,12 @@ def _ax(axis: Any, ndim: int) -> int:
     return a + ndim if a < 0 else a
 
 
-def sum_to_shape(a: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
-    """Sum a broadcast gradient back to ``shape``."""
-    lead = a.ndim - len(shape)
-    if lead > 0:
-        a = a.sum(dim=tuple(range(lead)))
-    ax = tuple(i for i, s in enumerate(shape) if s == 1 and a.shape[i] != 1)
-    if ax:
-        a = a.sum(dim=ax, keepdim=True)
-    return a.reshape(tuple(shape))
+#: the formulas written once for numpy and torch (spmdkit.sim.ops.ArrayLib) on torch: the
+#: program's dtype, computed rotary angles in float32 as torch's own kernels compute them
+TORCH = ArrayLib(array=_t, floats=lambda v, like: torch.as_tensor(v, dtype=torch.float32, device=like.device),
+                 ints=lambda v: _t(v).to(torch.int64), cast=lambda x, like: x.to(like.dtype), concat=torch.cat,
+                 stack=torch.stack, repeat=torch.repeat_interleave, sin=torch.sin, cos=torch.cos, sqrt=torch.sqrt,
+                 maximum=torch.maximum)
 
 
 def vjp(fn: Callable[..., Any], primals: Sequence[Any], grads: Any, wrt: Sequence[bool] | None = None
@@ -381,10 +390,7 @@ def _k_where_grad(a: Args, c: Ctx) -> tuple[Any, ...]:
 @register("add_n")
 def _k_add_n(a: Args, c: Ctx) -> tuple[Any, ...]:
     xs = [_t(t) for t in a["input"]]
-    out = xs[0].clone()
-    for t in xs[1:]:
-        out = out + t
-    return (out,)
+    return (sum(xs[1:], xs[0].clone()),)
 
 
 @register("full_like")
@@ -463,9 +469,7 @@ def _k_reduce_base(a: Args, c: Ctx) -> tuple[Any, ...]:
 def _reduction_grad_kernel(name: str) -> Kernel:
     def grad(a: Args, c: Ctx) -> tuple[Any, ...]:
         x, g = _fl(a["x"]), _t(a["out_grad"])
-        ax = paddle_axes(a.get("axis", ()), x.ndim)
-        if a.get("reduce_all", False):
-            ax = tuple(range(x.ndim))
+        ax = reduce_axes(a, x.ndim)
         keep = bool(a.get("keep_dim", False))
         if name in ("max", "min"):  # every tied extreme gets the whole gradient, as the reference
             out = a.get("out")
@@ -639,36 +643,15 @@ def _k_rms_norm_grad(a: Args, c: Ctx) -> tuple[Any, ...]:
 # -- matmul ----------------------------------------------------------------------------------------
 
 
-def _tr(a: torch.Tensor) -> torch.Tensor:
-    return a.transpose(-1, -2) if a.ndim >= 2 else a
-
-
 @register("matmul", "matmul_v2", "bmm")
 def _k_matmul(a: Args, c: Ctx) -> tuple[Any, ...]:
-    x, y = _t(a["x"]), _t(a["y"])
-    if a.get("trans_x", False):
-        x = _tr(x)
-    if a.get("trans_y", False):
-        y = _tr(y)
-    return (torch.matmul(x, y),)
+    return (matmul(_t(a["x"]), _t(a["y"]), bool(a.get("trans_x", False)), bool(a.get("trans_y", False))),)
 
 
 @register("matmul_grad", "matmul_v2_grad")
 def _k_matmul_grad(a: Args, c: Ctx) -> tuple[Any, ...]:
-    x, y, g = _t(a["x"]), _t(a["y"]), _t(a["out_grad"])
-    tx, ty = bool(a.get("trans_x", False)), bool(a.get("trans_y", False))
-    x2 = x.reshape(1, -1) if x.ndim == 1 else x
-    y2 = y.reshape(-1, 1) if y.ndim == 1 else y
-    A = _tr(x2) if tx and x.ndim >= 2 else x2
-    B = _tr(y2) if ty and y.ndim >= 2 else y2
-    batch = torch.broadcast_shapes(A.shape[:-2], B.shape[:-2])  # type: ignore[no-untyped-call]
-    out_shape = (*batch, A.shape[-2], B.shape[-1])
-    g2 = g.reshape(out_shape)
-    dA = torch.matmul(g2, _tr(B))
-    dB = torch.matmul(_tr(A), g2)
-    dx2 = _tr(dA) if tx and x.ndim >= 2 else dA
-    dy2 = _tr(dB) if ty and y.ndim >= 2 else dB
-    return (sum_to_shape(dx2, x2.shape).reshape(x.shape), sum_to_shape(dy2, y2.shape).reshape(y.shape))
+    return matmul_grad(_t(a["x"]), _t(a["y"]), _t(a["out_grad"]), bool(a.get("trans_x", False)),
+                       bool(a.get("trans_y", False)))
 
 
 # -- transpose, reshape and the views --------------------------------------------------------------
@@ -1122,67 +1105,13 @@ def _k_swiglu_grad(a: Args, c: Ctx) -> tuple[Any, ...]:
     return (dx, dy)
 
 
-def _rot(x: torch.Tensor, neox: bool) -> torch.Tensor:
-    if neox:
-        h = x.shape[-1] // 2
-        return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
-    return torch.stack([-x[..., 1::2], x[..., 0::2]], dim=-1).reshape(x.shape)
-
-
 def _opt(a: Args, name: str) -> Any:
     v = a.get(name)
     return None if v is None or _t(v).ndim == 0 else _t(v)
 
 
-def _sin_cos(a: Args, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    tm = bool(a.get("time_major", False))
-    neox = bool(a.get("use_neox_rotary_style", True))
-    s = q.shape[0] if tm else q.shape[1]
-    d = q.shape[3]
-    ids = _opt(a, "position_ids")
-    sin, cos = _opt(a, "sin"), _opt(a, "cos")
-    if sin is None or cos is None:
-        base = float(a.get("rotary_emb_base", 10000.0))
-        inv = base ** (-torch.arange(0, d, 2, dtype=torch.float32, device=q.device) / max(d, 1))
-        pos = ids.float() if ids is not None else torch.arange(s, dtype=torch.float32, device=q.device)[None, :]
-        f = pos[..., None] * inv
-        f = torch.cat([f, f], dim=-1) if neox else torch.repeat_interleave(f, 2, dim=-1)
-        st, ct = torch.sin(f).to(q.dtype), torch.cos(f).to(q.dtype)
-    else:
-        st, ct = sin.reshape(-1, d), cos.reshape(-1, d)
-        if ids is not None:
-            idx = torch.remainder(torch.abs(ids.to(torch.int64)), max(st.shape[0], 1))
-            st, ct = st[idx], ct[idx]
-        else:
-            st, ct = st[None], ct[None]
-    st, ct = st[:, :, None, :], ct[:, :, None, :]
-    if tm:
-        st, ct = st.permute(1, 0, 2, 3), ct.permute(1, 0, 2, 3)
-    return st, ct
-
-
-@register("fused_rotary_position_embedding", "fused_rope")
-def _k_rope(a: Args, c: Ctx) -> tuple[Any, ...]:
-    q = _t(a["q"])
-    neox = bool(a.get("use_neox_rotary_style", True))
-    st, ct = _sin_cos(a, q)
-    outs: list[Any] = []
-    for n in ("q", "k", "v"):
-        x = _opt(a, n)
-        outs.append(None if x is None else x * ct + _rot(x, neox) * st)
-    return tuple(outs)
-
-
-@register("fused_rotary_position_embedding_grad", "fused_rope_grad")
-def _k_rope_grad(a: Args, c: Ctx) -> tuple[Any, ...]:
-    g0 = _t(a["out_q_grad"])
-    neox = bool(a.get("use_neox_rotary_style", True))
-    st, ct = _sin_cos(a, g0)
-    outs: list[Any] = []
-    for n in ("out_q_grad", "out_k_grad", "out_v_grad"):
-        g = _opt(a, n)
-        outs.append(None if g is None else g * ct - _rot(g * st, neox))
-    return tuple(outs)
+register("fused_rotary_position_embedding", "fused_rope")(lambda a, c: rope(a, TORCH))
+register("fused_rotary_position_embedding_grad", "fused_rope_grad")(lambda a, c: rope(a, TORCH, grad=True))
 
 
 # -- flash_attention: torch's scaled_dot_product_attention on Paddle's [b, s, h, d] layout --------------
@@ -1387,11 +1316,8 @@ def _adam_kernel(decoupled: bool) -> Kernel:
                     None if master is None else _t(master).clone())
 
         def update(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-            from spmdkit.sim.refs.optimizer import adam_update
-
             return adam_update(p, g, m1, m2, _t(m2max) if amsgrad and m2max is not None else None, a, decoupled,
-                               lr, _scalar(b1p), _scalar(b2p), torch.sqrt, torch.maximum,
-                               lambda x, like: x.to(like.dtype))
+                               lr, _scalar(b1p), _scalar(b2p), TORCH)
 
         mo = None
         if master is not None:

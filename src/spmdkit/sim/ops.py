@@ -131,9 +131,51 @@ def paddle_axes(axis: Any, ndim: int) -> tuple[int, ...]:
     return tuple(sorted(set(out)))
 
 
-def sum_to_shape(a: np.ndarray, shape: Sequence[int]) -> np.ndarray:
-    """Sum a broadcast gradient back to ``shape`` (numpy broadcasting rules)."""
-    a = np.asarray(a)
+def reduce_axes(a: Arrays, ndim: int) -> tuple[int, ...]:
+    """A reduction's axes: Paddle's ``axis`` list (checked even then), all of them with ``reduce_all``."""
+    ax = paddle_axes(a.get("axis", ()), ndim)
+    return tuple(range(ndim)) if a.get("reduce_all", False) else ax
+
+
+# -- formulas written once for numpy and torch ---------------------------------------------------
+# The torch kernels (spmdkit.torch_kernels) run the same formulas on torch tensors: they use the
+# methods and operators numpy arrays and torch tensors share (``@``, ``.sum(axis=, keepdims=)``,
+# ``.reshape``, ``.swapaxes``, indexing, ``abs``, ``%``) and an :class:`ArrayLib` for the rest.
+
+
+@dataclass(frozen=True)
+class ArrayLib:
+    """The array functions whose numpy and torch spellings differ: :data:`NUMPY` (the references,
+    in float64) and ``spmdkit.torch_kernels.TORCH`` (the program's dtype)."""
+
+    #: an input as the library computes on it (numpy: float64)
+    array: Callable[[Any], Any]
+    #: (values, like): floats in the dtype angles are computed in, on ``like``'s device
+    floats: Callable[[Any, Any], Any]
+    #: integer indices (int64)
+    ints: Callable[[Any], Any]
+    #: (x, like): ``x`` in ``like``'s dtype (numpy: ``x`` as it is, everything is float64)
+    cast: Callable[[Any, Any], Any]
+    concat: Callable[[Sequence[Any], int], Any]
+    stack: Callable[[Sequence[Any], int], Any]
+    #: (x, n, axis): every element ``n`` times along ``axis``
+    repeat: Callable[[Any, int, int], Any]
+    sin: Callable[[Any], Any]
+    cos: Callable[[Any], Any]
+    sqrt: Callable[[Any], Any]
+    maximum: Callable[[Any, Any], Any]
+
+
+NUMPY = ArrayLib(array=as_f64, floats=lambda v, like: np.asarray(v, dtype=np.float64),
+                 ints=lambda v: np.asarray(v, dtype=np.int64), cast=lambda x, like: x, concat=np.concatenate,
+                 stack=np.stack, repeat=np.repeat, sin=np.sin, cos=np.cos, sqrt=np.sqrt, maximum=np.maximum)
+
+
+def sum_to_shape(a: Any, shape: Sequence[int]) -> Any:
+    """Sum a broadcast gradient back to ``shape`` (numpy broadcasting rules): a numpy array, a
+    torch tensor, or anything else as a numpy array."""
+    if not hasattr(a, "ndim"):
+        a = np.asarray(a)
     lead = a.ndim - len(shape)
     if lead > 0:
         a = a.sum(axis=tuple(range(lead)))
@@ -141,6 +183,33 @@ def sum_to_shape(a: np.ndarray, shape: Sequence[int]) -> np.ndarray:
     if ax:
         a = a.sum(axis=ax, keepdims=True)
     return a.reshape(tuple(shape))
+
+
+def swap_last(a: Any) -> Any:
+    """The last two axes swapped (a 0-D or 1-D array as it is)."""
+    return a.swapaxes(-1, -2) if a.ndim >= 2 else a
+
+
+def matmul(x: Any, y: Any, trans_x: bool = False, trans_y: bool = False) -> Any:
+    """Paddle's matmul: ``x @ y`` after the optional transposes of the last two axes."""
+    return (swap_last(x) if trans_x else x) @ (swap_last(y) if trans_y else y)
+
+
+def matmul_grad(x: Any, y: Any, g: Any, trans_x: bool, trans_y: bool) -> tuple[Any, Any]:
+    """The gradients of :func:`matmul` for ``out_grad`` ``g``: (x_grad, y_grad), summed over the
+    broadcast batch axes, in the shapes of ``x`` and ``y``."""
+    tx, ty = trans_x and x.ndim >= 2, trans_y and y.ndim >= 2  # a vector is not transposed
+    x2 = x.reshape(1, -1) if x.ndim == 1 else x
+    y2 = y.reshape(-1, 1) if y.ndim == 1 else y
+    A = swap_last(x2) if tx else x2
+    B = swap_last(y2) if ty else y2
+    batch = np.broadcast_shapes(tuple(A.shape[:-2]), tuple(B.shape[:-2]))
+    g2 = g.reshape((*batch, A.shape[-2], B.shape[-1]))
+    dA = g2 @ swap_last(B)
+    dB = swap_last(A) @ g2
+    dx2 = swap_last(dA) if tx else dA
+    dy2 = swap_last(dB) if ty else dB
+    return sum_to_shape(dx2, x2.shape).reshape(x.shape), sum_to_shape(dy2, y2.shape).reshape(y.shape)
 
 
 def _vec(fn: Callable[[float], float]) -> Callable[[np.ndarray], np.ndarray]:
@@ -690,35 +759,13 @@ register_reference(Reference("rms_norm_grad", _rms_norm_grad, ("x", "invvar", "o
 # -- matmul -----------------------------------------------------------------------------------
 
 
-def _t(a: np.ndarray) -> np.ndarray:
-    return np.swapaxes(a, -1, -2) if a.ndim >= 2 else a
-
-
 def _matmul(a: Arrays, c: Ctx) -> tuple[Any, ...]:
-    x, y = as_f64(a["x"]), as_f64(a["y"])
-    if a.get("trans_x", False):
-        x = _t(x)
-    if a.get("trans_y", False):
-        y = _t(y)
-    return (np.matmul(x, y),)
+    return (matmul(as_f64(a["x"]), as_f64(a["y"]), bool(a.get("trans_x", False)), bool(a.get("trans_y", False))),)
 
 
 def _matmul_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
-    x, y, g = as_f64(a["x"]), as_f64(a["y"]), as_f64(a["out_grad"])
-    tx, ty = bool(a.get("trans_x", False)), bool(a.get("trans_y", False))
-    x2 = x.reshape(1, -1) if x.ndim == 1 else x
-    y2 = y.reshape(-1, 1) if y.ndim == 1 else y
-    A = _t(x2) if tx and x.ndim >= 2 else x2
-    B = _t(y2) if ty and y.ndim >= 2 else y2
-    out_shape = np.matmul(A, B).shape
-    g2 = g.reshape(out_shape)
-    dA = np.matmul(g2, _t(B))
-    dB = np.matmul(_t(A), g2)
-    dx2 = _t(dA) if tx and x.ndim >= 2 else dA
-    dy2 = _t(dB) if ty and y.ndim >= 2 else dB
-    dx = sum_to_shape(dx2, x2.shape).reshape(x.shape)
-    dy = sum_to_shape(dy2, y2.shape).reshape(y.shape)
-    return (dx, dy)
+    return matmul_grad(as_f64(a["x"]), as_f64(a["y"]), as_f64(a["out_grad"]), bool(a.get("trans_x", False)),
+                       bool(a.get("trans_y", False)))
 
 
 register_reference(Reference("matmul", _matmul, ("x", "y"), ("out",), "matmul"), "matmul_v2", "bmm")
@@ -828,9 +875,7 @@ def _expand_back(g: np.ndarray, xshape: tuple[int, ...], ax: tuple[int, ...], ke
 def _reduction_grad(name: str) -> RefFn:
     def run(a: Arrays, c: Ctx) -> tuple[Any, ...]:
         x, g = as_f64(a["x"]), as_f64(a["out_grad"])
-        ax = paddle_axes(a.get("axis", ()), x.ndim)
-        if a.get("reduce_all", False):
-            ax = tuple(range(x.ndim))
+        ax = reduce_axes(a, x.ndim)
         keep = bool(a.get("keep_dim", False))
         gb = _expand_back(g, x.shape, ax, keep)
         if name == "sum":
@@ -865,10 +910,7 @@ def _prep_reduction_grad(name: str) -> Callable[[Arrays], None]:
     def prep(a: Arrays) -> None:
         if a.get("out") is not None:
             x = np.asarray(a["x"])
-            ax = paddle_axes(a.get("axis", ()), x.ndim)
-            if a.get("reduce_all", False):
-                ax = tuple(range(x.ndim))
-            a["out"] = np.asarray(fn(x, ax, bool(a.get("keep_dim", False)))).reshape(np.shape(a["out"]))
+            a["out"] = np.asarray(fn(x, reduce_axes(a, x.ndim), bool(a.get("keep_dim", False)))).reshape(np.shape(a["out"]))
 
     return prep
 
@@ -1096,10 +1138,16 @@ __all__ = [
     "REDUCTIONS",
     "Reference",
     "UNARY",
+    "ArrayLib",
+    "NUMPY",
     "as_f64",
     "get_reference",
+    "matmul",
+    "matmul_grad",
     "paddle_axes",
+    "reduce_axes",
     "reference_names",
     "register_reference",
     "sum_to_shape",
+    "swap_last",
 ]

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from spmdkit.sim.cases import GENERATORS, Spec, TGen, rand_size
-from spmdkit.sim.ops import Arrays, Ctx, Reference, register_reference
+from spmdkit.sim.ops import NUMPY, ArrayLib, Arrays, Ctx, Reference, register_reference
 
 # -- flash_attention ----------------------------------------------------------------------------
 
@@ -154,20 +154,17 @@ GENERATORS["flash_attention_grad"] = _g_flash_grad
 # -- fused_rotary_position_embedding -----------------------------------------------------------
 
 
-def _rot(x: np.ndarray, neox: bool) -> np.ndarray:
+def _rot(x: Any, neox: bool, xp: ArrayLib) -> Any:
     """R(x): rotate-half (neox) or the pairwise rotation (x0, x1) -> (-x1, x0)."""
-    d = x.shape[-1]
     if neox:
-        h = d // 2
-        return np.concatenate([-x[..., h:], x[..., :h]], axis=-1)
-    out = np.empty_like(x)
-    out[..., 0::2] = -x[..., 1::2]
-    out[..., 1::2] = x[..., 0::2]
-    return out
+        h = x.shape[-1] // 2
+        return xp.concat([-x[..., h:], x[..., :h]], -1)
+    return xp.stack([-x[..., 1::2], x[..., 0::2]], -1).reshape(x.shape)
 
 
-def _sin_cos(a: Arrays, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """sin/cos broadcastable against q (``[b, s, h, d]`` or time-major ``[s, b, h, d]``)."""
+def _sin_cos(a: Arrays, q: Any, xp: ArrayLib) -> tuple[Any, Any]:
+    """sin/cos broadcastable against q (``[b, s, h, d]`` or time-major ``[s, b, h, d]``); computed
+    angles in ``xp.floats``'s dtype, then in q's."""
     tm = bool(a.get("time_major", False))
     neox = bool(a.get("use_neox_rotary_style", True))
     s = q.shape[0] if tm else q.shape[1]
@@ -176,52 +173,39 @@ def _sin_cos(a: Arrays, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     sin, cos = _opt(a, "sin"), _opt(a, "cos")
     if sin is None or cos is None:
         base = float(a.get("rotary_emb_base", 10000.0))
-        inv = base ** (-np.arange(0, d, 2, dtype=np.float64) / max(d, 1))
-        pos = np.asarray(ids, dtype=np.float64) if ids is not None else np.arange(s, dtype=np.float64)[None, :]
+        inv = base ** (-xp.floats(list(range(0, d, 2)), q) / max(d, 1))
+        pos = xp.floats(ids, q) if ids is not None else xp.floats(list(range(s)), q)[None, :]
         f = pos[..., None] * inv  # [b|1, s, d/2]
-        f = np.concatenate([f, f], axis=-1) if neox else np.repeat(f, 2, axis=-1)
-        st, ct = np.sin(f), np.cos(f)
+        f = xp.concat([f, f], -1) if neox else xp.repeat(f, 2, -1)
+        st, ct = xp.cast(xp.sin(f), q), xp.cast(xp.cos(f), q)
     else:
-        st = np.asarray(sin, dtype=np.float64).reshape(-1, d)
-        ct = np.asarray(cos, dtype=np.float64).reshape(-1, d)
+        st, ct = xp.array(sin).reshape(-1, d), xp.array(cos).reshape(-1, d)
         if ids is not None:
-            idx = np.abs(np.asarray(ids, dtype=np.int64)) % max(st.shape[0], 1)
+            idx = abs(xp.ints(ids)) % max(st.shape[0], 1)
             st, ct = st[idx], ct[idx]  # [b, s, d]
         else:
             st, ct = st[None], ct[None]  # [1, s, d]
     st, ct = st[:, :, None, :], ct[:, :, None, :]  # [b|1, s, 1, d]
     if tm:
-        st, ct = st.transpose(1, 0, 2, 3), ct.transpose(1, 0, 2, 3)
+        st, ct = st.swapaxes(0, 1), ct.swapaxes(0, 1)
     return st, ct
 
 
-def _rope(a: Arrays, c: Ctx) -> tuple[Any, ...]:
-    q = np.asarray(a["q"], dtype=np.float64)
+def rope(a: Arrays, xp: ArrayLib, grad: bool = False) -> tuple[Any, ...]:
+    """fused_rotary_position_embedding in the array library ``xp`` (the torch kernel runs it too):
+    ``x * cos + R(x) * sin`` of q, k, v; with ``grad`` its grad, ``g * cos - R(g * sin)`` of the
+    out_*_grad. None for an absent input."""
+    names = ("out_q_grad", "out_k_grad", "out_v_grad") if grad else ("q", "k", "v")
     neox = bool(a.get("use_neox_rotary_style", True))
-    st, ct = _sin_cos(a, q)
+    st, ct = _sin_cos(a, xp.array(a[names[0]]), xp)
     outs: list[Any] = []
-    for n in ("q", "k", "v"):
+    for n in names:
         x = _opt(a, n)
         if x is None:
             outs.append(None)
             continue
-        x = np.asarray(x, dtype=np.float64)
-        outs.append(x * ct + _rot(x, neox) * st)
-    return tuple(outs)
-
-
-def _rope_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
-    g0 = np.asarray(a["out_q_grad"], dtype=np.float64)
-    neox = bool(a.get("use_neox_rotary_style", True))
-    st, ct = _sin_cos(a, g0)
-    outs: list[Any] = []
-    for n in ("out_q_grad", "out_k_grad", "out_v_grad"):
-        g = _opt(a, n)
-        if g is None:
-            outs.append(None)
-            continue
-        g = np.asarray(g, dtype=np.float64)
-        outs.append(g * ct - _rot(g * st, neox))
+        x = xp.array(x)
+        outs.append(x * ct - _rot(x * st, neox, xp) if grad else x * ct + _rot(x, neox, xp) * st)
     return tuple(outs)
 
 
@@ -235,11 +219,11 @@ def _prep_rope(a: Arrays) -> None:
 
 
 register_reference(Reference(
-    "fused_rotary_position_embedding", _rope, ("q",), ("out_q", "out_k", "out_v"), "rope",
+    "fused_rotary_position_embedding", lambda a, c: rope(a, NUMPY), ("q",), ("out_q", "out_k", "out_v"), "rope",
     optional=("k", "v", "sin", "cos", "position_ids"), domains={"position_ids": "int"}, prepare=_prep_rope,
 ), "fused_rope")  # fmt: skip
 register_reference(Reference(
-    "fused_rotary_position_embedding_grad", _rope_grad, ("out_q_grad",), ("q_grad", "k_grad", "v_grad"),
+    "fused_rotary_position_embedding_grad", lambda a, c: rope(a, NUMPY, grad=True), ("out_q_grad",), ("q_grad", "k_grad", "v_grad"),
     "rope_grad", optional=("out_k_grad", "out_v_grad", "sin", "cos", "position_ids"),
     domains={"position_ids": "int"}, prepare=_prep_rope,
 ), "fused_rope_grad")  # fmt: skip

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from spmdkit.sim.cases import GENERATORS, TGen, rand_size
-from spmdkit.sim.ops import Arrays, Ctx, Reference, register_reference
+from spmdkit.sim.ops import Arrays, Ctx, Reference, matmul, register_reference
 
 Spec = dict[str, Any]
 
@@ -100,12 +100,8 @@ def _g_linear_grad(r: random.Random, m: list[int], ref: Reference) -> Spec:
 
 
 def _gemm(a: Arrays, c: Ctx) -> tuple[Any, ...]:
-    x, y = _f(a["x"]), _f(a["y"])
-    if a.get("trans_x", False):
-        x = _t(x)
-    if a.get("trans_y", False):
-        y = _t(y)
-    return (np.matmul(x, y) + _f(a["bias"]), None)
+    return (matmul(_f(a["x"]), _f(a["y"]), bool(a.get("trans_x", False)), bool(a.get("trans_y", False)))
+            + _f(a["bias"]), None)
 
 
 def _gemm_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:

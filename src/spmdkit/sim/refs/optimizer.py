@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from spmdkit.sim.cases import GENERATORS, TGen, rand_shape
-from spmdkit.sim.ops import Arrays, Ctx, Reference, register_reference
+from spmdkit.sim.ops import NUMPY, ArrayLib, Arrays, Ctx, Reference, register_reference
 
 
 def _f(x: Any) -> np.ndarray:
@@ -30,12 +30,11 @@ def _skip(a: Arrays) -> bool:
 
 
 def adam_update(p: Any, g: Any, m1: Any, m2: Any, m2max: Any, a: Mapping[str, Any], decoupled: bool, lr: float,
-                b1s: float, b2s: float, sqrt: Callable[[Any], Any], maximum: Callable[[Any, Any], Any],
-                cast: Callable[[Any, Any], Any] = lambda x, like: x) -> tuple[Any, Any, Any, Any]:
-    """One Adam / AdamW update as Paddle's kernel computes it, for any array library (``sqrt``,
-    ``maximum`` its functions; ``cast(x, like)`` the step in ``like``'s dtype): (param, moment1,
-    moment2, moment2_max or None). ``m2max``: the amsgrad running maximum, None without amsgrad;
-    ``b1s`` / ``b2s``: the beta powers; ``a``: the op's attributes."""
+                b1s: float, b2s: float, xp: ArrayLib) -> tuple[Any, Any, Any, Any]:
+    """One Adam / AdamW update as Paddle's kernel computes it, in the array library ``xp`` (the
+    step cast to the parameter's dtype): (param, moment1, moment2, moment2_max or None).
+    ``m2max``: the amsgrad running maximum, None without amsgrad; ``b1s`` / ``b2s``: the beta
+    powers; ``a``: the op's attributes."""
     b1, b2 = float(a.get("beta1", 0.9)), float(a.get("beta2", 0.999))
     eps = float(a.get("epsilon", 1e-8))
     step_lr = lr
@@ -48,10 +47,10 @@ def adam_update(p: Any, g: Any, m1: Any, m2: Any, m2max: Any, a: Mapping[str, An
     m2mo = None
     denom = m2o
     if m2max is not None:
-        m2mo = maximum(m2max, m2o)
+        m2mo = xp.maximum(m2max, m2o)
         denom = m2mo
     lr_t = step_lr * math.sqrt(1.0 - b2s) / (1.0 - b1s)
-    po = p - cast(lr_t * (m1o / (sqrt(denom) + eps * math.sqrt(1.0 - b2s))), p)
+    po = p - xp.cast(lr_t * (m1o / (xp.sqrt(denom) + eps * math.sqrt(1.0 - b2s))), p)
     return po, m1o, m2o, m2mo
 
 
@@ -68,7 +67,7 @@ def _adam_step(a: Arrays, decoupled: bool) -> tuple[Any, ...]:
 
     def update(p: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
         return adam_update(p, g, m1, m2, _f(m2max) if amsgrad and m2max is not None else None, a, decoupled,
-                           lr, _scalar(b1p), _scalar(b2p), np.sqrt, np.maximum)
+                           lr, _scalar(b1p), _scalar(b2p), NUMPY)
 
     if _skip(a):
         po: np.ndarray = _f(a["param"]).copy()

@@ -195,10 +195,7 @@ register_reference(Reference("logsumexp_grad", _lse_grad, ("x", "out", "out_grad
 
 def _add_n(a: Arrays, c: Ctx) -> tuple[Any, ...]:
     xs = [as_f64(t) for t in a["input"]]
-    out = xs[0].copy()
-    for t in xs[1:]:
-        out = out + t
-    return (out,)
+    return (sum(xs[1:], xs[0].copy()),)
 
 
 def _add_n_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
