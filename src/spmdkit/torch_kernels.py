@@ -505,34 +505,29 @@ def _k_mean_all_grad(a: Args, c: Ctx) -> tuple[Any, ...]:
 # -- softmax ---------------------------------------------------------------------------------------
 
 
-@register("softmax")
-def _k_softmax(a: Args, c: Ctx) -> tuple[Any, ...]:
-    x = _t(a["x"])
-    return (torch.ones_like(x) if x.ndim == 0 else torch.softmax(x, dim=_ax(a.get("axis", -1), x.ndim)),)
+def _softmax_kernel(fn: Callable[..., torch.Tensor], of_0d: UnaryT) -> Kernel:
+    def k(a: Args, c: Ctx) -> tuple[Any, ...]:
+        x = _t(a["x"])
+        return (of_0d(x) if x.ndim == 0 else fn(x, dim=_ax(a.get("axis", -1), x.ndim)),)
+
+    return k
 
 
-@register("log_softmax")
-def _k_log_softmax(a: Args, c: Ctx) -> tuple[Any, ...]:
-    x = _t(a["x"])
-    return (torch.zeros_like(x) if x.ndim == 0 else torch.log_softmax(x, dim=_ax(a.get("axis", -1), x.ndim)),)
+def _softmax_grad_kernel(backward: Callable[..., torch.Tensor]) -> Kernel:
+    def k(a: Args, c: Ctx) -> tuple[Any, ...]:
+        out, g = _t(a["out"]), _t(a["out_grad"])
+        if out.ndim == 0:
+            return (torch.zeros_like(g),)
+        return (backward(g, out, _ax(a.get("axis", -1), out.ndim), g.dtype),)
+
+    return k
 
 
-@register("softmax_grad")
-def _k_softmax_grad(a: Args, c: Ctx) -> tuple[Any, ...]:
-    out, g = _t(a["out"]), _t(a["out_grad"])
-    if out.ndim == 0:
-        return (torch.zeros_like(g),)
-    ax = _ax(a.get("axis", -1), out.ndim)
-    return (torch._softmax_backward_data(g, out, ax, g.dtype),)
-
-
-@register("log_softmax_grad")
-def _k_log_softmax_grad(a: Args, c: Ctx) -> tuple[Any, ...]:
-    out, g = _t(a["out"]), _t(a["out_grad"])
-    if out.ndim == 0:
-        return (torch.zeros_like(g),)
-    ax = _ax(a.get("axis", -1), out.ndim)
-    return (torch._log_softmax_backward_data(g, out, ax, g.dtype),)
+# (rule, forward, its value on a 0-d tensor, torch's backward from the output)
+for _n, _fwd, _of_0d, _bwd in (("softmax", torch.softmax, torch.ones_like, torch._softmax_backward_data),
+                               ("log_softmax", torch.log_softmax, torch.zeros_like, torch._log_softmax_backward_data)):
+    register(_n)(_softmax_kernel(_fwd, _of_0d))
+    register(f"{_n}_grad")(_softmax_grad_kernel(_bwd))
 
 
 # -- layer_norm / rms_norm (statistics in float32 for half inputs, as torch's kernels keep them) --
@@ -808,28 +803,26 @@ def _k_concat_grad(a: Args, c: Ctx) -> tuple[Any, ...]:
     return tuple(p.contiguous() for p in torch.split(g, [_t(t).shape[ax] for t in a["x"]], dim=ax))
 
 
-@register("stack")
-def _k_stack(a: Args, c: Ctx) -> tuple[Any, ...]:
-    xs = [_t(t) for t in a["x"]]
-    return (torch.stack(xs, dim=_ax(a.get("axis", 0), xs[0].ndim + 1)),)
+def _stack_kernel(name: str) -> Kernel:
+    def fn(a: Args, c: Ctx) -> tuple[Any, ...]:
+        xs = [_t(t) for t in a[name]]
+        return (torch.stack(xs, dim=_ax(a.get("axis", 0), xs[0].ndim + 1)),)
+
+    return fn
 
 
-@register("unbind")
-def _k_unbind(a: Args, c: Ctx) -> tuple[Any, ...]:
-    x = _t(a["x"])
-    return tuple(v.clone() for v in torch.unbind(x, dim=_ax(a.get("axis", 0), x.ndim)))
+def _unbind_kernel(name: str) -> Kernel:
+    def fn(a: Args, c: Ctx) -> tuple[Any, ...]:
+        x = _t(a[name])
+        return tuple(v.clone() for v in torch.unbind(x, dim=_ax(a.get("axis", 0), x.ndim)))
+
+    return fn
 
 
-@register("unbind_grad")
-def _k_unbind_grad(a: Args, c: Ctx) -> tuple[Any, ...]:
-    gs = [_t(t) for t in a["out_grad"]]
-    return (torch.stack(gs, dim=_ax(a.get("axis", 0), gs[0].ndim + 1)),)
-
-
-@register("stack_grad")
-def _k_stack_grad(a: Args, c: Ctx) -> tuple[Any, ...]:
-    g = _t(a["output_grad"])
-    return tuple(v.clone() for v in torch.unbind(g, dim=_ax(a.get("axis", 0), g.ndim)))
+register("stack")(_stack_kernel("x"))
+register("unbind_grad")(_stack_kernel("out_grad"))
+register("unbind")(_unbind_kernel("x"))
+register("stack_grad")(_unbind_kernel("output_grad"))
 
 
 @register("add_n_grad")

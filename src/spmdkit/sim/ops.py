@@ -574,11 +574,12 @@ def _log_softmax(x: np.ndarray, axis: int) -> np.ndarray:
     return np.asarray(x - m - np.log(np.exp(x - m).sum(axis=axis, keepdims=True)))
 
 
-def norm_axis(axis: Any, ndim: int) -> int:
-    """A reference's axis attribute in [0, ndim) (a 0-d tensor takes 0 or -1); ValueError else."""
+def norm_axis(axis: Any, ndim: int, any_0d: bool = False) -> int:
+    """A reference's axis attribute in [0, ndim) (a 0-d tensor takes 0 or -1, any axis with
+    ``any_0d``); ValueError else."""
     a = int(axis)
     if ndim == 0:
-        if a not in (0, -1):
+        if a not in (0, -1) and not any_0d:
             raise ValueError(f"axis {axis} out of range for a 0-d tensor")
         return 0
     if a < 0:
@@ -589,14 +590,8 @@ def norm_axis(axis: Any, ndim: int) -> int:
 
 
 def _axis1(axis: Any, ndim: int) -> int:
-    a = int(axis)
-    if ndim == 0:
-        return 0
-    if a < 0:
-        a += ndim
-    if not 0 <= a < ndim:
-        raise ValueError(f"axis {axis} out of range")
-    return a
+    """softmax's axis: any on a 0-d tensor (its softmax is 1 whatever the axis)."""
+    return norm_axis(axis, ndim, any_0d=True)
 
 
 def _softmax_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:

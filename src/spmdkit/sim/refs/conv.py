@@ -573,18 +573,12 @@ _CONV_IN = ("input", "filter")
 _CONV_G = ("input", "filter", "output_grad")
 _POS = {"variance": "pos", "mean_out": "real", "variance_out": "pos"}
 
-register_reference(Reference("conv2d", _conv, _CONV_IN, ("output",), _P + "conv2d"))
-register_reference(Reference("conv2d_grad", _conv_grad, _CONV_G, ("input_grad", "filter_grad"),
-                             _P + "conv2d_grad"))
-register_reference(Reference("conv3d", _conv, _CONV_IN, ("output",), _P + "conv3d"))
-register_reference(Reference("conv3d_grad", _conv_grad, _CONV_G, ("input_grad", "filter_grad"),
-                             _P + "conv3d_grad"))
-register_reference(Reference("depthwise_conv2d", _conv, _CONV_IN, ("output",), _P + "depthwise"))
-register_reference(Reference("depthwise_conv2d_grad", _conv_grad, _CONV_G, ("input_grad", "filter_grad"),
-                             _P + "depthwise_grad"))
-register_reference(Reference("conv2d_transpose", _conv_t, _CONV_IN, ("output",), _P + "conv2d_transpose"))
-register_reference(Reference("conv2d_transpose_grad", _conv_t_grad, _CONV_G, ("input_grad", "filter_grad"),
-                             _P + "conv2d_transpose_grad"))
+# (rule, forward, grad, case family)
+for _name, _fwd, _grad, _fam in (("conv2d", _conv, _conv_grad, "conv2d"), ("conv3d", _conv, _conv_grad, "conv3d"),
+                                  ("depthwise_conv2d", _conv, _conv_grad, "depthwise"),
+                                  ("conv2d_transpose", _conv_t, _conv_t_grad, "conv2d_transpose")):
+    register_reference(Reference(_name, _fwd, _CONV_IN, ("output",), _P + _fam))
+    register_reference(Reference(f"{_name}_grad", _grad, _CONV_G, ("input_grad", "filter_grad"), f"{_P}{_fam}_grad"))
 register_reference(Reference("batch_norm", _bn, ("x", "mean", "variance"),
                              ("out", "mean_out", "variance_out", "saved_mean", "saved_variance", "reserve_space"),
                              _P + "batch_norm", optional=("scale", "bias"), domains={"variance": "pos"}))

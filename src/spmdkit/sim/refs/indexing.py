@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from spmdkit.sim.cases import GENERATORS, TGen, rand_shape, rand_size
+from spmdkit.sim.cases import GENERATORS, Gen, TGen, rand_shape, rand_size
 from spmdkit.sim.ops import Arrays, Ctx, Reference, register_reference, sum_to_shape
 
 FAMILY = "indexing"
@@ -287,24 +287,16 @@ def _gather_out(sp: dict[str, Any]) -> tuple[int, ...]:
     return (*x[:ax], *mid, *x[ax + 1 :])
 
 
-def _g_gather(r: random.Random, m: list[int], ref: Reference) -> dict[str, Any]:
-    return _gather_spec(r, m, False)
+def _gather_gen(one_d: bool, grad: bool) -> Gen:
+    """gather (an index of 0, 1 or 2 dims) or index_select (1-D), with ``out_grad`` for the grad."""
 
+    def gen(r: random.Random, m: list[int], ref: Reference) -> dict[str, Any]:
+        sp = _gather_spec(r, m, one_d)
+        if grad:
+            sp["out_grad"] = TGen(_gather_out(sp), "real")
+        return sp
 
-def _g_gather_grad(r: random.Random, m: list[int], ref: Reference) -> dict[str, Any]:
-    sp = _gather_spec(r, m, False)
-    sp["out_grad"] = TGen(_gather_out(sp), "real")
-    return sp
-
-
-def _g_index_select(r: random.Random, m: list[int], ref: Reference) -> dict[str, Any]:
-    return _gather_spec(r, m, True)
-
-
-def _g_index_select_grad(r: random.Random, m: list[int], ref: Reference) -> dict[str, Any]:
-    sp = _gather_spec(r, m, True)
-    sp["out_grad"] = TGen(_gather_out(sp), "real")
-    return sp
+    return gen
 
 
 def _nd_spec(r: random.Random, m: list[int]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
@@ -380,10 +372,10 @@ def _g_where_grad(r: random.Random, m: list[int], ref: Reference) -> dict[str, A
 
 
 GENERATORS.update({
-    "gather": _g_gather,
-    "gather_grad": _g_gather_grad,
-    "index_select": _g_index_select,
-    "index_select_grad": _g_index_select_grad,
+    "gather": _gather_gen(False, False),
+    "gather_grad": _gather_gen(False, True),
+    "index_select": _gather_gen(True, False),
+    "index_select_grad": _gather_gen(True, True),
     "gather_nd": _g_gather_nd,
     "gather_nd_grad": _g_gather_nd_grad,
     "scatter": _g_scatter,

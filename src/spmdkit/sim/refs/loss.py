@@ -21,6 +21,7 @@ the kernel does), so only a replicated x is sound.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -144,26 +145,38 @@ register_reference(Reference("cross_entropy_with_softmax_grad", _ce_grad, ("labe
 # -- c_softmax_with_cross_entropy ----------------------------------------------------------------
 
 
+def class_parallel(group: dict[str, Any], op: str, x: np.ndarray, c: Ctx,
+                   run: Callable[[np.ndarray], tuple[Any, ...]], comm: Callable[[], tuple[Any, ...]]
+                   ) -> tuple[Any, ...]:
+    """A class-parallel kernel (softmax and loss over a class axis the ranks may shard): ``run``
+    on the global logits ``x`` (kept in ``group`` for the ranks); on a real engine's rank
+    ``comm()``; on a simulated rank ``run`` on its rows of the global logits, every class (what
+    its class group gathers), its class slice of the softmax and its loss, after checking that
+    its local ``x`` is exactly its slice of the global one (ValueError naming ``op`` else)."""
+    if c.is_global:
+        group["x"] = x.copy()
+        return run(x)
+    if c.comm is not None:
+        return comm()
+    from spmdkit.sim.mesh import local_slices
+
+    gx = group.get("x")
+    gshape = tuple(c.shapes.get("x") or ())
+    if gx is None or gx.shape != gshape or c.coords is None:
+        raise ValueError(f"{op}: no global run to gather the class axis from")
+    sl = local_slices(c.in_attrs["x"], gshape, c.coords)
+    if x.shape != gx[sl].shape or not np.allclose(x, gx[sl], rtol=1e-7, atol=1e-9):
+        raise ValueError(f"{op}: the local logits are not this rank's slice of x")
+    sm, loss = run(gx[(*sl[:-1], slice(None))])
+    return sm[..., sl[-1]], loss
+
+
 def _c_softmax(a: Arrays, c: Ctx) -> tuple[Any, ...]:
     x = _f(a["x"])
     ig = int(a.get("ignore_index", -100))
-    if c.is_global:
-        _GROUP["x"] = x.copy()
-        return cross_entropy(x, a["label"], False, True, ig, x.ndim - 1)
-    if c.comm is not None:
-        return _c_softmax_comm(x, a["label"], ig, c)
-    from spmdkit.sim.mesh import local_slices
-
-    gx = _GROUP.get("x")
-    gshape = tuple(c.shapes.get("x") or ())
-    if gx is None or gx.shape != gshape or c.coords is None:
-        raise ValueError("c_softmax_with_cross_entropy: no global run to gather the class axis from")
-    sl = local_slices(c.in_attrs["x"], gshape, c.coords)
-    if x.shape != gx[sl].shape or not np.allclose(x, gx[sl], rtol=1e-7, atol=1e-9):
-        raise ValueError("c_softmax_with_cross_entropy: the local logits are not this rank's slice of x")
-    rows = gx[(*sl[:-1], slice(None))]  # what the class group gathers: this rank's rows, every class
-    sm, loss = cross_entropy(rows, a["label"], False, True, ig, rows.ndim - 1)
-    return sm[..., sl[-1]], loss
+    return class_parallel(_GROUP, "c_softmax_with_cross_entropy", x, c,
+                          lambda rows: cross_entropy(rows, a["label"], False, True, ig, rows.ndim - 1),
+                          lambda: _c_softmax_comm(x, a["label"], ig, c))
 
 
 def _c_softmax_comm(x: np.ndarray, label: Any, ig: int, c: Ctx) -> tuple[Any, ...]:

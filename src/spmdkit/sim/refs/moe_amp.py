@@ -47,7 +47,7 @@ import numpy as np
 
 from spmdkit.sim.cases import GENERATORS, TGen, rand_shape, rand_size
 from spmdkit.sim.ops import Arrays, Ctx, Reference, register_reference
-from spmdkit.sim.refs.loss import class_start
+from spmdkit.sim.refs.loss import class_parallel, class_start
 
 _GROUP: dict[str, Any] = {}
 
@@ -191,23 +191,9 @@ def _ml(a: Arrays, c: Ctx) -> tuple[Any, ...]:
     x = _f(a["x"])
     ig = int(a.get("ignore_index", -100))
     summed = bool(a.get("sum_multi_label_loss", True))
-    if c.is_global:
-        _GROUP["x"] = x.copy()
-        return _ml_global(x, a["label"], a["smooth_weight"], ig, summed)
-    if c.comm is not None:
-        return _ml_comm(x, a, ig, summed, c)
-    from spmdkit.sim.mesh import local_slices
-
-    gx = _GROUP.get("x")
-    gshape = tuple(c.shapes.get("x") or ())
-    if gx is None or gx.shape != gshape or c.coords is None:
-        raise ValueError("c_softmax_with_multi_label_cross_entropy: no global run to gather the class axis from")
-    sl = local_slices(c.in_attrs["x"], gshape, c.coords)
-    if x.shape != gx[sl].shape or not np.allclose(x, gx[sl], rtol=1e-7, atol=1e-9):
-        raise ValueError("c_softmax_with_multi_label_cross_entropy: the local logits are not this rank's slice of x")
-    rows = gx[(*sl[:-1], slice(None))]  # this rank's rows, every class (what the group gathers)
-    sm, loss = _ml_global(rows, a["label"], a["smooth_weight"], ig, summed)
-    return sm[..., sl[-1]], loss
+    return class_parallel(_GROUP, "c_softmax_with_multi_label_cross_entropy", x, c,
+                          lambda rows: _ml_global(rows, a["label"], a["smooth_weight"], ig, summed),
+                          lambda: _ml_comm(x, a, ig, summed, c))
 
 
 def _ml_comm(x: np.ndarray, a: Arrays, ig: int, summed: bool, c: Ctx) -> tuple[Any, ...]:
