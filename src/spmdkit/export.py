@@ -48,6 +48,7 @@ from typing import Any
 from spmdkit.core.dist_attr import TensorDistAttr, entry_dims
 from spmdkit.core.errors import SpmdError
 from spmdkit.core.placements import Partial, Replicate, Shard, to_partition_spec, to_placements
+from spmdkit.io.jsonfile import read_json
 
 FORMATS = ("dtensor", "jax", "paddle")
 #: The ``format`` field of each document.
@@ -430,13 +431,7 @@ def export_plan(plan: Any, fmt: str, path: str) -> dict[str, Any]:
 
 def read_document(path: str, fmt: str) -> dict[str, Any]:
     """An export document of ``fmt`` read back; ExportError when it is not one."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except OSError as exc:
-        raise ExportError(f"{fmt} export {path!r}: cannot read: {exc.strerror or exc}") from None
-    except ValueError as exc:
-        raise ExportError(f"{fmt} export {path!r}: not JSON: {exc}") from None
+    doc = read_json(path, f"{fmt} export", ExportError)
     if not isinstance(doc, dict) or doc.get("format") != DOC_FORMATS.get(fmt):
         got = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
         raise ExportError(f"{fmt} export {path!r}: format is {got!r}, expected {DOC_FORMATS.get(fmt)!r}")

@@ -850,12 +850,20 @@ def _embedding(c: ImportContext) -> Any:
     return c.emit1("embedding", {"x": ids, "weight": w}, padding_idx=int(pad) if pad is not None else -1)
 
 
-def _view(c: ImportContext) -> Any:
-    x = c.args[0]
-    shp = c.out_shape()
-    if tuple(c.shape(x)) == shp:
-        return c.tensor(x)
-    return c.emit1("reshape", {"x": x}, shape=shp)
+def _to_out_shape(rule: str) -> Hook:
+    """A view (reshape) or expand to the node's output shape; the input itself where it has it."""
+
+    def conv(c: ImportContext) -> Any:
+        x = c.args[0]
+        shp = c.out_shape()
+        if tuple(c.shape(x)) == shp:
+            return c.tensor(x)
+        return c.emit1(rule, {"x": x}, shape=shp)
+
+    return conv
+
+
+_view = _to_out_shape("reshape")
 
 
 def _permute(c: ImportContext) -> Any:
@@ -883,12 +891,7 @@ def _transpose(c: ImportContext) -> Any:
     return c.emit1("transpose", {"x": x}, perm=tuple(perm))
 
 
-def _expand(c: ImportContext) -> Any:
-    x = c.args[0]
-    shp = c.out_shape()
-    if tuple(c.shape(x)) == shp:
-        return c.tensor(x)
-    return c.emit1("expand", {"x": x}, shape=shp)
+_expand = _to_out_shape("expand")
 
 
 def _unsqueeze(c: ImportContext) -> Any:

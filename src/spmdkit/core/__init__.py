@@ -1,20 +1,8 @@
 """spmdkit.core: the data model (meshes, dist attrs, specs, results, errors, interop)."""
 
+from spmdkit.core import errors
 from spmdkit.core.dist_attr import ReduceType, TensorDistAttr, format_dims_mapping
-from spmdkit.core.errors import (
-    CaseFormatError,
-    ConflictError,
-    InvalidArgumentError,
-    InvalidAttributeError,
-    InvalidDimsMappingError,
-    InvalidMeshError,
-    InvalidPartialError,
-    ProgramError,
-    ShapeMismatchError,
-    SpmdError,
-    UnknownRuleError,
-    UnsupportedModeError,
-)
+from spmdkit.core.errors import *  # noqa: F403  (every error class: errors.__all__, listed once there)
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.placements import (
     Partial,
@@ -36,18 +24,6 @@ __all__ = [
     "DistTensorSpec",
     "SpmdResult",
     "format_dims_mapping",
-    "SpmdError",
-    "InvalidMeshError",
-    "InvalidDimsMappingError",
-    "ProgramError",
-    "InvalidPartialError",
-    "ShapeMismatchError",
-    "InvalidAttributeError",
-    "InvalidArgumentError",
-    "UnknownRuleError",
-    "ConflictError",
-    "UnsupportedModeError",
-    "CaseFormatError",
     "Placement",
     "Shard",
     "Replicate",
@@ -58,3 +34,4 @@ __all__ = [
     "to_partition_spec",
     "from_partition_spec",
 ]
+__all__ += errors.__all__

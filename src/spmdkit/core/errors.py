@@ -77,6 +77,11 @@ class InternalError(SpmdError):
     naming the original exception type, instead of ending the process)."""
 
 
+class ProgramError(SpmdError):
+    """A program (spmdkit.graph) is malformed: unknown rule, dangling or twice-produced tensor,
+    shapes the op's rule rejects, or an annotation that does not fit its tensor."""
+
+
 __all__ = [
     "SpmdError",
     "InvalidMeshError",
@@ -89,12 +94,8 @@ __all__ = [
     "ConflictError",
     "UnsupportedModeError",
     "CaseFormatError",
+    "ProgramError",
     "InternalError",
     "MAX_MESSAGE_CHARS",
     "bounded",
 ]
-
-
-class ProgramError(SpmdError):
-    """A program (spmdkit.graph) is malformed: unknown rule, dangling or twice-produced tensor,
-    shapes the op's rule rejects, or an annotation that does not fit its tensor."""

@@ -31,6 +31,19 @@ class Placement:
     def is_partial(self) -> bool:
         return False
 
+    def _key(self) -> tuple[Any, ...]:
+        """The fields an instance is equal on, hashed on and shown with."""
+        return ()
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other._key() == self._key()
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, *self._key()))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(repr(k) for k in self._key())})"
+
 
 class Shard(Placement):
     __slots__ = ("dim",)
@@ -43,14 +56,8 @@ class Shard(Placement):
     def is_shard(self, dim: int | None = None) -> bool:
         return dim is None or dim == self.dim
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Shard) and other.dim == self.dim
-
-    def __hash__(self) -> int:
-        return hash(("Shard", self.dim))
-
-    def __repr__(self) -> str:
-        return f"Shard({self.dim})"
+    def _key(self) -> tuple[Any, ...]:
+        return (self.dim,)
 
 
 class Replicate(Placement):
@@ -58,15 +65,6 @@ class Replicate(Placement):
 
     def is_replicate(self) -> bool:
         return True
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Replicate)
-
-    def __hash__(self) -> int:
-        return hash("Replicate")
-
-    def __repr__(self) -> str:
-        return "Replicate()"
 
 
 class Partial(Placement):
@@ -80,14 +78,8 @@ class Partial(Placement):
     def is_partial(self) -> bool:
         return True
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Partial) and other.reduce_op == self.reduce_op
-
-    def __hash__(self) -> int:
-        return hash(("Partial", self.reduce_op))
-
-    def __repr__(self) -> str:
-        return f"Partial({self.reduce_op.value!r})"
+    def _key(self) -> tuple[Any, ...]:
+        return (self.reduce_op.value,)
 
 
 def to_placements(attr: TensorDistAttr) -> tuple[Placement, ...]:

@@ -22,62 +22,31 @@ from spmdkit.rules.registry import get_rule, is_reverse, output_params
 
 # -- reverse-mode differentiation over the grad rules ------------------------------------------
 
-#: forward rule -> (grad rule, forward tensor parameters whose gradients it returns, in order)
-GRADS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "matmul": ("matmul_grad", ("x", "y")),
-    "add": ("add_grad", ("x", "y")),
-    "multiply": ("multiply_grad", ("x", "y")),
-    "fused_rms_norm": ("rms_norm_grad", ("x", "scale")),
-    "layer_norm": ("layer_norm_grad", ("x", "scale", "bias")),
-    "reshape": ("reshape_grad", ("x",)),
-    "transpose": ("transpose_grad", ("x",)),
-    "softmax": ("softmax_grad", ("x",)),
-    "gelu": ("gelu_grad", ("x",)),
-    "scale": ("scale_grad", ("x",)),
-    "mean": ("mean_grad", ("x",)),
-    "sum": ("sum_grad", ("x",)),
-    "embedding": ("embedding_grad", ("weight",)),
-    "cross_entropy_with_softmax": ("cross_entropy_with_softmax_grad", ("x",)),
-    "c_softmax_with_cross_entropy": ("c_softmax_with_cross_entropy_grad", ("x",)),
-    "flash_attention": ("flash_attention_grad", ("q", "k", "v")),
-    "fused_rotary_position_embedding": ("fused_rotary_position_embedding_grad", ("q", "k", "v")),
-    "swiglu": ("swiglu_grad", ("x", "y")),
-    "dropout": ("dropout_grad", ("x",)),  # the mask and p: the Tape's grad_extra (_dropout)
+_X, _XY = ("x",), ("x", "y")
+#: forward rule -> forward tensor parameters whose gradients its grad rule returns, in order
+_WRT: dict[str, tuple[str, ...]] = {
+    # the built-in models (the dropout mask and p: the Tape's grad_extra, see _dropout)
+    **dict.fromkeys(("reshape", "transpose", "softmax", "gelu", "scale", "mean", "sum", "dropout",
+                     "cross_entropy_with_softmax", "c_softmax_with_cross_entropy"), _X),
+    **dict.fromkeys(("matmul", "add", "multiply", "swiglu"), _XY),
+    "fused_rms_norm": ("x", "scale"), "layer_norm": ("x", "scale", "bias"), "embedding": ("weight",),
+    "flash_attention": ("q", "k", "v"), "fused_rotary_position_embedding": ("q", "k", "v"),
     # ops taking or making a list of tensors (their gradients are lists too)
-    "split": ("split_grad", ("x",)),
-    "split_with_num": ("split_with_num_grad", ("x",)),
-    "unbind": ("unbind_grad", ("x",)),
-    "concat": ("concat_grad", ("x",)),
-    "stack": ("stack_grad", ("x",)),
-    "slice": ("slice_grad", ("input",)),
+    **dict.fromkeys(("split", "split_with_num", "unbind", "concat", "stack"), _X), "slice": ("input",),
     # ops of models imported from torch (spmdkit.torch_import; tests/test_torch_import.py checks
     # each gradient against torch's autograd)
-    "square": ("square_grad", ("x",)),
-    "rsqrt": ("rsqrt_grad", ("x",)),
-    "silu": ("silu_grad", ("x",)),
-    "sqrt": ("sqrt_grad", ("x",)),
-    "relu": ("relu_grad", ("x",)),
-    "tanh": ("tanh_grad", ("x",)),
-    "exp": ("exp_grad", ("x",)),
-    "sigmoid": ("sigmoid_grad", ("x",)),
-    "subtract": ("subtract_grad", ("x", "y")),
-    "divide": ("divide_grad", ("x", "y")),
-    "elementwise_pow": ("elementwise_pow_grad", ("x", "y")),
-    "log_softmax": ("log_softmax_grad", ("x",)),
-    "unsqueeze": ("unsqueeze_grad", ("x",)),
-    "squeeze": ("squeeze_grad", ("x",)),
-    "expand": ("expand_grad", ("x",)),
+    **dict.fromkeys(("square", "rsqrt", "silu", "sqrt", "relu", "tanh", "exp", "sigmoid", "log_softmax",
+                     "unsqueeze", "squeeze", "expand"), _X),
+    **dict.fromkeys(("subtract", "divide", "elementwise_pow"), _XY),
     # HuggingFace models (tests/test_hf.py checks the gradients against torch's autograd): masks,
     # mixed-precision casts, padded labels, gathers, patch-embedding convolutions
-    "where": ("where_grad", ("x", "y")),
-    "cast": ("cast_grad", ("x",)),
-    "pad": ("pad_grad", ("x",)),
-    "index_select": ("index_select_grad", ("x",)),
-    "gather_nd": ("gather_nd_grad", ("x",)),
-    "take_along_axis": ("take_along_axis_grad", ("x",)),
-    "conv2d": ("conv2d_grad", ("input", "filter")),
-    "conv3d": ("conv3d_grad", ("input", "filter")),
+    "where": _XY, **dict.fromkeys(("cast", "pad", "index_select", "gather_nd", "take_along_axis"), _X),
+    **dict.fromkeys(("conv2d", "conv3d"), ("input", "filter")),
 }
+#: forward rule -> (grad rule: ``<rule>_grad`` but for fused_rms_norm, forward tensor parameters
+#: whose gradients it returns, in order)
+GRADS: dict[str, tuple[str, tuple[str, ...]]] = {
+    f: ("rms_norm_grad" if f == "fused_rms_norm" else f + "_grad", wrt) for f, wrt in _WRT.items()}
 
 #: grad rule parameter -> forward output it reads, where the names differ
 _GRAD_ALIASES: dict[str, dict[str, str]] = {

@@ -165,20 +165,22 @@ def _reduction(a: Args) -> list[Expect]:
     return [_reduce(a.s("x"), a.a("axis", ()), bool(keep), bool(a.a("reduce_all", False)))]
 
 
-def _argminmax(a: Args) -> list[Expect]:
-    x = a.s("x")
-    keep = bool(a.a("keepdims", False))
-    if a.a("flatten", False):
-        return [(1,) * len(x) if keep else ()]
-    return [_reduce(x, (a.a("axis", -1),), keep)]
+def _over_axis_or_all(flag: str) -> Callable[[Args], list[Expect]]:
+    """argmin / argmax (``flatten``) and p_norm (``asvector``): over ``axis``, or over every axis
+    where ``flag`` is set."""
+
+    def expect(a: Args) -> list[Expect]:
+        x = a.s("x")
+        keep = bool(a.a("keepdims", False))
+        if a.a(flag, False):
+            return [(1,) * len(x) if keep else ()]
+        return [_reduce(x, (a.a("axis", -1),), keep)]
+
+    return expect
 
 
-def _p_norm(a: Args) -> list[Expect]:
-    x = a.s("x")
-    keep = bool(a.a("keepdims", False))
-    if a.a("asvector", False):
-        return [(1,) * len(x) if keep else ()]
-    return [_reduce(x, (a.a("axis", -1),), keep)]
+_argminmax = _over_axis_or_all("flatten")
+_p_norm = _over_axis_or_all("asvector")
 
 
 def _scalar(a: Args) -> list[Expect]:
@@ -459,12 +461,16 @@ def _strided_slice(a: Args) -> list[Expect]:
     return [tuple(out)]
 
 
-def _pad(a: Args) -> list[Expect]:
-    x = a.s("x")
-    p = list(a.a("paddings"))
+def _padded(x: tuple[int, ...], paddings: Any, sign: int) -> tuple[int, ...]:
+    """``x`` with Paddle's per-axis (before, after) ``paddings`` added (``sign`` 1) or taken off (-1)."""
+    p = list(paddings)
     if len(p) != 2 * len(x):
         raise _Unknown
-    return [tuple(v + p[2 * i] + p[2 * i + 1] for i, v in enumerate(x))]
+    return tuple(v + sign * (p[2 * i] + p[2 * i + 1]) for i, v in enumerate(x))
+
+
+def _pad(a: Args) -> list[Expect]:
+    return [_padded(a.s("x"), a.a("paddings"), 1)]
 
 
 def _index_len(idx: tuple[int, ...]) -> tuple[int, ...]:
@@ -944,9 +950,7 @@ def _grad_special(name: str) -> ShapeFn | None:
         return _stack(Args({"x": gs, "axis": a.a("axis", 0)}, ["x"], [1]))
 
     def stack_grad(a: Args) -> list[Expect]:
-        g = a.s("output_grad")
-        ax = _axis(a.a("axis", 0), len(g))
-        return [[g[:ax] + g[ax + 1:] for _ in range(g[ax])]]
+        return _unbind(Args({"x": a.s("output_grad"), "axis": a.a("axis", 0)}, ["x"], [1]))
 
     def transpose_grad(a: Args) -> list[Expect]:
         g = a.s("out_grad")
@@ -959,11 +963,7 @@ def _grad_special(name: str) -> ShapeFn | None:
         return [tuple(out)]
 
     def pad_grad(a: Args) -> list[Expect]:
-        g = a.s("out_grad")
-        p = list(a.a("paddings"))
-        if len(p) != 2 * len(g):
-            raise _Unknown
-        return [tuple(v - p[2 * i] - p[2 * i + 1] for i, v in enumerate(g))]
+        return [_padded(a.s("out_grad"), a.a("paddings"), -1)]
 
     def fused_gemm_epilogue_grad(a: Args) -> list[Expect]:
         x, y, g = a.s("x"), a.s("y"), a.s("out_grad")

@@ -38,6 +38,7 @@ from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import ProgramError, ShapeMismatchError, SpmdError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.io.jsonfile import read_json
 
 FORMAT = "spmdkit-program"
 VERSION = 1
@@ -485,19 +486,7 @@ def program_from_json(obj: Any) -> Program:
 
 def load_program(path: str) -> Program:
     """Read and validate a program JSON file."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            obj = json.load(f)
-    except OSError as exc:
-        raise ProgramError(f"--program: cannot read program file {path!r}: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise ProgramError(f"--program: program file {path!r} is not UTF-8 text (byte {exc.start})") from None
-    except json.JSONDecodeError as exc:
-        raise ProgramError(f"--program: program file {path!r} is not JSON: {exc}") from None
-    except RecursionError:
-        raise ProgramError(f"--program: program file {path!r} nests JSON too deeply") from None
-    except ValueError as exc:  # e.g. an integer literal over Python's digit limit
-        raise ProgramError(f"--program: program file {path!r} is not valid JSON: {str(exc)[:200]}") from None
+    obj = read_json(path, "--program: program file", ProgramError)
     prog = program_from_json(obj)
     prog.validate()
     return prog

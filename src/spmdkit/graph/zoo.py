@@ -124,6 +124,36 @@ class Model:
 # -- the models -------------------------------------------------------------------------------
 
 
+def _norm(t: Tape, cfg: ModelConfig, m: Model, x: str, name: str, scale: str, bias: str | None = None) -> str:
+    """``x`` normalised: RMS norm without ``bias`` (llama), layer norm with it (gpt2); its outputs
+    ``<name>.out`` and the float32 statistics; recorded among the norm outputs."""
+    B, S, H, dt = cfg.batch, cfg.seq, cfg.hidden, cfg.dtype
+    out = (name + ".out", [B, S, H], dt)
+    if bias is None:
+        n, _ = t.op("fused_rms_norm", {"x": x, "scale": scale}, [out, (name + ".invvar", [B, S], "float32")],
+                    epsilon=1e-6)
+    else:
+        n, _, _ = t.op("layer_norm", {"x": x, "scale": scale, "bias": bias},
+                       [out, (name + ".mean", [B, S], "float32"), (name + ".var", [B, S], "float32")],
+                       epsilon=1e-5, begin_norm_axis=2)
+    assert n is not None
+    m.norm_outputs.append(n)
+    return n
+
+
+def _row_residual(t: Tape, cfg: ModelConfig, m: Model, x: Any, weight: str, name: str, h: str, resid: str) -> str:
+    """The row-parallel projection ``x @ weight`` (``name``, recorded among the row outputs;
+    dropped out where cfg.dropout) added to the residual stream ``h`` as ``resid``."""
+    B, S, H, dt = cfg.batch, cfg.seq, cfg.hidden, cfg.dtype
+    (o,) = t.op("matmul", {"x": x, "y": weight}, [(name, [B, S, H], dt)])
+    m.row_outputs.append(name)
+    if cfg.dropout:
+        o = _dropout(t, cfg, o, name + ".dropout", m)
+    (r,) = t.op("add", {"x": h, "y": o}, [(resid, [B, S, H], dt)])
+    assert r is not None
+    return r
+
+
 def _llama_layer(t: Tape, cfg: ModelConfig, i: int, h: str, m: Model) -> str:
     b = t.b
     B, S, H, F = cfg.batch, cfg.seq, cfg.hidden, cfg.ffn
@@ -142,10 +172,7 @@ def _llama_layer(t: Tape, cfg: ModelConfig, i: int, h: str, m: Model) -> str:
     wd = t.param(p + "w_down", [F, H], dt)
     m.roles.update({ln1: "norm", ln2: "norm", wq: "column", wk: "column", wv: "column", wo: "row",
                     wg: "column", wu: "column", wd: "row"})
-    n1, _ = t.op("fused_rms_norm", {"x": h, "scale": ln1},
-                 [(p + "attn_norm.out", [B, S, H], dt), (p + "attn_norm.invvar", [B, S], "float32")], epsilon=1e-6)
-    assert n1 is not None
-    m.norm_outputs.append(n1)
+    n1 = _norm(t, cfg, m, h, p + "attn_norm", ln1)
     (q,) = t.op("matmul", {"x": n1, "y": wq}, [(p + "q", [B, S, nh * hd], dt)])
     (k,) = t.op("matmul", {"x": n1, "y": wk}, [(p + "k", [B, S, nkv * hd], dt)])
     (v,) = t.op("matmul", {"x": n1, "y": wv}, [(p + "v", [B, S, nkv * hd], dt)])
@@ -163,21 +190,12 @@ def _llama_layer(t: Tape, cfg: ModelConfig, i: int, h: str, m: Model) -> str:
                         [(p + "attn", [B, S, nh, hd], dt), None, (p + "attn.lse", [B, nh, S], "float32"),
                          (p + "attn.seed_offset", [2], "int64")], causal=True)
     (a2,) = t.op("reshape", {"x": att}, [(p + "attn2d", [B, S, nh * hd], dt)], shape=(B, S, nh * hd))
-    (o,) = t.op("matmul", {"x": a2, "y": wo}, [(p + "attn_out", [B, S, H], dt)])
-    (h1,) = t.op("add", {"x": h, "y": o}, [(p + "resid1", [B, S, H], dt)])
-    m.row_outputs.append(p + "attn_out")
-    assert h1 is not None
-    n2, _ = t.op("fused_rms_norm", {"x": h1, "scale": ln2},
-                 [(p + "mlp_norm.out", [B, S, H], dt), (p + "mlp_norm.invvar", [B, S], "float32")], epsilon=1e-6)
-    assert n2 is not None
-    m.norm_outputs.append(n2)
+    h1 = _row_residual(t, cfg, m, a2, wo, p + "attn_out", h, p + "resid1")
+    n2 = _norm(t, cfg, m, h1, p + "mlp_norm", ln2)
     (g,) = t.op("matmul", {"x": n2, "y": wg}, [(p + "gate", [B, S, F], dt)])
     (u,) = t.op("matmul", {"x": n2, "y": wu}, [(p + "up", [B, S, F], dt)])
     (act,) = t.op("swiglu", {"x": g, "y": u}, [(p + "swiglu", [B, S, F], dt)])
-    (d,) = t.op("matmul", {"x": act, "y": wd}, [(p + "mlp_out", [B, S, H], dt)])
-    m.row_outputs.append(p + "mlp_out")
-    (h2,) = t.op("add", {"x": h1, "y": d}, [(p + "resid2", [B, S, H], dt)])
-    assert h2 is not None
+    h2 = _row_residual(t, cfg, m, act, wd, p + "mlp_out", h1, p + "resid2")
     m.residual.extend([h1, h2])
     return h2
 
@@ -213,11 +231,7 @@ def _gpt2_layer(t: Tape, cfg: ModelConfig, i: int, h: str, m: Model) -> str:
     roles = ["norm", "norm", "column", "column", "column", "row", "norm", "norm", "column", "row"]
     w = {n: t.param(p + n, s, dt) for n, s in zip(names, shapes)}
     m.roles.update({p + n: r for n, r in zip(names, roles)})
-    n1, _, _ = t.op("layer_norm", {"x": h, "scale": w["ln1.w"], "bias": w["ln1.b"]},
-                    [(p + "ln1.out", [B, S, H], dt), (p + "ln1.mean", [B, S], "float32"),
-                     (p + "ln1.var", [B, S], "float32")], epsilon=1e-5, begin_norm_axis=2)
-    assert n1 is not None
-    m.norm_outputs.append(n1)
+    n1 = _norm(t, cfg, m, h, p + "ln1", w["ln1.w"], w["ln1.b"])
     heads: dict[str, str] = {}
     for nm in ("q", "k", "v"):
         (x,) = t.op("matmul", {"x": n1, "y": w["w" + nm]}, [(p + nm, [B, S, H], dt)])
@@ -234,25 +248,11 @@ def _gpt2_layer(t: Tape, cfg: ModelConfig, i: int, h: str, m: Model) -> str:
     (ctx,) = t.op("matmul", {"x": pr, "y": heads["v"]}, [(p + "ctx", [B, nh, S, hd], dt)])
     (ct,) = t.op("transpose", {"x": ctx}, [(p + "ctx.t", [B, S, nh, hd], dt)], perm=(0, 2, 1, 3))
     (c2,) = t.op("reshape", {"x": ct}, [(p + "ctx2d", [B, S, H], dt)], shape=(B, S, H))
-    (o,) = t.op("matmul", {"x": c2, "y": w["wo"]}, [(p + "attn_out", [B, S, H], dt)])
-    m.row_outputs.append(p + "attn_out")
-    if cfg.dropout:
-        o = _dropout(t, cfg, o, p + "attn_out.dropout", m)
-    (h1,) = t.op("add", {"x": h, "y": o}, [(p + "resid1", [B, S, H], dt)])
-    assert h1 is not None
-    n2, _, _ = t.op("layer_norm", {"x": h1, "scale": w["ln2.w"], "bias": w["ln2.b"]},
-                    [(p + "ln2.out", [B, S, H], dt), (p + "ln2.mean", [B, S], "float32"),
-                     (p + "ln2.var", [B, S], "float32")], epsilon=1e-5, begin_norm_axis=2)
-    assert n2 is not None
-    m.norm_outputs.append(n2)
+    h1 = _row_residual(t, cfg, m, c2, w["wo"], p + "attn_out", h, p + "resid1")
+    n2 = _norm(t, cfg, m, h1, p + "ln2", w["ln2.w"], w["ln2.b"])
     (f1,) = t.op("matmul", {"x": n2, "y": w["fc1"]}, [(p + "fc1.out", [B, S, F], dt)])
     (ge,) = t.op("gelu", {"x": f1}, [(p + "gelu", [B, S, F], dt)], approximate=True)
-    (f2,) = t.op("matmul", {"x": ge, "y": w["fc2"]}, [(p + "mlp_out", [B, S, H], dt)])
-    m.row_outputs.append(p + "mlp_out")
-    if cfg.dropout:
-        f2 = _dropout(t, cfg, f2, p + "mlp_out.dropout", m)
-    (h2,) = t.op("add", {"x": h1, "y": f2}, [(p + "resid2", [B, S, H], dt)])
-    assert h2 is not None
+    h2 = _row_residual(t, cfg, m, ge, w["fc2"], p + "mlp_out", h1, p + "resid2")
     m.residual.extend([h1, h2])
     return h2
 
@@ -295,16 +295,11 @@ def build_model(cfg: ModelConfig, vocab_parallel_loss: bool = False, optimizer: 
     if cfg.arch == "llama":
         fn = t.param("final_norm", [H], dt)
         m.roles[fn] = "norm"
-        nf, _ = t.op("fused_rms_norm", {"x": h, "scale": fn},
-                     [("final_norm.out", [B, S, H], dt), ("final_norm.invvar", [B, S], "float32")], epsilon=1e-6)
+        nf = _norm(t, cfg, m, h, "final_norm", fn)
     else:
         fw, fb = t.param("final_norm.w", [H], dt), t.param("final_norm.b", [H], dt)
         m.roles.update({fw: "norm", fb: "norm"})
-        nf, _, _ = t.op("layer_norm", {"x": h, "scale": fw, "bias": fb},
-                        [("final_norm.out", [B, S, H], dt), ("final_norm.mean", [B, S], "float32"),
-                         ("final_norm.var", [B, S], "float32")], epsilon=1e-5, begin_norm_axis=2)
-    assert nf is not None
-    m.norm_outputs.append(nf)
+        nf = _norm(t, cfg, m, h, "final_norm", fw, fb)
     head = t.param("lm_head", [H, V], dt)
     m.roles[head] = "head"
     (logits,) = t.op("matmul", {"x": nf, "y": head}, [("logits", [B, S, V], dt)])
