@@ -14,7 +14,10 @@ family by family, with torch's own ops instead of numpy's:
   is given saved statistics or the output instead (softmax, layer / RMS norm, the losses, the
   output-based unary grads) the reference's formula, in torch;
 - the rest one kernel per rule (norms, matmul, attention through
-  ``scaled_dot_product_attention``, the losses, AdamW / SGD, embedding, views, indexing).
+  ``scaled_dot_product_attention``, the losses, AdamW / SGD, embedding, views, indexing);
+- where the numpy reference's formula is the kernel, it is written once and runs here on
+  :data:`TORCH` (:class:`spmdkit.sim.ops.ArrayLib`): ``sum_to_shape``, matmul and its grad, the
+  rotary embedding and its grad, the Adam / AdamW update.
 
 The attributes a rank sees are made local by the numpy reference's own ``localize`` hook (a
 reshape's target in local sizes, an embedding shard's first row), so a torch kernel computes
@@ -1349,5 +1352,5 @@ def reference_of(rule: str) -> Reference | None:
     return get_reference(rule)
 
 
-__all__ = ["BINARY", "DTYPES", "KERNELS", "NoTorchKernelError", "REDUCTIONS", "UNARY", "check_kernels",
+__all__ = ["BINARY", "DTYPES", "KERNELS", "NoTorchKernelError", "REDUCTIONS", "TORCH", "UNARY", "check_kernels",
            "get_kernel", "kernel_names", "missing_kernels", "register", "run_kernel", "sum_to_shape", "vjp"]

@@ -156,8 +156,8 @@ class ArrayLib:
     ints: Callable[[Any], Any]
     #: (x, like): ``x`` in ``like``'s dtype (numpy: ``x`` as it is, everything is float64)
     cast: Callable[[Any, Any], Any]
-    concat: Callable[[Sequence[Any], int], Any]
-    stack: Callable[[Sequence[Any], int], Any]
+    concat: Callable[[list[Any], int], Any]
+    stack: Callable[[list[Any], int], Any]
     #: (x, n, axis): every element ``n`` times along ``axis``
     repeat: Callable[[Any, int, int], Any]
     sin: Callable[[Any], Any]
