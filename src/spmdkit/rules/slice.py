@@ -44,30 +44,54 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import lru_cache
-from typing import Any
 
-from spmdkit.core.dist_attr import DimsMapping, Partial, ReduceType, TensorDistAttr, entry_dims
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
+from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.axes import one_mesh_dim
 from spmdkit.engine.compile import Plan, compile_plan, infer
-from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import (
-    BROADCAST,
-    Notation,
-    common_mesh,
-    fast_result,
-    letters_for,
-    merge_letters,
-    project,
-)
+from spmdkit.engine.notation import BROADCAST, Notation, common_mesh, fast_result, letters_for
 from spmdkit.rules.registry import register
 
 Shape = tuple[int, ...]
-_make = TensorDistAttr.unchecked
+T = DistTensorSpec
+Ints = tuple[int, ...]
 
 
-def _norm_axes(op: str, name: str, axes: Sequence[int], ndim: int) -> tuple[int, ...]:
+@lru_cache(maxsize=4096)
+def _plan(kind: str, nd: int, fixed: Ints, drop: Ints = (), lead: int = 0, coshard: str = "keep",
+          direction: str = "forward") -> Plan:
+    """A rule's notation, compiled per key (ranks and attributes, never shapes). ``x``: the
+    ``nd``-D tensor's letters, its ``fixed`` axes (sliced, tiled, broadcast, padded) labelled
+    ``1``; ``y``: x's image, ``lead`` new leading axes (``1``) and the ``drop`` (decreased) axes
+    removed; ``g``: the gradient of y, its new leading axes (for expand also the broadcast axes)
+    letters that x_grad lacks, so x_grad is partial SUM over their mesh dims. Per ``kind``:
+
+    * ``copy``        ``x -> y``     slice, strided_slice, tile, expand, pad (either direction)
+    * ``copy_noy``    ``x, _ -> y``  expand_as without y
+    * ``slice_grad``  ``y, x -> x``  slice_grad, strided_slice's grad (out_grad claims first)
+    * ``tile_grad``   ``x, g -> x``  tile_grad
+    * ``expand``      ``x, g -> g``  expand_as: y alone merged (``sources``), x as y where kept
+    * ``expand_grad`` ``x, g -> x``  expand_grad, expand_as_grad: out_grad alone merged
+    """
+    full = letters_for(nd)
+    x = "".join(BROADCAST if i in fixed else c for i, c in enumerate(full))
+    y = BROADCAST * lead + "".join(c for i, c in enumerate(x) if i not in drop)
+    g = letters_for(lead, nd) + (full if kind.startswith("expand") else x)
+    table: dict[str, tuple[tuple[str | None, ...], str]] = {
+        "copy": ((x,), y), "copy_noy": ((x, None), y), "slice_grad": ((y, x), x), "tile_grad": ((x, g), x),
+        "expand": ((x, g), g), "expand_grad": ((x, g), x),
+    }  # fmt: skip
+    ins, out = table[kind]
+    sources = (1,) if kind.startswith("expand") else None
+    return compile_plan(Notation(ins, [out], coshard=coshard, sources=sources), direction)
+
+
+def _answer(op: str, p: Plan, ins: tuple[T | None, ...], outs: tuple[T, ...] = (),
+            mesh: ProcessMesh | None = None) -> SpmdResult:
+    return fast_result(*infer(p, op, ins, outs, ins[0].dist_attr.mesh if mesh is None else mesh))  # type: ignore[union-attr]
+
+
+def _norm_axes(op: str, name: str, axes: Sequence[int], ndim: int) -> Ints:
     out = []
     for a in axes:
         if not -ndim <= a < ndim:
@@ -79,11 +103,6 @@ def _norm_axes(op: str, name: str, axes: Sequence[int], ndim: int) -> tuple[int,
     return tuple(out)
 
 
-
-def _blank(dm: DimsMapping, axes: Sequence[int]) -> DimsMapping:
-    return tuple(-1 if i in axes else e for i, e in enumerate(dm))
-
-
 def _check_shapes(op: str, na: str, a: Shape, nb: str, b: Shape, skip: Sequence[int] = ()) -> None:
     if len(a) != len(b):
         raise ShapeMismatchError(f"{op}: {nb} has {len(b)} dims, {na} has {len(a)}")
@@ -92,20 +111,11 @@ def _check_shapes(op: str, na: str, a: Shape, nb: str, b: Shape, skip: Sequence[
             raise ShapeMismatchError(f"{op}: {na} and {nb} differ on axis {i} ({s} vs {t})")
 
 
-@memo()
-def _merge2(ndim: int, blank: tuple[int, ...], dms: tuple[DimsMapping, ...], shapes: tuple[Shape, ...],
-            mesh_shape: Shape) -> DimsMapping:
-    """Merge tensors of one rank axis by axis (the axes in ``blank`` replicated)."""
-    letters = "".join(BROADCAST if i in blank else c for i, c in enumerate(letters_for(ndim)))
-    merged = merge_letters(tuple(letters for _ in dms), dms, shapes, frozenset(), "", mesh_shape)
-    return project(letters, dict(merged))
-
-
 # -- slice ------------------------------------------------------------------------------------
 
 
 def _slice_attrs(op: str, ndim: int, axes: Sequence[int], starts: Sequence[int], ends: Sequence[int],
-                 decrease: Sequence[int], strides: Sequence[int] | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+                 decrease: Sequence[int], strides: Sequence[int] | None = None) -> tuple[Ints, Ints]:
     ax = _norm_axes(op, "axes", axes, ndim)
     if len(starts) != len(ax) or len(ends) != len(ax):
         raise InvalidAttributeError(
@@ -122,201 +132,152 @@ def _slice_attrs(op: str, ndim: int, axes: Sequence[int], starts: Sequence[int],
     return ax, tuple(sorted(dec))
 
 
-def _remove(dm: tuple[Any, ...], dec: Sequence[int]) -> tuple[Any, ...]:
-    return tuple(e for i, e in enumerate(dm) if i not in dec)
+def _kept(shape: Shape, dec: Ints) -> Shape:
+    return tuple(s for i, s in enumerate(shape) if i not in dec)
 
 
-def _insert(dm: tuple[Any, ...], dec: Sequence[int], ndim: int) -> tuple[Any, ...]:
-    it = iter(dm)
-    return tuple(-1 if i in dec else next(it) for i in range(ndim))
-
-
-def slice_forward(input: DistTensorSpec, axes: tuple[int, ...], starts: tuple[int, ...], ends: tuple[int, ...],
-                  infer_flags: tuple[int, ...] = (), decrease_axis: tuple[int, ...] = ()) -> SpmdResult:
+def slice_forward(input: T, axes: Ints, starts: Ints, ends: Ints, infer_flags: Ints = (),
+                  decrease_axis: Ints = ()) -> SpmdResult:
     """The sliced axes replicated; the decreased axes dropped from the output."""
-    a = input.dist_attr
     ax, dec = _slice_attrs("slice", input.ndim, axes, starts, ends, decrease_axis)
-    dm = _blank(one_mesh_dim(a.dims_mapping, a.mesh.shape), ax)
-    return fast_result((_make(a.mesh, dm),), (_make(a.mesh, _remove(dm, dec)),))
+    return _answer("slice", _plan("copy", input.ndim, ax, dec, coshard="largest"), (input,))
 
 
-def slice_backward(input: DistTensorSpec, output: DistTensorSpec, axes: tuple[int, ...], starts: tuple[int, ...],
-                   ends: tuple[int, ...], infer_flags: tuple[int, ...] = (),
-                   decrease_axis: tuple[int, ...] = ()) -> SpmdResult:
+def slice_backward(input: T, output: T, axes: Ints, starts: Ints, ends: Ints, infer_flags: Ints = (),
+                   decrease_axis: Ints = ()) -> SpmdResult:
     """input from output: the decreased axes put back, the sliced axes replicated."""
     mesh = common_mesh("slice", (input, output))
-    ax, dec = _slice_attrs("slice", input.ndim, axes, starts, ends, decrease_axis)
-    if output.ndim != input.ndim - len(dec):
-        raise ShapeMismatchError(f"slice: output has {output.ndim} dims; input has {input.ndim} and "
+    nd = input.ndim
+    ax, dec = _slice_attrs("slice", nd, axes, starts, ends, decrease_axis)
+    if output.ndim != nd - len(dec):
+        raise ShapeMismatchError(f"slice: output has {output.ndim} dims; input has {nd} and "
                                  f"decrease_axis removes {len(dec)}")
-    _check_shapes("slice", "input", _remove(input.shape, dec), "output", output.shape,
-                  [i for i, k in enumerate(j for j in range(input.ndim) if j not in dec) if k in ax])
-    dm = _blank(_insert(one_mesh_dim(output.dist_attr.dims_mapping, mesh.shape), dec, input.ndim), ax)
-    return fast_result((_make(mesh, dm),), (_make(mesh, _remove(dm, dec)),))
+    _check_shapes("slice", "input", _kept(input.shape, dec), "output", output.shape,
+                  [i for i, k in enumerate(j for j in range(nd) if j not in dec) if k in ax])
+    p = _plan("copy", nd, ax, dec, coshard="largest", direction="backward")
+    return _answer("slice", p, (input,), (output,), mesh)
 
 
-def _slice_grad(op: str, input: DistTensorSpec, out_grad: DistTensorSpec, ax: tuple[int, ...],
-                dec: tuple[int, ...]) -> SpmdResult:
+def _slice_grad(op: str, input: T, out_grad: T, ax: Ints, dec: Ints) -> SpmdResult:
+    """input and out_grad merged (out_grad claims first), the sliced axes replicated;
+    input_grad (out_grad padded back with zeros) sharded as input."""
     mesh = common_mesh(op, (input, out_grad))
     nd = input.ndim
     if out_grad.ndim != nd - len(dec):
         raise ShapeMismatchError(f"{op}: out_grad has {out_grad.ndim} dims; input has {nd} and "
                                  f"decrease_axis removes {len(dec)}")
-    g_dm = _insert(one_mesh_dim(out_grad.dist_attr.dims_mapping, mesh.shape), dec, nd)
-    g_shape = _insert(out_grad.shape, dec, nd)
-    _check_shapes(op, "input", input.shape, "out_grad", g_shape, ax)
-    # out_grad claims first, input fills the axes it leaves (as Paddle's strided_slice grad)
-    x_dm = one_mesh_dim(input.dist_attr.dims_mapping, mesh.shape)
-    dm = _merge2(nd, ax, (g_dm, x_dm), (g_shape, input.shape), mesh.shape)
-    xa = _make(mesh, dm)
-    return fast_result((xa, _make(mesh, _remove(dm, dec))), (xa,))
+    it = iter(out_grad.shape)
+    _check_shapes(op, "input", input.shape, "out_grad", tuple(-1 if i in dec else next(it) for i in range(nd)), ax)
+    (g, x), outs = infer(_plan("slice_grad", nd, ax, dec, coshard="largest"), op, (out_grad, input), (), mesh)
+    return fast_result((x, g), outs)
 
 
-def slice_grad(input: DistTensorSpec, out_grad: DistTensorSpec, axes: tuple[int, ...], starts: tuple[int, ...],
-               ends: tuple[int, ...], infer_flags: tuple[int, ...] = (),
-               decrease_axis: tuple[int, ...] = ()) -> SpmdResult:
-    """input_grad: out_grad padded back with zeros; input and out_grad merged, sliced axes replicated."""
+def slice_grad(input: T, out_grad: T, axes: Ints, starts: Ints, ends: Ints, infer_flags: Ints = (),
+               decrease_axis: Ints = ()) -> SpmdResult:
     ax, dec = _slice_attrs("slice_grad", input.ndim, axes, starts, ends, decrease_axis)
     return _slice_grad("slice_grad", input, out_grad, ax, dec)
 
 
-def strided_slice_forward(input: DistTensorSpec, axes: tuple[int, ...], starts: tuple[int, ...],
-                          ends: tuple[int, ...], strides: tuple[int, ...]) -> SpmdResult:
+def strided_slice_forward(input: T, axes: Ints, starts: Ints, ends: Ints, strides: Ints) -> SpmdResult:
     """The sliced axes replicated."""
-    a = input.dist_attr
     ax, _ = _slice_attrs("strided_slice", input.ndim, axes, starts, ends, (), strides)
-    at = _make(a.mesh, _blank(one_mesh_dim(a.dims_mapping, a.mesh.shape), ax))
-    return fast_result((at,), (at,))
+    return _answer("strided_slice", _plan("copy", input.ndim, ax, coshard="largest"), (input,))
 
 
-def _make_strided_grad(op: str):  # type: ignore[no-untyped-def]
-    def grad(input: DistTensorSpec, out_grad: DistTensorSpec, axes: tuple[int, ...], starts: tuple[int, ...],
-             ends: tuple[int, ...], strides: tuple[int, ...]) -> SpmdResult:
+def _strided_grad(op: str):  # type: ignore[no-untyped-def]
+    def grad(input: T, out_grad: T, axes: Ints, starts: Ints, ends: Ints, strides: Ints) -> SpmdResult:
         ax, _ = _slice_attrs(op, input.ndim, axes, starts, ends, (), strides)
         return _slice_grad(op, input, out_grad, ax, ())
 
-    grad.__name__ = op
-    grad.__doc__ = "input_grad: input and out_grad merged, the sliced axes replicated (StridedSliceGradInferSpmd)."
+    grad.__name__, grad.__doc__ = op, "As slice_grad (StridedSliceGradInferSpmd)."
     return grad
 
 
 # -- tile -------------------------------------------------------------------------------------
 
 
-def _repeats(op: str, repeat_times: Sequence[int], ndim: int) -> tuple[int, ...]:
+def _tile_key(op: str, x: T, repeat_times: Sequence[int], out: T | None = None,
+              oname: str = "out") -> tuple[Ints, int]:
+    """The tiled axes of x and the number of new leading axes (out checked against them)."""
     if any(r < 0 for r in repeat_times):
         raise InvalidAttributeError(f"{op}: repeat_times {list(repeat_times)} has a negative entry")
-    r = tuple(repeat_times)
-    return (1,) * (ndim - len(r)) + r if len(r) < ndim else r
-
-
-def _check_tiled(op: str, x: DistTensorSpec, out: DistTensorSpec, oname: str, rep: tuple[int, ...]) -> None:
-    if out.ndim != len(rep):
-        raise ShapeMismatchError(f"{op}: {oname} has {out.ndim} dims, repeat_times makes {len(rep)}")
-    xs = (1,) * (len(rep) - x.ndim) + x.shape
-    for i, (s, r, o) in enumerate(zip(xs, rep, out.shape)):
-        if s >= 0 and o >= 0 and s * r != o:
-            raise ShapeMismatchError(f"{op}: {oname} has size {o} on axis {i}; x tiled {r} times makes {s * r}")
-
-
-def tile_forward(x: DistTensorSpec, repeat_times: tuple[int, ...]) -> SpmdResult:
-    """Tiled axes replicated; new leading axes replicated in out."""
-    a = x.dist_attr
-    rep = _repeats("tile", repeat_times, x.ndim)
+    rep = (1,) * (x.ndim - len(repeat_times)) + tuple(repeat_times)
     lead = len(rep) - x.ndim
-    dm = _blank(a.dims_mapping, [i for i in range(x.ndim) if rep[lead + i] != 1])
-    return fast_result((_make(a.mesh, dm),), (_make(a.mesh, (-1,) * lead + dm),))
+    if out is not None:
+        if out.ndim != len(rep):
+            raise ShapeMismatchError(f"{op}: {oname} has {out.ndim} dims, repeat_times makes {len(rep)}")
+        xs = (1,) * lead + x.shape
+        for i, (s, r, o) in enumerate(zip(xs, rep, out.shape)):
+            if s >= 0 and o >= 0 and s * r != o:
+                raise ShapeMismatchError(f"{op}: {oname} has size {o} on axis {i}; x tiled {r} times makes {s * r}")
+    return tuple(i for i in range(x.ndim) if rep[lead + i] != 1), lead
 
 
-def tile_backward(x: DistTensorSpec, out: DistTensorSpec, repeat_times: tuple[int, ...]) -> SpmdResult:
+def tile_forward(x: T, repeat_times: Ints) -> SpmdResult:
+    """Tiled axes replicated; new leading axes replicated in out."""
+    tiled, lead = _tile_key("tile", x, repeat_times)
+    return _answer("tile", _plan("copy", x.ndim, tiled, (), lead), (x,))
+
+
+def tile_backward(x: T, out: T, repeat_times: Ints) -> SpmdResult:
     """x from out's untiled axes; out returned as x produces it."""
     mesh = common_mesh("tile", (x, out))
-    rep = _repeats("tile", repeat_times, x.ndim)
-    lead = len(rep) - x.ndim
-    _check_tiled("tile", x, out, "out", rep)
-    odm = out.dist_attr.dims_mapping
-    dm = tuple(-1 if rep[lead + i] != 1 else odm[lead + i] for i in range(x.ndim))
-    return fast_result((_make(mesh, dm),), (_make(mesh, (-1,) * lead + dm),))
+    tiled, lead = _tile_key("tile", x, repeat_times, out)
+    return _answer("tile", _plan("copy", x.ndim, tiled, (), lead, direction="backward"), (x,), (out,), mesh)
 
 
-def tile_grad(x: DistTensorSpec, out_grad: DistTensorSpec, repeat_times: tuple[int, ...]) -> SpmdResult:
+def tile_grad(x: T, out_grad: T, repeat_times: Ints) -> SpmdResult:
     """x and out_grad merged on untiled axes; out_grad's new leading axes make x_grad partial."""
-    op = "tile_grad"
-    mesh = common_mesh(op, (x, out_grad))
-    rep = _repeats(op, repeat_times, x.ndim)
-    lead = len(rep) - x.ndim
-    _check_tiled(op, x, out_grad, "out_grad", rep)
-    tiled = tuple(lead + i for i in range(x.ndim) if rep[lead + i] != 1)
-    gdm = _blank(out_grad.dist_attr.dims_mapping, tiled)
-    x_dm = (-1,) * lead + x.dist_attr.dims_mapping
-    x_shape = (1,) * lead + x.shape
-    dm = _merge2(len(rep), tiled, (x_dm, gdm), (x_shape, out_grad.shape), mesh.shape)
-    pt: Partial = tuple((d, _SUM) for d in sorted(d for e in dm[:lead] for d in entry_dims(e)))
-    xdm = dm[lead:]
-    return fast_result((_make(mesh, xdm), _make(mesh, dm)), (_make(mesh, xdm, pt),))
+    mesh = common_mesh("tile_grad", (x, out_grad))
+    tiled, lead = _tile_key("tile_grad", x, repeat_times, out_grad, "out_grad")
+    return _answer("tile_grad", _plan("tile_grad", x.ndim, tiled, (), lead), (x, out_grad), (), mesh)
 
 
 # -- expand_as / expand -----------------------------------------------------------------------
 
 
-def _expand_map(op: str, xs: Shape, target: Shape, tname: str) -> tuple[bool, ...]:
-    """Per x axis: does it keep its size (True) or is it broadcast (False)?"""
+def _broadcast(op: str, xs: Shape, target: Shape, tname: str) -> tuple[Ints, int]:
+    """The broadcast axes of x (size 1 expanded) and the number of new leading axes."""
     d = len(target) - len(xs)
     if d < 0:
         raise ShapeMismatchError(f"{op}: x has {len(xs)} dims, more than {tname} ({len(target)})")
-    keep = []
+    out = []
     for i, s in enumerate(xs):
         t = target[d + i]
-        if t == -1 or t == s:
-            keep.append(True)
-        elif s == 1:
-            keep.append(False)
-        else:
-            raise ShapeMismatchError(f"{op}: x has size {s} on axis {i}, which cannot be expanded to {t} "
-                                     f"({tname} axis {d + i})")
-    return tuple(keep)
+        if t != -1 and t != s:
+            if s != 1:
+                raise ShapeMismatchError(f"{op}: x has size {s} on axis {i}, which cannot be expanded to {t} "
+                                         f"({tname} axis {d + i})")
+            out.append(i)
+    return tuple(out), d
 
 
-def expand_as_forward(x: DistTensorSpec, y: DistTensorSpec | None,
-                      target_shape: tuple[int, ...] = ()) -> SpmdResult:
+def expand_as_forward(x: T, y: T | None, target_shape: Ints = ()) -> SpmdResult:
     """out sharded as y; x as y on the axes it does not broadcast. Without y (Paddle allows it):
     out has target_shape, sharded as x on x's kept axes, broadcast and new axes replicated."""
     if y is None:
-        a = x.dist_attr
-        tgt = tuple(target_shape)
-        keep = _expand_map("expand_as", x.shape, tgt, "target_shape")
-        xdm = tuple(e if k else -1 for e, k in zip(a.dims_mapping, keep))
-        return fast_result((_make(a.mesh, xdm), None), (_make(a.mesh, (-1,) * (len(tgt) - x.ndim) + xdm),))
+        bc, lead = _broadcast("expand_as", x.shape, tuple(target_shape), "target_shape")
+        return _answer("expand_as", _plan("copy_noy", x.ndim, bc, (), lead), (x, None))
     mesh = common_mesh("expand_as", (x, y))
-    keep = _expand_map("expand_as", x.shape, y.shape, "y")
-    d = y.ndim - x.ndim
-    ydm = one_mesh_dim(y.dist_attr.dims_mapping, mesh.shape)
-    xdm = tuple(ydm[d + i] if k else -1 for i, k in enumerate(keep))
-    ya = _make(mesh, ydm)
-    return fast_result((_make(mesh, xdm), ya), (ya,))
+    bc, lead = _broadcast("expand_as", x.shape, y.shape, "y")
+    return _answer("expand_as", _plan("expand", x.ndim, bc, (), lead, "largest"), (x, y), (), mesh)
 
 
-def _expand_grad(op: str, x: DistTensorSpec, out_grad: DistTensorSpec, gname: str,
-                 target: Shape | None = None) -> SpmdResult:
+def _expand_grad(op: str, x: T, out_grad: T, target: Shape | None = None) -> SpmdResult:
     mesh = common_mesh(op, (x, out_grad))
-    keep = _expand_map(op, x.shape, out_grad.shape if target is None else target, gname)
+    bc, lead = _broadcast(op, x.shape, out_grad.shape if target is None else target, "out_grad" if target is None else "shape")
     if target is not None:
-        _expand_map(op, x.shape, out_grad.shape, "out_grad")
-    d = out_grad.ndim - x.ndim
-    gdm = one_mesh_dim(out_grad.dist_attr.dims_mapping, mesh.shape)
-    xdm = tuple(gdm[d + i] if k else -1 for i, k in enumerate(keep))
-    pdims = [dd for i, e in enumerate(gdm) if i < d or not keep[i - d] for dd in entry_dims(e)]
-    pt: Partial = tuple((dd, _SUM) for dd in sorted(pdims))
-    return fast_result((_make(mesh, xdm), _make(mesh, gdm)), (_make(mesh, xdm, pt),))
+        _broadcast(op, x.shape, out_grad.shape, "out_grad")
+    return _answer(op, _plan("expand_grad", x.ndim, bc, (), lead, "largest"), (x, out_grad), (), mesh)
 
 
-def expand_as_grad(x: DistTensorSpec, out_grad: DistTensorSpec, target_shape: tuple[int, ...] = ()) -> SpmdResult:
+def expand_as_grad(x: T, out_grad: T, target_shape: Ints = ()) -> SpmdResult:
     """x_grad as x (out_grad's sharding where x is not broadcast); partial SUM over the mesh dims
-    out_grad has on broadcast axes."""
-    return _expand_grad("expand_as_grad", x, out_grad, "out_grad")
+    out_grad has on broadcast and new axes."""
+    return _expand_grad("expand_as_grad", x, out_grad)
 
 
-def _target(op: str, x: DistTensorSpec, shape: Sequence[int]) -> Shape:
+def _target(op: str, x: T, shape: Sequence[int]) -> Shape:
     d = len(shape) - x.ndim
     if d < 0:
         raise InvalidAttributeError(f"{op}: shape {list(shape)} has fewer entries than x has dims ({x.ndim})")
@@ -326,72 +287,55 @@ def _target(op: str, x: DistTensorSpec, shape: Sequence[int]) -> Shape:
     return tuple(x.shape[i - d] if s == -1 else s for i, s in enumerate(shape))
 
 
-def expand_forward(x: DistTensorSpec, shape: tuple[int, ...]) -> SpmdResult:
+def expand_forward(x: T, shape: Ints) -> SpmdResult:
     """Broadcast and new axes replicated, the others as x."""
-    a = x.dist_attr
-    tgt = _target("expand", x, shape)
-    keep = _expand_map("expand", x.shape, tgt, "shape")
-    dm = tuple(e if k else -1 for e, k in zip(a.dims_mapping, keep))
-    return fast_result((_make(a.mesh, dm),), (_make(a.mesh, (-1,) * (len(tgt) - x.ndim) + dm),))
+    bc, lead = _broadcast("expand", x.shape, _target("expand", x, shape), "shape")
+    return _answer("expand", _plan("copy", x.ndim, bc, (), lead), (x,))
 
 
-def expand_backward(x: DistTensorSpec, out: DistTensorSpec, shape: tuple[int, ...]) -> SpmdResult:
+def expand_backward(x: T, out: T, shape: Ints) -> SpmdResult:
     """x from out's non-broadcast axes; out returned as x produces it."""
     mesh = common_mesh("expand", (x, out))
     tgt = _target("expand", x, shape)
-    keep = _expand_map("expand", x.shape, tgt, "shape")
+    bc, lead = _broadcast("expand", x.shape, tgt, "shape")
     _check_shapes("expand", "shape", tgt, "out", out.shape)
-    d = len(tgt) - x.ndim
-    odm = out.dist_attr.dims_mapping
-    dm = tuple(odm[d + i] if k else -1 for i, k in enumerate(keep))
-    return fast_result((_make(mesh, dm),), (_make(mesh, (-1,) * d + dm),))
+    return _answer("expand", _plan("copy", x.ndim, bc, (), lead, direction="backward"), (x,), (out,), mesh)
 
 
-def expand_grad(x: DistTensorSpec, out_grad: DistTensorSpec, shape: tuple[int, ...]) -> SpmdResult:
+def expand_grad(x: T, out_grad: T, shape: Ints) -> SpmdResult:
     """As expand_as_grad, broadcast axes from ``shape``."""
     tgt = _target("expand_grad", x, shape)
     _check_shapes("expand_grad", "shape", tgt, "out_grad", out_grad.shape)
-    return _expand_grad("expand_grad", x, out_grad, "shape", tgt)
+    return _expand_grad("expand_grad", x, out_grad, tgt)
 
 
 # -- pad --------------------------------------------------------------------------------------
 
 
-def _padded(op: str, paddings: Sequence[int], ndim: int) -> tuple[int, ...]:
+def _padded(op: str, paddings: Sequence[int], ndim: int) -> Ints:
     if len(paddings) != 2 * ndim:
         raise InvalidAttributeError(f"{op}: paddings has {len(paddings)} entries, a {ndim}-D tensor needs {2 * ndim}")
     return tuple(i for i in range(ndim) if paddings[2 * i] != 0 or paddings[2 * i + 1] != 0)
 
 
-def pad_forward(x: DistTensorSpec, paddings: tuple[int, ...], pad_value: int = 0) -> SpmdResult:
+def pad_forward(x: T, paddings: Ints, pad_value: int = 0) -> SpmdResult:
     """Padded axes replicated, the others as x."""
-    p = _pad_plan(x.ndim, _padded("pad", paddings, x.ndim), "keep", "forward")
-    return fast_result(*infer(p, "pad", (x,), (), x.dist_attr.mesh, ("x",)))
+    return _answer("pad", _plan("copy", x.ndim, _padded("pad", paddings, x.ndim)), (x,))
 
 
-def pad_backward(x: DistTensorSpec, out: DistTensorSpec, paddings: tuple[int, ...], pad_value: int = 0) -> SpmdResult:
-    """(PadGradInferSpmd) x from out: padded axes replicated, the others as out."""
+def pad_backward(x: T, out: T, paddings: Ints, pad_value: int = 0) -> SpmdResult:
+    """(PadGradInferSpmd) x from out: padded axes replicated, the others as out (a co-shard read
+    as its largest mesh dim)."""
     mesh = common_mesh("pad", (x, out))
     ax = _padded("pad", paddings, x.ndim)
     _check_shapes("pad", "x", x.shape, "out", out.shape, ax)
-    return fast_result(*infer(_pad_plan(x.ndim, ax, "largest", "backward"), "pad", (x,), (out,), mesh, ("x", "out")))
+    return _answer("pad", _plan("copy", x.ndim, ax, coshard="largest", direction="backward"), (x,), (out,), mesh)
 
 
-def pad_grad(out_grad: DistTensorSpec, paddings: tuple[int, ...], pad_value: float = 0) -> SpmdResult:
+def pad_grad(out_grad: T, paddings: Ints, pad_value: float = 0) -> SpmdResult:
     """x_grad = out_grad cropped: padded axes replicated, the others as out_grad."""
-    p = _pad_plan(out_grad.ndim, _padded("pad_grad", paddings, out_grad.ndim), "keep", "forward")
-    return fast_result(*infer(p, "pad_grad", (out_grad,), (), out_grad.dist_attr.mesh, ("out_grad",)))
+    return _answer("pad_grad", _plan("copy", out_grad.ndim, _padded("pad_grad", paddings, out_grad.ndim)), (out_grad,))
 
-
-@lru_cache(maxsize=1024)
-def _pad_plan(nd: int, padded: tuple[int, ...], coshard: str, direction: str) -> Plan:
-    """``abc -> abc``, the padded axes replicated (the reverse reads a co-shard as its largest
-    mesh dim)."""
-    a = letters_for(nd)
-    return compile_plan(Notation([a], [a], replicated="".join(a[i] for i in padded), coshard=coshard), direction)
-
-
-_SUM = ReduceType.SUM
 
 _SLICE = "input: T, axes: ints, starts: ints, ends: ints, infer_flags: ints = [], decrease_axis: ints = []"
 _SSLICE = "input: T, axes: ints, starts: ints, ends: ints, strides: ints"
@@ -403,26 +347,22 @@ register(
 register("slice_grad", slice_grad, _SLICE.replace("input: T,", "input: T, out_grad: T,"),
          forward_name="SliceGradInferSpmdDynamic")
 register(
-    "strided_slice", strided_slice_forward, _SSLICE, _make_strided_grad("strided_slice"), _SSLICE_G, kind="grad",
+    "strided_slice", strided_slice_forward, _SSLICE, _strided_grad("strided_slice"), _SSLICE_G, kind="grad",
     forward_name="StridedSliceInferSpmd", backward_name="StridedSliceGradInferSpmd",
 )  # fmt: skip
-register("strided_slice_grad", _make_strided_grad("strided_slice_grad"), _SSLICE_G,
-         forward_name="StridedSliceGradInferSpmd")
-register(
-    "tile", tile_forward, "x: T, repeat_times: ints", tile_backward, kind="reverse", outputs="out: T",
-    forward_name="TileInferSpmd", backward_name="TileInferSpmdReverse",
-)  # fmt: skip
-register("tile_grad", tile_grad, "x: T, out_grad: T, repeat_times: ints", forward_name="TileGradInferSpmd")
+register("strided_slice_grad", _strided_grad("strided_slice_grad"), _SSLICE_G, forward_name="StridedSliceGradInferSpmd")
+for _name, _attr, _fwd, _rev, _grad in (("tile", "repeat_times", tile_forward, tile_backward, tile_grad),
+                                        ("expand", "shape", expand_forward, expand_backward, expand_grad)):
+    _p = _name.title()
+    register(_name, _fwd, f"x: T, {_attr}: ints", _rev, kind="reverse", outputs="out: T",
+             forward_name=f"{_p}InferSpmd", backward_name=f"{_p}InferSpmdReverse")
+    register(f"{_name}_grad", _grad, f"x: T, out_grad: T, {_attr}: ints", forward_name=f"{_p}GradInferSpmd")
 register(
     "expand_as", expand_as_forward, "x: T, y: T?, target_shape: ints = []",
-    expand_as_grad, "x: T, out_grad: T, target_shape: ints = []", kind="grad", grad_name="expand_as_grad", grad_aliases=("expand_as_v2_grad",), aliases=("expand_as_v2",),
+    expand_as_grad, "x: T, out_grad: T, target_shape: ints = []", kind="grad", grad_name="expand_as_grad",
+    grad_aliases=("expand_as_v2_grad",), aliases=("expand_as_v2",),
     forward_name="ExpandAsInferSpmd", backward_name="ExpandAsGradInferSpmd",
 )  # fmt: skip
-register(
-    "expand", expand_forward, "x: T, shape: ints", expand_backward, kind="reverse", outputs="out: T",
-    forward_name="ExpandInferSpmd", backward_name="ExpandInferSpmdReverse",
-)  # fmt: skip
-register("expand_grad", expand_grad, "x: T, out_grad: T, shape: ints", forward_name="ExpandGradInferSpmd")
 register(
     "pad", pad_forward, "x: T, paddings: ints, pad_value: int = 0",
     pad_backward, "x: T, out: T, paddings: ints, pad_value: int = 0", kind="grad",
