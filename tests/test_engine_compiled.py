@@ -19,6 +19,7 @@ from spmdkit.engine.compile import Plan, compile_plan, infer, run
 from spmdkit.engine.merge import BROADCAST, reference_merge
 from spmdkit.engine.notation import Notation, merge_letters
 from spmdkit.rules import matmul, norm, softmax
+from spmdkit.rules import slice as slice_rules
 
 MESHES = [(2,), (3,), (2, 2), (2, 3), (3, 2), (2, 4), (2, 2, 2), (1, 2), (2, 3, 2)]
 SIZES = [1, 1, 2, 3, 4, 6, 8, 12, 5, -1, 0]
@@ -152,6 +153,13 @@ def _rule_plans() -> list[tuple[Plan, str]]:
             plans.append((softmax._plan(nd, axis, "forward"), "forward"))
             plans.append((softmax._plan(nd, axis, "backward"), "backward"))
             plans.append((softmax._grad_plan(nd, axis), "forward"))
+    for nd in (1, 2, 3):  # slice.py: the fixed (sliced / tiled / broadcast) axes, new leading axes
+        for fixed in ((), (0,), (nd - 1,)):
+            for lead in (0, 2):
+                for kind in ("copy", "copy_noy", "tile_grad", "expand", "expand_grad"):
+                    plans.append((slice_rules._plan(kind, nd, fixed, (), lead), "forward"))
+                plans.append((slice_rules._plan("copy", nd, fixed, (), lead, "largest", "backward"), "backward"))
+            plans.append((slice_rules._plan("slice_grad", nd, fixed, fixed[:1], 0, "largest"), "forward"))
     return plans
 
 
