@@ -132,8 +132,14 @@ def _slice_attrs(op: str, ndim: int, axes: Sequence[int], starts: Sequence[int],
     return ax, tuple(sorted(dec))
 
 
-def _kept(shape: Shape, dec: Ints) -> Shape:
-    return tuple(s for i, s in enumerate(shape) if i not in dec)
+def _check_sliced(op: str, input: T, other: T, oname: str, ax: Ints, dec: Ints) -> None:
+    """``other`` (output, out_grad) is input sliced on ``ax`` with the ``dec`` axes removed."""
+    nd = input.ndim
+    if other.ndim != nd - len(dec):
+        raise ShapeMismatchError(f"{op}: {oname} has {other.ndim} dims; input has {nd} and "
+                                 f"decrease_axis removes {len(dec)}")
+    it = iter(other.shape)
+    _check_shapes(op, "input", input.shape, oname, tuple(-1 if i in dec else next(it) for i in range(nd)), ax)
 
 
 def slice_forward(input: T, axes: Ints, starts: Ints, ends: Ints, infer_flags: Ints = (),
@@ -147,14 +153,9 @@ def slice_backward(input: T, output: T, axes: Ints, starts: Ints, ends: Ints, in
                    decrease_axis: Ints = ()) -> SpmdResult:
     """input from output: the decreased axes put back, the sliced axes replicated."""
     mesh = common_mesh("slice", (input, output))
-    nd = input.ndim
-    ax, dec = _slice_attrs("slice", nd, axes, starts, ends, decrease_axis)
-    if output.ndim != nd - len(dec):
-        raise ShapeMismatchError(f"slice: output has {output.ndim} dims; input has {nd} and "
-                                 f"decrease_axis removes {len(dec)}")
-    _check_shapes("slice", "input", _kept(input.shape, dec), "output", output.shape,
-                  [i for i, k in enumerate(j for j in range(nd) if j not in dec) if k in ax])
-    p = _plan("copy", nd, ax, dec, coshard="largest", direction="backward")
+    ax, dec = _slice_attrs("slice", input.ndim, axes, starts, ends, decrease_axis)
+    _check_sliced("slice", input, output, "output", ax, dec)
+    p = _plan("copy", input.ndim, ax, dec, coshard="largest", direction="backward")
     return _answer("slice", p, (input,), (output,), mesh)
 
 
@@ -162,13 +163,8 @@ def _slice_grad(op: str, input: T, out_grad: T, ax: Ints, dec: Ints) -> SpmdResu
     """input and out_grad merged (out_grad claims first), the sliced axes replicated;
     input_grad (out_grad padded back with zeros) sharded as input."""
     mesh = common_mesh(op, (input, out_grad))
-    nd = input.ndim
-    if out_grad.ndim != nd - len(dec):
-        raise ShapeMismatchError(f"{op}: out_grad has {out_grad.ndim} dims; input has {nd} and "
-                                 f"decrease_axis removes {len(dec)}")
-    it = iter(out_grad.shape)
-    _check_shapes(op, "input", input.shape, "out_grad", tuple(-1 if i in dec else next(it) for i in range(nd)), ax)
-    (g, x), outs = infer(_plan("slice_grad", nd, ax, dec, coshard="largest"), op, (out_grad, input), (), mesh)
+    _check_sliced(op, input, out_grad, "out_grad", ax, dec)
+    (g, x), outs = infer(_plan("slice_grad", input.ndim, ax, dec, coshard="largest"), op, (out_grad, input), (), mesh)
     return fast_result((x, g), outs)
 
 
@@ -252,29 +248,26 @@ def _broadcast(op: str, xs: Shape, target: Shape, tname: str) -> tuple[Ints, int
     return tuple(out), d
 
 
+def _merged_by(op: str, kind: str, x: T, t: T, target: Shape, tname: str) -> SpmdResult:
+    """x with t (y, out_grad), whose sharding alone decides (read as one mesh dim per axis)."""
+    mesh = common_mesh(op, (x, t))
+    bc, lead = _broadcast(op, x.shape, target, tname)
+    return _answer(op, _plan(kind, x.ndim, bc, (), lead, "largest"), (x, t), (), mesh)
+
+
 def expand_as_forward(x: T, y: T | None, target_shape: Ints = ()) -> SpmdResult:
     """out sharded as y; x as y on the axes it does not broadcast. Without y (Paddle allows it):
     out has target_shape, sharded as x on x's kept axes, broadcast and new axes replicated."""
     if y is None:
         bc, lead = _broadcast("expand_as", x.shape, tuple(target_shape), "target_shape")
         return _answer("expand_as", _plan("copy_noy", x.ndim, bc, (), lead), (x, None))
-    mesh = common_mesh("expand_as", (x, y))
-    bc, lead = _broadcast("expand_as", x.shape, y.shape, "y")
-    return _answer("expand_as", _plan("expand", x.ndim, bc, (), lead, "largest"), (x, y), (), mesh)
-
-
-def _expand_grad(op: str, x: T, out_grad: T, target: Shape | None = None) -> SpmdResult:
-    mesh = common_mesh(op, (x, out_grad))
-    bc, lead = _broadcast(op, x.shape, out_grad.shape if target is None else target, "out_grad" if target is None else "shape")
-    if target is not None:
-        _broadcast(op, x.shape, out_grad.shape, "out_grad")
-    return _answer(op, _plan("expand_grad", x.ndim, bc, (), lead, "largest"), (x, out_grad), (), mesh)
+    return _merged_by("expand_as", "expand", x, y, y.shape, "y")
 
 
 def expand_as_grad(x: T, out_grad: T, target_shape: Ints = ()) -> SpmdResult:
     """x_grad as x (out_grad's sharding where x is not broadcast); partial SUM over the mesh dims
     out_grad has on broadcast and new axes."""
-    return _expand_grad("expand_as_grad", x, out_grad)
+    return _merged_by("expand_as_grad", "expand_grad", x, out_grad, out_grad.shape, "out_grad")
 
 
 def _target(op: str, x: T, shape: Sequence[int]) -> Shape:
@@ -306,7 +299,7 @@ def expand_grad(x: T, out_grad: T, shape: Ints) -> SpmdResult:
     """As expand_as_grad, broadcast axes from ``shape``."""
     tgt = _target("expand_grad", x, shape)
     _check_shapes("expand_grad", "shape", tgt, "out_grad", out_grad.shape)
-    return _expand_grad("expand_grad", x, out_grad, tgt)
+    return _merged_by("expand_grad", "expand_grad", x, out_grad, tgt, "shape")
 
 
 # -- pad --------------------------------------------------------------------------------------
