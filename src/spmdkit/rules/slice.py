@@ -146,7 +146,7 @@ def slice_forward(input: T, axes: Ints, starts: Ints, ends: Ints, infer_flags: I
                   decrease_axis: Ints = ()) -> SpmdResult:
     """The sliced axes replicated; the decreased axes dropped from the output."""
     ax, dec = _slice_attrs("slice", input.ndim, axes, starts, ends, decrease_axis)
-    return _answer("slice", _plan("copy", input.ndim, ax, dec, coshard="largest"), (input,))
+    return _answer("slice", _plan("copy", input.ndim, ax, dec, 0, "largest"), (input,))
 
 
 def slice_backward(input: T, output: T, axes: Ints, starts: Ints, ends: Ints, infer_flags: Ints = (),
@@ -155,7 +155,7 @@ def slice_backward(input: T, output: T, axes: Ints, starts: Ints, ends: Ints, in
     mesh = common_mesh("slice", (input, output))
     ax, dec = _slice_attrs("slice", input.ndim, axes, starts, ends, decrease_axis)
     _check_sliced("slice", input, output, "output", ax, dec)
-    p = _plan("copy", input.ndim, ax, dec, coshard="largest", direction="backward")
+    p = _plan("copy", input.ndim, ax, dec, 0, "largest", "backward")
     return _answer("slice", p, (input,), (output,), mesh)
 
 
@@ -164,7 +164,7 @@ def _slice_grad(op: str, input: T, out_grad: T, ax: Ints, dec: Ints) -> SpmdResu
     input_grad (out_grad padded back with zeros) sharded as input."""
     mesh = common_mesh(op, (input, out_grad))
     _check_sliced(op, input, out_grad, "out_grad", ax, dec)
-    (g, x), outs = infer(_plan("slice_grad", input.ndim, ax, dec, coshard="largest"), op, (out_grad, input), (), mesh)
+    (g, x), outs = infer(_plan("slice_grad", input.ndim, ax, dec, 0, "largest"), op, (out_grad, input), (), mesh)
     return fast_result((x, g), outs)
 
 
@@ -177,7 +177,7 @@ def slice_grad(input: T, out_grad: T, axes: Ints, starts: Ints, ends: Ints, infe
 def strided_slice_forward(input: T, axes: Ints, starts: Ints, ends: Ints, strides: Ints) -> SpmdResult:
     """The sliced axes replicated."""
     ax, _ = _slice_attrs("strided_slice", input.ndim, axes, starts, ends, (), strides)
-    return _answer("strided_slice", _plan("copy", input.ndim, ax, coshard="largest"), (input,))
+    return _answer("strided_slice", _plan("copy", input.ndim, ax, (), 0, "largest"), (input,))
 
 
 def _strided_grad(op: str):  # type: ignore[no-untyped-def]
@@ -192,41 +192,44 @@ def _strided_grad(op: str):  # type: ignore[no-untyped-def]
 # -- tile -------------------------------------------------------------------------------------
 
 
-def _tile_key(op: str, x: T, repeat_times: Sequence[int], out: T | None = None,
-              oname: str = "out") -> tuple[Ints, int]:
-    """The tiled axes of x and the number of new leading axes (out checked against them)."""
+@lru_cache(maxsize=4096)
+def _tile(op: str, nd: int, repeat_times: Ints, kind: str = "copy", direction: str = "forward") -> tuple[Plan, Ints, int]:
+    """The plan for an ``nd``-D x tiled ``repeat_times`` (tiled axes ``1``, new leading axes),
+    the repeats per out axis and the number of new leading axes."""
     if any(r < 0 for r in repeat_times):
         raise InvalidAttributeError(f"{op}: repeat_times {list(repeat_times)} has a negative entry")
-    rep = (1,) * (x.ndim - len(repeat_times)) + tuple(repeat_times)
-    lead = len(rep) - x.ndim
-    if out is not None:
-        if out.ndim != len(rep):
-            raise ShapeMismatchError(f"{op}: {oname} has {out.ndim} dims, repeat_times makes {len(rep)}")
-        xs = (1,) * lead + x.shape
-        for i, (s, r, o) in enumerate(zip(xs, rep, out.shape)):
-            if s >= 0 and o >= 0 and s * r != o:
-                raise ShapeMismatchError(f"{op}: {oname} has size {o} on axis {i}; x tiled {r} times makes {s * r}")
-    return tuple(i for i in range(x.ndim) if rep[lead + i] != 1), lead
+    rep = (1,) * (nd - len(repeat_times)) + tuple(repeat_times)
+    lead = len(rep) - nd
+    return _plan(kind, nd, tuple(i for i in range(nd) if rep[lead + i] != 1), (), lead, "keep", direction), rep, lead
+
+
+def _check_tiled(op: str, x: T, out: T, oname: str, rep: Ints, lead: int) -> None:
+    if out.ndim != len(rep):
+        raise ShapeMismatchError(f"{op}: {oname} has {out.ndim} dims, repeat_times makes {len(rep)}")
+    for i, (s, r, o) in enumerate(zip((1,) * lead + x.shape, rep, out.shape)):
+        if s >= 0 and o >= 0 and s * r != o:
+            raise ShapeMismatchError(f"{op}: {oname} has size {o} on axis {i}; x tiled {r} times makes {s * r}")
 
 
 def tile_forward(x: T, repeat_times: Ints) -> SpmdResult:
     """Tiled axes replicated; new leading axes replicated in out."""
-    tiled, lead = _tile_key("tile", x, repeat_times)
-    return _answer("tile", _plan("copy", x.ndim, tiled, (), lead), (x,))
+    return _answer("tile", _tile("tile", x.ndim, repeat_times)[0], (x,))
 
 
 def tile_backward(x: T, out: T, repeat_times: Ints) -> SpmdResult:
     """x from out's untiled axes; out returned as x produces it."""
     mesh = common_mesh("tile", (x, out))
-    tiled, lead = _tile_key("tile", x, repeat_times, out)
-    return _answer("tile", _plan("copy", x.ndim, tiled, (), lead, direction="backward"), (x,), (out,), mesh)
+    p, rep, lead = _tile("tile", x.ndim, repeat_times, "copy", "backward")
+    _check_tiled("tile", x, out, "out", rep, lead)
+    return _answer("tile", p, (x,), (out,), mesh)
 
 
 def tile_grad(x: T, out_grad: T, repeat_times: Ints) -> SpmdResult:
     """x and out_grad merged on untiled axes; out_grad's new leading axes make x_grad partial."""
     mesh = common_mesh("tile_grad", (x, out_grad))
-    tiled, lead = _tile_key("tile_grad", x, repeat_times, out_grad, "out_grad")
-    return _answer("tile_grad", _plan("tile_grad", x.ndim, tiled, (), lead), (x, out_grad), (), mesh)
+    p, rep, lead = _tile("tile_grad", x.ndim, repeat_times, "tile_grad")
+    _check_tiled("tile_grad", x, out_grad, "out_grad", rep, lead)
+    return _answer("tile_grad", p, (x, out_grad), (), mesh)
 
 
 # -- expand_as / expand -----------------------------------------------------------------------
@@ -292,7 +295,7 @@ def expand_backward(x: T, out: T, shape: Ints) -> SpmdResult:
     tgt = _target("expand", x, shape)
     bc, lead = _broadcast("expand", x.shape, tgt, "shape")
     _check_shapes("expand", "shape", tgt, "out", out.shape)
-    return _answer("expand", _plan("copy", x.ndim, bc, (), lead, direction="backward"), (x,), (out,), mesh)
+    return _answer("expand", _plan("copy", x.ndim, bc, (), lead, "keep", "backward"), (x,), (out,), mesh)
 
 
 def expand_grad(x: T, out_grad: T, shape: Ints) -> SpmdResult:
@@ -322,7 +325,7 @@ def pad_backward(x: T, out: T, paddings: Ints, pad_value: int = 0) -> SpmdResult
     mesh = common_mesh("pad", (x, out))
     ax = _padded("pad", paddings, x.ndim)
     _check_shapes("pad", "x", x.shape, "out", out.shape, ax)
-    return _answer("pad", _plan("copy", x.ndim, ax, coshard="largest", direction="backward"), (x,), (out,), mesh)
+    return _answer("pad", _plan("copy", x.ndim, ax, (), 0, "largest", "backward"), (x,), (out,), mesh)
 
 
 def pad_grad(out_grad: T, paddings: Ints, pad_value: float = 0) -> SpmdResult:
