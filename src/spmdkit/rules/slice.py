@@ -1,10 +1,11 @@
 """slice, strided_slice, tile, expand_as, expand, pad and their grads.
 
 Each of these ops changes the extent of some axes and copies the others through, so every rule
-is per axis: an axis whose extent changes (sliced, tiled, padded, broadcast) is replicated, the
-others keep their sharding. Partial status is cleared, as in Paddle.
+is a notation with one letter per axis, compiled per rank and attributes (``_plan``): an axis
+whose extent changes (sliced, tiled, padded, broadcast) is labelled ``1`` (replicated), the
+others keep their letter and so their sharding. Partial status is cleared, as in Paddle.
 
-* ``slice(input, axes, starts, ends, infer_flags, decrease_axis)``: notation ``abc -> ac`` for
+* ``slice(input, axes, starts, ends, infer_flags, decrease_axis)``: notation ``a1c -> ac`` for
   axes [1], decrease_axis [1]: the axes in ``axes`` replicated, the decreased ones dropped from
   the output. Paddle answers the output with one entry per *input* axis (DESIGN class 5);
   spmdkit drops the decreased axes. The reverse rule inserts the decreased axes back and
