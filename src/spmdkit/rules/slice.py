@@ -115,22 +115,41 @@ def _check_shapes(op: str, na: str, a: Shape, nb: str, b: Shape, skip: Sequence[
 # -- slice ------------------------------------------------------------------------------------
 
 
-def _slice_attrs(op: str, ndim: int, axes: Sequence[int], starts: Sequence[int], ends: Sequence[int],
-                 decrease: Sequence[int], strides: Sequence[int] | None = None) -> tuple[Ints, Ints]:
-    ax = _norm_axes(op, "axes", axes, ndim)
-    if len(starts) != len(ax) or len(ends) != len(ax):
+@lru_cache(maxsize=4096)
+def _slice(op: str, nd: int, axes: Ints, n_starts: int, n_ends: int, decrease: Ints, strides: Ints | None = None,
+           kind: str = "copy", direction: str = "forward") -> tuple[Plan, Ints, Ints]:
+    """The plan of an ``nd``-D input sliced on ``axes`` (attributes checked), the sliced axes and
+    the decreased ones, sorted."""
+    ax = _norm_axes(op, "axes", axes, nd)
+    if n_starts != len(ax) or n_ends != len(ax):
         raise InvalidAttributeError(
-            f"{op}: starts ({len(starts)}) and ends ({len(ends)}) must have one entry per axis in axes ({len(ax)})")
+            f"{op}: starts ({n_starts}) and ends ({n_ends}) must have one entry per axis in axes ({len(ax)})")
     if strides is not None:
         if len(strides) != len(ax):
             raise InvalidAttributeError(f"{op}: strides has {len(strides)} entries for {len(ax)} axes")
         if any(s == 0 for s in strides):
             raise InvalidAttributeError(f"{op}: strides {list(strides)} has a zero stride")
-    dec = _norm_axes(op, "decrease_axis", decrease, ndim)
+    dec = _norm_axes(op, "decrease_axis", decrease, nd)
     for d in dec:
         if d not in ax:
             raise InvalidAttributeError(f"{op}: decrease_axis {d} is not a sliced axis (axes {list(axes)})")
-    return ax, tuple(sorted(dec))
+    dec = tuple(sorted(dec))
+    return _plan(kind, nd, ax, dec, 0, "largest", direction), ax, dec
+
+
+def slice_forward(input: T, axes: Ints, starts: Ints, ends: Ints, infer_flags: Ints = (),
+                  decrease_axis: Ints = ()) -> SpmdResult:
+    """The sliced axes replicated; the decreased axes dropped from the output."""
+    return _answer("slice", _slice("slice", input.ndim, axes, len(starts), len(ends), decrease_axis)[0], (input,))
+
+
+def slice_backward(input: T, output: T, axes: Ints, starts: Ints, ends: Ints, infer_flags: Ints = (),
+                   decrease_axis: Ints = ()) -> SpmdResult:
+    """input from output: the decreased axes put back, the sliced axes replicated."""
+    mesh = common_mesh("slice", (input, output))
+    p, ax, dec = _slice("slice", input.ndim, axes, len(starts), len(ends), decrease_axis, None, "copy", "backward")
+    _check_sliced("slice", input, output, "output", ax, dec)
+    return _answer("slice", p, (input,), (output,), mesh)
 
 
 def _check_sliced(op: str, input: T, other: T, oname: str, ax: Ints, dec: Ints) -> None:
@@ -143,48 +162,31 @@ def _check_sliced(op: str, input: T, other: T, oname: str, ax: Ints, dec: Ints) 
     _check_shapes(op, "input", input.shape, oname, tuple(-1 if i in dec else next(it) for i in range(nd)), ax)
 
 
-def slice_forward(input: T, axes: Ints, starts: Ints, ends: Ints, infer_flags: Ints = (),
-                  decrease_axis: Ints = ()) -> SpmdResult:
-    """The sliced axes replicated; the decreased axes dropped from the output."""
-    ax, dec = _slice_attrs("slice", input.ndim, axes, starts, ends, decrease_axis)
-    return _answer("slice", _plan("copy", input.ndim, ax, dec, 0, "largest"), (input,))
-
-
-def slice_backward(input: T, output: T, axes: Ints, starts: Ints, ends: Ints, infer_flags: Ints = (),
-                   decrease_axis: Ints = ()) -> SpmdResult:
-    """input from output: the decreased axes put back, the sliced axes replicated."""
-    mesh = common_mesh("slice", (input, output))
-    ax, dec = _slice_attrs("slice", input.ndim, axes, starts, ends, decrease_axis)
-    _check_sliced("slice", input, output, "output", ax, dec)
-    p = _plan("copy", input.ndim, ax, dec, 0, "largest", "backward")
-    return _answer("slice", p, (input,), (output,), mesh)
-
-
-def _slice_grad(op: str, input: T, out_grad: T, ax: Ints, dec: Ints) -> SpmdResult:
+def _slice_grad(op: str, input: T, out_grad: T, p: Plan, ax: Ints, dec: Ints) -> SpmdResult:
     """input and out_grad merged (out_grad claims first), the sliced axes replicated;
     input_grad (out_grad padded back with zeros) sharded as input."""
     mesh = common_mesh(op, (input, out_grad))
     _check_sliced(op, input, out_grad, "out_grad", ax, dec)
-    (g, x), outs = infer(_plan("slice_grad", input.ndim, ax, dec, 0, "largest"), op, (out_grad, input), (), mesh)
+    (g, x), outs = infer(p, op, (out_grad, input), (), mesh)
     return fast_result((x, g), outs)
 
 
 def slice_grad(input: T, out_grad: T, axes: Ints, starts: Ints, ends: Ints, infer_flags: Ints = (),
                decrease_axis: Ints = ()) -> SpmdResult:
-    ax, dec = _slice_attrs("slice_grad", input.ndim, axes, starts, ends, decrease_axis)
-    return _slice_grad("slice_grad", input, out_grad, ax, dec)
+    key = _slice("slice_grad", input.ndim, axes, len(starts), len(ends), decrease_axis, None, "slice_grad")
+    return _slice_grad("slice_grad", input, out_grad, *key)
 
 
 def strided_slice_forward(input: T, axes: Ints, starts: Ints, ends: Ints, strides: Ints) -> SpmdResult:
     """The sliced axes replicated."""
-    ax, _ = _slice_attrs("strided_slice", input.ndim, axes, starts, ends, (), strides)
-    return _answer("strided_slice", _plan("copy", input.ndim, ax, (), 0, "largest"), (input,))
+    return _answer("strided_slice", _slice("strided_slice", input.ndim, axes, len(starts), len(ends), (),
+                                           strides)[0], (input,))
 
 
 def _strided_grad(op: str):  # type: ignore[no-untyped-def]
     def grad(input: T, out_grad: T, axes: Ints, starts: Ints, ends: Ints, strides: Ints) -> SpmdResult:
-        ax, _ = _slice_attrs(op, input.ndim, axes, starts, ends, (), strides)
-        return _slice_grad(op, input, out_grad, ax, ())
+        key = _slice(op, input.ndim, axes, len(starts), len(ends), (), strides, "slice_grad")
+        return _slice_grad(op, input, out_grad, *key)
 
     grad.__name__, grad.__doc__ = op, "As slice_grad (StridedSliceGradInferSpmd)."
     return grad
