@@ -311,29 +311,32 @@ def expand_grad(x: T, out_grad: T, shape: Ints) -> SpmdResult:
 # -- pad --------------------------------------------------------------------------------------
 
 
-def _padded(op: str, paddings: Sequence[int], ndim: int) -> Ints:
-    if len(paddings) != 2 * ndim:
-        raise InvalidAttributeError(f"{op}: paddings has {len(paddings)} entries, a {ndim}-D tensor needs {2 * ndim}")
-    return tuple(i for i in range(ndim) if paddings[2 * i] != 0 or paddings[2 * i + 1] != 0)
+@lru_cache(maxsize=4096)
+def _pad(op: str, nd: int, paddings: Ints, coshard: str = "keep", direction: str = "forward") -> tuple[Plan, Ints]:
+    """The plan of an ``nd``-D tensor padded by ``paddings`` and its padded axes."""
+    if len(paddings) != 2 * nd:
+        raise InvalidAttributeError(f"{op}: paddings has {len(paddings)} entries, a {nd}-D tensor needs {2 * nd}")
+    padded = tuple(i for i in range(nd) if paddings[2 * i] != 0 or paddings[2 * i + 1] != 0)
+    return _plan("copy", nd, padded, (), 0, coshard, direction), padded
 
 
 def pad_forward(x: T, paddings: Ints, pad_value: int = 0) -> SpmdResult:
     """Padded axes replicated, the others as x."""
-    return _answer("pad", _plan("copy", x.ndim, _padded("pad", paddings, x.ndim)), (x,))
+    return _answer("pad", _pad("pad", x.ndim, paddings)[0], (x,))
 
 
 def pad_backward(x: T, out: T, paddings: Ints, pad_value: int = 0) -> SpmdResult:
     """(PadGradInferSpmd) x from out: padded axes replicated, the others as out (a co-shard read
     as its largest mesh dim)."""
     mesh = common_mesh("pad", (x, out))
-    ax = _padded("pad", paddings, x.ndim)
-    _check_shapes("pad", "x", x.shape, "out", out.shape, ax)
-    return _answer("pad", _plan("copy", x.ndim, ax, (), 0, "largest", "backward"), (x,), (out,), mesh)
+    p, padded = _pad("pad", x.ndim, paddings, "largest", "backward")
+    _check_shapes("pad", "x", x.shape, "out", out.shape, padded)
+    return _answer("pad", p, (x,), (out,), mesh)
 
 
 def pad_grad(out_grad: T, paddings: Ints, pad_value: float = 0) -> SpmdResult:
     """x_grad = out_grad cropped: padded axes replicated, the others as out_grad."""
-    return _answer("pad_grad", _plan("copy", out_grad.ndim, _padded("pad_grad", paddings, out_grad.ndim)), (out_grad,))
+    return _answer("pad_grad", _pad("pad_grad", out_grad.ndim, paddings)[0], (out_grad,))
 
 
 _SLICE = "input: T, axes: ints, starts: ints, ends: ints, infer_flags: ints = [], decrease_axis: ints = []"
