@@ -149,9 +149,9 @@ def _rule_plans() -> list[tuple[Plan, str]]:
             p = norm._plan(kind, nd, nd - 1, (1,))
             plans.append((p, "backward" if kind.endswith("rev") else "forward"))
         for axis in range(nd):
-            plans.append((softmax._plan(nd, axis, "forward"), "forward"))
-            plans.append((softmax._plan(nd, axis, "backward"), "backward"))
-            plans.append((softmax._grad_plan(nd, axis), "forward"))
+            plans.append((compile_plan(softmax.notation(nd, axis)), "forward"))
+            plans.append((compile_plan(softmax.notation(nd, axis), "backward"), "backward"))
+            plans.append((compile_plan(softmax.grad_notation(nd, axis)), "forward"))
     return plans
 
 

@@ -1,0 +1,317 @@
+"""Rules as declarations: the engine generates a rule's functions from what it declares.
+
+A rule declares, per mode (:class:`Way`), a *notation function of a key* (the key: tensor
+ranks, attributes, size-1 masks, ... computed from the call's arguments by expressions
+written in the declaration) and what the call must satisfy (tensors on one mesh, pairs of
+tensors of one shape, a small ``check`` hook), and at most a small ``post`` hook for a true
+special case. :func:`declare` registers the rule (its Paddle signature, outputs, Paddle
+function names, kind of the backward slot) with functions :func:`generate` writes for it:
+straight-line Python with the signature's real parameter names (no ``*args`` parsing per
+call) that checks the call, computes the key, looks its compiled plan up in a dict (compiled
+on the key's first call: once per key, never per shape) and answers through
+:func:`spmdkit.engine.compile.infer`.
+
+    declare(
+        "softmax", "x: T, axis: int = -1",
+        Way(softmax_notation, key="x, axis", paddle="SoftmaxInferSpmd"),
+        reverse=Way(softmax_notation, key="x, axis", same=[("x", "out")], paddle="SoftmaxInferSpmdReverse"),
+        outputs="out: T",
+    )
+
+``key``: comma-separated Python expressions over the mode's parameters; a bare tensor name
+stands for its rank (``-1`` for an absent optional tensor), ``ones(t)`` for the bit mask of
+its size-1 axes; the notation function receives the values in order (plus the ``mask``, see
+:class:`Way`). An :class:`~spmdkit.core.errors.SpmdError` raised by a notation function or a
+hook without the op's name (``"perm [1] has 1 entries for a 2-D x"``) is re-raised with it
+(``"transpose: perm ..."``), so the notation functions are plain functions of the key.
+"""
+
+from __future__ import annotations
+
+import keyword
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from spmdkit.core.errors import ShapeMismatchError, SpmdError
+from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.compile import Plan, compile_plan, infer
+from spmdkit.engine.notation import Notation, check_letters, fast_result, named_mesh
+
+#: compiled plans kept per generated function (a dict per mode; emptied when it holds more)
+PLAN_LIMIT = 4096
+
+
+@dataclass(frozen=True)
+class Way:
+    """One mode of a declared rule (forward, reverse or grad).
+
+    * ``notation(*key) -> Notation``: the notation of a call with that key;
+    * ``key``: comma-separated expressions over the mode's parameters (see the module
+      docstring; default: the ranks of all its tensors), or a callable taking the mode's
+      arguments and returning the key tuple;
+    * ``mask``: tensors (the notation's first inputs, in order) whose size-1 axes key the
+      plan: their bit masks (``ones(t)``) are the key's last item, passed to the notation
+      function last and to :func:`~spmdkit.engine.compile.compile_plan` as its ``mask``
+      (for ``size1="broadcast"``);
+    * ``same``: pairs of tensor names that must have one shape (sizes -1 match anything);
+      every tensor must lie on the first tensor's mesh (checked always; the message names both);
+    * ``letters``: check per call that every letter has one size over the tensors the plan
+      merges and projects (:func:`~spmdkit.engine.notation.check_letters`);
+    * ``check(*args)``: more checks (shapes, attributes), raising SpmdError subclasses that
+      name the argument;
+    * ``post(ins, outs, *args) -> (ins, outs)``: a hook on the engine's answer for a true
+      special case (say why where it is declared);
+    * ``env``: names the ``key`` expressions may use besides the parameters and ``ones``;
+    * ``paddle``: Paddle's function name of this mode; ``doc``: the generated function's
+      docstring.
+    """
+
+    notation: Callable[..., Notation]
+    key: str | Callable[..., tuple[Any, ...]] = ""
+    mask: Sequence[str] = ()
+    same: Sequence[tuple[str, str]] = ()
+    letters: bool = False
+    check: Callable[..., Any] | None = None
+    post: Callable[..., tuple[Any, Any]] | None = None
+    env: Mapping[str, Any] = field(default_factory=dict)
+    paddle: str = ""
+    doc: str = ""
+
+
+def ones(t: DistTensorSpec | None) -> int:
+    """The size-1 axes of ``t`` as a bit mask (0 for an absent tensor)."""
+    if t is None:
+        return 0
+    m = 0
+    for i, s in enumerate(t.shape):
+        if s == 1:
+            m |= 1 << i
+    return m
+
+
+def same_shape(op: str, na: str, a: DistTensorSpec, nb: str, b: DistTensorSpec) -> None:
+    """ShapeMismatchError naming ``nb`` and ``na`` where their shapes differ (-1 matches any size)."""
+    if len(a.shape) != len(b.shape) or any(p != q and p >= 0 and q >= 0 for p, q in zip(a.shape, b.shape)):
+        raise ShapeMismatchError(f"{op}: {nb} has shape {list(b.shape)}, {na} has {list(a.shape)}")
+
+
+def renamed(e: SpmdError, op: str) -> SpmdError:
+    """``e``, or where its message does not start with ``op``, the same error naming it."""
+    msg = str(e)
+    if msg.startswith(op + ":"):
+        return e
+    new = type(e)(f"{op}: {msg}")
+    return new
+
+
+def _split(text: str) -> list[str]:
+    """Comma-separated items (commas inside brackets do not split)."""
+    out: list[str] = []
+    depth = 0
+    cur: list[str] = []
+    for ch in text:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            out.append("".join(cur).strip())
+            cur = []
+            continue
+        cur.append(ch)
+    last = "".join(cur).strip()
+    if last:
+        out.append(last)
+    return out
+
+
+def generate(
+    op: str,
+    signature: str,
+    way: Way,
+    direction: str = "forward",
+    outputs: Sequence[str] = (),
+    name: str = "",
+) -> Callable[..., SpmdResult]:
+    """The rule function of one mode: ``signature`` its parameters (Paddle's order), ``direction``
+    ``"forward"`` (forward and grad rules: every tensor an input of the notation) or
+    ``"backward"`` (a reverse rule: the tensors named in ``outputs`` are the notation's
+    outputs, merged; the others its inputs). The function has the signature's parameter names
+    and defaults, and a ``plan(key)`` attribute giving the compiled plan of a key."""
+    from spmdkit.rules.registry import parse_signature
+
+    if direction not in ("forward", "backward"):
+        raise ValueError(f"{op}: direction must be 'forward' or 'backward', got {direction!r}")
+    params = parse_signature(signature)
+    pnames = [p.name for p in params]
+    for n in pnames:
+        if not n.isidentifier() or keyword.iskeyword(n) or n.startswith("_"):
+            raise ValueError(f"{op}: parameter name {n!r} cannot be generated")
+    kinds = {p.name: p.kind for p in params}
+    tensors = [p.name for p in params if p.is_tensor]
+    for n in tensors:
+        if kinds[n] not in ("T", "T?"):
+            raise ValueError(f"{op}: {n!r} is a list of tensors, which a declaration does not take yet")
+    outs = list(outputs) if direction == "backward" else []
+    for n in outs:
+        if n not in tensors:
+            raise ValueError(f"{op}: output {n!r} is not a tensor parameter of {signature!r}")
+    ins = [n for n in tensors if n not in outs]
+    for a, b in way.same:
+        if a not in tensors or b not in tensors:
+            raise ValueError(f"{op}: same-shape pair ({a!r}, {b!r}) names no tensor parameter")
+    for n in way.mask:
+        if n not in ins:
+            raise ValueError(f"{op}: mask tensor {n!r} is not an input of the notation")
+    if list(way.mask) != ins[: len(way.mask)]:
+        raise ValueError(f"{op}: mask tensors {list(way.mask)} must be the first inputs {ins[: len(way.mask)]}")
+
+    ns: dict[str, Any] = {
+        "_OP": op, "_NAMES": tuple(tensors), "_infer": infer, "_result": fast_result, "_E": SpmdError,
+        "_renamed": renamed, "_named_mesh": named_mesh, "_same": same_shape, "_ones": ones, "ones": ones,
+        "_check": way.check, "_post": way.post, "_letters": check_letters, **way.env,
+    }  # fmt: skip
+    args = []
+    for i, p in enumerate(params):
+        if p.required:
+            args.append(p.name)
+        else:
+            ns[f"_d{i}"] = p.default
+            args.append(f"{p.name}=_d{i}")
+    lines = [f"def {name or op}({', '.join(args)}):", "    try:"]
+    emit = lines.append
+
+    def rank(n: str) -> str:
+        return f"len({n}.shape)" if kinds[n] == "T" else f"(-1 if {n} is None else len({n}.shape))"
+
+    # one mesh: the first required tensor's (every tensor on it)
+    first = next((n for n in tensors if kinds[n] == "T"), None)
+    if first is None:
+        emit(f"        mesh = _named_mesh(_OP, ({''.join(f'({n!r}, {n}), ' for n in tensors)}))")
+    else:
+        emit(f"        mesh = {first}.dist_attr.mesh")
+        pairs = "".join(f"({n!r}, {n}), " for n in tensors)
+        for n in tensors:
+            if n == first:
+                continue
+            ind = "        "
+            if kinds[n] == "T?":
+                emit(f"        if {n} is not None:")
+                ind += "    "
+            emit(f"{ind}m = {n}.dist_attr.mesh")
+            emit(f"{ind}if m is not mesh and m != mesh: _named_mesh(_OP, ({pairs}))")
+    for a, b in way.same:
+        cond = f"{a}.shape != {b}.shape"
+        if kinds[a] == "T?":
+            cond = f"{a} is not None and {cond}"
+        if kinds[b] == "T?":
+            cond = f"{b} is not None and {cond}"
+        emit(f"        if {cond}: _same(_OP, {a!r}, {a}, {b!r}, {b})")
+    call = ", ".join(pnames)
+    if way.check is not None:
+        emit(f"        _check({call})")
+    # the key
+    if callable(way.key):
+        ns["_key"] = way.key
+        key_items = [f"*_key({call})"]
+    else:
+        items = _split(way.key) if way.key.strip() else list(tensors)
+        key_items = [rank(k) if k in tensors else f"({k})" for k in items]
+    if way.mask:
+        key_items.append("(" + "".join(
+            f"(_ones({n}) if {n} is not None and 1 in {n}.shape else 0), " if kinds[n] == "T?"
+            else f"(_ones({n}) if 1 in {n}.shape else 0), " for n in way.mask) + ")")  # fmt: skip
+    emit(f"        k = ({''.join(k + ', ' for k in key_items)})")
+    emit("        p = _P.get(k)")
+    emit("        if p is None: p = _miss(k)")
+    tin = "(" + "".join(f"{n}, " for n in ins) + ")"
+    tout = "(" + "".join(f"{n}, " for n in outs) + ")"
+    if way.letters:
+        if direction == "forward":
+            emit(f"        _letters(_OP, p.notation.inputs, {tin}, _NAMES)")
+        else:
+            emit(f"        _letters(_OP, p.notation.inputs + p.notation.outputs, {tin} + {tout}, _NAMES)")
+    emit(f"        r = _infer(p, _OP, {tin}, {tout}, mesh, _NAMES)")
+    if way.post is not None:
+        emit(f"        r = _post(*r, {call})")
+        emit("        return _result(tuple(r[0]), tuple(r[1]))")
+    else:
+        emit("        return _result(*r)")
+    emit("    except _E as e:")
+    emit("        raise _renamed(e, _OP) from None")
+
+    plans: dict[tuple[Any, ...], Plan] = {}
+    notation = way.notation
+    has_mask = bool(way.mask)
+
+    def miss(k: tuple[Any, ...]) -> Plan:
+        """The plan of key ``k``, compiled and kept (its notation's errors raised as they come)."""
+        nt = notation(*k)
+        p = compile_plan(nt, direction, k[-1] if has_mask else ())
+        if len(plans) >= PLAN_LIMIT:
+            plans.clear()
+        plans[k] = p
+        return p
+
+    def plan(k: tuple[Any, ...]) -> Plan:
+        """The compiled plan of key ``k`` (errors name the op)."""
+        try:
+            return plans.get(k) or miss(tuple(k))
+        except SpmdError as e:
+            raise renamed(e, op) from None
+
+    ns["_P"] = plans
+    ns["_miss"] = miss
+    src = "\n".join(lines) + "\n"
+    exec(compile(src, f"<rule {op} {direction}>", "exec"), ns)
+    fn: Any = ns[name or op]
+    fn.__doc__ = way.doc or None
+    fn.__qualname__ = fn.__name__
+    fn.plan = plan
+    fn.source = src
+    fn.way = way
+    return fn  # type: ignore[no-any-return]
+
+
+def declare(
+    name: str,
+    signature: str,
+    forward: Way,
+    *,
+    reverse: Way | None = None,
+    outputs: str = "",
+    grad: Way | None = None,
+    grad_signature: str = "",
+    grad_name: str = "",
+    grad_aliases: Sequence[str] = (),
+    aliases: Sequence[str] = (),
+    doc: str = "",
+) -> Any:
+    """Register rule ``name`` (Paddle's ``signature``) with the functions :func:`generate`
+    makes from its ways: ``forward``; in the backward slot either ``reverse`` (Paddle's reverse
+    rule, with the op's ``outputs``, e.g. ``"out: T"``; its signature is derived by the
+    registry: the forward's tensors, the outputs, the forward's attributes) or ``grad`` (a grad
+    rule in that place, with its own ``grad_signature``; ``grad_name`` registers it as a rule of
+    its own too). Returns the registered :class:`~spmdkit.rules.registry.Rule`."""
+    from spmdkit.rules.registry import GRAD, REVERSE, parse_signature, register, reverse_signature
+
+    if reverse is not None and grad is not None:
+        raise ValueError(f"rule {name!r}: the backward slot holds a reverse rule or a grad rule, not both")
+    fwd = generate(name, signature, forward, "forward", name=f"{name}_forward")
+    if reverse is not None:
+        out_names = [p.name for p in parse_signature(outputs)] if outputs.strip() else []
+        bwd = generate(name, reverse_signature(signature, outputs), reverse, "backward", out_names,
+                       name=f"{name}_backward")  # fmt: skip
+        return register(name, fwd, signature, bwd, kind=REVERSE, outputs=outputs, aliases=aliases, doc=doc,
+                        forward_name=forward.paddle, backward_name=reverse.paddle)  # fmt: skip
+    if grad is not None:
+        op = grad_name or f"{name}_grad"
+        g = generate(op, grad_signature, grad, "forward", name=op)
+        return register(name, fwd, signature, g, grad_signature, kind=GRAD, grad_name=grad_name,
+                        grad_aliases=grad_aliases, aliases=aliases, doc=doc, forward_name=forward.paddle,
+                        backward_name=grad.paddle)  # fmt: skip
+    return register(name, fwd, signature, aliases=aliases, doc=doc, forward_name=forward.paddle)
+
+
+__all__ = ["PLAN_LIMIT", "Way", "declare", "generate", "ones", "renamed", "same_shape"]
