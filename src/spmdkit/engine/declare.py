@@ -33,10 +33,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import ShapeMismatchError, SpmdError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.compile import Plan, compile_plan, infer
 from spmdkit.engine.notation import Notation, check_letters, fast_result, named_mesh
+
+#: what the engine answers and a post-hook returns: the inputs' and the outputs' dist attrs
+Answer = tuple[Sequence[TensorDistAttr | None], Sequence[TensorDistAttr | None]]
 
 #: compiled plans kept per generated function (a dict per mode; emptied when it holds more)
 PLAN_LIMIT = 4096
@@ -54,15 +58,18 @@ class Way:
       plan: their bit masks (``ones(t)``) are the key's last item, passed to the notation
       function last and to :func:`~spmdkit.engine.compile.compile_plan` as its ``mask``
       (for ``size1="broadcast"``);
-    * ``same``: pairs of tensor names that must have one shape (sizes -1 match anything);
-      every tensor must lie on the first tensor's mesh (checked always; the message names both);
+    * ``same``: pairs of tensor names that must have one shape (sizes -1 match anything;
+      checked after ``check``); every tensor must lie on the first tensor's mesh (checked
+      first, always; the message names both);
     * ``letters``: check per call that every letter has one size over the tensors the plan
       merges and projects (:func:`~spmdkit.engine.notation.check_letters`);
     * ``check(*args)``: more checks (shapes, attributes), raising SpmdError subclasses that
-      name the argument;
+      name the argument; or a string, an expression over the parameters (and ``env``) inlined;
     * ``post(ins, outs, *args) -> (ins, outs)``: a hook on the engine's answer for a true
       special case (say why where it is declared);
     * ``env``: names the ``key`` expressions may use besides the parameters and ``ones``;
+    * ``wrap(fn, signature, outputs) -> fn``: what :func:`declare` registers in place of the
+      generated function (a 0-D optional tensor read as absent: ``rules._absent.zero_d_absent``);
     * ``paddle``: Paddle's function name of this mode; ``doc``: the generated function's
       docstring.
     """
@@ -72,9 +79,10 @@ class Way:
     mask: Sequence[str] = ()
     same: Sequence[tuple[str, str]] = ()
     letters: bool = False
-    check: Callable[..., Any] | None = None
-    post: Callable[..., tuple[Any, Any]] | None = None
+    check: str | Callable[..., Any] | None = None
+    post: Callable[..., Answer] | None = None
     env: Mapping[str, Any] = field(default_factory=dict)
+    wrap: Callable[[Callable[..., SpmdResult], str, Sequence[str]], Callable[..., SpmdResult]] | None = None
     paddle: str = ""
     doc: str = ""
 
@@ -138,7 +146,8 @@ def generate(
     ``"forward"`` (forward and grad rules: every tensor an input of the notation) or
     ``"backward"`` (a reverse rule: the tensors named in ``outputs`` are the notation's
     outputs, merged; the others its inputs). The function has the signature's parameter names
-    and defaults, and a ``plan(key)`` attribute giving the compiled plan of a key."""
+    and defaults, and a ``plan(key)`` attribute giving the compiled plan of a key (``way.wrap``
+    applied, where declared)."""
     from spmdkit.rules.registry import parse_signature
 
     if direction not in ("forward", "backward"):
@@ -201,6 +210,11 @@ def generate(
                 ind += "    "
             emit(f"{ind}m = {n}.dist_attr.mesh")
             emit(f"{ind}if m is not mesh and m != mesh: _named_mesh(_OP, ({pairs}))")
+    call = ", ".join(pnames)
+    if isinstance(way.check, str):
+        emit(f"        {way.check}")
+    elif way.check is not None:
+        emit(f"        _check({call})")
     for a, b in way.same:
         cond = f"{a}.shape != {b}.shape"
         if kinds[a] == "T?":
@@ -208,9 +222,6 @@ def generate(
         if kinds[b] == "T?":
             cond = f"{b} is not None and {cond}"
         emit(f"        if {cond}: _same(_OP, {a!r}, {a}, {b!r}, {b})")
-    call = ", ".join(pnames)
-    if way.check is not None:
-        emit(f"        _check({call})")
     # the key
     if callable(way.key):
         ns["_key"] = way.key
@@ -232,12 +243,11 @@ def generate(
             emit(f"        _letters(_OP, p.notation.inputs, {tin}, _NAMES)")
         else:
             emit(f"        _letters(_OP, p.notation.inputs + p.notation.outputs, {tin} + {tout}, _NAMES)")
-    emit(f"        r = _infer(p, _OP, {tin}, {tout}, mesh, _NAMES)")
     if way.post is not None:
-        emit(f"        r = _post(*r, {call})")
+        emit(f"        r = _post(*_infer(p, _OP, {tin}, {tout}, mesh, _NAMES), {call})")
         emit("        return _result(tuple(r[0]), tuple(r[1]))")
     else:
-        emit("        return _result(*r)")
+        emit(f"        return _result(*_infer(p, _OP, {tin}, {tout}, mesh, _NAMES))")
     emit("    except _E as e:")
     emit("        raise _renamed(e, _OP) from None")
 
@@ -271,6 +281,8 @@ def generate(
     fn.plan = plan
     fn.source = src
     fn.way = way
+    if way.wrap is not None:
+        return way.wrap(fn, signature, outs)
     return fn  # type: ignore[no-any-return]
 
 
@@ -314,4 +326,4 @@ def declare(
     return register(name, fwd, signature, aliases=aliases, doc=doc, forward_name=forward.paddle)
 
 
-__all__ = ["PLAN_LIMIT", "Way", "declare", "generate", "ones", "renamed", "same_shape"]
+__all__ = ["PLAN_LIMIT", "Answer", "Way", "declare", "generate", "ones", "renamed", "same_shape"]
