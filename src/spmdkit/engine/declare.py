@@ -20,7 +20,8 @@ on the key's first call: once per key, never per shape) and answers through
 
 ``key``: comma-separated Python expressions over the mode's parameters; a bare tensor name
 stands for its rank (``-1`` for an absent optional tensor), ``ones(t)`` for the bit mask of
-its size-1 axes; the notation function receives the values in order (plus the ``mask``, see
+its size-1 axes, and ``*f(...)`` for the items of a tuple (one such item alone: the key is
+that tuple, which must be a tuple); the notation function receives the values in order (plus the ``mask``, see
 :class:`Way`). An :class:`~spmdkit.core.errors.SpmdError` raised by a notation function or a
 hook without the op's name (``"perm [1] has 1 entries for a 2-D x"``) is re-raised with it
 (``"transpose: perm ..."``), so the notation functions are plain functions of the key.
@@ -66,7 +67,8 @@ class Way:
     * ``check(*args)``: more checks (shapes, attributes), raising SpmdError subclasses that
       name the argument; or a string, an expression over the parameters (and ``env``) inlined;
     * ``post(ins, outs, *args) -> (ins, outs)``: a hook on the engine's answer for a true
-      special case (say why where it is declared);
+      special case (say why where it is declared); ``post_if``: an expression over the
+      parameters, where given the hook runs only where it holds (``"x.dist_attr.partial"``);
     * ``env``: names the ``key`` expressions may use besides the parameters and ``ones``;
     * ``wrap(fn, signature, outputs) -> fn``: what :func:`declare` registers in place of the
       generated function (a 0-D optional tensor read as absent: ``rules._absent.zero_d_absent``);
@@ -81,6 +83,7 @@ class Way:
     letters: bool = False
     check: str | Callable[..., Any] | None = None
     post: Callable[..., Answer] | None = None
+    post_if: str = ""
     env: Mapping[str, Any] = field(default_factory=dict)
     wrap: Callable[[Callable[..., SpmdResult], str, Sequence[str]], Callable[..., SpmdResult]] | None = None
     paddle: str = ""
@@ -194,6 +197,15 @@ def generate(
     def rank(n: str) -> str:
         return f"len({n}.shape)" if kinds[n] == "T" else f"(-1 if {n} is None else len({n}.shape))"
 
+    def fast_ones(item: str) -> str:
+        """``ones(t)`` of a tensor parameter inlined: no call where t has no size-1 axis."""
+        n = item[5:-1].strip() if item.startswith("ones(") and item.endswith(")") else ""
+        if n not in tensors:
+            return ""
+        if kinds[n] == "T?":
+            return f"(_ones({n}) if {n} is not None and 1 in {n}.shape else 0)"
+        return f"(_ones({n}) if 1 in {n}.shape else 0)"
+
     # one mesh: the first required tensor's (every tensor on it)
     first = next((n for n in tensors if kinds[n] == "T"), None)
     if first is None:
@@ -228,12 +240,13 @@ def generate(
         key_items = [f"*_key({call})"]
     else:
         items = _split(way.key) if way.key.strip() else list(tensors)
-        key_items = [rank(k) if k in tensors else f"({k})" for k in items]
+        key_items = [rank(k) if k in tensors else k if k.startswith("*") else fast_ones(k) or f"({k})" for k in items]
     if way.mask:
-        key_items.append("(" + "".join(
-            f"(_ones({n}) if {n} is not None and 1 in {n}.shape else 0), " if kinds[n] == "T?"
-            else f"(_ones({n}) if 1 in {n}.shape else 0), " for n in way.mask) + ")")  # fmt: skip
-    emit(f"        k = ({''.join(k + ', ' for k in key_items)})")
+        key_items.append("(" + "".join(fast_ones(f"ones({n})") + ", " for n in way.mask) + ")")
+    if len(key_items) == 1 and key_items[0].startswith("*"):
+        emit(f"        k = {key_items[0][1:]}")  # the expression gives the whole key (a tuple)
+    else:
+        emit(f"        k = ({''.join(k + ', ' for k in key_items)})")
     emit("        p = _P.get(k)")
     emit("        if p is None: p = _miss(k)")
     tin = "(" + "".join(f"{n}, " for n in ins) + ")"
@@ -244,7 +257,10 @@ def generate(
         else:
             emit(f"        _letters(_OP, p.notation.inputs + p.notation.outputs, {tin} + {tout}, _NAMES)")
     if way.post is not None:
-        emit(f"        r = _post(*_infer(p, _OP, {tin}, {tout}, mesh, _NAMES), {call})")
+        emit(f"        r = _infer(p, _OP, {tin}, {tout}, mesh, _NAMES)")
+        if way.post_if:
+            emit(f"        if not ({way.post_if}): return _result(*r)")
+        emit(f"        r = _post(*r, {call})")
         emit("        return _result(tuple(r[0]), tuple(r[1]))")
     else:
         emit(f"        return _result(*_infer(p, _OP, {tin}, {tout}, mesh, _NAMES))")

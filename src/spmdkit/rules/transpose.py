@@ -53,7 +53,7 @@ def _keep_partial(ins: tuple[TensorDistAttr, ...], outs: tuple[TensorDistAttr, .
 
 declare(
     "transpose", "x: T, perm: ints",
-    Way(notation, key="x, perm", post=_keep_partial, paddle="TransposeInferSpmd",
+    Way(notation, key="x, perm", post=_keep_partial, post_if="x.dist_attr.partial", paddle="TransposeInferSpmd",
         doc="out axis i is x axis perm[i]; every sharding moves with its axis (uneven mesh dims dropped)."),
     reverse=Way(notation, key="x, perm", letters=True, paddle="TransposeInferSpmdReverse",
                 doc="x from out: each out axis's sharding goes back to the x axis it came from."),
@@ -61,6 +61,7 @@ declare(
 )  # fmt: skip
 declare(
     "transpose_grad", "out_grad: T, perm: ints",
-    Way(grad_notation, key="out_grad, perm", post=_keep_partial, paddle="TransposeGradInferSpmd",
+    Way(grad_notation, key="out_grad, perm", post=_keep_partial, post_if="out_grad.dist_attr.partial",
+        paddle="TransposeGradInferSpmd",
         doc="x_grad = transpose(out_grad, inverse(perm))."),
 )  # fmt: skip
