@@ -23,6 +23,7 @@ the mesh dims that shard the axes it was broadcast along.
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 from spmdkit.core.dist_attr import Partial, ReduceType, TensorDistAttr, entry_dims
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
@@ -325,7 +326,7 @@ _BINARY_REV = Way(partial(binary_notation, "backward"), key=_BKEY, check="_out_c
                   doc="elementwise binary reverse: x and y take out's letters; out is what they make.")  # fmt: skip
 
 
-def _unary_grad(inputs: tuple[str, ...], paddle: str = "ElementwiseUnaryGradInferSpmd", **kw: object) -> Way:
+def _unary_grad(inputs: tuple[str, ...], paddle: str = "ElementwiseUnaryGradInferSpmd", **kw: Any) -> Way:
     """A grad rule over (inputs..., out_grad): every tensor sharded as out_grad, partial cleared."""
     return Way(
         partial(unary_grad_notation, len(inputs)),
@@ -334,7 +335,7 @@ def _unary_grad(inputs: tuple[str, ...], paddle: str = "ElementwiseUnaryGradInfe
         paddle=paddle,
         doc=f"{paddle}({', '.join((*inputs, 'out_grad'))})",
         **kw,
-    )  # type: ignore[arg-type]
+    )
 
 
 def _binary_grad(with_out: bool) -> Way:
