@@ -303,25 +303,16 @@ def generate(
 
 
 def declare(
-    name: str,
-    signature: str,
-    forward: Way,
-    *,
-    reverse: Way | None = None,
-    outputs: str = "",
-    grad: Way | None = None,
-    grad_signature: str = "",
-    grad_name: str = "",
-    grad_aliases: Sequence[str] = (),
-    aliases: Sequence[str] = (),
-    doc: str = "",
-) -> Any:
+    name: str, signature: str, forward: Way, *, reverse: Way | None = None, outputs: str = "",
+    grad: Way | None = None, grad_signature: str = "", **kw: Any,
+) -> Any:  # fmt: skip
     """Register rule ``name`` (Paddle's ``signature``) with the functions :func:`generate`
     makes from its ways: ``forward``; in the backward slot either ``reverse`` (Paddle's reverse
     rule, with the op's ``outputs``, e.g. ``"out: T"``; its signature is derived by the
     registry: the forward's tensors, the outputs, the forward's attributes) or ``grad`` (a grad
-    rule in that place, with its own ``grad_signature``; ``grad_name`` registers it as a rule of
-    its own too). Returns the registered :class:`~spmdkit.rules.registry.Rule`."""
+    rule in that place, with its own ``grad_signature``; ``grad_name=`` registers it as a rule
+    of its own too). ``kw``: the registry's ``aliases``, ``doc``, ``grad_name``,
+    ``grad_aliases``. Returns the registered :class:`~spmdkit.rules.registry.Rule`."""
     from spmdkit.rules.registry import GRAD, REVERSE, parse_signature, register, reverse_signature
 
     if reverse is not None and grad is not None:
@@ -331,15 +322,14 @@ def declare(
         out_names = [p.name for p in parse_signature(outputs)] if outputs.strip() else []
         bwd = generate(name, reverse_signature(signature, outputs), reverse, "backward", out_names,
                        name=f"{name}_backward")  # fmt: skip
-        return register(name, fwd, signature, bwd, kind=REVERSE, outputs=outputs, aliases=aliases, doc=doc,
-                        forward_name=forward.paddle, backward_name=reverse.paddle)  # fmt: skip
+        return register(name, fwd, signature, bwd, kind=REVERSE, outputs=outputs, forward_name=forward.paddle,
+                        backward_name=reverse.paddle, **kw)  # fmt: skip
     if grad is not None:
-        op = grad_name or f"{name}_grad"
+        op = kw.get("grad_name") or f"{name}_grad"
         g = generate(op, grad_signature, grad, "forward", name=op)
-        return register(name, fwd, signature, g, grad_signature, kind=GRAD, grad_name=grad_name,
-                        grad_aliases=grad_aliases, aliases=aliases, doc=doc, forward_name=forward.paddle,
-                        backward_name=grad.paddle)  # fmt: skip
-    return register(name, fwd, signature, aliases=aliases, doc=doc, forward_name=forward.paddle)
+        return register(name, fwd, signature, g, grad_signature, kind=GRAD, forward_name=forward.paddle,
+                        backward_name=grad.paddle, **kw)  # fmt: skip
+    return register(name, fwd, signature, forward_name=forward.paddle, **kw)
 
 
 __all__ = ["PLAN_LIMIT", "Answer", "Way", "declare", "generate", "ones", "renamed", "same_shape"]
