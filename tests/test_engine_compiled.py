@@ -18,7 +18,7 @@ from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.compile import Plan, compile_plan, infer, run
 from spmdkit.engine.merge import BROADCAST, reference_merge
 from spmdkit.engine.notation import Notation, merge_letters
-from spmdkit.rules import matmul, norm, softmax
+from spmdkit.rules import elementwise, matmul, norm, softmax, transpose
 
 MESHES = [(2,), (3,), (2, 2), (2, 3), (3, 2), (2, 4), (2, 2, 2), (1, 2), (2, 3, 2)]
 SIZES = [1, 1, 2, 3, 4, 6, 8, 12, 5, -1, 0]
@@ -148,6 +148,15 @@ def _rule_plans() -> list[tuple[Plan, str]]:
         for kind in ("rms", "rms_rev", "rms_grad"):
             p = compile_plan(norm.notation(kind, nd, nd - 1, 1), "backward" if kind.endswith("rev") else "forward")
             plans.append((p, "backward" if kind.endswith("rev") else "forward"))
+        for ux in range(1 << nd):
+            for ny in range(nd + 1):
+                uy = ux & ((1 << ny) - 1)
+                plans.append((compile_plan(elementwise.binary_notation("forward", nd, ny, ux, uy)), "forward"))
+                plans.append((compile_plan(elementwise.binary_notation("backward", nd, ny, ux, uy), "backward"), "backward"))
+                plans.append((compile_plan(elementwise.binary_grad_notation(ny % 2 == 0, nd, nd, ny, ux, uy)), "forward"))
+        plans.append((compile_plan(elementwise.unary_grad_notation(2, nd)), "forward"))
+        plans.append((compile_plan(transpose.notation(nd, tuple(range(nd))[::-1])), "forward"))
+        plans.append((compile_plan(transpose.notation(nd, tuple(range(nd))[::-1]), "backward"), "backward"))
         for axis in range(nd):
             plans.append((compile_plan(softmax.notation(nd, axis)), "forward"))
             plans.append((compile_plan(softmax.notation(nd, axis), "backward"), "backward"))
