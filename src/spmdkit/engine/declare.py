@@ -21,8 +21,8 @@ on the key's first call: once per key, never per shape) and answers through
 ``key``: comma-separated Python expressions over the mode's parameters; a bare tensor name
 stands for its rank (``-1`` for an absent optional tensor), ``ones(t)`` for the bit mask of
 its size-1 axes, and ``*f(...)`` for the items of a tuple (one such item alone: the key is
-that tuple, which must be a tuple); the notation function receives the values in order (plus the ``mask``, see
-:class:`Way`). An :class:`~spmdkit.core.errors.SpmdError` raised by a notation function or a
+``f(...)``, which must be a tuple); the notation function receives the values in order (plus
+the ``mask``, see :class:`Way`). An :class:`~spmdkit.core.errors.SpmdError` raised by a notation function or a
 hook without the op's name (``"perm [1] has 1 entries for a 2-D x"``) is re-raised with it
 (``"transpose: perm ..."``), so the notation functions are plain functions of the key.
 """
@@ -112,8 +112,10 @@ def renamed(e: SpmdError, op: str) -> SpmdError:
     msg = str(e)
     if msg.startswith(op + ":"):
         return e
-    new = type(e)(f"{op}: {msg}")
-    return new
+    try:
+        return type(e)(f"{op}: {msg}")
+    except TypeError:  # an error class built otherwise: kept as it is
+        return e
 
 
 def _split(text: str) -> list[str]:
