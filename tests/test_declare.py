@@ -136,8 +136,8 @@ def test_letters_check_and_callable_key() -> None:
 def test_bad_declarations_rejected() -> None:
     with pytest.raises(ValueError, match="same-shape pair"):
         generate("op", "x: T", Way(_rowwise, same=[("x", "z")]))
-    with pytest.raises(ValueError, match="list of tensors"):
-        generate("op", "xs: [T]", Way(_rowwise))
+    with pytest.raises(ValueError, match="single tensor"):
+        generate("op", "x: T, xs: [T]", Way(_rowwise, same=[("x", "xs")]))
     with pytest.raises(ValueError, match="first inputs"):
         generate("op", "x: T, y: T", Way(_rowwise, mask=("y",)))
     with pytest.raises(ValueError, match="not both"):
@@ -161,3 +161,36 @@ def test_declared_rules_registered_with_kinds_and_answered_through_plans() -> No
     finally:
         set_cache_enabled(True)
     assert GRAD == "grad"
+
+
+def test_lists_of_tensors() -> None:
+    """A ``[T]`` parameter: its items are inputs of the notation in order, the key holds their
+    ranks, the answer holds their attrs as one tuple, errors name the item."""
+
+    def stack_nt(ranks: tuple[int, ...]) -> Notation:
+        a = letters_for(ranks[0])
+        return Notation([a] * len(ranks), ["z" + a], replicated="z")
+
+    f = generate("stackish", "x: [T], axis: int = 0", Way(stack_nt, key="x"), name="stackish")
+    xs = [t([4, 6], [0, -1]), t([4, 6], [-1, 1])]
+    r = f(xs, 0)
+    assert isinstance(r.inputs[0], tuple) and len(r.inputs[0]) == 2
+    assert [a.dims_mapping for a in r.inputs[0]] == [(0, 1), (0, 1)]  # merged: weight tie, first claims
+    assert r.outputs[0].dims_mapping == (-1, 0, 1)  # type: ignore[union-attr]
+    assert f.plan(((2, 2),)).notation == stack_nt((2, 2))
+    with pytest.raises(InvalidMeshError, match=r"stackish: x\[1\] lies on a different mesh than x\[0\]"):
+        f([xs[0], t([4, 6], [-1, -1], ProcessMesh([8]))], 0)
+    with pytest.raises(InvalidMeshError, match="stackish: no tensor"):
+        f([], 0)
+
+    # reverse of a split: the outputs a list, letters checked per item
+    def split_nt(nd: int, ranks: tuple[int, ...]) -> Notation:
+        a = letters_for(nd)
+        return Notation([a], [a] * len(ranks))
+
+    g = generate("splitish", "x: T, out: [T]", Way(split_nt, key="x, out", letters=True), "backward", ["out"])
+    r = g(t([4, 6], [-1, -1]), [t([4, 6], [0, -1]), t([4, 6], [-1, -1])])
+    assert r.inputs[0].dims_mapping == (0, -1)  # type: ignore[union-attr]
+    assert [a.dims_mapping for a in r.outputs[0]] == [(0, -1), (0, -1)]  # type: ignore[union-attr]
+    with pytest.raises(ShapeMismatchError, match=r"splitish: axis sizes disagree: x has 4 and out\[1\] has 5"):
+        g(t([4, 6], [-1, -1]), [t([4, 6], [0, -1]), t([5, 6], [-1, -1])])

@@ -19,7 +19,8 @@ on the key's first call: once per key, never per shape) and answers through
     )
 
 ``key``: comma-separated Python expressions over the mode's parameters; a bare tensor name
-stands for its rank (``-1`` for an absent optional tensor), ``ones(t)`` for the bit mask of
+stands for its rank (``-1`` for an absent optional tensor; a list of tensors: the tuple of
+their ranks), ``ones(t)`` for the bit mask of
 its size-1 axes, and ``*f(...)`` for the items of a tuple (one such item alone: the key is
 ``f(...)``, which must be a tuple); the notation function receives the values in order (plus
 the ``mask``, see :class:`Way`). An :class:`~spmdkit.core.errors.SpmdError` raised by a notation function or a
@@ -118,6 +119,53 @@ def renamed(e: SpmdError, op: str) -> SpmdError:
         return e
 
 
+def _list_mesh(op: str, named: tuple[tuple[str, Any, bool], ...]) -> Any:
+    """The one mesh of a call with lists of tensors (``(name, value, is a list)``; absent tensors
+    skipped); InvalidMeshError naming the two tensors that disagree, or that none is given."""
+    mesh = None
+    for _, v, is_list in named:
+        for t in v if is_list else (v,):
+            if t is None:
+                continue
+            m = t.dist_attr.mesh
+            if mesh is None:
+                mesh = m
+            elif m is not mesh and m != mesh:
+                mesh = None
+                break
+        else:
+            continue
+        break  # two meshes: named_mesh names them
+    else:
+        if mesh is not None:
+            return mesh
+    items: list[tuple[str, Any]] = []
+    for n, v, is_list in named:
+        if is_list:
+            items.extend((f"{n}[{i}]", t) for i, t in enumerate(v))
+        else:
+            items.append((n, v))
+    return named_mesh(op, items)
+
+
+_names_cache: dict[tuple[tuple[str, int], ...], tuple[str, ...]] = {}
+
+
+def _list_names(spec: tuple[tuple[str, int], ...]) -> tuple[str, ...]:
+    """The tensors' names of a call, from ``(name, length of a list or -1)``: a list's items
+    named ``x[0]``, ``x[1]``, ..."""
+    got = _names_cache.get(spec)
+    if got is None:
+        out: list[str] = []
+        for n, k in spec:
+            out.extend([n] if k < 0 else [f"{n}[{i}]" for i in range(k)])
+        got = tuple(out)
+        if len(_names_cache) >= PLAN_LIMIT:
+            _names_cache.clear()
+        _names_cache[spec] = got
+    return got
+
+
 def _split(text: str) -> list[str]:
     """Comma-separated items (commas inside brackets do not split)."""
     out: list[str] = []
@@ -150,7 +198,10 @@ def generate(
     """The rule function of one mode: ``signature`` its parameters (Paddle's order), ``direction``
     ``"forward"`` (forward and grad rules: every tensor an input of the notation) or
     ``"backward"`` (a reverse rule: the tensors named in ``outputs`` are the notation's
-    outputs, merged; the others its inputs). The function has the signature's parameter names
+    outputs, merged; the others its inputs). A list parameter (``[T]``, ``[T?]``) stands for its
+    items, in order, among the notation's tensors: a bare name in the key is the tuple of their
+    ranks, errors name them ``x[0]``, ``x[1]``, ..., and the answer holds their attrs as one
+    tuple (as Paddle's). The function has the signature's parameter names
     and defaults, and a ``plan(key)`` attribute giving the compiled plan of a key (``way.wrap``
     applied, where declared)."""
     from spmdkit.rules.registry import parse_signature
@@ -164,27 +215,26 @@ def generate(
             raise ValueError(f"{op}: parameter name {n!r} cannot be generated")
     kinds = {p.name: p.kind for p in params}
     tensors = [p.name for p in params if p.is_tensor]
-    for n in tensors:
-        if kinds[n] not in ("T", "T?"):
-            raise ValueError(f"{op}: {n!r} is a list of tensors, which a declaration does not take yet")
+    lists = [n for n in tensors if kinds[n] in ("[T]", "[T?]")]
     outs = list(outputs) if direction == "backward" else []
     for n in outs:
         if n not in tensors:
             raise ValueError(f"{op}: output {n!r} is not a tensor parameter of {signature!r}")
     ins = [n for n in tensors if n not in outs]
     for a, b in way.same:
-        if a not in tensors or b not in tensors:
-            raise ValueError(f"{op}: same-shape pair ({a!r}, {b!r}) names no tensor parameter")
+        if a not in tensors or b not in tensors or a in lists or b in lists:
+            raise ValueError(f"{op}: same-shape pair ({a!r}, {b!r}) names no single tensor parameter")
     for n in way.mask:
-        if n not in ins:
-            raise ValueError(f"{op}: mask tensor {n!r} is not an input of the notation")
+        if n not in ins or n in lists:
+            raise ValueError(f"{op}: mask tensor {n!r} is not a single input of the notation")
     if list(way.mask) != ins[: len(way.mask)]:
         raise ValueError(f"{op}: mask tensors {list(way.mask)} must be the first inputs {ins[: len(way.mask)]}")
 
     ns: dict[str, Any] = {
         "_OP": op, "_NAMES": tuple(tensors), "_infer": infer, "_result": fast_result, "_E": SpmdError,
         "_renamed": renamed, "_named_mesh": named_mesh, "_same": same_shape, "_ones": ones, "ones": ones,
-        "_check": way.check, "_post": way.post, "_letters": check_letters, **way.env,
+        "_check": way.check, "_post": way.post, "_letters": check_letters, "_list_mesh": _list_mesh,
+        "_list_names": _list_names, **way.env,
     }  # fmt: skip
     args = []
     for i, p in enumerate(params):
@@ -197,6 +247,8 @@ def generate(
     emit = lines.append
 
     def rank(n: str) -> str:
+        if n in lists:
+            return f"tuple([-1 if t is None else len(t.shape) for t in {n}])"
         return f"len({n}.shape)" if kinds[n] == "T" else f"(-1 if {n} is None else len({n}.shape))"
 
     def fast_ones(item: str) -> str:
@@ -210,7 +262,9 @@ def generate(
 
     # one mesh: the first required tensor's (every tensor on it)
     first = next((n for n in tensors if kinds[n] == "T"), None)
-    if first is None:
+    if lists:  # a loop over the lists' items
+        emit(f"        mesh = _list_mesh(_OP, ({''.join(f'({n!r}, {n}, {n in lists}), ' for n in tensors)}))")
+    elif first is None:
         emit(f"        mesh = _named_mesh(_OP, ({''.join(f'({n!r}, {n}), ' for n in tensors)}))")
     else:
         emit(f"        mesh = {first}.dist_attr.mesh")
@@ -251,14 +305,43 @@ def generate(
         emit(f"        k = ({''.join(k + ', ' for k in key_items)})")
     emit("        p = _P.get(k)")
     emit("        if p is None: p = _miss(k)")
-    tin = "(" + "".join(f"{n}, " for n in ins) + ")"
-    tout = "(" + "".join(f"{n}, " for n in outs) + ")"
+    def flat(names: list[str]) -> str:
+        return "(" + "".join(f"*{n}, " if n in lists else f"{n}, " for n in names) + ")"
+
+    tin, tout = flat(ins), flat(outs)
+    if lists:  # the tensors' names, a list's items as x[0], x[1], ...
+        nm = "".join(f"({n!r}, len({n})), " if n in lists else f"({n!r}, -1), " for n in tensors)
+        emit(f"        names = _list_names(({nm}))")
+    names = "names" if lists else "_NAMES"
+
+    def group(var: str, names_: list[str]) -> str:
+        """The flat answer ``var`` regrouped: a list parameter's attrs as one tuple."""
+        items, off = [], "0"
+        for n in names_:
+            if n in lists:
+                end = f"{off} + len({n})"
+                items.append(f"{var}[{off}:{end}]")
+                off = end
+            else:
+                items.append(f"{var}[{off}]")
+                off = f"{off} + 1"
+        return "(" + "".join(i + ", " for i in items) + ")"
     if way.letters:
         if direction == "forward":
-            emit(f"        _letters(_OP, p.notation.inputs, {tin}, _NAMES)")
+            emit(f"        _letters(_OP, p.notation.inputs, {tin}, {names})")
         else:
-            emit(f"        _letters(_OP, p.notation.inputs + p.notation.outputs, {tin} + {tout}, _NAMES)")
-    if way.post is not None:
+            emit(f"        _letters(_OP, p.notation.inputs + p.notation.outputs, {tin} + {tout}, {names})")
+    if lists:
+        emit(f"        i, o = _infer(p, _OP, {tin}, {tout}, mesh, {names})")
+        emit(f"        r = {group('i', ins)}, {group('o', outs) if any(n in lists for n in outs) else 'o'}")
+        if way.post is not None:
+            if way.post_if:
+                emit(f"        if not ({way.post_if}): return _result(*r)")
+            emit(f"        r = _post(*r, {call})")
+            emit("        return _result(tuple(r[0]), tuple(r[1]))")
+        else:
+            emit("        return _result(*r)")
+    elif way.post is not None:
         emit(f"        r = _infer(p, _OP, {tin}, {tout}, mesh, _NAMES)")
         if way.post_if:
             emit(f"        if not ({way.post_if}): return _result(*r)")
