@@ -313,7 +313,9 @@ _UNARY_REV = Way(
     paddle="ElementwiseUnaryInferSpmdReverse",
     doc="elementwise unary reverse: x from out; out is what x produces.",
 )
-_BKEY = "*_bkey(x.shape, y.shape)"
+#: the binary key, ``_bkey``'s common case inlined (no size-1 axis, y's shape x's trailing axes)
+_BKEY = ("*((len(x.shape), len(y.shape), 0, 0) if 1 not in x.shape and 1 not in y.shape"
+         " and x.shape[len(x.shape) - len(y.shape):] == y.shape else _bkey(x.shape, y.shape))")
 _BINARY = Way(
     partial(binary_notation, "forward"),
     key=_BKEY,
