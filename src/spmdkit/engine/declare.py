@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spmdkit.core.dist_attr import TensorDistAttr
-from spmdkit.core.errors import ShapeMismatchError, SpmdError
+from spmdkit.core.errors import InvalidMeshError, ShapeMismatchError, SpmdError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.compile import Plan, compile_plan, infer
-from spmdkit.engine.notation import Notation, check_letters, fast_result, named_mesh
+from spmdkit.engine.notation import Notation, check_letters, common_mesh, fast_result, named_mesh
 
 #: what the engine answers and a post-hook returns: the inputs' and the outputs' dist attrs
 Answer = tuple[Sequence[TensorDistAttr | None], Sequence[TensorDistAttr | None]]
@@ -122,30 +122,13 @@ def renamed(e: SpmdError, op: str) -> SpmdError:
 def _list_mesh(op: str, named: tuple[tuple[str, Any, bool], ...]) -> Any:
     """The one mesh of a call with lists of tensors (``(name, value, is a list)``; absent tensors
     skipped); InvalidMeshError naming the two tensors that disagree, or that none is given."""
-    mesh = None
-    for _, v, is_list in named:
-        for t in v if is_list else (v,):
-            if t is None:
-                continue
-            m = t.dist_attr.mesh
-            if mesh is None:
-                mesh = m
-            elif m is not mesh and m != mesh:
-                mesh = None
-                break
-        else:
-            continue
-        break  # two meshes: named_mesh names them
-    else:
-        if mesh is not None:
-            return mesh
-    items: list[tuple[str, Any]] = []
-    for n, v, is_list in named:
-        if is_list:
-            items.extend((f"{n}[{i}]", t) for i, t in enumerate(v))
-        else:
-            items.append((n, v))
-    return named_mesh(op, items)
+    try:
+        return common_mesh(op, [t for _, v, is_list in named for t in (v if is_list else (v,))])
+    except InvalidMeshError:
+        items: list[tuple[str, Any]] = []
+        for n, v, is_list in named:
+            items += [(f"{n}[{i}]", t) for i, t in enumerate(v)] if is_list else [(n, v)]
+        return named_mesh(op, items)
 
 
 _names_cache: dict[tuple[tuple[str, int], ...], tuple[str, ...]] = {}
