@@ -30,6 +30,7 @@ x's sharding and is partial SUM over the mesh dims of the letters x does not car
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
 
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
@@ -129,7 +130,7 @@ def _out_shape(xs: Shape, ys: Shape, tx: bool, ty: bool) -> Shape:
     return tuple(batch)
 
 
-def _check_out(name: str):  # type: ignore[no-untyped-def]
+def _check_out(name: str) -> Callable[[DistTensorSpec, DistTensorSpec, DistTensorSpec, bool, bool], None]:
     """The check of a rule whose third tensor (out / out_grad) is shaped as x @ y."""
 
     def check(x: DistTensorSpec, y: DistTensorSpec, out: DistTensorSpec, trans_x: bool, trans_y: bool) -> None:

@@ -28,10 +28,11 @@ Paddle 3.3.1 registers ``layer_norm`` and ``fused_rms_norm`` (not ``rms_norm`` n
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from functools import partial
 
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
-from spmdkit.core.spec import DistTensorSpec
+from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.axes import numel
 from spmdkit.engine.declare import Way, declare
 from spmdkit.engine.notation import BROADCAST, Notation, letters_for
@@ -112,7 +113,7 @@ _RMS_KEY = "x, len(x.shape) - 1, scale"
 _RMS_STAT = "_stat('invvar', invvar, x, len(x.shape) - 1)"
 
 
-def _scale_0d_absent(fn, signature, outputs):  # type: ignore[no-untyped-def]
+def _scale_0d_absent(fn: Callable[..., SpmdResult], signature: str, outputs: Sequence[str]) -> Callable[..., SpmdResult]:
     """fused_rms_norm: a 0-D scale (shape []) is read as absent (spmdkit.rules._absent)."""
     return zero_d_absent(fn, signature, ("scale",), outputs)
 
