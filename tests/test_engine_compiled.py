@@ -18,7 +18,7 @@ from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.compile import Plan, compile_plan, infer, run
 from spmdkit.engine.merge import BROADCAST, reference_merge
 from spmdkit.engine.notation import Notation, merge_letters
-from spmdkit.rules import matmul, norm, softmax
+from spmdkit.rules import elementwise, matmul, norm, softmax, transpose
 from spmdkit.rules import slice as slice_rules
 
 MESHES = [(2,), (3,), (2, 2), (2, 3), (3, 2), (2, 4), (2, 2, 2), (1, 2), (2, 3, 2)]
@@ -137,22 +137,31 @@ def _rule_plans() -> list[tuple[Plan, str]]:
         for ny in (1, 2, 3):
             for tx in (False, True) if nx > 1 else (False,):
                 for ty in (False, True) if ny > 1 else (False,):
-                    plans.append((compile_plan(matmul._notation(nx, ny, tx, ty, "forward")), "forward"))
-                    plans.append((compile_plan(matmul._notation(nx, ny, tx, ty, "reverse"), "backward"), "backward"))
-                    plans.append((matmul._grad_plan(nx, ny, tx, ty, (1, 0, 0)), "forward"))
-                    plans.append((matmul._grad_plan(nx, ny, tx, ty, (0, 0, 0)), "forward"))
+                    plans.append((compile_plan(matmul.notation(nx, ny, tx, ty)), "forward"))
+                    plans.append((compile_plan(matmul.reverse_notation(nx, ny, tx, ty), "backward"), "backward"))
+                    for mask in ((1, 0, 0), (0, 0, 0)):
+                        plans.append((compile_plan(matmul.grad_notation(nx, ny, tx, ty, mask), "forward", mask), "forward"))
     for nd in (1, 2, 3, 4):
         for bna in range(nd + 1):
             for kind in ("ln", "ln_rev", "ln_grad"):
-                p = norm._plan(kind, nd, bna, (1, -1))
+                p = compile_plan(norm.notation(kind, nd, bna, 1, -1), "backward" if kind.endswith("rev") else "forward")
                 plans.append((p, "backward" if kind.endswith("rev") else "forward"))
         for kind in ("rms", "rms_rev", "rms_grad"):
-            p = norm._plan(kind, nd, nd - 1, (1,))
+            p = compile_plan(norm.notation(kind, nd, nd - 1, 1), "backward" if kind.endswith("rev") else "forward")
             plans.append((p, "backward" if kind.endswith("rev") else "forward"))
+        for ux in range(1 << nd):
+            for ny in range(nd + 1):
+                uy = ux & ((1 << ny) - 1)
+                plans.append((compile_plan(elementwise.binary_notation("forward", nd, ny, ux, uy)), "forward"))
+                plans.append((compile_plan(elementwise.binary_notation("backward", nd, ny, ux, uy), "backward"), "backward"))
+                plans.append((compile_plan(elementwise.binary_grad_notation(ny % 2 == 0, nd, nd, ny, ux, uy)), "forward"))
+        plans.append((compile_plan(elementwise.unary_grad_notation(2, nd)), "forward"))
+        plans.append((compile_plan(transpose.notation(nd, tuple(range(nd))[::-1])), "forward"))
+        plans.append((compile_plan(transpose.notation(nd, tuple(range(nd))[::-1]), "backward"), "backward"))
         for axis in range(nd):
-            plans.append((softmax._plan(nd, axis, "forward"), "forward"))
-            plans.append((softmax._plan(nd, axis, "backward"), "backward"))
-            plans.append((softmax._grad_plan(nd, axis), "forward"))
+            plans.append((compile_plan(softmax.notation(nd, axis)), "forward"))
+            plans.append((compile_plan(softmax.notation(nd, axis), "backward"), "backward"))
+            plans.append((compile_plan(softmax.grad_notation(nd, axis)), "forward"))
     for nd in (1, 2, 3):  # slice.py: the fixed (sliced / tiled / broadcast) axes, new leading axes
         for fixed in ((), (0,), (nd - 1,)):
             for lead in (0, 2):
@@ -213,7 +222,7 @@ def test_matmul_coshard_union_through_infer() -> None:
     m = ProcessMesh([3, 2])
     x = DistTensorSpec([6, 36], mesh=m, dims_mapping=[-1, 0])
     y = DistTensorSpec([36, 6], mesh=m, dims_mapping=[1, -1])
-    p = compile_plan(matmul._notation(2, 2, False, False, "forward"))
+    p = compile_plan(matmul.notation(2, 2, False, False))
     ins, outs = infer(p, "matmul", (x, y), (), m)
     assert [a.dims_mapping for a in ins] == [(-1, (0, 1)), ((0, 1), -1)]  # type: ignore[union-attr]
     assert [d for d, _ in outs[0].partial] == [0, 1]  # type: ignore[union-attr]
@@ -245,8 +254,8 @@ def test_docs_rules_md_examples_run() -> None:
         exec(compile(b, "docs/rules.md", "exec"), {})
     rev = Notation(["ab1", "1", "1"], ["abc", "ab", "ab"], replicated="c", replicated_claims="block",
                    coshard="largest")  # fmt: skip
-    assert norm._plan("ln_rev", 3, 2, (1, 1)).notation == rev
-    assert norm._plan("ln_grad", 3, 2, (1, 1)).notation == Notation(
+    assert norm.notation("ln_rev", 3, 2, 1, 1) == rev
+    assert norm.notation("ln_grad", 3, 2, 1, 1) == Notation(
         ["ab1", "1", "1", "ab", "ab", "ab1"], ["ab1", "1", "1"], coshard="largest"
     )
 
