@@ -572,8 +572,8 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
         if in_ids is None:
             ins.append("None")
             continue
-        emit(f"    if I[{j}] is None: return None")
-        emit(f"    i{j} = _attr_as(I[{j}].dist_attr, mesh, {dm(in_ids)})")
+        # an absent tensor the notation labels (one the merge does not read): the attr it would need
+        emit(f"    i{j} = _make(mesh, {dm(in_ids)}) if I[{j}] is None else _attr_as(I[{j}].dist_attr, mesh, {dm(in_ids)})")
         plain.setdefault(dm(in_ids), f"i{j}")
         ins.append(f"i{j}")
     outs = []
