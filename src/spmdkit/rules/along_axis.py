@@ -36,14 +36,15 @@ raises on (take_along_axis); take_along_axis's negative axis (Paddle fails).
 
 from __future__ import annotations
 
-from typing import Any
+from functools import lru_cache
 
-from spmdkit.core.dist_attr import DimsMapping, ReduceType, TensorDistAttr, entry_dims
+from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import InvalidArgumentError, InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.axes import normalize_axis, one_mesh_dim_per_axis
+from spmdkit.engine.compile import Plan, compile_plan, infer
 from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, fast_result, named_mesh
+from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, fast_result, letters_for, named_mesh
 from spmdkit.rules._common import check_same_ndim, check_same_shape, merge_project
 from spmdkit.rules.registry import register
 
@@ -223,23 +224,32 @@ def _index_put_check(
     return k, tuple(along)
 
 
-@memo()
-def _index_put_core(
-    dm: DimsMapping, k: int, along: tuple[int, ...]
-) -> tuple[DimsMapping, DimsMapping, tuple[int, ...]]:
-    """(x mapping, value mapping, mesh dims of the kept axes value_grad sums over)."""
-    nd = len(dm)
-    xdm = tuple(-1 if i < k else e for i, e in enumerate(dm))
-    vdm: DimsMapping = tuple(xdm[a] if a >= 0 else -1 for a in along)
-    summed: list[int] = []
-    for i in range(k, nd):
-        if i not in along:
-            summed.extend(entry_dims(xdm[i]))
-    return xdm, vdm, tuple(sorted(summed))
+@lru_cache(maxsize=4096)
+def _index_put_plan(nd: int, k: int, along: tuple[int, ...], grad: bool) -> Plan:
+    """``11c, 1, 1, c -> 11c`` (x, indices..., value -> out; here 2 indexed axes, value along x's
+    last): x's indexed axes ``1``, every index ``1``, a value axis carries the letter of the x
+    axis it lies along (``1``: none), merged from x alone (a co-shard read as its largest mesh
+    dim). The grad adds out_grad (as x) and answers x_grad (as x) and value_grad, partial SUM over
+    the letters of the kept axes value does not lie along (it sums over them)."""
+    a = letters_for(nd)
+    x = BROADCAST * k + a[k:]
+    v = "".join(BROADCAST if i < 0 else a[i] for i in along)
+    ins = [x, *[BROADCAST] * k, v, *([x] if grad else [])]
+    return compile_plan(Notation(ins, [x, v] if grad else [x], coshard="largest", sources=(0,)))
 
 
-def _unit_free(dims: tuple[int, ...], mesh_shape: Shape) -> tuple[int, ...]:
-    return tuple(d for d in dims if mesh_shape[d] != 1)
+def _index_put(op: str, x: DistTensorSpec, indices: tuple[DistTensorSpec, ...], value: DistTensorSpec,
+               out_grad: DistTensorSpec | None = None) -> SpmdResult:
+    named = (("x", x), *((f"indices[{i}]", t) for i, t in enumerate(indices)), ("value", value))
+    mesh = named_mesh(op, named if out_grad is None else (*named, ("out_grad", out_grad)))
+    k, along = _index_put_check(op, x, indices, value)
+    if out_grad is not None:
+        check_same_shape(op, out_grad, x.shape, "out_grad", "x")
+    p = _index_put_plan(len(x.shape), k, along, out_grad is not None)
+    a, outs = infer(p, op, (x, *indices, value, *((out_grad,) if out_grad is not None else ())), (), mesh)
+    # post-hook: a partial over a mesh dim of size 1 is no reduction (Paddle does not mark it)
+    return fast_result((a[0], a[1 : k + 1], *a[k + 1 :]),  # type: ignore[arg-type]
+                       outs if out_grad is None else (outs[0], _no_unit_partial(outs[1])))
 
 
 def index_put_forward(
@@ -247,14 +257,7 @@ def index_put_forward(
 ) -> SpmdResult:
     """IndexPutInferSpmd: the indexed axes replicated, indices replicated, value replicated or
     sharded as x's last axis where it broadcasts onto it."""
-    op = "index_put"
-    mesh = named_mesh(op, (("x", x), *((f"indices[{i}]", t) for i, t in enumerate(indices)), ("value", value)))
-    k, along = _index_put_check(op, x, indices, value)
-    xdm, vdm, _ = _index_put_core(one_mesh_dim_per_axis(x).dist_attr.dims_mapping, k, along)
-    xa = _make(mesh, xdm)
-    rep = _make(mesh, (-1,))
-    ins: tuple[Any, ...] = (xa, tuple(rep for _ in indices), _make(mesh, vdm))
-    return fast_result(ins, (xa,))
+    return _index_put("index_put", x, indices, value)
 
 
 def index_put_grad(
@@ -263,21 +266,7 @@ def index_put_grad(
 ) -> SpmdResult:
     """IndexPutGradInferSpmd: x, out_grad, x_grad as the forward's x; value_grad partial SUM over
     the mesh dims of the trailing axes it sums over."""
-    op = "index_put_grad"
-    mesh = named_mesh(op, (("x", x), *((f"indices[{i}]", t) for i, t in enumerate(indices)), ("value", value),
-                      ("out_grad", out_grad)))
-    k, along = _index_put_check(op, x, indices, value)
-    check_same_shape(op, out_grad, x.shape, "out_grad", "x")
-    xdm, vdm, summed = _index_put_core(one_mesh_dim_per_axis(x).dist_attr.dims_mapping, k, along)
-    summed = _unit_free(summed, mesh.shape)
-    xa = _make(mesh, xdm)
-    va = _make(mesh, vdm)
-    rep = _make(mesh, (-1,))
-    vg = _make(mesh, vdm, tuple((d, ReduceType.SUM) for d in summed)) if summed else va
-    ins: tuple[Any, ...] = (xa, tuple(rep for _ in indices), va, xa)
-    return fast_result(ins, (xa, vg))
-
-
+    return _index_put("index_put_grad", x, indices, value, out_grad)
 
 
 register("take_along_axis", take_along_axis_forward, "x: T, index: T, axis: int",

@@ -21,14 +21,13 @@ per tensor of ``outs`` (flat lists, not nested).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 
-from spmdkit.core.dist_attr import DimsMapping, TensorDistAttr, entry_dims
 from spmdkit.core.errors import InvalidArgumentError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.axes import largest_mesh_dim, replicated_like
-from spmdkit.engine.compile import infer
-from spmdkit.engine.notation import common_mesh, merge_weight
+from spmdkit.engine.compile import Plan, compile_plan, infer
+from spmdkit.engine.notation import BROADCAST, Notation, common_mesh
 from spmdkit.rules._common import replicated_plan
 from spmdkit.rules.registry import register
 
@@ -41,55 +40,38 @@ def _mesh(op: str, ins: Specs, outs: Specs) -> ProcessMesh:
     return common_mesh(op, list(ins) + list(outs))
 
 
-def _replicate(mesh: ProcessMesh, specs: Specs) -> list[TensorDistAttr | None]:
-    return [replicated_like(mesh, s) for s in specs]
+@lru_cache(maxsize=1024)
+def _plan(ins: tuple[int, ...], outs: tuple[int, ...], reverse: bool) -> Plan:
+    """``b1.., b1.., ... -> (none)`` over the inputs and the outputs alike (every answer is an
+    input of the notation, so none is partial), merged from the inputs (the outputs for the
+    reverse): the heaviest tensor sharding the batch axis keeps its sharding (the first on a tie),
+    a co-shard read as its largest mesh dim. A 0-d output makes every tensor replicated (it
+    would be a reduction over the batch). Ranks: -1 for an absent tensor."""
+    batch = 0 not in outs
+    lab = [None if r < 0 else ("b" if batch and r else "") + BROADCAST * (r - (batch and r > 0)) for r in ins + outs]
+    src = range(len(ins), len(ins) + len(outs)) if reverse else range(len(ins))
+    return compile_plan(Notation(lab, [], coshard="largest", conflict="heaviest", sources=src))
 
 
-def _batch_dims(mesh: ProcessMesh, specs: Specs) -> tuple[int, ...]:
-    """The mesh dims of the merged batch axis: the largest tensor sharding it wins."""
-    best: tuple[int, ...] = ()
-    weight = -1
-    for s in specs:
-        if s is None or s.ndim == 0:
-            continue
-        d = entry_dims(s.dist_attr.dims_mapping[0])
-        if not d:
-            continue
-        n = merge_weight(s.shape)
-        if n > weight:
-            best, weight = d, n
-    return best
-
-
-def _batch_only(mesh: ProcessMesh, dims: tuple[int, ...], specs: Specs) -> list[TensorDistAttr | None]:
-    # a co-sharded batch axis keeps one mesh dim, its largest (the first of equal sizes), as in Paddle
-    head = largest_mesh_dim(dims, mesh.shape) if dims else -1
-    out: list[TensorDistAttr | None] = []
-    for s in specs:
-        if s is None:
-            out.append(None)
-            continue
-        dm: DimsMapping = (head, *([-1] * (s.ndim - 1))) if s.ndim else ()
-        out.append(TensorDistAttr.unchecked(mesh, dm, ()))
-    return out
-
-
-def _data_parallel(op: str, ins: Specs, outs: Specs, source: Specs) -> SpmdResult:
+def _data_parallel(op: str, ins: Specs, outs: Specs, reverse: bool) -> SpmdResult:
     mesh = _mesh(op, ins, outs)
-    if any(s is not None and s.ndim == 0 for s in outs):
-        return SpmdResult(_replicate(mesh, ins), _replicate(mesh, outs))
-    dims = _batch_dims(mesh, source)
-    return SpmdResult(_batch_only(mesh, dims, ins), _batch_only(mesh, dims, outs))
+    p = _plan(_ranks(ins), _ranks(outs), reverse)
+    a, _ = infer(p, op, (*ins, *outs), (), mesh)
+    return SpmdResult(list(a[: len(ins)]), list(a[len(ins) :]))
+
+
+def _ranks(specs: Specs) -> tuple[int, ...]:
+    return tuple(-1 if s is None else s.ndim for s in specs)
 
 
 def default_data_parallel_forward(ins: Specs, outs: Specs) -> SpmdResult:
     """Shard every tensor on axis 0 as the inputs' batch axis is sharded; replicate the rest."""
-    return _data_parallel("default_data_parallel", ins, outs, ins)
+    return _data_parallel("default_data_parallel", ins, outs, False)
 
 
 def default_data_parallel_backward(ins: Specs, outs: Specs) -> SpmdResult:
     """Shard every tensor on axis 0 as the outputs' batch axis is sharded; replicate the rest."""
-    return _data_parallel("default_data_parallel", ins, outs, outs)
+    return _data_parallel("default_data_parallel", ins, outs, True)
 
 
 def replicated_forward(ins: Specs, outs: Specs) -> SpmdResult:

@@ -52,6 +52,7 @@ einsum-notation.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import lru_cache
 from typing import Any
 
 from spmdkit.core.dist_attr import DimsMapping, Entry, ReduceType, TensorDistAttr, entry_dims
@@ -59,6 +60,7 @@ from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError, SpmdE
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.axes import replicated_like
+from spmdkit.engine.compile import Plan, compile_plan, infer
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import BROADCAST, Notation, einsum_forward, fast_result, named_mesh
 from spmdkit.rules._absent import zero_d_absent
@@ -356,15 +358,30 @@ def _present(t: DistTensorSpec | None) -> bool:
     return t is not None and len(t.shape) > 0 and 0 not in t.shape
 
 
-@memo()
-def _flpga_reverse(ek: Entry, en: Entry, k: int, n: int) -> tuple[Entry, Entry]:
-    """k and n of the reverse: a size-1 axis is never sharded, n drops mesh dims k holds."""
-    if k == 1:
-        ek = -1
-    dk = set(entry_dims(ek))
-    if n == 1 or dk & set(entry_dims(en)):
-        en = -1
-    return ek, en
+def _code(t: DistTensorSpec | None, on: bool = True) -> int:
+    """How the reverse labels an accumulator: 1 present (and ``on``), -1 absent, its rank + 2
+    where given but empty, 0-d or unused (replicated)."""
+    return 1 if on and _present(t) else -1 if t is None else len(t.shape) + 2
+
+
+@lru_cache(maxsize=1024)
+def _flpga_reverse_plan(nd: int, k1: bool, n1: bool, w: int, b: int, bias: bool, w_out: bool, b_out: bool) -> Plan:
+    """The reverse: ``1..1k, 1..1n, kn, n, kn, n`` (x, dout, dweight, dbias, dweight_out,
+    dbias_out), every answer an input of the notation (so none is partial), merged from the
+    present outputs alone (``w_out`` / ``b_out``): k and n as dweight_out shards them, n from
+    dbias_out where dweight_out leaves it free, n shards nothing where k took one of its mesh
+    dims (``taken="letter"``); a size-1 k or n (``k1`` / ``n1``) never sharded; the leading
+    axes replicated. ``w`` / ``b``: dweight / dbias as :func:`_code` labels them; no ``bias``:
+    no dbias_out."""
+    k, n = BROADCAST if k1 else "k", BROADCAST if n1 else "n"
+    lead = BROADCAST * (nd - 1)
+
+    def lab(code: int, full: str) -> str | None:
+        return full if code == 1 else None if code == -1 else BROADCAST * (code - 2)
+
+    src = [i for i, on in ((4, w_out), (5, b_out)) if on]
+    return compile_plan(Notation([lead + k, lead + n, lab(w, k + n), lab(b, n), k + n, n if bias else None], [],
+                                 conflict="first", taken="letter", sources=src))
 
 
 def _flpga(op: str, x: DistTensorSpec, dout: DistTensorSpec, dweight: DistTensorSpec | None,
@@ -380,7 +397,7 @@ def _flpga(op: str, x: DistTensorSpec, dout: DistTensorSpec, dweight: DistTensor
     _flpga_shape(op, "dweight", dweight, (k, n))
     _flpga_shape(op, "dbias", dbias, (n,))
     nd = len(x.shape)
-    if outs is None:
+    if outs is None:  # the forward
         # x^T dout over the leading axes: matmul with trans_x (as Paddle), then the batch
         # axes summed away (partial)
         r = _call(op, "matmul", "forward", x, dout, True, False)
@@ -391,23 +408,14 @@ def _flpga(op: str, x: DistTensorSpec, dout: DistTensorSpec, dweight: DistTensor
         wdm: DimsMapping = (odm[-2], odm[-1])
         lead_w: list[Entry] = [d for d, _ in ao.partial]
         lead_w.extend(odm[:-2])
-    else:
+    else:  # the reverse
         wo, bo = outs
         _flpga_shape(op, "dweight_out", wo, (k, n))
         _flpga_shape(op, "dbias_out", bo, (n,))
-        ek: Entry = -1
-        en: Entry = -1
-        if _present(wo):
-            assert wo is not None
-            ek, en = wo.dist_attr.dims_mapping
-        if en == -1 and has_bias and _present(bo):
-            assert bo is not None
-            en = bo.dist_attr.dims_mapping[0]
-        ek, en = _flpga_reverse(ek, en, k, n)
-        rep = (-1,) * (nd - 1)
-        mx, md = (*rep, ek), (*rep, en)
-        wdm = (ek, en)
-        lead_w = []
+        w_out, b_out = _present(wo), has_bias and _present(bo)
+        p = _flpga_reverse_plan(nd, k == 1, n == 1, _code(dweight), _code(dbias, has_bias), has_bias, w_out, b_out)
+        a, _ = infer(p, op, (x, dout, dweight, dbias, wo if w_out else None, bo if b_out else None), (), mesh)
+        return fast_result(a[:4], a[4:])
     aw = _partial_over(mesh, wdm, lead_w)
     ab = _partial_over(mesh, (md[-1],), md[:-1]) if has_bias else None
     return fast_result(

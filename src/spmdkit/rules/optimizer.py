@@ -48,7 +48,7 @@ from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.axes import replicated_like
 from spmdkit.engine.compile import Plan, compile_plan, infer
 from spmdkit.engine.notation import Notation, fast_result, letters_for, named_mesh
-from spmdkit.rules._common import check_bool, check_int
+from spmdkit.rules._common import check_bool, check_int, replicated_plan
 from spmdkit.rules.registry import register
 
 Shape = tuple[int, ...]
@@ -257,8 +257,10 @@ def _coalesce(op: str, inputs: Sequence[DistTensorSpec], extra: Sequence[tuple[s
     if not inputs:
         raise InvalidArgumentError(f"{op}: input must hold at least one tensor")
     mesh = named_mesh(op, [*((f"input[{i}]", t) for i, t in enumerate(inputs)), *extra])
-    ins = tuple(_make(mesh, (-1,) * len(t.shape)) for t in inputs)
-    return SpmdResult((ins,), (ins, _make(mesh, (-1,))))
+    ranks = tuple(len(t.shape) for t in inputs)
+    # every tensor labelled ``1`` per axis: the fused buffer holds each input whole
+    ins, outs = infer(replicated_plan(ranks, (*ranks, 1)), op, inputs, (), mesh)
+    return fast_result((ins,), (outs[:-1], outs[-1]))  # type: ignore[arg-type]
 
 
 def coalesce_forward(input: Sequence[DistTensorSpec], dtype: object = "float32", copy_data: bool = False,

@@ -59,7 +59,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from spmdkit.core.dist_attr import DimsMapping, Partial, ReduceType, TensorDistAttr, entry_dims
+from spmdkit.core.dist_attr import ReduceType, TensorDistAttr
 from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.axes import normalize_axis, one_mesh_dim_per_axis, reduced_axes
@@ -469,16 +469,19 @@ register("p_norm_grad", p_norm_grad, f"x: T, out: T, out_grad: T, {_PN_SIG}", fo
 # -- numel -----------------------------------------------------------------------------------------
 
 
-@memo()
-def _numel_partial(dm: DimsMapping) -> Partial:
-    return tuple(sorted((d, ReduceType.SUM) for e in dm for d in entry_dims(e)))
+@lru_cache(maxsize=64)
+def _numel_plan(nd: int) -> Plan:
+    """``abc -> ()``: the 0-d count partial SUM over the mesh dims of x's letters (co-shards
+    and uneven shards included: local element counts add up to the global one)."""
+    return compile_plan(Notation([ALPHABET[:nd]], [""]))
 
 
 def numel_forward(x: DistTensorSpec) -> SpmdResult:
-    """numel (NumelInferSpmd): x as given; the 0-d count partial SUM over every mesh dim sharding x
-    (local element counts add up to the global one, uneven shards included)."""
+    """numel (NumelInferSpmd): x as given; the 0-d count partial SUM over every mesh dim sharding x."""
     a = x.dist_attr
-    return fast_result((a,), (_make(a.mesh, (), _numel_partial(a.dims_mapping)),))
+    _, outs = infer(_numel_plan(len(a.dims_mapping)), "numel", (x,), (), a.mesh, ("x",))
+    # post-hook: x is returned as given (partial too): numel reads only its shape
+    return fast_result((a,), outs)
 
 
 def numel_reverse(x: DistTensorSpec, out: DistTensorSpec) -> SpmdResult:

@@ -68,7 +68,15 @@ from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.axes import normalize_axis, numel, one_mesh_dim, reduced_axes
 from spmdkit.engine.compile import Plan, compile_plan, infer
 from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, fast_result, letters_for, merge_letters
+from spmdkit.engine.notation import (
+    ALPHABET,
+    BROADCAST,
+    Notation,
+    fast_result,
+    letters_for,
+    merge_letters,
+    with_partial,
+)
 from spmdkit.rules._common import axis_plan
 from spmdkit.rules.registry import register
 
@@ -471,14 +479,26 @@ def add_n_backward(input: tuple[DistTensorSpec, ...], out: DistTensorSpec) -> Sp
     return fast_result((outs * len(input),), outs)  # type: ignore[arg-type]
 
 
+@lru_cache(maxsize=1024)
+def _add_n_grad_plan(nd: int, n: int) -> Plan:
+    """``abc, ..., abc (out_grad) -> abc, ...``: every grad as out_grad, merged from it alone."""
+    a = letters_for(nd)
+    return compile_plan(Notation([a] * (n + 1), [a] * n, sources=(n,)))
+
+
 def add_n_grad(inputs: tuple[DistTensorSpec, ...], out_grad: DistTensorSpec) -> SpmdResult:
     """add_n_grad(inputs, out_grad): every input's grad is out_grad (partial included);
     the inputs are returned as given (only their shapes are used)."""
-    _add_n_inputs("add_n_grad", inputs, "inputs")
-    _same_mesh("add_n_grad", inputs[0], out_grad, "inputs[0]", "out_grad")
-    _check_shape("add_n_grad", out_grad.shape, inputs[0].shape, "out_grad", "adding the inputs")
+    op = "add_n_grad"
+    _add_n_inputs(op, inputs, "inputs")
+    _same_mesh(op, inputs[0], out_grad, "inputs[0]", "out_grad")
+    _check_shape(op, out_grad.shape, inputs[0].shape, "out_grad", "adding the inputs")
     g = out_grad.dist_attr
-    return fast_result((tuple(t.dist_attr for t in inputs), g), ((g,) * len(inputs),))  # type: ignore[arg-type]
+    _, outs = infer(_add_n_grad_plan(len(g.dims_mapping), len(inputs)), op, (*inputs, out_grad), (), g.mesh)
+    # post-hook: each grad IS out_grad, so a partial out_grad passes to every grad (a linear op),
+    # and the inputs, whose values the grad never reads, are not resharded
+    grads = outs if not g.partial else tuple(with_partial(a, g.partial) for a in outs)  # type: ignore[arg-type]
+    return fast_result((tuple(t.dist_attr for t in inputs), g), (grads,))  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------
@@ -486,54 +506,29 @@ def add_n_grad(inputs: tuple[DistTensorSpec, ...], out_grad: DistTensorSpec) -> 
 # ---------------------------------------------------------------------------
 
 
-def _like_fwd(x: DistTensorSpec) -> SpmdResult:
-    attr = x.dist_attr
-    out = _make(attr.mesh, attr.dims_mapping) if attr.partial else attr
-    return fast_result((attr,), (out,))
-
-
-def _like_bwd(op: str, x: DistTensorSpec, out: DistTensorSpec) -> SpmdResult:
-    """``abc -> abc`` from out: x and out take out's sharding, not partial."""
-    _same_mesh(op, x, out, "x", "out")
-    _check_shape(op, out.shape, x.shape, "out", "x")
-    return fast_result(*infer(_like_plan(len(x.shape)), op, (x,), (out,), out.dist_attr.mesh, ("x", "out")))
-
-
-@lru_cache(maxsize=64)
-def _like_plan(ndim: int) -> Plan:
+@lru_cache(maxsize=128)
+def _like_plan(ndim: int, direction: str) -> Plan:
+    """``abc -> abc``: out sharded like x (the reverse: x like out), never partial."""
     a = letters_for(ndim)
-    return compile_plan(Notation([a], [a]), "backward")
+    return compile_plan(Notation([a], [a]), direction)
 
 
-def full_like_forward(x: DistTensorSpec, y: object = 0.0, dtype: object = None) -> SpmdResult:
-    """FullLikeInferSpmd: out sharded like x, not partial; x as given."""
-    return _like_fwd(x)
+def _like_rule(op: str, fwd_name: str):  # type: ignore[no-untyped-def]
+    """The forward (out like x; x returned as given: only its shape is read, so no reshard is
+    asked of it) and the reverse (built here: x like out) of a ``*_like`` creator."""
 
+    def forward(x: DistTensorSpec, *attrs: object) -> SpmdResult:
+        _, outs = infer(_like_plan(len(x.shape), "forward"), op, (x,), (), x.dist_attr.mesh, ("x",))
+        return fast_result((x.dist_attr,), outs)
 
-def full_like_backward(x: DistTensorSpec, out: DistTensorSpec, y: object = 0.0, dtype: object = None) -> SpmdResult:
-    """full_like reverse (built here): x takes out's sharding."""
-    return _like_bwd("full_like", x, out)
-
-
-def empty_like_forward(x: DistTensorSpec, dtype: object = None) -> SpmdResult:
-    """EmptyLikeInferSpmd: out sharded like x, not partial; x as given."""
-    return _like_fwd(x)
-
-
-def empty_like_backward(x: DistTensorSpec, out: DistTensorSpec, dtype: object = None) -> SpmdResult:
-    """empty_like reverse (built here): x takes out's sharding."""
-    return _like_bwd("empty_like", x, out)
-
-
-def _make_create_like(op: str):  # type: ignore[no-untyped-def]
-    def forward(x: DistTensorSpec) -> SpmdResult:
-        return _like_fwd(x)
-
-    def backward(x: DistTensorSpec, out: DistTensorSpec) -> SpmdResult:
-        return _like_bwd(op, x, out)
+    def backward(x: DistTensorSpec, out: DistTensorSpec, *attrs: object) -> SpmdResult:
+        _same_mesh(op, x, out, "x", "out")
+        _check_shape(op, out.shape, x.shape, "out", "x")
+        p = _like_plan(len(x.shape), "backward")
+        return fast_result(*infer(p, op, (x,), (out,), out.dist_attr.mesh, ("x", "out")))
 
     forward.__name__ = f"{op}_forward"
-    forward.__doc__ = f"{op} (CreateLikeInferSpmd): out sharded like x, not partial; x as given."
+    forward.__doc__ = f"{op} ({fwd_name}): out sharded like x, not partial; x as given."
     backward.__name__ = f"{op}_backward"
     backward.__doc__ = f"{op} reverse (built here): x takes out's sharding."
     return forward, backward
@@ -576,16 +571,12 @@ def _register_all() -> None:
     register("add_n", add_n_forward, "input: [T]", add_n_backward, kind="reverse", outputs="out: T",
              forward_name="AddNInferSpmd", backward_name="add_n reverse (spmdkit)")  # fmt: skip
     register("add_n_grad", add_n_grad, "inputs: [T], out_grad: T", forward_name="add_n_grad (backward op)")
-    register("full_like", full_like_forward, "x: T, y: scalar = 0.0, dtype: any = None",
-             full_like_backward, kind="reverse", outputs="out: T",
-             forward_name="FullLikeInferSpmd", backward_name="full_like reverse (spmdkit)")  # fmt: skip
-    register("empty_like", empty_like_forward, "x: T, dtype: any = None",
-             empty_like_backward, kind="reverse", outputs="out: T",
-             forward_name="EmptyLikeInferSpmd", backward_name="empty_like reverse (spmdkit)")  # fmt: skip
-    for op in ("ones_like", "zeros_like"):
-        cf, cb = _make_create_like(op)
-        register(op, cf, "x: T", cb, kind="reverse", outputs="out: T",
-                 forward_name="CreateLikeInferSpmd", backward_name=f"{op} reverse (spmdkit)")  # fmt: skip
+    for op, fn, attrs in (("full_like", "FullLikeInferSpmd", ", y: scalar = 0.0, dtype: any = None"),
+                          ("empty_like", "EmptyLikeInferSpmd", ", dtype: any = None"),
+                          ("ones_like", "CreateLikeInferSpmd", ""), ("zeros_like", "CreateLikeInferSpmd", "")):
+        lf, lb = _like_rule(op, fn)
+        register(op, lf, f"x: T{attrs}", lb, kind="reverse", outputs="out: T",
+                 forward_name=fn, backward_name=f"{op} reverse (spmdkit)")  # fmt: skip
 
 
 _register_all()
