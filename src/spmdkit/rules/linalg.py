@@ -51,7 +51,6 @@ einsum-notation.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from functools import lru_cache
 from typing import Any
 
@@ -90,10 +89,6 @@ def _call(op: str, name: str, mode: str, *args: Any) -> SpmdResult:
             if msg.startswith(pre):
                 msg = msg[len(pre):]
         raise type(e)(f"{op}: {msg}") from None
-
-
-def _mesh(op: str, named: Iterable[tuple[str, DistTensorSpec | None]]) -> ProcessMesh:
-    return named_mesh(op, named)
 
 
 def _partial_over(mesh: ProcessMesh, dm: DimsMapping, entries: tuple[Entry, ...] | list[Entry]) -> TensorDistAttr:
@@ -183,7 +178,7 @@ def _gemm_fwd_fix(
 def _gemm_forward(op: str, names: tuple[str, str], x: DistTensorSpec, y: DistTensorSpec, bias: DistTensorSpec | None,
                   tx: bool, ty: bool, partial_ok: bool = False) -> SpmdResult:
     _check_bias(op, names[0], names[1], x, y, bias, tx, ty)
-    mesh = _mesh(op, ((names[0], x), (names[1], y), ("bias", bias)))
+    mesh = named_mesh(op, ((names[0], x), (names[1], y), ("bias", bias)))
     r = _call(op, "matmul", "forward", x, y, tx, ty)
     ax, ay = r.inputs[0], r.inputs[1]
     ao = r.outputs[0]
@@ -201,7 +196,7 @@ def _gemm_forward(op: str, names: tuple[str, str], x: DistTensorSpec, y: DistTen
 def _gemm_backward(op: str, names: tuple[str, str], x: DistTensorSpec, y: DistTensorSpec, bias: DistTensorSpec | None,
                    out: DistTensorSpec, reserve_space: DistTensorSpec | None, tx: bool, ty: bool) -> SpmdResult:
     _check_bias(op, names[0], names[1], x, y, bias, tx, ty)
-    mesh = _mesh(op, ((names[0], x), (names[1], y), ("bias", bias), ("out", out), ("reserve_space", reserve_space)))
+    mesh = named_mesh(op, ((names[0], x), (names[1], y), ("bias", bias), ("out", out), ("reserve_space", reserve_space)))
     if reserve_space is not None and reserve_space.shape != out.shape:
         raise ShapeMismatchError(
             f"{op}: reserve_space shape {list(reserve_space.shape)} differs from out shape {list(out.shape)}"
@@ -218,7 +213,7 @@ def _gemm_grad(op: str, names: tuple[str, str], x: DistTensorSpec, y: DistTensor
                extra: tuple[tuple[str, DistTensorSpec | None], ...], out_grad: DistTensorSpec,
                tx: bool, ty: bool, absent_bias_grad: bool = False) -> SpmdResult:
     _check_bias(op, names[0], names[1], x, y, None, tx, ty)
-    mesh = _mesh(op, ((names[0], x), (names[1], y), *extra, ("out_grad", out_grad)))
+    mesh = named_mesh(op, ((names[0], x), (names[1], y), *extra, ("out_grad", out_grad)))
     r = _call(op, "matmul_grad", "forward", x, y, out_grad, tx, ty)
     ag = r.inputs[2]
     assert isinstance(ag, TensorDistAttr)
@@ -299,34 +294,25 @@ def linear_v2_grad(input: DistTensorSpec, weight: DistTensorSpec, bias: DistTens
                       absent_bias_grad=bias is None)
 
 
-# a 0-D optional tensor (shape []) is read as absent (spmdkit.rules._absent)
-_GEMM_FWD = "x: T, y: T, bias: T, trans_x: bool = False, trans_y: bool = False"
-_GEMM_REV = reverse_signature(_GEMM_FWD, "out: T, reserve_space: T?")
-_GEMM_GRAD = ("x: T, y: T, reserve_space: T?, out_grad: T, trans_x: bool = False, trans_y: bool = False, "
-              "activation_grad: str = 'none'")
-_LIN_FWD = "input: T, weight: T, bias: T?, transpose_weight: bool = False"
-_LIN_REV = reverse_signature(_LIN_FWD, "out: T, reserve_space: T?")
-_LIN_GRAD = "input: T, weight: T, bias: T?, out_grad: T, transpose_weight: bool = False"
-register(
-    "fused_gemm_epilogue", fused_gemm_epilogue_forward, _GEMM_FWD,
-    zero_d_absent(fused_gemm_epilogue_backward, _GEMM_REV, ("reserve_space",), outputs=("out", "reserve_space")),
-    kind="reverse", outputs="out: T, reserve_space: T?",
-    forward_name="FusedGemmEpilogueInferSpmdBase", backward_name="FusedGemmEpilogueInferSpmdReverse",
-)  # fmt: skip
-register(
-    "fused_gemm_epilogue_grad", zero_d_absent(fused_gemm_epilogue_grad, _GEMM_GRAD, ("reserve_space",)), _GEMM_GRAD,
-    forward_name="FusedGemmEpilogueGradInferSpmd",
-)  # fmt: skip
-register(
-    "linear_v2", zero_d_absent(linear_v2_forward, _LIN_FWD, ("bias",)), _LIN_FWD,
-    zero_d_absent(linear_v2_backward, _LIN_REV, ("bias", "reserve_space"), outputs=("out", "reserve_space")),
-    kind="reverse", outputs="out: T, reserve_space: T?",
-    forward_name="LinearV2InferSpmdBase", backward_name="LinearV2InferSpmdReverse",
-)  # fmt: skip
-register(
-    "linear_v2_grad", zero_d_absent(linear_v2_grad, _LIN_GRAD, ("bias",)), _LIN_GRAD,
-    forward_name="LinearV2GradInferSpmd",
-)  # fmt: skip
+# a 0-D optional tensor (shape []) is read as absent (spmdkit.rules._absent): (name, Paddle's name,
+# forward, its signature and absent slots, reverse and its absent slots, grad, its signature and absent slots)
+_GEMMS: tuple[tuple[Any, ...], ...] = (
+    ("fused_gemm_epilogue", "FusedGemmEpilogue", fused_gemm_epilogue_forward,
+     "x: T, y: T, bias: T, trans_x: bool = False, trans_y: bool = False", (),
+     fused_gemm_epilogue_backward, ("reserve_space",), fused_gemm_epilogue_grad,
+     "x: T, y: T, reserve_space: T?, out_grad: T, trans_x: bool = False, trans_y: bool = False, "
+     "activation_grad: str = 'none'", ("reserve_space",)),
+    ("linear_v2", "LinearV2", linear_v2_forward, "input: T, weight: T, bias: T?, transpose_weight: bool = False",
+     ("bias",), linear_v2_backward, ("bias", "reserve_space"), linear_v2_grad,
+     "input: T, weight: T, bias: T?, out_grad: T, transpose_weight: bool = False", ("bias",)),
+)
+for _name, _pd, _fwd, _sig, _fabs, _bwd, _babs, _grad, _gsig, _gabs in _GEMMS:
+    _rev = reverse_signature(_sig, "out: T, reserve_space: T?")
+    register(_name, zero_d_absent(_fwd, _sig, _fabs) if _fabs else _fwd, _sig,
+             zero_d_absent(_bwd, _rev, _babs, outputs=("out", "reserve_space")), kind="reverse",
+             outputs="out: T, reserve_space: T?", forward_name=f"{_pd}InferSpmdBase",
+             backward_name=f"{_pd}InferSpmdReverse")  # fmt: skip
+    register(f"{_name}_grad", zero_d_absent(_grad, _gsig, _gabs), _gsig, forward_name=f"{_pd}GradInferSpmd")
 
 
 # ---------------------------------------------------------------------------
@@ -391,7 +377,7 @@ def _flpga(op: str, x: DistTensorSpec, dout: DistTensorSpec, dweight: DistTensor
                                                             ("dbias", dbias))
     if outs is not None:
         named = (*named, ("dweight_out", outs[0]), ("dbias_out", outs[1]))
-    mesh = _mesh(op, named)
+    mesh = named_mesh(op, named)
     _flpga_check(op, x, dout)
     k, n = x.shape[-1], dout.shape[-1]
     _flpga_shape(op, "dweight", dweight, (k, n))

@@ -37,7 +37,7 @@ reverse rule (Paddle has none) infers the inputs from the outputs.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -71,10 +71,6 @@ def _vote(op: str, mesh: ProcessMesh, voters: Sequence[DistTensorSpec]) -> Tenso
     a = outs[0]
     assert a is not None
     return a
-
-
-def _mesh(op: str, named: Iterable[tuple[str, DistTensorSpec | None]]) -> ProcessMesh:
-    return named_mesh(op, named)
 
 
 def _same_shape(op: str, ref_name: str, ref: DistTensorSpec, named: tuple[tuple[str, DistTensorSpec | None], ...]) -> None:
@@ -122,7 +118,7 @@ def _adam(
     if outs is not None:
         out_named = tuple(zip(("param_out", "moment1_out", "moment2_out", "moment2_max_out", "beta1_pow_out",
                                "beta2_pow_out", "master_param_out"), outs))
-    mesh = _mesh(op, named + scalars + out_named)
+    mesh = named_mesh(op, named + scalars + out_named)
     _same_shape(op, "param", param, named[1:] + tuple(
         (n, t) for n, t in out_named if n not in ("beta1_pow_out", "beta2_pow_out")))
     if outs is None:
@@ -183,7 +179,7 @@ def _sgd(
     out_named: tuple[tuple[str, DistTensorSpec | None], ...] = ()
     if outs is not None:
         out_named = (("param_out", outs[0]), ("master_param_out", outs[1]))
-    mesh = _mesh(op, (*named, ("learning_rate", learning_rate), *out_named))
+    mesh = named_mesh(op, (*named, ("learning_rate", learning_rate), *out_named))
     _same_shape(op, "param", param, named[1:] + out_named)
     if outs is None:
         voters: Sequence[DistTensorSpec] = (param, grad)
