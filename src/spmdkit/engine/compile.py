@@ -435,13 +435,19 @@ def infer(
         final = [d if keep[a] else () for a, d in enumerate(final)]
     ent = entries(final)
     ins: list[TensorDistAttr | None] = []
+    made: dict[tuple[int, ...], TensorDistAttr] = {}  # one attr per labelling (many tensors share one)
     for t, ids in zip(inputs, p.in_axes):
         if ids is None:
             ins.append(None)
-        elif t is None:  # an absent tensor the notation labels: the attr it would need
-            ins.append(_make(mesh, project_dm(ids, ent)))
+            continue
+        at = made.get(ids)
+        if at is None:
+            at = made[ids] = _make(mesh, project_dm(ids, ent))
+        if t is None:  # an absent tensor the notation labels: the attr it would need
+            ins.append(at)
         else:
-            ins.append(attr_as(t.dist_attr, mesh, project_dm(ids, ent)))
+            src = t.dist_attr
+            ins.append(src if src.mesh is mesh and not src.partial and src.dims_mapping == at.dims_mapping else at)
     outs: list[TensorDistAttr | None] = []
     for j, (ids, missing) in enumerate(zip(p.out_axes, p.out_missing)):
         if ids is None or missing is None:
