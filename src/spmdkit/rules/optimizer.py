@@ -53,16 +53,18 @@ _S = -2  # a state tensor (``abc``) in a plan's codes; -1 absent, r >= 0 a repli
 
 
 @lru_cache(maxsize=1024)
-def _plan(nd: int, codes: tuple[int, ...], voters: tuple[int, ...]) -> Plan:
-    """Paddle's vote: every tensor of the answer (the inputs, then the outputs, then, for the
-    reverse, the given outputs that vote) an input of the notation (so none is partial), the
-    state tensors ``abc`` (``_S``), the scalars ``1`` (replicated), merged over the ``voters``
-    alone: per axis the sharding all the voters that shard it agree on, else replicated
-    (``conflict="replicate"``, co-shards compared whole and kept); mesh dims go to the axes in
-    order, an axis whose mesh dim an earlier axis took shards nothing (``taken="letter"``);
-    nothing pruned."""
+def _plan(nd: int, codes: tuple[int, ...], out_codes: tuple[int, ...], n_given: int, voters: tuple[int, ...]) -> Plan:
+    """Paddle's vote: every tensor of the answer (the inputs, ``codes``, then the outputs,
+    ``out_codes``, then, for the reverse, the ``n_given`` outputs given, labelled where they vote)
+    an input of the notation (so none is partial), the state tensors ``abc`` (``_S``), the scalars
+    ``1`` (replicated), merged over the ``voters`` alone: per axis the sharding all the voters
+    that shard it agree on, else replicated (``conflict="replicate"``, co-shards compared whole
+    and kept); mesh dims go to the axes in order, an axis whose mesh dim an earlier axis took
+    shards nothing (``taken="letter"``); nothing pruned."""
     a = letters_for(nd)
-    labels = [a if c == _S else None if c == -1 else BROADCAST * c for c in codes]
+    n = len(codes) + len(out_codes)
+    every = codes + out_codes + tuple(_S if n + i in voters else -1 for i in range(n_given))
+    labels = [a if c == _S else None if c == -1 else BROADCAST * c for c in every]
     return compile_plan(Notation(labels, [], conflict="replicate", order="notation", taken="letter", sources=voters))
 
 
@@ -71,8 +73,8 @@ def _vote(op: str, mesh: ProcessMesh, ins: Sequence[DistTensorSpec | None], code
     """The answer for ``ins`` (``codes``) and the outputs (``out_codes``), merged over the
     ``voters``: indices into ``ins``, then the answer's outputs, then ``outs``."""
     n, m = len(codes), len(out_codes)
-    codes = codes + out_codes + tuple(_S if n + m + i in voters else -1 for i in range(len(outs)))
-    a, _ = infer(_plan(len(ins[0].shape), codes, voters), op, (*ins, *(None,) * m, *outs), (), mesh)  # type: ignore[union-attr]
+    p = _plan(len(ins[0].shape), codes, out_codes, len(outs), voters)  # type: ignore[union-attr]
+    a, _ = infer(p, op, (*ins, *(None,) * m, *outs), (), mesh)
     return fast_result(a[:n], a[n : n + m])
 
 
