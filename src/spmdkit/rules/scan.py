@@ -410,7 +410,7 @@ def add_n_grad(inputs: tuple[DistTensorSpec, ...], out_grad: DistTensorSpec) -> 
     _, outs = infer(_add_n_grad_plan(len(g.dims_mapping), len(inputs)), op, (out_grad,), (), g.mesh, ("out_grad",))
     # post-hook: each grad IS out_grad, so a partial out_grad passes to every grad (a linear op),
     # and the inputs, whose values the grad never reads, are not resharded
-    grads = outs if not g.partial else tuple(with_partial(a, g.partial) for a in outs)  # type: ignore[arg-type]
+    grads = outs if not g.partial else (with_partial(outs[0], g.partial),) * len(outs)  # type: ignore[arg-type]
     return fast_result((tuple(t.dist_attr for t in inputs), g), (grads,))  # type: ignore[arg-type]
 
 
