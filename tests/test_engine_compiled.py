@@ -18,7 +18,7 @@ from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.compile import Plan, compile_plan, infer, run
 from spmdkit.engine.merge import BROADCAST, reference_merge
 from spmdkit.engine.notation import Notation, merge_letters
-from spmdkit.rules import matmul, norm, softmax
+from spmdkit.rules import amp, default, matmul, norm, optimizer, softmax
 
 MESHES = [(2,), (3,), (2, 2), (2, 3), (3, 2), (2, 4), (2, 2, 2), (1, 2), (2, 3, 2)]
 SIZES = [1, 1, 2, 3, 4, 6, 8, 12, 5, -1, 0]
@@ -152,6 +152,16 @@ def _rule_plans() -> list[tuple[Plan, str]]:
             plans.append((softmax._plan(nd, axis, "forward"), "forward"))
             plans.append((softmax._plan(nd, axis, "backward"), "backward"))
             plans.append((softmax._grad_plan(nd, axis), "forward"))
+    # the declared policies conflict="heaviest" (default_data_parallel), taken="keep" (the AMP ops)
+    # and the optimizers' vote over every answered tensor
+    for ranks in ((2, 3), (1, 2, 0), (3,)):
+        for how in ("forward", "backward"):
+            plans.append((default._plan(ranks, (2, 1), how), "forward"))
+        for op in ("check_finite_and_unscale", "update_loss_scaling"):
+            plans.append((amp._plan(op, ranks, (1,) * (1 if op.startswith("check") else 4), False), "forward"))
+            plans.append((amp._plan(op, ranks, (1,) * (1 if op.startswith("check") else 4), True), "forward"))
+    plans.append((optimizer._plan(2, (-2, 1, -2, -1), (-2, -1), 2, (6, 7)), "forward"))
+    plans.append((optimizer._plan(3, (-2, 1, -2, -2), (-2, -2), 0, (0, 2)), "forward"))
     return plans
 
 
