@@ -317,3 +317,23 @@ def test_forward_projection_equals_the_reference() -> None:
             assert (attr.dims_mapping, attr.partial) == (project(a, want), ())
         checked += 1
     assert checked == 600
+
+
+def test_big_plan_generates_its_code_on_second_use() -> None:
+    """A plan labelling more than ``_EAGER`` axes declines its first call (the general path
+    answers), generates its code on the second, and that code answers as the general path."""
+    from spmdkit.engine.compile import _EAGER
+
+    rng = random.Random(29)
+    n = _EAGER // 2 + 1  # 2-D tensors of their own letters: more than _EAGER axes
+    letters = [chr(0x100 + 2 * i) + chr(0x101 + 2 * i) for i in range(n)]
+    p = compile_plan(Notation(letters, [BROADCAST], taken="keep"))
+    mesh = ProcessMesh([2, 4])
+    dms = [_mapping(rng, 2, 2) for _ in range(n)]
+    dms = [tuple(-1 if isinstance(e, tuple) else e for e in d) for d in dms]  # the generated code's case
+    ins = _specs(mesh, dms, [(4, 8)] * n)
+    general = infer(p, "op", ins, (), mesh, fast=False)
+    assert p.fast(tuple(ins), (), mesh) is None
+    got = p.fast(tuple(ins), (), mesh)
+    assert got is not None and _attrs(got) == _attrs(general)
+    assert _attrs(p.fast(tuple(ins), (), mesh)) == _attrs(general)

@@ -114,8 +114,30 @@ class Plan:
             None if a is None else tuple((lid[c], nt.reduce_type(c)) for c in letters if c not in a)
             for a in nt.outputs
         )
-        self.fast = _generate(self, direction)
+        size = sum(len(a) for a in (*nt.inputs, *nt.outputs) if a)
+        self.fast = _generate(self, direction) if size <= _EAGER else _lazy(self, direction)
         self.fast_letters: Any = None  # merge_letters' generated code, made on first use
+
+
+#: a plan labelling more axes than this generates its code on its second use, not when compiled:
+#: compiling the straight-line code of a long list of tensors (an AMP op over a model's grads)
+#: costs far more than the general path of the one call that may be all the plan ever answers
+_EAGER = 96
+
+
+def _lazy(p: Plan, direction: str) -> Any:
+    """A stand-in for the generated code of a big plan: declines its first call (the general
+    path answers it), generates the code on the second."""
+
+    def first(inputs: Any, outputs: Any, mesh: Any) -> None:
+        p.fast = second
+        return None
+
+    def second(inputs: Any, outputs: Any, mesh: Any) -> Any:
+        p.fast = _generate(p, direction)
+        return p.fast(inputs, outputs, mesh)
+
+    return first
 
 
 _plans: dict[tuple[Notation, str, tuple[int, ...]], Plan] = {}
