@@ -601,8 +601,11 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
             ins.append("None")
             continue
         # an absent tensor the notation labels (one the merge does not read): the attr it would need
-        emit(f"    i{j} = _make(mesh, {dm(in_ids)}) if I[{j}] is None else _attr_as(I[{j}].dist_attr, mesh, {dm(in_ids)})")
-        plain.setdefault(dm(in_ids), f"i{j}")
+        # (an earlier tensor's where it is labelled alike: dist attrs are immutable)
+        key = dm(in_ids)
+        absent = plain.get(key) or f"_make(mesh, {key})"
+        emit(f"    i{j} = {absent} if I[{j}] is None else _attr_as(I[{j}].dist_attr, mesh, {key})")
+        plain.setdefault(key, f"i{j}")
         ins.append(f"i{j}")
     outs = []
     consts: dict[str, Any] = {}
