@@ -18,7 +18,7 @@ from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.compile import Plan, compile_plan, infer, run
 from spmdkit.engine.merge import BROADCAST, reference_merge
 from spmdkit.engine.notation import Notation, merge_letters
-from spmdkit.rules import elementwise, matmul, norm, softmax, transpose
+from spmdkit.rules import amp, default, elementwise, matmul, norm, optimizer, softmax, transpose
 from spmdkit.rules import slice as slice_rules
 
 MESHES = [(2,), (3,), (2, 2), (2, 3), (3, 2), (2, 4), (2, 2, 2), (1, 2), (2, 3, 2)]
@@ -81,14 +81,14 @@ def _random_notation(rng: random.Random) -> Notation:
         replicated=pick(),
         prune=rng.choice(["", "*", pick()]),
         coshard=rng.choice(["keep", "largest"]),
-        conflict=rng.choice(["weight", "first", "union", "replicate"]),
+        conflict=rng.choice(["weight", "first", "union", "replicate", "heaviest"]),
         order=order,
         replicated_claims=rng.choice(["drop", "block"]),
         uneven=pick(),
         size1_claims=pick(),
         sizes=rng.choice(["first", "known"]),
         unit_axes=rng.choice(["skip", "claim"]) if order == "claim" else "skip",
-        taken=rng.choice(["dims", "letter"]),
+        taken=rng.choice(["dims", "letter", "keep"]),
         sources=None if rng.random() < 0.6 else [i for i in range(len(ins)) if rng.random() < 0.6],
     )
 
@@ -169,6 +169,16 @@ def _rule_plans() -> list[tuple[Plan, str]]:
                     plans.append((slice_rules._plan(kind, nd, fixed, (), lead), "forward"))
                 plans.append((slice_rules._plan("copy", nd, fixed, (), lead, "largest", "backward"), "backward"))
             plans.append((slice_rules._plan("slice_grad", nd, fixed, fixed[:1], 0, "largest"), "forward"))
+    # the declared policies conflict="heaviest" (default_data_parallel), taken="keep" (the AMP ops)
+    # and the optimizers' vote over every answered tensor
+    for ranks in ((2, 3), (1, 2, 0), (3,)):
+        for how in ("forward", "backward"):
+            plans.append((default._plan(ranks, (2, 1), how), "forward"))
+        for op in ("check_finite_and_unscale", "update_loss_scaling"):
+            plans.append((amp._plan(op, ranks, (1,) * (1 if op.startswith("check") else 4), False), "forward"))
+            plans.append((amp._plan(op, ranks, (1,) * (1 if op.startswith("check") else 4), True), "forward"))
+    plans.append((optimizer._plan(2, (-2, 1, -2, -1), (-2, -1), 2, (6, 7)), "forward"))
+    plans.append((optimizer._plan(3, (-2, 1, -2, -2), (-2, -2), 0, (0, 2)), "forward"))
     return plans
 
 
@@ -297,3 +307,50 @@ def test_rules_on_the_engine_are_answered_through_it() -> None:
             assert seen, f"{name} {mode} did not reach a compiled plan"
     finally:
         set_cache_enabled(True)
+
+
+def test_forward_projection_equals_the_reference() -> None:
+    """infer's general path projects the merged letters as the dict-based spec does: every
+    output partial over each mesh dim of the letters it lacks once (``taken="keep"`` lets two
+    letters share one), inputs without partial."""
+    from spmdkit.engine.notation import partial_of, project
+
+    rng = random.Random(23)
+    checked = 0
+    for _ in range(600):
+        nt = _random_notation(rng)
+        mesh = ProcessMesh(list(rng.choice(MESHES)))
+        dms, shapes = _tensors(rng, nt.inputs, mesh.ndim)
+        dms = [None if a is None else d for a, d in zip(nt.inputs, dms)]
+        ins = _specs(mesh, dms, shapes)
+        axes = tuple(a if nt.sources is None or i in nt.sources else None for i, a in enumerate(nt.inputs))
+        want = reference_merge(nt, axes, dms, shapes, mesh.shape, nt.inputs, shapes)
+        got_in, got_out = infer(compile_plan(nt), "op", ins, (), mesh, fast=False)
+        for a, attr in zip(nt.outputs, got_out):
+            assert attr is not None and a is not None
+            assert (attr.dims_mapping, attr.partial) == (project(a, want), partial_of(a, want, nt)), (nt, dms, shapes)
+        for a, attr in zip(nt.inputs, got_in):
+            assert attr is not None and a is not None
+            assert (attr.dims_mapping, attr.partial) == (project(a, want), ())
+        checked += 1
+    assert checked == 600
+
+
+def test_big_plan_generates_its_code_on_second_use() -> None:
+    """A plan labelling more than ``_EAGER`` axes declines its first call (the general path
+    answers), generates its code on the second, and that code answers as the general path."""
+    from spmdkit.engine.compile import _EAGER
+
+    rng = random.Random(29)
+    n = _EAGER // 2 + 1  # 2-D tensors of their own letters: more than _EAGER axes
+    letters = [chr(0x100 + 2 * i) + chr(0x101 + 2 * i) for i in range(n)]
+    p = compile_plan(Notation(letters, [BROADCAST], taken="keep"))
+    mesh = ProcessMesh([2, 4])
+    dms = [_mapping(rng, 2, 2) for _ in range(n)]
+    dms = [tuple(-1 if isinstance(e, tuple) else e for e in d) for d in dms]  # the generated code's case
+    ins = _specs(mesh, dms, [(4, 8)] * n)
+    general = infer(p, "op", ins, (), mesh, fast=False)
+    assert p.fast(tuple(ins), (), mesh) is None
+    got = p.fast(tuple(ins), (), mesh)
+    assert got is not None and _attrs(got) == _attrs(general)
+    assert _attrs(p.fast(tuple(ins), (), mesh)) == _attrs(general)

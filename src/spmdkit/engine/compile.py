@@ -28,7 +28,7 @@ _make = TensorDistAttr._make
 #: (d,) for a mesh dim d: no tuple built per entry
 _ONE = tuple((d,) for d in range(64))
 
-_CONFLICT = {"weight": 0, "first": 1, "union": 2, "replicate": 3}
+_CONFLICT = {"weight": 0, "first": 1, "union": 2, "replicate": 3, "heaviest": 4}
 
 
 class Plan:
@@ -37,7 +37,7 @@ class Plan:
     __slots__ = (
         "block", "conflict", "fast", "fast_letters", "groups", "in_axes", "in_letters", "largest", "letter_ids", "n", "notation",
         "order_kind", "out_axes", "out_missing", "prune", "rep", "s1claim", "size_src", "sizes_known",
-        "src", "taken_letter", "uneven", "unit",
+        "src", "taken_keep", "taken_letter", "uneven", "unit",
     )  # fmt: skip
 
     def __init__(self, notation: Notation, direction: str, mask: tuple[int, ...]) -> None:
@@ -61,6 +61,7 @@ class Plan:
         self.largest = nt.coshard == "largest"
         self.unit = nt.unit_axes == "claim"
         self.taken_letter = nt.taken == "letter"
+        self.taken_keep = nt.taken == "keep"
         self.conflict = _CONFLICT[nt.conflict]
         self.prune = tuple(nt.prunes(c) for c in letters)
         self.uneven = tuple(c in nt.uneven for c in letters)
@@ -113,8 +114,30 @@ class Plan:
             None if a is None else tuple((lid[c], nt.reduce_type(c)) for c in letters if c not in a)
             for a in nt.outputs
         )
-        self.fast = _generate(self, direction)
+        size = sum(len(a) for a in (*nt.inputs, *nt.outputs) if a)
+        self.fast = _generate(self, direction) if size <= _EAGER else _lazy(self, direction)
         self.fast_letters: Any = None  # merge_letters' generated code, made on first use
+
+
+#: a plan labelling more axes than this generates its code on its second use, not when compiled:
+#: compiling the straight-line code of a long list of tensors (an AMP op over a model's grads)
+#: costs far more than the general path of the one call that may be all the plan ever answers
+_EAGER = 96
+
+
+def _lazy(p: Plan, direction: str) -> Any:
+    """A stand-in for the generated code of a big plan: declines its first call (the general
+    path answers it), generates the code on the second."""
+
+    def first(inputs: Any, outputs: Any, mesh: Any) -> None:
+        p.fast = second
+        return None
+
+    def second(inputs: Any, outputs: Any, mesh: Any) -> Any:
+        p.fast = _generate(p, direction)
+        return p.fast(inputs, outputs, mesh)
+
+    return first
 
 
 _plans: dict[tuple[Notation, str, tuple[int, ...]], Plan] = {}
@@ -230,6 +253,13 @@ def run(
                 cur[a] = d
                 hold[a] = ti
                 claims.append(a)
+            elif conflict == 4:  # heaviest: any heavier tensor sharding the letter takes it
+                s_new, s_old = shapes[ti], shapes[hold[a]]
+                if (merge_weight(s_new) if s_new is not None else 0) > (
+                    merge_weight(s_old) if s_old is not None else 0
+                ):
+                    cur[a] = d
+                    hold[a] = ti
             elif c != d:
                 if conflict == 0:
                     s_new, s_old = shapes[ti], shapes[hold[a]]
@@ -277,6 +307,7 @@ def run(
                 order.extend(got)
     final: list[tuple[int, ...]] = [()] * n
     prune, uneven, s1claim = p.prune, p.uneven, p.s1claim
+    keep = p.taken_keep
     used = 0
     for a in order:
         if a < 0:
@@ -285,7 +316,7 @@ def run(
         if rep[a]:
             continue
         d = cur[a]  # type: ignore[assignment]
-        if used:
+        if used and not keep:
             d2 = tuple([x for x in d if not (used >> x) & 1])
             d = () if p.taken_letter and len(d2) < len(d) else d2
         claim = d
@@ -361,7 +392,7 @@ def project_dm(ids: tuple[int, ...], ent: list[Entry]) -> DimsMapping:
 
 
 def out_partial(
-    missing: tuple[tuple[int, ReduceType], ...], final: list[tuple[int, ...]]
+    missing: tuple[tuple[int, ReduceType], ...], final: list[tuple[int, ...]], taken_keep: bool = False
 ) -> tuple[tuple[int, ReduceType], ...]:
     """The partial of an output: the mesh dims of the letters it lacks, with their reduce types."""
     pt: list[tuple[int, ReduceType]] | None = None
@@ -375,6 +406,8 @@ def out_partial(
         return ()
     if len(pt) > 1:
         pt.sort(key=lambda t: t[0])
+        if taken_keep:  # letters may share a mesh dim: each once (the first letter's type)
+            pt = [t for i, t in enumerate(pt) if i == 0 or pt[i - 1][0] != t[0]]
     return tuple(pt)
 
 
@@ -424,20 +457,26 @@ def infer(
         final = [d if keep[a] else () for a, d in enumerate(final)]
     ent = entries(final)
     ins: list[TensorDistAttr | None] = []
+    made: dict[tuple[int, ...], TensorDistAttr] = {}  # one attr per labelling (many tensors share one)
     for t, ids in zip(inputs, p.in_axes):
         if ids is None:
             ins.append(None)
-        elif t is None:  # an absent tensor the notation labels: the attr it would need
-            ins.append(_make(mesh, project_dm(ids, ent)))
+            continue
+        at = made.get(ids)
+        if at is None:
+            at = made[ids] = _make(mesh, project_dm(ids, ent))
+        if t is None:  # an absent tensor the notation labels: the attr it would need
+            ins.append(at)
         else:
-            ins.append(attr_as(t.dist_attr, mesh, project_dm(ids, ent)))
+            src = t.dist_attr
+            ins.append(src if src.mesh is mesh and not src.partial and src.dims_mapping == at.dims_mapping else at)
     outs: list[TensorDistAttr | None] = []
     for j, (ids, missing) in enumerate(zip(p.out_axes, p.out_missing)):
         if ids is None or missing is None:
             outs.append(None)
             continue
         dm = project_dm(ids, ent)
-        pt = out_partial(missing, final) if missing else ()
+        pt = out_partial(missing, final, p.taken_keep) if missing else ()
         if not forward and not pt and outputs[j] is not None:
             outs.append(attr_as(outputs[j].dist_attr, mesh, dm))  # type: ignore[union-attr]
         else:
@@ -508,7 +547,7 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
     live = [a for a in sorted(read) if not p.rep[a]]
     # no two claimers (letters, size-1 axes) on one mesh dim: the claim order cannot matter
     claimers = [f"L{a}" for a in live] + units
-    if len(claimers) > 1:
+    if len(claimers) > 1 and not p.taken_keep:
         emit("    u = 0")
         for v in claimers:
             emit(f"    if {v} >= 0:")
@@ -561,9 +600,12 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
         if in_ids is None:
             ins.append("None")
             continue
-        emit(f"    if I[{j}] is None: return None")
-        emit(f"    i{j} = _attr_as(I[{j}].dist_attr, mesh, {dm(in_ids)})")
-        plain.setdefault(dm(in_ids), f"i{j}")
+        # an absent tensor the notation labels (one the merge does not read): the attr it would need
+        # (an earlier tensor's where it is labelled alike: dist attrs are immutable)
+        key = dm(in_ids)
+        absent = plain.get(key) or f"_make(mesh, {key})"
+        emit(f"    i{j} = {absent} if I[{j}] is None else _attr_as(I[{j}].dist_attr, mesh, {key})")
+        plain.setdefault(key, f"i{j}")
         ins.append(f"i{j}")
     outs = []
     consts: dict[str, Any] = {}
@@ -593,7 +635,7 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
                 consts[f"R{j}_{k}"] = r
                 emit(f"    if L{a} >= 0: pt{j}.append((L{a}, R{j}_{k}))")
             emit(f"    pt{j}.sort(key=_first)")
-            pt = f"tuple(pt{j})"
+            pt = f"_uniq(pt{j})" if p.taken_keep else f"tuple(pt{j})"
         outs.append(f"_make(mesh, {dm(ids)}, {pt})")
     emit(f"    return ({''.join(x + ', ' for x in ins)}), ({''.join(x + ', ' for x in outs)})")
     return _exec(lines, f"<plan {nt!r} {direction}>", consts)
@@ -602,10 +644,15 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
 def _exec(lines: list[str], name: str, consts: dict[str, Any]) -> Any:
     """The function ``fast`` the generated ``lines`` define."""
     ns: dict[str, Any] = {"_attr_as": attr_as, "_make": _make, "_largest": largest_mesh_dim, "_first": _first,
-                          "_ONE": _ONE, **consts}  # fmt: skip
+                          "_ONE": _ONE, "_uniq": _uniq, **consts}  # fmt: skip
     exec(compile("\n".join(lines), name, "exec"), ns)
     return ns["fast"]
 
 
 def _first(t: tuple[int, ReduceType]) -> int:
     return t[0]
+
+
+def _uniq(pt: list[tuple[int, ReduceType]]) -> tuple[tuple[int, ReduceType], ...]:
+    """A sorted partial with each mesh dim once (``taken="keep"``: letters may share one)."""
+    return tuple(t for i, t in enumerate(pt) if i == 0 or pt[i - 1][0] != t[0])

@@ -11,13 +11,14 @@ the notation's policy fields (see ``Notation``):
    on (the replicated letter keeps the mesh dim, as Paddle's merge lets it);
 2. *merge* per letter: the first tensor sharding a letter claims it; another tensor sharding
    it over other mesh dims: ``conflict="weight"`` the one with more elements keeps it (the
-   first on a tie), ``"first"`` the first keeps it, ``"replicate"`` the letter shards nothing
+   first on a tie), ``"heaviest"`` the one with most elements of all tensors sharding it keeps
+   it (the first on a tie), ``"first"`` the first keeps it, ``"replicate"`` the letter shards nothing
    (co-shards compared whole), ``"union"`` the letter is co-sharded over all of them (larger mesh product major, earlier tensor first on a tie; a mesh dim that
    another letter also wants goes minor);
 3. *order* the letters: ``order="claim"`` as first claimed, ``"notation"`` as they first appear
    in the notation's tensors, or groups (see ``Notation``);
 4. *resolve* in that order: replicated letters shard nothing, a mesh dim taken by an earlier
-   letter is dropped (``taken="letter"``: the letter shards nothing), pruned letters drop minor mesh dims until the product divides their size
+   letter is dropped (``taken="letter"``: the letter shards nothing; ``"keep"``: kept), pruned letters drop minor mesh dims until the product divides their size
    (``uneven`` letters only where their size is 1); a letter claims the mesh dims it keeps,
    or, for ``size1_claims`` letters of size 1, those it had before pruning. Under
    ``unit_axes="claim"`` an axis labelled ``1`` that is sharded takes its mesh dims (those not
@@ -185,6 +186,11 @@ def reference_merge(
                 claims.append(ch)
                 seq.append(ch)
                 merged[ch], holder[ch], cands[ch] = d, ti, [d]
+            elif notation.conflict == "heaviest":
+                s_new, s_old = shapes[ti], shapes[holder[ch]]
+                if (merge_weight(s_new) if s_new is not None else 0) > (
+                        merge_weight(s_old) if s_old is not None else 0):
+                    merged[ch], holder[ch] = d, ti
             elif d != merged[ch] or notation.conflict == "union":
                 if notation.conflict == "weight":
                     s_new, s_old = shapes[ti], shapes[holder[ch]]
@@ -214,7 +220,7 @@ def reference_merge(
         if ch in rep:
             merged[ch] = ()
             continue
-        d = tuple(x for x in merged[ch] if x not in used)
+        d = merged[ch] if notation.taken == "keep" else tuple(x for x in merged[ch] if x not in used)
         if notation.taken == "letter" and len(d) < len(merged[ch]):
             d = ()
         size = sizes.get(ch, 1)

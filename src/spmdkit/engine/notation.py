@@ -48,10 +48,10 @@ def _check_policy(
 ) -> None:
     """ValueError for a policy value the engine does not know (a rule's declaration error)."""
     for name, val, allowed in (("coshard", coshard, ("keep", "largest")),
-                               ("conflict", conflict, ("weight", "first", "union", "replicate")),
+                               ("conflict", conflict, ("weight", "first", "union", "replicate", "heaviest")),
                                ("replicated_claims", replicated_claims, ("drop", "block")),
                                ("sizes", sizes, ("first", "known")), ("size1", size1, ("keep", "broadcast")),
-                               ("unit_axes", unit_axes, ("skip", "claim")), ("taken", taken, ("dims", "letter"))):
+                               ("unit_axes", unit_axes, ("skip", "claim")), ("taken", taken, ("dims", "letter", "keep"))):
         if val not in allowed:
             raise ValueError(f"Notation: {name} must be one of {allowed}, got {val!r}")
     if unit_axes == "claim" and order != "claim":
@@ -86,7 +86,9 @@ class Notation:
     * ``conflict``: two tensors sharding one letter differently: the one with more elements
       keeps it (``"weight"``), the first (``"first"``), the letter is co-sharded over both
       (``"union"``, as Paddle's matmul), or it is replicated (``"replicate"``, co-shards
-      compared whole: Paddle's optimizer vote);
+      compared whole: Paddle's optimizer vote); ``"heaviest"``: the tensor with the most
+      elements of all that shard the letter keeps its sharding (the first on a tie; unlike
+      ``"weight"``, which weighs a challenger against the first claimer only);
     * ``order``: the order letters resolve a mesh dim several claim: as first claimed
       (``"claim"``), as they appear in the notation (``"notation"``), or a tuple of groups:
       ``"*"`` the letters no group names, by claim; ``"mn"`` these letters by claim; ``">mn"``
@@ -105,7 +107,9 @@ class Notation:
       is sharded on at its place in the claim order (a later letter loses them) and shards
       nothing;
     * ``taken``: a letter whose mesh dims an earlier letter took loses those ``"dims"``, or
-      shards nothing (``"letter"``);
+      shards nothing (``"letter"``), or ``"keep"``s them (letters of unrelated tensors, say a
+      list of tensors updated one by one, never compete for a mesh dim; an output lacking
+      several letters is partial over each mesh dim once);
     * ``sources``: the indices of the inputs the forward merge reads (``None``: all); the
       others take the merged letters without adding theirs (a grad rule's tensors sharded as
       out_grad says, say).
