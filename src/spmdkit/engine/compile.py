@@ -118,8 +118,9 @@ class Plan:
             in_axes.append(tuple(-1 if (m >> i) & 1 else x for i, x in enumerate(ids(a))))
         self.in_axes = tuple(in_axes)
         self.out_axes = tuple(None if a is None else ids(a) for a in nt.outputs)
+        never = {c for chain in nt.flatten for c in chain[1:]}  # a chain's other letters shard nothing
         self.out_missing = tuple(
-            None if a is None else tuple((lid[c], nt.reduce_type(c)) for c in letters if c not in a)
+            None if a is None else tuple((lid[c], nt.reduce_type(c)) for c in letters if c not in a and c not in never)
             for a in nt.outputs
         )
         self.fast = _generate(self, direction)
