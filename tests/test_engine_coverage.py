@@ -18,7 +18,7 @@ from spmdkit.rules import get_rule, rule_names, set_cache_enabled
 from spmdkit.sim.cases import generate_case
 
 #: rule-modes (``name:mode``) some of whose cases are answered without a compiled plan: hand-written
-#: rules (creation, view / dim_trans, split / concat / stack, scan, sorting, the special cases)
+#: rules (creation, split / concat / stack, scan, sorting, the special cases)
 NOT_ON_ENGINE = frozenset({
     "add_n_grad:forward", "batch_norm:forward", "batch_norm_grad:forward",
     "check_finite_and_unscale:backward", "check_finite_and_unscale:forward",
@@ -26,17 +26,16 @@ NOT_ON_ENGINE = frozenset({
     "concat_grad:forward", "conv2d:forward", "conv3d:forward", "default_data_parallel:backward",
     "default_data_parallel:forward", "depthwise_conv2d:forward", "embedding:forward",
     "empty_like:forward",
-    "flatten:backward",
-    "flatten:forward", "flatten_grad:forward", "full_like:forward",
+    "full_like:forward",
     "fused_linear_param_grad_add:backward", "group_norm:forward", "group_norm_grad:forward",
     "index_put:backward", "index_put:forward", "index_put_grad:forward", "instance_norm:backward",
     "instance_norm:forward", "instance_norm_grad:forward", "numel:forward", "ones_like:forward",
-    "reshape:backward", "reshape:forward", "reshape_grad:forward", "roi_align:forward",
+    "roi_align:forward",
     "split:forward", "split_grad:forward", "split_with_num:forward",
-    "split_with_num_grad:forward", "squeeze:backward", "squeeze:forward", "squeeze_grad:forward",
+    "split_with_num_grad:forward",
     "stack:backward", "stack:forward", "stack_grad:forward",
-    "unbind:forward", "unbind_grad:forward", "unsqueeze:backward", "unsqueeze:forward",
-    "unsqueeze_grad:forward", "update_loss_scaling:backward", "update_loss_scaling:forward",
+    "unbind:forward", "unbind_grad:forward",
+    "update_loss_scaling:backward", "update_loss_scaling:forward",
     "zeros_like:forward",
 })
 
