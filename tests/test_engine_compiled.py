@@ -2,7 +2,8 @@
 
 Every compiled plan must answer what the plain dict-based reference answers for its notation
 and policy: on random notations and policies, on the notations the rules on the engine compile
-(matmul, the norm family, softmax), and, for the default policy, what merge_letters answers.
+(matmul, the norm family, softmax, the views), and, for the default policy, what merge_letters
+answers.
 Seeded and bounded: a few thousand cases, a few seconds.
 """
 
@@ -16,6 +17,7 @@ import pytest
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.compile import Plan, compile_plan, infer, run
+from spmdkit.engine.dim_trans import reshape_links, view_plan
 from spmdkit.engine.merge import BROADCAST, reference_merge
 from spmdkit.engine.notation import Notation, merge_letters
 from spmdkit.rules import elementwise, matmul, norm, softmax, transpose
@@ -177,6 +179,11 @@ def _rule_plans() -> list[tuple[Plan, str]]:
                     plans.append((slice_rules._plan(kind, nd, fixed, (), lead), "forward"))
                 plans.append((slice_rules._plan("copy", nd, fixed, (), lead, "largest", "backward"), "backward"))
             plans.append((slice_rules._plan("slice_grad", nd, fixed, fixed[:1], 0, "largest"), "forward"))
+    for a, b in (((6, 12, 48, 24), (1, 72, 48, 4, 6)), ((8, 16, 4), (512,)), ((4, 1, 8), (32,)), ((24,), (2, 3, 4)),
+                 ((2, 3, 4), (6, 4)), ((1, 8), (8, 1))):  # the view rules' plans (and their reverse)
+        for keep in (True, False):
+            plans.append((view_plan(len(a), reshape_links(a, b), keep), "forward"))
+            plans.append((view_plan(len(b), reshape_links(b, a), keep, True), "backward"))
     return plans
 
 
