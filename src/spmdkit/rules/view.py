@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
@@ -82,8 +83,9 @@ def _reverse(op: str, x: DistTensorSpec, out: DistTensorSpec, out_shape: tuple[i
     return fast_result(*infer(p, op, (x,), (out,), out.dist_attr.mesh, ("x", "out")))
 
 
-def _grad(op: str, xs: DistTensorSpec, out_grad: DistTensorSpec, xs_name: str) -> SpmdResult:
-    """x_grad = out_grad viewed as x's shape; ``xs`` (x's shape holder) is returned as given."""
+def _grad(op: str, xs_name: str, xs: DistTensorSpec, out_grad: DistTensorSpec, *attrs: object) -> SpmdResult:
+    """x_grad = out_grad viewed as x's shape; ``xs`` (x's shape holder) is returned as given
+    (squeeze / unsqueeze grads' ``axis`` unused)."""
     _check_sizes(op, xs, xs_name)
     _check_sizes(op, out_grad, "out_grad")
     n = math.prod(xs.shape)
@@ -166,13 +168,6 @@ def _list_rules(op: str, lists: Callable[..., Lists], reverse: Callable[..., tup
     return forward, backward
 
 
-def _grad_rule(op: str, holder: str) -> Callable[..., SpmdResult]:
-    def grad(xs: DistTensorSpec, out_grad: DistTensorSpec, *attrs: object) -> SpmdResult:
-        return _grad(op, xs, out_grad, holder)
-
-    return grad
-
-
 register("reshape", reshape_forward, "x: T, shape: ints", reshape_backward, kind="reverse", outputs="out: T",
          aliases=("reshape2",), forward_name="ReshapeInferSpmd", backward_name="ReshapeInferSpmdReverse")
 for _op, _lists, _rev, _keep, _sig, _aliases, _doc in (
@@ -188,6 +183,6 @@ for _op, _lists, _rev, _keep, _sig, _aliases, _doc in (
              forward_name=f"{_op.capitalize()}InferSpmd", backward_name=f"{_op.capitalize()}InferSpmdReverse")
 for _op, _sig in (("reshape", "x_shape: T, out_grad: T"), ("flatten", "xshape: T, out_grad: T"),
                   ("squeeze", "xshape: T, out_grad: T, axis: ints = []"), ("unsqueeze", "x: T, out_grad: T, axis: ints = []")):
-    register(f"{_op}_grad", _grad_rule(f"{_op}_grad", _sig.split(":")[0]), _sig,
+    register(f"{_op}_grad", partial(_grad, f"{_op}_grad", _sig.split(":")[0]), _sig,
              doc="x_grad = out_grad viewed as x's shape; the shape holder is returned as given.",
              forward_name=f"{_op.capitalize()}GradInferSpmd")
