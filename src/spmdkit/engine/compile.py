@@ -658,6 +658,8 @@ def _gen_chains(p: Plan, forward: bool, read: set[int], emit: Any) -> set[int]:
     check)."""
     ent: set[int] = set()
     n_in = len(p.notation.inputs)
+    # the merged tensors' shapes are read already (s{ti}; their tensors checked not None)
+    merged = {ti if forward else n_in + ti for ti, _ in p.src} if not p.sizes_known else set()
     for chain, where in zip(p.chains, p.chain_src):
         a = chain[0]
         if a not in read:
@@ -670,7 +672,9 @@ def _gen_chains(p: Plan, forward: bool, read: set[int], emit: Any) -> set[int]:
         emit(f"    if L{a} >= 0:")
         sizes = []
         for k, (ti, i) in enumerate(where):
-            if ti < n_in:
+            if ti in merged:
+                sizes.append(f"s{ti if forward else ti - n_in}[{i}]")
+            elif ti < n_in:
                 t = f"I[{ti}]"
                 emit(f"        if {t} is None: return None")
                 sizes.append(f"{t}.shape[{i}]")
