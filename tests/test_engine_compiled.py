@@ -2,7 +2,8 @@
 
 Every compiled plan must answer what the plain dict-based reference answers for its notation
 and policy: on random notations and policies, on the notations the rules on the engine compile
-(matmul, the norm family, softmax), and, for the default policy, what merge_letters answers.
+(matmul, the norm family, softmax, the views), and, for the default policy, what merge_letters
+answers.
 Seeded and bounded: a few thousand cases, a few seconds.
 """
 
@@ -16,6 +17,7 @@ import pytest
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.compile import Plan, compile_plan, infer, run
+from spmdkit.engine.dim_trans import reshape_links, view_plan
 from spmdkit.engine.merge import BROADCAST, reference_merge
 from spmdkit.engine.notation import Notation, merge_letters
 from spmdkit.rules import amp, default, elementwise, matmul, norm, optimizer, softmax, transpose
@@ -75,6 +77,13 @@ def _random_notation(rng: random.Random) -> Notation:
         a = pick()
         b = "".join(c for c in pick() if c not in a)
         order = ("*", ">" + b, a) if rng.random() < 0.5 else (a, "*")
+    chains: list[str] = []  # flatten: disjoint letter strings
+    free = list(seen)
+    rng.shuffle(free)
+    while free and rng.random() < 0.5:
+        k = rng.randint(1, min(3, len(free)))
+        chains.append("".join(free[:k]))
+        free = free[k:]
     return Notation(
         ins,
         outs,
@@ -90,6 +99,7 @@ def _random_notation(rng: random.Random) -> Notation:
         unit_axes=rng.choice(["skip", "claim"]) if order == "claim" else "skip",
         taken=rng.choice(["dims", "letter", "keep"]),
         sources=None if rng.random() < 0.6 else [i for i in range(len(ins)) if rng.random() < 0.6],
+        flatten=chains,
     )
 
 
@@ -101,8 +111,8 @@ def _check(p: Plan, direction: str, dms: list[Any], shapes: list[Any], mesh_shap
     if direction == "forward" and nt.sources is not None:  # the other inputs are not merged
         axes = tuple(a if i in nt.sources else None for i, a in enumerate(axes))
     m_dms, m_shapes = dms[merged], shapes[merged]
-    got = run(p, m_dms, m_shapes, shapes[:n_in], mesh_shape)
-    want = reference_merge(nt, axes, m_dms, m_shapes, mesh_shape, nt.inputs, shapes[:n_in])
+    got = run(p, m_dms, m_shapes, shapes[:n_in], mesh_shape, shapes)
+    want = reference_merge(nt, axes, m_dms, m_shapes, mesh_shape, nt.inputs, shapes[:n_in], nt.inputs + nt.outputs, shapes)
     for i, c in enumerate(nt.letters):
         assert got[i] == want.get(c, ()), (nt, direction, dms, shapes, mesh_shape, c, got, want)
 
@@ -179,6 +189,11 @@ def _rule_plans() -> list[tuple[Plan, str]]:
             plans.append((amp._plan(op, ranks, (1,) * (1 if op.startswith("check") else 4), True), "forward"))
     plans.append((optimizer._plan(2, (-2, 1, -2, -1), (-2, -1), 2, (6, 7)), "forward"))
     plans.append((optimizer._plan(3, (-2, 1, -2, -2), (-2, -2), 0, (0, 2)), "forward"))
+    for a, b in (((6, 12, 48, 24), (1, 72, 48, 4, 6)), ((8, 16, 4), (512,)), ((4, 1, 8), (32,)), ((24,), (2, 3, 4)),
+                 ((2, 3, 4), (6, 4)), ((1, 8), (8, 1))):  # the view rules' plans (and their reverse)
+        for keep in (True, False):
+            plans.append((view_plan(len(a), reshape_links(a, b), keep), "forward"))
+            plans.append((view_plan(len(b), reshape_links(b, a), keep, True), "backward"))
     return plans
 
 
@@ -219,8 +234,9 @@ def test_generated_fast_path_equals_the_general_path() -> None:
         ins, outs = specs[: len(nt.inputs)], specs[len(nt.inputs) :] if direction == "backward" else []
         if direction == "backward" and not any(outs):
             continue
-        general = infer(p, "op", ins, outs, mesh, fast=False)
-        got = p.fast(tuple(ins), tuple(outs), mesh)
+        out_shapes = shapes[len(nt.inputs) :]
+        general = infer(p, "op", ins, outs, mesh, fast=False, out_shapes=out_shapes)
+        got = p.fast(tuple(ins), tuple(outs), mesh, out_shapes)
         if got is not None:
             answered += 1
             assert _attrs(got) == _attrs(general), (nt, direction, dms, shapes, mesh.shape)
@@ -249,6 +265,25 @@ def test_bad_policy_value_rejected() -> None:
         Notation(["ab"], ["ab"], sources=[1])
     with pytest.raises(ValueError, match="claim order"):
         Notation(["ab"], ["ab"], unit_axes="claim", order="notation")
+    for bad in (["ab", "b"], ["ax"], [""]):
+        with pytest.raises(ValueError, match="flatten"):
+            Notation(["ab"], ["a"], flatten=bad)
+
+
+def test_flatten_chain_co_shards_the_run() -> None:
+    """x [8, 16] flattened: the first axis takes both mesh dims where 8 divides by them; a
+    run whose product does not divide the first axis's size (or the output's) stops before."""
+    p = compile_plan(Notation(["ab"], ["a"], flatten=["ab"]))
+    for mesh_shape, x_shape, out_size, want in (((2, 4), [8, 16], 128, (0, 1)), ((2, 8), [8, 16], 128, 0),
+                                                 ((4, 2), [6, 16], 96, -1), ((2, 4), [8, 16], 2, 0)):
+        m = ProcessMesh(list(mesh_shape))
+        x = DistTensorSpec(x_shape, mesh=m, dims_mapping=[0, 1])
+        for fast in (True, False):
+            ins, outs = infer(p, "flatten", (x,), (), m, fast=fast, out_shapes=[(out_size,)])
+            assert outs[0].dims_mapping == (want,), (mesh_shape, x_shape, out_size)  # type: ignore[union-attr]
+            assert ins[0].dims_mapping == (want, -1)  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="out_shapes"):
+        infer(p, "flatten", (x,), (), m)
 
 
 def test_docs_rules_md_examples_run() -> None:
@@ -320,12 +355,14 @@ def test_forward_projection_equals_the_reference() -> None:
     for _ in range(600):
         nt = _random_notation(rng)
         mesh = ProcessMesh(list(rng.choice(MESHES)))
-        dms, shapes = _tensors(rng, nt.inputs, mesh.ndim)
-        dms = [None if a is None else d for a, d in zip(nt.inputs, dms)]
+        every, every_shapes = _tensors(rng, nt.inputs + nt.outputs, mesh.ndim)  # outputs: flatten sizes
+        n = len(nt.inputs)
+        dms = [None if a is None else d for a, d in zip(nt.inputs, every[:n])]
+        shapes = every_shapes[:n]
         ins = _specs(mesh, dms, shapes)
         axes = tuple(a if nt.sources is None or i in nt.sources else None for i, a in enumerate(nt.inputs))
-        want = reference_merge(nt, axes, dms, shapes, mesh.shape, nt.inputs, shapes)
-        got_in, got_out = infer(compile_plan(nt), "op", ins, (), mesh, fast=False)
+        want = reference_merge(nt, axes, dms, shapes, mesh.shape, nt.inputs, shapes, nt.inputs + nt.outputs, every_shapes)
+        got_in, got_out = infer(compile_plan(nt), "op", ins, (), mesh, fast=False, out_shapes=every_shapes[n:])
         for a, attr in zip(nt.outputs, got_out):
             assert attr is not None and a is not None
             assert (attr.dims_mapping, attr.partial) == (project(a, want), partial_of(a, want, nt)), (nt, dms, shapes)

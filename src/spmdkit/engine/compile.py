@@ -35,7 +35,7 @@ class Plan:
     """A notation compiled for one direction and key (see the module docstring)."""
 
     __slots__ = (
-        "block", "conflict", "fast", "fast_letters", "groups", "in_axes", "in_letters", "largest", "letter_ids", "n", "notation",
+        "block", "chain_out", "chain_src", "chains", "conflict", "fast", "fast_letters", "groups", "in_axes", "in_letters", "largest", "letter_ids", "n", "notation",
         "order_kind", "out_axes", "out_missing", "prune", "rep", "s1claim", "size_src", "sizes_known",
         "src", "taken_keep", "taken_letter", "uneven", "unit",
     )  # fmt: skip
@@ -79,6 +79,15 @@ class Plan:
                     if c != BROADCAST:
                         src[lid[c]].append((ti, i))
         self.size_src = tuple(tuple(s) for s in src)
+        # flatten chains (letter ids) and where their first letter sits on every tensor
+        # (inputs, then outputs: (tensor index, axis))
+        self.chains = tuple(tuple(lid[c] for c in chain) for chain in nt.flatten)
+        tensors = (*nt.inputs, *nt.outputs)
+        self.chain_src = tuple(
+            tuple((ti, i) for ti, a in enumerate(tensors) if a is not None for i, c in enumerate(a) if c == chain[0])
+            for chain in nt.flatten
+        )
+        self.chain_out = any(ti >= len(nt.inputs) for cs in self.chain_src for ti, _ in cs)
         # the order of resolution
         order = nt.order
         groups: list[tuple[int, tuple[int, ...]]] = []
@@ -110,8 +119,9 @@ class Plan:
             in_axes.append(tuple(-1 if (m >> i) & 1 else x for i, x in enumerate(ids(a))))
         self.in_axes = tuple(in_axes)
         self.out_axes = tuple(None if a is None else ids(a) for a in nt.outputs)
+        never = {c for chain in nt.flatten for c in chain[1:]}  # a chain's other letters shard nothing
         self.out_missing = tuple(
-            None if a is None else tuple((lid[c], nt.reduce_type(c)) for c in letters if c not in a)
+            None if a is None else tuple((lid[c], nt.reduce_type(c)) for c in letters if c not in a and c not in never)
             for a in nt.outputs
         )
         size = sum(len(a) for a in (*nt.inputs, *nt.outputs) if a)
@@ -129,13 +139,13 @@ def _lazy(p: Plan, direction: str) -> Any:
     """A stand-in for the generated code of a big plan: declines its first call (the general
     path answers it), generates the code on the second."""
 
-    def first(inputs: Any, outputs: Any, mesh: Any) -> None:
+    def first(inputs: Any, outputs: Any, mesh: Any, out_shapes: Any = None) -> None:
         p.fast = second
         return None
 
-    def second(inputs: Any, outputs: Any, mesh: Any) -> Any:
+    def second(inputs: Any, outputs: Any, mesh: Any, out_shapes: Any = None) -> Any:
         p.fast = _generate(p, direction)
-        return p.fast(inputs, outputs, mesh)
+        return p.fast(inputs, outputs, mesh, out_shapes)
 
     return first
 
@@ -197,9 +207,11 @@ def run(
     shapes: Sequence[Sequence[int] | None],
     all_shapes: Sequence[Sequence[int] | None],
     mesh_shape: Sequence[int],
+    every: Sequence[Sequence[int] | None] = (),
 ) -> list[tuple[int, ...]]:
     """The mesh dims of every letter (by id) for the merged tensors' ``dms`` / ``shapes``
-    (``all_shapes``: the inputs', for ``sizes="known"``)."""
+    (``all_shapes``: the inputs', for ``sizes="known"``; ``every``: every tensor's shape,
+    inputs then outputs, for ``flatten`` chains)."""
     n = p.n
     rep = p.rep
     largest = p.largest
@@ -282,6 +294,8 @@ def run(
         return [()] * n
     if cands:
         _unions(cur, cands, mesh_shape)
+    for chain, where in zip(p.chains, p.chain_src):
+        _chain(cur, chain, [every[ti][i] for ti, i in where if every[ti] is not None], mesh_shape)  # type: ignore[index]
     # sizes (only read where a letter prunes)
     size_src = p.size_src
     known = p.sizes_known
@@ -331,6 +345,23 @@ def run(
             used |= 1 << x
         final[a] = d
     return final
+
+
+def _chain(cur: list[tuple[int, ...] | None], chain: tuple[int, ...], sizes: list[int],
+           mesh_shape: Sequence[int]) -> None:
+    """``flatten``: the chain's first letter takes the longest run of its letters' mesh dims
+    whose product divides every known size in ``sizes``; the others shard nothing."""
+    if cur[chain[0]]:
+        keep: tuple[int, ...] = ()
+        for a in chain:
+            d = keep + tuple([x for x in cur[a] or () if x not in keep])
+            if len(d) == len(keep) or any(s >= 0 and s % mesh_size(mesh_shape, d) for s in sizes):
+                break
+            keep = d
+        cur[chain[0]] = keep
+    for a in chain[1:]:
+        if cur[a] is not None:
+            cur[a] = ()
 
 
 def _size(
@@ -419,19 +450,24 @@ def infer(
     mesh: ProcessMesh,
     names: Sequence[str] | None = None,
     fast: bool = True,
+    out_shapes: Sequence[Sequence[int] | None] | None = None,
 ) -> tuple[tuple[TensorDistAttr | None, ...], tuple[TensorDistAttr | None, ...]]:
     """Every input's and output's dist attr under the plan (``outputs`` empty in the forward
     direction). Inputs come back without partial (a partial input is resharded); outputs are
     partial over the mesh dims of the letters they lack. ``fast``: try the plan's generated
-    code first (it answers the common case; ``fast=False`` for the general path alone)."""
+    code first (it answers the common case; ``fast=False`` for the general path alone).
+    ``out_shapes``: the outputs' shapes in the forward direction, needed where a ``flatten``
+    letter is on an output (its sizes there count)."""
     if _trace is not None:
         _trace.append(op)
-    if fast:
-        r = p.fast(inputs, outputs, mesh)
-        if r is not None:
-            return r  # type: ignore[no-any-return]
     nt = p.notation
     forward = not outputs
+    if forward and p.chain_out and out_shapes is None:
+        raise ValueError(f"{op}: the plan of {nt!r} needs the outputs' shapes (out_shapes)")
+    if fast:
+        r = p.fast(inputs, outputs, mesh, out_shapes)
+        if r is not None:
+            return r  # type: ignore[no-any-return]
     merged = inputs if forward else outputs
     axes = nt.inputs if forward else nt.outputs
     dms: list[DimsMapping | None] = []
@@ -451,7 +487,11 @@ def infer(
     all_shapes: Any = shapes
     if p.sizes_known and not forward:
         all_shapes = [None if t is None else t.shape for t in inputs]
-    final = run(p, dms, shapes, all_shapes, mesh.shape)
+    every: list[Any] = []
+    if p.chains:
+        every = [None if t is None else t.shape for t in inputs]
+        every += list(out_shapes or ()) if forward else [None if t is None else t.shape for t in outputs]
+    final = run(p, dms, shapes, all_shapes, mesh.shape, every)
     if p.in_letters is not None:
         keep = p.in_letters
         final = [d if keep[a] else () for a, d in enumerate(final)]
@@ -504,9 +544,10 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
     nt = p.notation
     forward = direction == "forward"
     src_name = "I" if forward else "O"
-    lines = ["def fast(D, S, ms):"] if raw else ["def fast(I, O, mesh):", "    ms = mesh.shape"]
+    lines = ["def fast(D, S, ms):"] if raw else ["def fast(I, O, mesh, Z=None):", "    ms = mesh.shape"]
     emit = lines.append
     read: set[int] = set()
+    twice = False  # a letter read on two axes (two claims can then share a mesh dim)
     units: list[str] = []  # unit_axes="claim": the mesh dim of each size-1 axis
     for ti, ids in p.src:
         if raw:
@@ -529,6 +570,7 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
                     emit(f"    if {var}.__class__ is not int:")
                     emit(f"        {var} = _largest({var}, ms)" if p.largest else "        return None")
                 continue
+            twice = twice or a in read
             var = f"L{a}" if a not in read else "e"
             emit(f"    {var} = d{ti}[{i}]")
             emit(f"    if {var}.__class__ is not int:")
@@ -539,6 +581,7 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
                 if p.conflict != 1:
                     emit(f"        elif e != L{a}: return None")
             read.add(a)
+    ent = _gen_chains(p, forward, read, emit) if p.chains and not raw else set()
     for a in sorted(read):
         if p.rep[a]:
             if p.block:
@@ -547,13 +590,17 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
     live = [a for a in sorted(read) if not p.rep[a]]
     # no two claimers (letters, size-1 axes) on one mesh dim: the claim order cannot matter
     claimers = [f"L{a}" for a in live] + units
-    if len(claimers) > 1 and not p.taken_keep:
+    # one merged tensor, each letter once: its (valid) dims_mapping never repeats a mesh dim
+    if len(claimers) > 1 and not p.taken_keep and (raw or len(p.src) > 1 or twice or units):
         emit("    u = 0")
         for v in claimers:
             emit(f"    if {v} >= 0:")
             emit(f"        b = 1 << {v}")
             emit("        if u & b: return None")
             emit("        u |= b")
+    rest = [x for chain in p.chains for x in chain[1:] if x in read]
+    if rest and not raw:  # a chain's other letters shard nothing (their mesh dims are its first's)
+        emit("    " + " = ".join(f"L{x}" for x in rest) + " = -1")
     for a in live:
         if not p.prune[a]:
             continue
@@ -583,10 +630,13 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
         emit(f"        if {cond} and s % ms[L{a}]: L{a} = -1")
     for a in range(p.n):
         if a not in read or (p.in_letters is not None and not p.in_letters[a]):
-            emit(f"    L{a} = -1")
+            emit(f"    L{a} = -1" + (f"; E{a} = -1" if a in ent else ""))
+    for a in sorted(ent):  # a co-sharded chain letter making an output partial: the general path
+        if any(m is not None and any(x == a for x, _ in m) for m in p.out_missing):
+            emit(f"    if E{a}.__class__ is tuple: return None")
 
     def dm(ids: tuple[int, ...]) -> str:
-        return "(" + "".join(("-1" if a < 0 else f"L{a}") + ", " for a in ids) + ")"
+        return "(" + "".join(("-1" if a < 0 else f"E{a}" if a in ent else f"L{a}") + ", " for a in ids) + ")"
 
     if raw:
         emit("    return (" + "".join(f"({c!r}, () if L{a} < 0 else _ONE[L{a}]), " for a, c in enumerate(nt.letters)) + ")")
@@ -639,6 +689,62 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
         outs.append(f"_make(mesh, {dm(ids)}, {pt})")
     emit(f"    return ({''.join(x + ', ' for x in ins)}), ({''.join(x + ', ' for x in outs)})")
     return _exec(lines, f"<plan {nt!r} {direction}>", consts)
+
+
+def _gen_chains(p: Plan, forward: bool, read: set[int], emit: Any) -> set[int]:
+    """The generated code of the plan's ``flatten`` chains (after the reads): each chain's first
+    letter's entry ``E{a}`` (a mesh dim or a co-shard tuple); ``L{a}`` stays its first mesh dim
+    and the other letters keep theirs for the claim check, then shard nothing. A chain with a
+    replicated letter or a pruned first letter declines where its first letter is sharded.
+    Returns the letters with an ``E`` variable (the caller empties the others after the claim
+    check)."""
+    ent: set[int] = set()
+    n_in = len(p.notation.inputs)
+    # the merged tensors' shapes are read already (s{ti}; their tensors checked not None)
+    merged = {ti if forward else n_in + ti for ti, _ in p.src} if not p.sizes_known else set()
+    for chain, where in zip(p.chains, p.chain_src):
+        a = chain[0]
+        if a not in read:
+            continue
+        if p.rep[a] or p.prune[a] or any(p.rep[x] for x in chain[1:] if x in read):
+            emit(f"    if L{a} >= 0: return None")
+            continue
+        ent.add(a)
+        emit(f"    E{a} = L{a}")
+        emit(f"    if L{a} >= 0:")
+        sizes = []
+        for k, (ti, i) in enumerate(where):
+            if ti in merged:
+                sizes.append(f"s{ti if forward else ti - n_in}[{i}]")
+            elif ti < n_in:
+                t = f"I[{ti}]"
+                emit(f"        if {t} is None: return None")
+                sizes.append(f"{t}.shape[{i}]")
+            elif forward:
+                t = f"Z[{ti - n_in}]"
+                emit(f"        if Z is None or {t} is None: return None")
+                sizes.append(f"{t}[{i}]")
+            else:
+                t = f"O[{ti - n_in}]"
+                emit(f"        if {t} is None: return None")
+                sizes.append(f"{t}.shape[{i}]")
+            emit(f"        z{k} = {sizes[-1]}")
+        fail = " or ".join(f"(z{k} >= 0 and z{k} % q)" for k in range(len(sizes))) or "False"
+        emit(f"        q = ms[L{a}]")
+        emit(f"        if {fail}: E{a} = L{a} = -1")
+        ind = "        "
+        got = [f"L{a}"]
+        for x in chain[1:]:
+            if x not in read:
+                break
+            emit(f"{ind}{'elif' if len(got) == 1 else 'if'} L{x} >= 0:")
+            ind += "    "
+            emit(f"{ind}q *= ms[L{x}]")
+            emit(f"{ind}if not ({fail}):")
+            ind += "    "
+            got.append(f"L{x}")
+            emit(f"{ind}E{a} = ({', '.join(got)})")
+    return ent
 
 
 def _exec(lines: list[str], name: str, consts: dict[str, Any]) -> Any:

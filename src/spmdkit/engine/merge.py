@@ -15,6 +15,10 @@ the notation's policy fields (see ``Notation``):
    it (the first on a tie), ``"first"`` the first keeps it, ``"replicate"`` the letter shards nothing
    (co-shards compared whole), ``"union"`` the letter is co-sharded over all of them (larger mesh product major, earlier tensor first on a tie; a mesh dim that
    another letter also wants goes minor);
+2b. *flatten* (``flatten`` strings such as ``"abc"``): where ``a`` is sharded, it takes its own
+   mesh dims, then ``b``'s, then ``c``'s (those not in the run yet) while they add any, each letter's whole: the
+   longest such run whose mesh product divides every size ``a`` has on the call's tensors
+   (-1 sizes do not count); ``b`` and ``c`` shard nothing;
 3. *order* the letters: ``order="claim"`` as first claimed, ``"notation"`` as they first appear
    in the notation's tensors, or groups (see ``Notation``);
 4. *resolve* in that order: replicated letters shard nothing, a mesh dim taken by an earlier
@@ -141,12 +145,18 @@ def reference_merge(
     mesh_shape: Sequence[int],
     all_axes: Sequence[str | None] | None = None,
     all_shapes: Sequence[Sequence[int] | None] | None = None,
+    every_axes: Sequence[str | None] | None = None,
+    every_shapes: Sequence[Sequence[int] | None] | None = None,
 ) -> dict[str, tuple[int, ...]]:
     """The mesh dims of every letter the tensors labelled ``axes`` carry, under the notation's
     policy (module docstring); ``all_axes`` / ``all_shapes``: the inputs, for
-    ``sizes="known"`` (default: the merged tensors)."""
+    ``sizes="known"`` (default: the merged tensors); ``every_axes`` / ``every_shapes``: every
+    tensor of the call, inputs then outputs, for the sizes of ``flatten`` letters (default: the
+    merged tensors)."""
     if all_axes is None or all_shapes is None:
         all_axes, all_shapes = axes, shapes
+    if every_axes is None or every_shapes is None:
+        every_axes, every_shapes = axes, shapes
     rep = notation.replicated
     # 1. read
     read: list[list[tuple[str, tuple[int, ...]]]] = []
@@ -208,6 +218,21 @@ def reference_merge(
             merged[ch] = union_dims(cands[ch], mesh_shape)
         if unions:
             shared_minor(merged, unions)
+    # 2b. flatten
+    for chain in notation.flatten:
+        if merged.get(chain[0]):
+            sizes_a = [s for t_axes, shape in zip(every_axes, every_shapes) if t_axes is not None and shape is not None
+                       for ch, s in zip(t_axes, shape) if ch == chain[0] and s >= 0]
+            keep: tuple[int, ...] = ()
+            for ch in chain:
+                d = keep + tuple(x for x in merged.get(ch, ()) if x not in keep)
+                if len(d) == len(keep) or any(s % mesh_size(mesh_shape, d) for s in sizes_a):
+                    break
+                keep = d
+            merged[chain[0]] = keep
+        for ch in chain[1:]:
+            if ch in merged:
+                merged[ch] = ()
     # 3. order, 4. resolve
     sizes = letter_sizes(notation, axes, shapes, all_axes, all_shapes)
     used: set[int] = set()

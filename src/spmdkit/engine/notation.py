@@ -66,7 +66,7 @@ def _check_policy(
 
 
 _POLICY = ("coshard", "conflict", "order", "replicated_claims", "uneven", "size1_claims", "sizes", "size1",
-           "unit_axes", "taken", "sources")
+           "unit_axes", "taken", "sources", "flatten")
 
 
 class Notation:
@@ -112,7 +112,13 @@ class Notation:
       several letters is partial over each mesh dim once);
     * ``sources``: the indices of the inputs the forward merge reads (``None``: all); the
       others take the merged letters without adding theirs (a grad rule's tensors sharded as
-      out_grad says, say).
+      out_grad says, say);
+    * ``flatten``: letter strings such as ``"abc"``, each a flattened (or split) axis, Paddle's
+      reshape propagation: where ``a`` is sharded it is co-sharded over its own mesh dims, then
+      those of ``b``, then ``c``, while they are sharded, each letter's mesh dims whole: the
+      longest such run whose mesh product divides every size ``a`` has on the call's tensors
+      (inputs and outputs; -1 sizes do not count); ``b`` and ``c`` shard nothing. A
+      one-letter string keeps the letter's mesh dims whole or not at all.
     """
 
     __slots__ = (
@@ -120,6 +126,7 @@ class Notation:
         "_key",
         "conflict",
         "coshard",
+        "flatten",
         "input_letters",
         "inputs",
         "letters",
@@ -157,6 +164,7 @@ class Notation:
         unit_axes: str = "skip",
         taken: str = "dims",
         sources: Iterable[int] | None = None,
+        flatten: Iterable[str] = (),
     ) -> None:
         self.inputs = tuple(inputs)
         self.outputs = tuple(outputs)
@@ -175,9 +183,15 @@ class Notation:
         self.letters = "".join(dict.fromkeys("".join([a for a in (*self.inputs, *self.outputs) if a]))).replace(
             BROADCAST, ""
         )
+        self.flatten = tuple(flatten)
+        if self.flatten:
+            chained = "".join(self.flatten)
+            if len(set(chained)) != len(chained) or not all(self.flatten) or any(c not in self.letters for c in chained):
+                raise ValueError(f"Notation: flatten {self.flatten} must be disjoint strings of the notation's letters")
         red = self.reduce if isinstance(self.reduce, ReduceType) else tuple(sorted(self.reduce.items()))
         self._key = (self.inputs, self.outputs, self.replicated, red, prune, coshard, conflict, self.order,
-                     replicated_claims, uneven, size1_claims, sizes, size1, unit_axes, taken, self.sources)
+                     replicated_claims, uneven, size1_claims, sizes, size1, unit_axes, taken, self.sources,
+                     self.flatten)
         self._hash = hash(self._key)
         self.input_letters = frozenset("".join(a for a in self.inputs if a))
 
@@ -187,7 +201,7 @@ class Notation:
             inputs, outputs, self.replicated, self.reduce, self.prune, coshard=self.coshard, conflict=self.conflict,
             order=self.order, replicated_claims=self.replicated_claims, uneven=self.uneven,
             size1_claims=self.size1_claims, sizes=self.sizes, size1=self.size1, unit_axes=self.unit_axes,
-            taken=self.taken, sources=self.sources,
+            taken=self.taken, sources=self.sources, flatten=self.flatten,
         )  # fmt: skip
 
     def replace(self, **policy: object) -> Notation:
@@ -233,7 +247,8 @@ class Notation:
             extra.append(f"prune={self.prune!r}")
         for name, default in (("coshard", "keep"), ("conflict", "weight"), ("order", "claim"),
                               ("replicated_claims", "drop"), ("uneven", ""), ("size1_claims", ""),
-                              ("sizes", "first"), ("size1", "keep"), ("unit_axes", "skip"), ("taken", "dims"), ("sources", None)):
+                              ("sizes", "first"), ("size1", "keep"), ("unit_axes", "skip"), ("taken", "dims"), ("sources", None),
+                              ("flatten", ())):
             if getattr(self, name) != default:
                 extra.append(f"{name}={getattr(self, name)!r}")
         return f"Notation({s!r}{', ' if extra else ''}{', '.join(extra)})"
