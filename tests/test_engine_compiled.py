@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from spmdkit.core.dist_attr import ReduceType
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.compile import Plan, compile_plan, infer, run
@@ -59,6 +60,20 @@ def _tensors(rng: random.Random, axes: tuple[str | None, ...], mesh_ndim: int) -
     return dms, shapes
 
 
+def _partials(rng: random.Random, dms: list[Any], mesh_ndim: int) -> list[Any]:
+    """Random partial status (over mesh dims a tensor does not shard) for some tensors."""
+    out: list[Any] = []
+    kinds = [ReduceType.SUM, ReduceType.AVG, ReduceType.MAX]
+    for dm in dms:
+        if dm is None or rng.random() < 0.6:
+            out.append(None if dm is None else ())
+            continue
+        used = {x for e in dm for x in ((e,) if isinstance(e, int) else e)}
+        free = [d for d in range(mesh_ndim) if d not in used and rng.random() < 0.6]
+        out.append(tuple((d, rng.choice(kinds[:1] if rng.random() < 0.5 else kinds)) for d in free))
+    return out
+
+
 def _random_notation(rng: random.Random) -> Notation:
     letters = "abcde"
 
@@ -74,46 +89,52 @@ def _random_notation(rng: random.Random) -> Notation:
         a = pick()
         b = "".join(c for c in pick() if c not in a)
         order = ("*", ">" + b, a) if rng.random() < 0.5 else (a, "*")
+    conflict = rng.choice(["weight", "first", "union", "replicate", "align"])
+    if conflict == "align" and rng.random() < 0.5:  # concat-like: every input carries the same letters
+        ins = [ins[0]] * len(ins)
     return Notation(
         ins,
         outs,
         replicated=pick(),
         prune=rng.choice(["", "*", pick()]),
         coshard=rng.choice(["keep", "largest"]),
-        conflict=rng.choice(["weight", "first", "union", "replicate"]),
+        conflict=conflict,
         order=order,
         replicated_claims=rng.choice(["drop", "block"]),
         uneven=pick(),
         size1_claims=pick(),
         sizes=rng.choice(["first", "known"]),
-        unit_axes=rng.choice(["skip", "claim"]) if order == "claim" else "skip",
+        unit_axes=rng.choice(["skip", "claim"]) if order == "claim" and conflict != "align" else "skip",
         taken=rng.choice(["dims", "letter"]),
         sources=None if rng.random() < 0.6 else [i for i in range(len(ins)) if rng.random() < 0.6],
+        partial=rng.choice(["replicate", "keep", "linear"]),
     )
 
 
-def _check(p: Plan, direction: str, dms: list[Any], shapes: list[Any], mesh_shape: tuple[int, ...]) -> None:
+def _check(p: Plan, direction: str, dms: list[Any], shapes: list[Any], mesh_shape: tuple[int, ...],
+           pts: list[Any] | None = None) -> None:
     nt = p.notation
     n_in = len(nt.inputs)
     merged = slice(0, n_in) if direction == "forward" else slice(n_in, None)
     axes = (nt.inputs + nt.outputs)[merged]
     if direction == "forward" and nt.sources is not None:  # the other inputs are not merged
         axes = tuple(a if i in nt.sources else None for i, a in enumerate(axes))
-    m_dms, m_shapes = dms[merged], shapes[merged]
-    got = run(p, m_dms, m_shapes, shapes[:n_in], mesh_shape)
-    want = reference_merge(nt, axes, m_dms, m_shapes, mesh_shape, nt.inputs, shapes[:n_in])
+    m_dms, m_shapes, m_pts = dms[merged], shapes[merged], None if pts is None else pts[merged]
+    got = run(p, m_dms, m_shapes, shapes[:n_in], mesh_shape, m_pts)
+    want = reference_merge(nt, axes, m_dms, m_shapes, mesh_shape, nt.inputs, shapes[:n_in], m_pts)
     for i, c in enumerate(nt.letters):
         assert got[i] == want.get(c, ()), (nt, direction, dms, shapes, mesh_shape, c, got, want)
 
 
 def test_random_notations_and_policies() -> None:
     rng = random.Random(17)
-    for _ in range(1200):
+    for _ in range(1500):
         nt = _random_notation(rng)
         mesh_shape = rng.choice(MESHES)
         dms, shapes = _tensors(rng, nt.inputs + nt.outputs, len(mesh_shape))
+        pts = _partials(rng, dms, len(mesh_shape))
         for direction in ("forward", "backward"):
-            _check(compile_plan(nt, direction), direction, dms, shapes, mesh_shape)
+            _check(compile_plan(nt, direction), direction, dms, shapes, mesh_shape, pts)
 
 
 def test_default_policy_is_merge_letters() -> None:
@@ -165,8 +186,10 @@ def test_rule_plans_match_the_reference() -> None:
         _check(p, direction, dms, shapes, mesh_shape)
 
 
-def _specs(mesh: ProcessMesh, dms: list[Any], shapes: list[Any]) -> list[DistTensorSpec | None]:
-    return [None if d is None else DistTensorSpec(list(s), mesh=mesh, dims_mapping=list(d)) for d, s in zip(dms, shapes)]
+def _specs(mesh: ProcessMesh, dms: list[Any], shapes: list[Any], pts: list[Any] | None = None) -> list[DistTensorSpec | None]:
+    pts = pts or [None] * len(dms)
+    return [None if d is None else DistTensorSpec(list(s), mesh=mesh, dims_mapping=list(d), partial=pt)
+            for d, s, pt in zip(dms, shapes, pts)]
 
 
 def _attrs(res: Any) -> Any:
@@ -188,7 +211,7 @@ def test_generated_fast_path_equals_the_general_path() -> None:
         mesh = ProcessMesh(list(rng.choice(MESHES)))
         dms, shapes = _tensors(rng, nt.inputs + nt.outputs, mesh.ndim)
         dms = [None if a is None else d for a, d in zip(nt.inputs + nt.outputs, dms)]
-        specs = _specs(mesh, dms, shapes)
+        specs = _specs(mesh, dms, shapes, _partials(rng, dms, mesh.ndim) if i % 4 == 2 else None)
         ins, outs = specs[: len(nt.inputs)], specs[len(nt.inputs) :] if direction == "backward" else []
         if direction == "backward" and not any(outs):
             continue

@@ -16,28 +16,31 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from spmdkit.core.dist_attr import DimsMapping, Entry, ReduceType, TensorDistAttr
+from spmdkit.core.dist_attr import DimsMapping, Entry, Partial, ReduceType, TensorDistAttr
 from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import largest_mesh_dim, mesh_size
-from spmdkit.engine.merge import BROADCAST, merge_weight
+from spmdkit.engine.merge import BROADCAST, kept_partial, merge_weight
 from spmdkit.engine.notation import Notation, attr_as
 
 _make = TensorDistAttr._make
 #: (d,) for a mesh dim d: no tuple built per entry
 _ONE = tuple((d,) for d in range(64))
 
-_CONFLICT = {"weight": 0, "first": 1, "union": 2, "replicate": 3}
+_CONFLICT = {"weight": 0, "first": 1, "union": 2, "replicate": 3, "align": 4}
+#: conflict="align": a partial placement's code (-3 - index), apart from letters (>= 0),
+#: size-1 axes (-2) and nothing (-1)
+_RT = {r: -3 - i for i, r in enumerate(ReduceType)}
 
 
 class Plan:
     """A notation compiled for one direction and key (see the module docstring)."""
 
     __slots__ = (
-        "block", "conflict", "fast", "fast_letters", "groups", "in_axes", "in_letters", "largest", "letter_ids", "n", "notation",
-        "order_kind", "out_axes", "out_missing", "prune", "rep", "s1claim", "size_src", "sizes_known",
-        "src", "taken_letter", "uneven", "unit",
+        "align_letters", "block", "conflict", "fast", "fast_letters", "groups", "in_axes", "in_letters", "keep_partial",
+        "largest", "letter_ids", "n", "notation", "order_kind", "out_axes", "out_missing", "prune", "rep", "s1claim",
+        "size_src", "sizes_known", "src", "taken_letter", "uneven", "unit",
     )  # fmt: skip
 
     def __init__(self, notation: Notation, direction: str, mask: tuple[int, ...]) -> None:
@@ -62,6 +65,9 @@ class Plan:
         self.unit = nt.unit_axes == "claim"
         self.taken_letter = nt.taken == "letter"
         self.conflict = _CONFLICT[nt.conflict]
+        self.keep_partial = nt.partial != "replicate"
+        # conflict="align": the letters a mesh dim may go to (carried by a merged tensor)
+        self.align_letters = tuple(sorted({a for _, t in self.src for a in t if a >= 0 and not self.rep[a]}))
         self.prune = tuple(nt.prunes(c) for c in letters)
         self.uneven = tuple(c in nt.uneven for c in letters)
         self.s1claim = tuple(c in nt.size1_claims for c in letters)
@@ -174,9 +180,11 @@ def run(
     shapes: Sequence[Sequence[int] | None],
     all_shapes: Sequence[Sequence[int] | None],
     mesh_shape: Sequence[int],
+    partials: Sequence[Partial | None] | None = None,
 ) -> list[tuple[int, ...]]:
     """The mesh dims of every letter (by id) for the merged tensors' ``dms`` / ``shapes``
-    (``all_shapes``: the inputs', for ``sizes="known"``)."""
+    (``all_shapes``: the inputs', for ``sizes="known"``; ``partials``: their partial status,
+    read by ``conflict="align"``)."""
     n = p.n
     rep = p.rep
     largest = p.largest
@@ -200,7 +208,11 @@ def run(
     conflict = p.conflict
     unit = p.unit
     cands: dict[int, list[tuple[int, ...]]] | None = None
-    for ti, ids in p.src:
+    src = p.src
+    if conflict == 4:  # the vote per mesh dim, in place of the per-letter merge below
+        src = ()
+        claims = _aligned(p, cur, dms, shapes, partials, mesh_shape, blocked)
+    for ti, ids in src:
         dm = dms[ti]
         if dm is None:
             continue
@@ -300,6 +312,90 @@ def run(
             used |= 1 << x
         final[a] = d
     return final
+
+
+def _aligned(
+    p: Plan,
+    cur: list[tuple[int, ...] | None],
+    dms: Sequence[DimsMapping | None],
+    shapes: Sequence[Sequence[int] | None],
+    partials: Sequence[Partial | None] | None,
+    mesh_shape: Sequence[int],
+    blocked: int,
+) -> list[int]:
+    """``conflict="align"`` (:func:`spmdkit.engine.merge.aligned`) on letter ids: fills ``cur``,
+    returns the letters given a mesh dim."""
+    nm = len(mesh_shape)
+    rep, largest = p.rep, p.largest
+    places: list[list[int]] = []
+    live: list[tuple[tuple[int, ...], Sequence[int], int, int]] = []  # ids, shape, sharded letters, local size
+    have = 0  # the letters the live tensors carry
+    for ti, ids in p.src:
+        dm = dms[ti]
+        if dm is None:
+            continue
+        shape = shapes[ti] or (-1,) * len(dm)
+        pl = [-1] * nm
+        sh = 0
+        local = 1
+        for a, e, size in zip(ids, dm, shape):
+            if e.__class__ is int:
+                d: tuple[int, ...] = () if e < 0 else _ONE[e]
+            elif largest:
+                d = _ONE[largest_mesh_dim(e, mesh_shape)]
+            else:
+                d = e  # type: ignore[assignment]
+            if blocked and (a < 0 or not rep[a]):
+                d = tuple([x for x in d if not (blocked >> x) & 1])
+            if d:
+                for x in d:
+                    pl[x] = a if a >= 0 else -2
+                if a >= 0:
+                    sh |= 1 << a
+            if a >= 0:
+                have |= 1 << a
+            local *= -(-(size if size >= 0 else 1) // mesh_size(mesh_shape, d))
+        if partials is not None and partials[ti]:
+            for x, r in partials[ti]:  # type: ignore[union-attr]
+                pl[x] = _RT[r]
+        places.append(pl)
+        live.append((ids, shape, sh, local))
+    if not places:
+        return []
+    done = 0
+    later: list[int] = []
+    first = places[0]
+    for md in range(nm):
+        v = first[md]
+        for pl in places:
+            if pl[md] != v:
+                later.append(md)
+                break
+        else:
+            if v >= 0 and not rep[v]:
+                cur[v] = _ONE[md]  # the highest of a co-shard
+                done |= 1 << v
+    for md in later:
+        m = mesh_shape[md]
+        best, best_cost = -1, -1
+        for a in p.align_letters:
+            if (done >> a) & 1 or not (have >> a) & 1:
+                continue
+            cost = 0
+            for ids, shape, sh, local in live:
+                if a not in ids:
+                    continue
+                if any(x == a and 0 <= s < m for x, s in zip(ids, shape)):
+                    break
+                if not (sh >> a) & 1:
+                    cost += local
+            else:
+                if best_cost < 0 or cost < best_cost:
+                    best, best_cost = a, cost
+        if best >= 0:
+            cur[best] = _ONE[md]
+            done |= 1 << best
+    return [a for a in range(p.n) if (done >> a) & 1]
 
 
 def _size(
@@ -418,7 +514,12 @@ def infer(
     all_shapes: Any = shapes
     if p.sizes_known and not forward:
         all_shapes = [None if t is None else t.shape for t in inputs]
-    final = run(p, dms, shapes, all_shapes, mesh.shape)
+    pts: list[Partial | None] | None = None
+    kept: Partial = ()
+    if p.keep_partial or p.conflict == 4:
+        pts = [None if t is None else t.dist_attr.partial for t in merged]
+        kept = kept_partial(nt.partial, [pts[ti] for ti, _ in p.src if dms[ti] is not None])  # type: ignore[misc]
+    final = run(p, dms, shapes, all_shapes, mesh.shape, pts)
     if p.in_letters is not None:
         keep = p.in_letters
         final = [d if keep[a] else () for a, d in enumerate(final)]
@@ -427,8 +528,8 @@ def infer(
     for t, ids in zip(inputs, p.in_axes):
         if ids is None:
             ins.append(None)
-        elif t is None:  # an absent tensor the notation labels: the attr it would need
-            ins.append(_make(mesh, project_dm(ids, ent)))
+        elif t is None or kept:  # an absent tensor the notation labels: the attr it would need
+            ins.append(_make(mesh, project_dm(ids, ent), kept))
         else:
             ins.append(attr_as(t.dist_attr, mesh, project_dm(ids, ent)))
     outs: list[TensorDistAttr | None] = []
@@ -438,6 +539,8 @@ def infer(
             continue
         dm = project_dm(ids, ent)
         pt = out_partial(missing, final) if missing else ()
+        if kept:
+            pt = tuple(sorted(pt + kept, key=_first))
         if not forward and not pt and outputs[j] is not None:
             outs.append(attr_as(outputs[j].dist_attr, mesh, dm))  # type: ignore[union-attr]
         else:
@@ -463,6 +566,9 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
     mesh shape, returning ``((letter, mesh dims), ...)`` in the notation's letter order (what
     ``merge_letters`` answers), or None."""
     nt = p.notation
+    align = p.conflict == 4
+    if align and not raw and len({frozenset(a for a in ids if a >= 0) for _, ids in p.src}) > 1:
+        return _decline  # conflict="align" on tensors of different letters: the general path
     forward = direction == "forward"
     src_name = "I" if forward else "O"
     lines = ["def fast(D, S, ms):"] if raw else ["def fast(I, O, mesh):", "    ms = mesh.shape"]
@@ -478,10 +584,15 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
             emit(f"    t = {src_name}[{ti}]")
             emit("    if t is None: return None")
             emit(f"    d{ti} = t.dist_attr.dims_mapping")
+            if align or p.keep_partial:  # a partial tensor: the general path
+                emit("    if t.dist_attr.partial: return None")
         emit(f"    if len(d{ti}) != {len(ids)}: return None")
         if not p.sizes_known and not raw:
             emit(f"    s{ti} = t.shape")
         for i, a in enumerate(ids):
+            if a < 0 and align:  # a sharded size-1 axis may move a mesh dim: the general path
+                emit(f"    if d{ti}[{i}] != -1: return None")
+                continue
             if a < 0:
                 if p.unit:
                     var = f"U{len(units)}"
@@ -494,7 +605,9 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
             emit(f"    {var} = d{ti}[{i}]")
             emit(f"    if {var}.__class__ is not int:")
             emit(f"        {var} = _largest({var}, ms)" if p.largest else "        return None")
-            if a in read:
+            if a in read and align:  # every tensor places every mesh dim alike
+                emit(f"    if e != L{a}: return None")
+            elif a in read:
                 emit("    if e != -1:")
                 emit(f"        if L{a} == -1: L{a} = e")
                 if p.conflict != 1:
@@ -605,6 +718,11 @@ def _exec(lines: list[str], name: str, consts: dict[str, Any]) -> Any:
                           "_ONE": _ONE, **consts}  # fmt: skip
     exec(compile("\n".join(lines), name, "exec"), ns)
     return ns["fast"]
+
+
+def _decline(*args: Any) -> None:
+    """A plan's fast path that answers no case (the general path answers all)."""
+    return None
 
 
 def _first(t: tuple[int, ReduceType]) -> int:

@@ -44,11 +44,12 @@ ALPHABET = "abcdefghijklmnopqrstuvwxyz"
 
 def _check_policy(
     coshard: str, conflict: str, order: str | tuple[str, ...], replicated_claims: str, sizes: str, size1: str,
-    unit_axes: str = "skip", taken: str = "dims",
+    unit_axes: str = "skip", taken: str = "dims", partial: str = "replicate",
 ) -> None:
     """ValueError for a policy value the engine does not know (a rule's declaration error)."""
     for name, val, allowed in (("coshard", coshard, ("keep", "largest")),
-                               ("conflict", conflict, ("weight", "first", "union", "replicate")),
+                               ("conflict", conflict, ("weight", "first", "union", "replicate", "align")),
+                               ("partial", partial, ("replicate", "keep", "linear")),
                                ("replicated_claims", replicated_claims, ("drop", "block")),
                                ("sizes", sizes, ("first", "known")), ("size1", size1, ("keep", "broadcast")),
                                ("unit_axes", unit_axes, ("skip", "claim")), ("taken", taken, ("dims", "letter"))):
@@ -56,6 +57,8 @@ def _check_policy(
             raise ValueError(f"Notation: {name} must be one of {allowed}, got {val!r}")
     if unit_axes == "claim" and order != "claim":
         raise ValueError(f"Notation: unit_axes='claim' resolves in claim order, got order={order!r}")
+    if unit_axes == "claim" and conflict == "align":
+        raise ValueError("Notation: conflict='align' votes per mesh dim, unit_axes='claim' per axis")
     if isinstance(order, str):
         if order not in ("claim", "notation"):
             raise ValueError(f"Notation: order must be 'claim', 'notation' or a tuple of groups, got {order!r}")
@@ -66,7 +69,7 @@ def _check_policy(
 
 
 _POLICY = ("coshard", "conflict", "order", "replicated_claims", "uneven", "size1_claims", "sizes", "size1",
-           "unit_axes", "taken", "sources")
+           "unit_axes", "taken", "sources", "partial")
 
 
 class Notation:
@@ -86,7 +89,12 @@ class Notation:
     * ``conflict``: two tensors sharding one letter differently: the one with more elements
       keeps it (``"weight"``), the first (``"first"``), the letter is co-sharded over both
       (``"union"``, as Paddle's matmul), or it is replicated (``"replicate"``, co-shards
-      compared whole: Paddle's optimizer vote);
+      compared whole: Paddle's optimizer vote), or the vote is per mesh dim (``"align"``,
+      Paddle's concat / stack): a mesh dim every merged tensor places alike (sharding one
+      letter, or partial) keeps that placement, a letter so co-sharded its highest mesh dim;
+      each other mesh dim, in mesh order, goes to the unsharded letter of least resharding
+      cost (the local element counts of the merged tensors not sharding it; never a letter
+      smaller than the mesh dim on a tensor), or to none;
     * ``order``: the order letters resolve a mesh dim several claim: as first claimed
       (``"claim"``), as they appear in the notation (``"notation"``), or a tuple of groups:
       ``"*"`` the letters no group names, by claim; ``"mn"`` these letters by claim; ``">mn"``
@@ -108,7 +116,11 @@ class Notation:
       shards nothing (``"letter"``);
     * ``sources``: the indices of the inputs the forward merge reads (``None``: all); the
       others take the merged letters without adding theirs (a grad rule's tensors sharded as
-      out_grad says, say).
+      out_grad says, say);
+    * ``partial``: a partial merged tensor is resharded to ``"replicate"``-d, or a mesh dim on
+      which every merged tensor is partial with one reduce type stays partial on every tensor
+      (``"keep"``: a linear op), or the same for SUM and AVG only (``"linear"``, Paddle's
+      concat).
     """
 
     __slots__ = (
@@ -121,6 +133,7 @@ class Notation:
         "letters",
         "order",
         "outputs",
+        "partial",
         "prune",
         "reduce",
         "replicated",
@@ -153,6 +166,7 @@ class Notation:
         unit_axes: str = "skip",
         taken: str = "dims",
         sources: Iterable[int] | None = None,
+        partial: str = "replicate",
     ) -> None:
         self.inputs = tuple(inputs)
         self.outputs = tuple(outputs)
@@ -160,12 +174,14 @@ class Notation:
         self.reduce = reduce if isinstance(reduce, ReduceType) else dict(reduce)
         self.prune = prune
         if (coshard != "keep" or conflict != "weight" or order != "claim" or replicated_claims != "drop"
-                or sizes != "first" or size1 != "keep" or unit_axes != "skip" or taken != "dims"):  # fmt: skip
-            _check_policy(coshard, conflict, order, replicated_claims, sizes, size1, unit_axes, taken)
+                or sizes != "first" or size1 != "keep" or unit_axes != "skip" or taken != "dims"
+                or partial != "replicate"):  # fmt: skip
+            _check_policy(coshard, conflict, order, replicated_claims, sizes, size1, unit_axes, taken, partial)
         self.coshard, self.conflict, self.order = coshard, conflict, order if isinstance(order, str) else tuple(order)
         self.replicated_claims, self.uneven, self.size1_claims = replicated_claims, uneven, size1_claims
         self.sizes, self.size1, self.unit_axes, self.taken = sizes, size1, unit_axes, taken
         self.sources = None if sources is None else tuple(sources)
+        self.partial = partial
         if self.sources is not None and not all(0 <= i < len(self.inputs) for i in self.sources):
             raise ValueError(f"Notation: sources {self.sources} must index the {len(self.inputs)} inputs")
         self.letters = "".join(dict.fromkeys("".join([a for a in (*self.inputs, *self.outputs) if a]))).replace(
@@ -173,7 +189,7 @@ class Notation:
         )
         red = self.reduce if isinstance(self.reduce, ReduceType) else tuple(sorted(self.reduce.items()))
         self._key = (self.inputs, self.outputs, self.replicated, red, prune, coshard, conflict, self.order,
-                     replicated_claims, uneven, size1_claims, sizes, size1, unit_axes, taken, self.sources)
+                     replicated_claims, uneven, size1_claims, sizes, size1, unit_axes, taken, self.sources, partial)
         self._hash = hash(self._key)
         self.input_letters = frozenset("".join(a for a in self.inputs if a))
 
@@ -183,7 +199,7 @@ class Notation:
             inputs, outputs, self.replicated, self.reduce, self.prune, coshard=self.coshard, conflict=self.conflict,
             order=self.order, replicated_claims=self.replicated_claims, uneven=self.uneven,
             size1_claims=self.size1_claims, sizes=self.sizes, size1=self.size1, unit_axes=self.unit_axes,
-            taken=self.taken, sources=self.sources,
+            taken=self.taken, sources=self.sources, partial=self.partial,
         )  # fmt: skip
 
     def replace(self, **policy: object) -> Notation:
@@ -229,7 +245,8 @@ class Notation:
             extra.append(f"prune={self.prune!r}")
         for name, default in (("coshard", "keep"), ("conflict", "weight"), ("order", "claim"),
                               ("replicated_claims", "drop"), ("uneven", ""), ("size1_claims", ""),
-                              ("sizes", "first"), ("size1", "keep"), ("unit_axes", "skip"), ("taken", "dims"), ("sources", None)):
+                              ("sizes", "first"), ("size1", "keep"), ("unit_axes", "skip"), ("taken", "dims"), ("sources", None),
+                              ("partial", "replicate")):
             if getattr(self, name) != default:
                 extra.append(f"{name}={getattr(self, name)!r}")
         return f"Notation({s!r}{', ' if extra else ''}{', '.join(extra)})"
