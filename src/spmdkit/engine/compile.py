@@ -325,10 +325,11 @@ def _aligned(
 ) -> list[int]:
     """``conflict="align"`` (:func:`spmdkit.engine.merge.aligned`) on letter ids: fills ``cur``,
     returns the letters given a mesh dim."""
-    nm = len(mesh_shape)
+    nm, n = len(mesh_shape), p.n
     rep, largest = p.rep, p.largest
     places: list[list[int]] = []
-    live: list[tuple[tuple[int, ...], Sequence[int], int, int]] = []  # ids, shape, sharded letters, local size
+    cost = [0] * n  # per letter: the local sizes of the tensors carrying it unsharded
+    least = [-1] * n  # per letter: its least known size (-1: none known)
     have = 0  # the letters the live tensors carry
     for ti, ids in p.src:
         dm = dms[ti]
@@ -352,14 +353,21 @@ def _aligned(
                     pl[x] = a if a >= 0 else -2
                 if a >= 0:
                     sh |= 1 << a
-            if a >= 0:
-                have |= 1 << a
-            local *= -(-(size if size >= 0 else 1) // mesh_size(mesh_shape, d))
+            if size < 0:
+                size = 1
+            elif a >= 0 and (least[a] < 0 or size < least[a]):
+                least[a] = size
+            local *= -(-size // mesh_size(mesh_shape, d)) if d else size
         if partials is not None and partials[ti]:
             for x, r in partials[ti]:  # type: ignore[union-attr]
                 pl[x] = _RT[r]
         places.append(pl)
-        live.append((ids, shape, sh, local))
+        seen = sh
+        for a in ids:
+            if a >= 0 and not (seen >> a) & 1:
+                seen |= 1 << a
+                cost[a] += local
+        have |= seen
     if not places:
         return []
     done = 0
@@ -377,25 +385,16 @@ def _aligned(
                 done |= 1 << v
     for md in later:
         m = mesh_shape[md]
-        best, best_cost = -1, -1
+        best = -1
         for a in p.align_letters:
-            if (done >> a) & 1 or not (have >> a) & 1:
+            if (done >> a) & 1 or not (have >> a) & 1 or 0 <= least[a] < m:
                 continue
-            cost = 0
-            for ids, shape, sh, local in live:
-                if a not in ids:
-                    continue
-                if any(x == a and 0 <= s < m for x, s in zip(ids, shape)):
-                    break
-                if not (sh >> a) & 1:
-                    cost += local
-            else:
-                if best_cost < 0 or cost < best_cost:
-                    best, best_cost = a, cost
+            if best < 0 or cost[a] < cost[best]:
+                best = a
         if best >= 0:
             cur[best] = _ONE[md]
             done |= 1 << best
-    return [a for a in range(p.n) if (done >> a) & 1]
+    return [a for a in range(n) if (done >> a) & 1]
 
 
 def _size(
