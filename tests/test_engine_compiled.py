@@ -2,7 +2,7 @@
 
 Every compiled plan must answer what the plain dict-based reference answers for its notation
 and policy: on random notations and policies, on the notations the rules on the engine compile
-(matmul, the norm family, softmax), and, for the default policy, what merge_letters answers.
+(matmul, the norm family, softmax, split / concat / stack), and, for the default policy, what merge_letters answers.
 Seeded and bounded: a few thousand cases, a few seconds.
 """
 
@@ -19,7 +19,7 @@ from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.compile import Plan, compile_plan, infer, run
 from spmdkit.engine.merge import BROADCAST, reference_merge
 from spmdkit.engine.notation import Notation, merge_letters
-from spmdkit.rules import matmul, norm, softmax
+from spmdkit.rules import matmul, norm, softmax, split_concat
 
 MESHES = [(2,), (3,), (2, 2), (2, 3), (3, 2), (2, 4), (2, 2, 2), (1, 2), (2, 3, 2)]
 SIZES = [1, 1, 2, 3, 4, 6, 8, 12, 5, -1, 0]
@@ -173,6 +173,13 @@ def _rule_plans() -> list[tuple[Plan, str]]:
             plans.append((softmax._plan(nd, axis, "forward"), "forward"))
             plans.append((softmax._plan(nd, axis, "backward"), "backward"))
             plans.append((softmax._grad_plan(nd, axis), "forward"))
+            for drop in (False, True):
+                plans.append((split_concat._piece_plan(nd, axis, drop, drop and axis == 1), "forward"))
+            for n in (1, 2, 3):
+                for stack in (False, True):
+                    plans.append((split_concat._join_plan(n, nd, axis, 0, stack, False), "forward"))
+            plans.append((split_concat._join_plan(3, nd, axis, 2, False, False), "forward"))
+            plans.append((split_concat._join_plan(2, nd, axis, 0, False, True), "forward"))
     return plans
 
 
@@ -183,7 +190,7 @@ def test_rule_plans_match_the_reference() -> None:
         p, direction = rng.choice(plans)
         mesh_shape = rng.choice(MESHES)
         dms, shapes = _tensors(rng, p.notation.inputs + p.notation.outputs, len(mesh_shape))
-        _check(p, direction, dms, shapes, mesh_shape)
+        _check(p, direction, dms, shapes, mesh_shape, _partials(rng, dms, len(mesh_shape)))
 
 
 def _specs(mesh: ProcessMesh, dms: list[Any], shapes: list[Any], pts: list[Any] | None = None) -> list[DistTensorSpec | None]:
