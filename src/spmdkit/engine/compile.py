@@ -340,12 +340,10 @@ def _aligned(
         sh = 0
         local = 1
         for a, e, size in zip(ids, dm, shape):
-            if e.__class__ is int:
-                d: tuple[int, ...] = () if e < 0 else _ONE[e]
-            elif largest:
-                d = _ONE[largest_mesh_dim(e, mesh_shape)]
-            else:
-                d = e  # type: ignore[assignment]
+            d: tuple[int, ...] = (
+                (() if e < 0 else _ONE[e]) if e.__class__ is int
+                else _ONE[largest_mesh_dim(e, mesh_shape)] if largest else e  # type: ignore[assignment]
+            )
             if blocked and (a < 0 or not rep[a]):
                 d = tuple([x for x in d if not (blocked >> x) & 1])
             if d:

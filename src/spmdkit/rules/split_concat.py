@@ -9,7 +9,8 @@ Vector outputs (split, unbind, concat_grad, stack_grad) are one tuple of dist at
   merge the pieces' shardings axis by axis (the split axis excepted); where two pieces shard
   one axis over different mesh dims the larger piece wins (Paddle raises, DESIGN class 8).
 * ``unbind(x, axis)``: ``abc -> ac, ac, ...``: the unbound axis replicated, then dropped.
-* ``concat(x, axis)`` / ``stack(x, axis)``: Paddle's per-mesh-dim alignment: a mesh dim on
+* ``concat(x, axis)`` / ``stack(x, axis)``: ``abc, abc, ... -> abc`` (stack: ``-> ab1c``)
+  under Paddle's per-mesh-dim alignment (the engine's ``conflict="align"``): a mesh dim on
   which every input agrees keeps its placement (a shard on a kept axis, or a SUM / AVG
   partial); a mesh dim on which they disagree goes to the kept axis of least resharding cost
   (an axis smaller than the mesh dim is never chosen). The concat axis is replicated; stack's
