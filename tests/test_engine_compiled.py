@@ -175,6 +175,7 @@ def _rule_plans() -> list[tuple[Plan, str]]:
             plans.append((softmax._grad_plan(nd, axis), "forward"))
             for drop in (False, True):
                 plans.append((split_concat._piece_plan(nd, axis, drop, drop and axis == 1), "forward"))
+                plans.append((split_concat._reverse_plan(3, nd, axis, drop), "backward"))
             for n in (1, 2, 3):
                 for stack in (False, True):
                     plans.append((split_concat._join_plan(n, nd, axis, 0, stack, False), "forward"))

@@ -41,14 +41,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from functools import lru_cache, partial
 
-from spmdkit.core.dist_attr import DimsMapping, Entry, TensorDistAttr
+from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.axes import one_mesh_dim, replicated
+from spmdkit.engine.axes import replicated
 from spmdkit.engine.compile import Plan, compile_plan, infer
-from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import Notation, common_mesh, letters_for, merge_letters
+from spmdkit.engine.notation import Notation, common_mesh, letters_for
 from spmdkit.engine.notation import fast_result as _fast_result
 from spmdkit.rules.registry import register
 
@@ -151,28 +150,16 @@ def _slices(op: str, x: DistTensorSpec, axis: int, name: str = "x", what: str = 
     return ax, n
 
 
-@memo()
-def _merge_pieces(
-    ndim: int, axis: int, unbind: bool, mappings: tuple[DimsMapping, ...], shapes: tuple[Shape, ...],
-    mesh_shape: Shape,
-) -> DimsMapping:
-    """Per axis, the pieces' shardings merged (co-shards reduced to one mesh dim first; where
-    two pieces shard an axis over different mesh dims, the larger piece wins); a mesh dim
-    that ends up on several axes (the split axis included) is dropped from all of them, as
-    in Paddle. The split axis is then replicated."""
-    letters = letters_for(ndim)
-    axes = letters[:axis] + letters[axis + 1:] if unbind else letters
-    dms = tuple(one_mesh_dim(dm, mesh_shape) for dm in mappings)
-    merged = dict(merge_letters(tuple(axes for _ in dms), dms, shapes, frozenset(), "", mesh_shape))
-    count: dict[int, int] = {}
-    for d in merged.values():
-        for md in d:
-            count[md] = count.get(md, 0) + 1
-    out: list[Entry] = []
-    for i, c in enumerate(letters):
-        mds = [md for md in merged.get(c, ()) if count[md] == 1] if i != axis else []
-        out.append(-1 if not mds else mds[0] if len(mds) == 1 else tuple(mds))
-    return tuple(out)
+@lru_cache(maxsize=4096)
+def _reverse_plan(n: int, ndim: int, axis: int, drop: bool) -> Plan:
+    """x (``a1c``) from its n pieces (``abc`` or, unbind, ``ac``), Paddle's reverse merge: per
+    axis the pieces' shardings (a co-shard read as its largest mesh dim; where two pieces shard
+    an axis over different mesh dims, the larger piece wins); a mesh dim wanted by several axes
+    goes to the first to claim it, the split axis ``b`` included, which no input carries, so it
+    then shards nothing."""
+    x = letters_for(ndim)
+    piece = x[:axis] + x[axis + 1:] if drop else x
+    return compile_plan(Notation([x[:axis] + "1" + x[axis + 1:]], [piece] * n, coshard="largest"), "backward")
 
 
 def _split_reverse(op: str, x: DistTensorSpec, out: tuple[DistTensorSpec, ...], n: int, axis: int,
@@ -190,11 +177,8 @@ def _split_reverse(op: str, x: DistTensorSpec, out: tuple[DistTensorSpec, ...], 
             k = j - 1 if unbind and j > axis else j
             if o.shape[k] != x.shape[j] and o.shape[k] >= 0 and x.shape[j] >= 0:
                 raise ShapeMismatchError(f"{op}: out[{i}] has size {o.shape[k]} on axis {k}, x has {x.shape[j]}")
-    dm = _merge_pieces(x.ndim, axis, unbind, tuple(o.dist_attr.dims_mapping for o in out),
-                       tuple(o.shape for o in out), mesh.shape)
-    xa = TensorDistAttr.unchecked(mesh, dm)
-    oa = TensorDistAttr.unchecked(mesh, dm[:axis] + dm[axis + 1:]) if unbind else xa
-    return fast_result((xa,), ((oa,) * n,))
+    ins, outs = infer(_reverse_plan(n, x.ndim, axis, unbind), op, (x,), out, mesh)
+    return fast_result(ins, (outs,))
 
 
 def _pieces(op: str, count: Callable[..., tuple[int, int]], drop: bool, grad: bool = False
