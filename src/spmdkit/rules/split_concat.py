@@ -6,8 +6,9 @@ Vector outputs (split, unbind, concat_grad, stack_grad) are one tuple of dist at
 * ``split(x, sections, axis)`` / ``split_with_num(x, num, axis)``: notation ``abc -> abc, abc,
   ...`` with the split axis ``b`` replicated (every piece is a contiguous range of it); every
   other axis keeps x's sharding, partial status is cleared (as in Paddle). The reverse rules
-  merge the pieces' shardings axis by axis (the split axis excepted); where two pieces shard
-  one axis over different mesh dims the larger piece wins (Paddle raises, DESIGN class 8).
+  merge the pieces' shardings axis by axis; where two pieces shard one axis over different
+  mesh dims the larger piece wins (Paddle raises, DESIGN class 8); a mesh dim two axes want
+  stays with the first to claim it, the split axis included, which x then has replicated.
 * ``unbind(x, axis)``: ``abc -> ac, ac, ...``: the unbound axis replicated, then dropped.
 * ``concat(x, axis)`` / ``stack(x, axis)``: ``abc, abc, ... -> abc`` (stack: ``-> ab1c``)
   under Paddle's per-mesh-dim alignment (the engine's ``conflict="align"``): a mesh dim on
