@@ -242,6 +242,24 @@ def test_matmul_coshard_union_through_infer() -> None:
     assert [d for d, _ in outs[0].partial] == [0, 1]  # type: ignore[union-attr]
 
 
+def test_align_votes_per_mesh_dim() -> None:
+    # concat on b: mesh dim 0 is contested (x0 shards a, x1 shards c): it goes to the letter
+    # whose resharding moves fewer elements; mesh dim 1, SUM-partial on both, stays partial
+    m = ProcessMesh([2, 4])
+    p = compile_plan(Notation(["abc", "abc"], ["abc"], "b", conflict="align", partial="linear"))
+
+    def dms(x1_shape: list[int]) -> Any:
+        x0 = DistTensorSpec([8, 16, 8], mesh=m, dims_mapping=[0, -1, -1], partial={1: ReduceType.SUM})
+        x1 = DistTensorSpec(x1_shape, mesh=m, dims_mapping=[-1, -1, 0], partial={1: ReduceType.SUM})
+        ins, outs = infer(p, "concat", (x0, x1), (), m)
+        assert all(a.partial == ((1, ReduceType.SUM),) for a in (*ins, *outs))  # type: ignore[union-attr]
+        return [a.dims_mapping for a in (*ins, *outs)]  # type: ignore[union-attr]
+
+    assert dms([8, 4, 8]) == [(0, -1, -1)] * 3  # x1 (local 128) is the cheaper to reshard on a
+    assert dms([8, 64, 8]) == [(-1, -1, 0)] * 3  # x0 (local 512) is now the cheaper on c
+    assert dms([1, 64, 8]) == [(-1, -1, 0)] * 3  # a smaller than mesh dim 0 on x1: never a
+
+
 def test_bad_policy_value_rejected() -> None:
     with pytest.raises(ValueError, match="conflict"):
         Notation(["ab"], ["ab"], conflict="largest")
@@ -253,6 +271,10 @@ def test_bad_policy_value_rejected() -> None:
         Notation(["ab"], ["ab"], sources=[1])
     with pytest.raises(ValueError, match="claim order"):
         Notation(["ab"], ["ab"], unit_axes="claim", order="notation")
+    with pytest.raises(ValueError, match="partial"):
+        Notation(["ab"], ["ab"], partial="sum")
+    with pytest.raises(ValueError, match="align"):
+        Notation(["ab"], ["ab"], conflict="align", unit_axes="claim")
 
 
 def test_docs_rules_md_examples_run() -> None:
