@@ -244,6 +244,8 @@ def _join(xs: tuple[DistTensorSpec, ...], axis: int, og: DistTensorSpec | None =
     for i, t in enumerate(xs):
         if _is_empty(t.shape, ndim):
             empty |= 1 << i
+        elif t.ndim != ndim:  # concat_grad: x against output_grad (_check_join saw the largest rank)
+            raise ShapeMismatchError(f"{op}: {name}[{i}] has {t.ndim} dims, output_grad has {ndim}")
     ins, outs = infer(_join_plan(len(xs), ndim, ax, empty, stack, og is not None), op, every, (), mesh)
     if empty:
         ins = _fill(mesh, every, ins)
