@@ -2,8 +2,8 @@
 
 Every compiled plan must answer what the plain dict-based reference answers for its notation
 and policy: on random notations and policies, on the notations the rules on the engine compile
-(matmul, the norm family, softmax, the views), and, for the default policy, what merge_letters
-answers.
+(matmul, the norm family, softmax, the views, split / concat / stack, ...), and, for the default
+policy, what merge_letters answers.
 Seeded and bounded: a few thousand cases, a few seconds.
 """
 
@@ -14,13 +14,14 @@ from typing import Any
 
 import pytest
 
+from spmdkit.core.dist_attr import ReduceType
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.compile import Plan, compile_plan, infer, run
 from spmdkit.engine.dim_trans import reshape_links, view_plan
 from spmdkit.engine.merge import BROADCAST, reference_merge
 from spmdkit.engine.notation import Notation, merge_letters
-from spmdkit.rules import amp, default, elementwise, matmul, norm, optimizer, softmax, transpose
+from spmdkit.rules import amp, default, elementwise, matmul, norm, optimizer, softmax, split_concat, transpose
 from spmdkit.rules import slice as slice_rules
 
 MESHES = [(2,), (3,), (2, 2), (2, 3), (3, 2), (2, 4), (2, 2, 2), (1, 2), (2, 3, 2)]
@@ -62,6 +63,20 @@ def _tensors(rng: random.Random, axes: tuple[str | None, ...], mesh_ndim: int) -
     return dms, shapes
 
 
+def _partials(rng: random.Random, dms: list[Any], mesh_ndim: int) -> list[Any]:
+    """Random partial status (over mesh dims a tensor does not shard) for some tensors."""
+    out: list[Any] = []
+    kinds = [ReduceType.SUM, ReduceType.AVG, ReduceType.MAX]
+    for dm in dms:
+        if dm is None or rng.random() < 0.6:
+            out.append(None if dm is None else ())
+            continue
+        used = {x for e in dm for x in ((e,) if isinstance(e, int) else e)}
+        free = [d for d in range(mesh_ndim) if d not in used and rng.random() < 0.6]
+        out.append(tuple((d, rng.choice(kinds[:1] if rng.random() < 0.5 else kinds)) for d in free))
+    return out
+
+
 def _random_notation(rng: random.Random) -> Notation:
     letters = "abcde"
 
@@ -84,47 +99,57 @@ def _random_notation(rng: random.Random) -> Notation:
         k = rng.randint(1, min(3, len(free)))
         chains.append("".join(free[:k]))
         free = free[k:]
+    conflict = rng.choice(["weight", "first", "union", "replicate", "heaviest", "align"])
+    if conflict == "align" and rng.random() < 0.5:  # concat-like: every input carries the same letters
+        ins = [ins[0]] * len(ins)
+        present = set("".join(ins + outs))
+        chains = [c for c in ("".join(x for x in ch if x in present) for ch in chains) if c]
     return Notation(
         ins,
         outs,
         replicated=pick(),
         prune=rng.choice(["", "*", pick()]),
         coshard=rng.choice(["keep", "largest"]),
-        conflict=rng.choice(["weight", "first", "union", "replicate", "heaviest"]),
+        conflict=conflict,
         order=order,
         replicated_claims=rng.choice(["drop", "block"]),
         uneven=pick(),
         size1_claims=pick(),
         sizes=rng.choice(["first", "known"]),
-        unit_axes=rng.choice(["skip", "claim"]) if order == "claim" else "skip",
+        unit_axes=rng.choice(["skip", "claim"]) if order == "claim" and conflict != "align" else "skip",
         taken=rng.choice(["dims", "letter", "keep"]),
         sources=None if rng.random() < 0.6 else [i for i in range(len(ins)) if rng.random() < 0.6],
         flatten=chains,
+        partial=rng.choice(["replicate", "keep", "linear"]),
     )
 
 
-def _check(p: Plan, direction: str, dms: list[Any], shapes: list[Any], mesh_shape: tuple[int, ...]) -> None:
+def _check(p: Plan, direction: str, dms: list[Any], shapes: list[Any], mesh_shape: tuple[int, ...],
+           pts: list[Any] | None = None) -> None:
     nt = p.notation
     n_in = len(nt.inputs)
     merged = slice(0, n_in) if direction == "forward" else slice(n_in, None)
     axes = (nt.inputs + nt.outputs)[merged]
     if direction == "forward" and nt.sources is not None:  # the other inputs are not merged
         axes = tuple(a if i in nt.sources else None for i, a in enumerate(axes))
-    m_dms, m_shapes = dms[merged], shapes[merged]
-    got = run(p, m_dms, m_shapes, shapes[:n_in], mesh_shape, shapes)
-    want = reference_merge(nt, axes, m_dms, m_shapes, mesh_shape, nt.inputs, shapes[:n_in], nt.inputs + nt.outputs, shapes)
+    m_dms, m_shapes, m_pts = dms[merged], shapes[merged], None if pts is None else pts[merged]
+    got = run(p, m_dms, m_shapes, shapes[:n_in], mesh_shape, shapes, m_pts)
+    want = reference_merge(
+        nt, axes, m_dms, m_shapes, mesh_shape, nt.inputs, shapes[:n_in], nt.inputs + nt.outputs, shapes, m_pts
+    )
     for i, c in enumerate(nt.letters):
         assert got[i] == want.get(c, ()), (nt, direction, dms, shapes, mesh_shape, c, got, want)
 
 
 def test_random_notations_and_policies() -> None:
     rng = random.Random(17)
-    for _ in range(1200):
+    for _ in range(1500):
         nt = _random_notation(rng)
         mesh_shape = rng.choice(MESHES)
         dms, shapes = _tensors(rng, nt.inputs + nt.outputs, len(mesh_shape))
+        pts = _partials(rng, dms, len(mesh_shape))
         for direction in ("forward", "backward"):
-            _check(compile_plan(nt, direction), direction, dms, shapes, mesh_shape)
+            _check(compile_plan(nt, direction), direction, dms, shapes, mesh_shape, pts)
 
 
 def test_default_policy_is_merge_letters() -> None:
@@ -194,6 +219,17 @@ def _rule_plans() -> list[tuple[Plan, str]]:
         for keep in (True, False):
             plans.append((view_plan(len(a), reshape_links(a, b), keep), "forward"))
             plans.append((view_plan(len(b), reshape_links(b, a), keep, True), "backward"))
+
+    for nd in (1, 2, 3, 4):  # split_concat.py: pieces, reverse pieces, joins
+        for axis in range(nd):
+            for drop in (False, True):
+                plans.append((split_concat._piece_plan(nd, axis, drop, drop and axis == 1), "forward"))
+                plans.append((split_concat._reverse_plan(3, nd, axis, drop), "backward"))
+            for n in (1, 2, 3):
+                for stack in (False, True):
+                    plans.append((split_concat._join_plan(n, nd, axis, 0, stack, False), "forward"))
+            plans.append((split_concat._join_plan(3, nd, axis, 2, False, False), "forward"))
+            plans.append((split_concat._join_plan(2, nd, axis, 0, False, True), "forward"))
     return plans
 
 
@@ -204,11 +240,13 @@ def test_rule_plans_match_the_reference() -> None:
         p, direction = rng.choice(plans)
         mesh_shape = rng.choice(MESHES)
         dms, shapes = _tensors(rng, p.notation.inputs + p.notation.outputs, len(mesh_shape))
-        _check(p, direction, dms, shapes, mesh_shape)
+        _check(p, direction, dms, shapes, mesh_shape, _partials(rng, dms, len(mesh_shape)))
 
 
-def _specs(mesh: ProcessMesh, dms: list[Any], shapes: list[Any]) -> list[DistTensorSpec | None]:
-    return [None if d is None else DistTensorSpec(list(s), mesh=mesh, dims_mapping=list(d)) for d, s in zip(dms, shapes)]
+def _specs(mesh: ProcessMesh, dms: list[Any], shapes: list[Any], pts: list[Any] | None = None) -> list[DistTensorSpec | None]:
+    pts = pts or [None] * len(dms)
+    return [None if d is None else DistTensorSpec(list(s), mesh=mesh, dims_mapping=list(d), partial=pt)
+            for d, s, pt in zip(dms, shapes, pts)]
 
 
 def _attrs(res: Any) -> Any:
@@ -230,7 +268,7 @@ def test_generated_fast_path_equals_the_general_path() -> None:
         mesh = ProcessMesh(list(rng.choice(MESHES)))
         dms, shapes = _tensors(rng, nt.inputs + nt.outputs, mesh.ndim)
         dms = [None if a is None else d for a, d in zip(nt.inputs + nt.outputs, dms)]
-        specs = _specs(mesh, dms, shapes)
+        specs = _specs(mesh, dms, shapes, _partials(rng, dms, mesh.ndim) if i % 4 == 2 else None)
         ins, outs = specs[: len(nt.inputs)], specs[len(nt.inputs) :] if direction == "backward" else []
         if direction == "backward" and not any(outs):
             continue
@@ -254,6 +292,24 @@ def test_matmul_coshard_union_through_infer() -> None:
     assert [d for d, _ in outs[0].partial] == [0, 1]  # type: ignore[union-attr]
 
 
+def test_align_votes_per_mesh_dim() -> None:
+    # concat on b: mesh dim 0 is contested (x0 shards a, x1 shards c): it goes to the letter
+    # whose resharding moves fewer elements; mesh dim 1, SUM-partial on both, stays partial
+    m = ProcessMesh([2, 4])
+    p = compile_plan(Notation(["abc", "abc"], ["abc"], "b", conflict="align", partial="linear"))
+
+    def dms(x1_shape: list[int]) -> Any:
+        x0 = DistTensorSpec([8, 16, 8], mesh=m, dims_mapping=[0, -1, -1], partial={1: ReduceType.SUM})
+        x1 = DistTensorSpec(x1_shape, mesh=m, dims_mapping=[-1, -1, 0], partial={1: ReduceType.SUM})
+        ins, outs = infer(p, "concat", (x0, x1), (), m)
+        assert all(a.partial == ((1, ReduceType.SUM),) for a in (*ins, *outs))  # type: ignore[union-attr]
+        return [a.dims_mapping for a in (*ins, *outs)]  # type: ignore[union-attr]
+
+    assert dms([8, 4, 8]) == [(0, -1, -1)] * 3  # x1 (local 128) is the cheaper to reshard on a
+    assert dms([8, 64, 8]) == [(-1, -1, 0)] * 3  # x0 (local 512) is now the cheaper on c
+    assert dms([1, 64, 8]) == [(-1, -1, 0)] * 3  # a smaller than mesh dim 0 on x1: never a
+
+
 def test_bad_policy_value_rejected() -> None:
     with pytest.raises(ValueError, match="conflict"):
         Notation(["ab"], ["ab"], conflict="largest")
@@ -268,6 +324,10 @@ def test_bad_policy_value_rejected() -> None:
     for bad in (["ab", "b"], ["ax"], [""]):
         with pytest.raises(ValueError, match="flatten"):
             Notation(["ab"], ["a"], flatten=bad)
+    with pytest.raises(ValueError, match="partial"):
+        Notation(["ab"], ["ab"], partial="sum")
+    with pytest.raises(ValueError, match="align"):
+        Notation(["ab"], ["ab"], conflict="align", unit_axes="claim")
 
 
 def test_flatten_chain_co_shards_the_run() -> None:
@@ -284,7 +344,6 @@ def test_flatten_chain_co_shards_the_run() -> None:
             assert ins[0].dims_mapping == (want, -1)  # type: ignore[union-attr]
     with pytest.raises(ValueError, match="out_shapes"):
         infer(p, "flatten", (x,), (), m)
-
 
 def test_docs_rules_md_examples_run() -> None:
     """docs/rules.md is true: its Python example runs (its asserts hold) and the notations it

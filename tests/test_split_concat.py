@@ -309,6 +309,8 @@ def test_split_reverse_conflict() -> None:
         ("stack", ((T(M22, [4, 8], [-1, -1]), T(M22, [4, 6], [-1, -1])), 0), ShapeMismatchError, "x[1]"),
         ("stack", ((T(M22, [4, 8], [-1, -1]),), 3), InvalidAttributeError, "axis"),
         ("stack_grad", (T(M22, [4, 8], [-1, -1]), 2), InvalidAttributeError, "axis"),
+        # an empty output_grad placeholder cannot stand for 2-D x: refused (the rank was answered wrong)
+        ("concat_grad", ((T(M22, [4, 8], [-1, -1]),), T(M22, [0], [-1]), 0), ShapeMismatchError, "x[0] has 2 dims"),
         ("split_grad", ((T(M22, [4, 8], [-1, -1]), T(M22, [4, 6], [-1, -1])), 0), ShapeMismatchError,
          "out_grad[1]"),
     ],

@@ -16,28 +16,32 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from spmdkit.core.dist_attr import DimsMapping, Entry, ReduceType, TensorDistAttr
+from spmdkit.core.dist_attr import DimsMapping, Entry, Partial, ReduceType, TensorDistAttr
 from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import largest_mesh_dim, mesh_size
-from spmdkit.engine.merge import BROADCAST, merge_weight
+from spmdkit.engine.merge import BROADCAST, kept_partial, merge_weight
 from spmdkit.engine.notation import Notation, attr_as
 
 _make = TensorDistAttr._make
 #: (d,) for a mesh dim d: no tuple built per entry
 _ONE = tuple((d,) for d in range(64))
 
-_CONFLICT = {"weight": 0, "first": 1, "union": 2, "replicate": 3, "heaviest": 4}
+_CONFLICT = {"weight": 0, "first": 1, "union": 2, "replicate": 3, "heaviest": 4, "align": 5}
+#: conflict="align": a partial placement's code (-3 - index), apart from letters (>= 0),
+#: size-1 axes (-2) and nothing (-1)
+_RT = {r: -3 - i for i, r in enumerate(ReduceType)}
 
 
 class Plan:
     """A notation compiled for one direction and key (see the module docstring)."""
 
     __slots__ = (
-        "block", "chain_out", "chain_src", "chains", "conflict", "fast", "fast_letters", "groups", "in_axes", "in_letters", "largest", "letter_ids", "n", "notation",
-        "order_kind", "out_axes", "out_missing", "prune", "rep", "s1claim", "size_src", "sizes_known",
-        "src", "taken_keep", "taken_letter", "uneven", "unit",
+        "align_letters", "block", "chain_out", "chain_src", "chains", "conflict", "fast", "fast_letters", "groups",
+        "in_axes", "in_letters", "keep_partial", "largest", "letter_ids", "n", "notation", "order_kind", "out_axes",
+        "out_missing", "prune", "rep", "s1claim", "size_src", "sizes_known", "src", "taken_keep", "taken_letter",
+        "uneven", "unit",
     )  # fmt: skip
 
     def __init__(self, notation: Notation, direction: str, mask: tuple[int, ...]) -> None:
@@ -63,6 +67,9 @@ class Plan:
         self.taken_letter = nt.taken == "letter"
         self.taken_keep = nt.taken == "keep"
         self.conflict = _CONFLICT[nt.conflict]
+        self.keep_partial = nt.partial != "replicate"
+        # conflict="align": the letters a mesh dim may go to (carried by a merged tensor)
+        self.align_letters = tuple(sorted({a for _, t in self.src for a in t if a >= 0 and not self.rep[a]}))
         self.prune = tuple(nt.prunes(c) for c in letters)
         self.uneven = tuple(c in nt.uneven for c in letters)
         self.s1claim = tuple(c in nt.size1_claims for c in letters)
@@ -208,10 +215,12 @@ def run(
     all_shapes: Sequence[Sequence[int] | None],
     mesh_shape: Sequence[int],
     every: Sequence[Sequence[int] | None] = (),
+    partials: Sequence[Partial | None] | None = None,
 ) -> list[tuple[int, ...]]:
     """The mesh dims of every letter (by id) for the merged tensors' ``dms`` / ``shapes``
     (``all_shapes``: the inputs', for ``sizes="known"``; ``every``: every tensor's shape,
-    inputs then outputs, for ``flatten`` chains)."""
+    inputs then outputs, for ``flatten`` chains; ``partials``: the merged tensors' partial
+    status, read by ``conflict="align"``)."""
     n = p.n
     rep = p.rep
     largest = p.largest
@@ -235,7 +244,11 @@ def run(
     conflict = p.conflict
     unit = p.unit
     cands: dict[int, list[tuple[int, ...]]] | None = None
-    for ti, ids in p.src:
+    src = p.src
+    if conflict == 5:  # the vote per mesh dim, in place of the per-letter merge below
+        src = ()
+        claims = _aligned(p, cur, dms, shapes, partials, mesh_shape, blocked)
+    for ti, ids in src:
         dm = dms[ti]
         if dm is None:
             continue
@@ -362,6 +375,87 @@ def _chain(cur: list[tuple[int, ...] | None], chain: tuple[int, ...], sizes: lis
     for a in chain[1:]:
         if cur[a] is not None:
             cur[a] = ()
+
+
+def _aligned(
+    p: Plan,
+    cur: list[tuple[int, ...] | None],
+    dms: Sequence[DimsMapping | None],
+    shapes: Sequence[Sequence[int] | None],
+    partials: Sequence[Partial | None] | None,
+    mesh_shape: Sequence[int],
+    blocked: int,
+) -> list[int]:
+    """``conflict="align"`` (:func:`spmdkit.engine.merge.aligned`) on letter ids: fills ``cur``,
+    returns the letters given a mesh dim."""
+    nm, n = len(mesh_shape), p.n
+    rep, largest = p.rep, p.largest
+    places: list[list[int]] = []
+    cost = [0] * n  # per letter: the local sizes of the tensors carrying it unsharded
+    least = [-1] * n  # per letter: its least known size (-1: none known)
+    have = 0  # the letters the live tensors carry
+    for ti, ids in p.src:
+        dm = dms[ti]
+        if dm is None:
+            continue
+        shape = shapes[ti] or (-1,) * len(dm)
+        pl = [-1] * nm
+        sh = 0
+        local = 1
+        for a, e, size in zip(ids, dm, shape):
+            d: tuple[int, ...] = (
+                (() if e < 0 else _ONE[e]) if e.__class__ is int
+                else _ONE[largest_mesh_dim(e, mesh_shape)] if largest else e  # type: ignore[assignment]
+            )
+            if blocked and (a < 0 or not rep[a]):
+                d = tuple([x for x in d if not (blocked >> x) & 1])
+            if d:
+                for x in d:
+                    pl[x] = a if a >= 0 else -2
+                if a >= 0:
+                    sh |= 1 << a
+            if size < 0:
+                size = 1
+            elif a >= 0 and (least[a] < 0 or size < least[a]):
+                least[a] = size
+            local *= -(-size // mesh_size(mesh_shape, d)) if d else size
+        if partials is not None and partials[ti]:
+            for x, r in partials[ti]:  # type: ignore[union-attr]
+                pl[x] = _RT[r]
+        places.append(pl)
+        seen = sh
+        for a in ids:
+            if a >= 0 and not (seen >> a) & 1:
+                seen |= 1 << a
+                cost[a] += local
+        have |= seen
+    if not places:
+        return []
+    done = 0
+    later: list[int] = []
+    first = places[0]
+    for md in range(nm):
+        v = first[md]
+        for pl in places:
+            if pl[md] != v:
+                later.append(md)
+                break
+        else:
+            if v >= 0 and not rep[v]:
+                cur[v] = _ONE[md]  # the highest of a co-shard
+                done |= 1 << v
+    for md in later:
+        m = mesh_shape[md]
+        best = -1
+        for a in p.align_letters:
+            if (done >> a) & 1 or not (have >> a) & 1 or 0 <= least[a] < m:
+                continue
+            if best < 0 or cost[a] < cost[best]:
+                best = a
+        if best >= 0:
+            cur[best] = _ONE[md]
+            done |= 1 << best
+    return [a for a in range(n) if (done >> a) & 1]
 
 
 def _size(
@@ -491,7 +585,12 @@ def infer(
     if p.chains:
         every = [None if t is None else t.shape for t in inputs]
         every += list(out_shapes or ()) if forward else [None if t is None else t.shape for t in outputs]
-    final = run(p, dms, shapes, all_shapes, mesh.shape, every)
+    pts: list[Partial | None] | None = None
+    kept: Partial = ()
+    if p.keep_partial or p.conflict == 5:
+        pts = [None if t is None else t.dist_attr.partial for t in merged]
+        kept = kept_partial(nt.partial, [pts[ti] for ti, _ in p.src if dms[ti] is not None])  # type: ignore[misc]
+    final = run(p, dms, shapes, all_shapes, mesh.shape, every, pts)
     if p.in_letters is not None:
         keep = p.in_letters
         final = [d if keep[a] else () for a, d in enumerate(final)]
@@ -504,8 +603,8 @@ def infer(
             continue
         at = made.get(ids)
         if at is None:
-            at = made[ids] = _make(mesh, project_dm(ids, ent))
-        if t is None:  # an absent tensor the notation labels: the attr it would need
+            at = made[ids] = _make(mesh, project_dm(ids, ent), kept)
+        if t is None or kept:  # an absent tensor the notation labels: the attr it would need
             ins.append(at)
         else:
             src = t.dist_attr
@@ -517,6 +616,8 @@ def infer(
             continue
         dm = project_dm(ids, ent)
         pt = out_partial(missing, final, p.taken_keep) if missing else ()
+        if kept:
+            pt = tuple(sorted(pt + kept, key=_first))
         if not forward and not pt and outputs[j] is not None:
             outs.append(attr_as(outputs[j].dist_attr, mesh, dm))  # type: ignore[union-attr]
         else:
@@ -542,6 +643,9 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
     mesh shape, returning ``((letter, mesh dims), ...)`` in the notation's letter order (what
     ``merge_letters`` answers), or None."""
     nt = p.notation
+    align = p.conflict == 5
+    if align and not raw and len({frozenset(a for a in ids if a >= 0) for _, ids in p.src}) > 1:
+        return _decline  # conflict="align" on tensors of different letters: the general path
     forward = direction == "forward"
     src_name = "I" if forward else "O"
     lines = ["def fast(D, S, ms):"] if raw else ["def fast(I, O, mesh, Z=None):", "    ms = mesh.shape"]
@@ -558,10 +662,15 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
             emit(f"    t = {src_name}[{ti}]")
             emit("    if t is None: return None")
             emit(f"    d{ti} = t.dist_attr.dims_mapping")
+            if align or p.keep_partial:  # a partial tensor: the general path
+                emit("    if t.dist_attr.partial: return None")
         emit(f"    if len(d{ti}) != {len(ids)}: return None")
         if not p.sizes_known and not raw:
             emit(f"    s{ti} = t.shape")
         for i, a in enumerate(ids):
+            if a < 0 and align:  # a sharded size-1 axis may move a mesh dim: the general path
+                emit(f"    if d{ti}[{i}] != -1: return None")
+                continue
             if a < 0:
                 if p.unit:
                     var = f"U{len(units)}"
@@ -575,7 +684,9 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
             emit(f"    {var} = d{ti}[{i}]")
             emit(f"    if {var}.__class__ is not int:")
             emit(f"        {var} = _largest({var}, ms)" if p.largest else "        return None")
-            if a in read:
+            if a in read and align:  # every tensor places every mesh dim alike
+                emit(f"    if e != L{a}: return None")
+            elif a in read:
                 emit("    if e != -1:")
                 emit(f"        if L{a} == -1: L{a} = e")
                 if p.conflict != 1:
@@ -753,6 +864,11 @@ def _exec(lines: list[str], name: str, consts: dict[str, Any]) -> Any:
                           "_ONE": _ONE, "_uniq": _uniq, **consts}  # fmt: skip
     exec(compile("\n".join(lines), name, "exec"), ns)
     return ns["fast"]
+
+
+def _decline(*args: Any) -> None:
+    """A plan's fast path that answers no case (the general path answers all)."""
+    return None
 
 
 def _first(t: tuple[int, ReduceType]) -> int:

@@ -14,7 +14,8 @@ the notation's policy fields (see ``Notation``):
    first on a tie), ``"heaviest"`` the one with most elements of all tensors sharding it keeps
    it (the first on a tie), ``"first"`` the first keeps it, ``"replicate"`` the letter shards nothing
    (co-shards compared whole), ``"union"`` the letter is co-sharded over all of them (larger mesh product major, earlier tensor first on a tie; a mesh dim that
-   another letter also wants goes minor);
+   another letter also wants goes minor); ``"align"`` votes per mesh dim instead
+   (:func:`aligned`, Paddle's AlignDimsSharding);
 2b. *flatten* (``flatten`` strings such as ``"abc"``): where ``a`` is sharded, it takes its own
    mesh dims, then ``b``'s, then ``c``'s (those not in the run yet) while they add any, each letter's whole: the
    longest such run whose mesh product divides every size ``a`` has on the call's tensors
@@ -31,6 +32,8 @@ the notation's policy fields (see ``Notation``):
 Letter sizes (``sizes="first"``): the first size other than 1 on the merged tensors;
 (``"known"``): the first size >= 0 other than 1 on the inputs (-1 where only -1 is seen,
 1 where only 1).
+
+Partial (``partial="keep"`` / ``"linear"``): :func:`kept_partial`, on every tensor.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from spmdkit.core.dist_attr import DimsMapping, Entry
+from spmdkit.core.dist_attr import DimsMapping, Entry, Partial, ReduceType
 from spmdkit.engine.axes import largest_mesh_dim, mesh_size
 
 if TYPE_CHECKING:
@@ -137,6 +140,88 @@ def letter_sizes(
     return sizes
 
 
+def kept_partial(mode: str, partials: Sequence[Partial]) -> Partial:
+    """``partial="keep"`` / ``"linear"``: the (mesh dim, reduce type) pairs every merged tensor's
+    ``partials`` hold (``"linear"``: SUM and AVG only); ``()`` for ``"replicate"``."""
+    if mode == "replicate" or not partials:
+        return ()
+    return tuple(x for x in partials[0] if (mode == "keep" or x[1] in (ReduceType.SUM, ReduceType.AVG))
+                 and all(x in pt for pt in partials[1:]))
+
+
+def aligned(
+    notation: Notation,
+    axes: Sequence[str | None],
+    mappings: Sequence[DimsMapping | None],
+    shapes: Sequence[Sequence[int] | None],
+    partials: Sequence[Partial | None] | None,
+    mesh_shape: Sequence[int],
+    blocked: set[int],
+) -> dict[str, tuple[int, ...]]:
+    """``conflict="align"``: the vote per mesh dim of Paddle's AlignDimsSharding (concat, stack).
+
+    Each merged tensor places every mesh dim: on the letter it shards (``1`` for a size-1
+    axis), as partial with its reduce type, or nowhere. A mesh dim every tensor places alike on
+    an unreplicated letter goes to that letter (a letter so given several keeps the highest).
+    Then each other mesh dim, in mesh order, goes to the unreplicated letter no mesh dim went to
+    yet whose resharding costs least: the sum of the local element counts (sizes divided by
+    their sharding, rounded up; -1 read as 1) of the tensors carrying the letter unsharded; a
+    letter with a known size smaller than the mesh dim on any tensor is never chosen; the
+    earlier letter on a tie; none where no letter qualifies."""
+    rep = notation.replicated
+    live: list[tuple[str, Sequence[int], dict[int, object], set[str], int]] = []
+    for ti, (t_axes, dm) in enumerate(zip(axes, mappings)):
+        if t_axes is None or dm is None:
+            continue
+        shape = shapes[ti] or (-1,) * len(dm)
+        place: dict[int, object] = {}
+        sharded: set[str] = set()
+        local = 1
+        for ch, e, size in zip(t_axes, dm, shape):
+            if notation.coshard == "largest":
+                e = largest_mesh_dim(e, mesh_shape)
+            d = (() if e < 0 else (e,)) if isinstance(e, int) else tuple(e)
+            if blocked and ch not in rep:
+                d = tuple(x for x in d if x not in blocked)
+            for x in d:
+                place[x] = ch
+            if d:
+                sharded.add(ch)
+            local *= -(-(size if size >= 0 else 1) // mesh_size(mesh_shape, d))
+        for x, r in (partials[ti] or ()) if partials else ():
+            place[x] = ("P", r)
+        live.append((t_axes, shape, place, sharded, local))
+    merged: dict[str, tuple[int, ...]] = {ch: () for t_axes, *_ in live for ch in t_axes if ch != BROADCAST}
+    if not live:
+        return merged
+    later: list[int] = []
+    for md in range(len(mesh_shape)):
+        p0 = live[0][2].get(md)
+        if any(t[2].get(md) != p0 for t in live):
+            later.append(md)
+        elif isinstance(p0, str) and p0 != BROADCAST and p0 not in rep:
+            merged[p0] = (md,)
+    done = {ch for ch, d in merged.items() if d}
+    for md in later:
+        best, best_cost = "", -1
+        for ch in notation.letters:
+            if ch not in merged or ch in rep or ch in done:
+                continue
+            cost = 0
+            for t_axes, shape, _, sharded, local in live:
+                if any(c == ch and 0 <= s < mesh_shape[md] for c, s in zip(t_axes, shape)):
+                    break
+                if ch in t_axes and ch not in sharded:
+                    cost += local
+            else:
+                if best_cost < 0 or cost < best_cost:
+                    best, best_cost = ch, cost
+        if best:
+            merged[best] = (md,)
+            done.add(best)
+    return merged
+
+
 def reference_merge(
     notation: Notation,
     axes: Sequence[str | None],
@@ -147,12 +232,14 @@ def reference_merge(
     all_shapes: Sequence[Sequence[int] | None] | None = None,
     every_axes: Sequence[str | None] | None = None,
     every_shapes: Sequence[Sequence[int] | None] | None = None,
+    partials: Sequence[Partial | None] | None = None,
 ) -> dict[str, tuple[int, ...]]:
     """The mesh dims of every letter the tensors labelled ``axes`` carry, under the notation's
     policy (module docstring); ``all_axes`` / ``all_shapes``: the inputs, for
     ``sizes="known"`` (default: the merged tensors); ``every_axes`` / ``every_shapes``: every
     tensor of the call, inputs then outputs, for the sizes of ``flatten`` letters (default: the
-    merged tensors)."""
+    merged tensors); ``partials``: the merged tensors' partial status (read by
+    ``conflict="align"`` only)."""
     if all_axes is None or all_shapes is None:
         all_axes, all_shapes = axes, shapes
     if every_axes is None or every_shapes is None:
@@ -212,6 +299,10 @@ def reference_merge(
                     merged[ch] = ()
                 elif notation.conflict == "union" and d not in cands[ch]:
                     cands[ch].append(d)
+    if notation.conflict == "align":
+        merged = aligned(notation, axes, mappings, shapes, partials, mesh_shape, blocked)
+        claims = [ch for ch in notation.letters if merged.get(ch)]
+        seq = list(claims)
     if notation.conflict == "union":
         unions = [ch for ch in claims if len(cands[ch]) > 1]
         for ch in unions:

@@ -44,11 +44,12 @@ ALPHABET = "abcdefghijklmnopqrstuvwxyz"
 
 def _check_policy(
     coshard: str, conflict: str, order: str | tuple[str, ...], replicated_claims: str, sizes: str, size1: str,
-    unit_axes: str = "skip", taken: str = "dims",
+    unit_axes: str = "skip", taken: str = "dims", partial: str = "replicate",
 ) -> None:
     """ValueError for a policy value the engine does not know (a rule's declaration error)."""
     for name, val, allowed in (("coshard", coshard, ("keep", "largest")),
-                               ("conflict", conflict, ("weight", "first", "union", "replicate", "heaviest")),
+                               ("conflict", conflict, ("weight", "first", "union", "replicate", "heaviest", "align")),
+                               ("partial", partial, ("replicate", "keep", "linear")),
                                ("replicated_claims", replicated_claims, ("drop", "block")),
                                ("sizes", sizes, ("first", "known")), ("size1", size1, ("keep", "broadcast")),
                                ("unit_axes", unit_axes, ("skip", "claim")), ("taken", taken, ("dims", "letter", "keep"))):
@@ -56,6 +57,8 @@ def _check_policy(
             raise ValueError(f"Notation: {name} must be one of {allowed}, got {val!r}")
     if unit_axes == "claim" and order != "claim":
         raise ValueError(f"Notation: unit_axes='claim' resolves in claim order, got order={order!r}")
+    if unit_axes == "claim" and conflict == "align":
+        raise ValueError("Notation: conflict='align' votes per mesh dim, unit_axes='claim' per axis")
     if isinstance(order, str):
         if order not in ("claim", "notation"):
             raise ValueError(f"Notation: order must be 'claim', 'notation' or a tuple of groups, got {order!r}")
@@ -66,7 +69,7 @@ def _check_policy(
 
 
 _POLICY = ("coshard", "conflict", "order", "replicated_claims", "uneven", "size1_claims", "sizes", "size1",
-           "unit_axes", "taken", "sources", "flatten")
+           "unit_axes", "taken", "sources", "flatten", "partial")
 
 
 class Notation:
@@ -88,7 +91,12 @@ class Notation:
       (``"union"``, as Paddle's matmul), or it is replicated (``"replicate"``, co-shards
       compared whole: Paddle's optimizer vote); ``"heaviest"``: the tensor with the most
       elements of all that shard the letter keeps its sharding (the first on a tie; unlike
-      ``"weight"``, which weighs a challenger against the first claimer only);
+      ``"weight"``, which weighs a challenger against the first claimer only); or the vote is
+      per mesh dim (``"align"``, Paddle's concat / stack): a mesh dim every merged tensor places
+      alike (sharding one letter, or partial) keeps that placement, a letter so co-sharded its
+      highest mesh dim; each other mesh dim, in mesh order, goes to the unsharded letter of
+      least resharding cost (the local element counts of the merged tensors not sharding it;
+      never a letter smaller than the mesh dim on a tensor), or to none;
     * ``order``: the order letters resolve a mesh dim several claim: as first claimed
       (``"claim"``), as they appear in the notation (``"notation"``), or a tuple of groups:
       ``"*"`` the letters no group names, by claim; ``"mn"`` these letters by claim; ``">mn"``
@@ -119,6 +127,10 @@ class Notation:
       longest such run whose mesh product divides every size ``a`` has on the call's tensors
       (inputs and outputs; -1 sizes do not count); ``b`` and ``c`` shard nothing. A
       one-letter string keeps the letter's mesh dims whole or not at all.
+    * ``partial``: a partial merged tensor is resharded to ``"replicate"``-d, or a mesh dim on
+      which every merged tensor is partial with one reduce type stays partial on every tensor
+      (``"keep"``: a linear op), or the same for SUM and AVG only (``"linear"``, Paddle's
+      concat).
     """
 
     __slots__ = (
@@ -132,6 +144,7 @@ class Notation:
         "letters",
         "order",
         "outputs",
+        "partial",
         "prune",
         "reduce",
         "replicated",
@@ -165,6 +178,7 @@ class Notation:
         taken: str = "dims",
         sources: Iterable[int] | None = None,
         flatten: Iterable[str] = (),
+        partial: str = "replicate",
     ) -> None:
         self.inputs = tuple(inputs)
         self.outputs = tuple(outputs)
@@ -172,12 +186,14 @@ class Notation:
         self.reduce = reduce if isinstance(reduce, ReduceType) else dict(reduce)
         self.prune = prune
         if (coshard != "keep" or conflict != "weight" or order != "claim" or replicated_claims != "drop"
-                or sizes != "first" or size1 != "keep" or unit_axes != "skip" or taken != "dims"):  # fmt: skip
-            _check_policy(coshard, conflict, order, replicated_claims, sizes, size1, unit_axes, taken)
+                or sizes != "first" or size1 != "keep" or unit_axes != "skip" or taken != "dims"
+                or partial != "replicate"):  # fmt: skip
+            _check_policy(coshard, conflict, order, replicated_claims, sizes, size1, unit_axes, taken, partial)
         self.coshard, self.conflict, self.order = coshard, conflict, order if isinstance(order, str) else tuple(order)
         self.replicated_claims, self.uneven, self.size1_claims = replicated_claims, uneven, size1_claims
         self.sizes, self.size1, self.unit_axes, self.taken = sizes, size1, unit_axes, taken
         self.sources = None if sources is None else tuple(sources)
+        self.partial = partial
         if self.sources is not None and not all(0 <= i < len(self.inputs) for i in self.sources):
             raise ValueError(f"Notation: sources {self.sources} must index the {len(self.inputs)} inputs")
         self.letters = "".join(dict.fromkeys("".join([a for a in (*self.inputs, *self.outputs) if a]))).replace(
@@ -191,7 +207,7 @@ class Notation:
         red = self.reduce if isinstance(self.reduce, ReduceType) else tuple(sorted(self.reduce.items()))
         self._key = (self.inputs, self.outputs, self.replicated, red, prune, coshard, conflict, self.order,
                      replicated_claims, uneven, size1_claims, sizes, size1, unit_axes, taken, self.sources,
-                     self.flatten)
+                     self.flatten, partial)
         self._hash = hash(self._key)
         self.input_letters = frozenset("".join(a for a in self.inputs if a))
 
@@ -201,7 +217,7 @@ class Notation:
             inputs, outputs, self.replicated, self.reduce, self.prune, coshard=self.coshard, conflict=self.conflict,
             order=self.order, replicated_claims=self.replicated_claims, uneven=self.uneven,
             size1_claims=self.size1_claims, sizes=self.sizes, size1=self.size1, unit_axes=self.unit_axes,
-            taken=self.taken, sources=self.sources, flatten=self.flatten,
+            taken=self.taken, sources=self.sources, flatten=self.flatten, partial=self.partial,
         )  # fmt: skip
 
     def replace(self, **policy: object) -> Notation:
@@ -248,7 +264,7 @@ class Notation:
         for name, default in (("coshard", "keep"), ("conflict", "weight"), ("order", "claim"),
                               ("replicated_claims", "drop"), ("uneven", ""), ("size1_claims", ""),
                               ("sizes", "first"), ("size1", "keep"), ("unit_axes", "skip"), ("taken", "dims"), ("sources", None),
-                              ("flatten", ())):
+                              ("flatten", ()), ("partial", "replicate")):
             if getattr(self, name) != default:
                 extra.append(f"{name}={getattr(self, name)!r}")
         return f"Notation({s!r}{', ' if extra else ''}{', '.join(extra)})"
