@@ -18,7 +18,7 @@ from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.compile import Plan, compile_plan, infer, run
 from spmdkit.engine.merge import BROADCAST, reference_merge
 from spmdkit.engine.notation import Notation, merge_letters
-from spmdkit.rules import matmul, norm, softmax
+from spmdkit.rules import conv, embedding, matmul, norm, softmax
 from spmdkit.rules import slice as slice_rules
 
 MESHES = [(2,), (3,), (2, 2), (2, 3), (3, 2), (2, 4), (2, 2, 2), (1, 2), (2, 3, 2)]
@@ -160,6 +160,41 @@ def _rule_plans() -> list[tuple[Plan, str]]:
                     plans.append((slice_rules._plan(kind, nd, fixed, (), lead), "forward"))
                 plans.append((slice_rules._plan("copy", nd, fixed, (), lead, "largest", "backward"), "backward"))
             plans.append((slice_rules._plan("slice_grad", nd, fixed, fixed[:1], 0, "largest"), "forward"))
+    return plans + _conv_family_plans()
+
+
+def _conv_family_plans() -> list[tuple[Plan, str]]:
+    """The plans of the conv family (convolutions, batch / group / instance norm, roi_align) and
+    of embedding."""
+    plans: list[tuple[Plan, str]] = []
+    for kind in ("forward", "reverse", "grad"):
+        d = "backward" if kind == "reverse" else "forward"
+        for nsp in (2, 3):
+            for cl in (False, True):
+                for grouped in (False, True):
+                    for tr in (False, True):
+                        plans.append((conv._conv_plan(kind, nsp, cl, grouped, tr), d))
+        for nd in (0, 1, 2, 3):
+            for wf in (False, True):
+                for rows in (False, True):
+                    plans.append((embedding._plan("embedding", nd, kind, wf, rows), d))
+    x = (0,)
+    plans += [
+        (conv._plan(("abcd", "b", "b", "b", None), ("abcd", "b", "b", "b", "b"), "b", sources=x), "forward"),
+        (conv._plan(("abc", "c", "c", None, "c"), ("abc", "c", "c", "c", "c"), "c", "backward"), "backward"),
+        (conv._plan(("abcd", "b", None, "b", "b", "b", "b", "11", "abcd"), ("abcd", "b", None), "b", sources=x),
+         "forward"),
+        (conv._plan(("abcd", "1", "1"), ("abcd", "a1", "a1"), "a", sources=x), "forward"),
+        (conv._plan(("abc", "1", None), ("abc", "a1", "a1"), "a", "backward"), "backward"),
+        (conv._plan(("abcde", "1", "1", "abcde", "a1", "a1", "abcde"), ("abcde", "1", "1"), "a", sources=x),
+         "forward"),
+        (conv._plan(("abcd", "11", "1", "1b11"), ("abcd",), "b"), "forward"),
+        (conv._plan(("abcd", "11", None), ("1b11",), "b"), "forward"),
+    ]
+    for keep in ("ab", "a", "b", ""):
+        plans.append((conv._plan(("abcd", "b", "b"), ("abcd",), keep, sources=x), "forward"))
+        plans.append((conv._plan(("abcd", "b", None, None, None, "abcd"), ("abcd", "b", None), keep, sources=x),
+                      "forward"))
     return plans
 
 
