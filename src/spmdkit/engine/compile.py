@@ -109,10 +109,12 @@ class Plan:
             in_axes.append(tuple(-1 if (m >> i) & 1 else x for i, x in enumerate(ids(a))))
         self.in_axes = tuple(in_axes)
         self.out_axes = tuple(None if a is None else ids(a) for a in nt.outputs)
+        # the letters an output lacks (a replicated one never shards, so never makes it partial)
         self.out_missing = tuple(
-            None if a is None else tuple((lid[c], nt.reduce_type(c)) for c in letters if c not in a)
+            None if a is None else tuple((lid[c], nt.reduce_type(c)) for c in letters
+                                         if c not in a and c not in nt.replicated)
             for a in nt.outputs
-        )
+        )  # fmt: skip
         self.fast = _generate(self, direction)
         self.fast_letters: Any = None  # merge_letters' generated code, made on first use
 
@@ -469,6 +471,10 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
     emit = lines.append
     read: set[int] = set()
     units: list[str] = []  # unit_axes="claim": the mesh dim of each size-1 axis
+    # two letters on one mesh dim, resolved here in claim order (P: where a letter was first
+    # sharded) where no letter prunes; otherwise the general path resolves them
+    resolve = p.order_kind == 0 and not p.unit and not any(p.prune[a] for a in range(p.n) if not p.rep[a])
+    pos = 0
     for ti, ids in p.src:
         if raw:
             emit(f"    d{ti} = D[{ti}]")
@@ -496,9 +502,12 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
             emit(f"        {var} = _largest({var}, ms)" if p.largest else "        return None")
             if a in read:
                 emit("    if e != -1:")
-                emit(f"        if L{a} == -1: L{a} = e")
+                emit(f"        if L{a} == -1: L{a} = e" + (f"; P{a} = {pos}" if resolve else ""))
                 if p.conflict != 1:
                     emit(f"        elif e != L{a}: return None")
+            elif resolve:
+                emit(f"    P{a} = {pos}")
+            pos += 1
             read.add(a)
     for a in sorted(read):
         if p.rep[a]:
@@ -509,12 +518,23 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
     # no two claimers (letters, size-1 axes) on one mesh dim: the claim order cannot matter
     claimers = [f"L{a}" for a in live] + units
     if len(claimers) > 1:
-        emit("    u = 0")
+        emit("    u = c = 0" if resolve else "    u = 0")
         for v in claimers:
             emit(f"    if {v} >= 0:")
             emit(f"        b = 1 << {v}")
-            emit("        if u & b: return None")
+            emit("        if u & b: " + ("c = 1" if resolve else "return None"))
             emit("        u |= b")
+        if resolve:  # a mesh dim a letter claimed earlier is dropped from a later one
+            emit("    if c:")
+            emit(f"        Q = sorted([{', '.join(f'(P{a}, {k})' for k, a in enumerate(live))}])")
+            emit(f"        V = [{', '.join(f'L{a}' for a in live)}]")
+            emit("        u = 0")
+            emit("        for _, k in Q:")
+            emit("            x = V[k]")
+            emit("            if x >= 0:")
+            emit("                if (u >> x) & 1: V[k] = -1")
+            emit("                else: u |= 1 << x")
+            emit(f"        {', '.join(f'L{a}' for a in live)}, = V")
     for a in live:
         if not p.prune[a]:
             continue
