@@ -169,11 +169,6 @@ def reverse_largest(op: str, notation: Notation, inputs: Sequence[DistTensorSpec
 # -- small declaration helpers ------------------------------------------------------------------
 
 
-def opt(t: object, label: str) -> str | None:
-    """A tensor's notation label: None for an absent optional tensor (the plan then answers None)."""
-    return None if t is None else label
-
-
 def op_rule(op: str, fn: Callable[..., SpmdResult], doc: str) -> Callable[..., SpmdResult]:
     """``fn(op, *args)`` as a rule function named ``op``: one body for a grad rule registered both
     in its forward op's backward slot and as a rule of its own, its errors naming the op called."""

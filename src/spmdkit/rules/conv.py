@@ -62,7 +62,6 @@ from spmdkit.engine.axes import largest_mesh_dim, mesh_size, replicated
 from spmdkit.engine.compile import Plan, compile_plan, infer
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, fast_result, named_mesh
-from spmdkit.rules._common import opt
 from spmdkit.rules.registry import parse_signature, register
 
 _SUM = ReduceType.SUM
@@ -95,8 +94,8 @@ def _vec(op: str, name: str, t: DistTensorSpec | None, size: int) -> None:
     _same_size(op, f"{name}'s length", t.shape[0], "the channel count", size)
 
 
-def _vecs(op: str, size: int, named: dict[str, DistTensorSpec | None]) -> None:
-    for name, t in named.items():
+def _vecs(op: str, size: int, names: tuple[str, ...], ts: tuple[DistTensorSpec | None, ...]) -> None:
+    for name, t in zip(names, ts):
         _vec(op, name, t, size)
 
 
@@ -258,13 +257,28 @@ _BN_GRAD = ("x", "scale", "bias", "mean_out", "variance_out", "saved_mean", "sav
             "out_grad")
 
 
-def _bn_channel(op: str, x: DistTensorSpec, data_format: str) -> tuple[str, str]:
-    """(x's letters, the channel letter)."""
+def _bn_channel(op: str, x: DistTensorSpec, data_format: str) -> tuple[int, int]:
+    """(x's rank, its channel axis)."""
     nd = _ndim(op, "x", x, (2, 3, 4, 5))
     if len(data_format) < 2:
         raise InvalidAttributeError(f"{op}: data_format {data_format!r} is too short")
+    return nd, 1 if data_format[1] == "C" else nd - 1
+
+
+@lru_cache(maxsize=1024)
+def _bn_plan(kind: str, nd: int, ci: int, scale: bool, bias: bool, reserve: int = -1) -> Plan:
+    """batch_norm's plans (kind: forward, reverse, grad): x ``abc..`` with the channel letter
+    (axis ``ci``) alone shardable; every per-channel tensor labelled by it; ``reserve``:
+    reserve_space's rank (-1: absent)."""
     xl = ALPHABET[:nd]
-    return xl, xl[1 if data_format[1] == "C" else nd - 1]
+    c = xl[ci]
+    s, b = (c if scale else None), (c if bias else None)
+    if kind == "grad":
+        return _plan((xl, s, b, c, c, c, c, None if reserve < 0 else BROADCAST * reserve, xl), (xl, s, b), c,
+                     sources=_X)  # fmt: skip
+    if kind == "reverse":
+        return _plan((xl, c, c, s, b), (xl, c, c, c, c), c, "backward")
+    return _plan((xl, c, c, s, b), (xl, c, c, c, c), c, sources=_X)
 
 
 def batch_norm_forward(x: DistTensorSpec, mean: DistTensorSpec, variance: DistTensorSpec,
@@ -274,10 +288,9 @@ def batch_norm_forward(x: DistTensorSpec, mean: DistTensorSpec, variance: DistTe
     op = "batch_norm"
     ts = (x, mean, variance, scale, bias)
     mesh = named_mesh(op, zip(_BN_NAMES, ts))
-    xl, c = _bn_channel(op, x, "NCHW")
-    _vecs(op, x.shape[xl.index(c)], dict(zip(_BN_NAMES[1:], ts[1:])))
-    p = _plan((xl, c, c, opt(scale, c), opt(bias, c)), (xl, c, c, c, c), c, sources=_X)
-    ins, outs = infer(p, op, ts, (), mesh, _BN_NAMES)
+    nd, ci = _bn_channel(op, x, "NCHW")
+    _vecs(op, x.shape[ci], _BN_NAMES[1:], ts[1:])
+    ins, outs = infer(_bn_plan("forward", nd, ci, scale is not None, bias is not None), op, ts, (), mesh, _BN_NAMES)
     return fast_result(ins, (*outs, replicated(mesh, 1)))
 
 
@@ -291,10 +304,10 @@ def batch_norm_backward(
     op = "batch_norm"
     ins, outs = (x, mean, variance, scale, bias), (out, mean_out, variance_out, saved_mean, saved_variance)
     mesh = named_mesh(op, zip(_BN_NAMES + _BN_OUTS, (*ins, *outs, reserve_space)))
-    xl, c = _bn_channel(op, x, "NCHW")
-    _vecs(op, x.shape[xl.index(c)], dict(zip(_BN_NAMES[1:] + _BN_OUTS[1:5], ins[1:] + outs[1:])))
+    nd, ci = _bn_channel(op, x, "NCHW")
+    _vecs(op, x.shape[ci], _BN_NAMES[1:] + _BN_OUTS[1:5], ins[1:] + outs[1:])
     _same_shape(op, "x", x, "out", out)
-    p = _plan((xl, c, c, opt(scale, c), opt(bias, c)), (xl, c, c, c, c), c, "backward")
+    p = _bn_plan("reverse", nd, ci, scale is not None, bias is not None)
     a_in, a_out = infer(p, op, ins, outs, mesh, _BN_NAMES + _BN_OUTS)
     return fast_result(a_in, (*a_out, None if reserve_space is None else replicated(mesh, 1)))
 
@@ -310,12 +323,11 @@ def batch_norm_grad(
     op = "batch_norm_grad"
     ts = (x, scale, bias, mean_out, variance_out, saved_mean, saved_variance, reserve_space, out_grad)
     mesh = named_mesh(op, zip(_BN_GRAD, ts))
-    xl, c = _bn_channel(op, x, data_format)
-    _vecs(op, x.shape[xl.index(c)], dict(zip(_BN_GRAD[1:7], ts[1:7])))
+    nd, ci = _bn_channel(op, x, data_format)
+    _vecs(op, x.shape[ci], _BN_GRAD[1:7], ts[1:7])
     _same_shape(op, "x", x, "out_grad", out_grad)
-    rs = None if reserve_space is None else BROADCAST * len(reserve_space.shape)
-    p = _plan((xl, opt(scale, c), opt(bias, c), c, c, c, c, rs, xl), (xl, opt(scale, c), opt(bias, c)), c,
-              sources=_X)  # fmt: skip
+    rs = -1 if reserve_space is None else len(reserve_space.shape)
+    p = _bn_plan("grad", nd, ci, scale is not None, bias is not None, rs)
     return fast_result(*infer(p, op, ts, (), mesh, _BN_GRAD))
 
 
@@ -330,7 +342,7 @@ def _gn_checks(op: str, ts: tuple[DistTensorSpec | None, ...], data_format: str 
     assert x is not None
     nd = _ndim(op, "x", x, (3, 4, 5))
     c = 1 if len(data_format) > 1 and data_format[1] == "C" else nd - 1
-    _vecs(op, x.shape[c], {"scale": ts[1], "bias": ts[2]})
+    _vecs(op, x.shape[c], _GN[1:3], ts[1:3])
     for name, t in zip(_GN[3:], ts[3:]):
         assert t is not None
         if name in ("mean", "variance"):
@@ -342,8 +354,10 @@ def _gn_checks(op: str, ts: tuple[DistTensorSpec | None, ...], data_format: str 
     return ALPHABET[:nd]
 
 
-def _gn_plan(xl: str, scale: DistTensorSpec | None, bias: DistTensorSpec | None, kind: str) -> Plan:
-    sb = (opt(scale, "1"), opt(bias, "1"))
+@lru_cache(maxsize=1024)
+def _gn_plan(kind: str, xl: str, scale: bool, bias: bool) -> Plan:
+    """group_norm's plans (kind: forward, backward = the reverse, grad); scale / bias replicated."""
+    sb = ("1" if scale else None, "1" if bias else None)
     if kind == "grad":
         return _plan((xl, *sb, xl, "a1", "a1", xl), (xl, *sb), "a", sources=_X)
     return _plan((xl, *sb), (xl, "a1", "a1"), "a", kind, _X if kind == "forward" else None)
@@ -355,7 +369,7 @@ def group_norm_forward(x: DistTensorSpec, scale: DistTensorSpec | None, bias: Di
     ts = (x, scale, bias)
     mesh = named_mesh(op, zip(_GN, ts))
     xl = _gn_checks(op, ts)
-    return fast_result(*infer(_gn_plan(xl, scale, bias, "forward"), op, ts, (), mesh, _GN))
+    return fast_result(*infer(_gn_plan("forward", xl, scale is not None, bias is not None), op, ts, (), mesh, _GN))
 
 
 def group_norm_backward(x: DistTensorSpec, scale: DistTensorSpec | None, bias: DistTensorSpec | None,
@@ -365,7 +379,7 @@ def group_norm_backward(x: DistTensorSpec, scale: DistTensorSpec | None, bias: D
     ts = (x, scale, bias, y, mean, variance)
     mesh = named_mesh(op, zip(_GN, ts))
     xl = _gn_checks(op, ts)
-    return fast_result(*infer(_gn_plan(xl, scale, bias, "backward"), op, ts[:3], ts[3:], mesh, _GN))
+    return fast_result(*infer(_gn_plan("backward", xl, scale is not None, bias is not None), op, ts[:3], ts[3:], mesh, _GN))
 
 
 def group_norm_grad(x: DistTensorSpec, scale: DistTensorSpec | None, bias: DistTensorSpec | None,
@@ -379,7 +393,7 @@ def group_norm_grad(x: DistTensorSpec, scale: DistTensorSpec | None, bias: DistT
     xl = _gn_checks(op, ts, data_format)
     if groups != -1 and groups < 1:
         raise InvalidAttributeError(f"{op}: groups must be >= 1 (or -1), got {groups}")
-    return fast_result(*infer(_gn_plan(xl, scale, bias, "grad"), op, ts, (), mesh, _GN))
+    return fast_result(*infer(_gn_plan("grad", xl, scale is not None, bias is not None), op, ts, (), mesh, _GN))
 
 
 # -- instance_norm: ``abcd`` with n = a, c = b shardable; flat [N*C] statistics ------------------
@@ -437,11 +451,21 @@ def _flat_stats(mesh: ProcessMesh, xa: TensorDistAttr) -> TensorDistAttr:
 _IN = ("x", "scale", "bias", "saved_mean", "saved_variance", "y_grad")
 
 
+@lru_cache(maxsize=64)
+def _in_plan(grad: bool, keep: str, scale: bool, bias: bool) -> Plan:
+    """instance_norm's plans: ``abcd``, scale / bias ``b``; the flat statistics are left to
+    :func:`_flat_stats` (labelled None)."""
+    sb = ("b" if scale else None, "b" if bias else None)
+    if grad:
+        return _plan(("abcd", *sb, None, None, "abcd"), ("abcd", *sb), keep, sources=_X)
+    return _plan(("abcd", *sb), ("abcd",), keep, sources=_X)
+
+
 def _in_checks(op: str, ts: tuple[DistTensorSpec | None, ...]) -> None:
     x = ts[0]
     assert x is not None
     _ndim(op, "x", x, 4)
-    _vecs(op, x.shape[1], {"scale": ts[1], "bias": ts[2]})
+    _vecs(op, x.shape[1], _IN[1:3], ts[1:3])
     for name, t in zip(_IN[3:5], ts[3:5]):
         assert t is not None
         if len(t.shape) != 1:
@@ -461,8 +485,7 @@ def instance_norm_forward(
     ts = (x, scale, bias)
     mesh = named_mesh(op, zip(_IN, ts))
     _in_checks(op, ts)
-    p = _plan(("abcd", opt(scale, "b"), opt(bias, "b")), ("abcd",), _in_keep(x), sources=_X)
-    ins, outs = infer(p, op, ts, (), mesh, _IN)
+    ins, outs = infer(_in_plan(False, _in_keep(x), scale is not None, bias is not None), op, ts, (), mesh, _IN)
     st = _flat_stats(mesh, outs[0])  # type: ignore[arg-type]
     return fast_result(ins, (outs[0], st, st))
 
@@ -476,9 +499,7 @@ def instance_norm_grad(x: DistTensorSpec, scale: DistTensorSpec | None, bias: Di
     ts = (x, scale, bias, saved_mean, saved_variance, y_grad)
     mesh = named_mesh(op, zip(_IN, ts))
     _in_checks(op, ts)
-    sb = (opt(scale, "b"), opt(bias, "b"))
-    p = _plan(("abcd", *sb, None, None, "abcd"), ("abcd", *sb), _in_keep(x), sources=_X)
-    ins, outs = infer(p, op, ts, (), mesh, _IN)
+    ins, outs = infer(_in_plan(True, _in_keep(x), scale is not None, bias is not None), op, ts, (), mesh, _IN)
     st = _flat_stats(mesh, ins[0])  # type: ignore[arg-type]
     return fast_result((*ins[:3], st, st, ins[5]), outs)
 
@@ -504,7 +525,7 @@ def _roi(op: str, ts: tuple[DistTensorSpec | None, ...], pooled_height: int, poo
         raise InvalidAttributeError(
             f"{op}: pooled_height / pooled_width must be >= 1, got {pooled_height} / {pooled_width}"
         )
-    ins: tuple[str | None, ...] = ("abcd", "11", opt(boxes_num, "1"))
+    ins: tuple[str | None, ...] = ("abcd", "11", None if boxes_num is None else "1")
     if len(ts) == 4:  # the grad: x and out_grad merged (the larger tensor wins), x_grad like x
         g = ts[3]
         assert g is not None
