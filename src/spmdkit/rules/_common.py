@@ -178,4 +178,5 @@ def op_rule(op: str, fn: Callable[..., SpmdResult], doc: str) -> Callable[..., S
 
     rule.__name__ = rule.__qualname__ = op
     rule.__doc__ = doc
+    rule.__module__ = fn.__module__  # the family that declares it (README tables, docs)
     return rule
