@@ -336,24 +336,6 @@ def batch_norm_grad(
 _GN = ("x", "scale", "bias", "y", "mean", "variance", "y_grad")
 
 
-def _gn_checks(op: str, ts: tuple[DistTensorSpec | None, ...], data_format: str = "NCHW") -> str:
-    """x's letters, after the checks of scale / bias and (where given) y, mean, variance, y_grad."""
-    x = ts[0]
-    assert x is not None
-    nd = _ndim(op, "x", x, (3, 4, 5))
-    c = 1 if len(data_format) > 1 and data_format[1] == "C" else nd - 1
-    _vecs(op, x.shape[c], _GN[1:3], ts[1:3])
-    for name, t in zip(_GN[3:], ts[3:]):
-        assert t is not None
-        if name in ("mean", "variance"):
-            if len(t.shape) != 2:
-                raise ShapeMismatchError(f"{op}: {name} must be 2-D [N, groups], got shape {list(t.shape)}")
-            _same_size(op, f"{name}'s first axis", t.shape[0], "x's batch", x.shape[0])
-        else:
-            _same_shape(op, "x", x, name, t)
-    return ALPHABET[:nd]
-
-
 @lru_cache(maxsize=1024)
 def _gn_plan(kind: str, xl: str, scale: bool, bias: bool) -> Plan:
     """group_norm's plans (kind: forward, backward = the reverse, grad); scale / bias replicated."""
@@ -363,23 +345,41 @@ def _gn_plan(kind: str, xl: str, scale: bool, bias: bool) -> Plan:
     return _plan((xl, *sb), (xl, "a1", "a1"), "a", kind, _X if kind == "forward" else None)
 
 
+def _gn(op: str, kind: str, ts: tuple[DistTensorSpec | None, ...], data_format: str = "NCHW",
+        groups: int = -1) -> SpmdResult:
+    """A group_norm rule: checks (scale / bias, then y / y_grad like x, then mean / variance
+    ``[N, groups]``), then the plan of ``kind``."""
+    mesh = named_mesh(op, zip(_GN, ts))
+    x = ts[0]
+    assert x is not None
+    nd = _ndim(op, "x", x, (3, 4, 5))
+    _vecs(op, x.shape[1 if len(data_format) > 1 and data_format[1] == "C" else nd - 1], _GN[1:3], ts[1:3])
+    named = list(zip(_GN[3:], ts[3:]))
+    for name, t in named:
+        if name in ("y", "y_grad"):
+            _same_shape(op, "x", x, name, t)  # type: ignore[arg-type]
+    for name, t in named:
+        if name in ("mean", "variance"):
+            assert t is not None
+            if len(t.shape) != 2:
+                raise ShapeMismatchError(f"{op}: {name} must be 2-D [N, groups], got shape {list(t.shape)}")
+            _same_size(op, f"{name}'s first axis", t.shape[0], "x's batch", x.shape[0])
+    if groups != -1 and groups < 1:
+        raise InvalidAttributeError(f"{op}: groups must be >= 1 (or -1), got {groups}")
+    n_in = 3 if kind == "backward" else len(ts)
+    p = _gn_plan(kind, ALPHABET[:nd], ts[1] is not None, ts[2] is not None)
+    return fast_result(*infer(p, op, ts[:n_in], ts[n_in:], mesh, _GN))
+
+
 def group_norm_forward(x: DistTensorSpec, scale: DistTensorSpec | None, bias: DistTensorSpec | None) -> SpmdResult:
     """GroupNormInferSpmdBase: ``a...`` -> y ``a...``, mean / variance ``[a, -1]``."""
-    op = "group_norm"
-    ts = (x, scale, bias)
-    mesh = named_mesh(op, zip(_GN, ts))
-    xl = _gn_checks(op, ts)
-    return fast_result(*infer(_gn_plan("forward", xl, scale is not None, bias is not None), op, ts, (), mesh, _GN))
+    return _gn("group_norm", "forward", (x, scale, bias))
 
 
 def group_norm_backward(x: DistTensorSpec, scale: DistTensorSpec | None, bias: DistTensorSpec | None,
                         y: DistTensorSpec, mean: DistTensorSpec, variance: DistTensorSpec) -> SpmdResult:
     """Reverse of group_norm (Paddle has none): the batch sharding from y, mean and variance."""
-    op = "group_norm"
-    ts = (x, scale, bias, y, mean, variance)
-    mesh = named_mesh(op, zip(_GN, ts))
-    xl = _gn_checks(op, ts)
-    return fast_result(*infer(_gn_plan("backward", xl, scale is not None, bias is not None), op, ts[:3], ts[3:], mesh, _GN))
+    return _gn("group_norm", "backward", (x, scale, bias, y, mean, variance))
 
 
 def group_norm_grad(x: DistTensorSpec, scale: DistTensorSpec | None, bias: DistTensorSpec | None,
@@ -387,13 +387,7 @@ def group_norm_grad(x: DistTensorSpec, scale: DistTensorSpec | None, bias: DistT
                     epsilon: float = 1e-5, groups: int = -1, data_format: str = "NCHW") -> SpmdResult:
     """GroupNormGradInferSpmd: x's batch sharding everywhere; scale_grad / bias_grad
     replicated, partial SUM over the batch's mesh dims."""
-    op = "group_norm_grad"
-    ts = (x, scale, bias, y, mean, variance, y_grad)
-    mesh = named_mesh(op, zip(_GN, ts))
-    xl = _gn_checks(op, ts, data_format)
-    if groups != -1 and groups < 1:
-        raise InvalidAttributeError(f"{op}: groups must be >= 1 (or -1), got {groups}")
-    return fast_result(*infer(_gn_plan("grad", xl, scale is not None, bias is not None), op, ts, (), mesh, _GN))
+    return _gn("group_norm_grad", "grad", (x, scale, bias, y, mean, variance, y_grad), data_format, groups)
 
 
 # -- instance_norm: ``abcd`` with n = a, c = b shardable; flat [N*C] statistics ------------------
@@ -461,7 +455,10 @@ def _in_plan(grad: bool, keep: str, scale: bool, bias: bool) -> Plan:
     return _plan(("abcd", *sb), ("abcd",), keep, sources=_X)
 
 
-def _in_checks(op: str, ts: tuple[DistTensorSpec | None, ...]) -> None:
+def _in(op: str, ts: tuple[DistTensorSpec | None, ...]) -> SpmdResult:
+    """An instance_norm rule (forward: x, scale, bias; grad: also saved_mean, saved_variance,
+    y_grad): checks, the plan, and the flat statistics from the engine's answer for x."""
+    mesh = named_mesh(op, zip(_IN, ts))
     x = ts[0]
     assert x is not None
     _ndim(op, "x", x, 4)
@@ -472,22 +469,19 @@ def _in_checks(op: str, ts: tuple[DistTensorSpec | None, ...]) -> None:
             raise ShapeMismatchError(f"{op}: {name} must be 1-D [N*C], got shape {list(t.shape)}")
         if x.shape[0] >= 0 and x.shape[1] >= 0:
             _same_size(op, f"{name}'s length", t.shape[0], "N*C", x.shape[0] * x.shape[1])
-    if len(ts) > 5:
-        assert ts[5] is not None
-        _same_shape(op, "x", x, "y_grad", ts[5])
+    grad = len(ts) > 3
+    if grad:
+        _same_shape(op, "x", x, "y_grad", ts[5])  # type: ignore[arg-type]
+    ins, outs = infer(_in_plan(grad, _in_keep(x), ts[1] is not None, ts[2] is not None), op, ts, (), mesh, _IN)
+    st = _flat_stats(mesh, ins[0])  # type: ignore[arg-type]  # x's attr: y / x_grad are sharded as x
+    return fast_result((*ins[:3], st, st, ins[5]), outs) if grad else fast_result(ins, (outs[0], st, st))
 
 
 def instance_norm_forward(
     x: DistTensorSpec, scale: DistTensorSpec | None, bias: DistTensorSpec | None, epsilon: float = 1e-5
 ) -> SpmdResult:
     """InstanceNormInferSpmd: ``abcd`` -> y ``abcd``, saved_mean / saved_variance flat ``(a b)``."""
-    op = "instance_norm"
-    ts = (x, scale, bias)
-    mesh = named_mesh(op, zip(_IN, ts))
-    _in_checks(op, ts)
-    ins, outs = infer(_in_plan(False, _in_keep(x), scale is not None, bias is not None), op, ts, (), mesh, _IN)
-    st = _flat_stats(mesh, outs[0])  # type: ignore[arg-type]
-    return fast_result(ins, (outs[0], st, st))
+    return _in("instance_norm", (x, scale, bias))
 
 
 def instance_norm_grad(x: DistTensorSpec, scale: DistTensorSpec | None, bias: DistTensorSpec | None,
@@ -495,14 +489,7 @@ def instance_norm_grad(x: DistTensorSpec, scale: DistTensorSpec | None, bias: Di
                        epsilon: float = 1e-5) -> SpmdResult:
     """InstanceNormGradInferSpmd: x's n / c sharding; scale_grad / bias_grad sharded like c,
     partial SUM over n's mesh dims."""
-    op = "instance_norm_grad"
-    ts = (x, scale, bias, saved_mean, saved_variance, y_grad)
-    mesh = named_mesh(op, zip(_IN, ts))
-    _in_checks(op, ts)
-    ins, outs = infer(_in_plan(True, _in_keep(x), scale is not None, bias is not None), op, ts, (), mesh, _IN)
-    st = _flat_stats(mesh, ins[0])  # type: ignore[arg-type]
-    return fast_result((*ins[:3], st, st, ins[5]), outs)
-
+    return _in("instance_norm_grad", (x, scale, bias, saved_mean, saved_variance, y_grad))
 
 
 # -- roi_align: x ``abcd``, only the channels ``b`` shardable; boxes, boxes_num replicated -------
