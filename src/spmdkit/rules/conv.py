@@ -43,6 +43,12 @@ Normalizations:
                      sharded like x, never partial. Where x and out_grad shard the channels
                      differently the larger tensor wins (Paddle raises).
 
+Every rule is its checks plus a notation compiled once per key (rank, layout, groups > 1,
+transposed, which optional tensors are present; never per shape) and run by the engine
+(``engine.compile.infer``). Two post-hooks on the engine's answer, for what no notation
+says: a conv grad keeps a SUM-partial output_grad (above), and instance_norm's flat
+statistics carry n's and c's mesh dims on one axis (two letters on one axis).
+
 Deviations (docs/deviations.md, conv section): conv-spatial-sharded, conv-paddle-raises,
 conv-reverse-out, conv-channel-last-out, conv-shape-checks, conv-grad-partial-channel,
 dw-grouped-channels, bn-scale-bias, in-flat-stats, in-grad-paddle-raises, roi-grad-conflict,

@@ -24,6 +24,10 @@ Rows are replicated where the vocab-parallel kernel cannot run: ``padding_idx !=
 axis from out; a SUM-partial out over a free mesh dim becomes the weight's row sharding
 (vocab parallel), and the outputs returned are those the inferred inputs produce (Paddle
 echoes out, partial included). Deviations: ``docs/deviations.md`` ``embedding-*``.
+
+Every rule runs a notation compiled per key (x's rank, argument order, rows replicated) on
+the engine; the reverse rule's vocab-parallel row sharding is a post-hook on its answer (no
+notation derives an input letter from an output's partial status).
 """
 
 from __future__ import annotations
