@@ -207,16 +207,11 @@ def test_conv_family_plans_match_the_reference() -> None:
     answered = 0
     for _ in range(3000):
         p, direction = rng.choice(plans)
-        nt = p.notation
-        mesh = ProcessMesh(list(rng.choice(MESHES)))
-        dms, shapes = _tensors(rng, nt.inputs + nt.outputs, mesh.ndim)
-        _check(p, direction, dms, shapes, mesh.shape)
-        specs = _specs(mesh, [None if a is None else d for a, d in zip(nt.inputs + nt.outputs, dms)], shapes)
-        ins, outs = specs[: len(nt.inputs)], specs[len(nt.inputs) :] if direction == "backward" else []
-        got = p.fast(tuple(ins), tuple(outs), mesh) if direction == "forward" or any(outs) else None
+        got, general, dms, shapes, mesh_shape = _fast_and_general(rng, p, direction)
+        _check(p, direction, dms, shapes, mesh_shape)
         if got is not None:
             answered += 1
-            assert _attrs(got) == _attrs(infer(p, "op", ins, outs, mesh, fast=False)), (nt, direction, dms, shapes)
+            assert _attrs(got) == _attrs(general), (p.notation, direction, dms, shapes)
     assert answered > 1000
 
 def test_rule_plans_match_the_reference() -> None:
@@ -237,6 +232,22 @@ def _attrs(res: Any) -> Any:
     return [[None if a is None else (a.dims_mapping, a.partial) for a in side] for side in res]
 
 
+def _fast_and_general(rng: random.Random, p: Plan, direction: str) -> tuple[Any, Any, list[Any], list[Any], Any]:
+    """A random case of the plan: the generated code's answer (None where it declines), the
+    general path's (None for a backward case without outputs), the dims_mappings, the shapes
+    and the mesh shape."""
+    nt = p.notation
+    mesh = ProcessMesh(list(rng.choice(MESHES)))
+    dms, shapes = _tensors(rng, nt.inputs + nt.outputs, mesh.ndim)
+    dms = [None if a is None else d for a, d in zip(nt.inputs + nt.outputs, dms)]
+    specs = _specs(mesh, dms, shapes)
+    ins, outs = specs[: len(nt.inputs)], specs[len(nt.inputs) :] if direction == "backward" else []
+    if direction == "backward" and not any(outs):
+        return None, None, dms, shapes, mesh.shape
+    general = infer(p, "op", ins, outs, mesh, fast=False)
+    return p.fast(tuple(ins), tuple(outs), mesh), general, dms, shapes, mesh.shape
+
+
 def test_generated_fast_path_equals_the_general_path() -> None:
     """The plans' generated code (infer's first try) answers as the general path, or declines."""
     rng = random.Random(11)
@@ -248,21 +259,11 @@ def test_generated_fast_path_equals_the_general_path() -> None:
         else:
             direction = rng.choice(["forward", "backward"])
             p = compile_plan(_random_notation(rng), direction)
-        nt = p.notation
-        mesh = ProcessMesh(list(rng.choice(MESHES)))
-        dms, shapes = _tensors(rng, nt.inputs + nt.outputs, mesh.ndim)
-        dms = [None if a is None else d for a, d in zip(nt.inputs + nt.outputs, dms)]
-        specs = _specs(mesh, dms, shapes)
-        ins, outs = specs[: len(nt.inputs)], specs[len(nt.inputs) :] if direction == "backward" else []
-        if direction == "backward" and not any(outs):
-            continue
-        general = infer(p, "op", ins, outs, mesh, fast=False)
-        got = p.fast(tuple(ins), tuple(outs), mesh)
+        got, general, dms, shapes, _ = _fast_and_general(rng, p, direction)
         if got is not None:
             answered += 1
-            assert _attrs(got) == _attrs(general), (nt, direction, dms, shapes, mesh.shape)
+            assert _attrs(got) == _attrs(general), (p.notation, direction, dms, shapes)
     assert answered > 600  # the fast path answers most cases
-
 
 
 def test_generated_fast_path_resolves_letters_on_one_mesh_dim() -> None:
@@ -276,18 +277,10 @@ def test_generated_fast_path_resolves_letters_on_one_mesh_dim() -> None:
         nt = Notation(r.inputs, r.outputs, r.replicated, coshard=r.coshard, conflict=r.conflict,
                       replicated_claims=r.replicated_claims, taken=r.taken, sources=r.sources)  # fmt: skip
         direction = rng.choice(["forward", "backward"])
-        p = compile_plan(nt, direction)
-        mesh = ProcessMesh(list(rng.choice(MESHES)))
-        dms, shapes = _tensors(rng, nt.inputs + nt.outputs, mesh.ndim)
-        dms = [None if a is None else d for a, d in zip(nt.inputs + nt.outputs, dms)]
-        specs = _specs(mesh, dms, shapes)
-        ins, outs = specs[: len(nt.inputs)], specs[len(nt.inputs) :] if direction == "backward" else []
-        if direction == "backward" and not any(outs):
-            continue
-        got = p.fast(tuple(ins), tuple(outs), mesh)
+        got, general, dms, shapes, mesh_shape = _fast_and_general(rng, compile_plan(nt, direction), direction)
         if got is None:
             continue
-        assert _attrs(got) == _attrs(infer(p, "op", ins, outs, mesh, fast=False)), (nt, direction, dms, shapes)
+        assert _attrs(got) == _attrs(general), (nt, direction, dms, shapes)
         first: dict[str, Any] = {}  # each letter's first sharded entry on the merged tensors
         for ti, (a, d) in enumerate(zip(nt.inputs if direction == "forward" else nt.outputs,
                                         dms[: len(nt.inputs)] if direction == "forward" else dms[len(nt.inputs) :])):
@@ -295,7 +288,7 @@ def test_generated_fast_path_resolves_letters_on_one_mesh_dim() -> None:
                 continue
             for c, e in zip(a, d):
                 if c != BROADCAST and c not in nt.replicated and c not in first and e != -1:
-                    first[c] = max(e, key=lambda x: mesh.shape[x]) if isinstance(e, tuple) else e
+                    first[c] = max(e, key=lambda x: mesh_shape[x]) if isinstance(e, tuple) else e
         resolved += len(set(first.values())) < len(first)
     assert resolved > 100
 
