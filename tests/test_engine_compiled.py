@@ -2,7 +2,8 @@
 
 Every compiled plan must answer what the plain dict-based reference answers for its notation
 and policy: on random notations and policies, on the notations the rules on the engine compile
-(matmul, the norm family, softmax), and, for the default policy, what merge_letters answers.
+(matmul, the norm family, softmax, the views), and, for the default policy, what merge_letters
+answers.
 Seeded and bounded: a few thousand cases, a few seconds.
 """
 
@@ -16,9 +17,10 @@ import pytest
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.compile import Plan, compile_plan, infer, run
+from spmdkit.engine.dim_trans import reshape_links, view_plan
 from spmdkit.engine.merge import BROADCAST, reference_merge
 from spmdkit.engine.notation import Notation, merge_letters
-from spmdkit.rules import conv, embedding, matmul, norm, softmax
+from spmdkit.rules import amp, conv, default, elementwise, embedding, matmul, norm, optimizer, softmax, transpose
 from spmdkit.rules import slice as slice_rules
 
 MESHES = [(2,), (3,), (2, 2), (2, 3), (3, 2), (2, 4), (2, 2, 2), (1, 2), (2, 3, 2)]
@@ -75,21 +77,29 @@ def _random_notation(rng: random.Random) -> Notation:
         a = pick()
         b = "".join(c for c in pick() if c not in a)
         order = ("*", ">" + b, a) if rng.random() < 0.5 else (a, "*")
+    chains: list[str] = []  # flatten: disjoint letter strings
+    free = list(seen)
+    rng.shuffle(free)
+    while free and rng.random() < 0.5:
+        k = rng.randint(1, min(3, len(free)))
+        chains.append("".join(free[:k]))
+        free = free[k:]
     return Notation(
         ins,
         outs,
         replicated=pick(),
         prune=rng.choice(["", "*", pick()]),
         coshard=rng.choice(["keep", "largest"]),
-        conflict=rng.choice(["weight", "first", "union", "replicate"]),
+        conflict=rng.choice(["weight", "first", "union", "replicate", "heaviest"]),
         order=order,
         replicated_claims=rng.choice(["drop", "block"]),
         uneven=pick(),
         size1_claims=pick(),
         sizes=rng.choice(["first", "known"]),
         unit_axes=rng.choice(["skip", "claim"]) if order == "claim" else "skip",
-        taken=rng.choice(["dims", "letter"]),
+        taken=rng.choice(["dims", "letter", "keep"]),
         sources=None if rng.random() < 0.6 else [i for i in range(len(ins)) if rng.random() < 0.6],
+        flatten=chains,
     )
 
 
@@ -101,8 +111,8 @@ def _check(p: Plan, direction: str, dms: list[Any], shapes: list[Any], mesh_shap
     if direction == "forward" and nt.sources is not None:  # the other inputs are not merged
         axes = tuple(a if i in nt.sources else None for i, a in enumerate(axes))
     m_dms, m_shapes = dms[merged], shapes[merged]
-    got = run(p, m_dms, m_shapes, shapes[:n_in], mesh_shape)
-    want = reference_merge(nt, axes, m_dms, m_shapes, mesh_shape, nt.inputs, shapes[:n_in])
+    got = run(p, m_dms, m_shapes, shapes[:n_in], mesh_shape, shapes)
+    want = reference_merge(nt, axes, m_dms, m_shapes, mesh_shape, nt.inputs, shapes[:n_in], nt.inputs + nt.outputs, shapes)
     for i, c in enumerate(nt.letters):
         assert got[i] == want.get(c, ()), (nt, direction, dms, shapes, mesh_shape, c, got, want)
 
@@ -137,22 +147,31 @@ def _rule_plans() -> list[tuple[Plan, str]]:
         for ny in (1, 2, 3):
             for tx in (False, True) if nx > 1 else (False,):
                 for ty in (False, True) if ny > 1 else (False,):
-                    plans.append((compile_plan(matmul._notation(nx, ny, tx, ty, "forward")), "forward"))
-                    plans.append((compile_plan(matmul._notation(nx, ny, tx, ty, "reverse"), "backward"), "backward"))
-                    plans.append((matmul._grad_plan(nx, ny, tx, ty, (1, 0, 0)), "forward"))
-                    plans.append((matmul._grad_plan(nx, ny, tx, ty, (0, 0, 0)), "forward"))
+                    plans.append((compile_plan(matmul.notation(nx, ny, tx, ty)), "forward"))
+                    plans.append((compile_plan(matmul.reverse_notation(nx, ny, tx, ty), "backward"), "backward"))
+                    for mask in ((1, 0, 0), (0, 0, 0)):
+                        plans.append((compile_plan(matmul.grad_notation(nx, ny, tx, ty, mask), "forward", mask), "forward"))
     for nd in (1, 2, 3, 4):
         for bna in range(nd + 1):
             for kind in ("ln", "ln_rev", "ln_grad"):
-                p = norm._plan(kind, nd, bna, (1, -1))
+                p = compile_plan(norm.notation(kind, nd, bna, 1, -1), "backward" if kind.endswith("rev") else "forward")
                 plans.append((p, "backward" if kind.endswith("rev") else "forward"))
         for kind in ("rms", "rms_rev", "rms_grad"):
-            p = norm._plan(kind, nd, nd - 1, (1,))
+            p = compile_plan(norm.notation(kind, nd, nd - 1, 1), "backward" if kind.endswith("rev") else "forward")
             plans.append((p, "backward" if kind.endswith("rev") else "forward"))
+        for ux in range(1 << nd):
+            for ny in range(nd + 1):
+                uy = ux & ((1 << ny) - 1)
+                plans.append((compile_plan(elementwise.binary_notation("forward", nd, ny, ux, uy)), "forward"))
+                plans.append((compile_plan(elementwise.binary_notation("backward", nd, ny, ux, uy), "backward"), "backward"))
+                plans.append((compile_plan(elementwise.binary_grad_notation(ny % 2 == 0, nd, nd, ny, ux, uy)), "forward"))
+        plans.append((compile_plan(elementwise.unary_grad_notation(2, nd)), "forward"))
+        plans.append((compile_plan(transpose.notation(nd, tuple(range(nd))[::-1])), "forward"))
+        plans.append((compile_plan(transpose.notation(nd, tuple(range(nd))[::-1]), "backward"), "backward"))
         for axis in range(nd):
-            plans.append((softmax._plan(nd, axis, "forward"), "forward"))
-            plans.append((softmax._plan(nd, axis, "backward"), "backward"))
-            plans.append((softmax._grad_plan(nd, axis), "forward"))
+            plans.append((compile_plan(softmax.notation(nd, axis)), "forward"))
+            plans.append((compile_plan(softmax.notation(nd, axis), "backward"), "backward"))
+            plans.append((compile_plan(softmax.grad_notation(nd, axis)), "forward"))
     for nd in (1, 2, 3):  # slice.py: the fixed (sliced / tiled / broadcast) axes, new leading axes
         for fixed in ((), (0,), (nd - 1,)):
             for lead in (0, 2):
@@ -160,6 +179,21 @@ def _rule_plans() -> list[tuple[Plan, str]]:
                     plans.append((slice_rules._plan(kind, nd, fixed, (), lead), "forward"))
                 plans.append((slice_rules._plan("copy", nd, fixed, (), lead, "largest", "backward"), "backward"))
             plans.append((slice_rules._plan("slice_grad", nd, fixed, fixed[:1], 0, "largest"), "forward"))
+    # the declared policies conflict="heaviest" (default_data_parallel), taken="keep" (the AMP ops)
+    # and the optimizers' vote over every answered tensor
+    for ranks in ((2, 3), (1, 2, 0), (3,)):
+        for how in ("forward", "backward"):
+            plans.append((default._plan(ranks, (2, 1), how), "forward"))
+        for op in ("check_finite_and_unscale", "update_loss_scaling"):
+            plans.append((amp._plan(op, ranks, (1,) * (1 if op.startswith("check") else 4), False), "forward"))
+            plans.append((amp._plan(op, ranks, (1,) * (1 if op.startswith("check") else 4), True), "forward"))
+    plans.append((optimizer._plan(2, (-2, 1, -2, -1), (-2, -1), 2, (6, 7)), "forward"))
+    plans.append((optimizer._plan(3, (-2, 1, -2, -2), (-2, -2), 0, (0, 2)), "forward"))
+    for a, b in (((6, 12, 48, 24), (1, 72, 48, 4, 6)), ((8, 16, 4), (512,)), ((4, 1, 8), (32,)), ((24,), (2, 3, 4)),
+                 ((2, 3, 4), (6, 4)), ((1, 8), (8, 1))):  # the view rules' plans (and their reverse)
+        for keep in (True, False):
+            plans.append((view_plan(len(a), reshape_links(a, b), keep), "forward"))
+            plans.append((view_plan(len(b), reshape_links(b, a), keep, True), "backward"))
     return plans
 
 
@@ -244,8 +278,9 @@ def _fast_and_general(rng: random.Random, p: Plan, direction: str) -> tuple[Any,
     ins, outs = specs[: len(nt.inputs)], specs[len(nt.inputs) :] if direction == "backward" else []
     if direction == "backward" and not any(outs):
         return None, None, dms, shapes, mesh.shape
-    general = infer(p, "op", ins, outs, mesh, fast=False)
-    return p.fast(tuple(ins), tuple(outs), mesh), general, dms, shapes, mesh.shape
+    out_shapes = shapes[len(nt.inputs) :]
+    general = infer(p, "op", ins, outs, mesh, fast=False, out_shapes=out_shapes)
+    return p.fast(tuple(ins), tuple(outs), mesh, out_shapes), general, dms, shapes, mesh.shape
 
 
 def test_generated_fast_path_equals_the_general_path() -> None:
@@ -259,10 +294,10 @@ def test_generated_fast_path_equals_the_general_path() -> None:
         else:
             direction = rng.choice(["forward", "backward"])
             p = compile_plan(_random_notation(rng), direction)
-        got, general, dms, shapes, _ = _fast_and_general(rng, p, direction)
+        got, general, dms, shapes, mesh_shape = _fast_and_general(rng, p, direction)
         if got is not None:
             answered += 1
-            assert _attrs(got) == _attrs(general), (p.notation, direction, dms, shapes)
+            assert _attrs(got) == _attrs(general), (p.notation, direction, dms, shapes, mesh_shape)
     assert answered > 600  # the fast path answers most cases
 
 
@@ -297,7 +332,7 @@ def test_matmul_coshard_union_through_infer() -> None:
     m = ProcessMesh([3, 2])
     x = DistTensorSpec([6, 36], mesh=m, dims_mapping=[-1, 0])
     y = DistTensorSpec([36, 6], mesh=m, dims_mapping=[1, -1])
-    p = compile_plan(matmul._notation(2, 2, False, False, "forward"))
+    p = compile_plan(matmul.notation(2, 2, False, False))
     ins, outs = infer(p, "matmul", (x, y), (), m)
     assert [a.dims_mapping for a in ins] == [(-1, (0, 1)), ((0, 1), -1)]  # type: ignore[union-attr]
     assert [d for d, _ in outs[0].partial] == [0, 1]  # type: ignore[union-attr]
@@ -314,6 +349,25 @@ def test_bad_policy_value_rejected() -> None:
         Notation(["ab"], ["ab"], sources=[1])
     with pytest.raises(ValueError, match="claim order"):
         Notation(["ab"], ["ab"], unit_axes="claim", order="notation")
+    for bad in (["ab", "b"], ["ax"], [""]):
+        with pytest.raises(ValueError, match="flatten"):
+            Notation(["ab"], ["a"], flatten=bad)
+
+
+def test_flatten_chain_co_shards_the_run() -> None:
+    """x [8, 16] flattened: the first axis takes both mesh dims where 8 divides by them; a
+    run whose product does not divide the first axis's size (or the output's) stops before."""
+    p = compile_plan(Notation(["ab"], ["a"], flatten=["ab"]))
+    for mesh_shape, x_shape, out_size, want in (((2, 4), [8, 16], 128, (0, 1)), ((2, 8), [8, 16], 128, 0),
+                                                 ((4, 2), [6, 16], 96, -1), ((2, 4), [8, 16], 2, 0)):
+        m = ProcessMesh(list(mesh_shape))
+        x = DistTensorSpec(x_shape, mesh=m, dims_mapping=[0, 1])
+        for fast in (True, False):
+            ins, outs = infer(p, "flatten", (x,), (), m, fast=fast, out_shapes=[(out_size,)])
+            assert outs[0].dims_mapping == (want,), (mesh_shape, x_shape, out_size)  # type: ignore[union-attr]
+            assert ins[0].dims_mapping == (want, -1)  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="out_shapes"):
+        infer(p, "flatten", (x,), (), m)
 
 
 def test_docs_rules_md_examples_run() -> None:
@@ -329,8 +383,8 @@ def test_docs_rules_md_examples_run() -> None:
         exec(compile(b, "docs/rules.md", "exec"), {})
     rev = Notation(["ab1", "1", "1"], ["abc", "ab", "ab"], replicated="c", replicated_claims="block",
                    coshard="largest")  # fmt: skip
-    assert norm._plan("ln_rev", 3, 2, (1, 1)).notation == rev
-    assert norm._plan("ln_grad", 3, 2, (1, 1)).notation == Notation(
+    assert norm.notation("ln_rev", 3, 2, 1, 1) == rev
+    assert norm.notation("ln_grad", 3, 2, 1, 1) == Notation(
         ["ab1", "1", "1", "ab", "ab", "ab1"], ["ab1", "1", "1"], coshard="largest"
     )
 
@@ -372,3 +426,52 @@ def test_rules_on_the_engine_are_answered_through_it() -> None:
             assert seen, f"{name} {mode} did not reach a compiled plan"
     finally:
         set_cache_enabled(True)
+
+
+def test_forward_projection_equals_the_reference() -> None:
+    """infer's general path projects the merged letters as the dict-based spec does: every
+    output partial over each mesh dim of the letters it lacks once (``taken="keep"`` lets two
+    letters share one), inputs without partial."""
+    from spmdkit.engine.notation import partial_of, project
+
+    rng = random.Random(23)
+    checked = 0
+    for _ in range(600):
+        nt = _random_notation(rng)
+        mesh = ProcessMesh(list(rng.choice(MESHES)))
+        every, every_shapes = _tensors(rng, nt.inputs + nt.outputs, mesh.ndim)  # outputs: flatten sizes
+        n = len(nt.inputs)
+        dms = [None if a is None else d for a, d in zip(nt.inputs, every[:n])]
+        shapes = every_shapes[:n]
+        ins = _specs(mesh, dms, shapes)
+        axes = tuple(a if nt.sources is None or i in nt.sources else None for i, a in enumerate(nt.inputs))
+        want = reference_merge(nt, axes, dms, shapes, mesh.shape, nt.inputs, shapes, nt.inputs + nt.outputs, every_shapes)
+        got_in, got_out = infer(compile_plan(nt), "op", ins, (), mesh, fast=False, out_shapes=every_shapes[n:])
+        for a, attr in zip(nt.outputs, got_out):
+            assert attr is not None and a is not None
+            assert (attr.dims_mapping, attr.partial) == (project(a, want), partial_of(a, want, nt)), (nt, dms, shapes)
+        for a, attr in zip(nt.inputs, got_in):
+            assert attr is not None and a is not None
+            assert (attr.dims_mapping, attr.partial) == (project(a, want), ())
+        checked += 1
+    assert checked == 600
+
+
+def test_big_plan_generates_its_code_on_second_use() -> None:
+    """A plan labelling more than ``_EAGER`` axes declines its first call (the general path
+    answers), generates its code on the second, and that code answers as the general path."""
+    from spmdkit.engine.compile import _EAGER
+
+    rng = random.Random(29)
+    n = _EAGER // 2 + 1  # 2-D tensors of their own letters: more than _EAGER axes
+    letters = [chr(0x100 + 2 * i) + chr(0x101 + 2 * i) for i in range(n)]
+    p = compile_plan(Notation(letters, [BROADCAST], taken="keep"))
+    mesh = ProcessMesh([2, 4])
+    dms = [_mapping(rng, 2, 2) for _ in range(n)]
+    dms = [tuple(-1 if isinstance(e, tuple) else e for e in d) for d in dms]  # the generated code's case
+    ins = _specs(mesh, dms, [(4, 8)] * n)
+    general = infer(p, "op", ins, (), mesh, fast=False)
+    assert p.fast(tuple(ins), (), mesh) is None
+    got = p.fast(tuple(ins), (), mesh)
+    assert got is not None and _attrs(got) == _attrs(general)
+    assert _attrs(p.fast(tuple(ins), (), mesh)) == _attrs(general)

@@ -164,6 +164,18 @@ def test_reshape_dynamic_sizes() -> None:
     assert dms(r) == ([[1, 0, -1]], [[1, 0, -1, -1]])
 
 
+def test_reshape_dynamic_after_size1_axes() -> None:
+    """A dynamic axis after size-1 axes the two shapes place differently stays at its index (the
+    walk once lost the alignment there and looped forever or failed with an IndexError)."""
+    f, b = get_rule("reshape").infer_forward, get_rule("reshape").infer_backward
+    r = b(spec([2, 3], [2, 1, -1, 1], [-1, -1, 1, -1]), spec([2, 3], [1, 2, -1, 1], [-1, 1, -1, 0]), [1, 2, 0, 1])
+    assert dms(r) == ([[1, -1, -1, 0]], [[-1, 1, -1, 0]])
+    r = f(spec([2], [1, 1, 3, 8, -1, 2], [-1, -1, -1, -1, -1, 0]), [4, 2, 3, 1, 0, 2, 1])
+    assert dms(r) == ([[-1, -1, -1, -1, -1, 0]], [[-1, -1, -1, -1, -1, 0, -1]])
+    r = f(spec([3, 4], [1, 2, -1, 1], [-1, -1, 1, 0]), [2, 1, 0])
+    assert dms(r) == ([[-1, -1, 1, -1]], [[-1, -1, 1]])
+
+
 @pytest.mark.parametrize(("shape", "target", "msg"), [
     ([6, -1], [0, 6], "must copy it with 0 at index 1"),
     ([4, -1], [2, 0, 2], "same elements before the dynamic axis 1"),
@@ -175,11 +187,50 @@ def test_reshape_dynamic_sizes_not_copied(shape: list[int], target: list[int], m
     assert msg in str(e.value) and "reshape" in str(e.value)
 
 
-def test_reshape_infer_matches_the_list() -> None:
-    """The reshape rule's one-pass reshape_infer equals infer_from_trans over reshape_trans."""
+def _paddle_view(trans: tuple[object, ...], shape: tuple[int, ...], dm: tuple[object, ...],
+                 mesh: tuple[int, ...]) -> tuple[tuple[object, ...], tuple[object, ...]]:
+    """A plain transcription of Paddle 3.3.1's propagation through a list (dim_trans.cc), the
+    spec the rules' compiled plans are held to: (x's dims_mapping, out's)."""
+
+    def dims(e: object) -> tuple[int, ...]:
+        return e if isinstance(e, tuple) else () if e == -1 else (e,)  # type: ignore[return-value]
+
+    new_in: list[object] = [-1] * len(shape)
+    out: list[object] = [-1] * len(trans)
+    for i, t in enumerate(trans):
+        if isinstance(t, InputDim):
+            out[i] = new_in[t.dim] = dm[t.dim]
+            continue
+        if isinstance(t, Flatten):
+            axes, sizes = t.dims, [shape[t.dims[0]]]
+        elif isinstance(t, Split) and t.piece == 0:
+            axes = (t.source.dim,) if isinstance(t.source, InputDim) else t.source.dims  # type: ignore[union-attr]
+            sizes = [shape[axes[0]], t.shape[0]]
+        else:
+            continue
+        keep: tuple[int, ...] = ()
+        p = 1
+        for k in axes:  # the leftmost axis's mesh dims, then the next sharded axes', whole
+            if not dims(dm[k]):
+                break
+            for d in dims(dm[k]):
+                p *= mesh[d]
+            if any(s % p for s in sizes):
+                break
+            keep += dims(dm[k])
+        if keep:
+            out[i] = new_in[axes[0]] = keep[0] if len(keep) == 1 else keep
+    return tuple(new_in), tuple(out)
+
+
+def test_rules_match_paddles_propagation() -> None:
+    """The view rules' plans answer as the plain propagation over the op's list, on random
+    shapes, co-shards and partial x (reshape and its reverse and grad, flatten, squeeze,
+    unsqueeze); reshape_links is the structure of reshape_trans."""
     import random
 
-    from spmdkit.engine.dim_trans import infer_from_trans, reshape_infer
+    from spmdkit.engine.axes import one_mesh_dim
+    from spmdkit.engine.dim_trans import invert_trans, links, reshape_links
 
     r = random.Random(7)
 
@@ -193,17 +244,46 @@ def test_reshape_infer_matches_the_list() -> None:
             out.insert(r.randint(0, len(out)), 1)
         return out or [1]
 
-    for _ in range(3000):
-        n = r.choice([1, 2, 6, 8, 12, 24, 48, 72])
-        a, b = tuple(factor(n)), tuple(factor(n))
-        mesh = tuple(r.choice([2, 3, 4]) for _ in range(r.randint(1, 3)))
-        dm: list[object] = [-1] * len(a)
-        for d in range(len(mesh)):
-            i = r.randrange(len(a))
+    def mapping(nd: int, mesh: tuple[int, ...]) -> tuple[object, ...]:
+        dm: list[object] = [-1] * nd
+        for d in range(len(mesh) if nd else 0):
+            i = r.randrange(nd)
             if dm[i] == -1:
                 dm[i] = d
             elif r.random() < 0.5:
                 prev = dm[i]
                 dm[i] = (*(prev if isinstance(prev, tuple) else (prev,)), d)
-        key = (a, b, tuple(dm), mesh)
-        assert reshape_infer(a, b, tuple(dm), mesh) == infer_from_trans(reshape_trans(a, b), a, tuple(dm), mesh), key
+        return tuple(dm)
+
+    for _ in range(1500):
+        n = r.choice([1, 2, 6, 8, 12, 24, 48, 72])
+        a, b = tuple(factor(n)), tuple(factor(n))
+        mesh = tuple(r.choice([2, 3, 4]) for _ in range(r.randint(1, 3)))
+        dm, odm = mapping(len(a), mesh), mapping(len(b), mesh)
+        pt = [d for d in range(len(mesh)) if r.random() < 0.2 and all(d not in (e if isinstance(e, tuple) else (e,)) for e in dm)]
+        x = spec(list(mesh), list(a), list(dm), pt)
+        key = (a, b, dm, odm, mesh, pt)
+        assert reshape_links(a, b) == links(reshape_trans(a, b)), key
+        got = get_rule("reshape").infer_forward(x, list(b))
+        assert dms(got) == tuple([list(v)] for v in _paddle_view(reshape_trans(a, b), a, dm, mesh)), key
+        assert got.inputs[0].partial == got.outputs[0].partial == x.dist_attr.partial, key
+        got = get_rule("reshape").infer_backward(x, spec(list(mesh), list(b), list(odm)), list(b))
+        want = _paddle_view(reshape_trans(b, a), b, one_mesh_dim(odm, mesh), mesh)  # type: ignore[arg-type]
+        assert dms(got) == ([list(want[1])], [list(want[0])]), key
+        got = get_rule("reshape_grad").infer_forward(spec(list(mesh), list(a), [-1] * len(a)), x)
+        assert dms(got)[1] == [list(_paddle_view(reshape_trans(a, a), a, dm, mesh)[1])], key
+        s0, s1 = sorted((r.randrange(len(a)), r.randrange(len(a))))
+        trans, _ = flatten_trans(a, s0, s1)
+        got = get_rule("flatten").infer_forward(x, s0, s1)
+        assert dms(got) == tuple([list(v)] for v in _paddle_view(trans, a, dm, mesh)), key
+        one = one_mesh_dim(dm, mesh)  # type: ignore[arg-type]
+        for op, axis, make in (("squeeze", [i for i, v in enumerate(a) if v == 1 and r.random() < 0.5], squeeze_trans),
+                               ("unsqueeze", [r.randint(0, len(a))], unsqueeze_trans)):
+            trans, oshape = make(a, tuple(axis))
+            got = get_rule(op).infer_forward(x, axis)
+            assert dms(got) == tuple([list(v)] for v in _paddle_view(trans, a, one, mesh)), (op, key)
+            assert not got.outputs[0].partial
+            om = mapping(len(oshape), mesh)
+            got = get_rule(op).infer_backward(x, spec(list(mesh), list(oshape), list(om)), axis)
+            want = _paddle_view(invert_trans(trans, len(a)), oshape, one_mesh_dim(om, mesh), mesh)  # type: ignore[arg-type]
+            assert dms(got) == ([list(want[1])], [list(want[0])]), (op, key)

@@ -87,15 +87,16 @@ def one_mesh_dim_specs(*specs: DistTensorSpec | None) -> Sequence[DistTensorSpec
 
 def normalize_axis(op: str, axis: int, ndim: int, name: str = "axis", tensor: str = "tensor") -> int:
     """``axis`` in ``[0, ndim)`` (a negative one counts from the end); a 0-d tensor takes 0 or -1
-    (as 0). InvalidAttributeError naming the op, the attribute and the range otherwise;
+    (as 0). InvalidAttributeError naming the op (unless ``op`` is ""), the attribute and the range otherwise;
     ``tensor`` names what the axis indexes in that message."""
+    pre = f"{op}: " if op else ""  # "": the caller names the op (a declared rule's notation)
     if ndim == 0:
         if axis not in (0, -1):
-            raise InvalidAttributeError(f"{op}: {name} {axis} is out of range for a 0-d {tensor} (0 or -1)")
+            raise InvalidAttributeError(f"{pre}{name} {axis} is out of range for a 0-d {tensor} (0 or -1)")
         return 0
     if not -ndim <= axis < ndim:
         raise InvalidAttributeError(
-            f"{op}: {name} {axis} is out of range for a {ndim}-D {tensor} [{-ndim}, {ndim})"
+            f"{pre}{name} {axis} is out of range for a {ndim}-D {tensor} [{-ndim}, {ndim})"
         )
     return axis + ndim if axis < 0 else axis
 

@@ -28,16 +28,16 @@ _make = TensorDistAttr._make
 #: (d,) for a mesh dim d: no tuple built per entry
 _ONE = tuple((d,) for d in range(64))
 
-_CONFLICT = {"weight": 0, "first": 1, "union": 2, "replicate": 3}
+_CONFLICT = {"weight": 0, "first": 1, "union": 2, "replicate": 3, "heaviest": 4}
 
 
 class Plan:
     """A notation compiled for one direction and key (see the module docstring)."""
 
     __slots__ = (
-        "block", "conflict", "fast", "fast_letters", "groups", "in_axes", "in_letters", "largest", "letter_ids", "n", "notation",
+        "block", "chain_out", "chain_src", "chains", "conflict", "fast", "fast_letters", "groups", "in_axes", "in_letters", "largest", "letter_ids", "n", "notation",
         "order_kind", "out_axes", "out_missing", "prune", "rep", "s1claim", "size_src", "sizes_known",
-        "src", "taken_letter", "uneven", "unit",
+        "src", "taken_keep", "taken_letter", "uneven", "unit",
     )  # fmt: skip
 
     def __init__(self, notation: Notation, direction: str, mask: tuple[int, ...]) -> None:
@@ -61,6 +61,7 @@ class Plan:
         self.largest = nt.coshard == "largest"
         self.unit = nt.unit_axes == "claim"
         self.taken_letter = nt.taken == "letter"
+        self.taken_keep = nt.taken == "keep"
         self.conflict = _CONFLICT[nt.conflict]
         self.prune = tuple(nt.prunes(c) for c in letters)
         self.uneven = tuple(c in nt.uneven for c in letters)
@@ -78,6 +79,15 @@ class Plan:
                     if c != BROADCAST:
                         src[lid[c]].append((ti, i))
         self.size_src = tuple(tuple(s) for s in src)
+        # flatten chains (letter ids) and where their first letter sits on every tensor
+        # (inputs, then outputs: (tensor index, axis))
+        self.chains = tuple(tuple(lid[c] for c in chain) for chain in nt.flatten)
+        tensors = (*nt.inputs, *nt.outputs)
+        self.chain_src = tuple(
+            tuple((ti, i) for ti, a in enumerate(tensors) if a is not None for i, c in enumerate(a) if c == chain[0])
+            for chain in nt.flatten
+        )
+        self.chain_out = any(ti >= len(nt.inputs) for cs in self.chain_src for ti, _ in cs)
         # the order of resolution
         order = nt.order
         groups: list[tuple[int, tuple[int, ...]]] = []
@@ -109,14 +119,37 @@ class Plan:
             in_axes.append(tuple(-1 if (m >> i) & 1 else x for i, x in enumerate(ids(a))))
         self.in_axes = tuple(in_axes)
         self.out_axes = tuple(None if a is None else ids(a) for a in nt.outputs)
-        # the letters an output lacks (a replicated one never shards, so never makes it partial)
+        # the letters an output lacks; a chain's other letters and replicated letters shard
+        # nothing, so never make it partial
+        never = {c for chain in nt.flatten for c in chain[1:]} | nt.replicated
         self.out_missing = tuple(
-            None if a is None else tuple((lid[c], nt.reduce_type(c)) for c in letters
-                                         if c not in a and c not in nt.replicated)
+            None if a is None else tuple((lid[c], nt.reduce_type(c)) for c in letters if c not in a and c not in never)
             for a in nt.outputs
-        )  # fmt: skip
-        self.fast = _generate(self, direction)
+        )
+        size = sum(len(a) for a in (*nt.inputs, *nt.outputs) if a)
+        self.fast = _generate(self, direction) if size <= _EAGER else _lazy(self, direction)
         self.fast_letters: Any = None  # merge_letters' generated code, made on first use
+
+
+#: a plan labelling more axes than this generates its code on its second use, not when compiled:
+#: compiling the straight-line code of a long list of tensors (an AMP op over a model's grads)
+#: costs far more than the general path of the one call that may be all the plan ever answers
+_EAGER = 96
+
+
+def _lazy(p: Plan, direction: str) -> Any:
+    """A stand-in for the generated code of a big plan: declines its first call (the general
+    path answers it), generates the code on the second."""
+
+    def first(inputs: Any, outputs: Any, mesh: Any, out_shapes: Any = None) -> None:
+        p.fast = second
+        return None
+
+    def second(inputs: Any, outputs: Any, mesh: Any, out_shapes: Any = None) -> Any:
+        p.fast = _generate(p, direction)
+        return p.fast(inputs, outputs, mesh, out_shapes)
+
+    return first
 
 
 _plans: dict[tuple[Notation, str, tuple[int, ...]], Plan] = {}
@@ -176,9 +209,11 @@ def run(
     shapes: Sequence[Sequence[int] | None],
     all_shapes: Sequence[Sequence[int] | None],
     mesh_shape: Sequence[int],
+    every: Sequence[Sequence[int] | None] = (),
 ) -> list[tuple[int, ...]]:
     """The mesh dims of every letter (by id) for the merged tensors' ``dms`` / ``shapes``
-    (``all_shapes``: the inputs', for ``sizes="known"``)."""
+    (``all_shapes``: the inputs', for ``sizes="known"``; ``every``: every tensor's shape,
+    inputs then outputs, for ``flatten`` chains)."""
     n = p.n
     rep = p.rep
     largest = p.largest
@@ -232,6 +267,13 @@ def run(
                 cur[a] = d
                 hold[a] = ti
                 claims.append(a)
+            elif conflict == 4:  # heaviest: any heavier tensor sharding the letter takes it
+                s_new, s_old = shapes[ti], shapes[hold[a]]
+                if (merge_weight(s_new) if s_new is not None else 0) > (
+                    merge_weight(s_old) if s_old is not None else 0
+                ):
+                    cur[a] = d
+                    hold[a] = ti
             elif c != d:
                 if conflict == 0:
                     s_new, s_old = shapes[ti], shapes[hold[a]]
@@ -254,6 +296,8 @@ def run(
         return [()] * n
     if cands:
         _unions(cur, cands, mesh_shape)
+    for chain, where in zip(p.chains, p.chain_src):
+        _chain(cur, chain, [every[ti][i] for ti, i in where if every[ti] is not None], mesh_shape)  # type: ignore[index]
     # sizes (only read where a letter prunes)
     size_src = p.size_src
     known = p.sizes_known
@@ -279,6 +323,7 @@ def run(
                 order.extend(got)
     final: list[tuple[int, ...]] = [()] * n
     prune, uneven, s1claim = p.prune, p.uneven, p.s1claim
+    keep = p.taken_keep
     used = 0
     for a in order:
         if a < 0:
@@ -287,7 +332,7 @@ def run(
         if rep[a]:
             continue
         d = cur[a]  # type: ignore[assignment]
-        if used:
+        if used and not keep:
             d2 = tuple([x for x in d if not (used >> x) & 1])
             d = () if p.taken_letter and len(d2) < len(d) else d2
         claim = d
@@ -302,6 +347,23 @@ def run(
             used |= 1 << x
         final[a] = d
     return final
+
+
+def _chain(cur: list[tuple[int, ...] | None], chain: tuple[int, ...], sizes: list[int],
+           mesh_shape: Sequence[int]) -> None:
+    """``flatten``: the chain's first letter takes the longest run of its letters' mesh dims
+    whose product divides every known size in ``sizes``; the others shard nothing."""
+    if cur[chain[0]]:
+        keep: tuple[int, ...] = ()
+        for a in chain:
+            d = keep + tuple([x for x in cur[a] or () if x not in keep])
+            if len(d) == len(keep) or any(s >= 0 and s % mesh_size(mesh_shape, d) for s in sizes):
+                break
+            keep = d
+        cur[chain[0]] = keep
+    for a in chain[1:]:
+        if cur[a] is not None:
+            cur[a] = ()
 
 
 def _size(
@@ -363,7 +425,7 @@ def project_dm(ids: tuple[int, ...], ent: list[Entry]) -> DimsMapping:
 
 
 def out_partial(
-    missing: tuple[tuple[int, ReduceType], ...], final: list[tuple[int, ...]]
+    missing: tuple[tuple[int, ReduceType], ...], final: list[tuple[int, ...]], taken_keep: bool = False
 ) -> tuple[tuple[int, ReduceType], ...]:
     """The partial of an output: the mesh dims of the letters it lacks, with their reduce types."""
     pt: list[tuple[int, ReduceType]] | None = None
@@ -377,6 +439,8 @@ def out_partial(
         return ()
     if len(pt) > 1:
         pt.sort(key=lambda t: t[0])
+        if taken_keep:  # letters may share a mesh dim: each once (the first letter's type)
+            pt = [t for i, t in enumerate(pt) if i == 0 or pt[i - 1][0] != t[0]]
     return tuple(pt)
 
 
@@ -388,19 +452,24 @@ def infer(
     mesh: ProcessMesh,
     names: Sequence[str] | None = None,
     fast: bool = True,
+    out_shapes: Sequence[Sequence[int] | None] | None = None,
 ) -> tuple[tuple[TensorDistAttr | None, ...], tuple[TensorDistAttr | None, ...]]:
     """Every input's and output's dist attr under the plan (``outputs`` empty in the forward
     direction). Inputs come back without partial (a partial input is resharded); outputs are
     partial over the mesh dims of the letters they lack. ``fast``: try the plan's generated
-    code first (it answers the common case; ``fast=False`` for the general path alone)."""
+    code first (it answers the common case; ``fast=False`` for the general path alone).
+    ``out_shapes``: the outputs' shapes in the forward direction, needed where a ``flatten``
+    letter is on an output (its sizes there count)."""
     if _trace is not None:
         _trace.append(op)
-    if fast:
-        r = p.fast(inputs, outputs, mesh)
-        if r is not None:
-            return r  # type: ignore[no-any-return]
     nt = p.notation
     forward = not outputs
+    if forward and p.chain_out and out_shapes is None:
+        raise ValueError(f"{op}: the plan of {nt!r} needs the outputs' shapes (out_shapes)")
+    if fast:
+        r = p.fast(inputs, outputs, mesh, out_shapes)
+        if r is not None:
+            return r  # type: ignore[no-any-return]
     merged = inputs if forward else outputs
     axes = nt.inputs if forward else nt.outputs
     dms: list[DimsMapping | None] = []
@@ -420,26 +489,36 @@ def infer(
     all_shapes: Any = shapes
     if p.sizes_known and not forward:
         all_shapes = [None if t is None else t.shape for t in inputs]
-    final = run(p, dms, shapes, all_shapes, mesh.shape)
+    every: list[Any] = []
+    if p.chains:
+        every = [None if t is None else t.shape for t in inputs]
+        every += list(out_shapes or ()) if forward else [None if t is None else t.shape for t in outputs]
+    final = run(p, dms, shapes, all_shapes, mesh.shape, every)
     if p.in_letters is not None:
         keep = p.in_letters
         final = [d if keep[a] else () for a, d in enumerate(final)]
     ent = entries(final)
     ins: list[TensorDistAttr | None] = []
+    made: dict[tuple[int, ...], TensorDistAttr] = {}  # one attr per labelling (many tensors share one)
     for t, ids in zip(inputs, p.in_axes):
         if ids is None:
             ins.append(None)
-        elif t is None:  # an absent tensor the notation labels: the attr it would need
-            ins.append(_make(mesh, project_dm(ids, ent)))
+            continue
+        at = made.get(ids)
+        if at is None:
+            at = made[ids] = _make(mesh, project_dm(ids, ent))
+        if t is None:  # an absent tensor the notation labels: the attr it would need
+            ins.append(at)
         else:
-            ins.append(attr_as(t.dist_attr, mesh, project_dm(ids, ent)))
+            src = t.dist_attr
+            ins.append(src if src.mesh is mesh and not src.partial and src.dims_mapping == at.dims_mapping else at)
     outs: list[TensorDistAttr | None] = []
     for j, (ids, missing) in enumerate(zip(p.out_axes, p.out_missing)):
         if ids is None or missing is None:
             outs.append(None)
             continue
         dm = project_dm(ids, ent)
-        pt = out_partial(missing, final) if missing else ()
+        pt = out_partial(missing, final, p.taken_keep) if missing else ()
         if not forward and not pt and outputs[j] is not None:
             outs.append(attr_as(outputs[j].dist_attr, mesh, dm))  # type: ignore[union-attr]
         else:
@@ -456,7 +535,9 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
     """Straight-line Python for the plan's common case: every entry a single mesh dim (or a
     co-shard read as its largest), no two tensors sharding one letter differently (under
     ``conflict="first"`` the first simply wins), no two letters (nor, under ``unit_axes="claim"``,
-    sharded size-1 axes) on one mesh dim, no replicated
+    sharded size-1 axes) on one mesh dim (under ``order="claim"`` with no letter pruned, no flatten
+    chain and ``taken`` other than "keep", the code drops such a mesh dim from the later claim
+    itself, as :func:`run` does), no replicated
     letter sharded under ``replicated_claims="block"``. Then the order of resolution cannot
     matter and each letter prunes on its own. Any other case returns None: :func:`infer` takes
     the general path (:func:`run`), which answers it as the reference does.
@@ -467,13 +548,15 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
     nt = p.notation
     forward = direction == "forward"
     src_name = "I" if forward else "O"
-    lines = ["def fast(D, S, ms):"] if raw else ["def fast(I, O, mesh):", "    ms = mesh.shape"]
+    lines = ["def fast(D, S, ms):"] if raw else ["def fast(I, O, mesh, Z=None):", "    ms = mesh.shape"]
     emit = lines.append
     read: set[int] = set()
+    twice = False  # a letter read on two axes (two claims can then share a mesh dim)
     units: list[str] = []  # unit_axes="claim": the mesh dim of each size-1 axis
     # two letters on one mesh dim, resolved here in claim order (P: where a letter was first
     # sharded) where no letter prunes; otherwise the general path resolves them
-    resolve = p.order_kind == 0 and not p.unit and not any(p.prune[a] for a in range(p.n) if not p.rep[a])
+    resolve = (p.order_kind == 0 and not p.unit and not p.taken_keep and not p.chains
+               and not any(p.prune[a] for a in range(p.n) if not p.rep[a]))
     pos = 0
     for ti, ids in p.src:
         if raw:
@@ -496,6 +579,7 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
                     emit(f"    if {var}.__class__ is not int:")
                     emit(f"        {var} = _largest({var}, ms)" if p.largest else "        return None")
                 continue
+            twice = twice or a in read
             var = f"L{a}" if a not in read else "e"
             emit(f"    {var} = d{ti}[{i}]")
             emit(f"    if {var}.__class__ is not int:")
@@ -509,6 +593,7 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
                 emit(f"    P{a} = {pos}")
             pos += 1
             read.add(a)
+    ent = _gen_chains(p, forward, read, emit) if p.chains and not raw else set()
     for a in sorted(read):
         if p.rep[a]:
             if p.block:
@@ -517,7 +602,8 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
     live = [a for a in sorted(read) if not p.rep[a]]
     # no two claimers (letters, size-1 axes) on one mesh dim: the claim order cannot matter
     claimers = [f"L{a}" for a in live] + units
-    if len(claimers) > 1:
+    # one merged tensor, each letter once: its (valid) dims_mapping never repeats a mesh dim
+    if len(claimers) > 1 and not p.taken_keep and (raw or len(p.src) > 1 or twice or units):
         emit("    u = c = 0" if resolve else "    u = 0")
         for v in claimers:
             emit(f"    if {v} >= 0:")
@@ -535,6 +621,9 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
             emit("                if (u >> x) & 1: V[k] = -1")
             emit("                else: u |= 1 << x")
             emit(f"        {', '.join(f'L{a}' for a in live)}, = V")
+    rest = [x for chain in p.chains for x in chain[1:] if x in read]
+    if rest and not raw:  # a chain's other letters shard nothing (their mesh dims are its first's)
+        emit("    " + " = ".join(f"L{x}" for x in rest) + " = -1")
     for a in live:
         if not p.prune[a]:
             continue
@@ -564,10 +653,13 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
         emit(f"        if {cond} and s % ms[L{a}]: L{a} = -1")
     for a in range(p.n):
         if a not in read or (p.in_letters is not None and not p.in_letters[a]):
-            emit(f"    L{a} = -1")
+            emit(f"    L{a} = -1" + (f"; E{a} = -1" if a in ent else ""))
+    for a in sorted(ent):  # a co-sharded chain letter making an output partial: the general path
+        if any(m is not None and any(x == a for x, _ in m) for m in p.out_missing):
+            emit(f"    if E{a}.__class__ is tuple: return None")
 
     def dm(ids: tuple[int, ...]) -> str:
-        return "(" + "".join(("-1" if a < 0 else f"L{a}") + ", " for a in ids) + ")"
+        return "(" + "".join(("-1" if a < 0 else f"E{a}" if a in ent else f"L{a}") + ", " for a in ids) + ")"
 
     if raw:
         emit("    return (" + "".join(f"({c!r}, () if L{a} < 0 else _ONE[L{a}]), " for a, c in enumerate(nt.letters)) + ")")
@@ -581,9 +673,12 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
         if in_ids is None:
             ins.append("None")
             continue
-        emit(f"    if I[{j}] is None: return None")
-        emit(f"    i{j} = _attr_as(I[{j}].dist_attr, mesh, {dm(in_ids)})")
-        plain.setdefault(dm(in_ids), f"i{j}")
+        # an absent tensor the notation labels (one the merge does not read): the attr it would need
+        # (an earlier tensor's where it is labelled alike: dist attrs are immutable)
+        key = dm(in_ids)
+        absent = plain.get(key) or f"_make(mesh, {key})"
+        emit(f"    i{j} = {absent} if I[{j}] is None else _attr_as(I[{j}].dist_attr, mesh, {key})")
+        plain.setdefault(key, f"i{j}")
         ins.append(f"i{j}")
     outs = []
     consts: dict[str, Any] = {}
@@ -613,19 +708,80 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
                 consts[f"R{j}_{k}"] = r
                 emit(f"    if L{a} >= 0: pt{j}.append((L{a}, R{j}_{k}))")
             emit(f"    pt{j}.sort(key=_first)")
-            pt = f"tuple(pt{j})"
+            pt = f"_uniq(pt{j})" if p.taken_keep else f"tuple(pt{j})"
         outs.append(f"_make(mesh, {dm(ids)}, {pt})")
     emit(f"    return ({''.join(x + ', ' for x in ins)}), ({''.join(x + ', ' for x in outs)})")
     return _exec(lines, f"<plan {nt!r} {direction}>", consts)
 
 
+def _gen_chains(p: Plan, forward: bool, read: set[int], emit: Any) -> set[int]:
+    """The generated code of the plan's ``flatten`` chains (after the reads): each chain's first
+    letter's entry ``E{a}`` (a mesh dim or a co-shard tuple); ``L{a}`` stays its first mesh dim
+    and the other letters keep theirs for the claim check, then shard nothing. A chain with a
+    replicated letter or a pruned first letter declines where its first letter is sharded.
+    Returns the letters with an ``E`` variable (the caller empties the others after the claim
+    check)."""
+    ent: set[int] = set()
+    n_in = len(p.notation.inputs)
+    # the merged tensors' shapes are read already (s{ti}; their tensors checked not None)
+    merged = {ti if forward else n_in + ti for ti, _ in p.src} if not p.sizes_known else set()
+    for chain, where in zip(p.chains, p.chain_src):
+        a = chain[0]
+        if a not in read:
+            continue
+        if p.rep[a] or p.prune[a] or any(p.rep[x] for x in chain[1:] if x in read):
+            emit(f"    if L{a} >= 0: return None")
+            continue
+        ent.add(a)
+        emit(f"    E{a} = L{a}")
+        emit(f"    if L{a} >= 0:")
+        sizes = []
+        for k, (ti, i) in enumerate(where):
+            if ti in merged:
+                sizes.append(f"s{ti if forward else ti - n_in}[{i}]")
+            elif ti < n_in:
+                t = f"I[{ti}]"
+                emit(f"        if {t} is None: return None")
+                sizes.append(f"{t}.shape[{i}]")
+            elif forward:
+                t = f"Z[{ti - n_in}]"
+                emit(f"        if Z is None or {t} is None: return None")
+                sizes.append(f"{t}[{i}]")
+            else:
+                t = f"O[{ti - n_in}]"
+                emit(f"        if {t} is None: return None")
+                sizes.append(f"{t}.shape[{i}]")
+            emit(f"        z{k} = {sizes[-1]}")
+        fail = " or ".join(f"(z{k} >= 0 and z{k} % q)" for k in range(len(sizes))) or "False"
+        emit(f"        q = ms[L{a}]")
+        emit(f"        if {fail}: E{a} = L{a} = -1")
+        ind = "        "
+        got = [f"L{a}"]
+        for x in chain[1:]:
+            if x not in read:
+                break
+            emit(f"{ind}{'elif' if len(got) == 1 else 'if'} L{x} >= 0:")
+            ind += "    "
+            emit(f"{ind}q *= ms[L{x}]")
+            emit(f"{ind}if not ({fail}):")
+            ind += "    "
+            got.append(f"L{x}")
+            emit(f"{ind}E{a} = ({', '.join(got)})")
+    return ent
+
+
 def _exec(lines: list[str], name: str, consts: dict[str, Any]) -> Any:
     """The function ``fast`` the generated ``lines`` define."""
     ns: dict[str, Any] = {"_attr_as": attr_as, "_make": _make, "_largest": largest_mesh_dim, "_first": _first,
-                          "_ONE": _ONE, **consts}  # fmt: skip
+                          "_ONE": _ONE, "_uniq": _uniq, **consts}  # fmt: skip
     exec(compile("\n".join(lines), name, "exec"), ns)
     return ns["fast"]
 
 
 def _first(t: tuple[int, ReduceType]) -> int:
     return t[0]
+
+
+def _uniq(pt: list[tuple[int, ReduceType]]) -> tuple[tuple[int, ReduceType], ...]:
+    """A sorted partial with each mesh dim once (``taken="keep"``: letters may share one)."""
+    return tuple(t for i, t in enumerate(pt) if i == 0 or pt[i - 1][0] != t[0])

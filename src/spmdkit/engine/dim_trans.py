@@ -9,8 +9,11 @@ An output axis is one of
   ``Flatten``) split into ``shape``.
 
 ``reshape_trans``, ``flatten_trans``, ``squeeze_trans`` and ``unsqueeze_trans`` build the list
-for each op; ``infer_from_trans`` moves a dims_mapping through a list. The propagation
-follows Paddle 3.3.1 (``dim_trans.cc``):
+for each op. The rules do not merge by hand: :func:`links` reduces a list to its structure
+(which input axes each output axis carries, sizes abstracted) and :func:`view_plan` compiles
+that structure once into an engine plan (a :class:`~spmdkit.engine.notation.Notation` with a
+``flatten`` policy); :func:`reshape_links` finds reshape's structure from the shapes in one
+pass. The propagation follows Paddle 3.3.1 (``dim_trans.cc``):
 
 - ``InputDim``: the axis keeps its sharding (co-sharding included, even when uneven: the
   axis is not cut);
@@ -30,13 +33,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import NamedTuple, Union
 
-from spmdkit.core.dist_attr import dims_entry, entry_dims
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
+from spmdkit.engine.compile import Plan, compile_plan
 from spmdkit.engine.memo import memo
-
-Entry = Union[int, tuple[int, ...]]  # a dims_mapping entry: -1, a mesh dim, or co-shard dims
+from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation
 
 
 class InputDim(NamedTuple):
@@ -133,12 +136,6 @@ def resolve_target(op: str, shape: Sequence[int], x_shape: Sequence[int], arg: s
     return tuple(out)
 
 
-def _check_shape(op: str, shape: Sequence[int], what: str) -> None:
-    for s in shape:
-        if s <= 0:
-            raise ShapeMismatchError(f"{op}: {what} has shape {list(shape)}; view rules need sizes >= 1")
-
-
 def _check_counts(src: tuple[int, ...], tgt: tuple[int, ...]) -> None:
     if -1 not in src and -1 not in tgt:
         if math.prod(src) != math.prod(tgt):
@@ -148,29 +145,25 @@ def _check_counts(src: tuple[int, ...], tgt: tuple[int, ...]) -> None:
         raise ShapeMismatchError(f"reshape: {list(src)} and {list(tgt)} hold different element counts")
 
 
-@memo()
-def reshape_infer(
-    src: tuple[int, ...], tgt: tuple[int, ...], dm: tuple[Entry, ...], mesh_shape: tuple[int, ...],
-    checked: bool = False,
-) -> tuple[tuple[Entry, ...], tuple[Entry, ...]]:
-    """``infer_from_trans(reshape_trans(src, tgt), src, dm, mesh_shape)`` in one pass on ints,
-    without building the list (the reshape rule's hot path; tests check both agree).
-    ``checked``: the caller has already checked that src and tgt hold the same elements
-    (``resolve_target`` does)."""
-    if not checked:
-        _check_counts(src, tgt)
+#: an output axis's link to the input: None (it carries no input axis's sharding), ``k`` (input
+#: axis k unchanged) or ``(k0, k1, ...)`` (a Flatten, or piece 0 of a Split, of those axes)
+Link = Union[None, int, tuple[int, ...]]
+
+
+def reshape_links(src: tuple[int, ...], tgt: tuple[int, ...]) -> tuple[Link, ...]:
+    """``links(reshape_trans(src, tgt))`` in one pass on ints (the reshape rule's hot path;
+    counts not checked)."""
     ns, nt = len(src), len(tgt)
-    new_in: list[Entry] = [-1] * ns
-    out: list[Entry] = [-1] * nt
+    out: list[Link] = [None] * nt
     si = ti = 0
     while si < ns or ti < nt:
         s0, t0 = si, ti
         if si < ns:
             s = src[si]
             si += 1
-            if s == -1:  # a dynamic axis, copied
-                out[ti] = new_in[s0] = dm[s0]
-                ti += 1
+            if s == -1:  # a dynamic axis, copied: at its own index in both (resolve_target), the
+                out[s0] = s0  # target axes before it not yet walked are size 1 (Singletons)
+                ti = s0 + 1
                 continue
         else:
             s = 1
@@ -180,11 +173,10 @@ def reshape_infer(
         else:
             t = 1
         if s == 1:
-            if t == 1:
-                if si > s0 and ti > t0:  # 1 -> 1 keeps its sharding
-                    out[t0] = new_in[s0] = dm[s0]
-                continue
-            ti -= 1  # a size-1 source axis feeds nothing
+            if t != 1:
+                ti -= 1  # a size-1 source axis feeds nothing
+            elif si > s0 and ti > t0:
+                out[t0] = s0  # 1 -> 1 keeps its sharding
             continue
         if t == 1:
             si -= 1  # a new size-1 output axis (Singleton)
@@ -196,44 +188,12 @@ def reshape_infer(
             else:
                 t *= tgt[ti]
                 ti += 1
-        k = s0
-        while src[k] == 1:
-            k += 1
-        e = dm[k]
-        if e == -1:
+        if si - s0 == 1:
+            out[t0] = s0 if ti - t0 == 1 else (s0,)
             continue
-        one = ti - t0 == 1
-        if one and (si - s0 == 1 or all(src[j] == 1 for j in range(k + 1, si))):
-            out[t0] = new_in[k] = e  # InputDim: kept as it is
-            continue
-        size = tgt[t0]
-        if size == 1:
-            continue
-        # the longest run of the sharded axes from k on (size-1 axes skipped) whose mesh product
-        # divides src[k] and, for a Split, the leftmost piece: _prefix(_flatten_dims(...)) inline
-        lead = src[k]
-        p = 1
-        keep: list[int] = []
-        for j in range(k, si):
-            if src[j] == 1:
-                continue
-            g = dm[j]
-            if isinstance(g, int):
-                if g < 0:
-                    break
-                p *= mesh_shape[g]
-                if lead % p or (not one and size % p):
-                    break
-                keep.append(g)
-            else:
-                for d in g:
-                    p *= mesh_shape[d]
-                if lead % p or (not one and size % p):
-                    break
-                keep.extend(g)
-        if keep:
-            out[t0] = new_in[k] = keep[0] if len(keep) == 1 else tuple(keep)
-    return tuple(new_in), tuple(out)
+        real = tuple([j for j in range(s0, si) if src[j] != 1])
+        out[t0] = real[0] if len(real) == 1 and ti - t0 == 1 else real
+    return tuple(out)
 
 
 @memo()
@@ -241,68 +201,24 @@ def reshape_trans(src: tuple[int, ...], tgt: tuple[int, ...]) -> tuple[DimTrans,
     """The list for reshaping ``src`` into ``tgt`` (both resolved, same element count; a
     dynamic (-1) size is an axis of its own at the same index in both, see resolve_target)."""
     _check_counts(src, tgt)
+    ln = reshape_links(src, tgt)
     ret: list[DimTrans] = []
-    si = ti = 0
-    ns, nt = len(src), len(tgt)
-    while si < ns or ti < nt:
-        if si < ns and src[si] == -1:
-            ret.append(InputDim(si))
-            si += 1
-            ti += 1
+    i = 0
+    while i < len(tgt):
+        link = ln[i]
+        if not isinstance(link, tuple):
+            ret.append(Singleton() if link is None else InputDim(link))
+            i += 1
             continue
-        dims: list[int] = []
-        pieces: list[int] = []
-        if si < ns:
-            s = src[si]
-            dims.append(si)
-            si += 1
-        else:
-            s = 1
-        if ti < nt:
-            t = tgt[ti]
-            pieces.append(t)
-            ti += 1
-        else:
-            t = 1
-        if s == 1 and t == 1 and dims and pieces:
-            ret.append(InputDim(dims[0]))  # a 1 -> 1 axis keeps its sharding
-            continue
-        if s == 1 and t != 1:
-            ti -= 1  # the size-1 source axis feeds nothing
-            continue
-        if s != 1 and t == 1:
-            si -= 1
-            if pieces:
-                ret.append(Singleton())
-            continue
-        while s != t:
-            if s < t:
-                dims.append(si)
-                s *= src[si]
-                si += 1
-            else:
-                pieces.append(tgt[ti])
-                t *= tgt[ti]
-                ti += 1
-        if not pieces:
-            continue
-        real = tuple(d for d in dims if src[d] > 1)
-        source: DimTrans
-        if not real:
-            source = Singleton()
-        elif len(real) == 1:
-            source = InputDim(real[0])
-        else:
-            source = Flatten(real)
-        if len(pieces) == 1:
-            ret.append(source)
-            continue
-        shp = tuple(pieces)
-        for i, p in enumerate(pieces):
-            if p == 1 or isinstance(source, Singleton):
-                ret.append(Singleton())
-            else:
-                ret.append(Split(source, shp, i))
+        source = InputDim(link[0]) if len(link) == 1 else Flatten(link)
+        n, j, p = math.prod(src[d] for d in link), i, 1
+        while p != n:  # the pieces: the target axes holding the source's elements
+            p *= tgt[j]
+            j += 1
+        shp = tuple(tgt[i:j])
+        ret.extend([source] if j - i == 1 else [Singleton() if v == 1 else Split(source, shp, k)
+                                                 for k, v in enumerate(shp)])
+        i = j
     return tuple(ret)
 
 
@@ -423,68 +339,54 @@ def flatten_reverse_trans(shape: tuple[int, ...], start: int, stop: int) -> tupl
     return (*(InputDim(i) for i in range(a)), *mid, *(InputDim(i - (b - a)) for i in range(b + 1, nd)))
 
 
-# -- propagation --------------------------------------------------------------------------------
-
-
-_dims = entry_dims
-_entry = dims_entry
-
-
-def _prefix(groups: Sequence[tuple[int, ...]], mesh_shape: Sequence[int], sizes: Sequence[int]) -> tuple[int, ...]:
-    """The mesh dims of the longest run of whole ``groups`` (one per sharded axis) whose mesh
-    product divides every size in ``sizes``."""
-    p = 1
-    keep: list[int] = []
-    for g in groups:
-        for d in g:
-            p *= mesh_shape[d]
-        if any(s % p for s in sizes):
-            break
-        keep.extend(g)
-    return tuple(keep)
-
-
-def _flatten_dims(dims: Sequence[int], dm: Sequence[Entry]) -> list[tuple[int, ...]]:
-    """Mesh dims (one group per axis) a Flatten can carry: its leftmost axis's, then those of
-    the following axes while they are sharded."""
-    out: list[tuple[int, ...]] = []
-    for k in dims:
-        d = _dims(dm[k])
-        if not d:
-            break
-        out.append(d)
-    return out
+# -- the structure of a list, compiled --------------------------------------------------------
 
 
 @memo()
-def infer_from_trans(
-    trans: tuple[DimTrans, ...],
-    in_shape: tuple[int, ...],
-    in_dm: tuple[Entry, ...],
-    mesh_shape: tuple[int, ...],
-) -> tuple[tuple[Entry, ...], tuple[Entry, ...]]:
-    """(the input dims_mapping to use, the output dims_mapping) for ``trans``."""
-    new_in: list[Entry] = [-1] * len(in_shape)
-    out: list[Entry] = [-1] * len(trans)
-    for i, t in enumerate(trans):
+def links(trans: tuple[DimTrans, ...]) -> tuple[Link, ...]:
+    """The structure of ``trans``: each output axis's :data:`Link` (Split shapes dropped)."""
+    out: list[Link] = []
+    for t in trans:
         if type(t) is InputDim:
-            e = in_dm[t.dim]
-            out[i] = e
-            new_in[t.dim] = e
+            out.append(t.dim)
         elif type(t) is Flatten:
-            k = t.dims[0]
-            keep = _prefix(_flatten_dims(t.dims, in_dm), mesh_shape, (in_shape[k],))
-            if keep:
-                out[i] = new_in[k] = _entry(keep)
+            out.append(t.dims)
         elif type(t) is Split and t.piece == 0:
             src = t.source
-            size = t.shape[0]
-            fdims = (src.dim,) if isinstance(src, InputDim) else src.dims
-            k = fdims[0]
-            keep = _prefix(_flatten_dims(fdims, in_dm), mesh_shape, (in_shape[k], size))
-            if keep:
-                out[i] = new_in[k] = _entry(keep)
-    return tuple(new_in), tuple(out)
+            out.append((src.dim,) if type(src) is InputDim else src.dims)  # type: ignore[union-attr]
+        else:
+            out.append(None)
+    return tuple(out)
+
+
+def _letter(k: int) -> str:
+    return ALPHABET[k] if k < len(ALPHABET) else chr(0x100 + k)  # a tensor may have more than 26 axes
+
+
+@lru_cache(maxsize=4096)
+def view_plan(n_in: int, ln: tuple[Link, ...], keep: bool = True, backward: bool = False) -> Plan:
+    """The compiled plan of a view from ``n_in`` axes to ``len(ln)`` axes linked as ``ln``:
+    each input axis a letter (``1`` where no output axis carries it); an output axis carries
+    its link's (first) letter, ``1`` where it has none; a Flatten and a Split's piece 0 is a
+    ``flatten`` string (the run of its axes, divisible by every size of the first axis: its own
+    and the output axis's, the piece). ``keep``: co-shards read as they are (else as their
+    largest mesh dim, as Paddle's squeeze / unsqueeze and reverse rules read them);
+    ``backward``: the plan of the reverse rule, the view running from the op's out (the plan's
+    output, merged) to its x (the plan's input)."""
+    used: set[int] = set()
+    chains = []
+    for link in ln:
+        if isinstance(link, tuple):
+            used.update(link)
+            chains.append("".join(map(_letter, link)))
+        elif link is not None:
+            used.add(link)
+    src = "".join(_letter(k) if k in used else BROADCAST for k in range(n_in))
+    tgt = "".join(BROADCAST if link is None else _letter(link if isinstance(link, int) else link[0]) for link in ln)
+    coshard = "keep" if keep else "largest"
+    if backward:
+        return compile_plan(Notation([tgt], [src], coshard=coshard, flatten=chains), "backward")
+    return compile_plan(Notation([src], [tgt], coshard=coshard, flatten=chains))
 
 
 __all__ = [
@@ -496,10 +398,12 @@ __all__ = [
     "flatten_reverse_trans",
     "flatten_trans",
     "invert_trans",
-    "infer_from_trans",
+    "links",
     "norm_axis",
+    "reshape_links",
     "reshape_trans",
     "resolve_target",
     "squeeze_trans",
     "unsqueeze_trans",
+    "view_plan",
 ]

@@ -11,13 +11,18 @@ the notation's policy fields (see ``Notation``):
    on (the replicated letter keeps the mesh dim, as Paddle's merge lets it);
 2. *merge* per letter: the first tensor sharding a letter claims it; another tensor sharding
    it over other mesh dims: ``conflict="weight"`` the one with more elements keeps it (the
-   first on a tie), ``"first"`` the first keeps it, ``"replicate"`` the letter shards nothing
+   first on a tie), ``"heaviest"`` the one with most elements of all tensors sharding it keeps
+   it (the first on a tie), ``"first"`` the first keeps it, ``"replicate"`` the letter shards nothing
    (co-shards compared whole), ``"union"`` the letter is co-sharded over all of them (larger mesh product major, earlier tensor first on a tie; a mesh dim that
    another letter also wants goes minor);
+2b. *flatten* (``flatten`` strings such as ``"abc"``): where ``a`` is sharded, it takes its own
+   mesh dims, then ``b``'s, then ``c``'s (those not in the run yet) while they add any, each letter's whole: the
+   longest such run whose mesh product divides every size ``a`` has on the call's tensors
+   (-1 sizes do not count); ``b`` and ``c`` shard nothing;
 3. *order* the letters: ``order="claim"`` as first claimed, ``"notation"`` as they first appear
    in the notation's tensors, or groups (see ``Notation``);
 4. *resolve* in that order: replicated letters shard nothing, a mesh dim taken by an earlier
-   letter is dropped (``taken="letter"``: the letter shards nothing), pruned letters drop minor mesh dims until the product divides their size
+   letter is dropped (``taken="letter"``: the letter shards nothing; ``"keep"``: kept), pruned letters drop minor mesh dims until the product divides their size
    (``uneven`` letters only where their size is 1); a letter claims the mesh dims it keeps,
    or, for ``size1_claims`` letters of size 1, those it had before pruning. Under
    ``unit_axes="claim"`` an axis labelled ``1`` that is sharded takes its mesh dims (those not
@@ -140,12 +145,18 @@ def reference_merge(
     mesh_shape: Sequence[int],
     all_axes: Sequence[str | None] | None = None,
     all_shapes: Sequence[Sequence[int] | None] | None = None,
+    every_axes: Sequence[str | None] | None = None,
+    every_shapes: Sequence[Sequence[int] | None] | None = None,
 ) -> dict[str, tuple[int, ...]]:
     """The mesh dims of every letter the tensors labelled ``axes`` carry, under the notation's
     policy (module docstring); ``all_axes`` / ``all_shapes``: the inputs, for
-    ``sizes="known"`` (default: the merged tensors)."""
+    ``sizes="known"`` (default: the merged tensors); ``every_axes`` / ``every_shapes``: every
+    tensor of the call, inputs then outputs, for the sizes of ``flatten`` letters (default: the
+    merged tensors)."""
     if all_axes is None or all_shapes is None:
         all_axes, all_shapes = axes, shapes
+    if every_axes is None or every_shapes is None:
+        every_axes, every_shapes = axes, shapes
     rep = notation.replicated
     # 1. read
     read: list[list[tuple[str, tuple[int, ...]]]] = []
@@ -185,6 +196,11 @@ def reference_merge(
                 claims.append(ch)
                 seq.append(ch)
                 merged[ch], holder[ch], cands[ch] = d, ti, [d]
+            elif notation.conflict == "heaviest":
+                s_new, s_old = shapes[ti], shapes[holder[ch]]
+                if (merge_weight(s_new) if s_new is not None else 0) > (
+                        merge_weight(s_old) if s_old is not None else 0):
+                    merged[ch], holder[ch] = d, ti
             elif d != merged[ch] or notation.conflict == "union":
                 if notation.conflict == "weight":
                     s_new, s_old = shapes[ti], shapes[holder[ch]]
@@ -202,6 +218,21 @@ def reference_merge(
             merged[ch] = union_dims(cands[ch], mesh_shape)
         if unions:
             shared_minor(merged, unions)
+    # 2b. flatten
+    for chain in notation.flatten:
+        if merged.get(chain[0]):
+            sizes_a = [s for t_axes, shape in zip(every_axes, every_shapes) if t_axes is not None and shape is not None
+                       for ch, s in zip(t_axes, shape) if ch == chain[0] and s >= 0]
+            keep: tuple[int, ...] = ()
+            for ch in chain:
+                d = keep + tuple(x for x in merged.get(ch, ()) if x not in keep)
+                if len(d) == len(keep) or any(s % mesh_size(mesh_shape, d) for s in sizes_a):
+                    break
+                keep = d
+            merged[chain[0]] = keep
+        for ch in chain[1:]:
+            if ch in merged:
+                merged[ch] = ()
     # 3. order, 4. resolve
     sizes = letter_sizes(notation, axes, shapes, all_axes, all_shapes)
     used: set[int] = set()
@@ -214,7 +245,7 @@ def reference_merge(
         if ch in rep:
             merged[ch] = ()
             continue
-        d = tuple(x for x in merged[ch] if x not in used)
+        d = merged[ch] if notation.taken == "keep" else tuple(x for x in merged[ch] if x not in used)
         if notation.taken == "letter" and len(d) < len(merged[ch]):
             d = ()
         size = sizes.get(ch, 1)

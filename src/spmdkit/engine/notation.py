@@ -48,10 +48,10 @@ def _check_policy(
 ) -> None:
     """ValueError for a policy value the engine does not know (a rule's declaration error)."""
     for name, val, allowed in (("coshard", coshard, ("keep", "largest")),
-                               ("conflict", conflict, ("weight", "first", "union", "replicate")),
+                               ("conflict", conflict, ("weight", "first", "union", "replicate", "heaviest")),
                                ("replicated_claims", replicated_claims, ("drop", "block")),
                                ("sizes", sizes, ("first", "known")), ("size1", size1, ("keep", "broadcast")),
-                               ("unit_axes", unit_axes, ("skip", "claim")), ("taken", taken, ("dims", "letter"))):
+                               ("unit_axes", unit_axes, ("skip", "claim")), ("taken", taken, ("dims", "letter", "keep"))):
         if val not in allowed:
             raise ValueError(f"Notation: {name} must be one of {allowed}, got {val!r}")
     if unit_axes == "claim" and order != "claim":
@@ -66,7 +66,7 @@ def _check_policy(
 
 
 _POLICY = ("coshard", "conflict", "order", "replicated_claims", "uneven", "size1_claims", "sizes", "size1",
-           "unit_axes", "taken", "sources")
+           "unit_axes", "taken", "sources", "flatten")
 
 
 class Notation:
@@ -86,7 +86,9 @@ class Notation:
     * ``conflict``: two tensors sharding one letter differently: the one with more elements
       keeps it (``"weight"``), the first (``"first"``), the letter is co-sharded over both
       (``"union"``, as Paddle's matmul), or it is replicated (``"replicate"``, co-shards
-      compared whole: Paddle's optimizer vote);
+      compared whole: Paddle's optimizer vote); ``"heaviest"``: the tensor with the most
+      elements of all that shard the letter keeps its sharding (the first on a tie; unlike
+      ``"weight"``, which weighs a challenger against the first claimer only);
     * ``order``: the order letters resolve a mesh dim several claim: as first claimed
       (``"claim"``), as they appear in the notation (``"notation"``), or a tuple of groups:
       ``"*"`` the letters no group names, by claim; ``"mn"`` these letters by claim; ``">mn"``
@@ -105,10 +107,18 @@ class Notation:
       is sharded on at its place in the claim order (a later letter loses them) and shards
       nothing;
     * ``taken``: a letter whose mesh dims an earlier letter took loses those ``"dims"``, or
-      shards nothing (``"letter"``);
+      shards nothing (``"letter"``), or ``"keep"``s them (letters of unrelated tensors, say a
+      list of tensors updated one by one, never compete for a mesh dim; an output lacking
+      several letters is partial over each mesh dim once);
     * ``sources``: the indices of the inputs the forward merge reads (``None``: all); the
       others take the merged letters without adding theirs (a grad rule's tensors sharded as
-      out_grad says, say).
+      out_grad says, say);
+    * ``flatten``: letter strings such as ``"abc"``, each a flattened (or split) axis, Paddle's
+      reshape propagation: where ``a`` is sharded it is co-sharded over its own mesh dims, then
+      those of ``b``, then ``c``, while they are sharded, each letter's mesh dims whole: the
+      longest such run whose mesh product divides every size ``a`` has on the call's tensors
+      (inputs and outputs; -1 sizes do not count); ``b`` and ``c`` shard nothing. A
+      one-letter string keeps the letter's mesh dims whole or not at all.
     """
 
     __slots__ = (
@@ -116,6 +126,7 @@ class Notation:
         "_key",
         "conflict",
         "coshard",
+        "flatten",
         "input_letters",
         "inputs",
         "letters",
@@ -153,6 +164,7 @@ class Notation:
         unit_axes: str = "skip",
         taken: str = "dims",
         sources: Iterable[int] | None = None,
+        flatten: Iterable[str] = (),
     ) -> None:
         self.inputs = tuple(inputs)
         self.outputs = tuple(outputs)
@@ -171,9 +183,15 @@ class Notation:
         self.letters = "".join(dict.fromkeys("".join([a for a in (*self.inputs, *self.outputs) if a]))).replace(
             BROADCAST, ""
         )
+        self.flatten = tuple(flatten)
+        if self.flatten:
+            chained = "".join(self.flatten)
+            if len(set(chained)) != len(chained) or not all(self.flatten) or any(c not in self.letters for c in chained):
+                raise ValueError(f"Notation: flatten {self.flatten} must be disjoint strings of the notation's letters")
         red = self.reduce if isinstance(self.reduce, ReduceType) else tuple(sorted(self.reduce.items()))
         self._key = (self.inputs, self.outputs, self.replicated, red, prune, coshard, conflict, self.order,
-                     replicated_claims, uneven, size1_claims, sizes, size1, unit_axes, taken, self.sources)
+                     replicated_claims, uneven, size1_claims, sizes, size1, unit_axes, taken, self.sources,
+                     self.flatten)
         self._hash = hash(self._key)
         self.input_letters = frozenset("".join(a for a in self.inputs if a))
 
@@ -183,7 +201,7 @@ class Notation:
             inputs, outputs, self.replicated, self.reduce, self.prune, coshard=self.coshard, conflict=self.conflict,
             order=self.order, replicated_claims=self.replicated_claims, uneven=self.uneven,
             size1_claims=self.size1_claims, sizes=self.sizes, size1=self.size1, unit_axes=self.unit_axes,
-            taken=self.taken, sources=self.sources,
+            taken=self.taken, sources=self.sources, flatten=self.flatten,
         )  # fmt: skip
 
     def replace(self, **policy: object) -> Notation:
@@ -229,7 +247,8 @@ class Notation:
             extra.append(f"prune={self.prune!r}")
         for name, default in (("coshard", "keep"), ("conflict", "weight"), ("order", "claim"),
                               ("replicated_claims", "drop"), ("uneven", ""), ("size1_claims", ""),
-                              ("sizes", "first"), ("size1", "keep"), ("unit_axes", "skip"), ("taken", "dims"), ("sources", None)):
+                              ("sizes", "first"), ("size1", "keep"), ("unit_axes", "skip"), ("taken", "dims"), ("sources", None),
+                              ("flatten", ())):
             if getattr(self, name) != default:
                 extra.append(f"{name}={getattr(self, name)!r}")
         return f"Notation({s!r}{', ' if extra else ''}{', '.join(extra)})"

@@ -36,18 +36,17 @@ raises on (take_along_axis); take_along_axis's negative axis (Paddle fails).
 
 from __future__ import annotations
 
-from typing import Any
+from functools import lru_cache
 
-from spmdkit.core.dist_attr import DimsMapping, ReduceType, TensorDistAttr, entry_dims
+from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import InvalidArgumentError, InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.axes import normalize_axis, one_mesh_dim_per_axis
-from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, fast_result, named_mesh
-from spmdkit.rules._common import check_same_ndim, check_same_shape, merge_project
+from spmdkit.engine.axes import make_attr, normalize_axis
+from spmdkit.engine.compile import Plan, compile_plan, infer
+from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, fast_result, letters_for, named_mesh
+from spmdkit.rules._common import check_same_ndim, check_same_shape
 from spmdkit.rules.registry import register
 
-_make = TensorDistAttr.unchecked
 Shape = tuple[int, ...]
 
 
@@ -56,27 +55,43 @@ Shape = tuple[int, ...]
 # ---------------------------------------------------------------------------
 
 
-@memo()
-def _take_axes(x_shape: Shape, i_shape: Shape, ax: int) -> tuple[str, str]:
-    """(x axes, index axes): x's axis is ``1``; an axis where the sizes differ is ``1`` in both."""
-    s = ALPHABET[: len(i_shape)]
-    xs = list(s)
-    is_ = list(s)
-    xs[ax] = BROADCAST
-    for i in range(len(i_shape)):
-        if i != ax and x_shape[i] != i_shape[i]:
-            xs[i] = BROADCAST
-            is_[i] = BROADCAST
-    return "".join(xs), "".join(is_)
+def _differ(ax: int, x: Shape, *others: Shape) -> int:
+    """A bit per axis other than ``ax`` where one of ``others`` differs from ``x`` in size."""
+    m = 0
+    for i, n in enumerate(x):
+        if i != ax and any(o[i] != n for o in others):
+            m |= 1 << i
+    return m
 
 
-def _take_check(op: str, x: DistTensorSpec, index: DistTensorSpec, axis: int) -> int:
+@lru_cache(maxsize=4096)
+def _along_plan(nd: int, ax: int, differ: int, kind: str) -> Plan:
+    """take_along_axis ``a1c, abc -> abc``: x never sharded on the axis, an axis where the sizes
+    differ (``differ``) ``1`` in x and index; its grad ``a1c, abc, abc -> a1c`` from out_grad
+    alone, x_grad partial SUM over the mesh dims of the letters it lacks. put_along_axis
+    ``a1c, a1c, a1c -> a1c`` (the differing axes ``1`` too), merged over the three; its grad the
+    five tensors from out_grad alone -> x_grad, value_grad. A co-shard read as its largest mesh dim."""
+    s = ALPHABET[:nd]
+    i = "".join(BROADCAST if (differ >> j) & 1 else c for j, c in enumerate(s))
+    x = i[:ax] + BROADCAST + i[ax + 1 :]
+    nt = {"take": lambda: Notation((x, i), (i,)), "take_grad": lambda: Notation((x, i, i), (x,), sources=(2,)),
+          "put": lambda: Notation((x, x, x), (x,)), "put_grad": lambda: Notation((x,) * 5, (x, x), sources=(4,))}[kind]()
+    return compile_plan(nt.replace(coshard="largest"))
+
+
+def _take_check(op: str, x: DistTensorSpec, index: DistTensorSpec, axis: int, value: DistTensorSpec | None = None,
+                reduce: str = "assign") -> int:
+    """The axis, after the checks of take_along_axis (and, given ``value``, put_along_axis)."""
     nd = len(x.shape)
     check_same_ndim(op, index, nd, "index", "x")
+    if value is not None:
+        check_same_ndim(op, value, nd, "value", "x")
     if nd == 0:
         raise ShapeMismatchError(f"{op}: x must have at least 1 dim")
     if nd > len(ALPHABET):
         raise ShapeMismatchError(f"{op}: tensors of more than {len(ALPHABET)} dims are not supported")
+    if reduce not in _PUT_REDUCE:
+        raise InvalidAttributeError(f"{op}: reduce {reduce!r} is not one of {', '.join(_PUT_REDUCE)}")
     return normalize_axis(op, axis, nd)
 
 
@@ -85,10 +100,8 @@ def take_along_axis_forward(x: DistTensorSpec, index: DistTensorSpec, axis: int 
     op = "take_along_axis"
     mesh = named_mesh(op, (("x", x), ("index", index)))
     ax = _take_check(op, x, index, axis)
-    xa, ia = _take_axes(x.shape, index.shape, ax)
-    n = Notation((xa, ia), (ia,))
-    ins, outs = merge_project(n, (xa, ia), (one_mesh_dim_per_axis(x), one_mesh_dim_per_axis(index)), mesh)
-    return fast_result(tuple(ins), tuple(outs))
+    p = _along_plan(len(x.shape), ax, _differ(ax, x.shape, index.shape), "take")
+    return fast_result(*infer(p, op, (x, index), (), mesh, ("x", "index")))
 
 
 def take_along_axis_grad(
@@ -100,10 +113,10 @@ def take_along_axis_grad(
     mesh = named_mesh(op, (("x", x), ("index", index), ("out_grad", out_grad)))
     ax = _take_check(op, x, index, axis)
     check_same_ndim(op, out_grad, len(x.shape), "out_grad", "x")
-    xa, ia = _take_axes(x.shape, index.shape, ax)
-    n = Notation((xa, ia, ia), (xa,))
-    ins, outs = merge_project(n, (None, None, ia), (x, index, one_mesh_dim_per_axis(out_grad)), mesh)
-    return fast_result(tuple(ins), tuple(_no_unit_partial(a) for a in outs))
+    p = _along_plan(len(x.shape), ax, _differ(ax, x.shape, index.shape), "take_grad")
+    ins, outs = infer(p, op, (x, index, out_grad), (), mesh, ("x", "index", "out_grad"))
+    # post-hook (as index_put_grad's): no partial over a mesh dim of size 1
+    return fast_result(ins, tuple(_no_unit_partial(a) for a in outs))
 
 
 def _no_unit_partial(a: TensorDistAttr | None) -> TensorDistAttr | None:
@@ -112,36 +125,22 @@ def _no_unit_partial(a: TensorDistAttr | None) -> TensorDistAttr | None:
         return a
     ms = a.mesh.shape
     pt = tuple((d, r) for d, r in a.partial if ms[d] != 1)
-    return a if pt == a.partial else _make(a.mesh, a.dims_mapping, pt)
+    return a if pt == a.partial else make_attr(a.mesh, a.dims_mapping, pt)
 
 
 _PUT_REDUCE = ("assign", "add", "mul", "multiply", "amin", "amax", "mean")
 
 
-@memo()
-def _put_axes(x_shape: Shape, i_shape: Shape, v_shape: Shape, ax: int) -> str:
-    s = list(ALPHABET[: len(x_shape)])
-    s[ax] = BROADCAST
-    for i in range(len(x_shape)):
-        if i != ax and (x_shape[i] != i_shape[i] or x_shape[i] != v_shape[i]):
-            s[i] = BROADCAST
-    return "".join(s)
-
-
-def _put_check(
-    op: str, x: DistTensorSpec, index: DistTensorSpec, value: DistTensorSpec, axis: int, reduce: str
-) -> str:
-    nd = len(x.shape)
-    check_same_ndim(op, index, nd, "index", "x")
-    check_same_ndim(op, value, nd, "value", "x")
-    if nd == 0:
-        raise ShapeMismatchError(f"{op}: x must have at least 1 dim")
-    if nd > len(ALPHABET):
-        raise ShapeMismatchError(f"{op}: tensors of more than {len(ALPHABET)} dims are not supported")
-    if reduce not in _PUT_REDUCE:
-        raise InvalidAttributeError(f"{op}: reduce {reduce!r} is not one of {', '.join(_PUT_REDUCE)}")
-    ax = normalize_axis(op, axis, nd)
-    return _put_axes(x.shape, index.shape, value.shape, ax)
+def _put(op: str, ts: tuple[DistTensorSpec, ...], axis: int, reduce: str) -> SpmdResult:
+    """put_along_axis (``ts``: x, index, value) or its grad (x, index, value, out, out_grad)."""
+    names = ("x", "index", "value", "out", "out_grad")[: len(ts)]
+    mesh = named_mesh(op, zip(names, ts))
+    x, index, value = ts[:3]
+    ax = _take_check(op, x, index, axis, value, reduce)
+    for name, t in zip(names[3:], ts[3:]):
+        check_same_shape(op, t, x.shape, name, "x")
+    p = _along_plan(len(x.shape), ax, _differ(ax, x.shape, index.shape, value.shape), "put" if len(ts) < 5 else "put_grad")
+    return fast_result(*infer(p, op, ts, (), mesh, names))
 
 
 def put_along_axis_forward(
@@ -149,12 +148,7 @@ def put_along_axis_forward(
     reduce: str = "assign", include_self: bool = True,
 ) -> SpmdResult:
     """PutAlongAxisInferSpmd: ``a1c, a1c, a1c -> a1c``."""
-    op = "put_along_axis"
-    mesh = named_mesh(op, (("x", x), ("index", index), ("value", value)))
-    s = _put_check(op, x, index, value, axis, reduce)
-    n = Notation((s, s, s), (s,))
-    ins, outs = merge_project(n, (s, s, s), (one_mesh_dim_per_axis(x), one_mesh_dim_per_axis(index), one_mesh_dim_per_axis(value)), mesh)
-    return fast_result(tuple(ins), tuple(outs))
+    return _put("put_along_axis", (x, index, value), axis, reduce)
 
 
 def put_along_axis_grad(
@@ -162,14 +156,7 @@ def put_along_axis_grad(
     out_grad: DistTensorSpec, axis: int = 0, reduce: str = "assign", include_self: bool = True,
 ) -> SpmdResult:
     """PutAlongAxisGradInferSpmd: every tensor ``a1c``, the letters taken from out_grad."""
-    op = "put_along_axis_grad"
-    mesh = named_mesh(op, (("x", x), ("index", index), ("value", value), ("out", out), ("out_grad", out_grad)))
-    s = _put_check(op, x, index, value, axis, reduce)
-    check_same_shape(op, out, x.shape, "out", "x")
-    check_same_shape(op, out_grad, x.shape, "out_grad", "x")
-    n = Notation((s, s, s, s, s), (s, s))
-    ins, outs = merge_project(n, (None, None, None, None, s), (x, index, value, out, one_mesh_dim_per_axis(out_grad)), mesh)
-    return fast_result(tuple(ins), tuple(outs))
+    return _put("put_along_axis_grad", (x, index, value, out, out_grad), axis, reduce)
 
 
 # ---------------------------------------------------------------------------
@@ -223,23 +210,32 @@ def _index_put_check(
     return k, tuple(along)
 
 
-@memo()
-def _index_put_core(
-    dm: DimsMapping, k: int, along: tuple[int, ...]
-) -> tuple[DimsMapping, DimsMapping, tuple[int, ...]]:
-    """(x mapping, value mapping, mesh dims of the kept axes value_grad sums over)."""
-    nd = len(dm)
-    xdm = tuple(-1 if i < k else e for i, e in enumerate(dm))
-    vdm: DimsMapping = tuple(xdm[a] if a >= 0 else -1 for a in along)
-    summed: list[int] = []
-    for i in range(k, nd):
-        if i not in along:
-            summed.extend(entry_dims(xdm[i]))
-    return xdm, vdm, tuple(sorted(summed))
+@lru_cache(maxsize=4096)
+def _index_put_plan(nd: int, k: int, along: tuple[int, ...], grad: bool) -> Plan:
+    """``11c, 1, 1, c -> 11c`` (x, indices..., value -> out; here 2 indexed axes, value along x's
+    last): x's indexed axes ``1``, every index ``1``, a value axis carries the letter of the x
+    axis it lies along (``1``: none), merged from x alone (a co-shard read as its largest mesh
+    dim). The grad adds out_grad (as x) and answers x_grad (as x) and value_grad, partial SUM over
+    the letters of the kept axes value does not lie along (it sums over them)."""
+    a = letters_for(nd)
+    x = BROADCAST * k + a[k:]
+    v = "".join(BROADCAST if i < 0 else a[i] for i in along)
+    ins = [x, *[BROADCAST] * k, v, *([x] if grad else [])]
+    return compile_plan(Notation(ins, [x, v] if grad else [x], coshard="largest", sources=(0,)))
 
 
-def _unit_free(dims: tuple[int, ...], mesh_shape: Shape) -> tuple[int, ...]:
-    return tuple(d for d in dims if mesh_shape[d] != 1)
+def _index_put(op: str, x: DistTensorSpec, indices: tuple[DistTensorSpec, ...], value: DistTensorSpec,
+               out_grad: DistTensorSpec | None = None) -> SpmdResult:
+    named = (("x", x), *((f"indices[{i}]", t) for i, t in enumerate(indices)), ("value", value))
+    mesh = named_mesh(op, named if out_grad is None else (*named, ("out_grad", out_grad)))
+    k, along = _index_put_check(op, x, indices, value)
+    if out_grad is not None:
+        check_same_shape(op, out_grad, x.shape, "out_grad", "x")
+    p = _index_put_plan(len(x.shape), k, along, out_grad is not None)
+    a, outs = infer(p, op, (x, *indices, value, *((out_grad,) if out_grad is not None else ())), (), mesh)
+    # post-hook: a partial over a mesh dim of size 1 is no reduction (Paddle does not mark it)
+    return fast_result((a[0], a[1 : k + 1], *a[k + 1 :]),  # type: ignore[arg-type]
+                       outs if out_grad is None else (outs[0], _no_unit_partial(outs[1])))
 
 
 def index_put_forward(
@@ -247,14 +243,7 @@ def index_put_forward(
 ) -> SpmdResult:
     """IndexPutInferSpmd: the indexed axes replicated, indices replicated, value replicated or
     sharded as x's last axis where it broadcasts onto it."""
-    op = "index_put"
-    mesh = named_mesh(op, (("x", x), *((f"indices[{i}]", t) for i, t in enumerate(indices)), ("value", value)))
-    k, along = _index_put_check(op, x, indices, value)
-    xdm, vdm, _ = _index_put_core(one_mesh_dim_per_axis(x).dist_attr.dims_mapping, k, along)
-    xa = _make(mesh, xdm)
-    rep = _make(mesh, (-1,))
-    ins: tuple[Any, ...] = (xa, tuple(rep for _ in indices), _make(mesh, vdm))
-    return fast_result(ins, (xa,))
+    return _index_put("index_put", x, indices, value)
 
 
 def index_put_grad(
@@ -263,21 +252,7 @@ def index_put_grad(
 ) -> SpmdResult:
     """IndexPutGradInferSpmd: x, out_grad, x_grad as the forward's x; value_grad partial SUM over
     the mesh dims of the trailing axes it sums over."""
-    op = "index_put_grad"
-    mesh = named_mesh(op, (("x", x), *((f"indices[{i}]", t) for i, t in enumerate(indices)), ("value", value),
-                      ("out_grad", out_grad)))
-    k, along = _index_put_check(op, x, indices, value)
-    check_same_shape(op, out_grad, x.shape, "out_grad", "x")
-    xdm, vdm, summed = _index_put_core(one_mesh_dim_per_axis(x).dist_attr.dims_mapping, k, along)
-    summed = _unit_free(summed, mesh.shape)
-    xa = _make(mesh, xdm)
-    va = _make(mesh, vdm)
-    rep = _make(mesh, (-1,))
-    vg = _make(mesh, vdm, tuple((d, ReduceType.SUM) for d in summed)) if summed else va
-    ins: tuple[Any, ...] = (xa, tuple(rep for _ in indices), va, xa)
-    return fast_result(ins, (xa, vg))
-
-
+    return _index_put("index_put_grad", x, indices, value, out_grad)
 
 
 register("take_along_axis", take_along_axis_forward, "x: T, index: T, axis: int",

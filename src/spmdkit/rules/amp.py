@@ -20,74 +20,104 @@ inputs produce.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 
-from spmdkit.core.dist_attr import ReduceType, TensorDistAttr, entry_dims
+from spmdkit.core.dist_attr import ReduceType
 from spmdkit.core.errors import InvalidArgumentError, InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.notation import named_mesh
+from spmdkit.engine.compile import Plan, compile_plan, infer
+from spmdkit.engine.notation import BROADCAST, Notation, fast_result, named_mesh
 from spmdkit.rules._common import check_int
 from spmdkit.rules.registry import register
 
-_make = TensorDistAttr.unchecked
-
-
 # -- check_finite_and_unscale / update_loss_scaling -------------------------------------------------
 
+_CFU = "check_finite_and_unscale"
 
-def _scalar_state(op: str, name: str, t: DistTensorSpec, mesh: ProcessMesh) -> TensorDistAttr:
+
+def _letters(ranks: tuple[int, ...]) -> list[str]:
+    """Distinct letters for tensors that share no axis (any number of them: past the alphabet)."""
+    out, k = [], 0
+    for r in ranks:
+        out.append("".join(chr(0x100 + k + i) for i in range(r)))
+        k += r
+    return out
+
+
+@lru_cache(maxsize=1024)
+def _plan(op: str, ranks: tuple[int, ...], states: tuple[int, ...], reverse: bool) -> Plan:
+    """``xs..., states... [, out...] [, new states...] -> [found_infinite]``: each x its own
+    letters (``taken="keep"``: the xs are updated one by one, so two of them may shard one mesh
+    dim), the [1] states ``1``. check_finite_and_unscale's found_infinite lacks every x letter:
+    partial MAX over the mesh dims of the xs (a rank's flag covers its own shards);
+    update_loss_scaling's new state (read from the replicated state alone) is labelled among the
+    inputs, so it is never partial. The reverse merges the outs alone (``sources``); every out is
+    its x, updated in place."""
+    xs = _letters(ranks)
+    n = len(xs) + len(states)
+    ins = [*xs, *(BROADCAST * r for r in states), *(xs if reverse else ())]
+    outs = [BROADCAST] if op == _CFU else []
+    if op != _CFU:
+        ins += [BROADCAST] * 3
+    src = range(n, n + len(xs)) if reverse else range(len(xs))
+    return compile_plan(Notation(ins, outs, reduce=ReduceType.MAX, taken="keep", sources=src))
+
+
+def _answer(op: str, xs: Sequence[DistTensorSpec], state: Sequence[DistTensorSpec], mesh: ProcessMesh,
+            out: Sequence[DistTensorSpec] = ()) -> SpmdResult:
+    """The plan's answer: (xs, states...) -> (out, found_infinite | the new state)."""
+    n, m = len(xs), len(state)
+    p = _plan(op, tuple(len(t.shape) for t in xs), tuple(len(t.shape) for t in state), bool(out))
+    ins, outs = infer(p, op, (*xs, *state, *out, *((None,) * 3 if op != _CFU else ())), (), mesh)
+    xa = ins[:n]
+    return fast_result((xa, *ins[n : n + m]), (xa, *outs) if op == _CFU else (xa, *ins[-3:]))  # type: ignore[arg-type]
+
+
+def _scalar_state(op: str, name: str, t: DistTensorSpec) -> None:
     if len(t.shape) > 1 or any(s not in (1, -1) for s in t.shape):
         raise ShapeMismatchError(f"{op}: {name} must hold one element (shape [1]), got {list(t.shape)}")
-    return _make(mesh, (-1,) * len(t.shape))
 
 
-def _plain(xs: Sequence[DistTensorSpec], mesh: ProcessMesh) -> tuple[TensorDistAttr, ...]:
-    """Each x with its dims_mapping, partial dropped."""
-    out = []
-    for t in xs:
-        a = t.dist_attr
-        out.append(_make(mesh, a.dims_mapping) if a.partial else a)
-    return tuple(out)
+def _check_xs(op: str, xs: Sequence[DistTensorSpec], out: Sequence[DistTensorSpec] | None = None,
+              ranks: bool = True) -> None:
+    """xs not empty; or, given ``out``: as many outs as xs (and, with ``ranks``, of their ranks)."""
+    if out is None:
+        if not xs:
+            raise InvalidArgumentError(f"{op}: xs must hold at least one tensor")
+        return
+    if len(out) != len(xs):
+        raise ShapeMismatchError(f"{op}: out has {len(out)} tensors but xs has {len(xs)}")
+    for i, (x, o) in enumerate(zip(xs, out) if ranks else ()):
+        if len(x.shape) != len(o.shape):
+            raise ShapeMismatchError(f"{op}: out[{i}] has {len(o.shape)} dims but xs[{i}] has {len(x.shape)}")
 
 
-def _found_inf(xs: Sequence[TensorDistAttr], mesh: ProcessMesh, ndim: int) -> TensorDistAttr:
-    dims = sorted({d for a in xs for e in a.dims_mapping for d in entry_dims(e)})
-    return _make(mesh, (-1,) * ndim, tuple((d, ReduceType.MAX) for d in dims))
-
-
-def _check_xs(op: str, xs: Sequence[DistTensorSpec], name: str = "xs") -> None:
-    if not xs:
-        raise InvalidArgumentError(f"{op}: {name} must hold at least one tensor")
+def _named(name: str, ts: Sequence[DistTensorSpec]) -> list[tuple[str, DistTensorSpec]]:
+    return [(f"{name}[{i}]", t) for i, t in enumerate(ts)]
 
 
 def cfu_forward(xs: Sequence[DistTensorSpec], scale: DistTensorSpec) -> SpmdResult:
     """check_finite_and_unscale (CheckFiniteAndUnscaleSpmd): each x keeps its sharding (partial
     dropped), scale replicated; out as xs, found_infinite partial MAX over the xs' mesh dims."""
-    op = "check_finite_and_unscale"
-    _check_xs(op, xs)
-    mesh = named_mesh(op, [*((f"xs[{i}]", t) for i, t in enumerate(xs)), ("scale", scale)])
-    sc = _scalar_state(op, "scale", scale, mesh)
-    xa = _plain(xs, mesh)
-    return SpmdResult((xa, sc), (xa, _found_inf(xa, mesh, 1)))
+    _check_xs(_CFU, xs)
+    mesh = named_mesh(_CFU, [*_named("xs", xs), ("scale", scale)])
+    _scalar_state(_CFU, "scale", scale)
+    return _answer(_CFU, xs, (scale,), mesh)
 
 
 def cfu_reverse(xs: Sequence[DistTensorSpec], scale: DistTensorSpec, out: Sequence[DistTensorSpec],
                 found_infinite: DistTensorSpec) -> SpmdResult:
     """check_finite_and_unscale reverse (Paddle has none): each x as its out (partial dropped),
     scale replicated; the outputs those inputs produce."""
-    op = "check_finite_and_unscale"
-    _check_xs(op, xs)
-    if len(out) != len(xs):
-        raise ShapeMismatchError(f"{op}: out has {len(out)} tensors but xs has {len(xs)}")
-    mesh = named_mesh(op, [*((f"xs[{i}]", t) for i, t in enumerate(xs)), ("scale", scale),
-                           *((f"out[{i}]", t) for i, t in enumerate(out)), ("found_infinite", found_infinite)])
-    for i, (x, o) in enumerate(zip(xs, out)):
-        if len(x.shape) != len(o.shape):
-            raise ShapeMismatchError(f"{op}: out[{i}] has {len(o.shape)} dims but xs[{i}] has {len(x.shape)}")
-    sc = _scalar_state(op, "scale", scale, mesh)
-    _scalar_state(op, "found_infinite", found_infinite, mesh)
-    xa = _plain(out, mesh)
-    return SpmdResult((xa, sc), (xa, _found_inf(xa, mesh, 1)))
+    _check_xs(_CFU, xs)
+    _check_xs(_CFU, xs, out, ranks=False)
+    mesh = named_mesh(_CFU, [*_named("xs", xs), ("scale", scale), *_named("out", out),
+                             ("found_infinite", found_infinite)])  # fmt: skip
+    _check_xs(_CFU, xs, out)
+    _scalar_state(_CFU, "scale", scale)
+    _scalar_state(_CFU, "found_infinite", found_infinite)
+    return _answer(_CFU, xs, (scale,), mesh, out)
 
 
 def _uls_attrs(op: str, incr_every_n_steps: object, decr_every_n_nan_or_inf: object, incr_ratio: object,
@@ -101,17 +131,17 @@ def _uls_attrs(op: str, incr_every_n_steps: object, decr_every_n_nan_or_inf: obj
         raise InvalidAttributeError(f"{op}: stop_update must be a bool, got {stop_update!r}")
 
 
+_ULS = "update_loss_scaling"
 _STATE = ("found_infinite", "prev_loss_scaling", "in_good_steps", "in_bad_steps")
 
 
-def _uls(op: str, xs: Sequence[DistTensorSpec], state: Sequence[DistTensorSpec],
-         extra: Sequence[tuple[str, DistTensorSpec]], src: Sequence[DistTensorSpec]) -> SpmdResult:
-    _check_xs(op, xs)
-    mesh = named_mesh(op, [*((f"xs[{i}]", t) for i, t in enumerate(xs)), *zip(_STATE, state), *extra])
-    st = tuple(_scalar_state(op, n, t, mesh) for n, t in zip(_STATE, state))
-    xa = _plain(src, mesh)
-    one = _make(mesh, (-1,))
-    return SpmdResult((xa, *st), (xa, one, one, one))
+def _uls(xs: Sequence[DistTensorSpec], state: Sequence[DistTensorSpec], extra: Sequence[tuple[str, DistTensorSpec]],
+         out: Sequence[DistTensorSpec] = ()) -> SpmdResult:
+    _check_xs(_ULS, xs)
+    mesh = named_mesh(_ULS, [*_named("xs", xs), *zip(_STATE, state), *extra])
+    for n, t in zip(_STATE, state):
+        _scalar_state(_ULS, n, t)
+    return _answer(_ULS, xs, state, mesh, out)
 
 
 def uls_forward(xs: Sequence[DistTensorSpec], found_infinite: DistTensorSpec, prev_loss_scaling: DistTensorSpec,
@@ -120,9 +150,8 @@ def uls_forward(xs: Sequence[DistTensorSpec], found_infinite: DistTensorSpec, pr
                 stop_update: object = False) -> SpmdResult:
     """update_loss_scaling (UpdateLossScalingSpmd): each x keeps its sharding (partial dropped);
     found_infinite and the loss-scaling state replicated; out as xs, the new state replicated."""
-    op = "update_loss_scaling"
-    _uls_attrs(op, incr_every_n_steps, decr_every_n_nan_or_inf, incr_ratio, decr_ratio, stop_update)
-    return _uls(op, xs, (found_infinite, prev_loss_scaling, in_good_steps, in_bad_steps), (), xs)
+    _uls_attrs(_ULS, incr_every_n_steps, decr_every_n_nan_or_inf, incr_ratio, decr_ratio, stop_update)
+    return _uls(xs, (found_infinite, prev_loss_scaling, in_good_steps, in_bad_steps), ())
 
 
 def uls_reverse(xs: Sequence[DistTensorSpec], found_infinite: DistTensorSpec, prev_loss_scaling: DistTensorSpec,
@@ -132,20 +161,13 @@ def uls_reverse(xs: Sequence[DistTensorSpec], found_infinite: DistTensorSpec, pr
                 stop_update: object = False) -> SpmdResult:
     """update_loss_scaling reverse (Paddle has none): each x as its out (partial dropped), the
     state replicated; the outputs those inputs produce."""
-    op = "update_loss_scaling"
-    _uls_attrs(op, incr_every_n_steps, decr_every_n_nan_or_inf, incr_ratio, decr_ratio, stop_update)
-    if len(out) != len(xs):
-        raise ShapeMismatchError(f"{op}: out has {len(out)} tensors but xs has {len(xs)}")
-    for i, (x, o) in enumerate(zip(xs, out)):
-        if len(x.shape) != len(o.shape):
-            raise ShapeMismatchError(f"{op}: out[{i}] has {len(o.shape)} dims but xs[{i}] has {len(x.shape)}")
-    extra = (*((f"out[{i}]", t) for i, t in enumerate(out)), ("loss_scaling", loss_scaling),
-             ("out_good_steps", out_good_steps), ("out_bad_steps", out_bad_steps))
-    for n, t in extra[len(out):]:
-        _scalar_state(op, n, t, found_infinite.dist_attr.mesh)
-    return _uls(op, xs, (found_infinite, prev_loss_scaling, in_good_steps, in_bad_steps), extra, out)
-
-
+    _uls_attrs(_ULS, incr_every_n_steps, decr_every_n_nan_or_inf, incr_ratio, decr_ratio, stop_update)
+    _check_xs(_ULS, xs, out)
+    extra = (("loss_scaling", loss_scaling), ("out_good_steps", out_good_steps), ("out_bad_steps", out_bad_steps))
+    for n, t in extra:
+        _scalar_state(_ULS, n, t)
+    return _uls(xs, (found_infinite, prev_loss_scaling, in_good_steps, in_bad_steps), (*_named("out", out), *extra),
+                out)
 
 
 _ULS_ATTRS = ("incr_every_n_steps: int, decr_every_n_nan_or_inf: int, incr_ratio: float, decr_ratio: float, "

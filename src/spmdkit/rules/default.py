@@ -20,110 +20,49 @@ per tensor of ``outs`` (flat lists, not nested).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import lru_cache
 
-from spmdkit.core.dist_attr import DimsMapping, TensorDistAttr, entry_dims
 from spmdkit.core.errors import InvalidArgumentError
-from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.axes import largest_mesh_dim, replicated_like
-from spmdkit.engine.compile import infer
-from spmdkit.engine.notation import common_mesh, merge_weight
-from spmdkit.rules._common import replicated_plan
+from spmdkit.engine.compile import Plan, compile_plan, infer
+from spmdkit.engine.notation import BROADCAST, Notation, common_mesh
 from spmdkit.rules.registry import register
 
 Specs = Sequence[DistTensorSpec | None]
 
 
-def _mesh(op: str, ins: Specs, outs: Specs) -> ProcessMesh:
-    if not any(s is not None for s in ins) and not any(s is not None for s in outs):
-        raise InvalidArgumentError(f"{op}: ins and outs are both empty: no tensor, so no mesh")
-    return common_mesh(op, list(ins) + list(outs))
+@lru_cache(maxsize=1024)
+def _plan(ins: tuple[int, ...], outs: tuple[int, ...], how: str) -> Plan:
+    """``b1.., b1.., ... -> (none)`` over the inputs and the outputs alike (every answer is an
+    input of the notation, so none is partial), merged from the inputs (``how="forward"``) or the
+    outputs (``"backward"``): the heaviest tensor sharding the batch axis keeps its sharding (the
+    first on a tie), a co-shard read as its largest mesh dim. A 0-d output makes every tensor
+    replicated (it would be a reduction over the batch), as ``how="replicated"`` does. Ranks: -1
+    for an absent tensor."""
+    batch = how != "replicated" and 0 not in outs
+    lab = [None if r < 0 else ("b" if batch and r else "") + BROADCAST * (r - (batch and r > 0)) for r in ins + outs]
+    src = range(len(ins), len(ins) + len(outs)) if how == "backward" else range(len(ins))
+    return compile_plan(Notation(lab, [], coshard="largest", conflict="heaviest", sources=src))
 
 
-def _replicate(mesh: ProcessMesh, specs: Specs) -> list[TensorDistAttr | None]:
-    return [replicated_like(mesh, s) for s in specs]
+def _rule(op: str, how: str) -> Callable[[Specs, Specs], SpmdResult]:
+    def rule(ins: Specs, outs: Specs) -> SpmdResult:
+        if all(s is None for s in ins) and all(s is None for s in outs):
+            raise InvalidArgumentError(f"{op}: ins and outs are both empty: no tensor, so no mesh")
+        mesh = common_mesh(op, list(ins) + list(outs))
+        ranks = [-1 if s is None else s.ndim for s in (*ins, *outs)]
+        a, _ = infer(_plan(tuple(ranks[: len(ins)]), tuple(ranks[len(ins) :]), how), op, (*ins, *outs), (), mesh)
+        return SpmdResult(list(a[: len(ins)]), list(a[len(ins) :]))
 
-
-def _batch_dims(mesh: ProcessMesh, specs: Specs) -> tuple[int, ...]:
-    """The mesh dims of the merged batch axis: the largest tensor sharding it wins."""
-    best: tuple[int, ...] = ()
-    weight = -1
-    for s in specs:
-        if s is None or s.ndim == 0:
-            continue
-        d = entry_dims(s.dist_attr.dims_mapping[0])
-        if not d:
-            continue
-        n = merge_weight(s.shape)
-        if n > weight:
-            best, weight = d, n
-    return best
-
-
-def _batch_only(mesh: ProcessMesh, dims: tuple[int, ...], specs: Specs) -> list[TensorDistAttr | None]:
-    # a co-sharded batch axis keeps one mesh dim, its largest (the first of equal sizes), as in Paddle
-    head = largest_mesh_dim(dims, mesh.shape) if dims else -1
-    out: list[TensorDistAttr | None] = []
-    for s in specs:
-        if s is None:
-            out.append(None)
-            continue
-        dm: DimsMapping = (head, *([-1] * (s.ndim - 1))) if s.ndim else ()
-        out.append(TensorDistAttr.unchecked(mesh, dm, ()))
-    return out
-
-
-def _data_parallel(op: str, ins: Specs, outs: Specs, source: Specs) -> SpmdResult:
-    mesh = _mesh(op, ins, outs)
-    if any(s is not None and s.ndim == 0 for s in outs):
-        return SpmdResult(_replicate(mesh, ins), _replicate(mesh, outs))
-    dims = _batch_dims(mesh, source)
-    return SpmdResult(_batch_only(mesh, dims, ins), _batch_only(mesh, dims, outs))
-
-
-def default_data_parallel_forward(ins: Specs, outs: Specs) -> SpmdResult:
-    """Shard every tensor on axis 0 as the inputs' batch axis is sharded; replicate the rest."""
-    return _data_parallel("default_data_parallel", ins, outs, ins)
-
-
-def default_data_parallel_backward(ins: Specs, outs: Specs) -> SpmdResult:
-    """Shard every tensor on axis 0 as the outputs' batch axis is sharded; replicate the rest."""
-    return _data_parallel("default_data_parallel", ins, outs, outs)
-
-
-def replicated_forward(ins: Specs, outs: Specs) -> SpmdResult:
-    """Every input and output replicated."""
-    mesh = _mesh("replicated", ins, outs)
-    p = replicated_plan(tuple(-1 if s is None else s.ndim for s in ins),
-                         tuple(-1 if s is None else s.ndim for s in outs))  # fmt: skip
-    a, b = infer(p, "replicated", ins, (), mesh)
-    return SpmdResult(list(a), list(b))
-
-
-
-def replicated_backward(ins: Specs, outs: Specs) -> SpmdResult:
-    """Every input and output replicated."""
-    return replicated_forward(ins, outs)
+    return rule
 
 
 _SIG = "ins: [T?], outs: [T?]"
-register(
-    "default_data_parallel",
-    default_data_parallel_forward,
-    _SIG,
-    default_data_parallel_backward,
-    kind="reverse", outputs="",
-    aliases=("default_",),
-    forward_name="DefaultDataParallelInferSpmd",
-    backward_name="DefaultDataParallelInferSpmdReverse",
-)
-register(
-    "replicated",
-    replicated_forward,
-    _SIG,
-    replicated_backward,
-    kind="reverse", outputs="",
-    forward_name="ReplicatedInferSpmd",
-    backward_name="ReplicatedInferSpmdReverse",
-)
+register("default_data_parallel", _rule("default_data_parallel", "forward"), _SIG,
+         _rule("default_data_parallel", "backward"), kind="reverse", outputs="", aliases=("default_",),
+         forward_name="DefaultDataParallelInferSpmd", backward_name="DefaultDataParallelInferSpmdReverse",
+         doc="Shard every tensor on axis 0 as the inputs' batch axis is sharded; replicate the rest.")  # fmt: skip
+register("replicated", _rule("replicated", "replicated"), _SIG, _rule("replicated", "replicated"), kind="reverse",
+         outputs="", forward_name="ReplicatedInferSpmd", backward_name="ReplicatedInferSpmdReverse",
+         doc="Every input and output replicated.")  # fmt: skip

@@ -22,102 +22,38 @@ the mesh dims that shard the axes it was broadcast along.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import partial
+from typing import Any
 
-from spmdkit.core.dist_attr import DimsMapping, Partial, ReduceType, TensorDistAttr, entry_dims
-from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError, ShapeMismatchError
-from spmdkit.core.mesh import ProcessMesh
-from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.compile import Plan, compile_plan, infer
+from spmdkit.core.dist_attr import Partial, ReduceType, TensorDistAttr, entry_dims
+from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
+from spmdkit.core.spec import DistTensorSpec
+from spmdkit.engine.declare import Answer, Way, declare
 from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import (
-    ALPHABET,
-    BROADCAST,
-    Notation,
-    einsum_backward,
-    einsum_forward,
-    fast_result,
-    letters_for,
-)
-from spmdkit.rules._common import check_like
-from spmdkit.rules.registry import register
+from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, letters_for
 
 _NLETTERS = len(ALPHABET)
 _make = TensorDistAttr.unchecked
+Shape = tuple[int, ...]
 
 # ---------------------------------------------------------------------------
-# helpers
-# ---------------------------------------------------------------------------
-
-
-def _mesh2(op: str, a: DistTensorSpec, b: DistTensorSpec, na: str, nb: str) -> ProcessMesh:
-    m = a.dist_attr.mesh
-    if b.dist_attr.mesh != m:
-        raise InvalidMeshError(
-            f"{op}: {na} and {nb} lie on different meshes ({m!r} and {b.dist_attr.mesh!r})"
-        )
-    return m
-
-
-def _used_dims(dm: DimsMapping) -> set[int]:
-    used: set[int] = set()
-    for e in dm:
-        used.update(entry_dims(e))
-    return used
-
-
-# ---------------------------------------------------------------------------
-# unary
+# unary: ``abcd -> abcd``; unary grads: every tensor sharded as out_grad
 # ---------------------------------------------------------------------------
 
 
-@lru_cache(maxsize=64)
-def _unary_notation(ndim: int) -> Notation:
-    if ndim > len(ALPHABET):
-        raise ShapeMismatchError(f"tensors of more than {len(ALPHABET)} dims are not supported")
-    a = ALPHABET[:ndim]
+def unary_notation(ndim: int) -> Notation:
+    a = letters_for(ndim)
     return Notation([a], [a], prune="*")
 
 
-def _unary_fwd(op: str, x: DistTensorSpec) -> SpmdResult:
-    ins, outs = einsum_forward(op, _unary_notation(len(x.shape)), [x], ["x"])
-    return SpmdResult(ins, outs)
-
-
-def _unary_bwd(op: str, x: DistTensorSpec, out: DistTensorSpec) -> SpmdResult:
-    if len(out.shape) != len(x.shape):
-        raise ShapeMismatchError(f"{op}: out has {len(out.shape)} dims but x has {len(x.shape)}")
-    ins, outs = einsum_backward(op, _unary_notation(len(x.shape)), [x], [out], ["x", "out"])
-    return SpmdResult(ins, outs)
-
-
-def _make_unary(op: str) -> tuple[object, object]:
-    def forward(x: DistTensorSpec) -> SpmdResult:
-        return _unary_fwd(op, x)
-
-    def backward(x: DistTensorSpec, out: DistTensorSpec) -> SpmdResult:
-        return _unary_bwd(op, x, out)
-
-    forward.__name__ = f"{op}_forward"
-    forward.__doc__ = f"{op}: elementwise unary; out is sharded as x (uneven mesh dims dropped)."
-    backward.__name__ = f"{op}_backward"
-    return forward, backward
-
-
-def gelu_forward(x: DistTensorSpec, approximate: bool = False) -> SpmdResult:
-    """gelu: elementwise unary."""
-    return _unary_fwd("gelu", x)
-
-
-def gelu_grad(x: DistTensorSpec, out_grad: DistTensorSpec, approximate: bool = False) -> SpmdResult:
-    """GeluGradInferSpmd: x and x_grad take out_grad's sharding."""
-    return _unary_grad("gelu_grad", (x,), ("x",), out_grad)
+def unary_grad_notation(n: int, ndim: int) -> Notation:
+    """``n`` tensors and out_grad, ``abc, ..., abc -> abc``: the letters from out_grad alone."""
+    a = letters_for(ndim)
+    return Notation([a] * (n + 1), [a], sources=(n,))
 
 
 # integer / bool target dtypes: a sum of casts is not the cast of the sum
-_INT_DTYPES = frozenset(
-    {"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"}
-)
+_INT_DTYPES = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"})
 _MONOTONE = frozenset({ReduceType.MAX, ReduceType.MIN})
 
 
@@ -136,110 +72,34 @@ def _cast_partial(partial: Partial, dtype: object) -> Partial:
     return tuple(p for p in partial if p[1] in _MONOTONE)
 
 
-def cast_forward(x: DistTensorSpec, dtype: object = "float32") -> SpmdResult:
-    """cast (CastInferSpmd): elementwise unary keeping x's partial status."""
-    ins, outs = einsum_forward("cast", _unary_notation(len(x.shape)), [x], ["x"])
+def _cast_post(ins: tuple[TensorDistAttr, ...], outs: tuple[TensorDistAttr, ...], x: DistTensorSpec,
+               dtype: object) -> Answer:  # fmt: skip
+    """cast keeps x's partial status (a cast of a sum is the sum of casts; for an integer
+    dtype only where the reduce type is max / min)."""
     pt = _cast_partial(x.dist_attr.partial, dtype)
-    if pt:
-        xi, o = ins[0], outs[0]
-        assert xi is not None and o is not None
-        ins = [TensorDistAttr.unchecked(xi.mesh, xi.dims_mapping, pt)]
-        outs = [TensorDistAttr.unchecked(o.mesh, o.dims_mapping, pt)]
-    return SpmdResult(ins, outs)
+    if not pt:
+        return ins, outs
+    xi, o = ins[0], outs[0]
+    return (_make(xi.mesh, xi.dims_mapping, pt),), (_make(o.mesh, o.dims_mapping, pt),)
 
 
-def cast_backward(x: DistTensorSpec, out: DistTensorSpec, dtype: object = "float32") -> SpmdResult:
-    return _unary_bwd("cast", x, out)
-
-
-# ---------------------------------------------------------------------------
-# unary grads (ElementwiseUnaryGradInferSpmd overloads)
-# ---------------------------------------------------------------------------
-
-
-def _unary_grad(
-    op: str,
-    tensors: tuple[DistTensorSpec, ...],
-    names: tuple[str, ...],
-    out_grad: DistTensorSpec,
-    keep_partial: bool = False,
-) -> SpmdResult:
-    """Every tensor (and the grad) takes out_grad's dims_mapping (``abc, abc -> abc``, merged
-    from out_grad alone); partial cleared (``keep_partial``: out_grad's kept on it and the grad)."""
-    mesh = out_grad.dist_attr.mesh
-    for t, n in zip(tensors, names):
-        if t.dist_attr.mesh != mesh:
-            raise InvalidMeshError(f"{op}: {n} and out_grad lie on different meshes")
-        check_like(op, out_grad, t, "out_grad", n)
-    ins, outs = infer(_unary_grad_plan(len(out_grad.shape), len(tensors)), op, (*tensors, out_grad), (), mesh)
-    if keep_partial and out_grad.dist_attr.partial:
-        g = outs[0]
-        assert g is not None
-        g = TensorDistAttr.unchecked(mesh, g.dims_mapping, out_grad.dist_attr.partial)
-        return fast_result((*ins[:-1], g), (g,))
-    return fast_result(ins, outs)
-
-
-@lru_cache(maxsize=256)
-def _unary_grad_plan(ndim: int, n: int) -> Plan:
-    """``n`` tensors and out_grad, ``abc, ..., abc -> abc``: the letters from out_grad alone."""
-    a = letters_for(ndim)
-    return compile_plan(Notation([a] * (n + 1), [a], sources=(n,)))
-
-
-def elementwise_unary_grad(x: DistTensorSpec, out_grad: DistTensorSpec) -> SpmdResult:
-    """ElementwiseUnaryGradInferSpmd(x, out_grad)."""
-    return _unary_grad("elementwise_unary_grad", (x,), ("x",), out_grad)
-
-
-def _make_unary_grad(op: str, inputs: tuple[str, ...]) -> tuple[object, str]:
-    """A grad rule over (inputs..., out_grad) for one of the overloads."""
-    n = len(inputs)
-    if n == 0:
-
-        def fn0(out_grad: DistTensorSpec) -> SpmdResult:
-            return _unary_grad(op, (), (), out_grad)
-
-        fn: object = fn0
-    elif n == 1:
-
-        def fn1(a: DistTensorSpec, out_grad: DistTensorSpec) -> SpmdResult:
-            return _unary_grad(op, (a,), inputs, out_grad)
-
-        fn = fn1
-    else:
-
-        def fn2(a: DistTensorSpec, b: DistTensorSpec, out_grad: DistTensorSpec) -> SpmdResult:
-            return _unary_grad(op, (a, b), inputs, out_grad)
-
-        fn = fn2
-    fn.__doc__ = f"{op}: ElementwiseUnaryGradInferSpmd({', '.join((*inputs, 'out_grad'))})"
-    sig = ", ".join(f"{i}: T" for i in (*inputs, "out_grad"))
-    return fn, sig
-
-
-def cast_grad(x: DistTensorSpec, out_grad: DistTensorSpec) -> SpmdResult:
-    """cast_grad: x_grad = cast(out_grad) back to x's dtype; keeps out_grad's partial."""
-    return _unary_grad("cast_grad", (x,), ("x",), out_grad, keep_partial=True)
-
-
-def pow_grad(x: DistTensorSpec, out_grad: DistTensorSpec, y: object = 1.0) -> SpmdResult:
-    """PowGradInferSpmd(x, out_grad, y)."""
-    return _unary_grad("pow_grad", (x,), ("x",), out_grad)
-
-
-def scale_grad(out_grad: DistTensorSpec) -> SpmdResult:
-    """scale_grad: ElementwiseUnaryGradInferSpmd(out_grad)."""
-    return _unary_grad("scale_grad", (), (), out_grad)
+def _keep_grad_partial(ins: tuple[TensorDistAttr, ...], outs: tuple[TensorDistAttr, ...], x: DistTensorSpec,
+                       out_grad: DistTensorSpec) -> Answer:  # fmt: skip
+    """cast_grad: x_grad = cast(out_grad) back to x's dtype; it keeps out_grad's partial."""
+    pt = out_grad.dist_attr.partial
+    if not pt:
+        return ins, outs
+    g = _make(outs[0].mesh, outs[0].dims_mapping, pt)
+    return (*ins[:-1], g), (g,)
 
 
 # ---------------------------------------------------------------------------
-# binary
+# binary: numpy broadcasting, a size-1 axis labelled ``1``
 # ---------------------------------------------------------------------------
 
 
 @memo(4096)
-def _binary_notation(xs: tuple[int, ...], ys: tuple[int, ...]) -> tuple[str, str, str] | str:
+def _binary_notation(xs: Shape, ys: Shape) -> tuple[str, str, str] | str:
     """Paddle's GetBinaryNotations; a string result is the error message."""
     nx, ny = len(xs), len(ys)
     n = max(nx, ny)
@@ -269,135 +129,89 @@ def _binary_notation(xs: tuple[int, ...], ys: tuple[int, ...]) -> tuple[str, str
     return "".join(xa), "".join(ya), "".join(out)
 
 
-def _notation2(op: str, x: DistTensorSpec, y: DistTensorSpec) -> tuple[str, str, str]:
-    nt = _binary_notation(x.shape, y.shape)
-    if isinstance(nt, str):
-        raise ShapeMismatchError(f"{op}: {nt}")
-    return nt
+def _ones(shape: Shape) -> int:
+    m = 0
+    for i, s in enumerate(shape):
+        if s == 1:
+            m |= 1 << i
+    return m
 
 
-def _binary_fwd(op: str, x: DistTensorSpec, y: DistTensorSpec, names: tuple[str, str] = ("x", "y")) -> SpmdResult:
-    mesh = x.dist_attr.mesh
-    ym = y.dist_attr.mesh
-    if ym is not mesh and ym != mesh:
-        _mesh2(op, x, y, *names)
-    p = _binary_plan(x.shape, y.shape)
-    if p is None:
-        _notation2(op, x, y)  # raises
-        raise AssertionError("unreachable")
-    return fast_result(*infer(p, op, (x, y), (), mesh, names))
-
-
-@lru_cache(maxsize=4096)
-def _binary_plan(xs: tuple[int, ...], ys: tuple[int, ...]) -> Plan | None:
-    """The forward plan for x / y shapes that broadcast (None where they do not)."""
-    if not _broadcasts(xs, ys):
-        return None
-    return compile_plan(_binary_nt(tuple([s == 1 for s in xs]), tuple([s == 1 for s in ys]), "forward"))
-
-
-def _broadcasts(xs: tuple[int, ...], ys: tuple[int, ...]) -> bool:
-    """Whether :func:`_binary_notation` accepts the shapes."""
+def _bkey(xs: Shape, ys: Shape) -> tuple[int, int, int, int]:
+    """The key of x and y shapes that broadcast: their ranks and size-1 masks;
+    ShapeMismatchError (the message of :func:`_binary_notation`) where they do not."""
     nx, ny = len(xs), len(ys)
+    if 1 not in xs and 1 not in ys and (xs[nx - ny :] == ys if nx >= ny else ys[ny - nx :] == xs):
+        return nx, ny, 0, 0  # the common case: equal trailing axes, none of size 1
     n = nx if nx >= ny else ny
-    if n > _NLETTERS:
-        return False
-    ox, oy = n - nx, n - ny
-    for j in range(ox if ox > oy else oy, n):
-        sx, sy = xs[j - ox], ys[j - oy]
-        if sx != sy and sx != 1 and sy != 1 and sx >= 0 and sy >= 0:
-            return False
-    return True
+    if n <= _NLETTERS:
+        ox, oy = n - nx, n - ny
+        for j in range(ox if ox > oy else oy, n):
+            sx, sy = xs[j - ox], ys[j - oy]
+            if sx != sy and sx != 1 and sy != 1 and sx >= 0 and sy >= 0:
+                break
+        else:
+            return nx, ny, _ones(xs), _ones(ys)
+    raise ShapeMismatchError(_binary_notation(xs, ys))
 
 
-def _binary_bwd(op: str, x: DistTensorSpec, y: DistTensorSpec, out: DistTensorSpec) -> SpmdResult:
-    xa, ya, oa = x.dist_attr, y.dist_attr, out.dist_attr
-    mesh = xa.mesh
-    if ya.mesh is not mesh and ya.mesh != mesh:
-        _mesh2(op, x, y, "x", "y")
-    if oa.mesh is not mesh and oa.mesh != mesh:
-        raise InvalidMeshError(f"{op}: out lies on a different mesh than x and y")
-    xs, ys, os_ = x.shape, y.shape, out.shape
-    if not _broadcasts(xs, ys):
-        _notation2(op, x, y)  # raises
-    nx, ny = len(xs), len(ys)
-    n = nx if nx >= ny else ny
-    if len(os_) != n:
-        raise ShapeMismatchError(
-            f"{op}: out has {len(os_)} dims but the broadcast of x and y has {n}"
-        )
-    for i in range(n):
-        s = os_[i]
-        if s < 0:
-            continue
-        ix, iy = i - (n - nx), i - (n - ny)
-        want = 1
-        if ix >= 0 and xs[ix] != 1:
-            want = xs[ix]
-        elif iy >= 0 and ys[iy] != 1:
-            want = ys[iy]
-        if want >= 0 and s != want:
-            raise ShapeMismatchError(f"{op}: out axis {i} has {s}, but x and y broadcast to {want}")
-    # x and y take out's letters (a co-shard read as its largest mesh dim); out is what they make
-    nt = _binary_nt(tuple([s == 1 for s in xs]), tuple([s == 1 for s in ys]), "backward")
-    ins, outs = einsum_backward(op, nt, (x, y), (out,))
-    return fast_result(tuple(ins), tuple(outs))
+def _unit_shape(n: int, mask: int) -> Shape:
+    return tuple([1 if (mask >> i) & 1 else 2 for i in range(n)])
 
 
-@lru_cache(maxsize=4096)
-def _binary_nt(x_unit: tuple[bool, ...], y_unit: tuple[bool, ...], direction: str) -> Notation:
-    """The binary notation of shapes that broadcast, from their size-1 masks alone, with
+def binary_notation(direction: str, nx: int, ny: int, ux: int, uy: int) -> Notation:
+    """The binary notation of shapes that broadcast, from their ranks and size-1 masks, with
     Paddle's merge: a co-shard read as its largest mesh dim; forward: where x and y shard one
     letter over different mesh dims the larger tensor wins (x on a tie), letters and the
     sharded size-1 axes (``1``) take their mesh dims in claim order (x's axes, then y's), a
-    size-1 axis sharding nothing."""
-    nt = _binary_notation(tuple([1 if u else 2 for u in x_unit]), tuple([1 if u else 2 for u in y_unit]))
-    assert not isinstance(nt, str)  # the shapes were checked to broadcast
+    size-1 axis sharding nothing; reverse: x and y take out's letters."""
+    nt = _binary_notation(_unit_shape(nx, ux), _unit_shape(ny, uy))
+    if isinstance(nt, str):
+        raise ShapeMismatchError(nt)
     if direction == "forward":
         return Notation(nt[:2], nt[2:], coshard="largest", unit_axes="claim")
     return Notation(nt[:2], nt[2:], coshard="largest")
 
 
-def _make_binary(op: str) -> tuple[object, object]:
-    def forward(x: DistTensorSpec, y: DistTensorSpec) -> SpmdResult:
-        return _binary_fwd(op, x, y)
-
-    def backward(x: DistTensorSpec, y: DistTensorSpec, out: DistTensorSpec) -> SpmdResult:
-        return _binary_bwd(op, x, y, out)
-
-    forward.__name__ = f"{op}_forward"
-    forward.__doc__ = f"{op}: elementwise binary with numpy broadcasting."
-    backward.__name__ = f"{op}_backward"
-    return forward, backward
+def _out_check(xs: Shape, ys: Shape, os_: Shape) -> None:
+    """The reverse rule's out: the broadcast of x and y."""
+    _bkey(xs, ys)
+    nx, ny = len(xs), len(ys)
+    n = nx if nx >= ny else ny
+    if len(os_) != n:
+        raise ShapeMismatchError(f"out has {len(os_)} dims but the broadcast of x and y has {n}")
+    for i in range(n):
+        s = os_[i]
+        if s < 0:
+            continue
+        ix, iy = i - (n - nx), i - (n - ny)
+        wx = xs[ix] if ix >= 0 else 1
+        wy = ys[iy] if iy >= 0 else 1
+        want = wx if wx >= 0 and wx != 1 else wy if wy != 1 else wx  # the first known size not 1
+        if want >= 0 and s != want:
+            raise ShapeMismatchError(f"out axis {i} has {s}, but x and y broadcast to {want}")
 
 
 _LINEAR = frozenset({ReduceType.SUM, ReduceType.AVG})
 
 
-def multiply_forward(x: DistTensorSpec, y: DistTensorSpec) -> SpmdResult:
+def _multiply_post(ins: tuple[TensorDistAttr, ...], outs: tuple[TensorDistAttr, ...], x: DistTensorSpec,
+                   y: DistTensorSpec) -> Answer:  # fmt: skip
     """multiply (ElementwiseBinaryWithPartialInferSpmd): a partial SUM/AVG input stays
     partial (and so does out) where no sharding takes its mesh dims; the other input
     is made replicated over its partial dims (x_p * y_p summed is not x * y)."""
-    res = _binary_fwd("multiply", x, y)
     px, py = x.dist_attr.partial, y.dist_attr.partial
     if not px and not py:
-        return res
-    primary = 0 if px else 1
+        return ins, outs
     pt = px if px else py
-    ox = res.outputs[0]
-    assert isinstance(ox, TensorDistAttr)
-    used = _used_dims(ox.dims_mapping)
+    o = outs[0]
+    used = {d for e in o.dims_mapping for d in entry_dims(e)}
     if any(d in used or r not in _LINEAR for d, r in pt):
-        return res
-    ins = list(res.inputs)
-    a = ins[primary]
-    assert isinstance(a, TensorDistAttr)
-    ins[primary] = TensorDistAttr.unchecked(a.mesh, a.dims_mapping, pt)
-    return SpmdResult(ins, [TensorDistAttr.unchecked(ox.mesh, ox.dims_mapping, pt)])
-
-
-def multiply_backward(x: DistTensorSpec, y: DistTensorSpec, out: DistTensorSpec) -> SpmdResult:
-    return _binary_bwd("multiply", x, y, out)
+        return ins, outs
+    new = list(ins)
+    a = new[0 if px else 1]
+    new[0 if px else 1] = _make(a.mesh, a.dims_mapping, pt)
+    return new, [_make(o.mesh, o.dims_mapping, pt)]
 
 
 # ---------------------------------------------------------------------------
@@ -405,101 +219,39 @@ def multiply_backward(x: DistTensorSpec, y: DistTensorSpec, out: DistTensorSpec)
 # ---------------------------------------------------------------------------
 
 
-@lru_cache(maxsize=4096)
-def _binary_grad_plan(xs: tuple[int, ...], ys: tuple[int, ...], nd: int, with_out: bool) -> Plan:
-    return _binary_grad_unit_plan(tuple([s == 1 for s in xs]), tuple([s == 1 for s in ys]), nd, with_out)
-
-
-@lru_cache(maxsize=1024)
-def _binary_grad_unit_plan(x_unit: tuple[bool, ...], y_unit: tuple[bool, ...], nd: int, with_out: bool) -> Plan:
+def binary_grad_notation(with_out: bool, nd: int, nx: int, ny: int, ux: int, uy: int) -> Notation:
     """``1c, bc, abc -> 1c, bc`` (x, y, [out,] out_grad -> x_grad, y_grad), merged from out_grad
     alone: an input takes out_grad's sharding on its axes (a size-1 axis ``1``: unsharded),
     its grad is partial SUM over the mesh dims of the axes it was broadcast along."""
     g = letters_for(nd)
 
-    def lab(unit: tuple[bool, ...]) -> str:
-        off = nd - len(unit)
-        return "".join(BROADCAST if u else g[i + off] for i, u in enumerate(unit))
+    def lab(n: int, unit: int) -> str:
+        return "".join(BROADCAST if (unit >> i) & 1 else g[i + nd - n] for i in range(n))
 
-    x, y = lab(x_unit), lab(y_unit)
+    x, y = lab(nx, ux), lab(ny, uy)
     ins = [x, y, g, g] if with_out else [x, y, g]
-    return compile_plan(Notation(ins, [x, y], sources=(len(ins) - 1,)))
+    return Notation(ins, [x, y], sources=(len(ins) - 1,))
 
 
-def _check_grad_shapes(op: str, t: DistTensorSpec, name: str, og: DistTensorSpec) -> None:
-    diff = len(og.shape) - len(t.shape)
-    if diff < 0:
-        raise ShapeMismatchError(
-            f"{op}: {name} has {len(t.shape)} dims, more than out_grad's {len(og.shape)}"
-        )
-    for i, s in enumerate(t.shape):
-        g = og.shape[i + diff]
-        if s != 1 and s != g and s >= 0 and g >= 0:
-            raise ShapeMismatchError(
-                f"{op}: {name} axis {i} has {s}, which does not broadcast to out_grad's {g}"
-            )
-
-
-def _binary_grad(
-    op: str,
-    x: DistTensorSpec,
-    y: DistTensorSpec,
-    out: DistTensorSpec | None,
-    out_grad: DistTensorSpec,
-    axis: int,
-) -> SpmdResult:
-    mesh = out_grad.dist_attr.mesh
-    tensors = [("x", x), ("y", y)] + ([("out", out)] if out is not None else [])
-    for n, t in tensors:
-        if t.dist_attr.mesh != mesh:
-            raise InvalidMeshError(f"{op}: {n} and out_grad lie on different meshes")
-    _check_grad_shapes(op, x, "x", out_grad)
-    _check_grad_shapes(op, y, "y", out_grad)
-    if out is not None:
-        check_like(op, out_grad, out, "out_grad", "out")
-    nd = len(out_grad.shape)
-    if axis != -1:
-        ok = all(len(t.shape) == nd or axis == nd - len(t.shape) for t in (x, y))
-        if not ok:
-            raise InvalidAttributeError(
-                f"{op}: axis {axis} is not supported (only -1, numpy-style trailing alignment)"
-            )
-    p = _binary_grad_plan(x.shape, y.shape, nd, out is not None)
-    specs = (x, y, out_grad) if out is None else (x, y, out, out_grad)
-    return fast_result(*infer(p, op, specs, (), mesh))
-
-
-def _make_binary_grad(op: str, with_out: bool) -> object:
-    if with_out:
-
-        def fn_out(
-            x: DistTensorSpec, y: DistTensorSpec, out: DistTensorSpec, out_grad: DistTensorSpec, axis: int = -1
-        ) -> SpmdResult:
-            return _binary_grad(op, x, y, out, out_grad, axis)
-
-        fn_out.__doc__ = f"{op}: ElementwiseBinaryGradInferSpmd(x, y, out, out_grad, axis)"
-        return fn_out
-
-    def fn(x: DistTensorSpec, y: DistTensorSpec, out_grad: DistTensorSpec, axis: int = -1) -> SpmdResult:
-        return _binary_grad(op, x, y, None, out_grad, axis)
-
-    fn.__doc__ = f"{op}: ElementwiseBinaryGradInferSpmd(x, y, out_grad, axis)"
-    return fn
-
-
-def dropout_grad(
-    mask: DistTensorSpec,
-    out_grad: DistTensorSpec,
-    p: object = 0.5,
-    is_test: bool = False,
-    mode: str = "upscale_in_train",
-) -> SpmdResult:
-    """DropoutBwdInferSpmd: ElementwiseBinaryInferSpmd(mask, out_grad)."""
-    return _binary_fwd("dropout_grad", mask, out_grad, ("mask", "out_grad"))
+def _grad_check(x: DistTensorSpec, y: DistTensorSpec, out_grad: DistTensorSpec, axis: int) -> None:
+    """x and y broadcast to out_grad; ``axis`` -1 (numpy-style trailing alignment) or the
+    alignment they have."""
+    gs = out_grad.shape
+    nd = len(gs)
+    for name, t in (("x", x), ("y", y)):
+        diff = nd - len(t.shape)
+        if diff < 0:
+            raise ShapeMismatchError(f"{name} has {len(t.shape)} dims, more than out_grad's {nd}")
+        for i, s in enumerate(t.shape):
+            g = gs[i + diff]
+            if s != 1 and s != g and s >= 0 and g >= 0:
+                raise ShapeMismatchError(f"{name} axis {i} has {s}, which does not broadcast to out_grad's {g}")
+    if axis != -1 and not all(len(t.shape) == nd or axis == nd - len(t.shape) for t in (x, y)):
+        raise InvalidAttributeError(f"axis {axis} is not supported (only -1, numpy-style trailing alignment)")
 
 
 # ---------------------------------------------------------------------------
-# registration
+# declarations
 # ---------------------------------------------------------------------------
 
 #: every Paddle 3.3.1 name registered to ElementwiseUnaryInferSpmd / ...Reverse
@@ -548,54 +300,83 @@ BINARY_GRADS = ("add_grad", "subtract_grad", "multiply_grad", "maximum_grad", "m
                 "remainder_grad", "floor_divide_grad")  # fmt: skip
 
 
-def _register_all() -> None:
-    for name in UNARY_OPS:
-        f, b = _make_unary(name)
-        register(
-            name, f, "x: T", b, kind="reverse", outputs="out: T",  # type: ignore[arg-type]
-            forward_name="ElementwiseUnaryInferSpmd", backward_name="ElementwiseUnaryInferSpmdReverse",
-        )  # fmt: skip
-    register(
-        "gelu", gelu_forward, "x: T, approximate: bool = False", gelu_grad,
-        "x: T, out_grad: T, approximate: bool = False", kind="grad", grad_name="gelu_grad",
-        forward_name="GeluInferSpmd", backward_name="GeluGradInferSpmd",
-    )  # fmt: skip
-    register(
-        "cast", cast_forward, "x: T, dtype: any = 'float32'", cast_backward,
-        kind="reverse", outputs="out: T",
-        forward_name="CastInferSpmd", backward_name="ElementwiseUnaryInferSpmdReverse",
-    )  # fmt: skip
-    for name in BINARY_OPS:
-        f, b = _make_binary(name)
-        register(
-            name, f, "x: T, y: T", b, kind="reverse", outputs="out: T",  # type: ignore[arg-type]
-            forward_name="ElementwiseBinaryInferSpmd", backward_name="ElementwiseBinaryInferSpmdReverse",
-        )  # fmt: skip
-    register(
-        "multiply", multiply_forward, "x: T, y: T", multiply_backward, kind="reverse", outputs="out: T",
-        forward_name="ElementwiseBinaryWithPartialInferSpmd",
-        backward_name="ElementwiseBinaryInferSpmdReverse",
-    )  # fmt: skip
-    # grads
-    register("elementwise_unary_grad", elementwise_unary_grad, "x: T, out_grad: T",
-             forward_name="ElementwiseUnaryGradInferSpmd")  # fmt: skip
-    for name, inputs in UNARY_GRADS.items():
-        fn, sig = _make_unary_grad(name, inputs)
-        register(name, fn, sig, forward_name="ElementwiseUnaryGradInferSpmd")  # type: ignore[arg-type]
-    register("cast_grad", cast_grad, "x: T, out_grad: T", forward_name="ElementwiseUnaryGradInferSpmd")
-    register("pow_grad", pow_grad, "x: T, out_grad: T, y: scalar = 1.0", forward_name="PowGradInferSpmd")
-    register("scale_grad", scale_grad, "out_grad: T", forward_name="ElementwiseUnaryGradInferSpmd")
-    register(
-        "dropout_grad", dropout_grad,
+_UNARY = Way(
+    unary_notation,
+    key="x",
+    paddle="ElementwiseUnaryInferSpmd",
+    doc="elementwise unary: out is sharded as x (uneven mesh dims dropped).",
+)
+_UNARY_REV = Way(
+    unary_notation,
+    key="x",
+    letters=True,
+    paddle="ElementwiseUnaryInferSpmdReverse",
+    doc="elementwise unary reverse: x from out; out is what x produces.",
+)
+#: the binary key, ``_bkey``'s common case inlined (no size-1 axis, y's shape x's trailing axes)
+_BKEY = ("*((len(x.shape), len(y.shape), 0, 0) if 1 not in x.shape and 1 not in y.shape"
+         " and x.shape[len(x.shape) - len(y.shape):] == y.shape else _bkey(x.shape, y.shape))")
+_BINARY = Way(
+    partial(binary_notation, "forward"),
+    key=_BKEY,
+    env={"_bkey": _bkey},
+    paddle="ElementwiseBinaryInferSpmd",
+    doc="elementwise binary with numpy broadcasting.",
+)
+_BINARY_REV = Way(partial(binary_notation, "backward"), key=_BKEY, check="_out_check(x.shape, y.shape, out.shape)",
+                  env={"_bkey": _bkey, "_out_check": _out_check}, paddle="ElementwiseBinaryInferSpmdReverse",
+                  doc="elementwise binary reverse: x and y take out's letters; out is what they make.")  # fmt: skip
+
+
+def _unary_grad(inputs: tuple[str, ...], paddle: str = "ElementwiseUnaryGradInferSpmd", **kw: Any) -> Way:
+    """A grad rule over (inputs..., out_grad): every tensor sharded as out_grad, partial cleared."""
+    return Way(
+        partial(unary_grad_notation, len(inputs)),
+        key="out_grad",
+        same=[("out_grad", n) for n in inputs],
+        paddle=paddle,
+        doc=f"{paddle}({', '.join((*inputs, 'out_grad'))})",
+        **kw,
+    )
+
+
+def _binary_grad(with_out: bool) -> Way:
+    return Way(partial(binary_grad_notation, with_out), key="out_grad, x, y, ones(x), ones(y)",
+               check="_grad_check(x, y, out_grad, axis)", env={"_grad_check": _grad_check},
+               same=[("out_grad", "out")] if with_out else [], paddle="ElementwiseBinaryGradInferSpmd",
+               doc=f"ElementwiseBinaryGradInferSpmd(x, y, {'out, ' if with_out else ''}out_grad, axis)")  # fmt: skip
+
+
+for _n in UNARY_OPS:
+    declare(_n, "x: T", _UNARY, reverse=_UNARY_REV, outputs="out: T")
+declare("gelu", "x: T, approximate: bool = False", Way(unary_notation, key="x", paddle="GeluInferSpmd"),
+        grad=_unary_grad(("x",), "GeluGradInferSpmd"), grad_signature="x: T, out_grad: T, approximate: bool = False",
+        grad_name="gelu_grad")  # fmt: skip
+declare("cast", "x: T, dtype: any = 'float32'",
+        Way(unary_notation, key="x", post=_cast_post, post_if="x.dist_attr.partial", paddle="CastInferSpmd",
+            doc="cast (CastInferSpmd): elementwise unary keeping x's partial status."),
+        reverse=_UNARY_REV, outputs="out: T")  # fmt: skip
+for _n in BINARY_OPS:
+    declare(_n, "x: T, y: T", _BINARY, reverse=_BINARY_REV, outputs="out: T")
+declare("multiply", "x: T, y: T",
+        Way(_BINARY.notation, key=_BKEY, env=_BINARY.env, post=_multiply_post,
+            post_if="x.dist_attr.partial or y.dist_attr.partial",
+            paddle="ElementwiseBinaryWithPartialInferSpmd", doc=_multiply_post.__doc__ or ""),
+        reverse=_BINARY_REV, outputs="out: T")  # fmt: skip
+declare("dropout_grad",
         "mask: T, out_grad: T, p: scalar = 0.5, is_test: bool = False, mode: str = 'upscale_in_train'",
-        forward_name="DropoutBwdInferSpmd",
-    )  # fmt: skip
-    for name in BINARY_GRADS:
-        register(name, _make_binary_grad(name, False), "x: T, y: T, out_grad: T, axis: int = -1",  # type: ignore[arg-type]
-                 forward_name="ElementwiseBinaryGradInferSpmd")  # fmt: skip
-    register("divide_grad", _make_binary_grad("divide_grad", True),  # type: ignore[arg-type]
-             "x: T, y: T, out: T, out_grad: T, axis: int = -1",
-             forward_name="ElementwiseBinaryGradInferSpmd")  # fmt: skip
-
-
-_register_all()
+        Way(_BINARY.notation, key="*_bkey(mask.shape, out_grad.shape)", env=_BINARY.env,
+            paddle="DropoutBwdInferSpmd", doc="DropoutBwdInferSpmd: ElementwiseBinaryInferSpmd(mask, out_grad)."))  # fmt: skip
+# unary grads
+declare("elementwise_unary_grad", "x: T, out_grad: T", _unary_grad(("x",)))
+for _n, _inputs in UNARY_GRADS.items():
+    declare(_n, ", ".join(f"{i}: T" for i in (*_inputs, "out_grad")), _unary_grad(_inputs))
+declare(
+    "cast_grad", "x: T, out_grad: T", _unary_grad(("x",), post=_keep_grad_partial, post_if="out_grad.dist_attr.partial")
+)
+declare("pow_grad", "x: T, out_grad: T, y: scalar = 1.0", _unary_grad(("x",), "PowGradInferSpmd"))
+declare("scale_grad", "out_grad: T", _unary_grad(()))
+# binary grads
+for _n in BINARY_GRADS:
+    declare(_n, "x: T, y: T, out_grad: T, axis: int = -1", _binary_grad(False))
+declare("divide_grad", "x: T, y: T, out: T, out_grad: T, axis: int = -1", _binary_grad(True))

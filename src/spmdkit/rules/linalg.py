@@ -51,7 +51,7 @@ einsum-notation.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from functools import lru_cache
 from typing import Any
 
 from spmdkit.core.dist_attr import DimsMapping, Entry, ReduceType, TensorDistAttr, entry_dims
@@ -59,6 +59,7 @@ from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError, SpmdE
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.axes import replicated_like
+from spmdkit.engine.compile import Plan, compile_plan, infer
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import BROADCAST, Notation, einsum_forward, fast_result, named_mesh
 from spmdkit.rules._absent import zero_d_absent
@@ -88,10 +89,6 @@ def _call(op: str, name: str, mode: str, *args: Any) -> SpmdResult:
             if msg.startswith(pre):
                 msg = msg[len(pre):]
         raise type(e)(f"{op}: {msg}") from None
-
-
-def _mesh(op: str, named: Iterable[tuple[str, DistTensorSpec | None]]) -> ProcessMesh:
-    return named_mesh(op, named)
 
 
 def _partial_over(mesh: ProcessMesh, dm: DimsMapping, entries: tuple[Entry, ...] | list[Entry]) -> TensorDistAttr:
@@ -181,7 +178,7 @@ def _gemm_fwd_fix(
 def _gemm_forward(op: str, names: tuple[str, str], x: DistTensorSpec, y: DistTensorSpec, bias: DistTensorSpec | None,
                   tx: bool, ty: bool, partial_ok: bool = False) -> SpmdResult:
     _check_bias(op, names[0], names[1], x, y, bias, tx, ty)
-    mesh = _mesh(op, ((names[0], x), (names[1], y), ("bias", bias)))
+    mesh = named_mesh(op, ((names[0], x), (names[1], y), ("bias", bias)))
     r = _call(op, "matmul", "forward", x, y, tx, ty)
     ax, ay = r.inputs[0], r.inputs[1]
     ao = r.outputs[0]
@@ -199,7 +196,7 @@ def _gemm_forward(op: str, names: tuple[str, str], x: DistTensorSpec, y: DistTen
 def _gemm_backward(op: str, names: tuple[str, str], x: DistTensorSpec, y: DistTensorSpec, bias: DistTensorSpec | None,
                    out: DistTensorSpec, reserve_space: DistTensorSpec | None, tx: bool, ty: bool) -> SpmdResult:
     _check_bias(op, names[0], names[1], x, y, bias, tx, ty)
-    mesh = _mesh(op, ((names[0], x), (names[1], y), ("bias", bias), ("out", out), ("reserve_space", reserve_space)))
+    mesh = named_mesh(op, ((names[0], x), (names[1], y), ("bias", bias), ("out", out), ("reserve_space", reserve_space)))
     if reserve_space is not None and reserve_space.shape != out.shape:
         raise ShapeMismatchError(
             f"{op}: reserve_space shape {list(reserve_space.shape)} differs from out shape {list(out.shape)}"
@@ -216,7 +213,7 @@ def _gemm_grad(op: str, names: tuple[str, str], x: DistTensorSpec, y: DistTensor
                extra: tuple[tuple[str, DistTensorSpec | None], ...], out_grad: DistTensorSpec,
                tx: bool, ty: bool, absent_bias_grad: bool = False) -> SpmdResult:
     _check_bias(op, names[0], names[1], x, y, None, tx, ty)
-    mesh = _mesh(op, ((names[0], x), (names[1], y), *extra, ("out_grad", out_grad)))
+    mesh = named_mesh(op, ((names[0], x), (names[1], y), *extra, ("out_grad", out_grad)))
     r = _call(op, "matmul_grad", "forward", x, y, out_grad, tx, ty)
     ag = r.inputs[2]
     assert isinstance(ag, TensorDistAttr)
@@ -297,34 +294,25 @@ def linear_v2_grad(input: DistTensorSpec, weight: DistTensorSpec, bias: DistTens
                       absent_bias_grad=bias is None)
 
 
-# a 0-D optional tensor (shape []) is read as absent (spmdkit.rules._absent)
-_GEMM_FWD = "x: T, y: T, bias: T, trans_x: bool = False, trans_y: bool = False"
-_GEMM_REV = reverse_signature(_GEMM_FWD, "out: T, reserve_space: T?")
-_GEMM_GRAD = ("x: T, y: T, reserve_space: T?, out_grad: T, trans_x: bool = False, trans_y: bool = False, "
-              "activation_grad: str = 'none'")
-_LIN_FWD = "input: T, weight: T, bias: T?, transpose_weight: bool = False"
-_LIN_REV = reverse_signature(_LIN_FWD, "out: T, reserve_space: T?")
-_LIN_GRAD = "input: T, weight: T, bias: T?, out_grad: T, transpose_weight: bool = False"
-register(
-    "fused_gemm_epilogue", fused_gemm_epilogue_forward, _GEMM_FWD,
-    zero_d_absent(fused_gemm_epilogue_backward, _GEMM_REV, ("reserve_space",), outputs=("out", "reserve_space")),
-    kind="reverse", outputs="out: T, reserve_space: T?",
-    forward_name="FusedGemmEpilogueInferSpmdBase", backward_name="FusedGemmEpilogueInferSpmdReverse",
-)  # fmt: skip
-register(
-    "fused_gemm_epilogue_grad", zero_d_absent(fused_gemm_epilogue_grad, _GEMM_GRAD, ("reserve_space",)), _GEMM_GRAD,
-    forward_name="FusedGemmEpilogueGradInferSpmd",
-)  # fmt: skip
-register(
-    "linear_v2", zero_d_absent(linear_v2_forward, _LIN_FWD, ("bias",)), _LIN_FWD,
-    zero_d_absent(linear_v2_backward, _LIN_REV, ("bias", "reserve_space"), outputs=("out", "reserve_space")),
-    kind="reverse", outputs="out: T, reserve_space: T?",
-    forward_name="LinearV2InferSpmdBase", backward_name="LinearV2InferSpmdReverse",
-)  # fmt: skip
-register(
-    "linear_v2_grad", zero_d_absent(linear_v2_grad, _LIN_GRAD, ("bias",)), _LIN_GRAD,
-    forward_name="LinearV2GradInferSpmd",
-)  # fmt: skip
+# a 0-D optional tensor (shape []) is read as absent (spmdkit.rules._absent): (name, Paddle's name,
+# forward, its signature and absent slots, reverse and its absent slots, grad, its signature and absent slots)
+_GEMMS: tuple[tuple[Any, ...], ...] = (
+    ("fused_gemm_epilogue", "FusedGemmEpilogue", fused_gemm_epilogue_forward,
+     "x: T, y: T, bias: T, trans_x: bool = False, trans_y: bool = False", (),
+     fused_gemm_epilogue_backward, ("reserve_space",), fused_gemm_epilogue_grad,
+     "x: T, y: T, reserve_space: T?, out_grad: T, trans_x: bool = False, trans_y: bool = False, "
+     "activation_grad: str = 'none'", ("reserve_space",)),
+    ("linear_v2", "LinearV2", linear_v2_forward, "input: T, weight: T, bias: T?, transpose_weight: bool = False",
+     ("bias",), linear_v2_backward, ("bias", "reserve_space"), linear_v2_grad,
+     "input: T, weight: T, bias: T?, out_grad: T, transpose_weight: bool = False", ("bias",)),
+)
+for _name, _pd, _fwd, _sig, _fabs, _bwd, _babs, _grad, _gsig, _gabs in _GEMMS:
+    _rev = reverse_signature(_sig, "out: T, reserve_space: T?")
+    register(_name, zero_d_absent(_fwd, _sig, _fabs) if _fabs else _fwd, _sig,
+             zero_d_absent(_bwd, _rev, _babs, outputs=("out", "reserve_space")), kind="reverse",
+             outputs="out: T, reserve_space: T?", forward_name=f"{_pd}InferSpmdBase",
+             backward_name=f"{_pd}InferSpmdReverse")  # fmt: skip
+    register(f"{_name}_grad", zero_d_absent(_grad, _gsig, _gabs), _gsig, forward_name=f"{_pd}GradInferSpmd")
 
 
 # ---------------------------------------------------------------------------
@@ -356,15 +344,30 @@ def _present(t: DistTensorSpec | None) -> bool:
     return t is not None and len(t.shape) > 0 and 0 not in t.shape
 
 
-@memo()
-def _flpga_reverse(ek: Entry, en: Entry, k: int, n: int) -> tuple[Entry, Entry]:
-    """k and n of the reverse: a size-1 axis is never sharded, n drops mesh dims k holds."""
-    if k == 1:
-        ek = -1
-    dk = set(entry_dims(ek))
-    if n == 1 or dk & set(entry_dims(en)):
-        en = -1
-    return ek, en
+def _code(t: DistTensorSpec | None, on: bool = True) -> int:
+    """How the reverse labels an accumulator: 1 present (and ``on``), -1 absent, its rank + 2
+    where given but empty, 0-d or unused (replicated)."""
+    return 1 if on and _present(t) else -1 if t is None else len(t.shape) + 2
+
+
+@lru_cache(maxsize=1024)
+def _flpga_reverse_plan(nd: int, k1: bool, n1: bool, w: int, b: int, bias: bool, w_out: bool, b_out: bool) -> Plan:
+    """The reverse: ``1..1k, 1..1n, kn, n, kn, n`` (x, dout, dweight, dbias, dweight_out,
+    dbias_out), every answer an input of the notation (so none is partial), merged from the
+    present outputs alone (``w_out`` / ``b_out``): k and n as dweight_out shards them, n from
+    dbias_out where dweight_out leaves it free, n shards nothing where k took one of its mesh
+    dims (``taken="letter"``); a size-1 k or n (``k1`` / ``n1``) never sharded; the leading
+    axes replicated. ``w`` / ``b``: dweight / dbias as :func:`_code` labels them; no ``bias``:
+    no dbias_out."""
+    k, n = BROADCAST if k1 else "k", BROADCAST if n1 else "n"
+    lead = BROADCAST * (nd - 1)
+
+    def lab(code: int, full: str) -> str | None:
+        return full if code == 1 else None if code == -1 else BROADCAST * (code - 2)
+
+    src = [i for i, on in ((4, w_out), (5, b_out)) if on]
+    return compile_plan(Notation([lead + k, lead + n, lab(w, k + n), lab(b, n), k + n, n if bias else None], [],
+                                 conflict="first", taken="letter", sources=src))
 
 
 def _flpga(op: str, x: DistTensorSpec, dout: DistTensorSpec, dweight: DistTensorSpec | None,
@@ -374,13 +377,13 @@ def _flpga(op: str, x: DistTensorSpec, dout: DistTensorSpec, dweight: DistTensor
                                                             ("dbias", dbias))
     if outs is not None:
         named = (*named, ("dweight_out", outs[0]), ("dbias_out", outs[1]))
-    mesh = _mesh(op, named)
+    mesh = named_mesh(op, named)
     _flpga_check(op, x, dout)
     k, n = x.shape[-1], dout.shape[-1]
     _flpga_shape(op, "dweight", dweight, (k, n))
     _flpga_shape(op, "dbias", dbias, (n,))
     nd = len(x.shape)
-    if outs is None:
+    if outs is None:  # the forward
         # x^T dout over the leading axes: matmul with trans_x (as Paddle), then the batch
         # axes summed away (partial)
         r = _call(op, "matmul", "forward", x, dout, True, False)
@@ -391,23 +394,14 @@ def _flpga(op: str, x: DistTensorSpec, dout: DistTensorSpec, dweight: DistTensor
         wdm: DimsMapping = (odm[-2], odm[-1])
         lead_w: list[Entry] = [d for d, _ in ao.partial]
         lead_w.extend(odm[:-2])
-    else:
+    else:  # the reverse
         wo, bo = outs
         _flpga_shape(op, "dweight_out", wo, (k, n))
         _flpga_shape(op, "dbias_out", bo, (n,))
-        ek: Entry = -1
-        en: Entry = -1
-        if _present(wo):
-            assert wo is not None
-            ek, en = wo.dist_attr.dims_mapping
-        if en == -1 and has_bias and _present(bo):
-            assert bo is not None
-            en = bo.dist_attr.dims_mapping[0]
-        ek, en = _flpga_reverse(ek, en, k, n)
-        rep = (-1,) * (nd - 1)
-        mx, md = (*rep, ek), (*rep, en)
-        wdm = (ek, en)
-        lead_w = []
+        w_out, b_out = _present(wo), has_bias and _present(bo)
+        p = _flpga_reverse_plan(nd, k == 1, n == 1, _code(dweight), _code(dbias, has_bias), has_bias, w_out, b_out)
+        a, _ = infer(p, op, (x, dout, dweight, dbias, wo if w_out else None, bo if b_out else None), (), mesh)
+        return fast_result(a[:4], a[4:])
     aw = _partial_over(mesh, wdm, lead_w)
     ab = _partial_over(mesh, (md[-1],), md[:-1]) if has_bias else None
     return fast_result(

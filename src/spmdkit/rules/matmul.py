@@ -30,13 +30,13 @@ x's sharding and is partial SUM over the mesh dims of the letters x does not car
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
 
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
-from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.compile import Plan, compile_plan, infer, size1_mask
-from spmdkit.engine.notation import Notation, fast_result, named_mesh
-from spmdkit.rules.registry import register
+from spmdkit.core.spec import DistTensorSpec
+from spmdkit.engine.declare import Way, declare
+from spmdkit.engine.notation import Notation
 
 Shape = tuple[int, ...]
 
@@ -63,30 +63,25 @@ def _letters(nx: int, ny: int, tx: bool, ty: bool) -> tuple[str, str, str]:
     bx, by = max(nx - 2, 0), max(ny - 2, 0)
     nb = max(bx, by)
     if nb > len(_BATCH):
-        raise ShapeMismatchError(f"matmul: tensors of more than {len(_BATCH) + 2} dims are not supported")
+        raise ShapeMismatchError(f"tensors of more than {len(_BATCH) + 2} dims are not supported")
     batch = _BATCH[:nb]
     x = _swap(batch[nb - bx :] + ("mk" if nx > 1 else "k"), tx)
     y = _swap(batch[nb - by :] + ("kn" if ny > 1 else "k"), ty)
     return x, y, batch + ("m" if nx > 1 else "") + ("n" if ny > 1 else "")
 
 
-@lru_cache(maxsize=4096)
-def _notation(nx: int, ny: int, tx: bool, ty: bool, kind: str) -> Notation:
-    """forward: ``[b]mk, [b]kn -> bmn`` (m and n keep uneven shardings); reverse: the same
-    letters, every one pruned."""
-    x, y, out = _letters(nx, ny, tx, ty)
-    return _matmul_notation(x, y, out, "mn" if kind == "forward" else "")
+def notation(nx: int, ny: int, tx: bool, ty: bool, mask: tuple[int, ...] = ()) -> Notation:
+    """forward: ``[b]mk, [b]kn -> bmn``; m and n keep uneven shardings (the plan is compiled
+    with the operands' size-1 ``mask``)."""
+    return _matmul_notation(*_letters(nx, ny, tx, ty), "mn")
 
 
-@lru_cache(maxsize=4096)
-def _plan(nx: int, ny: int, tx: bool, ty: bool, kind: str, mask: tuple[int, ...]) -> Plan:
-    """The compiled plan of matmul (``kind``: forward / reverse) for the ranks, the transposes
-    and the inputs' size-1 axes."""
-    return compile_plan(_notation(nx, ny, tx, ty, kind), "forward" if kind == "forward" else "backward", mask)
+def reverse_notation(nx: int, ny: int, tx: bool, ty: bool, mask: tuple[int, ...] = ()) -> Notation:
+    """reverse: the forward's letters, every one pruned."""
+    return _matmul_notation(*_letters(nx, ny, tx, ty), "")
 
 
-@lru_cache(maxsize=4096)
-def _grad_plan(nx: int, ny: int, tx: bool, ty: bool, mask: tuple[int, ...]) -> Plan:
+def grad_notation(nx: int, ny: int, tx: bool, ty: bool, mask: tuple[int, ...]) -> Notation:
     """``[b]mk, [b]kn, bmn -> [b]mk, [b]kn``: x_grad / y_grad carry the letters of x / y but
     their size-1 axes (``mask``), so they are partial SUM over the mesh dims of the others."""
     x, y, out = _letters(nx, ny, tx, ty)
@@ -94,27 +89,24 @@ def _grad_plan(nx: int, ny: int, tx: bool, ty: bool, mask: tuple[int, ...]) -> P
     def grad(t: str, m: int) -> str:
         return "".join("1" if (m >> i) & 1 else c for i, c in enumerate(t))
 
-    nt = _matmul_notation(x, y, out, "mn").relabel([x, y, out], [grad(x, mask[0]), grad(y, mask[1])])
-    return compile_plan(nt, "forward", mask)
+    return _matmul_notation(x, y, out, "mn").relabel([x, y, out], [grad(x, mask[0]), grad(y, mask[1])])
 
 
-def _out_shape(op: str, xs: Shape, ys: Shape, tx: bool, ty: bool) -> Shape:
+def _out_shape(xs: Shape, ys: Shape, tx: bool, ty: bool) -> Shape:
     """The shape of x @ y (after the transposes); ShapeMismatchError / InvalidAttributeError
     where x and y do not multiply."""
     nx, ny = len(xs), len(ys)
     if nx == 0 or ny == 0:
-        raise ShapeMismatchError(
-            f"{op}: x and y must have at least 1 dim, got x shape {list(xs)} and y shape {list(ys)}"
-        )
+        raise ShapeMismatchError(f"x and y must have at least 1 dim, got x shape {list(xs)} and y shape {list(ys)}")
     if tx and nx < 2:
-        raise InvalidAttributeError(f"{op}: trans_x needs x with at least 2 dims, x has shape {list(xs)}")
+        raise InvalidAttributeError(f"trans_x needs x with at least 2 dims, x has shape {list(xs)}")
     if ty and ny < 2:
-        raise InvalidAttributeError(f"{op}: trans_y needs y with at least 2 dims, y has shape {list(ys)}")
+        raise InvalidAttributeError(f"trans_y needs y with at least 2 dims, y has shape {list(ys)}")
     kx = xs[-2 if tx else -1]
     ky = ys[-1 if ty else -2] if ny > 1 else ys[0]
     if kx != ky and kx >= 0 and ky >= 0:
         raise ShapeMismatchError(
-            f"{op}: the contracting axis k differs: x shape {list(xs)} has {kx}, y shape {list(ys)} "
+            f"the contracting axis k differs: x shape {list(xs)} has {kx}, y shape {list(ys)} "
             f"has {ky} (trans_x={tx}, trans_y={ty})"
         )
     bx = nx - 2 if nx > 2 else 0
@@ -128,8 +120,7 @@ def _out_shape(op: str, xs: Shape, ys: Shape, tx: bool, ty: bool) -> Shape:
             sy = ys[iy] if iy >= 0 else 1
             if sx != 1 and sy != 1 and sx != sy and sx >= 0 and sy >= 0:
                 raise ShapeMismatchError(
-                    f"{op}: the batch axes of x shape {list(xs)} and y shape {list(ys)} do not broadcast "
-                    f"({sx} vs {sy})"
+                    f"the batch axes of x shape {list(xs)} and y shape {list(ys)} do not broadcast ({sx} vs {sy})"
                 )
             batch.append(sx if sx != 1 else sy)
     if nx > 1:
@@ -139,81 +130,43 @@ def _out_shape(op: str, xs: Shape, ys: Shape, tx: bool, ty: bool) -> Shape:
     return tuple(batch)
 
 
-def _check_out(op: str, name: str, os_: Shape, xs: Shape, ys: Shape, tx: bool, ty: bool) -> None:
-    want = _out_shape(op, xs, ys, tx, ty)
-    if os_ == want:
-        return
-    if len(os_) != len(want):
-        raise ShapeMismatchError(
-            f"{op}: {name} has {len(os_)} dims (shape {list(os_)}), but x {list(xs)} @ y {list(ys)} "
-            f"gives {len(want)} dims {list(want)}"
-        )
-    for i, (s, w) in enumerate(zip(os_, want)):
-        if s != w and s >= 0 and w >= 0:
+def _check_out(name: str) -> Callable[[DistTensorSpec, DistTensorSpec, DistTensorSpec, bool, bool], None]:
+    """The check of a rule whose third tensor (out / out_grad) is shaped as x @ y."""
+
+    def check(x: DistTensorSpec, y: DistTensorSpec, out: DistTensorSpec, trans_x: bool, trans_y: bool) -> None:
+        xs, ys, os_ = x.shape, y.shape, out.shape
+        want = _out_shape(xs, ys, trans_x, trans_y)
+        if os_ == want:
+            return
+        if len(os_) != len(want):
             raise ShapeMismatchError(
-                f"{op}: {name} shape {list(os_)} does not match x {list(xs)} @ y {list(ys)} = {list(want)} (axis {i})"
+                f"{name} has {len(os_)} dims (shape {list(os_)}), but x {list(xs)} @ y {list(ys)} "
+                f"gives {len(want)} dims {list(want)}"
             )
+        for i, (s, w) in enumerate(zip(os_, want)):
+            if s != w and s >= 0 and w >= 0:
+                raise ShapeMismatchError(
+                    f"{name} shape {list(os_)} does not match x {list(xs)} @ y {list(ys)} = {list(want)} (axis {i})"
+                )
+
+    return check
 
 
-def matmul_forward(x: DistTensorSpec, y: DistTensorSpec, trans_x: bool = False, trans_y: bool = False) -> SpmdResult:
-    """MatmulInferSpmd: ``[b] m k, [b] k n -> b m n``; a sharded k makes out partial SUM."""
-    op = "matmul"
-    mesh = x.dist_attr.mesh
-    if y.dist_attr.mesh is not mesh and y.dist_attr.mesh != mesh:
-        named_mesh(op, (("x", x), ("y", y)))  # raises
-    xs, ys = x.shape, y.shape
-    _out_shape(op, xs, ys, trans_x, trans_y)
-    mask = size1_mask((x, y)) if 1 in xs or 1 in ys else ()
-    p = _plan(len(xs), len(ys), trans_x, trans_y, "forward", mask)
-    return fast_result(*infer(p, op, (x, y), (), mesh, ("x", "y")))
-
-
-def matmul_backward(
-    x: DistTensorSpec, y: DistTensorSpec, out: DistTensorSpec, trans_x: bool = False, trans_y: bool = False
-) -> SpmdResult:
-    """MatmulInferSpmdReverse: x and y from out's sharding (k replicated); out is what they give."""
-    op = "matmul"
-    mesh = x.dist_attr.mesh
-    ym, om = y.dist_attr.mesh, out.dist_attr.mesh
-    if (ym is not mesh and ym != mesh) or (om is not mesh and om != mesh):
-        named_mesh(op, (("x", x), ("y", y), ("out", out)))  # raises
-    _check_out(op, "out", out.shape, x.shape, y.shape, trans_x, trans_y)
-    mask = size1_mask((x, y)) if 1 in x.shape or 1 in y.shape else ()
-    p = _plan(len(x.shape), len(y.shape), trans_x, trans_y, "reverse", mask)
-    return fast_result(*infer(p, op, (x, y), (out,), mesh, ("x", "y", "out")))
-
-
-def matmul_grad(
-    x: DistTensorSpec, y: DistTensorSpec, out_grad: DistTensorSpec, trans_x: bool = False, trans_y: bool = False
-) -> SpmdResult:
-    """MatmulGradInferSpmd: inputs x, y, out_grad; outputs x_grad (partial over n and x's
-    broadcast batch letters), y_grad (partial over m and y's broadcast batch letters)."""
-    op = "matmul_grad"
-    mesh = x.dist_attr.mesh
-    ym, gm = y.dist_attr.mesh, out_grad.dist_attr.mesh
-    if (ym is not mesh and ym != mesh) or (gm is not mesh and gm != mesh):
-        named_mesh(op, (("x", x), ("y", y), ("out_grad", out_grad)))  # raises
-    _check_out(op, "out_grad", out_grad.shape, x.shape, y.shape, trans_x, trans_y)
-    mask = size1_mask((x, y, out_grad))
-    p = _grad_plan(len(x.shape), len(y.shape), trans_x, trans_y, mask)
-    return fast_result(*infer(p, op, (x, y, out_grad), (), mesh, ("x", "y", "out_grad")))
-
-
-register(
-    "matmul",
-    matmul_forward,
-    "x: T, y: T, trans_x: bool = False, trans_y: bool = False",
-    matmul_backward,
-    kind="reverse",
-    outputs="out: T",
-    aliases=("matmul_v2",),
-    forward_name="MatmulInferSpmd",
-    backward_name="MatmulInferSpmdReverse",
-)
-register(
-    "matmul_grad",
-    matmul_grad,
-    "x: T, y: T, out_grad: T, trans_x: bool = False, trans_y: bool = False",
+_KEY = "x, y, trans_x, trans_y"
+declare(
+    "matmul", "x: T, y: T, trans_x: bool = False, trans_y: bool = False",
+    Way(notation, key=_KEY, mask=("x", "y"), check="_out_shape(x.shape, y.shape, trans_x, trans_y)",
+        env={"_out_shape": _out_shape}, paddle="MatmulInferSpmd",
+        doc="MatmulInferSpmd: ``[b] m k, [b] k n -> b m n``; a sharded k makes out partial SUM."),
+    reverse=Way(reverse_notation, key=_KEY, mask=("x", "y"), check=_check_out("out"),
+                paddle="MatmulInferSpmdReverse",
+                doc="MatmulInferSpmdReverse: x and y from out's sharding (k replicated); out is what they give."),
+    outputs="out: T", aliases=("matmul_v2",),
+)  # fmt: skip
+declare(
+    "matmul_grad", "x: T, y: T, out_grad: T, trans_x: bool = False, trans_y: bool = False",
+    Way(grad_notation, key=_KEY, mask=("x", "y", "out_grad"), check=_check_out("out_grad"),
+        paddle="MatmulGradInferSpmd",
+        doc="MatmulGradInferSpmd: x_grad partial over n and x's broadcast batch letters, y_grad over m and y's."),
     aliases=("matmul_v2_grad",),
-    forward_name="MatmulGradInferSpmd",
-)
+)  # fmt: skip

@@ -37,44 +37,49 @@ reverse rule (Paddle has none) infers the inputs from the outputs.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
-from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import InvalidArgumentError, InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.axes import replicated_like
 from spmdkit.engine.compile import Plan, compile_plan, infer
-from spmdkit.engine.notation import Notation, fast_result, letters_for, named_mesh
-from spmdkit.rules._common import check_bool, check_int
+from spmdkit.engine.notation import BROADCAST, Notation, fast_result, letters_for, named_mesh
+from spmdkit.rules._common import check_bool, check_int, replicated_plan
 from spmdkit.rules.registry import register
 
-Shape = tuple[int, ...]
-_make = TensorDistAttr.unchecked
+_S = -2  # a state tensor (``abc``) in a plan's codes; -1 absent, r >= 0 a replicated scalar of rank r
 
 
-@lru_cache(maxsize=256)
-def _vote_plan(ndim: int, n: int) -> Plan:
-    """Paddle's vote over ``n`` state tensors, ``abc, abc, ... -> abc``: per axis the sharding
-    all the tensors that shard it agree on, else replicated (``conflict="replicate"``, co-shards
-    compared whole and kept); mesh dims go to the axes in order, an axis whose mesh dim an
-    earlier axis took shards nothing (``taken="letter"``); nothing pruned."""
-    a = letters_for(ndim)
-    return compile_plan(Notation([a] * n, [a], conflict="replicate", order="notation", taken="letter"))
+@lru_cache(maxsize=1024)
+def _plan(nd: int, codes: tuple[int, ...], out_codes: tuple[int, ...], n_given: int, voters: tuple[int, ...]) -> Plan:
+    """Paddle's vote: every tensor of the answer (the inputs, ``codes``, then the outputs,
+    ``out_codes``, then, for the reverse, the ``n_given`` outputs given, labelled where they vote)
+    an input of the notation (so none is partial), the state tensors ``abc`` (``_S``), the scalars
+    ``1`` (replicated), merged over the ``voters`` alone: per axis the sharding all the voters
+    that shard it agree on, else replicated (``conflict="replicate"``, co-shards compared whole
+    and kept); mesh dims go to the axes in order, an axis whose mesh dim an earlier axis took
+    shards nothing (``taken="letter"``); nothing pruned."""
+    a = letters_for(nd)
+    n = len(codes) + len(out_codes)
+    every = codes + out_codes + tuple(_S if n + i in voters else -1 for i in range(n_given))
+    labels = [a if c == _S else None if c == -1 else BROADCAST * c for c in every]
+    return compile_plan(Notation(labels, [], conflict="replicate", order="notation", taken="letter", sources=voters))
 
 
-def _vote(op: str, mesh: ProcessMesh, voters: Sequence[DistTensorSpec]) -> TensorDistAttr:
-    """The state tensors' common dist attr (not partial) under the vote."""
-    _, outs = infer(_vote_plan(len(voters[0].shape), len(voters)), op, voters, (), mesh)
-    a = outs[0]
-    assert a is not None
-    return a
+def _vote(op: str, mesh: ProcessMesh, ins: Sequence[DistTensorSpec | None], codes: tuple[int, ...],
+          out_codes: tuple[int, ...], voters: tuple[int, ...], outs: Sequence[DistTensorSpec | None] = ()) -> SpmdResult:
+    """The answer for ``ins`` (``codes``) and the outputs (``out_codes``), merged over the
+    ``voters``: indices into ``ins``, then the answer's outputs, then ``outs``."""
+    n, m = len(codes), len(out_codes)
+    p = _plan(len(ins[0].shape), codes, out_codes, len(outs), voters)  # type: ignore[union-attr]
+    a, _ = infer(p, op, (*ins, *(None,) * m, *outs), (), mesh)
+    return fast_result(a[:n], a[n : n + m])
 
 
-def _mesh(op: str, named: Iterable[tuple[str, DistTensorSpec | None]]) -> ProcessMesh:
-    return named_mesh(op, named)
+def _code(t: DistTensorSpec | None, state: bool = False) -> int:
+    return -1 if t is None else _S if state else len(t.shape)
 
 
 def _same_shape(op: str, ref_name: str, ref: DistTensorSpec, named: tuple[tuple[str, DistTensorSpec | None], ...]) -> None:
@@ -95,60 +100,32 @@ def _same_shape(op: str, ref_name: str, ref: DistTensorSpec, named: tuple[tuple[
 
 
 _ADAM_STATES = ("param", "grad", "moment1", "moment2", "moment2_max", "master_param")
+_ADAM_OUTS = ("param_out", "moment1_out", "moment2_out", "moment2_max_out", "beta1_pow_out", "beta2_pow_out",
+              "master_param_out")
 
 
-def _adam(
-    op: str,
-    param: DistTensorSpec,
-    grad: DistTensorSpec,
-    learning_rate: DistTensorSpec,
-    moment1: DistTensorSpec,
-    moment2: DistTensorSpec,
-    moment2_max: DistTensorSpec | None,
-    beta1_pow: DistTensorSpec,
-    beta2_pow: DistTensorSpec,
-    master_param: DistTensorSpec | None,
-    skip_update: DistTensorSpec | None,
-    amsgrad: bool,
-    outs: tuple[DistTensorSpec | None, ...] | None = None,
-) -> SpmdResult:
-    if amsgrad and moment2_max is None:
+def _adam(op: str, ins: tuple[DistTensorSpec | None, ...], amsgrad: bool,
+          outs: tuple[DistTensorSpec | None, ...] | None = None) -> SpmdResult:
+    """``ins``: param, grad, learning_rate, moment1, moment2, moment2_max, beta1_pow, beta2_pow,
+    master_param, skip_update; ``outs`` (the reverse): the 7 outputs."""
+    param, grad, lr, m1, m2, m2max, b1, b2, master, skip = ins
+    if amsgrad and m2max is None:
         raise InvalidArgumentError(f"{op}: amsgrad=True needs moment2_max, which is absent")
-    states = (param, grad, moment1, moment2, moment2_max, master_param)
-    named = tuple(zip(_ADAM_STATES, states))
-    scalars = (("learning_rate", learning_rate), ("beta1_pow", beta1_pow), ("beta2_pow", beta2_pow),
-               ("skip_update", skip_update))
-    out_named: tuple[tuple[str, DistTensorSpec | None], ...] = ()
-    if outs is not None:
-        out_named = tuple(zip(("param_out", "moment1_out", "moment2_out", "moment2_max_out", "beta1_pow_out",
-                               "beta2_pow_out", "master_param_out"), outs))
-    mesh = _mesh(op, named + scalars + out_named)
-    _same_shape(op, "param", param, named[1:] + tuple(
-        (n, t) for n, t in out_named if n not in ("beta1_pow_out", "beta2_pow_out")))
+    named = tuple(zip(_ADAM_STATES, (param, grad, m1, m2, m2max, master)))
+    out_named = () if outs is None else tuple(zip(_ADAM_OUTS, outs))
+    mesh = named_mesh(op, (*named, ("learning_rate", lr), ("beta1_pow", b1), ("beta2_pow", b2), ("skip_update", skip),
+                           *out_named))  # fmt: skip
+    assert param is not None
+    _same_shape(op, "param", param, named[1:] + tuple((n, t) for n, t in out_named if "beta" not in n))
+    codes = (_S, _S, _code(lr), _S, _S, _code(m2max, True), _code(b1), _code(b2), _code(master, True), _code(skip))
+    out_codes = (_S, _S, _S, _S if amsgrad else -1, codes[6], codes[7], codes[8])
     if outs is None:
-        voters = [param, grad, moment1, moment2]
-        if amsgrad and moment2_max is not None:
-            voters.append(moment2_max)
-    else:
-        voters = []
-        for i in (0, 1, 2, 3, 6):
-            o = outs[i]
-            if o is not None and (i != 3 or amsgrad):
-                voters.append(o)
-    a = _vote(op, mesh, voters)
-
-    def opt(t: DistTensorSpec | None) -> TensorDistAttr | None:
-        return None if t is None else a
-
-    m2max_out = a if amsgrad and moment2_max is not None else None
-    b1, b2 = replicated_like(mesh, beta1_pow), replicated_like(mesh, beta2_pow)
-    return fast_result(
-        (a, a, replicated_like(mesh, learning_rate), a, a, opt(moment2_max), b1, b2, opt(master_param), replicated_like(mesh, skip_update)),
-        (a, a, a, m2max_out, b1, b2, opt(master_param)),
-    )
+        return _vote(op, mesh, ins, codes, out_codes, (0, 1, 3, 4, 5) if amsgrad else (0, 1, 3, 4))
+    voters = tuple(17 + i for i in (0, 1, 2, 3, 6) if outs[i] is not None and (i != 3 or amsgrad))
+    return _vote(op, mesh, ins, codes, out_codes, voters, outs)
 
 
-def _adam_rule(op: str, reverse: bool, doc: str) -> Any:
+def _adam_rule(op: str, reverse: bool) -> Any:
     """adam / adamw's forward (the 10 tensor inputs, then the attributes) or reverse rule (the
     10 inputs, the 7 outputs, then the attributes); amsgrad is the last attribute of both, and
     the only one that decides a sharding."""
@@ -156,22 +133,9 @@ def _adam_rule(op: str, reverse: bool, doc: str) -> Any:
 
     def fn(*args: Any) -> SpmdResult:
         ts, attrs = args[:n], args[n:]
-        amsgrad = bool(attrs[-1]) if attrs else False
-        param, grad, lr, m1, m2, m2max, b1, b2, master, skip = ts[:10]
-        return _adam(op, param, grad, lr, m1, m2, m2max, b1, b2, master, skip, amsgrad,
-                     tuple(ts[10:]) if reverse else None)
+        return _adam(op, ts[:10], bool(attrs[-1]) if attrs else False, tuple(ts[10:]) if reverse else None)
 
-    fn.__name__ = fn.__qualname__ = f"{op}_{'backward' if reverse else 'forward'}"
-    fn.__doc__ = doc
     return fn
-
-
-adam_forward = _adam_rule("adam", False, "AdamInferSpmdDynamic: param, grad and the moments sharded alike (an "
-                          "axis they shard differently is replicated), the scalars replicated, a partial grad "
-                          "reduced first.")
-adam_backward = _adam_rule("adam", True, "adam reverse (spmdkit's own): the state inputs from the state outputs.")
-adamw_forward = _adam_rule("adamw", False, "AdamwInferSpmdDynamic: as adam (the decay is elementwise too).")
-adamw_backward = _adam_rule("adamw", True, "adamw reverse (spmdkit's own): the state inputs from the state outputs.")
 
 
 def _sgd(
@@ -183,15 +147,13 @@ def _sgd(
     out_named: tuple[tuple[str, DistTensorSpec | None], ...] = ()
     if outs is not None:
         out_named = (("param_out", outs[0]), ("master_param_out", outs[1]))
-    mesh = _mesh(op, (*named, ("learning_rate", learning_rate), *out_named))
+    mesh = named_mesh(op, (*named, ("learning_rate", learning_rate), *out_named))
     _same_shape(op, "param", param, named[1:] + out_named)
+    ins = (param, learning_rate, grad, master_param)
+    codes = (_S, _code(learning_rate), _S, _code(master_param, True))
     if outs is None:
-        voters: Sequence[DistTensorSpec] = (param, grad)
-    else:
-        voters = [o for o in outs if o is not None]
-    a = _vote(op, mesh, voters)
-    m = None if master_param is None else a
-    return fast_result((a, replicated_like(mesh, learning_rate), a, m), (a, m))
+        return _vote(op, mesh, ins, codes, (_S, codes[3]), (0, 2))
+    return _vote(op, mesh, ins, codes, (_S, codes[3]), tuple(6 + i for i, o in enumerate(outs) if o is not None), outs)
 
 
 def sgd_forward(
@@ -220,13 +182,16 @@ _BETAS = "beta1: scalar = 0.9, beta2: scalar = 0.999, epsilon: scalar = 1e-08"
 _ADAMW_EXTRA = "lr_ratio: float = 1.0, coeff: float = 0.01, with_decay: bool = False"
 
 register(
-    "adam", adam_forward, f"{_ADAM_IN}, {_BETAS}, {_ADAM_TAIL}",
-    adam_backward, kind="reverse", outputs=_ADAM_OUT,
+    "adam", _adam_rule("adam", False), f"{_ADAM_IN}, {_BETAS}, {_ADAM_TAIL}",
+    _adam_rule("adam", True), kind="reverse", outputs=_ADAM_OUT,
+    doc="AdamInferSpmdDynamic: param, grad and the moments sharded alike (an axis they shard differently is "
+        "replicated), the scalars replicated, a partial grad reduced first.",
     aliases=("adam_",), forward_name="AdamInferSpmdDynamic", backward_name="AdamInferSpmdReverse",
 )  # fmt: skip
 register(
-    "adamw", adamw_forward, f"{_ADAM_IN}, {_BETAS}, {_ADAMW_EXTRA}, {_ADAM_TAIL}",
-    adamw_backward, kind="reverse", outputs=_ADAM_OUT,
+    "adamw", _adam_rule("adamw", False), f"{_ADAM_IN}, {_BETAS}, {_ADAMW_EXTRA}, {_ADAM_TAIL}",
+    _adam_rule("adamw", True), kind="reverse", outputs=_ADAM_OUT,
+    doc="AdamwInferSpmdDynamic: as adam (the decay is elementwise too).",
     aliases=("adamw_",), forward_name="AdamwInferSpmdDynamic", backward_name="AdamwInferSpmdReverse",
 )  # fmt: skip
 register(
@@ -257,8 +222,10 @@ def _coalesce(op: str, inputs: Sequence[DistTensorSpec], extra: Sequence[tuple[s
     if not inputs:
         raise InvalidArgumentError(f"{op}: input must hold at least one tensor")
     mesh = named_mesh(op, [*((f"input[{i}]", t) for i, t in enumerate(inputs)), *extra])
-    ins = tuple(_make(mesh, (-1,) * len(t.shape)) for t in inputs)
-    return SpmdResult((ins,), (ins, _make(mesh, (-1,))))
+    ranks = tuple(len(t.shape) for t in inputs)
+    # every tensor labelled ``1`` per axis: the fused buffer holds each input whole
+    ins, outs = infer(replicated_plan(ranks, (*ranks, 1)), op, inputs, (), mesh)
+    return fast_result((ins,), (outs[:-1], outs[-1]))  # type: ignore[arg-type]
 
 
 def coalesce_forward(input: Sequence[DistTensorSpec], dtype: object = "float32", copy_data: bool = False,

@@ -58,40 +58,22 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
+from typing import Any
 
-from spmdkit.core.dist_attr import DimsMapping, Partial, ReduceType, TensorDistAttr, entry_dims
+from spmdkit.core.dist_attr import ReduceType
 from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.axes import normalize_axis, one_mesh_dim_per_axis, reduced_axes
+from spmdkit.engine.axes import normalize_axis, reduced_axes
 from spmdkit.engine.compile import Plan, compile_plan, infer
-from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import (
-    ALPHABET,
-    BROADCAST,
-    Notation,
-    einsum_backward,
-    einsum_forward,
-    fast_result,
-    named_mesh,
-)
-from spmdkit.rules._common import check_same_shape, merge_project, replicated_plan
+from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, fast_result, named_mesh
+from spmdkit.rules._common import check_same_shape, replicated_plan
 from spmdkit.rules.registry import register
-
-_make = TensorDistAttr.unchecked
 
 Shape = tuple[int, ...]
 
 #: Paddle's ReduceType enum (``reduce_base``'s ``reduce_type``): kRedSum .. kRedAll
-REDUCE_TYPES: dict[int, ReduceType] = {
-    0: ReduceType.SUM,
-    1: ReduceType.MAX,
-    2: ReduceType.MIN,
-    3: ReduceType.PROD,
-    4: ReduceType.AVG,
-    5: ReduceType.ANY,
-    6: ReduceType.ALL,
-}
-
+REDUCE_TYPES: dict[int, ReduceType] = dict(enumerate((ReduceType.SUM, ReduceType.MAX, ReduceType.MIN, ReduceType.PROD,
+                                                      ReduceType.AVG, ReduceType.ANY, ReduceType.ALL)))  # fmt: skip
 
 # how a kind treats a sharded reduced axis
 _PARTIAL = 0  # out partial with the reduce type (uneven splits too)
@@ -112,34 +94,44 @@ def _plan(op: str, ndim: int, axis: tuple[int, ...], keep_dim: bool) -> tuple[tu
     return reduced_axes(op, ndim, axis, keep_dim)
 
 
+def _letters(reduced: tuple[bool, ...], pos: tuple[int, ...]) -> tuple[str, str, str]:
+    """(x, out, the reduced letters): ``abc``, ``ac`` (``a1c`` with keep_dim), ``b``."""
+    x = ALPHABET[: len(reduced)]
+    return x, "".join(BROADCAST if p < 0 else x[p] for p in pos), "".join(c for c, r in zip(x, reduced) if r)
+
+
 def notation(ndim: int, axis: tuple[int, ...] = (), keep_dim: bool = False,
              reduce: ReduceType | None = ReduceType.SUM) -> Notation:
     """The rule's notation, e.g. ``abc -> ac`` for axis [1] (``a1c`` with keep_dim);
     ``reduce=None`` (frobenius_norm) keeps the reduced letters replicated."""
-    reduced, pos = _plan("reduction", ndim, tuple(axis), keep_dim)
-    x = ALPHABET[:ndim]
-    out = "".join(BROADCAST if p < 0 else x[p] for p in pos)
-    red = "".join(c for c, r in zip(x, reduced) if r)
+    x, out, red = _letters(*_plan("reduction", ndim, tuple(axis), keep_dim))
     if reduce is None:
         return Notation([x], [out], replicated=red)
     return Notation([x], [out], reduce=reduce, prune=red if reduce == ReduceType.AVG else "")
 
 
 @lru_cache(maxsize=4096)
-def _forward_notation(reduced: tuple[bool, ...], pos: tuple[int, ...], rtype: ReduceType | None, kind: int,
-                      unknown: tuple[int, ...]) -> Notation:
-    """The forward's notation for one plan: the reduced letters replicated (``_REPLICATE``),
-    pruned where the mesh dim does not divide them and replicated where their size is unknown
-    (``_EVEN``: the ``unknown`` axes), or left to make out partial with ``rtype``."""
-    x = ALPHABET[: len(reduced)]
-    out = "".join(BROADCAST if p < 0 else x[p] for p in pos)
-    red = "".join(c for c, r in zip(x, reduced) if r)
+def _forward_plan(reduced: tuple[bool, ...], pos: tuple[int, ...], rtype: ReduceType | None, kind: int,
+                  unknown: tuple[int, ...]) -> Plan:
+    """The forward's plan: the reduced letters replicated (``_REPLICATE``), pruned where the
+    mesh dim does not divide them and replicated where their size is unknown (``_EVEN``: the
+    ``unknown`` axes), or left to make out partial with ``rtype``; each co-shard read as its
+    largest mesh dim (Paddle's reading)."""
+    x, out, red = _letters(reduced, pos)
     if kind == _REPLICATE or rtype is None:
-        return Notation([x], [out], replicated=red)
-    if kind == _EVEN:
-        unk = "".join(x[i] for i in unknown)
-        return Notation([x], [out], reduce=rtype, replicated=unk, prune="".join(c for c in red if c not in unk))
-    return Notation([x], [out], reduce=rtype)
+        return compile_plan(Notation([x], [out], replicated=red, coshard="largest"))
+    unk = "".join(x[i] for i in unknown)
+    prune = "".join(c for c in red if c not in unk) if kind == _EVEN else ""
+    return compile_plan(Notation([x], [out], reduce=rtype, replicated=unk, prune=prune, coshard="largest"))
+
+
+@lru_cache(maxsize=4096)
+def _reverse_plan(ndim: int, pos: tuple[int, ...]) -> Plan:
+    """x from out (a co-shard read as its largest mesh dim), the reduced axes replicated; out is
+    what that x produces."""
+    x = ALPHABET[:ndim]
+    return compile_plan(Notation([x], ["".join(BROADCAST if p < 0 else x[p] for p in pos)], coshard="largest"),
+                        "backward")
 
 
 # ---------------------------------------------------------------------------
@@ -147,27 +139,19 @@ def _forward_notation(reduced: tuple[bool, ...], pos: tuple[int, ...], rtype: Re
 # ---------------------------------------------------------------------------
 
 
-def _forward(
-    op: str, x: DistTensorSpec, axis: tuple[int, ...], keep_dim: bool,
-    rtype: ReduceType | None, kind: int,
-) -> SpmdResult:
+def _forward(op: str, x: DistTensorSpec, axis: tuple[int, ...], keep_dim: bool, rtype: ReduceType | None,
+             kind: int) -> SpmdResult:
     shape = x.shape
     reduced, pos = _plan(op, len(shape), axis, keep_dim)
     unknown = tuple(i for i, r in enumerate(reduced) if r and shape[i] < 0) if kind == _EVEN else ()
-    # a co-sharded axis is read as its largest mesh dim (Paddle's reading) before the merge;
-    # the engine reshards a partial x
-    ins, outs = einsum_forward(op, _forward_notation(reduced, pos, rtype, kind, unknown), [one_mesh_dim_per_axis(x)])
-    return fast_result(tuple(ins), tuple(outs))
-
-
-def _expected_out_shape(x: DistTensorSpec, pos: tuple[int, ...]) -> Shape:
-    return tuple(1 if p < 0 else x.shape[p] for p in pos)
+    p = _forward_plan(reduced, pos, rtype, kind, unknown)
+    return fast_result(*infer(p, op, (x,), (), x.dist_attr.mesh, ("x",)))
 
 
 def _check_out(op: str, x: DistTensorSpec, out: DistTensorSpec, pos: tuple[int, ...], name: str = "out") -> None:
     if out.dist_attr.mesh != x.dist_attr.mesh:
         raise InvalidMeshError(f"{op}: x and {name} lie on different meshes")
-    want = _expected_out_shape(x, pos)
+    want = tuple(1 if p < 0 else x.shape[p] for p in pos)
     if len(out.shape) != len(want):
         raise ShapeMismatchError(
             f"{op}: {name} has {len(out.shape)} dims, but reducing x {list(x.shape)} gives {len(want)} "
@@ -178,34 +162,20 @@ def _check_out(op: str, x: DistTensorSpec, out: DistTensorSpec, pos: tuple[int, 
             raise ShapeMismatchError(f"{op}: {name} axis {i} has {s}, but reducing x gives {w}")
 
 
-@lru_cache(maxsize=4096)
-def _reverse_notation(ndim: int, pos: tuple[int, ...]) -> Notation:
-    x = ALPHABET[:ndim]
-    return Notation([x], ["".join(BROADCAST if p < 0 else x[p] for p in pos)])
-
-
 def _reverse(op: str, x: DistTensorSpec, out: DistTensorSpec, axis: tuple[int, ...], keep_dim: bool) -> SpmdResult:
     _, pos = _plan(op, len(x.shape), axis, keep_dim)
     _check_out(op, x, out, pos)
-    # x takes out's letters (a co-shard read as its largest mesh dim), the reduced ones
-    # replicated; out is what that x produces
-    ins, outs = einsum_backward(op, _reverse_notation(len(x.shape), pos), [x], [one_mesh_dim_per_axis(out)])
-    return fast_result(tuple(ins), tuple(outs))
+    return fast_result(*infer(_reverse_plan(len(x.shape), pos), op, (x,), (out,), x.dist_attr.mesh, ("x", "out")))
 
 
-def _make_rule(op: str, rtype: ReduceType | None, kind: int) -> tuple[object, object]:
+def _make_rule(op: str, rtype: ReduceType | None, kind: int) -> tuple[Any, Any]:
     def forward(x: DistTensorSpec, axis: tuple[int, ...] = (), keep_dim: bool = False) -> SpmdResult:
         return _forward(op, x, axis, keep_dim, rtype, kind)
 
-    def backward(x: DistTensorSpec, out: DistTensorSpec, axis: tuple[int, ...] = (),
-                 keep_dim: bool = False) -> SpmdResult:
+    def backward(x: DistTensorSpec, out: DistTensorSpec, axis: tuple[int, ...] = (), keep_dim: bool = False,
+                 *attrs: Any) -> SpmdResult:
         return _reverse(op, x, out, axis, keep_dim)
 
-    what = "replicated" if rtype is None else f"partial {rtype}"
-    forward.__name__ = f"{op}_forward"
-    forward.__doc__ = f"{op}: kept axes keep their sharding; a sharded reduced axis makes out {what}."
-    backward.__name__ = f"{op}_backward"
-    backward.__doc__ = f"{op}: x from out, the reduced axes replicated."
     return forward, backward
 
 
@@ -221,12 +191,6 @@ def reduce_base_forward(
             "4 avg, 5 any, 6 all)"
         )
     return _forward("reduce_base", x, axis, keep_dim, rtype, _EVEN if rtype == ReduceType.AVG else _PARTIAL)
-
-
-def reduce_base_backward(x: DistTensorSpec, out: DistTensorSpec, axis: tuple[int, ...] = (),
-                         keep_dim: bool = False, reduce_type: int = 0) -> SpmdResult:
-    """ReductionInferSpmdReverse (reduce_type, the forward's attribute, does not change it)."""
-    return _reverse("reduce_base", x, out, axis, keep_dim)
 
 
 # ---------------------------------------------------------------------------
@@ -280,22 +244,12 @@ def _grad(
     return fast_result((xa, ga) if out is None else (xa, ga, ga), (xa,))
 
 
-def _make_grad(op: str, with_out: bool) -> object:
+def _make_grad(op: str, with_out: bool) -> Any:
     if with_out:
-
-        def grad_out(x: DistTensorSpec, out: DistTensorSpec, out_grad: DistTensorSpec, axis: tuple[int, ...] = (),
-                     keep_dim: bool = False, reduce_all: bool = False) -> SpmdResult:
-            return _grad(op, x, out, out_grad, axis, keep_dim, reduce_all)
-
-        grad_out.__doc__ = f"{op}: ReductionGradInferSpmd(x, out, out_grad, axis, keep_dim, reduce_all)"
-        return grad_out
-
-    def grad(x: DistTensorSpec, out_grad: DistTensorSpec, axis: tuple[int, ...] = (), keep_dim: bool = False,
-             reduce_all: bool = False) -> SpmdResult:
-        return _grad(op, x, None, out_grad, axis, keep_dim, reduce_all)
-
-    grad.__doc__ = f"{op}: ReductionGradInferSpmd(x, out_grad, axis, keep_dim, reduce_all)"
-    return grad
+        return lambda x, out, out_grad, axis=(), keep_dim=False, reduce_all=False: _grad(
+            op, x, out, out_grad, axis, keep_dim, reduce_all)
+    return lambda x, out_grad, axis=(), keep_dim=False, reduce_all=False: _grad(
+        op, x, None, out_grad, axis, keep_dim, reduce_all)
 
 
 # ---------------------------------------------------------------------------
@@ -334,21 +288,21 @@ _FWD_SIG = "x: T, axis: ints = [], keep_dim: bool = false"
 def _register_all() -> None:
     for name, (rtype, kind, aliases) in REDUCTION_OPS.items():
         f, b = _make_rule(name, rtype, kind)
-        register(
-            name, f, _FWD_SIG, b, kind="reverse", outputs="out: T", aliases=aliases,  # type: ignore[arg-type]
-            forward_name="ReductionMeanInferSpmdDynamic" if name == "mean" else "ReductionInferSpmd",
-            backward_name="ReductionInferSpmdReverse",
-        )  # fmt: skip
-    register(
-        "reduce_base", reduce_base_forward, _FWD_SIG + ", reduce_type: int = 0",
-        reduce_base_backward, kind="reverse", outputs="out: T",
-        forward_name="ReductionInferSpmdBase", backward_name="ReductionInferSpmdReverse",
-    )  # fmt: skip
+        what = "replicated" if rtype is None else f"partial {rtype}"
+        register(name, f, _FWD_SIG, b, kind="reverse", outputs="out: T", aliases=aliases,
+                 forward_name="ReductionMeanInferSpmdDynamic" if name == "mean" else "ReductionInferSpmd",
+                 backward_name="ReductionInferSpmdReverse",
+                 doc=f"{name}: kept axes keep their sharding; a sharded reduced axis makes out {what}.")  # fmt: skip
+    # reduce_base's reverse: ReductionInferSpmdReverse (reduce_type does not change it)
+    register("reduce_base", reduce_base_forward, _FWD_SIG + ", reduce_type: int = 0", _make_rule("reduce_base", None, 0)[1],
+             kind="reverse", outputs="out: T", forward_name="ReductionInferSpmdBase",
+             backward_name="ReductionInferSpmdReverse")  # fmt: skip
     for name, (with_out, aliases) in REDUCTION_GRADS.items():
         sig = "x: T, " + ("out: T, " if with_out else "") + \
             "out_grad: T, axis: ints = [], keep_dim: bool = false, reduce_all: bool = false"
-        register(name, _make_grad(name, with_out), sig, aliases=aliases,  # type: ignore[arg-type]
-                 forward_name="ReductionGradInferSpmd")  # fmt: skip
+        register(name, _make_grad(name, with_out), sig, aliases=aliases, forward_name="ReductionGradInferSpmd",
+                 doc=f"{name}: ReductionGradInferSpmd({sig.replace(': T', '').split(', axis')[0]}, axis, keep_dim, "
+                     "reduce_all)")  # fmt: skip
 
 
 _register_all()
@@ -368,117 +322,91 @@ def _pnorm_reduce(porder: float) -> ReduceType | None:
     return None
 
 
-@memo()
-def _pnorm_notation(nd: int, axis: int, keepdims: bool, asvector: bool, porder: float) -> Notation:
+@lru_cache(maxsize=4096)
+def _pnorm_plan(nd: int, axis: int, keepdims: bool, asvector: bool, porder: float, kind: str) -> Plan:
+    """``abc -> ac`` (``a1c`` with keepdims; every axis reduced with ``asvector``), each co-shard
+    read as its largest mesh dim; the reduced letters replicated where no partial type is right.
+    ``kind``: ``"forward"``, ``"backward"`` (x from out: the reduced letters, absent from out, stay
+    unsharded), ``"grad"`` (``abc, ac, ac -> abc`` merged over the three, reduced replicated)."""
     s = ALPHABET[:nd]
-    if nd == 0:
-        red: frozenset[int] = frozenset()
-    elif asvector:
-        red = frozenset(range(nd))
-    else:
-        red = frozenset((axis,))
+    red = frozenset() if nd == 0 else frozenset(range(nd)) if asvector else frozenset((axis,))
     if keepdims:
         o = "".join(BROADCAST if i in red else c for i, c in enumerate(s))
     else:
         o = "".join(c for i, c in enumerate(s) if i not in red)
     rt = _pnorm_reduce(porder)
     reduced = "".join(s[i] for i in sorted(red))
-    return Notation((s,), (o,), replicated="" if rt is not None else reduced, reduce=rt or ReduceType.SUM)
+    if kind == "grad":
+        return compile_plan(Notation((s, o, o), (s,), replicated=reduced, coshard="largest"))
+    nt = Notation((s,), (o,), replicated="" if rt is not None else reduced, reduce=rt or ReduceType.SUM,
+                  coshard="largest")  # fmt: skip
+    return compile_plan(nt, kind)
 
 
-def _pnorm_setup(op: str, x: DistTensorSpec, porder: float, axis: int, keepdims: bool, asvector: bool) -> Notation:
+def _pnorm(op: str, x: DistTensorSpec, porder: float, axis: int, keepdims: bool, asvector: bool, kind: str,
+           *outs: DistTensorSpec) -> SpmdResult:
+    names = ("x", "out", "out_grad")[: 1 + len(outs)]
+    mesh = named_mesh(op, zip(names, (x, *outs)))
     nd = len(x.shape)
     if nd > len(ALPHABET):
         raise ShapeMismatchError(f"{op}: tensors of more than {len(ALPHABET)} dims are not supported")
     if math.isnan(porder):
         raise InvalidAttributeError(f"{op}: porder must be a number, got nan")
     ax = 0 if asvector and nd else normalize_axis(op, axis, nd)
-    return _pnorm_notation(nd, ax, bool(keepdims), bool(asvector), float(porder))
-
-
-def p_norm_forward(
-    x: DistTensorSpec, porder: float = 2.0, axis: int = -1, epsilon: float = 1e-12, keepdims: bool = False,
-    asvector: bool = False,
-) -> SpmdResult:
-    """PNormInferSpmd: a reduction; a sharded reduced axis is partial only where a type is right."""
-    n = _pnorm_setup("p_norm", x, porder, axis, keepdims, asvector)
-    mesh = x.dist_attr.mesh
-    ins, outs = merge_project(n, n.inputs, (one_mesh_dim_per_axis(x),), mesh)
-    return fast_result(tuple(ins), tuple(outs))
-
-
-def p_norm_backward(
-    x: DistTensorSpec, out: DistTensorSpec, porder: float = 2.0, axis: int = -1, epsilon: float = 1e-12,
-    keepdims: bool = False, asvector: bool = False,
-) -> SpmdResult:
-    """PNormInferSpmdReverse: x from out on the kept axes, reduced axes replicated."""
-    op = "p_norm"
-    mesh = named_mesh(op, (("x", x), ("out", out)))
-    n = _pnorm_setup(op, x, porder, axis, keepdims, asvector)
-    o = n.outputs[0]
+    p = _pnorm_plan(nd, ax, bool(keepdims), bool(asvector), float(porder), kind)
+    size = dict(zip(ALPHABET, x.shape))
+    o = p.notation.outputs[0] if kind != "grad" else p.notation.inputs[1]
     assert o is not None
-    check_same_shape(op, out, _pnorm_out_shape(x.shape, n), "out", "p_norm of x")
-    # x's letters from out only; the reduced letters (absent from out or `1`) stay unsharded
-    ins, _ = merge_project(n, (None, o), (None, one_mesh_dim_per_axis(out)), mesh)
-    xa = ins[0]
-    assert xa is not None
-    ins2, outs2 = merge_project(n, n.inputs, (DistTensorSpec(x.shape, xa),), mesh)
-    return fast_result(tuple(ins2), tuple(outs2))
-
-
-def _pnorm_out_shape(shape: Shape, n: Notation) -> Shape:
-    x, o = n.inputs[0], n.outputs[0]
-    assert x is not None and o is not None
-    size = dict(zip(x, shape))
-    return tuple(1 if c == BROADCAST else size[c] for c in o)
-
-
-def p_norm_grad(
-    x: DistTensorSpec, out: DistTensorSpec, out_grad: DistTensorSpec, porder: float = 2.0, axis: int = -1,
-    epsilon: float = 1e-12, keepdims: bool = False, asvector: bool = False,
-) -> SpmdResult:
-    """PNormGradInferSpmd: ``abc, ac, ac -> abc``, merged over the three, reduced axes replicated."""
-    op = "p_norm_grad"
-    mesh = named_mesh(op, (("x", x), ("out", out), ("out_grad", out_grad)))
-    n0 = _pnorm_setup(op, x, porder, axis, keepdims, asvector)
-    xs, o = n0.inputs[0], n0.outputs[0]
-    assert xs is not None and o is not None
-    oshape = _pnorm_out_shape(x.shape, n0)
-    check_same_shape(op, out, oshape, "out", "p_norm of x")
-    check_same_shape(op, out_grad, oshape, "out_grad", "p_norm of x")
-    reduced = "".join(c for c in xs if c not in o)
-    n = _grad_notation(xs, o, reduced)
-    ins, outs = merge_project(n, n.inputs, (one_mesh_dim_per_axis(x), one_mesh_dim_per_axis(out), one_mesh_dim_per_axis(out_grad)), mesh)
-    return fast_result(tuple(ins), tuple(outs))
-
-
-@memo()
-def _grad_notation(xs: str, o: str, reduced: str) -> Notation:
-    return Notation((xs, o, o), (xs,), replicated=reduced)
-
-
+    want = tuple(1 if c == BROADCAST else size[c] for c in o)
+    for name, t in zip(names[1:], outs):
+        check_same_shape(op, t, want, name, "p_norm of x")
+    if kind == "backward":
+        return fast_result(*infer(p, op, (x,), outs, mesh, names))
+    return fast_result(*infer(p, op, (x, *outs), (), mesh, names))
 
 
 _PN_SIG = "porder: float = 2.0, axis: int = -1, epsilon: float = 1e-12, keepdims: bool = False, asvector: bool = False"
+
+
+def p_norm_forward(x: DistTensorSpec, porder: float = 2.0, axis: int = -1, epsilon: float = 1e-12,
+                   keepdims: bool = False, asvector: bool = False) -> SpmdResult:
+    """PNormInferSpmd: a reduction; a sharded reduced axis is partial only where a type is right."""
+    return _pnorm("p_norm", x, porder, axis, keepdims, asvector, "forward")
+
+
+def p_norm_backward(x: DistTensorSpec, out: DistTensorSpec, porder: float = 2.0, axis: int = -1,
+                    epsilon: float = 1e-12, keepdims: bool = False, asvector: bool = False) -> SpmdResult:
+    """PNormInferSpmdReverse: x from out on the kept axes, reduced axes replicated."""
+    return _pnorm("p_norm", x, porder, axis, keepdims, asvector, "backward", out)
+
+
+def p_norm_grad(x: DistTensorSpec, out: DistTensorSpec, out_grad: DistTensorSpec, porder: float = 2.0,
+                axis: int = -1, epsilon: float = 1e-12, keepdims: bool = False, asvector: bool = False) -> SpmdResult:
+    """PNormGradInferSpmd: ``abc, ac, ac -> abc``, merged over the three, reduced axes replicated."""
+    return _pnorm("p_norm_grad", x, porder, axis, keepdims, asvector, "grad", out, out_grad)
+
+
 register("p_norm", p_norm_forward, f"x: T, {_PN_SIG}", p_norm_backward, kind="reverse", outputs="out: T",
          forward_name="PNormInferSpmd", backward_name="PNormInferSpmdReverse")  # fmt: skip
 register("p_norm_grad", p_norm_grad, f"x: T, out: T, out_grad: T, {_PN_SIG}", forward_name="PNormGradInferSpmd")
 
 
-
 # -- numel -----------------------------------------------------------------------------------------
 
 
-@memo()
-def _numel_partial(dm: DimsMapping) -> Partial:
-    return tuple(sorted((d, ReduceType.SUM) for e in dm for d in entry_dims(e)))
+@lru_cache(maxsize=64)
+def _numel_plan(nd: int) -> Plan:
+    """``abc -> ()``: the 0-d count partial SUM over the mesh dims of x's letters (co-shards
+    and uneven shards included: local element counts add up to the global one)."""
+    return compile_plan(Notation([ALPHABET[:nd]], [""]))
 
 
 def numel_forward(x: DistTensorSpec) -> SpmdResult:
-    """numel (NumelInferSpmd): x as given; the 0-d count partial SUM over every mesh dim sharding x
-    (local element counts add up to the global one, uneven shards included)."""
+    """numel (NumelInferSpmd): x as given; the 0-d count partial SUM over every mesh dim sharding x."""
     a = x.dist_attr
-    return fast_result((a,), (_make(a.mesh, (), _numel_partial(a.dims_mapping)),))
+    _, outs = infer(_numel_plan(len(a.dims_mapping)), "numel", (x,), (), a.mesh, ("x",))
+    # post-hook: x is returned as given (partial too): numel reads only its shape
+    return fast_result((a,), outs)
 
 
 def numel_reverse(x: DistTensorSpec, out: DistTensorSpec) -> SpmdResult:
@@ -489,8 +417,6 @@ def numel_reverse(x: DistTensorSpec, out: DistTensorSpec) -> SpmdResult:
         raise ShapeMismatchError(f"{op}: out must be a 0-d tensor, got shape {list(out.shape)}")
     mesh = named_mesh(op, (("x", x), ("out", out)))
     return fast_result(*infer(replicated_plan((len(x.shape),), (0,)), op, (x,), (), mesh, ("x",)))
-
-
 
 
 register("numel", numel_forward, "x: T", numel_reverse, kind="reverse", outputs="out: T", forward_name="NumelInferSpmd",

@@ -56,8 +56,9 @@ out-of-range axes (spmdkit raises SpmdError).
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Any
 
-from spmdkit.core.dist_attr import DimsMapping, Partial, ReduceType, TensorDistAttr
+from spmdkit.core.dist_attr import Partial, ReduceType
 from spmdkit.core.errors import (
     InvalidArgumentError,
     InvalidAttributeError,
@@ -65,15 +66,13 @@ from spmdkit.core.errors import (
     ShapeMismatchError,
 )
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.axes import normalize_axis, numel, one_mesh_dim, reduced_axes
+from spmdkit.engine.axes import make_attr, normalize_axis, numel, reduced_axes
 from spmdkit.engine.compile import Plan, compile_plan, infer
-from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, fast_result, letters_for, merge_letters
+from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, fast_result, letters_for, with_partial
 from spmdkit.rules._common import axis_plan
 from spmdkit.rules.registry import register
 
 Shape = tuple[int, ...]
-_make = TensorDistAttr.unchecked
 
 # ---------------------------------------------------------------------------
 # helpers
@@ -93,6 +92,15 @@ def _check_shape(op: str, got: Shape, want: Shape, name: str, what: str) -> None
             raise ShapeMismatchError(f"{op}: {name} axis {i} has size {s}, but {what} gives {w}")
 
 
+def _run(op: str, plan: Plan, *ts: DistTensorSpec, out: DistTensorSpec | None = None,
+         names: tuple[str, ...] = ("x",)) -> SpmdResult:
+    """The plan's answer for the inputs ``ts`` (``out``: the reverse, from out)."""
+    mesh = ts[0].dist_attr.mesh
+    if out is None:
+        return fast_result(*infer(plan, op, ts, (), mesh, names))
+    return fast_result(*infer(plan, op, ts, (out,), mesh, (*names, "out")))
+
+
 # ---------------------------------------------------------------------------
 # triu / tril_triu
 # ---------------------------------------------------------------------------
@@ -105,29 +113,24 @@ def _triu_plan(ndim: int, direction: str) -> Plan:
     return compile_plan(Notation([a], [a], replicated=a[-2:]), direction)
 
 
-def _triu(op: str, t: DistTensorSpec, name: str, out: DistTensorSpec | None = None) -> SpmdResult:
+def _triu(op: str, t: DistTensorSpec, name: str = "x", out: DistTensorSpec | None = None) -> SpmdResult:
     """``t`` (and ``out``: the reverse, from out) under the triu notation."""
     nd = len(t.shape)
     if nd < 2:
         raise ShapeMismatchError(f"{op}: {name} must have at least 2 dims, got {nd}")
-    if out is None:
-        return fast_result(*infer(_triu_plan(nd, "forward"), op, (t,), (), t.dist_attr.mesh, (name,)))
-    _check_shape(op, out.shape, t.shape, "out", f"{op} of x")
-    return fast_result(*infer(_triu_plan(nd, "backward"), op, (t,), (out,), t.dist_attr.mesh, (name, "out")))
+    if out is not None:
+        _check_shape(op, out.shape, t.shape, "out", f"{op} of x")
+    return _run(op, _triu_plan(nd, "forward" if out is None else "backward"), t, out=out, names=(name,))
 
 
-def _make_triu(op: str, fwd_name: str):  # type: ignore[no-untyped-def]
-    def forward(x: DistTensorSpec, diagonal: int = 0, lower: bool = False) -> SpmdResult:
-        return _triu(op, x, "x")
+def _triu_rule(op: str) -> tuple[Any, Any]:
+    def forward(x: DistTensorSpec, *attrs: Any) -> SpmdResult:
+        return _triu(op, x)
 
-    def backward(x: DistTensorSpec, out: DistTensorSpec, diagonal: int = 0, lower: bool = False) -> SpmdResult:
+    def backward(x: DistTensorSpec, out: DistTensorSpec, *attrs: Any) -> SpmdResult:
         _same_mesh(op, x, out, "x", "out")
         return _triu(op, x, "x", out)
 
-    forward.__name__ = f"{op}_forward"
-    forward.__doc__ = f"{op} ({fwd_name}): the last two axes replicated, batch axes keep their sharding."
-    backward.__name__ = f"{op}_backward"
-    backward.__doc__ = f"{op} ({fwd_name}Reverse): x from out, the last two axes replicated."
     return forward, backward
 
 
@@ -143,16 +146,8 @@ def tril_triu_grad(out_grad: DistTensorSpec, diagonal: int = 0, lower: bool = Fa
 
 
 # ---------------------------------------------------------------------------
-# cumsum
+# cumsum, argmax / argmin
 # ---------------------------------------------------------------------------
-
-
-@memo()
-def _unshard_axis(dm: DimsMapping, mesh_shape: Shape, axis: int) -> DimsMapping:
-    s = list(one_mesh_dim(dm, mesh_shape))
-    if s:
-        s[axis] = -1
-    return tuple(s)
 
 
 @lru_cache(maxsize=4096)
@@ -174,25 +169,15 @@ def cumsum_forward(
     """CumSumInferSpmd: the scanned axis replicated; flatten: all replicated, out 1-D."""
     nd = len(x.shape)
     ax = 0 if flatten else normalize_axis("cumsum", axis, nd, tensor="x")
-    p = _axis_plan(nd, ax, "flat" if flatten else "same", "forward")
-    return fast_result(*infer(p, "cumsum", (x,), (), x.dist_attr.mesh, ("x",)))
+    return _run("cumsum", _axis_plan(nd, ax, "flat" if flatten else "same", "forward"), x)
 
 
-def _cumsum_out_shape(x: DistTensorSpec, flatten: bool) -> Shape:
-    return (numel(x.shape),) if flatten else x.shape
-
-
-def _cumsum_reverse(
-    op: str, x: DistTensorSpec, out: DistTensorSpec, axis: int, flatten: bool, name: str
-) -> tuple[TensorDistAttr, TensorDistAttr]:
+def _cumsum_reverse(op: str, x: DistTensorSpec, out: DistTensorSpec, axis: int, flatten: bool, name: str) -> SpmdResult:
     _same_mesh(op, x, out, "x", name)
-    _check_shape(op, out.shape, _cumsum_out_shape(x, flatten), name, "cumsum of x")
+    _check_shape(op, out.shape, (numel(x.shape),) if flatten else x.shape, name, "cumsum of x")
     nd = len(x.shape)
     ax = 0 if flatten else normalize_axis(op, axis, nd, tensor="x")
-    p = _axis_plan(nd, ax, "flat" if flatten else "same", "backward")
-    ins, outs = infer(p, op, (x,), (out,), x.dist_attr.mesh, ("x", name))
-    assert ins[0] is not None and outs[0] is not None
-    return ins[0], outs[0]
+    return _run(op, _axis_plan(nd, ax, "flat" if flatten else "same", "backward"), x, out=out)
 
 
 def cumsum_backward(
@@ -200,8 +185,7 @@ def cumsum_backward(
     exclusive: bool = False, reverse: bool = False,
 ) -> SpmdResult:
     """CumSumInferSpmdReverse: x from out, the scanned axis replicated."""
-    xa, oa = _cumsum_reverse("cumsum", x, out, axis, flatten, "out")
-    return fast_result((xa,), (oa,))
+    return _cumsum_reverse("cumsum", x, out, axis, flatten, "out")
 
 
 def cumsum_grad(
@@ -210,54 +194,31 @@ def cumsum_grad(
 ) -> SpmdResult:
     """CumSumGradInferSpmd: out_grad as the reverse rule infers it, x and x_grad as x from it
     (Paddle returns x as given: the kernel shapes x_grad by the local x, so x must match)."""
-    xa, ga = _cumsum_reverse("cumsum_grad", x, out_grad, axis, flatten, "out_grad")
-    return fast_result((xa, ga), (xa,))
+    r = _cumsum_reverse("cumsum_grad", x, out_grad, axis, flatten, "out_grad")
+    return fast_result((r.inputs[0], r.outputs[0]), (r.inputs[0],))  # type: ignore[arg-type]
 
 
-# ---------------------------------------------------------------------------
-# argmax / argmin
-# ---------------------------------------------------------------------------
-
-
-def _arg_out_shape(shape: Shape, ax: int, keepdims: bool, flatten: bool) -> Shape:
-    if flatten:
-        return (1,) * len(shape) if keepdims else ()
-    if not shape:
-        return ()
-    if keepdims:
-        return (*shape[:ax], 1, *shape[ax + 1:])
-    return (*shape[:ax], *shape[ax + 1:])
-
-
-def _arg_out(nd: int, keepdims: bool, flatten: bool) -> str:
-    """The out of argmax / argmin's notation (see _axis_plan)."""
-    if flatten:
-        return "flatk" if keepdims else "flat0"
-    return "same" if keepdims or nd == 0 else "drop"
-
-
-def _make_arg(op: str, fwd_name: str):  # type: ignore[no-untyped-def]
-    def forward(x: DistTensorSpec, axis: int = -1, keepdims: bool = False, flatten: bool = False) -> SpmdResult:
+def _arg_rule(op: str) -> tuple[Any, Any]:
+    def plan(x: DistTensorSpec, axis: int, keepdims: bool, flatten: bool, direction: str) -> tuple[Plan, int]:
         nd = len(x.shape)
         ax = normalize_axis(op, axis, nd, tensor="x")
-        p = _axis_plan(nd, ax, _arg_out(nd, keepdims, flatten), "forward")
-        return fast_result(*infer(p, op, (x,), (), x.dist_attr.mesh, ("x",)))
+        out = ("flatk" if keepdims else "flat0") if flatten else "same" if keepdims or nd == 0 else "drop"
+        return _axis_plan(nd, ax, out, direction), ax
+
+    def forward(x: DistTensorSpec, axis: int = -1, keepdims: bool = False, flatten: bool = False) -> SpmdResult:
+        return _run(op, plan(x, axis, keepdims, flatten, "forward")[0], x)
 
     def backward(
         x: DistTensorSpec, out: DistTensorSpec, axis: int = -1, keepdims: bool = False, flatten: bool = False
     ) -> SpmdResult:
         _same_mesh(op, x, out, "x", "out")
-        mesh = x.dist_attr.mesh
-        nd = len(x.shape)
-        ax = normalize_axis(op, axis, nd, tensor="x")
-        _check_shape(op, out.shape, _arg_out_shape(x.shape, ax, keepdims, flatten), "out", f"{op} of x")
-        p = _axis_plan(nd, ax, _arg_out(nd, keepdims, flatten), "backward")
-        return fast_result(*infer(p, op, (x,), (out,), mesh, ("x", "out")))
+        p, ax = plan(x, axis, keepdims, flatten, "backward")
+        s = x.shape
+        want = ((1,) * len(s) if keepdims else ()) if flatten else () if not s else (
+            (*s[:ax], 1, *s[ax + 1:]) if keepdims else (*s[:ax], *s[ax + 1:]))  # fmt: skip
+        _check_shape(op, out.shape, want, "out", f"{op} of x")
+        return _run(op, p, x, out=out)
 
-    forward.__name__ = f"{op}_forward"
-    forward.__doc__ = f"{op} ({fwd_name}): the arg axis replicated; flatten: x replicated, out 0-d."
-    backward.__name__ = f"{op}_backward"
-    backward.__doc__ = f"{op} ({fwd_name.replace('InferSpmdBase', 'InferSpmdReverseBase')}): x from out."
     return forward, backward
 
 
@@ -284,52 +245,27 @@ def topk_forward(
 ) -> SpmdResult:
     """TopkInferSpmd: out and indices sharded as x, the topk axis replicated."""
     ax = _topk_checks("topk", x, k, axis)
-    return fast_result(*infer(axis_plan(len(x.shape), ax, 1, 2, "largest"), "topk", (x,), (), x.dist_attr.mesh, ("x",)))
+    return _run("topk", axis_plan(len(x.shape), ax, 1, 2, "largest"), x)
 
 
 def _topk_grad(
     op: str, x: DistTensorSpec, indices: DistTensorSpec, out_grad: DistTensorSpec, k: int, axis: int
 ) -> SpmdResult:
-    nd = len(x.shape)
-    _same_mesh(op, x, indices, "x", "indices")
-    _same_mesh(op, x, out_grad, "x", "out_grad")
-    if len(indices.shape) != nd:
-        raise ShapeMismatchError(f"{op}: indices has {len(indices.shape)} dims but x has {nd}")
-    if len(out_grad.shape) != nd:
-        raise ShapeMismatchError(f"{op}: out_grad has {len(out_grad.shape)} dims but x has {nd}")
+    for name, t in (("indices", indices), ("out_grad", out_grad)):
+        _same_mesh(op, x, t, "x", name)
+    for name, t in (("indices", indices), ("out_grad", out_grad)):
+        if len(t.shape) != len(x.shape):
+            raise ShapeMismatchError(f"{op}: {name} has {len(t.shape)} dims but x has {len(x.shape)}")
     ax = _topk_checks(op, x, k, axis)
     # the topk axis' size is not checked (Paddle's own unit test passes indices of x's shape)
     for name, t in (("indices", indices), ("out_grad", out_grad)):
         for i, (s, w) in enumerate(zip(t.shape, x.shape)):
             if i != ax and s != w and s >= 0 and w >= 0:
                 raise ShapeMismatchError(f"{op}: {name} axis {i} has size {s}, but x has {w}")
-    mesh = x.dist_attr.mesh
-    a = _make(mesh, _topk_grad_core(
-        x.dist_attr.dims_mapping, indices.dist_attr.dims_mapping, out_grad.dist_attr.dims_mapping,
-        x.shape, indices.shape, out_grad.shape, ax, mesh.shape,
-    ))  # fmt: skip
-    return fast_result((a, a, a), (a,))
-
-
-@memo()
-def _topk_grad_core(
-    xdm: DimsMapping, idm: DimsMapping, gdm: DimsMapping, xs: Shape, ish: Shape, gs: Shape, ax: int,
-    mesh_shape: Shape,
-) -> DimsMapping:
-    nd = len(xs)
-    letters = ALPHABET[:nd]
-    kx = letters
-    ki = letters[:ax] + "1" + letters[ax + 1:]  # the topk axis is never merged
-    merged = dict(merge_letters(
-        (kx, ki, ki),
-        (_unshard_axis(xdm, mesh_shape, ax), _unshard_axis(idm, mesh_shape, ax), _unshard_axis(gdm, mesh_shape, ax)),
-        (xs, ish, gs), frozenset(), "", mesh_shape,
-    ))  # fmt: skip
-    out: list[int] = []
-    for i, ch in enumerate(letters):
-        d = merged.get(ch, ())
-        out.append(-1 if i == ax or not d else d[0])
-    return tuple(out)
+    # ``abc, abc, abc -> abc``: merged over the three (the larger tensor keeps a letter they
+    # shard differently), the topk axis replicated, each co-shard read as its largest mesh dim
+    p = axis_plan(len(x.shape), ax, 3, 1, "largest")
+    return _run(op, p, x, indices, out_grad, names=("x", "indices", "out_grad"))
 
 
 def topk_grad(
@@ -340,10 +276,8 @@ def topk_grad(
     return _topk_grad("topk_grad", x, indices, out_grad, k, axis)
 
 
-def _topk_backward(
-    x: DistTensorSpec, indices: DistTensorSpec, out_grad: DistTensorSpec, k: int = 1, axis: int = -1,
-    largest: bool = True, sorted: bool = True,
-) -> SpmdResult:
+def _topk_backward(x: DistTensorSpec, indices: DistTensorSpec, out_grad: DistTensorSpec, k: int = 1,
+                   axis: int = -1, *attrs: Any) -> SpmdResult:
     """TopkGradInferSpmd (Paddle's backward slot for topk): as topk_grad."""
     return _topk_grad("topk", x, indices, out_grad, k, axis)
 
@@ -353,35 +287,26 @@ def _topk_backward(
 # ---------------------------------------------------------------------------
 
 
-@memo()
-def _lse_plan(ndim: int, axis: tuple[int, ...], keepdims: bool, reduce_all: bool) -> tuple[tuple[bool, ...], Shape]:
-    """(reduced flag per x axis, the x axis of each out axis (-1: a kept size-1 axis))."""
-    return reduced_axes("logsumexp", ndim, axis, keepdims, reduce_all)
-
-
 @lru_cache(maxsize=4096)
-def _lse_notation(reduced: tuple[bool, ...], pos: Shape, grad: bool) -> Notation:
-    """``abc -> ac`` (``a1c`` with keepdims), the reduced letters replicated, each co-shard read
-    as its largest mesh dim; the grad ``abc, ac, ac -> abc`` merged from out_grad alone."""
-    x = letters_for(len(reduced))
+def _lse_plan(ndim: int, axis: tuple[int, ...], keepdims: bool, reduce_all: bool, kind: str) -> tuple[Plan, Shape]:
+    """(plan, the x axis of each out axis (-1: a kept size-1 axis)): ``abc -> ac`` (``a1c`` with
+    keepdims), the reduced letters replicated, each co-shard read as its largest mesh dim
+    (``kind``: ``"forward"``, ``"backward"``; ``"grad"``: ``abc, ac, ac -> abc`` merged from
+    out_grad alone)."""
+    reduced, pos = reduced_axes("logsumexp", ndim, axis, keepdims, reduce_all)
+    x = letters_for(ndim)
     o = "".join(BROADCAST if p < 0 else x[p] for p in pos)
     red = "".join(c for c, r in zip(x, reduced) if r)
-    if grad:
-        return Notation([x, o, o], [x], replicated=red, coshard="largest", sources=(2,))
-    return Notation([x], [o], replicated=red, coshard="largest")
-
-
-def _lse_out_shape(shape: Shape, pos: Shape) -> Shape:
-    return tuple(1 if p < 0 else shape[p] for p in pos)
+    if kind == "grad":
+        return compile_plan(Notation([x, o, o], [x], replicated=red, coshard="largest", sources=(2,))), pos
+    return compile_plan(Notation([x], [o], replicated=red, coshard="largest"), kind), pos
 
 
 def logsumexp_forward(
     x: DistTensorSpec, axis: tuple[int, ...] = (), keepdims: bool = False, reduce_all: bool = False
 ) -> SpmdResult:
     """LogSumExpInferSpmd: kept axes keep their sharding, reduced axes replicated (no partial)."""
-    reduced, pos = _lse_plan(len(x.shape), axis, keepdims, reduce_all)
-    p = compile_plan(_lse_notation(reduced, pos, False))
-    return fast_result(*infer(p, "logsumexp", (x,), (), x.dist_attr.mesh, ("x",)))
+    return _run("logsumexp", _lse_plan(len(x.shape), tuple(axis), keepdims, reduce_all, "forward")[0], x)
 
 
 def logsumexp_backward(
@@ -390,11 +315,9 @@ def logsumexp_backward(
 ) -> SpmdResult:
     """LogSumExpInferSpmdReverse: x from out on the kept axes, reduced axes replicated."""
     _same_mesh("logsumexp", x, out, "x", "out")
-    mesh = x.dist_attr.mesh
-    reduced, pos = _lse_plan(len(x.shape), axis, keepdims, reduce_all)
-    _check_shape("logsumexp", out.shape, _lse_out_shape(x.shape, pos), "out", "reducing x")
-    p = compile_plan(_lse_notation(reduced, pos, False), "backward")
-    return fast_result(*infer(p, "logsumexp", (x,), (out,), mesh, ("x", "out")))
+    p, pos = _lse_plan(len(x.shape), tuple(axis), keepdims, reduce_all, "backward")
+    _check_shape("logsumexp", out.shape, tuple(1 if i < 0 else x.shape[i] for i in pos), "out", "reducing x")
+    return _run("logsumexp", p, x, out=out)
 
 
 def logsumexp_grad(
@@ -405,13 +328,11 @@ def logsumexp_grad(
     op = "logsumexp_grad"
     _same_mesh(op, x, out, "x", "out")
     _same_mesh(op, x, out_grad, "x", "out_grad")
-    mesh = x.dist_attr.mesh
-    reduced, pos = _lse_plan(len(x.shape), axis, keepdims, reduce_all)
-    want = _lse_out_shape(x.shape, pos)
+    p, pos = _lse_plan(len(x.shape), tuple(axis), keepdims, reduce_all, "grad")
+    want = tuple(1 if i < 0 else x.shape[i] for i in pos)
     _check_shape(op, out.shape, want, "out", "reducing x")
     _check_shape(op, out_grad.shape, want, "out_grad", "reducing x")
-    p = compile_plan(_lse_notation(reduced, pos, True))
-    return fast_result(*infer(p, op, (x, out, out_grad), (), mesh, ("x", "out", "out_grad")))
+    return _run(op, p, x, out, out_grad, names=("x", "out", "out_grad"))
 
 
 # ---------------------------------------------------------------------------
@@ -456,7 +377,7 @@ def add_n_forward(input: tuple[DistTensorSpec, ...]) -> SpmdResult:
                 pt = ()
                 break
     if pt:
-        a = _make(mesh, a.dims_mapping, pt)
+        a = make_attr(mesh, a.dims_mapping, pt)
     return fast_result(((a,) * len(input),), (a,))  # type: ignore[arg-type]
 
 
@@ -471,14 +392,26 @@ def add_n_backward(input: tuple[DistTensorSpec, ...], out: DistTensorSpec) -> Sp
     return fast_result((outs * len(input),), outs)  # type: ignore[arg-type]
 
 
+@lru_cache(maxsize=1024)
+def _add_n_grad_plan(nd: int, n: int) -> Plan:
+    """``abc (out_grad) -> abc, ...``: every grad sharded as out_grad."""
+    a = letters_for(nd)
+    return compile_plan(Notation([a], [a] * n))
+
+
 def add_n_grad(inputs: tuple[DistTensorSpec, ...], out_grad: DistTensorSpec) -> SpmdResult:
     """add_n_grad(inputs, out_grad): every input's grad is out_grad (partial included);
     the inputs are returned as given (only their shapes are used)."""
-    _add_n_inputs("add_n_grad", inputs, "inputs")
-    _same_mesh("add_n_grad", inputs[0], out_grad, "inputs[0]", "out_grad")
-    _check_shape("add_n_grad", out_grad.shape, inputs[0].shape, "out_grad", "adding the inputs")
+    op = "add_n_grad"
+    _add_n_inputs(op, inputs, "inputs")
+    _same_mesh(op, inputs[0], out_grad, "inputs[0]", "out_grad")
+    _check_shape(op, out_grad.shape, inputs[0].shape, "out_grad", "adding the inputs")
     g = out_grad.dist_attr
-    return fast_result((tuple(t.dist_attr for t in inputs), g), ((g,) * len(inputs),))  # type: ignore[arg-type]
+    _, outs = infer(_add_n_grad_plan(len(g.dims_mapping), len(inputs)), op, (out_grad,), (), g.mesh, ("out_grad",))
+    # post-hook: each grad IS out_grad, so a partial out_grad passes to every grad (a linear op),
+    # and the inputs, whose values the grad never reads, are not resharded
+    grads = outs if not g.partial else (with_partial(outs[0], g.partial),) * len(outs)  # type: ignore[arg-type]
+    return fast_result((tuple(t.dist_attr for t in inputs), g), (grads,))  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------
@@ -486,56 +419,26 @@ def add_n_grad(inputs: tuple[DistTensorSpec, ...], out_grad: DistTensorSpec) -> 
 # ---------------------------------------------------------------------------
 
 
-def _like_fwd(x: DistTensorSpec) -> SpmdResult:
-    attr = x.dist_attr
-    out = _make(attr.mesh, attr.dims_mapping) if attr.partial else attr
-    return fast_result((attr,), (out,))
-
-
-def _like_bwd(op: str, x: DistTensorSpec, out: DistTensorSpec) -> SpmdResult:
-    """``abc -> abc`` from out: x and out take out's sharding, not partial."""
-    _same_mesh(op, x, out, "x", "out")
-    _check_shape(op, out.shape, x.shape, "out", "x")
-    return fast_result(*infer(_like_plan(len(x.shape)), op, (x,), (out,), out.dist_attr.mesh, ("x", "out")))
-
-
-@lru_cache(maxsize=64)
-def _like_plan(ndim: int) -> Plan:
+@lru_cache(maxsize=128)
+def _like_plan(ndim: int, direction: str) -> Plan:
+    """``abc -> abc``: out sharded like x (the reverse: x like out), never partial."""
     a = letters_for(ndim)
-    return compile_plan(Notation([a], [a]), "backward")
+    return compile_plan(Notation([a], [a]), direction)
 
 
-def full_like_forward(x: DistTensorSpec, y: object = 0.0, dtype: object = None) -> SpmdResult:
-    """FullLikeInferSpmd: out sharded like x, not partial; x as given."""
-    return _like_fwd(x)
+def _like_rule(op: str) -> tuple[Any, Any]:
+    """The forward (out like x; x returned as given: only its shape is read, so no reshard is
+    asked of it) and the reverse (built here: x like out) of a ``*_like`` creator."""
 
+    def forward(x: DistTensorSpec, *attrs: Any) -> SpmdResult:
+        _, outs = infer(_like_plan(len(x.shape), "forward"), op, (x,), (), x.dist_attr.mesh, ("x",))
+        return fast_result((x.dist_attr,), outs)
 
-def full_like_backward(x: DistTensorSpec, out: DistTensorSpec, y: object = 0.0, dtype: object = None) -> SpmdResult:
-    """full_like reverse (built here): x takes out's sharding."""
-    return _like_bwd("full_like", x, out)
+    def backward(x: DistTensorSpec, out: DistTensorSpec, *attrs: Any) -> SpmdResult:
+        _same_mesh(op, x, out, "x", "out")
+        _check_shape(op, out.shape, x.shape, "out", "x")
+        return _run(op, _like_plan(len(x.shape), "backward"), x, out=out)
 
-
-def empty_like_forward(x: DistTensorSpec, dtype: object = None) -> SpmdResult:
-    """EmptyLikeInferSpmd: out sharded like x, not partial; x as given."""
-    return _like_fwd(x)
-
-
-def empty_like_backward(x: DistTensorSpec, out: DistTensorSpec, dtype: object = None) -> SpmdResult:
-    """empty_like reverse (built here): x takes out's sharding."""
-    return _like_bwd("empty_like", x, out)
-
-
-def _make_create_like(op: str):  # type: ignore[no-untyped-def]
-    def forward(x: DistTensorSpec) -> SpmdResult:
-        return _like_fwd(x)
-
-    def backward(x: DistTensorSpec, out: DistTensorSpec) -> SpmdResult:
-        return _like_bwd(op, x, out)
-
-    forward.__name__ = f"{op}_forward"
-    forward.__doc__ = f"{op} (CreateLikeInferSpmd): out sharded like x, not partial; x as given."
-    backward.__name__ = f"{op}_backward"
-    backward.__doc__ = f"{op} reverse (built here): x takes out's sharding."
     return forward, backward
 
 
@@ -545,14 +448,12 @@ def _make_create_like(op: str):  # type: ignore[no-untyped-def]
 
 
 def _register_all() -> None:
-    f, b = _make_triu("triu", "TriuInferSpmd")
-    register("triu", f, "x: T, diagonal: int = 0", b, kind="reverse", outputs="out: T",
-             forward_name="TriuInferSpmd", backward_name="TriuInferSpmdReverse")  # fmt: skip
+    for op, fn, attrs in (("triu", "TriuInferSpmd", "diagonal: int = 0"),
+                          ("tril_triu", "TrilTriuInferSpmd", "diagonal: int = 0, lower: bool = False")):
+        f, b = _triu_rule(op)
+        register(op, f, f"x: T, {attrs}", b, kind="reverse", outputs="out: T", forward_name=fn,
+                 backward_name=f"{fn}Reverse", doc=f"{op} ({fn}): the last two axes replicated, batch axes keep their sharding.")  # fmt: skip
     register("triu_grad", triu_grad, "out_grd: T, diagonal: int = 0", forward_name="TriuGradInferSpmd")
-    f2, b2 = _make_triu("tril_triu", "TrilTriuInferSpmd")
-    register("tril_triu", f2, "x: T, diagonal: int = 0, lower: bool = False",
-             b2, kind="reverse", outputs="out: T",
-             forward_name="TrilTriuInferSpmd", backward_name="TrilTriuInferSpmdReverse")  # fmt: skip
     register("tril_triu_grad", tril_triu_grad, "out_grad: T, diagonal: int = 0, lower: bool = False",
              forward_name="tril_triu_grad (backward op)")  # fmt: skip
     cs = "axis: int = -1, flatten: bool = False, exclusive: bool = False, reverse: bool = False"
@@ -560,10 +461,11 @@ def _register_all() -> None:
              forward_name="CumSumInferSpmd", backward_name="CumSumInferSpmdReverse")  # fmt: skip
     register("cumsum_grad", cumsum_grad, f"x: T, out_grad: T, {cs}", forward_name="CumSumGradInferSpmd")
     for op, fn in (("argmax", "ArgMaxInferSpmdBase"), ("argmin", "ArgMinInferSpmdBase")):
-        af, ab = _make_arg(op, fn)
+        af, ab = _arg_rule(op)
         register(op, af, "x: T, axis: int = -1, keepdims: bool = False, flatten: bool = False",
-                 ab, kind="reverse", outputs="out: T",
-                 forward_name=fn, backward_name=fn.replace("InferSpmdBase", "InferSpmdReverseBase"))  # fmt: skip
+                 ab, kind="reverse", outputs="out: T", forward_name=fn,
+                 backward_name=fn.replace("InferSpmdBase", "InferSpmdReverseBase"),
+                 doc=f"{op} ({fn}): the arg axis replicated; flatten: x replicated, out 0-d.")  # fmt: skip
     tk = "k: int = 1, axis: int = -1, largest: bool = True, sorted: bool = True"
     register("topk", topk_forward, f"x: T, {tk}", _topk_backward, f"x: T, indices: T, out_grad: T, {tk}", kind="grad",
              forward_name="TopkInferSpmd", backward_name="TopkGradInferSpmd")  # fmt: skip
@@ -576,16 +478,12 @@ def _register_all() -> None:
     register("add_n", add_n_forward, "input: [T]", add_n_backward, kind="reverse", outputs="out: T",
              forward_name="AddNInferSpmd", backward_name="add_n reverse (spmdkit)")  # fmt: skip
     register("add_n_grad", add_n_grad, "inputs: [T], out_grad: T", forward_name="add_n_grad (backward op)")
-    register("full_like", full_like_forward, "x: T, y: scalar = 0.0, dtype: any = None",
-             full_like_backward, kind="reverse", outputs="out: T",
-             forward_name="FullLikeInferSpmd", backward_name="full_like reverse (spmdkit)")  # fmt: skip
-    register("empty_like", empty_like_forward, "x: T, dtype: any = None",
-             empty_like_backward, kind="reverse", outputs="out: T",
-             forward_name="EmptyLikeInferSpmd", backward_name="empty_like reverse (spmdkit)")  # fmt: skip
-    for op in ("ones_like", "zeros_like"):
-        cf, cb = _make_create_like(op)
-        register(op, cf, "x: T", cb, kind="reverse", outputs="out: T",
-                 forward_name="CreateLikeInferSpmd", backward_name=f"{op} reverse (spmdkit)")  # fmt: skip
+    for op, fn, attrs in (("full_like", "FullLikeInferSpmd", ", y: scalar = 0.0, dtype: any = None"),
+                          ("empty_like", "EmptyLikeInferSpmd", ", dtype: any = None"),
+                          ("ones_like", "CreateLikeInferSpmd", ""), ("zeros_like", "CreateLikeInferSpmd", "")):
+        lf, lb = _like_rule(op)
+        register(op, lf, f"x: T{attrs}", lb, kind="reverse", outputs="out: T", forward_name=fn,
+                 backward_name=f"{op} reverse (spmdkit)", doc=f"{op} ({fn}): out sharded like x, not partial; x as given.")  # fmt: skip
 
 
 _register_all()

@@ -2,13 +2,14 @@
 
 Notation: a list of ``spmdkit.engine.dim_trans`` entries, one per output axis, e.g. reshape
 [6,12,48,24] -> [1,72,48,4,6] is ``Singleton, Flatten(0,1), InputDim(2), Split(3,(4,6),0),
-Split(3,(4,6),1)``. The forward rule moves x's dims_mapping through the list
-(``infer_from_trans``); a partial x stays partial (a view is linear). The reverse rule moves
-out's dims_mapping through the list from out's shape to x's; as in Paddle 3.3.1 a co-sharded
-out axis is read as its last mesh dim, and out is returned as the x it infers produces it
-(never partial: Paddle's reshape keeps out's partial over an x it asks unpartial, which is
-unsound). squeeze and unsqueeze forward drop a partial x (reshard), reshape and flatten keep it.
-Grad rules reshape out_grad back to x's shape (the shape of ``x_shape`` / ``xshape`` / ``x``).
+Split(3,(4,6),1)``. Its structure (``links``, sizes abstracted) is compiled once into an engine
+plan (``view_plan``) that moves x's dims_mapping to out; a partial x stays partial (a view is
+linear). The reverse rule runs the list from out's shape to x's; as in Paddle 3.3.1 a
+co-sharded out axis is read as its largest mesh dim, and out is returned as the x it infers
+produces it (never partial: Paddle's reshape keeps out's partial over an x it asks unpartial,
+which is unsound). squeeze and unsqueeze forward drop a partial x (reshard) and read co-shards
+as their largest mesh dim, reshape and flatten keep both. Grad rules reshape out_grad back to
+x's shape (the shape of ``x_shape`` / ``xshape`` / ``x``).
 
 Deviations from Paddle 3.3.1 (docs/deviations.md, "View family"): invalid targets and axes
 raise; unsqueeze places new axes as the op does (one after another), and the reverse rules
@@ -21,23 +22,31 @@ another costs time quadratic in their number).
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+from functools import partial
+
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.axes import one_mesh_dim
+from spmdkit.engine.compile import infer
 from spmdkit.engine.dim_trans import (
     DimTrans,
+    Link,
     flatten_reverse_trans,
     flatten_trans,
-    infer_from_trans,
     invert_trans,
-    reshape_infer,
+    links,
+    reshape_links,
     resolve_target,
     squeeze_trans,
     unsqueeze_trans,
+    view_plan,
 )
-from spmdkit.engine.notation import attr_as, fast_result
+from spmdkit.engine.notation import fast_result
 from spmdkit.rules.registry import register
+
+_make = TensorDistAttr.unchecked
 
 
 def _check_sizes(op: str, spec: DistTensorSpec, name: str, dynamic: bool = False) -> None:
@@ -48,33 +57,43 @@ def _check_sizes(op: str, spec: DistTensorSpec, name: str, dynamic: bool = False
                                      + (" (or -1 for a dynamic size)" if dynamic else ""))
 
 
-
-def _forward(op: str, x: DistTensorSpec, trans: tuple[DimTrans, ...], keep_partial: bool = True) -> SpmdResult:
-    """x's mapping through ``trans``; a partial x stays partial when ``keep_partial`` (reshape,
-    flatten), else it is resharded to unpartial and co-shards are read as one mesh dim
-    (squeeze, unsqueeze: as Paddle 3.3.1)."""
+def _forward(op: str, x: DistTensorSpec, ln: tuple[Link, ...], out_shape: tuple[int, ...], keep: bool = True,
+             name: str = "x") -> tuple[TensorDistAttr, TensorDistAttr]:
+    """(x's attr, out's) for x viewed as ``out_shape`` through ``ln``. ``keep`` (reshape,
+    flatten, the grads): co-shards read as they are and a partial x kept on x and out (the
+    post-hook: a view is linear, so x's partial sum passes to out; the engine reshards a partial
+    input); else (squeeze, unsqueeze: as Paddle 3.3.1) co-shards read as their largest mesh dim
+    and a partial x resharded."""
     a = x.dist_attr
-    mesh = a.mesh
-    dm = a.dims_mapping if keep_partial else one_mesh_dim(a.dims_mapping, mesh.shape)
-    new_in, out = infer_from_trans(trans, x.shape, dm, mesh.shape)
-    pt = a.partial if keep_partial else ()
-    return SpmdResult([TensorDistAttr.unchecked(mesh, new_in, pt)], [TensorDistAttr.unchecked(mesh, out, pt)])
+    (i,), (o,) = infer(view_plan(len(x.shape), ln, keep), op, (x,), (), a.mesh, (name,), out_shapes=(out_shape,))
+    if keep and a.partial:
+        return _make(a.mesh, i.dims_mapping, a.partial), _make(a.mesh, o.dims_mapping, a.partial)  # type: ignore[union-attr]
+    return i, o  # type: ignore[return-value]
 
 
 def _reverse(op: str, x: DistTensorSpec, out: DistTensorSpec, out_shape: tuple[int, ...],
-             trans: tuple[DimTrans, ...] | None = None) -> SpmdResult:
-    """x from out through the list out -> x (``trans``; reshape's list when None)."""
+             ln: tuple[Link, ...] | None = None) -> SpmdResult:
+    """x from out through ``ln`` (each x axis's link to out's axes; reshape's when None)."""
     if tuple(out.shape) != tuple(out_shape):
         raise ShapeMismatchError(f"{op}: out has shape {list(out.shape)} but x of shape {list(x.shape)} "
                                  f"gives {list(out_shape)}")
-    a = out.dist_attr
-    mesh = a.mesh
-    odm = one_mesh_dim(a.dims_mapping, mesh.shape)
-    if trans is None:
-        new_out, x_dm = reshape_infer(out.shape, x.shape, odm, mesh.shape)
-    else:
-        new_out, x_dm = infer_from_trans(trans, out.shape, odm, mesh.shape)
-    return SpmdResult([TensorDistAttr.unchecked(mesh, x_dm)], [TensorDistAttr.unchecked(mesh, new_out)])
+    if ln is None:
+        ln = reshape_links(out.shape, x.shape)
+    p = view_plan(len(out.shape), ln, False, True)
+    return fast_result(*infer(p, op, (x,), (out,), out.dist_attr.mesh, ("x", "out")))
+
+
+def _grad(op: str, xs_name: str, xs: DistTensorSpec, out_grad: DistTensorSpec, *attrs: object) -> SpmdResult:
+    """x_grad = out_grad viewed as x's shape; ``xs`` (x's shape holder) is returned as given
+    (squeeze / unsqueeze grads' ``axis`` unused)."""
+    _check_sizes(op, xs, xs_name)
+    _check_sizes(op, out_grad, "out_grad")
+    n = math.prod(xs.shape)
+    if n != math.prod(out_grad.shape):
+        raise ShapeMismatchError(f"{op}: out_grad of shape {list(out_grad.shape)} does not hold the "
+                                 f"{n} elements of {xs_name} of shape {list(xs.shape)}")
+    i, o = _forward(op, out_grad, reshape_links(out_grad.shape, xs.shape), xs.shape, name="out_grad")
+    return fast_result((xs.dist_attr, i), (o,))
 
 
 # -- reshape -------------------------------------------------------------------------------------
@@ -89,12 +108,8 @@ def reshape_forward(x: DistTensorSpec, shape: tuple[int, ...]) -> SpmdResult:
             _check_sizes("reshape", x, "x", dynamic=True)
             break
     tgt = resolve_target("reshape", shape, xs)
-    a = x.dist_attr
-    mesh = a.mesh
-    new_in, out = reshape_infer(xs, tgt, a.dims_mapping, mesh.shape, True)
-    pt = a.partial
-    return fast_result((attr_as(a, mesh, new_in) if not pt else TensorDistAttr.unchecked(mesh, new_in, pt),),
-                       (TensorDistAttr.unchecked(mesh, out, pt),))
+    i, o = _forward("reshape", x, reshape_links(xs, tgt), tgt)
+    return fast_result((i,), (o,))
 
 
 def reshape_backward(x: DistTensorSpec, out: DistTensorSpec, shape: tuple[int, ...]) -> SpmdResult:
@@ -104,110 +119,70 @@ def reshape_backward(x: DistTensorSpec, out: DistTensorSpec, shape: tuple[int, .
     return _reverse("reshape", x, out, resolve_target("reshape", shape, x.shape))
 
 
-def _grad(op: str, xs: DistTensorSpec, out_grad: DistTensorSpec, xs_name: str) -> SpmdResult:
-    """x_grad = out_grad viewed as x's shape; ``xs`` (x's shape holder) is returned as given."""
-    _check_sizes(op, xs, xs_name)
-    _check_sizes(op, out_grad, "out_grad")
-    n, m = 1, 1
-    for s in xs.shape:
-        n *= s
-    for s in out_grad.shape:
-        m *= s
-    if n != m:
-        raise ShapeMismatchError(f"{op}: out_grad of shape {list(out_grad.shape)} does not hold the "
-                                 f"{n} elements of {xs_name} of shape {list(xs.shape)}")
-    a = out_grad.dist_attr
-    new_in, out = reshape_infer(out_grad.shape, xs.shape, a.dims_mapping, a.mesh.shape)
-    return SpmdResult([xs.dist_attr, TensorDistAttr.unchecked(a.mesh, new_in, a.partial)],
-                      [TensorDistAttr.unchecked(a.mesh, out, a.partial)])
-
-
-def reshape_grad(x_shape: DistTensorSpec, out_grad: DistTensorSpec) -> SpmdResult:
-    return _grad("reshape_grad", x_shape, out_grad, "x_shape")
-
-
-# -- flatten -------------------------------------------------------------------------------------
-
-
-def flatten_forward(x: DistTensorSpec, start_axis: int, stop_axis: int) -> SpmdResult:
-    """Axes start_axis..stop_axis merged into one."""
-    _check_sizes("flatten", x, "x")
-    trans, _ = flatten_trans(x.shape, int(start_axis), int(stop_axis))
-    return _forward("flatten", x, trans)
-
-
-def flatten_backward(x: DistTensorSpec, out: DistTensorSpec, start_axis: int, stop_axis: int) -> SpmdResult:
-    _check_sizes("flatten", x, "x")
-    _, oshape = flatten_trans(x.shape, int(start_axis), int(stop_axis))
-    return _reverse("flatten", x, out, oshape, flatten_reverse_trans(x.shape, int(start_axis), int(stop_axis)))
-
-
-def flatten_grad(xshape: DistTensorSpec, out_grad: DistTensorSpec) -> SpmdResult:
-    return _grad("flatten_grad", xshape, out_grad, "xshape")
-
-
-# -- squeeze / unsqueeze -------------------------------------------------------------------------
-
-
-def squeeze_forward(x: DistTensorSpec, axis: tuple[int, ...]) -> SpmdResult:
-    """Size-1 axes in ``axis`` (all when empty) removed; sharding on kept size-1 axes dropped."""
-    _check_sizes("squeeze", x, "x")
-    trans, _ = squeeze_trans(x.shape, tuple(axis))
-    return _forward("squeeze", x, trans, keep_partial=False)
-
-
-def squeeze_backward(x: DistTensorSpec, out: DistTensorSpec, axis: tuple[int, ...]) -> SpmdResult:
-    _check_sizes("squeeze", x, "x")
-    trans, oshape = squeeze_trans(x.shape, tuple(axis))
-    return _reverse("squeeze", x, out, oshape, invert_trans(trans, x.ndim))
-
-
-def squeeze_grad(xshape: DistTensorSpec, out_grad: DistTensorSpec, axis: tuple[int, ...] = ()) -> SpmdResult:
-    return _grad("squeeze_grad", xshape, out_grad, "xshape")
-
+# -- flatten, squeeze, unsqueeze: the op's list, its reverse, then as reshape ---------------------
 
 #: The most axes one unsqueeze inserts (see the module docstring).
 MAX_NEW_AXES = 1024
 
+Lists = tuple[tuple[DimTrans, ...], tuple[int, ...]]
 
-def _check_new_axes(axis: tuple[int, ...]) -> None:
+
+def _flatten(x: DistTensorSpec, start_axis: int, stop_axis: int) -> Lists:
+    return flatten_trans(x.shape, int(start_axis), int(stop_axis))
+
+
+def _flatten_reverse(x: DistTensorSpec, trans: tuple[DimTrans, ...], start_axis: int, stop_axis: int) -> tuple[DimTrans, ...]:
+    return flatten_reverse_trans(x.shape, int(start_axis), int(stop_axis))
+
+
+def _squeeze(x: DistTensorSpec, axis: tuple[int, ...]) -> Lists:
+    return squeeze_trans(x.shape, tuple(axis))
+
+
+def _unsqueeze(x: DistTensorSpec, axis: tuple[int, ...]) -> Lists:
     if len(axis) > MAX_NEW_AXES:
-        raise InvalidAttributeError(
-            f"unsqueeze: axis has {len(axis)} entries; at most {MAX_NEW_AXES} new axes are answered"
-        )
+        raise InvalidAttributeError(f"unsqueeze: axis has {len(axis)} entries; at most {MAX_NEW_AXES} new axes are answered")
+    return unsqueeze_trans(x.shape, tuple(axis))
 
 
-def unsqueeze_forward(x: DistTensorSpec, axis: tuple[int, ...]) -> SpmdResult:
-    """New size-1 axes inserted at ``axis`` (one after another, as the op does)."""
-    _check_sizes("unsqueeze", x, "x")
-    _check_new_axes(axis)
-    trans, _ = unsqueeze_trans(x.shape, tuple(axis))
-    return _forward("unsqueeze", x, trans, keep_partial=False)
+def _inverse(x: DistTensorSpec, trans: tuple[DimTrans, ...], *attrs: object) -> tuple[DimTrans, ...]:
+    return invert_trans(trans, x.ndim)
 
 
-def unsqueeze_backward(x: DistTensorSpec, out: DistTensorSpec, axis: tuple[int, ...]) -> SpmdResult:
-    _check_sizes("unsqueeze", x, "x")
-    _check_new_axes(axis)
-    trans, oshape = unsqueeze_trans(x.shape, tuple(axis))
-    return _reverse("unsqueeze", x, out, oshape, invert_trans(trans, x.ndim))
+def _list_rules(op: str, lists: Callable[..., Lists], reverse: Callable[..., tuple[DimTrans, ...]],
+                keep: bool) -> tuple[Callable[..., SpmdResult], Callable[..., SpmdResult]]:
+    """The forward and reverse rules of a view op whose list and out shape ``lists(x, *attrs)``
+    gives (``reverse(x, list, *attrs)``: the list out -> x), after checking x's sizes."""
 
+    def forward(x: DistTensorSpec, *attrs: object) -> SpmdResult:
+        _check_sizes(op, x, "x")
+        trans, oshape = lists(x, *attrs)
+        i, o = _forward(op, x, links(trans), oshape, keep)
+        return fast_result((i,), (o,))
 
-def unsqueeze_grad(x: DistTensorSpec, out_grad: DistTensorSpec, axis: tuple[int, ...] = ()) -> SpmdResult:
-    return _grad("unsqueeze_grad", x, out_grad, "x")
+    def backward(x: DistTensorSpec, out: DistTensorSpec, *attrs: object) -> SpmdResult:
+        _check_sizes(op, x, "x")
+        trans, oshape = lists(x, *attrs)
+        return _reverse(op, x, out, oshape, links(reverse(x, trans, *attrs)))
+
+    return forward, backward
 
 
 register("reshape", reshape_forward, "x: T, shape: ints", reshape_backward, kind="reverse", outputs="out: T",
          aliases=("reshape2",), forward_name="ReshapeInferSpmd", backward_name="ReshapeInferSpmdReverse")
-register("reshape_grad", reshape_grad, "x_shape: T, out_grad: T", forward_name="ReshapeGradInferSpmd")
-register("flatten", flatten_forward, "x: T, start_axis: int, stop_axis: int", flatten_backward,
-         kind="reverse", outputs="out: T",
-         forward_name="FlattenInferSpmd", backward_name="FlattenInferSpmdReverse")
-register("flatten_grad", flatten_grad, "xshape: T, out_grad: T", forward_name="FlattenGradInferSpmd")
-register("squeeze", squeeze_forward, "x: T, axis: ints", squeeze_backward, kind="reverse", outputs="out: T",
-         forward_name="SqueezeInferSpmd", backward_name="SqueezeInferSpmdReverse")
-register("squeeze_grad", squeeze_grad, "xshape: T, out_grad: T, axis: ints = []",
-         forward_name="SqueezeGradInferSpmd")
-register("unsqueeze", unsqueeze_forward, "x: T, axis: ints", unsqueeze_backward, kind="reverse", outputs="out: T",
-         aliases=("unsqueeze2",), forward_name="UnsqueezeInferSpmd", backward_name="UnsqueezeInferSpmdReverse")
-register("unsqueeze_grad", unsqueeze_grad, "x: T, out_grad: T, axis: ints = []",
-         forward_name="UnsqueezeGradInferSpmd")
+for _op, _lists, _rev, _keep, _sig, _aliases, _doc in (
+    ("flatten", _flatten, _flatten_reverse, True, "x: T, start_axis: int, stop_axis: int", (),
+     "Axes start_axis..stop_axis merged into one."),
+    ("squeeze", _squeeze, _inverse, False, "x: T, axis: ints", (),
+     "Size-1 axes in ``axis`` (all when empty) removed; sharding on kept size-1 axes dropped."),
+    ("unsqueeze", _unsqueeze, _inverse, False, "x: T, axis: ints", ("unsqueeze2",),
+     "New size-1 axes inserted at ``axis`` (one after another, as the op does)."),
+):
+    _fwd, _bwd = _list_rules(_op, _lists, _rev, _keep)
+    register(_op, _fwd, _sig, _bwd, kind="reverse", outputs="out: T", aliases=_aliases, doc=_doc,
+             forward_name=f"{_op.capitalize()}InferSpmd", backward_name=f"{_op.capitalize()}InferSpmdReverse")
+for _op, _sig in (("reshape", "x_shape: T, out_grad: T"), ("flatten", "xshape: T, out_grad: T"),
+                  ("squeeze", "xshape: T, out_grad: T, axis: ints = []"), ("unsqueeze", "x: T, out_grad: T, axis: ints = []")):
+    register(f"{_op}_grad", partial(_grad, f"{_op}_grad", _sig.split(":")[0]), _sig,
+             doc="x_grad = out_grad viewed as x's shape; the shape holder is returned as given.",
+             forward_name=f"{_op.capitalize()}GradInferSpmd")

@@ -1,0 +1,403 @@
+"""Rules as declarations: the engine generates a rule's functions from what it declares.
+
+A rule declares, per mode (:class:`Way`), a *notation function of a key* (the key: tensor
+ranks, attributes, size-1 masks, ... computed from the call's arguments by expressions
+written in the declaration) and what the call must satisfy (tensors on one mesh, pairs of
+tensors of one shape, a small ``check`` hook), and at most a small ``post`` hook for a true
+special case. :func:`declare` registers the rule (its Paddle signature, outputs, Paddle
+function names, kind of the backward slot) with functions :func:`generate` writes for it:
+straight-line Python with the signature's real parameter names (no ``*args`` parsing per
+call) that checks the call, computes the key, looks its compiled plan up in a dict (compiled
+on the key's first call: once per key, never per shape) and answers through
+:func:`spmdkit.engine.compile.infer`.
+
+    declare(
+        "softmax", "x: T, axis: int = -1",
+        Way(softmax_notation, key="x, axis", paddle="SoftmaxInferSpmd"),
+        reverse=Way(softmax_notation, key="x, axis", same=[("x", "out")], paddle="SoftmaxInferSpmdReverse"),
+        outputs="out: T",
+    )
+
+``key``: comma-separated Python expressions over the mode's parameters; a bare tensor name
+stands for its rank (``-1`` for an absent optional tensor; a list of tensors: the tuple of
+their ranks), ``ones(t)`` for the bit mask of
+its size-1 axes, and ``*f(...)`` for the items of a tuple (one such item alone: the key is
+``f(...)``, which must be a tuple); the notation function receives the values in order (plus
+the ``mask``, see :class:`Way`). An :class:`~spmdkit.core.errors.SpmdError` raised by a notation function or a
+hook without the op's name (``"perm [1] has 1 entries for a 2-D x"``) is re-raised with it
+(``"transpose: perm ..."``), so the notation functions are plain functions of the key.
+"""
+
+from __future__ import annotations
+
+import keyword
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from spmdkit.core.dist_attr import TensorDistAttr
+from spmdkit.core.errors import InvalidMeshError, ShapeMismatchError, SpmdError
+from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.compile import Plan, compile_plan, infer
+from spmdkit.engine.notation import Notation, check_letters, common_mesh, fast_result, named_mesh
+
+#: what the engine answers and a post-hook returns: the inputs' and the outputs' dist attrs
+Answer = tuple[Sequence[TensorDistAttr | None], Sequence[TensorDistAttr | None]]
+
+#: compiled plans kept per generated function (a dict per mode; emptied when it holds more)
+PLAN_LIMIT = 4096
+
+
+@dataclass(frozen=True)
+class Way:
+    """One mode of a declared rule (forward, reverse or grad).
+
+    * ``notation(*key) -> Notation``: the notation of a call with that key;
+    * ``key``: comma-separated expressions over the mode's parameters (see the module
+      docstring; default: the ranks of all its tensors), or a callable taking the mode's
+      arguments and returning the key tuple;
+    * ``mask``: tensors (the notation's first inputs, in order) whose size-1 axes key the
+      plan: their bit masks (``ones(t)``) are the key's last item, passed to the notation
+      function last and to :func:`~spmdkit.engine.compile.compile_plan` as its ``mask``
+      (for ``size1="broadcast"``);
+    * ``same``: pairs of tensor names that must have one shape (sizes -1 match anything;
+      checked after ``check``); every tensor must lie on the first tensor's mesh (checked
+      first, always; the message names both);
+    * ``letters``: check per call that every letter has one size over the tensors the plan
+      merges and projects (:func:`~spmdkit.engine.notation.check_letters`);
+    * ``check(*args)``: more checks (shapes, attributes), raising SpmdError subclasses that
+      name the argument; or a string, an expression over the parameters (and ``env``) inlined;
+    * ``post(ins, outs, *args) -> (ins, outs)``: a hook on the engine's answer for a true
+      special case (say why where it is declared); ``post_if``: an expression over the
+      parameters, where given the hook runs only where it holds (``"x.dist_attr.partial"``);
+    * ``env``: names the ``key`` expressions may use besides the parameters and ``ones``;
+    * ``wrap(fn, signature, outputs) -> fn``: what :func:`declare` registers in place of the
+      generated function (a 0-D optional tensor read as absent: ``rules._absent.zero_d_absent``);
+    * ``paddle``: Paddle's function name of this mode; ``doc``: the generated function's
+      docstring.
+    """
+
+    notation: Callable[..., Notation]
+    key: str | Callable[..., tuple[Any, ...]] = ""
+    mask: Sequence[str] = ()
+    same: Sequence[tuple[str, str]] = ()
+    letters: bool = False
+    check: str | Callable[..., Any] | None = None
+    post: Callable[..., Answer] | None = None
+    post_if: str = ""
+    env: Mapping[str, Any] = field(default_factory=dict)
+    wrap: Callable[[Callable[..., SpmdResult], str, Sequence[str]], Callable[..., SpmdResult]] | None = None
+    paddle: str = ""
+    doc: str = ""
+
+
+def ones(t: DistTensorSpec | None) -> int:
+    """The size-1 axes of ``t`` as a bit mask (0 for an absent tensor)."""
+    if t is None:
+        return 0
+    m = 0
+    for i, s in enumerate(t.shape):
+        if s == 1:
+            m |= 1 << i
+    return m
+
+
+def same_shape(op: str, na: str, a: DistTensorSpec, nb: str, b: DistTensorSpec) -> None:
+    """ShapeMismatchError naming ``nb`` and ``na`` where their shapes differ (-1 matches any size)."""
+    if len(a.shape) != len(b.shape) or any(p != q and p >= 0 and q >= 0 for p, q in zip(a.shape, b.shape)):
+        raise ShapeMismatchError(f"{op}: {nb} has shape {list(b.shape)}, {na} has {list(a.shape)}")
+
+
+def renamed(e: SpmdError, op: str) -> SpmdError:
+    """``e``, or where its message does not start with ``op``, the same error naming it."""
+    msg = str(e)
+    if msg.startswith(op + ":"):
+        return e
+    try:
+        return type(e)(f"{op}: {msg}")
+    except TypeError:  # an error class built otherwise: kept as it is
+        return e
+
+
+def _list_mesh(op: str, named: tuple[tuple[str, Any, bool], ...]) -> Any:
+    """The one mesh of a call with lists of tensors (``(name, value, is a list)``; absent tensors
+    skipped); InvalidMeshError naming the two tensors that disagree, or that none is given."""
+    try:
+        return common_mesh(op, [t for _, v, is_list in named for t in (v if is_list else (v,))])
+    except InvalidMeshError:
+        items: list[tuple[str, Any]] = []
+        for n, v, is_list in named:
+            items += [(f"{n}[{i}]", t) for i, t in enumerate(v)] if is_list else [(n, v)]
+        return named_mesh(op, items)
+
+
+_names_cache: dict[tuple[tuple[str, int], ...], tuple[str, ...]] = {}
+
+
+def _list_names(spec: tuple[tuple[str, int], ...]) -> tuple[str, ...]:
+    """The tensors' names of a call, from ``(name, length of a list or -1)``: a list's items
+    named ``x[0]``, ``x[1]``, ..."""
+    got = _names_cache.get(spec)
+    if got is None:
+        out: list[str] = []
+        for n, k in spec:
+            out.extend([n] if k < 0 else [f"{n}[{i}]" for i in range(k)])
+        got = tuple(out)
+        if len(_names_cache) >= PLAN_LIMIT:
+            _names_cache.clear()
+        _names_cache[spec] = got
+    return got
+
+
+def _split(text: str) -> list[str]:
+    """Comma-separated items (commas inside brackets do not split)."""
+    out: list[str] = []
+    depth = 0
+    cur: list[str] = []
+    for ch in text:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            out.append("".join(cur).strip())
+            cur = []
+            continue
+        cur.append(ch)
+    last = "".join(cur).strip()
+    if last:
+        out.append(last)
+    return out
+
+
+def generate(
+    op: str,
+    signature: str,
+    way: Way,
+    direction: str = "forward",
+    outputs: Sequence[str] = (),
+    name: str = "",
+) -> Callable[..., SpmdResult]:
+    """The rule function of one mode: ``signature`` its parameters (Paddle's order), ``direction``
+    ``"forward"`` (forward and grad rules: every tensor an input of the notation) or
+    ``"backward"`` (a reverse rule: the tensors named in ``outputs`` are the notation's
+    outputs, merged; the others its inputs). A list parameter (``[T]``, ``[T?]``) stands for its
+    items, in order, among the notation's tensors: a bare name in the key is the tuple of their
+    ranks, errors name them ``x[0]``, ``x[1]``, ..., and the answer holds their attrs as one
+    tuple (as Paddle's). The function has the signature's parameter names
+    and defaults, and a ``plan(key)`` attribute giving the compiled plan of a key (``way.wrap``
+    applied, where declared)."""
+    from spmdkit.rules.registry import parse_signature
+
+    if direction not in ("forward", "backward"):
+        raise ValueError(f"{op}: direction must be 'forward' or 'backward', got {direction!r}")
+    params = parse_signature(signature)
+    pnames = [p.name for p in params]
+    for n in pnames:
+        if not n.isidentifier() or keyword.iskeyword(n) or n.startswith("_"):
+            raise ValueError(f"{op}: parameter name {n!r} cannot be generated")
+    kinds = {p.name: p.kind for p in params}
+    tensors = [p.name for p in params if p.is_tensor]
+    lists = [n for n in tensors if kinds[n] in ("[T]", "[T?]")]
+    outs = list(outputs) if direction == "backward" else []
+    for n in outs:
+        if n not in tensors:
+            raise ValueError(f"{op}: output {n!r} is not a tensor parameter of {signature!r}")
+    ins = [n for n in tensors if n not in outs]
+    for a, b in way.same:
+        if a not in tensors or b not in tensors or a in lists or b in lists:
+            raise ValueError(f"{op}: same-shape pair ({a!r}, {b!r}) names no single tensor parameter")
+    for n in way.mask:
+        if n not in ins or n in lists:
+            raise ValueError(f"{op}: mask tensor {n!r} is not a single input of the notation")
+    if list(way.mask) != ins[: len(way.mask)]:
+        raise ValueError(f"{op}: mask tensors {list(way.mask)} must be the first inputs {ins[: len(way.mask)]}")
+
+    ns: dict[str, Any] = {
+        "_OP": op, "_NAMES": tuple(tensors), "_infer": infer, "_result": fast_result, "_E": SpmdError,
+        "_renamed": renamed, "_named_mesh": named_mesh, "_same": same_shape, "_ones": ones, "ones": ones,
+        "_check": way.check, "_post": way.post, "_letters": check_letters, "_list_mesh": _list_mesh,
+        "_list_names": _list_names, **way.env,
+    }  # fmt: skip
+    args = []
+    for i, p in enumerate(params):
+        if p.required:
+            args.append(p.name)
+        else:
+            ns[f"_d{i}"] = p.default
+            args.append(f"{p.name}=_d{i}")
+    lines = [f"def {name or op}({', '.join(args)}):", "    try:"]
+    emit = lines.append
+
+    def rank(n: str) -> str:
+        if n in lists:
+            return f"tuple([-1 if t is None else len(t.shape) for t in {n}])"
+        return f"len({n}.shape)" if kinds[n] == "T" else f"(-1 if {n} is None else len({n}.shape))"
+
+    def fast_ones(item: str) -> str:
+        """``ones(t)`` of a tensor parameter inlined: no call where t has no size-1 axis."""
+        n = item[5:-1].strip() if item.startswith("ones(") and item.endswith(")") else ""
+        if n not in tensors:
+            return ""
+        if kinds[n] == "T?":
+            return f"(_ones({n}) if {n} is not None and 1 in {n}.shape else 0)"
+        return f"(_ones({n}) if 1 in {n}.shape else 0)"
+
+    # one mesh: the first required tensor's (every tensor on it)
+    first = next((n for n in tensors if kinds[n] == "T"), None)
+    if lists:  # a loop over the lists' items
+        emit(f"        mesh = _list_mesh(_OP, ({''.join(f'({n!r}, {n}, {n in lists}), ' for n in tensors)}))")
+    elif first is None:
+        emit(f"        mesh = _named_mesh(_OP, ({''.join(f'({n!r}, {n}), ' for n in tensors)}))")
+    else:
+        emit(f"        mesh = {first}.dist_attr.mesh")
+        pairs = "".join(f"({n!r}, {n}), " for n in tensors)
+        for n in tensors:
+            if n == first:
+                continue
+            ind = "        "
+            if kinds[n] == "T?":
+                emit(f"        if {n} is not None:")
+                ind += "    "
+            emit(f"{ind}m = {n}.dist_attr.mesh")
+            emit(f"{ind}if m is not mesh and m != mesh: _named_mesh(_OP, ({pairs}))")
+    call = ", ".join(pnames)
+    if isinstance(way.check, str):
+        emit(f"        {way.check}")
+    elif way.check is not None:
+        emit(f"        _check({call})")
+    for a, b in way.same:
+        cond = f"{a}.shape != {b}.shape"
+        if kinds[a] == "T?":
+            cond = f"{a} is not None and {cond}"
+        if kinds[b] == "T?":
+            cond = f"{b} is not None and {cond}"
+        emit(f"        if {cond}: _same(_OP, {a!r}, {a}, {b!r}, {b})")
+    # the key
+    if callable(way.key):
+        ns["_key"] = way.key
+        key_items = [f"*_key({call})"]
+    else:
+        items = _split(way.key) if way.key.strip() else list(tensors)
+        key_items = [rank(k) if k in tensors else k if k.startswith("*") else fast_ones(k) or f"({k})" for k in items]
+    if way.mask:
+        key_items.append("(" + "".join(fast_ones(f"ones({n})") + ", " for n in way.mask) + ")")
+    if len(key_items) == 1 and key_items[0].startswith("*"):
+        emit(f"        k = {key_items[0][1:]}")  # the expression gives the whole key (a tuple)
+    else:
+        emit(f"        k = ({''.join(k + ', ' for k in key_items)})")
+    emit("        p = _P.get(k)")
+    emit("        if p is None: p = _miss(k)")
+    def flat(names: list[str]) -> str:
+        return "(" + "".join(f"*{n}, " if n in lists else f"{n}, " for n in names) + ")"
+
+    tin, tout = flat(ins), flat(outs)
+    if lists:  # the tensors' names, a list's items as x[0], x[1], ...
+        nm = "".join(f"({n!r}, len({n})), " if n in lists else f"({n!r}, -1), " for n in tensors)
+        emit(f"        names = _list_names(({nm}))")
+    names = "names" if lists else "_NAMES"
+
+    def group(var: str, names_: list[str]) -> str:
+        """The flat answer ``var`` regrouped: a list parameter's attrs as one tuple."""
+        items, off = [], "0"
+        for n in names_:
+            if n in lists:
+                end = f"{off} + len({n})"
+                items.append(f"{var}[{off}:{end}]")
+                off = end
+            else:
+                items.append(f"{var}[{off}]")
+                off = f"{off} + 1"
+        return "(" + "".join(i + ", " for i in items) + ")"
+    if way.letters:
+        if direction == "forward":
+            emit(f"        _letters(_OP, p.notation.inputs, {tin}, {names})")
+        else:
+            emit(f"        _letters(_OP, p.notation.inputs + p.notation.outputs, {tin} + {tout}, {names})")
+    if lists:
+        emit(f"        i, o = _infer(p, _OP, {tin}, {tout}, mesh, {names})")
+        emit(f"        r = {group('i', ins)}, {group('o', outs) if any(n in lists for n in outs) else 'o'}")
+        if way.post is not None:
+            if way.post_if:
+                emit(f"        if not ({way.post_if}): return _result(*r)")
+            emit(f"        r = _post(*r, {call})")
+            emit("        return _result(tuple(r[0]), tuple(r[1]))")
+        else:
+            emit("        return _result(*r)")
+    elif way.post is not None:
+        emit(f"        r = _infer(p, _OP, {tin}, {tout}, mesh, _NAMES)")
+        if way.post_if:
+            emit(f"        if not ({way.post_if}): return _result(*r)")
+        emit(f"        r = _post(*r, {call})")
+        emit("        return _result(tuple(r[0]), tuple(r[1]))")
+    else:
+        emit(f"        return _result(*_infer(p, _OP, {tin}, {tout}, mesh, _NAMES))")
+    emit("    except _E as e:")
+    emit("        raise _renamed(e, _OP) from None")
+
+    plans: dict[tuple[Any, ...], Plan] = {}
+    notation = way.notation
+    has_mask = bool(way.mask)
+
+    def miss(k: tuple[Any, ...]) -> Plan:
+        """The plan of key ``k``, compiled and kept (its notation's errors raised as they come)."""
+        nt = notation(*k)
+        p = compile_plan(nt, direction, k[-1] if has_mask else ())
+        if len(plans) >= PLAN_LIMIT:
+            plans.clear()
+        plans[k] = p
+        return p
+
+    def plan(k: tuple[Any, ...]) -> Plan:
+        """The compiled plan of key ``k`` (errors name the op)."""
+        try:
+            return plans.get(k) or miss(tuple(k))
+        except SpmdError as e:
+            raise renamed(e, op) from None
+
+    ns["_P"] = plans
+    ns["_miss"] = miss
+    src = "\n".join(lines) + "\n"
+    exec(compile(src, f"<rule {op} {direction}>", "exec"), ns)
+    fn: Any = ns[name or op]
+    fn.__doc__ = way.doc or None
+    fn.__qualname__ = fn.__name__
+    fn.plan = plan
+    fn.source = src
+    fn.way = way
+    if way.wrap is not None:
+        return way.wrap(fn, signature, outs)
+    return fn  # type: ignore[no-any-return]
+
+
+def declare(
+    name: str, signature: str, forward: Way, *, reverse: Way | None = None, outputs: str = "",
+    grad: Way | None = None, grad_signature: str = "", **kw: Any,
+) -> Any:  # fmt: skip
+    """Register rule ``name`` (Paddle's ``signature``) with the functions :func:`generate`
+    makes from its ways: ``forward``; in the backward slot either ``reverse`` (Paddle's reverse
+    rule, with the op's ``outputs``, e.g. ``"out: T"``; its signature is derived by the
+    registry: the forward's tensors, the outputs, the forward's attributes) or ``grad`` (a grad
+    rule in that place, with its own ``grad_signature``; ``grad_name=`` registers it as a rule
+    of its own too). ``kw``: the registry's ``aliases``, ``doc``, ``grad_name``,
+    ``grad_aliases``. Returns the registered :class:`~spmdkit.rules.registry.Rule`."""
+    from spmdkit.rules.registry import GRAD, REVERSE, parse_signature, register, reverse_signature
+
+    if reverse is not None and grad is not None:
+        raise ValueError(f"rule {name!r}: the backward slot holds a reverse rule or a grad rule, not both")
+    fwd = generate(name, signature, forward, "forward", name=f"{name}_forward")
+    if reverse is not None:
+        out_names = [p.name for p in parse_signature(outputs)] if outputs.strip() else []
+        bwd = generate(name, reverse_signature(signature, outputs), reverse, "backward", out_names,
+                       name=f"{name}_backward")  # fmt: skip
+        return register(name, fwd, signature, bwd, kind=REVERSE, outputs=outputs, forward_name=forward.paddle,
+                        backward_name=reverse.paddle, **kw)  # fmt: skip
+    if grad is not None:
+        op = kw.get("grad_name") or f"{name}_grad"
+        g = generate(op, grad_signature, grad, "forward", name=op)
+        return register(name, fwd, signature, g, grad_signature, kind=GRAD, forward_name=forward.paddle,
+                        backward_name=grad.paddle, **kw)  # fmt: skip
+    return register(name, fwd, signature, forward_name=forward.paddle, **kw)
+
+
+__all__ = ["PLAN_LIMIT", "Answer", "Way", "declare", "generate", "ones", "renamed", "same_shape"]

@@ -1,0 +1,196 @@
+"""engine/declare.py: rule functions generated from declarations (spmdkit.engine.declare)."""
+
+from __future__ import annotations
+
+import inspect
+import random
+
+import pytest
+
+from spmdkit.core.dist_attr import ReduceType, TensorDistAttr
+from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError, ShapeMismatchError
+from spmdkit.core.mesh import ProcessMesh
+from spmdkit.core.spec import DistTensorSpec
+from spmdkit.engine.compile import compile_plan, infer, traced
+from spmdkit.engine.declare import Way, declare, generate, ones
+from spmdkit.engine.notation import Notation, letters_for
+from spmdkit.rules import get_rule, set_cache_enabled
+from spmdkit.rules.registry import GRAD, REVERSE
+
+M = ProcessMesh([2, 4])
+
+
+def t(shape: list[int], dm: list[object], mesh: ProcessMesh = M) -> DistTensorSpec:
+    return DistTensorSpec(shape, mesh=mesh, dims_mapping=dm)
+
+
+def _rowwise(ndim: int, axis: int) -> Notation:
+    x = letters_for(ndim)
+    if not 0 <= axis < ndim:
+        raise InvalidAttributeError(f"axis {axis} out of range")
+    return Notation([x], [x], replicated=x[axis], prune="*")
+
+
+def test_generated_function_has_the_real_signature_and_answers_as_the_plan() -> None:
+    f = generate("rowwise", "x: T, axis: int = 1", Way(_rowwise, key="x, axis"), name="rowwise_forward")
+    assert f.__name__ == "rowwise_forward"
+    assert list(inspect.signature(f).parameters) == ["x", "axis"]
+    assert inspect.signature(f).parameters["axis"].default == 1
+    assert "*" not in f.source.split("\n")[0]  # no *args parsing
+    rng = random.Random(0)
+    for _ in range(200):
+        nd = rng.randint(1, 4)
+        shape = [rng.choice([1, 2, 3, 4, 6, 8]) for _ in range(nd)]
+        dm = [rng.choice([-1, 0, 1]) for _ in range(nd)]
+        if dm.count(0) > 1 or dm.count(1) > 1:
+            continue
+        axis = rng.randrange(nd)
+        x = t(shape, dm)
+        want = infer(compile_plan(_rowwise(nd, axis)), "rowwise", (x,), (), M, ("x",))
+        got = f(x, axis)
+        assert (tuple(got.inputs), tuple(got.outputs)) == want
+        assert got.inputs[0].dims_mapping[axis] == -1  # type: ignore[union-attr]
+
+
+def test_plan_compiled_once_per_key_not_per_shape() -> None:
+    calls: list[tuple[int, int]] = []
+
+    def nt(ndim: int, axis: int) -> Notation:
+        calls.append((ndim, axis))
+        return _rowwise(ndim, axis)
+
+    f = generate("rowwise", "x: T, axis: int = 1", Way(nt, key="x, axis"))
+    for n in range(1, 40):
+        f(t([2 * n, 4 * n, 3], [0, 1, -1]), 2)
+    assert calls == [(3, 2)]
+    f(t([2, 4, 3], [0, 1, -1]), 1)
+    assert calls == [(3, 2), (3, 1)]
+    assert f.plan((3, 2)) is f.plan((3, 2))
+    assert f.plan((3, 2)).notation == _rowwise(3, 2)
+
+
+def test_errors_name_the_op_and_the_arguments() -> None:
+    f = generate("rowwise", "x: T, out: T, axis: int = 1", Way(_rowwise, key="x, axis", same=[("x", "out")]),
+                 "backward", ["out"])  # fmt: skip
+    x = t([4, 8], [0, -1])
+    with pytest.raises(ShapeMismatchError, match=r"rowwise: out has shape \[4, 6\], x has \[4, 8\]"):
+        f(x, t([4, 6], [-1, -1]), 1)
+    with pytest.raises(InvalidMeshError, match="rowwise: out lies on a different mesh than x"):
+        f(x, t([4, 8], [-1, -1], ProcessMesh([8])), 1)
+    # a notation function's error without the op gets it
+    with pytest.raises(InvalidAttributeError, match=r"^rowwise: axis 5 out of range$"):
+        f(x, t([4, 8], [-1, -1]), 5)
+    # more than 26 dims: letters_for's error names the op
+    big = t([1] * 27, [-1] * 27)
+    with pytest.raises(ShapeMismatchError, match=r"^rowwise: tensors of more than 26 dims"):
+        f(big, big, 0)
+    # -1 sizes match anything
+    r = f(t([-1, 8], [0, -1]), t([4, -1], [0, 1]), 1)
+    assert r.inputs[0].dims_mapping == (0, -1)  # type: ignore[union-attr]
+
+
+def test_check_post_mask_and_optional_tensors() -> None:
+    seen: list[int] = []
+
+    def check(x: DistTensorSpec, y: DistTensorSpec | None, flag: bool) -> None:
+        if flag and y is None:
+            raise InvalidAttributeError("flag needs y")
+
+    def post(ins: tuple[TensorDistAttr, ...], outs: tuple[TensorDistAttr, ...], x: DistTensorSpec,
+             y: DistTensorSpec | None, flag: bool) -> tuple[list[TensorDistAttr], list[TensorDistAttr]]:  # fmt: skip
+        o = outs[0]
+        assert o.dims_mapping == (0, 1)  # the broadcast axis's letter still sharded on out
+        return list(ins), [TensorDistAttr(o.mesh, [0, -1], {1: ReduceType.MAX})]
+
+    def nt(nx: int, ny: int, flag: bool, mask: tuple[int, int]) -> Notation:
+        seen.append(mask[0])
+        a = letters_for(nx)
+        return Notation([a, None if ny < 0 else a], [a], size1="broadcast")
+
+    way = Way(nt, key="x, y, flag", mask=("x", "y"), check=check, post=post)
+    f = generate("pair", "x: T, y: T?, flag: bool = False", way)
+    r = f(t([4, 1], [0, 1]), None, False)
+    assert r.inputs == (TensorDistAttr(M, [0, -1]), None)  # the size-1 axis shards nothing
+    assert r.outputs[0].partial == ((1, ReduceType.MAX),)  # type: ignore[union-attr]
+    assert seen == [0b10]
+    with pytest.raises(InvalidAttributeError, match=r"^pair: flag needs y$"):
+        f(t([4, 1], [0, 1]), None, True)
+    with pytest.raises(InvalidMeshError, match="pair: y lies on a different mesh"):
+        f(t([4, 2], [0, -1]), t([4, 2], [-1, -1], ProcessMesh([8])), False)
+    assert ones(t([1, 3, 1], [-1, -1, -1])) == 0b101 and ones(None) == 0
+
+
+def test_letters_check_and_callable_key() -> None:
+    def perm_nt(ndim: int, first: int) -> Notation:
+        x = letters_for(ndim)
+        return Notation([x], [x[first:] + x[:first]])
+
+    way = Way(perm_nt, key=lambda x, out, k: (len(x.shape), k), letters=True)
+    f = generate("roll", "x: T, out: T, k: int = 1", way, "backward", ["out"])
+    r = f(t([2, 4], [-1, -1]), t([4, 2], [1, 0]), 1)
+    assert r.inputs[0].dims_mapping == (0, 1)  # type: ignore[union-attr]
+    with pytest.raises(ShapeMismatchError, match="roll: axis sizes disagree: x has 2 and out has 3"):
+        f(t([2, 4], [-1, -1]), t([4, 3], [-1, -1]), 1)
+
+
+def test_bad_declarations_rejected() -> None:
+    with pytest.raises(ValueError, match="same-shape pair"):
+        generate("op", "x: T", Way(_rowwise, same=[("x", "z")]))
+    with pytest.raises(ValueError, match="single tensor"):
+        generate("op", "x: T, xs: [T]", Way(_rowwise, same=[("x", "xs")]))
+    with pytest.raises(ValueError, match="first inputs"):
+        generate("op", "x: T, y: T", Way(_rowwise, mask=("y",)))
+    with pytest.raises(ValueError, match="not both"):
+        declare("never_registered", "x: T", Way(_rowwise), reverse=Way(_rowwise), grad=Way(_rowwise),
+                outputs="out: T", grad_signature="x: T, out_grad: T")  # fmt: skip
+
+
+def test_declared_rules_registered_with_kinds_and_answered_through_plans() -> None:
+    sm = get_rule("softmax")
+    assert sm.backward is not None and sm.backward.kind == REVERSE
+    assert [p.name for p in sm.backward.params] == ["x", "out", "axis"]
+    assert (sm.forward.function_name, sm.backward.function_name) == ("SoftmaxInferSpmd", "SoftmaxInferSpmdReverse")
+    assert sm.outputs == ("out",)
+    set_cache_enabled(False)
+    try:
+        with traced() as ops:
+            sm.infer_forward(t([4, 8], [0, 1]), -1)
+            sm.infer_backward(t([4, 8], [-1, -1]), t([4, 8], [0, 1]), 0)
+            get_rule("softmax_grad").infer_forward(t([4, 8], [0, 1]), t([4, 8], [1, -1]), 1)
+        assert ops == ["softmax", "softmax", "softmax_grad"]
+    finally:
+        set_cache_enabled(True)
+    assert GRAD == "grad"
+
+
+def test_lists_of_tensors() -> None:
+    """A ``[T]`` parameter: its items are inputs of the notation in order, the key holds their
+    ranks, the answer holds their attrs as one tuple, errors name the item."""
+
+    def stack_nt(ranks: tuple[int, ...]) -> Notation:
+        a = letters_for(ranks[0])
+        return Notation([a] * len(ranks), ["z" + a], replicated="z")
+
+    f = generate("stackish", "x: [T], axis: int = 0", Way(stack_nt, key="x"), name="stackish")
+    xs = [t([4, 6], [0, -1]), t([4, 6], [-1, 1])]
+    r = f(xs, 0)
+    assert isinstance(r.inputs[0], tuple) and len(r.inputs[0]) == 2
+    assert [a.dims_mapping for a in r.inputs[0]] == [(0, 1), (0, 1)]  # merged: weight tie, first claims
+    assert r.outputs[0].dims_mapping == (-1, 0, 1)  # type: ignore[union-attr]
+    assert f.plan(((2, 2),)).notation == stack_nt((2, 2))
+    with pytest.raises(InvalidMeshError, match=r"stackish: x\[1\] lies on a different mesh than x\[0\]"):
+        f([xs[0], t([4, 6], [-1, -1], ProcessMesh([8]))], 0)
+    with pytest.raises(InvalidMeshError, match="stackish: no tensor"):
+        f([], 0)
+
+    # reverse of a split: the outputs a list, letters checked per item
+    def split_nt(nd: int, ranks: tuple[int, ...]) -> Notation:
+        a = letters_for(nd)
+        return Notation([a], [a] * len(ranks))
+
+    g = generate("splitish", "x: T, out: [T]", Way(split_nt, key="x, out", letters=True), "backward", ["out"])
+    r = g(t([4, 6], [-1, -1]), [t([4, 6], [0, -1]), t([4, 6], [-1, -1])])
+    assert r.inputs[0].dims_mapping == (0, -1)  # type: ignore[union-attr]
+    assert [a.dims_mapping for a in r.outputs[0]] == [(0, -1), (0, -1)]  # type: ignore[union-attr]
+    with pytest.raises(ShapeMismatchError, match=r"splitish: axis sizes disagree: x has 4 and out\[1\] has 5"):
+        g(t([4, 6], [-1, -1]), [t([4, 6], [0, -1]), t([5, 6], [-1, -1])])
