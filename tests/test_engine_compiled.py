@@ -21,7 +21,19 @@ from spmdkit.engine.compile import Plan, compile_plan, infer, run
 from spmdkit.engine.dim_trans import reshape_links, view_plan
 from spmdkit.engine.merge import BROADCAST, reference_merge
 from spmdkit.engine.notation import Notation, merge_letters
-from spmdkit.rules import amp, default, elementwise, matmul, norm, optimizer, softmax, split_concat, transpose
+from spmdkit.rules import (
+    amp,
+    conv,
+    default,
+    elementwise,
+    embedding,
+    matmul,
+    norm,
+    optimizer,
+    softmax,
+    split_concat,
+    transpose,
+)
 from spmdkit.rules import slice as slice_rules
 
 MESHES = [(2,), (3,), (2, 2), (2, 3), (3, 2), (2, 4), (2, 2, 2), (1, 2), (2, 3, 2)]
@@ -233,6 +245,57 @@ def _rule_plans() -> list[tuple[Plan, str]]:
     return plans
 
 
+def _conv_family_plans() -> list[tuple[Plan, str]]:
+    """The plans of the conv family (convolutions, batch / group / instance norm, roi_align) and
+    of embedding."""
+    plans: list[tuple[Plan, str]] = []
+    for kind in ("forward", "reverse", "grad"):
+        d = "backward" if kind == "reverse" else "forward"
+        for nsp in (2, 3):
+            for cl in (False, True):
+                for grouped in (False, True):
+                    for tr in (False, True):
+                        plans.append((conv._conv_plan(kind, nsp, cl, grouped, tr), d))
+        for nd in (0, 1, 2, 3):
+            for wf in (False, True):
+                for rows in (False, True):
+                    plans.append((embedding._plan("embedding", nd, kind, wf, rows), d))
+    for s in (False, True):
+        for b in (False, True):
+            for nd in (2, 3, 4, 5):
+                for ci in (1, nd - 1) if nd > 2 else (1,):
+                    plans.append((conv._bn_plan("forward", nd, ci, s, b), "forward"))
+                    plans.append((conv._bn_plan("reverse", nd, ci, s, b), "backward"))
+                    plans.append((conv._bn_plan("grad", nd, ci, s, b, (nd + ci) % 3 - 1), "forward"))
+            for xl in ("abc", "abcd", "abcde"):
+                for kind in ("forward", "backward", "grad"):
+                    plans.append((conv._gn_plan(kind, xl, s, b), "backward" if kind == "backward" else "forward"))
+            for keep in ("ab", "a", "b", ""):
+                plans.append((conv._in_plan(False, keep, s, b), "forward"))
+                plans.append((conv._in_plan(True, keep, s, b), "forward"))
+    plans += [
+        (conv._plan(("abcd", "11", "1", "1b11"), ("abcd",), "b"), "forward"),
+        (conv._plan(("abcd", "11", None), ("1b11",), "b"), "forward"),
+    ]
+    return plans
+
+
+
+def test_conv_family_plans_match_the_reference() -> None:
+    """The conv family's and embedding's plans: the general path answers as the reference, the
+    generated code (where it answers) as the general path."""
+    rng = random.Random(29)
+    plans = _conv_family_plans()
+    answered = 0
+    for _ in range(3000):
+        p, direction = rng.choice(plans)
+        got, general, dms, shapes, mesh_shape = _fast_and_general(rng, p, direction)
+        _check(p, direction, dms, shapes, mesh_shape)
+        if got is not None:
+            answered += 1
+            assert _attrs(got) == _attrs(general), (p.notation, direction, dms, shapes)
+    assert answered > 1000
+
 def test_rule_plans_match_the_reference() -> None:
     rng = random.Random(5)
     plans = _rule_plans()
@@ -253,6 +316,25 @@ def _attrs(res: Any) -> Any:
     return [[None if a is None else (a.dims_mapping, a.partial) for a in side] for side in res]
 
 
+def _fast_and_general(
+    rng: random.Random, p: Plan, direction: str, partial: bool = False
+) -> tuple[Any, Any, list[Any], list[Any], Any]:
+    """A random case of the plan (``partial``: with random partial tensors): the generated
+    code's answer (None where it declines), the general path's (None for a backward case
+    without outputs), the dims_mappings, the shapes and the mesh shape."""
+    nt = p.notation
+    mesh = ProcessMesh(list(rng.choice(MESHES)))
+    dms, shapes = _tensors(rng, nt.inputs + nt.outputs, mesh.ndim)
+    dms = [None if a is None else d for a, d in zip(nt.inputs + nt.outputs, dms)]
+    specs = _specs(mesh, dms, shapes, _partials(rng, dms, mesh.ndim) if partial else None)
+    ins, outs = specs[: len(nt.inputs)], specs[len(nt.inputs) :] if direction == "backward" else []
+    if direction == "backward" and not any(outs):
+        return None, None, dms, shapes, mesh.shape
+    out_shapes = shapes[len(nt.inputs) :]
+    general = infer(p, "op", ins, outs, mesh, fast=False, out_shapes=out_shapes)
+    return p.fast(tuple(ins), tuple(outs), mesh, out_shapes), general, dms, shapes, mesh.shape
+
+
 def test_generated_fast_path_equals_the_general_path() -> None:
     """The plans' generated code (infer's first try) answers as the general path, or declines."""
     rng = random.Random(11)
@@ -264,22 +346,38 @@ def test_generated_fast_path_equals_the_general_path() -> None:
         else:
             direction = rng.choice(["forward", "backward"])
             p = compile_plan(_random_notation(rng), direction)
-        nt = p.notation
-        mesh = ProcessMesh(list(rng.choice(MESHES)))
-        dms, shapes = _tensors(rng, nt.inputs + nt.outputs, mesh.ndim)
-        dms = [None if a is None else d for a, d in zip(nt.inputs + nt.outputs, dms)]
-        specs = _specs(mesh, dms, shapes, _partials(rng, dms, mesh.ndim) if i % 4 == 2 else None)
-        ins, outs = specs[: len(nt.inputs)], specs[len(nt.inputs) :] if direction == "backward" else []
-        if direction == "backward" and not any(outs):
-            continue
-        out_shapes = shapes[len(nt.inputs) :]
-        general = infer(p, "op", ins, outs, mesh, fast=False, out_shapes=out_shapes)
-        got = p.fast(tuple(ins), tuple(outs), mesh, out_shapes)
+        got, general, dms, shapes, mesh_shape = _fast_and_general(rng, p, direction, i % 4 == 2)
         if got is not None:
             answered += 1
-            assert _attrs(got) == _attrs(general), (nt, direction, dms, shapes, mesh.shape)
+            assert _attrs(got) == _attrs(general), (p.notation, direction, dms, shapes, mesh_shape)
     assert answered > 600  # the fast path answers most cases
 
+
+def test_generated_fast_path_resolves_letters_on_one_mesh_dim() -> None:
+    """Two letters sharded on one mesh dim, no letter pruned, claim order: the generated code
+    drops the mesh dim from the later claim itself, as the general path does (embedding's ids
+    and table rows on one mesh dim, say)."""
+    rng = random.Random(23)
+    resolved = 0
+    for _ in range(3000):
+        r = _random_notation(rng)
+        nt = Notation(r.inputs, r.outputs, r.replicated, coshard=r.coshard, conflict=r.conflict,
+                      replicated_claims=r.replicated_claims, taken=r.taken, sources=r.sources)  # fmt: skip
+        direction = rng.choice(["forward", "backward"])
+        got, general, dms, shapes, mesh_shape = _fast_and_general(rng, compile_plan(nt, direction), direction)
+        if got is None:
+            continue
+        assert _attrs(got) == _attrs(general), (nt, direction, dms, shapes)
+        first: dict[str, Any] = {}  # each letter's first sharded entry on the merged tensors
+        for ti, (a, d) in enumerate(zip(nt.inputs if direction == "forward" else nt.outputs,
+                                        dms[: len(nt.inputs)] if direction == "forward" else dms[len(nt.inputs) :])):
+            if a is None or d is None or (direction == "forward" and nt.sources is not None and ti not in nt.sources):
+                continue
+            for c, e in zip(a, d):
+                if c != BROADCAST and c not in nt.replicated and c not in first and e != -1:
+                    first[c] = max(e, key=lambda x: mesh_shape[x]) if isinstance(e, tuple) else e
+        resolved += len(set(first.values())) < len(first)
+    assert resolved > 100
 
 def test_matmul_coshard_union_through_infer() -> None:
     # x k on 0, y k on 1 -> k co-sharded over both, the larger mesh dim major; out partial

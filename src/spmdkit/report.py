@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import re
 import shutil
 import textwrap
@@ -259,7 +260,10 @@ def rules_markdown() -> str:
     rules = all_rules()
     fams: dict[str, list[str]] = {}
     for name in rule_names(include_aliases=False):
-        mod = rules[name].forward.fn.__module__.rsplit(".", 1)[-1]
+        fn = rules[name].forward.fn
+        while isinstance(fn, functools.partial):  # a rule registered as a partial of a shared body
+            fn = fn.func
+        mod = fn.__module__.rsplit(".", 1)[-1]
         fams.setdefault(mod, []).append(name)
     lines = [
         "| family | rules (forward + backward) | forward only | grad rules | aliases | simulator-verified |",

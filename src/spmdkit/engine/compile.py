@@ -126,7 +126,9 @@ class Plan:
             in_axes.append(tuple(-1 if (m >> i) & 1 else x for i, x in enumerate(ids(a))))
         self.in_axes = tuple(in_axes)
         self.out_axes = tuple(None if a is None else ids(a) for a in nt.outputs)
-        never = {c for chain in nt.flatten for c in chain[1:]}  # a chain's other letters shard nothing
+        # the letters an output lacks; a chain's other letters and replicated letters shard
+        # nothing, so never make it partial
+        never = {c for chain in nt.flatten for c in chain[1:]} | nt.replicated
         self.out_missing = tuple(
             None if a is None else tuple((lid[c], nt.reduce_type(c)) for c in letters if c not in a and c not in never)
             for a in nt.outputs
@@ -634,7 +636,9 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
     """Straight-line Python for the plan's common case: every entry a single mesh dim (or a
     co-shard read as its largest), no two tensors sharding one letter differently (under
     ``conflict="first"`` the first simply wins), no two letters (nor, under ``unit_axes="claim"``,
-    sharded size-1 axes) on one mesh dim, no replicated
+    sharded size-1 axes) on one mesh dim (under ``order="claim"`` with no letter pruned, no flatten
+    chain and ``taken`` other than "keep", the code drops such a mesh dim from the later claim
+    itself, as :func:`run` does), no replicated
     letter sharded under ``replicated_claims="block"``. Then the order of resolution cannot
     matter and each letter prunes on its own. Any other case returns None: :func:`infer` takes
     the general path (:func:`run`), which answers it as the reference does.
@@ -653,6 +657,11 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
     read: set[int] = set()
     twice = False  # a letter read on two axes (two claims can then share a mesh dim)
     units: list[str] = []  # unit_axes="claim": the mesh dim of each size-1 axis
+    # two letters on one mesh dim, resolved here in claim order (P: where a letter was first
+    # sharded) where no letter prunes; otherwise the general path resolves them
+    resolve = (p.order_kind == 0 and not p.unit and not p.taken_keep and not p.chains
+               and not any(p.prune[a] for a in range(p.n) if not p.rep[a]))
+    pos = 0
     for ti, ids in p.src:
         if raw:
             emit(f"    d{ti} = D[{ti}]")
@@ -688,9 +697,12 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
                 emit(f"    if e != L{a}: return None")
             elif a in read:
                 emit("    if e != -1:")
-                emit(f"        if L{a} == -1: L{a} = e")
+                emit(f"        if L{a} == -1: L{a} = e" + (f"; P{a} = {pos}" if resolve else ""))
                 if p.conflict != 1:
                     emit(f"        elif e != L{a}: return None")
+            elif resolve:
+                emit(f"    P{a} = {pos}")
+            pos += 1
             read.add(a)
     ent = _gen_chains(p, forward, read, emit) if p.chains and not raw else set()
     for a in sorted(read):
@@ -703,12 +715,23 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
     claimers = [f"L{a}" for a in live] + units
     # one merged tensor, each letter once: its (valid) dims_mapping never repeats a mesh dim
     if len(claimers) > 1 and not p.taken_keep and (raw or len(p.src) > 1 or twice or units):
-        emit("    u = 0")
+        emit("    u = c = 0" if resolve else "    u = 0")
         for v in claimers:
             emit(f"    if {v} >= 0:")
             emit(f"        b = 1 << {v}")
-            emit("        if u & b: return None")
+            emit("        if u & b: " + ("c = 1" if resolve else "return None"))
             emit("        u |= b")
+        if resolve:  # a mesh dim a letter claimed earlier is dropped from a later one
+            emit("    if c:")
+            emit(f"        Q = sorted([{', '.join(f'(P{a}, {k})' for k, a in enumerate(live))}])")
+            emit(f"        V = [{', '.join(f'L{a}' for a in live)}]")
+            emit("        u = 0")
+            emit("        for _, k in Q:")
+            emit("            x = V[k]")
+            emit("            if x >= 0:")
+            emit("                if (u >> x) & 1: V[k] = -1")
+            emit("                else: u |= 1 << x")
+            emit(f"        {', '.join(f'L{a}' for a in live)}, = V")
     rest = [x for chain in p.chains for x in chain[1:] if x in read]
     if rest and not raw:  # a chain's other letters shard nothing (their mesh dims are its first's)
         emit("    " + " = ".join(f"L{x}" for x in rest) + " = -1")

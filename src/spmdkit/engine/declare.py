@@ -31,6 +31,7 @@ hook without the op's name (``"perm [1] has 1 entries for a 2-D x"``) is re-rais
 from __future__ import annotations
 
 import keyword
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -177,6 +178,7 @@ def generate(
     direction: str = "forward",
     outputs: Sequence[str] = (),
     name: str = "",
+    module: str = "",
 ) -> Callable[..., SpmdResult]:
     """The rule function of one mode: ``signature`` its parameters (Paddle's order), ``direction``
     ``"forward"`` (forward and grad rules: every tensor an input of the notation) or
@@ -186,7 +188,8 @@ def generate(
     ranks, errors name them ``x[0]``, ``x[1]``, ..., and the answer holds their attrs as one
     tuple (as Paddle's). The function has the signature's parameter names
     and defaults, and a ``plan(key)`` attribute giving the compiled plan of a key (``way.wrap``
-    applied, where declared)."""
+    applied, where declared); ``module``: the declaring module (default: the notation
+    function's)."""
     from spmdkit.rules.registry import parse_signature
 
     if direction not in ("forward", "backward"):
@@ -362,6 +365,7 @@ def generate(
     fn: Any = ns[name or op]
     fn.__doc__ = way.doc or None
     fn.__qualname__ = fn.__name__
+    fn.__module__ = module or way.notation.__module__  # the declaring rule module (the README's family)
     fn.plan = plan
     fn.source = src
     fn.way = way
@@ -385,16 +389,17 @@ def declare(
 
     if reverse is not None and grad is not None:
         raise ValueError(f"rule {name!r}: the backward slot holds a reverse rule or a grad rule, not both")
-    fwd = generate(name, signature, forward, "forward", name=f"{name}_forward")
+    module = sys._getframe(1).f_globals.get("__name__", "")  # the rule module declaring it
+    fwd = generate(name, signature, forward, "forward", name=f"{name}_forward", module=module)
     if reverse is not None:
         out_names = [p.name for p in parse_signature(outputs)] if outputs.strip() else []
         bwd = generate(name, reverse_signature(signature, outputs), reverse, "backward", out_names,
-                       name=f"{name}_backward")  # fmt: skip
+                       name=f"{name}_backward", module=module)  # fmt: skip
         return register(name, fwd, signature, bwd, kind=REVERSE, outputs=outputs, forward_name=forward.paddle,
                         backward_name=reverse.paddle, **kw)  # fmt: skip
     if grad is not None:
         op = kw.get("grad_name") or f"{name}_grad"
-        g = generate(op, grad_signature, grad, "forward", name=op)
+        g = generate(op, grad_signature, grad, "forward", name=op, module=module)
         return register(name, fwd, signature, g, grad_signature, kind=GRAD, forward_name=forward.paddle,
                         backward_name=grad.paddle, **kw)  # fmt: skip
     return register(name, fwd, signature, forward_name=forward.paddle, **kw)

@@ -5,8 +5,9 @@ p_norm), a one-axis-replicated plan (:func:`axis_plan`) and einsum under ``cosha
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
+from typing import Any
 
 from spmdkit.core.dist_attr import ReduceType, TensorDistAttr
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
@@ -163,3 +164,19 @@ def reverse_largest(op: str, notation: Notation, inputs: Sequence[DistTensorSpec
     """einsum_backward from ``outputs`` under the notation with ``coshard="largest"``."""
     ins, outs = einsum_backward(op, largest(notation), inputs, outputs, names)
     return fast_result(tuple(ins), tuple(outs))
+
+
+# -- small declaration helpers ------------------------------------------------------------------
+
+
+def op_rule(op: str, fn: Callable[..., SpmdResult], doc: str) -> Callable[..., SpmdResult]:
+    """``fn(op, *args)`` as a rule function named ``op``: one body for a grad rule registered both
+    in its forward op's backward slot and as a rule of its own, its errors naming the op called."""
+
+    def rule(*args: Any) -> SpmdResult:
+        return fn(op, *args)
+
+    rule.__name__ = rule.__qualname__ = op
+    rule.__doc__ = doc
+    rule.__module__ = fn.__module__  # the family that declares it (README tables, docs)
+    return rule

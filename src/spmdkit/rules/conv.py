@@ -43,6 +43,12 @@ Normalizations:
                      sharded like x, never partial. Where x and out_grad shard the channels
                      differently the larger tensor wins (Paddle raises).
 
+Every rule is its checks plus a notation compiled once per key (rank, layout, groups > 1,
+transposed, which optional tensors are present; never per shape) and run by the engine
+(``engine.compile.infer``). Two post-hooks on the engine's answer, for what no notation
+says: a conv grad keeps a SUM-partial output_grad (above), and instance_norm's flat
+statistics carry n's and c's mesh dims on one axis (two letters on one axis).
+
 Deviations (docs/deviations.md, conv section): conv-spatial-sharded, conv-paddle-raises,
 conv-reverse-out, conv-channel-last-out, conv-shape-checks, conv-grad-partial-channel,
 dw-grouped-channels, bn-scale-bias, in-flat-stats, in-grad-paddle-raises, roi-grad-conflict,
@@ -51,34 +57,23 @@ roi-shape-checks, conv-norm-grads.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from functools import lru_cache
 from typing import Any
 
-from spmdkit.core.dist_attr import DimsMapping, Entry, ReduceType, TensorDistAttr, dims_entry, entry_dims
+from spmdkit.core.dist_attr import ReduceType, TensorDistAttr, dims_entry, entry_dims
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.axes import largest_mesh_dim, mesh_size, one_mesh_dim_specs, replicated, replicated_like
+from spmdkit.engine.axes import largest_mesh_dim, mesh_size, replicated
+from spmdkit.engine.compile import Plan, compile_plan, infer
 from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import (
-    Notation,
-    check_letters,
-    einsum_backward,
-    einsum_forward,
-    fast_result,
-    merge_specs,
-    merge_weight,
-    named_mesh,
-    project_all,
-)
-from spmdkit.rules.registry import register
+from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, fast_result, named_mesh
+from spmdkit.rules.registry import parse_signature, register
 
 _SUM = ReduceType.SUM
 _make = TensorDistAttr.unchecked
 
-# ---------------------------------------------------------------------------
-# shared helpers
-# ---------------------------------------------------------------------------
+# -- shape checks (errors name the op, the tensor and the sizes) ---------------------------------
 
 
 def _ndim(op: str, name: str, t: DistTensorSpec, want: int | tuple[int, ...]) -> int:
@@ -96,102 +91,52 @@ def _same_size(op: str, na: str, a: int, nb: str, b: int) -> None:
         raise ShapeMismatchError(f"{op}: {na} is {a} but {nb} is {b}")
 
 
-def _ones(*ts: DistTensorSpec | None) -> tuple[DistTensorSpec, ...]:
-    """A co-sharded axis read as its largest mesh dim, as Paddle 3.3.1's rules read it."""
-    return tuple(one_mesh_dim_specs(*ts))  # type: ignore[arg-type]
+def _vec(op: str, name: str, t: DistTensorSpec | None, size: int) -> None:
+    """A 1-D per-channel tensor (scale, bias, mean, ...) of ``size`` entries."""
+    if t is None:
+        return
+    if len(t.shape) != 1:
+        raise ShapeMismatchError(f"{op}: {name} must be 1-D, got shape {list(t.shape)}")
+    _same_size(op, f"{name}'s length", t.shape[0], "the channel count", size)
 
 
-def _sum_partial(dims: Sequence[int]) -> tuple[tuple[int, ReduceType], ...]:
-    return tuple((d, _SUM) for d in sorted(set(dims)))
+def _vecs(op: str, size: int, names: tuple[str, ...], ts: tuple[DistTensorSpec | None, ...]) -> None:
+    for name, t in zip(names, ts):
+        _vec(op, name, t, size)
 
 
-def _e(t: DistTensorSpec, axis: int) -> Entry:
-    """One axis' entry, a co-shard read as its largest mesh dim (as Paddle 3.3.1 reads it)."""
-    return largest_mesh_dim(t.dist_attr.dims_mapping[axis], t.dist_attr.mesh.shape)
+def _same_shape(op: str, na: str, a: DistTensorSpec, nb: str, b: DistTensorSpec) -> None:
+    if len(a.shape) != len(b.shape) or any(p != q and p >= 0 and q >= 0 for p, q in zip(a.shape, b.shape)):
+        raise ShapeMismatchError(f"{op}: {nb} has shape {list(b.shape)}, {na} has {list(a.shape)}")
 
 
-def _axis_dims(t: DistTensorSpec, axis: int) -> tuple[int, ...]:
-    return entry_dims(_e(t, axis))
+# -- convolutions -------------------------------------------------------------------------------
 
 
-def _with_axis(nd: int, axis: int, e: Entry) -> DimsMapping:
-    dm: list[Entry] = [-1] * nd
-    dm[axis] = e
-    return tuple(dm)
-
-
-# ---------------------------------------------------------------------------
-# convolution notations
-# ---------------------------------------------------------------------------
-
-_SPATIAL_IN = "pqr"
-_SPATIAL_K = "ijk"
-_SPATIAL_OUT = "xyz"
-
-
-@memo()
-def _conv_axes(nsp: int, channel_last: bool, grouped: bool, transpose: bool) -> tuple[str, str, str, str]:
-    """(input, filter, output axes, replicated letters)."""
-    s, k, o = _SPATIAL_IN[:nsp], _SPATIAL_K[:nsp], _SPATIAL_OUT[:nsp]
-    if channel_last:
-        x, out = "n" + s + "c", "n" + o + "m"
-    else:
-        x, out = "nc" + s, "nm" + o
-    if transpose:
-        w = "c" + ("g" if grouped else "m") + k
-    else:
-        w = "m" + ("g" if grouped else "c") + k
+@lru_cache(maxsize=1024)
+def _conv_plan(kind: str, nsp: int, channel_last: bool, grouped: bool, transpose: bool) -> Plan:
+    """The compiled plan of a conv rule (``kind``: forward, reverse or grad) per key: the number
+    of spatial axes, the layout, groups > 1, transposed."""
+    s, k, o = "pqr"[:nsp], "ijk"[:nsp], "xyz"[:nsp]
+    x, out = ("n" + s + "c", "n" + o + "m") if channel_last else ("nc" + s, "nm" + o)
+    w = "c" + ("g" if grouped else "m") + k if transpose else "m" + ("g" if grouped else "c") + k
     rep = s + k + o + ("cmg" if grouped else "")
-    return x, w, out, rep
+    if kind == "grad":
+        return compile_plan(Notation((x, w, out), (x, w), rep, coshard="largest"))
+    return compile_plan(Notation((x, w), (out,), rep, coshard="largest"), "backward" if kind == "reverse" else "forward")
 
 
-@memo()
-def _conv_notation(nsp: int, channel_last: bool, grouped: bool, transpose: bool) -> Notation:
-    x, w, out, rep = _conv_axes(nsp, channel_last, grouped, transpose)
-    return Notation((x, w), (out,), replicated=rep)
+_FORMATS = {2: {"NCHW": False, "NHWC": True, "AnyLayout": False}, 3: {"NCDHW": False, "NDHWC": True, "AnyLayout": False}}
 
 
-@memo()
-def _conv_grad_notation(nsp: int, channel_last: bool, grouped: bool, transpose: bool) -> Notation:
-    x, w, out, rep = _conv_axes(nsp, channel_last, grouped, transpose)
-    return Notation((x, w, out), (x, w), replicated=rep)
-
-
-_FORMATS = {
-    2: {"NCHW": False, "NHWC": True, "AnyLayout": False},
-    3: {"NCDHW": False, "NDHWC": True, "AnyLayout": False},
-}
-
-
-def _channel_last(op: str, data_format: str, nsp: int) -> bool:
-    fm = _FORMATS[nsp]
-    if data_format not in fm:
-        raise InvalidAttributeError(
-            f"{op}: data_format {data_format!r} is not one of {', '.join(sorted(fm))}"
-        )
-    return fm[data_format]
-
-
-def _groups(op: str, groups: int) -> int:
-    if groups < 1:
-        raise InvalidAttributeError(f"{op}: groups must be >= 1, got {groups}")
-    return groups
-
-
-def _conv_checks(
-    op: str,
-    x: DistTensorSpec,
-    w: DistTensorSpec,
-    nsp: int,
-    channel_last: bool,
-    groups: int,
-    transpose: bool,
-) -> None:
-    """input / filter ranks and channel counts (the input's channels are the filter's
-    in-channel axis times groups; conv2d_transpose: the filter's first axis)."""
-    nd = nsp + 2
-    _ndim(op, "input", x, nd)
-    _ndim(op, "filter", w, nd)
+def _conv_checks(op: str, ts: tuple[DistTensorSpec, ...], names: tuple[str, ...], nsp: int, channel_last: bool,
+                 groups: int, transpose: bool) -> None:
+    """Ranks and channel counts: the input's channels are the filter's in-channel axis times
+    groups (conv2d_transpose: the filter's first axis); output / output_grad: batch and
+    output channels."""
+    x, w = ts[0], ts[1]
+    _ndim(op, "input", x, nsp + 2)
+    _ndim(op, "filter", w, nsp + 2)
     cin = x.shape[-1] if channel_last else x.shape[1]
     if transpose:
         _same_size(op, "the input's channel count", cin, "the filter's first axis", w.shape[0])
@@ -206,482 +151,252 @@ def _conv_checks(
         m = w.shape[0]
         if m >= 0 and groups > 1 and m % groups:
             raise ShapeMismatchError(f"{op}: the filter's {m} output channels are not divisible by groups {groups}")
+    if len(ts) == 3:
+        out, name = ts[2], names[2]
+        _ndim(op, name, out, nsp + 2)
+        _same_size(op, f"{name}'s batch", out.shape[0], "the input's batch", x.shape[0])
+        if w.shape[1 if transpose else 0] >= 0:
+            m = w.shape[1] * groups if transpose else w.shape[0]
+            _same_size(op, f"{name}'s channel count", out.shape[-1] if channel_last else out.shape[1],
+                       "the filter's output channels", m)
 
 
-def _out_checks(op: str, name: str, out: DistTensorSpec, x: DistTensorSpec, w: DistTensorSpec,
-                nsp: int, channel_last: bool, groups: int, transpose: bool) -> None:
-    _ndim(op, name, out, nsp + 2)
-    _same_size(op, f"{name}'s batch", out.shape[0], "the input's batch", x.shape[0])
-    oc = out.shape[-1] if channel_last else out.shape[1]
-    m = w.shape[1] * groups if transpose else w.shape[0]
-    if w.shape[1 if transpose else 0] >= 0:
-        _same_size(op, f"{name}'s channel count", oc, "the filter's output channels", m)
+def _linear_partial(ins: tuple[Any, ...], outs: tuple[Any, ...], pt: Any, mesh: ProcessMesh) -> tuple[Any, Any]:
+    """Post-hook of the conv grads: a SUM-partial output_grad over mesh dims no letter uses stays
+    partial, and both grads are partial there too (they are linear in it); no notation policy
+    keeps a partial input."""
+    used = {d for a in ins for e in a.dims_mapping for d in entry_dims(e)}
+    keep = tuple((d, r) for d, r in pt if r == _SUM and d not in used)
+    if not keep:
+        return ins, outs
+    g = ins[2]
+    ins = (ins[0], ins[1], _make(mesh, g.dims_mapping, keep))
+    outs = tuple(_make(mesh, o.dims_mapping, tuple(sorted(dict(o.partial + keep).items()))) for o in outs)
+    return ins, outs
 
 
-_NAMES2 = ("input", "filter")
-_NAMES3 = ("input", "filter", "output")
-_GNAMES = ("input", "filter", "output_grad")
+def _conv_rule(op: str, kind: str, nsp: int, transpose: bool, sig: str, doc: str) -> Any:
+    """A conv rule of ``kind``: forward ``(input, filter, *attrs)``, reverse ``(input, filter,
+    output)`` or grad ``(input, filter, output_grad, *attrs)`` over the attributes of Paddle's
+    signature ``sig`` (only ``groups`` and ``data_format`` decide a sharding)."""
+    attrs = [p.name for p in parse_signature(sig)] if sig else []
+    nt = 2 if kind == "forward" else 3
+    gi = nt + attrs.index("groups") if sig else -1
+    fi = nt + attrs.index("data_format") if sig else -1
+    names = ("input", "filter", "output_grad" if kind == "grad" else "output")[:nt]
+
+    def rule(*args: Any) -> SpmdResult:
+        ts = args[:nt]
+        fmt, groups = (args[fi], args[gi]) if sig else ("NCHW", 1)
+        channel_last = _FORMATS[nsp].get(fmt)
+        if channel_last is None:
+            raise InvalidAttributeError(f"{op}: data_format {fmt!r} is not one of {', '.join(sorted(_FORMATS[nsp]))}")
+        if groups < 1:
+            raise InvalidAttributeError(f"{op}: groups must be >= 1, got {groups}")
+        _conv_checks(op, ts, names, nsp, channel_last, groups, transpose)
+        mesh = named_mesh(op, zip(names, ts))
+        p = _conv_plan(kind, nsp, channel_last, groups > 1, transpose)
+        if kind == "reverse":
+            return fast_result(*infer(p, op, ts[:2], ts[2:], mesh, names))
+        ins, outs = infer(p, op, ts, (), mesh, names)
+        if kind == "grad" and ts[2].dist_attr.partial:
+            ins, outs = _linear_partial(ins, outs, ts[2].dist_attr.partial, mesh)
+        return fast_result(ins, outs)
+
+    rule.__name__ = rule.__qualname__ = op if kind == "grad" else f"{op}_{kind}"
+    rule.__doc__ = doc
+    return rule
 
 
-#: the hand-written forward for the plain case (channels first, groups 1, not transposed, no
-#: co-shard); tests compare it with the notation engine, which answers every other case
-FAST = True
-
-
-def _conv_fast(x: DistTensorSpec, w: DistTensorSpec, nsp: int) -> SpmdResult | None:
-    """``nc<spatial>, mc<kernel> -> nm<spatial>`` as the notation engine merges it: claims in
-    order n, c (x), m, c (w: the larger tensor's c wins a disagreement), spatial letters
-    replicated, a mesh dim taken by an earlier claim dropped; out partial SUM over c."""
-    xa, wa = x.dist_attr, w.dist_attr
-    xd, wd = xa.dims_mapping, wa.dims_mapping
-    n, c, m, wc = xd[0], xd[1], wd[0], wd[1]
-    if n.__class__ is not int or c.__class__ is not int or m.__class__ is not int or wc.__class__ is not int:
-        return None  # a co-shard: the generic path collapses it first
-    for e in xd[2:]:
-        if e.__class__ is not int:
-            return None
-    for e in wd[2:]:
-        if e.__class__ is not int:
-            return None
-    # c: the first claim is x's unless x leaves it unsharded; where both shard it differently
-    # the larger tensor keeps its own (x on a tie)
-    c_late = False  # c is claimed after m (x does not shard it, w does)
-    if c < 0:
-        if wc >= 0:
-            c, c_late = wc, True
-    elif wc >= 0 and wc != c and merge_weight(w.shape) > merge_weight(x.shape):
-        c = wc
-    used = 0
-    if n >= 0:
-        used = 1 << n
-    if not c_late and c >= 0:
-        if (used >> c) & 1:
-            c = -1
-        else:
-            used |= 1 << c
-    if m >= 0:
-        if (used >> m) & 1:
-            m = -1
-        else:
-            used |= 1 << m
-    if c_late and (used >> c) & 1:
-        c = -1
-    mesh = xa.mesh
-    rest = (-1,) * nsp
-    pt = ((c, _SUM),) if c >= 0 else ()
-    return fast_result((_make(mesh, (n, c, *rest)), _make(mesh, (m, c, *rest))), (_make(mesh, (n, m, *rest), pt),))
-
-
-def _conv_forward(op: str, x: DistTensorSpec, w: DistTensorSpec, nsp: int, channel_last: bool,
-                  groups: int, transpose: bool) -> SpmdResult:
-    _conv_checks(op, x, w, nsp, channel_last, groups, transpose)
-    named_mesh(op, zip(_NAMES2, (x, w)))
-    if FAST and not channel_last and not transpose and groups == 1:
-        r = _conv_fast(x, w, nsp)
-        if r is not None:
-            return r
-    x, w = _ones(x, w)
-    nt = _conv_notation(nsp, channel_last, groups > 1, transpose)
-    ins, outs = einsum_forward(op, nt, (x, w), _NAMES2)
-    return fast_result(tuple(ins), tuple(outs))
-
-
-def _conv_reverse(op: str, x: DistTensorSpec, w: DistTensorSpec, out: DistTensorSpec, nsp: int,
-                  channel_last: bool, groups: int, transpose: bool) -> SpmdResult:
-    _conv_checks(op, x, w, nsp, channel_last, groups, transpose)
-    _out_checks(op, "output", out, x, w, nsp, channel_last, groups, transpose)
-    x, w, out = _ones(x, w, out)
-    nt = _conv_notation(nsp, channel_last, groups > 1, transpose)
-    named_mesh(op, zip(_NAMES3, (x, w, out)))
-    ins, outs = einsum_backward(op, nt, (x, w), (out,), _NAMES3)
-    return fast_result(tuple(ins), tuple(outs))
-
-
-def _conv_grad(op: str, x: DistTensorSpec, w: DistTensorSpec, gy: DistTensorSpec, nsp: int,
-               channel_last: bool, groups: int, transpose: bool) -> SpmdResult:
-    _conv_checks(op, x, w, nsp, channel_last, groups, transpose)
-    _out_checks(op, "output_grad", gy, x, w, nsp, channel_last, groups, transpose)
-    mesh = named_mesh(op, zip(_GNAMES, (x, w, gy)))
-    x, w, gy = _ones(x, w, gy)
-    nt = _conv_grad_notation(nsp, channel_last, groups > 1, transpose)
-    check_letters(op, nt.inputs, (x, w, gy), _GNAMES)
-    merged = merge_specs(nt, nt.inputs, (x, w, gy), mesh)
-    ins, outs = project_all(nt, merged, mesh)
-    # a SUM-partial out_grad over mesh dims no letter uses stays partial: both grads are linear in it
-    pt = gy.dist_attr.partial
-    if pt:
-        used = {d for _, ds in merged for d in ds}
-        keep = tuple((d, r) for d, r in pt if r == _SUM and d not in used)
-        if keep:
-            g = ins[2]
-            assert g is not None
-            ins[2] = _make(mesh, g.dims_mapping, keep)
-            for i in (0, 1):
-                o = outs[i]
-                assert o is not None
-                outs[i] = _make(mesh, o.dims_mapping, tuple(sorted(dict(o.partial + keep).items())))
-    return fast_result(tuple(ins), tuple(outs))
-
-
-# ---------------------------------------------------------------------------
-# conv2d (Conv2dInferSpmdBase / Conv2dInferSpmdReverseBase / Conv2dGradInferSpmd)
-# ---------------------------------------------------------------------------
-
-
-def conv2d_forward(input: DistTensorSpec, filter: DistTensorSpec) -> SpmdResult:
-    """Conv2dInferSpmdBase: ``ncPQ, mcIJ -> nmXY`` (NCHW, groups 1); out partial SUM over c."""
-    return _conv_forward("conv2d", input, filter, 2, False, 1, False)
-
-
-def conv2d_backward(input: DistTensorSpec, filter: DistTensorSpec, output: DistTensorSpec) -> SpmdResult:
-    """Conv2dInferSpmdReverseBase: n and m from the output; the output the inputs produce."""
-    return _conv_reverse("conv2d", input, filter, output, 2, False, 1, False)
-
-
-def _attr_names(sig: str) -> tuple[str, ...]:
-    return tuple(part.split(":")[0].strip() for part in sig.split(", "))
-
-
-def _conv_rule(op: str, sig: str, nd: int, transpose: bool, grad: bool, doc: str) -> Any:
-    """A conv forward (``input, filter, *attrs``) or grad (``input, filter, output_grad,
-    *attrs``) rule over the attributes of Paddle's signature ``sig`` (only ``groups`` and
-    ``data_format`` decide a sharding; strides, paddings and dilations do not)."""
-    names = _attr_names(sig)
-    gi, fi = names.index("groups"), names.index("data_format")
-
-    def fwd(input: DistTensorSpec, filter: DistTensorSpec, *attrs: Any) -> SpmdResult:
-        groups, fmt = _conv_attrs(attrs, gi, fi, nd)
-        return _conv_forward(op, input, filter, nd, _channel_last(op, fmt, nd), _groups(op, groups), transpose)
-
-    def grd(input: DistTensorSpec, filter: DistTensorSpec, output_grad: DistTensorSpec, *attrs: Any) -> SpmdResult:
-        groups, fmt = _conv_attrs(attrs, gi, fi, nd)
-        return _conv_grad(op, input, filter, output_grad, nd, _channel_last(op, fmt, nd), _groups(op, groups),
-                          transpose)
-
-    fn = grd if grad else fwd
-    fn.__name__ = fn.__qualname__ = f"{op}_{'rule' if grad else 'forward'}"
-    fn.__doc__ = doc
-    return fn
-
-
-def _conv_attrs(attrs: tuple[Any, ...], gi: int, fi: int, nd: int) -> tuple[int, str]:
-    groups = attrs[gi] if gi < len(attrs) else 1
-    fmt = attrs[fi] if fi < len(attrs) else ("NCHW" if nd == 2 else "NCDHW")
-    return groups, fmt
-
-
-_CONV2D_ATTRS = ('strides: ints = [], paddings: ints = [], padding_algorithm: str = "EXPLICIT", '
-                 'dilations: ints = [], groups: int = 1, data_format: str = "NCHW"')
-_CONV3D_ATTRS = ('strides: ints = [], paddings: ints = [], padding_algorithm: str = "EXPLICIT", '
-                 'groups: int = 1, dilations: ints = [], data_format: str = "NCDHW"')
-_CT_ATTRS = ('strides: ints = [], paddings: ints = [], output_padding: ints = [], '
-             'output_size: ints = [], padding_algorithm: str = "EXPLICIT", groups: int = 1, '
-             'dilations: ints = [], data_format: str = "NCHW"')
-_DW_ATTRS = ('strides: ints = [], paddings: ints = [], padding_algorithm: str = "EXPLICIT", '
-             'groups: int = 1, dilations: ints = [], data_format: str = "NCHW"')
-
-conv2d_grad = _conv_rule("conv2d_grad", _CONV2D_ATTRS, 2, False, True,
-                         "Conv2dGradInferSpmd: ``ncPQ, mcIJ, nmXY -> ncPQ, mcIJ``; input_grad partial SUM "
-                         "over m, filter_grad over n.")
-conv3d_forward = _conv_rule("conv3d", _CONV3D_ATTRS, 3, False, False,
-                            "Conv3dInferSpmd: ``ncPQR, mcIJK -> nmXYZ`` (NCDHW); NDHWC puts c / m last.")
-conv3d_grad = _conv_rule("conv3d_grad", _CONV3D_ATTRS, 3, False, True,
-                         "Conv3dGradInferSpmd: input_grad partial SUM over m, filter_grad over n.")
-conv2d_transpose_forward = _conv_rule("conv2d_transpose", _CT_ATTRS, 2, True, False,
-                                      "Conv2dTransposeInferSpmd: ``ncPQ, cmIJ -> nmXY``; out partial SUM over c.")
-conv2d_transpose_grad = _conv_rule("conv2d_transpose_grad", _CT_ATTRS, 2, True, True,
-                                   "Conv2dTransposeGradInferSpmd: input_grad partial SUM over m, filter_grad "
-                                   "over n.")
-depthwise_conv2d_forward = _conv_rule("depthwise_conv2d", _DW_ATTRS, 2, False, False,
-                                      "DepthwiseConv2dInferSpmd: a grouped conv2d; with groups > 1 only the "
-                                      "batch is shardable.")
-depthwise_conv2d_grad = _conv_rule("depthwise_conv2d_grad", _DW_ATTRS, 2, False, True,
-                                   "DepthwiseConv2dGradInferSpmd: the grouped conv grad; filter_grad partial SUM "
-                                   "over n.")
+_CONV2D = ('strides: ints = [], paddings: ints = [], padding_algorithm: str = "EXPLICIT", '
+           'dilations: ints = [], groups: int = 1, data_format: str = "NCHW"')
+_CONV3D = ('strides: ints = [], paddings: ints = [], padding_algorithm: str = "EXPLICIT", '
+           'groups: int = 1, dilations: ints = [], data_format: str = "NCDHW"')
+_CT = ('strides: ints = [], paddings: ints = [], output_padding: ints = [], output_size: ints = [], '
+       'padding_algorithm: str = "EXPLICIT", groups: int = 1, dilations: ints = [], data_format: str = "NCHW"')
+_DW = ('strides: ints = [], paddings: ints = [], padding_algorithm: str = "EXPLICIT", '
+       'groups: int = 1, dilations: ints = [], data_format: str = "NCHW"')
+_F, _G = "input: T, filter: T, ", "input: T, filter: T, output_grad: T, "
+_GDOC = "input_grad partial SUM over m's mesh dims, filter_grad over n's."
 
 register(
-    "conv2d", conv2d_forward, "input: T, filter: T", conv2d_backward, kind="reverse", outputs="output: T",
-    forward_name="Conv2dInferSpmdBase", backward_name="Conv2dInferSpmdReverseBase",
+    "conv2d", _conv_rule("conv2d", "forward", 2, False, "",
+                         "Conv2dInferSpmdBase: ``ncPQ, mcIJ -> nmXY`` (NCHW, groups 1); out partial SUM over c."),
+    "input: T, filter: T",
+    _conv_rule("conv2d", "reverse", 2, False, "",
+               "Conv2dInferSpmdReverseBase: n and m from the output; the output the inputs produce."),
+    kind="reverse", outputs="output: T", forward_name="Conv2dInferSpmdBase", backward_name="Conv2dInferSpmdReverseBase",
 )  # fmt: skip
-_G = "input: T, filter: T, output_grad: T, "
-_F = "input: T, filter: T, "
-register("conv2d_grad", conv2d_grad, _G + _CONV2D_ATTRS, forward_name="Conv2dGradInferSpmd")
-register("conv3d", conv3d_forward, _F + _CONV3D_ATTRS, conv3d_grad, _G + _CONV3D_ATTRS, kind="grad", grad_name="conv3d_grad",
-         forward_name="Conv3dInferSpmd", backward_name="Conv3dGradInferSpmd")
-register("conv2d_transpose", conv2d_transpose_forward, _F + _CT_ATTRS, conv2d_transpose_grad, _G + _CT_ATTRS, kind="grad", grad_name="conv2d_transpose_grad",
-         forward_name="Conv2dTransposeInferSpmd", backward_name="Conv2dTransposeGradInferSpmd")
-register("depthwise_conv2d", depthwise_conv2d_forward, _F + _DW_ATTRS, depthwise_conv2d_grad, _G + _DW_ATTRS, kind="grad", grad_name="depthwise_conv2d_grad",
-         forward_name="DepthwiseConv2dInferSpmd", backward_name="DepthwiseConv2dGradInferSpmd")
+register("conv2d_grad", _conv_rule("conv2d_grad", "grad", 2, False, _CONV2D,
+                                   "Conv2dGradInferSpmd: ``ncPQ, mcIJ, nmXY -> ncPQ, mcIJ``; " + _GDOC),
+         _G + _CONV2D, forward_name="Conv2dGradInferSpmd")  # fmt: skip
+for _op, _nsp, _tr, _sig, _fn, _fdoc in (
+    ("conv3d", 3, False, _CONV3D, "Conv3d", "``ncPQR, mcIJK -> nmXYZ`` (NCDHW); NDHWC puts c / m last."),
+    ("conv2d_transpose", 2, True, _CT, "Conv2dTranspose", "``ncPQ, cmIJ -> nmXY``; out partial SUM over c."),
+    ("depthwise_conv2d", 2, False, _DW, "DepthwiseConv2d",
+     "a grouped conv2d; with groups > 1 only the batch is shardable."),
+):
+    register(
+        _op, _conv_rule(_op, "forward", _nsp, _tr, _sig, f"{_fn}InferSpmd: {_fdoc}"), _F + _sig,
+        _conv_rule(f"{_op}_grad", "grad", _nsp, _tr, _sig, f"{_fn}GradInferSpmd: {_GDOC}"), _G + _sig,
+        kind="grad", grad_name=f"{_op}_grad", forward_name=f"{_fn}InferSpmd", backward_name=f"{_fn}GradInferSpmd",
+    )  # fmt: skip
 
 
-# ---------------------------------------------------------------------------
-# normalization helpers
-# ---------------------------------------------------------------------------
+# -- normalizations and roi_align: one shardable letter -----------------------------------------
 
 
-def _vec(op: str, name: str, t: DistTensorSpec | None, size: int) -> None:
-    """A 1-D per-channel tensor (scale, bias, mean, ...) of ``size`` entries."""
-    if t is None:
-        return
-    if len(t.shape) != 1:
-        raise ShapeMismatchError(f"{op}: {name} must be 1-D, got shape {list(t.shape)}")
-    _same_size(op, f"{name}'s length", t.shape[0], "the channel count", size)
+@lru_cache(maxsize=1024)
+def _plan(ins: tuple[str | None, ...], outs: tuple[str | None, ...], keep: str, direction: str = "forward",
+          sources: tuple[int, ...] | None = None) -> Plan:
+    """A plan where every letter but those of ``keep`` is replicated (co-shards read as their
+    largest mesh dim); ``sources``: the inputs the forward merge reads."""
+    every = set("".join(a for a in (*ins, *outs) if a)) - {BROADCAST}
+    nt = Notation(ins, outs, "".join(sorted(every - set(keep))), coshard="largest", sources=sources)
+    return compile_plan(nt, direction)
 
 
-def _same_shape(op: str, na: str, a: DistTensorSpec, nb: str, b: DistTensorSpec) -> None:
-    if len(a.shape) != len(b.shape) or any(p != q and p >= 0 and q >= 0 for p, q in zip(a.shape, b.shape)):
-        raise ShapeMismatchError(f"{op}: {nb} has shape {list(b.shape)}, {na} has {list(a.shape)}")
-
-
-def _vec_attr(mesh: ProcessMesh, t: DistTensorSpec | None, e: Entry) -> TensorDistAttr | None:
-    return None if t is None else _make(mesh, (e,))
-
-
-# ---------------------------------------------------------------------------
-# batch_norm (BatchNormInferSpmdStatic; own reverse; BatchNormGradInferSpmd)
-# ---------------------------------------------------------------------------
-
+_X = (0,)  # sources: x alone decides the sharding
 _BN_NAMES = ("x", "mean", "variance", "scale", "bias")
-_BN_OUT_NAMES = ("out", "mean_out", "variance_out", "saved_mean", "saved_variance", "reserve_space")
+_BN_OUTS = ("out", "mean_out", "variance_out", "saved_mean", "saved_variance", "reserve_space")
+_BN_GRAD = ("x", "scale", "bias", "mean_out", "variance_out", "saved_mean", "saved_variance", "reserve_space",
+            "out_grad")
 
 
-def _bn_channel(op: str, x: DistTensorSpec, data_format: str) -> int:
+def _bn_channel(op: str, x: DistTensorSpec, data_format: str) -> tuple[int, int]:
+    """(x's rank, its channel axis)."""
     nd = _ndim(op, "x", x, (2, 3, 4, 5))
     if len(data_format) < 2:
         raise InvalidAttributeError(f"{op}: data_format {data_format!r} is too short")
-    return 1 if data_format[1] == "C" else nd - 1
+    return nd, 1 if data_format[1] == "C" else nd - 1
 
 
-def _bn_checks(op: str, x: DistTensorSpec, c: int, named: Sequence[tuple[str, DistTensorSpec | None]]) -> None:
-    for name, t in named:
-        _vec(op, name, t, x.shape[c])
+@lru_cache(maxsize=1024)
+def _bn_plan(kind: str, nd: int, ci: int, scale: bool, bias: bool, reserve: int = -1) -> Plan:
+    """batch_norm's plans (kind: forward, reverse, grad): x ``abc..`` with the channel letter
+    (axis ``ci``) alone shardable; every per-channel tensor labelled by it; ``reserve``:
+    reserve_space's rank (-1: absent)."""
+    xl = ALPHABET[:nd]
+    c = xl[ci]
+    s, b = (c if scale else None), (c if bias else None)
+    if kind == "grad":
+        return _plan((xl, s, b, c, c, c, c, None if reserve < 0 else BROADCAST * reserve, xl), (xl, s, b), c,
+                     sources=_X)  # fmt: skip
+    if kind == "reverse":
+        return _plan((xl, c, c, s, b), (xl, c, c, c, c), c, "backward")
+    return _plan((xl, c, c, s, b), (xl, c, c, c, c), c, sources=_X)
 
 
-def batch_norm_forward(
-    x: DistTensorSpec,
-    mean: DistTensorSpec,
-    variance: DistTensorSpec,
-    scale: DistTensorSpec | None,
-    bias: DistTensorSpec | None,
-) -> SpmdResult:
-    """BatchNormInferSpmdStatic (training, NCHW): only the channel axis keeps its sharding;
-    the per-channel inputs and statistics follow it."""
+def batch_norm_forward(x: DistTensorSpec, mean: DistTensorSpec, variance: DistTensorSpec,
+                       scale: DistTensorSpec | None, bias: DistTensorSpec | None) -> SpmdResult:
+    """BatchNormInferSpmdStatic (training, NCHW): only x's channel axis keeps its sharding; the
+    per-channel inputs and statistics follow it; reserve_space (an opaque buffer) replicated."""
     op = "batch_norm"
-    mesh = named_mesh(op, zip(_BN_NAMES, (x, mean, variance, scale, bias)))
-    c = _bn_channel(op, x, "NCHW")
-    _bn_checks(op, x, c, (("mean", mean), ("variance", variance), ("scale", scale), ("bias", bias)))
-    return _bn_result(mesh, x, c, _e(x, c), (mean, variance, scale, bias), True)
-
-
-def _bn_result(mesh: ProcessMesh, x: DistTensorSpec, c: int, e: Entry,
-               vecs: Sequence[DistTensorSpec | None], reserve: bool | None) -> SpmdResult:
-    xa = _make(mesh, _with_axis(len(x.shape), c, e))
-    va = _make(mesh, (e,))
-    ins = (xa, *(None if v is None else va for v in vecs))
-    outs = (xa, va, va, va, va, replicated(mesh, 1) if reserve else None)
-    return fast_result(ins, outs)
+    ts = (x, mean, variance, scale, bias)
+    mesh = named_mesh(op, zip(_BN_NAMES, ts))
+    nd, ci = _bn_channel(op, x, "NCHW")
+    _vecs(op, x.shape[ci], _BN_NAMES[1:], ts[1:])
+    ins, outs = infer(_bn_plan("forward", nd, ci, scale is not None, bias is not None), op, ts, (), mesh, _BN_NAMES)
+    return fast_result(ins, (*outs, replicated(mesh, 1)))
 
 
 def batch_norm_backward(
-    x: DistTensorSpec,
-    mean: DistTensorSpec,
-    variance: DistTensorSpec,
-    scale: DistTensorSpec | None,
-    bias: DistTensorSpec | None,
-    out: DistTensorSpec,
-    mean_out: DistTensorSpec,
-    variance_out: DistTensorSpec,
-    saved_mean: DistTensorSpec,
-    saved_variance: DistTensorSpec,
-    reserve_space: DistTensorSpec | None = None,
-) -> SpmdResult:
+    x: DistTensorSpec, mean: DistTensorSpec, variance: DistTensorSpec, scale: DistTensorSpec | None,
+    bias: DistTensorSpec | None, out: DistTensorSpec, mean_out: DistTensorSpec, variance_out: DistTensorSpec,
+    saved_mean: DistTensorSpec, saved_variance: DistTensorSpec, reserve_space: DistTensorSpec | None = None,
+) -> SpmdResult:  # fmt: skip
     """Reverse of batch_norm (Paddle has none): the channel sharding from out and the
     statistics (the larger tensor wins a conflict); the outputs the inputs produce."""
     op = "batch_norm"
-    mesh = named_mesh(op, zip(_BN_NAMES + _BN_OUT_NAMES,
-                              (x, mean, variance, scale, bias, out, mean_out, variance_out, saved_mean,
-                               saved_variance, reserve_space)))
-    c = _bn_channel(op, x, "NCHW")
-    _bn_checks(op, x, c, (("mean", mean), ("variance", variance), ("scale", scale), ("bias", bias),
-                          ("mean_out", mean_out), ("variance_out", variance_out), ("saved_mean", saved_mean),
-                          ("saved_variance", saved_variance)))
+    ins, outs = (x, mean, variance, scale, bias), (out, mean_out, variance_out, saved_mean, saved_variance)
+    mesh = named_mesh(op, zip(_BN_NAMES + _BN_OUTS, (*ins, *outs, reserve_space)))
+    nd, ci = _bn_channel(op, x, "NCHW")
+    _vecs(op, x.shape[ci], _BN_NAMES[1:] + _BN_OUTS[1:5], ins[1:] + outs[1:])
     _same_shape(op, "x", x, "out", out)
-    e = _merge_one((out, mean_out, variance_out, saved_mean, saved_variance), (c, 0, 0, 0, 0), mesh)
-    return _bn_result(mesh, x, c, e, (mean, variance, scale, bias), reserve_space is not None)
-
-
-def _merge_one(ts: Sequence[DistTensorSpec], axes: Sequence[int], mesh: ProcessMesh) -> Entry:
-    """One letter's sharding over several tensors' axes (merge_letters: the first tensor
-    sharding it claims it, a larger one sharding it otherwise wins)."""
-    nt = _one_letter_notation(tuple(len(t.shape) for t in ts), tuple(axes))
-    merged = merge_specs(nt, nt.inputs, _ones(*ts), mesh)
-    return dims_entry(dict(merged).get("a", ()))
-
-
-@memo()
-def _one_letter_notation(ndims: tuple[int, ...], axes: tuple[int, ...]) -> Notation:
-    labels = []
-    for nd, ax in zip(ndims, axes):
-        labels.append("".join("a" if i == ax else "1" for i in range(nd)))
-    return Notation(tuple(labels), ())
+    p = _bn_plan("reverse", nd, ci, scale is not None, bias is not None)
+    a_in, a_out = infer(p, op, ins, outs, mesh, _BN_NAMES + _BN_OUTS)
+    return fast_result(a_in, (*a_out, None if reserve_space is None else replicated(mesh, 1)))
 
 
 def batch_norm_grad(
-    x: DistTensorSpec,
-    scale: DistTensorSpec | None,
-    bias: DistTensorSpec | None,
-    mean_out: DistTensorSpec,
-    variance_out: DistTensorSpec,
-    saved_mean: DistTensorSpec,
-    saved_variance: DistTensorSpec,
-    reserve_space: DistTensorSpec | None,
-    out_grad: DistTensorSpec,
-    momentum: float = 0.9,
-    epsilon: float = 1e-5,
-    data_format: str = "NCHW",
-    is_test: bool = False,
-    use_global_stats: bool = False,
+    x: DistTensorSpec, scale: DistTensorSpec | None, bias: DistTensorSpec | None, mean_out: DistTensorSpec,
+    variance_out: DistTensorSpec, saved_mean: DistTensorSpec, saved_variance: DistTensorSpec,
+    reserve_space: DistTensorSpec | None, out_grad: DistTensorSpec, momentum: float = 0.9, epsilon: float = 1e-5,
+    data_format: str = "NCHW", is_test: bool = False, use_global_stats: bool = False,
     trainable_statistics: bool = False,
-) -> SpmdResult:
+) -> SpmdResult:  # fmt: skip
     """BatchNormGradInferSpmd: x's channel sharding for every per-channel tensor and grad."""
     op = "batch_norm_grad"
-    names = ("x", "scale", "bias", "mean_out", "variance_out", "saved_mean", "saved_variance", "reserve_space",
-             "out_grad")
     ts = (x, scale, bias, mean_out, variance_out, saved_mean, saved_variance, reserve_space, out_grad)
-    mesh = named_mesh(op, zip(names, ts))
-    c = _bn_channel(op, x, data_format)
-    _bn_checks(op, x, c, (("scale", scale), ("bias", bias), ("mean_out", mean_out), ("variance_out", variance_out),
-                          ("saved_mean", saved_mean), ("saved_variance", saved_variance)))
+    mesh = named_mesh(op, zip(_BN_GRAD, ts))
+    nd, ci = _bn_channel(op, x, data_format)
+    _vecs(op, x.shape[ci], _BN_GRAD[1:7], ts[1:7])
     _same_shape(op, "x", x, "out_grad", out_grad)
-    e = _e(x, c)
-    xa = _make(mesh, _with_axis(len(x.shape), c, e))
-    va = _make(mesh, (e,))
-    ins = (xa, _vec_attr(mesh, scale, e), _vec_attr(mesh, bias, e), va, va, va, va,
-           replicated_like(mesh, reserve_space), xa)
-    outs = (xa, _vec_attr(mesh, scale, e), _vec_attr(mesh, bias, e))
-    return fast_result(ins, outs)
+    rs = -1 if reserve_space is None else len(reserve_space.shape)
+    p = _bn_plan("grad", nd, ci, scale is not None, bias is not None, rs)
+    return fast_result(*infer(p, op, ts, (), mesh, _BN_GRAD))
 
 
-register(
-    "batch_norm", batch_norm_forward, "x: T, mean: T, variance: T, scale: T?, bias: T?",
-    batch_norm_backward,
-    kind="reverse", outputs="out: T, mean_out: T, variance_out: T, saved_mean: T, saved_variance: T, reserve_space: T? = None",
-    forward_name="BatchNormInferSpmdStatic", backward_name="BatchNormInferSpmdReverse",
-)  # fmt: skip
-register(
-    "batch_norm_grad", batch_norm_grad,
-    "x: T, scale: T?, bias: T?, mean_out: T, variance_out: T, saved_mean: T, saved_variance: T, "
-    "reserve_space: T?, out_grad: T, momentum: float = 0.9, epsilon: float = 1e-5, "
-    'data_format: str = "NCHW", is_test: bool = False, use_global_stats: bool = False, '
-    "trainable_statistics: bool = False",
-    forward_name="BatchNormGradInferSpmd",
-)  # fmt: skip
+# -- group_norm: the batch letter ``a`` alone is shardable; mean / variance ``[N, groups]`` ------
 
-# ---------------------------------------------------------------------------
-# group_norm (GroupNormInferSpmdBase; own reverse; GroupNormGradInferSpmd)
-# ---------------------------------------------------------------------------
-
-_GN_NAMES = ("x", "scale", "bias")
+_GN = ("x", "scale", "bias", "y", "mean", "variance", "y_grad")
 
 
-def _gn_checks(op: str, x: DistTensorSpec, scale: DistTensorSpec | None, bias: DistTensorSpec | None,
-               data_format: str = "NCHW") -> int:
+@lru_cache(maxsize=1024)
+def _gn_plan(kind: str, xl: str, scale: bool, bias: bool) -> Plan:
+    """group_norm's plans (kind: forward, backward = the reverse, grad); scale / bias replicated."""
+    sb = ("1" if scale else None, "1" if bias else None)
+    if kind == "grad":
+        return _plan((xl, *sb, xl, "a1", "a1", xl), (xl, *sb), "a", sources=_X)
+    return _plan((xl, *sb), (xl, "a1", "a1"), "a", kind, _X if kind == "forward" else None)
+
+
+def _gn(op: str, kind: str, ts: tuple[DistTensorSpec | None, ...], data_format: str = "NCHW",
+        groups: int = -1) -> SpmdResult:
+    """A group_norm rule: checks (scale / bias, then y / y_grad like x, then mean / variance
+    ``[N, groups]``), then the plan of ``kind``."""
+    mesh = named_mesh(op, zip(_GN, ts))
+    x = ts[0]
+    assert x is not None
     nd = _ndim(op, "x", x, (3, 4, 5))
-    c = 1 if len(data_format) > 1 and data_format[1] == "C" else nd - 1
-    _vec(op, "scale", scale, x.shape[c])
-    _vec(op, "bias", bias, x.shape[c])
-    return c
-
-
-def _gn_stat(op: str, name: str, t: DistTensorSpec, x: DistTensorSpec) -> None:
-    if len(t.shape) != 2:
-        raise ShapeMismatchError(f"{op}: {name} must be 2-D [N, groups], got shape {list(t.shape)}")
-    _same_size(op, f"{name}'s first axis", t.shape[0], "x's batch", x.shape[0])
-
-
-def _gn_result(mesh: ProcessMesh, x: DistTensorSpec, e: Entry, scale: DistTensorSpec | None,
-               bias: DistTensorSpec | None) -> SpmdResult:
-    xa = _make(mesh, _with_axis(len(x.shape), 0, e))
-    st = _make(mesh, (e, -1))
-    return fast_result((xa, replicated_like(mesh, scale), replicated_like(mesh, bias)), (xa, st, st))
+    _vecs(op, x.shape[1 if len(data_format) > 1 and data_format[1] == "C" else nd - 1], _GN[1:3], ts[1:3])
+    named = list(zip(_GN[3:], ts[3:]))
+    for name, t in named:
+        if name in ("y", "y_grad"):
+            _same_shape(op, "x", x, name, t)  # type: ignore[arg-type]
+    for name, t in named:
+        if name in ("mean", "variance"):
+            assert t is not None
+            if len(t.shape) != 2:
+                raise ShapeMismatchError(f"{op}: {name} must be 2-D [N, groups], got shape {list(t.shape)}")
+            _same_size(op, f"{name}'s first axis", t.shape[0], "x's batch", x.shape[0])
+    if groups != -1 and groups < 1:
+        raise InvalidAttributeError(f"{op}: groups must be >= 1 (or -1), got {groups}")
+    n_in = 3 if kind == "backward" else len(ts)
+    p = _gn_plan(kind, ALPHABET[:nd], ts[1] is not None, ts[2] is not None)
+    return fast_result(*infer(p, op, ts[:n_in], ts[n_in:], mesh, _GN))
 
 
 def group_norm_forward(x: DistTensorSpec, scale: DistTensorSpec | None, bias: DistTensorSpec | None) -> SpmdResult:
-    """GroupNormInferSpmdBase: ``n...`` -> out ``n...``, mean / variance ``[n, -1]``."""
-    op = "group_norm"
-    mesh = named_mesh(op, zip(_GN_NAMES, (x, scale, bias)))
-    _gn_checks(op, x, scale, bias)
-    return _gn_result(mesh, x, _e(x, 0), scale, bias)
+    """GroupNormInferSpmdBase: ``a...`` -> y ``a...``, mean / variance ``[a, -1]``."""
+    return _gn("group_norm", "forward", (x, scale, bias))
 
 
-def group_norm_backward(
-    x: DistTensorSpec,
-    scale: DistTensorSpec | None,
-    bias: DistTensorSpec | None,
-    y: DistTensorSpec,
-    mean: DistTensorSpec,
-    variance: DistTensorSpec,
-) -> SpmdResult:
-    """Reverse of group_norm (Paddle has none): n from y, mean and variance."""
-    op = "group_norm"
-    mesh = named_mesh(op, zip(("x", "scale", "bias", "y", "mean", "variance"), (x, scale, bias, y, mean, variance)))
-    _gn_checks(op, x, scale, bias)
-    _same_shape(op, "x", x, "y", y)
-    _gn_stat(op, "mean", mean, x)
-    _gn_stat(op, "variance", variance, x)
-    e = _merge_one((y, mean, variance), (0, 0, 0), mesh)
-    return _gn_result(mesh, x, e, scale, bias)
+def group_norm_backward(x: DistTensorSpec, scale: DistTensorSpec | None, bias: DistTensorSpec | None,
+                        y: DistTensorSpec, mean: DistTensorSpec, variance: DistTensorSpec) -> SpmdResult:
+    """Reverse of group_norm (Paddle has none): the batch sharding from y, mean and variance."""
+    return _gn("group_norm", "backward", (x, scale, bias, y, mean, variance))
 
 
-def group_norm_grad(
-    x: DistTensorSpec,
-    scale: DistTensorSpec | None,
-    bias: DistTensorSpec | None,
-    y: DistTensorSpec,
-    mean: DistTensorSpec,
-    variance: DistTensorSpec,
-    y_grad: DistTensorSpec,
-    epsilon: float = 1e-5,
-    groups: int = -1,
-    data_format: str = "NCHW",
-) -> SpmdResult:
+def group_norm_grad(x: DistTensorSpec, scale: DistTensorSpec | None, bias: DistTensorSpec | None,
+                    y: DistTensorSpec, mean: DistTensorSpec, variance: DistTensorSpec, y_grad: DistTensorSpec,
+                    epsilon: float = 1e-5, groups: int = -1, data_format: str = "NCHW") -> SpmdResult:
     """GroupNormGradInferSpmd: x's batch sharding everywhere; scale_grad / bias_grad
     replicated, partial SUM over the batch's mesh dims."""
-    op = "group_norm_grad"
-    mesh = named_mesh(op, zip(("x", "scale", "bias", "y", "mean", "variance", "y_grad"),
-                              (x, scale, bias, y, mean, variance, y_grad)))
-    _gn_checks(op, x, scale, bias, data_format)
-    _same_shape(op, "x", x, "y", y)
-    _same_shape(op, "x", x, "y_grad", y_grad)
-    _gn_stat(op, "mean", mean, x)
-    _gn_stat(op, "variance", variance, x)
-    if groups != -1 and groups < 1:
-        raise InvalidAttributeError(f"{op}: groups must be >= 1 (or -1), got {groups}")
-    e = _e(x, 0)
-    xa = _make(mesh, _with_axis(len(x.shape), 0, e))
-    st = _make(mesh, (e, -1))
-    pt = _sum_partial(entry_dims(e))
-    g_s = None if scale is None else _make(mesh, (-1,), pt)
-    g_b = None if bias is None else _make(mesh, (-1,), pt)
-    ins = (xa, replicated_like(mesh, scale), replicated_like(mesh, bias), xa, st, st, xa)
-    return fast_result(ins, (xa, g_s, g_b))
+    return _gn("group_norm_grad", "grad", (x, scale, bias, y, mean, variance, y_grad), data_format, groups)
 
 
-register(
-    "group_norm", group_norm_forward, "x: T, scale: T?, bias: T?",
-    group_norm_backward, kind="reverse", outputs="y: T, mean: T, variance: T",
-    forward_name="GroupNormInferSpmdBase", backward_name="GroupNormInferSpmdReverse",
-)  # fmt: skip
-register(
-    "group_norm_grad", group_norm_grad,
-    "x: T, scale: T?, bias: T?, y: T, mean: T, variance: T, y_grad: T, epsilon: float = 1e-5, "
-    'groups: int = -1, data_format: str = "NCHW"',
-    forward_name="GroupNormGradInferSpmd",
-)  # fmt: skip
-
-# ---------------------------------------------------------------------------
-# instance_norm (InstanceNormInferSpmd / InstanceNormGradInferSpmd)
-# ---------------------------------------------------------------------------
+# -- instance_norm: ``abcd`` with n = a, c = b shardable; flat [N*C] statistics ------------------
 
 
 def _chunks(size: int, n: int) -> list[tuple[int, int]]:
@@ -712,92 +427,86 @@ def _flat_ok(n_size: int, c_size: int, kn: int, kc: int) -> bool:
     return True
 
 
-def _in_split(x: DistTensorSpec, dn: tuple[int, ...], dc: tuple[int, ...], ms: tuple[int, ...]) -> tuple[
-        tuple[int, ...], tuple[int, ...]]:
-    """The n / c mesh dims kept so that the flat statistics can carry them."""
+def _in_keep(x: DistTensorSpec) -> str:
+    """The letters of n (``a``) and c (``b``) that stay sharded: those whose split the flat
+    statistics can carry (c's dropped first, then n's). Chooses the notation; the engine merges."""
+    ms = x.dist_attr.mesh.shape
+    dm = x.dist_attr.dims_mapping
+    kn = mesh_size(ms, entry_dims(largest_mesh_dim(dm[0], ms)))
+    kc = mesh_size(ms, entry_dims(largest_mesh_dim(dm[1], ms)))
     n, c = x.shape[0], x.shape[1]
-    kn, kc = mesh_size(ms, dn), mesh_size(ms, dc)
-    if _flat_ok(n, c, kn, kc):
-        return dn, dc
-    if _flat_ok(n, c, kn, 1):  # c's split does not fit the flat axis: c replicated
-        return dn, ()
-    if _flat_ok(n, c, 1, kc):
-        return (), dc
-    return (), ()
+    for keep, a, b in (("ab", kn, kc), ("a", kn, 1), ("b", 1, kc)):
+        if _flat_ok(n, c, a, b):
+            return keep
+    return ""
 
 
-def _in_checks(op: str, x: DistTensorSpec, scale: DistTensorSpec | None, bias: DistTensorSpec | None) -> None:
+def _flat_stats(mesh: ProcessMesh, xa: TensorDistAttr) -> TensorDistAttr:
+    """Post-hook: a flat [N*C] statistic carries n's mesh dims then c's, co-sharded (one axis
+    with two letters, which no notation labels), read off the engine's answer for x."""
+    dm = xa.dims_mapping
+    return _make(mesh, (dims_entry(entry_dims(dm[0]) + entry_dims(dm[1])),))
+
+
+_IN = ("x", "scale", "bias", "saved_mean", "saved_variance", "y_grad")
+
+
+@lru_cache(maxsize=64)
+def _in_plan(grad: bool, keep: str, scale: bool, bias: bool) -> Plan:
+    """instance_norm's plans: ``abcd``, scale / bias ``b``; the flat statistics are left to
+    :func:`_flat_stats` (labelled None)."""
+    sb = ("b" if scale else None, "b" if bias else None)
+    if grad:
+        return _plan(("abcd", *sb, None, None, "abcd"), ("abcd", *sb), keep, sources=_X)
+    return _plan(("abcd", *sb), ("abcd",), keep, sources=_X)
+
+
+def _in(op: str, ts: tuple[DistTensorSpec | None, ...]) -> SpmdResult:
+    """An instance_norm rule (forward: x, scale, bias; grad: also saved_mean, saved_variance,
+    y_grad): checks, the plan, and the flat statistics from the engine's answer for x."""
+    mesh = named_mesh(op, zip(_IN, ts))
+    x = ts[0]
+    assert x is not None
     _ndim(op, "x", x, 4)
-    _vec(op, "scale", scale, x.shape[1])
-    _vec(op, "bias", bias, x.shape[1])
-
-
-def _in_flat(op: str, name: str, t: DistTensorSpec, x: DistTensorSpec) -> None:
-    if len(t.shape) != 1:
-        raise ShapeMismatchError(f"{op}: {name} must be 1-D [N*C], got shape {list(t.shape)}")
-    n, c = x.shape[0], x.shape[1]
-    if n >= 0 and c >= 0:
-        _same_size(op, f"{name}'s length", t.shape[0], "N*C", n * c)
+    _vecs(op, x.shape[1], _IN[1:3], ts[1:3])
+    for name, t in zip(_IN[3:5], ts[3:5]):
+        assert t is not None
+        if len(t.shape) != 1:
+            raise ShapeMismatchError(f"{op}: {name} must be 1-D [N*C], got shape {list(t.shape)}")
+        if x.shape[0] >= 0 and x.shape[1] >= 0:
+            _same_size(op, f"{name}'s length", t.shape[0], "N*C", x.shape[0] * x.shape[1])
+    grad = len(ts) > 3
+    if grad:
+        _same_shape(op, "x", x, "y_grad", ts[5])  # type: ignore[arg-type]
+    ins, outs = infer(_in_plan(grad, _in_keep(x), ts[1] is not None, ts[2] is not None), op, ts, (), mesh, _IN)
+    st = _flat_stats(mesh, ins[0])  # type: ignore[arg-type]  # x's attr: y / x_grad are sharded as x
+    return fast_result((*ins[:3], st, st, ins[5]), outs) if grad else fast_result(ins, (outs[0], st, st))
 
 
 def instance_norm_forward(
     x: DistTensorSpec, scale: DistTensorSpec | None, bias: DistTensorSpec | None, epsilon: float = 1e-5
 ) -> SpmdResult:
-    """InstanceNormInferSpmd: ``nc11`` -> y ``nc11``, saved_mean / saved_variance flat ``(n c)``."""
-    op = "instance_norm"
-    mesh = named_mesh(op, zip(_GN_NAMES, (x, scale, bias)))
-    _in_checks(op, x, scale, bias)
-    dn, dc = _in_split(x, _axis_dims(x, 0), _axis_dims(x, 1), mesh.shape)
-    xa = _make(mesh, (dims_entry(dn), dims_entry(dc), -1, -1))
-    st = _make(mesh, (dims_entry(dn + dc),))
-    ca = _make(mesh, (dims_entry(dc),))
-    return fast_result((xa, None if scale is None else ca, None if bias is None else ca), (xa, st, st))
+    """InstanceNormInferSpmd: ``abcd`` -> y ``abcd``, saved_mean / saved_variance flat ``(a b)``."""
+    return _in("instance_norm", (x, scale, bias))
 
 
-def instance_norm_grad(
-    x: DistTensorSpec,
-    scale: DistTensorSpec | None,
-    bias: DistTensorSpec | None,
-    saved_mean: DistTensorSpec,
-    saved_variance: DistTensorSpec,
-    y_grad: DistTensorSpec,
-    epsilon: float = 1e-5,
-) -> SpmdResult:
+def instance_norm_grad(x: DistTensorSpec, scale: DistTensorSpec | None, bias: DistTensorSpec | None,
+                       saved_mean: DistTensorSpec, saved_variance: DistTensorSpec, y_grad: DistTensorSpec,
+                       epsilon: float = 1e-5) -> SpmdResult:
     """InstanceNormGradInferSpmd: x's n / c sharding; scale_grad / bias_grad sharded like c,
     partial SUM over n's mesh dims."""
-    op = "instance_norm_grad"
-    mesh = named_mesh(op, zip(("x", "scale", "bias", "saved_mean", "saved_variance", "y_grad"),
-                              (x, scale, bias, saved_mean, saved_variance, y_grad)))
-    _in_checks(op, x, scale, bias)
-    _in_flat(op, "saved_mean", saved_mean, x)
-    _in_flat(op, "saved_variance", saved_variance, x)
-    _same_shape(op, "x", x, "y_grad", y_grad)
-    dn, dc = _in_split(x, _axis_dims(x, 0), _axis_dims(x, 1), mesh.shape)
-    xa = _make(mesh, (dims_entry(dn), dims_entry(dc), -1, -1))
-    st = _make(mesh, (dims_entry(dn + dc),))
-    ca = _make(mesh, (dims_entry(dc),))
-    ga = _make(mesh, (dims_entry(dc),), _sum_partial(dn))
-    ins = (xa, None if scale is None else ca, None if bias is None else ca, st, st, xa)
-    return fast_result(ins, (xa, None if scale is None else ga, None if bias is None else ga))
+    return _in("instance_norm_grad", (x, scale, bias, saved_mean, saved_variance, y_grad))
 
 
-_IN_GRAD_SIG = "x: T, scale: T?, bias: T?, saved_mean: T, saved_variance: T, y_grad: T, epsilon: float = 1e-5"
-register(
-    "instance_norm", instance_norm_forward, "x: T, scale: T?, bias: T?, epsilon: float = 1e-5",
-    instance_norm_grad, _IN_GRAD_SIG, kind="grad", grad_name="instance_norm_grad",
-    forward_name="InstanceNormInferSpmd", backward_name="InstanceNormGradInferSpmd",
-)  # fmt: skip
+# -- roi_align: x ``abcd``, only the channels ``b`` shardable; boxes, boxes_num replicated -------
 
-# ---------------------------------------------------------------------------
-# roi_align (RoiAlignInferSpmd / RoiAlignGradInferSpmd)
-# ---------------------------------------------------------------------------
-
-_ROI_ATTRS = ("pooled_height: int, pooled_width: int, spatial_scale: float, sampling_ratio: int, "
-              "aligned: bool")
+_ROI = ("x", "boxes", "boxes_num", "out_grad")
 
 
-def _roi_checks(op: str, x: DistTensorSpec, boxes: DistTensorSpec, boxes_num: DistTensorSpec | None,
-                pooled_height: int, pooled_width: int) -> None:
+def _roi(op: str, ts: tuple[DistTensorSpec | None, ...], pooled_height: int, pooled_width: int) -> SpmdResult:
+    x, boxes, boxes_num = ts[0], ts[1], ts[2]
+    assert x is not None and boxes is not None
+    mesh = named_mesh(op, zip(_ROI, ts))
     _ndim(op, "x", x, 4)
     _ndim(op, "boxes", boxes, 2)
     if boxes.shape[1] not in (4, -1):
@@ -809,53 +518,57 @@ def _roi_checks(op: str, x: DistTensorSpec, boxes: DistTensorSpec, boxes_num: Di
         raise InvalidAttributeError(
             f"{op}: pooled_height / pooled_width must be >= 1, got {pooled_height} / {pooled_width}"
         )
+    ins: tuple[str | None, ...] = ("abcd", "11", None if boxes_num is None else "1")
+    if len(ts) == 4:  # the grad: x and out_grad merged (the larger tensor wins), x_grad like x
+        g = ts[3]
+        assert g is not None
+        _ndim(op, "out_grad", g, 4)
+        _same_size(op, "out_grad's first axis", g.shape[0], "the number of boxes", boxes.shape[0])
+        _same_size(op, "out_grad's channels", g.shape[1], "x's channels", x.shape[1])
+        return fast_result(*infer(_plan((*ins, "1b11"), ("abcd",), "b"), op, ts, (), mesh, _ROI))
+    return fast_result(*infer(_plan(ins, ("1b11",), "b"), op, ts, (), mesh, _ROI))
 
 
-def roi_align_forward(
-    x: DistTensorSpec,
-    boxes: DistTensorSpec,
-    boxes_num: DistTensorSpec | None,
-    pooled_height: int,
-    pooled_width: int,
-    spatial_scale: float,
-    sampling_ratio: int,
-    aligned: bool,
-) -> SpmdResult:
+def roi_align_forward(x: DistTensorSpec, boxes: DistTensorSpec, boxes_num: DistTensorSpec | None,
+                      pooled_height: int, pooled_width: int, spatial_scale: float, sampling_ratio: int,
+                      aligned: bool) -> SpmdResult:
     """RoiAlignInferSpmd: x ``-c--``, boxes / boxes_num replicated -> out ``-c--``."""
-    op = "roi_align"
-    mesh = named_mesh(op, zip(("x", "boxes", "boxes_num"), (x, boxes, boxes_num)))
-    _roi_checks(op, x, boxes, boxes_num, pooled_height, pooled_width)
-    e = _e(x, 1)
-    xa = _make(mesh, (-1, e, -1, -1))
-    return fast_result((xa, replicated(mesh, 2), replicated_like(mesh, boxes_num)), (xa,))
+    return _roi("roi_align", (x, boxes, boxes_num), pooled_height, pooled_width)
 
 
-def roi_align_grad(
-    x: DistTensorSpec,
-    boxes: DistTensorSpec,
-    boxes_num: DistTensorSpec | None,
-    out_grad: DistTensorSpec,
-    pooled_height: int,
-    pooled_width: int,
-    spatial_scale: float,
-    sampling_ratio: int,
-    aligned: bool,
-) -> SpmdResult:
+def roi_align_grad(x: DistTensorSpec, boxes: DistTensorSpec, boxes_num: DistTensorSpec | None,
+                   out_grad: DistTensorSpec, pooled_height: int, pooled_width: int, spatial_scale: float,
+                   sampling_ratio: int, aligned: bool) -> SpmdResult:
     """RoiAlignGradInferSpmd: the channel sharding of x and out_grad merged; x_grad like x."""
-    op = "roi_align_grad"
-    mesh = named_mesh(op, zip(("x", "boxes", "boxes_num", "out_grad"), (x, boxes, boxes_num, out_grad)))
-    _roi_checks(op, x, boxes, boxes_num, pooled_height, pooled_width)
-    _ndim(op, "out_grad", out_grad, 4)
-    _same_size(op, "out_grad's first axis", out_grad.shape[0], "the number of boxes", boxes.shape[0])
-    _same_size(op, "out_grad's channels", out_grad.shape[1], "x's channels", x.shape[1])
-    e = _merge_one((x, out_grad), (1, 1), mesh)
-    xa = _make(mesh, (-1, e, -1, -1))
-    return fast_result((xa, replicated(mesh, 2), replicated_like(mesh, boxes_num), xa), (xa,))
+    return _roi("roi_align_grad", (x, boxes, boxes_num, out_grad), pooled_height, pooled_width)
 
 
-_ROI_GRAD_SIG = "x: T, boxes: T, boxes_num: T?, out_grad: T, " + _ROI_ATTRS
-register(
-    "roi_align", roi_align_forward, "x: T, boxes: T, boxes_num: T?, " + _ROI_ATTRS,
-    roi_align_grad, _ROI_GRAD_SIG, kind="grad", grad_name="roi_align_grad",
-    forward_name="RoiAlignInferSpmd", backward_name="RoiAlignGradInferSpmd",
-)  # fmt: skip
+# -- declarations: name, forward, its signature, the backward slot, Paddle's function names -------
+
+_BN_SIG = "x: T, mean: T, variance: T, scale: T?, bias: T?"
+_GN_SIG = "x: T, scale: T?, bias: T?"
+for _name, _fwd, _sig, _rev, _outs, _grad, _gsig, _pd in (
+    ("batch_norm", batch_norm_forward, _BN_SIG, batch_norm_backward,
+     "out: T, mean_out: T, variance_out: T, saved_mean: T, saved_variance: T, reserve_space: T? = None",
+     batch_norm_grad,
+     "x: T, scale: T?, bias: T?, mean_out: T, variance_out: T, saved_mean: T, saved_variance: T, reserve_space: T?, "
+     'out_grad: T, momentum: float = 0.9, epsilon: float = 1e-5, data_format: str = "NCHW", is_test: bool = False, '
+     "use_global_stats: bool = False, trainable_statistics: bool = False",
+     ("BatchNormInferSpmdStatic", "BatchNormInferSpmdReverse", "BatchNormGradInferSpmd")),
+    ("group_norm", group_norm_forward, _GN_SIG, group_norm_backward, "y: T, mean: T, variance: T", group_norm_grad,
+     'x: T, scale: T?, bias: T?, y: T, mean: T, variance: T, y_grad: T, epsilon: float = 1e-5, groups: int = -1, '
+     'data_format: str = "NCHW"',
+     ("GroupNormInferSpmdBase", "GroupNormInferSpmdReverse", "GroupNormGradInferSpmd")),
+):
+    register(_name, _fwd, _sig, _rev, kind="reverse", outputs=_outs, forward_name=_pd[0], backward_name=_pd[1])
+    register(f"{_name}_grad", _grad, _gsig, forward_name=_pd[2])
+
+_ROI_ATTRS = "pooled_height: int, pooled_width: int, spatial_scale: float, sampling_ratio: int, aligned: bool"
+for _op, _f, _s, _g, _gs, _pn in (
+    ("instance_norm", instance_norm_forward, _GN_SIG + ", epsilon: float = 1e-5", instance_norm_grad,
+     "x: T, scale: T?, bias: T?, saved_mean: T, saved_variance: T, y_grad: T, epsilon: float = 1e-5", "InstanceNorm"),
+    ("roi_align", roi_align_forward, "x: T, boxes: T, boxes_num: T?, " + _ROI_ATTRS, roi_align_grad,
+     "x: T, boxes: T, boxes_num: T?, out_grad: T, " + _ROI_ATTRS, "RoiAlign"),
+):
+    register(_op, _f, _s, _g, _gs, kind="grad", grad_name=f"{_op}_grad",
+             forward_name=f"{_pn}InferSpmd", backward_name=f"{_pn}GradInferSpmd")  # fmt: skip

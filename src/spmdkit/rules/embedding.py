@@ -24,72 +24,53 @@ Rows are replicated where the vocab-parallel kernel cannot run: ``padding_idx !=
 axis from out; a SUM-partial out over a free mesh dim becomes the weight's row sharding
 (vocab parallel), and the outputs returned are those the inferred inputs produce (Paddle
 echoes out, partial included). Deviations: ``docs/deviations.md`` ``embedding-*``.
+
+Every rule runs a notation compiled per key (x's rank, argument order, rows replicated) on
+the engine; the reverse rule's vocab-parallel row sharding is a post-hook on its answer (no
+notation derives an input letter from an output's partial status).
 """
 
 from __future__ import annotations
 
-from spmdkit.core.dist_attr import ReduceType, TensorDistAttr
+from functools import lru_cache
+
+from spmdkit.core.dist_attr import ReduceType, TensorDistAttr, dims_entry, entry_dims
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
-from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.axes import one_mesh_dim_specs
-from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import (
-    ALPHABET,
-    Notation,
-    attr_as,
-    check_letters,
-    common_mesh,
-    einsum_backward,
-    fast_result,
-    merge_specs,
-    project_all,
-)
-from spmdkit.rules._common import forward_largest
+from spmdkit.engine.compile import Plan, compile_plan, infer
+from spmdkit.engine.notation import ALPHABET, Notation, common_mesh, fast_result
+from spmdkit.rules._common import check_int, forward_largest, op_rule, reverse_largest
 from spmdkit.rules.registry import register
 
 # batch letters of the ids: the alphabet without the weight's j (vocab) and k (hidden)
 _BATCH = "abcdefghilmnopqrstuvwxyz"
 
 
-def _batch(op: str, ndim: int) -> str:
-    if ndim > len(_BATCH):
-        raise ShapeMismatchError(f"{op}: x has {ndim} dims, at most {len(_BATCH)} are supported")
-    return _BATCH[:ndim]
+@lru_cache(maxsize=1024)
+def _plan(op: str, nd: int, kind: str, weight_first: bool, rows_replicated: bool) -> Plan:
+    """The compiled plan per key (x's rank, kind: forward / reverse / grad, argument order,
+    rows replicated): ``ab, jk -> abk`` (grad ``ab, jk, abk -> jk``), co-shards read as their
+    largest mesh dim."""
+    if nd > len(_BATCH):
+        raise ShapeMismatchError(f"{op}: x has {nd} dims, at most {len(_BATCH)} are supported")
+    b = _BATCH[:nd]
+    ins = ["jk", b] if weight_first else [b, "jk"]
+    if kind == "grad":
+        nt = Notation([*ins, b + "k"], ["jk"], "j" if rows_replicated else "", coshard="largest")
+    else:
+        nt = Notation(ins, [b + "k"], "j" if rows_replicated else "", coshard="largest")
+    return compile_plan(nt, "backward" if kind == "reverse" else "forward")
 
 
-def _check_weight(op: str, weight: DistTensorSpec) -> None:
+def _check(op: str, x: DistTensorSpec, weight: DistTensorSpec, out: DistTensorSpec | None = None,
+           name: str = "out_grad") -> None:
+    """weight is ``[vocab, hidden]``; ``out`` (where given) has shape ``x.shape + [hidden]``."""
     if len(weight.shape) != 2:
         raise ShapeMismatchError(
             f"{op}: weight (the embedding table) must be 2-D [vocab, hidden], got {len(weight.shape)}-D"
         )
-
-
-def _check_int(op: str, name: str, v: object) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise InvalidAttributeError(f"{op}: {name} must be an int, got {v!r}")
-    return v
-
-
-def _rows_replicated(op: str, padding_idx: object, sparse: object) -> bool:
-    return _check_int(op, "padding_idx", padding_idx) != -1 or bool(sparse)
-
-
-@memo()
-def _emb_notation(nd: int, weight_first: bool, rows_replicated: bool) -> Notation:
-    b = _BATCH[:nd]
-    ins = ["jk", b] if weight_first else [b, "jk"]
-    return Notation(ins, [b + "k"], replicated="j" if rows_replicated else "")
-
-
-@memo()
-def _emb_grad_notation(nd: int, weight_first: bool, rows_replicated: bool) -> Notation:
-    b = _BATCH[:nd]
-    ins = ["jk", b, b + "k"] if weight_first else [b, "jk", b + "k"]
-    return Notation(ins, ["jk"], replicated="j" if rows_replicated else "")
-
-
-def _check_out(op: str, x: DistTensorSpec, weight: DistTensorSpec, out: DistTensorSpec, name: str) -> None:
+    if out is None:
+        return
     want = (*x.shape, weight.shape[1])
     if len(out.shape) != len(want):
         raise ShapeMismatchError(f"{op}: {name} has {len(out.shape)} dims, expected x's {len(x.shape)} + 1")
@@ -98,83 +79,48 @@ def _check_out(op: str, x: DistTensorSpec, weight: DistTensorSpec, out: DistTens
             raise ShapeMismatchError(f"{op}: {name} has size {s} on axis {i}, expected {t} (x.shape + [hidden])")
 
 
-#: the hand-written forward where no axis is co-sharded; tests compare it with the notation
-#: engine, which answers every other case
-FAST = True
+def _rows_replicated(op: str, padding_idx: object, sparse: object) -> bool:
+    return check_int(op, "padding_idx", padding_idx) != -1 or bool(sparse)
 
 
-def _emb_fast(x: DistTensorSpec, weight: DistTensorSpec, rows_replicated: bool) -> SpmdResult | None:
-    """``ab, jk -> abk`` as the notation engine merges it: claims in order x's axes, j, k; a
-    mesh dim an earlier claim took is dropped; replicated rows claim nothing; out partial SUM
-    over j's mesh dim."""
-    xa, wa = x.dist_attr, weight.dist_attr
-    mesh = xa.mesh
-    if (wa.mesh is not mesh and wa.mesh != mesh) or len(x.shape) > len(_BATCH):
-        return None  # the generic path names what is wrong
-    used = 0
-    for e in xa.dims_mapping:
-        if e.__class__ is not int:
-            return None
-        if e >= 0:
-            used |= 1 << e  # a legal mapping uses a mesh dim once
-    j, k = wa.dims_mapping
-    if j.__class__ is not int or k.__class__ is not int:
-        return None
-    if rows_replicated:
-        j = -1
-    elif j >= 0:
-        if (used >> j) & 1:
-            j = -1
-        else:
-            used |= 1 << j
-    if k >= 0 and (used >> k) & 1:
-        k = -1
-    xdm = xa.dims_mapping
-    pt = ((j, ReduceType.SUM),) if j >= 0 else ()
-    return fast_result((attr_as(xa, mesh, xdm), TensorDistAttr.unchecked(mesh, (j, k))),
-                       (TensorDistAttr.unchecked(mesh, (*xdm, k), pt),))
+def _run(op: str, p: Plan, specs: tuple[DistTensorSpec, ...], names: tuple[str, ...]) -> SpmdResult:
+    return fast_result(*infer(p, op, specs, (), common_mesh(op, specs), names))
 
 
 def embedding_forward(x: DistTensorSpec, weight: DistTensorSpec, padding_idx: int = -1,
                       sparse: bool = False) -> SpmdResult:
     """embedding (EmbeddingInferSpmd): ``ab, jk -> abk``; sharded rows make out partial SUM."""
     op = "embedding"
-    _check_weight(op, weight)
-    rows = _rows_replicated(op, padding_idx, sparse)
-    if FAST:
-        r = _emb_fast(x, weight, rows)
-        if r is not None:
-            return r
-    n = _emb_notation(len(x.shape), False, rows)
-    return forward_largest(op, n, [x, weight], ["x", "weight"])
-
-
-def _reverse_rows(
-    n: Notation, merged: tuple[tuple[str, tuple[int, ...]], ...], out: DistTensorSpec, mesh: ProcessMesh
-) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """Out partial SUM over mesh dims no letter uses: the weight's rows sharded on them."""
-    if "j" in n.replicated or not out.dist_attr.partial:
-        return merged
-    used = {d for _, ds in merged for d in ds}
-    free = tuple(d for d, r in out.dist_attr.partial if r is ReduceType.SUM and d not in used)
-    if not free:
-        return merged
-    return (*((c, d) for c, d in merged if c != "j"), ("j", free))
+    _check(op, x, weight)
+    p = _plan(op, len(x.shape), "forward", False, _rows_replicated(op, padding_idx, sparse))
+    return _run(op, p, (x, weight), ("x", "weight"))
 
 
 def embedding_backward(x: DistTensorSpec, weight: DistTensorSpec, out: DistTensorSpec, padding_idx: int = -1,
                        sparse: bool = False) -> SpmdResult:
     """embedding (EmbeddingInferSpmdReverse): x and the hidden axis from out; out as they produce it."""
     op = "embedding"
-    _check_weight(op, weight)
-    _check_out(op, x, weight, out, "out")
-    n = _emb_notation(len(x.shape), False, _rows_replicated(op, padding_idx, sparse))
+    _check(op, x, weight, out, "out")
+    rows = _rows_replicated(op, padding_idx, sparse)
     mesh = common_mesh(op, (x, weight, out))
-    x, weight, out = one_mesh_dim_specs(x, weight, out)
-    check_letters(op, (*n.inputs, *n.outputs), (x, weight, out), ("x", "weight", "out"))
-    merged = tuple((c, d) for c, d in merge_specs(n, n.outputs, [out], mesh) if c in n.input_letters)
-    ins, outs = project_all(n, _reverse_rows(n, merged, out, mesh), mesh)
-    return fast_result(tuple(ins), tuple(outs))
+    ins, outs = infer(_plan(op, len(x.shape), "reverse", False, rows), op, (x, weight), (out,), mesh,
+                      ("x", "weight", "out"))
+    pt = out.dist_attr.partial
+    if rows or not pt:
+        return fast_result(ins, outs)
+    # Post-hook, vocab parallel: out partial SUM over mesh dims no letter uses means the weight's
+    # rows are sharded there (each rank looked up its own rows). No notation derives an input
+    # letter from an output's partial status, so the rows letter j is set here and out made
+    # partial over it, as the forward plan would (out lacks j).
+    used = {d for a in ins for e in a.dims_mapping for d in entry_dims(e)}  # type: ignore[union-attr]
+    free = tuple(d for d, r in pt if r is ReduceType.SUM and d not in used)
+    if not free:
+        return fast_result(ins, outs)
+    w, o = ins[1], outs[0]
+    assert w is not None and o is not None
+    make = TensorDistAttr.unchecked
+    return fast_result((ins[0], make(mesh, (dims_entry(free), w.dims_mapping[1]))),
+                       (make(mesh, o.dims_mapping, tuple(sorted((d, ReduceType.SUM) for d in free))),))
 
 
 def embedding_grad(x: DistTensorSpec, weight: DistTensorSpec, out_grad: DistTensorSpec, padding_idx: int = -1,
@@ -182,10 +128,9 @@ def embedding_grad(x: DistTensorSpec, weight: DistTensorSpec, out_grad: DistTens
     """embedding_grad (EmbeddingGradInferSpmd): ``ab, jk, abk -> jk``; weight_grad keeps the
     weight's row sharding and is partial SUM over the batch letters' mesh dims."""
     op = "embedding_grad"
-    _check_weight(op, weight)
-    _check_out(op, x, weight, out_grad, "out_grad")
-    n = _emb_grad_notation(len(x.shape), False, _rows_replicated(op, padding_idx, sparse))
-    return forward_largest(op, n, [x, weight, out_grad], ["x", "weight", "out_grad"])
+    _check(op, x, weight, out_grad)
+    p = _plan(op, len(x.shape), "grad", False, _rows_replicated(op, padding_idx, sparse))
+    return _run(op, p, (x, weight, out_grad), ("x", "weight", "out_grad"))
 
 
 # -- c_embedding (the vocab-parallel kernel with an explicit start index) ------------------------
@@ -196,31 +141,29 @@ def c_embedding_forward(weight: DistTensorSpec, x: DistTensorSpec, start_index: 
     """c_embedding (CEmbeddingInferSpmd): ``jk, ab -> abk``; ids outside
     ``[start_index, start_index + rows)`` give zeros, sharded rows make out partial SUM."""
     op = "c_embedding"
-    _check_weight(op, weight)
-    _check_int(op, "start_index", start_index)
-    _check_int(op, "vocab_size", vocab_size)
-    n = _emb_notation(len(x.shape), True, False)
-    return forward_largest(op, n, [weight, x], ["weight", "x"])
+    _check(op, x, weight)
+    check_int(op, "start_index", start_index)
+    check_int(op, "vocab_size", vocab_size)
+    return _run(op, _plan(op, len(x.shape), "forward", True, False), (weight, x), ("weight", "x"))
 
 
-def _make_c_embedding_grad(op: str):  # type: ignore[no-untyped-def]
-    def grad(weight: DistTensorSpec, x: DistTensorSpec, out_grad: DistTensorSpec, start_index: int = 0) -> SpmdResult:
-        _check_weight(op, weight)
-        _check_out(op, x, weight, out_grad, "out_grad")
-        _check_int(op, "start_index", start_index)
-        n = _emb_grad_notation(len(x.shape), True, False)
-        return forward_largest(op, n, [weight, x, out_grad], ["weight", "x", "out_grad"])
+def _c_embedding_grad(op: str, weight: DistTensorSpec, x: DistTensorSpec, out_grad: DistTensorSpec,
+                      start_index: int = 0) -> SpmdResult:
+    _check(op, x, weight, out_grad)
+    check_int(op, "start_index", start_index)
+    p = _plan(op, len(x.shape), "grad", True, False)
+    return _run(op, p, (weight, x, out_grad), ("weight", "x", "out_grad"))
 
-    grad.__name__ = op
-    grad.__doc__ = (f"{op} (CEmbeddingGradInferSpmd): ``jk, ab, abk -> jk``; weight_grad keeps the weight's "
-                    "sharding, partial SUM over the batch letters' mesh dims.")
-    return grad
+
+def _c_grad_rule(op: str):  # type: ignore[no-untyped-def]
+    return op_rule(op, _c_embedding_grad, f"{op} (CEmbeddingGradInferSpmd): ``jk, ab, abk -> jk``; weight_grad "
+                   "keeps the weight's sharding, partial SUM over the batch letters' mesh dims.")
 
 
 # -- one_hot ------------------------------------------------------------------------------------
 
 
-@memo()
+@lru_cache(maxsize=1024)
 def _one_hot_notation(nd: int) -> Notation:
     if nd >= len(ALPHABET):
         raise ShapeMismatchError(f"one_hot: x has {nd} dims, at most {len(ALPHABET) - 1} are supported")
@@ -229,7 +172,7 @@ def _one_hot_notation(nd: int) -> Notation:
 
 
 def _check_classes(num_classes: object) -> None:
-    if _check_int("one_hot", "num_classes", num_classes) < 1:
+    if check_int("one_hot", "num_classes", num_classes) < 1:
         raise InvalidAttributeError(f"one_hot: num_classes must be positive, got {num_classes}")
 
 
@@ -246,9 +189,7 @@ def one_hot_backward(x: DistTensorSpec, out: DistTensorSpec, num_classes: int) -
         raise ShapeMismatchError(f"one_hot: out has {len(out.shape)} dims, expected x's {len(x.shape)} + 1")
     if out.shape[-1] >= 0 and out.shape[-1] != num_classes:
         raise ShapeMismatchError(f"one_hot: out's last axis has {out.shape[-1]} classes, num_classes is {num_classes}")
-    x, out = one_mesh_dim_specs(x, out)
-    ins, outs = einsum_backward("one_hot", _one_hot_notation(len(x.shape)), [x], [out], ["x", "out"])
-    return fast_result(tuple(ins), tuple(outs))
+    return reverse_largest("one_hot", _one_hot_notation(len(x.shape)), [x], [out], ["x", "out"])
 
 
 register(
@@ -263,11 +204,11 @@ register(
 )  # fmt: skip
 register(
     "c_embedding", c_embedding_forward, "weight: T, x: T, start_index: int = 0, vocab_size: int = -1",
-    _make_c_embedding_grad("c_embedding"), "weight: T, x: T, out_grad: T, start_index: int = 0", kind="grad",
+    _c_grad_rule("c_embedding"), "weight: T, x: T, out_grad: T, start_index: int = 0", kind="grad",
     forward_name="CEmbeddingInferSpmd", backward_name="CEmbeddingGradInferSpmd",
 )  # fmt: skip
 register(
-    "c_embedding_grad", _make_c_embedding_grad("c_embedding_grad"),
+    "c_embedding_grad", _c_grad_rule("c_embedding_grad"),
     "weight: T, x: T, out_grad: T, start_index: int = 0", forward_name="CEmbeddingGradInferSpmd",
 )  # fmt: skip
 register(
