@@ -223,39 +223,43 @@ def _x_grad_whole(ins: Any, outs: Any, *args: object) -> Answer:
 
 
 _ENV.update(_trailing=_trailing)
-_ND_KEY = "x, index, (index.shape[-1] if index.shape else 0)"
+
+
+def _nd_way(kind: str, paddle: str, doc: str, check: str = "", x: str = "x", **kw: Any) -> Way:
+    """A gather_nd / scatter_nd_add mode keyed by the ranks of x (``x``: its parameter) and index
+    and the coordinate count; ``check``: the tensor shaped ``index.shape[:-1] + x.shape[k:]``."""
+    t = f"_trailing({check!r}, {check}, index, {x})" if check else None
+    return Way(partial(nd_notation, kind), key=f"{x}, index, (index.shape[-1] if index.shape else 0)", letters=True,
+               env=_ENV, check=t, paddle=paddle, doc=doc, **kw)  # fmt: skip
+
+
 declare(
     "gather_nd", "x: T, index: T",
-    Way(partial(nd_notation, "gather_nd"), key=_ND_KEY, letters=True, paddle="GatherNdInferSpmd",
-        doc="gather_nd (GatherNdInferSpmd): ``XT, Bq -> BT``; indexed axes and coordinates replicated."),
-    reverse=Way(partial(nd_notation, "gather_nd"), key=_ND_KEY, letters=True, env=_ENV,
-                check="_trailing('out', out, index, x)", paddle="GatherNdInferSpmdReverse",
-                doc="gather_nd (GatherNdInferSpmdReverse): B to the index, T to x, from out."),
+    _nd_way("gather_nd", "GatherNdInferSpmd",
+            "gather_nd (GatherNdInferSpmd): ``XT, Bq -> BT``; indexed axes and coordinates replicated."),
+    reverse=_nd_way("gather_nd", "GatherNdInferSpmdReverse",
+                    "gather_nd (GatherNdInferSpmdReverse): B to the index, T to x, from out.", "out"),
     outputs="out: T",
 )  # fmt: skip
 declare(
     "gather_nd_grad", "x: T, index: T, out_grad: T",
-    Way(partial(nd_notation, "gather_nd_grad"), key=_ND_KEY, letters=True, env=_ENV,
-        check="_trailing('out_grad', out_grad, index, x)", paddle="GatherNdGradInferSpmd",
-        doc="gather_nd_grad (GatherNdGradInferSpmd): ``XT, Bq, BT -> XT``; x_grad partial SUM over B's mesh dims."),
+    _nd_way("gather_nd_grad", "GatherNdGradInferSpmd", "gather_nd_grad (GatherNdGradInferSpmd): ``XT, Bq, BT -> XT``; "
+            "x_grad partial SUM over B's mesh dims.", "out_grad"),
 )  # fmt: skip
 declare(
     "scatter_nd_add", "x: T, index: T, updates: T",
-    Way(partial(nd_notation, "scatter_nd_add"), key=_ND_KEY, letters=True, env=_ENV, post=_batch_sum,
-        check="_trailing('updates', updates, index, x)", paddle="ScatterNdAddInferSpmd",
-        doc="scatter_nd_add (ScatterNdAddInferSpmd): ``XT, Bq, BT -> XT``; a sharded batch B makes out partial "
-            "SUM and asks for x partial SUM over the same mesh dims."),
-    reverse=Way(partial(nd_notation, "scatter_nd_add_rev"), key=_ND_KEY, letters=True, env=_ENV,
-                check="_trailing('updates', updates, index, x)", paddle="ScatterNdAddInferSpmdReverse",
-                doc="scatter_nd_add (ScatterNdAddInferSpmdReverse): T from out to x and updates; X, B replicated."),
+    _nd_way("scatter_nd_add", "ScatterNdAddInferSpmd", "scatter_nd_add (ScatterNdAddInferSpmd): ``XT, Bq, BT -> "
+            "XT``; a sharded batch B makes out partial SUM and asks for x partial SUM over the same mesh dims.",
+            "updates", post=_batch_sum),
+    reverse=_nd_way("scatter_nd_add_rev", "ScatterNdAddInferSpmdReverse", "scatter_nd_add "
+                    "(ScatterNdAddInferSpmdReverse): T from out to x and updates; X, B replicated.", "updates"),
     outputs="out: T",
 )  # fmt: skip
 declare(
     "scatter_nd_add_grad", "index: T, updates: T, out_grad: T",
-    Way(partial(nd_notation, "scatter_nd_add_grad"), key="out_grad, index, (index.shape[-1] if index.shape else 0)", letters=True, env=_ENV,
-        check="_trailing('updates', updates, index, out_grad)", post=_x_grad_whole,
-        doc="scatter_nd_add_grad: ``Bq, BT, XT -> XT, BT``; x_grad = out_grad, updates_grad = gather_nd(out_grad)."),
-)  # fmt: skip
+    _nd_way("scatter_nd_add_grad", "", "scatter_nd_add_grad: ``Bq, BT, XT -> XT, BT``; x_grad = out_grad, "
+            "updates_grad = gather_nd(out_grad).", "updates", "out_grad", post=_x_grad_whole),
+)
 
 
 # -- scatter --------------------------------------------------------------------------------------

@@ -373,28 +373,31 @@ register("label_smooth", label_smooth_forward, "label: T, prior_dist: T?, epsilo
 # -- c_softmax_with_multi_label_cross_entropy ------------------------------------------------------
 
 _ML_ATTRS = "ignore_index: int = -100, sum_multi_label_loss: bool = True, rank: int = 0, nranks: int = 1"
-_ML_CALL = "ignore_index, sum_multi_label_loss, rank, nranks"
-_ML_KEY = "x, bool(sum_multi_label_loss)"
+
+
+def _ml_way(kind: str, check: str, paddle: str, doc: str, x: str = "x", **kw: Any) -> Way:
+    """A mode of the multi-label loss keyed by the rank of x (``x``: its parameter) and
+    sum_multi_label_loss; ``check``: what :func:`_ml` checks besides the attributes."""
+    return Way(partial(ml_notation, kind), key=f"{x}, bool(sum_multi_label_loss)", letters=True, env=_ENV,
+               check=f"_ml(_OP, {x}, label, smooth_weight, ignore_index, sum_multi_label_loss, rank, nranks{check})",
+               paddle=paddle, doc=doc, **kw)  # fmt: skip
+
+
 declare(
     "c_softmax_with_multi_label_cross_entropy", f"x: T, label: T, smooth_weight: T, {_ML_ATTRS}",
-    Way(partial(ml_notation, "forward"), key=_ML_KEY, letters=True, env=_ENV, post=_ml_partial,
-        check=f"_ml(_OP, x, label, smooth_weight, {_ML_CALL})", paddle="CSoftmaxWithMultiLabelCrossEntropyInferSpmd",
-        doc="c_softmax_with_multi_label_cross_entropy (CSoftmaxWithMultiLabelCrossEntropyInferSpmd): batch axes "
-            "merged, the class axis keeps its sharding, the label axis follows label and smooth_weight; the summed "
-            "loss partial SUM over the label axis' mesh dims."),
-    reverse=Way(partial(ml_notation, "forward"), key=_ML_KEY, letters=True, env=_ENV, post=_ml_partial,
-                check=f"_ml(_OP, x, label, smooth_weight, {_ML_CALL}, softmax=softmax, loss=loss)",
-                paddle="CSoftmaxWithMultiLabelCrossEntropyInferSpmdReverse",
-                doc="c_softmax_with_multi_label_cross_entropy reverse (Paddle has none): the inputs from softmax and "
-                    "loss; the outputs those inputs produce."),
+    _ml_way("forward", "", "CSoftmaxWithMultiLabelCrossEntropyInferSpmd", post=_ml_partial,
+            doc="c_softmax_with_multi_label_cross_entropy (CSoftmaxWithMultiLabelCrossEntropyInferSpmd): batch axes "
+                "merged, the class axis keeps its sharding, the label axis follows label and smooth_weight; the "
+                "summed loss partial SUM over the label axis' mesh dims."),
+    reverse=_ml_way("forward", ", softmax=softmax, loss=loss", "CSoftmaxWithMultiLabelCrossEntropyInferSpmdReverse",
+                    post=_ml_partial, doc="c_softmax_with_multi_label_cross_entropy reverse (Paddle has none): the "
+                    "inputs from softmax and loss; the outputs those inputs produce."),
     outputs="softmax: T, loss: T",
 )  # fmt: skip
 declare(
     "c_softmax_with_multi_label_cross_entropy_grad", f"softmax: T, label: T, smooth_weight: T, loss_grad: T, {_ML_ATTRS}",
-    Way(partial(ml_notation, "grad"), key="softmax, bool(sum_multi_label_loss)", letters=True, env=_ENV,
-        check=f"_ml(_OP, softmax, label, smooth_weight, {_ML_CALL}, 'softmax', loss_grad=loss_grad)",
-        paddle="CSoftmaxWithMultiLabelCrossEntropyGradSpmd",
-        doc="c_softmax_with_multi_label_cross_entropy_grad (CSoftmaxWithMultiLabelCrossEntropyGradSpmd): batch "
-            "axes merged, the class axis keeps its sharding (each rank subtracts the labels in its class range), "
-            "the label axis replicated; x_grad as softmax."),
+    _ml_way("grad", ", 'softmax', loss_grad=loss_grad", "CSoftmaxWithMultiLabelCrossEntropyGradSpmd", x="softmax",
+            doc="c_softmax_with_multi_label_cross_entropy_grad (CSoftmaxWithMultiLabelCrossEntropyGradSpmd): batch "
+                "axes merged, the class axis keeps its sharding (each rank subtracts the labels in its class range), "
+                "the label axis replicated; x_grad as softmax."),
 )  # fmt: skip
