@@ -180,10 +180,9 @@ def _grouped_heads(fn: Callable[..., SpmdResult], signature: str) -> Callable[..
     qi, ki = names.index("q"), names.index("k_")
 
     def call(*args: Any) -> SpmdResult:
-        q, k = args[qi], args[ki]
-        if len(args) <= max(qi, ki) or len(q.shape) != 4 or len(k.shape) != 4:
-            return fn(*args)
-        hq, hk = q.shape[2], k.shape[2]
+        if len(args) <= max(qi, ki) or len(args[qi].shape) != 4 or len(args[ki].shape) != 4:
+            return fn(*args)  # the checks say what is wrong
+        hq, hk = args[qi].shape[2], args[ki].shape[2]
         if hq == hk or hk <= 0:
             return fn(*args)
         new = list(args)

@@ -44,9 +44,9 @@ from spmdkit.rules._common import check_like
 from spmdkit.rules.registry import register
 
 
-def binary(n_in: int, outs: int, nd: int, y: int, unit: int, seed: int = -1) -> Notation:
+def binary(n_in: int, outs: int, nd: int, y: int, unit: int, seed: int = -2) -> Notation:
     """``n_in`` tensors of x's shape merged as Paddle's ElementwiseBinaryInferSpmd (``outs``
-    outputs of that shape; ``seed``: the rank of a replicated seed_offset output, -1 absent):
+    outputs of that shape, and an unlabelled seed_offset output where ``seed`` > -2):
     each co-shard read as its largest mesh dim, claims in tensor order, the first claimer of an
     axis keeps it, a claimed mesh dim is dropped later, a size-1 axis (``unit`` bit mask)
     claims its mesh dim and shards nothing. Without y (swiglu's halved x): x and the halves
@@ -56,7 +56,7 @@ def binary(n_in: int, outs: int, nd: int, y: int, unit: int, seed: int = -1) -> 
         ts: list[str | None] = [a, None, a][:n_in]
         return Notation(ts, [a, None][:outs], replicated=a[-1:], prune="*")
     a = "".join(BROADCAST if unit >> i & 1 else c for i, c in enumerate(letters_for(nd)))
-    seeds = [] if seed == -2 else [None if seed < 0 else BROADCAST * seed]
+    seeds = [] if seed == -2 else [None]
     return Notation([a] * n_in, [a] * outs + seeds, coshard="largest", conflict="first", unit_axes="claim")
 
 
@@ -130,11 +130,10 @@ def _keep_partial(ins: Any, outs: Any, seed_offset: Any, out_grad: DistTensorSpe
     return (ins[0], a), (a, a)
 
 
-def _seed_replicated(ins: Any, outs: Any, *args: object) -> Answer:
-    """seed_offset is replicated, never partial (the engine makes an output that lacks the
-    sharded letters partial over their mesh dims)."""
-    seed = outs[1]
-    return ins, (outs[0], None if seed is None else make_attr(seed.mesh, seed.dims_mapping))
+def _seed(ins: Any, outs: Any, x: DistTensorSpec, y: object, out: object = None, seed_offset: object = 0) -> Answer:
+    """seed_offset ``[2]`` replicated (where the reverse rule is given one); the notation leaves
+    it unlabelled (it lacks every letter, so the engine would make it partial)."""
+    return ins, (outs[0], None if seed_offset is None else make_attr(x.dist_attr.mesh, (-1,)))
 
 
 def _y_absent(fn, signature, outputs):  # type: ignore[no-untyped-def]
@@ -177,11 +176,11 @@ declare(
 )  # fmt: skip
 declare(
     "fused_dropout_add", "x: T, y: T",
-    Way(_binary(2, 1, 1), key="x, 0, ones(x)", check="_fda(_OP, x, y)", env=_ENV, post=_seed_replicated, paddle="FusedDropoutAddSpmdBase",
+    Way(_binary(2, 1, -1), key="x, 0, ones(x)", check="_fda(_OP, x, y)", env=_ENV, post=_seed,
+        paddle="FusedDropoutAddSpmdBase",
         doc="fused_dropout_add (FusedDropoutAddSpmdBase): x, y and out merged elementwise, seed_offset replicated."),
-    reverse=Way(_binary(2, 1), key="x, 0, ones(x), seed_offset", check="_fda(_OP, x, y, out, seed_offset)", env=_ENV,
-                post=_seed_replicated,
-                paddle="FusedDropoutAddSpmdReverseBase",
+    reverse=Way(_binary(2, 1, -1), key="x, 0, ones(x)", check="_fda(_OP, x, y, out, seed_offset)", env=_ENV,
+                post=_seed, paddle="FusedDropoutAddSpmdReverseBase",
                 doc="fused_dropout_add (FusedDropoutAddSpmdReverseBase): x, y from out; the outputs are what x "
                     "and y produce."),
     outputs="out: T, seed_offset: T? = None",

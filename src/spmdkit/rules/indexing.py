@@ -46,7 +46,7 @@ gather_nd_grad there misses the partial x_grad of a sharded index batch.
 
 from __future__ import annotations
 
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any
 
 from spmdkit.core.dist_attr import ReduceType
@@ -324,6 +324,7 @@ declare(
 # -- where ----------------------------------------------------------------------------------------
 
 
+@lru_cache(maxsize=4096)
 def where_notation(grad: bool, nc: int, nx: int, ny: int, mc: int, mx: int, my: int) -> Notation:
     """Elementwise with numpy broadcasting over condition, x, y (ranks ``n*``, size-1 axes
     ``m*``): a size-1 axis is ``1`` (never sharded) unless every tensor has size 1 there; the
