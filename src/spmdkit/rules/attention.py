@@ -106,17 +106,17 @@ def _fa(op: str, q: DistTensorSpec, k: DistTensorSpec, v: DistTensorSpec, mask: 
             _eq(op, ms[1], qs[2], "attn_mask's num_heads is neither 1 nor q's num_heads")
         _eq(op, ms[2], qs[1], "attn_mask's seq_q differs from q's seq_len")
         _eq(op, ms[3], ks[1], "attn_mask's seq_kv differs from k's seq_len")
-    for n, t in more.items():
-        if t is None:
+    for n, o in more.items():
+        if o is None:
             continue
         if n == "softmax_lse":
-            _ndim(op, t, n, (3,), "3-D [batch, heads, seq_q]")
-            _like(op, n, t, (qs[0], qs[2], qs[1]), "q")
+            _ndim(op, o, n, (3,), "3-D [batch, heads, seq_q]")
+            _like(op, n, o, (qs[0], qs[2], qs[1]), "q")
         elif n == "softmax":
-            _ndim(op, t, n, (4,), "4-D [batch, heads, seq_q, seq_kv]")
+            _ndim(op, o, n, (4,), "4-D [batch, heads, seq_q, seq_kv]")
         else:  # out, out_grad
-            _ndim(op, t, n, (4,), "4-D [batch, seq_q, heads, head_dim_v]")
-            _like(op, n, t, (qs[0], qs[1], qs[2], vs[3]), "q, k, v")
+            _ndim(op, o, n, (4,), "4-D [batch, seq_q, heads, head_dim_v]")
+            _like(op, n, o, (qs[0], qs[1], qs[2], vs[3]), "q, k, v")
 
 
 # ---------------------------------------------------------------------------
@@ -361,7 +361,7 @@ def _rope_grad_order(fn: Callable[..., SpmdResult], signature: str, outputs: Any
 
     def grad(sin: Any, cos: Any, position_ids: Any, out_q_grad: Any, out_k_grad: Any = None, out_v_grad: Any = None,
              *attrs: Any) -> SpmdResult:  # fmt: skip
-        r = fn(out_q_grad, out_k_grad, out_v_grad, sin, cos, position_ids, *attrs)
+        r: Any = fn(out_q_grad, out_k_grad, out_v_grad, sin, cos, position_ids, *attrs)
         return fast_result((*r.inputs[3:], *r.inputs[:3]), r.outputs)
 
     return zero_d_absent(grad, _ROPE_GRAD, ("sin", "cos", "position_ids", "out_k_grad", "out_v_grad"))

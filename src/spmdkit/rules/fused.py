@@ -56,8 +56,8 @@ def binary(n_in: int, outs: int, nd: int, y: int, unit: int, seed: int = -2) -> 
         ts: list[str | None] = [a, None, a][:n_in]
         return Notation(ts, [a, None][:outs], replicated=a[-1:], prune="*")
     a = "".join(BROADCAST if unit >> i & 1 else c for i, c in enumerate(letters_for(nd)))
-    seeds = [] if seed == -2 else [None]
-    return Notation([a] * n_in, [a] * outs + seeds, coshard="largest", conflict="first", unit_axes="claim")
+    seeds: list[str | None] = [] if seed == -2 else [None]
+    return Notation([a] * n_in, [*([a] * outs), *seeds], coshard="largest", conflict="first", unit_axes="claim")
 
 
 def _halved(src: DimsMapping, ins: Any, outs: Any) -> Answer:

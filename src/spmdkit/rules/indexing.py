@@ -367,8 +367,8 @@ def _broadcast(condition: DistTensorSpec, x: DistTensorSpec, y: DistTensorSpec,
         return
     if len(out.shape) != nd:
         raise ShapeMismatchError(f"{oname} has {len(out.shape)} dims, the broadcast shape {want} has {nd}")
-    for i, (s, w) in enumerate(zip(out.shape, want)):
-        _same(s, w, f"{oname} has size {s} on axis {i}, the broadcast shape has {w}")
+    for i, (v, w) in enumerate(zip(out.shape, want)):
+        _same(v, w, f"{oname} has size {v} on axis {i}, the broadcast shape has {w}")
 
 
 _ENV.update(_broadcast=_broadcast)

@@ -25,6 +25,7 @@ Deviations from Paddle 3.3.1 (docs/deviations.md, ``misc-*``): conflicts Paddle 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import partial
 
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
@@ -49,11 +50,11 @@ def roll_notation(n_in: int, coshard: str, nd: int, shifts: int, axis: tuple[int
     if not axis:
         if shifts != 1:
             raise InvalidAttributeError(f"without axis, shifts must have 1 entry, got {shifts}")
-        rolled = range(nd)
+        rolled: Iterable[int] = range(nd)
     elif len(axis) != shifts:
         raise InvalidAttributeError(f"axis has {len(axis)} entries but shifts has {shifts} (they must be equal)")
     else:
-        rolled = sorted({normalize_axis("", a, nd) for a in axis}) if nd else range(0)
+        rolled = sorted({normalize_axis("", a, nd) for a in axis}) if nd else ()
     a = letters_for(nd)
     return Notation([a] * n_in, [a], replicated="".join(a[i] for i in rolled), coshard=coshard)
 
