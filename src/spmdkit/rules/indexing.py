@@ -52,10 +52,9 @@ from typing import Any
 from spmdkit.core.dist_attr import ReduceType
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError, SpmdError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.axes import make_attr, one_mesh_dim_per_axis, unpartial
-from spmdkit.engine.declare import Answer, Way, declare, generate, ones, renamed
-from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, common_mesh, fast_result, merge_specs, project_all
-from spmdkit.rules.registry import register
+from spmdkit.engine.axes import make_attr, unpartial
+from spmdkit.engine.declare import Answer, Way, declare, ones
+from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation
 
 Shape = tuple[int, ...]
 _INDEX = {0: "", 1: "k", 2: "k1"}  # a gather / scatter index: 0-d, [N] or [N, 1]
@@ -375,37 +374,51 @@ _ENV.update(_broadcast=_broadcast)
 _W_KEY = "condition, x, y, ones(condition), ones(x), ones(y)"
 
 
-def where_forward(condition: DistTensorSpec, x: DistTensorSpec, y: DistTensorSpec) -> SpmdResult:
-    """where (WhereInferSpmd): elementwise over the broadcast shape; condition and x merged
-    (y's own sharding is read only on the axes neither of them has, as Paddle merges)."""
-    op = "where"
-    mesh = common_mesh(op, (condition, x, y))
-    try:
-        _broadcast(condition, x, y)
-        n = where_notation(False, len(condition.shape), len(x.shape), len(y.shape), ones(condition), ones(x), ones(y))
-    except SpmdError as e:
-        raise renamed(e, op) from None
-    c_axes, x_axes, y_full = (a or "" for a in n.inputs)
-    seen = set(c_axes) | set(x_axes)
-    y_axes = "".join(c if c not in seen else BROADCAST for c in y_full)
-    specs = [one_mesh_dim_per_axis(t) for t in (condition, x, y)]
-    return fast_result(*map(tuple, project_all(n, merge_specs(n, (c_axes, x_axes, y_axes), specs, mesh), mesh)))
+@lru_cache(maxsize=4096)
+def _x_letters(*key: int) -> tuple[int, ...]:
+    """The axes of y whose letters condition or x carries."""
+    c, x, y = where_notation(False, *key).inputs
+    seen = set(c or "") | set(x or "")
+    return tuple(j for j, ch in enumerate(y or "") if ch in seen)
 
 
-def _where_way(paddle: str, doc: str, grad: bool, out: str) -> Way:
-    return Way(partial(where_notation, grad), key=_W_KEY, letters=True, env=_ENV, paddle=paddle, doc=doc,
-               check=f"_broadcast(condition, x, y, {out}, {out!r})")
+def _y_unread(fn: Any, signature: str, outputs: Any) -> Any:
+    """where's forward: Paddle merges condition and x; y's own sharding is read only on the axes
+    neither of them has (its other entries are read as unsharded before the merge)."""
+
+    def where(condition: DistTensorSpec, x: DistTensorSpec, y: DistTensorSpec) -> SpmdResult:
+        a = y.dist_attr
+        dm = a.dims_mapping
+        if dm.count(-1) < len(dm):
+            try:
+                axes = _x_letters(len(condition.shape), len(x.shape), len(y.shape), ones(condition), ones(x), ones(y))
+            except SpmdError:
+                return fn(condition, x, y)  # its checks say what is wrong
+            if any(dm[j] != -1 for j in axes):
+                cleared = tuple(-1 if j in axes else e for j, e in enumerate(dm))
+                y = DistTensorSpec(y.shape, make_attr(a.mesh, cleared, a.partial))
+        return fn(condition, x, y)
+
+    where.__doc__ = fn.__doc__
+    return where
 
 
-register(
-    "where", where_forward, "condition: T, x: T, y: T",
-    generate("where", "condition: T, x: T, y: T, output: T",
-             _where_way("WhereInferSpmdReverse", "where (WhereInferSpmdReverse): every input from out (broadcast axes "
-                        "replicated).", False, "output"), "backward", ("output",), name="where_backward"),
-    kind="reverse", outputs="output: T", forward_name="WhereInferSpmd", backward_name="WhereInferSpmdReverse",
+def _where_way(paddle: str, doc: str, grad: bool, out: str = "", **kw: Any) -> Way:
+    return Way(partial(where_notation, grad), key=_W_KEY, env=_ENV, paddle=paddle, doc=doc,
+               check=f"condition.shape == x.shape == y.shape{f' == {out}.shape' if out else ''} or "
+                     f"_broadcast(condition, x, y{f', {out}, {out!r}' if out else ''})", **kw)  # fmt: skip
+
+
+declare(
+    "where", "condition: T, x: T, y: T",
+    _where_way("WhereInferSpmd", "where (WhereInferSpmd): elementwise over the broadcast shape; condition and x "
+               "merged (y's own sharding is read only on the axes neither of them has).", False, wrap=_y_unread),
+    reverse=_where_way("WhereInferSpmdReverse", "where (WhereInferSpmdReverse): every input from out (broadcast "
+                       "axes replicated).", False, "output", letters=True),
+    outputs="output: T",
 )  # fmt: skip
 declare(
     "where_grad", "condition: T, x: T, y: T, out_grad: T",
     _where_way("WhereGradInferSpmd", "where_grad (WhereGradInferSpmd): elementwise; a grad is partial SUM over the "
-               "mesh dims of the broadcast axes its input lacks.", True, "out_grad"),
+               "mesh dims of the broadcast axes its input lacks.", True, "out_grad", letters=True),
 )  # fmt: skip
