@@ -46,6 +46,7 @@ gather_nd_grad there misses the partial x_grad of a sharded index batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache, partial
 from typing import Any
 
@@ -382,7 +383,7 @@ def _x_letters(*key: int) -> tuple[int, ...]:
     return tuple(j for j, ch in enumerate(y or "") if ch in seen)
 
 
-def _y_unread(fn: Any, signature: str, outputs: Any) -> Any:
+def _y_unread(fn: Callable[..., SpmdResult], signature: str, outputs: Any) -> Callable[..., SpmdResult]:
     """where's forward: Paddle merges condition and x; y's own sharding is read only on the axes
     neither of them has (its other entries are read as unsharded before the merge)."""
 
