@@ -64,15 +64,16 @@ conflicts Paddle raises on.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 from spmdkit.core.dist_attr import ReduceType, entry_dims
-from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError, SpmdError
+from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.axes import make_attr, normalize_axis, one_mesh_dim_per_axis, unpartial
-from spmdkit.engine.declare import Answer, Way, declare, generate, renamed
-from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, fast_result, merge_specs, named_mesh, project_all
+from spmdkit.engine.axes import make_attr, normalize_axis, one_mesh_dim, unpartial
+from spmdkit.engine.declare import Answer, Way, declare, generate
+from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, fast_result
 from spmdkit.rules._common import check_bool, check_int, check_ndim
 from spmdkit.rules.registry import register
 
@@ -301,54 +302,55 @@ declare(
 # -- label_smooth -------------------------------------------------------------------------------
 
 
-def _smooth_notation(nd: int) -> Notation:
-    """label_smooth without prior_dist, ``abc, _ -> abc``: the class axis replicated (the kernel
-    adds epsilon / the class count it sees); elsewhere, as Paddle's elementwise unary rule, the
-    mesh dims that do not divide an axis dropped (minor first)."""
-    a = ALPHABET[:nd]
-    return Notation([a, None], [a], replicated=a[-1], prune="*")
-
-
-_SMOOTH = generate("label_smooth", "label: T, prior_dist: T?, epsilon: float = 0.0",
-                   Way(_smooth_notation, key="label"), name="label_smooth_unary")
-
-
-def label_smooth_forward(label: DistTensorSpec, prior_dist: DistTensorSpec | None = None,
-                         epsilon: float = 0.0) -> SpmdResult:
-    """LabelSmoothInferSpmd: elementwise with prior_dist; without it the class axis replicated."""
-    op = "label_smooth"
-    nd = len(label.shape)
+def smooth_notation(nd: int, pn: int, lm: int, pm: int) -> Notation:
+    """label_smooth over label (rank ``nd``, size-1 axes ``lm``) and prior_dist (rank ``pn``,
+    -1 absent; size-1 axes ``pm``): with prior_dist an elementwise binary op (right-aligned
+    letters, a size-1 axis ``1``: never sharded, as Paddle's elementwise rules), each co-shard
+    read as its largest mesh dim; without it ``abc, _ -> abc`` with the class axis replicated
+    (the kernel adds epsilon / the class count it sees) and elsewhere, as Paddle's elementwise
+    unary rule, the mesh dims that do not divide an axis dropped (minor first)."""
     if nd == 0:
-        raise ShapeMismatchError(f"{op}: label must have at least 1 dim (the class axis)")
-    if nd > len(ALPHABET):
-        raise ShapeMismatchError(f"{op}: tensors of more than {len(ALPHABET)} dims are not supported")
-    if prior_dist is None:
-        return _SMOOTH(label, None, epsilon)
-    mesh = named_mesh(op, (("label", label), ("prior_dist", prior_dist)))
-    pn = len(prior_dist.shape)
+        raise ShapeMismatchError("label must have at least 1 dim (the class axis)")
+    _letters(nd)
+    a = ALPHABET[:nd]
+    if pn < 0:
+        return Notation([a, None], [a], replicated=a[-1], prune="*")
+    la = "".join(BROADCAST if lm >> i & 1 else c for i, c in enumerate(a))
+    pa = "".join(BROADCAST if pm >> i & 1 else a[nd - pn + i] for i in range(pn))
+    return Notation([la, pa], [la], coshard="largest")
+
+
+def _prior(label: DistTensorSpec, prior_dist: DistTensorSpec | None) -> None:
+    """prior_dist broadcasts (from the right) onto label."""
+    if prior_dist is None or not label.shape:
+        return
+    nd, pn = len(label.shape), len(prior_dist.shape)
     if pn > nd:
-        raise ShapeMismatchError(f"{op}: prior_dist has {pn} dims, more than label's {nd}")
-    off = nd - pn
+        raise ShapeMismatchError(f"prior_dist has {pn} dims, more than label's {nd}")
     for i, s in enumerate(prior_dist.shape):
-        t = label.shape[off + i]
+        t = label.shape[nd - pn + i]
         if s != t and s != 1 and s >= 0 and t >= 0:
-            raise ShapeMismatchError(f"{op}: prior_dist axis {i} has size {s}, which does not broadcast onto label's {t}")
-    # right-aligned broadcast letters, a size-1 axis ``1`` (never sharded, as Paddle's elementwise rules)
-    la = "".join(BROADCAST if v == 1 else c for v, c in zip(label.shape, ALPHABET))
-    pa = "".join(BROADCAST if s == 1 else ALPHABET[off + i] for i, s in enumerate(prior_dist.shape))
-    # Paddle drops prior_dist's mesh dims that label's leading (extra) axes use
-    label = one_mesh_dim_per_axis(label)
-    lead = {d for e in label.dist_attr.dims_mapping[:off] for d in entry_dims(e)}
-    pdm = prior_dist.dist_attr.dims_mapping
-    if lead:
-        pdm = tuple(_drop_dims(e, lead) for e in pdm)
-    p2 = one_mesh_dim_per_axis(DistTensorSpec(prior_dist.shape, make_attr(mesh, pdm)))
-    n = Notation((la, pa), (la,))
-    try:
-        ins, outs = project_all(n, merge_specs(n, (la, pa), (label, p2), mesh), mesh)
-    except SpmdError as e:
-        raise renamed(e, op) from None
-    return fast_result(tuple(ins), tuple(outs))
+            raise ShapeMismatchError(f"prior_dist axis {i} has size {s}, which does not broadcast onto label's {t}")
+
+
+def _lead_unread(fn: Callable[..., SpmdResult], signature: str, outputs: Any) -> Callable[..., SpmdResult]:
+    """As Paddle, prior_dist's mesh dims that label's leading (extra) axes use (each co-shard
+    read as its largest mesh dim) are dropped from prior_dist before the merge."""
+
+    def label_smooth(label: DistTensorSpec, prior_dist: DistTensorSpec | None = None,
+                     epsilon: float = 0.0) -> SpmdResult:  # fmt: skip
+        if prior_dist is not None:
+            off = len(label.shape) - len(prior_dist.shape)
+            a = label.dist_attr
+            lead = {d for e in one_mesh_dim(a.dims_mapping[:off], a.mesh.shape) for d in entry_dims(e)} if off > 0 else ()
+            p = prior_dist.dist_attr
+            if lead and any(d in lead for e in p.dims_mapping for d in entry_dims(e)):
+                dm = tuple(_drop_dims(e, lead) for e in p.dims_mapping)
+                prior_dist = DistTensorSpec(prior_dist.shape, make_attr(p.mesh, dm, p.partial))
+        return fn(label, prior_dist, epsilon)
+
+    label_smooth.__doc__ = fn.__doc__
+    return label_smooth
 
 
 def _drop_dims(e: Any, drop: set[int]) -> Any:
@@ -362,12 +364,15 @@ def _as_out_grad(nd: int) -> Notation:
     return Notation([ALPHABET[:nd]], [ALPHABET[:nd]])
 
 
-_LS_GRAD = Way(_as_out_grad, key="out_grad", paddle="LabelSmoothGradInferSpmd",
-               doc="LabelSmoothGradInferSpmd: out_grad and label_grad sharded as out_grad, not partial.")
-register("label_smooth", label_smooth_forward, "label: T, prior_dist: T?, epsilon: float = 0.0",
-         generate("label_smooth_grad", "out_grad: T, epsilon: float = 0.0", _LS_GRAD, name="label_smooth_grad"),
-         "out_grad: T, epsilon: float = 0.0", kind="grad", grad_name="label_smooth_grad",
-         forward_name="LabelSmoothInferSpmd", backward_name="LabelSmoothGradInferSpmd")  # fmt: skip
+declare(
+    "label_smooth", "label: T, prior_dist: T?, epsilon: float = 0.0",
+    Way(smooth_notation, key="label, prior_dist, ones(label), ones(prior_dist)", check="_prior(label, prior_dist)",
+        env={"_prior": _prior}, wrap=_lead_unread, paddle="LabelSmoothInferSpmd",
+        doc="LabelSmoothInferSpmd: elementwise with prior_dist; without it the class axis replicated."),
+    grad=Way(_as_out_grad, key="out_grad", paddle="LabelSmoothGradInferSpmd",
+             doc="LabelSmoothGradInferSpmd: out_grad and label_grad sharded as out_grad, not partial."),
+    grad_signature="out_grad: T, epsilon: float = 0.0", grad_name="label_smooth_grad",
+)  # fmt: skip
 
 
 # -- c_softmax_with_multi_label_cross_entropy ------------------------------------------------------
