@@ -194,6 +194,7 @@ def _fda_grad_notation(so_rank: int, nd: int) -> Notation:
     return Notation([None if so_rank < 0 else BROADCAST * so_rank, a], [a, a])
 
 
+# the attribute p is read by the checks only: the generated function keeps its plan in a local p
 declare(
     "fused_dropout_add_grad",
     "seed_offset: T?, out_grad: T, p: scalar = 0.5, is_test: bool = False, mode: str = 'upscale_in_train', "

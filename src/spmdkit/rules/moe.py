@@ -113,6 +113,7 @@ declare(
                  "a rank holds (partial SUM over s), grad_combine_weights sums over h (partial SUM over h)."),
     grad_signature="x: T, combine_weights: T, scatter_index: T, grad_y: T", grad_name="moe_combine_grad",
 )  # fmt: skip
+# the attribute k is read by the checks only: the generated function keeps its key in a local k
 declare(
     "moe_gate_dispatch", "x: T, gate_logits: T, corr_bias: T?, k: int, capacity: int, use_pad: bool",
     Way(_dispatch, key="corr_bias", env=_ENV, letters=True, post=_no_partial, paddle="MoEGateDispatchInferSpmd",
