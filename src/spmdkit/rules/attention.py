@@ -44,30 +44,24 @@ kernel is the forward kernel with sin negated).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import re
+from collections.abc import Callable
+from typing import Any
 
-from spmdkit.core.dist_attr import DimsMapping, TensorDistAttr
+from spmdkit.core.dist_attr import DimsMapping
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
-from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.axes import mesh_size, one_mesh_dim, replicated_like
-from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import BROADCAST, fast_result, merge_letters, named_mesh, project
+from spmdkit.engine.axes import make_attr, one_mesh_dim
+from spmdkit.engine.declare import Answer, Way, generate
+from spmdkit.engine.notation import BROADCAST, Notation, fast_result
 from spmdkit.rules._absent import zero_d_absent
 from spmdkit.rules.registry import register, reverse_signature
 
 Shape = tuple[int, ...]
-Letters = dict[str, tuple[int, ...]]
-_make = TensorDistAttr.unchecked
-
 
 # ---------------------------------------------------------------------------
-# helpers
+# checks (ShapeMismatchError / InvalidAttributeError naming the op and the tensor)
 # ---------------------------------------------------------------------------
-
-
-def _mesh(op: str, named: Iterable[tuple[str, DistTensorSpec | None]]) -> ProcessMesh:
-    return named_mesh(op, named)
 
 
 def _ndim(op: str, t: DistTensorSpec, name: str, nds: tuple[int, ...], what: str) -> None:
@@ -80,66 +74,18 @@ def _eq(op: str, a: int, b: int, what: str) -> None:
         raise ShapeMismatchError(f"{op}: {what} ({a} vs {b})")
 
 
-def _dm(t: DistTensorSpec | None) -> DimsMapping | None:
-    return None if t is None else t.dist_attr.dims_mapping
+def _like(op: str, name: str, t: DistTensorSpec, want: Shape, what: str) -> None:
+    for i, (a, b) in enumerate(zip(t.shape, want)):
+        _eq(op, a, b, f"{name} axis {i} differs from what {what} give{'s' if what == 'q' else ''}")
 
 
-def _shape(t: DistTensorSpec | None) -> Shape | None:
-    return None if t is None else t.shape
-
-
-# ---------------------------------------------------------------------------
-# flash_attention
-# ---------------------------------------------------------------------------
-
-_Q, _K, _V, _OUT, _SM, _LSE = "bshd", "bthd", "bthe", "bshe", "bhst", "bhs"
-_FA_REPL = frozenset("sdte")
-
-
-def _mask_axes(ms: Shape, b: int, h: int) -> str:
-    """attn_mask ``[b|1, h|1, s, t]``: a size-1 batch / head axis broadcasts."""
-    return ("b" if ms[0] != 1 else BROADCAST) + ("h" if ms[1] != 1 else BROADCAST) + "st"
-
-
-def _single(dm: DimsMapping | None, mesh_shape: Shape) -> DimsMapping | None:
-    """A co-sharded entry keeps its largest mesh dim, as Paddle's ShardingMergeForTensors does."""
-    return None if dm is None else one_mesh_dim(dm, mesh_shape)
-
-
-def _unshard_heads(axes: str | None, dm: DimsMapping | None, hk: int, mesh_shape: Shape) -> DimsMapping | None:
-    if axes is None or dm is None or "h" not in axes:
-        return dm
-    i = axes.index("h")
-    e = dm[i]
-    if isinstance(e, int) and e >= 0 and hk % mesh_shape[e] != 0:
-        return (*dm[:i], -1, *dm[i + 1:])
-    return dm
-
-
-def _fa_letters(
-    axes: tuple[str | None, ...],
-    mappings: tuple[DimsMapping | None, ...],
-    shapes: tuple[Shape | None, ...],
-    hq: int,
-    hk: int,
-    mesh_shape: Shape,
-) -> Letters:
-    single = tuple(_single(m, mesh_shape) for m in mappings)
-    if hq != hk and hk > 0:
-        # grouped heads: a mesh dim that does not divide the kv heads cannot shard them
-        # (dropped before the merge, so that it stays free for the batch axis)
-        single = tuple(_unshard_heads(a, m, hk, mesh_shape) for a, m in zip(axes, single))
-    merged = dict(merge_letters(axes, single, shapes, _FA_REPL, "", mesh_shape))
-    d = merged.get("h", ())
-    if d and hq != hk and hk > 0:
-        # grouped heads: every rank must hold whole kv heads for its q heads
-        while d and hk % mesh_size(mesh_shape, d) != 0:
-            d = d[:-1]
-        merged["h"] = d
-    return merged
-
-
-def _check_qkv(op: str, q: DistTensorSpec, k: DistTensorSpec, v: DistTensorSpec) -> tuple[int, int]:
+def _fa(op: str, q: DistTensorSpec, k: DistTensorSpec, v: DistTensorSpec, mask: DistTensorSpec | None,
+        dropout: float, **more: DistTensorSpec | None) -> None:  # fmt: skip
+    """dropout in [0, 1); q, k, v ``[b, s|t, h|hk, d|e]`` (hk dividing h); attn_mask
+    ``[b|1, h|1, s, t]``; ``more``: out / out_grad ``[b, s, h, e]``, softmax_lse ``[b, h, s]``,
+    softmax 4-D."""
+    if not 0.0 <= dropout < 1.0:
+        raise InvalidAttributeError(f"{op}: dropout must be in [0, 1), got {dropout}")
     for n, t in (("q", q), ("k", k), ("v", v)):
         _ndim(op, t, n, (4,), "4-D [batch, seq, heads, head_dim]")
     qs, ks, vs = q.shape, k.shape, v.shape
@@ -151,176 +97,180 @@ def _check_qkv(op: str, q: DistTensorSpec, k: DistTensorSpec, v: DistTensorSpec)
     hq, hk = qs[2], ks[2]
     if hk == 0 or (hq >= 0 and hk > 0 and hq % hk != 0):
         raise ShapeMismatchError(f"{op}: q's num_heads {hq} is not a multiple of k's {hk}")
-    return hq, hk
+    if mask is not None:
+        _ndim(op, mask, "attn_mask", (4,), "4-D [batch, heads, seq_q, seq_kv]")
+        ms = mask.shape
+        if ms[0] != 1:
+            _eq(op, ms[0], qs[0], "attn_mask's batch is neither 1 nor q's batch")
+        if ms[1] != 1:
+            _eq(op, ms[1], qs[2], "attn_mask's num_heads is neither 1 nor q's num_heads")
+        _eq(op, ms[2], qs[1], "attn_mask's seq_q differs from q's seq_len")
+        _eq(op, ms[3], ks[1], "attn_mask's seq_kv differs from k's seq_len")
+    for n, o in more.items():
+        if o is None:
+            continue
+        if n == "softmax_lse":
+            _ndim(op, o, n, (3,), "3-D [batch, heads, seq_q]")
+            _like(op, n, o, (qs[0], qs[2], qs[1]), "q")
+        elif n == "softmax":
+            _ndim(op, o, n, (4,), "4-D [batch, heads, seq_q, seq_kv]")
+        else:  # out, out_grad
+            _ndim(op, o, n, (4,), "4-D [batch, seq_q, heads, head_dim_v]")
+            _like(op, n, o, (qs[0], qs[1], qs[2], vs[3]), "q, k, v")
 
 
-def _check_mask(op: str, mask: DistTensorSpec | None, q: DistTensorSpec, k: DistTensorSpec) -> str | None:
-    if mask is None:
+# ---------------------------------------------------------------------------
+# flash_attention
+# ---------------------------------------------------------------------------
+
+_Q, _K, _V, _OUT, _SM, _LSE = "bshd", "bthd", "bthe", "bshe", "bhst", "bhs"
+
+
+def _mask(rank: int, unit: int) -> str | None:
+    """attn_mask ``[b|1, h|1, s, t]``: a size-1 batch / head axis broadcasts (never sharded)."""
+    if rank < 0:
         return None
-    _ndim(op, mask, "attn_mask", (4,), "4-D [batch, heads, seq_q, seq_kv]")
-    ms, qs = mask.shape, q.shape
-    if ms[0] != 1:
-        _eq(op, ms[0], qs[0], "attn_mask's batch is neither 1 nor q's batch")
-    if ms[1] != 1:
-        _eq(op, ms[1], qs[2], "attn_mask's num_heads is neither 1 nor q's num_heads")
-    _eq(op, ms[2], qs[1], "attn_mask's seq_q differs from q's seq_len")
-    _eq(op, ms[3], k.shape[1], "attn_mask's seq_kv differs from k's seq_len")
-    return _mask_axes(ms, qs[0], qs[2])
+    return ("1" if unit & 1 else "b") + ("1" if unit & 2 else "h") + "st"
 
 
-def _check_attrs(op: str, dropout: float) -> None:
-    if not 0.0 <= dropout < 1.0:
-        raise InvalidAttributeError(f"{op}: dropout must be in [0, 1), got {dropout}")
+def _ones(rank: int) -> str | None:
+    return None if rank < 0 else BROADCAST * rank
 
 
-@memo()
-def _fa_forward_plan(
-    qs: Shape, ks: Shape, ma: str | None, ms: Shape | None,
-    qd: DimsMapping, kd: DimsMapping, md: DimsMapping | None, mesh_shape: Shape,
-) -> tuple[DimsMapping, ...]:
-    # as Paddle: k's mapping stands in for v's in the merge
-    letters = _fa_letters((_Q, _K, _K, ma), (qd, kd, kd, md), (qs, ks, ks, ms), qs[2], ks[2], mesh_shape)
-    return (project(_Q, letters), project(_K, letters), project(_V, letters),
-            project(ma, letters) if ma else (), project(_OUT, letters), project(_SM, letters),
-            project(_LSE, letters))  # fmt: skip
+def fa_notation(kind: str, fso: int, mask: int, unit: int, *ranks: int) -> Notation:
+    """The letters of flash_attention's tensors in Paddle's order, ``s t d e`` replicated, each
+    co-shard read as its largest mesh dim:
+
+    * forward ``q k v fixed_seed_offset attn_mask -> out softmax softmax_lse seed_offset``:
+      ``bshd, bthd, bthe, 1, bhst -> bshe, bhst, bhs, 1``, merged over q, k and attn_mask (as
+      Paddle, k's mapping stands in for v's: the same claims);
+    * reverse, over ``q k v fixed_seed_offset attn_mask out softmax softmax_lse seed_offset``:
+      merged over v (read in out's place, a Paddle quirk; the letters that differ are
+      replicated) and softmax_lse, the first claim kept (Paddle's merge sees no shapes);
+    * grad ``q k v out softmax_lse seed_offset attn_mask out_grad -> q_grad k_grad v_grad``:
+      merged over q, k, v, out, softmax_lse and out_grad (the larger tensor wins)."""
+    ma = _mask(mask, unit)
+    if kind == "forward":
+        return Notation([_Q, _K, _V, _ones(fso), ma], [_OUT, _SM, _LSE, None], replicated="sdte",
+                        coshard="largest", sources=(0, 1, 4))  # fmt: skip
+    if kind == "reverse":
+        sm, lse, seed = ranks
+        return Notation([_Q, _K, _V, _ones(fso), ma, _OUT, None if sm < 0 else _SM, None if lse < 0 else _LSE,
+                         None if seed < 0 else "1"], [], replicated="sdte", coshard="largest", conflict="first",
+                        sources=(2, 7))  # fmt: skip
+    (seed,) = ranks
+    return Notation([_Q, _K, _V, _OUT, _LSE, _ones(seed), ma, _OUT], [_Q, _K, _V], replicated="sdte",
+                    coshard="largest", sources=(0, 1, 2, 3, 4, 7))  # fmt: skip
 
 
-def flash_attention_forward(
-    q: DistTensorSpec,
-    k: DistTensorSpec,
-    v: DistTensorSpec,
-    fixed_seed_offset: DistTensorSpec | None = None,
-    attn_mask: DistTensorSpec | None = None,
-    dropout: float = 0.0,
-    causal: bool = False,
-    return_softmax: bool = False,
-    is_test: bool = False,
-) -> SpmdResult:
-    """flash_attention (FlashAttInferSpmdStatic): batch and heads sharded, the rest replicated."""
-    op = "flash_attention"
-    mesh = _mesh(op, [("q", q), ("k", k), ("v", v), ("fixed_seed_offset", fixed_seed_offset),
-                      ("attn_mask", attn_mask)])
-    _check_attrs(op, dropout)
-    _check_qkv(op, q, k, v)
-    ma = _check_mask(op, attn_mask, q, k)
-    qd, kd, vd, mkd, od, sd, ld = _fa_forward_plan(
-        q.shape, k.shape, ma, _shape(attn_mask), q.dist_attr.dims_mapping, k.dist_attr.dims_mapping,
-        _dm(attn_mask), mesh.shape,
-    )
-    return fast_result(
-        (_make(mesh, qd), _make(mesh, kd), _make(mesh, vd), replicated_like(mesh, fixed_seed_offset),
-         None if attn_mask is None else _make(mesh, mkd)),
-        (_make(mesh, od), _make(mesh, sd), _make(mesh, ld), _make(mesh, (-1,))),
-    )  # fmt: skip
+#: the head axis of each flash_attention tensor that has one
+_HEADS = {"q": 2, "k_": 2, "v": 2, "out": 2, "out_grad": 2, "softmax": 1, "softmax_lse": 1, "attn_mask": 1}
 
 
-@memo()
-def _fa_reverse_plan(
-    qs: Shape, ks: Shape, ma: str | None, vd: DimsMapping, lse_d: DimsMapping | None, mesh_shape: Shape
-) -> tuple[DimsMapping, ...]:
-    # as Paddle: v's mapping stands in for out's
-    letters = _fa_letters((_OUT, _LSE if lse_d is not None else None), (vd, lse_d), (None, None),
-                          qs[2], ks[2], mesh_shape)
-    return (project(_Q, letters), project(_K, letters), project(_V, letters),
-            project(ma, letters) if ma else (), project(_OUT, letters), project(_SM, letters),
-            project(_LSE, letters))  # fmt: skip
+def _grouped_heads(fn: Callable[..., SpmdResult], signature: str) -> Callable[..., SpmdResult]:
+    """Grouped heads (k's num_heads hk below q's): a mesh dim that does not divide hk cannot
+    shard the heads, so each tensor's head entry (its co-shard read as the largest mesh dim)
+    drops it before the merge, leaving the mesh dim free for the batch axis (Paddle checks
+    only k's own mesh dim). What the merge then gives divides hk: every rank holds whole kv
+    heads for its q heads."""
+    from spmdkit.rules.registry import parse_signature
+
+    names = [p.name for p in parse_signature(signature)]
+    heads = [(i, _HEADS[n]) for i, n in enumerate(names) if n in _HEADS]
+    qi, ki = names.index("q"), names.index("k_")
+
+    def call(*args: Any) -> SpmdResult:
+        if len(args) <= max(qi, ki) or len(args[qi].shape) != 4 or len(args[ki].shape) != 4:
+            return fn(*args)  # the checks say what is wrong
+        hq, hk = args[qi].shape[2], args[ki].shape[2]
+        if hq == hk or hk <= 0:
+            return fn(*args)
+        new = list(args)
+        for i, ax in heads:
+            t = args[i] if i < len(args) else None
+            if t is None or len(t.shape) <= ax or (ax == 1 and names[i] == "attn_mask" and t.shape[1] == 1):
+                continue
+            a = t.dist_attr
+            dm = one_mesh_dim(a.dims_mapping, a.mesh.shape)
+            e = dm[ax] if len(dm) > ax else -1
+            if isinstance(e, int) and e >= 0 and hk % a.mesh.shape[e] != 0:
+                dm = (*dm[:ax], -1, *dm[ax + 1 :])
+            if dm is not a.dims_mapping:
+                new[i] = DistTensorSpec(t.shape, make_attr(a.mesh, dm, a.partial))
+        return fn(*new)
+
+    call.__doc__ = fn.__doc__
+    return call
 
 
-def flash_attention_backward(
-    q: DistTensorSpec,
-    k: DistTensorSpec,
-    v: DistTensorSpec,
-    fixed_seed_offset: DistTensorSpec | None,
-    attn_mask: DistTensorSpec | None,
-    out: DistTensorSpec,
-    softmax: DistTensorSpec | None,
-    softmax_lse: DistTensorSpec | None,
-    seed_offset: DistTensorSpec | None,
-    dropout: float = 0.0,
-    causal: bool = False,
-    return_softmax: bool = False,
-    is_test: bool = False,
-) -> SpmdResult:
-    """flash_attention (FlashAttInferSpmdReverse): q, k, v from out and softmax_lse; the
-    outputs returned are those the inferred inputs produce."""
-    op = "flash_attention"
-    mesh = _mesh(op, [("q", q), ("k", k), ("v", v), ("fixed_seed_offset", fixed_seed_offset),
-                      ("attn_mask", attn_mask), ("out", out), ("softmax", softmax),
-                      ("softmax_lse", softmax_lse), ("seed_offset", seed_offset)])
-    _check_attrs(op, dropout)
-    _check_qkv(op, q, k, v)
-    ma = _check_mask(op, attn_mask, q, k)
-    _ndim(op, out, "out", (4,), "4-D [batch, seq_q, heads, head_dim_v]")
-    qs, vs = q.shape, v.shape
-    for i, (a, b) in enumerate(zip(out.shape, (qs[0], qs[1], qs[2], vs[3]))):
-        _eq(op, a, b, f"out axis {i} differs from what q, k, v give")
-    if softmax_lse is not None:
-        _ndim(op, softmax_lse, "softmax_lse", (3,), "3-D [batch, heads, seq_q]")
-        for i, (a, b) in enumerate(zip(softmax_lse.shape, (qs[0], qs[2], qs[1]))):
-            _eq(op, a, b, f"softmax_lse axis {i} differs from what q gives")
-    if softmax is not None:
-        _ndim(op, softmax, "softmax", (4,), "4-D [batch, heads, seq_q, seq_kv]")
-    qd, kd, vd, mkd, od, sd, ld = _fa_reverse_plan(
-        qs, k.shape, ma, v.dist_attr.dims_mapping, _dm(softmax_lse), mesh.shape
-    )
-    return fast_result(
-        (_make(mesh, qd), _make(mesh, kd), _make(mesh, vd), replicated_like(mesh, fixed_seed_offset),
-         None if attn_mask is None else _make(mesh, mkd)),
-        (_make(mesh, od), None if softmax is None else _make(mesh, sd),
-         None if softmax_lse is None else _make(mesh, ld), None if seed_offset is None else _make(mesh, (-1,))),
-    )  # fmt: skip
+def _fa_seed(ins: Any, outs: Any, *args: object) -> Answer:
+    """seed_offset ``[2]`` replicated (the engine would make it partial: it lacks every letter)."""
+    return ins, (*outs[:3], make_attr(ins[0].mesh, (-1,)))
 
 
-@memo()
-def _fa_grad_plan(
-    qs: Shape, ks: Shape, ma: str | None,
-    mappings: tuple[DimsMapping | None, ...], shapes: tuple[Shape | None, ...], mesh_shape: Shape,
-) -> tuple[DimsMapping, ...]:
-    axes = (_Q, _K, _V, _OUT, _LSE, _OUT)
-    letters = _fa_letters(axes, mappings, shapes, qs[2], ks[2], mesh_shape)
-    return (project(_Q, letters), project(_K, letters), project(_V, letters),
-            project(ma, letters) if ma else (), project(_OUT, letters), project(_LSE, letters))  # fmt: skip
+def _fa_split(ins: Any, outs: Any, *args: object) -> Answer:
+    """The reverse, generated over all its tensors: the first five are the op's inputs."""
+    return ins[:5], ins[5:]
 
 
-def flash_attention_grad(
-    q: DistTensorSpec,
-    k: DistTensorSpec,
-    v: DistTensorSpec,
-    out: DistTensorSpec,
-    softmax_lse: DistTensorSpec,
-    seed_offset: DistTensorSpec | None,
-    attn_mask: DistTensorSpec | None,
-    out_grad: DistTensorSpec,
-    dropout: float = 0.0,
-    causal: bool = False,
-) -> SpmdResult:
-    """flash_attention_grad (FlashAttGradInferSpmd): q_grad, k_grad, v_grad sharded as q, k, v
-    (batch and heads only)."""
-    op = "flash_attention_grad"
-    mesh = _mesh(op, [("q", q), ("k", k), ("v", v), ("out", out), ("softmax_lse", softmax_lse),
-                      ("seed_offset", seed_offset), ("attn_mask", attn_mask), ("out_grad", out_grad)])
-    _check_attrs(op, dropout)
-    _check_qkv(op, q, k, v)
-    ma = _check_mask(op, attn_mask, q, k)
-    qs, vs = q.shape, v.shape
-    want_out = (qs[0], qs[1], qs[2], vs[3])
-    for n, t in (("out", out), ("out_grad", out_grad)):
-        _ndim(op, t, n, (4,), "4-D [batch, seq_q, heads, head_dim_v]")
-        for i, (a, b) in enumerate(zip(t.shape, want_out)):
-            _eq(op, a, b, f"{n} axis {i} differs from what q, k, v give")
-    _ndim(op, softmax_lse, "softmax_lse", (3,), "3-D [batch, heads, seq_q]")
-    for i, (a, b) in enumerate(zip(softmax_lse.shape, (qs[0], qs[2], qs[1]))):
-        _eq(op, a, b, f"softmax_lse axis {i} differs from what q gives")
-    ts = (q, k, v, out, softmax_lse, out_grad)
-    qd, kd, vd, mkd, od, ld = _fa_grad_plan(
-        qs, k.shape, ma, tuple(t.dist_attr.dims_mapping for t in ts), tuple(t.shape for t in ts), mesh.shape
-    )
-    qa, ka, va, oa = _make(mesh, qd), _make(mesh, kd), _make(mesh, vd), _make(mesh, od)
-    return fast_result(
-        (qa, ka, va, oa, _make(mesh, ld), replicated_like(mesh, seed_offset),
-         None if attn_mask is None else _make(mesh, mkd), oa),
-        (qa, ka, va),
-    )  # fmt: skip
+def _wrap(names: tuple[Any, ...], gqa: bool = True, outputs: tuple[str, ...] = ()) -> Callable[..., Any]:
+    """What is registered: grouped heads (see _grouped_heads) inside, and a 0-D optional tensor
+    (shape []) read as absent (spmdkit.rules._absent) outside (``outputs``: the tensors
+    answered as outputs, where the generated function's are not)."""
+
+    def wrap(fn: Callable[..., SpmdResult], signature: str, outs: Any) -> Callable[..., SpmdResult]:
+        return zero_d_absent(_grouped_heads(fn, signature) if gqa else fn, signature, names, outputs or outs)
+
+    return wrap
+
+
+def _reverse_signature(forward: str, outputs: str) -> str:
+    """The registry's reverse signature, its optional tensors before the outputs without their
+    default (Python cannot generate a default before a required parameter)."""
+    sig = reverse_signature(forward, outputs)
+    head, _, tail = sig.partition(outputs.split(":")[0] + ":")
+    return head.replace(" = None", "") + outputs.split(":")[0] + ":" + tail
+
+
+def _k_(signature: str) -> str:
+    """The signature with the tensor ``k`` spelled ``k_``: the generated function keeps its key in
+    a local ``k`` (engine/declare), which must not hide the tensor."""
+    return re.sub(r"\bk: T", "k_: T", signature)
+
+
+_ENV = {"_fa": _fa}
+_FA_ATTRS = "dropout: float = 0.0, causal: bool = False, return_softmax: bool = False, is_test: bool = False"
+_FA_FWD = "q: T, k: T, v: T, fixed_seed_offset: T? = None, attn_mask: T? = None, " + _FA_ATTRS
+_FA_OUTS = "out: T, softmax: T?, softmax_lse: T?, seed_offset: T?"
+_FA_KEY = "fixed_seed_offset, attn_mask, ones(attn_mask)"
+_FA = Way(lambda *k: fa_notation("forward", *k), key=_FA_KEY, check="_fa(_OP, q, k_, v, attn_mask, dropout)",
+          env=_ENV, post=_fa_seed, wrap=_wrap(("fixed_seed_offset", "attn_mask")),
+          paddle="FlashAttInferSpmdStatic",
+          doc="flash_attention (FlashAttInferSpmdStatic): batch and heads sharded, the rest replicated.")
+# of the outputs, only softmax may be absent (where return_softmax is false: the op makes it
+# only when asked); softmax_lse and seed_offset always exist
+_FA_REV = Way(lambda *k: fa_notation("reverse", *k), key=_FA_KEY + ", softmax, softmax_lse, seed_offset", env=_ENV,
+              check="_fa(_OP, q, k_, v, attn_mask, dropout, out=out, softmax_lse=softmax_lse, softmax=softmax)",
+              post=_fa_split, paddle="FlashAttInferSpmdReverse",
+              wrap=_wrap(("fixed_seed_offset", "attn_mask", ("softmax", lambda args: not args[11])),
+                         outputs=("out", "softmax", "softmax_lse", "seed_offset")),
+              doc="flash_attention (FlashAttInferSpmdReverse): q, k, v from out and softmax_lse; the outputs "
+                  "returned are those the inferred inputs produce.")
+register(
+    "flash_attention", generate("flash_attention", _k_(_FA_FWD), _FA, name="flash_attention_forward"), _FA_FWD,
+    # generated over all the tensors in the forward direction (it merges v and softmax_lse only)
+    generate("flash_attention", _k_(_reverse_signature(_FA_FWD, _FA_OUTS)), _FA_REV, name="flash_attention_backward"),
+    kind="reverse", outputs=_FA_OUTS, forward_name=_FA.paddle, backward_name=_FA_REV.paddle,
+)  # fmt: skip
+_FA_GRAD_SIG = ("q: T, k: T, v: T, out: T, softmax_lse: T, seed_offset: T?, attn_mask: T?, out_grad: T, "
+                "dropout: float = 0.0, causal: bool = False")
+_FA_GRAD = Way(lambda *k: fa_notation("grad", 0, *k), key="attn_mask, ones(attn_mask), seed_offset", env=_ENV,
+               check="_fa(_OP, q, k_, v, attn_mask, dropout, out=out, out_grad=out_grad, softmax_lse=softmax_lse)",
+               wrap=_wrap(("seed_offset", "attn_mask")), paddle="FlashAttGradInferSpmd",
+               doc="flash_attention_grad (FlashAttGradInferSpmd): q_grad, k_grad, v_grad sharded as q, k, v (batch "
+                   "and heads only).")
+register("flash_attention_grad", generate("flash_attention_grad", _k_(_FA_GRAD_SIG), _FA_GRAD), _FA_GRAD_SIG,
+         forward_name=_FA_GRAD.paddle)
 
 
 # ---------------------------------------------------------------------------
@@ -328,16 +278,9 @@ def flash_attention_grad(
 # ---------------------------------------------------------------------------
 
 
-def _rope_check(
-    op: str,
-    qn: str,
-    q: DistTensorSpec,
-    others: list[tuple[str, DistTensorSpec | None]],
-    sin: DistTensorSpec | None,
-    cos: DistTensorSpec | None,
-    position_ids: DistTensorSpec | None,
-    time_major: bool,
-) -> None:
+def _rope(op: str, qn: str, q: DistTensorSpec, others: list[tuple[str, DistTensorSpec | None]],
+          sin: DistTensorSpec | None, cos: DistTensorSpec | None, position_ids: DistTensorSpec | None,
+          time_major: bool) -> None:  # fmt: skip
     _ndim(op, q, qn, (4,), "4-D [batch, seq, heads, head_dim]")
     for n, t in others:
         if t is not None:
@@ -370,171 +313,95 @@ def _rope_check(
         raise ShapeMismatchError(f"{op}: sin/cos seq_len {sl} is shorter than {qn}'s {s}")
 
 
-@memo()
-def _rope_plan(
-    mappings: tuple[DimsMapping | None, ...],
-    shapes: tuple[Shape | None, ...],
-    ids_axes: str | None,
-    sin_nd: int,
-    has_ids: bool,
-    time_major: bool,
-    mesh_shape: Shape,
-) -> tuple[DimsMapping, DimsMapping, DimsMapping | None]:
-    """(q's dims_mapping, sin/cos's, position_ids')."""
-    qkv = "sbhd" if time_major else "bshd"
-    axes = (qkv, qkv, qkv, ids_axes)
-    single = tuple(_single(m, mesh_shape) for m in mappings)
-    # as Paddle: every axis takes part in the merge (claiming its mesh dim), and head_dim
-    # (and seq_len where it cannot stay sharded) is unsharded afterwards
-    merged = dict(merge_letters(axes, single, shapes, frozenset(), "", mesh_shape))
-    merged["d"] = ()
-    if not sin_nd or has_ids:
-        merged["s"] = ()
-    qd = project(qkv, merged)
-    sd: DimsMapping = ()
-    if sin_nd:
-        sd = project("1s1d" if sin_nd == 4 else "sd", merged)
-    idd = None
-    if has_ids:
-        idd = project("bs", {"b": merged.get("b", ())})
-    return qd, sd, idd
-
-
-def _rope_infer(
-    op: str,
-    names: tuple[str, str, str],
-    q: DistTensorSpec,
-    k: DistTensorSpec | None,
-    v: DistTensorSpec | None,
-    sin: DistTensorSpec | None,
-    cos: DistTensorSpec | None,
-    position_ids: DistTensorSpec | None,
-    time_major: bool,
-    merge_ids: bool,
-) -> tuple[tuple[TensorDistAttr | None, ...], tuple[TensorDistAttr | None, ...]]:
-    """((q, k, v) answers, None where absent; (sin, cos, position_ids) answers)."""
-    mesh = _mesh(op, [(names[0], q), (names[1], k), (names[2], v), ("sin", sin), ("cos", cos),
-                      ("position_ids", position_ids)])
-    _rope_check(op, names[0], q, [(names[1], k), (names[2], v)], sin, cos, position_ids, time_major)
-    has_ids = position_ids is not None
-    ids_axes = "bs" if has_ids and merge_ids else None
-    qd, sd, idd = _rope_plan(
-        (q.dist_attr.dims_mapping, _dm(k), _dm(v), _dm(position_ids) if ids_axes else None),
-        (q.shape, _shape(k), _shape(v), _shape(position_ids) if ids_axes else None),
-        ids_axes, 0 if sin is None else len(sin.shape), has_ids, time_major, mesh.shape,
-    )
-    qa = _make(mesh, qd)
-    sa = None if sin is None else _make(mesh, sd)
-    ia = None if idd is None else _make(mesh, idd)
-    return (qa, None if k is None else qa, None if v is None else qa), (sa, sa, ia)
-
-
-def fused_rope_forward(
-    q: DistTensorSpec,
-    k: DistTensorSpec | None = None,
-    v: DistTensorSpec | None = None,
-    sin: DistTensorSpec | None = None,
-    cos: DistTensorSpec | None = None,
-    position_ids: DistTensorSpec | None = None,
-    use_neox_rotary_style: bool = True,
-    time_major: bool = False,
-    rotary_emb_base: float = 10000.0,
-) -> SpmdResult:
-    """fused_rotary_position_embedding (FusedRopeInferSpmd): q, k, v and the outputs alike;
-    head_dim replicated, seq_len sharded only with sin/cos and without position_ids."""
-    qkv, tables = _rope_infer("fused_rotary_position_embedding", ("q", "k", "v"), q, k, v, sin, cos,
-                                position_ids, time_major, True)
-    return fast_result(qkv + tables, qkv)
-
-
-def fused_rope_backward(
-    q: DistTensorSpec,
-    k: DistTensorSpec | None,
-    v: DistTensorSpec | None,
-    sin: DistTensorSpec | None,
-    cos: DistTensorSpec | None,
-    position_ids: DistTensorSpec | None,
-    out_q: DistTensorSpec,
-    out_k: DistTensorSpec | None = None,
-    out_v: DistTensorSpec | None = None,
-    use_neox_rotary_style: bool = True,
-    time_major: bool = False,
-    rotary_emb_base: float = 10000.0,
-) -> SpmdResult:
-    """fused_rotary_position_embedding (FusedRopeInferSpmdReverse): the inputs from out_q,
-    out_k, out_v; the outputs are what the inputs produce."""
-    op = "fused_rotary_position_embedding"
-    _mesh(op, [("q", q), ("out_q", out_q)])
-    _rope_check(op, "q", q, [("k", k), ("v", v), ("out_q", out_q)], None, None, None, time_major)
+def _rope_reverse(op: str, q: DistTensorSpec, k: Any, v: Any, out_q: DistTensorSpec, out_k: Any, out_v: Any,
+                  time_major: bool) -> None:  # fmt: skip
+    _rope(op, "q", q, [("k", k), ("v", v), ("out_q", out_q)], None, None, None, time_major)
     if (k is None) != (out_k is None) or (v is None) != (out_v is None):
         raise ShapeMismatchError(f"{op}: out_k / out_v must be given exactly where k / v are")
-    qkv, tables = _rope_infer(op, ("out_q", "out_k", "out_v"), out_q, out_k, out_v, sin, cos, position_ids,
-                                time_major, False)
-    return fast_result(qkv + tables, qkv)
 
 
-def fused_rope_grad(
-    sin: DistTensorSpec | None,
-    cos: DistTensorSpec | None,
-    position_ids: DistTensorSpec | None,
-    out_q_grad: DistTensorSpec,
-    out_k_grad: DistTensorSpec | None = None,
-    out_v_grad: DistTensorSpec | None = None,
-    use_neox_rotary_style: bool = True,
-    time_major: bool = False,
-    rotary_emb_base: float = 10000.0,
-) -> SpmdResult:
-    """fused_rotary_position_embedding_grad (FusedRopeGradInferSpmd): the forward rule on the grads."""
-    qkv, tables = _rope_infer("fused_rotary_position_embedding_grad", ("out_q_grad", "out_k_grad", "out_v_grad"),
-                                out_q_grad, out_k_grad, out_v_grad, sin, cos, position_ids, time_major, True)
-    return fast_result(tables + qkv, qkv)
+def rope_notation(kind: str, k: int, v: int, sin: int, ids: int, time_major: bool) -> Notation:
+    """``bshd, bshd, bshd, 1s1d, 1s1d, bs -> bshd, bshd, bshd`` (q, k, v, sin, cos, position_ids
+    -> out_q, out_k, out_v; time_major ``sbhd``; 2-D sin / cos ``sd``), each co-shard read as
+    its largest mesh dim, merged over q, k, v and position_ids (the reverse: over out_q, out_k,
+    out_v); every axis claims its mesh dim, and :func:`_rope_post` then unshards d (and s where
+    it cannot stay sharded), as Paddle does."""
+    qkv = "sbhd" if time_major else "bshd"
+    table = None if sin < 0 else "1s1d" if sin == 4 else "sd"
+    ts = [qkv, None if k < 0 else qkv, None if v < 0 else qkv, table, table, None if ids < 0 else "bs"]
+    outs = ts[:3]
+    if kind == "reverse":
+        return Notation(ts, outs, coshard="largest")
+    return Notation(ts, outs, coshard="largest", sources=(0, 1, 2, 5))
 
 
-# ---------------------------------------------------------------------------
-# registration
-# ---------------------------------------------------------------------------
+def _rope_post(ins: Any, outs: Any, *args: Any) -> Answer:
+    """head_dim d is never sharded (the rotation pairs its halves); seq_len s stays sharded only
+    with sin and cos and without position_ids (the kernel then rotates each local block by its
+    own rows of sin / cos; otherwise it computes positions from 0, or looks them up in the whole
+    table); sin / cos take q's sequence sharding (or none), position_ids the batch's only."""
+    q, sin, ids, tm = ins[0], ins[3], ins[5], args[-2]
+    bi, si = (1, 0) if tm else (0, 1)
+    dm = q.dims_mapping
+    keep_s = sin is not None and ids is None
+    s = dm[si] if keep_s else -1
+    qd: DimsMapping = (s, dm[1], dm[2], -1) if tm else (dm[0], s, dm[2], -1)
+    mesh = q.mesh
+    qa = make_attr(mesh, qd) if qd != dm else q
+    qkv = tuple(None if t is None else qa for t in ins[:3])
+    sa = None if sin is None else make_attr(mesh, (-1, s, -1, -1) if len(sin.dims_mapping) == 4 else (s, -1))
+    ia = None if ids is None else make_attr(mesh, (dm[bi], -1))
+    return (*qkv, sa, sa, ia), qkv
 
-_FA_ATTRS = "dropout: float = 0.0, causal: bool = False, return_softmax: bool = False, is_test: bool = False"
-# a 0-D optional tensor (shape []) is read as absent: see spmdkit.rules._absent
-_FA_FWD = "q: T, k: T, v: T, fixed_seed_offset: T? = None, attn_mask: T? = None, " + _FA_ATTRS
-_FA_OUTS = "out: T, softmax: T?, softmax_lse: T?, seed_offset: T?"
-_FA_REV = reverse_signature(_FA_FWD, _FA_OUTS)
-_FA_GRAD = ("q: T, k: T, v: T, out: T, softmax_lse: T, seed_offset: T?, attn_mask: T?, out_grad: T, "
-            "dropout: float = 0.0, causal: bool = False")
-register(
-    "flash_attention", zero_d_absent(flash_attention_forward, _FA_FWD, ("fixed_seed_offset", "attn_mask")),
-    _FA_FWD,
-    # of the outputs, only softmax may be absent (where return_softmax is false: the op makes it
-    # only when asked); softmax_lse and seed_offset always exist
-    zero_d_absent(flash_attention_backward, _FA_REV,
-                  ("fixed_seed_offset", "attn_mask", ("softmax", lambda args: not args[11])),
-                  outputs=("out", "softmax", "softmax_lse", "seed_offset")),
-    kind="reverse", outputs=_FA_OUTS,
-    forward_name="FlashAttInferSpmdStatic", backward_name="FlashAttInferSpmdReverse",
-)  # fmt: skip
-register(
-    "flash_attention_grad", zero_d_absent(flash_attention_grad, _FA_GRAD, ("seed_offset", "attn_mask")), _FA_GRAD,
-    forward_name="FlashAttGradInferSpmd",
-)  # fmt: skip
+
+def _rope_grad_order(fn: Callable[..., SpmdResult], signature: str, outputs: Any) -> Callable[..., SpmdResult]:
+    """fused_rotary_position_embedding_grad is the forward rule on the grads: generated in the
+    forward's order (the merge reads out_q_grad, out_k_grad, out_v_grad, then position_ids),
+    called and answered in Paddle's (sin, cos, position_ids first)."""
+
+    def grad(sin: Any, cos: Any, position_ids: Any, out_q_grad: Any, out_k_grad: Any = None, out_v_grad: Any = None,
+             *attrs: Any) -> SpmdResult:  # fmt: skip
+        r: Any = fn(out_q_grad, out_k_grad, out_v_grad, sin, cos, position_ids, *attrs)
+        return fast_result((*r.inputs[3:], *r.inputs[:3]), r.outputs)
+
+    return zero_d_absent(grad, _ROPE_GRAD, ("sin", "cos", "position_ids", "out_k_grad", "out_v_grad"))
+
+
+_ENV_R = {"_rope": _rope, "_rev": _rope_reverse}
 _ROPE_ATTRS = "use_neox_rotary_style: bool = True, time_major: bool = False, rotary_emb_base: float = 10000.0"
 _ROPE_FWD = "q: T, k: T? = None, v: T? = None, sin: T? = None, cos: T? = None, position_ids: T? = None, " + _ROPE_ATTRS
 _ROPE_OUTS = "out_q: T, out_k: T? = None, out_v: T? = None"
-_ROPE_REV = reverse_signature(_ROPE_FWD, _ROPE_OUTS)
 _ROPE_GRAD = ("sin: T?, cos: T?, position_ids: T?, out_q_grad: T, out_k_grad: T? = None, out_v_grad: T? = None, "
               + _ROPE_ATTRS)
+_ROPE_CHECK = "_rope(_OP, {q!r}, {q}, [({kn!r}, {k}), ({v!r}, {v})], sin, cos, position_ids, time_major)"
+_ROPE = Way(lambda *k: rope_notation("forward", *k), key="k_, v, sin, position_ids, bool(time_major)", env=_ENV_R,
+            check=_ROPE_CHECK.format(q="q", kn="k", k="k_", v="v"), post=_rope_post,
+            wrap=_wrap(("k_", "v", "sin", "cos", "position_ids"), gqa=False), paddle="FusedRopeInferSpmd",
+            doc="fused_rotary_position_embedding (FusedRopeInferSpmd): q, k, v and the outputs alike; head_dim "
+                "replicated, seq_len sharded only with sin/cos and without position_ids.")
+_ROPE_REV = Way(lambda *k: rope_notation("reverse", *k), key="k_, v, sin, position_ids, bool(time_major)", env=_ENV_R,
+                check="_rev(_OP, q, k_, v, out_q, out_k, out_v, time_major); "
+                      + _ROPE_CHECK.format(q="out_q", kn="out_k", k="out_k", v="out_v"),
+                post=_rope_post, paddle="FusedRopeInferSpmdReverse",
+                wrap=_wrap(("k_", "v", "sin", "cos", "position_ids", "out_k", "out_v"), gqa=False),
+                doc="fused_rotary_position_embedding (FusedRopeInferSpmdReverse): the inputs from out_q, out_k, "
+                    "out_v; the outputs are what the inputs produce.")
 register(
-    "fused_rotary_position_embedding",
-    zero_d_absent(fused_rope_forward, _ROPE_FWD, ("k", "v", "sin", "cos", "position_ids")), _ROPE_FWD,
-    zero_d_absent(fused_rope_backward, _ROPE_REV, ("k", "v", "sin", "cos", "position_ids", "out_k", "out_v"),
-                  outputs=("out_q", "out_k", "out_v")),
-    kind="reverse", outputs=_ROPE_OUTS,
-    aliases=("fused_rope",),
-    forward_name="FusedRopeInferSpmd", backward_name="FusedRopeInferSpmdReverse",
+    "fused_rotary_position_embedding", generate("fused_rotary_position_embedding", _k_(_ROPE_FWD), _ROPE, name="fused_rope"),
+    _ROPE_FWD,
+    generate("fused_rotary_position_embedding", _k_(_reverse_signature(_ROPE_FWD, _ROPE_OUTS)), _ROPE_REV, "backward",
+             ("out_q", "out_k", "out_v"), name="fused_rope_reverse"),
+    kind="reverse", outputs=_ROPE_OUTS, aliases=("fused_rope",), forward_name=_ROPE.paddle,
+    backward_name=_ROPE_REV.paddle,
 )  # fmt: skip
+_ROPE_G = Way(lambda *k: rope_notation("forward", *k), key="out_k_grad, out_v_grad, sin, position_ids, bool(time_major)",
+              env=_ENV_R, check=_ROPE_CHECK.format(q="out_q_grad", kn="out_k_grad", k="out_k_grad", v="out_v_grad"), post=_rope_post,
+              wrap=_rope_grad_order, paddle="FusedRopeGradInferSpmd",
+              doc="fused_rotary_position_embedding_grad (FusedRopeGradInferSpmd): the forward rule on the grads.")
 register(
     "fused_rotary_position_embedding_grad",
-    zero_d_absent(fused_rope_grad, _ROPE_GRAD, ("sin", "cos", "position_ids", "out_k_grad", "out_v_grad")),
-    _ROPE_GRAD,
-    aliases=("fused_rope_grad",),
-    forward_name="FusedRopeGradInferSpmd",
+    generate("fused_rotary_position_embedding_grad",
+             "out_q_grad: T, out_k_grad: T? = None, out_v_grad: T? = None, sin: T? = None, cos: T? = None, "
+             "position_ids: T? = None, " + _ROPE_ATTRS, _ROPE_G, name="fused_rotary_position_embedding_grad"),
+    _ROPE_GRAD, aliases=("fused_rope_grad",), forward_name=_ROPE_G.paddle,
 )  # fmt: skip

@@ -31,70 +31,65 @@ reduce types are made replicated. Nothing else becomes partial.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from functools import lru_cache
+from typing import Any
 
-from spmdkit.core.dist_attr import DimsMapping, Partial, ReduceType, TensorDistAttr, entry_dims
+from spmdkit.core.dist_attr import DimsMapping, ReduceType, entry_dims
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
-from spmdkit.core.mesh import ProcessMesh
-from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.compile import Plan, compile_plan, infer
-from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import BROADCAST, Notation, fast_result, letters_for, merge_letters, named_mesh, project
+from spmdkit.core.spec import DistTensorSpec
+from spmdkit.engine.axes import make_attr
+from spmdkit.engine.declare import Answer, Way, declare, generate
+from spmdkit.engine.notation import BROADCAST, Notation, letters_for
 from spmdkit.rules._absent import zero_d_absent
 from spmdkit.rules._common import check_like
 from spmdkit.rules.registry import register
 
-Shape = tuple[int, ...]
-_make = TensorDistAttr.unchecked
+
+def binary(n_in: int, outs: int, nd: int, y: int, unit: int, seed: int = -2) -> Notation:
+    """``n_in`` tensors of x's shape merged as Paddle's ElementwiseBinaryInferSpmd (``outs``
+    outputs of that shape, and an unlabelled seed_offset output where ``seed`` > -2):
+    each co-shard read as its largest mesh dim, claims in tensor order, the first claimer of an
+    axis keeps it, a claimed mesh dim is dropped later, a size-1 axis (``unit`` bit mask)
+    claims its mesh dim and shards nothing. Without y (swiglu's halved x): x and the halves
+    as Paddle's unary rule (uneven mesh dims dropped, minor first), the last axis replicated."""
+    if y < 0:
+        a = letters_for(nd)
+        ts: list[str | None] = [a, None, a][:n_in]
+        return Notation(ts, [a, None][:outs], replicated=a[-1:], prune="*")
+    a = "".join(BROADCAST if unit >> i & 1 else c for i, c in enumerate(letters_for(nd)))
+    seeds: list[str | None] = [] if seed == -2 else [None]
+    return Notation([a] * n_in, [*([a] * outs), *seeds], coshard="largest", conflict="first", unit_axes="claim")
 
 
-def _mesh(op: str, named: Iterable[tuple[str, DistTensorSpec | None]]) -> ProcessMesh:
-    return named_mesh(op, named)
+def _halved(src: DimsMapping, ins: Any, outs: Any) -> Answer:
+    """swiglu without y: only mesh dims of size 1 (which split nothing) may stay on the halved
+    last axis, as ``src`` (x, or out in the reverse rule) has them."""
+    last = src[-1] if src else -1
+    a = next(t for t in ins if t is not None)
+    if last == -1:
+        return ins, outs
+    dims = entry_dims(last)
+    used = {d for e in a.dims_mapping for d in entry_dims(e)}
+    if not all(a.mesh.shape[d] == 1 and d not in used for d in dims):
+        return ins, outs
+    b = make_attr(a.mesh, (*a.dims_mapping[:-1], last))
+    return tuple(None if t is None else b for t in ins), tuple(None if t is None else b for t in outs)
 
 
-@lru_cache(maxsize=4096)
-def _plan(shape: Shape, n_in: int, outs: int, direction: str) -> Plan:
-    """Paddle's elementwise binary merge over ``n_in`` tensors of one shape (and ``outs``
-    outputs of that shape): each co-shard read as its largest mesh dim, claims in tensor
-    order, the first claimer of an axis keeps it (``conflict="first"``), a claimed mesh dim is
-    dropped later, a size-1 axis claims its mesh dim and shards nothing (``unit_axes="claim"``)."""
-    return _unit_plan(tuple([s == 1 for s in shape]), n_in, outs, direction)
-
-
-@lru_cache(maxsize=1024)
-def _unit_plan(unit: tuple[bool, ...], n_in: int, outs: int, direction: str) -> Plan:
-    a = "".join(BROADCAST if u else c for u, c in zip(unit, letters_for(len(unit))))
-    nt = Notation([a] * n_in, [a] * outs, coshard="largest", conflict="first", unit_axes="claim")
-    return compile_plan(nt, direction)
-
-
-@memo()
-def _halved(dms: tuple[DimsMapping, ...], shapes: tuple[Shape, ...], mesh_shape: Shape) -> DimsMapping:
-    """swiglu without y: x (and out / out_grad, whose last axis is half x's) merged as
-    Paddle's unary rule does (uneven mesh dims dropped, minor first), the halved last axis
-    replicated; only mesh dims of size 1 (which split nothing) may stay there."""
-    nd = len(shapes[0])
-    a = "abcdefghijklmnopqrstuvwxyz"[:nd]
-    merged = dict(merge_letters(tuple(a for _ in dms), dms, shapes, frozenset(a[-1:]), "*", mesh_shape))
-    out = list(project(a, merged))
-    last = dms[0][-1]
-    if last != -1:
-        dims = entry_dims(last)
-        used = {d for e in out for d in entry_dims(e)}
-        if all(mesh_shape[d] == 1 and d not in used for d in dims):
-            out[-1] = last
-    return tuple(out)
-
-
-def _check_x(op: str, x: DistTensorSpec, halved: bool) -> None:
+def _swiglu(op: str, x: DistTensorSpec, y: DistTensorSpec | None, t: DistTensorSpec | None = None,
+            name: str = "") -> None:
+    """x at least 1-D (its last axis even without y); with y, y and ``t`` (out / out_grad)
+    of x's shape; without y, ``t`` is x with its last axis halved."""
     if not x.shape:
         raise ShapeMismatchError(f"{op}: x must have at least 1 dim")
-    if halved and x.shape[-1] >= 0 and x.shape[-1] % 2 != 0:
+    if y is not None:
+        check_like(op, x, y, "x", "y")
+        if t is not None:
+            check_like(op, x, t, "x", name)
+        return
+    if x.shape[-1] >= 0 and x.shape[-1] % 2 != 0:
         raise ShapeMismatchError(f"{op}: without y, x's last axis ({x.shape[-1]}) must be even")
-
-
-def _check_half(op: str, x: DistTensorSpec, t: DistTensorSpec, name: str) -> None:
+    if t is None:
+        return
     if len(t.shape) != len(x.shape):
         raise ShapeMismatchError(f"{op}: {name} has {len(t.shape)} dims but x has {len(x.shape)}")
     for i, (s, u) in enumerate(zip(x.shape[:-1], t.shape[:-1])):
@@ -105,149 +100,106 @@ def _check_half(op: str, x: DistTensorSpec, t: DistTensorSpec, name: str) -> Non
         raise ShapeMismatchError(f"{op}: {name}'s last axis ({u}) must be half of x's ({s}) when y is absent")
 
 
-# ---------------------------------------------------------------------------
-# swiglu
-# ---------------------------------------------------------------------------
-
-
-def swiglu_forward(x: DistTensorSpec, y: DistTensorSpec | None = None) -> SpmdResult:
-    """swiglu (SwiGLUInferSpmd): elementwise binary with y; without y the halved last axis
-    is replicated."""
-    op = "swiglu"
-    mesh = _mesh(op, [("x", x), ("y", y)])
-    _check_x(op, x, y is None)
-    if y is None:
-        dm = _halved((x.dist_attr.dims_mapping,), (x.shape,), mesh.shape)
-        a = _make(mesh, dm)
-        return fast_result((a, None), (a,))
+def _fda(op: str, x: DistTensorSpec, y: DistTensorSpec, out: DistTensorSpec | None = None,
+         seed_offset: DistTensorSpec | None = None) -> None:
     check_like(op, x, y, "x", "y")
-    return fast_result(*infer(_plan(x.shape, 2, 1, "forward"), op, (x, y), (), mesh, ("x", "y")))
-
-
-def swiglu_backward(x: DistTensorSpec, y: DistTensorSpec | None, out: DistTensorSpec) -> SpmdResult:
-    """swiglu (SwiGLUInferSpmdReverse): x and y from out; out is what they produce."""
-    op = "swiglu"
-    mesh = _mesh(op, [("x", x), ("y", y), ("out", out)])
-    _check_x(op, x, y is None)
-    if y is None:
-        _check_half(op, x, out, "out")
-        dm = _halved((out.dist_attr.dims_mapping,), (out.shape,), mesh.shape)
-        a = _make(mesh, dm)
-        return fast_result((a, None), (a,))
-    check_like(op, x, y, "x", "y")
-    check_like(op, x, out, "x", "out")
-    return fast_result(*infer(_plan(x.shape, 2, 1, "backward"), op, (x, y), (out,), mesh, ("x", "y", "out")))
-
-
-def swiglu_grad(x: DistTensorSpec, y: DistTensorSpec | None, out_grad: DistTensorSpec) -> SpmdResult:
-    """swiglu_grad (SwiGLUGradInferSpmd): x, y, out_grad, x_grad, y_grad sharded alike."""
-    op = "swiglu_grad"
-    mesh = _mesh(op, [("x", x), ("y", y), ("out_grad", out_grad)])
-    _check_x(op, x, y is None)
-    if y is None:
-        _check_half(op, x, out_grad, "out_grad")
-        dm = _halved((x.dist_attr.dims_mapping, out_grad.dist_attr.dims_mapping), (x.shape, out_grad.shape), mesh.shape)
-        a = _make(mesh, dm)
-        return fast_result((a, None, a), (a, None))
-    check_like(op, x, y, "x", "y")
-    check_like(op, x, out_grad, "x", "out_grad")
-    return fast_result(*infer(_plan(x.shape, 3, 2, "forward"), op, (x, y, out_grad), (), mesh, ("x", "y", "out_grad")))
-
-
-# ---------------------------------------------------------------------------
-# fused_dropout_add
-# ---------------------------------------------------------------------------
-
-
-def fused_dropout_add_forward(x: DistTensorSpec, y: DistTensorSpec) -> SpmdResult:
-    """fused_dropout_add (FusedDropoutAddSpmdBase): x, y and out merged elementwise, seed_offset
-    replicated."""
-    op = "fused_dropout_add"
-    mesh = _mesh(op, [("x", x), ("y", y)])
-    check_like(op, x, y, "x", "y")
-    ins, outs = infer(_plan(x.shape, 2, 1, "forward"), op, (x, y), (), mesh, ("x", "y"))
-    return fast_result(ins, (outs[0], _make(mesh, (-1,))))
-
-
-def fused_dropout_add_backward(
-    x: DistTensorSpec, y: DistTensorSpec, out: DistTensorSpec, seed_offset: DistTensorSpec | None
-) -> SpmdResult:
-    """fused_dropout_add (FusedDropoutAddSpmdReverseBase): x, y from out; the outputs are what
-    x and y produce."""
-    op = "fused_dropout_add"
-    mesh = _mesh(op, [("x", x), ("y", y), ("out", out), ("seed_offset", seed_offset)])
-    check_like(op, x, y, "x", "y")
-    check_like(op, x, out, "x", "out")
+    if out is not None:
+        check_like(op, x, out, "x", "out")
     if seed_offset is not None and len(seed_offset.shape) != 1:
         raise ShapeMismatchError(f"{op}: seed_offset must be 1-D [2], got {list(seed_offset.shape)}")
-    ins, outs = infer(_plan(x.shape, 2, 1, "backward"), op, (x, y), (out,), mesh, ("x", "y", "out"))
-    return fast_result(ins, (outs[0], None if seed_offset is None else _make(mesh, (-1,))))
+
+
+def _fda_grad(op: str, p: object, mode: object) -> None:
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
+        raise InvalidAttributeError(f"{op}: p must be a number in [0, 1], got {p!r}")
+    if mode not in ("upscale_in_train", "downscale_in_infer"):
+        raise InvalidAttributeError(f"{op}: mode must be upscale_in_train or downscale_in_infer, got {mode!r}")
 
 
 _KEEP = frozenset({ReduceType.SUM, ReduceType.AVG, ReduceType.MAX, ReduceType.MIN})
 
 
-@memo()
-def _grad_partial(dm: DimsMapping, partial: Partial) -> Partial:
-    return tuple((d, r) for d, r in partial if r in _KEEP)
-
-
-def fused_dropout_add_grad(
-    seed_offset: DistTensorSpec | None,
-    out_grad: DistTensorSpec,
-    p: object = 0.5,
-    is_test: bool = False,
-    mode: str = "upscale_in_train",
-    fix_seed: bool = False,
-) -> SpmdResult:
-    """fused_dropout_add_grad (FusedDropoutAddGradInferSpmd): x_grad and y_grad sharded as out_grad."""
-    op = "fused_dropout_add_grad"
-    mesh = _mesh(op, [("seed_offset", seed_offset), ("out_grad", out_grad)])
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
-        raise InvalidAttributeError(f"{op}: p must be a number in [0, 1], got {p!r}")
-    if mode not in ("upscale_in_train", "downscale_in_infer"):
-        raise InvalidAttributeError(f"{op}: mode must be upscale_in_train or downscale_in_infer, got {mode!r}")
-    so_rank = -1 if seed_offset is None else len(seed_offset.shape)
-    ins, outs = infer(_fda_grad_plan(len(out_grad.shape), so_rank), op, (seed_offset, out_grad), (), mesh,
-                      ("seed_offset", "out_grad"))  # fmt: skip
+def _keep_partial(ins: Any, outs: Any, seed_offset: Any, out_grad: DistTensorSpec, *attrs: object) -> Answer:
+    """A SUM / AVG / MAX / MIN partial out_grad stays partial (the grad is out_grad times a
+    non-negative mask); other reduce types are made replicated."""
     ga = out_grad.dist_attr
-    pt = _grad_partial(ga.dims_mapping, ga.partial)
+    pt = tuple((d, r) for d, r in ga.partial if r in _KEEP)
     if not pt:
-        return fast_result(ins, outs)
-    a = _make(mesh, ga.dims_mapping, pt)  # a SUM / AVG / MAX / MIN partial out_grad stays partial
-    return fast_result((ins[0], a), (a, a))
+        return ins, outs
+    a = make_attr(ga.mesh, ga.dims_mapping, pt)
+    return (ins[0], a), (a, a)
 
 
-@lru_cache(maxsize=256)
-def _fda_grad_plan(nd: int, so_rank: int) -> Plan:
-    """``11, abc -> abc, abc`` (seed_offset, out_grad -> x_grad, y_grad): sharded as out_grad,
+def _seed(ins: Any, outs: Any, x: DistTensorSpec, y: object, out: object = None, seed_offset: object = 0) -> Answer:
+    """seed_offset ``[2]`` replicated (where the reverse rule is given one); the notation leaves
+    it unlabelled (it lacks every letter, so the engine would make it partial)."""
+    return ins, (outs[0], None if seed_offset is None else make_attr(x.dist_attr.mesh, (-1,)))
+
+
+def _y_absent(fn, signature, outputs):  # type: ignore[no-untyped-def]
+    """A 0-D y is read as absent (spmdkit.rules._absent): x is at least 1-D, so a 0-D y is never
+    a real operand."""
+    return zero_d_absent(fn, signature, ("y",), outputs)
+
+
+def _seed_absent(fn, signature, outputs):  # type: ignore[no-untyped-def]
+    return zero_d_absent(fn, signature, ("seed_offset",), outputs)
+
+
+def _binary(n_in: int, outs: int, seed: int = -2) -> Any:
+    return lambda nd, y, unit, *s: binary(n_in, outs, nd, y, unit, *(s or (seed,)))
+
+
+_ENV = {"_swiglu": _swiglu, "_fda": _fda, "_fda_grad": _fda_grad}
+_SWIGLU = Way(_binary(2, 1), key="x, y, ones(x)", check="_swiglu(_OP, x, y)", env=_ENV, wrap=_y_absent,
+              post=lambda i, o, x, y: _halved(x.dist_attr.dims_mapping, i, o), post_if="y is None",
+              paddle="SwiGLUInferSpmd",
+              doc="swiglu (SwiGLUInferSpmd): elementwise binary with y; without y the halved last axis is "
+                  "replicated.")
+_SWIGLU_REV = Way(_binary(2, 1), key="x, y, ones(x)", check="_swiglu(_OP, x, y, out, 'out')", env=_ENV,
+                  wrap=_y_absent, post=lambda i, o, x, y, out: _halved(out.dist_attr.dims_mapping, i, o),
+                  post_if="y is None", paddle="SwiGLUInferSpmdReverse",
+                  doc="swiglu (SwiGLUInferSpmdReverse): x and y from out; out is what they produce.")
+# registered by hand: the reverse signature (x, y, out) gives y no default (declare() would
+# derive ``y: T? = None`` before the required out, which Python cannot generate)
+register(
+    "swiglu", generate("swiglu", "x: T, y: T? = None", _SWIGLU, name="swiglu_forward"), "x: T, y: T? = None",
+    generate("swiglu", "x: T, y: T?, out: T", _SWIGLU_REV, "backward", ("out",), name="swiglu_backward"),
+    kind="reverse", outputs="out: T", forward_name=_SWIGLU.paddle, backward_name=_SWIGLU_REV.paddle,
+)  # fmt: skip
+declare(
+    "swiglu_grad", "x: T, y: T?, out_grad: T",
+    Way(_binary(3, 2), key="x, y, ones(x)", check="_swiglu(_OP, x, y, out_grad, 'out_grad')", env=_ENV,
+        wrap=_y_absent, post=lambda i, o, x, y, g: _halved(x.dist_attr.dims_mapping, i, o), post_if="y is None",
+        paddle="SwiGLUGradInferSpmd",
+        doc="swiglu_grad (SwiGLUGradInferSpmd): x, y, out_grad, x_grad, y_grad sharded alike."),
+)  # fmt: skip
+declare(
+    "fused_dropout_add", "x: T, y: T",
+    Way(_binary(2, 1, -1), key="x, 0, ones(x)", check="_fda(_OP, x, y)", env=_ENV, post=_seed,
+        paddle="FusedDropoutAddSpmdBase",
+        doc="fused_dropout_add (FusedDropoutAddSpmdBase): x, y and out merged elementwise, seed_offset replicated."),
+    reverse=Way(_binary(2, 1, -1), key="x, 0, ones(x)", check="_fda(_OP, x, y, out, seed_offset)", env=_ENV,
+                post=_seed, paddle="FusedDropoutAddSpmdReverseBase",
+                doc="fused_dropout_add (FusedDropoutAddSpmdReverseBase): x, y from out; the outputs are what x "
+                    "and y produce."),
+    outputs="out: T, seed_offset: T? = None",
+)  # fmt: skip
+
+
+def _fda_grad_notation(so_rank: int, nd: int) -> Notation:
+    """``1, abc -> abc, abc`` (seed_offset, out_grad -> x_grad, y_grad): sharded as out_grad,
     seed_offset replicated."""
     a = letters_for(nd)
-    return compile_plan(Notation([None if so_rank < 0 else BROADCAST * so_rank, a], [a, a]))
+    return Notation([None if so_rank < 0 else BROADCAST * so_rank, a], [a, a])
 
 
-# ---------------------------------------------------------------------------
-# registration
-# ---------------------------------------------------------------------------
-
-# a 0-D optional tensor (shape []) is read as absent (spmdkit.rules._absent); swiglu's x is at
-# least 1-D, so a 0-D y is never a real operand
-register(
-    "swiglu", zero_d_absent(swiglu_forward, "x: T, y: T? = None", ("y",)), "x: T, y: T? = None",
-    zero_d_absent(swiglu_backward, "x: T, y: T?, out: T", ("y",), outputs=("out",)),
-    kind="reverse", outputs="out: T",
-    forward_name="SwiGLUInferSpmd", backward_name="SwiGLUInferSpmdReverse",
-)  # fmt: skip
-register("swiglu_grad", zero_d_absent(swiglu_grad, "x: T, y: T?, out_grad: T", ("y",)),
-         "x: T, y: T?, out_grad: T", forward_name="SwiGLUGradInferSpmd")
-register(
-    "fused_dropout_add", fused_dropout_add_forward, "x: T, y: T", fused_dropout_add_backward,
-    kind="reverse", outputs="out: T, seed_offset: T? = None",
-    forward_name="FusedDropoutAddSpmdBase", backward_name="FusedDropoutAddSpmdReverseBase",
-)  # fmt: skip
-_FDA_GRAD = ("seed_offset: T?, out_grad: T, p: scalar = 0.5, is_test: bool = False, mode: str = 'upscale_in_train', "
-             "fix_seed: bool = False")
-register(
-    "fused_dropout_add_grad", zero_d_absent(fused_dropout_add_grad, _FDA_GRAD, ("seed_offset",)), _FDA_GRAD,
-    forward_name="FusedDropoutAddGradInferSpmd",
+# the attribute p is read by the checks only: the generated function keeps its plan in a local p
+declare(
+    "fused_dropout_add_grad",
+    "seed_offset: T?, out_grad: T, p: scalar = 0.5, is_test: bool = False, mode: str = 'upscale_in_train', "
+    "fix_seed: bool = False",
+    Way(_fda_grad_notation, check="_fda_grad(_OP, p, mode)", env=_ENV, wrap=_seed_absent, post=_keep_partial,
+        post_if="out_grad.dist_attr.partial", paddle="FusedDropoutAddGradInferSpmd",
+        doc="fused_dropout_add_grad (FusedDropoutAddGradInferSpmd): x_grad and y_grad sharded as out_grad."),
 )  # fmt: skip

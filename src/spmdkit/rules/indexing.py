@@ -46,497 +46,380 @@ gather_nd_grad there misses the partial x_grad of a sharded index batch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
+from functools import lru_cache, partial
+from typing import Any
 
-from spmdkit.core.dist_attr import ReduceType, TensorDistAttr
-from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
+from spmdkit.core.dist_attr import ReduceType
+from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError, SpmdError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.axes import one_mesh_dim_per_axis, unpartial
-from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import (
-    ALPHABET,
-    BROADCAST,
-    Notation,
-    check_letters,
-    common_mesh,
-    einsum_backward,
-    einsum_forward,
-    fast_result,
-    merge_specs,
-    project_all,
-)
-from spmdkit.rules._common import forward_largest, reverse_largest
-from spmdkit.rules.registry import register
+from spmdkit.engine.axes import make_attr, unpartial
+from spmdkit.engine.declare import Answer, Way, declare, ones
+from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation
 
 Shape = tuple[int, ...]
-Merged = tuple[tuple[str, tuple[int, ...]], ...]
+_INDEX = {0: "", 1: "k", 2: "k1"}  # a gather / scatter index: 0-d, [N] or [N, 1]
 
 
-# -- helpers ------------------------------------------------------------------------------------
-
-
-def _one_dim(specs: Sequence[DistTensorSpec]) -> list[DistTensorSpec]:
-    """A co-sharded axis keeps one mesh dim, its largest (the first of equal sizes)."""
-    return [one_mesh_dim_per_axis(s) for s in specs]
-
-
-def _need(op: str, n: int) -> None:
+def _need(n: int) -> None:
     if n > len(ALPHABET):
-        raise ShapeMismatchError(f"{op}: the tensors need {n} axis letters, at most {len(ALPHABET)} are supported")
+        raise ShapeMismatchError(f"the tensors need {n} axis letters, at most {len(ALPHABET)} are supported")
 
 
-def _axis(op: str, axis: int, ndim: int) -> int:
-    if not -ndim <= axis < ndim:
-        raise InvalidAttributeError(f"{op}: axis {axis} is out of range for x of {ndim} dims [{-ndim}, {ndim})")
-    return axis + ndim if axis < 0 else axis
-
-
-def _x_nonscalar(op: str, x: DistTensorSpec, name: str = "x") -> int:
-    nd = len(x.shape)
-    if nd == 0:
-        raise ShapeMismatchError(f"{op}: {name} must have at least 1 dim, got a 0-d tensor")
-    return nd
-
-
-def _same(op: str, a: int, b: int, what: str) -> None:
+def _same(a: int, b: int, what: str) -> None:
     if a != b and a >= 0 and b >= 0:
-        raise ShapeMismatchError(f"{op}: {what} ({a} vs {b})")
+        raise ShapeMismatchError(what)
 
 
-def _index_axes(op: str, index: DistTensorSpec, letter: str, allow_0d: bool = True) -> str:
-    """A gather / scatter index: 0-d (``""``), [N] (``k``) or [N, 1] (``k1``)."""
+def _index_axes(ni: int, allow_0d: bool = True) -> str:
+    if ni in _INDEX and (ni or allow_0d):
+        return _INDEX[ni]
+    raise ShapeMismatchError(f"index must be {'0-d, 1-D or [N, 1]' if allow_0d else '1-D'}, got a {ni}-D tensor")
+
+
+def _index2(index: DistTensorSpec, allow_0d: bool = True) -> None:
+    """An index of rank 2 (or more): [N, 1] only, where a 0-d index is allowed (gather, scatter)."""
     shp = index.shape
-    if len(shp) == 0 and allow_0d:
-        return ""
-    if len(shp) == 1:
-        return letter
-    if len(shp) == 2 and shp[1] in (1, -1):
-        return letter + BROADCAST
-    want = "1-D" if not allow_0d else "0-d, 1-D or [N, 1]"
-    raise ShapeMismatchError(f"{op}: index must be {want}, got shape {list(shp)}")
-
-
-def _result(ins: Sequence[TensorDistAttr | None], outs: Sequence[TensorDistAttr | None]) -> SpmdResult:
-    return fast_result(tuple(ins), tuple(outs))
-
-
-def _no_partial(a: TensorDistAttr | None) -> TensorDistAttr | None:
-    return None if a is None else unpartial(a)
-
-
-def _with_sum(a: TensorDistAttr | None, dims: tuple[int, ...]) -> TensorDistAttr | None:
-    if a is None or not dims:
-        return a
-    pt = dict(a.partial)
-    for d in dims:
-        pt[d] = ReduceType.SUM
-    return TensorDistAttr.unchecked(a.mesh, a.dims_mapping, tuple(sorted(pt.items())))
+    if not (allow_0d and len(shp) == 2 and shp[1] in (1, -1)):
+        want = "0-d, 1-D or [N, 1]" if allow_0d else "1-D"
+        raise ShapeMismatchError(f"index must be {want}, got shape {list(shp)}")
 
 
 # -- gather / index_select ----------------------------------------------------------------------
 
 
-@memo()
-def _gather_notation(nd: int, axis: int, idx_axes: str, grad: bool) -> Notation:
-    x = ALPHABET[:nd]
-    k = ALPHABET[nd]
-    out = x[:axis] + (k if idx_axes else "") + x[axis + 1 :]
-    idx = idx_axes.replace("k", k)
-    if grad:
-        return Notation([x, idx, out], [x], replicated=x[axis])
-    return Notation([x, idx], [out], replicated=x[axis])
-
-
-def _gather_setup(op: str, x: DistTensorSpec, index: DistTensorSpec, axis: object,
-                  index_1d: bool, grad: bool) -> Notation:
-    nd = _x_nonscalar(op, x)
-    _need(op, nd + 1)
+def _x_axis(nd: int, axis: object) -> int:
+    if nd == 0:
+        raise ShapeMismatchError("x must have at least 1 dim, got a 0-d tensor")
+    _need(nd + 1)
     if isinstance(axis, bool) or not isinstance(axis, int):
-        raise InvalidAttributeError(f"{op}: axis must be an int, got {axis!r}")
-    ax = _axis(op, axis, nd)
-    idx_axes = _index_axes(op, index, "k", allow_0d=not index_1d)
-    return _gather_notation(nd, ax, idx_axes, grad)
+        raise InvalidAttributeError(f"axis must be an int, got {axis!r}")
+    if not -nd <= axis < nd:
+        raise InvalidAttributeError(f"axis {axis} is out of range for x of {nd} dims [{-nd}, {nd})")
+    return axis + nd if axis < 0 else axis
 
 
-def _make_gather(op: str, index_1d: bool, fname: str, rname: str):  # type: ignore[no-untyped-def]
-    def forward(x: DistTensorSpec, index: DistTensorSpec, axis: int = 0) -> SpmdResult:
-        n = _gather_setup(op, x, index, axis, index_1d, False)
-        ins, outs = einsum_forward(op, n, (x, index) if index_1d else _one_dim((x, index)), ("x", "index"))
-        return _result(ins, outs)
-
-    def backward(x: DistTensorSpec, index: DistTensorSpec, out: DistTensorSpec, axis: int = 0) -> SpmdResult:
-        n = _gather_setup(op, x, index, axis, index_1d, False)
-        ins, outs = einsum_backward(op, n, _one_dim((x, index)), _one_dim((out,)), ("x", "index", "out"))
-        return _result(ins, outs)
-
-    forward.__name__ = f"{op}_forward"
-    forward.__doc__ = f"{op} ({fname}): ``abc, k -> akc``, the gathered axis replicated."
-    backward.__name__ = f"{op}_backward"
-    backward.__doc__ = f"{op} ({rname}): x and index from out; out as they produce it."
-    return forward, backward
-
-
-def _make_gather_grad(op: str, index_1d: bool, fname: str):  # type: ignore[no-untyped-def]
-    def grad(x: DistTensorSpec, index: DistTensorSpec, out_grad: DistTensorSpec, axis: int = 0) -> SpmdResult:
-        n = _gather_setup(op, x, index, axis, index_1d, True)
-        if not index_1d:
-            ins, outs = einsum_forward(op, n, _one_dim((x, index, out_grad)), ("x", "index", "out_grad"))
-            return _result(ins, outs)
-        # index_select_grad: Paddle 3.3.1 shards out_grad as x and the index say (out_grad's
-        # own sharding is not read); sound, so kept
-        mesh = common_mesh(op, (x, index, out_grad))
-        check_letters(op, n.inputs, (x, index, out_grad), ("x", "index", "out_grad"))
-        merged = merge_specs(n, n.inputs[:2], (x, index), mesh)
-        ins, outs = project_all(n, merged, mesh)
-        return _result(ins, outs)
-
-    grad.__name__ = op
-    grad.__doc__ = (f"{op} ({fname}): ``abc, k, akc -> abc``; x_grad partial SUM over the index's mesh "
-                    "dims, the gathered axis replicated.")
-    return grad
+def gather_notation(kind: str, nd: int, axis: int, ni: int) -> Notation:
+    """``abc, k -> akc`` (gather, index_select: x, index -> out; an index [N, 1]: ``k1``; a 0-d
+    index: ``abc, _ -> ac``), the gathered axis replicated; the grads ``abc, k, akc -> abc``
+    (x_grad partial SUM over k's mesh dims). gather reads each co-shard as its largest mesh
+    dim; index_select keeps co-shards, and its grad shards out_grad as x and the index say
+    (Paddle 3.3.1 does not read out_grad's own sharding; sound, so kept)."""
+    ax = _x_axis(nd, axis)
+    idx = _index_axes(ni, not kind.startswith("index_select")).replace("k", ALPHABET[nd])
+    x = ALPHABET[:nd]
+    out = x[:ax] + idx[:1] + x[ax + 1 :]
+    if kind.endswith("grad"):
+        sources = (0, 1) if kind == "index_select_grad" else None
+        return Notation([x, idx, out], [x], replicated=x[ax], coshard="largest" if kind == "gather_grad" else "keep",
+                        sources=sources)  # fmt: skip
+    return Notation([x, idx], [out], replicated=x[ax], coshard="largest" if kind == "gather" else "keep")
 
 
-_gather_fwd, _gather_bwd = _make_gather("gather", False, "GatherInferSpmdBase", "GatherInferSpmdReverseBase")
-register(
-    "gather", _gather_fwd, "x: T, index: T, axis: int = 0",
-    _gather_bwd, kind="reverse", outputs="out: T",
-    forward_name="GatherInferSpmdBase", backward_name="GatherInferSpmdReverseBase",
+def _gather_check(x: DistTensorSpec, index: DistTensorSpec, axis: object, allow_0d: bool) -> None:
+    """An index of rank 2 or more (after x and axis are checked, in the notation's order)."""
+    _x_axis(len(x.shape), axis)
+    _index2(index, allow_0d)
+
+
+_ENV: dict[str, Any] = {"_gather": _gather_check}
+_G_KEY = "x, axis, index"
+
+
+def _gather_way(kind: str, paddle: str, doc: str, **kw: Any) -> Way:
+    return Way(partial(gather_notation, kind), key=_G_KEY, letters=True, env=_ENV, paddle=paddle, doc=doc,
+               check=f"len(index.shape) < 2 or _gather(x, index, axis, {not kind.startswith('index_select')})",
+               **kw)  # fmt: skip
+
+
+_G_GRAD_DOC = "``abc, k, akc -> abc``; x_grad partial SUM over the index's mesh dims, the gathered axis replicated."
+declare(
+    "gather", "x: T, index: T, axis: int = 0",
+    _gather_way("gather", "GatherInferSpmdBase", "gather (GatherInferSpmdBase): ``abc, k -> akc``, the gathered "
+                "axis replicated."),
+    reverse=_gather_way("gather", "GatherInferSpmdReverseBase",
+                        "gather (GatherInferSpmdReverseBase): x and index from out; out as they produce it."),
+    outputs="out: T",
 )  # fmt: skip
-register(
-    "gather_grad", _make_gather_grad("gather_grad", False, "GatherGradInferSpmd"),
-    "x: T, index: T, out_grad: T, axis: int = 0", forward_name="GatherGradInferSpmd",
-)  # fmt: skip
-
-_is_fwd, _ = _make_gather("index_select", True, "IndexSelectInferSpmd", "")
-_is_grad = _make_gather_grad("index_select_grad", True, "IndexSelectGradInferSpmd")
-register(
-    "index_select", _is_fwd, "x: T, index: T, axis: int = 0",
-    _is_grad, "x: T, index: T, out_grad: T, axis: int = 0", kind="grad",
-    forward_name="IndexSelectInferSpmd", backward_name="IndexSelectGradInferSpmd",
-)  # fmt: skip
-register(
-    "index_select_grad", _make_gather_grad("index_select_grad", True, "IndexSelectGradInferSpmd"),
-    "x: T, index: T, out_grad: T, axis: int = 0", forward_name="IndexSelectGradInferSpmd",
+declare(
+    "gather_grad", "x: T, index: T, out_grad: T, axis: int = 0",
+    _gather_way("gather_grad", "GatherGradInferSpmd", f"gather_grad (GatherGradInferSpmd): {_G_GRAD_DOC}"),
+)
+declare(
+    "index_select", "x: T, index: T, axis: int = 0",
+    _gather_way("index_select", "IndexSelectInferSpmd", "index_select (IndexSelectInferSpmd): ``abc, k -> akc``, "
+                "the gathered axis replicated."),
+    grad=_gather_way("index_select_grad", "IndexSelectGradInferSpmd",
+                     f"index_select_grad (IndexSelectGradInferSpmd): {_G_GRAD_DOC}"),
+    grad_signature="x: T, index: T, out_grad: T, axis: int = 0", grad_name="index_select_grad",
 )  # fmt: skip
 
 
 # -- gather_nd / scatter_nd_add -----------------------------------------------------------------
 
 
-def _nd_parts(op: str, x_shape: Shape, index: DistTensorSpec) -> tuple[int, int, int]:
-    """(x ndim, index ndim, coordinate count k) of a gather_nd / scatter_nd_add index."""
-    ni = len(index.shape)
+def nd_notation(kind: str, nd: int, ni: int, k: int) -> Notation:
+    """x ``XT`` (the indexed axes X, the trailing T), index ``Bq`` (batch B, coordinates q),
+    out / updates ``BT``; X and q replicated, each co-shard read as its largest mesh dim::
+
+        gather_nd       XT, Bq -> BT
+        gather_nd_grad  XT, Bq, BT -> XT        (x_grad partial SUM over B's mesh dims)
+        scatter_nd_add  XT, Bq, BT -> XT        (index and updates merged; out partial SUM over B)
+        scatter_nd_add_grad  Bq, BT, XT -> XT, BT
+    """
     if ni == 0:
-        raise ShapeMismatchError(f"{op}: index must have at least 1 dim (the coordinates), got a 0-d tensor")
-    k = index.shape[-1]
-    nd = len(x_shape)
+        raise ShapeMismatchError("index must have at least 1 dim (the coordinates), got a 0-d tensor")
     if k < 0:
-        raise ShapeMismatchError(f"{op}: index's last dim (the coordinate count) must be known, got -1")
+        raise ShapeMismatchError("index's last dim (the coordinate count) must be known, got -1")
     if k > nd:
-        raise ShapeMismatchError(
-            f"{op}: index's last dim ({k} coordinates) exceeds x's rank ({nd}); index shape {list(index.shape)}"
-        )
-    _need(op, nd + ni)
-    return nd, ni, k
-
-
-@memo()
-def _nd_letters(nd: int, ni: int, k: int) -> tuple[str, str, str, str]:
-    """(x axes X+T, index axes B+q, batch B + trailing T, X + q: the replicated letters)."""
+        raise ShapeMismatchError(f"index's last dim ({k} coordinates) exceeds x's rank ({nd})")
+    _need(nd + ni)
     x = ALPHABET[:nd]
     b = ALPHABET[nd : nd + ni - 1]
-    q = ALPHABET[nd + ni - 1]
-    return x, b + q, b + x[k:], x[:k] + q
+    idx = b + ALPHABET[nd + ni - 1]
+    bt = b + x[k:]
+    rep = x[:k] + idx[-1]
+    if kind == "gather_nd":
+        return Notation([x, idx], [bt], replicated=rep, coshard="largest")
+    if kind == "gather_nd_grad":
+        return Notation([x, idx, bt], [x], replicated=rep, coshard="largest")
+    if kind == "scatter_nd_add":
+        return Notation([x, idx, bt], [x], replicated=rep, coshard="largest", sources=(1, 2))
+    if kind == "scatter_nd_add_rev":
+        return Notation([x, idx, bt], [x], replicated=rep, coshard="largest")
+    return Notation([idx, bt, x], [x, bt], replicated=rep, coshard="largest")  # scatter_nd_add_grad
 
 
-@memo()
-def _gather_nd_notation(nd: int, ni: int, k: int, grad: bool) -> Notation:
-    x, idx, out, rep = _nd_letters(nd, ni, k)
-    if grad:
-        return Notation([x, idx, out], [x], replicated=rep)
-    return Notation([x, idx], [out], replicated=rep)
-
-
-def _check_batch_trailing(op: str, name: str, t: DistTensorSpec, index: DistTensorSpec, x_shape: Shape,
-                          k: int) -> None:
-    want = (*index.shape[:-1], *x_shape[k:])
+def _trailing(name: str, t: DistTensorSpec, index: DistTensorSpec, x: DistTensorSpec) -> None:
+    """``t`` (out, updates) shaped ``index.shape[:-1] + x.shape[k:]``."""
+    if not index.shape or not 0 <= index.shape[-1] <= len(x.shape):
+        return  # the notation names what is wrong with the index
+    k = index.shape[-1]
+    want = (*index.shape[:-1], *x.shape[k:])
     if len(t.shape) != len(want):
         raise ShapeMismatchError(
-            f"{op}: {name} has {len(t.shape)} dims, expected index.shape[:-1] + x.shape[{k}:] = {list(want)}"
+            f"{name} has {len(t.shape)} dims, expected index.shape[:-1] + x.shape[{k}:] = {list(want)}"
         )
     for i, (s, w) in enumerate(zip(t.shape, want)):
-        _same(op, s, w, f"{name} has size {s} on axis {i}, expected {w} (index.shape[:-1] + x.shape[{k}:])")
+        _same(s, w, f"{name} has size {s} on axis {i}, expected {w} (index.shape[:-1] + x.shape[{k}:])")
 
 
-def gather_nd_forward(x: DistTensorSpec, index: DistTensorSpec) -> SpmdResult:
-    """gather_nd (GatherNdInferSpmd): ``XT, Bq -> BT``; indexed axes and coordinates replicated."""
-    op = "gather_nd"
-    nd, ni, k = _nd_parts(op, x.shape, index)
-    n = _gather_nd_notation(nd, ni, k, False)
-    return forward_largest(op, n, (x, index), ("x", "index"))
+def _batch_sum(ins: Any, outs: Any, *args: object) -> Answer:
+    """scatter_nd_add: where the updates' batch B is sharded, each rank adds its own updates to
+    its share of x, so x is asked partial SUM over B's mesh dims (out is partial over them)."""
+    dims = {d for e in ins[1].dims_mapping[:-1] for d in ((e,) if isinstance(e, int) else e) if d >= 0}
+    if not dims:
+        return ins, outs
+    x = ins[0]
+    pt = dict(x.partial)
+    for d in dims:
+        pt[d] = ReduceType.SUM
+    return (make_attr(x.mesh, x.dims_mapping, tuple(sorted(pt.items()))), *ins[1:]), outs
 
 
-def gather_nd_backward(x: DistTensorSpec, index: DistTensorSpec, out: DistTensorSpec) -> SpmdResult:
-    """gather_nd (GatherNdInferSpmdReverse): B to the index, T to x, from out."""
-    op = "gather_nd"
-    nd, ni, k = _nd_parts(op, x.shape, index)
-    _check_batch_trailing(op, "out", out, index, x.shape, k)
-    n = _gather_nd_notation(nd, ni, k, False)
-    return reverse_largest(op, n, (x, index), (out,), ("x", "index", "out"))
+def _x_grad_whole(ins: Any, outs: Any, *args: object) -> Answer:
+    """scatter_nd_add_grad: x_grad is out_grad itself, nothing is summed over B."""
+    return ins, (unpartial(outs[0]), outs[1])
 
 
-def gather_nd_grad(x: DistTensorSpec, index: DistTensorSpec, out_grad: DistTensorSpec) -> SpmdResult:
-    """gather_nd_grad (GatherNdGradInferSpmd): ``XT, Bq, BT -> XT``; x_grad partial SUM over B's mesh dims."""
-    op = "gather_nd_grad"
-    nd, ni, k = _nd_parts(op, x.shape, index)
-    _check_batch_trailing(op, "out_grad", out_grad, index, x.shape, k)
-    n = _gather_nd_notation(nd, ni, k, True)
-    return forward_largest(op, n, (x, index, out_grad), ("x", "index", "out_grad"))
+_ENV.update(_trailing=_trailing)
 
 
-register(
-    "gather_nd", gather_nd_forward, "x: T, index: T", gather_nd_backward, kind="reverse", outputs="out: T",
-    forward_name="GatherNdInferSpmd", backward_name="GatherNdInferSpmdReverse",
+def _nd_way(kind: str, paddle: str, doc: str, check: str = "", x: str = "x", **kw: Any) -> Way:
+    """A gather_nd / scatter_nd_add mode keyed by the ranks of x (``x``: its parameter) and index
+    and the coordinate count; ``check``: the tensor shaped ``index.shape[:-1] + x.shape[k:]``."""
+    t = f"_trailing({check!r}, {check}, index, {x})" if check else None
+    return Way(partial(nd_notation, kind), key=f"{x}, index, (index.shape[-1] if index.shape else 0)", letters=True,
+               env=_ENV, check=t, paddle=paddle, doc=doc, **kw)  # fmt: skip
+
+
+declare(
+    "gather_nd", "x: T, index: T",
+    _nd_way("gather_nd", "GatherNdInferSpmd",
+            "gather_nd (GatherNdInferSpmd): ``XT, Bq -> BT``; indexed axes and coordinates replicated."),
+    reverse=_nd_way("gather_nd", "GatherNdInferSpmdReverse",
+                    "gather_nd (GatherNdInferSpmdReverse): B to the index, T to x, from out.", "out"),
+    outputs="out: T",
 )  # fmt: skip
-register("gather_nd_grad", gather_nd_grad, "x: T, index: T, out_grad: T", forward_name="GatherNdGradInferSpmd")
-
-
-@memo()
-def _snd_notation(nd: int, ni: int, k: int, grad: bool) -> Notation:
-    x, idx, upd, rep = _nd_letters(nd, ni, k)
-    if grad:  # index, updates, out_grad -> x_grad, updates_grad
-        return Notation([idx, upd, x], [x, upd], replicated=rep)
-    return Notation([x, idx, upd], [x], replicated=rep)
-
-
-def _batch_dims(merged: Merged, batch: str) -> tuple[int, ...]:
-    out: list[int] = []
-    for ch, ds in merged:
-        if ch in batch:
-            out.extend(ds)
-    return tuple(sorted(out))
-
-
-def scatter_nd_add_forward(x: DistTensorSpec, index: DistTensorSpec, updates: DistTensorSpec) -> SpmdResult:
-    """scatter_nd_add (ScatterNdAddInferSpmd): ``XT, Bq, BT -> XT``; a sharded batch B makes out
-    partial SUM and asks for x partial SUM over the same mesh dims."""
-    op = "scatter_nd_add"
-    nd, ni, k = _nd_parts(op, x.shape, index)
-    _check_batch_trailing(op, "updates", updates, index, x.shape, k)
-    n = _snd_notation(nd, ni, k, False)
-    mesh = common_mesh(op, (x, index, updates))
-    check_letters(op, n.inputs, (x, index, updates), ("x", "index", "updates"))
-    x, index, updates = _one_dim((x, index, updates))
-    merged = merge_specs(n, n.inputs[1:], (index, updates), mesh)
-    ins, outs = project_all(n, merged, mesh)
-    bdims = _batch_dims(merged, (n.inputs[1] or "")[:-1])
-    ins[0] = _with_sum(ins[0], bdims)
-    return _result(ins, outs)
-
-
-def scatter_nd_add_backward(x: DistTensorSpec, index: DistTensorSpec, updates: DistTensorSpec,
-                            out: DistTensorSpec) -> SpmdResult:
-    """scatter_nd_add (ScatterNdAddInferSpmdReverse): T from out to x and updates; X, B replicated."""
-    op = "scatter_nd_add"
-    nd, ni, k = _nd_parts(op, x.shape, index)
-    _check_batch_trailing(op, "updates", updates, index, x.shape, k)
-    n = _snd_notation(nd, ni, k, False)
-    return reverse_largest(op, n, (x, index, updates), (out,), ("x", "index", "updates", "out"))
-
-
-def scatter_nd_add_grad(index: DistTensorSpec, updates: DistTensorSpec, out_grad: DistTensorSpec) -> SpmdResult:
-    """scatter_nd_add_grad: ``Bq, BT, XT -> XT, BT``; x_grad = out_grad, updates_grad = gather_nd(out_grad)."""
-    op = "scatter_nd_add_grad"
-    nd, ni, k = _nd_parts(op, out_grad.shape, index)
-    _check_batch_trailing(op, "updates", updates, index, out_grad.shape, k)
-    n = _snd_notation(nd, ni, k, True)
-    ins, outs = einsum_forward(op, n, _one_dim((index, updates, out_grad)), ("index", "updates", "out_grad"))
-    outs[0] = _no_partial(outs[0])  # x_grad is out_grad itself: nothing is summed over B
-    return _result(ins, outs)
-
-
-register(
-    "scatter_nd_add", scatter_nd_add_forward, "x: T, index: T, updates: T",
-    scatter_nd_add_backward, kind="reverse", outputs="out: T",
-    forward_name="ScatterNdAddInferSpmd", backward_name="ScatterNdAddInferSpmdReverse",
+declare(
+    "gather_nd_grad", "x: T, index: T, out_grad: T",
+    _nd_way("gather_nd_grad", "GatherNdGradInferSpmd", "gather_nd_grad (GatherNdGradInferSpmd): ``XT, Bq, BT -> XT``; "
+            "x_grad partial SUM over B's mesh dims.", "out_grad"),
 )  # fmt: skip
-register("scatter_nd_add_grad", scatter_nd_add_grad, "index: T, updates: T, out_grad: T")
+declare(
+    "scatter_nd_add", "x: T, index: T, updates: T",
+    _nd_way("scatter_nd_add", "ScatterNdAddInferSpmd", "scatter_nd_add (ScatterNdAddInferSpmd): ``XT, Bq, BT -> "
+            "XT``; a sharded batch B makes out partial SUM and asks for x partial SUM over the same mesh dims.",
+            "updates", post=_batch_sum),
+    reverse=_nd_way("scatter_nd_add_rev", "ScatterNdAddInferSpmdReverse", "scatter_nd_add "
+                    "(ScatterNdAddInferSpmdReverse): T from out to x and updates; X, B replicated.", "updates"),
+    outputs="out: T",
+)  # fmt: skip
+declare(
+    "scatter_nd_add_grad", "index: T, updates: T, out_grad: T",
+    _nd_way("scatter_nd_add_grad", "", "scatter_nd_add_grad: ``Bq, BT, XT -> XT, BT``; x_grad = out_grad, "
+            "updates_grad = gather_nd(out_grad).", "updates", "out_grad", post=_x_grad_whole),
+)
 
 
 # -- scatter --------------------------------------------------------------------------------------
 
 
-@memo()
-def _scatter_notation(nd: int, idx_axes: str, grad: bool) -> Notation:
-    t = ALPHABET[: nd - 1]
-    z = ALPHABET[nd - 1]
-    b = ALPHABET[nd]
-    x = z + t
-    idx = idx_axes.replace("k", b)
-    upd = (b + t) if idx_axes else t
-    if grad:  # index, updates, out_grad -> x_grad, updates_grad
-        return Notation([idx, upd, x], [x, upd], replicated=z + b)
-    return Notation([x, idx, upd], [x], replicated=z + b)
-
-
-def _scatter_setup(op: str, x_shape: Shape, index: DistTensorSpec, updates: DistTensorSpec,
-                   overwrite: object, xname: str, grad: bool = False) -> Notation:
-    if not isinstance(overwrite, bool):
-        raise InvalidAttributeError(f"{op}: overwrite must be a bool, got {overwrite!r}")
-    nd = len(x_shape)
+def scatter_notation(kind: str, nd: int, ni: int) -> Notation:
+    """``zT, b, bT -> zT`` (x, index [N], updates [N, ...] -> out; the rows z and the updates'
+    batch b replicated: overwriting rows cannot be summed); scatter merges index and updates
+    only (x takes out's sharding); the grad ``b, bT, zT -> zT, bT`` merges index and out_grad."""
     if nd == 0:
-        raise ShapeMismatchError(f"{op}: {xname} must have at least 1 dim, got a 0-d tensor")
-    _need(op, nd + 1)
-    idx_axes = _index_axes(op, index, "k")
-    want = (index.shape[0], *x_shape[1:]) if idx_axes else tuple(x_shape[1:])
+        raise ShapeMismatchError(f"{'out_grad' if kind == 'grad' else 'x'} must have at least 1 dim, got a 0-d tensor")
+    _need(nd + 1)
+    t, z, b = ALPHABET[: nd - 1], ALPHABET[nd - 1], ALPHABET[nd]
+    idx = _index_axes(ni).replace("k", b)
+    upd = (b + t) if idx else t
+    if kind == "grad":  # index, updates, out_grad -> x_grad, updates_grad
+        return Notation([idx, upd, z + t], [z + t, upd], replicated=z + b, coshard="largest", sources=(0, 2))
+    return Notation([z + t, idx, upd], [z + t], replicated=z + b, coshard="largest",
+                    sources=(1, 2) if kind == "forward" else None)  # fmt: skip
+
+
+def _scatter_check(x: DistTensorSpec, index: DistTensorSpec, updates: DistTensorSpec, overwrite: object,
+                   xname: str) -> None:
+    """updates shaped ``[len(index), *x.shape[1:]]`` (``x.shape[1:]`` for a 0-d index)."""
+    if not isinstance(overwrite, bool):
+        raise InvalidAttributeError(f"overwrite must be a bool, got {overwrite!r}")
+    if not x.shape:
+        return  # the notation says so
+    if len(index.shape) > 1:
+        _index2(index)
+    want = (index.shape[0], *x.shape[1:]) if index.shape else tuple(x.shape[1:])
     if len(updates.shape) != len(want):
         raise ShapeMismatchError(
-            f"{op}: updates has {len(updates.shape)} dims, expected {len(want)} (shape {list(want)}: "
+            f"updates has {len(updates.shape)} dims, expected {len(want)} (shape {list(want)}: "
             f"index's length + {xname}.shape[1:])"
         )
     for i, (s, w) in enumerate(zip(updates.shape, want)):
-        _same(op, s, w, f"updates has size {s} on axis {i}, expected {w}")
-    return _scatter_notation(nd, idx_axes, grad)
+        _same(s, w, f"updates has size {s} on axis {i}, expected {w}")
 
 
-def scatter_forward(x: DistTensorSpec, index: DistTensorSpec, updates: DistTensorSpec,
-                    overwrite: bool = True) -> SpmdResult:
-    """scatter (ScatterInferSpmd): ``zT, b, bT -> zT``; rows and the updates' batch replicated,
-    the trailing axes from the updates (x takes out's sharding)."""
-    op = "scatter"
-    n = _scatter_setup(op, x.shape, index, updates, overwrite, "x")
-    mesh = common_mesh(op, (x, index, updates))
-    check_letters(op, n.inputs, (x, index, updates), ("x", "index", "updates"))
-    x, index, updates = _one_dim((x, index, updates))
-    merged = merge_specs(n, n.inputs[1:], (index, updates), mesh)
-    ins, outs = project_all(n, merged, mesh)
-    return _result(ins, outs)
-
-
-def scatter_backward(x: DistTensorSpec, index: DistTensorSpec, updates: DistTensorSpec, out: DistTensorSpec,
-                     overwrite: bool = True) -> SpmdResult:
-    """scatter (ScatterInferSpmdReverse): the trailing axes from out; rows and batch replicated."""
-    op = "scatter"
-    n = _scatter_setup(op, x.shape, index, updates, overwrite, "x")
-    return reverse_largest(op, n, (x, index, updates), (out,), ("x", "index", "updates", "out"))
-
-
-def scatter_grad(index: DistTensorSpec, updates: DistTensorSpec, out_grad: DistTensorSpec,
-                 overwrite: bool = True) -> SpmdResult:
-    """scatter_grad (ScatterGradInferSpmd): ``b, bT, zT -> zT, bT``; the trailing axes from out_grad."""
-    op = "scatter_grad"
-    n = _scatter_setup(op, out_grad.shape, index, updates, overwrite, "out_grad", True)
-    mesh = common_mesh(op, (index, updates, out_grad))
-    check_letters(op, n.inputs, (index, updates, out_grad), ("index", "updates", "out_grad"))
-    index, updates, out_grad = _one_dim((index, updates, out_grad))
-    merged = merge_specs(n, (n.inputs[0], n.inputs[2]), (index, out_grad), mesh)
-    ins, outs = project_all(n, merged, mesh)
-    return _result(ins, outs)
-
-
-register(
-    "scatter", scatter_forward, "x: T, index: T, updates: T, overwrite: bool = True",
-    scatter_backward, kind="reverse", outputs="out: T",
-    forward_name="ScatterInferSpmd", backward_name="ScatterInferSpmdReverse",
+_ENV.update(_scatter=_scatter_check)
+_SC_SIG = "x: T, index: T, updates: T, overwrite: bool = True"
+declare(
+    "scatter", _SC_SIG,
+    Way(partial(scatter_notation, "forward"), key="x, index", letters=True, env=_ENV,
+        check="_scatter(x, index, updates, overwrite, 'x')", paddle="ScatterInferSpmd",
+        doc="scatter (ScatterInferSpmd): ``zT, b, bT -> zT``; rows and the updates' batch replicated, the "
+            "trailing axes from the updates (x takes out's sharding)."),
+    reverse=Way(partial(scatter_notation, "reverse"), key="x, index", letters=True, env=_ENV,
+                check="_scatter(x, index, updates, overwrite, 'x')", paddle="ScatterInferSpmdReverse",
+                doc="scatter (ScatterInferSpmdReverse): the trailing axes from out; rows and batch replicated."),
+    outputs="out: T",
 )  # fmt: skip
-register("scatter_grad", scatter_grad, "index: T, updates: T, out_grad: T, overwrite: bool = True",
-         forward_name="ScatterGradInferSpmd")
+declare(
+    "scatter_grad", "index: T, updates: T, out_grad: T, overwrite: bool = True",
+    Way(partial(scatter_notation, "grad"), key="out_grad, index", letters=True, env=_ENV,
+        check="_scatter(out_grad, index, updates, overwrite, 'out_grad')", paddle="ScatterGradInferSpmd",
+        doc="scatter_grad (ScatterGradInferSpmd): ``b, bT, zT -> zT, bT``; the trailing axes from out_grad."),
+)  # fmt: skip
 
 
 # -- where ----------------------------------------------------------------------------------------
 
 
-def _broadcast(op: str, names: Sequence[str], shapes: Sequence[Shape]) -> Shape:
+@lru_cache(maxsize=4096)
+def where_notation(grad: bool, nc: int, nx: int, ny: int, mc: int, mx: int, my: int) -> Notation:
+    """Elementwise with numpy broadcasting over condition, x, y (ranks ``n*``, size-1 axes
+    ``m*``): a size-1 axis is ``1`` (never sharded) unless every tensor has size 1 there; the
+    grad ``cond, x, y, out_grad -> x_grad, y_grad`` (a grad partial SUM over the mesh dims of the
+    broadcast axes its input lacks)."""
+    nd = max(nc, nx, ny)
+    _need(nd)
+    letters = ALPHABET[:nd]
+    ranks, masks = (nc, nx, ny), (mc, mx, my)
+    one = [all((m >> (i - nd + n)) & 1 for n, m in zip(ranks, masks) if i >= nd - n) for i in range(nd)]
+    axes = ["".join(BROADCAST if (m >> j) & 1 and not one[nd - n + j] else letters[nd - n + j] for j in range(n))
+            for n, m in zip(ranks, masks)]  # fmt: skip
+    if grad:
+        return Notation([*axes, letters], [axes[1], axes[2]], coshard="largest")
+    return Notation(axes, [letters], coshard="largest")
+
+
+def _broadcast(condition: DistTensorSpec, x: DistTensorSpec, y: DistTensorSpec,
+               out: DistTensorSpec | None = None, oname: str = "") -> None:
+    """condition, x and y broadcast together (numpy's rules; -1 matches any size), onto
+    ``out``'s shape where given."""
+    shapes = (condition.shape, x.shape, y.shape)
     nd = max(len(s) for s in shapes)
-    out: list[int] = []
+    want: list[int] = []
     for i in range(nd):
         size = 1
-        for nm, s in zip(names, shapes):
+        for nm, s in zip(("condition", "x", "y"), shapes):
             j = i - (nd - len(s))
-            if j < 0:
-                continue
-            v = s[j]
+            v = s[j] if j >= 0 else 1
             if v == 1:
                 continue
-            if size == 1:
+            if size == 1 or size < 0:
                 size = v
-            elif v != size and v >= 0 and size >= 0:
+            elif v != size and v >= 0:
                 raise ShapeMismatchError(
-                    f"{op}: {nm} (shape {list(s)}) does not broadcast with the others on axis {i} ({v} vs {size})"
+                    f"{nm} (shape {list(s)}) does not broadcast with the others on axis {i} ({v} vs {size})"
                 )
-            elif size < 0:
-                size = v
-        out.append(size)
-    return tuple(out)
+        want.append(size)
+    if out is None:
+        return
+    if len(out.shape) != nd:
+        raise ShapeMismatchError(f"{oname} has {len(out.shape)} dims, the broadcast shape {want} has {nd}")
+    for i, (v, w) in enumerate(zip(out.shape, want)):
+        _same(v, w, f"{oname} has size {v} on axis {i}, the broadcast shape has {w}")
 
 
-@memo()
-def _where_notation(shapes: tuple[Shape, ...], out: Shape, grad: bool) -> Notation:
-    nd = len(out)
-    letters = ALPHABET[:nd]
-    axes = []
-    for s in shapes:
-        off = nd - len(s)
-        axes.append("".join(BROADCAST if (v == 1 and out[off + j] != 1) else letters[off + j]
-                            for j, v in enumerate(s)))
-    if grad:  # condition, x, y, out_grad -> x_grad, y_grad
-        return Notation([*axes, letters], [axes[1], axes[2]])
-    return Notation(axes, [letters])
+_ENV.update(_broadcast=_broadcast)
+_W_KEY = "condition, x, y, ones(condition), ones(x), ones(y)"
 
 
-def _where_setup(op: str, condition: DistTensorSpec, x: DistTensorSpec, y: DistTensorSpec,
-                 grad: bool) -> tuple[Notation, Shape]:
-    shapes = (condition.shape, x.shape, y.shape)
-    out = _broadcast(op, ("condition", "x", "y"), shapes)
-    _need(op, len(out))
-    return _where_notation(shapes, out, grad), out
+@lru_cache(maxsize=4096)
+def _x_letters(*key: int) -> tuple[int, ...]:
+    """The axes of y whose letters condition or x carries."""
+    c, x, y = where_notation(False, *key).inputs
+    seen = set(c or "") | set(x or "")
+    return tuple(j for j, ch in enumerate(y or "") if ch in seen)
 
 
-def _check_out(op: str, name: str, t: DistTensorSpec, want: Shape) -> None:
-    if len(t.shape) != len(want):
-        raise ShapeMismatchError(f"{op}: {name} has {len(t.shape)} dims, the broadcast shape {list(want)} has "
-                                 f"{len(want)}")
-    for i, (s, w) in enumerate(zip(t.shape, want)):
-        _same(op, s, w, f"{name} has size {s} on axis {i}, the broadcast shape has {w}")
+def _y_unread(fn: Callable[..., SpmdResult], signature: str, outputs: Any) -> Callable[..., SpmdResult]:
+    """where's forward: Paddle merges condition and x; y's own sharding is read only on the axes
+    neither of them has (its other entries are read as unsharded before the merge)."""
+
+    def where(condition: DistTensorSpec, x: DistTensorSpec, y: DistTensorSpec) -> SpmdResult:
+        a = y.dist_attr
+        dm = a.dims_mapping
+        if dm.count(-1) < len(dm):
+            try:
+                axes = _x_letters(len(condition.shape), len(x.shape), len(y.shape), ones(condition), ones(x), ones(y))
+            except SpmdError:
+                return fn(condition, x, y)  # its checks say what is wrong
+            if any(dm[j] != -1 for j in axes):
+                cleared = tuple(-1 if j in axes else e for j, e in enumerate(dm))
+                y = DistTensorSpec(y.shape, make_attr(a.mesh, cleared, a.partial))
+        return fn(condition, x, y)
+
+    where.__doc__ = fn.__doc__
+    return where
 
 
-def where_forward(condition: DistTensorSpec, x: DistTensorSpec, y: DistTensorSpec) -> SpmdResult:
-    """where (WhereInferSpmd): elementwise over the broadcast shape; condition and x merged."""
-    op = "where"
-    n, _ = _where_setup(op, condition, x, y, False)
-    mesh = common_mesh(op, (condition, x, y))
-    condition, x, y = _one_dim((condition, x, y))
-    # y's own sharding is not read (Paddle merges condition and x only), except on axes
-    # neither of them has
-    c_axes, x_axes, y_full = (a or "" for a in n.inputs)
-    seen = set(c_axes) | set(x_axes)
-    y_axes = "".join(c if c not in seen else BROADCAST for c in y_full)
-    merged = merge_specs(n, (c_axes, x_axes, y_axes), (condition, x, y), mesh)
-    ins, outs = project_all(n, merged, mesh)
-    return _result(ins, outs)
+def _where_way(paddle: str, doc: str, grad: bool, out: str = "", **kw: Any) -> Way:
+    return Way(partial(where_notation, grad), key=_W_KEY, env=_ENV, paddle=paddle, doc=doc,
+               check=f"condition.shape == x.shape == y.shape{f' == {out}.shape' if out else ''} or "
+                     f"_broadcast(condition, x, y{f', {out}, {out!r}' if out else ''})", **kw)  # fmt: skip
 
 
-def where_backward(condition: DistTensorSpec, x: DistTensorSpec, y: DistTensorSpec,
-                   output: DistTensorSpec) -> SpmdResult:
-    """where (WhereInferSpmdReverse): every input from out (broadcast axes replicated)."""
-    op = "where"
-    n, shape = _where_setup(op, condition, x, y, False)
-    _check_out(op, "output", output, shape)
-    return reverse_largest(op, n, (condition, x, y), (output,), ("condition", "x", "y", "output"))
-
-
-def where_grad(condition: DistTensorSpec, x: DistTensorSpec, y: DistTensorSpec,
-               out_grad: DistTensorSpec) -> SpmdResult:
-    """where_grad (WhereGradInferSpmd): elementwise; a grad is partial SUM over the mesh dims of
-    the broadcast axes its input lacks."""
-    op = "where_grad"
-    n, shape = _where_setup(op, condition, x, y, True)
-    _check_out(op, "out_grad", out_grad, shape)
-    return forward_largest(op, n, (condition, x, y, out_grad), ("condition", "x", "y", "out_grad"))
-
-
-register(
-    "where", where_forward, "condition: T, x: T, y: T", where_backward, kind="reverse", outputs="output: T",
-    forward_name="WhereInferSpmd", backward_name="WhereInferSpmdReverse",
+declare(
+    "where", "condition: T, x: T, y: T",
+    _where_way("WhereInferSpmd", "where (WhereInferSpmd): elementwise over the broadcast shape; condition and x "
+               "merged (y's own sharding is read only on the axes neither of them has).", False, wrap=_y_unread),
+    reverse=_where_way("WhereInferSpmdReverse", "where (WhereInferSpmdReverse): every input from out (broadcast "
+                       "axes replicated).", False, "output", letters=True),
+    outputs="output: T",
 )  # fmt: skip
-register("where_grad", where_grad, "condition: T, x: T, y: T, out_grad: T", forward_name="WhereGradInferSpmd")
+declare(
+    "where_grad", "condition: T, x: T, y: T, out_grad: T",
+    _where_way("WhereGradInferSpmd", "where_grad (WhereGradInferSpmd): elementwise; a grad is partial SUM over the "
+               "mesh dims of the broadcast axes its input lacks.", True, "out_grad", letters=True),
+)  # fmt: skip

@@ -64,68 +64,25 @@ conflicts Paddle raises on.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from functools import lru_cache
+from collections.abc import Callable
+from functools import partial
+from typing import Any
 
-from spmdkit.core.dist_attr import Entry, ReduceType, TensorDistAttr, entry_dims
+from spmdkit.core.dist_attr import ReduceType, entry_dims
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
-from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.axes import normalize_axis, one_mesh_dim_per_axis, one_mesh_dim_specs
-from spmdkit.engine.compile import Plan, compile_plan, infer
-from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import (
-    ALPHABET,
-    BROADCAST,
-    Notation,
-    check_letters,
-    common_mesh,
-    einsum_forward,
-    fast_result,
-    merge_specs,
-    named_mesh,
-    project_all,
-)
-from spmdkit.rules._common import (
-    check_bool,
-    check_int,
-    check_ndim,
-    forward_largest,
-    letter_attr,
-    merge_one_dim,
-    merge_project,
-)
+from spmdkit.engine.axes import make_attr, normalize_axis, one_mesh_dim, unpartial
+from spmdkit.engine.declare import Answer, Way, declare, generate
+from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, fast_result
+from spmdkit.rules._common import check_bool, check_int, check_ndim
 from spmdkit.rules.registry import register
 
-Shape = tuple[int, ...]
-
-_make = TensorDistAttr.unchecked
+# -- checks (the engine names the op where a message lacks it) -----------------------------------
 
 
-def _axis(op: str, axis: object, ndim: int) -> int:
-    if isinstance(axis, bool) or not isinstance(axis, int):
-        raise InvalidAttributeError(f"{op}: axis must be an int, got {axis!r}")
-    if ndim == 0:
-        raise ShapeMismatchError(f"{op}: the logits must have at least 1 dim (got a 0-d tensor)")
-    return normalize_axis(op, axis, ndim)
-
-
-def _bool(op: str, name: str, v: object) -> bool:
-    if not isinstance(v, (bool, int)):
-        raise InvalidAttributeError(f"{op}: {name} must be a bool, got {v!r}")
-    return bool(v)
-
-
-def _int(op: str, name: str, v: object) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise InvalidAttributeError(f"{op}: {name} must be an int, got {v!r}")
-    return v
-
-
-def _letters(op: str, nd: int) -> str:
+def _letters(nd: int) -> None:
     if nd > len(ALPHABET):
-        raise ShapeMismatchError(f"{op}: tensors of more than {len(ALPHABET)} dims are not supported")
-    return ALPHABET[:nd]
+        raise ShapeMismatchError(f"tensors of more than {len(ALPHABET)} dims are not supported")
 
 
 def _hard_label(op: str, name: str, label: DistTensorSpec, nd: int, ax: int) -> None:
@@ -138,439 +95,314 @@ def _hard_label(op: str, name: str, label: DistTensorSpec, nd: int, ax: int) -> 
         )
 
 
-@memo()
-def _ce_axes(nd: int, ax: int, soft: bool) -> tuple[str, str, str]:
-    """(logits axes, label axes, loss axes)."""
-    full = ALPHABET[:nd]
-    one = full[:ax] + BROADCAST + full[ax + 1 :]
-    return full, full if soft else one, one
-
-
-@memo()
-def _ce_notation(nd: int, ax: int, soft: bool) -> Notation:
-    x, lab, loss = _ce_axes(nd, ax, soft)
-    return Notation([x, lab], [x, loss], replicated=x[ax])
-
-
-@memo()
-def _ce_grad_notation(nd: int, ax: int, soft: bool) -> Notation:
-    x, lab, loss = _ce_axes(nd, ax, soft)
-    return Notation([lab, x, loss], [x], replicated=x[ax])
-
-
-def _ce_attrs(op: str, x: DistTensorSpec, soft_label: object, use_softmax: object, numeric_stable_mode: object,
-              ignore_index: object, axis: object) -> tuple[int, bool]:
-    _letters(op, len(x.shape))
-    ax = _axis(op, axis, len(x.shape))
-    soft = _bool(op, "soft_label", soft_label)
-    _bool(op, "use_softmax", use_softmax)
-    _bool(op, "numeric_stable_mode", numeric_stable_mode)
-    _int(op, "ignore_index", ignore_index)
-    return ax, soft
-
-
-def _check_label(op: str, name: str, label: DistTensorSpec, nd: int, ax: int, soft: bool) -> None:
-    if soft:
-        if len(label.shape) != nd:
-            raise ShapeMismatchError(f"{op}: {name} (a soft label) has {len(label.shape)} dims, expected {nd}")
-    else:
-        _hard_label(op, name, label, nd, ax)
-
-
-def ce_forward(x: DistTensorSpec, label: DistTensorSpec, soft_label: bool = False, use_softmax: bool = True,
-               numeric_stable_mode: bool = True, ignore_index: int = -100, axis: int = -1) -> SpmdResult:
-    """cross_entropy_with_softmax (CrossEntropyWithSoftmaxInferSpmdStatic): batch axes merged,
-    the class axis replicated; softmax as x, loss as x with the class axis of size 1."""
-    op = "cross_entropy_with_softmax"
-    ax, soft = _ce_attrs(op, x, soft_label, use_softmax, numeric_stable_mode, ignore_index, axis)
-    _check_label(op, "label", label, len(x.shape), ax, soft)
-    return forward_largest(op, _ce_notation(len(x.shape), ax, soft), [x, label], ["x", "label"])
-
-
-def ce_backward(x: DistTensorSpec, label: DistTensorSpec, softmax_out: DistTensorSpec, loss: DistTensorSpec,
-                soft_label: bool = False, use_softmax: bool = True, numeric_stable_mode: bool = True,
-                ignore_index: int = -100, axis: int = -1) -> SpmdResult:
-    """cross_entropy_with_softmax (CrossEntropyWithSoftmaxInferSpmdReverse): the inputs from
-    softmax and loss (class axis replicated); the outputs those inputs produce."""
-    op = "cross_entropy_with_softmax"
+def _ce(op: str, x: DistTensorSpec, label: DistTensorSpec, soft_label: object, use_softmax: object,
+        numeric_stable_mode: object, ignore_index: object, axis: object, loss: DistTensorSpec | None = None,
+        loss_name: str = "loss") -> None:  # fmt: skip
+    """cross_entropy_with_softmax's attributes, label (and loss / loss_grad) against x (or softmax)."""
     nd = len(x.shape)
-    ax, soft = _ce_attrs(op, x, soft_label, use_softmax, numeric_stable_mode, ignore_index, axis)
-    _check_label(op, "label", label, nd, ax, soft)
-    _hard_label(op, "loss", loss, nd, ax)
-    x, label, softmax_out, loss = one_mesh_dim_specs(x, label, softmax_out, loss)
-    n = _ce_notation(nd, ax, soft)
-    specs = (x, label, softmax_out, loss)
-    mesh = common_mesh(op, specs)
-    check_letters(op, (*n.inputs, *n.outputs), specs, ("x", "label", "softmax_out", "loss"))
-    # loss claims its mesh dims before softmax_out (as Paddle's reverse merge does)
-    merged = merge_specs(n, (n.outputs[1], n.outputs[0]), (loss, softmax_out), mesh)
-    ins, outs = project_all(n, tuple((c, d) for c, d in merged if c != _ce_axes(nd, ax, soft)[0][ax]), mesh)
-    return fast_result(tuple(ins), tuple(outs))
+    _letters(nd)
+    check_int(op, "axis", axis)
+    if nd == 0:
+        raise ShapeMismatchError(f"{op}: the logits must have at least 1 dim (got a 0-d tensor)")
+    ax = normalize_axis(op, axis, nd)  # type: ignore[arg-type]
+    soft = check_bool(op, "soft_label", soft_label)
+    check_bool(op, "use_softmax", use_softmax)
+    check_bool(op, "numeric_stable_mode", numeric_stable_mode)
+    check_int(op, "ignore_index", ignore_index)
+    if not soft:
+        _hard_label(op, "label", label, nd, ax)
+    elif len(label.shape) != nd:
+        raise ShapeMismatchError(f"{op}: label (a soft label) has {len(label.shape)} dims, expected {nd}")
+    if loss is not None:
+        _hard_label(op, loss_name, loss, nd, ax)
 
 
-def ce_grad(label: DistTensorSpec, softmax: DistTensorSpec, loss_grad: DistTensorSpec, soft_label: bool = False,
-            use_softmax: bool = True, numeric_stable_mode: bool = True, ignore_index: int = -100,
-            axis: int = -1) -> SpmdResult:
-    """cross_entropy_with_softmax_grad (CrossEntropyWithSoftmaxGradInferSpmd): label, softmax and
-    loss_grad merged on the batch axes, the class axis replicated; x_grad as softmax."""
-    op = "cross_entropy_with_softmax_grad"
-    nd = len(softmax.shape)
-    ax, soft = _ce_attrs(op, softmax, soft_label, use_softmax, numeric_stable_mode, ignore_index, axis)
-    _check_label(op, "label", label, nd, ax, soft)
-    _hard_label(op, "loss_grad", loss_grad, nd, ax)
-    return forward_largest(op, _ce_grad_notation(nd, ax, soft), [label, softmax, loss_grad], ["label", "softmax", "loss_grad"])
-
-
-# -- c_softmax_with_cross_entropy: the class axis may stay sharded (a communicating kernel) -----
-
-
-@memo()
-def _c_notation(nd: int) -> Notation:
-    x, _, one = _ce_axes(nd, nd - 1, False)
-    return Notation([x, one], [x, one])
-
-
-@memo()
-def _c_grad_notation(nd: int) -> Notation:
-    x, _, one = _ce_axes(nd, nd - 1, False)
-    return Notation([x, one, one], [x])
-
-
-def _c_attrs(op: str, x: DistTensorSpec, ignore_index: object, rank: object, nranks: object) -> int:
+def _c(op: str, x: DistTensorSpec, label: DistTensorSpec, ignore_index: object, rank: object, nranks: object,
+       loss: DistTensorSpec | None = None, loss_name: str = "loss") -> None:  # fmt: skip
+    """c_softmax_with_cross_entropy's attributes and hard label (and loss / loss_grad)."""
     nd = len(x.shape)
     if nd == 0:
         raise ShapeMismatchError(f"{op}: the logits must have at least 1 dim (got a 0-d tensor)")
-    _letters(op, nd)
-    _int(op, "ignore_index", ignore_index)
-    _int(op, "rank", rank)
-    if _int(op, "nranks", nranks) < 1:
+    _letters(nd)
+    check_int(op, "ignore_index", ignore_index)
+    check_int(op, "rank", rank)
+    if check_int(op, "nranks", nranks) < 1:
         raise InvalidAttributeError(f"{op}: nranks must be positive, got {nranks}")
-    return nd
-
-
-def _no_partial(outs: list[TensorDistAttr | None]) -> tuple[TensorDistAttr | None, ...]:
-    """The loss is all-reduced by the kernel: never partial."""
-    return tuple(None if a is None else _make(a.mesh, a.dims_mapping) if a.partial else a for a in outs)
-
-
-def c_softmax_forward(x: DistTensorSpec, label: DistTensorSpec, ignore_index: int = -100, rank: int = 0,
-                      nranks: int = 1) -> SpmdResult:
-    """c_softmax_with_cross_entropy (CSoftmaxWithCrossEntropyInferSpmd): the class axis (last)
-    keeps its sharding (the kernel reduces over it), label follows x's batch axes; loss not partial."""
-    op = "c_softmax_with_cross_entropy"
-    nd = _c_attrs(op, x, ignore_index, rank, nranks)
     _hard_label(op, "label", label, nd, nd - 1)
-    x, label = one_mesh_dim_specs(x, label)
-    ins, outs = einsum_forward(op, _c_notation(nd), [x, label], ["x", "label"])
-    return fast_result(tuple(ins), _no_partial(outs))
+    if loss is not None:
+        _hard_label(op, loss_name, loss, nd, nd - 1)
 
 
-def c_softmax_reverse(x: DistTensorSpec, label: DistTensorSpec, softmax: DistTensorSpec, loss: DistTensorSpec,
-                       ignore_index: int = -100, rank: int = 0, nranks: int = 1) -> SpmdResult:
-    """c_softmax_with_cross_entropy reverse (Paddle has none): the inputs from softmax and loss."""
-    op = "c_softmax_with_cross_entropy"
-    nd = _c_attrs(op, x, ignore_index, rank, nranks)
-    _hard_label(op, "label", label, nd, nd - 1)
-    _hard_label(op, "loss", loss, nd, nd - 1)
-    n = _c_notation(nd)
-    specs = tuple(one_mesh_dim_specs(x, label, softmax, loss))
-    mesh = common_mesh(op, specs)
-    check_letters(op, (*n.inputs, *n.outputs), specs, ("x", "label", "softmax", "loss"))
-    merged = merge_specs(n, n.outputs, specs[2:], mesh)
-    ins, outs = project_all(n, merged, mesh)
-    return fast_result(tuple(ins), _no_partial(outs))
-
-
-def _make_c_grad(op: str):  # type: ignore[no-untyped-def]
-    def grad(softmax: DistTensorSpec, label: DistTensorSpec, loss_grad: DistTensorSpec, ignore_index: int = -100,
-             rank: int = 0, nranks: int = 1) -> SpmdResult:
-        nd = _c_attrs(op, softmax, ignore_index, rank, nranks)
-        _hard_label(op, "label", label, nd, nd - 1)
-        _hard_label(op, "loss_grad", loss_grad, nd, nd - 1)
-        softmax, label, loss_grad = one_mesh_dim_specs(softmax, label, loss_grad)
-        ins, outs = einsum_forward(op, _c_grad_notation(nd), [softmax, label, loss_grad],
-                                   ["softmax", "label", "loss_grad"])
-        return fast_result(tuple(ins), tuple(outs))
-
-    grad.__name__ = op
-    grad.__doc__ = (f"{op} (CSoftmaxWithCrossEntropyGradSpmd): softmax, label and loss_grad merged, "
-                    "x_grad as softmax (class axis sharded: each rank handles its own classes).")
-    return grad
-
-
-# -- mean_all -----------------------------------------------------------------------------------
-
-
-@memo()
-def _mean_notation(nd: int) -> Notation:
-    return Notation([ALPHABET[:nd]], [""], reduce=ReduceType.AVG, prune="*")
-
-
-def mean_all_forward(x: DistTensorSpec) -> SpmdResult:
-    """mean_all (MeanAllInferSpmd): a 0-d out, partial AVG over the mesh dims of x's (even) axes."""
-    op = "mean_all"
-    (x,) = one_mesh_dim_specs(x)
-    ins, outs = einsum_forward(op, _mean_notation(len(_letters(op, len(x.shape)))), [x], ["x"])
-    return fast_result(tuple(ins), tuple(outs))
-
-
-@lru_cache(maxsize=64)
-def _mean_grad_plan(nd: int, ng: int) -> Plan:
-    """``11, 1 -> 11``: x, out_grad and x_grad all unsharded."""
-    return compile_plan(Notation([BROADCAST * nd, BROADCAST * ng], [BROADCAST * nd]))
-
-
-def _make_mean_grad(op: str):  # type: ignore[no-untyped-def]
-    def grad(x: DistTensorSpec, out_grad: DistTensorSpec) -> SpmdResult:
-        if len(out_grad.shape) != 0 and any(s != 1 for s in out_grad.shape):
-            raise ShapeMismatchError(f"{op}: out_grad must hold one element (0-d), got shape {list(out_grad.shape)}")
-        mesh = common_mesh(op, (x, out_grad))
-        return fast_result(*infer(_mean_grad_plan(len(x.shape), len(out_grad.shape)), op, (x, out_grad), (), mesh))
-
-    grad.__name__ = op
-    grad.__doc__ = f"{op} (MeanAllGradInferSpmd): x, out_grad and x_grad replicated."
-    return grad
-
-
-register(
-    "cross_entropy_with_softmax", ce_forward,
-    "x: T, label: T, soft_label: bool = False, use_softmax: bool = True, numeric_stable_mode: bool = True, "
-    "ignore_index: int = -100, axis: int = -1",
-    ce_backward,
-    kind="reverse", outputs="softmax_out: T, loss: T",
-    aliases=("softmax_with_cross_entropy",), forward_name="CrossEntropyWithSoftmaxInferSpmdStatic",
-    backward_name="CrossEntropyWithSoftmaxInferSpmdReverse",
-)  # fmt: skip
-register(
-    "cross_entropy_with_softmax_grad", ce_grad,
-    "label: T, softmax: T, loss_grad: T, soft_label: bool = False, use_softmax: bool = True, "
-    "numeric_stable_mode: bool = True, ignore_index: int = -100, axis: int = -1",
-    aliases=("softmax_with_cross_entropy_grad",), forward_name="CrossEntropyWithSoftmaxGradInferSpmd",
-)  # fmt: skip
-register(
-    "c_softmax_with_cross_entropy", c_softmax_forward,
-    "x: T, label: T, ignore_index: int = -100, rank: int = 0, nranks: int = 1",
-    c_softmax_reverse,
-    kind="reverse", outputs="softmax: T, loss: T",
-    forward_name="CSoftmaxWithCrossEntropyInferSpmd",
-)  # fmt: skip
-register(
-    "c_softmax_with_cross_entropy_grad", _make_c_grad("c_softmax_with_cross_entropy_grad"),
-    "softmax: T, label: T, loss_grad: T, ignore_index: int = -100, rank: int = 0, nranks: int = 1",
-    forward_name="CSoftmaxWithCrossEntropyGradSpmd",
-)  # fmt: skip
-register(
-    "mean_all", mean_all_forward, "x: T", _make_mean_grad("mean_all"), "x: T, out_grad: T", kind="grad",
-    forward_name="MeanAllInferSpmd", backward_name="MeanAllGradInferSpmd",
-)  # fmt: skip
-register(
-    "mean_all_grad", _make_mean_grad("mean_all_grad"), "x: T, out_grad: T", forward_name="MeanAllGradInferSpmd",
-)  # fmt: skip
-
-
-# ---------------------------------------------------------------------------
-# label_smooth
-# ---------------------------------------------------------------------------
-
-
-@memo()
-def _label_axes(l_shape: Shape, p_shape: Shape) -> tuple[str, str]:
-    """Right-aligned broadcast letters; a size-1 axis is ``1`` (never sharded, as in Paddle's
-    elementwise rules)."""
-    nd = len(l_shape)
-    s = "".join(BROADCAST if v == 1 else c for v, c in zip(l_shape, ALPHABET[:nd]))
-    off = nd - len(p_shape)
-    p = "".join(BROADCAST if p_shape[i] == 1 else ALPHABET[off + i] for i in range(len(p_shape)))
-    return s, p
-
-
-def label_smooth_forward(label: DistTensorSpec, prior_dist: DistTensorSpec | None = None,
-                         epsilon: float = 0.0) -> SpmdResult:
-    """LabelSmoothInferSpmd: elementwise with prior_dist; without it the class axis replicated."""
-    op = "label_smooth"
-    nd = len(label.shape)
-    if nd == 0:
-        raise ShapeMismatchError(f"{op}: label must have at least 1 dim (the class axis)")
-    if nd > len(ALPHABET):
-        raise ShapeMismatchError(f"{op}: tensors of more than {len(ALPHABET)} dims are not supported")
-    if prior_dist is None:
-        return fast_result(*infer(_unary_plan(nd), op, (label, None), (), label.dist_attr.mesh, ("label", "prior_dist")))
-    mesh = named_mesh(op, (("label", label), ("prior_dist", prior_dist)))
-    pn = len(prior_dist.shape)
-    if pn > nd:
-        raise ShapeMismatchError(f"{op}: prior_dist has {pn} dims, more than label's {nd}")
-    off = nd - pn
-    for i, s in enumerate(prior_dist.shape):
-        t = label.shape[off + i]
-        if s != t and s != 1 and s >= 0 and t >= 0:
-            raise ShapeMismatchError(
-                f"{op}: prior_dist axis {i} has size {s}, which does not broadcast onto label's {t}"
-            )
-    la, pa = _label_axes(label.shape, prior_dist.shape)
-    # Paddle drops prior_dist's mesh dims that label's leading (extra) axes use
-    label = one_mesh_dim_per_axis(label)
-    lead = {d for e in label.dist_attr.dims_mapping[:off] for d in entry_dims(e)}
-    pdm = prior_dist.dist_attr.dims_mapping
-    if lead:
-        pdm = tuple(_drop_dims(e, lead) for e in pdm)
-    p2 = one_mesh_dim_per_axis(DistTensorSpec(prior_dist.shape, _make(mesh, pdm)))
-    n = _label_notation(la, pa)
-    ins, outs = merge_project(n, (la, pa), (label, p2), mesh)
-    return fast_result(tuple(ins), tuple(outs))
-
-
-@lru_cache(maxsize=64)
-def _unary_plan(nd: int) -> Plan:
-    """label_smooth without prior_dist, ``abc, _ -> abc``: the class axis replicated; elsewhere,
-    as Paddle's elementwise unary rule, the mesh dims that do not divide an axis dropped (minor
-    first)."""
-    a = ALPHABET[:nd]
-    return compile_plan(Notation([a, None], [a], replicated=a[-1], prune="*"))
-
-
-def _drop_dims(e: Entry, drop: set[int]) -> Entry:
-    d = tuple(x for x in entry_dims(e) if x not in drop)
-    return -1 if not d else d[0] if len(d) == 1 else d
-
-
-@memo()
-def _label_notation(la: str, pa: str) -> Notation:
-    return Notation((la, pa), (la,))
-
-
-def label_smooth_grad(out_grad: DistTensorSpec, epsilon: float = 0.0) -> SpmdResult:
-    """LabelSmoothGradInferSpmd: out_grad and label_grad sharded as out_grad, not partial."""
-    p = _same_plan(len(out_grad.shape))
-    return fast_result(*infer(p, "label_smooth_grad", (out_grad,), (), out_grad.dist_attr.mesh, ("out_grad",)))
-
-
-@lru_cache(maxsize=64)
-def _same_plan(nd: int) -> Plan:
-    """``abc -> abc``: sharded as the input, not partial."""
-    a = _letters("label_smooth_grad", nd)
-    return compile_plan(Notation([a], [a]))
-
-
-
-
-register("label_smooth", label_smooth_forward, "label: T, prior_dist: T?, epsilon: float = 0.0",
-         label_smooth_grad, "out_grad: T, epsilon: float = 0.0", kind="grad", grad_name="label_smooth_grad",
-         forward_name="LabelSmoothInferSpmd", backward_name="LabelSmoothGradInferSpmd")  # fmt: skip
-
-
-# -- c_softmax_with_multi_label_cross_entropy ------------------------------------------------------
-
-
-@memo()
-def _ml_axes(nd: int, summed: bool) -> tuple[str, str, str]:
-    """(x axes, label / smooth_weight axes, loss axes)."""
-    x = ALPHABET[:nd]
-    lab = x[:-1] + ALPHABET[nd]
-    return x, lab, (x[:-1] + BROADCAST) if summed else lab
-
-
-@memo()
-def _ml_notation(nd: int, summed: bool) -> Notation:
-    x, lab, loss = _ml_axes(nd, summed)
-    return Notation([x, lab, lab], [x, loss])
-
-
-@memo()
-def _ml_grad_notation(nd: int, summed: bool) -> Notation:
-    x, lab, loss = _ml_axes(nd, summed)
-    return Notation([x, lab, lab, loss], [x], replicated=lab[-1])
-
-
-def _ml_checks(op: str, x: DistTensorSpec, label: DistTensorSpec, smooth_weight: DistTensorSpec,
-               ignore_index: object, sum_multi_label_loss: object, rank: object, nranks: object,
-               xname: str = "x") -> tuple[int, bool]:
+def _ml(op: str, x: DistTensorSpec, label: DistTensorSpec, smooth_weight: DistTensorSpec, ignore_index: object,
+        sum_multi_label_loss: object, rank: object, nranks: object, xname: str = "x",
+        **more: DistTensorSpec) -> None:  # fmt: skip
+    """c_softmax_with_multi_label_cross_entropy's attributes; label, smooth_weight (and ``more``)
+    of x's rank."""
     nd = len(x.shape)
     if nd == 0:
         raise ShapeMismatchError(f"{op}: {xname} must have at least 1 dim (got a 0-d tensor)")
     if nd >= len(ALPHABET):
         raise ShapeMismatchError(f"{op}: tensors of more than {len(ALPHABET) - 1} dims are not supported")
     check_int(op, "ignore_index", ignore_index)
-    summed = check_bool(op, "sum_multi_label_loss", sum_multi_label_loss)
+    check_bool(op, "sum_multi_label_loss", sum_multi_label_loss)
     check_int(op, "rank", rank)
     check_int(op, "nranks", nranks, 1)
-    check_ndim(op, "label", label, nd)
-    check_ndim(op, "smooth_weight", smooth_weight, nd)
-    return nd, summed
+    for name, t in (("label", label), ("smooth_weight", smooth_weight), *more.items()):
+        check_ndim(op, name, t, nd)
 
 
-def _ml_outputs(mesh: ProcessMesh, letters: Mapping[str, tuple[int, ...]], nd: int, summed: bool
-                ) -> tuple[TensorDistAttr | None, ...]:
-    x, lab, loss = _ml_axes(nd, summed)
-    # softmax never partial (the kernel all-reduces over c); the summed loss is partial over the
-    # mesh dims of the label axis d (each rank sums its own labels)
-    return (letter_attr(mesh, x, letters), letter_attr(mesh, loss, letters, lab[-1] if summed else ""))
+_ENV: dict[str, Any] = {"_ce": _ce, "_c": _c, "_ml": _ml}
 
 
-def ml_forward(x: DistTensorSpec, label: DistTensorSpec, smooth_weight: DistTensorSpec, ignore_index: int = -100,
-               sum_multi_label_loss: bool = True, rank: int = 0, nranks: int = 1) -> SpmdResult:
-    """c_softmax_with_multi_label_cross_entropy (CSoftmaxWithMultiLabelCrossEntropyInferSpmd):
-    batch axes merged, the class axis keeps its sharding, the label axis follows label and
-    smooth_weight; the summed loss partial SUM over the label axis' mesh dims."""
-    op = "c_softmax_with_multi_label_cross_entropy"
-    nd, summed = _ml_checks(op, x, label, smooth_weight, ignore_index, sum_multi_label_loss, rank, nranks)
-    n = _ml_notation(nd, summed)
-    specs = (x, label, smooth_weight)
-    names = ("x", "label", "smooth_weight")
-    mesh = named_mesh(op, zip(names, specs))
-    letters = merge_one_dim(op, n, n.inputs, specs, names, mesh)
-    ins = tuple(letter_attr(mesh, a, letters) for a in n.inputs)
-    return fast_result(ins, _ml_outputs(mesh, letters, nd, summed))
+# -- notations ----------------------------------------------------------------------------------
 
 
-def ml_reverse(x: DistTensorSpec, label: DistTensorSpec, smooth_weight: DistTensorSpec, softmax: DistTensorSpec,
-               loss: DistTensorSpec, ignore_index: int = -100, sum_multi_label_loss: bool = True, rank: int = 0,
-               nranks: int = 1) -> SpmdResult:
-    """c_softmax_with_multi_label_cross_entropy reverse (Paddle has none): the inputs from softmax
-    and loss; the outputs those inputs produce."""
-    op = "c_softmax_with_multi_label_cross_entropy"
-    nd, summed = _ml_checks(op, x, label, smooth_weight, ignore_index, sum_multi_label_loss, rank, nranks)
-    n = _ml_notation(nd, summed)
-    check_ndim(op, "softmax", softmax, nd)
-    check_ndim(op, "loss", loss, nd)
-    specs = (x, label, smooth_weight, softmax, loss)
-    names = ("x", "label", "smooth_weight", "softmax", "loss")
-    mesh = named_mesh(op, zip(names, specs))
-    check_letters(op, (*n.inputs, *n.outputs), specs, names)
-    letters = dict(merge_specs(n, n.outputs, one_mesh_dim_specs(*specs[3:]), mesh))
-    ins = tuple(letter_attr(mesh, a, letters) for a in n.inputs)
-    return fast_result(ins, _ml_outputs(mesh, letters, nd, summed))
+def ce_notation(kind: str, nd: int, axis: int, soft: bool) -> Notation:
+    """``abc, ab1 -> abc, ab1`` (x, label -> softmax, loss; a soft label ``abc``), the class
+    axis replicated, each co-shard read as its largest mesh dim; the grad ``ab1, abc, ab1 ->
+    abc`` (label, softmax, loss_grad -> x_grad); the reverse merges loss before softmax (its
+    claims come first, as Paddle's reverse merge reads them)."""
+    ax = normalize_axis("", axis, nd)
+    x = ALPHABET[:nd]
+    one = x[:ax] + BROADCAST + x[ax + 1 :]
+    lab = x if soft else one
+    if kind == "grad":
+        return Notation([lab, x, one], [x], replicated=x[ax], coshard="largest")
+    return Notation([x, lab], [one, x] if kind == "reverse" else [x, one], replicated=x[ax], coshard="largest")
 
 
-def ml_grad(softmax: DistTensorSpec, label: DistTensorSpec, smooth_weight: DistTensorSpec, loss_grad: DistTensorSpec,
-            ignore_index: int = -100, sum_multi_label_loss: bool = True, rank: int = 0, nranks: int = 1
-            ) -> SpmdResult:
-    """c_softmax_with_multi_label_cross_entropy_grad (CSoftmaxWithMultiLabelCrossEntropyGradSpmd):
-    batch axes merged, the class axis keeps its sharding (each rank subtracts the labels in its
-    class range), the label axis replicated; x_grad as softmax."""
-    op = "c_softmax_with_multi_label_cross_entropy_grad"
-    nd, summed = _ml_checks(op, softmax, label, smooth_weight, ignore_index, sum_multi_label_loss, rank, nranks,
-                            "softmax")
-    check_ndim(op, "loss_grad", loss_grad, nd)
-    n = _ml_grad_notation(nd, summed)
-    specs = (softmax, label, smooth_weight, loss_grad)
-    names = ("softmax", "label", "smooth_weight", "loss_grad")
-    mesh = named_mesh(op, zip(names, specs))
-    letters = merge_one_dim(op, n, n.inputs, specs, names, mesh)
-    ins = tuple(letter_attr(mesh, a, letters) for a in n.inputs)
-    return fast_result(ins, (letter_attr(mesh, n.outputs[0], letters),))
+def c_notation(kind: str, nd: int) -> Notation:
+    """``abc, ab1 -> abc, ab1``: the class letter c may stay sharded (the kernel all-reduces max
+    and sum over the ranks that share it); the grad ``abc, ab1, ab1 -> abc``."""
+    x = ALPHABET[:nd]
+    one = x[:-1] + BROADCAST
+    if kind == "grad":
+        return Notation([x, one, one], [x], coshard="largest")
+    return Notation([x, one], [x, one], coshard="largest")
 
 
+def ml_notation(kind: str, nd: int, summed: bool) -> Notation:
+    """``abc, abd, abd -> abc, ab1 | abd`` (x, label, smooth_weight -> softmax, loss: ``ab1``
+    summed over the labels); the grad ``abc, abd, abd, ab1 | abd -> abc`` with d replicated."""
+    x = ALPHABET[:nd]
+    lab = x[:-1] + ALPHABET[nd]
+    loss = (x[:-1] + BROADCAST) if summed else lab
+    if kind == "grad":
+        return Notation([x, lab, lab, loss], [x], replicated=lab[-1], coshard="largest")
+    return Notation([x, lab, lab], [x, loss], coshard="largest")
 
+
+def _not_partial(ins: Any, outs: Any, *args: object) -> Answer:
+    """c_softmax_with_cross_entropy: the kernel all-reduces the loss, never partial."""
+    return ins, tuple(unpartial(a) for a in outs)
+
+
+def _ml_partial(ins: Any, outs: Any, *args: Any) -> Answer:
+    """softmax never partial (the kernel all-reduces over c); the summed loss partial SUM over
+    the mesh dims of the label axis d (each rank sums its own labels), otherwise not partial."""
+    summed = args[-3]
+    loss = outs[1]
+    pt = tuple((d, ReduceType.SUM) for d in sorted(entry_dims(ins[1].dims_mapping[-1]))) if summed else ()
+    return ins, (unpartial(outs[0]), make_attr(loss.mesh, loss.dims_mapping, pt))
+
+
+def _swapped(fn, signature, outputs):  # type: ignore[no-untyped-def]
+    """cross_entropy_with_softmax's reverse: generated over (x, label, loss, softmax_out) so that
+    loss's claims come first; called in Paddle's order and answered in it."""
+
+    def reverse(x: DistTensorSpec, label: DistTensorSpec, softmax_out: DistTensorSpec, loss: DistTensorSpec,
+                *attrs: object) -> SpmdResult:  # fmt: skip
+        r = fn(x, label, loss, softmax_out, *attrs)
+        return fast_result(r.inputs, r.outputs[::-1])
+
+    reverse.__doc__ = fn.__doc__
+    return reverse
+
+
+# -- cross_entropy_with_softmax, c_softmax_with_cross_entropy ----------------------------------
+
+_CE_ATTRS = ("soft_label: bool = False, use_softmax: bool = True, numeric_stable_mode: bool = True, "
+             "ignore_index: int = -100, axis: int = -1")
+_CE_CALL = "soft_label, use_softmax, numeric_stable_mode, ignore_index, axis"
+_CE = Way(partial(ce_notation, "forward"), key="x, axis, soft_label", letters=True, env=_ENV,
+          check=f"_ce(_OP, x, label, {_CE_CALL})", paddle="CrossEntropyWithSoftmaxInferSpmdStatic",
+          doc="cross_entropy_with_softmax (CrossEntropyWithSoftmaxInferSpmdStatic): batch axes merged, the class "
+              "axis replicated; softmax as x, loss as x with the class axis of size 1.")
+_CE_REV = Way(partial(ce_notation, "reverse"), key="x, axis, soft_label", letters=True, env=_ENV, wrap=_swapped,
+              check=f"_ce(_OP, x, label, {_CE_CALL}, loss)", paddle="CrossEntropyWithSoftmaxInferSpmdReverse",
+              doc="cross_entropy_with_softmax (CrossEntropyWithSoftmaxInferSpmdReverse): the inputs from softmax "
+                  "and loss (class axis replicated); the outputs those inputs produce.")
+register(
+    "cross_entropy_with_softmax", generate("cross_entropy_with_softmax", f"x: T, label: T, {_CE_ATTRS}", _CE,
+                                           name="ce_forward"),
+    f"x: T, label: T, {_CE_ATTRS}",
+    generate("cross_entropy_with_softmax", f"x: T, label: T, loss: T, softmax_out: T, {_CE_ATTRS}", _CE_REV,
+             "backward", ("loss", "softmax_out"), name="ce_reverse"),
+    kind="reverse", outputs="softmax_out: T, loss: T", aliases=("softmax_with_cross_entropy",),
+    forward_name=_CE.paddle, backward_name=_CE_REV.paddle,
+)  # fmt: skip
+declare(
+    "cross_entropy_with_softmax_grad", f"label: T, softmax: T, loss_grad: T, {_CE_ATTRS}",
+    Way(partial(ce_notation, "grad"), key="softmax, axis, soft_label", letters=True, env=_ENV,
+        check=f"_ce(_OP, softmax, label, {_CE_CALL}, loss_grad, 'loss_grad')",
+        paddle="CrossEntropyWithSoftmaxGradInferSpmd",
+        doc="cross_entropy_with_softmax_grad (CrossEntropyWithSoftmaxGradInferSpmd): label, softmax and loss_grad "
+            "merged on the batch axes, the class axis replicated; x_grad as softmax."),
+    aliases=("softmax_with_cross_entropy_grad",),
+)  # fmt: skip
+_C_ATTRS = "ignore_index: int = -100, rank: int = 0, nranks: int = 1"
+declare(
+    "c_softmax_with_cross_entropy", f"x: T, label: T, {_C_ATTRS}",
+    Way(partial(c_notation, "forward"), key="x", letters=True, env=_ENV, post=_not_partial,
+        check="_c(_OP, x, label, ignore_index, rank, nranks)", paddle="CSoftmaxWithCrossEntropyInferSpmd",
+        doc="c_softmax_with_cross_entropy (CSoftmaxWithCrossEntropyInferSpmd): the class axis (last) keeps its "
+            "sharding (the kernel reduces over it), label follows x's batch axes; loss not partial."),
+    reverse=Way(partial(c_notation, "forward"), key="x", letters=True, env=_ENV, post=_not_partial,
+                check="_c(_OP, x, label, ignore_index, rank, nranks, loss)",
+                doc="c_softmax_with_cross_entropy reverse (Paddle has none): the inputs from softmax and loss."),
+    outputs="softmax: T, loss: T",
+)  # fmt: skip
+declare(
+    "c_softmax_with_cross_entropy_grad", f"softmax: T, label: T, loss_grad: T, {_C_ATTRS}",
+    Way(partial(c_notation, "grad"), key="softmax", letters=True, env=_ENV,
+        check="_c(_OP, softmax, label, ignore_index, rank, nranks, loss_grad, 'loss_grad')",
+        paddle="CSoftmaxWithCrossEntropyGradSpmd",
+        doc="c_softmax_with_cross_entropy_grad (CSoftmaxWithCrossEntropyGradSpmd): softmax, label and loss_grad "
+            "merged, x_grad as softmax (class axis sharded: each rank handles its own classes)."),
+)  # fmt: skip
+
+
+# -- mean_all -----------------------------------------------------------------------------------
+
+
+def _one_element(out_grad: DistTensorSpec) -> None:
+    if len(out_grad.shape) != 0 and any(s != 1 for s in out_grad.shape):
+        raise ShapeMismatchError(f"out_grad must hold one element (0-d), got shape {list(out_grad.shape)}")
+
+
+def _mean_all(nd: int) -> Notation:
+    """``ab -> (0-d)``: partial AVG over the mesh dims of x's axes, uneven ones dropped (local
+    means average to the mean only where every rank holds as many elements)."""
+    _letters(nd)
+    return Notation([ALPHABET[:nd]], [""], reduce=ReduceType.AVG, prune="*", coshard="largest")
+
+
+declare(
+    "mean_all", "x: T",
+    Way(_mean_all, key="x", paddle="MeanAllInferSpmd",
+        doc="mean_all (MeanAllInferSpmd): a 0-d out, partial AVG over the mesh dims of x's (even) axes."),
+    grad=Way(lambda nd, ng: Notation([BROADCAST * nd, BROADCAST * ng], [BROADCAST * nd]), key="x, out_grad",
+             check="_one_element(out_grad)", env={"_one_element": _one_element}, paddle="MeanAllGradInferSpmd",
+             doc="mean_all_grad (MeanAllGradInferSpmd): x, out_grad and x_grad replicated (the grad kernel "
+                 "divides by the local element count)."),
+    grad_signature="x: T, out_grad: T", grad_name="mean_all_grad",
+)  # fmt: skip
+
+
+# -- label_smooth -------------------------------------------------------------------------------
+
+
+def smooth_notation(nd: int, pn: int, lm: int, pm: int) -> Notation:
+    """label_smooth over label (rank ``nd``, size-1 axes ``lm``) and prior_dist (rank ``pn``,
+    -1 absent; size-1 axes ``pm``): with prior_dist an elementwise binary op (right-aligned
+    letters, a size-1 axis ``1``: never sharded, as Paddle's elementwise rules), each co-shard
+    read as its largest mesh dim; without it ``abc, _ -> abc`` with the class axis replicated
+    (the kernel adds epsilon / the class count it sees) and elsewhere, as Paddle's elementwise
+    unary rule, the mesh dims that do not divide an axis dropped (minor first)."""
+    if nd == 0:
+        raise ShapeMismatchError("label must have at least 1 dim (the class axis)")
+    _letters(nd)
+    a = ALPHABET[:nd]
+    if pn < 0:
+        return Notation([a, None], [a], replicated=a[-1], prune="*")
+    la = "".join(BROADCAST if lm >> i & 1 else c for i, c in enumerate(a))
+    pa = "".join(BROADCAST if pm >> i & 1 else a[nd - pn + i] for i in range(pn))
+    return Notation([la, pa], [la], coshard="largest")
+
+
+def _prior(label: DistTensorSpec, prior_dist: DistTensorSpec | None) -> None:
+    """prior_dist broadcasts (from the right) onto label."""
+    if prior_dist is None or not label.shape:
+        return
+    nd, pn = len(label.shape), len(prior_dist.shape)
+    if pn > nd:
+        raise ShapeMismatchError(f"prior_dist has {pn} dims, more than label's {nd}")
+    for i, s in enumerate(prior_dist.shape):
+        t = label.shape[nd - pn + i]
+        if s != t and s != 1 and s >= 0 and t >= 0:
+            raise ShapeMismatchError(f"prior_dist axis {i} has size {s}, which does not broadcast onto label's {t}")
+
+
+def _lead_unread(fn: Callable[..., SpmdResult], signature: str, outputs: Any) -> Callable[..., SpmdResult]:
+    """As Paddle, prior_dist's mesh dims that label's leading (extra) axes use (each co-shard
+    read as its largest mesh dim) are dropped from prior_dist before the merge."""
+
+    def label_smooth(label: DistTensorSpec, prior_dist: DistTensorSpec | None = None,
+                     epsilon: float = 0.0) -> SpmdResult:  # fmt: skip
+        if prior_dist is not None:
+            off = len(label.shape) - len(prior_dist.shape)
+            a = label.dist_attr
+            lead = {d for e in one_mesh_dim(a.dims_mapping[:off], a.mesh.shape) for d in entry_dims(e)} if off > 0 else ()
+            p = prior_dist.dist_attr
+            if lead and any(d in lead for e in p.dims_mapping for d in entry_dims(e)):
+                dm = tuple(_drop_dims(e, lead) for e in p.dims_mapping)
+                prior_dist = DistTensorSpec(prior_dist.shape, make_attr(p.mesh, dm, p.partial))
+        return fn(label, prior_dist, epsilon)
+
+    label_smooth.__doc__ = fn.__doc__
+    return label_smooth
+
+
+def _drop_dims(e: Any, drop: set[int]) -> Any:
+    d = tuple(x for x in entry_dims(e) if x not in drop)
+    return -1 if not d else d[0] if len(d) == 1 else d
+
+
+def _as_out_grad(nd: int) -> Notation:
+    """``abc -> abc``: sharded as out_grad, not partial."""
+    _letters(nd)
+    return Notation([ALPHABET[:nd]], [ALPHABET[:nd]])
+
+
+declare(
+    "label_smooth", "label: T, prior_dist: T?, epsilon: float = 0.0",
+    Way(smooth_notation, key="label, prior_dist, ones(label), ones(prior_dist)", check="_prior(label, prior_dist)",
+        env={"_prior": _prior}, wrap=_lead_unread, paddle="LabelSmoothInferSpmd",
+        doc="LabelSmoothInferSpmd: elementwise with prior_dist; without it the class axis replicated."),
+    grad=Way(_as_out_grad, key="out_grad", paddle="LabelSmoothGradInferSpmd",
+             doc="LabelSmoothGradInferSpmd: out_grad and label_grad sharded as out_grad, not partial."),
+    grad_signature="out_grad: T, epsilon: float = 0.0", grad_name="label_smooth_grad",
+)  # fmt: skip
+
+
+# -- c_softmax_with_multi_label_cross_entropy ------------------------------------------------------
 
 _ML_ATTRS = "ignore_index: int = -100, sum_multi_label_loss: bool = True, rank: int = 0, nranks: int = 1"
-register(
-    "c_softmax_with_multi_label_cross_entropy", ml_forward, f"x: T, label: T, smooth_weight: T, {_ML_ATTRS}",
-    ml_reverse, kind="reverse", outputs="softmax: T, loss: T",
-    forward_name="CSoftmaxWithMultiLabelCrossEntropyInferSpmd",
-    backward_name="CSoftmaxWithMultiLabelCrossEntropyInferSpmdReverse",
+
+
+def _ml_way(kind: str, check: str, paddle: str, doc: str, x: str = "x", **kw: Any) -> Way:
+    """A mode of the multi-label loss keyed by the rank of x (``x``: its parameter) and
+    sum_multi_label_loss; ``check``: what :func:`_ml` checks besides the attributes."""
+    return Way(partial(ml_notation, kind), key=f"{x}, bool(sum_multi_label_loss)", letters=True, env=_ENV,
+               check=f"_ml(_OP, {x}, label, smooth_weight, ignore_index, sum_multi_label_loss, rank, nranks{check})",
+               paddle=paddle, doc=doc, **kw)  # fmt: skip
+
+
+declare(
+    "c_softmax_with_multi_label_cross_entropy", f"x: T, label: T, smooth_weight: T, {_ML_ATTRS}",
+    _ml_way("forward", "", "CSoftmaxWithMultiLabelCrossEntropyInferSpmd", post=_ml_partial,
+            doc="c_softmax_with_multi_label_cross_entropy (CSoftmaxWithMultiLabelCrossEntropyInferSpmd): batch axes "
+                "merged, the class axis keeps its sharding, the label axis follows label and smooth_weight; the "
+                "summed loss partial SUM over the label axis' mesh dims."),
+    reverse=_ml_way("forward", ", softmax=softmax, loss=loss", "CSoftmaxWithMultiLabelCrossEntropyInferSpmdReverse",
+                    post=_ml_partial, doc="c_softmax_with_multi_label_cross_entropy reverse (Paddle has none): the "
+                    "inputs from softmax and loss; the outputs those inputs produce."),
+    outputs="softmax: T, loss: T",
 )  # fmt: skip
-register(
-    "c_softmax_with_multi_label_cross_entropy_grad", ml_grad,
-    f"softmax: T, label: T, smooth_weight: T, loss_grad: T, {_ML_ATTRS}",
-    forward_name="CSoftmaxWithMultiLabelCrossEntropyGradSpmd",
+declare(
+    "c_softmax_with_multi_label_cross_entropy_grad", f"softmax: T, label: T, smooth_weight: T, loss_grad: T, {_ML_ATTRS}",
+    _ml_way("grad", ", 'softmax', loss_grad=loss_grad", "CSoftmaxWithMultiLabelCrossEntropyGradSpmd", x="softmax",
+            doc="c_softmax_with_multi_label_cross_entropy_grad (CSoftmaxWithMultiLabelCrossEntropyGradSpmd): batch "
+                "axes merged, the class axis keeps its sharding (each rank subtracts the labels in its class range), "
+                "the label axis replicated; x_grad as softmax."),
 )  # fmt: skip

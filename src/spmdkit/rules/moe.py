@@ -40,71 +40,32 @@ those inputs produce.
 
 from __future__ import annotations
 
+from typing import Any
+
+from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import InvalidAttributeError
-from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import Notation, fast_result, named_mesh
-from spmdkit.rules._common import check_bool, check_int, check_ndim, letter_attr, merge_one_dim
-from spmdkit.rules.registry import register
+from spmdkit.core.spec import DistTensorSpec
+from spmdkit.engine.axes import make_attr, unpartial
+from spmdkit.engine.declare import Answer, Way, declare
+from spmdkit.engine.notation import Notation
+from spmdkit.rules._common import check_bool, check_int, check_ndim
 
-Letters = tuple[tuple[str, tuple[int, ...]], ...]
-
-
-# -- moe_combine -----------------------------------------------------------------------------------
-
-_COMBINE = Notation(["th", "sk", "sk"], ["sh"], replicated="t")
-_COMBINE_GRAD = Notation(["th", "sk", "sk", "sh"], ["th", "sk", "sk"], replicated="tk")
+# every co-shard read as its largest mesh dim (Paddle's merge); letters of one size checked
+_COMBINE = Notation(["th", "sk", "sk"], ["sh"], replicated="t", coshard="largest")
+_COMBINE_GRAD = Notation(["th", "sk", "sk", "sh"], ["th", "sk", "sk"], replicated="tk", coshard="largest")
+_DISPATCH_OUTS = ["ech", "sk", "ks", "e", "sk"]
+_DISPATCH_GRAD = Notation(["sk", "ks", "sk", "ech", "sk"], ["sh", "se"], replicated="keck", coshard="largest")
 
 
-def _combine_checks(op: str, x: DistTensorSpec, cw: DistTensorSpec, si: DistTensorSpec) -> None:
-    check_ndim(op, "x", x, 2)
-    check_ndim(op, "combine_weights", cw, 2)
-    check_ndim(op, "scatter_index", si, 2)
+def _dispatch(corr_bias: int) -> Notation:
+    return Notation(["sh", "se", "e" if corr_bias >= 0 else None], _DISPATCH_OUTS, replicated="seck", coshard="largest")
 
 
-@memo()
-def _combine_letters(merged: Letters) -> dict[str, tuple[int, ...]]:
-    letters = dict(merged)
-    if letters.get("k"):
-        letters["h"] = ()  # Paddle: k and h are not sharded together
-    return letters
-
-
-def moe_combine_forward(x: DistTensorSpec, combine_weights: DistTensorSpec, scatter_index: DistTensorSpec
-                        ) -> SpmdResult:
-    """moe_combine (MoECombineInferSpmd): rows of x replicated (gathered through scatter_index),
-    tokens s and hidden h follow the inputs; y partial SUM over k's mesh dims."""
-    op = "moe_combine"
-    _combine_checks(op, x, combine_weights, scatter_index)
-    specs = (x, combine_weights, scatter_index)
-    names = ("x", "combine_weights", "scatter_index")
-    mesh = named_mesh(op, zip(names, specs))
-    merged = merge_one_dim(op, _COMBINE, _COMBINE.inputs, specs, names, mesh)
-    letters = _combine_letters(tuple(merged.items()))
-    ins = tuple(letter_attr(mesh, a, letters) for a in _COMBINE.inputs)
-    return fast_result(ins, (letter_attr(mesh, "sh", letters, "k"),))
-
-
-def moe_combine_grad(x: DistTensorSpec, combine_weights: DistTensorSpec, scatter_index: DistTensorSpec,
-                     grad_y: DistTensorSpec) -> SpmdResult:
-    """moe_combine_grad (MoECombineGradInferSpmd): x rows and k replicated; grad_x scatters the
-    rows a rank holds (partial SUM over s), grad_combine_weights sums over h (partial SUM over h)."""
-    op = "moe_combine_grad"
-    _combine_checks(op, x, combine_weights, scatter_index)
-    check_ndim(op, "grad_y", grad_y, 2)
-    specs = (x, combine_weights, scatter_index, grad_y)
-    names = ("x", "combine_weights", "scatter_index", "grad_y")
-    mesh = named_mesh(op, zip(names, specs))
-    letters = merge_one_dim(op, _COMBINE_GRAD, _COMBINE_GRAD.inputs, specs, names, mesh)
-    ins = tuple(letter_attr(mesh, a, letters) for a in _COMBINE_GRAD.inputs)
-    outs = (letter_attr(mesh, "th", letters, "s"), letter_attr(mesh, "sk", letters, "h"), letter_attr(mesh, "sk", letters))
-    return fast_result(ins, outs)
-
-
-# -- moe_gate_dispatch -----------------------------------------------------------------------------
-
-_DISPATCH = Notation(["sh", "se", "e"], ["ech", "sk", "ks", "e", "sk"], replicated="seck")
-_DISPATCH_GRAD = Notation(["sk", "ks", "sk", "ech", "sk"], ["sh", "se"], replicated="keck")
+def _ndims(op: str, **tensors: Any) -> None:
+    """Each named tensor of the rank given with it (``x=(x, 2)``; an absent one skipped)."""
+    for name, (t, nd) in tensors.items():
+        if t is not None:
+            check_ndim(op, name, t, nd)
 
 
 def _dispatch_attrs(op: str, k: object, capacity: object, use_pad: object) -> None:
@@ -113,59 +74,62 @@ def _dispatch_attrs(op: str, k: object, capacity: object, use_pad: object) -> No
     check_bool(op, "use_pad", use_pad)
 
 
-def moe_gate_dispatch_forward(x: DistTensorSpec, gate_logits: DistTensorSpec, corr_bias: DistTensorSpec | None,
-                              k: int, capacity: int, use_pad: bool) -> SpmdResult:
-    """moe_gate_dispatch (MoEGateDispatchInferSpmd): one global dispatch: only the hidden axis h
-    keeps its sharding (x -> y); tokens, experts, k and capacity replicated; nothing partial."""
-    op = "moe_gate_dispatch"
-    _dispatch_attrs(op, k, capacity, use_pad)
-    check_ndim(op, "x", x, 2)
-    check_ndim(op, "gate_logits", gate_logits, 2)
-    if corr_bias is not None:
-        check_ndim(op, "corr_bias", corr_bias, 1)
+def _experts(op: str, gate_logits: DistTensorSpec, k: int) -> None:
     if 0 <= gate_logits.shape[1] < k:
         raise InvalidAttributeError(f"{op}: k {k} exceeds the number of experts {gate_logits.shape[1]}")
-    specs = (x, gate_logits, corr_bias)
-    names = ("x", "gate_logits", "corr_bias")
-    mesh = named_mesh(op, zip(names, specs))
-    letters = merge_one_dim(op, _DISPATCH, _DISPATCH.inputs, specs, names, mesh)
-    ins = tuple(None if t is None else letter_attr(mesh, a, letters) for a, t in zip(_DISPATCH.inputs, specs))
-    outs = tuple(letter_attr(mesh, a, letters) for a in _DISPATCH.outputs)
-    return fast_result(ins, outs)
 
 
-def moe_gate_dispatch_grad(combine_weights: DistTensorSpec, scatter_index: DistTensorSpec, expert_id: DistTensorSpec,
-                           grad_y: DistTensorSpec, grad_combine_weights: DistTensorSpec, k: int, capacity: int,
-                           use_pad: bool) -> SpmdResult:
-    """moe_gate_dispatch_grad (MoEGateDispatchGradInferSpmd): tokens s and hidden h follow the
-    inputs; grad_y's expert and capacity axes and k replicated (grad_x gathers rows of grad_y
-    through scatter_index); nothing partial."""
-    op = "moe_gate_dispatch_grad"
-    _dispatch_attrs(op, k, capacity, use_pad)
-    specs = (combine_weights, scatter_index, expert_id, grad_y, grad_combine_weights)
-    names = ("combine_weights", "scatter_index", "expert_id", "grad_y", "grad_combine_weights")
-    for n, t, nd in zip(names, specs, (2, 2, 2, 3, 2)):
-        check_ndim(op, n, t, nd)
-    mesh = named_mesh(op, zip(names, specs))
-    letters = merge_one_dim(op, _DISPATCH_GRAD, _DISPATCH_GRAD.inputs, specs, names, mesh)
-    ins = tuple(letter_attr(mesh, a, letters) for a in _DISPATCH_GRAD.inputs)
-    outs = tuple(letter_attr(mesh, a, letters) for a in _DISPATCH_GRAD.outputs)
-    return fast_result(ins, outs)
+def _combine_post(ins: list[TensorDistAttr], outs: list[TensorDistAttr], *args: object) -> Answer:
+    """As Paddle, k and h are not sharded together: where k is sharded, h is replicated."""
+    if ins[1].dims_mapping[1] == -1:
+        return ins, outs
+    x, y = ins[0], outs[0]
+    return ((make_attr(x.mesh, (x.dims_mapping[0], -1)), *ins[1:]),
+            (make_attr(y.mesh, (y.dims_mapping[0], -1), y.partial),))  # fmt: skip
 
 
+def _combine_grad_post(ins: Any, outs: Any, *args: object) -> Answer:
+    """grad_scatter_index is never partial (an index is not summed)."""
+    return ins, (outs[0], outs[1], unpartial(outs[2]))
 
 
-_COMBINE_SIG = "x: T, combine_weights: T, scatter_index: T"
-_COMBINE_GRAD_SIG = "x: T, combine_weights: T, scatter_index: T, grad_y: T"
-_DISPATCH_GRAD_SIG = ("combine_weights: T, scatter_index: T, expert_id: T, grad_y: T, grad_combine_weights: T, "
-                      "k: int, capacity: int, use_pad: bool")
-register(
-    "moe_combine", moe_combine_forward, _COMBINE_SIG, moe_combine_grad, _COMBINE_GRAD_SIG, kind="grad", grad_name="moe_combine_grad",
-    forward_name="MoECombineInferSpmd", backward_name="MoECombineGradInferSpmd",
+def _no_partial(ins: Any, outs: Any, *args: object) -> Answer:
+    """Nothing partial: a rank holding part of h dispatches its part of every row (the
+    engine would make the outputs lacking h partial over its mesh dims)."""
+    return ins, tuple(None if a is None else unpartial(a) for a in outs)
+
+
+_ENV = {"_ndims": _ndims, "_attrs": _dispatch_attrs, "_experts": _experts}
+_COMBINE_CHECK = "_ndims(_OP, x=(x, 2), combine_weights=(combine_weights, 2), scatter_index=(scatter_index, 2))"
+declare(
+    "moe_combine", "x: T, combine_weights: T, scatter_index: T",
+    Way(lambda: _COMBINE, key=lambda *a: (), check=_COMBINE_CHECK, env=_ENV, letters=True, post=_combine_post,
+        paddle="MoECombineInferSpmd",
+        doc="moe_combine (MoECombineInferSpmd): rows of x replicated (gathered through scatter_index), "
+            "tokens s and hidden h follow the inputs; y partial SUM over k's mesh dims."),
+    grad=Way(lambda: _COMBINE_GRAD, key=lambda *a: (), check=_COMBINE_CHECK[:-1] + ", grad_y=(grad_y, 2))", env=_ENV,
+             letters=True, post=_combine_grad_post, paddle="MoECombineGradInferSpmd",
+             doc="moe_combine_grad (MoECombineGradInferSpmd): x rows and k replicated; grad_x scatters the rows "
+                 "a rank holds (partial SUM over s), grad_combine_weights sums over h (partial SUM over h)."),
+    grad_signature="x: T, combine_weights: T, scatter_index: T, grad_y: T", grad_name="moe_combine_grad",
 )  # fmt: skip
-register(
-    "moe_gate_dispatch", moe_gate_dispatch_forward,
-    "x: T, gate_logits: T, corr_bias: T?, k: int, capacity: int, use_pad: bool",
-    moe_gate_dispatch_grad, _DISPATCH_GRAD_SIG, kind="grad", grad_name="moe_gate_dispatch_grad",
-    forward_name="MoEGateDispatchInferSpmd", backward_name="MoEGateDispatchGradInferSpmd",
+# the attribute k is read by the checks only: the generated function keeps its key in a local k
+declare(
+    "moe_gate_dispatch", "x: T, gate_logits: T, corr_bias: T?, k: int, capacity: int, use_pad: bool",
+    Way(_dispatch, key="corr_bias", env=_ENV, letters=True, post=_no_partial, paddle="MoEGateDispatchInferSpmd",
+        check="_attrs(_OP, k, capacity, use_pad); _ndims(_OP, x=(x, 2), gate_logits=(gate_logits, 2), "
+              "corr_bias=(corr_bias, 1)); _experts(_OP, gate_logits, k)",
+        doc="moe_gate_dispatch (MoEGateDispatchInferSpmd): one global dispatch: only the hidden axis h keeps "
+            "its sharding (x -> y); tokens, experts, k and capacity replicated; nothing partial."),
+    grad=Way(lambda: _DISPATCH_GRAD, key=lambda *a: (), env=_ENV, letters=True, post=_no_partial,
+             check="_attrs(_OP, k, capacity, use_pad); _ndims(_OP, combine_weights=(combine_weights, 2), "
+                   "scatter_index=(scatter_index, 2), expert_id=(expert_id, 2), grad_y=(grad_y, 3), "
+                   "grad_combine_weights=(grad_combine_weights, 2))",
+             paddle="MoEGateDispatchGradInferSpmd",
+             doc="moe_gate_dispatch_grad (MoEGateDispatchGradInferSpmd): tokens s and hidden h follow the "
+                 "inputs; grad_y's expert and capacity axes and k replicated (grad_x gathers rows of grad_y "
+                 "through scatter_index); nothing partial."),
+    grad_signature="combine_weights: T, scatter_index: T, expert_id: T, grad_y: T, grad_combine_weights: T, "
+                   "k: int, capacity: int, use_pad: bool",
+    grad_name="moe_gate_dispatch_grad",
 )  # fmt: skip
