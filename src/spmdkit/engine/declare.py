@@ -188,8 +188,7 @@ def generate(
     ranks, errors name them ``x[0]``, ``x[1]``, ..., and the answer holds their attrs as one
     tuple (as Paddle's). The function has the signature's parameter names
     and defaults, and a ``plan(key)`` attribute giving the compiled plan of a key (``way.wrap``
-    applied, where declared); ``module``: the declaring module (default: the notation
-    function's)."""
+    applied, where declared); ``module``: the declaring module (default: the caller's)."""
     from spmdkit.rules.registry import parse_signature
 
     if direction not in ("forward", "backward"):
@@ -365,7 +364,7 @@ def generate(
     fn: Any = ns[name or op]
     fn.__doc__ = way.doc or None
     fn.__qualname__ = fn.__name__
-    fn.__module__ = module or way.notation.__module__  # the declaring rule module (the README's family)
+    fn.__module__ = module or sys._getframe(1).f_globals.get("__name__", "")  # the declaring module
     fn.plan = plan
     fn.source = src
     fn.way = way
