@@ -16,7 +16,6 @@ from spmdkit.io.codec import answer_line
 from spmdkit.rules import get_rule, rule_names, set_cache_enabled
 from spmdkit.sim.cases import generate_case
 
-
 CASES = 6  # per mode and seed (2 seeds): a few seconds in all
 
 
