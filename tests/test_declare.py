@@ -14,8 +14,8 @@ from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.compile import compile_plan, infer, traced
 from spmdkit.engine.declare import Way, declare, generate, ones
 from spmdkit.engine.notation import Notation, letters_for
+from spmdkit.engine.signature import GRAD, REVERSE
 from spmdkit.rules import get_rule, set_cache_enabled
-from spmdkit.rules.registry import GRAD, REVERSE
 
 M = ProcessMesh([2, 4])
 

@@ -41,6 +41,8 @@ from spmdkit.core.errors import InvalidMeshError, ShapeMismatchError, SpmdError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.compile import Plan, compile_plan, infer
 from spmdkit.engine.notation import Notation, check_letters, common_mesh, fast_result, named_mesh
+from spmdkit.engine.registry import register
+from spmdkit.engine.signature import GRAD, REVERSE, parse_signature, reverse_signature
 
 #: what the engine answers and a post-hook returns: the inputs' and the outputs' dist attrs
 Answer = tuple[Sequence[TensorDistAttr | None], Sequence[TensorDistAttr | None]]
@@ -189,8 +191,6 @@ def generate(
     tuple (as Paddle's). The function has the signature's parameter names
     and defaults, and a ``plan(key)`` attribute giving the compiled plan of a key (``way.wrap``
     applied, where declared); ``module``: the declaring module (default: the caller's)."""
-    from spmdkit.rules.registry import parse_signature
-
     if direction not in ("forward", "backward"):
         raise ValueError(f"{op}: direction must be 'forward' or 'backward', got {direction!r}")
     params = parse_signature(signature)
@@ -383,9 +383,7 @@ def declare(
     registry: the forward's tensors, the outputs, the forward's attributes) or ``grad`` (a grad
     rule in that place, with its own ``grad_signature``; ``grad_name=`` registers it as a rule
     of its own too). ``kw``: the registry's ``aliases``, ``doc``, ``grad_name``,
-    ``grad_aliases``. Returns the registered :class:`~spmdkit.rules.registry.Rule`."""
-    from spmdkit.rules.registry import GRAD, REVERSE, parse_signature, register, reverse_signature
-
+    ``grad_aliases``. Returns the registered :class:`~spmdkit.engine.registry.Rule`."""
     if reverse is not None and grad is not None:
         raise ValueError(f"rule {name!r}: the backward slot holds a reverse rule or a grad rule, not both")
     module = sys._getframe(1).f_globals.get("__name__", "")  # the rule module declaring it

@@ -28,8 +28,8 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.compile import Plan, compile_plan, infer
 from spmdkit.engine.notation import BROADCAST, Notation, fast_result, named_mesh
+from spmdkit.engine.registry import register
 from spmdkit.rules._common import check_int
-from spmdkit.rules.registry import register
 
 # -- check_finite_and_unscale / update_loss_scaling -------------------------------------------------
 

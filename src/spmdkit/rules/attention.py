@@ -54,8 +54,9 @@ from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.axes import make_attr, one_mesh_dim
 from spmdkit.engine.declare import Answer, Way, generate
 from spmdkit.engine.notation import BROADCAST, Notation, fast_result
+from spmdkit.engine.registry import register
+from spmdkit.engine.signature import reverse_signature
 from spmdkit.rules._absent import zero_d_absent
-from spmdkit.rules.registry import register, reverse_signature
 
 Shape = tuple[int, ...]
 
@@ -173,7 +174,7 @@ def _grouped_heads(fn: Callable[..., SpmdResult], signature: str) -> Callable[..
     drops it before the merge, leaving the mesh dim free for the batch axis (Paddle checks
     only k's own mesh dim). What the merge then gives divides hk: every rank holds whole kv
     heads for its q heads."""
-    from spmdkit.rules.registry import parse_signature
+    from spmdkit.engine.signature import parse_signature
 
     names = [p.name for p in parse_signature(signature)]
     heads = [(i, _HEADS[n]) for i, n in enumerate(names) if n in _HEADS]

@@ -27,7 +27,7 @@ from spmdkit.core.errors import InvalidArgumentError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.compile import Plan, compile_plan, infer
 from spmdkit.engine.notation import BROADCAST, Notation, common_mesh
-from spmdkit.rules.registry import register
+from spmdkit.engine.registry import register
 
 Specs = Sequence[DistTensorSpec | None]
 

@@ -62,8 +62,9 @@ from spmdkit.engine.axes import replicated_like
 from spmdkit.engine.compile import Plan, compile_plan, infer
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import BROADCAST, Notation, einsum_forward, fast_result, named_mesh
+from spmdkit.engine.registry import Rule, get_rule, register
+from spmdkit.engine.signature import reverse_signature
 from spmdkit.rules._absent import zero_d_absent
-from spmdkit.rules.registry import Rule, get_rule, register, reverse_signature
 
 Shape = tuple[int, ...]
 _SUM = ReduceType.SUM

@@ -46,8 +46,8 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.compile import Plan, compile_plan, infer
 from spmdkit.engine.notation import BROADCAST, Notation, fast_result, letters_for, named_mesh
+from spmdkit.engine.registry import register
 from spmdkit.rules._common import check_bool, check_int, replicated_plan
-from spmdkit.rules.registry import register
 
 _S = -2  # a state tensor (``abc``) in a plan's codes; -1 absent, r >= 0 a replicated scalar of rank r
 

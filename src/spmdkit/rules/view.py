@@ -44,7 +44,7 @@ from spmdkit.engine.dim_trans import (
     view_plan,
 )
 from spmdkit.engine.notation import fast_result
-from spmdkit.rules.registry import register
+from spmdkit.engine.registry import register
 
 _make = TensorDistAttr.unchecked
 
