@@ -225,7 +225,7 @@ def show(v: Any, limit: int = 200) -> str:
         text = reprlib_repr(v)
     except Exception:  # a hostile __repr__
         return f"<{type(v).__name__}>"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return cut(text, limit)
 
 
 def cut(text: str, limit: int = 300) -> str:
