@@ -194,3 +194,21 @@ def test_lists_of_tensors() -> None:
     assert [a.dims_mapping for a in r.outputs[0]] == [(0, -1), (0, -1)]  # type: ignore[union-attr]
     with pytest.raises(ShapeMismatchError, match=r"splitish: axis sizes disagree: x has 4 and out\[1\] has 5"):
         g(t([4, 6], [-1, -1]), [t([4, 6], [0, -1]), t([5, 6], [-1, -1])])
+
+
+def test_parameters_named_like_the_generated_locals_are_not_hidden() -> None:
+    """Tensors named k, p, m, r, mesh (and an attribute named e) answer as x, y, z, w, v, a do:
+    the generated function's own locals never hide a parameter (flash_attention has a k)."""
+
+    def nt(*ranks: int) -> Notation:
+        return Notation([letters_for(r) for r in ranks], [letters_for(ranks[0])], conflict="first")
+
+    plain = generate("five", "x: T, y: T, z: T, w: T, v: T, a: int = 0", Way(nt, key="x, y, z, w, v"))
+    named = generate("five", "k: T, p: T, m: T, r: T, mesh: T, e: int = 0", Way(nt, key="k, p, m, r, mesh"))
+    rng = random.Random(3)
+    for _ in range(50):
+        specs = [t([4, 8], [rng.choice([-1, 0, 1]), -1]) for _ in range(5)]
+        assert plain(*specs, 1) == named(*specs, 1)
+    other = ProcessMesh([4, 2])
+    with pytest.raises(InvalidMeshError, match="five: mesh lies on a different mesh than k"):
+        named(t([4, 8], [0, -1]), t([4, 8], [0, -1]), t([4, 8], [0, -1]), t([4, 8], [0, -1]), t([4, 8], [0, -1], other))

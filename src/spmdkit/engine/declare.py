@@ -248,11 +248,11 @@ def generate(
     # one mesh: the first required tensor's (every tensor on it)
     first = next((n for n in tensors if kinds[n] == "T"), None)
     if lists:  # a loop over the lists' items
-        emit(f"        mesh = _list_mesh(_OP, ({''.join(f'({n!r}, {n}, {n in lists}), ' for n in tensors)}))")
+        emit(f"        _mesh = _list_mesh(_OP, ({''.join(f'({n!r}, {n}, {n in lists}), ' for n in tensors)}))")
     elif first is None:
-        emit(f"        mesh = _named_mesh(_OP, ({''.join(f'({n!r}, {n}), ' for n in tensors)}))")
+        emit(f"        _mesh = _named_mesh(_OP, ({''.join(f'({n!r}, {n}), ' for n in tensors)}))")
     else:
-        emit(f"        mesh = {first}.dist_attr.mesh")
+        emit(f"        _mesh = {first}.dist_attr.mesh")
         pairs = "".join(f"({n!r}, {n}), " for n in tensors)
         for n in tensors:
             if n == first:
@@ -261,8 +261,8 @@ def generate(
             if kinds[n] == "T?":
                 emit(f"        if {n} is not None:")
                 ind += "    "
-            emit(f"{ind}m = {n}.dist_attr.mesh")
-            emit(f"{ind}if m is not mesh and m != mesh: _named_mesh(_OP, ({pairs}))")
+            emit(f"{ind}_m = {n}.dist_attr.mesh")
+            emit(f"{ind}if _m is not _mesh and _m != _mesh: _named_mesh(_OP, ({pairs}))")
     call = ", ".join(pnames)
     if isinstance(way.check, str):
         emit(f"        {way.check}")
@@ -285,19 +285,19 @@ def generate(
     if way.mask:
         key_items.append("(" + "".join(fast_ones(f"ones({n})") + ", " for n in way.mask) + ")")
     if len(key_items) == 1 and key_items[0].startswith("*"):
-        emit(f"        k = {key_items[0][1:]}")  # the expression gives the whole key (a tuple)
+        emit(f"        _k = {key_items[0][1:]}")  # the expression gives the whole key (a tuple)
     else:
-        emit(f"        k = ({''.join(k + ', ' for k in key_items)})")
-    emit("        p = _P.get(k)")
-    emit("        if p is None: p = _miss(k)")
+        emit(f"        _k = ({''.join(k + ', ' for k in key_items)})")
+    emit("        _p = _P.get(_k)")
+    emit("        if _p is None: _p = _miss(_k)")
     def flat(names: list[str]) -> str:
         return "(" + "".join(f"*{n}, " if n in lists else f"{n}, " for n in names) + ")"
 
     tin, tout = flat(ins), flat(outs)
     if lists:  # the tensors' names, a list's items as x[0], x[1], ...
         nm = "".join(f"({n!r}, len({n})), " if n in lists else f"({n!r}, -1), " for n in tensors)
-        emit(f"        names = _list_names(({nm}))")
-    names = "names" if lists else "_NAMES"
+        emit(f"        _names = _list_names(({nm}))")
+    names = "_names" if lists else "_NAMES"
 
     def group(var: str, names_: list[str]) -> str:
         """The flat answer ``var`` regrouped: a list parameter's attrs as one tuple."""
@@ -313,29 +313,29 @@ def generate(
         return "(" + "".join(i + ", " for i in items) + ")"
     if way.letters:
         if direction == "forward":
-            emit(f"        _letters(_OP, p.notation.inputs, {tin}, {names})")
+            emit(f"        _letters(_OP, _p.notation.inputs, {tin}, {names})")
         else:
-            emit(f"        _letters(_OP, p.notation.inputs + p.notation.outputs, {tin} + {tout}, {names})")
+            emit(f"        _letters(_OP, _p.notation.inputs + _p.notation.outputs, {tin} + {tout}, {names})")
     if lists:
-        emit(f"        i, o = _infer(p, _OP, {tin}, {tout}, mesh, {names})")
-        emit(f"        r = {group('i', ins)}, {group('o', outs) if any(n in lists for n in outs) else 'o'}")
+        emit(f"        _i, _o = _infer(_p, _OP, {tin}, {tout}, _mesh, {names})")
+        emit(f"        _r = {group('_i', ins)}, {group('_o', outs) if any(n in lists for n in outs) else '_o'}")
         if way.post is not None:
             if way.post_if:
-                emit(f"        if not ({way.post_if}): return _result(*r)")
-            emit(f"        r = _post(*r, {call})")
-            emit("        return _result(tuple(r[0]), tuple(r[1]))")
+                emit(f"        if not ({way.post_if}): return _result(*_r)")
+            emit(f"        _r = _post(*_r, {call})")
+            emit("        return _result(tuple(_r[0]), tuple(_r[1]))")
         else:
-            emit("        return _result(*r)")
+            emit("        return _result(*_r)")
     elif way.post is not None:
-        emit(f"        r = _infer(p, _OP, {tin}, {tout}, mesh, _NAMES)")
+        emit(f"        _r = _infer(_p, _OP, {tin}, {tout}, _mesh, _NAMES)")
         if way.post_if:
-            emit(f"        if not ({way.post_if}): return _result(*r)")
-        emit(f"        r = _post(*r, {call})")
-        emit("        return _result(tuple(r[0]), tuple(r[1]))")
+            emit(f"        if not ({way.post_if}): return _result(*_r)")
+        emit(f"        _r = _post(*_r, {call})")
+        emit("        return _result(tuple(_r[0]), tuple(_r[1]))")
     else:
-        emit(f"        return _result(*_infer(p, _OP, {tin}, {tout}, mesh, _NAMES))")
-    emit("    except _E as e:")
-    emit("        raise _renamed(e, _OP) from None")
+        emit(f"        return _result(*_infer(_p, _OP, {tin}, {tout}, _mesh, _NAMES))")
+    emit("    except _E as _e:")
+    emit("        raise _renamed(_e, _OP) from None")
 
     plans: dict[tuple[Any, ...], Plan] = {}
     notation = way.notation
