@@ -57,32 +57,23 @@ Their deviations (``docs/deviations.md`` ``misc-*``): p_norm's partial type and 
 from __future__ import annotations
 
 import math
-from functools import lru_cache
-from typing import Any
+from functools import lru_cache, partial
 
 from spmdkit.core.dist_attr import ReduceType
-from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError, ShapeMismatchError
-from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
+from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import normalize_axis, reduced_axes
-from spmdkit.engine.compile import Plan, compile_plan, infer
-from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, fast_result, named_mesh
-from spmdkit.engine.registry import register
-from spmdkit.rules._common import check_same_shape, replicated_plan
-
-Shape = tuple[int, ...]
+from spmdkit.engine.declare import Way, declare
+from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation
+from spmdkit.rules._common import check_same_shape
 
 #: Paddle's ReduceType enum (``reduce_base``'s ``reduce_type``): kRedSum .. kRedAll
 REDUCE_TYPES: dict[int, ReduceType] = dict(enumerate((ReduceType.SUM, ReduceType.MAX, ReduceType.MIN, ReduceType.PROD,
                                                       ReduceType.AVG, ReduceType.ANY, ReduceType.ALL)))  # fmt: skip
 
-# how a kind treats a sharded reduced axis
-_PARTIAL = 0  # out partial with the reduce type (uneven splits too)
-_EVEN = 1  # out partial AVG where the split is even, else the axis is replicated
-_REPLICATE = 2  # the axis is replicated (no reduce type is right)
-
 
 # ---------------------------------------------------------------------------
-# notation
+# notations (functions of the key: x's rank, axis, keep_dim, ...)
 # ---------------------------------------------------------------------------
 
 
@@ -110,165 +101,108 @@ def notation(ndim: int, axis: tuple[int, ...] = (), keep_dim: bool = False,
     return Notation([x], [out], reduce=reduce, prune=red if reduce == ReduceType.AVG else "")
 
 
-@lru_cache(maxsize=4096)
-def _forward_plan(reduced: tuple[bool, ...], pos: tuple[int, ...], rtype: ReduceType | None, kind: int,
-                  unknown: tuple[int, ...]) -> Plan:
-    """The forward's plan: the reduced letters replicated (``_REPLICATE``), pruned where the
-    mesh dim does not divide them and replicated where their size is unknown (``_EVEN``: the
-    ``unknown`` axes), or left to make out partial with ``rtype``; each co-shard read as its
-    largest mesh dim (Paddle's reading)."""
-    x, out, red = _letters(reduced, pos)
-    if kind == _REPLICATE or rtype is None:
-        return compile_plan(Notation([x], [out], replicated=red, coshard="largest"))
-    unk = "".join(x[i] for i in unknown)
-    prune = "".join(c for c in red if c not in unk) if kind == _EVEN else ""
-    return compile_plan(Notation([x], [out], reduce=rtype, replicated=unk, prune=prune, coshard="largest"))
+def _forward(op: str, rtype: ReduceType | None, nd: int, axis: tuple[int, ...], keep_dim: bool,
+             unknown: int = 0) -> Notation:
+    """The forward, each co-shard read as its largest mesh dim (Paddle's reading): the reduced
+    letters replicated (``rtype`` None), or making out partial with ``rtype``; for AVG (an uneven
+    split is not the mean) pruned where the mesh dim does not divide them and replicated where
+    their size is unknown (the ``unknown`` bit mask of x's axes of size -1)."""
+    x, out, red = _letters(*_plan(op, nd, axis, keep_dim))
+    if rtype is None:
+        return Notation([x], [out], replicated=red, coshard="largest")
+    unk = "".join(c for i, c in enumerate(x) if unknown >> i & 1 and c in red) if rtype == ReduceType.AVG else ""
+    prune = "".join(c for c in red if c not in unk) if rtype == ReduceType.AVG else ""
+    return Notation([x], [out], reduce=rtype, replicated=unk, prune=prune, coshard="largest")
 
 
-@lru_cache(maxsize=4096)
-def _reverse_plan(ndim: int, pos: tuple[int, ...]) -> Plan:
+def _reverse(op: str, nd: int, axis: tuple[int, ...], keep_dim: bool) -> Notation:
     """x from out (a co-shard read as its largest mesh dim), the reduced axes replicated; out is
     what that x produces."""
-    x = ALPHABET[:ndim]
-    return compile_plan(Notation([x], ["".join(BROADCAST if p < 0 else x[p] for p in pos)], coshard="largest"),
-                        "backward")
+    x, out, _ = _letters(*_plan(op, nd, axis, keep_dim))
+    return Notation([x], [out], coshard="largest")
+
+
+def _base(nd: int, axis: tuple[int, ...], keep_dim: bool, reduce_type: int, unknown: int) -> Notation:
+    return _forward("reduce_base", REDUCE_TYPES[reduce_type], nd, axis, keep_dim, unknown)
+
+
+def _grad(op: str, with_out: bool, nd: int, axis: tuple[int, ...], keep_dim: bool, one: bool) -> Notation:
+    """x, (out,) out_grad -> x_grad, e.g. ``abc, ac -> abc`` (axis 1 reduced; ``a1c`` with keep_dim,
+    ``1`` for Paddle's [1] out_grad of a full reduction, ``one``): merged from out_grad alone,
+    the kept axes as it shards them (co-shards kept), the reduced ones unsharded. sum_grad (whose
+    x_grad is out_grad broadcast back over the reduced axes and depends on neither x's values nor
+    the reduced count, as mean's does): ``1b1, ac -> abc``: x's reduced axes keep its own sharding
+    where all their mesh dims are free (``taken="letter"``, out_grad's letters claiming first; a
+    slice of a broadcast value: no communication)."""
+    reduced, pos = _plan(op, nd, axis, keep_dim)
+    x, o, red = _letters(reduced, pos)
+    one = one and not pos
+    if one:
+        o = BROADCAST
+    elif op == "sum_grad":
+        view = "".join(c if c in red else BROADCAST for c in x)
+        return Notation([view, o], [x], taken="letter", order=("*", red) if red else "claim")
+    return Notation([x, *([o] * (1 + with_out))], [x], sources=(1 + with_out,))
 
 
 # ---------------------------------------------------------------------------
-# forward / reverse
+# checks (the engine names the op)
 # ---------------------------------------------------------------------------
 
 
-def _forward(op: str, x: DistTensorSpec, axis: tuple[int, ...], keep_dim: bool, rtype: ReduceType | None,
-             kind: int) -> SpmdResult:
-    shape = x.shape
-    reduced, pos = _plan(op, len(shape), axis, keep_dim)
-    unknown = tuple(i for i, r in enumerate(reduced) if r and shape[i] < 0) if kind == _EVEN else ()
-    p = _forward_plan(reduced, pos, rtype, kind, unknown)
-    return fast_result(*infer(p, op, (x,), (), x.dist_attr.mesh, ("x",)))
-
-
-def _check_out(op: str, x: DistTensorSpec, out: DistTensorSpec, pos: tuple[int, ...], name: str = "out") -> None:
-    if out.dist_attr.mesh != x.dist_attr.mesh:
-        raise InvalidMeshError(f"{op}: x and {name} lie on different meshes")
+def _check_out(x: DistTensorSpec, out: DistTensorSpec, pos: tuple[int, ...], name: str = "out") -> None:
     want = tuple(1 if p < 0 else x.shape[p] for p in pos)
     if len(out.shape) != len(want):
-        raise ShapeMismatchError(
-            f"{op}: {name} has {len(out.shape)} dims, but reducing x {list(x.shape)} gives {len(want)} "
-            f"(shape {list(want)})"
-        )
+        raise ShapeMismatchError(f"{name} has {len(out.shape)} dims, but reducing x {list(x.shape)} gives "
+                                 f"{len(want)} (shape {list(want)})")  # fmt: skip
     for i, (s, w) in enumerate(zip(out.shape, want)):
         if s != w and s >= 0 and w >= 0:
-            raise ShapeMismatchError(f"{op}: {name} axis {i} has {s}, but reducing x gives {w}")
+            raise ShapeMismatchError(f"{name} axis {i} has {s}, but reducing x gives {w}")
 
 
-def _reverse(op: str, x: DistTensorSpec, out: DistTensorSpec, axis: tuple[int, ...], keep_dim: bool) -> SpmdResult:
-    _, pos = _plan(op, len(x.shape), axis, keep_dim)
-    _check_out(op, x, out, pos)
-    return fast_result(*infer(_reverse_plan(len(x.shape), pos), op, (x,), (out,), x.dist_attr.mesh, ("x", "out")))
+def _check_rev(op: str, x: DistTensorSpec, out: DistTensorSpec, axis: tuple[int, ...], keep_dim: bool) -> None:
+    _check_out(x, out, _plan(op, len(x.shape), axis, keep_dim)[1])
 
 
-def _make_rule(op: str, rtype: ReduceType | None, kind: int) -> tuple[Any, Any]:
-    def forward(x: DistTensorSpec, axis: tuple[int, ...] = (), keep_dim: bool = False) -> SpmdResult:
-        return _forward(op, x, axis, keep_dim, rtype, kind)
-
-    def backward(x: DistTensorSpec, out: DistTensorSpec, axis: tuple[int, ...] = (), keep_dim: bool = False,
-                 *attrs: Any) -> SpmdResult:
-        return _reverse(op, x, out, axis, keep_dim)
-
-    return forward, backward
-
-
-def reduce_base_forward(
-    x: DistTensorSpec, axis: tuple[int, ...] = (), keep_dim: bool = False, reduce_type: int = 0
-) -> SpmdResult:
-    """ReductionInferSpmdBase: the reduce type is Paddle's ReduceType enum value
-    (0 sum, 1 max, 2 min, 3 prod, 4 avg, 5 any, 6 all)."""
-    rtype = REDUCE_TYPES.get(reduce_type)
-    if rtype is None:
-        raise InvalidAttributeError(
-            f"reduce_base: reduce_type {reduce_type} is not a reduce type (0 sum, 1 max, 2 min, 3 prod, "
-            "4 avg, 5 any, 6 all)"
-        )
-    return _forward("reduce_base", x, axis, keep_dim, rtype, _EVEN if rtype == ReduceType.AVG else _PARTIAL)
-
-
-# ---------------------------------------------------------------------------
-# grads
-# ---------------------------------------------------------------------------
-
-
-@lru_cache(maxsize=4096)
-def _grad_plan(nd: int, pos: tuple[int, ...], own: bool, one: bool) -> Plan:
-    """x_grad (and x) from out_grad, e.g. ``ac -> abc`` (axis 1 reduced; ``a1c`` with keep_dim,
-    ``1`` for Paddle's [1] out_grad of a full reduction, ``one``): the kept axes as out_grad
-    shards them (co-shards kept), the reduced ones unsharded. With ``own`` (sum, whose x_grad
-    is out_grad broadcast back over the reduced axes and depends on neither x's values nor the
-    reduced count, as mean's does) ``ac, 1b1 -> abc``: x's reduced axes keep its own sharding
-    where all their mesh dims are free (``taken="letter"``; a slice of a broadcast value: no
-    communication)."""
-    x = ALPHABET[:nd]
-    o = BROADCAST if one else "".join(BROADCAST if p < 0 else x[p] for p in pos)
-    if not own:
-        return compile_plan(Notation([o], [x]))
-    kept = set(pos)
-    view = "".join(BROADCAST if i in kept else c for i, c in enumerate(x))
-    return compile_plan(Notation([o, view], [x], taken="letter"))
-
-
-def _grad(
-    op: str, x: DistTensorSpec, out: DistTensorSpec | None, out_grad: DistTensorSpec,
-    axis: tuple[int, ...], keep_dim: bool, reduce_all: bool,
-) -> SpmdResult:
-    nd = len(x.shape)
-    _, pos = _plan(op, nd, () if reduce_all else axis, keep_dim)
-    mesh = x.dist_attr.mesh
+def _check_grad(op: str, x: DistTensorSpec, out: DistTensorSpec | None, out_grad: DistTensorSpec,
+                axis: tuple[int, ...], keep_dim: bool, reduce_all: bool) -> None:
+    pos = _plan(op, len(x.shape), () if reduce_all else axis, keep_dim)[1]
     gshape = out_grad.shape
-    one = not pos and gshape == (1,)
-    if one:
-        # a full reduction whose out is [1] (Paddle's squared_l2_norm): nothing to carry
-        if out_grad.dist_attr.mesh != mesh:
-            raise InvalidMeshError(f"{op}: x and out_grad lie on different meshes")
-    else:
-        _check_out(op, x, out_grad, pos, "out_grad")
-    own = op == "sum_grad" and not one
-    p = _grad_plan(nd, pos, own, one)
-    ins_, outs_ = infer(p, op, (out_grad, x) if own else (out_grad,), (), mesh, ("out_grad", "x"))
-    if out is not None:
-        if out.dist_attr.mesh != mesh:
-            raise InvalidMeshError(f"{op}: x and out lie on different meshes")
-        if out.shape != gshape and not (len(out.shape) == len(gshape) and all(
-                a == b or a < 0 or b < 0 for a, b in zip(out.shape, gshape))):
-            raise ShapeMismatchError(f"{op}: out has shape {list(out.shape)} but out_grad {list(gshape)}")
-    xa, ga = outs_[0], ins_[0]
-    return fast_result((xa, ga) if out is None else (xa, ga, ga), (xa,))
+    if pos or gshape != (1,):  # else a full reduction whose out is [1] (Paddle's squared_l2_norm)
+        _check_out(x, out_grad, pos, "out_grad")
+    if out is not None and out.shape != gshape and not (len(out.shape) == len(gshape) and all(
+            a == b or a < 0 or b < 0 for a, b in zip(out.shape, gshape))):
+        raise ShapeMismatchError(f"out has shape {list(out.shape)} but out_grad {list(gshape)}")
 
 
-def _make_grad(op: str, with_out: bool) -> Any:
-    if with_out:
-        return lambda x, out, out_grad, axis=(), keep_dim=False, reduce_all=False: _grad(
-            op, x, out, out_grad, axis, keep_dim, reduce_all)
-    return lambda x, out_grad, axis=(), keep_dim=False, reduce_all=False: _grad(
-        op, x, None, out_grad, axis, keep_dim, reduce_all)
+def _reduce_type(reduce_type: int) -> None:
+    if reduce_type not in REDUCE_TYPES:
+        raise InvalidAttributeError(f"reduce_type {reduce_type} is not a reduce type (0 sum, 1 max, 2 min, 3 prod, "
+                                    "4 avg, 5 any, 6 all)")  # fmt: skip
+
+
+def _unknown(x: DistTensorSpec) -> int:
+    """The axes of x of unknown size (-1) as a bit mask."""
+    return sum(1 << i for i, s in enumerate(x.shape) if s < 0)
 
 
 # ---------------------------------------------------------------------------
-# registration
+# declarations
 # ---------------------------------------------------------------------------
 
-#: name -> (reduce type (None: replicate), how a sharded reduced axis is treated, aliases)
-REDUCTION_OPS: dict[str, tuple[ReduceType | None, int, tuple[str, ...]]] = {
-    "sum": (ReduceType.SUM, _PARTIAL, ("reduce_sum",)),
-    "mean": (ReduceType.AVG, _EVEN, ("reduce_mean",)),
-    "max": (ReduceType.MAX, _PARTIAL, ("reduce_max", "amax")),
-    "min": (ReduceType.MIN, _PARTIAL, ("reduce_min", "amin")),
-    "prod": (ReduceType.PROD, _PARTIAL, ("reduce_prod",)),
+#: name -> (reduce type (None: the reduced axes replicated), aliases)
+REDUCTION_OPS: dict[str, tuple[ReduceType | None, tuple[str, ...]]] = {
+    "sum": (ReduceType.SUM, ("reduce_sum",)),
+    "mean": (ReduceType.AVG, ("reduce_mean",)),
+    "max": (ReduceType.MAX, ("reduce_max", "amax")),
+    "min": (ReduceType.MIN, ("reduce_min", "amin")),
+    "prod": (ReduceType.PROD, ("reduce_prod",)),
     # Paddle marks any partial SUM: sound on booleans (a sum of booleans is their OR)
-    "any": (ReduceType.SUM, _PARTIAL, ("reduce_any",)),
-    "all": (ReduceType.ALL, _PARTIAL, ("reduce_all",)),
+    "any": (ReduceType.SUM, ("reduce_any",)),
+    "all": (ReduceType.ALL, ("reduce_all",)),
     # a sum of squares: partial SUM over a sharded axis, but the square of a partial is not
-    "squared_l2_norm": (ReduceType.SUM, _PARTIAL, ()),
-    "frobenius_norm": (None, _REPLICATE, ()),
+    "squared_l2_norm": (ReduceType.SUM, ()),
+    "frobenius_norm": (None, ()),
 }
 
 #: grad name -> (takes out, aliases)
@@ -282,30 +216,49 @@ REDUCTION_GRADS: dict[str, tuple[bool, tuple[str, ...]]] = {
     "frobenius_norm_grad": (True, ()),
 }
 
-_FWD_SIG = "x: T, axis: ints = [], keep_dim: bool = false"
+_ENV = {"_check_rev": _check_rev, "_check_grad": _check_grad, "_reduce_type": _reduce_type, "_unknown": _unknown}
+_SIG = "x: T, axis: ints = [], keep_dim: bool = false"
+_KEY = "x, axis, keep_dim"
+_UNKNOWN = "_unknown(x) if -1 in x.shape else 0"
 
 
-def _register_all() -> None:
-    for name, (rtype, kind, aliases) in REDUCTION_OPS.items():
-        f, b = _make_rule(name, rtype, kind)
-        what = "replicated" if rtype is None else f"partial {rtype}"
-        register(name, f, _FWD_SIG, b, kind="reverse", outputs="out: T", aliases=aliases,
-                 forward_name="ReductionMeanInferSpmdDynamic" if name == "mean" else "ReductionInferSpmd",
-                 backward_name="ReductionInferSpmdReverse",
-                 doc=f"{name}: kept axes keep their sharding; a sharded reduced axis makes out {what}.")  # fmt: skip
-    # reduce_base's reverse: ReductionInferSpmdReverse (reduce_type does not change it)
-    register("reduce_base", reduce_base_forward, _FWD_SIG + ", reduce_type: int = 0", _make_rule("reduce_base", None, 0)[1],
-             kind="reverse", outputs="out: T", forward_name="ReductionInferSpmdBase",
-             backward_name="ReductionInferSpmdReverse")  # fmt: skip
-    for name, (with_out, aliases) in REDUCTION_GRADS.items():
-        sig = "x: T, " + ("out: T, " if with_out else "") + \
-            "out_grad: T, axis: ints = [], keep_dim: bool = false, reduce_all: bool = false"
-        register(name, _make_grad(name, with_out), sig, aliases=aliases, forward_name="ReductionGradInferSpmd",
-                 doc=f"{name}: ReductionGradInferSpmd({sig.replace(': T', '').split(', axis')[0]}, axis, keep_dim, "
-                     "reduce_all)")  # fmt: skip
+def _reverse_way(op: str) -> Way:
+    return Way(partial(_reverse, op), key=_KEY, check=f"_check_rev({op!r}, x, out, axis, keep_dim)", env=_ENV,
+               paddle="ReductionInferSpmdReverse", doc=f"{op} (ReductionInferSpmdReverse): x from out on the kept "
+               "axes, the reduced axes replicated; out is what x produces.")  # fmt: skip
 
 
-_register_all()
+for _name, (_rtype, _aliases) in REDUCTION_OPS.items():
+    declare(
+        _name, _SIG,
+        Way(partial(_forward, _name, _rtype), key=_KEY + (", " + _UNKNOWN if _rtype == ReduceType.AVG else ""),
+            env=_ENV, paddle="ReductionMeanInferSpmdDynamic" if _name == "mean" else "ReductionInferSpmd",
+            doc=f"{_name}: kept axes keep their sharding; a sharded reduced axis makes out "
+                f"{'replicated' if _rtype is None else f'partial {_rtype}'}."),
+        reverse=_reverse_way(_name), outputs="out: T", aliases=_aliases,
+    )  # fmt: skip
+# reduce_base's reverse: ReductionInferSpmdReverse (reduce_type does not change it)
+declare(
+    "reduce_base", _SIG + ", reduce_type: int = 0",
+    Way(_base, key=f"{_KEY}, reduce_type, {_UNKNOWN}", check="_reduce_type(reduce_type)", env=_ENV,
+        paddle="ReductionInferSpmdBase", doc="ReductionInferSpmdBase: the reduce type is Paddle's ReduceType enum "
+        "value (0 sum, 1 max, 2 min, 3 prod, 4 avg, 5 any, 6 all)."),
+    reverse=_reverse_way("reduce_base"), outputs="out: T",
+)  # fmt: skip
+for _name, (_with_out, _aliases) in REDUCTION_GRADS.items():
+    _sig = "x: T, " + ("out: T, " if _with_out else "") + \
+        "out_grad: T, axis: ints = [], keep_dim: bool = false, reduce_all: bool = false"
+    declare(
+        _name, _sig,
+        Way(partial(_grad, _name, _with_out), key="x, () if reduce_all else axis, keep_dim, out_grad.shape == (1,)",
+            check=f"_check_grad({_name!r}, x, {'out' if _with_out else 'None'}, out_grad, axis, keep_dim, reduce_all)",
+            env=_ENV, paddle="ReductionGradInferSpmd",
+            # sum_grad: x is answered as x_grad (the kernel shapes x_grad by the local x)
+            post=(lambda i, o, *a: ((o[0], i[1]), o)) if _name == "sum_grad" else None,
+            doc=f"{_name}: ReductionGradInferSpmd({_sig.replace(': T', '').split(', axis')[0]}, axis, keep_dim, "
+                "reduce_all)"),
+        aliases=_aliases,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------
@@ -323,104 +276,88 @@ def _pnorm_reduce(porder: float) -> ReduceType | None:
 
 
 @lru_cache(maxsize=4096)
-def _pnorm_plan(nd: int, axis: int, keepdims: bool, asvector: bool, porder: float, kind: str) -> Plan:
-    """``abc -> ac`` (``a1c`` with keepdims; every axis reduced with ``asvector``), each co-shard
-    read as its largest mesh dim; the reduced letters replicated where no partial type is right.
-    ``kind``: ``"forward"``, ``"backward"`` (x from out: the reduced letters, absent from out, stay
-    unsharded), ``"grad"`` (``abc, ac, ac -> abc`` merged over the three, reduced replicated)."""
+def _pnorm_letters(nd: int, axis: int, keepdims: bool, asvector: bool) -> tuple[str, str, str]:
+    """(x, out, the reduced letters): ``abc``, ``ac`` (``a1c`` with keepdims; every axis reduced
+    with ``asvector``), ``b``."""
     s = ALPHABET[:nd]
-    red = frozenset() if nd == 0 else frozenset(range(nd)) if asvector else frozenset((axis,))
-    if keepdims:
-        o = "".join(BROADCAST if i in red else c for i, c in enumerate(s))
-    else:
-        o = "".join(c for i, c in enumerate(s) if i not in red)
-    rt = _pnorm_reduce(porder)
-    reduced = "".join(s[i] for i in sorted(red))
+    ax = 0 if asvector and nd else normalize_axis("", axis, nd)
+    red = "" if nd == 0 else s if asvector else s[ax]
+    o = "".join(BROADCAST if c in red else c for c in s) if keepdims else "".join(c for c in s if c not in red)
+    return s, o, red
+
+
+def _pnorm(kind: str, nd: int, porder: float, axis: int, keepdims: bool, asvector: bool) -> Notation:
+    """``abc -> ac``, each co-shard read as its largest mesh dim; the reduced letters replicated
+    where no partial type is right. ``kind``: ``"forward"``, ``"backward"`` (x from out: the
+    reduced letters, absent from out, stay unsharded), ``"grad"`` (``abc, ac, ac -> abc`` merged
+    over the three, reduced replicated)."""
+    s, o, red = _pnorm_letters(nd, axis, keepdims, asvector)
     if kind == "grad":
-        return compile_plan(Notation((s, o, o), (s,), replicated=reduced, coshard="largest"))
-    nt = Notation((s,), (o,), replicated="" if rt is not None else reduced, reduce=rt or ReduceType.SUM,
-                  coshard="largest")  # fmt: skip
-    return compile_plan(nt, kind)
+        return Notation((s, o, o), (s,), replicated=red, coshard="largest")
+    rt = _pnorm_reduce(porder)
+    return Notation((s,), (o,), replicated="" if rt is not None else red, reduce=rt or ReduceType.SUM,
+                    coshard="largest")  # fmt: skip
 
 
-def _pnorm(op: str, x: DistTensorSpec, porder: float, axis: int, keepdims: bool, asvector: bool, kind: str,
-           *outs: DistTensorSpec) -> SpmdResult:
-    names = ("x", "out", "out_grad")[: 1 + len(outs)]
-    mesh = named_mesh(op, zip(names, (x, *outs)))
+def _pnorm_check(op: str, x: DistTensorSpec, porder: float, axis: int, keepdims: bool, asvector: bool,
+                 *outs: DistTensorSpec) -> None:
+    """porder a number; out (and out_grad) shaped as the p_norm of x."""
     nd = len(x.shape)
     if nd > len(ALPHABET):
-        raise ShapeMismatchError(f"{op}: tensors of more than {len(ALPHABET)} dims are not supported")
+        raise ShapeMismatchError(f"tensors of more than {len(ALPHABET)} dims are not supported")
     if math.isnan(porder):
-        raise InvalidAttributeError(f"{op}: porder must be a number, got nan")
-    ax = 0 if asvector and nd else normalize_axis(op, axis, nd)
-    p = _pnorm_plan(nd, ax, bool(keepdims), bool(asvector), float(porder), kind)
-    size = dict(zip(ALPHABET, x.shape))
-    o = p.notation.outputs[0] if kind != "grad" else p.notation.inputs[1]
-    assert o is not None
-    want = tuple(1 if c == BROADCAST else size[c] for c in o)
-    for name, t in zip(names[1:], outs):
-        check_same_shape(op, t, want, name, "p_norm of x")
-    if kind == "backward":
-        return fast_result(*infer(p, op, (x,), outs, mesh, names))
-    return fast_result(*infer(p, op, (x, *outs), (), mesh, names))
+        raise InvalidAttributeError("porder must be a number, got nan")
+    if outs:
+        s, o, _ = _pnorm_letters(nd, axis, keepdims, asvector)
+        size = dict(zip(s, x.shape))
+        want = tuple(1 if c == BROADCAST else size[c] for c in o)
+        for name, t in zip(("out", "out_grad"), outs):
+            check_same_shape(op, t, want, name, "p_norm of x")
 
 
 _PN_SIG = "porder: float = 2.0, axis: int = -1, epsilon: float = 1e-12, keepdims: bool = False, asvector: bool = False"
-
-
-def p_norm_forward(x: DistTensorSpec, porder: float = 2.0, axis: int = -1, epsilon: float = 1e-12,
-                   keepdims: bool = False, asvector: bool = False) -> SpmdResult:
-    """PNormInferSpmd: a reduction; a sharded reduced axis is partial only where a type is right."""
-    return _pnorm("p_norm", x, porder, axis, keepdims, asvector, "forward")
-
-
-def p_norm_backward(x: DistTensorSpec, out: DistTensorSpec, porder: float = 2.0, axis: int = -1,
-                    epsilon: float = 1e-12, keepdims: bool = False, asvector: bool = False) -> SpmdResult:
-    """PNormInferSpmdReverse: x from out on the kept axes, reduced axes replicated."""
-    return _pnorm("p_norm", x, porder, axis, keepdims, asvector, "backward", out)
-
-
-def p_norm_grad(x: DistTensorSpec, out: DistTensorSpec, out_grad: DistTensorSpec, porder: float = 2.0,
-                axis: int = -1, epsilon: float = 1e-12, keepdims: bool = False, asvector: bool = False) -> SpmdResult:
-    """PNormGradInferSpmd: ``abc, ac, ac -> abc``, merged over the three, reduced axes replicated."""
-    return _pnorm("p_norm_grad", x, porder, axis, keepdims, asvector, "grad", out, out_grad)
-
-
-register("p_norm", p_norm_forward, f"x: T, {_PN_SIG}", p_norm_backward, kind="reverse", outputs="out: T",
-         forward_name="PNormInferSpmd", backward_name="PNormInferSpmdReverse")  # fmt: skip
-register("p_norm_grad", p_norm_grad, f"x: T, out: T, out_grad: T, {_PN_SIG}", forward_name="PNormGradInferSpmd")
+_PN_KEY = "x, porder, axis, keepdims, asvector"
+_PN_ENV = {"_pnorm_check": _pnorm_check}
+declare(
+    "p_norm", f"x: T, {_PN_SIG}",
+    Way(partial(_pnorm, "forward"), key=_PN_KEY, check="_pnorm_check('p_norm', x, porder, axis, keepdims, asvector)",
+        env=_PN_ENV, paddle="PNormInferSpmd",
+        doc="PNormInferSpmd: a reduction; a sharded reduced axis is partial only where a type is right."),
+    reverse=Way(partial(_pnorm, "backward"), key=_PN_KEY, env=_PN_ENV, paddle="PNormInferSpmdReverse",
+                check="_pnorm_check('p_norm', x, porder, axis, keepdims, asvector, out)",
+                doc="PNormInferSpmdReverse: x from out on the kept axes, reduced axes replicated."),
+    outputs="out: T",
+)  # fmt: skip
+declare(
+    "p_norm_grad", f"x: T, out: T, out_grad: T, {_PN_SIG}",
+    Way(partial(_pnorm, "grad"), key=_PN_KEY, check="_pnorm_check('p_norm_grad', x, porder, axis, keepdims, asvector, out, out_grad)",
+        env=_PN_ENV, paddle="PNormGradInferSpmd",
+        doc="PNormGradInferSpmd: ``abc, ac, ac -> abc``, merged over the three, reduced axes replicated."),
+)  # fmt: skip
 
 
 # -- numel -----------------------------------------------------------------------------------------
 
 
-@lru_cache(maxsize=64)
-def _numel_plan(nd: int) -> Plan:
-    """``abc -> ()``: the 0-d count partial SUM over the mesh dims of x's letters (co-shards
-    and uneven shards included: local element counts add up to the global one)."""
-    return compile_plan(Notation([ALPHABET[:nd]], [""]))
-
-
-def numel_forward(x: DistTensorSpec) -> SpmdResult:
-    """numel (NumelInferSpmd): x as given; the 0-d count partial SUM over every mesh dim sharding x."""
-    a = x.dist_attr
-    _, outs = infer(_numel_plan(len(a.dims_mapping)), "numel", (x,), (), a.mesh, ("x",))
-    # post-hook: x is returned as given (partial too): numel reads only its shape
-    return fast_result((a,), outs)
-
-
-def numel_reverse(x: DistTensorSpec, out: DistTensorSpec) -> SpmdResult:
-    """numel reverse (Paddle has none): a 0-d count says nothing about x's axes: x replicated,
-    the count replicated."""
-    op = "numel"
+def _numel_check(out: DistTensorSpec) -> None:
     if len(out.shape) != 0:
-        raise ShapeMismatchError(f"{op}: out must be a 0-d tensor, got shape {list(out.shape)}")
-    mesh = named_mesh(op, (("x", x), ("out", out)))
-    return fast_result(*infer(replicated_plan((len(x.shape),), (0,)), op, (x,), (), mesh, ("x",)))
+        raise ShapeMismatchError(f"out must be a 0-d tensor, got shape {list(out.shape)}")
 
 
-register("numel", numel_forward, "x: T", numel_reverse, kind="reverse", outputs="out: T", forward_name="NumelInferSpmd",
-         backward_name="NumelInferSpmdReverse")
+declare(
+    "numel", "x: T",
+    # ``abc -> ()``: the 0-d count partial SUM over the mesh dims of x's letters (co-shards and
+    # uneven shards included: local element counts add up to the global one); post-hook: x is
+    # returned as given (partial too): numel reads only its shape
+    Way(lambda nd: Notation([ALPHABET[:nd]], [""]), key="x", post=lambda i, o, x: ((x.dist_attr,), o),
+        paddle="NumelInferSpmd", doc="numel (NumelInferSpmd): x as given; the 0-d count partial SUM over every "
+        "mesh dim sharding x."),
+    # a 0-d count says nothing about x's axes: x replicated, the count replicated
+    reverse=Way(lambda nd, _: Notation([BROADCAST * nd], [""]), key="x, out", check="_numel_check(out)",
+                env={"_numel_check": _numel_check}, paddle="NumelInferSpmdReverse",
+                doc="numel reverse (Paddle has none): x and out replicated."),
+    outputs="out: T",
+)  # fmt: skip
 
 
 __all__ = ["REDUCE_TYPES", "REDUCTION_GRADS", "REDUCTION_OPS", "notation"]
