@@ -36,18 +36,19 @@ raises on (take_along_axis); take_along_axis's negative axis (Paddle fails).
 
 from __future__ import annotations
 
-from functools import lru_cache
+from collections.abc import Sequence
+from functools import partial
 
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import InvalidArgumentError, InvalidAttributeError, ShapeMismatchError
-from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import make_attr, normalize_axis
-from spmdkit.engine.compile import Plan, compile_plan, infer
-from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, fast_result, letters_for, named_mesh
-from spmdkit.engine.registry import register
+from spmdkit.engine.declare import Answer, Way, declare
+from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, letters_for
 from spmdkit.rules._common import check_same_ndim, check_same_shape
 
 Shape = tuple[int, ...]
+Attr = TensorDistAttr | None
 
 
 # ---------------------------------------------------------------------------
@@ -55,68 +56,53 @@ Shape = tuple[int, ...]
 # ---------------------------------------------------------------------------
 
 
-def _differ(ax: int, x: Shape, *others: Shape) -> int:
-    """A bit per axis other than ``ax`` where one of ``others`` differs from ``x`` in size."""
+def _differ(x: Shape, *others: Shape) -> int:
+    """A bit per axis where one of ``others`` differs from ``x`` in size."""
     m = 0
     for i, n in enumerate(x):
-        if i != ax and any(o[i] != n for o in others):
-            m |= 1 << i
+        for o in others:
+            if o[i] != n:
+                m |= 1 << i
+                break
     return m
 
 
-@lru_cache(maxsize=4096)
-def _along_plan(nd: int, ax: int, differ: int, kind: str) -> Plan:
-    """take_along_axis ``a1c, abc -> abc``: x never sharded on the axis, an axis where the sizes
-    differ (``differ``) ``1`` in x and index; its grad ``a1c, abc, abc -> a1c`` from out_grad
-    alone, x_grad partial SUM over the mesh dims of the letters it lacks. put_along_axis
+def _along(kind: str, nd: int, axis: int, differ: int) -> Notation:
+    """take_along_axis ``a1c, abc -> abc``: x never sharded on the axis, an axis other than it where
+    the sizes differ (``differ``) ``1`` in x and index; its grad ``a1c, abc, abc -> a1c`` from
+    out_grad alone, x_grad partial SUM over the mesh dims of the letters it lacks. put_along_axis
     ``a1c, a1c, a1c -> a1c`` (the differing axes ``1`` too), merged over the three; its grad the
     five tensors from out_grad alone -> x_grad, value_grad. A co-shard read as its largest mesh dim."""
-    s = ALPHABET[:nd]
-    i = "".join(BROADCAST if (differ >> j) & 1 else c for j, c in enumerate(s))
+    ax = normalize_axis("", axis, nd)
+    i = "".join(BROADCAST if (differ >> j) & 1 and j != ax else c for j, c in enumerate(ALPHABET[:nd]))
     x = i[:ax] + BROADCAST + i[ax + 1 :]
-    nt = {"take": lambda: Notation((x, i), (i,)), "take_grad": lambda: Notation((x, i, i), (x,), sources=(2,)),
-          "put": lambda: Notation((x, x, x), (x,)), "put_grad": lambda: Notation((x,) * 5, (x, x), sources=(4,))}[kind]()
-    return compile_plan(nt.replace(coshard="largest"))
+    ins, outs, src = {"take": ((x, i), (i,), None), "take_grad": ((x, i, i), (x,), (2,)),
+                      "put": ((x, x, x), (x,), None), "put_grad": ((x,) * 5, (x, x), (4,))}[kind]  # fmt: skip
+    return Notation(ins, outs, coshard="largest", sources=src)
 
 
-def _take_check(op: str, x: DistTensorSpec, index: DistTensorSpec, axis: int, value: DistTensorSpec | None = None,
-                reduce: str = "assign") -> int:
-    """The axis, after the checks of take_along_axis (and, given ``value``, put_along_axis)."""
+_PUT_REDUCE = ("assign", "add", "mul", "multiply", "amin", "amax", "mean")
+
+
+def _take_check(op: str, x: DistTensorSpec, index: DistTensorSpec, axis: int, *more: DistTensorSpec,
+                reduce: str = "assign") -> None:  # fmt: skip
+    """The checks of take_along_axis (``more``: its out_grad) and put_along_axis (``more``:
+    value, and the grad's out and out_grad)."""
     nd = len(x.shape)
     check_same_ndim(op, index, nd, "index", "x")
-    if value is not None:
-        check_same_ndim(op, value, nd, "value", "x")
+    if more and op.startswith("put"):
+        check_same_ndim(op, more[0], nd, "value", "x")
     if nd == 0:
         raise ShapeMismatchError(f"{op}: x must have at least 1 dim")
     if nd > len(ALPHABET):
         raise ShapeMismatchError(f"{op}: tensors of more than {len(ALPHABET)} dims are not supported")
     if reduce not in _PUT_REDUCE:
         raise InvalidAttributeError(f"{op}: reduce {reduce!r} is not one of {', '.join(_PUT_REDUCE)}")
-    return normalize_axis(op, axis, nd)
-
-
-def take_along_axis_forward(x: DistTensorSpec, index: DistTensorSpec, axis: int = 0) -> SpmdResult:
-    """TakeAlongAxisInferSpmd: ``a1c, abc -> abc``."""
-    op = "take_along_axis"
-    mesh = named_mesh(op, (("x", x), ("index", index)))
-    ax = _take_check(op, x, index, axis)
-    p = _along_plan(len(x.shape), ax, _differ(ax, x.shape, index.shape), "take")
-    return fast_result(*infer(p, op, (x, index), (), mesh, ("x", "index")))
-
-
-def take_along_axis_grad(
-    x: DistTensorSpec, index: DistTensorSpec, out_grad: DistTensorSpec, axis: int = 0
-) -> SpmdResult:
-    """TakeAlongAxisGradInferSpmd: letters from out_grad; x_grad ``a1c``, partial SUM over the
-    mesh dims that shard index / out_grad on the axis."""
-    op = "take_along_axis_grad"
-    mesh = named_mesh(op, (("x", x), ("index", index), ("out_grad", out_grad)))
-    ax = _take_check(op, x, index, axis)
-    check_same_ndim(op, out_grad, len(x.shape), "out_grad", "x")
-    p = _along_plan(len(x.shape), ax, _differ(ax, x.shape, index.shape), "take_grad")
-    ins, outs = infer(p, op, (x, index, out_grad), (), mesh, ("x", "index", "out_grad"))
-    # post-hook (as index_put_grad's): no partial over a mesh dim of size 1
-    return fast_result(ins, tuple(_no_unit_partial(a) for a in outs))
+    normalize_axis(op, axis, nd)
+    if op == "take_along_axis_grad":
+        check_same_ndim(op, more[0], nd, "out_grad", "x")
+    for name, t in zip(("out", "out_grad"), more[1:]):
+        check_same_shape(op, t, x.shape, name, "x")
 
 
 def _no_unit_partial(a: TensorDistAttr | None) -> TensorDistAttr | None:
@@ -128,35 +114,10 @@ def _no_unit_partial(a: TensorDistAttr | None) -> TensorDistAttr | None:
     return a if pt == a.partial else make_attr(a.mesh, a.dims_mapping, pt)
 
 
-_PUT_REDUCE = ("assign", "add", "mul", "multiply", "amin", "amax", "mean")
-
-
-def _put(op: str, ts: tuple[DistTensorSpec, ...], axis: int, reduce: str) -> SpmdResult:
-    """put_along_axis (``ts``: x, index, value) or its grad (x, index, value, out, out_grad)."""
-    names = ("x", "index", "value", "out", "out_grad")[: len(ts)]
-    mesh = named_mesh(op, zip(names, ts))
-    x, index, value = ts[:3]
-    ax = _take_check(op, x, index, axis, value, reduce)
-    for name, t in zip(names[3:], ts[3:]):
-        check_same_shape(op, t, x.shape, name, "x")
-    p = _along_plan(len(x.shape), ax, _differ(ax, x.shape, index.shape, value.shape), "put" if len(ts) < 5 else "put_grad")
-    return fast_result(*infer(p, op, ts, (), mesh, names))
-
-
-def put_along_axis_forward(
-    x: DistTensorSpec, index: DistTensorSpec, value: DistTensorSpec, axis: int = 0,
-    reduce: str = "assign", include_self: bool = True,
-) -> SpmdResult:
-    """PutAlongAxisInferSpmd: ``a1c, a1c, a1c -> a1c``."""
-    return _put("put_along_axis", (x, index, value), axis, reduce)
-
-
-def put_along_axis_grad(
-    x: DistTensorSpec, index: DistTensorSpec, value: DistTensorSpec, out: DistTensorSpec,
-    out_grad: DistTensorSpec, axis: int = 0, reduce: str = "assign", include_self: bool = True,
-) -> SpmdResult:
-    """PutAlongAxisGradInferSpmd: every tensor ``a1c``, the letters taken from out_grad."""
-    return _put("put_along_axis_grad", (x, index, value, out, out_grad), axis, reduce)
+def _grad_post(ins: Sequence[Attr], outs: Sequence[Attr], *args: object) -> Answer:
+    """post-hook of the grads: a partial over a mesh dim of size 1 is no reduction (Paddle does not
+    mark it); the last output is the grad that can be partial."""
+    return ins, (*outs[:-1], _no_unit_partial(outs[-1]))
 
 
 # ---------------------------------------------------------------------------
@@ -164,10 +125,12 @@ def put_along_axis_grad(
 # ---------------------------------------------------------------------------
 
 
-def _index_put_check(
-    op: str, x: DistTensorSpec, indices: tuple[DistTensorSpec, ...], value: DistTensorSpec
+def _index_put_key(
+    op: str, x: DistTensorSpec, indices: tuple[DistTensorSpec, ...], value: DistTensorSpec,
+    out_grad: DistTensorSpec | None = None,
 ) -> tuple[int, tuple[int, ...]]:
-    """(number of indexed axes, per value axis the x axis it lies along or -1).
+    """(number of indexed axes, per value axis the x axis it lies along or -1), after the checks
+    (out_grad, given: shaped as x).
 
     ``x[indices]`` has the indexed shape ``[n, *x.shape[k:]]`` (n the indices' length, k their
     number); value broadcasts onto it from the right (numpy rules). A value axis lies along
@@ -207,11 +170,12 @@ def _index_put_check(
             )
         xa = k - 1 + off + j  # the x axis this value axis meets (k - 1: the indexed positions)
         along.append(xa if xa >= k and v != 1 else -1)
+    if out_grad is not None:
+        check_same_shape(op, out_grad, x.shape, "out_grad", "x")
     return k, tuple(along)
 
 
-@lru_cache(maxsize=4096)
-def _index_put_plan(nd: int, k: int, along: tuple[int, ...], grad: bool) -> Plan:
+def _index_put(grad: bool, nd: int, k: int, along: tuple[int, ...]) -> Notation:
     """``11c, 1, 1, c -> 11c`` (x, indices..., value -> out; here 2 indexed axes, value along x's
     last): x's indexed axes ``1``, every index ``1``, a value axis carries the letter of the x
     axis it lies along (``1``: none), merged from x alone (a co-shard read as its largest mesh
@@ -221,47 +185,45 @@ def _index_put_plan(nd: int, k: int, along: tuple[int, ...], grad: bool) -> Plan
     x = BROADCAST * k + a[k:]
     v = "".join(BROADCAST if i < 0 else a[i] for i in along)
     ins = [x, *[BROADCAST] * k, v, *([x] if grad else [])]
-    return compile_plan(Notation(ins, [x, v] if grad else [x], coshard="largest", sources=(0,)))
+    return Notation(ins, [x, v] if grad else [x], coshard="largest", sources=(0,))
 
 
-def _index_put(op: str, x: DistTensorSpec, indices: tuple[DistTensorSpec, ...], value: DistTensorSpec,
-               out_grad: DistTensorSpec | None = None) -> SpmdResult:
-    named = (("x", x), *((f"indices[{i}]", t) for i, t in enumerate(indices)), ("value", value))
-    mesh = named_mesh(op, named if out_grad is None else (*named, ("out_grad", out_grad)))
-    k, along = _index_put_check(op, x, indices, value)
-    if out_grad is not None:
-        check_same_shape(op, out_grad, x.shape, "out_grad", "x")
-    p = _index_put_plan(len(x.shape), k, along, out_grad is not None)
-    a, outs = infer(p, op, (x, *indices, value, *((out_grad,) if out_grad is not None else ())), (), mesh)
-    # post-hook: a partial over a mesh dim of size 1 is no reduction (Paddle does not mark it)
-    return fast_result((a[0], a[1 : k + 1], *a[k + 1 :]),  # type: ignore[arg-type]
-                       outs if out_grad is None else (outs[0], _no_unit_partial(outs[1])))
+# ---------------------------------------------------------------------------
+# declarations
+# ---------------------------------------------------------------------------
 
-
-def index_put_forward(
-    x: DistTensorSpec, indices: tuple[DistTensorSpec, ...], value: DistTensorSpec, accumulate: bool = False
-) -> SpmdResult:
-    """IndexPutInferSpmd: the indexed axes replicated, indices replicated, value replicated or
-    sharded as x's last axis where it broadcasts onto it."""
-    return _index_put("index_put", x, indices, value)
-
-
-def index_put_grad(
-    x: DistTensorSpec, indices: tuple[DistTensorSpec, ...], value: DistTensorSpec, out_grad: DistTensorSpec,
-    accumulate: bool = False,
-) -> SpmdResult:
-    """IndexPutGradInferSpmd: x, out_grad, x_grad as the forward's x; value_grad partial SUM over
-    the mesh dims of the trailing axes it sums over."""
-    return _index_put("index_put_grad", x, indices, value, out_grad)
-
-
-register("take_along_axis", take_along_axis_forward, "x: T, index: T, axis: int",
-         take_along_axis_grad, "x: T, index: T, out_grad: T, axis: int", kind="grad", grad_name="take_along_axis_grad",
-         forward_name="TakeAlongAxisInferSpmd", backward_name="TakeAlongAxisGradInferSpmd")  # fmt: skip
+_ENV = {"_take_check": _take_check, "_differ": _differ, "_index_put_key": _index_put_key}
+declare(
+    "take_along_axis", "x: T, index: T, axis: int",
+    Way(partial(_along, "take"), key="x, axis, _differ(x.shape, index.shape)", env=_ENV,
+        check="_take_check('take_along_axis', x, index, axis)", paddle="TakeAlongAxisInferSpmd",
+        doc="TakeAlongAxisInferSpmd: ``a1c, abc -> abc``."),
+    grad=Way(partial(_along, "take_grad"), key="x, axis, _differ(x.shape, index.shape)", env=_ENV, post=_grad_post,
+             check="_take_check('take_along_axis_grad', x, index, axis, out_grad)", paddle="TakeAlongAxisGradInferSpmd",
+             doc="TakeAlongAxisGradInferSpmd: letters from out_grad; x_grad ``a1c``, partial SUM over the mesh dims "
+                 "that shard index / out_grad on the axis."),
+    grad_signature="x: T, index: T, out_grad: T, axis: int", grad_name="take_along_axis_grad",
+)  # fmt: skip
 _PS_SIG = "axis: int, reduce: str = 'assign', include_self: bool = True"
-register("put_along_axis", put_along_axis_forward, f"x: T, index: T, value: T, {_PS_SIG}",
-         put_along_axis_grad, f"x: T, index: T, value: T, out: T, out_grad: T, {_PS_SIG}", kind="grad", grad_name="put_along_axis_grad",
-         forward_name="PutAlongAxisInferSpmd", backward_name="PutAlongAxisGradInferSpmd")  # fmt: skip
-register("index_put", index_put_forward, "x: T, indices: [T], value: T, accumulate: bool = False",
-         index_put_grad, "x: T, indices: [T], value: T, out_grad: T, accumulate: bool = False", kind="grad", grad_name="index_put_grad",
-         forward_name="IndexPutInferSpmd", backward_name="IndexPutGradInferSpmd")  # fmt: skip
+_PS_KEY = "x, axis, _differ(x.shape, index.shape, value.shape)"
+declare(
+    "put_along_axis", f"x: T, index: T, value: T, {_PS_SIG}",
+    Way(partial(_along, "put"), key=_PS_KEY, env=_ENV, paddle="PutAlongAxisInferSpmd",
+        check="_take_check('put_along_axis', x, index, axis, value, reduce=reduce)",
+        doc="PutAlongAxisInferSpmd: ``a1c, a1c, a1c -> a1c``."),
+    grad=Way(partial(_along, "put_grad"), key=_PS_KEY, env=_ENV, paddle="PutAlongAxisGradInferSpmd",
+             check="_take_check('put_along_axis_grad', x, index, axis, value, out, out_grad, reduce=reduce)",
+             doc="PutAlongAxisGradInferSpmd: every tensor ``a1c``, the letters taken from out_grad."),
+    grad_signature=f"x: T, index: T, value: T, out: T, out_grad: T, {_PS_SIG}", grad_name="put_along_axis_grad",
+)  # fmt: skip
+declare(
+    "index_put", "x: T, indices: [T], value: T, accumulate: bool = False",
+    Way(partial(_index_put, False), key="x, *_index_put_key('index_put', x, indices, value)", env=_ENV,
+        paddle="IndexPutInferSpmd", doc="IndexPutInferSpmd: the indexed axes replicated, indices replicated, value "
+        "replicated or sharded as x's last axis where it broadcasts onto it."),
+    grad=Way(partial(_index_put, True), key="x, *_index_put_key('index_put_grad', x, indices, value, out_grad)",
+             env=_ENV, post=_grad_post,
+             paddle="IndexPutGradInferSpmd", doc="IndexPutGradInferSpmd: x, out_grad, x_grad as the forward's x; "
+             "value_grad partial SUM over the mesh dims of the trailing axes it sums over."),
+    grad_signature="x: T, indices: [T], value: T, out_grad: T, accumulate: bool = False", grad_name="index_put_grad",
+)  # fmt: skip
