@@ -347,7 +347,7 @@ def test_backward_errors() -> None:
         get_rule("cumsum").infer_backward(T(M22, [4, 6], [-1, -1]), T(M22, [4, 6], [-1, -1]), 0, True)
     with pytest.raises(ShapeMismatchError, match="argmax: out"):
         get_rule("argmax").infer_backward(T(M22, [4, 6], [-1, -1]), T(M22, [4, 6], [-1, -1]), 0, False)
-    with pytest.raises(InvalidMeshError, match="triu: x and out"):
+    with pytest.raises(InvalidMeshError, match="triu: out lies on a different mesh than x"):
         get_rule("triu").infer_backward(T(M22, [4, 6], [-1, -1]), T(M4, [4, 6], [-1, -1]), 0)
     with pytest.raises(ShapeMismatchError, match="topk_grad: out_grad"):
         get_rule("topk_grad").infer_forward(T(M22, [8, 8], [-1, -1]), T(M22, [8, 2], [-1, -1]),
