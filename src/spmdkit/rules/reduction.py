@@ -350,6 +350,7 @@ declare(
     # uneven shards included: local element counts add up to the global one); post-hook: x is
     # returned as given (partial too): numel reads only its shape
     Way(lambda nd: Notation([ALPHABET[:nd]], [""]), key="x", post=lambda i, o, x: ((x.dist_attr,), o),
+        post_if="x.dist_attr.partial",  # the engine answers a non-partial x as given already
         paddle="NumelInferSpmd", doc="numel (NumelInferSpmd): x as given; the 0-d count partial SUM over every "
         "mesh dim sharding x."),
     # a 0-d count says nothing about x's axes: x replicated, the count replicated

@@ -91,7 +91,8 @@ def _same(nd: int) -> Notation:
 
 
 def _as_given(ins: Attrs, outs: Attrs, x: DistTensorSpec, *attrs: Any) -> Answer:
-    """post-hook: x returned as given (only its shape is read, so no reshard is asked of it)."""
+    """post-hook: x returned as given (only its shape is read, so no reshard is asked of it); the
+    engine answers an x that is not partial as given already (``post_if``)."""
     return (x.dist_attr,), outs
 
 
@@ -160,9 +161,10 @@ def _topk_check(op: str, x: DistTensorSpec, k: int, axis: int, *more: DistTensor
     """x at least 1-D, k in 1..size; ``more``: the grad's indices and out_grad, shaped as x
     except on the axis (Paddle's own unit test passes indices of x's shape)."""
     nd = len(x.shape)
-    for name, t in zip(("indices", "out_grad"), more):
-        if len(t.shape) != nd:
-            raise ShapeMismatchError(f"{op}: {name} has {len(t.shape)} dims but x has {nd}")
+    if more:
+        for name, t in zip(("indices", "out_grad"), more):
+            if len(t.shape) != nd:
+                raise ShapeMismatchError(f"{op}: {name} has {len(t.shape)} dims but x has {nd}")
     if nd == 0:
         raise ShapeMismatchError(f"{op}: x must have at least 1 dim (axis {axis} is out of range for a 0-d x)")
     ax = normalize_axis(op, axis, nd, tensor="x")
@@ -171,7 +173,7 @@ def _topk_check(op: str, x: DistTensorSpec, k: int, axis: int, *more: DistTensor
     size = x.shape[ax]
     if 0 <= size < k:
         raise InvalidAttributeError(f"{op}: k {k} is larger than x's axis {ax} size {size}")
-    for name, t in zip(("indices", "out_grad"), more):
+    for name, t in zip(("indices", "out_grad"), more) if more else ():
         for i, (s, w) in enumerate(zip(t.shape, x.shape)):
             if i != ax and s != w and s >= 0 and w >= 0:
                 raise ShapeMismatchError(f"{op}: {name} axis {i} has size {s}, but x has {w}")
@@ -229,10 +231,11 @@ def _add_n(n_in: int, nd: int) -> Notation:
     return Notation([a] * n_in, [a], coshard="largest")
 
 
-def _add_n_grad(ranks: tuple[int, ...], nd: int) -> Notation:
-    """``abc, ..., abc (out_grad) -> abc, ...``: every grad sharded as out_grad (merged alone)."""
+def _add_n_grad(n: int, nd: int) -> Notation:
+    """``abc (out_grad) -> abc, ...``: every grad sharded as out_grad; the inputs are not in the
+    notation (None: their attrs are the post-hook's)."""
     a = letters_for(nd)
-    return Notation([a] * (len(ranks) + 1), [a] * len(ranks), sources=(len(ranks),))
+    return Notation([*[None] * n, a], [a] * n)
 
 
 def _add_n_check(op: str, inputs: Sequence[DistTensorSpec], name: str, other: DistTensorSpec | None = None,
@@ -240,15 +243,18 @@ def _add_n_check(op: str, inputs: Sequence[DistTensorSpec], name: str, other: Di
     first = inputs[0]
     if len(first.shape) > len(ALPHABET):
         raise ShapeMismatchError(f"{op}: tensors of more than {len(ALPHABET)} dims are not supported")
-    for i, t in enumerate(inputs[1:], 1):
-        _check_shape(op, t.shape, first.shape, f"{name}[{i}]", f"{name}[0]")
-    if other is not None:
-        _check_shape(op, other.shape, first.shape, oname, what)
+    shape = first.shape
+    for i, t in enumerate(inputs):
+        if t.shape != shape:
+            _check_shape(op, t.shape, shape, f"{name}[{i}]", f"{name}[0]")
+    if other is not None and other.shape != shape:
+        _check_shape(op, other.shape, shape, oname, what)
 
 
 def _add_n_partial(ins: Attrs, outs: Attrs, input: Sequence[DistTensorSpec]) -> tuple[Any, Any]:
     """post-hook: inputs all partial with one and the same linear status (SUM / AVG) keep it and
-    out is partial so; every input is answered as out."""
+    out is partial so; every input is answered as out (as the engine answers them where input[0]
+    is not partial: ``post_if``)."""
     a = outs[0]
     pt: Partial = input[0].dist_attr.partial
     if pt and not all(r in _LINEAR for _, r in pt):
@@ -382,7 +388,8 @@ declare(
 declare(
     "add_n", "input: [T]",
     Way(_add_n, key="len(input), len(input[0].shape)", check="_add_n_check('add_n', input, 'input')", env=_ENV,
-        post=_add_n_partial, wrap=_nonempty("add_n", "input"), paddle="AddNInferSpmd",
+        post=_add_n_partial, post_if="input[0].dist_attr.partial", wrap=_nonempty("add_n", "input"),
+        paddle="AddNInferSpmd",
         doc="AddNInferSpmd: shardings merged; a common linear partial status is kept."),
     reverse=Way(_add_n, key="len(input), len(input[0].shape)", env=_ENV, wrap=_nonempty("add_n", "input"),
                 check="_add_n_check('add_n', input, 'input', out, 'out', 'adding the inputs')",
@@ -392,7 +399,7 @@ declare(
 )  # fmt: skip
 declare(
     "add_n_grad", "inputs: [T], out_grad: T",
-    Way(_add_n_grad, key="inputs, out_grad", env=_ENV, post=_add_n_grad_post, wrap=_nonempty("add_n_grad", "inputs"),
+    Way(_add_n_grad, key="len(inputs), out_grad", env=_ENV, post=_add_n_grad_post, wrap=_nonempty("add_n_grad", "inputs"),
         check="_add_n_check('add_n_grad', inputs, 'inputs', out_grad, 'out_grad', 'adding the inputs')",
         paddle="add_n_grad (backward op)", doc="add_n_grad(inputs, out_grad): every input's grad is out_grad (partial "
         "included); the inputs are returned as given (only their shapes are used)."),
@@ -402,7 +409,7 @@ for _op, _fn, _attrs in (("full_like", "FullLikeInferSpmd", ", y: scalar = 0.0, 
                          ("ones_like", "CreateLikeInferSpmd", ""), ("zeros_like", "CreateLikeInferSpmd", "")):
     declare(
         _op, f"x: T{_attrs}",
-        Way(_same, key="x", post=_as_given, paddle=_fn,
+        Way(_same, key="x", post=_as_given, post_if="x.dist_attr.partial", paddle=_fn,
             doc=f"{_op} ({_fn}): out sharded like x, not partial; x as given."),
         reverse=Way(_same, key="x", check=_OUT.format(op=_op, what="x"), env=_ENV, paddle=f"{_op} reverse (spmdkit)",
                     doc=f"{_op} reverse (built here): x like out."),
