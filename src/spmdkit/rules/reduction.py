@@ -317,23 +317,21 @@ def _pnorm_check(op: str, x: DistTensorSpec, porder: float, axis: int, keepdims:
 
 _PN_SIG = "porder: float = 2.0, axis: int = -1, epsilon: float = 1e-12, keepdims: bool = False, asvector: bool = False"
 _PN_KEY = "x, porder, axis, keepdims, asvector"
-_PN_ENV = {"_pnorm_check": _pnorm_check}
-declare(
-    "p_norm", f"x: T, {_PN_SIG}",
-    Way(partial(_pnorm, "forward"), key=_PN_KEY, check="_pnorm_check('p_norm', x, porder, axis, keepdims, asvector)",
-        env=_PN_ENV, paddle="PNormInferSpmd",
-        doc="PNormInferSpmd: a reduction; a sharded reduced axis is partial only where a type is right."),
-    reverse=Way(partial(_pnorm, "backward"), key=_PN_KEY, env=_PN_ENV, paddle="PNormInferSpmdReverse",
-                check="_pnorm_check('p_norm', x, porder, axis, keepdims, asvector, out)",
-                doc="PNormInferSpmdReverse: x from out on the kept axes, reduced axes replicated."),
-    outputs="out: T",
-)  # fmt: skip
-declare(
-    "p_norm_grad", f"x: T, out: T, out_grad: T, {_PN_SIG}",
-    Way(partial(_pnorm, "grad"), key=_PN_KEY, check="_pnorm_check('p_norm_grad', x, porder, axis, keepdims, asvector, out, out_grad)",
-        env=_PN_ENV, paddle="PNormGradInferSpmd",
-        doc="PNormGradInferSpmd: ``abc, ac, ac -> abc``, merged over the three, reduced axes replicated."),
-)  # fmt: skip
+
+
+def _pn_way(kind: str, more: str, paddle: str, doc: str) -> Way:
+    """A p_norm mode: ``more`` the tensors shaped as the p_norm of x (out, out_grad)."""
+    return Way(partial(_pnorm, kind), key=_PN_KEY, check=f"_pnorm_check(_OP, x, porder, axis, keepdims, asvector{more})",
+               env={"_pnorm_check": _pnorm_check}, paddle=paddle, doc=doc)  # fmt: skip
+
+
+declare("p_norm", f"x: T, {_PN_SIG}", _pn_way("forward", "", "PNormInferSpmd", "PNormInferSpmd: a reduction; a "
+                                              "sharded reduced axis is partial only where a type is right."),
+        reverse=_pn_way("backward", ", out", "PNormInferSpmdReverse", "PNormInferSpmdReverse: x from out on the "
+                        "kept axes, reduced axes replicated."), outputs="out: T")  # fmt: skip
+declare("p_norm_grad", f"x: T, out: T, out_grad: T, {_PN_SIG}",
+        _pn_way("grad", ", out, out_grad", "PNormGradInferSpmd", "PNormGradInferSpmd: ``abc, ac, ac -> abc``, merged "
+                "over the three, reduced axes replicated."))  # fmt: skip
 
 
 # -- numel -----------------------------------------------------------------------------------------
