@@ -120,6 +120,9 @@ def _grad_post(ins: Sequence[Attr], outs: Sequence[Attr], *args: object) -> Answ
     return ins, (*outs[:-1], _no_unit_partial(outs[-1]))
 
 
+#: where _grad_post can change the answer: a mesh dim of size 1
+_UNIT = "1 in x.dist_attr.mesh.shape"
+
 # ---------------------------------------------------------------------------
 # index_put
 # ---------------------------------------------------------------------------
@@ -198,7 +201,8 @@ declare(
     Way(partial(_along, "take"), key="x, axis, _differ(x.shape, index.shape)", env=_ENV,
         check="_take_check('take_along_axis', x, index, axis)", paddle="TakeAlongAxisInferSpmd",
         doc="TakeAlongAxisInferSpmd: ``a1c, abc -> abc``."),
-    grad=Way(partial(_along, "take_grad"), key="x, axis, _differ(x.shape, index.shape)", env=_ENV, post=_grad_post,
+    grad=Way(partial(_along, "take_grad"), key="x, axis, _differ(x.shape, index.shape)", env=_ENV,
+             post=_grad_post, post_if=_UNIT,
              check="_take_check('take_along_axis_grad', x, index, axis, out_grad)", paddle="TakeAlongAxisGradInferSpmd",
              doc="TakeAlongAxisGradInferSpmd: letters from out_grad; x_grad ``a1c``, partial SUM over the mesh dims "
                  "that shard index / out_grad on the axis."),
@@ -222,7 +226,7 @@ declare(
         paddle="IndexPutInferSpmd", doc="IndexPutInferSpmd: the indexed axes replicated, indices replicated, value "
         "replicated or sharded as x's last axis where it broadcasts onto it."),
     grad=Way(partial(_index_put, True), key="x, *_index_put_key('index_put_grad', x, indices, value, out_grad)",
-             env=_ENV, post=_grad_post,
+             env=_ENV, post=_grad_post, post_if=_UNIT,
              paddle="IndexPutGradInferSpmd", doc="IndexPutGradInferSpmd: x, out_grad, x_grad as the forward's x; "
              "value_grad partial SUM over the mesh dims of the trailing axes it sums over."),
     grad_signature="x: T, indices: [T], value: T, out_grad: T, accumulate: bool = False", grad_name="index_put_grad",

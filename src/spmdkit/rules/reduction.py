@@ -152,6 +152,8 @@ def _grad(op: str, with_out: bool, nd: int, axis: tuple[int, ...], keep_dim: boo
 
 def _check_out(x: DistTensorSpec, out: DistTensorSpec, pos: tuple[int, ...], name: str = "out") -> None:
     want = tuple(1 if p < 0 else x.shape[p] for p in pos)
+    if out.shape == want:
+        return
     if len(out.shape) != len(want):
         raise ShapeMismatchError(f"{name} has {len(out.shape)} dims, but reducing x {list(x.shape)} gives "
                                  f"{len(want)} (shape {list(want)})")  # fmt: skip
