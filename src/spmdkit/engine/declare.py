@@ -74,6 +74,16 @@ class Way:
     * ``env``: names the ``key`` expressions may use besides the parameters and ``ones``;
     * ``wrap(fn, signature, outputs) -> fn``: what :func:`declare` registers in place of the
       generated function (a 0-D optional tensor read as absent: ``rules._absent.zero_d_absent``);
+    * ``out_shapes``: an expression over the parameters (and ``env``) giving the outputs'
+      shapes, passed to :func:`~spmdkit.engine.compile.infer` in the forward direction (a
+      ``flatten`` letter on an output needs its sizes there: the view rules);
+    * ``tail``: every tensor of the call (a reverse rule's outputs too) is an input of the
+      notation, compiled forward (its ``sources`` name the merged ones), and the answer's
+      outputs are, for an int ``k``, the attrs of ``k`` absent tensors the notation labels
+      after the call's (so never partial: the optimizers' outputs), for a parameter's name,
+      the tensors from that parameter on (the answer's inputs those before it; both flat:
+      default_data_parallel's ``ins`` / ``outs``), then the notation's outputs; ``post``
+      sees that flat answer;
     * ``paddle``: Paddle's function name of this mode; ``doc``: the generated function's
       docstring.
     """
@@ -88,6 +98,8 @@ class Way:
     post_if: str = ""
     env: Mapping[str, Any] = field(default_factory=dict)
     wrap: Callable[[Callable[..., SpmdResult], str, Sequence[str]], Callable[..., SpmdResult]] | None = None
+    out_shapes: str = ""
+    tail: int | str = 0
     paddle: str = ""
     doc: str = ""
 
@@ -201,7 +213,9 @@ def generate(
     kinds = {p.name: p.kind for p in params}
     tensors = [p.name for p in params if p.is_tensor]
     lists = [n for n in tensors if kinds[n] in ("[T]", "[T?]")]
-    outs = list(outputs) if direction == "backward" else []
+    outs = list(outputs) if direction == "backward" and not way.tail else []
+    if isinstance(way.tail, str) and way.tail not in tensors:
+        raise ValueError(f"{op}: tail {way.tail!r} is not a tensor parameter of {signature!r}")
     for n in outs:
         if n not in tensors:
             raise ValueError(f"{op}: output {n!r} is not a tensor parameter of {signature!r}")
@@ -294,6 +308,9 @@ def generate(
         return "(" + "".join(f"*{n}, " if n in lists else f"{n}, " for n in names) + ")"
 
     tin, tout = flat(ins), flat(outs)
+    shapes = f", out_shapes={way.out_shapes}" if way.out_shapes and not outs else ""
+    if isinstance(way.tail, int) and way.tail:
+        tin = tin[:-1] + "None, " * way.tail + ")"
     if lists:  # the tensors' names, a list's items as x[0], x[1], ...
         nm = "".join(f"({n!r}, len({n})), " if n in lists else f"({n!r}, -1), " for n in tensors)
         emit(f"        names = _list_names(({nm}))")
@@ -316,8 +333,16 @@ def generate(
             emit(f"        _letters(_OP, p.notation.inputs, {tin}, {names})")
         else:
             emit(f"        _letters(_OP, p.notation.inputs + p.notation.outputs, {tin} + {tout}, {names})")
-    if lists:
-        emit(f"        i, o = _infer(p, _OP, {tin}, {tout}, mesh, {names})")
+    if way.tail:
+        before = ins[: ins.index(way.tail)] if isinstance(way.tail, str) else ins
+        cut = f"len({flat(before)})" if lists else str(len(before))
+        emit(f"        i, o = _infer(p, _OP, {tin}, (), mesh, {names}{shapes})")
+        emit(f"        r = i[:{cut}], i[{cut}:] + o")
+        if way.post is not None:
+            emit(f"        r = _post(*r, {call})")
+        emit("        return _result(tuple(r[0]), tuple(r[1]))")
+    elif lists:
+        emit(f"        i, o = _infer(p, _OP, {tin}, {tout}, mesh, {names}{shapes})")
         emit(f"        r = {group('i', ins)}, {group('o', outs) if any(n in lists for n in outs) else 'o'}")
         if way.post is not None:
             if way.post_if:
@@ -327,24 +352,25 @@ def generate(
         else:
             emit("        return _result(*r)")
     elif way.post is not None:
-        emit(f"        r = _infer(p, _OP, {tin}, {tout}, mesh, _NAMES)")
+        emit(f"        r = _infer(p, _OP, {tin}, {tout}, mesh, _NAMES{shapes})")
         if way.post_if:
             emit(f"        if not ({way.post_if}): return _result(*r)")
         emit(f"        r = _post(*r, {call})")
         emit("        return _result(tuple(r[0]), tuple(r[1]))")
     else:
-        emit(f"        return _result(*_infer(p, _OP, {tin}, {tout}, mesh, _NAMES))")
+        emit(f"        return _result(*_infer(p, _OP, {tin}, {tout}, mesh, _NAMES{shapes}))")
     emit("    except _E as e:")
     emit("        raise _renamed(e, _OP) from None")
 
     plans: dict[tuple[Any, ...], Plan] = {}
     notation = way.notation
     has_mask = bool(way.mask)
+    cdir = "forward" if way.tail else direction
 
     def miss(k: tuple[Any, ...]) -> Plan:
         """The plan of key ``k``, compiled and kept (its notation's errors raised as they come)."""
         nt = notation(*k)
-        p = compile_plan(nt, direction, k[-1] if has_mask else ())
+        p = compile_plan(nt, cdir, k[-1] if has_mask else ())
         if len(plans) >= PLAN_LIMIT:
             plans.clear()
         plans[k] = p
