@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spmdkit.core.dist_attr import TensorDistAttr
-from spmdkit.core.errors import InvalidMeshError, ShapeMismatchError, SpmdError
+from spmdkit.core.errors import InvalidArgumentError, InvalidMeshError, ShapeMismatchError, SpmdError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.compile import Plan, compile_plan, infer
 from spmdkit.engine.notation import Notation, check_letters, common_mesh, fast_result, named_mesh
@@ -80,10 +80,13 @@ class Way:
     * ``tail``: every tensor of the call (a reverse rule's outputs too) is an input of the
       notation, compiled forward (its ``sources`` name the merged ones), and the answer's
       outputs are, for an int ``k``, the attrs of ``k`` absent tensors the notation labels
-      after the call's (so never partial: the optimizers' outputs), for a parameter's name,
+      after the call's (so never partial: the optimizers' outputs; the answer's inputs: the
+      call's tensors less a reverse rule's outputs, which come after them), for a parameter's name,
       the tensors from that parameter on (the answer's inputs those before it; both flat:
       default_data_parallel's ``ins`` / ``outs``), then the notation's outputs; ``post``
       sees that flat answer;
+    * ``nonempty``: list parameters that together must hold a tensor (absent items not
+      counted); else InvalidArgumentError naming them, before the mesh is read;
     * ``paddle``: Paddle's function name of this mode; ``doc``: the generated function's
       docstring.
     """
@@ -100,6 +103,7 @@ class Way:
     wrap: Callable[[Callable[..., SpmdResult], str, Sequence[str]], Callable[..., SpmdResult]] | None = None
     out_shapes: str = ""
     tail: int | str = 0
+    nonempty: Sequence[str] = ()
     paddle: str = ""
     doc: str = ""
 
@@ -233,7 +237,7 @@ def generate(
         "_OP": op, "_NAMES": tuple(tensors), "_infer": infer, "_result": fast_result, "_E": SpmdError,
         "_renamed": renamed, "_named_mesh": named_mesh, "_same": same_shape, "_ones": ones, "ones": ones,
         "_check": way.check, "_post": way.post, "_letters": check_letters, "_list_mesh": _list_mesh,
-        "_list_names": _list_names, **way.env,
+        "_list_names": _list_names, "_IAE": InvalidArgumentError, **way.env,
     }  # fmt: skip
     args = []
     for i, p in enumerate(params):
@@ -244,6 +248,9 @@ def generate(
             args.append(f"{p.name}=_d{i}")
     lines = [f"def {name or op}({', '.join(args)}):", "    try:"]
     emit = lines.append
+
+    def flat(names: list[str]) -> str:
+        return "(" + "".join(f"*{n}, " if n in lists else f"{n}, " for n in names) + ")"
 
     def rank(n: str) -> str:
         if n in lists:
@@ -259,6 +266,16 @@ def generate(
             return f"(_ones({n}) if {n} is not None and 1 in {n}.shape else 0)"
         return f"(_ones({n}) if 1 in {n}.shape else 0)"
 
+    if way.nonempty:
+        for n in way.nonempty:
+            if n not in lists:
+                raise ValueError(f"{op}: nonempty {n!r} is not a list parameter")
+        if len(way.nonempty) == 1 and kinds[way.nonempty[0]] == "[T]":
+            cond, what = f"not {way.nonempty[0]}", f"{way.nonempty[0]} must hold at least one tensor"
+        else:
+            cond = f"all(t is None for t in {flat(list(way.nonempty))})"
+            what = f"{' and '.join(way.nonempty)} hold no tensor, so no mesh"
+        emit(f"        if {cond}: raise _IAE({what!r})")
     # one mesh: the first required tensor's (every tensor on it)
     first = next((n for n in tensors if kinds[n] == "T"), None)
     if lists:  # a loop over the lists' items
@@ -304,9 +321,6 @@ def generate(
         emit(f"        k = ({''.join(k + ', ' for k in key_items)})")
     emit("        p = _P.get(k)")
     emit("        if p is None: p = _miss(k)")
-    def flat(names: list[str]) -> str:
-        return "(" + "".join(f"*{n}, " if n in lists else f"{n}, " for n in names) + ")"
-
     tin, tout = flat(ins), flat(outs)
     shapes = f", out_shapes={way.out_shapes}" if way.out_shapes and not outs else ""
     if isinstance(way.tail, int) and way.tail:
@@ -334,13 +348,16 @@ def generate(
         else:
             emit(f"        _letters(_OP, p.notation.inputs + p.notation.outputs, {tin} + {tout}, {names})")
     if way.tail:
-        before = ins[: ins.index(way.tail)] if isinstance(way.tail, str) else ins
+        given = set(outputs) if direction == "backward" else set()  # a reverse rule's outputs: not answered
+        before = ins[: ins.index(way.tail)] if isinstance(way.tail, str) else [n for n in ins if n not in given]
         cut = f"len({flat(before)})" if lists else str(len(before))
+        start = cut if isinstance(way.tail, str) else f"-{way.tail}"
         emit(f"        i, o = _infer(p, _OP, {tin}, (), mesh, {names}{shapes})")
-        emit(f"        r = i[:{cut}], i[{cut}:] + o")
-        if way.post is not None:
-            emit(f"        r = _post(*r, {call})")
-        emit("        return _result(tuple(r[0]), tuple(r[1]))")
+        if way.post is None:
+            emit(f"        return _result(i[:{cut}], i[{start}:] + o)")
+        else:
+            emit(f"        r = _post(i[:{cut}], i[{start}:] + o, {call})")
+            emit("        return _result(tuple(r[0]), tuple(r[1]))")
     elif lists:
         emit(f"        i, o = _infer(p, _OP, {tin}, {tout}, mesh, {names}{shapes})")
         emit(f"        r = {group('i', ins)}, {group('o', outs) if any(n in lists for n in outs) else 'o'}")
