@@ -224,8 +224,10 @@ def _rule_plans() -> list[tuple[Plan, str]]:
         for op in ("check_finite_and_unscale", "update_loss_scaling"):
             plans.append((amp._plan(op, ranks, (1,) * (1 if op.startswith("check") else 4), False), "forward"))
             plans.append((amp._plan(op, ranks, (1,) * (1 if op.startswith("check") else 4), True), "forward"))
-    plans.append((optimizer._plan(2, (-2, 1, -2, -1), (-2, -1), 2, (6, 7)), "forward"))
-    plans.append((optimizer._plan(3, (-2, 1, -2, -2), (-2, -2), 0, (0, 2)), "forward"))
+    plans.append((compile_plan(optimizer.notation(2, 1, False, -2, -2, False, -1, False, True, False)), "forward"))
+    plans.append((compile_plan(optimizer.notation(3, 1, False, -2, -2, True, -1, False)), "forward"))
+    adam_rev = optimizer.notation(2, 1, True, 1, 1, True, 1, True, True, True, True, True, False, False, True)
+    plans.append((compile_plan(adam_rev), "forward"))
     for a, b in (((6, 12, 48, 24), (1, 72, 48, 4, 6)), ((8, 16, 4), (512,)), ((4, 1, 8), (32,)), ((24,), (2, 3, 4)),
                  ((2, 3, 4), (6, 4)), ((1, 8), (8, 1))):  # the view rules' plans (and their reverse)
         for keep in (True, False):
