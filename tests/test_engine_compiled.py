@@ -220,7 +220,7 @@ def _rule_plans() -> list[tuple[Plan, str]]:
     # and the optimizers' vote over every answered tensor
     for ranks in ((2, 3), (1, 2, 0), (3,)):
         for how in ("forward", "backward"):
-            plans.append((default._plan(ranks, (2, 1), how), "forward"))
+            plans.append((compile_plan(default.notation(how, ranks, (2, 1))), "forward"))
         for op in ("check_finite_and_unscale", "update_loss_scaling"):
             plans.append((amp._plan(op, ranks, (1,) * (1 if op.startswith("check") else 4), False), "forward"))
             plans.append((amp._plan(op, ranks, (1,) * (1 if op.startswith("check") else 4), True), "forward"))
