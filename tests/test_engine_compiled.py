@@ -222,8 +222,9 @@ def _rule_plans() -> list[tuple[Plan, str]]:
         for how in ("forward", "backward"):
             plans.append((compile_plan(default.notation(how, ranks, (2, 1))), "forward"))
         for op in ("check_finite_and_unscale", "update_loss_scaling"):
-            plans.append((amp._plan(op, ranks, (1,) * (1 if op.startswith("check") else 4), False), "forward"))
-            plans.append((amp._plan(op, ranks, (1,) * (1 if op.startswith("check") else 4), True), "forward"))
+            for reverse in (False, True):
+                nt = amp.notation(op, reverse, ranks, *(1,) * (1 if op.startswith("check") else 4))
+                plans.append((compile_plan(nt), "forward"))
     plans.append((compile_plan(optimizer.notation(2, 1, False, -2, -2, False, -1, False, True, False)), "forward"))
     plans.append((compile_plan(optimizer.notation(3, 1, False, -2, -2, True, -1, False)), "forward"))
     adam_rev = optimizer.notation(2, 1, True, 1, 1, True, 1, True, True, True, True, True, False, False, True)
