@@ -87,6 +87,8 @@ class Way:
       sees that flat answer;
     * ``nonempty``: list parameters that together must hold a tensor (absent items not
       counted); else InvalidArgumentError naming them, before the mesh is read;
+    * ``pre``: a statement over the parameters (and ``env``) inlined before the mesh is read
+      (an empty list has no mesh: einsum checks its equation against it first);
     * ``paddle``: Paddle's function name of this mode; ``doc``: the generated function's
       docstring.
     """
@@ -104,6 +106,7 @@ class Way:
     out_shapes: str = ""
     tail: int | str = 0
     nonempty: Sequence[str] = ()
+    pre: str = ""
     paddle: str = ""
     doc: str = ""
 
@@ -276,6 +279,8 @@ def generate(
             cond = f"all(t is None for t in {flat(list(way.nonempty))})"
             what = f"{' and '.join(way.nonempty)} hold no tensor, so no mesh"
         emit(f"        if {cond}: raise _IAE({what!r})")
+    if way.pre:
+        emit(f"        {way.pre}")
     # one mesh: the first required tensor's (every tensor on it)
     first = next((n for n in tensors if kinds[n] == "T"), None)
     if lists:  # a loop over the lists' items
