@@ -51,7 +51,7 @@ einsum-notation.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 
 from spmdkit.core.dist_attr import DimsMapping, Entry, ReduceType, TensorDistAttr, entry_dims
@@ -63,6 +63,8 @@ from spmdkit.engine.compile import Plan, compile_plan, infer
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import BROADCAST, Notation, einsum_forward, fast_result, named_mesh
 from spmdkit.rules._absent import zero_d_absent
+from spmdkit.engine.declare import Answer, Way, declare
+from spmdkit.rules import matmul
 from spmdkit.rules.registry import Rule, get_rule, register, reverse_signature
 
 Shape = tuple[int, ...]
@@ -122,20 +124,15 @@ def _check_bmm(op: str, x: DistTensorSpec, y: DistTensorSpec, g: DistTensorSpec 
             raise ShapeMismatchError(f"{op}: out_grad shape {list(g.shape)} does not match x @ y = {list(want)}")
 
 
-def bmm_forward(x: DistTensorSpec, y: DistTensorSpec) -> SpmdResult:
-    """BmmInferSpmd: ``bmk, bkn -> bmn`` (matmul on 3-D operands)."""
-    _check_bmm("bmm", x, y)
-    return _call("bmm", "matmul", "forward", x, y, False, False)
-
-
-def bmm_grad(x: DistTensorSpec, y: DistTensorSpec, out_grad: DistTensorSpec) -> SpmdResult:
-    """BmmGradInferSpmd: matmul_grad on 3-D operands."""
-    _check_bmm("bmm_grad", x, y, out_grad)
-    return _call("bmm_grad", "matmul_grad", "forward", x, y, out_grad, False, False)
-
-
-register("bmm", bmm_forward, "x: T, y: T", bmm_grad, "x: T, y: T, out_grad: T", kind="grad", grad_name="bmm_grad",
-         forward_name="BmmInferSpmd", backward_name="BmmGradInferSpmd")
+declare(
+    "bmm", "x: T, y: T",
+    Way(matmul.notation, key="x, y, False, False", mask=("x", "y"), check="_check_bmm('bmm', x, y)",
+        env={"_check_bmm": _check_bmm}, paddle="BmmInferSpmd", doc="BmmInferSpmd: ``bmk, bkn -> bmn`` (matmul on 3-D operands)."),
+    grad=Way(matmul.grad_notation, key="x, y, False, False", mask=("x", "y", "out_grad"),
+             check="_check_bmm('bmm_grad', x, y, out_grad)", env={"_check_bmm": _check_bmm},
+             paddle="BmmGradInferSpmd", doc="BmmGradInferSpmd: matmul_grad on 3-D operands."),
+    grad_signature="x: T, y: T, out_grad: T", grad_name="bmm_grad",
+)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------
@@ -445,10 +442,12 @@ _ELL = "".join(chr(0x3B1 + i) for i in range(24))  # labels of ellipsis axes (ne
 
 
 @memo()
-def einsum_notation(equation: str, shapes: tuple[Shape, ...], grad: bool = False) -> Notation:
+def einsum_notation(equation: str, shapes: tuple[Shape, ...], grad: bool = False,
+                    cache: tuple[int, ...] = ()) -> Notation:
     """The notation of an einsum call: the equation with ``...`` expanded (right-aligned,
     size-1 axes broadcast), diagonal letters replicated, every letter pruned. With
-    ``grad``: inputs ``ops + [out]``, outputs the grads of the ops."""
+    ``grad``: inputs ``ops + inner_cache + [out_grad]`` (the ``cache`` of those ranks
+    replicated, -1 absent), outputs the grads of the ops."""
     op = "einsum_grad" if grad else "einsum"
     eq = equation.replace(" ", "")
     if eq.count("->") > 1:
@@ -534,34 +533,27 @@ def einsum_notation(equation: str, shapes: tuple[Shape, ...], grad: bool = False
         real = [c for c in s2 if c != BROADCAST]
         replicated.update(c for c in real if real.count(c) > 1)
     if grad:
-        return Notation([*final, out], final, replicated=replicated, prune="*")
+        held = [None if r < 0 else BROADCAST * r for r in cache]
+        return Notation([*final, *held, out], final, replicated=replicated, prune="*")
     return Notation(final, [out], replicated=replicated, prune="*")
 
 
-def einsum_forward_rule(inputs: tuple[DistTensorSpec, ...], equation: str) -> SpmdResult:
-    """EinsumInferSpmd: the equation as notation; contracted letters make out partial SUM."""
-    op = "einsum"
-    nt = einsum_notation(equation, tuple(t.shape for t in inputs))
-    names = [f"inputs[{i}]" for i in range(len(inputs))]
-    ins, outs = einsum_forward(op, nt, list(inputs), names)
-    return SpmdResult([list(ins)], outs)
+def _grads(ins: Any, outs: Any, *args: object) -> Answer:
+    """einsum_grad's grads as one list (Paddle's grouping)."""
+    return ins, (tuple(outs),)
 
 
-def einsum_grad(inputs: tuple[DistTensorSpec, ...], inner_cache: tuple[DistTensorSpec | None, ...],
-                out_grad: DistTensorSpec, equation: str) -> SpmdResult:
-    """EinsumGradInferSpmd: merge over the inputs and out_grad; each input's grad sharded
-    as it and partial SUM over the letters it lacks."""
-    op = "einsum_grad"
-    nt = einsum_notation(equation, tuple(t.shape for t in inputs), True)
-    names = [*(f"inputs[{i}]" for i in range(len(inputs))), "out_grad"]
-    ins, outs = einsum_forward(op, nt, [*inputs, out_grad], names)
-    mesh = ins[-1].mesh  # type: ignore[union-attr]
-    cache = [None if t is None else _make(mesh, (-1,) * len(t.shape)) for t in inner_cache]
-    return SpmdResult([list(ins[:-1]), cache, ins[-1]], [list(outs)])
-
-
-register(
-    "einsum", einsum_forward_rule, "inputs: [T], equation: str",
-    einsum_grad, "inputs: [T], inner_cache: [T?], out_grad: T, equation: str", kind="grad", grad_name="einsum_grad",
-    forward_name="EinsumInferSpmd", backward_name="EinsumGradInferSpmd",
+_SHAPES = "tuple([t.shape for t in inputs])"
+_ENV = {"_notation": einsum_notation}
+_PRE = "if not inputs: _notation(equation, ())  # the equation's error: no operand given"
+declare(
+    "einsum", "inputs: [T], equation: str",
+    Way(einsum_notation, key=f"equation, {_SHAPES}", letters=True, paddle="EinsumInferSpmd", env=_ENV, pre=_PRE,
+        doc="EinsumInferSpmd: the equation as notation; contracted letters make out partial SUM."),
+    grad=Way(lambda eq, shapes, cache: einsum_notation(eq, shapes, True, cache),
+             key=f"equation, {_SHAPES}, inner_cache", letters=True, post=_grads, paddle="EinsumGradInferSpmd",
+             env={"_notation": partial(einsum_notation, grad=True)}, pre=_PRE,
+             doc="EinsumGradInferSpmd: merge over the inputs and out_grad; each input's grad sharded as it and "
+                 "partial SUM over the letters it lacks; inner_cache replicated."),
+    grad_signature="inputs: [T], inner_cache: [T?], out_grad: T, equation: str", grad_name="einsum_grad",
 )  # fmt: skip
