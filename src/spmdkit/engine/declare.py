@@ -57,9 +57,10 @@ class Way:
     * ``key``: comma-separated expressions over the mode's parameters (see the module
       docstring; default: the ranks of all its tensors), or a callable taking the mode's
       arguments and returning the key tuple;
-    * ``mask``: tensors (the notation's first inputs, in order) whose size-1 axes key the
-      plan: their bit masks (``ones(t)``) are the key's last item, passed to the notation
-      function last and to :func:`~spmdkit.engine.compile.compile_plan` as its ``mask``
+    * ``mask``: tensors (inputs of the notation, in order) whose size-1 axes key the
+      plan: their bit masks (``ones(t)``; 0 for an input between them not named) are the key's
+      last item, passed to the notation function last and to
+      :func:`~spmdkit.engine.compile.compile_plan` as its ``mask``
       (for ``size1="broadcast"``);
     * ``same``: pairs of tensor names that must have one shape (sizes -1 match anything;
       checked after ``check``); every tensor must lie on the first tensor's mesh (checked
@@ -233,8 +234,9 @@ def generate(
     for n in way.mask:
         if n not in ins or n in lists:
             raise ValueError(f"{op}: mask tensor {n!r} is not a single input of the notation")
-    if list(way.mask) != ins[: len(way.mask)]:
-        raise ValueError(f"{op}: mask tensors {list(way.mask)} must be the first inputs {ins[: len(way.mask)]}")
+    masked = ins[: max((ins.index(n) + 1 for n in way.mask), default=0)]  # 0 for an input not named
+    if [n for n in masked if n in way.mask] != list(way.mask):
+        raise ValueError(f"{op}: mask tensors {list(way.mask)} must be in the inputs' order {ins}")
 
     ns: dict[str, Any] = {
         "_OP": op, "_NAMES": tuple(tensors), "_infer": infer, "_result": fast_result, "_E": SpmdError,
@@ -319,7 +321,7 @@ def generate(
         items = _split(way.key) if way.key.strip() else list(tensors)
         key_items = [rank(k) if k in tensors else k if k.startswith("*") else fast_ones(k) or f"({k})" for k in items]
     if way.mask:
-        key_items.append("(" + "".join(fast_ones(f"ones({n})") + ", " for n in way.mask) + ")")
+        key_items.append("(" + "".join((fast_ones(f"ones({n})") if n in way.mask else "0") + ", " for n in masked) + ")")
     if len(key_items) == 1 and key_items[0].startswith("*"):
         emit(f"        k = {key_items[0][1:]}")  # the expression gives the whole key (a tuple)
     else:
@@ -392,7 +394,8 @@ def generate(
     def miss(k: tuple[Any, ...]) -> Plan:
         """The plan of key ``k``, compiled and kept (its notation's errors raised as they come)."""
         nt = notation(*k)
-        p = compile_plan(nt, cdir, k[-1] if has_mask else ())
+        mask = k[-1] + (0,) * (len(nt.inputs) - len(k[-1])) if has_mask else ()  # every input's
+        p = compile_plan(nt, cdir, mask)
         if len(plans) >= PLAN_LIMIT:
             plans.clear()
         plans[k] = p
