@@ -158,108 +158,70 @@ def _check_bias(op: str, xname: str, yname: str, x: DistTensorSpec, y: DistTenso
         raise ShapeMismatchError(f"{op}: bias has {b} elements but {yname} gives n = {n} (shape {list(y.shape)})")
 
 
+def gemm_notation(kind: str, nx: int, ny: int, tx: bool, ty: bool, mask: tuple[int, ...]) -> Notation:
+    """matmul's notation (``kind``: forward / reverse / grad) with the third tensor (bias /
+    reserve_space) unlabelled: it is answered by the post-hooks as out's (out_grad's) last axis
+    or as out_grad, never merged nor read for a letter's size; reserve_space (forward) as out."""
+    if kind == "grad":
+        nt = matmul.grad_notation(nx, ny, tx, ty, mask)
+        x, y, out = nt.inputs
+        return nt.relabel([x, y, None, out], nt.outputs)
+    nt = (matmul.notation if kind == "forward" else matmul.reverse_notation)(nx, ny, tx, ty, mask)
+    (x, y), (out,) = nt.inputs, nt.outputs
+    return nt.relabel([x, y, None], [out, out if kind == "forward" else None])
+
+
+def _gemm_post(linear: bool, reverse: bool = False) -> Any:
+    """The forward's and the reverse's post-hook: bias as out's last axis (reserve_space as out);
+    where a sharded k makes out partial SUM (forward), fused_gemm_epilogue asks for the bias
+    partial over the same mesh dims (each rank adds its share, as Paddle 3.3.1 answers), linear_v2
+    replicates the last two axes of input, weight, bias and out instead (Paddle's)."""
+
+    def post(ins: Any, outs: Any, x: DistTensorSpec, y: DistTensorSpec, bias: Any, *rest: Any) -> Answer:
+        ao = outs[0]
+        mesh = ao.mesh
+        if reverse:  # rest: out, reserve_space, the attributes
+            ab = None if bias is None else _make(mesh, (ao.dims_mapping[-1],))
+            return (ins[0], ins[1], ab), (ao, None if rest[1] is None else ao)
+        if not ao.partial:
+            return (ins[0], ins[1], None if bias is None else _make(mesh, (ao.dims_mapping[-1],))), outs
+        if not linear:
+            return (ins[0], ins[1], _make(mesh, (ao.dims_mapping[-1],), ao.partial)), outs
+        ax, ay = (_make(mesh, _repl_last2(a.dims_mapping)) for a in ins[:2])
+        out = _make(mesh, _repl_last2(ao.dims_mapping))
+        return (ax, ay, None if bias is None else _make(mesh, (-1,))), (out, out)
+
+    return post
+
+
 def _repl_last2(dm: DimsMapping) -> DimsMapping:
     n = len(dm)
     return tuple(-1 if i >= n - 2 else e for i, e in enumerate(dm))
 
 
-@memo()
-def _gemm_fwd_fix(
-    mx: DimsMapping, my: DimsMapping, mo: DimsMapping, partial: bool
-) -> tuple[DimsMapping, DimsMapping, DimsMapping, DimsMapping]:
-    if partial:
-        return _repl_last2(mx), _repl_last2(my), (-1,), _repl_last2(mo)
-    return mx, my, (mo[-1],), mo
+def _bias_grad(absent: bool) -> Any:
+    """reserve_space as out_grad, bias as its last axis; bias_grad: out_grad's last axis, partial
+    SUM over the mesh dims of its other axes (never over k's, as the engine would make it); None
+    where there is no bias (linear_v2_grad)."""
+
+    def post(ins: Any, outs: Any, x: DistTensorSpec, y: DistTensorSpec, third: Any, *rest: Any) -> Answer:
+        ag = ins[3]
+        gdm, mesh = ag.dims_mapping, ag.mesh
+        t = None if third is None else _make(mesh, (gdm[-1],)) if absent else ag
+        bg = None if absent and third is None else _partial_over(mesh, (gdm[-1],), gdm[:-1])
+        return (ins[0], ins[1], t, ag), (*outs, bg)
+
+    return post
 
 
-def _gemm_forward(op: str, names: tuple[str, str], x: DistTensorSpec, y: DistTensorSpec, bias: DistTensorSpec | None,
-                  tx: bool, ty: bool, partial_ok: bool = False) -> SpmdResult:
-    _check_bias(op, names[0], names[1], x, y, bias, tx, ty)
-    mesh = named_mesh(op, ((names[0], x), (names[1], y), ("bias", bias)))
-    r = _call(op, "matmul", "forward", x, y, tx, ty)
-    ax, ay = r.inputs[0], r.inputs[1]
-    ao = r.outputs[0]
-    assert isinstance(ax, TensorDistAttr) and isinstance(ay, TensorDistAttr) and isinstance(ao, TensorDistAttr)
-    if partial_ok and ao.partial:
-        # a sharded k: out is partial SUM, and the bias is added once in total by asking for it
-        # partial over the same mesh dims (each rank adds its share)
-        ab = _make(mesh, (ao.dims_mapping[-1],), ao.partial)
-        return fast_result((ax, ay, ab), (ao, ao))
-    mx, my, mb, mo = _gemm_fwd_fix(ax.dims_mapping, ay.dims_mapping, ao.dims_mapping, bool(ao.partial))
-    out = _make(mesh, mo)
-    return fast_result((_make(mesh, mx), _make(mesh, my), None if bias is None else _make(mesh, mb)), (out, out))
+def _reserve(op: str, t: DistTensorSpec | None, ref: DistTensorSpec, name: str) -> None:
+    if t is not None and t.shape != ref.shape:
+        raise ShapeMismatchError(f"{op}: reserve_space shape {list(t.shape)} differs from {name} shape {list(ref.shape)}")
 
 
-def _gemm_backward(op: str, names: tuple[str, str], x: DistTensorSpec, y: DistTensorSpec, bias: DistTensorSpec | None,
-                   out: DistTensorSpec, reserve_space: DistTensorSpec | None, tx: bool, ty: bool) -> SpmdResult:
-    _check_bias(op, names[0], names[1], x, y, bias, tx, ty)
-    mesh = named_mesh(op, ((names[0], x), (names[1], y), ("bias", bias), ("out", out), ("reserve_space", reserve_space)))
-    if reserve_space is not None and reserve_space.shape != out.shape:
-        raise ShapeMismatchError(
-            f"{op}: reserve_space shape {list(reserve_space.shape)} differs from out shape {list(out.shape)}"
-        )
-    r = _call(op, "matmul", "backward", x, y, out, tx, ty)
-    ao = r.outputs[0]
-    assert isinstance(ao, TensorDistAttr)
-    ab = None if bias is None else _make(mesh, (ao.dims_mapping[-1],))
-    return fast_result((r.inputs[0], r.inputs[1], ab),  # type: ignore[arg-type]
-                       (ao, None if reserve_space is None else ao))
-
-
-def _gemm_grad(op: str, names: tuple[str, str], x: DistTensorSpec, y: DistTensorSpec,
-               extra: tuple[tuple[str, DistTensorSpec | None], ...], out_grad: DistTensorSpec,
-               tx: bool, ty: bool, absent_bias_grad: bool = False) -> SpmdResult:
-    _check_bias(op, names[0], names[1], x, y, None, tx, ty)
-    mesh = named_mesh(op, ((names[0], x), (names[1], y), *extra, ("out_grad", out_grad)))
-    r = _call(op, "matmul_grad", "forward", x, y, out_grad, tx, ty)
-    ag = r.inputs[2]
-    assert isinstance(ag, TensorDistAttr)
-    gdm = ag.dims_mapping
-    bias_grad: TensorDistAttr | None = _partial_over(mesh, (gdm[-1],), gdm[:-1])
-    ins: list[TensorDistAttr | None] = [r.inputs[0], r.inputs[1]]  # type: ignore[list-item]
-    for name, t in extra:
-        if t is None:
-            ins.append(None)
-        elif name == "reserve_space":
-            if t.shape != out_grad.shape:
-                raise ShapeMismatchError(
-                    f"{op}: reserve_space shape {list(t.shape)} differs from out_grad shape {list(out_grad.shape)}"
-                )
-            ins.append(ag)
-        else:  # bias: not used by the grads
-            if len(t.shape) != 1:
-                raise ShapeMismatchError(f"{op}: bias must be 1-D, got shape {list(t.shape)}")
-            ins.append(_make(mesh, (gdm[-1],)))
-    if absent_bias_grad:
-        bias_grad = None  # no bias, no bias_grad
-    return fast_result((ins[0], ins[1], ins[2], ag), (r.outputs[0], r.outputs[1], bias_grad))  # type: ignore[arg-type]
-
-
-_XY = ("x", "y")
-_IW = ("input", "weight")
-
-
-def fused_gemm_epilogue_forward(x: DistTensorSpec, y: DistTensorSpec, bias: DistTensorSpec, trans_x: bool = False,
-                                trans_y: bool = False) -> SpmdResult:
-    """FusedGemmEpilogueInferSpmdBase: ``[b]mk, kn, n -> [b]mn`` (out, reserve_space); a
-    sharded k makes out partial SUM and asks for bias partial alike (as Paddle 3.3.1)."""
-    return _gemm_forward("fused_gemm_epilogue", _XY, x, y, bias, trans_x, trans_y, partial_ok=True)
-
-
-def fused_gemm_epilogue_backward(x: DistTensorSpec, y: DistTensorSpec, bias: DistTensorSpec, out: DistTensorSpec,
-                                 reserve_space: DistTensorSpec | None, trans_x: bool = False,
-                                 trans_y: bool = False) -> SpmdResult:
-    """fused_gemm_epilogue reverse (spmdkit's own): x, y from out (k replicated), bias as n."""
-    return _gemm_backward("fused_gemm_epilogue", _XY, x, y, bias, out, reserve_space, trans_x, trans_y)
-
-
-def fused_gemm_epilogue_grad(x: DistTensorSpec, y: DistTensorSpec, reserve_space: DistTensorSpec | None,
-                             out_grad: DistTensorSpec, trans_x: bool = False, trans_y: bool = False,
-                             activation_grad: str = "none") -> SpmdResult:
-    """fused_gemm_epilogue_grad: matmul_grad for x_grad / y_grad; bias_grad as out_grad's
-    last axis, partial SUM over the mesh dims of its other axes."""
-    return _gemm_grad("fused_gemm_epilogue_grad", _XY, x, y, (("reserve_space", reserve_space),), out_grad,
-                      trans_x, trans_y)
+def _bias_1d(op: str, bias: DistTensorSpec | None) -> None:
+    if bias is not None and len(bias.shape) != 1:
+        raise ShapeMismatchError(f"{op}: bias must be 1-D, got shape {list(bias.shape)}")
 
 
 def _no_transpose(op: str, transpose_weight: bool) -> None:
@@ -267,49 +229,51 @@ def _no_transpose(op: str, transpose_weight: bool) -> None:
         raise InvalidAttributeError(f"{op}: transpose_weight must be False in SPMD mode, got True")
 
 
-def linear_v2_forward(input: DistTensorSpec, weight: DistTensorSpec, bias: DistTensorSpec | None,
-                      transpose_weight: bool = False) -> SpmdResult:
-    """LinearV2InferSpmdBase: ``[b]mk, kn, n -> [b]mn`` (out, reserve); a sharded k
-    replicates the matmul axes."""
-    _no_transpose("linear_v2", transpose_weight)
-    return _gemm_forward("linear_v2", _IW, input, weight, bias, False, False)
+def _absent(*names: str) -> Any:
+    """A 0-D optional tensor (shape []) read as absent (spmdkit.rules._absent)."""
+    return lambda fn, sig, outs: zero_d_absent(fn, sig, names, outs)
 
 
-def linear_v2_backward(input: DistTensorSpec, weight: DistTensorSpec, bias: DistTensorSpec | None, out: DistTensorSpec,
-                       reserve_space: DistTensorSpec | None, transpose_weight: bool = False) -> SpmdResult:
-    """linear_v2 reverse (spmdkit's own): input, weight from out (k replicated), bias as n."""
-    _no_transpose("linear_v2", transpose_weight)
-    return _gemm_backward("linear_v2", _IW, input, weight, bias, out, reserve_space, False, False)
-
-
-def linear_v2_grad(input: DistTensorSpec, weight: DistTensorSpec, bias: DistTensorSpec | None, out_grad: DistTensorSpec,
-                   transpose_weight: bool = False) -> SpmdResult:
-    """linear_v2_grad: matmul_grad for input_grad / weight_grad; bias_grad as out_grad's last
-    axis, partial SUM over its other axes."""
-    _no_transpose("linear_v2_grad", transpose_weight)
-    return _gemm_grad("linear_v2_grad", _IW, input, weight, (("bias", bias),), out_grad, False, False,
-                      absent_bias_grad=bias is None)
-
-
-# a 0-D optional tensor (shape []) is read as absent (spmdkit.rules._absent): (name, Paddle's name,
-# forward, its signature and absent slots, reverse and its absent slots, grad, its signature and absent slots)
-_GEMMS: tuple[tuple[Any, ...], ...] = (
-    ("fused_gemm_epilogue", "FusedGemmEpilogue", fused_gemm_epilogue_forward,
-     "x: T, y: T, bias: T, trans_x: bool = False, trans_y: bool = False", (),
-     fused_gemm_epilogue_backward, ("reserve_space",), fused_gemm_epilogue_grad,
-     "x: T, y: T, reserve_space: T?, out_grad: T, trans_x: bool = False, trans_y: bool = False, "
-     "activation_grad: str = 'none'", ("reserve_space",)),
-    ("linear_v2", "LinearV2", linear_v2_forward, "input: T, weight: T, bias: T?, transpose_weight: bool = False",
-     ("bias",), linear_v2_backward, ("bias", "reserve_space"), linear_v2_grad,
-     "input: T, weight: T, bias: T?, out_grad: T, transpose_weight: bool = False", ("bias",)),
-)
-for _name, _pd, _fwd, _sig, _fabs, _bwd, _babs, _grad, _gsig, _gabs in _GEMMS:
-    _rev = reverse_signature(_sig, "out: T, reserve_space: T?")
-    register(_name, zero_d_absent(_fwd, _sig, _fabs) if _fabs else _fwd, _sig,
-             zero_d_absent(_bwd, _rev, _babs, outputs=("out", "reserve_space")), kind="reverse",
-             outputs="out: T, reserve_space: T?", forward_name=f"{_pd}InferSpmdBase",
-             backward_name=f"{_pd}InferSpmdReverse")  # fmt: skip
-    register(f"{_name}_grad", zero_d_absent(_grad, _gsig, _gabs), _gsig, forward_name=f"{_pd}GradInferSpmd")
+_GENV = {"_check_bias": _check_bias, "_out_shape": matmul._out_shape, "_reserve": _reserve, "_bias_1d": _bias_1d,
+         "_no_transpose": _no_transpose, "_out": matmul._check_out("out"), "_og": matmul._check_out("out_grad")}
+# (name, Paddle's name, x and y, the transposes, the third input of the grad, the signatures' attributes)
+for _name, _pd, (_x, _y), (_tx, _ty), _third, _attrs, _gattrs, _pre in (
+    ("fused_gemm_epilogue", "FusedGemmEpilogue", ("x", "y"), ("trans_x", "trans_y"), "reserve_space",
+     "trans_x: bool = False, trans_y: bool = False", ", activation_grad: str = 'none'", ""),
+    ("linear_v2", "LinearV2", ("input", "weight"), ("False", "False"), "bias", "transpose_weight: bool = False", "",
+     "_no_transpose({op!r}, transpose_weight); "),
+):
+    _lin = _name == "linear_v2"
+    _args = f"{_x}, {_y}, {_tx}, {_ty}"
+    _bias = f"_check_bias({{op!r}}, {_x!r}, {_y!r}, {_x}, {_y}, bias, {_tx}, {_ty})"
+    _rs = "_reserve({op!r}, reserve_space, out, 'out'); "
+    _sig = f"{_x}: T, {_y}: T, bias: T{'?' if _lin else ''}, {_attrs}"
+    _gop = f"{_name}_grad"
+    _gsig = f"{_x}: T, {_y}: T, {_third}: T?, out_grad: T, {_attrs}{_gattrs}"
+    _gthird = "_bias_1d({op!r}, bias)" if _lin else "_reserve({op!r}, reserve_space, out_grad, 'out_grad')"
+    declare(
+        _name, _sig,
+        Way(partial(gemm_notation, "forward"), key=_args, mask=(_x, _y), env=_GENV,
+            check=(_pre + _bias + f"; _out_shape({_x}.shape, {_y}.shape, {_tx}, {_ty})").format(op=_name),
+            post=_gemm_post(_lin), wrap=_absent("bias") if _lin else None, paddle=f"{_pd}InferSpmdBase",
+            doc=f"{_pd}InferSpmdBase: ``[b]mk, kn, n -> [b]mn`` (out, reserve_space); a sharded k makes out "
+                "partial SUM and " + ("replicates the matmul axes." if _lin else "asks for bias partial alike.")),
+        reverse=Way(partial(gemm_notation, "reverse"), key=_args, mask=(_x, _y), env=_GENV, post=_gemm_post(_lin, True),
+                    check=(_pre + _bias + "; " + _rs + f"_out({_x}, {_y}, out, {_tx}, {_ty})").format(op=_name),
+                    wrap=_absent(*("bias",) * _lin, "reserve_space"), paddle=f"{_pd}InferSpmdReverse",
+                    doc=f"{_name} reverse (spmdkit's own): {_x}, {_y} from out (k replicated), bias as n."),
+        outputs="out: T, reserve_space: T?",
+    )  # fmt: skip
+    declare(
+        _gop, _gsig,
+        Way(partial(gemm_notation, "grad"), key=_args,
+            mask=(_x, _y, "out_grad"), env=_GENV, post=_bias_grad(_lin), wrap=_absent(_third),
+            check=(_pre + f"_check_bias({{op!r}}, {_x!r}, {_y!r}, {_x}, {_y}, None, {_tx}, {_ty}); "
+                   f"_og({_x}, {_y}, out_grad, {_tx}, {_ty}); " + _gthird).format(op=_gop),
+            paddle=f"{_pd}GradInferSpmd",
+            doc=f"{_pd}GradInferSpmd: matmul_grad for the grads of {_x} and {_y}; bias_grad as out_grad's last "
+                "axis, partial SUM over the mesh dims of its other axes."),
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------
