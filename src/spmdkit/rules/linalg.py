@@ -60,12 +60,12 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.axes import replicated_like
 from spmdkit.engine.compile import Plan, compile_plan, infer
-from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import BROADCAST, Notation, einsum_forward, fast_result, named_mesh
-from spmdkit.rules._absent import zero_d_absent
 from spmdkit.engine.declare import Answer, Way, declare
+from spmdkit.engine.memo import memo
+from spmdkit.engine.notation import BROADCAST, Notation, fast_result, named_mesh
 from spmdkit.rules import matmul
-from spmdkit.rules.registry import Rule, get_rule, register, reverse_signature
+from spmdkit.rules._absent import zero_d_absent
+from spmdkit.rules.registry import Rule, get_rule, register
 
 Shape = tuple[int, ...]
 _SUM = ReduceType.SUM
@@ -502,7 +502,7 @@ def einsum_notation(equation: str, shapes: tuple[Shape, ...], grad: bool = False
     return Notation(final, [out], replicated=replicated, prune="*")
 
 
-def _grads(ins: Any, outs: Any, *args: object) -> Answer:
+def _grads(ins: Any, outs: Any, *args: object) -> Any:  # grouped as Paddle's lists
     """einsum_grad's grads as one list (Paddle's grouping)."""
     return ins, (tuple(outs),)
 

@@ -41,7 +41,7 @@ from typing import Any
 
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
-from spmdkit.engine.declare import Answer, Way, declare
+from spmdkit.engine.declare import Way, declare
 from spmdkit.engine.notation import BROADCAST, Notation, letters_for
 from spmdkit.rules._common import check_bool, check_int
 
@@ -158,7 +158,7 @@ def coalesce_notation(ranks: tuple[int, ...]) -> Notation:
     return Notation(ones, [*ones, BROADCAST])
 
 
-def _fused(ins: tuple[Any, ...], outs: tuple[Any, ...], input: tuple[DistTensorSpec, ...], *rest: object) -> Answer:
+def _fused(ins: tuple[Any, ...], outs: tuple[Any, ...], input: tuple[DistTensorSpec, ...], *rest: object) -> Any:  # grouped as Paddle's lists
     """The answer as Paddle groups it: ``(input,), (output, fused_output)``."""
     n = len(input)
     return (ins if len(ins) == 1 else (tuple(ins),)), (tuple(outs[-n - 1 : -1]), outs[-1])
