@@ -55,43 +55,21 @@ from functools import lru_cache, partial
 from typing import Any
 
 from spmdkit.core.dist_attr import DimsMapping, Entry, ReduceType, TensorDistAttr, entry_dims
-from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError, SpmdError
+from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.axes import replicated_like
 from spmdkit.engine.compile import Plan, compile_plan, infer
-from spmdkit.engine.declare import Answer, Way, declare
+from spmdkit.engine.declare import Answer, Way, declare, generate
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import BROADCAST, Notation, fast_result, named_mesh
 from spmdkit.rules import matmul
 from spmdkit.rules._absent import zero_d_absent
-from spmdkit.rules.registry import Rule, get_rule, register
+from spmdkit.rules.registry import register
 
 Shape = tuple[int, ...]
 _SUM = ReduceType.SUM
 _make = TensorDistAttr.unchecked
-
-_RULES: dict[str, Rule] = {}
-
-
-def _rule(name: str) -> Rule:
-    r = _RULES.get(name)
-    if r is None:
-        r = _RULES[name] = get_rule(name)
-    return r
-
-
-def _call(op: str, name: str, mode: str, *args: Any) -> SpmdResult:
-    """The public matmul rule, its errors renamed to ``op``."""
-    try:
-        return _rule(name).infer(mode, *args)
-    except SpmdError as e:
-        msg = str(e)
-        for pre in ("matmul_grad: ", "matmul: "):
-            if msg.startswith(pre):
-                msg = msg[len(pre):]
-        raise type(e)(f"{op}: {msg}") from None
-
 
 def _partial_over(mesh: ProcessMesh, dm: DimsMapping, entries: tuple[Entry, ...] | list[Entry]) -> TensorDistAttr:
     pt: list[int] = []
@@ -281,7 +259,9 @@ for _name, _pd, (_x, _y), (_tx, _ty), _third, _attrs, _gattrs, _pre in (
 # ---------------------------------------------------------------------------
 
 
-def _flpga_check(op: str, x: DistTensorSpec, dout: DistTensorSpec) -> None:
+def _flpga_checks(op: str, x: DistTensorSpec, dout: DistTensorSpec, dweight: DistTensorSpec | None,
+                  dbias: DistTensorSpec | None) -> None:
+    """x and dout of one rank (>= 2) and leading axes; dweight ``[k, n]``, dbias ``[n]``."""
     xs, ds = x.shape, dout.shape
     if len(xs) < 2 or len(ds) < 2:
         raise ShapeMismatchError(
@@ -292,6 +272,8 @@ def _flpga_check(op: str, x: DistTensorSpec, dout: DistTensorSpec) -> None:
     for i in range(len(xs) - 1):
         if xs[i] != ds[i] and xs[i] >= 0 and ds[i] >= 0:
             raise ShapeMismatchError(f"{op}: x {list(xs)} and dout {list(ds)} differ on leading axis {i}")
+    _flpga_shape(op, "dweight", dweight, (xs[-1], ds[-1]))
+    _flpga_shape(op, "dbias", dbias, (ds[-1],))
 
 
 def _flpga_shape(op: str, name: str, t: DistTensorSpec | None, want: Shape) -> None:
@@ -331,53 +313,26 @@ def _flpga_reverse_plan(nd: int, k1: bool, n1: bool, w: int, b: int, bias: bool,
                                  conflict="first", taken="letter", sources=src))
 
 
-def _flpga(op: str, x: DistTensorSpec, dout: DistTensorSpec, dweight: DistTensorSpec | None,
-           dbias: DistTensorSpec | None, has_bias: bool,
-           outs: tuple[DistTensorSpec | None, DistTensorSpec | None] | None = None) -> SpmdResult:
-    named: tuple[tuple[str, DistTensorSpec | None], ...] = (("x", x), ("dout", dout), ("dweight", dweight),
-                                                            ("dbias", dbias))
-    if outs is not None:
-        named = (*named, ("dweight_out", outs[0]), ("dbias_out", outs[1]))
-    mesh = named_mesh(op, named)
-    _flpga_check(op, x, dout)
-    k, n = x.shape[-1], dout.shape[-1]
-    _flpga_shape(op, "dweight", dweight, (k, n))
-    _flpga_shape(op, "dbias", dbias, (n,))
-    nd = len(x.shape)
-    if outs is None:  # the forward
-        # x^T dout over the leading axes: matmul with trans_x (as Paddle), then the batch
-        # axes summed away (partial)
-        r = _call(op, "matmul", "forward", x, dout, True, False)
-        axa, ada, ao = r.inputs[0], r.inputs[1], r.outputs[0]
-        assert isinstance(axa, TensorDistAttr) and isinstance(ada, TensorDistAttr) and isinstance(ao, TensorDistAttr)
-        mx, md = axa.dims_mapping, ada.dims_mapping
-        odm = ao.dims_mapping
-        wdm: DimsMapping = (odm[-2], odm[-1])
-        lead_w: list[Entry] = [d for d, _ in ao.partial]
-        lead_w.extend(odm[:-2])
-    else:  # the reverse
-        wo, bo = outs
-        _flpga_shape(op, "dweight_out", wo, (k, n))
-        _flpga_shape(op, "dbias_out", bo, (n,))
-        w_out, b_out = _present(wo), has_bias and _present(bo)
-        p = _flpga_reverse_plan(nd, k == 1, n == 1, _code(dweight), _code(dbias, has_bias), has_bias, w_out, b_out)
-        a, _ = infer(p, op, (x, dout, dweight, dbias, wo if w_out else None, bo if b_out else None), (), mesh)
-        return fast_result(a[:4], a[4:])
-    aw = _partial_over(mesh, wdm, lead_w)
+def flpga_notation(nd: int, mask: tuple[int, ...]) -> Notation:
+    """x^T dout over the leading axes: matmul's notation with trans_x (as Paddle), its out
+    ``[b] k n`` less the batch letters (dweight_out ``kn``: partial SUM over the mesh dims of the
+    leading axes); dweight / dbias unlabelled (answered by :func:`_flpga_post`)."""
+    nt = matmul.notation(nd, nd, True, False, mask)
+    (x, d), (out,) = nt.inputs, nt.outputs
+    assert out is not None
+    return nt.relabel([x, d, None, None], [out[-2:]])
+
+
+def _flpga_post(ins: Any, outs: Any, x: DistTensorSpec, dout: DistTensorSpec, dweight: DistTensorSpec | None,
+                dbias: DistTensorSpec | None, multi_precision: bool, has_bias: bool) -> Answer:
+    """dbias_out: dout's last axis, partial SUM over the mesh dims of its other axes (not k's);
+    dweight / dbias asked sharded as the outputs they accumulate into (replicated where given
+    empty, 0-D or, for dbias, unused)."""
+    aw, ad = outs[0], ins[1]
+    mesh, md = ad.mesh, ad.dims_mapping
     ab = _partial_over(mesh, (md[-1],), md[:-1]) if has_bias else None
-    return fast_result(
-        (_make(mesh, mx), _make(mesh, md), aw if _present(dweight) else replicated_like(mesh, dweight),
-         (ab if has_bias and _present(dbias) else replicated_like(mesh, dbias))),
-        (aw, ab),
-    )
-
-
-def fused_linear_param_grad_add_forward(x: DistTensorSpec, dout: DistTensorSpec, dweight: DistTensorSpec | None,
-                                        dbias: DistTensorSpec | None, multi_precision: bool = False,
-                                        has_bias: bool = True) -> SpmdResult:
-    """FusedLinearParamGradAddInferSpmd: ``[b]sk, [b]sn -> kn, n``; dweight_out / dbias_out
-    partial SUM over the leading axes' mesh dims; dweight / dbias sharded as they."""
-    return _flpga("fused_linear_param_grad_add", x, dout, dweight, dbias, has_bias)
+    return (ins[0], ad, aw if _present(dweight) else replicated_like(mesh, dweight),
+            ab if has_bias and _present(dbias) else replicated_like(mesh, dbias)), (aw, ab)
 
 
 def fused_linear_param_grad_add_backward(x: DistTensorSpec, dout: DistTensorSpec, dweight: DistTensorSpec | None,
@@ -386,13 +341,30 @@ def fused_linear_param_grad_add_backward(x: DistTensorSpec, dout: DistTensorSpec
                                          has_bias: bool = True) -> SpmdResult:
     """fused_linear_param_grad_add reverse (spmdkit's own; Paddle's is a fake): k and n from
     the outputs, the leading axes replicated."""
-    return _flpga("fused_linear_param_grad_add", x, dout, dweight, dbias, has_bias, (dweight_out, dbias_out))
+    op = "fused_linear_param_grad_add"
+    mesh = named_mesh(op, (("x", x), ("dout", dout), ("dweight", dweight), ("dbias", dbias),
+                           ("dweight_out", dweight_out), ("dbias_out", dbias_out)))  # fmt: skip
+    _flpga_checks(op, x, dout, dweight, dbias)
+    k, n = x.shape[-1], dout.shape[-1]
+    _flpga_shape(op, "dweight_out", dweight_out, (k, n))
+    _flpga_shape(op, "dbias_out", dbias_out, (n,))
+    w_out, b_out = _present(dweight_out), has_bias and _present(dbias_out)
+    p = _flpga_reverse_plan(len(x.shape), k == 1, n == 1, _code(dweight), _code(dbias, has_bias), has_bias, w_out,
+                            b_out)  # fmt: skip
+    a, _ = infer(p, op, (x, dout, dweight, dbias, dweight_out if w_out else None, dbias_out if b_out else None), (),
+                 mesh)  # fmt: skip
+    return fast_result(a[:4], a[4:])
 
 
+_FLPGA = "x: T, dout: T, dweight: T?, dbias: T?, multi_precision: bool = False, has_bias: bool = True"
 register(
-    "fused_linear_param_grad_add", fused_linear_param_grad_add_forward,
-    "x: T, dout: T, dweight: T?, dbias: T?, multi_precision: bool = False, has_bias: bool = True",
-    fused_linear_param_grad_add_backward,
+    "fused_linear_param_grad_add",
+    generate("fused_linear_param_grad_add", _FLPGA, Way(
+        flpga_notation, key="x", mask=("x", "dout"), post=_flpga_post, env={"_checks": _flpga_checks},
+        check="_checks(_OP, x, dout, dweight, dbias)", paddle="FusedLinearParamGradAddInferSpmd",
+        doc="FusedLinearParamGradAddInferSpmd: ``[b]sk, [b]sn -> kn, n``; dweight_out / dbias_out partial SUM "
+            "over the leading axes' mesh dims; dweight / dbias sharded as they."), name="flpga_forward"),
+    _FLPGA, fused_linear_param_grad_add_backward,
     kind="reverse", outputs="dweight_out: T?, dbias_out: T?",
     forward_name="FusedLinearParamGradAddInferSpmd", backward_name="FusedLinearParamGradAddInferSpmdReverse",
 )  # fmt: skip
