@@ -23,6 +23,7 @@ another costs time quadratic in their number).
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any
 
 from spmdkit.core.dist_attr import TensorDistAttr
@@ -48,8 +49,6 @@ _make = TensorDistAttr.unchecked
 
 #: The most axes one unsqueeze inserts (see the module docstring).
 MAX_NEW_AXES = 1024
-
-Lists = tuple[tuple[DimTrans, ...], tuple[int, ...]]
 
 
 def notation(keep: bool, n: int, ln: tuple[Link, ...]) -> Notation:
@@ -120,36 +119,18 @@ def _grad_post(ins: Any, outs: Any, xs: DistTensorSpec, out_grad: DistTensorSpec
     return (xs.dist_attr, _make(a.mesh, ins[1].dims_mapping, a.partial)), (_make(a.mesh, outs[0].dims_mapping, a.partial),)
 
 
-# -- flatten, squeeze, unsqueeze: the op's list and out shape, its reverse list ---------------------
-
-
-def _flatten(x: DistTensorSpec, start_axis: int, stop_axis: int) -> Lists:
-    return flatten_trans(x.shape, int(start_axis), int(stop_axis))
-
-
-def _flatten_reverse(x: DistTensorSpec, trans: tuple[DimTrans, ...], start_axis: int, stop_axis: int) -> tuple[DimTrans, ...]:
-    return flatten_reverse_trans(x.shape, int(start_axis), int(stop_axis))
-
-
-def _squeeze(x: DistTensorSpec, axis: tuple[int, ...]) -> Lists:
-    return squeeze_trans(x.shape, tuple(axis))
-
-
-def _unsqueeze(x: DistTensorSpec, axis: tuple[int, ...]) -> Lists:
+def _unsqueeze(x: DistTensorSpec, axis: tuple[int, ...]) -> tuple[tuple[DimTrans, ...], tuple[int, ...]]:
     if len(axis) > MAX_NEW_AXES:
         raise InvalidAttributeError(f"unsqueeze: axis has {len(axis)} entries; at most {MAX_NEW_AXES} new axes are answered")
     return unsqueeze_trans(x.shape, tuple(axis))
 
 
-def _inverse(x: DistTensorSpec, trans: tuple[DimTrans, ...], *attrs: object) -> tuple[DimTrans, ...]:
-    return invert_trans(trans, x.ndim)
-
-
-_ENV = {"_sizes": _sizes, "_target": _target, "resolve_target": resolve_target, "_out": _out, "_links": links, "_rlinks": reshape_links,
-        "_grad_check": _grad_check}
+_ENV = {"_sizes": _sizes, "_target": _target, "resolve_target": resolve_target, "_out": _out, "_links": links,
+        "_rlinks": reshape_links, "_grad_check": _grad_check, "flatten_trans": flatten_trans, "squeeze_trans": squeeze_trans,
+        "flatten_reverse_trans": flatten_reverse_trans, "invert_trans": invert_trans, "_unsqueeze": _unsqueeze}
 declare(
     "reshape", "x: T, shape: ints",
-    Way(lambda n, ln: notation(True, n, ln), key="x, _rlinks(x.shape, tgt)", check="tgt = _target(x, shape)",
+    Way(partial(notation, True), key="x, _rlinks(x.shape, tgt)", check="tgt = _target(x, shape)",
         out_shapes="(tgt,)", post=_linear, post_if="x.dist_attr.partial", env=_ENV, paddle="ReshapeInferSpmd",
         doc="out = x viewed as ``shape`` (0 copies x's size, one -1 inferred)."),
     reverse=Way(reverse_notation, key="out, _rlinks(out.shape, x.shape)", env=_ENV, paddle="ReshapeInferSpmdReverse",
@@ -158,24 +139,25 @@ declare(
                 doc="x from out through the list out -> x."),
     outputs="out: T", aliases=("reshape2",),
 )  # fmt: skip
+# flatten, squeeze, unsqueeze: the op's list and out shape, the reverse's list out -> x (over the
+# parameters; trans: the op's list)
+_FLAT = "x.shape, int(start_axis), int(stop_axis)"
 for _op, _lists, _rev, _keep, _sig, _aliases, _doc in (
-    ("flatten", _flatten, _flatten_reverse, True, "x: T, start_axis: int, stop_axis: int", (),
-     "Axes start_axis..stop_axis merged into one."),
-    ("squeeze", _squeeze, _inverse, False, "x: T, axis: ints", (),
+    ("flatten", f"flatten_trans({_FLAT})", f"flatten_reverse_trans({_FLAT})", True,
+     "x: T, start_axis: int, stop_axis: int", (), "Axes start_axis..stop_axis merged into one."),
+    ("squeeze", "squeeze_trans(x.shape, tuple(axis))", "invert_trans(trans, x.ndim)", False, "x: T, axis: ints", (),
      "Size-1 axes in ``axis`` (all when empty) removed; sharding on kept size-1 axes dropped."),
-    ("unsqueeze", _unsqueeze, _inverse, False, "x: T, axis: ints", ("unsqueeze2",),
+    ("unsqueeze", "_unsqueeze(x, axis)", "invert_trans(trans, x.ndim)", False, "x: T, axis: ints", ("unsqueeze2",),
      "New size-1 axes inserted at ``axis`` (one after another, as the op does)."),
 ):
-    _attrs = ", ".join(p.split(":")[0] for p in _sig.split(", ")[1:])
-    _env = {**_ENV, "_lists": _lists, "_rev": _rev}
     _pd = _op.capitalize()
+    _check = f"_sizes({_op!r}, x, 'x'); trans, oshape = {_lists}"
     declare(
         _op, _sig,
-        Way((lambda k: lambda n, ln: notation(k, n, ln))(_keep), key="x, _links(trans)", env=_env,
-            check=f"_sizes({_op!r}, x, 'x'); trans, oshape = _lists(x, {_attrs})", out_shapes="(oshape,)",
-            post=_linear if _keep else None, post_if="x.dist_attr.partial", paddle=f"{_pd}InferSpmd", doc=_doc),
-        reverse=Way(reverse_notation, key=f"out, _links(_rev(x, trans, {_attrs}))", env=_env,
-                    check=f"_sizes({_op!r}, x, 'x'); trans, oshape = _lists(x, {_attrs}); _out({_op!r}, x, out, oshape)",
+        Way(partial(notation, _keep), key="x, _links(trans)", env=_ENV, check=_check,
+            out_shapes="(oshape,)", post=_linear if _keep else None, post_if="x.dist_attr.partial",
+            paddle=f"{_pd}InferSpmd", doc=_doc),
+        reverse=Way(reverse_notation, key=f"out, _links({_rev})", env=_ENV, check=f"{_check}; _out({_op!r}, x, out, oshape)",
                     paddle=f"{_pd}InferSpmdReverse", doc=f"{_op} reverse: x from out through the inverted list."),
         outputs="out: T", aliases=_aliases,
     )  # fmt: skip
