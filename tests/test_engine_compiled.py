@@ -27,12 +27,14 @@ from spmdkit.rules import (
     default,
     elementwise,
     embedding,
+    linalg,
     matmul,
     norm,
     optimizer,
     softmax,
     split_concat,
     transpose,
+    view,
 )
 from spmdkit.rules import slice as slice_rules
 
@@ -234,6 +236,15 @@ def _rule_plans() -> list[tuple[Plan, str]]:
         for keep in (True, False):
             plans.append((view_plan(len(a), reshape_links(a, b), keep), "forward"))
             plans.append((view_plan(len(b), reshape_links(b, a), keep, True), "backward"))
+        plans.append((compile_plan(view.grad_notation(len(b), reshape_links(b, a))), "forward"))
+    # linalg: the gemm family on matmul's notations (the third tensor unlabelled), flpga, einsum_grad
+    for nx, tx, ty in ((2, False, False), (3, True, False), (3, False, True)):
+        for kind, direction in (("forward", "forward"), ("reverse", "backward")):
+            plans.append((compile_plan(linalg.gemm_notation(kind, nx, 2, tx, ty, (0, 0)), direction, (0, 0)), direction))
+        plans.append((compile_plan(linalg.gemm_notation("grad", nx, 2, tx, ty, (0, 0, 0, 0)), "forward", (0, 0, 0, 0)),
+                      "forward"))
+        plans.append((compile_plan(linalg.flpga_notation(nx, (0, 0)), "forward", (0, 0)), "forward"))
+    plans.append((compile_plan(linalg.einsum_notation("ij,jk->ik", ((4, 6), (6, 8)), True, (2, -1))), "forward"))
 
     for nd in (1, 2, 3, 4):  # split_concat.py: pieces, reverse pieces, joins
         for axis in range(nd):
