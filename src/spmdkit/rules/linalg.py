@@ -51,21 +51,19 @@ einsum-notation.
 
 from __future__ import annotations
 
-from functools import lru_cache, partial
+from functools import partial
 from typing import Any
 
 from spmdkit.core.dist_attr import DimsMapping, Entry, ReduceType, TensorDistAttr, entry_dims
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
-from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import replicated_like
-from spmdkit.engine.compile import Plan, compile_plan, infer
-from spmdkit.engine.declare import Answer, Way, declare, generate
+from spmdkit.engine.declare import Answer, Way, declare
 from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import BROADCAST, Notation, fast_result, named_mesh
+from spmdkit.engine.notation import BROADCAST, Notation
 from spmdkit.rules import matmul
 from spmdkit.rules._absent import zero_d_absent
-from spmdkit.rules.registry import register
 
 Shape = tuple[int, ...]
 _SUM = ReduceType.SUM
@@ -293,11 +291,11 @@ def _code(t: DistTensorSpec | None, on: bool = True) -> int:
     return 1 if on and _present(t) else -1 if t is None else len(t.shape) + 2
 
 
-@lru_cache(maxsize=1024)
-def _flpga_reverse_plan(nd: int, k1: bool, n1: bool, w: int, b: int, bias: bool, w_out: bool, b_out: bool) -> Plan:
-    """The reverse: ``1..1k, 1..1n, kn, n, kn, n`` (x, dout, dweight, dbias, dweight_out,
-    dbias_out), every answer an input of the notation (so none is partial), merged from the
-    present outputs alone (``w_out`` / ``b_out``): k and n as dweight_out shards them, n from
+def flpga_reverse_notation(nd: int, k1: bool, n1: bool, w: int, b: int, bias: bool, w_out: bool,
+                           b_out: bool) -> Notation:
+    """The reverse: ``1..1k, 1..1n, kn, n`` (x, dout, dweight, dbias), the outputs given where
+    present (``w_out`` / ``b_out``), then the answer's ``kn, n`` (absent: ``Way.tail``; so none is
+    partial), merged from the present outputs alone: k and n as dweight_out shards them, n from
     dbias_out where dweight_out leaves it free, n shards nothing where k took one of its mesh
     dims (``taken="letter"``); a size-1 k or n (``k1`` / ``n1``) never sharded; the leading
     axes replicated. ``w`` / ``b``: dweight / dbias as :func:`_code` labels them; no ``bias``:
@@ -308,9 +306,10 @@ def _flpga_reverse_plan(nd: int, k1: bool, n1: bool, w: int, b: int, bias: bool,
     def lab(code: int, full: str) -> str | None:
         return full if code == 1 else None if code == -1 else BROADCAST * (code - 2)
 
+    given = [k + n if w_out else None, n if b_out else None]
     src = [i for i, on in ((4, w_out), (5, b_out)) if on]
-    return compile_plan(Notation([lead + k, lead + n, lab(w, k + n), lab(b, n), k + n, n if bias else None], [],
-                                 conflict="first", taken="letter", sources=src))
+    return Notation([lead + k, lead + n, lab(w, k + n), lab(b, n), *given, k + n, n if bias else None], [],
+                    conflict="first", taken="letter", sources=src)
 
 
 def flpga_notation(nd: int, mask: tuple[int, ...]) -> Notation:
@@ -335,38 +334,24 @@ def _flpga_post(ins: Any, outs: Any, x: DistTensorSpec, dout: DistTensorSpec, dw
             ab if has_bias and _present(dbias) else replicated_like(mesh, dbias)), (aw, ab)
 
 
-def fused_linear_param_grad_add_backward(x: DistTensorSpec, dout: DistTensorSpec, dweight: DistTensorSpec | None,
-                                         dbias: DistTensorSpec | None, dweight_out: DistTensorSpec | None,
-                                         dbias_out: DistTensorSpec | None, multi_precision: bool = False,
-                                         has_bias: bool = True) -> SpmdResult:
-    """fused_linear_param_grad_add reverse (spmdkit's own; Paddle's is a fake): k and n from
-    the outputs, the leading axes replicated."""
-    op = "fused_linear_param_grad_add"
-    mesh = named_mesh(op, (("x", x), ("dout", dout), ("dweight", dweight), ("dbias", dbias),
-                           ("dweight_out", dweight_out), ("dbias_out", dbias_out)))  # fmt: skip
-    _flpga_checks(op, x, dout, dweight, dbias)
-    k, n = x.shape[-1], dout.shape[-1]
-    _flpga_shape(op, "dweight_out", dweight_out, (k, n))
-    _flpga_shape(op, "dbias_out", dbias_out, (n,))
-    w_out, b_out = _present(dweight_out), has_bias and _present(dbias_out)
-    p = _flpga_reverse_plan(len(x.shape), k == 1, n == 1, _code(dweight), _code(dbias, has_bias), has_bias, w_out,
-                            b_out)  # fmt: skip
-    a, _ = infer(p, op, (x, dout, dweight, dbias, dweight_out if w_out else None, dbias_out if b_out else None), (),
-                 mesh)  # fmt: skip
-    return fast_result(a[:4], a[4:])
-
-
 _FLPGA = "x: T, dout: T, dweight: T?, dbias: T?, multi_precision: bool = False, has_bias: bool = True"
-register(
-    "fused_linear_param_grad_add",
-    generate("fused_linear_param_grad_add", _FLPGA, Way(
-        flpga_notation, key="x", mask=("x", "dout"), post=_flpga_post, env={"_checks": _flpga_checks},
+_FENV = {"_checks": _flpga_checks, "_shape": _flpga_shape, "_code": _code, "_present": _present}
+declare(
+    "fused_linear_param_grad_add", _FLPGA,
+    Way(flpga_notation, key="x", mask=("x", "dout"), post=_flpga_post, env=_FENV,
         check="_checks(_OP, x, dout, dweight, dbias)", paddle="FusedLinearParamGradAddInferSpmd",
         doc="FusedLinearParamGradAddInferSpmd: ``[b]sk, [b]sn -> kn, n``; dweight_out / dbias_out partial SUM "
-            "over the leading axes' mesh dims; dweight / dbias sharded as they."), name="flpga_forward"),
-    _FLPGA, fused_linear_param_grad_add_backward,
-    kind="reverse", outputs="dweight_out: T?, dbias_out: T?",
-    forward_name="FusedLinearParamGradAddInferSpmd", backward_name="FusedLinearParamGradAddInferSpmdReverse",
+            "over the leading axes' mesh dims; dweight / dbias sharded as they."),
+    reverse=Way(flpga_reverse_notation, tail=2, env=_FENV,
+                key="x, x.shape[-1] == 1, dout.shape[-1] == 1, _code(dweight), _code(dbias, has_bias), has_bias, "
+                    "_present(dweight_out), has_bias and _present(dbias_out)",
+                check="_checks(_OP, x, dout, dweight, dbias); "
+                      "_shape(_OP, 'dweight_out', dweight_out, (x.shape[-1], dout.shape[-1])); "
+                      "_shape(_OP, 'dbias_out', dbias_out, (dout.shape[-1],))",
+                paddle="FusedLinearParamGradAddInferSpmdReverse",
+                doc="fused_linear_param_grad_add reverse (spmdkit's own; Paddle's is a fake): k and n from the "
+                    "outputs, the leading axes replicated."),
+    outputs="dweight_out: T?, dbias_out: T?",
 )  # fmt: skip
 
 
