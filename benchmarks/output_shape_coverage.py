@@ -35,9 +35,9 @@ import numpy as np  # noqa: E402
 
 from spmdkit.core.errors import ProgramError, SpmdError  # noqa: E402
 from spmdkit.core.mesh import ProcessMesh  # noqa: E402
+from spmdkit.engine.registry import all_rules, get_rule, is_reverse, output_params  # noqa: E402
 from spmdkit.graph.out_shapes import unchecked_rules  # noqa: E402
 from spmdkit.graph.program import Op, Program, Tensor  # noqa: E402
-from spmdkit.rules.registry import all_rules, get_rule, is_reverse, output_params  # noqa: E402
 from spmdkit.sim.cases import generate_cases, make_array  # noqa: E402
 from spmdkit.sim.ops import Ctx, get_reference  # noqa: E402
 

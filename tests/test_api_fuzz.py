@@ -45,7 +45,8 @@ def test_every_rule_mode_fuzzed_without_a_foreign_exception() -> None:
 
 def test_fuzzer_catches_a_foreign_exception() -> None:
     # the harness itself: a rule that raises something else is reported, not swallowed
-    from spmdkit.rules.registry import Mode, Rule
+    from spmdkit.engine.registry import Rule
+    from spmdkit.engine.signature import Mode
 
     def bad(x: DistTensorSpec) -> Any:
         raise RuntimeError("boom")
@@ -137,7 +138,8 @@ def test_bad_mode_is_unsupported_mode_error(mode: Any) -> None:
 
 def test_errors_from_inside_a_rule_are_spmd_errors() -> None:
     # MemoryError / RecursionError / OverflowError raised by a rule: InvalidArgumentError naming it
-    from spmdkit.rules.registry import Mode, Rule
+    from spmdkit.engine.registry import Rule
+    from spmdkit.engine.signature import Mode
 
     for exc in (MemoryError(), RecursionError("deep"), OverflowError("big"), AttributeError("a")):
         def fn(x: DistTensorSpec, _e: BaseException = exc) -> Any:

@@ -17,8 +17,8 @@ import pytest
 from spmdkit import cli
 from spmdkit.core.errors import MAX_MESSAGE_CHARS, InvalidMeshError, SpmdError, bounded
 from spmdkit.core.mesh import MAX_MESH_RANKS, ProcessMesh
+from spmdkit.engine.registry import cache_stats, clear_cache, get_rule
 from spmdkit.io.codec import answer_line, answer_text, echo_id, parse_case
-from spmdkit.rules.registry import cache_stats, clear_cache, get_rule
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 GOLDEN = Path(__file__).parent / "golden"
@@ -136,7 +136,7 @@ def test_every_message_is_bounded() -> None:
 
 
 def test_result_cache_is_bounded_in_entries_and_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
-    from spmdkit.rules import registry
+    from spmdkit.engine import registry
 
     clear_cache()
     monkeypatch.setattr(registry, "_CACHE_LIMIT", 50)

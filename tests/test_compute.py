@@ -242,7 +242,7 @@ def test_every_zoo_rule_is_costed() -> None:
             rules |= {op.rule for op in build_model(preset(name), vocab_parallel_loss=vp).program.ops}
     assert rules - COSTED == set()
     # of every registered rule, only the importer's stand-in for an unmapped op has no cost
-    from spmdkit.rules.registry import rule_names
+    from spmdkit.engine.registry import rule_names
 
     assert set(rule_names(include_aliases=False)) - COSTED == {"replicated"}
     assert COSTED <= set(rule_names(include_aliases=False))

@@ -212,7 +212,7 @@ class TestPlacements:
 
 def test_signature_defaults_may_hold_commas() -> None:
     """A list default (``ints = [1, 1]``) or a string with a comma does not split a parameter."""
-    from spmdkit.rules.registry import parse_signature
+    from spmdkit.engine.signature import parse_signature
 
     ps = parse_signature('x: T, strides: ints = [1, 1], name: str = "a,b", axis: int = -1')
     assert [(p.name, p.kind, p.default) for p in ps[1:]] == [("strides", "ints", (1, 1)), ("name", "str", "a,b"),

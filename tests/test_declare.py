@@ -14,8 +14,8 @@ from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.compile import compile_plan, infer, traced
 from spmdkit.engine.declare import Way, declare, generate, ones
 from spmdkit.engine.notation import Notation, letters_for
+from spmdkit.engine.signature import GRAD, REVERSE
 from spmdkit.rules import get_rule, set_cache_enabled
-from spmdkit.rules.registry import GRAD, REVERSE
 
 M = ProcessMesh([2, 4])
 
@@ -259,3 +259,21 @@ def test_mask_may_skip_an_input() -> None:
     r = f(t([4, 1], [0, 1]), None, t([4, 1], [-1, -1]))
     assert got == [(2, 0, 2)]
     assert r.inputs[0].dims_mapping == (0, -1)  # type: ignore[union-attr]
+
+
+def test_parameters_named_like_the_generated_locals_are_not_hidden() -> None:
+    """Tensors named k, p, m, r, mesh (and an attribute named e) answer as x, y, z, w, v, a do:
+    the generated function's own locals never hide a parameter (flash_attention has a k)."""
+
+    def nt(*ranks: int) -> Notation:
+        return Notation([letters_for(r) for r in ranks], [letters_for(ranks[0])], conflict="first")
+
+    plain = generate("five", "x: T, y: T, z: T, w: T, v: T, a: int = 0", Way(nt, key="x, y, z, w, v"))
+    named = generate("five", "k: T, p: T, m: T, r: T, mesh: T, e: int = 0", Way(nt, key="k, p, m, r, mesh"))
+    rng = random.Random(3)
+    for _ in range(50):
+        specs = [t([4, 8], [rng.choice([-1, 0, 1]), -1]) for _ in range(5)]
+        assert plain(*specs, 1) == named(*specs, 1)
+    other = ProcessMesh([4, 2])
+    with pytest.raises(InvalidMeshError, match="five: mesh lies on a different mesh than k"):
+        named(t([4, 8], [0, -1]), t([4, 8], [0, -1]), t([4, 8], [0, -1]), t([4, 8], [0, -1]), t([4, 8], [0, -1], other))

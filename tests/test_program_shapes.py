@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 
 from spmdkit.core.errors import ProgramError
+from spmdkit.engine.registry import all_rules, get_rule
 from spmdkit.graph.out_shapes import UNCHECKED, expected_output_shapes, unchecked_rules
 from spmdkit.graph.program import ProgramBuilder
 from spmdkit.graph.zoo import PRESETS, build_model
-from spmdkit.rules.registry import all_rules, get_rule
 
 ROOT = Path(__file__).resolve().parents[1]
 

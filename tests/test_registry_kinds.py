@@ -4,18 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from spmdkit.rules.registry import (
-    _CANONICAL,
-    GRAD,
-    REVERSE,
-    _ensure_loaded,
-    backward_kind,
-    is_reverse,
-    output_params,
-    parse_signature,
-    register,
-    reverse_signature,
-)
+from spmdkit.engine.registry import _CANONICAL, _ensure_loaded, backward_kind, is_reverse, output_params, register
+from spmdkit.engine.signature import GRAD, REVERSE, parse_signature, reverse_signature
 
 _ensure_loaded()
 
@@ -90,7 +80,7 @@ def test_grad_name_registers_the_grad_rule_itself() -> None:
         assert g.forward.fn is f.backward.fn
         assert g.forward.params == f.backward.params
         assert g.forward.function_name == f.backward.function_name
-    from spmdkit.rules.registry import get_rule
+    from spmdkit.engine.registry import get_rule
 
     assert get_rule("expand_as_v2_grad") is _CANONICAL["expand_as_grad"]
 

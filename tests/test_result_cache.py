@@ -14,9 +14,9 @@ import pytest
 from spmdkit.core.errors import SpmdError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec
+from spmdkit.engine import cache_keys
+from spmdkit.engine.registry import cache_stats, clear_cache, get_rule, rule_names, set_cache_enabled
 from spmdkit.io.codec import parse_case
-from spmdkit.rules import registry
-from spmdkit.rules.registry import cache_stats, clear_cache, get_rule, rule_names, set_cache_enabled
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -201,7 +201,7 @@ def test_key_function_binds_as_mode_bind() -> None:
             for call in _variants(rng, args, m.params):
                 if len(call) > len(m.params):
                     continue
-                kn = registry._key_function(m.params, len(call), tag, {})(call)
+                kn = cache_keys.key_function(m.params, len(call), tag, {})(call)
                 try:
                     want: Any = _typed(m.bind(name, call, {}))
                 except SpmdError:

@@ -12,9 +12,10 @@ import pytest
 
 from spmdkit.cli.verify import add_verify_command
 from spmdkit.core import ProcessMesh, ReduceType, SpmdResult, TensorDistAttr
+from spmdkit.engine import registry
+from spmdkit.engine.registry import Rule, get_rule
+from spmdkit.engine.signature import Mode
 from spmdkit.io.codec import Case, decode_args
-from spmdkit.rules import registry
-from spmdkit.rules.registry import Mode, Rule, get_rule
 from spmdkit.sim import (
     REJECTED,
     SOUND,
@@ -565,7 +566,7 @@ REVERSE_SIGS = {
 def _replicating(ref_name: str, sig: str) -> Any:
     """A rule that replicates every tensor (always sound)."""
     from spmdkit.core.spec import DistTensorSpec
-    from spmdkit.rules.registry import parse_signature
+    from spmdkit.engine.signature import parse_signature
     from spmdkit.sim.cases import make_array
 
     ref = REFERENCES[ref_name]

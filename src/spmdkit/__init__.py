@@ -8,7 +8,7 @@ from spmdkit.core import (
     SpmdResult,
     TensorDistAttr,
 )
-from spmdkit.rules.registry import get_rule, rule_names
+from spmdkit.engine.registry import get_rule, rule_names
 
 __version__ = "0.1.0"
 

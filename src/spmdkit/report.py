@@ -249,7 +249,7 @@ def print_rules_table(rows: Sequence[dict[str, Any]], out: TextIO) -> None:
 def rules_markdown() -> str:
     """The README's table of rules: one row per rule family (the module that defines it),
     generated from the registry (and the simulator's references, when numpy is installed)."""
-    from spmdkit.rules.registry import all_rules, rule_names
+    from spmdkit.engine.registry import all_rules, rule_names
 
     try:
         from spmdkit.sim.verify import verifiable_rules

@@ -57,10 +57,10 @@ from typing import Any
 import torch
 
 from spmdkit.core.errors import ProgramError
+from spmdkit.engine.registry import get_rule, has_rule
 from spmdkit.graph.autodiff import GRADS, Tape
 from spmdkit.graph.program import Op, Program, ProgramBuilder, RecordedValue, Tensor, flat_refs
 from spmdkit.graph.zoo import Model, ModelConfig, add_optimizer
-from spmdkit.rules.registry import get_rule, has_rule
 
 _DTYPES: dict[Any, str] = {
     torch.float64: "float64", torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",

@@ -81,7 +81,7 @@ def register(*names: str) -> Callable[[Kernel], Kernel]:
 
 def get_kernel(name: str) -> Kernel | None:
     """The torch kernel of a rule name (or any alias of that rule), None if there is none."""
-    from spmdkit.rules.registry import by_rule_name
+    from spmdkit.engine.registry import by_rule_name
 
     return by_rule_name(KERNELS, name)
 

@@ -34,8 +34,8 @@ def _batch_lines(src: Any) -> Any:
 
 
 def _cmd_infer(ns: argparse.Namespace, out: TextIO) -> int:
+    from spmdkit.engine.registry import set_cache_enabled
     from spmdkit.io.codec import answer_text, dumps, echo_id, encode_error, encode_result, parse_case
-    from spmdkit.rules.registry import set_cache_enabled
 
     if ns.no_cache:
         set_cache_enabled(False)
@@ -90,7 +90,7 @@ def _cmd_infer(ns: argparse.Namespace, out: TextIO) -> int:
 
 
 def _cmd_rules(ns: argparse.Namespace, out: TextIO) -> int:
-    from spmdkit.rules.registry import all_rules
+    from spmdkit.engine.registry import all_rules
 
     rules = all_rules()
     rows: list[dict[str, Any]] = []

@@ -38,7 +38,7 @@ def run_verify(ns: argparse.Namespace, out: TextIO | None = None) -> int:
         print(f"spmdkit verify needs numpy (pip install spmdkit[sim]): {exc}", file=sys.stderr)
         return 2
     from spmdkit.core.errors import SpmdError
-    from spmdkit.rules.registry import get_rule
+    from spmdkit.engine.registry import get_rule
 
     names = list(ns.rules) or verifiable_rules()
     modes = ("forward", "backward") if ns.mode == "both" else (ns.mode,)

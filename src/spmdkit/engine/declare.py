@@ -41,6 +41,8 @@ from spmdkit.core.errors import InvalidArgumentError, InvalidMeshError, ShapeMis
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.compile import Plan, compile_plan, infer
 from spmdkit.engine.notation import Notation, check_letters, common_mesh, fast_result, named_mesh
+from spmdkit.engine.registry import register
+from spmdkit.engine.signature import GRAD, REVERSE, parse_signature, reverse_signature
 
 #: what the engine answers and a post-hook returns: the inputs' and the outputs' dist attrs
 Answer = tuple[Sequence[TensorDistAttr | None], Sequence[TensorDistAttr | None]]
@@ -209,8 +211,6 @@ def generate(
     tuple (as Paddle's). The function has the signature's parameter names
     and defaults, and a ``plan(key)`` attribute giving the compiled plan of a key (``way.wrap``
     applied, where declared); ``module``: the declaring module (default: the caller's)."""
-    from spmdkit.rules.registry import parse_signature
-
     if direction not in ("forward", "backward"):
         raise ValueError(f"{op}: direction must be 'forward' or 'backward', got {direction!r}")
     params = parse_signature(signature)
@@ -286,11 +286,11 @@ def generate(
     # one mesh: the first required tensor's (every tensor on it)
     first = next((n for n in tensors if kinds[n] == "T"), None)
     if lists:  # a loop over the lists' items
-        emit(f"        mesh = _list_mesh(_OP, ({''.join(f'({n!r}, {n}, {n in lists}), ' for n in tensors)}))")
+        emit(f"        _mesh = _list_mesh(_OP, ({''.join(f'({n!r}, {n}, {n in lists}), ' for n in tensors)}))")
     elif first is None:
-        emit(f"        mesh = _named_mesh(_OP, ({''.join(f'({n!r}, {n}), ' for n in tensors)}))")
+        emit(f"        _mesh = _named_mesh(_OP, ({''.join(f'({n!r}, {n}), ' for n in tensors)}))")
     else:
-        emit(f"        mesh = {first}.dist_attr.mesh")
+        emit(f"        _mesh = {first}.dist_attr.mesh")
         pairs = "".join(f"({n!r}, {n}), " for n in tensors)
         for n in tensors:
             if n == first:
@@ -299,8 +299,8 @@ def generate(
             if kinds[n] == "T?":
                 emit(f"        if {n} is not None:")
                 ind += "    "
-            emit(f"{ind}m = {n}.dist_attr.mesh")
-            emit(f"{ind}if m is not mesh and m != mesh: _named_mesh(_OP, ({pairs}))")
+            emit(f"{ind}_m = {n}.dist_attr.mesh")
+            emit(f"{ind}if _m is not _mesh and _m != _mesh: _named_mesh(_OP, ({pairs}))")
     call = ", ".join(pnames)
     if isinstance(way.check, str):
         emit(f"        {way.check}")
@@ -323,19 +323,19 @@ def generate(
     if way.mask:
         key_items.append("(" + "".join((fast_ones(f"ones({n})") if n in way.mask else "0") + ", " for n in masked) + ")")
     if len(key_items) == 1 and key_items[0].startswith("*"):
-        emit(f"        k = {key_items[0][1:]}")  # the expression gives the whole key (a tuple)
+        emit(f"        _k = {key_items[0][1:]}")  # the expression gives the whole key (a tuple)
     else:
-        emit(f"        k = ({''.join(k + ', ' for k in key_items)})")
-    emit("        p = _P.get(k)")
-    emit("        if p is None: p = _miss(k)")
+        emit(f"        _k = ({''.join(k + ', ' for k in key_items)})")
+    emit("        _p = _P.get(_k)")
+    emit("        if _p is None: _p = _miss(_k)")
     tin, tout = flat(ins), flat(outs)
     shapes = f", out_shapes={way.out_shapes}" if way.out_shapes and not outs else ""
     if isinstance(way.tail, int) and way.tail:
         tin = tin[:-1] + "None, " * way.tail + ")"
     if lists:  # the tensors' names, a list's items as x[0], x[1], ...
         nm = "".join(f"({n!r}, len({n})), " if n in lists else f"({n!r}, -1), " for n in tensors)
-        emit(f"        names = _list_names(({nm}))")
-    names = "names" if lists else "_NAMES"
+        emit(f"        _names = _list_names(({nm}))")
+    names = "_names" if lists else "_NAMES"
 
     def group(var: str, names_: list[str]) -> str:
         """The flat answer ``var`` regrouped: a list parameter's attrs as one tuple."""
@@ -351,40 +351,40 @@ def generate(
         return "(" + "".join(i + ", " for i in items) + ")"
     if way.letters:
         if direction == "forward":
-            emit(f"        _letters(_OP, p.notation.inputs, {tin}, {names})")
+            emit(f"        _letters(_OP, _p.notation.inputs, {tin}, {names})")
         else:
-            emit(f"        _letters(_OP, p.notation.inputs + p.notation.outputs, {tin} + {tout}, {names})")
+            emit(f"        _letters(_OP, _p.notation.inputs + _p.notation.outputs, {tin} + {tout}, {names})")
     if way.tail:
         given = set(outputs) if direction == "backward" else set()  # a reverse rule's outputs: not answered
         before = ins[: ins.index(way.tail)] if isinstance(way.tail, str) else [n for n in ins if n not in given]
         cut = f"len({flat(before)})" if lists else str(len(before))
         start = cut if isinstance(way.tail, str) else f"-{way.tail}"
-        emit(f"        i, o = _infer(p, _OP, {tin}, (), mesh, {names}{shapes})")
+        emit(f"        _i, _o = _infer(_p, _OP, {tin}, (), _mesh, {names}{shapes})")
         if way.post is None:
-            emit(f"        return _result(i[:{cut}], i[{start}:] + o)")
+            emit(f"        return _result(_i[:{cut}], _i[{start}:] + _o)")
         else:
-            emit(f"        r = _post(i[:{cut}], i[{start}:] + o, {call})")
-            emit("        return _result(tuple(r[0]), tuple(r[1]))")
+            emit(f"        _r = _post(_i[:{cut}], _i[{start}:] + _o, {call})")
+            emit("        return _result(tuple(_r[0]), tuple(_r[1]))")
     elif lists:
-        emit(f"        i, o = _infer(p, _OP, {tin}, {tout}, mesh, {names}{shapes})")
-        emit(f"        r = {group('i', ins)}, {group('o', outs) if any(n in lists for n in outs) else 'o'}")
+        emit(f"        _i, _o = _infer(_p, _OP, {tin}, {tout}, _mesh, {names}{shapes})")
+        emit(f"        _r = {group('_i', ins)}, {group('_o', outs) if any(n in lists for n in outs) else '_o'}")
         if way.post is not None:
             if way.post_if:
-                emit(f"        if not ({way.post_if}): return _result(*r)")
-            emit(f"        r = _post(*r, {call})")
-            emit("        return _result(tuple(r[0]), tuple(r[1]))")
+                emit(f"        if not ({way.post_if}): return _result(*_r)")
+            emit(f"        _r = _post(*_r, {call})")
+            emit("        return _result(tuple(_r[0]), tuple(_r[1]))")
         else:
-            emit("        return _result(*r)")
+            emit("        return _result(*_r)")
     elif way.post is not None:
-        emit(f"        r = _infer(p, _OP, {tin}, {tout}, mesh, _NAMES{shapes})")
+        emit(f"        _r = _infer(_p, _OP, {tin}, {tout}, _mesh, _NAMES{shapes})")
         if way.post_if:
-            emit(f"        if not ({way.post_if}): return _result(*r)")
-        emit(f"        r = _post(*r, {call})")
-        emit("        return _result(tuple(r[0]), tuple(r[1]))")
+            emit(f"        if not ({way.post_if}): return _result(*_r)")
+        emit(f"        _r = _post(*_r, {call})")
+        emit("        return _result(tuple(_r[0]), tuple(_r[1]))")
     else:
-        emit(f"        return _result(*_infer(p, _OP, {tin}, {tout}, mesh, _NAMES{shapes}))")
-    emit("    except _E as e:")
-    emit("        raise _renamed(e, _OP) from None")
+        emit(f"        return _result(*_infer(_p, _OP, {tin}, {tout}, _mesh, _NAMES{shapes}))")
+    emit("    except _E as _e:")
+    emit("        raise _renamed(_e, _OP) from None")
 
     plans: dict[tuple[Any, ...], Plan] = {}
     notation = way.notation
@@ -434,9 +434,7 @@ def declare(
     registry: the forward's tensors, the outputs, the forward's attributes) or ``grad`` (a grad
     rule in that place, with its own ``grad_signature``; ``grad_name=`` registers it as a rule
     of its own too). ``kw``: the registry's ``aliases``, ``doc``, ``grad_name``,
-    ``grad_aliases``. Returns the registered :class:`~spmdkit.rules.registry.Rule`."""
-    from spmdkit.rules.registry import GRAD, REVERSE, parse_signature, register, reverse_signature
-
+    ``grad_aliases``. Returns the registered :class:`~spmdkit.engine.registry.Rule`."""
     if reverse is not None and grad is not None:
         raise ValueError(f"rule {name!r}: the backward slot holds a reverse rule or a grad rule, not both")
     module = sys._getframe(1).f_globals.get("__name__", "")  # the rule module declaring it

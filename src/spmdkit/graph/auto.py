@@ -62,11 +62,11 @@ from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec
+from spmdkit.engine.registry import get_rule
 from spmdkit.graph.program import Program, flat_refs, layout_args, op_layout
 from spmdkit.graph.propagate import Plan, propagate
 from spmdkit.graph.strategy import user_attrs
 from spmdkit.reshard import CostModel, plan_reshard
-from spmdkit.rules.registry import get_rule
 
 #: the most seeds pushed through one op's rule (the product over the mesh dims of the choices
 #: per dim; a 2-D mesh never reaches it)

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spmdkit.core.errors import ProgramError
+from spmdkit.engine.registry import get_rule, is_reverse, output_params
 from spmdkit.graph.program import ProgramBuilder
-from spmdkit.rules.registry import get_rule, is_reverse, output_params
 
 # -- reverse-mode differentiation over the grad rules ------------------------------------------
 

@@ -625,7 +625,7 @@ _FAMILY["conv2d_transpose_grad"] = _conv_transpose_grad
 
 
 def _registered() -> frozenset[str]:
-    from spmdkit.rules.registry import has_rule
+    from spmdkit.engine.registry import has_rule
 
     for n in [n for n in _FAMILY if not has_rule(n)]:  # a grad name the family tables made up
         del _FAMILY[n]
@@ -638,7 +638,7 @@ COSTED = _registered()
 
 
 def _canonical(rule: str) -> str:
-    from spmdkit.rules.registry import get_rule
+    from spmdkit.engine.registry import get_rule
 
     try:
         return get_rule(rule).name

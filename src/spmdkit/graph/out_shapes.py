@@ -987,7 +987,7 @@ _VIEW_GRADS = {"reshape_grad": "x_shape", "flatten_grad": "xshape", "squeeze_gra
 
 def _grad_sources(rule: Any) -> Sequence[str] | None:
     """The grad rule's inputs whose shapes its outputs have (see :data:`GRAD_OUTPUTS`)."""
-    from spmdkit.rules.registry import get_rule, has_rule
+    from spmdkit.engine.registry import get_rule, has_rule
 
     name = rule.name
     if name in GRAD_OUTPUTS:
@@ -1110,7 +1110,7 @@ def _clean(e: Any) -> Any:
 def unchecked_rules() -> dict[str, str]:
     """Every rule with an output whose shape is not (fully) checked, with the reason: the
     documented list, plus rules without a shape function."""
-    from spmdkit.rules.registry import all_rules
+    from spmdkit.engine.registry import all_rules
 
     out = dict(UNCHECKED)
     for r in {r.name: r for r in all_rules().values()}.values():

@@ -245,7 +245,7 @@ class Program:
         or produced by an earlier op, no tensor is produced twice, and (``rules``) each rule
         accepts the op's shapes with the declared output ranks (checked with every tensor
         replicated; propagation checks them again, so a planner may skip this)."""
-        from spmdkit.rules.registry import get_rule
+        from spmdkit.engine.registry import get_rule
 
         mesh = mesh or ProcessMesh([1])
         for t in self.tensors.values():
@@ -316,8 +316,8 @@ class Program:
         """Each declared output shape against the shape the op makes from its input shapes and
         attributes (:func:`spmdkit.graph.out_shapes.expected_output_shapes`; axes whose size the
         op does not fix, e.g. nonzero's count, are not compared)."""
+        from spmdkit.engine.signature import coerce_attr
         from spmdkit.graph.out_shapes import expected_output_shapes
-        from spmdkit.rules.registry import coerce_attr
 
         values: dict[str, Any] = {}
         for p in rule.forward.params:
@@ -370,7 +370,7 @@ class Program:
         to an input axis (``ShapeMismatchError``), so it is called once with every tensor
         replicated. Rules without a backward mode, and ops with an output the program does
         not keep (``null``), are not checked this way (docs/graph.md)."""
-        from spmdkit.rules.registry import is_reverse
+        from spmdkit.engine.registry import is_reverse
 
         if not is_reverse(rule) or any(o is None for o in out_refs):
             return  # a grad rule in the backward slot (cummax's) does not take the op's outputs
@@ -500,7 +500,7 @@ def op_layout(op: Op, mode: str = "forward") -> list[tuple[str, Any]]:
     or None), ``("vec", names)`` (a vector parameter) or ``("a", value)`` (an attribute: the
     op's, or the rule's default). In backward (reverse) mode the rule's output parameters take
     the op's outputs in order."""
-    from spmdkit.rules.registry import get_rule, output_params
+    from spmdkit.engine.registry import get_rule, output_params
 
     rule = get_rule(op.rule)
     m = rule.mode(mode)
@@ -538,7 +538,7 @@ def layout_args(layout: Sequence[tuple[str, Any]], get: Callable[[str], DistTens
 def call_rule(prog: Program, op: Op, attrs: Mapping[str, TensorDistAttr | None], mesh: ProcessMesh,
               mode: str = "forward") -> SpmdResult:
     """The op's rule in ``mode`` on its tensors (replicated where ``attrs`` has none)."""
-    from spmdkit.rules.registry import get_rule
+    from spmdkit.engine.registry import get_rule
 
     def get(name: str) -> DistTensorSpec:
         t = prog.tensors[name]

@@ -48,9 +48,9 @@ from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.registry import get_rule, is_reverse
 from spmdkit.graph.program import Op, Program, flat_refs, layout_args, op_layout
 from spmdkit.reshard import CostModel, ReshardPlan, plan_reshard
-from spmdkit.rules.registry import get_rule, is_reverse
 
 MAX_ROUNDS = 4
 

@@ -29,9 +29,9 @@ import numpy as np
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
+from spmdkit.engine.registry import get_rule
 from spmdkit.graph.program import Op, Program, RecordedValue, flat_refs
 from spmdkit.graph.propagate import Plan
-from spmdkit.rules.registry import get_rule
 from spmdkit.sim.mesh import AssembleError, arrays_close, assemble, max_abs_error, nonfinite_count, shard
 from spmdkit.sim.ops import Ctx, Reference, get_reference
 

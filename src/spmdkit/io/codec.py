@@ -12,7 +12,8 @@ from spmdkit.core.dist_attr import ReduceType, TensorDistAttr
 from spmdkit.core.errors import CaseFormatError, InternalError, SpmdError, bounded
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import ArgDistAttr, DistTensorSpec, SpmdResult
-from spmdkit.rules.registry import Mode, Rule, get_rule
+from spmdkit.engine.registry import Rule, get_rule
+from spmdkit.engine.signature import Mode
 
 
 @dataclass(frozen=True)

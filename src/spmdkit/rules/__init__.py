@@ -7,7 +7,7 @@ module of this package (one per later op family) is imported after them, by name
 import pkgutil
 from importlib import import_module
 
-from spmdkit.rules.registry import (
+from spmdkit.engine.registry import (
     Rule,
     all_rules,
     clear_cache,
@@ -31,7 +31,7 @@ RULE_MODULES = (
 )
 
 _LATER = sorted(m.name for m in pkgutil.iter_modules(__path__)
-                if m.name not in RULE_MODULES and m.name != "registry" and not m.name.startswith("_"))
+                if m.name not in RULE_MODULES and not m.name.startswith("_"))
 
 for _m in (*RULE_MODULES, *_LATER):
     import_module(f"spmdkit.rules.{_m}")

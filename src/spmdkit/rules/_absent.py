@@ -17,7 +17,7 @@ from typing import Any
 
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.rules.registry import parse_signature
+from spmdkit.engine.signature import parse_signature
 
 _make = TensorDistAttr.unchecked
 

@@ -44,8 +44,8 @@ from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.axes import make_attr, normalize_axis
 from spmdkit.engine.compile import Plan, compile_plan, infer
 from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, fast_result, letters_for, named_mesh
+from spmdkit.engine.registry import register
 from spmdkit.rules._common import check_same_ndim, check_same_shape
-from spmdkit.rules.registry import register
 
 Shape = tuple[int, ...]
 

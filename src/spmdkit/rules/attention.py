@@ -44,7 +44,6 @@ kernel is the forward kernel with sin negated).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -54,8 +53,9 @@ from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.axes import make_attr, one_mesh_dim
 from spmdkit.engine.declare import Answer, Way, generate
 from spmdkit.engine.notation import BROADCAST, Notation, fast_result
+from spmdkit.engine.registry import register
+from spmdkit.engine.signature import reverse_signature
 from spmdkit.rules._absent import zero_d_absent
-from spmdkit.rules.registry import register, reverse_signature
 
 Shape = tuple[int, ...]
 
@@ -164,7 +164,7 @@ def fa_notation(kind: str, fso: int, mask: int, unit: int, *ranks: int) -> Notat
 
 
 #: the head axis of each flash_attention tensor that has one
-_HEADS = {"q": 2, "k_": 2, "v": 2, "out": 2, "out_grad": 2, "softmax": 1, "softmax_lse": 1, "attn_mask": 1}
+_HEADS = {"q": 2, "k": 2, "v": 2, "out": 2, "out_grad": 2, "softmax": 1, "softmax_lse": 1, "attn_mask": 1}
 
 
 def _grouped_heads(fn: Callable[..., SpmdResult], signature: str) -> Callable[..., SpmdResult]:
@@ -173,11 +173,11 @@ def _grouped_heads(fn: Callable[..., SpmdResult], signature: str) -> Callable[..
     drops it before the merge, leaving the mesh dim free for the batch axis (Paddle checks
     only k's own mesh dim). What the merge then gives divides hk: every rank holds whole kv
     heads for its q heads."""
-    from spmdkit.rules.registry import parse_signature
+    from spmdkit.engine.signature import parse_signature
 
     names = [p.name for p in parse_signature(signature)]
     heads = [(i, _HEADS[n]) for i, n in enumerate(names) if n in _HEADS]
-    qi, ki = names.index("q"), names.index("k_")
+    qi, ki = names.index("q"), names.index("k")
 
     def call(*args: Any) -> SpmdResult:
         if len(args) <= max(qi, ki) or len(args[qi].shape) != 4 or len(args[ki].shape) != 4:
@@ -232,44 +232,38 @@ def _reverse_signature(forward: str, outputs: str) -> str:
     return head.replace(" = None", "") + outputs.split(":")[0] + ":" + tail
 
 
-def _k_(signature: str) -> str:
-    """The signature with the tensor ``k`` spelled ``k_``: the generated function keeps its key in
-    a local ``k`` (engine/declare), which must not hide the tensor."""
-    return re.sub(r"\bk: T", "k_: T", signature)
-
-
 _ENV = {"_fa": _fa}
 _FA_ATTRS = "dropout: float = 0.0, causal: bool = False, return_softmax: bool = False, is_test: bool = False"
 _FA_FWD = "q: T, k: T, v: T, fixed_seed_offset: T? = None, attn_mask: T? = None, " + _FA_ATTRS
 _FA_OUTS = "out: T, softmax: T?, softmax_lse: T?, seed_offset: T?"
 _FA_KEY = "fixed_seed_offset, attn_mask, ones(attn_mask)"
-_FA = Way(lambda *k: fa_notation("forward", *k), key=_FA_KEY, check="_fa(_OP, q, k_, v, attn_mask, dropout)",
+_FA = Way(lambda *k: fa_notation("forward", *k), key=_FA_KEY, check="_fa(_OP, q, k, v, attn_mask, dropout)",
           env=_ENV, post=_fa_seed, wrap=_wrap(("fixed_seed_offset", "attn_mask")),
           paddle="FlashAttInferSpmdStatic",
           doc="flash_attention (FlashAttInferSpmdStatic): batch and heads sharded, the rest replicated.")
 # of the outputs, only softmax may be absent (where return_softmax is false: the op makes it
 # only when asked); softmax_lse and seed_offset always exist
 _FA_REV = Way(lambda *k: fa_notation("reverse", *k), key=_FA_KEY + ", softmax, softmax_lse, seed_offset", env=_ENV,
-              check="_fa(_OP, q, k_, v, attn_mask, dropout, out=out, softmax_lse=softmax_lse, softmax=softmax)",
+              check="_fa(_OP, q, k, v, attn_mask, dropout, out=out, softmax_lse=softmax_lse, softmax=softmax)",
               post=_fa_split, paddle="FlashAttInferSpmdReverse",
               wrap=_wrap(("fixed_seed_offset", "attn_mask", ("softmax", lambda args: not args[11])),
                          outputs=("out", "softmax", "softmax_lse", "seed_offset")),
               doc="flash_attention (FlashAttInferSpmdReverse): q, k, v from out and softmax_lse; the outputs "
                   "returned are those the inferred inputs produce.")
 register(
-    "flash_attention", generate("flash_attention", _k_(_FA_FWD), _FA, name="flash_attention_forward"), _FA_FWD,
+    "flash_attention", generate("flash_attention", _FA_FWD, _FA, name="flash_attention_forward"), _FA_FWD,
     # generated over all the tensors in the forward direction (it merges v and softmax_lse only)
-    generate("flash_attention", _k_(_reverse_signature(_FA_FWD, _FA_OUTS)), _FA_REV, name="flash_attention_backward"),
+    generate("flash_attention", _reverse_signature(_FA_FWD, _FA_OUTS), _FA_REV, name="flash_attention_backward"),
     kind="reverse", outputs=_FA_OUTS, forward_name=_FA.paddle, backward_name=_FA_REV.paddle,
 )  # fmt: skip
 _FA_GRAD_SIG = ("q: T, k: T, v: T, out: T, softmax_lse: T, seed_offset: T?, attn_mask: T?, out_grad: T, "
                 "dropout: float = 0.0, causal: bool = False")
 _FA_GRAD = Way(lambda *k: fa_notation("grad", 0, *k), key="attn_mask, ones(attn_mask), seed_offset", env=_ENV,
-               check="_fa(_OP, q, k_, v, attn_mask, dropout, out=out, out_grad=out_grad, softmax_lse=softmax_lse)",
+               check="_fa(_OP, q, k, v, attn_mask, dropout, out=out, out_grad=out_grad, softmax_lse=softmax_lse)",
                wrap=_wrap(("seed_offset", "attn_mask")), paddle="FlashAttGradInferSpmd",
                doc="flash_attention_grad (FlashAttGradInferSpmd): q_grad, k_grad, v_grad sharded as q, k, v (batch "
                    "and heads only).")
-register("flash_attention_grad", generate("flash_attention_grad", _k_(_FA_GRAD_SIG), _FA_GRAD), _FA_GRAD_SIG,
+register("flash_attention_grad", generate("flash_attention_grad", _FA_GRAD_SIG, _FA_GRAD), _FA_GRAD_SIG,
          forward_name=_FA_GRAD.paddle)
 
 
@@ -374,22 +368,22 @@ _ROPE_OUTS = "out_q: T, out_k: T? = None, out_v: T? = None"
 _ROPE_GRAD = ("sin: T?, cos: T?, position_ids: T?, out_q_grad: T, out_k_grad: T? = None, out_v_grad: T? = None, "
               + _ROPE_ATTRS)
 _ROPE_CHECK = "_rope(_OP, {q!r}, {q}, [({kn!r}, {k}), ({v!r}, {v})], sin, cos, position_ids, time_major)"
-_ROPE = Way(lambda *k: rope_notation("forward", *k), key="k_, v, sin, position_ids, bool(time_major)", env=_ENV_R,
-            check=_ROPE_CHECK.format(q="q", kn="k", k="k_", v="v"), post=_rope_post,
-            wrap=_wrap(("k_", "v", "sin", "cos", "position_ids"), gqa=False), paddle="FusedRopeInferSpmd",
+_ROPE = Way(lambda *k: rope_notation("forward", *k), key="k, v, sin, position_ids, bool(time_major)", env=_ENV_R,
+            check=_ROPE_CHECK.format(q="q", kn="k", k="k", v="v"), post=_rope_post,
+            wrap=_wrap(("k", "v", "sin", "cos", "position_ids"), gqa=False), paddle="FusedRopeInferSpmd",
             doc="fused_rotary_position_embedding (FusedRopeInferSpmd): q, k, v and the outputs alike; head_dim "
                 "replicated, seq_len sharded only with sin/cos and without position_ids.")
-_ROPE_REV = Way(lambda *k: rope_notation("reverse", *k), key="k_, v, sin, position_ids, bool(time_major)", env=_ENV_R,
-                check="_rev(_OP, q, k_, v, out_q, out_k, out_v, time_major); "
+_ROPE_REV = Way(lambda *k: rope_notation("reverse", *k), key="k, v, sin, position_ids, bool(time_major)", env=_ENV_R,
+                check="_rev(_OP, q, k, v, out_q, out_k, out_v, time_major); "
                       + _ROPE_CHECK.format(q="out_q", kn="out_k", k="out_k", v="out_v"),
                 post=_rope_post, paddle="FusedRopeInferSpmdReverse",
-                wrap=_wrap(("k_", "v", "sin", "cos", "position_ids", "out_k", "out_v"), gqa=False),
+                wrap=_wrap(("k", "v", "sin", "cos", "position_ids", "out_k", "out_v"), gqa=False),
                 doc="fused_rotary_position_embedding (FusedRopeInferSpmdReverse): the inputs from out_q, out_k, "
                     "out_v; the outputs are what the inputs produce.")
 register(
-    "fused_rotary_position_embedding", generate("fused_rotary_position_embedding", _k_(_ROPE_FWD), _ROPE, name="fused_rope"),
+    "fused_rotary_position_embedding", generate("fused_rotary_position_embedding", _ROPE_FWD, _ROPE, name="fused_rope"),
     _ROPE_FWD,
-    generate("fused_rotary_position_embedding", _k_(_reverse_signature(_ROPE_FWD, _ROPE_OUTS)), _ROPE_REV, "backward",
+    generate("fused_rotary_position_embedding", _reverse_signature(_ROPE_FWD, _ROPE_OUTS), _ROPE_REV, "backward",
              ("out_q", "out_k", "out_v"), name="fused_rope_reverse"),
     kind="reverse", outputs=_ROPE_OUTS, aliases=("fused_rope",), forward_name=_ROPE.paddle,
     backward_name=_ROPE_REV.paddle,

@@ -68,7 +68,8 @@ from spmdkit.engine.axes import largest_mesh_dim, mesh_size, replicated
 from spmdkit.engine.compile import Plan, compile_plan, infer
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, fast_result, named_mesh
-from spmdkit.rules.registry import parse_signature, register
+from spmdkit.engine.registry import register
+from spmdkit.engine.signature import parse_signature
 
 _SUM = ReduceType.SUM
 _make = TensorDistAttr.unchecked

@@ -39,8 +39,8 @@ from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.compile import Plan, compile_plan, infer
 from spmdkit.engine.notation import ALPHABET, Notation, common_mesh, fast_result
+from spmdkit.engine.registry import register
 from spmdkit.rules._common import check_int, forward_largest, op_rule, reverse_largest
-from spmdkit.rules.registry import register
 
 # batch letters of the ids: the alphabet without the weight's j (vocab) and k (hidden)
 _BATCH = "abcdefghilmnopqrstuvwxyz"

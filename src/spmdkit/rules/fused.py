@@ -39,9 +39,9 @@ from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import make_attr
 from spmdkit.engine.declare import Answer, Way, declare, generate
 from spmdkit.engine.notation import BROADCAST, Notation, letters_for
+from spmdkit.engine.registry import register
 from spmdkit.rules._absent import zero_d_absent
 from spmdkit.rules._common import check_like
-from spmdkit.rules.registry import register
 
 
 def binary(n_in: int, outs: int, nd: int, y: int, unit: int, seed: int = -2) -> Notation:

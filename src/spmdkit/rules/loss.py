@@ -74,8 +74,8 @@ from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.axes import make_attr, normalize_axis, one_mesh_dim, unpartial
 from spmdkit.engine.declare import Answer, Way, declare, generate
 from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, fast_result
+from spmdkit.engine.registry import register
 from spmdkit.rules._common import check_bool, check_int, check_ndim
-from spmdkit.rules.registry import register
 
 # -- checks (the engine names the op where a message lacks it) -----------------------------------
 

@@ -66,8 +66,8 @@ from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.axes import normalize_axis, reduced_axes
 from spmdkit.engine.compile import Plan, compile_plan, infer
 from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, fast_result, named_mesh
+from spmdkit.engine.registry import register
 from spmdkit.rules._common import check_same_shape, replicated_plan
-from spmdkit.rules.registry import register
 
 Shape = tuple[int, ...]
 

@@ -69,8 +69,8 @@ from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.axes import make_attr, normalize_axis, numel, reduced_axes
 from spmdkit.engine.compile import Plan, compile_plan, infer
 from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, fast_result, letters_for, with_partial
+from spmdkit.engine.registry import register
 from spmdkit.rules._common import axis_plan
-from spmdkit.rules.registry import register
 
 Shape = tuple[int, ...]
 

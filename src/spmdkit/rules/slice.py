@@ -51,7 +51,7 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.compile import Plan, compile_plan, infer
 from spmdkit.engine.notation import BROADCAST, Notation, common_mesh, fast_result, letters_for
-from spmdkit.rules.registry import register
+from spmdkit.engine.registry import register
 
 Shape = tuple[int, ...]
 T = DistTensorSpec

@@ -50,7 +50,7 @@ from spmdkit.engine.axes import replicated
 from spmdkit.engine.compile import Plan, compile_plan, infer
 from spmdkit.engine.notation import Notation, common_mesh, letters_for
 from spmdkit.engine.notation import fast_result as _fast_result
-from spmdkit.rules.registry import register
+from spmdkit.engine.registry import register
 
 Shape = tuple[int, ...]
 #: fast_result for answers holding vector (tuple) arguments

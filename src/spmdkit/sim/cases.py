@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from spmdkit.rules.registry import is_reverse, output_params
+from spmdkit.engine.registry import is_reverse, output_params
 from spmdkit.sim.ops import REDUCE_BASE_TYPES, REDUCTIONS, Ctx, Reference, get_reference
 
 Shape = tuple[int, ...]
@@ -491,7 +491,7 @@ def _layout(params: Any, values: dict[str, Any]) -> list[Any] | None:
 
 def generate_case(rule_name: str, mode: str, seed: int, index: int) -> dict[str, Any] | None:
     """Case ``index`` of a rule and mode (None when no generator covers the rule's parameters)."""
-    from spmdkit.rules.registry import get_rule
+    from spmdkit.engine.registry import get_rule
 
     rule = get_rule(rule_name)
     ref, reverse = mode_reference(rule, mode)

@@ -42,7 +42,8 @@ from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import SpmdError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec
-from spmdkit.rules.registry import Mode, Param, Rule, all_rules
+from spmdkit.engine.registry import Rule, all_rules
+from spmdkit.engine.signature import Mode, Param
 
 _MESH_SHAPES: tuple[tuple[int, ...], ...] = (
     (1,), (2,), (3,), (4,), (8,), (1, 1), (2, 2), (2, 3), (3, 1), (1, 4), (2, 2, 2), (4, 1, 2), (2, 1, 1, 2),

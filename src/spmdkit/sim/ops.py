@@ -100,7 +100,7 @@ def register_reference(ref: Reference, *aliases: str) -> Reference:
 
 def get_reference(name: str) -> Reference | None:
     """The reference for a rule name (or any alias of that rule), None if there is none."""
-    from spmdkit.rules.registry import by_rule_name
+    from spmdkit.engine.registry import by_rule_name
 
     return by_rule_name(REFERENCES, name)
 
