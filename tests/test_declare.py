@@ -8,7 +8,7 @@ import random
 import pytest
 
 from spmdkit.core.dist_attr import ReduceType, TensorDistAttr
-from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError, ShapeMismatchError
+from spmdkit.core.errors import InvalidArgumentError, InvalidAttributeError, InvalidMeshError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.compile import compile_plan, infer, traced
@@ -138,8 +138,8 @@ def test_bad_declarations_rejected() -> None:
         generate("op", "x: T", Way(_rowwise, same=[("x", "z")]))
     with pytest.raises(ValueError, match="single tensor"):
         generate("op", "x: T, xs: [T]", Way(_rowwise, same=[("x", "xs")]))
-    with pytest.raises(ValueError, match="first inputs"):
-        generate("op", "x: T, y: T", Way(_rowwise, mask=("y",)))
+    with pytest.raises(ValueError, match="inputs' order"):
+        generate("op", "x: T, y: T", Way(_rowwise, mask=("y", "x")))
     with pytest.raises(ValueError, match="not both"):
         declare("never_registered", "x: T", Way(_rowwise), reverse=Way(_rowwise), grad=Way(_rowwise),
                 outputs="out: T", grad_signature="x: T, out_grad: T")  # fmt: skip
@@ -194,6 +194,71 @@ def test_lists_of_tensors() -> None:
     assert [a.dims_mapping for a in r.outputs[0]] == [(0, -1), (0, -1)]  # type: ignore[union-attr]
     with pytest.raises(ShapeMismatchError, match=r"splitish: axis sizes disagree: x has 4 and out\[1\] has 5"):
         g(t([4, 6], [-1, -1]), [t([4, 6], [0, -1]), t([5, 6], [-1, -1])])
+
+
+def test_tail_nonempty_pre_and_out_shapes() -> None:
+    """``tail``: every tensor an input of the notation, the answer's outputs absent labelled
+    tensors (int) or the tensors from a parameter on (name), never partial; ``nonempty`` and
+    ``pre`` run before the mesh is read; ``out_shapes`` reaches a flatten letter's sizes."""
+
+    def upd(nd: int, *given: bool) -> Notation:  # x, lr (replicated), then the reverse's out, then x_out, lr_out
+        a = letters_for(nd)
+        src = [2] if given else [0]
+        return Notation([a, "1", *([a] if given else []), a, "1"], [], sources=src)
+
+    f = generate("upd", "x: T, lr: T", Way(upd, key="x", tail=2), name="upd")
+    r = f(t([4, 6], [0, 1], ), t([1], [0]))
+    assert [a.dims_mapping for a in r.inputs] == [(0, 1), (-1,)]
+    assert [(a.dims_mapping, a.partial) for a in r.outputs] == [((0, 1), ()), ((-1,), ())]  # not partial
+    g = generate("upd", "x: T, lr: T, x_out: T", Way(upd, key="x, True", tail=2), "backward", ["x_out"])
+    r = g(t([4, 6], [-1, -1]), t([1], [-1]), t([4, 6], [1, -1]))
+    assert [a.dims_mapping for a in r.inputs] == [(1, -1), (-1,)]  # merged from x_out alone
+    assert [a.dims_mapping for a in r.outputs] == [(1, -1), (-1,)]
+
+    def batch(ins: tuple[int, ...], outs: tuple[int, ...]) -> Notation:
+        return Notation([None if k < 0 else "b" + "1" * (k - 1) for k in ins + outs], [], sources=range(len(ins)))
+
+    h = generate("dp", "ins: [T?], outs: [T?]", Way(batch, key="ins, outs", tail="outs", nonempty=("ins", "outs")))
+    r = h([t([8, 2], [0, 1]), None], [t([8], [-1])])
+    assert r.inputs == (r.inputs[0], None) and r.inputs[0].dims_mapping == (0, -1)  # type: ignore[union-attr]
+    assert r.outputs[0].dims_mapping == (0,)  # type: ignore[union-attr]
+    with pytest.raises(InvalidArgumentError, match="dp: ins and outs hold no tensor"):
+        h([None], [])
+
+    def seen(equation: str) -> None:
+        raise InvalidAttributeError(f"equation {equation!r} names no operand")
+
+    e = generate("ein", "x: [T], eq: str", Way(lambda r: Notation(["a"] * len(r), ["a"]), key="x",
+                                               pre="if not x: _seen(eq)", env={"_seen": seen}))  # fmt: skip
+    with pytest.raises(InvalidAttributeError, match="ein: equation 'i' names no operand"):
+        e([], "i")
+
+    def view(n: int) -> Notation:  # x (a, b) -> out (a*b): a co-sharded over a's and b's mesh dims
+        return Notation(["ab"], ["a"], flatten=["ab"])
+
+    v = generate("flat", "x: T", Way(view, key="x", out_shapes="((x.shape[0] * x.shape[1],),)"))
+    assert v(t([8, 8], [0, 1])).outputs[0].dims_mapping == ((0, 1),)  # type: ignore[union-attr]
+    w = generate("flat", "x: T", Way(view, key="x", out_shapes="((4,),)"))  # out's size counts: 8 does not divide 4
+    assert w(t([8, 8], [0, 1])).outputs[0].dims_mapping == (0,)  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="tail 'zs' is not a tensor"):
+        generate("bad", "x: T", Way(_rowwise, tail="zs"))
+    with pytest.raises(ValueError, match="nonempty 'x' is not a list"):
+        generate("bad", "x: T", Way(_rowwise, nonempty=("x",)))
+
+
+def test_mask_may_skip_an_input() -> None:
+    """A masked tensor after an unmasked one: 0 in the key's mask for the skipped input."""
+    got: list[tuple[int, ...]] = []
+
+    def nt(nx: int, mask: tuple[int, ...]) -> Notation:
+        got.append(mask)
+        a = letters_for(nx)
+        return Notation([a, None, a], [a], size1="broadcast")
+
+    f = generate("skip", "x: T, z: T?, y: T", Way(nt, key="x", mask=("x", "y")))
+    r = f(t([4, 1], [0, 1]), None, t([4, 1], [-1, -1]))
+    assert got == [(2, 0, 2)]
+    assert r.inputs[0].dims_mapping == (0, -1)  # type: ignore[union-attr]
 
 
 def test_parameters_named_like_the_generated_locals_are_not_hidden() -> None:

@@ -27,12 +27,14 @@ from spmdkit.rules import (
     default,
     elementwise,
     embedding,
+    linalg,
     matmul,
     norm,
     optimizer,
     softmax,
     split_concat,
     transpose,
+    view,
 )
 from spmdkit.rules import slice as slice_rules
 
@@ -220,17 +222,29 @@ def _rule_plans() -> list[tuple[Plan, str]]:
     # and the optimizers' vote over every answered tensor
     for ranks in ((2, 3), (1, 2, 0), (3,)):
         for how in ("forward", "backward"):
-            plans.append((default._plan(ranks, (2, 1), how), "forward"))
+            plans.append((compile_plan(default.notation(how, ranks, (2, 1))), "forward"))
         for op in ("check_finite_and_unscale", "update_loss_scaling"):
-            plans.append((amp._plan(op, ranks, (1,) * (1 if op.startswith("check") else 4), False), "forward"))
-            plans.append((amp._plan(op, ranks, (1,) * (1 if op.startswith("check") else 4), True), "forward"))
-    plans.append((optimizer._plan(2, (-2, 1, -2, -1), (-2, -1), 2, (6, 7)), "forward"))
-    plans.append((optimizer._plan(3, (-2, 1, -2, -2), (-2, -2), 0, (0, 2)), "forward"))
+            for reverse in (False, True):
+                nt = amp.notation(op, reverse, ranks, *(1,) * (1 if op.startswith("check") else 4))
+                plans.append((compile_plan(nt), "forward"))
+    plans.append((compile_plan(optimizer.notation(2, 1, False, -2, -2, False, -1, False, True, False)), "forward"))
+    plans.append((compile_plan(optimizer.notation(3, 1, False, -2, -2, True, -1, False)), "forward"))
+    adam_rev = optimizer.notation(2, 1, True, 1, 1, True, 1, True, True, True, True, True, False, False, True)
+    plans.append((compile_plan(adam_rev), "forward"))
     for a, b in (((6, 12, 48, 24), (1, 72, 48, 4, 6)), ((8, 16, 4), (512,)), ((4, 1, 8), (32,)), ((24,), (2, 3, 4)),
                  ((2, 3, 4), (6, 4)), ((1, 8), (8, 1))):  # the view rules' plans (and their reverse)
         for keep in (True, False):
             plans.append((view_plan(len(a), reshape_links(a, b), keep), "forward"))
             plans.append((view_plan(len(b), reshape_links(b, a), keep, True), "backward"))
+        plans.append((compile_plan(view.grad_notation(len(b), reshape_links(b, a))), "forward"))
+    # linalg: the gemm family on matmul's notations (the third tensor unlabelled), flpga, einsum_grad
+    for nx, tx, ty in ((2, False, False), (3, True, False), (3, False, True)):
+        for kind, direction in (("forward", "forward"), ("reverse", "backward")):
+            plans.append((compile_plan(linalg.gemm_notation(kind, nx, 2, tx, ty, (0, 0)), direction, (0, 0)), direction))
+        plans.append((compile_plan(linalg.gemm_notation("grad", nx, 2, tx, ty, (0, 0, 0, 0)), "forward", (0, 0, 0, 0)),
+                      "forward"))
+        plans.append((compile_plan(linalg.flpga_notation(nx, (0, 0)), "forward", (0, 0)), "forward"))
+    plans.append((compile_plan(linalg.einsum_notation("ij,jk->ik", ((4, 6), (6, 8)), True, (2, -1))), "forward"))
 
     for nd in (1, 2, 3, 4):  # split_concat.py: pieces, reverse pieces, joins
         for axis in range(nd):

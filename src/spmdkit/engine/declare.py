@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spmdkit.core.dist_attr import TensorDistAttr
-from spmdkit.core.errors import InvalidMeshError, ShapeMismatchError, SpmdError
+from spmdkit.core.errors import InvalidArgumentError, InvalidMeshError, ShapeMismatchError, SpmdError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.compile import Plan, compile_plan, infer
 from spmdkit.engine.notation import Notation, check_letters, common_mesh, fast_result, named_mesh
@@ -59,9 +59,10 @@ class Way:
     * ``key``: comma-separated expressions over the mode's parameters (see the module
       docstring; default: the ranks of all its tensors), or a callable taking the mode's
       arguments and returning the key tuple;
-    * ``mask``: tensors (the notation's first inputs, in order) whose size-1 axes key the
-      plan: their bit masks (``ones(t)``) are the key's last item, passed to the notation
-      function last and to :func:`~spmdkit.engine.compile.compile_plan` as its ``mask``
+    * ``mask``: tensors (inputs of the notation, in order) whose size-1 axes key the
+      plan: their bit masks (``ones(t)``; 0 for an input between them not named) are the key's
+      last item, passed to the notation function last and to
+      :func:`~spmdkit.engine.compile.compile_plan` as its ``mask``
       (for ``size1="broadcast"``);
     * ``same``: pairs of tensor names that must have one shape (sizes -1 match anything;
       checked after ``check``); every tensor must lie on the first tensor's mesh (checked
@@ -76,6 +77,21 @@ class Way:
     * ``env``: names the ``key`` expressions may use besides the parameters and ``ones``;
     * ``wrap(fn, signature, outputs) -> fn``: what :func:`declare` registers in place of the
       generated function (a 0-D optional tensor read as absent: ``rules._absent.zero_d_absent``);
+    * ``out_shapes``: an expression over the parameters (and ``env``) giving the outputs'
+      shapes, passed to :func:`~spmdkit.engine.compile.infer` in the forward direction (a
+      ``flatten`` letter on an output needs its sizes there: the view rules);
+    * ``tail``: every tensor of the call (a reverse rule's outputs too) is an input of the
+      notation, compiled forward (its ``sources`` name the merged ones), and the answer's
+      outputs are, for an int ``k``, the attrs of ``k`` absent tensors the notation labels
+      after the call's (so never partial: the optimizers' outputs; the answer's inputs: the
+      call's tensors less a reverse rule's outputs, which come after them), for a parameter's name,
+      the tensors from that parameter on (the answer's inputs those before it; both flat:
+      default_data_parallel's ``ins`` / ``outs``), then the notation's outputs; ``post``
+      sees that flat answer;
+    * ``nonempty``: list parameters that together must hold a tensor (absent items not
+      counted); else InvalidArgumentError naming them, before the mesh is read;
+    * ``pre``: a statement over the parameters (and ``env``) inlined before the mesh is read
+      (an empty list has no mesh: einsum checks its equation against it first);
     * ``paddle``: Paddle's function name of this mode; ``doc``: the generated function's
       docstring.
     """
@@ -90,6 +106,10 @@ class Way:
     post_if: str = ""
     env: Mapping[str, Any] = field(default_factory=dict)
     wrap: Callable[[Callable[..., SpmdResult], str, Sequence[str]], Callable[..., SpmdResult]] | None = None
+    out_shapes: str = ""
+    tail: int | str = 0
+    nonempty: Sequence[str] = ()
+    pre: str = ""
     paddle: str = ""
     doc: str = ""
 
@@ -201,7 +221,9 @@ def generate(
     kinds = {p.name: p.kind for p in params}
     tensors = [p.name for p in params if p.is_tensor]
     lists = [n for n in tensors if kinds[n] in ("[T]", "[T?]")]
-    outs = list(outputs) if direction == "backward" else []
+    outs = list(outputs) if direction == "backward" and not way.tail else []
+    if isinstance(way.tail, str) and way.tail not in tensors:
+        raise ValueError(f"{op}: tail {way.tail!r} is not a tensor parameter of {signature!r}")
     for n in outs:
         if n not in tensors:
             raise ValueError(f"{op}: output {n!r} is not a tensor parameter of {signature!r}")
@@ -212,14 +234,15 @@ def generate(
     for n in way.mask:
         if n not in ins or n in lists:
             raise ValueError(f"{op}: mask tensor {n!r} is not a single input of the notation")
-    if list(way.mask) != ins[: len(way.mask)]:
-        raise ValueError(f"{op}: mask tensors {list(way.mask)} must be the first inputs {ins[: len(way.mask)]}")
+    masked = ins[: max((ins.index(n) + 1 for n in way.mask), default=0)]  # 0 for an input not named
+    if [n for n in masked if n in way.mask] != list(way.mask):
+        raise ValueError(f"{op}: mask tensors {list(way.mask)} must be in the inputs' order {ins}")
 
     ns: dict[str, Any] = {
         "_OP": op, "_NAMES": tuple(tensors), "_infer": infer, "_result": fast_result, "_E": SpmdError,
         "_renamed": renamed, "_named_mesh": named_mesh, "_same": same_shape, "_ones": ones, "ones": ones,
         "_check": way.check, "_post": way.post, "_letters": check_letters, "_list_mesh": _list_mesh,
-        "_list_names": _list_names, **way.env,
+        "_list_names": _list_names, "_IAE": InvalidArgumentError, **way.env,
     }  # fmt: skip
     args = []
     for i, p in enumerate(params):
@@ -230,6 +253,9 @@ def generate(
             args.append(f"{p.name}=_d{i}")
     lines = [f"def {name or op}({', '.join(args)}):", "    try:"]
     emit = lines.append
+
+    def flat(names: list[str]) -> str:
+        return "(" + "".join(f"*{n}, " if n in lists else f"{n}, " for n in names) + ")"
 
     def rank(n: str) -> str:
         if n in lists:
@@ -245,6 +271,18 @@ def generate(
             return f"(_ones({n}) if {n} is not None and 1 in {n}.shape else 0)"
         return f"(_ones({n}) if 1 in {n}.shape else 0)"
 
+    if way.nonempty:
+        for n in way.nonempty:
+            if n not in lists:
+                raise ValueError(f"{op}: nonempty {n!r} is not a list parameter")
+        if len(way.nonempty) == 1 and kinds[way.nonempty[0]] == "[T]":
+            cond, what = f"not {way.nonempty[0]}", f"{way.nonempty[0]} must hold at least one tensor"
+        else:
+            cond = f"all(t is None for t in {flat(list(way.nonempty))})"
+            what = f"{' and '.join(way.nonempty)} hold no tensor, so no mesh"
+        emit(f"        if {cond}: raise _IAE({what!r})")
+    if way.pre:
+        emit(f"        {way.pre}")
     # one mesh: the first required tensor's (every tensor on it)
     first = next((n for n in tensors if kinds[n] == "T"), None)
     if lists:  # a loop over the lists' items
@@ -283,17 +321,17 @@ def generate(
         items = _split(way.key) if way.key.strip() else list(tensors)
         key_items = [rank(k) if k in tensors else k if k.startswith("*") else fast_ones(k) or f"({k})" for k in items]
     if way.mask:
-        key_items.append("(" + "".join(fast_ones(f"ones({n})") + ", " for n in way.mask) + ")")
+        key_items.append("(" + "".join((fast_ones(f"ones({n})") if n in way.mask else "0") + ", " for n in masked) + ")")
     if len(key_items) == 1 and key_items[0].startswith("*"):
         emit(f"        _k = {key_items[0][1:]}")  # the expression gives the whole key (a tuple)
     else:
         emit(f"        _k = ({''.join(k + ', ' for k in key_items)})")
     emit("        _p = _P.get(_k)")
     emit("        if _p is None: _p = _miss(_k)")
-    def flat(names: list[str]) -> str:
-        return "(" + "".join(f"*{n}, " if n in lists else f"{n}, " for n in names) + ")"
-
     tin, tout = flat(ins), flat(outs)
+    shapes = f", out_shapes={way.out_shapes}" if way.out_shapes and not outs else ""
+    if isinstance(way.tail, int) and way.tail:
+        tin = tin[:-1] + "None, " * way.tail + ")"
     if lists:  # the tensors' names, a list's items as x[0], x[1], ...
         nm = "".join(f"({n!r}, len({n})), " if n in lists else f"({n!r}, -1), " for n in tensors)
         emit(f"        _names = _list_names(({nm}))")
@@ -316,8 +354,19 @@ def generate(
             emit(f"        _letters(_OP, _p.notation.inputs, {tin}, {names})")
         else:
             emit(f"        _letters(_OP, _p.notation.inputs + _p.notation.outputs, {tin} + {tout}, {names})")
-    if lists:
-        emit(f"        _i, _o = _infer(_p, _OP, {tin}, {tout}, _mesh, {names})")
+    if way.tail:
+        given = set(outputs) if direction == "backward" else set()  # a reverse rule's outputs: not answered
+        before = ins[: ins.index(way.tail)] if isinstance(way.tail, str) else [n for n in ins if n not in given]
+        cut = f"len({flat(before)})" if lists else str(len(before))
+        start = cut if isinstance(way.tail, str) else f"-{way.tail}"
+        emit(f"        _i, _o = _infer(_p, _OP, {tin}, (), _mesh, {names}{shapes})")
+        if way.post is None:
+            emit(f"        return _result(_i[:{cut}], _i[{start}:] + _o)")
+        else:
+            emit(f"        _r = _post(_i[:{cut}], _i[{start}:] + _o, {call})")
+            emit("        return _result(tuple(_r[0]), tuple(_r[1]))")
+    elif lists:
+        emit(f"        _i, _o = _infer(_p, _OP, {tin}, {tout}, _mesh, {names}{shapes})")
         emit(f"        _r = {group('_i', ins)}, {group('_o', outs) if any(n in lists for n in outs) else '_o'}")
         if way.post is not None:
             if way.post_if:
@@ -327,24 +376,26 @@ def generate(
         else:
             emit("        return _result(*_r)")
     elif way.post is not None:
-        emit(f"        _r = _infer(_p, _OP, {tin}, {tout}, _mesh, _NAMES)")
+        emit(f"        _r = _infer(_p, _OP, {tin}, {tout}, _mesh, _NAMES{shapes})")
         if way.post_if:
             emit(f"        if not ({way.post_if}): return _result(*_r)")
         emit(f"        _r = _post(*_r, {call})")
         emit("        return _result(tuple(_r[0]), tuple(_r[1]))")
     else:
-        emit(f"        return _result(*_infer(_p, _OP, {tin}, {tout}, _mesh, _NAMES))")
+        emit(f"        return _result(*_infer(_p, _OP, {tin}, {tout}, _mesh, _NAMES{shapes}))")
     emit("    except _E as _e:")
     emit("        raise _renamed(_e, _OP) from None")
 
     plans: dict[tuple[Any, ...], Plan] = {}
     notation = way.notation
     has_mask = bool(way.mask)
+    cdir = "forward" if way.tail else direction
 
     def miss(k: tuple[Any, ...]) -> Plan:
         """The plan of key ``k``, compiled and kept (its notation's errors raised as they come)."""
         nt = notation(*k)
-        p = compile_plan(nt, direction, k[-1] if has_mask else ())
+        mask = k[-1] + (0,) * (len(nt.inputs) - len(k[-1])) if has_mask else ()  # every input's
+        p = compile_plan(nt, cdir, mask)
         if len(plans) >= PLAN_LIMIT:
             plans.clear()
         plans[k] = p

@@ -20,167 +20,111 @@ inputs produce.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import lru_cache
+from functools import partial
+from typing import Any
 
 from spmdkit.core.dist_attr import ReduceType
-from spmdkit.core.errors import InvalidArgumentError, InvalidAttributeError, ShapeMismatchError
-from spmdkit.core.mesh import ProcessMesh
-from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.compile import Plan, compile_plan, infer
-from spmdkit.engine.notation import BROADCAST, Notation, fast_result, named_mesh
-from spmdkit.engine.registry import register
+from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
+from spmdkit.core.spec import DistTensorSpec
+from spmdkit.engine.declare import Answer, Way, declare
+from spmdkit.engine.notation import BROADCAST, Notation
 from spmdkit.rules._common import check_int
 
-# -- check_finite_and_unscale / update_loss_scaling -------------------------------------------------
-
 _CFU = "check_finite_and_unscale"
+_ULS = "update_loss_scaling"
 
 
-def _letters(ranks: tuple[int, ...]) -> list[str]:
-    """Distinct letters for tensors that share no axis (any number of them: past the alphabet)."""
-    out, k = [], 0
-    for r in ranks:
-        out.append("".join(chr(0x100 + k + i) for i in range(r)))
-        k += r
-    return out
-
-
-@lru_cache(maxsize=1024)
-def _plan(op: str, ranks: tuple[int, ...], states: tuple[int, ...], reverse: bool) -> Plan:
+def notation(op: str, reverse: bool, ranks: tuple[int, ...], *states: int) -> Notation:
     """``xs..., states... [, out...] [, new states...] -> [found_infinite]``: each x its own
     letters (``taken="keep"``: the xs are updated one by one, so two of them may shard one mesh
-    dim), the [1] states ``1``. check_finite_and_unscale's found_infinite lacks every x letter:
-    partial MAX over the mesh dims of the xs (a rank's flag covers its own shards);
-    update_loss_scaling's new state (read from the replicated state alone) is labelled among the
-    inputs, so it is never partial. The reverse merges the outs alone (``sources``); every out is
-    its x, updated in place."""
-    xs = _letters(ranks)
-    n = len(xs) + len(states)
-    ins = [*xs, *(BROADCAST * r for r in states), *(xs if reverse else ())]
-    outs = [BROADCAST] if op == _CFU else []
+    dim; letters past the alphabet: the xs share no axis), the [1] states ``1``.
+    check_finite_and_unscale's found_infinite lacks every x letter: partial MAX over the mesh
+    dims of the xs (a rank's flag covers its own shards); update_loss_scaling's new state (read
+    from the replicated state alone) is labelled among the inputs (absent: ``Way.tail``), so it
+    is never partial. The reverse merges the outs alone (``sources``); every out is its x,
+    updated in place (the given found_infinite / new state unlabelled)."""
+    xs, k = [], 0
+    for r in ranks:
+        xs.append("".join(chr(0x100 + k + i) for i in range(r)))
+        k += r
+    ins: list[str | None] = [*xs, *(BROADCAST * r for r in states)]
+    n = len(ins)
+    if reverse:
+        ins += [*xs, *[None] * (1 if op == _CFU else 3)]
     if op != _CFU:
         ins += [BROADCAST] * 3
     src = range(n, n + len(xs)) if reverse else range(len(xs))
-    return compile_plan(Notation(ins, outs, reduce=ReduceType.MAX, taken="keep", sources=src))
+    return Notation(ins, [BROADCAST] if op == _CFU else [], reduce=ReduceType.MAX, taken="keep", sources=src)
 
 
-def _answer(op: str, xs: Sequence[DistTensorSpec], state: Sequence[DistTensorSpec], mesh: ProcessMesh,
-            out: Sequence[DistTensorSpec] = ()) -> SpmdResult:
-    """The plan's answer: (xs, states...) -> (out, found_infinite | the new state)."""
-    n, m = len(xs), len(state)
-    p = _plan(op, tuple(len(t.shape) for t in xs), tuple(len(t.shape) for t in state), bool(out))
-    ins, outs = infer(p, op, (*xs, *state, *out, *((None,) * 3 if op != _CFU else ())), (), mesh)
-    xa = ins[:n]
-    return fast_result((xa, *ins[n : n + m]), (xa, *outs) if op == _CFU else (xa, *ins[-3:]))  # type: ignore[arg-type]
+def _scalar(op: str, *named: tuple[str, DistTensorSpec]) -> None:
+    for name, t in named:
+        if len(t.shape) > 1 or any(s not in (1, -1) for s in t.shape):
+            raise ShapeMismatchError(f"{op}: {name} must hold one element (shape [1]), got {list(t.shape)}")
 
 
-def _scalar_state(op: str, name: str, t: DistTensorSpec) -> None:
-    if len(t.shape) > 1 or any(s not in (1, -1) for s in t.shape):
-        raise ShapeMismatchError(f"{op}: {name} must hold one element (shape [1]), got {list(t.shape)}")
-
-
-def _check_xs(op: str, xs: Sequence[DistTensorSpec], out: Sequence[DistTensorSpec] | None = None,
-              ranks: bool = True) -> None:
-    """xs not empty; or, given ``out``: as many outs as xs (and, with ``ranks``, of their ranks)."""
-    if out is None:
-        if not xs:
-            raise InvalidArgumentError(f"{op}: xs must hold at least one tensor")
-        return
+def _outs(op: str, xs: Sequence[DistTensorSpec], out: Sequence[DistTensorSpec]) -> None:
+    """As many outs as xs, of their ranks."""
     if len(out) != len(xs):
         raise ShapeMismatchError(f"{op}: out has {len(out)} tensors but xs has {len(xs)}")
-    for i, (x, o) in enumerate(zip(xs, out) if ranks else ()):
+    for i, (x, o) in enumerate(zip(xs, out)):
         if len(x.shape) != len(o.shape):
             raise ShapeMismatchError(f"{op}: out[{i}] has {len(o.shape)} dims but xs[{i}] has {len(x.shape)}")
 
 
-def _named(name: str, ts: Sequence[DistTensorSpec]) -> list[tuple[str, DistTensorSpec]]:
-    return [(f"{name}[{i}]", t) for i, t in enumerate(ts)]
-
-
-def cfu_forward(xs: Sequence[DistTensorSpec], scale: DistTensorSpec) -> SpmdResult:
-    """check_finite_and_unscale (CheckFiniteAndUnscaleSpmd): each x keeps its sharding (partial
-    dropped), scale replicated; out as xs, found_infinite partial MAX over the xs' mesh dims."""
-    _check_xs(_CFU, xs)
-    mesh = named_mesh(_CFU, [*_named("xs", xs), ("scale", scale)])
-    _scalar_state(_CFU, "scale", scale)
-    return _answer(_CFU, xs, (scale,), mesh)
-
-
-def cfu_reverse(xs: Sequence[DistTensorSpec], scale: DistTensorSpec, out: Sequence[DistTensorSpec],
-                found_infinite: DistTensorSpec) -> SpmdResult:
-    """check_finite_and_unscale reverse (Paddle has none): each x as its out (partial dropped),
-    scale replicated; the outputs those inputs produce."""
-    _check_xs(_CFU, xs)
-    _check_xs(_CFU, xs, out, ranks=False)
-    mesh = named_mesh(_CFU, [*_named("xs", xs), ("scale", scale), *_named("out", out),
-                             ("found_infinite", found_infinite)])  # fmt: skip
-    _check_xs(_CFU, xs, out)
-    _scalar_state(_CFU, "scale", scale)
-    _scalar_state(_CFU, "found_infinite", found_infinite)
-    return _answer(_CFU, xs, (scale,), mesh, out)
-
-
-def _uls_attrs(op: str, incr_every_n_steps: object, decr_every_n_nan_or_inf: object, incr_ratio: object,
+def _uls_attrs(incr_every_n_steps: object, decr_every_n_nan_or_inf: object, incr_ratio: object,
                decr_ratio: object, stop_update: object) -> None:
-    check_int(op, "incr_every_n_steps", incr_every_n_steps)
-    check_int(op, "decr_every_n_nan_or_inf", decr_every_n_nan_or_inf)
+    check_int(_ULS, "incr_every_n_steps", incr_every_n_steps)
+    check_int(_ULS, "decr_every_n_nan_or_inf", decr_every_n_nan_or_inf)
     for n, v in (("incr_ratio", incr_ratio), ("decr_ratio", decr_ratio)):
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise InvalidAttributeError(f"{op}: {n} must be a number, got {v!r}")
+            raise InvalidAttributeError(f"{_ULS}: {n} must be a number, got {v!r}")
     if not isinstance(stop_update, (bool, int, float)):
-        raise InvalidAttributeError(f"{op}: stop_update must be a bool, got {stop_update!r}")
+        raise InvalidAttributeError(f"{_ULS}: stop_update must be a bool, got {stop_update!r}")
 
 
-_ULS = "update_loss_scaling"
-_STATE = ("found_infinite", "prev_loss_scaling", "in_good_steps", "in_bad_steps")
+def _answer(ins: Any, outs: Any, xs: Sequence[DistTensorSpec], *rest: object) -> Answer:
+    """Paddle's grouping of a flat answer: ``(xs, states...), (out, found_infinite | the new
+    state)``; out is xs (updated in place); found_infinite is the last of ``outs``, the new state
+    its last three."""
+    n = len(xs)
+    xa = tuple(ins[:n])
+    return (xa, *ins[n:]), (xa, *outs[-1 if len(ins) == n + 1 else -3 :])
 
 
-def _uls(xs: Sequence[DistTensorSpec], state: Sequence[DistTensorSpec], extra: Sequence[tuple[str, DistTensorSpec]],
-         out: Sequence[DistTensorSpec] = ()) -> SpmdResult:
-    _check_xs(_ULS, xs)
-    mesh = named_mesh(_ULS, [*_named("xs", xs), *zip(_STATE, state), *extra])
-    for n, t in zip(_STATE, state):
-        _scalar_state(_ULS, n, t)
-    return _answer(_ULS, xs, state, mesh, out)
-
-
-def uls_forward(xs: Sequence[DistTensorSpec], found_infinite: DistTensorSpec, prev_loss_scaling: DistTensorSpec,
-                in_good_steps: DistTensorSpec, in_bad_steps: DistTensorSpec, incr_every_n_steps: int,
-                decr_every_n_nan_or_inf: int, incr_ratio: float, decr_ratio: float,
-                stop_update: object = False) -> SpmdResult:
-    """update_loss_scaling (UpdateLossScalingSpmd): each x keeps its sharding (partial dropped);
-    found_infinite and the loss-scaling state replicated; out as xs, the new state replicated."""
-    _uls_attrs(_ULS, incr_every_n_steps, decr_every_n_nan_or_inf, incr_ratio, decr_ratio, stop_update)
-    return _uls(xs, (found_infinite, prev_loss_scaling, in_good_steps, in_bad_steps), ())
-
-
-def uls_reverse(xs: Sequence[DistTensorSpec], found_infinite: DistTensorSpec, prev_loss_scaling: DistTensorSpec,
-                in_good_steps: DistTensorSpec, in_bad_steps: DistTensorSpec, out: Sequence[DistTensorSpec],
-                loss_scaling: DistTensorSpec, out_good_steps: DistTensorSpec, out_bad_steps: DistTensorSpec,
-                incr_every_n_steps: int, decr_every_n_nan_or_inf: int, incr_ratio: float, decr_ratio: float,
-                stop_update: object = False) -> SpmdResult:
-    """update_loss_scaling reverse (Paddle has none): each x as its out (partial dropped), the
-    state replicated; the outputs those inputs produce."""
-    _uls_attrs(_ULS, incr_every_n_steps, decr_every_n_nan_or_inf, incr_ratio, decr_ratio, stop_update)
-    _check_xs(_ULS, xs, out)
-    extra = (("loss_scaling", loss_scaling), ("out_good_steps", out_good_steps), ("out_bad_steps", out_bad_steps))
-    for n, t in extra:
-        _scalar_state(_ULS, n, t)
-    return _uls(xs, (found_infinite, prev_loss_scaling, in_good_steps, in_bad_steps), (*_named("out", out), *extra),
-                out)
-
-
-_ULS_ATTRS = ("incr_every_n_steps: int, decr_every_n_nan_or_inf: int, incr_ratio: float, decr_ratio: float, "
-              "stop_update: scalar = False")
-register(
-    "check_finite_and_unscale", cfu_forward, "xs: [T], scale: T", cfu_reverse,
-    kind="reverse", outputs="out: [T], found_infinite: T",
-    forward_name="CheckFiniteAndUnscaleSpmd", backward_name="CheckFiniteAndUnscaleSpmdReverse",
+_ENV = {"_scalar": _scalar, "_outs": _outs, "_attrs": _uls_attrs}
+_CFU_CHECK = f"_scalar({_CFU!r}, ('scale', scale))"
+declare(
+    _CFU, "xs: [T], scale: T",
+    Way(partial(notation, _CFU, False), key="xs, scale", nonempty=("xs",), check=_CFU_CHECK, env=_ENV,
+        post=lambda ins, outs, xs, scale: ((ins[0], ins[1]), (ins[0], outs[0])), paddle="CheckFiniteAndUnscaleSpmd",
+        doc="check_finite_and_unscale (CheckFiniteAndUnscaleSpmd): each x keeps its sharding (partial dropped), "
+            "scale replicated; out as xs, found_infinite partial MAX over the xs' mesh dims."),
+    reverse=Way(partial(notation, _CFU, True), key="xs, scale", nonempty=("xs",), tail="out", env=_ENV,
+                check=f"_outs({_CFU!r}, xs, out); {_CFU_CHECK}; _scalar({_CFU!r}, ('found_infinite', found_infinite))",
+                post=_answer, paddle="CheckFiniteAndUnscaleSpmdReverse",
+                doc="check_finite_and_unscale reverse (Paddle has none): each x as its out (partial dropped), scale "
+                    "replicated; the outputs those inputs produce."),
+    outputs="out: [T], found_infinite: T",
 )  # fmt: skip
-register(
-    "update_loss_scaling", uls_forward,
-    f"xs: [T], found_infinite: T, prev_loss_scaling: T, in_good_steps: T, in_bad_steps: T, {_ULS_ATTRS}",
-    uls_reverse,
-    kind="reverse", outputs="out: [T], loss_scaling: T, out_good_steps: T, out_bad_steps: T",
-    forward_name="UpdateLossScalingSpmd", backward_name="UpdateLossScalingSpmdReverse",
+
+_ATTRS = "incr_every_n_steps, decr_every_n_nan_or_inf, incr_ratio, decr_ratio, stop_update"
+_STATES = "found_infinite, prev_loss_scaling, in_good_steps, in_bad_steps"
+_ULS_CHECK = f"_attrs({_ATTRS}); " + "_scalar({!r}, {})".format(_ULS, ", ".join(f"({n!r}, {n})" for n in _STATES.split(", ")))
+_NEW = ("loss_scaling", "out_good_steps", "out_bad_steps")
+declare(
+    _ULS,
+    f"xs: [T], {', '.join(n + ': T' for n in _STATES.split(', '))}, incr_every_n_steps: int, "
+    "decr_every_n_nan_or_inf: int, incr_ratio: float, decr_ratio: float, stop_update: scalar = False",
+    Way(partial(notation, _ULS, False), key=f"xs, {_STATES}", nonempty=("xs",), check=_ULS_CHECK, env=_ENV, tail=3,
+        post=_answer, paddle="UpdateLossScalingSpmd",
+        doc="update_loss_scaling (UpdateLossScalingSpmd): each x keeps its sharding (partial dropped); "
+            "found_infinite and the loss-scaling state replicated; out as xs, the new state replicated."),
+    reverse=Way(partial(notation, _ULS, True), key=f"xs, {_STATES}", nonempty=("xs",), env=_ENV, tail=3,
+                check=f"_attrs({_ATTRS}); _outs({_ULS!r}, xs, out); _scalar({_ULS!r}, "
+                      + ", ".join(f"({n!r}, {n})" for n in _NEW) + "); " + _ULS_CHECK.split("; ", 1)[1],
+                post=_answer, paddle="UpdateLossScalingSpmdReverse",
+                doc="update_loss_scaling reverse (Paddle has none): each x as its out (partial dropped), the state "
+                    "replicated; the outputs those inputs produce."),
+    outputs="out: [T], " + ", ".join(n + ": T" for n in _NEW),
 )  # fmt: skip

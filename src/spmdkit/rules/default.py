@@ -20,20 +20,11 @@ per tensor of ``outs`` (flat lists, not nested).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from functools import lru_cache
-
-from spmdkit.core.errors import InvalidArgumentError
-from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.compile import Plan, compile_plan, infer
-from spmdkit.engine.notation import BROADCAST, Notation, common_mesh
-from spmdkit.engine.registry import register
-
-Specs = Sequence[DistTensorSpec | None]
+from spmdkit.engine.declare import Way, declare
+from spmdkit.engine.notation import BROADCAST, Notation
 
 
-@lru_cache(maxsize=1024)
-def _plan(ins: tuple[int, ...], outs: tuple[int, ...], how: str) -> Plan:
+def notation(how: str, ins: tuple[int, ...], outs: tuple[int, ...]) -> Notation:
     """``b1.., b1.., ... -> (none)`` over the inputs and the outputs alike (every answer is an
     input of the notation, so none is partial), merged from the inputs (``how="forward"``) or the
     outputs (``"backward"``): the heaviest tensor sharding the batch axis keeps its sharding (the
@@ -43,26 +34,16 @@ def _plan(ins: tuple[int, ...], outs: tuple[int, ...], how: str) -> Plan:
     batch = how != "replicated" and 0 not in outs
     lab = [None if r < 0 else ("b" if batch and r else "") + BROADCAST * (r - (batch and r > 0)) for r in ins + outs]
     src = range(len(ins), len(ins) + len(outs)) if how == "backward" else range(len(ins))
-    return compile_plan(Notation(lab, [], coshard="largest", conflict="heaviest", sources=src))
+    return Notation(lab, [], coshard="largest", conflict="heaviest", sources=src)
 
 
-def _rule(op: str, how: str) -> Callable[[Specs, Specs], SpmdResult]:
-    def rule(ins: Specs, outs: Specs) -> SpmdResult:
-        if all(s is None for s in ins) and all(s is None for s in outs):
-            raise InvalidArgumentError(f"{op}: ins and outs are both empty: no tensor, so no mesh")
-        mesh = common_mesh(op, list(ins) + list(outs))
-        ranks = [-1 if s is None else s.ndim for s in (*ins, *outs)]
-        a, _ = infer(_plan(tuple(ranks[: len(ins)]), tuple(ranks[len(ins) :]), how), op, (*ins, *outs), (), mesh)
-        return SpmdResult(list(a[: len(ins)]), list(a[len(ins) :]))
-
-    return rule
+def _way(how: str, paddle: str) -> Way:
+    return Way(lambda i, o: notation(how, i, o), key="ins, outs", nonempty=("ins", "outs"), tail="outs", paddle=paddle)
 
 
 _SIG = "ins: [T?], outs: [T?]"
-register("default_data_parallel", _rule("default_data_parallel", "forward"), _SIG,
-         _rule("default_data_parallel", "backward"), kind="reverse", outputs="", aliases=("default_",),
-         forward_name="DefaultDataParallelInferSpmd", backward_name="DefaultDataParallelInferSpmdReverse",
-         doc="Shard every tensor on axis 0 as the inputs' batch axis is sharded; replicate the rest.")  # fmt: skip
-register("replicated", _rule("replicated", "replicated"), _SIG, _rule("replicated", "replicated"), kind="reverse",
-         outputs="", forward_name="ReplicatedInferSpmd", backward_name="ReplicatedInferSpmdReverse",
-         doc="Every input and output replicated.")  # fmt: skip
+declare("default_data_parallel", _SIG, _way("forward", "DefaultDataParallelInferSpmd"),
+        reverse=_way("backward", "DefaultDataParallelInferSpmdReverse"), aliases=("default_",),
+        doc="Shard every tensor on axis 0 as the inputs' batch axis is sharded; replicate the rest.")  # fmt: skip
+declare("replicated", _SIG, _way("replicated", "ReplicatedInferSpmd"),
+        reverse=_way("replicated", "ReplicatedInferSpmdReverse"), doc="Every input and output replicated.")  # fmt: skip

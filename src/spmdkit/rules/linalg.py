@@ -51,46 +51,23 @@ einsum-notation.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import partial
 from typing import Any
 
 from spmdkit.core.dist_attr import DimsMapping, Entry, ReduceType, TensorDistAttr, entry_dims
-from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError, SpmdError
+from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
-from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import replicated_like
-from spmdkit.engine.compile import Plan, compile_plan, infer
+from spmdkit.engine.declare import Answer, Way, declare
 from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import BROADCAST, Notation, einsum_forward, fast_result, named_mesh
-from spmdkit.engine.registry import Rule, get_rule, register
-from spmdkit.engine.signature import reverse_signature
+from spmdkit.engine.notation import BROADCAST, Notation
+from spmdkit.rules import matmul
 from spmdkit.rules._absent import zero_d_absent
 
 Shape = tuple[int, ...]
 _SUM = ReduceType.SUM
 _make = TensorDistAttr.unchecked
-
-_RULES: dict[str, Rule] = {}
-
-
-def _rule(name: str) -> Rule:
-    r = _RULES.get(name)
-    if r is None:
-        r = _RULES[name] = get_rule(name)
-    return r
-
-
-def _call(op: str, name: str, mode: str, *args: Any) -> SpmdResult:
-    """The public matmul rule, its errors renamed to ``op``."""
-    try:
-        return _rule(name).infer(mode, *args)
-    except SpmdError as e:
-        msg = str(e)
-        for pre in ("matmul_grad: ", "matmul: "):
-            if msg.startswith(pre):
-                msg = msg[len(pre):]
-        raise type(e)(f"{op}: {msg}") from None
-
 
 def _partial_over(mesh: ProcessMesh, dm: DimsMapping, entries: tuple[Entry, ...] | list[Entry]) -> TensorDistAttr:
     pt: list[int] = []
@@ -123,20 +100,15 @@ def _check_bmm(op: str, x: DistTensorSpec, y: DistTensorSpec, g: DistTensorSpec 
             raise ShapeMismatchError(f"{op}: out_grad shape {list(g.shape)} does not match x @ y = {list(want)}")
 
 
-def bmm_forward(x: DistTensorSpec, y: DistTensorSpec) -> SpmdResult:
-    """BmmInferSpmd: ``bmk, bkn -> bmn`` (matmul on 3-D operands)."""
-    _check_bmm("bmm", x, y)
-    return _call("bmm", "matmul", "forward", x, y, False, False)
-
-
-def bmm_grad(x: DistTensorSpec, y: DistTensorSpec, out_grad: DistTensorSpec) -> SpmdResult:
-    """BmmGradInferSpmd: matmul_grad on 3-D operands."""
-    _check_bmm("bmm_grad", x, y, out_grad)
-    return _call("bmm_grad", "matmul_grad", "forward", x, y, out_grad, False, False)
-
-
-register("bmm", bmm_forward, "x: T, y: T", bmm_grad, "x: T, y: T, out_grad: T", kind="grad", grad_name="bmm_grad",
-         forward_name="BmmInferSpmd", backward_name="BmmGradInferSpmd")
+declare(
+    "bmm", "x: T, y: T",
+    Way(matmul.notation, key="x, y, False, False", mask=("x", "y"), check="_check_bmm('bmm', x, y)",
+        env={"_check_bmm": _check_bmm}, paddle="BmmInferSpmd", doc="BmmInferSpmd: ``bmk, bkn -> bmn`` (matmul on 3-D operands)."),
+    grad=Way(matmul.grad_notation, key="x, y, False, False", mask=("x", "y", "out_grad"),
+             check="_check_bmm('bmm_grad', x, y, out_grad)", env={"_check_bmm": _check_bmm},
+             paddle="BmmGradInferSpmd", doc="BmmGradInferSpmd: matmul_grad on 3-D operands."),
+    grad_signature="x: T, y: T, out_grad: T", grad_name="bmm_grad",
+)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------
@@ -162,108 +134,70 @@ def _check_bias(op: str, xname: str, yname: str, x: DistTensorSpec, y: DistTenso
         raise ShapeMismatchError(f"{op}: bias has {b} elements but {yname} gives n = {n} (shape {list(y.shape)})")
 
 
+def gemm_notation(kind: str, nx: int, ny: int, tx: bool, ty: bool, mask: tuple[int, ...]) -> Notation:
+    """matmul's notation (``kind``: forward / reverse / grad) with the third tensor (bias /
+    reserve_space) unlabelled: it is answered by the post-hooks as out's (out_grad's) last axis
+    or as out_grad, never merged nor read for a letter's size; reserve_space (forward) as out."""
+    if kind == "grad":
+        nt = matmul.grad_notation(nx, ny, tx, ty, mask)
+        x, y, out = nt.inputs
+        return nt.relabel([x, y, None, out], nt.outputs)
+    nt = (matmul.notation if kind == "forward" else matmul.reverse_notation)(nx, ny, tx, ty, mask)
+    (x, y), (out,) = nt.inputs, nt.outputs
+    return nt.relabel([x, y, None], [out, out if kind == "forward" else None])
+
+
+def _gemm_post(linear: bool, reverse: bool = False) -> Any:
+    """The forward's and the reverse's post-hook: bias as out's last axis (reserve_space as out);
+    where a sharded k makes out partial SUM (forward), fused_gemm_epilogue asks for the bias
+    partial over the same mesh dims (each rank adds its share, as Paddle 3.3.1 answers), linear_v2
+    replicates the last two axes of input, weight, bias and out instead (Paddle's)."""
+
+    def post(ins: Any, outs: Any, x: DistTensorSpec, y: DistTensorSpec, bias: Any, *rest: Any) -> Answer:
+        ao = outs[0]
+        mesh = ao.mesh
+        if reverse:  # rest: out, reserve_space, the attributes
+            ab = None if bias is None else _make(mesh, (ao.dims_mapping[-1],))
+            return (ins[0], ins[1], ab), (ao, None if rest[1] is None else ao)
+        if not ao.partial:
+            return (ins[0], ins[1], None if bias is None else _make(mesh, (ao.dims_mapping[-1],))), outs
+        if not linear:
+            return (ins[0], ins[1], _make(mesh, (ao.dims_mapping[-1],), ao.partial)), outs
+        ax, ay = (_make(mesh, _repl_last2(a.dims_mapping)) for a in ins[:2])
+        out = _make(mesh, _repl_last2(ao.dims_mapping))
+        return (ax, ay, None if bias is None else _make(mesh, (-1,))), (out, out)
+
+    return post
+
+
 def _repl_last2(dm: DimsMapping) -> DimsMapping:
     n = len(dm)
     return tuple(-1 if i >= n - 2 else e for i, e in enumerate(dm))
 
 
-@memo()
-def _gemm_fwd_fix(
-    mx: DimsMapping, my: DimsMapping, mo: DimsMapping, partial: bool
-) -> tuple[DimsMapping, DimsMapping, DimsMapping, DimsMapping]:
-    if partial:
-        return _repl_last2(mx), _repl_last2(my), (-1,), _repl_last2(mo)
-    return mx, my, (mo[-1],), mo
+def _bias_grad(absent: bool) -> Any:
+    """reserve_space as out_grad, bias as its last axis; bias_grad: out_grad's last axis, partial
+    SUM over the mesh dims of its other axes (never over k's, as the engine would make it); None
+    where there is no bias (linear_v2_grad)."""
+
+    def post(ins: Any, outs: Any, x: DistTensorSpec, y: DistTensorSpec, third: Any, *rest: Any) -> Answer:
+        ag = ins[3]
+        gdm, mesh = ag.dims_mapping, ag.mesh
+        t = None if third is None else _make(mesh, (gdm[-1],)) if absent else ag
+        bg = None if absent and third is None else _partial_over(mesh, (gdm[-1],), gdm[:-1])
+        return (ins[0], ins[1], t, ag), (*outs, bg)
+
+    return post
 
 
-def _gemm_forward(op: str, names: tuple[str, str], x: DistTensorSpec, y: DistTensorSpec, bias: DistTensorSpec | None,
-                  tx: bool, ty: bool, partial_ok: bool = False) -> SpmdResult:
-    _check_bias(op, names[0], names[1], x, y, bias, tx, ty)
-    mesh = named_mesh(op, ((names[0], x), (names[1], y), ("bias", bias)))
-    r = _call(op, "matmul", "forward", x, y, tx, ty)
-    ax, ay = r.inputs[0], r.inputs[1]
-    ao = r.outputs[0]
-    assert isinstance(ax, TensorDistAttr) and isinstance(ay, TensorDistAttr) and isinstance(ao, TensorDistAttr)
-    if partial_ok and ao.partial:
-        # a sharded k: out is partial SUM, and the bias is added once in total by asking for it
-        # partial over the same mesh dims (each rank adds its share)
-        ab = _make(mesh, (ao.dims_mapping[-1],), ao.partial)
-        return fast_result((ax, ay, ab), (ao, ao))
-    mx, my, mb, mo = _gemm_fwd_fix(ax.dims_mapping, ay.dims_mapping, ao.dims_mapping, bool(ao.partial))
-    out = _make(mesh, mo)
-    return fast_result((_make(mesh, mx), _make(mesh, my), None if bias is None else _make(mesh, mb)), (out, out))
+def _reserve(op: str, t: DistTensorSpec | None, ref: DistTensorSpec, name: str) -> None:
+    if t is not None and t.shape != ref.shape:
+        raise ShapeMismatchError(f"{op}: reserve_space shape {list(t.shape)} differs from {name} shape {list(ref.shape)}")
 
 
-def _gemm_backward(op: str, names: tuple[str, str], x: DistTensorSpec, y: DistTensorSpec, bias: DistTensorSpec | None,
-                   out: DistTensorSpec, reserve_space: DistTensorSpec | None, tx: bool, ty: bool) -> SpmdResult:
-    _check_bias(op, names[0], names[1], x, y, bias, tx, ty)
-    mesh = named_mesh(op, ((names[0], x), (names[1], y), ("bias", bias), ("out", out), ("reserve_space", reserve_space)))
-    if reserve_space is not None and reserve_space.shape != out.shape:
-        raise ShapeMismatchError(
-            f"{op}: reserve_space shape {list(reserve_space.shape)} differs from out shape {list(out.shape)}"
-        )
-    r = _call(op, "matmul", "backward", x, y, out, tx, ty)
-    ao = r.outputs[0]
-    assert isinstance(ao, TensorDistAttr)
-    ab = None if bias is None else _make(mesh, (ao.dims_mapping[-1],))
-    return fast_result((r.inputs[0], r.inputs[1], ab),  # type: ignore[arg-type]
-                       (ao, None if reserve_space is None else ao))
-
-
-def _gemm_grad(op: str, names: tuple[str, str], x: DistTensorSpec, y: DistTensorSpec,
-               extra: tuple[tuple[str, DistTensorSpec | None], ...], out_grad: DistTensorSpec,
-               tx: bool, ty: bool, absent_bias_grad: bool = False) -> SpmdResult:
-    _check_bias(op, names[0], names[1], x, y, None, tx, ty)
-    mesh = named_mesh(op, ((names[0], x), (names[1], y), *extra, ("out_grad", out_grad)))
-    r = _call(op, "matmul_grad", "forward", x, y, out_grad, tx, ty)
-    ag = r.inputs[2]
-    assert isinstance(ag, TensorDistAttr)
-    gdm = ag.dims_mapping
-    bias_grad: TensorDistAttr | None = _partial_over(mesh, (gdm[-1],), gdm[:-1])
-    ins: list[TensorDistAttr | None] = [r.inputs[0], r.inputs[1]]  # type: ignore[list-item]
-    for name, t in extra:
-        if t is None:
-            ins.append(None)
-        elif name == "reserve_space":
-            if t.shape != out_grad.shape:
-                raise ShapeMismatchError(
-                    f"{op}: reserve_space shape {list(t.shape)} differs from out_grad shape {list(out_grad.shape)}"
-                )
-            ins.append(ag)
-        else:  # bias: not used by the grads
-            if len(t.shape) != 1:
-                raise ShapeMismatchError(f"{op}: bias must be 1-D, got shape {list(t.shape)}")
-            ins.append(_make(mesh, (gdm[-1],)))
-    if absent_bias_grad:
-        bias_grad = None  # no bias, no bias_grad
-    return fast_result((ins[0], ins[1], ins[2], ag), (r.outputs[0], r.outputs[1], bias_grad))  # type: ignore[arg-type]
-
-
-_XY = ("x", "y")
-_IW = ("input", "weight")
-
-
-def fused_gemm_epilogue_forward(x: DistTensorSpec, y: DistTensorSpec, bias: DistTensorSpec, trans_x: bool = False,
-                                trans_y: bool = False) -> SpmdResult:
-    """FusedGemmEpilogueInferSpmdBase: ``[b]mk, kn, n -> [b]mn`` (out, reserve_space); a
-    sharded k makes out partial SUM and asks for bias partial alike (as Paddle 3.3.1)."""
-    return _gemm_forward("fused_gemm_epilogue", _XY, x, y, bias, trans_x, trans_y, partial_ok=True)
-
-
-def fused_gemm_epilogue_backward(x: DistTensorSpec, y: DistTensorSpec, bias: DistTensorSpec, out: DistTensorSpec,
-                                 reserve_space: DistTensorSpec | None, trans_x: bool = False,
-                                 trans_y: bool = False) -> SpmdResult:
-    """fused_gemm_epilogue reverse (spmdkit's own): x, y from out (k replicated), bias as n."""
-    return _gemm_backward("fused_gemm_epilogue", _XY, x, y, bias, out, reserve_space, trans_x, trans_y)
-
-
-def fused_gemm_epilogue_grad(x: DistTensorSpec, y: DistTensorSpec, reserve_space: DistTensorSpec | None,
-                             out_grad: DistTensorSpec, trans_x: bool = False, trans_y: bool = False,
-                             activation_grad: str = "none") -> SpmdResult:
-    """fused_gemm_epilogue_grad: matmul_grad for x_grad / y_grad; bias_grad as out_grad's
-    last axis, partial SUM over the mesh dims of its other axes."""
-    return _gemm_grad("fused_gemm_epilogue_grad", _XY, x, y, (("reserve_space", reserve_space),), out_grad,
-                      trans_x, trans_y)
+def _bias_1d(op: str, bias: DistTensorSpec | None) -> None:
+    if bias is not None and len(bias.shape) != 1:
+        raise ShapeMismatchError(f"{op}: bias must be 1-D, got shape {list(bias.shape)}")
 
 
 def _no_transpose(op: str, transpose_weight: bool) -> None:
@@ -271,49 +205,51 @@ def _no_transpose(op: str, transpose_weight: bool) -> None:
         raise InvalidAttributeError(f"{op}: transpose_weight must be False in SPMD mode, got True")
 
 
-def linear_v2_forward(input: DistTensorSpec, weight: DistTensorSpec, bias: DistTensorSpec | None,
-                      transpose_weight: bool = False) -> SpmdResult:
-    """LinearV2InferSpmdBase: ``[b]mk, kn, n -> [b]mn`` (out, reserve); a sharded k
-    replicates the matmul axes."""
-    _no_transpose("linear_v2", transpose_weight)
-    return _gemm_forward("linear_v2", _IW, input, weight, bias, False, False)
+def _absent(*names: str) -> Any:
+    """A 0-D optional tensor (shape []) read as absent (spmdkit.rules._absent)."""
+    return lambda fn, sig, outs: zero_d_absent(fn, sig, names, outs)
 
 
-def linear_v2_backward(input: DistTensorSpec, weight: DistTensorSpec, bias: DistTensorSpec | None, out: DistTensorSpec,
-                       reserve_space: DistTensorSpec | None, transpose_weight: bool = False) -> SpmdResult:
-    """linear_v2 reverse (spmdkit's own): input, weight from out (k replicated), bias as n."""
-    _no_transpose("linear_v2", transpose_weight)
-    return _gemm_backward("linear_v2", _IW, input, weight, bias, out, reserve_space, False, False)
-
-
-def linear_v2_grad(input: DistTensorSpec, weight: DistTensorSpec, bias: DistTensorSpec | None, out_grad: DistTensorSpec,
-                   transpose_weight: bool = False) -> SpmdResult:
-    """linear_v2_grad: matmul_grad for input_grad / weight_grad; bias_grad as out_grad's last
-    axis, partial SUM over its other axes."""
-    _no_transpose("linear_v2_grad", transpose_weight)
-    return _gemm_grad("linear_v2_grad", _IW, input, weight, (("bias", bias),), out_grad, False, False,
-                      absent_bias_grad=bias is None)
-
-
-# a 0-D optional tensor (shape []) is read as absent (spmdkit.rules._absent): (name, Paddle's name,
-# forward, its signature and absent slots, reverse and its absent slots, grad, its signature and absent slots)
-_GEMMS: tuple[tuple[Any, ...], ...] = (
-    ("fused_gemm_epilogue", "FusedGemmEpilogue", fused_gemm_epilogue_forward,
-     "x: T, y: T, bias: T, trans_x: bool = False, trans_y: bool = False", (),
-     fused_gemm_epilogue_backward, ("reserve_space",), fused_gemm_epilogue_grad,
-     "x: T, y: T, reserve_space: T?, out_grad: T, trans_x: bool = False, trans_y: bool = False, "
-     "activation_grad: str = 'none'", ("reserve_space",)),
-    ("linear_v2", "LinearV2", linear_v2_forward, "input: T, weight: T, bias: T?, transpose_weight: bool = False",
-     ("bias",), linear_v2_backward, ("bias", "reserve_space"), linear_v2_grad,
-     "input: T, weight: T, bias: T?, out_grad: T, transpose_weight: bool = False", ("bias",)),
-)
-for _name, _pd, _fwd, _sig, _fabs, _bwd, _babs, _grad, _gsig, _gabs in _GEMMS:
-    _rev = reverse_signature(_sig, "out: T, reserve_space: T?")
-    register(_name, zero_d_absent(_fwd, _sig, _fabs) if _fabs else _fwd, _sig,
-             zero_d_absent(_bwd, _rev, _babs, outputs=("out", "reserve_space")), kind="reverse",
-             outputs="out: T, reserve_space: T?", forward_name=f"{_pd}InferSpmdBase",
-             backward_name=f"{_pd}InferSpmdReverse")  # fmt: skip
-    register(f"{_name}_grad", zero_d_absent(_grad, _gsig, _gabs), _gsig, forward_name=f"{_pd}GradInferSpmd")
+_GENV = {"_check_bias": _check_bias, "_out_shape": matmul._out_shape, "_reserve": _reserve, "_bias_1d": _bias_1d,
+         "_no_transpose": _no_transpose, "_out": matmul._check_out("out"), "_og": matmul._check_out("out_grad")}
+# (name, Paddle's name, x and y, the transposes, the third input of the grad, the signatures' attributes)
+for _name, _pd, (_x, _y), (_tx, _ty), _third, _attrs, _gattrs, _pre in (
+    ("fused_gemm_epilogue", "FusedGemmEpilogue", ("x", "y"), ("trans_x", "trans_y"), "reserve_space",
+     "trans_x: bool = False, trans_y: bool = False", ", activation_grad: str = 'none'", ""),
+    ("linear_v2", "LinearV2", ("input", "weight"), ("False", "False"), "bias", "transpose_weight: bool = False", "",
+     "_no_transpose({op!r}, transpose_weight); "),
+):
+    _lin = _name == "linear_v2"
+    _args = f"{_x}, {_y}, {_tx}, {_ty}"
+    _bias = f"_check_bias({{op!r}}, {_x!r}, {_y!r}, {_x}, {_y}, bias, {_tx}, {_ty})"
+    _rs = "_reserve({op!r}, reserve_space, out, 'out'); "
+    _sig = f"{_x}: T, {_y}: T, bias: T{'?' if _lin else ''}, {_attrs}"
+    _gop = f"{_name}_grad"
+    _gsig = f"{_x}: T, {_y}: T, {_third}: T?, out_grad: T, {_attrs}{_gattrs}"
+    _gthird = "_bias_1d({op!r}, bias)" if _lin else "_reserve({op!r}, reserve_space, out_grad, 'out_grad')"
+    declare(
+        _name, _sig,
+        Way(partial(gemm_notation, "forward"), key=_args, mask=(_x, _y), env=_GENV,
+            check=(_pre + _bias + f"; _out_shape({_x}.shape, {_y}.shape, {_tx}, {_ty})").format(op=_name),
+            post=_gemm_post(_lin), wrap=_absent("bias") if _lin else None, paddle=f"{_pd}InferSpmdBase",
+            doc=f"{_pd}InferSpmdBase: ``[b]mk, kn, n -> [b]mn`` (out, reserve_space); a sharded k makes out "
+                "partial SUM and " + ("replicates the matmul axes." if _lin else "asks for bias partial alike.")),
+        reverse=Way(partial(gemm_notation, "reverse"), key=_args, mask=(_x, _y), env=_GENV, post=_gemm_post(_lin, True),
+                    check=(_pre + _bias + "; " + _rs + f"_out({_x}, {_y}, out, {_tx}, {_ty})").format(op=_name),
+                    wrap=_absent(*("bias",) * _lin, "reserve_space"), paddle=f"{_pd}InferSpmdReverse",
+                    doc=f"{_name} reverse (spmdkit's own): {_x}, {_y} from out (k replicated), bias as n."),
+        outputs="out: T, reserve_space: T?",
+    )  # fmt: skip
+    declare(
+        _gop, _gsig,
+        Way(partial(gemm_notation, "grad"), key=_args,
+            mask=(_x, _y, "out_grad"), env=_GENV, post=_bias_grad(_lin), wrap=_absent(_third),
+            check=(_pre + f"_check_bias({{op!r}}, {_x!r}, {_y!r}, {_x}, {_y}, None, {_tx}, {_ty}); "
+                   f"_og({_x}, {_y}, out_grad, {_tx}, {_ty}); " + _gthird).format(op=_gop),
+            paddle=f"{_pd}GradInferSpmd",
+            doc=f"{_pd}GradInferSpmd: matmul_grad for the grads of {_x} and {_y}; bias_grad as out_grad's last "
+                "axis, partial SUM over the mesh dims of its other axes."),
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------
@@ -321,7 +257,9 @@ for _name, _pd, _fwd, _sig, _fabs, _bwd, _babs, _grad, _gsig, _gabs in _GEMMS:
 # ---------------------------------------------------------------------------
 
 
-def _flpga_check(op: str, x: DistTensorSpec, dout: DistTensorSpec) -> None:
+def _flpga_checks(op: str, x: DistTensorSpec, dout: DistTensorSpec, dweight: DistTensorSpec | None,
+                  dbias: DistTensorSpec | None) -> None:
+    """x and dout of one rank (>= 2) and leading axes; dweight ``[k, n]``, dbias ``[n]``."""
     xs, ds = x.shape, dout.shape
     if len(xs) < 2 or len(ds) < 2:
         raise ShapeMismatchError(
@@ -332,6 +270,8 @@ def _flpga_check(op: str, x: DistTensorSpec, dout: DistTensorSpec) -> None:
     for i in range(len(xs) - 1):
         if xs[i] != ds[i] and xs[i] >= 0 and ds[i] >= 0:
             raise ShapeMismatchError(f"{op}: x {list(xs)} and dout {list(ds)} differ on leading axis {i}")
+    _flpga_shape(op, "dweight", dweight, (xs[-1], ds[-1]))
+    _flpga_shape(op, "dbias", dbias, (ds[-1],))
 
 
 def _flpga_shape(op: str, name: str, t: DistTensorSpec | None, want: Shape) -> None:
@@ -351,11 +291,11 @@ def _code(t: DistTensorSpec | None, on: bool = True) -> int:
     return 1 if on and _present(t) else -1 if t is None else len(t.shape) + 2
 
 
-@lru_cache(maxsize=1024)
-def _flpga_reverse_plan(nd: int, k1: bool, n1: bool, w: int, b: int, bias: bool, w_out: bool, b_out: bool) -> Plan:
-    """The reverse: ``1..1k, 1..1n, kn, n, kn, n`` (x, dout, dweight, dbias, dweight_out,
-    dbias_out), every answer an input of the notation (so none is partial), merged from the
-    present outputs alone (``w_out`` / ``b_out``): k and n as dweight_out shards them, n from
+def flpga_reverse_notation(nd: int, k1: bool, n1: bool, w: int, b: int, bias: bool, w_out: bool,
+                           b_out: bool) -> Notation:
+    """The reverse: ``1..1k, 1..1n, kn, n`` (x, dout, dweight, dbias), the outputs given where
+    present (``w_out`` / ``b_out``), then the answer's ``kn, n`` (absent: ``Way.tail``; so none is
+    partial), merged from the present outputs alone: k and n as dweight_out shards them, n from
     dbias_out where dweight_out leaves it free, n shards nothing where k took one of its mesh
     dims (``taken="letter"``); a size-1 k or n (``k1`` / ``n1``) never sharded; the leading
     axes replicated. ``w`` / ``b``: dweight / dbias as :func:`_code` labels them; no ``bias``:
@@ -366,75 +306,52 @@ def _flpga_reverse_plan(nd: int, k1: bool, n1: bool, w: int, b: int, bias: bool,
     def lab(code: int, full: str) -> str | None:
         return full if code == 1 else None if code == -1 else BROADCAST * (code - 2)
 
+    given = [k + n if w_out else None, n if b_out else None]
     src = [i for i, on in ((4, w_out), (5, b_out)) if on]
-    return compile_plan(Notation([lead + k, lead + n, lab(w, k + n), lab(b, n), k + n, n if bias else None], [],
-                                 conflict="first", taken="letter", sources=src))
+    return Notation([lead + k, lead + n, lab(w, k + n), lab(b, n), *given, k + n, n if bias else None], [],
+                    conflict="first", taken="letter", sources=src)
 
 
-def _flpga(op: str, x: DistTensorSpec, dout: DistTensorSpec, dweight: DistTensorSpec | None,
-           dbias: DistTensorSpec | None, has_bias: bool,
-           outs: tuple[DistTensorSpec | None, DistTensorSpec | None] | None = None) -> SpmdResult:
-    named: tuple[tuple[str, DistTensorSpec | None], ...] = (("x", x), ("dout", dout), ("dweight", dweight),
-                                                            ("dbias", dbias))
-    if outs is not None:
-        named = (*named, ("dweight_out", outs[0]), ("dbias_out", outs[1]))
-    mesh = named_mesh(op, named)
-    _flpga_check(op, x, dout)
-    k, n = x.shape[-1], dout.shape[-1]
-    _flpga_shape(op, "dweight", dweight, (k, n))
-    _flpga_shape(op, "dbias", dbias, (n,))
-    nd = len(x.shape)
-    if outs is None:  # the forward
-        # x^T dout over the leading axes: matmul with trans_x (as Paddle), then the batch
-        # axes summed away (partial)
-        r = _call(op, "matmul", "forward", x, dout, True, False)
-        axa, ada, ao = r.inputs[0], r.inputs[1], r.outputs[0]
-        assert isinstance(axa, TensorDistAttr) and isinstance(ada, TensorDistAttr) and isinstance(ao, TensorDistAttr)
-        mx, md = axa.dims_mapping, ada.dims_mapping
-        odm = ao.dims_mapping
-        wdm: DimsMapping = (odm[-2], odm[-1])
-        lead_w: list[Entry] = [d for d, _ in ao.partial]
-        lead_w.extend(odm[:-2])
-    else:  # the reverse
-        wo, bo = outs
-        _flpga_shape(op, "dweight_out", wo, (k, n))
-        _flpga_shape(op, "dbias_out", bo, (n,))
-        w_out, b_out = _present(wo), has_bias and _present(bo)
-        p = _flpga_reverse_plan(nd, k == 1, n == 1, _code(dweight), _code(dbias, has_bias), has_bias, w_out, b_out)
-        a, _ = infer(p, op, (x, dout, dweight, dbias, wo if w_out else None, bo if b_out else None), (), mesh)
-        return fast_result(a[:4], a[4:])
-    aw = _partial_over(mesh, wdm, lead_w)
+def flpga_notation(nd: int, mask: tuple[int, ...]) -> Notation:
+    """x^T dout over the leading axes: matmul's notation with trans_x (as Paddle), its out
+    ``[b] k n`` less the batch letters (dweight_out ``kn``: partial SUM over the mesh dims of the
+    leading axes); dweight / dbias unlabelled (answered by :func:`_flpga_post`)."""
+    nt = matmul.notation(nd, nd, True, False, mask)
+    (x, d), (out,) = nt.inputs, nt.outputs
+    assert out is not None
+    return nt.relabel([x, d, None, None], [out[-2:]])
+
+
+def _flpga_post(ins: Any, outs: Any, x: DistTensorSpec, dout: DistTensorSpec, dweight: DistTensorSpec | None,
+                dbias: DistTensorSpec | None, multi_precision: bool, has_bias: bool) -> Answer:
+    """dbias_out: dout's last axis, partial SUM over the mesh dims of its other axes (not k's);
+    dweight / dbias asked sharded as the outputs they accumulate into (replicated where given
+    empty, 0-D or, for dbias, unused)."""
+    aw, ad = outs[0], ins[1]
+    mesh, md = ad.mesh, ad.dims_mapping
     ab = _partial_over(mesh, (md[-1],), md[:-1]) if has_bias else None
-    return fast_result(
-        (_make(mesh, mx), _make(mesh, md), aw if _present(dweight) else replicated_like(mesh, dweight),
-         (ab if has_bias and _present(dbias) else replicated_like(mesh, dbias))),
-        (aw, ab),
-    )
+    return (ins[0], ad, aw if _present(dweight) else replicated_like(mesh, dweight),
+            ab if has_bias and _present(dbias) else replicated_like(mesh, dbias)), (aw, ab)
 
 
-def fused_linear_param_grad_add_forward(x: DistTensorSpec, dout: DistTensorSpec, dweight: DistTensorSpec | None,
-                                        dbias: DistTensorSpec | None, multi_precision: bool = False,
-                                        has_bias: bool = True) -> SpmdResult:
-    """FusedLinearParamGradAddInferSpmd: ``[b]sk, [b]sn -> kn, n``; dweight_out / dbias_out
-    partial SUM over the leading axes' mesh dims; dweight / dbias sharded as they."""
-    return _flpga("fused_linear_param_grad_add", x, dout, dweight, dbias, has_bias)
-
-
-def fused_linear_param_grad_add_backward(x: DistTensorSpec, dout: DistTensorSpec, dweight: DistTensorSpec | None,
-                                         dbias: DistTensorSpec | None, dweight_out: DistTensorSpec | None,
-                                         dbias_out: DistTensorSpec | None, multi_precision: bool = False,
-                                         has_bias: bool = True) -> SpmdResult:
-    """fused_linear_param_grad_add reverse (spmdkit's own; Paddle's is a fake): k and n from
-    the outputs, the leading axes replicated."""
-    return _flpga("fused_linear_param_grad_add", x, dout, dweight, dbias, has_bias, (dweight_out, dbias_out))
-
-
-register(
-    "fused_linear_param_grad_add", fused_linear_param_grad_add_forward,
-    "x: T, dout: T, dweight: T?, dbias: T?, multi_precision: bool = False, has_bias: bool = True",
-    fused_linear_param_grad_add_backward,
-    kind="reverse", outputs="dweight_out: T?, dbias_out: T?",
-    forward_name="FusedLinearParamGradAddInferSpmd", backward_name="FusedLinearParamGradAddInferSpmdReverse",
+_FLPGA = "x: T, dout: T, dweight: T?, dbias: T?, multi_precision: bool = False, has_bias: bool = True"
+_FENV = {"_checks": _flpga_checks, "_shape": _flpga_shape, "_code": _code, "_present": _present}
+declare(
+    "fused_linear_param_grad_add", _FLPGA,
+    Way(flpga_notation, key="x", mask=("x", "dout"), post=_flpga_post, env=_FENV,
+        check="_checks(_OP, x, dout, dweight, dbias)", paddle="FusedLinearParamGradAddInferSpmd",
+        doc="FusedLinearParamGradAddInferSpmd: ``[b]sk, [b]sn -> kn, n``; dweight_out / dbias_out partial SUM "
+            "over the leading axes' mesh dims; dweight / dbias sharded as they."),
+    reverse=Way(flpga_reverse_notation, tail=2, env=_FENV,
+                key="x, x.shape[-1] == 1, dout.shape[-1] == 1, _code(dweight), _code(dbias, has_bias), has_bias, "
+                    "_present(dweight_out), has_bias and _present(dbias_out)",
+                check="_checks(_OP, x, dout, dweight, dbias); "
+                      "_shape(_OP, 'dweight_out', dweight_out, (x.shape[-1], dout.shape[-1])); "
+                      "_shape(_OP, 'dbias_out', dbias_out, (dout.shape[-1],))",
+                paddle="FusedLinearParamGradAddInferSpmdReverse",
+                doc="fused_linear_param_grad_add reverse (spmdkit's own; Paddle's is a fake): k and n from the "
+                    "outputs, the leading axes replicated."),
+    outputs="dweight_out: T?, dbias_out: T?",
 )  # fmt: skip
 
 
@@ -446,10 +363,12 @@ _ELL = "".join(chr(0x3B1 + i) for i in range(24))  # labels of ellipsis axes (ne
 
 
 @memo()
-def einsum_notation(equation: str, shapes: tuple[Shape, ...], grad: bool = False) -> Notation:
+def einsum_notation(equation: str, shapes: tuple[Shape, ...], grad: bool = False,
+                    cache: tuple[int, ...] = ()) -> Notation:
     """The notation of an einsum call: the equation with ``...`` expanded (right-aligned,
     size-1 axes broadcast), diagonal letters replicated, every letter pruned. With
-    ``grad``: inputs ``ops + [out]``, outputs the grads of the ops."""
+    ``grad``: inputs ``ops + inner_cache + [out_grad]`` (the ``cache`` of those ranks
+    replicated, -1 absent), outputs the grads of the ops."""
     op = "einsum_grad" if grad else "einsum"
     eq = equation.replace(" ", "")
     if eq.count("->") > 1:
@@ -535,34 +454,27 @@ def einsum_notation(equation: str, shapes: tuple[Shape, ...], grad: bool = False
         real = [c for c in s2 if c != BROADCAST]
         replicated.update(c for c in real if real.count(c) > 1)
     if grad:
-        return Notation([*final, out], final, replicated=replicated, prune="*")
+        held = [None if r < 0 else BROADCAST * r for r in cache]
+        return Notation([*final, *held, out], final, replicated=replicated, prune="*")
     return Notation(final, [out], replicated=replicated, prune="*")
 
 
-def einsum_forward_rule(inputs: tuple[DistTensorSpec, ...], equation: str) -> SpmdResult:
-    """EinsumInferSpmd: the equation as notation; contracted letters make out partial SUM."""
-    op = "einsum"
-    nt = einsum_notation(equation, tuple(t.shape for t in inputs))
-    names = [f"inputs[{i}]" for i in range(len(inputs))]
-    ins, outs = einsum_forward(op, nt, list(inputs), names)
-    return SpmdResult([list(ins)], outs)
+def _grads(ins: Any, outs: Any, *args: object) -> Any:  # grouped as Paddle's lists
+    """einsum_grad's grads as one list (Paddle's grouping)."""
+    return ins, (tuple(outs),)
 
 
-def einsum_grad(inputs: tuple[DistTensorSpec, ...], inner_cache: tuple[DistTensorSpec | None, ...],
-                out_grad: DistTensorSpec, equation: str) -> SpmdResult:
-    """EinsumGradInferSpmd: merge over the inputs and out_grad; each input's grad sharded
-    as it and partial SUM over the letters it lacks."""
-    op = "einsum_grad"
-    nt = einsum_notation(equation, tuple(t.shape for t in inputs), True)
-    names = [*(f"inputs[{i}]" for i in range(len(inputs))), "out_grad"]
-    ins, outs = einsum_forward(op, nt, [*inputs, out_grad], names)
-    mesh = ins[-1].mesh  # type: ignore[union-attr]
-    cache = [None if t is None else _make(mesh, (-1,) * len(t.shape)) for t in inner_cache]
-    return SpmdResult([list(ins[:-1]), cache, ins[-1]], [list(outs)])
-
-
-register(
-    "einsum", einsum_forward_rule, "inputs: [T], equation: str",
-    einsum_grad, "inputs: [T], inner_cache: [T?], out_grad: T, equation: str", kind="grad", grad_name="einsum_grad",
-    forward_name="EinsumInferSpmd", backward_name="EinsumGradInferSpmd",
+_SHAPES = "tuple([t.shape for t in inputs])"
+_ENV = {"_notation": einsum_notation}
+_PRE = "if not inputs: _notation(equation, ())  # the equation's error: no operand given"
+declare(
+    "einsum", "inputs: [T], equation: str",
+    Way(einsum_notation, key=f"equation, {_SHAPES}", letters=True, paddle="EinsumInferSpmd", env=_ENV, pre=_PRE,
+        doc="EinsumInferSpmd: the equation as notation; contracted letters make out partial SUM."),
+    grad=Way(lambda eq, shapes, cache: einsum_notation(eq, shapes, True, cache),
+             key=f"equation, {_SHAPES}, inner_cache", letters=True, post=_grads, paddle="EinsumGradInferSpmd",
+             env={"_notation": partial(einsum_notation, grad=True)}, pre=_PRE,
+             doc="EinsumGradInferSpmd: merge over the inputs and out_grad; each input's grad sharded as it and "
+                 "partial SUM over the letters it lacks; inner_cache replicated."),
+    grad_signature="inputs: [T], inner_cache: [T?], out_grad: T, equation: str", grad_name="einsum_grad",
 )  # fmt: skip

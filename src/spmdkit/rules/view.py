@@ -23,13 +23,13 @@ another costs time quadratic in their number).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
-from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.compile import infer
+from spmdkit.core.spec import DistTensorSpec
+from spmdkit.engine.declare import Answer, Way, declare
 from spmdkit.engine.dim_trans import (
     DimTrans,
     Link,
@@ -43,13 +43,34 @@ from spmdkit.engine.dim_trans import (
     unsqueeze_trans,
     view_plan,
 )
-from spmdkit.engine.notation import fast_result
-from spmdkit.engine.registry import register
+from spmdkit.engine.notation import Notation
 
 _make = TensorDistAttr.unchecked
 
+#: The most axes one unsqueeze inserts (see the module docstring).
+MAX_NEW_AXES = 1024
 
-def _check_sizes(op: str, spec: DistTensorSpec, name: str, dynamic: bool = False) -> None:
+
+def notation(keep: bool, n: int, ln: tuple[Link, ...]) -> Notation:
+    """A view from ``n`` axes to ``len(ln)`` axes linked as ``ln`` (``dim_trans.view_plan``'s
+    notation: each input axis a letter, a Flatten / Split a ``flatten`` run); ``keep``: co-shards
+    read as they are (reshape, flatten, the grads), else as their largest mesh dim (squeeze,
+    unsqueeze and every reverse rule, as Paddle 3.3.1)."""
+    return view_plan(n, ln, keep).notation
+
+
+def reverse_notation(n: int, ln: tuple[Link, ...]) -> Notation:
+    """The reverse rule's: the view from out's ``n`` axes to x's, merged over out."""
+    return view_plan(n, ln, False, True).notation
+
+
+def grad_notation(n: int, ln: tuple[Link, ...]) -> Notation:
+    """A grad's: x's shape holder unlabelled (returned as given), out_grad viewed as x's shape."""
+    nt = view_plan(n, ln).notation
+    return nt.relabel([None, *nt.inputs], nt.outputs)
+
+
+def _sizes(op: str, spec: DistTensorSpec, name: str, dynamic: bool = False) -> None:
     """Sizes >= 1; with ``dynamic`` (reshape's x and out) a size may also be -1 (unknown)."""
     for s in spec.shape:
         if s <= 0 and not (dynamic and s == -1):
@@ -57,132 +78,96 @@ def _check_sizes(op: str, spec: DistTensorSpec, name: str, dynamic: bool = False
                                      + (" (or -1 for a dynamic size)" if dynamic else ""))
 
 
-def _forward(op: str, x: DistTensorSpec, ln: tuple[Link, ...], out_shape: tuple[int, ...], keep: bool = True,
-             name: str = "x") -> tuple[TensorDistAttr, TensorDistAttr]:
-    """(x's attr, out's) for x viewed as ``out_shape`` through ``ln``. ``keep`` (reshape,
-    flatten, the grads): co-shards read as they are and a partial x kept on x and out (the
-    post-hook: a view is linear, so x's partial sum passes to out; the engine reshards a partial
-    input); else (squeeze, unsqueeze: as Paddle 3.3.1) co-shards read as their largest mesh dim
-    and a partial x resharded."""
-    a = x.dist_attr
-    (i,), (o,) = infer(view_plan(len(x.shape), ln, keep), op, (x,), (), a.mesh, (name,), out_shapes=(out_shape,))
-    if keep and a.partial:
-        return _make(a.mesh, i.dims_mapping, a.partial), _make(a.mesh, o.dims_mapping, a.partial)  # type: ignore[union-attr]
-    return i, o  # type: ignore[return-value]
+def _target(x: DistTensorSpec, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """reshape's out shape (0 copies x's size, one -1 inferred; a dynamic (-1) size of x must be
+    copied by a 0 at its index)."""
+    for v in x.shape:
+        if v <= 0:
+            _sizes("reshape", x, "x", dynamic=True)
+            break
+    return resolve_target("reshape", shape, x.shape)
 
 
-def _reverse(op: str, x: DistTensorSpec, out: DistTensorSpec, out_shape: tuple[int, ...],
-             ln: tuple[Link, ...] | None = None) -> SpmdResult:
-    """x from out through ``ln`` (each x axis's link to out's axes; reshape's when None)."""
+def _out(op: str, x: DistTensorSpec, out: DistTensorSpec, out_shape: tuple[int, ...]) -> None:
     if tuple(out.shape) != tuple(out_shape):
         raise ShapeMismatchError(f"{op}: out has shape {list(out.shape)} but x of shape {list(x.shape)} "
                                  f"gives {list(out_shape)}")
-    if ln is None:
-        ln = reshape_links(out.shape, x.shape)
-    p = view_plan(len(out.shape), ln, False, True)
-    return fast_result(*infer(p, op, (x,), (out,), out.dist_attr.mesh, ("x", "out")))
 
 
-def _grad(op: str, xs_name: str, xs: DistTensorSpec, out_grad: DistTensorSpec, *attrs: object) -> SpmdResult:
-    """x_grad = out_grad viewed as x's shape; ``xs`` (x's shape holder) is returned as given
-    (squeeze / unsqueeze grads' ``axis`` unused)."""
-    _check_sizes(op, xs, xs_name)
-    _check_sizes(op, out_grad, "out_grad")
+def _linear(ins: Any, outs: Any, x: DistTensorSpec, *attrs: object) -> Answer:
+    """A partial x kept on x and out (a view is linear, so x's partial sum passes to out; the
+    engine reshards a partial input): reshape, flatten."""
+    a, i, o = x.dist_attr, ins[0], outs[0]
+    return (_make(a.mesh, i.dims_mapping, a.partial),), (_make(a.mesh, o.dims_mapping, a.partial),)
+
+
+def _grad_check(op: str, xs_name: str, xs: DistTensorSpec, out_grad: DistTensorSpec) -> None:
+    _sizes(op, xs, xs_name)
+    _sizes(op, out_grad, "out_grad")
     n = math.prod(xs.shape)
     if n != math.prod(out_grad.shape):
         raise ShapeMismatchError(f"{op}: out_grad of shape {list(out_grad.shape)} does not hold the "
                                  f"{n} elements of {xs_name} of shape {list(xs.shape)}")
-    i, o = _forward(op, out_grad, reshape_links(out_grad.shape, xs.shape), xs.shape, name="out_grad")
-    return fast_result((xs.dist_attr, i), (o,))
 
 
-# -- reshape -------------------------------------------------------------------------------------
+def _grad_post(ins: Any, outs: Any, xs: DistTensorSpec, out_grad: DistTensorSpec, *attrs: object) -> Answer:
+    """x's shape holder returned as given (squeeze / unsqueeze grads' ``axis`` unused); a partial
+    out_grad kept on out_grad and x_grad (linear)."""
+    a = out_grad.dist_attr
+    if not a.partial:
+        return (xs.dist_attr, ins[1]), outs
+    return (xs.dist_attr, _make(a.mesh, ins[1].dims_mapping, a.partial)), (_make(a.mesh, outs[0].dims_mapping, a.partial),)
 
 
-def reshape_forward(x: DistTensorSpec, shape: tuple[int, ...]) -> SpmdResult:
-    """out = x viewed as ``shape`` (0 copies x's size, one -1 inferred; a dynamic (-1) size of x
-    must be copied by a 0 at its index)."""
-    xs = x.shape
-    for v in xs:
-        if v <= 0:
-            _check_sizes("reshape", x, "x", dynamic=True)
-            break
-    tgt = resolve_target("reshape", shape, xs)
-    i, o = _forward("reshape", x, reshape_links(xs, tgt), tgt)
-    return fast_result((i,), (o,))
-
-
-def reshape_backward(x: DistTensorSpec, out: DistTensorSpec, shape: tuple[int, ...]) -> SpmdResult:
-    """x from out through the list out -> x."""
-    _check_sizes("reshape", x, "x", dynamic=True)
-    _check_sizes("reshape", out, "out", dynamic=True)
-    return _reverse("reshape", x, out, resolve_target("reshape", shape, x.shape))
-
-
-# -- flatten, squeeze, unsqueeze: the op's list, its reverse, then as reshape ---------------------
-
-#: The most axes one unsqueeze inserts (see the module docstring).
-MAX_NEW_AXES = 1024
-
-Lists = tuple[tuple[DimTrans, ...], tuple[int, ...]]
-
-
-def _flatten(x: DistTensorSpec, start_axis: int, stop_axis: int) -> Lists:
-    return flatten_trans(x.shape, int(start_axis), int(stop_axis))
-
-
-def _flatten_reverse(x: DistTensorSpec, trans: tuple[DimTrans, ...], start_axis: int, stop_axis: int) -> tuple[DimTrans, ...]:
-    return flatten_reverse_trans(x.shape, int(start_axis), int(stop_axis))
-
-
-def _squeeze(x: DistTensorSpec, axis: tuple[int, ...]) -> Lists:
-    return squeeze_trans(x.shape, tuple(axis))
-
-
-def _unsqueeze(x: DistTensorSpec, axis: tuple[int, ...]) -> Lists:
+def _unsqueeze(x: DistTensorSpec, axis: tuple[int, ...]) -> tuple[tuple[DimTrans, ...], tuple[int, ...]]:
     if len(axis) > MAX_NEW_AXES:
         raise InvalidAttributeError(f"unsqueeze: axis has {len(axis)} entries; at most {MAX_NEW_AXES} new axes are answered")
     return unsqueeze_trans(x.shape, tuple(axis))
 
 
-def _inverse(x: DistTensorSpec, trans: tuple[DimTrans, ...], *attrs: object) -> tuple[DimTrans, ...]:
-    return invert_trans(trans, x.ndim)
-
-
-def _list_rules(op: str, lists: Callable[..., Lists], reverse: Callable[..., tuple[DimTrans, ...]],
-                keep: bool) -> tuple[Callable[..., SpmdResult], Callable[..., SpmdResult]]:
-    """The forward and reverse rules of a view op whose list and out shape ``lists(x, *attrs)``
-    gives (``reverse(x, list, *attrs)``: the list out -> x), after checking x's sizes."""
-
-    def forward(x: DistTensorSpec, *attrs: object) -> SpmdResult:
-        _check_sizes(op, x, "x")
-        trans, oshape = lists(x, *attrs)
-        i, o = _forward(op, x, links(trans), oshape, keep)
-        return fast_result((i,), (o,))
-
-    def backward(x: DistTensorSpec, out: DistTensorSpec, *attrs: object) -> SpmdResult:
-        _check_sizes(op, x, "x")
-        trans, oshape = lists(x, *attrs)
-        return _reverse(op, x, out, oshape, links(reverse(x, trans, *attrs)))
-
-    return forward, backward
-
-
-register("reshape", reshape_forward, "x: T, shape: ints", reshape_backward, kind="reverse", outputs="out: T",
-         aliases=("reshape2",), forward_name="ReshapeInferSpmd", backward_name="ReshapeInferSpmdReverse")
+_ENV = {"_sizes": _sizes, "_target": _target, "resolve_target": resolve_target, "_out": _out, "_links": links,
+        "_rlinks": reshape_links, "_grad_check": _grad_check, "flatten_trans": flatten_trans, "squeeze_trans": squeeze_trans,
+        "flatten_reverse_trans": flatten_reverse_trans, "invert_trans": invert_trans, "_unsqueeze": _unsqueeze}
+declare(
+    "reshape", "x: T, shape: ints",
+    Way(partial(notation, True), key="x, _rlinks(x.shape, tgt)", check="tgt = _target(x, shape)",
+        out_shapes="(tgt,)", post=_linear, post_if="x.dist_attr.partial", env=_ENV, paddle="ReshapeInferSpmd",
+        doc="out = x viewed as ``shape`` (0 copies x's size, one -1 inferred)."),
+    reverse=Way(reverse_notation, key="out, _rlinks(out.shape, x.shape)", env=_ENV, paddle="ReshapeInferSpmdReverse",
+                check="_sizes('reshape', x, 'x', True); _sizes('reshape', out, 'out', True); "
+                      "_out('reshape', x, out, resolve_target('reshape', shape, x.shape))",
+                doc="x from out through the list out -> x."),
+    outputs="out: T", aliases=("reshape2",),
+)  # fmt: skip
+# flatten, squeeze, unsqueeze: the op's list and out shape, the reverse's list out -> x (over the
+# parameters; trans: the op's list)
+_FLAT = "x.shape, int(start_axis), int(stop_axis)"
 for _op, _lists, _rev, _keep, _sig, _aliases, _doc in (
-    ("flatten", _flatten, _flatten_reverse, True, "x: T, start_axis: int, stop_axis: int", (),
-     "Axes start_axis..stop_axis merged into one."),
-    ("squeeze", _squeeze, _inverse, False, "x: T, axis: ints", (),
+    ("flatten", f"flatten_trans({_FLAT})", f"flatten_reverse_trans({_FLAT})", True,
+     "x: T, start_axis: int, stop_axis: int", (), "Axes start_axis..stop_axis merged into one."),
+    ("squeeze", "squeeze_trans(x.shape, tuple(axis))", "invert_trans(trans, x.ndim)", False, "x: T, axis: ints", (),
      "Size-1 axes in ``axis`` (all when empty) removed; sharding on kept size-1 axes dropped."),
-    ("unsqueeze", _unsqueeze, _inverse, False, "x: T, axis: ints", ("unsqueeze2",),
+    ("unsqueeze", "_unsqueeze(x, axis)", "invert_trans(trans, x.ndim)", False, "x: T, axis: ints", ("unsqueeze2",),
      "New size-1 axes inserted at ``axis`` (one after another, as the op does)."),
 ):
-    _fwd, _bwd = _list_rules(_op, _lists, _rev, _keep)
-    register(_op, _fwd, _sig, _bwd, kind="reverse", outputs="out: T", aliases=_aliases, doc=_doc,
-             forward_name=f"{_op.capitalize()}InferSpmd", backward_name=f"{_op.capitalize()}InferSpmdReverse")
+    _pd = _op.capitalize()
+    _check = f"_sizes({_op!r}, x, 'x'); trans, oshape = {_lists}"
+    declare(
+        _op, _sig,
+        Way(partial(notation, _keep), key="x, _links(trans)", env=_ENV, check=_check,
+            out_shapes="(oshape,)", post=_linear if _keep else None, post_if="x.dist_attr.partial",
+            paddle=f"{_pd}InferSpmd", doc=_doc),
+        reverse=Way(reverse_notation, key=f"out, _links({_rev})", env=_ENV, check=f"{_check}; _out({_op!r}, x, out, oshape)",
+                    paddle=f"{_pd}InferSpmdReverse", doc=f"{_op} reverse: x from out through the inverted list."),
+        outputs="out: T", aliases=_aliases,
+    )  # fmt: skip
 for _op, _sig in (("reshape", "x_shape: T, out_grad: T"), ("flatten", "xshape: T, out_grad: T"),
                   ("squeeze", "xshape: T, out_grad: T, axis: ints = []"), ("unsqueeze", "x: T, out_grad: T, axis: ints = []")):
-    register(f"{_op}_grad", partial(_grad, f"{_op}_grad", _sig.split(":")[0]), _sig,
-             doc="x_grad = out_grad viewed as x's shape; the shape holder is returned as given.",
-             forward_name=f"{_op.capitalize()}GradInferSpmd")
+    _xs = _sig.split(":")[0]
+    declare(
+        f"{_op}_grad", _sig,
+        Way(grad_notation, key=f"out_grad, _rlinks(out_grad.shape, {_xs}.shape)", env=_ENV,
+            check=f"_grad_check({_op + '_grad'!r}, {_xs!r}, {_xs}, out_grad)", out_shapes=f"({_xs}.shape,)",
+            post=_grad_post, paddle=f"{_op.capitalize()}GradInferSpmd",
+            doc="x_grad = out_grad viewed as x's shape; the shape holder is returned as given."),
+    )  # fmt: skip
