@@ -55,13 +55,13 @@ out-of-range axes (spmdkit raises SpmdError).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import lru_cache, partial
 from typing import Any
 
 from spmdkit.core.dist_attr import Partial, ReduceType
-from spmdkit.core.errors import InvalidArgumentError, InvalidAttributeError, ShapeMismatchError
-from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
+from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import make_attr, normalize_axis, numel, reduced_axes
 from spmdkit.engine.declare import Answer, Way, declare, generate
 from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, letters_for, with_partial
@@ -280,21 +280,6 @@ def _add_n_grad_post(
     return (tuple(t.dist_attr for t in inputs), g), (grads,)
 
 
-def _nonempty(op: str, name: str) -> Callable[[Callable[..., SpmdResult], str, Sequence[str]], Callable[..., SpmdResult]]:
-    """wrap: InvalidArgumentError where the list ``name`` holds no tensor (before the mesh check)."""
-
-    def wrap(fn: Callable[..., SpmdResult], signature: str, outputs: Sequence[str]) -> Callable[..., SpmdResult]:
-        def call(first: Sequence[DistTensorSpec], *rest: Any) -> SpmdResult:
-            if not first:
-                raise InvalidArgumentError(f"{op}: {name} must hold at least one tensor")
-            return fn(first, *rest)
-
-        call.__doc__, call.__name__, call.__qualname__ = fn.__doc__, fn.__name__, fn.__qualname__
-        return call
-
-    return wrap
-
-
 # ---------------------------------------------------------------------------
 # declarations
 # ---------------------------------------------------------------------------
@@ -388,10 +373,10 @@ declare(
 declare(
     "add_n", "input: [T]",
     Way(_add_n, key="len(input), len(input[0].shape)", check="_add_n_check('add_n', input, 'input')", env=_ENV,
-        post=_add_n_partial, post_if="input[0].dist_attr.partial", wrap=_nonempty("add_n", "input"),
+        post=_add_n_partial, post_if="input[0].dist_attr.partial", nonempty=("input",),
         paddle="AddNInferSpmd",
         doc="AddNInferSpmd: shardings merged; a common linear partial status is kept."),
-    reverse=Way(_add_n, key="len(input), len(input[0].shape)", env=_ENV, wrap=_nonempty("add_n", "input"),
+    reverse=Way(_add_n, key="len(input), len(input[0].shape)", env=_ENV, nonempty=("input",),
                 check="_add_n_check('add_n', input, 'input', out, 'out', 'adding the inputs')",
                 paddle="add_n reverse (spmdkit)",
                 doc="add_n reverse (built here; Paddle 3.3.1 has none): every input takes out's sharding."),
@@ -399,7 +384,7 @@ declare(
 )  # fmt: skip
 declare(
     "add_n_grad", "inputs: [T], out_grad: T",
-    Way(_add_n_grad, key="len(inputs), out_grad", env=_ENV, post=_add_n_grad_post, wrap=_nonempty("add_n_grad", "inputs"),
+    Way(_add_n_grad, key="len(inputs), out_grad", env=_ENV, post=_add_n_grad_post, nonempty=("inputs",),
         check="_add_n_check('add_n_grad', inputs, 'inputs', out_grad, 'out_grad', 'adding the inputs')",
         paddle="add_n_grad (backward op)", doc="add_n_grad(inputs, out_grad): every input's grad is out_grad (partial "
         "included); the inputs are returned as given (only their shapes are used)."),
