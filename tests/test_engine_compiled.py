@@ -260,7 +260,7 @@ def _conv_family_plans() -> list[tuple[Plan, str]]:
         for nd in (0, 1, 2, 3):
             for wf in (False, True):
                 for rows in (False, True):
-                    plans.append((embedding._plan("embedding", nd, kind, wf, rows), d))
+                    plans.append((compile_plan(embedding.notation(kind, wf, nd, rows), d), d))
     for s in (False, True):
         for b in (False, True):
             for nd in (2, 3, 4, 5):
