@@ -249,13 +249,14 @@ def _rule_plans() -> list[tuple[Plan, str]]:
     for nd in (1, 2, 3, 4):  # split_concat.py: pieces, reverse pieces, joins
         for axis in range(nd):
             for drop in (False, True):
-                plans.append((split_concat._piece_plan(nd, axis, drop, drop and axis == 1), "forward"))
-                plans.append((split_concat._reverse_plan(3, nd, axis, drop), "backward"))
+                plans.append((compile_plan(split_concat.pieces(drop, drop and axis == 1, nd, axis)), "forward"))
+                plans.append((compile_plan(split_concat.rejoin(drop, 3, nd, axis), "backward"), "backward"))
+                plans.append((compile_plan(split_concat.unjoin(drop, 3, nd, axis, 2 * drop)), "forward"))
             for n in (1, 2, 3):
                 for stack in (False, True):
-                    plans.append((split_concat._join_plan(n, nd, axis, 0, stack, False), "forward"))
-            plans.append((split_concat._join_plan(3, nd, axis, 2, False, False), "forward"))
-            plans.append((split_concat._join_plan(2, nd, axis, 0, False, True), "forward"))
+                    plans.append((compile_plan(split_concat.join(stack, False, n, nd, axis, 0)), "forward"))
+            plans.append((compile_plan(split_concat.join(False, False, 3, nd, axis, 2)), "forward"))
+            plans.append((compile_plan(split_concat.join(False, True, 2, nd, axis, 0)), "forward"))
     return plans
 
 
@@ -273,7 +274,7 @@ def _conv_family_plans() -> list[tuple[Plan, str]]:
         for nd in (0, 1, 2, 3):
             for wf in (False, True):
                 for rows in (False, True):
-                    plans.append((embedding._plan("embedding", nd, kind, wf, rows), d))
+                    plans.append((compile_plan(embedding.notation(kind, wf, nd, rows), d), d))
     for s in (False, True):
         for b in (False, True):
             for nd in (2, 3, 4, 5):

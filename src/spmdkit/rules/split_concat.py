@@ -3,12 +3,11 @@
 Vector outputs (split, unbind, concat_grad, stack_grad) are one tuple of dist attrs in
 ``outputs``; vector inputs (concat, stack, the grads' out_grad lists) one tuple in ``inputs``.
 
-* ``split(x, sections, axis)`` / ``split_with_num(x, num, axis)``: notation ``abc -> abc, abc,
-  ...`` with the split axis ``b`` replicated (every piece is a contiguous range of it); every
-  other axis keeps x's sharding, partial status is cleared (as in Paddle). The reverse rules
-  merge the pieces' shardings axis by axis; where two pieces shard one axis over different
-  mesh dims the larger piece wins (Paddle raises, DESIGN class 8); a mesh dim two axes want
-  stays with the first to claim it, the split axis included, which x then has replicated.
+* ``split(x, sections, axis)`` / ``split_with_num(x, num, axis)``: ``abc -> abc, abc, ...``, the
+  split axis ``b`` replicated (a piece is a range of it), partial cleared (as in Paddle). Reverse
+  rules merge the pieces per axis; where two shard one axis over different mesh dims the larger
+  piece wins (Paddle raises, DESIGN class 8); a mesh dim two axes want stays with the first to
+  claim it, the split axis included, which x then has replicated.
 * ``unbind(x, axis)``: ``abc -> ac, ac, ...``: the unbound axis replicated, then dropped.
 * ``concat(x, axis)`` / ``stack(x, axis)``: ``abc, abc, ... -> abc`` (stack: ``-> ab1c``)
   under Paddle's per-mesh-dim alignment (the engine's ``conflict="align"``): a mesh dim on
@@ -24,13 +23,10 @@ Vector outputs (split, unbind, concat_grad, stack_grad) are one tuple of dist at
   output_grad as concat does (x_grad pieces sharded as x), ``stack_grad(output_grad, axis)``
   replicates the stacked axis and gives every x_grad the rest.
 
-Output count bound: a rule whose number of outputs comes from a size (split's sections,
-split_with_num's num, unbind's axis size, stack_grad's stacked axis size; forward and
-reverse alike) refuses more than :data:`MAX_OUTPUTS` (4096) outputs with an
-InvalidAttributeError (num, sections) or ShapeMismatchError (a tensor's size) naming the op
-and the argument, before any work: Paddle has no such bound, but an answer of millions of
-identical dist attrs is never what a real program needs, and building it would take
-minutes and gigabytes.
+Output count bound: where the number of outputs comes from a size (sections, num, unbind's
+and stack_grad's axis size) more than :data:`MAX_OUTPUTS` (4096) are refused before any work
+(InvalidAttributeError for num / sections, ShapeMismatchError for a size): Paddle has no such
+bound, but millions of identical dist attrs are never what a program needs.
 
 Deviations from Paddle 3.3.1 (docs/deviations.md): concat-reverse-out, stack-reverse-out,
 concat-partial-input, unbind-partial-input (Paddle keeps x partial, the slices not),
@@ -39,287 +35,285 @@ split-reverse-conflict.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from functools import lru_cache, partial
+from collections.abc import Sequence
+from functools import partial
+from typing import Any, cast
 
-from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
-from spmdkit.core.mesh import ProcessMesh
-from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import replicated
-from spmdkit.engine.compile import Plan, compile_plan, infer
-from spmdkit.engine.notation import Notation, common_mesh, letters_for
-from spmdkit.engine.notation import fast_result as _fast_result
+from spmdkit.engine.declare import Way, declare, generate
+from spmdkit.engine.notation import Notation, letters_for
 from spmdkit.engine.registry import register
-
-Shape = tuple[int, ...]
-#: fast_result for answers holding vector (tuple) arguments
-fast_result: Callable[..., SpmdResult] = _fast_result
+from spmdkit.engine.signature import REVERSE, reverse_signature
 
 #: The most outputs a split / unbind / stack_grad answers (see the module docstring).
 MAX_OUTPUTS = 4096
 
 
-def _check_count(op: str, what: str, n: int, attr: bool) -> None:
-    """Refuse an output count past MAX_OUTPUTS (``what`` names the argument it comes from)."""
-    if n > MAX_OUTPUTS:
-        err = InvalidAttributeError if attr else ShapeMismatchError
-        raise err(f"{op}: {what} asks for {n} outputs; at most {MAX_OUTPUTS} are answered")
-
-
-def _axis(op: str, axis: int, ndim: int, extra: int = 0) -> int:
+def _axis(axis: int, ndim: int, extra: int = 0) -> int:
     n = ndim + extra
     if ndim == 0:
-        raise ShapeMismatchError(f"{op}: x is 0-d; there is no axis {axis} to act on")
-    if not -n <= axis < n:
-        raise InvalidAttributeError(f"{op}: axis {axis} is out of range [{-n}, {n}) for a {ndim}-D tensor")
-    return axis + n if axis < 0 else axis
+        raise ShapeMismatchError(f"x is 0-d; there is no axis {axis} to act on")
+    if -n <= axis < n:
+        return axis + n if axis < 0 else axis
+    raise InvalidAttributeError(f"axis {axis} is out of range [{-n}, {n}) for a {ndim}-D tensor")
 
 
 # -- the notations: one tensor to its pieces, and the join of many ------------------------------
 
 
-@lru_cache(maxsize=4096)
-def _piece_plan(ndim: int, axis: int, drop: bool, grad: bool) -> Plan:
-    """``abc -> abc`` (split's pieces, concat's inputs from its output) or ``abc -> ac`` (drop:
-    unbind's slices, stack's inputs from its output, stack_grad's x_grad), the axis ``b``
-    replicated. Paddle reads a co-shard as its largest mesh dim; stack_grad (``grad``) keeps
-    the sharding as it is and the partial status (the op is linear)."""
+def pieces(drop: bool, grad: bool, ndim: int, axis: int) -> Notation:
+    """``abc -> abc`` (split) or ``abc -> ac`` (drop: unbind), ``b`` replicated, a co-shard read as
+    its largest mesh dim; stack_grad (``grad``) keeps co-shards and partial status (linear)."""
     x = letters_for(ndim)
-    return compile_plan(Notation([x], [x[:axis] + x[axis + 1:] if drop else x], x[axis],
-                                 coshard="keep" if grad else "largest", partial="keep" if grad else "replicate"))
+    return Notation([x], [x[:axis] + x[axis + 1:] if drop else x], x[axis],
+                    coshard="keep" if grad else "largest", partial="keep" if grad else "replicate")
 
 
-@lru_cache(maxsize=4096)
-def _join_plan(n: int, ndim: int, axis: int, empty: int, stack: bool, grad: bool) -> Plan:
-    """``abc, abc, ... -> abc`` (concat, the axis ``b`` replicated) or ``-> ab1c`` (stack, the
-    new axis at ``axis``), merged by Paddle's per-mesh-dim alignment (``conflict="align"``),
-    SUM / AVG partial status kept (0-d stacks keep none); concat_grad (``grad``) merges
-    output_grad too and gives each x_grad its x. ``empty``: a bit per input that is Paddle's
-    placeholder for an empty tensor (shape ``[0]``), which takes no part (None: replicated)."""
+def rejoin(drop: bool, n: int, ndim: int, axis: int) -> Notation:
+    """x (``a1c``) from its n pieces (``abc``; unbind: ``ac``), compiled backward: the split axis
+    ``b`` claims a mesh dim first wanted there, and shards nothing (no input carries it)."""
+    x = letters_for(ndim)
+    return Notation([x[:axis] + "1" + x[axis + 1:]], [x[:axis] + x[axis + 1:] if drop else x] * n, coshard="largest")
+
+
+def join(stack: bool, grad: bool, n: int, ndim: int, axis: int, empty: int) -> Notation:
+    """``abc, abc, ... -> abc`` (concat, ``b`` replicated) or ``-> ab1c`` (stack); concat_grad
+    (``grad``) merges output_grad too. ``empty``: a bit per input that is Paddle's placeholder for
+    an empty tensor (shape ``[0]``), which takes no part (None: replicated)."""
     x = letters_for(ndim)
     xs = [None if (empty >> i) & 1 else x for i in range(n)]
     out = x[:axis] + "1" + x[axis:] if stack else x
-    nt = Notation([*xs, x] if grad else xs, xs if grad else [out], "" if stack else x[axis], conflict="align",
-                  partial="linear" if ndim else "replicate")
-    return compile_plan(nt)
+    return Notation([*xs, x] if grad else xs, xs if grad else [out], "" if stack else x[axis], conflict="align",
+                    partial="linear" if ndim else "replicate")
 
 
-def _fill(mesh: ProcessMesh, specs: Sequence[DistTensorSpec], attrs: Sequence[TensorDistAttr | None]
-          ) -> tuple[TensorDistAttr, ...]:
-    """The attrs, a placeholder's (None) replicated."""
-    return tuple(replicated(mesh, t.ndim) if a is None else a for t, a in zip(specs, attrs))
+def unjoin(stack: bool, n: int, ndim: int, axis: int, empty: int) -> Notation:
+    """concat's (stack's) inputs ``abc`` (``ac``) from the output ``abc``, ``b`` replicated, a
+    co-shard read as its largest mesh dim. Compiled forward, the merge reading the output alone
+    (``sources``): where every input is a placeholder it keeps its letters (backward drops them)."""
+    x = letters_for(ndim)
+    xs = [None if (empty >> i) & 1 else x[:axis] + x[axis + 1:] if stack else x for i in range(n)]
+    return Notation([*xs, x], [], x[axis], coshard="largest", sources=(n,))
 
 
 # -- split / split_with_num / unbind: one tensor and its n pieces ------------------------------
 
 
-def _sections(op: str, x: DistTensorSpec, sections: tuple[int, ...], axis: int) -> tuple[int, int]:
-    """split's axis and piece count, the sections checked against the axis size."""
-    ax = _axis(op, axis, x.ndim)
+def _alike(ts: Sequence[DistTensorSpec], f: Sequence[int], ndim: int, axis: int, drop: bool) -> bool:
+    """Every tensor of ``ts`` has rank ``ndim`` and ``f``'s sizes off ``axis`` (``drop``: ``f`` has
+    the axis, they do not): the common case, checked before the checks that name what is wrong."""
+    head, tail = f[:axis], f[axis + 1:]
+    for t in ts:
+        s = t.shape
+        if len(s) != ndim or s[:axis] != head or s[axis + 1 - drop:] != tail:
+            return False
+    return True
+
+
+def _sections(x: DistTensorSpec, sections: tuple[int, ...], axis: int) -> int:
+    """split's axis, the sections checked against the axis size."""
+    ax = _axis(axis, len(x.shape))
     size = x.shape[ax]
     if not sections:
-        raise InvalidAttributeError(f"{op}: sections is empty")
-    _check_count(op, f"sections (of {len(sections)} entries)", len(sections), True)
+        raise InvalidAttributeError("sections is empty")
+    if len(sections) > MAX_OUTPUTS:
+        raise InvalidAttributeError(f"sections (of {len(sections)} entries) asks for {len(sections)} outputs; at most {MAX_OUTPUTS} are answered")
     if any(s < -1 for s in sections) or sections.count(-1) > 1:
-        raise InvalidAttributeError(f"{op}: sections {list(sections)} may hold sizes >= 0 and at most one -1")
+        raise InvalidAttributeError(f"sections {list(sections)} may hold sizes >= 0 and at most one -1")
     if size >= 0:
         known = sum(s for s in sections if s != -1)
         if (-1 not in sections and known != size) or known > size:
-            raise InvalidAttributeError(f"{op}: sections {list(sections)} do not add up to the axis size {size}")
-    return ax, len(sections)
+            raise InvalidAttributeError(f"sections {list(sections)} do not add up to the axis size {size}")
+    return ax
 
 
-def _num(op: str, x: DistTensorSpec, num: int, axis: int) -> tuple[int, int]:
-    """split_with_num's axis and piece count."""
-    ax = _axis(op, axis, x.ndim)
+def _num(x: DistTensorSpec, num: int, axis: int) -> int:
+    """split_with_num's axis, num checked."""
+    ax = _axis(axis, len(x.shape))
     if num <= 0:
-        raise InvalidAttributeError(f"{op}: num must be positive, got {num}")
-    _check_count(op, f"num {num}", num, True)
+        raise InvalidAttributeError(f"num must be positive, got {num}")
+    if num > MAX_OUTPUTS:
+        raise InvalidAttributeError(f"num {num} asks for {num} outputs; at most {MAX_OUTPUTS} are answered")
     if x.shape[ax] >= 0 and x.shape[ax] % num:
-        raise InvalidAttributeError(f"{op}: num {num} does not divide the axis size {x.shape[ax]}")
-    return ax, num
+        raise InvalidAttributeError(f"num {num} does not divide the axis size {x.shape[ax]}")
+    return ax
 
 
-def _slices(op: str, x: DistTensorSpec, axis: int, name: str = "x", what: str = "outputs") -> tuple[int, int]:
-    """unbind's (stack_grad's) axis and slice count: the axis size."""
-    ax = _axis(op, axis, x.ndim)
+def _slices(x: DistTensorSpec, axis: int, name: str = "x", what: str = "outputs") -> int:
+    """unbind's (stack_grad's) axis, its size (the slice count) checked."""
+    ax = _axis(axis, len(x.shape))
     n = x.shape[ax]
     if n < 0:
-        raise ShapeMismatchError(f"{op}: the size of axis {axis} of {name} is unknown, so is the number of {what}")
-    _check_count(op, f"{name}'s axis {axis} (size {n})", n, False)
-    return ax, n
+        raise ShapeMismatchError(f"the size of axis {axis} of {name} is unknown, so is the number of {what}")
+    if n > MAX_OUTPUTS:
+        raise ShapeMismatchError(f"{name}'s axis {axis} (size {n}) asks for {n} outputs; at most {MAX_OUTPUTS} are answered")
+    return ax
 
 
-@lru_cache(maxsize=4096)
-def _reverse_plan(n: int, ndim: int, axis: int, drop: bool) -> Plan:
-    """x (``a1c``) from its n pieces (``abc`` or, unbind, ``ac``), Paddle's reverse merge: per
-    axis the pieces' shardings (a co-shard read as its largest mesh dim; where two pieces shard
-    an axis over different mesh dims, the larger piece wins); a mesh dim wanted by several axes
-    goes to the first to claim it, the split axis ``b`` included, which no input carries, so it
-    then shards nothing."""
-    x = letters_for(ndim)
-    piece = x[:axis] + x[axis + 1:] if drop else x
-    return compile_plan(Notation([x[:axis] + "1" + x[axis + 1:]], [piece] * n, coshard="largest"), "backward")
-
-
-def _split_reverse(op: str, x: DistTensorSpec, out: tuple[DistTensorSpec, ...], n: int, axis: int,
-                   unbind: bool) -> SpmdResult:
-    mesh = common_mesh(op, (x, *out))
+def _pieces_key(x: DistTensorSpec, out: Sequence[DistTensorSpec], axis: int, n: int, drop: bool
+                ) -> tuple[int, int, int]:
+    """The reverse key (n, rank, axis) of a split-like op, the n pieces checked against x."""
     if len(out) != n:
-        raise ShapeMismatchError(f"{op}: out has {len(out)} tensors, the op makes {n}")
-    want = x.ndim - 1 if unbind else x.ndim
-    for i, o in enumerate(out):
-        if o.ndim != want:
-            raise ShapeMismatchError(f"{op}: out[{i}] has {o.ndim} dims, expected {want}")
-        for j in range(x.ndim):
-            if j == axis:
-                continue
-            k = j - 1 if unbind and j > axis else j
-            if o.shape[k] != x.shape[j] and o.shape[k] >= 0 and x.shape[j] >= 0:
-                raise ShapeMismatchError(f"{op}: out[{i}] has size {o.shape[k]} on axis {k}, x has {x.shape[j]}")
-    ins, outs = infer(_reverse_plan(n, x.ndim, axis, unbind), op, (x,), out, mesh)
-    return fast_result(ins, (outs,))
-
-
-def _pieces(op: str, count: Callable[..., tuple[int, int]], drop: bool, grad: bool = False
-            ) -> tuple[Callable[..., SpmdResult], Callable[..., SpmdResult]]:
-    """The forward rule (x and its n pieces, all alike, from the piece plan) and the reverse
-    rule (x from its pieces) of a split-like op; ``count(op, x, *attrs)``: (axis, n)."""
-
-    def forward(x: DistTensorSpec, *attrs: object) -> SpmdResult:
-        ax, n = count(op, x, *attrs)
-        ins, outs = infer(_piece_plan(x.ndim, ax, drop, grad), op, (x,), (), x.dist_attr.mesh)
-        return fast_result(ins, ((outs[0],) * n,))
-
-    def reverse(x: DistTensorSpec, out: tuple[DistTensorSpec, ...], *attrs: object) -> SpmdResult:
-        ax, n = count(op, x, *attrs)
-        return _split_reverse(op, x, out, n, ax, drop)
-
-    return forward, reverse
+        raise ShapeMismatchError(f"out has {len(out)} tensors, the op makes {n}")
+    xs = x.shape
+    want = len(xs) - 1 if drop else len(xs)
+    for i, o in enumerate(() if _alike(out, xs, want, axis, drop) else out):
+        if len(o.shape) != want:
+            raise ShapeMismatchError(f"out[{i}] has {len(o.shape)} dims, expected {want}")
+        for j in range(len(xs)):
+            k = j - 1 if drop and j > axis else j
+            if j != axis and o.shape[k] != xs[j] and o.shape[k] >= 0 and xs[j] >= 0:
+                raise ShapeMismatchError(f"out[{i}] has size {o.shape[k]} on axis {k}, x has {xs[j]}")
+    return n, len(xs), axis
 
 
 # -- concat / stack ---------------------------------------------------------------------------
 
 
-def _is_empty(shape: Shape, ndim: int) -> bool:
-    return ndim > 1 and shape == (0,)
-
-
-def _check_join(op: str, name: str, xs: Sequence[DistTensorSpec], axis: int | None) -> None:
+def _check_join(name: str, xs: Sequence[DistTensorSpec], axis: int | None) -> None:
     """Sizes must agree off ``axis`` among the non-empty tensors, which share one rank."""
     if not xs:
-        raise ShapeMismatchError(f"{op}: {name} is an empty list")
-    ndim = max(t.ndim for t in xs)
+        raise ShapeMismatchError(f"{name} is an empty list")
+    ndim = max(len(t.shape) for t in xs)
     first: DistTensorSpec | None = None
     for i, t in enumerate(xs):
-        if _is_empty(t.shape, ndim):
+        if ndim > 1 and t.shape == (0,):  # Paddle's placeholder for an empty tensor
             continue
-        if t.ndim != ndim:
-            raise ShapeMismatchError(f"{op}: {name}[{i}] has {t.ndim} dims, the others {ndim}")
+        if len(t.shape) != ndim:
+            raise ShapeMismatchError(f"{name}[{i}] has {len(t.shape)} dims, the others {ndim}")
         if first is None:
             first = t
             continue
         for j, (a, b) in enumerate(zip(first.shape, t.shape)):
             if j != axis and a != b and a >= 0 and b >= 0:
-                raise ShapeMismatchError(f"{op}: {name}[{i}] has size {b} on axis {j}, {name}[0] has {a}")
+                raise ShapeMismatchError(f"{name}[{i}] has size {b} on axis {j}, {name}[0] has {a}")
 
 
-def _join(xs: tuple[DistTensorSpec, ...], axis: int, og: DistTensorSpec | None = None, *, op: str, stack: bool,
-          name: str = "x") -> SpmdResult:
-    """concat / stack of ``xs`` (with concat_grad's output_grad ``og``) through the join plan."""
-    every = xs if og is None else (*xs, og)
-    mesh = common_mesh(op, every)  # (raises for no tensor at all)
-    ndim = max(t.ndim for t in xs) if og is None else og.ndim
+def _join_key(stack: bool, name: str, xs: Sequence[DistTensorSpec], axis: int,
+              og: DistTensorSpec | None = None) -> tuple[int, int, int, int]:
+    """(n, rank, axis, placeholder bits) of a concat / stack of ``xs`` (with concat_grad's
+    output_grad ``og``)."""
+    ndim = max(len(t.shape) for t in xs) if og is None else len(og.shape)
     if not stack:
-        ax = _axis(op, axis, ndim)
+        ax = _axis(axis, ndim)
     elif ndim:
-        ax = _axis(op, axis, ndim, 1)
+        ax = _axis(axis, ndim, 1)
     elif axis not in (0, -1):
-        raise InvalidAttributeError(f"{op}: axis {axis} is out of range [-1, 1) for stacking 0-d tensors")
+        raise InvalidAttributeError(f"axis {axis} is out of range [-1, 1) for stacking 0-d tensors")
     else:
         ax = 0
-    _check_join(op, name, every, None if stack else ax)
+    every = xs if og is None else (*xs, og)
+    if _alike(every, every[0].shape, ndim, ndim if stack else ax, False):  # (stack: every shape alike)
+        return len(xs), ndim, ax, 0
+    _check_join(name, every, None if stack else ax)
     empty = 0
     for i, t in enumerate(xs):
-        if _is_empty(t.shape, ndim):
+        if ndim > 1 and t.shape == (0,):
             empty |= 1 << i
-        elif t.ndim != ndim:  # concat_grad: x against output_grad (_check_join saw the largest rank)
-            raise ShapeMismatchError(f"{op}: {name}[{i}] has {t.ndim} dims, output_grad has {ndim}")
-    ins, outs = infer(_join_plan(len(xs), ndim, ax, empty, stack, og is not None), op, every, (), mesh)
-    if empty:
-        ins = _fill(mesh, every, ins)
-    if og is None:
-        return fast_result((ins,), outs)
-    return fast_result((ins[:-1], ins[-1]), (_fill(mesh, xs, outs) if empty else outs,))
+        elif len(t.shape) != ndim:  # concat_grad: x against output_grad (_check_join saw the largest rank)
+            raise ShapeMismatchError(f"{name}[{i}] has {len(t.shape)} dims, output_grad has {ndim}")
+    return len(xs), ndim, ax, empty
 
 
-def concat_grad(x: tuple[DistTensorSpec, ...], output_grad: DistTensorSpec, axis: int = 0) -> SpmdResult:
-    """x and output_grad aligned as concat aligns its inputs; each x_grad sharded as its x."""
-    return _join(x, axis, output_grad, op="concat_grad", stack=False)
-
-
-def concat_backward(x: tuple[DistTensorSpec, ...], output: DistTensorSpec, axis: int = 0) -> SpmdResult:
-    """Every input sharded as the output, the concat axis replicated (split's plan, from the
-    output); the output returned is the one those inputs produce."""
-    mesh = common_mesh("concat", (*x, output))
-    ndim = output.ndim
-    ax = _axis("concat", axis, ndim)
-    _check_join("concat", "x", x, ax)
+def _unjoin_key(stack: bool, x: Sequence[DistTensorSpec], output: DistTensorSpec, axis: int
+                ) -> tuple[int, int, int, int]:
+    """(n, rank, axis, placeholder bits) of concat's / stack's reverse rule: x against the output."""
+    ndim = len(output.shape)
+    if stack and ndim == 0:
+        raise ShapeMismatchError("output is 0-d; a stack has at least one axis")
+    ax = _axis(axis, ndim)
+    if x and _alike(x, output.shape, ndim - stack, ax, stack) and (not stack or output.shape[ax] in (len(x), -1)):
+        return len(x), ndim, ax, 0
+    _check_join("x", x, None if stack else ax)
+    empty = 0
     for i, t in enumerate(x):
-        if t.ndim != ndim and not _is_empty(t.shape, ndim):
-            raise ShapeMismatchError(f"concat: x[{i}] has {t.ndim} dims, output has {ndim}")
-    ins, outs = infer(_piece_plan(ndim, ax, False, False), "concat", (output,), (), mesh)
-    return fast_result((tuple(outs[0] if t.ndim == ndim else replicated(mesh, t.ndim) for t in x),), ins)
+        if len(t.shape) != ndim - stack:
+            if stack or ndim < 2 or t.shape != (0,):
+                want = f" (expected {ndim - 1})" if stack else ""
+                raise ShapeMismatchError(f"x[{i}] has {len(t.shape)} dims, output has {ndim}{want}")
+            empty |= 1 << i
+    if stack and output.shape[ax] >= 0 and output.shape[ax] != len(x):
+        raise ShapeMismatchError(f"output has size {output.shape[ax]} on axis {ax}, x has {len(x)} tensors")
+    return len(x), ndim, ax, empty
 
 
-def stack_backward(x: tuple[DistTensorSpec, ...], output: DistTensorSpec, axis: int = 0) -> SpmdResult:
-    """Every input sharded as the output without the stacked axis (unbind's plan, from the
-    output); the output returned is the one those inputs produce (the stacked axis replicated)."""
-    mesh = common_mesh("stack", (*x, output))
-    ndim = output.ndim
-    if ndim == 0:
-        raise ShapeMismatchError("stack: output is 0-d; a stack has at least one axis")
-    ax = _axis("stack", axis, ndim)
-    _check_join("stack", "x", x, None)
-    for i, t in enumerate(x):
-        if t.ndim != ndim - 1:
-            raise ShapeMismatchError(f"stack: x[{i}] has {t.ndim} dims, output has {ndim} (expected {ndim - 1})")
-    if output.shape[ax] >= 0 and output.shape[ax] != len(x):
-        raise ShapeMismatchError(f"stack: output has size {output.shape[ax]} on axis {ax}, x has {len(x)} tensors")
-    ins, outs = infer(_piece_plan(ndim, ax, True, False), "stack", (output,), (), mesh)
-    return fast_result(((outs[0],) * len(x),), ins)
+def _fill(attrs: Sequence[Any], specs: Sequence[DistTensorSpec]) -> Sequence[Any]:
+    """The attrs, a placeholder's (None) replicated."""
+    for a in attrs:
+        if a is None:
+            break
+    else:
+        return attrs
+    return tuple(replicated(t.dist_attr.mesh, len(t.shape)) if a is None else a for t, a in zip(specs, attrs))
+
+
+def _filled(ins: Any, outs: Any, x: Sequence[DistTensorSpec], *args: Any) -> Any:
+    """Placeholders (None) replicated; the reverse rules (compiled forward, no outputs): the
+    output those inputs produce."""
+    xs = _fill(ins[0], x)
+    return ((xs,), outs) if len(ins) == 1 else ((xs,), (ins[1],))
+
+
+def _grad_filled(ins: Any, outs: Any, x: Sequence[DistTensorSpec], *args: Any) -> Any:
+    """concat_grad: placeholders (None) replicated, the x_grads (flat) one tuple."""
+    return (_fill(ins[0], x), ins[1]), (_fill(outs, x),)
+
+
+def _declare_join(name: str, stack: bool, doc: str) -> None:
+    """declare() for concat / stack, whose reverse rule is compiled forward (see ``unjoin``)."""
+    sig, stem = "x: [T], axis: int = 0", name.capitalize()
+    fwd = generate(name, sig, Way(partial(join, stack, False), key=partial(_join_key, stack, "x"), post=_filled,
+                                  doc=doc), name=f"{name}_forward")
+    rev = generate(name, reverse_signature(sig, "output: T"), Way(
+        partial(unjoin, stack), key=partial(_unjoin_key, stack), post=_filled, doc=f"{name}: every input sharded "
+        "as the output, the joined axis replicated; the output is the one those inputs produce."), name=f"{name}_backward")
+    register(name, fwd, sig, rev, kind=REVERSE, outputs="output: T", forward_name=f"{stem}InferSpmd",
+             backward_name=f"{stem}InferSpmdReverse", doc=doc)  # fmt: skip
 
 
 # -- the declarations -------------------------------------------------------------------------
 
-# name, (axis, count) of the pieces, unbind-like (the axis dropped), signature, Paddle's stem, doc
-for _name, _count, _drop, _sig, _stem, _doc in (
-    ("split", _sections, False, "x: T, sections: ints, axis: int = 0", "Split",
+# name, its axis checked, piece count, attributes, unbind-like (the axis dropped), Paddle's stem, the
+# post-hook (every piece the one piece's attr), doc
+for _name, _count, _n, _attrs, _drop, _stem, _post, _doc in (
+    ("split", _sections, "len(sections)", "sections: ints", False, "Split",
+     lambda i, o, x, sections, axis: (i, ((o[0],) * len(sections),)),
      "Each piece is sharded as x, the split axis replicated."),
-    ("split_with_num", _num, False, "x: T, num: int, axis: int = 0", "SplitWithNum",
+    ("split_with_num", _num, "num", "num: int", False, "SplitWithNum",
+     lambda i, o, x, num, axis: (i, ((o[0],) * num,)),
      "Each of the num pieces is sharded as x, the split axis replicated."),
-    ("unbind", _slices, True, "x: T, axis: int = 0", "Unbind",
+    ("unbind", _slices, "x.shape[axis]", "", True, "Unbind", lambda i, o, x, axis: (i, ((o[0],) * x.shape[axis],)),
      "Each slice is x's sharding without the unbound axis (which is replicated)."),
 ):
-    _fwd, _rev = _pieces(_name, _count, _drop)
-    register(_name, _fwd, _sig, _rev, kind="reverse", outputs="out: [T]", doc=_doc,
-             forward_name=f"{_stem}InferSpmd", backward_name=f"{_stem}InferSpmdReverse")
-for _name, _stack, _rev, _stem, _doc in (
-    ("concat", False, concat_backward, "Concat",
-     "Align the inputs mesh dim by mesh dim; the concat axis replicated; partial kept."),
-    ("stack", True, stack_backward, "Stack",
-     "Align the inputs mesh dim by mesh dim; the new axis replicated in the output."),
-):
-    register(_name, partial(_join, op=_name, stack=_stack), "x: [T], axis: int = 0", _rev, kind="reverse",
-             outputs="output: T", doc=_doc, forward_name=f"{_stem}InferSpmd", backward_name=f"{_stem}InferSpmdReverse")
+    _a, _env = "".join(a.split(":")[0] + ", " for a in _attrs.split(", ") if a), {"_count": _count, "_rev": _pieces_key}
+    declare(
+        _name, f"x: T, {_attrs + ', ' if _attrs else ''}axis: int = 0",
+        Way(partial(pieces, _drop, False), key=f"x, _count(x, {_a}axis)", env=_env, post=cast(Any, _post),
+            paddle=f"{_stem}InferSpmd", doc=_doc),
+        reverse=Way(partial(rejoin, _drop), key=f"*_rev(x, out, _count(x, {_a}axis), {_n}, {_drop})", env=_env,
+                    paddle=f"{_stem}InferSpmdReverse", doc=f"{_name}: x from its pieces (the larger piece wins a conflict)."),
+        outputs="out: [T]", doc=_doc,
+    )  # fmt: skip
+_declare_join("concat", False, "Align the inputs mesh dim by mesh dim; the concat axis replicated; partial kept.")
+_declare_join("stack", True, "Align the inputs mesh dim by mesh dim; the new axis replicated in the output.")
 # the grads of split / unbind join their out_grads as concat / stack do
 for _name, _stack, _doc in (("split_grad", False, "x_grad = concat(out_grad, axis)."),
                             ("split_with_num_grad", False, "x_grad = concat(out_grad, axis)."),
                             ("unbind_grad", True, "input_grad = stack(out_grad, axis).")):
-    register(_name, partial(_join, op=_name, stack=_stack, name="out_grad"),
-             f"out_grad: [T], axis: int = {0 if _stack else -1}", doc=_doc)
-register("concat_grad", concat_grad, "x: [T], output_grad: T, axis: int = 0", forward_name="ConcatGradInferSpmdDynamic")
-register("stack_grad", _pieces("stack_grad", partial(_slices, name="output_grad", what="x_grad"), True, True)[0],
-         "output_grad: T, axis: int = 0", forward_name="StackGradInferSpmd",
-         doc="The stacked axis of output_grad replicated; every x_grad gets the other axes' sharding.")
+    declare(_name, f"out_grad: [T], axis: int = {0 if _stack else -1}",
+            Way(partial(join, _stack, False), key=partial(_join_key, _stack, "out_grad"), post=_filled, doc=_doc),
+            doc=_doc)
+declare(
+    "concat_grad", "x: [T], output_grad: T, axis: int = 0",
+    Way(partial(join, False, True), key=lambda x, og, axis: _join_key(False, "x", x, axis, og), post=_grad_filled,
+        paddle="ConcatGradInferSpmdDynamic",
+        doc="x and output_grad aligned as concat aligns its inputs; each x_grad sharded as its x."),
+)  # fmt: skip
+declare(
+    "stack_grad", "output_grad: T, axis: int = 0",
+    Way(partial(pieces, True, True), key="output_grad, _slices(output_grad, axis, 'output_grad', 'x_grad')",
+        env={"_slices": _slices}, post=lambda i, o, og, axis: (i, ((o[0],) * og.shape[axis],)), paddle="StackGradInferSpmd",
+        doc="The stacked axis of output_grad replicated; every x_grad gets the other axes' sharding."),
+)  # fmt: skip
