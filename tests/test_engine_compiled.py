@@ -215,9 +215,10 @@ def _rule_plans() -> list[tuple[Plan, str]]:
         for fixed in ((), (0,), (nd - 1,)):
             for lead in (0, 2):
                 for kind in ("copy", "copy_noy", "tile_grad", "expand", "expand_grad"):
-                    plans.append((slice_rules._plan(kind, nd, fixed, (), lead), "forward"))
-                plans.append((slice_rules._plan("copy", nd, fixed, (), lead, "largest", "backward"), "backward"))
-            plans.append((slice_rules._plan("slice_grad", nd, fixed, fixed[:1], 0, "largest"), "forward"))
+                    plans.append((compile_plan(slice_rules.notation(kind, "keep", nd, fixed, (), lead)), "forward"))
+                nt = slice_rules.notation("copy", "largest", nd, fixed, (), lead)
+                plans.append((compile_plan(nt, "backward"), "backward"))
+            plans.append((compile_plan(slice_rules.notation("slice_grad", "largest", nd, fixed, fixed[:1])), "forward"))
     # the declared policies conflict="heaviest" (default_data_parallel), taken="keep" (the AMP ops)
     # and the optimizers' vote over every answered tensor
     for ranks in ((2, 3), (1, 2, 0), (3,)):
