@@ -148,9 +148,19 @@ def _swapped(fn: Callable[..., SpmdResult], signature: str, outputs: Sequence[st
     """The grads of slice and strided_slice, generated with out_grad first (it claims mesh dims
     first, as in Paddle), registered with input first: the answer's inputs swapped back."""
 
-    def rule(input: T, out_grad: T, *attrs: Any, **kw: Any) -> SpmdResult:
-        r: Any = fn(out_grad, input, *attrs, **kw)  # its inputs: single tensors' attrs
-        return fast_result((r.inputs[1], r.inputs[0]), r.outputs)
+    rule: Callable[..., SpmdResult]
+    if "strides" in signature:  # explicit parameters: no packing per call
+
+        def rule(input: T, out_grad: T, axes: Ints, starts: Ints, ends: Ints, strides: Ints) -> SpmdResult:
+            r: Any = fn(out_grad, input, axes, starts, ends, strides)  # its inputs: single tensors' attrs
+            return fast_result((r.inputs[1], r.inputs[0]), r.outputs)
+
+    else:
+
+        def rule(input: T, out_grad: T, axes: Ints, starts: Ints, ends: Ints, infer_flags: Ints = (),
+                 decrease_axis: Ints = ()) -> SpmdResult:  # fmt: skip
+            r: Any = fn(out_grad, input, axes, starts, ends, infer_flags, decrease_axis)
+            return fast_result((r.inputs[1], r.inputs[0]), r.outputs)
 
     rule.__name__ = rule.__qualname__ = fn.__name__
     rule.__doc__, rule.__module__ = fn.__doc__, fn.__module__
@@ -316,8 +326,8 @@ declare(
 )  # fmt: skip
 declare(
     "expand_grad", "x: T, out_grad: T, shape: ints",
-    # shape checked before the mesh is read (as before the rule was declared)
-    Way(notation, key="*_bk('expand_grad', x, _target(x, shape), 'shape')", pre="_target(x, shape, out_grad, 'out_grad')",
+    # shape checked before the mesh is read (as before the rule was declared); _tg: a local of the generated code
+    Way(notation, key="*_bk('expand_grad', x, _tg, 'shape')", pre="_tg = _target(x, shape, out_grad, 'out_grad')",
         env=_ENV, paddle="ExpandGradInferSpmd", doc="As expand_as_grad, broadcast axes from ``shape``."),
 )  # fmt: skip
 declare(
