@@ -131,10 +131,8 @@ def _slice_key(kind: str, nd: int, axes: Ints, n_starts: int, n_ends: int, decre
     return kind, "largest", nd, ax, tuple(sorted(dec)), 0
 
 
-def _sliced(kind: str, input: T, other: T, oname: str, axes: Ints, starts: Ints, ends: Ints, decrease: Ints,
-            strides: Ints | None = None) -> Key:
-    """The key, ``other`` (output, out_grad) checked to be input sliced with the decreased axes removed."""
-    k = _slice_key(kind, len(input.shape), axes, len(starts), len(ends), decrease, strides)
+def _sliced(k: Key, input: T, other: T, oname: str) -> Key:
+    """The key ``k``, ``other`` (output, out_grad) checked to be input sliced with the decreased axes removed."""
     nd, ax, dec = k[2], k[3], k[4]
     if len(other.shape) != nd - len(dec):
         raise ShapeMismatchError(f"{oname} has {len(other.shape)} dims; input has {nd} and "
@@ -271,27 +269,31 @@ _SSLICE = "input: T, axes: ints, starts: ints, ends: ints, strides: ints"
 _SSLICE_G = "input: T, out_grad: T, axes: ints, starts: ints, ends: ints, strides: ints"
 
 
-def _grad(op: str, signature: str, key: str, paddle: str, doc: str) -> Callable[..., SpmdResult]:
-    """slice_grad / strided_slice's grad: generated with out_grad first (see ``_swapped``)."""
+def _grad(op: str, signature: str, attrs: str, paddle: str, doc: str) -> Callable[..., SpmdResult]:
+    """slice_grad / strided_slice's grad: generated with out_grad first (see ``_swapped``); the
+    attributes (``attrs``: their key) checked before the mesh is read (``_kk``: a local of the
+    generated code), as before the rules were declared."""
     sig = signature.replace("input: T, out_grad: T,", "out_grad: T, input: T,")
-    return generate(op, sig, Way(notation, key=key, env=_ENV, wrap=_swapped, paddle=paddle, doc=doc), name=op)
+    return generate(op, sig, Way(notation, key="*_sliced(_kk, input, out_grad, 'out_grad')", pre=f"_kk = {attrs}",
+                                 env=_ENV, wrap=_swapped, paddle=paddle, doc=doc), name=op)  # fmt: skip
 
 
 declare(
     "slice", _SLICE,
     Way(notation, key="*_sk('copy', len(input.shape), axes, len(starts), len(ends), decrease_axis)", env=_ENV,
         paddle="SliceInferSpmd", doc="The sliced axes replicated; the decreased axes dropped from the output."),
-    reverse=Way(notation, key="*_sliced('copy', input, output, 'output', axes, starts, ends, decrease_axis)",
+    reverse=Way(notation, key="*_sliced(_sk('copy', len(input.shape), axes, len(starts), len(ends), decrease_axis), "
+                "input, output, 'output')",
                 env=_ENV, paddle="SliceInferSpmdReverse",
                 doc="input from output: the decreased axes put back, the sliced axes replicated."),
     outputs="output: T",
 )  # fmt: skip
 _SLICE_G = _SLICE.replace("input: T,", "input: T, out_grad: T,")
 register("slice_grad", _grad(
-    "slice_grad", _SLICE_G, "*_sliced('slice_grad', input, out_grad, 'out_grad', axes, starts, ends, decrease_axis)",
+    "slice_grad", _SLICE_G, "_sk('slice_grad', len(input.shape), axes, len(starts), len(ends), decrease_axis)",
     "SliceGradInferSpmdDynamic", "input and out_grad merged (out_grad claims first), the sliced axes replicated; "
     "input_grad (out_grad padded back with zeros) sharded as input."), _SLICE_G, forward_name="SliceGradInferSpmdDynamic")
-_SS_KEY = "*_sliced('slice_grad', input, out_grad, 'out_grad', axes, starts, ends, (), strides)"
+_SS_KEY = "_sk('slice_grad', len(input.shape), axes, len(starts), len(ends), (), strides)"
 _SS_DOC = "As slice_grad (StridedSliceGradInferSpmd)."
 register(
     "strided_slice", generate("strided_slice", _SSLICE, Way(
