@@ -197,19 +197,6 @@ def compile_plan(notation: Notation, direction: str = "forward", mask: tuple[int
     return p
 
 
-def size1_mask(specs: Sequence[DistTensorSpec | None]) -> tuple[int, ...]:
-    """The size-1 axes of each tensor as a bit mask (the key of ``size1="broadcast"``)."""
-    out = []
-    for s in specs:
-        m = 0
-        if s is not None and 1 in s.shape:
-            for i, x in enumerate(s.shape):
-                if x == 1:
-                    m |= 1 << i
-        out.append(m)
-    return tuple(out)
-
-
 def run(
     p: Plan,
     dms: Sequence[DimsMapping | None],

@@ -41,7 +41,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from spmdkit.core.dist_attr import DimsMapping, Entry, Partial, ReduceType
+from spmdkit.core.dist_attr import DimsMapping, Partial, ReduceType
 from spmdkit.engine.axes import largest_mesh_dim, mesh_size
 
 if TYPE_CHECKING:
@@ -57,11 +57,6 @@ def merge_weight(shape: Sequence[int]) -> int:
     for s in shape:
         n *= s if s > 0 else 1
     return n
-
-
-def entry_of(dims: Sequence[int]) -> Entry:
-    """The dims_mapping entry of a letter's mesh dims: -1, one dim, or a co-shard tuple."""
-    return -1 if not dims else dims[0] if len(dims) == 1 else tuple(dims)
 
 
 def union_dims(cands: Sequence[tuple[int, ...]], mesh_shape: Sequence[int]) -> tuple[int, ...]:

@@ -433,59 +433,6 @@ def check_letters(
                 )
 
 
-def merge_specs(
-    notation: Notation,
-    axes: Sequence[str | None],
-    specs: Sequence[DistTensorSpec | None],
-    mesh: ProcessMesh,
-) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """:func:`merge_letters` over tensors labelled ``axes``, with the notation's flags."""
-    return merge_letters(
-        tuple(axes),
-        tuple(None if s is None else s.dist_attr.dims_mapping for s in specs),
-        tuple(None if s is None else s.shape for s in specs),
-        notation.replicated,
-        notation.prune,
-        mesh.shape,
-    )
-
-
-def attrs_from_letters(
-    notation: Notation,
-    letters: Mapping[str, tuple[int, ...]],
-    mesh: ProcessMesh,
-    axes: Sequence[str | None],
-    with_partial: bool,
-) -> list[TensorDistAttr | None]:
-    out: list[TensorDistAttr | None] = []
-    make = TensorDistAttr._make
-    for t_axes in axes:
-        if t_axes is None:
-            out.append(None)
-            continue
-        pt = partial_of(t_axes, letters, notation) if with_partial else ()
-        out.append(make(mesh, project(t_axes, letters), pt))
-    return out
-
-
-def project_all(
-    notation: Notation, merged: tuple[tuple[str, tuple[int, ...]], ...], mesh: ProcessMesh
-) -> tuple[list[TensorDistAttr | None], list[TensorDistAttr | None]]:
-    """The dist attrs of all the notation's inputs and outputs under merged letters (the
-    result of :func:`merge_letters`); memoized while the engine memo is on."""
-    ins, outs = _project_memo(notation, merged, mesh)
-    return list(ins), list(outs)
-
-
-@memo()
-def _project_memo(
-    notation: Notation, merged: tuple[tuple[str, tuple[int, ...]], ...], mesh: ProcessMesh
-) -> tuple[tuple[TensorDistAttr | None, ...], tuple[TensorDistAttr | None, ...]]:
-    letters = dict(merged)
-    return (tuple(attrs_from_letters(notation, letters, mesh, notation.inputs, False)),
-            tuple(attrs_from_letters(notation, letters, mesh, notation.outputs, True)))
-
-
 def einsum_forward(
     op: str,
     notation: Notation,
@@ -500,22 +447,6 @@ def einsum_forward(
         mesh = common_mesh(op, inputs)
         check_letters(op, notation.inputs, inputs, names)
     ins, outs = _compile.infer(_compile.compile_plan(notation), op, inputs, (), mesh, names)
-    return list(ins), list(outs)
-
-
-def einsum_backward(
-    op: str,
-    notation: Notation,
-    inputs: Sequence[DistTensorSpec | None],
-    outputs: Sequence[DistTensorSpec | None],
-    names: Sequence[str] | None = None,
-) -> tuple[list[TensorDistAttr | None], list[TensorDistAttr | None]]:
-    """Infer the inputs from the outputs' dist attrs; the outputs returned are those
-    the inferred inputs produce."""
-    mesh = common_mesh(op, list(inputs) + list(outputs))
-    check_letters(op, list(notation.inputs) + list(notation.outputs), list(inputs) + list(outputs), names)
-    # the compiled plan drops the letters no input carries (the inputs cannot shard them)
-    ins, outs = _compile.infer(_compile.compile_plan(notation, "backward"), op, inputs, outputs, mesh, names)
     return list(ins), list(outs)
 
 
