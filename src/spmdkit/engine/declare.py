@@ -42,6 +42,8 @@ from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.compile import Plan, compile_plan, infer
 from spmdkit.engine.notation import Notation, check_letters, common_mesh, fast_result, named_mesh
 from spmdkit.engine.registry import register
+from spmdkit.engine.shapes import NAMESPACE as SHAPE_NAMES
+from spmdkit.engine.shapes import require_lines, shape_lines
 from spmdkit.engine.signature import GRAD, REVERSE, parse_signature, reverse_signature
 
 #: what the engine answers and a post-hook returns: the inputs' and the outputs' dist attrs
@@ -90,6 +92,10 @@ class Way:
       sees that flat answer;
     * ``nonempty``: list parameters that together must hold a tensor (absent items not
       counted); else InvalidArgumentError naming them, before the mesh is read;
+    * ``shapes``: the tensors' ranks and the sizes that must agree, e.g. ``"x: b m k; y: b k n"``
+      (:mod:`spmdkit.engine.shapes`); ``require``: conditions over the attributes (``"groups >= 1"``),
+      InvalidAttributeError naming the op, the condition and the values where one is false.
+      Checked after the mesh, in the order require, shapes, ``check``, ``same``;
     * ``pre``: a statement over the parameters (and ``env``) inlined before the mesh is read
       (an empty list has no mesh: einsum checks its equation against it first);
     * ``paddle``: Paddle's function name of this mode; ``doc``: the generated function's
@@ -110,6 +116,8 @@ class Way:
     tail: int | str = 0
     nonempty: Sequence[str] = ()
     pre: str = ""
+    shapes: str = ""
+    require: Sequence[str] = ()
     paddle: str = ""
     doc: str = ""
 
@@ -242,7 +250,7 @@ def generate(
         "_OP": op, "_NAMES": tuple(tensors), "_infer": infer, "_result": fast_result, "_E": SpmdError,
         "_renamed": renamed, "_named_mesh": named_mesh, "_same": same_shape, "_ones": ones, "ones": ones,
         "_check": way.check, "_post": way.post, "_letters": check_letters, "_list_mesh": _list_mesh,
-        "_list_names": _list_names, "_IAE": InvalidArgumentError, **way.env,
+        "_list_names": _list_names, "_IAE": InvalidArgumentError, **SHAPE_NAMES, **way.env,
     }  # fmt: skip
     args = []
     for i, p in enumerate(params):
@@ -302,6 +310,8 @@ def generate(
             emit(f"{ind}_m = {n}.dist_attr.mesh")
             emit(f"{ind}if _m is not _mesh and _m != _mesh: _named_mesh(_OP, ({pairs}))")
     call = ", ".join(pnames)
+    lines += require_lines(way.require, pnames, "        ")
+    lines += shape_lines(op, way.shapes, kinds, "        ")
     if isinstance(way.check, str):
         emit(f"        {way.check}")
     elif way.check is not None:

@@ -81,32 +81,13 @@ def _partial_over(mesh: ProcessMesh, dm: DimsMapping, entries: tuple[Entry, ...]
 # ---------------------------------------------------------------------------
 
 
-def _check_bmm(op: str, x: DistTensorSpec, y: DistTensorSpec, g: DistTensorSpec | None = None) -> None:
-    for name, t in (("x", x), ("y", y), ("out_grad", g)):
-        if t is not None and len(t.shape) != 3:
-            raise ShapeMismatchError(f"{op}: {name} must be 3-D, got shape {list(t.shape)}")
-    xs, ys = x.shape, y.shape
-
-    def eq(a: int, b: int) -> bool:
-        return a == b or a < 0 or b < 0
-
-    if not eq(xs[2], ys[1]):
-        raise ShapeMismatchError(f"{op}: x's width {xs[2]} differs from y's height {ys[1]} (x {list(xs)}, y {list(ys)})")
-    if not eq(xs[0], ys[0]):
-        raise ShapeMismatchError(f"{op}: x and y have different batch sizes ({xs[0]} vs {ys[0]})")
-    if g is not None:
-        want = (xs[0], xs[1], ys[2])
-        if not all(eq(a, b) for a, b in zip(g.shape, want)):
-            raise ShapeMismatchError(f"{op}: out_grad shape {list(g.shape)} does not match x @ y = {list(want)}")
-
-
 declare(
     "bmm", "x: T, y: T",
-    Way(matmul.notation, key="x, y, False, False", mask=("x", "y"), check="_check_bmm('bmm', x, y)",
-        env={"_check_bmm": _check_bmm}, paddle="BmmInferSpmd", doc="BmmInferSpmd: ``bmk, bkn -> bmn`` (matmul on 3-D operands)."),
+    Way(matmul.notation, key="x, y, False, False", mask=("x", "y"), shapes="x: b m k; y: b k n",
+        paddle="BmmInferSpmd", doc="BmmInferSpmd: ``bmk, bkn -> bmn`` (matmul on 3-D operands)."),
     grad=Way(matmul.grad_notation, key="x, y, False, False", mask=("x", "y", "out_grad"),
-             check="_check_bmm('bmm_grad', x, y, out_grad)", env={"_check_bmm": _check_bmm},
-             paddle="BmmGradInferSpmd", doc="BmmGradInferSpmd: matmul_grad on 3-D operands."),
+             shapes="x: b m k; y: b k n; out_grad: b m n", paddle="BmmGradInferSpmd",
+             doc="BmmGradInferSpmd: matmul_grad on 3-D operands."),
     grad_signature="x: T, y: T, out_grad: T", grad_name="bmm_grad",
 )  # fmt: skip
 
