@@ -324,6 +324,12 @@ def test_one_hot_input_matches_out() -> None:
         ("one_hot", "forward", (T(M22, [4], [-1]), True), InvalidAttributeError, "num_classes"),
         ("one_hot", "backward", (T(M22, [4], [-1]), T(M22, [4, 6], [-1, -1]), 5), ShapeMismatchError, "num_classes"),
         ("one_hot", "backward", (T(M22, [4], [-1]), T(M22, [4], [-1]), 5), ShapeMismatchError, "out"),
+        # out's rank is checked with its letters (num_classes matches its last axis here)
+        ("one_hot", "backward", (T(M22, [4], [-1]), T(M22, [4, 2, 5], [-1, -1, -1]), 5), ShapeMismatchError,
+         "out has 3 dims"),
+        ("one_hot", "backward", (T(M22, [4], [-1]), T(M22, [3, 5], [-1, -1]), 5), ShapeMismatchError, "out"),
+        ("embedding", "backward", (T(M22, [4, 6], [-1, -1]), T(M22, [8, 4], [-1, -1]), T(M22, [4, 6, 5], [-1, -1, -1])),
+         ShapeMismatchError, "out's axis 2 (h) is 5 but weight's axis 1 is 4"),
     ],
 )
 def test_errors(name: str, mode: str, args: tuple[Any, ...], exc: type, words: str) -> None:

@@ -22,23 +22,18 @@ the mesh dims that shard the axes it was broadcast along.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
-from spmdkit.core.dist_attr import Partial, ReduceType, TensorDistAttr, entry_dims
+from spmdkit.core.dist_attr import ReduceType, TensorDistAttr, entry_dims
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
-from spmdkit.engine.declare import Answer, Way, declare
-from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, letters_for
+from spmdkit.engine.declare import Answer, Way, declare, ones
+from spmdkit.engine.notation import BROADCAST, Notation, letters_for
 
-_NLETTERS = len(ALPHABET)
 _make = TensorDistAttr.unchecked
-Shape = tuple[int, ...]
-
-# ---------------------------------------------------------------------------
-# unary: ``abcd -> abcd``; unary grads: every tensor sharded as out_grad
-# ---------------------------------------------------------------------------
+Attrs = tuple[TensorDistAttr, ...]
 
 
 def unary_notation(ndim: int) -> Notation:
@@ -55,180 +50,106 @@ def unary_grad_notation(n: int, ndim: int) -> Notation:
 # integer / bool target dtypes: a sum of casts is not the cast of the sum
 _INT_DTYPES = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"})
 _MONOTONE = frozenset({ReduceType.MAX, ReduceType.MIN})
+_LINEAR = frozenset({ReduceType.SUM, ReduceType.AVG})
 
 
-def _dtype_name(dtype: object) -> str:
+def _cast_post(ins: Attrs, outs: Attrs, x: DistTensorSpec, dtype: object) -> Answer:
+    """cast keeps x's partial status (a cast of a sum is the sum of casts; for an integer
+    dtype only where the reduce type is max / min: rounding commutes with those alone)."""
     s = str(dtype).lower()
     for prefix in ("paddle.", "datatype.", "torch.", "np.", "numpy."):
-        if s.startswith(prefix):
-            s = s[len(prefix) :]
-    return s
-
-
-def _cast_partial(partial: Partial, dtype: object) -> Partial:
-    if not partial or _dtype_name(dtype) not in _INT_DTYPES:
-        return partial
-    # rounding to an integer type commutes with max / min only
-    return tuple(p for p in partial if p[1] in _MONOTONE)
-
-
-def _cast_post(ins: tuple[TensorDistAttr, ...], outs: tuple[TensorDistAttr, ...], x: DistTensorSpec,
-               dtype: object) -> Answer:  # fmt: skip
-    """cast keeps x's partial status (a cast of a sum is the sum of casts; for an integer
-    dtype only where the reduce type is max / min)."""
-    pt = _cast_partial(x.dist_attr.partial, dtype)
+        s = s[len(prefix) :] if s.startswith(prefix) else s
+    pt = x.dist_attr.partial
+    if s in _INT_DTYPES:
+        pt = tuple(p for p in pt if p[1] in _MONOTONE)
     if not pt:
         return ins, outs
-    xi, o = ins[0], outs[0]
-    return (_make(xi.mesh, xi.dims_mapping, pt),), (_make(o.mesh, o.dims_mapping, pt),)
+    return (_make(ins[0].mesh, ins[0].dims_mapping, pt),), (_make(outs[0].mesh, outs[0].dims_mapping, pt),)
 
 
-def _keep_grad_partial(ins: tuple[TensorDistAttr, ...], outs: tuple[TensorDistAttr, ...], x: DistTensorSpec,
-                       out_grad: DistTensorSpec) -> Answer:  # fmt: skip
+def _keep_grad_partial(ins: Attrs, outs: Attrs, x: DistTensorSpec, out_grad: DistTensorSpec) -> Answer:
     """cast_grad: x_grad = cast(out_grad) back to x's dtype; it keeps out_grad's partial."""
-    pt = out_grad.dist_attr.partial
-    if not pt:
-        return ins, outs
-    g = _make(outs[0].mesh, outs[0].dims_mapping, pt)
+    g = _make(outs[0].mesh, outs[0].dims_mapping, out_grad.dist_attr.partial)
     return (*ins[:-1], g), (g,)
 
 
-# ---------------------------------------------------------------------------
+def _multiply_post(ins: Attrs, outs: Attrs, x: DistTensorSpec, y: DistTensorSpec) -> Answer:
+    """multiply (ElementwiseBinaryWithPartialInferSpmd): a partial SUM/AVG input stays
+    partial (and so does out) where no sharding takes its mesh dims; the other input
+    is made replicated over its partial dims (x_p * y_p summed is not x * y)."""
+    px = x.dist_attr.partial
+    pt = px or y.dist_attr.partial
+    used = {d for e in outs[0].dims_mapping for d in entry_dims(e)}
+    if any(d in used or r not in _LINEAR for d, r in pt):
+        return ins, outs
+    new, i = list(ins), 0 if px else 1
+    new[i] = _make(ins[i].mesh, ins[i].dims_mapping, pt)
+    return new, [_make(outs[0].mesh, outs[0].dims_mapping, pt)]
+
+
 # binary: numpy broadcasting, a size-1 axis labelled ``1``
-# ---------------------------------------------------------------------------
 
 
-@memo(4096)
-def _binary_notation(xs: Shape, ys: Shape) -> tuple[str, str, str] | str:
-    """Paddle's GetBinaryNotations; a string result is the error message."""
-    nx, ny = len(xs), len(ys)
-    n = max(nx, ny)
-    if n > len(ALPHABET):
-        return f"tensors of more than {len(ALPHABET)} dims are not supported"
-    letters = ALPHABET[:n]
-    xa = list(letters[n - nx :])
-    ya = list(letters[n - ny :])
-    out = list(letters)
-    for i in range(n):
-        ix, iy = i - (n - nx), i - (n - ny)
-        bx = ix < 0 or xs[ix] == 1
-        by = iy < 0 or ys[iy] == 1
-        if ix >= 0 and xs[ix] == 1:
-            xa[ix] = BROADCAST
-        if iy >= 0 and ys[iy] == 1:
-            ya[iy] = BROADCAST
-        if bx and by:
-            out[i] = BROADCAST
-        if not bx and not by:
-            sx, sy = xs[ix], ys[iy]
-            if sx != sy and sx >= 0 and sy >= 0:
-                return (
-                    f"x shape {list(xs)} and y shape {list(ys)} do not broadcast "
-                    f"(x axis {ix} has {sx}, y axis {iy} has {sy})"
-                )
-    return "".join(xa), "".join(ya), "".join(out)
-
-
-def _ones(shape: Shape) -> int:
-    m = 0
-    for i, s in enumerate(shape):
-        if s == 1:
-            m |= 1 << i
-    return m
-
-
-def _bkey(xs: Shape, ys: Shape) -> tuple[int, int, int, int]:
-    """The key of x and y shapes that broadcast: their ranks and size-1 masks;
-    ShapeMismatchError (the message of :func:`_binary_notation`) where they do not."""
+def _bkey(x: DistTensorSpec, y: DistTensorSpec) -> tuple[int, int, int, int]:
+    """The key of x and y shapes that broadcast (Paddle's GetBinaryNotations): their ranks and
+    size-1 masks; ShapeMismatchError where they do not."""
+    xs, ys = x.shape, y.shape
     nx, ny = len(xs), len(ys)
     if 1 not in xs and 1 not in ys and (xs[nx - ny :] == ys if nx >= ny else ys[ny - nx :] == xs):
         return nx, ny, 0, 0  # the common case: equal trailing axes, none of size 1
-    n = nx if nx >= ny else ny
-    if n <= _NLETTERS:
-        ox, oy = n - nx, n - ny
-        for j in range(ox if ox > oy else oy, n):
-            sx, sy = xs[j - ox], ys[j - oy]
-            if sx != sy and sx != 1 and sy != 1 and sx >= 0 and sy >= 0:
-                break
-        else:
-            return nx, ny, _ones(xs), _ones(ys)
-    raise ShapeMismatchError(_binary_notation(xs, ys))
+    n = max(nx, ny)
+    letters_for(n)  # at most 26 axes
+    for i in range(n - min(nx, ny), n):
+        sx, sy = xs[i - n + nx], ys[i - n + ny]
+        if sx != sy and sx != 1 and sy != 1 and sx >= 0 and sy >= 0:
+            raise ShapeMismatchError(f"x shape {list(xs)} and y shape {list(ys)} do not broadcast "
+                                     f"(x axis {i - n + nx} has {sx}, y axis {i - n + ny} has {sy})")
+    return nx, ny, ones(x), ones(y)
 
 
-def _unit_shape(n: int, mask: int) -> Shape:
-    return tuple([1 if (mask >> i) & 1 else 2 for i in range(n)])
+def _labels(g: str, n: int, unit: int) -> str:
+    """The last ``n`` letters of ``g``, ``1`` on the axes of the bit mask ``unit`` (size 1)."""
+    return "".join(BROADCAST if (unit >> i) & 1 else g[len(g) - n + i] for i in range(n))
 
 
 def binary_notation(direction: str, nx: int, ny: int, ux: int, uy: int) -> Notation:
-    """The binary notation of shapes that broadcast, from their ranks and size-1 masks, with
+    """The notation of x and y shapes that broadcast, from their ranks and size-1 masks, with
     Paddle's merge: a co-shard read as its largest mesh dim; forward: where x and y shard one
     letter over different mesh dims the larger tensor wins (x on a tie), letters and the
     sharded size-1 axes (``1``) take their mesh dims in claim order (x's axes, then y's), a
     size-1 axis sharding nothing; reverse: x and y take out's letters."""
-    nt = _binary_notation(_unit_shape(nx, ux), _unit_shape(ny, uy))
-    if isinstance(nt, str):
-        raise ShapeMismatchError(nt)
+    n = max(nx, ny)
+    g = letters_for(n)
+    x, y = _labels(g, nx, ux), _labels(g, ny, uy)
+    pairs = zip(x.rjust(n, BROADCAST), y.rjust(n, BROADCAST))
+    out = "".join(BROADCAST if a == b == BROADCAST else g[i] for i, (a, b) in enumerate(pairs))
     if direction == "forward":
-        return Notation(nt[:2], nt[2:], coshard="largest", unit_axes="claim")
-    return Notation(nt[:2], nt[2:], coshard="largest")
+        return Notation([x, y], [out], coshard="largest", unit_axes="claim")
+    return Notation([x, y], [out], coshard="largest")
 
 
-def _out_check(xs: Shape, ys: Shape, os_: Shape) -> None:
-    """The reverse rule's out: the broadcast of x and y."""
-    _bkey(xs, ys)
-    nx, ny = len(xs), len(ys)
-    n = nx if nx >= ny else ny
+def _out_check(x: DistTensorSpec, y: DistTensorSpec, out: DistTensorSpec) -> None:
+    """The reverse rule's out: the broadcast of x and y (per axis the first known size not 1)."""
+    xs, ys, os_ = x.shape, y.shape, out.shape
+    nx, ny, _, _ = _bkey(x, y)
+    n = max(nx, ny)
     if len(os_) != n:
         raise ShapeMismatchError(f"out has {len(os_)} dims but the broadcast of x and y has {n}")
-    for i in range(n):
-        s = os_[i]
-        if s < 0:
-            continue
-        ix, iy = i - (n - nx), i - (n - ny)
-        wx = xs[ix] if ix >= 0 else 1
-        wy = ys[iy] if iy >= 0 else 1
-        want = wx if wx >= 0 and wx != 1 else wy if wy != 1 else wx  # the first known size not 1
-        if want >= 0 and s != want:
+    for i, s in enumerate(os_):
+        wx = xs[i - n + nx] if i >= n - nx else 1
+        wy = ys[i - n + ny] if i >= n - ny else 1
+        want = wx if wx >= 0 and wx != 1 else wy if wy != 1 else wx
+        if s >= 0 and want >= 0 and s != want:
             raise ShapeMismatchError(f"out axis {i} has {s}, but x and y broadcast to {want}")
-
-
-_LINEAR = frozenset({ReduceType.SUM, ReduceType.AVG})
-
-
-def _multiply_post(ins: tuple[TensorDistAttr, ...], outs: tuple[TensorDistAttr, ...], x: DistTensorSpec,
-                   y: DistTensorSpec) -> Answer:  # fmt: skip
-    """multiply (ElementwiseBinaryWithPartialInferSpmd): a partial SUM/AVG input stays
-    partial (and so does out) where no sharding takes its mesh dims; the other input
-    is made replicated over its partial dims (x_p * y_p summed is not x * y)."""
-    px, py = x.dist_attr.partial, y.dist_attr.partial
-    if not px and not py:
-        return ins, outs
-    pt = px if px else py
-    o = outs[0]
-    used = {d for e in o.dims_mapping for d in entry_dims(e)}
-    if any(d in used or r not in _LINEAR for d, r in pt):
-        return ins, outs
-    new = list(ins)
-    a = new[0 if px else 1]
-    new[0 if px else 1] = _make(a.mesh, a.dims_mapping, pt)
-    return new, [_make(o.mesh, o.dims_mapping, pt)]
-
-
-# ---------------------------------------------------------------------------
-# binary grads (ElementwiseBinaryGradInferSpmd)
-# ---------------------------------------------------------------------------
 
 
 def binary_grad_notation(with_out: bool, nd: int, nx: int, ny: int, ux: int, uy: int) -> Notation:
     """``1c, bc, abc -> 1c, bc`` (x, y, [out,] out_grad -> x_grad, y_grad), merged from out_grad
     alone: an input takes out_grad's sharding on its axes (a size-1 axis ``1``: unsharded),
-    its grad is partial SUM over the mesh dims of the axes it was broadcast along."""
+    its grad is partial SUM over the mesh dims of the axes it was broadcast along
+    (ElementwiseBinaryGradInferSpmd)."""
     g = letters_for(nd)
-
-    def lab(n: int, unit: int) -> str:
-        return "".join(BROADCAST if (unit >> i) & 1 else g[i + nd - n] for i in range(n))
-
-    x, y = lab(nx, ux), lab(ny, uy)
+    x, y = _labels(g, nx, ux), _labels(g, ny, uy)
     ins = [x, y, g, g] if with_out else [x, y, g]
     return Notation(ins, [x, y], sources=(len(ins) - 1,))
 
@@ -250,133 +171,82 @@ def _grad_check(x: DistTensorSpec, y: DistTensorSpec, out_grad: DistTensorSpec, 
         raise InvalidAttributeError(f"axis {axis} is not supported (only -1, numpy-style trailing alignment)")
 
 
-# ---------------------------------------------------------------------------
-# declarations
-# ---------------------------------------------------------------------------
-
 #: every Paddle 3.3.1 name registered to ElementwiseUnaryInferSpmd / ...Reverse
-UNARY_OPS = (
-    "abs", "acos", "acosh", "asin", "asinh", "assign", "atan", "atanh", "bernoulli",
-    "bitwise_not", "ceil", "celu", "clip", "conj", "cos", "cosh", "digamma", "dropout",
-    "elementwise_unary", "elu", "erf", "erfinv", "exp", "expm1", "fill", "floor",
-    "hardshrink", "hardsigmoid", "hardswish", "hardtanh", "leaky_relu", "lgamma", "log",
-    "log10", "log1p", "log2", "logical_not", "logit", "logsigmoid", "mish", "poisson", "pow",
-    "reciprocal", "relu", "relu6", "round", "rsqrt", "scale", "selu", "sigmoid", "sign",
-    "silu", "sin", "sinh", "softplus", "softshrink", "softsign", "sqrt", "square", "stanh",
-    "swish", "tan", "tanh", "tanh_shrink", "thresholded_relu", "trunc",
-)  # fmt: skip
-
+UNARY_OPS = """abs acos acosh asin asinh assign atan atanh bernoulli bitwise_not ceil celu clip conj cos cosh digamma
+    dropout elementwise_unary elu erf erfinv exp expm1 fill floor hardshrink hardsigmoid hardswish hardtanh leaky_relu
+    lgamma log log10 log1p log2 logical_not logit logsigmoid mish poisson pow reciprocal relu relu6 round rsqrt scale
+    selu sigmoid sign silu sin sinh softplus softshrink softsign sqrt square stanh swish tan tanh tanh_shrink
+    thresholded_relu trunc""".split()
 #: every Paddle 3.3.1 name registered to ElementwiseBinaryInferSpmd / ...Reverse
-BINARY_OPS = (
-    "add", "bitwise_and", "bitwise_or", "bitwise_xor", "divide", "elementwise_add",
-    "elementwise_binary", "elementwise_div", "elementwise_mul", "elementwise_pow",
-    "floor_divide", "fmax", "fmin", "greater_than", "heaviside", "less_than",
-    "logical_and", "logical_or", "logical_xor", "maximum", "minimum", "not_equal",
-    "remainder", "subtract", "trunc_divide",
-)  # fmt: skip
+BINARY_OPS = """add bitwise_and bitwise_or bitwise_xor divide elementwise_add elementwise_binary elementwise_div
+    elementwise_mul elementwise_pow floor_divide fmax fmin greater_than heaviside less_than logical_and logical_or
+    logical_xor maximum minimum not_equal remainder subtract trunc_divide""".split()
+#: the unary grad rules (``NAME_grad``) by the tensors Paddle's grad kernel takes before out_grad
+UNARY_GRADS = {
+    ("out",): "relu relu6 sigmoid tanh exp expm1 sqrt rsqrt reciprocal hardsigmoid selu",
+    ("x",): """elementwise_unary abs acos acosh asin asinh atan atanh cos cosh sin sinh tan log log10 log1p log2 square
+        erf erfinv softsign softplus softshrink hardshrink hardswish hardtanh leaky_relu logsigmoid mish swish
+        tanh_shrink thresholded_relu logit stanh celu clip digamma lgamma""",
+    ("x", "out"): "silu elu",
+    (): "floor ceil round trunc sign scale",
+}
+#: the binary grad rules (``NAME_grad``) over (x, y, out_grad); divide_grad takes out too
+BINARY_GRADS = """add subtract multiply maximum minimum elementwise_pow fmax fmin heaviside remainder
+    floor_divide""".split()
 
-#: unary grad rules: the tensors Paddle's grad kernel takes before out_grad
-UNARY_GRADS: dict[str, tuple[str, ...]] = {
-    # (out, out_grad)
-    **{f"{n}_grad": ("out",) for n in ("relu", "relu6", "sigmoid", "tanh", "exp", "expm1", "sqrt",
-                                       "rsqrt", "reciprocal", "hardsigmoid", "selu")},
-    # (x, out_grad)
-    **{f"{n}_grad": ("x",) for n in ("abs", "acos", "acosh", "asin", "asinh", "atan", "atanh",
-                                     "cos", "cosh", "sin", "sinh", "tan", "log", "log10", "log1p",
-                                     "log2", "square", "erf", "erfinv", "softsign", "softplus",
-                                     "softshrink", "hardshrink", "hardswish", "hardtanh",
-                                     "leaky_relu", "logsigmoid", "mish", "swish", "tanh_shrink",
-                                     "thresholded_relu", "logit", "stanh", "celu", "clip",
-                                     "digamma", "lgamma")},
-    # (x, out, out_grad)
-    "silu_grad": ("x", "out"),
-    "elu_grad": ("x", "out"),
-    # (out_grad)
-    **{f"{n}_grad": () for n in ("floor", "ceil", "round", "trunc", "sign")},
-}  # fmt: skip
-
-BINARY_GRADS = ("add_grad", "subtract_grad", "multiply_grad", "maximum_grad", "minimum_grad",
-                "elementwise_pow_grad", "fmax_grad", "fmin_grad", "heaviside_grad",
-                "remainder_grad", "floor_divide_grad")  # fmt: skip
-
-
-_UNARY = Way(
-    unary_notation,
-    key="x",
-    paddle="ElementwiseUnaryInferSpmd",
-    doc="elementwise unary: out is sharded as x (uneven mesh dims dropped).",
-)
-_UNARY_REV = Way(
-    unary_notation,
-    key="x",
-    letters=True,
-    paddle="ElementwiseUnaryInferSpmdReverse",
-    doc="elementwise unary reverse: x from out; out is what x produces.",
-)
+_UNARY = Way(unary_notation, key="x", paddle="ElementwiseUnaryInferSpmd",
+             doc="elementwise unary: out is sharded as x (uneven mesh dims dropped).")
+_UNARY_REV = Way(unary_notation, key="x", letters=True, paddle="ElementwiseUnaryInferSpmdReverse",
+                 doc="elementwise unary reverse: x from out; out is what x produces.")
 #: the binary key, ``_bkey``'s common case inlined (no size-1 axis, y's shape x's trailing axes)
 _BKEY = ("*((len(x.shape), len(y.shape), 0, 0) if 1 not in x.shape and 1 not in y.shape"
-         " and x.shape[len(x.shape) - len(y.shape):] == y.shape else _bkey(x.shape, y.shape))")
-_BINARY = Way(
-    partial(binary_notation, "forward"),
-    key=_BKEY,
-    env={"_bkey": _bkey},
-    paddle="ElementwiseBinaryInferSpmd",
-    doc="elementwise binary with numpy broadcasting.",
-)
-_BINARY_REV = Way(partial(binary_notation, "backward"), key=_BKEY, check="_out_check(x.shape, y.shape, out.shape)",
-                  env={"_bkey": _bkey, "_out_check": _out_check}, paddle="ElementwiseBinaryInferSpmdReverse",
-                  doc="elementwise binary reverse: x and y take out's letters; out is what they make.")  # fmt: skip
+         " and x.shape[len(x.shape) - len(y.shape):] == y.shape else _bkey(x, y))")
+_ENV = {"_bkey": _bkey, "_out_check": _out_check, "_grad_check": _grad_check}
+_BINARY = Way(partial(binary_notation, "forward"), key=_BKEY, env=_ENV, paddle="ElementwiseBinaryInferSpmd",
+              doc="elementwise binary with numpy broadcasting.")
+_BINARY_REV = Way(partial(binary_notation, "backward"), key=_BKEY, check="_out_check(x, y, out)", env=_ENV,
+                  paddle="ElementwiseBinaryInferSpmdReverse",
+                  doc="elementwise binary reverse: x and y take out's letters; out is what they make.")
 
 
 def _unary_grad(inputs: tuple[str, ...], paddle: str = "ElementwiseUnaryGradInferSpmd", **kw: Any) -> Way:
     """A grad rule over (inputs..., out_grad): every tensor sharded as out_grad, partial cleared."""
-    return Way(
-        partial(unary_grad_notation, len(inputs)),
-        key="out_grad",
-        same=[("out_grad", n) for n in inputs],
-        paddle=paddle,
-        doc=f"{paddle}({', '.join((*inputs, 'out_grad'))})",
-        **kw,
-    )
+    return Way(partial(unary_grad_notation, len(inputs)), key="out_grad", same=[("out_grad", n) for n in inputs],
+               paddle=paddle, doc=f"{paddle}({', '.join((*inputs, 'out_grad'))})", **kw)
 
 
 def _binary_grad(with_out: bool) -> Way:
     return Way(partial(binary_grad_notation, with_out), key="out_grad, x, y, ones(x), ones(y)",
-               check="_grad_check(x, y, out_grad, axis)", env={"_grad_check": _grad_check},
-               same=[("out_grad", "out")] if with_out else [], paddle="ElementwiseBinaryGradInferSpmd",
-               doc=f"ElementwiseBinaryGradInferSpmd(x, y, {'out, ' if with_out else ''}out_grad, axis)")  # fmt: skip
+               check="_grad_check(x, y, out_grad, axis)", env=_ENV, same=[("out_grad", "out")] if with_out else [],
+               paddle="ElementwiseBinaryGradInferSpmd",
+               doc=f"ElementwiseBinaryGradInferSpmd(x, y, {'out, ' if with_out else ''}out_grad, axis)")
 
 
 for _n in UNARY_OPS:
     declare(_n, "x: T", _UNARY, reverse=_UNARY_REV, outputs="out: T")
 declare("gelu", "x: T, approximate: bool = False", Way(unary_notation, key="x", paddle="GeluInferSpmd"),
         grad=_unary_grad(("x",), "GeluGradInferSpmd"), grad_signature="x: T, out_grad: T, approximate: bool = False",
-        grad_name="gelu_grad")  # fmt: skip
+        grad_name="gelu_grad")
 declare("cast", "x: T, dtype: any = 'float32'",
-        Way(unary_notation, key="x", post=_cast_post, post_if="x.dist_attr.partial", paddle="CastInferSpmd",
-            doc="cast (CastInferSpmd): elementwise unary keeping x's partial status."),
-        reverse=_UNARY_REV, outputs="out: T")  # fmt: skip
+        replace(_UNARY, post=_cast_post, post_if="x.dist_attr.partial", paddle="CastInferSpmd",
+                doc="cast (CastInferSpmd): elementwise unary keeping x's partial status."),
+        reverse=_UNARY_REV, outputs="out: T")
 for _n in BINARY_OPS:
     declare(_n, "x: T, y: T", _BINARY, reverse=_BINARY_REV, outputs="out: T")
 declare("multiply", "x: T, y: T",
-        Way(_BINARY.notation, key=_BKEY, env=_BINARY.env, post=_multiply_post,
-            post_if="x.dist_attr.partial or y.dist_attr.partial",
-            paddle="ElementwiseBinaryWithPartialInferSpmd", doc=_multiply_post.__doc__ or ""),
-        reverse=_BINARY_REV, outputs="out: T")  # fmt: skip
+        replace(_BINARY, post=_multiply_post, post_if="x.dist_attr.partial or y.dist_attr.partial",
+                paddle="ElementwiseBinaryWithPartialInferSpmd", doc=_multiply_post.__doc__ or ""),
+        reverse=_BINARY_REV, outputs="out: T")
 declare("dropout_grad",
         "mask: T, out_grad: T, p: scalar = 0.5, is_test: bool = False, mode: str = 'upscale_in_train'",
-        Way(_BINARY.notation, key="*_bkey(mask.shape, out_grad.shape)", env=_BINARY.env,
-            paddle="DropoutBwdInferSpmd", doc="DropoutBwdInferSpmd: ElementwiseBinaryInferSpmd(mask, out_grad)."))  # fmt: skip
-# unary grads
-declare("elementwise_unary_grad", "x: T, out_grad: T", _unary_grad(("x",)))
-for _n, _inputs in UNARY_GRADS.items():
-    declare(_n, ", ".join(f"{i}: T" for i in (*_inputs, "out_grad")), _unary_grad(_inputs))
-declare(
-    "cast_grad", "x: T, out_grad: T", _unary_grad(("x",), post=_keep_grad_partial, post_if="out_grad.dist_attr.partial")
-)
+        replace(_BINARY, key="*_bkey(mask, out_grad)", paddle="DropoutBwdInferSpmd",
+                doc="DropoutBwdInferSpmd: ElementwiseBinaryInferSpmd(mask, out_grad)."))
+for _inputs, _names in UNARY_GRADS.items():
+    for _n in _names.split():
+        declare(f"{_n}_grad", ", ".join(f"{i}: T" for i in (*_inputs, "out_grad")), _unary_grad(_inputs))
+declare("cast_grad", "x: T, out_grad: T",
+        _unary_grad(("x",), post=_keep_grad_partial, post_if="out_grad.dist_attr.partial"))
 declare("pow_grad", "x: T, out_grad: T, y: scalar = 1.0", _unary_grad(("x",), "PowGradInferSpmd"))
-declare("scale_grad", "out_grad: T", _unary_grad(()))
-# binary grads
 for _n in BINARY_GRADS:
-    declare(_n, "x: T, y: T, out_grad: T, axis: int = -1", _binary_grad(False))
+    declare(f"{_n}_grad", "x: T, y: T, out_grad: T, axis: int = -1", _binary_grad(False))
 declare("divide_grad", "x: T, y: T, out: T, out_grad: T, axis: int = -1", _binary_grad(True))

@@ -24,10 +24,6 @@ Rows are replicated where the vocab-parallel kernel cannot run: ``padding_idx !=
 axis from out; a SUM-partial out over a free mesh dim becomes the weight's row sharding
 (vocab parallel), and the outputs returned are those the inferred inputs produce (Paddle
 echoes out, partial included). Deviations: ``docs/deviations.md`` ``embedding-*``.
-
-Every rule is a declaration, its notation compiled per key (x's rank, rows replicated); the
-reverse rule's vocab-parallel row sharding is a post-hook on its answer (no notation derives
-an input letter from an output's partial status).
 """
 
 from __future__ import annotations
@@ -36,13 +32,12 @@ from functools import partial
 from typing import Any
 
 from spmdkit.core.dist_attr import ReduceType, TensorDistAttr, dims_entry, entry_dims
-from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
+from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.declare import Way, declare, generate
 from spmdkit.engine.notation import ALPHABET, Notation
 from spmdkit.engine.registry import register
 from spmdkit.engine.signature import GRAD
-from spmdkit.rules._common import check_int
 
 # batch letters of the ids: the alphabet without the weight's j (vocab) and k (hidden)
 _BATCH = "abcdefghilmnopqrstuvwxyz"
@@ -61,16 +56,19 @@ def notation(kind: str, weight_first: bool, nd: int, rows_replicated: bool) -> N
     return Notation(ins, [b + "k"], rep, coshard="largest")
 
 
-def _check(x: DistTensorSpec, weight: DistTensorSpec, out: DistTensorSpec | None = None, name: str = "out_grad") -> None:
-    """weight is ``[vocab, hidden]``; ``out`` (where given) has shape ``x.shape + [hidden]``."""
-    if len(weight.shape) != 2:
-        raise ShapeMismatchError(f"weight (the embedding table) must be 2-D [vocab, hidden], got {len(weight.shape)}-D")
-    if out is None:
-        return
-    want = (*x.shape, weight.shape[1])
-    if len(out.shape) != len(want):
+def one_hot_notation(nd: int) -> Notation:
+    """``ab -> abz``: the new class axis replicated, co-shards read as their largest mesh dim."""
+    if nd >= len(ALPHABET):
+        raise ShapeMismatchError(f"x has {nd} dims, at most {len(ALPHABET) - 1} are supported")
+    a = ALPHABET[:nd]
+    return Notation([a], [a + ALPHABET[nd]], coshard="largest")
+
+
+def _ids_out(x: DistTensorSpec, out: DistTensorSpec, name: str) -> None:
+    """``out`` (``out_grad``) is shaped ``x.shape + [hidden]`` (the hidden axis: ``shapes``)."""
+    if len(out.shape) != len(x.shape) + 1:
         raise ShapeMismatchError(f"{name} has {len(out.shape)} dims, expected x's {len(x.shape)} + 1")
-    for i, (s, t) in enumerate(zip(out.shape, want)):
+    for i, (s, t) in enumerate(zip(out.shape, x.shape)):
         if s != t and s >= 0 and t >= 0:
             raise ShapeMismatchError(f"{name} has size {s} on axis {i}, expected {t} (x.shape + [hidden])")
 
@@ -81,8 +79,6 @@ def _vocab_parallel(ins: Any, outs: Any, x: DistTensorSpec, weight: DistTensorSp
     means the weight's rows are sharded there (each rank looked up its own rows). No notation
     derives an input letter from an output's partial status, so the rows letter j is set here
     and out made partial over it, as the forward plan would (out lacks j)."""
-    if padding_idx != -1 or sparse:
-        return ins, outs
     used = {d for a in ins for e in a.dims_mapping for d in entry_dims(e)}
     free = tuple(d for d, r in out.dist_attr.partial if r is ReduceType.SUM and d not in used)
     if not free:
@@ -92,79 +88,54 @@ def _vocab_parallel(ins: Any, outs: Any, x: DistTensorSpec, weight: DistTensorSp
             (make(mesh, o.dims_mapping, tuple(sorted((d, ReduceType.SUM) for d in free))),))  # fmt: skip
 
 
-def _classes(num_classes: object) -> None:
-    if check_int("one_hot", "num_classes", num_classes) < 1:
-        raise InvalidAttributeError(f"num_classes must be positive, got {num_classes}")
-
-
-def _one_hot_out(x: DistTensorSpec, out: DistTensorSpec, num_classes: int) -> None:
-    _classes(num_classes)
-    if len(out.shape) != len(x.shape) + 1:
-        raise ShapeMismatchError(f"out has {len(out.shape)} dims, expected x's {len(x.shape)} + 1")
-    if out.shape[-1] >= 0 and out.shape[-1] != num_classes:
+def _one_hot_out(out: DistTensorSpec, num_classes: int) -> None:
+    """one_hot's reverse: out's last axis has num_classes (its rank and other sizes: ``letters``)."""
+    if out.shape and out.shape[-1] >= 0 and out.shape[-1] != num_classes:
         raise ShapeMismatchError(f"out's last axis has {out.shape[-1]} classes, num_classes is {num_classes}")
 
 
-def one_hot_notation(nd: int) -> Notation:
-    """``ab -> abz``: the new class axis replicated, co-shards read as their largest mesh dim."""
-    if nd >= len(ALPHABET):
-        raise ShapeMismatchError(f"x has {nd} dims, at most {len(ALPHABET) - 1} are supported")
-    a = ALPHABET[:nd]
-    return Notation([a], [a + ALPHABET[nd]], coshard="largest")
+def _grad(op: str, weight_first: bool, key: str, paddle: str) -> Way:
+    return Way(partial(notation, "grad", weight_first), key=key, shapes="weight: _ h; out_grad: ... h",
+               check="_ids_out(x, out_grad, 'out_grad')", env={"_ids_out": _ids_out}, paddle=paddle,
+               doc=f"{op} ({paddle}): ``{'jk, ab' if weight_first else 'ab, jk'}, abk -> jk``; weight_grad keeps "
+                   "the weight's row sharding and is partial SUM over the batch letters' mesh dims.")  # fmt: skip
 
 
-_ENV: dict[str, Any] = {"_check": _check, "_int": check_int}
-_ROWS = "x, _int({op!r}, 'padding_idx', padding_idx) != -1 or bool(sparse)"
-_E_SIG = "x: T, weight: T, padding_idx: int = -1, sparse: bool = False"
+#: x's rank; the rows replicated where the vocab-parallel kernel cannot run
+_ROWS = "x, padding_idx != -1 or sparse"
 declare(
-    "embedding", _E_SIG,
-    Way(partial(notation, "forward", False), key=_ROWS.format(op="embedding"), check="_check(x, weight)", env=_ENV,
-        paddle="EmbeddingInferSpmd",
+    "embedding", "x: T, weight: T, padding_idx: int = -1, sparse: bool = False",
+    Way(partial(notation, "forward", False), key=_ROWS, shapes="weight: _ _", paddle="EmbeddingInferSpmd",
         doc="embedding (EmbeddingInferSpmd): ``ab, jk -> abk``; sharded rows make out partial SUM."),
-    reverse=Way(partial(notation, "reverse", False), key=_ROWS.format(op="embedding"),
-                check="_check(x, weight, out, 'out')", env=_ENV, post=_vocab_parallel, post_if="out.dist_attr.partial",
+    reverse=Way(partial(notation, "reverse", False), key=_ROWS, shapes="weight: _ h; out: ... h",
+                check="_ids_out(x, out, 'out')", env={"_ids_out": _ids_out}, post=_vocab_parallel,
+                post_if="out.dist_attr.partial and padding_idx == -1 and not sparse",
                 paddle="EmbeddingInferSpmdReverse",
                 doc="embedding (EmbeddingInferSpmdReverse): x and the hidden axis from out; out as they produce it."),
     outputs="out: T", aliases=("lookup_table_v2",),
 )  # fmt: skip
-declare(
-    "embedding_grad", "x: T, weight: T, out_grad: T, padding_idx: int = -1, sparse: bool = False",
-    Way(partial(notation, "grad", False), key=_ROWS.format(op="embedding_grad"), check="_check(x, weight, out_grad)",
-        env=_ENV, paddle="EmbeddingGradInferSpmd",
-        doc="embedding_grad (EmbeddingGradInferSpmd): ``ab, jk, abk -> jk``; weight_grad keeps the weight's row "
-            "sharding and is partial SUM over the batch letters' mesh dims."),
-    aliases=("lookup_table_v2_grad",),
-)  # fmt: skip
+declare("embedding_grad", "x: T, weight: T, out_grad: T, padding_idx: int = -1, sparse: bool = False",
+        _grad("embedding_grad", False, _ROWS, "EmbeddingGradInferSpmd"), aliases=("lookup_table_v2_grad",))
 
 # c_embedding (the vocab-parallel kernel with an explicit start index); its grad is a rule of its own
 # too, its errors naming the op called (c_embedding in c_embedding's backward slot)
-_C_SIG, _CG_SIG = "weight: T, x: T, start_index: int = 0, vocab_size: int = -1", "weight: T, x: T, out_grad: T, start_index: int = 0"
-
-
-def _c_grad(op: str) -> Way:
-    return Way(partial(notation, "grad", True), key="x, False", env=_ENV, paddle="CEmbeddingGradInferSpmd",
-               check=f"_check(x, weight, out_grad); _int({op!r}, 'start_index', start_index)",
-               doc=f"{op} (CEmbeddingGradInferSpmd): ``jk, ab, abk -> jk``; weight_grad keeps the weight's sharding, "
-                   "partial SUM over the batch letters' mesh dims.")  # fmt: skip
-
-
-_C_FWD = Way(partial(notation, "forward", True), key="x, False", env=_ENV, paddle="CEmbeddingInferSpmd",
-             check="_check(x, weight); _int('c_embedding', 'start_index', start_index); "
-                   "_int('c_embedding', 'vocab_size', vocab_size)",
+_C_SIG = "weight: T, x: T, start_index: int = 0, vocab_size: int = -1"
+_CG_SIG = "weight: T, x: T, out_grad: T, start_index: int = 0"
+_C_FWD = Way(partial(notation, "forward", True), key="x, False", shapes="weight: _ _", paddle="CEmbeddingInferSpmd",
              doc="c_embedding (CEmbeddingInferSpmd): ``jk, ab -> abk``; ids outside ``[start_index, start_index + "
                  "rows)`` give zeros, sharded rows make out partial SUM.")  # fmt: skip
 register("c_embedding", generate("c_embedding", _C_SIG, _C_FWD, name="c_embedding_forward"), _C_SIG,
-         generate("c_embedding", _CG_SIG, _c_grad("c_embedding"), name="c_embedding_grad"), _CG_SIG, kind=GRAD,
+         generate("c_embedding", _CG_SIG, _grad("c_embedding", True, "x, False", "CEmbeddingGradInferSpmd"),
+                  name="c_embedding_grad"), _CG_SIG, kind=GRAD,
          forward_name="CEmbeddingInferSpmd", backward_name="CEmbeddingGradInferSpmd")  # fmt: skip
-declare("c_embedding_grad", _CG_SIG, _c_grad("c_embedding_grad"))
+declare("c_embedding_grad", _CG_SIG, _grad("c_embedding_grad", True, "x, False", "CEmbeddingGradInferSpmd"))
 
-_OH_ENV: dict[str, Any] = {"_classes": _classes, "_out": _one_hot_out}
 declare(
     "one_hot", "x: T, num_classes: int",
-    Way(one_hot_notation, key="x", check="_classes(num_classes)", env=_OH_ENV, paddle="OneHotInferSpmd",
+    Way(one_hot_notation, key="x", require=("num_classes >= 1",), paddle="OneHotInferSpmd",
         doc="one_hot (OneHotInferSpmd): ``ab -> abz``, the new class axis replicated."),
-    reverse=Way(one_hot_notation, key="x", check="_out(x, out, num_classes)", env=_OH_ENV, letters=True,
-                paddle="OneHotInferSpmdReverse",
+    reverse=Way(one_hot_notation, key="x", require=("num_classes >= 1",), check="_out(out, num_classes)",
+                env={"_out": _one_hot_out}, letters=True, paddle="OneHotInferSpmdReverse",
                 doc="one_hot (OneHotInferSpmdReverse): x from out's leading axes; the class axis replicated."),
     outputs="out: T",
 )  # fmt: skip

@@ -28,19 +28,15 @@ Paddle 3.3.1 registers ``layer_norm`` and ``fused_rms_norm`` (not ``rms_norm`` n
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from functools import partial
+from typing import Any
 
-from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
-from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.core.errors import ShapeMismatchError
+from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import numel
 from spmdkit.engine.declare import Way, declare
 from spmdkit.engine.notation import BROADCAST, Notation, letters_for
 from spmdkit.rules._absent import zero_d_absent
-
-#: Paddle 3.3.1's merge: a co-sharded axis read as its largest mesh dim (coshard="largest"),
-#: the larger tensor keeps an axis two shard differently, letters resolve in claim order
-_COSHARD = "largest"
 
 
 def notation(kind: str, nd: int, bna: int, *ranks: int) -> Notation:
@@ -53,101 +49,78 @@ def notation(kind: str, nd: int, bna: int, *ranks: int) -> Notation:
     params = [None if r < 0 else BROADCAST * r for r in ranks]
     stats = [batch, batch] if kind.startswith("ln") else [batch]
     if kind in ("ln", "rms"):
-        return Notation([x, *params], [x, *stats], coshard=_COSHARD)
+        return Notation([x, *params], [x, *stats], coshard="largest")
     if kind in ("ln_rev", "rms_rev"):
         named = letters_for(nd)  # out: the normalized axes named
         return Notation([x, *params], [named, *stats], replicated=named[bna:], replicated_claims="block",
-                        coshard=_COSHARD)  # fmt: skip
-    return Notation([x, *params, *stats, x], [x, *params], coshard=_COSHARD)
+                        coshard="largest")  # fmt: skip
+    return Notation([x, *params, *stats, x], [x, *params], coshard="largest")
 
 
-# ---------------------------------------------------------------------------
-# checks (the engine names the op in their errors)
-# ---------------------------------------------------------------------------
-
-
-def _params(x: DistTensorSpec, bna: int, scale: DistTensorSpec | None, bias: DistTensorSpec | None = None,
+def _params(x: DistTensorSpec, bna: int, scale: DistTensorSpec | None, bias: DistTensorSpec | None,
             flat: bool = True) -> None:  # fmt: skip
-    """begin_norm_axis in range; scale / bias 1-D of the normalized axes' element count (the grad
-    rules also take them in any shape of that many elements, as Paddle's C++ test does)."""
-    nd = len(x.shape)
-    if not 0 <= bna <= nd:
-        raise InvalidAttributeError(f"begin_norm_axis {bna} out of range for a {nd}-D x (0..{nd})")
+    """layer_norm's scale / bias: 1-D of the normalized axes' element count (the grad rule also takes
+    them in any shape of that many elements, as Paddle's C++ test does)."""
     tail = x.shape[bna:]
     if len(tail) == 1 and (scale is None or scale.shape == tail) and (bias is None or bias.shape == tail):
         return  # the common case: one normalized axis, scale and bias of its size
     size = numel(tail)
     for name, t in (("scale", scale), ("bias", bias)):
-        if t is None:
-            continue
-        if flat and len(t.shape) != 1:
+        if t is not None and flat and len(t.shape) != 1:
             raise ShapeMismatchError(f"{name} must be 1-D, got shape {list(t.shape)}")
-        n = numel(t.shape)
+        n = -1 if t is None else numel(t.shape)
         if size >= 0 and n >= 0 and n != size:
             raise ShapeMismatchError(f"{name} has {n} elements, the normalized axes of x have {size}")
 
 
-def _stat(name: str, t: DistTensorSpec, x: DistTensorSpec, bna: int) -> None:
+def _stats(x: DistTensorSpec, bna: int, **stats: DistTensorSpec) -> None:
     """mean / variance / invvar: shaped ``x.shape[:begin_norm_axis]``."""
     want = x.shape[:bna]
-    if t.shape == want:
-        return
-    if len(t.shape) != bna or any(p != q and p >= 0 and q >= 0 for p, q in zip(t.shape, want)):
-        raise ShapeMismatchError(f"{name} has shape {list(t.shape)}, expected x.shape[:{bna}] = {list(want)}")
+    for name, t in stats.items():
+        if t.shape == want:
+            continue
+        if len(t.shape) != bna or any(p != q and p >= 0 and q >= 0 for p, q in zip(t.shape, want)):
+            raise ShapeMismatchError(f"{name} has shape {list(t.shape)}, expected x.shape[:{bna}] = {list(want)}")
 
 
-def _rms(x: DistTensorSpec, scale: DistTensorSpec | None, flat: bool = True) -> None:
-    if not x.shape:
-        raise ShapeMismatchError("x must be at least 1-D (it normalizes the last axis)")
-    _params(x, len(x.shape) - 1, scale, None, flat)
-
-
-# ---------------------------------------------------------------------------
-# declarations
-# ---------------------------------------------------------------------------
-
-_ENV = {"_params": _params, "_stat": _stat, "_rms": _rms}
-_LN_KEY = "x, begin_norm_axis, scale, bias"
-_LN_STATS = "_stat('mean', mean, x, begin_norm_axis); _stat('variance', variance, x, begin_norm_axis)"
-_RMS_KEY = "x, len(x.shape) - 1, scale"
-_RMS_STAT = "_stat('invvar', invvar, x, len(x.shape) - 1)"
-
-
-def _scale_0d_absent(fn: Callable[..., SpmdResult], signature: str, outputs: Sequence[str]) -> Callable[..., SpmdResult]:
-    """fused_rms_norm: a 0-D scale (shape []) is read as absent (spmdkit.rules._absent)."""
-    return zero_d_absent(fn, signature, ("scale",), outputs)
-
+_ENV = {"_params": _params, "_stats": _stats}
+_LN: dict[str, Any] = {"key": "x, begin_norm_axis, scale, bias", "env": _ENV,
+                       "require": ("0 <= begin_norm_axis <= len(x.shape)",)}
+_LN_STATS = "; _stats(x, begin_norm_axis, mean=mean, variance=variance)"
+#: rms_norm: begin_norm_axis = ndim - 1; fused_rms_norm reads a 0-D scale (shape []) as absent
+_RMS: dict[str, Any] = {"key": "x, len(x.shape) - 1, scale", "env": _ENV, "shapes": "x: ... h; scale: h",
+                        "wrap": lambda fn, sig, outs: zero_d_absent(fn, sig, ("scale",), outs)}
+_RMS_STAT = "_stats(x, len(x.shape) - 1, invvar=invvar)"
 
 declare(
     "layer_norm", "x: T, scale: T?, bias: T?, epsilon: float = 1e-5, begin_norm_axis: int = 1",
-    Way(partial(notation, "ln"), key=_LN_KEY, check="_params(x, begin_norm_axis, scale, bias)", env=_ENV,
-        paddle="LayerNormInferSpmd", doc="LayerNormInferSpmd: ``ab1, 1, 1 -> ab1, ab, ab`` (3-D x, begin_norm_axis 2)."),
-    reverse=Way(partial(notation, "ln_rev"), key=_LN_KEY, same=[("x", "out")], env=_ENV,
-                check="_params(x, begin_norm_axis, scale, bias); " + _LN_STATS,
+    Way(partial(notation, "ln"), check="_params(x, begin_norm_axis, scale, bias)", **_LN, paddle="LayerNormInferSpmd",
+        doc="LayerNormInferSpmd: ``ab1, 1, 1 -> ab1, ab, ab`` (3-D x, begin_norm_axis 2)."),
+    reverse=Way(partial(notation, "ln_rev"), same=[("x", "out")], **_LN,
+                check="_params(x, begin_norm_axis, scale, bias)" + _LN_STATS,
                 paddle="LayerNormInferSpmdReverse", doc="LayerNormInferSpmdReverse: x from out, mean and variance."),
     outputs="out: T, mean: T, variance: T",
 )  # fmt: skip
 declare(
     "layer_norm_grad",
     "x: T, scale: T?, bias: T?, mean: T, variance: T, out_grad: T, epsilon: float = 1e-5, begin_norm_axis: int = 1",
-    Way(partial(notation, "ln_grad"), key=_LN_KEY, same=[("x", "out_grad")], env=_ENV,
-        check="_params(x, begin_norm_axis, scale, bias, False); " + _LN_STATS, paddle="LayerNormGradInferSpmd",
+    Way(partial(notation, "ln_grad"), same=[("x", "out_grad")], **_LN,
+        check="_params(x, begin_norm_axis, scale, bias, False)" + _LN_STATS, paddle="LayerNormGradInferSpmd",
         doc="LayerNormGradInferSpmd: ``ab1, 1, 1, ab, ab, ab1 -> ab1, 1, 1``; scale_grad and bias_grad "
             "partial SUM over the mesh dims of the batch axes."),
 )  # fmt: skip
 declare(
     "fused_rms_norm", "x: T, scale: T?, epsilon: float = 1e-5",
-    Way(partial(notation, "rms"), key=_RMS_KEY, check="_rms(x, scale)", env=_ENV, wrap=_scale_0d_absent,
-        paddle="RmsNormInferSpmd", doc="RmsNormInferSpmd: ``ab1, 1 -> ab1, ab`` (3-D x)."),
-    reverse=Way(partial(notation, "rms_rev"), key=_RMS_KEY, same=[("x", "out")], env=_ENV, wrap=_scale_0d_absent,
-                check="_rms(x, scale); " + _RMS_STAT, paddle="RmsNormInferSpmdReverse",
-                doc="RmsNormInferSpmdReverse: x from out and invvar."),
+    Way(partial(notation, "rms"), **_RMS, paddle="RmsNormInferSpmd",
+        doc="RmsNormInferSpmd: ``ab1, 1 -> ab1, ab`` (3-D x)."),
+    reverse=Way(partial(notation, "rms_rev"), same=[("x", "out")], check=_RMS_STAT, **_RMS,
+                paddle="RmsNormInferSpmdReverse", doc="RmsNormInferSpmdReverse: x from out and invvar."),
     outputs="out: T, invvar: T",
 )  # fmt: skip
 declare(
     "rms_norm_grad", "x: T, scale: T?, invvar: T, out_grad: T, epsilon: float = 1e-5",
-    Way(partial(notation, "rms_grad"), key=_RMS_KEY, same=[("x", "out_grad")], env=_ENV, wrap=_scale_0d_absent,
-        check="_rms(x, scale); " + _RMS_STAT, paddle="RmsNormGradInferSpmd",
+    Way(partial(notation, "rms_grad"), same=[("x", "out_grad")], check=_RMS_STAT, **_RMS,
+        paddle="RmsNormGradInferSpmd",
         doc="RmsNormGradInferSpmd: ``ab1, 1, ab, ab1 -> ab1, 1``; scale_grad partial SUM over the mesh dims "
             "of the batch axes."),
     aliases=("fused_rms_norm_grad",),
