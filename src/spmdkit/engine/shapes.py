@@ -63,7 +63,7 @@ def fixed_error(op: str, name: str, i: int, shape: Sequence[int], want: int) -> 
 
 
 def require_error(op: str, cond: str, values: Sequence[tuple[str, Any]]) -> InvalidAttributeError:
-    got = ", ".join(f"{n} = {v!r}" for n, v in values)
+    got = ", ".join(f"{n}'s shape = {list(v.shape)}" if hasattr(v, "dist_attr") else f"{n} = {v!r}" for n, v in values)
     return InvalidAttributeError(f"{op}: needs {cond}, got {got}")
 
 
