@@ -368,12 +368,12 @@ def test_roi_align_shape_checks() -> None:
     """roi-shape-checks: boxes must be [K, 4] and out_grad [K, C, ph, pw] (Paddle's own test
     passes boxes [6, 6] and out_grad with 2 of x's 4 channels)."""
     x, bn = T(M22, [2, 4, 16, 16], [0, 1, -1, -1]), T(M22, [2], [-1])
-    with pytest.raises(ShapeMismatchError, match="roi_align: boxes must be"):
+    with pytest.raises(ShapeMismatchError, match="roi_align: boxes's axis 1 must be 4"):
         get_rule("roi_align").infer_forward(x, T(M22, [6, 6], [-1, 1]), bn, 3, 3, 0.5, -1, True)
-    with pytest.raises(ShapeMismatchError, match="roi_align_grad: out_grad's channels"):
+    with pytest.raises(ShapeMismatchError, match=r"roi_align_grad: out_grad's axis 1 \(c\) is 2 but x's axis 1 is 4"):
         get_rule("roi_align").infer_backward(x, T(M22, [6, 4], [-1, 1]), bn, T(M22, [6, 2, 3, 3], [0, -1, -1, -1]),
                                              3, 3, 0.5, -1, True)
-    with pytest.raises(ShapeMismatchError, match="roi_align: boxes_num's length"):
+    with pytest.raises(ShapeMismatchError, match="roi_align: boxes_num's axis 0"):
         get_rule("roi_align").infer_forward(x, T(M22, [6, 4], [-1, 1]), T(M22, [3], [-1]), 3, 3, 0.5, -1, True)
     with pytest.raises(InvalidAttributeError, match="roi_align: pooled_height"):
         get_rule("roi_align").infer_forward(x, T(M22, [6, 4], [-1, 1]), bn, 0, 3, 0.5, -1, True)
@@ -385,28 +385,28 @@ def test_roi_align_shape_checks() -> None:
 
 
 def test_errors_name_op_and_argument() -> None:
-    with pytest.raises(InvalidAttributeError, match="conv3d: data_format 'NCHW'"):
+    with pytest.raises(InvalidAttributeError, match=r"conv3d: needs data_format in .* got data_format = 'NCHW'"):
         get_rule("conv3d").infer_forward(T(M2, [2, 4, 3, 3, 3], [-1] * 5), T(M2, [4, 4, 1, 1, 1], [-1] * 5),
                                          *A3, "NCHW")
-    with pytest.raises(InvalidAttributeError, match="depthwise_conv2d: groups must be >= 1"):
+    with pytest.raises(InvalidAttributeError, match="depthwise_conv2d: needs groups >= 1, got groups = 0"):
         get_rule("depthwise_conv2d").infer_forward(T(M2, [2, 4, 3, 3], [-1] * 4), T(M2, [4, 1, 1, 1], [-1] * 4),
                                                    [1, 1], [0, 0], "EXPLICIT", 0, [1, 1], "NCHW")
-    with pytest.raises(ShapeMismatchError, match="conv2d_transpose: the input's channel count"):
+    with pytest.raises(ShapeMismatchError, match="conv2d_transpose: the input has 4 channels, the filter expects 3"):
         get_rule("conv2d_transpose").infer_forward(T(M2, [2, 4, 3, 3], [-1] * 4), T(M2, [3, 4, 1, 1], [-1] * 4),
                                                    *AT, "NCHW")
     with pytest.raises(InvalidMeshError, match="conv2d: filter lies on a different mesh"):
         get_rule("conv2d").infer_forward(T(M2, [2, 4, 3, 3], [-1] * 4), T(M22, [4, 4, 1, 1], [-1] * 4))
-    with pytest.raises(ShapeMismatchError, match="batch_norm: x must be 2 or 3 or 4 or 5-D"):
+    with pytest.raises(ShapeMismatchError, match="batch_norm: x must be at least 2-D"):
         get_rule("batch_norm").infer_forward(T(M2, [4], [-1]), *[T(M2, [4], [-1])] * 4)
-    with pytest.raises(ShapeMismatchError, match="batch_norm: scale's length"):
+    with pytest.raises(ShapeMismatchError, match=r"batch_norm: scale's axis 0 \(c\) is 3 but x's axis 1 is 4"):
         get_rule("batch_norm").infer_forward(T(M2, [2, 4], [-1, -1]), T(M2, [4], [-1]), T(M2, [4], [-1]),
                                              T(M2, [3], [-1]), None)
-    with pytest.raises(ShapeMismatchError, match="group_norm: x must be 3 or 4 or 5-D"):
+    with pytest.raises(ShapeMismatchError, match="group_norm: x must be at least 3-D"):
         get_rule("group_norm").infer_forward(T(M2, [2, 4], [-1, -1]), None, None)
     with pytest.raises(ShapeMismatchError, match="group_norm: mean must be 2-D"):
         get_rule("group_norm").infer_backward(T(M2, [2, 4, 3], [-1] * 3), None, None, T(M2, [2, 4, 3], [-1] * 3),
                                               T(M2, [2], [-1]), T(M2, [2, 2], [-1, -1]))
-    with pytest.raises(InvalidAttributeError, match="group_norm_grad: groups"):
+    with pytest.raises(InvalidAttributeError, match=r"group_norm_grad: needs groups == -1 .*, got groups = 0"):
         get_rule("group_norm_grad").infer_forward(
             T(M2, [2, 4, 3], [-1] * 3), None, None, T(M2, [2, 4, 3], [-1] * 3), T(M2, [2, 2], [-1, -1]),
             T(M2, [2, 2], [-1, -1]), T(M2, [2, 4, 3], [-1] * 3), 1e-5, 0)
@@ -414,6 +414,47 @@ def test_errors_name_op_and_argument() -> None:
         get_rule("instance_norm").infer_forward(T(M2, [2, 4, 3], [-1] * 3), None, None)
     with pytest.raises(SpmdError):
         get_rule("conv2d").infer_forward(T(M2, [2, 4, 3, 3], [-1] * 4), None)
+
+
+def test_checks_beyond_the_shape_declarations() -> None:
+    """What the declared shapes cannot say is checked too: the largest rank, per-channel lengths
+    on a channel-last x, the flat N*C statistics, and roi_align's pooled sizes only after its shapes
+    (Paddle's own test passes boxes [6, 6]: a shape error, whatever the attributes)."""
+    vec = T(M2, [4], [-1])
+    with pytest.raises(ShapeMismatchError, match="batch_norm: x must be at most 5-D"):
+        get_rule("batch_norm").infer_forward(T(M2, [2, 4, 1, 1, 1, 1], [-1] * 6), vec, vec, vec, vec)
+    with pytest.raises(ShapeMismatchError, match="group_norm: x must be at most 5-D"):
+        get_rule("group_norm").infer_forward(T(M2, [2, 4, 1, 1, 1, 1], [-1] * 6), None, None)
+    x = T(M2, [2, 3, 4], [-1] * 3)  # NHWC: the channels are the last axis (4)
+    r = get_rule("batch_norm_grad").infer_forward(x, vec, vec, vec, vec, vec, vec, None, x, 0.9, 1e-5, "NHWC")
+    assert dms(r.outputs) == [(-1, -1, -1), (-1,), (-1,)]
+    with pytest.raises(ShapeMismatchError, match="batch_norm_grad: saved_mean's length is 4 but the channel"):
+        get_rule("batch_norm_grad").infer_forward(x, None, None, *[T(M2, [3], [-1])] * 2, vec, T(M2, [3], [-1]),
+                                                  None, x, 0.9, 1e-5, "NCHW")
+    with pytest.raises(InvalidAttributeError, match=r"batch_norm_grad: needs len\(data_format\) >= 2"):
+        get_rule("batch_norm_grad").infer_forward(x, vec, vec, vec, vec, vec, vec, None, x, 0.9, 1e-5, "N")
+    with pytest.raises(ShapeMismatchError, match="group_norm_grad: scale's length is 3 but the channel count is 4"):
+        get_rule("group_norm_grad").infer_forward(x, T(M2, [3], [-1]), None, x, T(M2, [2, 1], [-1, -1]),
+                                                  T(M2, [2, 1], [-1, -1]), x, 1e-5, 1, "NHWC")
+    with pytest.raises(ShapeMismatchError, match=r"instance_norm_grad: saved_variance's length is 7 but N\*C is 8"):
+        get_rule("instance_norm_grad").infer_forward(T(M2, [2, 4, 3, 3], [-1] * 4), None, None, T(M2, [8], [-1]),
+                                                     T(M2, [7], [-1]), T(M2, [2, 4, 3, 3], [-1] * 4))
+    x, bn = T(M22, [2, 4, 16, 16], [0, 1, -1, -1]), T(M22, [2], [-1])
+    with pytest.raises(ShapeMismatchError, match="roi_align: boxes's axis 1 must be 4"):
+        get_rule("roi_align").infer_forward(x, T(M22, [6, 6], [-1, 1]), bn, 0, 3, 0.5, -1, True)
+    with pytest.raises(ShapeMismatchError, match="conv2d_grad: 6 channels are not divisible by groups 4"):
+        get_rule("conv2d_grad").infer_forward(T(M2, [2, 8, 5, 5], [-1] * 4), T(M2, [6, 2, 3, 3], [-1] * 4),
+                                              T(M2, [2, 6, 3, 3], [-1] * 4), [1, 1], [0, 0], "EXPLICIT", [1, 1], 4)
+
+
+def test_batch_norm_reverse_reserve_space() -> None:
+    """The reverse answers a given reserve_space (an opaque buffer of any shape) 1-D replicated,
+    an absent one None, and the statistics sharded like the channels of out."""
+    vec = [T(M22, [6], [-1])] * 4
+    outs = (T(M22, [4, 6, 3], [0, 1, -1]), T(M22, [6], [1]), T(M22, [6], [-1]), T(M22, [6], [-1]), T(M22, [6], [-1]))
+    r = get_rule("batch_norm").infer_backward(T(M22, [4, 6, 3], [-1] * 3), *vec, *outs, T(M22, [5, 2], [0, 1]))
+    assert dms(r.inputs) == [(-1, 1, -1), (1,), (1,), (1,), (1,)]
+    assert dms(r.outputs) == [(-1, 1, -1), (1,), (1,), (1,), (1,), (-1,)] and parts(r.outputs) == [{}] * 6
 
 
 # ---------------------------------------------------------------------------

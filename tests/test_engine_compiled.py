@@ -271,28 +271,26 @@ def _conv_family_plans() -> list[tuple[Plan, str]]:
             for cl in (False, True):
                 for grouped in (False, True):
                     for tr in (False, True):
-                        plans.append((conv._conv_plan(kind, nsp, cl, grouped, tr), d))
+                        plans.append((compile_plan(conv.conv_notation(kind == "grad", nsp, tr, cl, grouped), d), d))
         for nd in (0, 1, 2, 3):
             for wf in (False, True):
                 for rows in (False, True):
                     plans.append((compile_plan(embedding.notation(kind, wf, nd, rows), d), d))
-    for s in (False, True):
-        for b in (False, True):
+    for s in (-1, 1):
+        for b in (-1, 1):
             for nd in (2, 3, 4, 5):
                 for ci in (1, nd - 1) if nd > 2 else (1,):
-                    plans.append((conv._bn_plan("forward", nd, ci, s, b), "forward"))
-                    plans.append((conv._bn_plan("reverse", nd, ci, s, b), "backward"))
-                    plans.append((conv._bn_plan("grad", nd, ci, s, b, (nd + ci) % 3 - 1), "forward"))
-            for xl in ("abc", "abcd", "abcde"):
-                for kind in ("forward", "backward", "grad"):
-                    plans.append((conv._gn_plan(kind, xl, s, b), "backward" if kind == "backward" else "forward"))
+                    for kind in ("forward", "reverse", "grad"):  # forward / reverse: Way.tail, compiled forward
+                        plans.append((compile_plan(conv.bn_notation(kind, nd, ci, s, b, (nd + ci) % 3 - 1)), "forward"))
+                for kind in ("forward", "reverse", "grad"):
+                    d = "backward" if kind == "reverse" else "forward"
+                    plans.append((compile_plan(conv.gn_notation(kind, nd, s, b), d), d))
             for keep in ("ab", "a", "b", ""):
-                plans.append((conv._in_plan(False, keep, s, b), "forward"))
-                plans.append((conv._in_plan(True, keep, s, b), "forward"))
-    plans += [
-        (conv._plan(("abcd", "11", "1", "1b11"), ("abcd",), "b"), "forward"),
-        (conv._plan(("abcd", "11", None), ("1b11",), "b"), "forward"),
-    ]
+                plans.append((compile_plan(conv.in_notation(False, keep, s, b)), "forward"))
+                plans.append((compile_plan(conv.in_notation(True, keep, s, b)), "forward"))
+    for grad in (False, True):
+        for boxes_num in (-1, 1):
+            plans.append((compile_plan(conv.roi_notation(grad, boxes_num)), "forward"))
     return plans
 
 
