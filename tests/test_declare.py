@@ -363,3 +363,9 @@ def test_order_labels_the_tensors_in_another_order_and_answers_in_the_signature_
         f(t([4, 8], [0, -1]), t([4, 1], [0, -1]), t([4, 8], [0, -1]), t([4, 1], [0, -1], ProcessMesh([8])))
     with pytest.raises(ValueError, match="order"):
         generate("bad", sig, Way(nt, order="x, label, loss"), "backward", ["softmax", "loss"])
+    # a forward rule: the inputs come back in the signature's order, the notation's outputs as they are
+    fwd = generate("ord", "label: T, x: T", Way(lambda nx, nl: nt(nx, nl), order="x, label"))
+    r = fwd(t([4, 6, 1], [0, -1, -1]), t([4, 6, 8], [-1, 1, -1]))
+    assert [a.dims_mapping for a in r.inputs] == [(0, 1, -1), (0, 1, -1)]  # type: ignore[union-attr]
+    assert [a.dims_mapping for a in r.outputs] == [(0, 1, -1), (0, 1, -1)]  # type: ignore[union-attr]
+    assert len(fwd(t([4, 1], [0, -1]), t([4, 6], [-1, 1])).inputs[1].dims_mapping) == 2  # type: ignore[union-attr]

@@ -408,7 +408,8 @@ def generate(
         back = "tuple(_r[0]), tuple(_r[1])"
         if permuted:
             back = "".join(f"_r[0][{ins.index(n)}], " for n in sig_ins)
-            back = f"({back}), ({''.join(f'_r[1][{outs.index(n)}], ' for n in sig_outs)})"
+            outs_back = f"({''.join(f'_r[1][{outs.index(n)}], ' for n in sig_outs)})" if outs else "tuple(_r[1])"
+            back = f"({back}), {outs_back}"  # a forward rule's outputs: the notation's, as they are
         emit(f"        _r = _infer(_p, _OP, {tin}, {tout}, _mesh, _NAMES{shapes})")
         if way.post_if:
             emit(f"        if not ({way.post_if}): return _result({back if permuted else '*_r'})")
