@@ -228,11 +228,9 @@ def _given_alike(k: Any, v: Any, out_k: Any, out_v: Any) -> None:
     if (k is None) != (out_k is None) or (v is None) != (out_v is None):
         raise ShapeMismatchError("out_k / out_v must be given exactly where k / v are")
 def rope_notation(kind: str, k: int, v: int, sin: int, ids: int, time_major: bool) -> Notation:
-    """``bshd, bshd, bshd, 1s1d, 1s1d, bs -> bshd, bshd, bshd`` (q, k, v, sin, cos, position_ids
-    -> out_q, out_k, out_v; time_major ``sbhd``; 2-D sin / cos ``sd``), each co-shard read as
-    its largest mesh dim, merged over q, k, v and position_ids (the reverse: over out_q, out_k,
-    out_v); every axis claims its mesh dim, and :func:`_rope_post` then unshards d (and s where
-    it cannot stay sharded), as Paddle does."""
+    """The module docstring's letters (time_major ``sbhd``; 2-D sin / cos ``sd``), each co-shard
+    read as its largest mesh dim; every axis claims its mesh dim, :func:`_rope_post` then
+    unshards d (and s where it cannot stay sharded)."""
     qkv = "sbhd" if time_major else "bshd"
     table = None if sin < 0 else "1s1d" if sin == 4 else "sd"
     ts = [qkv, None if k < 0 else qkv, None if v < 0 else qkv, table, table, None if ids < 0 else "bs"]
@@ -243,10 +241,8 @@ def rope_notation(kind: str, k: int, v: int, sin: int, ids: int, time_major: boo
 
 
 def _rope_post(ins: Any, outs: Any, *args: Any) -> Answer:
-    """head_dim d is never sharded (the rotation pairs its halves); seq_len s stays sharded only
-    with sin and cos and without position_ids (the kernel then rotates each local block by its
-    own rows of sin / cos; otherwise it computes positions from 0, or looks them up in the whole
-    table); sin / cos take q's sequence sharding (or none), position_ids the batch's only."""
+    """d replicated (the rotation pairs its halves), s as the module docstring says; sin / cos
+    take q's sequence sharding (or none), position_ids the batch's only."""
     q, sin, ids, tm = ins[0], ins[3], ins[5], args[-2]
     bi, si = (1, 0) if tm else (0, 1)
     dm = q.dims_mapping
