@@ -279,6 +279,17 @@ def test_parameters_named_like_the_generated_locals_are_not_hidden() -> None:
         named(t([4, 8], [0, -1]), t([4, 8], [0, -1]), t([4, 8], [0, -1]), t([4, 8], [0, -1]), t([4, 8], [0, -1], other))
 
 
+@pytest.fixture
+def scratch_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rules a test declares are gone after it (the registry's tables restored)."""
+    from spmdkit.engine import registry
+
+    get_rule("softmax")  # the catalogue loaded first
+    monkeypatch.setattr(registry, "_RULES", dict(registry._RULES))
+    monkeypatch.setattr(registry, "_CANONICAL", dict(registry._CANONICAL))
+
+
+@pytest.mark.usefixtures("scratch_registry")
 def test_optional_tensor_before_a_required_output_and_grad_op() -> None:
     """A reverse signature with an optional tensor before the outputs (``x, bias?, out``) is
     generated (no default before a required parameter); ``grad_op`` names the grad slot's
