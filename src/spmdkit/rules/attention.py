@@ -163,7 +163,7 @@ def _fa(q: DistTensorSpec, k: DistTensorSpec, mask: DistTensorSpec | None) -> No
 _FA_ATTRS = "dropout: float = 0.0, causal: bool = False, return_softmax: bool = False, is_test: bool = False"
 _FA_KEY = "fixed_seed_offset, attn_mask, ones(attn_mask)"
 _FA_SHAPES = "q: b s h d; k: b t hk d; v: b t hk e; attn_mask: _ _ s t"
-_FA_CHECK = {"require": ("0.0 <= dropout < 1.0",), "check": "_fa(q, k, attn_mask)", "env": {"_fa": _fa}}
+_FA_CHECK: dict[str, Any] = {"require": ("0.0 <= dropout < 1.0",), "check": "_fa(q, k, attn_mask)", "env": {"_fa": _fa}}
 declare(
     "flash_attention", "q: T, k: T, v: T, fixed_seed_offset: T? = None, attn_mask: T? = None, " + _FA_ATTRS,
     Way(lambda *k: fa_notation("forward", *k), key=_FA_KEY, shapes=_FA_SHAPES, **_FA_CHECK, post=_fa_seed,
@@ -209,7 +209,7 @@ def _rope(op: str, qn: str, q: DistTensorSpec, sin: DistTensorSpec | None, cos: 
             raise ShapeMismatchError(f"{op}: position_ids' {('batch', 'seq_len')[i]} {a} differs from {qn}'s {w}")
     if (sin is None) != (cos is None):
         raise ShapeMismatchError(f"{op}: sin and cos must be given together")
-    if sin is None:
+    if sin is None or cos is None:
         return
     ss = sin.shape
     if len(ss) not in (2, 4) or (len(ss) == 4 and (ss[0] != 1 or ss[2] != 1)):

@@ -44,12 +44,10 @@ from spmdkit.rules._common import check_like, check_same_shape
 
 
 def binary(n_in: int, outs: int, nd: int, y: int, unit: int, seed: int = -2) -> Notation:
-    """``n_in`` tensors of x's shape merged as Paddle's ElementwiseBinaryInferSpmd (``outs``
-    outputs of that shape, and an unlabelled seed_offset output where ``seed`` > -2):
-    each co-shard read as its largest mesh dim, claims in tensor order, the first claimer of an
-    axis keeps it, a claimed mesh dim is dropped later, a size-1 axis (``unit`` bit mask)
-    claims its mesh dim and shards nothing. Without y (swiglu's halved x): x and the halves
-    as Paddle's unary rule (uneven mesh dims dropped, minor first), the last axis replicated."""
+    """``n_in`` tensors of x's shape merged as the module docstring says (``outs`` outputs of that
+    shape, and an unlabelled seed_offset output where ``seed`` > -2; ``unit``: the size-1 axes);
+    without y (swiglu's halved x) as Paddle's unary rule (uneven mesh dims dropped, minor
+    first), the last axis replicated."""
     if y < 0:
         a = letters_for(nd)
         ts: list[str | None] = [a, None, a][:n_in]
@@ -78,6 +76,8 @@ def _swiglu(op: str, x: DistTensorSpec, y: DistTensorSpec | None, t: DistTensorS
             name: str = "") -> None:  # fmt: skip
     """With y, y and ``t`` (out / out_grad) of x's shape; without y, x's last axis even and ``t``
     x with its last axis halved."""
+    if y is not None and y.shape == x.shape and (t is None or t.shape == x.shape):
+        return
     if y is not None:
         for n, u in (("y", y), (name, t)):
             if u is not None:
@@ -154,8 +154,7 @@ declare(
 
 
 def _fda_grad_notation(so_rank: int, nd: int) -> Notation:
-    """``1, abc -> abc, abc`` (seed_offset, out_grad -> x_grad, y_grad): sharded as out_grad,
-    seed_offset replicated."""
+    """``1, abc -> abc, abc`` (seed_offset, out_grad -> x_grad, y_grad)."""
     a = letters_for(nd)
     return Notation([None if so_rank < 0 else BROADCAST * so_rank, a], [a, a])
 

@@ -202,7 +202,7 @@ declare(
     aliases=("softmax_with_cross_entropy_grad",),
 )  # fmt: skip
 _C_ATTRS = "ignore_index: int = -100, rank: int = 0, nranks: int = 1"
-_C_WAY = {"letters": True, "env": _ENV, "require": ("nranks >= 1",)}
+_C_WAY: dict[str, Any] = {"letters": True, "env": _ENV, "require": ("nranks >= 1",)}
 declare(
     "c_softmax_with_cross_entropy", f"x: T, label: T, {_C_ATTRS}",
     Way(partial(c_notation, "forward"), key="x", **_C_WAY, post=_not_partial, check="_c(x, label)",
