@@ -444,3 +444,13 @@ def test_zero_d_optional_flash_attention_answers() -> None:
     assert a.outputs == b.outputs and dms(a.inputs)[3:5] == [(), ()]
     with pytest.raises(ShapeMismatchError, match="sin and cos"):
         rope.infer_forward(q, q, None, zero, T(m, [1, 8, 1, 16], [-1, -1, -1, -1]), None)
+
+
+def test_known_sizes_disagreeing_beside_an_unknown_one_are_an_error() -> None:
+    """k's and v's batch (4, 5) disagree though q's is unknown (-1): flash_attention checks
+    every pair of known sizes (it used to compare each with q's alone and accept this)."""
+    q = T(M24, [-1, 16, 8, 8], [-1] * 4)
+    with pytest.raises(ShapeMismatchError, match=r"flash_attention: v's axis 0 \(b\) is 5 but k's axis 0 is 4"):
+        FA.infer_forward(q, T(M24, [4, 16, 8, 8], [-1] * 4), T(M24, [5, 16, 8, 8], [-1] * 4))
+    r = FA.infer_forward(q, T(M24, [4, 16, 8, 8], [0, -1, -1, -1]), T(M24, [4, 16, 8, 8], [-1] * 4))
+    assert r.inputs[0].dims_mapping == (0, -1, -1, -1)  # type: ignore[union-attr]
