@@ -72,8 +72,7 @@ def _halved(src: DimsMapping, ins: Any, outs: Any) -> Answer:
     return tuple(None if t is None else b for t in ins), tuple(None if t is None else b for t in outs)
 
 
-def _swiglu(op: str, x: DistTensorSpec, y: DistTensorSpec | None, t: DistTensorSpec | None = None,
-            name: str = "") -> None:  # fmt: skip
+def _swiglu(op: str, x: DistTensorSpec, y: Any, t: Any = None, name: str = "") -> None:
     """With y, y and ``t`` (out / out_grad) of x's shape; without y, x's last axis even and ``t``
     x with its last axis halved."""
     if y is not None and y.shape == x.shape and (t is None or t.shape == x.shape):
