@@ -227,6 +227,8 @@ def _rope(op: str, qn: str, q: DistTensorSpec, sin: DistTensorSpec | None, cos: 
 def _given_alike(k: Any, v: Any, out_k: Any, out_v: Any) -> None:
     if (k is None) != (out_k is None) or (v is None) != (out_v is None):
         raise ShapeMismatchError("out_k / out_v must be given exactly where k / v are")
+
+
 def rope_notation(kind: str, k: int, v: int, sin: int, ids: int, time_major: bool) -> Notation:
     """The module docstring's letters (time_major ``sbhd``; 2-D sin / cos ``sd``), each co-shard
     read as its largest mesh dim; every axis claims its mesh dim, :func:`_rope_post` then
