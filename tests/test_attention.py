@@ -281,18 +281,18 @@ def test_errors() -> None:
         FA.infer_forward(T(M24, [4, 16, 8], [-1] * 3), k, v)
     with pytest.raises(ShapeMismatchError, match=r"flash_attention: .*k's 3"):
         FA.infer_forward(q, T(M24, [4, 16, 3, 8], [-1] * 4), T(M24, [4, 16, 3, 8], [-1] * 4))
-    with pytest.raises(ShapeMismatchError, match=r"flash_attention: q and k differ in head_dim"):
+    with pytest.raises(ShapeMismatchError, match=r"flash_attention: k's axis 3 \(d\) is 4 but q's axis 3 is 8"):
         FA.infer_forward(q, T(M24, [4, 16, 8, 4], [-1] * 4), v)
     with pytest.raises(ShapeMismatchError, match=r"flash_attention: attn_mask"):
         FA.infer_forward(q, k, v, None, T(M24, [4, 8, 15, 16], [-1] * 4))
-    with pytest.raises(InvalidAttributeError, match=r"flash_attention: dropout"):
+    with pytest.raises(InvalidAttributeError, match=r"flash_attention: needs 0.0 <= dropout < 1.0, got dropout = 1.5"):
         FA.infer_forward(q, k, v, None, None, 1.5)
     with pytest.raises(InvalidMeshError, match=r"flash_attention: v lies on a different mesh than q"):
         FA.infer_forward(q, k, T(M4, [4, 16, 8, 8], [-1] * 4))
     with pytest.raises(ShapeMismatchError, match=r"flash_attention_grad: out_grad"):
         FAG.infer_forward(q, k, v, T(M24, [4, 16, 8, 8], [-1] * 4), T(M24, [4, 8, 16], [-1] * 3), None, None,
                           T(M24, [4, 16, 8, 4], [-1] * 4))
-    with pytest.raises(ShapeMismatchError, match=r"fused_rotary_position_embedding: k and q differ"):
+    with pytest.raises(ShapeMismatchError, match=r"fused_rotary_position_embedding: k has shape \[4, 16, 4, 8\]"):
         ROPE.infer_forward(q, T(M24, [4, 16, 4, 8], [-1] * 4))
     with pytest.raises(ShapeMismatchError, match=r"fused_rotary_position_embedding: sin/cos seq_len"):
         ROPE.infer_forward(q, None, None, T(M24, [15, 8], [-1, -1]), T(M24, [15, 8], [-1, -1]))
@@ -444,3 +444,13 @@ def test_zero_d_optional_flash_attention_answers() -> None:
     assert a.outputs == b.outputs and dms(a.inputs)[3:5] == [(), ()]
     with pytest.raises(ShapeMismatchError, match="sin and cos"):
         rope.infer_forward(q, q, None, zero, T(m, [1, 8, 1, 16], [-1, -1, -1, -1]), None)
+
+
+def test_known_sizes_disagreeing_beside_an_unknown_one_are_an_error() -> None:
+    """k's and v's batch (4, 5) disagree though q's is unknown (-1): flash_attention checks
+    every pair of known sizes (it used to compare each with q's alone and accept this)."""
+    q = T(M24, [-1, 16, 8, 8], [-1] * 4)
+    with pytest.raises(ShapeMismatchError, match=r"flash_attention: v's axis 0 \(b\) is 5 but k's axis 0 is 4"):
+        FA.infer_forward(q, T(M24, [4, 16, 8, 8], [-1] * 4), T(M24, [5, 16, 8, 8], [-1] * 4))
+    r = FA.infer_forward(q, T(M24, [4, 16, 8, 8], [0, -1, -1, -1]), T(M24, [4, 16, 8, 8], [-1] * 4))
+    assert r.inputs[0].dims_mapping == (0, -1, -1, -1)  # type: ignore[union-attr]

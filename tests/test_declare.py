@@ -277,3 +277,106 @@ def test_parameters_named_like_the_generated_locals_are_not_hidden() -> None:
     other = ProcessMesh([4, 2])
     with pytest.raises(InvalidMeshError, match="five: mesh lies on a different mesh than k"):
         named(t([4, 8], [0, -1]), t([4, 8], [0, -1]), t([4, 8], [0, -1]), t([4, 8], [0, -1]), t([4, 8], [0, -1], other))
+
+
+@pytest.fixture
+def scratch_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rules a test declares are gone after it (the registry's tables restored)."""
+    from spmdkit.engine import registry
+
+    get_rule("softmax")  # the catalogue loaded first
+    monkeypatch.setattr(registry, "_RULES", dict(registry._RULES))
+    monkeypatch.setattr(registry, "_CANONICAL", dict(registry._CANONICAL))
+
+
+@pytest.mark.usefixtures("scratch_registry")
+def test_optional_tensor_before_a_required_output_and_grad_op() -> None:
+    """A reverse signature with an optional tensor before the outputs (``x, bias?, out``) is
+    generated (no default before a required parameter); ``grad_op`` names the grad slot's
+    errors apart from the grad rule registered under ``grad_name``."""
+
+    def biased(nx: int, nb: int) -> Notation:
+        a = letters_for(nx)
+        return Notation([a, None if nb < 0 else a[-nb:]], [a])
+
+    rule = declare(
+        "test_declare_biased",
+        "x: T, bias: T? = None, scale: float = 1.0",
+        Way(biased, key="x, bias"),
+        reverse=Way(biased, key="x, bias", shapes="x: ... c; bias: c"),
+        outputs="out: T",
+    )
+    assert rule.backward is not None and [p.name for p in rule.backward.params] == ["x", "bias", "out", "scale"]
+    params = inspect.signature(rule.backward.fn).parameters
+    assert params["bias"].default is inspect.Parameter.empty and params["scale"].default == 1.0
+    r = rule.infer_backward(t([4, 6], [-1, -1]), None, t([4, 6], [1, 0]), 2.0)
+    assert r.inputs[0].dims_mapping == (1, 0) and r.inputs[1] is None  # type: ignore[union-attr]
+    with pytest.raises(ShapeMismatchError, match="test_declare_biased: bias's axis 0"):
+        rule.infer_backward(t([4, 6], [-1, -1]), t([5], [-1]), t([4, 6], [1, 0]), 2.0)
+
+    def grad_nt(nx: int, ng: int) -> Notation:
+        if nx != ng:
+            raise ShapeMismatchError(f"out_grad has {ng} dims, x {nx}")
+        return Notation([letters_for(nx)] * 2, [letters_for(nx)])
+
+    declare(
+        "test_declare_g",
+        "x: T",
+        Way(_rowwise, key="x, 0"),
+        grad=Way(grad_nt),
+        grad_signature="x: T, out_grad: T",
+        grad_name="test_declare_g_grad",
+        grad_op="test_declare_g",
+    )
+    g = get_rule("test_declare_g_grad")
+    assert g.forward.fn.__name__ == "test_declare_g_grad"
+    with pytest.raises(ShapeMismatchError, match=r"^test_declare_g: out_grad has 1 dims, x 2$"):
+        g.infer_forward(t([4, 6], [0, -1]), t([4], [-1]))
+    with pytest.raises(ValueError, match="grad_op"):
+        declare("never_registered", "x: T", Way(_rowwise), grad_op="x")
+
+
+def test_order_labels_the_tensors_in_another_order_and_answers_in_the_signature_s() -> None:
+    """``order``: the notation (its default key, mesh check, merge and ``post``) sees the tensors
+    in that order; the answer comes back in the signature's. The reverse below merges loss
+    before softmax (the first claim kept), as cross_entropy_with_softmax's does."""
+
+    def nt(nx: int, nl: int) -> Notation:
+        x = letters_for(nx)
+        return Notation([x, x[:-1] + "1"], [x[:-1] + "1", x], conflict="first")
+
+    seen: list[tuple[object, ...]] = []
+
+    def post(ins: tuple[TensorDistAttr, ...], outs: tuple[TensorDistAttr, ...], *args: object) -> object:
+        seen.append(tuple(a.dims_mapping for a in outs))
+        return ins, outs
+
+    sig = "x: T, label: T, softmax: T, loss: T, axis: int = -1"
+    way = Way(nt, key="x, label", order="x, label, loss, softmax", post=post)
+    f = generate("ord", sig, way, "backward", ["softmax", "loss"])
+    plain = generate(
+        "ord",
+        "x: T, label: T, loss: T, softmax: T, axis: int = -1",
+        Way(nt, key="x, label"),
+        "backward",
+        ["loss", "softmax"],
+    )
+    rng = random.Random(5)
+    for _ in range(100):
+        x, lab = t([4, 6, 8], [-1, -1, -1]), t([4, 6, 1], [-1, -1, -1])
+        pairs = [[-1, -1], [0, -1], [-1, 0], [1, -1], [-1, 1], [0, 1], [1, 0]]
+        sm, loss = t([4, 6, 8], [*rng.choice(pairs), -1]), t([4, 6, 1], [*rng.choice(pairs), -1])
+        got, want = f(x, lab, sm, loss, -1), plain(x, lab, loss, sm, -1)
+        assert got.inputs == want.inputs and got.outputs == tuple(want.outputs)[::-1]
+        assert seen[-1] == tuple(a.dims_mapping for a in want.outputs)  # post saw loss first
+    assert f.source.count("_r[1][1], _r[1][0]") == 1
+    with pytest.raises(InvalidMeshError, match="ord: loss lies on a different mesh than x"):
+        f(t([4, 8], [0, -1]), t([4, 1], [0, -1]), t([4, 8], [0, -1]), t([4, 1], [0, -1], ProcessMesh([8])))
+    with pytest.raises(ValueError, match="order"):
+        generate("bad", sig, Way(nt, order="x, label, loss"), "backward", ["softmax", "loss"])
+    # a forward rule: the inputs come back in the signature's order, the notation's outputs as they are
+    fwd = generate("ord", "label: T, x: T", Way(lambda nx, nl: nt(nx, nl), order="x, label"))
+    r = fwd(t([4, 6, 1], [0, -1, -1]), t([4, 6, 8], [-1, 1, -1]))
+    assert [a.dims_mapping for a in r.inputs] == [(0, 1, -1), (0, 1, -1)]  # type: ignore[union-attr]
+    assert [a.dims_mapping for a in r.outputs] == [(0, 1, -1), (0, 1, -1)]  # type: ignore[union-attr]
+    assert len(fwd(t([4, 1], [0, -1]), t([4, 6], [-1, 1])).inputs[1].dims_mapping) == 2  # type: ignore[union-attr]

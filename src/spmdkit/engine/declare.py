@@ -98,6 +98,12 @@ class Way:
       Checked after the mesh, in the order require, shapes, ``check``, ``same``;
     * ``pre``: a statement over the parameters (and ``env``) inlined before the mesh is read
       (an empty list has no mesh: einsum checks its equation against it first);
+    * ``order``: the tensor parameters (comma-separated, each once) in the order the notation
+      labels them, where it is not the signature's (a reverse rule's outputs after its inputs):
+      the default key, the mesh check and ``post`` follow it, and the answer is given back in
+      the signature's order (cross_entropy_with_softmax's reverse merges loss before softmax;
+      a grad rule whose Paddle signature puts sin / cos first is the forward rule on the grads);
+      not with list parameters or ``tail``;
     * ``paddle``: Paddle's function name of this mode; ``doc``: the generated function's
       docstring.
     """
@@ -118,6 +124,7 @@ class Way:
     pre: str = ""
     shapes: str = ""
     require: Sequence[str] = ()
+    order: str = ""
     paddle: str = ""
     doc: str = ""
 
@@ -217,7 +224,9 @@ def generate(
     items, in order, among the notation's tensors: a bare name in the key is the tuple of their
     ranks, errors name them ``x[0]``, ``x[1]``, ..., and the answer holds their attrs as one
     tuple (as Paddle's). The function has the signature's parameter names
-    and defaults, and a ``plan(key)`` attribute giving the compiled plan of a key (``way.wrap``
+    and defaults (a default before a required parameter, as in a reverse signature with an
+    optional tensor before the outputs, is left out: the registry passes every argument), and a
+    ``plan(key)`` attribute giving the compiled plan of a key (``way.wrap``
     applied, where declared); ``module``: the declaring module (default: the caller's)."""
     if direction not in ("forward", "backward"):
         raise ValueError(f"{op}: direction must be 'forward' or 'backward', got {direction!r}")
@@ -230,6 +239,14 @@ def generate(
     tensors = [p.name for p in params if p.is_tensor]
     lists = [n for n in tensors if kinds[n] in ("[T]", "[T?]")]
     outs = list(outputs) if direction == "backward" and not way.tail else []
+    sig_ins, sig_outs = [n for n in tensors if n not in outs], outs  # the answer's order
+    if way.order:
+        order = _split(way.order)
+        if lists or way.tail or sorted(order) != sorted(tensors):
+            raise ValueError(f"{op}: order {way.order!r} must name each tensor of {signature!r} once (no lists)")
+        outs = [n for n in order if n in outs]
+        tensors = [n for n in order if n not in outs] + outs  # the names the answer's items have
+    permuted = bool(way.order) and tensors != sig_ins + sig_outs
     if isinstance(way.tail, str) and way.tail not in tensors:
         raise ValueError(f"{op}: tail {way.tail!r} is not a tensor parameter of {signature!r}")
     for n in outs:
@@ -253,8 +270,9 @@ def generate(
         "_list_names": _list_names, "_IAE": InvalidArgumentError, **SHAPE_NAMES, **way.env,
     }  # fmt: skip
     args = []
+    last_required = max((i for i, p in enumerate(params) if p.required), default=-1)
     for i, p in enumerate(params):
-        if p.required:
+        if p.required or i < last_required:  # no default before a required parameter
             args.append(p.name)
         else:
             ns[f"_d{i}"] = p.default
@@ -385,12 +403,19 @@ def generate(
             emit("        return _result(tuple(_r[0]), tuple(_r[1]))")
         else:
             emit("        return _result(*_r)")
-    elif way.post is not None:
+    elif way.post is not None or permuted:
+        # the answer in the signature's order (``order``: the notation's is another)
+        back = "tuple(_r[0]), tuple(_r[1])"
+        if permuted:
+            back = "".join(f"_r[0][{ins.index(n)}], " for n in sig_ins)
+            outs_back = f"({''.join(f'_r[1][{outs.index(n)}], ' for n in sig_outs)})" if outs else "tuple(_r[1])"
+            back = f"({back}), {outs_back}"  # a forward rule's outputs: the notation's, as they are
         emit(f"        _r = _infer(_p, _OP, {tin}, {tout}, _mesh, _NAMES{shapes})")
         if way.post_if:
-            emit(f"        if not ({way.post_if}): return _result(*_r)")
-        emit(f"        _r = _post(*_r, {call})")
-        emit("        return _result(tuple(_r[0]), tuple(_r[1]))")
+            emit(f"        if not ({way.post_if}): return _result({back if permuted else '*_r'})")
+        if way.post is not None:
+            emit(f"        _r = _post(*_r, {call})")
+        emit(f"        return _result({back})")
     else:
         emit(f"        return _result(*_infer(_p, _OP, {tin}, {tout}, _mesh, _NAMES{shapes}))")
     emit("    except _E as _e:")
@@ -430,23 +455,28 @@ def generate(
     fn.source = src
     fn.way = way
     if way.wrap is not None:
-        return way.wrap(fn, signature, outs)
+        return way.wrap(fn, signature, sig_outs)
     return fn  # type: ignore[no-any-return]
 
 
 def declare(
     name: str, signature: str, forward: Way, *, reverse: Way | None = None, outputs: str = "",
-    grad: Way | None = None, grad_signature: str = "", **kw: Any,
+    grad: Way | None = None, grad_signature: str = "", grad_op: str = "", **kw: Any,
 ) -> Any:  # fmt: skip
     """Register rule ``name`` (Paddle's ``signature``) with the functions :func:`generate`
     makes from its ways: ``forward``; in the backward slot either ``reverse`` (Paddle's reverse
     rule, with the op's ``outputs``, e.g. ``"out: T"``; its signature is derived by the
     registry: the forward's tensors, the outputs, the forward's attributes) or ``grad`` (a grad
     rule in that place, with its own ``grad_signature``; ``grad_name=`` registers it as a rule
-    of its own too). ``kw``: the registry's ``aliases``, ``doc``, ``grad_name``,
+    of its own too; ``grad_op``: the op its errors name, where not ``grad_name`` or
+    ``name + "_grad"``: c_embedding's grad slot names ``c_embedding``).
+    A reverse or grad signature may hold an optional tensor before a required one (see
+    :func:`generate`). ``kw``: the registry's ``aliases``, ``doc``, ``grad_name``,
     ``grad_aliases``. Returns the registered :class:`~spmdkit.engine.registry.Rule`."""
     if reverse is not None and grad is not None:
         raise ValueError(f"rule {name!r}: the backward slot holds a reverse rule or a grad rule, not both")
+    if grad_op and grad is None:
+        raise ValueError(f"rule {name!r}: grad_op {grad_op!r} without a grad rule")
     module = sys._getframe(1).f_globals.get("__name__", "")  # the rule module declaring it
     fwd = generate(name, signature, forward, "forward", name=f"{name}_forward", module=module)
     if reverse is not None:
@@ -456,8 +486,8 @@ def declare(
         return register(name, fwd, signature, bwd, kind=REVERSE, outputs=outputs, forward_name=forward.paddle,
                         backward_name=reverse.paddle, **kw)  # fmt: skip
     if grad is not None:
-        op = kw.get("grad_name") or f"{name}_grad"
-        g = generate(op, grad_signature, grad, "forward", name=op, module=module)
+        fname = kw.get("grad_name") or f"{name}_grad"
+        g = generate(grad_op or fname, grad_signature, grad, "forward", name=fname, module=module)
         return register(name, fwd, signature, g, grad_signature, kind=GRAD, forward_name=forward.paddle,
                         backward_name=grad.paddle, **kw)  # fmt: skip
     return register(name, fwd, signature, forward_name=forward.paddle, **kw)

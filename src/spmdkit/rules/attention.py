@@ -48,76 +48,13 @@ from collections.abc import Callable
 from typing import Any
 
 from spmdkit.core.dist_attr import DimsMapping
-from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
+from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.axes import make_attr, one_mesh_dim
-from spmdkit.engine.declare import Answer, Way, generate
-from spmdkit.engine.notation import BROADCAST, Notation, fast_result
-from spmdkit.engine.registry import register
-from spmdkit.engine.signature import reverse_signature
+from spmdkit.engine.declare import Answer, Way, declare
+from spmdkit.engine.notation import BROADCAST, Notation
+from spmdkit.engine.signature import parse_signature
 from spmdkit.rules._absent import zero_d_absent
-
-Shape = tuple[int, ...]
-
-# ---------------------------------------------------------------------------
-# checks (ShapeMismatchError / InvalidAttributeError naming the op and the tensor)
-# ---------------------------------------------------------------------------
-
-
-def _ndim(op: str, t: DistTensorSpec, name: str, nds: tuple[int, ...], what: str) -> None:
-    if len(t.shape) not in nds:
-        raise ShapeMismatchError(f"{op}: {name} must be {what}, got {len(t.shape)} dims {list(t.shape)}")
-
-
-def _eq(op: str, a: int, b: int, what: str) -> None:
-    if a >= 0 and b >= 0 and a != b:
-        raise ShapeMismatchError(f"{op}: {what} ({a} vs {b})")
-
-
-def _like(op: str, name: str, t: DistTensorSpec, want: Shape, what: str) -> None:
-    for i, (a, b) in enumerate(zip(t.shape, want)):
-        _eq(op, a, b, f"{name} axis {i} differs from what {what} give{'s' if what == 'q' else ''}")
-
-
-def _fa(op: str, q: DistTensorSpec, k: DistTensorSpec, v: DistTensorSpec, mask: DistTensorSpec | None,
-        dropout: float, **more: DistTensorSpec | None) -> None:  # fmt: skip
-    """dropout in [0, 1); q, k, v ``[b, s|t, h|hk, d|e]`` (hk dividing h); attn_mask
-    ``[b|1, h|1, s, t]``; ``more``: out / out_grad ``[b, s, h, e]``, softmax_lse ``[b, h, s]``,
-    softmax 4-D."""
-    if not 0.0 <= dropout < 1.0:
-        raise InvalidAttributeError(f"{op}: dropout must be in [0, 1), got {dropout}")
-    for n, t in (("q", q), ("k", k), ("v", v)):
-        _ndim(op, t, n, (4,), "4-D [batch, seq, heads, head_dim]")
-    qs, ks, vs = q.shape, k.shape, v.shape
-    _eq(op, qs[0], ks[0], "q and k differ in batch size")
-    _eq(op, qs[0], vs[0], "q and v differ in batch size")
-    _eq(op, qs[3], ks[3], "q and k differ in head_dim")
-    _eq(op, ks[1], vs[1], "k and v differ in seq_len")
-    _eq(op, ks[2], vs[2], "k and v differ in num_heads")
-    hq, hk = qs[2], ks[2]
-    if hk == 0 or (hq >= 0 and hk > 0 and hq % hk != 0):
-        raise ShapeMismatchError(f"{op}: q's num_heads {hq} is not a multiple of k's {hk}")
-    if mask is not None:
-        _ndim(op, mask, "attn_mask", (4,), "4-D [batch, heads, seq_q, seq_kv]")
-        ms = mask.shape
-        if ms[0] != 1:
-            _eq(op, ms[0], qs[0], "attn_mask's batch is neither 1 nor q's batch")
-        if ms[1] != 1:
-            _eq(op, ms[1], qs[2], "attn_mask's num_heads is neither 1 nor q's num_heads")
-        _eq(op, ms[2], qs[1], "attn_mask's seq_q differs from q's seq_len")
-        _eq(op, ms[3], ks[1], "attn_mask's seq_kv differs from k's seq_len")
-    for n, o in more.items():
-        if o is None:
-            continue
-        if n == "softmax_lse":
-            _ndim(op, o, n, (3,), "3-D [batch, heads, seq_q]")
-            _like(op, n, o, (qs[0], qs[2], qs[1]), "q")
-        elif n == "softmax":
-            _ndim(op, o, n, (4,), "4-D [batch, heads, seq_q, seq_kv]")
-        else:  # out, out_grad
-            _ndim(op, o, n, (4,), "4-D [batch, seq_q, heads, head_dim_v]")
-            _like(op, n, o, (qs[0], qs[1], qs[2], vs[3]), "q, k, v")
-
 
 # ---------------------------------------------------------------------------
 # flash_attention
@@ -138,17 +75,12 @@ def _ones(rank: int) -> str | None:
 
 
 def fa_notation(kind: str, fso: int, mask: int, unit: int, *ranks: int) -> Notation:
-    """The letters of flash_attention's tensors in Paddle's order, ``s t d e`` replicated, each
-    co-shard read as its largest mesh dim:
-
-    * forward ``q k v fixed_seed_offset attn_mask -> out softmax softmax_lse seed_offset``:
-      ``bshd, bthd, bthe, 1, bhst -> bshe, bhst, bhs, 1``, merged over q, k and attn_mask (as
-      Paddle, k's mapping stands in for v's: the same claims);
-    * reverse, over ``q k v fixed_seed_offset attn_mask out softmax softmax_lse seed_offset``:
-      merged over v (read in out's place, a Paddle quirk; the letters that differ are
-      replicated) and softmax_lse, the first claim kept (Paddle's merge sees no shapes);
-    * grad ``q k v out softmax_lse seed_offset attn_mask out_grad -> q_grad k_grad v_grad``:
-      merged over q, k, v, out, softmax_lse and out_grad (the larger tensor wins)."""
+    """flash_attention's letters (module docstring) in Paddle's order, each co-shard read as its
+    largest mesh dim: forward merged over q, k (standing in for v) and attn_mask; reverse over
+    ``q k v fixed_seed_offset attn_mask out softmax softmax_lse seed_offset``, merged over v
+    (in out's place; the letters that differ replicated) and softmax_lse, the first claim kept
+    (Paddle's merge sees no shapes); grad merged over q, k, v, out, softmax_lse and out_grad
+    (the larger tensor wins)."""
     ma = _mask(mask, unit)
     if kind == "forward":
         return Notation([_Q, _K, _V, _ones(fso), ma], [_OUT, _SM, _LSE, None], replicated="sdte",
@@ -173,8 +105,6 @@ def _grouped_heads(fn: Callable[..., SpmdResult], signature: str) -> Callable[..
     drops it before the merge, leaving the mesh dim free for the batch axis (Paddle checks
     only k's own mesh dim). What the merge then gives divides hk: every rank holds whole kv
     heads for its q heads."""
-    from spmdkit.engine.signature import parse_signature
-
     names = [p.name for p in parse_signature(signature)]
     heads = [(i, _HEADS[n]) for i, n in enumerate(names) if n in _HEADS]
     qi, ki = names.index("q"), names.index("k")
@@ -208,11 +138,6 @@ def _fa_seed(ins: Any, outs: Any, *args: object) -> Answer:
     return ins, (*outs[:3], make_attr(ins[0].mesh, (-1,)))
 
 
-def _fa_split(ins: Any, outs: Any, *args: object) -> Answer:
-    """The reverse, generated over all its tensors: the first five are the op's inputs."""
-    return ins[:5], ins[5:]
-
-
 def _wrap(names: tuple[Any, ...], gqa: bool = True, outputs: tuple[str, ...] = ()) -> Callable[..., Any]:
     """What is registered: grouped heads (see _grouped_heads) inside, and a 0-D optional tensor
     (shape []) read as absent (spmdkit.rules._absent) outside (``outputs``: the tensors
@@ -224,47 +149,46 @@ def _wrap(names: tuple[Any, ...], gqa: bool = True, outputs: tuple[str, ...] = (
     return wrap
 
 
-def _reverse_signature(forward: str, outputs: str) -> str:
-    """The registry's reverse signature, its optional tensors before the outputs without their
-    default (Python cannot generate a default before a required parameter)."""
-    sig = reverse_signature(forward, outputs)
-    head, _, tail = sig.partition(outputs.split(":")[0] + ":")
-    return head.replace(" = None", "") + outputs.split(":")[0] + ":" + tail
+def _fa(q: DistTensorSpec, k: DistTensorSpec, mask: DistTensorSpec | None) -> None:
+    """k's num_heads divide q's; attn_mask's batch and num_heads are 1 or q's."""
+    hq, hk = q.shape[2], k.shape[2]
+    if hk == 0 or (hq >= 0 and hk > 0 and hq % hk != 0):
+        raise ShapeMismatchError(f"q's num_heads {hq} is not a multiple of k's {hk}")
+    for i, j, what in ((0, 0, "batch"), (1, 2, "num_heads")) if mask is not None else ():
+        m, w = mask.shape[i], q.shape[j]  # type: ignore[union-attr]
+        if m not in (1, w) and m >= 0 and w >= 0:
+            raise ShapeMismatchError(f"attn_mask's {what} {m} is neither 1 nor q's {w}")
 
 
-_ENV = {"_fa": _fa}
 _FA_ATTRS = "dropout: float = 0.0, causal: bool = False, return_softmax: bool = False, is_test: bool = False"
-_FA_FWD = "q: T, k: T, v: T, fixed_seed_offset: T? = None, attn_mask: T? = None, " + _FA_ATTRS
-_FA_OUTS = "out: T, softmax: T?, softmax_lse: T?, seed_offset: T?"
 _FA_KEY = "fixed_seed_offset, attn_mask, ones(attn_mask)"
-_FA = Way(lambda *k: fa_notation("forward", *k), key=_FA_KEY, check="_fa(_OP, q, k, v, attn_mask, dropout)",
-          env=_ENV, post=_fa_seed, wrap=_wrap(("fixed_seed_offset", "attn_mask")),
-          paddle="FlashAttInferSpmdStatic",
-          doc="flash_attention (FlashAttInferSpmdStatic): batch and heads sharded, the rest replicated.")
-# of the outputs, only softmax may be absent (where return_softmax is false: the op makes it
-# only when asked); softmax_lse and seed_offset always exist
-_FA_REV = Way(lambda *k: fa_notation("reverse", *k), key=_FA_KEY + ", softmax, softmax_lse, seed_offset", env=_ENV,
-              check="_fa(_OP, q, k, v, attn_mask, dropout, out=out, softmax_lse=softmax_lse, softmax=softmax)",
-              post=_fa_split, paddle="FlashAttInferSpmdReverse",
-              wrap=_wrap(("fixed_seed_offset", "attn_mask", ("softmax", lambda args: not args[11])),
-                         outputs=("out", "softmax", "softmax_lse", "seed_offset")),
-              doc="flash_attention (FlashAttInferSpmdReverse): q, k, v from out and softmax_lse; the outputs "
-                  "returned are those the inferred inputs produce.")
-register(
-    "flash_attention", generate("flash_attention", _FA_FWD, _FA, name="flash_attention_forward"), _FA_FWD,
-    # generated over all the tensors in the forward direction (it merges v and softmax_lse only)
-    generate("flash_attention", _reverse_signature(_FA_FWD, _FA_OUTS), _FA_REV, name="flash_attention_backward"),
-    kind="reverse", outputs=_FA_OUTS, forward_name=_FA.paddle, backward_name=_FA_REV.paddle,
+_FA_SHAPES = "q: b s h d; k: b t hk d; v: b t hk e; attn_mask: _ _ s t"
+_FA_CHECK: dict[str, Any] = {"require": ("0.0 <= dropout < 1.0",), "check": "_fa(q, k, attn_mask)", "env": {"_fa": _fa}}
+declare(
+    "flash_attention", "q: T, k: T, v: T, fixed_seed_offset: T? = None, attn_mask: T? = None, " + _FA_ATTRS,
+    Way(lambda *k: fa_notation("forward", *k), key=_FA_KEY, shapes=_FA_SHAPES, **_FA_CHECK, post=_fa_seed,
+        wrap=_wrap(("fixed_seed_offset", "attn_mask")), paddle="FlashAttInferSpmdStatic",
+        doc="flash_attention (FlashAttInferSpmdStatic): batch and heads sharded, the rest replicated."),
+    # compiled over all the tensors (it merges v and softmax_lse only). Of the outputs only softmax
+    # may be absent (return_softmax false: the op makes it only when asked)
+    reverse=Way(lambda *k: fa_notation("reverse", *k), key=_FA_KEY + ", softmax, softmax_lse, seed_offset",
+                shapes=_FA_SHAPES + "; out: b s h e; softmax: _ _ _ _; softmax_lse: b h s", **_FA_CHECK, tail="out",
+                wrap=_wrap(("fixed_seed_offset", "attn_mask", ("softmax", lambda args: not args[11])),
+                           outputs=("out", "softmax", "softmax_lse", "seed_offset")),
+                paddle="FlashAttInferSpmdReverse",
+                doc="flash_attention (FlashAttInferSpmdReverse): q, k, v from out and softmax_lse; the outputs "
+                    "returned are those the inferred inputs produce."),
+    outputs="out: T, softmax: T?, softmax_lse: T?, seed_offset: T?",
 )  # fmt: skip
-_FA_GRAD_SIG = ("q: T, k: T, v: T, out: T, softmax_lse: T, seed_offset: T?, attn_mask: T?, out_grad: T, "
-                "dropout: float = 0.0, causal: bool = False")
-_FA_GRAD = Way(lambda *k: fa_notation("grad", 0, *k), key="attn_mask, ones(attn_mask), seed_offset", env=_ENV,
-               check="_fa(_OP, q, k, v, attn_mask, dropout, out=out, out_grad=out_grad, softmax_lse=softmax_lse)",
-               wrap=_wrap(("seed_offset", "attn_mask")), paddle="FlashAttGradInferSpmd",
-               doc="flash_attention_grad (FlashAttGradInferSpmd): q_grad, k_grad, v_grad sharded as q, k, v (batch "
-                   "and heads only).")
-register("flash_attention_grad", generate("flash_attention_grad", _FA_GRAD_SIG, _FA_GRAD), _FA_GRAD_SIG,
-         forward_name=_FA_GRAD.paddle)
+declare(
+    "flash_attention_grad", "q: T, k: T, v: T, out: T, softmax_lse: T, seed_offset: T?, attn_mask: T?, out_grad: T, "
+    "dropout: float = 0.0, causal: bool = False",
+    Way(lambda *k: fa_notation("grad", 0, *k), key="attn_mask, ones(attn_mask), seed_offset", **_FA_CHECK,
+        shapes=_FA_SHAPES + "; out: b s h e; out_grad: b s h e; softmax_lse: b h s",
+        wrap=_wrap(("seed_offset", "attn_mask")), paddle="FlashAttGradInferSpmd",
+        doc="flash_attention_grad (FlashAttGradInferSpmd): q_grad, k_grad, v_grad sharded as q, k, v (batch and "
+            "heads only)."),
+)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------
@@ -272,54 +196,43 @@ register("flash_attention_grad", generate("flash_attention_grad", _FA_GRAD_SIG, 
 # ---------------------------------------------------------------------------
 
 
-def _rope(op: str, qn: str, q: DistTensorSpec, others: list[tuple[str, DistTensorSpec | None]],
-          sin: DistTensorSpec | None, cos: DistTensorSpec | None, position_ids: DistTensorSpec | None,
-          time_major: bool) -> None:  # fmt: skip
-    _ndim(op, q, qn, (4,), "4-D [batch, seq, heads, head_dim]")
-    for n, t in others:
-        if t is not None:
-            _ndim(op, t, n, (4,), f"4-D, shaped as {qn}")
-            for i, (a, b) in enumerate(zip(t.shape, q.shape)):
-                _eq(op, a, b, f"{n} and {qn} differ on axis {i}")
-    bi, si = (1, 0) if time_major else (0, 1)
-    b, s, d = q.shape[bi], q.shape[si], q.shape[3]
+def _rope(op: str, qn: str, q: DistTensorSpec, sin: DistTensorSpec | None, cos: DistTensorSpec | None,
+          position_ids: DistTensorSpec | None, time_major: bool) -> None:  # fmt: skip
+    """``qn`` (4-D) has an even head_dim; position_ids (2-D) is [batch, seq] of it; sin and cos
+    come together, [seq, head_dim] or [1, seq, 1, head_dim], their seq that of ``qn`` (at least
+    that with position_ids)."""
+    b, s, d = (q.shape[1], q.shape[0], q.shape[3]) if time_major else (q.shape[0], q.shape[1], q.shape[3])
     if d >= 0 and d % 2 != 0:
         raise ShapeMismatchError(f"{op}: {qn}'s head_dim {d} must be even")
-    if position_ids is not None:
-        _ndim(op, position_ids, "position_ids", (2,), "2-D [batch, seq]")
-        _eq(op, position_ids.shape[0], b, f"position_ids' batch differs from {qn}'s")
-        _eq(op, position_ids.shape[1], s, f"position_ids' seq_len differs from {qn}'s")
+    for i, (a, w) in enumerate(zip(position_ids.shape if position_ids is not None else (), (b, s))):
+        if a != w and a >= 0 and w >= 0:
+            raise ShapeMismatchError(f"{op}: position_ids' {('batch', 'seq_len')[i]} {a} differs from {qn}'s {w}")
     if (sin is None) != (cos is None):
         raise ShapeMismatchError(f"{op}: sin and cos must be given together")
     if sin is None or cos is None:
         return
-    _ndim(op, sin, "sin", (2, 4), "2-D [seq, head_dim] or 4-D [1, seq, 1, head_dim]")
-    if sin.shape != cos.shape:
-        raise ShapeMismatchError(f"{op}: sin {list(sin.shape)} and cos {list(cos.shape)} differ")
     ss = sin.shape
-    if len(ss) == 4 and (ss[0] != 1 or ss[2] != 1):
-        raise ShapeMismatchError(f"{op}: sin/cos must have batch and num_heads 1, got {list(ss)}")
-    sl, sd = (ss[1], ss[3]) if len(ss) == 4 else (ss[0], ss[1])
-    _eq(op, sd, d, f"sin/cos head_dim differs from {qn}'s")
-    if position_ids is None:
-        _eq(op, sl, s, f"sin/cos seq_len differs from {qn}'s (no position_ids)")
-    elif sl >= 0 and s >= 0 and sl < s:
-        raise ShapeMismatchError(f"{op}: sin/cos seq_len {sl} is shorter than {qn}'s {s}")
+    if len(ss) not in (2, 4) or (len(ss) == 4 and (ss[0] != 1 or ss[2] != 1)):
+        raise ShapeMismatchError(f"{op}: sin must be [seq, head_dim] or [1, seq, 1, head_dim], got {list(ss)}")
+    if ss != cos.shape:  # exactly (an unknown size -1 is no match here)
+        raise ShapeMismatchError(f"{op}: sin {list(ss)} and cos {list(cos.shape)} differ")
+    sl, sd = ss[-3 if len(ss) == 4 else 0], ss[-1]
+    if sd >= 0 and d >= 0 and sd != d:
+        raise ShapeMismatchError(f"{op}: sin/cos head_dim {sd} differs from {qn}'s {d}")
+    if sl >= 0 and s >= 0 and (sl < s if position_ids is not None else sl != s):
+        want = "shorter than" if position_ids is not None else "differs from"
+        raise ShapeMismatchError(f"{op}: sin/cos seq_len {sl} {want} {qn}'s {s}")
 
 
-def _rope_reverse(op: str, q: DistTensorSpec, k: Any, v: Any, out_q: DistTensorSpec, out_k: Any, out_v: Any,
-                  time_major: bool) -> None:  # fmt: skip
-    _rope(op, "q", q, [("k", k), ("v", v), ("out_q", out_q)], None, None, None, time_major)
+def _given_alike(k: Any, v: Any, out_k: Any, out_v: Any) -> None:
     if (k is None) != (out_k is None) or (v is None) != (out_v is None):
-        raise ShapeMismatchError(f"{op}: out_k / out_v must be given exactly where k / v are")
+        raise ShapeMismatchError("out_k / out_v must be given exactly where k / v are")
 
 
 def rope_notation(kind: str, k: int, v: int, sin: int, ids: int, time_major: bool) -> Notation:
-    """``bshd, bshd, bshd, 1s1d, 1s1d, bs -> bshd, bshd, bshd`` (q, k, v, sin, cos, position_ids
-    -> out_q, out_k, out_v; time_major ``sbhd``; 2-D sin / cos ``sd``), each co-shard read as
-    its largest mesh dim, merged over q, k, v and position_ids (the reverse: over out_q, out_k,
-    out_v); every axis claims its mesh dim, and :func:`_rope_post` then unshards d (and s where
-    it cannot stay sharded), as Paddle does."""
+    """The module docstring's letters (time_major ``sbhd``; 2-D sin / cos ``sd``), each co-shard
+    read as its largest mesh dim; every axis claims its mesh dim, :func:`_rope_post` then
+    unshards d (and s where it cannot stay sharded)."""
     qkv = "sbhd" if time_major else "bshd"
     table = None if sin < 0 else "1s1d" if sin == 4 else "sd"
     ts = [qkv, None if k < 0 else qkv, None if v < 0 else qkv, table, table, None if ids < 0 else "bs"]
@@ -330,10 +243,8 @@ def rope_notation(kind: str, k: int, v: int, sin: int, ids: int, time_major: boo
 
 
 def _rope_post(ins: Any, outs: Any, *args: Any) -> Answer:
-    """head_dim d is never sharded (the rotation pairs its halves); seq_len s stays sharded only
-    with sin and cos and without position_ids (the kernel then rotates each local block by its
-    own rows of sin / cos; otherwise it computes positions from 0, or looks them up in the whole
-    table); sin / cos take q's sequence sharding (or none), position_ids the batch's only."""
+    """d replicated (the rotation pairs its halves), s as the module docstring says; sin / cos
+    take q's sequence sharding (or none), position_ids the batch's only."""
     q, sin, ids, tm = ins[0], ins[3], ins[5], args[-2]
     bi, si = (1, 0) if tm else (0, 1)
     dm = q.dims_mapping
@@ -348,54 +259,44 @@ def _rope_post(ins: Any, outs: Any, *args: Any) -> Answer:
     return (*qkv, sa, sa, ia), qkv
 
 
-def _rope_grad_order(fn: Callable[..., SpmdResult], signature: str, outputs: Any) -> Callable[..., SpmdResult]:
-    """fused_rotary_position_embedding_grad is the forward rule on the grads: generated in the
-    forward's order (the merge reads out_q_grad, out_k_grad, out_v_grad, then position_ids),
-    called and answered in Paddle's (sin, cos, position_ids first)."""
-
-    def grad(sin: Any, cos: Any, position_ids: Any, out_q_grad: Any, out_k_grad: Any = None, out_v_grad: Any = None,
-             *attrs: Any) -> SpmdResult:  # fmt: skip
-        r: Any = fn(out_q_grad, out_k_grad, out_v_grad, sin, cos, position_ids, *attrs)
-        return fast_result((*r.inputs[3:], *r.inputs[:3]), r.outputs)
-
-    return zero_d_absent(grad, _ROPE_GRAD, ("sin", "cos", "position_ids", "out_k_grad", "out_v_grad"))
-
-
-_ENV_R = {"_rope": _rope, "_rev": _rope_reverse}
 _ROPE_ATTRS = "use_neox_rotary_style: bool = True, time_major: bool = False, rotary_emb_base: float = 10000.0"
-_ROPE_FWD = "q: T, k: T? = None, v: T? = None, sin: T? = None, cos: T? = None, position_ids: T? = None, " + _ROPE_ATTRS
-_ROPE_OUTS = "out_q: T, out_k: T? = None, out_v: T? = None"
-_ROPE_GRAD = ("sin: T?, cos: T?, position_ids: T?, out_q_grad: T, out_k_grad: T? = None, out_v_grad: T? = None, "
-              + _ROPE_ATTRS)
-_ROPE_CHECK = "_rope(_OP, {q!r}, {q}, [({kn!r}, {k}), ({v!r}, {v})], sin, cos, position_ids, time_major)"
-_ROPE = Way(lambda *k: rope_notation("forward", *k), key="k, v, sin, position_ids, bool(time_major)", env=_ENV_R,
-            check=_ROPE_CHECK.format(q="q", kn="k", k="k", v="v"), post=_rope_post,
-            wrap=_wrap(("k", "v", "sin", "cos", "position_ids"), gqa=False), paddle="FusedRopeInferSpmd",
-            doc="fused_rotary_position_embedding (FusedRopeInferSpmd): q, k, v and the outputs alike; head_dim "
-                "replicated, seq_len sharded only with sin/cos and without position_ids.")
-_ROPE_REV = Way(lambda *k: rope_notation("reverse", *k), key="k, v, sin, position_ids, bool(time_major)", env=_ENV_R,
-                check="_rev(_OP, q, k, v, out_q, out_k, out_v, time_major); "
-                      + _ROPE_CHECK.format(q="out_q", kn="out_k", k="out_k", v="out_v"),
-                post=_rope_post, paddle="FusedRopeInferSpmdReverse",
-                wrap=_wrap(("k", "v", "sin", "cos", "position_ids", "out_k", "out_v"), gqa=False),
-                doc="fused_rotary_position_embedding (FusedRopeInferSpmdReverse): the inputs from out_q, out_k, "
-                    "out_v; the outputs are what the inputs produce.")
-register(
-    "fused_rotary_position_embedding", generate("fused_rotary_position_embedding", _ROPE_FWD, _ROPE, name="fused_rope"),
-    _ROPE_FWD,
-    generate("fused_rotary_position_embedding", _reverse_signature(_ROPE_FWD, _ROPE_OUTS), _ROPE_REV, "backward",
-             ("out_q", "out_k", "out_v"), name="fused_rope_reverse"),
-    kind="reverse", outputs=_ROPE_OUTS, aliases=("fused_rope",), forward_name=_ROPE.paddle,
-    backward_name=_ROPE_REV.paddle,
+_ROPE_ENV = {"_rope": _rope, "_alike": _given_alike}
+
+
+def _rope_way(q: str, k: str, v: str, paddle: str, doc: str, check: str = "", shapes: str = "",
+              same: tuple[tuple[str, str], ...] = (), **kw: Any) -> Way:  # fmt: skip
+    """A mode of fused_rotary_position_embedding merged over ``q``, ``k``, ``v`` (of ``q``'s
+    shape) and position_ids."""
+    return Way(lambda *key: rope_notation("reverse" if q == "out_q" else "forward", *key),
+               key=f"{k}, {v}, sin, position_ids, bool(time_major)", shapes=f"{shapes}{q}: _ _ _ _; position_ids: _ _",
+               check=check + f"_rope(_OP, {q!r}, {q}, sin, cos, position_ids, time_major)",
+               same=[*same, (q, k), (q, v)], env=_ROPE_ENV, post=_rope_post, paddle=paddle, doc=doc,
+               **kw)  # fmt: skip
+
+
+_ROPE_OPT = ("k", "v", "sin", "cos", "position_ids")
+declare(
+    "fused_rotary_position_embedding",
+    "q: T, k: T? = None, v: T? = None, sin: T? = None, cos: T? = None, position_ids: T? = None, " + _ROPE_ATTRS,
+    _rope_way("q", "k", "v", "FusedRopeInferSpmd", wrap=_wrap(_ROPE_OPT, gqa=False),
+              doc="fused_rotary_position_embedding (FusedRopeInferSpmd): q, k, v and the outputs alike; head_dim "
+                  "replicated, seq_len sharded only with sin/cos and without position_ids."),
+    reverse=_rope_way("out_q", "out_k", "out_v", "FusedRopeInferSpmdReverse", shapes="q: _ _ _ _; ",
+                      same=(("q", "k"), ("q", "v"), ("q", "out_q")),
+                      check="_alike(k, v, out_k, out_v); _rope(_OP, 'q', q, None, None, None, time_major); ",
+                      wrap=_wrap((*_ROPE_OPT, "out_k", "out_v"), gqa=False),
+                      doc="fused_rotary_position_embedding (FusedRopeInferSpmdReverse): the inputs from out_q, "
+                          "out_k, out_v; the outputs are what the inputs produce."),
+    outputs="out_q: T, out_k: T? = None, out_v: T? = None", aliases=("fused_rope",),
 )  # fmt: skip
-_ROPE_G = Way(lambda *k: rope_notation("forward", *k), key="out_k_grad, out_v_grad, sin, position_ids, bool(time_major)",
-              env=_ENV_R, check=_ROPE_CHECK.format(q="out_q_grad", kn="out_k_grad", k="out_k_grad", v="out_v_grad"), post=_rope_post,
-              wrap=_rope_grad_order, paddle="FusedRopeGradInferSpmd",
-              doc="fused_rotary_position_embedding_grad (FusedRopeGradInferSpmd): the forward rule on the grads.")
-register(
+# the forward rule on the grads (the grad kernel is the forward kernel with sin negated): the
+# merge reads out_q_grad, out_k_grad, out_v_grad, then position_ids
+declare(
     "fused_rotary_position_embedding_grad",
-    generate("fused_rotary_position_embedding_grad",
-             "out_q_grad: T, out_k_grad: T? = None, out_v_grad: T? = None, sin: T? = None, cos: T? = None, "
-             "position_ids: T? = None, " + _ROPE_ATTRS, _ROPE_G, name="fused_rotary_position_embedding_grad"),
-    _ROPE_GRAD, aliases=("fused_rope_grad",), forward_name=_ROPE_G.paddle,
+    "sin: T?, cos: T?, position_ids: T?, out_q_grad: T, out_k_grad: T? = None, out_v_grad: T? = None, " + _ROPE_ATTRS,
+    _rope_way("out_q_grad", "out_k_grad", "out_v_grad", "FusedRopeGradInferSpmd",
+              order="out_q_grad, out_k_grad, out_v_grad, sin, cos, position_ids",
+              wrap=_wrap(("sin", "cos", "position_ids", "out_k_grad", "out_v_grad"), gqa=False),
+              doc="fused_rotary_position_embedding_grad (FusedRopeGradInferSpmd): the forward rule on the grads."),
+    aliases=("fused_rope_grad",),
 )  # fmt: skip

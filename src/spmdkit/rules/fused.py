@@ -34,23 +34,20 @@ from __future__ import annotations
 from typing import Any
 
 from spmdkit.core.dist_attr import DimsMapping, ReduceType, entry_dims
-from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
+from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import make_attr
-from spmdkit.engine.declare import Answer, Way, declare, generate
+from spmdkit.engine.declare import Answer, Way, declare
 from spmdkit.engine.notation import BROADCAST, Notation, letters_for
-from spmdkit.engine.registry import register
 from spmdkit.rules._absent import zero_d_absent
-from spmdkit.rules._common import check_like
+from spmdkit.rules._common import check_like, check_same_shape
 
 
 def binary(n_in: int, outs: int, nd: int, y: int, unit: int, seed: int = -2) -> Notation:
-    """``n_in`` tensors of x's shape merged as Paddle's ElementwiseBinaryInferSpmd (``outs``
-    outputs of that shape, and an unlabelled seed_offset output where ``seed`` > -2):
-    each co-shard read as its largest mesh dim, claims in tensor order, the first claimer of an
-    axis keeps it, a claimed mesh dim is dropped later, a size-1 axis (``unit`` bit mask)
-    claims its mesh dim and shards nothing. Without y (swiglu's halved x): x and the halves
-    as Paddle's unary rule (uneven mesh dims dropped, minor first), the last axis replicated."""
+    """``n_in`` tensors of x's shape merged as the module docstring says (``outs`` outputs of that
+    shape, and an unlabelled seed_offset output where ``seed`` > -2; ``unit``: the size-1 axes);
+    without y (swiglu's halved x) as Paddle's unary rule (uneven mesh dims dropped, minor
+    first), the last axis replicated."""
     if y < 0:
         a = letters_for(nd)
         ts: list[str | None] = [a, None, a][:n_in]
@@ -75,45 +72,21 @@ def _halved(src: DimsMapping, ins: Any, outs: Any) -> Answer:
     return tuple(None if t is None else b for t in ins), tuple(None if t is None else b for t in outs)
 
 
-def _swiglu(op: str, x: DistTensorSpec, y: DistTensorSpec | None, t: DistTensorSpec | None = None,
-            name: str = "") -> None:
-    """x at least 1-D (its last axis even without y); with y, y and ``t`` (out / out_grad)
-    of x's shape; without y, ``t`` is x with its last axis halved."""
-    if not x.shape:
-        raise ShapeMismatchError(f"{op}: x must have at least 1 dim")
+def _swiglu(op: str, x: DistTensorSpec, y: Any, t: Any = None, name: str = "") -> None:
+    """With y, y and ``t`` (out / out_grad) of x's shape; without y, x's last axis even and ``t``
+    x with its last axis halved."""
+    if y is not None and y.shape == x.shape and (t is None or t.shape == x.shape):
+        return
     if y is not None:
-        check_like(op, x, y, "x", "y")
-        if t is not None:
-            check_like(op, x, t, "x", name)
+        for n, u in (("y", y), (name, t)):
+            if u is not None:
+                check_like(op, x, u, "x", n)
         return
-    if x.shape[-1] >= 0 and x.shape[-1] % 2 != 0:
-        raise ShapeMismatchError(f"{op}: without y, x's last axis ({x.shape[-1]}) must be even")
-    if t is None:
-        return
-    if len(t.shape) != len(x.shape):
-        raise ShapeMismatchError(f"{op}: {name} has {len(t.shape)} dims but x has {len(x.shape)}")
-    for i, (s, u) in enumerate(zip(x.shape[:-1], t.shape[:-1])):
-        if s != u and s >= 0 and u >= 0:
-            raise ShapeMismatchError(f"{op}: x and {name} differ on axis {i} ({s} vs {u})")
-    s, u = x.shape[-1], t.shape[-1]
-    if s >= 0 and u >= 0 and u * 2 != s:
-        raise ShapeMismatchError(f"{op}: {name}'s last axis ({u}) must be half of x's ({s}) when y is absent")
-
-
-def _fda(op: str, x: DistTensorSpec, y: DistTensorSpec, out: DistTensorSpec | None = None,
-         seed_offset: DistTensorSpec | None = None) -> None:
-    check_like(op, x, y, "x", "y")
-    if out is not None:
-        check_like(op, x, out, "x", "out")
-    if seed_offset is not None and len(seed_offset.shape) != 1:
-        raise ShapeMismatchError(f"{op}: seed_offset must be 1-D [2], got {list(seed_offset.shape)}")
-
-
-def _fda_grad(op: str, p: object, mode: object) -> None:
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
-        raise InvalidAttributeError(f"{op}: p must be a number in [0, 1], got {p!r}")
-    if mode not in ("upscale_in_train", "downscale_in_infer"):
-        raise InvalidAttributeError(f"{op}: mode must be upscale_in_train or downscale_in_infer, got {mode!r}")
+    s = x.shape[-1]
+    if s >= 0 and s % 2 != 0:
+        raise ShapeMismatchError(f"{op}: without y, x's last axis ({s}) must be even")
+    if t is not None:
+        check_same_shape(op, t, (*x.shape[:-1], s // 2 if s >= 0 else -1), name, "x with its last axis halved")
 
 
 _KEEP = frozenset({ReduceType.SUM, ReduceType.AVG, ReduceType.MAX, ReduceType.MIN})
@@ -136,50 +109,42 @@ def _seed(ins: Any, outs: Any, x: DistTensorSpec, y: object, out: object = None,
     return ins, (outs[0], None if seed_offset is None else make_attr(x.dist_attr.mesh, (-1,)))
 
 
-def _y_absent(fn, signature, outputs):  # type: ignore[no-untyped-def]
-    """A 0-D y is read as absent (spmdkit.rules._absent): x is at least 1-D, so a 0-D y is never
-    a real operand."""
-    return zero_d_absent(fn, signature, ("y",), outputs)
-
-
-def _seed_absent(fn, signature, outputs):  # type: ignore[no-untyped-def]
-    return zero_d_absent(fn, signature, ("seed_offset",), outputs)
+def _zero_d(*names: str) -> Any:
+    """The wrap reading a 0-D tensor in the optional slots ``names`` as absent
+    (spmdkit.rules._absent): x is at least 1-D, so a 0-D y is never a real operand."""
+    return lambda fn, signature, outputs: zero_d_absent(fn, signature, names, outputs)
 
 
 def _binary(n_in: int, outs: int, seed: int = -2) -> Any:
     return lambda nd, y, unit, *s: binary(n_in, outs, nd, y, unit, *(s or (seed,)))
 
 
-_ENV = {"_swiglu": _swiglu, "_fda": _fda, "_fda_grad": _fda_grad}
-_SWIGLU = Way(_binary(2, 1), key="x, y, ones(x)", check="_swiglu(_OP, x, y)", env=_ENV, wrap=_y_absent,
-              post=lambda i, o, x, y: _halved(x.dist_attr.dims_mapping, i, o), post_if="y is None",
-              paddle="SwiGLUInferSpmd",
-              doc="swiglu (SwiGLUInferSpmd): elementwise binary with y; without y the halved last axis is "
-                  "replicated.")
-_SWIGLU_REV = Way(_binary(2, 1), key="x, y, ones(x)", check="_swiglu(_OP, x, y, out, 'out')", env=_ENV,
-                  wrap=_y_absent, post=lambda i, o, x, y, out: _halved(out.dist_attr.dims_mapping, i, o),
-                  post_if="y is None", paddle="SwiGLUInferSpmdReverse",
-                  doc="swiglu (SwiGLUInferSpmdReverse): x and y from out; out is what they produce.")
-# registered by hand: the reverse signature (x, y, out) gives y no default (declare() would
-# derive ``y: T? = None`` before the required out, which Python cannot generate)
-register(
-    "swiglu", generate("swiglu", "x: T, y: T? = None", _SWIGLU, name="swiglu_forward"), "x: T, y: T? = None",
-    generate("swiglu", "x: T, y: T?, out: T", _SWIGLU_REV, "backward", ("out",), name="swiglu_backward"),
-    kind="reverse", outputs="out: T", forward_name=_SWIGLU.paddle, backward_name=_SWIGLU_REV.paddle,
+def _swiglu_way(check: str, src: int, paddle: str, doc: str, n_in: int = 2, outs: int = 1) -> Way:
+    """A mode of swiglu: ``check`` the tensor _swiglu checks against x (and its name), ``src``
+    the argument whose last axis _halved reads without y."""
+    return Way(_binary(n_in, outs), key="x, y, ones(x)", shapes="x: _ ...", check=f"_swiglu(_OP, x, y{check})",
+               env={"_swiglu": _swiglu}, wrap=_zero_d("y"), post_if="y is None", paddle=paddle, doc=doc,
+               post=lambda i, o, *args: _halved(args[src].dist_attr.dims_mapping, i, o))  # fmt: skip
+
+
+declare(
+    "swiglu", "x: T, y: T? = None",
+    _swiglu_way("", 0, "SwiGLUInferSpmd",
+                "swiglu (SwiGLUInferSpmd): elementwise binary with y; without y the halved last axis is replicated."),
+    reverse=_swiglu_way(", out, 'out'", 2, "SwiGLUInferSpmdReverse",
+                        "swiglu (SwiGLUInferSpmdReverse): x and y from out; out is what they produce."),
+    outputs="out: T",
 )  # fmt: skip
 declare(
     "swiglu_grad", "x: T, y: T?, out_grad: T",
-    Way(_binary(3, 2), key="x, y, ones(x)", check="_swiglu(_OP, x, y, out_grad, 'out_grad')", env=_ENV,
-        wrap=_y_absent, post=lambda i, o, x, y, g: _halved(x.dist_attr.dims_mapping, i, o), post_if="y is None",
-        paddle="SwiGLUGradInferSpmd",
-        doc="swiglu_grad (SwiGLUGradInferSpmd): x, y, out_grad, x_grad, y_grad sharded alike."),
+    _swiglu_way(", out_grad, 'out_grad'", 0, "SwiGLUGradInferSpmd",
+                "swiglu_grad (SwiGLUGradInferSpmd): x, y, out_grad, x_grad, y_grad sharded alike.", 3, 2),
 )  # fmt: skip
 declare(
     "fused_dropout_add", "x: T, y: T",
-    Way(_binary(2, 1, -1), key="x, 0, ones(x)", check="_fda(_OP, x, y)", env=_ENV, post=_seed,
-        paddle="FusedDropoutAddSpmdBase",
+    Way(_binary(2, 1, -1), key="x, 0, ones(x)", same=[("x", "y")], post=_seed, paddle="FusedDropoutAddSpmdBase",
         doc="fused_dropout_add (FusedDropoutAddSpmdBase): x, y and out merged elementwise, seed_offset replicated."),
-    reverse=Way(_binary(2, 1, -1), key="x, 0, ones(x)", check="_fda(_OP, x, y, out, seed_offset)", env=_ENV,
+    reverse=Way(_binary(2, 1, -1), key="x, 0, ones(x)", shapes="seed_offset: _", same=[("x", "y"), ("x", "out")],
                 post=_seed, paddle="FusedDropoutAddSpmdReverseBase",
                 doc="fused_dropout_add (FusedDropoutAddSpmdReverseBase): x, y from out; the outputs are what x "
                     "and y produce."),
@@ -188,18 +153,18 @@ declare(
 
 
 def _fda_grad_notation(so_rank: int, nd: int) -> Notation:
-    """``1, abc -> abc, abc`` (seed_offset, out_grad -> x_grad, y_grad): sharded as out_grad,
-    seed_offset replicated."""
+    """``1, abc -> abc, abc`` (seed_offset, out_grad -> x_grad, y_grad)."""
     a = letters_for(nd)
     return Notation([None if so_rank < 0 else BROADCAST * so_rank, a], [a, a])
 
 
-# the attribute p is read by the checks only: the generated function keeps its plan in a local p
 declare(
     "fused_dropout_add_grad",
     "seed_offset: T?, out_grad: T, p: scalar = 0.5, is_test: bool = False, mode: str = 'upscale_in_train', "
     "fix_seed: bool = False",
-    Way(_fda_grad_notation, check="_fda_grad(_OP, p, mode)", env=_ENV, wrap=_seed_absent, post=_keep_partial,
-        post_if="out_grad.dist_attr.partial", paddle="FusedDropoutAddGradInferSpmd",
+    Way(_fda_grad_notation, require=("not isinstance(p, bool) and 0 <= p <= 1",
+                                     "mode in ('upscale_in_train', 'downscale_in_infer')"),
+        wrap=_zero_d("seed_offset"), post=_keep_partial, post_if="out_grad.dist_attr.partial",
+        paddle="FusedDropoutAddGradInferSpmd",
         doc="fused_dropout_add_grad (FusedDropoutAddGradInferSpmd): x_grad and y_grad sharded as out_grad."),
 )  # fmt: skip

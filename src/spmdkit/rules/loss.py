@@ -34,7 +34,6 @@ outputs the inferred inputs produce. Deviations: ``docs/deviations.md`` ``loss-*
 
 Multi-label model-parallel cross entropy (letters)::
 
-                           replicated; nothing partial
     c_softmax_with_multi_label_cross_entropy
                            abc, abd, abd -> abc, ab1 | abd   (x, label, smooth_weight -> softmax, loss;
                            the class letter c may stay sharded: the kernel all-reduces max, sum
@@ -57,7 +56,6 @@ Label smoothing (x ``abc``; ``1`` an axis that is never sharded):
   Backward slot and ``label_smooth_grad`` (LabelSmoothGradInferSpmd(out_grad, epsilon)):
   out_grad and label_grad sharded as out_grad, not partial.
 
-
 Its deviations (``docs/deviations.md`` ``misc-*``): without prior_dist the class axis replicated;
 conflicts Paddle raises on.
 """
@@ -69,98 +67,70 @@ from functools import partial
 from typing import Any
 
 from spmdkit.core.dist_attr import ReduceType, entry_dims
-from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
+from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.axes import make_attr, normalize_axis, one_mesh_dim, unpartial
-from spmdkit.engine.declare import Answer, Way, declare, generate
-from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, fast_result
-from spmdkit.engine.registry import register
-from spmdkit.rules._common import check_bool, check_int, check_ndim
+from spmdkit.engine.declare import Answer, Way, declare
+from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, letters_for
 
-# -- checks (the engine names the op where a message lacks it) -----------------------------------
+# -- checks (the engine names the op; the typed attributes are coerced by the binding) -----------
 
 
-def _letters(nd: int) -> None:
-    if nd > len(ALPHABET):
-        raise ShapeMismatchError(f"tensors of more than {len(ALPHABET)} dims are not supported")
-
-
-def _hard_label(op: str, name: str, label: DistTensorSpec, nd: int, ax: int) -> None:
+def _hard_label(name: str, label: DistTensorSpec, nd: int, ax: int) -> None:
     if len(label.shape) != nd:
-        raise ShapeMismatchError(f"{op}: {name} has {len(label.shape)} dims, expected {nd} (as the logits)")
+        raise ShapeMismatchError(f"{name} has {len(label.shape)} dims, expected {nd} (as the logits)")
     if label.shape[ax] not in (1, -1):
-        raise ShapeMismatchError(
-            f"{op}: {name}{' (a hard label)' if name == 'label' else ''} must have size 1 on the class axis {ax}, "
-            f"got {label.shape[ax]}"
-        )
+        hard = " (a hard label)" if name == "label" else ""
+        raise ShapeMismatchError(f"{name}{hard} must have size 1 on the class axis {ax}, got {label.shape[ax]}")
 
 
-def _ce(op: str, x: DistTensorSpec, label: DistTensorSpec, soft_label: object, use_softmax: object,
-        numeric_stable_mode: object, ignore_index: object, axis: object, loss: DistTensorSpec | None = None,
+def _ce(x: DistTensorSpec, label: DistTensorSpec, soft: bool, axis: int, loss: DistTensorSpec | None = None,
         loss_name: str = "loss") -> None:  # fmt: skip
-    """cross_entropy_with_softmax's attributes, label (and loss / loss_grad) against x (or softmax)."""
+    """cross_entropy_with_softmax's label (and loss / loss_grad) against x (or softmax)."""
     nd = len(x.shape)
-    _letters(nd)
-    check_int(op, "axis", axis)
+    letters_for(nd)
     if nd == 0:
-        raise ShapeMismatchError(f"{op}: the logits must have at least 1 dim (got a 0-d tensor)")
-    ax = normalize_axis(op, axis, nd)  # type: ignore[arg-type]
-    soft = check_bool(op, "soft_label", soft_label)
-    check_bool(op, "use_softmax", use_softmax)
-    check_bool(op, "numeric_stable_mode", numeric_stable_mode)
-    check_int(op, "ignore_index", ignore_index)
+        raise ShapeMismatchError("the logits must have at least 1 dim (got a 0-d tensor)")
+    ax = normalize_axis("", axis, nd)
     if not soft:
-        _hard_label(op, "label", label, nd, ax)
+        _hard_label("label", label, nd, ax)
     elif len(label.shape) != nd:
-        raise ShapeMismatchError(f"{op}: label (a soft label) has {len(label.shape)} dims, expected {nd}")
+        raise ShapeMismatchError(f"label (a soft label) has {len(label.shape)} dims, expected {nd}")
     if loss is not None:
-        _hard_label(op, loss_name, loss, nd, ax)
+        _hard_label(loss_name, loss, nd, ax)
 
 
-def _c(op: str, x: DistTensorSpec, label: DistTensorSpec, ignore_index: object, rank: object, nranks: object,
-       loss: DistTensorSpec | None = None, loss_name: str = "loss") -> None:  # fmt: skip
-    """c_softmax_with_cross_entropy's attributes and hard label (and loss / loss_grad)."""
+def _c(x: DistTensorSpec, label: DistTensorSpec, loss: DistTensorSpec | None = None, loss_name: str = "loss") -> None:
+    """c_softmax_with_cross_entropy's hard label (and loss / loss_grad)."""
     nd = len(x.shape)
     if nd == 0:
-        raise ShapeMismatchError(f"{op}: the logits must have at least 1 dim (got a 0-d tensor)")
-    _letters(nd)
-    check_int(op, "ignore_index", ignore_index)
-    check_int(op, "rank", rank)
-    if check_int(op, "nranks", nranks) < 1:
-        raise InvalidAttributeError(f"{op}: nranks must be positive, got {nranks}")
-    _hard_label(op, "label", label, nd, nd - 1)
-    if loss is not None:
-        _hard_label(op, loss_name, loss, nd, nd - 1)
+        raise ShapeMismatchError("the logits must have at least 1 dim (got a 0-d tensor)")
+    letters_for(nd)
+    for name, t in (("label", label), (loss_name, loss)):
+        if t is not None:
+            _hard_label(name, t, nd, nd - 1)
 
 
-def _ml(op: str, x: DistTensorSpec, label: DistTensorSpec, smooth_weight: DistTensorSpec, ignore_index: object,
-        sum_multi_label_loss: object, rank: object, nranks: object, xname: str = "x",
-        **more: DistTensorSpec) -> None:  # fmt: skip
-    """c_softmax_with_multi_label_cross_entropy's attributes; label, smooth_weight (and ``more``)
-    of x's rank."""
+def _ml(x: DistTensorSpec, xname: str, *more: tuple[str, DistTensorSpec]) -> None:
+    """c_softmax_with_multi_label_cross_entropy: ``more`` (label, smooth_weight, ...) of x's rank."""
     nd = len(x.shape)
     if nd == 0:
-        raise ShapeMismatchError(f"{op}: {xname} must have at least 1 dim (got a 0-d tensor)")
+        raise ShapeMismatchError(f"{xname} must have at least 1 dim (got a 0-d tensor)")
     if nd >= len(ALPHABET):
-        raise ShapeMismatchError(f"{op}: tensors of more than {len(ALPHABET) - 1} dims are not supported")
-    check_int(op, "ignore_index", ignore_index)
-    check_bool(op, "sum_multi_label_loss", sum_multi_label_loss)
-    check_int(op, "rank", rank)
-    check_int(op, "nranks", nranks, 1)
-    for name, t in (("label", label), ("smooth_weight", smooth_weight), *more.items()):
-        check_ndim(op, name, t, nd)
+        raise ShapeMismatchError(f"tensors of more than {len(ALPHABET) - 1} dims are not supported")
+    for name, t in more:
+        if len(t.shape) != nd:
+            raise ShapeMismatchError(f"{name} must be a {nd}-D tensor, got shape {list(t.shape)}")
 
 
 _ENV: dict[str, Any] = {"_ce": _ce, "_c": _c, "_ml": _ml}
 
 
-# -- notations ----------------------------------------------------------------------------------
+# -- notations (module docstring) ------------------------------------------------------------------
 
 
 def ce_notation(kind: str, nd: int, axis: int, soft: bool) -> Notation:
-    """``abc, ab1 -> abc, ab1`` (x, label -> softmax, loss; a soft label ``abc``), the class
-    axis replicated, each co-shard read as its largest mesh dim; the grad ``ab1, abc, ab1 ->
-    abc`` (label, softmax, loss_grad -> x_grad); the reverse merges loss before softmax (its
+    """Each co-shard read as its largest mesh dim; the reverse lists loss before softmax (its
     claims come first, as Paddle's reverse merge reads them)."""
     ax = normalize_axis("", axis, nd)
     x = ALPHABET[:nd]
@@ -172,8 +142,6 @@ def ce_notation(kind: str, nd: int, axis: int, soft: bool) -> Notation:
 
 
 def c_notation(kind: str, nd: int) -> Notation:
-    """``abc, ab1 -> abc, ab1``: the class letter c may stay sharded (the kernel all-reduces max
-    and sum over the ranks that share it); the grad ``abc, ab1, ab1 -> abc``."""
     x = ALPHABET[:nd]
     one = x[:-1] + BROADCAST
     if kind == "grad":
@@ -182,8 +150,6 @@ def c_notation(kind: str, nd: int) -> Notation:
 
 
 def ml_notation(kind: str, nd: int, summed: bool) -> Notation:
-    """``abc, abd, abd -> abc, ab1 | abd`` (x, label, smooth_weight -> softmax, loss: ``ab1``
-    summed over the labels); the grad ``abc, abd, abd, ab1 | abd -> abc`` with d replicated."""
     x = ALPHABET[:nd]
     lab = x[:-1] + ALPHABET[nd]
     loss = (x[:-1] + BROADCAST) if summed else lab
@@ -198,74 +164,58 @@ def _not_partial(ins: Any, outs: Any, *args: object) -> Answer:
 
 
 def _ml_partial(ins: Any, outs: Any, *args: Any) -> Answer:
-    """softmax never partial (the kernel all-reduces over c); the summed loss partial SUM over
-    the mesh dims of the label axis d (each rank sums its own labels), otherwise not partial."""
+    """softmax never partial; the summed loss partial SUM over d's mesh dims (each rank sums its
+    own labels), otherwise not partial."""
     summed = args[-3]
     loss = outs[1]
     pt = tuple((d, ReduceType.SUM) for d in sorted(entry_dims(ins[1].dims_mapping[-1]))) if summed else ()
     return ins, (unpartial(outs[0]), make_attr(loss.mesh, loss.dims_mapping, pt))
 
 
-def _swapped(fn, signature, outputs):  # type: ignore[no-untyped-def]
-    """cross_entropy_with_softmax's reverse: generated over (x, label, loss, softmax_out) so that
-    loss's claims come first; called in Paddle's order and answered in it."""
-
-    def reverse(x: DistTensorSpec, label: DistTensorSpec, softmax_out: DistTensorSpec, loss: DistTensorSpec,
-                *attrs: object) -> SpmdResult:  # fmt: skip
-        r = fn(x, label, loss, softmax_out, *attrs)
-        return fast_result(r.inputs, r.outputs[::-1])
-
-    reverse.__doc__ = fn.__doc__
-    return reverse
-
-
 # -- cross_entropy_with_softmax, c_softmax_with_cross_entropy ----------------------------------
 
 _CE_ATTRS = ("soft_label: bool = False, use_softmax: bool = True, numeric_stable_mode: bool = True, "
              "ignore_index: int = -100, axis: int = -1")
-_CE_CALL = "soft_label, use_softmax, numeric_stable_mode, ignore_index, axis"
-_CE = Way(partial(ce_notation, "forward"), key="x, axis, soft_label", letters=True, env=_ENV,
-          check=f"_ce(_OP, x, label, {_CE_CALL})", paddle="CrossEntropyWithSoftmaxInferSpmdStatic",
-          doc="cross_entropy_with_softmax (CrossEntropyWithSoftmaxInferSpmdStatic): batch axes merged, the class "
-              "axis replicated; softmax as x, loss as x with the class axis of size 1.")
-_CE_REV = Way(partial(ce_notation, "reverse"), key="x, axis, soft_label", letters=True, env=_ENV, wrap=_swapped,
-              check=f"_ce(_OP, x, label, {_CE_CALL}, loss)", paddle="CrossEntropyWithSoftmaxInferSpmdReverse",
-              doc="cross_entropy_with_softmax (CrossEntropyWithSoftmaxInferSpmdReverse): the inputs from softmax "
-                  "and loss (class axis replicated); the outputs those inputs produce.")
-register(
-    "cross_entropy_with_softmax", generate("cross_entropy_with_softmax", f"x: T, label: T, {_CE_ATTRS}", _CE,
-                                           name="ce_forward"),
-    f"x: T, label: T, {_CE_ATTRS}",
-    generate("cross_entropy_with_softmax", f"x: T, label: T, loss: T, softmax_out: T, {_CE_ATTRS}", _CE_REV,
-             "backward", ("loss", "softmax_out"), name="ce_reverse"),
-    kind="reverse", outputs="softmax_out: T, loss: T", aliases=("softmax_with_cross_entropy",),
-    forward_name=_CE.paddle, backward_name=_CE_REV.paddle,
+
+
+def _ce_way(kind: str, x: str, check: str, paddle: str, doc: str, **kw: Any) -> Way:
+    return Way(partial(ce_notation, kind), key=f"{x}, axis, soft_label", letters=True, env=_ENV,
+               check=f"_ce({x}, label, soft_label, axis{check})", paddle=paddle, doc=doc, **kw)  # fmt: skip
+
+
+declare(
+    "cross_entropy_with_softmax", f"x: T, label: T, {_CE_ATTRS}",
+    _ce_way("forward", "x", "", "CrossEntropyWithSoftmaxInferSpmdStatic",
+            "cross_entropy_with_softmax (CrossEntropyWithSoftmaxInferSpmdStatic): batch axes merged, the class axis "
+            "replicated; softmax as x, loss as x with the class axis of size 1."),
+    reverse=_ce_way("reverse", "x", ", loss", "CrossEntropyWithSoftmaxInferSpmdReverse",
+                    order="x, label, loss, softmax_out",
+                    doc="cross_entropy_with_softmax (CrossEntropyWithSoftmaxInferSpmdReverse): the inputs from softmax "
+                        "and loss (class axis replicated); the outputs those inputs produce."),
+    outputs="softmax_out: T, loss: T", aliases=("softmax_with_cross_entropy",),
 )  # fmt: skip
 declare(
     "cross_entropy_with_softmax_grad", f"label: T, softmax: T, loss_grad: T, {_CE_ATTRS}",
-    Way(partial(ce_notation, "grad"), key="softmax, axis, soft_label", letters=True, env=_ENV,
-        check=f"_ce(_OP, softmax, label, {_CE_CALL}, loss_grad, 'loss_grad')",
-        paddle="CrossEntropyWithSoftmaxGradInferSpmd",
-        doc="cross_entropy_with_softmax_grad (CrossEntropyWithSoftmaxGradInferSpmd): label, softmax and loss_grad "
+    _ce_way("grad", "softmax", ", loss_grad, 'loss_grad'", "CrossEntropyWithSoftmaxGradInferSpmd",
+            "cross_entropy_with_softmax_grad (CrossEntropyWithSoftmaxGradInferSpmd): label, softmax and loss_grad "
             "merged on the batch axes, the class axis replicated; x_grad as softmax."),
     aliases=("softmax_with_cross_entropy_grad",),
 )  # fmt: skip
 _C_ATTRS = "ignore_index: int = -100, rank: int = 0, nranks: int = 1"
+_C_WAY: dict[str, Any] = {"letters": True, "env": _ENV, "require": ("nranks >= 1",)}
 declare(
     "c_softmax_with_cross_entropy", f"x: T, label: T, {_C_ATTRS}",
-    Way(partial(c_notation, "forward"), key="x", letters=True, env=_ENV, post=_not_partial,
-        check="_c(_OP, x, label, ignore_index, rank, nranks)", paddle="CSoftmaxWithCrossEntropyInferSpmd",
+    Way(partial(c_notation, "forward"), key="x", **_C_WAY, post=_not_partial, check="_c(x, label)",
+        paddle="CSoftmaxWithCrossEntropyInferSpmd",
         doc="c_softmax_with_cross_entropy (CSoftmaxWithCrossEntropyInferSpmd): the class axis (last) keeps its "
             "sharding (the kernel reduces over it), label follows x's batch axes; loss not partial."),
-    reverse=Way(partial(c_notation, "forward"), key="x", letters=True, env=_ENV, post=_not_partial,
-                check="_c(_OP, x, label, ignore_index, rank, nranks, loss)",
+    reverse=Way(partial(c_notation, "forward"), key="x", **_C_WAY, post=_not_partial, check="_c(x, label, loss)",
                 doc="c_softmax_with_cross_entropy reverse (Paddle has none): the inputs from softmax and loss."),
     outputs="softmax: T, loss: T",
 )  # fmt: skip
 declare(
     "c_softmax_with_cross_entropy_grad", f"softmax: T, label: T, loss_grad: T, {_C_ATTRS}",
-    Way(partial(c_notation, "grad"), key="softmax", letters=True, env=_ENV,
-        check="_c(_OP, softmax, label, ignore_index, rank, nranks, loss_grad, 'loss_grad')",
+    Way(partial(c_notation, "grad"), key="softmax", **_C_WAY, check="_c(softmax, label, loss_grad, 'loss_grad')",
         paddle="CSoftmaxWithCrossEntropyGradSpmd",
         doc="c_softmax_with_cross_entropy_grad (CSoftmaxWithCrossEntropyGradSpmd): softmax, label and loss_grad "
             "merged, x_grad as softmax (class axis sharded: each rank handles its own classes)."),
@@ -280,16 +230,10 @@ def _one_element(out_grad: DistTensorSpec) -> None:
         raise ShapeMismatchError(f"out_grad must hold one element (0-d), got shape {list(out_grad.shape)}")
 
 
-def _mean_all(nd: int) -> Notation:
-    """``ab -> (0-d)``: partial AVG over the mesh dims of x's axes, uneven ones dropped (local
-    means average to the mean only where every rank holds as many elements)."""
-    _letters(nd)
-    return Notation([ALPHABET[:nd]], [""], reduce=ReduceType.AVG, prune="*", coshard="largest")
-
-
 declare(
     "mean_all", "x: T",
-    Way(_mean_all, key="x", paddle="MeanAllInferSpmd",
+    Way(lambda nd: Notation([letters_for(nd)], [""], reduce=ReduceType.AVG, prune="*", coshard="largest"), key="x",
+        paddle="MeanAllInferSpmd",
         doc="mean_all (MeanAllInferSpmd): a 0-d out, partial AVG over the mesh dims of x's (even) axes."),
     grad=Way(lambda nd, ng: Notation([BROADCAST * nd, BROADCAST * ng], [BROADCAST * nd]), key="x, out_grad",
              check="_one_element(out_grad)", env={"_one_element": _one_element}, paddle="MeanAllGradInferSpmd",
@@ -304,15 +248,11 @@ declare(
 
 def smooth_notation(nd: int, pn: int, lm: int, pm: int) -> Notation:
     """label_smooth over label (rank ``nd``, size-1 axes ``lm``) and prior_dist (rank ``pn``,
-    -1 absent; size-1 axes ``pm``): with prior_dist an elementwise binary op (right-aligned
-    letters, a size-1 axis ``1``: never sharded, as Paddle's elementwise rules), each co-shard
-    read as its largest mesh dim; without it ``abc, _ -> abc`` with the class axis replicated
-    (the kernel adds epsilon / the class count it sees) and elsewhere, as Paddle's elementwise
-    unary rule, the mesh dims that do not divide an axis dropped (minor first)."""
+    -1 absent; size-1 axes ``pm``), as the module docstring says (with prior_dist each co-shard
+    read as its largest mesh dim)."""
     if nd == 0:
         raise ShapeMismatchError("label must have at least 1 dim (the class axis)")
-    _letters(nd)
-    a = ALPHABET[:nd]
+    a = letters_for(nd)
     if pn < 0:
         return Notation([a, None], [a], replicated=a[-1], prune="*")
     la = "".join(BROADCAST if lm >> i & 1 else c for i, c in enumerate(a))
@@ -358,18 +298,13 @@ def _drop_dims(e: Any, drop: set[int]) -> Any:
     return -1 if not d else d[0] if len(d) == 1 else d
 
 
-def _as_out_grad(nd: int) -> Notation:
-    """``abc -> abc``: sharded as out_grad, not partial."""
-    _letters(nd)
-    return Notation([ALPHABET[:nd]], [ALPHABET[:nd]])
-
-
 declare(
     "label_smooth", "label: T, prior_dist: T?, epsilon: float = 0.0",
     Way(smooth_notation, key="label, prior_dist, ones(label), ones(prior_dist)", check="_prior(label, prior_dist)",
         env={"_prior": _prior}, wrap=_lead_unread, paddle="LabelSmoothInferSpmd",
         doc="LabelSmoothInferSpmd: elementwise with prior_dist; without it the class axis replicated."),
-    grad=Way(_as_out_grad, key="out_grad", paddle="LabelSmoothGradInferSpmd",
+    grad=Way(lambda nd: Notation([letters_for(nd)], [letters_for(nd)]), key="out_grad",
+             paddle="LabelSmoothGradInferSpmd",
              doc="LabelSmoothGradInferSpmd: out_grad and label_grad sharded as out_grad, not partial."),
     grad_signature="out_grad: T, epsilon: float = 0.0", grad_name="label_smooth_grad",
 )  # fmt: skip
@@ -380,11 +315,12 @@ declare(
 _ML_ATTRS = "ignore_index: int = -100, sum_multi_label_loss: bool = True, rank: int = 0, nranks: int = 1"
 
 
-def _ml_way(kind: str, check: str, paddle: str, doc: str, x: str = "x", **kw: Any) -> Way:
+def _ml_way(kind: str, more: str, paddle: str, doc: str, x: str = "x", **kw: Any) -> Way:
     """A mode of the multi-label loss keyed by the rank of x (``x``: its parameter) and
-    sum_multi_label_loss; ``check``: what :func:`_ml` checks besides the attributes."""
+    sum_multi_label_loss; ``more``: the tensors besides label and smooth_weight of x's rank."""
     return Way(partial(ml_notation, kind), key=f"{x}, bool(sum_multi_label_loss)", letters=True, env=_ENV,
-               check=f"_ml(_OP, {x}, label, smooth_weight, ignore_index, sum_multi_label_loss, rank, nranks{check})",
+               require=("nranks >= 1",),
+               check=f"_ml({x}, {x!r}, ('label', label), ('smooth_weight', smooth_weight){more})",
                paddle=paddle, doc=doc, **kw)  # fmt: skip
 
 
@@ -394,14 +330,15 @@ declare(
             doc="c_softmax_with_multi_label_cross_entropy (CSoftmaxWithMultiLabelCrossEntropyInferSpmd): batch axes "
                 "merged, the class axis keeps its sharding, the label axis follows label and smooth_weight; the "
                 "summed loss partial SUM over the label axis' mesh dims."),
-    reverse=_ml_way("forward", ", softmax=softmax, loss=loss", "CSoftmaxWithMultiLabelCrossEntropyInferSpmdReverse",
-                    post=_ml_partial, doc="c_softmax_with_multi_label_cross_entropy reverse (Paddle has none): the "
-                    "inputs from softmax and loss; the outputs those inputs produce."),
+    reverse=_ml_way("forward", ", ('softmax', softmax), ('loss', loss)",
+                    "CSoftmaxWithMultiLabelCrossEntropyInferSpmdReverse", post=_ml_partial,
+                    doc="c_softmax_with_multi_label_cross_entropy reverse (Paddle has none): the inputs from softmax "
+                        "and loss; the outputs those inputs produce."),
     outputs="softmax: T, loss: T",
 )  # fmt: skip
 declare(
     "c_softmax_with_multi_label_cross_entropy_grad", f"softmax: T, label: T, smooth_weight: T, loss_grad: T, {_ML_ATTRS}",
-    _ml_way("grad", ", 'softmax', loss_grad=loss_grad", "CSoftmaxWithMultiLabelCrossEntropyGradSpmd", x="softmax",
+    _ml_way("grad", ", ('loss_grad', loss_grad)", "CSoftmaxWithMultiLabelCrossEntropyGradSpmd", x="softmax",
             doc="c_softmax_with_multi_label_cross_entropy_grad (CSoftmaxWithMultiLabelCrossEntropyGradSpmd): batch "
                 "axes merged, the class axis keeps its sharding (each rank subtracts the labels in its class range), "
                 "the label axis replicated; x_grad as softmax."),
