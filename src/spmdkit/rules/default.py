@@ -25,12 +25,9 @@ from spmdkit.engine.notation import BROADCAST, Notation
 
 
 def notation(how: str, ins: tuple[int, ...], outs: tuple[int, ...]) -> Notation:
-    """``b1.., b1.., ... -> (none)`` over the inputs and the outputs alike (every answer is an
-    input of the notation, so none is partial), merged from the inputs (``how="forward"``) or the
-    outputs (``"backward"``): the heaviest tensor sharding the batch axis keeps its sharding (the
-    first on a tie), a co-shard read as its largest mesh dim. A 0-d output makes every tensor
-    replicated (it would be a reduction over the batch), as ``how="replicated"`` does. Ranks: -1
-    for an absent tensor."""
+    """``b1.., b1.., ... -> (none)``: every tensor an input of the notation (so none is partial),
+    merged from the inputs (``how="forward"``) or the outputs (``"backward"``) as the module says;
+    ``how="replicated"`` or a 0-d output: no batch letter. Ranks: -1 for an absent tensor."""
     batch = how != "replicated" and 0 not in outs
     lab = [None if r < 0 else ("b" if batch and r else "") + BROADCAST * (r - (batch and r > 0)) for r in ins + outs]
     src = range(len(ins), len(ins) + len(outs)) if how == "backward" else range(len(ins))
