@@ -6,8 +6,8 @@ result's ``inputs`` is one dist attr per tensor of ``ins`` and its ``outputs`` o
 per tensor of ``outs`` (flat lists, not nested).
 
 * ``default_data_parallel``: every tensor's axis 0 is the batch axis (notation
-  ``b..., b... -> b...``): the batch axes of all inputs are merged (where two
-  inputs shard it over different mesh dims the larger tensor wins, Paddle raises),
+  ``b..., b... -> b...``): the batch axes of all inputs are merged (where two inputs
+  shard it over different mesh dims the larger tensor wins, the first of equal ones; Paddle raises),
   every input and output is sharded on axis 0 only (a co-sharded batch axis keeps
   its largest mesh dim, the first of equal sizes, as in Paddle), everything else replicated,
   partial status cleared. Forward merges over the inputs, backward over the

@@ -90,8 +90,8 @@ declare(
         "through scatter_index), s and h follow the inputs; y partial SUM over k's mesh dims."),
     grad=Way(lambda: _COMBINE_GRAD, key=lambda *a: (), shapes=_COMBINE_SHAPES + "; grad_y: _ _",
              letters=True, post=_combine_grad_post, paddle="MoECombineGradInferSpmd",
-             doc="moe_combine_grad (MoECombineGradInferSpmd): x rows and k replicated; grad_x partial SUM over s, "
-                 "grad_combine_weights over h."),
+             doc="moe_combine_grad (MoECombineGradInferSpmd): x rows and k replicated; grad_x scatters the rows a "
+                 "rank holds (partial SUM over s), grad_combine_weights sums over h (partial SUM over h)."),
     grad_signature="x: T, combine_weights: T, scatter_index: T, grad_y: T", grad_name="moe_combine_grad",
 )  # fmt: skip
 declare(
