@@ -19,16 +19,7 @@ from spmdkit.engine.registry import (
 )
 
 #: The rule modules, imported (and so registered) in this order.
-RULE_MODULES = (
-    "elementwise",
-    "matmul",
-    "norm",
-    "reduction",
-    "softmax",
-    "transpose",
-    "view",
-    "default",
-)
+RULE_MODULES = ("elementwise", "matmul", "norm", "reduction", "softmax", "transpose", "view", "default")
 
 _LATER = sorted(m.name for m in pkgutil.iter_modules(__path__)
                 if m.name not in RULE_MODULES and not m.name.startswith("_"))

@@ -19,8 +19,6 @@ from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.signature import parse_signature
 
-_make = TensorDistAttr.unchecked
-
 
 def zero_d_absent(
     fn: Callable[..., SpmdResult],
@@ -46,10 +44,8 @@ def zero_d_absent(
         pos = next(i for i, p in enumerate(params) if p.name == n)
         if params[pos].kind != "T?":
             raise ValueError(f"{n!r} is not an optional tensor in {signature!r}")
-        if n in outputs:
-            slots.append((pos, True, list(outputs).index(n), pred))
-        else:
-            slots.append((pos, False, in_names.index(n), pred))
+        is_out = n in outputs
+        slots.append((pos, is_out, list(outputs).index(n) if is_out else in_names.index(n), pred))
 
     @functools.wraps(fn)
     def wrapped(*args: Any) -> SpmdResult:
@@ -67,7 +63,7 @@ def zero_d_absent(
         for is_out, idx, t in given:
             seq = outs if is_out else ins
             if idx < len(seq) and seq[idx] is None:
-                seq[idx] = _make(t.dist_attr.mesh, ())
+                seq[idx] = TensorDistAttr.unchecked(t.dist_attr.mesh, ())
         return SpmdResult(ins, outs)
 
     return wrapped

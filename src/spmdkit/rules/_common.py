@@ -5,11 +5,6 @@ from __future__ import annotations
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 
-Shape = tuple[int, ...]
-
-
-# -- attribute and shape checks ----------------------------------------------------------------
-
 
 def check_int(op: str, name: str, v: object, lo: int | None = None) -> int:
     """An int attribute (not a bool), at least ``lo`` where given."""
@@ -37,7 +32,7 @@ def check_same_ndim(op: str, t: DistTensorSpec, n: int, name: str, what: str) ->
         raise ShapeMismatchError(f"{op}: {name} has {len(t.shape)} dims, but {what} has {n}")
 
 
-def check_same_shape(op: str, t: DistTensorSpec, shape: Shape, name: str, what: str) -> None:
+def check_same_shape(op: str, t: DistTensorSpec, shape: tuple[int, ...], name: str, what: str) -> None:
     """``t`` has ``shape`` (unknown sizes, -1, match anything)."""
     check_same_ndim(op, t, len(shape), name, what)
     for i, (s, w) in enumerate(zip(t.shape, shape)):

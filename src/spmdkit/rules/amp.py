@@ -24,11 +24,10 @@ from functools import partial
 from typing import Any
 
 from spmdkit.core.dist_attr import ReduceType
-from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
+from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.declare import Answer, Way, declare
 from spmdkit.engine.notation import BROADCAST, Notation
-from spmdkit.rules._common import check_int
 
 _CFU = "check_finite_and_unscale"
 _ULS = "update_loss_scaling"
@@ -36,13 +35,10 @@ _ULS = "update_loss_scaling"
 
 def notation(op: str, reverse: bool, ranks: tuple[int, ...], *states: int) -> Notation:
     """``xs..., states... [, out...] [, new states...] -> [found_infinite]``: each x its own
-    letters (``taken="keep"``: the xs are updated one by one, so two of them may shard one mesh
-    dim; letters past the alphabet: the xs share no axis), the [1] states ``1``.
-    check_finite_and_unscale's found_infinite lacks every x letter: partial MAX over the mesh
-    dims of the xs (a rank's flag covers its own shards); update_loss_scaling's new state (read
-    from the replicated state alone) is labelled among the inputs (absent: ``Way.tail``), so it
-    is never partial. The reverse merges the outs alone (``sources``); every out is its x,
-    updated in place (the given found_infinite / new state unlabelled)."""
+    letters (past the alphabet; ``taken="keep"``: the xs are updated one by one, so two may shard
+    one mesh dim), the [1] states ``1``; found_infinite lacks every x letter (partial MAX); update_loss_scaling's new
+    state is labelled among the inputs (``Way.tail``), so never partial. The reverse merges the
+    outs alone (``sources``), each out its x (the given found_infinite / new state unlabelled)."""
     xs, k = [], 0
     for r in ranks:
         xs.append("".join(chr(0x100 + k + i) for i in range(r)))
@@ -72,59 +68,45 @@ def _outs(op: str, xs: Sequence[DistTensorSpec], out: Sequence[DistTensorSpec]) 
             raise ShapeMismatchError(f"{op}: out[{i}] has {len(o.shape)} dims but xs[{i}] has {len(x.shape)}")
 
 
-def _uls_attrs(incr_every_n_steps: object, decr_every_n_nan_or_inf: object, incr_ratio: object,
-               decr_ratio: object, stop_update: object) -> None:
-    check_int(_ULS, "incr_every_n_steps", incr_every_n_steps)
-    check_int(_ULS, "decr_every_n_nan_or_inf", decr_every_n_nan_or_inf)
-    for n, v in (("incr_ratio", incr_ratio), ("decr_ratio", decr_ratio)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise InvalidAttributeError(f"{_ULS}: {n} must be a number, got {v!r}")
-    if not isinstance(stop_update, (bool, int, float)):
-        raise InvalidAttributeError(f"{_ULS}: stop_update must be a bool, got {stop_update!r}")
+def _scalars(*names: str) -> str:
+    return "_scalar(_OP, " + ", ".join(f"({n!r}, {n})" for n in names) + ")"
 
 
 def _answer(ins: Any, outs: Any, xs: Sequence[DistTensorSpec], *rest: object) -> Answer:
     """Paddle's grouping of a flat answer: ``(xs, states...), (out, found_infinite | the new
-    state)``; out is xs (updated in place); found_infinite is the last of ``outs``, the new state
-    its last three."""
+    state)``; out is xs (updated in place)."""
     n = len(xs)
     xa = tuple(ins[:n])
     return (xa, *ins[n:]), (xa, *outs[-1 if len(ins) == n + 1 else -3 :])
 
 
-_ENV = {"_scalar": _scalar, "_outs": _outs, "_attrs": _uls_attrs}
-_CFU_CHECK = f"_scalar({_CFU!r}, ('scale', scale))"
+_ENV = {"_scalar": _scalar, "_outs": _outs}
 declare(
     _CFU, "xs: [T], scale: T",
-    Way(partial(notation, _CFU, False), key="xs, scale", nonempty=("xs",), check=_CFU_CHECK, env=_ENV,
+    Way(partial(notation, _CFU, False), key="xs, scale", nonempty=("xs",), check=_scalars("scale"), env=_ENV,
         post=lambda ins, outs, xs, scale: ((ins[0], ins[1]), (ins[0], outs[0])), paddle="CheckFiniteAndUnscaleSpmd",
         doc="check_finite_and_unscale (CheckFiniteAndUnscaleSpmd): each x keeps its sharding (partial dropped), "
             "scale replicated; out as xs, found_infinite partial MAX over the xs' mesh dims."),
     reverse=Way(partial(notation, _CFU, True), key="xs, scale", nonempty=("xs",), tail="out", env=_ENV,
-                check=f"_outs({_CFU!r}, xs, out); {_CFU_CHECK}; _scalar({_CFU!r}, ('found_infinite', found_infinite))",
+                check="_outs(_OP, xs, out); " + _scalars("scale", "found_infinite"),
                 post=_answer, paddle="CheckFiniteAndUnscaleSpmdReverse",
-                doc="check_finite_and_unscale reverse (Paddle has none): each x as its out (partial dropped), scale "
-                    "replicated; the outputs those inputs produce."),
+                doc="check_finite_and_unscale reverse (Paddle has none): each x as its out, scale replicated."),
     outputs="out: [T], found_infinite: T",
 )  # fmt: skip
-
-_ATTRS = "incr_every_n_steps, decr_every_n_nan_or_inf, incr_ratio, decr_ratio, stop_update"
-_STATES = "found_infinite, prev_loss_scaling, in_good_steps, in_bad_steps"
-_ULS_CHECK = f"_attrs({_ATTRS}); " + "_scalar({!r}, {})".format(_ULS, ", ".join(f"({n!r}, {n})" for n in _STATES.split(", ")))
+_STATES = ("found_infinite", "prev_loss_scaling", "in_good_steps", "in_bad_steps")
 _NEW = ("loss_scaling", "out_good_steps", "out_bad_steps")
+_ULS_KEY = "xs, " + ", ".join(_STATES)
 declare(
     _ULS,
-    f"xs: [T], {', '.join(n + ': T' for n in _STATES.split(', '))}, incr_every_n_steps: int, "
+    f"xs: [T], {', '.join(n + ': T' for n in _STATES)}, incr_every_n_steps: int, "
     "decr_every_n_nan_or_inf: int, incr_ratio: float, decr_ratio: float, stop_update: scalar = False",
-    Way(partial(notation, _ULS, False), key=f"xs, {_STATES}", nonempty=("xs",), check=_ULS_CHECK, env=_ENV, tail=3,
+    Way(partial(notation, _ULS, False), key=_ULS_KEY, nonempty=("xs",), check=_scalars(*_STATES), env=_ENV, tail=3,
         post=_answer, paddle="UpdateLossScalingSpmd",
         doc="update_loss_scaling (UpdateLossScalingSpmd): each x keeps its sharding (partial dropped); "
             "found_infinite and the loss-scaling state replicated; out as xs, the new state replicated."),
-    reverse=Way(partial(notation, _ULS, True), key=f"xs, {_STATES}", nonempty=("xs",), env=_ENV, tail=3,
-                check=f"_attrs({_ATTRS}); _outs({_ULS!r}, xs, out); _scalar({_ULS!r}, "
-                      + ", ".join(f"({n!r}, {n})" for n in _NEW) + "); " + _ULS_CHECK.split("; ", 1)[1],
-                post=_answer, paddle="UpdateLossScalingSpmdReverse",
-                doc="update_loss_scaling reverse (Paddle has none): each x as its out (partial dropped), the state "
-                    "replicated; the outputs those inputs produce."),
+    reverse=Way(partial(notation, _ULS, True), key=_ULS_KEY, nonempty=("xs",), env=_ENV, tail=3,
+                check="_outs(_OP, xs, out); " + _scalars(*_NEW, *_STATES), post=_answer,
+                paddle="UpdateLossScalingSpmdReverse",
+                doc="update_loss_scaling reverse (Paddle has none): each x as its out, the state replicated."),
     outputs="out: [T], " + ", ".join(n + ": T" for n in _NEW),
 )  # fmt: skip

@@ -6,8 +6,8 @@ result's ``inputs`` is one dist attr per tensor of ``ins`` and its ``outputs`` o
 per tensor of ``outs`` (flat lists, not nested).
 
 * ``default_data_parallel``: every tensor's axis 0 is the batch axis (notation
-  ``b..., b... -> b...``): the batch axes of all inputs are merged (where two
-  inputs shard it over different mesh dims the larger tensor wins, Paddle raises),
+  ``b..., b... -> b...``): the batch axes of all inputs are merged (where two inputs
+  shard it over different mesh dims the larger tensor wins, the first of equal ones; Paddle raises),
   every input and output is sharded on axis 0 only (a co-sharded batch axis keeps
   its largest mesh dim, the first of equal sizes, as in Paddle), everything else replicated,
   partial status cleared. Forward merges over the inputs, backward over the
@@ -25,12 +25,9 @@ from spmdkit.engine.notation import BROADCAST, Notation
 
 
 def notation(how: str, ins: tuple[int, ...], outs: tuple[int, ...]) -> Notation:
-    """``b1.., b1.., ... -> (none)`` over the inputs and the outputs alike (every answer is an
-    input of the notation, so none is partial), merged from the inputs (``how="forward"``) or the
-    outputs (``"backward"``): the heaviest tensor sharding the batch axis keeps its sharding (the
-    first on a tie), a co-shard read as its largest mesh dim. A 0-d output makes every tensor
-    replicated (it would be a reduction over the batch), as ``how="replicated"`` does. Ranks: -1
-    for an absent tensor."""
+    """``b1.., b1.., ... -> (none)``: every tensor an input of the notation (so none is partial),
+    merged from the inputs (``how="forward"``) or the outputs (``"backward"``) as the module says;
+    ``how="replicated"`` or a 0-d output: no batch letter. Ranks: -1 for an absent tensor."""
     batch = how != "replicated" and 0 not in outs
     lab = [None if r < 0 else ("b" if batch and r else "") + BROADCAST * (r - (batch and r > 0)) for r in ins + outs]
     src = range(len(ins), len(ins) + len(outs)) if how == "backward" else range(len(ins))

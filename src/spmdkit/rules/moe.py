@@ -44,11 +44,9 @@ from typing import Any
 
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import InvalidAttributeError
-from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import make_attr, unpartial
 from spmdkit.engine.declare import Answer, Way, declare
 from spmdkit.engine.notation import Notation
-from spmdkit.rules._common import check_bool, check_int, check_ndim
 
 # every co-shard read as its largest mesh dim (Paddle's merge); letters of one size checked
 _COMBINE = Notation(["th", "sk", "sk"], ["sh"], replicated="t", coshard="largest")
@@ -59,24 +57,6 @@ _DISPATCH_GRAD = Notation(["sk", "ks", "sk", "ech", "sk"], ["sh", "se"], replica
 
 def _dispatch(corr_bias: int) -> Notation:
     return Notation(["sh", "se", "e" if corr_bias >= 0 else None], _DISPATCH_OUTS, replicated="seck", coshard="largest")
-
-
-def _ndims(op: str, **tensors: Any) -> None:
-    """Each named tensor of the rank given with it (``x=(x, 2)``; an absent one skipped)."""
-    for name, (t, nd) in tensors.items():
-        if t is not None:
-            check_ndim(op, name, t, nd)
-
-
-def _dispatch_attrs(op: str, k: object, capacity: object, use_pad: object) -> None:
-    check_int(op, "k", k, 1)
-    check_int(op, "capacity", capacity, 0)
-    check_bool(op, "use_pad", use_pad)
-
-
-def _experts(op: str, gate_logits: DistTensorSpec, k: int) -> None:
-    if 0 <= gate_logits.shape[1] < k:
-        raise InvalidAttributeError(f"{op}: k {k} exceeds the number of experts {gate_logits.shape[1]}")
 
 
 def _combine_post(ins: list[TensorDistAttr], outs: list[TensorDistAttr], *args: object) -> Answer:
@@ -99,37 +79,32 @@ def _no_partial(ins: Any, outs: Any, *args: object) -> Answer:
     return ins, tuple(None if a is None else unpartial(a) for a in outs)
 
 
-_ENV = {"_ndims": _ndims, "_attrs": _dispatch_attrs, "_experts": _experts}
-_COMBINE_CHECK = "_ndims(_OP, x=(x, 2), combine_weights=(combine_weights, 2), scatter_index=(scatter_index, 2))"
+_COMBINE_SHAPES = "x: _ _; combine_weights: _ _; scatter_index: _ _"
+_DISPATCH_ATTRS = ("k >= 1", "capacity >= 0")
+_EXPERTS = ("if 0 <= gate_logits.shape[1] < k: "
+            "raise _IAttr(f'{_OP}: k {k} exceeds the number of experts {gate_logits.shape[1]}')")
 declare(
     "moe_combine", "x: T, combine_weights: T, scatter_index: T",
-    Way(lambda: _COMBINE, key=lambda *a: (), check=_COMBINE_CHECK, env=_ENV, letters=True, post=_combine_post,
-        paddle="MoECombineInferSpmd",
-        doc="moe_combine (MoECombineInferSpmd): rows of x replicated (gathered through scatter_index), "
-            "tokens s and hidden h follow the inputs; y partial SUM over k's mesh dims."),
-    grad=Way(lambda: _COMBINE_GRAD, key=lambda *a: (), check=_COMBINE_CHECK[:-1] + ", grad_y=(grad_y, 2))", env=_ENV,
+    Way(lambda: _COMBINE, key=lambda *a: (), shapes=_COMBINE_SHAPES, letters=True, post=_combine_post,
+        paddle="MoECombineInferSpmd", doc="moe_combine (MoECombineInferSpmd): rows of x replicated (gathered "
+        "through scatter_index), s and h follow the inputs; y partial SUM over k's mesh dims."),
+    grad=Way(lambda: _COMBINE_GRAD, key=lambda *a: (), shapes=_COMBINE_SHAPES + "; grad_y: _ _",
              letters=True, post=_combine_grad_post, paddle="MoECombineGradInferSpmd",
-             doc="moe_combine_grad (MoECombineGradInferSpmd): x rows and k replicated; grad_x scatters the rows "
-                 "a rank holds (partial SUM over s), grad_combine_weights sums over h (partial SUM over h)."),
+             doc="moe_combine_grad (MoECombineGradInferSpmd): x rows and k replicated; grad_x scatters the rows a "
+                 "rank holds (partial SUM over s), grad_combine_weights sums over h (partial SUM over h)."),
     grad_signature="x: T, combine_weights: T, scatter_index: T, grad_y: T", grad_name="moe_combine_grad",
 )  # fmt: skip
-# the attribute k is read by the checks only: the generated function keeps its key in a local k
 declare(
     "moe_gate_dispatch", "x: T, gate_logits: T, corr_bias: T?, k: int, capacity: int, use_pad: bool",
-    Way(_dispatch, key="corr_bias", env=_ENV, letters=True, post=_no_partial, paddle="MoEGateDispatchInferSpmd",
-        check="_attrs(_OP, k, capacity, use_pad); _ndims(_OP, x=(x, 2), gate_logits=(gate_logits, 2), "
-              "corr_bias=(corr_bias, 1)); _experts(_OP, gate_logits, k)",
-        doc="moe_gate_dispatch (MoEGateDispatchInferSpmd): one global dispatch: only the hidden axis h keeps "
-            "its sharding (x -> y); tokens, experts, k and capacity replicated; nothing partial."),
-    grad=Way(lambda: _DISPATCH_GRAD, key=lambda *a: (), env=_ENV, letters=True, post=_no_partial,
-             check="_attrs(_OP, k, capacity, use_pad); _ndims(_OP, combine_weights=(combine_weights, 2), "
-                   "scatter_index=(scatter_index, 2), expert_id=(expert_id, 2), grad_y=(grad_y, 3), "
-                   "grad_combine_weights=(grad_combine_weights, 2))",
-             paddle="MoEGateDispatchGradInferSpmd",
-             doc="moe_gate_dispatch_grad (MoEGateDispatchGradInferSpmd): tokens s and hidden h follow the "
-                 "inputs; grad_y's expert and capacity axes and k replicated (grad_x gathers rows of grad_y "
-                 "through scatter_index); nothing partial."),
+    Way(_dispatch, key="corr_bias", require=_DISPATCH_ATTRS, shapes="x: _ _; gate_logits: _ _; corr_bias: _",
+        check=_EXPERTS, env={"_IAttr": InvalidAttributeError}, letters=True, post=_no_partial,
+        paddle="MoEGateDispatchInferSpmd", doc="moe_gate_dispatch (MoEGateDispatchInferSpmd): one global "
+        "dispatch: only h keeps its sharding (x -> y); nothing partial."),
+    grad=Way(lambda: _DISPATCH_GRAD, key=lambda *a: (), letters=True, post=_no_partial, require=_DISPATCH_ATTRS,
+             shapes="combine_weights: _ _; scatter_index: _ _; expert_id: _ _; grad_y: _ _ _; "
+                    "grad_combine_weights: _ _", paddle="MoEGateDispatchGradInferSpmd",
+             doc="moe_gate_dispatch_grad (MoEGateDispatchGradInferSpmd): s and h follow the inputs; k, e and c "
+                 "replicated (grad_x gathers rows of grad_y through scatter_index); nothing partial."),
     grad_signature="combine_weights: T, scatter_index: T, expert_id: T, grad_y: T, grad_combine_weights: T, "
-                   "k: int, capacity: int, use_pad: bool",
-    grad_name="moe_gate_dispatch_grad",
+                   "k: int, capacity: int, use_pad: bool", grad_name="moe_gate_dispatch_grad",
 )  # fmt: skip

@@ -37,29 +37,21 @@ reverse rule (Paddle has none) infers the inputs from the outputs.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
-from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
+from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.declare import Way, declare
 from spmdkit.engine.notation import BROADCAST, Notation, letters_for
-from spmdkit.rules._common import check_bool, check_int
 
 
 def notation(nd: int, lr: int, m2max: bool, b1: int, b2: int, master: bool, skip: int, amsgrad: bool,
              *given: bool) -> Notation:
-    """Paddle's vote over an update of the state tensors (``abc``: ``nd`` letters; the scalars
-    ``1``, of their ranks; -1 absent): every tensor an input of the notation (the call's, then,
-    for the reverse, its outputs labelled where they vote, then the answer's outputs, absent,
-    so none is partial), merged over the voters alone (``sources``: the first ``nvote`` state
-    tensors, amsgrad adding moment2_max; the reverse: the outputs ``given``): per axis the
-    sharding all the voters that shard it agree on, else replicated (``conflict="replicate"``,
-    co-shards compared whole and kept); mesh dims go to the axes in order, an axis whose mesh
-    dim an earlier axis took shards nothing (``taken="letter"``); nothing pruned. adam: param,
-    grad, learning_rate, moment1, moment2, moment2_max, beta1_pow, beta2_pow, master_param,
-    skip_update -> param_out, moment1_out, moment2_out, moment2_max_out, beta1_pow_out,
-    beta2_pow_out, master_param_out; sgd (``b1 == -2``): param, learning_rate, grad,
-    master_param -> param_out, master_param_out."""
+    """The vote above over ``abc`` (``nd`` letters; a scalar of rank r ``1`` * r; -1 absent; sgd:
+    ``b1 == -2``): every tensor an input of the notation (the call's, for the reverse its outputs
+    ``given``, then the answer's outputs, absent, so none is partial), merged over the voters alone
+    (``sources``) with ``conflict="replicate"`` (co-shards compared whole) and ``taken="letter"``."""
     a = letters_for(nd)
 
     def lab(r: int) -> str | None:
@@ -89,6 +81,7 @@ _ADAMW_EXTRA = "lr_ratio: float = 1.0, coeff: float = 0.01, with_decay: bool = F
 _ADAM_KEY = ("param, learning_rate, moment2_max is not None, beta1_pow, beta2_pow, master_param is not None, "
              "skip_update, amsgrad")
 _ADAM_SAME = [("param", t) for t in ("grad", "moment1", "moment2", "moment2_max", "master_param")]
+_OUT_SAME = [("param", t + "_out") for t in ("param", "moment1", "moment2", "moment2_max", "master_param")]
 _ADAM_CHECK = "if amsgrad and moment2_max is None: raise _IAE('amsgrad=True needs moment2_max, which is absent')"
 #: the reverse's voters: param_out, moment1_out, moment2_out (always given), moment2_max_out with
 #: amsgrad, master_param_out (beta1_pow_out / beta2_pow_out never vote)
@@ -103,63 +96,34 @@ for _name, _pd, _sig, _doc in (
 ):
     declare(
         _name, _sig,
-        Way(notation, key=_ADAM_KEY, check=_ADAM_CHECK, same=_ADAM_SAME, tail=7,
-            paddle=f"{_pd}InferSpmdDynamic", doc=_doc),
+        Way(notation, key=_ADAM_KEY, check=_ADAM_CHECK, same=_ADAM_SAME, tail=7, paddle=f"{_pd}InferSpmdDynamic",
+            doc=_doc),
         reverse=Way(notation, key=f"{_ADAM_KEY}, {_ADAM_GIVEN}", check=_ADAM_CHECK, tail=7,
-                    same=_ADAM_SAME + [("param", t) for t in ("param_out", "moment1_out", "moment2_out",
-                                                             "moment2_max_out", "master_param_out")],
-                    paddle=f"{_pd}InferSpmdReverse", doc=f"{_name} reverse (spmdkit's own): the same vote over "
-                    "the state outputs given; the outputs those inputs produce."),
+                    same=_ADAM_SAME + _OUT_SAME, paddle=f"{_pd}InferSpmdReverse",
+                    doc=f"{_name} reverse (spmdkit's own): the vote over the outputs."),
         outputs=_ADAM_OUT, aliases=(f"{_name}_",),
     )  # fmt: skip
 _SGD_KEY = "param, learning_rate, False, -2, -2, master_param is not None, -1, False"
+_SGD_SAME = [("param", "grad"), ("param", "master_param")]
 declare(
     "sgd", "param: T, learning_rate: T, grad: T, master_param: T?, multi_precision: bool = False",
-    Way(notation, key=_SGD_KEY, same=[("param", "grad"), ("param", "master_param")], tail=2,
-        paddle="SgdInferSpmd", doc="SgdInferSpmd: param and grad sharded alike, learning_rate replicated."),
+    Way(notation, key=_SGD_KEY, same=_SGD_SAME, tail=2, paddle="SgdInferSpmd",
+        doc="SgdInferSpmd: param and grad sharded alike, learning_rate replicated."),
     reverse=Way(notation, key=f"{_SGD_KEY}, True, master_param_out is not None", tail=2,
-                same=[("param", "grad"), ("param", "master_param"), ("param", "param_out"),
-                      ("param", "master_param_out")],
-                paddle="SgdInferSpmdReverse", doc="sgd reverse (spmdkit's own): param and grad from param_out "
-                "(and master_param_out)."),
+                same=[*_SGD_SAME, ("param", "param_out"), ("param", "master_param_out")], paddle="SgdInferSpmdReverse",
+                doc="sgd reverse (spmdkit's own): param and grad from param_out (and master_param_out)."),
     outputs="param_out: T, master_param_out: T?", aliases=("sgd_",),
 )  # fmt: skip
 
 
-# -- coalesce_tensor -------------------------------------------------------------------------------
-
-
-def _coalesce_attrs(op: str, dtype: object, copy_data: object, set_constant: object, persist_output: object,
-                    constant: object, use_align: object, align_size: object, size_of_dtype: object) -> None:
-    if not isinstance(dtype, (str, int)) or isinstance(dtype, bool):
-        raise InvalidAttributeError(f"{op}: dtype must be a data type name, got {dtype!r}")
-    for n, v in (("copy_data", copy_data), ("set_constant", set_constant), ("persist_output", persist_output),
-                 ("use_align", use_align)):
-        check_bool(op, n, v)
-    if isinstance(constant, bool) or not isinstance(constant, (int, float)):
-        raise InvalidAttributeError(f"{op}: constant must be a number, got {constant!r}")
-    check_int(op, "align_size", align_size)
-    check_int(op, "size_of_dtype", size_of_dtype)
-
-
-def _coalesce_reverse(op: str, input: tuple[DistTensorSpec, ...], output: tuple[DistTensorSpec, ...],
-                      fused_output: DistTensorSpec, *attrs: object) -> None:
-    _coalesce_attrs(op, *attrs[:8])
-    if len(output) != len(input):
-        raise ShapeMismatchError(f"{op}: output has {len(output)} tensors but input has {len(input)}")
-    if len(fused_output.shape) != 1:
-        raise ShapeMismatchError(f"{op}: fused_output must be 1-D, got shape {list(fused_output.shape)}")
-
-
 def coalesce_notation(ranks: tuple[int, ...]) -> Notation:
-    """``[T] -> [T], fused``: every tensor ``1`` per axis (the fused 1-D buffer holds each input
-    whole, so every input is replicated; output as the inputs, fused_output replicated)."""
+    """``[T] -> [T], fused``: every tensor ``1`` per axis."""
     ones = [BROADCAST * r for r in ranks]
     return Notation(ones, [*ones, BROADCAST])
 
 
-def _fused(ins: tuple[Any, ...], outs: tuple[Any, ...], input: tuple[DistTensorSpec, ...], *rest: object) -> Any:  # grouped as Paddle's lists
-    """The answer as Paddle groups it: ``(input,), (output, fused_output)``."""
+def _fused(ins: tuple[Any, ...], outs: tuple[Any, ...], input: tuple[DistTensorSpec, ...], *rest: object) -> Any:
+    """The answer as Paddle groups its lists: ``(input,), (output, fused_output)``."""
     n = len(input)
     return (ins if len(ins) == 1 else (tuple(ins),)), (tuple(outs[-n - 1 : -1]), outs[-1])
 
@@ -168,18 +132,17 @@ _COALESCE_ATTRS = ("dtype: any = 'float32', copy_data: bool = False, set_constan
                    "persist_output: bool = False, constant: float = 0.0, use_align: bool = True, "
                    "align_size: int = -1, size_of_dtype: int = -1, concated_shapes: ints = [], "
                    "concated_ranks: ints = []")
-_ATTR_ARGS = "dtype, copy_data, set_constant, persist_output, constant, use_align, align_size, size_of_dtype"
-_ENV = {"_attrs": _coalesce_attrs, "_reverse": _coalesce_reverse}
+# dtype a name or a number (the other attributes are typed by the signature)
+_COALESCE = partial(Way, coalesce_notation, key="input", nonempty=("input",), post=_fused,
+                    require=("isinstance(dtype, (str, int)) and not isinstance(dtype, bool)",))
 declare(
     "coalesce_tensor", f"input: [T], {_COALESCE_ATTRS}",
-    Way(coalesce_notation, key="input", nonempty=("input",), post=_fused, env=_ENV,
-        check=f"_attrs('coalesce_tensor', {_ATTR_ARGS})", paddle="CoalesceTensorInferSpmd",
-        doc="coalesce_tensor (CoalesceTensorInferSpmd): every input replicated (the fused 1-D buffer holds "
-            "each whole); output as the inputs, fused_output replicated."),
-    reverse=Way(coalesce_notation, key="input", nonempty=("input",), post=_fused, env=_ENV, tail="output",
-                check=f"_reverse('coalesce_tensor', input, output, fused_output, {_ATTR_ARGS})",
-                paddle="CoalesceTensorInferSpmdReverse",
-                doc="coalesce_tensor reverse (Paddle has none): every input replicated whatever the outputs ask; "
-                    "the outputs those inputs produce."),
+    _COALESCE(paddle="CoalesceTensorInferSpmd", doc="coalesce_tensor (CoalesceTensorInferSpmd): every tensor "
+              "replicated (the fused 1-D buffer holds each input whole)."),
+    reverse=_COALESCE(tail="output", shapes="fused_output: _", env={"_SME": ShapeMismatchError},
+                      check="if len(output) != len(input): "
+                            "raise _SME(f'{_OP}: output has {len(output)} tensors but input has {len(input)}')",
+                      paddle="CoalesceTensorInferSpmdReverse",
+                      doc="coalesce_tensor reverse (Paddle has none): all replicated whatever the outputs ask."),
     outputs="output: [T], fused_output: T",
 )  # fmt: skip

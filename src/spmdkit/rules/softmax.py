@@ -16,24 +16,21 @@ sharding wins), x_grad is sharded as they are. Partial inputs are made replicate
 
 from __future__ import annotations
 
+from functools import partial
+
 from spmdkit.engine.axes import normalize_axis
 from spmdkit.engine.declare import Way, declare
 from spmdkit.engine.notation import Notation, letters_for
 
 
-def notation(ndim: int, axis: int) -> Notation:
-    """``abc -> abc``, the softmax axis replicated, every other uneven mesh dim dropped."""
-    x = letters_for(ndim)
-    a = normalize_axis("", axis, ndim)
-    return Notation([x], [x], replicated=x[a] if ndim else "", prune="*")
-
-
-def grad_notation(ndim: int, axis: int) -> Notation:
-    """``abc, abc -> abc`` (out, out_grad -> x_grad), the axis replicated; merged as an
-    elementwise binary op: out's sharding wins an axis both shard, axes claim in order."""
-    x = letters_for(ndim)
-    a = normalize_axis("", axis, ndim)
-    return Notation([x, x], [x], replicated=x[a] if ndim else "", conflict="first", order="notation")
+def notation(ndim: int, axis: int, grad: bool = False) -> Notation:
+    """``abc -> abc``, the softmax axis replicated, every other uneven mesh dim dropped; the grad's
+    ``abc, abc -> abc`` merged as an elementwise binary op (out's sharding wins, axes in order)."""
+    x, a = letters_for(ndim), normalize_axis("", axis, ndim)
+    rep = x[a] if ndim else ""
+    if grad:
+        return Notation([x, x], [x], replicated=rep, conflict="first", order="notation")
+    return Notation([x], [x], replicated=rep, prune="*")
 
 
 for _name in ("softmax", "log_softmax"):
@@ -47,6 +44,6 @@ for _name in ("softmax", "log_softmax"):
     )  # fmt: skip
     declare(
         f"{_name}_grad", "out: T, out_grad: T, axis: int = -1",
-        Way(grad_notation, key="out, axis", same=[("out", "out_grad")], paddle="SoftmaxGradInferSpmd",
+        Way(partial(notation, grad=True), key="out, axis", same=[("out", "out_grad")], paddle="SoftmaxGradInferSpmd",
             doc=f"{_name}_grad (SoftmaxGradInferSpmd): out, out_grad and x_grad sharded alike, axis replicated."),
     )  # fmt: skip

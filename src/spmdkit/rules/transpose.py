@@ -11,7 +11,9 @@ comes out unpartial).
 
 from __future__ import annotations
 
-from spmdkit.core.dist_attr import TensorDistAttr
+from functools import partial
+from typing import Any
+
 from spmdkit.core.errors import InvalidAttributeError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.declare import Answer, Way, declare
@@ -27,28 +29,19 @@ def _perm(perm: tuple[int, ...], ndim: int) -> tuple[int, ...]:
     return out
 
 
-def notation(ndim: int, perm: tuple[int, ...]) -> Notation:
-    """``abc -> cab`` for perm ``[2, 0, 1]`` (out axis i is x axis perm[i]), uneven mesh dims dropped."""
+def notation(ndim: int, perm: tuple[int, ...], grad: bool = False) -> Notation:
+    """``abc -> cab`` for perm ``[2, 0, 1]`` (out axis i is x axis perm[i]), uneven mesh dims
+    dropped; the grad ``cab -> abc`` (x_grad = transpose(out_grad, inverse(perm)))."""
     x = letters_for(ndim)
-    return Notation([x], ["".join(x[i] for i in _perm(perm, ndim))], prune="*")
+    out = "".join(x[i] for i in _perm(perm, ndim))
+    return Notation([out], [x], prune="*") if grad else Notation([x], [out], prune="*")
 
 
-def grad_notation(ndim: int, perm: tuple[int, ...]) -> Notation:
-    """x_grad = transpose(out_grad, inverse(perm)): ``cab -> abc`` for perm ``[2, 0, 1]``."""
-    g = letters_for(ndim)
-    x = [""] * ndim
-    for i, src in enumerate(_perm(perm, ndim)):
-        x[src] = g[i]
-    return Notation([g], ["".join(x)], prune="*")
-
-
-def _keep_partial(ins: tuple[TensorDistAttr, ...], outs: tuple[TensorDistAttr, ...], src: DistTensorSpec,
-                  perm: tuple[int, ...]) -> Answer:  # fmt: skip
-    """Post-hook: a linear op, so the input's partial status passes through to the output."""
+def _keep_partial(ins: Any, outs: Any, src: DistTensorSpec, perm: tuple[int, ...]) -> Answer:
+    """A linear op: the partial input's partial status passes through to every tensor (the
+    general path's ``partial="keep"`` gives the same, slower)."""
     pt = src.dist_attr.partial
-    if pt:
-        return [with_partial(a, pt) for a in ins], [with_partial(a, pt) for a in outs]
-    return ins, outs
+    return [with_partial(a, pt) for a in ins], [with_partial(a, pt) for a in outs]
 
 
 declare(
@@ -61,7 +54,6 @@ declare(
 )  # fmt: skip
 declare(
     "transpose_grad", "out_grad: T, perm: ints",
-    Way(grad_notation, key="out_grad, perm", post=_keep_partial, post_if="out_grad.dist_attr.partial",
-        paddle="TransposeGradInferSpmd",
-        doc="x_grad = transpose(out_grad, inverse(perm))."),
+    Way(partial(notation, grad=True), key="out_grad, perm", post=_keep_partial, post_if="out_grad.dist_attr.partial",
+        paddle="TransposeGradInferSpmd", doc="x_grad = transpose(out_grad, inverse(perm))."),
 )  # fmt: skip
