@@ -244,16 +244,18 @@ def _pnorm(grad: bool, nd: int, porder: float, axis: int, keepdims: bool, asvect
 def _pnorm_check(
     op: str, x: DistTensorSpec, porder: float, axis: int, keepdims: bool, asvector: bool, *outs: Any
 ) -> None:
-    """x's rank and axis, porder a number; out (and out_grad) shaped as the p_norm of x."""
-    pos = _plan(len(x.shape), () if asvector and x.shape else (axis,), keepdims)[3]
+    """porder a number; out (and out_grad) shaped as the p_norm of x (x's rank limit checked first)."""
     if math.isnan(porder):
+        _plan(len(x.shape), (), False)
         raise InvalidAttributeError(f"{op}: porder must be a number, got nan")
-    for name, t in zip(("out", "out_grad"), outs):
-        check_reduced(op, t, x, pos, name)
+    if outs:
+        pos = _plan(len(x.shape), () if asvector and x.shape else (axis,), keepdims)[3]
+        for name, t in zip(("out", "out_grad"), outs):
+            check_reduced(op, t, x, pos, name)
 
 
 _PN_SIG = "porder: float = 2.0, axis: int = -1, epsilon: float = 1e-12, keepdims: bool = False, asvector: bool = False"
-_PN = {"key": "x, porder, axis, keepdims, asvector", "env": {"_pnorm_check": _pnorm_check}}
+_PN: dict[str, Any] = {"key": "x, porder, axis, keepdims, asvector", "env": {"_pnorm_check": _pnorm_check}}
 _PN_CHECK = "_pnorm_check(_OP, x, porder, axis, keepdims, asvector"
 declare(
     "p_norm",

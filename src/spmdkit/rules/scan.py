@@ -114,14 +114,15 @@ def _topk_check(op: str, x: DistTensorSpec, k: int, axis: int, *more: DistTensor
     """x at least 1-D, k in 1..size; ``more``: the grad's indices and out_grad, shaped as x
     except on the axis (Paddle's own unit test passes indices of x's shape)."""
     nd = len(x.shape)
-    for name, t in zip(("indices", "out_grad"), more):
-        check_same_ndim(op, t, nd, name, "x")
+    if more:
+        for name, t in zip(("indices", "out_grad"), more):
+            check_same_ndim(op, t, nd, name, "x")
     if nd == 0:
         raise ShapeMismatchError(f"{op}: x must have at least 1 dim (axis {axis} is out of range for a 0-d x)")
     ax = normalize_axis(op, axis, nd, tensor="x")
     if k < 1 or 0 <= x.shape[ax] < k:
         raise InvalidAttributeError(f"{op}: k must be at least 1 and at most x's axis {ax} size {x.shape[ax]}, got {k}")
-    for name, t in zip(("indices", "out_grad"), more):
+    for name, t in zip(("indices", "out_grad"), more) if more else ():
         check_same_shape(op, t, (*x.shape[:ax], t.shape[ax], *x.shape[ax + 1 :]), name, "x")
 
 
@@ -191,7 +192,7 @@ for _op, _fn, _attrs, _g, _gfn in (
     declare(f"{_op}_grad", f"{_g}: T, {_attrs}", Way(_same, key=f"{_g}, True", shapes=f"{_g}: ... _ _", paddle=_gfn))
 
 _CS = "axis: int = -1, flatten: bool = False, exclusive: bool = False, reverse: bool = False"
-_CS_KW = {"key": "x, axis, flatten", "env": _ENV}
+_CS_KW: dict[str, Any] = {"key": "x, axis, flatten", "env": _ENV}
 _CS_CHECK = "_shape(_OP, {0}, (numel(x.shape),) if flatten else x.shape, {0!r}, 'cumsum of x')"
 _way = Way(partial(_cumsum, False), paddle="CumSumInferSpmd", **_CS_KW)
 _rev = Way(partial(_cumsum, False), check=_CS_CHECK.format("out"), paddle="CumSumInferSpmdReverse", **_CS_KW)
@@ -200,7 +201,7 @@ _way = Way(partial(_cumsum, True), check=_CS_CHECK.format("out_grad"), paddle="C
 declare("cumsum_grad", f"x: T, out_grad: T, {_CS}", _way)
 
 _ARG = "axis: int = -1, keepdims: bool = False, flatten: bool = False"
-_ARG_KW = {"key": "x, (axis,), keepdims, flatten", "env": _ENV}
+_ARG_KW: dict[str, Any] = {"key": "x, (axis,), keepdims, flatten", "env": _ENV}
 _ARG_CHECK = "_reduced(_OP, x, (axis,), keepdims, flatten, out)"
 for _op, _fn in (("argmax", "ArgMaxInferSpmd"), ("argmin", "ArgMinInferSpmd")):
     _way = Way(partial(_reduce, False), paddle=_fn + "Base", **_ARG_KW)
@@ -229,7 +230,7 @@ register(
 declare("topk_grad", _TK_GRAD, _TK_GRAD_WAY)
 
 _LS = "axis: ints = [], keepdims: bool = False, reduce_all: bool = False"
-_LS_KW = {"key": "x, axis, keepdims, reduce_all", "env": _ENV}
+_LS_KW: dict[str, Any] = {"key": "x, axis, keepdims, reduce_all", "env": _ENV}
 _LS_CHECK = "_reduced(_OP, x, axis, keepdims, reduce_all, out"
 _way = Way(partial(_reduce, False), paddle="LogSumExpInferSpmd", **_LS_KW)
 _rev = Way(partial(_reduce, False), check=_LS_CHECK + ")", paddle="LogSumExpInferSpmdReverse", **_LS_KW)
@@ -237,7 +238,11 @@ declare("logsumexp", f"x: T, {_LS}", _way, reverse=_rev, outputs="out: T")
 _way = Way(partial(_reduce, True), check=_LS_CHECK + ", out_grad)", paddle="LogSumExpGradInferSpmd", **_LS_KW)
 declare("logsumexp_grad", f"x: T, out: T, out_grad: T, {_LS}", _way)
 
-_AN_KW = {"key": "len(input), len(input[0].shape)", "env": {"_add_n_check": _add_n_check}, "nonempty": ("input",)}
+_AN_KW: dict[str, Any] = {
+    "key": "len(input), len(input[0].shape)",
+    "env": {"_add_n_check": _add_n_check},
+    "nonempty": ("input",),
+}
 _AN_CHECK = "_add_n_check(_OP, input, 'input'"
 _way = Way(
     _add_n,
