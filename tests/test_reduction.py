@@ -332,13 +332,13 @@ def test_errors() -> None:
         get_rule("max").infer_forward(x, [-3], False)
     with pytest.raises(InvalidAttributeError, match=r"0-d x"):
         get_rule("sum").infer_forward(T(M23, [], []), [1], False)
-    with pytest.raises(InvalidAttributeError, match=r"reduce_base: reduce_type 7"):
+    with pytest.raises(InvalidAttributeError, match=r"reduce_base: needs 0 <= reduce_type <= 6, got reduce_type = 7"):
         get_rule("reduce_base").infer_forward(x, [0], False, 7)
     with pytest.raises(InvalidAttributeError, match=r"'axis'"):
         get_rule("sum").infer_forward(x, "0", False)
     with pytest.raises(ShapeMismatchError, match=r"sum: out has 2 dims"):
         get_rule("sum").infer_backward(x, T(M23, [6, 4], [-1, -1]), [1], False)
-    with pytest.raises(ShapeMismatchError, match=r"sum: out axis 0 has 5"):
+    with pytest.raises(ShapeMismatchError, match=r"sum: out axis 0 has size 5"):
         get_rule("sum").infer_backward(x, T(M23, [5], [-1]), [1], False)
     with pytest.raises(InvalidMeshError, match=r"sum: out lies on a different mesh than x"):
         get_rule("sum").infer_backward(x, T(ProcessMesh([6]), [6], [-1]), [1], False)
@@ -435,3 +435,24 @@ def test_rule_reads_like_its_notation(data: Any) -> None:
     ins, outs = einsum_forward(name, notation(nd, axis, keep, rtype), [x], ["x"])
     res = get_rule(name).infer_forward(x, list(axis), keep)
     assert list(res.inputs) == ins and list(res.outputs) == outs
+
+
+def test_p_norm_and_numel_errors() -> None:
+    x = T(M23, [6, 4], [0, 1])
+    pn, pn_grad = get_rule("p_norm"), get_rule("p_norm_grad")
+    with pytest.raises(InvalidAttributeError, match=r"p_norm: porder must be a number, got nan"):
+        pn.infer_forward(x, float("nan"), 1)
+    with pytest.raises(InvalidAttributeError, match=r"p_norm: porder"):  # porder before out's shape
+        pn.infer_backward(x, T(M23, [5], [-1]), float("nan"), 1)
+    with pytest.raises(ShapeMismatchError, match=r"p_norm: out axis 0 has size 5, but the reduced x \[6\] has 6"):
+        pn.infer_backward(x, T(M23, [5], [-1]), 2.0, 1)
+    with pytest.raises(ShapeMismatchError, match=r"p_norm_grad: out_grad has 2 dims"):
+        pn_grad.infer_forward(x, T(M23, [6], [-1]), T(M23, [6, 1], [-1, -1]), 2.0, 1)
+    with pytest.raises(ShapeMismatchError, match=r"numel: out must be 0-D"):
+        get_rule("numel").infer_backward(x, T(M23, [1], [-1]))
+    # x's rank limit (26 letters) is checked before the axis and porder
+    big = T(M23, [2] * 27, [-1] * 27)
+    with pytest.raises(ShapeMismatchError, match="more than 26 dims"):
+        pn.infer_forward(big, float("nan"), 40)
+    with pytest.raises(ShapeMismatchError, match="more than 26 dims"):
+        get_rule("sum").infer_forward(big, [40], False)

@@ -354,6 +354,13 @@ def test_backward_errors() -> None:
                                             T(M22, [7, 2], [-1, -1]), 2, 1)
     with pytest.raises(SpmdError):
         get_rule("logsumexp_grad").infer_forward(T(M22, [8, 6], [-1, -1]), T(M22, [8], [-1]), T(M22, [6], [-1]), [1])
+    # logsumexp and argmax check the axis before x's rank limit (26 letters); cumsum too
+    big = T(M22, [2] * 27, [-1] * 27)
+    for name, args in (("logsumexp", ([40],)), ("argmax", (40,)), ("cumsum", (40,))):
+        with pytest.raises(InvalidAttributeError, match=f"{name}: axis 40 is out of range"):
+            get_rule(name).infer_forward(big, *args)
+    with pytest.raises(InvalidAttributeError, match="logsumexp: axis 40"):
+        get_rule("logsumexp").infer_backward(big, T(M22, [2] * 27, [-1] * 27), [40])
 
 
 # ---------------------------------------------------------------------------
