@@ -21,8 +21,7 @@ Grads: fused_gemm_epilogue_grad(x, y, reserve_space, out_grad, trans_x, trans_y,
 activation_grad) and linear_v2_grad(input, weight, bias, out_grad, transpose_weight):
 matmul_grad for x_grad / y_grad; bias_grad is sharded as out_grad's last axis and partial
 SUM over the mesh dims of out_grad's other axes (never over k's, as the engine would make
-it); reserve_space as out_grad. A 0-D bias / reserve_space is read as absent
-(spmdkit.rules._absent) where the slot is optional.
+it); reserve_space as out_grad. An optional bias / reserve_space given 0-D is read as absent.
 
 fused_linear_param_grad_add (FusedLinearParamGradAddInferSpmd(x, dout, dweight, dbias,
 multi_precision, has_bias)): ``[b] s k, [b] s n -> k n`` (dweight_out = dweight + x^T dout
@@ -195,16 +194,16 @@ def _present(t: T | None) -> TypeGuard[T]:
 def _flpga_check(op: str, x: T, dout: T, **accs: T | None) -> None:
     """dout shaped as x but its last axis; an accumulator given non-empty ``k n`` (dweight) or ``n``."""
     k, n = x.shape[-1], dout.shape[-1]
-    check_same_shape(op, dout, (*x.shape[:-1], n), "dout", "x")
+    if dout.shape[:-1] != x.shape[:-1]:
+        check_same_shape(op, dout, (*x.shape[:-1], n), "dout", "x")
     for name, t in accs.items():
-        if _present(t):
-            w = name.startswith("dweight")
-            check_same_shape(op, t, (k, n) if w else (n,), name, "[k, n] of x and dout" if w else "dout's n")
+        want = (k, n) if name.startswith("dweight") else (n,)
+        if _present(t) and t.shape != want:
+            check_same_shape(op, t, want, name, f"x and dout's {'[k, n]' if len(want) == 2 else 'n'}")
 
 
 def _code(t: T | None, on: bool = True) -> int:
-    """How the reverse labels an accumulator: 1 present (and ``on``), -1 absent, its rank + 2
-    where given but empty, 0-d or unused (replicated)."""
+    """The reverse's label of an accumulator: 1 present (and ``on``), -1 absent, rank + 2 empty, 0-D or unused."""
     return 1 if on and _present(t) else -1 if t is None else len(t.shape) + 2
 
 

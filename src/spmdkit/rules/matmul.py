@@ -105,8 +105,8 @@ def out_shape(xs: Shape, ys: Shape, tx: bool, ty: bool) -> Shape:
             f"has {ky} (trans_x={tx}, trans_y={ty})"
         )
     batch: list[int] = []
-    bx, by = max(nx - 2, 0), max(ny - 2, 0)
-    nb = max(bx, by)
+    bx, by = nx - 2 if nx > 2 else 0, ny - 2 if ny > 2 else 0
+    nb = bx if bx > by else by
     for i in range(nb):  # aligned on the trailing side; a missing axis is 1
         sx = xs[i - nb + bx] if i >= nb - bx else 1
         sy = ys[i - nb + by] if i >= nb - by else 1
