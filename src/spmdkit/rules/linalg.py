@@ -287,8 +287,9 @@ def einsum_notation(
         t = term.replace("...", "", 1)
         if "." in t:
             raise InvalidAttributeError(f"equation {equation!r}: bad ellipsis in {where} {term!r}")
-        for ch in (c for c in t if not c.isascii() or not c.isalpha()):
-            raise InvalidAttributeError(f"equation {equation!r}: {ch!r} is not a letter ({where})")
+        bad = [c for c in t if not c.isascii() or not c.isalpha()]
+        if bad:
+            raise InvalidAttributeError(f"equation {equation!r}: {bad[0]!r} is not a letter ({where})")
         return t, "..." in term
 
     ell_n: list[int] = []
