@@ -169,8 +169,10 @@ def test_gemm_shape_checks() -> None:
     x, y, b = S(M23, [512, 48, 64, 32], [1, -1, -1, 0]), S(M23, [32, 48], [-1, -1]), S(M23, [48], [-1])
     with pytest.raises(ShapeMismatchError, match=r"fused_gemm_epilogue.*\bk\b"):
         _gemm(x, y, b, True, False)
-    with pytest.raises(ShapeMismatchError, match="fused_gemm_epilogue: bias"):
+    with pytest.raises(ShapeMismatchError, match=r"fused_gemm_epilogue: the contracting axis k"):  # and n != 48
         _gemm(x, S(M23, [32, 48], [1, 0]), b, False, True)
+    with pytest.raises(ShapeMismatchError, match="fused_gemm_epilogue: bias axis 0 has size 32"):
+        _gemm(x, y, S(M23, [32], [-1]), False, False)
     with pytest.raises(ShapeMismatchError, match="linear_v2: bias"):
         get_rule("linear_v2").infer_forward(S(M23, [8, 32], [-1, -1]), S(M23, [32, 48], [-1, -1]),
                                             S(M23, [32], [-1]))
@@ -430,6 +432,30 @@ def test_einsum_grad_errors() -> None:
     with pytest.raises(ShapeMismatchError, match=r"einsum_grad.*inputs"):
         get_rule("einsum_grad").infer_forward([T([4, 6], [-1, -1]), T([5, 8], [-1, -1])], [], T([4, 8], [-1, -1]),
                                               "ij,jk->ik")
+
+
+def test_einsum_without_operands_is_the_equations_error() -> None:
+    """No operand given: the equation's error, einsum_grad as einsum (it raised a TypeError before, read by the
+    batch interface as InvalidArgumentError "invalid input")."""
+    og = T([4, 8], [-1, -1])
+    for name, args in (("einsum", ([], "ij,jk->ik")), ("einsum_grad", ([], [], og, "ij,jk->ik"))):
+        with pytest.raises(InvalidAttributeError, match=rf"^{name}: equation 'ij,jk->ik': 2 operands, but inputs"):
+            get_rule(name).infer_forward(*args)
+
+
+def test_gemm_reserve_space_unknown_size_matches() -> None:
+    """reserve_space's unknown sizes (-1) match out's / out_grad's, as in every shape check (the shapes were
+    compared exactly before); a known size that differs is rejected."""
+    fge, grad = get_rule("fused_gemm_epilogue"), get_rule("fused_gemm_epilogue_grad")
+    x, y, b, out = T([8, 4], [-1, -1]), T([4, 6], [-1, -1]), T([6], [-1]), T([8, 6], [0, 1])
+    r = fge.infer_backward(x, y, b, out, T([-1, 6], [-1, -1]), False, False)
+    assert r.outputs[1].dims_mapping == (0, 1) and r.inputs[0].dims_mapping == (0, -1)
+    r = grad.infer_forward(x, y, T([8, -1], [-1, -1]), out, False, False)
+    assert r.inputs[2].dims_mapping == (0, 1) and r.outputs[2].dims_mapping == (1,)
+    with pytest.raises(ShapeMismatchError, match="fused_gemm_epilogue: reserve_space"):
+        fge.infer_backward(x, y, b, out, T([7, 6], [-1, -1]), False, False)
+    with pytest.raises(ShapeMismatchError, match="fused_gemm_epilogue_grad: reserve_space"):
+        grad.infer_forward(x, y, T([8, 5], [-1, -1]), out, False, False)
 
 
 # ---------------------------------------------------------------------------

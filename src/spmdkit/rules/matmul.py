@@ -30,13 +30,12 @@ x's sharding and is partial SUM over the mesh dims of the letters x does not car
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import lru_cache
 
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
-from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.declare import Way, declare
 from spmdkit.engine.notation import Notation
+from spmdkit.rules._common import check_same_shape
 
 Shape = tuple[int, ...]
 
@@ -45,10 +44,7 @@ _BATCH = "abcdefghijlopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
 def _matmul_notation(x: str, y: str, out: str, uneven: str) -> Notation:
-    """Paddle 3.3.1's matmul merge (module docstring): a letter two operands shard differently
-    co-sharded over both; batch letters claim first, then m / n (the larger first), then k;
-    every letter pruned but ``uneven``; a size-1 m / n still claims its mesh dims; an operand's
-    size-1 axes shard nothing."""
+    """The merge of the module docstring; a size-1 m / n still claims its mesh dims."""
     return Notation([x, y], [out], prune="*", uneven=uneven, conflict="union", order=("*", ">mn", "k"),
                     size1_claims="mn", sizes="known", size1="broadcast")  # fmt: skip
 
@@ -71,8 +67,7 @@ def _letters(nx: int, ny: int, tx: bool, ty: bool) -> tuple[str, str, str]:
 
 
 def notation(nx: int, ny: int, tx: bool, ty: bool, mask: tuple[int, ...] = ()) -> Notation:
-    """forward: ``[b]mk, [b]kn -> bmn``; m and n keep uneven shardings (the plan is compiled
-    with the operands' size-1 ``mask``)."""
+    """forward: m and n keep uneven shardings (the plan is compiled with the operands' size-1 ``mask``)."""
     return _matmul_notation(*_letters(nx, ny, tx, ty), "mn")
 
 
@@ -92,7 +87,7 @@ def grad_notation(nx: int, ny: int, tx: bool, ty: bool, mask: tuple[int, ...]) -
     return _matmul_notation(x, y, out, "mn").relabel([x, y, out], [grad(x, mask[0]), grad(y, mask[1])])
 
 
-def _out_shape(xs: Shape, ys: Shape, tx: bool, ty: bool) -> Shape:
+def out_shape(xs: Shape, ys: Shape, tx: bool, ty: bool) -> Shape:
     """The shape of x @ y (after the transposes); ShapeMismatchError / InvalidAttributeError
     where x and y do not multiply."""
     nx, ny = len(xs), len(ys)
@@ -109,20 +104,17 @@ def _out_shape(xs: Shape, ys: Shape, tx: bool, ty: bool) -> Shape:
             f"the contracting axis k differs: x shape {list(xs)} has {kx}, y shape {list(ys)} "
             f"has {ky} (trans_x={tx}, trans_y={ty})"
         )
-    bx = nx - 2 if nx > 2 else 0
-    by = ny - 2 if ny > 2 else 0
     batch: list[int] = []
-    if bx or by:
-        nb = bx if bx > by else by
-        for i in range(nb):
-            ix, iy = i - (nb - bx), i - (nb - by)
-            sx = xs[ix] if ix >= 0 else 1
-            sy = ys[iy] if iy >= 0 else 1
-            if sx != 1 and sy != 1 and sx != sy and sx >= 0 and sy >= 0:
-                raise ShapeMismatchError(
-                    f"the batch axes of x shape {list(xs)} and y shape {list(ys)} do not broadcast ({sx} vs {sy})"
-                )
-            batch.append(sx if sx != 1 else sy)
+    bx, by = nx - 2 if nx > 2 else 0, ny - 2 if ny > 2 else 0
+    nb = bx if bx > by else by
+    for i in range(nb):  # aligned on the trailing side; a missing axis is 1
+        sx = xs[i - nb + bx] if i >= nb - bx else 1
+        sy = ys[i - nb + by] if i >= nb - by else 1
+        if sx != 1 and sy != 1 and sx != sy and sx >= 0 and sy >= 0:
+            raise ShapeMismatchError(
+                f"the batch axes of x shape {list(xs)} and y shape {list(ys)} do not broadcast ({sx} vs {sy})"
+            )
+        batch.append(sx if sx != 1 else sy)
     if nx > 1:
         batch.append(xs[-1 if tx else -2])
     if ny > 1:
@@ -130,42 +122,22 @@ def _out_shape(xs: Shape, ys: Shape, tx: bool, ty: bool) -> Shape:
     return tuple(batch)
 
 
-def _check_out(name: str) -> Callable[[DistTensorSpec, DistTensorSpec, DistTensorSpec, bool, bool], None]:
-    """The check of a rule whose third tensor (out / out_grad) is shaped as x @ y."""
-
-    def check(x: DistTensorSpec, y: DistTensorSpec, out: DistTensorSpec, trans_x: bool, trans_y: bool) -> None:
-        xs, ys, os_ = x.shape, y.shape, out.shape
-        want = _out_shape(xs, ys, trans_x, trans_y)
-        if os_ == want:
-            return
-        if len(os_) != len(want):
-            raise ShapeMismatchError(
-                f"{name} has {len(os_)} dims (shape {list(os_)}), but x {list(xs)} @ y {list(ys)} "
-                f"gives {len(want)} dims {list(want)}"
-            )
-        for i, (s, w) in enumerate(zip(os_, want)):
-            if s != w and s >= 0 and w >= 0:
-                raise ShapeMismatchError(
-                    f"{name} shape {list(os_)} does not match x {list(xs)} @ y {list(ys)} = {list(want)} (axis {i})"
-                )
-
-    return check
-
-
+#: the checks' names: ``_out_shape(...)`` and a third tensor (out / out_grad) shaped as x @ y
+ENV = {"_out_shape": out_shape, "_same_shape": check_same_shape}
 _KEY = "x, y, trans_x, trans_y"
+_XY = "_out_shape(x.shape, y.shape, trans_x, trans_y)"
+_OUT = "if {0}.shape != (_w := " + _XY + "): _same_shape(_OP, {0}, _w, {0!r}, 'x @ y')"
 declare(
     "matmul", "x: T, y: T, trans_x: bool = False, trans_y: bool = False",
-    Way(notation, key=_KEY, mask=("x", "y"), check="_out_shape(x.shape, y.shape, trans_x, trans_y)",
-        env={"_out_shape": _out_shape}, paddle="MatmulInferSpmd",
-        doc="MatmulInferSpmd: ``[b] m k, [b] k n -> b m n``; a sharded k makes out partial SUM."),
-    reverse=Way(reverse_notation, key=_KEY, mask=("x", "y"), check=_check_out("out"),
-                paddle="MatmulInferSpmdReverse",
-                doc="MatmulInferSpmdReverse: x and y from out's sharding (k replicated); out is what they give."),
+    Way(notation, key=_KEY, mask=("x", "y"), check=_XY, env=ENV,
+        paddle="MatmulInferSpmd", doc="MatmulInferSpmd: ``[b] m k, [b] k n -> b m n``; a sharded k makes out partial."),
+    reverse=Way(reverse_notation, key=_KEY, mask=("x", "y"), check=_OUT.format("out"), env=ENV,
+                paddle="MatmulInferSpmdReverse", doc="MatmulInferSpmdReverse: x and y from out (k replicated)."),
     outputs="out: T", aliases=("matmul_v2",),
 )  # fmt: skip
 declare(
     "matmul_grad", "x: T, y: T, out_grad: T, trans_x: bool = False, trans_y: bool = False",
-    Way(grad_notation, key=_KEY, mask=("x", "y", "out_grad"), check=_check_out("out_grad"),
+    Way(grad_notation, key=_KEY, mask=("x", "y", "out_grad"), check=_OUT.format("out_grad"), env=ENV,
         paddle="MatmulGradInferSpmd",
         doc="MatmulGradInferSpmd: x_grad partial over n and x's broadcast batch letters, y_grad over m and y's."),
     aliases=("matmul_v2_grad",),
