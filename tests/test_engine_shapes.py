@@ -67,3 +67,15 @@ def test_fixed_size() -> None:
 def test_bad_declaration_is_refused(spec: str) -> None:
     with pytest.raises(ValueError, match="toy2: shapes entry"):
         generate("toy2", "x: T, groups: int = 1", Way(_ew, key="x", shapes=spec))
+
+
+def test_require_with_its_own_words() -> None:
+    f: Any = generate(
+        "tw", "x: T, transpose_weight: bool = False",
+        Way(lambda n: Notation(("ab",), ("ab",)), key="x", require=(("not transpose_weight", "transpose_weight is not supported"),)),
+    )  # fmt: skip
+    f(T([3, 4]))
+    with pytest.raises(
+        InvalidAttributeError, match="tw: transpose_weight is not supported, got transpose_weight = True"
+    ):
+        f(T([3, 4]), True)

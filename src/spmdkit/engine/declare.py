@@ -123,7 +123,7 @@ class Way:
     nonempty: Sequence[str] = ()
     pre: str = ""
     shapes: str = ""
-    require: Sequence[str] = ()
+    require: Sequence[str | tuple[str, str]] = ()
     order: str = ""
     paddle: str = ""
     doc: str = ""

@@ -16,9 +16,10 @@ sizes agree, raising :class:`~spmdkit.core.errors.ShapeMismatchError` naming the
 the axis and the other tensor's axis it disagrees with. An optional tensor (``T?``) is checked
 where given. Entries are checked in order: each tensor's rank, then each size.
 
-``require``: conditions over the parameters, each a Python expression (``"groups >= 1"``);
-where one is false the call raises :class:`~spmdkit.core.errors.InvalidAttributeError` naming
-the op, the condition and the values of the parameters it reads.
+``require``: conditions over the parameters, each a Python expression (``"groups >= 1"``), or a
+pair (condition, what is wrong) where "needs <condition>" would not say it; where one is false
+the call raises :class:`~spmdkit.core.errors.InvalidAttributeError` naming the op, the condition
+(or what is wrong) and the values of the parameters it reads.
 """
 
 from __future__ import annotations
@@ -62,9 +63,10 @@ def fixed_error(op: str, name: str, i: int, shape: Sequence[int], want: int) -> 
     return ShapeMismatchError(f"{op}: {name}'s axis {_axis(i, shape)} must be {want}, got shape {list(shape)}")
 
 
-def require_error(op: str, cond: str, values: Sequence[tuple[str, Any]]) -> InvalidAttributeError:
+def require_error(op: str, cond: str, values: Sequence[tuple[str, Any]], what: str = "") -> InvalidAttributeError:
+    """``cond`` is false: ``what`` (default: "needs <cond>") and the values of the parameters it reads."""
     got = ", ".join(f"{n}'s shape = {list(v.shape)}" if hasattr(v, "dist_attr") else f"{n} = {v!r}" for n, v in values)
-    return InvalidAttributeError(f"{op}: needs {cond}, got {got}")
+    return InvalidAttributeError(f"{op}: {what or 'needs ' + cond}, got {got}")
 
 
 def _axis(i: int, shape: Sequence[int]) -> int:
@@ -130,14 +132,16 @@ def shape_lines(op: str, spec: str, kinds: dict[str, str], indent: str) -> list[
     return lines
 
 
-def require_lines(conds: Sequence[str], params: Sequence[str], indent: str) -> list[str]:
+def require_lines(conds: Sequence[str | tuple[str, str]], params: Sequence[str], indent: str) -> list[str]:
     """The generated code raising InvalidAttributeError where a condition of ``conds`` is false
-    (uses ``_OP`` and ``_require_error``)."""
+    (an item: the condition, or ``(condition, what is wrong)`` for the message; uses ``_OP`` and
+    ``_require_error``)."""
     lines = []
-    for c in conds:
+    for item in conds:
+        c, what = (item, "") if isinstance(item, str) else item
         used = [n for n in dict.fromkeys(_NAME.findall(c)) if n in params]
         vals = "".join(f"({n!r}, {n}), " for n in used)
-        lines.append(f"{indent}if not ({c}): raise _require_error(_OP, {c!r}, ({vals}))")
+        lines.append(f"{indent}if not ({c}): raise _require_error(_OP, {c!r}, ({vals}), {what!r})")
     return lines
 
 

@@ -154,6 +154,7 @@ def _bias_grad(absent: bool) -> Any:
 
 
 _GENV = {**matmul.ENV, "_gemm": _gemm_check}
+_NO_TW = ("not transpose_weight", "transpose_weight is not supported in SPMD mode")
 # (name, x and y, the transposes, the attributes); linear_v2's bias and its grad's are optional, transpose_weight
 # must be False (SPMD mode), fused_gemm_epilogue_grad takes reserve_space in bias's place
 for _name, _x, _y, _t, _attrs in (
@@ -162,7 +163,7 @@ for _name, _x, _y, _t, _attrs in (
 ):
     _lin = _name == "linear_v2"
     _pd, _third = _name.title().replace("_", ""), "bias" if _lin else "reserve_space"
-    _kw: dict[str, Any] = {"key": f"{_x}, {_y}, {_t}", "env": _GENV, "require": ("not transpose_weight",) * _lin}
+    _kw: dict[str, Any] = {"key": f"{_x}, {_y}, {_t}", "env": _GENV, "require": (_NO_TW,) * _lin}
     _shapes = f"{_y}: ... _ _"
     declare(
         _name, f"{_x}: T, {_y}: T, bias: T{'?' * _lin}, {_attrs}",
