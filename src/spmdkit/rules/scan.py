@@ -63,9 +63,8 @@ from spmdkit.core.dist_attr import Partial, ReduceType
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import make_attr, normalize_axis, numel, reduced_axes
-from spmdkit.engine.declare import Way, declare, generate
+from spmdkit.engine.declare import Way, declare
 from spmdkit.engine.notation import BROADCAST, Notation, letters_for, with_partial
-from spmdkit.engine.registry import register
 from spmdkit.rules._common import check_same_ndim, check_same_shape
 from spmdkit.rules.reduction import as_given, check_reduced, reduced_letters
 
@@ -214,19 +213,8 @@ _TK_CHECK = "_topk_check(_OP, x, k, axis, indices, out_grad)"
 _TK_GRAD_WAY = Way(partial(_topk, 3, 1), key="x, axis", check=_TK_CHECK, env=_ENV, paddle="TopkGradInferSpmd")
 # topk's backward slot is Paddle's TopkGradInferSpmd under topk's own name (errors name topk); it
 # is also the rule topk_grad
-_way = Way(partial(_topk, 1, 2), key="x, axis", env=_ENV, check="_topk_check(_OP, x, k, axis)")
-_fwd = generate("topk", f"x: T, {_TK}", _way, name="topk_forward")
-_bwd = generate("topk", _TK_GRAD, _TK_GRAD_WAY, name="topk_backward")
-register(
-    "topk",
-    _fwd,
-    f"x: T, {_TK}",
-    _bwd,
-    _TK_GRAD,
-    kind="grad",
-    forward_name="TopkInferSpmd",
-    backward_name="TopkGradInferSpmd",
-)
+_way = Way(partial(_topk, 1, 2), key="x, axis", env=_ENV, check="_topk_check(_OP, x, k, axis)", paddle="TopkInferSpmd")
+declare("topk", f"x: T, {_TK}", _way, grad=_TK_GRAD_WAY, grad_signature=_TK_GRAD, grad_op="topk")
 declare("topk_grad", _TK_GRAD, _TK_GRAD_WAY)
 
 _LS = "axis: ints = [], keepdims: bool = False, reduce_all: bool = False"
