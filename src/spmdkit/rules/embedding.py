@@ -34,10 +34,8 @@ from typing import Any
 from spmdkit.core.dist_attr import ReduceType, TensorDistAttr, dims_entry, entry_dims
 from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
-from spmdkit.engine.declare import Way, declare, generate
+from spmdkit.engine.declare import Way, declare
 from spmdkit.engine.notation import ALPHABET, Notation
-from spmdkit.engine.registry import register
-from spmdkit.engine.signature import GRAD
 
 # batch letters of the ids: the alphabet without the weight's j (vocab) and k (hidden)
 _BATCH = "abcdefghilmnopqrstuvwxyz"
@@ -124,10 +122,8 @@ _CG_SIG = "weight: T, x: T, out_grad: T, start_index: int = 0"
 _C_FWD = Way(partial(notation, "forward", True), key="x, False", shapes="weight: _ _", paddle="CEmbeddingInferSpmd",
              doc="c_embedding (CEmbeddingInferSpmd): ``jk, ab -> abk``; ids outside ``[start_index, start_index + "
                  "rows)`` give zeros, sharded rows make out partial SUM.")  # fmt: skip
-register("c_embedding", generate("c_embedding", _C_SIG, _C_FWD, name="c_embedding_forward"), _C_SIG,
-         generate("c_embedding", _CG_SIG, _grad("c_embedding", True, "x, False", "CEmbeddingGradInferSpmd"),
-                  name="c_embedding_grad"), _CG_SIG, kind=GRAD,
-         forward_name="CEmbeddingInferSpmd", backward_name="CEmbeddingGradInferSpmd")  # fmt: skip
+declare("c_embedding", _C_SIG, _C_FWD, grad=_grad("c_embedding", True, "x, False", "CEmbeddingGradInferSpmd"),
+        grad_signature=_CG_SIG, grad_op="c_embedding")
 declare("c_embedding_grad", _CG_SIG, _grad("c_embedding_grad", True, "x, False", "CEmbeddingGradInferSpmd"))
 
 declare(
