@@ -1,10 +1,9 @@
 """slice, strided_slice, tile, expand_as, expand, pad and their grads.
 
-Each of these ops changes the extent of some axes and copies the others through. Every rule is
-declared with one :func:`notation` of a key (kind, rank, the fixed axes, ...; attributes, never
-shapes): an axis whose extent changes (sliced, tiled, padded, broadcast) is labelled ``1``
-(replicated), the others keep their letter and so their sharding. Partial status is cleared,
-as in Paddle.
+Each op changes the extent of some axes and copies the others through: in its :func:`notation`
+(keyed by kind, rank, the fixed axes, ...; never shapes) an axis whose extent changes (sliced,
+tiled, padded, broadcast) is ``1`` (replicated), the others keep their letter and so their
+sharding. Partial status is cleared, as in Paddle.
 
 * ``slice(input, axes, starts, ends, infer_flags, decrease_axis)``: notation ``a1c -> ac`` for
   axes [1], decrease_axis [1]: the axes in ``axes`` replicated, the decreased ones dropped from
@@ -45,7 +44,7 @@ expand-as-no-y (Paddle returns x as given without y).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import lru_cache
+from functools import lru_cache, wraps
 from typing import Any
 
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
@@ -54,7 +53,6 @@ from spmdkit.engine.declare import Way, declare, generate
 from spmdkit.engine.notation import BROADCAST, Notation, fast_result, letters_for
 from spmdkit.engine.registry import register
 
-Shape = tuple[int, ...]
 T = DistTensorSpec
 Ints = tuple[int, ...]
 #: a plan's key: kind, coshard, rank, the fixed axes, the dropped (decreased) axes, new leading axes
@@ -91,7 +89,7 @@ def _norm_axes(name: str, axes: Sequence[int], ndim: int) -> Ints:
     return out
 
 
-def _check_shapes(na: str, a: Shape, nb: str, b: Shape, skip: Sequence[int] = ()) -> None:
+def _check_shapes(na: str, a: Ints, nb: str, b: Ints, skip: Sequence[int] = ()) -> None:
     if len(a) != len(b):
         raise ShapeMismatchError(f"{nb} has {len(b)} dims, {na} has {len(a)}")
     for i, (s, t) in enumerate(zip(a, b)):
@@ -105,8 +103,7 @@ def _slice_key(kind: str, nd: int, axes: Ints, n_starts: int, n_ends: int, decre
     """The sliced axes fixed, the decreased ones (sorted) dropped; the attributes checked."""
     ax = _norm_axes("axes", axes, nd)
     if n_starts != len(ax) or n_ends != len(ax):
-        raise InvalidAttributeError(
-            f"starts ({n_starts}) and ends ({n_ends}) must have one entry per axis in axes ({len(ax)})")
+        raise InvalidAttributeError(f"starts ({n_starts}), ends ({n_ends}) need one entry per axis in axes ({len(ax)})")
     if strides is not None and (len(strides) != len(ax) or 0 in strides):
         raise InvalidAttributeError(f"strides {list(strides)} must hold one nonzero stride per axis ({len(ax)})")
     dec = _norm_axes("decrease_axis", decrease, nd)
@@ -120,8 +117,7 @@ def _sliced(k: Key, input: T, other: T, oname: str) -> Key:
     """``k``, ``other`` (output, out_grad) checked to be input sliced with the decreased axes removed."""
     nd, ax, dec = k[2], k[3], k[4]
     if len(other.shape) != nd - len(dec):
-        raise ShapeMismatchError(f"{oname} has {len(other.shape)} dims; input has {nd} and "
-                                 f"decrease_axis removes {len(dec)}")  # fmt: skip
+        raise ShapeMismatchError(f"{oname} has {len(other.shape)} dims; input has {nd}, decrease_axis drops {len(dec)}")
     it = iter(other.shape)
     _check_shapes("input", input.shape, oname, tuple(-1 if i in dec else next(it) for i in range(nd)), ax)
     return k
@@ -131,12 +127,11 @@ def _swapped(fn: Callable[..., SpmdResult], signature: str, outputs: Sequence[st
     """The grads of slice and strided_slice, generated with out_grad first (it claims mesh dims
     first, as in Paddle), registered with input first: the answer's inputs swapped back."""
 
+    @wraps(fn)
     def rule(input: T, out_grad: T, *attrs: Any) -> SpmdResult:
         r: Any = fn(out_grad, input, *attrs)
         return fast_result((r.inputs[1], r.inputs[0]), r.outputs)
 
-    rule.__name__ = rule.__qualname__ = fn.__name__
-    rule.__doc__, rule.__module__ = fn.__doc__, fn.__module__
     return rule
 
 
@@ -161,7 +156,7 @@ def _tiled(kind: str, x: T, out: T, oname: str, repeat_times: Ints) -> Key:
     return k
 
 
-def _broadcast(kind: str, x: T, target: Shape, tname: str) -> Key:
+def _broadcast(kind: str, x: T, target: Ints, tname: str) -> Key:
     """x expanded to ``target``: its broadcast axes (size 1 expanded) fixed, new leading axes; a
     co-shard kept by a copy, read as its largest mesh dim where y / out_grad is merged."""
     xs = x.shape
@@ -173,13 +168,12 @@ def _broadcast(kind: str, x: T, target: Shape, tname: str) -> Key:
         t = target[d + i]
         if t != -1 and t != s:
             if s != 1:
-                raise ShapeMismatchError(f"x has size {s} on axis {i}, which cannot be expanded to {t} "
-                                         f"({tname} axis {d + i})")  # fmt: skip
+                raise ShapeMismatchError(f"x has size {s} on axis {i}, not expandable to {t} ({tname} axis {d + i})")
             out.append(i)
     return kind, "keep" if kind.startswith("copy") else "largest", len(xs), tuple(out), (), d
 
 
-def _target(x: T, shape: Sequence[int], out: T | None = None, oname: str = "") -> Shape:
+def _target(x: T, shape: Sequence[int], out: T | None = None, oname: str = "") -> Ints:
     """expand's target shape (``-1``: x's size), checked against ``out`` where given."""
     d = len(shape) - len(x.shape)
     if d < 0:
@@ -266,12 +260,10 @@ declare(
                 paddle="ExpandInferSpmdReverse", doc="x from out's non-broadcast axes; out returned as x produces it."),
     outputs="out: T",
 )  # fmt: skip
-declare(
-    "expand_grad", "x: T, out_grad: T, shape: ints",
-    # shape checked before the mesh is read (as before the rule was declared); _tg: a local of the generated code
-    Way(notation, key="*_bk('expand_grad', x, _tg, 'shape')", pre="_tg = _target(x, shape, out_grad, 'out_grad')",
-        env=_ENV, paddle="ExpandGradInferSpmd", doc="As expand_as_grad, broadcast axes from ``shape``."),
-)  # fmt: skip
+# shape checked before the mesh is read (as before the rule was declared); _tg: a local of the generated code
+declare("expand_grad", "x: T, out_grad: T, shape: ints",
+        Way(notation, key="*_bk('expand_grad', x, _tg, 'shape')", pre="_tg = _target(x, shape, out_grad, 'out_grad')",
+            env=_ENV, paddle="ExpandGradInferSpmd", doc="As expand_as_grad, broadcast axes from ``shape``."))
 declare(
     "expand_as", "x: T, y: T?, target_shape: ints = []",
     Way(notation, key="*(_bk('copy_noy', x, tuple(target_shape), 'target_shape') if y is None else "
