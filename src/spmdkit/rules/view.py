@@ -39,9 +39,9 @@ MAX_NEW_AXES = 1024
 
 
 def notation(keep: bool, backward: bool, n: int, ln: tuple[Link, ...]) -> Notation:
-    """A view from ``n`` axes to ``len(ln)`` axes linked as ``ln`` (``dim_trans.view_plan``); ``keep``:
-    co-shards read as they are (reshape, flatten), else as their largest mesh dim; ``backward``: a
-    reverse rule's, the view from out's axes to x's, merged over out."""
+    """A view from ``n`` axes to ``len(ln)`` axes linked as ``ln`` (``dim_trans.view_plan``); ``keep``: co-shards
+    read as they are (reshape, flatten, the grads), else as their largest mesh dim (squeeze, unsqueeze, every
+    reverse rule, as Paddle 3.3.1); ``backward``: a reverse rule's, from out's axes to x's, merged over out."""
     return dt.view_plan(n, ln, keep, backward).notation
 
 
@@ -78,7 +78,7 @@ def _grad_check(op: str, xs_name: str, xs: DistTensorSpec, out_grad: DistTensorS
 
 
 def _grad_post(ins: Any, outs: Any, xs: DistTensorSpec, out_grad: DistTensorSpec, *attrs: object) -> Answer:
-    """x's shape holder returned as given; a partial out_grad kept on out_grad and x_grad."""
+    """x's shape holder returned as given (the grads' ``axis`` unused); out_grad's partial kept on it and x_grad."""
     i, o = _linear(ins[1:], outs, out_grad) if out_grad.dist_attr.partial else (ins[1:], outs)
     return (xs.dist_attr, *i), o
 
