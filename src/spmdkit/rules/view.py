@@ -55,7 +55,7 @@ def _sizes(op: str, spec: DistTensorSpec, name: str, dynamic: bool = False) -> N
     """Sizes >= 1; with ``dynamic`` (reshape's x and out) a size may also be -1 (unknown)."""
     for s in spec.shape:
         if s <= 0 and not (dynamic and s == -1):
-            raise ShapeMismatchError(f"{op}: {name} has shape {list(spec.shape)}; sizes are >= 1{' or -1' * dynamic}")
+            raise ShapeMismatchError(f"{op}: {name} has shape {list(spec.shape)}; need sizes >= 1{' or -1' * dynamic}")
 
 
 def _out(op: str, x: DistTensorSpec, out: DistTensorSpec, out_shape: tuple[int, ...]) -> None:
