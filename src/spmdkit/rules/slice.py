@@ -1,18 +1,17 @@
 """slice, strided_slice, tile, expand_as, expand, pad and their grads.
 
-Each of these ops changes the extent of some axes and copies the others through, so every rule
-is declared (``spmdkit.engine.declare``) with one notation (``notation``) of a key (kind,
-rank, the fixed axes, ...; attributes, never shapes), one letter per axis: an axis whose extent
-changes (sliced, tiled, padded, broadcast) is labelled ``1`` (replicated), the others keep their
-letter and so their sharding. Partial status is cleared, as in Paddle.
+Each op changes the extent of some axes and copies the others through: in its :func:`notation`
+(keyed by kind, rank, the fixed axes, ...; never shapes) an axis whose extent changes (sliced,
+tiled, padded, broadcast) is ``1`` (replicated), the others keep their letter and so their
+sharding. Partial status is cleared, as in Paddle.
 
 * ``slice(input, axes, starts, ends, infer_flags, decrease_axis)``: notation ``a1c -> ac`` for
   axes [1], decrease_axis [1]: the axes in ``axes`` replicated, the decreased ones dropped from
   the output. Paddle answers the output with one entry per *input* axis (DESIGN class 5);
   spmdkit drops the decreased axes. The reverse rule inserts the decreased axes back and
   replicates the sliced ones (Paddle raises when decrease_axis is not empty).
-  ``slice_grad(input, out_grad, ...)``: input and out_grad merged per axis (the sliced axes
-  replicated); input_grad sharded as input.
+  ``slice_grad(input, out_grad, ...)``: input and out_grad merged per axis (out_grad claims
+  first, the sliced axes replicated); input_grad (out_grad padded back with zeros) sharded as input.
 * ``strided_slice(input, axes, starts, ends, strides)``: as slice without decrease_axis; its
   backward slot is Paddle's grad rule ``StridedSliceGradInferSpmd(input, out_grad, ...)``,
   also registered as ``strided_slice_grad``.
@@ -33,8 +32,8 @@ letter and so their sharding. Partial status is cleared, as in Paddle.
   ``expand_grad(x, out_grad, shape)``: as expand_as_grad.
 * ``pad(x, paddings, pad_value)``: padded axes replicated. Its backward slot is Paddle's
   ``PadGradInferSpmd(x, out, paddings, pad_value)``, which infers x from out (padded axes
-  replicated). ``pad_grad(out_grad, paddings, pad_value)`` (Paddle's PadGradInferSpmdDynamic):
-  x_grad = out_grad with the padded axes replicated.
+  replicated, a co-shard read as its largest mesh dim). ``pad_grad(out_grad, paddings,
+  pad_value)`` (Paddle's PadGradInferSpmdDynamic): x_grad = out_grad with the padded axes replicated.
 
 Deviations from Paddle 3.3.1 (docs/deviations.md): slice-decrease-out, slice-reverse-decrease,
 slice-invalid-decrease, strided-slice-sharded-axis (Paddle keeps a sliced last axis sharded),
@@ -45,7 +44,7 @@ expand-as-no-y (Paddle returns x as given without y).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import lru_cache
+from functools import lru_cache, wraps
 from typing import Any
 
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
@@ -54,7 +53,6 @@ from spmdkit.engine.declare import Way, declare, generate
 from spmdkit.engine.notation import BROADCAST, Notation, fast_result, letters_for
 from spmdkit.engine.registry import register
 
-Shape = tuple[int, ...]
 T = DistTensorSpec
 Ints = tuple[int, ...]
 #: a plan's key: kind, coshard, rank, the fixed axes, the dropped (decreased) axes, new leading axes
@@ -62,19 +60,13 @@ Key = tuple[str, str, int, Ints, Ints, int]
 
 
 def notation(kind: str, coshard: str, nd: int, fixed: Ints, drop: Ints = (), lead: int = 0) -> Notation:
-    """A rule's notation (ranks and attributes, never shapes). ``x``: the ``nd``-D tensor's
-    letters, its ``fixed`` axes (sliced, tiled, broadcast, padded) labelled ``1``; ``y``: x's
-    image, ``lead`` new leading axes (``1``) and the ``drop`` (decreased) axes removed; ``g``: the
-    gradient of y, its new leading axes (for expand also the broadcast axes) letters that x_grad
-    lacks, so x_grad is partial SUM over their mesh dims. Per ``kind``:
-
-    * ``copy``        ``x -> y``     slice, strided_slice, tile, expand, pad (either direction)
-    * ``copy_noy``    ``x, _ -> y``  expand_as without y
-    * ``slice_grad``  ``y, x -> x``  slice_grad, strided_slice's grad (out_grad claims first)
-    * ``tile_grad``   ``x, g -> x``  tile_grad
-    * ``expand``      ``x, g -> g``  expand_as: y alone merged (``sources``), x as y where kept
-    * ``expand_grad`` ``x, g -> x``  expand_grad, expand_as_grad: out_grad alone merged
-    """
+    """``x``: the ``nd``-D tensor's letters, its ``fixed`` axes ``1``; ``y``: x's image, ``lead``
+    new leading axes (``1``) and the ``drop`` axes removed; ``g``: y's gradient, its new leading
+    axes (for expand also the broadcast axes) letters x_grad lacks (partial SUM over their mesh
+    dims). ``copy``: ``x -> y`` (slice, strided_slice, tile, expand, pad: either direction);
+    ``copy_noy``: ``x, _ -> y`` (expand_as without y); ``slice_grad``: ``y, x -> x``; ``tile_grad``:
+    ``x, g -> x``; ``expand``: ``x, g -> g`` (expand_as: y alone merged, x as y where kept);
+    ``expand_grad``: ``x, g -> x`` (out_grad alone merged)."""
     full = letters_for(nd)
     x = "".join(BROADCAST if i in fixed else c for i, c in enumerate(full))
     y = BROADCAST * lead + "".join(c for i, c in enumerate(x) if i not in drop)
@@ -88,18 +80,16 @@ def notation(kind: str, coshard: str, nd: int, fixed: Ints, drop: Ints = (), lea
 
 
 def _norm_axes(name: str, axes: Sequence[int], ndim: int) -> Ints:
-    out = []
-    for a in axes:
-        if not -ndim <= a < ndim:
+    out = tuple(a + ndim if a < 0 else a for a in axes)
+    for a, n in zip(axes, out):
+        if not 0 <= n < ndim:
             raise InvalidAttributeError(f"{name} entry {a} is out of range [{-ndim}, {ndim}) for a {ndim}-D input")
-        a = a + ndim if a < 0 else a
-        if a in out:
-            raise InvalidAttributeError(f"{name} names axis {a} twice")
-        out.append(a)
-    return tuple(out)
+    if len(set(out)) != len(out):
+        raise InvalidAttributeError(f"{name} {list(axes)} names an axis twice")
+    return out
 
 
-def _check_shapes(na: str, a: Shape, nb: str, b: Shape, skip: Sequence[int] = ()) -> None:
+def _check_shapes(na: str, a: Ints, nb: str, b: Ints, skip: Sequence[int] = ()) -> None:
     if len(a) != len(b):
         raise ShapeMismatchError(f"{nb} has {len(b)} dims, {na} has {len(a)}")
     for i, (s, t) in enumerate(zip(a, b)):
@@ -107,23 +97,15 @@ def _check_shapes(na: str, a: Shape, nb: str, b: Shape, skip: Sequence[int] = ()
             raise ShapeMismatchError(f"{na} and {nb} differ on axis {i} ({s} vs {t})")
 
 
-# -- slice / strided_slice --------------------------------------------------------------------
-
-
 @lru_cache(maxsize=4096)
 def _slice_key(kind: str, nd: int, axes: Ints, n_starts: int, n_ends: int, decrease: Ints,
                strides: Ints | None = None) -> Key:
-    """The key of an ``nd``-D input sliced on ``axes`` (attributes checked): the sliced axes fixed,
-    the decreased ones (sorted) dropped."""
+    """The sliced axes fixed, the decreased ones (sorted) dropped; the attributes checked."""
     ax = _norm_axes("axes", axes, nd)
     if n_starts != len(ax) or n_ends != len(ax):
-        raise InvalidAttributeError(
-            f"starts ({n_starts}) and ends ({n_ends}) must have one entry per axis in axes ({len(ax)})")
-    if strides is not None:
-        if len(strides) != len(ax):
-            raise InvalidAttributeError(f"strides has {len(strides)} entries for {len(ax)} axes")
-        if any(s == 0 for s in strides):
-            raise InvalidAttributeError(f"strides {list(strides)} has a zero stride")
+        raise InvalidAttributeError(f"starts ({n_starts}), ends ({n_ends}) need one entry per axis in axes ({len(ax)})")
+    if strides is not None and (len(strides) != len(ax) or 0 in strides):
+        raise InvalidAttributeError(f"strides {list(strides)} must hold one nonzero stride per axis ({len(ax)})")
     dec = _norm_axes("decrease_axis", decrease, nd)
     for d in dec:
         if d not in ax:
@@ -132,11 +114,10 @@ def _slice_key(kind: str, nd: int, axes: Ints, n_starts: int, n_ends: int, decre
 
 
 def _sliced(k: Key, input: T, other: T, oname: str) -> Key:
-    """The key ``k``, ``other`` (output, out_grad) checked to be input sliced with the decreased axes removed."""
+    """``k``, ``other`` (output, out_grad) checked to be input sliced with the decreased axes removed."""
     nd, ax, dec = k[2], k[3], k[4]
     if len(other.shape) != nd - len(dec):
-        raise ShapeMismatchError(f"{oname} has {len(other.shape)} dims; input has {nd} and "
-                                 f"decrease_axis removes {len(dec)}")  # fmt: skip
+        raise ShapeMismatchError(f"{oname} has {len(other.shape)} dims; input has {nd}, decrease_axis drops {len(dec)}")
     it = iter(other.shape)
     _check_shapes("input", input.shape, oname, tuple(-1 if i in dec else next(it) for i in range(nd)), ax)
     return k
@@ -146,32 +127,17 @@ def _swapped(fn: Callable[..., SpmdResult], signature: str, outputs: Sequence[st
     """The grads of slice and strided_slice, generated with out_grad first (it claims mesh dims
     first, as in Paddle), registered with input first: the answer's inputs swapped back."""
 
-    rule: Callable[..., SpmdResult]
-    if "strides" in signature:  # explicit parameters: no packing per call
+    @wraps(fn)
+    def rule(input: T, out_grad: T, *attrs: Any) -> SpmdResult:
+        r: Any = fn(out_grad, input, *attrs)
+        return fast_result((r.inputs[1], r.inputs[0]), r.outputs)
 
-        def rule(input: T, out_grad: T, axes: Ints, starts: Ints, ends: Ints, strides: Ints) -> SpmdResult:
-            r: Any = fn(out_grad, input, axes, starts, ends, strides)  # its inputs: single tensors' attrs
-            return fast_result((r.inputs[1], r.inputs[0]), r.outputs)
-
-    else:
-
-        def rule(input: T, out_grad: T, axes: Ints, starts: Ints, ends: Ints, infer_flags: Ints = (),
-                 decrease_axis: Ints = ()) -> SpmdResult:  # fmt: skip
-            r: Any = fn(out_grad, input, axes, starts, ends, infer_flags, decrease_axis)
-            return fast_result((r.inputs[1], r.inputs[0]), r.outputs)
-
-    rule.__name__ = rule.__qualname__ = fn.__name__
-    rule.__doc__, rule.__module__ = fn.__doc__, fn.__module__
     return rule
-
-
-# -- tile -------------------------------------------------------------------------------------
 
 
 @lru_cache(maxsize=4096)
 def _tile_key(kind: str, nd: int, repeat_times: Ints) -> tuple[Key, Ints]:
-    """The key of an ``nd``-D x tiled ``repeat_times`` (tiled axes fixed, new leading axes) and
-    the repeats per out axis."""
+    """The tiled axes fixed, new leading axes; and the repeats per out axis."""
     if any(r < 0 for r in repeat_times):
         raise InvalidAttributeError(f"repeat_times {list(repeat_times)} has a negative entry")
     rep = (1,) * (nd - len(repeat_times)) + tuple(repeat_times)
@@ -190,12 +156,9 @@ def _tiled(kind: str, x: T, out: T, oname: str, repeat_times: Ints) -> Key:
     return k
 
 
-# -- expand_as / expand -----------------------------------------------------------------------
-
-
-def _broadcast(kind: str, x: T, target: Shape, tname: str) -> Key:
-    """The key of x expanded to ``target``: its broadcast axes (size 1 expanded) fixed, new leading
-    axes; a co-shard kept by a copy, read as its largest mesh dim where y / out_grad is merged."""
+def _broadcast(kind: str, x: T, target: Ints, tname: str) -> Key:
+    """x expanded to ``target``: its broadcast axes (size 1 expanded) fixed, new leading axes; a
+    co-shard kept by a copy, read as its largest mesh dim where y / out_grad is merged."""
     xs = x.shape
     d = len(target) - len(xs)
     if d < 0:
@@ -205,20 +168,12 @@ def _broadcast(kind: str, x: T, target: Shape, tname: str) -> Key:
         t = target[d + i]
         if t != -1 and t != s:
             if s != 1:
-                raise ShapeMismatchError(f"x has size {s} on axis {i}, which cannot be expanded to {t} "
-                                         f"({tname} axis {d + i})")  # fmt: skip
+                raise ShapeMismatchError(f"x has size {s} on axis {i}, not expandable to {t} ({tname} axis {d + i})")
             out.append(i)
     return kind, "keep" if kind.startswith("copy") else "largest", len(xs), tuple(out), (), d
 
 
-def _expand_as_key(x: T, y: T | None, target_shape: Ints) -> Key:
-    """With y: y alone merged; without y (Paddle allows it): x copied to target_shape."""
-    if y is None:
-        return _broadcast("copy_noy", x, tuple(target_shape), "target_shape")
-    return _broadcast("expand", x, y.shape, "y")
-
-
-def _target(x: T, shape: Sequence[int], out: T | None = None, oname: str = "") -> Shape:
+def _target(x: T, shape: Sequence[int], out: T | None = None, oname: str = "") -> Ints:
     """expand's target shape (``-1``: x's size), checked against ``out`` where given."""
     d = len(shape) - len(x.shape)
     if d < 0:
@@ -232,24 +187,12 @@ def _target(x: T, shape: Sequence[int], out: T | None = None, oname: str = "") -
     return tgt
 
 
-def _expanded(x: T, out: T, shape: Ints) -> Key:
-    """expand's reverse key, out checked against the target shape."""
-    tgt = _target(x, shape)
-    k = _broadcast("copy", x, tgt, "shape")
-    _check_shapes("shape", tgt, "out", out.shape)
-    return k
-
-
-# -- pad --------------------------------------------------------------------------------------
-
-
 @lru_cache(maxsize=4096)
 def _pad_key(coshard: str, nd: int, paddings: Ints) -> Key:
-    """The key of an ``nd``-D tensor padded by ``paddings``: its padded axes fixed."""
+    """The padded axes fixed."""
     if len(paddings) != 2 * nd:
         raise InvalidAttributeError(f"paddings has {len(paddings)} entries, a {nd}-D tensor needs {2 * nd}")
-    padded = tuple(i for i in range(nd) if paddings[2 * i] != 0 or paddings[2 * i + 1] != 0)
-    return "copy", coshard, nd, padded, (), 0
+    return "copy", coshard, nd, tuple(i for i in range(nd) if paddings[2 * i] or paddings[2 * i + 1]), (), 0
 
 
 def _padded(x: T, out: T, paddings: Ints) -> Key:
@@ -258,52 +201,46 @@ def _padded(x: T, out: T, paddings: Ints) -> Key:
     return k
 
 
-# -- the declarations -------------------------------------------------------------------------
+# -- the declarations: a key expression (``*f(...)``: f's tuple) per mode ----------------------
 
-_ENV: dict[str, Any] = {
-    "_sk": _slice_key, "_sliced": _sliced, "_tk": _tile_key, "_tiled": _tiled, "_bk": _broadcast,
-    "_eas": _expand_as_key, "_target": _target, "_expanded": _expanded, "_pk": _pad_key, "_padded": _padded,
-}  # fmt: skip
+_ENV: dict[str, Any] = {"_sk": _slice_key, "_sliced": _sliced, "_tk": _tile_key, "_tiled": _tiled,
+                        "_bk": _broadcast, "_target": _target, "_pk": _pad_key, "_padded": _padded}  # fmt: skip
 _SLICE = "input: T, axes: ints, starts: ints, ends: ints, infer_flags: ints = [], decrease_axis: ints = []"
+_SLICE_G = _SLICE.replace("input: T,", "input: T, out_grad: T,")
 _SSLICE = "input: T, axes: ints, starts: ints, ends: ints, strides: ints"
-_SSLICE_G = "input: T, out_grad: T, axes: ints, starts: ints, ends: ints, strides: ints"
+_SSLICE_G = _SSLICE.replace("input: T,", "input: T, out_grad: T,")
+_SK = "_sk('{}', len(input.shape), axes, len(starts), len(ends), {})"
 
 
-def _grad(op: str, signature: str, attrs: str, paddle: str, doc: str) -> Callable[..., SpmdResult]:
-    """slice_grad / strided_slice's grad: generated with out_grad first (see ``_swapped``); the
-    attributes (``attrs``: their key) checked before the mesh is read (``_kk``: a local of the
-    generated code), as before the rules were declared."""
+def _grad(op: str, signature: str, key: str, paddle: str, doc: str) -> Callable[..., SpmdResult]:
+    """slice_grad / strided_slice's grad, generated with out_grad first (``_swapped``); the
+    attributes (``key``) checked before the mesh is read (``pre``), as before the rules were declared."""
     sig = signature.replace("input: T, out_grad: T,", "out_grad: T, input: T,")
-    return generate(op, sig, Way(notation, key="*_sliced(_kk, input, out_grad, 'out_grad')", pre=f"_kk = {attrs}",
+    return generate(op, sig, Way(notation, key="*_sliced(_kk, input, out_grad, 'out_grad')", pre=f"_kk = {key}",
                                  env=_ENV, wrap=_swapped, paddle=paddle, doc=doc), name=op)  # fmt: skip
 
 
 declare(
     "slice", _SLICE,
-    Way(notation, key="*_sk('copy', len(input.shape), axes, len(starts), len(ends), decrease_axis)", env=_ENV,
-        paddle="SliceInferSpmd", doc="The sliced axes replicated; the decreased axes dropped from the output."),
-    reverse=Way(notation, key="*_sliced(_sk('copy', len(input.shape), axes, len(starts), len(ends), decrease_axis), "
-                "input, output, 'output')",
+    Way(notation, key="*" + _SK.format("copy", "decrease_axis"), env=_ENV, paddle="SliceInferSpmd",
+        doc="The sliced axes replicated; the decreased axes dropped from the output."),
+    reverse=Way(notation, key=f"*_sliced({_SK.format('copy', 'decrease_axis')}, input, output, 'output')",
                 env=_ENV, paddle="SliceInferSpmdReverse",
                 doc="input from output: the decreased axes put back, the sliced axes replicated."),
     outputs="output: T",
 )  # fmt: skip
-_SLICE_G = _SLICE.replace("input: T,", "input: T, out_grad: T,")
-register("slice_grad", _grad(
-    "slice_grad", _SLICE_G, "_sk('slice_grad', len(input.shape), axes, len(starts), len(ends), decrease_axis)",
-    "SliceGradInferSpmdDynamic", "input and out_grad merged (out_grad claims first), the sliced axes replicated; "
-    "input_grad (out_grad padded back with zeros) sharded as input."), _SLICE_G, forward_name="SliceGradInferSpmdDynamic")
-_SS_KEY = "_sk('slice_grad', len(input.shape), axes, len(starts), len(ends), (), strides)"
-_SS_DOC = "As slice_grad (StridedSliceGradInferSpmd)."
+register("slice_grad", _grad("slice_grad", _SLICE_G, _SK.format("slice_grad", "decrease_axis"),
+                             "SliceGradInferSpmdDynamic", "input and out_grad merged; input_grad sharded as input."),
+         _SLICE_G, forward_name="SliceGradInferSpmdDynamic")  # fmt: skip
+_SS_GRAD = (_SSLICE_G, _SK.format("slice_grad", "(), strides"), "StridedSliceGradInferSpmd", "As slice_grad.")
 register(
-    "strided_slice", generate("strided_slice", _SSLICE, Way(
-        notation, key="*_sk('copy', len(input.shape), axes, len(starts), len(ends), (), strides)", env=_ENV,
-        doc="The sliced axes replicated."), name="strided_slice_forward"),
-    _SSLICE, _grad("strided_slice", _SSLICE_G, _SS_KEY, "StridedSliceGradInferSpmd", _SS_DOC), _SSLICE_G,
+    "strided_slice", generate("strided_slice", _SSLICE, Way(notation, key="*" + _SK.format("copy", "(), strides"),
+                              env=_ENV, doc="The sliced axes replicated."), name="strided_slice_forward"),
+    _SSLICE, _grad("strided_slice", *_SS_GRAD), _SSLICE_G,
     kind="grad", forward_name="StridedSliceInferSpmd", backward_name="StridedSliceGradInferSpmd",
 )  # fmt: skip
-register("strided_slice_grad", _grad("strided_slice_grad", _SSLICE_G, _SS_KEY, "StridedSliceGradInferSpmd", _SS_DOC),
-         _SSLICE_G, forward_name="StridedSliceGradInferSpmd")
+register("strided_slice_grad", _grad("strided_slice_grad", *_SS_GRAD), _SSLICE_G,
+         forward_name="StridedSliceGradInferSpmd")
 declare(
     "tile", "x: T, repeat_times: ints",
     Way(notation, key="*_tk('copy', len(x.shape), repeat_times)[0]", env=_ENV, paddle="TileInferSpmd",
@@ -312,51 +249,41 @@ declare(
                 doc="x from out's untiled axes; out returned as x produces it."),
     outputs="out: T",
 )  # fmt: skip
-declare(
-    "tile_grad", "x: T, out_grad: T, repeat_times: ints",
-    Way(notation, key="*_tiled('tile_grad', x, out_grad, 'out_grad', repeat_times)", env=_ENV,
-        paddle="TileGradInferSpmd",
-        doc="x and out_grad merged on untiled axes; out_grad's new leading axes make x_grad partial."),
-)  # fmt: skip
+declare("tile_grad", "x: T, out_grad: T, repeat_times: ints",
+        Way(notation, key="*_tiled('tile_grad', x, out_grad, 'out_grad', repeat_times)", env=_ENV,
+            paddle="TileGradInferSpmd", doc="x and out_grad merged on untiled axes; new leading axes: x_grad partial."))
 declare(
     "expand", "x: T, shape: ints",
     Way(notation, key="*_bk('copy', x, _target(x, shape), 'shape')", env=_ENV, paddle="ExpandInferSpmd",
         doc="Broadcast and new axes replicated, the others as x."),
-    reverse=Way(notation, key="*_expanded(x, out, shape)", env=_ENV,
+    reverse=Way(notation, key="*_bk('copy', x, _target(x, shape, out, 'out'), 'shape')", env=_ENV,
                 paddle="ExpandInferSpmdReverse", doc="x from out's non-broadcast axes; out returned as x produces it."),
     outputs="out: T",
 )  # fmt: skip
-declare(
-    "expand_grad", "x: T, out_grad: T, shape: ints",
-    # shape checked before the mesh is read (as before the rule was declared); _tg: a local of the generated code
-    Way(notation, key="*_bk('expand_grad', x, _tg, 'shape')", pre="_tg = _target(x, shape, out_grad, 'out_grad')",
-        env=_ENV, paddle="ExpandGradInferSpmd", doc="As expand_as_grad, broadcast axes from ``shape``."),
-)  # fmt: skip
+# shape checked before the mesh is read (as before the rule was declared); _tg: a local of the generated code
+declare("expand_grad", "x: T, out_grad: T, shape: ints",
+        Way(notation, key="*_bk('expand_grad', x, _tg, 'shape')", pre="_tg = _target(x, shape, out_grad, 'out_grad')",
+            env=_ENV, paddle="ExpandGradInferSpmd", doc="As expand_as_grad, broadcast axes from ``shape``."))
 declare(
     "expand_as", "x: T, y: T?, target_shape: ints = []",
-    Way(notation, key="*_eas(x, y, target_shape)", env=_ENV, paddle="ExpandAsInferSpmd",
-        doc="out sharded as y; x as y on the axes it does not broadcast. Without y (Paddle allows it): out has "
-            "target_shape, sharded as x on x's kept axes, broadcast and new axes replicated."),
+    Way(notation, key="*(_bk('copy_noy', x, tuple(target_shape), 'target_shape') if y is None else "
+        "_bk('expand', x, y.shape, 'y'))", env=_ENV, paddle="ExpandAsInferSpmd",
+        doc="out sharded as y; x as y on the axes it does not broadcast (without y: out has target_shape)."),
     grad=Way(notation, key="*_bk('expand_grad', x, out_grad.shape, 'out_grad')", env=_ENV,
-             paddle="ExpandAsGradInferSpmd",
-             doc="x_grad as x (out_grad's sharding where x is not broadcast); partial SUM over the mesh dims "
-                 "out_grad has on broadcast and new axes."),
+             paddle="ExpandAsGradInferSpmd", doc="x_grad as x; partial SUM over out_grad's broadcast axes' mesh dims."),
     grad_signature="x: T, out_grad: T, target_shape: ints = []", grad_name="expand_as_grad",
     grad_aliases=("expand_as_v2_grad",), aliases=("expand_as_v2",),
 )  # fmt: skip
+_PAD = "x: T, paddings: ints, pad_value: int = 0"
 _PAD_G = "x: T, out: T, paddings: ints, pad_value: int = 0"
 register(
-    "pad", generate("pad", "x: T, paddings: ints, pad_value: int = 0", Way(
-        notation, key="*_pk('keep', len(x.shape), paddings)", env=_ENV, doc="Padded axes replicated, the others as x."),
-        name="pad_forward"),
-    "x: T, paddings: ints, pad_value: int = 0",
-    generate("pad", _PAD_G, Way(notation, key="*_padded(x, out, paddings)", env=_ENV,
-                                doc="(PadGradInferSpmd) x from out: padded axes replicated, the others as out (a "
-                                    "co-shard read as its largest mesh dim)."), "backward", ["out"], name="pad_backward"),
+    "pad", generate("pad", _PAD, Way(notation, key="*_pk('keep', len(x.shape), paddings)", env=_ENV,
+                                     doc="Padded axes replicated, the others as x."), name="pad_forward"),
+    _PAD, generate("pad", _PAD_G, Way(notation, key="*_padded(x, out, paddings)", env=_ENV,
+                                      doc="(PadGradInferSpmd) x from out: padded axes replicated."),
+                   "backward", ["out"], name="pad_backward"),
     _PAD_G, kind="grad", forward_name="PadInferSpmd", backward_name="PadGradInferSpmd",
 )  # fmt: skip
-declare(
-    "pad_grad", "out_grad: T, paddings: ints, pad_value: scalar = 0",
-    Way(notation, key="*_pk('keep', len(out_grad.shape), paddings)", env=_ENV, paddle="PadGradInferSpmdDynamic",
-        doc="x_grad = out_grad cropped: padded axes replicated, the others as out_grad."),
-)  # fmt: skip
+declare("pad_grad", "out_grad: T, paddings: ints, pad_value: scalar = 0",
+        Way(notation, key="*_pk('keep', len(out_grad.shape), paddings)", env=_ENV, paddle="PadGradInferSpmdDynamic",
+            doc="x_grad = out_grad cropped: padded axes replicated, the others as out_grad."))

@@ -1,8 +1,5 @@
 """split, split_with_num, unbind, concat, stack and their grads.
 
-Vector outputs (split, unbind, concat_grad, stack_grad) are one tuple of dist attrs in
-``outputs``; vector inputs (concat, stack, the grads' out_grad lists) one tuple in ``inputs``.
-
 * ``split(x, sections, axis)`` / ``split_with_num(x, num, axis)``: ``abc -> abc, abc, ...``, the
   split axis ``b`` replicated (a piece is a range of it), partial cleared (as in Paddle). Reverse
   rules merge the pieces per axis; where two shard one axis over different mesh dims the larger
@@ -18,6 +15,8 @@ Vector outputs (split, unbind, concat_grad, stack_grad) are one tuple of dist at
   (the op is linear); Paddle drops it on concat's output (unsound, DESIGN class 6).
   The reverse rules take the output's sharding, the joined axis replicated, for every input,
   and return the output those inputs produce (Paddle returns the requested output, DESIGN 4).
+  A tensor of shape ``[0]`` among inputs of rank 2 or more is Paddle's placeholder for an empty
+  tensor: it takes no part and is answered replicated.
 * grads: ``split_grad(out_grad, axis)`` / ``split_with_num_grad`` = concat of the out_grads,
   ``unbind_grad(out_grad, axis)`` = stack, ``concat_grad(x, output_grad, axis)`` aligns x and
   output_grad as concat does (x_grad pieces sharded as x), ``stack_grad(output_grad, axis)``
@@ -47,20 +46,19 @@ from spmdkit.engine.notation import Notation, letters_for
 from spmdkit.engine.registry import register
 from spmdkit.engine.signature import REVERSE, reverse_signature
 
+T = DistTensorSpec
 #: The most outputs a split / unbind / stack_grad answers (see the module docstring).
 MAX_OUTPUTS = 4096
 
 
-def _axis(axis: int, ndim: int, extra: int = 0) -> int:
+def _axis(axis: int, ndim: int, extra: int = 0, name: str = "x") -> int:
+    """``axis`` of an ``ndim``-D tensor (``extra``: stack's new axis counts) made non-negative."""
     n = ndim + extra
-    if ndim == 0:
-        raise ShapeMismatchError(f"x is 0-d; there is no axis {axis} to act on")
+    if n == 0:
+        raise ShapeMismatchError(f"{name} is 0-d; there is no axis {axis} to act on")
     if -n <= axis < n:
         return axis + n if axis < 0 else axis
     raise InvalidAttributeError(f"axis {axis} is out of range [{-n}, {n}) for a {ndim}-D tensor")
-
-
-# -- the notations: one tensor to its pieces, and the join of many ------------------------------
 
 
 def pieces(drop: bool, grad: bool, ndim: int, axis: int) -> Notation:
@@ -75,13 +73,12 @@ def rejoin(drop: bool, n: int, ndim: int, axis: int) -> Notation:
     """x (``a1c``) from its n pieces (``abc``; unbind: ``ac``), compiled backward: the split axis
     ``b`` claims a mesh dim first wanted there, and shards nothing (no input carries it)."""
     x = letters_for(ndim)
-    return Notation([x[:axis] + "1" + x[axis + 1:]], [x[:axis] + x[axis + 1:] if drop else x] * n, coshard="largest")
+    return Notation([x.replace(x[axis], "1")], [x.replace(x[axis], "") if drop else x] * n, coshard="largest")
 
 
 def join(stack: bool, grad: bool, n: int, ndim: int, axis: int, empty: int) -> Notation:
     """``abc, abc, ... -> abc`` (concat, ``b`` replicated) or ``-> ab1c`` (stack); concat_grad
-    (``grad``) merges output_grad too. ``empty``: a bit per input that is Paddle's placeholder for
-    an empty tensor (shape ``[0]``), which takes no part (None: replicated)."""
+    (``grad``) merges output_grad too. ``empty``: a bit per placeholder input (None)."""
     x = letters_for(ndim)
     xs = [None if (empty >> i) & 1 else x for i in range(n)]
     out = x[:axis] + "1" + x[axis:] if stack else x
@@ -98,10 +95,7 @@ def unjoin(stack: bool, n: int, ndim: int, axis: int, empty: int) -> Notation:
     return Notation([*xs, x], [], x[axis], coshard="largest", sources=(n,))
 
 
-# -- split / split_with_num / unbind: one tensor and its n pieces ------------------------------
-
-
-def _alike(ts: Sequence[DistTensorSpec], f: Sequence[int], ndim: int, axis: int, drop: bool) -> bool:
+def _alike(ts: Sequence[T], f: Sequence[int], ndim: int, axis: int, drop: bool) -> bool:
     """Every tensor of ``ts`` has rank ``ndim`` and ``f``'s sizes off ``axis`` (``drop``: ``f`` has
     the axis, they do not): the common case, checked before the checks that name what is wrong."""
     head, tail = f[:axis], f[axis + 1:]
@@ -112,165 +106,118 @@ def _alike(ts: Sequence[DistTensorSpec], f: Sequence[int], ndim: int, axis: int,
     return True
 
 
-def _sections(x: DistTensorSpec, sections: tuple[int, ...], axis: int) -> int:
+def _like(name: str, s: Sequence[int], rname: str, ref: Sequence[int], skip: int | None) -> None:
+    """``s`` has ``ref``'s rank and its sizes off axis ``skip`` (unknown sizes, -1, match any)."""
+    if len(s) != len(ref):
+        raise ShapeMismatchError(f"{name} has {len(s)} dims, {rname} {len(ref)}")
+    for j, (a, b) in enumerate(zip(s, ref)):
+        if j != skip and a != b and a >= 0 and b >= 0:
+            raise ShapeMismatchError(f"{name} has size {a} on axis {j}, {rname} has {b}")
+
+
+def _sections(x: T, sections: tuple[int, ...], axis: int) -> int:
     """split's axis, the sections checked against the axis size."""
     ax = _axis(axis, len(x.shape))
-    size = x.shape[ax]
-    if not sections:
-        raise InvalidAttributeError("sections is empty")
-    if len(sections) > MAX_OUTPUTS:
-        raise InvalidAttributeError(f"sections (of {len(sections)} entries) asks for {len(sections)} outputs; at most {MAX_OUTPUTS} are answered")
+    size, known = x.shape[ax], sum(s for s in sections if s != -1)
+    if not 0 < len(sections) <= MAX_OUTPUTS:
+        raise InvalidAttributeError(f"sections has {len(sections)} entries; 1 to {MAX_OUTPUTS} outputs are answered")
     if any(s < -1 for s in sections) or sections.count(-1) > 1:
         raise InvalidAttributeError(f"sections {list(sections)} may hold sizes >= 0 and at most one -1")
-    if size >= 0:
-        known = sum(s for s in sections if s != -1)
-        if (-1 not in sections and known != size) or known > size:
-            raise InvalidAttributeError(f"sections {list(sections)} do not add up to the axis size {size}")
+    if size >= 0 and ((-1 not in sections and known != size) or known > size):
+        raise InvalidAttributeError(f"sections {list(sections)} do not add up to the axis size {size}")
     return ax
 
 
-def _num(x: DistTensorSpec, num: int, axis: int) -> int:
+def _num(x: T, num: int, axis: int) -> int:
     """split_with_num's axis, num checked."""
     ax = _axis(axis, len(x.shape))
-    if num <= 0:
-        raise InvalidAttributeError(f"num must be positive, got {num}")
-    if num > MAX_OUTPUTS:
-        raise InvalidAttributeError(f"num {num} asks for {num} outputs; at most {MAX_OUTPUTS} are answered")
+    if not 0 < num <= MAX_OUTPUTS:
+        raise InvalidAttributeError(f"num {num} must be positive; at most {MAX_OUTPUTS} outputs are answered")
     if x.shape[ax] >= 0 and x.shape[ax] % num:
         raise InvalidAttributeError(f"num {num} does not divide the axis size {x.shape[ax]}")
     return ax
 
 
-def _slices(x: DistTensorSpec, axis: int, name: str = "x", what: str = "outputs") -> int:
+def _slices(x: T, axis: int, name: str = "x", what: str = "outputs") -> int:
     """unbind's (stack_grad's) axis, its size (the slice count) checked."""
     ax = _axis(axis, len(x.shape))
     n = x.shape[ax]
     if n < 0:
         raise ShapeMismatchError(f"the size of axis {axis} of {name} is unknown, so is the number of {what}")
     if n > MAX_OUTPUTS:
-        raise ShapeMismatchError(f"{name}'s axis {axis} (size {n}) asks for {n} outputs; at most {MAX_OUTPUTS} are answered")
+        raise ShapeMismatchError(f"{name}'s axis {axis} (size {n}) asks for {n} outputs; at most {MAX_OUTPUTS} "
+                                 "are answered")
     return ax
 
 
-def _pieces_key(x: DistTensorSpec, out: Sequence[DistTensorSpec], axis: int, n: int, drop: bool
-                ) -> tuple[int, int, int]:
+def _pieces_key(x: T, out: Sequence[T], axis: int, n: int, drop: bool) -> tuple[int, int, int]:
     """The reverse key (n, rank, axis) of a split-like op, the n pieces checked against x."""
     if len(out) != n:
         raise ShapeMismatchError(f"out has {len(out)} tensors, the op makes {n}")
     xs = x.shape
-    want = len(xs) - 1 if drop else len(xs)
-    for i, o in enumerate(() if _alike(out, xs, want, axis, drop) else out):
-        if len(o.shape) != want:
-            raise ShapeMismatchError(f"out[{i}] has {len(o.shape)} dims, expected {want}")
-        for j in range(len(xs)):
-            k = j - 1 if drop and j > axis else j
-            if j != axis and o.shape[k] != xs[j] and o.shape[k] >= 0 and xs[j] >= 0:
-                raise ShapeMismatchError(f"out[{i}] has size {o.shape[k]} on axis {k}, x has {xs[j]}")
+    if not _alike(out, xs, len(xs) - drop, axis, drop):
+        for i, o in enumerate(out):
+            _like(f"out[{i}]", o.shape, "x", xs[:axis] + xs[axis + 1:] if drop else xs, None if drop else axis)
     return n, len(xs), axis
 
 
-# -- concat / stack ---------------------------------------------------------------------------
-
-
-def _check_join(name: str, xs: Sequence[DistTensorSpec], axis: int | None) -> None:
-    """Sizes must agree off ``axis`` among the non-empty tensors, which share one rank."""
+def _check_join(name: str, xs: Sequence[T], axis: int | None) -> None:
+    """Sizes must agree off ``axis`` among the tensors other than placeholders."""
     if not xs:
         raise ShapeMismatchError(f"{name} is an empty list")
     ndim = max(len(t.shape) for t in xs)
-    first: DistTensorSpec | None = None
-    for i, t in enumerate(xs):
-        if ndim > 1 and t.shape == (0,):  # Paddle's placeholder for an empty tensor
-            continue
-        if len(t.shape) != ndim:
-            raise ShapeMismatchError(f"{name}[{i}] has {len(t.shape)} dims, the others {ndim}")
-        if first is None:
-            first = t
-            continue
-        for j, (a, b) in enumerate(zip(first.shape, t.shape)):
-            if j != axis and a != b and a >= 0 and b >= 0:
-                raise ShapeMismatchError(f"{name}[{i}] has size {b} on axis {j}, {name}[0] has {a}")
+    real = [(i, t.shape) for i, t in enumerate(xs) if ndim < 2 or t.shape != (0,)]
+    for i, s in real:
+        _like(f"{name}[{i}]", s, f"{name}[{real[0][0]}]", real[0][1], axis)
 
 
-def _join_key(stack: bool, name: str, xs: Sequence[DistTensorSpec], axis: int,
-              og: DistTensorSpec | None = None) -> tuple[int, int, int, int]:
-    """(n, rank, axis, placeholder bits) of a concat / stack of ``xs`` (with concat_grad's
-    output_grad ``og``)."""
+def _placeholders(name: str, ts: Sequence[T], ndim: int, want: int, allow: bool, other: str) -> int:
+    """A bit per placeholder of ``ts`` (where ``allow``ed), the others checked to be ``want``-D."""
+    empty = 0
+    for i, t in enumerate(ts):
+        if allow and ndim > 1 and t.shape == (0,):
+            empty |= 1 << i
+        elif len(t.shape) != want:
+            raise ShapeMismatchError(f"{name}[{i}] has {len(t.shape)} dims, expected {want} ({other} has {ndim})")
+    return empty
+
+
+def _join_key(stack: bool, name: str, xs: Sequence[T], axis: int, og: T | None = None) -> tuple[int, int, int, int]:
+    """(n, rank, axis, placeholder bits) of a concat / stack of ``xs`` (concat_grad: with output_grad ``og``)."""
     ndim = max(len(t.shape) for t in xs) if og is None else len(og.shape)
-    if not stack:
-        ax = _axis(axis, ndim)
-    elif ndim:
-        ax = _axis(axis, ndim, 1)
-    elif axis not in (0, -1):
-        raise InvalidAttributeError(f"axis {axis} is out of range [-1, 1) for stacking 0-d tensors")
-    else:
-        ax = 0
+    ax = _axis(axis, ndim, stack)
     every = xs if og is None else (*xs, og)
     if _alike(every, every[0].shape, ndim, ndim if stack else ax, False):  # (stack: every shape alike)
         return len(xs), ndim, ax, 0
     _check_join(name, every, None if stack else ax)
-    empty = 0
-    for i, t in enumerate(xs):
-        if ndim > 1 and t.shape == (0,):
-            empty |= 1 << i
-        elif len(t.shape) != ndim:  # concat_grad: x against output_grad (_check_join saw the largest rank)
-            raise ShapeMismatchError(f"{name}[{i}] has {len(t.shape)} dims, output_grad has {ndim}")
-    return len(xs), ndim, ax, empty
+    return len(xs), ndim, ax, _placeholders(name, xs, ndim, ndim, True, "output_grad")
 
 
-def _unjoin_key(stack: bool, x: Sequence[DistTensorSpec], output: DistTensorSpec, axis: int
-                ) -> tuple[int, int, int, int]:
+def _unjoin_key(stack: bool, x: Sequence[T], output: T, axis: int) -> tuple[int, int, int, int]:
     """(n, rank, axis, placeholder bits) of concat's / stack's reverse rule: x against the output."""
     ndim = len(output.shape)
-    if stack and ndim == 0:
-        raise ShapeMismatchError("output is 0-d; a stack has at least one axis")
-    ax = _axis(axis, ndim)
+    ax = _axis(axis, ndim, 0, "output")
     if x and _alike(x, output.shape, ndim - stack, ax, stack) and (not stack or output.shape[ax] in (len(x), -1)):
         return len(x), ndim, ax, 0
     _check_join("x", x, None if stack else ax)
-    empty = 0
-    for i, t in enumerate(x):
-        if len(t.shape) != ndim - stack:
-            if stack or ndim < 2 or t.shape != (0,):
-                want = f" (expected {ndim - 1})" if stack else ""
-                raise ShapeMismatchError(f"x[{i}] has {len(t.shape)} dims, output has {ndim}{want}")
-            empty |= 1 << i
+    empty = _placeholders("x", x, ndim, ndim - stack, not stack, "output")
     if stack and output.shape[ax] >= 0 and output.shape[ax] != len(x):
         raise ShapeMismatchError(f"output has size {output.shape[ax]} on axis {ax}, x has {len(x)} tensors")
     return len(x), ndim, ax, empty
 
 
-def _fill(attrs: Sequence[Any], specs: Sequence[DistTensorSpec]) -> Sequence[Any]:
+def _fill(attrs: Sequence[Any], specs: Sequence[T]) -> Any:
     """The attrs, a placeholder's (None) replicated."""
     for a in attrs:
         if a is None:
-            break
-    else:
-        return attrs
-    return tuple(replicated(t.dist_attr.mesh, len(t.shape)) if a is None else a for t, a in zip(specs, attrs))
+            return tuple(replicated(t.dist_attr.mesh, len(t.shape)) if b is None else b for t, b in zip(specs, attrs))
+    return attrs
 
 
-def _filled(ins: Any, outs: Any, x: Sequence[DistTensorSpec], *args: Any) -> Any:
-    """Placeholders (None) replicated; the reverse rules (compiled forward, no outputs): the
-    output those inputs produce."""
+def _filled(ins: Any, outs: Any, x: Sequence[T], *args: Any) -> Any:
+    """Placeholders replicated; a reverse rule (compiled forward, no outputs): the output its inputs produce."""
     xs = _fill(ins[0], x)
     return ((xs,), outs) if len(ins) == 1 else ((xs,), (ins[1],))
-
-
-def _grad_filled(ins: Any, outs: Any, x: Sequence[DistTensorSpec], *args: Any) -> Any:
-    """concat_grad: placeholders (None) replicated, the x_grads (flat) one tuple."""
-    return (_fill(ins[0], x), ins[1]), (_fill(outs, x),)
-
-
-def _declare_join(name: str, stack: bool, doc: str) -> None:
-    """declare() for concat / stack, whose reverse rule is compiled forward (see ``unjoin``)."""
-    sig, stem = "x: [T], axis: int = 0", name.capitalize()
-    fwd = generate(name, sig, Way(partial(join, stack, False), key=partial(_join_key, stack, "x"), post=_filled,
-                                  doc=doc), name=f"{name}_forward")
-    rev = generate(name, reverse_signature(sig, "output: T"), Way(
-        partial(unjoin, stack), key=partial(_unjoin_key, stack), post=_filled, doc=f"{name}: every input sharded "
-        "as the output, the joined axis replicated; the output is the one those inputs produce."), name=f"{name}_backward")
-    register(name, fwd, sig, rev, kind=REVERSE, outputs="output: T", forward_name=f"{stem}InferSpmd",
-             backward_name=f"{stem}InferSpmdReverse", doc=doc)  # fmt: skip
 
 
 # -- the declarations -------------------------------------------------------------------------
@@ -287,33 +234,40 @@ for _name, _count, _n, _attrs, _drop, _stem, _post, _doc in (
     ("unbind", _slices, "x.shape[axis]", "", True, "Unbind", lambda i, o, x, axis: (i, ((o[0],) * x.shape[axis],)),
      "Each slice is x's sharding without the unbound axis (which is replicated)."),
 ):
-    _a, _env = "".join(a.split(":")[0] + ", " for a in _attrs.split(", ") if a), {"_count": _count, "_rev": _pieces_key}
+    _a = "".join(a.split(":")[0] + ", " for a in _attrs.split(", ") if a)  # the attributes' names
+    _env = {"_count": _count, "_rev": _pieces_key}
     declare(
         _name, f"x: T, {_attrs + ', ' if _attrs else ''}axis: int = 0",
         Way(partial(pieces, _drop, False), key=f"x, _count(x, {_a}axis)", env=_env, post=cast(Any, _post),
             paddle=f"{_stem}InferSpmd", doc=_doc),
         reverse=Way(partial(rejoin, _drop), key=f"*_rev(x, out, _count(x, {_a}axis), {_n}, {_drop})", env=_env,
-                    paddle=f"{_stem}InferSpmdReverse", doc=f"{_name}: x from its pieces (the larger piece wins a conflict)."),
+                    paddle=f"{_stem}InferSpmdReverse", doc=f"{_name}: x from its pieces (the larger wins a conflict)."),
         outputs="out: [T]", doc=_doc,
     )  # fmt: skip
-_declare_join("concat", False, "Align the inputs mesh dim by mesh dim; the concat axis replicated; partial kept.")
-_declare_join("stack", True, "Align the inputs mesh dim by mesh dim; the new axis replicated in the output.")
+# concat / stack: the reverse rule is compiled forward (see ``unjoin``), so generated here and registered
+for _name, _stack, _doc in (
+    ("concat", False, "Align the inputs mesh dim by mesh dim; the concat axis replicated; partial kept."),
+    ("stack", True, "Align the inputs mesh dim by mesh dim; the new axis replicated in the output."),
+):
+    _sig, _stem = "x: [T], axis: int = 0", _name.capitalize()
+    _fwd = Way(partial(join, _stack, False), key=partial(_join_key, _stack, "x"), post=_filled, doc=_doc)
+    _rev = Way(partial(unjoin, _stack), key=partial(_unjoin_key, _stack), post=_filled,
+               doc=f"{_name}: every input sharded as the output, the joined axis replicated; the output is the one "
+                   "those inputs produce.")
+    register(_name, generate(_name, _sig, _fwd, name=f"{_name}_forward"), _sig,
+             generate(_name, reverse_signature(_sig, "output: T"), _rev, name=f"{_name}_backward"), kind=REVERSE,
+             outputs="output: T", forward_name=f"{_stem}InferSpmd", backward_name=f"{_stem}InferSpmdReverse", doc=_doc)
 # the grads of split / unbind join their out_grads as concat / stack do
 for _name, _stack, _doc in (("split_grad", False, "x_grad = concat(out_grad, axis)."),
                             ("split_with_num_grad", False, "x_grad = concat(out_grad, axis)."),
                             ("unbind_grad", True, "input_grad = stack(out_grad, axis).")):
     declare(_name, f"out_grad: [T], axis: int = {0 if _stack else -1}",
-            Way(partial(join, _stack, False), key=partial(_join_key, _stack, "out_grad"), post=_filled, doc=_doc),
-            doc=_doc)
-declare(
-    "concat_grad", "x: [T], output_grad: T, axis: int = 0",
-    Way(partial(join, False, True), key=lambda x, og, axis: _join_key(False, "x", x, axis, og), post=_grad_filled,
-        paddle="ConcatGradInferSpmdDynamic",
-        doc="x and output_grad aligned as concat aligns its inputs; each x_grad sharded as its x."),
-)  # fmt: skip
-declare(
-    "stack_grad", "output_grad: T, axis: int = 0",
-    Way(partial(pieces, True, True), key="output_grad, _slices(output_grad, axis, 'output_grad', 'x_grad')",
-        env={"_slices": _slices}, post=lambda i, o, og, axis: (i, ((o[0],) * og.shape[axis],)), paddle="StackGradInferSpmd",
-        doc="The stacked axis of output_grad replicated; every x_grad gets the other axes' sharding."),
-)  # fmt: skip
+            Way(partial(join, _stack, False), key=partial(_join_key, _stack, "out_grad"), post=_filled, doc=_doc))
+declare("concat_grad", "x: [T], output_grad: T, axis: int = 0",
+        Way(partial(join, False, True), key=lambda x, og, axis: _join_key(False, "x", x, axis, og),
+            post=lambda i, o, x, *a: ((_fill(i[0], x), i[1]), (_fill(o, x),)), paddle="ConcatGradInferSpmdDynamic",
+            doc="x and output_grad aligned as concat aligns its inputs; each x_grad sharded as its x."))
+declare("stack_grad", "output_grad: T, axis: int = 0",
+        Way(partial(pieces, True, True), key="output_grad, _slices(output_grad, axis, 'output_grad', 'x_grad')",
+            env={"_slices": _slices}, post=lambda i, o, og, axis: (i, ((o[0],) * og.shape[axis],)),
+            paddle="StackGradInferSpmd", doc="The stacked axis replicated; each x_grad gets the other axes' sharding."))

@@ -9,7 +9,7 @@ co-sharded out axis is read as its largest mesh dim, and out is returned as the 
 produces it (never partial: Paddle's reshape keeps out's partial over an x it asks unpartial,
 which is unsound). squeeze and unsqueeze forward drop a partial x (reshard) and read co-shards
 as their largest mesh dim, reshape and flatten keep both. Grad rules reshape out_grad back to
-x's shape (the shape of ``x_shape`` / ``xshape`` / ``x``).
+x's shape (the shape of ``x_shape`` / ``xshape`` / ``x``, returned as given).
 
 Deviations from Paddle 3.3.1 (docs/deviations.md, "View family"): invalid targets and axes
 raise; unsqueeze places new axes as the op does (one after another), and the reverse rules
@@ -26,47 +26,28 @@ import math
 from functools import partial
 from typing import Any
 
-from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
+from spmdkit.engine import dim_trans as dt
+from spmdkit.engine.axes import make_attr
 from spmdkit.engine.declare import Answer, Way, declare
-from spmdkit.engine.dim_trans import (
-    DimTrans,
-    Link,
-    flatten_reverse_trans,
-    flatten_trans,
-    invert_trans,
-    links,
-    reshape_links,
-    resolve_target,
-    squeeze_trans,
-    unsqueeze_trans,
-    view_plan,
-)
+from spmdkit.engine.dim_trans import DimTrans, Link
 from spmdkit.engine.notation import Notation
-
-_make = TensorDistAttr.unchecked
 
 #: The most axes one unsqueeze inserts (see the module docstring).
 MAX_NEW_AXES = 1024
 
 
-def notation(keep: bool, n: int, ln: tuple[Link, ...]) -> Notation:
-    """A view from ``n`` axes to ``len(ln)`` axes linked as ``ln`` (``dim_trans.view_plan``'s
-    notation: each input axis a letter, a Flatten / Split a ``flatten`` run); ``keep``: co-shards
-    read as they are (reshape, flatten, the grads), else as their largest mesh dim (squeeze,
-    unsqueeze and every reverse rule, as Paddle 3.3.1)."""
-    return view_plan(n, ln, keep).notation
-
-
-def reverse_notation(n: int, ln: tuple[Link, ...]) -> Notation:
-    """The reverse rule's: the view from out's ``n`` axes to x's, merged over out."""
-    return view_plan(n, ln, False, True).notation
+def notation(keep: bool, backward: bool, n: int, ln: tuple[Link, ...]) -> Notation:
+    """A view from ``n`` axes to ``len(ln)`` axes linked as ``ln`` (``dim_trans.view_plan``); ``keep``: co-shards
+    read as they are (reshape, flatten, the grads), else as their largest mesh dim (squeeze, unsqueeze, every
+    reverse rule, as Paddle 3.3.1); ``backward``: a reverse rule's, from out's axes to x's, merged over out."""
+    return dt.view_plan(n, ln, keep, backward).notation
 
 
 def grad_notation(n: int, ln: tuple[Link, ...]) -> Notation:
     """A grad's: x's shape holder unlabelled (returned as given), out_grad viewed as x's shape."""
-    nt = view_plan(n, ln).notation
+    nt = dt.view_plan(n, ln).notation
     return nt.relabel([None, *nt.inputs], nt.outputs)
 
 
@@ -74,31 +55,18 @@ def _sizes(op: str, spec: DistTensorSpec, name: str, dynamic: bool = False) -> N
     """Sizes >= 1; with ``dynamic`` (reshape's x and out) a size may also be -1 (unknown)."""
     for s in spec.shape:
         if s <= 0 and not (dynamic and s == -1):
-            raise ShapeMismatchError(f"{op}: {name} has shape {list(spec.shape)}; view rules need sizes >= 1"
-                                     + (" (or -1 for a dynamic size)" if dynamic else ""))
-
-
-def _target(x: DistTensorSpec, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """reshape's out shape (0 copies x's size, one -1 inferred; a dynamic (-1) size of x must be
-    copied by a 0 at its index)."""
-    for v in x.shape:
-        if v <= 0:
-            _sizes("reshape", x, "x", dynamic=True)
-            break
-    return resolve_target("reshape", shape, x.shape)
+            raise ShapeMismatchError(f"{op}: {name} has shape {list(spec.shape)}; need sizes >= 1{' or -1' * dynamic}")
 
 
 def _out(op: str, x: DistTensorSpec, out: DistTensorSpec, out_shape: tuple[int, ...]) -> None:
     if tuple(out.shape) != tuple(out_shape):
-        raise ShapeMismatchError(f"{op}: out has shape {list(out.shape)} but x of shape {list(x.shape)} "
-                                 f"gives {list(out_shape)}")
+        raise ShapeMismatchError(f"{op}: out has shape {list(out.shape)}, x {list(x.shape)} gives {list(out_shape)}")
 
 
 def _linear(ins: Any, outs: Any, x: DistTensorSpec, *attrs: object) -> Answer:
-    """A partial x kept on x and out (a view is linear, so x's partial sum passes to out; the
-    engine reshards a partial input): reshape, flatten."""
-    a, i, o = x.dist_attr, ins[0], outs[0]
-    return (_make(a.mesh, i.dims_mapping, a.partial),), (_make(a.mesh, o.dims_mapping, a.partial),)
+    """x's partial kept on x and out (a view is linear; the engine reshards a partial input)."""
+    a = x.dist_attr
+    return (make_attr(a.mesh, ins[0].dims_mapping, a.partial),), (make_attr(a.mesh, outs[0].dims_mapping, a.partial),)
 
 
 def _grad_check(op: str, xs_name: str, xs: DistTensorSpec, out_grad: DistTensorSpec) -> None:
@@ -106,67 +74,64 @@ def _grad_check(op: str, xs_name: str, xs: DistTensorSpec, out_grad: DistTensorS
     _sizes(op, out_grad, "out_grad")
     n = math.prod(xs.shape)
     if n != math.prod(out_grad.shape):
-        raise ShapeMismatchError(f"{op}: out_grad of shape {list(out_grad.shape)} does not hold the "
-                                 f"{n} elements of {xs_name} of shape {list(xs.shape)}")
+        raise ShapeMismatchError(f"{op}: out_grad {list(out_grad.shape)} does not hold the {n} elements of {xs_name}")
 
 
 def _grad_post(ins: Any, outs: Any, xs: DistTensorSpec, out_grad: DistTensorSpec, *attrs: object) -> Answer:
-    """x's shape holder returned as given (squeeze / unsqueeze grads' ``axis`` unused); a partial
-    out_grad kept on out_grad and x_grad (linear)."""
-    a = out_grad.dist_attr
-    if not a.partial:
-        return (xs.dist_attr, ins[1]), outs
-    return (xs.dist_attr, _make(a.mesh, ins[1].dims_mapping, a.partial)), (_make(a.mesh, outs[0].dims_mapping, a.partial),)
+    """x's shape holder returned as given (the grads' ``axis`` unused); out_grad's partial kept on it and x_grad."""
+    i, o = _linear(ins[1:], outs, out_grad) if out_grad.dist_attr.partial else (ins[1:], outs)
+    return (xs.dist_attr, *i), o
 
 
 def _unsqueeze(x: DistTensorSpec, axis: tuple[int, ...]) -> tuple[tuple[DimTrans, ...], tuple[int, ...]]:
     if len(axis) > MAX_NEW_AXES:
-        raise InvalidAttributeError(f"unsqueeze: axis has {len(axis)} entries; at most {MAX_NEW_AXES} new axes are answered")
-    return unsqueeze_trans(x.shape, tuple(axis))
+        raise InvalidAttributeError(f"unsqueeze: axis has {len(axis)} entries; at most {MAX_NEW_AXES} are answered")
+    return dt.unsqueeze_trans(x.shape, tuple(axis))
 
 
-_ENV = {"_sizes": _sizes, "_target": _target, "resolve_target": resolve_target, "_out": _out, "_links": links,
-        "_rlinks": reshape_links, "_grad_check": _grad_check, "flatten_trans": flatten_trans, "squeeze_trans": squeeze_trans,
-        "flatten_reverse_trans": flatten_reverse_trans, "invert_trans": invert_trans, "_unsqueeze": _unsqueeze}
+_ENV = {"dt": dt, "_sizes": _sizes, "_out": _out, "_grad_check": _grad_check, "_unsqueeze": _unsqueeze}
 declare(
     "reshape", "x: T, shape: ints",
-    Way(partial(notation, True), key="x, _rlinks(x.shape, tgt)", check="tgt = _target(x, shape)",
-        out_shapes="(tgt,)", post=_linear, post_if="x.dist_attr.partial", env=_ENV, paddle="ReshapeInferSpmd",
-        doc="out = x viewed as ``shape`` (0 copies x's size, one -1 inferred)."),
-    reverse=Way(reverse_notation, key="out, _rlinks(out.shape, x.shape)", env=_ENV, paddle="ReshapeInferSpmdReverse",
+    Way(partial(notation, True, False), key="x, dt.reshape_links(x.shape, tgt)", out_shapes="(tgt,)", env=_ENV,
+        check="_sizes('reshape', x, 'x', True); tgt = dt.resolve_target('reshape', shape, x.shape)",
+        post=_linear, post_if="x.dist_attr.partial", paddle="ReshapeInferSpmd",
+        doc="out = x viewed as ``shape`` (0 copies x's size, one -1 inferred; a dynamic (-1) size of x must be "
+            "copied by a 0 at its index)."),
+    reverse=Way(partial(notation, False, True), key="out, dt.reshape_links(out.shape, x.shape)", env=_ENV,
                 check="_sizes('reshape', x, 'x', True); _sizes('reshape', out, 'out', True); "
-                      "_out('reshape', x, out, resolve_target('reshape', shape, x.shape))",
-                doc="x from out through the list out -> x."),
+                      "_out('reshape', x, out, dt.resolve_target('reshape', shape, x.shape))",
+                paddle="ReshapeInferSpmdReverse", doc="x from out through the list out -> x."),
     outputs="out: T", aliases=("reshape2",),
 )  # fmt: skip
-# flatten, squeeze, unsqueeze: the op's list and out shape, the reverse's list out -> x (over the
-# parameters; trans: the op's list)
+# flatten, squeeze, unsqueeze: the op's list (trans) and out shape, the reverse's list out -> x
 _FLAT = "x.shape, int(start_axis), int(stop_axis)"
 for _op, _lists, _rev, _keep, _sig, _aliases, _doc in (
-    ("flatten", f"flatten_trans({_FLAT})", f"flatten_reverse_trans({_FLAT})", True,
+    ("flatten", f"dt.flatten_trans({_FLAT})", f"dt.flatten_reverse_trans({_FLAT})", True,
      "x: T, start_axis: int, stop_axis: int", (), "Axes start_axis..stop_axis merged into one."),
-    ("squeeze", "squeeze_trans(x.shape, tuple(axis))", "invert_trans(trans, x.ndim)", False, "x: T, axis: ints", (),
-     "Size-1 axes in ``axis`` (all when empty) removed; sharding on kept size-1 axes dropped."),
-    ("unsqueeze", "_unsqueeze(x, axis)", "invert_trans(trans, x.ndim)", False, "x: T, axis: ints", ("unsqueeze2",),
+    ("squeeze", "dt.squeeze_trans(x.shape, tuple(axis))", "dt.invert_trans(trans, x.ndim)", False, "x: T, axis: ints",
+     (), "Size-1 axes in ``axis`` (all when empty) removed; sharding on kept size-1 axes dropped."),
+    ("unsqueeze", "_unsqueeze(x, axis)", "dt.invert_trans(trans, x.ndim)", False, "x: T, axis: ints", ("unsqueeze2",),
      "New size-1 axes inserted at ``axis`` (one after another, as the op does)."),
 ):
     _pd = _op.capitalize()
     _check = f"_sizes({_op!r}, x, 'x'); trans, oshape = {_lists}"
     declare(
         _op, _sig,
-        Way(partial(notation, _keep), key="x, _links(trans)", env=_ENV, check=_check,
+        Way(partial(notation, _keep, False), key="x, dt.links(trans)", env=_ENV, check=_check,
             out_shapes="(oshape,)", post=_linear if _keep else None, post_if="x.dist_attr.partial",
             paddle=f"{_pd}InferSpmd", doc=_doc),
-        reverse=Way(reverse_notation, key=f"out, _links({_rev})", env=_ENV, check=f"{_check}; _out({_op!r}, x, out, oshape)",
-                    paddle=f"{_pd}InferSpmdReverse", doc=f"{_op} reverse: x from out through the inverted list."),
+        reverse=Way(partial(notation, False, True), key=f"out, dt.links({_rev})", env=_ENV,
+                    check=f"{_check}; _out({_op!r}, x, out, oshape)", paddle=f"{_pd}InferSpmdReverse",
+                    doc=f"{_op} reverse: x from out through the inverted list."),
         outputs="out: T", aliases=_aliases,
     )  # fmt: skip
 for _op, _sig in (("reshape", "x_shape: T, out_grad: T"), ("flatten", "xshape: T, out_grad: T"),
-                  ("squeeze", "xshape: T, out_grad: T, axis: ints = []"), ("unsqueeze", "x: T, out_grad: T, axis: ints = []")):
+                  ("squeeze", "xshape: T, out_grad: T, axis: ints = []"),
+                  ("unsqueeze", "x: T, out_grad: T, axis: ints = []")):
     _xs = _sig.split(":")[0]
     declare(
         f"{_op}_grad", _sig,
-        Way(grad_notation, key=f"out_grad, _rlinks(out_grad.shape, {_xs}.shape)", env=_ENV,
+        Way(grad_notation, key=f"out_grad, dt.reshape_links(out_grad.shape, {_xs}.shape)", env=_ENV,
             check=f"_grad_check({_op + '_grad'!r}, {_xs!r}, {_xs}, out_grad)", out_shapes=f"({_xs}.shape,)",
             post=_grad_post, paddle=f"{_op.capitalize()}GradInferSpmd",
             doc="x_grad = out_grad viewed as x's shape; the shape holder is returned as given."),
