@@ -210,7 +210,7 @@ def _rule_plans() -> list[tuple[Plan, str]]:
         for axis in range(nd):
             plans.append((compile_plan(softmax.notation(nd, axis)), "forward"))
             plans.append((compile_plan(softmax.notation(nd, axis), "backward"), "backward"))
-            plans.append((compile_plan(softmax.grad_notation(nd, axis)), "forward"))
+            plans.append((compile_plan(softmax.notation(nd, axis, grad=True)), "forward"))
     for nd in (1, 2, 3):  # slice.py: the fixed (sliced / tiled / broadcast) axes, new leading axes
         for fixed in ((), (0,), (nd - 1,)):
             for lead in (0, 2):
