@@ -55,7 +55,13 @@ Shape = tuple[int, ...]
 
 def _differ(x: Shape, *others: Shape) -> int:
     """A bit per axis where one of ``others`` differs from ``x`` in size."""
-    return sum(1 << i for i, n in enumerate(x) if any(o[i] != n for o in others))
+    m = 0
+    for i, n in enumerate(x):
+        for o in others:
+            if o[i] != n:
+                m |= 1 << i
+                break
+    return m
 
 
 def _along(kind: str, nd: int, axis: int, differ: int) -> Notation:
