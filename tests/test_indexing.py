@@ -137,7 +137,7 @@ def test_paddle_scatter_cases() -> None:
     index [32] spmdkit answers as Paddle except where Paddle shards the updates' batch axis and marks
     out partial (cases 2 and 5, indexing-scatter-batch): spmdkit replicates that axis."""
     r = get_rule("scatter")
-    with pytest.raises(ShapeMismatchError, match="scatter: updates"):
+    with pytest.raises(ShapeMismatchError, match=r"scatter: .*updates"):
         r.infer_forward(T(M4, [64, 32, 48], [-1, -1, -1]), T(M4, [16], [-1]), T(M4, [32, 32, 48], [-1, 0, -1]), True)
     res = _scatter_like("scatter", [32])
     want = [
@@ -432,7 +432,7 @@ def test_paddle_errors_answered() -> None:
 
 def test_paddle_test_shapes_rejected() -> None:
     """indexing-paddle-test-shapes: Paddle's unit tests pass shapes the op rejects; spmdkit raises."""
-    with pytest.raises(ShapeMismatchError, match="scatter: updates"):
+    with pytest.raises(ShapeMismatchError, match=r"scatter: .*updates"):
         get_rule("scatter").infer_backward(T(M23, [64, 32, 48], [-1, -1, -1]), T(M23, [16], [-1]),
                                            T(M23, [32, 32, 48], [-1, -1, -1]), T(M23, [64, 32, 48], [1, 0, -1]), True)
     with pytest.raises(ShapeMismatchError, match="scatter_nd_add: index"):
@@ -490,7 +490,7 @@ def test_errors(name: str, args: tuple[Any, ...], exc: type, words: str) -> None
 
 
 def test_backward_errors() -> None:
-    with pytest.raises(ShapeMismatchError, match="gather_nd: out"):
+    with pytest.raises(ShapeMismatchError, match=r"gather_nd: .* out has"):
         get_rule("gather_nd").infer_backward(T(M22, [4, 6], [-1, -1]), T(M22, [3, 1], [-1, -1]), T(M22, [3, 5], [-1, -1]))
     with pytest.raises(ShapeMismatchError, match="where: output"):
         get_rule("where").infer_backward(T(M22, [4, 6], [-1, -1]), T(M22, [4, 6], [-1, -1]), T(M22, [6], [-1]),

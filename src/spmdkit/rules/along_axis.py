@@ -1,8 +1,10 @@
 """Gathers and scatters along axes by an index tensor: take_along_axis, put_along_axis and
 index_put, with their grads.
 
-Notation (x ``abc``; ``1`` marks an axis that is never sharded). Partial inputs are made replicated. A co-sharded axis is read as one mesh dim, its
-largest (the first of equal sizes), as Paddle 3.3.1's rules read ``dims_mapping()``.
+Notation (x ``abc``; ``1`` marks an axis that is never sharded). Partial inputs are made
+replicated. A co-sharded axis is read as one mesh dim, its largest (the first of equal sizes), as
+Paddle 3.3.1's rules read ``dims_mapping()``. A grad partial over a mesh dim of size 1 is no
+reduction and is not marked (nor does Paddle).
 
 - ``take_along_axis`` (TakeAlongAxisInferSpmd(x, index, axis)): ``a1c, abc -> abc``: x is
   never sharded on the axis, index (and out) may be; an axis where x and index differ in
@@ -38,22 +40,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import partial
+from typing import Any
 
 from spmdkit.core.dist_attr import TensorDistAttr
-from spmdkit.core.errors import InvalidArgumentError, InvalidAttributeError, ShapeMismatchError
+from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import make_attr, normalize_axis
 from spmdkit.engine.declare import Answer, Way, declare
-from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, letters_for
-from spmdkit.rules._common import check_same_ndim, check_same_shape
+from spmdkit.engine.notation import BROADCAST, Notation, letters_for
+from spmdkit.rules._common import check_same_ndim
 
 Shape = tuple[int, ...]
-Attr = TensorDistAttr | None
-
-
-# ---------------------------------------------------------------------------
-# take_along_axis / put_along_axis
-# ---------------------------------------------------------------------------
 
 
 def _differ(x: Shape, *others: Shape) -> int:
@@ -68,114 +65,62 @@ def _differ(x: Shape, *others: Shape) -> int:
 
 
 def _along(kind: str, nd: int, axis: int, differ: int) -> Notation:
-    """take_along_axis ``a1c, abc -> abc``: x never sharded on the axis, an axis other than it where
-    the sizes differ (``differ``) ``1`` in x and index; its grad ``a1c, abc, abc -> a1c`` from
-    out_grad alone, x_grad partial SUM over the mesh dims of the letters it lacks. put_along_axis
-    ``a1c, a1c, a1c -> a1c`` (the differing axes ``1`` too), merged over the three; its grad the
-    five tensors from out_grad alone -> x_grad, value_grad. A co-shard read as its largest mesh dim."""
+    """take_along_axis ``a1c, abc -> abc``: an axis other than the axis where the sizes differ
+    (``differ``) is ``1`` in x and index; its grad ``a1c, abc, abc -> a1c`` from out_grad alone
+    (x_grad partial SUM over the letters it lacks); put_along_axis ``a1c, a1c, a1c -> a1c`` (the
+    differing axes ``1`` too), its grad the five tensors from out_grad alone -> x_grad, value_grad."""
+    a = letters_for(nd)
     ax = normalize_axis("", axis, nd)
-    i = "".join(BROADCAST if (differ >> j) & 1 and j != ax else c for j, c in enumerate(ALPHABET[:nd]))
+    i = "".join(BROADCAST if (differ >> j) & 1 and j != ax else c for j, c in enumerate(a))
     x = i[:ax] + BROADCAST + i[ax + 1 :]
     ins, outs, src = {"take": ((x, i), (i,), None), "take_grad": ((x, i, i), (x,), (2,)),
                       "put": ((x, x, x), (x,), None), "put_grad": ((x,) * 5, (x, x), (4,))}[kind]  # fmt: skip
     return Notation(ins, outs, coshard="largest", sources=src)
 
 
-_PUT_REDUCE = ("assign", "add", "mul", "multiply", "amin", "amax", "mean")
-
-
-def _take_check(op: str, x: DistTensorSpec, index: DistTensorSpec, axis: int, *more: DistTensorSpec,
-                reduce: str = "assign") -> None:  # fmt: skip
-    """The checks of take_along_axis (``more``: its out_grad) and put_along_axis (``more``:
-    value, and the grad's out and out_grad)."""
-    nd = len(x.shape)
-    check_same_ndim(op, index, nd, "index", "x")
-    if more and op.startswith("put"):
-        check_same_ndim(op, more[0], nd, "value", "x")
-    if nd == 0:
-        raise ShapeMismatchError(f"{op}: x must have at least 1 dim")
-    if nd > len(ALPHABET):
-        raise ShapeMismatchError(f"{op}: tensors of more than {len(ALPHABET)} dims are not supported")
-    if reduce not in _PUT_REDUCE:
-        raise InvalidAttributeError(f"{op}: reduce {reduce!r} is not one of {', '.join(_PUT_REDUCE)}")
-    normalize_axis(op, axis, nd)
-    if op == "take_along_axis_grad":
-        check_same_ndim(op, more[0], nd, "out_grad", "x")
-    for name, t in zip(("out", "out_grad"), more[1:]):
-        check_same_shape(op, t, x.shape, name, "x")
-
-
-def _no_unit_partial(a: TensorDistAttr | None) -> TensorDistAttr | None:
-    """``a`` without partial mesh dims of size 1 (a no-op reduction; Paddle does not mark them)."""
+def _grad_post(ins: Sequence[TensorDistAttr | None], outs: Sequence[TensorDistAttr | None], *args: object) -> Answer:
+    """The grads' last output (the one that can be partial) without partial mesh dims of size 1."""
+    a = outs[-1]
     if a is None or not a.partial:
-        return a
-    ms = a.mesh.shape
-    pt = tuple((d, r) for d, r in a.partial if ms[d] != 1)
-    return a if pt == a.partial else make_attr(a.mesh, a.dims_mapping, pt)
+        return ins, outs
+    pt = tuple((d, r) for d, r in a.partial if a.mesh.shape[d] != 1)
+    return ins, (*outs[:-1], make_attr(a.mesh, a.dims_mapping, pt))
 
 
-def _grad_post(ins: Sequence[Attr], outs: Sequence[Attr], *args: object) -> Answer:
-    """post-hook of the grads: a partial over a mesh dim of size 1 is no reduction (Paddle does not
-    mark it); the last output is the grad that can be partial."""
-    return ins, (*outs[:-1], _no_unit_partial(outs[-1]))
-
-
-#: where _grad_post can change the answer: a mesh dim of size 1
-_UNIT = "1 in x.dist_attr.mesh.shape"
-
-# ---------------------------------------------------------------------------
-# index_put
-# ---------------------------------------------------------------------------
-
-
-def _index_put_key(
-    op: str, x: DistTensorSpec, indices: tuple[DistTensorSpec, ...], value: DistTensorSpec,
-    out_grad: DistTensorSpec | None = None,
-) -> tuple[int, tuple[int, ...]]:
-    """(number of indexed axes, per value axis the x axis it lies along or -1), after the checks
-    (out_grad, given: shaped as x).
-
-    ``x[indices]`` has the indexed shape ``[n, *x.shape[k:]]`` (n the indices' length, k their
-    number); value broadcasts onto it from the right (numpy rules). A value axis lies along
-    an x axis where it meets one of x's kept axes with the same size (not 1); it lies along
-    nothing (-1) where it meets the indexed positions or has size 1 (a broadcast)."""
-    nd = len(x.shape)
-    k = len(indices)
-    if k == 0:
-        raise InvalidArgumentError(f"{op}: indices must hold at least one index tensor")
+def _index_put_key(x: DistTensorSpec, indices: tuple[DistTensorSpec, ...], value: DistTensorSpec) -> tuple[int, ...]:
+    """Per value axis the x axis it lies along, or -1, after the checks. ``x[indices]`` has the
+    indexed shape ``[n, *x.shape[k:]]`` (n the indices' length, k their number); value broadcasts
+    onto it from the right (numpy rules). A value axis lies along an x axis where it meets one of
+    x's kept axes with the same size (not 1); along nothing where it meets the indexed positions
+    or has size 1 (a broadcast)."""
+    nd, k = len(x.shape), len(indices)
     if k > nd:
-        raise ShapeMismatchError(f"{op}: {k} index tensors for a {nd}-D x (at most {nd})")
+        raise ShapeMismatchError(f"{k} index tensors for a {nd}-D x (at most {nd})")
     n = -2
     for i, t in enumerate(indices):
         if len(t.shape) != 1:
-            raise ShapeMismatchError(f"{op}: indices[{i}] must be 1-D, got {len(t.shape)} dims")
-        if n == -2 or n < 0:
+            raise ShapeMismatchError(f"indices[{i}] must be 1-D, got {len(t.shape)} dims")
+        if n < 0:
             n = t.shape[0]
         elif 0 <= t.shape[0] != n:
-            raise ShapeMismatchError(f"{op}: indices[{i}] has {t.shape[0]} entries, indices[0] has {n}")
-    target = (n, *x.shape[k:])  # the indexed shape value broadcasts onto
-    vs = value.shape
+            raise ShapeMismatchError(f"indices[{i}] has {t.shape[0]} entries, indices[0] has {n}")
+    target, vs = (n, *x.shape[k:]), value.shape  # value broadcasts onto the indexed shape
     if len(vs) == 0:
-        raise ShapeMismatchError(f"{op}: value must have at least 1 dim, got a 0-d value")
+        raise ShapeMismatchError("value must have at least 1 dim, got a 0-d value")
     if len(vs) > len(target):
         raise ShapeMismatchError(
-            f"{op}: value has {len(vs)} dims, more than the {len(target)} of the indexed shape "
-            f"{list(target)} (indices' length, then x's axes {k}..{nd - 1})"
+            f"value has {len(vs)} dims, more than the {len(target)} of the indexed shape {list(target)} "
+            f"(indices' length, then x's axes {k}..{nd - 1})"
         )
     off = len(target) - len(vs)
-    along: list[int] = []
     for j, v in enumerate(vs):
-        size = target[off + j]
-        if v >= 0 and size >= 0 and v != size and v != 1:
+        if v >= 0 and target[off + j] >= 0 and v not in (1, target[off + j]):
             raise ShapeMismatchError(
-                f"{op}: value shape {list(vs)} does not broadcast onto the indexed shape {list(target)} "
-                f"(value axis {j} has size {v}, the indexed shape {size})"
+                f"value shape {list(vs)} does not broadcast onto the indexed shape {list(target)} "
+                f"(value axis {j} has size {v}, the indexed shape {target[off + j]})"
             )
-        xa = k - 1 + off + j  # the x axis this value axis meets (k - 1: the indexed positions)
-        along.append(xa if xa >= k and v != 1 else -1)
-    if out_grad is not None:
-        check_same_shape(op, out_grad, x.shape, "out_grad", "x")
-    return k, tuple(along)
+    # the x axis a value axis meets: k - 1 + off + j (k - 1: the indexed positions)
+    return tuple(k - 1 + off + j if k - 1 + off + j >= k and v != 1 else -1 for j, v in enumerate(vs))
 
 
 def _index_put(grad: bool, nd: int, k: int, along: tuple[int, ...]) -> Notation:
@@ -191,42 +136,46 @@ def _index_put(grad: bool, nd: int, k: int, along: tuple[int, ...]) -> Notation:
     return Notation(ins, [x, v] if grad else [x], coshard="largest", sources=(0,))
 
 
-# ---------------------------------------------------------------------------
-# declarations
-# ---------------------------------------------------------------------------
-
-_ENV = {"_take_check": _take_check, "_differ": _differ, "_index_put_key": _index_put_key}
+_ENV = {"_differ": _differ, "_index_put_key": _index_put_key, "_ndim": check_same_ndim}
+_UNIT = "1 in x.dist_attr.mesh.shape"  # where _grad_post can change the answer
+_TAKE_KEY = "x, axis, _differ(x.shape, index.shape)"
+_TAKE = "_ndim(_OP, index, len(x.shape), 'index', 'x')"
 declare(
     "take_along_axis", "x: T, index: T, axis: int",
-    Way(partial(_along, "take"), key="x, axis, _differ(x.shape, index.shape)", env=_ENV,
-        check="_take_check('take_along_axis', x, index, axis)", paddle="TakeAlongAxisInferSpmd",
-        doc="TakeAlongAxisInferSpmd: ``a1c, abc -> abc``."),
-    grad=Way(partial(_along, "take_grad"), key="x, axis, _differ(x.shape, index.shape)", env=_ENV,
-             post=_grad_post, post_if=_UNIT,
-             check="_take_check('take_along_axis_grad', x, index, axis, out_grad)", paddle="TakeAlongAxisGradInferSpmd",
+    Way(partial(_along, "take"), key=_TAKE_KEY, env=_ENV, shapes="x: _ ...", check=_TAKE,
+        paddle="TakeAlongAxisInferSpmd", doc="TakeAlongAxisInferSpmd: ``a1c, abc -> abc``."),
+    grad=Way(partial(_along, "take_grad"), key=_TAKE_KEY, env=_ENV, post=_grad_post, post_if=_UNIT,
+             shapes="x: _ ...", check=f"{_TAKE}; _ndim(_OP, out_grad, len(x.shape), 'out_grad', 'x')",
+             paddle="TakeAlongAxisGradInferSpmd",
              doc="TakeAlongAxisGradInferSpmd: letters from out_grad; x_grad ``a1c``, partial SUM over the mesh dims "
                  "that shard index / out_grad on the axis."),
     grad_signature="x: T, index: T, out_grad: T, axis: int", grad_name="take_along_axis_grad",
 )  # fmt: skip
 _PS_SIG = "axis: int, reduce: str = 'assign', include_self: bool = True"
-_PS_KEY = "x, axis, _differ(x.shape, index.shape, value.shape)"
+_PUT: dict[str, Any] = {
+    "key": "x, axis, _differ(x.shape, index.shape, value.shape)",
+    "env": _ENV,
+    "shapes": "x: _ ...",
+    "require": ("reduce in ('assign', 'add', 'mul', 'multiply', 'amin', 'amax', 'mean')",),
+    "check": f"{_TAKE}; _ndim(_OP, value, len(x.shape), 'value', 'x')",
+}
 declare(
     "put_along_axis", f"x: T, index: T, value: T, {_PS_SIG}",
-    Way(partial(_along, "put"), key=_PS_KEY, env=_ENV, paddle="PutAlongAxisInferSpmd",
-        check="_take_check('put_along_axis', x, index, axis, value, reduce=reduce)",
+    Way(partial(_along, "put"), **_PUT, paddle="PutAlongAxisInferSpmd",
         doc="PutAlongAxisInferSpmd: ``a1c, a1c, a1c -> a1c``."),
-    grad=Way(partial(_along, "put_grad"), key=_PS_KEY, env=_ENV, paddle="PutAlongAxisGradInferSpmd",
-             check="_take_check('put_along_axis_grad', x, index, axis, value, out, out_grad, reduce=reduce)",
+    grad=Way(partial(_along, "put_grad"), **_PUT, same=[("x", "out"), ("x", "out_grad")],
+             paddle="PutAlongAxisGradInferSpmd",
              doc="PutAlongAxisGradInferSpmd: every tensor ``a1c``, the letters taken from out_grad."),
     grad_signature=f"x: T, index: T, value: T, out: T, out_grad: T, {_PS_SIG}", grad_name="put_along_axis_grad",
 )  # fmt: skip
+_IP_KEY = "x, len(indices), _index_put_key(x, indices, value)"
 declare(
     "index_put", "x: T, indices: [T], value: T, accumulate: bool = False",
-    Way(partial(_index_put, False), key="x, *_index_put_key('index_put', x, indices, value)", env=_ENV,
+    Way(partial(_index_put, False), key=_IP_KEY, env=_ENV, nonempty=("indices",),
         paddle="IndexPutInferSpmd", doc="IndexPutInferSpmd: the indexed axes replicated, indices replicated, value "
         "replicated or sharded as x's last axis where it broadcasts onto it."),
-    grad=Way(partial(_index_put, True), key="x, *_index_put_key('index_put_grad', x, indices, value, out_grad)",
-             env=_ENV, post=_grad_post, post_if=_UNIT,
+    grad=Way(partial(_index_put, True), key=_IP_KEY, env=_ENV, nonempty=("indices",), same=[("x", "out_grad")],
+             post=_grad_post, post_if=_UNIT,
              paddle="IndexPutGradInferSpmd", doc="IndexPutGradInferSpmd: x, out_grad, x_grad as the forward's x; "
              "value_grad partial SUM over the mesh dims of the trailing axes it sums over."),
     grad_signature="x: T, indices: [T], value: T, out_grad: T, accumulate: bool = False", grad_name="index_put_grad",

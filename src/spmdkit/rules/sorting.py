@@ -1,9 +1,9 @@
 """Sorting and positional scans along an axis: argsort, cummax, cummin and roll, with their
 grads. The axis they act along is replicated (each output element depends on the whole axis).
 
-Notation (x ``abc``). Partial inputs are made replicated. Except for argsort (which keeps co-shards, as
-Paddle's rule does), a co-sharded axis is read as one mesh dim, its
-largest (the first of equal sizes), as Paddle 3.3.1's rules read ``dims_mapping()``.
+Notation (x ``abc``). Partial inputs are made replicated. Except for argsort (which keeps
+co-shards, as Paddle's rule does), a co-sharded axis is read as one mesh dim, its largest (the
+first of equal sizes), as Paddle 3.3.1's rules read ``dims_mapping()``.
 
 - ``argsort`` (ArgSortInferSpmd(x, axis, descending, stable)): ``abc -> abc, abc`` (out,
   indices), the sorted axis replicated, co-shards kept. Paddle registers
@@ -28,11 +28,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from functools import partial
 
-from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
-from spmdkit.core.spec import DistTensorSpec
+from spmdkit.core.errors import InvalidAttributeError
 from spmdkit.engine.axes import normalize_axis
 from spmdkit.engine.declare import Way, declare
 from spmdkit.engine.notation import Notation, letters_for
+from spmdkit.rules._common import check_same_ndim
 
 
 def notation(n_in: int, n_out: int, coshard: str, nd: int, axis: int, source: int = -1) -> Notation:
@@ -59,12 +59,7 @@ def roll_notation(n_in: int, coshard: str, nd: int, shifts: int, axis: tuple[int
     return Notation([a] * n_in, [a], replicated="".join(a[i] for i in rolled), coshard=coshard)
 
 
-def _ndim(t: DistTensorSpec, x: DistTensorSpec, name: str) -> None:
-    if len(t.shape) != len(x.shape):
-        raise ShapeMismatchError(f"{name} has {len(t.shape)} dims, but x has {len(x.shape)}")
-
-
-_ENV = {"_ndim": _ndim}
+_CS_CHECK = "; ".join(f"_ndim(_OP, {t}, len(x.shape), {t!r}, 'x')" for t in ("indices", "out_grad"))
 _AG_SIG = "axis: int = -1, descending: bool = False, stable: bool = False"
 declare(
     "argsort", f"x: T, {_AG_SIG}",
@@ -82,8 +77,7 @@ for _op, _fn in (("cummax", "CummaxInferSpmd"), ("cummin", "CumminInferSpmd")):
         Way(partial(notation, 1, 2, "largest"), key="x, axis", paddle=_fn,
             doc=f"{_fn}: out and indices sharded as x, the scanned axis replicated."),
         # the axis' size is not checked (Paddle's own unit test passes an out_grad of another size)
-        grad=Way(partial(notation, 3, 1, "largest"), key="x, axis", env=_ENV,
-                 check="_ndim(indices, x, 'indices'); _ndim(out_grad, x, 'out_grad')",
+        grad=Way(partial(notation, 3, 1, "largest"), key="x, axis", env={"_ndim": check_same_ndim}, check=_CS_CHECK,
                  paddle=_fn.replace("InferSpmd", "GradInferSpmd"),
                  doc=f"{_fn.replace('Infer', 'GradInfer')}: non-axis letters merged, axis replicated."),
         grad_signature=f"x: T, indices: T, out_grad: T, {_CS_SIG}", grad_name=f"{_op}_grad",
