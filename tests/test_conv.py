@@ -368,7 +368,7 @@ def test_roi_align_shape_checks() -> None:
     """roi-shape-checks: boxes must be [K, 4] and out_grad [K, C, ph, pw] (Paddle's own test
     passes boxes [6, 6] and out_grad with 2 of x's 4 channels)."""
     x, bn = T(M22, [2, 4, 16, 16], [0, 1, -1, -1]), T(M22, [2], [-1])
-    with pytest.raises(ShapeMismatchError, match="roi_align: boxes's axis 1 must be 4"):
+    with pytest.raises(ShapeMismatchError, match="roi_align: boxes' axis 1 must be 4"):
         get_rule("roi_align").infer_forward(x, T(M22, [6, 6], [-1, 1]), bn, 3, 3, 0.5, -1, True)
     with pytest.raises(ShapeMismatchError, match=r"roi_align_grad: out_grad's axis 1 \(c\) is 2 but x's axis 1 is 4"):
         get_rule("roi_align").infer_backward(x, T(M22, [6, 4], [-1, 1]), bn, T(M22, [6, 2, 3, 3], [0, -1, -1, -1]),
@@ -440,7 +440,7 @@ def test_checks_beyond_the_shape_declarations() -> None:
         get_rule("instance_norm_grad").infer_forward(T(M2, [2, 4, 3, 3], [-1] * 4), None, None, T(M2, [8], [-1]),
                                                      T(M2, [7], [-1]), T(M2, [2, 4, 3, 3], [-1] * 4))
     x, bn = T(M22, [2, 4, 16, 16], [0, 1, -1, -1]), T(M22, [2], [-1])
-    with pytest.raises(ShapeMismatchError, match="roi_align: boxes's axis 1 must be 4"):
+    with pytest.raises(ShapeMismatchError, match="roi_align: boxes' axis 1 must be 4"):
         get_rule("roi_align").infer_forward(x, T(M22, [6, 6], [-1, 1]), bn, 0, 3, 0.5, -1, True)
     with pytest.raises(ShapeMismatchError, match="conv2d_grad: 6 channels are not divisible by groups 4"):
         get_rule("conv2d_grad").infer_forward(T(M2, [2, 8, 5, 5], [-1] * 4), T(M2, [6, 2, 3, 3], [-1] * 4),

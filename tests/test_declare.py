@@ -311,7 +311,7 @@ def test_optional_tensor_before_a_required_output_and_grad_op() -> None:
     assert params["bias"].default is inspect.Parameter.empty and params["scale"].default == 1.0
     r = rule.infer_backward(t([4, 6], [-1, -1]), None, t([4, 6], [1, 0]), 2.0)
     assert r.inputs[0].dims_mapping == (1, 0) and r.inputs[1] is None  # type: ignore[union-attr]
-    with pytest.raises(ShapeMismatchError, match="test_declare_biased: bias's axis 0"):
+    with pytest.raises(ShapeMismatchError, match="test_declare_biased: bias' axis 0"):
         rule.infer_backward(t([4, 6], [-1, -1]), t([5], [-1]), t([4, 6], [1, 0]), 2.0)
 
     def grad_nt(nx: int, ng: int) -> Notation:

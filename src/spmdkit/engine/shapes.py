@@ -53,20 +53,27 @@ def size_error(op: str, axis: str, items: Sequence[tuple[str, int, Sequence[int]
         elif s != first[2][first[1]]:
             n0, i0, s0 = first
             return ShapeMismatchError(
-                f"{op}: {name}'s axis {_axis(i, shape)} ({axis}) is {s} but {n0}'s axis {_axis(i0, s0)} is "
+                f"{op}: {_of(name)} axis {_axis(i, shape)} ({axis}) is {s} but {_of(n0)} axis {_axis(i0, s0)} is "
                 f"{s0[i0]} ({name} {list(shape)}, {n0} {list(s0)})"
             )
     return None
 
 
 def fixed_error(op: str, name: str, i: int, shape: Sequence[int], want: int) -> ShapeMismatchError:
-    return ShapeMismatchError(f"{op}: {name}'s axis {_axis(i, shape)} must be {want}, got shape {list(shape)}")
+    return ShapeMismatchError(f"{op}: {_of(name)} axis {_axis(i, shape)} must be {want}, got shape {list(shape)}")
 
 
 def require_error(op: str, cond: str, values: Sequence[tuple[str, Any]], what: str = "") -> InvalidAttributeError:
     """``cond`` is false: ``what`` (default: "needs <cond>") and the values of the parameters it reads."""
-    got = ", ".join(f"{n}'s shape = {list(v.shape)}" if hasattr(v, "dist_attr") else f"{n} = {v!r}" for n, v in values)
+    got = ", ".join(
+        f"{_of(n)} shape = {list(v.shape)}" if hasattr(v, "dist_attr") else f"{n} = {v!r}" for n, v in values
+    )
     return InvalidAttributeError(f"{op}: {what or 'needs ' + cond}, got {got}")
+
+
+def _of(name: str) -> str:
+    """``name``'s possessive: ``x's``, ``boxes'``."""
+    return name + ("'" if name.endswith("s") else "'s")
 
 
 def _axis(i: int, shape: Sequence[int]) -> int:
