@@ -43,14 +43,14 @@ expand-as-no-y (Paddle returns x as given without y).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from functools import lru_cache, wraps
+from collections.abc import Sequence
+from functools import lru_cache
 from typing import Any
 
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
-from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.declare import Way, declare, generate
-from spmdkit.engine.notation import BROADCAST, Notation, fast_result, letters_for
+from spmdkit.engine.notation import BROADCAST, Notation, letters_for
 from spmdkit.engine.registry import register
 
 T = DistTensorSpec
@@ -121,18 +121,6 @@ def _sliced(k: Key, input: T, other: T, oname: str) -> Key:
     it = iter(other.shape)
     _check_shapes("input", input.shape, oname, tuple(-1 if i in dec else next(it) for i in range(nd)), ax)
     return k
-
-
-def _swapped(fn: Callable[..., SpmdResult], signature: str, outputs: Sequence[str]) -> Callable[..., SpmdResult]:
-    """The grads of slice and strided_slice, generated with out_grad first (it claims mesh dims
-    first, as in Paddle), registered with input first: the answer's inputs swapped back."""
-
-    @wraps(fn)
-    def rule(input: T, out_grad: T, *attrs: Any) -> SpmdResult:
-        r: Any = fn(out_grad, input, *attrs)
-        return fast_result((r.inputs[1], r.inputs[0]), r.outputs)
-
-    return rule
 
 
 @lru_cache(maxsize=4096)
@@ -212,13 +200,12 @@ _SSLICE_G = _SSLICE.replace("input: T,", "input: T, out_grad: T,")
 _SK = "_sk('{}', len(input.shape), axes, len(starts), len(ends), {})"
 
 
-def _grad(op: str, signature: str, key: str, paddle: str, doc: str) -> Callable[..., SpmdResult]:
-    """slice_grad / strided_slice's grad, generated with out_grad first (``_swapped``); the
-    attributes (``key``) checked before the mesh is read (``pre``), as before the rules were declared."""
-    sig = signature.replace("input: T, out_grad: T,", "out_grad: T, input: T,")
-    return generate(op, sig, Way(notation, key="*_sliced(_kk, input, out_grad, 'out_grad')", pre=f"_kk = {key}",
-                                 env=_ENV, wrap=_swapped, paddle=paddle, doc=doc), name=op)  # fmt: skip
-
+def _grad(key: str, paddle: str, doc: str) -> Way:
+    """slice_grad / strided_slice's grad: out_grad labelled first (it claims mesh dims first, as in
+    Paddle); the attributes (``key``) checked before the mesh is read (``pre``), as before the rules
+    were declared."""
+    return Way(notation, key="*_sliced(_kk, input, out_grad, 'out_grad')", pre=f"_kk = {key}", order="out_grad, input",
+               env=_ENV, paddle=paddle, doc=doc)  # fmt: skip
 
 declare(
     "slice", _SLICE,
@@ -229,18 +216,13 @@ declare(
                 doc="input from output: the decreased axes put back, the sliced axes replicated."),
     outputs="output: T",
 )  # fmt: skip
-register("slice_grad", _grad("slice_grad", _SLICE_G, _SK.format("slice_grad", "decrease_axis"),
-                             "SliceGradInferSpmdDynamic", "input and out_grad merged; input_grad sharded as input."),
-         _SLICE_G, forward_name="SliceGradInferSpmdDynamic")  # fmt: skip
-_SS_GRAD = (_SSLICE_G, _SK.format("slice_grad", "(), strides"), "StridedSliceGradInferSpmd", "As slice_grad.")
-register(
-    "strided_slice", generate("strided_slice", _SSLICE, Way(notation, key="*" + _SK.format("copy", "(), strides"),
-                              env=_ENV, doc="The sliced axes replicated."), name="strided_slice_forward"),
-    _SSLICE, _grad("strided_slice", *_SS_GRAD), _SSLICE_G,
-    kind="grad", forward_name="StridedSliceInferSpmd", backward_name="StridedSliceGradInferSpmd",
-)  # fmt: skip
-register("strided_slice_grad", _grad("strided_slice_grad", *_SS_GRAD), _SSLICE_G,
-         forward_name="StridedSliceGradInferSpmd")
+declare("slice_grad", _SLICE_G, _grad(_SK.format("slice_grad", "decrease_axis"), "SliceGradInferSpmdDynamic",
+                                      "input and out_grad merged; input_grad sharded as input."))
+_SS_GRAD = (_SK.format("slice_grad", "(), strides"), "StridedSliceGradInferSpmd", "As slice_grad.")
+declare("strided_slice", _SSLICE, Way(notation, key="*" + _SK.format("copy", "(), strides"), env=_ENV,
+                                      paddle="StridedSliceInferSpmd", doc="The sliced axes replicated."),
+        grad=_grad(*_SS_GRAD), grad_signature=_SSLICE_G, grad_op="strided_slice")
+declare("strided_slice_grad", _SSLICE_G, _grad(*_SS_GRAD))
 declare(
     "tile", "x: T, repeat_times: ints",
     Way(notation, key="*_tk('copy', len(x.shape), repeat_times)[0]", env=_ENV, paddle="TileInferSpmd",
