@@ -380,3 +380,33 @@ def test_order_labels_the_tensors_in_another_order_and_answers_in_the_signature_
     assert [a.dims_mapping for a in r.inputs] == [(0, 1, -1), (0, 1, -1)]  # type: ignore[union-attr]
     assert [a.dims_mapping for a in r.outputs] == [(0, 1, -1), (0, 1, -1)]  # type: ignore[union-attr]
     assert len(fwd(t([4, 1], [0, -1]), t([4, 6], [-1, 1])).inputs[1].dims_mapping) == 2  # type: ignore[union-attr]
+
+
+@pytest.mark.usefixtures("scratch_registry")
+def test_direction_and_outputs_of_a_backward_slot() -> None:
+    """A grad slot compiled backward (``direction="backward"``, ``outputs``: pad's grad infers x
+    from out) and a reverse rule compiled forward (``direction="forward"``: concat / stack align
+    the inputs and the output as one set); misuse is refused when declared."""
+
+    def same(nx: int, *more: int) -> Notation:
+        return Notation([letters_for(nx)] * (1 + len(more)), [letters_for(nx)])
+
+    declare("test_declare_pad", "x: T", Way(same, key="x"), grad=Way(same, key="x", direction="backward",
+            outputs=("out",)), grad_signature="x: T, out: T", grad_op="test_declare_pad")  # fmt: skip
+    r = get_rule("test_declare_pad").infer_backward(t([4, 6], [-1, -1]), t([4, 6], [1, 0]))
+    assert r.inputs[0].dims_mapping == (1, 0) and r.outputs[0].dims_mapping == (1, 0)  # type: ignore[union-attr]
+    with pytest.raises(ShapeMismatchError, match=r"^test_declare_pad: "):
+        get_rule("test_declare_pad").infer_backward(t([4, 6], [-1, -1]), t([4, 6, 2], [1, 0, -1]))
+
+    rule = declare("test_declare_join", "x: T", Way(same, key="x"), reverse=Way(same, key="x, out", direction="forward"),
+                   outputs="out: T")  # fmt: skip
+    r = rule.infer_backward(t([4, 6], [0, -1]), t([4, 6], [-1, 1]))
+    # both aligned as inputs of one merge: x keeps axis 0's mesh dim, out gives axis 1's
+    assert [a.dims_mapping for a in r.inputs] == [(0, 1), (0, 1)]  # type: ignore[union-attr]
+    assert [a.dims_mapping for a in r.outputs] == [(0, 1)]  # type: ignore[union-attr]
+
+    with pytest.raises(ValueError, match="outputs"):
+        declare("never_registered", "x: T", Way(same, key="x"), grad=Way(same, outputs=("out",)),
+                grad_signature="x: T, out: T")  # fmt: skip
+    with pytest.raises(ValueError, match="direction"):
+        declare("never_registered", "x: T", Way(same, key="x", direction="sideways"))

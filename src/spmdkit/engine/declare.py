@@ -104,6 +104,11 @@ class Way:
       the signature's order (cross_entropy_with_softmax's reverse merges loss before softmax;
       a grad rule whose Paddle signature puts sin / cos first is the forward rule on the grads);
       not with list parameters or ``tail``;
+    * ``direction``, ``outputs``: how :func:`declare` compiles a backward slot where it is not
+      the usual way: a reverse rule ``direction="forward"`` (every tensor, the outputs too, an
+      input of the notation: concat / stack align them all), a grad rule
+      ``direction="backward"`` with the tensors of ``outputs`` its notation's outputs, merged
+      (pad's grad slot infers x from out);
     * ``paddle``: Paddle's function name of this mode; ``doc``: the generated function's
       docstring.
     """
@@ -125,6 +130,8 @@ class Way:
     shapes: str = ""
     require: Sequence[str | tuple[str, str]] = ()
     order: str = ""
+    direction: str = ""
+    outputs: Sequence[str] = ()
     paddle: str = ""
     doc: str = ""
 
@@ -475,19 +482,25 @@ def declare(
     ``grad_aliases``. Returns the registered :class:`~spmdkit.engine.registry.Rule`."""
     if reverse is not None and grad is not None:
         raise ValueError(f"rule {name!r}: the backward slot holds a reverse rule or a grad rule, not both")
+    for w in (forward, reverse, grad):
+        if w is not None and w.direction not in ("", "forward", "backward"):
+            raise ValueError(f"rule {name!r}: direction must be 'forward' or 'backward', got {w.direction!r}")
+        if w is not None and w.outputs and not (w is grad and w.direction == "backward"):
+            raise ValueError(f"rule {name!r}: Way(outputs=...) names a grad rule's outputs, with direction='backward'")
     if grad_op and grad is None:
         raise ValueError(f"rule {name!r}: grad_op {grad_op!r} without a grad rule")
     module = sys._getframe(1).f_globals.get("__name__", "")  # the rule module declaring it
     fwd = generate(name, signature, forward, "forward", name=f"{name}_forward", module=module)
     if reverse is not None:
         out_names = [p.name for p in parse_signature(outputs)] if outputs.strip() else []
-        bwd = generate(name, reverse_signature(signature, outputs), reverse, "backward", out_names,
+        bwd = generate(name, reverse_signature(signature, outputs), reverse, reverse.direction or "backward", out_names,
                        name=f"{name}_backward", module=module)  # fmt: skip
         return register(name, fwd, signature, bwd, kind=REVERSE, outputs=outputs, forward_name=forward.paddle,
                         backward_name=reverse.paddle, **kw)  # fmt: skip
     if grad is not None:
         fname = kw.get("grad_name") or f"{name}_grad"
-        g = generate(grad_op or fname, grad_signature, grad, "forward", name=fname, module=module)
+        g = generate(grad_op or fname, grad_signature, grad, grad.direction or "forward", grad.outputs, name=fname,
+                     module=module)
         return register(name, fwd, signature, g, grad_signature, kind=GRAD, forward_name=forward.paddle,
                         backward_name=grad.paddle, **kw)  # fmt: skip
     return register(name, fwd, signature, forward_name=forward.paddle, **kw)

@@ -49,9 +49,8 @@ from typing import Any
 
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
-from spmdkit.engine.declare import Way, declare, generate
+from spmdkit.engine.declare import Way, declare
 from spmdkit.engine.notation import BROADCAST, Notation, letters_for
-from spmdkit.engine.registry import register
 
 T = DistTensorSpec
 Ints = tuple[int, ...]
@@ -258,14 +257,11 @@ declare(
 )  # fmt: skip
 _PAD = "x: T, paddings: ints, pad_value: int = 0"
 _PAD_G = "x: T, out: T, paddings: ints, pad_value: int = 0"
-register(
-    "pad", generate("pad", _PAD, Way(notation, key="*_pk('keep', len(x.shape), paddings)", env=_ENV,
-                                     doc="Padded axes replicated, the others as x."), name="pad_forward"),
-    _PAD, generate("pad", _PAD_G, Way(notation, key="*_padded(x, out, paddings)", env=_ENV,
-                                      doc="(PadGradInferSpmd) x from out: padded axes replicated."),
-                   "backward", ["out"], name="pad_backward"),
-    _PAD_G, kind="grad", forward_name="PadInferSpmd", backward_name="PadGradInferSpmd",
-)  # fmt: skip
+declare("pad", _PAD, Way(notation, key="*_pk('keep', len(x.shape), paddings)", env=_ENV, paddle="PadInferSpmd",
+                         doc="Padded axes replicated, the others as x."),
+        grad=Way(notation, key="*_padded(x, out, paddings)", env=_ENV, direction="backward", outputs=("out",),
+                 paddle="PadGradInferSpmd", doc="(PadGradInferSpmd) x from out: padded axes replicated."),
+        grad_signature=_PAD_G, grad_op="pad")
 declare("pad_grad", "out_grad: T, paddings: ints, pad_value: scalar = 0",
         Way(notation, key="*_pk('keep', len(out_grad.shape), paddings)", env=_ENV, paddle="PadGradInferSpmdDynamic",
             doc="x_grad = out_grad cropped: padded axes replicated, the others as out_grad."))

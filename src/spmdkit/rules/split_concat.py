@@ -41,10 +41,8 @@ from typing import Any, cast
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import replicated
-from spmdkit.engine.declare import Way, declare, generate
+from spmdkit.engine.declare import Way, declare
 from spmdkit.engine.notation import Notation, letters_for
-from spmdkit.engine.registry import register
-from spmdkit.engine.signature import REVERSE, reverse_signature
 
 T = DistTensorSpec
 #: The most outputs a split / unbind / stack_grad answers (see the module docstring).
@@ -250,13 +248,13 @@ for _name, _stack, _doc in (
     ("stack", True, "Align the inputs mesh dim by mesh dim; the new axis replicated in the output."),
 ):
     _sig, _stem = "x: [T], axis: int = 0", _name.capitalize()
-    _fwd = Way(partial(join, _stack, False), key=partial(_join_key, _stack, "x"), post=_filled, doc=_doc)
-    _rev = Way(partial(unjoin, _stack), key=partial(_unjoin_key, _stack), post=_filled,
+    _fwd = Way(partial(join, _stack, False), key=partial(_join_key, _stack, "x"), post=_filled,
+               paddle=f"{_stem}InferSpmd", doc=_doc)
+    _rev = Way(partial(unjoin, _stack), key=partial(_unjoin_key, _stack), post=_filled, direction="forward",
+               paddle=f"{_stem}InferSpmdReverse",
                doc=f"{_name}: every input sharded as the output, the joined axis replicated; the output is the one "
-                   "those inputs produce.")
-    register(_name, generate(_name, _sig, _fwd, name=f"{_name}_forward"), _sig,
-             generate(_name, reverse_signature(_sig, "output: T"), _rev, name=f"{_name}_backward"), kind=REVERSE,
-             outputs="output: T", forward_name=f"{_stem}InferSpmd", backward_name=f"{_stem}InferSpmdReverse", doc=_doc)
+                   "those inputs produce.")  # fmt: skip
+    declare(_name, _sig, _fwd, reverse=_rev, outputs="output: T", doc=_doc)
 # the grads of split / unbind join their out_grads as concat / stack do
 for _name, _stack, _doc in (("split_grad", False, "x_grad = concat(out_grad, axis)."),
                             ("split_with_num_grad", False, "x_grad = concat(out_grad, axis)."),
