@@ -33,6 +33,18 @@ from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
+def mismatch(a: Sequence[int], b: Sequence[int], skip: Sequence[int] = ()) -> int | None:
+    """Where shape ``b`` differs from shape ``a``: None where it does not (an unknown size, -1,
+    matches any; the axes in ``skip`` are not compared), -1 where the ranks differ, else the
+    first axis whose sizes differ. The one comparison behind every same-shape check."""
+    if len(a) != len(b):
+        return -1
+    for i, (s, t) in enumerate(zip(a, b)):
+        if s != t and s >= 0 and t >= 0 and i not in skip:
+            return i
+    return None
+
+
 def rank_error(op: str, name: str, shape: Sequence[int], want: int, at_least: bool) -> ShapeMismatchError:
     """``name`` has the wrong rank."""
     return ShapeMismatchError(
@@ -155,4 +167,13 @@ def require_lines(conds: Sequence[str | tuple[str, str]], params: Sequence[str],
 NAMESPACE = {"_rank_error": rank_error, "_size_error": size_error, "_fixed_error": fixed_error,
              "_require_error": require_error}  # fmt: skip
 
-__all__ = ["NAMESPACE", "fixed_error", "rank_error", "require_error", "require_lines", "shape_lines", "size_error"]
+__all__ = [
+    "NAMESPACE",
+    "fixed_error",
+    "mismatch",
+    "rank_error",
+    "require_error",
+    "require_lines",
+    "shape_lines",
+    "size_error",
+]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
+from spmdkit.engine.shapes import mismatch
 
 
 def check_int(op: str, name: str, v: object, lo: int | None = None) -> int:
@@ -35,15 +36,15 @@ def check_same_ndim(op: str, t: DistTensorSpec, n: int, name: str, what: str) ->
 def check_same_shape(op: str, t: DistTensorSpec, shape: tuple[int, ...], name: str, what: str) -> None:
     """``t`` has ``shape`` (unknown sizes, -1, match anything)."""
     check_same_ndim(op, t, len(shape), name, what)
-    for i, (s, w) in enumerate(zip(t.shape, shape)):
-        if s != w and s >= 0 and w >= 0:
-            raise ShapeMismatchError(f"{op}: {name} axis {i} has size {s}, but {what} has {w}")
+    i = mismatch(shape, t.shape)
+    if i is not None:
+        raise ShapeMismatchError(f"{op}: {name} axis {i} has size {t.shape[i]}, but {what} has {shape[i]}")
 
 
 def check_like(op: str, a: DistTensorSpec, b: DistTensorSpec, na: str, nb: str) -> None:
     """``b`` has ``a``'s shape (unknown sizes, -1, match anything)."""
-    if len(a.shape) != len(b.shape):
+    i = mismatch(a.shape, b.shape)
+    if i == -1:
         raise ShapeMismatchError(f"{op}: {nb} has {len(b.shape)} dims, expected {len(a.shape)} (as {na})")
-    for i, (s, t) in enumerate(zip(a.shape, b.shape)):
-        if s != t and s >= 0 and t >= 0:
-            raise ShapeMismatchError(f"{op}: {na} and {nb} differ on axis {i} ({s} vs {t})")
+    if i is not None:
+        raise ShapeMismatchError(f"{op}: {na} and {nb} differ on axis {i} ({a.shape[i]} vs {b.shape[i]})")

@@ -51,6 +51,7 @@ from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.declare import Way, declare
 from spmdkit.engine.notation import BROADCAST, Notation, letters_for
+from spmdkit.engine.shapes import mismatch
 
 T = DistTensorSpec
 Ints = tuple[int, ...]
@@ -89,11 +90,11 @@ def _norm_axes(name: str, axes: Sequence[int], ndim: int) -> Ints:
 
 
 def _check_shapes(na: str, a: Ints, nb: str, b: Ints, skip: Sequence[int] = ()) -> None:
-    if len(a) != len(b):
+    i = mismatch(a, b, skip)
+    if i == -1:
         raise ShapeMismatchError(f"{nb} has {len(b)} dims, {na} has {len(a)}")
-    for i, (s, t) in enumerate(zip(a, b)):
-        if i not in skip and s != t and s >= 0 and t >= 0:
-            raise ShapeMismatchError(f"{na} and {nb} differ on axis {i} ({s} vs {t})")
+    if i is not None:
+        raise ShapeMismatchError(f"{na} and {nb} differ on axis {i} ({a[i]} vs {b[i]})")
 
 
 @lru_cache(maxsize=4096)

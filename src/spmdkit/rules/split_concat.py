@@ -43,6 +43,7 @@ from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import replicated
 from spmdkit.engine.declare import Way, declare
 from spmdkit.engine.notation import Notation, letters_for
+from spmdkit.engine.shapes import mismatch
 
 T = DistTensorSpec
 #: The most outputs a split / unbind / stack_grad answers (see the module docstring).
@@ -106,11 +107,11 @@ def _alike(ts: Sequence[T], f: Sequence[int], ndim: int, axis: int, drop: bool) 
 
 def _like(name: str, s: Sequence[int], rname: str, ref: Sequence[int], skip: int | None) -> None:
     """``s`` has ``ref``'s rank and its sizes off axis ``skip`` (unknown sizes, -1, match any)."""
-    if len(s) != len(ref):
+    j = mismatch(ref, s, () if skip is None else (skip,))
+    if j == -1:
         raise ShapeMismatchError(f"{name} has {len(s)} dims, {rname} {len(ref)}")
-    for j, (a, b) in enumerate(zip(s, ref)):
-        if j != skip and a != b and a >= 0 and b >= 0:
-            raise ShapeMismatchError(f"{name} has size {a} on axis {j}, {rname} has {b}")
+    if j is not None:
+        raise ShapeMismatchError(f"{name} has size {s[j]} on axis {j}, {rname} has {ref[j]}")
 
 
 def _sections(x: T, sections: tuple[int, ...], axis: int) -> int:
