@@ -408,5 +408,8 @@ def test_direction_and_outputs_of_a_backward_slot() -> None:
     with pytest.raises(ValueError, match="outputs"):
         declare("never_registered", "x: T", Way(same, key="x"), grad=Way(same, outputs=("out",)),
                 grad_signature="x: T, out: T")  # fmt: skip
-    with pytest.raises(ValueError, match="direction"):
-        declare("never_registered", "x: T", Way(same, key="x", direction="sideways"))
+    with pytest.raises(ValueError, match="for a backward slot, not the forward rule"):
+        declare("never_registered", "x: T", Way(same, key="x", direction="backward"))
+    with pytest.raises(ValueError, match="direction must be 'forward' or 'backward', got 'sideways'"):
+        declare("never_registered", "x: T", Way(same, key="x"), grad=Way(same, direction="sideways"),
+                grad_signature="x: T, out: T")  # fmt: skip

@@ -43,7 +43,7 @@ from spmdkit.engine.compile import Plan, compile_plan, infer
 from spmdkit.engine.notation import Notation, check_letters, common_mesh, fast_result, named_mesh
 from spmdkit.engine.registry import register
 from spmdkit.engine.shapes import NAMESPACE as SHAPE_NAMES
-from spmdkit.engine.shapes import require_lines, shape_lines
+from spmdkit.engine.shapes import mismatch, require_lines, shape_lines
 from spmdkit.engine.signature import GRAD, REVERSE, parse_signature, reverse_signature
 
 #: what the engine answers and a post-hook returns: the inputs' and the outputs' dist attrs
@@ -149,7 +149,7 @@ def ones(t: DistTensorSpec | None) -> int:
 
 def same_shape(op: str, na: str, a: DistTensorSpec, nb: str, b: DistTensorSpec) -> None:
     """ShapeMismatchError naming ``nb`` and ``na`` where their shapes differ (-1 matches any size)."""
-    if len(a.shape) != len(b.shape) or any(p != q and p >= 0 and q >= 0 for p, q in zip(a.shape, b.shape)):
+    if mismatch(a.shape, b.shape) is not None:
         raise ShapeMismatchError(f"{op}: {nb} has shape {list(b.shape)}, {na} has {list(a.shape)}")
 
 
@@ -482,9 +482,10 @@ def declare(
     ``grad_aliases``. Returns the registered :class:`~spmdkit.engine.registry.Rule`."""
     if reverse is not None and grad is not None:
         raise ValueError(f"rule {name!r}: the backward slot holds a reverse rule or a grad rule, not both")
-    for w in (forward, reverse, grad):
-        if w is not None and w.direction not in ("", "forward", "backward"):
-            raise ValueError(f"rule {name!r}: direction must be 'forward' or 'backward', got {w.direction!r}")
+    # direction / outputs: a backward slot's (generate checks the direction's value)
+    if forward.direction or forward.outputs:
+        raise ValueError(f"rule {name!r}: Way(direction=, outputs=) is for a backward slot, not the forward rule")
+    for w in (reverse, grad):
         if w is not None and w.outputs and not (w is grad and w.direction == "backward"):
             raise ValueError(f"rule {name!r}: Way(outputs=...) names a grad rule's outputs, with direction='backward'")
     if grad_op and grad is None:
