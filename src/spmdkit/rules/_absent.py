@@ -69,4 +69,9 @@ def zero_d_absent(
     return wrapped
 
 
-__all__ = ["zero_d_absent"]
+def absent_0d(*names: str) -> Callable[[Callable[..., SpmdResult], str, Sequence[str]], Callable[..., SpmdResult]]:
+    """A declaration's ``Way(wrap=...)``: :func:`zero_d_absent` over the optional slots ``names``."""
+    return lambda fn, signature, outputs: zero_d_absent(fn, signature, names, outputs)
+
+
+__all__ = ["absent_0d", "zero_d_absent"]

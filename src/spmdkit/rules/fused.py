@@ -39,7 +39,7 @@ from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import make_attr
 from spmdkit.engine.declare import Answer, Way, declare
 from spmdkit.engine.notation import BROADCAST, Notation, letters_for
-from spmdkit.rules._absent import zero_d_absent
+from spmdkit.rules._absent import absent_0d
 from spmdkit.rules._common import check_like, check_same_shape
 
 
@@ -109,21 +109,16 @@ def _seed(ins: Any, outs: Any, x: DistTensorSpec, y: object, out: object = None,
     return ins, (outs[0], None if seed_offset is None else make_attr(x.dist_attr.mesh, (-1,)))
 
 
-def _zero_d(*names: str) -> Any:
-    """The wrap reading a 0-D tensor in the optional slots ``names`` as absent
-    (spmdkit.rules._absent): x is at least 1-D, so a 0-D y is never a real operand."""
-    return lambda fn, signature, outputs: zero_d_absent(fn, signature, names, outputs)
-
-
 def _binary(n_in: int, outs: int, seed: int = -2) -> Any:
     return lambda nd, y, unit, *s: binary(n_in, outs, nd, y, unit, *(s or (seed,)))
 
 
 def _swiglu_way(check: str, src: int, paddle: str, doc: str, n_in: int = 2, outs: int = 1) -> Way:
     """A mode of swiglu: ``check`` the tensor _swiglu checks against x (and its name), ``src``
-    the argument whose last axis _halved reads without y."""
+    the argument whose last axis _halved reads without y. A 0-D y is read as absent: x is at
+    least 1-D, so a 0-D y is never a real operand."""
     return Way(_binary(n_in, outs), key="x, y, ones(x)", shapes="x: _ ...", check=f"_swiglu(_OP, x, y{check})",
-               env={"_swiglu": _swiglu}, wrap=_zero_d("y"), post_if="y is None", paddle=paddle, doc=doc,
+               env={"_swiglu": _swiglu}, wrap=absent_0d("y"), post_if="y is None", paddle=paddle, doc=doc,
                post=lambda i, o, *args: _halved(args[src].dist_attr.dims_mapping, i, o))  # fmt: skip
 
 
@@ -164,7 +159,7 @@ declare(
     "fix_seed: bool = False",
     Way(_fda_grad_notation, require=("not isinstance(p, bool) and 0 <= p <= 1",
                                      "mode in ('upscale_in_train', 'downscale_in_infer')"),
-        wrap=_zero_d("seed_offset"), post=_keep_partial, post_if="out_grad.dist_attr.partial",
+        wrap=absent_0d("seed_offset"), post=_keep_partial, post_if="out_grad.dist_attr.partial",
         paddle="FusedDropoutAddGradInferSpmd",
         doc="fused_dropout_add_grad (FusedDropoutAddGradInferSpmd): x_grad and y_grad sharded as out_grad."),
 )  # fmt: skip

@@ -67,7 +67,7 @@ from spmdkit.engine.declare import Answer, Way, declare
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import BROADCAST, Notation
 from spmdkit.rules import matmul
-from spmdkit.rules._absent import zero_d_absent
+from spmdkit.rules._absent import absent_0d
 from spmdkit.rules._common import check_same_shape
 
 Shape = tuple[int, ...]
@@ -78,11 +78,6 @@ def _partial_over(mesh: ProcessMesh, dm: DimsMapping) -> TensorDistAttr:
     """``dm``'s last axis, partial SUM over the mesh dims of its other axes (bias_grad, dbias_out)."""
     pt = sorted(d for e in dm[:-1] for d in entry_dims(e))
     return _make(mesh, dm[-1:], tuple((d, ReduceType.SUM) for d in pt))
-
-
-def _absent(*names: str) -> Any:
-    """A 0-D optional tensor (shape []) read as absent."""
-    return lambda fn, sig, outs: zero_d_absent(fn, sig, names, outs)
 
 
 # -- bmm ---------------------------------------------------------------------------------------
@@ -168,11 +163,11 @@ for _name, _x, _y, _t, _attrs in (
     declare(
         _name, f"{_x}: T, {_y}: T, bias: T{'?' * _lin}, {_attrs}",
         Way(partial(gemm_notation, "forward"), mask=(_x, _y), **_kw, shapes=_shapes,
-            check=f"_gemm(_OP, {_x}, {_y}, bias, {_t})", post=_gemm_post(_lin), wrap=_absent("bias") if _lin else None,
+            check=f"_gemm(_OP, {_x}, {_y}, bias, {_t})", post=_gemm_post(_lin), wrap=absent_0d("bias") if _lin else None,
             paddle=f"{_pd}InferSpmdBase", doc=f"{_pd}InferSpmdBase: ``[b]mk, kn, n -> [b]mn`` (out, reserve_space)."),
         reverse=Way(partial(gemm_notation, "reverse"), mask=(_x, _y), **_kw, shapes=_shapes,
                     same=[("out", "reserve_space")], check=f"_gemm(_OP, {_x}, {_y}, bias, {_t}, out)",
-                    post=_gemm_post(_lin, True), wrap=_absent(*("bias",) * _lin, "reserve_space"),
+                    post=_gemm_post(_lin, True), wrap=absent_0d(*("bias",) * _lin, "reserve_space"),
                     paddle=f"{_pd}InferSpmdReverse",
                     doc=f"{_name} reverse (spmdkit's own): {_x}, {_y} from out (k replicated), bias as n."),
         outputs="out: T, reserve_space: T?",
@@ -181,7 +176,7 @@ for _name, _x, _y, _t, _attrs in (
         f"{_name}_grad", f"{_x}: T, {_y}: T, {_third}: T?, out_grad: T, {_attrs}"
                          + ", activation_grad: str = 'none'" * (not _lin),
         Way(partial(gemm_notation, "grad"), mask=(_x, _y, "out_grad"), **_kw, shapes=_shapes + "; bias: _" * _lin,
-            same=() if _lin else [("out_grad", "reserve_space")], post=_bias_grad(_lin), wrap=_absent(_third),
+            same=() if _lin else [("out_grad", "reserve_space")], post=_bias_grad(_lin), wrap=absent_0d(_third),
             check=f"_gemm(_OP, {_x}, {_y}, None, {_t}, out_grad, 'out_grad')", paddle=f"{_pd}GradInferSpmd",
             doc=f"{_pd}GradInferSpmd: matmul_grad for the grads of {_x} and {_y}; bias_grad from out_grad."),
     )  # fmt: skip

@@ -36,7 +36,7 @@ from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import numel
 from spmdkit.engine.declare import Way, declare
 from spmdkit.engine.notation import BROADCAST, Notation, letters_for
-from spmdkit.rules._absent import zero_d_absent
+from spmdkit.rules._absent import absent_0d
 
 
 def notation(kind: str, nd: int, bna: int, *ranks: int) -> Notation:
@@ -89,7 +89,7 @@ _LN: dict[str, Any] = {"key": "x, begin_norm_axis, scale, bias", "env": _ENV,
 _LN_STATS = "; _stats(x, begin_norm_axis, mean=mean, variance=variance)"
 #: rms_norm: begin_norm_axis = ndim - 1; fused_rms_norm reads a 0-D scale (shape []) as absent
 _RMS: dict[str, Any] = {"key": "x, len(x.shape) - 1, scale", "env": _ENV, "shapes": "x: ... h; scale: h",
-                        "wrap": lambda fn, sig, outs: zero_d_absent(fn, sig, ("scale",), outs)}
+                        "wrap": absent_0d("scale")}
 _RMS_STAT = "_stats(x, len(x.shape) - 1, invvar=invvar)"
 
 declare(
