@@ -1,26 +1,10 @@
-"""Attribute and shape checks shared by the rule families (errors name the op and the argument)."""
+"""Shape checks shared by the rule families (errors name the op and the argument)."""
 
 from __future__ import annotations
 
-from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
+from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.shapes import mismatch
-
-
-def check_int(op: str, name: str, v: object, lo: int | None = None) -> int:
-    """An int attribute (not a bool), at least ``lo`` where given."""
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise InvalidAttributeError(f"{op}: {name} must be an int, got {v!r}")
-    if lo is not None and v < lo:
-        raise InvalidAttributeError(f"{op}: {name} must be at least {lo}, got {v}")
-    return v
-
-
-def check_bool(op: str, name: str, v: object) -> bool:
-    """A bool attribute (an int is read as one)."""
-    if not isinstance(v, (bool, int)):
-        raise InvalidAttributeError(f"{op}: {name} must be a bool, got {v!r}")
-    return bool(v)
 
 
 def check_ndim(op: str, name: str, t: DistTensorSpec, nd: int) -> None:
