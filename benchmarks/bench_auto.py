@@ -38,8 +38,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from spmdkit.core.errors import SpmdError
-from spmdkit.graph.compute import cost_model, estimate_step, guess_tokens, preset_device, recost
-from spmdkit.graph.strategy import parse_mesh
+from spmdkit.cost.compute import cost_model, estimate_step, guess_tokens, preset_device, recost
+from spmdkit.strategies.strategy import parse_mesh
 
 HAND = ["dp", "dp,zero1", "dp,zero2", "dp,zero3", "megatron", "megatron,sp", "megatron,zero2", "megatron,sp,zero2"]
 
@@ -50,7 +50,7 @@ def _step(plan: Any, device: Any, tokens: int | None) -> float:
 
 
 def hand_zoo(name: str, layers: int, mesh: str, device: Any) -> tuple[str, float]:
-    from spmdkit.graph.planning import plan_model
+    from spmdkit.planner.planning import plan_model
 
     best = ("-", float("inf"))
     for s in HAND:
@@ -66,7 +66,7 @@ def hand_zoo(name: str, layers: int, mesh: str, device: Any) -> tuple[str, float
 
 
 def hand_program(prog: Any, mesh: str, device: Any) -> tuple[str, float]:
-    from spmdkit.graph.planning import plan_program
+    from spmdkit.planner.planning import plan_program
 
     best = ("-", float("inf"))
     for s in HAND:
@@ -83,7 +83,7 @@ def hand_program(prog: Any, mesh: str, device: Any) -> tuple[str, float]:
 
 
 def _auto(prog: Any, mesh_text: str, device: Any, time_limit: float, tokens: int | None) -> dict[str, Any]:
-    from spmdkit.graph.auto import auto_plan
+    from spmdkit.planner.auto import auto_plan
 
     mesh = parse_mesh(mesh_text)
     t0 = time.perf_counter()
@@ -94,7 +94,7 @@ def _auto(prog: Any, mesh_text: str, device: Any, time_limit: float, tokens: int
 
 
 def auto_zoo(name: str, layers: int, mesh: str, device: Any, time_limit: float) -> dict[str, Any]:
-    from spmdkit.graph.zoo import build_model, preset
+    from spmdkit.models.zoo import build_model, preset
 
     cfg = preset(name).with_(layers=layers)
     prog = build_model(cfg, vocab_parallel_loss=True, check_rules=False).program
@@ -228,7 +228,7 @@ def main() -> int:
         except ImportError:
             print("\nhf: skipped (needs torch and transformers)")
             return 0
-        from spmdkit.graph.auto_search import import_hf_program
+        from spmdkit.planner.search import import_hf_program
 
         rows = []
         models = hf_models()

@@ -7,7 +7,7 @@ Prints, per layer count, the ops of the training step, the time to build the pro
 time to propagate and plan the reshards (median of --repeat runs, rule caches cleared before
 each run, so every run computes its answers), the time per op, and the time relative to the
 smallest model scaled by its op count (1.00 = exactly linear); ``--device h100`` adds the time
-of the step prediction (spmdkit.graph.compute: re-timing the reshards by the device's links
+of the step prediction (spmdkit.cost.compute: re-timing the reshards by the device's links
 and costing every op), median of --repeat runs.
 
 With a ``pp`` dim (``--mesh pp=4,dp=8,tp=8 --strategy megatron,sp --microbatches 16``) the
@@ -26,13 +26,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from spmdkit.graph.compute import cost_model, estimate_step, preset_device, recost
-from spmdkit.graph.memory import memory_per_device
-from spmdkit.graph.pipeline import estimate_pipeline, parse_spec, split_layers, sub_mesh_text
-from spmdkit.graph.propagate import propagate
-from spmdkit.graph.strategy import annotate, parse_mesh, parse_strategy
-from spmdkit.graph.zoo import build_model, preset
-from spmdkit.rules import clear_cache
+from spmdkit.cost.compute import cost_model, estimate_step, preset_device, recost
+from spmdkit.cost.memory import memory_per_device
+from spmdkit.models.zoo import build_model, preset
+from spmdkit.ops import clear_cache
+from spmdkit.planner.pipeline import estimate_pipeline, parse_spec, split_layers, sub_mesh_text
+from spmdkit.planner.propagate import propagate
+from spmdkit.strategies.strategy import annotate, parse_mesh, parse_strategy
 
 
 def main() -> int:

@@ -42,7 +42,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from spmdkit.io.codec import parse_case
-from spmdkit.rules import has_rule, set_cache_enabled
+from spmdkit.ops import has_rule, set_cache_enabled
 
 
 def _t(shape: list[int], dm: list[Any]) -> dict[str, Any]:
@@ -242,7 +242,7 @@ def cached_all(top: int = 10) -> int:
     import json
 
     from spmdkit.core.errors import SpmdError
-    from spmdkit.rules import get_rule, rule_names
+    from spmdkit.ops import get_rule, rule_names
     from spmdkit.sim.cases import generate_case
 
     cases: dict[tuple[str, str], dict[str, Any]] = {}

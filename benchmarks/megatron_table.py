@@ -24,11 +24,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from spmdkit.graph.compute import cost_model, preset_device, recost
-from spmdkit.graph.pipeline import PipelineSpec, estimate_pipeline, split_layers
-from spmdkit.graph.propagate import propagate
-from spmdkit.graph.strategy import annotate, parse_mesh, parse_strategy
-from spmdkit.graph.zoo import ModelConfig, build_model
+from spmdkit.cost.compute import cost_model, preset_device, recost
+from spmdkit.models.zoo import ModelConfig, build_model
+from spmdkit.planner.pipeline import PipelineSpec, estimate_pipeline, split_layers
+from spmdkit.planner.propagate import propagate
+from spmdkit.strategies.strategy import annotate, parse_mesh, parse_strategy
 
 # params (B), heads, hidden, layers, t, p, GPUs, batch, achieved TFLOP/s per GPU (Table 1)
 TABLE1 = [

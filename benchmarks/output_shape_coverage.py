@@ -2,7 +2,7 @@
 """How many declared output shapes that contradict the op program validation catches (issue 13).
 
 ``Program.validate`` checks each op's declared output shapes against the shapes its rule
-makes from the input shapes and attributes (``spmdkit.graph.out_shapes``), and also calls
+makes from the input shapes and attributes (``spmdkit.program.out_shapes``), and also calls
 the rule's reverse (backward) mode where it has one. This script measures it against an
 independent oracle, the numpy reference of every rule (``spmdkit.sim``):
 
@@ -36,8 +36,8 @@ import numpy as np  # noqa: E402
 from spmdkit.core.errors import ProgramError, SpmdError  # noqa: E402
 from spmdkit.core.mesh import ProcessMesh  # noqa: E402
 from spmdkit.engine.registry import all_rules, get_rule, is_reverse, output_params  # noqa: E402
-from spmdkit.graph.out_shapes import unchecked_rules  # noqa: E402
-from spmdkit.graph.program import Op, Program, Tensor  # noqa: E402
+from spmdkit.program.ir import Op, Program, Tensor  # noqa: E402
+from spmdkit.program.out_shapes import unchecked_rules  # noqa: E402
 from spmdkit.sim.cases import generate_cases, make_array  # noqa: E402
 from spmdkit.sim.ops import Ctx, get_reference  # noqa: E402
 
@@ -95,7 +95,7 @@ def _op_from_args(rule_name: str, args: list[Any]) -> tuple[list[Tensor], dict[s
 
 def _slots(prog: Program, op: Op) -> list[Any]:
     """The rule's output slots for the op: per slot None, an int (a tensor) or a count (vector)."""
-    from spmdkit.graph.program import call_rule
+    from spmdkit.program.ir import call_rule
 
     res = call_rule(prog, op, {}, ProcessMesh([1]))
     return [len(o) if isinstance(o, tuple) else (None if o is None else -1) for o in res.outputs]
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     for x in NOT_THE_OPS[:10]:
         print(f"  {x[:300]}")
     un = unchecked_rules()
-    print(f"documented unchecked outputs (spmdkit.graph.out_shapes.UNCHECKED): {len(un)}")
+    print(f"documented unchecked outputs (spmdkit.program.out_shapes.UNCHECKED): {len(un)}")
     for n, why in sorted(un.items()):
         print(f"  {n}: {why}")
     if args.per_rule:

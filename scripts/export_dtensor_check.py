@@ -48,8 +48,8 @@ def _rank(r: int, world: int, folder: str, layers: int, tied: bool, out: Any) ->
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from spmdkit.export import apply_dtensor_plan
-    from spmdkit.hf import build, example_inputs
+    from spmdkit.models.hf import build, example_inputs
+    from spmdkit.outputs.export import apply_dtensor_plan
 
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=r, world_size=world)
     try:
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.multiprocessing as mp
 
     from spmdkit.cli.plan import plan_hf
-    from spmdkit.export import export_plan
+    from spmdkit.outputs.export import export_plan
 
     with tempfile.TemporaryDirectory() as folder:
         _prog, _model, _kw, plan = plan_hf("LlamaForCausalLM", _config(a.layers, a.tied), f"tp={a.tp}", "megatron")

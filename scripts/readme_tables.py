@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from spmdkit.report import rules_markdown  # noqa: E402
+from spmdkit.outputs.tables import rules_markdown  # noqa: E402
 
 
 def golden_markdown() -> str:

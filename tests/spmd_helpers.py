@@ -108,7 +108,7 @@ def assert_0d_is_absent(rule: str, mode: str, seed: int, slots: list[str], n: in
     import json
 
     from spmdkit.io.codec import answer_line
-    from spmdkit.rules import get_rule
+    from spmdkit.ops import get_rule
     from spmdkit.sim import SOUND, verify
     from spmdkit.sim.cases import generate_case
 

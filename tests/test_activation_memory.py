@@ -17,12 +17,12 @@ import pytest
 
 from spmdkit.cli import main
 from spmdkit.core.errors import ProgramError
-from spmdkit.graph.activations import RECOMPUTE, check_recompute, recompute_regions, saved_activations
-from spmdkit.graph.compute import estimate_step, load_device, op_cost
-from spmdkit.graph.memory import memory_per_device
-from spmdkit.graph.propagate import propagate
-from spmdkit.graph.strategy import annotate, parse_mesh, parse_strategy
-from spmdkit.graph.zoo import ModelConfig, build_model, preset
+from spmdkit.cost.activations import RECOMPUTE, check_recompute, recompute_regions, saved_activations
+from spmdkit.cost.compute import estimate_step, load_device, op_cost
+from spmdkit.cost.memory import memory_per_device
+from spmdkit.models.zoo import ModelConfig, build_model, preset
+from spmdkit.planner.propagate import propagate
+from spmdkit.strategies.strategy import annotate, parse_mesh, parse_strategy
 
 
 def _plan(s: int, b: int, h: int, a: int, mesh: str, strategy: str, layers: int = 2):
@@ -142,8 +142,8 @@ def test_recompute_lowers_memory_and_adds_time() -> None:
 
 def test_dropout_model_simulates_sharded() -> None:
     pytest.importorskip("numpy")
-    from spmdkit.graph.planning import plan_model
-    from spmdkit.graph.simulate import simulate_plan
+    from spmdkit.planner.planning import plan_model
+    from spmdkit.sim.plan import simulate_plan
 
     _, plan, _ = plan_model("tiny-gpt-dropout", "dp=2,tp=2", "megatron,sp")
     rep = simulate_plan(plan)
@@ -189,7 +189,7 @@ def test_cli_recompute_reports_memory_and_time(capsys: pytest.CaptureFixture[str
 def test_full_recompute_needs_numbered_layers() -> None:
     from dataclasses import replace
 
-    from spmdkit.graph.program import Program
+    from spmdkit.program.ir import Program
 
     prog = build_model(preset("tiny-gpt-dropout")).program
     flat = Program(prog.tensors.values(), [replace(op, layer="transformer") for op in prog.ops], prog.name)
@@ -202,8 +202,8 @@ def test_model_flops_attention_skips_weights_made_activations() -> None:
     """An imported program's weights can be activations (transposed, split by megatron):
     their matmuls are not attention; a batched q @ k^T is."""
     from spmdkit.core.mesh import ProcessMesh
-    from spmdkit.graph.compute import model_flops
-    from spmdkit.graph.program import ProgramBuilder
+    from spmdkit.cost.compute import model_flops
+    from spmdkit.program.ir import ProgramBuilder
 
     b = ProgramBuilder("t")
     x_in = b.tensor("x.in", [2, 8, 16], "float32", "input")

@@ -21,9 +21,9 @@ from spmdkit.core.errors import (
 )
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec
-from spmdkit.rules import get_rule
-from spmdkit.rules.split_concat import MAX_OUTPUTS
-from spmdkit.rules.view import MAX_NEW_AXES
+from spmdkit.ops import get_rule
+from spmdkit.ops.split_concat import MAX_OUTPUTS
+from spmdkit.ops.view import MAX_NEW_AXES
 from spmdkit.sim.fuzz import canonical_rules, fuzz_all, fuzz_mode
 
 M2 = ProcessMesh([2])
@@ -159,7 +159,7 @@ def test_deeply_nested_attribute_refused_without_recursing() -> None:
     import sys
 
     code = (
-        "from spmdkit.rules import get_rule, set_cache_enabled\n"
+        "from spmdkit.ops import get_rule, set_cache_enabled\n"
         "from spmdkit.core import DistTensorSpec, ProcessMesh\n"
         "from spmdkit.core.errors import InvalidAttributeError\n"
         "set_cache_enabled(False)\n"
@@ -191,7 +191,7 @@ def test_deeply_nested_attribute_refused_without_recursing() -> None:
 @pytest.mark.parametrize("name", [None, 1, ["softmax"], b"softmax", {"a": 1}, np.str_("nope"), "nope"])
 def test_get_rule_refuses_foreign_names(name: Any) -> None:
     from spmdkit.core.errors import UnknownRuleError
-    from spmdkit.rules import has_rule
+    from spmdkit.ops import has_rule
 
     with pytest.raises(UnknownRuleError):
         get_rule(name)

@@ -1,4 +1,4 @@
-"""The exact sharding search (spmdkit.graph.auto): candidates from the rules, an ILP solved by
+"""The exact sharding search (spmdkit.planner.auto): candidates from the rules, an ILP solved by
 HiGHS, the choice run through propagate."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import ProgramError
-from spmdkit.graph.auto import auto_plan
-from spmdkit.graph.planning import plan_model
-from spmdkit.graph.simulate import simulate_plan
+from spmdkit.planner.auto import auto_plan
+from spmdkit.planner.planning import plan_model
+from spmdkit.sim.plan import simulate_plan
 
 pytest.importorskip("highspy")
 
@@ -37,7 +37,7 @@ def auto(hand: dict[str, Any]) -> Any:
 
 def _step(p: Any, dev: Any) -> float:
     """Communication (the device's links) + compute + the collectives inside kernels."""
-    from spmdkit.graph.compute import cost_model, kernel_collectives, op_cost, recost
+    from spmdkit.cost.compute import cost_model, kernel_collectives, op_cost, recost
 
     p = recost(p, cost_model(p.mesh, dev))
     return float(p.time_s + sum(op_cost(p, i).time_s(dev) for i in range(len(p.ops)))
@@ -45,7 +45,7 @@ def _step(p: Any, dev: Any) -> float:
 
 
 def _per_op(plan: Any) -> list[tuple[dict[str, TensorDistAttr], dict[str, TensorDistAttr]]]:
-    from spmdkit.graph.program import flat_refs
+    from spmdkit.program.ir import flat_refs
 
     out = []
     for opp in plan.ops:
@@ -66,8 +66,8 @@ def _per_op(plan: Any) -> list[tuple[dict[str, TensorDistAttr], dict[str, Tensor
 def test_every_hand_strategy_sharding_is_a_candidate() -> None:
     """Megatron's per-op shardings (tp-partial, dp-sharded gradients summed by add_n;
     reshape_grad with its shape-only input sharded as the gradient) are among the candidates."""
-    from spmdkit.graph.auto import _Gen
-    from spmdkit.reshard import CostModel
+    from spmdkit.cost.reshard import CostModel
+    from spmdkit.planner.auto import _Gen
 
     gens: dict[bool, Any] = {}
     for s in ("dp", "megatron", "megatron,sp", "dp,zero"):
@@ -98,8 +98,8 @@ def test_auto_no_worse_than_hand_strategies(hand: dict[str, Any], auto: Any) -> 
 
 
 def test_with_a_device_compute_plus_communication_no_worse_than_hand() -> None:
-    from spmdkit.graph.compute import preset_device
-    from spmdkit.graph.zoo import build_model, preset
+    from spmdkit.cost.compute import preset_device
+    from spmdkit.models.zoo import build_model, preset
 
     dev = preset_device("h200")
     hand = {s: plan_model("tiny-llama", MESH, s, {"batch": 8, "seq": 256})
@@ -122,10 +122,10 @@ def test_column_weights_pinned_no_worse_than_the_all_gather_plan() -> None:
     """llama-7b (1 layer) on dp=2 x tp=4, only the tokens (dp) and the column-parallel weights
     pinned: propagation all-reduces attn_out and mlp_out (384 MiB forward); XLA all-gathers attn2d
     (96 + 192 = 288 MiB). The search's plan moves no more in the forward and is no slower."""
-    from spmdkit.graph.compute import cost_model, preset_device
-    from spmdkit.graph.propagate import propagate
-    from spmdkit.graph.strategy import parse_mesh
-    from spmdkit.graph.zoo import build_model, preset
+    from spmdkit.cost.compute import cost_model, preset_device
+    from spmdkit.models.zoo import build_model, preset
+    from spmdkit.planner.propagate import propagate
+    from spmdkit.strategies.strategy import parse_mesh
 
     model = build_model(preset("llama-7b").with_(layers=1), vocab_parallel_loss=True, check_rules=False)
     prog = model.program
@@ -151,7 +151,7 @@ def test_column_weights_pinned_no_worse_than_the_all_gather_plan() -> None:
 
 
 def test_folded_layers_share_one_choice() -> None:
-    from spmdkit.graph.zoo import build_model, preset
+    from spmdkit.models.zoo import build_model, preset
 
     model = build_model(preset("tiny-llama").with_(layers=4), check_rules=False)
     prog = model.program
@@ -177,9 +177,9 @@ def test_memory_cap_megatron_cannot_meet() -> None:
     """A cap below megatron's memory: the search's plan fits it (the fastest choice does not: the
     program is re-solved with memory priced in); a cap below what any choice holds is a one-line
     ProgramError."""
-    from spmdkit.graph.compute import preset_device
-    from spmdkit.graph.memory import memory_per_device
-    from spmdkit.graph.zoo import build_model, preset
+    from spmdkit.cost.compute import preset_device
+    from spmdkit.cost.memory import memory_per_device
+    from spmdkit.models.zoo import build_model, preset
 
     dev = preset_device("h200")
     sizes = {"batch": 8, "seq": 256, "layers": 1}
@@ -201,7 +201,7 @@ def test_memory_cap_megatron_cannot_meet() -> None:
 
 def test_explain_prices_the_runner_up() -> None:
     from spmdkit.cli.plan import explain_table
-    from spmdkit.graph.zoo import build_model, preset
+    from spmdkit.models.zoo import build_model, preset
 
     model = build_model(preset("tiny-llama").with_(layers=1), check_rules=False)
     mesh = plan_model("tiny-llama", MESH, "dp", {"layers": 1})[1].mesh
@@ -315,10 +315,10 @@ def test_overlapped_step_no_worse_than_hand_strategies() -> None:
     step's DDP buckets): the search weights them by GRAD_SYNC_WEIGHT, and its plan's overlapped
     step is no longer than megatron's, megatron+sp's or dp's, and shorter than the plan of the
     serial objective (weight 1) on this case."""
-    from spmdkit.graph.auto import GRAD_SYNC_WEIGHT
-    from spmdkit.graph.compute import cost_model, estimate_step, preset_device
-    from spmdkit.graph.strategy import parse_mesh
-    from spmdkit.graph.zoo import build_model, preset
+    from spmdkit.cost.compute import cost_model, estimate_step, preset_device
+    from spmdkit.models.zoo import build_model, preset
+    from spmdkit.planner.auto import GRAD_SYNC_WEIGHT
+    from spmdkit.strategies.strategy import parse_mesh
 
     dev = preset_device("h100")
     cfg = preset("gpt2-small").with_(layers=1)

@@ -1,4 +1,4 @@
-"""The outer search (spmdkit.graph.auto_search, ``plan --devices N``) and ``--auto`` with --hf,
+"""The outer search (spmdkit.planner.search, ``plan --devices N``) and ``--auto`` with --hf,
 --program and --verify. Tiny presets (2 layers, hidden 16) and a 1-layer HuggingFace Llama;
 deterministic (the planner and HiGHS with its fixed seed)."""
 
@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from spmdkit.core.errors import ProgramError
-from spmdkit.graph.auto_search import (
+from spmdkit.cost.compute import estimate_step, preset_device
+from spmdkit.planner.search import (
     Config,
     factorizations,
     hand_strategies,
@@ -22,7 +23,6 @@ from spmdkit.graph.auto_search import (
     verify_auto,
     write_search,
 )
-from spmdkit.graph.compute import estimate_step, preset_device
 
 
 def _cli(*args: str) -> tuple[int, str, str]:
@@ -153,7 +153,7 @@ def test_search_with_auto_on_each_mesh() -> None:
 
 
 def test_progress_shown_on_a_terminal_only(capsys: pytest.CaptureFixture[str]) -> None:
-    from spmdkit.progress import Progress
+    from spmdkit.outputs.progress import Progress
 
     class Tty(io.StringIO):
         def isatty(self) -> bool:
@@ -252,8 +252,8 @@ def test_cli_auto_verify_checks_the_chosen_plan() -> None:
 
 def test_verify_auto_holds_unusual_attrs_and_catches_a_wrong_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     from spmdkit.core.dist_attr import TensorDistAttr
-    from spmdkit.graph import propagate as prop
-    from spmdkit.graph.planning import plan_model
+    from spmdkit.planner import propagate as prop
+    from spmdkit.planner.planning import plan_model
 
     _m, plan, _ = plan_model("tiny-llama", "dp=2,tp=2", "megatron", None)
     plan.attrs["tokens"] = TensorDistAttr(plan.mesh, [-1, 0])  # tokens cut along the sequence: held so
@@ -278,7 +278,7 @@ def test_verify_auto_holds_unusual_attrs_and_catches_a_wrong_plan(monkeypatch: p
 
 
 def test_cli_auto_program_file(tmp_path: Any) -> None:
-    from spmdkit.graph.zoo import build_model, preset
+    from spmdkit.models.zoo import build_model, preset
 
     prog = build_model(preset("tiny-gpt2").with_(layers=1), check_rules=False).program
     f = tmp_path / "p.json"
@@ -302,7 +302,7 @@ HF_CFG = {"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 4, "
 def hf_prog() -> Any:
     pytest.importorskip("torch", reason="torch is not installed")
     pytest.importorskip("transformers", reason="transformers is not installed")
-    from spmdkit.graph.auto_search import import_hf_program
+    from spmdkit.planner.search import import_hf_program
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from spmdkit.rules import get_rule, has_rule
+from spmdkit.ops import get_rule, has_rule
 
 _TABLE: dict[str, Any] = json.loads(
     (Path(__file__).parent / "data" / "paddle-3.3.1-registered-rules.json").read_text())

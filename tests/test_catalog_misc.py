@@ -23,7 +23,7 @@ from spmdkit.core.errors import (
 )
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.rules import get_rule
+from spmdkit.ops import get_rule
 from spmdkit.sim import SOUND, UNSOUND, verify, verify_rule
 from spmdkit.sim.ops import Ctx, get_reference
 

@@ -1,4 +1,4 @@
-"""spmdkit.graph.compute: per-op FLOPs against hand formulas, sharding on the local shapes, the
+"""spmdkit.cost.compute: per-op FLOPs against hand formulas, sharding on the local shapes, the
 whole step's model FLOPs against 6N + attention, device presets and JSON files, the collectives
 inside the vocab-parallel loss, DDP buckets, MFU, and every rule of the zoo and of the HF
 imports costed."""
@@ -18,8 +18,7 @@ from conftest import cli_stdout
 from spmdkit.cli import main
 from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
-from spmdkit.graph.autodiff import GRADS
-from spmdkit.graph.compute import (
+from spmdkit.cost.compute import (
     BUCKET_BYTES,
     COSTED,
     DEVICES,
@@ -33,10 +32,11 @@ from spmdkit.graph.compute import (
     op_cost,
     recost,
 )
-from spmdkit.graph.planning import plan_model
-from spmdkit.graph.program import ProgramBuilder
-from spmdkit.graph.propagate import propagate
-from spmdkit.graph.zoo import build_model, preset
+from spmdkit.models.zoo import build_model, preset
+from spmdkit.planner.planning import plan_model
+from spmdkit.planner.propagate import propagate
+from spmdkit.program.autodiff import GRADS
+from spmdkit.program.ir import ProgramBuilder
 
 
 def _plan(b: ProgramBuilder, mesh: ProcessMesh | None = None, ann: dict[str, Any] | None = None) -> Any:
@@ -265,7 +265,7 @@ def test_every_rule_of_the_hf_imports_is_costed() -> None:
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import test_hf
-    from spmdkit.torch_import import import_module
+    from spmdkit.models.torch_import import import_module
 
     cfgs = test_hf._configs()
     seen: set[str] = set()
@@ -293,7 +293,7 @@ def test_uncovered_rules_are_listed_not_zero() -> None:
     assert op_cost(plan, 0).covered
     assert "replicated" not in COSTED
     # a rule without a cost: the estimate names it and times it by its bytes (never a silent zero)
-    from spmdkit.graph import compute
+    from spmdkit.cost import compute
 
     saved = compute._FAMILY.pop("logsumexp")
     try:
@@ -301,7 +301,7 @@ def test_uncovered_rules_are_listed_not_zero() -> None:
         assert est.uncovered == {"logsumexp": 1}
         assert est.compute_total_s == (4 * 6 + 4) * 4 / DEVICES["h100"].hbm_bytes_per_s
         out = io.StringIO()
-        from spmdkit.graph.report import write_estimate
+        from spmdkit.outputs.report import write_estimate
 
         write_estimate(est, out)
         assert "NOT COSTED" in out.getvalue() and "logsumexp x1" in out.getvalue()
@@ -397,7 +397,7 @@ def test_readme_step_example_is_real() -> None:
 def test_c_embedding_all_reduce_is_the_reshard_of_its_partial_output() -> None:
     """c_embedding with vocab-sharded rows makes a partial output; the plan's reshard of it is
     the all-reduce (counted once), not a collective inside the kernel."""
-    from spmdkit.graph.report import step_kinds
+    from spmdkit.outputs.report import step_kinds
 
     b = ProgramBuilder()
     b.tensor("ids", [4, 8], "int64", "input")

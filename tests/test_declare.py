@@ -15,7 +15,7 @@ from spmdkit.engine.compile import compile_plan, infer, traced
 from spmdkit.engine.declare import Way, declare, generate, ones
 from spmdkit.engine.notation import Notation, letters_for
 from spmdkit.engine.signature import GRAD, REVERSE
-from spmdkit.rules import get_rule, set_cache_enabled
+from spmdkit.ops import get_rule, set_cache_enabled
 
 M = ProcessMesh([2, 4])
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from spmdkit.demo import run_demo
+from spmdkit.cli.demo import run_demo
 
 
 def test_demo_runs_and_is_sound() -> None:

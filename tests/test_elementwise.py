@@ -13,7 +13,7 @@ from spmdkit.core.dist_attr import ReduceType, TensorDistAttr
 from spmdkit.core.errors import InvalidArgumentError, ShapeMismatchError, SpmdError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec
-from spmdkit.rules import get_rule
+from spmdkit.ops import get_rule
 
 
 def T(mesh: ProcessMesh, shape: list[int], dm: list[object], partial: object = None) -> DistTensorSpec:

@@ -21,7 +21,7 @@ from spmdkit.engine.compile import Plan, compile_plan, infer, run
 from spmdkit.engine.dim_trans import reshape_links, view_plan
 from spmdkit.engine.merge import BROADCAST, reference_merge
 from spmdkit.engine.notation import Notation, merge_letters
-from spmdkit.rules import (
+from spmdkit.ops import (
     amp,
     conv,
     default,
@@ -36,7 +36,7 @@ from spmdkit.rules import (
     transpose,
     view,
 )
-from spmdkit.rules import slice as slice_rules
+from spmdkit.ops import slice as slice_rules
 
 MESHES = [(2,), (3,), (2, 2), (2, 3), (3, 2), (2, 4), (2, 2, 2), (1, 2), (2, 3, 2)]
 SIZES = [1, 1, 2, 3, 4, 6, 8, 12, 5, -1, 0]
@@ -479,7 +479,7 @@ def test_docs_rules_md_examples_run() -> None:
 def test_rules_on_the_engine_are_answered_through_it() -> None:
     """Every mode of matmul, the norm family and softmax reaches a compiled plan (traced)."""
     from spmdkit.engine.compile import traced
-    from spmdkit.rules import get_rule, set_cache_enabled
+    from spmdkit.ops import get_rule, set_cache_enabled
 
     m = ProcessMesh([2, 2])
 

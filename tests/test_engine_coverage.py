@@ -13,7 +13,7 @@ import json
 
 from spmdkit.engine.compile import traced
 from spmdkit.io.codec import answer_line
-from spmdkit.rules import get_rule, rule_names, set_cache_enabled
+from spmdkit.ops import get_rule, rule_names, set_cache_enabled
 from spmdkit.sim.cases import generate_case
 
 CASES = 6  # per mode and seed (2 seeds): a few seconds in all

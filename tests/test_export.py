@@ -25,7 +25,7 @@ import pytest
 
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.placements import from_partition_spec, to_placements
-from spmdkit.export import (
+from spmdkit.outputs.export import (
     DOC_FORMATS,
     ExportError,
     dtensor_document,
@@ -34,9 +34,9 @@ from spmdkit.export import (
     paddle_document,
     read_document,
 )
-from spmdkit.graph.hf_strategy import parameters
-from spmdkit.graph.planning import plan_model
-from spmdkit.graph.program import Program, Tensor
+from spmdkit.planner.planning import plan_model
+from spmdkit.program.ir import Program, Tensor
+from spmdkit.strategies.hf import parameters
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +112,7 @@ def test_errors_name_what_is_wrong(tiny_plan: Any, tmp_path: Path) -> None:
 
 
 def test_write_is_atomic(tiny_plan: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import spmdkit.export as export
+    import spmdkit.outputs.export as export
 
     path = tmp_path / "plan.json"
     path.write_text("old")
@@ -183,7 +183,7 @@ def _kinds(cm: Any) -> Counter[str]:
 def _import_llama(tied: bool) -> Any:
     pytest.importorskip("torch", reason="torch is not installed (pip install 'spmdkit[torch]')")
     pytest.importorskip("transformers", reason="transformers is not installed (pip install 'spmdkit[hf]')")
-    from spmdkit.hf import import_hf
+    from spmdkit.models.hf import import_hf
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -204,7 +204,7 @@ def llama_tied() -> Any:
 
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 def test_dtensor_refuses_sequence_parallel(llama: Any) -> None:
-    from spmdkit.graph.planning import plan_program
+    from spmdkit.planner.planning import plan_program
 
     _, plan = plan_program(llama[0], "tp=2", "megatron,sp")
     with pytest.raises(ExportError, match=r"dtensor: model\.embed_tokens: .*Shard\(1\) over tp \(sequence parallel\)"):
@@ -213,8 +213,8 @@ def test_dtensor_refuses_sequence_parallel(llama: Any) -> None:
 
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 def test_dtensor_of_a_program_json_notes_what_it_cannot_derive(llama: Any, llama_tied: Any) -> None:
-    from spmdkit.graph.planning import plan_program
-    from spmdkit.graph.program import program_from_json
+    from spmdkit.planner.planning import plan_program
+    from spmdkit.program.ir import program_from_json
 
     prog = program_from_json(json.loads(json.dumps(llama[0].to_json())))  # no module paths, no aliases
     _, plan = plan_program(prog, "tp=2", "megatron")
@@ -230,7 +230,7 @@ def test_dtensor_of_a_program_json_notes_what_it_cannot_derive(llama: Any, llama
 
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 def test_dtensor_refuses_kv_heads_replicated_beside_sharded_queries(llama: Any) -> None:
-    from spmdkit.graph.planning import plan_program
+    from spmdkit.planner.planning import plan_program
 
     _, plan = plan_program(llama[0], "tp=4", "megatron")  # 2 kv heads, tp=4: k / v replicated by the plan
     assert plan.attrs["model.layers.0.self_attn.k_proj.weight"].dims_mapping == (-1, -1)
@@ -251,9 +251,9 @@ def test_dtensor_plan_on_hf_llama_matches_the_plans_collectives(llama: Any, tied
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from spmdkit.dtensor import placements as torch_placements
-    from spmdkit.export import apply_dtensor_plan, load_dtensor_placements, load_dtensor_plan
-    from spmdkit.graph.planning import plan_program
+    from spmdkit.outputs.dtensor import placements as torch_placements
+    from spmdkit.outputs.export import apply_dtensor_plan, load_dtensor_placements, load_dtensor_plan
+    from spmdkit.planner.planning import plan_program
 
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
@@ -338,7 +338,7 @@ def test_dtensor_plan_on_hf_llama_matches_the_plans_collectives(llama: Any, tied
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 def test_cli_export_dtensor_of_an_hf_model(llama: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from spmdkit.cli import main
-    from spmdkit.graph.planning import plan_program
+    from spmdkit.planner.planning import plan_program
 
     path = tmp_path / "plan.dtensor.json"
     assert main(["plan", "--hf", "LlamaForCausalLM", "--hf-config", json.dumps(LLAMA), "--mesh", "dp=2,tp=2",

@@ -17,7 +17,7 @@ from spmd_helpers import R, T, dms
 from spmdkit.core.dist_attr import ReduceType
 from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
-from spmdkit.rules import get_rule
+from spmdkit.ops import get_rule
 from spmdkit.sim import SOUND, UNSOUND, verify, verify_rule
 from spmdkit.sim.ops import Ctx, get_reference
 

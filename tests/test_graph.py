@@ -14,13 +14,13 @@ from spmdkit.cli import main
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
-from spmdkit.graph.memory import local_numel, memory_per_device
-from spmdkit.graph.planning import plan_model
-from spmdkit.graph.program import ProgramBuilder, program_from_json
-from spmdkit.graph.propagate import MAX_ROUNDS, Plan, propagate
-from spmdkit.graph.simulate import simulate_plan
-from spmdkit.graph.strategy import parse_mesh, parse_strategy
-from spmdkit.graph.zoo import build_model, preset
+from spmdkit.cost.memory import local_numel, memory_per_device
+from spmdkit.models.zoo import build_model, preset
+from spmdkit.planner.planning import plan_model
+from spmdkit.planner.propagate import MAX_ROUNDS, Plan, propagate
+from spmdkit.program.ir import ProgramBuilder, program_from_json
+from spmdkit.sim.plan import simulate_plan
+from spmdkit.strategies.strategy import parse_mesh, parse_strategy
 
 MESH = "dp=2,tp=2"
 
@@ -76,7 +76,7 @@ def test_program_validation_errors(edit: Any, msg: str) -> None:
 
 
 def test_load_program_file_errors(tmp_path: Any) -> None:
-    from spmdkit.graph.program import load_program
+    from spmdkit.program.ir import load_program
 
     with pytest.raises(ProgramError, match="cannot read"):
         load_program(str(tmp_path / "missing.json"))
@@ -278,7 +278,7 @@ def test_cli_plan_json_and_verify() -> None:
     d = json.loads(out)
     assert d["verify"]["ok"] is True
     # sequence parallel: 5 all-gather / reduce-scatter pairs, and the 3 all-reduces inside the
-    # vocab-parallel loss kernel (max, label logit, sum of exp: spmdkit.graph.compute)
+    # vocab-parallel loss kernel (max, label logit, sum of exp: spmdkit.cost.compute)
     assert d["totals"]["forward"]["collectives"] == {"all_gather": 5, "reduce_scatter": 5, "all_reduce": 3}
     assert [k["what"] for k in d["kernel_collectives"]] == ["row max of the logits", "label logit", "sum of exp"]
     assert d["memory"]["total"] > 0

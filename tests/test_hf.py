@@ -25,7 +25,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'spmdkit[torch]')")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install 'spmdkit[hf]')")
 
-from spmdkit.torch_import import ImportedProgram, import_module, run_program, torch_values  # noqa: E402
+from spmdkit.models.torch_import import ImportedProgram, import_module, run_program, torch_values  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")  # torch's own, in export
 
@@ -329,12 +329,12 @@ def test_half_precision_training_imports(model: Any, name: str, dtype: str) -> N
     _check_training(m, kw, prog, ref, 1e-5, f"{name} {dtype}")
 
 
-# -- spmdkit.hf: by class name and config ------------------------------------------------------------
+# -- spmdkit.models.hf: by class name and config ------------------------------------------------------------
 
 
 def test_hf_helpers_build_inputs_in_range_and_import(tmp_path: Any) -> None:
     from spmdkit.core.errors import ProgramError
-    from spmdkit.hf import build, example_inputs, import_hf
+    from spmdkit.models.hf import build, example_inputs, import_hf
 
     cfg = dict(_COMMON, num_key_value_heads=1)
     path = tmp_path / "config.json"
@@ -361,7 +361,7 @@ def test_hf_helpers_build_inputs_in_range_and_import(tmp_path: Any) -> None:
 def test_hf_build_refuses_a_model_larger_than_memory(monkeypatch: Any) -> None:
     """A config whose parameters do not fit is a one-line ProgramError before anything is
     allocated (counted on the meta device), not an out-of-memory kill."""
-    import spmdkit.hf as hf
+    import spmdkit.models.hf as hf
     from spmdkit.core.errors import ProgramError
 
     cfg = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,

@@ -30,11 +30,11 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 import test_hf as th  # noqa: E402
 from spmdkit.core.errors import ProgramError  # noqa: E402
-from spmdkit.graph.program import Program, ProgramBuilder, load_program, program_from_json  # noqa: E402
-from spmdkit.graph.propagate import propagate  # noqa: E402
-from spmdkit.graph.simulate import int_roles, loss_name, simulate_plan, source_values  # noqa: E402
-from spmdkit.graph.strategy import parse_mesh  # noqa: E402
-from spmdkit.torch_import import ImportedProgram, import_module, torch_values  # noqa: E402
+from spmdkit.models.torch_import import ImportedProgram, import_module, torch_values  # noqa: E402
+from spmdkit.planner.propagate import propagate  # noqa: E402
+from spmdkit.program.ir import Program, ProgramBuilder, load_program, program_from_json  # noqa: E402
+from spmdkit.sim.plan import int_roles, loss_name, simulate_plan, source_values  # noqa: E402
+from spmdkit.strategies.strategy import parse_mesh  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")
 
@@ -116,7 +116,7 @@ def test_inputs_drawn_in_their_valid_ranges(imported: Any) -> None:
 
 
 def test_loss_found_by_role(imported: Any) -> None:
-    from spmdkit.graph.zoo import build_model, preset
+    from spmdkit.models.zoo import build_model, preset
 
     prog, _, _ = imported("gpt2")
     assert loss_name(prog) == prog.loss == "cross_entropy_loss"
@@ -288,7 +288,7 @@ def test_run_hf_bad_arguments_are_one_line_errors(capsys: pytest.CaptureFixture[
 def test_eager_comparison_can_fail() -> None:
     """The comparison with torch eager: within rtol of each tensor's scale (a gradient's scale at
     least a thousandth of the largest gradient), every value finite, every tensor present."""
-    from spmdkit.torch_exec import RunReport, _compare_eager
+    from spmdkit.execute.rank import RunReport, _compare_eager
 
     ref = {"loss": np.array(5.0), "a.grad": np.array([1.0, -2.0]), "b.grad": np.array([1e-12, 0.0])}
     rep = RunReport(4, "gloo")
@@ -313,8 +313,8 @@ def test_launcher_hands_its_ranks_the_step(monkeypatch: Any) -> None:
     import shutil
 
     from spmdkit.cli.run import STEP_ENV, _load_step, _save_step, _Step
-    from spmdkit.graph.planning import plan_hf
-    from spmdkit.torch_exec import eager_reference
+    from spmdkit.execute.rank import eager_reference
+    from spmdkit.planner.planning import plan_hf
 
     cls, cfg = _CFG["gpt2"]
     prog, model, kw, plan = plan_hf(cls, json.dumps(cfg), "dp=2", "dp", "float32", 2, 16, {})

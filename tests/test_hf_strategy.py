@@ -1,4 +1,4 @@
-"""Strategies on imported HuggingFace programs (spmdkit.graph.hf_strategy, ``spmdkit plan --hf``):
+"""Strategies on imported HuggingFace programs (spmdkit.strategies.hf, ``spmdkit plan --hf``):
 megatron by module names with a vocab-parallel loss, dp, zero, the user's patterns, and the
 simulator agreeing with the unsharded step on the model's own weights and inputs.
 
@@ -23,9 +23,9 @@ torch = pytest.importorskip("torch", reason="torch is not installed (pip install
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install 'spmdkit[hf]')")
 
 from spmdkit.core.errors import ProgramError  # noqa: E402
-from spmdkit.graph.hf_strategy import annotate_program, optimizer_of, tp_roles, vocab_parallel_loss  # noqa: E402
-from spmdkit.graph.planning import plan_program  # noqa: E402
-from spmdkit.graph.strategy import parse_mesh, parse_strategy  # noqa: E402
+from spmdkit.planner.planning import plan_program  # noqa: E402
+from spmdkit.strategies.hf import annotate_program, optimizer_of, tp_roles, vocab_parallel_loss  # noqa: E402
+from spmdkit.strategies.strategy import parse_mesh, parse_strategy  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
@@ -44,7 +44,7 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 @pytest.fixture(scope="module")
 def imported() -> Callable[[str], Any]:
     """``imported(name)`` -> (program, model, kwargs), imported once per module, seeded."""
-    from spmdkit.hf import import_hf
+    from spmdkit.models.hf import import_hf
 
     cache: dict[str, Any] = {}
 
@@ -183,7 +183,7 @@ def test_heads_must_divide_tp_or_a_pattern_says_otherwise(imported: Callable[[st
 
 def test_user_pattern_wins_and_bert_dense_layout() -> None:
     # names only (no import): BERT's dense layers and a user's override, first match wins
-    from spmdkit.graph.hf_strategy import DEFAULT_PATTERNS, role_of
+    from spmdkit.strategies.hf import DEFAULT_PATTERNS, role_of
 
     d = list(DEFAULT_PATTERNS)
     assert role_of("bert.encoder.layer.0.attention.output.dense", d) == "row"
@@ -204,8 +204,8 @@ def test_user_pattern_wins_and_bert_dense_layout() -> None:
 def test_simulator_agrees_on_four_ranks(imported: Callable[[str], Any], name: str) -> None:
     """dp=2 x tp=2 megatron, the sharded step against the unsharded one on the model's own
     weights and inputs (labels with -100: the vocab-parallel loss's ignore_index)."""
-    import spmdkit.graph.simulate as sim
-    from spmdkit.torch_import import torch_values
+    import spmdkit.sim.plan as sim
+    from spmdkit.models.torch_import import torch_values
 
     prog, model, kw = imported(name)
     assert (kw["labels"] == -100).any()
@@ -290,8 +290,8 @@ def test_padding_idx_rewrite_keeps_the_step(imported: Callable[[str], Any]) -> N
     """The rewritten program (padding_idx lookups as torch's forward, padding positions'
     gradients masked) computes the same loss and gradients as the imported one on BERT's own
     weights and inputs, which include the padding id 0 (the zero row stays zero)."""
-    from spmdkit.graph.hf_strategy import megatron_program
-    from spmdkit.torch_import import run_program, torch_values
+    from spmdkit.models.torch_import import run_program, torch_values
+    from spmdkit.strategies.hf import megatron_program
 
     prog, model, kw = imported("bert")
     kw = dict(kw)
@@ -334,8 +334,8 @@ def test_sequence_parallel_counts(imported: Callable[[str], Any], name: str) -> 
 
 
 def test_simulator_agrees_under_sequence_parallel(imported: Callable[[str], Any]) -> None:
-    import spmdkit.graph.simulate as sim
-    from spmdkit.torch_import import torch_values
+    import spmdkit.sim.plan as sim
+    from spmdkit.models.torch_import import torch_values
 
     prog, model, kw = imported("llama")
     prog, plan = plan_program(prog, "dp=2,tp=2", "megatron,sp")
@@ -366,8 +366,8 @@ def test_cli_plans_an_hf_model(tmp_path: Any, capsys: pytest.CaptureFixture[str]
 def test_data_inputs_of_a_program_file(imported: Callable[[str], Any]) -> None:
     """A program JSON has no sources: the batch-leading inputs are the data, not the rotary
     buffer or the recorded constants."""
-    from spmdkit.graph.hf_strategy import data_inputs
-    from spmdkit.graph.program import program_from_json
+    from spmdkit.program.ir import program_from_json
+    from spmdkit.strategies.hf import data_inputs
 
     prog, _m, _k = imported("llama")
     plain = program_from_json(json.loads(prog.dumps()))
@@ -382,8 +382,8 @@ def test_gpt2_fused_qkv_is_split_head_wise(imported: Callable[[str], Any]) -> No
     the imported one on GPT-2's own weights."""
     import numpy as np
 
-    from spmdkit.graph.hf_strategy import megatron_program
-    from spmdkit.torch_import import run_program, torch_values
+    from spmdkit.models.torch_import import run_program, torch_values
+    from spmdkit.strategies.hf import megatron_program
 
     prog, model, kw = imported("gpt2")
     _, plan = plan_program(prog, "dp=2,tp=2", "megatron")
@@ -406,7 +406,7 @@ def test_gpt2_fused_qkv_is_split_head_wise(imported: Callable[[str], Any]) -> No
 def test_full_recompute_on_an_imported_model(imported: Callable[[str], Any]) -> None:
     """Imported ops are labelled by their numbered block (model.layers.0, ...), so --recompute
     full keeps only what each transformer layer reads from outside it."""
-    from spmdkit.graph.activations import saved_activations
+    from spmdkit.cost.activations import saved_activations
 
     prog, _, _ = imported("llama")
     assert {op.layer for op in prog.ops if op.phase == "forward"} >= {"model.layers.0", "model.layers.1"}

@@ -1,4 +1,4 @@
-"""``spmdkit plan --html``: the self-contained page (spmdkit.graph.html), its numbers against the
+"""``spmdkit plan --html``: the self-contained page (spmdkit.outputs.html), its numbers against the
 plan's, its atomic write, and the page rendered in headless Chromium (skipped, with the reason,
 where no Chromium is installed: ``make chromium`` installs Debian's package when root)."""
 
@@ -18,11 +18,11 @@ from conftest import cli_stdout
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
-from spmdkit.graph import html as H
-from spmdkit.graph.compute import estimate_step, kernel_collectives, preset_device
-from spmdkit.graph.memory import memory_per_device
-from spmdkit.graph.planning import plan_model
-from spmdkit.graph.report import _phase_comm, reshard_groups
+from spmdkit.cost.compute import estimate_step, kernel_collectives, preset_device
+from spmdkit.cost.memory import memory_per_device
+from spmdkit.outputs import html as H
+from spmdkit.outputs.report import _phase_comm, reshard_groups
+from spmdkit.planner.planning import plan_model
 
 
 class _Page(HTMLParser):
@@ -167,7 +167,7 @@ def test_reshard_table_rows(page: str, llama: tuple[Any, Any, Any, Any]) -> None
 
 
 def test_alternatives_and_auto_section(llama: tuple[Any, Any, Any, Any]) -> None:
-    from spmdkit.graph.auto import AutoInfo
+    from spmdkit.planner.auto import AutoInfo
 
     _model, plan, est, mem = llama
     _, dp_plan, _ = plan_model("llama-7b", "dp=2,tp=4", "dp", {"layers": 2})
@@ -181,7 +181,7 @@ def test_alternatives_and_auto_section(llama: tuple[Any, Any, Any, Any]) -> None
 
 
 def test_auto_runner_ups_from_explain(llama: tuple[Any, Any, Any, Any]) -> None:
-    from spmdkit.graph.auto import AutoInfo, LayerChoice
+    from spmdkit.planner.auto import AutoInfo, LayerChoice
 
     _model, plan, est, mem = llama
     rows = [LayerChoice("layers 0", 30, "wq [-1,1] -> [0,-1,1]", 0.020, 0.023, "wq [-1,-1] -> [0,-1,-1]"),

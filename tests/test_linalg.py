@@ -11,7 +11,7 @@ import pytest
 
 from spmdkit.core import DistTensorSpec, ProcessMesh
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError, SpmdError
-from spmdkit.rules import get_rule
+from spmdkit.ops import get_rule
 from spmdkit.sim import SOUND, UNSOUND, get_reference, verify, verify_rule
 from spmdkit.sim.ops import Ctx
 

@@ -19,7 +19,7 @@ from spmdkit.core.errors import (
 )
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec
-from spmdkit.rules import get_rule
+from spmdkit.ops import get_rule
 from spmdkit.sim import REJECTED, SOUND, verify
 
 S = ReduceType.SUM

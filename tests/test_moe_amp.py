@@ -24,7 +24,7 @@ from spmdkit.core.errors import (
     SpmdError,
 )
 from spmdkit.core.mesh import ProcessMesh
-from spmdkit.rules import get_rule
+from spmdkit.ops import get_rule
 from spmdkit.sim import SOUND, UNSOUND, verify
 from spmdkit.sim.mesh import shard
 from spmdkit.sim.ops import Ctx, get_reference

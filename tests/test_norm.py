@@ -23,7 +23,7 @@ from spmdkit.core.errors import (
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.io.codec import answer_line
-from spmdkit.rules import get_rule
+from spmdkit.ops import get_rule
 
 M22 = ProcessMesh([2, 2])
 M23 = ProcessMesh([2, 3])

@@ -9,8 +9,8 @@ import pytest
 
 from spmdkit.cli import main
 from spmdkit.core.errors import ProgramError
-from spmdkit.graph.compute import preset_device
-from spmdkit.graph.pipeline import (
+from spmdkit.cost.compute import preset_device
+from spmdkit.planner.pipeline import (
     PipelineSpec,
     bubble_formula,
     estimate_pipeline,
@@ -191,7 +191,7 @@ def test_microbatches_without_pp_is_gradient_accumulation(capsys: pytest.Capture
 
 
 def test_stages_partition_the_state_of_the_step() -> None:
-    from spmdkit.graph.memory import memory_per_device
+    from spmdkit.cost.memory import memory_per_device
 
     _, plan, _, counts, _ = _tiny("pp=4,dp=2,tp=2", 2, layers=8)
     whole = memory_per_device(plan)
@@ -219,7 +219,7 @@ def test_interleaved_memory_counts_chunks() -> None:
 def test_recompute_reaches_the_pipeline() -> None:
     """--recompute with pp: a recomputed region's activations leave each stage's stash (memory
     of the in-flight microbatches) and its ops' time is added to the stage's backward."""
-    from spmdkit.graph.activations import saved_activations
+    from spmdkit.cost.activations import saved_activations
 
     _model, plan, spec, counts, _ = plan_pipeline("tiny-gpt-dropout", "pp=2,tp=2", "megatron", {"microbatches": 4},
                                                  {"layers": 4, "batch": 8}, None, None)

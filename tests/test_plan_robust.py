@@ -14,9 +14,9 @@ import pytest
 
 from spmdkit.cli import main
 from spmdkit.core.errors import ProgramError
-from spmdkit.graph.planning import MAX_LAYERS
-from spmdkit.graph.program import ProgramBuilder
-from spmdkit.graph.strategy import MAX_RANKS, parse_mesh
+from spmdkit.planner.planning import MAX_LAYERS
+from spmdkit.program.ir import ProgramBuilder
+from spmdkit.strategies.strategy import MAX_RANKS, parse_mesh
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 

@@ -1,7 +1,7 @@
 """Declared output shapes are checked against the shapes the op makes (issue 13).
 
 A program whose declared output shape contradicts its op is a ProgramError naming the op,
-for every rule whose semantics fix the output shape (spmdkit.graph.out_shapes); a correct
+for every rule whose semantics fix the output shape (spmdkit.program.out_shapes); a correct
 program passes. The sweep over every rule uses the numpy references as the oracle.
 """
 
@@ -16,9 +16,9 @@ import pytest
 
 from spmdkit.core.errors import ProgramError
 from spmdkit.engine.registry import all_rules, get_rule
-from spmdkit.graph.out_shapes import UNCHECKED, expected_output_shapes, unchecked_rules
-from spmdkit.graph.program import ProgramBuilder
-from spmdkit.graph.zoo import PRESETS, build_model
+from spmdkit.models.zoo import PRESETS, build_model
+from spmdkit.program.ir import ProgramBuilder
+from spmdkit.program.out_shapes import UNCHECKED, expected_output_shapes, unchecked_rules
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -174,7 +174,7 @@ def test_seeded_sweep_every_rule_no_false_alarm_and_perturbations_caught() -> No
 def test_zoo_programs_validate_and_a_wrong_grad_shape_is_caught() -> None:
     from dataclasses import replace
 
-    from spmdkit.graph.program import Program, Tensor
+    from spmdkit.program.ir import Program, Tensor
 
     for name in ("tiny-llama", "tiny-gpt2"):
         prog = build_model(PRESETS[name]).program

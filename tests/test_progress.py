@@ -1,11 +1,11 @@
-"""spmdkit.progress: a one-line display on a terminal, nothing at all on a pipe."""
+"""spmdkit.outputs.progress: a one-line display on a terminal, nothing at all on a pipe."""
 
 from __future__ import annotations
 
 import io
 from typing import Any
 
-from spmdkit.progress import Progress, is_terminal
+from spmdkit.outputs.progress import Progress, is_terminal
 
 
 class FakeTty(io.StringIO):

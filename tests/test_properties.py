@@ -15,7 +15,7 @@ from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import SpmdError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.io.codec import parse_case
-from spmdkit.rules import get_rule, rule_names
+from spmdkit.ops import get_rule, rule_names
 from spmdkit.sim.cases import generate_case
 
 PAIRS = [(n, m) for n in rule_names(include_aliases=False) for m in get_rule(n).modes

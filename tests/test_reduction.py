@@ -18,8 +18,8 @@ from spmdkit.core.errors import (
 )
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec
-from spmdkit.rules import get_rule
-from spmdkit.rules.reduction import REDUCTION_OPS, notation
+from spmdkit.ops import get_rule
+from spmdkit.ops.reduction import REDUCTION_OPS, notation
 from spmdkit.sim import REJECTED, SOUND, verify, verify_rule
 
 M4 = ProcessMesh([4])

@@ -15,8 +15,8 @@ import pytest
 
 pytest.importorskip("torch", reason="torch is not installed (pip install 'spmdkit[torch]')")
 
-from spmdkit.launch import PHASE_MARK, launch_local
-from spmdkit.progress import Progress
+from spmdkit.execute.launch import PHASE_MARK, launch_local
+from spmdkit.outputs.progress import Progress
 
 ROOT = Path(__file__).resolve().parents[1]
 

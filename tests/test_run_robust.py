@@ -68,7 +68,7 @@ if _rank is not None and _fault and _fault.split(":")[0] == _rank:
             return _all_reduce(*a, **k)
         dist.all_reduce = all_reduce
     elif point == "output":  # one NaN in this rank's piece of the first sharded float tensor
-        import spmdkit.torch_exec as te
+        import spmdkit.execute.rank as te
         _run = te.Rank.run
         def run(self, seed):
             out = _run(self, seed)

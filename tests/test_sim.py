@@ -786,9 +786,9 @@ def test_verify_never_calls_a_nan_output_sound(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_simulate_plan_fails_a_nan_step() -> None:
-    from spmdkit.graph.program import program_from_json
-    from spmdkit.graph.propagate import propagate
-    from spmdkit.graph.simulate import simulate_plan
+    from spmdkit.planner.propagate import propagate
+    from spmdkit.program.ir import program_from_json
+    from spmdkit.sim.plan import simulate_plan
 
     prog = program_from_json({"format": "spmdkit-program", "version": 1, "name": "log",
                               "tensors": [{"name": "x", "shape": [4, 8], "kind": "input"},

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec
-from spmdkit.rules import get_rule
+from spmdkit.ops import get_rule
 from spmdkit.sim import REJECTED, SOUND, verify
 
 M24 = ProcessMesh([2, 4])

@@ -14,7 +14,7 @@ from spmd_helpers import global_ctx as _ctx
 from spmdkit.core.dist_attr import ReduceType
 from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError, ShapeMismatchError, SpmdError
 from spmdkit.core.mesh import ProcessMesh
-from spmdkit.rules import get_rule
+from spmdkit.ops import get_rule
 from spmdkit.sim import SOUND, UNSOUND, verify
 from spmdkit.sim.ops import get_reference
 

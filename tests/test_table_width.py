@@ -1,4 +1,4 @@
-"""The plan report's tables fit the terminal (spmdkit.report: fit_columns, table_width, fitted):
+"""The plan report's tables fit the terminal (spmdkit.outputs.tables: fit_columns, table_width, fitted):
 optional columns left out first, the others wrapped; ``--wide`` (and a pipe) prints everything."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from spmdkit.report import fit_columns, fitted, print_table, table_width, terminal_width
+from spmdkit.outputs.tables import fit_columns, fitted, print_table, table_width, terminal_width
 
 HEADER = ["phase", "layer", "tensor", "where", "from -> to", "collectives", "times", "bytes/rank", "time"]
 ROWS = [["forward", "32 layers", "layers.*.attn_out", "after matmul (layers.*.attn_out)",

@@ -17,8 +17,8 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'spmdkit[torch]')")
 
-from spmdkit.graph.planning import plan_model  # noqa: E402
-from spmdkit.torch_exec import Collective, expected_collectives  # noqa: E402
+from spmdkit.execute.rank import Collective, expected_collectives  # noqa: E402
+from spmdkit.planner.planning import plan_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,10 +75,10 @@ _WORKER = textwrap.dedent('''
     import torch, torch.distributed as dist
     from spmdkit.core.dist_attr import TensorDistAttr, entry_dims
     from spmdkit.core.mesh import ProcessMesh
-    from spmdkit.reshard import plan_reshard
+    from spmdkit.cost.reshard import plan_reshard
     from spmdkit.sim.mesh import assemble, shard
-    from spmdkit.torch_exec import Rank
-    from spmdkit.dtensor import placements
+    from spmdkit.execute.rank import Rank
+    from spmdkit.outputs.dtensor import placements
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
 
@@ -131,7 +131,7 @@ _WORKER = textwrap.dedent('''
             dt_checked += 1
     # a module's parameters distributed as a plan says
     from types import SimpleNamespace
-    from spmdkit.dtensor import distribute_parameters
+    from spmdkit.outputs.dtensor import distribute_parameters
     torch.manual_seed(0)
     lin = torch.nn.Linear(8, 16).double()
     w0 = lin.weight.detach().numpy().copy()
@@ -180,7 +180,7 @@ def test_every_reshard_step_runs_as_real_collectives(tmp_path: Path, mesh_shape:
 
 def test_run_a_program_file(tmp_path: Path) -> None:
     """--program: a program JSON (here the tiny GPT-2 step) planned from --annotate alone."""
-    from spmdkit.graph.zoo import build_model, preset
+    from spmdkit.models.zoo import build_model, preset
 
     f = tmp_path / "prog.json"
     f.write_text(build_model(preset("tiny-gpt2")).program.dumps())
@@ -203,7 +203,7 @@ def test_placements_of_dist_attrs() -> None:
     from spmdkit.core.dist_attr import TensorDistAttr
     from spmdkit.core.errors import InvalidDimsMappingError, InvalidPartialError
     from spmdkit.core.mesh import ProcessMesh
-    from spmdkit.dtensor import placements
+    from spmdkit.outputs.dtensor import placements
 
     m = ProcessMesh([2, 2], dim_names=["dp", "tp"])
     assert placements(TensorDistAttr(m, [0, -1], [1])) == (Shard(0), Partial("sum"))
@@ -218,10 +218,10 @@ def test_placements_of_dist_attrs() -> None:
 
 def test_imported_torch_model_runs_on_gloo(tmp_path: Path) -> None:
     """End to end: a LLaMA-style model written in plain torch, imported as a training step
-    (spmdkit.torch_import), planned under Megatron TP x DP from parameter annotations, executed
+    (spmdkit.models.torch_import), planned under Megatron TP x DP from parameter annotations, executed
     on 4 gloo processes: every tensor equals the single-process step, the collectives the plan's."""
     import test_torch_import as tti
-    from spmdkit.torch_import import import_module
+    from spmdkit.models.torch_import import import_module
 
     prog = import_module(tti._model(tti.Llama), tti._data(), training=True)
     f = tmp_path / "llama.json"

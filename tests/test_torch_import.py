@@ -1,4 +1,4 @@
-"""spmdkit.torch_import: torch modules (a GPT-2 and a LLaMA written in plain torch here, tiny,
+"""spmdkit.models.torch_import: torch modules (a GPT-2 and a LLaMA written in plain torch here, tiny,
 random weights) imported as spmdkit Programs: no fallback op, the Program validates, the
 simulator's unsharded run of it on the module's own weights reproduces torch's loss (and, for a
 training import, every parameter gradient) in float64, propagation under data- and
@@ -20,11 +20,7 @@ from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 from spmdkit.core.errors import ProgramError  # noqa: E402
-from spmdkit.graph.program import program_from_json  # noqa: E402
-from spmdkit.graph.propagate import MAX_ROUNDS, propagate  # noqa: E402
-from spmdkit.graph.simulate import simulate_plan  # noqa: E402
-from spmdkit.graph.strategy import parse_mesh  # noqa: E402
-from spmdkit.torch_import import (  # noqa: E402
+from spmdkit.models.torch_import import (  # noqa: E402
     ImportedProgram,
     import_module,
     register_aten,
@@ -32,6 +28,10 @@ from spmdkit.torch_import import (  # noqa: E402
     torch_values,
     unregister_aten,
 )
+from spmdkit.planner.propagate import MAX_ROUNDS, propagate  # noqa: E402
+from spmdkit.program.ir import program_from_json  # noqa: E402
+from spmdkit.sim.plan import simulate_plan  # noqa: E402
+from spmdkit.strategies.strategy import parse_mesh  # noqa: E402
 
 VOCAB, HIDDEN, HEADS, SEQ, BATCH = 64, 16, 4, 8, 2
 

@@ -24,13 +24,13 @@ torch = pytest.importorskip("torch", reason="torch is not installed (pip install
 
 from conftest import run_cli_line  # noqa: E402
 from spmdkit.core.errors import SpmdError  # noqa: E402
-from spmdkit.graph.planning import plan_model  # noqa: E402
-from spmdkit.graph.program import ProgramBuilder  # noqa: E402
-from spmdkit.graph.propagate import propagate  # noqa: E402
-from spmdkit.graph.strategy import parse_mesh  # noqa: E402
-from spmdkit.graph.zoo import PRESETS  # noqa: E402
-from spmdkit.torch_exec import TOLERANCES, _global_step, global_step_torch  # noqa: E402
-from spmdkit.torch_kernels import NoTorchKernelError, check_kernels, missing_kernels  # noqa: E402
+from spmdkit.execute.kernels import NoTorchKernelError, check_kernels, missing_kernels  # noqa: E402
+from spmdkit.execute.rank import TOLERANCES, _global_step, global_step_torch  # noqa: E402
+from spmdkit.models.zoo import PRESETS  # noqa: E402
+from spmdkit.planner.planning import plan_model  # noqa: E402
+from spmdkit.planner.propagate import propagate  # noqa: E402
+from spmdkit.program.ir import ProgramBuilder  # noqa: E402
+from spmdkit.strategies.strategy import parse_mesh  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -97,7 +97,7 @@ def test_an_op_without_a_torch_kernel_is_refused_by_name(capsys: pytest.CaptureF
 
 def test_the_dtype_check_fails_on_a_wrong_value_and_on_nan() -> None:
     """_check_torch: within the dtype's tolerance of each tensor's scale passes, beyond fails, a NaN never passes."""
-    from spmdkit.torch_exec import Rank, RunReport, _check_torch
+    from spmdkit.execute.rank import Rank, RunReport, _check_torch
 
     b = ProgramBuilder("t")
     x = b.tensor("x", (4, 3), "bfloat16", "input")
@@ -134,7 +134,7 @@ def test_a_relu_mask_flipped_by_rounding_passes_and_a_wrong_gradient_or_nan_stil
     another order (bfloat16 T5): the single-process check runs relu_grad on the distributed
     run's forward value (itself checked), so the flip passes; a wrong gradient, a gradient with
     the wrong mask for its own forward value, a NaN and a forward value beyond the tolerance fail."""
-    from spmdkit.torch_exec import Rank, RunReport, _check_torch
+    from spmdkit.execute.rank import Rank, RunReport, _check_torch
 
     b = ProgramBuilder("t")
     x = b.tensor("x", (4, 8), "bfloat16", "input")
@@ -182,7 +182,7 @@ def test_a_relu_mask_flipped_by_rounding_passes_and_a_wrong_gradient_or_nan_stil
 def test_the_half_precision_eager_check_is_bounded_by_torchs_own_half_step() -> None:
     """Against torch eager's float32 step, a half-precision run's gradient passes within rtol or twice
     torch's own half-precision step's largest relative L2 error; beyond it, or a NaN, fails."""
-    from spmdkit.torch_exec import RunReport, _compare_eager
+    from spmdkit.execute.rank import RunReport, _compare_eager
 
     rng = np.random.default_rng(5)
     want = {"loss": np.array(2.0), "a.grad": rng.normal(size=(64, 32)), "b.grad": rng.normal(size=(32,))}
@@ -249,7 +249,7 @@ def test_run_hf_llama_bfloat16_with_torch_kernels() -> None:
 
 
 def test_the_report_prints_time_per_phase_beside_the_prediction() -> None:
-    from spmdkit.torch_exec import RunReport, format_report, predicted_timing
+    from spmdkit.execute.rank import RunReport, format_report, predicted_timing
 
     _, plan, _ = plan_model("tiny-llama", "dp=2,tp=2", "megatron", {"layers": 1})
     pred, on = predicted_timing(plan, "h100")
@@ -303,9 +303,9 @@ def test_every_torch_kernel_equals_its_numpy_reference_on_the_simulator_cases() 
     keeps float64; flash_attention's return_softmax is refused by design)."""
     import random
 
+    from spmdkit.execute.kernels import get_kernel, run_kernel
     from spmdkit.sim.cases import GENERATORS, rand_mesh
     from spmdkit.sim.ops import REFERENCES, Ctx
-    from spmdkit.torch_kernels import get_kernel, run_kernel
 
     checked: set[str] = set()
     for name, ref in sorted(REFERENCES.items()):

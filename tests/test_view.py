@@ -19,7 +19,7 @@ from spmdkit.engine.dim_trans import (
     squeeze_trans,
     unsqueeze_trans,
 )
-from spmdkit.rules import get_rule
+from spmdkit.ops import get_rule
 from spmdkit.sim import verify_rule
 
 

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from spmdkit.core.errors import ProgramError
-from spmdkit.graph.memory import memory_per_device
-from spmdkit.graph.planning import plan_model
-from spmdkit.graph.strategy import parse_mesh, parse_strategy
+from spmdkit.cost.memory import memory_per_device
+from spmdkit.planner.planning import plan_model
+from spmdkit.strategies.strategy import parse_mesh, parse_strategy
 
 MiB = 1 << 20
 PINS = {"layers.0.wo": [-1, -1], "layers.0.w_down": [-1, -1]}
@@ -54,7 +54,7 @@ def test_replicated_weights_update_on_their_own_layout() -> None:
 
 def test_replicated_weights_update_simulated() -> None:
     pytest.importorskip("numpy")
-    from spmdkit.graph.simulate import simulate_plan
+    from spmdkit.sim.plan import simulate_plan
 
     model, plan, _ = plan_model("tiny-llama", "dp=2,tp=2", "megatron", None, dict(PINS))
     for p in PINS:
@@ -139,7 +139,7 @@ def test_zero3_keeps_one_layer_gathered() -> None:
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3", "megatron,zero3"])
 def test_zero_step_simulated(strategy: str) -> None:
     pytest.importorskip("numpy")
-    from spmdkit.graph.simulate import simulate_plan
+    from spmdkit.sim.plan import simulate_plan
 
     _, plan, _ = plan_model("tiny-llama", "dp=2,tp=2", strategy)
     rep = simulate_plan(plan, seed=1)
@@ -163,7 +163,7 @@ def test_zero_cli_verify_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
         text = err.getvalue() or capsys.readouterr().err
         assert rc == 2, args
         assert msg in text and text.count("\n") == 1 and "Traceback" not in text, text
-    assert sys.modules["spmdkit.graph.strategy"].zero_stage(("dp", "zero3")) == 3
+    assert sys.modules["spmdkit.strategies.strategy"].zero_stage(("dp", "zero3")) == 3
 
 
 # -- gradient accumulation ---------------------------------------------------------------------
@@ -173,7 +173,7 @@ def test_grad_accum_counts_memory_and_step(capsys: pytest.CaptureFixture[str]) -
     import json
 
     from spmdkit.cli import main
-    from spmdkit.graph.compute import estimate_step, preset_device
+    from spmdkit.cost.compute import estimate_step, preset_device
 
     def totals(strategy: str, k: int) -> dict[str, Any]:
         rc = main(["plan", "--model", "llama-7b", "--layers", "2", "--mesh", "dp=8", "--strategy", strategy,
@@ -212,9 +212,9 @@ def test_grad_accum_counts_memory_and_step(capsys: pytest.CaptureFixture[str]) -
 
 
 def test_storage_of_a_made_tensor_is_refused() -> None:
-    from spmdkit.graph.propagate import propagate
-    from spmdkit.graph.strategy import annotate
-    from spmdkit.graph.zoo import build_model, preset
+    from spmdkit.models.zoo import build_model, preset
+    from spmdkit.planner.propagate import propagate
+    from spmdkit.strategies.strategy import annotate
 
     model = build_model(preset("tiny-llama"))
     mesh = parse_mesh("dp=2")
@@ -230,10 +230,10 @@ def test_master_weights_simulated(strategy: str) -> None:
     """A bf16 model: each update also reads and writes an fp32 master copy (multi_precision),
     sharded as the moments; the simulator checks it with the rest."""
     pytest.importorskip("numpy")
-    from spmdkit.graph.propagate import propagate
-    from spmdkit.graph.simulate import simulate_plan
-    from spmdkit.graph.strategy import annotate, zero3_storage
-    from spmdkit.graph.zoo import build_model, preset
+    from spmdkit.models.zoo import build_model, preset
+    from spmdkit.planner.propagate import propagate
+    from spmdkit.sim.plan import simulate_plan
+    from spmdkit.strategies.strategy import annotate, zero3_storage
 
     mesh = parse_mesh("dp=2,tp=2")
     st = parse_strategy(strategy, mesh)

@@ -83,7 +83,7 @@ def _cmd_infer(ns: argparse.Namespace, out: TextIO) -> int:
     if ns.json:
         out.write(dumps(encode_result(result, case_id)) + "\n")
         return 0
-    from spmdkit.report import print_result_table
+    from spmdkit.outputs.tables import print_result_table
 
     print_result_table(case, result, out)
     return 0
@@ -108,14 +108,14 @@ def _cmd_rules(ns: argparse.Namespace, out: TextIO) -> int:
     if ns.json:
         out.write(json.dumps(rows) + "\n")
         return 0
-    from spmdkit.report import print_rules_table
+    from spmdkit.outputs.tables import print_rules_table
 
     print_rules_table(rows, out)
     return 0
 
 
 def _cmd_demo(ns: argparse.Namespace, out: TextIO) -> int:
-    from spmdkit.demo import run_demo
+    from spmdkit.cli.demo import run_demo
 
     return run_demo(out)
 

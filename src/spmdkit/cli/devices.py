@@ -1,8 +1,8 @@
 """``spmdkit plan --devices N``: the outer search's command.
 
-The flags checked, the search run (:func:`spmdkit.graph.auto_search.search_meshes`, the
+The flags checked, the search run (:func:`spmdkit.planner.search.search_meshes`, the
 library), its table printed and the best configuration's plan reported (text or JSON), with
-``--verify`` the best one checked at tiny sizes (:func:`spmdkit.graph.auto_search.verify_config`).
+``--verify`` the best one checked at tiny sizes (:func:`spmdkit.planner.search.verify_config`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 from typing import Any, TextIO
 
 from spmdkit.core.errors import ProgramError
-from spmdkit.graph.auto_search import (
+from spmdkit.planner.search import (
     Candidate,
     import_hf_program,
     search_json,
@@ -25,8 +25,8 @@ from spmdkit.graph.auto_search import (
 def run_devices(ns: argparse.Namespace, out: TextIO) -> int:
     """``spmdkit plan --devices N``: the search's table, then the best plan's report."""
     from spmdkit.cli.plan import parse_annotations, parse_tp_plan
-    from spmdkit.graph.planning import MAX_SIZE, parse_cost, parse_size
-    from spmdkit.graph.strategy import MAX_RANKS
+    from spmdkit.planner.planning import MAX_SIZE, parse_cost, parse_size
+    from spmdkit.strategies.strategy import MAX_RANKS
 
     n = parse_size("--devices", ns.devices, MAX_RANKS)
     assert n is not None
@@ -45,7 +45,7 @@ def run_devices(ns: argparse.Namespace, out: TextIO) -> int:
     if getattr(ns, "tp_plan", None) is not None and hf is None and not ns.program:
         raise ProgramError("--tp-plan: applies to --hf or --program models (a preset has its own roles)")
     if ns.cost:  # named before planning: dims dp, tp and pp (its entry times the pipeline's sends)
-        from spmdkit.graph.strategy import parse_mesh
+        from spmdkit.strategies.strategy import parse_mesh
 
         parse_cost(ns.cost, parse_mesh("pp=2,dp=1,tp=1"))
     limit = auto_time_limit(ns)
@@ -68,7 +68,7 @@ def run_devices(ns: argparse.Namespace, out: TextIO) -> int:
         given = [f for f, v in (("--layers", layers), ("--batch", batch), ("--seq", seq)) if v is not None]
         if given:
             raise ProgramError(f"{given[0]}: overrides a preset's size; it does not apply to --program")
-        from spmdkit.graph.program import load_program
+        from spmdkit.program.ir import load_program
 
         model = load_program(ns.program)
         what = f"program {ns.program}"
@@ -90,7 +90,7 @@ def run_devices(ns: argparse.Namespace, out: TextIO) -> int:
     if best is not None:
         _write_files(ns, res, best, f"{what}; best of {n} devices: {best.title}")
     if ns.json:
-        from spmdkit.graph.report import plan_json
+        from spmdkit.outputs.report import plan_json
 
         extra: dict[str, Any] = {"search": search_json(res)}
         if best is None:
@@ -141,11 +141,11 @@ def _write_files(ns: argparse.Namespace, res: Any, best: Candidate, title: str) 
 
 
 def _write_best(best: Candidate, out: TextIO) -> None:
-    from spmdkit.graph.report import write_report
+    from spmdkit.outputs.report import write_report
 
     title = f"\nThe best: {best.config.label()}. {best.title}"
     if best.config.pp > 1:
-        from spmdkit.graph.pipeline import write_pipeline
+        from spmdkit.planner.pipeline import write_pipeline
 
         write_report(best.plan, out, title + " (the plan of one microbatch on the stages' sub-mesh)",
                      best.memory_detail, best.plan_s)
@@ -155,7 +155,7 @@ def _write_best(best: Candidate, out: TextIO) -> None:
 
 
 def auto_time_limit(ns: argparse.Namespace) -> float:
-    from spmdkit.graph.planning import clip_repr
+    from spmdkit.planner.planning import clip_repr
 
     text = getattr(ns, "auto_time_limit", None) or "60"
     try:

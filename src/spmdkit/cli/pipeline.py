@@ -2,7 +2,7 @@
 
 The flags (``--microbatches``, ``--schedule``, ``--virtual-stages``, ``--stages``), the
 command that plans, estimates and prints a pipeline; the model of the pipeline itself
-(stages, schedules, bubble, sends, memory) is the library module :mod:`spmdkit.graph.pipeline`.
+(stages, schedules, bubble, sends, memory) is the library module :mod:`spmdkit.planner.pipeline`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 from typing import Any, TextIO
 
 from spmdkit.core.errors import ProgramError
-from spmdkit.graph.pipeline import (
+from spmdkit.planner.pipeline import (
     estimate_pipeline,
     plan_pipeline,
     pp_cost_text,
@@ -35,7 +35,7 @@ def wants_pipeline(ns: argparse.Namespace) -> bool:
     """True when the mesh names a ``pp`` dim or a pipeline flag is given."""
     if any(getattr(ns, k, None) is not None for k in ("microbatches", "schedule", "virtual_stages", "stages")):
         return True
-    from spmdkit.graph.strategy import parse_mesh
+    from spmdkit.strategies.strategy import parse_mesh
 
     return "pp" in parse_mesh(ns.mesh).dim_names
 
@@ -43,10 +43,10 @@ def wants_pipeline(ns: argparse.Namespace) -> bool:
 def run_pipeline_plan(ns: argparse.Namespace, out: TextIO) -> int:
     """``spmdkit plan`` with a ``pp`` mesh dim (preset models)."""
     from spmdkit.cli.plan import parse_annotations, step_estimate, write_html
-    from spmdkit.graph.activations import check_recompute
-    from spmdkit.graph.planning import parse_cost
-    from spmdkit.graph.report import plan_json, write_report
-    from spmdkit.graph.strategy import parse_mesh
+    from spmdkit.cost.activations import check_recompute
+    from spmdkit.outputs.report import plan_json, write_report
+    from spmdkit.planner.planning import parse_cost
+    from spmdkit.strategies.strategy import parse_mesh
 
     if getattr(ns, "hf", None) is not None or ns.program:
         raise ProgramError("--mesh pp / --microbatches: pipeline planning applies to preset models (--model), "
@@ -67,7 +67,7 @@ def run_pipeline_plan(ns: argparse.Namespace, out: TextIO) -> int:
     if getattr(ns, "device", None):
         from dataclasses import replace
 
-        from spmdkit.graph.compute import load_device
+        from spmdkit.cost.compute import load_device
 
         device = load_device(str(ns.device))
         if getattr(ns, "nodes_of", None):
@@ -115,8 +115,8 @@ def _sub_mesh_annotations(user: dict[str, Any], mesh: Any) -> dict[str, Any]:
 
 
 def _pp_link(ns: argparse.Namespace, mesh: Any, device: Any) -> tuple[float, float]:
-    from spmdkit.graph.compute import cost_model
-    from spmdkit.reshard import CostModel
+    from spmdkit.cost.compute import cost_model
+    from spmdkit.cost.reshard import CostModel
 
     nodes = getattr(ns, "nodes_of", None)
     cost = cost_model(mesh, device, int(nodes) if nodes else None)

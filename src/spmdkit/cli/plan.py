@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from typing import Any, TextIO
 
 from spmdkit.core.errors import ProgramError, SpmdError
-from spmdkit.graph.planning import (
+from spmdkit.planner.planning import (
     MAX_LAYERS,
     MAX_SIZE,
     clip_repr,
@@ -25,7 +25,7 @@ from spmdkit.graph.planning import (
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
-    from spmdkit.graph.zoo import PRESETS
+    from spmdkit.models.zoo import PRESETS
 
     p.add_argument("--model", default="llama-7b",
                    help=f"a preset ({', '.join(sorted(PRESETS))}); default llama-7b")
@@ -138,7 +138,7 @@ def parse_tp_plan(text: str | None) -> dict[str, str] | None:
     """``--tp-plan``: a JSON object (or a file holding one) of pattern -> role."""
     import os
 
-    from spmdkit.graph.hf_strategy import check_patterns
+    from spmdkit.strategies.hf import check_patterns
 
     if text is None:
         return None
@@ -209,14 +209,14 @@ def run_plan(ns: argparse.Namespace, out: TextIO) -> int:
             if getattr(ns, "mesh", None) is None and not devices:
                 ns.mesh = DEFAULT_MESH
             from spmdkit.cli.pipeline import run_pipeline_plan, wants_pipeline
-            from spmdkit.report import fitted, terminal_width
+            from spmdkit.outputs.tables import fitted, terminal_width
 
             if getattr(ns, "html", None):
-                from spmdkit.graph.html import check_html_path
+                from spmdkit.outputs.html import check_html_path
 
                 check_html_path(ns.html)  # before planning
             if getattr(ns, "export", None):  # a bad format or folder refused before planning
-                from spmdkit.export import check_target
+                from spmdkit.outputs.export import check_target
 
                 check_target(*ns.export)
             width = None if ns.json else terminal_width(out, getattr(ns, "wide", False))
@@ -239,9 +239,9 @@ def run_plan(ns: argparse.Namespace, out: TextIO) -> int:
 
 
 def _run_plan(ns: argparse.Namespace, out: TextIO) -> int:
-    from spmdkit.graph.activations import check_recompute
-    from spmdkit.graph.memory import memory_per_device
-    from spmdkit.graph.report import plan_json, write_report
+    from spmdkit.cost.activations import check_recompute
+    from spmdkit.cost.memory import memory_per_device
+    from spmdkit.outputs.report import plan_json, write_report
 
     recompute = ns.recompute = check_recompute(getattr(ns, "recompute", None) or "none")
     user = parse_annotations(ns.annotate)
@@ -277,7 +277,7 @@ def _run_plan(ns: argparse.Namespace, out: TextIO) -> int:
             raise ProgramError(f"{given[0]}: overrides a preset's size; it does not apply to --program")
         if ns.verify:
             raise ProgramError("--verify: simulates a preset model; it does not apply to --program")
-        from spmdkit.graph.program import load_program
+        from spmdkit.program.ir import load_program
 
         t0 = time.perf_counter()
         prog = load_program(ns.program)
@@ -320,11 +320,11 @@ def _run_plan(ns: argparse.Namespace, out: TextIO) -> int:
 def _run_auto(ns: argparse.Namespace, out: TextIO, user: dict[str, Any], overrides: dict[str, int | None]) -> int:
     """``--auto``: the searched plan of a preset, a --program file or an --hf model (graph/auto.py);
     ``--verify``: a preset's plan checked on its tiny model (graph/auto_search.verify_auto)."""
-    from spmdkit.graph.auto import auto_plan
-    from spmdkit.graph.memory import memory_per_device
-    from spmdkit.graph.report import plan_json, write_report
-    from spmdkit.graph.strategy import parse_mesh
-    from spmdkit.graph.zoo import build_model, preset
+    from spmdkit.cost.memory import memory_per_device
+    from spmdkit.models.zoo import build_model, preset
+    from spmdkit.outputs.report import plan_json, write_report
+    from spmdkit.planner.auto import auto_plan
+    from spmdkit.strategies.strategy import parse_mesh
 
     hf = getattr(ns, "hf", None)
     if ns.strategy is not None:
@@ -349,7 +349,7 @@ def _run_auto(ns: argparse.Namespace, out: TextIO, user: dict[str, Any], overrid
             raise ProgramError(f"--hf {clip_repr(hf, 40)}: needs --hf-config FILE|JSON (the model's config)")
         if overrides.get("layers") is not None:
             raise ProgramError("--layers: does not apply to --hf (set num_hidden_layers in --hf-config)")
-        from spmdkit.graph.auto_search import import_hf_program
+        from spmdkit.planner.search import import_hf_program
 
         b, sq = overrides.get("batch") or 2, overrides.get("seq") or 16
         prog = import_hf_program(hf, ns.hf_config, b, sq, getattr(ns, "dtype", "float32"))
@@ -358,7 +358,7 @@ def _run_auto(ns: argparse.Namespace, out: TextIO, user: dict[str, Any], overrid
         given = [f"--{k}" for k, v in overrides.items() if v is not None]
         if given:
             raise ProgramError(f"{given[0]}: overrides a preset's size; it does not apply to --program")
-        from spmdkit.graph.program import load_program
+        from spmdkit.program.ir import load_program
 
         prog = load_program(ns.program)
         title = f"program {ns.program}"
@@ -369,26 +369,26 @@ def _run_auto(ns: argparse.Namespace, out: TextIO, user: dict[str, Any], overrid
         # the vocab-parallel loss: its rule also takes the class axis whole (the plain loss)
         prog = build_model(cfg, vocab_parallel_loss=True, check_rules=False).program
         title = f"{ns.model}: {cfg.arch}, {cfg.layers} layers, hidden {cfg.hidden}, seq {cfg.seq}, batch {cfg.batch}"
-    from spmdkit.graph.compute import cost_model, load_device
+    from spmdkit.cost.compute import cost_model, load_device
 
     device = load_device(ns.device) if getattr(ns, "device", None) else None
     cost = parse_cost(ns.cost, mesh)
     if device is not None:  # the device's links, --cost on top (as _step_estimate times the plan)
         from dataclasses import replace
 
-        from spmdkit.reshard import CostModel
+        from spmdkit.cost.reshard import CostModel
 
         nodes = parse_size("--nodes-of", getattr(ns, "nodes_of", None), 1 << 20)
         device = replace(device, ranks_per_node=nodes) if nodes else device
         cost = cost_model(mesh, device, nodes)
         if ns.cost:
             cost = CostModel.parse(ns.cost, mesh, base=cost)
-    from spmdkit.graph.auto_search import parse_memory
+    from spmdkit.planner.search import parse_memory
 
     cap = None if getattr(ns, "memory", None) is None else parse_memory(ns.memory)
     if cap is None and device is not None:
         cap = int(device.memory_bytes)
-    from spmdkit.progress import Progress
+    from spmdkit.outputs.progress import Progress
 
     with Progress("plan --auto") as bar:  # a line on a terminal's stderr, nothing on a pipe
         plan, info = auto_plan(prog, mesh, user, cost, time_limit=limit, device=device, memory_cap=cap,
@@ -406,7 +406,7 @@ def _run_auto(ns: argparse.Namespace, out: TextIO, user: dict[str, Any], overrid
     export_plan_file(ns, plan)
     verdict = None
     if ns.verify:
-        from spmdkit.graph.auto_search import verify_auto
+        from spmdkit.planner.search import verify_auto
 
         verdict = verify_auto(plan, ns.model, ns.cost)
     if ns.json:
@@ -447,14 +447,14 @@ def explain_table(rows: list[Any]) -> str:
 
 def write_html(ns: argparse.Namespace, plan: Any, title: str, mem: Any, est: Any, config: Any = None,
                mesh_text: str | None = None, recompute: str | None = None, **more: Any) -> None:
-    """``--html FILE``: the page of :mod:`spmdkit.graph.html`, written atomically; a line on stderr.
+    """``--html FILE``: the page of :mod:`spmdkit.outputs.html`, written atomically; a line on stderr.
     ``mesh_text`` / ``recompute``: the full mesh and the recomputation (default ``--mesh`` /
     ``--recompute``; ``--devices`` gives those of the configuration it chose)."""
     path = getattr(ns, "html", None)
     if not path:
         return
-    from spmdkit.graph.html import save_html
-    from spmdkit.graph.strategy import parse_mesh
+    from spmdkit.outputs.html import save_html
+    from spmdkit.strategies.strategy import parse_mesh
 
     nodes = parse_size("--nodes-of", getattr(ns, "nodes_of", None), 1 << 20)
     size = save_html(path, plan, title, mem, est, config=config,
@@ -466,7 +466,7 @@ def write_html(ns: argparse.Namespace, plan: Any, title: str, mem: Any, est: Any
 def export_plan_file(ns: argparse.Namespace, plan: Any) -> None:
     """``--export FORMAT FILE``: the plan's shardings for another framework (spmdkit/export.py)."""
     if getattr(ns, "export", None):
-        from spmdkit.export import export_plan
+        from spmdkit.outputs.export import export_plan
 
         export_plan(plan, ns.export[0], ns.export[1])
 
@@ -477,8 +477,8 @@ def step_estimate(ns: argparse.Namespace, plan: Any, config: Any) -> tuple[Any, 
     device_text, nodes_text = getattr(ns, "device", None), getattr(ns, "nodes_of", None)
     if not device_text and not nodes_text:
         return plan, None
-    from spmdkit.graph.compute import cost_model, estimate_step, guess_tokens, load_device, recost
-    from spmdkit.reshard import CostModel
+    from spmdkit.cost.compute import cost_model, estimate_step, guess_tokens, load_device, recost
+    from spmdkit.cost.reshard import CostModel
 
     device = load_device(str(device_text)) if device_text else None
     nodes = parse_size("--nodes-of", nodes_text, 1 << 20)

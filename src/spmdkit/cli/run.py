@@ -15,7 +15,7 @@ from spmdkit.core.errors import ProgramError
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
-    from spmdkit.graph.zoo import PRESETS
+    from spmdkit.models.zoo import PRESETS
 
     p.add_argument("--model", default="tiny-llama", help=f"a preset ({', '.join(sorted(PRESETS))}); default tiny-llama")
     p.add_argument("--program", help="run a program JSON file (docs/graph.md) instead of a preset; its annotations "
@@ -189,8 +189,8 @@ def _save_step(step: _Step) -> str | None:
 def _write_step(step: _Step, path: str) -> str:
     import pickle
 
-    from spmdkit.torch_exec import eager_reference
-    from spmdkit.torch_import import torch_values
+    from spmdkit.execute.rank import eager_reference
+    from spmdkit.models.torch_import import torch_values
 
     prog = step.plan.program
     values = torch_values(prog, step.model, kwargs=step.kwargs)
@@ -226,13 +226,13 @@ def _plan(ns: argparse.Namespace, mesh: Any, user: dict[str, Any]) -> _Step:
             raise RunUsageError(f"{flag} applies to --hf CLASS only")
     if ns.program:
         from spmdkit.cli.plan import parse_tp_plan
-        from spmdkit.graph.planning import plan_program
-        from spmdkit.graph.program import load_program
+        from spmdkit.planner.planning import plan_program
+        from spmdkit.program.ir import load_program
 
         _prog, plan = plan_program(load_program(ns.program), ns.mesh, ns.strategy, user, parse_tp_plan(ns.tp_plan))
         return _Step(plan, f"program {ns.program}, mesh {ns.mesh}" + (f", strategy {ns.strategy}" if ns.strategy
                                                                        else ""))
-    from spmdkit.graph.planning import plan_model
+    from spmdkit.planner.planning import plan_model
 
     if ns.tp_plan is not None:
         raise RunUsageError("--tp-plan applies to --hf or --program models (a preset has its own roles)")
@@ -257,17 +257,17 @@ def _plan_hf_step(ns: argparse.Namespace, user: dict[str, Any]) -> _Step:
     pad = ns.pad or 0
     if not 0 <= pad < seq:
         raise RunUsageError(f"--pad {pad}: must be in [0, --seq {seq})")
-    from spmdkit.hf import dtype_name
+    from spmdkit.models.hf import dtype_name
 
     dtype = dtype_name(ns.dtype or "float32")
     strategy = ns.strategy or "megatron"
     from spmdkit.cli.plan import parse_tp_plan
-    from spmdkit.graph.planning import plan_hf
+    from spmdkit.planner.planning import plan_hf
 
     _prog, model, kw, plan = plan_hf(ns.hf, ns.hf_config, ns.mesh, strategy, dtype, batch, seq, user,
                                       parse_tp_plan(ns.tp_plan))
     if pad:  # the same shapes, a padded last row: the program does not depend on the inputs' values
-        from spmdkit.hf import example_inputs
+        from spmdkit.models.hf import example_inputs
 
         kw = example_inputs(model, batch, seq, labels=True, pad=pad)
     return _Step(plan, f"{ns.hf} ({dtype}, batch {batch}, seq {seq}" + (f", {pad} padded" if pad else "")
@@ -277,14 +277,14 @@ def _plan_hf_step(ns: argparse.Namespace, user: dict[str, Any]) -> _Step:
 def _check_kernels_and_device(ns: argparse.Namespace, plan: Any) -> None:
     """--kernels torch: every op has a torch kernel; --device: a known device (both before any rank starts)."""
     if ns.kernels == "torch":
-        from spmdkit.torch_kernels import check_kernels
+        from spmdkit.execute.kernels import check_kernels
 
         try:
             check_kernels(plan.program)
         except ProgramError as exc:
             raise RunUsageError(str(exc)) from None
     if ns.device is not None:
-        from spmdkit.graph.compute import load_device
+        from spmdkit.cost.compute import load_device
 
         try:
             load_device(ns.device)
@@ -321,7 +321,7 @@ def _run_command(ns: argparse.Namespace, out: TextIO, argv: list[str]) -> int:
         _env_int("RANK", 0, _env_int("WORLD_SIZE", 1, 1 << 20) - 1)
         _env_int("MASTER_PORT", 1, 65535)
     step = _load_step() if rank_mode else None  # what our launcher made for its ranks
-    from spmdkit.progress import Progress
+    from spmdkit.outputs.progress import Progress
 
     bar = Progress("spmdkit run", stream=sys.stderr) if not rank_mode else None
     try:
@@ -334,8 +334,8 @@ def _run_command(ns: argparse.Namespace, out: TextIO, argv: list[str]) -> int:
 def _run_command_with(ns: argparse.Namespace, out: TextIO, argv: list[str], rank_mode: bool, step: Any,
                       bar: Any) -> int:
     from spmdkit.cli.plan import parse_annotations, strategy_notes
-    from spmdkit.graph.strategy import parse_mesh
-    from spmdkit.launch import uneven_shards
+    from spmdkit.execute.launch import uneven_shards
+    from spmdkit.strategies.strategy import parse_mesh
 
     if rank_mode:
         world = _env_int("WORLD_SIZE", 1, 1 << 20)
@@ -374,13 +374,13 @@ def _run_command_with(ns: argparse.Namespace, out: TextIO, argv: list[str], rank
             raise RunUsageError(f"--nproc {nproc} but the mesh {ns.mesh} has {mesh.size} ranks")
         port = None
         if os.environ.get("MASTER_PORT", "").strip():
-            from spmdkit.launch import port_in_use
+            from spmdkit.execute.launch import port_in_use
 
             port = _env_int("MASTER_PORT", 1, 65535)
             if port_in_use(port):
                 raise RunUsageError(f"MASTER_PORT {port} is in use on 127.0.0.1; free it, or unset MASTER_PORT "
                                     "to let spmdkit run pick a free port")
-        from spmdkit.launch import launch_local
+        from spmdkit.execute.launch import launch_local
 
         saved = _save_step(step) if step.model is not None else None
         out.flush()
@@ -398,8 +398,8 @@ def _run_command_with(ns: argparse.Namespace, out: TextIO, argv: list[str], rank
 
 
 def _tell_launcher(name: str) -> None:
-    """Rank 0: the phase of the run, for the launcher's progress line (spmdkit.launch.PHASE_MARK)."""
-    from spmdkit.launch import PHASE_MARK
+    """Rank 0: the phase of the run, for the launcher's progress line (spmdkit.execute.launch.PHASE_MARK)."""
+    from spmdkit.execute.launch import PHASE_MARK
 
     sys.stderr.write(f"{PHASE_MARK}{name}\n")
     sys.stderr.flush()
@@ -412,8 +412,8 @@ def _run_rank(ns: argparse.Namespace, out: TextIO, step: _Step, rank: int) -> in
 
     import torch.distributed as dist
 
-    from spmdkit.launch import EXIT_PORT_IN_USE, EXIT_RANK_FAILED, PROGRESS_ENV
-    from spmdkit.torch_exec import format_report, init_from_env, run_rank
+    from spmdkit.execute.launch import EXIT_PORT_IN_USE, EXIT_RANK_FAILED, PROGRESS_ENV
+    from spmdkit.execute.rank import format_report, init_from_env, run_rank
 
     where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
     # torch bounds the rendezvous by the timeout, except a TCPStore client talking to something
@@ -446,8 +446,8 @@ def _run_rank(ns: argparse.Namespace, out: TextIO, step: _Step, rank: int) -> in
         elif step.model is not None:  # the module's weights, buffers and constants, the call's inputs
             from functools import partial
 
-            from spmdkit.torch_exec import eager_reference
-            from spmdkit.torch_import import torch_values
+            from spmdkit.execute.rank import eager_reference
+            from spmdkit.models.torch_import import torch_values
 
             values = torch_values(plan.program, step.model, kwargs=step.kwargs)
             eager = partial(eager_reference, plan.program, step.model, (), step.kwargs, native=True)

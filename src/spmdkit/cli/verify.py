@@ -44,7 +44,7 @@ def run_verify(ns: argparse.Namespace, out: TextIO | None = None) -> int:
     modes = ("forward", "backward") if ns.mode == "both" else (ns.mode,)
     t0 = time.perf_counter()
     reports = []
-    from spmdkit.progress import Progress
+    from spmdkit.outputs.progress import Progress
 
     with Progress("spmdkit verify", total=len(names)) as bar:  # stderr, a terminal only
         for name in names:

@@ -78,7 +78,7 @@ class InternalError(SpmdError):
 
 
 class ProgramError(SpmdError):
-    """A program (spmdkit.graph) is malformed: unknown rule, dangling or twice-produced tensor,
+    """A program (spmdkit.program) is malformed: unknown rule, dangling or twice-produced tensor,
     shapes the op's rule rejects, or an annotation that does not fit its tensor."""
 
 

@@ -1,7 +1,7 @@
 """Memo tables for pure functions of a rule call's inputs, switchable as one.
 
 Rules and the engine memoize pure functions keyed by what a call depends on (mappings,
-shapes, attributes). ``spmdkit.rules.set_cache_enabled(False)`` turns every such table off
+shapes, attributes). ``spmdkit.ops.set_cache_enabled(False)`` turns every such table off
 together with the rule result cache, so that an "uncached" call computes its answer from
 scratch (the benchmark's uncached figure means exactly that).
 """

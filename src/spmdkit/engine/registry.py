@@ -8,7 +8,7 @@ tensors, then the outputs, then the forward's attributes) or the grad rule Paddl
 registers in that place (``kind="grad"``, with its own signature). Signatures and binding:
 :mod:`spmdkit.engine.signature`; cache keys: :mod:`spmdkit.engine.cache_keys`.
 
-The rules themselves (the catalogue, :mod:`spmdkit.rules`) register into this table when
+The rules themselves (the catalogue, :mod:`spmdkit.ops`) register into this table when
 imported; a lookup imports them on first use (:func:`_ensure_loaded`, the one place the
 engine imports the catalogue, lazily, since the rule modules import the engine).
 """
@@ -369,4 +369,4 @@ def _ensure_loaded() -> None:
     global _loaded
     if not _loaded:
         _loaded = True
-        import spmdkit.rules  # noqa: F401  (imports every rule module)
+        import spmdkit.ops  # noqa: F401  (imports every rule module)

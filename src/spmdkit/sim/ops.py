@@ -138,7 +138,7 @@ def reduce_axes(a: Arrays, ndim: int) -> tuple[int, ...]:
 
 
 # -- formulas written once for numpy and torch ---------------------------------------------------
-# The torch kernels (spmdkit.torch_kernels) run the same formulas on torch tensors: they use the
+# The torch kernels (spmdkit.execute.kernels) run the same formulas on torch tensors: they use the
 # methods and operators numpy arrays and torch tensors share (``@``, ``.sum(axis=, keepdims=)``,
 # ``.reshape``, ``.swapaxes``, indexing, ``abs``, ``%``) and an :class:`ArrayLib` for the rest.
 
@@ -146,7 +146,7 @@ def reduce_axes(a: Arrays, ndim: int) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class ArrayLib:
     """The array functions whose numpy and torch spellings differ: :data:`NUMPY` (the references,
-    in float64) and ``spmdkit.torch_kernels.TORCH`` (the program's dtype)."""
+    in float64) and ``spmdkit.execute.kernels.TORCH`` (the program's dtype)."""
 
     #: an input as the library computes on it (numpy: float64)
     array: Callable[[Any], Any]

@@ -1,4 +1,4 @@
-"""Numpy references and case generators of the misc catalog family (spmdkit.rules.sorting, along_axis, data_dependent, and p_norm / label_smooth in reduction / loss):
+"""Numpy references and case generators of the misc catalog family (spmdkit.ops.sorting, along_axis, data_dependent, and p_norm / label_smooth in reduction / loss):
 argsort, cummax, cummin, roll, take_along_axis, put_along_axis, index_put, nonzero, unique,
 p_norm, label_smooth and their grads.
 

@@ -1,6 +1,6 @@
 """Numpy references and case generators of the scan / arg-reduction / misc family:
 triu, tril_triu, cumsum, argmax, argmin, topk, logsumexp, add_n, full_like, empty_like,
-ones_like, zeros_like and their grads (spmdkit.rules.scan).
+ones_like, zeros_like and their grads (spmdkit.ops.scan).
 
 Every kernel here runs on a rank's local arrays with the global attributes: the rules keep
 the axes whose global position matters (triu's matrix, the scanned / arg / topk / reduced

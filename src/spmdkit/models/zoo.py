@@ -1,0 +1,361 @@
+"""Built-in models (no torch needed): GPT-2 and LLaMA style decoders as whole training steps.
+
+``build_model(config)`` gives a :class:`Model`: a validated :class:`Program` of the forward
+ops, the backward (grad) ops made by reverse-mode differentiation over the registered grad
+rules (:mod:`spmdkit.program.autodiff`), and one optimizer update (AdamW) per parameter, plus the
+roles the strategies read (which weights are column- or row-parallel, which tensors form the
+residual stream).
+
+LLaMA: token embedding; per layer RMSNorm, q/k/v projections, rotary embedding
+(``fused_rotary_position_embedding``), causal ``flash_attention`` (grouped kv heads), output
+projection, residual add, RMSNorm, SwiGLU MLP (gate, up, ``swiglu``, down), residual add;
+final RMSNorm, LM head, ``cross_entropy_with_softmax`` (``c_softmax_with_cross_entropy`` when
+the head is vocab-parallel) and the mean loss. GPT-2: token + learned position embeddings,
+LayerNorm, q/k/v projections, matmul + softmax attention with a causal mask, GELU MLP.
+
+Gradients of a tensor read by several ops are summed with ``add_n`` (which keeps a common
+partial status, as Megatron sums the partial input gradients of its column-parallel
+projections before one all-reduce).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from spmdkit.core.errors import ProgramError
+from spmdkit.program.autodiff import Tape
+from spmdkit.program.ir import Program, ProgramBuilder
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Sizes of a decoder. ``arch``: llama or gpt2."""
+
+    arch: str = "llama"
+    layers: int = 2
+    hidden: int = 16
+    heads: int = 4
+    kv_heads: int | None = None
+    ffn: int = 32
+    vocab: int = 64
+    seq: int = 8
+    batch: int = 4
+    dtype: str = "float32"
+    #: dropout probability (gpt2 only): > 0 adds Megatron GPT's three dropouts per layer, on
+    #: the attention probabilities, after the attention output projection and after the MLP,
+    #: each keeping a 1-byte mask for the backward (Korthikanti et al. 2022, section 4.1)
+    dropout: float = 0.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def n_kv(self) -> int:
+        return self.kv_heads or self.heads
+
+    def check(self) -> None:
+        if self.arch not in ("llama", "gpt2"):
+            raise ProgramError(f"model: unknown arch {self.arch!r} (llama or gpt2)")
+        for k in ("layers", "hidden", "heads", "ffn", "vocab", "seq", "batch"):
+            if int(getattr(self, k)) < 1:
+                raise ProgramError(f"model: {k} must be >= 1")
+        if self.hidden % self.heads:
+            raise ProgramError(f"model: hidden {self.hidden} is not divisible by heads {self.heads}")
+        if self.heads % self.n_kv:
+            raise ProgramError(f"model: heads {self.heads} is not divisible by kv_heads {self.n_kv}")
+        if not 0.0 <= float(self.dropout) < 1.0:
+            raise ProgramError(f"model: dropout must be in [0, 1), got {self.dropout}")
+        if self.dropout and self.arch != "gpt2":
+            raise ProgramError(f"model: dropout is modelled for gpt2 only, not {self.arch}")
+
+    def with_(self, **kw: Any) -> ModelConfig:
+        return replace(self, **kw)
+
+
+#: Published sizes (GPT-2's vocabulary padded to 50304 as Megatron-LM does, so it divides
+#: tensor-parallel degrees); tiny ones for tests and ``--verify``.
+PRESETS: dict[str, ModelConfig] = {
+    "gpt2-small": ModelConfig("gpt2", 12, 768, 12, None, 3072, 50304, 1024, 8, "bfloat16"),
+    "gpt2-medium": ModelConfig("gpt2", 24, 1024, 16, None, 4096, 50304, 1024, 8, "bfloat16"),
+    "llama-7b": ModelConfig("llama", 32, 4096, 32, 32, 11008, 32000, 4096, 8, "bfloat16"),
+    "llama-13b": ModelConfig("llama", 40, 5120, 40, 40, 13824, 32000, 4096, 8, "bfloat16"),
+    "llama-70b": ModelConfig("llama", 80, 8192, 64, 8, 28672, 32000, 4096, 8, "bfloat16"),
+    "tiny-llama": ModelConfig("llama", 2, 16, 4, 2, 32, 64, 8, 4, "float32"),
+    "tiny-gpt2": ModelConfig("gpt2", 2, 16, 4, None, 32, 64, 8, 4, "float32"),
+    # GPT with Megatron's dropouts (p = 0.1), the layer Korthikanti et al. (2022) count: GPT-2
+    # small's sizes, the 22B model of their Table 3 (microbatch 4, seq 2048, vocab 51200), tiny
+    "gpt-dropout-small": ModelConfig("gpt2", 12, 768, 12, None, 3072, 50304, 1024, 8, "bfloat16", 0.1),
+    "gpt-dropout-22b": ModelConfig("gpt2", 48, 6144, 64, None, 24576, 51200, 2048, 4, "bfloat16", 0.1),
+    "tiny-gpt-dropout": ModelConfig("gpt2", 2, 16, 4, None, 32, 64, 8, 4, "float32", 0.1),
+}
+
+
+def preset(name: str) -> ModelConfig:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ProgramError(f"--model: no preset {name[:60]!r} (presets: {', '.join(sorted(PRESETS))})") from None
+
+
+@dataclass
+class Model:
+    """A built training step and the roles strategies read."""
+
+    config: ModelConfig
+    program: Program
+    #: parameter name -> role: embedding, position, column, row, head, norm
+    roles: dict[str, str]
+    #: residual-stream activations (Megatron sequence parallel shards their sequence axis)
+    residual: list[str]
+    #: normalised activations that feed the column-parallel projections
+    norm_outputs: list[str]
+    #: parameter -> (gradient, optimizer states, updated parameter, updated states)
+    optimizer: dict[str, tuple[str, tuple[str, ...], str, tuple[str, ...]]]
+    #: outputs of the row-parallel projections (their gradients are gathered under sequence parallel)
+    row_outputs: list[str] = field(default_factory=list)
+    inputs: dict[str, str] = field(default_factory=dict)
+    loss: str = "loss"
+    vocab_parallel_loss: bool = False
+
+
+# -- the models -------------------------------------------------------------------------------
+
+
+def _norm(t: Tape, cfg: ModelConfig, m: Model, x: str, name: str, scale: str, bias: str | None = None) -> str:
+    """``x`` normalised: RMS norm without ``bias`` (llama), layer norm with it (gpt2); its outputs
+    ``<name>.out`` and the float32 statistics; recorded among the norm outputs."""
+    B, S, H, dt = cfg.batch, cfg.seq, cfg.hidden, cfg.dtype
+    out = (name + ".out", [B, S, H], dt)
+    if bias is None:
+        n, _ = t.op("fused_rms_norm", {"x": x, "scale": scale}, [out, (name + ".invvar", [B, S], "float32")],
+                    epsilon=1e-6)
+    else:
+        n, _, _ = t.op("layer_norm", {"x": x, "scale": scale, "bias": bias},
+                       [out, (name + ".mean", [B, S], "float32"), (name + ".var", [B, S], "float32")],
+                       epsilon=1e-5, begin_norm_axis=2)
+    assert n is not None
+    m.norm_outputs.append(n)
+    return n
+
+
+def _row_residual(t: Tape, cfg: ModelConfig, m: Model, x: Any, weight: str, name: str, h: str, resid: str) -> str:
+    """The row-parallel projection ``x @ weight`` (``name``, recorded among the row outputs;
+    dropped out where cfg.dropout) added to the residual stream ``h`` as ``resid``."""
+    B, S, H, dt = cfg.batch, cfg.seq, cfg.hidden, cfg.dtype
+    (o,) = t.op("matmul", {"x": x, "y": weight}, [(name, [B, S, H], dt)])
+    m.row_outputs.append(name)
+    if cfg.dropout:
+        o = _dropout(t, cfg, o, name + ".dropout", m)
+    (r,) = t.op("add", {"x": h, "y": o}, [(resid, [B, S, H], dt)])
+    assert r is not None
+    return r
+
+
+def _llama_layer(t: Tape, cfg: ModelConfig, i: int, h: str, m: Model) -> str:
+    b = t.b
+    B, S, H, F = cfg.batch, cfg.seq, cfg.hidden, cfg.ffn
+    nh, nkv, hd = cfg.heads, cfg.n_kv, cfg.head_dim
+    dt = cfg.dtype
+    p = f"layers.{i}."
+    b.layer = f"layer {i}"
+    ln1 = t.param(p + "attn_norm", [H], dt)
+    wq = t.param(p + "wq", [H, nh * hd], dt)
+    wk = t.param(p + "wk", [H, nkv * hd], dt)
+    wv = t.param(p + "wv", [H, nkv * hd], dt)
+    wo = t.param(p + "wo", [nh * hd, H], dt)
+    ln2 = t.param(p + "mlp_norm", [H], dt)
+    wg = t.param(p + "w_gate", [H, F], dt)
+    wu = t.param(p + "w_up", [H, F], dt)
+    wd = t.param(p + "w_down", [F, H], dt)
+    m.roles.update({ln1: "norm", ln2: "norm", wq: "column", wk: "column", wv: "column", wo: "row",
+                    wg: "column", wu: "column", wd: "row"})
+    n1 = _norm(t, cfg, m, h, p + "attn_norm", ln1)
+    (q,) = t.op("matmul", {"x": n1, "y": wq}, [(p + "q", [B, S, nh * hd], dt)])
+    (k,) = t.op("matmul", {"x": n1, "y": wk}, [(p + "k", [B, S, nkv * hd], dt)])
+    (v,) = t.op("matmul", {"x": n1, "y": wv}, [(p + "v", [B, S, nkv * hd], dt)])
+    (q4,) = t.op("reshape", {"x": q}, [(p + "q4", [B, S, nh, hd], dt)], shape=(B, S, nh, hd))
+    (k4,) = t.op("reshape", {"x": k}, [(p + "k4", [B, S, nkv, hd], dt)], shape=(B, S, nkv, hd))
+    (v4,) = t.op("reshape", {"x": v}, [(p + "v4", [B, S, nkv, hd], dt)], shape=(B, S, nkv, hd))
+    # q and k rotated by separate calls: with grouped kv heads their head counts differ
+    qr, _, _ = t.op("fused_rotary_position_embedding",
+                    {"q": q4, "k": None, "v": None, "sin": m.inputs["sin"], "cos": m.inputs["cos"]},
+                    [(p + "q_rope", [B, S, nh, hd], dt), None, None], use_neox_rotary_style=True)
+    kr, _, _ = t.op("fused_rotary_position_embedding",
+                    {"q": k4, "k": None, "v": None, "sin": m.inputs["sin"], "cos": m.inputs["cos"]},
+                    [(p + "k_rope", [B, S, nkv, hd], dt), None, None], use_neox_rotary_style=True)
+    att, _, _, _ = t.op("flash_attention", {"q": qr, "k": kr, "v": v4},
+                        [(p + "attn", [B, S, nh, hd], dt), None, (p + "attn.lse", [B, nh, S], "float32"),
+                         (p + "attn.seed_offset", [2], "int64")], causal=True)
+    (a2,) = t.op("reshape", {"x": att}, [(p + "attn2d", [B, S, nh * hd], dt)], shape=(B, S, nh * hd))
+    h1 = _row_residual(t, cfg, m, a2, wo, p + "attn_out", h, p + "resid1")
+    n2 = _norm(t, cfg, m, h1, p + "mlp_norm", ln2)
+    (g,) = t.op("matmul", {"x": n2, "y": wg}, [(p + "gate", [B, S, F], dt)])
+    (u,) = t.op("matmul", {"x": n2, "y": wu}, [(p + "up", [B, S, F], dt)])
+    (act,) = t.op("swiglu", {"x": g, "y": u}, [(p + "swiglu", [B, S, F], dt)])
+    h2 = _row_residual(t, cfg, m, act, wd, p + "mlp_out", h1, p + "resid2")
+    m.residual.extend([h1, h2])
+    return h2
+
+
+def _dropout(t: Tape, cfg: ModelConfig, x: Any, name: str, m: Model | None = None) -> str:
+    """Megatron's dropout on ``x``: the dropped tensor (``dropout``) and its keep mask, uint8
+    (one byte an element, as the backward keeps it); the gradient is ``dropout_grad(mask,
+    out_grad, p)``. The registered ``dropout`` rule has one output, so the mask is made by a
+    ``bernoulli`` op of the same shape and layout right after it; it reads the dropout's output
+    (not ``x``, whose layout it has). ``m``: ``x`` is a row-parallel projection's output and the
+    dropout is on the residual stream: sequence parallel shards ``x`` (its partial sum
+    reduce-scattered, as Megatron's row-parallel linear does), the output and the mask on
+    the sequence axis; tensor parallel alone all-reduces ``x`` before the dropout."""
+    shape = list(t.b.get(x).shape)
+    mask = name + ".mask"
+    (out,) = t.op("dropout", {"x": x}, [(name, shape, cfg.dtype)], grad_extra={"mask": mask, "p": float(cfg.dropout)})
+    t.op("bernoulli", {"x": out}, [(mask, shape, "uint8")])
+    assert out is not None and mask is not None
+    if m is not None:
+        m.residual.extend([x, out, mask])
+    return out
+
+
+def _gpt2_layer(t: Tape, cfg: ModelConfig, i: int, h: str, m: Model) -> str:
+    b = t.b
+    B, S, H, F = cfg.batch, cfg.seq, cfg.hidden, cfg.ffn
+    nh, hd = cfg.heads, cfg.head_dim
+    dt = cfg.dtype
+    p = f"layers.{i}."
+    b.layer = f"layer {i}"
+    names = ["ln1.w", "ln1.b", "wq", "wk", "wv", "wo", "ln2.w", "ln2.b", "fc1", "fc2"]
+    shapes = [[H], [H], [H, H], [H, H], [H, H], [H, H], [H], [H], [H, F], [F, H]]
+    roles = ["norm", "norm", "column", "column", "column", "row", "norm", "norm", "column", "row"]
+    w = {n: t.param(p + n, s, dt) for n, s in zip(names, shapes)}
+    m.roles.update({p + n: r for n, r in zip(names, roles)})
+    n1 = _norm(t, cfg, m, h, p + "ln1", w["ln1.w"], w["ln1.b"])
+    heads: dict[str, str] = {}
+    for nm in ("q", "k", "v"):
+        (x,) = t.op("matmul", {"x": n1, "y": w["w" + nm]}, [(p + nm, [B, S, H], dt)])
+        (x4,) = t.op("reshape", {"x": x}, [(p + nm + "4", [B, S, nh, hd], dt)], shape=(B, S, nh, hd))
+        (xt,) = t.op("transpose", {"x": x4}, [(p + nm + "t", [B, nh, S, hd], dt)], perm=(0, 2, 1, 3))
+        assert xt is not None
+        heads[nm] = xt
+    (sc,) = t.op("matmul", {"x": heads["q"], "y": heads["k"]}, [(p + "scores", [B, nh, S, S], dt)], trans_y=True)
+    (sc2,) = t.op("scale", {"x": sc}, [(p + "scores.scaled", [B, nh, S, S], dt)])
+    (scm,) = t.op("add", {"x": sc2, "y": m.inputs["mask"]}, [(p + "scores.masked", [B, nh, S, S], dt)])
+    (pr,) = t.op("softmax", {"x": scm}, [(p + "probs", [B, nh, S, S], dt)], axis=-1)
+    if cfg.dropout:
+        pr = _dropout(t, cfg, pr, p + "probs.dropout")
+    (ctx,) = t.op("matmul", {"x": pr, "y": heads["v"]}, [(p + "ctx", [B, nh, S, hd], dt)])
+    (ct,) = t.op("transpose", {"x": ctx}, [(p + "ctx.t", [B, S, nh, hd], dt)], perm=(0, 2, 1, 3))
+    (c2,) = t.op("reshape", {"x": ct}, [(p + "ctx2d", [B, S, H], dt)], shape=(B, S, H))
+    h1 = _row_residual(t, cfg, m, c2, w["wo"], p + "attn_out", h, p + "resid1")
+    n2 = _norm(t, cfg, m, h1, p + "ln2", w["ln2.w"], w["ln2.b"])
+    (f1,) = t.op("matmul", {"x": n2, "y": w["fc1"]}, [(p + "fc1.out", [B, S, F], dt)])
+    (ge,) = t.op("gelu", {"x": f1}, [(p + "gelu", [B, S, F], dt)], approximate=True)
+    h2 = _row_residual(t, cfg, m, ge, w["fc2"], p + "mlp_out", h1, p + "resid2")
+    m.residual.extend([h1, h2])
+    return h2
+
+
+def build_model(cfg: ModelConfig, vocab_parallel_loss: bool = False, optimizer: str = "adamw",
+                validate: bool = True, check_rules: bool = True) -> Model:
+    """The training step of ``cfg``: forward, backward and one optimizer update per parameter.
+    ``vocab_parallel_loss`` uses ``c_softmax_with_cross_entropy`` (for a vocab-sharded head)."""
+    cfg.check()
+    b = ProgramBuilder(f"{cfg.arch} {cfg.layers} layers")
+    t = Tape(b)
+    m = Model(cfg, Program([], []), {}, [], [], {}, vocab_parallel_loss=vocab_parallel_loss)
+    B, S, H, V = cfg.batch, cfg.seq, cfg.hidden, cfg.vocab
+    dt = cfg.dtype
+    b.layer = "embedding"
+    tokens = b.tensor("tokens", [B, S], "int64", "input")
+    labels = b.tensor("labels", [B, S, 1], "int64", "input")
+    m.inputs.update({"tokens": tokens, "labels": labels})
+    emb = t.param("embed", [V, H], dt)
+    m.roles[emb] = "embedding"
+    (h,) = t.op("embedding", {"x": tokens, "weight": emb}, [("embed.out", [B, S, H], dt)])
+    assert h is not None
+    if cfg.arch == "llama":
+        m.inputs["sin"] = b.tensor("rope.sin", [1, S, 1, cfg.head_dim], dt, "input")
+        m.inputs["cos"] = b.tensor("rope.cos", [1, S, 1, cfg.head_dim], dt, "input")
+    else:
+        positions = b.tensor("positions", [B, S], "int64", "input")
+        m.inputs["positions"] = positions
+        m.inputs["mask"] = b.tensor("causal_mask", [1, 1, S, S], dt, "input")
+        wpe = t.param("pos_embed", [S, H], dt)
+        m.roles[wpe] = "position"
+        (pe,) = t.op("embedding", {"x": positions, "weight": wpe}, [("pos_embed.out", [B, S, H], dt)])
+        m.residual.append(h)  # the token embedding's (partial) output joins the residual stream
+        (h,) = t.op("add", {"x": h, "y": pe}, [("embed.sum", [B, S, H], dt)])
+        assert h is not None
+    m.residual.append(h)
+    for i in range(cfg.layers):
+        h = (_llama_layer if cfg.arch == "llama" else _gpt2_layer)(t, cfg, i, h, m)
+    b.layer = "head"
+    if cfg.arch == "llama":
+        fn = t.param("final_norm", [H], dt)
+        m.roles[fn] = "norm"
+        nf = _norm(t, cfg, m, h, "final_norm", fn)
+    else:
+        fw, fb = t.param("final_norm.w", [H], dt), t.param("final_norm.b", [H], dt)
+        m.roles.update({fw: "norm", fb: "norm"})
+        nf = _norm(t, cfg, m, h, "final_norm", fw, fb)
+    head = t.param("lm_head", [H, V], dt)
+    m.roles[head] = "head"
+    (logits,) = t.op("matmul", {"x": nf, "y": head}, [("logits", [B, S, V], dt)])
+    if vocab_parallel_loss:
+        _, loss_tok = t.op("c_softmax_with_cross_entropy", {"x": logits, "label": labels},
+                           [("softmax", [B, S, V], dt), ("loss.token", [B, S, 1], "float32")])
+    else:
+        _, loss_tok = t.op("cross_entropy_with_softmax", {"x": logits, "label": labels},
+                           [("softmax", [B, S, V], dt), ("loss.token", [B, S, 1], "float32")])
+    # the loss is the sum of the token losses (a mean differs by a constant factor and shards alike)
+    (loss,) = t.op("sum", {"x": loss_tok}, [("loss", [], "float32")], axis=(), keep_dim=False)
+    assert loss is not None
+    m.loss = loss
+    grads = t.backward(loss)
+    add_optimizer(b, m, grads, optimizer)
+    m.program = b.build(validate=validate, rules=check_rules)
+    return m
+
+
+def add_optimizer(b: ProgramBuilder, m: Model, grads: Mapping[str, str], kind: str) -> None:
+    """The optimizer phase: one ``kind`` (sgd, adam, adamw) update per parameter -> gradient of ``grads``."""
+    b.phase = "optimizer"
+    b.layer = "optimizer"
+    lr = b.tensor("learning_rate", [1], "float32", "input")
+    for p, g in grads.items():
+        t = b.get(p)
+        if kind == "sgd":
+            b.op("sgd", {"param": p, "learning_rate": lr, "grad": g},
+                 [b.tensor(p + ".new", t.shape, t.dtype, "parameter", inplace_of=p), None], name=f"update {p}")
+            m.optimizer[p] = (g, (), p + ".new", ())
+            continue
+        m1 = b.tensor(p + ".moment1", t.shape, "float32", "optimizer_state")
+        m2 = b.tensor(p + ".moment2", t.shape, "float32", "optimizer_state")
+        b1 = b.tensor(p + ".beta1_pow", [1], "float32", "optimizer_state")
+        b2 = b.tensor(p + ".beta2_pow", [1], "float32", "optimizer_state")
+        # mixed precision: a parameter below fp32 has an fp32 master copy the update runs on
+        # (Paddle's multi_precision), held with the moments (the K = 12 bytes per parameter of
+        # ZeRO's mixed-precision Adam: master, moment1, moment2)
+        master = None if t.dtype in ("float32", "float64") else \
+            b.tensor(p + ".master", t.shape, "float32", "optimizer_state")
+        outs = [b.tensor(p + ".new", t.shape, t.dtype, "parameter", inplace_of=p),
+                b.tensor(m1 + ".new", t.shape, "float32", "optimizer_state", inplace_of=m1),
+                b.tensor(m2 + ".new", t.shape, "float32", "optimizer_state", inplace_of=m2), None,
+                b.tensor(b1 + ".new", [1], "float32", "optimizer_state", inplace_of=b1),
+                b.tensor(b2 + ".new", [1], "float32", "optimizer_state", inplace_of=b2),
+                None if master is None else
+                b.tensor(master + ".new", t.shape, "float32", "optimizer_state", inplace_of=master)]
+        ins = {"param": p, "grad": g, "learning_rate": lr, "moment1": m1, "moment2": m2,
+               "beta1_pow": b1, "beta2_pow": b2}
+        extra: dict[str, Any] = {"with_decay": True, "coeff": 0.01} if kind == "adamw" else {}
+        if master is not None:
+            ins["master_param"] = master
+            extra["multi_precision"] = True
+        b.op(kind, ins, outs, name=f"update {p}", **extra)
+        states = (m1, m2) if master is None else (m1, m2, master)
+        m.optimizer[p] = (g, states, p + ".new", tuple(s + ".new" for s in states))
+
+
+__all__ = ["Model", "ModelConfig", "PRESETS", "add_optimizer", "build_model", "preset"]

@@ -1,0 +1,144 @@
+"""matmul (matmul_v2), its reverse rule and matmul_grad.
+
+Notation (Paddle 3.3.1's ``matmul.cc``), on the operands *after* trans_x / trans_y:
+``[batch_x] m k, [batch_y] k n -> batch m n`` with the batch axes aligned on the
+trailing side (numpy broadcasting); a 1-D x is ``k`` (no ``m`` in out), a 1-D y is
+``k`` (no ``n``). A sharded contracting axis ``k`` makes out partial SUM over its
+mesh dims.
+
+Merging follows what Paddle 3.3.1 answers:
+
+* one letter sharded differently by x and y is *co-sharded* over both (the larger
+  sharding major, x first on a tie), e.g. x ``k`` on 0, y ``k`` on 1 -> ``k`` on
+  ``(0, 1)``; a size-1 batch axis's sharding counts for its letter (then is dropped
+  on that operand, which broadcasts);
+* a mesh dim claimed by several letters goes to the batch letters first (left to
+  right), then to ``m`` and ``n`` (the larger axis first, ``m`` on a tie), then to
+  ``k``; a letter keeps the rest of its mesh dims;
+* batch letters and ``k`` drop the mesh dims that do not divide their size (minor
+  dims first); ``m`` and ``n`` keep uneven shardings (sound with balanced splits),
+  but a size-1 ``m`` / ``n`` is never sharded (Paddle shards out there; unsound).
+
+Reverse: the letters come from out alone (every letter pruned to even shardings);
+x and y are projected from them (``k`` replicated) and out is what those inputs
+produce (never partial).
+
+matmul_grad: the same merge over x, y and out_grad (``mk, kn, mn``); x_grad takes
+x's sharding and is partial SUM over the mesh dims of the letters x does not carry
+(``n``, and the batch letters x broadcasts along); y_grad likewise (``m``).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
+from spmdkit.engine.declare import Way, declare
+from spmdkit.engine.notation import Notation
+from spmdkit.ops._common import check_same_shape
+
+Shape = tuple[int, ...]
+
+#: batch letters (m, k, n are the matrix letters)
+_BATCH = "abcdefghijlopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def _matmul_notation(x: str, y: str, out: str, uneven: str) -> Notation:
+    """The merge of the module docstring; a size-1 m / n still claims its mesh dims."""
+    return Notation([x, y], [out], prune="*", uneven=uneven, conflict="union", order=("*", ">mn", "k"),
+                    size1_claims="mn", sizes="known", size1="broadcast")  # fmt: skip
+
+
+def _swap(t: str, on: bool) -> str:
+    return t[:-2] + t[-1] + t[-2] if on else t
+
+
+@lru_cache(maxsize=4096)
+def _letters(nx: int, ny: int, tx: bool, ty: bool) -> tuple[str, str, str]:
+    """The letters of x, y (in their given axis order) and out."""
+    bx, by = max(nx - 2, 0), max(ny - 2, 0)
+    nb = max(bx, by)
+    if nb > len(_BATCH):
+        raise ShapeMismatchError(f"tensors of more than {len(_BATCH) + 2} dims are not supported")
+    batch = _BATCH[:nb]
+    x = _swap(batch[nb - bx :] + ("mk" if nx > 1 else "k"), tx)
+    y = _swap(batch[nb - by :] + ("kn" if ny > 1 else "k"), ty)
+    return x, y, batch + ("m" if nx > 1 else "") + ("n" if ny > 1 else "")
+
+
+def notation(nx: int, ny: int, tx: bool, ty: bool, mask: tuple[int, ...] = ()) -> Notation:
+    """forward: m and n keep uneven shardings (the plan is compiled with the operands' size-1 ``mask``)."""
+    return _matmul_notation(*_letters(nx, ny, tx, ty), "mn")
+
+
+def reverse_notation(nx: int, ny: int, tx: bool, ty: bool, mask: tuple[int, ...] = ()) -> Notation:
+    """reverse: the forward's letters, every one pruned."""
+    return _matmul_notation(*_letters(nx, ny, tx, ty), "")
+
+
+def grad_notation(nx: int, ny: int, tx: bool, ty: bool, mask: tuple[int, ...]) -> Notation:
+    """``[b]mk, [b]kn, bmn -> [b]mk, [b]kn``: x_grad / y_grad carry the letters of x / y but
+    their size-1 axes (``mask``), so they are partial SUM over the mesh dims of the others."""
+    x, y, out = _letters(nx, ny, tx, ty)
+
+    def grad(t: str, m: int) -> str:
+        return "".join("1" if (m >> i) & 1 else c for i, c in enumerate(t))
+
+    return _matmul_notation(x, y, out, "mn").relabel([x, y, out], [grad(x, mask[0]), grad(y, mask[1])])
+
+
+def out_shape(xs: Shape, ys: Shape, tx: bool, ty: bool) -> Shape:
+    """The shape of x @ y (after the transposes); ShapeMismatchError / InvalidAttributeError
+    where x and y do not multiply."""
+    nx, ny = len(xs), len(ys)
+    if nx == 0 or ny == 0:
+        raise ShapeMismatchError(f"x and y must have at least 1 dim, got x shape {list(xs)} and y shape {list(ys)}")
+    if tx and nx < 2:
+        raise InvalidAttributeError(f"trans_x needs x with at least 2 dims, x has shape {list(xs)}")
+    if ty and ny < 2:
+        raise InvalidAttributeError(f"trans_y needs y with at least 2 dims, y has shape {list(ys)}")
+    kx = xs[-2 if tx else -1]
+    ky = ys[-1 if ty else -2] if ny > 1 else ys[0]
+    if kx != ky and kx >= 0 and ky >= 0:
+        raise ShapeMismatchError(
+            f"the contracting axis k differs: x shape {list(xs)} has {kx}, y shape {list(ys)} "
+            f"has {ky} (trans_x={tx}, trans_y={ty})"
+        )
+    batch: list[int] = []
+    bx, by = nx - 2 if nx > 2 else 0, ny - 2 if ny > 2 else 0
+    nb = bx if bx > by else by
+    for i in range(nb):  # aligned on the trailing side; a missing axis is 1
+        sx = xs[i - nb + bx] if i >= nb - bx else 1
+        sy = ys[i - nb + by] if i >= nb - by else 1
+        if sx != 1 and sy != 1 and sx != sy and sx >= 0 and sy >= 0:
+            raise ShapeMismatchError(
+                f"the batch axes of x shape {list(xs)} and y shape {list(ys)} do not broadcast ({sx} vs {sy})"
+            )
+        batch.append(sx if sx != 1 else sy)
+    if nx > 1:
+        batch.append(xs[-1 if tx else -2])
+    if ny > 1:
+        batch.append(ys[-2 if ty else -1])
+    return tuple(batch)
+
+
+#: the checks' names: ``_out_shape(...)`` and a third tensor (out / out_grad) shaped as x @ y
+ENV = {"_out_shape": out_shape, "_same_shape": check_same_shape}
+_KEY = "x, y, trans_x, trans_y"
+_XY = "_out_shape(x.shape, y.shape, trans_x, trans_y)"
+_OUT = "if {0}.shape != (_w := " + _XY + "): _same_shape(_OP, {0}, _w, {0!r}, 'x @ y')"
+declare(
+    "matmul", "x: T, y: T, trans_x: bool = False, trans_y: bool = False",
+    Way(notation, key=_KEY, mask=("x", "y"), check=_XY, env=ENV,
+        paddle="MatmulInferSpmd", doc="MatmulInferSpmd: ``[b] m k, [b] k n -> b m n``; a sharded k makes out partial."),
+    reverse=Way(reverse_notation, key=_KEY, mask=("x", "y"), check=_OUT.format("out"), env=ENV,
+                paddle="MatmulInferSpmdReverse", doc="MatmulInferSpmdReverse: x and y from out (k replicated)."),
+    outputs="out: T", aliases=("matmul_v2",),
+)  # fmt: skip
+declare(
+    "matmul_grad", "x: T, y: T, out_grad: T, trans_x: bool = False, trans_y: bool = False",
+    Way(grad_notation, key=_KEY, mask=("x", "y", "out_grad"), check=_OUT.format("out_grad"), env=ENV,
+        paddle="MatmulGradInferSpmd",
+        doc="MatmulGradInferSpmd: x_grad partial over n and x's broadcast batch letters, y_grad over m and y's."),
+    aliases=("matmul_v2_grad",),
+)  # fmt: skip

@@ -1,0 +1,579 @@
+"""Export a plan's parameter shardings for torch DTensor, JAX and Paddle (``spmdkit plan --export``).
+
+``export_plan(plan, fmt, path)`` writes one JSON document (atomically: a temporary file in the
+same folder, renamed over ``path``) with the plan's mesh (dim names, shape, process ids) and,
+per parameter, its shape and its sharding in the framework's terms. The names are the plan's
+(for an ``--hf`` import, the module's state-dict names), the shapes are the plan's (torch's
+``[out, in]`` for a ``Linear`` weight). ``fmt``:
+
+- ``dtensor``: the DTensor placements of every parameter, one per mesh dim (``Shard(d)``,
+  ``Replicate()``), and a ``torch.distributed.tensor.parallel.parallelize_module`` plan over the
+  tensor-parallel mesh dim, derived from those placements and from how the program reads each
+  weight: a ``Linear`` weight (``[out, in]``, read by ``matmul`` with ``trans_y``) sharded on its
+  output features is ``ColwiseParallel``, on its input features ``RowwiseParallel``; an
+  ``Embedding`` table sharded on its rows (vocab-parallel) is ``RowwiseParallel``, on its columns
+  ``ColwiseParallel``. Input and output layouts are the plan's: a row layer's output goes to the
+  layout the plan reduces it to (all-reduced: ``Replicate()``); a column layer whose output feeds the vocab-parallel loss keeps it a DTensor
+  (``use_local_output=False``: compute the loss under ``loss_parallel()``, the document says
+  ``"loss_parallel": true``). Where two or more column layers read one tensor that a module makes
+  (the q / k / v projections reading the attention norm's output), that module gets
+  ``PrepareModuleOutput`` to a replicated DTensor, so the layers share it and its gradient is
+  summed before one all-reduce, as the plan has it (instead of one all-reduce per layer).
+  A tied parameter gets the style of each module reading it and is listed in ``tied``
+  (:func:`apply_dtensor_plan` ties it again after ``parallelize_module``).
+  Refused: ``[in, out]`` weights (GPT-2's Conv1D, the presets'), a
+  weight left replicated beside column layers of the same input (kv heads fewer than tp), and
+  sequence-parallel plans (docs/export.md says why). Load with
+  :func:`apply_dtensor_plan` (``apply_dtensor_plan(model, mesh, path)``) or
+  :func:`load_dtensor_plan` (``parallelize_module(model, mesh["tp"], load_dtensor_plan(path))``),
+  and :func:`load_dtensor_placements`.
+- ``jax``: a ``PartitionSpec`` (mesh axis names, ``None`` for a replicated axis, a tuple for a
+  co-sharded one) per parameter and per data input; :func:`load_jax_specs`.
+- ``paddle``: ``paddle.distributed.shard_tensor`` placements (``Shard(d)`` / ``Replicate()``,
+  ``Partial()`` for a partial one) per parameter on a ``ProcessMesh`` with the plan's dim
+  names; :func:`load_paddle_placements`.
+
+Errors (an unknown format, a path that cannot be written, a plan without parameters, a
+sharding the framework cannot express) are :class:`ExportError` naming the format, the tensor
+and what is wrong. Standard library only; the loaders import their framework when called.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from spmdkit.core.dist_attr import TensorDistAttr, entry_dims
+from spmdkit.core.errors import SpmdError
+from spmdkit.core.placements import Partial, Replicate, Shard, to_partition_spec, to_placements
+from spmdkit.io.jsonfile import read_json
+
+FORMATS = ("dtensor", "jax", "paddle")
+#: The ``format`` field of each document.
+DOC_FORMATS = {f: f"spmdkit-{f}-export" for f in FORMATS}
+VERSION = 1
+
+
+class ExportError(SpmdError):
+    """A plan cannot be exported: an unknown format, an unwritable path, no parameters, or a
+    sharding the target framework has no form for."""
+
+
+# -- what the plan says --------------------------------------------------------------------------
+
+
+def _parameters(plan: Any, fmt: str) -> list[str]:
+    from spmdkit.strategies.hf import parameters
+
+    names = parameters(plan.program)
+    if not names:
+        raise ExportError(f"--export {fmt}: the plan's program has no parameters (no tensor of kind "
+                          f"'parameter'), so there is nothing to place")
+    return names
+
+
+def _mesh_doc(plan: Any) -> dict[str, Any]:
+    m = plan.mesh
+    return {"dim_names": list(m.dim_names), "shape": list(m.shape), "process_ids": list(m.process_ids)}
+
+
+def _placement_text(p: Any) -> str:
+    if isinstance(p, Shard):
+        return f"Shard({p.dim})"
+    if isinstance(p, Partial):
+        return f"Partial({p.reduce_op.value})"
+    return "Replicate()"
+
+
+def _placements(attr: TensorDistAttr, fmt: str, name: str) -> list[str]:
+    try:
+        return [_placement_text(p) for p in to_placements(attr)]
+    except SpmdError as exc:
+        raise ExportError(f"--export {fmt}: {name}: {exc}") from None
+
+
+def _producers(prog: Any) -> dict[str, int]:
+    return {n: i for i, op in enumerate(prog.ops) for n in op.output_names()}
+
+
+def _forward_readers(prog: Any) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for i, op in enumerate(prog.ops):
+        if op.phase == "forward":
+            for n in op.input_names():
+                out.setdefault(n, []).append(i)
+    return out
+
+
+# -- dtensor -------------------------------------------------------------------------------------
+
+
+def _tp_dim(plan: Any, weights: list[str]) -> int | None:
+    """The tensor-parallel mesh dim: the one named ``tp``, else the only mesh dim that shards a
+    weight; None when no weight is sharded."""
+    names = plan.mesh.dim_names
+    if "tp" in names:
+        return int(names.index("tp"))
+    dims = {d for w in weights for e in plan.attrs[w].dims_mapping for d in entry_dims(e)}
+    if len(dims) == 1:
+        return dims.pop()
+    if not dims:
+        return None
+    raise ExportError(f"--export dtensor: weights are sharded over mesh dims {sorted(names[d] for d in dims)} and "
+                      f"none is named 'tp': name the tensor-parallel one tp")
+
+
+def _tp_placement(attr: TensorDistAttr, tp: int) -> Any:
+    return to_placements(attr)[tp]
+
+
+def _feeds_loss(prog: Any, readers: dict[str, list[int]], name: str) -> bool:
+    """Whether ``name`` reaches a vocab-parallel loss through views / casts / a bias add."""
+    frontier, seen = [name], set()
+    for _ in range(8):
+        nxt = []
+        for n in frontier:
+            for i in readers.get(n, []):
+                op = prog.ops[i]
+                if op.rule == "c_softmax_with_cross_entropy":
+                    return True
+                if op.rule in ("reshape", "cast", "slice", "add", "transpose", "scale", "multiply"):
+                    nxt += [o for o in op.output_names() if o not in seen]
+        seen.update(nxt)
+        frontier = nxt
+    return False
+
+
+def _reduced_to(plan: Any, name: str, tp: int) -> Any:
+    """The tp placement a partial tensor is first resharded to (its readers' layout), else None."""
+    for r in plan.reshards:
+        if r.tensor == name and _tp_placement(r.src, tp).is_partial():
+            return _tp_placement(r.dst, tp)
+    return None
+
+
+def _module_of_param(name: str, fmt: str) -> str:
+    if not name.endswith(".weight"):
+        raise ExportError(f"--export {fmt}: {name}: a sharded 2-D parameter not named <module>.weight has no "
+                          f"torch parallel style (ColwiseParallel / RowwiseParallel shard a module's weight)")
+    return name[: -len(".weight")]
+
+
+def _sequence_parallel(mod: str, name: str, pl: Any) -> ExportError:
+    return ExportError(f"--export dtensor: {mod}: the plan holds {name} as {_placement_text(pl)} over tp (sequence "
+                       f"parallel): sequence-parallel plans are not exported to DTensor yet")
+
+
+def _style_doc(style: str, **kw: Any) -> dict[str, Any]:
+    return {"style": style, **kw}
+
+
+def dtensor_document(plan: Any) -> dict[str, Any]:
+    """The ``dtensor`` export of ``plan`` (module docstring) as a JSON-able dict."""
+    from spmdkit.strategies.hf import forward_readers, weight_axes
+
+    fmt = "dtensor"
+    prog = plan.program
+    params = _parameters(plan, fmt)
+    placements = {p: _placements(plan.attrs[p], fmt, p) for p in params}
+    readers = forward_readers(prog)
+    fwd_readers = _forward_readers(prog)
+    producers = _producers(prog)
+    modules: dict[int, tuple[str, str]] = getattr(prog, "modules", None) or {}
+    aliases: dict[str, str] = getattr(prog, "aliases", None) or {}
+    weights = [p for p in params if len(prog.tensors[p].shape) == 2]
+    tp = _tp_dim(plan, weights)
+    styles: dict[str, dict[str, Any]] = {}
+    loss_parallel = False
+    notes: list[str] = []
+    column_inputs: dict[str, list[str]] = {}
+    tied_to: dict[str, str] = {}
+
+    def _uses(p: str) -> list[tuple[str, str, int, Any]]:
+        """(module path, linear / embedding, output-feature axis, reading op) of each module
+        that reads weight ``p``: one, or one per name of a tied parameter."""
+        assert tp is not None
+
+        def linear_in_out(how: str, out_ax: int) -> None:
+            if how == "linear" and out_ax != 0:
+                raise ExportError(f"--export dtensor: {p}: read as x @ W with W [in, out] (GPT-2's Conv1D, a "
+                                  f"preset's weights): ColwiseParallel / RowwiseParallel take nn.Linear ([out, in]) "
+                                  f"and nn.Embedding weights")
+
+        tied = sorted(a for a, t in aliases.items() if t == p)
+        layers = [op for op in prog.ops if op.phase == "forward" and (
+            (op.rule == "matmul" and op.inputs.get("y") == p)
+            or (op.rule in ("embedding", "c_embedding") and op.inputs.get("weight") == p))]
+        if not tied and len(layers) > 1:
+            raise ExportError(f"--export dtensor: {p}: read by {len(layers)} layers ({', '.join(op.rule for op in layers)}) "
+                              f"and the program names no other module for it (a tied parameter in a program JSON, "
+                              f"which keeps no module paths): export from --hf")
+        if not tied:
+            how, out_ax, _in_ax, op = weight_axes(prog, readers, p)
+            if op is None:
+                raise ExportError(f"--export dtensor: {p}: sharded over tp ({placements[p][tp]}) but not read as a "
+                                  f"Linear weight or an Embedding table: torch has no parallel style for it")
+            linear_in_out(how, out_ax)
+            return [(_module_of_param(p, fmt), how, out_ax, op)]
+        paths = {_module_of_param(n, fmt) for n in [p, *tied]}
+        out = []
+        for i, op in enumerate(prog.ops):
+            if op.phase != "forward":
+                continue
+            if op.rule == "matmul" and op.inputs.get("y") == p:
+                how, out_ax = "linear", 0 if op.attrs.get("trans_y", False) else 1
+            elif op.rule in ("embedding", "c_embedding") and op.inputs.get("weight") == p:
+                how, out_ax = "embedding", 1
+            else:
+                continue
+            linear_in_out(how, out_ax)
+            m = modules.get(i, ("", ""))[0]
+            if m not in paths:
+                raise ExportError(f"--export dtensor: {p} (tied with {', '.join(tied)}): read in module {m or '?'}, "
+                                  f"not one of {', '.join(sorted(paths))}")
+            out.append((m, how, out_ax, op))
+            tied_to.update({a: p for a in tied})
+        if {m for m, *_ in out} != paths:
+            raise ExportError(f"--export dtensor: {p} (tied with {', '.join(tied)}): not read by every module named "
+                              f"{', '.join(sorted(paths))}")
+        return out
+
+    def _style(mod: str, how: str, op: Any, pl: Any) -> bool:
+        """Add ``mod``'s style; True when its output feeds the vocab-parallel loss."""
+        assert tp is not None
+        feeds_loss = False
+        i = prog.ops.index(op)
+        given = plan.ops[i].given
+        required = plan.ops[i].required
+        x = op.inputs["x"]
+        out = op.output_names()[0]
+        colwise = (pl.dim == 0) if how == "linear" else (pl.dim == 1)
+        x_in = _tp_placement(given["x"], tp)
+        x_req = _tp_placement(required["x"], tp)
+        if how == "linear" and colwise:
+            if not x_req.is_replicate():
+                raise ExportError(f"--export dtensor: {mod} (ColwiseParallel): the plan reads its input {x} as "
+                                  f"{_placement_text(x_req)} over tp, ColwiseParallel as Replicate()")
+            local = not _feeds_loss(prog, fwd_readers, out)
+            feeds_loss = not local
+            o = _tp_placement(plan.attrs[out], tp)
+            if not (o.is_shard() and o.dim == len(prog.tensors[out].shape) - 1):
+                raise ExportError(f"--export dtensor: {mod} (ColwiseParallel): the plan makes its output {out} "
+                                  f"{_placement_text(o)} over tp, ColwiseParallel Shard(-1)")
+            styles[mod] = _style_doc("ColwiseParallel", input_layouts=_placement_text(x_in),
+                                     output_layouts="Shard(-1)", use_local_output=local)
+            if x_in.is_shard():
+                raise _sequence_parallel(mod, x, x_in)
+            column_inputs.setdefault(x, []).append(mod)
+        else:
+            want = "Shard(-1)" if how == "linear" else "Replicate()"
+            if how == "embedding" and x_req.is_shard():
+                raise _sequence_parallel(mod, x, x_req)
+            if (how == "linear" and not (x_req.is_shard() and x_req.dim == len(prog.tensors[x].shape) - 1)) \
+                    or (how == "embedding" and not x_req.is_replicate()):
+                raise ExportError(f"--export dtensor: {mod} (RowwiseParallel): the plan reads its input {x} as "
+                                  f"{_placement_text(x_req)} over tp, RowwiseParallel as {want}")
+            if how == "embedding" and colwise:
+                styles[mod] = _style_doc("ColwiseParallel", input_layouts="Replicate()", output_layouts="Shard(-1)",
+                                         use_local_output=True)
+            else:
+                dst = _reduced_to(plan, out, tp)
+                if dst is None:
+                    raise ExportError(f"--export dtensor: {mod} (RowwiseParallel): the plan never reduces its "
+                                      f"partial output {out} over tp")
+                if dst.is_shard():
+                    raise _sequence_parallel(mod, out, dst)
+                styles[mod] = _style_doc("RowwiseParallel", input_layouts=want if how == "linear" else "Replicate()",
+                                         output_layouts=_placement_text(dst), use_local_output=True)
+        bias = mod + ".bias"
+        if bias in placements:
+            bp = _tp_placement(plan.attrs[bias], tp)
+            style = styles[mod]["style"]
+            ok = bp == Shard(0) if style == "ColwiseParallel" else bp == Replicate()
+            if not ok:
+                raise ExportError(f"--export dtensor: {bias}: the plan places it {_placement_text(bp)} over tp, "
+                                  f"{style} {'Shard(0)' if style == 'ColwiseParallel' else 'Replicate()'}")
+        return feeds_loss
+
+    if tp is not None:
+        for p in weights:
+            pl = _tp_placement(plan.attrs[p], tp)
+            if not pl.is_shard():
+                continue
+            for mod, how, _out_ax, op in _uses(p):
+                loss_parallel = _style(mod, how, op, pl) or loss_parallel
+        # a layer left whole beside column layers of the same input (kv projections with fewer heads
+        # than tp): on local shards its output would not match theirs (2 kv heads against 1 query head)
+        for x, mods in column_inputs.items():
+            for j in fwd_readers.get(x, []):
+                w = prog.ops[j].inputs.get("y") if prog.ops[j].rule == "matmul" else None
+                if isinstance(w, str) and w in placements and len(prog.tensors[w].shape) == 2 \
+                        and not _tp_placement(plan.attrs[w], tp).is_shard():
+                    raise ExportError(f"--export dtensor: {w}: replicated over tp while {', '.join(mods)} reading the "
+                                      f"same input {x} are column-parallel (kv heads fewer than tp?): torch runs the "
+                                      f"module's code on local shards, which would pair its whole output with their "
+                                      f"shards; use a tp that divides the kv heads")
+        # column layers sharing one input made by one module: the module's output a replicated DTensor
+        for x, mods in column_inputs.items():
+            if len(mods) < 2 or x not in producers:
+                continue
+            made = modules.get(producers[x])
+            if made is None:
+                continue
+            path = made[0]
+            outside = all(not (modules.get(j, ("", ""))[0] + ".").startswith(path + ".")
+                          for j in fwd_readers.get(x, []))
+            if not outside or path in styles:
+                continue
+            styles[path] = _style_doc("PrepareModuleOutput", output_layouts="Replicate()",
+                                      desired_output_layouts="Replicate()", use_local_output=False)
+            notes.append(f"{path}: its output {x} is read by {', '.join(mods)}: one replicated DTensor, its gradient "
+                         f"all-reduced once")
+    if styles and not modules:
+        notes.append("the program records no module paths (a program JSON): no PrepareModuleOutput derived, so each "
+                     "column layer all-reduces its own input gradient (more than the plan's one per block)")
+    return {"format": DOC_FORMATS[fmt], "version": VERSION, "mesh": _mesh_doc(plan),
+            "tp_dim": None if tp is None else plan.mesh.dim_names[tp],
+            "parallelize_plan": dict(sorted(styles.items())), "loss_parallel": loss_parallel, "tied": tied_to,
+            "placements": placements, "shapes": {p: list(prog.tensors[p].shape) for p in params}, "notes": notes}
+
+
+# -- jax / paddle --------------------------------------------------------------------------------
+
+
+def jax_document(plan: Any) -> dict[str, Any]:
+    """The ``jax`` export: a PartitionSpec (a list of axis names / None / lists) per parameter and
+    data input."""
+    from spmdkit.strategies.hf import data_inputs
+
+    fmt = "jax"
+    params = _parameters(plan, fmt)
+    prog = plan.program
+
+    def spec(n: str) -> list[Any]:
+        try:
+            return [list(e) if isinstance(e, tuple) else e for e in to_partition_spec(plan.attrs[n])]
+        except SpmdError as exc:
+            raise ExportError(f"--export jax: {n}: {exc}") from None
+
+    inputs = [n for n in data_inputs(prog) if n in plan.attrs]
+    return {"format": DOC_FORMATS[fmt], "version": VERSION, "mesh": _mesh_doc(plan),
+            "params": {p: spec(p) for p in params}, "inputs": {n: spec(n) for n in inputs},
+            "shapes": {n: list(prog.tensors[n].shape) for n in params + inputs}}
+
+
+def paddle_document(plan: Any) -> dict[str, Any]:
+    """The ``paddle`` export: ``shard_tensor`` placements per parameter, one per mesh dim."""
+    fmt = "paddle"
+    params = _parameters(plan, fmt)
+    prog = plan.program
+    out: dict[str, list[str]] = {}
+    for p in params:
+        attr = plan.attrs[p]
+        for axis, e in enumerate(attr.dims_mapping):
+            if len(entry_dims(e)) > 1:
+                raise ExportError(f"--export paddle: {p}: axis {axis} is co-sharded over mesh dims "
+                                  f"{list(entry_dims(e))}; a Paddle placement list shards an axis over one mesh dim")
+        out[p] = _placements(attr, fmt, p)
+    return {"format": DOC_FORMATS[fmt], "version": VERSION, "mesh": _mesh_doc(plan), "placements": out,
+            "shapes": {p: list(prog.tensors[p].shape) for p in params}}
+
+
+_DOCUMENTS = {"dtensor": dtensor_document, "jax": jax_document, "paddle": paddle_document}
+
+
+def export_document(plan: Any, fmt: str) -> dict[str, Any]:
+    """The export of ``plan`` in ``fmt`` (one of :data:`FORMATS`) as a JSON-able dict."""
+    if fmt not in _DOCUMENTS:
+        raise ExportError(f"--export {str(fmt)[:40]!r}: unknown format (one of {', '.join(FORMATS)})")
+    return _DOCUMENTS[fmt](plan)
+
+
+def check_target(fmt: str, path: str) -> None:
+    """ExportError for an unknown format, or a path that is a folder or in no folder."""
+    if fmt not in _DOCUMENTS:
+        raise ExportError(f"--export {str(fmt)[:40]!r}: unknown format (one of {', '.join(FORMATS)})")
+    _check_path(os.fspath(path), f"--export {fmt}")
+
+
+def _check_path(p: str, what: str) -> None:
+    folder = os.path.dirname(os.path.abspath(p))
+    if not p or os.path.isdir(p):
+        raise ExportError(f"{what}: {p!r} is a folder, not a file path")
+    if not os.path.isdir(folder):
+        raise ExportError(f"{what}: cannot write {p!r}: the folder {folder!r} does not exist")
+
+
+def write_json(doc: Mapping[str, Any], path: str, what: str = "--export") -> None:
+    """Write ``doc`` to ``path`` atomically (a temporary file in the same folder, then renamed):
+    a reader never sees half a file; ExportError naming the path when it cannot be written."""
+    p = os.fspath(path)
+    _check_path(p, what)
+    from spmdkit.io.atomic import write_atomic
+
+    try:
+        write_atomic(p, (json.dumps(doc, indent=1) + "\n").encode("utf-8"))
+    except OSError as exc:
+        raise ExportError(f"{what}: cannot write {p!r}: {exc.strerror or exc}") from None
+
+
+def export_plan(plan: Any, fmt: str, path: str) -> dict[str, Any]:
+    """Write the ``fmt`` export of ``plan`` to ``path`` (atomically) and return it."""
+    doc = export_document(plan, fmt)
+    write_json(doc, path, f"--export {fmt}")
+    return doc
+
+
+# -- loaders (need the framework) ----------------------------------------------------------------
+
+
+def read_document(path: str, fmt: str) -> dict[str, Any]:
+    """An export document of ``fmt`` read back; ExportError when it is not one."""
+    doc = read_json(path, f"{fmt} export", ExportError)
+    if not isinstance(doc, dict) or doc.get("format") != DOC_FORMATS.get(fmt):
+        got = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+        raise ExportError(f"{fmt} export {path!r}: format is {got!r}, expected {DOC_FORMATS.get(fmt)!r}")
+    return doc
+
+
+def _parse_placement(text: str, mod: Any, partial: Any) -> Any:
+    t = text.strip()
+    if t == "Replicate()":
+        return mod.Replicate()
+    if t.startswith("Shard(") and t.endswith(")"):
+        return mod.Shard(int(t[6:-1]))
+    if t.startswith("Partial(") and t.endswith(")"):
+        return partial(t[8:-1].strip("'\""))
+    raise ExportError(f"export: placement {t!r} is not Shard(d), Replicate() or Partial(op)")
+
+
+def load_dtensor_plan(path: str) -> dict[str, Any]:
+    """The ``parallelize_module`` plan of a ``dtensor`` export: module path -> ParallelStyle.
+    Apply with ``parallelize_module(model, mesh[doc_tp_dim], load_dtensor_plan(path))`` (the
+    tp sub-mesh of the plan's mesh); run the loss under ``loss_parallel()`` when the document
+    says ``"loss_parallel": true``."""
+    import torch.distributed.tensor as dt
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+    )
+
+    doc = read_document(path, "dtensor")
+
+    def pl(v: Any) -> Any:
+        return _parse_placement(v, dt, dt.Partial) if isinstance(v, str) else v
+
+    classes = {"ColwiseParallel": ColwiseParallel, "RowwiseParallel": RowwiseParallel,
+               "PrepareModuleInput": PrepareModuleInput,
+               "PrepareModuleOutput": PrepareModuleOutput}
+    out: dict[str, Any] = {}
+    for mod, spec in doc.get("parallelize_plan", {}).items():
+        kw = {k: pl(v) for k, v in spec.items() if k != "style"}
+        cls = classes.get(spec.get("style"))
+        if cls is None:
+            raise ExportError(f"dtensor export {path!r}: {mod}: unknown style {spec.get('style')!r}")
+        out[mod] = cls(**kw)
+    return out
+
+
+def apply_dtensor_plan(model: Any, mesh: Any, path: str) -> Any:
+    """``parallelize_module`` of ``model`` on ``mesh``'s tp dim (or ``mesh`` itself when it is
+    1-D) with a ``dtensor`` export, then its tied parameters tied again (``parallelize_module``
+    gives each module its own): ``model`` returned."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    doc = read_document(path, "dtensor")
+    tp = doc.get("tp_dim")
+    if tp is None:
+        return model
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    sub = mesh[tp] if mesh.ndim > 1 or (names and names != (tp,)) else mesh
+    parallelize_module(model, sub, load_dtensor_plan(path))
+
+    def owner(name: str) -> tuple[Any, str]:
+        *path_, leaf = name.split(".")
+        m = model
+        for part in path_:
+            m = getattr(m, part)
+        return m, leaf
+
+    for alias, canon in doc.get("tied", {}).items():
+        o, leaf = owner(alias)
+        c, cleaf = owner(canon)
+        setattr(o, leaf, getattr(c, cleaf))
+    return model
+
+
+def load_dtensor_placements(path: str) -> dict[str, tuple[Any, ...]]:
+    """Parameter name -> its DTensor placements (one per mesh dim of the plan's mesh)."""
+    import torch.distributed.tensor as dt
+
+    doc = read_document(path, "dtensor")
+    return {p: tuple(_parse_placement(v, dt, dt.Partial) for v in pls) for p, pls in doc["placements"].items()}
+
+
+def load_jax_specs(path: str) -> dict[str, dict[str, Any]]:
+    """``{"params": {name: PartitionSpec}, "inputs": {name: PartitionSpec}}`` of a ``jax``
+    export; make the mesh with ``jax.make_mesh(tuple(doc["mesh"]["shape"]),
+    tuple(doc["mesh"]["dim_names"]))`` (or :func:`jax_mesh`)."""
+    from jax.sharding import PartitionSpec
+
+    doc = read_document(path, "jax")
+
+    def ps(spec: list[Any]) -> Any:
+        return PartitionSpec(*(tuple(e) if isinstance(e, list) else e for e in spec))
+
+    return {k: {n: ps(s) for n, s in doc[k].items()} for k in ("params", "inputs")}
+
+
+def jax_mesh(path: str, devices: Any = None) -> Any:
+    """The ``jax.sharding.Mesh`` of a ``jax`` export (over ``jax.devices()`` by default)."""
+    import jax
+    import numpy as np
+
+    doc = read_document(path, "jax")
+    shape, names = tuple(doc["mesh"]["shape"]), tuple(doc["mesh"]["dim_names"])
+    devs = list(jax.devices() if devices is None else devices)
+    n = 1
+    for s in shape:
+        n *= s
+    if len(devs) < n:
+        raise ExportError(f"jax export {path!r}: the mesh {dict(zip(names, shape))} needs {n} devices, "
+                          f"{len(devs)} given")
+    return jax.sharding.Mesh(np.array(devs[:n]).reshape(shape), names)
+
+
+def load_paddle_placements(path: str) -> tuple[Any, dict[str, list[Any]]]:
+    """(``paddle.distributed.ProcessMesh``, parameter name -> placements) of a ``paddle``
+    export; shard a tensor with ``dist.shard_tensor(t, mesh, placements[name])``."""
+    import paddle.distributed as dist
+
+    doc = read_document(path, "paddle")
+    m = doc["mesh"]
+    ids = list(m["process_ids"])
+
+    def nest(flat: list[int], shape: list[int]) -> Any:
+        if len(shape) == 1:
+            return flat
+        step = len(flat) // shape[0]
+        return [nest(flat[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]
+
+    mesh = dist.ProcessMesh(nest(ids, list(m["shape"])), dim_names=list(m["dim_names"]))
+
+    def partial(op: str) -> Any:
+        kinds = {"sum": dist.ReduceType.kRedSum, "avg": dist.ReduceType.kRedAvg, "max": dist.ReduceType.kRedMax,
+                 "min": dist.ReduceType.kRedMin, "prod": dist.ReduceType.kRedProd}
+        if op not in kinds:
+            raise ExportError(f"paddle export {path!r}: Partial({op}) has no Paddle reduce type")
+        return dist.Partial(kinds[op])
+
+    return mesh, {p: [_parse_placement(v, dist, partial) for v in pls] for p, pls in doc["placements"].items()}
+
+
+__all__ = ["DOC_FORMATS", "FORMATS", "ExportError", "check_target", "dtensor_document", "export_document", "export_plan",
+           "apply_dtensor_plan", "jax_document", "jax_mesh", "load_dtensor_placements", "load_dtensor_plan", "load_jax_specs",
+           "load_paddle_placements", "paddle_document", "read_document", "write_json"]

@@ -1,0 +1,298 @@
+"""The ``spmdkit plan`` report: readable text (rich tables where installed) and JSON."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from typing import Any, TextIO
+
+from spmdkit.core.dist_attr import TensorDistAttr, entry_dims
+from spmdkit.cost.compute import KernelCollective, StepEstimate, kernel_collectives
+from spmdkit.cost.memory import Memory, memory_per_device, uneven_shards
+from spmdkit.io.codec import encode_attr
+from spmdkit.outputs.tables import print_table
+from spmdkit.planner.propagate import Plan, Reshard
+
+#: The reshard table's columns left out first, in this order, where the terminal is too narrow
+#: for them all (``--wide`` prints them; the text of the others wraps).
+RESHARD_OPTIONAL = ("where", "collectives", "phase", "times")
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+_ANY_LAYER = re.compile(r"\blayers\.\d+\.")
+
+
+def placements(a: TensorDistAttr) -> str:
+    """DTensor-style placements per named mesh dim: ``[dp:S(0), tp:R]`` (P(sum) for partial)."""
+    names = a.mesh.dim_names
+    out = []
+    for m, nm in enumerate(names):
+        p = "R"
+        for axis, e in enumerate(a.dims_mapping):
+            if m in entry_dims(e):
+                p = f"S({axis})"
+        for d, r in a.partial:
+            if d == m:
+                p = f"P({r.value})"
+        out.append(f"{nm}:{p}")
+    return "[" + ", ".join(out) + "]"
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, k in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= k:
+            return f"{n / k:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt_time(s: float) -> str:
+    if s >= 1:
+        return f"{s:.2f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s * 1e6:.1f} us"
+
+
+def _generic(name: str) -> str:
+    """``layers.7.wq.grad`` -> ``layers.*.wq.grad`` (the same tensor in every layer)."""
+    return _ANY_LAYER.sub("layers.*.", name)
+
+
+def _reshard_key(plan: Plan, r: Reshard) -> tuple[Any, ...]:
+    op = plan.program.ops[r.op_index]
+    return (_generic(r.tensor), _generic(op.name), r.src, r.dst, r.output, op.phase)
+
+
+def step_kinds(plan: Plan, phase: str | None = None, kernel: list[KernelCollective] | None = None) -> Counter[str]:
+    """Collective kind -> count over the step (local steps left out), the collectives inside
+    ops (``kernel``, :func:`spmdkit.cost.compute.kernel_collectives`) included when given.
+    With gradient accumulation the forward and backward ones count ``plan.grad_accum`` times,
+    a parameter gradient's reduction once."""
+    pg = plan.param_grads()
+    c: Counter[str] = Counter()
+    for r, s in plan.collectives(phase):
+        c[s.kind] += plan.repeats(r, pg)
+    for k in kernel or ():
+        ph = plan.program.ops[k.op_index].phase
+        if phase is None or ph == phase:
+            c[k.kind] += 1 if ph == "optimizer" else plan.grad_accum
+    return c
+
+
+def _phase_comm(plan: Plan, kernel: list[KernelCollective], phase: str | None) -> tuple[int, float]:
+    """(bytes per rank, seconds) of a phase's reshards and collectives inside ops."""
+    prog = plan.program
+    rs = [r for r in plan.reshards if phase is None or prog.ops[r.op_index].phase == phase]
+    ks = [k for k in kernel if phase is None or prog.ops[k.op_index].phase == phase]
+    pg = plan.param_grads()
+    rep = [plan.repeats(r, pg) for r in rs]
+    krep = [1 if prog.ops[k.op_index].phase == "optimizer" else plan.grad_accum for k in ks]
+    return (sum(r.bytes_per_rank * n for r, n in zip(rs, rep)) + sum(k.bytes_per_rank * n for k, n in zip(ks, krep)),
+            sum(r.time_s * n for r, n in zip(rs, rep)) + sum(k.time_s * n for k, n in zip(ks, krep)))
+
+
+def _layer_of(plan: Plan, r: Reshard) -> str:
+    return plan.program.ops[r.op_index].layer or "-"
+
+
+def reshard_groups(plan: Plan) -> list[dict[str, Any]]:
+    """The plan's reshards (shared ones left out), one entry per kind: the same tensor of every
+    layer, reshaped alike before or after the same op (``times``: how many; ``bytes_per_rank``
+    and ``time_s``: their sum over the step)."""
+    prog = plan.program
+    groups: dict[tuple[Any, ...], list[Reshard]] = {}
+    for r in plan.reshards:
+        if r.shared:
+            continue
+        groups.setdefault(_reshard_key(plan, r), []).append(r)
+    out = []
+    for rs in groups.values():
+        r = rs[0]
+        op = prog.ops[r.op_index]
+        where = sorted({_layer_of(plan, x) for x in rs})
+        layer = where[0] if len(where) == 1 else f"{len(where)} layers"
+        if layer == "optimizer":
+            layer = "-"
+        out.append({"phase": op.phase, "layer": layer, "tensor": _generic(r.tensor),
+                    "where": ("after " if r.output else "before ") + f"{op.rule} ({_generic(op.name)})",
+                    "from_to": f"{placements(r.src)} -> {placements(r.dst)}",
+                    "collectives": "; ".join(s.describe() for s in r.plan.steps) or "-", "times": len(rs),
+                    "bytes_per_rank": sum(x.bytes_per_rank for x in rs), "time_s": sum(x.time_s for x in rs)})
+    return out
+
+
+def write_report(plan: Plan, out: TextIO, title: str = "", memory: Memory | None = None,
+                 plan_seconds: float | None = None, estimate: StepEstimate | None = None) -> None:
+    prog = plan.program
+    mesh = plan.mesh
+    mem = memory or memory_per_device(plan)
+    dims = " x ".join(f"{n}={s}" for n, s in zip(mesh.dim_names, mesh.shape))
+    out.write(f"{title or prog.name}\n")
+    out.write(f"mesh {dims} ({mesh.size} ranks); {len(prog.ops)} ops "
+              f"({sum(1 for o in prog.ops if o.phase == 'forward')} forward, "
+              f"{sum(1 for o in prog.ops if o.phase == 'backward')} backward, "
+              f"{sum(1 for o in prog.ops if o.phase == 'optimizer')} optimizer), {len(prog.tensors)} tensors; "
+              f"propagation converged in {plan.rounds} sweep(s)"
+              + (f", planned in {plan_seconds:.2f} s" if plan_seconds is not None else "") + "\n\n")
+    # -- sharding of the main tensors: the first layer in full
+    layers = sorted({int(m.group(1)) for n in prog.tensors if (m := _LAYER.match(n))})
+    first = [t for t in prog.tensors.values() if t.name.startswith("layers.0.") and t.kind in
+             ("parameter", "activation") and not t.inplace_of]
+    rows = [[t.name, t.kind, str(list(t.shape)), placements(plan.attrs[t.name])] for t in first]
+    other = [t for t in prog.tensors.values() if not _LAYER.match(t.name) and t.kind in ("input", "parameter",
+                                                                                     "activation")
+             and not t.inplace_of]
+    rows += [[t.name, t.kind, str(list(t.shape)), placements(plan.attrs[t.name])] for t in other]
+    if rows:
+        print_table("Sharding (layer 0 in full, and the tensors outside the layers)",
+               ["tensor", "kind", "shape", "placements"], rows, out, optional=("kind",))
+    if len(layers) > 1:
+        base = {_generic(n): plan.attrs[n] for n in prog.tensors if n.startswith("layers.0.")}
+        differ = sorted({n for n in prog.tensors if (m := _LAYER.match(n)) and m.group(1) != "0"
+                         and base.get(_generic(n)) != plan.attrs[n]})
+        if differ:
+            out.write(f"layers 1-{layers[-1]}: {len(differ)} tensors are sharded otherwise than in layer 0, "
+                      f"e.g. {', '.join(differ[:5])}\n\n")
+        else:
+            out.write(f"layers 1-{layers[-1]}: every tensor sharded as in layer 0\n\n")
+    # -- reshards
+    rows = [[g["phase"], g["layer"], g["tensor"], g["where"], g["from_to"], g["collectives"], f"x{g['times']}",
+             fmt_bytes(g["bytes_per_rank"]), fmt_time(g["time_s"])] for g in reshard_groups(plan)]
+    if rows:
+        print_table("Reshards (one row per kind of reshard; repeated layers counted in 'times')",
+               ["phase", "layer", "tensor", "where", "from -> to", "collectives", "times", "bytes/rank", "time"],
+               rows, out, optional=RESHARD_OPTIONAL)
+    else:
+        out.write("No reshards: every op gets its inputs as their producers made them.\n")
+    out.write("\n")
+    # -- totals
+    kernel = kernel_collectives(plan)
+    if kernel:
+        groups_k: dict[tuple[Any, ...], list[KernelCollective]] = {}
+        for k in kernel:
+            groups_k.setdefault((k.rule, prog.ops[k.op_index].phase, k.what, k.mesh_dims), []).append(k)
+        rows = [[ph, rule, f"all-reduce ({ks[0].reduce_type}), {what}, over "
+                 + "x".join(mesh.dim_names[d] for d in dims), f"x{len(ks)}",
+                 fmt_bytes(sum(k.bytes_per_rank for k in ks)), fmt_time(sum(k.time_s for k in ks))]
+                for (rule, ph, what, dims), ks in groups_k.items()]
+        print_table("Collectives inside ops (the kernel communicates; counted in the totals below)",
+               ["phase", "op", "collective", "times", "bytes/rank", "time"], rows, out, optional=("op",))
+        out.write("\n")
+    rows = []
+    for phase in ("forward", "backward", "optimizer", None):
+        kinds = step_kinds(plan, phase, kernel)
+        b, t = _phase_comm(plan, kernel, phase)
+        rows.append([phase or "step", ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())) or "-",
+                     fmt_bytes(b), fmt_time(t)])
+    accum = f"; {plan.grad_accum} micro-steps accumulated, gradients reduced once" if plan.grad_accum > 1 else ""
+    print_table(f"Communication per training step (alpha-beta estimate, spmdkit.cost.reshard{accum})",
+           ["phase", "collectives", "bytes/rank", "time"], rows, out)
+    out.write("\n")
+    if estimate is not None:
+        write_estimate(estimate, out)
+        out.write("\n")
+    peak_op = prog.ops[mem.peak_op].name if prog.ops else "-"
+    rows = [["parameters", fmt_bytes(mem.parameters)], ["gradients", fmt_bytes(mem.gradients)],
+            ["optimizer states", fmt_bytes(mem.optimizer_states)],
+            ["activations (peak)", f"{fmt_bytes(mem.activation_peak)} (at {peak_op})"],
+            ["total", fmt_bytes(mem.total)]]
+    saved = getattr(mem, "saved", None)
+    if saved is not None and saved.per_layer:
+        per = [b for k, b in saved.per_layer.items() if re.search(r"\d", k)]
+        rows.insert(4, [f"kept for the backward (recompute {saved.recompute})",
+                        fmt_bytes(saved.total) + (f"; {'' if min(per) == max(per) else 'up to '}"
+                                                        f"{fmt_bytes(max(per))} per layer" if per else "")])
+    print_table("Memory per device", ["", "bytes"], rows, out)
+    if estimate is not None and estimate.device.memory_bytes:
+        cap = estimate.device.memory_bytes
+        out.write(f"{'fits in' if mem.total <= cap else 'does NOT fit in'} the {fmt_bytes(cap)} of a "
+                  f"{estimate.device.name} ({100 * mem.total / cap:.0f}%)\n")
+    uneven = uneven_shards(plan)
+    if uneven:
+        names = plan.mesh.dim_names
+        out.write(f"\nUneven shards: {len(uneven)} tensor axes are not divided evenly by their mesh dims; "
+                  f"the first ranks hold the larger pieces and the memory above counts the largest shard:\n")
+        for u in uneven[:10]:
+            over = "x".join(f"{names[d]}={plan.mesh.shape[d]}" for d in u.mesh_dims)
+            out.write(f"  {u.tensor} axis {u.axis}: size {u.size} over {over}: pieces of {u.largest} "
+                      f"down to {u.smallest}\n")
+        if len(uneven) > 10:
+            out.write(f"  ... and {len(uneven) - 10} more (--json lists them all)\n")
+
+
+def plan_json(plan: Plan, memory: Memory | None = None, extra: dict[str, Any] | None = None,
+              estimate: StepEstimate | None = None) -> dict[str, Any]:
+    prog = plan.program
+    mem = memory or memory_per_device(plan)
+    tensors = {n: {"shape": list(t.shape), "dtype": t.dtype, "kind": t.kind, **encode_attr(plan.attrs[n]),
+                   "placements": placements(plan.attrs[n])} for n, t in prog.tensors.items()}
+    reshards = []
+    for r in plan.reshards:
+        op = prog.ops[r.op_index]
+        reshards.append({"tensor": r.tensor, "op": op.name, "op_index": r.op_index, "phase": op.phase,
+                         "layer": op.layer, "output": r.output, "shared": r.shared, "src": encode_attr(r.src),
+                         "dst": encode_attr(r.dst), "bytes_per_rank": r.bytes_per_rank, "time_s": r.time_s,
+                         "steps": [{"kind": s.kind, "mesh_dims": list(s.mesh_dims),
+                                    "bytes_per_rank": s.bytes_per_rank, "time_s": s.time_s} for s in r.plan.steps]})
+    kernel = kernel_collectives(plan)
+    totals: dict[str, Any] = {}
+    for ph in ("forward", "backward", "optimizer", None):
+        b, t = _phase_comm(plan, kernel, ph)
+        totals[ph or "step"] = {"collectives": dict(step_kinds(plan, ph, kernel)), "bytes_per_rank": b, "time_s": t}
+    if estimate is not None:
+        extra = {**(extra or {}), "step": estimate.to_json()}
+    return {"program": prog.name, "mesh": {"shape": list(plan.mesh.shape), "dim_names": list(plan.mesh.dim_names)},
+            "rounds": plan.rounds, "ops": len(prog.ops), "grad_accum": plan.grad_accum,
+            "stored_sharded": sorted(plan.storage), **(extra or {}), "tensors": tensors, "reshards": reshards,
+            "totals": totals,
+            "kernel_collectives": [k.to_json() for k in kernel], "memory": mem.to_json(), "uneven_shards": [u.to_json() for u in uneven_shards(plan)]}
+
+
+def fmt_flops(f: float) -> str:
+    for unit, k in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if f >= k:
+            return f"{f / k:.2f} {unit}"
+    return f"{f:.0f} FLOP"
+
+
+def write_estimate(est: StepEstimate, out: TextIO) -> None:
+    """The predicted step (spmdkit.cost.compute.estimate_step) as a table and a few lines."""
+    d = est.device
+    peak = est.peak / 1e12
+    out.write(f"Device: {d.name}, {peak:g} TFLOP/s dense at the program's dtype, HBM "
+              f"{d.hbm_bytes_per_s / 1e9:g} GB/s, {d.ranks_per_node} ranks per node "
+              f"(in a node {d.intra.bytes_per_s / 1e9:g} GB/s, across {d.inter.bytes_per_s / 1e9:g} GB/s per GPU)\n")
+    rows = [[ph, fmt_time(est.compute_s.get(ph, 0.0)), fmt_time(est.comm_s.get(ph, 0.0))]
+            for ph in ("forward", "backward", "optimizer")]
+    if est.recompute != "none":
+        rows.append([f"recomputation ({est.recompute})", fmt_time(est.compute_s.get("recompute", 0.0)),
+                     fmt_time(est.comm_s.get("recompute", 0.0))])
+    rows.append(["collectives inside ops", "-", fmt_time(est.kernel_comm_s)])
+    nb = len(est.buckets)
+    rows.append([f"gradient reductions ({nb} DDP bucket{'' if nb == 1 else 's'})", "-", fmt_time(est.grad_sync_s)])
+    rows.append(["total", fmt_time(est.compute_total_s), fmt_time(est.comm_total_s)])
+    print_table("Predicted step per device (roofline compute, alpha-beta communication; spmdkit.cost.compute)",
+           ["", "compute", "communication"], rows, out)
+    exposed = est.step_overlap_s - est.compute_total_s
+    out.write(f"step time: {fmt_time(est.step_serial_s)} serial, {fmt_time(est.step_overlap_s)} with the gradient "
+              f"reductions overlapped with the backward ({fmt_time(exposed)} of communication exposed)\n")
+    out.write(f"FLOPs per device: {fmt_flops(est.flops_per_device)} executed "
+              f"({fmt_time(est.matmul_s)} on the tensor cores); memory traffic {fmt_bytes(est.bytes_per_device)}\n")
+    if est.tokens:
+        tps = est.tokens_per_s or 0.0
+        mfu = est.mfu or 0.0
+        out.write(f"tokens/s: {tps:,.0f} ({est.tokens} tokens per step); MFU {100 * mfu:.1f}% "
+                  f"(model FLOPs {fmt_flops(est.model_flops)} = 6 x {est.n_params:,} parameters x tokens + "
+                  f"{fmt_flops(est.attention_flops)} attention, over {est.ranks} x {peak:g} TFLOP/s)\n")
+        if est.recompute != "none":
+            out.write(f"recompute {est.recompute}: {fmt_flops(est.recompute_flops_per_device)} per device run again "
+                      f"in the backward; HFU {100 * (est.hfu or 0.0):.1f}% (hardware FLOPs "
+                      f"{fmt_flops(est.hardware_flops)}: the recomputed matmuls counted too)\n")
+    else:
+        out.write("tokens/s and MFU: the program names no token input (tokens / input_ids)\n")
+    if est.uncovered:
+        out.write("NOT COSTED (no FLOP model for these rules: timed by the bytes they read and write alone): "
+                  + ", ".join(f"{r} x{n}" for r, n in sorted(est.uncovered.items())) + "\n")
+
+
+__all__ = ["RESHARD_OPTIONAL", "fmt_bytes", "fmt_flops", "fmt_time", "placements", "plan_json", "reshard_groups",
+           "step_kinds", "write_estimate",
+           "write_report"]

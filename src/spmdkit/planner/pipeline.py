@@ -1,0 +1,723 @@
+"""Pipeline parallelism over a ``pp`` mesh dim: stages, schedules, bubble, send/recv, memory.
+
+A mesh with a ``pp`` dim (``--mesh pp=4,dp=8,tp=8``) splits the decoder layers into ``p``
+stages (``p * v`` virtual stages with ``--virtual-stages v``): evenly by default, or as
+``--stages 20,20,20,20``. The embedding goes with the first stage, the final norm, LM head
+and loss with the last; a parameter's optimizer update with the stage of the parameter.
+
+Planning. No tensor is ever sharded over ``pp`` (a stage holds its layers whole, and the
+other stages hold none of them), so the sharding inside a stage is independent of the pp
+dim: the training step of ONE microbatch (batch / m) is built and planned once, whole, on
+the sub-mesh without ``pp`` (e.g. ``dp=8,tp=8``), with the same propagation as any plan.
+Planning each stage alone would give the same layouts except at the cut, where the whole
+program's plan simply fixes the layout the boundary activation is sent in. One propagation
+keeps planning linear in the layers (llama-70b on pp=4,dp=8,tp=8: benchmarks/bench_plan.py).
+
+Then every op gets its (virtual) stage from its ``layer`` tag, and per stage this module
+sums, for one microbatch: the forward and backward time (each op's roofline time from
+:func:`spmdkit.cost.compute.op_cost`, plus the blocking reshards and the collectives
+inside its ops), the gradient reductions of its parameters (once per step: gradients are
+accumulated over the microbatches and reduced after the last one), the optimizer time, the
+activations sent to the next stage in the forward and their gradients sent back in the
+backward (local bytes under the plan, timed on the ``pp`` link of the device's cost model),
+and its memory. The schedule (GPipe, 1F1B, interleaved 1F1B) is then run as an event
+simulation over these per-stage times: each device executes its forwards and backwards in
+the schedule's order, a forward waiting for the previous stage's forward of the same
+microbatch plus the send, a backward for the next stage's backward plus the send. The
+bubble is what the simulated pipeline takes beyond the busiest device's own work; with
+equal stages and free sends it is exactly ``(p-1)/m`` (GPipe, 1F1B) or ``(p-1)/(v m)``
+(interleaved) of that work.
+
+Memory per device: parameters, gradients and optimizer states of its stages, plus the
+activations of the microbatches it keeps in flight: one microbatch at its working peak
+(the liveness peak over the stage's ops) and ``n - 1`` more holding what the backward
+reads (the forward tensors a backward op uses). ``n``: GPipe ``m``; 1F1B ``min(p - r, m)``
+on device ``r``; interleaved, Megatron-LM's warm-up count plus one, ``(p - r - 1) * 2 +
+(v - 1) * p + 1`` model chunks (at most ``m v``) of ``1/v`` of the stage each: on the first
+device ``p + (p - 1)/v`` stage-microbatches (Narayanan et al. 2021; Korthikanti et al.
+2022).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from spmdkit.core.errors import ProgramError
+from spmdkit.cost.memory import Memory, local_numel
+from spmdkit.planner.planning import parse_size
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+_SCHEDULE_ALIASES = {"interleaved-1f1b": "interleaved", "interleaved1f1b": "interleaved", "1F1B": "1f1b",
+                     "GPipe": "gpipe"}
+_LAYER = re.compile(r"layer (\d+)$")
+MAX_MICROBATCHES = 1 << 16
+#: The most (virtual stage, microbatch) pairs a schedule simulates (about a second of Python).
+MAX_UNITS = 1 << 19
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    pp: int
+    microbatches: int
+    schedule: str
+    virtual: int
+    stages: tuple[int, ...] | None = None  # layers per virtual stage, when given
+
+
+def _int(flag: str, text: Any, hi: int) -> int | None:
+    return parse_size(flag, text, hi)
+
+
+def parse_spec(pp: int, microbatches: Any = None, schedule: Any = None, virtual: Any = None,
+               stages: Any = None) -> PipelineSpec:
+    m = _int("--microbatches", microbatches, MAX_MICROBATCHES) or 1
+    sched = str(schedule).strip() if schedule is not None else None
+    if sched is not None:
+        sched = _SCHEDULE_ALIASES.get(sched, sched.lower())
+        if sched not in SCHEDULES:
+            raise ProgramError(f"--schedule {sched[:40]!r}: unknown schedule (one of {', '.join(SCHEDULES)})")
+    v = _int("--virtual-stages", virtual, 1024)
+    if sched is None:
+        sched = "interleaved" if v and v > 1 else "1f1b"
+    if sched != "interleaved" and v not in (None, 1):
+        raise ProgramError(f"--virtual-stages {v}: model chunks apply to --schedule interleaved, not {sched}")
+    if sched == "interleaved":
+        v = v or 2
+        if m % pp:
+            raise ProgramError(f"--schedule interleaved: --microbatches {m} is not a multiple of pp={pp} "
+                               f"(Megatron-LM's interleaved schedule needs it)")
+    if pp * (v or 1) * m > MAX_UNITS:
+        raise ProgramError(f"--microbatches {m}: {m} microbatches x {pp * (v or 1)} stages is more than "
+                           f"{MAX_UNITS:,} forward units to simulate")
+    counts = None
+    if stages is not None:
+        parts = [s.strip() for s in str(stages).split(",") if s.strip()]
+        if not parts or not all(s.isascii() and s.isdigit() and len(s) <= 6 for s in parts):
+            raise ProgramError(f"--stages {str(stages)[:60]!r}: expected layers per stage as integers, e.g. 20,20,20,20")
+        counts = tuple(int(s) for s in parts)
+    return PipelineSpec(pp, m, sched, v or 1, counts)
+
+
+def split_layers(n_layers: int, spec: PipelineSpec) -> tuple[int, ...]:
+    """Layers per virtual stage (``pp * virtual`` of them)."""
+    n = spec.pp * spec.virtual
+    what = f"pp={spec.pp}" + (f" x {spec.virtual} virtual stages" if spec.virtual > 1 else "")
+    if n_layers < n:
+        raise ProgramError(f"--mesh {what}: {n_layers} layers cannot fill {n} stages (each needs at least one layer)")
+    if spec.stages is not None:
+        if len(spec.stages) != n:
+            raise ProgramError(f"--stages: {len(spec.stages)} stage sizes given, {what} has {n} stages")
+        if sum(spec.stages) != n_layers or min(spec.stages) < 1:
+            raise ProgramError(f"--stages {','.join(map(str, spec.stages))}: must be {n} counts >= 1 summing to "
+                               f"the model's {n_layers} layers")
+        return spec.stages
+    if n_layers % n:
+        raise ProgramError(f"--mesh {what}: {n_layers} layers do not divide evenly into {n} stages "
+                           f"(give --stages, e.g. {','.join(map(str, _uneven(n_layers, n)))})")
+    return (n_layers // n,) * n
+
+
+def _uneven(total: int, n: int) -> list[int]:
+    return [total // n + (1 if i < total % n else 0) for i in range(n)]
+
+
+def op_stages(prog: Any, counts: tuple[int, ...]) -> list[int]:
+    """The virtual stage of every op: from its ``layer`` tag (embedding first, head last), an
+    optimizer update with its parameter's stage, an untagged op with the op before it."""
+    last = len(counts) - 1
+    of_layer: list[int] = []
+    for s, c in enumerate(counts):
+        of_layer.extend([s] * c)
+    out: list[int] = []
+    param_stage: dict[str, int] = {}
+    prev = 0
+    for op in prog.ops:
+        tag = op.layer
+        m = _LAYER.match(tag)
+        if m is not None and int(m.group(1)) < len(of_layer):
+            s = of_layer[int(m.group(1))]
+        elif tag == "embedding":
+            s = 0
+        elif tag == "head":
+            s = last
+        elif op.phase == "optimizer":
+            s = next((param_stage[n] for n in op.input_names() if n in param_stage), prev)
+        else:
+            s = prev
+        if op.phase == "forward":
+            for n in op.input_names():
+                if prog.tensors[n].kind == "parameter":
+                    param_stage.setdefault(n, s)
+        out.append(s)
+        prev = s
+    return out
+
+
+# -- schedules ----------------------------------------------------------------------------------
+
+
+def schedule_order(schedule: str, p: int, v: int, m: int, r: int) -> list[tuple[str, int, int]]:
+    """Device ``r``'s work in order: ("F" | "B", virtual stage, microbatch)."""
+    if schedule == "gpipe":
+        return [("F", r, i) for i in range(m)] + [("B", r, i) for i in range(m)]
+    if schedule == "1f1b":
+        warm = min(p - r - 1, m)
+        order = [("F", r, i) for i in range(warm)]
+        for i in range(m - warm):
+            order += [("F", r, warm + i), ("B", r, i)]
+        return order + [("B", r, i) for i in range(m - warm, m)]
+    total = m * v
+
+    def unit(k: int, forward: bool) -> tuple[int, int]:
+        chunk = (k % (p * v)) // p
+        if not forward:
+            chunk = v - 1 - chunk
+        return chunk * p + r, (k // (p * v)) * p + k % p
+
+    warm = min((p - r - 1) * 2 + (v - 1) * p, total)
+    order = [("F", *unit(k, True)) for k in range(warm)]
+    for j in range(total - warm):
+        order += [("F", *unit(warm + j, True)), ("B", *unit(j, False))]
+    return order + [("B", *unit(k, False)) for k in range(total - warm, total)]
+
+
+def in_flight(schedule: str, p: int, v: int, m: int, r: int) -> float:
+    """Microbatches of a whole stage whose activations device ``r`` holds at its peak."""
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "1f1b":
+        return float(min(p - r, m))
+    return min((p - r - 1) * 2 + (v - 1) * p + 1, m * v) / v
+
+
+@dataclass
+class ScheduleRun:
+    finish_s: list[float]   # per device: the end of its last backward
+    busy_s: list[float]     # per device: its own forward + backward work
+    last_backward_s: list[float]
+    #: every unit run: (device, "F" | "B", virtual stage, microbatch, start s, end s)
+    units: list[tuple[int, str, int, int, float, float]] = field(default_factory=list, repr=False)
+
+    @property
+    def pipeline_s(self) -> float:
+        return max(self.finish_s)
+
+    @property
+    def bubble_s(self) -> float:
+        return self.pipeline_s - max(self.busy_s)
+
+    @property
+    def bubble_fraction(self) -> float:
+        w = max(self.busy_s)
+        return self.bubble_s / w if w > 0 else 0.0
+
+
+def run_schedule(schedule: str, p: int, v: int, m: int, fwd: list[float], bwd: list[float],
+                 send_f: list[float] | None = None, send_b: list[float] | None = None) -> ScheduleRun:
+    """Simulate the schedule: ``fwd[k]`` / ``bwd[k]`` the time of virtual stage ``k`` for one
+    microbatch, ``send_f[k]`` / ``send_b[k]`` the time to send its output activations to stage
+    ``k+1`` / the gradients of its inputs to ``k-1`` (``send_b[k]`` is stage ``k+1``'s send back
+    to ``k``)."""
+    n = p * v
+    sf = send_f or [0.0] * n
+    sb = send_b or [0.0] * n
+    orders = [schedule_order(schedule, p, v, m, r) for r in range(p)]
+    done: dict[tuple[str, int, int], float] = {}
+    pos = [0] * p
+    free = [0.0] * p
+    last_b = [0.0] * p
+    units: list[tuple[int, str, int, int, float, float]] = []
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for r in range(p):
+            while pos[r] < len(orders[r]):
+                kind, k, i = orders[r][pos[r]]
+                if kind == "F":
+                    dep = 0.0 if k == 0 else (None if ("F", k - 1, i) not in done else done[("F", k - 1, i)] + sf[k - 1])
+                    dur = fwd[k]
+                else:
+                    if k == n - 1:
+                        dep = done.get(("F", k, i))
+                    else:
+                        dep = None if ("B", k + 1, i) not in done else done[("B", k + 1, i)] + sb[k]
+                    dur = bwd[k]
+                if dep is None:
+                    break
+                start = max(free[r], dep)
+                free[r] = start + dur
+                units.append((r, kind, k, i, start, free[r]))
+                done[(kind, k, i)] = free[r]
+                if kind == "B":
+                    last_b[r] = dur
+                pos[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:  # cannot happen for the three schedules; never loop forever
+            raise ProgramError(f"--schedule {schedule}: the schedule deadlocks (p={p}, v={v}, m={m})")
+    busy = [m * sum(fwd[c * p + r] + bwd[c * p + r] for c in range(v)) for r in range(p)]
+    return ScheduleRun(free, busy, last_b, units)
+
+
+def bubble_formula(schedule: str, p: int, v: int, m: int) -> float:
+    return (p - 1) / (v * m) if schedule == "interleaved" else (p - 1) / m
+
+
+# -- per-stage costs ------------------------------------------------------------------------------
+
+
+@dataclass
+class StageCost:
+    """One virtual stage, for one microbatch (times in s, bytes per device)."""
+
+    layers: int
+    ops: int = 0
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    grad_sync_s: float = 0.0
+    optimizer_s: float = 0.0
+    send_bytes: int = 0       # activations sent to the next stage (its gradients come back alike)
+    send_grad_bytes: int = 0  # gradients sent to the previous stage
+    parameters: int = 0
+    gradients: int = 0
+    optimizer_states: int = 0
+    stash_bytes: int = 0      # what one microbatch keeps for the backward
+    recompute_s: float = 0.0  # the forward ops --recompute runs again in the backward
+    working_peak: int = 0     # the liveness peak of one microbatch through the stage
+    peak_op: int = 0
+    flops: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def stage_costs(plan: Any, stages: list[int], counts: tuple[int, ...], device: Any = None,
+                recompute: str = "none") -> list[StageCost]:
+    """Per stage: parameters, gradients and states, the stash and working peak of one
+    microbatch, the bytes sent, and (``device``) the times. ``recompute`` (none, selective,
+    full; :mod:`spmdkit.cost.activations`): the activations a recomputed region makes are not
+    stashed (they are made again), and its ops' times go to ``recompute_s``."""
+    prog = plan.program
+    dropped: set[str] = set()
+    regions: list[list[int]] = []
+    if recompute != "none":
+        from spmdkit.cost.activations import saved_activations
+
+        def kept(mode: str) -> tuple[set[str], list[list[int]]]:
+            a = saved_activations(plan, mode)
+            return {nm for lst in a.tensors.values() for nm, _ in lst}, a.recomputed
+
+        base, _ = kept("none")
+        mine, regions = kept(recompute)
+        dropped = base - mine
+    attrs = plan.attrs
+    n = len(counts)
+    out = [StageCost(c) for c in counts]
+
+    sizes: dict[str, int] = {}
+
+    def nbytes(name: str) -> int:
+        b = sizes.get(name)
+        if b is None:
+            t = prog.tensors[name]
+            b = sizes[name] = int(local_numel(attrs[name], t.shape) * t.itemsize)
+        return b
+
+    # -- memory: parameters, their gradients, optimizer states; stash and working peak
+    param_grads: dict[str, int] = {}
+    for i, op in enumerate(prog.ops):
+        out[stages[i]].ops += 1
+        if op.phase == "optimizer":
+            s = stages[i]
+            for nm in op.input_names():
+                t = prog.tensors[nm]
+                if t.kind == "gradient" and nm not in param_grads:
+                    param_grads[nm] = s
+                    out[s].gradients += nbytes(nm)
+                elif t.kind == "parameter" and not t.inplace_of:
+                    out[s].parameters += nbytes(nm)
+                elif t.kind == "optimizer_state" and not t.inplace_of:
+                    out[s].optimizer_states += nbytes(nm)
+    counted_params = {nm for i, op in enumerate(prog.ops) if op.phase == "optimizer" for nm in op.input_names()}
+    producer: dict[str, int] = {}
+    for i, op in enumerate(prog.ops):
+        for nm in op.output_names():
+            producer.setdefault(nm, i)
+        if op.phase == "forward":
+            for nm in op.input_names():
+                t = prog.tensors[nm]
+                if t.kind == "parameter" and nm not in counted_params:  # a parameter without an update
+                    counted_params.add(nm)
+                    out[stages[i]].parameters += nbytes(nm)
+
+    def transient(nm: str) -> bool:
+        t = prog.tensors[nm]
+        return not (nm in param_grads or t.inplace_of or t.kind in ("parameter", "optimizer_state"))
+
+    # activations crossing stages, and the stash (forward tensors read by a backward op)
+    stashed: set[str] = set()
+    crossing: dict[str, tuple[int, int]] = {}
+    for i, op in enumerate(prog.ops):
+        for nm in op.input_names():
+            j = producer.get(nm)
+            if j is None or not transient(nm):
+                continue
+            a, b = stages[j], stages[i]
+            if op.phase == "forward" and prog.ops[j].phase == "forward" and b > a:
+                _lo, hi = crossing.get(nm, (a, a))
+                crossing[nm] = (a, max(hi, b))
+            if op.phase == "backward" and prog.ops[j].phase == "forward" and nm not in stashed \
+                    and nm not in dropped:
+                stashed.add(nm)
+                out[a].stash_bytes += nbytes(nm)
+    for nm, (a, b) in crossing.items():
+        size = nbytes(nm)
+        g = nm + ".grad"
+        gsize = nbytes(g) if g in prog.tensors and g in attrs else size
+        for k in range(a, b):
+            out[k].send_bytes += size
+            out[k + 1].send_grad_bytes += gsize
+    # working peak per stage: live transient bytes over the stage's own ops
+    first: dict[tuple[int, str], int] = {}
+    last: dict[tuple[int, str], int] = {}
+    for i, op in enumerate(prog.ops):
+        if op.phase == "optimizer":
+            continue
+        s = stages[i]
+        for nm in (*op.input_names(), *op.output_names()):
+            if transient(nm):
+                first.setdefault((s, nm), i)
+                last[(s, nm)] = i
+    deltas: list[dict[int, int]] = [{} for _ in range(n)]
+    for (s, nm), i in first.items():
+        b = nbytes(nm)
+        d = deltas[s]
+        d[i] = d.get(i, 0) + b
+        d[last[(s, nm)] + 1] = d.get(last[(s, nm)] + 1, 0) - b
+    for s in range(n):
+        cur = 0
+        for i in sorted(deltas[s]):
+            cur += deltas[s][i]
+            if cur > out[s].working_peak:
+                out[s].working_peak, out[s].peak_op = cur, i
+    if device is None:
+        return out
+    # -- times
+    from spmdkit.cost.compute import is_grad_sync, kernel_collectives, op_cost
+
+    extra: dict[int, float] = {}
+    grads_synced = plan.param_grads()
+    for kc in kernel_collectives(plan):
+        extra[kc.op_index] = extra.get(kc.op_index, 0.0) + kc.time_s
+    for r in plan.reshards:
+        if r.shared:
+            continue
+        for st in r.plan.steps:
+            if st.bytes_per_rank == 0:
+                continue
+            if is_grad_sync(plan, r, st, grads_synced):
+                out[stages[r.op_index]].grad_sync_s += st.time_s
+            else:
+                extra[r.op_index] = extra.get(r.op_index, 0.0) + st.time_s
+    rerun = {j for r in regions for j in r}
+    for i, op in enumerate(prog.ops):
+        c = op_cost(plan, i)
+        t = c.time_s(device) + extra.get(i, 0.0)
+        sc = out[stages[i]]
+        if i in rerun:
+            sc.recompute_s += t
+        sc.flops += c.flops
+        if op.phase == "forward":
+            sc.forward_s += t
+        elif op.phase == "backward":
+            sc.backward_s += t
+        else:
+            sc.optimizer_s += t
+    return out
+
+
+# -- the whole pipeline ---------------------------------------------------------------------------
+
+
+@dataclass
+class PipelineEstimate:
+    spec: PipelineSpec
+    counts: tuple[int, ...]
+    stages: list[StageCost]
+    pp_link: tuple[float, float]          # (latency s, s per byte)
+    send_f_s: list[float]
+    send_b_s: list[float]
+    in_flight: list[float]
+    memory: list[Memory]
+    run: ScheduleRun | None = None
+    step_serial_s: float = 0.0
+    step_overlap_s: float = 0.0
+    tokens: int | None = None
+    model_flops: float = 0.0
+    ranks: int = 0
+    peak: float = 0.0
+    device_name: str = ""
+    device_memory: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.tokens / self.step_overlap_s if self.tokens and self.step_overlap_s > 0 else None
+
+    @property
+    def mfu(self) -> float | None:
+        if not self.tokens or self.step_overlap_s <= 0 or self.peak <= 0:
+            return None
+        return self.model_flops / (self.step_overlap_s * self.ranks * self.peak)
+
+    @property
+    def tflops_per_gpu(self) -> float | None:
+        """Model FLOP/s per GPU (Narayanan et al.'s "achieved teraFLOP/s per GPU" counts the
+        recomputation too; this counts the model FLOPs only)."""
+        if not self.tokens or self.step_overlap_s <= 0:
+            return None
+        return self.model_flops / (self.step_overlap_s * self.ranks) / 1e12
+
+    def to_json(self) -> dict[str, Any]:
+        s = self.spec
+        out: dict[str, Any] = {
+            "pp": s.pp, "microbatches": s.microbatches, "schedule": s.schedule, "virtual_stages": s.virtual,
+            "layers_per_stage": list(self.counts), "bubble_formula": bubble_formula(s.schedule, s.pp, s.virtual,
+                                                                                    s.microbatches),
+            "pp_link": {"latency_s": self.pp_link[0], "s_per_byte": self.pp_link[1]},
+            "stages": [{**st.to_json(), "send_s": self.send_f_s[k], "send_grad_s": self.send_b_s[k - 1] if k else 0.0}
+                       for k, st in enumerate(self.stages)],
+            "devices": [{"stage": r, "in_flight_microbatches": self.in_flight[r], "memory": self.memory[r].to_json()}
+                        for r in range(s.pp)]}
+        if self.run is not None:
+            out.update({"pipeline_s": self.run.pipeline_s, "bubble_s": self.run.bubble_s,
+                        "bubble_fraction": self.run.bubble_fraction, "busy_s": self.run.busy_s,
+                        "step_serial_s": self.step_serial_s, "step_overlap_s": self.step_overlap_s,
+                        "tokens": self.tokens, "tokens_per_s": self.tokens_per_s, "model_flops": self.model_flops,
+                        "ranks": self.ranks, "peak_flops": self.peak, "mfu": self.mfu,
+                        "model_tflops_per_gpu": self.tflops_per_gpu})
+        return out
+
+
+def estimate_pipeline(plan: Any, spec: PipelineSpec, counts: tuple[int, ...], device: Any = None,
+                      pp_link: tuple[float, float] = (20e-6, 1 / 25e9), tokens: int | None = None,
+                      ranks: int | None = None, recompute_forward: bool = False,
+                      recompute: str = "none") -> PipelineEstimate:
+    """The pipeline of ``plan`` (ONE microbatch's step on the sub-mesh without pp).
+    ``recompute_forward``: time only, each stage's forward run again before its backward (full
+    activation recomputation, as Narayanan et al. 2021 train; benchmarks/megatron_table.py);
+    the memory stays that of a step without recomputation. ``recompute`` (``--recompute``):
+    the recomputed regions' activations leave each stage's stash and their ops' times are
+    added to its backward (:func:`stage_costs`)."""
+    p, v, m = spec.pp, spec.virtual, spec.microbatches
+    stages = op_stages(plan.program, counts)
+    costs = stage_costs(plan, stages, counts, device, recompute)
+    n = p * v
+    alpha, beta = pp_link
+
+    def send(b: int) -> float:
+        return 0.0 if p == 1 or b == 0 else alpha + b * beta
+
+    send_f = [send(costs[k].send_bytes) if k < n - 1 else 0.0 for k in range(n)]
+    send_b = [send(costs[k + 1].send_grad_bytes) if k < n - 1 else 0.0 for k in range(n)]
+    flight = [in_flight(spec.schedule, p, v, m, r) for r in range(p)]
+    mems = []
+    for r in range(p):
+        mine = [costs[c * p + r] for c in range(v)]
+        stash = sum(c.stash_bytes for c in mine)
+        work = max(c.working_peak for c in mine)
+        act = work + round(max(0.0, flight[r] - 1.0 / v) * stash) if v > 1 else work + round((flight[r] - 1) * stash)
+        peak_op = max(mine, key=lambda c: c.working_peak).peak_op
+        mems.append(Memory(sum(c.parameters for c in mine), sum(c.gradients for c in mine),
+                           sum(c.optimizer_states for c in mine), act, peak_op))
+    est = PipelineEstimate(spec, counts, costs, pp_link, send_f, send_b, flight, mems)
+    if device is None:
+        return est
+    bwd = [c.backward_s + c.recompute_s + (c.forward_s if recompute_forward else 0.0) for c in costs]
+    run = run_schedule(spec.schedule, p, v, m, [c.forward_s for c in costs], bwd,
+                       send_f, send_b)
+    est.run = run
+    serial, overlap = [], []
+    for r in range(p):
+        g = sum(costs[c * p + r].grad_sync_s for c in range(v))
+        o = sum(costs[c * p + r].optimizer_s for c in range(v))
+        serial.append(run.finish_s[r] + g + o)
+        overlap.append(run.finish_s[r] + max(0.0, g - run.last_backward_s[r]) + o)
+    est.step_serial_s, est.step_overlap_s = max(serial), max(overlap)
+    from spmdkit.cost.compute import model_flops
+
+    mb_tokens = tokens // m if tokens else 0
+    mf, _n, _att = model_flops(plan, mb_tokens)
+    est.tokens, est.model_flops = tokens, mf * m if tokens else 0.0
+    est.ranks = ranks or plan.mesh.size * p
+    dtypes = [t.dtype for t in plan.program.tensors.values() if t.kind == "parameter"]
+    est.peak = device.matmul_peak(max(set(dtypes), key=dtypes.count) if dtypes else "float32")
+    est.device_name = device.name
+    est.device_memory = device.memory_bytes
+    return est
+
+
+# -- planning, verification and the report ----------------------------------------------------------
+
+
+def sub_mesh_text(mesh: Any) -> tuple[int, str]:
+    """(pp size, the mesh text without pp)."""
+    names, sizes = list(mesh.dim_names), list(mesh.shape)
+    pp = 1
+    if "pp" in names:
+        k = names.index("pp")
+        pp = sizes[k]
+        del names[k], sizes[k]
+    if not names:
+        names, sizes = ["dp"], [1]
+    return pp, ",".join(f"{a}={b}" for a, b in zip(names, sizes))
+
+
+def plan_pipeline(model_name: str, mesh_text: str, strategy_text: str, spec_args: dict[str, Any],
+                  overrides: dict[str, Any] | None = None, user: dict[str, Any] | None = None,
+                  cost_text: str | None = None) -> tuple[Any, Any, PipelineSpec, tuple[int, ...], float]:
+    """(model, plan of one microbatch on the sub-mesh, spec, layers per virtual stage, seconds)."""
+    from spmdkit.models.zoo import preset
+    from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, plan_model
+    from spmdkit.strategies.strategy import parse_mesh
+
+    t0 = time.perf_counter()
+    mesh = parse_mesh(mesh_text)
+    pp, sub = sub_mesh_text(mesh)
+    spec = parse_spec(pp, **spec_args)
+    cfg = preset(model_name)
+    ov = dict(overrides or {})
+    layers = parse_size("--layers", ov.get("layers"), MAX_LAYERS) or cfg.layers
+    given = parse_size("--batch", ov.get("batch"), MAX_SIZE)
+    # without --batch, each microbatch is the preset's batch (the step is m of them)
+    batch = given or cfg.batch * spec.microbatches
+    counts = split_layers(layers, spec)
+    if batch % spec.microbatches:
+        raise ProgramError(f"--microbatches {spec.microbatches}: does not divide the batch {batch} "
+                           f"(each microbatch is batch / microbatches sequences)")
+    ov.update(layers=layers, batch=batch // spec.microbatches)
+    cost = pp_cost_text(cost_text, mesh)
+    model, plan, _ = plan_model(model_name, sub, strategy_text, ov, user, cost)
+    return model, plan, spec, counts, time.perf_counter() - t0
+
+
+def pp_cost_text(cost_text: str | None, mesh: Any) -> str | None:
+    """``--cost`` without its ``pp=`` entry (that one times the sends: the ``pp_link`` of
+    :func:`estimate_pipeline`)."""
+    if not cost_text:
+        return cost_text
+    parts = [s for s in cost_text.split(",") if not s.strip().startswith("pp=") and s.strip()]
+    return ",".join(parts) or None
+
+
+def verify_pipeline(model_name: str, mesh_text: str, spec: PipelineSpec, strategy: str) -> dict[str, Any]:
+    """``--verify`` of a pipeline plan of the preset ``model_name`` on ``mesh_text`` (with its pp
+    dim): the tiny model of the same arch with ``pp * v`` layers (at least 2), split one layer
+    per stage and planned on the sub-mesh: its ops are checked to run stage after stage
+    (forward 0..n-1, backward n-1..0); a step of 2 microbatches is simulated, each microbatch
+    on its own half of the batch (every tensor against its unsharded step), and the sum of the
+    microbatch losses is compared with the unsharded loss of the whole batch."""
+    try:
+        from spmdkit.sim.plan import simulate_plan, source_values
+    except ImportError as exc:  # numpy missing
+        raise ProgramError(f"--verify needs numpy (pip install 'spmdkit[sim]'): {exc}") from None
+    from spmdkit.models.zoo import preset
+    from spmdkit.planner.planning import plan_model
+    from spmdkit.strategies.strategy import parse_mesh
+
+    _pp, sub = sub_mesh_text(parse_mesh(mesh_text))
+    tiny = "tiny-llama" if preset(model_name).arch == "llama" else "tiny-gpt2"
+    n = spec.pp * spec.virtual
+    layers = max(2, n)
+    counts = split_layers(layers, PipelineSpec(spec.pp, 1, spec.schedule, spec.virtual,
+                                               tuple(_uneven(layers, n)) if layers % n else None))
+    model, plan, _ = plan_model(tiny, sub, strategy, {"layers": layers})
+    stages = op_stages(plan.program, counts)
+    phases = [op.phase for op in plan.program.ops]
+    fw = [s for s, ph in zip(stages, phases) if ph == "forward"]
+    bw = [s for s, ph in zip(stages, phases) if ph == "backward"]
+    ordered = fw == sorted(fw) and bw == sorted(bw, reverse=True) and set(fw) == set(range(n))
+    b = model.config.batch
+    n_mb = 2
+    _, whole, _ = plan_model(tiny, "dp=1", "none", {"layers": layers, "batch": b * n_mb})
+    vals = source_values(whole.program, 0)
+    ref = simulate_plan(whole, values=vals)  # one rank: the unsharded step of the whole batch
+    batched = {model.inputs[k] for k in ("tokens", "labels", "positions") if k in model.inputs}
+    reps = []
+    for i in range(n_mb):
+        mine = {k: (v[i * b:(i + 1) * b] if k in batched else v) for k, v in vals.items()}
+        reps.append(simulate_plan(plan, values=mine))
+    failures = [f for r in reps for f in r.failures]
+    losses = [r.loss for r in reps]
+    total = sum(x for x in losses if x is not None)
+    summed = (ref.loss is not None and None not in losses
+              and abs(total - ref.loss) <= 1e-9 * max(1.0, abs(ref.loss)))
+    ok = not failures and ordered and summed
+    checked = sum(r.checked for r in reps)
+    lines = [f"verify: {tiny} with {layers} layers in {n} pipeline stages (forward runs stages 0..{n - 1}, backward "
+             f"{n - 1}..0, in order: {'yes' if ordered else 'NO'}), each stage on the sub-mesh {sub}, {n_mb} "
+             f"microbatches of {b} simulated on {plan.mesh.size} ranks: {checked} tensors compared with the "
+             f"unsharded step (loss, every gradient, every update): "
+             + ("all equal" if not failures else f"{len(failures)} differ")
+             + f"; the microbatch losses sum to the whole batch's loss: {'yes' if summed else 'NO'} "
+             f"({total:.12g} vs {ref.loss if ref.loss is not None else float('nan'):.12g})"]
+    for name, what in failures[:10]:
+        lines.append(f"  {name}: {what}")
+    return {"ok": ok, "model": tiny, "layers": layers, "stages_in_order": ordered, "microbatches": n_mb,
+            "losses_sum": summed, "checked": checked, "failures": [list(f) for f in failures], "loss": total,
+            "text": "\n".join(lines)}
+
+
+def write_pipeline(est: PipelineEstimate, out: TextIO) -> None:
+    from spmdkit.outputs.report import fmt_bytes, fmt_time
+    from spmdkit.outputs.tables import print_table
+
+    s = est.spec
+    p, v, m = s.pp, s.virtual, s.microbatches
+    out.write(f"\nPipeline: pp={p}, schedule {s.schedule}"
+              + (f" ({v} virtual stages per device)" if v > 1 else "")
+              + f", {m} microbatches; layers per stage {','.join(map(str, est.counts))}; "
+              f"pp link {est.pp_link[0] * 1e6:g} us + {1 / est.pp_link[1] / 1e9 if est.pp_link[1] else 0:g} GB/s\n")
+    rows = []
+    for k, st in enumerate(est.stages):
+        rows.append([str(k), str(k % p), str(st.layers), fmt_time(st.forward_s), fmt_time(st.backward_s),
+                     fmt_bytes(st.send_bytes), fmt_time(est.send_f_s[k]), fmt_time(st.grad_sync_s),
+                     fmt_time(st.optimizer_s)])
+    print_table("Stages (per microbatch; the activation gradients come back as many bytes)",
+                ["stage", "device", "layers", "forward", "backward", "send", "send time", "grad sync", "optimizer"],
+                rows, out)
+    rows = []
+    for r in range(p):
+        mm = est.memory[r]
+        rows.append([str(r), f"{est.in_flight[r]:g}", fmt_bytes(mm.parameters), fmt_bytes(mm.gradients),
+                     fmt_bytes(mm.optimizer_states), fmt_bytes(mm.activation_peak), fmt_bytes(mm.total)])
+    print_table("Memory per device of each pipeline rank (in flight: microbatches of activations held)",
+                ["pp rank", "in flight", "parameters", "gradients", "optimizer", "activations", "total"], rows, out)
+    f = bubble_formula(s.schedule, p, v, m)
+    if est.run is None:
+        out.write(f"bubble (formula): {100 * f:.1f}% of the work; give --device for the step time\n")
+        return
+    run = est.run
+    worst = max(range(p), key=lambda r: est.memory[r].total)
+    tot = est.memory[worst].total
+    cap = est.device_memory
+    if cap:
+        out.write(f"fullest pipeline rank {worst}: {fmt_bytes(tot)} {'fits in' if tot <= cap else 'does NOT fit in'} "
+                  f"the {fmt_bytes(cap)} of a {est.device_name} ({100 * tot / cap:.0f}%)\n")
+    out.write(f"pipeline: {fmt_time(run.pipeline_s)} for {m} microbatches; busiest device works "
+              f"{fmt_time(max(run.busy_s))}; bubble {fmt_time(run.bubble_s)} = {100 * run.bubble_fraction:.1f}% "
+              f"(formula {100 * f:.1f}%)\n")
+    out.write(f"step time: {fmt_time(est.step_serial_s)} serial, {fmt_time(est.step_overlap_s)} with the gradient "
+              f"reductions overlapping the last backward\n")
+    if est.tokens:
+        out.write(f"tokens/s: {est.tokens_per_s or 0:,.0f} ({est.tokens} tokens per step); MFU "
+                  f"{100 * (est.mfu or 0):.1f}% ({est.tflops_per_gpu or 0:.0f} model TFLOP/s per GPU over "
+                  f"{est.ranks} x {est.peak / 1e12:g} TFLOP/s on {est.device_name})\n")
+
+
+__all__ = ["SCHEDULES", "PipelineEstimate", "PipelineSpec", "ScheduleRun", "StageCost", "bubble_formula",
+           "estimate_pipeline", "in_flight", "op_stages", "parse_spec", "plan_pipeline", "pp_cost_text", "run_schedule",
+           "schedule_order", "split_layers", "stage_costs", "sub_mesh_text", "verify_pipeline", "write_pipeline"]

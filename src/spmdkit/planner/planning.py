@@ -1,0 +1,187 @@
+"""Planning a whole model: a preset, a program or a HuggingFace model on a mesh under a strategy.
+
+:func:`plan_model` (a preset of :mod:`spmdkit.models.zoo`), :func:`plan_program` (a
+:class:`spmdkit.program.ir.Program`, e.g. an imported one, under the strategies of
+:mod:`spmdkit.strategies.hf`) and :func:`plan_hf` (a HuggingFace model imported, then
+planned) return the plan of :func:`spmdkit.planner.propagate.propagate`; :func:`verify_strategy`
+runs a strategy on the tiny model of an architecture through the simulator. The arguments are
+plain Python values (texts as ``spmdkit plan`` takes them); a bad one is a ProgramError naming
+the flag it comes from. The command itself (argument parsing, printing) is :mod:`spmdkit.cli.plan`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from spmdkit.core.errors import ProgramError, SpmdError
+
+#: The most layers ``--layers`` takes: planning is linear in the ops (~30 per layer with its
+#: backward and optimizer), and 512 is over six times the largest preset (llama-70b, 80).
+MAX_LAYERS = 512
+#: The largest ``--batch`` / ``--seq`` (2**31 - 1, the int32 range frameworks index with).
+MAX_SIZE = (1 << 31) - 1
+
+
+def clip_repr(text: str, n: int = 60) -> str:
+    """``repr(text)``, cut after ``n`` characters (saying how long it was): for error messages."""
+    return repr(text) if len(text) <= n else repr(text[:n]) + f"... ({len(text)} characters)"
+
+
+def parse_size(flag: str, text: str | int | None, hi: int) -> int | None:
+    """An ASCII decimal int in [1, hi] for ``flag`` (None when not given)."""
+    if text is None:
+        return None
+    t = str(text).strip()
+    if not (t.isascii() and t.isdigit() and len(t) <= 12):
+        raise ProgramError(f"{flag} {clip_repr(str(text), 40)}: expected an integer from 1 to {hi}")
+    v = int(t)
+    if not 1 <= v <= hi:
+        raise ProgramError(f"{flag} {v}: out of range (1 to {hi})")
+    return v
+
+
+def parse_cost(text: str | None, mesh: Any) -> Any:
+    """``--cost`` text -> a :class:`spmdkit.cost.reshard.CostModel` on ``mesh`` (the default one without
+    text); ProgramError naming ``--cost`` for a bad one."""
+    import math
+
+    from spmdkit.cost.reshard import CostModel
+
+    if not text:
+        return CostModel.default(mesh)
+    if len(text) > 4096:
+        raise ProgramError(f"--cost: {len(text)} characters (at most 4096)")
+    try:
+        cost = CostModel.parse(text, mesh)
+    except SpmdError as exc:
+        msg = str(exc)
+        raise ProgramError(msg if msg.startswith("--cost") else f"--cost {clip_repr(text)}: {msg[:300]}") from None
+    except (ZeroDivisionError, ValueError, OverflowError):
+        raise ProgramError(f"--cost {clip_repr(text)}: latency and bandwidth must be finite numbers, the "
+                           f"bandwidth > 0 (e.g. tp=5us/150GB)") from None
+    for link in cost.links:
+        a, b = link.alpha_s, link.beta_s_per_byte
+        if not (math.isfinite(a) and a >= 0 and math.isfinite(b) and b > 0):
+            raise ProgramError(f"--cost {clip_repr(text)}: latency and bandwidth must be finite numbers, the "
+                               f"bandwidth > 0 (e.g. tp=5us/150GB)")
+    return cost
+
+
+def plan_model(model_name: str, mesh_text: str, strategy_text: str,
+               overrides: Mapping[str, int | str | None] | None = None,
+               user: dict[str, Any] | None = None, cost_text: str | None = None,
+               progress: Any = None) -> tuple[Any, Any, float]:
+    """(model, plan, seconds) for a preset on a mesh under a strategy."""
+    from spmdkit.models.zoo import build_model, preset
+    from spmdkit.planner.propagate import propagate
+    from spmdkit.strategies.strategy import annotate, parse_mesh, parse_strategy, zero3_storage
+
+    cfg = preset(model_name)
+    mesh = parse_mesh(mesh_text)
+    st = parse_strategy(strategy_text, mesh)
+    if overrides:
+        limits = {"layers": MAX_LAYERS, "batch": MAX_SIZE, "seq": MAX_SIZE}
+        checked = {k: parse_size(f"--{k}", v, limits.get(k, MAX_SIZE)) for k, v in overrides.items()}
+        cfg = cfg.with_(**{k: v for k, v in checked.items() if v is not None})
+    t0 = time.perf_counter()
+    model = build_model(cfg, vocab_parallel_loss="megatron" in st, check_rules=False)
+    ann = annotate(model, mesh, st, user)
+    plan = propagate(model.program, mesh, ann, parse_cost(cost_text, mesh), progress=progress,
+                     storage=zero3_storage(model.optimizer, ann, st))
+    return model, plan, time.perf_counter() - t0
+
+
+def plan_program(prog: Any, mesh_text: str, strategy_text: str | None, user: dict[str, Any] | None = None,
+                 patterns: Any = None, cost_text: str | None = None) -> tuple[Any, Any]:
+    """(program, plan) for an imported program (or a program JSON from one) under a strategy
+    (:mod:`spmdkit.strategies.hf`): with megatron the program is a copy whose loss is
+    vocab-parallel, and the plan is over that copy."""
+    from spmdkit.planner.propagate import propagate
+    from spmdkit.strategies.hf import annotate_program, megatron_program, optimizer_of, regroup_partial_sums
+    from spmdkit.strategies.strategy import parse_mesh, parse_strategy, user_attrs, zero3_storage
+
+    mesh = parse_mesh(mesh_text)
+    st = parse_strategy(strategy_text or "none", mesh)
+    cost = parse_cost(cost_text, mesh)
+    if not st:  # no strategy: the user's annotations alone, as a program file always was
+        return prog, propagate(prog, mesh, user_attrs(prog, mesh, user), cost)
+    if "megatron" in st:
+        prog = megatron_program(prog, patterns)
+    ann = annotate_program(prog, mesh, st, user, patterns)
+    storage = zero3_storage(optimizer_of(prog), ann, st)
+    plan = propagate(prog, mesh, ann, cost, storage=storage)
+    regrouped = regroup_partial_sums(prog, plan)  # partial gradients summed before one reduction
+    if regrouped is not prog:
+        prog, plan = regrouped, propagate(regrouped, mesh, ann, cost, storage=storage)
+    return prog, plan
+
+
+def plan_hf(class_name: str, config: Any, mesh_text: str, strategy_text: str | None, dtype: str = "float32",
+            batch: int = 2, seq: int = 16, user: dict[str, Any] | None = None, patterns: Any = None,
+            cost_text: str | None = None) -> tuple[Any, Any, dict[str, Any], Any]:
+    """(program, model, keyword inputs, plan) for the HuggingFace model ``class_name`` built
+    from ``config`` (a dict, a JSON object text or a config.json path; :func:`spmdkit.models.hf.build`),
+    its training step imported at ``batch`` x ``seq`` and planned on ``mesh_text`` under
+    ``strategy_text`` (default megatron). The program is the one planned (with megatron, its
+    loss made vocab-parallel); run it with ``torch_values(prog, model, (), kw)``."""
+    from spmdkit.models.hf import dtype_name
+
+    dt = dtype_name(dtype)
+    b = parse_size("--batch", batch, MAX_SIZE)
+    sq = parse_size("--seq", seq, MAX_SIZE)
+    assert b is not None and sq is not None
+    from spmdkit.strategies.strategy import parse_mesh, parse_strategy
+
+    parse_strategy(strategy_text or "megatron", parse_mesh(mesh_text))  # refuse a bad mesh / strategy before importing
+    prog, model, kw = import_hf_checked(class_name, config, b, sq, dt)
+    prog, plan = plan_program(prog, mesh_text, strategy_text or "megatron", user, patterns, cost_text)
+    return prog, model, kw, plan
+
+
+def import_hf_checked(class_name: str, config: Any, batch: int, seq: int, dtype: str) -> Any:
+    """:func:`spmdkit.models.hf.import_hf` (``dtype`` a dtype name), its errors on a model that does not
+    import given as one ProgramError naming ``--hf``."""
+    import warnings
+
+    from spmdkit.models.hf import import_hf
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        try:
+            return import_hf(class_name, config, batch=batch, seq=seq, dtype=dtype)
+        except SpmdError:
+            raise
+        except (ValueError, TypeError, RuntimeError, IndexError, KeyError) as exc:
+            msg = " ".join(str(exc).split())[:300]
+            raise ProgramError(f"--hf {class_name}: the model does not import: {type(exc).__name__}: {msg}") from None
+
+
+def verify_strategy(model_name: str | None, mesh_text: str, strategy_text: str,
+                    cost_text: str | None = None) -> dict[str, Any]:
+    """``--verify``: the same strategy on the same mesh, on the tiny model of the same arch as
+    ``model_name`` (llama without one), simulated end to end against the unsharded step."""
+    try:
+        from spmdkit.sim.plan import simulate_plan
+    except ImportError as exc:  # numpy missing
+        raise ProgramError(f"--verify needs numpy (pip install 'spmdkit[sim]'): {exc}") from None
+    from spmdkit.models.zoo import preset
+
+    cfg = preset(model_name) if model_name else None
+    arch = cfg.arch if cfg else "llama"
+    tiny = "tiny-llama" if arch == "llama" else "tiny-gpt-dropout" if cfg and cfg.dropout else "tiny-gpt2"
+    _, plan, _ = plan_model(tiny, mesh_text, strategy_text, None, None, cost_text)
+    rep = simulate_plan(plan)
+    ok = rep.ok
+    lines = [f"verify: {tiny} with the same mesh and strategy, simulated on {plan.mesh.size} ranks: "
+             f"{rep.checked} tensors compared with the unsharded step (loss, every gradient, every update): "
+             + ("all equal" if ok else f"{len(rep.failures)} differ")]
+    for name, what in rep.failures[:10]:
+        lines.append(f"  {name}: {what}")
+    return {"ok": ok, "model": tiny, "checked": rep.checked, "failures": [list(f) for f in rep.failures],
+            "loss": rep.loss, "text": "\n".join(lines)}
+
+
+__all__ = ["MAX_LAYERS", "MAX_SIZE", "clip_repr", "import_hf_checked", "parse_cost", "parse_size", "plan_hf",
+           "plan_model", "plan_program", "verify_strategy"]
