@@ -1,0 +1,61 @@
+"""What an op means besides its sharding rule, declared by its family beside the rule.
+
+An op family module (``spmdkit.ops.*``) declares its rules with :func:`spmdkit.engine.declare.declare`
+and, beside each, the op's other facts with :func:`facts`:
+
+* ``shape``: the global output shapes the op makes from its input shapes and attributes
+  (``Program.validate`` refuses a program whose declared output shapes contradict its op);
+* ``cost``: the op's FLOPs and bytes on one device from its local (sharded) tensors, and the
+  collectives its kernel runs inside itself (the cost model times them);
+* ``wrt``: the inputs the op is differentiated against, and the grad op that does it (autodiff).
+
+The engine only keeps the table: it knows nothing of particular ops, and the layers above
+(program, cost) read it through :func:`facts_of`. Standard library only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class OpFacts:
+    """One rule's facts; a field is None where the family declares none."""
+
+    shape: Callable[..., Any] | None = None
+    cost: Callable[..., Any] | None = None
+    grad: str | None = None
+    wrt: tuple[str, ...] | None = None
+
+
+_FACTS: dict[str, OpFacts] = {}
+
+
+def facts(*names: str, shape: Callable[..., Any] | None = None, cost: Callable[..., Any] | None = None,
+          grad: str | None = None, wrt: tuple[str, ...] | None = None) -> None:
+    """Declare facts of the rules ``names`` (a fact given again for a name replaces the earlier one;
+    facts not given keep what an earlier call declared)."""
+    if not names:
+        raise ValueError("facts() needs at least one rule name")
+    for name in names:
+        old = _FACTS.get(name, _NONE)
+        _FACTS[name] = OpFacts(shape if shape is not None else old.shape, cost if cost is not None else old.cost,
+                               grad if grad is not None else old.grad, wrt if wrt is not None else old.wrt)
+
+
+def facts_of(name: str) -> OpFacts:
+    """The facts declared for rule ``name`` (the canonical name: resolve aliases first); an empty
+    :class:`OpFacts` where none are."""
+    return _FACTS.get(name) or _NONE
+
+
+def declared() -> frozenset[str]:
+    """Every rule name with facts declared."""
+    return frozenset(_FACTS)
+
+
+_NONE = OpFacts()
+
+__all__ = ["OpFacts", "declared", "facts", "facts_of"]
