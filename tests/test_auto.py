@@ -66,7 +66,7 @@ def _per_op(plan: Any) -> list[tuple[dict[str, TensorDistAttr], dict[str, Tensor
 def test_every_hand_strategy_sharding_is_a_candidate() -> None:
     """Megatron's per-op shardings (tp-partial, dp-sharded gradients summed by add_n;
     reshape_grad with its shape-only input sharded as the gradient) are among the candidates."""
-    from spmdkit.cost.reshard import CostModel
+    from spmdkit.core.reshard import CostModel
     from spmdkit.planner.auto import _Gen
 
     gens: dict[bool, Any] = {}

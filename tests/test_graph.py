@@ -17,8 +17,9 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.cost.memory import local_numel, memory_per_device
 from spmdkit.models.zoo import build_model, preset
 from spmdkit.planner.planning import plan_model
-from spmdkit.planner.propagate import MAX_ROUNDS, Plan, propagate
+from spmdkit.planner.propagate import MAX_ROUNDS, propagate
 from spmdkit.program.ir import ProgramBuilder, program_from_json
+from spmdkit.program.plan import Plan
 from spmdkit.sim.plan import simulate_plan
 from spmdkit.strategies.strategy import parse_mesh, parse_strategy
 

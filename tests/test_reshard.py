@@ -1,4 +1,4 @@
-"""spmdkit.cost.reshard: plans checked by executing their steps on simulated ranks, byte and time
+"""spmdkit.core.reshard: plans checked by executing their steps on simulated ranks, byte and time
 formulas, errors."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from spmdkit.core.dist_attr import TensorDistAttr, entry_dims
 from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError
 from spmdkit.core.mesh import ProcessMesh
-from spmdkit.cost.reshard import CostModel, LinkCost, plan_reshard
+from spmdkit.core.reshard import CostModel, LinkCost, plan_reshard
 from spmdkit.sim.mesh import assemble, shard
 
 

@@ -75,7 +75,7 @@ _WORKER = textwrap.dedent('''
     import torch, torch.distributed as dist
     from spmdkit.core.dist_attr import TensorDistAttr, entry_dims
     from spmdkit.core.mesh import ProcessMesh
-    from spmdkit.cost.reshard import plan_reshard
+    from spmdkit.core.reshard import plan_reshard
     from spmdkit.sim.mesh import assemble, shard
     from spmdkit.execute.rank import Rank
     from spmdkit.outputs.dtensor import placements

@@ -115,8 +115,8 @@ def _sub_mesh_annotations(user: dict[str, Any], mesh: Any) -> dict[str, Any]:
 
 
 def _pp_link(ns: argparse.Namespace, mesh: Any, device: Any) -> tuple[float, float]:
+    from spmdkit.core.reshard import CostModel
     from spmdkit.cost.compute import cost_model
-    from spmdkit.cost.reshard import CostModel
 
     nodes = getattr(ns, "nodes_of", None)
     cost = cost_model(mesh, device, int(nodes) if nodes else None)

@@ -376,7 +376,7 @@ def _run_auto(ns: argparse.Namespace, out: TextIO, user: dict[str, Any], overrid
     if device is not None:  # the device's links, --cost on top (as _step_estimate times the plan)
         from dataclasses import replace
 
-        from spmdkit.cost.reshard import CostModel
+        from spmdkit.core.reshard import CostModel
 
         nodes = parse_size("--nodes-of", getattr(ns, "nodes_of", None), 1 << 20)
         device = replace(device, ranks_per_node=nodes) if nodes else device
@@ -477,8 +477,8 @@ def step_estimate(ns: argparse.Namespace, plan: Any, config: Any) -> tuple[Any, 
     device_text, nodes_text = getattr(ns, "device", None), getattr(ns, "nodes_of", None)
     if not device_text and not nodes_text:
         return plan, None
+    from spmdkit.core.reshard import CostModel
     from spmdkit.cost.compute import cost_model, estimate_step, guess_tokens, load_device, recost
-    from spmdkit.cost.reshard import CostModel
 
     device = load_device(str(device_text)) if device_text else None
     nodes = parse_size("--nodes-of", nodes_text, 1 << 20)

@@ -169,7 +169,7 @@ def _value_reads(prog: Program) -> dict[str, list[int]]:
 
 def saved_activations(plan: object, recompute: str = "none") -> ActivationMemory:
     """The activations ``plan``'s backward keeps, per layer (module docstring)."""
-    from spmdkit.planner.propagate import Plan
+    from spmdkit.program.plan import Plan
 
     assert isinstance(plan, Plan)
     check_recompute(recompute)
@@ -218,7 +218,7 @@ def spans_with_recompute(plan: object, saved: ActivationMemory) -> dict[str, lis
     """Tensor -> [(first op, last op, bytes)] live intervals for the tensors whose life
     recomputation or a backward re-gather splits (:func:`spmdkit.cost.memory.memory_per_device`);
     other tensors live from their producer to their last reader."""
-    from spmdkit.planner.propagate import Plan
+    from spmdkit.program.plan import Plan
 
     assert isinstance(plan, Plan)
     prog = plan.program
@@ -270,7 +270,7 @@ def rerun_points(plan: object, saved: ActivationMemory) -> tuple[dict[int, list[
     ops run right before it, backward op index -> the indices of the output reshards whose
     all-gather runs again right before it). A region runs again before the first backward op
     that reads one of its outputs; a re-gathered tensor before its first backward reader."""
-    from spmdkit.planner.propagate import Plan
+    from spmdkit.program.plan import Plan
 
     assert isinstance(plan, Plan)
     prog = plan.program

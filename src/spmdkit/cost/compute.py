@@ -16,7 +16,7 @@ outputs as the rule makes them); a partial output costs the same local work as a
   lists it (never a silent zero); :data:`COSTED` names every covered rule.
 - :class:`Device` and :data:`DEVICES` (a100-40gb, a100-80gb, h100, h200): dense peak FLOP/s
   per dtype, HBM bandwidth, and the links (NVLink in a node, InfiniBand across nodes) that
-  :func:`cost_model` maps onto the per-mesh-dim :class:`spmdkit.cost.reshard.CostModel`.
+  :func:`cost_model` maps onto the per-mesh-dim :class:`spmdkit.core.reshard.CostModel`.
 - :func:`kernel_collectives` (plan): all-reduces inside ops (``c_softmax_with_cross_entropy``:
   max, sum of exp and the label logit over the ranks sharing the class axis).
 - :func:`estimate_step` (plan, device): roofline time per op ``max(flops/peak, bytes/bw)``,
@@ -36,7 +36,7 @@ from typing import Any
 from spmdkit.core.dist_attr import TensorDistAttr, entry_dims
 from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.core.mesh import ProcessMesh
-from spmdkit.cost.reshard import CostModel, LinkCost, ReshardPlan, Step
+from spmdkit.core.reshard import CostModel, LinkCost, ReshardPlan, Step
 from spmdkit.program.ir import Program
 
 # -- devices ------------------------------------------------------------------------------------
@@ -95,7 +95,7 @@ class Device:
 T = 1e12
 G = 1e9
 #: NVLink and InfiniBand latencies are not datasheet figures: the planner's defaults
-#: (spmdkit.cost.reshard: 5 us in a node, 20 us across), docs/devices.md.
+#: (spmdkit.core.reshard: 5 us in a node, 20 us across), docs/devices.md.
 _NVLINK3 = Link(5e-6, 300 * G)   # A100 SXM4: NVLink 600 GB/s bidirectional = 300 GB/s each way
 _NVLINK4 = Link(5e-6, 450 * G)   # H100 / H200 SXM5: 900 GB/s bidirectional = 450 GB/s each way
 _IB_HDR = Link(20e-6, 25 * G)    # DGX A100: one 200 Gb/s HDR InfiniBand port per GPU
@@ -240,7 +240,7 @@ def _retime(s: Step, cost: CostModel, mesh: ProcessMesh) -> Step:
 
 def recost(plan: Any, cost: CostModel) -> Any:
     """The plan with every reshard step timed by ``cost`` (same steps and bytes)."""
-    from spmdkit.planner.propagate import Plan, Reshard
+    from spmdkit.program.plan import Plan, Reshard
 
     assert isinstance(plan, Plan)
     memo: dict[int, ReshardPlan] = {}

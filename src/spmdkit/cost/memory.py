@@ -71,7 +71,7 @@ class UnevenShard:
 def uneven_shards(plan: object) -> list[UnevenShard]:
     """Every (tensor, axis) of a plan sharded over mesh dims whose product does not divide the
     axis (tensors in program order). Memory counts the largest shard of each."""
-    from spmdkit.planner.propagate import Plan
+    from spmdkit.program.plan import Plan
 
     assert isinstance(plan, Plan)
     out: list[UnevenShard] = []
@@ -118,10 +118,10 @@ class Memory:
 
 
 def memory_per_device(plan: object, recompute: str = "none") -> Memory:
-    """Memory per device of a :class:`spmdkit.planner.propagate.Plan` under activation
+    """Memory per device of a :class:`spmdkit.program.plan.Plan` under activation
     recomputation ``recompute`` (none, selective, full)."""
     from spmdkit.cost.activations import saved_activations, spans_with_recompute
-    from spmdkit.planner.propagate import Plan
+    from spmdkit.program.plan import Plan
 
     assert isinstance(plan, Plan)
     saved = saved_activations(plan, recompute)

@@ -10,7 +10,7 @@ that op (``spmdkit.sim``), in float64 (``kernels="numpy"``), or with torch's own
 program's dtypes on the rank's device (``kernels="torch"``, :mod:`spmdkit.execute.kernels`; the
 check is then against a single-process torch step within each dtype's tolerance,
 :data:`TOLERANCES`); every planned reshard runs as real collectives over the mesh dim's process group,
-step by step as :func:`spmdkit.cost.reshard.plan_reshard` lays it out: ``all_reduce``,
+step by step as :func:`spmdkit.core.reshard.plan_reshard` lays it out: ``all_reduce``,
 ``reduce_scatter_single``, ``all_gather_single`` (``*_tensor`` before torch 2.13), ``all_to_all_single``, and the local
 ``slice`` / ``to_partial`` steps.
 
@@ -52,9 +52,9 @@ import torch.distributed as dist
 
 from spmdkit.core.dist_attr import ReduceType, TensorDistAttr
 from spmdkit.core.errors import ProgramError, SpmdError
-from spmdkit.cost.reshard import Step, local_bytes, plan_reshard
+from spmdkit.core.reshard import Step, local_bytes, plan_reshard
 from spmdkit.execute.launch import free_port, launch_local, port_in_use, uneven_shards
-from spmdkit.planner.propagate import Plan
+from spmdkit.program.plan import Plan
 from spmdkit.sim.mesh import AssembleError, arrays_close, assemble, max_abs_error, nonfinite_count, shard
 from spmdkit.sim.ops import Ctx
 from spmdkit.sim.plan import flat_values, loss_name, op_io, source_values, unusable

@@ -39,7 +39,7 @@ def placements(attr: TensorDistAttr) -> tuple[Placement, ...]:
 
 
 def plan_placements(plan: Any) -> dict[str, tuple[Placement, ...]]:
-    """Placements of every tensor in a plan (``spmdkit.planner.propagate.Plan``)."""
+    """Placements of every tensor in a plan (``spmdkit.program.plan.Plan``)."""
     return {name: placements(attr) for name, attr in plan.attrs.items()}
 
 

@@ -40,7 +40,7 @@ from spmdkit.core.dist_attr import TensorDistAttr, entry_dims
 from spmdkit.core.errors import ProgramError
 from spmdkit.cost.memory import Memory, local_numel, memory_per_device
 from spmdkit.outputs.report import fmt_bytes, fmt_time, placements, reshard_groups
-from spmdkit.planner.propagate import Plan
+from spmdkit.program.plan import Plan
 
 _LAYER_NAME = re.compile(r"^layers\.(\d+)\.")
 PHASE_COLOURS = {"forward": "#4e79a7", "backward": "#f28e2b", "optimizer": "#59a14f", "recompute": "#b07aa1"}

@@ -11,7 +11,7 @@ from spmdkit.cost.compute import KernelCollective, StepEstimate, kernel_collecti
 from spmdkit.cost.memory import Memory, memory_per_device, uneven_shards
 from spmdkit.io.codec import encode_attr
 from spmdkit.outputs.tables import print_table
-from spmdkit.planner.propagate import Plan, Reshard
+from spmdkit.program.plan import Plan, Reshard
 
 #: The reshard table's columns left out first, in this order, where the terminal is too narrow
 #: for them all (``--wide`` prints them; the text of the others wraps).
@@ -183,7 +183,7 @@ def write_report(plan: Plan, out: TextIO, title: str = "", memory: Memory | None
         rows.append([phase or "step", ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())) or "-",
                      fmt_bytes(b), fmt_time(t)])
     accum = f"; {plan.grad_accum} micro-steps accumulated, gradients reduced once" if plan.grad_accum > 1 else ""
-    print_table(f"Communication per training step (alpha-beta estimate, spmdkit.cost.reshard{accum})",
+    print_table(f"Communication per training step (alpha-beta estimate, spmdkit.core.reshard{accum})",
            ["phase", "collectives", "bytes/rank", "time"], rows, out)
     out.write("\n")
     if estimate is not None:

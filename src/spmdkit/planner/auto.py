@@ -24,7 +24,7 @@ plans that repeat one choice per identical layer.
 
 The program. Exactly one candidate per (unmerged, untied) op; free sources (parameters, optimizer
 states, inputs) choose among the non-partial dist attrs their readers ask for. Every read costs
-the reshard (spmdkit.cost.reshard, the plan's cost model) from how the tensor is held to how the
+the reshard (spmdkit.core.reshard, the plan's cost model) from how the tensor is held to how the
 reader's candidate requires it; edges between two choices are linearised as in Alpa over the
 tensor's distinct dist attrs on each side (edges between the same variables share one
 linearisation). In-place outputs pay the reshard back to the tensor they overwrite, pinned
@@ -61,11 +61,12 @@ from typing import Any
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.core.mesh import ProcessMesh
+from spmdkit.core.reshard import CostModel, plan_reshard
 from spmdkit.core.spec import DistTensorSpec
-from spmdkit.cost.reshard import CostModel, plan_reshard
 from spmdkit.engine.registry import get_rule
-from spmdkit.planner.propagate import Plan, propagate
+from spmdkit.planner.propagate import propagate
 from spmdkit.program.ir import Program, flat_refs, layout_args, op_layout
+from spmdkit.program.plan import Plan
 from spmdkit.strategies.strategy import user_attrs
 
 #: the most seeds pushed through one op's rule (the product over the mesh dims of the choices
@@ -322,7 +323,7 @@ def _direct(prog: Program, mesh: ProcessMesh, cost: CostModel, chosen: list[Any]
     candidate says, its inputs resharded from how they are held; an output its candidate
     holds otherwise than the rule makes it (``kept``: a partial output reduced once for all its
     readers) is resharded right after the op."""
-    from spmdkit.planner.propagate import OpPlan, Reshard
+    from spmdkit.program.plan import OpPlan, Reshard
 
     made: dict[str, TensorDistAttr] = {}
     for n, t in prog.tensors.items():

@@ -43,11 +43,11 @@ def parse_size(flag: str, text: str | int | None, hi: int) -> int | None:
 
 
 def parse_cost(text: str | None, mesh: Any) -> Any:
-    """``--cost`` text -> a :class:`spmdkit.cost.reshard.CostModel` on ``mesh`` (the default one without
+    """``--cost`` text -> a :class:`spmdkit.core.reshard.CostModel` on ``mesh`` (the default one without
     text); ProgramError naming ``--cost`` for a bad one."""
     import math
 
-    from spmdkit.cost.reshard import CostModel
+    from spmdkit.core.reshard import CostModel
 
     if not text:
         return CostModel.default(mesh)

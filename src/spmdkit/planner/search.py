@@ -175,8 +175,8 @@ def parse_memory(text: Any) -> int:
 
 
 def _recosted(plan: Any, device: Any, cost_text: str | None, nodes_of: int | None) -> Any:
+    from spmdkit.core.reshard import CostModel
     from spmdkit.cost.compute import cost_model, recost
-    from spmdkit.cost.reshard import CostModel
 
     cost = cost_model(plan.mesh, device, nodes_of)
     if cost_text:
@@ -203,8 +203,8 @@ def _flat_candidates(cfg: Config, plan: Any, device: Any, tokens: int | None, mo
 def _pipeline_candidates(cfg: Config, plan: Any, counts: tuple[int, ...], device: Any, tokens: int,
                          modes: Sequence[str], cap: int, title: str, cost_text: str | None,
                          nodes_of: int | None, info: Any = None) -> list[Candidate]:
+    from spmdkit.core.reshard import CostModel
     from spmdkit.cost.compute import cost_model, estimate_step
-    from spmdkit.cost.reshard import CostModel
     from spmdkit.planner.pipeline import estimate_pipeline, parse_spec
     from spmdkit.strategies.strategy import parse_mesh
 
@@ -362,8 +362,8 @@ def _sub_mesh(dp: int, tp: int) -> Any:
 
 def _auto(prog: Any, mesh: Any, pins: Mapping[str, Any] | None, device: Any, cost_text: str | None,
           nodes_of: int | None, time_limit: float) -> tuple[Any, Any]:
+    from spmdkit.core.reshard import CostModel
     from spmdkit.cost.compute import cost_model
-    from spmdkit.cost.reshard import CostModel
     from spmdkit.planner.auto import auto_plan
 
     cost = cost_model(mesh, device, nodes_of)

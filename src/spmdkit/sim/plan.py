@@ -30,8 +30,8 @@ from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.engine.registry import get_rule
-from spmdkit.planner.propagate import Plan
 from spmdkit.program.ir import Op, Program, RecordedValue, flat_refs
+from spmdkit.program.plan import Plan
 from spmdkit.sim.mesh import AssembleError, arrays_close, assemble, max_abs_error, nonfinite_count, shard
 from spmdkit.sim.ops import Ctx, Reference, get_reference
 

@@ -1,0 +1,110 @@
+"""A plan: every tensor's dist attr, every op's place in it and the reshards between, as the
+planner (:func:`spmdkit.planner.propagate.propagate`) builds it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from spmdkit.core.dist_attr import TensorDistAttr
+from spmdkit.core.mesh import ProcessMesh
+from spmdkit.core.reshard import CostModel, ReshardPlan
+from spmdkit.program.ir import Op, Program
+
+
+@dataclass(frozen=True)
+class Reshard:
+    """One planned reshard: ``tensor`` from ``src`` to ``dst`` before op ``op_index`` (an input)
+    or after it (``output``); ``shared`` when an earlier reshard of the same tensor to the same
+    dist attr serves it (no communication of its own)."""
+
+    tensor: str
+    src: TensorDistAttr
+    dst: TensorDistAttr
+    op_index: int
+    output: bool
+    plan: ReshardPlan
+    shared: bool = False
+
+    @property
+    def bytes_per_rank(self) -> int:
+        return 0 if self.shared else self.plan.bytes_per_rank
+
+    @property
+    def time_s(self) -> float:
+        return 0.0 if self.shared else self.plan.time_s
+
+
+@dataclass
+class OpPlan:
+    """An op's place in the plan: the dist attrs its inputs had and needed, and its outputs'."""
+
+    index: int
+    op: Op
+    given: dict[str, Any]
+    required: dict[str, Any]
+    outputs: list[Any]
+    reshards: list[Reshard] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    """The result of :func:`propagate`. ``annotations``: the dist attr a tensor is held in
+    right after its producer where that differs from the producer's rule: the annotations
+    given, and the partial tensors reduced once for all their readers (an output reshard in
+    ``reshards``)."""
+
+    program: Program
+    mesh: ProcessMesh
+    attrs: dict[str, TensorDistAttr]
+    ops: list[OpPlan]
+    reshards: list[Reshard]
+    annotations: dict[str, TensorDistAttr]
+    rounds: int
+    cost: CostModel
+    #: tensors stored otherwise than their readers get them (ZeRO-3): name -> stored dist attr
+    storage: dict[str, TensorDistAttr] = field(default_factory=dict)
+    #: gradient accumulation: forward and backward run this many times per step, the parameter
+    #: gradients are accumulated and reduced once (``--grad-accum``)
+    grad_accum: int = 1
+
+    def attr(self, name: str) -> TensorDistAttr:
+        return self.attrs[name]
+
+    def param_grads(self) -> frozenset[str]:
+        """The gradients the optimizer-phase ops read (the parameter gradients)."""
+        return self.program.param_grads()
+
+    def repeats(self, r: Reshard, param_grads: frozenset[str] | None = None) -> int:
+        """How many times per step reshard ``r`` runs: ``grad_accum`` times in the forward and
+        the backward, except a parameter gradient's (reduced once, after accumulation); once in
+        the optimizer."""
+        if self.grad_accum == 1 or self.program.ops[r.op_index].phase == "optimizer":
+            return 1
+        pg = self.param_grads() if param_grads is None else param_grads
+        return 1 if r.tensor in pg else self.grad_accum
+
+    def collectives(self, phase: str | None = None) -> list[tuple[Reshard, Any]]:
+        """(reshard, step) for every communicating step (shared reshards and free local steps
+        left out), optionally of one phase (forward / backward / optimizer)."""
+        out = []
+        for r in self.reshards:
+            if r.shared:
+                continue
+            if phase is not None and self.program.ops[r.op_index].phase != phase:
+                continue
+            for s in r.plan.steps:
+                if s.bytes_per_rank > 0:
+                    out.append((r, s))
+        return out
+
+    @property
+    def bytes_per_rank(self) -> int:
+        return sum(r.bytes_per_rank for r in self.reshards)
+
+    @property
+    def time_s(self) -> float:
+        return sum(r.time_s for r in self.reshards)
+
+
+__all__ = ["OpPlan", "Plan", "Reshard"]
