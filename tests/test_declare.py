@@ -11,7 +11,7 @@ from spmdkit.core.dist_attr import ReduceType, TensorDistAttr
 from spmdkit.core.errors import InvalidArgumentError, InvalidAttributeError, InvalidMeshError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec
-from spmdkit.engine.compile import compile_plan, infer, traced
+from spmdkit.engine.compiler import compile_plan, infer, traced
 from spmdkit.engine.declare import Way, declare, generate, ones
 from spmdkit.engine.notation import Notation, letters_for
 from spmdkit.engine.signature import GRAD, REVERSE

@@ -9,7 +9,7 @@ function names, kind of the backward slot) with functions :func:`generate` write
 straight-line Python with the signature's real parameter names (no ``*args`` parsing per
 call) that checks the call, computes the key, looks its compiled plan up in a dict (compiled
 on the key's first call: once per key, never per shape) and answers through
-:func:`spmdkit.engine.compile.infer`.
+:func:`spmdkit.engine.compiler.infer`.
 
     declare(
         "softmax", "x: T, axis: int = -1",
@@ -39,7 +39,8 @@ from typing import Any
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import InvalidArgumentError, InvalidMeshError, ShapeMismatchError, SpmdError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.compile import Plan, compile_plan, infer
+from spmdkit.engine.codegen import define
+from spmdkit.engine.compiler import RulePlan, compile_plan, infer
 from spmdkit.engine.notation import Notation, check_letters, common_mesh, fast_result, named_mesh
 from spmdkit.engine.registry import register
 from spmdkit.engine.shapes import NAMESPACE as SHAPE_NAMES
@@ -64,7 +65,7 @@ class Way:
     * ``mask``: tensors (inputs of the notation, in order) whose size-1 axes key the
       plan: their bit masks (``ones(t)``; 0 for an input between them not named) are the key's
       last item, passed to the notation function last and to
-      :func:`~spmdkit.engine.compile.compile_plan` as its ``mask``
+      :func:`~spmdkit.engine.compiler.compile_plan` as its ``mask``
       (for ``size1="broadcast"``);
     * ``same``: pairs of tensor names that must have one shape (sizes -1 match anything;
       checked after ``check``); every tensor must lie on the first tensor's mesh (checked
@@ -80,7 +81,7 @@ class Way:
     * ``wrap(fn, signature, outputs) -> fn``: what :func:`declare` registers in place of the
       generated function (a 0-D optional tensor read as absent: ``rules._absent.zero_d_absent``);
     * ``out_shapes``: an expression over the parameters (and ``env``) giving the outputs'
-      shapes, passed to :func:`~spmdkit.engine.compile.infer` in the forward direction (a
+      shapes, passed to :func:`~spmdkit.engine.compiler.infer` in the forward direction (a
       ``flatten`` letter on an output needs its sizes there: the view rules);
     * ``tail``: every tensor of the call (a reverse rule's outputs too) is an input of the
       notation, compiled forward (its ``sources`` name the merged ones), and the answer's
@@ -428,12 +429,12 @@ def generate(
     emit("    except _E as _e:")
     emit("        raise _renamed(_e, _OP) from None")
 
-    plans: dict[tuple[Any, ...], Plan] = {}
+    plans: dict[tuple[Any, ...], RulePlan] = {}
     notation = way.notation
     has_mask = bool(way.mask)
     cdir = "forward" if way.tail else direction
 
-    def miss(k: tuple[Any, ...]) -> Plan:
+    def miss(k: tuple[Any, ...]) -> RulePlan:
         """The plan of key ``k``, compiled and kept (its notation's errors raised as they come)."""
         nt = notation(*k)
         mask = k[-1] + (0,) * (len(nt.inputs) - len(k[-1])) if has_mask else ()  # every input's
@@ -443,7 +444,7 @@ def generate(
         plans[k] = p
         return p
 
-    def plan(k: tuple[Any, ...]) -> Plan:
+    def plan(k: tuple[Any, ...]) -> RulePlan:
         """The compiled plan of key ``k`` (errors name the op)."""
         try:
             return plans.get(k) or miss(tuple(k))
@@ -453,8 +454,7 @@ def generate(
     ns["_P"] = plans
     ns["_miss"] = miss
     src = "\n".join(lines) + "\n"
-    exec(compile(src, f"<rule {op} {direction}>", "exec"), ns)
-    fn: Any = ns[name or op]
+    fn: Any = define(src, f"rule {op} {direction}", name or op, ns)
     fn.__doc__ = way.doc or None
     fn.__qualname__ = fn.__name__
     fn.__module__ = module or sys._getframe(1).f_globals.get("__name__", "")  # the declaring module

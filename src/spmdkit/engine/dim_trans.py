@@ -37,7 +37,7 @@ from functools import lru_cache
 from typing import NamedTuple, Union
 
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
-from spmdkit.engine.compile import Plan, compile_plan
+from spmdkit.engine.compiler import RulePlan, compile_plan
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation
 
@@ -364,7 +364,7 @@ def _letter(k: int) -> str:
 
 
 @lru_cache(maxsize=4096)
-def view_plan(n_in: int, ln: tuple[Link, ...], keep: bool = True, backward: bool = False) -> Plan:
+def view_plan(n_in: int, ln: tuple[Link, ...], keep: bool = True, backward: bool = False) -> RulePlan:
     """The compiled plan of a view from ``n_in`` axes to ``len(ln)`` axes linked as ``ln``:
     each input axis a letter (``1`` where no output axis carries it); an output axis carries
     its link's (first) letter, ``1`` where it has none; a Flatten and a Split's piece 0 is a

@@ -1,7 +1,7 @@
 """Merge helpers and the reference merge: what a :class:`~spmdkit.engine.notation.Notation`
 and its policy mean, written plainly with dicts keyed by letter.
 
-The compiled plans of :mod:`spmdkit.engine.compile` are the fast path; :func:`reference_merge`
+The compiled plans of :mod:`spmdkit.engine.compiler` are the fast path; :func:`reference_merge`
 is the specification they are tested against (tests/test_engine_compiled.py). The steps, per
 the notation's policy fields (see ``Notation``):
 

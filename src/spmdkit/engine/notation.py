@@ -497,4 +497,4 @@ def attr_as(src: TensorDistAttr, mesh: ProcessMesh, dims_mapping: DimsMapping) -
 
 
 # the compiled plans (engine/compile.py imports this module: bound here, read at call time)
-from spmdkit.engine import compile as _compile  # noqa: E402
+from spmdkit.engine import compiler as _compile  # noqa: E402

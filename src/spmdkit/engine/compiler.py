@@ -3,7 +3,7 @@
 :func:`compile_plan` turns a :class:`~spmdkit.engine.notation.Notation` (letters, flags and
 policy), a direction (``"forward"``: merge the inputs; ``"backward"``: merge the outputs, as
 Paddle's reverse rules do) and a key of what changes the plan (for ``size1="broadcast"`` the
-size-1 axes of each input) into a :class:`Plan`: letters become ints, every policy a flag or
+size-1 axes of each input) into a :class:`RulePlan`: letters become ints, every policy a flag or
 an int tuple, every tensor a tuple of letter ids. :func:`run` answers a call from the plan
 with lists indexed by letter, no dicts; :func:`infer` adds the projection onto every tensor.
 The answer is :func:`spmdkit.engine.merge.reference_merge`'s (tests/test_engine_compiled.py
@@ -21,6 +21,7 @@ from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import largest_mesh_dim, mesh_size
+from spmdkit.engine.codegen import define
 from spmdkit.engine.merge import BROADCAST, kept_partial, merge_weight
 from spmdkit.engine.notation import Notation, attr_as
 
@@ -34,7 +35,7 @@ _CONFLICT = {"weight": 0, "first": 1, "union": 2, "replicate": 3, "heaviest": 4,
 _RT = {r: -3 - i for i, r in enumerate(ReduceType)}
 
 
-class Plan:
+class RulePlan:
     """A notation compiled for one direction and key (see the module docstring)."""
 
     __slots__ = (
@@ -144,7 +145,7 @@ class Plan:
 _EAGER = 96
 
 
-def _lazy(p: Plan, direction: str) -> Any:
+def _lazy(p: RulePlan, direction: str) -> Any:
     """A stand-in for the generated code of a big plan: declines its first call (the general
     path answers it), generates the code on the second."""
 
@@ -159,7 +160,7 @@ def _lazy(p: Plan, direction: str) -> Any:
     return first
 
 
-_plans: dict[tuple[Notation, str, tuple[int, ...]], Plan] = {}
+_plans: dict[tuple[Notation, str, tuple[int, ...]], RulePlan] = {}
 
 #: while :func:`traced` is active: the op of every call the engine answers
 _trace: list[str] | None = None
@@ -185,7 +186,7 @@ def note(op: str) -> None:
         _trace.append(op)
 
 
-def compile_plan(notation: Notation, direction: str = "forward", mask: tuple[int, ...] = ()) -> Plan:
+def compile_plan(notation: Notation, direction: str = "forward", mask: tuple[int, ...] = ()) -> RulePlan:
     """The plan of ``notation`` for ``direction`` and the inputs' size-1 ``mask`` (one bit per
     axis per input; ``()`` for none), compiled once."""
     key = (notation, direction, mask)
@@ -193,12 +194,12 @@ def compile_plan(notation: Notation, direction: str = "forward", mask: tuple[int
     if p is None:
         if len(_plans) > 65536:
             _plans.clear()
-        p = _plans[key] = Plan(notation, direction, mask)
+        p = _plans[key] = RulePlan(notation, direction, mask)
     return p
 
 
 def run(
-    p: Plan,
+    p: RulePlan,
     dms: Sequence[DimsMapping | None],
     shapes: Sequence[Sequence[int] | None],
     all_shapes: Sequence[Sequence[int] | None],
@@ -367,7 +368,7 @@ def _chain(cur: list[tuple[int, ...] | None], chain: tuple[int, ...], sizes: lis
 
 
 def _aligned(
-    p: Plan,
+    p: RulePlan,
     cur: list[tuple[int, ...] | None],
     dms: Sequence[DimsMapping | None],
     shapes: Sequence[Sequence[int] | None],
@@ -526,7 +527,7 @@ def out_partial(
 
 
 def infer(
-    p: Plan,
+    p: RulePlan,
     op: str,
     inputs: Sequence[DistTensorSpec | None],
     outputs: Sequence[DistTensorSpec | None],
@@ -619,7 +620,7 @@ def infer(
 # ---------------------------------------------------------------------------
 
 
-def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
+def _generate(p: RulePlan, direction: str, raw: bool = False) -> Any:
     """Straight-line Python for the plan's common case: every entry a single mesh dim (or a
     co-shard read as its largest), no two tensors sharding one letter differently (under
     ``conflict="first"`` the first simply wins), no two letters (nor, under ``unit_axes="claim"``,
@@ -761,7 +762,7 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
 
     if raw:
         emit("    return (" + "".join(f"({c!r}, () if L{a} < 0 else _ONE[L{a}]), " for a, c in enumerate(nt.letters)) + ")")
-        return _exec(lines, f"<plan {nt!r} letters>", {})
+        return _fast_fn(lines, f"plan {nt!r} letters", {})
 
     # one attr per distinct (dims_mapping, no partial): an output sharded as an input is that
     # input's attr (dist attrs are immutable)
@@ -809,10 +810,10 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
             pt = f"_uniq(pt{j})" if p.taken_keep else f"tuple(pt{j})"
         outs.append(f"_make(mesh, {dm(ids)}, {pt})")
     emit(f"    return ({''.join(x + ', ' for x in ins)}), ({''.join(x + ', ' for x in outs)})")
-    return _exec(lines, f"<plan {nt!r} {direction}>", consts)
+    return _fast_fn(lines, f"plan {nt!r} {direction}", consts)
 
 
-def _gen_chains(p: Plan, forward: bool, read: set[int], emit: Any) -> set[int]:
+def _gen_chains(p: RulePlan, forward: bool, read: set[int], emit: Any) -> set[int]:
     """The generated code of the plan's ``flatten`` chains (after the reads): each chain's first
     letter's entry ``E{a}`` (a mesh dim or a co-shard tuple); ``L{a}`` stays its first mesh dim
     and the other letters keep theirs for the claim check, then shard nothing. A chain with a
@@ -868,12 +869,11 @@ def _gen_chains(p: Plan, forward: bool, read: set[int], emit: Any) -> set[int]:
     return ent
 
 
-def _exec(lines: list[str], name: str, consts: dict[str, Any]) -> Any:
+def _fast_fn(lines: list[str], name: str, consts: dict[str, Any]) -> Any:
     """The function ``fast`` the generated ``lines`` define."""
     ns: dict[str, Any] = {"_attr_as": attr_as, "_make": _make, "_largest": largest_mesh_dim, "_first": _first,
                           "_ONE": _ONE, "_uniq": _uniq, **consts}  # fmt: skip
-    exec(compile("\n".join(lines), name, "exec"), ns)
-    return ns["fast"]
+    return define("\n".join(lines), name, "fast", ns)
 
 
 def _decline(*args: Any) -> None:
