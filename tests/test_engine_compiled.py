@@ -17,10 +17,10 @@ import pytest
 from spmdkit.core.dist_attr import ReduceType
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec
-from spmdkit.engine.compiler import RulePlan, compile_plan, infer, run
+from spmdkit.engine.compiler import RulePlan, compile_plan, infer, merge_letters, run
 from spmdkit.engine.dim_trans import reshape_links, view_plan
 from spmdkit.engine.merge import BROADCAST, reference_merge
-from spmdkit.engine.notation import Notation, merge_letters
+from spmdkit.engine.notation import Notation
 from spmdkit.ops import (
     amp,
     conv,
@@ -519,7 +519,7 @@ def test_forward_projection_equals_the_reference() -> None:
     """infer's general path projects the merged letters as the dict-based spec does: every
     output partial over each mesh dim of the letters it lacks once (``taken="keep"`` lets two
     letters share one), inputs without partial."""
-    from spmdkit.engine.notation import partial_of, project
+    from spmdkit.engine.merge import partial_of, project
 
     rng = random.Random(23)
     checked = 0

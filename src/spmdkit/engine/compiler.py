@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from functools import lru_cache
 from typing import Any
 
 from spmdkit.core.dist_attr import DimsMapping, Entry, Partial, ReduceType, TensorDistAttr
@@ -22,8 +23,10 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import largest_mesh_dim, mesh_size
 from spmdkit.engine.codegen import define
-from spmdkit.engine.merge import BROADCAST, kept_partial, merge_weight
-from spmdkit.engine.notation import Notation, attr_as
+from spmdkit.engine.memo import memo
+from spmdkit.engine.merge import kept_partial, merge_weight
+from spmdkit.engine.notation import BROADCAST, Notation
+from spmdkit.engine.tensors import attr_as, check_letters, common_mesh
 
 _make = TensorDistAttr._make
 #: (d,) for a mesh dim d: no tuple built per entry
@@ -888,3 +891,72 @@ def _first(t: tuple[int, ReduceType]) -> int:
 def _uniq(pt: list[tuple[int, ReduceType]]) -> tuple[tuple[int, ReduceType], ...]:
     """A sorted partial with each mesh dim once (``taken="keep"``: letters may share one)."""
     return tuple(t for i, t in enumerate(pt) if i == 0 or pt[i - 1][0] != t[0])
+
+
+# ---------------------------------------------------------------------------
+# the default policy on plain tuples, and a notation's forward answer
+# ---------------------------------------------------------------------------
+
+
+@memo()
+def merge_letters(
+    axes: tuple[str | None, ...],
+    mappings: tuple[DimsMapping | None, ...],
+    shapes: tuple[tuple[int, ...] | None, ...],
+    replicated: frozenset[str],
+    prune: str,
+    mesh_shape: tuple[int, ...],
+) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """Merge per-letter shardings over several tensors; returns ``((letter, mesh dims), ...)``
+    in the order letters first appear.
+
+    Per letter: the first tensor sharding it claims it; where another tensor shards it over
+    other mesh dims, the larger tensor (by element count) keeps its sharding and the other is
+    resharded (Paddle raises here). Then, in claim order, a mesh dim already taken by an
+    earlier letter is dropped, replicated letters lose their sharding, and pruned letters drop
+    minor mesh dims until the mesh size divides the axis size (the default policy of a
+    :class:`Notation`, run by its compiled plan)."""
+    if _trace is not None:
+        note("merge_letters")
+    p = compile_plan(_merge_notation(axes, replicated, prune))
+    fast = p.fast_letters
+    if fast is None:
+        fast = p.fast_letters = _generate(p, "forward", raw=True)
+    got = fast(mappings, shapes, mesh_shape)
+    if got is not None:
+        return got  # type: ignore[no-any-return]
+    if None in mappings:
+        shapes = tuple(None if dm is None else s for dm, s in zip(mappings, shapes))
+    final = run(p, mappings, shapes, shapes, mesh_shape)
+    if None not in mappings:  # every letter seen, in the notation's order
+        return tuple(zip(p.notation.letters, final))
+    lid = p.letter_ids
+    seen: dict[str, tuple[int, ...]] = {}
+    for t_axes, dm in zip(axes, mappings):
+        if t_axes is not None and dm is not None:
+            for ch in t_axes:
+                if ch != BROADCAST and ch not in seen:
+                    seen[ch] = final[lid[ch]]
+    return tuple(seen.items())
+
+
+@lru_cache(maxsize=4096)
+def _merge_notation(axes: tuple[str | None, ...], replicated: frozenset[str], prune: str) -> Notation:
+    return Notation(axes, (), replicated, prune=prune)
+
+
+def einsum_forward(
+    op: str,
+    notation: Notation,
+    inputs: Sequence[DistTensorSpec | None],
+    names: Sequence[str] | None = None,
+) -> tuple[list[TensorDistAttr | None], list[TensorDistAttr | None]]:
+    """Infer the inputs' required dist attrs and the outputs' from the inputs (the notation's
+    compiled plan)."""
+    if len(inputs) == 1 and inputs[0] is not None:
+        mesh = inputs[0].dist_attr.mesh  # one tensor: its letters cannot disagree in size
+    else:
+        mesh = common_mesh(op, inputs)
+        check_letters(op, notation.inputs, inputs, names)
+    ins, outs = infer(compile_plan(notation), op, inputs, (), mesh, names)
+    return list(ins), list(outs)

@@ -41,11 +41,12 @@ from spmdkit.core.errors import InvalidArgumentError, InvalidMeshError, ShapeMis
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.codegen import define
 from spmdkit.engine.compiler import RulePlan, compile_plan, infer
-from spmdkit.engine.notation import Notation, check_letters, common_mesh, fast_result, named_mesh
+from spmdkit.engine.notation import Notation
 from spmdkit.engine.registry import register
 from spmdkit.engine.shapes import NAMESPACE as SHAPE_NAMES
 from spmdkit.engine.shapes import mismatch, require_lines, shape_lines
 from spmdkit.engine.signature import GRAD, REVERSE, parse_signature, reverse_signature
+from spmdkit.engine.tensors import check_letters, common_mesh, fast_result, named_mesh
 
 #: what the engine answers and a post-hook returns: the inputs' and the outputs' dist attrs
 Answer = tuple[Sequence[TensorDistAttr | None], Sequence[TensorDistAttr | None]]

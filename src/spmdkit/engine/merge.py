@@ -38,16 +38,11 @@ Partial (``partial="keep"`` / ``"linear"``): :func:`kept_partial`, on every tens
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
 
-from spmdkit.core.dist_attr import DimsMapping, Partial, ReduceType
+from spmdkit.core.dist_attr import DimsMapping, Entry, Partial, ReduceType
 from spmdkit.engine.axes import largest_mesh_dim, mesh_size
-
-if TYPE_CHECKING:
-    from spmdkit.engine.notation import Notation
-
-BROADCAST = "1"
+from spmdkit.engine.notation import BROADCAST, Notation
 
 
 def merge_weight(shape: Sequence[int]) -> int:
@@ -344,3 +339,35 @@ def reference_merge(
         used.update(claim)
         merged[ch] = d
     return merged
+
+
+def project(axes: str, letters: Mapping[str, tuple[int, ...]]) -> DimsMapping:
+    """The dims_mapping of a tensor labelled ``axes`` under a letter map."""
+    out: list[Entry] = []
+    get = letters.get
+    for ch in axes:
+        d = get(ch)
+        if not d:
+            out.append(-1)
+        elif len(d) == 1:
+            out.append(d[0])
+        else:
+            out.append(d)
+    return tuple(out)
+
+
+def partial_of(
+    axes: str, letters: Mapping[str, tuple[int, ...]], notation: Notation
+) -> Partial:
+    """Partial status of an output: the mesh dims of letters it lacks."""
+    pt: dict[int, ReduceType] | None = None
+    for ch, dims in letters.items():
+        if dims and ch not in axes:
+            r = notation.reduce_type(ch)
+            if pt is None:
+                pt = {}
+            for d in dims:
+                pt[d] = r
+    if pt is None:
+        return ()
+    return tuple(sorted(pt.items()))

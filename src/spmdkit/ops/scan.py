@@ -64,7 +64,8 @@ from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import make_attr, normalize_axis, numel, reduced_axes
 from spmdkit.engine.declare import Way, declare
-from spmdkit.engine.notation import BROADCAST, Notation, letters_for, with_partial
+from spmdkit.engine.notation import BROADCAST, Notation, letters_for
+from spmdkit.engine.tensors import with_partial
 from spmdkit.ops._common import check_same_ndim, check_same_shape
 from spmdkit.ops.reduction import as_given, check_reduced, reduced_letters
 

@@ -17,7 +17,8 @@ from typing import Any
 from spmdkit.core.errors import InvalidAttributeError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.declare import Answer, Way, declare
-from spmdkit.engine.notation import Notation, letters_for, with_partial
+from spmdkit.engine.notation import Notation, letters_for
+from spmdkit.engine.tensors import with_partial
 
 
 def _perm(perm: tuple[int, ...], ndim: int) -> tuple[int, ...]:
