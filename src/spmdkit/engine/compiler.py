@@ -25,14 +25,26 @@ from spmdkit.engine.axes import largest_mesh_dim, mesh_size
 from spmdkit.engine.codegen import define
 from spmdkit.engine.memo import memo
 from spmdkit.engine.merge import kept_partial, merge_weight
-from spmdkit.engine.notation import BROADCAST, Notation
+from spmdkit.engine.notation import (
+    BROADCAST,
+    Conflict,
+    Coshard,
+    Notation,
+    Order,
+    PartialMerge,
+    ReplicatedClaims,
+    Sizes,
+    Taken,
+    UnitAxes,
+)
 from spmdkit.engine.tensors import attr_as, check_letters, common_mesh
 
 _make = TensorDistAttr._make
 #: (d,) for a mesh dim d: no tuple built per entry
 _ONE = tuple((d,) for d in range(64))
 
-_CONFLICT = {"weight": 0, "first": 1, "union": 2, "replicate": 3, "heaviest": 4, "align": 5}
+_CONFLICT = {Conflict.WEIGHT: 0, Conflict.FIRST: 1, Conflict.UNION: 2, Conflict.REPLICATE: 3, Conflict.HEAVIEST: 4,
+             Conflict.ALIGN: 5}
 #: conflict="align": a partial placement's code (-3 - index), apart from letters (>= 0),
 #: size-1 axes (-2) and nothing (-1)
 _RT = {r: -3 - i for i, r in enumerate(ReduceType)}
@@ -65,20 +77,20 @@ class RulePlan:
             merged = tuple(a if ti in nt.sources else None for ti, a in enumerate(merged))
         self.src = tuple((ti, ids(a)) for ti, a in enumerate(merged) if a is not None)
         self.rep = tuple(c in nt.replicated for c in letters)
-        self.block = nt.replicated_claims == "block" and any(self.rep)
-        self.largest = nt.coshard == "largest"
-        self.unit = nt.unit_axes == "claim"
-        self.taken_letter = nt.taken == "letter"
-        self.taken_keep = nt.taken == "keep"
+        self.block = nt.replicated_claims is ReplicatedClaims.BLOCK and any(self.rep)
+        self.largest = nt.coshard is Coshard.LARGEST
+        self.unit = nt.unit_axes is UnitAxes.CLAIM
+        self.taken_letter = nt.taken is Taken.LETTER
+        self.taken_keep = nt.taken is Taken.KEEP
         self.conflict = _CONFLICT[nt.conflict]
-        self.keep_partial = nt.partial != "replicate"
+        self.keep_partial = nt.partial is not PartialMerge.REPLICATE
         # conflict="align": the letters a mesh dim may go to (carried by a merged tensor)
         self.align_letters = tuple(sorted({a for _, t in self.src for a in t if a >= 0 and not self.rep[a]}))
         self.prune = tuple(nt.prunes(c) for c in letters)
         self.uneven = tuple(c in nt.uneven for c in letters)
         self.s1claim = tuple(c in nt.size1_claims for c in letters)
         # letter sizes: (tensor index, axis) sources in the order they are read
-        self.sizes_known = nt.sizes == "known"
+        self.sizes_known = nt.sizes is Sizes.KNOWN
         if self.sizes_known:
             every = list(enumerate(nt.inputs))
         else:
@@ -102,9 +114,9 @@ class RulePlan:
         # the order of resolution
         order = nt.order
         groups: list[tuple[int, tuple[int, ...]]] = []
-        if order == "claim":
+        if order is Order.CLAIM:
             self.order_kind = 0
-        elif order == "notation":
+        elif order is Order.NOTATION:
             self.order_kind = 1
         else:
             self.order_kind = 2

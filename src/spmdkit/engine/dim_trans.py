@@ -39,7 +39,7 @@ from typing import NamedTuple, Union
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.engine.compiler import RulePlan, compile_plan
 from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation
+from spmdkit.engine.notation import ALPHABET, BROADCAST, Coshard, Notation
 
 
 class InputDim(NamedTuple):
@@ -383,7 +383,7 @@ def view_plan(n_in: int, ln: tuple[Link, ...], keep: bool = True, backward: bool
             used.add(link)
     src = "".join(_letter(k) if k in used else BROADCAST for k in range(n_in))
     tgt = "".join(BROADCAST if link is None else _letter(link if isinstance(link, int) else link[0]) for link in ln)
-    coshard = "keep" if keep else "largest"
+    coshard = Coshard.KEEP if keep else Coshard.LARGEST
     if backward:
         return compile_plan(Notation([tgt], [src], coshard=coshard, flatten=chains), "backward")
     return compile_plan(Notation([src], [tgt], coshard=coshard, flatten=chains))

@@ -42,7 +42,18 @@ from collections.abc import Mapping, Sequence
 
 from spmdkit.core.dist_attr import DimsMapping, Entry, Partial, ReduceType
 from spmdkit.engine.axes import largest_mesh_dim, mesh_size
-from spmdkit.engine.notation import BROADCAST, Notation
+from spmdkit.engine.notation import (
+    BROADCAST,
+    Conflict,
+    Coshard,
+    Notation,
+    Order,
+    PartialMerge,
+    ReplicatedClaims,
+    Sizes,
+    Taken,
+    UnitAxes,
+)
 
 
 def merge_weight(shape: Sequence[int]) -> int:
@@ -82,9 +93,9 @@ def shared_minor(merged: dict[str, tuple[int, ...]], unions: Sequence[str]) -> N
 def letter_order(notation: Notation, claims: Sequence[str], sizes: dict[str, int]) -> list[str]:
     """The letters in the order they resolve mesh-dim conflicts (see ``Notation.order``)."""
     order = notation.order
-    if order == "claim":
+    if order is Order.CLAIM:
         return list(claims)
-    if order == "notation":
+    if order is Order.NOTATION:
         return [c for c in notation.letters if c in claims]
     named = {c for g in order for c in g.lstrip(">") if g != "*"}
     out: list[str] = []
@@ -107,7 +118,7 @@ def letter_sizes(
 ) -> dict[str, int]:
     """Each letter's size under the notation's ``sizes`` policy (module docstring)."""
     sizes: dict[str, int] = {}
-    if notation.sizes == "first":
+    if notation.sizes is Sizes.FIRST:
         for t_axes, shape in zip(axes, shapes):
             if t_axes is None or shape is None:
                 continue
@@ -130,12 +141,12 @@ def letter_sizes(
     return sizes
 
 
-def kept_partial(mode: str, partials: Sequence[Partial]) -> Partial:
+def kept_partial(mode: PartialMerge, partials: Sequence[Partial]) -> Partial:
     """``partial="keep"`` / ``"linear"``: the (mesh dim, reduce type) pairs every merged tensor's
     ``partials`` hold (``"linear"``: SUM and AVG only); ``()`` for ``"replicate"``."""
-    if mode == "replicate" or not partials:
+    if mode is PartialMerge.REPLICATE or not partials:
         return ()
-    return tuple(x for x in partials[0] if (mode == "keep" or x[1] in (ReduceType.SUM, ReduceType.AVG))
+    return tuple(x for x in partials[0] if (mode is PartialMerge.KEEP or x[1] in (ReduceType.SUM, ReduceType.AVG))
                  and all(x in pt for pt in partials[1:]))
 
 
@@ -168,7 +179,7 @@ def aligned(
         sharded: set[str] = set()
         local = 1
         for ch, e, size in zip(t_axes, dm, shape):
-            if notation.coshard == "largest":
+            if notation.coshard is Coshard.LARGEST:
                 e = largest_mesh_dim(e, mesh_shape)
             d = (() if e < 0 else (e,)) if isinstance(e, int) else tuple(e)
             if blocked and ch not in rep:
@@ -238,18 +249,18 @@ def reference_merge(
     # 1. read
     read: list[list[tuple[str, tuple[int, ...]]]] = []
     blocked: set[int] = set()
-    unit = notation.unit_axes == "claim"
+    unit = notation.unit_axes is UnitAxes.CLAIM
     for t_axes, dm in zip(axes, mappings):
         row: list[tuple[str, tuple[int, ...]]] = []
         if t_axes is not None and dm is not None:
             for ch, e in zip(t_axes, dm):
                 if ch == BROADCAST and not unit:
                     continue
-                if notation.coshard == "largest":
+                if notation.coshard is Coshard.LARGEST:
                     e = largest_mesh_dim(e, mesh_shape)
                 d = (() if e < 0 else (e,)) if isinstance(e, int) else tuple(e)
                 row.append((ch, d))
-                if notation.replicated_claims == "block" and ch in rep:
+                if notation.replicated_claims is ReplicatedClaims.BLOCK and ch in rep:
                     blocked.update(d)
         read.append(row)
     # 2. merge
@@ -273,27 +284,27 @@ def reference_merge(
                 claims.append(ch)
                 seq.append(ch)
                 merged[ch], holder[ch], cands[ch] = d, ti, [d]
-            elif notation.conflict == "heaviest":
+            elif notation.conflict is Conflict.HEAVIEST:
                 s_new, s_old = shapes[ti], shapes[holder[ch]]
                 if (merge_weight(s_new) if s_new is not None else 0) > (
                         merge_weight(s_old) if s_old is not None else 0):
                     merged[ch], holder[ch] = d, ti
-            elif d != merged[ch] or notation.conflict == "union":
-                if notation.conflict == "weight":
+            elif d != merged[ch] or notation.conflict is Conflict.UNION:
+                if notation.conflict is Conflict.WEIGHT:
                     s_new, s_old = shapes[ti], shapes[holder[ch]]
                     w_new = merge_weight(s_new) if s_new is not None else 0
                     w_old = merge_weight(s_old) if s_old is not None else 0
                     if w_new > w_old:
                         merged[ch], holder[ch] = d, ti
-                elif notation.conflict == "replicate":
+                elif notation.conflict is Conflict.REPLICATE:
                     merged[ch] = ()
-                elif notation.conflict == "union" and d not in cands[ch]:
+                elif notation.conflict is Conflict.UNION and d not in cands[ch]:
                     cands[ch].append(d)
-    if notation.conflict == "align":
+    if notation.conflict is Conflict.ALIGN:
         merged = aligned(notation, axes, mappings, shapes, partials, mesh_shape, blocked)
         claims = [ch for ch in notation.letters if merged.get(ch)]
         seq = list(claims)
-    if notation.conflict == "union":
+    if notation.conflict is Conflict.UNION:
         unions = [ch for ch in claims if len(cands[ch]) > 1]
         for ch in unions:
             merged[ch] = union_dims(cands[ch], mesh_shape)
@@ -326,8 +337,8 @@ def reference_merge(
         if ch in rep:
             merged[ch] = ()
             continue
-        d = merged[ch] if notation.taken == "keep" else tuple(x for x in merged[ch] if x not in used)
-        if notation.taken == "letter" and len(d) < len(merged[ch]):
+        d = merged[ch] if notation.taken is Taken.KEEP else tuple(x for x in merged[ch] if x not in used)
+        if notation.taken is Taken.LETTER and len(d) < len(merged[ch]):
             d = ()
         size = sizes.get(ch, 1)
         claim = d

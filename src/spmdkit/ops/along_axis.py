@@ -47,7 +47,7 @@ from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import make_attr, normalize_axis
 from spmdkit.engine.declare import Answer, Way, declare
-from spmdkit.engine.notation import BROADCAST, Notation, letters_for
+from spmdkit.engine.notation import BROADCAST, Coshard, Notation, letters_for
 from spmdkit.ops._common import check_same_ndim
 
 Shape = tuple[int, ...]
@@ -75,7 +75,7 @@ def _along(kind: str, nd: int, axis: int, differ: int) -> Notation:
     x = i[:ax] + BROADCAST + i[ax + 1 :]
     ins, outs, src = {"take": ((x, i), (i,), None), "take_grad": ((x, i, i), (x,), (2,)),
                       "put": ((x, x, x), (x,), None), "put_grad": ((x,) * 5, (x, x), (4,))}[kind]  # fmt: skip
-    return Notation(ins, outs, coshard="largest", sources=src)
+    return Notation(ins, outs, coshard=Coshard.LARGEST, sources=src)
 
 
 def _grad_post(ins: Sequence[TensorDistAttr | None], outs: Sequence[TensorDistAttr | None], *args: object) -> Answer:
@@ -133,7 +133,7 @@ def _index_put(grad: bool, nd: int, k: int, along: tuple[int, ...]) -> Notation:
     x = BROADCAST * k + a[k:]
     v = "".join(BROADCAST if i < 0 else a[i] for i in along)
     ins = [x, *[BROADCAST] * k, v, *([x] if grad else [])]
-    return Notation(ins, [x, v] if grad else [x], coshard="largest", sources=(0,))
+    return Notation(ins, [x, v] if grad else [x], coshard=Coshard.LARGEST, sources=(0,))
 
 
 _ENV = {"_differ": _differ, "_index_put_key": _index_put_key, "_ndim": check_same_ndim}

@@ -27,7 +27,7 @@ from spmdkit.core.dist_attr import ReduceType
 from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.declare import Answer, Way, declare
-from spmdkit.engine.notation import BROADCAST, Notation
+from spmdkit.engine.notation import BROADCAST, Notation, Taken
 
 _CFU = "check_finite_and_unscale"
 _ULS = "update_loss_scaling"
@@ -35,7 +35,7 @@ _ULS = "update_loss_scaling"
 
 def notation(op: str, reverse: bool, ranks: tuple[int, ...], *states: int) -> Notation:
     """``xs..., states... [, out...] [, new states...] -> [found_infinite]``: each x its own
-    letters (past the alphabet; ``taken="keep"``: the xs are updated one by one, so two may shard
+    letters (past the alphabet; ``taken=Taken.KEEP``: the xs are updated one by one, so two may shard
     one mesh dim), the [1] states ``1``; found_infinite lacks every x letter (partial MAX); update_loss_scaling's new
     state is labelled among the inputs (``Way.tail``), so never partial. The reverse merges the
     outs alone (``sources``), each out its x (the given found_infinite / new state unlabelled)."""
@@ -50,7 +50,7 @@ def notation(op: str, reverse: bool, ranks: tuple[int, ...], *states: int) -> No
     if op != _CFU:
         ins += [BROADCAST] * 3
     src = range(n, n + len(xs)) if reverse else range(len(xs))
-    return Notation(ins, [BROADCAST] if op == _CFU else [], reduce=ReduceType.MAX, taken="keep", sources=src)
+    return Notation(ins, [BROADCAST] if op == _CFU else [], reduce=ReduceType.MAX, taken=Taken.KEEP, sources=src)
 
 
 def _scalar(op: str, *named: tuple[str, DistTensorSpec]) -> None:

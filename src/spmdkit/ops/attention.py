@@ -52,7 +52,7 @@ from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.axes import make_attr, one_mesh_dim
 from spmdkit.engine.declare import Answer, Way, declare
-from spmdkit.engine.notation import BROADCAST, Notation
+from spmdkit.engine.notation import BROADCAST, Conflict, Coshard, Notation
 from spmdkit.engine.signature import parse_signature
 from spmdkit.ops._absent import zero_d_absent
 
@@ -84,15 +84,15 @@ def fa_notation(kind: str, fso: int, mask: int, unit: int, *ranks: int) -> Notat
     ma = _mask(mask, unit)
     if kind == "forward":
         return Notation([_Q, _K, _V, _ones(fso), ma], [_OUT, _SM, _LSE, None], replicated="sdte",
-                        coshard="largest", sources=(0, 1, 4))  # fmt: skip
+                        coshard=Coshard.LARGEST, sources=(0, 1, 4))  # fmt: skip
     if kind == "reverse":
         sm, lse, seed = ranks
         return Notation([_Q, _K, _V, _ones(fso), ma, _OUT, None if sm < 0 else _SM, None if lse < 0 else _LSE,
-                         None if seed < 0 else "1"], [], replicated="sdte", coshard="largest", conflict="first",
+                         None if seed < 0 else "1"], [], replicated="sdte", coshard=Coshard.LARGEST, conflict=Conflict.FIRST,
                         sources=(2, 7))  # fmt: skip
     (seed,) = ranks
     return Notation([_Q, _K, _V, _OUT, _LSE, _ones(seed), ma, _OUT], [_Q, _K, _V], replicated="sdte",
-                    coshard="largest", sources=(0, 1, 2, 3, 4, 7))  # fmt: skip
+                    coshard=Coshard.LARGEST, sources=(0, 1, 2, 3, 4, 7))  # fmt: skip
 
 
 #: the head axis of each flash_attention tensor that has one
@@ -238,8 +238,8 @@ def rope_notation(kind: str, k: int, v: int, sin: int, ids: int, time_major: boo
     ts = [qkv, None if k < 0 else qkv, None if v < 0 else qkv, table, table, None if ids < 0 else "bs"]
     outs = ts[:3]
     if kind == "reverse":
-        return Notation(ts, outs, coshard="largest")
-    return Notation(ts, outs, coshard="largest", sources=(0, 1, 2, 5))
+        return Notation(ts, outs, coshard=Coshard.LARGEST)
+    return Notation(ts, outs, coshard=Coshard.LARGEST, sources=(0, 1, 2, 5))
 
 
 def _rope_post(ins: Any, outs: Any, *args: Any) -> Answer:

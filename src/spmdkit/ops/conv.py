@@ -64,7 +64,7 @@ from spmdkit.core.spec import DistTensorSpec as T
 from spmdkit.engine.axes import largest_mesh_dim, mesh_size
 from spmdkit.engine.declare import Answer, Way, declare
 from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation
+from spmdkit.engine.notation import ALPHABET, BROADCAST, Coshard, Notation
 
 _make = TensorDistAttr.unchecked
 
@@ -75,13 +75,13 @@ def conv_notation(grad: bool, nsp: int, transpose: bool, channel_last: bool, gro
     x, out = ("n" + s + "c", "n" + o + "m") if channel_last else ("nc" + s, "nm" + o)
     w = "c" + ("g" if grouped else "m") + k if transpose else "m" + ("g" if grouped else "c") + k
     rep = s + k + o + ("cmg" if grouped else "")
-    return Notation((x, w, out) if grad else (x, w), (x, w) if grad else (out,), rep, coshard="largest")
+    return Notation((x, w, out) if grad else (x, w), (x, w) if grad else (out,), rep, coshard=Coshard.LARGEST)
 
 
 def _keep(ins: tuple[str | None, ...], outs: tuple[str | None, ...], keep: str, sources: Any = (0,)) -> Notation:
     """The normalizations' and roi_align's notations: every letter but ``keep``'s replicated."""
     every = set("".join(a for a in (*ins, *outs) if a)) - {BROADCAST}
-    return Notation(ins, outs, "".join(sorted(every - set(keep))), coshard="largest", sources=sources)
+    return Notation(ins, outs, "".join(sorted(every - set(keep))), coshard=Coshard.LARGEST, sources=sources)
 
 
 def bn_notation(kind: str, nd: int, ci: int, scale: int, bias: int, reserve: int = -1) -> Notation:

@@ -30,7 +30,7 @@ from spmdkit.core.dist_attr import ReduceType, TensorDistAttr, entry_dims
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.declare import Answer, Way, declare, ones
-from spmdkit.engine.notation import BROADCAST, Notation, letters_for
+from spmdkit.engine.notation import BROADCAST, Coshard, Notation, UnitAxes, letters_for
 
 _make = TensorDistAttr.unchecked
 Attrs = tuple[TensorDistAttr, ...]
@@ -124,8 +124,8 @@ def binary_notation(direction: str, nx: int, ny: int, ux: int, uy: int) -> Notat
     pairs = zip(x.rjust(n, BROADCAST), y.rjust(n, BROADCAST))
     out = "".join(BROADCAST if a == b == BROADCAST else g[i] for i, (a, b) in enumerate(pairs))
     if direction == "forward":
-        return Notation([x, y], [out], coshard="largest", unit_axes="claim")
-    return Notation([x, y], [out], coshard="largest")
+        return Notation([x, y], [out], coshard=Coshard.LARGEST, unit_axes=UnitAxes.CLAIM)
+    return Notation([x, y], [out], coshard=Coshard.LARGEST)
 
 
 def _out_check(x: DistTensorSpec, y: DistTensorSpec, out: DistTensorSpec) -> None:

@@ -35,7 +35,7 @@ from spmdkit.core.dist_attr import ReduceType, TensorDistAttr, dims_entry, entry
 from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.declare import Way, declare
-from spmdkit.engine.notation import ALPHABET, Notation
+from spmdkit.engine.notation import ALPHABET, Coshard, Notation
 
 # batch letters of the ids: the alphabet without the weight's j (vocab) and k (hidden)
 _BATCH = "abcdefghilmnopqrstuvwxyz"
@@ -50,8 +50,8 @@ def notation(kind: str, weight_first: bool, nd: int, rows_replicated: bool) -> N
     ins = ["jk", b] if weight_first else [b, "jk"]
     rep = "j" if rows_replicated else ""
     if kind == "grad":
-        return Notation([*ins, b + "k"], ["jk"], rep, coshard="largest")
-    return Notation(ins, [b + "k"], rep, coshard="largest")
+        return Notation([*ins, b + "k"], ["jk"], rep, coshard=Coshard.LARGEST)
+    return Notation(ins, [b + "k"], rep, coshard=Coshard.LARGEST)
 
 
 def one_hot_notation(nd: int) -> Notation:
@@ -59,7 +59,7 @@ def one_hot_notation(nd: int) -> Notation:
     if nd >= len(ALPHABET):
         raise ShapeMismatchError(f"x has {nd} dims, at most {len(ALPHABET) - 1} are supported")
     a = ALPHABET[:nd]
-    return Notation([a], [a + ALPHABET[nd]], coshard="largest")
+    return Notation([a], [a + ALPHABET[nd]], coshard=Coshard.LARGEST)
 
 
 def _ids_out(x: DistTensorSpec, out: DistTensorSpec, name: str) -> None:

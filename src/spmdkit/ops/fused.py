@@ -38,7 +38,7 @@ from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import make_attr
 from spmdkit.engine.declare import Answer, Way, declare
-from spmdkit.engine.notation import BROADCAST, Notation, letters_for
+from spmdkit.engine.notation import BROADCAST, Conflict, Coshard, Notation, UnitAxes, letters_for
 from spmdkit.ops._absent import absent_0d
 from spmdkit.ops._common import check_like, check_same_shape
 
@@ -54,7 +54,7 @@ def binary(n_in: int, outs: int, nd: int, y: int, unit: int, seed: int = -2) -> 
         return Notation(ts, [a, None][:outs], replicated=a[-1:], prune="*")
     a = "".join(BROADCAST if unit >> i & 1 else c for i, c in enumerate(letters_for(nd)))
     seeds: list[str | None] = [] if seed == -2 else [None]
-    return Notation([a] * n_in, [*([a] * outs), *seeds], coshard="largest", conflict="first", unit_axes="claim")
+    return Notation([a] * n_in, [*([a] * outs), *seeds], coshard=Coshard.LARGEST, conflict=Conflict.FIRST, unit_axes=UnitAxes.CLAIM)
 
 
 def _halved(src: DimsMapping, ins: Any, outs: Any) -> Answer:

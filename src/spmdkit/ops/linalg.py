@@ -65,7 +65,7 @@ from spmdkit.core.spec import DistTensorSpec as T
 from spmdkit.engine.axes import replicated_like
 from spmdkit.engine.declare import Answer, Way, declare
 from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import BROADCAST, Notation
+from spmdkit.engine.notation import BROADCAST, Conflict, Notation, Taken
 from spmdkit.ops import matmul
 from spmdkit.ops._absent import absent_0d
 from spmdkit.ops._common import check_same_shape
@@ -218,7 +218,7 @@ def flpga_reverse_notation(
     given = [k + n if w_out else None, n if b_out else None]
     src = [i for i, on in ((4, w_out), (5, b_out)) if on]
     tensors = [lead + k, lead + n, lab(w, k + n), lab(b, n), *given, k + n, n if bias else None]
-    return Notation(tensors, [], conflict="first", taken="letter", sources=src)
+    return Notation(tensors, [], conflict=Conflict.FIRST, taken=Taken.LETTER, sources=src)
 
 
 def flpga_notation(nd: int, mask: tuple[int, ...]) -> Notation:

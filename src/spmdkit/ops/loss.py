@@ -71,7 +71,7 @@ from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.axes import make_attr, normalize_axis, one_mesh_dim, unpartial
 from spmdkit.engine.declare import Answer, Way, declare
-from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, letters_for
+from spmdkit.engine.notation import ALPHABET, BROADCAST, Coshard, Notation, letters_for
 
 # -- checks (the engine names the op; the typed attributes are coerced by the binding) -----------
 
@@ -137,16 +137,16 @@ def ce_notation(kind: str, nd: int, axis: int, soft: bool) -> Notation:
     one = x[:ax] + BROADCAST + x[ax + 1 :]
     lab = x if soft else one
     if kind == "grad":
-        return Notation([lab, x, one], [x], replicated=x[ax], coshard="largest")
-    return Notation([x, lab], [one, x] if kind == "reverse" else [x, one], replicated=x[ax], coshard="largest")
+        return Notation([lab, x, one], [x], replicated=x[ax], coshard=Coshard.LARGEST)
+    return Notation([x, lab], [one, x] if kind == "reverse" else [x, one], replicated=x[ax], coshard=Coshard.LARGEST)
 
 
 def c_notation(kind: str, nd: int) -> Notation:
     x = ALPHABET[:nd]
     one = x[:-1] + BROADCAST
     if kind == "grad":
-        return Notation([x, one, one], [x], coshard="largest")
-    return Notation([x, one], [x, one], coshard="largest")
+        return Notation([x, one, one], [x], coshard=Coshard.LARGEST)
+    return Notation([x, one], [x, one], coshard=Coshard.LARGEST)
 
 
 def ml_notation(kind: str, nd: int, summed: bool) -> Notation:
@@ -154,8 +154,8 @@ def ml_notation(kind: str, nd: int, summed: bool) -> Notation:
     lab = x[:-1] + ALPHABET[nd]
     loss = (x[:-1] + BROADCAST) if summed else lab
     if kind == "grad":
-        return Notation([x, lab, lab, loss], [x], replicated=lab[-1], coshard="largest")
-    return Notation([x, lab, lab], [x, loss], coshard="largest")
+        return Notation([x, lab, lab, loss], [x], replicated=lab[-1], coshard=Coshard.LARGEST)
+    return Notation([x, lab, lab], [x, loss], coshard=Coshard.LARGEST)
 
 
 def _not_partial(ins: Any, outs: Any, *args: object) -> Answer:
@@ -232,7 +232,7 @@ def _one_element(out_grad: DistTensorSpec) -> None:
 
 declare(
     "mean_all", "x: T",
-    Way(lambda nd: Notation([letters_for(nd)], [""], reduce=ReduceType.AVG, prune="*", coshard="largest"), key="x",
+    Way(lambda nd: Notation([letters_for(nd)], [""], reduce=ReduceType.AVG, prune="*", coshard=Coshard.LARGEST), key="x",
         paddle="MeanAllInferSpmd",
         doc="mean_all (MeanAllInferSpmd): a 0-d out, partial AVG over the mesh dims of x's (even) axes."),
     grad=Way(lambda nd, ng: Notation([BROADCAST * nd, BROADCAST * ng], [BROADCAST * nd]), key="x, out_grad",
@@ -257,7 +257,7 @@ def smooth_notation(nd: int, pn: int, lm: int, pm: int) -> Notation:
         return Notation([a, None], [a], replicated=a[-1], prune="*")
     la = "".join(BROADCAST if lm >> i & 1 else c for i, c in enumerate(a))
     pa = "".join(BROADCAST if pm >> i & 1 else a[nd - pn + i] for i in range(pn))
-    return Notation([la, pa], [la], coshard="largest")
+    return Notation([la, pa], [la], coshard=Coshard.LARGEST)
 
 
 def _prior(label: DistTensorSpec, prior_dist: DistTensorSpec | None) -> None:

@@ -34,7 +34,7 @@ from functools import lru_cache
 
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.engine.declare import Way, declare
-from spmdkit.engine.notation import Notation
+from spmdkit.engine.notation import Conflict, Notation, Size1, Sizes
 from spmdkit.ops._common import check_same_shape
 
 Shape = tuple[int, ...]
@@ -45,8 +45,8 @@ _BATCH = "abcdefghijlopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 def _matmul_notation(x: str, y: str, out: str, uneven: str) -> Notation:
     """The merge of the module docstring; a size-1 m / n still claims its mesh dims."""
-    return Notation([x, y], [out], prune="*", uneven=uneven, conflict="union", order=("*", ">mn", "k"),
-                    size1_claims="mn", sizes="known", size1="broadcast")  # fmt: skip
+    return Notation([x, y], [out], prune="*", uneven=uneven, conflict=Conflict.UNION, order=("*", ">mn", "k"),
+                    size1_claims="mn", sizes=Sizes.KNOWN, size1=Size1.BROADCAST)  # fmt: skip
 
 
 def _swap(t: str, on: bool) -> str:

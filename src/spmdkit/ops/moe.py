@@ -46,17 +46,17 @@ from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import InvalidAttributeError
 from spmdkit.engine.axes import make_attr, unpartial
 from spmdkit.engine.declare import Answer, Way, declare
-from spmdkit.engine.notation import Notation
+from spmdkit.engine.notation import Coshard, Notation
 
 # every co-shard read as its largest mesh dim (Paddle's merge); letters of one size checked
-_COMBINE = Notation(["th", "sk", "sk"], ["sh"], replicated="t", coshard="largest")
-_COMBINE_GRAD = Notation(["th", "sk", "sk", "sh"], ["th", "sk", "sk"], replicated="tk", coshard="largest")
+_COMBINE = Notation(["th", "sk", "sk"], ["sh"], replicated="t", coshard=Coshard.LARGEST)
+_COMBINE_GRAD = Notation(["th", "sk", "sk", "sh"], ["th", "sk", "sk"], replicated="tk", coshard=Coshard.LARGEST)
 _DISPATCH_OUTS = ["ech", "sk", "ks", "e", "sk"]
-_DISPATCH_GRAD = Notation(["sk", "ks", "sk", "ech", "sk"], ["sh", "se"], replicated="keck", coshard="largest")
+_DISPATCH_GRAD = Notation(["sk", "ks", "sk", "ech", "sk"], ["sh", "se"], replicated="keck", coshard=Coshard.LARGEST)
 
 
 def _dispatch(corr_bias: int) -> Notation:
-    return Notation(["sh", "se", "e" if corr_bias >= 0 else None], _DISPATCH_OUTS, replicated="seck", coshard="largest")
+    return Notation(["sh", "se", "e" if corr_bias >= 0 else None], _DISPATCH_OUTS, replicated="seck", coshard=Coshard.LARGEST)
 
 
 def _combine_post(ins: list[TensorDistAttr], outs: list[TensorDistAttr], *args: object) -> Answer:

@@ -35,7 +35,7 @@ from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import numel
 from spmdkit.engine.declare import Way, declare
-from spmdkit.engine.notation import BROADCAST, Notation, letters_for
+from spmdkit.engine.notation import BROADCAST, Coshard, Notation, ReplicatedClaims, letters_for
 from spmdkit.ops._absent import absent_0d
 
 
@@ -49,12 +49,12 @@ def notation(kind: str, nd: int, bna: int, *ranks: int) -> Notation:
     params = [None if r < 0 else BROADCAST * r for r in ranks]
     stats = [batch, batch] if kind.startswith("ln") else [batch]
     if kind in ("ln", "rms"):
-        return Notation([x, *params], [x, *stats], coshard="largest")
+        return Notation([x, *params], [x, *stats], coshard=Coshard.LARGEST)
     if kind in ("ln_rev", "rms_rev"):
         named = letters_for(nd)  # out: the normalized axes named
-        return Notation([x, *params], [named, *stats], replicated=named[bna:], replicated_claims="block",
-                        coshard="largest")  # fmt: skip
-    return Notation([x, *params, *stats, x], [x, *params], coshard="largest")
+        return Notation([x, *params], [named, *stats], replicated=named[bna:], replicated_claims=ReplicatedClaims.BLOCK,
+                        coshard=Coshard.LARGEST)  # fmt: skip
+    return Notation([x, *params, *stats, x], [x, *params], coshard=Coshard.LARGEST)
 
 
 def _params(x: DistTensorSpec, bna: int, scale: DistTensorSpec | None, bias: DistTensorSpec | None,

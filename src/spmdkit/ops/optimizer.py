@@ -43,7 +43,7 @@ from typing import Any
 from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.declare import Way, declare
-from spmdkit.engine.notation import BROADCAST, Notation, letters_for
+from spmdkit.engine.notation import BROADCAST, Conflict, Notation, Order, Taken, letters_for
 
 
 def notation(nd: int, lr: int, m2max: bool, b1: int, b2: int, master: bool, skip: int, amsgrad: bool,
@@ -51,7 +51,7 @@ def notation(nd: int, lr: int, m2max: bool, b1: int, b2: int, master: bool, skip
     """The vote above over ``abc`` (``nd`` letters; a scalar of rank r ``1`` * r; -1 absent; sgd:
     ``b1 == -2``): every tensor an input of the notation (the call's, for the reverse its outputs
     ``given``, then the answer's outputs, absent, so none is partial), merged over the voters alone
-    (``sources``) with ``conflict="replicate"`` (co-shards compared whole) and ``taken="letter"``."""
+    (``sources``) with ``conflict=Conflict.REPLICATE`` (co-shards compared whole) and ``taken=Taken.LETTER``."""
     a = letters_for(nd)
 
     def lab(r: int) -> str | None:
@@ -67,7 +67,7 @@ def notation(nd: int, lr: int, m2max: bool, b1: int, b2: int, master: bool, skip
     if given:  # the reverse: the state outputs given vote
         voters = [len(ins) + i for i, on in enumerate(given) if on]
         ins += [a if on else None for on in given] + [None] * (len(outs) - len(given))
-    return Notation(ins + outs, [], conflict="replicate", order="notation", taken="letter", sources=voters)
+    return Notation(ins + outs, [], conflict=Conflict.REPLICATE, order=Order.NOTATION, taken=Taken.LETTER, sources=voters)
 
 
 _ADAM_IN = ("param: T, grad: T, learning_rate: T, moment1: T, moment2: T, moment2_max: T?, beta1_pow: T, "

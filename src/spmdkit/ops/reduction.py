@@ -67,7 +67,7 @@ from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import reduced_axes
 from spmdkit.engine.declare import Answer, Way, declare
-from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, letters_for
+from spmdkit.engine.notation import ALPHABET, BROADCAST, Coshard, Notation, Order, Taken, letters_for
 from spmdkit.ops._common import check_same_shape
 
 #: Paddle's ReduceType enum, ``reduce_base``'s ``reduce_type``: 0 sum, 1 max, 2 min, 3 prod, 4 avg, 5 any, 6 all
@@ -122,19 +122,19 @@ def _forward(rtype: ReduceType | None, nd: int, axis: tuple[int, ...], keep_dim:
     unk = "".join(c for i, c in enumerate(x) if avg and unknown >> i & 1 and c in red)
     prune = "".join(c for c in red if c not in unk) if avg else ""
     rep = red if rtype is None else unk
-    return Notation([x], [out], reduce=rtype or ReduceType.SUM, replicated=rep, prune=prune, coshard="largest")
+    return Notation([x], [out], reduce=rtype or ReduceType.SUM, replicated=rep, prune=prune, coshard=Coshard.LARGEST)
 
 
 def _grad(sum_grad: bool, with_out: bool, nd: int, axis: tuple[int, ...], keep_dim: bool, one: bool) -> Notation:
     """x, (out,) out_grad -> x_grad, e.g. ``abc, ac -> abc`` (``1`` for a full reduction's [1] out_grad,
     ``one``), merged from out_grad alone (co-shards kept); sum_grad: ``1b1, ac -> abc``, x's reduced
-    letters claiming after out_grad's (``taken="letter"``)."""
+    letters claiming after out_grad's (``taken=Taken.LETTER``)."""
     x, o, red, pos = _plan(nd, axis, keep_dim)
     if one and not pos:
         o = BROADCAST
     elif sum_grad:
         view = "".join(c if c in red else BROADCAST for c in x)
-        return Notation([view, o], [x], taken="letter", order=("*", red) if red else "claim")
+        return Notation([view, o], [x], taken=Taken.LETTER, order=("*", red) if red else Order.CLAIM)
     return Notation([x, *([o] * (1 + with_out))], [x], sources=(1 + with_out,))
 
 
@@ -238,7 +238,7 @@ def _pnorm(grad: bool, nd: int, porder: float, axis: int, keepdims: bool, asvect
     if not grad:
         return _forward(_pnorm_reduce(porder), nd, axes, keepdims)
     x, o, red, _ = _plan(nd, axes, keepdims)
-    return Notation((x, o, o), (x,), replicated=red, coshard="largest")
+    return Notation((x, o, o), (x,), replicated=red, coshard=Coshard.LARGEST)
 
 
 def _pnorm_check(

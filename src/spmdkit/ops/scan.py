@@ -64,7 +64,7 @@ from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import make_attr, normalize_axis, numel, reduced_axes
 from spmdkit.engine.declare import Way, declare
-from spmdkit.engine.notation import BROADCAST, Notation, letters_for
+from spmdkit.engine.notation import BROADCAST, Coshard, Notation, letters_for
 from spmdkit.engine.tensors import with_partial
 from spmdkit.ops._common import check_same_ndim, check_same_shape
 from spmdkit.ops.reduction import as_given, check_reduced, reduced_letters
@@ -87,7 +87,7 @@ def _cumsum(grad: bool, nd: int, axis: int, flatten: bool) -> Notation:
     (merged alone), x and x_grad as x from it."""
     ax = 0 if flatten else normalize_axis("", axis, nd, tensor="x")
     a = letters_for(nd)
-    o, rep, cs = (BROADCAST, a, "keep") if flatten else (a, a[ax : ax + 1], "largest")
+    o, rep, cs = (BROADCAST, a, Coshard.KEEP) if flatten else (a, a[ax : ax + 1], Coshard.LARGEST)
     if grad:
         return Notation([a, o], [a], replicated=rep, coshard=cs, sources=(1,))
     return Notation([a], [o], replicated=rep, coshard=cs)
@@ -99,8 +99,8 @@ def _reduce(grad: bool, nd: int, axis: tuple[int, ...], keepdims: bool, reduce_a
     dim; the grad ``abc, ac, ac -> abc`` merged from out_grad alone."""
     x, o, red, _ = reduced_letters(nd, axis, keepdims, reduce_all)
     if grad:
-        return Notation([x, o, o], [x], replicated=red, coshard="largest", sources=(2,))
-    return Notation([x], [o], replicated=red, coshard="largest")
+        return Notation([x, o, o], [x], replicated=red, coshard=Coshard.LARGEST, sources=(2,))
+    return Notation([x], [o], replicated=red, coshard=Coshard.LARGEST)
 
 
 def _check_reduced(op: str, x: DistTensorSpec, axis: tuple[int, ...], keep: bool, every: bool, *outs: Any) -> None:
@@ -131,7 +131,7 @@ def _topk(n_in: int, n_out: int, nd: int, axis: int) -> Notation:
     (the larger tensor keeps a letter they shard differently); the topk axis replicated, each
     co-shard read as its largest mesh dim."""
     a = letters_for(nd)
-    return Notation([a] * n_in, [a] * n_out, replicated=a[normalize_axis("", axis, nd)], coshard="largest")
+    return Notation([a] * n_in, [a] * n_out, replicated=a[normalize_axis("", axis, nd)], coshard=Coshard.LARGEST)
 
 
 _LINEAR = frozenset({ReduceType.SUM, ReduceType.AVG})
@@ -143,7 +143,7 @@ def _add_n(n_in: int, nd: int, grad: bool = False) -> Notation:
     ``abc (out_grad) -> abc, ...``: every grad sharded as out_grad; the inputs are not in the
     notation (None: their attrs are the post-hook's)."""
     a = letters_for(nd)
-    return Notation([*[None] * n_in, a], [a] * n_in) if grad else Notation([a] * n_in, [a], coshard="largest")
+    return Notation([*[None] * n_in, a], [a] * n_in) if grad else Notation([a] * n_in, [a], coshard=Coshard.LARGEST)
 
 
 def _add_n_check(op: str, inputs: Sequence[DistTensorSpec], name: str, other: Any = None, oname: str = "") -> None:

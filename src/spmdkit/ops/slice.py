@@ -50,7 +50,7 @@ from typing import Any
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.declare import Way, declare
-from spmdkit.engine.notation import BROADCAST, Notation, letters_for
+from spmdkit.engine.notation import BROADCAST, Coshard, Notation, letters_for
 from spmdkit.engine.shapes import mismatch
 
 T = DistTensorSpec
@@ -59,7 +59,7 @@ Ints = tuple[int, ...]
 Key = tuple[str, str, int, Ints, Ints, int]
 
 
-def notation(kind: str, coshard: str, nd: int, fixed: Ints, drop: Ints = (), lead: int = 0) -> Notation:
+def notation(kind: str, coshard: Coshard, nd: int, fixed: Ints, drop: Ints = (), lead: int = 0) -> Notation:
     """``x``: the ``nd``-D tensor's letters, its ``fixed`` axes ``1``; ``y``: x's image, ``lead``
     new leading axes (``1``) and the ``drop`` axes removed; ``g``: y's gradient, its new leading
     axes (for expand also the broadcast axes) letters x_grad lacks (partial SUM over their mesh
@@ -110,7 +110,7 @@ def _slice_key(kind: str, nd: int, axes: Ints, n_starts: int, n_ends: int, decre
     for d in dec:
         if d not in ax:
             raise InvalidAttributeError(f"decrease_axis {d} is not a sliced axis (axes {list(axes)})")
-    return kind, "largest", nd, ax, tuple(sorted(dec)), 0
+    return kind, Coshard.LARGEST, nd, ax, tuple(sorted(dec)), 0
 
 
 def _sliced(k: Key, input: T, other: T, oname: str) -> Key:
@@ -130,7 +130,7 @@ def _tile_key(kind: str, nd: int, repeat_times: Ints) -> tuple[Key, Ints]:
         raise InvalidAttributeError(f"repeat_times {list(repeat_times)} has a negative entry")
     rep = (1,) * (nd - len(repeat_times)) + tuple(repeat_times)
     lead = len(rep) - nd
-    return (kind, "keep", nd, tuple(i for i in range(nd) if rep[lead + i] != 1), (), lead), rep
+    return (kind, Coshard.KEEP, nd, tuple(i for i in range(nd) if rep[lead + i] != 1), (), lead), rep
 
 
 def _tiled(kind: str, x: T, out: T, oname: str, repeat_times: Ints) -> Key:
@@ -158,7 +158,7 @@ def _broadcast(kind: str, x: T, target: Ints, tname: str) -> Key:
             if s != 1:
                 raise ShapeMismatchError(f"x has size {s} on axis {i}, not expandable to {t} ({tname} axis {d + i})")
             out.append(i)
-    return kind, "keep" if kind.startswith("copy") else "largest", len(xs), tuple(out), (), d
+    return kind, Coshard.KEEP if kind.startswith("copy") else Coshard.LARGEST, len(xs), tuple(out), (), d
 
 
 def _target(x: T, shape: Sequence[int], out: T | None = None, oname: str = "") -> Ints:
@@ -176,7 +176,7 @@ def _target(x: T, shape: Sequence[int], out: T | None = None, oname: str = "") -
 
 
 @lru_cache(maxsize=4096)
-def _pad_key(coshard: str, nd: int, paddings: Ints) -> Key:
+def _pad_key(coshard: Coshard, nd: int, paddings: Ints) -> Key:
     """The padded axes fixed."""
     if len(paddings) != 2 * nd:
         raise InvalidAttributeError(f"paddings has {len(paddings)} entries, a {nd}-D tensor needs {2 * nd}")
@@ -184,7 +184,7 @@ def _pad_key(coshard: str, nd: int, paddings: Ints) -> Key:
 
 
 def _padded(x: T, out: T, paddings: Ints) -> Key:
-    k = _pad_key("largest", len(x.shape), paddings)
+    k = _pad_key(Coshard.LARGEST, len(x.shape), paddings)
     _check_shapes("x", x.shape, "out", out.shape, k[3])
     return k
 
@@ -192,7 +192,7 @@ def _padded(x: T, out: T, paddings: Ints) -> Key:
 # -- the declarations: a key expression (``*f(...)``: f's tuple) per mode ----------------------
 
 _ENV: dict[str, Any] = {"_sk": _slice_key, "_sliced": _sliced, "_tk": _tile_key, "_tiled": _tiled,
-                        "_bk": _broadcast, "_target": _target, "_pk": _pad_key, "_padded": _padded}  # fmt: skip
+                        "_bk": _broadcast, "_target": _target, "_pk": _pad_key, "_padded": _padded, "Coshard": Coshard}  # fmt: skip
 _SLICE = "input: T, axes: ints, starts: ints, ends: ints, infer_flags: ints = [], decrease_axis: ints = []"
 _SLICE_G = _SLICE.replace("input: T,", "input: T, out_grad: T,")
 _SSLICE = "input: T, axes: ints, starts: ints, ends: ints, strides: ints"
@@ -258,11 +258,11 @@ declare(
 )  # fmt: skip
 _PAD = "x: T, paddings: ints, pad_value: int = 0"
 _PAD_G = "x: T, out: T, paddings: ints, pad_value: int = 0"
-declare("pad", _PAD, Way(notation, key="*_pk('keep', len(x.shape), paddings)", env=_ENV, paddle="PadInferSpmd",
+declare("pad", _PAD, Way(notation, key="*_pk(Coshard.KEEP, len(x.shape), paddings)", env=_ENV, paddle="PadInferSpmd",
                          doc="Padded axes replicated, the others as x."),
         grad=Way(notation, key="*_padded(x, out, paddings)", env=_ENV, direction="backward", outputs=("out",),
                  paddle="PadGradInferSpmd", doc="(PadGradInferSpmd) x from out: padded axes replicated."),
         grad_signature=_PAD_G, grad_op="pad")
 declare("pad_grad", "out_grad: T, paddings: ints, pad_value: scalar = 0",
-        Way(notation, key="*_pk('keep', len(out_grad.shape), paddings)", env=_ENV, paddle="PadGradInferSpmdDynamic",
+        Way(notation, key="*_pk(Coshard.KEEP, len(out_grad.shape), paddings)", env=_ENV, paddle="PadGradInferSpmdDynamic",
             doc="x_grad = out_grad cropped: padded axes replicated, the others as out_grad."))

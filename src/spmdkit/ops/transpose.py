@@ -40,7 +40,7 @@ def notation(ndim: int, perm: tuple[int, ...], grad: bool = False) -> Notation:
 
 def _keep_partial(ins: Any, outs: Any, src: DistTensorSpec, perm: tuple[int, ...]) -> Answer:
     """A linear op: the partial input's partial status passes through to every tensor (the
-    general path's ``partial="keep"`` gives the same, slower)."""
+    general path's ``partial=PartialMerge.KEEP`` gives the same, slower)."""
     pt = src.dist_attr.partial
     return [with_partial(a, pt) for a in ins], [with_partial(a, pt) for a in outs]
 
