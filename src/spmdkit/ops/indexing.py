@@ -289,11 +289,15 @@ def _y_unread(fn: Callable[..., SpmdResult], signature: str, outputs: Any) -> Ca
     return where
 
 
+def _where_check(condition: DistTensorSpec, x: DistTensorSpec, y: DistTensorSpec) -> None:
+    if not condition.shape == x.shape == y.shape:
+        _broadcast(condition, x, y)
+
+
 _W_KEY = "condition, x, y, ones(condition), ones(x), ones(y)"
 declare(
     "where", "condition: T, x: T, y: T",
-    Way(partial(where_notation, False), key=_W_KEY, check="condition.shape == x.shape == y.shape or "
-        "_broadcast(condition, x, y)", env={"_broadcast": _broadcast}, wrap=_y_unread, paddle="WhereInferSpmd",
+    Way(partial(where_notation, False), key=_W_KEY, check=_where_check, wrap=_y_unread, paddle="WhereInferSpmd",
         doc="where (WhereInferSpmd): elementwise over the broadcast shape; condition and x merged (y's own "
             "sharding is read only on the axes neither of them has)."),
     reverse=Way(partial(where_notation, False), key=_W_KEY, letters=True, paddle="WhereInferSpmdReverse",

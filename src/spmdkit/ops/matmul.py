@@ -33,6 +33,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
+from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.declare import Way, declare
 from spmdkit.engine.notation import Conflict, Notation, Size1, Sizes
 from spmdkit.ops._common import check_same_shape
@@ -122,22 +123,27 @@ def out_shape(xs: Shape, ys: Shape, tx: bool, ty: bool) -> Shape:
     return tuple(batch)
 
 
-#: the checks' names: ``_out_shape(...)`` and a third tensor (out / out_grad) shaped as x @ y
-ENV = {"_out_shape": out_shape, "_same_shape": check_same_shape}
+def _check(op: str, x: DistTensorSpec, y: DistTensorSpec, trans_x: bool, trans_y: bool,
+           out: DistTensorSpec | None = None, out_grad: DistTensorSpec | None = None) -> None:  # fmt: skip
+    """x and y multiply; the reverse rule's out (the grad rule's out_grad) is shaped as x @ y."""
+    want = out_shape(x.shape, y.shape, trans_x, trans_y)
+    for name, t in (("out", out), ("out_grad", out_grad)):
+        if t is not None and t.shape != want:
+            check_same_shape(op, t, want, name, "x @ y")
+
+
 _KEY = "x, y, trans_x, trans_y"
-_XY = "_out_shape(x.shape, y.shape, trans_x, trans_y)"
-_OUT = "if {0}.shape != (_w := " + _XY + "): _same_shape(_OP, {0}, _w, {0!r}, 'x @ y')"
 declare(
     "matmul", "x: T, y: T, trans_x: bool = False, trans_y: bool = False",
-    Way(notation, key=_KEY, mask=("x", "y"), check=_XY, env=ENV,
+    Way(notation, key=_KEY, mask=("x", "y"), check=_check,
         paddle="MatmulInferSpmd", doc="MatmulInferSpmd: ``[b] m k, [b] k n -> b m n``; a sharded k makes out partial."),
-    reverse=Way(reverse_notation, key=_KEY, mask=("x", "y"), check=_OUT.format("out"), env=ENV,
+    reverse=Way(reverse_notation, key=_KEY, mask=("x", "y"), check=_check,
                 paddle="MatmulInferSpmdReverse", doc="MatmulInferSpmdReverse: x and y from out (k replicated)."),
     outputs="out: T", aliases=("matmul_v2",),
 )  # fmt: skip
 declare(
     "matmul_grad", "x: T, y: T, out_grad: T, trans_x: bool = False, trans_y: bool = False",
-    Way(grad_notation, key=_KEY, mask=("x", "y", "out_grad"), check=_OUT.format("out_grad"), env=ENV,
+    Way(grad_notation, key=_KEY, mask=("x", "y", "out_grad"), check=_check,
         paddle="MatmulGradInferSpmd",
         doc="MatmulGradInferSpmd: x_grad partial over n and x's broadcast batch letters, y_grad over m and y's."),
     aliases=("matmul_v2_grad",),

@@ -43,13 +43,13 @@ expand-as-no-y (Paddle returns x as given without y).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import Any
 
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
-from spmdkit.engine.declare import Way, declare
+from spmdkit.engine.declare import Let, Way, declare
 from spmdkit.engine.notation import BROADCAST, Coshard, Notation, letters_for
 from spmdkit.engine.shapes import mismatch
 
@@ -200,11 +200,19 @@ _SSLICE_G = _SSLICE.replace("input: T,", "input: T, out_grad: T,")
 _SK = "_sk('{}', len(input.shape), axes, len(starts), len(ends), {})"
 
 
-def _grad(key: str, paddle: str, doc: str) -> Way:
+def _slice_grad_key(input: T, axes: Ints, starts: Ints, ends: Ints, decrease_axis: Ints) -> Key:
+    return _slice_key("slice_grad", len(input.shape), axes, len(starts), len(ends), decrease_axis)
+
+
+def _strided_grad_key(input: T, axes: Ints, starts: Ints, ends: Ints, strides: Ints) -> Key:
+    return _slice_key("slice_grad", len(input.shape), axes, len(starts), len(ends), (), strides)
+
+
+def _grad(key: Callable[..., Key], paddle: str, doc: str) -> Way:
     """slice_grad / strided_slice's grad: out_grad labelled first (it claims mesh dims first, as in
-    Paddle); the attributes (``key``) checked before the mesh is read (``pre``), as before the rules
-    were declared."""
-    return Way(notation, key="*_sliced(_kk, input, out_grad, 'out_grad')", pre=f"_kk = {key}", order="out_grad, input",
+    Paddle); the attributes (``key``, bound to ``kk``) checked before the mesh is read (``pre``), as
+    before the rules were declared."""
+    return Way(notation, key="*_sliced(kk, input, out_grad, 'out_grad')", pre=Let("kk", key), order="out_grad, input",
                env=_ENV, paddle=paddle, doc=doc)  # fmt: skip
 
 declare(
@@ -216,9 +224,9 @@ declare(
                 doc="input from output: the decreased axes put back, the sliced axes replicated."),
     outputs="output: T",
 )  # fmt: skip
-declare("slice_grad", _SLICE_G, _grad(_SK.format("slice_grad", "decrease_axis"), "SliceGradInferSpmdDynamic",
+declare("slice_grad", _SLICE_G, _grad(_slice_grad_key, "SliceGradInferSpmdDynamic",
                                       "input and out_grad merged; input_grad sharded as input."))
-_SS_GRAD = (_SK.format("slice_grad", "(), strides"), "StridedSliceGradInferSpmd", "As slice_grad.")
+_SS_GRAD = (_strided_grad_key, "StridedSliceGradInferSpmd", "As slice_grad.")
 declare("strided_slice", _SSLICE, Way(notation, key="*" + _SK.format("copy", "(), strides"), env=_ENV,
                                       paddle="StridedSliceInferSpmd", doc="The sliced axes replicated."),
         grad=_grad(*_SS_GRAD), grad_signature=_SSLICE_G, grad_op="strided_slice")
@@ -242,9 +250,13 @@ declare(
                 paddle="ExpandInferSpmdReverse", doc="x from out's non-broadcast axes; out returned as x produces it."),
     outputs="out: T",
 )  # fmt: skip
-# shape checked before the mesh is read (as before the rule was declared); _tg: a local of the generated code
+def _expand_grad_target(x: T, shape: Sequence[int], out_grad: T) -> Ints:
+    return _target(x, shape, out_grad, "out_grad")
+
+
+# shape checked before the mesh is read (as before the rule was declared), bound to tg
 declare("expand_grad", "x: T, out_grad: T, shape: ints",
-        Way(notation, key="*_bk('expand_grad', x, _tg, 'shape')", pre="_tg = _target(x, shape, out_grad, 'out_grad')",
+        Way(notation, key="*_bk('expand_grad', x, tg, 'shape')", pre=Let("tg", _expand_grad_target),
             env=_ENV, paddle="ExpandGradInferSpmd", doc="As expand_as_grad, broadcast axes from ``shape``."))
 declare(
     "expand_as", "x: T, y: T?, target_shape: ints = []",

@@ -29,6 +29,7 @@ from collections.abc import Iterable
 from functools import partial
 
 from spmdkit.core.errors import InvalidAttributeError
+from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import normalize_axis
 from spmdkit.engine.declare import Way, declare
 from spmdkit.engine.notation import Coshard, Notation, letters_for
@@ -59,7 +60,11 @@ def roll_notation(n_in: int, coshard: Coshard, nd: int, shifts: int, axis: tuple
     return Notation([a] * n_in, [a], replicated="".join(a[i] for i in rolled), coshard=coshard)
 
 
-_CS_CHECK = "; ".join(f"_ndim(_OP, {t}, len(x.shape), {t!r}, 'x')" for t in ("indices", "out_grad"))
+def _cum_grad_ranks(op: str, x: DistTensorSpec, indices: DistTensorSpec, out_grad: DistTensorSpec) -> None:
+    check_same_ndim(op, indices, len(x.shape), "indices", "x")
+    check_same_ndim(op, out_grad, len(x.shape), "out_grad", "x")
+
+
 _AG_SIG = "axis: int = -1, descending: bool = False, stable: bool = False"
 declare(
     "argsort", f"x: T, {_AG_SIG}",
@@ -77,7 +82,7 @@ for _op, _fn in (("cummax", "CummaxInferSpmd"), ("cummin", "CumminInferSpmd")):
         Way(partial(notation, 1, 2, Coshard.LARGEST), key="x, axis", paddle=_fn,
             doc=f"{_fn}: out and indices sharded as x, the scanned axis replicated."),
         # the axis' size is not checked (Paddle's own unit test passes an out_grad of another size)
-        grad=Way(partial(notation, 3, 1, Coshard.LARGEST), key="x, axis", env={"_ndim": check_same_ndim}, check=_CS_CHECK,
+        grad=Way(partial(notation, 3, 1, Coshard.LARGEST), key="x, axis", check=_cum_grad_ranks,
                  paddle=_fn.replace("InferSpmd", "GradInferSpmd"),
                  doc=f"{_fn.replace('Infer', 'GradInfer')}: non-axis letters merged, axis replicated."),
         grad_signature=f"x: T, indices: T, out_grad: T, {_CS_SIG}", grad_name=f"{_op}_grad",
