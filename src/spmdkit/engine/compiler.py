@@ -12,7 +12,7 @@ holds them equal on random cases).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import lru_cache
 from typing import Any
@@ -227,33 +227,57 @@ def run(
     inputs then outputs, for ``flatten`` chains; ``partials``: the merged tensors' partial
     status, read by ``conflict="align"``)."""
     n = p.n
-    rep = p.rep
-    largest = p.largest
-    blocked = 0
-    if p.block:
-        for ti, ids in p.src:
-            dm = dms[ti]
-            if dm is None:
-                continue
-            for a, e in zip(ids, dm):
-                if a >= 0 and rep[a]:
-                    if e.__class__ is int:
-                        if e >= 0:
-                            blocked |= 1 << e
-                    else:
-                        for x in (largest_mesh_dim(e, mesh_shape),) if largest else e:  # type: ignore[union-attr]
-                            blocked |= 1 << x
+    blocked = _blocked(p, dms, mesh_shape) if p.block else 0
     cur: list[tuple[int, ...] | None] = [None] * n
-    hold = [0] * n
-    claims: list[int] = []
-    conflict = p.conflict
-    unit = p.unit
     cands: dict[int, list[tuple[int, ...]]] | None = None
-    src = p.src
-    if conflict == 5:  # the vote per mesh dim, in place of the per-letter merge below
-        src = ()
+    if p.conflict == 5:  # the vote per mesh dim, in place of the per-letter merge
         claims = _aligned(p, cur, dms, shapes, partials, mesh_shape, blocked)
-    for ti, ids in src:
+    else:
+        claims, cands = _merged(p, cur, dms, shapes, mesh_shape, blocked)
+    if not claims:
+        return [()] * n
+    if cands:
+        _unions(cur, cands, mesh_shape)
+    for chain, where in zip(p.chains, p.chain_src):
+        _chain(cur, chain, [every[ti][i] for ti, i in where if every[ti] is not None], mesh_shape)  # type: ignore[index]
+    return _resolve(p, _order(p, claims, cur, shapes, all_shapes), cur, shapes, all_shapes, mesh_shape)
+
+
+def _blocked(p: RulePlan, dms: Sequence[DimsMapping | None], mesh_shape: Sequence[int]) -> int:
+    """``replicated_claims="block"``: the mesh dims (bits) the merged tensors shard replicated letters on."""
+    rep, largest = p.rep, p.largest
+    blocked = 0
+    for ti, ids in p.src:
+        dm = dms[ti]
+        if dm is None:
+            continue
+        for a, e in zip(ids, dm):
+            if a >= 0 and rep[a]:
+                if e.__class__ is int:
+                    if e >= 0:
+                        blocked |= 1 << e
+                else:
+                    for x in (largest_mesh_dim(e, mesh_shape),) if largest else e:  # type: ignore[union-attr]
+                        blocked |= 1 << x
+    return blocked
+
+
+def _merged(
+    p: RulePlan,
+    cur: list[tuple[int, ...] | None],
+    dms: Sequence[DimsMapping | None],
+    shapes: Sequence[Sequence[int] | None],
+    mesh_shape: Sequence[int],
+    blocked: int,
+) -> tuple[list[int], dict[int, list[tuple[int, ...]]] | None]:
+    """The merge per letter (the conflict policy): fills ``cur``; returns the claims in order (a
+    letter id, or ``~mask`` for a size-1 axis's mesh dims under ``unit_axes="claim"``) and, under
+    ``conflict="union"``, each contested letter's candidates."""
+    rep, largest, unit, conflict = p.rep, p.largest, p.unit, p.conflict
+    hold = [0] * p.n
+    claims: list[int] = []
+    cands: dict[int, list[tuple[int, ...]]] | None = None
+    for ti, ids in p.src:
         dm = dms[ti]
         if dm is None:
             continue
@@ -308,13 +332,17 @@ def run(
                         lst.append(d)
                 elif conflict == 3:
                     cur[a] = ()
-    if not claims:
-        return [()] * n
-    if cands:
-        _unions(cur, cands, mesh_shape)
-    for chain, where in zip(p.chains, p.chain_src):
-        _chain(cur, chain, [every[ti][i] for ti, i in where if every[ti] is not None], mesh_shape)  # type: ignore[index]
-    # sizes (only read where a letter prunes)
+    return claims, cands
+
+
+def _order(
+    p: RulePlan,
+    claims: list[int],
+    cur: list[tuple[int, ...] | None],
+    shapes: Sequence[Sequence[int] | None],
+    all_shapes: Sequence[Sequence[int] | None],
+) -> Sequence[int]:
+    """The order the claims resolve in (``Notation.order``)."""
     size_src = p.size_src
     known = p.sizes_known
     kind = p.order_kind
@@ -337,7 +365,21 @@ def run(
                     sz = [_size(size_src[a], shapes, all_shapes, known) for a in got]
                     got = [a for _, a in sorted(zip([-s for s in sz], got), key=lambda t: t[0])]
                 order.extend(got)
-    final: list[tuple[int, ...]] = [()] * n
+    return order
+
+
+def _resolve(
+    p: RulePlan,
+    order: Sequence[int],
+    cur: list[tuple[int, ...] | None],
+    shapes: Sequence[Sequence[int] | None],
+    all_shapes: Sequence[Sequence[int] | None],
+    mesh_shape: Sequence[int],
+) -> list[tuple[int, ...]]:
+    """Each letter's mesh dims, resolved in ``order``: replicated letters and taken mesh dims
+    dropped (``taken``), pruned letters cut to divide their sizes (read only here)."""
+    rep, size_src, known = p.rep, p.size_src, p.sizes_known
+    final: list[tuple[int, ...]] = [()] * p.n
     prune, uneven, s1claim = p.prune, p.uneven, p.s1claim
     keep = p.taken_keep
     used = 0
@@ -347,7 +389,7 @@ def run(
             continue
         if rep[a]:
             continue
-        d = cur[a]  # type: ignore[assignment]
+        d: tuple[int, ...] = cur[a]  # type: ignore[assignment]
         if used and not keep:
             d2 = tuple([x for x in d if not (used >> x) & 1])
             d = () if p.taken_letter and len(d2) < len(d) else d2
@@ -654,16 +696,33 @@ def _generate(p: RulePlan, direction: str, raw: bool = False) -> Any:
     if align and not raw and len({frozenset(a for a in ids if a >= 0) for _, ids in p.src}) > 1:
         return _decline  # conflict="align" on tensors of different letters: the general path
     forward = direction == "forward"
-    src_name = "I" if forward else "O"
     lines = ["def fast(D, S, ms):"] if raw else ["def fast(I, O, mesh, Z=None):", "    ms = mesh.shape"]
     emit = lines.append
-    read: set[int] = set()
-    twice = False  # a letter read on two axes (two claims can then share a mesh dim)
-    units: list[str] = []  # unit_axes="claim": the mesh dim of each size-1 axis
     # two letters on one mesh dim, resolved here in claim order (P: where a letter was first
     # sharded) where no letter prunes; otherwise the general path resolves them
     resolve = (p.order_kind == 0 and not p.unit and not p.taken_keep and not p.chains
                and not any(p.prune[a] for a in range(p.n) if not p.rep[a]))
+    read: set[int] = set()  # the letters read
+    units: list[str] = []  # unit_axes="claim": the mesh dim of each size-1 axis
+    twice = _gen_reads(p, forward, raw, resolve, read, units, emit)
+    ent = _gen_chains(p, forward, read, emit) if p.chains and not raw else set()
+    live = _gen_claims(p, raw, resolve, read, units, twice, emit)
+    _gen_prunes(p, raw, read, live, ent, emit)
+    if raw:
+        emit("    return (" + "".join(f"({c!r}, () if L{a} < 0 else _ONE[L{a}]), " for a, c in enumerate(nt.letters)) + ")")
+        return _fast_fn(lines, f"plan {nt!r} letters", {})
+    return _gen_answer(p, forward, ent, lines, f"plan {nt!r} {direction}")
+
+
+def _gen_reads(p: RulePlan, forward: bool, raw: bool, resolve: bool, read: set[int], units: list[str],
+               emit: Callable[[str], None]) -> bool:  # fmt: skip
+    """The generated reads of the merged tensors' entries: ``L{a}`` per letter read (added to
+    ``read``), the size-1 axes' ``U{k}`` (``units``), their agreement, ``P{a}`` where the claims
+    are resolved here. Returns whether a letter is read on two axes (two claims can then share a
+    mesh dim)."""
+    align = p.conflict == 5
+    src_name = "I" if forward else "O"
+    twice = False
     pos = 0
     for ti, ids in p.src:
         if raw:
@@ -707,7 +766,13 @@ def _generate(p: RulePlan, direction: str, raw: bool = False) -> Any:
                 emit(f"    P{a} = {pos}")
             pos += 1
             read.add(a)
-    ent = _gen_chains(p, forward, read, emit) if p.chains and not raw else set()
+    return twice
+
+
+def _gen_claims(p: RulePlan, raw: bool, resolve: bool, read: set[int], units: list[str], twice: bool,
+                emit: Callable[[str], None]) -> list[int]:  # fmt: skip
+    """The generated code emptying the replicated letters, then checking (or, with ``resolve``,
+    resolving in claim order) that no two claimers take one mesh dim. Returns the live letters."""
     for a in sorted(read):
         if p.rep[a]:
             if p.block:
@@ -735,6 +800,14 @@ def _generate(p: RulePlan, direction: str, raw: bool = False) -> Any:
             emit("                if (u >> x) & 1: V[k] = -1")
             emit("                else: u |= 1 << x")
             emit(f"        {', '.join(f'L{a}' for a in live)}, = V")
+    return live
+
+
+def _gen_prunes(p: RulePlan, raw: bool, read: set[int], live: list[int], ent: set[int],
+                emit: Callable[[str], None]) -> None:  # fmt: skip
+    """The generated code after the claims: a chain's other letters emptied, each pruned letter
+    dropped where its mesh dim does not divide its size, the letters not read (or, backward, no
+    input carries) emptied."""
     rest = [x for chain in p.chains for x in chain[1:] if x in read]
     if rest and not raw:  # a chain's other letters shard nothing (their mesh dims are its first's)
         emit("    " + " = ".join(f"L{x}" for x in rest) + " = -1")
@@ -772,12 +845,15 @@ def _generate(p: RulePlan, direction: str, raw: bool = False) -> Any:
         if any(m is not None and any(x == a for x, _ in m) for m in p.out_missing):
             emit(f"    if E{a}.__class__ is tuple: return None")
 
+
+def _gen_answer(p: RulePlan, forward: bool, ent: set[int], lines: list[str], what: str) -> Any:
+    """The generated answer of a (not raw) plan: one attr per input, then per output (partial
+    over the mesh dims of the letters it lacks), and the function made of ``lines``."""
+    emit = lines.append
+
     def dm(ids: tuple[int, ...]) -> str:
         return "(" + "".join(("-1" if a < 0 else f"E{a}" if a in ent else f"L{a}") + ", " for a in ids) + ")"
 
-    if raw:
-        emit("    return (" + "".join(f"({c!r}, () if L{a} < 0 else _ONE[L{a}]), " for a, c in enumerate(nt.letters)) + ")")
-        return _fast_fn(lines, f"plan {nt!r} letters", {})
 
     # one attr per distinct (dims_mapping, no partial): an output sharded as an input is that
     # input's attr (dist attrs are immutable)
@@ -825,7 +901,7 @@ def _generate(p: RulePlan, direction: str, raw: bool = False) -> Any:
             pt = f"_uniq(pt{j})" if p.taken_keep else f"tuple(pt{j})"
         outs.append(f"_make(mesh, {dm(ids)}, {pt})")
     emit(f"    return ({''.join(x + ', ' for x in ins)}), ({''.join(x + ', ' for x in outs)})")
-    return _fast_fn(lines, f"plan {nt!r} {direction}", consts)
+    return _fast_fn(lines, what, consts)
 
 
 def _gen_chains(p: RulePlan, forward: bool, read: set[int], emit: Any) -> set[int]:

@@ -247,22 +247,8 @@ def reference_merge(
         every_axes, every_shapes = axes, shapes
     rep = notation.replicated
     # 1. read
-    read: list[list[tuple[str, tuple[int, ...]]]] = []
-    blocked: set[int] = set()
+    read, blocked = _read_entries(notation, axes, mappings, mesh_shape)
     unit = notation.unit_axes is UnitAxes.CLAIM
-    for t_axes, dm in zip(axes, mappings):
-        row: list[tuple[str, tuple[int, ...]]] = []
-        if t_axes is not None and dm is not None:
-            for ch, e in zip(t_axes, dm):
-                if ch == BROADCAST and not unit:
-                    continue
-                if notation.coshard is Coshard.LARGEST:
-                    e = largest_mesh_dim(e, mesh_shape)
-                d = (() if e < 0 else (e,)) if isinstance(e, int) else tuple(e)
-                row.append((ch, d))
-                if notation.replicated_claims is ReplicatedClaims.BLOCK and ch in rep:
-                    blocked.update(d)
-        read.append(row)
     # 2. merge
     merged: dict[str, tuple[int, ...]] = {}
     cands: dict[str, list[tuple[int, ...]]] = {}
@@ -311,6 +297,48 @@ def reference_merge(
         if unions:
             shared_minor(merged, unions)
     # 2b. flatten
+    _flatten_chains(notation, merged, every_axes, every_shapes, mesh_shape)
+    # 3. order, 4. resolve
+    sizes = letter_sizes(notation, axes, shapes, all_axes, all_shapes)
+    steps: list[str | tuple[int, ...]] = seq if unit else list(letter_order(notation, claims, sizes))
+    _resolve_letters(notation, merged, steps, sizes, mesh_shape)
+    return merged
+
+
+def _read_entries(
+    notation: Notation, axes: Sequence[str | None], mappings: Sequence[DimsMapping | None], mesh_shape: Sequence[int]
+) -> tuple[list[list[tuple[str, tuple[int, ...]]]], set[int]]:
+    """Step 1: each merged tensor's ``(letter, mesh dims)`` per axis read, and the mesh dims
+    ``replicated_claims="block"`` removes from every other entry."""
+    rep = notation.replicated
+    read: list[list[tuple[str, tuple[int, ...]]]] = []
+    blocked: set[int] = set()
+    unit = notation.unit_axes is UnitAxes.CLAIM
+    for t_axes, dm in zip(axes, mappings):
+        row: list[tuple[str, tuple[int, ...]]] = []
+        if t_axes is not None and dm is not None:
+            for ch, e in zip(t_axes, dm):
+                if ch == BROADCAST and not unit:
+                    continue
+                if notation.coshard is Coshard.LARGEST:
+                    e = largest_mesh_dim(e, mesh_shape)
+                d = (() if e < 0 else (e,)) if isinstance(e, int) else tuple(e)
+                row.append((ch, d))
+                if notation.replicated_claims is ReplicatedClaims.BLOCK and ch in rep:
+                    blocked.update(d)
+        read.append(row)
+    return read, blocked
+
+
+def _flatten_chains(
+    notation: Notation,
+    merged: dict[str, tuple[int, ...]],
+    every_axes: Sequence[str | None],
+    every_shapes: Sequence[Sequence[int] | None],
+    mesh_shape: Sequence[int],
+) -> None:
+    """Step 2b: each ``flatten`` chain's first letter takes the longest run of its letters' mesh
+    dims that divides its sizes; the others shard nothing."""
     for chain in notation.flatten:
         if merged.get(chain[0]):
             sizes_a = [s for t_axes, shape in zip(every_axes, every_shapes) if t_axes is not None and shape is not None
@@ -325,10 +353,19 @@ def reference_merge(
         for ch in chain[1:]:
             if ch in merged:
                 merged[ch] = ()
-    # 3. order, 4. resolve
-    sizes = letter_sizes(notation, axes, shapes, all_axes, all_shapes)
+
+
+def _resolve_letters(
+    notation: Notation,
+    merged: dict[str, tuple[int, ...]],
+    steps: Sequence[str | tuple[int, ...]],
+    sizes: dict[str, int],
+    mesh_shape: Sequence[int],
+) -> None:
+    """Steps 3 and 4: in the order of ``steps`` (a letter, or a unit axis's mesh dims), replicated
+    letters and taken mesh dims dropped, pruned letters cut to divide their size."""
+    rep = notation.replicated
     used: set[int] = set()
-    steps: list[str | tuple[int, ...]] = seq if unit else list(letter_order(notation, claims, sizes))
     for step in steps:
         if isinstance(step, tuple):
             used.update(step)
@@ -349,7 +386,6 @@ def reference_merge(
                 claim = d
         used.update(claim)
         merged[ch] = d
-    return merged
 
 
 def project(axes: str, letters: Mapping[str, tuple[int, ...]]) -> DimsMapping:
