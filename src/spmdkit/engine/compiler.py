@@ -335,13 +335,8 @@ def _merged(
     return claims, cands
 
 
-def _order(
-    p: RulePlan,
-    claims: list[int],
-    cur: list[tuple[int, ...] | None],
-    shapes: Sequence[Sequence[int] | None],
-    all_shapes: Sequence[Sequence[int] | None],
-) -> Sequence[int]:
+def _order(p: RulePlan, claims: list[int], cur: list[tuple[int, ...] | None], shapes: Sequence[Sequence[int] | None],
+           all_shapes: Sequence[Sequence[int] | None]) -> Sequence[int]:  # fmt: skip
     """The order the claims resolve in (``Notation.order``)."""
     size_src = p.size_src
     known = p.sizes_known
