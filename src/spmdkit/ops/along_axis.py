@@ -142,15 +142,18 @@ def _unit(x: DistTensorSpec) -> bool:
 
 
 def _index_rank(op: str, x: DistTensorSpec, index: DistTensorSpec) -> None:
-    check_same_ndim(op, index, len(x.shape), "index", "x")
+    if len(index.shape) != len(x.shape):
+        check_same_ndim(op, index, len(x.shape), "index", "x")
 
 
 def _value_rank(op: str, x: DistTensorSpec, value: DistTensorSpec) -> None:
-    check_same_ndim(op, value, len(x.shape), "value", "x")
+    if len(value.shape) != len(x.shape):
+        check_same_ndim(op, value, len(x.shape), "value", "x")
 
 
 def _out_grad_rank(op: str, x: DistTensorSpec, out_grad: DistTensorSpec) -> None:
-    check_same_ndim(op, out_grad, len(x.shape), "out_grad", "x")
+    if len(out_grad.shape) != len(x.shape):
+        check_same_ndim(op, out_grad, len(x.shape), "out_grad", "x")
 
 
 _ENV = {"_differ": _differ, "_index_put_key": _index_put_key}

@@ -126,11 +126,15 @@ def roi_notation(grad: bool, boxes_num: int) -> Notation:
 
 
 # -- checks (what the shapes DSL cannot say), instance_norm's key, the two post-hooks ------------
-def _channels(x: T, w: T, out: T | None, channel_last: bool, groups: int, transpose: bool, name: str) -> None:
+def _channels(transpose: bool, input: T, filter: T, output: T | None = None, output_grad: T | None = None,
+              data_format: str = "NCHW", groups: int = 1) -> None:  # fmt: skip
     """The input has the filter's in-channels x groups (conv2d_transpose: its first axis), groups
-    divide the channels they split, and output / output_grad has the filter's output channels."""
-    cin = x.shape[-1] if channel_last else x.shape[1]
-    w0, w1g = w.shape[0], w.shape[1] * groups if w.shape[1] >= 0 else -1
+    divide the channels they split, and the reverse rule's output / the grad's output_grad has the
+    filter's output channels (conv2d's forward and reverse have no attributes: NCHW, groups 1)."""
+    out, name = (output, "output") if output is not None else (output_grad, "output_grad")
+    channel_last = data_format in ("NHWC", "NDHWC")
+    cin = input.shape[-1] if channel_last else input.shape[1]
+    w0, w1g = filter.shape[0], filter.shape[1] * groups if filter.shape[1] >= 0 else -1
     fin, m = (w0, w1g) if transpose else (w1g, w0)
     if cin >= 0 and fin >= 0 and cin != fin:
         raise ShapeMismatchError(f"the input has {cin} channels, the filter expects {fin} (groups {groups})")
@@ -213,14 +217,6 @@ def _flat_stats(ins: Any, outs: Any, *args: Any) -> Answer:
     return ((*ins[:3], st, st, ins[5]), outs) if len(ins) == 6 else (ins, (outs[0], st, st))
 
 
-def _conv_check(transpose: bool, input: T, filter: T, output: T | None = None, output_grad: T | None = None,
-                data_format: str = "NCHW", groups: int = 1) -> None:  # fmt: skip
-    """:func:`_channels` of a call: the third tensor the reverse rule's output or the grad's output_grad
-    (conv2d's forward and reverse have no attributes: NCHW, groups 1)."""
-    third, name = (output, "output") if output is not None else (output_grad, "" if output_grad is None else "output_grad")
-    _channels(input, filter, third, data_format in ("NHWC", "NDHWC"), groups, transpose, name)
-
-
 def _output_grad_partial(output_grad: T) -> Any:
     return output_grad.dist_attr.partial
 
@@ -255,7 +251,7 @@ def _conv(grad: bool, nsp: int, transpose: bool, attrs: bool, out: str, paddle: 
         partial(conv_notation, grad, nsp, transpose), key=f"{last}, {groups} > 1",
         require=(f"data_format in {fmts!r}", "groups >= 1") if attrs else (),
         shapes=f"input: n _{sp}; filter: _ _{sp}" + (f"; {out}: n _{sp}" if out else ""),
-        check=partial(_conv_check, transpose),
+        check=partial(_channels, transpose),
         post=_linear_partial if grad else None, post_if=_output_grad_partial if grad else None,
         paddle=paddle, doc=f"{paddle}: {doc}",
     )  # fmt: skip

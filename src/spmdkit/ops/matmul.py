@@ -123,27 +123,32 @@ def out_shape(xs: Shape, ys: Shape, tx: bool, ty: bool) -> Shape:
     return tuple(batch)
 
 
-def _check(op: str, x: DistTensorSpec, y: DistTensorSpec, trans_x: bool, trans_y: bool,
-           out: DistTensorSpec | None = None, out_grad: DistTensorSpec | None = None) -> None:  # fmt: skip
-    """x and y multiply; the reverse rule's out (the grad rule's out_grad) is shaped as x @ y."""
+def _multiply(x: DistTensorSpec, y: DistTensorSpec, trans_x: bool, trans_y: bool) -> None:
+    """x and y multiply."""
+    out_shape(x.shape, y.shape, trans_x, trans_y)
+
+
+def _product(op: str, x: DistTensorSpec, y: DistTensorSpec, trans_x: bool, trans_y: bool,
+             out: DistTensorSpec | None = None, out_grad: DistTensorSpec | None = None) -> None:  # fmt: skip
+    """The reverse rule's out (the grad rule's out_grad) is shaped as x @ y."""
+    t, name = (out, "out") if out is not None else (out_grad, "out_grad")
     want = out_shape(x.shape, y.shape, trans_x, trans_y)
-    for name, t in (("out", out), ("out_grad", out_grad)):
-        if t is not None and t.shape != want:
-            check_same_shape(op, t, want, name, "x @ y")
+    if t is not None and t.shape != want:
+        check_same_shape(op, t, want, name, "x @ y")
 
 
 _KEY = "x, y, trans_x, trans_y"
 declare(
     "matmul", "x: T, y: T, trans_x: bool = False, trans_y: bool = False",
-    Way(notation, key=_KEY, mask=("x", "y"), check=_check,
+    Way(notation, key=_KEY, mask=("x", "y"), check=_multiply,
         paddle="MatmulInferSpmd", doc="MatmulInferSpmd: ``[b] m k, [b] k n -> b m n``; a sharded k makes out partial."),
-    reverse=Way(reverse_notation, key=_KEY, mask=("x", "y"), check=_check,
+    reverse=Way(reverse_notation, key=_KEY, mask=("x", "y"), check=_product,
                 paddle="MatmulInferSpmdReverse", doc="MatmulInferSpmdReverse: x and y from out (k replicated)."),
     outputs="out: T", aliases=("matmul_v2",),
 )  # fmt: skip
 declare(
     "matmul_grad", "x: T, y: T, out_grad: T, trans_x: bool = False, trans_y: bool = False",
-    Way(grad_notation, key=_KEY, mask=("x", "y", "out_grad"), check=_check,
+    Way(grad_notation, key=_KEY, mask=("x", "y", "out_grad"), check=_product,
         paddle="MatmulGradInferSpmd",
         doc="MatmulGradInferSpmd: x_grad partial over n and x's broadcast batch letters, y_grad over m and y's."),
     aliases=("matmul_v2_grad",),

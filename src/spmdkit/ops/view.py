@@ -113,8 +113,10 @@ def _target(shape: list[int], x: DistTensorSpec) -> tuple[int, ...]:
     return dt.resolve_target("reshape", shape, x.shape)
 
 
-def _x_dynamic(op: str, x: DistTensorSpec) -> None:
+def _reshaped(op: str, x: DistTensorSpec, shape: list[int]) -> tuple[int, ...]:
+    """x's sizes checked, then reshape's out shape (bound to ``tgt``)."""
     _sizes(op, x, "x", True)
+    return dt.resolve_target("reshape", shape, x.shape)
 
 
 def _reshape_reverse(op: str, x: DistTensorSpec, out: DistTensorSpec, shape: list[int]) -> None:
@@ -144,7 +146,7 @@ _ENV = {"dt": dt}
 declare(
     "reshape", "x: T, shape: ints",
     Way(partial(notation, True, False), key="x, dt.reshape_links(x.shape, tgt)", out_shapes=lambda tgt: (tgt,),
-        env=_ENV, check=(_x_dynamic, Let("tgt", _target)),
+        env=_ENV, check=Let("tgt", _reshaped),
         post=_linear, post_if=x_partial, paddle="ReshapeInferSpmd",
         doc="out = x viewed as ``shape`` (0 copies x's size, one -1 inferred; a dynamic (-1) size of x must be "
             "copied by a 0 at its index)."),
