@@ -7,7 +7,10 @@ size-1 axes of each input) into a :class:`RulePlan`: letters become ints, every 
 an int tuple, every tensor a tuple of letter ids. :func:`run` answers a call from the plan
 with lists indexed by letter, no dicts; :func:`infer` adds the projection onto every tensor.
 The answer is :func:`spmdkit.engine.merge.reference_merge`'s (tests/test_engine_compiled.py
-holds them equal on random cases).
+holds them equal on random cases). A plan's fast path is straight-line Python generated here
+(:func:`_generate`, in named steps) and made a function by :func:`spmdkit.engine.codegen.define`.
+:func:`merge_letters` (the default policy on plain tuples) and :func:`einsum_forward` (a
+notation's forward answer) are the plans' two direct uses.
 """
 
 from __future__ import annotations

@@ -105,7 +105,7 @@ class Way:
       returns true (``lambda x: x.dist_attr.partial``);
     * ``env``: names the ``key`` expressions may use besides the parameters and ``ones``;
     * ``wrap(fn, signature, outputs) -> fn``: what :func:`declare` registers in place of the
-      generated function (a 0-D optional tensor read as absent: ``rules._absent.zero_d_absent``);
+      generated function (a 0-D optional tensor read as absent: ``spmdkit.ops._absent.absent_0d``);
     * ``out_shapes``: a hook (by name, as ``check``) giving the outputs' shapes, passed to
       :func:`~spmdkit.engine.compiler.infer` in the forward direction (a ``flatten`` letter on
       an output needs its sizes there: the view rules);
