@@ -11,7 +11,7 @@ from spmdkit.core.dist_attr import ReduceType, TensorDistAttr
 from spmdkit.core.errors import InvalidArgumentError, InvalidAttributeError, InvalidMeshError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec
-from spmdkit.engine.compile import compile_plan, infer, traced
+from spmdkit.engine.compiler import compile_plan, infer, traced
 from spmdkit.engine.declare import Way, declare, generate, ones
 from spmdkit.engine.notation import Notation, letters_for
 from spmdkit.engine.signature import GRAD, REVERSE
@@ -228,17 +228,20 @@ def test_tail_nonempty_pre_and_out_shapes() -> None:
     def seen(equation: str) -> None:
         raise InvalidAttributeError(f"equation {equation!r} names no operand")
 
-    e = generate("ein", "x: [T], eq: str", Way(lambda r: Notation(["a"] * len(r), ["a"]), key="x",
-                                               pre="if not x: _seen(eq)", env={"_seen": seen}))  # fmt: skip
+    def no_operand(x: list[DistTensorSpec], eq: str) -> None:
+        if not x:
+            seen(eq)
+
+    e = generate("ein", "x: [T], eq: str", Way(lambda r: Notation(["a"] * len(r), ["a"]), key="x", pre=no_operand))
     with pytest.raises(InvalidAttributeError, match="ein: equation 'i' names no operand"):
         e([], "i")
 
     def view(n: int) -> Notation:  # x (a, b) -> out (a*b): a co-sharded over a's and b's mesh dims
         return Notation(["ab"], ["a"], flatten=["ab"])
 
-    v = generate("flat", "x: T", Way(view, key="x", out_shapes="((x.shape[0] * x.shape[1],),)"))
+    v = generate("flat", "x: T", Way(view, key="x", out_shapes=lambda x: ((x.shape[0] * x.shape[1],),)))
     assert v(t([8, 8], [0, 1])).outputs[0].dims_mapping == ((0, 1),)  # type: ignore[union-attr]
-    w = generate("flat", "x: T", Way(view, key="x", out_shapes="((4,),)"))  # out's size counts: 8 does not divide 4
+    w = generate("flat", "x: T", Way(view, key="x", out_shapes=lambda: ((4,),)))  # out's size counts: 8 does not divide 4
     assert w(t([8, 8], [0, 1])).outputs[0].dims_mapping == (0,)  # type: ignore[union-attr]
     with pytest.raises(ValueError, match="tail 'zs' is not a tensor"):
         generate("bad", "x: T", Way(_rowwise, tail="zs"))

@@ -1,4 +1,4 @@
-"""Compiled plans (spmdkit.engine.compile) against the reference merge (spmdkit.engine.merge).
+"""Compiled plans (spmdkit.engine.compiler) against the reference merge (spmdkit.engine.merge).
 
 Every compiled plan must answer what the plain dict-based reference answers for its notation
 and policy: on random notations and policies, on the notations the rules on the engine compile
@@ -17,10 +17,10 @@ import pytest
 from spmdkit.core.dist_attr import ReduceType
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec
-from spmdkit.engine.compile import Plan, compile_plan, infer, run
+from spmdkit.engine.compiler import RulePlan, compile_plan, infer, merge_letters, run
 from spmdkit.engine.dim_trans import reshape_links, view_plan
 from spmdkit.engine.merge import BROADCAST, reference_merge
-from spmdkit.engine.notation import Notation, merge_letters
+from spmdkit.engine.notation import Notation
 from spmdkit.ops import (
     amp,
     conv,
@@ -138,7 +138,7 @@ def _random_notation(rng: random.Random) -> Notation:
     )
 
 
-def _check(p: Plan, direction: str, dms: list[Any], shapes: list[Any], mesh_shape: tuple[int, ...],
+def _check(p: RulePlan, direction: str, dms: list[Any], shapes: list[Any], mesh_shape: tuple[int, ...],
            pts: list[Any] | None = None) -> None:
     nt = p.notation
     n_in = len(nt.inputs)
@@ -180,8 +180,8 @@ def test_default_policy_is_merge_letters() -> None:
         assert {c: got[i] for i, c in enumerate(nt.letters) if got[i]} == {c: d for c, d in new.items() if d}
 
 
-def _rule_plans() -> list[tuple[Plan, str]]:
-    plans: list[tuple[Plan, str]] = []
+def _rule_plans() -> list[tuple[RulePlan, str]]:
+    plans: list[tuple[RulePlan, str]] = []
     for nx in (1, 2, 3, 4):
         for ny in (1, 2, 3):
             for tx in (False, True) if nx > 1 else (False,):
@@ -261,10 +261,10 @@ def _rule_plans() -> list[tuple[Plan, str]]:
     return plans
 
 
-def _conv_family_plans() -> list[tuple[Plan, str]]:
+def _conv_family_plans() -> list[tuple[RulePlan, str]]:
     """The plans of the conv family (convolutions, batch / group / instance norm, roi_align) and
     of embedding."""
-    plans: list[tuple[Plan, str]] = []
+    plans: list[tuple[RulePlan, str]] = []
     for kind in ("forward", "reverse", "grad"):
         d = "backward" if kind == "reverse" else "forward"
         for nsp in (2, 3):
@@ -331,7 +331,7 @@ def _attrs(res: Any) -> Any:
 
 
 def _fast_and_general(
-    rng: random.Random, p: Plan, direction: str, partial: bool = False
+    rng: random.Random, p: RulePlan, direction: str, partial: bool = False
 ) -> tuple[Any, Any, list[Any], list[Any], Any]:
     """A random case of the plan (``partial``: with random partial tensors): the generated
     code's answer (None where it declines), the general path's (None for a backward case
@@ -478,7 +478,7 @@ def test_docs_rules_md_examples_run() -> None:
 
 def test_rules_on_the_engine_are_answered_through_it() -> None:
     """Every mode of matmul, the norm family and softmax reaches a compiled plan (traced)."""
-    from spmdkit.engine.compile import traced
+    from spmdkit.engine.compiler import traced
     from spmdkit.ops import get_rule, set_cache_enabled
 
     m = ProcessMesh([2, 2])
@@ -519,7 +519,7 @@ def test_forward_projection_equals_the_reference() -> None:
     """infer's general path projects the merged letters as the dict-based spec does: every
     output partial over each mesh dim of the letters it lacks once (``taken="keep"`` lets two
     letters share one), inputs without partial."""
-    from spmdkit.engine.notation import partial_of, project
+    from spmdkit.engine.merge import partial_of, project
 
     rng = random.Random(23)
     checked = 0
@@ -547,7 +547,7 @@ def test_forward_projection_equals_the_reference() -> None:
 def test_big_plan_generates_its_code_on_second_use() -> None:
     """A plan labelling more than ``_EAGER`` axes declines its first call (the general path
     answers), generates its code on the second, and that code answers as the general path."""
-    from spmdkit.engine.compile import _EAGER
+    from spmdkit.engine.compiler import _EAGER
 
     rng = random.Random(29)
     n = _EAGER // 2 + 1  # 2-D tensors of their own letters: more than _EAGER axes

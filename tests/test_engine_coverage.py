@@ -2,7 +2,7 @@
 
 Every canonical rule-mode runs a few simulator-generated cases with the result cache off (which
 also turns off the engine's memo tables, so no cached answer hides a rule) under
-:func:`spmdkit.engine.compile.traced`; a mode is on the engine when every case it answers (an
+:func:`spmdkit.engine.compiler.traced`; a mode is on the engine when every case it answers (an
 error answer reaches no merge) went through a compiled plan. Every mode must be (the list of
 exceptions this test used to carry is empty and gone).
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from spmdkit.engine.compile import traced
+from spmdkit.engine.compiler import traced
 from spmdkit.io.codec import answer_line
 from spmdkit.ops import get_rule, rule_names, set_cache_enabled
 from spmdkit.sim.cases import generate_case

@@ -420,7 +420,7 @@ def test_errors_are_library_errors() -> None:
 @given(st.data())
 def test_rule_reads_like_its_notation(data: Any) -> None:
     """Without co-shards and partial inputs the rule is the engine run on ``notation()``."""
-    from spmdkit.engine.notation import einsum_forward
+    from spmdkit.engine.compiler import einsum_forward
 
     mesh = ProcessMesh(data.draw(st.sampled_from([[2], [4], [2, 3], [3, 2, 2]])))
     shape = data.draw(st.lists(st.sampled_from([1, 2, 3, 4, 6, 8]), min_size=1, max_size=4))

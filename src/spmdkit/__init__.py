@@ -8,7 +8,16 @@ from spmdkit.core import (
     SpmdResult,
     TensorDistAttr,
 )
-from spmdkit.engine.registry import get_rule, rule_names
+from spmdkit.engine.registry import get_rule, rule_names, set_catalogue
+
+
+def _load_catalogue() -> None:
+    """Import every op family, each registering its rules (run by the registry on its first
+    lookup: the engine below the op families never imports them)."""
+    import spmdkit.ops  # noqa: F401
+
+
+set_catalogue(_load_catalogue)
 
 __version__ = "0.1.0"
 

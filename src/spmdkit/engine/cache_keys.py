@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from spmdkit.core.spec import EXPLICIT_MESH_FLAG, DistTensorSpec, SpmdResult
+from spmdkit.engine.codegen import define
 
 
 class _Uncacheable(Exception):
@@ -315,7 +316,6 @@ def key_function(params: Sequence[Any], n: int, tag: int, cache: dict[Any, Any])
     )
     env: dict[str, Any] = {"_S": DistTensorSpec, "_B": _SMALL_INT, "_Z": _zero_item, "_F": _K_FAST,
                            "_P": _PLAIN, "_TAIL": tail, "_get": cache.get, "general": general}
-    exec(compile(src, f"<cache key {', '.join(kinds)}>", "exec"), env)
-    fn: KeyLookup = env["key"]
+    fn: KeyLookup = define(src, f"cache key {', '.join(kinds)}", "key", env)
     fn.source = src  # type: ignore[attr-defined]
     return fn

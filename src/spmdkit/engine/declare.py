@@ -9,7 +9,7 @@ function names, kind of the backward slot) with functions :func:`generate` write
 straight-line Python with the signature's real parameter names (no ``*args`` parsing per
 call) that checks the call, computes the key, looks its compiled plan up in a dict (compiled
 on the key's first call: once per key, never per shape) and answers through
-:func:`spmdkit.engine.compile.infer`.
+:func:`spmdkit.engine.compiler.infer`.
 
     declare(
         "softmax", "x: T, axis: int = -1",
@@ -18,7 +18,8 @@ on the key's first call: once per key, never per shape) and answers through
         outputs="out: T",
     )
 
-``key``: comma-separated Python expressions over the mode's parameters; a bare tensor name
+``key``: comma-separated Python expressions over the mode's parameters (and the names a
+:class:`Let` binds); a bare tensor name
 stands for its rank (``-1`` for an absent optional tensor; a list of tensors: the tuple of
 their ranks), ``ones(t)`` for the bit mask of
 its size-1 axes, and ``*f(...)`` for the items of a tuple (one such item alone: the key is
@@ -26,10 +27,14 @@ its size-1 axes, and ``*f(...)`` for the items of a tuple (one such item alone: 
 the ``mask``, see :class:`Way`). An :class:`~spmdkit.core.errors.SpmdError` raised by a notation function or a
 hook without the op's name (``"perm [1] has 1 entries for a 2-D x"``) is re-raised with it
 (``"transpose: perm ..."``), so the notation functions are plain functions of the key.
+
+The hooks (``pre``, ``check``, ``post_if``, ``out_shapes``; ``post``) are ordinary Python
+functions: the generated code calls each by the names of its parameters (see :class:`Way`).
 """
 
 from __future__ import annotations
 
+import inspect
 import keyword
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -39,18 +44,35 @@ from typing import Any
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import InvalidArgumentError, InvalidMeshError, ShapeMismatchError, SpmdError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.compile import Plan, compile_plan, infer
-from spmdkit.engine.notation import Notation, check_letters, common_mesh, fast_result, named_mesh
+from spmdkit.engine.codegen import define
+from spmdkit.engine.compiler import RulePlan, compile_plan, infer
+from spmdkit.engine.notation import Notation
 from spmdkit.engine.registry import register
 from spmdkit.engine.shapes import NAMESPACE as SHAPE_NAMES
 from spmdkit.engine.shapes import mismatch, require_lines, shape_lines
 from spmdkit.engine.signature import GRAD, REVERSE, parse_signature, reverse_signature
+from spmdkit.engine.tensors import check_letters, common_mesh, fast_result, named_mesh
 
 #: what the engine answers and a post-hook returns: the inputs' and the outputs' dist attrs
 Answer = tuple[Sequence[TensorDistAttr | None], Sequence[TensorDistAttr | None]]
 
 #: compiled plans kept per generated function (a dict per mode; emptied when it holds more)
 PLAN_LIMIT = 4096
+
+
+@dataclass(frozen=True)
+class Let:
+    """A hook whose value the generated function binds to ``name`` (not a parameter's, no leading
+    underscore): the hooks after it, the key expressions, ``post_if`` and ``out_shapes`` may read
+    it (``Let("tgt", _target)``: reshape's resolved target shape, read by its key and its
+    ``out_shapes``)."""
+
+    name: str
+    fn: Callable[..., Any]
+
+
+#: a stage's hooks (``Way.pre``, ``Way.check``): one, or several run in order
+Hooks = Callable[..., Any] | Let | Sequence[Callable[..., Any] | Let]
 
 
 @dataclass(frozen=True)
@@ -64,24 +86,29 @@ class Way:
     * ``mask``: tensors (inputs of the notation, in order) whose size-1 axes key the
       plan: their bit masks (``ones(t)``; 0 for an input between them not named) are the key's
       last item, passed to the notation function last and to
-      :func:`~spmdkit.engine.compile.compile_plan` as its ``mask``
+      :func:`~spmdkit.engine.compiler.compile_plan` as its ``mask``
       (for ``size1="broadcast"``);
     * ``same``: pairs of tensor names that must have one shape (sizes -1 match anything;
       checked after ``check``); every tensor must lie on the first tensor's mesh (checked
       first, always; the message names both);
     * ``letters``: check per call that every letter has one size over the tensors the plan
       merges and projects (:func:`~spmdkit.engine.notation.check_letters`);
-    * ``check(*args)``: more checks (shapes, attributes), raising SpmdError subclasses that
-      name the argument; or a string, an expression over the parameters (and ``env``) inlined;
+    * ``check``: more checks (shapes, attributes), raising SpmdError subclasses that name the
+      argument: a hook, or several run in order (a :class:`Let` binds its value to a name). A
+      hook is an ordinary function called by its parameters' names: each takes the mode's
+      parameter of that name, ``op`` the op's name, a name an earlier :class:`Let` bound its
+      value; one with a default the call has no value for keeps its default
+      (``def _check(op, x, y, out=None)`` serves forward and reverse);
     * ``post(ins, outs, *args) -> (ins, outs)``: a hook on the engine's answer for a true
-      special case (say why where it is declared); ``post_if``: an expression over the
-      parameters, where given the hook runs only where it holds (``"x.dist_attr.partial"``);
+      special case (say why where it is declared), given every parameter in order;
+      ``post_if``: a hook (by name, as ``check``) where given the post hook runs only where it
+      returns true (``lambda x: x.dist_attr.partial``);
     * ``env``: names the ``key`` expressions may use besides the parameters and ``ones``;
     * ``wrap(fn, signature, outputs) -> fn``: what :func:`declare` registers in place of the
-      generated function (a 0-D optional tensor read as absent: ``rules._absent.zero_d_absent``);
-    * ``out_shapes``: an expression over the parameters (and ``env``) giving the outputs'
-      shapes, passed to :func:`~spmdkit.engine.compile.infer` in the forward direction (a
-      ``flatten`` letter on an output needs its sizes there: the view rules);
+      generated function (a 0-D optional tensor read as absent: ``spmdkit.ops._absent.absent_0d``);
+    * ``out_shapes``: a hook (by name, as ``check``) giving the outputs' shapes, passed to
+      :func:`~spmdkit.engine.compiler.infer` in the forward direction (a ``flatten`` letter on
+      an output needs its sizes there: the view rules);
     * ``tail``: every tensor of the call (a reverse rule's outputs too) is an input of the
       notation, compiled forward (its ``sources`` name the merged ones), and the answer's
       outputs are, for an int ``k``, the attrs of ``k`` absent tensors the notation labels
@@ -96,8 +123,8 @@ class Way:
       (:mod:`spmdkit.engine.shapes`); ``require``: conditions over the attributes (``"groups >= 1"``),
       InvalidAttributeError naming the op, the condition and the values where one is false.
       Checked after the mesh, in the order require, shapes, ``check``, ``same``;
-    * ``pre``: a statement over the parameters (and ``env``) inlined before the mesh is read
-      (an empty list has no mesh: einsum checks its equation against it first);
+    * ``pre``: hooks (as ``check``) run before the mesh is read (an empty list has no mesh:
+      einsum checks its equation against it first);
     * ``order``: the tensor parameters (comma-separated, each once) in the order the notation
       labels them, where it is not the signature's (a reverse rule's outputs after its inputs):
       the default key, the mesh check and ``post`` follow it, and the answer is given back in
@@ -118,15 +145,15 @@ class Way:
     mask: Sequence[str] = ()
     same: Sequence[tuple[str, str]] = ()
     letters: bool = False
-    check: str | Callable[..., Any] | None = None
+    check: Hooks = ()
     post: Callable[..., Answer] | None = None
-    post_if: str = ""
+    post_if: Callable[..., Any] | None = None
     env: Mapping[str, Any] = field(default_factory=dict)
     wrap: Callable[[Callable[..., SpmdResult], str, Sequence[str]], Callable[..., SpmdResult]] | None = None
-    out_shapes: str = ""
+    out_shapes: Callable[..., Any] | None = None
     tail: int | str = 0
     nonempty: Sequence[str] = ()
-    pre: str = ""
+    pre: Hooks = ()
     shapes: str = ""
     require: Sequence[str | tuple[str, str]] = ()
     order: str = ""
@@ -215,6 +242,321 @@ def _split(text: str) -> list[str]:
     return out
 
 
+def _hook_args(op: str, fn: Callable[..., Any], bound: Sequence[str]) -> str:
+    """The arguments of a call of hook ``fn`` in the generated code: each of its parameters the
+    value of that name (a parameter of the mode or a name bound by a :class:`Let` before it;
+    ``op``: the op's name), a parameter no such name exists for left to its default."""
+    out: list[str] = []
+    by_name = False
+    for p in inspect.signature(fn).parameters.values():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            raise ValueError(f"{op}: a hook takes its arguments by name, not *{p.name} ({fn!r})")
+        if p.name in bound:
+            value = p.name
+        elif p.name == "op":
+            value = "_OP"
+        elif p.default is not p.empty:
+            by_name = True  # the parameters after one left out are passed by name
+            continue
+        else:
+            raise ValueError(f"{op}: hook {fn!r} takes {p.name!r}, which is no parameter of the rule")
+        if p.kind is p.POSITIONAL_ONLY and by_name:
+            raise ValueError(f"{op}: hook {fn!r} takes {p.name!r} positionally after one it is not given")
+        out.append(f"{p.name}={value}" if by_name or p.kind is p.KEYWORD_ONLY else value)
+    return ", ".join(out)
+
+
+class _Source:
+    """The source of one generated rule function (:func:`generate`), written step by step: the
+    tensors' roles, then the lines in the order the function runs them (arguments, mesh, checks,
+    key and plan, the answer)."""
+
+    def __init__(self, op: str, signature: str, way: Way, direction: str, outputs: Sequence[str], name: str) -> None:
+        if direction not in ("forward", "backward"):
+            raise ValueError(f"{op}: direction must be 'forward' or 'backward', got {direction!r}")
+        self.op, self.signature, self.way, self.direction = op, signature, way, direction
+        self.params = parse_signature(signature)
+        self.pnames = [p.name for p in self.params]
+        for n in self.pnames:
+            if not n.isidentifier() or keyword.iskeyword(n) or n.startswith("_"):
+                raise ValueError(f"{op}: parameter name {n!r} cannot be generated")
+        self.kinds = {p.name: p.kind for p in self.params}
+        self.call = ", ".join(self.pnames)
+        self.bound = list(self.pnames)  # what a hook may take: the parameters, then the Let names
+        self.ns: dict[str, Any] = {
+            "_OP": op, "_infer": infer, "_result": fast_result, "_E": SpmdError, "_renamed": renamed,
+            "_named_mesh": named_mesh, "_same": same_shape, "_ones": ones, "ones": ones, "_post": way.post,
+            "_letters": check_letters, "_list_mesh": _list_mesh, "_list_names": _list_names,
+            "_IAE": InvalidArgumentError, **SHAPE_NAMES, **way.env,
+        }  # fmt: skip
+        self.lines: list[str] = []
+        self._roles(outputs)
+        self.ns["_NAMES"] = tuple(self.tensors)
+        self._arguments(name or op)
+
+    def emit(self, line: str) -> None:
+        self.lines.append(line)
+
+    def _roles(self, outputs: Sequence[str]) -> None:
+        """The tensors in the notation's order, which are merged outputs (a reverse rule's), which
+        are list parameters, and the answer's order (the signature's)."""
+        op, way, signature = self.op, self.way, self.signature
+        tensors = [p.name for p in self.params if p.is_tensor]
+        self.lists = [n for n in tensors if self.kinds[n] in ("[T]", "[T?]")]
+        outs = list(outputs) if self.direction == "backward" and not way.tail else []
+        self.sig_ins, self.sig_outs = [n for n in tensors if n not in outs], outs  # the answer's order
+        if way.order:
+            order = _split(way.order)
+            if self.lists or way.tail or sorted(order) != sorted(tensors):
+                raise ValueError(f"{op}: order {way.order!r} must name each tensor of {signature!r} once (no lists)")
+            outs = [n for n in order if n in outs]
+            tensors = [n for n in order if n not in outs] + outs  # the names the answer's items have
+        self.permuted = bool(way.order) and tensors != self.sig_ins + self.sig_outs
+        if isinstance(way.tail, str) and way.tail not in tensors:
+            raise ValueError(f"{op}: tail {way.tail!r} is not a tensor parameter of {signature!r}")
+        for n in outs:
+            if n not in tensors:
+                raise ValueError(f"{op}: output {n!r} is not a tensor parameter of {signature!r}")
+        ins = [n for n in tensors if n not in outs]
+        for a, b in way.same:
+            if a not in tensors or b not in tensors or a in self.lists or b in self.lists:
+                raise ValueError(f"{op}: same-shape pair ({a!r}, {b!r}) names no single tensor parameter")
+        for n in way.mask:
+            if n not in ins or n in self.lists:
+                raise ValueError(f"{op}: mask tensor {n!r} is not a single input of the notation")
+        self.masked = ins[: max((ins.index(n) + 1 for n in way.mask), default=0)]  # 0 for an input not named
+        if [n for n in self.masked if n in way.mask] != list(way.mask):
+            raise ValueError(f"{op}: mask tensors {list(way.mask)} must be in the inputs' order {ins}")
+        self.tensors, self.ins, self.outs = tensors, ins, outs
+
+    def _arguments(self, fname: str) -> None:
+        """The def line: the signature's names and defaults (none before a required parameter)."""
+        args = []
+        last_required = max((i for i, p in enumerate(self.params) if p.required), default=-1)
+        for i, p in enumerate(self.params):
+            if p.required or i < last_required:  # no default before a required parameter
+                args.append(p.name)
+            else:
+                self.ns[f"_d{i}"] = p.default
+                args.append(f"{p.name}=_d{i}")
+        self.emit(f"def {fname}({', '.join(args)}):")
+        self.emit("    try:")
+
+    def flat(self, names: list[str]) -> str:
+        return "(" + "".join(f"*{n}, " if n in self.lists else f"{n}, " for n in names) + ")"
+
+    def hooks(self, stage: str, hooks: Hooks) -> None:
+        """Calls of the hooks of a stage (``pre``, ``check``), a :class:`Let`'s value bound to its name."""
+        for k, h in enumerate((hooks,) if callable(hooks) or isinstance(hooks, Let) else hooks):
+            fn = h.fn if isinstance(h, Let) else h
+            if not callable(fn):
+                raise TypeError(f"{self.op}: a {stage} hook is a function, got {fn!r}")
+            var = f"_{stage}{k}"
+            self.ns[var] = fn
+            got = f"{var}({_hook_args(self.op, fn, self.bound)})"
+            if isinstance(h, Let):
+                n = h.name
+                if not n.isidentifier() or keyword.iskeyword(n) or n.startswith("_") or n in self.bound or n in self.ns:
+                    raise ValueError(f"{self.op}: Let name {n!r} is taken or cannot be generated")
+                self.bound.append(n)
+                got = f"{n} = {got}"
+            self.emit(f"        {got}")
+
+    def hook(self, fn: Callable[..., Any], var: str) -> str:
+        """A call of a single hook (``post_if``, ``out_shapes``) over every bound name."""
+        if not callable(fn):
+            raise TypeError(f"{self.op}: a {var[1:]} hook is a function, got {fn!r}")
+        self.ns[var] = fn
+        return f"{var}({_hook_args(self.op, fn, self.bound)})"
+
+    def mesh(self) -> None:
+        """The non-empty lists, the ``pre`` hooks, then the one mesh: the first required tensor's
+        (every tensor on it; the message names both)."""
+        way, lists, kinds, tensors = self.way, self.lists, self.kinds, self.tensors
+        if way.nonempty:
+            for n in way.nonempty:
+                if n not in lists:
+                    raise ValueError(f"{self.op}: nonempty {n!r} is not a list parameter")
+            if len(way.nonempty) == 1 and kinds[way.nonempty[0]] == "[T]":
+                cond, what = f"not {way.nonempty[0]}", f"{way.nonempty[0]} must hold at least one tensor"
+            else:
+                cond = f"all(t is None for t in {self.flat(list(way.nonempty))})"
+                what = f"{' and '.join(way.nonempty)} hold no tensor, so no mesh"
+            self.emit(f"        if {cond}: raise _IAE({what!r})")
+        self.hooks("pre", way.pre)
+        first = next((n for n in tensors if kinds[n] == "T"), None)
+        if lists:  # a loop over the lists' items
+            self.emit(f"        _mesh = _list_mesh(_OP, ({''.join(f'({n!r}, {n}, {n in lists}), ' for n in tensors)}))")
+            return
+        if first is None:
+            self.emit(f"        _mesh = _named_mesh(_OP, ({''.join(f'({n!r}, {n}), ' for n in tensors)}))")
+            return
+        self.emit(f"        _mesh = {first}.dist_attr.mesh")
+        pairs = "".join(f"({n!r}, {n}), " for n in tensors)
+        for n in tensors:
+            if n == first:
+                continue
+            ind = "        "
+            if kinds[n] == "T?":
+                self.emit(f"        if {n} is not None:")
+                ind += "    "
+            self.emit(f"{ind}_m = {n}.dist_attr.mesh")
+            self.emit(f"{ind}if _m is not _mesh and _m != _mesh: _named_mesh(_OP, ({pairs}))")
+
+    def checks(self) -> None:
+        """``require``, ``shapes``, the ``check`` hooks, then the same-shape pairs."""
+        way, kinds = self.way, self.kinds
+        self.lines += require_lines(way.require, self.pnames, "        ")
+        self.lines += shape_lines(self.op, way.shapes, kinds, "        ")
+        self.hooks("check", way.check)
+        for a, b in way.same:
+            cond = f"{a}.shape != {b}.shape"
+            if kinds[a] == "T?":
+                cond = f"{a} is not None and {cond}"
+            if kinds[b] == "T?":
+                cond = f"{b} is not None and {cond}"
+            self.emit(f"        if {cond}: _same(_OP, {a!r}, {a}, {b!r}, {b})")
+
+    def key(self) -> None:
+        """The key (``Way.key``; the masks last) and its plan, from the table or compiled."""
+        way, tensors, kinds = self.way, self.tensors, self.kinds
+
+        def rank(n: str) -> str:
+            if n in self.lists:
+                return f"tuple([-1 if t is None else len(t.shape) for t in {n}])"
+            return f"len({n}.shape)" if kinds[n] == "T" else f"(-1 if {n} is None else len({n}.shape))"
+
+        def fast_ones(item: str) -> str:
+            """``ones(t)`` of a tensor parameter inlined: no call where t has no size-1 axis."""
+            n = item[5:-1].strip() if item.startswith("ones(") and item.endswith(")") else ""
+            if n not in tensors:
+                return ""
+            if kinds[n] == "T?":
+                return f"(_ones({n}) if {n} is not None and 1 in {n}.shape else 0)"
+            return f"(_ones({n}) if 1 in {n}.shape else 0)"
+
+        if callable(way.key):
+            self.ns["_key"] = way.key
+            key_items = [f"*_key({self.call})"]
+        else:
+            items = _split(way.key) if way.key.strip() else list(tensors)
+            key_items = [rank(k) if k in tensors else k if k.startswith("*") else fast_ones(k) or f"({k})"
+                         for k in items]  # fmt: skip
+        if way.mask:
+            masks = "".join((fast_ones(f"ones({n})") if n in way.mask else "0") + ", " for n in self.masked)
+            key_items.append(f"({masks})")
+        if len(key_items) == 1 and key_items[0].startswith("*"):
+            self.emit(f"        _k = {key_items[0][1:]}")  # the expression gives the whole key (a tuple)
+        else:
+            self.emit(f"        _k = ({''.join(k + ', ' for k in key_items)})")
+        self.emit("        _p = _P.get(_k)")
+        self.emit("        if _p is None: _p = _miss(_k)")
+
+    def group(self, var: str, names: list[str]) -> str:
+        """The flat answer ``var`` regrouped: a list parameter's attrs as one tuple."""
+        items, off = [], "0"
+        for n in names:
+            if n in self.lists:
+                end = f"{off} + len({n})"
+                items.append(f"{var}[{off}:{end}]")
+                off = end
+            else:
+                items.append(f"{var}[{off}]")
+                off = f"{off} + 1"
+        return "(" + "".join(i + ", " for i in items) + ")"
+
+    def answer(self, outputs: Sequence[str]) -> None:
+        """The per-call letter check, then the engine's answer (``tail``, lists, ``post``, ``order``)."""
+        way, lists = self.way, self.lists
+        tin, tout = self.flat(self.ins), self.flat(self.outs)
+        shapes = f", out_shapes={self.hook(way.out_shapes, '_out_shapes')}" if way.out_shapes and not self.outs else ""
+        if isinstance(way.tail, int) and way.tail:
+            tin = tin[:-1] + "None, " * way.tail + ")"
+        if lists:  # the tensors' names, a list's items as x[0], x[1], ...
+            nm = "".join(f"({n!r}, len({n})), " if n in lists else f"({n!r}, -1), " for n in self.tensors)
+            self.emit(f"        _names = _list_names(({nm}))")
+        names = "_names" if lists else "_NAMES"
+        if way.letters:
+            if self.direction == "forward":
+                self.emit(f"        _letters(_OP, _p.notation.inputs, {tin}, {names})")
+            else:
+                self.emit(f"        _letters(_OP, _p.notation.inputs + _p.notation.outputs, {tin} + {tout}, {names})")
+        post_if = self.hook(way.post_if, "_post_if") if way.post_if is not None else ""
+        if way.tail:
+            self._tail_answer(outputs, tin, names, shapes)
+        elif lists:
+            self.emit(f"        _i, _o = _infer(_p, _OP, {tin}, {tout}, _mesh, {names}{shapes})")
+            grouped = self.group("_o", self.outs) if any(n in lists for n in self.outs) else "_o"
+            self.emit(f"        _r = {self.group('_i', self.ins)}, {grouped}")
+            if way.post is not None:
+                if post_if:
+                    self.emit(f"        if not {post_if}: return _result(*_r)")
+                self.emit(f"        _r = _post(*_r, {self.call})")
+                self.emit("        return _result(tuple(_r[0]), tuple(_r[1]))")
+            else:
+                self.emit("        return _result(*_r)")
+        elif way.post is not None or self.permuted:
+            # the answer in the signature's order (``order``: the notation's is another)
+            back = "tuple(_r[0]), tuple(_r[1])"
+            if self.permuted:
+                ins, outs = self.ins, self.outs
+                back = "".join(f"_r[0][{ins.index(n)}], " for n in self.sig_ins)
+                outs_back = f"({''.join(f'_r[1][{outs.index(n)}], ' for n in self.sig_outs)})" if outs else "tuple(_r[1])"
+                back = f"({back}), {outs_back}"  # a forward rule's outputs: the notation's, as they are
+            self.emit(f"        _r = _infer(_p, _OP, {tin}, {tout}, _mesh, _NAMES{shapes})")
+            if post_if:
+                self.emit(f"        if not {post_if}: return _result({back if self.permuted else '*_r'})")
+            if way.post is not None:
+                self.emit(f"        _r = _post(*_r, {self.call})")
+            self.emit(f"        return _result({back})")
+        else:
+            self.emit(f"        return _result(*_infer(_p, _OP, {tin}, {tout}, _mesh, _NAMES{shapes}))")
+        self.emit("    except _E as _e:")
+        self.emit("        raise _renamed(_e, _OP) from None")
+
+    def _tail_answer(self, outputs: Sequence[str], tin: str, names: str, shapes: str) -> None:
+        """``tail``: every tensor an input of the notation; the answer cut where the tail starts."""
+        way, ins = self.way, self.ins
+        given = set(outputs) if self.direction == "backward" else set()  # a reverse rule's outputs: not answered
+        before = ins[: ins.index(way.tail)] if isinstance(way.tail, str) else [n for n in ins if n not in given]
+        cut = f"len({self.flat(before)})" if self.lists else str(len(before))
+        start = cut if isinstance(way.tail, str) else f"-{way.tail}"
+        self.emit(f"        _i, _o = _infer(_p, _OP, {tin}, (), _mesh, {names}{shapes})")
+        if way.post is None:
+            self.emit(f"        return _result(_i[:{cut}], _i[{start}:] + _o)")
+        else:
+            self.emit(f"        _r = _post(_i[:{cut}], _i[{start}:] + _o, {self.call})")
+            self.emit("        return _result(tuple(_r[0]), tuple(_r[1]))")
+
+
+def _plan_table(op: str, way: Way, direction: str) -> tuple[dict[tuple[Any, ...], RulePlan], Any, Any]:
+    """A mode's table of compiled plans by key, the function compiling a key's plan into it
+    (``_miss`` of the generated code), and ``plan(key)`` (errors naming the op)."""
+    plans: dict[tuple[Any, ...], RulePlan] = {}
+    notation = way.notation
+    has_mask = bool(way.mask)
+    cdir = "forward" if way.tail else direction
+
+    def miss(k: tuple[Any, ...]) -> RulePlan:
+        """The plan of key ``k``, compiled and kept (its notation's errors raised as they come)."""
+        nt = notation(*k)
+        mask = k[-1] + (0,) * (len(nt.inputs) - len(k[-1])) if has_mask else ()  # every input's
+        p = compile_plan(nt, cdir, mask)
+        if len(plans) >= PLAN_LIMIT:
+            plans.clear()
+        plans[k] = p
+        return p
+
+    def plan(k: tuple[Any, ...]) -> RulePlan:
+        """The compiled plan of key ``k`` (errors name the op)."""
+        try:
+            return plans.get(k) or miss(tuple(k))
+        except SpmdError as e:
+            raise renamed(e, op) from None
+
+    return plans, miss, plan
+
+
 def generate(
     op: str,
     signature: str,
@@ -235,234 +577,24 @@ def generate(
     optional tensor before the outputs, is left out: the registry passes every argument), and a
     ``plan(key)`` attribute giving the compiled plan of a key (``way.wrap``
     applied, where declared); ``module``: the declaring module (default: the caller's)."""
-    if direction not in ("forward", "backward"):
-        raise ValueError(f"{op}: direction must be 'forward' or 'backward', got {direction!r}")
-    params = parse_signature(signature)
-    pnames = [p.name for p in params]
-    for n in pnames:
-        if not n.isidentifier() or keyword.iskeyword(n) or n.startswith("_"):
-            raise ValueError(f"{op}: parameter name {n!r} cannot be generated")
-    kinds = {p.name: p.kind for p in params}
-    tensors = [p.name for p in params if p.is_tensor]
-    lists = [n for n in tensors if kinds[n] in ("[T]", "[T?]")]
-    outs = list(outputs) if direction == "backward" and not way.tail else []
-    sig_ins, sig_outs = [n for n in tensors if n not in outs], outs  # the answer's order
-    if way.order:
-        order = _split(way.order)
-        if lists or way.tail or sorted(order) != sorted(tensors):
-            raise ValueError(f"{op}: order {way.order!r} must name each tensor of {signature!r} once (no lists)")
-        outs = [n for n in order if n in outs]
-        tensors = [n for n in order if n not in outs] + outs  # the names the answer's items have
-    permuted = bool(way.order) and tensors != sig_ins + sig_outs
-    if isinstance(way.tail, str) and way.tail not in tensors:
-        raise ValueError(f"{op}: tail {way.tail!r} is not a tensor parameter of {signature!r}")
-    for n in outs:
-        if n not in tensors:
-            raise ValueError(f"{op}: output {n!r} is not a tensor parameter of {signature!r}")
-    ins = [n for n in tensors if n not in outs]
-    for a, b in way.same:
-        if a not in tensors or b not in tensors or a in lists or b in lists:
-            raise ValueError(f"{op}: same-shape pair ({a!r}, {b!r}) names no single tensor parameter")
-    for n in way.mask:
-        if n not in ins or n in lists:
-            raise ValueError(f"{op}: mask tensor {n!r} is not a single input of the notation")
-    masked = ins[: max((ins.index(n) + 1 for n in way.mask), default=0)]  # 0 for an input not named
-    if [n for n in masked if n in way.mask] != list(way.mask):
-        raise ValueError(f"{op}: mask tensors {list(way.mask)} must be in the inputs' order {ins}")
-
-    ns: dict[str, Any] = {
-        "_OP": op, "_NAMES": tuple(tensors), "_infer": infer, "_result": fast_result, "_E": SpmdError,
-        "_renamed": renamed, "_named_mesh": named_mesh, "_same": same_shape, "_ones": ones, "ones": ones,
-        "_check": way.check, "_post": way.post, "_letters": check_letters, "_list_mesh": _list_mesh,
-        "_list_names": _list_names, "_IAE": InvalidArgumentError, **SHAPE_NAMES, **way.env,
-    }  # fmt: skip
-    args = []
-    last_required = max((i for i, p in enumerate(params) if p.required), default=-1)
-    for i, p in enumerate(params):
-        if p.required or i < last_required:  # no default before a required parameter
-            args.append(p.name)
-        else:
-            ns[f"_d{i}"] = p.default
-            args.append(f"{p.name}=_d{i}")
-    lines = [f"def {name or op}({', '.join(args)}):", "    try:"]
-    emit = lines.append
-
-    def flat(names: list[str]) -> str:
-        return "(" + "".join(f"*{n}, " if n in lists else f"{n}, " for n in names) + ")"
-
-    def rank(n: str) -> str:
-        if n in lists:
-            return f"tuple([-1 if t is None else len(t.shape) for t in {n}])"
-        return f"len({n}.shape)" if kinds[n] == "T" else f"(-1 if {n} is None else len({n}.shape))"
-
-    def fast_ones(item: str) -> str:
-        """``ones(t)`` of a tensor parameter inlined: no call where t has no size-1 axis."""
-        n = item[5:-1].strip() if item.startswith("ones(") and item.endswith(")") else ""
-        if n not in tensors:
-            return ""
-        if kinds[n] == "T?":
-            return f"(_ones({n}) if {n} is not None and 1 in {n}.shape else 0)"
-        return f"(_ones({n}) if 1 in {n}.shape else 0)"
-
-    if way.nonempty:
-        for n in way.nonempty:
-            if n not in lists:
-                raise ValueError(f"{op}: nonempty {n!r} is not a list parameter")
-        if len(way.nonempty) == 1 and kinds[way.nonempty[0]] == "[T]":
-            cond, what = f"not {way.nonempty[0]}", f"{way.nonempty[0]} must hold at least one tensor"
-        else:
-            cond = f"all(t is None for t in {flat(list(way.nonempty))})"
-            what = f"{' and '.join(way.nonempty)} hold no tensor, so no mesh"
-        emit(f"        if {cond}: raise _IAE({what!r})")
-    if way.pre:
-        emit(f"        {way.pre}")
-    # one mesh: the first required tensor's (every tensor on it)
-    first = next((n for n in tensors if kinds[n] == "T"), None)
-    if lists:  # a loop over the lists' items
-        emit(f"        _mesh = _list_mesh(_OP, ({''.join(f'({n!r}, {n}, {n in lists}), ' for n in tensors)}))")
-    elif first is None:
-        emit(f"        _mesh = _named_mesh(_OP, ({''.join(f'({n!r}, {n}), ' for n in tensors)}))")
-    else:
-        emit(f"        _mesh = {first}.dist_attr.mesh")
-        pairs = "".join(f"({n!r}, {n}), " for n in tensors)
-        for n in tensors:
-            if n == first:
-                continue
-            ind = "        "
-            if kinds[n] == "T?":
-                emit(f"        if {n} is not None:")
-                ind += "    "
-            emit(f"{ind}_m = {n}.dist_attr.mesh")
-            emit(f"{ind}if _m is not _mesh and _m != _mesh: _named_mesh(_OP, ({pairs}))")
-    call = ", ".join(pnames)
-    lines += require_lines(way.require, pnames, "        ")
-    lines += shape_lines(op, way.shapes, kinds, "        ")
-    if isinstance(way.check, str):
-        emit(f"        {way.check}")
-    elif way.check is not None:
-        emit(f"        _check({call})")
-    for a, b in way.same:
-        cond = f"{a}.shape != {b}.shape"
-        if kinds[a] == "T?":
-            cond = f"{a} is not None and {cond}"
-        if kinds[b] == "T?":
-            cond = f"{b} is not None and {cond}"
-        emit(f"        if {cond}: _same(_OP, {a!r}, {a}, {b!r}, {b})")
-    # the key
-    if callable(way.key):
-        ns["_key"] = way.key
-        key_items = [f"*_key({call})"]
-    else:
-        items = _split(way.key) if way.key.strip() else list(tensors)
-        key_items = [rank(k) if k in tensors else k if k.startswith("*") else fast_ones(k) or f"({k})" for k in items]
-    if way.mask:
-        key_items.append("(" + "".join((fast_ones(f"ones({n})") if n in way.mask else "0") + ", " for n in masked) + ")")
-    if len(key_items) == 1 and key_items[0].startswith("*"):
-        emit(f"        _k = {key_items[0][1:]}")  # the expression gives the whole key (a tuple)
-    else:
-        emit(f"        _k = ({''.join(k + ', ' for k in key_items)})")
-    emit("        _p = _P.get(_k)")
-    emit("        if _p is None: _p = _miss(_k)")
-    tin, tout = flat(ins), flat(outs)
-    shapes = f", out_shapes={way.out_shapes}" if way.out_shapes and not outs else ""
-    if isinstance(way.tail, int) and way.tail:
-        tin = tin[:-1] + "None, " * way.tail + ")"
-    if lists:  # the tensors' names, a list's items as x[0], x[1], ...
-        nm = "".join(f"({n!r}, len({n})), " if n in lists else f"({n!r}, -1), " for n in tensors)
-        emit(f"        _names = _list_names(({nm}))")
-    names = "_names" if lists else "_NAMES"
-
-    def group(var: str, names_: list[str]) -> str:
-        """The flat answer ``var`` regrouped: a list parameter's attrs as one tuple."""
-        items, off = [], "0"
-        for n in names_:
-            if n in lists:
-                end = f"{off} + len({n})"
-                items.append(f"{var}[{off}:{end}]")
-                off = end
-            else:
-                items.append(f"{var}[{off}]")
-                off = f"{off} + 1"
-        return "(" + "".join(i + ", " for i in items) + ")"
-    if way.letters:
-        if direction == "forward":
-            emit(f"        _letters(_OP, _p.notation.inputs, {tin}, {names})")
-        else:
-            emit(f"        _letters(_OP, _p.notation.inputs + _p.notation.outputs, {tin} + {tout}, {names})")
-    if way.tail:
-        given = set(outputs) if direction == "backward" else set()  # a reverse rule's outputs: not answered
-        before = ins[: ins.index(way.tail)] if isinstance(way.tail, str) else [n for n in ins if n not in given]
-        cut = f"len({flat(before)})" if lists else str(len(before))
-        start = cut if isinstance(way.tail, str) else f"-{way.tail}"
-        emit(f"        _i, _o = _infer(_p, _OP, {tin}, (), _mesh, {names}{shapes})")
-        if way.post is None:
-            emit(f"        return _result(_i[:{cut}], _i[{start}:] + _o)")
-        else:
-            emit(f"        _r = _post(_i[:{cut}], _i[{start}:] + _o, {call})")
-            emit("        return _result(tuple(_r[0]), tuple(_r[1]))")
-    elif lists:
-        emit(f"        _i, _o = _infer(_p, _OP, {tin}, {tout}, _mesh, {names}{shapes})")
-        emit(f"        _r = {group('_i', ins)}, {group('_o', outs) if any(n in lists for n in outs) else '_o'}")
-        if way.post is not None:
-            if way.post_if:
-                emit(f"        if not ({way.post_if}): return _result(*_r)")
-            emit(f"        _r = _post(*_r, {call})")
-            emit("        return _result(tuple(_r[0]), tuple(_r[1]))")
-        else:
-            emit("        return _result(*_r)")
-    elif way.post is not None or permuted:
-        # the answer in the signature's order (``order``: the notation's is another)
-        back = "tuple(_r[0]), tuple(_r[1])"
-        if permuted:
-            back = "".join(f"_r[0][{ins.index(n)}], " for n in sig_ins)
-            outs_back = f"({''.join(f'_r[1][{outs.index(n)}], ' for n in sig_outs)})" if outs else "tuple(_r[1])"
-            back = f"({back}), {outs_back}"  # a forward rule's outputs: the notation's, as they are
-        emit(f"        _r = _infer(_p, _OP, {tin}, {tout}, _mesh, _NAMES{shapes})")
-        if way.post_if:
-            emit(f"        if not ({way.post_if}): return _result({back if permuted else '*_r'})")
-        if way.post is not None:
-            emit(f"        _r = _post(*_r, {call})")
-        emit(f"        return _result({back})")
-    else:
-        emit(f"        return _result(*_infer(_p, _OP, {tin}, {tout}, _mesh, _NAMES{shapes}))")
-    emit("    except _E as _e:")
-    emit("        raise _renamed(_e, _OP) from None")
-
-    plans: dict[tuple[Any, ...], Plan] = {}
-    notation = way.notation
-    has_mask = bool(way.mask)
-    cdir = "forward" if way.tail else direction
-
-    def miss(k: tuple[Any, ...]) -> Plan:
-        """The plan of key ``k``, compiled and kept (its notation's errors raised as they come)."""
-        nt = notation(*k)
-        mask = k[-1] + (0,) * (len(nt.inputs) - len(k[-1])) if has_mask else ()  # every input's
-        p = compile_plan(nt, cdir, mask)
-        if len(plans) >= PLAN_LIMIT:
-            plans.clear()
-        plans[k] = p
-        return p
-
-    def plan(k: tuple[Any, ...]) -> Plan:
-        """The compiled plan of key ``k`` (errors name the op)."""
-        try:
-            return plans.get(k) or miss(tuple(k))
-        except SpmdError as e:
-            raise renamed(e, op) from None
-
-    ns["_P"] = plans
-    ns["_miss"] = miss
-    src = "\n".join(lines) + "\n"
-    exec(compile(src, f"<rule {op} {direction}>", "exec"), ns)
-    fn: Any = ns[name or op]
+    src = _Source(op, signature, way, direction, outputs, name)
+    src.mesh()
+    src.checks()
+    src.key()
+    src.answer(outputs)
+    plans, miss, plan = _plan_table(op, way, direction)
+    src.ns["_P"] = plans
+    src.ns["_miss"] = miss
+    text = "\n".join(src.lines) + "\n"
+    fn: Any = define(text, f"rule {op} {direction}", name or op, src.ns)
     fn.__doc__ = way.doc or None
     fn.__qualname__ = fn.__name__
     fn.__module__ = module or sys._getframe(1).f_globals.get("__name__", "")  # the declaring module
     fn.plan = plan
-    fn.source = src
+    fn.source = text
     fn.way = way
     if way.wrap is not None:
-        return way.wrap(fn, signature, sig_outs)
+        return way.wrap(fn, signature, src.sig_outs)
     return fn  # type: ignore[no-any-return]
 
 
@@ -507,4 +639,4 @@ def declare(
     return register(name, fwd, signature, forward_name=forward.paddle, **kw)
 
 
-__all__ = ["PLAN_LIMIT", "Answer", "Way", "declare", "generate", "ones", "renamed", "same_shape"]
+__all__ = ["PLAN_LIMIT", "Answer", "Hooks", "Let", "Way", "declare", "generate", "ones", "renamed", "same_shape"]

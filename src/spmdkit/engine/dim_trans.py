@@ -37,9 +37,9 @@ from functools import lru_cache
 from typing import NamedTuple, Union
 
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
-from spmdkit.engine.compile import Plan, compile_plan
+from spmdkit.engine.compiler import RulePlan, compile_plan
 from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation
+from spmdkit.engine.notation import ALPHABET, BROADCAST, Coshard, Notation
 
 
 class InputDim(NamedTuple):
@@ -364,7 +364,7 @@ def _letter(k: int) -> str:
 
 
 @lru_cache(maxsize=4096)
-def view_plan(n_in: int, ln: tuple[Link, ...], keep: bool = True, backward: bool = False) -> Plan:
+def view_plan(n_in: int, ln: tuple[Link, ...], keep: bool = True, backward: bool = False) -> RulePlan:
     """The compiled plan of a view from ``n_in`` axes to ``len(ln)`` axes linked as ``ln``:
     each input axis a letter (``1`` where no output axis carries it); an output axis carries
     its link's (first) letter, ``1`` where it has none; a Flatten and a Split's piece 0 is a
@@ -383,7 +383,7 @@ def view_plan(n_in: int, ln: tuple[Link, ...], keep: bool = True, backward: bool
             used.add(link)
     src = "".join(_letter(k) if k in used else BROADCAST for k in range(n_in))
     tgt = "".join(BROADCAST if link is None else _letter(link if isinstance(link, int) else link[0]) for link in ln)
-    coshard = "keep" if keep else "largest"
+    coshard = Coshard.KEEP if keep else Coshard.LARGEST
     if backward:
         return compile_plan(Notation([tgt], [src], coshard=coshard, flatten=chains), "backward")
     return compile_plan(Notation([src], [tgt], coshard=coshard, flatten=chains))

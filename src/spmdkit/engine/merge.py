@@ -1,7 +1,7 @@
 """Merge helpers and the reference merge: what a :class:`~spmdkit.engine.notation.Notation`
 and its policy mean, written plainly with dicts keyed by letter.
 
-The compiled plans of :mod:`spmdkit.engine.compile` are the fast path; :func:`reference_merge`
+The compiled plans of :mod:`spmdkit.engine.compiler` are the fast path; :func:`reference_merge`
 is the specification they are tested against (tests/test_engine_compiled.py). The steps, per
 the notation's policy fields (see ``Notation``):
 
@@ -38,16 +38,22 @@ Partial (``partial="keep"`` / ``"linear"``): :func:`kept_partial`, on every tens
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
 
-from spmdkit.core.dist_attr import DimsMapping, Partial, ReduceType
+from spmdkit.core.dist_attr import DimsMapping, Entry, Partial, ReduceType
 from spmdkit.engine.axes import largest_mesh_dim, mesh_size
-
-if TYPE_CHECKING:
-    from spmdkit.engine.notation import Notation
-
-BROADCAST = "1"
+from spmdkit.engine.notation import (
+    BROADCAST,
+    Conflict,
+    Coshard,
+    Notation,
+    Order,
+    PartialMerge,
+    ReplicatedClaims,
+    Sizes,
+    Taken,
+    UnitAxes,
+)
 
 
 def merge_weight(shape: Sequence[int]) -> int:
@@ -87,9 +93,9 @@ def shared_minor(merged: dict[str, tuple[int, ...]], unions: Sequence[str]) -> N
 def letter_order(notation: Notation, claims: Sequence[str], sizes: dict[str, int]) -> list[str]:
     """The letters in the order they resolve mesh-dim conflicts (see ``Notation.order``)."""
     order = notation.order
-    if order == "claim":
+    if order is Order.CLAIM:
         return list(claims)
-    if order == "notation":
+    if order is Order.NOTATION:
         return [c for c in notation.letters if c in claims]
     named = {c for g in order for c in g.lstrip(">") if g != "*"}
     out: list[str] = []
@@ -112,7 +118,7 @@ def letter_sizes(
 ) -> dict[str, int]:
     """Each letter's size under the notation's ``sizes`` policy (module docstring)."""
     sizes: dict[str, int] = {}
-    if notation.sizes == "first":
+    if notation.sizes is Sizes.FIRST:
         for t_axes, shape in zip(axes, shapes):
             if t_axes is None or shape is None:
                 continue
@@ -135,12 +141,12 @@ def letter_sizes(
     return sizes
 
 
-def kept_partial(mode: str, partials: Sequence[Partial]) -> Partial:
+def kept_partial(mode: PartialMerge, partials: Sequence[Partial]) -> Partial:
     """``partial="keep"`` / ``"linear"``: the (mesh dim, reduce type) pairs every merged tensor's
     ``partials`` hold (``"linear"``: SUM and AVG only); ``()`` for ``"replicate"``."""
-    if mode == "replicate" or not partials:
+    if mode is PartialMerge.REPLICATE or not partials:
         return ()
-    return tuple(x for x in partials[0] if (mode == "keep" or x[1] in (ReduceType.SUM, ReduceType.AVG))
+    return tuple(x for x in partials[0] if (mode is PartialMerge.KEEP or x[1] in (ReduceType.SUM, ReduceType.AVG))
                  and all(x in pt for pt in partials[1:]))
 
 
@@ -173,7 +179,7 @@ def aligned(
         sharded: set[str] = set()
         local = 1
         for ch, e, size in zip(t_axes, dm, shape):
-            if notation.coshard == "largest":
+            if notation.coshard is Coshard.LARGEST:
                 e = largest_mesh_dim(e, mesh_shape)
             d = (() if e < 0 else (e,)) if isinstance(e, int) else tuple(e)
             if blocked and ch not in rep:
@@ -241,22 +247,8 @@ def reference_merge(
         every_axes, every_shapes = axes, shapes
     rep = notation.replicated
     # 1. read
-    read: list[list[tuple[str, tuple[int, ...]]]] = []
-    blocked: set[int] = set()
-    unit = notation.unit_axes == "claim"
-    for t_axes, dm in zip(axes, mappings):
-        row: list[tuple[str, tuple[int, ...]]] = []
-        if t_axes is not None and dm is not None:
-            for ch, e in zip(t_axes, dm):
-                if ch == BROADCAST and not unit:
-                    continue
-                if notation.coshard == "largest":
-                    e = largest_mesh_dim(e, mesh_shape)
-                d = (() if e < 0 else (e,)) if isinstance(e, int) else tuple(e)
-                row.append((ch, d))
-                if notation.replicated_claims == "block" and ch in rep:
-                    blocked.update(d)
-        read.append(row)
+    read, blocked = _read_entries(notation, axes, mappings, mesh_shape)
+    unit = notation.unit_axes is UnitAxes.CLAIM
     # 2. merge
     merged: dict[str, tuple[int, ...]] = {}
     cands: dict[str, list[tuple[int, ...]]] = {}
@@ -278,33 +270,75 @@ def reference_merge(
                 claims.append(ch)
                 seq.append(ch)
                 merged[ch], holder[ch], cands[ch] = d, ti, [d]
-            elif notation.conflict == "heaviest":
+            elif notation.conflict is Conflict.HEAVIEST:
                 s_new, s_old = shapes[ti], shapes[holder[ch]]
                 if (merge_weight(s_new) if s_new is not None else 0) > (
                         merge_weight(s_old) if s_old is not None else 0):
                     merged[ch], holder[ch] = d, ti
-            elif d != merged[ch] or notation.conflict == "union":
-                if notation.conflict == "weight":
+            elif d != merged[ch] or notation.conflict is Conflict.UNION:
+                if notation.conflict is Conflict.WEIGHT:
                     s_new, s_old = shapes[ti], shapes[holder[ch]]
                     w_new = merge_weight(s_new) if s_new is not None else 0
                     w_old = merge_weight(s_old) if s_old is not None else 0
                     if w_new > w_old:
                         merged[ch], holder[ch] = d, ti
-                elif notation.conflict == "replicate":
+                elif notation.conflict is Conflict.REPLICATE:
                     merged[ch] = ()
-                elif notation.conflict == "union" and d not in cands[ch]:
+                elif notation.conflict is Conflict.UNION and d not in cands[ch]:
                     cands[ch].append(d)
-    if notation.conflict == "align":
+    if notation.conflict is Conflict.ALIGN:
         merged = aligned(notation, axes, mappings, shapes, partials, mesh_shape, blocked)
         claims = [ch for ch in notation.letters if merged.get(ch)]
         seq = list(claims)
-    if notation.conflict == "union":
+    if notation.conflict is Conflict.UNION:
         unions = [ch for ch in claims if len(cands[ch]) > 1]
         for ch in unions:
             merged[ch] = union_dims(cands[ch], mesh_shape)
         if unions:
             shared_minor(merged, unions)
     # 2b. flatten
+    _flatten_chains(notation, merged, every_axes, every_shapes, mesh_shape)
+    # 3. order, 4. resolve
+    sizes = letter_sizes(notation, axes, shapes, all_axes, all_shapes)
+    steps: list[str | tuple[int, ...]] = seq if unit else list(letter_order(notation, claims, sizes))
+    _resolve_letters(notation, merged, steps, sizes, mesh_shape)
+    return merged
+
+
+def _read_entries(
+    notation: Notation, axes: Sequence[str | None], mappings: Sequence[DimsMapping | None], mesh_shape: Sequence[int]
+) -> tuple[list[list[tuple[str, tuple[int, ...]]]], set[int]]:
+    """Step 1: each merged tensor's ``(letter, mesh dims)`` per axis read, and the mesh dims
+    ``replicated_claims="block"`` removes from every other entry."""
+    rep = notation.replicated
+    read: list[list[tuple[str, tuple[int, ...]]]] = []
+    blocked: set[int] = set()
+    unit = notation.unit_axes is UnitAxes.CLAIM
+    for t_axes, dm in zip(axes, mappings):
+        row: list[tuple[str, tuple[int, ...]]] = []
+        if t_axes is not None and dm is not None:
+            for ch, e in zip(t_axes, dm):
+                if ch == BROADCAST and not unit:
+                    continue
+                if notation.coshard is Coshard.LARGEST:
+                    e = largest_mesh_dim(e, mesh_shape)
+                d = (() if e < 0 else (e,)) if isinstance(e, int) else tuple(e)
+                row.append((ch, d))
+                if notation.replicated_claims is ReplicatedClaims.BLOCK and ch in rep:
+                    blocked.update(d)
+        read.append(row)
+    return read, blocked
+
+
+def _flatten_chains(
+    notation: Notation,
+    merged: dict[str, tuple[int, ...]],
+    every_axes: Sequence[str | None],
+    every_shapes: Sequence[Sequence[int] | None],
+    mesh_shape: Sequence[int],
+) -> None:
+    """Step 2b: each ``flatten`` chain's first letter takes the longest run of its letters' mesh
+    dims that divides its sizes; the others shard nothing."""
     for chain in notation.flatten:
         if merged.get(chain[0]):
             sizes_a = [s for t_axes, shape in zip(every_axes, every_shapes) if t_axes is not None and shape is not None
@@ -319,10 +353,19 @@ def reference_merge(
         for ch in chain[1:]:
             if ch in merged:
                 merged[ch] = ()
-    # 3. order, 4. resolve
-    sizes = letter_sizes(notation, axes, shapes, all_axes, all_shapes)
+
+
+def _resolve_letters(
+    notation: Notation,
+    merged: dict[str, tuple[int, ...]],
+    steps: Sequence[str | tuple[int, ...]],
+    sizes: dict[str, int],
+    mesh_shape: Sequence[int],
+) -> None:
+    """Steps 3 and 4: in the order of ``steps`` (a letter, or a unit axis's mesh dims), replicated
+    letters and taken mesh dims dropped, pruned letters cut to divide their size."""
+    rep = notation.replicated
     used: set[int] = set()
-    steps: list[str | tuple[int, ...]] = seq if unit else list(letter_order(notation, claims, sizes))
     for step in steps:
         if isinstance(step, tuple):
             used.update(step)
@@ -331,8 +374,8 @@ def reference_merge(
         if ch in rep:
             merged[ch] = ()
             continue
-        d = merged[ch] if notation.taken == "keep" else tuple(x for x in merged[ch] if x not in used)
-        if notation.taken == "letter" and len(d) < len(merged[ch]):
+        d = merged[ch] if notation.taken is Taken.KEEP else tuple(x for x in merged[ch] if x not in used)
+        if notation.taken is Taken.LETTER and len(d) < len(merged[ch]):
             d = ()
         size = sizes.get(ch, 1)
         claim = d
@@ -343,4 +386,35 @@ def reference_merge(
                 claim = d
         used.update(claim)
         merged[ch] = d
-    return merged
+
+
+def project(axes: str, letters: Mapping[str, tuple[int, ...]]) -> DimsMapping:
+    """The dims_mapping of a tensor labelled ``axes`` under a letter map."""
+    out: list[Entry] = []
+    get = letters.get
+    for ch in axes:
+        d = get(ch)
+        if not d:
+            out.append(-1)
+        elif len(d) == 1:
+            out.append(d[0])
+        else:
+            out.append(d)
+    return tuple(out)
+
+
+def partial_of(
+    axes: str, letters: Mapping[str, tuple[int, ...]], notation: Notation
+) -> Partial:
+    """Partial status of an output: the mesh dims of letters it lacks."""
+    pt: dict[int, ReduceType] | None = None
+    for ch, dims in letters.items():
+        if dims and ch not in axes:
+            r = notation.reduce_type(ch)
+            if pt is None:
+                pt = {}
+            for d in dims:
+                pt[d] = r
+    if pt is None:
+        return ()
+    return tuple(sorted(pt.items()))

@@ -1,4 +1,4 @@
-"""The einsum-notation machinery every rule runs on.
+"""The notation every rule declares: data, the :class:`Notation` and its typed merge policy.
 
 A rule labels every axis of every tensor with a letter (``"mk,kn->mn"`` for
 matmul); ``1`` labels a size-1 broadcast axis, which is never sharded. The
@@ -17,55 +17,124 @@ engine then
 Forward runs the merge over the inputs; backward (Paddle's reverse rule) over the
 outputs, and then computes the outputs from the inputs it inferred, so that the
 answer is always one the inputs really produce.
+
+This module only says what a notation is; :mod:`spmdkit.engine.compiler` runs it (compiled
+plans) and :mod:`spmdkit.engine.merge` is the plain reference of what it means.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from functools import lru_cache
+from enum import StrEnum
 from typing import Any
 
-from spmdkit.core.dist_attr import (
-    DimsMapping,
-    Entry,
-    Partial,
-    ReduceType,
-    TensorDistAttr,
-)
-from spmdkit.core.errors import InvalidMeshError, ShapeMismatchError
-from spmdkit.core.mesh import ProcessMesh
-from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.memo import memo
-from spmdkit.engine.merge import merge_weight as merge_weight
+from spmdkit.core.dist_attr import ReduceType
+from spmdkit.core.errors import ShapeMismatchError
 
 BROADCAST = "1"
 ALPHABET = "abcdefghijklmnopqrstuvwxyz"
 
 
-def _check_policy(
-    coshard: str, conflict: str, order: str | tuple[str, ...], replicated_claims: str, sizes: str, size1: str,
-    unit_axes: str = "skip", taken: str = "dims", partial: str = "replicate",
-) -> None:
-    """ValueError for a policy value the engine does not know (a rule's declaration error)."""
-    for name, val, allowed in (("coshard", coshard, ("keep", "largest")),
-                               ("conflict", conflict, ("weight", "first", "union", "replicate", "heaviest", "align")),
-                               ("partial", partial, ("replicate", "keep", "linear")),
-                               ("replicated_claims", replicated_claims, ("drop", "block")),
-                               ("sizes", sizes, ("first", "known")), ("size1", size1, ("keep", "broadcast")),
-                               ("unit_axes", unit_axes, ("skip", "claim")), ("taken", taken, ("dims", "letter", "keep"))):
-        if val not in allowed:
-            raise ValueError(f"Notation: {name} must be one of {allowed}, got {val!r}")
-    if unit_axes == "claim" and order != "claim":
-        raise ValueError(f"Notation: unit_axes='claim' resolves in claim order, got order={order!r}")
-    if unit_axes == "claim" and conflict == "align":
-        raise ValueError("Notation: conflict='align' votes per mesh dim, unit_axes='claim' per axis")
+class Coshard(StrEnum):
+    """How a merged tensor's co-sharded entry is read."""
+
+    KEEP = "keep"  #: as it is
+    LARGEST = "largest"  #: as its largest mesh dim (Paddle's merges)
+
+
+class Conflict(StrEnum):
+    """Two merged tensors sharding one letter differently (see ``Notation``)."""
+
+    WEIGHT = "weight"
+    FIRST = "first"
+    UNION = "union"
+    REPLICATE = "replicate"
+    HEAVIEST = "heaviest"
+    ALIGN = "align"
+
+
+class Order(StrEnum):
+    """The order letters resolve a mesh dim several claim (or a tuple of groups, see ``Notation``)."""
+
+    CLAIM = "claim"
+    NOTATION = "notation"
+
+
+class ReplicatedClaims(StrEnum):
+    """What becomes of the mesh dims a replicated letter is sharded on."""
+
+    DROP = "drop"
+    BLOCK = "block"
+
+
+class Sizes(StrEnum):
+    """Where a letter's size is read."""
+
+    FIRST = "first"
+    KNOWN = "known"
+
+
+class Size1(StrEnum):
+    """Whether an input's size-1 axes shard what their letter does."""
+
+    KEEP = "keep"
+    BROADCAST = "broadcast"
+
+
+class UnitAxes(StrEnum):
+    """An axis labelled ``1`` on a merged tensor."""
+
+    SKIP = "skip"
+    CLAIM = "claim"
+
+
+class Taken(StrEnum):
+    """A letter whose mesh dims an earlier letter took."""
+
+    DIMS = "dims"
+    LETTER = "letter"
+    KEEP = "keep"
+
+
+class PartialMerge(StrEnum):
+    """A partial merged tensor."""
+
+    REPLICATE = "replicate"
+    KEEP = "keep"
+    LINEAR = "linear"
+
+
+def _member(name: str, kind: type[StrEnum], value: object) -> Any:
+    """``value`` as a member of the policy field's enum (a str naming one is read as that member);
+    ValueError for a value the engine does not know (a rule's declaration error)."""
+    if value.__class__ is kind:
+        return value
+    try:
+        return kind(value)  # type: ignore[arg-type]
+    except ValueError:
+        allowed = tuple(m.value for m in kind)
+        raise ValueError(f"Notation: {name} must be one of {allowed}, got {value!r}") from None
+
+
+def _order(order: Order | str | Sequence[str]) -> Order | tuple[str, ...]:
+    """The ``order`` policy: an :class:`Order`, or a tuple of groups of letters."""
     if isinstance(order, str):
-        if order not in ("claim", "notation"):
-            raise ValueError(f"Notation: order must be 'claim', 'notation' or a tuple of groups, got {order!r}")
-        return
-    named = [c for g in order if g != "*" for c in g.lstrip(">")]
-    if len(named) != len(set(named)) or list(order).count("*") > 1:
-        raise ValueError(f"Notation: order groups must not share letters, got {order!r}")
+        try:
+            return Order(order)
+        except ValueError:
+            raise ValueError(
+                f"Notation: order must be 'claim', 'notation' or a tuple of groups, got {order!r}"
+            ) from None
+    groups = tuple(order)
+    named = [c for g in groups if g != "*" for c in g.lstrip(">")]
+    if len(named) != len(set(named)) or groups.count("*") > 1:
+        raise ValueError(f"Notation: order groups must not share letters, got {groups!r}")
+    return groups
+
+
+def _shown(value: object) -> object:
+    """A policy value as the repr shows it (an enum member as its string)."""
+    return value.value if isinstance(value, StrEnum) else value
 
 
 _POLICY = ("coshard", "conflict", "order", "replicated_claims", "uneven", "size1_claims", "sizes", "size1",
@@ -81,8 +150,12 @@ class Notation:
     (one type, or a mapping letter -> type; unlisted letters use SUM).
     ``prune``: letters whose mesh dims must divide their size (``"*"`` for all).
 
-    Policy (keywords; the defaults are :func:`merge_letters`'s behaviour; the steps are
-    spelled out in :mod:`spmdkit.engine.merge`):
+    Policy (keywords, each a member of this module's enum of that name: :class:`Coshard`,
+    :class:`Conflict`, :class:`Order` (or a tuple of groups), :class:`ReplicatedClaims`,
+    :class:`Sizes`, :class:`Size1`, :class:`UnitAxes`, :class:`Taken`, :class:`PartialMerge`; a
+    str naming a member is read as it, an unknown one is a ValueError. The defaults are
+    :func:`~spmdkit.engine.compiler.merge_letters`'s behaviour; the steps are spelled out in
+    :mod:`spmdkit.engine.merge`):
 
     * ``coshard``: ``"keep"`` a co-sharded entry as it is, or read it as its ``"largest"``
       mesh dim (Paddle's merges);
@@ -166,34 +239,40 @@ class Notation:
         reduce: ReduceType | Mapping[str, ReduceType] = ReduceType.SUM,
         prune: str = "",
         *,
-        coshard: str = "keep",
-        conflict: str = "weight",
-        order: str | tuple[str, ...] = "claim",
-        replicated_claims: str = "drop",
+        coshard: Coshard = Coshard.KEEP,
+        conflict: Conflict = Conflict.WEIGHT,
+        order: Order | tuple[str, ...] = Order.CLAIM,
+        replicated_claims: ReplicatedClaims = ReplicatedClaims.DROP,
         uneven: str = "",
         size1_claims: str = "",
-        sizes: str = "first",
-        size1: str = "keep",
-        unit_axes: str = "skip",
-        taken: str = "dims",
+        sizes: Sizes = Sizes.FIRST,
+        size1: Size1 = Size1.KEEP,
+        unit_axes: UnitAxes = UnitAxes.SKIP,
+        taken: Taken = Taken.DIMS,
         sources: Iterable[int] | None = None,
         flatten: Iterable[str] = (),
-        partial: str = "replicate",
+        partial: PartialMerge = PartialMerge.REPLICATE,
     ) -> None:
         self.inputs = tuple(inputs)
         self.outputs = tuple(outputs)
         self.replicated = frozenset(replicated)
         self.reduce = reduce if isinstance(reduce, ReduceType) else dict(reduce)
         self.prune = prune
-        if (coshard != "keep" or conflict != "weight" or order != "claim" or replicated_claims != "drop"
-                or sizes != "first" or size1 != "keep" or unit_axes != "skip" or taken != "dims"
-                or partial != "replicate"):  # fmt: skip
-            _check_policy(coshard, conflict, order, replicated_claims, sizes, size1, unit_axes, taken, partial)
-        self.coshard, self.conflict, self.order = coshard, conflict, order if isinstance(order, str) else tuple(order)
-        self.replicated_claims, self.uneven, self.size1_claims = replicated_claims, uneven, size1_claims
-        self.sizes, self.size1, self.unit_axes, self.taken = sizes, size1, unit_axes, taken
+        self.coshard: Coshard = _member("coshard", Coshard, coshard)
+        self.conflict: Conflict = _member("conflict", Conflict, conflict)
+        self.partial: PartialMerge = _member("partial", PartialMerge, partial)
+        self.replicated_claims: ReplicatedClaims = _member("replicated_claims", ReplicatedClaims, replicated_claims)
+        self.sizes: Sizes = _member("sizes", Sizes, sizes)
+        self.size1: Size1 = _member("size1", Size1, size1)
+        self.unit_axes: UnitAxes = _member("unit_axes", UnitAxes, unit_axes)
+        self.taken: Taken = _member("taken", Taken, taken)
+        self.order: Order | tuple[str, ...] = order if order.__class__ is Order else _order(order)
+        if self.unit_axes is UnitAxes.CLAIM and self.order is not Order.CLAIM:
+            raise ValueError(f"Notation: unit_axes='claim' resolves in claim order, got order={_shown(self.order)!r}")
+        if self.unit_axes is UnitAxes.CLAIM and self.conflict is Conflict.ALIGN:
+            raise ValueError("Notation: conflict='align' votes per mesh dim, unit_axes='claim' per axis")
+        self.uneven, self.size1_claims = uneven, size1_claims
         self.sources = None if sources is None else tuple(sources)
-        self.partial = partial
         if self.sources is not None and not all(0 <= i < len(self.inputs) for i in self.sources):
             raise ValueError(f"Notation: sources {self.sources} must index the {len(self.inputs)} inputs")
         self.letters = "".join(dict.fromkeys("".join([a for a in (*self.inputs, *self.outputs) if a]))).replace(
@@ -205,9 +284,9 @@ class Notation:
             if len(set(chained)) != len(chained) or not all(self.flatten) or any(c not in self.letters for c in chained):
                 raise ValueError(f"Notation: flatten {self.flatten} must be disjoint strings of the notation's letters")
         red = self.reduce if isinstance(self.reduce, ReduceType) else tuple(sorted(self.reduce.items()))
-        self._key = (self.inputs, self.outputs, self.replicated, red, prune, coshard, conflict, self.order,
-                     replicated_claims, uneven, size1_claims, sizes, size1, unit_axes, taken, self.sources,
-                     self.flatten, partial)
+        self._key = (self.inputs, self.outputs, self.replicated, red, prune, self.coshard, self.conflict, self.order,
+                     self.replicated_claims, uneven, size1_claims, self.sizes, self.size1, self.unit_axes, self.taken,
+                     self.sources, self.flatten, self.partial)
         self._hash = hash(self._key)
         self.input_letters = frozenset("".join(a for a in self.inputs if a))
 
@@ -266,197 +345,8 @@ class Notation:
                               ("sizes", "first"), ("size1", "keep"), ("unit_axes", "skip"), ("taken", "dims"), ("sources", None),
                               ("flatten", ()), ("partial", "replicate")):
             if getattr(self, name) != default:
-                extra.append(f"{name}={getattr(self, name)!r}")
+                extra.append(f"{name}={_shown(getattr(self, name))!r}")
         return f"Notation({s!r}{', ' if extra else ''}{', '.join(extra)})"
-
-
-# ---------------------------------------------------------------------------
-# merge / resolve / project on plain tuples (cached: pure functions of small keys)
-# ---------------------------------------------------------------------------
-
-
-@memo()
-def merge_letters(
-    axes: tuple[str | None, ...],
-    mappings: tuple[DimsMapping | None, ...],
-    shapes: tuple[tuple[int, ...] | None, ...],
-    replicated: frozenset[str],
-    prune: str,
-    mesh_shape: tuple[int, ...],
-) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """Merge per-letter shardings over several tensors; returns ``((letter, mesh dims), ...)``
-    in the order letters first appear.
-
-    Per letter: the first tensor sharding it claims it; where another tensor shards it over
-    other mesh dims, the larger tensor (by element count) keeps its sharding and the other is
-    resharded (Paddle raises here). Then, in claim order, a mesh dim already taken by an
-    earlier letter is dropped, replicated letters lose their sharding, and pruned letters drop
-    minor mesh dims until the mesh size divides the axis size (the default policy of a
-    :class:`Notation`, run by its compiled plan)."""
-    if _compile._trace is not None:
-        _compile.note("merge_letters")
-    p = _compile.compile_plan(_merge_notation(axes, replicated, prune))
-    fast = p.fast_letters
-    if fast is None:
-        fast = p.fast_letters = _compile._generate(p, "forward", raw=True)
-    got = fast(mappings, shapes, mesh_shape)
-    if got is not None:
-        return got  # type: ignore[no-any-return]
-    if None in mappings:
-        shapes = tuple(None if dm is None else s for dm, s in zip(mappings, shapes))
-    final = _compile.run(p, mappings, shapes, shapes, mesh_shape)
-    if None not in mappings:  # every letter seen, in the notation's order
-        return tuple(zip(p.notation.letters, final))
-    lid = p.letter_ids
-    seen: dict[str, tuple[int, ...]] = {}
-    for t_axes, dm in zip(axes, mappings):
-        if t_axes is not None and dm is not None:
-            for ch in t_axes:
-                if ch != BROADCAST and ch not in seen:
-                    seen[ch] = final[lid[ch]]
-    return tuple(seen.items())
-
-
-@lru_cache(maxsize=4096)
-def _merge_notation(axes: tuple[str | None, ...], replicated: frozenset[str], prune: str) -> Notation:
-    return Notation(axes, (), replicated, prune=prune)
-
-
-
-
-def project(axes: str, letters: Mapping[str, tuple[int, ...]]) -> DimsMapping:
-    """The dims_mapping of a tensor labelled ``axes`` under a letter map."""
-    out: list[Entry] = []
-    get = letters.get
-    for ch in axes:
-        d = get(ch)
-        if not d:
-            out.append(-1)
-        elif len(d) == 1:
-            out.append(d[0])
-        else:
-            out.append(d)
-    return tuple(out)
-
-
-def partial_of(
-    axes: str, letters: Mapping[str, tuple[int, ...]], notation: Notation
-) -> Partial:
-    """Partial status of an output: the mesh dims of letters it lacks."""
-    pt: dict[int, ReduceType] | None = None
-    for ch, dims in letters.items():
-        if dims and ch not in axes:
-            r = notation.reduce_type(ch)
-            if pt is None:
-                pt = {}
-            for d in dims:
-                pt[d] = r
-    if pt is None:
-        return ()
-    return tuple(sorted(pt.items()))
-
-
-# ---------------------------------------------------------------------------
-# the two directions
-# ---------------------------------------------------------------------------
-
-
-def common_mesh(op: str, specs: Iterable[DistTensorSpec | None]) -> ProcessMesh:
-    mesh: ProcessMesh | None = None
-    for s in specs:
-        if s is None:
-            continue
-        m = s.dist_attr.mesh
-        if mesh is None:
-            mesh = m
-        elif m is not mesh and m != mesh:
-            raise InvalidMeshError(f"{op}: the tensors lie on different meshes ({mesh!r} and {m!r})")
-    if mesh is None:
-        raise InvalidMeshError(f"{op}: no tensor given, so no mesh")
-    return mesh
-
-
-def named_mesh(op: str, named: Iterable[tuple[str, DistTensorSpec | None]]) -> ProcessMesh:
-    """The one mesh of the named tensors (absent ones skipped); InvalidMeshError naming the two
-    tensors that disagree."""
-    mesh: ProcessMesh | None = None
-    first = ""
-    for name, t in named:
-        if t is None:
-            continue
-        m = t.dist_attr.mesh
-        if mesh is None:
-            mesh, first = m, name
-        elif m is not mesh and m != mesh:
-            raise InvalidMeshError(f"{op}: {name} lies on a different mesh than {first} ({m!r} vs {mesh!r})")
-    if mesh is None:
-        raise InvalidMeshError(f"{op}: no tensor given, so no mesh")
-    return mesh
-
-
-def check_letters(
-    op: str,
-    axes: Sequence[str | None],
-    specs: Sequence[DistTensorSpec | None],
-    names: Sequence[str] | None = None,
-) -> None:
-    """Raise ShapeMismatchError where one letter has two sizes (size 1 and -1 excepted)."""
-    seen: dict[str, int] = {}
-    where: dict[str, int] = {}
-    ti = -1
-    for t_axes, s in zip(axes, specs):
-        ti += 1
-        if t_axes is None or s is None:
-            continue
-        shape = s.shape
-        if len(t_axes) != len(shape):
-            nm = names[ti] if names else f"tensor {ti}"
-            raise ShapeMismatchError(f"{op}: {nm} has {len(shape)} dims, expected {len(t_axes)}")
-        i = -1
-        for ch in t_axes:
-            i += 1
-            if ch == BROADCAST:
-                continue
-            size = shape[i]
-            if size < 0:
-                continue
-            prev = seen.get(ch)
-            if prev is None:
-                seen[ch] = size
-                where[ch] = ti
-            elif prev != size:
-                pi = where[ch]
-                a = names[pi] if names else f"tensor {pi}"
-                b = names[ti] if names else f"tensor {ti}"
-                raise ShapeMismatchError(
-                    f"{op}: axis sizes disagree: {a} has {prev} and {b} has {size} on the same axis"
-                )
-
-
-def einsum_forward(
-    op: str,
-    notation: Notation,
-    inputs: Sequence[DistTensorSpec | None],
-    names: Sequence[str] | None = None,
-) -> tuple[list[TensorDistAttr | None], list[TensorDistAttr | None]]:
-    """Infer the inputs' required dist attrs and the outputs' from the inputs (the notation's
-    compiled plan)."""
-    if len(inputs) == 1 and inputs[0] is not None:
-        mesh = inputs[0].dist_attr.mesh  # one tensor: its letters cannot disagree in size
-    else:
-        mesh = common_mesh(op, inputs)
-        check_letters(op, notation.inputs, inputs, names)
-    ins, outs = _compile.infer(_compile.compile_plan(notation), op, inputs, (), mesh, names)
-    return list(ins), list(outs)
-
-
-def with_partial(attr: TensorDistAttr, partial: Partial) -> TensorDistAttr:
-    """A copy of ``attr`` with extra partial mesh dims (engine-internal, no validation)."""
-    if not partial:
-        return attr
-    merged = dict(attr.partial)
-    merged.update(partial)
-    return TensorDistAttr._make(attr.mesh, attr.dims_mapping, tuple(sorted(merged.items())))
 
 
 def letters_for(ndim: int, offset: int = 0) -> str:
@@ -464,37 +354,3 @@ def letters_for(ndim: int, offset: int = 0) -> str:
     if ndim + offset > len(ALPHABET):
         raise ShapeMismatchError(f"tensors of more than {len(ALPHABET) - offset} dims are not supported")
     return ALPHABET[offset : offset + ndim]
-
-
-# ---------------------------------------------------------------------------
-# unvalidated constructors for the rules' hot paths
-# ---------------------------------------------------------------------------
-
-_new = object.__new__
-_set_inputs = SpmdResult.__dict__["inputs"].__set__
-_set_outputs = SpmdResult.__dict__["outputs"].__set__
-_set_result_hash = SpmdResult.__dict__["_hash"].__set__
-_make_attr = TensorDistAttr._make
-
-
-def fast_result(
-    inputs: tuple[TensorDistAttr | None, ...], outputs: tuple[TensorDistAttr | None, ...]
-) -> SpmdResult:
-    """``SpmdResult(inputs, outputs)`` for tuples of dist attrs (or None), unvalidated."""
-    r = _new(SpmdResult)
-    _set_inputs(r, inputs)
-    _set_outputs(r, outputs)
-    _set_result_hash(r, None)
-    return r
-
-
-def attr_as(src: TensorDistAttr, mesh: ProcessMesh, dims_mapping: DimsMapping) -> TensorDistAttr:
-    """``TensorDistAttr._make(mesh, dims_mapping)``, or ``src`` itself where it is that attr
-    already (dist attrs are immutable, so the answer is the same)."""
-    if src.mesh is mesh and not src.partial and src.dims_mapping == dims_mapping:
-        return src
-    return _make_attr(mesh, dims_mapping)
-
-
-# the compiled plans (engine/compile.py imports this module: bound here, read at call time)
-from spmdkit.engine import compile as _compile  # noqa: E402

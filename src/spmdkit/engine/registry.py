@@ -9,13 +9,14 @@ registers in that place (``kind="grad"``, with its own signature). Signatures an
 :mod:`spmdkit.engine.signature`; cache keys: :mod:`spmdkit.engine.cache_keys`.
 
 The rules themselves (the catalogue, :mod:`spmdkit.ops`) register into this table when
-imported; a lookup imports them on first use (:func:`_ensure_loaded`, the one place the
-engine imports the catalogue, lazily, since the rule modules import the engine).
+imported. The engine never imports them (they import the engine): the package face
+(``spmdkit/__init__.py``, run before any module of the package) installs with
+:func:`set_catalogue` what imports them, and the first lookup runs it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from spmdkit.core.errors import InvalidArgumentError, SpmdError, UnknownRuleError, UnsupportedModeError
@@ -362,11 +363,20 @@ def all_rules() -> dict[str, Rule]:
     return dict(_RULES)
 
 
-_loaded = False
+#: what imports the catalogue, run by the first lookup (see the module docstring); None once run
+_catalogue: Callable[[], object] | None = None
+
+
+def set_catalogue(load: Callable[[], object]) -> None:
+    """Install ``load``, which imports every rule module (each registers its rules); the first
+    lookup (:func:`get_rule`, :func:`has_rule`, :func:`rule_names`, :func:`all_rules`) runs it."""
+    global _catalogue
+    _catalogue = load
 
 
 def _ensure_loaded() -> None:
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        import spmdkit.ops  # noqa: F401  (imports every rule module)
+    global _catalogue
+    load = _catalogue
+    if load is not None:
+        _catalogue = None  # a lookup while the rule modules import finds what is registered so far
+        load()

@@ -47,7 +47,7 @@ from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import make_attr, normalize_axis
 from spmdkit.engine.declare import Answer, Way, declare
-from spmdkit.engine.notation import BROADCAST, Notation, letters_for
+from spmdkit.engine.notation import BROADCAST, Coshard, Notation, letters_for
 from spmdkit.ops._common import check_same_ndim
 
 Shape = tuple[int, ...]
@@ -75,7 +75,7 @@ def _along(kind: str, nd: int, axis: int, differ: int) -> Notation:
     x = i[:ax] + BROADCAST + i[ax + 1 :]
     ins, outs, src = {"take": ((x, i), (i,), None), "take_grad": ((x, i, i), (x,), (2,)),
                       "put": ((x, x, x), (x,), None), "put_grad": ((x,) * 5, (x, x), (4,))}[kind]  # fmt: skip
-    return Notation(ins, outs, coshard="largest", sources=src)
+    return Notation(ins, outs, coshard=Coshard.LARGEST, sources=src)
 
 
 def _grad_post(ins: Sequence[TensorDistAttr | None], outs: Sequence[TensorDistAttr | None], *args: object) -> Answer:
@@ -133,19 +133,37 @@ def _index_put(grad: bool, nd: int, k: int, along: tuple[int, ...]) -> Notation:
     x = BROADCAST * k + a[k:]
     v = "".join(BROADCAST if i < 0 else a[i] for i in along)
     ins = [x, *[BROADCAST] * k, v, *([x] if grad else [])]
-    return Notation(ins, [x, v] if grad else [x], coshard="largest", sources=(0,))
+    return Notation(ins, [x, v] if grad else [x], coshard=Coshard.LARGEST, sources=(0,))
 
 
-_ENV = {"_differ": _differ, "_index_put_key": _index_put_key, "_ndim": check_same_ndim}
-_UNIT = "1 in x.dist_attr.mesh.shape"  # where _grad_post can change the answer
+def _unit(x: DistTensorSpec) -> bool:
+    """Where _grad_post can change the answer: a mesh dim of size 1."""
+    return 1 in x.dist_attr.mesh.shape
+
+
+def _index_rank(op: str, x: DistTensorSpec, index: DistTensorSpec) -> None:
+    if len(index.shape) != len(x.shape):
+        check_same_ndim(op, index, len(x.shape), "index", "x")
+
+
+def _value_rank(op: str, x: DistTensorSpec, value: DistTensorSpec) -> None:
+    if len(value.shape) != len(x.shape):
+        check_same_ndim(op, value, len(x.shape), "value", "x")
+
+
+def _out_grad_rank(op: str, x: DistTensorSpec, out_grad: DistTensorSpec) -> None:
+    if len(out_grad.shape) != len(x.shape):
+        check_same_ndim(op, out_grad, len(x.shape), "out_grad", "x")
+
+
+_ENV = {"_differ": _differ, "_index_put_key": _index_put_key}
 _TAKE_KEY = "x, axis, _differ(x.shape, index.shape)"
-_TAKE = "_ndim(_OP, index, len(x.shape), 'index', 'x')"
 declare(
     "take_along_axis", "x: T, index: T, axis: int",
-    Way(partial(_along, "take"), key=_TAKE_KEY, env=_ENV, shapes="x: _ ...", check=_TAKE,
+    Way(partial(_along, "take"), key=_TAKE_KEY, env=_ENV, shapes="x: _ ...", check=_index_rank,
         paddle="TakeAlongAxisInferSpmd", doc="TakeAlongAxisInferSpmd: ``a1c, abc -> abc``."),
-    grad=Way(partial(_along, "take_grad"), key=_TAKE_KEY, env=_ENV, post=_grad_post, post_if=_UNIT,
-             shapes="x: _ ...", check=f"{_TAKE}; _ndim(_OP, out_grad, len(x.shape), 'out_grad', 'x')",
+    grad=Way(partial(_along, "take_grad"), key=_TAKE_KEY, env=_ENV, post=_grad_post, post_if=_unit,
+             shapes="x: _ ...", check=(_index_rank, _out_grad_rank),
              paddle="TakeAlongAxisGradInferSpmd",
              doc="TakeAlongAxisGradInferSpmd: letters from out_grad; x_grad ``a1c``, partial SUM over the mesh dims "
                  "that shard index / out_grad on the axis."),
@@ -157,7 +175,7 @@ _PUT: dict[str, Any] = {
     "env": _ENV,
     "shapes": "x: _ ...",
     "require": ("reduce in ('assign', 'add', 'mul', 'multiply', 'amin', 'amax', 'mean')",),
-    "check": f"{_TAKE}; _ndim(_OP, value, len(x.shape), 'value', 'x')",
+    "check": (_index_rank, _value_rank),
 }
 declare(
     "put_along_axis", f"x: T, index: T, value: T, {_PS_SIG}",
@@ -175,7 +193,7 @@ declare(
         paddle="IndexPutInferSpmd", doc="IndexPutInferSpmd: the indexed axes replicated, indices replicated, value "
         "replicated or sharded as x's last axis where it broadcasts onto it."),
     grad=Way(partial(_index_put, True), key=_IP_KEY, env=_ENV, nonempty=("indices",), same=[("x", "out_grad")],
-             post=_grad_post, post_if=_UNIT,
+             post=_grad_post, post_if=_unit,
              paddle="IndexPutGradInferSpmd", doc="IndexPutGradInferSpmd: x, out_grad, x_grad as the forward's x; "
              "value_grad partial SUM over the mesh dims of the trailing axes it sums over."),
     grad_signature="x: T, indices: [T], value: T, out_grad: T, accumulate: bool = False", grad_name="index_put_grad",

@@ -27,7 +27,7 @@ from spmdkit.core.dist_attr import ReduceType
 from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.declare import Answer, Way, declare
-from spmdkit.engine.notation import BROADCAST, Notation
+from spmdkit.engine.notation import BROADCAST, Notation, Taken
 
 _CFU = "check_finite_and_unscale"
 _ULS = "update_loss_scaling"
@@ -35,7 +35,7 @@ _ULS = "update_loss_scaling"
 
 def notation(op: str, reverse: bool, ranks: tuple[int, ...], *states: int) -> Notation:
     """``xs..., states... [, out...] [, new states...] -> [found_infinite]``: each x its own
-    letters (past the alphabet; ``taken="keep"``: the xs are updated one by one, so two may shard
+    letters (past the alphabet; ``taken=Taken.KEEP``: the xs are updated one by one, so two may shard
     one mesh dim), the [1] states ``1``; found_infinite lacks every x letter (partial MAX); update_loss_scaling's new
     state is labelled among the inputs (``Way.tail``), so never partial. The reverse merges the
     outs alone (``sources``), each out its x (the given found_infinite / new state unlabelled)."""
@@ -50,7 +50,7 @@ def notation(op: str, reverse: bool, ranks: tuple[int, ...], *states: int) -> No
     if op != _CFU:
         ins += [BROADCAST] * 3
     src = range(n, n + len(xs)) if reverse else range(len(xs))
-    return Notation(ins, [BROADCAST] if op == _CFU else [], reduce=ReduceType.MAX, taken="keep", sources=src)
+    return Notation(ins, [BROADCAST] if op == _CFU else [], reduce=ReduceType.MAX, taken=Taken.KEEP, sources=src)
 
 
 def _scalar(op: str, *named: tuple[str, DistTensorSpec]) -> None:
@@ -68,8 +68,26 @@ def _outs(op: str, xs: Sequence[DistTensorSpec], out: Sequence[DistTensorSpec]) 
             raise ShapeMismatchError(f"{op}: out[{i}] has {len(o.shape)} dims but xs[{i}] has {len(x.shape)}")
 
 
-def _scalars(*names: str) -> str:
-    return "_scalar(_OP, " + ", ".join(f"({n!r}, {n})" for n in names) + ")"
+def _cfu_scalars(op: str, scale: DistTensorSpec) -> None:
+    _scalar(op, ("scale", scale))
+
+
+def _cfu_reverse_scalars(op: str, scale: DistTensorSpec, found_infinite: DistTensorSpec) -> None:
+    _scalar(op, ("scale", scale), ("found_infinite", found_infinite))
+
+
+def _uls_scalars(op: str, found_infinite: DistTensorSpec, prev_loss_scaling: DistTensorSpec,
+                 in_good_steps: DistTensorSpec, in_bad_steps: DistTensorSpec) -> None:  # fmt: skip
+    _scalar(op, ("found_infinite", found_infinite), ("prev_loss_scaling", prev_loss_scaling),
+            ("in_good_steps", in_good_steps), ("in_bad_steps", in_bad_steps))  # fmt: skip
+
+
+def _uls_reverse_scalars(op: str, loss_scaling: DistTensorSpec, out_good_steps: DistTensorSpec,
+                         out_bad_steps: DistTensorSpec, found_infinite: DistTensorSpec,
+                         prev_loss_scaling: DistTensorSpec, in_good_steps: DistTensorSpec,
+                         in_bad_steps: DistTensorSpec) -> None:  # fmt: skip
+    _scalar(op, ("loss_scaling", loss_scaling), ("out_good_steps", out_good_steps), ("out_bad_steps", out_bad_steps))
+    _uls_scalars(op, found_infinite, prev_loss_scaling, in_good_steps, in_bad_steps)
 
 
 def _answer(ins: Any, outs: Any, xs: Sequence[DistTensorSpec], *rest: object) -> Answer:
@@ -80,15 +98,14 @@ def _answer(ins: Any, outs: Any, xs: Sequence[DistTensorSpec], *rest: object) ->
     return (xa, *ins[n:]), (xa, *outs[-1 if len(ins) == n + 1 else -3 :])
 
 
-_ENV = {"_scalar": _scalar, "_outs": _outs}
 declare(
     _CFU, "xs: [T], scale: T",
-    Way(partial(notation, _CFU, False), key="xs, scale", nonempty=("xs",), check=_scalars("scale"), env=_ENV,
+    Way(partial(notation, _CFU, False), key="xs, scale", nonempty=("xs",), check=_cfu_scalars,
         post=lambda ins, outs, xs, scale: ((ins[0], ins[1]), (ins[0], outs[0])), paddle="CheckFiniteAndUnscaleSpmd",
         doc="check_finite_and_unscale (CheckFiniteAndUnscaleSpmd): each x keeps its sharding (partial dropped), "
             "scale replicated; out as xs, found_infinite partial MAX over the xs' mesh dims."),
-    reverse=Way(partial(notation, _CFU, True), key="xs, scale", nonempty=("xs",), tail="out", env=_ENV,
-                check="_outs(_OP, xs, out); " + _scalars("scale", "found_infinite"),
+    reverse=Way(partial(notation, _CFU, True), key="xs, scale", nonempty=("xs",), tail="out",
+                check=(_outs, _cfu_reverse_scalars),
                 post=_answer, paddle="CheckFiniteAndUnscaleSpmdReverse",
                 doc="check_finite_and_unscale reverse (Paddle has none): each x as its out, scale replicated."),
     outputs="out: [T], found_infinite: T",
@@ -100,12 +117,12 @@ declare(
     _ULS,
     f"xs: [T], {', '.join(n + ': T' for n in _STATES)}, incr_every_n_steps: int, "
     "decr_every_n_nan_or_inf: int, incr_ratio: float, decr_ratio: float, stop_update: scalar = False",
-    Way(partial(notation, _ULS, False), key=_ULS_KEY, nonempty=("xs",), check=_scalars(*_STATES), env=_ENV, tail=3,
+    Way(partial(notation, _ULS, False), key=_ULS_KEY, nonempty=("xs",), check=_uls_scalars, tail=3,
         post=_answer, paddle="UpdateLossScalingSpmd",
         doc="update_loss_scaling (UpdateLossScalingSpmd): each x keeps its sharding (partial dropped); "
             "found_infinite and the loss-scaling state replicated; out as xs, the new state replicated."),
-    reverse=Way(partial(notation, _ULS, True), key=_ULS_KEY, nonempty=("xs",), env=_ENV, tail=3,
-                check="_outs(_OP, xs, out); " + _scalars(*_NEW, *_STATES), post=_answer,
+    reverse=Way(partial(notation, _ULS, True), key=_ULS_KEY, nonempty=("xs",), tail=3,
+                check=(_outs, _uls_reverse_scalars), post=_answer,
                 paddle="UpdateLossScalingSpmdReverse",
                 doc="update_loss_scaling reverse (Paddle has none): each x as its out, the state replicated."),
     outputs="out: [T], " + ", ".join(n + ": T" for n in _NEW),

@@ -52,7 +52,7 @@ from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.axes import make_attr, one_mesh_dim
 from spmdkit.engine.declare import Answer, Way, declare
-from spmdkit.engine.notation import BROADCAST, Notation
+from spmdkit.engine.notation import BROADCAST, Conflict, Coshard, Notation
 from spmdkit.engine.signature import parse_signature
 from spmdkit.ops._absent import zero_d_absent
 
@@ -84,15 +84,15 @@ def fa_notation(kind: str, fso: int, mask: int, unit: int, *ranks: int) -> Notat
     ma = _mask(mask, unit)
     if kind == "forward":
         return Notation([_Q, _K, _V, _ones(fso), ma], [_OUT, _SM, _LSE, None], replicated="sdte",
-                        coshard="largest", sources=(0, 1, 4))  # fmt: skip
+                        coshard=Coshard.LARGEST, sources=(0, 1, 4))  # fmt: skip
     if kind == "reverse":
         sm, lse, seed = ranks
         return Notation([_Q, _K, _V, _ones(fso), ma, _OUT, None if sm < 0 else _SM, None if lse < 0 else _LSE,
-                         None if seed < 0 else "1"], [], replicated="sdte", coshard="largest", conflict="first",
+                         None if seed < 0 else "1"], [], replicated="sdte", coshard=Coshard.LARGEST, conflict=Conflict.FIRST,
                         sources=(2, 7))  # fmt: skip
     (seed,) = ranks
     return Notation([_Q, _K, _V, _OUT, _LSE, _ones(seed), ma, _OUT], [_Q, _K, _V], replicated="sdte",
-                    coshard="largest", sources=(0, 1, 2, 3, 4, 7))  # fmt: skip
+                    coshard=Coshard.LARGEST, sources=(0, 1, 2, 3, 4, 7))  # fmt: skip
 
 
 #: the head axis of each flash_attention tensor that has one
@@ -149,13 +149,13 @@ def _wrap(names: tuple[Any, ...], gqa: bool = True, outputs: tuple[str, ...] = (
     return wrap
 
 
-def _fa(q: DistTensorSpec, k: DistTensorSpec, mask: DistTensorSpec | None) -> None:
+def _fa(q: DistTensorSpec, k: DistTensorSpec, attn_mask: DistTensorSpec | None) -> None:
     """k's num_heads divide q's; attn_mask's batch and num_heads are 1 or q's."""
     hq, hk = q.shape[2], k.shape[2]
     if hk == 0 or (hq >= 0 and hk > 0 and hq % hk != 0):
         raise ShapeMismatchError(f"q's num_heads {hq} is not a multiple of k's {hk}")
-    for i, j, what in ((0, 0, "batch"), (1, 2, "num_heads")) if mask is not None else ():
-        m, w = mask.shape[i], q.shape[j]  # type: ignore[union-attr]
+    for i, j, what in ((0, 0, "batch"), (1, 2, "num_heads")) if attn_mask is not None else ():
+        m, w = attn_mask.shape[i], q.shape[j]  # type: ignore[union-attr]
         if m not in (1, w) and m >= 0 and w >= 0:
             raise ShapeMismatchError(f"attn_mask's {what} {m} is neither 1 nor q's {w}")
 
@@ -163,7 +163,7 @@ def _fa(q: DistTensorSpec, k: DistTensorSpec, mask: DistTensorSpec | None) -> No
 _FA_ATTRS = "dropout: float = 0.0, causal: bool = False, return_softmax: bool = False, is_test: bool = False"
 _FA_KEY = "fixed_seed_offset, attn_mask, ones(attn_mask)"
 _FA_SHAPES = "q: b s h d; k: b t hk d; v: b t hk e; attn_mask: _ _ s t"
-_FA_CHECK: dict[str, Any] = {"require": ("0.0 <= dropout < 1.0",), "check": "_fa(q, k, attn_mask)", "env": {"_fa": _fa}}
+_FA_CHECK: dict[str, Any] = {"require": ("0.0 <= dropout < 1.0",), "check": _fa}
 declare(
     "flash_attention", "q: T, k: T, v: T, fixed_seed_offset: T? = None, attn_mask: T? = None, " + _FA_ATTRS,
     Way(lambda *k: fa_notation("forward", *k), key=_FA_KEY, shapes=_FA_SHAPES, **_FA_CHECK, post=_fa_seed,
@@ -238,8 +238,8 @@ def rope_notation(kind: str, k: int, v: int, sin: int, ids: int, time_major: boo
     ts = [qkv, None if k < 0 else qkv, None if v < 0 else qkv, table, table, None if ids < 0 else "bs"]
     outs = ts[:3]
     if kind == "reverse":
-        return Notation(ts, outs, coshard="largest")
-    return Notation(ts, outs, coshard="largest", sources=(0, 1, 2, 5))
+        return Notation(ts, outs, coshard=Coshard.LARGEST)
+    return Notation(ts, outs, coshard=Coshard.LARGEST, sources=(0, 1, 2, 5))
 
 
 def _rope_post(ins: Any, outs: Any, *args: Any) -> Answer:
@@ -260,17 +260,37 @@ def _rope_post(ins: Any, outs: Any, *args: Any) -> Answer:
 
 
 _ROPE_ATTRS = "use_neox_rotary_style: bool = True, time_major: bool = False, rotary_emb_base: float = 10000.0"
-_ROPE_ENV = {"_rope": _rope, "_alike": _given_alike}
+def _rope_q(op: str, q: DistTensorSpec, sin: DistTensorSpec | None, cos: DistTensorSpec | None,
+            position_ids: DistTensorSpec | None, time_major: bool) -> None:  # fmt: skip
+    _rope(op, "q", q, sin, cos, position_ids, time_major)
 
 
-def _rope_way(q: str, k: str, v: str, paddle: str, doc: str, check: str = "", shapes: str = "",
-              same: tuple[tuple[str, str], ...] = (), **kw: Any) -> Way:  # fmt: skip
+def _rope_out_q(op: str, out_q: DistTensorSpec, sin: DistTensorSpec | None, cos: DistTensorSpec | None,
+                position_ids: DistTensorSpec | None, time_major: bool) -> None:  # fmt: skip
+    _rope(op, "out_q", out_q, sin, cos, position_ids, time_major)
+
+
+def _rope_out_q_grad(op: str, out_q_grad: DistTensorSpec, sin: DistTensorSpec | None, cos: DistTensorSpec | None,
+                     position_ids: DistTensorSpec | None, time_major: bool) -> None:  # fmt: skip
+    _rope(op, "out_q_grad", out_q_grad, sin, cos, position_ids, time_major)
+
+
+def _rope_q_alone(op: str, q: DistTensorSpec, time_major: bool) -> None:
+    """The reverse rule's q: 4-D with an even head_dim (sin, cos and position_ids are checked on out_q)."""
+    _rope(op, "q", q, None, None, None, time_major)
+
+
+#: the check of the tensor a mode merges first, by its name
+_ROPE_CHECK = {"q": _rope_q, "out_q": _rope_out_q, "out_q_grad": _rope_out_q_grad}
+
+
+def _rope_way(q: str, k: str, v: str, paddle: str, doc: str, check: tuple[Callable[..., None], ...] = (),
+              shapes: str = "", same: tuple[tuple[str, str], ...] = (), **kw: Any) -> Way:  # fmt: skip
     """A mode of fused_rotary_position_embedding merged over ``q``, ``k``, ``v`` (of ``q``'s
     shape) and position_ids."""
     return Way(lambda *key: rope_notation("reverse" if q == "out_q" else "forward", *key),
                key=f"{k}, {v}, sin, position_ids, bool(time_major)", shapes=f"{shapes}{q}: _ _ _ _; position_ids: _ _",
-               check=check + f"_rope(_OP, {q!r}, {q}, sin, cos, position_ids, time_major)",
-               same=[*same, (q, k), (q, v)], env=_ROPE_ENV, post=_rope_post, paddle=paddle, doc=doc,
+               check=(*check, _ROPE_CHECK[q]), same=[*same, (q, k), (q, v)], post=_rope_post, paddle=paddle, doc=doc,
                **kw)  # fmt: skip
 
 
@@ -283,7 +303,7 @@ declare(
                   "replicated, seq_len sharded only with sin/cos and without position_ids."),
     reverse=_rope_way("out_q", "out_k", "out_v", "FusedRopeInferSpmdReverse", shapes="q: _ _ _ _; ",
                       same=(("q", "k"), ("q", "v"), ("q", "out_q")),
-                      check="_alike(k, v, out_k, out_v); _rope(_OP, 'q', q, None, None, None, time_major); ",
+                      check=(_given_alike, _rope_q_alone),
                       wrap=_wrap((*_ROPE_OPT, "out_k", "out_v"), gqa=False),
                       doc="fused_rotary_position_embedding (FusedRopeInferSpmdReverse): the inputs from out_q, "
                           "out_k, out_v; the outputs are what the inputs produce."),

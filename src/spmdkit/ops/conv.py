@@ -64,7 +64,7 @@ from spmdkit.core.spec import DistTensorSpec as T
 from spmdkit.engine.axes import largest_mesh_dim, mesh_size
 from spmdkit.engine.declare import Answer, Way, declare
 from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation
+from spmdkit.engine.notation import ALPHABET, BROADCAST, Coshard, Notation
 
 _make = TensorDistAttr.unchecked
 
@@ -75,13 +75,13 @@ def conv_notation(grad: bool, nsp: int, transpose: bool, channel_last: bool, gro
     x, out = ("n" + s + "c", "n" + o + "m") if channel_last else ("nc" + s, "nm" + o)
     w = "c" + ("g" if grouped else "m") + k if transpose else "m" + ("g" if grouped else "c") + k
     rep = s + k + o + ("cmg" if grouped else "")
-    return Notation((x, w, out) if grad else (x, w), (x, w) if grad else (out,), rep, coshard="largest")
+    return Notation((x, w, out) if grad else (x, w), (x, w) if grad else (out,), rep, coshard=Coshard.LARGEST)
 
 
 def _keep(ins: tuple[str | None, ...], outs: tuple[str | None, ...], keep: str, sources: Any = (0,)) -> Notation:
     """The normalizations' and roi_align's notations: every letter but ``keep``'s replicated."""
     every = set("".join(a for a in (*ins, *outs) if a)) - {BROADCAST}
-    return Notation(ins, outs, "".join(sorted(every - set(keep))), coshard="largest", sources=sources)
+    return Notation(ins, outs, "".join(sorted(every - set(keep))), coshard=Coshard.LARGEST, sources=sources)
 
 
 def bn_notation(kind: str, nd: int, ci: int, scale: int, bias: int, reserve: int = -1) -> Notation:
@@ -126,11 +126,15 @@ def roi_notation(grad: bool, boxes_num: int) -> Notation:
 
 
 # -- checks (what the shapes DSL cannot say), instance_norm's key, the two post-hooks ------------
-def _channels(x: T, w: T, out: T | None, channel_last: bool, groups: int, transpose: bool, name: str) -> None:
+def _channels(transpose: bool, input: T, filter: T, output: T | None = None, output_grad: T | None = None,
+              data_format: str = "NCHW", groups: int = 1) -> None:  # fmt: skip
     """The input has the filter's in-channels x groups (conv2d_transpose: its first axis), groups
-    divide the channels they split, and output / output_grad has the filter's output channels."""
-    cin = x.shape[-1] if channel_last else x.shape[1]
-    w0, w1g = w.shape[0], w.shape[1] * groups if w.shape[1] >= 0 else -1
+    divide the channels they split, and the reverse rule's output / the grad's output_grad has the
+    filter's output channels (conv2d's forward and reverse have no attributes: NCHW, groups 1)."""
+    out, name = (output, "output") if output is not None else (output_grad, "output_grad")
+    channel_last = data_format in ("NHWC", "NDHWC")
+    cin = input.shape[-1] if channel_last else input.shape[1]
+    w0, w1g = filter.shape[0], filter.shape[1] * groups if filter.shape[1] >= 0 else -1
     fin, m = (w0, w1g) if transpose else (w1g, w0)
     if cin >= 0 and fin >= 0 and cin != fin:
         raise ShapeMismatchError(f"the input has {cin} channels, the filter expects {fin} (groups {groups})")
@@ -149,10 +153,10 @@ def _lengths(what: str, size: int, **vecs: T | None) -> None:
             raise ShapeMismatchError(f"{name}'s length is {t.shape[0]} but {what} is {size}")
 
 
-def _pooled(h: int, w: int) -> None:
+def _pooled(pooled_height: int, pooled_width: int) -> None:
     """A check, not ``require``: after the shapes (a bad boxes shape raises ShapeMismatchError first)."""
-    if h < 1 or w < 1:
-        raise InvalidAttributeError(f"pooled_height / pooled_width must be >= 1, got {h} / {w}")
+    if pooled_height < 1 or pooled_width < 1:
+        raise InvalidAttributeError(f"pooled_height / pooled_width must be >= 1, got {pooled_height} / {pooled_width}")
 
 
 def _chunks(size: int, n: int) -> list[tuple[int, int]]:
@@ -213,7 +217,27 @@ def _flat_stats(ins: Any, outs: Any, *args: Any) -> Answer:
     return ((*ins[:3], st, st, ins[5]), outs) if len(ins) == 6 else (ins, (outs[0], st, st))
 
 
-_ENV = {"_channels": _channels, "_lengths": _lengths, "_pooled": _pooled, "_in_keep": _in_keep}
+def _output_grad_partial(output_grad: T) -> Any:
+    return output_grad.dist_attr.partial
+
+
+def _bn_lengths(x: T, data_format: str, scale: T | None, bias: T | None, mean_out: T, variance_out: T,
+                saved_mean: T, saved_variance: T) -> None:  # fmt: skip
+    _lengths("the channel count", x.shape[1 if data_format[1] == "C" else -1], scale=scale, bias=bias,
+             mean_out=mean_out, variance_out=variance_out, saved_mean=saved_mean, saved_variance=saved_variance)
+
+
+def _gn_lengths(x: T, data_format: str, scale: T | None, bias: T | None) -> None:
+    _lengths("the channel count", x.shape[1 if len(data_format) > 1 and data_format[1] == "C" else -1], scale=scale,
+             bias=bias)  # fmt: skip
+
+
+def _in_lengths(x: T, saved_mean: T, saved_variance: T) -> None:
+    nc = x.shape[0] * x.shape[1] if min(x.shape[:2]) >= 0 else -1
+    _lengths("N*C", nc, saved_mean=saved_mean, saved_variance=saved_variance)
+
+
+_ENV = {"_in_keep": _in_keep}
 
 
 # -- declarations -------------------------------------------------------------------------------
@@ -222,13 +246,13 @@ def _conv(grad: bool, nsp: int, transpose: bool, attrs: bool, out: str, paddle: 
     reverse have none: NCHW, groups 1); ``out``: the third tensor (output / output_grad) or ''."""
     sp = " _" * nsp
     fmts = ("NCHW", "NHWC", "AnyLayout") if nsp == 2 else ("NCDHW", "NDHWC", "AnyLayout")
-    last, groups = ("data_format in ('NHWC', 'NDHWC')", "groups") if attrs else ("False", "1")
+    last, groups = ("data_format in ('NHWC', 'NDHWC')", "groups") if attrs else ("False", "1")  # the key's
     return Way(
         partial(conv_notation, grad, nsp, transpose), key=f"{last}, {groups} > 1",
         require=(f"data_format in {fmts!r}", "groups >= 1") if attrs else (),
         shapes=f"input: n _{sp}; filter: _ _{sp}" + (f"; {out}: n _{sp}" if out else ""),
-        check=f"_channels(input, filter, {out or None}, {last}, {groups}, {transpose}, {out!r})", env=_ENV,
-        post=_linear_partial if grad else None, post_if="output_grad.dist_attr.partial" if grad else "",
+        check=partial(_channels, transpose),
+        post=_linear_partial if grad else None, post_if=_output_grad_partial if grad else None,
         paddle=paddle, doc=f"{paddle}: {doc}",
     )  # fmt: skip
 
@@ -262,7 +286,6 @@ for _op, _nsp, _tr, _sig, _fn, _fdoc in (
 
 _BN = "x: _ c ...; mean: c; variance: c; scale: c; bias: c"
 _BN_CI = "1 if data_format[1] == 'C' else -1"
-_BN_STATS = "mean_out=mean_out, variance_out=variance_out, saved_mean=saved_mean, saved_variance=saved_variance"
 declare(
     "batch_norm", "x: T, mean: T, variance: T, scale: T?, bias: T?",
     Way(partial(bn_notation, "forward"), key="x, 1, scale, bias", shapes=_BN, tail=6, paddle="BatchNormInferSpmdStatic",
@@ -278,14 +301,13 @@ declare(
     'out_grad: T, momentum: float = 0.9, epsilon: float = 1e-5, data_format: str = "NCHW", is_test: bool = False, '
     "use_global_stats: bool = False, trainable_statistics: bool = False",
     Way(partial(bn_notation, "grad"), key=f"x, ({_BN_CI}) % len(x.shape), scale, bias, reserve_space",
-        require=("len(data_format) >= 2",), same=[("x", "out_grad")], env=_ENV,
+        require=("len(data_format) >= 2",), same=[("x", "out_grad")],
         shapes="x: _ _ ...; scale: _; bias: _; mean_out: _; variance_out: _; saved_mean: _; saved_variance: _",
-        check=f"_lengths('the channel count', x.shape[{_BN_CI}], scale=scale, bias=bias, {_BN_STATS})",
+        check=_bn_lengths,
         paddle="BatchNormGradInferSpmd", doc="BatchNormGradInferSpmd: c's sharding on every per-channel tensor."),
 )  # fmt: skip
 
 _GN = "x: n c _ ...; scale: c; bias: c"
-_GN_CI = "1 if len(data_format) > 1 and data_format[1] == 'C' else -1"
 declare(
     "group_norm", "x: T, scale: T?, bias: T?",
     Way(partial(gn_notation, "forward"), key="x, scale, bias", shapes=_GN, paddle="GroupNormInferSpmdBase",
@@ -299,19 +321,18 @@ declare(
     'groups: int = -1, data_format: str = "NCHW"',
     Way(partial(gn_notation, "grad"), key="x, scale, bias", require=("groups == -1 or groups >= 1",),
         shapes="x: n _ _ ...; scale: _; bias: _; mean: n _; variance: n _", same=[("x", "y"), ("x", "y_grad")],
-        check=f"_lengths('the channel count', x.shape[{_GN_CI}], scale=scale, bias=bias)", env=_ENV,
+        check=_gn_lengths,
         paddle="GroupNormGradInferSpmd", doc="GroupNormGradInferSpmd: scale_grad / bias_grad partial SUM over n."),
 )  # fmt: skip
 
 _IN = "x: _ c _ _; scale: c; bias: c"
-_NC = "x.shape[0] * x.shape[1] if min(x.shape[:2]) >= 0 else -1"
 declare(
     "instance_norm", "x: T, scale: T?, bias: T?, epsilon: float = 1e-5",
     Way(partial(in_notation, False), key="_in_keep(x), scale, bias", shapes=_IN, env=_ENV, post=_flat_stats,
         paddle="InstanceNormInferSpmd", doc="InstanceNormInferSpmd: ``abcd`` -> ``abcd``, flat ``(a b)``."),
     grad=Way(partial(in_notation, True), key="_in_keep(x), scale, bias", env=_ENV, post=_flat_stats,
              shapes=_IN + "; saved_mean: _; saved_variance: _", same=[("x", "y_grad")],
-             check=f"_lengths('N*C', {_NC}, saved_mean=saved_mean, saved_variance=saved_variance)",
+             check=_in_lengths,
              paddle="InstanceNormGradInferSpmd", doc="InstanceNormGradInferSpmd: x's n / c sharding."),
     grad_signature="x: T, scale: T?, bias: T?, saved_mean: T, saved_variance: T, y_grad: T, epsilon: float = 1e-5",
     grad_name="instance_norm_grad",
@@ -319,12 +340,11 @@ declare(
 
 _ROI = "x: n c _ _; boxes: r 4; boxes_num: n"
 _ROI_ATTRS = "pooled_height: int, pooled_width: int, spatial_scale: float, sampling_ratio: int, aligned: bool"
-_POOLED = "_pooled(pooled_height, pooled_width)"
 declare(
     "roi_align", "x: T, boxes: T, boxes_num: T?, " + _ROI_ATTRS,
-    Way(partial(roi_notation, False), key="boxes_num", shapes=_ROI, check=_POOLED, env=_ENV,
+    Way(partial(roi_notation, False), key="boxes_num", shapes=_ROI, check=_pooled,
         paddle="RoiAlignInferSpmd", doc="RoiAlignInferSpmd: x ``-c--`` -> out ``-c--``."),
-    grad=Way(partial(roi_notation, True), key="boxes_num", shapes=_ROI + "; out_grad: r c _ _", check=_POOLED,
-             env=_ENV, paddle="RoiAlignGradInferSpmd", doc="RoiAlignGradInferSpmd: x and out_grad merged."),
+    grad=Way(partial(roi_notation, True), key="boxes_num", shapes=_ROI + "; out_grad: r c _ _", check=_pooled,
+             paddle="RoiAlignGradInferSpmd", doc="RoiAlignGradInferSpmd: x and out_grad merged."),
     grad_signature="x: T, boxes: T, boxes_num: T?, out_grad: T, " + _ROI_ATTRS, grad_name="roi_align_grad",
 )  # fmt: skip

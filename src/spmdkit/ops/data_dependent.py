@@ -62,6 +62,11 @@ declare(
                 doc="NonZeroInferSpmdReverse: everything replicated; out's row count is not checked."),
     outputs="out: T",
 )  # fmt: skip
+def _unique_unasked(indices: DistTensorSpec | None, inverse: DistTensorSpec | None, counts: DistTensorSpec | None,
+                    return_index: bool, return_inverse: bool, return_counts: bool) -> None:  # fmt: skip
+    _unasked((indices, inverse, counts), (return_index, return_inverse, return_counts))
+
+
 _US_SIG = ("return_index: bool = False, return_inverse: bool = False, return_counts: bool = False, "
            "axis: ints = [], dtype: any = 'int64'")
 _US_KEY = "x, return_index, return_inverse, return_counts, tuple(axis)"
@@ -70,8 +75,7 @@ declare(
     Way(unique_notation, key=_US_KEY, paddle="UniqueInferSpmd",
         doc="UniqueInferSpmd: all replicated; out 1-D without axis; absent outputs None."),
     reverse=Way(unique_notation, key=_US_KEY, shapes="indices: _; inverse: _; counts: _", letters=True,
-                check="_unasked((indices, inverse, counts), (return_index, return_inverse, return_counts))",
-                env={"_unasked": _unasked}, paddle="unique reverse (spmdkit)",
+                check=_unique_unasked, paddle="unique reverse (spmdkit)",
                 doc="unique reverse (spmdkit): all replicated; only the outputs' ranks are checked."),
     outputs="out: T, indices: T? = None, inverse: T? = None, counts: T? = None",
 )  # fmt: skip

@@ -21,7 +21,7 @@ per tensor of ``outs`` (flat lists, not nested).
 from __future__ import annotations
 
 from spmdkit.engine.declare import Way, declare
-from spmdkit.engine.notation import BROADCAST, Notation
+from spmdkit.engine.notation import BROADCAST, Conflict, Coshard, Notation
 
 
 def notation(how: str, ins: tuple[int, ...], outs: tuple[int, ...]) -> Notation:
@@ -31,7 +31,7 @@ def notation(how: str, ins: tuple[int, ...], outs: tuple[int, ...]) -> Notation:
     batch = how != "replicated" and 0 not in outs
     lab = [None if r < 0 else ("b" if batch and r else "") + BROADCAST * (r - (batch and r > 0)) for r in ins + outs]
     src = range(len(ins), len(ins) + len(outs)) if how == "backward" else range(len(ins))
-    return Notation(lab, [], coshard="largest", conflict="heaviest", sources=src)
+    return Notation(lab, [], coshard=Coshard.LARGEST, conflict=Conflict.HEAVIEST, sources=src)
 
 
 def _way(how: str, paddle: str) -> Way:

@@ -30,7 +30,8 @@ from spmdkit.core.dist_attr import ReduceType, TensorDistAttr, entry_dims
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.declare import Answer, Way, declare, ones
-from spmdkit.engine.notation import BROADCAST, Notation, letters_for
+from spmdkit.engine.notation import BROADCAST, Coshard, Notation, UnitAxes, letters_for
+from spmdkit.ops._common import out_grad_partial, x_partial
 
 _make = TensorDistAttr.unchecked
 Attrs = tuple[TensorDistAttr, ...]
@@ -124,8 +125,8 @@ def binary_notation(direction: str, nx: int, ny: int, ux: int, uy: int) -> Notat
     pairs = zip(x.rjust(n, BROADCAST), y.rjust(n, BROADCAST))
     out = "".join(BROADCAST if a == b == BROADCAST else g[i] for i, (a, b) in enumerate(pairs))
     if direction == "forward":
-        return Notation([x, y], [out], coshard="largest", unit_axes="claim")
-    return Notation([x, y], [out], coshard="largest")
+        return Notation([x, y], [out], coshard=Coshard.LARGEST, unit_axes=UnitAxes.CLAIM)
+    return Notation([x, y], [out], coshard=Coshard.LARGEST)
 
 
 def _out_check(x: DistTensorSpec, y: DistTensorSpec, out: DistTensorSpec) -> None:
@@ -201,10 +202,10 @@ _UNARY_REV = Way(unary_notation, key="x", letters=True, paddle="ElementwiseUnary
 #: the binary key, ``_bkey``'s common case inlined (no size-1 axis, y's shape x's trailing axes)
 _BKEY = ("*((len(x.shape), len(y.shape), 0, 0) if 1 not in x.shape and 1 not in y.shape"
          " and x.shape[len(x.shape) - len(y.shape):] == y.shape else _bkey(x, y))")
-_ENV = {"_bkey": _bkey, "_out_check": _out_check, "_grad_check": _grad_check}
+_ENV = {"_bkey": _bkey}
 _BINARY = Way(partial(binary_notation, "forward"), key=_BKEY, env=_ENV, paddle="ElementwiseBinaryInferSpmd",
               doc="elementwise binary with numpy broadcasting.")
-_BINARY_REV = Way(partial(binary_notation, "backward"), key=_BKEY, check="_out_check(x, y, out)", env=_ENV,
+_BINARY_REV = Way(partial(binary_notation, "backward"), key=_BKEY, check=_out_check, env=_ENV,
                   paddle="ElementwiseBinaryInferSpmdReverse",
                   doc="elementwise binary reverse: x and y take out's letters; out is what they make.")
 
@@ -217,7 +218,7 @@ def _unary_grad(inputs: tuple[str, ...], paddle: str = "ElementwiseUnaryGradInfe
 
 def _binary_grad(with_out: bool) -> Way:
     return Way(partial(binary_grad_notation, with_out), key="out_grad, x, y, ones(x), ones(y)",
-               check="_grad_check(x, y, out_grad, axis)", env=_ENV, same=[("out_grad", "out")] if with_out else [],
+               check=_grad_check, env=_ENV, same=[("out_grad", "out")] if with_out else [],
                paddle="ElementwiseBinaryGradInferSpmd",
                doc=f"ElementwiseBinaryGradInferSpmd(x, y, {'out, ' if with_out else ''}out_grad, axis)")
 
@@ -228,13 +229,13 @@ declare("gelu", "x: T, approximate: bool = False", Way(unary_notation, key="x", 
         grad=_unary_grad(("x",), "GeluGradInferSpmd"), grad_signature="x: T, out_grad: T, approximate: bool = False",
         grad_name="gelu_grad")
 declare("cast", "x: T, dtype: any = 'float32'",
-        replace(_UNARY, post=_cast_post, post_if="x.dist_attr.partial", paddle="CastInferSpmd",
+        replace(_UNARY, post=_cast_post, post_if=x_partial, paddle="CastInferSpmd",
                 doc="cast (CastInferSpmd): elementwise unary keeping x's partial status."),
         reverse=_UNARY_REV, outputs="out: T")
 for _n in BINARY_OPS:
     declare(_n, "x: T, y: T", _BINARY, reverse=_BINARY_REV, outputs="out: T")
 declare("multiply", "x: T, y: T",
-        replace(_BINARY, post=_multiply_post, post_if="x.dist_attr.partial or y.dist_attr.partial",
+        replace(_BINARY, post=_multiply_post, post_if=lambda x, y: x.dist_attr.partial or y.dist_attr.partial,
                 paddle="ElementwiseBinaryWithPartialInferSpmd", doc=_multiply_post.__doc__ or ""),
         reverse=_BINARY_REV, outputs="out: T")
 declare("dropout_grad",
@@ -245,7 +246,7 @@ for _inputs, _names in UNARY_GRADS.items():
     for _n in _names.split():
         declare(f"{_n}_grad", ", ".join(f"{i}: T" for i in (*_inputs, "out_grad")), _unary_grad(_inputs))
 declare("cast_grad", "x: T, out_grad: T",
-        _unary_grad(("x",), post=_keep_grad_partial, post_if="out_grad.dist_attr.partial"))
+        _unary_grad(("x",), post=_keep_grad_partial, post_if=out_grad_partial))
 declare("pow_grad", "x: T, out_grad: T, y: scalar = 1.0", _unary_grad(("x",), "PowGradInferSpmd"))
 for _n in BINARY_GRADS:
     declare(f"{_n}_grad", "x: T, y: T, out_grad: T, axis: int = -1", _binary_grad(False))

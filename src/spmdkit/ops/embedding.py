@@ -35,7 +35,7 @@ from spmdkit.core.dist_attr import ReduceType, TensorDistAttr, dims_entry, entry
 from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.declare import Way, declare
-from spmdkit.engine.notation import ALPHABET, Notation
+from spmdkit.engine.notation import ALPHABET, Coshard, Notation
 
 # batch letters of the ids: the alphabet without the weight's j (vocab) and k (hidden)
 _BATCH = "abcdefghilmnopqrstuvwxyz"
@@ -50,8 +50,8 @@ def notation(kind: str, weight_first: bool, nd: int, rows_replicated: bool) -> N
     ins = ["jk", b] if weight_first else [b, "jk"]
     rep = "j" if rows_replicated else ""
     if kind == "grad":
-        return Notation([*ins, b + "k"], ["jk"], rep, coshard="largest")
-    return Notation(ins, [b + "k"], rep, coshard="largest")
+        return Notation([*ins, b + "k"], ["jk"], rep, coshard=Coshard.LARGEST)
+    return Notation(ins, [b + "k"], rep, coshard=Coshard.LARGEST)
 
 
 def one_hot_notation(nd: int) -> Notation:
@@ -59,7 +59,7 @@ def one_hot_notation(nd: int) -> Notation:
     if nd >= len(ALPHABET):
         raise ShapeMismatchError(f"x has {nd} dims, at most {len(ALPHABET) - 1} are supported")
     a = ALPHABET[:nd]
-    return Notation([a], [a + ALPHABET[nd]], coshard="largest")
+    return Notation([a], [a + ALPHABET[nd]], coshard=Coshard.LARGEST)
 
 
 def _ids_out(x: DistTensorSpec, out: DistTensorSpec, name: str) -> None:
@@ -86,6 +86,19 @@ def _vocab_parallel(ins: Any, outs: Any, x: DistTensorSpec, weight: DistTensorSp
             (make(mesh, o.dims_mapping, tuple(sorted((d, ReduceType.SUM) for d in free))),))  # fmt: skip
 
 
+def _ids_out_grad(x: DistTensorSpec, out_grad: DistTensorSpec) -> None:
+    _ids_out(x, out_grad, "out_grad")
+
+
+def _ids_out_check(x: DistTensorSpec, out: DistTensorSpec) -> None:
+    _ids_out(x, out, "out")
+
+
+def _vocab_parallel_if(out: DistTensorSpec, padding_idx: int, sparse: bool) -> Any:
+    """Where the reverse rule's answer takes the vocab-parallel kernel's shape (:func:`_vocab_parallel`)."""
+    return out.dist_attr.partial and padding_idx == -1 and not sparse
+
+
 def _one_hot_out(out: DistTensorSpec, num_classes: int) -> None:
     """one_hot's reverse: out's last axis has num_classes (its rank and other sizes: ``letters``)."""
     if out.shape and out.shape[-1] >= 0 and out.shape[-1] != num_classes:
@@ -94,7 +107,7 @@ def _one_hot_out(out: DistTensorSpec, num_classes: int) -> None:
 
 def _grad(op: str, weight_first: bool, key: str, paddle: str) -> Way:
     return Way(partial(notation, "grad", weight_first), key=key, shapes="weight: _ h; out_grad: ... h",
-               check="_ids_out(x, out_grad, 'out_grad')", env={"_ids_out": _ids_out}, paddle=paddle,
+               check=_ids_out_grad, paddle=paddle,
                doc=f"{op} ({paddle}): ``{'jk, ab' if weight_first else 'ab, jk'}, abk -> jk``; weight_grad keeps "
                    "the weight's row sharding and is partial SUM over the batch letters' mesh dims.")  # fmt: skip
 
@@ -106,8 +119,7 @@ declare(
     Way(partial(notation, "forward", False), key=_ROWS, shapes="weight: _ _", paddle="EmbeddingInferSpmd",
         doc="embedding (EmbeddingInferSpmd): ``ab, jk -> abk``; sharded rows make out partial SUM."),
     reverse=Way(partial(notation, "reverse", False), key=_ROWS, shapes="weight: _ h; out: ... h",
-                check="_ids_out(x, out, 'out')", env={"_ids_out": _ids_out}, post=_vocab_parallel,
-                post_if="out.dist_attr.partial and padding_idx == -1 and not sparse",
+                check=_ids_out_check, post=_vocab_parallel, post_if=_vocab_parallel_if,
                 paddle="EmbeddingInferSpmdReverse",
                 doc="embedding (EmbeddingInferSpmdReverse): x and the hidden axis from out; out as they produce it."),
     outputs="out: T", aliases=("lookup_table_v2",),
@@ -130,8 +142,8 @@ declare(
     "one_hot", "x: T, num_classes: int",
     Way(one_hot_notation, key="x", require=("num_classes >= 1",), paddle="OneHotInferSpmd",
         doc="one_hot (OneHotInferSpmd): ``ab -> abz``, the new class axis replicated."),
-    reverse=Way(one_hot_notation, key="x", require=("num_classes >= 1",), check="_out(out, num_classes)",
-                env={"_out": _one_hot_out}, letters=True, paddle="OneHotInferSpmdReverse",
+    reverse=Way(one_hot_notation, key="x", require=("num_classes >= 1",), check=_one_hot_out,
+                letters=True, paddle="OneHotInferSpmdReverse",
                 doc="one_hot (OneHotInferSpmdReverse): x from out's leading axes; the class axis replicated."),
     outputs="out: T",
 )  # fmt: skip

@@ -31,6 +31,7 @@ reduce types are made replicated. Nothing else becomes partial.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from spmdkit.core.dist_attr import DimsMapping, ReduceType, entry_dims
@@ -38,9 +39,9 @@ from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import make_attr
 from spmdkit.engine.declare import Answer, Way, declare
-from spmdkit.engine.notation import BROADCAST, Notation, letters_for
+from spmdkit.engine.notation import BROADCAST, Conflict, Coshard, Notation, UnitAxes, letters_for
 from spmdkit.ops._absent import absent_0d
-from spmdkit.ops._common import check_like, check_same_shape
+from spmdkit.ops._common import check_like, check_same_shape, out_grad_partial
 
 
 def binary(n_in: int, outs: int, nd: int, y: int, unit: int, seed: int = -2) -> Notation:
@@ -54,7 +55,7 @@ def binary(n_in: int, outs: int, nd: int, y: int, unit: int, seed: int = -2) -> 
         return Notation(ts, [a, None][:outs], replicated=a[-1:], prune="*")
     a = "".join(BROADCAST if unit >> i & 1 else c for i, c in enumerate(letters_for(nd)))
     seeds: list[str | None] = [] if seed == -2 else [None]
-    return Notation([a] * n_in, [*([a] * outs), *seeds], coshard="largest", conflict="first", unit_axes="claim")
+    return Notation([a] * n_in, [*([a] * outs), *seeds], coshard=Coshard.LARGEST, conflict=Conflict.FIRST, unit_axes=UnitAxes.CLAIM)
 
 
 def _halved(src: DimsMapping, ins: Any, outs: Any) -> Answer:
@@ -113,26 +114,38 @@ def _binary(n_in: int, outs: int, seed: int = -2) -> Any:
     return lambda nd, y, unit, *s: binary(n_in, outs, nd, y, unit, *(s or (seed,)))
 
 
-def _swiglu_way(check: str, src: int, paddle: str, doc: str, n_in: int = 2, outs: int = 1) -> Way:
-    """A mode of swiglu: ``check`` the tensor _swiglu checks against x (and its name), ``src``
-    the argument whose last axis _halved reads without y. A 0-D y is read as absent: x is at
-    least 1-D, so a 0-D y is never a real operand."""
-    return Way(_binary(n_in, outs), key="x, y, ones(x)", shapes="x: _ ...", check=f"_swiglu(_OP, x, y{check})",
-               env={"_swiglu": _swiglu}, wrap=absent_0d("y"), post_if="y is None", paddle=paddle, doc=doc,
+def _swiglu_out(op: str, x: DistTensorSpec, y: Any, out: DistTensorSpec) -> None:
+    _swiglu(op, x, y, out, "out")
+
+
+def _swiglu_out_grad(op: str, x: DistTensorSpec, y: Any, out_grad: DistTensorSpec) -> None:
+    _swiglu(op, x, y, out_grad, "out_grad")
+
+
+def _no_y(y: Any) -> bool:
+    return y is None
+
+
+def _swiglu_way(check: Callable[..., None], src: int, paddle: str, doc: str, n_in: int = 2, outs: int = 1) -> Way:
+    """A mode of swiglu: ``check`` x, y and the third tensor (out / out_grad), ``src`` the argument
+    whose last axis _halved reads without y. A 0-D y is read as absent: x is at least 1-D, so a 0-D
+    y is never a real operand."""
+    return Way(_binary(n_in, outs), key="x, y, ones(x)", shapes="x: _ ...", check=check,
+               wrap=absent_0d("y"), post_if=_no_y, paddle=paddle, doc=doc,
                post=lambda i, o, *args: _halved(args[src].dist_attr.dims_mapping, i, o))  # fmt: skip
 
 
 declare(
     "swiglu", "x: T, y: T? = None",
-    _swiglu_way("", 0, "SwiGLUInferSpmd",
+    _swiglu_way(_swiglu, 0, "SwiGLUInferSpmd",
                 "swiglu (SwiGLUInferSpmd): elementwise binary with y; without y the halved last axis is replicated."),
-    reverse=_swiglu_way(", out, 'out'", 2, "SwiGLUInferSpmdReverse",
+    reverse=_swiglu_way(_swiglu_out, 2, "SwiGLUInferSpmdReverse",
                         "swiglu (SwiGLUInferSpmdReverse): x and y from out; out is what they produce."),
     outputs="out: T",
 )  # fmt: skip
 declare(
     "swiglu_grad", "x: T, y: T?, out_grad: T",
-    _swiglu_way(", out_grad, 'out_grad'", 0, "SwiGLUGradInferSpmd",
+    _swiglu_way(_swiglu_out_grad, 0, "SwiGLUGradInferSpmd",
                 "swiglu_grad (SwiGLUGradInferSpmd): x, y, out_grad, x_grad, y_grad sharded alike.", 3, 2),
 )  # fmt: skip
 declare(
@@ -159,7 +172,7 @@ declare(
     "fix_seed: bool = False",
     Way(_fda_grad_notation, require=("not isinstance(p, bool) and 0 <= p <= 1",
                                      "mode in ('upscale_in_train', 'downscale_in_infer')"),
-        wrap=absent_0d("seed_offset"), post=_keep_partial, post_if="out_grad.dist_attr.partial",
+        wrap=absent_0d("seed_offset"), post=_keep_partial, post_if=out_grad_partial,
         paddle="FusedDropoutAddGradInferSpmd",
         doc="fused_dropout_add_grad (FusedDropoutAddGradInferSpmd): x_grad and y_grad sharded as out_grad."),
 )  # fmt: skip

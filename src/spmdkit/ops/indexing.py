@@ -55,7 +55,7 @@ from spmdkit.core.errors import ShapeMismatchError, SpmdError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.axes import make_attr, normalize_axis, unpartial
 from spmdkit.engine.declare import Answer, Way, declare, ones
-from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, letters_for
+from spmdkit.engine.notation import ALPHABET, BROADCAST, Coshard, Notation, letters_for
 
 # Every mode but where's forward checks per call that each letter has one size over its tensors
 # (``letters=True``): the shapes of out / out_grad / updates against x and the index.
@@ -83,7 +83,7 @@ def gather_notation(kind: str, nd: int, axis: int, ni: int, tail: tuple[int, ...
     ax = normalize_axis("", axis, nd, tensor="x")
     idx = _index(ni, tail, not kind.startswith("index_select")).replace("k", ALPHABET[nd])
     out = x[:ax] + idx[:1] + x[ax + 1 :]
-    coshard = "largest" if kind in ("gather", "gather_grad") else "keep"
+    coshard = Coshard.LARGEST if kind in ("gather", "gather_grad") else Coshard.KEEP
     if kind.endswith("grad"):
         sources = (0, 1) if kind == "index_select_grad" else None
         return Notation([x, idx, out], [x], replicated=x[ax], coshard=coshard, sources=sources)
@@ -128,7 +128,7 @@ def nd_notation(kind: str, nd: int, ni: int, k: int) -> Notation:
     b = ALPHABET[nd : nd + ni - 1]
     idx = b + ALPHABET[nd + ni - 1]
     bt = b + x[k:]
-    nt = partial(Notation, replicated=x[:k] + idx[-1], coshard="largest")
+    nt = partial(Notation, replicated=x[:k] + idx[-1], coshard=Coshard.LARGEST)
     if kind == "gather_nd":
         return nt([x, idx], [bt])
     if kind == "scatter_nd_add_grad":
@@ -199,8 +199,8 @@ def scatter_notation(kind: str, nd: int, ni: int, tail: tuple[int, ...]) -> Nota
     idx = _index(ni, tail).replace("k", b)
     upd = (b + t) if idx else t
     if kind == "grad":  # index, updates, out_grad -> x_grad, updates_grad
-        return Notation([idx, upd, z + t], [z + t, upd], replicated=z + b, coshard="largest", sources=(0, 2))
-    return Notation([z + t, idx, upd], [z + t], replicated=z + b, coshard="largest",
+        return Notation([idx, upd, z + t], [z + t, upd], replicated=z + b, coshard=Coshard.LARGEST, sources=(0, 2))
+    return Notation([z + t, idx, upd], [z + t], replicated=z + b, coshard=Coshard.LARGEST,
                     sources=(1, 2) if kind == "forward" else None)  # fmt: skip
 
 
@@ -239,8 +239,8 @@ def where_notation(grad: bool, nc: int, nx: int, ny: int, mc: int, mx: int, my: 
     axes = ["".join(BROADCAST if (m >> j) & 1 and not one[nd - n + j] else letters[nd - n + j] for j in range(n))
             for n, m in zip(ranks, masks)]  # fmt: skip
     if grad:
-        return Notation([*axes, letters], [axes[1], axes[2]], coshard="largest")
-    return Notation(axes, [letters], coshard="largest")
+        return Notation([*axes, letters], [axes[1], axes[2]], coshard=Coshard.LARGEST)
+    return Notation(axes, [letters], coshard=Coshard.LARGEST)
 
 
 def _broadcast(condition: DistTensorSpec, x: DistTensorSpec, y: DistTensorSpec) -> None:
@@ -289,11 +289,15 @@ def _y_unread(fn: Callable[..., SpmdResult], signature: str, outputs: Any) -> Ca
     return where
 
 
+def _where_check(condition: DistTensorSpec, x: DistTensorSpec, y: DistTensorSpec) -> None:
+    if not condition.shape == x.shape == y.shape:
+        _broadcast(condition, x, y)
+
+
 _W_KEY = "condition, x, y, ones(condition), ones(x), ones(y)"
 declare(
     "where", "condition: T, x: T, y: T",
-    Way(partial(where_notation, False), key=_W_KEY, check="condition.shape == x.shape == y.shape or "
-        "_broadcast(condition, x, y)", env={"_broadcast": _broadcast}, wrap=_y_unread, paddle="WhereInferSpmd",
+    Way(partial(where_notation, False), key=_W_KEY, check=_where_check, wrap=_y_unread, paddle="WhereInferSpmd",
         doc="where (WhereInferSpmd): elementwise over the broadcast shape; condition and x merged (y's own "
             "sharding is read only on the axes neither of them has)."),
     reverse=Way(partial(where_notation, False), key=_W_KEY, letters=True, paddle="WhereInferSpmdReverse",

@@ -65,7 +65,7 @@ from spmdkit.core.spec import DistTensorSpec as T
 from spmdkit.engine.axes import replicated_like
 from spmdkit.engine.declare import Answer, Way, declare
 from spmdkit.engine.memo import memo
-from spmdkit.engine.notation import BROADCAST, Notation
+from spmdkit.engine.notation import BROADCAST, Conflict, Notation, Taken
 from spmdkit.ops import matmul
 from spmdkit.ops._absent import absent_0d
 from spmdkit.ops._common import check_same_shape
@@ -148,25 +148,43 @@ def _bias_grad(absent: bool) -> Any:
     return post
 
 
-_GENV = {**matmul.ENV, "_gemm": _gemm_check}
+def _fge_check(op: str, x: T, y: T, bias: T | None, trans_x: bool, trans_y: bool, out: T | None = None) -> None:
+    _gemm_check(op, x, y, bias, trans_x, trans_y, out)
+
+
+def _fge_grad_check(op: str, x: T, y: T, trans_x: bool, trans_y: bool, out_grad: T) -> None:
+    _gemm_check(op, x, y, None, trans_x, trans_y, out_grad, "out_grad")
+
+
+def _linear_check(op: str, input: T, weight: T, bias: T | None, out: T | None = None) -> None:
+    _gemm_check(op, input, weight, bias, False, False, out)
+
+
+def _linear_grad_check(op: str, input: T, weight: T, out_grad: T) -> None:
+    _gemm_check(op, input, weight, None, False, False, out_grad, "out_grad")
+
+
 _NO_TW = ("not transpose_weight", "transpose_weight is not supported in SPMD mode")
-# (name, x and y, the transposes, the attributes); linear_v2's bias and its grad's are optional, transpose_weight
-# must be False (SPMD mode), fused_gemm_epilogue_grad takes reserve_space in bias's place
-for _name, _x, _y, _t, _attrs in (
-    ("fused_gemm_epilogue", "x", "y", "trans_x, trans_y", "trans_x: bool = False, trans_y: bool = False"),
-    ("linear_v2", "input", "weight", "False, False", "transpose_weight: bool = False"),
+# (name, x and y, the transposes, the attributes, the checks of the forward and reverse, of the grad); linear_v2's
+# bias and its grad's are optional, transpose_weight must be False (SPMD mode), fused_gemm_epilogue_grad takes
+# reserve_space in bias's place
+for _name, _x, _y, _t, _attrs, _check, _grad_check in (
+    ("fused_gemm_epilogue", "x", "y", "trans_x, trans_y", "trans_x: bool = False, trans_y: bool = False", _fge_check,
+     _fge_grad_check),
+    ("linear_v2", "input", "weight", "False, False", "transpose_weight: bool = False", _linear_check,
+     _linear_grad_check),
 ):
     _lin = _name == "linear_v2"
     _pd, _third = _name.title().replace("_", ""), "bias" if _lin else "reserve_space"
-    _kw: dict[str, Any] = {"key": f"{_x}, {_y}, {_t}", "env": _GENV, "require": (_NO_TW,) * _lin}
+    _kw: dict[str, Any] = {"key": f"{_x}, {_y}, {_t}", "require": (_NO_TW,) * _lin}
     _shapes = f"{_y}: ... _ _"
     declare(
         _name, f"{_x}: T, {_y}: T, bias: T{'?' * _lin}, {_attrs}",
         Way(partial(gemm_notation, "forward"), mask=(_x, _y), **_kw, shapes=_shapes,
-            check=f"_gemm(_OP, {_x}, {_y}, bias, {_t})", post=_gemm_post(_lin), wrap=absent_0d("bias") if _lin else None,
+            check=_check, post=_gemm_post(_lin), wrap=absent_0d("bias") if _lin else None,
             paddle=f"{_pd}InferSpmdBase", doc=f"{_pd}InferSpmdBase: ``[b]mk, kn, n -> [b]mn`` (out, reserve_space)."),
         reverse=Way(partial(gemm_notation, "reverse"), mask=(_x, _y), **_kw, shapes=_shapes,
-                    same=[("out", "reserve_space")], check=f"_gemm(_OP, {_x}, {_y}, bias, {_t}, out)",
+                    same=[("out", "reserve_space")], check=_check,
                     post=_gemm_post(_lin, True), wrap=absent_0d(*("bias",) * _lin, "reserve_space"),
                     paddle=f"{_pd}InferSpmdReverse",
                     doc=f"{_name} reverse (spmdkit's own): {_x}, {_y} from out (k replicated), bias as n."),
@@ -177,7 +195,7 @@ for _name, _x, _y, _t, _attrs in (
                          + ", activation_grad: str = 'none'" * (not _lin),
         Way(partial(gemm_notation, "grad"), mask=(_x, _y, "out_grad"), **_kw, shapes=_shapes + "; bias: _" * _lin,
             same=() if _lin else [("out_grad", "reserve_space")], post=_bias_grad(_lin), wrap=absent_0d(_third),
-            check=f"_gemm(_OP, {_x}, {_y}, None, {_t}, out_grad, 'out_grad')", paddle=f"{_pd}GradInferSpmd",
+            check=_grad_check, paddle=f"{_pd}GradInferSpmd",
             doc=f"{_pd}GradInferSpmd: matmul_grad for the grads of {_x} and {_y}; bias_grad from out_grad."),
     )  # fmt: skip
 
@@ -218,7 +236,7 @@ def flpga_reverse_notation(
     given = [k + n if w_out else None, n if b_out else None]
     src = [i for i, on in ((4, w_out), (5, b_out)) if on]
     tensors = [lead + k, lead + n, lab(w, k + n), lab(b, n), *given, k + n, n if bias else None]
-    return Notation(tensors, [], conflict="first", taken="letter", sources=src)
+    return Notation(tensors, [], conflict=Conflict.FIRST, taken=Taken.LETTER, sources=src)
 
 
 def flpga_notation(nd: int, mask: tuple[int, ...]) -> Notation:
@@ -240,18 +258,22 @@ def _flpga_post(
     return (ins[0], ad, w, b), (aw, ab)
 
 
-_FENV = {"_check": _flpga_check, "_code": _code, "_present": _present}
-_FCHECK = "_check(_OP, x, dout, dweight=dweight, dbias=dbias"
+def _flpga_accs(op: str, x: T, dout: T, dweight: T | None, dbias: T | None, dweight_out: T | None = None,
+                dbias_out: T | None = None) -> None:  # fmt: skip
+    _flpga_check(op, x, dout, dweight=dweight, dbias=dbias, dweight_out=dweight_out, dbias_out=dbias_out)
+
+
+_FENV = {"_code": _code, "_present": _present}
 declare(
     "fused_linear_param_grad_add", "x: T, dout: T, dweight: T?, dbias: T?, multi_precision: bool = False, "
                                    "has_bias: bool = True",
     Way(flpga_notation, key="x", mask=("x", "dout"), post=_flpga_post, env=_FENV, shapes="x: ... _ _; dout: ... _ _",
-        check=_FCHECK + ")", paddle="FusedLinearParamGradAddInferSpmd",
+        check=_flpga_accs, paddle="FusedLinearParamGradAddInferSpmd",
         doc="FusedLinearParamGradAddInferSpmd: ``[b]sk, [b]sn -> kn, n``."),
     reverse=Way(flpga_reverse_notation, tail=2, env=_FENV, shapes="x: ... _ _; dout: ... _ _",
                 key="x, x.shape[-1] == 1, dout.shape[-1] == 1, _code(dweight), _code(dbias, has_bias), has_bias, "
                     "_present(dweight_out), has_bias and _present(dbias_out)",
-                check=_FCHECK + ", dweight_out=dweight_out, dbias_out=dbias_out)",
+                check=_flpga_accs,
                 paddle="FusedLinearParamGradAddInferSpmdReverse",
                 doc="fused_linear_param_grad_add reverse (spmdkit's own): k and n from the outputs."),
     outputs="dweight_out: T?, dbias_out: T?",
@@ -338,8 +360,13 @@ def _grads(ins: Any, outs: Any, *args: object) -> Any:
 
 
 _SHAPES = "tuple([t.shape for t in inputs])"
-_PRE = "if not inputs: _notation(equation, ())  # no operand: the equation's error"
-_EKW: dict[str, Any] = {"letters": True, "env": {"_notation": einsum_notation}, "pre": _PRE}
+def _no_operand(inputs: list[T], equation: str) -> None:
+    """No operand (so no mesh): the equation's own error first."""
+    if not inputs:
+        einsum_notation(equation, ())
+
+
+_EKW: dict[str, Any] = {"letters": True, "pre": _no_operand}
 declare(
     "einsum", "inputs: [T], equation: str",
     Way(einsum_notation, key=f"equation, {_SHAPES}", **_EKW, paddle="EinsumInferSpmd",

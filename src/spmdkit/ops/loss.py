@@ -71,7 +71,7 @@ from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.axes import make_attr, normalize_axis, one_mesh_dim, unpartial
 from spmdkit.engine.declare import Answer, Way, declare
-from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, letters_for
+from spmdkit.engine.notation import ALPHABET, BROADCAST, Coshard, Notation, letters_for
 
 # -- checks (the engine names the op; the typed attributes are coerced by the binding) -----------
 
@@ -123,7 +123,32 @@ def _ml(x: DistTensorSpec, xname: str, *more: tuple[str, DistTensorSpec]) -> Non
             raise ShapeMismatchError(f"{name} must be a {nd}-D tensor, got shape {list(t.shape)}")
 
 
-_ENV: dict[str, Any] = {"_ce": _ce, "_c": _c, "_ml": _ml}
+def _ce_check(x: DistTensorSpec, label: DistTensorSpec, soft_label: bool, axis: int,
+              loss: DistTensorSpec | None = None) -> None:  # fmt: skip
+    _ce(x, label, soft_label, axis, loss)
+
+
+def _ce_grad_check(softmax: DistTensorSpec, label: DistTensorSpec, soft_label: bool, axis: int,
+                   loss_grad: DistTensorSpec) -> None:  # fmt: skip
+    _ce(softmax, label, soft_label, axis, loss_grad, "loss_grad")
+
+
+def _c_grad_check(softmax: DistTensorSpec, label: DistTensorSpec, loss_grad: DistTensorSpec) -> None:
+    _c(softmax, label, loss_grad, "loss_grad")
+
+
+def _ml_check(x: DistTensorSpec, label: DistTensorSpec, smooth_weight: DistTensorSpec) -> None:
+    _ml(x, "x", ("label", label), ("smooth_weight", smooth_weight))
+
+
+def _ml_reverse_check(x: DistTensorSpec, label: DistTensorSpec, smooth_weight: DistTensorSpec,
+                      softmax: DistTensorSpec, loss: DistTensorSpec) -> None:  # fmt: skip
+    _ml(x, "x", ("label", label), ("smooth_weight", smooth_weight), ("softmax", softmax), ("loss", loss))
+
+
+def _ml_grad_check(softmax: DistTensorSpec, label: DistTensorSpec, smooth_weight: DistTensorSpec,
+                   loss_grad: DistTensorSpec) -> None:  # fmt: skip
+    _ml(softmax, "softmax", ("label", label), ("smooth_weight", smooth_weight), ("loss_grad", loss_grad))
 
 
 # -- notations (module docstring) ------------------------------------------------------------------
@@ -137,16 +162,16 @@ def ce_notation(kind: str, nd: int, axis: int, soft: bool) -> Notation:
     one = x[:ax] + BROADCAST + x[ax + 1 :]
     lab = x if soft else one
     if kind == "grad":
-        return Notation([lab, x, one], [x], replicated=x[ax], coshard="largest")
-    return Notation([x, lab], [one, x] if kind == "reverse" else [x, one], replicated=x[ax], coshard="largest")
+        return Notation([lab, x, one], [x], replicated=x[ax], coshard=Coshard.LARGEST)
+    return Notation([x, lab], [one, x] if kind == "reverse" else [x, one], replicated=x[ax], coshard=Coshard.LARGEST)
 
 
 def c_notation(kind: str, nd: int) -> Notation:
     x = ALPHABET[:nd]
     one = x[:-1] + BROADCAST
     if kind == "grad":
-        return Notation([x, one, one], [x], coshard="largest")
-    return Notation([x, one], [x, one], coshard="largest")
+        return Notation([x, one, one], [x], coshard=Coshard.LARGEST)
+    return Notation([x, one], [x, one], coshard=Coshard.LARGEST)
 
 
 def ml_notation(kind: str, nd: int, summed: bool) -> Notation:
@@ -154,8 +179,8 @@ def ml_notation(kind: str, nd: int, summed: bool) -> Notation:
     lab = x[:-1] + ALPHABET[nd]
     loss = (x[:-1] + BROADCAST) if summed else lab
     if kind == "grad":
-        return Notation([x, lab, lab, loss], [x], replicated=lab[-1], coshard="largest")
-    return Notation([x, lab, lab], [x, loss], coshard="largest")
+        return Notation([x, lab, lab, loss], [x], replicated=lab[-1], coshard=Coshard.LARGEST)
+    return Notation([x, lab, lab], [x, loss], coshard=Coshard.LARGEST)
 
 
 def _not_partial(ins: Any, outs: Any, *args: object) -> Answer:
@@ -178,17 +203,17 @@ _CE_ATTRS = ("soft_label: bool = False, use_softmax: bool = True, numeric_stable
              "ignore_index: int = -100, axis: int = -1")
 
 
-def _ce_way(kind: str, x: str, check: str, paddle: str, doc: str, **kw: Any) -> Way:
-    return Way(partial(ce_notation, kind), key=f"{x}, axis, soft_label", letters=True, env=_ENV,
-               check=f"_ce({x}, label, soft_label, axis{check})", paddle=paddle, doc=doc, **kw)  # fmt: skip
+def _ce_way(kind: str, x: str, check: Callable[..., None], paddle: str, doc: str, **kw: Any) -> Way:
+    return Way(partial(ce_notation, kind), key=f"{x}, axis, soft_label", letters=True, check=check, paddle=paddle,
+               doc=doc, **kw)  # fmt: skip
 
 
 declare(
     "cross_entropy_with_softmax", f"x: T, label: T, {_CE_ATTRS}",
-    _ce_way("forward", "x", "", "CrossEntropyWithSoftmaxInferSpmdStatic",
+    _ce_way("forward", "x", _ce_check, "CrossEntropyWithSoftmaxInferSpmdStatic",
             "cross_entropy_with_softmax (CrossEntropyWithSoftmaxInferSpmdStatic): batch axes merged, the class axis "
             "replicated; softmax as x, loss as x with the class axis of size 1."),
-    reverse=_ce_way("reverse", "x", ", loss", "CrossEntropyWithSoftmaxInferSpmdReverse",
+    reverse=_ce_way("reverse", "x", _ce_check, "CrossEntropyWithSoftmaxInferSpmdReverse",
                     order="x, label, loss, softmax_out",
                     doc="cross_entropy_with_softmax (CrossEntropyWithSoftmaxInferSpmdReverse): the inputs from softmax "
                         "and loss (class axis replicated); the outputs those inputs produce."),
@@ -196,26 +221,26 @@ declare(
 )  # fmt: skip
 declare(
     "cross_entropy_with_softmax_grad", f"label: T, softmax: T, loss_grad: T, {_CE_ATTRS}",
-    _ce_way("grad", "softmax", ", loss_grad, 'loss_grad'", "CrossEntropyWithSoftmaxGradInferSpmd",
+    _ce_way("grad", "softmax", _ce_grad_check, "CrossEntropyWithSoftmaxGradInferSpmd",
             "cross_entropy_with_softmax_grad (CrossEntropyWithSoftmaxGradInferSpmd): label, softmax and loss_grad "
             "merged on the batch axes, the class axis replicated; x_grad as softmax."),
     aliases=("softmax_with_cross_entropy_grad",),
 )  # fmt: skip
 _C_ATTRS = "ignore_index: int = -100, rank: int = 0, nranks: int = 1"
-_C_WAY: dict[str, Any] = {"letters": True, "env": _ENV, "require": ("nranks >= 1",)}
+_C_WAY: dict[str, Any] = {"letters": True, "require": ("nranks >= 1",)}
 declare(
     "c_softmax_with_cross_entropy", f"x: T, label: T, {_C_ATTRS}",
-    Way(partial(c_notation, "forward"), key="x", **_C_WAY, post=_not_partial, check="_c(x, label)",
+    Way(partial(c_notation, "forward"), key="x", **_C_WAY, post=_not_partial, check=_c,
         paddle="CSoftmaxWithCrossEntropyInferSpmd",
         doc="c_softmax_with_cross_entropy (CSoftmaxWithCrossEntropyInferSpmd): the class axis (last) keeps its "
             "sharding (the kernel reduces over it), label follows x's batch axes; loss not partial."),
-    reverse=Way(partial(c_notation, "forward"), key="x", **_C_WAY, post=_not_partial, check="_c(x, label, loss)",
+    reverse=Way(partial(c_notation, "forward"), key="x", **_C_WAY, post=_not_partial, check=_c,
                 doc="c_softmax_with_cross_entropy reverse (Paddle has none): the inputs from softmax and loss."),
     outputs="softmax: T, loss: T",
 )  # fmt: skip
 declare(
     "c_softmax_with_cross_entropy_grad", f"softmax: T, label: T, loss_grad: T, {_C_ATTRS}",
-    Way(partial(c_notation, "grad"), key="softmax", **_C_WAY, check="_c(softmax, label, loss_grad, 'loss_grad')",
+    Way(partial(c_notation, "grad"), key="softmax", **_C_WAY, check=_c_grad_check,
         paddle="CSoftmaxWithCrossEntropyGradSpmd",
         doc="c_softmax_with_cross_entropy_grad (CSoftmaxWithCrossEntropyGradSpmd): softmax, label and loss_grad "
             "merged, x_grad as softmax (class axis sharded: each rank handles its own classes)."),
@@ -232,11 +257,11 @@ def _one_element(out_grad: DistTensorSpec) -> None:
 
 declare(
     "mean_all", "x: T",
-    Way(lambda nd: Notation([letters_for(nd)], [""], reduce=ReduceType.AVG, prune="*", coshard="largest"), key="x",
+    Way(lambda nd: Notation([letters_for(nd)], [""], reduce=ReduceType.AVG, prune="*", coshard=Coshard.LARGEST), key="x",
         paddle="MeanAllInferSpmd",
         doc="mean_all (MeanAllInferSpmd): a 0-d out, partial AVG over the mesh dims of x's (even) axes."),
     grad=Way(lambda nd, ng: Notation([BROADCAST * nd, BROADCAST * ng], [BROADCAST * nd]), key="x, out_grad",
-             check="_one_element(out_grad)", env={"_one_element": _one_element}, paddle="MeanAllGradInferSpmd",
+             check=_one_element, paddle="MeanAllGradInferSpmd",
              doc="mean_all_grad (MeanAllGradInferSpmd): x, out_grad and x_grad replicated (the grad kernel "
                  "divides by the local element count)."),
     grad_signature="x: T, out_grad: T", grad_name="mean_all_grad",
@@ -257,7 +282,7 @@ def smooth_notation(nd: int, pn: int, lm: int, pm: int) -> Notation:
         return Notation([a, None], [a], replicated=a[-1], prune="*")
     la = "".join(BROADCAST if lm >> i & 1 else c for i, c in enumerate(a))
     pa = "".join(BROADCAST if pm >> i & 1 else a[nd - pn + i] for i in range(pn))
-    return Notation([la, pa], [la], coshard="largest")
+    return Notation([la, pa], [la], coshard=Coshard.LARGEST)
 
 
 def _prior(label: DistTensorSpec, prior_dist: DistTensorSpec | None) -> None:
@@ -300,8 +325,8 @@ def _drop_dims(e: Any, drop: set[int]) -> Any:
 
 declare(
     "label_smooth", "label: T, prior_dist: T?, epsilon: float = 0.0",
-    Way(smooth_notation, key="label, prior_dist, ones(label), ones(prior_dist)", check="_prior(label, prior_dist)",
-        env={"_prior": _prior}, wrap=_lead_unread, paddle="LabelSmoothInferSpmd",
+    Way(smooth_notation, key="label, prior_dist, ones(label), ones(prior_dist)", check=_prior,
+        wrap=_lead_unread, paddle="LabelSmoothInferSpmd",
         doc="LabelSmoothInferSpmd: elementwise with prior_dist; without it the class axis replicated."),
     grad=Way(lambda nd: Notation([letters_for(nd)], [letters_for(nd)]), key="out_grad",
              paddle="LabelSmoothGradInferSpmd",
@@ -315,22 +340,20 @@ declare(
 _ML_ATTRS = "ignore_index: int = -100, sum_multi_label_loss: bool = True, rank: int = 0, nranks: int = 1"
 
 
-def _ml_way(kind: str, more: str, paddle: str, doc: str, x: str = "x", **kw: Any) -> Way:
+def _ml_way(kind: str, check: Callable[..., None], paddle: str, doc: str, x: str = "x", **kw: Any) -> Way:
     """A mode of the multi-label loss keyed by the rank of x (``x``: its parameter) and
-    sum_multi_label_loss; ``more``: the tensors besides label and smooth_weight of x's rank."""
-    return Way(partial(ml_notation, kind), key=f"{x}, bool(sum_multi_label_loss)", letters=True, env=_ENV,
-               require=("nranks >= 1",),
-               check=f"_ml({x}, {x!r}, ('label', label), ('smooth_weight', smooth_weight){more})",
-               paddle=paddle, doc=doc, **kw)  # fmt: skip
+    sum_multi_label_loss; ``check``: label, smooth_weight and the others of x's rank."""
+    return Way(partial(ml_notation, kind), key=f"{x}, bool(sum_multi_label_loss)", letters=True,
+               require=("nranks >= 1",), check=check, paddle=paddle, doc=doc, **kw)  # fmt: skip
 
 
 declare(
     "c_softmax_with_multi_label_cross_entropy", f"x: T, label: T, smooth_weight: T, {_ML_ATTRS}",
-    _ml_way("forward", "", "CSoftmaxWithMultiLabelCrossEntropyInferSpmd", post=_ml_partial,
+    _ml_way("forward", _ml_check, "CSoftmaxWithMultiLabelCrossEntropyInferSpmd", post=_ml_partial,
             doc="c_softmax_with_multi_label_cross_entropy (CSoftmaxWithMultiLabelCrossEntropyInferSpmd): batch axes "
                 "merged, the class axis keeps its sharding, the label axis follows label and smooth_weight; the "
                 "summed loss partial SUM over the label axis' mesh dims."),
-    reverse=_ml_way("forward", ", ('softmax', softmax), ('loss', loss)",
+    reverse=_ml_way("forward", _ml_reverse_check,
                     "CSoftmaxWithMultiLabelCrossEntropyInferSpmdReverse", post=_ml_partial,
                     doc="c_softmax_with_multi_label_cross_entropy reverse (Paddle has none): the inputs from softmax "
                         "and loss; the outputs those inputs produce."),
@@ -338,7 +361,7 @@ declare(
 )  # fmt: skip
 declare(
     "c_softmax_with_multi_label_cross_entropy_grad", f"softmax: T, label: T, smooth_weight: T, loss_grad: T, {_ML_ATTRS}",
-    _ml_way("grad", ", ('loss_grad', loss_grad)", "CSoftmaxWithMultiLabelCrossEntropyGradSpmd", x="softmax",
+    _ml_way("grad", _ml_grad_check, "CSoftmaxWithMultiLabelCrossEntropyGradSpmd", x="softmax",
             doc="c_softmax_with_multi_label_cross_entropy_grad (CSoftmaxWithMultiLabelCrossEntropyGradSpmd): batch "
                 "axes merged, the class axis keeps its sharding (each rank subtracts the labels in its class range), "
                 "the label axis replicated; x_grad as softmax."),

@@ -33,8 +33,9 @@ from __future__ import annotations
 from functools import lru_cache
 
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
+from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.declare import Way, declare
-from spmdkit.engine.notation import Notation
+from spmdkit.engine.notation import Conflict, Notation, Size1, Sizes
 from spmdkit.ops._common import check_same_shape
 
 Shape = tuple[int, ...]
@@ -45,8 +46,8 @@ _BATCH = "abcdefghijlopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 def _matmul_notation(x: str, y: str, out: str, uneven: str) -> Notation:
     """The merge of the module docstring; a size-1 m / n still claims its mesh dims."""
-    return Notation([x, y], [out], prune="*", uneven=uneven, conflict="union", order=("*", ">mn", "k"),
-                    size1_claims="mn", sizes="known", size1="broadcast")  # fmt: skip
+    return Notation([x, y], [out], prune="*", uneven=uneven, conflict=Conflict.UNION, order=("*", ">mn", "k"),
+                    size1_claims="mn", sizes=Sizes.KNOWN, size1=Size1.BROADCAST)  # fmt: skip
 
 
 def _swap(t: str, on: bool) -> str:
@@ -122,22 +123,32 @@ def out_shape(xs: Shape, ys: Shape, tx: bool, ty: bool) -> Shape:
     return tuple(batch)
 
 
-#: the checks' names: ``_out_shape(...)`` and a third tensor (out / out_grad) shaped as x @ y
-ENV = {"_out_shape": out_shape, "_same_shape": check_same_shape}
+def _multiply(x: DistTensorSpec, y: DistTensorSpec, trans_x: bool, trans_y: bool) -> None:
+    """x and y multiply."""
+    out_shape(x.shape, y.shape, trans_x, trans_y)
+
+
+def _product(op: str, x: DistTensorSpec, y: DistTensorSpec, trans_x: bool, trans_y: bool,
+             out: DistTensorSpec | None = None, out_grad: DistTensorSpec | None = None) -> None:  # fmt: skip
+    """The reverse rule's out (the grad rule's out_grad) is shaped as x @ y."""
+    t, name = (out, "out") if out is not None else (out_grad, "out_grad")
+    want = out_shape(x.shape, y.shape, trans_x, trans_y)
+    if t is not None and t.shape != want:
+        check_same_shape(op, t, want, name, "x @ y")
+
+
 _KEY = "x, y, trans_x, trans_y"
-_XY = "_out_shape(x.shape, y.shape, trans_x, trans_y)"
-_OUT = "if {0}.shape != (_w := " + _XY + "): _same_shape(_OP, {0}, _w, {0!r}, 'x @ y')"
 declare(
     "matmul", "x: T, y: T, trans_x: bool = False, trans_y: bool = False",
-    Way(notation, key=_KEY, mask=("x", "y"), check=_XY, env=ENV,
+    Way(notation, key=_KEY, mask=("x", "y"), check=_multiply,
         paddle="MatmulInferSpmd", doc="MatmulInferSpmd: ``[b] m k, [b] k n -> b m n``; a sharded k makes out partial."),
-    reverse=Way(reverse_notation, key=_KEY, mask=("x", "y"), check=_OUT.format("out"), env=ENV,
+    reverse=Way(reverse_notation, key=_KEY, mask=("x", "y"), check=_product,
                 paddle="MatmulInferSpmdReverse", doc="MatmulInferSpmdReverse: x and y from out (k replicated)."),
     outputs="out: T", aliases=("matmul_v2",),
 )  # fmt: skip
 declare(
     "matmul_grad", "x: T, y: T, out_grad: T, trans_x: bool = False, trans_y: bool = False",
-    Way(grad_notation, key=_KEY, mask=("x", "y", "out_grad"), check=_OUT.format("out_grad"), env=ENV,
+    Way(grad_notation, key=_KEY, mask=("x", "y", "out_grad"), check=_product,
         paddle="MatmulGradInferSpmd",
         doc="MatmulGradInferSpmd: x_grad partial over n and x's broadcast batch letters, y_grad over m and y's."),
     aliases=("matmul_v2_grad",),

@@ -44,19 +44,20 @@ from typing import Any
 
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import InvalidAttributeError
+from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import make_attr, unpartial
 from spmdkit.engine.declare import Answer, Way, declare
-from spmdkit.engine.notation import Notation
+from spmdkit.engine.notation import Coshard, Notation
 
 # every co-shard read as its largest mesh dim (Paddle's merge); letters of one size checked
-_COMBINE = Notation(["th", "sk", "sk"], ["sh"], replicated="t", coshard="largest")
-_COMBINE_GRAD = Notation(["th", "sk", "sk", "sh"], ["th", "sk", "sk"], replicated="tk", coshard="largest")
+_COMBINE = Notation(["th", "sk", "sk"], ["sh"], replicated="t", coshard=Coshard.LARGEST)
+_COMBINE_GRAD = Notation(["th", "sk", "sk", "sh"], ["th", "sk", "sk"], replicated="tk", coshard=Coshard.LARGEST)
 _DISPATCH_OUTS = ["ech", "sk", "ks", "e", "sk"]
-_DISPATCH_GRAD = Notation(["sk", "ks", "sk", "ech", "sk"], ["sh", "se"], replicated="keck", coshard="largest")
+_DISPATCH_GRAD = Notation(["sk", "ks", "sk", "ech", "sk"], ["sh", "se"], replicated="keck", coshard=Coshard.LARGEST)
 
 
 def _dispatch(corr_bias: int) -> Notation:
-    return Notation(["sh", "se", "e" if corr_bias >= 0 else None], _DISPATCH_OUTS, replicated="seck", coshard="largest")
+    return Notation(["sh", "se", "e" if corr_bias >= 0 else None], _DISPATCH_OUTS, replicated="seck", coshard=Coshard.LARGEST)
 
 
 def _combine_post(ins: list[TensorDistAttr], outs: list[TensorDistAttr], *args: object) -> Answer:
@@ -81,8 +82,13 @@ def _no_partial(ins: Any, outs: Any, *args: object) -> Answer:
 
 _COMBINE_SHAPES = "x: _ _; combine_weights: _ _; scatter_index: _ _"
 _DISPATCH_ATTRS = ("k >= 1", "capacity >= 0")
-_EXPERTS = ("if 0 <= gate_logits.shape[1] < k: "
-            "raise _IAttr(f'{_OP}: k {k} exceeds the number of experts {gate_logits.shape[1]}')")
+
+
+def _experts(op: str, gate_logits: DistTensorSpec, k: int) -> None:
+    if 0 <= gate_logits.shape[1] < k:
+        raise InvalidAttributeError(f"{op}: k {k} exceeds the number of experts {gate_logits.shape[1]}")
+
+
 declare(
     "moe_combine", "x: T, combine_weights: T, scatter_index: T",
     Way(lambda: _COMBINE, key=lambda *a: (), shapes=_COMBINE_SHAPES, letters=True, post=_combine_post,
@@ -97,7 +103,7 @@ declare(
 declare(
     "moe_gate_dispatch", "x: T, gate_logits: T, corr_bias: T?, k: int, capacity: int, use_pad: bool",
     Way(_dispatch, key="corr_bias", require=_DISPATCH_ATTRS, shapes="x: _ _; gate_logits: _ _; corr_bias: _",
-        check=_EXPERTS, env={"_IAttr": InvalidAttributeError}, letters=True, post=_no_partial,
+        check=_experts, letters=True, post=_no_partial,
         paddle="MoEGateDispatchInferSpmd", doc="moe_gate_dispatch (MoEGateDispatchInferSpmd): one global "
         "dispatch: only h keeps its sharding (x -> y); nothing partial."),
     grad=Way(lambda: _DISPATCH_GRAD, key=lambda *a: (), letters=True, post=_no_partial, require=_DISPATCH_ATTRS,

@@ -35,7 +35,7 @@ from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import numel
 from spmdkit.engine.declare import Way, declare
-from spmdkit.engine.notation import BROADCAST, Notation, letters_for
+from spmdkit.engine.notation import BROADCAST, Coshard, Notation, ReplicatedClaims, letters_for
 from spmdkit.ops._absent import absent_0d
 
 
@@ -49,19 +49,19 @@ def notation(kind: str, nd: int, bna: int, *ranks: int) -> Notation:
     params = [None if r < 0 else BROADCAST * r for r in ranks]
     stats = [batch, batch] if kind.startswith("ln") else [batch]
     if kind in ("ln", "rms"):
-        return Notation([x, *params], [x, *stats], coshard="largest")
+        return Notation([x, *params], [x, *stats], coshard=Coshard.LARGEST)
     if kind in ("ln_rev", "rms_rev"):
         named = letters_for(nd)  # out: the normalized axes named
-        return Notation([x, *params], [named, *stats], replicated=named[bna:], replicated_claims="block",
-                        coshard="largest")  # fmt: skip
-    return Notation([x, *params, *stats, x], [x, *params], coshard="largest")
+        return Notation([x, *params], [named, *stats], replicated=named[bna:], replicated_claims=ReplicatedClaims.BLOCK,
+                        coshard=Coshard.LARGEST)  # fmt: skip
+    return Notation([x, *params, *stats, x], [x, *params], coshard=Coshard.LARGEST)
 
 
-def _params(x: DistTensorSpec, bna: int, scale: DistTensorSpec | None, bias: DistTensorSpec | None,
+def _params(x: DistTensorSpec, begin_norm_axis: int, scale: DistTensorSpec | None, bias: DistTensorSpec | None,
             flat: bool = True) -> None:  # fmt: skip
     """layer_norm's scale / bias: 1-D of the normalized axes' element count (the grad rule also takes
     them in any shape of that many elements, as Paddle's C++ test does)."""
-    tail = x.shape[bna:]
+    tail = x.shape[begin_norm_axis:]
     if len(tail) == 1 and (scale is None or scale.shape == tail) and (bias is None or bias.shape == tail):
         return  # the common case: one normalized axis, scale and bias of its size
     size = numel(tail)
@@ -83,21 +83,29 @@ def _stats(x: DistTensorSpec, bna: int, **stats: DistTensorSpec) -> None:
             raise ShapeMismatchError(f"{name} has shape {list(t.shape)}, expected x.shape[:{bna}] = {list(want)}")
 
 
-_ENV = {"_params": _params, "_stats": _stats}
-_LN: dict[str, Any] = {"key": "x, begin_norm_axis, scale, bias", "env": _ENV,
-                       "require": ("0 <= begin_norm_axis <= len(x.shape)",)}
-_LN_STATS = "; _stats(x, begin_norm_axis, mean=mean, variance=variance)"
+def _ln_grad_params(x: DistTensorSpec, begin_norm_axis: int, scale: DistTensorSpec | None,
+                    bias: DistTensorSpec | None) -> None:  # fmt: skip
+    _params(x, begin_norm_axis, scale, bias, False)
+
+
+def _ln_stats(x: DistTensorSpec, begin_norm_axis: int, mean: DistTensorSpec, variance: DistTensorSpec) -> None:
+    _stats(x, begin_norm_axis, mean=mean, variance=variance)
+
+
+def _rms_stats(x: DistTensorSpec, invvar: DistTensorSpec) -> None:
+    _stats(x, len(x.shape) - 1, invvar=invvar)
+
+
+_LN: dict[str, Any] = {"key": "x, begin_norm_axis, scale, bias", "require": ("0 <= begin_norm_axis <= len(x.shape)",)}
 #: rms_norm: begin_norm_axis = ndim - 1; fused_rms_norm reads a 0-D scale (shape []) as absent
-_RMS: dict[str, Any] = {"key": "x, len(x.shape) - 1, scale", "env": _ENV, "shapes": "x: ... h; scale: h",
-                        "wrap": absent_0d("scale")}
-_RMS_STAT = "_stats(x, len(x.shape) - 1, invvar=invvar)"
+_RMS: dict[str, Any] = {"key": "x, len(x.shape) - 1, scale", "shapes": "x: ... h; scale: h", "wrap": absent_0d("scale")}
 
 declare(
     "layer_norm", "x: T, scale: T?, bias: T?, epsilon: float = 1e-5, begin_norm_axis: int = 1",
-    Way(partial(notation, "ln"), check="_params(x, begin_norm_axis, scale, bias)", **_LN, paddle="LayerNormInferSpmd",
+    Way(partial(notation, "ln"), check=_params, **_LN, paddle="LayerNormInferSpmd",
         doc="LayerNormInferSpmd: ``ab1, 1, 1 -> ab1, ab, ab`` (3-D x, begin_norm_axis 2)."),
     reverse=Way(partial(notation, "ln_rev"), same=[("x", "out")], **_LN,
-                check="_params(x, begin_norm_axis, scale, bias)" + _LN_STATS,
+                check=(_params, _ln_stats),
                 paddle="LayerNormInferSpmdReverse", doc="LayerNormInferSpmdReverse: x from out, mean and variance."),
     outputs="out: T, mean: T, variance: T",
 )  # fmt: skip
@@ -105,7 +113,7 @@ declare(
     "layer_norm_grad",
     "x: T, scale: T?, bias: T?, mean: T, variance: T, out_grad: T, epsilon: float = 1e-5, begin_norm_axis: int = 1",
     Way(partial(notation, "ln_grad"), same=[("x", "out_grad")], **_LN,
-        check="_params(x, begin_norm_axis, scale, bias, False)" + _LN_STATS, paddle="LayerNormGradInferSpmd",
+        check=(_ln_grad_params, _ln_stats), paddle="LayerNormGradInferSpmd",
         doc="LayerNormGradInferSpmd: ``ab1, 1, 1, ab, ab, ab1 -> ab1, 1, 1``; scale_grad and bias_grad "
             "partial SUM over the mesh dims of the batch axes."),
 )  # fmt: skip
@@ -113,13 +121,13 @@ declare(
     "fused_rms_norm", "x: T, scale: T?, epsilon: float = 1e-5",
     Way(partial(notation, "rms"), **_RMS, paddle="RmsNormInferSpmd",
         doc="RmsNormInferSpmd: ``ab1, 1 -> ab1, ab`` (3-D x)."),
-    reverse=Way(partial(notation, "rms_rev"), same=[("x", "out")], check=_RMS_STAT, **_RMS,
+    reverse=Way(partial(notation, "rms_rev"), same=[("x", "out")], check=_rms_stats, **_RMS,
                 paddle="RmsNormInferSpmdReverse", doc="RmsNormInferSpmdReverse: x from out and invvar."),
     outputs="out: T, invvar: T",
 )  # fmt: skip
 declare(
     "rms_norm_grad", "x: T, scale: T?, invvar: T, out_grad: T, epsilon: float = 1e-5",
-    Way(partial(notation, "rms_grad"), same=[("x", "out_grad")], check=_RMS_STAT, **_RMS,
+    Way(partial(notation, "rms_grad"), same=[("x", "out_grad")], check=_rms_stats, **_RMS,
         paddle="RmsNormGradInferSpmd",
         doc="RmsNormGradInferSpmd: ``ab1, 1, ab, ab1 -> ab1, 1``; scale_grad partial SUM over the mesh dims "
             "of the batch axes."),

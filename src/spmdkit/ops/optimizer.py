@@ -37,13 +37,14 @@ reverse rule (Paddle has none) infers the inputs from the outputs.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
-from spmdkit.core.errors import ShapeMismatchError
+from spmdkit.core.errors import InvalidArgumentError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.declare import Way, declare
-from spmdkit.engine.notation import BROADCAST, Notation, letters_for
+from spmdkit.engine.notation import BROADCAST, Conflict, Notation, Order, Taken, letters_for
 
 
 def notation(nd: int, lr: int, m2max: bool, b1: int, b2: int, master: bool, skip: int, amsgrad: bool,
@@ -51,7 +52,7 @@ def notation(nd: int, lr: int, m2max: bool, b1: int, b2: int, master: bool, skip
     """The vote above over ``abc`` (``nd`` letters; a scalar of rank r ``1`` * r; -1 absent; sgd:
     ``b1 == -2``): every tensor an input of the notation (the call's, for the reverse its outputs
     ``given``, then the answer's outputs, absent, so none is partial), merged over the voters alone
-    (``sources``) with ``conflict="replicate"`` (co-shards compared whole) and ``taken="letter"``."""
+    (``sources``) with ``conflict=Conflict.REPLICATE`` (co-shards compared whole) and ``taken=Taken.LETTER``."""
     a = letters_for(nd)
 
     def lab(r: int) -> str | None:
@@ -67,7 +68,7 @@ def notation(nd: int, lr: int, m2max: bool, b1: int, b2: int, master: bool, skip
     if given:  # the reverse: the state outputs given vote
         voters = [len(ins) + i for i, on in enumerate(given) if on]
         ins += [a if on else None for on in given] + [None] * (len(outs) - len(given))
-    return Notation(ins + outs, [], conflict="replicate", order="notation", taken="letter", sources=voters)
+    return Notation(ins + outs, [], conflict=Conflict.REPLICATE, order=Order.NOTATION, taken=Taken.LETTER, sources=voters)
 
 
 _ADAM_IN = ("param: T, grad: T, learning_rate: T, moment1: T, moment2: T, moment2_max: T?, beta1_pow: T, "
@@ -82,7 +83,13 @@ _ADAM_KEY = ("param, learning_rate, moment2_max is not None, beta1_pow, beta2_po
              "skip_update, amsgrad")
 _ADAM_SAME = [("param", t) for t in ("grad", "moment1", "moment2", "moment2_max", "master_param")]
 _OUT_SAME = [("param", t + "_out") for t in ("param", "moment1", "moment2", "moment2_max", "master_param")]
-_ADAM_CHECK = "if amsgrad and moment2_max is None: raise _IAE('amsgrad=True needs moment2_max, which is absent')"
+
+
+def _amsgrad(amsgrad: bool, moment2_max: DistTensorSpec | None) -> None:
+    if amsgrad and moment2_max is None:
+        raise InvalidArgumentError("amsgrad=True needs moment2_max, which is absent")
+
+
 #: the reverse's voters: param_out, moment1_out, moment2_out (always given), moment2_max_out with
 #: amsgrad, master_param_out (beta1_pow_out / beta2_pow_out never vote)
 _ADAM_GIVEN = "True, True, True, amsgrad and moment2_max_out is not None, False, False, master_param_out is not None"
@@ -96,9 +103,9 @@ for _name, _pd, _sig, _doc in (
 ):
     declare(
         _name, _sig,
-        Way(notation, key=_ADAM_KEY, check=_ADAM_CHECK, same=_ADAM_SAME, tail=7, paddle=f"{_pd}InferSpmdDynamic",
+        Way(notation, key=_ADAM_KEY, check=_amsgrad, same=_ADAM_SAME, tail=7, paddle=f"{_pd}InferSpmdDynamic",
             doc=_doc),
-        reverse=Way(notation, key=f"{_ADAM_KEY}, {_ADAM_GIVEN}", check=_ADAM_CHECK, tail=7,
+        reverse=Way(notation, key=f"{_ADAM_KEY}, {_ADAM_GIVEN}", check=_amsgrad, tail=7,
                     same=_ADAM_SAME + _OUT_SAME, paddle=f"{_pd}InferSpmdReverse",
                     doc=f"{_name} reverse (spmdkit's own): the vote over the outputs."),
         outputs=_ADAM_OUT, aliases=(f"{_name}_",),
@@ -122,6 +129,11 @@ def coalesce_notation(ranks: tuple[int, ...]) -> Notation:
     return Notation(ones, [*ones, BROADCAST])
 
 
+def _as_many(op: str, input: Sequence[DistTensorSpec], output: Sequence[DistTensorSpec]) -> None:
+    if len(output) != len(input):
+        raise ShapeMismatchError(f"{op}: output has {len(output)} tensors but input has {len(input)}")
+
+
 def _fused(ins: tuple[Any, ...], outs: tuple[Any, ...], input: tuple[DistTensorSpec, ...], *rest: object) -> Any:
     """The answer as Paddle groups its lists: ``(input,), (output, fused_output)``."""
     n = len(input)
@@ -139,9 +151,7 @@ declare(
     "coalesce_tensor", f"input: [T], {_COALESCE_ATTRS}",
     _COALESCE(paddle="CoalesceTensorInferSpmd", doc="coalesce_tensor (CoalesceTensorInferSpmd): every tensor "
               "replicated (the fused 1-D buffer holds each input whole)."),
-    reverse=_COALESCE(tail="output", shapes="fused_output: _", env={"_SME": ShapeMismatchError},
-                      check="if len(output) != len(input): "
-                            "raise _SME(f'{_OP}: output has {len(output)} tensors but input has {len(input)}')",
+    reverse=_COALESCE(tail="output", shapes="fused_output: _", check=_as_many,
                       paddle="CoalesceTensorInferSpmdReverse",
                       doc="coalesce_tensor reverse (Paddle has none): all replicated whatever the outputs ask."),
     outputs="output: [T], fused_output: T",

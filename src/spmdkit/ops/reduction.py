@@ -67,8 +67,8 @@ from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import reduced_axes
 from spmdkit.engine.declare import Answer, Way, declare
-from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, letters_for
-from spmdkit.ops._common import check_same_shape
+from spmdkit.engine.notation import ALPHABET, BROADCAST, Coshard, Notation, Order, Taken, letters_for
+from spmdkit.ops._common import check_same_shape, x_partial
 
 #: Paddle's ReduceType enum, ``reduce_base``'s ``reduce_type``: 0 sum, 1 max, 2 min, 3 prod, 4 avg, 5 any, 6 all
 REDUCE_TYPES: dict[int, ReduceType] = dict(
@@ -122,24 +122,26 @@ def _forward(rtype: ReduceType | None, nd: int, axis: tuple[int, ...], keep_dim:
     unk = "".join(c for i, c in enumerate(x) if avg and unknown >> i & 1 and c in red)
     prune = "".join(c for c in red if c not in unk) if avg else ""
     rep = red if rtype is None else unk
-    return Notation([x], [out], reduce=rtype or ReduceType.SUM, replicated=rep, prune=prune, coshard="largest")
+    return Notation([x], [out], reduce=rtype or ReduceType.SUM, replicated=rep, prune=prune, coshard=Coshard.LARGEST)
 
 
 def _grad(sum_grad: bool, with_out: bool, nd: int, axis: tuple[int, ...], keep_dim: bool, one: bool) -> Notation:
     """x, (out,) out_grad -> x_grad, e.g. ``abc, ac -> abc`` (``1`` for a full reduction's [1] out_grad,
     ``one``), merged from out_grad alone (co-shards kept); sum_grad: ``1b1, ac -> abc``, x's reduced
-    letters claiming after out_grad's (``taken="letter"``)."""
+    letters claiming after out_grad's (``taken=Taken.LETTER``)."""
     x, o, red, pos = _plan(nd, axis, keep_dim)
     if one and not pos:
         o = BROADCAST
     elif sum_grad:
         view = "".join(c if c in red else BROADCAST for c in x)
-        return Notation([view, o], [x], taken="letter", order=("*", red) if red else "claim")
+        return Notation([view, o], [x], taken=Taken.LETTER, order=("*", red) if red else Order.CLAIM)
     return Notation([x, *([o] * (1 + with_out))], [x], sources=(1 + with_out,))
 
 
-def _check_grad(op: str, x: DistTensorSpec, out_grad: DistTensorSpec, axis: tuple[int, ...], keep_dim: bool) -> None:
-    pos = _plan(len(x.shape), axis, keep_dim)[3]
+def _check_grad(op: str, x: DistTensorSpec, out_grad: DistTensorSpec, axis: tuple[int, ...], keep_dim: bool,
+                reduce_all: bool) -> None:  # fmt: skip
+    """out_grad shaped as the reduction of x."""
+    pos = _plan(len(x.shape), () if reduce_all else axis, keep_dim)[3]
     if pos or out_grad.shape != (1,):  # else a full reduction's [1] out_grad (Paddle's squared_l2_norm)
         check_reduced(op, out_grad, x, pos, "out_grad")
 
@@ -186,12 +188,16 @@ REDUCTION_GRADS: dict[str, tuple[bool, tuple[str, ...]]] = {
     "frobenius_norm_grad": (True, ()),
 }
 
-_ENV = {"check_reduced": check_reduced, "_plan": _plan, "_check_grad": _check_grad, "_unknown": _unknown}
+def _check_reverse(op: str, x: DistTensorSpec, out: DistTensorSpec, axis: tuple[int, ...], keep_dim: bool) -> None:
+    """out shaped as the reduction of x."""
+    check_reduced(op, out, x, _plan(len(x.shape), axis, keep_dim)[3])
+
+
+_ENV = {"_unknown": _unknown}
 _SIG = "x: T, axis: ints = [], keep_dim: bool = false"
 _KEY = "x, axis, keep_dim"
 _UNKNOWN = "_unknown(x) if -1 in x.shape else 0"
-_REV_CHECK = "check_reduced(_OP, out, x, _plan(len(x.shape), axis, keep_dim)[3])"
-_REVERSE = Way(partial(_forward, None), key=_KEY, check=_REV_CHECK, env=_ENV, paddle="ReductionInferSpmdReverse")
+_REVERSE = Way(partial(_forward, None), key=_KEY, check=_check_reverse, env=_ENV, paddle="ReductionInferSpmdReverse")
 
 for _name, (_rtype, _aliases) in REDUCTION_OPS.items():
     _key = _KEY + (", " + _UNKNOWN if _rtype == ReduceType.AVG else "")
@@ -210,7 +216,7 @@ for _name, (_with_out, _aliases) in REDUCTION_GRADS.items():
     _way = Way(
         partial(_grad, _name == "sum_grad", _with_out),
         key="x, () if reduce_all else axis, keep_dim, out_grad.shape == (1,)",
-        check="_check_grad(_OP, x, out_grad, () if reduce_all else axis, keep_dim)",
+        check=_check_grad,
         same=[("out_grad", "out")] if _with_out else (),
         post=_x_as_x_grad if _name == "sum_grad" else None,
         env=_ENV,
@@ -238,38 +244,39 @@ def _pnorm(grad: bool, nd: int, porder: float, axis: int, keepdims: bool, asvect
     if not grad:
         return _forward(_pnorm_reduce(porder), nd, axes, keepdims)
     x, o, red, _ = _plan(nd, axes, keepdims)
-    return Notation((x, o, o), (x,), replicated=red, coshard="largest")
+    return Notation((x, o, o), (x,), replicated=red, coshard=Coshard.LARGEST)
 
 
 def _pnorm_check(
-    op: str, x: DistTensorSpec, porder: float, axis: int, keepdims: bool, asvector: bool, *outs: Any
-) -> None:
+    op: str, x: DistTensorSpec, porder: float, axis: int, keepdims: bool, asvector: bool,
+    out: DistTensorSpec | None = None, out_grad: DistTensorSpec | None = None,
+) -> None:  # fmt: skip
     """porder a number; out (and out_grad) shaped as the p_norm of x (x's rank limit checked first)."""
     if math.isnan(porder):
         _plan(len(x.shape), (), False)
         raise InvalidAttributeError(f"{op}: porder must be a number, got nan")
-    if outs:
+    if out is not None:
         pos = _plan(len(x.shape), () if asvector and x.shape else (axis,), keepdims)[3]
-        for name, t in zip(("out", "out_grad"), outs):
-            check_reduced(op, t, x, pos, name)
+        for name, t in (("out", out), ("out_grad", out_grad)):
+            if t is not None:
+                check_reduced(op, t, x, pos, name)
 
 
 _PN_SIG = "porder: float = 2.0, axis: int = -1, epsilon: float = 1e-12, keepdims: bool = False, asvector: bool = False"
-_PN: dict[str, Any] = {"key": "x, porder, axis, keepdims, asvector", "env": {"_pnorm_check": _pnorm_check}}
-_PN_CHECK = "_pnorm_check(_OP, x, porder, axis, keepdims, asvector"
+_PN: dict[str, Any] = {"key": "x, porder, axis, keepdims, asvector", "check": _pnorm_check}
 declare(
     "p_norm",
     f"x: T, {_PN_SIG}",
-    Way(partial(_pnorm, False), check=_PN_CHECK + ")", paddle="PNormInferSpmd", **_PN),
-    reverse=Way(partial(_pnorm, False), check=_PN_CHECK + ", out)", paddle="PNormInferSpmdReverse", **_PN),
+    Way(partial(_pnorm, False), paddle="PNormInferSpmd", **_PN),
+    reverse=Way(partial(_pnorm, False), paddle="PNormInferSpmdReverse", **_PN),
     outputs="out: T",
 )
-_way = Way(partial(_pnorm, True), check=_PN_CHECK + ", out, out_grad)", paddle="PNormGradInferSpmd", **_PN)
+_way = Way(partial(_pnorm, True), paddle="PNormGradInferSpmd", **_PN)
 declare("p_norm_grad", f"x: T, out: T, out_grad: T, {_PN_SIG}", _way)
 declare(
     "numel",
     "x: T",
-    Way(notation, key="x", post=as_given, post_if="x.dist_attr.partial", paddle="NumelInferSpmd"),
+    Way(notation, key="x", post=as_given, post_if=x_partial, paddle="NumelInferSpmd"),
     reverse=Way(lambda nd: Notation([BROADCAST * nd], [""]), key="x", shapes="out:", paddle="NumelInferSpmdReverse"),
     outputs="out: T",
 )

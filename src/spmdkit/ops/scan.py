@@ -64,8 +64,9 @@ from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import make_attr, normalize_axis, numel, reduced_axes
 from spmdkit.engine.declare import Way, declare
-from spmdkit.engine.notation import BROADCAST, Notation, letters_for, with_partial
-from spmdkit.ops._common import check_same_ndim, check_same_shape
+from spmdkit.engine.notation import BROADCAST, Coshard, Notation, letters_for
+from spmdkit.engine.tensors import with_partial
+from spmdkit.ops._common import check_same_ndim, check_same_shape, x_partial
 from spmdkit.ops.reduction import as_given, check_reduced, reduced_letters
 
 Attrs = Sequence[Any]
@@ -86,7 +87,7 @@ def _cumsum(grad: bool, nd: int, axis: int, flatten: bool) -> Notation:
     (merged alone), x and x_grad as x from it."""
     ax = 0 if flatten else normalize_axis("", axis, nd, tensor="x")
     a = letters_for(nd)
-    o, rep, cs = (BROADCAST, a, "keep") if flatten else (a, a[ax : ax + 1], "largest")
+    o, rep, cs = (BROADCAST, a, Coshard.KEEP) if flatten else (a, a[ax : ax + 1], Coshard.LARGEST)
     if grad:
         return Notation([a, o], [a], replicated=rep, coshard=cs, sources=(1,))
     return Notation([a], [o], replicated=rep, coshard=cs)
@@ -98,8 +99,8 @@ def _reduce(grad: bool, nd: int, axis: tuple[int, ...], keepdims: bool, reduce_a
     dim; the grad ``abc, ac, ac -> abc`` merged from out_grad alone."""
     x, o, red, _ = reduced_letters(nd, axis, keepdims, reduce_all)
     if grad:
-        return Notation([x, o, o], [x], replicated=red, coshard="largest", sources=(2,))
-    return Notation([x], [o], replicated=red, coshard="largest")
+        return Notation([x, o, o], [x], replicated=red, coshard=Coshard.LARGEST, sources=(2,))
+    return Notation([x], [o], replicated=red, coshard=Coshard.LARGEST)
 
 
 def _check_reduced(op: str, x: DistTensorSpec, axis: tuple[int, ...], keep: bool, every: bool, *outs: Any) -> None:
@@ -109,9 +110,11 @@ def _check_reduced(op: str, x: DistTensorSpec, axis: tuple[int, ...], keep: bool
         check_reduced(op, t, x, pos, name)
 
 
-def _topk_check(op: str, x: DistTensorSpec, k: int, axis: int, *more: DistTensorSpec) -> None:
-    """x at least 1-D, k in 1..size; ``more``: the grad's indices and out_grad, shaped as x
-    except on the axis (Paddle's own unit test passes indices of x's shape)."""
+def _topk_check(op: str, x: DistTensorSpec, k: int, axis: int, indices: DistTensorSpec | None = None,
+                out_grad: DistTensorSpec | None = None) -> None:  # fmt: skip
+    """x at least 1-D, k in 1..size; the grad's indices and out_grad shaped as x except on the
+    axis (Paddle's own unit test passes indices of x's shape)."""
+    more = () if indices is None or out_grad is None else (indices, out_grad)
     nd = len(x.shape)
     if more:
         for name, t in zip(("indices", "out_grad"), more):
@@ -130,7 +133,7 @@ def _topk(n_in: int, n_out: int, nd: int, axis: int) -> Notation:
     (the larger tensor keeps a letter they shard differently); the topk axis replicated, each
     co-shard read as its largest mesh dim."""
     a = letters_for(nd)
-    return Notation([a] * n_in, [a] * n_out, replicated=a[normalize_axis("", axis, nd)], coshard="largest")
+    return Notation([a] * n_in, [a] * n_out, replicated=a[normalize_axis("", axis, nd)], coshard=Coshard.LARGEST)
 
 
 _LINEAR = frozenset({ReduceType.SUM, ReduceType.AVG})
@@ -142,7 +145,7 @@ def _add_n(n_in: int, nd: int, grad: bool = False) -> Notation:
     ``abc (out_grad) -> abc, ...``: every grad sharded as out_grad; the inputs are not in the
     notation (None: their attrs are the post-hook's)."""
     a = letters_for(nd)
-    return Notation([*[None] * n_in, a], [a] * n_in) if grad else Notation([a] * n_in, [a], coshard="largest")
+    return Notation([*[None] * n_in, a], [a] * n_in) if grad else Notation([a] * n_in, [a], coshard=Coshard.LARGEST)
 
 
 def _add_n_check(op: str, inputs: Sequence[DistTensorSpec], name: str, other: Any = None, oname: str = "") -> None:
@@ -179,7 +182,35 @@ def _add_n_grad_post(ins: Attrs, outs: Attrs, inputs: Sequence[DistTensorSpec], 
 # declarations
 # ---------------------------------------------------------------------------
 
-_ENV = {"_shape": check_same_shape, "numel": numel, "_reduced": _check_reduced, "_topk_check": _topk_check}
+def _cumsum_out(op: str, x: DistTensorSpec, out: DistTensorSpec, flatten: bool) -> None:
+    check_same_shape(op, out, (numel(x.shape),) if flatten else x.shape, "out", "cumsum of x")
+
+
+def _cumsum_out_grad(op: str, x: DistTensorSpec, out_grad: DistTensorSpec, flatten: bool) -> None:
+    check_same_shape(op, out_grad, (numel(x.shape),) if flatten else x.shape, "out_grad", "cumsum of x")
+
+
+def _arg_out(op: str, x: DistTensorSpec, axis: int, keepdims: bool, flatten: bool, out: DistTensorSpec) -> None:
+    _check_reduced(op, x, (axis,), keepdims, flatten, out)
+
+
+def _logsumexp_outs(op: str, x: DistTensorSpec, axis: tuple[int, ...], keepdims: bool, reduce_all: bool,
+                    out: DistTensorSpec, out_grad: DistTensorSpec | None = None) -> None:  # fmt: skip
+    _check_reduced(op, x, axis, keepdims, reduce_all, *((out,) if out_grad is None else (out, out_grad)))
+
+
+def _add_n_in(op: str, input: Sequence[DistTensorSpec]) -> None:
+    _add_n_check(op, input, "input")
+
+
+def _add_n_out(op: str, input: Sequence[DistTensorSpec], out: DistTensorSpec) -> None:
+    _add_n_check(op, input, "input", out, "out")
+
+
+def _add_n_grads(op: str, inputs: Sequence[DistTensorSpec], out_grad: DistTensorSpec) -> None:
+    _add_n_check(op, inputs, "inputs", out_grad, "out_grad")
+
+
 _TRIU = "diagonal: int = 0"
 for _op, _fn, _attrs, _g, _gfn in (
     ("triu", "TriuInferSpmd", _TRIU, "out_grd", "TriuGradInferSpmd"),
@@ -191,62 +222,55 @@ for _op, _fn, _attrs, _g, _gfn in (
     declare(f"{_op}_grad", f"{_g}: T, {_attrs}", Way(_same, key=f"{_g}, True", shapes=f"{_g}: ... _ _", paddle=_gfn))
 
 _CS = "axis: int = -1, flatten: bool = False, exclusive: bool = False, reverse: bool = False"
-_CS_KW: dict[str, Any] = {"key": "x, axis, flatten", "env": _ENV}
-_CS_CHECK = "_shape(_OP, {0}, (numel(x.shape),) if flatten else x.shape, {0!r}, 'cumsum of x')"
+_CS_KW: dict[str, Any] = {"key": "x, axis, flatten"}
 _way = Way(partial(_cumsum, False), paddle="CumSumInferSpmd", **_CS_KW)
-_rev = Way(partial(_cumsum, False), check=_CS_CHECK.format("out"), paddle="CumSumInferSpmdReverse", **_CS_KW)
+_rev = Way(partial(_cumsum, False), check=_cumsum_out, paddle="CumSumInferSpmdReverse", **_CS_KW)
 declare("cumsum", f"x: T, {_CS}", _way, reverse=_rev, outputs="out: T")
-_way = Way(partial(_cumsum, True), check=_CS_CHECK.format("out_grad"), paddle="CumSumGradInferSpmd", **_CS_KW)
+_way = Way(partial(_cumsum, True), check=_cumsum_out_grad, paddle="CumSumGradInferSpmd", **_CS_KW)
 declare("cumsum_grad", f"x: T, out_grad: T, {_CS}", _way)
 
 _ARG = "axis: int = -1, keepdims: bool = False, flatten: bool = False"
-_ARG_KW: dict[str, Any] = {"key": "x, (axis,), keepdims, flatten", "env": _ENV}
-_ARG_CHECK = "_reduced(_OP, x, (axis,), keepdims, flatten, out)"
+_ARG_KW: dict[str, Any] = {"key": "x, (axis,), keepdims, flatten"}
 for _op, _fn in (("argmax", "ArgMaxInferSpmd"), ("argmin", "ArgMinInferSpmd")):
     _way = Way(partial(_reduce, False), paddle=_fn + "Base", **_ARG_KW)
-    _rev = Way(partial(_reduce, False), check=_ARG_CHECK, paddle=_fn + "ReverseBase", **_ARG_KW)
+    _rev = Way(partial(_reduce, False), check=_arg_out, paddle=_fn + "ReverseBase", **_ARG_KW)
     declare(_op, f"x: T, {_ARG}", _way, reverse=_rev, outputs="out: T")
 
 _TK = "k: int = 1, axis: int = -1, largest: bool = True, sorted: bool = True"
 _TK_GRAD = f"x: T, indices: T, out_grad: T, {_TK}"
-_TK_CHECK = "_topk_check(_OP, x, k, axis, indices, out_grad)"
-_TK_GRAD_WAY = Way(partial(_topk, 3, 1), key="x, axis", check=_TK_CHECK, env=_ENV, paddle="TopkGradInferSpmd")
+_TK_GRAD_WAY = Way(partial(_topk, 3, 1), key="x, axis", check=_topk_check, paddle="TopkGradInferSpmd")
 # topk's backward slot is Paddle's TopkGradInferSpmd under topk's own name (errors name topk); it
 # is also the rule topk_grad
-_way = Way(partial(_topk, 1, 2), key="x, axis", env=_ENV, check="_topk_check(_OP, x, k, axis)", paddle="TopkInferSpmd")
+_way = Way(partial(_topk, 1, 2), key="x, axis", check=_topk_check, paddle="TopkInferSpmd")
 declare("topk", f"x: T, {_TK}", _way, grad=_TK_GRAD_WAY, grad_signature=_TK_GRAD, grad_op="topk")
 declare("topk_grad", _TK_GRAD, _TK_GRAD_WAY)
 
 _LS = "axis: ints = [], keepdims: bool = False, reduce_all: bool = False"
-_LS_KW: dict[str, Any] = {"key": "x, axis, keepdims, reduce_all", "env": _ENV}
-_LS_CHECK = "_reduced(_OP, x, axis, keepdims, reduce_all, out"
-_way = Way(partial(_reduce, False), paddle="LogSumExpInferSpmd", **_LS_KW)
-_rev = Way(partial(_reduce, False), check=_LS_CHECK + ")", paddle="LogSumExpInferSpmdReverse", **_LS_KW)
+_LS_KW: dict[str, Any] = {"key": "x, axis, keepdims, reduce_all", "check": _logsumexp_outs}
+_way = Way(partial(_reduce, False), key=_LS_KW["key"], paddle="LogSumExpInferSpmd")
+_rev = Way(partial(_reduce, False), paddle="LogSumExpInferSpmdReverse", **_LS_KW)
 declare("logsumexp", f"x: T, {_LS}", _way, reverse=_rev, outputs="out: T")
-_way = Way(partial(_reduce, True), check=_LS_CHECK + ", out_grad)", paddle="LogSumExpGradInferSpmd", **_LS_KW)
+_way = Way(partial(_reduce, True), paddle="LogSumExpGradInferSpmd", **_LS_KW)
 declare("logsumexp_grad", f"x: T, out: T, out_grad: T, {_LS}", _way)
 
 _AN_KW: dict[str, Any] = {
     "key": "len(input), len(input[0].shape)",
-    "env": {"_add_n_check": _add_n_check},
     "nonempty": ("input",),
 }
-_AN_CHECK = "_add_n_check(_OP, input, 'input'"
 _way = Way(
     _add_n,
-    check=_AN_CHECK + ")",
+    check=_add_n_in,
     post=_add_n_partial,
-    post_if="input[0].dist_attr.partial",
+    post_if=lambda input: input[0].dist_attr.partial,
     paddle="AddNInferSpmd",
     **_AN_KW,
 )
-_rev = Way(_add_n, check=_AN_CHECK + ", out, 'out')", paddle="add_n reverse (spmdkit)", **_AN_KW)
+_rev = Way(_add_n, check=_add_n_out, paddle="add_n reverse (spmdkit)", **_AN_KW)
 declare("add_n", "input: [T]", _way, reverse=_rev, outputs="out: T")
 _way = Way(
     partial(_add_n, grad=True),
     key="len(inputs), out_grad",
-    check="_add_n_check(_OP, inputs, 'inputs', out_grad, 'out_grad')",
-    env={"_add_n_check": _add_n_check},
+    check=_add_n_grads,
     nonempty=("inputs",),
     post=_add_n_grad_post,
     paddle="add_n_grad (backward op)",
@@ -259,6 +283,6 @@ for _op, _fn, _attrs in (
     ("ones_like", "CreateLikeInferSpmd", ""),
     ("zeros_like", "CreateLikeInferSpmd", ""),
 ):
-    _way = Way(_same, key="x", post=as_given, post_if="x.dist_attr.partial", paddle=_fn)
+    _way = Way(_same, key="x", post=as_given, post_if=x_partial, paddle=_fn)
     _rev = Way(_same, key="x", same=[("x", "out")], paddle=f"{_op} reverse (spmdkit)")
     declare(_op, f"x: T{_attrs}", _way, reverse=_rev, outputs="out: T")

@@ -43,14 +43,14 @@ expand-as-no-y (Paddle returns x as given without y).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import Any
 
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
-from spmdkit.engine.declare import Way, declare
-from spmdkit.engine.notation import BROADCAST, Notation, letters_for
+from spmdkit.engine.declare import Let, Way, declare
+from spmdkit.engine.notation import BROADCAST, Coshard, Notation, letters_for
 from spmdkit.engine.shapes import mismatch
 
 T = DistTensorSpec
@@ -59,7 +59,7 @@ Ints = tuple[int, ...]
 Key = tuple[str, str, int, Ints, Ints, int]
 
 
-def notation(kind: str, coshard: str, nd: int, fixed: Ints, drop: Ints = (), lead: int = 0) -> Notation:
+def notation(kind: str, coshard: Coshard, nd: int, fixed: Ints, drop: Ints = (), lead: int = 0) -> Notation:
     """``x``: the ``nd``-D tensor's letters, its ``fixed`` axes ``1``; ``y``: x's image, ``lead``
     new leading axes (``1``) and the ``drop`` axes removed; ``g``: y's gradient, its new leading
     axes (for expand also the broadcast axes) letters x_grad lacks (partial SUM over their mesh
@@ -110,7 +110,7 @@ def _slice_key(kind: str, nd: int, axes: Ints, n_starts: int, n_ends: int, decre
     for d in dec:
         if d not in ax:
             raise InvalidAttributeError(f"decrease_axis {d} is not a sliced axis (axes {list(axes)})")
-    return kind, "largest", nd, ax, tuple(sorted(dec)), 0
+    return kind, Coshard.LARGEST, nd, ax, tuple(sorted(dec)), 0
 
 
 def _sliced(k: Key, input: T, other: T, oname: str) -> Key:
@@ -130,7 +130,7 @@ def _tile_key(kind: str, nd: int, repeat_times: Ints) -> tuple[Key, Ints]:
         raise InvalidAttributeError(f"repeat_times {list(repeat_times)} has a negative entry")
     rep = (1,) * (nd - len(repeat_times)) + tuple(repeat_times)
     lead = len(rep) - nd
-    return (kind, "keep", nd, tuple(i for i in range(nd) if rep[lead + i] != 1), (), lead), rep
+    return (kind, Coshard.KEEP, nd, tuple(i for i in range(nd) if rep[lead + i] != 1), (), lead), rep
 
 
 def _tiled(kind: str, x: T, out: T, oname: str, repeat_times: Ints) -> Key:
@@ -158,7 +158,7 @@ def _broadcast(kind: str, x: T, target: Ints, tname: str) -> Key:
             if s != 1:
                 raise ShapeMismatchError(f"x has size {s} on axis {i}, not expandable to {t} ({tname} axis {d + i})")
             out.append(i)
-    return kind, "keep" if kind.startswith("copy") else "largest", len(xs), tuple(out), (), d
+    return kind, Coshard.KEEP if kind.startswith("copy") else Coshard.LARGEST, len(xs), tuple(out), (), d
 
 
 def _target(x: T, shape: Sequence[int], out: T | None = None, oname: str = "") -> Ints:
@@ -176,7 +176,7 @@ def _target(x: T, shape: Sequence[int], out: T | None = None, oname: str = "") -
 
 
 @lru_cache(maxsize=4096)
-def _pad_key(coshard: str, nd: int, paddings: Ints) -> Key:
+def _pad_key(coshard: Coshard, nd: int, paddings: Ints) -> Key:
     """The padded axes fixed."""
     if len(paddings) != 2 * nd:
         raise InvalidAttributeError(f"paddings has {len(paddings)} entries, a {nd}-D tensor needs {2 * nd}")
@@ -184,7 +184,7 @@ def _pad_key(coshard: str, nd: int, paddings: Ints) -> Key:
 
 
 def _padded(x: T, out: T, paddings: Ints) -> Key:
-    k = _pad_key("largest", len(x.shape), paddings)
+    k = _pad_key(Coshard.LARGEST, len(x.shape), paddings)
     _check_shapes("x", x.shape, "out", out.shape, k[3])
     return k
 
@@ -192,7 +192,7 @@ def _padded(x: T, out: T, paddings: Ints) -> Key:
 # -- the declarations: a key expression (``*f(...)``: f's tuple) per mode ----------------------
 
 _ENV: dict[str, Any] = {"_sk": _slice_key, "_sliced": _sliced, "_tk": _tile_key, "_tiled": _tiled,
-                        "_bk": _broadcast, "_target": _target, "_pk": _pad_key, "_padded": _padded}  # fmt: skip
+                        "_bk": _broadcast, "_target": _target, "_pk": _pad_key, "_padded": _padded, "Coshard": Coshard}  # fmt: skip
 _SLICE = "input: T, axes: ints, starts: ints, ends: ints, infer_flags: ints = [], decrease_axis: ints = []"
 _SLICE_G = _SLICE.replace("input: T,", "input: T, out_grad: T,")
 _SSLICE = "input: T, axes: ints, starts: ints, ends: ints, strides: ints"
@@ -200,11 +200,19 @@ _SSLICE_G = _SSLICE.replace("input: T,", "input: T, out_grad: T,")
 _SK = "_sk('{}', len(input.shape), axes, len(starts), len(ends), {})"
 
 
-def _grad(key: str, paddle: str, doc: str) -> Way:
+def _slice_grad_key(input: T, axes: Ints, starts: Ints, ends: Ints, decrease_axis: Ints) -> Key:
+    return _slice_key("slice_grad", len(input.shape), axes, len(starts), len(ends), decrease_axis)
+
+
+def _strided_grad_key(input: T, axes: Ints, starts: Ints, ends: Ints, strides: Ints) -> Key:
+    return _slice_key("slice_grad", len(input.shape), axes, len(starts), len(ends), (), strides)
+
+
+def _grad(key: Callable[..., Key], paddle: str, doc: str) -> Way:
     """slice_grad / strided_slice's grad: out_grad labelled first (it claims mesh dims first, as in
-    Paddle); the attributes (``key``) checked before the mesh is read (``pre``), as before the rules
-    were declared."""
-    return Way(notation, key="*_sliced(_kk, input, out_grad, 'out_grad')", pre=f"_kk = {key}", order="out_grad, input",
+    Paddle); the attributes (``key``, bound to ``kk``) checked before the mesh is read (``pre``), as
+    before the rules were declared."""
+    return Way(notation, key="*_sliced(kk, input, out_grad, 'out_grad')", pre=Let("kk", key), order="out_grad, input",
                env=_ENV, paddle=paddle, doc=doc)  # fmt: skip
 
 declare(
@@ -216,9 +224,9 @@ declare(
                 doc="input from output: the decreased axes put back, the sliced axes replicated."),
     outputs="output: T",
 )  # fmt: skip
-declare("slice_grad", _SLICE_G, _grad(_SK.format("slice_grad", "decrease_axis"), "SliceGradInferSpmdDynamic",
+declare("slice_grad", _SLICE_G, _grad(_slice_grad_key, "SliceGradInferSpmdDynamic",
                                       "input and out_grad merged; input_grad sharded as input."))
-_SS_GRAD = (_SK.format("slice_grad", "(), strides"), "StridedSliceGradInferSpmd", "As slice_grad.")
+_SS_GRAD = (_strided_grad_key, "StridedSliceGradInferSpmd", "As slice_grad.")
 declare("strided_slice", _SSLICE, Way(notation, key="*" + _SK.format("copy", "(), strides"), env=_ENV,
                                       paddle="StridedSliceInferSpmd", doc="The sliced axes replicated."),
         grad=_grad(*_SS_GRAD), grad_signature=_SSLICE_G, grad_op="strided_slice")
@@ -242,9 +250,13 @@ declare(
                 paddle="ExpandInferSpmdReverse", doc="x from out's non-broadcast axes; out returned as x produces it."),
     outputs="out: T",
 )  # fmt: skip
-# shape checked before the mesh is read (as before the rule was declared); _tg: a local of the generated code
+def _expand_grad_target(x: T, shape: Sequence[int], out_grad: T) -> Ints:
+    return _target(x, shape, out_grad, "out_grad")
+
+
+# shape checked before the mesh is read (as before the rule was declared), bound to tg
 declare("expand_grad", "x: T, out_grad: T, shape: ints",
-        Way(notation, key="*_bk('expand_grad', x, _tg, 'shape')", pre="_tg = _target(x, shape, out_grad, 'out_grad')",
+        Way(notation, key="*_bk('expand_grad', x, tg, 'shape')", pre=Let("tg", _expand_grad_target),
             env=_ENV, paddle="ExpandGradInferSpmd", doc="As expand_as_grad, broadcast axes from ``shape``."))
 declare(
     "expand_as", "x: T, y: T?, target_shape: ints = []",
@@ -258,11 +270,11 @@ declare(
 )  # fmt: skip
 _PAD = "x: T, paddings: ints, pad_value: int = 0"
 _PAD_G = "x: T, out: T, paddings: ints, pad_value: int = 0"
-declare("pad", _PAD, Way(notation, key="*_pk('keep', len(x.shape), paddings)", env=_ENV, paddle="PadInferSpmd",
+declare("pad", _PAD, Way(notation, key="*_pk(Coshard.KEEP, len(x.shape), paddings)", env=_ENV, paddle="PadInferSpmd",
                          doc="Padded axes replicated, the others as x."),
         grad=Way(notation, key="*_padded(x, out, paddings)", env=_ENV, direction="backward", outputs=("out",),
                  paddle="PadGradInferSpmd", doc="(PadGradInferSpmd) x from out: padded axes replicated."),
         grad_signature=_PAD_G, grad_op="pad")
 declare("pad_grad", "out_grad: T, paddings: ints, pad_value: scalar = 0",
-        Way(notation, key="*_pk('keep', len(out_grad.shape), paddings)", env=_ENV, paddle="PadGradInferSpmdDynamic",
+        Way(notation, key="*_pk(Coshard.KEEP, len(out_grad.shape), paddings)", env=_ENV, paddle="PadGradInferSpmdDynamic",
             doc="x_grad = out_grad cropped: padded axes replicated, the others as out_grad."))

@@ -20,7 +20,7 @@ from functools import partial
 
 from spmdkit.engine.axes import normalize_axis
 from spmdkit.engine.declare import Way, declare
-from spmdkit.engine.notation import Notation, letters_for
+from spmdkit.engine.notation import Conflict, Notation, Order, letters_for
 
 
 def notation(ndim: int, axis: int, grad: bool = False) -> Notation:
@@ -29,7 +29,7 @@ def notation(ndim: int, axis: int, grad: bool = False) -> Notation:
     x, a = letters_for(ndim), normalize_axis("", axis, ndim)
     rep = x[a] if ndim else ""
     if grad:
-        return Notation([x, x], [x], replicated=rep, conflict="first", order="notation")
+        return Notation([x, x], [x], replicated=rep, conflict=Conflict.FIRST, order=Order.NOTATION)
     return Notation([x], [x], replicated=rep, prune="*")
 
 

@@ -29,13 +29,14 @@ from collections.abc import Iterable
 from functools import partial
 
 from spmdkit.core.errors import InvalidAttributeError
+from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import normalize_axis
 from spmdkit.engine.declare import Way, declare
-from spmdkit.engine.notation import Notation, letters_for
+from spmdkit.engine.notation import Coshard, Notation, letters_for
 from spmdkit.ops._common import check_same_ndim
 
 
-def notation(n_in: int, n_out: int, coshard: str, nd: int, axis: int, source: int = -1) -> Notation:
+def notation(n_in: int, n_out: int, coshard: Coshard, nd: int, axis: int, source: int = -1) -> Notation:
     """``abc, ... -> abc, ...`` (``n_in`` / ``n_out`` tensors of x's rank), the axis replicated;
     ``source``: the one input merged (-1: all)."""
     a = letters_for(nd)
@@ -44,7 +45,7 @@ def notation(n_in: int, n_out: int, coshard: str, nd: int, axis: int, source: in
                     sources=None if source < 0 else (source,))  # fmt: skip
 
 
-def roll_notation(n_in: int, coshard: str, nd: int, shifts: int, axis: tuple[int, ...]) -> Notation:
+def roll_notation(n_in: int, coshard: Coshard, nd: int, shifts: int, axis: tuple[int, ...]) -> Notation:
     """``abc(, abc) -> abc`` with the rolled axes replicated (every axis for a flattened roll);
     ``shifts``: how many shifts are given."""
     if not axis:
@@ -59,13 +60,17 @@ def roll_notation(n_in: int, coshard: str, nd: int, shifts: int, axis: tuple[int
     return Notation([a] * n_in, [a], replicated="".join(a[i] for i in rolled), coshard=coshard)
 
 
-_CS_CHECK = "; ".join(f"_ndim(_OP, {t}, len(x.shape), {t!r}, 'x')" for t in ("indices", "out_grad"))
+def _cum_grad_ranks(op: str, x: DistTensorSpec, indices: DistTensorSpec, out_grad: DistTensorSpec) -> None:
+    check_same_ndim(op, indices, len(x.shape), "indices", "x")
+    check_same_ndim(op, out_grad, len(x.shape), "out_grad", "x")
+
+
 _AG_SIG = "axis: int = -1, descending: bool = False, stable: bool = False"
 declare(
     "argsort", f"x: T, {_AG_SIG}",
-    Way(partial(notation, 1, 2, "keep"), key="x, axis", paddle="ArgSortInferSpmd",
+    Way(partial(notation, 1, 2, Coshard.KEEP), key="x, axis", paddle="ArgSortInferSpmd",
         doc="ArgSortInferSpmd: x, out and indices sharded as x with the sorted axis replicated."),
-    grad=Way(partial(notation, 3, 1, "keep"), key="x, axis, 1", same=[("x", "indices"), ("x", "out_grad")],
+    grad=Way(partial(notation, 3, 1, Coshard.KEEP), key="x, axis, 1", same=[("x", "indices"), ("x", "out_grad")],
              paddle="ArgSortGradInferSpmd",
              doc="ArgSortGradInferSpmd: indices, x, out_grad and x_grad take x's mapping, axis replicated."),
     grad_signature=f"indices: T, x: T, out_grad: T, {_AG_SIG}", grad_name="argsort_grad",
@@ -74,10 +79,10 @@ _CS_SIG = "axis: int = -1, dtype: any = 'int64'"
 for _op, _fn in (("cummax", "CummaxInferSpmd"), ("cummin", "CumminInferSpmd")):
     declare(
         _op, f"x: T, {_CS_SIG}",
-        Way(partial(notation, 1, 2, "largest"), key="x, axis", paddle=_fn,
+        Way(partial(notation, 1, 2, Coshard.LARGEST), key="x, axis", paddle=_fn,
             doc=f"{_fn}: out and indices sharded as x, the scanned axis replicated."),
         # the axis' size is not checked (Paddle's own unit test passes an out_grad of another size)
-        grad=Way(partial(notation, 3, 1, "largest"), key="x, axis", env={"_ndim": check_same_ndim}, check=_CS_CHECK,
+        grad=Way(partial(notation, 3, 1, Coshard.LARGEST), key="x, axis", check=_cum_grad_ranks,
                  paddle=_fn.replace("InferSpmd", "GradInferSpmd"),
                  doc=f"{_fn.replace('Infer', 'GradInfer')}: non-axis letters merged, axis replicated."),
         grad_signature=f"x: T, indices: T, out_grad: T, {_CS_SIG}", grad_name=f"{_op}_grad",
@@ -86,9 +91,9 @@ _RS_SIG = "shifts: ints, axis: ints = []"
 _ROLL_KEY = "x, len(shifts), tuple(axis)"
 declare(
     "roll", f"x: T, {_RS_SIG}",
-    Way(partial(roll_notation, 1, "largest"), key=_ROLL_KEY, paddle="RollInferSpmd",
+    Way(partial(roll_notation, 1, Coshard.LARGEST), key=_ROLL_KEY, paddle="RollInferSpmd",
         doc="RollInferSpmd: the rolled axes replicated (all of them for a flattened roll)."),
-    grad=Way(partial(roll_notation, 2, "largest"), key=_ROLL_KEY, same=[("x", "out_grad")], paddle="RollGradInferSpmd",
+    grad=Way(partial(roll_notation, 2, Coshard.LARGEST), key=_ROLL_KEY, same=[("x", "out_grad")], paddle="RollGradInferSpmd",
              doc="RollGradInferSpmd: x and out_grad merged, rolled axes replicated, x_grad as x."),
     grad_signature=f"x: T, out_grad: T, {_RS_SIG}", grad_name="roll_grad",
 )  # fmt: skip

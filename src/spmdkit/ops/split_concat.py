@@ -7,7 +7,7 @@
   claim it, the split axis included, which x then has replicated.
 * ``unbind(x, axis)``: ``abc -> ac, ac, ...``: the unbound axis replicated, then dropped.
 * ``concat(x, axis)`` / ``stack(x, axis)``: ``abc, abc, ... -> abc`` (stack: ``-> ab1c``)
-  under Paddle's per-mesh-dim alignment (the engine's ``conflict="align"``): a mesh dim on
+  under Paddle's per-mesh-dim alignment (the engine's ``conflict=Conflict.ALIGN``): a mesh dim on
   which every input agrees keeps its placement (a shard on a kept axis, or a SUM / AVG
   partial); a mesh dim on which they disagree goes to the kept axis of least resharding cost
   (an axis smaller than the mesh dim is never chosen). The concat axis is replicated; stack's
@@ -42,7 +42,7 @@ from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import replicated
 from spmdkit.engine.declare import Way, declare
-from spmdkit.engine.notation import Notation, letters_for
+from spmdkit.engine.notation import Conflict, Coshard, Notation, PartialMerge, letters_for
 from spmdkit.engine.shapes import mismatch
 
 T = DistTensorSpec
@@ -65,14 +65,15 @@ def pieces(drop: bool, grad: bool, ndim: int, axis: int) -> Notation:
     its largest mesh dim; stack_grad (``grad``) keeps co-shards and partial status (linear)."""
     x = letters_for(ndim)
     return Notation([x], [x[:axis] + x[axis + 1:] if drop else x], x[axis],
-                    coshard="keep" if grad else "largest", partial="keep" if grad else "replicate")
+                    coshard=Coshard.KEEP if grad else Coshard.LARGEST,
+                    partial=PartialMerge.KEEP if grad else PartialMerge.REPLICATE)
 
 
 def rejoin(drop: bool, n: int, ndim: int, axis: int) -> Notation:
     """x (``a1c``) from its n pieces (``abc``; unbind: ``ac``), compiled backward: the split axis
     ``b`` claims a mesh dim first wanted there, and shards nothing (no input carries it)."""
     x = letters_for(ndim)
-    return Notation([x.replace(x[axis], "1")], [x.replace(x[axis], "") if drop else x] * n, coshard="largest")
+    return Notation([x.replace(x[axis], "1")], [x.replace(x[axis], "") if drop else x] * n, coshard=Coshard.LARGEST)
 
 
 def join(stack: bool, grad: bool, n: int, ndim: int, axis: int, empty: int) -> Notation:
@@ -81,8 +82,8 @@ def join(stack: bool, grad: bool, n: int, ndim: int, axis: int, empty: int) -> N
     x = letters_for(ndim)
     xs = [None if (empty >> i) & 1 else x for i in range(n)]
     out = x[:axis] + "1" + x[axis:] if stack else x
-    return Notation([*xs, x] if grad else xs, xs if grad else [out], "" if stack else x[axis], conflict="align",
-                    partial="linear" if ndim else "replicate")
+    return Notation([*xs, x] if grad else xs, xs if grad else [out], "" if stack else x[axis], conflict=Conflict.ALIGN,
+                    partial=PartialMerge.LINEAR if ndim else PartialMerge.REPLICATE)
 
 
 def unjoin(stack: bool, n: int, ndim: int, axis: int, empty: int) -> Notation:
@@ -91,7 +92,7 @@ def unjoin(stack: bool, n: int, ndim: int, axis: int, empty: int) -> Notation:
     (``sources``): where every input is a placeholder it keeps its letters (backward drops them)."""
     x = letters_for(ndim)
     xs = [None if (empty >> i) & 1 else x[:axis] + x[axis + 1:] if stack else x for i in range(n)]
-    return Notation([*xs, x], [], x[axis], coshard="largest", sources=(n,))
+    return Notation([*xs, x], [], x[axis], coshard=Coshard.LARGEST, sources=(n,))
 
 
 def _alike(ts: Sequence[T], f: Sequence[int], ndim: int, axis: int, drop: bool) -> bool:

@@ -17,7 +17,9 @@ from typing import Any
 from spmdkit.core.errors import InvalidAttributeError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.declare import Answer, Way, declare
-from spmdkit.engine.notation import Notation, letters_for, with_partial
+from spmdkit.engine.notation import Notation, letters_for
+from spmdkit.engine.tensors import with_partial
+from spmdkit.ops._common import out_grad_partial, x_partial
 
 
 def _perm(perm: tuple[int, ...], ndim: int) -> tuple[int, ...]:
@@ -39,14 +41,14 @@ def notation(ndim: int, perm: tuple[int, ...], grad: bool = False) -> Notation:
 
 def _keep_partial(ins: Any, outs: Any, src: DistTensorSpec, perm: tuple[int, ...]) -> Answer:
     """A linear op: the partial input's partial status passes through to every tensor (the
-    general path's ``partial="keep"`` gives the same, slower)."""
+    general path's ``partial=PartialMerge.KEEP`` gives the same, slower)."""
     pt = src.dist_attr.partial
     return [with_partial(a, pt) for a in ins], [with_partial(a, pt) for a in outs]
 
 
 declare(
     "transpose", "x: T, perm: ints",
-    Way(notation, key="x, perm", post=_keep_partial, post_if="x.dist_attr.partial", paddle="TransposeInferSpmd",
+    Way(notation, key="x, perm", post=_keep_partial, post_if=x_partial, paddle="TransposeInferSpmd",
         doc="out axis i is x axis perm[i]; every sharding moves with its axis (uneven mesh dims dropped)."),
     reverse=Way(notation, key="x, perm", letters=True, paddle="TransposeInferSpmdReverse",
                 doc="x from out: each out axis's sharding goes back to the x axis it came from."),
@@ -54,6 +56,6 @@ declare(
 )  # fmt: skip
 declare(
     "transpose_grad", "out_grad: T, perm: ints",
-    Way(partial(notation, grad=True), key="out_grad, perm", post=_keep_partial, post_if="out_grad.dist_attr.partial",
+    Way(partial(notation, grad=True), key="out_grad, perm", post=_keep_partial, post_if=out_grad_partial,
         paddle="TransposeGradInferSpmd", doc="x_grad = transpose(out_grad, inverse(perm))."),
 )  # fmt: skip

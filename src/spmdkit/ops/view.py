@@ -30,9 +30,10 @@ from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine import dim_trans as dt
 from spmdkit.engine.axes import make_attr
-from spmdkit.engine.declare import Answer, Way, declare
+from spmdkit.engine.declare import Answer, Let, Way, declare
 from spmdkit.engine.dim_trans import DimTrans, Link
 from spmdkit.engine.notation import Notation
+from spmdkit.ops._common import x_partial
 
 #: The most axes one unsqueeze inserts (see the module docstring).
 MAX_NEW_AXES = 1024
@@ -77,6 +78,24 @@ def _grad_check(op: str, xs_name: str, xs: DistTensorSpec, out_grad: DistTensorS
         raise ShapeMismatchError(f"{op}: out_grad {list(out_grad.shape)} does not hold the {n} elements of {xs_name}")
 
 
+def _x_shape_check(op: str, x_shape: DistTensorSpec, out_grad: DistTensorSpec) -> None:
+    _grad_check(op, "x_shape", x_shape, out_grad)
+
+
+def _xshape_check(op: str, xshape: DistTensorSpec, out_grad: DistTensorSpec) -> None:
+    _grad_check(op, "xshape", xshape, out_grad)
+
+
+def _x_check(op: str, x: DistTensorSpec, out_grad: DistTensorSpec) -> None:
+    _grad_check(op, "x", x, out_grad)
+
+
+#: a grad's check and out_shapes hooks, by the name of its shape holder (x_shape, xshape or x)
+_x_shape = (_x_shape_check, lambda x_shape: (x_shape.shape,))
+_xshape = (_xshape_check, lambda xshape: (xshape.shape,))
+_x = (_x_check, lambda x: (x.shape,))
+
+
 def _grad_post(ins: Any, outs: Any, xs: DistTensorSpec, out_grad: DistTensorSpec, *attrs: object) -> Answer:
     """x's shape holder returned as given (the grads' ``axis`` unused); out_grad's partial kept on it and x_grad."""
     i, o = _linear(ins[1:], outs, out_grad) if out_grad.dist_attr.partial else (ins[1:], outs)
@@ -89,50 +108,83 @@ def _unsqueeze(x: DistTensorSpec, axis: tuple[int, ...]) -> tuple[tuple[DimTrans
     return dt.unsqueeze_trans(x.shape, tuple(axis))
 
 
-_ENV = {"dt": dt, "_sizes": _sizes, "_out": _out, "_grad_check": _grad_check, "_unsqueeze": _unsqueeze}
+def _target(shape: list[int], x: DistTensorSpec) -> tuple[int, ...]:
+    """reshape's out shape (0 copies x's size, one -1 inferred)."""
+    return dt.resolve_target("reshape", shape, x.shape)
+
+
+def _reshaped(op: str, x: DistTensorSpec, shape: list[int]) -> tuple[int, ...]:
+    """x's sizes checked, then reshape's out shape (bound to ``tgt``)."""
+    _sizes(op, x, "x", True)
+    return dt.resolve_target("reshape", shape, x.shape)
+
+
+def _reshape_reverse(op: str, x: DistTensorSpec, out: DistTensorSpec, shape: list[int]) -> None:
+    _sizes(op, x, "x", True)
+    _sizes(op, out, "out", True)
+    _out(op, x, out, _target(shape, x))
+
+
+def _x_sizes(op: str, x: DistTensorSpec) -> None:
+    _sizes(op, x, "x")
+
+
+def _flatten(x: DistTensorSpec, start_axis: int, stop_axis: int) -> tuple[tuple[DimTrans, ...], tuple[int, ...]]:
+    return dt.flatten_trans(x.shape, int(start_axis), int(stop_axis))
+
+
+def _squeeze(x: DistTensorSpec, axis: list[int]) -> tuple[tuple[DimTrans, ...], tuple[int, ...]]:
+    return dt.squeeze_trans(x.shape, tuple(axis))
+
+
+def _out_view(op: str, x: DistTensorSpec, out: DistTensorSpec, view: tuple[Any, tuple[int, ...]]) -> None:
+    """The reverse rule's out: shaped as the view of x."""
+    _out(op, x, out, view[1])
+
+
+_ENV = {"dt": dt}
 declare(
     "reshape", "x: T, shape: ints",
-    Way(partial(notation, True, False), key="x, dt.reshape_links(x.shape, tgt)", out_shapes="(tgt,)", env=_ENV,
-        check="_sizes('reshape', x, 'x', True); tgt = dt.resolve_target('reshape', shape, x.shape)",
-        post=_linear, post_if="x.dist_attr.partial", paddle="ReshapeInferSpmd",
+    Way(partial(notation, True, False), key="x, dt.reshape_links(x.shape, tgt)", out_shapes=lambda tgt: (tgt,),
+        env=_ENV, check=Let("tgt", _reshaped),
+        post=_linear, post_if=x_partial, paddle="ReshapeInferSpmd",
         doc="out = x viewed as ``shape`` (0 copies x's size, one -1 inferred; a dynamic (-1) size of x must be "
             "copied by a 0 at its index)."),
     reverse=Way(partial(notation, False, True), key="out, dt.reshape_links(out.shape, x.shape)", env=_ENV,
-                check="_sizes('reshape', x, 'x', True); _sizes('reshape', out, 'out', True); "
-                      "_out('reshape', x, out, dt.resolve_target('reshape', shape, x.shape))",
-                paddle="ReshapeInferSpmdReverse", doc="x from out through the list out -> x."),
+                check=_reshape_reverse, paddle="ReshapeInferSpmdReverse", doc="x from out through the list out -> x."),
     outputs="out: T", aliases=("reshape2",),
 )  # fmt: skip
-# flatten, squeeze, unsqueeze: the op's list (trans) and out shape, the reverse's list out -> x
+# flatten, squeeze, unsqueeze: the op's list and out shape (``view``), the reverse's list out -> x
 _FLAT = "x.shape, int(start_axis), int(stop_axis)"
 for _op, _lists, _rev, _keep, _sig, _aliases, _doc in (
-    ("flatten", f"dt.flatten_trans({_FLAT})", f"dt.flatten_reverse_trans({_FLAT})", True,
+    ("flatten", _flatten, f"dt.flatten_reverse_trans({_FLAT})", True,
      "x: T, start_axis: int, stop_axis: int", (), "Axes start_axis..stop_axis merged into one."),
-    ("squeeze", "dt.squeeze_trans(x.shape, tuple(axis))", "dt.invert_trans(trans, x.ndim)", False, "x: T, axis: ints",
+    ("squeeze", _squeeze, "dt.invert_trans(view[0], x.ndim)", False, "x: T, axis: ints",
      (), "Size-1 axes in ``axis`` (all when empty) removed; sharding on kept size-1 axes dropped."),
-    ("unsqueeze", "_unsqueeze(x, axis)", "dt.invert_trans(trans, x.ndim)", False, "x: T, axis: ints", ("unsqueeze2",),
+    ("unsqueeze", _unsqueeze, "dt.invert_trans(view[0], x.ndim)", False, "x: T, axis: ints", ("unsqueeze2",),
      "New size-1 axes inserted at ``axis`` (one after another, as the op does)."),
 ):
     _pd = _op.capitalize()
-    _check = f"_sizes({_op!r}, x, 'x'); trans, oshape = {_lists}"
+    _check = (_x_sizes, Let("view", _lists))
     declare(
         _op, _sig,
-        Way(partial(notation, _keep, False), key="x, dt.links(trans)", env=_ENV, check=_check,
-            out_shapes="(oshape,)", post=_linear if _keep else None, post_if="x.dist_attr.partial",
+        Way(partial(notation, _keep, False), key="x, dt.links(view[0])", env=_ENV, check=_check,
+            out_shapes=lambda view: (view[1],), post=_linear if _keep else None, post_if=x_partial,
             paddle=f"{_pd}InferSpmd", doc=_doc),
         reverse=Way(partial(notation, False, True), key=f"out, dt.links({_rev})", env=_ENV,
-                    check=f"{_check}; _out({_op!r}, x, out, oshape)", paddle=f"{_pd}InferSpmdReverse",
+                    check=(*_check, _out_view), paddle=f"{_pd}InferSpmdReverse",
                     doc=f"{_op} reverse: x from out through the inverted list."),
         outputs="out: T", aliases=_aliases,
     )  # fmt: skip
-for _op, _sig in (("reshape", "x_shape: T, out_grad: T"), ("flatten", "xshape: T, out_grad: T"),
-                  ("squeeze", "xshape: T, out_grad: T, axis: ints = []"),
-                  ("unsqueeze", "x: T, out_grad: T, axis: ints = []")):
+for _op, _sig, _holder in (("reshape", "x_shape: T, out_grad: T", _x_shape),
+                           ("flatten", "xshape: T, out_grad: T", _xshape),
+                           ("squeeze", "xshape: T, out_grad: T, axis: ints = []", _xshape),
+                           ("unsqueeze", "x: T, out_grad: T, axis: ints = []", _x)):
     _xs = _sig.split(":")[0]
     declare(
         f"{_op}_grad", _sig,
         Way(grad_notation, key=f"out_grad, dt.reshape_links(out_grad.shape, {_xs}.shape)", env=_ENV,
-            check=f"_grad_check({_op + '_grad'!r}, {_xs!r}, {_xs}, out_grad)", out_shapes=f"({_xs}.shape,)",
+            check=_holder[0], out_shapes=_holder[1],
             post=_grad_post, paddle=f"{_op.capitalize()}GradInferSpmd",
             doc="x_grad = out_grad viewed as x's shape; the shape holder is returned as given."),
     )  # fmt: skip

@@ -3,17 +3,21 @@
 :func:`compile_plan` turns a :class:`~spmdkit.engine.notation.Notation` (letters, flags and
 policy), a direction (``"forward"``: merge the inputs; ``"backward"``: merge the outputs, as
 Paddle's reverse rules do) and a key of what changes the plan (for ``size1="broadcast"`` the
-size-1 axes of each input) into a :class:`Plan`: letters become ints, every policy a flag or
+size-1 axes of each input) into a :class:`RulePlan`: letters become ints, every policy a flag or
 an int tuple, every tensor a tuple of letter ids. :func:`run` answers a call from the plan
 with lists indexed by letter, no dicts; :func:`infer` adds the projection onto every tensor.
 The answer is :func:`spmdkit.engine.merge.reference_merge`'s (tests/test_engine_compiled.py
-holds them equal on random cases).
+holds them equal on random cases). A plan's fast path is straight-line Python generated here
+(:func:`_generate`, in named steps) and made a function by :func:`spmdkit.engine.codegen.define`.
+:func:`merge_letters` (the default policy on plain tuples) and :func:`einsum_forward` (a
+notation's forward answer) are the plans' two direct uses.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import lru_cache
 from typing import Any
 
 from spmdkit.core.dist_attr import DimsMapping, Entry, Partial, ReduceType, TensorDistAttr
@@ -21,20 +25,35 @@ from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import largest_mesh_dim, mesh_size
-from spmdkit.engine.merge import BROADCAST, kept_partial, merge_weight
-from spmdkit.engine.notation import Notation, attr_as
+from spmdkit.engine.codegen import define
+from spmdkit.engine.memo import memo
+from spmdkit.engine.merge import kept_partial, merge_weight
+from spmdkit.engine.notation import (
+    BROADCAST,
+    Conflict,
+    Coshard,
+    Notation,
+    Order,
+    PartialMerge,
+    ReplicatedClaims,
+    Sizes,
+    Taken,
+    UnitAxes,
+)
+from spmdkit.engine.tensors import attr_as, check_letters, common_mesh
 
 _make = TensorDistAttr._make
 #: (d,) for a mesh dim d: no tuple built per entry
 _ONE = tuple((d,) for d in range(64))
 
-_CONFLICT = {"weight": 0, "first": 1, "union": 2, "replicate": 3, "heaviest": 4, "align": 5}
+_CONFLICT = {Conflict.WEIGHT: 0, Conflict.FIRST: 1, Conflict.UNION: 2, Conflict.REPLICATE: 3, Conflict.HEAVIEST: 4,
+             Conflict.ALIGN: 5}
 #: conflict="align": a partial placement's code (-3 - index), apart from letters (>= 0),
 #: size-1 axes (-2) and nothing (-1)
 _RT = {r: -3 - i for i, r in enumerate(ReduceType)}
 
 
-class Plan:
+class RulePlan:
     """A notation compiled for one direction and key (see the module docstring)."""
 
     __slots__ = (
@@ -61,20 +80,20 @@ class Plan:
             merged = tuple(a if ti in nt.sources else None for ti, a in enumerate(merged))
         self.src = tuple((ti, ids(a)) for ti, a in enumerate(merged) if a is not None)
         self.rep = tuple(c in nt.replicated for c in letters)
-        self.block = nt.replicated_claims == "block" and any(self.rep)
-        self.largest = nt.coshard == "largest"
-        self.unit = nt.unit_axes == "claim"
-        self.taken_letter = nt.taken == "letter"
-        self.taken_keep = nt.taken == "keep"
+        self.block = nt.replicated_claims is ReplicatedClaims.BLOCK and any(self.rep)
+        self.largest = nt.coshard is Coshard.LARGEST
+        self.unit = nt.unit_axes is UnitAxes.CLAIM
+        self.taken_letter = nt.taken is Taken.LETTER
+        self.taken_keep = nt.taken is Taken.KEEP
         self.conflict = _CONFLICT[nt.conflict]
-        self.keep_partial = nt.partial != "replicate"
+        self.keep_partial = nt.partial is not PartialMerge.REPLICATE
         # conflict="align": the letters a mesh dim may go to (carried by a merged tensor)
         self.align_letters = tuple(sorted({a for _, t in self.src for a in t if a >= 0 and not self.rep[a]}))
         self.prune = tuple(nt.prunes(c) for c in letters)
         self.uneven = tuple(c in nt.uneven for c in letters)
         self.s1claim = tuple(c in nt.size1_claims for c in letters)
         # letter sizes: (tensor index, axis) sources in the order they are read
-        self.sizes_known = nt.sizes == "known"
+        self.sizes_known = nt.sizes is Sizes.KNOWN
         if self.sizes_known:
             every = list(enumerate(nt.inputs))
         else:
@@ -98,9 +117,9 @@ class Plan:
         # the order of resolution
         order = nt.order
         groups: list[tuple[int, tuple[int, ...]]] = []
-        if order == "claim":
+        if order is Order.CLAIM:
             self.order_kind = 0
-        elif order == "notation":
+        elif order is Order.NOTATION:
             self.order_kind = 1
         else:
             self.order_kind = 2
@@ -144,7 +163,7 @@ class Plan:
 _EAGER = 96
 
 
-def _lazy(p: Plan, direction: str) -> Any:
+def _lazy(p: RulePlan, direction: str) -> Any:
     """A stand-in for the generated code of a big plan: declines its first call (the general
     path answers it), generates the code on the second."""
 
@@ -159,7 +178,7 @@ def _lazy(p: Plan, direction: str) -> Any:
     return first
 
 
-_plans: dict[tuple[Notation, str, tuple[int, ...]], Plan] = {}
+_plans: dict[tuple[Notation, str, tuple[int, ...]], RulePlan] = {}
 
 #: while :func:`traced` is active: the op of every call the engine answers
 _trace: list[str] | None = None
@@ -185,7 +204,7 @@ def note(op: str) -> None:
         _trace.append(op)
 
 
-def compile_plan(notation: Notation, direction: str = "forward", mask: tuple[int, ...] = ()) -> Plan:
+def compile_plan(notation: Notation, direction: str = "forward", mask: tuple[int, ...] = ()) -> RulePlan:
     """The plan of ``notation`` for ``direction`` and the inputs' size-1 ``mask`` (one bit per
     axis per input; ``()`` for none), compiled once."""
     key = (notation, direction, mask)
@@ -193,12 +212,12 @@ def compile_plan(notation: Notation, direction: str = "forward", mask: tuple[int
     if p is None:
         if len(_plans) > 65536:
             _plans.clear()
-        p = _plans[key] = Plan(notation, direction, mask)
+        p = _plans[key] = RulePlan(notation, direction, mask)
     return p
 
 
 def run(
-    p: Plan,
+    p: RulePlan,
     dms: Sequence[DimsMapping | None],
     shapes: Sequence[Sequence[int] | None],
     all_shapes: Sequence[Sequence[int] | None],
@@ -211,33 +230,57 @@ def run(
     inputs then outputs, for ``flatten`` chains; ``partials``: the merged tensors' partial
     status, read by ``conflict="align"``)."""
     n = p.n
-    rep = p.rep
-    largest = p.largest
-    blocked = 0
-    if p.block:
-        for ti, ids in p.src:
-            dm = dms[ti]
-            if dm is None:
-                continue
-            for a, e in zip(ids, dm):
-                if a >= 0 and rep[a]:
-                    if e.__class__ is int:
-                        if e >= 0:
-                            blocked |= 1 << e
-                    else:
-                        for x in (largest_mesh_dim(e, mesh_shape),) if largest else e:  # type: ignore[union-attr]
-                            blocked |= 1 << x
+    blocked = _blocked(p, dms, mesh_shape) if p.block else 0
     cur: list[tuple[int, ...] | None] = [None] * n
-    hold = [0] * n
-    claims: list[int] = []
-    conflict = p.conflict
-    unit = p.unit
     cands: dict[int, list[tuple[int, ...]]] | None = None
-    src = p.src
-    if conflict == 5:  # the vote per mesh dim, in place of the per-letter merge below
-        src = ()
+    if p.conflict == 5:  # the vote per mesh dim, in place of the per-letter merge
         claims = _aligned(p, cur, dms, shapes, partials, mesh_shape, blocked)
-    for ti, ids in src:
+    else:
+        claims, cands = _merged(p, cur, dms, shapes, mesh_shape, blocked)
+    if not claims:
+        return [()] * n
+    if cands:
+        _unions(cur, cands, mesh_shape)
+    for chain, where in zip(p.chains, p.chain_src):
+        _chain(cur, chain, [every[ti][i] for ti, i in where if every[ti] is not None], mesh_shape)  # type: ignore[index]
+    return _resolve(p, _order(p, claims, cur, shapes, all_shapes), cur, shapes, all_shapes, mesh_shape)
+
+
+def _blocked(p: RulePlan, dms: Sequence[DimsMapping | None], mesh_shape: Sequence[int]) -> int:
+    """``replicated_claims="block"``: the mesh dims (bits) the merged tensors shard replicated letters on."""
+    rep, largest = p.rep, p.largest
+    blocked = 0
+    for ti, ids in p.src:
+        dm = dms[ti]
+        if dm is None:
+            continue
+        for a, e in zip(ids, dm):
+            if a >= 0 and rep[a]:
+                if e.__class__ is int:
+                    if e >= 0:
+                        blocked |= 1 << e
+                else:
+                    for x in (largest_mesh_dim(e, mesh_shape),) if largest else e:  # type: ignore[union-attr]
+                        blocked |= 1 << x
+    return blocked
+
+
+def _merged(
+    p: RulePlan,
+    cur: list[tuple[int, ...] | None],
+    dms: Sequence[DimsMapping | None],
+    shapes: Sequence[Sequence[int] | None],
+    mesh_shape: Sequence[int],
+    blocked: int,
+) -> tuple[list[int], dict[int, list[tuple[int, ...]]] | None]:
+    """The merge per letter (the conflict policy): fills ``cur``; returns the claims in order (a
+    letter id, or ``~mask`` for a size-1 axis's mesh dims under ``unit_axes="claim"``) and, under
+    ``conflict="union"``, each contested letter's candidates."""
+    rep, largest, unit, conflict = p.rep, p.largest, p.unit, p.conflict
+    hold = [0] * p.n
+    claims: list[int] = []
+    cands: dict[int, list[tuple[int, ...]]] | None = None
+    for ti, ids in p.src:
         dm = dms[ti]
         if dm is None:
             continue
@@ -292,13 +335,12 @@ def run(
                         lst.append(d)
                 elif conflict == 3:
                     cur[a] = ()
-    if not claims:
-        return [()] * n
-    if cands:
-        _unions(cur, cands, mesh_shape)
-    for chain, where in zip(p.chains, p.chain_src):
-        _chain(cur, chain, [every[ti][i] for ti, i in where if every[ti] is not None], mesh_shape)  # type: ignore[index]
-    # sizes (only read where a letter prunes)
+    return claims, cands
+
+
+def _order(p: RulePlan, claims: list[int], cur: list[tuple[int, ...] | None], shapes: Sequence[Sequence[int] | None],
+           all_shapes: Sequence[Sequence[int] | None]) -> Sequence[int]:  # fmt: skip
+    """The order the claims resolve in (``Notation.order``)."""
     size_src = p.size_src
     known = p.sizes_known
     kind = p.order_kind
@@ -321,7 +363,21 @@ def run(
                     sz = [_size(size_src[a], shapes, all_shapes, known) for a in got]
                     got = [a for _, a in sorted(zip([-s for s in sz], got), key=lambda t: t[0])]
                 order.extend(got)
-    final: list[tuple[int, ...]] = [()] * n
+    return order
+
+
+def _resolve(
+    p: RulePlan,
+    order: Sequence[int],
+    cur: list[tuple[int, ...] | None],
+    shapes: Sequence[Sequence[int] | None],
+    all_shapes: Sequence[Sequence[int] | None],
+    mesh_shape: Sequence[int],
+) -> list[tuple[int, ...]]:
+    """Each letter's mesh dims, resolved in ``order``: replicated letters and taken mesh dims
+    dropped (``taken``), pruned letters cut to divide their sizes (read only here)."""
+    rep, size_src, known = p.rep, p.size_src, p.sizes_known
+    final: list[tuple[int, ...]] = [()] * p.n
     prune, uneven, s1claim = p.prune, p.uneven, p.s1claim
     keep = p.taken_keep
     used = 0
@@ -331,7 +387,7 @@ def run(
             continue
         if rep[a]:
             continue
-        d = cur[a]  # type: ignore[assignment]
+        d: tuple[int, ...] = cur[a]  # type: ignore[assignment]
         if used and not keep:
             d2 = tuple([x for x in d if not (used >> x) & 1])
             d = () if p.taken_letter and len(d2) < len(d) else d2
@@ -367,7 +423,7 @@ def _chain(cur: list[tuple[int, ...] | None], chain: tuple[int, ...], sizes: lis
 
 
 def _aligned(
-    p: Plan,
+    p: RulePlan,
     cur: list[tuple[int, ...] | None],
     dms: Sequence[DimsMapping | None],
     shapes: Sequence[Sequence[int] | None],
@@ -526,7 +582,7 @@ def out_partial(
 
 
 def infer(
-    p: Plan,
+    p: RulePlan,
     op: str,
     inputs: Sequence[DistTensorSpec | None],
     outputs: Sequence[DistTensorSpec | None],
@@ -619,7 +675,7 @@ def infer(
 # ---------------------------------------------------------------------------
 
 
-def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
+def _generate(p: RulePlan, direction: str, raw: bool = False) -> Any:
     """Straight-line Python for the plan's common case: every entry a single mesh dim (or a
     co-shard read as its largest), no two tensors sharding one letter differently (under
     ``conflict="first"`` the first simply wins), no two letters (nor, under ``unit_axes="claim"``,
@@ -638,16 +694,33 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
     if align and not raw and len({frozenset(a for a in ids if a >= 0) for _, ids in p.src}) > 1:
         return _decline  # conflict="align" on tensors of different letters: the general path
     forward = direction == "forward"
-    src_name = "I" if forward else "O"
     lines = ["def fast(D, S, ms):"] if raw else ["def fast(I, O, mesh, Z=None):", "    ms = mesh.shape"]
     emit = lines.append
-    read: set[int] = set()
-    twice = False  # a letter read on two axes (two claims can then share a mesh dim)
-    units: list[str] = []  # unit_axes="claim": the mesh dim of each size-1 axis
     # two letters on one mesh dim, resolved here in claim order (P: where a letter was first
     # sharded) where no letter prunes; otherwise the general path resolves them
     resolve = (p.order_kind == 0 and not p.unit and not p.taken_keep and not p.chains
                and not any(p.prune[a] for a in range(p.n) if not p.rep[a]))
+    read: set[int] = set()  # the letters read
+    units: list[str] = []  # unit_axes="claim": the mesh dim of each size-1 axis
+    twice = _gen_reads(p, forward, raw, resolve, read, units, emit)
+    ent = _gen_chains(p, forward, read, emit) if p.chains and not raw else set()
+    live = _gen_claims(p, raw, resolve, read, units, twice, emit)
+    _gen_prunes(p, raw, read, live, ent, emit)
+    if raw:
+        emit("    return (" + "".join(f"({c!r}, () if L{a} < 0 else _ONE[L{a}]), " for a, c in enumerate(nt.letters)) + ")")
+        return _fast_fn(lines, f"plan {nt!r} letters", {})
+    return _gen_answer(p, forward, ent, lines, f"plan {nt!r} {direction}")
+
+
+def _gen_reads(p: RulePlan, forward: bool, raw: bool, resolve: bool, read: set[int], units: list[str],
+               emit: Callable[[str], None]) -> bool:  # fmt: skip
+    """The generated reads of the merged tensors' entries: ``L{a}`` per letter read (added to
+    ``read``), the size-1 axes' ``U{k}`` (``units``), their agreement, ``P{a}`` where the claims
+    are resolved here. Returns whether a letter is read on two axes (two claims can then share a
+    mesh dim)."""
+    align = p.conflict == 5
+    src_name = "I" if forward else "O"
+    twice = False
     pos = 0
     for ti, ids in p.src:
         if raw:
@@ -691,7 +764,13 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
                 emit(f"    P{a} = {pos}")
             pos += 1
             read.add(a)
-    ent = _gen_chains(p, forward, read, emit) if p.chains and not raw else set()
+    return twice
+
+
+def _gen_claims(p: RulePlan, raw: bool, resolve: bool, read: set[int], units: list[str], twice: bool,
+                emit: Callable[[str], None]) -> list[int]:  # fmt: skip
+    """The generated code emptying the replicated letters, then checking (or, with ``resolve``,
+    resolving in claim order) that no two claimers take one mesh dim. Returns the live letters."""
     for a in sorted(read):
         if p.rep[a]:
             if p.block:
@@ -719,6 +798,14 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
             emit("                if (u >> x) & 1: V[k] = -1")
             emit("                else: u |= 1 << x")
             emit(f"        {', '.join(f'L{a}' for a in live)}, = V")
+    return live
+
+
+def _gen_prunes(p: RulePlan, raw: bool, read: set[int], live: list[int], ent: set[int],
+                emit: Callable[[str], None]) -> None:  # fmt: skip
+    """The generated code after the claims: a chain's other letters emptied, each pruned letter
+    dropped where its mesh dim does not divide its size, the letters not read (or, backward, no
+    input carries) emptied."""
     rest = [x for chain in p.chains for x in chain[1:] if x in read]
     if rest and not raw:  # a chain's other letters shard nothing (their mesh dims are its first's)
         emit("    " + " = ".join(f"L{x}" for x in rest) + " = -1")
@@ -756,12 +843,15 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
         if any(m is not None and any(x == a for x, _ in m) for m in p.out_missing):
             emit(f"    if E{a}.__class__ is tuple: return None")
 
+
+def _gen_answer(p: RulePlan, forward: bool, ent: set[int], lines: list[str], what: str) -> Any:
+    """The generated answer of a (not raw) plan: one attr per input, then per output (partial
+    over the mesh dims of the letters it lacks), and the function made of ``lines``."""
+    emit = lines.append
+
     def dm(ids: tuple[int, ...]) -> str:
         return "(" + "".join(("-1" if a < 0 else f"E{a}" if a in ent else f"L{a}") + ", " for a in ids) + ")"
 
-    if raw:
-        emit("    return (" + "".join(f"({c!r}, () if L{a} < 0 else _ONE[L{a}]), " for a, c in enumerate(nt.letters)) + ")")
-        return _exec(lines, f"<plan {nt!r} letters>", {})
 
     # one attr per distinct (dims_mapping, no partial): an output sharded as an input is that
     # input's attr (dist attrs are immutable)
@@ -809,10 +899,10 @@ def _generate(p: Plan, direction: str, raw: bool = False) -> Any:
             pt = f"_uniq(pt{j})" if p.taken_keep else f"tuple(pt{j})"
         outs.append(f"_make(mesh, {dm(ids)}, {pt})")
     emit(f"    return ({''.join(x + ', ' for x in ins)}), ({''.join(x + ', ' for x in outs)})")
-    return _exec(lines, f"<plan {nt!r} {direction}>", consts)
+    return _fast_fn(lines, what, consts)
 
 
-def _gen_chains(p: Plan, forward: bool, read: set[int], emit: Any) -> set[int]:
+def _gen_chains(p: RulePlan, forward: bool, read: set[int], emit: Any) -> set[int]:
     """The generated code of the plan's ``flatten`` chains (after the reads): each chain's first
     letter's entry ``E{a}`` (a mesh dim or a co-shard tuple); ``L{a}`` stays its first mesh dim
     and the other letters keep theirs for the claim check, then shard nothing. A chain with a
@@ -868,12 +958,11 @@ def _gen_chains(p: Plan, forward: bool, read: set[int], emit: Any) -> set[int]:
     return ent
 
 
-def _exec(lines: list[str], name: str, consts: dict[str, Any]) -> Any:
+def _fast_fn(lines: list[str], name: str, consts: dict[str, Any]) -> Any:
     """The function ``fast`` the generated ``lines`` define."""
     ns: dict[str, Any] = {"_attr_as": attr_as, "_make": _make, "_largest": largest_mesh_dim, "_first": _first,
                           "_ONE": _ONE, "_uniq": _uniq, **consts}  # fmt: skip
-    exec(compile("\n".join(lines), name, "exec"), ns)
-    return ns["fast"]
+    return define("\n".join(lines), name, "fast", ns)
 
 
 def _decline(*args: Any) -> None:
@@ -888,3 +977,72 @@ def _first(t: tuple[int, ReduceType]) -> int:
 def _uniq(pt: list[tuple[int, ReduceType]]) -> tuple[tuple[int, ReduceType], ...]:
     """A sorted partial with each mesh dim once (``taken="keep"``: letters may share one)."""
     return tuple(t for i, t in enumerate(pt) if i == 0 or pt[i - 1][0] != t[0])
+
+
+# ---------------------------------------------------------------------------
+# the default policy on plain tuples, and a notation's forward answer
+# ---------------------------------------------------------------------------
+
+
+@memo()
+def merge_letters(
+    axes: tuple[str | None, ...],
+    mappings: tuple[DimsMapping | None, ...],
+    shapes: tuple[tuple[int, ...] | None, ...],
+    replicated: frozenset[str],
+    prune: str,
+    mesh_shape: tuple[int, ...],
+) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """Merge per-letter shardings over several tensors; returns ``((letter, mesh dims), ...)``
+    in the order letters first appear.
+
+    Per letter: the first tensor sharding it claims it; where another tensor shards it over
+    other mesh dims, the larger tensor (by element count) keeps its sharding and the other is
+    resharded (Paddle raises here). Then, in claim order, a mesh dim already taken by an
+    earlier letter is dropped, replicated letters lose their sharding, and pruned letters drop
+    minor mesh dims until the mesh size divides the axis size (the default policy of a
+    :class:`Notation`, run by its compiled plan)."""
+    if _trace is not None:
+        note("merge_letters")
+    p = compile_plan(_merge_notation(axes, replicated, prune))
+    fast = p.fast_letters
+    if fast is None:
+        fast = p.fast_letters = _generate(p, "forward", raw=True)
+    got = fast(mappings, shapes, mesh_shape)
+    if got is not None:
+        return got  # type: ignore[no-any-return]
+    if None in mappings:
+        shapes = tuple(None if dm is None else s for dm, s in zip(mappings, shapes))
+    final = run(p, mappings, shapes, shapes, mesh_shape)
+    if None not in mappings:  # every letter seen, in the notation's order
+        return tuple(zip(p.notation.letters, final))
+    lid = p.letter_ids
+    seen: dict[str, tuple[int, ...]] = {}
+    for t_axes, dm in zip(axes, mappings):
+        if t_axes is not None and dm is not None:
+            for ch in t_axes:
+                if ch != BROADCAST and ch not in seen:
+                    seen[ch] = final[lid[ch]]
+    return tuple(seen.items())
+
+
+@lru_cache(maxsize=4096)
+def _merge_notation(axes: tuple[str | None, ...], replicated: frozenset[str], prune: str) -> Notation:
+    return Notation(axes, (), replicated, prune=prune)
+
+
+def einsum_forward(
+    op: str,
+    notation: Notation,
+    inputs: Sequence[DistTensorSpec | None],
+    names: Sequence[str] | None = None,
+) -> tuple[list[TensorDistAttr | None], list[TensorDistAttr | None]]:
+    """Infer the inputs' required dist attrs and the outputs' from the inputs (the notation's
+    compiled plan)."""
+    if len(inputs) == 1 and inputs[0] is not None:
+        mesh = inputs[0].dist_attr.mesh  # one tensor: its letters cannot disagree in size
+    else:
+        mesh = common_mesh(op, inputs)
+        check_letters(op, notation.inputs, inputs, names)
+    ins, outs = infer(compile_plan(notation), op, inputs, (), mesh, names)
+    return list(ins), list(outs)
