@@ -38,7 +38,7 @@ from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import ProgramError, ShapeMismatchError, SpmdError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.registry import get_rule, is_reverse, output_params
+from spmdkit.engine.registry import Rule, get_rule, is_reverse, output_params
 from spmdkit.engine.signature import coerce_attr
 from spmdkit.io.jsonfile import read_json
 from spmdkit.program.shapes import expected_output_shapes
@@ -313,7 +313,7 @@ class Program:
             self._check_expected_shapes(op, rule, where, res)
             self._check_output_shapes(op, rule, where, out_refs, mesh)
 
-    def _check_expected_shapes(self, op: Op, rule: Any, where: str, res: SpmdResult) -> None:
+    def _check_expected_shapes(self, op: Op, rule: Rule, where: str, res: SpmdResult) -> None:
         """Each declared output shape against the shape the op makes from its input shapes and
         attributes (:func:`spmdkit.program.shapes.expected_output_shapes`; axes whose size the
         op does not fix, e.g. nonzero's count, are not compared)."""
@@ -361,7 +361,7 @@ class Program:
                                        f"{shown} (rule {rule.name}, inputs {ins}): the declared output shape "
                                        f"contradicts the op")
 
-    def _check_output_shapes(self, op: Op, rule: Any, where: str, out_refs: list[str | None],
+    def _check_output_shapes(self, op: Op, rule: Rule, where: str, out_refs: list[str | None],
                              mesh: ProcessMesh) -> None:
         """The declared output shapes against the input shapes, a second way: a rule's reverse
         (backward) mode takes the outputs as arguments and checks every axis the notation ties
