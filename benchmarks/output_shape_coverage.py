@@ -2,7 +2,7 @@
 """How many declared output shapes that contradict the op program validation catches (issue 13).
 
 ``Program.validate`` checks each op's declared output shapes against the shapes its rule
-makes from the input shapes and attributes (``spmdkit.program.out_shapes``), and also calls
+makes from the input shapes and attributes (``spmdkit.program.shapes``), and also calls
 the rule's reverse (backward) mode where it has one. This script measures it against an
 independent oracle, the numpy reference of every rule (``spmdkit.sim``):
 
@@ -37,7 +37,7 @@ from spmdkit.core.errors import ProgramError, SpmdError  # noqa: E402
 from spmdkit.core.mesh import ProcessMesh  # noqa: E402
 from spmdkit.engine.registry import all_rules, get_rule, is_reverse, output_params  # noqa: E402
 from spmdkit.program.ir import Op, Program, Tensor  # noqa: E402
-from spmdkit.program.out_shapes import unchecked_rules  # noqa: E402
+from spmdkit.program.shapes import unchecked_rules  # noqa: E402
 from spmdkit.sim.cases import generate_cases, make_array  # noqa: E402
 from spmdkit.sim.ops import Ctx, get_reference  # noqa: E402
 
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     for x in NOT_THE_OPS[:10]:
         print(f"  {x[:300]}")
     un = unchecked_rules()
-    print(f"documented unchecked outputs (spmdkit.program.out_shapes.UNCHECKED): {len(un)}")
+    print(f"documented unchecked outputs (the op families' unchecked facts): {len(un)}")
     for n, why in sorted(un.items()):
         print(f"  {n}: {why}")
     if args.per_rule:

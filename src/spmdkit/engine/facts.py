@@ -7,7 +7,15 @@ and, beside each, the op's other facts with :func:`facts`:
   (``Program.validate`` refuses a program whose declared output shapes contradict its op);
 * ``cost``: the op's FLOPs and bytes on one device from its local (sharded) tensors, and the
   collectives its kernel runs inside itself (the cost model times them);
-* ``wrt``: the inputs the op is differentiated against, and the grad op that does it (autodiff).
+* ``wrt``: the inputs the op is differentiated against, and the grad op that does it (autodiff);
+  ``grad_reads``: the grad op's parameters that read a forward output of another name;
+* ``unchecked``: why an output's shape is not (fully) checked (its size is not fixed by the
+  shapes and attributes: data-dependent sizes, kernel workspace);
+* ``grad_like``: for a grad rule without a ``shape``, the tensor parameter each output has the
+  shape of, where deriving it from the base rule's signature does not say
+  (:mod:`spmdkit.program.shapes`).
+
+Shape functions take and answer the types of :mod:`spmdkit.engine.outshape`.
 
 The engine only keeps the table: it knows nothing of particular ops, and the layers above
 (program, cost) read it through :func:`facts_of`. Standard library only.
@@ -28,13 +36,18 @@ class OpFacts:
     cost: Callable[..., Any] | None = None
     grad: str | None = None
     wrt: tuple[str, ...] | None = None
+    grad_reads: tuple[tuple[str, str], ...] | None = None
+    unchecked: str | None = None
+    grad_like: tuple[str, ...] | None = None
 
 
 _FACTS: dict[str, OpFacts] = {}
 
 
 def facts(*names: str, shape: Callable[..., Any] | None = None, cost: Callable[..., Any] | None = None,
-          grad: str | None = None, wrt: tuple[str, ...] | None = None) -> None:
+          grad: str | None = None, wrt: tuple[str, ...] | None = None,
+          grad_reads: tuple[tuple[str, str], ...] | None = None, unchecked: str | None = None,
+          grad_like: tuple[str, ...] | None = None) -> None:
     """Declare facts of the rules ``names`` (a fact given again for a name replaces the earlier one;
     facts not given keep what an earlier call declared)."""
     if not names:
@@ -42,7 +55,10 @@ def facts(*names: str, shape: Callable[..., Any] | None = None, cost: Callable[.
     for name in names:
         old = _FACTS.get(name, _NONE)
         _FACTS[name] = OpFacts(shape if shape is not None else old.shape, cost if cost is not None else old.cost,
-                               grad if grad is not None else old.grad, wrt if wrt is not None else old.wrt)
+                               grad if grad is not None else old.grad, wrt if wrt is not None else old.wrt,
+                               grad_reads if grad_reads is not None else old.grad_reads,
+                               unchecked if unchecked is not None else old.unchecked,
+                               grad_like if grad_like is not None else old.grad_like)
 
 
 def facts_of(name: str) -> OpFacts:

@@ -47,7 +47,9 @@ from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import make_attr, normalize_axis
 from spmdkit.engine.declare import Answer, Way, declare
+from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import BROADCAST, Coshard, Notation, letters_for
+from spmdkit.engine.outshape import Args, Expect, same
 from spmdkit.ops._common import check_same_ndim
 
 Shape = tuple[int, ...]
@@ -198,3 +200,15 @@ declare(
              "value_grad partial SUM over the mesh dims of the trailing axes it sums over."),
     grad_signature="x: T, indices: [T], value: T, out_grad: T, accumulate: bool = False", grad_name="index_put_grad",
 )  # fmt: skip
+
+
+# -- output shapes / grads ----------------------------------------------------------------------
+
+
+def _take_shape(a: Args) -> list[Expect]:
+    return [a.s("index")]
+
+
+facts("put_along_axis", "index_put", shape=same)
+facts("take_along_axis", shape=_take_shape, grad="take_along_axis_grad", wrt=("x",))
+facts("put_along_axis_grad", "index_put_grad", grad_like=("x", "value"))

@@ -27,7 +27,9 @@ from spmdkit.core.dist_attr import ReduceType
 from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.declare import Answer, Way, declare
+from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import BROADCAST, Notation, Taken
+from spmdkit.engine.outshape import Args, Expect
 
 _CFU = "check_finite_and_unscale"
 _ULS = "update_loss_scaling"
@@ -127,3 +129,20 @@ declare(
                 doc="update_loss_scaling reverse (Paddle has none): each x as its out, the state replicated."),
     outputs="out: [T], " + ", ".join(n + ": T" for n in _NEW),
 )  # fmt: skip
+
+
+# -- output shapes --------------------------------------------------------------------------------
+
+
+def _cfu_shape(a: Args) -> list[Expect]:
+    return [list(a.vec("xs")), None]
+
+
+def _uls_shape(a: Args) -> list[Expect]:
+    """outs like xs; the new loss scaling and step counts like the old ones."""
+    out: list[Expect] = [list(a.vec("xs"))]
+    return out + [a.opt(r) for r in ("prev_loss_scaling", "in_good_steps", "in_bad_steps")]
+
+
+facts(_CFU, shape=_cfu_shape, unchecked="found_infinite is a flag whose shape the kernel picks; out is checked")
+facts(_ULS, shape=_uls_shape)

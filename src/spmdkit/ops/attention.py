@@ -52,7 +52,9 @@ from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.axes import make_attr, one_mesh_dim
 from spmdkit.engine.declare import Answer, Way, declare
+from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import BROADCAST, Conflict, Coshard, Notation
+from spmdkit.engine.outshape import Args, Expect, UnknownShape
 from spmdkit.engine.signature import parse_signature
 from spmdkit.ops._absent import zero_d_absent
 
@@ -320,3 +322,29 @@ declare(
               doc="fused_rotary_position_embedding_grad (FusedRopeGradInferSpmd): the forward rule on the grads."),
     aliases=("fused_rope_grad",),
 )  # fmt: skip
+
+
+# -- output shapes / grads ----------------------------------------------------------------------
+
+
+def _flash_attention_shape(a: Args) -> list[Expect]:
+    """q [B, Sq, H, D], v [B, Sk, Hk, Dv]: out [B, Sq, H, Dv]; softmax [B, H, Sq', Sk'] and
+    softmax_lse [B, H, Sq'] (the kernel may round the sequence axes: not checked); seed_offset [2]."""
+    q, v = a.s("q"), a.s("v")
+    if len(q) != 4 or not v:
+        raise UnknownShape
+    softmax: Expect = (q[0], q[2], None, None) if a.nd(1) == 4 else None
+    lse: Expect = (q[0], q[2], None) if a.nd(2) == 3 else None
+    return [(*q[:-1], v[-1]), softmax, lse, (2,)]
+
+
+def _rope_shape(a: Args) -> list[Expect]:
+    return [a.opt("q"), a.opt("k"), a.opt("v")]
+
+
+facts("flash_attention", shape=_flash_attention_shape, grad="flash_attention_grad", wrt=("q", "k", "v"),
+      unchecked="softmax's and softmax_lse's sequence axes (the kernel may round them up); their batch and head "
+                "axes, out and seed_offset are checked")
+facts("fused_rotary_position_embedding", shape=_rope_shape, grad="fused_rotary_position_embedding_grad",
+      wrt=("q", "k", "v"))
+facts("fused_rotary_position_embedding_grad", grad_like=("out_q_grad", "out_k_grad", "out_v_grad"))

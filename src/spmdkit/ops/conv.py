@@ -55,6 +55,7 @@ roi-shape-checks, conv-norm-grads.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -63,8 +64,10 @@ from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec as T
 from spmdkit.engine.axes import largest_mesh_dim, mesh_size
 from spmdkit.engine.declare import Answer, Way, declare
+from spmdkit.engine.facts import facts
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import ALPHABET, BROADCAST, Coshard, Notation
+from spmdkit.engine.outshape import Args, Expect, UnknownShape
 
 _make = TensorDistAttr.unchecked
 
@@ -348,3 +351,116 @@ declare(
              paddle="RoiAlignGradInferSpmd", doc="RoiAlignGradInferSpmd: x and out_grad merged."),
     grad_signature="x: T, boxes: T, boxes_num: T?, out_grad: T, " + _ROI_ATTRS, grad_name="roi_align_grad",
 )  # fmt: skip
+
+
+# -- output shapes / grads ----------------------------------------------------------------------
+
+
+def _geometry_ints(v: Any, n: int, fill: int) -> list[int]:
+    """A per-spatial-axis attribute: empty means ``fill``, one value means every axis."""
+    vals = list(v or ())
+    if not vals:
+        return [fill] * n
+    if len(vals) == 1:
+        return vals * n
+    if len(vals) != n:
+        raise UnknownShape
+    return vals
+
+
+def _conv_pads(v: Any, n: int) -> list[tuple[int, int]]:
+    """Paddle's conv paddings: one per spatial axis (both sides) or (before, after) pairs."""
+    p = list(v or ()) or [0]
+    if len(p) == 1:
+        p = p * n
+    if len(p) == n:
+        return [(x, x) for x in p]
+    if len(p) == 2 * n:
+        return [(p[2 * i], p[2 * i + 1]) for i in range(n)]
+    raise UnknownShape
+
+
+def _conv_out(a: Args, x_sp: Sequence[int], k_sp: Sequence[int], transpose: bool) -> list[int | None]:
+    """The spatial output sizes (Paddle's ConvInferMeta / ConvTransposeInferMeta)."""
+    n = len(x_sp)
+    st = _geometry_ints(a.a("strides"), n, 1)
+    dil = _geometry_ints(a.a("dilations"), n, 1)
+    alg = str(a.a("padding_algorithm", "EXPLICIT"))
+    if any(v <= 0 for v in st + dil):
+        raise UnknownShape
+    if alg == "SAME" and not transpose:
+        return [-(-s // t) for s, t in zip(x_sp, st)]
+    if alg == "VALID":
+        pads = [(0, 0)] * n
+    elif alg == "EXPLICIT":
+        pads = _conv_pads(a.a("paddings"), n)
+    else:
+        return [None] * n
+    if not transpose:
+        return [(s + p[0] + p[1] - d * (k - 1) - 1) // t + 1 for s, k, t, p, d in zip(x_sp, k_sp, st, pads, dil)]
+    size = list(a.a("output_size") or ())
+    if size:
+        return [v if isinstance(v, int) and v > 0 else None for v in _geometry_ints(size, n, 0)]
+    extra = _geometry_ints(a.a("output_padding"), n, 0)
+    return [(s - 1) * t - p[0] - p[1] + d * (k - 1) + 1 + e
+            for s, k, t, p, d, e in zip(x_sp, k_sp, st, pads, dil, extra)]
+
+
+def _conv_shape(transpose: bool, a: Args) -> list[Expect]:
+    """Batch, channel and (where the rule takes the geometry attributes) spatial axes."""
+    x, w = a.s("input"), a.s("filter")
+    nd = len(x)
+    if nd < 3 or len(w) != nd:
+        raise UnknownShape
+    fmt = str(a.a("data_format", "NCHW"))
+    last = fmt in ("NHWC", "NDHWC")
+    x_sp = x[1:-1] if last else x[2:]
+    if transpose:
+        g = a.a("groups", 1)
+        channels: int | None = w[1] * g if isinstance(g, int) and g > 0 else None
+    else:
+        channels = w[0]
+    geometry = any(p.startswith("strides") for p in a.values)
+    spatial = _conv_out(a, x_sp, w[2:], transpose) if geometry else [None] * len(x_sp)
+    return [tuple([x[0], *spatial, channels] if last else [x[0], channels, *spatial])]
+
+
+def _batch_norm_shape(a: Args) -> list[Expect]:
+    """out like x; the running and saved statistics like the running mean ([C], whichever
+    axis of x the channels are); reserve_space is kernel workspace."""
+    x, mean = a.s("x"), a.opt("mean")
+    return [x, mean, a.opt("variance"), mean, mean, None]
+
+
+def _group_norm_shape(a: Args) -> list[Expect]:
+    """y like x; mean and variance are [N, groups] and the rule takes no groups."""
+    x = a.s("x")
+    return [x, (x[0], None) if x else None, (x[0], None) if x else None]
+
+
+def _instance_norm_shape(a: Args) -> list[Expect]:
+    """y like x; saved_mean and saved_variance are [N * C] (InstanceNormInferMeta)."""
+    x = a.s("x")
+    stat = (x[0] * x[1],) if len(x) >= 2 else None
+    return [x, stat, stat]
+
+
+def _roi_align_shape(a: Args) -> list[Expect]:
+    x, boxes = a.s("x"), a.s("boxes")
+    if len(x) != 4 or not boxes:
+        raise UnknownShape
+    return [(boxes[0], x[1], a.a("pooled_height"), a.a("pooled_width"))]
+
+
+facts("conv2d", "conv3d", "depthwise_conv2d", shape=partial(_conv_shape, False))
+facts("conv2d_transpose", shape=partial(_conv_shape, True))
+facts("conv2d", unchecked="the rule takes no strides / paddings / dilations, so the output's spatial sizes are not "
+                          "fixed by the op; its batch and channel axes are checked")
+facts("batch_norm", shape=_batch_norm_shape,
+      unchecked="reserve_space is kernel workspace; every other output is checked")
+facts("group_norm", shape=_group_norm_shape,
+      unchecked="mean and variance are [N, groups] and the rule takes no groups: their N axis is checked")
+facts("instance_norm", shape=_instance_norm_shape)
+facts("roi_align", shape=_roi_align_shape)
+for _op in ("conv2d", "conv3d"):  # autodiff: HF models' patch-embedding convolutions
+    facts(_op, grad=f"{_op}_grad", wrt=("input", "filter"))

@@ -16,11 +16,15 @@ Deviations from Paddle 3.3.1 (docs/deviations.md, ``misc-*``): conflicts Paddle 
 
 from __future__ import annotations
 
+import math
+
 from spmdkit.core.errors import InvalidArgumentError, InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import normalize_axis
 from spmdkit.engine.declare import Way, declare
+from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import BROADCAST, Notation
+from spmdkit.engine.outshape import Args, Expect, Shape, UnknownShape, axis_of
 
 
 def replicated(ins: tuple[int, ...], outs: tuple[int, ...]) -> Notation:
@@ -79,3 +83,34 @@ declare(
                 doc="unique reverse (spmdkit): all replicated; only the outputs' ranks are checked."),
     outputs="out: T, indices: T? = None, inverse: T? = None, counts: T? = None",
 )  # fmt: skip
+
+
+# -- output shapes --------------------------------------------------------------------------------
+
+
+def _nonzero_shape(a: Args) -> list[Expect]:
+    return [(None, len(a.s("x")))]
+
+
+def _unique_shape(a: Args) -> list[Expect]:
+    """out, indices and counts have as many entries as distinct values (data): only their
+    other axes are checked; inverse has one entry per element of x (per slice along axis)."""
+    x = a.s("x")
+    axes = a.a("axis") or ()
+    if len(axes) > 1:
+        raise UnknownShape
+    if axes:
+        ax = axis_of(axes[0], len(x))
+        out: Shape = (*x[:ax], None, *x[ax + 1:])
+        inverse: Shape = (x[ax],)
+    else:
+        out, inverse = (None,), (math.prod(x),)
+    shapes: list[Shape] = [out, (None,), inverse, (None,)]
+    return [s if a.nd(i) == len(s) else None for i, s in enumerate(shapes)]
+
+
+facts("nonzero", shape=_nonzero_shape,
+      unchecked="out's first axis is the number of nonzero elements (data); its second axis is checked")
+facts("unique", shape=_unique_shape,
+      unchecked="out's, indices' and counts' length is the number of distinct values (data); inverse and out's "
+                "other axes are checked")

@@ -21,7 +21,9 @@ per tensor of ``outs`` (flat lists, not nested).
 from __future__ import annotations
 
 from spmdkit.engine.declare import Way, declare
+from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import BROADCAST, Conflict, Coshard, Notation
+from spmdkit.engine.outshape import Args, Expect, UnknownShape
 
 
 def notation(how: str, ins: tuple[int, ...], outs: tuple[int, ...]) -> Notation:
@@ -44,3 +46,17 @@ declare("default_data_parallel", _SIG, _way("forward", "DefaultDataParallelInfer
         doc="Shard every tensor on axis 0 as the inputs' batch axis is sharded; replicate the rest.")  # fmt: skip
 declare("replicated", _SIG, _way("replicated", "ReplicatedInferSpmd"),
         reverse=_way("replicated", "ReplicatedInferSpmdReverse"), doc="Every input and output replicated.")  # fmt: skip
+
+
+# -- output shapes --------------------------------------------------------------------------------
+
+
+def _outs_shape(a: Args) -> list[Expect]:
+    """``outs`` describes the op's outputs, one each."""
+    outs = a.vec("outs")
+    if len(outs) != len(a.ndims):
+        raise UnknownShape
+    return list(outs)
+
+
+facts("default_data_parallel", "replicated", shape=_outs_shape)

@@ -30,7 +30,9 @@ from spmdkit.core.dist_attr import ReduceType, TensorDistAttr, entry_dims
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.declare import Answer, Way, declare, ones
+from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import BROADCAST, Coshard, Notation, UnitAxes, letters_for
+from spmdkit.engine.outshape import Args, Expect, broadcast, same
 from spmdkit.ops._common import out_grad_partial, x_partial
 
 _make = TensorDistAttr.unchecked
@@ -251,3 +253,24 @@ declare("pow_grad", "x: T, out_grad: T, y: scalar = 1.0", _unary_grad(("x",), "P
 for _n in BINARY_GRADS:
     declare(f"{_n}_grad", "x: T, y: T, out_grad: T, axis: int = -1", _binary_grad(False))
 declare("divide_grad", "x: T, y: T, out: T, out_grad: T, axis: int = -1", _binary_grad(True))
+
+
+# -- output shapes / grads ----------------------------------------------------------------------
+
+
+def _binary_shape(a: Args) -> list[Expect]:
+    return [broadcast(a.s("x"), a.s("y"))]
+
+
+facts(*UNARY_OPS, "gelu", "cast", shape=same)
+facts(*BINARY_OPS, "multiply", shape=_binary_shape)
+#: the unary grads that take no x (nor dropout_grad): x_grad has out_grad's shape
+facts(*(f"{_n}_grad" for _inputs, _names in UNARY_GRADS.items() if "x" not in _inputs for _n in _names.split()),
+      "dropout_grad", grad_like=("=",))
+# autodiff (the grad rule NAME_grad): the built-in models' ops (the dropout mask and p: the Tape's grad_extra,
+# see spmdkit.models.zoo), those of models imported from torch and HuggingFace (tests/test_torch_import.py and
+# tests/test_hf.py check each gradient against torch's autograd), mixed-precision casts
+for _n in ("gelu", "scale", "dropout", "square", "rsqrt", "silu", "sqrt", "relu", "tanh", "exp", "sigmoid", "cast"):
+    facts(_n, grad=f"{_n}_grad", wrt=("x",))
+for _n in ("add", "multiply", "subtract", "divide", "elementwise_pow"):
+    facts(_n, grad=f"{_n}_grad", wrt=("x", "y"))

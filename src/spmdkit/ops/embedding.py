@@ -35,7 +35,9 @@ from spmdkit.core.dist_attr import ReduceType, TensorDistAttr, dims_entry, entry
 from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.declare import Way, declare
+from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import ALPHABET, Coshard, Notation
+from spmdkit.engine.outshape import Args, Expect, UnknownShape
 
 # batch letters of the ids: the alphabet without the weight's j (vocab) and k (hidden)
 _BATCH = "abcdefghilmnopqrstuvwxyz"
@@ -147,3 +149,30 @@ declare(
                 doc="one_hot (OneHotInferSpmdReverse): x from out's leading axes; the class axis replicated."),
     outputs="out: T",
 )  # fmt: skip
+
+
+# -- output shapes / grads ----------------------------------------------------------------------
+
+
+def _embedding_shape(a: Args) -> list[Expect]:
+    w = a.s("weight")
+    if len(w) != 2:
+        raise UnknownShape
+    return [(*a.s("x"), w[1])]
+
+
+def _c_embedding_shape(a: Args) -> list[Expect]:
+    return [a.s("x") + a.s("weight")[1:2]]
+
+
+def _one_hot_shape(a: Args) -> list[Expect]:
+    n = a.a("num_classes")
+    if not isinstance(n, int) or n < 0:
+        raise UnknownShape
+    return [(*a.s("x"), n)]
+
+
+facts("embedding", shape=_embedding_shape, grad="embedding_grad", wrt=("weight",))
+facts("c_embedding", shape=_c_embedding_shape)
+facts("one_hot", shape=_one_hot_shape)
+facts("embedding_grad", "c_embedding_grad", grad_like=("weight",))

@@ -39,7 +39,9 @@ from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import make_attr
 from spmdkit.engine.declare import Answer, Way, declare
+from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import BROADCAST, Conflict, Coshard, Notation, UnitAxes, letters_for
+from spmdkit.engine.outshape import Args, Expect, UnknownShape, broadcast
 from spmdkit.ops._absent import absent_0d
 from spmdkit.ops._common import check_like, check_same_shape, out_grad_partial
 
@@ -176,3 +178,27 @@ declare(
         paddle="FusedDropoutAddGradInferSpmd",
         doc="fused_dropout_add_grad (FusedDropoutAddGradInferSpmd): x_grad and y_grad sharded as out_grad."),
 )  # fmt: skip
+
+
+# -- output shapes / grads ----------------------------------------------------------------------
+
+
+def _swiglu_shape(a: Args) -> list[Expect]:
+    """out like x and y; without y, x's last axis holds both halves."""
+    x = a.s("x")
+    y = a.opt("y")
+    if y is not None:
+        return [broadcast(x, y)]
+    if not x or x[-1] % 2:
+        raise UnknownShape
+    return [(*x[:-1], x[-1] // 2)]
+
+
+def _dropout_add_shape(a: Args) -> list[Expect]:
+    """out like x + y; seed_offset is the RNG seed and offset, [2]."""
+    return [broadcast(a.s("x"), a.s("y")), (2,)]
+
+
+facts("swiglu", shape=_swiglu_shape, grad="swiglu_grad", wrt=("x", "y"))
+facts("fused_dropout_add", shape=_dropout_add_shape)
+facts("fused_dropout_add_grad", grad_like=("=", "="))

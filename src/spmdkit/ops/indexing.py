@@ -55,7 +55,9 @@ from spmdkit.core.errors import ShapeMismatchError, SpmdError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.axes import make_attr, normalize_axis, unpartial
 from spmdkit.engine.declare import Answer, Way, declare, ones
+from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import ALPHABET, BROADCAST, Coshard, Notation, letters_for
+from spmdkit.engine.outshape import Args, Expect, UnknownShape, axis_of, broadcast, same
 
 # Every mode but where's forward checks per call that each letter has one size over its tensors
 # (``letters=True``): the shapes of out / out_grad / updates against x and the index.
@@ -310,3 +312,45 @@ declare(
         doc="where_grad (WhereGradInferSpmd): elementwise; a grad is partial SUM over the mesh dims of the "
             "broadcast axes its input lacks."),
 )  # fmt: skip
+
+
+# -- output shapes / grads ----------------------------------------------------------------------
+
+
+def _gather_shape(a: Args) -> list[Expect]:
+    """x with the axis replaced by the index's length (a 0-D, 1-D or [N, 1] index)."""
+    x, idx = a.s("x"), a.s("index")
+    if len(idx) == 2 and idx[1] == 1:
+        idx = (idx[0],)
+    elif len(idx) > 1:
+        raise UnknownShape
+    ax = axis_of(a.a("axis", 0), len(x))
+    return [x[:ax] + idx + x[ax + 1:]]
+
+
+def _index_select_shape(a: Args) -> list[Expect]:
+    x, idx = a.s("x"), a.s("index")
+    ax = axis_of(a.a("axis", 0), len(x))
+    if len(idx) != 1:
+        raise UnknownShape
+    return [x[:ax] + idx + x[ax + 1:]]
+
+
+def _gather_nd_shape(a: Args) -> list[Expect]:
+    x, idx = a.s("x"), a.s("index")
+    if not idx or idx[-1] > len(x):
+        raise UnknownShape
+    return [idx[:-1] + x[idx[-1]:]]
+
+
+def _where_shape(a: Args) -> list[Expect]:
+    return [broadcast(a.s("condition"), a.s("x"), a.s("y"))]
+
+
+facts("gather", shape=_gather_shape)
+facts("index_select", shape=_index_select_shape, grad="index_select_grad", wrt=("x",))
+facts("gather_nd", shape=_gather_nd_shape, grad="gather_nd_grad", wrt=("x",))
+facts("scatter", "scatter_nd_add", shape=same)
+facts("where", shape=_where_shape, grad="where_grad", wrt=("x", "y"))
+facts("scatter_grad", "scatter_nd_add_grad", grad_like=("=", "updates"))
+facts("where_grad", grad_like=("x", "y"))

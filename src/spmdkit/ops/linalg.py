@@ -64,8 +64,10 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec as T
 from spmdkit.engine.axes import replicated_like
 from spmdkit.engine.declare import Answer, Way, declare
+from spmdkit.engine.facts import facts
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import BROADCAST, Conflict, Notation, Taken
+from spmdkit.engine.outshape import Args, Expect, UnknownShape, broadcast
 from spmdkit.ops import matmul
 from spmdkit.ops._absent import absent_0d
 from spmdkit.ops._common import check_same_shape
@@ -377,3 +379,104 @@ declare(
                  "it lacks."),
     grad_signature="inputs: [T], inner_cache: [T?], out_grad: T, equation: str", grad_name="einsum_grad",
 )  # fmt: skip
+
+
+# -- output shapes / grads ----------------------------------------------------------------------
+
+
+def _bmm_shape(a: Args) -> list[Expect]:
+    x, y = a.s("x"), a.s("y")
+    if len(x) != 3 or len(y) != 3:
+        raise UnknownShape
+    return [(x[0], x[1], y[2])]
+
+
+def _linear_v2_shape(a: Args) -> list[Expect]:
+    x, w = a.s("input"), a.s("weight")
+    if not x or len(w) != 2:
+        raise UnknownShape
+    n = w[0] if a.a("transpose_weight", False) else w[1]
+    return [(*x[:-1], n), None]
+
+
+def _gemm_shape(a: Args) -> list[Expect]:
+    x, y = a.s("x"), a.s("y")
+    if len(x) < 2 or len(y) != 2:
+        raise UnknownShape
+    m = x[:-2] + ((x[-1],) if a.a("trans_x", False) else (x[-2],))
+    n = y[0] if a.a("trans_y", False) else y[1]
+    return [(*m, n), None]
+
+
+def _flpga_shape(a: Args) -> list[Expect]:
+    x, d = a.s("x"), a.s("dout")
+    if not x or not d:
+        raise UnknownShape
+    return [(x[-1], d[-1]), (d[-1],) if a.a("has_bias", True) else None]
+
+
+def _einsum_shape(a: Args) -> list[Expect]:
+    """numpy / Paddle einsum: letters name axes (size-1 axes broadcast), ``...`` the broadcast
+    of the operands' unnamed axes; an implicit output is ``...`` then the letters used once,
+    sorted."""
+    eq = a.a("equation")
+    xs = a.vec("inputs")
+    if not isinstance(eq, str) or any(s is None for s in xs):
+        raise UnknownShape
+    eq = eq.replace(" ", "")
+    lhs, arrow, rhs = eq.partition("->")
+    terms = lhs.split(",")
+    if len(terms) != len(xs):
+        raise UnknownShape
+    size: dict[str, int] = {}
+    count: dict[str, int] = {}
+    ell: list[tuple[int, ...]] = []
+    for t, shape in zip(terms, xs):
+        assert shape is not None
+        if t.count("...") > 1 or ("." in t.replace("...", "")):
+            raise UnknownShape
+        head, dots, tail = t.partition("...")
+        n_ell = len(shape) - len(head) - len(tail)
+        if n_ell < 0 or (n_ell and not dots):
+            raise UnknownShape
+        named = list(zip(head, shape[:len(head)])) + list(zip(tail, shape[len(shape) - len(tail):]))
+        if dots:
+            ell.append(tuple(shape[len(head):len(head) + n_ell]))
+        for ch, v in named:
+            if not ch.isalpha():
+                raise UnknownShape
+            count[ch] = count.get(ch, 0) + 1
+            if v != 1:
+                if size.get(ch, 1) not in (1, v):
+                    raise UnknownShape
+                size[ch] = v
+            else:
+                size.setdefault(ch, 1)
+    dims = broadcast(*ell) if ell else ()
+    out = rhs if arrow else ("..." if ell else "") + "".join(sorted(ch for ch, n in count.items() if n == 1))
+    if out.count("...") > 1 or "." in out.replace("...", ""):
+        raise UnknownShape
+    head, dots, tail = out.partition("...")
+    if any(ch not in size for ch in head + tail):
+        raise UnknownShape
+    return [tuple(size[ch] for ch in head) + (dims if dots else ()) + tuple(size[ch] for ch in tail)]
+
+
+def _gemm_grad_shape(a: Args) -> list[Expect]:
+    x, y, g = a.s("x"), a.s("y"), a.s("out_grad")
+    return [x, y, g[-1:] if g else None]
+
+
+def _linear_v2_grad_shape(a: Args) -> list[Expect]:
+    w = a.s("weight")
+    b = a.opt("bias")
+    return [a.s("input"), w, b]
+
+
+facts("bmm", shape=_bmm_shape)
+facts("einsum", shape=_einsum_shape)
+facts("linear_v2", shape=_linear_v2_shape, unchecked="reserve_space is kernel workspace; out is checked")
+facts("fused_gemm_epilogue", shape=_gemm_shape, unchecked="reserve_space is kernel workspace; out is checked")
+facts("fused_linear_param_grad_add", shape=_flpga_shape)
+facts("fused_gemm_epilogue_grad", shape=_gemm_grad_shape)
+facts("linear_v2_grad", shape=_linear_v2_grad_shape)

@@ -71,7 +71,9 @@ from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.axes import make_attr, normalize_axis, one_mesh_dim, unpartial
 from spmdkit.engine.declare import Answer, Way, declare
+from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import ALPHABET, BROADCAST, Coshard, Notation, letters_for
+from spmdkit.engine.outshape import Args, Expect, UnknownShape, axis_of, same, scalar
 
 # -- checks (the engine names the op; the typed attributes are coerced by the binding) -----------
 
@@ -366,3 +368,40 @@ declare(
                 "axes merged, the class axis keeps its sharding (each rank subtracts the labels in its class range), "
                 "the label axis replicated; x_grad as softmax."),
 )  # fmt: skip
+
+
+# -- output shapes / grads ----------------------------------------------------------------------
+
+
+def _cross_entropy_shape(a: Args) -> list[Expect]:
+    """softmax like x; loss like x with the class axis 1."""
+    x = a.s("x")
+    if not x:
+        raise UnknownShape
+    ax = axis_of(a.a("axis", -1), len(x))
+    return [x, (*x[:ax], 1, *x[ax + 1:])]
+
+
+def _c_softmax_shape(a: Args) -> list[Expect]:
+    x = a.s("x")
+    if not x:
+        raise UnknownShape
+    return [x, (*x[:-1], 1)]
+
+
+def _c_softmax_multi_label_shape(a: Args) -> list[Expect]:
+    x, label = a.s("x"), a.s("label")
+    if not label:
+        raise UnknownShape
+    return [x, (*label[:-1], 1) if a.a("sum_multi_label_loss", True) else label]
+
+
+facts("cross_entropy_with_softmax", shape=_cross_entropy_shape, grad="cross_entropy_with_softmax_grad", wrt=("x",),
+      grad_reads=(("softmax", "softmax_out"),))
+facts("c_softmax_with_cross_entropy", shape=_c_softmax_shape, grad="c_softmax_with_cross_entropy_grad", wrt=("x",))
+facts("c_softmax_with_multi_label_cross_entropy", shape=_c_softmax_multi_label_shape)
+facts("label_smooth", shape=same)
+facts("mean_all", shape=scalar)
+facts("cross_entropy_with_softmax_grad", "c_softmax_with_cross_entropy_grad",
+      "c_softmax_with_multi_label_cross_entropy_grad", grad_like=("softmax",))
+facts("label_smooth_grad", grad_like=("=",))

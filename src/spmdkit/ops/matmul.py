@@ -35,7 +35,9 @@ from functools import lru_cache
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.declare import Way, declare
+from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import Conflict, Notation, Size1, Sizes
+from spmdkit.engine.outshape import Args, Expect, UnknownShape, broadcast
 from spmdkit.ops._common import check_same_shape
 
 Shape = tuple[int, ...]
@@ -153,3 +155,27 @@ declare(
         doc="MatmulGradInferSpmd: x_grad partial over n and x's broadcast batch letters, y_grad over m and y's."),
     aliases=("matmul_v2_grad",),
 )  # fmt: skip
+
+
+# -- output shapes / grads ----------------------------------------------------------------------
+
+
+def _matmul_shape(a: Args) -> list[Expect]:
+    x, y = a.s("x"), a.s("y")
+    if not x or not y:
+        raise UnknownShape
+    xs, ys = list(x), list(y)
+    x1, y1 = len(xs) == 1, len(ys) == 1
+    if x1:
+        xs = [1, xs[0]]
+    elif a.a("trans_x", False):
+        xs[-1], xs[-2] = xs[-2], xs[-1]
+    if y1:
+        ys = [ys[0], 1]
+    elif a.a("trans_y", False):
+        ys[-1], ys[-2] = ys[-2], ys[-1]
+    batch = broadcast(xs[:-2], ys[:-2])
+    return [tuple(list(batch) + ([] if x1 else [xs[-2]]) + ([] if y1 else [ys[-1]]))]
+
+
+facts("matmul", shape=_matmul_shape, grad="matmul_grad", wrt=("x", "y"))

@@ -47,7 +47,9 @@ from spmdkit.core.errors import InvalidAttributeError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import make_attr, unpartial
 from spmdkit.engine.declare import Answer, Way, declare
+from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import Coshard, Notation
+from spmdkit.engine.outshape import Args, Expect, UnknownShape
 
 # every co-shard read as its largest mesh dim (Paddle's merge); letters of one size checked
 _COMBINE = Notation(["th", "sk", "sk"], ["sh"], replicated="t", coshard=Coshard.LARGEST)
@@ -114,3 +116,41 @@ declare(
     grad_signature="combine_weights: T, scatter_index: T, expert_id: T, grad_y: T, grad_combine_weights: T, "
                    "k: int, capacity: int, use_pad: bool", grad_name="moe_gate_dispatch_grad",
 )  # fmt: skip
+
+
+# -- output shapes / grads ----------------------------------------------------------------------
+
+
+def _combine_shape(a: Args) -> list[Expect]:
+    x, w = a.s("x"), a.s("combine_weights")
+    if len(x) != 2 or not w:
+        raise UnknownShape
+    return [(w[0], x[1])]
+
+
+def _dispatch_shape(a: Args) -> list[Expect]:
+    """x [S, H], gate_logits [S, E], k, capacity: y [E, capacity, H] (the padded layout, the
+    rule's rank-3 answer), combine_weights and expert_id [S, k], scatter_index [k, S],
+    expert_offset [E]."""
+    x, gl = a.s("x"), a.s("gate_logits")
+    k, cap = a.a("k"), a.a("capacity")
+    if len(x) != 2 or len(gl) != 2 or not isinstance(k, int) or not isinstance(cap, int):
+        raise UnknownShape
+    s, e = gl
+    y: Expect = (e, cap, x[1]) if a.nd(0) == 3 else None
+    return [y, (s, k), (k, s), (e,), (s, k)]
+
+
+def _dispatch_grad_shape(a: Args) -> list[Expect]:
+    """grad_x [S, H] and grad_gate_logits [S, E] from combine_weights [S, k] and grad_y [E, C, H]."""
+    cw, gy = a.s("combine_weights"), a.s("grad_y")
+    if len(cw) != 2 or len(gy) != 3:
+        raise UnknownShape
+    return [(cw[0], gy[2]), (cw[0], gy[0])]
+
+
+facts("moe_combine", shape=_combine_shape)
+facts("moe_gate_dispatch", shape=_dispatch_shape,
+      unchecked="y is checked in the padded layout only (the rule's rank-3 answer, [E, capacity, H])")
+facts("moe_gate_dispatch_grad", shape=_dispatch_grad_shape)
+facts("moe_combine_grad", grad_like=("x", "combine_weights", "scatter_index"))

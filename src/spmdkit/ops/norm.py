@@ -28,6 +28,7 @@ Paddle 3.3.1 registers ``layer_norm`` and ``fused_rms_norm`` (not ``rms_norm`` n
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Any
 
@@ -35,7 +36,9 @@ from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import numel
 from spmdkit.engine.declare import Way, declare
+from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import BROADCAST, Coshard, Notation, ReplicatedClaims, letters_for
+from spmdkit.engine.outshape import Args, Expect, UnknownShape, axis_of
 from spmdkit.ops._absent import absent_0d
 
 
@@ -133,3 +136,39 @@ declare(
             "of the batch axes."),
     aliases=("fused_rms_norm_grad",),
 )  # fmt: skip
+
+
+# -- output shapes / grads ----------------------------------------------------------------------
+
+
+def _stat_shape(x: tuple[int, ...], keep: int, nd: int | None) -> Expect:
+    """A normalisation statistic over ``x.shape[:keep]``: that shape, or flattened to 1-D (the
+    rule's output rank says which); None where neither fits the rank."""
+    lead = x[:keep]
+    if nd == len(lead):
+        return lead
+    if nd == 1:
+        return (math.prod(lead),)
+    if nd == 0 and math.prod(lead) == 1:
+        return ()
+    return None
+
+
+def _layer_norm_shape(a: Args) -> list[Expect]:
+    """out like x; mean and variance over the axes before begin_norm_axis."""
+    x = a.s("x")
+    b = axis_of(a.a("begin_norm_axis", 1), len(x)) if x else 0
+    return [x, _stat_shape(x, b, a.nd(1)), _stat_shape(x, b, a.nd(2))]
+
+
+def _rms_norm_shape(a: Args) -> list[Expect]:
+    """out like x; invvar over every axis but the last."""
+    x = a.s("x")
+    if not x:
+        raise UnknownShape
+    return [x, _stat_shape(x, len(x) - 1, a.nd(1))]
+
+
+facts("layer_norm", shape=_layer_norm_shape, grad="layer_norm_grad", wrt=("x", "scale", "bias"))
+facts("fused_rms_norm", shape=_rms_norm_shape, grad="rms_norm_grad", wrt=("x", "scale"))
+facts("rms_norm_grad", grad_like=("x", "scale"))

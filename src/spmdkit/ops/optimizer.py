@@ -37,6 +37,7 @@ reverse rule (Paddle has none) infers the inputs from the outputs.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -44,7 +45,9 @@ from typing import Any
 from spmdkit.core.errors import InvalidArgumentError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.declare import Way, declare
+from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import BROADCAST, Conflict, Notation, Order, Taken, letters_for
+from spmdkit.engine.outshape import Args, Expect, ShapeFn
 
 
 def notation(nd: int, lr: int, m2max: bool, b1: int, b2: int, master: bool, skip: int, amsgrad: bool,
@@ -156,3 +159,35 @@ declare(
                       doc="coalesce_tensor reverse (Paddle has none): all replicated whatever the outputs ask."),
     outputs="output: [T], fused_output: T",
 )  # fmt: skip
+
+
+# -- output shapes --------------------------------------------------------------------------------
+
+
+def _in_place(*inputs: str) -> ShapeFn:
+    """Outputs that are updated inputs (``param_out`` of ``param``): each the shape of its input."""
+    return lambda a: [a.opt(p) for p in inputs]
+
+
+def _coalesce_shape(a: Args) -> list[Expect]:
+    """output like input; fused_output [total elements], each input's count rounded up to
+    align_size bytes (CoalesceTensorInferMeta) where use_align, align_size and size_of_dtype
+    say it (a -1 size means the dtype's and place's default: not checked)."""
+    xs = a.vec("input")
+    out: list[Expect] = [list(xs)]
+    counts = [math.prod(x) for x in xs if x is not None]
+    if not a.a("use_align", True):
+        return [*out, (sum(counts),)]
+    align, size = a.a("align_size", -1), a.a("size_of_dtype", -1)
+    if not (isinstance(align, int) and isinstance(size, int) and align > 0 and size > 0 and align % size == 0):
+        return [*out, None]
+    unit = align // size
+    return [*out, (sum(-(-n // unit) * unit for n in counts),)]
+
+
+facts("adam", "adamw",
+      shape=_in_place("param", "moment1", "moment2", "moment2_max", "beta1_pow", "beta2_pow", "master_param"))
+facts("sgd", shape=_in_place("param", "master_param"))
+facts("coalesce_tensor", shape=_coalesce_shape,
+      unchecked="fused_output's size when align_size or size_of_dtype is -1 (the place's and dtype's defaults); "
+                "output is checked")

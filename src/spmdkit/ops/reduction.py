@@ -67,7 +67,9 @@ from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import reduced_axes
 from spmdkit.engine.declare import Answer, Way, declare
+from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import ALPHABET, BROADCAST, Coshard, Notation, Order, Taken, letters_for
+from spmdkit.engine.outshape import over_axis_or_all, reduced, scalar
 from spmdkit.ops._common import check_same_shape, x_partial
 
 #: Paddle's ReduceType enum, ``reduce_base``'s ``reduce_type``: 0 sum, 1 max, 2 min, 3 prod, 4 avg, 5 any, 6 all
@@ -280,6 +282,15 @@ declare(
     reverse=Way(lambda nd: Notation([BROADCAST * nd], [""]), key="x", shapes="out:", paddle="NumelInferSpmdReverse"),
     outputs="out: T",
 )
+
+
+# -- output shapes / grads ----------------------------------------------------------------------
+
+facts(*REDUCTION_OPS, "reduce_base", shape=reduced)
+facts("p_norm", shape=over_axis_or_all("asvector"))
+facts("numel", shape=scalar)
+for _name in ("mean", "sum"):  # autodiff: the built-in models' losses and means
+    facts(_name, grad=f"{_name}_grad", wrt=("x",))
 
 
 __all__ = [

@@ -55,6 +55,7 @@ out-of-range axes (spmdkit raises SpmdError).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from functools import lru_cache, partial
 from typing import Any
@@ -64,7 +65,9 @@ from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import make_attr, normalize_axis, numel, reduced_axes
 from spmdkit.engine.declare import Way, declare
+from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import BROADCAST, Coshard, Notation, letters_for
+from spmdkit.engine.outshape import Args, Expect, UnknownShape, axis_of, broadcast, over_axis_or_all, reduced, same
 from spmdkit.engine.tensors import with_partial
 from spmdkit.ops._common import check_same_ndim, check_same_shape, x_partial
 from spmdkit.ops.reduction import as_given, check_reduced, reduced_letters
@@ -286,3 +289,39 @@ for _op, _fn, _attrs in (
     _way = Way(_same, key="x", post=as_given, post_if=x_partial, paddle=_fn)
     _rev = Way(_same, key="x", same=[("x", "out")], paddle=f"{_op} reverse (spmdkit)")
     declare(_op, f"x: T{_attrs}", _way, reverse=_rev, outputs="out: T")
+
+
+# -- output shapes / grads ----------------------------------------------------------------------
+
+
+def _add_n_shape(a: Args) -> list[Expect]:
+    xs = [s for s in a.vec("input") if s is not None]
+    if not xs:
+        raise UnknownShape
+    return [broadcast(*xs)]
+
+
+def _cumsum_shape(a: Args) -> list[Expect]:
+    x = a.s("x")
+    return [(math.prod(x),) if a.a("flatten", False) else x]
+
+
+def _topk_shape(a: Args) -> list[Expect]:
+    """out and indices: x with k entries along the axis."""
+    x = a.s("x")
+    if not x:
+        return [(), ()]
+    ax = axis_of(a.a("axis", -1), len(x))
+    k = a.a("k", 1)
+    out = (*x[:ax], k, *x[ax + 1:])
+    return [out, out]
+
+
+facts("triu", "tril_triu", "full_like", "empty_like", "ones_like", "zeros_like", shape=same)
+facts("triu_grad", "tril_triu_grad", grad_like=("=",))  # x_grad has out_grad's shape
+facts("cumsum", shape=_cumsum_shape)
+facts("argmax", "argmin", shape=over_axis_or_all("flatten"))
+facts("topk", shape=_topk_shape)
+facts("logsumexp", shape=reduced)
+facts("add_n", shape=_add_n_shape)
+facts("add_n_grad", grad_like=("inputs",))

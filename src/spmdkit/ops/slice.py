@@ -50,7 +50,9 @@ from typing import Any
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.declare import Let, Way, declare
+from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import BROADCAST, Coshard, Notation, letters_for
+from spmdkit.engine.outshape import Args, Expect, UnknownShape, axis_of
 from spmdkit.engine.shapes import mismatch
 
 T = DistTensorSpec
@@ -278,3 +280,92 @@ declare("pad", _PAD, Way(notation, key="*_pk(Coshard.KEEP, len(x.shape), padding
 declare("pad_grad", "out_grad: T, paddings: ints, pad_value: scalar = 0",
         Way(notation, key="*_pk(Coshard.KEEP, len(out_grad.shape), paddings)", env=_ENV, paddle="PadGradInferSpmdDynamic",
             doc="x_grad = out_grad cropped: padded axes replicated, the others as out_grad."))
+
+
+# -- output shapes / grads ----------------------------------------------------------------------
+
+
+def _expand_shape(a: Args) -> list[Expect]:
+    """``shape``, a -1 keeping x's size (x's axes are the trailing ones)."""
+    x = a.s("x")
+    shape = list(a.a("shape"))
+    if len(shape) < len(x):
+        raise UnknownShape
+    off = len(shape) - len(x)
+    out = []
+    for i, v in enumerate(shape):
+        if v == -1:
+            if i < off:
+                raise UnknownShape
+            v = x[i - off]
+        out.append(v)
+    return [tuple(out)]
+
+
+def _expand_as_shape(a: Args) -> list[Expect]:
+    y = a.opt("y")
+    t = tuple(a.a("target_shape") or ())
+    if t:
+        return [t]
+    if y is None:
+        raise UnknownShape
+    return [y]
+
+
+def _tile_shape(a: Args) -> list[Expect]:
+    x = a.s("x")
+    rep = list(a.a("repeat_times"))
+    nd = max(len(x), len(rep))
+    xs = (1,) * (nd - len(x)) + x
+    rs = [1] * (nd - len(rep)) + rep
+    return [tuple(u * v for u, v in zip(xs, rs))]
+
+
+def _slice_size(size: int, start: int, end: int, step: int = 1) -> int:
+    return len(range(*slice(start, end, step).indices(size)))
+
+
+def _slice_shape(a: Args) -> list[Expect]:
+    x = a.s("input")
+    out: list[int | None] = list(x)
+    for ax, st, en in zip(a.a("axes"), a.a("starts"), a.a("ends")):
+        i = axis_of(ax, len(x))
+        out[i] = _slice_size(x[i], st, en)
+    dec = {axis_of(d, len(x)) for d in a.a("decrease_axis") or ()}
+    return [tuple(v for i, v in enumerate(out) if i not in dec)]
+
+
+def _strided_slice_shape(a: Args) -> list[Expect]:
+    x = a.s("input")
+    out: list[int | None] = list(x)
+    for ax, st, en, sd in zip(a.a("axes"), a.a("starts"), a.a("ends"), a.a("strides")):
+        i = axis_of(ax, len(x))
+        if sd == 0:
+            raise UnknownShape
+        out[i] = _slice_size(x[i], st, en, sd)
+    return [tuple(out)]
+
+
+def _padded_shape(x: tuple[int, ...], paddings: Any, sign: int) -> tuple[int, ...]:
+    """``x`` with Paddle's per-axis (before, after) ``paddings`` added (``sign`` 1) or taken off (-1)."""
+    p = list(paddings)
+    if len(p) != 2 * len(x):
+        raise UnknownShape
+    return tuple(v + sign * (p[2 * i] + p[2 * i + 1]) for i, v in enumerate(x))
+
+
+def _pad_shape(a: Args) -> list[Expect]:
+    return [_padded_shape(a.s("x"), a.a("paddings"), 1)]
+
+
+def _pad_grad_shape(a: Args) -> list[Expect]:
+    return [_padded_shape(a.s("out_grad"), a.a("paddings"), -1)]
+
+
+facts("expand", shape=_expand_shape, grad="expand_grad", wrt=("x",))
+facts("expand_as", shape=_expand_as_shape)
+facts("tile", shape=_tile_shape)
+facts("slice", shape=_slice_shape, grad="slice_grad", wrt=("input",))
+facts("strided_slice", shape=_strided_slice_shape)
+facts("pad", shape=_pad_shape, grad="pad_grad", wrt=("x",))
+facts("pad_grad", shape=_pad_grad_shape)

@@ -20,7 +20,9 @@ from functools import partial
 
 from spmdkit.engine.axes import normalize_axis
 from spmdkit.engine.declare import Way, declare
+from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import Conflict, Notation, Order, letters_for
+from spmdkit.engine.outshape import same
 
 
 def notation(ndim: int, axis: int, grad: bool = False) -> Notation:
@@ -47,3 +49,11 @@ for _name in ("softmax", "log_softmax"):
         Way(partial(notation, grad=True), key="out, axis", same=[("out", "out_grad")], paddle="SoftmaxGradInferSpmd",
             doc=f"{_name}_grad (SoftmaxGradInferSpmd): out, out_grad and x_grad sharded alike, axis replicated."),
     )  # fmt: skip
+
+
+# -- output shapes / grads ----------------------------------------------------------------------
+
+facts("softmax", "log_softmax", shape=same)
+facts("softmax_grad", "log_softmax_grad", grad_like=("=",))  # x_grad has out_grad's shape
+for _name in ("softmax", "log_softmax"):
+    facts(_name, grad=f"{_name}_grad", wrt=("x",))

@@ -32,7 +32,9 @@ from spmdkit.core.errors import InvalidAttributeError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import normalize_axis
 from spmdkit.engine.declare import Way, declare
+from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import Coshard, Notation, letters_for
+from spmdkit.engine.outshape import same
 from spmdkit.ops._common import check_same_ndim
 
 
@@ -97,3 +99,8 @@ declare(
              doc="RollGradInferSpmd: x and out_grad merged, rolled axes replicated, x_grad as x."),
     grad_signature=f"x: T, out_grad: T, {_RS_SIG}", grad_name="roll_grad",
 )  # fmt: skip
+
+
+# -- output shapes --------------------------------------------------------------------------------
+
+facts("argsort", "cummax", "cummin", "roll", shape=same)

@@ -42,7 +42,9 @@ from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import replicated
 from spmdkit.engine.declare import Way, declare
+from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import Conflict, Coshard, Notation, PartialMerge, letters_for
+from spmdkit.engine.outshape import Args, Expect, UnknownShape, axis_of, broadcast
 from spmdkit.engine.shapes import mismatch
 
 T = DistTensorSpec
@@ -271,3 +273,97 @@ declare("stack_grad", "output_grad: T, axis: int = 0",
         Way(partial(pieces, True, True), key="output_grad, _slices(output_grad, axis, 'output_grad', 'x_grad')",
             env={"_slices": _slices}, post=lambda i, o, og, axis: (i, ((o[0],) * og.shape[axis],)),
             paddle="StackGradInferSpmd", doc="The stacked axis replicated; each x_grad gets the other axes' sharding."))
+
+
+# -- output shapes / grads ----------------------------------------------------------------------
+
+
+def _concat_of(items: Sequence[tuple[int, ...] | None], ax_attr: Any) -> list[Expect]:
+    """The concatenation of the present ``items`` along the axis ``ax_attr``."""
+    xs = [s for s in items if s is not None]
+    if not xs:
+        raise UnknownShape
+    nd = len(xs[0])
+    ax = axis_of(ax_attr, nd)
+    if any(len(s) != nd for s in xs):
+        raise UnknownShape
+    out = list(xs[0])
+    out[ax] = sum(s[ax] for s in xs)
+    return [tuple(out)]
+
+
+def _stack_of(items: Sequence[tuple[int, ...] | None], ax_attr: Any) -> list[Expect]:
+    """The present ``items`` (of one shape) stacked on a new axis ``ax_attr``."""
+    xs = [s for s in items if s is not None]
+    if not xs:
+        raise UnknownShape
+    s = broadcast(*xs) if len({len(x) for x in xs}) == 1 else None
+    if s is None or any(x != s for x in xs):
+        raise UnknownShape
+    ax = axis_of(ax_attr, len(s) + 1)
+    return [(*s[:ax], len(xs), *s[ax:])]
+
+
+def _unbind_of(x: tuple[int, ...], ax_attr: Any) -> list[Expect]:
+    """The slices of ``x`` along the axis ``ax_attr``."""
+    ax = axis_of(ax_attr, len(x))
+    return [[x[:ax] + x[ax + 1:] for _ in range(x[ax])]]
+
+
+def _split_shape(a: Args) -> list[Expect]:
+    x = a.s("x")
+    ax = axis_of(a.a("axis", 0), len(x))
+    secs = list(a.a("sections", ()))
+    if secs.count(-1) > 1:
+        raise UnknownShape
+    if -1 in secs:
+        secs[secs.index(-1)] = x[ax] - sum(v for v in secs if v != -1)
+    return [[(*x[:ax], v, *x[ax + 1:]) for v in secs]]
+
+
+def _split_with_num_shape(a: Args) -> list[Expect]:
+    x = a.s("x")
+    ax = axis_of(a.a("axis", 0), len(x))
+    num = a.a("num")
+    if not isinstance(num, int) or num <= 0 or x[ax] % num:
+        raise UnknownShape
+    return [[(*x[:ax], x[ax] // num, *x[ax + 1:]) for _ in range(num)]]
+
+
+def _concat_shape(a: Args) -> list[Expect]:
+    return _concat_of(a.vec("x"), a.a("axis", 0))
+
+
+def _stack_shape(a: Args) -> list[Expect]:
+    return _stack_of(a.vec("x"), a.a("axis", 0))
+
+
+def _unbind_shape(a: Args) -> list[Expect]:
+    return _unbind_of(a.s("x"), a.a("axis", 0))
+
+
+def _split_grad_shape(a: Args) -> list[Expect]:
+    """x_grad: the out_grads concatenated."""
+    return _concat_of(a.vec("out_grad"), a.a("axis", -1))
+
+
+def _unbind_grad_shape(a: Args) -> list[Expect]:
+    """x_grad: the out_grads stacked."""
+    return _stack_of(a.vec("out_grad"), a.a("axis", 0))
+
+
+def _stack_grad_shape(a: Args) -> list[Expect]:
+    """x_grad: output_grad's slices."""
+    return _unbind_of(a.s("output_grad"), a.a("axis", 0))
+
+
+facts("split", shape=_split_shape)
+facts("split_with_num", shape=_split_with_num_shape)
+facts("unbind", shape=_unbind_shape)
+facts("concat", shape=_concat_shape)
+facts("stack", shape=_stack_shape)
+facts("split_grad", "split_with_num_grad", shape=_split_grad_shape)
+facts("unbind_grad", shape=_unbind_grad_shape)
+facts("stack_grad", shape=_stack_grad_shape)
+for _name in ("split", "split_with_num", "unbind", "concat", "stack"):  # autodiff: a list of gradients
+    facts(_name, grad=f"{_name}_grad", wrt=("x",))

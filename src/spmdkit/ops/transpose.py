@@ -17,7 +17,9 @@ from typing import Any
 from spmdkit.core.errors import InvalidAttributeError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.declare import Answer, Way, declare
+from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import Notation, letters_for
+from spmdkit.engine.outshape import Args, Expect, UnknownShape
 from spmdkit.engine.tensors import with_partial
 from spmdkit.ops._common import out_grad_partial, x_partial
 
@@ -59,3 +61,30 @@ declare(
     Way(partial(notation, grad=True), key="out_grad, perm", post=_keep_partial, post_if=out_grad_partial,
         paddle="TransposeGradInferSpmd", doc="x_grad = transpose(out_grad, inverse(perm))."),
 )  # fmt: skip
+
+
+# -- output shapes / grads ----------------------------------------------------------------------
+
+
+def _transpose_shape(a: Args) -> list[Expect]:
+    x = a.s("x")
+    perm = a.a("perm")
+    if len(perm) != len(x):
+        raise UnknownShape
+    return [tuple(x[p % len(x)] for p in perm)]
+
+
+def _transpose_grad_shape(a: Args) -> list[Expect]:
+    """x_grad: out_grad's axes put back through the inverse of perm."""
+    g = a.s("out_grad")
+    perm = [p % len(g) for p in a.a("perm")]
+    if sorted(perm) != list(range(len(g))):
+        raise UnknownShape
+    out: list[int] = [0] * len(g)
+    for i, p in enumerate(perm):
+        out[p] = g[i]
+    return [tuple(out)]
+
+
+facts("transpose", shape=_transpose_shape, grad="transpose_grad", wrt=("x",))
+facts("transpose_grad", shape=_transpose_grad_shape)

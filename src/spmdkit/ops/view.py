@@ -32,7 +32,9 @@ from spmdkit.engine import dim_trans as dt
 from spmdkit.engine.axes import make_attr
 from spmdkit.engine.declare import Answer, Let, Way, declare
 from spmdkit.engine.dim_trans import DimTrans, Link
+from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import Notation
+from spmdkit.engine.outshape import Args, Expect, ShapeFn, UnknownShape, axis_of
 from spmdkit.ops._common import x_partial
 
 #: The most axes one unsqueeze inserts (see the module docstring).
@@ -188,3 +190,90 @@ for _op, _sig, _holder in (("reshape", "x_shape: T, out_grad: T", _x_shape),
             post=_grad_post, paddle=f"{_op.capitalize()}GradInferSpmd",
             doc="x_grad = out_grad viewed as x's shape; the shape holder is returned as given."),
     )  # fmt: skip
+
+
+# -- output shapes / grads ----------------------------------------------------------------------
+
+
+def _reshape_shape(a: Args) -> list[Expect]:
+    """out: ``shape`` with a 0 copying x's size at its index and one -1 inferred."""
+    x, shape = a.s("x"), a.a("shape")
+    out: list[int] = []
+    infer = -1
+    for i, v in enumerate(shape):
+        if v == 0:
+            if i >= len(x):
+                raise UnknownShape
+            out.append(x[i])
+        elif v == -1:
+            if infer >= 0:
+                raise UnknownShape
+            infer = i
+            out.append(-1)
+        elif v > 0:
+            out.append(v)
+        else:
+            raise UnknownShape
+    if infer >= 0:
+        known = math.prod([v for v in out if v != -1])
+        if known == 0:
+            raise UnknownShape
+        out[infer] = math.prod(x) // known
+    return [tuple(out)]
+
+
+def _flatten_shape(a: Args) -> list[Expect]:
+    x = a.s("x")
+    if not x:
+        return [(1,)]
+    start, stop = axis_of(a.a("start_axis"), len(x)), axis_of(a.a("stop_axis"), len(x))
+    if start > stop:
+        raise UnknownShape
+    return [(*x[:start], math.prod(x[start:stop + 1]), *x[stop + 1:])]
+
+
+def _squeeze_shape(a: Args) -> list[Expect]:
+    x = a.s("x")
+    axes = a.a("axis") or ()
+    if not axes:
+        return [tuple(v for v in x if v != 1)]
+    drop = {axis_of(ax, len(x)) for ax in axes}
+    return [tuple(v for i, v in enumerate(x) if not (i in drop and v == 1))]
+
+
+def _unsqueeze_shape(a: Args) -> list[Expect]:
+    out = list(a.s("x"))
+    for ax in a.a("axis") or ():
+        nd = len(out) + 1
+        if not -nd <= ax < nd:
+            raise UnknownShape
+        out.insert(ax % nd, 1)
+    return [tuple(out)]
+
+
+def _view_grad_shape(holder: str) -> ShapeFn:
+    """x_grad has the shape the holder records: x itself, or Paddle's xshape ``[0, *x.shape]``
+    (the rule's output rank says which)."""
+
+    def view_grad(a: Args) -> list[Expect]:
+        h = a.s(holder)
+        if holder == "x":
+            return [h]
+        nd = a.nd(0)
+        if nd == len(h):
+            return [h]
+        if nd == len(h) - 1 and h and h[0] == 0:
+            return [h[1:]]
+        raise UnknownShape
+
+    return view_grad
+
+
+facts("reshape", shape=_reshape_shape)
+facts("flatten", shape=_flatten_shape)
+facts("squeeze", shape=_squeeze_shape)
+facts("unsqueeze", shape=_unsqueeze_shape)
+for _op, _holder in (("reshape", "x_shape"), ("flatten", "xshape"), ("squeeze", "xshape"), ("unsqueeze", "x")):
+    facts(f"{_op}_grad", shape=_view_grad_shape(_holder))
+for _op in ("reshape", "unsqueeze", "squeeze"):  # autodiff
+    facts(_op, grad=f"{_op}_grad", wrt=("x",))

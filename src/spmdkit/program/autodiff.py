@@ -2,7 +2,8 @@
 
 :class:`Tape` is a :class:`~spmdkit.program.ir.ProgramBuilder` front that records forward ops
 and emits their backward (grad) ops in reverse order; :data:`GRADS` maps each differentiable
-forward rule to its grad rule. The built-in models (:mod:`spmdkit.models.zoo`) and the torch
+forward rule to its grad rule, as the op families declare it (``facts(grad=, wrt=)`` in
+:mod:`spmdkit.ops`). The built-in models (:mod:`spmdkit.models.zoo`) and the torch
 importer (:mod:`spmdkit.models.torch_import`) both differentiate with it.
 
 Gradients of a tensor read by several ops are summed with ``add_n`` (which keeps a common
@@ -12,46 +13,45 @@ projections before one all-reduce).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from spmdkit.core.errors import ProgramError
-from spmdkit.engine.registry import get_rule, is_reverse, output_params
+from spmdkit.engine.facts import facts_of
+from spmdkit.engine.registry import get_rule, is_reverse, output_params, rule_names
 from spmdkit.program.ir import ProgramBuilder
 
 # -- reverse-mode differentiation over the grad rules ------------------------------------------
 
-_X, _XY = ("x",), ("x", "y")
-#: forward rule -> forward tensor parameters whose gradients its grad rule returns, in order
-_WRT: dict[str, tuple[str, ...]] = {
-    # the built-in models (the dropout mask and p: the Tape's grad_extra, see _dropout)
-    **dict.fromkeys(("reshape", "transpose", "softmax", "gelu", "scale", "mean", "sum", "dropout",
-                     "cross_entropy_with_softmax", "c_softmax_with_cross_entropy"), _X),
-    **dict.fromkeys(("matmul", "add", "multiply", "swiglu"), _XY),
-    "fused_rms_norm": ("x", "scale"), "layer_norm": ("x", "scale", "bias"), "embedding": ("weight",),
-    "flash_attention": ("q", "k", "v"), "fused_rotary_position_embedding": ("q", "k", "v"),
-    # ops taking or making a list of tensors (their gradients are lists too)
-    **dict.fromkeys(("split", "split_with_num", "unbind", "concat", "stack"), _X), "slice": ("input",),
-    # ops of models imported from torch (spmdkit.models.torch_import; tests/test_torch_import.py checks
-    # each gradient against torch's autograd)
-    **dict.fromkeys(("square", "rsqrt", "silu", "sqrt", "relu", "tanh", "exp", "sigmoid", "log_softmax",
-                     "unsqueeze", "squeeze", "expand"), _X),
-    **dict.fromkeys(("subtract", "divide", "elementwise_pow"), _XY),
-    # HuggingFace models (tests/test_hf.py checks the gradients against torch's autograd): masks,
-    # mixed-precision casts, padded labels, gathers, patch-embedding convolutions
-    "where": _XY, **dict.fromkeys(("cast", "pad", "index_select", "gather_nd", "take_along_axis"), _X),
-    **dict.fromkeys(("conv2d", "conv3d"), ("input", "filter")),
-}
-#: forward rule -> (grad rule: ``<rule>_grad`` but for fused_rms_norm, forward tensor parameters
-#: whose gradients it returns, in order)
-GRADS: dict[str, tuple[str, tuple[str, ...]]] = {
-    f: ("rms_norm_grad" if f == "fused_rms_norm" else f + "_grad", wrt) for f, wrt in _WRT.items()}
 
-#: grad rule parameter -> forward output it reads, where the names differ
-_GRAD_ALIASES: dict[str, dict[str, str]] = {
-    "cross_entropy_with_softmax_grad": {"softmax": "softmax_out"},
-}
+class _Grads(Mapping[str, tuple[str, tuple[str, ...]]]):
+    """Forward rule -> (its grad rule, the forward tensor parameters whose gradients the grad rule
+    returns, in order): the ``grad`` and ``wrt`` facts the op families declare beside their rules
+    (:mod:`spmdkit.engine.facts`), read once the families are imported (on first use)."""
+
+    def __init__(self) -> None:
+        self._table: dict[str, tuple[str, tuple[str, ...]]] | None = None
+
+    def _get(self) -> dict[str, tuple[str, tuple[str, ...]]]:
+        if self._table is None:
+            names = rule_names(include_aliases=False)  # imports the op families
+            self._table = {n: (f.grad, f.wrt) for n in names
+                           if (f := facts_of(n)).grad is not None and f.wrt is not None}
+        return self._table
+
+    def __getitem__(self, rule: str) -> tuple[str, tuple[str, ...]]:
+        return self._get()[rule]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+
+#: forward rule -> (grad rule, forward tensor parameters whose gradients it returns, in order)
+GRADS: Mapping[str, tuple[str, tuple[str, ...]]] = _Grads()
 
 
 def _output_names(rule_name: str) -> list[str]:
@@ -169,7 +169,7 @@ class Tape:
                 raise ProgramError(f"autodiff: no grad rule known for {rec.rule}")
             gname, wrt = GRADS[rec.rule]
             grule = get_rule(gname)
-            aliases = _GRAD_ALIASES.get(gname, {})
+            aliases = dict(facts_of(rec.rule).grad_reads or ())
             ins: dict[str, Any] = {}
             gattrs: dict[str, Any] = {}
             for p in grule.forward.params:

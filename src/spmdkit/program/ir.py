@@ -38,7 +38,10 @@ from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import ProgramError, ShapeMismatchError, SpmdError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.registry import Rule, get_rule, is_reverse, output_params
+from spmdkit.engine.signature import coerce_attr
 from spmdkit.io.jsonfile import read_json
+from spmdkit.program.shapes import expected_output_shapes
 
 FORMAT = "spmdkit-program"
 VERSION = 1
@@ -245,8 +248,6 @@ class Program:
         or produced by an earlier op, no tensor is produced twice, and (``rules``) each rule
         accepts the op's shapes with the declared output ranks (checked with every tensor
         replicated; propagation checks them again, so a planner may skip this)."""
-        from spmdkit.engine.registry import get_rule
-
         mesh = mesh or ProcessMesh([1])
         for t in self.tensors.values():
             if t.kind not in KINDS:
@@ -312,13 +313,10 @@ class Program:
             self._check_expected_shapes(op, rule, where, res)
             self._check_output_shapes(op, rule, where, out_refs, mesh)
 
-    def _check_expected_shapes(self, op: Op, rule: Any, where: str, res: SpmdResult) -> None:
+    def _check_expected_shapes(self, op: Op, rule: Rule, where: str, res: SpmdResult) -> None:
         """Each declared output shape against the shape the op makes from its input shapes and
-        attributes (:func:`spmdkit.program.out_shapes.expected_output_shapes`; axes whose size the
+        attributes (:func:`spmdkit.program.shapes.expected_output_shapes`; axes whose size the
         op does not fix, e.g. nonzero's count, are not compared)."""
-        from spmdkit.engine.signature import coerce_attr
-        from spmdkit.program.out_shapes import expected_output_shapes
-
         values: dict[str, Any] = {}
         for p in rule.forward.params:
             if p.is_tensor:
@@ -363,15 +361,13 @@ class Program:
                                        f"{shown} (rule {rule.name}, inputs {ins}): the declared output shape "
                                        f"contradicts the op")
 
-    def _check_output_shapes(self, op: Op, rule: Any, where: str, out_refs: list[str | None],
+    def _check_output_shapes(self, op: Op, rule: Rule, where: str, out_refs: list[str | None],
                              mesh: ProcessMesh) -> None:
         """The declared output shapes against the input shapes, a second way: a rule's reverse
         (backward) mode takes the outputs as arguments and checks every axis the notation ties
         to an input axis (``ShapeMismatchError``), so it is called once with every tensor
         replicated. Rules without a backward mode, and ops with an output the program does
         not keep (``null``), are not checked this way (docs/graph.md)."""
-        from spmdkit.engine.registry import is_reverse
-
         if not is_reverse(rule) or any(o is None for o in out_refs):
             return  # a grad rule in the backward slot (cummax's) does not take the op's outputs
         try:
@@ -500,8 +496,6 @@ def op_layout(op: Op, mode: str = "forward") -> list[tuple[str, Any]]:
     or None), ``("vec", names)`` (a vector parameter) or ``("a", value)`` (an attribute: the
     op's, or the rule's default). In backward (reverse) mode the rule's output parameters take
     the op's outputs in order."""
-    from spmdkit.engine.registry import get_rule, output_params
-
     rule = get_rule(op.rule)
     m = rule.mode(mode)
     bound: dict[str, Ref] = dict(op.inputs)
@@ -538,8 +532,6 @@ def layout_args(layout: Sequence[tuple[str, Any]], get: Callable[[str], DistTens
 def call_rule(prog: Program, op: Op, attrs: Mapping[str, TensorDistAttr | None], mesh: ProcessMesh,
               mode: str = "forward") -> SpmdResult:
     """The op's rule in ``mode`` on its tensors (replicated where ``attrs`` has none)."""
-    from spmdkit.engine.registry import get_rule
-
     def get(name: str) -> DistTensorSpec:
         t = prog.tensors[name]
         a = attrs.get(name) or TensorDistAttr.replicated(mesh, len(t.shape))
