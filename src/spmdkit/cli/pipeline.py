@@ -67,7 +67,7 @@ def run_pipeline_plan(ns: argparse.Namespace, out: TextIO) -> int:
     if getattr(ns, "device", None):
         from dataclasses import replace
 
-        from spmdkit.cost.compute import load_device
+        from spmdkit.cost.devices import load_device
 
         device = load_device(str(ns.device))
         if getattr(ns, "nodes_of", None):
@@ -116,7 +116,7 @@ def _sub_mesh_annotations(user: dict[str, Any], mesh: Any) -> dict[str, Any]:
 
 def _pp_link(ns: argparse.Namespace, mesh: Any, device: Any) -> tuple[float, float]:
     from spmdkit.core.reshard import CostModel
-    from spmdkit.cost.compute import cost_model
+    from spmdkit.cost.devices import cost_model
 
     nodes = getattr(ns, "nodes_of", None)
     cost = cost_model(mesh, device, int(nodes) if nodes else None)

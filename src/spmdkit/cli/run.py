@@ -284,7 +284,7 @@ def _check_kernels_and_device(ns: argparse.Namespace, plan: Any) -> None:
         except ProgramError as exc:
             raise RunUsageError(str(exc)) from None
     if ns.device is not None:
-        from spmdkit.cost.compute import load_device
+        from spmdkit.cost.devices import load_device
 
         try:
             load_device(ns.device)

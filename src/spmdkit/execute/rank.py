@@ -818,7 +818,9 @@ def predicted_timing(plan: Plan, device_name: str) -> tuple[dict[str, dict[str, 
     as the executor runs it: compute (roofline time of the ops), comm (each reshard's
     collectives in the phase of the op that needs them, and the collectives inside kernels),
     all serial (the executor overlaps nothing). Returns (seconds, the device's name)."""
-    from spmdkit.cost.compute import cost_model, estimate_step, kernel_collectives, load_device, recost
+    from spmdkit.cost.compute import kernel_collectives
+    from spmdkit.cost.devices import cost_model, load_device, recost
+    from spmdkit.cost.step import estimate_step
 
     dev = load_device(device_name)
     timed = recost(plan, cost_model(plan.mesh, dev))

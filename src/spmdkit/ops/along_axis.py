@@ -47,8 +47,10 @@ from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import make_attr, normalize_axis
 from spmdkit.engine.declare import Answer, Way, declare
+from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import BROADCAST, Notation, letters_for
 from spmdkit.ops._common import check_same_ndim
+from spmdkit.ops._cost import copy, lookup, scatter_grad
 
 Shape = tuple[int, ...]
 
@@ -180,3 +182,10 @@ declare(
              "value_grad partial SUM over the mesh dims of the trailing axes it sums over."),
     grad_signature="x: T, indices: [T], value: T, out_grad: T, accumulate: bool = False", grad_name="index_put_grad",
 )  # fmt: skip
+
+
+# -- cost
+
+facts("take_along_axis", cost=lookup)
+facts("take_along_axis_grad", cost=scatter_grad)
+facts("put_along_axis", "put_along_axis_grad", "index_put", "index_put_grad", cost=copy)

@@ -27,7 +27,9 @@ from spmdkit.core.dist_attr import ReduceType
 from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.declare import Answer, Way, declare
+from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import BROADCAST, Notation
+from spmdkit.ops._cost import copy
 
 _CFU = "check_finite_and_unscale"
 _ULS = "update_loss_scaling"
@@ -110,3 +112,8 @@ declare(
                 doc="update_loss_scaling reverse (Paddle has none): each x as its out, the state replicated."),
     outputs="out: [T], " + ", ".join(n + ": T" for n in _NEW),
 )  # fmt: skip
+
+
+# -- cost
+
+facts(_CFU, _ULS, cost=copy)

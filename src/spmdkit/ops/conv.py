@@ -63,8 +63,10 @@ from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec as T
 from spmdkit.engine.axes import largest_mesh_dim, mesh_size
 from spmdkit.engine.declare import Answer, Way, declare
+from spmdkit.engine.facts import LocalOp, LocalTensor, OpCost, facts
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation
+from spmdkit.ops._cost import by_bytes, numel
 
 _make = TensorDistAttr.unchecked
 
@@ -328,3 +330,43 @@ declare(
              env=_ENV, paddle="RoiAlignGradInferSpmd", doc="RoiAlignGradInferSpmd: x and out_grad merged."),
     grad_signature="x: T, boxes: T, boxes_num: T?, out_grad: T, " + _ROI_ATTRS, grad_name="roi_align_grad",
 )  # fmt: skip
+
+
+# -- cost
+
+
+def _conv_flops(c: LocalOp, t: LocalTensor | None, grads: bool) -> OpCost:
+    """``2 · elements of t · (in channels / groups · kernel elements)`` (filter [m, c/g, ...]),
+    once per input gradient made for a grad."""
+    w = c.one("filter")
+    assert w is not None and t is not None
+    n = sum(1 for o in c.outs[:2] if o is not None) if grads else 1
+    f = 2.0 * numel(t[0]) * numel(w[0][1:]) * n
+    return OpCost(f, f, c.in_bytes + c.out_bytes, True, c.dtype())
+
+
+def _conv_cost(c: LocalOp) -> OpCost:
+    return _conv_flops(c, c.first_out(), False)
+
+
+def _conv_grad_cost(c: LocalOp) -> OpCost:
+    return _conv_flops(c, c.one("output_grad") or c.one("out_grad"), True)
+
+
+def _conv_transpose_cost(c: LocalOp) -> OpCost:
+    return _conv_flops(c, c.one("input"), False)
+
+
+def _conv_transpose_grad_cost(c: LocalOp) -> OpCost:
+    return _conv_flops(c, c.one("input"), True)
+
+
+facts("conv2d", "conv3d", "depthwise_conv2d", cost=_conv_cost)
+facts("conv2d_grad", "conv3d_grad", "depthwise_conv2d_grad", cost=_conv_grad_cost)
+facts("conv2d_transpose", cost=_conv_transpose_cost)
+facts("conv2d_transpose_grad", cost=_conv_transpose_grad_cost)
+#: the norms: memory-bound, nominal FLOPs per output element
+facts("batch_norm", "group_norm", "instance_norm", cost=by_bytes(8))
+facts("batch_norm_grad", "group_norm_grad", "instance_norm_grad", cost=by_bytes(12))
+#: roi_align: 4 bilinear taps per sample
+facts("roi_align", "roi_align_grad", cost=by_bytes(16))

@@ -20,7 +20,9 @@ from spmdkit.core.errors import InvalidArgumentError, InvalidAttributeError, Sha
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import normalize_axis
 from spmdkit.engine.declare import Way, declare
+from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import BROADCAST, Notation
+from spmdkit.ops._cost import copy
 
 
 def replicated(ins: tuple[int, ...], outs: tuple[int, ...]) -> Notation:
@@ -75,3 +77,8 @@ declare(
                 doc="unique reverse (spmdkit): all replicated; only the outputs' ranks are checked."),
     outputs="out: T, indices: T? = None, inverse: T? = None, counts: T? = None",
 )  # fmt: skip
+
+
+# -- cost
+
+facts("nonzero", "unique", cost=copy)

@@ -21,7 +21,9 @@ per tensor of ``outs`` (flat lists, not nested).
 from __future__ import annotations
 
 from spmdkit.engine.declare import Way, declare
+from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import BROADCAST, Notation
+from spmdkit.ops._cost import copy
 
 
 def notation(how: str, ins: tuple[int, ...], outs: tuple[int, ...]) -> Notation:
@@ -44,3 +46,10 @@ declare("default_data_parallel", _SIG, _way("forward", "DefaultDataParallelInfer
         doc="Shard every tensor on axis 0 as the inputs' batch axis is sharded; replicate the rest.")  # fmt: skip
 declare("replicated", _SIG, _way("replicated", "ReplicatedInferSpmd"),
         reverse=_way("replicated", "ReplicatedInferSpmdReverse"), doc="Every input and output replicated.")  # fmt: skip
+
+
+# -- cost
+
+#: replicated (the importer's stand-in for an op it could not map) has no cost: a plan's step
+#: estimate lists it as uncovered
+facts("default_data_parallel", cost=copy)

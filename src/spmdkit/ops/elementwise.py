@@ -30,7 +30,9 @@ from spmdkit.core.dist_attr import ReduceType, TensorDistAttr, entry_dims
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.declare import Answer, Way, declare, ones
+from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import BROADCAST, Notation, letters_for
+from spmdkit.ops._cost import by_bytes, fill, one_per_element
 
 _make = TensorDistAttr.unchecked
 Attrs = tuple[TensorDistAttr, ...]
@@ -250,3 +252,17 @@ declare("pow_grad", "x: T, out_grad: T, y: scalar = 1.0", _unary_grad(("x",), "P
 for _n in BINARY_GRADS:
     declare(f"{_n}_grad", "x: T, y: T, out_grad: T, axis: int = -1", _binary_grad(False))
 declare("divide_grad", "x: T, y: T, out: T, out_grad: T, axis: int = -1", _binary_grad(True))
+
+
+# -- cost
+
+#: memory-bound: every input read and output written once, one nominal FLOP per output element
+facts(*UNARY_OPS, *BINARY_OPS, *(f"{n}_grad" for names in UNARY_GRADS.values() for n in names.split()),
+      *(f"{n}_grad" for n in BINARY_GRADS), "multiply", "cast", "cast_grad", "pow_grad", "divide_grad", "dropout_grad",
+      cost=one_per_element)
+facts("fill", cost=fill)
+#: nominal FLOPs per output element of the activations that cost more than one
+facts("gelu", cost=by_bytes(8))
+facts("gelu_grad", cost=by_bytes(10))
+facts("silu", cost=by_bytes(4))
+facts("silu_grad", cost=by_bytes(6))

@@ -35,7 +35,9 @@ from spmdkit.core.dist_attr import ReduceType, TensorDistAttr, dims_entry, entry
 from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.declare import Way, declare
+from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import ALPHABET, Notation
+from spmdkit.ops._cost import copy, lookup, scatter_grad
 
 # batch letters of the ids: the alphabet without the weight's j (vocab) and k (hidden)
 _BATCH = "abcdefghilmnopqrstuvwxyz"
@@ -135,3 +137,10 @@ declare(
                 doc="one_hot (OneHotInferSpmdReverse): x from out's leading axes; the class axis replicated."),
     outputs="out: T",
 )  # fmt: skip
+
+
+# -- cost
+
+facts("embedding", "c_embedding", cost=lookup)
+facts("embedding_grad", "c_embedding_grad", cost=scatter_grad)
+facts("one_hot", cost=copy)

@@ -38,9 +38,11 @@ from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import make_attr
 from spmdkit.engine.declare import Answer, Way, declare
+from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import BROADCAST, Notation, letters_for
 from spmdkit.ops._absent import absent_0d
 from spmdkit.ops._common import check_like, check_same_shape
+from spmdkit.ops._cost import by_bytes, one_per_element
 
 
 def binary(n_in: int, outs: int, nd: int, y: int, unit: int, seed: int = -2) -> Notation:
@@ -163,3 +165,11 @@ declare(
         paddle="FusedDropoutAddGradInferSpmd",
         doc="fused_dropout_add_grad (FusedDropoutAddGradInferSpmd): x_grad and y_grad sharded as out_grad."),
 )  # fmt: skip
+
+
+# -- cost
+
+facts("fused_dropout_add", "fused_dropout_add_grad", cost=one_per_element)
+#: nominal FLOPs per output element
+facts("swiglu", cost=by_bytes(5))
+facts("swiglu_grad", cost=by_bytes(8))

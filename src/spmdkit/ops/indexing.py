@@ -55,7 +55,9 @@ from spmdkit.core.errors import ShapeMismatchError, SpmdError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.axes import make_attr, normalize_axis, unpartial
 from spmdkit.engine.declare import Answer, Way, declare, ones
+from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, letters_for
+from spmdkit.ops._cost import copy, lookup, one_per_element, scatter_grad
 
 # Every mode but where's forward checks per call that each letter has one size over its tensors
 # (``letters=True``): the shapes of out / out_grad / updates against x and the index.
@@ -306,3 +308,11 @@ declare(
         doc="where_grad (WhereGradInferSpmd): elementwise; a grad is partial SUM over the mesh dims of the "
             "broadcast axes its input lacks."),
 )  # fmt: skip
+
+
+# -- cost
+
+facts("gather", "gather_nd", "index_select", cost=lookup)
+facts("gather_grad", "gather_nd_grad", "index_select_grad", cost=scatter_grad)
+facts("scatter", "scatter_grad", "scatter_nd_add", "scatter_nd_add_grad", cost=copy)
+facts("where", "where_grad", cost=one_per_element)

@@ -46,7 +46,9 @@ from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import InvalidAttributeError
 from spmdkit.engine.axes import make_attr, unpartial
 from spmdkit.engine.declare import Answer, Way, declare
+from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import Notation
+from spmdkit.ops._cost import copy
 
 # every co-shard read as its largest mesh dim (Paddle's merge); letters of one size checked
 _COMBINE = Notation(["th", "sk", "sk"], ["sh"], replicated="t", coshard="largest")
@@ -108,3 +110,8 @@ declare(
     grad_signature="combine_weights: T, scatter_index: T, expert_id: T, grad_y: T, grad_combine_weights: T, "
                    "k: int, capacity: int, use_pad: bool", grad_name="moe_gate_dispatch_grad",
 )  # fmt: skip
+
+
+# -- cost
+
+facts("moe_gate_dispatch", "moe_gate_dispatch_grad", "moe_combine", "moe_combine_grad", cost=copy)

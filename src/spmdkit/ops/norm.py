@@ -35,8 +35,10 @@ from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import numel
 from spmdkit.engine.declare import Way, declare
+from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import BROADCAST, Notation, letters_for
 from spmdkit.ops._absent import absent_0d
+from spmdkit.ops._cost import by_bytes
 
 
 def notation(kind: str, nd: int, bna: int, *ranks: int) -> Notation:
@@ -125,3 +127,12 @@ declare(
             "of the batch axes."),
     aliases=("fused_rms_norm_grad",),
 )  # fmt: skip
+
+
+# -- cost
+
+#: memory-bound, nominal FLOPs per output element
+facts("layer_norm", cost=by_bytes(8))
+facts("layer_norm_grad", cost=by_bytes(12))
+facts("fused_rms_norm", cost=by_bytes(5))
+facts("rms_norm_grad", cost=by_bytes(8))

@@ -43,7 +43,9 @@ from typing import Any
 from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.declare import Way, declare
+from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import BROADCAST, Notation, letters_for
+from spmdkit.ops._cost import by_bytes, copy, one_per_element
 
 
 def notation(nd: int, lr: int, m2max: bool, b1: int, b2: int, master: bool, skip: int, amsgrad: bool,
@@ -146,3 +148,12 @@ declare(
                       doc="coalesce_tensor reverse (Paddle has none): all replicated whatever the outputs ask."),
     outputs="output: [T], fused_output: T",
 )  # fmt: skip
+
+
+# -- cost
+
+#: nominal FLOPs per parameter element
+facts("adamw", cost=by_bytes(6))
+facts("adam", cost=by_bytes(5))
+facts("sgd", cost=one_per_element)
+facts("coalesce_tensor", cost=copy)

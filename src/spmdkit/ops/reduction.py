@@ -67,8 +67,10 @@ from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import reduced_axes
 from spmdkit.engine.declare import Answer, Way, declare
+from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import ALPHABET, BROADCAST, Notation, letters_for
 from spmdkit.ops._common import check_same_shape
+from spmdkit.ops._cost import one_per_element
 
 #: Paddle's ReduceType enum, ``reduce_base``'s ``reduce_type``: 0 sum, 1 max, 2 min, 3 prod, 4 avg, 5 any, 6 all
 REDUCE_TYPES: dict[int, ReduceType] = dict(
@@ -273,6 +275,11 @@ declare(
     reverse=Way(lambda nd: Notation([BROADCAST * nd], [""]), key="x", shapes="out:", paddle="NumelInferSpmdReverse"),
     outputs="out: T",
 )
+
+
+# -- cost
+
+facts(*REDUCTION_OPS, *REDUCTION_GRADS, "reduce_base", "p_norm", "p_norm_grad", "numel", cost=one_per_element)
 
 
 __all__ = [

@@ -64,8 +64,10 @@ from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import make_attr, normalize_axis, numel, reduced_axes
 from spmdkit.engine.declare import Way, declare
+from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import BROADCAST, Notation, letters_for, with_partial
 from spmdkit.ops._common import check_same_ndim, check_same_shape
+from spmdkit.ops._cost import by_bytes, copy, fill, no_kernel, one_per_element
 from spmdkit.ops.reduction import as_given, check_reduced, reduced_letters
 
 Attrs = Sequence[Any]
@@ -262,3 +264,13 @@ for _op, _fn, _attrs in (
     _way = Way(_same, key="x", post=as_given, post_if="x.dist_attr.partial", paddle=_fn)
     _rev = Way(_same, key="x", same=[("x", "out")], paddle=f"{_op} reverse (spmdkit)")
     declare(_op, f"x: T{_attrs}", _way, reverse=_rev, outputs="out: T")
+
+
+# -- cost
+
+facts("triu", "triu_grad", "tril_triu", "tril_triu_grad", "cumsum", "cumsum_grad", "topk", "topk_grad", cost=copy)
+facts("argmax", "argmin", "logsumexp", "logsumexp_grad", "add_n", cost=one_per_element)
+#: add_n's grad hands out_grad to every input: no FLOPs
+facts("add_n_grad", cost=by_bytes(0))
+facts("full_like", "ones_like", "zeros_like", cost=fill)
+facts("empty_like", cost=no_kernel)

@@ -50,8 +50,10 @@ from typing import Any
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.declare import Way, declare
+from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import BROADCAST, Notation, letters_for
 from spmdkit.engine.shapes import mismatch
+from spmdkit.ops._cost import copy
 
 T = DistTensorSpec
 Ints = tuple[int, ...]
@@ -266,3 +268,9 @@ declare("pad", _PAD, Way(notation, key="*_pk('keep', len(x.shape), paddings)", e
 declare("pad_grad", "out_grad: T, paddings: ints, pad_value: scalar = 0",
         Way(notation, key="*_pk('keep', len(out_grad.shape), paddings)", env=_ENV, paddle="PadGradInferSpmdDynamic",
             doc="x_grad = out_grad cropped: padded axes replicated, the others as out_grad."))
+
+
+# -- cost
+
+facts("expand", "expand_grad", "expand_as", "expand_as_grad", "pad", "pad_grad", "slice", "slice_grad",
+      "strided_slice", "strided_slice_grad", "tile", "tile_grad", cost=copy)

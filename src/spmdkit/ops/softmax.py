@@ -20,7 +20,9 @@ from functools import partial
 
 from spmdkit.engine.axes import normalize_axis
 from spmdkit.engine.declare import Way, declare
+from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import Notation, letters_for
+from spmdkit.ops._cost import by_bytes
 
 
 def notation(ndim: int, axis: int, grad: bool = False) -> Notation:
@@ -47,3 +49,10 @@ for _name in ("softmax", "log_softmax"):
         Way(partial(notation, grad=True), key="out, axis", same=[("out", "out_grad")], paddle="SoftmaxGradInferSpmd",
             doc=f"{_name}_grad (SoftmaxGradInferSpmd): out, out_grad and x_grad sharded alike, axis replicated."),
     )  # fmt: skip
+
+
+# -- cost
+
+#: memory-bound, nominal FLOPs per output element
+facts("softmax", "log_softmax", cost=by_bytes(5))
+facts("softmax_grad", "log_softmax_grad", cost=by_bytes(3))

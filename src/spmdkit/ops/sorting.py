@@ -31,8 +31,10 @@ from functools import partial
 from spmdkit.core.errors import InvalidAttributeError
 from spmdkit.engine.axes import normalize_axis
 from spmdkit.engine.declare import Way, declare
+from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import Notation, letters_for
 from spmdkit.ops._common import check_same_ndim
+from spmdkit.ops._cost import copy
 
 
 def notation(n_in: int, n_out: int, coshard: str, nd: int, axis: int, source: int = -1) -> Notation:
@@ -92,3 +94,8 @@ declare(
              doc="RollGradInferSpmd: x and out_grad merged, rolled axes replicated, x_grad as x."),
     grad_signature=f"x: T, out_grad: T, {_RS_SIG}", grad_name="roll_grad",
 )  # fmt: skip
+
+
+# -- cost
+
+facts("argsort", "argsort_grad", "cummax", "cummax_grad", "cummin", "cummin_grad", "roll", "roll_grad", cost=copy)

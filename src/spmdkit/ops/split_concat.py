@@ -42,8 +42,10 @@ from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import replicated
 from spmdkit.engine.declare import Way, declare
+from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import Notation, letters_for
 from spmdkit.engine.shapes import mismatch
+from spmdkit.ops._cost import copy
 
 T = DistTensorSpec
 #: The most outputs a split / unbind / stack_grad answers (see the module docstring).
@@ -270,3 +272,9 @@ declare("stack_grad", "output_grad: T, axis: int = 0",
         Way(partial(pieces, True, True), key="output_grad, _slices(output_grad, axis, 'output_grad', 'x_grad')",
             env={"_slices": _slices}, post=lambda i, o, og, axis: (i, ((o[0],) * og.shape[axis],)),
             paddle="StackGradInferSpmd", doc="The stacked axis replicated; each x_grad gets the other axes' sharding."))
+
+
+# -- cost
+
+facts("concat", "concat_grad", "split", "split_grad", "split_with_num", "split_with_num_grad", "stack",
+      "stack_grad", "unbind", "unbind_grad", cost=copy)

@@ -17,7 +17,9 @@ from typing import Any
 from spmdkit.core.errors import InvalidAttributeError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.declare import Answer, Way, declare
+from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import Notation, letters_for, with_partial
+from spmdkit.ops._cost import copy
 
 
 def _perm(perm: tuple[int, ...], ndim: int) -> tuple[int, ...]:
@@ -57,3 +59,8 @@ declare(
     Way(partial(notation, grad=True), key="out_grad, perm", post=_keep_partial, post_if="out_grad.dist_attr.partial",
         paddle="TransposeGradInferSpmd", doc="x_grad = transpose(out_grad, inverse(perm))."),
 )  # fmt: skip
+
+
+# -- cost
+
+facts("transpose", "transpose_grad", cost=copy)

@@ -32,7 +32,9 @@ from spmdkit.engine import dim_trans as dt
 from spmdkit.engine.axes import make_attr
 from spmdkit.engine.declare import Answer, Way, declare
 from spmdkit.engine.dim_trans import DimTrans, Link
+from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import Notation
+from spmdkit.ops._cost import no_kernel
 
 #: The most axes one unsqueeze inserts (see the module docstring).
 MAX_NEW_AXES = 1024
@@ -136,3 +138,10 @@ for _op, _sig in (("reshape", "x_shape: T, out_grad: T"), ("flatten", "xshape: T
             post=_grad_post, paddle=f"{_op.capitalize()}GradInferSpmd",
             doc="x_grad = out_grad viewed as x's shape; the shape holder is returned as given."),
     )  # fmt: skip
+
+
+# -- cost
+
+#: views: metadata only, no kernel
+facts("reshape", "squeeze", "unsqueeze", "flatten", "reshape_grad", "squeeze_grad", "unsqueeze_grad", "flatten_grad",
+      cost=no_kernel)

@@ -406,7 +406,8 @@ def stage_costs(plan: Any, stages: list[int], counts: tuple[int, ...], device: A
     if device is None:
         return out
     # -- times
-    from spmdkit.cost.compute import is_grad_sync, kernel_collectives, op_cost
+    from spmdkit.cost.compute import kernel_collectives, op_cost
+    from spmdkit.cost.step import is_grad_sync
 
     extra: dict[int, float] = {}
     grads_synced = plan.param_grads()
@@ -425,7 +426,7 @@ def stage_costs(plan: Any, stages: list[int], counts: tuple[int, ...], device: A
     rerun = {j for r in regions for j in r}
     for i, op in enumerate(prog.ops):
         c = op_cost(plan, i)
-        t = c.time_s(device) + extra.get(i, 0.0)
+        t = device.op_time(c) + extra.get(i, 0.0)
         sc = out[stages[i]]
         if i in rerun:
             sc.recompute_s += t
