@@ -38,7 +38,10 @@ from typing import Any
 
 from spmdkit.core.dist_attr import TensorDistAttr, entry_dims
 from spmdkit.core.errors import ProgramError
+from spmdkit.cost.compute import guess_tokens, kernel_collectives
+from spmdkit.cost.devices import preset_device
 from spmdkit.cost.memory import Memory, local_numel, memory_per_device
+from spmdkit.cost.step import estimate_step
 from spmdkit.outputs.report import fmt_bytes, fmt_time, placements, reshard_groups
 from spmdkit.program.plan import Plan
 
@@ -285,8 +288,6 @@ def layer_table(plan: Plan, memory: Memory) -> list[dict[str, Any]]:
     """Per layer (program order): communication seconds per phase (every reshard times its
     repeats, the collectives inside ops) and bytes held per device: parameters, gradients,
     optimizer states, activations kept for the backward."""
-    from spmdkit.cost.compute import kernel_collectives
-
     prog = plan.program
     of = tensor_layers(plan)
     rows: dict[str, dict[str, Any]] = {}
@@ -761,10 +762,6 @@ def render_html(plan: Plan, title: str = "", memory: Memory | None = None, estim
     :class:`spmdkit.planner.pipeline.PipelineEstimate`; ``auto``: the search's
     :class:`spmdkit.planner.auto.AutoInfo`; ``alternatives``: (label, plan) of other plans of the same
     program, compared in the search section."""
-    from spmdkit.cost.compute import guess_tokens
-    from spmdkit.cost.devices import preset_device
-    from spmdkit.cost.step import estimate_step
-
     prog = plan.program
     mem = memory or memory_per_device(plan, recompute)
     assumed = None

@@ -46,7 +46,9 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from spmdkit.core.errors import ProgramError
+from spmdkit.cost.compute import kernel_collectives, model_flops, op_cost
 from spmdkit.cost.memory import Memory, local_numel
+from spmdkit.cost.step import is_grad_sync
 from spmdkit.planner.planning import parse_size
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -406,8 +408,6 @@ def stage_costs(plan: Any, stages: list[int], counts: tuple[int, ...], device: A
     if device is None:
         return out
     # -- times
-    from spmdkit.cost.compute import kernel_collectives, op_cost
-    from spmdkit.cost.step import is_grad_sync
 
     extra: dict[int, float] = {}
     grads_synced = plan.param_grads()
@@ -548,7 +548,6 @@ def estimate_pipeline(plan: Any, spec: PipelineSpec, counts: tuple[int, ...], de
         serial.append(run.finish_s[r] + g + o)
         overlap.append(run.finish_s[r] + max(0.0, g - run.last_backward_s[r]) + o)
     est.step_serial_s, est.step_overlap_s = max(serial), max(overlap)
-    from spmdkit.cost.compute import model_flops
 
     mb_tokens = tokens // m if tokens else 0
     mf, _n, _att = model_flops(plan, mb_tokens)

@@ -41,6 +41,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TextIO
 
 from spmdkit.core.errors import ProgramError, SpmdError
+from spmdkit.cost.compute import guess_tokens
+from spmdkit.cost.devices import Device, cost_model, load_device, recost
+from spmdkit.cost.step import estimate_step
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 #: the most configurations one search plans (each a propagation or an exact search)
@@ -176,7 +179,6 @@ def parse_memory(text: Any) -> int:
 
 def _recosted(plan: Any, device: Any, cost_text: str | None, nodes_of: int | None) -> Any:
     from spmdkit.core.reshard import CostModel
-    from spmdkit.cost.devices import cost_model, recost
 
     cost = cost_model(plan.mesh, device, nodes_of)
     if cost_text:
@@ -187,7 +189,6 @@ def _recosted(plan: Any, device: Any, cost_text: str | None, nodes_of: int | Non
 def _flat_candidates(cfg: Config, plan: Any, device: Any, tokens: int | None, modes: Sequence[str], cap: int,
                      title: str, info: Any = None) -> list[Candidate]:
     from spmdkit.cost.memory import memory_per_device
-    from spmdkit.cost.step import estimate_step
 
     out: list[Candidate] = []
     for rc in modes:
@@ -204,8 +205,6 @@ def _pipeline_candidates(cfg: Config, plan: Any, counts: tuple[int, ...], device
                          modes: Sequence[str], cap: int, title: str, cost_text: str | None,
                          nodes_of: int | None, info: Any = None) -> list[Candidate]:
     from spmdkit.core.reshard import CostModel
-    from spmdkit.cost.devices import cost_model
-    from spmdkit.cost.step import estimate_step
     from spmdkit.planner.pipeline import estimate_pipeline, parse_spec
     from spmdkit.strategies.strategy import parse_mesh
 
@@ -255,8 +254,6 @@ def search_meshes(model: Any, devices: int, device: Any = "h100", memory_cap: in
     :func:`spmdkit.planner.auto.auto_plan` on each mesh (``time_limit`` seconds each).
     ``recompute``: the modes to try (default all three). ``progress``: a
     :class:`spmdkit.outputs.progress.Progress` (default: one on stderr, shown on a terminal only)."""
-    from spmdkit.cost.compute import guess_tokens
-    from spmdkit.cost.devices import Device, load_device
     from spmdkit.outputs.progress import Progress
     from spmdkit.program.ir import Program
     from spmdkit.strategies.strategy import MAX_RANKS, parse_strategy
@@ -365,7 +362,6 @@ def _sub_mesh(dp: int, tp: int) -> Any:
 def _auto(prog: Any, mesh: Any, pins: Mapping[str, Any] | None, device: Any, cost_text: str | None,
           nodes_of: int | None, time_limit: float) -> tuple[Any, Any]:
     from spmdkit.core.reshard import CostModel
-    from spmdkit.cost.devices import cost_model
     from spmdkit.planner.auto import auto_plan
 
     cost = cost_model(mesh, device, nodes_of)
