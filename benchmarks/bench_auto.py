@@ -38,7 +38,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from spmdkit.core.errors import SpmdError
-from spmdkit.cost.compute import cost_model, estimate_step, guess_tokens, preset_device, recost
+from spmdkit.cost.compute import guess_tokens
+from spmdkit.cost.devices import cost_model, preset_device, recost
+from spmdkit.cost.step import estimate_step
 from spmdkit.strategies.strategy import parse_mesh
 
 HAND = ["dp", "dp,zero1", "dp,zero2", "dp,zero3", "megatron", "megatron,sp", "megatron,zero2", "megatron,sp,zero2"]

@@ -26,8 +26,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from spmdkit.cost.compute import cost_model, estimate_step, preset_device, recost
+from spmdkit.cost.devices import cost_model, preset_device, recost
 from spmdkit.cost.memory import memory_per_device
+from spmdkit.cost.step import estimate_step
 from spmdkit.models.zoo import build_model, preset
 from spmdkit.ops import clear_cache
 from spmdkit.planner.pipeline import estimate_pipeline, parse_spec, split_layers, sub_mesh_text

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from spmdkit.cost.compute import cost_model, preset_device, recost
+from spmdkit.cost.devices import cost_model, preset_device, recost
 from spmdkit.models.zoo import ModelConfig, build_model
 from spmdkit.planner.pipeline import PipelineSpec, estimate_pipeline, split_layers
 from spmdkit.planner.propagate import propagate

@@ -37,10 +37,11 @@ def auto(hand: dict[str, Any]) -> Any:
 
 def _step(p: Any, dev: Any) -> float:
     """Communication (the device's links) + compute + the collectives inside kernels."""
-    from spmdkit.cost.compute import cost_model, kernel_collectives, op_cost, recost
+    from spmdkit.cost.compute import kernel_collectives, op_cost
+    from spmdkit.cost.devices import cost_model, recost
 
     p = recost(p, cost_model(p.mesh, dev))
-    return float(p.time_s + sum(op_cost(p, i).time_s(dev) for i in range(len(p.ops)))
+    return float(p.time_s + sum(dev.op_time(op_cost(p, i)) for i in range(len(p.ops)))
                  + sum(k.time_s for k in kernel_collectives(p)))
 
 
@@ -98,7 +99,7 @@ def test_auto_no_worse_than_hand_strategies(hand: dict[str, Any], auto: Any) -> 
 
 
 def test_with_a_device_compute_plus_communication_no_worse_than_hand() -> None:
-    from spmdkit.cost.compute import preset_device
+    from spmdkit.cost.devices import preset_device
     from spmdkit.models.zoo import build_model, preset
 
     dev = preset_device("h200")
@@ -122,7 +123,7 @@ def test_column_weights_pinned_no_worse_than_the_all_gather_plan() -> None:
     """llama-7b (1 layer) on dp=2 x tp=4, only the tokens (dp) and the column-parallel weights
     pinned: propagation all-reduces attn_out and mlp_out (384 MiB forward); XLA all-gathers attn2d
     (96 + 192 = 288 MiB). The search's plan moves no more in the forward and is no slower."""
-    from spmdkit.cost.compute import cost_model, preset_device
+    from spmdkit.cost.devices import cost_model, preset_device
     from spmdkit.models.zoo import build_model, preset
     from spmdkit.planner.propagate import propagate
     from spmdkit.strategies.strategy import parse_mesh
@@ -177,7 +178,7 @@ def test_memory_cap_megatron_cannot_meet() -> None:
     """A cap below megatron's memory: the search's plan fits it (the fastest choice does not: the
     program is re-solved with memory priced in); a cap below what any choice holds is a one-line
     ProgramError."""
-    from spmdkit.cost.compute import preset_device
+    from spmdkit.cost.devices import preset_device
     from spmdkit.cost.memory import memory_per_device
     from spmdkit.models.zoo import build_model, preset
 
@@ -315,7 +316,8 @@ def test_overlapped_step_no_worse_than_hand_strategies() -> None:
     step's DDP buckets): the search weights them by GRAD_SYNC_WEIGHT, and its plan's overlapped
     step is no longer than megatron's, megatron+sp's or dp's, and shorter than the plan of the
     serial objective (weight 1) on this case."""
-    from spmdkit.cost.compute import cost_model, estimate_step, preset_device
+    from spmdkit.cost.devices import cost_model, preset_device
+    from spmdkit.cost.step import estimate_step
     from spmdkit.models.zoo import build_model, preset
     from spmdkit.planner.auto import GRAD_SYNC_WEIGHT
     from spmdkit.strategies.strategy import parse_mesh

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from spmdkit.core.errors import ProgramError
-from spmdkit.cost.compute import estimate_step, preset_device
+from spmdkit.cost.devices import preset_device
+from spmdkit.cost.step import estimate_step
 from spmdkit.planner.search import (
     Config,
     factorizations,

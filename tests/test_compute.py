@@ -1,4 +1,4 @@
-"""spmdkit.cost.compute: per-op FLOPs against hand formulas, sharding on the local shapes, the
+"""spmdkit.cost (compute, devices, step): per-op FLOPs against hand formulas, sharding on the local shapes, the
 whole step's model FLOPs against 6N + attention, device presets and JSON files, the collectives
 inside the vocab-parallel loss, DDP buckets, MFU, and every rule of the zoo and of the HF
 imports costed."""
@@ -9,6 +9,7 @@ import io
 import json
 import math
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,20 +19,9 @@ from conftest import cli_stdout
 from spmdkit.cli import main
 from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
-from spmdkit.cost.compute import (
-    BUCKET_BYTES,
-    COSTED,
-    DEVICES,
-    FIRST_BUCKET_BYTES,
-    cost_model,
-    device_from_json,
-    estimate_step,
-    kernel_collectives,
-    load_device,
-    model_flops,
-    op_cost,
-    recost,
-)
+from spmdkit.cost.compute import COSTED, kernel_collectives, model_flops, op_cost
+from spmdkit.cost.devices import DEVICES, cost_model, device_from_json, load_device, recost
+from spmdkit.cost.step import BUCKET_BYTES, FIRST_BUCKET_BYTES, estimate_step
 from spmdkit.models.zoo import build_model, preset
 from spmdkit.planner.planning import plan_model
 from spmdkit.planner.propagate import propagate
@@ -123,9 +113,9 @@ def test_sharding_halves_per_device_matmul_flops() -> None:
 def test_roofline_time_is_max_of_compute_and_memory() -> None:
     dev = DEVICES["h100"]
     big = op_cost(_plan(_matmul_prog([8, 2048, 4096], [4096, 4096], [8, 2048, 4096])), 0)
-    assert big.time_s(dev) == big.flops / dev.peak["bf16"] > big.bytes / dev.hbm_bytes_per_s  # compute bound
+    assert dev.op_time(big) == big.flops / dev.peak["bf16"] > big.bytes / dev.hbm_bytes_per_s  # compute bound
     thin = op_cost(_plan(_matmul_prog([4096, 4], [4, 4096], [4096, 4096])), 0)
-    assert thin.time_s(dev) == thin.bytes / dev.hbm_bytes_per_s > thin.flops / dev.peak["bf16"]  # memory bound
+    assert dev.op_time(thin) == thin.bytes / dev.hbm_bytes_per_s > thin.flops / dev.peak["bf16"]  # memory bound
 
 
 def _layer_params(cfg: Any) -> int:
@@ -293,9 +283,10 @@ def test_uncovered_rules_are_listed_not_zero() -> None:
     assert op_cost(plan, 0).covered
     assert "replicated" not in COSTED
     # a rule without a cost: the estimate names it and times it by its bytes (never a silent zero)
-    from spmdkit.cost import compute
+    from spmdkit.engine import facts
 
-    saved = compute._FAMILY.pop("logsumexp")
+    saved = facts._FACTS["logsumexp"]
+    facts._FACTS["logsumexp"] = replace(saved, cost=None)
     try:
         est = estimate_step(plan, DEVICES["h100"])
         assert est.uncovered == {"logsumexp": 1}
@@ -306,7 +297,7 @@ def test_uncovered_rules_are_listed_not_zero() -> None:
         write_estimate(est, out)
         assert "NOT COSTED" in out.getvalue() and "logsumexp x1" in out.getvalue()
     finally:
-        compute._FAMILY["logsumexp"] = saved
+        facts._FACTS["logsumexp"] = saved
 
 
 def _run(*argv: str) -> tuple[int, str]:

@@ -18,8 +18,10 @@ from conftest import cli_stdout
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
-from spmdkit.cost.compute import estimate_step, kernel_collectives, preset_device
+from spmdkit.cost.compute import kernel_collectives
+from spmdkit.cost.devices import preset_device
 from spmdkit.cost.memory import memory_per_device
+from spmdkit.cost.step import estimate_step
 from spmdkit.outputs import html as H
 from spmdkit.outputs.report import _phase_comm, reshard_groups
 from spmdkit.planner.planning import plan_model

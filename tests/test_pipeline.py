@@ -9,7 +9,7 @@ import pytest
 
 from spmdkit.cli import main
 from spmdkit.core.errors import ProgramError
-from spmdkit.cost.compute import preset_device
+from spmdkit.cost.devices import preset_device
 from spmdkit.planner.pipeline import (
     PipelineSpec,
     bubble_formula,

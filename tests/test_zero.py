@@ -173,7 +173,8 @@ def test_grad_accum_counts_memory_and_step(capsys: pytest.CaptureFixture[str]) -
     import json
 
     from spmdkit.cli import main
-    from spmdkit.cost.compute import estimate_step, preset_device
+    from spmdkit.cost.devices import preset_device
+    from spmdkit.cost.step import estimate_step
 
     def totals(strategy: str, k: int) -> dict[str, Any]:
         rc = main(["plan", "--model", "llama-7b", "--layers", "2", "--mesh", "dp=8", "--strategy", strategy,

@@ -11,6 +11,9 @@ from collections.abc import Iterator
 from typing import Any, TextIO
 
 from spmdkit.core.errors import ProgramError, SpmdError
+from spmdkit.cost.compute import guess_tokens
+from spmdkit.cost.devices import cost_model, load_device, recost
+from spmdkit.cost.step import estimate_step
 from spmdkit.planner.planning import (
     MAX_LAYERS,
     MAX_SIZE,
@@ -369,7 +372,6 @@ def _run_auto(ns: argparse.Namespace, out: TextIO, user: dict[str, Any], overrid
         # the vocab-parallel loss: its rule also takes the class axis whole (the plain loss)
         prog = build_model(cfg, vocab_parallel_loss=True, check_rules=False).program
         title = f"{ns.model}: {cfg.arch}, {cfg.layers} layers, hidden {cfg.hidden}, seq {cfg.seq}, batch {cfg.batch}"
-    from spmdkit.cost.compute import cost_model, load_device
 
     device = load_device(ns.device) if getattr(ns, "device", None) else None
     cost = parse_cost(ns.cost, mesh)
@@ -478,7 +480,6 @@ def step_estimate(ns: argparse.Namespace, plan: Any, config: Any) -> tuple[Any, 
     if not device_text and not nodes_text:
         return plan, None
     from spmdkit.core.reshard import CostModel
-    from spmdkit.cost.compute import cost_model, estimate_step, guess_tokens, load_device, recost
 
     device = load_device(str(device_text)) if device_text else None
     nodes = parse_size("--nodes-of", nodes_text, 1 << 20)

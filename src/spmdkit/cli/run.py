@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn, TextIO
 
 from spmdkit.core.errors import ProgramError
+from spmdkit.cost.devices import load_device
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
@@ -284,8 +285,6 @@ def _check_kernels_and_device(ns: argparse.Namespace, plan: Any) -> None:
         except ProgramError as exc:
             raise RunUsageError(str(exc)) from None
     if ns.device is not None:
-        from spmdkit.cost.compute import load_device
-
         try:
             load_device(ns.device)
         except ProgramError as exc:

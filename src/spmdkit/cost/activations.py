@@ -11,7 +11,7 @@ A tensor held gathered by an all-gather right after its producer (sequence paral
 normalised activations, which the column-parallel projections read whole) is kept as the
 shard its producer made and gathered again for the backward, as Megatron-LM does
 (Korthikanti et al. 2022, section 4.2.2): :attr:`ActivationMemory.regathered` lists those
-all-gathers, which :func:`spmdkit.cost.compute.estimate_step` adds to the backward.
+all-gathers, which :func:`spmdkit.cost.step.estimate_step` adds to the backward.
 
 Recomputation (``recompute``):
 

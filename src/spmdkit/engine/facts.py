@@ -5,8 +5,9 @@ and, beside each, the op's other facts with :func:`facts`:
 
 * ``shape``: the global output shapes the op makes from its input shapes and attributes
   (``Program.validate`` refuses a program whose declared output shapes contradict its op);
-* ``cost``: the op's FLOPs and bytes on one device from its local (sharded) tensors, and the
-  collectives its kernel runs inside itself (the cost model times them);
+* ``cost``: the op's FLOPs and bytes on one device (an :class:`OpCost`) from its local (sharded)
+  tensors (a :class:`LocalOp`); ``collectives``: the all-reduces its kernel runs inside itself
+  (a :class:`ClassAllReduces`; the cost model times them);
 * ``wrt``: the inputs the op is differentiated against, and the grad op that does it (autodiff);
   ``grad_reads``: the grad op's parameters that read a forward output of another name;
 * ``unchecked``: why an output's shape is not (fully) checked (its size is not fixed by the
@@ -23,9 +24,93 @@ The engine only keeps the table: it knows nothing of particular ops, and the lay
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+#: a tensor on one device: its local (largest-shard) shape, itemsize and dtype
+LocalTensor = tuple[tuple[int, ...], int, str]
+
+
+def _numel(shape: Iterable[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+class LocalOp:
+    """An op on one device, the argument of its family's cost function: its rule name (as the
+    program spells it) and attributes, ``ins[param]`` (a list: a vector parameter has several;
+    an absent input has no entry) and ``outs`` (per output position, None where absent)."""
+
+    __slots__ = ("attrs", "ins", "outs", "rule")
+
+    def __init__(self, rule: str, attrs: Mapping[str, Any], ins: dict[str, list[LocalTensor]],
+                 outs: list[LocalTensor | None]) -> None:
+        self.rule = rule
+        self.attrs = attrs
+        self.ins = ins
+        self.outs = outs
+
+    def one(self, p: str) -> LocalTensor | None:
+        a = self.ins.get(p)
+        return a[0] if a else None
+
+    def attr(self, name: str, default: Any = None) -> Any:
+        return self.attrs.get(name, default)
+
+    @property
+    def in_bytes(self) -> int:
+        return sum(_numel(s) * b for args in self.ins.values() for s, b, _ in args)
+
+    @property
+    def out_bytes(self) -> int:
+        return sum(_numel(o[0]) * o[1] for o in self.outs if o is not None)
+
+    @property
+    def out_numel(self) -> int:
+        return sum(_numel(o[0]) for o in self.outs if o is not None)
+
+    def first_out(self) -> LocalTensor | None:
+        return next((o for o in self.outs if o is not None), None)
+
+    def dtype(self) -> str:
+        for args in self.ins.values():
+            for _, _, dt in args:
+                return dt
+        o = self.first_out()
+        return o[2] if o else "float32"
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """One op on one device: FLOPs executed, model FLOPs (without a kernel's recomputation),
+    bytes read + written in device memory, whether it runs on the tensor cores (at the matmul
+    peak of ``dtype``), and whether its rule is costed at all. (Its time on a device:
+    :meth:`spmdkit.cost.devices.Device.op_time`.)"""
+
+    flops: float
+    model_flops: float
+    bytes: float
+    matmul: bool = False
+    dtype: str = "float32"
+    covered: bool = True
+
+
+#: a family's cost function
+CostFn = Callable[[LocalOp], OpCost]
+
+
+@dataclass(frozen=True)
+class ClassAllReduces:
+    """The all-reduces an op's kernel runs itself over the ranks sharing the class (last) axis of
+    its input ``x`` (a vocab-parallel loss): one per ``(what, reduce type)`` in ``reductions``, of
+    a float32 buffer of one element per row. The rows are ``x``'s without its class axis, or,
+    with ``rows_of``, every element of that input (a multi-label loss's labels)."""
+
+    reductions: tuple[tuple[str, str], ...]
+    rows_of: str | None = None
 
 
 @dataclass(frozen=True)
@@ -33,21 +118,22 @@ class OpFacts:
     """One rule's facts; a field is None where the family declares none."""
 
     shape: Callable[..., Any] | None = None
-    cost: Callable[..., Any] | None = None
+    cost: CostFn | None = None
     grad: str | None = None
     wrt: tuple[str, ...] | None = None
     grad_reads: tuple[tuple[str, str], ...] | None = None
     unchecked: str | None = None
     grad_like: tuple[str, ...] | None = None
+    collectives: ClassAllReduces | None = None
 
 
 _FACTS: dict[str, OpFacts] = {}
 
 
-def facts(*names: str, shape: Callable[..., Any] | None = None, cost: Callable[..., Any] | None = None,
+def facts(*names: str, shape: Callable[..., Any] | None = None, cost: CostFn | None = None,
           grad: str | None = None, wrt: tuple[str, ...] | None = None,
           grad_reads: tuple[tuple[str, str], ...] | None = None, unchecked: str | None = None,
-          grad_like: tuple[str, ...] | None = None) -> None:
+          grad_like: tuple[str, ...] | None = None, collectives: ClassAllReduces | None = None) -> None:
     """Declare facts of the rules ``names`` (a fact given again for a name replaces the earlier one;
     facts not given keep what an earlier call declared)."""
     if not names:
@@ -58,7 +144,8 @@ def facts(*names: str, shape: Callable[..., Any] | None = None, cost: Callable[.
                                grad if grad is not None else old.grad, wrt if wrt is not None else old.wrt,
                                grad_reads if grad_reads is not None else old.grad_reads,
                                unchecked if unchecked is not None else old.unchecked,
-                               grad_like if grad_like is not None else old.grad_like)
+                               grad_like if grad_like is not None else old.grad_like,
+                               collectives if collectives is not None else old.collectives)
 
 
 def facts_of(name: str) -> OpFacts:
@@ -74,4 +161,5 @@ def declared() -> frozenset[str]:
 
 _NONE = OpFacts()
 
-__all__ = ["OpFacts", "declared", "facts", "facts_of"]
+__all__ = ["ClassAllReduces", "CostFn", "LocalOp", "LocalTensor", "OpCost", "OpFacts", "declared", "facts",
+           "facts_of"]

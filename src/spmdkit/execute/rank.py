@@ -53,6 +53,9 @@ import torch.distributed as dist
 from spmdkit.core.dist_attr import ReduceType, TensorDistAttr
 from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.core.reshard import Step, local_bytes, plan_reshard
+from spmdkit.cost.compute import kernel_collectives
+from spmdkit.cost.devices import cost_model, load_device, recost
+from spmdkit.cost.step import estimate_step
 from spmdkit.execute.launch import free_port, launch_local, port_in_use, uneven_shards
 from spmdkit.program.plan import Plan
 from spmdkit.sim.mesh import AssembleError, arrays_close, assemble, max_abs_error, nonfinite_count, shard
@@ -818,8 +821,6 @@ def predicted_timing(plan: Plan, device_name: str) -> tuple[dict[str, dict[str, 
     as the executor runs it: compute (roofline time of the ops), comm (each reshard's
     collectives in the phase of the op that needs them, and the collectives inside kernels),
     all serial (the executor overlaps nothing). Returns (seconds, the device's name)."""
-    from spmdkit.cost.compute import cost_model, estimate_step, kernel_collectives, load_device, recost
-
     dev = load_device(device_name)
     timed = recost(plan, cost_model(plan.mesh, dev))
     est = estimate_step(timed, dev)

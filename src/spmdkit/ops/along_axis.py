@@ -51,6 +51,7 @@ from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import BROADCAST, Coshard, Notation, letters_for
 from spmdkit.engine.outshape import Args, Expect, same
 from spmdkit.ops._common import check_same_ndim
+from spmdkit.ops._cost import copy, lookup, scatter_grad
 
 Shape = tuple[int, ...]
 
@@ -212,3 +213,10 @@ def _take_shape(a: Args) -> list[Expect]:
 facts("put_along_axis", "index_put", shape=same)
 facts("take_along_axis", shape=_take_shape, grad="take_along_axis_grad", wrt=("x",))
 facts("put_along_axis_grad", "index_put_grad", grad_like=("x", "value"))
+
+
+# -- cost
+
+facts("take_along_axis", cost=lookup)
+facts("take_along_axis_grad", cost=scatter_grad)
+facts("put_along_axis", "put_along_axis_grad", "index_put", "index_put_grad", cost=copy)

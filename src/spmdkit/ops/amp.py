@@ -30,6 +30,7 @@ from spmdkit.engine.declare import Answer, Way, declare
 from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import BROADCAST, Notation, Taken
 from spmdkit.engine.outshape import Args, Expect
+from spmdkit.ops._cost import copy
 
 _CFU = "check_finite_and_unscale"
 _ULS = "update_loss_scaling"
@@ -146,3 +147,8 @@ def _uls_shape(a: Args) -> list[Expect]:
 
 facts(_CFU, shape=_cfu_shape, unchecked="found_infinite is a flag whose shape the kernel picks; out is checked")
 facts(_ULS, shape=_uls_shape)
+
+
+# -- cost
+
+facts(_CFU, _ULS, cost=copy)

@@ -52,11 +52,12 @@ from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.axes import make_attr, one_mesh_dim
 from spmdkit.engine.declare import Answer, Way, declare
-from spmdkit.engine.facts import facts
+from spmdkit.engine.facts import LocalOp, OpCost, facts
 from spmdkit.engine.notation import BROADCAST, Conflict, Coshard, Notation
 from spmdkit.engine.outshape import Args, Expect, UnknownShape
 from spmdkit.engine.signature import parse_signature
 from spmdkit.ops._absent import zero_d_absent
+from spmdkit.ops._cost import by_bytes
 
 # ---------------------------------------------------------------------------
 # flash_attention
@@ -348,3 +349,35 @@ facts("flash_attention", shape=_flash_attention_shape, grad="flash_attention_gra
 facts("fused_rotary_position_embedding", shape=_rope_shape, grad="fused_rotary_position_embedding_grad",
       wrt=("q", "k", "v"))
 facts("fused_rotary_position_embedding_grad", grad_like=("out_q_grad", "out_k_grad", "out_v_grad"))
+
+
+# -- cost
+
+
+def _fwd_flops(c: LocalOp) -> float:
+    """QK^T and PV of flash attention (q [b, sq, h, d], k [b, sk, hk, d], v [b, sk, hk, dv]):
+    ``2·b·h·sq·sk·(d + dv)``, halved when causal (the kernel skips the masked blocks)."""
+    q, k, v = c.one("q"), c.one("k"), c.one("v")
+    assert q is not None and k is not None and v is not None
+    b, sq, h, d = q[0][-4], q[0][-3], q[0][-2], q[0][-1]
+    sk, dv = k[0][-3], v[0][-1]
+    f = 2.0 * b * h * sq * sk * (d + dv)
+    return f / 2 if c.attr("causal", False) else f
+
+
+def _attention_cost(c: LocalOp) -> OpCost:
+    f = _fwd_flops(c)
+    return OpCost(f, f, c.in_bytes + c.out_bytes, True, c.dtype())
+
+
+def _attention_grad_cost(c: LocalOp) -> OpCost:
+    """The backward recomputes QK^T: five matmuls to the forward's two (2.5x executed), the
+    model counts 2x (FlashAttention's own accounting)."""
+    f = _fwd_flops(c)
+    return OpCost(2.5 * f, 2.0 * f, c.in_bytes + c.out_bytes, True, c.dtype())
+
+
+facts("flash_attention", cost=_attention_cost)
+facts("flash_attention_grad", cost=_attention_grad_cost)
+#: rotary embedding: memory-bound, 3 nominal FLOPs per output element (forward and grad)
+facts("fused_rotary_position_embedding", "fused_rotary_position_embedding_grad", cost=by_bytes(3))

@@ -64,10 +64,11 @@ from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec as T
 from spmdkit.engine.axes import largest_mesh_dim, mesh_size
 from spmdkit.engine.declare import Answer, Way, declare
-from spmdkit.engine.facts import facts
+from spmdkit.engine.facts import LocalOp, LocalTensor, OpCost, facts
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import ALPHABET, BROADCAST, Coshard, Notation
 from spmdkit.engine.outshape import Args, Expect, UnknownShape
+from spmdkit.ops._cost import by_bytes, numel
 
 _make = TensorDistAttr.unchecked
 
@@ -464,3 +465,43 @@ facts("instance_norm", shape=_instance_norm_shape)
 facts("roi_align", shape=_roi_align_shape)
 for _op in ("conv2d", "conv3d"):  # autodiff: HF models' patch-embedding convolutions
     facts(_op, grad=f"{_op}_grad", wrt=("input", "filter"))
+
+
+# -- cost
+
+
+def _conv_flops(c: LocalOp, t: LocalTensor | None, grads: bool) -> OpCost:
+    """``2 · elements of t · (in channels / groups · kernel elements)`` (filter [m, c/g, ...]),
+    once per input gradient made for a grad."""
+    w = c.one("filter")
+    assert w is not None and t is not None
+    n = sum(1 for o in c.outs[:2] if o is not None) if grads else 1
+    f = 2.0 * numel(t[0]) * numel(w[0][1:]) * n
+    return OpCost(f, f, c.in_bytes + c.out_bytes, True, c.dtype())
+
+
+def _conv_cost(c: LocalOp) -> OpCost:
+    return _conv_flops(c, c.first_out(), False)
+
+
+def _conv_grad_cost(c: LocalOp) -> OpCost:
+    return _conv_flops(c, c.one("output_grad") or c.one("out_grad"), True)
+
+
+def _conv_transpose_cost(c: LocalOp) -> OpCost:
+    return _conv_flops(c, c.one("input"), False)
+
+
+def _conv_transpose_grad_cost(c: LocalOp) -> OpCost:
+    return _conv_flops(c, c.one("input"), True)
+
+
+facts("conv2d", "conv3d", "depthwise_conv2d", cost=_conv_cost)
+facts("conv2d_grad", "conv3d_grad", "depthwise_conv2d_grad", cost=_conv_grad_cost)
+facts("conv2d_transpose", cost=_conv_transpose_cost)
+facts("conv2d_transpose_grad", cost=_conv_transpose_grad_cost)
+#: the norms: memory-bound, nominal FLOPs per output element
+facts("batch_norm", "group_norm", "instance_norm", cost=by_bytes(8))
+facts("batch_norm_grad", "group_norm_grad", "instance_norm_grad", cost=by_bytes(12))
+#: roi_align: 4 bilinear taps per sample
+facts("roi_align", "roi_align_grad", cost=by_bytes(16))

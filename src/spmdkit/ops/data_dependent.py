@@ -25,6 +25,7 @@ from spmdkit.engine.declare import Way, declare
 from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import BROADCAST, Notation
 from spmdkit.engine.outshape import Args, Expect, Shape, UnknownShape, axis_of
+from spmdkit.ops._cost import copy
 
 
 def replicated(ins: tuple[int, ...], outs: tuple[int, ...]) -> Notation:
@@ -114,3 +115,8 @@ facts("nonzero", shape=_nonzero_shape,
 facts("unique", shape=_unique_shape,
       unchecked="out's, indices' and counts' length is the number of distinct values (data); inverse and out's "
                 "other axes are checked")
+
+
+# -- cost
+
+facts("nonzero", "unique", cost=copy)

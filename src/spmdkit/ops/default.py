@@ -24,6 +24,7 @@ from spmdkit.engine.declare import Way, declare
 from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import BROADCAST, Conflict, Coshard, Notation
 from spmdkit.engine.outshape import Args, Expect, UnknownShape
+from spmdkit.ops._cost import copy
 
 
 def notation(how: str, ins: tuple[int, ...], outs: tuple[int, ...]) -> Notation:
@@ -60,3 +61,10 @@ def _outs_shape(a: Args) -> list[Expect]:
 
 
 facts("default_data_parallel", "replicated", shape=_outs_shape)
+
+
+# -- cost
+
+#: replicated (the importer's stand-in for an op it could not map) has no cost: a plan's step
+#: estimate lists it as uncovered
+facts("default_data_parallel", cost=copy)

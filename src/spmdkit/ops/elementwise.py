@@ -34,6 +34,7 @@ from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import BROADCAST, Coshard, Notation, UnitAxes, letters_for
 from spmdkit.engine.outshape import Args, Expect, broadcast, same
 from spmdkit.ops._common import out_grad_partial, x_partial
+from spmdkit.ops._cost import by_bytes, fill, one_per_element
 
 _make = TensorDistAttr.unchecked
 Attrs = tuple[TensorDistAttr, ...]
@@ -274,3 +275,17 @@ for _n in ("gelu", "scale", "dropout", "square", "rsqrt", "silu", "sqrt", "relu"
     facts(_n, grad=f"{_n}_grad", wrt=("x",))
 for _n in ("add", "multiply", "subtract", "divide", "elementwise_pow"):
     facts(_n, grad=f"{_n}_grad", wrt=("x", "y"))
+
+
+# -- cost
+
+#: memory-bound: every input read and output written once, one nominal FLOP per output element
+facts(*UNARY_OPS, *BINARY_OPS, *(f"{n}_grad" for names in UNARY_GRADS.values() for n in names.split()),
+      *(f"{n}_grad" for n in BINARY_GRADS), "multiply", "cast", "cast_grad", "pow_grad", "divide_grad", "dropout_grad",
+      cost=one_per_element)
+facts("fill", cost=fill)
+#: nominal FLOPs per output element of the activations that cost more than one
+facts("gelu", cost=by_bytes(8))
+facts("gelu_grad", cost=by_bytes(10))
+facts("silu", cost=by_bytes(4))
+facts("silu_grad", cost=by_bytes(6))

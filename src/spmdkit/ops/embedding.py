@@ -38,6 +38,7 @@ from spmdkit.engine.declare import Way, declare
 from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import ALPHABET, Coshard, Notation
 from spmdkit.engine.outshape import Args, Expect, UnknownShape
+from spmdkit.ops._cost import copy, lookup, scatter_grad
 
 # batch letters of the ids: the alphabet without the weight's j (vocab) and k (hidden)
 _BATCH = "abcdefghilmnopqrstuvwxyz"
@@ -176,3 +177,10 @@ facts("embedding", shape=_embedding_shape, grad="embedding_grad", wrt=("weight",
 facts("c_embedding", shape=_c_embedding_shape)
 facts("one_hot", shape=_one_hot_shape)
 facts("embedding_grad", "c_embedding_grad", grad_like=("weight",))
+
+
+# -- cost
+
+facts("embedding", "c_embedding", cost=lookup)
+facts("embedding_grad", "c_embedding_grad", cost=scatter_grad)
+facts("one_hot", cost=copy)

@@ -44,6 +44,7 @@ from spmdkit.engine.notation import BROADCAST, Conflict, Coshard, Notation, Unit
 from spmdkit.engine.outshape import Args, Expect, UnknownShape, broadcast
 from spmdkit.ops._absent import absent_0d
 from spmdkit.ops._common import check_like, check_same_shape, out_grad_partial
+from spmdkit.ops._cost import by_bytes, one_per_element
 
 
 def binary(n_in: int, outs: int, nd: int, y: int, unit: int, seed: int = -2) -> Notation:
@@ -202,3 +203,11 @@ def _dropout_add_shape(a: Args) -> list[Expect]:
 facts("swiglu", shape=_swiglu_shape, grad="swiglu_grad", wrt=("x", "y"))
 facts("fused_dropout_add", shape=_dropout_add_shape)
 facts("fused_dropout_add_grad", grad_like=("=", "="))
+
+
+# -- cost
+
+facts("fused_dropout_add", "fused_dropout_add_grad", cost=one_per_element)
+#: nominal FLOPs per output element
+facts("swiglu", cost=by_bytes(5))
+facts("swiglu_grad", cost=by_bytes(8))

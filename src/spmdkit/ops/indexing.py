@@ -58,6 +58,7 @@ from spmdkit.engine.declare import Answer, Way, declare, ones
 from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import ALPHABET, BROADCAST, Coshard, Notation, letters_for
 from spmdkit.engine.outshape import Args, Expect, UnknownShape, axis_of, broadcast, same
+from spmdkit.ops._cost import copy, lookup, one_per_element, scatter_grad
 
 # Every mode but where's forward checks per call that each letter has one size over its tensors
 # (``letters=True``): the shapes of out / out_grad / updates against x and the index.
@@ -354,3 +355,11 @@ facts("scatter", "scatter_nd_add", shape=same)
 facts("where", shape=_where_shape, grad="where_grad", wrt=("x", "y"))
 facts("scatter_grad", "scatter_nd_add_grad", grad_like=("=", "updates"))
 facts("where_grad", grad_like=("x", "y"))
+
+
+# -- cost
+
+facts("gather", "gather_nd", "index_select", cost=lookup)
+facts("gather_grad", "gather_nd_grad", "index_select_grad", cost=scatter_grad)
+facts("scatter", "scatter_grad", "scatter_nd_add", "scatter_nd_add_grad", cost=copy)
+facts("where", "where_grad", cost=one_per_element)

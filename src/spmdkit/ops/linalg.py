@@ -64,13 +64,14 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec as T
 from spmdkit.engine.axes import replicated_like
 from spmdkit.engine.declare import Answer, Way, declare
-from spmdkit.engine.facts import facts
+from spmdkit.engine.facts import LocalOp, OpCost, facts
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import BROADCAST, Conflict, Notation, Taken
 from spmdkit.engine.outshape import Args, Expect, UnknownShape, broadcast
 from spmdkit.ops import matmul
 from spmdkit.ops._absent import absent_0d
 from spmdkit.ops._common import check_same_shape
+from spmdkit.ops._cost import numel
 
 Shape = tuple[int, ...]
 _make = TensorDistAttr.unchecked
@@ -480,3 +481,50 @@ facts("fused_gemm_epilogue", shape=_gemm_shape, unchecked="reserve_space is kern
 facts("fused_linear_param_grad_add", shape=_flpga_shape)
 facts("fused_gemm_epilogue_grad", shape=_gemm_grad_shape)
 facts("linear_v2_grad", shape=_linear_v2_grad_shape)
+
+
+# -- cost
+
+
+def _param_grad_add_cost(c: LocalOp) -> OpCost:
+    """dweight ``+= x^T dout``: ``2 · dout elements · k``."""
+    x, dout = c.one("x"), c.one("dout")
+    assert x is not None and dout is not None
+    k = x[0][-1] if x[0] else 1
+    f = 2.0 * numel(dout[0]) * k
+    return OpCost(f, f, c.in_bytes + c.out_bytes, True, c.dtype())
+
+
+def _einsum_flops(c: LocalOp) -> float | None:
+    """One multiply-add per point of the letters' product space (one op per point for a single
+    operand); None where the equation's operands are not all plain letters."""
+    eq = str(c.attr("equation", ""))
+    lhs = eq.split("->")[0]
+    terms = lhs.split(",")
+    xs = c.ins.get("inputs") or c.ins.get("x") or []
+    if "." in eq or len(terms) != len(xs):
+        return None
+    size: dict[str, int] = {}
+    for t, (s, _, _) in zip(terms, xs):
+        if len(t) != len(s):
+            return None
+        for ch, n in zip(t, s):
+            size[ch] = max(size.get(ch, 1), n)
+    return (2.0 if len(xs) > 1 else 1.0) * numel(size.values())
+
+
+def _einsum_cost(c: LocalOp) -> OpCost:
+    """The forward's FLOPs, times the input gradients made for einsum_grad; an equation with an
+    ellipsis is not costed."""
+    f = _einsum_flops(c)
+    if f is None:
+        return OpCost(0.0, 0.0, c.in_bytes + c.out_bytes, covered=False)
+    if c.rule.endswith("_grad"):
+        f *= max(1, sum(1 for o in c.outs if o is not None))
+    return OpCost(f, f, c.in_bytes + c.out_bytes, True, c.dtype())
+
+
+facts("bmm", "fused_gemm_epilogue", "linear_v2", cost=matmul.cost)
+facts("bmm_grad", "fused_gemm_epilogue_grad", "linear_v2_grad", cost=matmul.grad_cost)
+facts("fused_linear_param_grad_add", cost=_param_grad_add_cost)
+facts("einsum", "einsum_grad", cost=_einsum_cost)

@@ -71,9 +71,10 @@ from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.axes import make_attr, normalize_axis, one_mesh_dim, unpartial
 from spmdkit.engine.declare import Answer, Way, declare
-from spmdkit.engine.facts import facts
+from spmdkit.engine.facts import ClassAllReduces, facts
 from spmdkit.engine.notation import ALPHABET, BROADCAST, Coshard, Notation, letters_for
 from spmdkit.engine.outshape import Args, Expect, UnknownShape, axis_of, same, scalar
+from spmdkit.ops._cost import by_bytes, one_per_element
 
 # -- checks (the engine names the op; the typed attributes are coerced by the binding) -----------
 
@@ -405,3 +406,18 @@ facts("mean_all", shape=scalar)
 facts("cross_entropy_with_softmax_grad", "c_softmax_with_cross_entropy_grad",
       "c_softmax_with_multi_label_cross_entropy_grad", grad_like=("softmax",))
 facts("label_smooth_grad", grad_like=("=",))
+
+
+# -- cost
+
+_ML = "c_softmax_with_multi_label_cross_entropy"
+#: memory-bound, nominal FLOPs per output element
+facts("cross_entropy_with_softmax", "c_softmax_with_cross_entropy", _ML, cost=by_bytes(6))
+facts("cross_entropy_with_softmax_grad", "c_softmax_with_cross_entropy_grad", _ML + "_grad", cost=by_bytes(2))
+facts("label_smooth", "label_smooth_grad", "mean_all", "mean_all_grad", cost=one_per_element)
+#: the vocab-parallel losses all-reduce over the ranks sharing the class axis (Megatron-LM's
+#: vocab_parallel_cross_entropy, Paddle's c_softmax_with_cross_entropy kernel)
+facts("c_softmax_with_cross_entropy", collectives=ClassAllReduces(
+    (("row max of the logits", "max"), ("label logit", "sum"), ("sum of exp", "sum"))))
+facts(_ML, collectives=ClassAllReduces(
+    (("row max of the logits", "max"), ("label logits", "sum"), ("sum of exp", "sum")), rows_of="label"))

@@ -35,10 +35,11 @@ from functools import lru_cache
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.declare import Way, declare
-from spmdkit.engine.facts import facts
+from spmdkit.engine.facts import LocalOp, LocalTensor, OpCost, facts
 from spmdkit.engine.notation import Conflict, Notation, Size1, Sizes
 from spmdkit.engine.outshape import Args, Expect, UnknownShape, broadcast
 from spmdkit.ops._common import check_same_shape
+from spmdkit.ops._cost import numel
 
 Shape = tuple[int, ...]
 
@@ -179,3 +180,59 @@ def _matmul_shape(a: Args) -> list[Expect]:
 
 
 facts("matmul", shape=_matmul_shape, grad="matmul_grad", wrt=("x", "y"))
+
+
+# -- cost
+
+
+def k_of(x: LocalTensor, trans: bool) -> int:
+    """The contraction length of a matmul operand ``x`` (its last axis, the one before when
+    transposed; a 1-D x is all contraction)."""
+    s = x[0]
+    if len(s) == 0:
+        return 1
+    if len(s) == 1:
+        return s[0]
+    return s[-2] if trans else s[-1]
+
+
+def _out_numel(c: LocalOp) -> int:
+    """Elements of the (local) product, from x and y (``input`` and ``weight`` for a linear)."""
+    x, y = c.one("x") or c.one("input"), c.one("y") or c.one("weight")
+    tx = bool(c.attr("trans_x", False))
+    ty = bool(c.attr("trans_y", c.attr("transpose_weight", False)))
+    assert x is not None and y is not None
+    xs, ys = x[0], y[0]
+    m = 1 if len(xs) < 2 else (xs[-1] if tx else xs[-2])
+    n = 1 if len(ys) < 2 else (ys[-2] if ty else ys[-1])
+    bx, by = xs[:-2], ys[:-2]
+    nb = max(len(bx), len(by))
+    bx = (1,) * (nb - len(bx)) + tuple(bx)
+    by = (1,) * (nb - len(by)) + tuple(by)
+    batch = numel(max(a, b) for a, b in zip(bx, by))
+    return batch * m * n
+
+
+def _contraction(c: LocalOp) -> int:
+    x = c.one("x") or c.one("input")
+    assert x is not None
+    return k_of(x, bool(c.attr("trans_x", False)))
+
+
+def cost(c: LocalOp) -> OpCost:
+    """``2mnk`` (batched, transposed; plus ``mn`` for a bias), on the tensor cores."""
+    f = 2.0 * _out_numel(c) * _contraction(c)
+    if c.one("bias") is not None:
+        f += _out_numel(c)
+    return OpCost(f, f, c.in_bytes + c.out_bytes, True, c.dtype())
+
+
+def grad_cost(c: LocalOp) -> OpCost:
+    """``2mnk`` per input gradient made (x_grad, y_grad)."""
+    grads = sum(1 for o in c.outs[:2] if o is not None)
+    f = 2.0 * _out_numel(c) * _contraction(c) * grads
+    return OpCost(f, f, c.in_bytes + c.out_bytes, True, c.dtype())
+
+
+facts("matmul", cost=cost)
+facts("matmul_grad", cost=grad_cost)

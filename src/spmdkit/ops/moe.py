@@ -50,6 +50,7 @@ from spmdkit.engine.declare import Answer, Way, declare
 from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import Coshard, Notation
 from spmdkit.engine.outshape import Args, Expect, UnknownShape
+from spmdkit.ops._cost import copy
 
 # every co-shard read as its largest mesh dim (Paddle's merge); letters of one size checked
 _COMBINE = Notation(["th", "sk", "sk"], ["sh"], replicated="t", coshard=Coshard.LARGEST)
@@ -154,3 +155,8 @@ facts("moe_gate_dispatch", shape=_dispatch_shape,
       unchecked="y is checked in the padded layout only (the rule's rank-3 answer, [E, capacity, H])")
 facts("moe_gate_dispatch_grad", shape=_dispatch_grad_shape)
 facts("moe_combine_grad", grad_like=("x", "combine_weights", "scatter_index"))
+
+
+# -- cost
+
+facts("moe_gate_dispatch", "moe_gate_dispatch_grad", "moe_combine", "moe_combine_grad", cost=copy)

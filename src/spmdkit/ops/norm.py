@@ -40,6 +40,7 @@ from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import BROADCAST, Coshard, Notation, ReplicatedClaims, letters_for
 from spmdkit.engine.outshape import Args, Expect, UnknownShape, axis_of
 from spmdkit.ops._absent import absent_0d
+from spmdkit.ops._cost import by_bytes
 
 
 def notation(kind: str, nd: int, bna: int, *ranks: int) -> Notation:
@@ -172,3 +173,12 @@ def _rms_norm_shape(a: Args) -> list[Expect]:
 facts("layer_norm", shape=_layer_norm_shape, grad="layer_norm_grad", wrt=("x", "scale", "bias"))
 facts("fused_rms_norm", shape=_rms_norm_shape, grad="rms_norm_grad", wrt=("x", "scale"))
 facts("rms_norm_grad", grad_like=("x", "scale"))
+
+
+# -- cost
+
+#: memory-bound, nominal FLOPs per output element
+facts("layer_norm", cost=by_bytes(8))
+facts("layer_norm_grad", cost=by_bytes(12))
+facts("fused_rms_norm", cost=by_bytes(5))
+facts("rms_norm_grad", cost=by_bytes(8))

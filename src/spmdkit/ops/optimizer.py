@@ -48,6 +48,7 @@ from spmdkit.engine.declare import Way, declare
 from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import BROADCAST, Conflict, Notation, Order, Taken, letters_for
 from spmdkit.engine.outshape import Args, Expect, ShapeFn
+from spmdkit.ops._cost import by_bytes, copy, one_per_element
 
 
 def notation(nd: int, lr: int, m2max: bool, b1: int, b2: int, master: bool, skip: int, amsgrad: bool,
@@ -191,3 +192,12 @@ facts("sgd", shape=_in_place("param", "master_param"))
 facts("coalesce_tensor", shape=_coalesce_shape,
       unchecked="fused_output's size when align_size or size_of_dtype is -1 (the place's and dtype's defaults); "
                 "output is checked")
+
+
+# -- cost
+
+#: nominal FLOPs per parameter element
+facts("adamw", cost=by_bytes(6))
+facts("adam", cost=by_bytes(5))
+facts("sgd", cost=one_per_element)
+facts("coalesce_tensor", cost=copy)

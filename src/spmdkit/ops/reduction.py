@@ -71,6 +71,7 @@ from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import ALPHABET, BROADCAST, Coshard, Notation, Order, Taken, letters_for
 from spmdkit.engine.outshape import over_axis_or_all, reduced, scalar
 from spmdkit.ops._common import check_same_shape, x_partial
+from spmdkit.ops._cost import one_per_element
 
 #: Paddle's ReduceType enum, ``reduce_base``'s ``reduce_type``: 0 sum, 1 max, 2 min, 3 prod, 4 avg, 5 any, 6 all
 REDUCE_TYPES: dict[int, ReduceType] = dict(
@@ -291,6 +292,11 @@ facts("p_norm", shape=over_axis_or_all("asvector"))
 facts("numel", shape=scalar)
 for _name in ("mean", "sum"):  # autodiff: the built-in models' losses and means
     facts(_name, grad=f"{_name}_grad", wrt=("x",))
+
+
+# -- cost
+
+facts(*REDUCTION_OPS, *REDUCTION_GRADS, "reduce_base", "p_norm", "p_norm_grad", "numel", cost=one_per_element)
 
 
 __all__ = [

@@ -70,6 +70,7 @@ from spmdkit.engine.notation import BROADCAST, Coshard, Notation, letters_for
 from spmdkit.engine.outshape import Args, Expect, UnknownShape, axis_of, broadcast, over_axis_or_all, reduced, same
 from spmdkit.engine.tensors import with_partial
 from spmdkit.ops._common import check_same_ndim, check_same_shape, x_partial
+from spmdkit.ops._cost import by_bytes, copy, fill, no_kernel, one_per_element
 from spmdkit.ops.reduction import as_given, check_reduced, reduced_letters
 
 Attrs = Sequence[Any]
@@ -325,3 +326,13 @@ facts("topk", shape=_topk_shape)
 facts("logsumexp", shape=reduced)
 facts("add_n", shape=_add_n_shape)
 facts("add_n_grad", grad_like=("inputs",))
+
+
+# -- cost
+
+facts("triu", "triu_grad", "tril_triu", "tril_triu_grad", "cumsum", "cumsum_grad", "topk", "topk_grad", cost=copy)
+facts("argmax", "argmin", "logsumexp", "logsumexp_grad", "add_n", cost=one_per_element)
+#: add_n's grad hands out_grad to every input: no FLOPs
+facts("add_n_grad", cost=by_bytes(0))
+facts("full_like", "ones_like", "zeros_like", cost=fill)
+facts("empty_like", cost=no_kernel)

@@ -54,6 +54,7 @@ from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import BROADCAST, Coshard, Notation, letters_for
 from spmdkit.engine.outshape import Args, Expect, UnknownShape, axis_of
 from spmdkit.engine.shapes import mismatch
+from spmdkit.ops._cost import copy
 
 T = DistTensorSpec
 Ints = tuple[int, ...]
@@ -369,3 +370,9 @@ facts("slice", shape=_slice_shape, grad="slice_grad", wrt=("input",))
 facts("strided_slice", shape=_strided_slice_shape)
 facts("pad", shape=_pad_shape, grad="pad_grad", wrt=("x",))
 facts("pad_grad", shape=_pad_grad_shape)
+
+
+# -- cost
+
+facts("expand", "expand_grad", "expand_as", "expand_as_grad", "pad", "pad_grad", "slice", "slice_grad",
+      "strided_slice", "strided_slice_grad", "tile", "tile_grad", cost=copy)

@@ -23,6 +23,7 @@ from spmdkit.engine.declare import Way, declare
 from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import Conflict, Notation, Order, letters_for
 from spmdkit.engine.outshape import same
+from spmdkit.ops._cost import by_bytes
 
 
 def notation(ndim: int, axis: int, grad: bool = False) -> Notation:
@@ -57,3 +58,10 @@ facts("softmax", "log_softmax", shape=same)
 facts("softmax_grad", "log_softmax_grad", grad_like=("=",))  # x_grad has out_grad's shape
 for _name in ("softmax", "log_softmax"):
     facts(_name, grad=f"{_name}_grad", wrt=("x",))
+
+
+# -- cost
+
+#: memory-bound, nominal FLOPs per output element
+facts("softmax", "log_softmax", cost=by_bytes(5))
+facts("softmax_grad", "log_softmax_grad", cost=by_bytes(3))

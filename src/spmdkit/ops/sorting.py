@@ -36,6 +36,7 @@ from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import Coshard, Notation, letters_for
 from spmdkit.engine.outshape import same
 from spmdkit.ops._common import check_same_ndim
+from spmdkit.ops._cost import copy
 
 
 def notation(n_in: int, n_out: int, coshard: Coshard, nd: int, axis: int, source: int = -1) -> Notation:
@@ -104,3 +105,8 @@ declare(
 # -- output shapes --------------------------------------------------------------------------------
 
 facts("argsort", "cummax", "cummin", "roll", shape=same)
+
+
+# -- cost
+
+facts("argsort", "argsort_grad", "cummax", "cummax_grad", "cummin", "cummin_grad", "roll", "roll_grad", cost=copy)

@@ -46,6 +46,7 @@ from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import Conflict, Coshard, Notation, PartialMerge, letters_for
 from spmdkit.engine.outshape import Args, Expect, UnknownShape, axis_of, broadcast
 from spmdkit.engine.shapes import mismatch
+from spmdkit.ops._cost import copy
 
 T = DistTensorSpec
 #: The most outputs a split / unbind / stack_grad answers (see the module docstring).
@@ -367,3 +368,9 @@ facts("unbind_grad", shape=_unbind_grad_shape)
 facts("stack_grad", shape=_stack_grad_shape)
 for _name in ("split", "split_with_num", "unbind", "concat", "stack"):  # autodiff: a list of gradients
     facts(_name, grad=f"{_name}_grad", wrt=("x",))
+
+
+# -- cost
+
+facts("concat", "concat_grad", "split", "split_grad", "split_with_num", "split_with_num_grad", "stack",
+      "stack_grad", "unbind", "unbind_grad", cost=copy)

@@ -22,6 +22,7 @@ from spmdkit.engine.notation import Notation, letters_for
 from spmdkit.engine.outshape import Args, Expect, UnknownShape
 from spmdkit.engine.tensors import with_partial
 from spmdkit.ops._common import out_grad_partial, x_partial
+from spmdkit.ops._cost import copy
 
 
 def _perm(perm: tuple[int, ...], ndim: int) -> tuple[int, ...]:
@@ -88,3 +89,8 @@ def _transpose_grad_shape(a: Args) -> list[Expect]:
 
 facts("transpose", shape=_transpose_shape, grad="transpose_grad", wrt=("x",))
 facts("transpose_grad", shape=_transpose_grad_shape)
+
+
+# -- cost
+
+facts("transpose", "transpose_grad", cost=copy)

@@ -36,6 +36,7 @@ from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import Notation
 from spmdkit.engine.outshape import Args, Expect, ShapeFn, UnknownShape, axis_of
 from spmdkit.ops._common import x_partial
+from spmdkit.ops._cost import no_kernel
 
 #: The most axes one unsqueeze inserts (see the module docstring).
 MAX_NEW_AXES = 1024
@@ -277,3 +278,10 @@ for _op, _holder in (("reshape", "x_shape"), ("flatten", "xshape"), ("squeeze", 
     facts(f"{_op}_grad", shape=_view_grad_shape(_holder))
 for _op in ("reshape", "unsqueeze", "squeeze"):  # autodiff
     facts(_op, grad=f"{_op}_grad", wrt=("x",))
+
+
+# -- cost
+
+#: views: metadata only, no kernel
+facts("reshape", "squeeze", "unsqueeze", "flatten", "reshape_grad", "squeeze_grad", "unsqueeze_grad", "flatten_grad",
+      cost=no_kernel)

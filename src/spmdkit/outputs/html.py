@@ -14,7 +14,7 @@ page loads nothing from the network. Figures:
   it is partial over named;
 - per layer: the communication time (forward, backward, optimizer) and the memory held
   (parameters, gradients, optimizer states, activations kept for the backward);
-- the predicted step (:func:`spmdkit.cost.compute.estimate_step`, its ``timeline``): the
+- the predicted step (:func:`spmdkit.cost.step.estimate_step`, its ``timeline``): the
   phases, every op's compute and the blocking communication before it in program order, the
   gradient buckets on their own stream; with a pipeline the schedule of every pp rank;
 - the live memory over the step (:attr:`spmdkit.cost.memory.Memory.curve` plus what is held
@@ -38,7 +38,10 @@ from typing import Any
 
 from spmdkit.core.dist_attr import TensorDistAttr, entry_dims
 from spmdkit.core.errors import ProgramError
+from spmdkit.cost.compute import guess_tokens, kernel_collectives
+from spmdkit.cost.devices import preset_device
 from spmdkit.cost.memory import Memory, local_numel, memory_per_device
+from spmdkit.cost.step import estimate_step
 from spmdkit.outputs.report import fmt_bytes, fmt_time, placements, reshard_groups
 from spmdkit.program.plan import Plan
 
@@ -285,8 +288,6 @@ def layer_table(plan: Plan, memory: Memory) -> list[dict[str, Any]]:
     """Per layer (program order): communication seconds per phase (every reshard times its
     repeats, the collectives inside ops) and bytes held per device: parameters, gradients,
     optimizer states, activations kept for the backward."""
-    from spmdkit.cost.compute import kernel_collectives
-
     prog = plan.program
     of = tensor_layers(plan)
     rows: dict[str, dict[str, Any]] = {}
@@ -755,14 +756,12 @@ _HATCH = ('<svg width="0" height="0" style="position:absolute" aria-hidden="true
 def render_html(plan: Plan, title: str = "", memory: Memory | None = None, estimate: Any = None, *,
                 config: Any = None, recompute: str = "none", mesh: Any = None, ranks_per_node: int | None = None,
                 pipeline: Any = None, auto: Any = None, alternatives: Sequence[tuple[str, Plan]] = ()) -> str:
-    """The page (a str) for ``plan``. ``estimate``: its :class:`spmdkit.cost.compute.StepEstimate`
+    """The page (a str) for ``plan``. ``estimate``: its :class:`spmdkit.cost.step.StepEstimate`
     (without one the step is predicted on an H100, and the page says so); ``mesh``: the mesh to
     draw (the full one of a pipeline; default the plan's); ``pipeline``: a
     :class:`spmdkit.planner.pipeline.PipelineEstimate`; ``auto``: the search's
     :class:`spmdkit.planner.auto.AutoInfo`; ``alternatives``: (label, plan) of other plans of the same
     program, compared in the search section."""
-    from spmdkit.cost.compute import estimate_step, guess_tokens, preset_device
-
     prog = plan.program
     mem = memory or memory_per_device(plan, recompute)
     assumed = None

@@ -7,8 +7,9 @@ from collections import Counter
 from typing import Any, TextIO
 
 from spmdkit.core.dist_attr import TensorDistAttr, entry_dims
-from spmdkit.cost.compute import KernelCollective, StepEstimate, kernel_collectives
+from spmdkit.cost.compute import KernelCollective, kernel_collectives
 from spmdkit.cost.memory import Memory, memory_per_device, uneven_shards
+from spmdkit.cost.step import StepEstimate
 from spmdkit.io.codec import encode_attr
 from spmdkit.outputs.tables import print_table
 from spmdkit.program.plan import Plan, Reshard
@@ -254,7 +255,7 @@ def fmt_flops(f: float) -> str:
 
 
 def write_estimate(est: StepEstimate, out: TextIO) -> None:
-    """The predicted step (spmdkit.cost.compute.estimate_step) as a table and a few lines."""
+    """The predicted step (spmdkit.cost.step.estimate_step) as a table and a few lines."""
     d = est.device
     peak = est.peak / 1e12
     out.write(f"Device: {d.name}, {peak:g} TFLOP/s dense at the program's dtype, HBM "

@@ -55,7 +55,6 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 from spmdkit.core.dist_attr import TensorDistAttr
@@ -63,6 +62,7 @@ from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel, plan_reshard
 from spmdkit.core.spec import DistTensorSpec
+from spmdkit.cost.compute import cost_of, local_op, op_cost, op_kernel_collectives
 from spmdkit.engine.registry import get_rule
 from spmdkit.planner.propagate import propagate
 from spmdkit.program.ir import Program, flat_refs, layout_args, op_layout
@@ -134,17 +134,6 @@ def _flat_attrs(v: Any) -> list[Any]:
     return list(v) if isinstance(v, tuple) else [v]
 
 
-class _OneOp:
-    """What compute.op_cost reads of a plan, for one op under one candidate."""
-
-    def __init__(self, prog: Program, i: int, required: dict[str, Any], outputs: list[Any]) -> None:
-        self.program = prog
-        self.attrs: dict[str, TensorDistAttr] = {}
-        self.ops = {i: self}
-        self.required = required
-        self.outputs = outputs
-
-
 Cand = tuple[dict[str, TensorDistAttr], dict[str, TensorDistAttr], float, Any]
 _SlotCand = tuple[tuple[tuple[int, TensorDistAttr], ...], tuple[tuple[int, TensorDistAttr], ...], float, Any]
 
@@ -205,24 +194,12 @@ class _Gen:
                 if on is not None and x is not None:
                     outs[oslot[on]] = x
         t = 0.0
+        required = dict(zip(tparams, res.inputs))
         if self.device is not None:
-            from spmdkit.cost.compute import op_cost
-
-            shim = _OneOp(self.prog, i, dict(zip(tparams, res.inputs)), list(res.outputs))
-            t = op_cost(shim, i).time_s(self.device)
-        t += self._kernel(i, dict(zip(tparams, res.inputs)))
+            t = self.device.op_time(cost_of(local_op(self.prog, i, required, list(res.outputs), {})))
+        # the collectives the op's kernel runs itself (c_softmax_with_cross_entropy)
+        t += sum(k.time_s for k in op_kernel_collectives(self.prog, i, required, self.mesh, self.cost))
         return tuple(sorted(req.items())), tuple(sorted(outs.items())), t, res
-
-    def _kernel(self, i: int, required: dict[str, Any]) -> float:
-        """The collectives the op's kernel runs itself (c_softmax_with_cross_entropy)."""
-        from spmdkit.cost.compute import _CLASS_AXIS_ALLREDUCES, kernel_collectives
-
-        op = self.prog.ops[i]
-        if op.rule not in _CLASS_AXIS_ALLREDUCES:
-            return 0.0
-        shim = SimpleNamespace(program=SimpleNamespace(ops=[op], tensors=self.prog.tensors),
-                               ops=[SimpleNamespace(required=required)], mesh=self.mesh, cost=self.cost)
-        return sum(k.time_s for k in kernel_collectives(shim))
 
     def _seeds(self, names: list[str]) -> list[dict[str, tuple[list[Any], list[int]]]]:
         t = self.prog.tensors
@@ -489,7 +466,7 @@ def auto_plan(prog: Program, mesh: ProcessMesh, pins: Mapping[str, Any] | None =
         raise ProgramError(f"auto: memory_cap {memory_cap!r}: expected a positive number of bytes")
     if cost is None:
         if device is not None:
-            from spmdkit.cost.compute import cost_model
+            from spmdkit.cost.devices import cost_model
 
             cost = cost_model(mesh, device)
         else:
@@ -941,9 +918,7 @@ def auto_plan(prog: Program, mesh: ProcessMesh, pins: Mapping[str, Any] | None =
         def total(p: Plan) -> float:
             if device is None:
                 return p.time_s
-            from spmdkit.cost.compute import op_cost
-
-            return p.time_s + sum(op_cost(p, i).time_s(device) for i in range(len(p.ops)))
+            return p.time_s + sum(float(device.op_time(op_cost(p, i))) for i in range(len(p.ops)))
 
         if memory_cap is not None:
             from spmdkit.cost.memory import memory_per_device

@@ -46,7 +46,9 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from spmdkit.core.errors import ProgramError
+from spmdkit.cost.compute import kernel_collectives, model_flops, op_cost
 from spmdkit.cost.memory import Memory, local_numel
+from spmdkit.cost.step import is_grad_sync
 from spmdkit.planner.planning import parse_size
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -406,7 +408,6 @@ def stage_costs(plan: Any, stages: list[int], counts: tuple[int, ...], device: A
     if device is None:
         return out
     # -- times
-    from spmdkit.cost.compute import is_grad_sync, kernel_collectives, op_cost
 
     extra: dict[int, float] = {}
     grads_synced = plan.param_grads()
@@ -425,7 +426,7 @@ def stage_costs(plan: Any, stages: list[int], counts: tuple[int, ...], device: A
     rerun = {j for r in regions for j in r}
     for i, op in enumerate(prog.ops):
         c = op_cost(plan, i)
-        t = c.time_s(device) + extra.get(i, 0.0)
+        t = device.op_time(c) + extra.get(i, 0.0)
         sc = out[stages[i]]
         if i in rerun:
             sc.recompute_s += t
@@ -547,7 +548,6 @@ def estimate_pipeline(plan: Any, spec: PipelineSpec, counts: tuple[int, ...], de
         serial.append(run.finish_s[r] + g + o)
         overlap.append(run.finish_s[r] + max(0.0, g - run.last_backward_s[r]) + o)
     est.step_serial_s, est.step_overlap_s = max(serial), max(overlap)
-    from spmdkit.cost.compute import model_flops
 
     mb_tokens = tokens // m if tokens else 0
     mf, _n, _att = model_flops(plan, mb_tokens)

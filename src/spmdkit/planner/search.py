@@ -10,7 +10,7 @@ search :func:`spmdkit.planner.auto.auto_plan` on the mesh (its own shardings of 
 optimizer states included, so no ZeRO variants); every plan is then costed under each
 activation recomputation mode (none, selective, full; recomputation changes the step and the
 memory, not the shardings; a mode that changes neither is not listed). Each configuration is priced with the same models as a single
-plan: :func:`spmdkit.cost.compute.estimate_step` (the step with the gradient reductions
+plan: :func:`spmdkit.cost.step.estimate_step` (the step with the gradient reductions
 overlapping the backward) or, with pp > 1, :func:`spmdkit.planner.pipeline.estimate_pipeline`
 (1F1B, ``batch / dp`` microbatches of one sequence per dp rank: the smallest bubble the batch
 allows); memory per device with :func:`spmdkit.cost.memory.memory_per_device` (the fullest
@@ -41,6 +41,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TextIO
 
 from spmdkit.core.errors import ProgramError, SpmdError
+from spmdkit.cost.compute import guess_tokens
+from spmdkit.cost.devices import Device, cost_model, load_device, recost
+from spmdkit.cost.step import estimate_step
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 #: the most configurations one search plans (each a propagation or an exact search)
@@ -176,7 +179,6 @@ def parse_memory(text: Any) -> int:
 
 def _recosted(plan: Any, device: Any, cost_text: str | None, nodes_of: int | None) -> Any:
     from spmdkit.core.reshard import CostModel
-    from spmdkit.cost.compute import cost_model, recost
 
     cost = cost_model(plan.mesh, device, nodes_of)
     if cost_text:
@@ -186,7 +188,6 @@ def _recosted(plan: Any, device: Any, cost_text: str | None, nodes_of: int | Non
 
 def _flat_candidates(cfg: Config, plan: Any, device: Any, tokens: int | None, modes: Sequence[str], cap: int,
                      title: str, info: Any = None) -> list[Candidate]:
-    from spmdkit.cost.compute import estimate_step
     from spmdkit.cost.memory import memory_per_device
 
     out: list[Candidate] = []
@@ -204,7 +205,6 @@ def _pipeline_candidates(cfg: Config, plan: Any, counts: tuple[int, ...], device
                          modes: Sequence[str], cap: int, title: str, cost_text: str | None,
                          nodes_of: int | None, info: Any = None) -> list[Candidate]:
     from spmdkit.core.reshard import CostModel
-    from spmdkit.cost.compute import cost_model, estimate_step
     from spmdkit.planner.pipeline import estimate_pipeline, parse_spec
     from spmdkit.strategies.strategy import parse_mesh
 
@@ -249,12 +249,11 @@ def search_meshes(model: Any, devices: int, device: Any = "h100", memory_cap: in
     """Search ``devices`` devices for the fastest configuration of ``model`` (a preset name or a
     :class:`spmdkit.program.ir.Program`, e.g. an imported HuggingFace model) that fits in
     ``memory_cap`` bytes per device (default: ``device``'s memory). ``device``: a
-    :class:`spmdkit.cost.compute.Device` or a preset name / JSON path. ``strategies``: the
+    :class:`spmdkit.cost.devices.Device` or a preset name / JSON path. ``strategies``: the
     hand strategies to try (default :func:`hand_strategies` of each mesh); ``auto``: also
     :func:`spmdkit.planner.auto.auto_plan` on each mesh (``time_limit`` seconds each).
     ``recompute``: the modes to try (default all three). ``progress``: a
     :class:`spmdkit.outputs.progress.Progress` (default: one on stderr, shown on a terminal only)."""
-    from spmdkit.cost.compute import Device, guess_tokens, load_device
     from spmdkit.outputs.progress import Progress
     from spmdkit.program.ir import Program
     from spmdkit.strategies.strategy import MAX_RANKS, parse_strategy
@@ -363,7 +362,6 @@ def _sub_mesh(dp: int, tp: int) -> Any:
 def _auto(prog: Any, mesh: Any, pins: Mapping[str, Any] | None, device: Any, cost_text: str | None,
           nodes_of: int | None, time_limit: float) -> tuple[Any, Any]:
     from spmdkit.core.reshard import CostModel
-    from spmdkit.cost.compute import cost_model
     from spmdkit.planner.auto import auto_plan
 
     cost = cost_model(mesh, device, nodes_of)

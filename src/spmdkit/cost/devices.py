@@ -1,0 +1,255 @@
+"""Devices: the GPU presets (dense peak FLOP/s per dtype, HBM bandwidth, memory, the links in a
+node and across nodes), a device from a JSON file, the roofline time of an op's cost on a
+device, and the per-mesh-dim :class:`spmdkit.core.reshard.CostModel` of a device's links.
+Standard library only. docs/devices.md.
+
+- :class:`Device` and :data:`DEVICES` (a100-40gb, a100-80gb, h100, h200): dense peak FLOP/s
+  per dtype, HBM bandwidth, and the links (NVLink in a node, InfiniBand across nodes) that
+  :func:`cost_model` maps onto the mesh dims; :meth:`Device.op_time`: an op's roofline time
+  ``max(flops/peak, bytes/bw)``.
+- :func:`load_device`: a preset name or the path of a JSON file (:func:`device_from_json`).
+- :func:`recost` (plan, cost model): the plan's reshards timed by other links.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, replace
+from typing import Any
+
+from spmdkit.core.errors import ProgramError
+from spmdkit.core.mesh import ProcessMesh
+from spmdkit.core.reshard import CostModel, LinkCost, ReshardPlan, Step
+from spmdkit.engine.facts import OpCost
+from spmdkit.program.plan import Plan, Reshard
+
+#: dtype of a program tensor -> the peak it computes a tensor-core op at
+_PEAK_OF_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
+PEAK_KEYS = ("bf16", "fp16", "tf32", "fp32", "fp64")
+
+
+@dataclass(frozen=True)
+class Link:
+    """One class of link: latency (s) and bandwidth per direction per GPU (bytes/s)."""
+
+    alpha_s: float
+    bytes_per_s: float
+
+    def cost(self) -> LinkCost:
+        return LinkCost(self.alpha_s, 1.0 / self.bytes_per_s)
+
+
+@dataclass(frozen=True)
+class Device:
+    """A GPU: dense peak FLOP/s per dtype (tensor cores for bf16 / fp16 / tf32; fp32 and fp64
+    the non-tensor rates), HBM bandwidth (bytes/s), memory (bytes), the link within a node and
+    the link across nodes, ranks per node. ``tf32``: float32 matmuls run on the tensor cores
+    (PyTorch's ``allow_tf32``; off by default as in PyTorch)."""
+
+    name: str
+    peak: dict[str, float]
+    hbm_bytes_per_s: float
+    memory_bytes: int
+    intra: Link
+    inter: Link
+    ranks_per_node: int = 8
+    tf32: bool = False
+
+    def matmul_peak(self, dtype: str) -> float:
+        key = _PEAK_OF_DTYPE.get(dtype, "fp32")
+        if key == "fp32" and self.tf32:
+            key = "tf32"
+        return self.peak.get(key) or self.peak["fp32"]
+
+    @property
+    def vector_peak(self) -> float:
+        """The rate of the non-tensor-core ops (elementwise, norms, ...): the fp32 peak."""
+        return self.peak["fp32"]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "peak_tflops": {k: v / 1e12 for k, v in self.peak.items()},
+                "hbm_gb_per_s": self.hbm_bytes_per_s / 1e9, "memory_gb": self.memory_bytes / 1e9,
+                "intra_node": {"latency_us": self.intra.alpha_s * 1e6, "gb_per_s": self.intra.bytes_per_s / 1e9},
+                "inter_node": {"latency_us": self.inter.alpha_s * 1e6, "gb_per_s": self.inter.bytes_per_s / 1e9},
+                "ranks_per_node": self.ranks_per_node, "tf32": self.tf32}
+
+    def op_time(self, c: OpCost) -> float:
+        """The roofline time of an op's cost on this device: ``max(flops/peak, bytes/bw)``, the
+        peak the tensor cores' of its dtype for a matmul, else the vector (fp32) peak."""
+        peak = self.matmul_peak(c.dtype) if c.matmul else self.vector_peak
+        return max(c.flops / peak, c.bytes / self.hbm_bytes_per_s)
+
+
+T = 1e12
+G = 1e9
+#: NVLink and InfiniBand latencies are not datasheet figures: the planner's defaults
+#: (spmdkit.core.reshard: 5 us in a node, 20 us across), docs/devices.md.
+_NVLINK3 = Link(5e-6, 300 * G)   # A100 SXM4: NVLink 600 GB/s bidirectional = 300 GB/s each way
+_NVLINK4 = Link(5e-6, 450 * G)   # H100 / H200 SXM5: 900 GB/s bidirectional = 450 GB/s each way
+_IB_HDR = Link(20e-6, 25 * G)    # DGX A100: one 200 Gb/s HDR InfiniBand port per GPU
+_IB_NDR = Link(20e-6, 50 * G)    # DGX H100 / H200: one 400 Gb/s NDR ConnectX-7 port per GPU
+
+#: Dense peaks by dtype: A100 SXM4 (40 and 80 GB alike) and H100 / H200 SXM5 (the same GPU).
+_A100_PEAKS = {"bf16": 312 * T, "fp16": 312 * T, "tf32": 156 * T, "fp32": 19.5 * T, "fp64": 9.7 * T}
+_H100_PEAKS = {"bf16": 989.5 * T, "fp16": 989.5 * T, "tf32": 494.5 * T, "fp32": 67 * T, "fp64": 34 * T}
+
+#: The presets (docs/devices.md gives the datasheet of every figure; dense, not sparse).
+DEVICES: dict[str, Device] = {
+    "a100-40gb": Device("NVIDIA A100 SXM4 40GB", dict(_A100_PEAKS), 1555 * G, 40 * 1024**3, _NVLINK3, _IB_HDR),
+    "a100-80gb": Device("NVIDIA A100 SXM4 80GB", dict(_A100_PEAKS), 2039 * G, 80 * 1024**3, _NVLINK3, _IB_HDR),
+    "h100": Device("NVIDIA H100 SXM5 80GB", dict(_H100_PEAKS), 3350 * G, 80 * 1024**3, _NVLINK4, _IB_NDR),
+    "h200": Device("NVIDIA H200 SXM5 141GB", dict(_H100_PEAKS), 4800 * G, 141 * 10**9, _NVLINK4, _IB_NDR),
+}
+_DEVICE_ALIASES = {"a100": "a100-80gb", "a100-80": "a100-80gb", "a100-40": "a100-40gb", "h100-sxm": "h100",
+                   "h100-80gb": "h100", "h200-sxm": "h200", "h200-141gb": "h200"}
+
+_JSON_KEYS = {"name", "peak_tflops", "hbm_gb_per_s", "memory_gb", "intra_node", "inter_node", "ranks_per_node",
+              "tf32", "base"}
+
+
+def _num(what: str, v: Any, positive: bool = True, scale: float = 1.0) -> float:
+    """``v * scale`` for a finite number ``v`` (> 0, or >= 0), the product finite too."""
+    ok = not isinstance(v, bool) and isinstance(v, (int, float)) and (1e-9 <= v <= 1e30 or v == 0)
+    x = float(v) * scale if ok else math.nan
+    if not ok or not math.isfinite(x) or x < 0 or (positive and x == 0):
+        raise ProgramError(f"--device {what}: expected a number from {'1e-9' if positive else '0'} to 1e30, "
+                           f"got {json.dumps(v)[:40]}")
+    return x
+
+
+def _link(what: str, v: Any, base: Link) -> Link:
+    if not isinstance(v, dict) or set(v) - {"latency_us", "gb_per_s"}:
+        raise ProgramError(f"--device {what}: expected an object with latency_us and gb_per_s")
+    a = _num(f"{what}.latency_us", v["latency_us"], False, 1e-6) if "latency_us" in v else base.alpha_s
+    b = _num(f"{what}.gb_per_s", v["gb_per_s"], True, G) if "gb_per_s" in v else base.bytes_per_s
+    return Link(a, b)
+
+
+def device_from_json(obj: Any) -> Device:
+    """A :class:`Device` from its JSON object (the format of :meth:`Device.to_json`; ``base``
+    names a preset whose figures the others override). ProgramError naming the field."""
+    if not isinstance(obj, dict):
+        raise ProgramError("--device: the file must hold a JSON object")
+    unknown = sorted(set(obj) - _JSON_KEYS)
+    if unknown:
+        raise ProgramError(f"--device: unknown field {unknown[0][:40]!r} (fields: {', '.join(sorted(_JSON_KEYS))})")
+    base: Device | None = None
+    if "base" in obj:
+        if not isinstance(obj["base"], str):
+            raise ProgramError("--device base: expected a preset name")
+        base = preset_device(obj["base"])
+    else:
+        missing = [k for k in ("peak_tflops", "hbm_gb_per_s") if k not in obj]
+        if missing:
+            raise ProgramError(f"--device: missing {missing[0]!r} (or give \"base\": a preset to start from)")
+    peak = dict(base.peak) if base else {}
+    if "peak_tflops" in obj:
+        pk = obj["peak_tflops"]
+        if not isinstance(pk, dict) or not pk:
+            raise ProgramError(f"--device peak_tflops: expected an object of {', '.join(PEAK_KEYS)} -> TFLOP/s")
+        for k, v in pk.items():
+            if k not in PEAK_KEYS:
+                raise ProgramError(f"--device peak_tflops: unknown dtype {str(k)[:20]!r} (one of {', '.join(PEAK_KEYS)})")
+            peak[k] = _num(f"peak_tflops.{k}", v, True, T)
+    if "fp32" not in peak:
+        raise ProgramError("--device peak_tflops: needs fp32 (the rate of the non-tensor-core ops)")
+    hbm = _num("hbm_gb_per_s", obj["hbm_gb_per_s"], True, G) if "hbm_gb_per_s" in obj else \
+        (base.hbm_bytes_per_s if base else 0.0)
+    mem = int(_num("memory_gb", obj["memory_gb"], True, G)) if "memory_gb" in obj else \
+        (base.memory_bytes if base else 0)
+    intra = _link("intra_node", obj["intra_node"], base.intra if base else _NVLINK4) if "intra_node" in obj \
+        else (base.intra if base else _NVLINK4)
+    inter = _link("inter_node", obj["inter_node"], base.inter if base else _IB_NDR) if "inter_node" in obj \
+        else (base.inter if base else _IB_NDR)
+    rpn = obj.get("ranks_per_node", base.ranks_per_node if base else 8)
+    if isinstance(rpn, bool) or not isinstance(rpn, int) or not 1 <= rpn <= 1 << 20:
+        raise ProgramError(f"--device ranks_per_node: expected an integer from 1 to {1 << 20}")
+    tf32 = obj.get("tf32", base.tf32 if base else False)
+    if not isinstance(tf32, bool):
+        raise ProgramError("--device tf32: expected true or false")
+    name = obj.get("name", (base.name + " (modified)") if base else "custom device")
+    if not isinstance(name, str):
+        raise ProgramError("--device name: expected a string")
+    return Device(name[:100], peak, hbm, mem, intra, inter, rpn, tf32)
+
+
+def preset_device(name: str) -> Device:
+    key = _DEVICE_ALIASES.get(name.strip().lower(), name.strip().lower())
+    try:
+        return DEVICES[key]
+    except KeyError:
+        raise ProgramError(f"--device {name[:60]!r}: no such preset ({', '.join(DEVICES)}) and not a .json "
+                           f"file") from None
+
+
+def load_device(text: str) -> Device:
+    """A preset name (``h100``) or the path of a JSON file (:func:`device_from_json`)."""
+    if not text.strip().lower().endswith(".json"):
+        return preset_device(text)
+    if not os.path.isfile(text):
+        raise ProgramError(f"--device {text[:100]!r}: no such file")
+    try:
+        with open(text, encoding="utf-8") as f:
+            raw = f.read(1 << 20)
+        obj = json.loads(raw)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ProgramError(f"--device {text[:100]!r}: cannot read it ({type(exc).__name__})") from None
+    except (ValueError, RecursionError) as exc:
+        raise ProgramError(f"--device {text[:100]!r}: not valid JSON ({str(exc)[:80]})") from None
+    return device_from_json(obj)
+
+
+def cost_model(mesh: ProcessMesh, device: Device | None = None, ranks_per_node: int | None = None) -> CostModel:
+    """Links per mesh dim: walking from the innermost (last) mesh dim outwards, a dim is in a
+    node while the product of the sizes so far is at most ``ranks_per_node`` (the device's by
+    default), else across nodes. Without a device, the planner's default links."""
+    rpn = ranks_per_node or (device.ranks_per_node if device else 8)
+    if device is None:
+        return CostModel.default(mesh, intra_node=rpn)
+    links: list[LinkCost] = []
+    prod = 1
+    for size in reversed(mesh.shape):
+        prod *= size
+        links.append((device.intra if prod <= rpn else device.inter).cost())
+    return CostModel(tuple(reversed(links)))
+
+
+def _retime(s: Step, cost: CostModel, mesh: ProcessMesh) -> Step:
+    if s.bytes_per_rank == 0:
+        return s
+    n = 1
+    for d in s.mesh_dims:
+        n *= mesh.shape[d]
+    k = 2 if s.kind == "all_reduce" else 1
+    a = sum(cost.links[d].alpha_s for d in s.mesh_dims) / len(s.mesh_dims)
+    b = max(cost.links[d].beta_s_per_byte for d in s.mesh_dims)
+    return replace(s, time_s=k * (n - 1) * a + s.bytes_per_rank * b)
+
+
+def recost(plan: Plan, cost: CostModel) -> Plan:
+    """The plan with every reshard step timed by ``cost`` (same steps and bytes)."""
+    memo: dict[int, ReshardPlan] = {}
+    new: dict[int, Reshard] = {}
+
+    def rp(p: ReshardPlan) -> ReshardPlan:
+        q = memo.get(id(p))
+        if q is None:
+            q = ReshardPlan(tuple(_retime(s, cost, plan.mesh) for s in p.steps))
+            memo[id(p)] = q
+        return q
+
+    def rs(r: Reshard) -> Reshard:
+        x = new.get(id(r))
+        if x is None:
+            x = replace(r, plan=rp(r.plan))
+            new[id(r)] = x
+        return x
+
+    ops = [replace(o, reshards=[rs(r) for r in o.reshards]) for o in plan.ops]
+    return replace(plan, ops=ops, reshards=[rs(r) for r in plan.reshards], cost=cost)
+
+
+__all__ = ["DEVICES", "PEAK_KEYS", "Device", "Link", "cost_model", "device_from_json", "load_device", "preset_device",
+           "recost"]
