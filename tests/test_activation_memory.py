@@ -17,9 +17,8 @@ import pytest
 
 from spmdkit.cli import main
 from spmdkit.core.errors import ProgramError
-from spmdkit.cost.activations import RECOMPUTE, check_recompute, recompute_regions, saved_activations
 from spmdkit.cost.compute import estimate_step, load_device, op_cost
-from spmdkit.cost.memory import memory_per_device
+from spmdkit.cost.memory import RECOMPUTE, check_recompute, memory_per_device, recompute_regions, saved_activations
 from spmdkit.models.zoo import ModelConfig, build_model, preset
 from spmdkit.planner.propagate import propagate
 from spmdkit.strategies.strategy import annotate, parse_mesh, parse_strategy

@@ -43,7 +43,7 @@ def wants_pipeline(ns: argparse.Namespace) -> bool:
 def run_pipeline_plan(ns: argparse.Namespace, out: TextIO) -> int:
     """``spmdkit plan`` with a ``pp`` mesh dim (preset models)."""
     from spmdkit.cli.plan import parse_annotations, step_estimate, write_html
-    from spmdkit.cost.activations import check_recompute
+    from spmdkit.cost.memory import check_recompute
     from spmdkit.outputs.report import plan_json, write_report
     from spmdkit.planner.planning import parse_cost
     from spmdkit.strategies.strategy import parse_mesh

@@ -239,8 +239,7 @@ def run_plan(ns: argparse.Namespace, out: TextIO) -> int:
 
 
 def _run_plan(ns: argparse.Namespace, out: TextIO) -> int:
-    from spmdkit.cost.activations import check_recompute
-    from spmdkit.cost.memory import memory_per_device
+    from spmdkit.cost.memory import check_recompute, memory_per_device
     from spmdkit.outputs.report import plan_json, write_report
 
     recompute = ns.recompute = check_recompute(getattr(ns, "recompute", None) or "none")

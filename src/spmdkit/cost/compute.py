@@ -920,7 +920,7 @@ def estimate_step(plan: Any, device: Device, tokens: int | None = None, recomput
     the backward. Serial: everything one after the other. Overlapped: the buckets run on their
     own stream while the backward computes; every other collective blocks (the optimizer waits
     for own stream while the backward computes; every other collective blocks (the optimizer waits
-    for the last bucket). ``recompute`` (none, selective, full; :mod:`spmdkit.cost.activations`):
+    for the last bucket). ``recompute`` (none, selective, full; :func:`spmdkit.cost.memory.saved_activations`):
     the recomputed forward ops (and their forward collectives) run again in the backward right
     before the first op that reads their outputs (``compute_s["recompute"]``,
     ``comm_s["recompute"]``); a tensor kept as its producer's shard (sequence parallel's norm
@@ -977,7 +977,7 @@ def estimate_step(plan: Any, device: Device, tokens: int | None = None, recomput
                                                           device.vector_peak) and t > 0:
             memory_bound += 1
     # -- activation recomputation and the backward's re-gathers
-    from spmdkit.cost.activations import rerun_points, saved_activations
+    from spmdkit.cost.memory import rerun_points, saved_activations
 
     saved = saved_activations(plan, recompute)
     rerun, regather = rerun_points(plan, saved)

@@ -31,7 +31,7 @@ linearisation). In-place outputs pay the reshard back to the tensor they overwri
 outputs the reshard to the pin. With a device each candidate also costs its op's compute time
 (compute.op_cost) and the collectives inside its kernel (compute.kernel_collectives).
 ``memory_cap``: per-device memory is linear in the choices: parameters, parameter gradients
-and optimizer states (as held), the activations the backward reads (activations._value_reads)
+and optimizer states (as held), the activations the backward reads (memory.value_reads)
 and, per op position, the activations live there and the reshard copies the op reads (local
 bytes). A choice whose realised plan (memory.memory_per_device) exceeds the cap is re-solved
 with memory priced into the objective (Lagrangian relaxation of the memory rows: the kept
@@ -804,8 +804,7 @@ def auto_plan(prog: Program, mesh: ProcessMesh, pins: Mapping[str, Any] | None =
 
     # -- memory: what is held for the step (parameters, their gradients, optimizer states) and
     # the activations the backward keeps, local bytes per device, linear in the choices
-    from spmdkit.cost.activations import _value_reads
-    from spmdkit.cost.memory import local_numel
+    from spmdkit.cost.memory import local_numel, value_reads
 
     def size_terms(n: str, coef: dict[int, float]) -> float:
         """Add ``n``'s local bytes to ``coef`` (per variable); returns the certain part."""
@@ -830,7 +829,7 @@ def auto_plan(prog: Program, mesh: ProcessMesh, pins: Mapping[str, Any] | None =
     base_coef: dict[int, float] = {}
     base_const = sum(size_terms(n, base_coef) for n in held_all)
     mem_coef = dict(base_coef)
-    mem_const = base_const + sum(size_terms(n, mem_coef) for n in sorted(_value_reads(prog)))
+    mem_const = base_const + sum(size_terms(n, mem_coef) for n in sorted(value_reads(prog)))
     first_op, last_op = prog.live_spans()
     transient = [n for n in first_op if n not in param_grads and not tensors[n].inplace_of
                  and tensors[n].kind not in ("parameter", "optimizer_state")]

@@ -298,13 +298,13 @@ def stage_costs(plan: Any, stages: list[int], counts: tuple[int, ...], device: A
                 recompute: str = "none") -> list[StageCost]:
     """Per stage: parameters, gradients and states, the stash and working peak of one
     microbatch, the bytes sent, and (``device``) the times. ``recompute`` (none, selective,
-    full; :mod:`spmdkit.cost.activations`): the activations a recomputed region makes are not
+    full; :func:`spmdkit.cost.memory.saved_activations`): the activations a recomputed region makes are not
     stashed (they are made again), and its ops' times go to ``recompute_s``."""
     prog = plan.program
     dropped: set[str] = set()
     regions: list[list[int]] = []
     if recompute != "none":
-        from spmdkit.cost.activations import saved_activations
+        from spmdkit.cost.memory import saved_activations
 
         def kept(mode: str) -> tuple[set[str], list[list[int]]]:
             a = saved_activations(plan, mode)
