@@ -17,10 +17,9 @@ import pytest
 
 from spmdkit.cli import main
 from spmdkit.core.errors import ProgramError
-from spmdkit.cost.activations import RECOMPUTE, check_recompute, recompute_regions, saved_activations
 from spmdkit.cost.compute import op_cost
 from spmdkit.cost.devices import load_device
-from spmdkit.cost.memory import memory_per_device
+from spmdkit.cost.memory import RECOMPUTE, check_recompute, memory_per_device, recompute_regions, saved_activations
 from spmdkit.cost.step import estimate_step
 from spmdkit.models.zoo import ModelConfig, build_model, preset
 from spmdkit.planner.propagate import propagate

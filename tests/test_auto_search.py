@@ -15,15 +15,15 @@ import pytest
 from spmdkit.core.errors import ProgramError
 from spmdkit.cost.devices import preset_device
 from spmdkit.cost.step import estimate_step
+from spmdkit.outputs.search import write_search
 from spmdkit.planner.search import (
     Config,
     factorizations,
     hand_strategies,
     parse_memory,
     search_meshes,
-    verify_auto,
-    write_search,
 )
+from spmdkit.sim.verify_plan import verify_auto
 
 
 def _cli(*args: str) -> tuple[int, str, str]:
@@ -253,8 +253,8 @@ def test_cli_auto_verify_checks_the_chosen_plan() -> None:
 
 def test_verify_auto_holds_unusual_attrs_and_catches_a_wrong_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     from spmdkit.core.dist_attr import TensorDistAttr
-    from spmdkit.planner import propagate as prop
     from spmdkit.planner.planning import plan_model
+    from spmdkit.sim import verify_plan as prop  # where verify_auto finds the planner
 
     _m, plan, _ = plan_model("tiny-llama", "dp=2,tp=2", "megatron", None)
     plan.attrs["tokens"] = TensorDistAttr(plan.mesh, [-1, 0])  # tokens cut along the sequence: held so
@@ -269,7 +269,7 @@ def test_verify_auto_holds_unusual_attrs_and_catches_a_wrong_plan(monkeypatch: p
     def lying(*a: Any, **kw: Any) -> Any:
         p = real(*a, **kw)
         for o in p.ops:
-            o.outputs = [tuple(unpartial(x) for x in v) if isinstance(v, tuple) else unpartial(v) for v in o.outputs]
+            o.outputs[:] = [tuple(unpartial(x) for x in v) if isinstance(v, tuple) else unpartial(v) for v in o.outputs]
         return p
 
     monkeypatch.setattr(prop, "propagate", lying)

@@ -7,6 +7,7 @@ import io
 import sys
 from collections import Counter
 from contextlib import redirect_stderr
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -200,7 +201,7 @@ def test_grad_accum_counts_memory_and_step(capsys: pytest.CaptureFixture[str]) -
     _, plan, _ = plan_model("llama-7b", "dp=8", "zero2", {"layers": 2})
     dev = preset_device("h100")
     e1 = estimate_step(plan, dev, 32768)
-    plan.grad_accum = 3
+    plan = replace(plan, grad_accum=3)
     e3 = estimate_step(plan, dev, 32768)
     assert e3.tokens == 3 * 32768
     assert e3.compute_s["forward"] == pytest.approx(3 * e1.compute_s["forward"])

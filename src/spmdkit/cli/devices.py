@@ -12,19 +12,17 @@ import json
 from typing import Any, TextIO
 
 from spmdkit.core.errors import ProgramError
-from spmdkit.planner.search import (
-    Candidate,
-    import_hf_program,
-    search_json,
-    search_meshes,
-    verify_config,
-    write_search,
-)
+from spmdkit.cost.step import StepEstimate
+from spmdkit.outputs.pipeline import write_pipeline
+from spmdkit.outputs.progress import Progress
+from spmdkit.outputs.search import search_json, write_search
+from spmdkit.planner.pipeline import PipelineEstimate
+from spmdkit.planner.search import Candidate, import_hf_program, search_meshes
 
 
 def run_devices(ns: argparse.Namespace, out: TextIO) -> int:
     """``spmdkit plan --devices N``: the search's table, then the best plan's report."""
-    from spmdkit.cli.plan import parse_annotations, parse_tp_plan
+    from spmdkit.cli.plan import parse_annotations, parse_tp_plan, require_simulator
     from spmdkit.planner.planning import MAX_SIZE, parse_cost, parse_size
     from spmdkit.strategies.strategy import MAX_RANKS
 
@@ -75,17 +73,22 @@ def run_devices(ns: argparse.Namespace, out: TextIO) -> int:
     else:
         model = ns.model
         what = ns.model
-    res = search_meshes(model, n, device, mem, auto=bool(getattr(ns, "auto", False)),
-                        strategies=[ns.strategy] if ns.strategy else None,
-                        recompute=[ns.recompute] if getattr(ns, "recompute", None) else None,
-                        overrides={"layers": layers, "batch": batch, "seq": seq} if isinstance(model, str) else None,
-                        pins=user, cost_text=ns.cost, time_limit=limit, nodes_of=nodes,
-                        patterns=parse_tp_plan(getattr(ns, "tp_plan", None)))
+    patterns = parse_tp_plan(getattr(ns, "tp_plan", None))
+    with Progress(f"plan --devices {n}") as bar:  # a line on a terminal's stderr, nothing on a pipe
+        res = search_meshes(model, n, device, mem, auto=bool(getattr(ns, "auto", False)),
+                            strategies=[ns.strategy] if ns.strategy else None,
+                            recompute=[ns.recompute] if getattr(ns, "recompute", None) else None,
+                            overrides={"layers": layers, "batch": batch, "seq": seq} if isinstance(model, str) else None,
+                            pins=user, cost_text=ns.cost, time_limit=limit, nodes_of=nodes, patterns=patterns,
+                            progress=bar)
     best = res.best
     verdict = None
     if ns.verify and best is not None:
         if not isinstance(model, str):
             raise ProgramError("--verify: simulates a preset model; it does not apply to --hf or --program")
+        require_simulator()
+        from spmdkit.sim.verify_plan import verify_config
+
         verdict = verify_config(best, model, ns.cost)
     if best is not None:
         _write_files(ns, res, best, f"{what}; best of {n} devices: {best.title}")
@@ -103,6 +106,7 @@ def run_devices(ns: argparse.Namespace, out: TextIO) -> int:
             extra["pipeline"] = best.estimate.to_json()
             out.write(json.dumps(plan_json(best.plan, best.memory_detail, extra)) + "\n")
         else:
+            assert isinstance(best.estimate, StepEstimate)
             out.write(json.dumps(plan_json(best.plan, best.memory_detail, extra, best.estimate)) + "\n")
     else:
         out.write(f"{what} on {n} devices ({res.device.name})\n")
@@ -144,9 +148,7 @@ def _write_best(best: Candidate, out: TextIO) -> None:
     from spmdkit.outputs.report import write_report
 
     title = f"\nThe best: {best.config.label()}. {best.title}"
-    if best.config.pp > 1:
-        from spmdkit.planner.pipeline import write_pipeline
-
+    if isinstance(best.estimate, PipelineEstimate):
         write_report(best.plan, out, title + " (the plan of one microbatch on the stages' sub-mesh)",
                      best.memory_detail, best.plan_s)
         write_pipeline(best.estimate, out)

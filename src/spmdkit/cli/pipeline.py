@@ -13,13 +13,8 @@ from typing import Any, TextIO
 
 from spmdkit.core.errors import ProgramError
 from spmdkit.cost.devices import cost_model, load_device
-from spmdkit.planner.pipeline import (
-    estimate_pipeline,
-    plan_pipeline,
-    pp_cost_text,
-    verify_pipeline,
-    write_pipeline,
-)
+from spmdkit.outputs.pipeline import write_pipeline
+from spmdkit.planner.pipeline import estimate_pipeline, plan_pipeline, pp_cost_text
 
 
 def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,8 +38,8 @@ def wants_pipeline(ns: argparse.Namespace) -> bool:
 
 def run_pipeline_plan(ns: argparse.Namespace, out: TextIO) -> int:
     """``spmdkit plan`` with a ``pp`` mesh dim (preset models)."""
-    from spmdkit.cli.plan import parse_annotations, step_estimate, write_html
-    from spmdkit.cost.activations import check_recompute
+    from spmdkit.cli.plan import parse_annotations, require_simulator, step_estimate, write_html
+    from spmdkit.cost.memory import check_recompute
     from spmdkit.outputs.report import plan_json, write_report
     from spmdkit.planner.planning import parse_cost
     from spmdkit.strategies.strategy import parse_mesh
@@ -82,7 +77,12 @@ def run_pipeline_plan(ns: argparse.Namespace, out: TextIO) -> int:
              f"strategy {strategy}; pipeline pp={spec.pp}"
              + (f"; recompute {ns.recompute}" if getattr(ns, "recompute", "none") not in (None, "none") else ""))
     write_html(ns, plan, title, est.memory[worst], _est, c, pipeline=est)
-    verdict = verify_pipeline(ns.model, ns.mesh, spec, strategy) if ns.verify else None
+    verdict = None
+    if ns.verify:
+        require_simulator()
+        from spmdkit.sim.verify_plan import verify_pipeline
+
+        verdict = verify_pipeline(ns.model, ns.mesh, spec, strategy)
     if ns.json:
         extra: dict[str, Any] = {"title": title, "plan_seconds": secs, "pipeline": est.to_json()}
         if verdict is not None:

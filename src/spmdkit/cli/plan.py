@@ -23,7 +23,6 @@ from spmdkit.planner.planning import (
     plan_hf,
     plan_model,
     plan_program,
-    verify_strategy,
 )
 
 
@@ -182,6 +181,15 @@ def _progress() -> Any:
     return cb
 
 
+def require_simulator() -> None:
+    """``--verify`` runs the simulator (:mod:`spmdkit.sim.verify_plan`), which needs numpy: a
+    ProgramError saying so where it is missing."""
+    try:
+        import numpy  # noqa: F401
+    except ImportError as exc:
+        raise ProgramError(f"--verify needs numpy (pip install 'spmdkit[sim]'): {exc}") from None
+
+
 @contextlib.contextmanager
 def strategy_notes(command: str) -> Iterator[None]:
     """The strategies' notes (a kv projection replicated over tp: a UserWarning starting with
@@ -242,8 +250,7 @@ def run_plan(ns: argparse.Namespace, out: TextIO) -> int:
 
 
 def _run_plan(ns: argparse.Namespace, out: TextIO) -> int:
-    from spmdkit.cost.activations import check_recompute
-    from spmdkit.cost.memory import memory_per_device
+    from spmdkit.cost.memory import check_recompute, memory_per_device
     from spmdkit.outputs.report import plan_json, write_report
 
     recompute = ns.recompute = check_recompute(getattr(ns, "recompute", None) or "none")
@@ -251,9 +258,10 @@ def _run_plan(ns: argparse.Namespace, out: TextIO) -> int:
     layers = parse_size("--layers", ns.layers, MAX_LAYERS)
     batch = parse_size("--batch", ns.batch, MAX_SIZE)
     seq = parse_size("--seq", ns.seq, MAX_SIZE)
+    grad_accum = parse_size("--grad-accum", getattr(ns, "grad_accum", None), 1 << 20) or 1
     hf = getattr(ns, "hf", None)
     if getattr(ns, "auto", False):
-        return _run_auto(ns, out, user, {"layers": layers, "batch": batch, "seq": seq})
+        return _run_auto(ns, out, user, {"layers": layers, "batch": batch, "seq": seq}, grad_accum)
     if hf is not None and ns.program:
         raise ProgramError("--hf: give either --hf or --program, not both")
     if hf is None and getattr(ns, "hf_config", None) is not None:
@@ -269,7 +277,7 @@ def _run_plan(ns: argparse.Namespace, out: TextIO) -> int:
                 raise ProgramError(f"{f}: does not apply to --hf (set num_hidden_layers in --hf-config)")
         t0 = time.perf_counter()
         _, _, _, plan = plan_hf(hf, ns.hf_config, ns.mesh, ns.strategy, getattr(ns, "dtype", "float32"),
-                                batch or 2, seq or 16, user, patterns, ns.cost)
+                                batch or 2, seq or 16, user, patterns, ns.cost, grad_accum)
         secs = time.perf_counter() - t0
         config = None
         title = f"{hf} (HuggingFace), batch {batch or 2}, seq {seq or 16}; strategy {ns.strategy or 'megatron'}"
@@ -284,7 +292,7 @@ def _run_plan(ns: argparse.Namespace, out: TextIO) -> int:
 
         t0 = time.perf_counter()
         prog = load_program(ns.program)
-        _, plan = plan_program(prog, ns.mesh, ns.strategy, user, patterns, ns.cost)
+        _, plan = plan_program(prog, ns.mesh, ns.strategy, user, patterns, ns.cost, grad_accum)
         secs = time.perf_counter() - t0
         config = None
         title = f"program {ns.program}" + (f"; strategy {ns.strategy}" if ns.strategy else "")
@@ -294,18 +302,20 @@ def _run_plan(ns: argparse.Namespace, out: TextIO) -> int:
         strategy = ns.strategy or "megatron"
         ns.strategy = strategy
         model, plan, secs = plan_model(ns.model, ns.mesh, strategy, overrides, user, ns.cost,
-                                       progress=_progress())
+                                       progress=_progress(), grad_accum=grad_accum)
         c = config = model.config
         title = (f"{ns.model}: {c.arch}, {c.layers} layers, hidden {c.hidden}, {c.heads} heads"
                  f"{f' ({c.n_kv} kv)' if c.n_kv != c.heads else ''}, FFN {c.ffn}, vocab {c.vocab}, "
                  f"seq {c.seq}, batch {c.batch}, {c.dtype}; strategy {ns.strategy}")
         model_name = ns.model
-    plan.grad_accum = parse_size("--grad-accum", getattr(ns, "grad_accum", None), 1 << 20) or 1
     plan, est = step_estimate(ns, plan, config)
     mem = memory_per_device(plan, recompute)
     export_plan_file(ns, plan)
     verdict = None
     if ns.verify:
+        require_simulator()
+        from spmdkit.sim.verify_plan import verify_strategy
+
         verdict = verify_strategy(model_name, ns.mesh, ns.strategy, ns.cost)
     write_html(ns, plan, title, mem, est, config)
     if ns.json:
@@ -320,7 +330,8 @@ def _run_plan(ns: argparse.Namespace, out: TextIO) -> int:
     return 0 if verdict is None or verdict["ok"] else 1
 
 
-def _run_auto(ns: argparse.Namespace, out: TextIO, user: dict[str, Any], overrides: dict[str, int | None]) -> int:
+def _run_auto(ns: argparse.Namespace, out: TextIO, user: dict[str, Any], overrides: dict[str, int | None],
+              grad_accum: int) -> int:
     """``--auto``: the searched plan of a preset, a --program file or an --hf model (graph/auto.py);
     ``--verify``: a preset's plan checked on its tiny model (graph/auto_search.verify_auto)."""
     from spmdkit.cost.memory import memory_per_device
@@ -395,20 +406,20 @@ def _run_auto(ns: argparse.Namespace, out: TextIO, user: dict[str, Any], overrid
     with Progress("plan --auto") as bar:  # a line on a terminal's stderr, nothing on a pipe
         plan, info = auto_plan(prog, mesh, user, cost, time_limit=limit, device=device, memory_cap=cap,
                                explain=bool(getattr(ns, "explain", False)),
-                               progress=lambda phase, done, total: bar.update(done, total, phase))
+                               progress=lambda phase, done, total: bar.update(done, total, phase), grad_accum=grad_accum)
     secs = time.perf_counter() - t0
     title += (f"; --auto: HiGHS {info.status}, gap {info.gap:.2%}, solve {info.solve_s:.2f} s, "
               f"{info.candidates} candidates, predicted {'compute + ' if device else ''}communication "
               f"{info.objective_s * 1e3:.3f} ms, realised {info.realized}, {info.merged_ops} ops merged, "
               f"{info.folded_layers} layers folded" + (f", memory cap {cap / 2**30:.2f} GiB" if cap else ""))
-    plan.grad_accum = parse_size("--grad-accum", getattr(ns, "grad_accum", None), 1 << 20) or 1
     plan, est = step_estimate(ns, plan, config)
     mem = memory_per_device(plan, ns.recompute)
     write_html(ns, plan, title, mem, est, config, auto=info)
     export_plan_file(ns, plan)
     verdict = None
     if ns.verify:
-        from spmdkit.planner.search import verify_auto
+        require_simulator()
+        from spmdkit.sim.verify_plan import verify_auto
 
         verdict = verify_auto(plan, ns.model, ns.cost)
     if ns.json:
@@ -499,6 +510,6 @@ def step_estimate(ns: argparse.Namespace, plan: Any, config: Any) -> tuple[Any, 
 
 
 __all__ = ["DEFAULT_MESH", "MAX_ANNOTATION_CHARS", "MAX_ANNOTATION_RANK", "add_plan_arguments",
-           "parse_annotations", "parse_tp_plan", "run_plan", "step_estimate", "strategy_notes", "write_html"]
+           "parse_annotations", "parse_tp_plan", "require_simulator", "run_plan", "step_estimate", "strategy_notes", "write_html"]
 
 

@@ -14,22 +14,55 @@ so one layer's gathered parameters are live at a time, once in the forward and o
 backward. With gradient accumulation (``plan.grad_accum`` > 1) a gradient that ZeRO holds
 reduce-scattered is held unreduced until the step's one reduction.
 
-``recompute`` (``none``, ``selective``, ``full``; :mod:`spmdkit.cost.activations`): a
+``recompute`` (``none``, ``selective``, ``full``; :func:`saved_activations`): a
 forward activation that a recomputed region makes and the backward reads lives from its
 producer to its last forward reader, and again from the first backward op that reads any of
 the region's tensors (the region is run again right before it) to its last reader. A tensor
 kept as its producer's shard and gathered again for the backward (sequence parallel's norm
 outputs) is held as the shard between its last forward reader and its first backward one.
-:attr:`Memory.saved` is what the backward keeps (:func:`spmdkit.cost.activations.saved_activations`).
+:attr:`Memory.saved` is what the backward keeps (:func:`saved_activations`).
+
+Activations kept for the backward. :func:`saved_activations` (plan, recompute) reads the program: a forward activation is *kept
+for the backward* when a backward op reads its values. Some grad rules read a forward tensor
+for its shape only (``add_grad``'s x and y, ``reshape_grad``'s x_shape, ...:
+:data:`SHAPE_ONLY`); those reads keep nothing. Each kept tensor is counted once, in the
+layer of the earliest layer's backward op that reads it (a layer's input belongs to the
+layer whose norm reads it), at its local size under the plan (the largest shard).
+
+A tensor held gathered by an all-gather right after its producer (sequence parallel's
+normalised activations, which the column-parallel projections read whole) is kept as the
+shard its producer made and gathered again for the backward, as Megatron-LM does
+(Korthikanti et al. 2022, section 4.2.2): :attr:`ActivationMemory.regathered` lists those
+all-gathers, which :func:`spmdkit.cost.compute.estimate_step` adds to the backward.
+
+Recomputation (``recompute``):
+
+- ``none``: every kept tensor is held from the forward to its backward.
+- ``selective``: the attention core of each layer (Korthikanti et al.: ``QK^T``, the
+  scaling and mask, softmax, dropout on the probabilities and the product with V) is run
+  again in the backward; its outputs are not kept, its inputs are. A core starts at a
+  forward ``matmul`` / ``bmm`` of two batched activations (rank >= 3, neither a parameter:
+  ``QK^T``) and takes every later forward op that reads a tensor of the core, up to and
+  including the next such matmul (the product with V). ``flash_attention`` keeps no
+  score-sized tensor: nothing to do.
+- ``full``: every transformer layer (the ops of a layer group whose label has a number:
+  ``layer 3``) is run again in the backward; only the tensors a layer reads from before it
+  (its input) are kept. A program without numbered layer labels (a HuggingFace import,
+  labelled by its top module) is refused with a ProgramError.
+
+:data:`RECOMPUTE` names the modes. :func:`recompute_regions` gives the recomputed forward ops.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from spmdkit.core.dist_attr import TensorDistAttr, entry_dims
+from spmdkit.core.errors import ProgramError
 from spmdkit.program.ir import Program
+from spmdkit.program.plan import Plan
 
 
 def local_numel(attr: TensorDistAttr, shape: tuple[int, ...]) -> int:
@@ -68,12 +101,9 @@ class UnevenShard:
                 "mesh_dims": list(self.mesh_dims), "largest": self.largest, "smallest": self.smallest}
 
 
-def uneven_shards(plan: object) -> list[UnevenShard]:
+def uneven_shards(plan: Plan) -> list[UnevenShard]:
     """Every (tensor, axis) of a plan sharded over mesh dims whose product does not divide the
     axis (tensors in program order). Memory counts the largest shard of each."""
-    from spmdkit.program.plan import Plan
-
-    assert isinstance(plan, Plan)
     out: list[UnevenShard] = []
     mesh_shape = plan.mesh.shape
     for name, t in plan.program.tensors.items():
@@ -90,6 +120,244 @@ def uneven_shards(plan: object) -> list[UnevenShard]:
     return out
 
 
+RECOMPUTE = ("none", "selective", "full")
+
+#: grad rule -> tensor parameters it reads for their shape (or dtype) only, not their values
+SHAPE_ONLY: dict[str, frozenset[str]] = {
+    **{r: frozenset({"x", "y"}) for r in ("add_grad", "subtract_grad", "where_grad")},
+    **{r: frozenset({"x"}) for r in ("cast_grad", "concat_grad", "expand_grad", "gather_nd_grad", "index_select_grad",
+                                     "mean_grad", "sum_grad", "unsqueeze_grad", "take_along_axis_grad")},
+    "reshape_grad": frozenset({"x_shape"}),
+    "squeeze_grad": frozenset({"xshape"}),
+    "slice_grad": frozenset({"input"}),
+    "embedding_grad": frozenset({"weight"}),
+}
+
+_LAYER_NUMBER = re.compile(r"\d+")
+
+
+def check_recompute(mode: str) -> str:
+    """``mode`` if it is one of :data:`RECOMPUTE`, else a ProgramError naming ``--recompute``."""
+    if mode not in RECOMPUTE:
+        shown = repr(mode[:40]) if isinstance(mode, str) else type(mode).__name__
+        raise ProgramError(f"--recompute {shown}: expected one of {', '.join(RECOMPUTE)}")
+    return mode
+
+
+def _layer_key(layer: str) -> tuple[int, ...] | None:
+    """The numbers of a transformer layer's label (``layer 3`` -> (3,)), None for others."""
+    nums = _LAYER_NUMBER.findall(layer)
+    return tuple(int(n) for n in nums) if nums else None
+
+
+def _is_act(prog: Program, n: str) -> bool:
+    return prog.tensors[n].kind == "activation"
+
+
+def recompute_regions(prog: Program, mode: str) -> list[list[int]]:
+    """The forward ops run again in the backward, as regions (op indices in program order):
+    one per attention core (``selective``) or per transformer layer (``full``); none for
+    ``none``."""
+    check_recompute(mode)
+    fwd = [i for i, op in enumerate(prog.ops) if op.phase == "forward"]
+    if mode == "none":
+        return []
+    if mode == "full":
+        groups: dict[str, list[int]] = {}
+        for i in fwd:
+            layer = prog.ops[i].layer
+            if _layer_key(layer) is not None:
+                groups.setdefault(layer, []).append(i)
+        if not groups:
+            labels = sorted({prog.ops[i].layer for i in fwd})
+            raise ProgramError(f"--recompute full: no forward op is labelled with a numbered layer (the program's "
+                               f"layer labels: {', '.join(repr(x) for x in labels[:8]) or 'none'}); full "
+                               f"recomputation runs each numbered layer group again")
+        return list(groups.values())
+    regions: list[list[int]] = []
+    region: list[int] | None = None
+    made: set[str] = set()
+    for i in fwd:
+        op = prog.ops[i]
+        two_acts = op.rule in ("matmul", "bmm") and all(
+            isinstance(op.inputs.get(p), str) and _is_act(prog, op.inputs[p]) and len(prog.tensors[op.inputs[p]].shape) >= 3
+            for p in ("x", "y"))
+        if region is None:
+            if two_acts:
+                region, made = [i], set(op.output_names())
+            continue
+        if not any(n in made for n in op.input_names()):
+            continue
+        region.append(i)
+        if two_acts:  # the product with V closes the core
+            regions.append(region)
+            region = None
+        else:
+            made.update(op.output_names())
+    return regions
+
+
+@dataclass
+class ActivationMemory:
+    """Activations kept for the backward, bytes per device. ``per_layer``: layer label ->
+    bytes; ``tensors``: layer label -> [(tensor, bytes)]; ``recomputed``: the forward ops run
+    again in the backward (regions, op indices); ``regathered``: tensors kept as their
+    producer's shard and all-gathered again for the backward (tensor, index of the output
+    reshard that gathered them in the forward)."""
+
+    recompute: str
+    per_layer: dict[str, int]
+    tensors: dict[str, list[tuple[str, int]]]
+    recomputed: list[list[int]] = field(default_factory=list)
+    regathered: list[tuple[str, int]] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(self.per_layer.values())
+
+    def layer(self, label: str) -> int:
+        return self.per_layer.get(label, 0)
+
+    def to_json(self) -> dict[str, object]:
+        return {"recompute": self.recompute, "total": self.total, "per_layer": dict(self.per_layer),
+                "tensors": {k: [list(t) for t in v] for k, v in self.tensors.items()},
+                "recomputed_ops": sum(len(r) for r in self.recomputed),
+                "regathered": [t for t, _ in self.regathered]}
+
+
+def value_reads(prog: Program) -> dict[str, list[int]]:
+    """Forward activation -> the backward ops that read its values (program order)."""
+    fwd_made: set[str] = set()
+    for op in prog.ops:
+        if op.phase == "forward":
+            fwd_made.update(op.output_names())
+    reads: dict[str, list[int]] = {}
+    for i, op in enumerate(prog.ops):
+        if op.phase != "backward":
+            continue
+        skip = SHAPE_ONLY.get(op.rule, frozenset())
+        for p, v in op.inputs.items():
+            if p in skip:
+                continue
+            for n in (v if isinstance(v, (list, tuple)) else (v,)):
+                if isinstance(n, str) and n in fwd_made and _is_act(prog, n):
+                    lst = reads.setdefault(n, [])
+                    if not lst or lst[-1] != i:
+                        lst.append(i)
+    return reads
+
+
+def saved_activations(plan: Plan, recompute: str = "none") -> ActivationMemory:
+    """The activations ``plan``'s backward keeps, per layer (module docstring)."""
+    check_recompute(recompute)
+    prog = plan.program
+    reads = value_reads(prog)
+    # layer of a kept tensor: that of the last backward op reading it (the earliest layer)
+    layer_of = {n: prog.ops[ix[-1]].layer for n, ix in reads.items()}
+    kept = set(reads)
+    regions = recompute_regions(prog, recompute)
+    for region in regions:
+        kept -= {n for i in region for n in prog.ops[i].output_names()}
+    for region in regions:  # a region's inputs made before it are kept to run it again
+        made = {n for i in region for n in prog.ops[i].output_names()}
+        label = prog.ops[region[0]].layer
+        for i in region:
+            for n in prog.ops[i].input_names():
+                if n not in made and _is_act(prog, n):
+                    if n not in kept:
+                        layer_of[n] = label
+                    kept.add(n)
+    gathered: dict[str, tuple[int, TensorDistAttr]] = {}
+    for r in plan.reshards:
+        if r.output and not r.src.partial and all(s.kind == "all_gather" for s in r.plan.steps if s.bytes_per_rank):
+            gathered.setdefault(r.tensor, (r.op_index, r.src))
+    per_layer: dict[str, int] = {}
+    tensors: dict[str, list[tuple[str, int]]] = {}
+    regathered: list[tuple[str, int]] = []
+    order = {n: k for k, n in enumerate(prog.tensors)}
+    for n in sorted(kept, key=order.__getitem__):
+        t = prog.tensors[n]
+        attr = plan.attrs[n]
+        g = gathered.get(n)
+        if g is not None:
+            src = g[1]
+            if local_numel(src, t.shape) < local_numel(attr, t.shape):
+                attr = src
+                regathered.append((n, g[0]))
+        b = local_numel(attr, t.shape) * t.itemsize
+        label = layer_of[n]
+        per_layer[label] = per_layer.get(label, 0) + b
+        tensors.setdefault(label, []).append((n, b))
+    return ActivationMemory(recompute, per_layer, tensors, regions, regathered)
+
+
+def spans_with_recompute(plan: Plan, saved: ActivationMemory) -> dict[str, list[tuple[int, int, int]]]:
+    """Tensor -> [(first op, last op, bytes)] live intervals for the tensors whose life
+    recomputation or a backward re-gather splits (:func:`memory_per_device`);
+    other tensors live from their producer to their last reader."""
+    prog = plan.program
+    out: dict[str, list[tuple[int, int, int]]] = {}
+    if not saved.recomputed and not saved.regathered:
+        return out
+    made_at: dict[str, int] = {}
+    fwd_last: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for i, op in enumerate(prog.ops):
+        for n in op.output_names():
+            made_at.setdefault(n, i)
+        for n in op.input_names():
+            last[n] = i
+            if op.phase == "forward":
+                fwd_last[n] = i
+    reads = value_reads(prog)
+    kept = {n for lst in saved.tensors.values() for n, _ in lst}
+
+    def size(n: str, attr: TensorDistAttr | None = None) -> int:
+        t = prog.tensors[n]
+        return local_numel(attr or plan.attrs[n], t.shape) * t.itemsize
+
+    for region in saved.recomputed:
+        made = [n for i in region for n in prog.ops[i].output_names()]
+        dropped = [n for n in made if n in reads and n not in kept]
+        if not dropped:
+            continue
+        again = min(reads[n][0] for n in dropped)  # the region runs again right before this op
+        for n in dropped:
+            a = made_at[n]
+            e = max(fwd_last.get(n, a), a)
+            b = size(n)
+            out[n] = [(a, e, b), (again, last.get(n, again), b)] if again > e else [(a, last.get(n, a), b)]
+    shards = {r.tensor: r.src for r in plan.reshards if r.output}
+    for n, _ in saved.regathered:
+        a = made_at[n]
+        e = max(fwd_last.get(n, a), a)
+        back = reads[n][0]
+        full = size(n)
+        if back <= e + 1:
+            continue
+        out[n] = [(a, e, full), (e + 1, back - 1, size(n, shards[n])), (back, last.get(n, back), full)]
+    return out
+
+
+def rerun_points(plan: Plan, saved: ActivationMemory) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+    """Where the backward runs forward work again: (backward op index -> the recomputed forward
+    ops run right before it, backward op index -> the indices of the output reshards whose
+    all-gather runs again right before it). A region runs again before the first backward op
+    that reads one of its outputs; a re-gathered tensor before its first backward reader."""
+    prog = plan.program
+    reads = value_reads(prog)
+    rerun: dict[int, list[int]] = {}
+    for region in saved.recomputed:
+        firsts = [reads[n][0] for i in region for n in prog.ops[i].output_names() if n in reads]
+        if firsts:
+            rerun.setdefault(min(firsts), []).extend(region)
+    regather: dict[int, list[int]] = {}
+    out_reshards = {r.tensor: k for k, r in enumerate(plan.reshards) if r.output}
+    for n, _ in saved.regathered:
+        regather.setdefault(reads[n][0], []).append(out_reshards[n])
+    return rerun, regather
+
+
 @dataclass(frozen=True)
 class Memory:
     """Bytes per device."""
@@ -99,8 +367,8 @@ class Memory:
     optimizer_states: int
     activation_peak: int
     peak_op: int
-    #: the activations the backward keeps (an :class:`spmdkit.cost.activations.ActivationMemory`)
-    saved: Any = None
+    #: the activations the backward keeps
+    saved: ActivationMemory | None = None
     #: the live activation bytes while each op runs (program order; the peak is their maximum)
     curve: tuple[int, ...] = field(default=(), repr=False, compare=False)
 
@@ -117,13 +385,9 @@ class Memory:
         return d
 
 
-def memory_per_device(plan: object, recompute: str = "none") -> Memory:
+def memory_per_device(plan: Plan, recompute: str = "none") -> Memory:
     """Memory per device of a :class:`spmdkit.program.plan.Plan` under activation
     recomputation ``recompute`` (none, selective, full)."""
-    from spmdkit.cost.activations import saved_activations, spans_with_recompute
-    from spmdkit.program.plan import Plan
-
-    assert isinstance(plan, Plan)
     saved = saved_activations(plan, recompute)
     prog: Program = plan.program
     attrs = plan.attrs
@@ -136,7 +400,7 @@ def memory_per_device(plan: object, recompute: str = "none") -> Memory:
     params = sum(nbytes(t.name) for t in prog.tensors.values() if t.kind == "parameter" and not t.inplace_of)
     states = sum(nbytes(t.name) for t in prog.tensors.values() if t.kind == "optimizer_state" and not t.inplace_of)
     grads = sum(nbytes(n) for n in param_grads)
-    if getattr(plan, "grad_accum", 1) > 1:
+    if plan.grad_accum > 1:
         # gradient accumulation: a gradient reduced once per step is held, and accumulated,
         # as its backward op makes it (unreduced, whole on a partial mesh dim) until then
         for r in plan.reshards:
@@ -156,7 +420,7 @@ def memory_per_device(plan: object, recompute: str = "none") -> Memory:
             delta[e + 1] -= size
     # copies made by reshards live from the first op that reads them to the last
     spans: dict[tuple[str, TensorDistAttr, str], list[int]] = {}
-    stored = getattr(plan, "storage", None) or {}
+    stored = plan.storage
     blocks: dict[tuple[str, str], list[int]] = {}  # (layer, phase) -> its first and last op
     if stored:
         for i, op in enumerate(prog.ops):
@@ -190,4 +454,6 @@ def memory_per_device(plan: object, recompute: str = "none") -> Memory:
     return Memory(params, grads, states, peak, at, saved, tuple(curve))
 
 
-__all__ = ["Memory", "UnevenShard", "local_numel", "memory_per_device", "uneven_shards"]
+__all__ = ["RECOMPUTE", "SHAPE_ONLY", "ActivationMemory", "Memory", "UnevenShard", "check_recompute", "local_numel",
+           "memory_per_device", "recompute_regions", "rerun_points", "saved_activations", "spans_with_recompute",
+           "uneven_shards", "value_reads"]

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spmdkit.core.reshard import Step
-from spmdkit.cost.activations import rerun_points, saved_activations
 from spmdkit.cost.compute import KernelCollective, kernel_collectives, local_shape, model_flops, op_cost
 from spmdkit.cost.devices import Device
+from spmdkit.cost.memory import rerun_points, saved_activations
 from spmdkit.engine.facts import OpCost
 from spmdkit.ops._cost import numel
 from spmdkit.program.plan import Plan, Reshard

@@ -274,8 +274,8 @@ facts("reshape", shape=_reshape_shape)
 facts("flatten", shape=_flatten_shape)
 facts("squeeze", shape=_squeeze_shape)
 facts("unsqueeze", shape=_unsqueeze_shape)
-for _op, _holder in (("reshape", "x_shape"), ("flatten", "xshape"), ("squeeze", "xshape"), ("unsqueeze", "x")):
-    facts(f"{_op}_grad", shape=_view_grad_shape(_holder))
+for _op, _held in (("reshape", "x_shape"), ("flatten", "xshape"), ("squeeze", "xshape"), ("unsqueeze", "x")):
+    facts(f"{_op}_grad", shape=_view_grad_shape(_held))
 for _op in ("reshape", "unsqueeze", "squeeze"):  # autodiff
     facts(_op, grad=f"{_op}_grad", wrt=("x",))
 

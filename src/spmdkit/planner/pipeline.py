@@ -42,14 +42,21 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import Any
 
 from spmdkit.core.errors import ProgramError
+from spmdkit.core.mesh import ProcessMesh
 from spmdkit.cost.compute import kernel_collectives, model_flops, op_cost
-from spmdkit.cost.memory import Memory, local_numel
+from spmdkit.cost.devices import Device
+from spmdkit.cost.memory import Memory, local_numel, saved_activations
 from spmdkit.cost.step import is_grad_sync
-from spmdkit.planner.planning import parse_size
+from spmdkit.models.zoo import Model, preset
+from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, parse_size, plan_model
+from spmdkit.program.ir import Program
+from spmdkit.program.plan import Plan
+from spmdkit.strategies.strategy import parse_mesh
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 _SCHEDULE_ALIASES = {"interleaved-1f1b": "interleaved", "interleaved1f1b": "interleaved", "1F1B": "1f1b",
@@ -118,15 +125,16 @@ def split_layers(n_layers: int, spec: PipelineSpec) -> tuple[int, ...]:
         return spec.stages
     if n_layers % n:
         raise ProgramError(f"--mesh {what}: {n_layers} layers do not divide evenly into {n} stages "
-                           f"(give --stages, e.g. {','.join(map(str, _uneven(n_layers, n)))})")
+                           f"(give --stages, e.g. {','.join(map(str, even_split(n_layers, n)))})")
     return (n_layers // n,) * n
 
 
-def _uneven(total: int, n: int) -> list[int]:
+def even_split(total: int, n: int) -> list[int]:
+    """``total`` layers in ``n`` stages as evenly as they go (the first stages one more)."""
     return [total // n + (1 if i < total % n else 0) for i in range(n)]
 
 
-def op_stages(prog: Any, counts: tuple[int, ...]) -> list[int]:
+def op_stages(prog: Program, counts: tuple[int, ...]) -> list[int]:
     """The virtual stage of every op: from its ``layer`` tag (embedding first, head last), an
     optimizer update with its parameter's stage, an untagged op with the op before it."""
     last = len(counts) - 1
@@ -296,18 +304,15 @@ class StageCost:
         return dict(self.__dict__)
 
 
-def stage_costs(plan: Any, stages: list[int], counts: tuple[int, ...], device: Any = None,
+def stage_costs(plan: Plan, stages: list[int], counts: tuple[int, ...], device: Device | None = None,
                 recompute: str = "none") -> list[StageCost]:
     """Per stage: parameters, gradients and states, the stash and working peak of one
     microbatch, the bytes sent, and (``device``) the times. ``recompute`` (none, selective,
-    full; :mod:`spmdkit.cost.activations`): the activations a recomputed region makes are not
+    full; :func:`spmdkit.cost.memory.saved_activations`): the activations a recomputed region makes are not
     stashed (they are made again), and its ops' times go to ``recompute_s``."""
-    prog = plan.program
     dropped: set[str] = set()
     regions: list[list[int]] = []
     if recompute != "none":
-        from spmdkit.cost.activations import saved_activations
-
         def kept(mode: str) -> tuple[set[str], list[list[int]]]:
             a = saved_activations(plan, mode)
             return {nm for lst in a.tensors.values() for nm, _ in lst}, a.recomputed
@@ -315,20 +320,41 @@ def stage_costs(plan: Any, stages: list[int], counts: tuple[int, ...], device: A
         base, _ = kept("none")
         mine, regions = kept(recompute)
         dropped = base - mine
-    attrs = plan.attrs
-    n = len(counts)
     out = [StageCost(c) for c in counts]
+    nbytes = _LocalBytes(plan)
+    param_grads, producer = _held_for_the_step(plan.program, stages, out, nbytes)
 
-    sizes: dict[str, int] = {}
+    def transient(nm: str) -> bool:
+        t = plan.program.tensors[nm]
+        return not (nm in param_grads or t.inplace_of or t.kind in ("parameter", "optimizer_state"))
 
-    def nbytes(name: str) -> int:
-        b = sizes.get(name)
+    _stash_and_sends(plan, stages, out, nbytes, producer, transient, dropped)
+    _working_peaks(plan.program, stages, out, nbytes, transient)
+    if device is not None:
+        _stage_times(plan, stages, out, device, {j for r in regions for j in r})
+    return out
+
+
+class _LocalBytes:
+    """A tensor's local bytes under the plan (its largest shard), computed once."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.tensors = plan.program.tensors
+        self.attrs = plan.attrs
+        self.sizes: dict[str, int] = {}
+
+    def __call__(self, name: str) -> int:
+        b = self.sizes.get(name)
         if b is None:
-            t = prog.tensors[name]
-            b = sizes[name] = int(local_numel(attrs[name], t.shape) * t.itemsize)
+            t = self.tensors[name]
+            b = self.sizes[name] = int(local_numel(self.attrs[name], t.shape) * t.itemsize)
         return b
 
-    # -- memory: parameters, their gradients, optimizer states; stash and working peak
+
+def _held_for_the_step(prog: Program, stages: list[int], out: list[StageCost],
+                       nbytes: _LocalBytes) -> tuple[dict[str, int], dict[str, int]]:
+    """Count each stage's ops, parameters, parameter gradients and optimizer states;
+    (parameter gradient -> its stage, tensor -> the op that makes it)."""
     param_grads: dict[str, int] = {}
     for i, op in enumerate(prog.ops):
         out[stages[i]].ops += 1
@@ -354,12 +380,14 @@ def stage_costs(plan: Any, stages: list[int], counts: tuple[int, ...], device: A
                 if t.kind == "parameter" and nm not in counted_params:  # a parameter without an update
                     counted_params.add(nm)
                     out[stages[i]].parameters += nbytes(nm)
+    return param_grads, producer
 
-    def transient(nm: str) -> bool:
-        t = prog.tensors[nm]
-        return not (nm in param_grads or t.inplace_of or t.kind in ("parameter", "optimizer_state"))
 
-    # activations crossing stages, and the stash (forward tensors read by a backward op)
+def _stash_and_sends(plan: Plan, stages: list[int], out: list[StageCost], nbytes: _LocalBytes,
+                     producer: dict[str, int], transient: Callable[[str], bool], dropped: set[str]) -> None:
+    """The activations crossing stages (sent forward, their gradients sent back) and the stash
+    (forward tensors read by a backward op, less the ``dropped`` ones recomputation makes again)."""
+    prog = plan.program
     stashed: set[str] = set()
     crossing: dict[str, tuple[int, int]] = {}
     for i, op in enumerate(prog.ops):
@@ -378,11 +406,15 @@ def stage_costs(plan: Any, stages: list[int], counts: tuple[int, ...], device: A
     for nm, (a, b) in crossing.items():
         size = nbytes(nm)
         g = nm + ".grad"
-        gsize = nbytes(g) if g in prog.tensors and g in attrs else size
+        gsize = nbytes(g) if g in prog.tensors and g in plan.attrs else size
         for k in range(a, b):
             out[k].send_bytes += size
             out[k + 1].send_grad_bytes += gsize
-    # working peak per stage: live transient bytes over the stage's own ops
+
+
+def _working_peaks(prog: Program, stages: list[int], out: list[StageCost], nbytes: _LocalBytes,
+                   transient: Callable[[str], bool]) -> None:
+    """Each stage's working peak: the live transient bytes over the stage's own ops."""
     first: dict[tuple[int, str], int] = {}
     last: dict[tuple[int, str], int] = {}
     for i, op in enumerate(prog.ops):
@@ -393,22 +425,23 @@ def stage_costs(plan: Any, stages: list[int], counts: tuple[int, ...], device: A
             if transient(nm):
                 first.setdefault((s, nm), i)
                 last[(s, nm)] = i
-    deltas: list[dict[int, int]] = [{} for _ in range(n)]
+    deltas: list[dict[int, int]] = [{} for _ in range(len(out))]
     for (s, nm), i in first.items():
         b = nbytes(nm)
         d = deltas[s]
         d[i] = d.get(i, 0) + b
         d[last[(s, nm)] + 1] = d.get(last[(s, nm)] + 1, 0) - b
-    for s in range(n):
+    for s in range(len(out)):
         cur = 0
         for i in sorted(deltas[s]):
             cur += deltas[s][i]
             if cur > out[s].working_peak:
                 out[s].working_peak, out[s].peak_op = cur, i
-    if device is None:
-        return out
-    # -- times
 
+
+def _stage_times(plan: Plan, stages: list[int], out: list[StageCost], device: Device, rerun: set[int]) -> None:
+    """Each stage's forward, backward, recomputation and optimizer times and its gradient
+    reductions, on ``device``."""
     extra: dict[int, float] = {}
     grads_synced = plan.param_grads()
     for kc in kernel_collectives(plan):
@@ -423,8 +456,7 @@ def stage_costs(plan: Any, stages: list[int], counts: tuple[int, ...], device: A
                 out[stages[r.op_index]].grad_sync_s += st.time_s
             else:
                 extra[r.op_index] = extra.get(r.op_index, 0.0) + st.time_s
-    rerun = {j for r in regions for j in r}
-    for i, op in enumerate(prog.ops):
+    for i, op in enumerate(plan.program.ops):
         c = op_cost(plan, i)
         t = device.op_time(c) + extra.get(i, 0.0)
         sc = out[stages[i]]
@@ -437,7 +469,6 @@ def stage_costs(plan: Any, stages: list[int], counts: tuple[int, ...], device: A
             sc.backward_s += t
         else:
             sc.optimizer_s += t
-    return out
 
 
 # -- the whole pipeline ---------------------------------------------------------------------------
@@ -503,7 +534,7 @@ class PipelineEstimate:
         return out
 
 
-def estimate_pipeline(plan: Any, spec: PipelineSpec, counts: tuple[int, ...], device: Any = None,
+def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...], device: Device | None = None,
                       pp_link: tuple[float, float] = (20e-6, 1 / 25e9), tokens: int | None = None,
                       ranks: int | None = None, recompute_forward: bool = False,
                       recompute: str = "none") -> PipelineEstimate:
@@ -548,7 +579,6 @@ def estimate_pipeline(plan: Any, spec: PipelineSpec, counts: tuple[int, ...], de
         serial.append(run.finish_s[r] + g + o)
         overlap.append(run.finish_s[r] + max(0.0, g - run.last_backward_s[r]) + o)
     est.step_serial_s, est.step_overlap_s = max(serial), max(overlap)
-
     mb_tokens = tokens // m if tokens else 0
     mf, _n, _att = model_flops(plan, mb_tokens)
     est.tokens, est.model_flops = tokens, mf * m if tokens else 0.0
@@ -560,10 +590,10 @@ def estimate_pipeline(plan: Any, spec: PipelineSpec, counts: tuple[int, ...], de
     return est
 
 
-# -- planning, verification and the report ----------------------------------------------------------
+# -- planning ----------------------------------------------------------
 
 
-def sub_mesh_text(mesh: Any) -> tuple[int, str]:
+def sub_mesh_text(mesh: ProcessMesh) -> tuple[int, str]:
     """(pp size, the mesh text without pp)."""
     names, sizes = list(mesh.dim_names), list(mesh.shape)
     pp = 1
@@ -578,12 +608,8 @@ def sub_mesh_text(mesh: Any) -> tuple[int, str]:
 
 def plan_pipeline(model_name: str, mesh_text: str, strategy_text: str, spec_args: dict[str, Any],
                   overrides: dict[str, Any] | None = None, user: dict[str, Any] | None = None,
-                  cost_text: str | None = None) -> tuple[Any, Any, PipelineSpec, tuple[int, ...], float]:
+                  cost_text: str | None = None) -> tuple[Model, Plan, PipelineSpec, tuple[int, ...], float]:
     """(model, plan of one microbatch on the sub-mesh, spec, layers per virtual stage, seconds)."""
-    from spmdkit.models.zoo import preset
-    from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, plan_model
-    from spmdkit.strategies.strategy import parse_mesh
-
     t0 = time.perf_counter()
     mesh = parse_mesh(mesh_text)
     pp, sub = sub_mesh_text(mesh)
@@ -604,7 +630,7 @@ def plan_pipeline(model_name: str, mesh_text: str, strategy_text: str, spec_args
     return model, plan, spec, counts, time.perf_counter() - t0
 
 
-def pp_cost_text(cost_text: str | None, mesh: Any) -> str | None:
+def pp_cost_text(cost_text: str | None, mesh: ProcessMesh | None) -> str | None:
     """``--cost`` without its ``pp=`` entry (that one times the sends: the ``pp_link`` of
     :func:`estimate_pipeline`)."""
     if not cost_text:
@@ -613,111 +639,6 @@ def pp_cost_text(cost_text: str | None, mesh: Any) -> str | None:
     return ",".join(parts) or None
 
 
-def verify_pipeline(model_name: str, mesh_text: str, spec: PipelineSpec, strategy: str) -> dict[str, Any]:
-    """``--verify`` of a pipeline plan of the preset ``model_name`` on ``mesh_text`` (with its pp
-    dim): the tiny model of the same arch with ``pp * v`` layers (at least 2), split one layer
-    per stage and planned on the sub-mesh: its ops are checked to run stage after stage
-    (forward 0..n-1, backward n-1..0); a step of 2 microbatches is simulated, each microbatch
-    on its own half of the batch (every tensor against its unsharded step), and the sum of the
-    microbatch losses is compared with the unsharded loss of the whole batch."""
-    try:
-        from spmdkit.sim.plan import simulate_plan, source_values
-    except ImportError as exc:  # numpy missing
-        raise ProgramError(f"--verify needs numpy (pip install 'spmdkit[sim]'): {exc}") from None
-    from spmdkit.models.zoo import preset
-    from spmdkit.planner.planning import plan_model
-    from spmdkit.strategies.strategy import parse_mesh
-
-    _pp, sub = sub_mesh_text(parse_mesh(mesh_text))
-    tiny = "tiny-llama" if preset(model_name).arch == "llama" else "tiny-gpt2"
-    n = spec.pp * spec.virtual
-    layers = max(2, n)
-    counts = split_layers(layers, PipelineSpec(spec.pp, 1, spec.schedule, spec.virtual,
-                                               tuple(_uneven(layers, n)) if layers % n else None))
-    model, plan, _ = plan_model(tiny, sub, strategy, {"layers": layers})
-    stages = op_stages(plan.program, counts)
-    phases = [op.phase for op in plan.program.ops]
-    fw = [s for s, ph in zip(stages, phases) if ph == "forward"]
-    bw = [s for s, ph in zip(stages, phases) if ph == "backward"]
-    ordered = fw == sorted(fw) and bw == sorted(bw, reverse=True) and set(fw) == set(range(n))
-    b = model.config.batch
-    n_mb = 2
-    _, whole, _ = plan_model(tiny, "dp=1", "none", {"layers": layers, "batch": b * n_mb})
-    vals = source_values(whole.program, 0)
-    ref = simulate_plan(whole, values=vals)  # one rank: the unsharded step of the whole batch
-    batched = {model.inputs[k] for k in ("tokens", "labels", "positions") if k in model.inputs}
-    reps = []
-    for i in range(n_mb):
-        mine = {k: (v[i * b:(i + 1) * b] if k in batched else v) for k, v in vals.items()}
-        reps.append(simulate_plan(plan, values=mine))
-    failures = [f for r in reps for f in r.failures]
-    losses = [r.loss for r in reps]
-    total = sum(x for x in losses if x is not None)
-    summed = (ref.loss is not None and None not in losses
-              and abs(total - ref.loss) <= 1e-9 * max(1.0, abs(ref.loss)))
-    ok = not failures and ordered and summed
-    checked = sum(r.checked for r in reps)
-    lines = [f"verify: {tiny} with {layers} layers in {n} pipeline stages (forward runs stages 0..{n - 1}, backward "
-             f"{n - 1}..0, in order: {'yes' if ordered else 'NO'}), each stage on the sub-mesh {sub}, {n_mb} "
-             f"microbatches of {b} simulated on {plan.mesh.size} ranks: {checked} tensors compared with the "
-             f"unsharded step (loss, every gradient, every update): "
-             + ("all equal" if not failures else f"{len(failures)} differ")
-             + f"; the microbatch losses sum to the whole batch's loss: {'yes' if summed else 'NO'} "
-             f"({total:.12g} vs {ref.loss if ref.loss is not None else float('nan'):.12g})"]
-    for name, what in failures[:10]:
-        lines.append(f"  {name}: {what}")
-    return {"ok": ok, "model": tiny, "layers": layers, "stages_in_order": ordered, "microbatches": n_mb,
-            "losses_sum": summed, "checked": checked, "failures": [list(f) for f in failures], "loss": total,
-            "text": "\n".join(lines)}
-
-
-def write_pipeline(est: PipelineEstimate, out: TextIO) -> None:
-    from spmdkit.outputs.report import fmt_bytes, fmt_time
-    from spmdkit.outputs.tables import print_table
-
-    s = est.spec
-    p, v, m = s.pp, s.virtual, s.microbatches
-    out.write(f"\nPipeline: pp={p}, schedule {s.schedule}"
-              + (f" ({v} virtual stages per device)" if v > 1 else "")
-              + f", {m} microbatches; layers per stage {','.join(map(str, est.counts))}; "
-              f"pp link {est.pp_link[0] * 1e6:g} us + {1 / est.pp_link[1] / 1e9 if est.pp_link[1] else 0:g} GB/s\n")
-    rows = []
-    for k, st in enumerate(est.stages):
-        rows.append([str(k), str(k % p), str(st.layers), fmt_time(st.forward_s), fmt_time(st.backward_s),
-                     fmt_bytes(st.send_bytes), fmt_time(est.send_f_s[k]), fmt_time(st.grad_sync_s),
-                     fmt_time(st.optimizer_s)])
-    print_table("Stages (per microbatch; the activation gradients come back as many bytes)",
-                ["stage", "device", "layers", "forward", "backward", "send", "send time", "grad sync", "optimizer"],
-                rows, out)
-    rows = []
-    for r in range(p):
-        mm = est.memory[r]
-        rows.append([str(r), f"{est.in_flight[r]:g}", fmt_bytes(mm.parameters), fmt_bytes(mm.gradients),
-                     fmt_bytes(mm.optimizer_states), fmt_bytes(mm.activation_peak), fmt_bytes(mm.total)])
-    print_table("Memory per device of each pipeline rank (in flight: microbatches of activations held)",
-                ["pp rank", "in flight", "parameters", "gradients", "optimizer", "activations", "total"], rows, out)
-    f = bubble_formula(s.schedule, p, v, m)
-    if est.run is None:
-        out.write(f"bubble (formula): {100 * f:.1f}% of the work; give --device for the step time\n")
-        return
-    run = est.run
-    worst = max(range(p), key=lambda r: est.memory[r].total)
-    tot = est.memory[worst].total
-    cap = est.device_memory
-    if cap:
-        out.write(f"fullest pipeline rank {worst}: {fmt_bytes(tot)} {'fits in' if tot <= cap else 'does NOT fit in'} "
-                  f"the {fmt_bytes(cap)} of a {est.device_name} ({100 * tot / cap:.0f}%)\n")
-    out.write(f"pipeline: {fmt_time(run.pipeline_s)} for {m} microbatches; busiest device works "
-              f"{fmt_time(max(run.busy_s))}; bubble {fmt_time(run.bubble_s)} = {100 * run.bubble_fraction:.1f}% "
-              f"(formula {100 * f:.1f}%)\n")
-    out.write(f"step time: {fmt_time(est.step_serial_s)} serial, {fmt_time(est.step_overlap_s)} with the gradient "
-              f"reductions overlapping the last backward\n")
-    if est.tokens:
-        out.write(f"tokens/s: {est.tokens_per_s or 0:,.0f} ({est.tokens} tokens per step); MFU "
-                  f"{100 * (est.mfu or 0):.1f}% ({est.tflops_per_gpu or 0:.0f} model TFLOP/s per GPU over "
-                  f"{est.ranks} x {est.peak / 1e12:g} TFLOP/s on {est.device_name})\n")
-
-
 __all__ = ["SCHEDULES", "PipelineEstimate", "PipelineSpec", "ScheduleRun", "StageCost", "bubble_formula",
-           "estimate_pipeline", "in_flight", "op_stages", "parse_spec", "plan_pipeline", "pp_cost_text", "run_schedule",
-           "schedule_order", "split_layers", "stage_costs", "sub_mesh_text", "verify_pipeline", "write_pipeline"]
+           "estimate_pipeline", "even_split", "in_flight", "op_stages", "parse_spec", "plan_pipeline", "pp_cost_text",
+           "run_schedule", "schedule_order", "split_layers", "stage_costs", "sub_mesh_text"]

@@ -3,19 +3,31 @@
 :func:`plan_model` (a preset of :mod:`spmdkit.models.zoo`), :func:`plan_program` (a
 :class:`spmdkit.program.ir.Program`, e.g. an imported one, under the strategies of
 :mod:`spmdkit.strategies.hf`) and :func:`plan_hf` (a HuggingFace model imported, then
-planned) return the plan of :func:`spmdkit.planner.propagate.propagate`; :func:`verify_strategy`
-runs a strategy on the tiny model of an architecture through the simulator. The arguments are
-plain Python values (texts as ``spmdkit plan`` takes them); a bad one is a ProgramError naming
-the flag it comes from. The command itself (argument parsing, printing) is :mod:`spmdkit.cli.plan`.
+planned) return the plan of :func:`spmdkit.planner.propagate.propagate`, complete (its
+gradient accumulation included). The arguments are plain Python values (texts as ``spmdkit
+plan`` takes them); a bad one is a ProgramError naming the flag it comes from. The command
+itself (argument parsing, printing) is :mod:`spmdkit.cli.plan`; ``--verify`` (the same strategy
+on a tiny model, simulated) is :mod:`spmdkit.sim.verify_plan`.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Mapping
+import warnings
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from spmdkit.core.errors import ProgramError, SpmdError
+from spmdkit.core.mesh import ProcessMesh
+from spmdkit.core.reshard import CostModel
+from spmdkit.models.hf import dtype_name, import_hf
+from spmdkit.models.zoo import Model, build_model, preset
+from spmdkit.planner.propagate import propagate
+from spmdkit.program.ir import Program
+from spmdkit.program.plan import Plan
+from spmdkit.strategies.hf import annotate_program, megatron_program, optimizer_of, regroup_partial_sums
+from spmdkit.strategies.strategy import annotate, parse_mesh, parse_strategy, user_attrs, zero3_storage
 
 #: The most layers ``--layers`` takes: planning is linear in the ops (~30 per layer with its
 #: backward and optimizer), and 512 is over six times the largest preset (llama-70b, 80).
@@ -42,13 +54,9 @@ def parse_size(flag: str, text: str | int | None, hi: int) -> int | None:
     return v
 
 
-def parse_cost(text: str | None, mesh: Any) -> Any:
+def parse_cost(text: str | None, mesh: ProcessMesh) -> CostModel:
     """``--cost`` text -> a :class:`spmdkit.core.reshard.CostModel` on ``mesh`` (the default one without
     text); ProgramError naming ``--cost`` for a bad one."""
-    import math
-
-    from spmdkit.core.reshard import CostModel
-
     if not text:
         return CostModel.default(mesh)
     if len(text) > 4096:
@@ -72,12 +80,9 @@ def parse_cost(text: str | None, mesh: Any) -> Any:
 def plan_model(model_name: str, mesh_text: str, strategy_text: str,
                overrides: Mapping[str, int | str | None] | None = None,
                user: dict[str, Any] | None = None, cost_text: str | None = None,
-               progress: Any = None) -> tuple[Any, Any, float]:
-    """(model, plan, seconds) for a preset on a mesh under a strategy."""
-    from spmdkit.models.zoo import build_model, preset
-    from spmdkit.planner.propagate import propagate
-    from spmdkit.strategies.strategy import annotate, parse_mesh, parse_strategy, zero3_storage
-
+               progress: Callable[[int, int], None] | None = None, grad_accum: int = 1) -> tuple[Model, Plan, float]:
+    """(model, plan, seconds) for a preset on a mesh under a strategy; ``grad_accum``: the
+    plan's gradient accumulation (``--grad-accum``)."""
     cfg = preset(model_name)
     mesh = parse_mesh(mesh_text)
     st = parse_strategy(strategy_text, mesh)
@@ -89,64 +94,52 @@ def plan_model(model_name: str, mesh_text: str, strategy_text: str,
     model = build_model(cfg, vocab_parallel_loss="megatron" in st, check_rules=False)
     ann = annotate(model, mesh, st, user)
     plan = propagate(model.program, mesh, ann, parse_cost(cost_text, mesh), progress=progress,
-                     storage=zero3_storage(model.optimizer, ann, st))
+                     storage=zero3_storage(model.optimizer, ann, st), grad_accum=grad_accum)
     return model, plan, time.perf_counter() - t0
 
 
-def plan_program(prog: Any, mesh_text: str, strategy_text: str | None, user: dict[str, Any] | None = None,
-                 patterns: Any = None, cost_text: str | None = None) -> tuple[Any, Any]:
+def plan_program(prog: Program, mesh_text: str, strategy_text: str | None, user: dict[str, Any] | None = None,
+                 patterns: Any = None, cost_text: str | None = None, grad_accum: int = 1) -> tuple[Program, Plan]:
     """(program, plan) for an imported program (or a program JSON from one) under a strategy
     (:mod:`spmdkit.strategies.hf`): with megatron the program is a copy whose loss is
     vocab-parallel, and the plan is over that copy."""
-    from spmdkit.planner.propagate import propagate
-    from spmdkit.strategies.hf import annotate_program, megatron_program, optimizer_of, regroup_partial_sums
-    from spmdkit.strategies.strategy import parse_mesh, parse_strategy, user_attrs, zero3_storage
-
     mesh = parse_mesh(mesh_text)
     st = parse_strategy(strategy_text or "none", mesh)
     cost = parse_cost(cost_text, mesh)
     if not st:  # no strategy: the user's annotations alone, as a program file always was
-        return prog, propagate(prog, mesh, user_attrs(prog, mesh, user), cost)
+        return prog, propagate(prog, mesh, user_attrs(prog, mesh, user), cost, grad_accum=grad_accum)
     if "megatron" in st:
         prog = megatron_program(prog, patterns)
     ann = annotate_program(prog, mesh, st, user, patterns)
     storage = zero3_storage(optimizer_of(prog), ann, st)
-    plan = propagate(prog, mesh, ann, cost, storage=storage)
+    plan = propagate(prog, mesh, ann, cost, storage=storage, grad_accum=grad_accum)
     regrouped = regroup_partial_sums(prog, plan)  # partial gradients summed before one reduction
     if regrouped is not prog:
-        prog, plan = regrouped, propagate(regrouped, mesh, ann, cost, storage=storage)
+        prog, plan = regrouped, propagate(regrouped, mesh, ann, cost, storage=storage, grad_accum=grad_accum)
     return prog, plan
 
 
 def plan_hf(class_name: str, config: Any, mesh_text: str, strategy_text: str | None, dtype: str = "float32",
             batch: int = 2, seq: int = 16, user: dict[str, Any] | None = None, patterns: Any = None,
-            cost_text: str | None = None) -> tuple[Any, Any, dict[str, Any], Any]:
+            cost_text: str | None = None, grad_accum: int = 1) -> tuple[Program, Any, dict[str, Any], Plan]:
     """(program, model, keyword inputs, plan) for the HuggingFace model ``class_name`` built
     from ``config`` (a dict, a JSON object text or a config.json path; :func:`spmdkit.models.hf.build`),
     its training step imported at ``batch`` x ``seq`` and planned on ``mesh_text`` under
     ``strategy_text`` (default megatron). The program is the one planned (with megatron, its
     loss made vocab-parallel); run it with ``torch_values(prog, model, (), kw)``."""
-    from spmdkit.models.hf import dtype_name
-
     dt = dtype_name(dtype)
     b = parse_size("--batch", batch, MAX_SIZE)
     sq = parse_size("--seq", seq, MAX_SIZE)
     assert b is not None and sq is not None
-    from spmdkit.strategies.strategy import parse_mesh, parse_strategy
-
     parse_strategy(strategy_text or "megatron", parse_mesh(mesh_text))  # refuse a bad mesh / strategy before importing
     prog, model, kw = import_hf_checked(class_name, config, b, sq, dt)
-    prog, plan = plan_program(prog, mesh_text, strategy_text or "megatron", user, patterns, cost_text)
+    prog, plan = plan_program(prog, mesh_text, strategy_text or "megatron", user, patterns, cost_text, grad_accum)
     return prog, model, kw, plan
 
 
-def import_hf_checked(class_name: str, config: Any, batch: int, seq: int, dtype: str) -> Any:
+def import_hf_checked(class_name: str, config: Any, batch: int, seq: int, dtype: str) -> tuple[Program, Any, dict[str, Any]]:
     """:func:`spmdkit.models.hf.import_hf` (``dtype`` a dtype name), its errors on a model that does not
     import given as one ProgramError naming ``--hf``."""
-    import warnings
-
-    from spmdkit.models.hf import import_hf
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         try:
@@ -158,30 +151,5 @@ def import_hf_checked(class_name: str, config: Any, batch: int, seq: int, dtype:
             raise ProgramError(f"--hf {class_name}: the model does not import: {type(exc).__name__}: {msg}") from None
 
 
-def verify_strategy(model_name: str | None, mesh_text: str, strategy_text: str,
-                    cost_text: str | None = None) -> dict[str, Any]:
-    """``--verify``: the same strategy on the same mesh, on the tiny model of the same arch as
-    ``model_name`` (llama without one), simulated end to end against the unsharded step."""
-    try:
-        from spmdkit.sim.plan import simulate_plan
-    except ImportError as exc:  # numpy missing
-        raise ProgramError(f"--verify needs numpy (pip install 'spmdkit[sim]'): {exc}") from None
-    from spmdkit.models.zoo import preset
-
-    cfg = preset(model_name) if model_name else None
-    arch = cfg.arch if cfg else "llama"
-    tiny = "tiny-llama" if arch == "llama" else "tiny-gpt-dropout" if cfg and cfg.dropout else "tiny-gpt2"
-    _, plan, _ = plan_model(tiny, mesh_text, strategy_text, None, None, cost_text)
-    rep = simulate_plan(plan)
-    ok = rep.ok
-    lines = [f"verify: {tiny} with the same mesh and strategy, simulated on {plan.mesh.size} ranks: "
-             f"{rep.checked} tensors compared with the unsharded step (loss, every gradient, every update): "
-             + ("all equal" if ok else f"{len(rep.failures)} differ")]
-    for name, what in rep.failures[:10]:
-        lines.append(f"  {name}: {what}")
-    return {"ok": ok, "model": tiny, "checked": rep.checked, "failures": [list(f) for f in rep.failures],
-            "loss": rep.loss, "text": "\n".join(lines)}
-
-
 __all__ = ["MAX_LAYERS", "MAX_SIZE", "clip_repr", "import_hf_checked", "parse_cost", "parse_size", "plan_hf",
-           "plan_model", "plan_program", "verify_strategy"]
+           "plan_model", "plan_program"]

@@ -121,67 +121,92 @@ def propagate(
     cost: CostModel | None = None,
     progress: Callable[[int, int], None] | None = None,
     storage: Mapping[str, Any] | None = None,
+    grad_accum: int = 1,
 ) -> Plan:
     """Every tensor's dist attr and the reshards of ``program`` on ``mesh``; ``annotations``:
     tensor name -> TensorDistAttr (or a dims_mapping list) that never changes; ``storage``:
     tensor -> the dist attr it is stored in, gathered to its (annotated) dist attr before the
-    forward and the backward readers (ZeRO-3)."""
-    fixed = _parse_annotations(program, mesh, annotations)
-    store = _parse_annotations(program, mesh, storage, "storage")
-    for stored in store:
-        if program.tensors[stored].kind not in ("parameter", "input", "optimizer_state"):
-            raise ProgramError(f"storage for {stored!r}: only a program input (a parameter) can be stored sharded")
-    cost = cost or CostModel.default(mesh)
-    attrs: dict[str, TensorDistAttr | None] = {n: None for n in program.tensors}
-    attrs.update(fixed)
-    specs = _Specs(program, mesh)
-    calls = [_OpCall(op) for op in program.ops]
-    # outputs that overwrite one of their op's inputs in place: held in that input's dist attr
-    tied: dict[int, dict[str, str]] = {}
-    for i, op in enumerate(program.ops):
-        reads = set(op.input_names())
-        for out_name in op.output_names():
-            over = program.tensors[out_name].inplace_of
-            if over is not None and over in reads and out_name not in fixed:
-                tied.setdefault(i, {})[out_name] = over
-    planned: dict[tuple[TensorDistAttr, TensorDistAttr, tuple[int, ...], int], ReshardPlan] = {}
+    forward and the backward readers (ZeRO-3); ``grad_accum``: the plan's gradient
+    accumulation (:attr:`spmdkit.program.plan.Plan.grad_accum`; it changes no dist attr).
+    ``progress(done, total)`` is called as the sweeps go."""
+    prop = _Propagation(program, mesh, annotations, cost, storage)
+    results, rounds = prop.sweeps(progress)
+    return prop.plan(results, rounds, grad_accum)
 
-    def plan_of(name: str, src: TensorDistAttr, dst: TensorDistAttr) -> ReshardPlan:
-        t = program.tensors[name]
+
+class _Propagation:
+    """The state of one propagation: the dist attrs found so far and the rule calls."""
+
+    def __init__(self, program: Program, mesh: ProcessMesh, annotations: Mapping[str, Any] | None,
+                 cost: CostModel | None, storage: Mapping[str, Any] | None) -> None:
+        self.program = program
+        self.mesh = mesh
+        self.fixed = _parse_annotations(program, mesh, annotations)
+        self.store = _parse_annotations(program, mesh, storage, "storage")
+        for stored in self.store:
+            if program.tensors[stored].kind not in ("parameter", "input", "optimizer_state"):
+                raise ProgramError(f"storage for {stored!r}: only a program input (a parameter) can be stored sharded")
+        self.cost = cost or CostModel.default(mesh)
+        self.attrs: dict[str, TensorDistAttr | None] = {n: None for n in program.tensors}
+        self.attrs.update(self.fixed)
+        self.specs = _Specs(program, mesh)
+        self.calls = [_OpCall(op) for op in program.ops]
+        # outputs that overwrite one of their op's inputs in place: held in that input's dist attr
+        self.tied: dict[int, dict[str, str]] = {}
+        for i, op in enumerate(program.ops):
+            reads = set(op.input_names())
+            for out_name in op.output_names():
+                over = program.tensors[out_name].inplace_of
+                if over is not None and over in reads and out_name not in self.fixed:
+                    self.tied.setdefault(i, {})[out_name] = over
+        self.planned: dict[tuple[TensorDistAttr, TensorDistAttr, tuple[int, ...], int], ReshardPlan] = {}
+        self.chosen: dict[tuple[Any, ...], SpmdResult] = {}  # repeated layers: one choice per kind of op
+        self.reduced: dict[str, TensorDistAttr] = {}  # partial tensors reduced right after their producer
+        self.readers: dict[str, int] = {}
+        for op in program.ops:
+            for read in set(op.input_names()):
+                self.readers[read] = self.readers.get(read, 0) + 1
+
+    # -- dist attrs and rule calls
+
+    def plan_of(self, name: str, src: TensorDistAttr, dst: TensorDistAttr) -> ReshardPlan:
+        t = self.program.tensors[name]
         key = (src, dst, t.shape, t.itemsize)
-        p = planned.get(key)
+        p = self.planned.get(key)
         if p is None:
-            p = plan_reshard(src, dst, t.shape, t.itemsize, cost)
-            planned[key] = p
+            p = plan_reshard(src, dst, t.shape, t.itemsize, self.cost)
+            self.planned[key] = p
         return p
 
-    def held_attr(n: str) -> TensorDistAttr:
-        a = store[n] if n in store else attrs[n]
-        return a if a is not None else TensorDistAttr.replicated(mesh, len(program.tensors[n].shape))
+    def held_attr(self, n: str) -> TensorDistAttr:
+        a = self.store[n] if n in self.store else self.attrs[n]
+        return a if a is not None else TensorDistAttr.replicated(self.mesh, len(self.program.tensors[n].shape))
 
-    def get(n: str) -> DistTensorSpec:
-        return specs.get(n, attrs[n])
+    def get(self, n: str) -> DistTensorSpec:
+        return self.specs.get(n, self.attrs[n])
 
-    def get_stored(n: str) -> DistTensorSpec:  # the optimizer reads a stored tensor as stored
-        return specs.get(n, store[n] if n in store else attrs[n])
+    def get_stored(self, n: str) -> DistTensorSpec:  # the optimizer reads a stored tensor as stored
+        return self.specs.get(n, self.store[n] if n in self.store else self.attrs[n])
 
-    def run(i: int, c: _OpCall, backward: bool) -> SpmdResult:
-        if store and c.op.phase == "optimizer":
+    def run(self, i: int, c: _OpCall, backward: bool) -> SpmdResult:
+        if self.store and c.op.phase == "optimizer":
             try:
                 return get_rule(c.op.rule).infer(
                     "backward" if backward else "forward",
-                    *layout_args(c.bwd_layout if backward else c.fwd_layout, get_stored))  # type: ignore[arg-type]
+                    *layout_args(c.bwd_layout if backward else c.fwd_layout, self.get_stored))  # type: ignore[arg-type]
             except SpmdError as exc:
                 raise ProgramError(f"op {i} ({c.op.name or c.op.rule}): {type(exc).__name__}: {exc}") from None
         try:
             if backward:
                 assert c.bwd is not None and c.bwd_layout is not None
-                return get_rule(c.op.rule).infer_backward(*layout_args(c.bwd_layout, get))
-            return get_rule(c.op.rule).infer_forward(*layout_args(c.fwd_layout, get))
+                return get_rule(c.op.rule).infer_backward(*layout_args(c.bwd_layout, self.get))
+            return get_rule(c.op.rule).infer_forward(*layout_args(c.fwd_layout, self.get))
         except SpmdError as exc:
             raise ProgramError(f"op {i} ({c.op.name or c.op.rule}): {type(exc).__name__}: {exc}") from None
 
-    def price(c: _OpCall, res: SpmdResult, targets: Mapping[str, TensorDistAttr]) -> tuple[float, int]:
+    # -- in-place outputs: the cheaper of two layouts
+
+    def price(self, c: _OpCall, res: SpmdResult, targets: Mapping[str, TensorDistAttr]) -> tuple[float, int]:
         """(time, bytes) of the reshards ``res`` needs: its inputs from how they are held, its
         in-place outputs to their targets."""
         t, b = 0.0, 0
@@ -190,35 +215,34 @@ def propagate(
             if v is None:
                 continue
             for n, r_attr in zip(flat_refs(v), _flat_attrs(req)):
-                if n is not None and r_attr is not None and held_attr(n) != r_attr:
-                    rp = plan_of(n, held_attr(n), r_attr)
+                if n is not None and r_attr is not None and self.held_attr(n) != r_attr:
+                    rp = self.plan_of(n, self.held_attr(n), r_attr)
                     t, b = t + rp.time_s, b + rp.bytes_per_rank
         for v, a in zip(c.op.outputs, res.outputs):
             for n, x in zip(flat_refs(v), _flat_attrs(a)):
                 if n is not None and x is not None and n in targets and targets[n] != x:
-                    rp = plan_of(n, x, targets[n])
+                    rp = self.plan_of(n, x, targets[n])
                     t, b = t + rp.time_s, b + rp.bytes_per_rank
         return t, b
 
-    chosen: dict[tuple[Any, ...], SpmdResult] = {}  # repeated layers: one choice per kind of op
-
-    def in_place(i: int, c: _OpCall, res: SpmdResult) -> SpmdResult:
+    def in_place(self, i: int, c: _OpCall, res: SpmdResult) -> SpmdResult:
         """The cheaper of the forward answer and the layout the in-place outputs ask for."""
-        targets = {n: held_attr(s) for n, s in tied[i].items()}
+        targets = {n: self.held_attr(s) for n, s in self.tied[i].items()}
         if c.bwd is None or c.bwd_layout is None:
             return res
         op = c.op
+        tensors, attrs = self.program.tensors, self.attrs
         key = (op.rule, repr(sorted(op.attrs.items())),
-               tuple((program.tensors[n].shape, program.tensors[n].itemsize, attrs[n], held_attr(n))
-                     for n in op.input_names()),
+               tuple((tensors[n].shape, tensors[n].itemsize, attrs[n], self.held_attr(n)) for n in op.input_names()),
                tuple((targets.get(n), attrs[n]) for n in op.output_names()), res)
-        got = chosen.get(key)
+        got = self.chosen.get(key)
         if got is None:
-            got = chosen[key] = _choose(c, res, targets)
+            got = self.chosen[key] = self._choose(c, res, targets)
         return got
 
-    def _choose(c: _OpCall, res: SpmdResult, targets: dict[str, TensorDistAttr]) -> SpmdResult:
+    def _choose(self, c: _OpCall, res: SpmdResult, targets: dict[str, TensorDistAttr]) -> SpmdResult:
         assert c.bwd is not None and c.bwd_layout is not None
+        specs, attrs, store = self.specs, self.attrs, self.store
 
         def get_out(n: str) -> DistTensorSpec:
             return specs.get(n, targets[n] if n in targets else attrs[n])
@@ -239,28 +263,41 @@ def propagate(
             alt = get_rule(c.op.rule).infer_forward(*layout_args(c.fwd_layout, get_in))
         except SpmdError:
             return res  # the reverse rule has no answer here: the forward one stands
-        return alt if price(c, alt, targets) <= price(c, res, targets) else res
+        return alt if self.price(c, alt, targets) <= self.price(c, res, targets) else res
 
-    rounds = 0
-    results: list[SpmdResult | None] = []
-    total = len(calls) * 2
-    reduced: dict[str, TensorDistAttr] = {}  # partial tensors reduced right after their producer
-    readers: dict[str, int] = {}
-    for op in program.ops:
-        for read in set(op.input_names()):
-            readers[read] = readers.get(read, 0) + 1
-    while True:
-        rounds += 1
-        results = []
+    # -- the sweeps
+
+    def sweeps(self, progress: Callable[[int, int], None] | None) -> tuple[list[SpmdResult | None], int]:
+        """Forward and backward sweeps to the fixed point: (the last forward sweep's answers, rounds)."""
+        rounds = 0
+        total = len(self.calls) * 2
+        while True:
+            rounds += 1
+            results, grew = self.forward_sweep(rounds, progress, total)
+            if rounds >= MAX_ROUNDS:
+                break
+            filled = self.backward_sweep() or grew
+            if progress is not None:
+                progress(len(self.calls), total)
+            if not filled:
+                break
+        return results, rounds
+
+    def forward_sweep(self, rounds: int, progress: Callable[[int, int], None] | None,
+                      total: int) -> tuple[list[SpmdResult | None], bool]:
+        """Every op's forward rule in program order: (its answers, whether a partial tensor was
+        newly reduced after its producer)."""
+        attrs, fixed, reduced, readers, tied = self.attrs, self.fixed, self.reduced, self.readers, self.tied
+        results: list[SpmdResult | None] = []
         grew = False
-        for i, c in enumerate(calls):
+        for i, c in enumerate(self.calls):
             names = c.op.input_names()
             if names and all(attrs[n] is None for n in names):
                 results.append(None)
                 continue
-            res = run(i, c, False)
+            res = self.run(i, c, False)
             if i in tied:
-                res = in_place(i, c, res)
+                res = self.in_place(i, c, res)
             results.append(res)
             for p, req in zip(c.tparams, res.inputs):
                 v = c.op.inputs.get(p)
@@ -281,22 +318,26 @@ def propagate(
             for v, a in zip(c.op.outputs, res.outputs):
                 for n, x in zip(flat_refs(v), _flat_attrs(a)):
                     if n is not None and x is not None and n not in fixed:
-                        attrs[n] = held_attr(ties[n]) if n in ties else \
+                        attrs[n] = self.held_attr(ties[n]) if n in ties else \
                             reduced[n] if n in reduced and x.partial else x
             if progress is not None and i % 256 == 0:
                 progress(i, total)
-        if rounds >= MAX_ROUNDS:
-            break
-        filled = grew
+        return results, grew
+
+    def backward_sweep(self) -> bool:
+        """The reverse rules in reverse order, filling inputs without a dist attr; True when
+        one was filled (or changed)."""
+        attrs = self.attrs
+        filled = False
         by_sweep: set[str] = set()  # filled in this sweep: an earlier consumer's answer wins
-        for i in range(len(calls) - 1, -1, -1):
-            c = calls[i]
+        for i in range(len(self.calls) - 1, -1, -1):
+            c = self.calls[i]
             if c.bwd is None:
                 continue
             unknown = [n for n in c.op.input_names() if attrs[n] is None or n in by_sweep]
             if not unknown or all(attrs[n] is None for n in c.op.output_names()):
                 continue
-            res = run(i, c, True)
+            res = self.run(i, c, True)
             ins = dict(zip([p.name for p in c.bwd.params if p.is_tensor], res.inputs))
             for p, v in c.op.inputs.items():
                 for n, x in zip(flat_refs(v), _flat_attrs(ins.get(p))):
@@ -305,36 +346,53 @@ def propagate(
                             attrs[n] = x
                             filled = True
                         by_sweep.add(n)
-        if progress is not None:
-            progress(len(calls), total)
-        if not filled:
-            break
-    # -- the plan: the last forward sweep's answers against what the producers made
-    for n, t in program.tensors.items():
-        if attrs[n] is None:
-            attrs[n] = TensorDistAttr.replicated(mesh, len(t.shape))
-    final: dict[str, TensorDistAttr] = {n: a for n, a in attrs.items() if a is not None}
-    final.update(store)
-    made: dict[str, TensorDistAttr] = dict(final)  # what each tensor's producer gives
-    op_plans: list[OpPlan] = []
-    held: dict[str, TensorDistAttr] = dict(fixed)
-    reshards: list[Reshard] = []
-    seen: dict[tuple[str, TensorDistAttr, str], Reshard] = {}
+        return filled
 
-    def reshard(name: str, src: TensorDistAttr, dst: TensorDistAttr, i: int, output: bool) -> Reshard:
-        p = plan_of(name, src, dst)
-        key = (name, dst, program.ops[i].phase if name in store else "")  # stored: gathered again per phase
-        prev = seen.get(key)
+    # -- the plan: the last forward sweep's answers against what the producers made
+
+    def plan(self, results: list[SpmdResult | None], rounds: int, grad_accum: int) -> Plan:
+        program, mesh, attrs = self.program, self.mesh, self.attrs
+        for n, t in program.tensors.items():
+            if attrs[n] is None:
+                attrs[n] = TensorDistAttr.replicated(mesh, len(t.shape))
+        final: dict[str, TensorDistAttr] = {n: a for n, a in attrs.items() if a is not None}
+        final.update(self.store)
+        built = _PlanBuilder(self, final)
+        op_plans = [built.op_plan(i, c, got if got is not None else self.run(i, c, False))
+                    for (i, c), got in zip(enumerate(self.calls), results)]
+        return Plan(program, mesh, final, op_plans, built.reshards, built.held, rounds, self.cost, dict(self.store),
+                    grad_accum)
+
+
+class _PlanBuilder:
+    """The reshards between what each tensor's producer made and what its readers need."""
+
+    def __init__(self, prop: _Propagation, final: dict[str, TensorDistAttr]) -> None:
+        self.prop = prop
+        self.final = final
+        self.made: dict[str, TensorDistAttr] = dict(final)  # what each tensor's producer gives
+        self.held: dict[str, TensorDistAttr] = dict(prop.fixed)
+        self.reshards: list[Reshard] = []
+        self.seen: dict[tuple[str, TensorDistAttr, str], Reshard] = {}
+
+    def reshard(self, name: str, src: TensorDistAttr, dst: TensorDistAttr, i: int, output: bool) -> Reshard:
+        prop = self.prop
+        p = prop.plan_of(name, src, dst)
+        key = (name, dst, prop.program.ops[i].phase if name in prop.store else "")  # stored: gathered again per phase
+        prev = self.seen.get(key)
         r = Reshard(name, src, dst, i, output, p, shared=prev is not None and not output)
         if prev is None:
-            seen[key] = r
-        reshards.append(r)
+            self.seen[key] = r
+        self.reshards.append(r)
         return r
 
-    for i, c in enumerate(calls):
-        got = results[i]
-        res = got if got is not None else run(i, c, False)
-        op_plan = OpPlan(i, c.op, {}, {}, [])
+    def op_plan(self, i: int, c: _OpCall, res: SpmdResult) -> OpPlan:
+        made, final, held = self.made, self.final, self.held
+        fixed, reduced = self.prop.fixed, self.prop.reduced
+        given: dict[str, Any] = {}
+        required: dict[str, Any] = {}
+        outputs: list[Any] = []
+        reshards: list[Reshard] = []
         tparams = [p.name for p in c.fwd.params if p.is_tensor]
         for p, req in zip(tparams, res.inputs):
             v = c.op.inputs.get(p)
@@ -342,37 +400,35 @@ def propagate(
                 continue
             refs = flat_refs(v)
             reqs = _flat_attrs(req)
-            op_plan.given[p] = tuple(None if n is None else made[n] for n in refs) if isinstance(v, tuple) \
-                else made[v]
-            op_plan.required[p] = req
+            given[p] = tuple(None if n is None else made[n] for n in refs) if isinstance(v, tuple) else made[v]
+            required[p] = req
             for n, r_attr in zip(refs, reqs):
                 if n is None or r_attr is None:
                     continue
                 if made[n] != r_attr:
-                    op_plan.reshards.append(reshard(n, made[n], r_attr, i, False))
-        ties = tied.get(i, {})
+                    reshards.append(self.reshard(n, made[n], r_attr, i, False))
+        ties = self.prop.tied.get(i, {})
         for v, a in zip(c.op.outputs, res.outputs):
-            op_plan.outputs.append(a)
+            outputs.append(a)
             for n, x in zip(flat_refs(v), _flat_attrs(a)):
                 if n is None or x is None:
                     continue
                 if n in ties:  # an in-place output: held as the tensor it overwrites
                     target = made[ties[n]]
                     if target != x:
-                        op_plan.reshards.append(reshard(n, x, target, i, True))
+                        reshards.append(self.reshard(n, x, target, i, True))
                         held[n] = target
                     made[n] = final[n] = target
                 elif n in fixed and fixed[n] != x:
-                    op_plan.reshards.append(reshard(n, x, fixed[n], i, True))
+                    reshards.append(self.reshard(n, x, fixed[n], i, True))
                     made[n] = fixed[n]
                 elif n in reduced and x.partial and reduced[n] != x:
-                    op_plan.reshards.append(reshard(n, x, reduced[n], i, True))
+                    reshards.append(self.reshard(n, x, reduced[n], i, True))
                     made[n] = final[n] = held[n] = reduced[n]
                 else:
                     made[n] = x
                     final[n] = x
-        op_plans.append(op_plan)
-    return Plan(program, mesh, final, op_plans, reshards, held, rounds, cost, dict(store))
+        return OpPlan(i, c.op, given, required, outputs, reshards)
 
 
 __all__ = ["MAX_ROUNDS", "propagate"]

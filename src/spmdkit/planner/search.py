@@ -27,10 +27,9 @@ a strategy cannot take, the search finding no solution in its time limit) is kep
 holds no tensor). The global batch is the preset's (``--batch``); with pp it is split into the
 microbatches, so every configuration trains the same tokens per step.
 
-Also here: :func:`verify_auto` (``plan --auto --verify``): the chosen dist attrs of the tensors
-the tiny model of the same architecture shares with the plan (same names: its two layers, the
-embedding, the head, their gradients and optimizer states) held as annotations on that tiny
-model, planned by propagate on the same mesh and simulated against the unsharded step.
+``progress`` (a :class:`SearchProgress`, e.g. :class:`spmdkit.outputs.progress.Progress`) hears
+of each configuration planned; the search prints nothing (its table: :mod:`spmdkit.outputs.search`;
+``--verify`` of the best configuration: :func:`spmdkit.sim.verify_plan.verify_config`).
 """
 
 from __future__ import annotations
@@ -38,12 +37,24 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, TextIO
+from typing import Any, Protocol
 
 from spmdkit.core.errors import ProgramError, SpmdError
+from spmdkit.core.mesh import ProcessMesh
+from spmdkit.core.reshard import CostModel
 from spmdkit.cost.compute import guess_tokens
 from spmdkit.cost.devices import Device, cost_model, load_device, recost
-from spmdkit.cost.step import estimate_step
+from spmdkit.cost.memory import Memory, memory_per_device
+from spmdkit.cost.step import StepEstimate, estimate_step
+from spmdkit.models.hf import dtype_name
+from spmdkit.models.zoo import ModelConfig, build_model, preset
+from spmdkit.planner.auto import AutoInfo, auto_plan
+from spmdkit.planner.pipeline import PipelineEstimate, estimate_pipeline, parse_spec, pp_cost_text, split_layers
+from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, import_hf_checked, parse_size, plan_model, plan_program
+from spmdkit.program.ir import Program
+from spmdkit.program.plan import Plan
+from spmdkit.strategies.hf import data_inputs
+from spmdkit.strategies.strategy import MAX_RANKS, parse_mesh, parse_strategy
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 #: the most configurations one search plans (each a propagation or an exact search)
@@ -93,11 +104,11 @@ class Candidate:
     memory: int
     comm_s: float
     fits: bool
-    plan: Any = field(repr=False, default=None)
-    estimate: Any = field(repr=False, default=None)   # compute.StepEstimate or pipeline.PipelineEstimate
-    memory_detail: Any = field(repr=False, default=None)
+    plan: Plan = field(repr=False)
+    estimate: StepEstimate | PipelineEstimate = field(repr=False)
+    memory_detail: Memory = field(repr=False)
     title: str = ""
-    auto: Any = None                                    # auto.AutoInfo for strategy "auto"
+    auto: AutoInfo | None = None                        # for strategy "auto"
     plan_s: float = 0.0                                 # seconds to plan its shardings
 
     def to_json(self) -> dict[str, Any]:
@@ -111,7 +122,7 @@ class Candidate:
 @dataclass
 class SearchResult:
     devices: int
-    device: Any
+    device: Device
     memory_cap: int
     candidates: list[Candidate]          # every costed configuration, the fitting ones first, fastest first
     refused: list[tuple[Config, str]]    # configurations that could not be planned, and why
@@ -177,133 +188,114 @@ def parse_memory(text: Any) -> int:
 # -- one configuration ------------------------------------------------------------------------------
 
 
-def _recosted(plan: Any, device: Any, cost_text: str | None, nodes_of: int | None) -> Any:
-    from spmdkit.core.reshard import CostModel
+class SearchProgress(Protocol):
+    """What the search tells of its progress (:class:`spmdkit.outputs.progress.Progress` is one):
+    the count of configurations planned, their total, a note naming the one being planned."""
 
-    cost = cost_model(plan.mesh, device, nodes_of)
+    def update(self, done: int | None = None, total: int | None = None, note: str | None = None) -> None: ...
+
+    def advance(self, n: int = 1, note: str | None = None) -> None: ...
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What every configuration of one search is planned and priced with."""
+
+    device: Device
+    tokens: int | None
+    modes: Sequence[str]
+    cap: int
+    pins: Mapping[str, Any] | None
+    cost_text: str | None
+    nodes_of: int | None
+    time_limit: float
+    patterns: Any = None
+
+
+def _link_cost(mesh: ProcessMesh, job: _Job, cost_text: str | None) -> CostModel:
+    """The device's links on ``mesh``, ``cost_text`` (``--cost``) on top."""
+    cost = cost_model(mesh, job.device, job.nodes_of)
     if cost_text:
-        cost = CostModel.parse(cost_text, plan.mesh, base=cost)
-    return recost(plan, cost)
+        cost = CostModel.parse(cost_text, mesh, base=cost)
+    return cost
 
 
-def _flat_candidates(cfg: Config, plan: Any, device: Any, tokens: int | None, modes: Sequence[str], cap: int,
-                     title: str, info: Any = None) -> list[Candidate]:
-    from spmdkit.cost.memory import memory_per_device
-
+def _flat_candidates(cfg: Config, plan: Plan, job: _Job, title: str, info: AutoInfo | None = None) -> list[Candidate]:
     out: list[Candidate] = []
-    for rc in modes:
-        est = estimate_step(plan, device, tokens, rc)
+    for rc in job.modes:
+        est = estimate_step(plan, job.device, job.tokens, rc)
         mem = memory_per_device(plan, rc)
         if any(c.step_s == est.step_overlap_s and c.memory == mem.total for c in out):
             continue  # this recomputation changes nothing here (e.g. selective without an attention core)
         out.append(Candidate(replace(cfg, recompute=rc), est.step_overlap_s, est.mfu, mem.total, est.comm_total_s,
-                             mem.total <= cap, plan, est, mem, title, info))
+                             mem.total <= job.cap, plan, est, mem, title, info))
     return out
 
 
-def _pipeline_candidates(cfg: Config, plan: Any, counts: tuple[int, ...], device: Any, tokens: int,
-                         modes: Sequence[str], cap: int, title: str, cost_text: str | None,
-                         nodes_of: int | None, info: Any = None) -> list[Candidate]:
-    from spmdkit.core.reshard import CostModel
-    from spmdkit.planner.pipeline import estimate_pipeline, parse_spec
-    from spmdkit.strategies.strategy import parse_mesh
-
+def _pipeline_candidates(cfg: Config, plan: Plan, counts: tuple[int, ...], job: _Job, tokens: int, title: str,
+                         cost_text: str | None, info: AutoInfo | None = None) -> list[Candidate]:
     full = parse_mesh(cfg.mesh_text)
-    cost = cost_model(full, device, nodes_of)
-    if cost_text:
-        cost = CostModel.parse(cost_text, full, base=cost)
-    link = cost.links[full.dim_index("pp")]
+    link = _link_cost(full, job, cost_text).links[full.dim_index("pp")]
     spec = parse_spec(cfg.pp, microbatches=cfg.microbatches)
     m = cfg.microbatches
     out: list[Candidate] = []
-    for rc in modes:
-        est = estimate_pipeline(plan, spec, counts, device, (link.alpha_s, link.beta_s_per_byte), tokens,
+    for rc in job.modes:
+        est = estimate_pipeline(plan, spec, counts, job.device, (link.alpha_s, link.beta_s_per_byte), tokens,
                                 full.size, recompute=rc)
         mem = max(est.memory, key=lambda x: x.total)
         if any(c.step_s == est.step_overlap_s and c.memory == mem.total for c in out):
             continue  # this recomputation changes nothing here
-        one = estimate_step(plan, device, tokens // m, rc)  # one microbatch on the sub-mesh, every stage
+        one = estimate_step(plan, job.device, tokens // m, rc)  # one microbatch on the sub-mesh, every stage
         # per device: its stages' share of the collectives of m microbatches, the gradient
         # reductions once, and the sends of its busiest stage
         sends = max((f + b for f, b in zip(est.send_f_s, est.send_b_s)), default=0.0)
         comm = ((one.comm_total_s - one.grad_sync_s) * m + one.grad_sync_s) / cfg.pp + m * sends
         out.append(Candidate(replace(cfg, recompute=rc), est.step_overlap_s, est.mfu, mem.total, comm,
-                             mem.total <= cap, plan, est, mem, title, info))
+                             mem.total <= job.cap, plan, est, mem, title, info))
     return out
 
 
-def _batch_of(prog: Any) -> int | None:
-    from spmdkit.strategies.hf import data_inputs
-
+def _batch_of(prog: Program) -> int | None:
     ins = data_inputs(prog)
     shapes = [prog.tensors[n].shape for n in ins if prog.tensors[n].shape]
     return shapes[0][0] if shapes else None
 
 
-def search_meshes(model: Any, devices: int, device: Any = "h100", memory_cap: int | str | None = None, *,
-                  auto: bool = False, strategies: Iterable[str] | None = None,
-                  recompute: Iterable[str] | None = None, pipeline: bool = True,
-                  overrides: Mapping[str, int | None] | None = None, pins: Mapping[str, Any] | None = None,
-                  cost_text: str | None = None, time_limit: float = 30.0, nodes_of: int | None = None,
-                  patterns: Any = None, progress: Any = None) -> SearchResult:
-    """Search ``devices`` devices for the fastest configuration of ``model`` (a preset name or a
-    :class:`spmdkit.program.ir.Program`, e.g. an imported HuggingFace model) that fits in
-    ``memory_cap`` bytes per device (default: ``device``'s memory). ``device``: a
-    :class:`spmdkit.cost.devices.Device` or a preset name / JSON path. ``strategies``: the
-    hand strategies to try (default :func:`hand_strategies` of each mesh); ``auto``: also
-    :func:`spmdkit.planner.auto.auto_plan` on each mesh (``time_limit`` seconds each).
-    ``recompute``: the modes to try (default all three). ``progress``: a
-    :class:`spmdkit.outputs.progress.Progress` (default: one on stderr, shown on a terminal only)."""
-    from spmdkit.outputs.progress import Progress
-    from spmdkit.program.ir import Program
-    from spmdkit.strategies.strategy import MAX_RANKS, parse_strategy
+@dataclass(frozen=True)
+class _Sizes:
+    """What limits the factorisations: the global batch, the attention heads, the layers
+    (None where unknown: an imported program has no heads or layers to divide)."""
 
-    t0 = time.perf_counter()
-    if isinstance(devices, bool) or not isinstance(devices, int) or not 1 <= devices <= MAX_RANKS:
-        raise ProgramError(f"--devices {devices!r}: expected an integer from 1 to {MAX_RANKS}")
-    dev = device if isinstance(device, Device) else load_device(str(device))
-    if nodes_of:
-        dev = replace(dev, ranks_per_node=nodes_of)
-    cap = dev.memory_bytes if memory_cap is None else parse_memory(memory_cap)
-    modes = list(dict.fromkeys(recompute or RECOMPUTE_MODES))
-    for rc in modes:
-        if rc not in RECOMPUTE_MODES:
-            raise ProgramError(f"--recompute {rc!r}: one of {', '.join(RECOMPUTE_MODES)}")
-    given = None
-    if strategies is not None:
-        given = [s for s in strategies]
-        if not given and not auto:
-            raise ProgramError("search: no strategy to try (give strategies or auto=True)")
-    prog: Program | None = None
-    cfg_model = None
-    if isinstance(model, Program):
-        prog = model
-        pipeline = False
-        batch = _batch_of(prog)
-        tokens = guess_tokens(prog)
-        heads = None
-        layers = None
-    else:
-        from spmdkit.models.zoo import preset
-        from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, parse_size
+    batch: int | None
+    tokens: int | None
+    heads: int | None
+    layers: int | None
 
-        cfg_model = preset(str(model))
-        ov = dict(overrides or {})
-        limits = {"layers": MAX_LAYERS, "batch": MAX_SIZE, "seq": MAX_SIZE}
-        checked = {k: parse_size(f"--{k}", v, limits.get(k, MAX_SIZE)) for k, v in ov.items()}
-        cfg_model = cfg_model.with_(**{k: v for k, v in checked.items() if v is not None})
-        batch, tokens, heads, layers = cfg_model.batch, cfg_model.batch * cfg_model.seq, cfg_model.heads, cfg_model.layers
-    # the plans to make: (dp, tp, pp, strategy)
-    work: list[tuple[int, int, int, str]] = []
+
+def _model_sizes(model: str, overrides: Mapping[str, int | None] | None) -> tuple[ModelConfig, _Sizes]:
+    """The preset ``model`` with ``--layers`` / ``--batch`` / ``--seq`` applied, and its sizes."""
+    cfg = preset(str(model))
+    limits = {"layers": MAX_LAYERS, "batch": MAX_SIZE, "seq": MAX_SIZE}
+    checked = {k: parse_size(f"--{k}", v, limits.get(k, MAX_SIZE)) for k, v in dict(overrides or {}).items()}
+    cfg = cfg.with_(**{k: v for k, v in checked.items() if v is not None})
+    return cfg, _Sizes(cfg.batch, cfg.batch * cfg.seq, cfg.heads, cfg.layers)
+
+
+def _work(devices: int, pipeline: bool, sizes: _Sizes, given: list[str] | None,
+          auto: bool) -> tuple[list[Config], list[tuple[Config, str]]]:
+    """The configurations to plan (recomputation "none": the modes are priced on one plan) and
+    those refused before planning, with the reason."""
+    work: list[Config] = []
     refused: list[tuple[Config, str]] = []
+    batch = sizes.batch
     for dp, tp, pp in factorizations(devices, pipeline):
         why = None
         if batch is not None and batch % dp:
             why = f"dp={dp} does not divide the batch {batch}"
-        elif heads is not None and heads % tp:
-            why = f"tp={tp} does not divide the {heads} attention heads"
-        elif layers is not None and layers % pp:
-            why = f"pp={pp} does not divide the {layers} layers"
+        elif sizes.heads is not None and sizes.heads % tp:
+            why = f"tp={tp} does not divide the {sizes.heads} attention heads"
+        elif sizes.layers is not None and sizes.layers % pp:
+            why = f"pp={pp} does not divide the {sizes.layers} layers"
         names = list(given) if given is not None else hand_strategies(dp, tp)
         if auto:
             names.append("auto")
@@ -320,64 +312,97 @@ def search_meshes(model: Any, devices: int, device: Any = "h100", memory_cap: in
                     continue
                 if tp == 1 and "megatron" in s.split(","):
                     continue  # megatron over tp=1 is dp
-            work.append((dp, tp, pp, s))
+            work.append(Config(dp, tp, pp, s, "none", m))
+    return work, refused
+
+
+def _search_args(devices: int, device: Device | str, memory_cap: int | str | None, recompute: Iterable[str] | None,
+                 strategies: Iterable[str] | None, auto: bool,
+                 nodes_of: int | None) -> tuple[Device, int, list[str], list[str] | None]:
+    """(device, memory cap, recomputation modes, strategies given) checked."""
+    if isinstance(devices, bool) or not isinstance(devices, int) or not 1 <= devices <= MAX_RANKS:
+        raise ProgramError(f"--devices {devices!r}: expected an integer from 1 to {MAX_RANKS}")
+    dev = device if isinstance(device, Device) else load_device(str(device))
+    if nodes_of:
+        dev = replace(dev, ranks_per_node=nodes_of)
+    cap = dev.memory_bytes if memory_cap is None else parse_memory(memory_cap)
+    modes = list(dict.fromkeys(recompute or RECOMPUTE_MODES))
+    for rc in modes:
+        if rc not in RECOMPUTE_MODES:
+            raise ProgramError(f"--recompute {rc!r}: one of {', '.join(RECOMPUTE_MODES)}")
+    given = None
+    if strategies is not None:
+        given = [s for s in strategies]
+        if not given and not auto:
+            raise ProgramError("search: no strategy to try (give strategies or auto=True)")
+    return dev, cap, modes, given
+
+
+def search_meshes(model: str | Program, devices: int, device: Device | str = "h100",
+                  memory_cap: int | str | None = None, *, auto: bool = False, strategies: Iterable[str] | None = None,
+                  recompute: Iterable[str] | None = None, pipeline: bool = True,
+                  overrides: Mapping[str, int | None] | None = None, pins: Mapping[str, Any] | None = None,
+                  cost_text: str | None = None, time_limit: float = 30.0, nodes_of: int | None = None,
+                  patterns: Any = None, progress: SearchProgress | None = None) -> SearchResult:
+    """Search ``devices`` devices for the fastest configuration of ``model`` (a preset name or a
+    :class:`spmdkit.program.ir.Program`, e.g. an imported HuggingFace model) that fits in
+    ``memory_cap`` bytes per device (default: ``device``'s memory). ``device``: a
+    :class:`spmdkit.cost.compute.Device` or a preset name / JSON path. ``strategies``: the
+    hand strategies to try (default :func:`hand_strategies` of each mesh); ``auto``: also
+    :func:`spmdkit.planner.auto.auto_plan` on each mesh (``time_limit`` seconds each).
+    ``recompute``: the modes to try (default all three). ``progress``: told of each
+    configuration planned (:class:`SearchProgress`; default none)."""
+    t0 = time.perf_counter()
+    dev, cap, modes, given = _search_args(devices, device, memory_cap, recompute, strategies, auto, nodes_of)
+    cfg_model: ModelConfig | None = None
+    if isinstance(model, Program):
+        pipeline = False
+        sizes = _Sizes(_batch_of(model), guess_tokens(model), None, None)
+    else:
+        cfg_model, sizes = _model_sizes(model, overrides)
+    work, refused = _work(devices, pipeline, sizes, given, auto)
     if len(work) > MAX_PLANS:
         raise ProgramError(f"--devices {devices}: {len(work)} configurations to plan (at most {MAX_PLANS})")
-    bar = progress if progress is not None else Progress(f"plan --devices {devices}", total=len(work))
-    bar.update(0, total=len(work))
+    job = _Job(dev, sizes.tokens, modes, cap, pins, cost_text, nodes_of, time_limit, patterns)
+    if progress is not None:
+        progress.update(0, total=len(work))
     cands: list[Candidate] = []
-    try:
-        for dp, tp, pp, s in work:
-            m = (batch // dp) if (pp > 1 and batch) else 1
-            cfg = Config(dp, tp, pp, s, "none", m)
-            bar.update(note=cfg.label())
-            t1 = time.perf_counter()
-            k = len(cands)
-            try:
-                if prog is not None:
-                    cands += _plan_program_config(cfg, prog, dev, tokens, modes, cap, pins, cost_text, nodes_of,
-                                                  patterns, time_limit)
-                else:
-                    assert cfg_model is not None and tokens is not None
-                    cands += _plan_preset_config(cfg, str(model), cfg_model, dev, tokens, modes, cap, pins,
-                                                 cost_text, nodes_of, time_limit)
-            except SpmdError as exc:
-                refused.append((cfg, " ".join(str(exc).split())[:300]))
-            for c in cands[k:]:
-                c.plan_s = time.perf_counter() - t1
-            bar.advance()
-    finally:
-        if progress is None:
-            bar.close()
+    for cfg in work:
+        if progress is not None:
+            progress.update(note=cfg.label())
+        t1 = time.perf_counter()
+        k = len(cands)
+        try:
+            if isinstance(model, Program):
+                cands += _plan_program_config(cfg, model, job)
+            else:
+                assert cfg_model is not None
+                cands += _plan_preset_config(cfg, str(model), cfg_model, job)
+        except SpmdError as exc:
+            refused.append((cfg, " ".join(str(exc).split())[:300]))
+        for c in cands[k:]:
+            c.plan_s = time.perf_counter() - t1
+        if progress is not None:
+            progress.advance()
     cands.sort(key=lambda c: (not c.fits, c.step_s if c.fits else c.memory, c.memory))
     return SearchResult(devices, dev, cap, cands, refused, time.perf_counter() - t0, len(work))
 
 
-def _sub_mesh(dp: int, tp: int) -> Any:
-    from spmdkit.strategies.strategy import parse_mesh
-
+def _sub_mesh(dp: int, tp: int) -> ProcessMesh:
     return parse_mesh(f"dp={dp},tp={tp}")
 
 
-def _auto(prog: Any, mesh: Any, pins: Mapping[str, Any] | None, device: Any, cost_text: str | None,
-          nodes_of: int | None, time_limit: float) -> tuple[Any, Any]:
-    from spmdkit.core.reshard import CostModel
-    from spmdkit.planner.auto import auto_plan
-
-    cost = cost_model(mesh, device, nodes_of)
-    if cost_text:
-        cost = CostModel.parse(cost_text, mesh, base=cost)
-    return auto_plan(prog, mesh, pins, cost=cost, time_limit=time_limit, device=device)
+def _auto(prog: Program, mesh: ProcessMesh, job: _Job, cost_text: str | None) -> tuple[Plan, AutoInfo]:
+    return auto_plan(prog, mesh, job.pins, cost=_link_cost(mesh, job, cost_text), time_limit=job.time_limit,
+                     device=job.device)
 
 
-def _plan_preset_config(cfg: Config, name: str, mc: Any, device: Any, tokens: int, modes: Sequence[str], cap: int,
-                        pins: Mapping[str, Any] | None, cost_text: str | None, nodes_of: int | None,
-                        time_limit: float) -> list[Candidate]:
-    from spmdkit.models.zoo import build_model
-    from spmdkit.planner.pipeline import pp_cost_text
-    from spmdkit.planner.planning import plan_model
+def _auto_title(info: AutoInfo) -> str:
+    return f" (HiGHS {info.status}, gap {info.gap:.2%}, solve {info.solve_s:.2f} s, realised {info.realized})"
 
-    full_cost, cost_text = cost_text, pp_cost_text(cost_text, None)  # pp= times the sends only
+
+def _plan_preset_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> list[Candidate]:
+    full_cost, cost_text = job.cost_text, pp_cost_text(job.cost_text, None)  # pp= times the sends only
     over = {"layers": mc.layers, "batch": mc.batch // cfg.microbatches, "seq": mc.seq}
     title = (f"{name}: {mc.arch}, {mc.layers} layers, hidden {mc.hidden}, seq {mc.seq}, batch {mc.batch}"
              + (f" as {cfg.microbatches} microbatches of {mc.batch // cfg.microbatches}" if cfg.pp > 1 else "")
@@ -385,156 +410,37 @@ def _plan_preset_config(cfg: Config, name: str, mc: Any, device: Any, tokens: in
     info = None
     if cfg.strategy == "auto":
         model = build_model(mc.with_(**over), vocab_parallel_loss=cfg.tp > 1, check_rules=False)
-        plan, info = _auto(model.program, _sub_mesh(cfg.dp, cfg.tp), pins, device, cost_text, nodes_of, time_limit)
-        title += f" (HiGHS {info.status}, gap {info.gap:.2%}, solve {info.solve_s:.2f} s, realised {info.realized})"
+        plan, info = _auto(model.program, _sub_mesh(cfg.dp, cfg.tp), job, cost_text)
+        title += _auto_title(info)
     else:
-        _model, plan, _ = plan_model(name, cfg.sub_mesh_text, cfg.strategy, over, dict(pins or {}), cost_text)
-    plan = _recosted(plan, device, cost_text, nodes_of)
+        _model, plan, _ = plan_model(name, cfg.sub_mesh_text, cfg.strategy, over, dict(job.pins or {}), cost_text)
+    plan = recost(plan, _link_cost(plan.mesh, job, cost_text))
     if cfg.pp == 1:
-        return _flat_candidates(cfg, plan, device, tokens, modes, cap, title, info)
-    from spmdkit.planner.pipeline import parse_spec, split_layers
-
+        return _flat_candidates(cfg, plan, job, title, info)
     counts = split_layers(mc.layers, parse_spec(cfg.pp, microbatches=cfg.microbatches))
-    return _pipeline_candidates(cfg, plan, counts, device, tokens, modes, cap, title, full_cost, nodes_of, info)
+    assert job.tokens is not None
+    return _pipeline_candidates(cfg, plan, counts, job, job.tokens, title, full_cost, info)
 
 
-def _plan_program_config(cfg: Config, prog: Any, device: Any, tokens: int | None, modes: Sequence[str], cap: int,
-                         pins: Mapping[str, Any] | None, cost_text: str | None, nodes_of: int | None,
-                         patterns: Any, time_limit: float) -> list[Candidate]:
-    from spmdkit.planner.pipeline import pp_cost_text
-    from spmdkit.planner.planning import plan_program
-
-    cost_text = pp_cost_text(cost_text, None)  # no pipeline for a program: a pp= entry has nothing to time
+def _plan_program_config(cfg: Config, prog: Program, job: _Job) -> list[Candidate]:
+    cost_text = pp_cost_text(job.cost_text, None)  # no pipeline for a program: a pp= entry has nothing to time
     info = None
     title = f"mesh {cfg.mesh_text}; {cfg.strategy}"
     if cfg.strategy == "auto":
-        plan, info = _auto(prog, _sub_mesh(cfg.dp, cfg.tp), pins, device, cost_text, nodes_of, time_limit)
-        title += f" (HiGHS {info.status}, gap {info.gap:.2%}, solve {info.solve_s:.2f} s, realised {info.realized})"
+        plan, info = _auto(prog, _sub_mesh(cfg.dp, cfg.tp), job, cost_text)
+        title += _auto_title(info)
     else:
-        _p, plan = plan_program(prog, cfg.sub_mesh_text, cfg.strategy, dict(pins or {}), patterns, cost_text)
-    plan = _recosted(plan, device, cost_text, nodes_of)
-    return _flat_candidates(cfg, plan, device, tokens, modes, cap, title, info)
+        _p, plan = plan_program(prog, cfg.sub_mesh_text, cfg.strategy, dict(job.pins or {}), job.patterns, cost_text)
+    plan = recost(plan, _link_cost(plan.mesh, job, cost_text))
+    return _flat_candidates(cfg, plan, job, title, info)
 
 
-# -- output -------------------------------------------------------------------------------------------
-
-
-def write_search(res: SearchResult, out: TextIO, top: int = 10) -> None:
-    """The top fitting configurations as a table, then what was rejected and refused."""
-    from spmdkit.outputs.report import fmt_bytes, fmt_time
-    from spmdkit.outputs.tables import print_table
-
-    rows = []
-    for k, c in enumerate(res.fitting[:top]):
-        cf = c.config
-        rows.append([str(k + 1), f"{cf.dp}x{cf.tp}x{cf.pp}" + (f" m={cf.microbatches}" if cf.pp > 1 else ""),
-                     cf.strategy, cf.recompute, fmt_time(c.step_s), f"{100 * c.mfu:.1f}%" if c.mfu else "-",
-                     fmt_bytes(c.memory), fmt_time(c.comm_s)])
-    n_fit = len(res.fitting)
-    over = [c for c in res.candidates if not c.fits]
-    print_table(f"Top {min(top, n_fit)} of {n_fit} configurations that fit in {fmt_bytes(res.memory_cap)} per device "
-           f"({res.devices} x {res.device.name}; {res.plans} plans in {res.seconds:.1f} s)",
-           ["#", "dp x tp x pp", "strategy", "recompute", "step", "MFU", "memory/device", "comm"], rows, out)
-    if over:
-        least = min(over, key=lambda c: c.memory)
-        out.write(f"rejected over the memory cap: {len(over)} configurations (the smallest needs "
-                  f"{fmt_bytes(least.memory)}: {least.config.label()})\n")
-    if res.refused:
-        out.write(f"not planned: {len(res.refused)} configurations\n")
-        for cfg, why in res.refused[:8]:
-            what = cfg.mesh_text + ("" if cfg.strategy == "*" else f" {cfg.strategy}")
-            out.write(f"  {what}: {why[:160]}\n")
-        if len(res.refused) > 8:
-            out.write(f"  ... and {len(res.refused) - 8} more\n")
-
-
-def search_json(res: SearchResult, top: int = 10) -> dict[str, Any]:
-    return {"devices": res.devices, "device": res.device.name, "memory_cap": res.memory_cap,
-            "seconds": res.seconds, "plans": res.plans, "fitting": len(res.fitting),
-            "over_memory_cap": sum(1 for c in res.candidates if not c.fits),
-            "top": [c.to_json() for c in res.fitting[:top]],
-            "refused": [{**cfg.to_json(), "reason": why} for cfg, why in res.refused]}
-
-
-def import_hf_program(class_name: str, config: Any, batch: int, seq: int, dtype: str = "float32") -> Any:
+def import_hf_program(class_name: str, config: Any, batch: int, seq: int, dtype: str = "float32") -> Program:
     """The training step of the HuggingFace model ``class_name`` (config: dict, JSON text or a
     config.json path) imported at ``batch`` x ``seq`` (no strategy: as the model computes)."""
-    from spmdkit.models.hf import dtype_name
-    from spmdkit.planner.planning import import_hf_checked
-
     prog, _model, _kw = import_hf_checked(class_name, config, batch, seq, dtype_name(dtype))
     return prog
 
 
-# -- verification ------------------------------------------------------------------------------------------
-
-
-def _tiny_of(arch: str, dropout: float = 0.0) -> str:
-    return "tiny-llama" if arch == "llama" else "tiny-gpt-dropout" if dropout else "tiny-gpt2"
-
-
-def verify_auto(plan: Any, model_name: str, cost_text: str | None = None, layers: int | None = None) -> dict[str, Any]:
-    """``--verify`` of a searched plan: the plan's dist attrs of every tensor the tiny model of
-    the same architecture shares with it (by name; not partial ones, not in-place outputs,
-    which are held as the tensor they overwrite) annotated on that tiny model, planned by
-    propagate on the same mesh and simulated against the unsharded step."""
-    try:
-        from spmdkit.sim.plan import simulate_plan
-    except ImportError as exc:  # numpy missing
-        raise ProgramError(f"--verify needs numpy (pip install 'spmdkit[sim]'): {exc}") from None
-    from spmdkit.models.zoo import build_model, preset
-    from spmdkit.planner.planning import parse_cost
-    from spmdkit.planner.propagate import propagate
-
-    cfg = preset(model_name)
-    tiny = _tiny_of(cfg.arch, cfg.dropout)
-    tcfg = preset(tiny)
-    if layers:
-        tcfg = tcfg.with_(layers=layers)
-    vocab_parallel = any(op.rule == "c_softmax_with_cross_entropy" for op in plan.program.ops)
-    tmodel = build_model(tcfg, vocab_parallel_loss=vocab_parallel, check_rules=False)
-    tp = tmodel.program
-    ann = {}
-    for n, a in plan.attrs.items():
-        t = tp.tensors.get(n)
-        if t is None or t.inplace_of or a.partial or len(t.shape) != len(a.dims_mapping):
-            continue
-        ann[n] = a
-    tplan = propagate(tp, plan.mesh, ann, parse_cost(cost_text, plan.mesh))
-    held = sum(1 for n, a in ann.items() if tplan.attrs.get(n) == a)
-    try:
-        rep = simulate_plan(tplan)
-    except ProgramError as exc:  # a piece not distributed as the plan says: a failed check, not bad input
-        from spmdkit.sim.plan import SimReport
-
-        rep = SimReport(0, [("simulation", " ".join(str(exc).split())[:300])])
-    ok = rep.ok and held == len(ann)
-    lines = [f"verify: {tiny} holding the searched plan's dist attrs of the {len(ann)} tensors it shares with it "
-             f"({held} held as chosen), simulated on {tplan.mesh.size} ranks: {rep.checked} tensors compared with the "
-             f"unsharded step (loss, every gradient, every update): "
-             + ("all equal" if rep.ok else f"{len(rep.failures)} differ")]
-    for name, what in rep.failures[:10]:
-        lines.append(f"  {name}: {what}")
-    return {"ok": ok, "model": tiny, "annotated": len(ann), "held": held, "checked": rep.checked,
-            "failures": [list(f) for f in rep.failures], "loss": rep.loss, "text": "\n".join(lines)}
-
-
-def verify_config(best: Candidate, model_name: str, cost_text: str | None = None) -> dict[str, Any]:
-    """``--verify`` of the search's best configuration at tiny sizes: its strategy (or its
-    searched dist attrs) on the tiny model of the same architecture, on its mesh (with pp, the
-    pipeline check of :mod:`spmdkit.planner.pipeline`)."""
-    cfg = best.config
-    if cfg.strategy == "auto":
-        return verify_auto(best.plan, model_name, cost_text)
-    if cfg.pp > 1:
-        from spmdkit.planner.pipeline import parse_spec, verify_pipeline
-
-        return verify_pipeline(model_name, cfg.mesh_text, parse_spec(cfg.pp, microbatches=1), cfg.strategy)
-    from spmdkit.planner.planning import verify_strategy
-
-    return verify_strategy(model_name, cfg.mesh_text, cfg.strategy, cost_text)
-
-
-__all__ = ["RECOMPUTE_MODES", "Candidate", "Config", "SearchResult", "factorizations", "hand_strategies",
-           "import_hf_program", "parse_memory", "search_meshes", "search_json", "verify_auto",
-           "verify_config", "write_search"]
+__all__ = ["MAX_PLANS", "RECOMPUTE_MODES", "Candidate", "Config", "SearchProgress", "SearchResult", "factorizations",
+           "hand_strategies", "import_hf_program", "parse_memory", "search_meshes"]

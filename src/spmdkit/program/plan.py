@@ -1,5 +1,7 @@
 """A plan: every tensor's dist attr, every op's place in it and the reshards between, as the
-planner (:func:`spmdkit.planner.propagate.propagate`) builds it."""
+planner builds it (:func:`spmdkit.planner.propagate.propagate`, :func:`spmdkit.planner.auto.auto_plan`):
+complete when it is made, and never changed afterwards (frozen; a plan timed otherwise is a new
+one: :func:`spmdkit.cost.compute.recost`)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from typing import Any
 
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.mesh import ProcessMesh
-from spmdkit.core.reshard import CostModel, ReshardPlan
+from spmdkit.core.reshard import CostModel, ReshardPlan, Step
 from spmdkit.program.ir import Op, Program
 
 
@@ -35,7 +37,7 @@ class Reshard:
         return 0.0 if self.shared else self.plan.time_s
 
 
-@dataclass
+@dataclass(frozen=True)
 class OpPlan:
     """An op's place in the plan: the dist attrs its inputs had and needed, and its outputs'."""
 
@@ -47,9 +49,9 @@ class OpPlan:
     reshards: list[Reshard] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
-    """The result of :func:`propagate`. ``annotations``: the dist attr a tensor is held in
+    """The result of :func:`spmdkit.planner.propagate.propagate`. ``annotations``: the dist attr a tensor is held in
     right after its producer where that differs from the producer's rule: the annotations
     given, and the partial tensors reduced once for all their readers (an output reshard in
     ``reshards``)."""
@@ -65,7 +67,7 @@ class Plan:
     #: tensors stored otherwise than their readers get them (ZeRO-3): name -> stored dist attr
     storage: dict[str, TensorDistAttr] = field(default_factory=dict)
     #: gradient accumulation: forward and backward run this many times per step, the parameter
-    #: gradients are accumulated and reduced once (``--grad-accum``)
+    #: gradients are accumulated and reduced once (``--grad-accum``, an input of the planning)
     grad_accum: int = 1
 
     def attr(self, name: str) -> TensorDistAttr:
@@ -84,7 +86,7 @@ class Plan:
         pg = self.param_grads() if param_grads is None else param_grads
         return 1 if r.tensor in pg else self.grad_accum
 
-    def collectives(self, phase: str | None = None) -> list[tuple[Reshard, Any]]:
+    def collectives(self, phase: str | None = None) -> list[tuple[Reshard, Step]]:
         """(reshard, step) for every communicating step (shared reshards and free local steps
         left out), optionally of one phase (forward / backward / optimizer)."""
         out = []

@@ -31,7 +31,7 @@ from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.engine.registry import get_rule
 from spmdkit.program.ir import Op, Program, RecordedValue, flat_refs
-from spmdkit.program.plan import Plan
+from spmdkit.program.plan import OpPlan, Plan
 from spmdkit.sim.mesh import AssembleError, arrays_close, assemble, max_abs_error, nonfinite_count, shard
 from spmdkit.sim.ops import Ctx, Reference, get_reference
 
@@ -331,7 +331,7 @@ class OpIO:
         return out
 
 
-def op_io(op_plan: Any, prog: Program) -> OpIO:
+def op_io(op_plan: OpPlan, prog: Program) -> OpIO:
     op = op_plan.op
     ref = _ref(op)
     in_attrs: dict[str, Any] = {}

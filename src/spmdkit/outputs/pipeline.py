@@ -1,0 +1,59 @@
+"""A pipeline's estimate (:func:`spmdkit.planner.pipeline.estimate_pipeline`) for the terminal:
+per stage its times and sends, per pipeline rank its memory, then the bubble and the step."""
+
+from __future__ import annotations
+
+from typing import TextIO
+
+from spmdkit.outputs.report import fmt_bytes, fmt_time
+from spmdkit.outputs.tables import print_table
+from spmdkit.planner.pipeline import PipelineEstimate, bubble_formula
+
+
+def write_pipeline(est: PipelineEstimate, out: TextIO) -> None:
+    """The stages' table, the memory of each pipeline rank, the bubble and the step."""
+    s = est.spec
+    p, v, m = s.pp, s.virtual, s.microbatches
+    out.write(f"\nPipeline: pp={p}, schedule {s.schedule}"
+              + (f" ({v} virtual stages per device)" if v > 1 else "")
+              + f", {m} microbatches; layers per stage {','.join(map(str, est.counts))}; "
+              f"pp link {est.pp_link[0] * 1e6:g} us + {1 / est.pp_link[1] / 1e9 if est.pp_link[1] else 0:g} GB/s\n")
+    rows = []
+    for k, st in enumerate(est.stages):
+        rows.append([str(k), str(k % p), str(st.layers), fmt_time(st.forward_s), fmt_time(st.backward_s),
+                     fmt_bytes(st.send_bytes), fmt_time(est.send_f_s[k]), fmt_time(st.grad_sync_s),
+                     fmt_time(st.optimizer_s)])
+    print_table("Stages (per microbatch; the activation gradients come back as many bytes)",
+                ["stage", "device", "layers", "forward", "backward", "send", "send time", "grad sync", "optimizer"],
+                rows, out)
+    rows = []
+    for r in range(p):
+        mm = est.memory[r]
+        rows.append([str(r), f"{est.in_flight[r]:g}", fmt_bytes(mm.parameters), fmt_bytes(mm.gradients),
+                     fmt_bytes(mm.optimizer_states), fmt_bytes(mm.activation_peak), fmt_bytes(mm.total)])
+    print_table("Memory per device of each pipeline rank (in flight: microbatches of activations held)",
+                ["pp rank", "in flight", "parameters", "gradients", "optimizer", "activations", "total"], rows, out)
+    f = bubble_formula(s.schedule, p, v, m)
+    if est.run is None:
+        out.write(f"bubble (formula): {100 * f:.1f}% of the work; give --device for the step time\n")
+        return
+    run = est.run
+    worst = max(range(p), key=lambda r: est.memory[r].total)
+    tot = est.memory[worst].total
+    cap = est.device_memory
+    if cap:
+        out.write(f"fullest pipeline rank {worst}: {fmt_bytes(tot)} {'fits in' if tot <= cap else 'does NOT fit in'} "
+                  f"the {fmt_bytes(cap)} of a {est.device_name} ({100 * tot / cap:.0f}%)\n")
+    out.write(f"pipeline: {fmt_time(run.pipeline_s)} for {m} microbatches; busiest device works "
+              f"{fmt_time(max(run.busy_s))}; bubble {fmt_time(run.bubble_s)} = {100 * run.bubble_fraction:.1f}% "
+              f"(formula {100 * f:.1f}%)\n")
+    out.write(f"step time: {fmt_time(est.step_serial_s)} serial, {fmt_time(est.step_overlap_s)} with the gradient "
+              f"reductions overlapping the last backward\n")
+    if est.tokens:
+        out.write(f"tokens/s: {est.tokens_per_s or 0:,.0f} ({est.tokens} tokens per step); MFU "
+                  f"{100 * (est.mfu or 0):.1f}% ({est.tflops_per_gpu or 0:.0f} model TFLOP/s per GPU over "
+                  f"{est.ranks} x {est.peak / 1e12:g} TFLOP/s on {est.device_name})\n")
+
+
+
+__all__ = ["write_pipeline"]

@@ -1,0 +1,149 @@
+"""``--verify``: a plan's strategy (or its searched dist attrs) run at tiny sizes through the simulator.
+
+The planner plans; these check: :func:`verify_strategy` (``plan --verify``: the same strategy
+on the same mesh, on the tiny model of the same architecture, simulated end to end against the
+unsharded step), :func:`verify_auto` (``plan --auto --verify``: the searched plan's dist attrs
+held on that tiny model), :func:`verify_pipeline` (a pipeline: the stages in order, two
+microbatches simulated, their losses summing to the whole batch's) and :func:`verify_config`
+(the best configuration of ``plan --devices``). Each returns a JSON-able verdict with ``ok``
+and a ``text`` for the terminal. Needs numpy, as the whole simulator does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from spmdkit.core.errors import ProgramError
+from spmdkit.models.zoo import build_model, preset
+from spmdkit.planner.pipeline import PipelineSpec, even_split, op_stages, parse_spec, split_layers, sub_mesh_text
+from spmdkit.planner.planning import parse_cost, plan_model
+from spmdkit.planner.propagate import propagate
+from spmdkit.planner.search import Candidate
+from spmdkit.program.plan import Plan
+from spmdkit.sim.plan import SimReport, simulate_plan, source_values
+from spmdkit.strategies.strategy import parse_mesh
+
+
+def verify_strategy(model_name: str | None, mesh_text: str, strategy_text: str,
+                    cost_text: str | None = None) -> dict[str, Any]:
+    """``--verify``: the same strategy on the same mesh, on the tiny model of the same arch as
+    ``model_name`` (llama without one), simulated end to end against the unsharded step."""
+    cfg = preset(model_name) if model_name else None
+    tiny = _tiny_of(cfg.arch, cfg.dropout) if cfg else _tiny_of("llama")
+    _, plan, _ = plan_model(tiny, mesh_text, strategy_text, None, None, cost_text)
+    rep = simulate_plan(plan)
+    ok = rep.ok
+    lines = [f"verify: {tiny} with the same mesh and strategy, simulated on {plan.mesh.size} ranks: "
+             f"{rep.checked} tensors compared with the unsharded step (loss, every gradient, every update): "
+             + ("all equal" if ok else f"{len(rep.failures)} differ")]
+    for name, what in rep.failures[:10]:
+        lines.append(f"  {name}: {what}")
+    return {"ok": ok, "model": tiny, "checked": rep.checked, "failures": [list(f) for f in rep.failures],
+            "loss": rep.loss, "text": "\n".join(lines)}
+
+
+def _tiny_of(arch: str, dropout: float = 0.0) -> str:
+    return "tiny-llama" if arch == "llama" else "tiny-gpt-dropout" if dropout else "tiny-gpt2"
+
+
+def verify_auto(plan: Plan, model_name: str, cost_text: str | None = None, layers: int | None = None) -> dict[str, Any]:
+    """``--verify`` of a searched plan: the plan's dist attrs of every tensor the tiny model of
+    the same architecture shares with it (by name; not partial ones, not in-place outputs,
+    which are held as the tensor they overwrite) annotated on that tiny model, planned by
+    propagate on the same mesh and simulated against the unsharded step."""
+    cfg = preset(model_name)
+    tiny = _tiny_of(cfg.arch, cfg.dropout)
+    tcfg = preset(tiny)
+    if layers:
+        tcfg = tcfg.with_(layers=layers)
+    vocab_parallel = any(op.rule == "c_softmax_with_cross_entropy" for op in plan.program.ops)
+    tmodel = build_model(tcfg, vocab_parallel_loss=vocab_parallel, check_rules=False)
+    tp = tmodel.program
+    ann = {}
+    for n, a in plan.attrs.items():
+        t = tp.tensors.get(n)
+        if t is None or t.inplace_of or a.partial or len(t.shape) != len(a.dims_mapping):
+            continue
+        ann[n] = a
+    tplan = propagate(tp, plan.mesh, ann, parse_cost(cost_text, plan.mesh))
+    held = sum(1 for n, a in ann.items() if tplan.attrs.get(n) == a)
+    try:
+        rep = simulate_plan(tplan)
+    except ProgramError as exc:  # a piece not distributed as the plan says: a failed check, not bad input
+        rep = SimReport(0, [("simulation", " ".join(str(exc).split())[:300])])
+    ok = rep.ok and held == len(ann)
+    lines = [f"verify: {tiny} holding the searched plan's dist attrs of the {len(ann)} tensors it shares with it "
+             f"({held} held as chosen), simulated on {tplan.mesh.size} ranks: {rep.checked} tensors compared with the "
+             f"unsharded step (loss, every gradient, every update): "
+             + ("all equal" if rep.ok else f"{len(rep.failures)} differ")]
+    for name, what in rep.failures[:10]:
+        lines.append(f"  {name}: {what}")
+    return {"ok": ok, "model": tiny, "annotated": len(ann), "held": held, "checked": rep.checked,
+            "failures": [list(f) for f in rep.failures], "loss": rep.loss, "text": "\n".join(lines)}
+
+
+def verify_config(best: Candidate, model_name: str, cost_text: str | None = None) -> dict[str, Any]:
+    """``--verify`` of the search's best configuration at tiny sizes: its strategy (or its
+    searched dist attrs) on the tiny model of the same architecture, on its mesh (with pp, the
+    pipeline check of :func:`verify_pipeline`)."""
+    cfg = best.config
+    if cfg.strategy == "auto":
+        return verify_auto(best.plan, model_name, cost_text)
+    if cfg.pp > 1:
+        return verify_pipeline(model_name, cfg.mesh_text, parse_spec(cfg.pp, microbatches=1), cfg.strategy)
+    return verify_strategy(model_name, cfg.mesh_text, cfg.strategy, cost_text)
+
+
+
+def verify_pipeline(model_name: str, mesh_text: str, spec: PipelineSpec, strategy: str) -> dict[str, Any]:
+    """``--verify`` of a pipeline plan of the preset ``model_name`` on ``mesh_text`` (with its pp
+    dim): the tiny model of the same arch with ``pp * v`` layers (at least 2), split one layer
+    per stage and planned on the sub-mesh: its ops are checked to run stage after stage
+    (forward 0..n-1, backward n-1..0); a step of 2 microbatches is simulated, each microbatch
+    on its own half of the batch (every tensor against its unsharded step), and the sum of the
+    microbatch losses is compared with the unsharded loss of the whole batch."""
+    _pp, sub = sub_mesh_text(parse_mesh(mesh_text))
+    tiny = "tiny-llama" if preset(model_name).arch == "llama" else "tiny-gpt2"
+    n = spec.pp * spec.virtual
+    layers = max(2, n)
+    counts = split_layers(layers, PipelineSpec(spec.pp, 1, spec.schedule, spec.virtual,
+                                               tuple(even_split(layers, n)) if layers % n else None))
+    model, plan, _ = plan_model(tiny, sub, strategy, {"layers": layers})
+    stages = op_stages(plan.program, counts)
+    phases = [op.phase for op in plan.program.ops]
+    fw = [s for s, ph in zip(stages, phases) if ph == "forward"]
+    bw = [s for s, ph in zip(stages, phases) if ph == "backward"]
+    ordered = fw == sorted(fw) and bw == sorted(bw, reverse=True) and set(fw) == set(range(n))
+    b = model.config.batch
+    n_mb = 2
+    _, whole, _ = plan_model(tiny, "dp=1", "none", {"layers": layers, "batch": b * n_mb})
+    vals = source_values(whole.program, 0)
+    ref = simulate_plan(whole, values=vals)  # one rank: the unsharded step of the whole batch
+    batched = {model.inputs[k] for k in ("tokens", "labels", "positions") if k in model.inputs}
+    reps = []
+    for i in range(n_mb):
+        mine = {k: (v[i * b:(i + 1) * b] if k in batched else v) for k, v in vals.items()}
+        reps.append(simulate_plan(plan, values=mine))
+    failures = [f for r in reps for f in r.failures]
+    losses = [r.loss for r in reps]
+    total = sum(x for x in losses if x is not None)
+    summed = (ref.loss is not None and None not in losses
+              and abs(total - ref.loss) <= 1e-9 * max(1.0, abs(ref.loss)))
+    ok = not failures and ordered and summed
+    checked = sum(r.checked for r in reps)
+    lines = [f"verify: {tiny} with {layers} layers in {n} pipeline stages (forward runs stages 0..{n - 1}, backward "
+             f"{n - 1}..0, in order: {'yes' if ordered else 'NO'}), each stage on the sub-mesh {sub}, {n_mb} "
+             f"microbatches of {b} simulated on {plan.mesh.size} ranks: {checked} tensors compared with the "
+             f"unsharded step (loss, every gradient, every update): "
+             + ("all equal" if not failures else f"{len(failures)} differ")
+             + f"; the microbatch losses sum to the whole batch's loss: {'yes' if summed else 'NO'} "
+             f"({total:.12g} vs {ref.loss if ref.loss is not None else float('nan'):.12g})"]
+    for name, what in failures[:10]:
+        lines.append(f"  {name}: {what}")
+    return {"ok": ok, "model": tiny, "layers": layers, "stages_in_order": ordered, "microbatches": n_mb,
+            "losses_sum": summed, "checked": checked, "failures": [list(f) for f in failures], "loss": total,
+            "text": "\n".join(lines)}
+
+
+
+__all__ = ["verify_auto", "verify_config", "verify_pipeline", "verify_strategy"]
