@@ -25,11 +25,11 @@ from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import SpmdError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.registry import get_rule, rule_names
+from spmdkit.engine.registry import get_rule, output_params, rule_names
 from spmdkit.io.codec import Case, decode_attr, encode_arg, parse_case
-from spmdkit.sim.cases import generate_case, make_array, mode_reference, output_params
+from spmdkit.sim.cases import generate_case, make_array, mode_reference
 from spmdkit.sim.mesh import AssembleError, arrays_close, assemble, local_slices, shard
-from spmdkit.sim.ops import Ctx
+from spmdkit.sim.reference import Ctx
 
 SOUND = "sound"
 UNSOUND = "unsound"
