@@ -233,7 +233,7 @@ def generate_case(rule_name: str, mode: str, seed: int, index: int) -> dict[str,
             kinds = {p.name: p.kind for p in m.params}
             real: list[Any] = list(outs)
             if len(names) == 1 and kinds.get(names[0], "").startswith("[") and len(real) != 1:
-                real = [real]  # one vector output (split, unbind): the reference's outputs are its items
+                real = [real]  # the only output is a vector of tensors: the reference's outputs are its items
             for nm, o in zip(names, real):
                 if o is None:
                     values[nm] = None
