@@ -39,7 +39,7 @@ from spmdkit.engine.registry import all_rules, get_rule, is_reverse, output_para
 from spmdkit.program.ir import Op, Program, Tensor  # noqa: E402
 from spmdkit.program.shapes import unchecked_rules  # noqa: E402
 from spmdkit.sim.cases import generate_cases, make_array  # noqa: E402
-from spmdkit.sim.ops import Ctx, get_reference  # noqa: E402
+from spmdkit.sim.reference import Ctx, get_reference  # noqa: E402
 
 
 @dataclass

@@ -9,7 +9,7 @@ import numpy as np
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.sim import verify_rule
-from spmdkit.sim.ops import Ctx
+from spmdkit.sim.reference import Ctx
 
 
 def T(mesh: ProcessMesh, shape: list[int], dm: list[Any], partial: Any = None) -> DistTensorSpec:

@@ -19,7 +19,7 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.ops import get_rule
 from spmdkit.sim import SOUND, UNSOUND, verify, verify_rule
-from spmdkit.sim.ops import Ctx, get_reference
+from spmdkit.sim.reference import Ctx, get_reference
 
 M23 = ProcessMesh([2, 3])
 M24 = ProcessMesh([2, 4])

@@ -25,7 +25,7 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.ops import get_rule
 from spmdkit.sim import SOUND, UNSOUND, verify, verify_rule
-from spmdkit.sim.ops import Ctx, get_reference
+from spmdkit.sim.reference import Ctx, get_reference
 
 M2 = ProcessMesh([2])
 M4 = ProcessMesh([4])

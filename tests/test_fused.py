@@ -19,7 +19,7 @@ from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError, ShapeMi
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.ops import get_rule
 from spmdkit.sim import SOUND, UNSOUND, verify, verify_rule
-from spmdkit.sim.ops import Ctx, get_reference
+from spmdkit.sim.reference import Ctx, get_reference
 
 M24 = ProcessMesh([2, 4])
 M23 = ProcessMesh([2, 3])

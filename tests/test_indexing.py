@@ -25,7 +25,7 @@ from spmdkit.core.spec import DistTensorSpec
 from spmdkit.io.codec import answer_line
 from spmdkit.ops import get_rule
 from spmdkit.sim import SOUND, UNSOUND, verify
-from spmdkit.sim.ops import get_reference
+from spmdkit.sim.reference import get_reference
 
 M2 = ProcessMesh([2])
 M4 = ProcessMesh([4])

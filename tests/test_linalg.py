@@ -13,7 +13,7 @@ from spmdkit.core import DistTensorSpec, ProcessMesh
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError, SpmdError
 from spmdkit.ops import get_rule
 from spmdkit.sim import SOUND, UNSOUND, get_reference, verify, verify_rule
-from spmdkit.sim.ops import Ctx
+from spmdkit.sim.reference import Ctx
 
 M = ProcessMesh([2, 2])
 M23 = ProcessMesh([2, 3])

@@ -27,7 +27,7 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.ops import get_rule
 from spmdkit.sim import SOUND, UNSOUND, verify
 from spmdkit.sim.mesh import shard
-from spmdkit.sim.ops import Ctx, get_reference
+from spmdkit.sim.reference import Ctx, get_reference
 
 M2 = ProcessMesh([2])
 M22 = ProcessMesh([2, 2])

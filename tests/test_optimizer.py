@@ -17,7 +17,7 @@ from spmdkit.core.errors import InvalidArgumentError, ShapeMismatchError, SpmdEr
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.ops import get_rule
 from spmdkit.sim import SOUND, UNSOUND, verify
-from spmdkit.sim.ops import get_reference
+from spmdkit.sim.reference import get_reference
 
 M = ProcessMesh([2, 2])
 SHAPE = [4, 6]

@@ -31,7 +31,7 @@ from spmdkit.sim import (
 )
 from spmdkit.sim.cases import mode_reference
 from spmdkit.sim.mesh import reduce_pieces, split_partial
-from spmdkit.sim.ops import REFERENCES, Ctx, get_reference
+from spmdkit.sim.reference import REFERENCES, Ctx, get_reference
 
 # -- helpers ----------------------------------------------------------------------------------
 
@@ -675,7 +675,7 @@ def test_reshape_flatten_sharding(x_dm: list[int], out_dm: list[int], ok: bool) 
 
 
 def test_reshape_targets_resolve_like_paddle() -> None:
-    from spmdkit.sim.ops import resolve_shape
+    from spmdkit.sim.refs.view import resolve_shape
 
     assert resolve_shape([0, -1], (4, 3, 2)) == (4, 6)
     assert resolve_shape([2, 0, -1], (4, 3, 2)) == (2, 3, 4)

@@ -16,7 +16,7 @@ from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError, ShapeMi
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.ops import get_rule
 from spmdkit.sim import SOUND, UNSOUND, verify
-from spmdkit.sim.ops import get_reference
+from spmdkit.sim.reference import get_reference
 
 M22 = ProcessMesh([2, 2])
 M23 = ProcessMesh([2, 3])

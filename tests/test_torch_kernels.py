@@ -305,7 +305,7 @@ def test_every_torch_kernel_equals_its_numpy_reference_on_the_simulator_cases() 
 
     from spmdkit.execute.kernels import get_kernel, run_kernel
     from spmdkit.sim.cases import GENERATORS, rand_mesh
-    from spmdkit.sim.ops import REFERENCES, Ctx
+    from spmdkit.sim.reference import REFERENCES, Ctx
 
     checked: set[str] = set()
     for name, ref in sorted(REFERENCES.items()):

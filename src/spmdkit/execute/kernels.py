@@ -1,7 +1,7 @@
 """torch kernels of the ops behind the rules: what a rank of ``spmdkit run --kernels torch`` runs
 on its local shards, in the program's dtype (float32, bfloat16, float16), on CPU or GPU.
 
-Each kernel mirrors the numpy reference of its op (:mod:`spmdkit.sim.ops`, :mod:`spmdkit.sim.refs`)
+Each kernel mirrors the numpy reference of its op (:mod:`spmdkit.sim.refs`, one module per family)
 family by family, with torch's own ops instead of numpy's:
 
 - elementwise unary, binary and reductions: one table each (``UNARY``, ``BINARY``,
@@ -16,7 +16,7 @@ family by family, with torch's own ops instead of numpy's:
 - the rest one kernel per rule (norms, matmul, attention through
   ``scaled_dot_product_attention``, the losses, AdamW / SGD, embedding, views, indexing);
 - where the numpy reference's formula is the kernel, it is written once and runs here on
-  :data:`TORCH` (:class:`spmdkit.sim.ops.ArrayLib`): ``sum_to_shape``, matmul and its grad, the
+  :data:`TORCH` (:class:`spmdkit.sim.reference.ArrayLib`): ``sum_to_shape``, matmul and its grad, the
   rotary embedding and its grad, the Adam / AdamW update.
 
 The attributes a rank sees are made local by the numpy reference's own ``localize`` hook (a
@@ -39,18 +39,9 @@ import torch
 import torch.nn.functional as F
 
 from spmdkit.core.errors import ProgramError
-from spmdkit.sim.ops import (
-    ArrayLib,
-    Ctx,
-    Reference,
-    get_reference,
-    matmul,
-    matmul_grad,
-    paddle_axes,
-    reduce_axes,
-    sum_to_shape,
-)
+from spmdkit.sim.reference import ArrayLib, Ctx, Reference, get_reference, paddle_axes, reduce_axes, sum_to_shape
 from spmdkit.sim.refs.attention import rope
+from spmdkit.sim.refs.matmul import matmul, matmul_grad
 from spmdkit.sim.refs.optimizer import adam_update
 
 Args = dict[str, Any]
@@ -143,7 +134,7 @@ def _ax(axis: Any, ndim: int) -> int:
     return a + ndim if a < 0 else a
 
 
-#: the formulas written once for numpy and torch (spmdkit.sim.ops.ArrayLib) on torch: the
+#: the formulas written once for numpy and torch (spmdkit.sim.reference.ArrayLib) on torch: the
 #: program's dtype, computed rotary angles in float32 as torch's own kernels compute them
 TORCH = ArrayLib(array=_t, floats=lambda v, like: torch.as_tensor(v, dtype=torch.float32, device=like.device),
                  ints=lambda v: _t(v).to(torch.int64), cast=lambda x, like: x.to(like.dtype), concat=torch.cat,
@@ -677,7 +668,7 @@ def _k_transpose_grad(a: Args, c: Ctx) -> tuple[Any, ...]:
 
 @register("reshape", "reshape2")
 def _k_reshape(a: Args, c: Ctx) -> tuple[Any, ...]:
-    from spmdkit.sim.ops import resolve_shape
+    from spmdkit.sim.refs.view import resolve_shape
 
     x = _t(a["x"])
     if not c.is_global and c.out_attrs:  # the localize hook's local target
@@ -703,10 +694,10 @@ def _view_grad_kernel(holder: str) -> Kernel:
 
 
 def _register_views() -> None:
-    from spmdkit.sim import ops as o
+    from spmdkit.sim.refs import view as o
 
-    for n, shape_of in (("flatten", o._flatten_shape), ("squeeze", o._squeeze_shape),
-                        ("unsqueeze", o._unsqueeze_shape)):
+    for n, shape_of in (("flatten", o.flatten_shape), ("squeeze", o.squeeze_shape),
+                        ("unsqueeze", o.unsqueeze_shape)):
         register(n, *(("unsqueeze2",) if n == "unsqueeze" else ()))(_view_kernel("x", shape_of))
     for n, holder in (("reshape_grad", "x_shape"), ("flatten_grad", "xshape"), ("squeeze_grad", "xshape"),
                       ("unsqueeze_grad", "x")):

@@ -59,8 +59,8 @@ from spmdkit.cost.step import estimate_step
 from spmdkit.execute.launch import free_port, launch_local, port_in_use, uneven_shards
 from spmdkit.program.plan import Plan
 from spmdkit.sim.mesh import AssembleError, arrays_close, assemble, max_abs_error, nonfinite_count, shard
-from spmdkit.sim.ops import Ctx
 from spmdkit.sim.plan import flat_values, loss_name, op_io, source_values, unusable
+from spmdkit.sim.reference import Ctx
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 

@@ -1966,8 +1966,8 @@ def run_program(prog: Program, values: Mapping[str, Any]) -> dict[str, Any]:
 
     from spmdkit.core.mesh import ProcessMesh
     from spmdkit.planner.propagate import propagate
-    from spmdkit.sim.ops import Ctx
     from spmdkit.sim.plan import op_io
+    from spmdkit.sim.reference import Ctx
 
     mesh = ProcessMesh([1])
     plan = propagate(prog, mesh, {})

@@ -6,15 +6,16 @@
     'sound'
 
 ``shard`` / ``assemble`` move arrays between the global view and the ranks of a
-simulated mesh; ``spmdkit.sim.ops`` holds the numpy references of the ops;
-``spmdkit.sim.cases`` generates seeded cases; ``verify`` judges one answer and
-``verify_rule`` many. See docs/simulator.md.
+simulated mesh; ``spmdkit.sim.reference`` holds the machinery of the numpy references and
+``spmdkit.sim.refs`` the references themselves with their case generators, one module per op
+family (named as in ``spmdkit.ops``); ``spmdkit.sim.cases`` generates seeded cases; ``verify``
+judges one answer and ``verify_rule`` many. See docs/simulator.md.
 """
 
-from spmdkit.sim import refs as _refs  # noqa: F401  (registers the later families' references)
+from spmdkit.sim import refs as _refs  # noqa: F401  (registers the families' references)
 from spmdkit.sim.cases import generate_case, generate_cases
 from spmdkit.sim.mesh import AssembleError, assemble, balanced_split, local_slices, shard
-from spmdkit.sim.ops import Ctx, Reference, get_reference, reference_names, register_reference
+from spmdkit.sim.reference import Ctx, Reference, get_reference, reference_names, register_reference
 from spmdkit.sim.verify import (
     REJECTED,
     SKIPPED,

@@ -44,6 +44,8 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.registry import Rule, all_rules
 from spmdkit.engine.signature import Mode, Param
+from spmdkit.io.codec import parse_case
+from spmdkit.sim.cases import generate_case
 
 _MESH_SHAPES: tuple[tuple[int, ...], ...] = (
     (1,), (2,), (3,), (4,), (8,), (1, 1), (2, 2), (2, 3), (3, 1), (1, 4), (2, 2, 2), (4, 1, 2), (2, 1, 1, 2),
@@ -307,9 +309,6 @@ def _text(e: BaseException, limit: int = 500) -> str:
 def _valid_pool(rule: Rule, mode_name: str, seed: int, n: int) -> list[tuple[ProcessMesh, list[Any]]]:
     """Up to ``n`` valid calls of the mode from the simulator's case generators (none where the
     rule has no generator): the starting points that reach the rules' deeper code."""
-    from spmdkit.io.codec import parse_case
-    from spmdkit.sim.cases import generate_case
-
     out: list[tuple[ProcessMesh, list[Any]]] = []
     for i in range(n):
         try:

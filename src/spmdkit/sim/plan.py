@@ -33,7 +33,7 @@ from spmdkit.engine.registry import get_rule
 from spmdkit.program.ir import Op, Program, RecordedValue, flat_refs
 from spmdkit.program.plan import OpPlan, Plan
 from spmdkit.sim.mesh import AssembleError, arrays_close, assemble, max_abs_error, nonfinite_count, shard
-from spmdkit.sim.ops import Ctx, Reference, get_reference
+from spmdkit.sim.reference import Ctx, Reference, get_reference
 
 
 @dataclass

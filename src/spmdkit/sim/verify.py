@@ -27,9 +27,9 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.registry import get_rule, rule_names
 from spmdkit.io.codec import Case, decode_attr, encode_arg, parse_case
-from spmdkit.sim.cases import generate_case, make_array, mode_reference, output_params
+from spmdkit.sim.cases import generate_case, make_array, mode_reference
 from spmdkit.sim.mesh import AssembleError, arrays_close, assemble, local_slices, shard
-from spmdkit.sim.ops import Ctx
+from spmdkit.sim.reference import Ctx, Reference
 
 SOUND = "sound"
 UNSOUND = "unsound"
@@ -195,25 +195,14 @@ def _decode_result(obj: dict[str, Any], mesh: ProcessMesh) -> SpmdResult:
 
 
 def _judge(v: Verdict, c: Case, result: SpmdResult, seed: int, rtol: float, atol: float) -> Verdict:
+    """Judge ``result`` on case ``c``: the op run on the global arrays, then on every rank's
+    shards as the answer lays them out, the ranks' outputs assembled as it claims and compared."""
     rule = c.rule
-    mode = rule.mode(c.mode)
     ref, reverse = mode_reference(rule, c.mode)
     if ref is None:
         v.status, v.detail = SKIPPED, f"no numpy reference for {rule.name} ({c.mode})"
         return v
-    named = {p.name: a for p, a in zip(mode.params, c.args)}
-    if reverse:
-        fwd = rule.forward
-        op_args: dict[str, Any] = {}
-        for p in fwd.params:
-            if p.name in named:
-                op_args[p.name] = named[p.name]
-            elif not p.required:
-                op_args[p.name] = p.default
-        tensor_params = [p.name for p in fwd.params if p.is_tensor]
-    else:
-        op_args = dict(named)
-        tensor_params = [p.name for p in mode.params if p.is_tensor]
+    op_args, tensor_params = _op_args(c, reverse)
     unknown = [n for n in tensor_params if n not in ref.tensor_params]
     missing = [n for n in ref.inputs if n not in op_args]
     if unknown or missing:
@@ -228,19 +217,8 @@ def _judge(v: Verdict, c: Case, result: SpmdResult, seed: int, rtol: float, atol
                        f"parameters ({', '.join(tensor_params)})")
     mesh = c.mesh
     nprng = np.random.default_rng(seed)
-    # -- global arrays
-    arrays: dict[str, Any] = {}
-    shapes: dict[str, Any] = {}
-    for n in tensor_params:
-        spec = op_args.get(n)
-        if spec is None:
-            arrays[n], shapes[n] = None, None
-        elif isinstance(spec, (list, tuple)):
-            shapes[n] = [None if t is None else t.shape for t in spec]
-            arrays[n] = [None if t is None else make_array(t.shape, ref.domain(n), nprng) for t in spec]
-        else:
-            shapes[n] = spec.shape
-            arrays[n] = make_array(spec.shape, ref.domain(n), nprng)
+    # -- global arrays, and the op on them
+    arrays, shapes = _global_arrays(ref, op_args, tensor_params, nprng)
     attrs = {k: a for k, a in op_args.items() if k not in tensor_params}
     gargs = {**attrs, **arrays}
     if ref.prepare is not None:
@@ -259,7 +237,63 @@ def _judge(v: Verdict, c: Case, result: SpmdResult, seed: int, rtol: float, atol
     gouts = [None if o is None else np.asarray(o) for o in gouts]
     if len(outs_attr) != len(gouts):
         return _bad(v, f"the rule answered {len(outs_attr)} output dist attrs, the op has {len(gouts)} outputs")
-    # -- check the answers are legal dist attrs of the right rank
+    bad = _check_answers(v, mesh, in_attrs, gargs, data_params, outs_attr, gouts)
+    if bad is not None:
+        return bad
+    # -- shard the inputs as the rule requires, run the op on every rank
+    local = _shard_inputs(mesh, attrs, gargs, in_attrs, tensor_params, data_params, nprng)
+    out_shapes = tuple(None if g is None else g.shape for g in gouts)
+    louts: list[list[Any]] = []
+    for r in range(mesh.size):
+        ctx = Ctx(mesh, r, mesh.coords(r), in_attrs, shapes, out_ndims, tuple(outs_attr), out_shapes)
+        try:
+            o = list(ref.run(local[r], ctx))
+        except Exception as exc:
+            return _bad(v, f"the op fails on rank {r}'s local shards ({_shapes_text(local[r], data_params)}): "
+                           f"{type(exc).__name__}: {exc}", ranks=(r,))
+        louts.append(o)
+    return _compare(v, mesh, outs_attr, gouts, louts, rtol, atol)
+
+
+def _op_args(c: Case, reverse: bool) -> tuple[dict[str, Any], list[str]]:
+    """The op's arguments by name, and its tensor parameters: a reverse (backward) case runs the
+    forward op, on the forward's parameters (defaults where the case leaves them out)."""
+    mode = c.rule.mode(c.mode)
+    named = {p.name: a for p, a in zip(mode.params, c.args)}
+    if not reverse:
+        return dict(named), [p.name for p in mode.params if p.is_tensor]
+    fwd = c.rule.forward
+    op_args: dict[str, Any] = {}
+    for p in fwd.params:
+        if p.name in named:
+            op_args[p.name] = named[p.name]
+        elif not p.required:
+            op_args[p.name] = p.default
+    return op_args, [p.name for p in fwd.params if p.is_tensor]
+
+
+def _global_arrays(ref: Reference, op_args: dict[str, Any], tensor_params: list[str],
+                   nprng: np.random.Generator) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Global arrays (in the reference's value domains) and their shapes, per tensor parameter."""
+    arrays: dict[str, Any] = {}
+    shapes: dict[str, Any] = {}
+    for n in tensor_params:
+        spec = op_args.get(n)
+        if spec is None:
+            arrays[n], shapes[n] = None, None
+        elif isinstance(spec, (list, tuple)):
+            shapes[n] = [None if t is None else t.shape for t in spec]
+            arrays[n] = [None if t is None else make_array(t.shape, ref.domain(n), nprng) for t in spec]
+        else:
+            shapes[n] = spec.shape
+            arrays[n] = make_array(spec.shape, ref.domain(n), nprng)
+    return arrays, shapes
+
+
+def _check_answers(v: Verdict, mesh: ProcessMesh, in_attrs: dict[str, Any], gargs: dict[str, Any],
+                   data_params: list[str], outs_attr: list[Any], gouts: list[Any]) -> Verdict | None:
+    """The unsound verdict where an answer is no legal dist attr of its tensor's rank (or is
+    missing for an output the op has); None when every answer is."""
     for n in data_params:
         a, arr = in_attrs[n], gargs[n]
         if arr is None:
@@ -284,8 +318,14 @@ def _judge(v: Verdict, c: Case, result: SpmdResult, seed: int, rtol: float, atol
         err = _check_attr(a, mesh, g.ndim, f"output {k}")
         if err:
             return _bad(v, err, output=k)
-    out_shapes = tuple(None if g is None else g.shape for g in gouts)
-    # -- shard the inputs as the rule requires
+    return None
+
+
+def _shard_inputs(mesh: ProcessMesh, attrs: dict[str, Any], gargs: dict[str, Any], in_attrs: dict[str, Any],
+                  tensor_params: list[str], data_params: list[str],
+                  nprng: np.random.Generator) -> list[dict[str, Any]]:
+    """Every rank's arguments: the attributes, its shards of the data tensors as the rule requires
+    (output specs keep their global shapes)."""
     local: list[dict[str, Any]] = [dict(attrs) for _ in range(mesh.size)]
     for n in tensor_params:
         arr = gargs[n]
@@ -306,17 +346,12 @@ def _judge(v: Verdict, c: Case, result: SpmdResult, seed: int, rtol: float, atol
             sh = shard(arr, one, nprng)
             for r in range(mesh.size):
                 local[r][n] = sh[r]
-    # -- run on every rank
-    louts: list[list[Any]] = []
-    for r in range(mesh.size):
-        ctx = Ctx(mesh, r, mesh.coords(r), in_attrs, shapes, out_ndims, tuple(outs_attr), out_shapes)
-        try:
-            o = list(ref.run(local[r], ctx))
-        except Exception as exc:
-            return _bad(v, f"the op fails on rank {r}'s local shards ({_shapes_text(local[r], data_params)}): "
-                           f"{type(exc).__name__}: {exc}", ranks=(r,))
-        louts.append(o)
-    # -- assemble and compare
+    return local
+
+
+def _compare(v: Verdict, mesh: ProcessMesh, outs_attr: list[Any], gouts: list[Any], louts: list[list[Any]],
+             rtol: float, atol: float) -> Verdict:
+    """Assemble every output from the ranks as the rule claims and compare it with the global op's."""
     uncheckable: list[str] = []
     for k, (a, g) in enumerate(zip(outs_attr, gouts)):
         if g is None:
@@ -519,7 +554,6 @@ __all__ = [
     "UNSOUND",
     "RuleReport",
     "Verdict",
-    "output_params",
     "verifiable_rules",
     "verify",
     "verify_rule",

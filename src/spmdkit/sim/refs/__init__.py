@@ -1,8 +1,9 @@
-"""Simulator references and case generators of the later op families, one module per family.
+"""The numpy references and case generators of the op families, one module per family, named as
+the family's module in :mod:`spmdkit.ops` (a family without numeric references has none).
 
-Each module registers its numpy references (``spmdkit.sim.ops.register_reference``) and adds
-its case generators to ``spmdkit.sim.cases.GENERATORS``; importing this package imports them
-all (``spmdkit.sim`` does so on import).
+Each module registers its numpy references (:func:`spmdkit.sim.reference.register_reference`)
+and, beside them, their case generators (``spmdkit.sim.cases.GENERATORS``); importing this
+package imports them all (``spmdkit.sim`` does so on import).
 """
 
 import pkgutil

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from spmdkit.sim.cases import GENERATORS, Spec, TGen, rand_size
-from spmdkit.sim.ops import NUMPY, ArrayLib, Arrays, Ctx, Reference, register_reference
+from spmdkit.sim.reference import NUMPY, ArrayLib, Arrays, Ctx, Reference, register_reference
 
 # -- flash_attention ----------------------------------------------------------------------------
 

@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from spmdkit.sim.cases import GENERATORS, TGen
-from spmdkit.sim.ops import Arrays, Ctx, Reference, register_reference
+from spmdkit.sim.cases import GENERATORS, TGen, ref_global
+from spmdkit.sim.reference import Arrays, Ctx, Reference, get_reference, register_reference
 
 Pads = list[tuple[int, int]]
 
@@ -675,9 +675,6 @@ def _conv_spec(r: random.Random, m: list[int], nsp: int, kind: str) -> dict[str,
 
 
 def _with_out_grad(spec: dict[str, Any], ref_name: str) -> dict[str, Any]:
-    from spmdkit.sim.cases import ref_global
-    from spmdkit.sim.ops import get_reference
-
     args = {k: (np.zeros(v.shape) if isinstance(v, TGen) else v) for k, v in spec.items()}
     (o,) = ref_global(get_reference(ref_name), args)
     spec["output_grad"] = TGen(tuple(np.shape(o)), "real")

@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from spmdkit.sim.cases import GENERATORS, TGen, rand_shape, rand_size
-from spmdkit.sim.ops import Arrays, Ctx, Reference, register_reference
+from spmdkit.sim.mesh import local_slices
+from spmdkit.sim.reference import Arrays, Ctx, Reference, register_reference
 
 FAMILY = "embedding"
 
@@ -26,8 +27,6 @@ def _row_start(c: Ctx, name: str = "weight") -> int:
     """The global index of the first weight row a rank holds (0 for the global run)."""
     if c.is_global or c.coords is None:
         return 0
-    from spmdkit.sim.mesh import local_slices
-
     attr = c.in_attrs.get(name)
     shape = c.shapes.get(name)
     if attr is None or shape is None:

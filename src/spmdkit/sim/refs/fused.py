@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from spmdkit.sim.cases import GENERATORS, Spec, TGen, rand_shape
-from spmdkit.sim.ops import Arrays, Ctx, Reference, register_reference
+from spmdkit.sim.reference import Arrays, Ctx, Reference, register_reference
 
 
 def _sig(x: np.ndarray) -> np.ndarray:

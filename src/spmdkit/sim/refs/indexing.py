@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from spmdkit.sim.cases import GENERATORS, Gen, TGen, rand_shape, rand_size
-from spmdkit.sim.ops import Arrays, Ctx, Reference, register_reference, sum_to_shape
+from spmdkit.sim.reference import Arrays, Ctx, Reference, register_reference, sum_to_shape
 
 FAMILY = "indexing"
 _INT = "int"

@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 
 from spmdkit.sim.cases import GENERATORS, TGen, rand_size
-from spmdkit.sim.ops import Arrays, Ctx, Reference, matmul, register_reference
+from spmdkit.sim.reference import Arrays, Ctx, Reference, register_reference
+from spmdkit.sim.refs.matmul import matmul
 
 Spec = dict[str, Any]
 

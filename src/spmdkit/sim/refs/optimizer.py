@@ -1,5 +1,13 @@
-"""Numpy references and case generators of the optimizer updates (adam, adamw, sgd): one
-real update step each, in Paddle's kernel formulas."""
+"""Numpy references and case generators of the optimizer family (spmdkit.ops.optimizer): the
+updates adam, adamw and sgd (one real update step each, in Paddle's kernel formulas) and
+coalesce_tensor.
+
+``coalesce_tensor``: the outputs are the inputs (copy_data), the constant (set_constant) or zeros
+(memory left as it is, modelled as zeros); fused_output their flattened concatenation, each piece
+padded to the alignment. Its vector output comes back flat next to fused_output (as the verifier
+assembles them), except when run for case generation
+(:attr:`~spmdkit.sim.reference.Ctx.nests_vectors`).
+"""
 
 from __future__ import annotations
 
@@ -10,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from spmdkit.sim.cases import GENERATORS, TGen, rand_shape
-from spmdkit.sim.ops import NUMPY, ArrayLib, Arrays, Ctx, Reference, register_reference
+from spmdkit.sim.cases import GENERATORS, TGen, rand_shape, rand_tensors
+from spmdkit.sim.reference import NUMPY, ArrayLib, Arrays, Ctx, Reference, register_reference
 
 
 def _f(x: Any) -> np.ndarray:
@@ -148,3 +156,48 @@ def _g_sgd(r: random.Random, m: list[int], ref: Any) -> dict[str, Any]:
 
 GENERATORS["adam"] = _g_adam
 GENERATORS["sgd"] = _g_sgd
+
+
+# -- coalesce_tensor -------------------------------------------------------------------------------
+
+
+def _aligned(n: int, a: Arrays) -> int:
+    if not bool(a.get("use_align", True)):
+        return n
+    size = int(a.get("size_of_dtype", -1))
+    size = size if size > 0 else 4
+    align = int(a.get("align_size", -1))
+    align = align if align > 0 else 256
+    unit = max(align // size, 1)
+    return -(-n // unit) * unit
+
+
+def _coalesce(a: Arrays, c: Ctx) -> tuple[Any, ...]:
+    xs = [_f(x) for x in a["input"]]
+    if bool(a.get("copy_data", False)):
+        outs = [x.copy() for x in xs]
+    elif bool(a.get("set_constant", False)):
+        outs = [np.full(x.shape, float(a.get("constant", 0.0))) for x in xs]
+    else:
+        outs = [np.zeros(x.shape) for x in xs]
+    fill = float(a.get("constant", 0.0)) if bool(a.get("set_constant", False)) else 0.0
+    pieces = []
+    for o in outs:
+        flat = o.reshape(-1)
+        pad = _aligned(flat.size, a) - flat.size
+        pieces.append(np.concatenate([flat, np.full(pad, fill)]) if pad else flat)
+    fused = np.concatenate(pieces) if pieces else np.zeros(0)
+    return (outs, fused) if c.nests_vectors else (*outs, fused)
+
+
+register_reference(Reference("coalesce_tensor", _coalesce, ("input",), ("output", "fused_output"), "coalesce_tensor"))
+
+
+def _g_coalesce(r: random.Random, m: list[int], ref: Reference) -> dict[str, Any]:
+    return {"input": rand_tensors(r, m, 2, 3), "dtype": r.choice(("float32", "float16", "bfloat16")),
+            "copy_data": r.random() < 0.6, "set_constant": r.random() < 0.3, "persist_output": r.random() < 0.2,
+            "constant": r.choice((0.0, 1.5)), "use_align": r.random() < 0.7, "align_size": r.choice((-1, 16, 256)),
+            "size_of_dtype": r.choice((-1, 2, 4))}
+
+
+GENERATORS["coalesce_tensor"] = _g_coalesce

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from spmdkit.sim.cases import GENERATORS, TGen, rand_axis, rand_shape
-from spmdkit.sim.ops import Arrays, Ctx, Reference, as_f64, register_reference
-from spmdkit.sim.ops import norm_axis as _ax
+from spmdkit.sim.reference import Arrays, Ctx, Reference, as_f64, register_reference
+from spmdkit.sim.reference import norm_axis as _ax
 
 Shape = tuple[int, ...]
 

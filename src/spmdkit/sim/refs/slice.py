@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 
 from spmdkit.sim.cases import GENERATORS, TGen, rand_shape, rand_size
-from spmdkit.sim.ops import Arrays, Ctx, Reference, register_reference, sum_to_shape
+from spmdkit.sim.mesh import local_shape
+from spmdkit.sim.reference import Arrays, Ctx, Reference, register_reference, sum_to_shape
 
 Shape = tuple[int, ...]
 
@@ -90,8 +91,6 @@ def _expand_as_localize(a: Arrays, c: Ctx) -> Arrays:
     """Without y a rank expands to its local out shape (target_shape is global)."""
     if a.get("y") is not None:
         return a
-    from spmdkit.sim.mesh import local_shape
-
     out = dict(a)
     if c.out_attrs and c.out_shapes and c.coords is not None:
         out["target_shape"] = list(local_shape(c.out_attrs[0], c.out_shapes[0], c.coords))
@@ -113,8 +112,6 @@ def _expand(a: Arrays, c: Ctx) -> tuple[Any, ...]:
 
 
 def _expand_localize(a: Arrays, c: Ctx) -> Arrays:
-    from spmdkit.sim.mesh import local_shape
-
     out = dict(a)
     if c.out_attrs and c.out_shapes and c.coords is not None:
         out["shape"] = list(local_shape(c.out_attrs[0], c.out_shapes[0], c.coords))

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from spmdkit.sim.cases import GENERATORS, TGen, rand_axis, rand_shape, rand_size
-from spmdkit.sim.ops import Arrays, Ctx, Reference, register_reference
+from spmdkit.sim.reference import Arrays, Ctx, Reference, register_reference
 
 Shape = tuple[int, ...]
 

@@ -1,0 +1,174 @@
+"""Numpy references and case generators of the moe family (spmdkit.ops.moe): moe_combine,
+moe_gate_dispatch and their grads.
+
+``moe_combine``: ``y[i] = sum_k x[scatter_index[i, k]] * combine_weights[i, k]`` with global row
+indices (``prepare`` folds scatter_index into x's rows); its grad scatters ``grad_y * w`` back to
+x's rows (``grad_x``), sums ``grad_y * x[scatter_index]`` over h (``grad_combine_weights``) and
+gives a zero ``grad_scatter_index`` (an index has no gradient).
+
+``moe_gate_dispatch``: one global dispatch in ``use_pad`` layout. The experts of a token are the
+top k of ``gate_logits + corr_bias``; its combine weights are the gate values of those experts.
+Tokens take expert slots in (k, token) order; past ``capacity`` a token is dropped (combine weight
+0, scatter index 0), else ``y[e, slot] = x[token]`` and ``scatter_index[k, token] = e *
+capacity + slot``; ``expert_offset[e]`` counts the assignments to experts ``<= e``. The grad
+gathers grad_y through scatter_index for the kept slots and scatters grad_combine_weights to the
+chosen experts (``prepare`` makes its index inputs those of a real dispatch).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+
+from spmdkit.sim.cases import GENERATORS, TGen, rand_size
+from spmdkit.sim.reference import Arrays, Ctx, Reference, register_reference
+
+
+def _f(x: Any) -> np.ndarray:
+    return np.asarray(x, dtype=np.float64)
+
+
+def _i(x: Any) -> np.ndarray:
+    return np.asarray(x).astype(np.int64)
+
+
+# -- moe_combine -----------------------------------------------------------------------------------
+
+
+def _combine(a: Arrays, c: Ctx) -> tuple[Any, ...]:
+    x, w, si = _f(a["x"]), _f(a["combine_weights"]), _i(a["scatter_index"])
+    return (np.einsum("skh,sk->sh", x[si], w),)
+
+
+def _combine_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
+    x, w, si, gy = _f(a["x"]), _f(a["combine_weights"]), _i(a["scatter_index"]), _f(a["grad_y"])
+    gx = np.zeros_like(x)
+    np.add.at(gx, si.reshape(-1), (gy[:, None, :] * w[:, :, None]).reshape(si.size, x.shape[1]))
+    gw = np.einsum("skh,sh->sk", x[si], gy)
+    return gx, gw, np.zeros(si.shape)
+
+
+def _prep_combine(a: Arrays) -> None:
+    rows = max(int(np.shape(a["x"])[0]), 1)
+    a["scatter_index"] = np.abs(_i(a["scatter_index"])) % rows
+
+
+register_reference(Reference("moe_combine", _combine, ("x", "combine_weights", "scatter_index"), ("y",),
+                             "moe_combine", domains={"scatter_index": "int"}, prepare=_prep_combine))
+register_reference(Reference("moe_combine_grad", _combine_grad, ("x", "combine_weights", "scatter_index", "grad_y"),
+                             ("grad_x", "grad_combine_weights", "grad_scatter_index"), "moe_combine_grad",
+                             domains={"scatter_index": "int"}, prepare=_prep_combine))
+
+# -- moe_gate_dispatch -----------------------------------------------------------------------------
+
+
+def dispatch(x: np.ndarray, gl: np.ndarray, cb: np.ndarray | None, k: int, cap: int
+             ) -> tuple[np.ndarray, ...]:
+    """(y, combine_weights, scatter_index, expert_offset, expert_id) of one global dispatch."""
+    s, e = gl.shape
+    sel = gl + cb[None, :] if cb is not None else gl
+    eid = np.argsort(-sel, axis=1, kind="stable")[:, :k].astype(np.int64)
+    cw = np.take_along_axis(gl, eid, axis=1) if s else np.zeros((0, k))
+    y = np.zeros((e, cap, x.shape[1]))
+    si = np.zeros((k, s), dtype=np.int64)
+    count = [0] * e
+    for kk in range(k):
+        for i in range(s):
+            ex = int(eid[i, kk])
+            p = count[ex]
+            count[ex] += 1
+            if p < cap:
+                y[ex, p] = x[i]
+                si[kk, i] = ex * cap + p
+            else:
+                cw[i, kk] = 0.0
+    offset = np.cumsum(np.asarray(count, dtype=np.int64))
+    return y, cw, si, offset, eid
+
+
+def _dispatch(a: Arrays, c: Ctx) -> tuple[Any, ...]:
+    cb = a.get("corr_bias")
+    return dispatch(_f(a["x"]), _f(a["gate_logits"]), None if cb is None else _f(cb), int(a["k"]),
+                    int(a["capacity"]))
+
+
+def _dispatch_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
+    cw, si, eid = _f(a["combine_weights"]), _i(a["scatter_index"]), _i(a["expert_id"])
+    gy, gcw = _f(a["grad_y"]), _f(a["grad_combine_weights"])
+    e, cap, h = gy.shape
+    s, k = cw.shape
+    gx = np.zeros((s, h))
+    ggl = np.zeros((s, e))
+    for kk in range(k):
+        for i in range(s):
+            if cw[i, kk] > 0 and cap > 0:
+                slot = int(si[kk, i])
+                gx[i] += gy[slot // cap, slot % cap]
+                ggl[i, int(eid[i, kk])] += gcw[i, kk]
+    return gx, ggl
+
+
+def _prep_dispatch_grad(a: Arrays) -> None:
+    """Index inputs of a real dispatch with the case's shapes (k <= E by the generator)."""
+    s, k = np.shape(a["combine_weights"])
+    e, cap, _ = np.shape(a["grad_y"])
+    rng = np.random.default_rng(1000 * s + 10 * k + e)
+    gl = rng.uniform(0.5, 2.0, size=(s, e))
+    _, cw, si, _, eid = dispatch(np.zeros((s, 1)), gl, None, int(k), int(cap))
+    a["combine_weights"], a["scatter_index"], a["expert_id"] = cw, si, eid
+
+
+register_reference(Reference("moe_gate_dispatch", _dispatch, ("x", "gate_logits"),
+                             ("y", "combine_weights", "scatter_index", "expert_offset", "expert_id"),
+                             "moe_gate_dispatch", optional=("corr_bias",), domains={"gate_logits": "pos"}))
+register_reference(Reference("moe_gate_dispatch_grad", _dispatch_grad,
+                             ("combine_weights", "scatter_index", "expert_id", "grad_y", "grad_combine_weights"),
+                             ("grad_x", "grad_gate_logits"), "moe_gate_dispatch_grad",
+                             domains={"combine_weights": "pos", "scatter_index": "int", "expert_id": "int"},
+                             prepare=_prep_dispatch_grad))
+
+
+# -- case generators ----------------------------------------------------------------------------
+
+
+def _g_combine(r: random.Random, m: list[int], ref: Reference) -> dict[str, Any]:
+    s, k, h = rand_size(r, m), r.randint(1, 3), rand_size(r, m)
+    rows = s * k if r.random() < 0.7 else rand_size(r, m)
+    return {"x": TGen((rows, h)), "combine_weights": TGen((s, k)), "scatter_index": TGen((s, k), "int")}
+
+
+def _g_combine_grad(r: random.Random, m: list[int], ref: Reference) -> dict[str, Any]:
+    sp = _g_combine(r, m, ref)
+    sp["grad_y"] = TGen((sp["combine_weights"].shape[0], sp["x"].shape[1]))
+    return sp
+
+
+def _dispatch_sizes(r: random.Random, m: list[int]) -> tuple[int, int, int, int, int]:
+    s, h, e = rand_size(r, m), rand_size(r, m), rand_size(r, m)
+    k = r.randint(1, min(e, 3))
+    cap = r.choice((0, 1, max(1, s * k // e), s * k, r.randint(1, 6)))
+    return s, h, e, k, cap
+
+
+def _g_dispatch(r: random.Random, m: list[int], ref: Reference) -> dict[str, Any]:
+    s, h, e, k, cap = _dispatch_sizes(r, m)
+    return {"x": TGen((s, h)), "gate_logits": TGen((s, e), "pos"),
+            "corr_bias": TGen((e,)) if r.random() < 0.6 else None,
+            "k": k, "capacity": cap, "use_pad": r.random() < 0.9}
+
+
+def _g_dispatch_grad(r: random.Random, m: list[int], ref: Reference) -> dict[str, Any]:
+    s, h, e, k, cap = _dispatch_sizes(r, m)
+    return {"combine_weights": TGen((s, k), "pos"), "scatter_index": TGen((k, s), "int"),
+            "expert_id": TGen((s, k), "int"), "grad_y": TGen((e, cap, h)), "grad_combine_weights": TGen((s, k)),
+            "k": k, "capacity": cap, "use_pad": r.random() < 0.9}
+
+
+GENERATORS.update({
+    "moe_combine": _g_combine,
+    "moe_combine_grad": _g_combine_grad,
+    "moe_gate_dispatch": _g_dispatch,
+    "moe_gate_dispatch_grad": _g_dispatch_grad,
+})
