@@ -41,8 +41,8 @@ its source line, unless it is mapped (:func:`register_aten`, or ``mapping=`` per
 registered grad rules) and adds an AdamW (or SGD) update per parameter, as the zoo builders do.
 
 :func:`torch_values` gives the source values of an imported program from the module's own
-weights and the example inputs, :func:`run_program` runs it unsharded on the simulator's numpy
-references (both need numpy). Nothing in the spmdkit core imports this module.
+weights and the example inputs (:func:`spmdkit.execute.single.run_program` runs it unsharded on
+the simulator's numpy references). Nothing in the spmdkit core imports this module.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ class ImportedProgram(Program):
     and ``optimizer`` (as :class:`spmdkit.models.zoo.Model.optimizer`) for a training import;
     ``origins``: op index -> the ATen node it came from (``aten.linear.default at model.py:12``);
     ``fallbacks``: op index -> (torch callable, args, kwargs) of a ``replicated`` fallback op, so
-    :func:`run_program` can run it with torch; ``aliases``: a tied parameter's other names ->
+    :func:`spmdkit.execute.single.run_program` can run it with torch; ``aliases``: a tied parameter's other names ->
     the tensor it is (``head.weight`` -> ``wte.weight``); ``modules``: op index -> (path, class
     name) of the innermost ``nn.Module`` whose forward made it (``("model.layers.0.self_attn.q_proj",
     "Linear")``; absent for ops outside any submodule), so strategies can go by module names;
@@ -1878,7 +1878,7 @@ def import_module(module: Any, args: Sequence[Any] = (), kwargs: Mapping[str, An
     return imp.finish(loss, optimizer)
 
 
-# -- values and the unsharded run (numpy) --------------------------------------------------------
+# -- values (numpy) --------------------------------------------------------------
 
 
 def torch_values(prog: ImportedProgram, module: Any, args: Sequence[Any] = (),
@@ -1958,49 +1958,5 @@ def torch_values(prog: ImportedProgram, module: Any, args: Sequence[Any] = (),
     return out
 
 
-def run_program(prog: Program, values: Mapping[str, Any]) -> dict[str, Any]:
-    """Run ``prog`` unsharded on the simulator's numpy references (float64) from ``values``
-    (every source tensor); returns every tensor's value. A ``replicated`` fallback op of an
-    imported program runs its torch op."""
-    import numpy as np
-
-    from spmdkit.core.mesh import ProcessMesh
-    from spmdkit.planner.propagate import propagate
-    from spmdkit.sim.ops import Ctx
-    from spmdkit.sim.plan import op_io
-
-    mesh = ProcessMesh([1])
-    plan = propagate(prog, mesh, {})
-    glob: dict[str, Any] = dict(values)
-    fallbacks = getattr(prog, "fallbacks", {})
-    for op_plan in plan.ops:
-        io = op_io(op_plan, prog)
-        if op_plan.index in fallbacks:
-            fn, args, kwargs = fallbacks[op_plan.index]
-
-            def sub(v: Any) -> Any:
-                if isinstance(v, Name):
-                    return torch.from_numpy(np.asarray(glob[v]))
-                if isinstance(v, (list, tuple)):
-                    return type(v)(sub(x) for x in v)
-                return v
-            with torch.no_grad():
-                res = fn(*sub(args), **{k: sub(x) for k, x in kwargs.items()})
-            res_l = list(res) if isinstance(res, (list, tuple)) else [res]
-            outs: list[Any] = [r.numpy() if isinstance(r, torch.Tensor) else None for r in res_l]
-        else:
-            args = io.values(lambda n, req: glob[n])
-            ctx = Ctx(mesh, None, None, io.in_attrs, io.shapes, io.out_ndims, io.out_attrs)
-            with np.errstate(all="ignore"):
-                raw = io.ref.run(args, ctx)
-            outs = []
-            for v in raw:
-                outs.extend(v if isinstance(v, list) else [v])
-        for k, o in enumerate(io.out_refs):
-            if o is not None and k < len(outs) and outs[k] is not None:
-                glob[o] = np.asarray(outs[k])
-    return glob
-
-
 __all__ = ["ImportContext", "ImportedProgram", "Name", "export", "hf_call_kwargs", "import_module", "mapped_ops", "register_aten",
-           "run_program", "torch_values", "unregister_aten"]
+           "torch_values", "unregister_aten"]
