@@ -25,7 +25,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'spmdkit[torch]')")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install 'spmdkit[hf]')")
 
-from spmdkit.models.torch_import import ImportedProgram, import_module, run_program, torch_values  # noqa: E402
+from spmdkit.execute.single import run_program  # noqa: E402
+from spmdkit.models.torch_import import ImportedProgram, import_module, torch_values  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")  # torch's own, in export
 

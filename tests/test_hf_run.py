@@ -288,22 +288,23 @@ def test_run_hf_bad_arguments_are_one_line_errors(capsys: pytest.CaptureFixture[
 def test_eager_comparison_can_fail() -> None:
     """The comparison with torch eager: within rtol of each tensor's scale (a gradient's scale at
     least a thousandth of the largest gradient), every value finite, every tensor present."""
-    from spmdkit.execute.rank import RunReport, _compare_eager
+    from spmdkit.execute.check import RunReport
+    from spmdkit.execute.eager import compare_eager
 
     ref = {"loss": np.array(5.0), "a.grad": np.array([1.0, -2.0]), "b.grad": np.array([1e-12, 0.0])}
     rep = RunReport(4, "gloo")
     rep.values = {"loss": np.array(5.0 + 4e-5), "a.grad": np.array([1.0, -2.0 + 1e-5]),
                   "b.grad": np.array([0.0, 1e-9])}  # b: noise under 1e-5 of 2e-3, the floor
-    chk = _compare_eager(rep, "float32", ref, "loss", 1e-5)
+    chk = compare_eager(rep, "float32", ref, "loss", 1e-5)
     assert not chk.failures and chk.checked == 3 and chk.loss == 5.0
     assert chk.max_rel_error == pytest.approx(8e-6)
     rep.values["a.grad"] = np.array([1.0, -2.0 + 1e-4])
     rep.values["loss"] = np.array(5.0 + 1e-4)
     rep.values["b.grad"] = np.array([np.nan, 0.0])
-    chk = _compare_eager(rep, "float32", ref, "loss", 1e-5)
+    chk = compare_eager(rep, "float32", ref, "loss", 1e-5)
     assert {n for n, _ in chk.failures} == {"loss", "a.grad", "b.grad"}
     del rep.values["a.grad"]
-    chk = _compare_eager(rep, "float32", ref, "loss", 1e-5)
+    chk = compare_eager(rep, "float32", ref, "loss", 1e-5)
     assert any(n == "a.grad" and "did not make" in why for n, why in chk.failures)
 
 
@@ -313,7 +314,7 @@ def test_launcher_hands_its_ranks_the_step(monkeypatch: Any) -> None:
     import shutil
 
     from spmdkit.cli.run import STEP_ENV, _load_step, _save_step, _Step
-    from spmdkit.execute.rank import eager_reference
+    from spmdkit.execute.eager import eager_reference
     from spmdkit.planner.planning import plan_hf
 
     cls, cfg = _CFG["gpt2"]

@@ -290,7 +290,8 @@ def test_padding_idx_rewrite_keeps_the_step(imported: Callable[[str], Any]) -> N
     """The rewritten program (padding_idx lookups as torch's forward, padding positions'
     gradients masked) computes the same loss and gradients as the imported one on BERT's own
     weights and inputs, which include the padding id 0 (the zero row stays zero)."""
-    from spmdkit.models.torch_import import run_program, torch_values
+    from spmdkit.execute.single import run_program
+    from spmdkit.models.torch_import import torch_values
     from spmdkit.strategies.hf import megatron_program
 
     prog, model, kw = imported("bert")
@@ -382,7 +383,8 @@ def test_gpt2_fused_qkv_is_split_head_wise(imported: Callable[[str], Any]) -> No
     the imported one on GPT-2's own weights."""
     import numpy as np
 
-    from spmdkit.models.torch_import import run_program, torch_values
+    from spmdkit.execute.single import run_program
+    from spmdkit.models.torch_import import torch_values
     from spmdkit.strategies.hf import megatron_program
 
     prog, model, kw = imported("gpt2")

@@ -17,7 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'spmdkit[torch]')")
 
-from spmdkit.execute.rank import Collective, expected_collectives  # noqa: E402
+from spmdkit.execute.collectives import Collective, expected_collectives  # noqa: E402
 from spmdkit.planner.planning import plan_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

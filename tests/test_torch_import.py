@@ -20,11 +20,11 @@ from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 from spmdkit.core.errors import ProgramError  # noqa: E402
+from spmdkit.execute.single import run_program  # noqa: E402
 from spmdkit.models.torch_import import (  # noqa: E402
     ImportedProgram,
     import_module,
     register_aten,
-    run_program,
     torch_values,
     unregister_aten,
 )

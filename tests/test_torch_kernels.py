@@ -24,8 +24,9 @@ torch = pytest.importorskip("torch", reason="torch is not installed (pip install
 
 from conftest import run_cli_line  # noqa: E402
 from spmdkit.core.errors import SpmdError  # noqa: E402
+from spmdkit.execute.check import TOLERANCES  # noqa: E402
 from spmdkit.execute.kernels import NoTorchKernelError, check_kernels, missing_kernels  # noqa: E402
-from spmdkit.execute.rank import TOLERANCES, _global_step, global_step_torch  # noqa: E402
+from spmdkit.execute.single import global_step, global_step_torch  # noqa: E402
 from spmdkit.models.zoo import PRESETS  # noqa: E402
 from spmdkit.planner.planning import plan_model  # noqa: E402
 from spmdkit.planner.propagate import propagate  # noqa: E402
@@ -46,7 +47,7 @@ def _float64(plan: Any) -> None:
 def test_torch_kernels_in_float64_equal_the_numpy_references(model: str) -> None:
     _, plan, _ = plan_model(model, "dp=2,tp=2", "megatron", {"layers": 1})
     _float64(plan)
-    want = _global_step(plan, 3)
+    want = global_step(plan, 3)
     got, secs = global_step_torch(plan, 3)
     assert set(got) == set(want) and len(want) > 100
     assert set(secs) == {"forward", "backward", "optimizer"}
@@ -96,8 +97,9 @@ def test_an_op_without_a_torch_kernel_is_refused_by_name(capsys: pytest.CaptureF
 
 
 def test_the_dtype_check_fails_on_a_wrong_value_and_on_nan() -> None:
-    """_check_torch: within the dtype's tolerance of each tensor's scale passes, beyond fails, a NaN never passes."""
-    from spmdkit.execute.rank import Rank, RunReport, _check_torch
+    """check_torch: within the dtype's tolerance of each tensor's scale passes, beyond fails, a NaN never passes."""
+    from spmdkit.execute.check import RunReport, check_torch
+    from spmdkit.execute.rank import Rank
 
     b = ProgramBuilder("t")
     x = b.tensor("x", (4, 3), "bfloat16", "input")
@@ -111,7 +113,7 @@ def test_the_dtype_check_fails_on_a_wrong_value_and_on_nan() -> None:
 
     def check(y: np.ndarray) -> RunReport:
         rep = RunReport(2, "gloo")
-        _check_torch(rep, plan, [({"y": y[:2]}, [], {}), ({"y": y[2:]}, [], {})], me, 0, None, torch.device("cpu"))
+        check_torch(rep, plan, [({"y": y[:2]}, [], {}), ({"y": y[2:]}, [], {})], me, 0, None, torch.device("cpu"))
         return rep
 
     y = ref["y"]
@@ -134,7 +136,8 @@ def test_a_relu_mask_flipped_by_rounding_passes_and_a_wrong_gradient_or_nan_stil
     another order (bfloat16 T5): the single-process check runs relu_grad on the distributed
     run's forward value (itself checked), so the flip passes; a wrong gradient, a gradient with
     the wrong mask for its own forward value, a NaN and a forward value beyond the tolerance fail."""
-    from spmdkit.execute.rank import Rank, RunReport, _check_torch
+    from spmdkit.execute.check import RunReport, check_torch
+    from spmdkit.execute.rank import Rank
 
     b = ProgramBuilder("t")
     x = b.tensor("x", (4, 8), "bfloat16", "input")
@@ -156,7 +159,7 @@ def test_a_relu_mask_flipped_by_rounding_passes_and_a_wrong_gradient_or_nan_stil
 
     def check(rv: np.ndarray, gr: np.ndarray) -> RunReport:
         rep = RunReport(2, "gloo")
-        _check_torch(rep, plan, [({"r": rv[:2], "x.grad": gr[:2]}, [], {}), ({"r": rv[2:], "x.grad": gr[2:]}, [], {})],
+        check_torch(rep, plan, [({"r": rv[:2], "x.grad": gr[:2]}, [], {}), ({"r": rv[2:], "x.grad": gr[2:]}, [], {})],
                      me, 0, values, torch.device("cpu"))
         return rep
 
@@ -182,7 +185,8 @@ def test_a_relu_mask_flipped_by_rounding_passes_and_a_wrong_gradient_or_nan_stil
 def test_the_half_precision_eager_check_is_bounded_by_torchs_own_half_step() -> None:
     """Against torch eager's float32 step, a half-precision run's gradient passes within rtol or twice
     torch's own half-precision step's largest relative L2 error; beyond it, or a NaN, fails."""
-    from spmdkit.execute.rank import RunReport, _compare_eager
+    from spmdkit.execute.check import RunReport
+    from spmdkit.execute.eager import compare_eager
 
     rng = np.random.default_rng(5)
     want = {"loss": np.array(2.0), "a.grad": rng.normal(size=(64, 32)), "b.grad": rng.normal(size=(32,))}
@@ -192,7 +196,7 @@ def test_the_half_precision_eager_check_is_bounded_by_torchs_own_half_step() -> 
 
     def check(a: np.ndarray) -> Any:
         rep.values = {"loss": np.array(2.0), "a.grad": a, "b.grad": want["b.grad"]}
-        return _compare_eager(rep, "float32", want, "loss", 0.06, native=own)
+        return compare_eager(rep, "float32", want, "loss", 0.06, native=own)
 
     near = want["a.grad"] + 0.08 * rng.normal(size=(64, 32))  # beyond rtol, within twice torch's own
     chk = check(near)
@@ -203,7 +207,7 @@ def test_the_half_precision_eager_check_is_bounded_by_torchs_own_half_step() -> 
     nan[3, 4] = np.nan
     assert [n for n, _ in check(nan).failures] == ["a.grad"]
     rep.values = {"loss": np.array(2.0), "a.grad": near, "b.grad": want["b.grad"]}
-    assert [n for n, _ in _compare_eager(rep, "float32", want, "loss", 0.06).failures] == ["a.grad"]  # float32: max
+    assert [n for n, _ in compare_eager(rep, "float32", want, "loss", 0.06).failures] == ["a.grad"]  # float32: max
 
 
 # -- on gloo --------------------------------------------------------------------------------------------
@@ -249,7 +253,8 @@ def test_run_hf_llama_bfloat16_with_torch_kernels() -> None:
 
 
 def test_the_report_prints_time_per_phase_beside_the_prediction() -> None:
-    from spmdkit.execute.rank import RunReport, format_report, predicted_timing
+    from spmdkit.execute.check import RunReport
+    from spmdkit.execute.report import format_report, predicted_timing
 
     _, plan, _ = plan_model("tiny-llama", "dp=2,tp=2", "megatron", {"layers": 1})
     pred, on = predicted_timing(plan, "h100")

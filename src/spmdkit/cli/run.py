@@ -190,7 +190,7 @@ def _save_step(step: _Step) -> str | None:
 def _write_step(step: _Step, path: str) -> str:
     import pickle
 
-    from spmdkit.execute.rank import eager_reference
+    from spmdkit.execute.eager import eager_reference
     from spmdkit.models.torch_import import torch_values
 
     prog = step.plan.program
@@ -411,8 +411,10 @@ def _run_rank(ns: argparse.Namespace, out: TextIO, step: _Step, rank: int) -> in
 
     import torch.distributed as dist
 
+    from spmdkit.execute.collectives import init_from_env
     from spmdkit.execute.launch import EXIT_PORT_IN_USE, EXIT_RANK_FAILED, PROGRESS_ENV
-    from spmdkit.execute.rank import format_report, init_from_env, run_rank
+    from spmdkit.execute.rank import run_rank
+    from spmdkit.execute.report import format_report
 
     where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
     # torch bounds the rendezvous by the timeout, except a TCPStore client talking to something
@@ -445,7 +447,7 @@ def _run_rank(ns: argparse.Namespace, out: TextIO, step: _Step, rank: int) -> in
         elif step.model is not None:  # the module's weights, buffers and constants, the call's inputs
             from functools import partial
 
-            from spmdkit.execute.rank import eager_reference
+            from spmdkit.execute.eager import eager_reference
             from spmdkit.models.torch_import import torch_values
 
             values = torch_values(plan.program, step.model, kwargs=step.kwargs)

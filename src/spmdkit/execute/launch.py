@@ -24,9 +24,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from spmdkit.core.dist_attr import TensorDistAttr, entry_dims
+from spmdkit.program.plan import Plan
 
 
-def uneven_shards(plan: Any) -> str | None:
+def uneven_shards(plan: Plan) -> str | None:
     """Why the executor cannot run ``plan`` (a tensor axis its collectives would split unevenly),
     or None. Checks every dist attr the step uses: each tensor's, each op's required inputs and
     its outputs, and every reshard step's source and destination."""

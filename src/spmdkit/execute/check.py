@@ -1,0 +1,253 @@
+"""Rank 0's verdict on a distributed run (:class:`RunReport`): every tensor the step made,
+assembled from the ranks as the plan distributes it, against the single-process step
+(:mod:`spmdkit.execute.single`): with the numpy references each within ``rtol`` / ``atol``
+(:func:`check_numpy`), with the torch kernels within :data:`TOLERANCES` of its dtype
+(:func:`check_torch`); a NaN never passes. The comparison with torch eager fills
+:class:`EagerCheck` (:mod:`spmdkit.execute.eager`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from spmdkit.core.dist_attr import TensorDistAttr
+from spmdkit.execute.collectives import Collective
+from spmdkit.execute.single import STEP_GRADS, global_step_torch, to_numpy
+from spmdkit.program.ir import Program
+from spmdkit.program.plan import Plan
+from spmdkit.sim.mesh import AssembleError, arrays_close, assemble, max_abs_error, nonfinite_count
+from spmdkit.sim.plan import loss_name, unusable
+
+
+@dataclass
+class EagerCheck:
+    """The distributed step against torch eager on the same inputs and weights: the loss and
+    every parameter gradient of the module computed by torch autograd (in ``dtype``), every
+    value finite, each tensor's max abs error within ``rtol`` of its scale: the largest
+    magnitude of torch's tensor, for a gradient at least a thousandth of the step's largest
+    gradient (a gradient that is zero in exact arithmetic, as attention's key bias, is
+    rounding noise in torch's float32)."""
+    dtype: str
+    rtol: float
+    loss: float | None = None
+    checked: int = 0
+    #: the largest max|spmdkit - torch| / scale over the compared tensors (a gradient's relative
+    #: L2 error where torch's own half-precision step was given)
+    max_rel_error: float = 0.0
+    #: the largest relative L2 error of torch's own half-precision step's gradients against its
+    #: float32 ones (0 if not run): twice it (at least ``rtol``) bounds the half-precision comparison
+    native_error: float = 0.0
+    failures: list[tuple[str, str]] = field(default_factory=list)
+
+
+@dataclass
+class RunReport:
+    """Rank 0's verdict on a distributed run."""
+    world_size: int
+    backend: str
+    checked: int = 0
+    failures: list[tuple[str, str]] = field(default_factory=list)
+    loss: float | None = None
+    reference_loss: float | None = None
+    max_error: float = 0.0
+    collectives: list[Collective] = field(default_factory=list)
+    expected: list[Collective] = field(default_factory=list)
+    collectives_match: bool = False
+    #: tensors with a NaN or infinity in the distributed or the single-process value (failures)
+    nonfinite: int = 0
+    #: the loss tensor (found by its role: :func:`spmdkit.sim.plan.loss_name`)
+    loss_tensor: str | None = None
+    #: assembled global values of the tensors asked for (``run_rank(keep=...)``)
+    values: dict[str, np.ndarray] = field(default_factory=dict)
+    #: the comparison with torch eager (``run_rank(eager=...)``), None where not asked for
+    eager: EagerCheck | None = None
+    #: the kernels the ranks ran ("numpy" float64 references, or "torch" in the program's dtypes)
+    kernels: str = "numpy"
+    #: the untimed steps run before the timed one (0: the times include first-call overhead)
+    warmup: int = 0
+    #: --kernels torch: the largest error of a tensor as a fraction of its scale (:func:`check_torch`)
+    max_rel_error: float = 0.0
+    #: seconds per phase (forward, backward, optimizer: compute, comm) and of the step (wall),
+    #: the slowest rank's
+    timing: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: the plan's prediction of the same (:func:`spmdkit.execute.report.predicted_timing`) and the device it is for
+    predicted: dict[str, dict[str, float]] = field(default_factory=dict)
+    predicted_on: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures and self.collectives_match
+
+
+class Ran(Protocol):
+    """What the checks read of a rank that ran the step: the dist attr each tensor ended up with."""
+    made: dict[str, TensorDistAttr]
+
+
+#: ``--kernels torch``: the largest error a tensor may have against the single-process step with
+#: the same kernels and dtypes, as a fraction of its scale (the largest magnitude of the
+#: single-process value, at least :data:`FLOOR` of the largest of its kind: a gradient that is
+#: zero in exact arithmetic is rounding noise). Sharding changes the order of sums (a
+#: row-parallel matmul's partial products, a gradient's all-reduce), so two runs agree to the
+#: rounding of the dtype, compounded over the step: about 10x the largest error measured on the
+#: zoo's tiny models and the 12 tiny HF models (float32 3.1e-6, float16 2.2e-3; bfloat16 2x its
+#: 2.8e-2), docs/torch.md.
+TOLERANCES = {"float64": 1e-9, "float32": 3e-5, "float16": 1e-2, "bfloat16": 6e-2}
+FLOOR = 1e-2
+
+
+def program_dtype(prog: Program) -> str:
+    """The dtype a program trains in: its parameters' floating dtype (float32 when it has none)."""
+    for t in prog.tensors.values():
+        if t.kind == "parameter" and t.dtype in TOLERANCES:
+            return str(t.dtype)
+    return "float32"
+
+
+def check_torch(rep: RunReport, plan: Plan, pieces: list[Any], me: Ran, seed: int,
+                 values: dict[str, Any] | None, device: torch.device) -> dict[str, np.ndarray]:
+    """``--kernels torch``: every tensor of the step, assembled from the ranks, against the
+    single-process step with the same torch kernels in the same dtypes (on rank 0's device).
+    The optimizer's updates are recomputed there from the distributed run's gradients (Adam's
+    first step is ``lr * sign(g)``: a gradient element within rounding of zero may flip, so its
+    update is checked on the gradient the ranks really had; the gradient itself is checked like
+    every other tensor). Each tensor within :data:`TOLERANCES` of its dtype or of the program's
+    (its parameters'), whichever is looser; integers and
+    booleans exactly; a NaN, or an infinity the reference does not have at the same place,
+    never passes. Returns the assembled values."""
+    prog = plan.program
+    loss = rep.loss_tensor = loss_name(prog)
+    base = TOLERANCES.get(program_dtype(prog), 0.0)
+
+    def tolerance(name: str) -> float:  # a float32 upcast in a bfloat16 model carries bfloat16's error
+        return max(TOLERANCES.get(prog.tensors[name].dtype, 0.0), base)
+
+    assembled: dict[str, np.ndarray] = {}
+    for name, attr in me.made.items():
+        if name not in pieces[0][0]:
+            continue
+        tol = tolerance(name)
+        try:
+            assembled[name] = assemble([p[0][name] for p in pieces], attr, prog.tensors[name].shape,
+                                       rtol=tol, atol=tol)
+        except (AssembleError, KeyError) as exc:
+            rep.failures.append((name, f"not distributed as {attr}: {exc}"))
+    made_by: dict[str, str] = {n: op.phase for op in prog.ops for n in op.output_names()}
+    feed = {n: assembled[n] for op in prog.ops if op.phase == "optimizer" for n in op.input_names()
+            if n in assembled and made_by.get(n) not in (None, "optimizer")}
+    masks = {n: assembled[n] for op in prog.ops if op.rule in STEP_GRADS for n in op.input_names()
+             if n in assembled and made_by.get(n) == "forward"}
+    ref_t, _ = global_step_torch(plan, seed, values, device, optimizer_inputs=feed, step_inputs=masks)
+    ref = {n: to_numpy(v) for n, v in ref_t.items()}
+    largest: dict[str, float] = {}
+    for n, g in ref.items():
+        if g.dtype.kind == "f" and g.size:
+            fin = np.isfinite(g)
+            if fin.any():
+                k = prog.tensors[n].kind
+                largest[k] = max(largest.get(k, 0.0), float(np.max(np.abs(g[fin]))))
+    worst = 0.0
+    for name, g in ref.items():
+        if name not in me.made:
+            continue
+        rep.checked += 1
+        got = assembled.get(name)
+        if got is None:
+            continue  # a failure above
+        if _unusable(rep, prog, name, g, loss):
+            continue
+        if got.shape != g.shape:
+            rep.failures.append((name, f"shape {list(got.shape)}, the single-process run's {list(g.shape)}"))
+            continue
+        if g.dtype.kind != "f" or got.dtype.kind != "f":
+            if not np.array_equal(got, g):
+                rep.failures.append((name, "differs from the single-process run (exact: integers or booleans)"))
+            continue
+        both = np.isfinite(g) & np.isfinite(got)
+        bad_got = int(np.count_nonzero(~both & (got != g)))  # -inf where the reference has -inf is equal
+        if bad_got:
+            _nonfinite(rep, name, bad_got, got.size)
+            continue
+        if not g.size or not both.any():
+            continue
+        err = float(np.max(np.abs(got[both].astype(np.float64) - g[both])))
+        rep.max_error = max(rep.max_error, err)
+        scale = max(float(np.max(np.abs(g[both]))), FLOOR * largest.get(prog.tensors[name].kind, 0.0))
+        rel = err / scale if scale > 0 else (0.0 if err == 0 else math.inf)
+        worst = max(worst, rel)
+        tol = tolerance(name)
+        if rel > tol:
+            d = got[both].astype(np.float64) - g[both]
+            rms = float(np.linalg.norm(d) / max(float(np.linalg.norm(g[both])), 1e-300))
+            rep.failures.append((name, f"differs from the single-process run: max error {err:.3g} is {rel:.3g} of "
+                                       f"its scale {scale:.3g} (tolerance {tol:g}); "
+                                       f"{int(np.count_nonzero(np.abs(d) > tol * scale))} of {d.size} elements beyond, "
+                                       f"relative L2 error {rms:.3g}"))
+    rep.max_rel_error = worst
+    if loss is not None and loss in ref:
+        rep.reference_loss = float(np.asarray(ref[loss], dtype=np.float64).sum())
+        if loss in assembled:
+            rep.loss = float(np.asarray(assembled[loss], dtype=np.float64).sum())
+    return assembled
+
+
+
+def check_numpy(rep: RunReport, prog: Program, pieces: list[Any], made: dict[str, TensorDistAttr],
+                ref: dict[str, np.ndarray], want: set[str], rtol: float, atol: float) -> None:
+    """``--kernels numpy``: every tensor of the step (``ref``: the single-process step's), assembled
+    from the ranks as ``made`` says it is distributed, within ``rtol`` / ``atol`` of the
+    single-process value; keeps the assembled values named in ``want`` (``rep.values``) and the
+    loss of both runs."""
+    loss = rep.loss_tensor
+    for name, g in ref.items():
+        attr = made.get(name)
+        if attr is None:
+            continue
+        rep.checked += 1
+        try:
+            got = assemble([p[0][name] for p in pieces], attr, g.shape, rtol=rtol, atol=atol)
+        except (AssembleError, KeyError) as exc:
+            rep.failures.append((name, f"not distributed as {attr}: {exc}"))
+            continue
+        if name in want:
+            rep.values[name] = got
+        if _unusable(rep, prog, name, g, loss):
+            continue
+        if got.dtype.kind == "f" and got.shape == g.shape and g.size:
+            rep.max_error = max(rep.max_error, max_abs_error(got, g))
+        bad_got = nonfinite_count(got)
+        if bad_got and got.shape == g.shape:  # the reference's -inf (a masked score) at the same place is equal
+            bad_got = int(np.count_nonzero(~np.isfinite(got) & (got != g)))
+        if bad_got:
+            _nonfinite(rep, name, bad_got, got.size)
+        elif not arrays_close(got, g, rtol, atol):
+            rep.failures.append((name, "differs from the single-process run"))
+    if loss is not None and loss in ref and loss in made:
+        rep.reference_loss = float(np.asarray(ref[loss]).sum())
+        try:
+            got = assemble([p[0][loss] for p in pieces], made[loss], ref[loss].shape, rtol=rtol, atol=atol)
+            rep.loss = float(np.asarray(got).sum())
+        except (AssembleError, KeyError):
+            pass  # already a failure above
+
+
+def _unusable(rep: RunReport, prog: Program, name: str, g: np.ndarray, loss: str | None) -> bool:
+    """A single-process value that is NaN or infinite proves nothing: never a pass (a failure)."""
+    bad_ref = unusable(prog, name, g, loss)
+    if bad_ref:
+        rep.nonfinite += 1
+        rep.failures.append((name, f"not checkable: the single-process value has {bad_ref} non-finite values "
+                                   f"of {g.size}"))
+    return bool(bad_ref)
+
+
+def _nonfinite(rep: RunReport, name: str, bad: int, size: int) -> None:
+    rep.nonfinite += 1
+    rep.failures.append((name, f"{bad} non-finite values of {size} where the single-process value is finite"))
+
+
+__all__ = ["FLOOR", "TOLERANCES", "EagerCheck", "Ran", "RunReport", "check_numpy", "check_torch", "program_dtype"]

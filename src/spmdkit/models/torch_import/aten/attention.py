@@ -1,0 +1,95 @@
+"""Lowerings of ATen ops to the ``attention`` family's rules (:mod:`spmdkit.ops.attention`):
+scaled_dot_product_attention -> ``flash_attention`` on Paddle's ``[b, s, h, d]`` (transposes around
+it), or spelt out with a mask or a non-default scale."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from spmdkit.models.torch_import.context import TORCH_DTYPES, Hook, ImportContext, Name
+
+
+def _sdpa(c: ImportContext) -> Any:
+    q, k, v = c.args[:3]
+    mask = c.arg(3, "attn_mask")
+    dropout = float(c.arg(4, "dropout_p", 0.0))
+    causal = bool(c.arg(5, "is_causal", False))
+    scale = c.kwargs.get("scale", c.args[6] if len(c.args) > 6 else None)
+    if dropout:
+        raise c.unsupported("attention dropout (export in eval mode or with dropout_p=0)")
+    qs, ks = c.shape(q), c.shape(k)
+    if len(qs) != 4 or len(ks) != 4:
+        raise c.unsupported(f"attention on {len(qs)}-D q (4-D [batch, heads, seq, head_dim] only)")
+    b_, hq, s, d = qs
+    hk = ks[1]
+    dt = c.dtype(q)
+    default_scale = scale is None or math.isclose(float(scale), 1.0 / math.sqrt(d), rel_tol=1e-12)
+    if mask is None and default_scale and hq % hk == 0:
+        perm = (0, 2, 1, 3)
+        qt, kt, vt = (c.transpose(t, perm, c.fresh(n)) for t, n in ((q, "q"), (k, "k"), (v, "v")))
+        vs = c.shape(vt)
+        outs = [(c.fresh("bshd"), (b_, s, hq, vs[3]), dt), None, (c.fresh("lse"), (b_, hq, s), "float32"),
+                (c.fresh("seed_offset"), (2,), "int64")]
+        o, _, _, _ = c.emit("flash_attention", {"q": qt, "k": kt, "v": vt}, outs, causal=causal)
+        return c.transpose(o, perm, c.name)
+    # spelt out: softmax(q k^T * scale + mask) v
+    if hk != hq:
+        g = hq // hk
+
+        def rep(t: Any, n: str) -> Name:
+            ts = c.shape(t)
+            u = c.emit1("unsqueeze", {"x": t}, (c.fresh(n + "u"), (ts[0], ts[1], 1, ts[2], ts[3]), dt), axis=(2,))
+            e = c.emit1("expand", {"x": u}, (c.fresh(n + "e"), (ts[0], ts[1], g, ts[2], ts[3]), dt),
+                        shape=(ts[0], ts[1], g, ts[2], ts[3]))
+            return c.reshape(e, (ts[0], hq, ts[2], ts[3]), c.fresh(n + "rep"))
+        k, v = rep(k, "k"), rep(v, "v")
+    t_ = c.shape(k)[2]
+    sc = c.emit1("matmul", {"x": q, "y": k}, (c.fresh("scores"), (b_, hq, s, t_), dt), trans_y=True)
+    sc = c.emit1("multiply", {"x": sc, "y": float(scale) if scale is not None else 1.0 / math.sqrt(d)},
+                 (c.fresh("scaled"), (b_, hq, s, t_), dt))
+    add: Any = None
+    if causal:
+        add = torch.zeros(s, t_, dtype=TORCH_DTYPES[dt]).masked_fill(
+            ~torch.ones(s, t_, dtype=torch.bool).tril(), float("-inf"))
+    if mask is not None:
+        if isinstance(mask, torch.Tensor):
+            m = mask if mask.dtype != torch.bool else torch.zeros(mask.shape, dtype=TORCH_DTYPES[dt]).masked_fill(
+                ~mask, float("-inf"))
+            add = m if add is None else add + m
+        elif c.dtype(mask) == "bool":  # True = attend: where(mask, scores, -inf)
+            if add is not None:
+                sc = c.emit1("add", {"x": sc, "y": add}, (c.fresh("causal"), (b_, hq, s, t_), dt))
+                add = None
+            sc = c.emit1("where", {"condition": mask, "x": sc, "y": c.tensor(float("-inf"), dt)},
+                         (c.fresh("masked"), (b_, hq, s, t_), dt))
+        else:
+            if add is not None:
+                sc = c.emit1("add", {"x": sc, "y": add}, (c.fresh("causal"), (b_, hq, s, t_), dt))
+                add = None
+            add = mask
+    if add is not None:
+        sc = c.emit1("add", {"x": sc, "y": add}, (c.fresh("masked"), (b_, hq, s, t_), dt))
+    pr = c.emit1("softmax", {"x": sc}, (c.fresh("probs"), (b_, hq, s, t_), dt), axis=3)
+    return c.emit1("matmul", {"x": pr, "y": v})
+
+
+def _sdpa_tuple(c: ImportContext) -> Any:
+    out = _sdpa(c)
+    n = len(c.val()) if isinstance(c.val(), (list, tuple)) else 1
+    return (out, *([None] * (n - 1)))
+
+
+def _table() -> dict[str, Hook]:
+    t: dict[str, Hook] = {}
+    t["aten.scaled_dot_product_attention"] = _sdpa
+    for k in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+              "_scaled_dot_product_efficient_attention"):
+        t["aten." + k] = _sdpa_tuple
+    return t
+
+
+#: ATen op (packet or overload) -> its lowering
+ATEN = _table()

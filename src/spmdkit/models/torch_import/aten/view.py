@@ -1,0 +1,60 @@
+"""Lowerings of ATen ops to the ``view`` family's rules (:mod:`spmdkit.ops.view`): the views (``view``
+/ ``reshape`` / ``flatten`` / ... -> ``reshape``), unsqueeze, squeeze."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from spmdkit.models.torch_import.context import Hook, ImportContext, norm_dim
+
+#: the ATen views, each a ``reshape`` to the node's output shape
+VIEWS = {"aten.view", "aten.reshape", "aten._unsafe_view", "aten.flatten", "aten.unflatten", "aten.view_as",
+         "aten.reshape_as"}
+
+
+def to_out_shape(rule: str) -> Hook:
+    """A view (reshape) or expand to the node's output shape; the input itself where it has it."""
+
+    def conv(c: ImportContext) -> Any:
+        x = c.args[0]
+        shp = c.out_shape()
+        if tuple(c.shape(x)) == shp:
+            return c.tensor(x)
+        return c.emit1(rule, {"x": x}, shape=shp)
+
+    return conv
+
+
+_view = to_out_shape("reshape")
+
+
+def _unsqueeze(c: ImportContext) -> Any:
+    x, d = c.args[0], int(c.args[1])
+    return c.emit1("unsqueeze", {"x": x}, axis=(norm_dim(d, len(c.shape(x)) + 1),))
+
+
+def _squeeze(c: ImportContext) -> Any:
+    x = c.args[0]
+    xs = c.shape(x)
+    dims = c.arg(1, "dim")
+    if dims is None:
+        axes = [i for i, s in enumerate(xs) if s == 1]
+    else:
+        dl = [dims] if isinstance(dims, int) else list(dims)
+        axes = sorted({norm_dim(int(d), len(xs)) for d in dl if xs[norm_dim(int(d), len(xs))] == 1})
+    if not axes:
+        return c.tensor(x)
+    return c.emit1("squeeze", {"x": x}, axis=tuple(axes))
+
+
+def _table() -> dict[str, Hook]:
+    t: dict[str, Hook] = {}
+    for k in VIEWS:
+        t[k] = _view
+    t["aten.unsqueeze"] = _unsqueeze
+    t["aten.squeeze"] = _squeeze
+    return t
+
+
+#: ATen op (packet or overload) -> its lowering
+ATEN = _table()
