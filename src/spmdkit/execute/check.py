@@ -195,7 +195,6 @@ def check_torch(rep: RunReport, plan: Plan, pieces: list[Any], me: Ran, seed: in
     return assembled
 
 
-
 def check_numpy(rep: RunReport, prog: Program, pieces: list[Any], made: dict[str, TensorDistAttr],
                 ref: dict[str, np.ndarray], want: set[str], rtol: float, atol: float) -> None:
     """``--kernels numpy``: every tensor of the step (``ref``: the single-process step's), assembled

@@ -442,7 +442,6 @@ class Importer:
         return ip
 
 
-
 def _recorded(t: torch.Tensor) -> RecordedValue:
     t = t.detach().cpu()
     if t.dtype == torch.bfloat16:  # numpy has no bfloat16: float32 holds it exactly
