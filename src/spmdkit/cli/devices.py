@@ -2,7 +2,7 @@
 
 The flags checked, the search run (:func:`spmdkit.planner.search.search_meshes`, the
 library), its table printed and the best configuration's plan reported (text or JSON), with
-``--verify`` the best one checked at tiny sizes (:func:`spmdkit.planner.search.verify_config`).
+``--verify`` the best one checked at tiny sizes (:func:`spmdkit.sim.verify_plan.verify_config`).
 """
 
 from __future__ import annotations

@@ -333,7 +333,7 @@ def _run_plan(ns: argparse.Namespace, out: TextIO) -> int:
 def _run_auto(ns: argparse.Namespace, out: TextIO, user: dict[str, Any], overrides: dict[str, int | None],
               grad_accum: int) -> int:
     """``--auto``: the searched plan of a preset, a --program file or an --hf model (graph/auto.py);
-    ``--verify``: a preset's plan checked on its tiny model (graph/auto_search.verify_auto)."""
+    ``--verify``: a preset's plan checked on its tiny model (:func:`spmdkit.sim.verify_plan.verify_auto`)."""
     from spmdkit.cost.memory import memory_per_device
     from spmdkit.models.zoo import build_model, preset
     from spmdkit.outputs.report import plan_json, write_report
