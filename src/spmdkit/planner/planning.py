@@ -135,27 +135,11 @@ def plan_hf(class_name: str, config: Any, mesh_text: str, strategy_text: str | N
     from spmdkit.strategies.strategy import parse_mesh, parse_strategy
 
     parse_strategy(strategy_text or "megatron", parse_mesh(mesh_text))  # refuse a bad mesh / strategy before importing
+    from spmdkit.models.source import import_hf_checked
+
     prog, model, kw = import_hf_checked(class_name, config, b, sq, dt)
     prog, plan = plan_program(prog, mesh_text, strategy_text or "megatron", user, patterns, cost_text)
     return prog, model, kw, plan
-
-
-def import_hf_checked(class_name: str, config: Any, batch: int, seq: int, dtype: str) -> Any:
-    """:func:`spmdkit.models.hf.import_hf` (``dtype`` a dtype name), its errors on a model that does not
-    import given as one ProgramError naming ``--hf``."""
-    import warnings
-
-    from spmdkit.models.hf import import_hf
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        try:
-            return import_hf(class_name, config, batch=batch, seq=seq, dtype=dtype)
-        except SpmdError:
-            raise
-        except (ValueError, TypeError, RuntimeError, IndexError, KeyError) as exc:
-            msg = " ".join(str(exc).split())[:300]
-            raise ProgramError(f"--hf {class_name}: the model does not import: {type(exc).__name__}: {msg}") from None
 
 
 def verify_strategy(model_name: str | None, mesh_text: str, strategy_text: str,
@@ -183,5 +167,5 @@ def verify_strategy(model_name: str | None, mesh_text: str, strategy_text: str,
             "loss": rep.loss, "text": "\n".join(lines)}
 
 
-__all__ = ["MAX_LAYERS", "MAX_SIZE", "clip_repr", "import_hf_checked", "parse_cost", "parse_size", "plan_hf",
+__all__ = ["MAX_LAYERS", "MAX_SIZE", "clip_repr", "parse_cost", "parse_size", "plan_hf",
            "plan_model", "plan_program", "verify_strategy"]

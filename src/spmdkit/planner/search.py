@@ -462,7 +462,7 @@ def import_hf_program(class_name: str, config: Any, batch: int, seq: int, dtype:
     """The training step of the HuggingFace model ``class_name`` (config: dict, JSON text or a
     config.json path) imported at ``batch`` x ``seq`` (no strategy: as the model computes)."""
     from spmdkit.models.hf import dtype_name
-    from spmdkit.planner.planning import import_hf_checked
+    from spmdkit.models.source import import_hf_checked
 
     prog, _model, _kw = import_hf_checked(class_name, config, batch, seq, dtype_name(dtype))
     return prog
