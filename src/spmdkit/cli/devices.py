@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 from typing import Any, TextIO
 
+from spmdkit.cli.checks import check_one_model, hf_source, parse_annotations, parse_tp_plan, program_source
 from spmdkit.cli.common import auto_time_limit, export_plan_file, write_html
-from spmdkit.cli.request import PlanRequest, parse_annotations, parse_tp_plan
-from spmdkit.cli.sources import check_one_model, hf_source, program_source
+from spmdkit.cli.request import PlanRequest
 from spmdkit.core.errors import ProgramError
 from spmdkit.models.source import load
 from spmdkit.outputs.report import plan_json, write_report

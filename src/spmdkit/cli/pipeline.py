@@ -11,8 +11,9 @@ import json
 from dataclasses import replace
 from typing import Any, TextIO
 
+from spmdkit.cli.checks import parse_annotations
 from spmdkit.cli.common import step_estimate, write_html
-from spmdkit.cli.request import Links, PlanRequest, parse_annotations
+from spmdkit.cli.request import Links, PlanRequest
 from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel

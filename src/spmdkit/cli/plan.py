@@ -13,6 +13,7 @@ import time
 from dataclasses import replace
 from typing import Any, TextIO
 
+from spmdkit.cli.checks import check_one_model, hf_source, parse_annotations, parse_tp_plan, program_source
 from spmdkit.cli.common import (
     auto_time_limit,
     export_plan_file,
@@ -23,8 +24,7 @@ from spmdkit.cli.common import (
 )
 from spmdkit.cli.devices import run_devices
 from spmdkit.cli.pipeline import run_pipeline_plan, wants_pipeline
-from spmdkit.cli.request import PlanRequest, parse_annotations, parse_tp_plan
-from spmdkit.cli.sources import check_one_model, hf_source, program_source
+from spmdkit.cli.request import PlanRequest
 from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel

@@ -2,30 +2,21 @@
 requests the parsed flags become once (:func:`plan_request`, :func:`run_request`).
 
 A request holds the flags as given (texts where the command checks them itself, in its own
-order and with its own messages); the commands read it and never change it. The checks of
-values that several commands share are here too: ``--annotate`` (:func:`parse_annotations`)
-and ``--tp-plan`` (:func:`parse_tp_plan`).
+order and with its own messages, :mod:`spmdkit.cli.checks` the checks they share); the
+commands read it and never change it.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 from dataclasses import dataclass
-from typing import Any
 
-from spmdkit.core.errors import ProgramError
 from spmdkit.models.zoo import PRESETS
-from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, clip_repr
-from spmdkit.strategies.hf import check_patterns
+from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE
 
 #: ``--mesh`` when neither it nor ``--devices`` is given.
 DEFAULT_MESH = "dp=2,tp=4"
-#: The longest ``--annotate`` dims_mapping text, and the most entries one may have.
-MAX_ANNOTATION_CHARS = 4096
-MAX_ANNOTATION_RANK = 64
 #: ``spmdkit run --timeout`` by default (seconds).
 DEFAULT_TIMEOUT = 120.0
 #: ``spmdkit run --hf`` example inputs when --batch / --seq are not given
@@ -309,67 +300,6 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                         "waits longer fails and the run ends (default %(default)g)")
 
 
-# -- values several commands check alike ---------------------------------------------------------
-
-
-def _dims_mapping_ok(v: Any) -> bool:
-    """A list of entries, each an int or a list of ints (co-shard), no bools, bounded size."""
-    if not isinstance(v, list) or len(v) > MAX_ANNOTATION_RANK:
-        return False
-    for e in v:
-        if isinstance(e, list):
-            if len(e) > MAX_ANNOTATION_RANK or not all(type(x) is int for x in e):
-                return False
-        elif type(e) is not int:
-            return False
-    return True
-
-
-def parse_annotations(items: tuple[str, ...] | list[str]) -> dict[str, Any]:
-    """``["x=[0,-1]", ...]`` -> ``{"x": [0, -1]}``; ProgramError naming ``--annotate`` for a
-    malformed one (no ``=``, not JSON, too long or nested, not a list of ints / int lists)."""
-    out: dict[str, Any] = {}
-    for it in items:
-        name, eq, dm = it.partition("=")
-        name = name.strip()
-        if not eq or not name:
-            raise ProgramError(f"--annotate {clip_repr(it)}: expected TENSOR=DIMS_MAPPING, e.g. x=[0,-1]")
-        if len(dm) > MAX_ANNOTATION_CHARS:
-            raise ProgramError(f"--annotate {clip_repr(name)}: the dims_mapping is {len(dm)} characters "
-                               f"(at most {MAX_ANNOTATION_CHARS})")
-        try:
-            v = json.loads(dm)
-        except (ValueError, RecursionError):
-            raise ProgramError(f"--annotate {clip_repr(it)}: the dims_mapping is not JSON (e.g. [0,-1])") from None
-        if not _dims_mapping_ok(v):
-            raise ProgramError(f"--annotate {clip_repr(it)}: the dims_mapping must be a list of mesh dims "
-                               f"(ints, -1 for none, or lists of ints), at most {MAX_ANNOTATION_RANK} entries")
-        out[name] = v
-    return out
-
-
-def parse_tp_plan(text: str | None) -> dict[str, str] | None:
-    """``--tp-plan``: a JSON object (or a file holding one) of pattern -> role."""
-    if text is None:
-        return None
-    if not text.lstrip().startswith("{"):
-        if not os.path.isfile(text):
-            raise ProgramError(f"--tp-plan {clip_repr(text)}: neither a JSON object nor an existing file")
-        with open(text, encoding="utf-8") as f:
-            text = f.read(1 << 20)
-    try:
-        obj = json.loads(text)
-    except (ValueError, RecursionError):
-        raise ProgramError(f"--tp-plan {clip_repr(text)}: not JSON (e.g. {{\"*.k_proj\": \"replicate\"}})") from None
-    if not isinstance(obj, dict):
-        raise ProgramError("--tp-plan: must be a JSON object of module-name pattern -> role")
-    try:
-        return dict(check_patterns(obj))
-    except ProgramError as exc:
-        raise ProgramError(f"--tp-plan: {exc}") from None
-
-
-__all__ = ["DEFAULT_MESH", "DEFAULT_TIMEOUT", "HF_BATCH", "HF_SEQ", "MAX_ANNOTATION_CHARS", "MAX_ANNOTATION_RANK",
+__all__ = ["DEFAULT_MESH", "DEFAULT_TIMEOUT", "HF_BATCH", "HF_SEQ",
            "Links", "ModelArgs", "Outputs", "PipelineArgs", "PlanRequest", "RunRequest", "SearchArgs",
-           "add_pipeline_arguments", "add_plan_arguments", "add_run_arguments", "parse_annotations", "parse_tp_plan",
-           "plan_request", "run_request"]
+           "add_pipeline_arguments", "add_plan_arguments", "add_run_arguments", "plan_request", "run_request"]

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, NoReturn, TextIO
 
+from spmdkit.cli.checks import parse_annotations, parse_tp_plan
 from spmdkit.cli.common import plan_source, strategy_notes
-from spmdkit.cli.request import HF_BATCH, HF_SEQ, RunRequest, parse_annotations, parse_tp_plan
+from spmdkit.cli.request import HF_BATCH, HF_SEQ, RunRequest
 from spmdkit.core.errors import ProgramError
 from spmdkit.cost.compute import load_device
 from spmdkit.execute.launch import (

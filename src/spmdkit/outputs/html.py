@@ -38,7 +38,9 @@ from typing import Any
 
 from spmdkit.core.dist_attr import TensorDistAttr, entry_dims
 from spmdkit.core.errors import ProgramError
+from spmdkit.cost.compute import estimate_step, guess_tokens, kernel_collectives, preset_device
 from spmdkit.cost.memory import Memory, local_numel, memory_per_device
+from spmdkit.io.atomic import write_atomic
 from spmdkit.outputs.report import fmt_bytes, fmt_time, placements, reshard_groups
 from spmdkit.program.plan import Plan
 
@@ -285,8 +287,6 @@ def layer_table(plan: Plan, memory: Memory) -> list[dict[str, Any]]:
     """Per layer (program order): communication seconds per phase (every reshard times its
     repeats, the collectives inside ops) and bytes held per device: parameters, gradients,
     optimizer states, activations kept for the backward."""
-    from spmdkit.cost.compute import kernel_collectives
-
     prog = plan.program
     of = tensor_layers(plan)
     rows: dict[str, dict[str, Any]] = {}
@@ -761,8 +761,6 @@ def render_html(plan: Plan, title: str = "", memory: Memory | None = None, estim
     :class:`spmdkit.planner.pipeline.PipelineEstimate`; ``auto``: the search's
     :class:`spmdkit.planner.auto.AutoInfo`; ``alternatives``: (label, plan) of other plans of the same
     program, compared in the search section."""
-    from spmdkit.cost.compute import estimate_step, guess_tokens, preset_device
-
     prog = plan.program
     mem = memory or memory_per_device(plan, recompute)
     assumed = None
@@ -816,8 +814,6 @@ def save_html(path: str, plan: Plan, title: str = "", memory: Memory | None = No
     """Render the page and write it to ``path`` atomically (a temporary file beside it, renamed
     over it); the bytes written. A path that cannot be written is a ProgramError naming
     ``--html``; nothing is left behind."""
-    from spmdkit.io.atomic import write_atomic
-
     check_html_path(path)
     text = render_html(plan, title, memory, estimate, **kw).encode("utf-8")
     try:
