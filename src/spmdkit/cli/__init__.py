@@ -163,8 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pn = sub.add_parser("run", help="run a planned training step on torch.distributed, one process per rank "
                                     "(needs spmdkit[torch])")
-    add_run_arguments(pn)
-    pn.set_defaults(fn=None)  # main calls _cmd_run with the arguments after "run"
+    add_run_arguments(pn)  # main calls _cmd_run itself, with the arguments after "run"
 
     pd = sub.add_parser("demo", help="a short tour of the main job")
     pd.set_defaults(fn=_cmd_demo)
