@@ -84,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     warnings.simplefilter("ignore")
     import torch.multiprocessing as mp
 
-    from spmdkit.cli.plan import plan_hf
     from spmdkit.outputs.export import export_plan
+    from spmdkit.planner.planning import plan_hf
 
     with tempfile.TemporaryDirectory() as folder:
         _prog, _model, _kw, plan = plan_hf("LlamaForCausalLM", _config(a.layers, a.tied), f"tp={a.tp}", "megatron")

@@ -201,8 +201,8 @@ def test_memory_cap_megatron_cannot_meet() -> None:
 
 
 def test_explain_prices_the_runner_up() -> None:
-    from spmdkit.cli.plan import explain_table
     from spmdkit.models.zoo import build_model, preset
+    from spmdkit.outputs.report import explain_table
 
     model = build_model(preset("tiny-llama").with_(layers=1), check_rules=False)
     mesh = plan_model("tiny-llama", MESH, "dp", {"layers": 1})[1].mesh

@@ -1,4 +1,9 @@
-"""The ``spmdkit`` command: infer, rules, verify, plan, demo."""
+"""The ``spmdkit`` command: infer, rules, verify, plan, run, demo.
+
+argv is parsed once (:func:`build_parser`); ``plan`` and ``run`` then take their typed request
+(:mod:`spmdkit.cli.request`). Their modules, which import the planner and the outputs, are
+imported when the command runs, so that ``infer`` starts without them.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,12 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn, TextIO
 
-from spmdkit.core.errors import SpmdError
+from spmdkit.cli.request import add_plan_arguments, add_run_arguments, plan_request, run_request
+from spmdkit.cli.verify import add_verify_command
+from spmdkit.core.errors import CaseFormatError, SpmdError
+from spmdkit.engine.registry import all_rules, set_cache_enabled
+from spmdkit.io.codec import answer_text, dumps, echo_id, encode_error, encode_result, parse_case
+from spmdkit.outputs.tables import print_result_table, print_rules_table
 
 #: The longest input line ``infer --batch`` reads (16 MiB); a longer one is answered with a
 #: CaseFormatError line and skipped without being held in memory.
@@ -34,14 +44,9 @@ def _batch_lines(src: Any) -> Any:
 
 
 def _cmd_infer(ns: argparse.Namespace, out: TextIO) -> int:
-    from spmdkit.engine.registry import set_cache_enabled
-    from spmdkit.io.codec import answer_text, dumps, echo_id, encode_error, encode_result, parse_case
-
     if ns.no_cache:
         set_cache_enabled(False)
     if ns.batch:
-        from spmdkit.core.errors import CaseFormatError
-
         too_long = dumps(encode_error(CaseFormatError(f"line is longer than {MAX_LINE_BYTES} bytes")))
         if ns.input:
             src: Any = open(ns.input, "rb")
@@ -83,15 +88,11 @@ def _cmd_infer(ns: argparse.Namespace, out: TextIO) -> int:
     if ns.json:
         out.write(dumps(encode_result(result, case_id)) + "\n")
         return 0
-    from spmdkit.outputs.tables import print_result_table
-
     print_result_table(case, result, out)
     return 0
 
 
 def _cmd_rules(ns: argparse.Namespace, out: TextIO) -> int:
-    from spmdkit.engine.registry import all_rules
-
     rules = all_rules()
     rows: list[dict[str, Any]] = []
     for name in sorted(rules):
@@ -108,28 +109,26 @@ def _cmd_rules(ns: argparse.Namespace, out: TextIO) -> int:
     if ns.json:
         out.write(json.dumps(rows) + "\n")
         return 0
-    from spmdkit.outputs.tables import print_rules_table
-
     print_rules_table(rows, out)
     return 0
 
 
 def _cmd_demo(ns: argparse.Namespace, out: TextIO) -> int:
-    from spmdkit.cli.demo import run_demo
+    from spmdkit.cli.demo import run_demo  # (imports numpy)
 
     return run_demo(out)
 
 
 def _cmd_plan(ns: argparse.Namespace, out: TextIO) -> int:
-    from spmdkit.cli.plan import run_plan
+    from spmdkit.cli.plan import run_plan  # (the planner and the outputs: not for infer)
 
-    return run_plan(ns, out)
+    return run_plan(plan_request(ns), out)
 
 
-def _cmd_run(ns: argparse.Namespace, out: TextIO) -> int:
-    from spmdkit.cli.run import run_command
+def _cmd_run(ns: argparse.Namespace, out: TextIO, argv: list[str]) -> int:
+    from spmdkit.cli.run import run_command  # (the planner and the executor: not for infer)
 
-    return run_command(ns, out, ns.argv)
+    return run_command(run_request(ns, argv), out)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -156,22 +155,15 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--json", action="store_true")
     pr.set_defaults(fn=_cmd_rules)
 
-    from spmdkit.cli.verify import add_verify_command
-
     add_verify_command(sub)
-
-    from spmdkit.cli.plan import add_plan_arguments
 
     pp = sub.add_parser("plan", help="plan a model's training step on a mesh: shardings, reshards, memory")
     add_plan_arguments(pp)
     pp.set_defaults(fn=_cmd_plan)
 
-    from spmdkit.cli.run import add_run_arguments
-
     pn = sub.add_parser("run", help="run a planned training step on torch.distributed, one process per rank "
                                     "(needs spmdkit[torch])")
-    add_run_arguments(pn)
-    pn.set_defaults(fn=_cmd_run)
+    add_run_arguments(pn)  # main calls _cmd_run itself, with the arguments after "run"
 
     pd = sub.add_parser("demo", help="a short tour of the main job")
     pd.set_defaults(fn=_cmd_demo)
@@ -182,8 +174,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = list(sys.argv[1:] if argv is None else argv)
     ns = parser.parse_args(args)
-    ns.argv = args[args.index("run") + 1:] if ns.command == "run" else []
     try:
+        if ns.command == "run":
+            return _cmd_run(ns, sys.stdout, args[args.index("run") + 1:])
         return int(ns.fn(ns, sys.stdout))
     except BrokenPipeError:
         return 0

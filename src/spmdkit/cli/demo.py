@@ -15,6 +15,8 @@ import json
 import time
 from typing import Any, TextIO
 
+from spmdkit.io.codec import answer_line
+
 _NAMES = ["dp", "tp"]
 _MESH: dict[str, Any] = {"shape": [2, 4], "dim_names": _NAMES}
 B, S, H, F = 16, 2048, 4096, 16384   # batch, sequence, hidden, FFN size
@@ -44,8 +46,7 @@ def _t(shape: list[int], dm: list[Any], partial: dict[str, str] | None = None) -
 
 
 def run_demo(out: TextIO) -> int:
-    from spmdkit.io.codec import answer_line
-    from spmdkit.sim import verify
+    from spmdkit.sim import verify  # (imports numpy)
 
     names = _NAMES
     out.write("spmdkit demo: a tensor-parallel transformer MLP block, x + W2 @ gelu(W1 @ layer_norm(x))\n")

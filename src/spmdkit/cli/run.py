@@ -2,64 +2,41 @@
 
 from __future__ import annotations
 
-import argparse
+import importlib.util
 import json
 import math
 import os
+import pickle
+import shutil
 import signal
 import sys
+import tempfile
+import threading
+import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, NoReturn, TextIO
 
+from spmdkit.cli.checks import parse_annotations, parse_tp_plan
+from spmdkit.cli.common import plan_source, strategy_notes
+from spmdkit.cli.request import HF_BATCH, HF_SEQ, RunRequest
 from spmdkit.core.errors import ProgramError
 from spmdkit.cost.devices import load_device
-
-
-def add_run_arguments(p: argparse.ArgumentParser) -> None:
-    from spmdkit.models.zoo import PRESETS
-
-    p.add_argument("--model", default="tiny-llama", help=f"a preset ({', '.join(sorted(PRESETS))}); default tiny-llama")
-    p.add_argument("--program", help="run a program JSON file (docs/graph.md) instead of a preset; its annotations "
-                                      "come from --annotate")
-    p.add_argument("--hf", metavar="CLASS", help="run a HuggingFace transformers model (e.g. LlamaForCausalLM) built "
-                                                 "from --hf-config, on its own weights (needs spmdkit[hf])")
-    p.add_argument("--hf-config", metavar="FILE|JSON", help="the --hf model's config: a config.json path or a JSON "
-                                                            "object")
-    p.add_argument("--dtype", help="the --hf model's dtype (float32, float64, bfloat16, float16; default float32)")
-    p.add_argument("--pad", type=int, help="--hf: padded positions (attention mask 0) at the end of the batch's last "
-                                           "row (default 0)")
-    p.add_argument("--mesh", default="dp=2,tp=2", help="named mesh dims, e.g. dp=2,tp=2 (default)")
-    p.add_argument("--strategy", help="comma list of dp, megatron (tp), sp, zero1, zero2 (zero), zero3 (fsdp); default megatron (--program: "
-                                      "none, its --annotate pins alone)")
-    p.add_argument("--tp-plan", metavar="FILE|JSON",
-                   help='megatron for --hf / --program: module-name patterns -> column, row, vocab or replicate, '
-                        'e.g. \'{"*.k_proj": "replicate"}\' (docs/torch.md)')
-    p.add_argument("--layers", type=int, help="override the preset's layer count")
-    p.add_argument("--batch", type=int, help=f"override the preset's batch size (--hf: default {HF_BATCH})")
-    p.add_argument("--seq", type=int, help=f"override the preset's sequence length (--hf: default {HF_SEQ})")
-    p.add_argument("--annotate", action="append", default=[], metavar="TENSOR=DIMS_MAPPING",
-                   help='pin a tensor, e.g. --annotate "tokens=[0,-1]" (repeatable)')
-    p.add_argument("--nproc", type=int,
-                   help="start this many local processes (default: the mesh size); ignored under torchrun")
-    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
-                   help="torch.distributed backend (auto: nccl where GPUs exist, else gloo)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the step's data and parameters")
-    p.add_argument("--kernels", choices=("numpy", "torch"), default="torch",
-                   help="what each rank computes with: torch's ops in the program's dtypes (default: a real "
-                        "training step, checked against a single-process torch step within each dtype's "
-                        "tolerance; docs/torch.md) or spmdkit's numpy references in float64 (exact checks)")
-    p.add_argument("--warmup", type=int, metavar="N", default=0,
-                   help="untimed steps before the timed, checked one (default 0: the times then include torch's "
-                        "first-call initialisation of its kernels, and the report says so; 1 for times to set "
-                        "beside the prediction)")
-    p.add_argument("--device", metavar="NAME|FILE",
-                   help="the plan's prediction of the step's time on this GPU (a preset: a100-40gb, a100-80gb, "
-                        "h100, h200, or a JSON file), printed beside the measured time; default: this GPU's "
-                        "preset, else h100")
-    p.add_argument("--json", action="store_true", help="print rank 0's report as JSON")
-    p.add_argument("--timeout", type=_positive_seconds, default=DEFAULT_TIMEOUT, metavar="SECONDS",
-                   help="the longest any rendezvous, process group or collective may wait; a rank that "
-                        "waits longer fails and the run ends (default %(default)g)")
+from spmdkit.execute.launch import (
+    EXIT_PORT_IN_USE,
+    EXIT_RANK_FAILED,
+    PHASE_MARK,
+    PROGRESS_ENV,
+    launch_local,
+    port_in_use,
+    uneven_shards,
+)
+from spmdkit.models.hf import dtype_name, example_inputs
+from spmdkit.models.source import HFModel, Preset, ProgramFile
+from spmdkit.outputs.progress import Progress
+from spmdkit.planner.planning import MAX_SIZE, parse_size
+from spmdkit.program.plan import Plan
+from spmdkit.strategies.strategy import parse_mesh
 
 
 def _strip_nproc(argv: list[str]) -> list[str]:
@@ -82,12 +59,6 @@ class RunUsageError(ProgramError):
     """Bad arguments or environment for ``spmdkit run`` (exit 2, one line, before any rank starts)."""
 
 
-DEFAULT_TIMEOUT = 120.0
-#: ``--hf`` example inputs when --batch / --seq are not given
-HF_BATCH = 4
-HF_SEQ = 16
-
-
 def die_with_launcher() -> None:
     """In a rank ``launch_local`` started: end this process when the launcher dies (Linux:
     PR_SET_PDEATHSIG; elsewhere a thread that watches the parent pid)."""
@@ -105,9 +76,6 @@ def die_with_launcher() -> None:
         os._exit(3)  # EXIT_RANK_FAILED
     if ok:
         return
-    import threading
-    import time
-
     def watch() -> None:
         while os.getppid() == int(want):
             time.sleep(0.5)
@@ -116,22 +84,12 @@ def die_with_launcher() -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def _positive_seconds(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not math.isfinite(v) or v <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
-    return v
-
-
-def run_command(ns: argparse.Namespace, out: TextIO, argv: list[str]) -> int:
+def run_command(req: RunRequest, out: TextIO) -> int:
     """``spmdkit run``: exit 0 (every tensor and collective as planned), 1 (the check failed, or a
     rank failed: one line names it), 2 (bad arguments or environment, before any rank starts)."""
     die_with_launcher()  # first: importing torch takes seconds
     try:
-        return _run_command(ns, out, argv)
+        return _run_command(req, out)
     except RunUsageError as exc:
         print(f"spmdkit run: {exc}", file=sys.stderr)
         return 2
@@ -155,7 +113,7 @@ class _Step:
     call (the step then runs on the module's weights and is compared with torch eager), or,
     as the launcher hands it to its ranks, the values and torch eager's reference themselves."""
 
-    plan: Any
+    plan: Plan
     title: str
     model: Any = None
     kwargs: dict[str, Any] | None = None
@@ -174,9 +132,6 @@ def _save_step(step: _Step) -> str | None:
     """Compute a ``--hf`` step's values and torch eager's reference once, in the launcher, and
     write them with the plan to a private temporary directory (returned) for the ranks; None
     where that cannot be done (the ranks then make the step themselves, as under torchrun)."""
-    import shutil
-    import tempfile
-
     d = tempfile.mkdtemp(prefix="spmdkit-run-")
     try:
         path = _write_step(step, os.path.join(d, "step.pickle"))
@@ -188,12 +143,11 @@ def _save_step(step: _Step) -> str | None:
 
 
 def _write_step(step: _Step, path: str) -> str:
-    import pickle
-
-    from spmdkit.execute.eager import eager_reference
-    from spmdkit.models.torch_import import torch_values
+    from spmdkit.execute.eager import eager_reference  # (imports torch)
+    from spmdkit.models.torch_import import ImportedProgram, torch_values  # (imports torch)
 
     prog = step.plan.program
+    assert isinstance(prog, ImportedProgram)  # a --hf step's
     values = torch_values(prog, step.model, kwargs=step.kwargs)
     try:
         ref: tuple[Any, ...] | str = eager_reference(prog, step.model, (), step.kwargs, native=True)
@@ -209,8 +163,6 @@ def _load_step() -> _Step | None:
     path = os.environ.get(STEP_ENV, "")
     if not path or os.environ.get("SPMDKIT_LAUNCHER_PID", "") != str(os.getppid()) or not os.path.isfile(path):
         return None
-    import pickle
-
     try:
         with open(path, "rb") as f:
             step = pickle.load(f)
@@ -219,74 +171,68 @@ def _load_step() -> _Step | None:
     return step if isinstance(step, _Step) else None
 
 
-def _plan(ns: argparse.Namespace, mesh: Any, user: dict[str, Any]) -> _Step:
-    if ns.hf:
-        return _plan_hf_step(ns, user)
-    for flag, v in (("--hf-config", ns.hf_config), ("--dtype", ns.dtype), ("--pad", ns.pad)):
+def _plan(req: RunRequest, user: dict[str, Any]) -> _Step:
+    m = req.model
+    if m.hf:
+        return _plan_hf_step(req, user)
+    for flag, v in (("--hf-config", m.hf_config), ("--dtype", m.dtype), ("--pad", req.pad)):
         if v is not None:
             raise RunUsageError(f"{flag} applies to --hf CLASS only")
-    if ns.program:
-        from spmdkit.cli.plan import parse_tp_plan
-        from spmdkit.planner.planning import plan_program
-        from spmdkit.program.ir import load_program
-
-        _prog, plan = plan_program(load_program(ns.program), ns.mesh, ns.strategy, user, parse_tp_plan(ns.tp_plan))
-        return _Step(plan, f"program {ns.program}, mesh {ns.mesh}" + (f", strategy {ns.strategy}" if ns.strategy
+    if m.program:
+        patterns = parse_tp_plan(m.tp_plan)
+        _loaded, plan, _ = plan_source(ProgramFile(m.program), req.mesh, req.strategy, user, patterns)
+        return _Step(plan, f"program {m.program}, mesh {req.mesh}" + (f", strategy {req.strategy}" if req.strategy
                                                                        else ""))
-    from spmdkit.planner.planning import plan_model
-
-    if ns.tp_plan is not None:
+    if m.tp_plan is not None:
         raise RunUsageError("--tp-plan applies to --hf or --program models (a preset has its own roles)")
-    strategy = ns.strategy or "megatron"
-    overrides = {"layers": ns.layers, "batch": ns.batch, "seq": ns.seq}
-    model, plan, _ = plan_model(ns.model, ns.mesh, strategy, overrides, user)
-    return _Step(plan, f"{ns.model} ({model.config.layers} layers), mesh {ns.mesh}, strategy {strategy}")
+    strategy = req.strategy or "megatron"
+    loaded, plan, _ = plan_source(Preset(m.model, req.layers, req.batch, req.seq), req.mesh, strategy, user)
+    assert loaded.model is not None
+    return _Step(plan, f"{m.model} ({loaded.model.config.layers} layers), mesh {req.mesh}, strategy {strategy}")
 
 
-def _plan_hf_step(ns: argparse.Namespace, user: dict[str, Any]) -> _Step:
-    if ns.program:
+def _plan_hf_step(req: RunRequest, user: dict[str, Any]) -> _Step:
+    m = req.model
+    assert m.hf is not None
+    if m.program:
         raise RunUsageError("--hf and --program: give one of them")
-    if ns.hf_config is None:
+    if m.hf_config is None:
         raise RunUsageError("--hf needs --hf-config FILE|JSON (the model's config)")
-    if ns.layers is not None:
+    if req.layers is not None:
         raise RunUsageError("--layers applies to a preset; set the layer count in --hf-config")
-    for flag, v in (("--batch", ns.batch), ("--seq", ns.seq)):
+    for flag, v in (("--batch", req.batch), ("--seq", req.seq)):
         if v is not None and v < 1:
             raise RunUsageError(f"{flag} {v}: must be at least 1")
-    batch = HF_BATCH if ns.batch is None else ns.batch
-    seq = HF_SEQ if ns.seq is None else ns.seq
-    pad = ns.pad or 0
+    batch = HF_BATCH if req.batch is None else req.batch
+    seq = HF_SEQ if req.seq is None else req.seq
+    pad = req.pad or 0
     if not 0 <= pad < seq:
         raise RunUsageError(f"--pad {pad}: must be in [0, --seq {seq})")
-    from spmdkit.models.hf import dtype_name
-
-    dtype = dtype_name(ns.dtype or "float32")
-    strategy = ns.strategy or "megatron"
-    from spmdkit.cli.plan import parse_tp_plan
-    from spmdkit.planner.planning import plan_hf
-
-    _prog, model, kw, plan = plan_hf(ns.hf, ns.hf_config, ns.mesh, strategy, dtype, batch, seq, user,
-                                      parse_tp_plan(ns.tp_plan))
+    dtype = dtype_name(m.dtype or "float32")
+    strategy = req.strategy or "megatron"
+    patterns = parse_tp_plan(m.tp_plan)
+    b, sq = parse_size("--batch", batch, MAX_SIZE), parse_size("--seq", seq, MAX_SIZE)
+    assert b is not None and sq is not None
+    loaded, plan, _ = plan_source(HFModel(m.hf, m.hf_config, dtype, b, sq), req.mesh, strategy, user, patterns)
+    kw = loaded.inputs
     if pad:  # the same shapes, a padded last row: the program does not depend on the inputs' values
-        from spmdkit.models.hf import example_inputs
-
-        kw = example_inputs(model, batch, seq, labels=True, pad=pad)
-    return _Step(plan, f"{ns.hf} ({dtype}, batch {batch}, seq {seq}" + (f", {pad} padded" if pad else "")
-                 + f"), mesh {ns.mesh}, strategy {strategy}", model, kw)
+        kw = example_inputs(loaded.module, batch, seq, labels=True, pad=pad)
+    return _Step(plan, f"{m.hf} ({dtype}, batch {batch}, seq {seq}" + (f", {pad} padded" if pad else "")
+                 + f"), mesh {req.mesh}, strategy {strategy}", loaded.module, kw)
 
 
-def _check_kernels_and_device(ns: argparse.Namespace, plan: Any) -> None:
+def _check_kernels_and_device(req: RunRequest, plan: Plan) -> None:
     """--kernels torch: every op has a torch kernel; --device: a known device (both before any rank starts)."""
-    if ns.kernels == "torch":
-        from spmdkit.execute.kernels import check_kernels
+    if req.kernels == "torch":
+        from spmdkit.execute.kernels import check_kernels  # (imports torch)
 
         try:
             check_kernels(plan.program)
         except ProgramError as exc:
             raise RunUsageError(str(exc)) from None
-    if ns.device is not None:
+    if req.device is not None:
         try:
-            load_device(ns.device)
+            load_device(req.device)
         except ProgramError as exc:
             raise RunUsageError(str(exc)) from None
 
@@ -299,18 +245,16 @@ def _env_int(name: str, lo: int, hi: int) -> int:
     return int(v)
 
 
-def _run_command(ns: argparse.Namespace, out: TextIO, argv: list[str]) -> int:
-    import importlib.util
-
+def _run_command(req: RunRequest, out: TextIO) -> int:
     if importlib.util.find_spec("torch") is None:
         raise RunUsageError("needs torch (pip install 'spmdkit[torch]')")
-    if ns.warmup < 0:
-        raise RunUsageError(f"--warmup {ns.warmup}: must be at least 0")
-    if ns.nproc is not None and ns.nproc < 1:
-        raise RunUsageError(f"--nproc {ns.nproc}: must be at least 1")
+    if req.warmup < 0:
+        raise RunUsageError(f"--warmup {req.warmup}: must be at least 0")
+    if req.nproc is not None and req.nproc < 1:
+        raise RunUsageError(f"--nproc {req.nproc}: must be at least 1")
     rank_mode = "RANK" in os.environ
-    if rank_mode or ns.backend == "nccl":  # the launcher itself does not import torch (seconds)
-        _check_backend(ns.backend)
+    if rank_mode or req.backend == "nccl":  # the launcher itself does not import torch (seconds)
+        _check_backend(req.backend)
     if rank_mode:  # one rank under torchrun (or our launcher): the rendezvous must be complete
         missing = [v for v in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v, "").strip()]
         if missing:
@@ -320,33 +264,27 @@ def _run_command(ns: argparse.Namespace, out: TextIO, argv: list[str]) -> int:
         _env_int("RANK", 0, _env_int("WORLD_SIZE", 1, 1 << 20) - 1)
         _env_int("MASTER_PORT", 1, 65535)
     step = _load_step() if rank_mode else None  # what our launcher made for its ranks
-    from spmdkit.outputs.progress import Progress
-
     bar = Progress("spmdkit run", stream=sys.stderr) if not rank_mode else None
     try:
-        return _run_command_with(ns, out, argv, rank_mode, step, bar)
+        return _run_command_with(req, out, rank_mode, step, bar)
     finally:
         if bar is not None:
             bar.close()
 
 
-def _run_command_with(ns: argparse.Namespace, out: TextIO, argv: list[str], rank_mode: bool, step: Any,
-                      bar: Any) -> int:
-    from spmdkit.cli.plan import parse_annotations, strategy_notes
-    from spmdkit.execute.launch import uneven_shards
-    from spmdkit.strategies.strategy import parse_mesh
-
+def _run_command_with(req: RunRequest, out: TextIO, rank_mode: bool, step: _Step | None,
+                      bar: Progress | None) -> int:
     if rank_mode:
         world = _env_int("WORLD_SIZE", 1, 1 << 20)
         rank = _env_int("RANK", 0, world - 1)
     try:
-        mesh = parse_mesh(ns.mesh)
+        mesh = parse_mesh(req.mesh)
         if "pp" in mesh.dim_names:
-            raise RunUsageError(f"--mesh {ns.mesh}: a pp dim (pipeline parallelism) is planned by 'spmdkit plan' "
+            raise RunUsageError(f"--mesh {req.mesh}: a pp dim (pipeline parallelism) is planned by 'spmdkit plan' "
                                 "(stages, schedule, bubble); 'spmdkit run' executes one step without stages, so it "
                                 "would run pp as a plain replicated dim: drop pp from --mesh")
-        n = mesh.size if ns.nproc is None else ns.nproc
-        phases = ["planning", f"starting {n} ranks", *(["warm-up"] if ns.warmup else []), "step", "checking"]
+        n = mesh.size if req.nproc is None else req.nproc
+        phases = ["planning", f"starting {n} ranks", *(["warm-up"] if req.warmup else []), "step", "checking"]
         if bar is not None:
             bar.total = len(phases)
         if step is None:
@@ -354,7 +292,7 @@ def _run_command_with(ns: argparse.Namespace, out: TextIO, argv: list[str], rank
                 if bar is not None:
                     bar.update(0, note="planning")
                 try:
-                    step = _plan(ns, mesh, parse_annotations(ns.annotate))
+                    step = _plan(req, parse_annotations(req.annotate))
                 finally:
                     if bar is not None:
                         bar.clear()  # the notes, or an error, come next
@@ -365,73 +303,64 @@ def _run_command_with(ns: argparse.Namespace, out: TextIO, argv: list[str], rank
     plan = step.plan
     why = uneven_shards(plan)
     if why:
-        raise RunUsageError(f"mesh {ns.mesh}: {why}")
-    _check_kernels_and_device(ns, plan)
+        raise RunUsageError(f"mesh {req.mesh}: {why}")
+    _check_kernels_and_device(req, plan)
     if not rank_mode:
-        nproc = mesh.size if ns.nproc is None else ns.nproc
+        nproc = mesh.size if req.nproc is None else req.nproc
         if nproc != mesh.size:
-            raise RunUsageError(f"--nproc {nproc} but the mesh {ns.mesh} has {mesh.size} ranks")
+            raise RunUsageError(f"--nproc {nproc} but the mesh {req.mesh} has {mesh.size} ranks")
         port = None
         if os.environ.get("MASTER_PORT", "").strip():
-            from spmdkit.execute.launch import port_in_use
-
             port = _env_int("MASTER_PORT", 1, 65535)
             if port_in_use(port):
                 raise RunUsageError(f"MASTER_PORT {port} is in use on 127.0.0.1; free it, or unset MASTER_PORT "
                                     "to let spmdkit run pick a free port")
-        from spmdkit.execute.launch import launch_local
-
         saved = _save_step(step) if step.model is not None else None
         out.flush()
         try:
-            return launch_local(_strip_nproc(argv), nproc, ns.timeout, port, progress=bar, phases=phases)
+            return launch_local(_strip_nproc(list(req.argv)), nproc, req.timeout, port, progress=bar, phases=phases)
         finally:
             if saved is not None:
-                import shutil
-
                 os.environ.pop(STEP_ENV, None)
                 shutil.rmtree(saved, ignore_errors=True)
     if world != mesh.size:
-        raise RunUsageError(f"WORLD_SIZE {world} but the mesh {ns.mesh} has {mesh.size} ranks")
-    return _run_rank(ns, out, step, rank)
+        raise RunUsageError(f"WORLD_SIZE {world} but the mesh {req.mesh} has {mesh.size} ranks")
+    return _run_rank(req, out, step, rank)
 
 
 def _tell_launcher(name: str) -> None:
     """Rank 0: the phase of the run, for the launcher's progress line (spmdkit.execute.launch.PHASE_MARK)."""
-    from spmdkit.execute.launch import PHASE_MARK
-
     sys.stderr.write(f"{PHASE_MARK}{name}\n")
     sys.stderr.flush()
 
 
-def _run_rank(ns: argparse.Namespace, out: TextIO, step: _Step, rank: int) -> int:
+def _run_rank(req: RunRequest, out: TextIO, step: _Step, rank: int) -> int:
     """One rank: any failure is one line on stderr and exit EXIT_RANK_FAILED (EXIT_PORT_IN_USE when
     rank 0 cannot listen on MASTER_PORT), without waiting on peers that may be gone."""
-    import threading
-
     import torch.distributed as dist
 
-    from spmdkit.execute.collectives import init_from_env
-    from spmdkit.execute.launch import EXIT_PORT_IN_USE, EXIT_RANK_FAILED, PROGRESS_ENV
+    from spmdkit.execute.collectives import init_from_env  # (imports torch)
+    from spmdkit.execute.eager import eager_reference
     from spmdkit.execute.rank import run_rank
     from spmdkit.execute.report import format_report
+    from spmdkit.models.torch_import import ImportedProgram, torch_values  # (imports torch)
 
     where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
     # torch bounds the rendezvous by the timeout, except a TCPStore client talking to something
     # else listening on the port, which waits forever: a watchdog ends that
-    watchdog = threading.Timer(ns.timeout + min(5.0, ns.timeout), _die, (
-        f"spmdkit run: rank {rank}: rendezvous at {where} did not complete within --timeout {ns.timeout:g} s "
+    watchdog = threading.Timer(req.timeout + min(5.0, req.timeout), _die, (
+        f"spmdkit run: rank {rank}: rendezvous at {where} did not complete within --timeout {req.timeout:g} s "
         "(is something else listening on MASTER_PORT?)", EXIT_RANK_FAILED))
     watchdog.daemon = True
     watchdog.start()
     try:
-        init_from_env(ns.backend, ns.timeout)
+        init_from_env(req.backend, req.timeout)
         watchdog.cancel()
     except Exception as exc:  # every rendezvous failure becomes one line
         text = f"{type(exc).__name__}: {_first_line(exc)}"
         if rank == 0 and ("address already in use" in str(exc).lower() or "EADDRINUSE" in str(exc)):
             _die(f"spmdkit run: rank 0 cannot listen on {where}: the port is in use", EXIT_PORT_IN_USE)
-        _die(f"spmdkit run: rank {rank}: rendezvous at {where} failed within --timeout {ns.timeout:g} s: {text}",
+        _die(f"spmdkit run: rank {rank}: rendezvous at {where} failed within --timeout {req.timeout:g} s: {text}",
              EXIT_RANK_FAILED)
     plan, title = step.plan, step.title
     try:
@@ -445,17 +374,13 @@ def _run_rank(ns: argparse.Namespace, out: TextIO, step: _Step, rank: int) -> in
                     raise ProgramError(ref)
                 return ref
         elif step.model is not None:  # the module's weights, buffers and constants, the call's inputs
-            from functools import partial
-
-            from spmdkit.execute.eager import eager_reference
-            from spmdkit.models.torch_import import torch_values
-
+            assert isinstance(plan.program, ImportedProgram)  # a --hf step's
             values = torch_values(plan.program, step.model, kwargs=step.kwargs)
             eager = partial(eager_reference, plan.program, step.model, (), step.kwargs, native=True)
         # the launcher's progress line on a terminal
         phase = _tell_launcher if rank == 0 and os.environ.get(PROGRESS_ENV) else None
-        rep = run_rank(plan, ns.seed, timeout=ns.timeout, values=values, eager=eager, kernels=ns.kernels,
-                       predict_on=ns.device, warmup=ns.warmup, phase=phase)
+        rep = run_rank(plan, req.seed, timeout=req.timeout, values=values, eager=eager, kernels=req.kernels,
+                       predict_on=req.device, warmup=req.warmup, phase=phase)
         dist.barrier()
         dist.destroy_process_group()
     except Exception as exc:  # a collective timed out, a peer died, a kernel failed
@@ -466,7 +391,7 @@ def _run_rank(ns: argparse.Namespace, out: TextIO, step: _Step, rank: int) -> in
         _die(f"spmdkit run: rank {rank}: {type(exc).__name__}: {_first_line(exc)}", EXIT_RANK_FAILED)
     if rep is None:
         return 0
-    if ns.json:
+    if req.json:
         d: dict[str, Any] = {
             "title": title, "world_size": rep.world_size, "backend": rep.backend, "ok": rep.ok,
             "loss": _finite(rep.loss), "reference_loss": _finite(rep.reference_loss), "loss_tensor": rep.loss_tensor,

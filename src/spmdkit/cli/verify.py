@@ -6,9 +6,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from typing import Any, TextIO
+
+from spmdkit.core.errors import SpmdError
+from spmdkit.engine.registry import get_rule
+from spmdkit.outputs.progress import Progress
 
 
 def add_verify_command(subparsers: Any) -> argparse.ArgumentParser:
@@ -33,19 +38,14 @@ def add_verify_command(subparsers: Any) -> argparse.ArgumentParser:
 def run_verify(ns: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out if out is not None else sys.stdout
     try:
-        from spmdkit.sim.verify import verifiable_rules, verify_rule
+        from spmdkit.sim.verify import verifiable_rules, verify_rule  # (imports numpy)
     except ImportError as exc:  # numpy missing
         print(f"spmdkit verify needs numpy (pip install spmdkit[sim]): {exc}", file=sys.stderr)
         return 2
-    from spmdkit.core.errors import SpmdError
-    from spmdkit.engine.registry import get_rule
-
     names = list(ns.rules) or verifiable_rules()
     modes = ("forward", "backward") if ns.mode == "both" else (ns.mode,)
     t0 = time.perf_counter()
     reports = []
-    from spmdkit.outputs.progress import Progress
-
     with Progress("spmdkit verify", total=len(names)) as bar:  # stderr, a terminal only
         for name in names:
             bar.update(note=name)
@@ -62,8 +62,6 @@ def run_verify(ns: argparse.Namespace, out: TextIO | None = None) -> int:
             bar.advance()
     elapsed = time.perf_counter() - t0
     if getattr(ns, "json", False):
-        import json
-
         for r in reports:
             row: dict[str, Any] = {"rule": r.rule, "mode": r.mode, "cases": r.cases, "sound": r.sound,
                                    "unsound": r.unsound, "rejected": r.rejected, "skipped": r.skipped,

@@ -31,6 +31,7 @@ from torch.distributed.tensor import Partial, Placement, distribute_tensor
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import InvalidAttributeError
 from spmdkit.core.placements import to_torch_placements
+from spmdkit.program.plan import Plan
 
 
 def placements(attr: TensorDistAttr) -> tuple[Placement, ...]:
@@ -38,18 +39,18 @@ def placements(attr: TensorDistAttr) -> tuple[Placement, ...]:
     return to_torch_placements(attr)
 
 
-def plan_placements(plan: Any) -> dict[str, tuple[Placement, ...]]:
+def plan_placements(plan: Plan) -> dict[str, tuple[Placement, ...]]:
     """Placements of every tensor in a plan (``spmdkit.program.plan.Plan``)."""
     return {name: placements(attr) for name, attr in plan.attrs.items()}
 
 
-def device_mesh(plan: Any, device_type: str = "cpu") -> DeviceMesh:
+def device_mesh(plan: Plan, device_type: str = "cpu") -> DeviceMesh:
     """The DeviceMesh of the plan's mesh (its dim names), over ranks 0..n-1 in row-major order."""
     mesh = plan.mesh
     return init_device_mesh(device_type, tuple(mesh.shape), mesh_dim_names=tuple(mesh.dim_names))
 
 
-def distribute_parameters(module: torch.nn.Module, plan: Any, names: Mapping[str, str],
+def distribute_parameters(module: torch.nn.Module, plan: Plan, names: Mapping[str, str],
                           mesh: DeviceMesh | None = None) -> dict[str, tuple[Placement, ...]]:
     """Replace ``module``'s parameters by DTensors placed as ``plan`` shards them.
 

@@ -48,7 +48,11 @@ from typing import Any
 from spmdkit.core.dist_attr import TensorDistAttr, entry_dims
 from spmdkit.core.errors import SpmdError
 from spmdkit.core.placements import Partial, Replicate, Shard, to_partition_spec, to_placements
+from spmdkit.io.atomic import write_atomic
 from spmdkit.io.jsonfile import read_json
+from spmdkit.program.ir import Op, Program
+from spmdkit.program.plan import Plan
+from spmdkit.strategies.hf import data_inputs, forward_readers, parameters, weight_axes
 
 FORMATS = ("dtensor", "jax", "paddle")
 #: The ``format`` field of each document.
@@ -64,9 +68,7 @@ class ExportError(SpmdError):
 # -- what the plan says --------------------------------------------------------------------------
 
 
-def _parameters(plan: Any, fmt: str) -> list[str]:
-    from spmdkit.strategies.hf import parameters
-
+def _parameters(plan: Plan, fmt: str) -> list[str]:
     names = parameters(plan.program)
     if not names:
         raise ExportError(f"--export {fmt}: the plan's program has no parameters (no tensor of kind "
@@ -74,7 +76,7 @@ def _parameters(plan: Any, fmt: str) -> list[str]:
     return names
 
 
-def _mesh_doc(plan: Any) -> dict[str, Any]:
+def _mesh_doc(plan: Plan) -> dict[str, Any]:
     m = plan.mesh
     return {"dim_names": list(m.dim_names), "shape": list(m.shape), "process_ids": list(m.process_ids)}
 
@@ -94,11 +96,11 @@ def _placements(attr: TensorDistAttr, fmt: str, name: str) -> list[str]:
         raise ExportError(f"--export {fmt}: {name}: {exc}") from None
 
 
-def _producers(prog: Any) -> dict[str, int]:
+def _producers(prog: Program) -> dict[str, int]:
     return {n: i for i, op in enumerate(prog.ops) for n in op.output_names()}
 
 
-def _forward_readers(prog: Any) -> dict[str, list[int]]:
+def _forward_readers(prog: Program) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
     for i, op in enumerate(prog.ops):
         if op.phase == "forward":
@@ -110,7 +112,7 @@ def _forward_readers(prog: Any) -> dict[str, list[int]]:
 # -- dtensor -------------------------------------------------------------------------------------
 
 
-def _tp_dim(plan: Any, weights: list[str]) -> int | None:
+def _tp_dim(plan: Plan, weights: list[str]) -> int | None:
     """The tensor-parallel mesh dim: the one named ``tp``, else the only mesh dim that shards a
     weight; None when no weight is sharded."""
     names = plan.mesh.dim_names
@@ -129,7 +131,7 @@ def _tp_placement(attr: TensorDistAttr, tp: int) -> Any:
     return to_placements(attr)[tp]
 
 
-def _feeds_loss(prog: Any, readers: dict[str, list[int]], name: str) -> bool:
+def _feeds_loss(prog: Program, readers: dict[str, list[int]], name: str) -> bool:
     """Whether ``name`` reaches a vocab-parallel loss through views / casts / a bias add."""
     frontier, seen = [name], set()
     for _ in range(8):
@@ -146,7 +148,7 @@ def _feeds_loss(prog: Any, readers: dict[str, list[int]], name: str) -> bool:
     return False
 
 
-def _reduced_to(plan: Any, name: str, tp: int) -> Any:
+def _reduced_to(plan: Plan, name: str, tp: int) -> Any:
     """The tp placement a partial tensor is first resharded to (its readers' layout), else None."""
     for r in plan.reshards:
         if r.tensor == name and _tp_placement(r.src, tp).is_partial():
@@ -170,39 +172,64 @@ def _style_doc(style: str, **kw: Any) -> dict[str, Any]:
     return {"style": style, **kw}
 
 
-def dtensor_document(plan: Any) -> dict[str, Any]:
-    """The ``dtensor`` export of ``plan`` (module docstring) as a JSON-able dict."""
-    from spmdkit.strategies.hf import forward_readers, weight_axes
+class _DTensorExport:
+    """The ``dtensor`` export of one plan, step by step: the tensor-parallel mesh dim, each
+    sharded weight's modules (:meth:`uses`) and their parallel styles (:meth:`style`), the
+    checks on layers beside column layers and the shared inputs' ``PrepareModuleOutput``."""
 
     fmt = "dtensor"
-    prog = plan.program
-    params = _parameters(plan, fmt)
-    placements = {p: _placements(plan.attrs[p], fmt, p) for p in params}
-    readers = forward_readers(prog)
-    fwd_readers = _forward_readers(prog)
-    producers = _producers(prog)
-    modules: dict[int, tuple[str, str]] = getattr(prog, "modules", None) or {}
-    aliases: dict[str, str] = getattr(prog, "aliases", None) or {}
-    weights = [p for p in params if len(prog.tensors[p].shape) == 2]
-    tp = _tp_dim(plan, weights)
-    styles: dict[str, dict[str, Any]] = {}
-    loss_parallel = False
-    notes: list[str] = []
-    column_inputs: dict[str, list[str]] = {}
-    tied_to: dict[str, str] = {}
 
-    def _uses(p: str) -> list[tuple[str, str, int, Any]]:
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.prog = prog = plan.program
+        self.params = _parameters(plan, self.fmt)
+        self.placements = {p: _placements(plan.attrs[p], self.fmt, p) for p in self.params}
+        self.readers = forward_readers(prog)
+        self.fwd_readers = _forward_readers(prog)
+        self.producers = _producers(prog)
+        self.modules: dict[int, tuple[str, str]] = getattr(prog, "modules", None) or {}
+        self.aliases: dict[str, str] = getattr(prog, "aliases", None) or {}
+        self.weights = [p for p in self.params if len(prog.tensors[p].shape) == 2]
+        self.tp = _tp_dim(plan, self.weights)
+        self.styles: dict[str, dict[str, Any]] = {}
+        self.loss_parallel = False
+        self.notes: list[str] = []
+        self.column_inputs: dict[str, list[str]] = {}
+        self.tied_to: dict[str, str] = {}
+
+    def document(self) -> dict[str, Any]:
+        plan, prog, tp = self.plan, self.prog, self.tp
+        if tp is not None:
+            for p in self.weights:
+                pl = _tp_placement(plan.attrs[p], tp)
+                if not pl.is_shard():
+                    continue
+                for mod, how, _out_ax, op in self.uses(p):
+                    self.loss_parallel = self.style(mod, how, op, pl) or self.loss_parallel
+            self.check_whole_beside_columns()
+            self.prepare_shared_inputs()
+        if self.styles and not self.modules:
+            self.notes.append("the program records no module paths (a program JSON): no PrepareModuleOutput derived, "
+                              "so each column layer all-reduces its own input gradient (more than the plan's one per "
+                              "block)")
+        return {"format": DOC_FORMATS[self.fmt], "version": VERSION, "mesh": _mesh_doc(plan),
+                "tp_dim": None if tp is None else plan.mesh.dim_names[tp],
+                "parallelize_plan": dict(sorted(self.styles.items())), "loss_parallel": self.loss_parallel,
+                "tied": self.tied_to, "placements": self.placements,
+                "shapes": {p: list(prog.tensors[p].shape) for p in self.params}, "notes": self.notes}
+
+    def _linear_in_out(self, p: str, how: str, out_ax: int) -> None:
+        if how == "linear" and out_ax != 0:
+            raise ExportError(f"--export dtensor: {p}: read as x @ W with W [in, out] (GPT-2's Conv1D, a "
+                              f"preset's weights): ColwiseParallel / RowwiseParallel take nn.Linear ([out, in]) "
+                              f"and nn.Embedding weights")
+
+    def uses(self, p: str) -> list[tuple[str, str, int, Op]]:
         """(module path, linear / embedding, output-feature axis, reading op) of each module
         that reads weight ``p``: one, or one per name of a tied parameter."""
-        assert tp is not None
-
-        def linear_in_out(how: str, out_ax: int) -> None:
-            if how == "linear" and out_ax != 0:
-                raise ExportError(f"--export dtensor: {p}: read as x @ W with W [in, out] (GPT-2's Conv1D, a "
-                                  f"preset's weights): ColwiseParallel / RowwiseParallel take nn.Linear ([out, in]) "
-                                  f"and nn.Embedding weights")
-
-        tied = sorted(a for a, t in aliases.items() if t == p)
+        assert self.tp is not None
+        prog = self.prog
+        tied = sorted(a for a, t in self.aliases.items() if t == p)
         layers = [op for op in prog.ops if op.phase == "forward" and (
             (op.rule == "matmul" and op.inputs.get("y") == p)
             or (op.rule in ("embedding", "c_embedding") and op.inputs.get("weight") == p))]
@@ -211,15 +238,19 @@ def dtensor_document(plan: Any) -> dict[str, Any]:
                               f"and the program names no other module for it (a tied parameter in a program JSON, "
                               f"which keeps no module paths): export from --hf")
         if not tied:
-            how, out_ax, _in_ax, op = weight_axes(prog, readers, p)
+            how, out_ax, _in_ax, op = weight_axes(prog, self.readers, p)
             if op is None:
-                raise ExportError(f"--export dtensor: {p}: sharded over tp ({placements[p][tp]}) but not read as a "
-                                  f"Linear weight or an Embedding table: torch has no parallel style for it")
-            linear_in_out(how, out_ax)
-            return [(_module_of_param(p, fmt), how, out_ax, op)]
-        paths = {_module_of_param(n, fmt) for n in [p, *tied]}
+                raise ExportError(f"--export dtensor: {p}: sharded over tp ({self.placements[p][self.tp]}) but not "
+                                  f"read as a Linear weight or an Embedding table: torch has no parallel style for it")
+            self._linear_in_out(p, how, out_ax)
+            return [(_module_of_param(p, self.fmt), how, out_ax, op)]
+        return self._tied_uses(p, tied)
+
+    def _tied_uses(self, p: str, tied: list[str]) -> list[tuple[str, str, int, Op]]:
+        """:meth:`uses` of a tied parameter: the module of each name reads it."""
+        paths = {_module_of_param(n, self.fmt) for n in [p, *tied]}
         out = []
-        for i, op in enumerate(prog.ops):
+        for i, op in enumerate(self.prog.ops):
             if op.phase != "forward":
                 continue
             if op.rule == "matmul" and op.inputs.get("y") == p:
@@ -228,126 +259,134 @@ def dtensor_document(plan: Any) -> dict[str, Any]:
                 how, out_ax = "embedding", 1
             else:
                 continue
-            linear_in_out(how, out_ax)
-            m = modules.get(i, ("", ""))[0]
+            self._linear_in_out(p, how, out_ax)
+            m = self.modules.get(i, ("", ""))[0]
             if m not in paths:
                 raise ExportError(f"--export dtensor: {p} (tied with {', '.join(tied)}): read in module {m or '?'}, "
                                   f"not one of {', '.join(sorted(paths))}")
             out.append((m, how, out_ax, op))
-            tied_to.update({a: p for a in tied})
+            self.tied_to.update({a: p for a in tied})
         if {m for m, *_ in out} != paths:
             raise ExportError(f"--export dtensor: {p} (tied with {', '.join(tied)}): not read by every module named "
                               f"{', '.join(sorted(paths))}")
         return out
 
-    def _style(mod: str, how: str, op: Any, pl: Any) -> bool:
+    def style(self, mod: str, how: str, op: Op, pl: Any) -> bool:
         """Add ``mod``'s style; True when its output feeds the vocab-parallel loss."""
-        assert tp is not None
-        feeds_loss = False
-        i = prog.ops.index(op)
-        given = plan.ops[i].given
-        required = plan.ops[i].required
+        assert self.tp is not None
+        tp, plan = self.tp, self.plan
+        i = self.prog.ops.index(op)
         x = op.inputs["x"]
-        out = op.output_names()[0]
+        assert isinstance(x, str)
+        x_in = _tp_placement(plan.ops[i].given["x"], tp)
+        x_req = _tp_placement(plan.ops[i].required["x"], tp)
         colwise = (pl.dim == 0) if how == "linear" else (pl.dim == 1)
-        x_in = _tp_placement(given["x"], tp)
-        x_req = _tp_placement(required["x"], tp)
+        feeds_loss = False
         if how == "linear" and colwise:
-            if not x_req.is_replicate():
-                raise ExportError(f"--export dtensor: {mod} (ColwiseParallel): the plan reads its input {x} as "
-                                  f"{_placement_text(x_req)} over tp, ColwiseParallel as Replicate()")
-            local = not _feeds_loss(prog, fwd_readers, out)
-            feeds_loss = not local
-            o = _tp_placement(plan.attrs[out], tp)
-            if not (o.is_shard() and o.dim == len(prog.tensors[out].shape) - 1):
-                raise ExportError(f"--export dtensor: {mod} (ColwiseParallel): the plan makes its output {out} "
-                                  f"{_placement_text(o)} over tp, ColwiseParallel Shard(-1)")
-            styles[mod] = _style_doc("ColwiseParallel", input_layouts=_placement_text(x_in),
-                                     output_layouts="Shard(-1)", use_local_output=local)
-            if x_in.is_shard():
-                raise _sequence_parallel(mod, x, x_in)
-            column_inputs.setdefault(x, []).append(mod)
+            feeds_loss = self._colwise(mod, op, x, x_in, x_req)
         else:
-            want = "Shard(-1)" if how == "linear" else "Replicate()"
-            if how == "embedding" and x_req.is_shard():
-                raise _sequence_parallel(mod, x, x_req)
-            if (how == "linear" and not (x_req.is_shard() and x_req.dim == len(prog.tensors[x].shape) - 1)) \
-                    or (how == "embedding" and not x_req.is_replicate()):
-                raise ExportError(f"--export dtensor: {mod} (RowwiseParallel): the plan reads its input {x} as "
-                                  f"{_placement_text(x_req)} over tp, RowwiseParallel as {want}")
-            if how == "embedding" and colwise:
-                styles[mod] = _style_doc("ColwiseParallel", input_layouts="Replicate()", output_layouts="Shard(-1)",
-                                         use_local_output=True)
-            else:
-                dst = _reduced_to(plan, out, tp)
-                if dst is None:
-                    raise ExportError(f"--export dtensor: {mod} (RowwiseParallel): the plan never reduces its "
-                                      f"partial output {out} over tp")
-                if dst.is_shard():
-                    raise _sequence_parallel(mod, out, dst)
-                styles[mod] = _style_doc("RowwiseParallel", input_layouts=want if how == "linear" else "Replicate()",
-                                         output_layouts=_placement_text(dst), use_local_output=True)
+            self._rowwise(mod, how, op, x, x_req, colwise)
         bias = mod + ".bias"
-        if bias in placements:
+        if bias in self.placements:
             bp = _tp_placement(plan.attrs[bias], tp)
-            style = styles[mod]["style"]
+            style = self.styles[mod]["style"]
             ok = bp == Shard(0) if style == "ColwiseParallel" else bp == Replicate()
             if not ok:
                 raise ExportError(f"--export dtensor: {bias}: the plan places it {_placement_text(bp)} over tp, "
                                   f"{style} {'Shard(0)' if style == 'ColwiseParallel' else 'Replicate()'}")
         return feeds_loss
 
-    if tp is not None:
-        for p in weights:
-            pl = _tp_placement(plan.attrs[p], tp)
-            if not pl.is_shard():
-                continue
-            for mod, how, _out_ax, op in _uses(p):
-                loss_parallel = _style(mod, how, op, pl) or loss_parallel
-        # a layer left whole beside column layers of the same input (kv projections with fewer heads
-        # than tp): on local shards its output would not match theirs (2 kv heads against 1 query head)
-        for x, mods in column_inputs.items():
-            for j in fwd_readers.get(x, []):
+    def _colwise(self, mod: str, op: Op, x: str, x_in: Any, x_req: Any) -> bool:
+        """A column-parallel linear layer's style; True when its output feeds the loss."""
+        assert self.tp is not None
+        prog = self.prog
+        out = op.output_names()[0]
+        if not x_req.is_replicate():
+            raise ExportError(f"--export dtensor: {mod} (ColwiseParallel): the plan reads its input {x} as "
+                              f"{_placement_text(x_req)} over tp, ColwiseParallel as Replicate()")
+        local = not _feeds_loss(prog, self.fwd_readers, out)
+        o = _tp_placement(self.plan.attrs[out], self.tp)
+        if not (o.is_shard() and o.dim == len(prog.tensors[out].shape) - 1):
+            raise ExportError(f"--export dtensor: {mod} (ColwiseParallel): the plan makes its output {out} "
+                              f"{_placement_text(o)} over tp, ColwiseParallel Shard(-1)")
+        self.styles[mod] = _style_doc("ColwiseParallel", input_layouts=_placement_text(x_in),
+                                      output_layouts="Shard(-1)", use_local_output=local)
+        if x_in.is_shard():
+            raise _sequence_parallel(mod, x, x_in)
+        self.column_inputs.setdefault(x, []).append(mod)
+        return not local
+
+    def _rowwise(self, mod: str, how: str, op: Op, x: str, x_req: Any, colwise: bool) -> None:
+        """A row-parallel linear layer's style, or an embedding table's."""
+        assert self.tp is not None
+        out = op.output_names()[0]
+        want = "Shard(-1)" if how == "linear" else "Replicate()"
+        if how == "embedding" and x_req.is_shard():
+            raise _sequence_parallel(mod, x, x_req)
+        if (how == "linear" and not (x_req.is_shard() and x_req.dim == len(self.prog.tensors[x].shape) - 1)) \
+                or (how == "embedding" and not x_req.is_replicate()):
+            raise ExportError(f"--export dtensor: {mod} (RowwiseParallel): the plan reads its input {x} as "
+                              f"{_placement_text(x_req)} over tp, RowwiseParallel as {want}")
+        if how == "embedding" and colwise:
+            self.styles[mod] = _style_doc("ColwiseParallel", input_layouts="Replicate()", output_layouts="Shard(-1)",
+                                          use_local_output=True)
+            return
+        dst = _reduced_to(self.plan, out, self.tp)
+        if dst is None:
+            raise ExportError(f"--export dtensor: {mod} (RowwiseParallel): the plan never reduces its "
+                              f"partial output {out} over tp")
+        if dst.is_shard():
+            raise _sequence_parallel(mod, out, dst)
+        self.styles[mod] = _style_doc("RowwiseParallel", input_layouts=want if how == "linear" else "Replicate()",
+                                      output_layouts=_placement_text(dst), use_local_output=True)
+
+    def check_whole_beside_columns(self) -> None:
+        """A layer left whole beside column layers of the same input (kv projections with fewer
+        heads than tp) is refused: on local shards its output would not match theirs (2 kv
+        heads against 1 query head)."""
+        assert self.tp is not None
+        prog = self.prog
+        for x, mods in self.column_inputs.items():
+            for j in self.fwd_readers.get(x, []):
                 w = prog.ops[j].inputs.get("y") if prog.ops[j].rule == "matmul" else None
-                if isinstance(w, str) and w in placements and len(prog.tensors[w].shape) == 2 \
-                        and not _tp_placement(plan.attrs[w], tp).is_shard():
+                if isinstance(w, str) and w in self.placements and len(prog.tensors[w].shape) == 2 \
+                        and not _tp_placement(self.plan.attrs[w], self.tp).is_shard():
                     raise ExportError(f"--export dtensor: {w}: replicated over tp while {', '.join(mods)} reading the "
                                       f"same input {x} are column-parallel (kv heads fewer than tp?): torch runs the "
                                       f"module's code on local shards, which would pair its whole output with their "
                                       f"shards; use a tp that divides the kv heads")
-        # column layers sharing one input made by one module: the module's output a replicated DTensor
-        for x, mods in column_inputs.items():
-            if len(mods) < 2 or x not in producers:
+
+    def prepare_shared_inputs(self) -> None:
+        """Column layers sharing one input made by one module: the module's output a
+        replicated DTensor (``PrepareModuleOutput``), its gradient all-reduced once."""
+        for x, mods in self.column_inputs.items():
+            if len(mods) < 2 or x not in self.producers:
                 continue
-            made = modules.get(producers[x])
+            made = self.modules.get(self.producers[x])
             if made is None:
                 continue
             path = made[0]
-            outside = all(not (modules.get(j, ("", ""))[0] + ".").startswith(path + ".")
-                          for j in fwd_readers.get(x, []))
-            if not outside or path in styles:
+            outside = all(not (self.modules.get(j, ("", ""))[0] + ".").startswith(path + ".")
+                          for j in self.fwd_readers.get(x, []))
+            if not outside or path in self.styles:
                 continue
-            styles[path] = _style_doc("PrepareModuleOutput", output_layouts="Replicate()",
-                                      desired_output_layouts="Replicate()", use_local_output=False)
-            notes.append(f"{path}: its output {x} is read by {', '.join(mods)}: one replicated DTensor, its gradient "
-                         f"all-reduced once")
-    if styles and not modules:
-        notes.append("the program records no module paths (a program JSON): no PrepareModuleOutput derived, so each "
-                     "column layer all-reduces its own input gradient (more than the plan's one per block)")
-    return {"format": DOC_FORMATS[fmt], "version": VERSION, "mesh": _mesh_doc(plan),
-            "tp_dim": None if tp is None else plan.mesh.dim_names[tp],
-            "parallelize_plan": dict(sorted(styles.items())), "loss_parallel": loss_parallel, "tied": tied_to,
-            "placements": placements, "shapes": {p: list(prog.tensors[p].shape) for p in params}, "notes": notes}
+            self.styles[path] = _style_doc("PrepareModuleOutput", output_layouts="Replicate()",
+                                           desired_output_layouts="Replicate()", use_local_output=False)
+            self.notes.append(f"{path}: its output {x} is read by {', '.join(mods)}: one replicated DTensor, its "
+                              f"gradient all-reduced once")
+
+
+def dtensor_document(plan: Plan) -> dict[str, Any]:
+    """The ``dtensor`` export of ``plan`` (module docstring) as a JSON-able dict."""
+    return _DTensorExport(plan).document()
 
 
 # -- jax / paddle --------------------------------------------------------------------------------
 
 
-def jax_document(plan: Any) -> dict[str, Any]:
+def jax_document(plan: Plan) -> dict[str, Any]:
     """The ``jax`` export: a PartitionSpec (a list of axis names / None / lists) per parameter and
     data input."""
-    from spmdkit.strategies.hf import data_inputs
-
     fmt = "jax"
     params = _parameters(plan, fmt)
     prog = plan.program
@@ -364,7 +403,7 @@ def jax_document(plan: Any) -> dict[str, Any]:
             "shapes": {n: list(prog.tensors[n].shape) for n in params + inputs}}
 
 
-def paddle_document(plan: Any) -> dict[str, Any]:
+def paddle_document(plan: Plan) -> dict[str, Any]:
     """The ``paddle`` export: ``shard_tensor`` placements per parameter, one per mesh dim."""
     fmt = "paddle"
     params = _parameters(plan, fmt)
@@ -384,7 +423,7 @@ def paddle_document(plan: Any) -> dict[str, Any]:
 _DOCUMENTS = {"dtensor": dtensor_document, "jax": jax_document, "paddle": paddle_document}
 
 
-def export_document(plan: Any, fmt: str) -> dict[str, Any]:
+def export_document(plan: Plan, fmt: str) -> dict[str, Any]:
     """The export of ``plan`` in ``fmt`` (one of :data:`FORMATS`) as a JSON-able dict."""
     if fmt not in _DOCUMENTS:
         raise ExportError(f"--export {str(fmt)[:40]!r}: unknown format (one of {', '.join(FORMATS)})")
@@ -411,15 +450,13 @@ def write_json(doc: Mapping[str, Any], path: str, what: str = "--export") -> Non
     a reader never sees half a file; ExportError naming the path when it cannot be written."""
     p = os.fspath(path)
     _check_path(p, what)
-    from spmdkit.io.atomic import write_atomic
-
     try:
         write_atomic(p, (json.dumps(doc, indent=1) + "\n").encode("utf-8"))
     except OSError as exc:
         raise ExportError(f"{what}: cannot write {p!r}: {exc.strerror or exc}") from None
 
 
-def export_plan(plan: Any, fmt: str, path: str) -> dict[str, Any]:
+def export_plan(plan: Plan, fmt: str, path: str) -> dict[str, Any]:
     """Write the ``fmt`` export of ``plan`` to ``path`` (atomically) and return it."""
     doc = export_document(plan, fmt)
     write_json(doc, path, f"--export {fmt}")

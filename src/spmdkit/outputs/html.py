@@ -42,6 +42,7 @@ from spmdkit.cost.compute import guess_tokens, kernel_collectives
 from spmdkit.cost.devices import preset_device
 from spmdkit.cost.memory import Memory, local_numel, memory_per_device
 from spmdkit.cost.step import estimate_step
+from spmdkit.io.atomic import write_atomic
 from spmdkit.outputs.report import fmt_bytes, fmt_time, placements, reshard_groups
 from spmdkit.program.plan import Plan
 
@@ -815,8 +816,6 @@ def save_html(path: str, plan: Plan, title: str = "", memory: Memory | None = No
     """Render the page and write it to ``path`` atomically (a temporary file beside it, renamed
     over it); the bytes written. A path that cannot be written is a ProgramError naming
     ``--html``; nothing is left behind."""
-    from spmdkit.io.atomic import write_atomic
-
     check_html_path(path)
     text = render_html(plan, title, memory, estimate, **kw).encode("utf-8")
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any, TextIO
 
 from spmdkit.core.dist_attr import TensorDistAttr, entry_dims
@@ -12,6 +13,7 @@ from spmdkit.cost.memory import Memory, memory_per_device, uneven_shards
 from spmdkit.cost.step import StepEstimate
 from spmdkit.io.codec import encode_attr
 from spmdkit.outputs.tables import print_table
+from spmdkit.planner.auto.explain import LayerChoice
 from spmdkit.program.plan import Plan, Reshard
 
 #: The reshard table's columns left out first, in this order, where the terminal is too narrow
@@ -294,6 +296,21 @@ def write_estimate(est: StepEstimate, out: TextIO) -> None:
                   + ", ".join(f"{r} x{n}" for r, n in sorted(est.uncovered.items())) + "\n")
 
 
-__all__ = ["RESHARD_OPTIONAL", "fmt_bytes", "fmt_flops", "fmt_time", "placements", "plan_json", "reshard_groups",
+def explain_table(rows: Sequence[LayerChoice]) -> str:
+    """``plan --auto --explain``: per layer, the choice and the best plan choosing otherwise there."""
+    lines = ["--explain: per layer (identical layers once), the chosen layouts (forward matmul / embedding: "
+             "weight -> output dims_mapping, pN = partial over mesh dim N) and the search's objective (predicted "
+             "step) of the best choice where one of them is laid out otherwise"]
+    w = max(len(r.layer) for r in rows)
+    lines.append(f"  {'layer'.ljust(w)}  {'ops':>4}  {'obj. ms':>9}  {'runner-up':>9}  {'+ms':>8}  chosen | runner-up")
+    for r in rows:
+        alt = "-" if r.runner_up_s is None else f"{r.runner_up_s * 1e3:9.3f}"
+        d = "-" if r.runner_up_s is None else f"{(r.runner_up_s - r.objective_s) * 1e3:+8.3f}"
+        lines.append(f"  {r.layer.ljust(w)}  {r.ops:>4}  {r.objective_s * 1e3:9.3f}  {alt:>9}  {d:>8}  "
+                     f"{r.chosen or '(no matmul)'} | {r.runner_up}")
+    return "\n".join(lines)
+
+
+__all__ = ["RESHARD_OPTIONAL", "explain_table", "fmt_bytes", "fmt_flops", "fmt_time", "placements", "plan_json", "reshard_groups",
            "step_kinds", "write_estimate",
            "write_report"]

@@ -13,6 +13,7 @@ from typing import Any, TextIO
 
 from spmdkit.core.dist_attr import TensorDistAttr, format_dims_mapping
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.registry import all_rules, rule_names
 
 
 def fmt_attr(a: Any) -> str:
@@ -249,10 +250,8 @@ def print_rules_table(rows: Sequence[dict[str, Any]], out: TextIO) -> None:
 def rules_markdown() -> str:
     """The README's table of rules: one row per rule family (the module that defines it),
     generated from the registry (and the simulator's references, when numpy is installed)."""
-    from spmdkit.engine.registry import all_rules, rule_names
-
     try:
-        from spmdkit.sim.verify import verifiable_rules
+        from spmdkit.sim.verify import verifiable_rules  # (imports numpy)
 
         verified = set(verifiable_rules())
     except ImportError:  # pragma: no cover - numpy missing

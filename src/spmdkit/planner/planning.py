@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel
-from spmdkit.models.hf import dtype_name, import_hf
+from spmdkit.models.hf import dtype_name
+from spmdkit.models.source import import_hf_checked
 from spmdkit.models.zoo import Model, build_model, preset
 from spmdkit.planner.propagate import propagate
 from spmdkit.program.ir import Program
@@ -137,19 +137,5 @@ def plan_hf(class_name: str, config: Any, mesh_text: str, strategy_text: str | N
     return prog, model, kw, plan
 
 
-def import_hf_checked(class_name: str, config: Any, batch: int, seq: int, dtype: str) -> tuple[Program, Any, dict[str, Any]]:
-    """:func:`spmdkit.models.hf.import_hf` (``dtype`` a dtype name), its errors on a model that does not
-    import given as one ProgramError naming ``--hf``."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        try:
-            return import_hf(class_name, config, batch=batch, seq=seq, dtype=dtype)
-        except SpmdError:
-            raise
-        except (ValueError, TypeError, RuntimeError, IndexError, KeyError) as exc:
-            msg = " ".join(str(exc).split())[:300]
-            raise ProgramError(f"--hf {class_name}: the model does not import: {type(exc).__name__}: {msg}") from None
-
-
-__all__ = ["MAX_LAYERS", "MAX_SIZE", "clip_repr", "import_hf_checked", "parse_cost", "parse_size", "plan_hf",
+__all__ = ["MAX_LAYERS", "MAX_SIZE", "clip_repr", "parse_cost", "parse_size", "plan_hf",
            "plan_model", "plan_program"]

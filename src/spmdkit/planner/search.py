@@ -47,10 +47,11 @@ from spmdkit.cost.devices import Device, cost_model, load_device, recost
 from spmdkit.cost.memory import Memory, memory_per_device
 from spmdkit.cost.step import StepEstimate, estimate_step
 from spmdkit.models.hf import dtype_name
+from spmdkit.models.source import import_hf_checked
 from spmdkit.models.zoo import ModelConfig, build_model, preset
 from spmdkit.planner.auto import AutoInfo, auto_plan
 from spmdkit.planner.pipeline import PipelineEstimate, estimate_pipeline, parse_spec, pp_cost_text, split_layers
-from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, import_hf_checked, parse_size, plan_model, plan_program
+from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, parse_size, plan_model, plan_program
 from spmdkit.program.ir import Program
 from spmdkit.program.plan import Plan
 from spmdkit.strategies.hf import data_inputs

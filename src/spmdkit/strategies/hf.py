@@ -76,7 +76,7 @@ import re
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from spmdkit.core.dist_attr import TensorDistAttr
@@ -278,107 +278,129 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
     out = dm = Marks(prog)
 
     if dp is not None:
-        size = mesh.shape[dp]
-        for n in data_inputs(prog):
-            shape = prog.tensors[n].shape
-            if not shape:
-                continue
-            if shape[0] % size:
-                raise ProgramError(f"--strategy dp: input {n} has batch size {shape[0]}, which dp={size} "
-                                   f"does not divide")
-            dm(n)[0] = dp
+        _shard_batch(prog, mesh, dm, dp)
     if tp is not None:
-        size = mesh.shape[tp]
         readers = forward_readers(prog)
         roles = tp_roles(prog, patterns)
-        sharded: dict[str, str] = {}  # 2-D weights sharded over tp -> column / row / vocab / vocab_head
-        user_pats = check_patterns(patterns)
-
-        def user_role(p: str) -> str | None:
-            for path in _module_paths(prog, p):
-                r = role_of(path, user_pats)
-                if r is not None:
-                    return r
-            return None
-
-        replicated: set[str] = set()  # column layers left whole (kv heads fewer than tp), with their bias
-        for p, role in sorted(roles.items(), key=lambda kv: len(prog.tensors[kv[0]].shape) == 1):
-            t = prog.tensors[p]
-            mod = _module_paths(prog, p)[0]
-            if mod in replicated:
-                continue
-            how, out_ax, in_ax, op = weight_axes(prog, readers, p)
-            if len(t.shape) == 1:
-                # a bias: a column layer's (output features) or a vocab head's is sharded
-                # (a fused projection's is sliced: its parts are, below)
-                if any(op.rule == "slice" for _i, op, _p in readers.get(p, [])):
-                    continue
-                if role in ("column", "vocab"):
-                    if t.shape[0] % size:
-                        raise ProgramError(f"--strategy megatron: {mod} ({role}): bias size {t.shape[0]} is not "
-                                           f"divisible by tp={size}")
-                    dm(p)[0] = tp
-                continue
-            if how == "other":
-                continue  # not a linear layer or a table (a conv, an expert bank): replicated
-            if role == "vocab":
-                axis = 0 if how == "embedding" else out_ax
-            elif how == "embedding":
-                if role != "column":
-                    continue
-                axis = 1  # a table's output features (T5's relative position bias: one column per head)
-            else:
-                axis = out_ax if role == "column" else in_ax
-            if t.shape[axis] % size:
-                raise ProgramError(f"--strategy megatron: {mod} ({role}): its {'vocabulary' if role == 'vocab' else 'feature'} "
-                                   f"axis has {t.shape[axis]} entries, not divisible by tp={size}")
-            if role == "column" and op is not None:
-                heads = _heads(prog, readers, op.output_names()[0], t.shape[axis])
-                if heads is not None and heads < size and size % heads == 0 and user_role(p) is None \
-                        and mod.rsplit(".", 1)[-1] in _KV:
-                    # fewer kv heads than tp (GQA / MQA): replicated on every rank, as Megatron does
-                    warnings.warn(f"--strategy megatron: {mod} makes {heads} heads, fewer than tp={size}: "
-                                  f"replicated over tp (its gradients are all-reduced)", stacklevel=2)
-                    replicated.add(mod)
-                    continue
-                if heads is not None and heads % size:
-                    raise ProgramError(f"--strategy megatron: {mod} (column) makes {heads} heads, not divisible "
-                                       f"by tp={size} (give it a pattern, e.g. {{'{mod.rsplit('.', 1)[-1]}': "
-                                       f"'replicate'}}, or a smaller tp)")
-            dm(p)[axis] = tp
-            sharded[p] = "vocab_head" if role == "vocab" and how == "linear" else role
-        # the parts of a split fused projection (split_fused_projections): each column-parallel
-        for op in prog.ops:
-            src = op.inputs.get("input") if op.rule == "slice" and op.phase == "forward" else None
-            if not isinstance(src, str) or roles.get(src) != "column" or src in sharded:
-                continue
-            part = op.output_names()[0]
-            pt = prog.tensors[part]
-            mod = _module_paths(prog, src)[0]
-            if len(pt.shape) == 1:  # a part of the bias
-                if pt.shape[0] % size:
-                    raise ProgramError(f"--strategy megatron: {mod} (column): a bias part of {pt.shape[0]} is not "
-                                       f"divisible by tp={size}")
-                dm(part)[0] = tp
-                continue
-            how, out_ax, _in, mop = weight_axes(prog, readers, part)
-            if how != "linear" or mop is None:
-                continue
-            if pt.shape[out_ax] % size:
-                raise ProgramError(f"--strategy megatron: {mod} (column): a part of {pt.shape[out_ax]} features is "
-                                   f"not divisible by tp={size}")
-            heads = _heads(prog, readers, mop.output_names()[0], pt.shape[out_ax])
-            if heads is not None and heads % size:
-                raise ProgramError(f"--strategy megatron: {mod} (column) makes {heads} heads, not divisible "
-                                   f"by tp={size}")
-            dm(part)[out_ax] = tp
-            sharded[part] = "column"
+        # 2-D weights sharded over tp -> column / row / vocab / vocab_head
+        sharded = _shard_weights(prog, mesh, dm, tp, readers, roles, check_patterns(patterns))
+        _shard_fused_parts(prog, mesh, dm, tp, readers, roles, sharded)
         if "sp" in st:
             _sequence_parallel(prog, mesh, sharded, dm, dp, tp)
     optimizer_layouts(prog, mesh, optimizer_of(prog), out, st, dp, user)
     attrs = {n: TensorDistAttr(mesh, d) for n, d in out.items()}
     attrs.update(user_attrs(prog, mesh, user))
     return attrs
+
+
+def _shard_batch(prog: Program, mesh: ProcessMesh, dm: Marks, dp: int) -> None:
+    """``dp``: the batch axis of every data input over ``dp``."""
+    size = mesh.shape[dp]
+    for n in data_inputs(prog):
+        shape = prog.tensors[n].shape
+        if not shape:
+            continue
+        if shape[0] % size:
+            raise ProgramError(f"--strategy dp: input {n} has batch size {shape[0]}, which dp={size} "
+                               f"does not divide")
+        dm(n)[0] = dp
+
+
+def _shard_weights(prog: Program, mesh: ProcessMesh, dm: Marks, tp: int,
+                   readers: dict[str, list[tuple[int, Op, str]]], roles: Mapping[str, str],
+                   user_pats: list[tuple[str, str]]) -> dict[str, str]:
+    """``megatron``: each parameter with a role sharded over ``tp`` on the axis its role and
+    its reader give (a bias with its layer); the 2-D weights sharded, by role."""
+    size = mesh.shape[tp]
+    sharded: dict[str, str] = {}
+
+    def user_role(p: str) -> str | None:
+        for path in _module_paths(prog, p):
+            r = role_of(path, user_pats)
+            if r is not None:
+                return r
+        return None
+
+    replicated: set[str] = set()  # column layers left whole (kv heads fewer than tp), with their bias
+    for p, role in sorted(roles.items(), key=lambda kv: len(prog.tensors[kv[0]].shape) == 1):
+        t = prog.tensors[p]
+        mod = _module_paths(prog, p)[0]
+        if mod in replicated:
+            continue
+        how, out_ax, in_ax, op = weight_axes(prog, readers, p)
+        if len(t.shape) == 1:
+            # a bias: a column layer's (output features) or a vocab head's is sharded
+            # (a fused projection's is sliced: its parts are, below)
+            if any(op.rule == "slice" for _i, op, _p in readers.get(p, [])):
+                continue
+            if role in ("column", "vocab"):
+                if t.shape[0] % size:
+                    raise ProgramError(f"--strategy megatron: {mod} ({role}): bias size {t.shape[0]} is not "
+                                       f"divisible by tp={size}")
+                dm(p)[0] = tp
+            continue
+        if how == "other":
+            continue  # not a linear layer or a table (a conv, an expert bank): replicated
+        if role == "vocab":
+            axis = 0 if how == "embedding" else out_ax
+        elif how == "embedding":
+            if role != "column":
+                continue
+            axis = 1  # a table's output features (T5's relative position bias: one column per head)
+        else:
+            axis = out_ax if role == "column" else in_ax
+        if t.shape[axis] % size:
+            raise ProgramError(f"--strategy megatron: {mod} ({role}): its {'vocabulary' if role == 'vocab' else 'feature'} "
+                               f"axis has {t.shape[axis]} entries, not divisible by tp={size}")
+        if role == "column" and op is not None:
+            heads = _heads(prog, readers, op.output_names()[0], t.shape[axis])
+            if heads is not None and heads < size and size % heads == 0 and user_role(p) is None \
+                    and mod.rsplit(".", 1)[-1] in _KV:
+                # fewer kv heads than tp (GQA / MQA): replicated on every rank, as Megatron does
+                warnings.warn(f"--strategy megatron: {mod} makes {heads} heads, fewer than tp={size}: "
+                              f"replicated over tp (its gradients are all-reduced)", stacklevel=3)
+                replicated.add(mod)
+                continue
+            if heads is not None and heads % size:
+                raise ProgramError(f"--strategy megatron: {mod} (column) makes {heads} heads, not divisible "
+                                   f"by tp={size} (give it a pattern, e.g. {{'{mod.rsplit('.', 1)[-1]}': "
+                                   f"'replicate'}}, or a smaller tp)")
+        dm(p)[axis] = tp
+        sharded[p] = "vocab_head" if role == "vocab" and how == "linear" else role
+    return sharded
+
+
+def _shard_fused_parts(prog: Program, mesh: ProcessMesh, dm: Marks, tp: int,
+                       readers: dict[str, list[tuple[int, Op, str]]], roles: Mapping[str, str],
+                       sharded: dict[str, str]) -> None:
+    """The parts of a split fused projection (:func:`split_fused_projections`): each
+    column-parallel (added to ``sharded``)."""
+    size = mesh.shape[tp]
+    for op in prog.ops:
+        src = op.inputs.get("input") if op.rule == "slice" and op.phase == "forward" else None
+        if not isinstance(src, str) or roles.get(src) != "column" or src in sharded:
+            continue
+        part = op.output_names()[0]
+        pt = prog.tensors[part]
+        mod = _module_paths(prog, src)[0]
+        if len(pt.shape) == 1:  # a part of the bias
+            if pt.shape[0] % size:
+                raise ProgramError(f"--strategy megatron: {mod} (column): a bias part of {pt.shape[0]} is not "
+                                   f"divisible by tp={size}")
+            dm(part)[0] = tp
+            continue
+        how, out_ax, _in, mop = weight_axes(prog, readers, part)
+        if how != "linear" or mop is None:
+            continue
+        if pt.shape[out_ax] % size:
+            raise ProgramError(f"--strategy megatron: {mod} (column): a part of {pt.shape[out_ax]} features is "
+                               f"not divisible by tp={size}")
+        heads = _heads(prog, readers, mop.output_names()[0], pt.shape[out_ax])
+        if heads is not None and heads % size:
+            raise ProgramError(f"--strategy megatron: {mod} (column) makes {heads} heads, not divisible "
+                               f"by tp={size}")
+        dm(part)[out_ax] = tp
+        sharded[part] = "column"
 
 
 def _sequence_parallel(prog: Program, mesh: ProcessMesh, sharded: Mapping[str, str], dm: Any,
@@ -629,6 +651,137 @@ def regroup_partial_sums(prog: Program, plan: Any) -> Program:
     return _rebuild(prog, tensors, out)
 
 
+@dataclass(frozen=True)
+class _Fused:
+    """A fused projection found in a program: ``x @ w + b`` (ops ``mm``, ``add``), reshaped
+    (``reshape``) and ``split`` into ``parts`` of ``sec`` features each, and its backward ops
+    (``split_grad``, ``reshape_grad``, ``add_grad``, ``matmul_grad``); op indices and tensor
+    names."""
+
+    mm: int
+    add: int
+    reshape: int
+    split: int
+    split_grad: int
+    reshape_grad: int
+    add_grad: int
+    matmul_grad: int
+    x: str
+    w: str
+    b: str
+    mm_out: str
+    added: str
+    parts: tuple[str, ...]
+    sec: int
+    out_ax: int
+    xg: str
+    wg: str
+    bg: str
+
+
+def _find_fused(prog: Program, ops: list[Op], i: int, ws: set[str],
+                readers: dict[str, list[int]]) -> _Fused | None:
+    """The fused projection whose matmul is op ``i`` on one of ``ws``, if it is one."""
+
+    def only(name: str, rule: str) -> int | None:
+        rs = [j for j in readers.get(name, []) if ops[j].phase == "forward"]
+        return rs[0] if len(rs) == 1 and ops[rs[0]].rule == rule else None
+
+    def find(rule: str, **inputs: Any) -> int | None:
+        for j, o in enumerate(ops):
+            if o.phase == "backward" and o.rule == rule and all(o.inputs.get(k) == v for k, v in inputs.items()):
+                return j
+        return None
+
+    op = ops[i]
+    w = op.inputs.get("y")
+    if op.phase != "forward" or op.rule != "matmul" or w not in ws or len(prog.tensors[w].shape) != 2:
+        return None
+    x, mm = op.inputs["x"], op.output_names()[0]
+    ia = only(mm, "add")
+    b = ops[ia].inputs.get("y") if ia is not None else None
+    if ia is None or not isinstance(b, str) or prog.tensors[b].kind != "parameter" or ops[ia].inputs.get("x") != mm:
+        return None
+    added = ops[ia].output_names()[0]
+    ir = only(added, "reshape")
+    if ir is None:
+        return None
+    ish = only(ops[ir].output_names()[0], "split")
+    if ish is None:
+        return None
+    sp = ops[ish]
+    parts = list(sp.outputs[0]) if isinstance(sp.outputs[0], (list, tuple)) else []
+    nd = len(prog.tensors[sp.inputs["x"]].shape)
+    secs = tuple(sp.attrs.get("sections", ()))
+    if len(parts) < 2 or int(sp.attrs.get("axis", -1)) not in (-1, nd - 1) or len(set(secs)) != 1 \
+            or len(secs) != len(parts) or None in parts:
+        return None
+    isg = find("split_grad", out_grad=tuple(p + ".grad" for p in parts))
+    irg = find("reshape_grad", x_shape=added)
+    iag = find("add_grad", x=mm, y=b)
+    img = find("matmul_grad", x=x, y=w)
+    if isg is None or irg is None or iag is None or img is None:
+        return None
+    if ops[irg].inputs.get("out_grad") != ops[isg].output_names()[0] \
+            or ops[iag].inputs.get("out_grad") != ops[irg].output_names()[0] \
+            or ops[img].inputs.get("out_grad") != ops[iag].outputs[0]:
+        return None
+    xg, wg = ops[img].outputs[0], ops[img].outputs[1]
+    bg = ops[iag].outputs[1]
+    if not isinstance(xg, str) or not isinstance(wg, str) or not isinstance(bg, str):
+        return None
+    return _Fused(i, ia, ir, ish, isg, irg, iag, img, x, w, b, mm, added, tuple(parts), secs[0],
+                  0 if bool(op.attrs.get("trans_y", False)) else 1, xg, wg, bg)
+
+
+def _split_fused(prog: Program, ops: list[Op], f: _Fused, tensors: list[Any],
+                 fresh: Callable[[str], str]) -> tuple[list[Op], list[Op]]:
+    """The forward and backward ops of ``f`` split into one projection per part (the new
+    tensors appended to ``tensors``)."""
+    T = prog.tensors
+    sec, out_ax, w, b, mm, added = f.sec, f.out_ax, f.w, f.b, f.mm_out, f.added
+    wt, bt, xt = T[w], T[b], T[f.x]
+    fwd_kw = {"layer": ops[f.mm].layer, "phase": "forward"}
+    bwd_kw = {"layer": ops[f.split_grad].layer, "phase": "backward"}
+    fwd: list[Op] = []
+    bwd: list[Op] = []
+    xgs, wgs, bgs = [], [], []
+    for j, part in enumerate(f.parts):
+        wj, bj = fresh(f"{w}.part{j}"), fresh(f"{b}.part{j}")
+        mmj, aj = fresh(f"{mm}.part{j}"), fresh(f"{added}.part{j}")
+        wshape = list(wt.shape)
+        wshape[out_ax] = sec
+        mshape = list(T[mm].shape)
+        mshape[-1] = sec
+        tensors += [Tensor(wj, tuple(wshape), wt.dtype), Tensor(bj, (sec,), bt.dtype),
+                    Tensor(mmj, tuple(mshape), T[mm].dtype), Tensor(aj, tuple(mshape), T[added].dtype)]
+        fwd += [Op("slice", {"input": w}, (wj,), {"axes": (out_ax,), "starts": (j * sec,), "ends": ((j + 1) * sec,)},
+                   name=wj, **fwd_kw),
+                Op("slice", {"input": b}, (bj,), {"axes": (0,), "starts": (j * sec,), "ends": ((j + 1) * sec,)},
+                   name=bj, **fwd_kw),
+                Op("matmul", {"x": f.x, "y": wj}, (mmj,), dict(ops[f.mm].attrs), name=mmj, **fwd_kw),
+                Op("add", {"x": mmj, "y": bj}, (aj,), {}, name=aj, **fwd_kw),
+                Op("reshape", {"x": aj}, (part,), {"shape": T[part].shape}, name=part, **fwd_kw)]
+        ajg, mmjg, bjg = fresh(aj + ".grad"), fresh(mmj + ".grad"), fresh(bj + ".grad")
+        xjg, wjg = fresh(f"{f.xg}.part{j}"), fresh(wj + ".grad")
+        tensors += [Tensor(ajg, tuple(mshape), T[added].dtype, "gradient"),
+                    Tensor(mmjg, tuple(mshape), T[mm].dtype, "gradient"),
+                    Tensor(bjg, (sec,), bt.dtype, "gradient"),
+                    Tensor(xjg, xt.shape, T[f.xg].dtype, "gradient"),
+                    Tensor(wjg, tuple(wshape), T[f.wg].dtype, "gradient")]
+        bwd += [Op("reshape_grad", {"x_shape": aj, "out_grad": part + ".grad"}, (ajg,), {}, name=ajg, **bwd_kw),
+                Op("add_grad", {"x": mmj, "y": bj, "out_grad": ajg}, (mmjg, bjg), {}, name=mmjg, **bwd_kw),
+                Op("matmul_grad", {"x": f.x, "y": wj, "out_grad": mmjg}, (xjg, wjg), dict(ops[f.matmul_grad].attrs),
+                   name=xjg, **bwd_kw)]
+        xgs.append(xjg)
+        wgs.append(wjg)
+        bgs.append(bjg)
+    bwd += [Op("add_n", {"input": tuple(xgs)}, (f.xg,), {}, name=f.xg, **bwd_kw),
+            Op("concat", {"x": tuple(wgs)}, (f.wg,), {"axis": out_ax}, name=f.wg, **bwd_kw),
+            Op("concat", {"x": tuple(bgs)}, (f.bg,), {"axis": 0}, name=f.bg, **bwd_kw)]
+    return fwd, bwd
+
+
 def split_fused_projections(prog: Program, weights: Iterable[str]) -> Program:
     """A copy of ``prog`` where a fused projection (GPT-2's ``c_attn``: ``x @ W + b`` reshaped
     and ``split`` into k equal parts on its last axis, q / k / v) on one of ``weights`` is k
@@ -639,119 +792,23 @@ def split_fused_projections(prog: Program, weights: Iterable[str]) -> Program:
     own. ``prog`` itself when no projection matches."""
     ws = set(weights)
     ops = list(prog.ops)
-    producer: dict[str, int] = {}
     readers: dict[str, list[int]] = {}
     for i, op in enumerate(ops):
-        for n in op.output_names():
-            producer[n] = i
         for n in op.input_names():
             readers.setdefault(n, []).append(i)
-
-    def only(name: str, rule: str) -> int | None:
-        rs = [i for i in readers.get(name, []) if ops[i].phase == "forward"]
-        return rs[0] if len(rs) == 1 and ops[rs[0]].rule == rule else None
-
-    def find(rule: str, **inputs: Any) -> int | None:
-        for i, op in enumerate(ops):
-            if op.phase == "backward" and op.rule == rule and all(op.inputs.get(k) == v for k, v in inputs.items()):
-                return i
-        return None
-
     tensors = list(prog.tensors.values())
     names = set(prog.tensors)
     replace_at: dict[int, list[Op]] = {}
     drop: set[int] = set()
     dead: set[Any] = set()  # the fused tensors no op makes or reads any more
-    for i, op in enumerate(ops):
-        w = op.inputs.get("y")
-        if op.phase != "forward" or op.rule != "matmul" or w not in ws or len(prog.tensors[w].shape) != 2:
+    for i in range(len(ops)):
+        f = _find_fused(prog, ops, i, ws, readers)
+        if f is None:
             continue
-        ty = bool(op.attrs.get("trans_y", False))
-        out_ax = 0 if ty else 1
-        x, mm = op.inputs["x"], op.output_names()[0]
-        ia = only(mm, "add")
-        b = ops[ia].inputs.get("y") if ia is not None else None
-        if ia is None or not isinstance(b, str) or prog.tensors[b].kind != "parameter" or ops[ia].inputs.get("x") != mm:
-            continue
-        added = ops[ia].output_names()[0]
-        ir = only(added, "reshape")
-        if ir is None:
-            continue
-        ish = only(ops[ir].output_names()[0], "split")
-        if ish is None:
-            continue
-        sp = ops[ish]
-        parts = list(sp.outputs[0]) if isinstance(sp.outputs[0], (list, tuple)) else []
-        nd = len(prog.tensors[sp.inputs["x"]].shape)
-        secs = tuple(sp.attrs.get("sections", ()))
-        if len(parts) < 2 or int(sp.attrs.get("axis", -1)) not in (-1, nd - 1) or len(set(secs)) != 1 \
-                or len(secs) != len(parts) or None in parts:
-            continue
-        grads = tuple(p + ".grad" for p in parts)
-        isg = find("split_grad", out_grad=grads)
-        irg = find("reshape_grad", x_shape=added)
-        iag = find("add_grad", x=mm, y=b)
-        img = find("matmul_grad", x=x, y=w)
-        if None in (isg, irg, iag, img):
-            continue
-        assert isg is not None and irg is not None and iag is not None and img is not None
-        if ops[irg].inputs.get("out_grad") != ops[isg].output_names()[0] \
-                or ops[iag].inputs.get("out_grad") != ops[irg].output_names()[0] \
-                or ops[img].inputs.get("out_grad") != ops[iag].outputs[0]:
-            continue
-        xg, wg = ops[img].outputs[0], ops[img].outputs[1]
-        bg = ops[iag].outputs[1]
-        if xg is None or wg is None or bg is None:
-            continue
-        sec = secs[0]
-        wt, bt, xt = prog.tensors[w], prog.tensors[b], prog.tensors[x]
-        fwd_kw = {"layer": op.layer, "phase": "forward"}
-        bwd_kw = {"layer": ops[isg].layer, "phase": "backward"}
-
-        fresh = _namer(names)
-
-        fwd: list[Op] = []
-        bwd: list[Op] = []
-        xgs, wgs, bgs = [], [], []
-        for j, part in enumerate(parts):
-            wj, bj = fresh(f"{w}.part{j}"), fresh(f"{b}.part{j}")
-            mmj, aj = fresh(f"{mm}.part{j}"), fresh(f"{added}.part{j}")
-            wshape = list(wt.shape)
-            wshape[out_ax] = sec
-            mshape = list(prog.tensors[mm].shape)
-            mshape[-1] = sec
-            tensors += [Tensor(wj, tuple(wshape), wt.dtype), Tensor(bj, (sec,), bt.dtype),
-                        Tensor(mmj, tuple(mshape), prog.tensors[mm].dtype),
-                        Tensor(aj, tuple(mshape), prog.tensors[added].dtype)]
-            fwd += [Op("slice", {"input": w}, (wj,), {"axes": (out_ax,), "starts": (j * sec,), "ends": ((j + 1) * sec,)},
-                       name=wj, **fwd_kw),
-                    Op("slice", {"input": b}, (bj,), {"axes": (0,), "starts": (j * sec,), "ends": ((j + 1) * sec,)},
-                       name=bj, **fwd_kw),
-                    Op("matmul", {"x": x, "y": wj}, (mmj,), dict(op.attrs), name=mmj, **fwd_kw),
-                    Op("add", {"x": mmj, "y": bj}, (aj,), {}, name=aj, **fwd_kw),
-                    Op("reshape", {"x": aj}, (part,), {"shape": prog.tensors[part].shape}, name=part, **fwd_kw)]
-            ajg, mmjg, bjg = fresh(aj + ".grad"), fresh(mmj + ".grad"), fresh(bj + ".grad")
-            xjg, wjg = fresh(f"{xg}.part{j}"), fresh(wj + ".grad")
-            tensors += [Tensor(ajg, tuple(mshape), prog.tensors[added].dtype, "gradient"),
-                        Tensor(mmjg, tuple(mshape), prog.tensors[mm].dtype, "gradient"),
-                        Tensor(bjg, (sec,), bt.dtype, "gradient"),
-                        Tensor(xjg, xt.shape, prog.tensors[xg].dtype, "gradient"),
-                        Tensor(wjg, tuple(wshape), prog.tensors[wg].dtype, "gradient")]
-            bwd += [Op("reshape_grad", {"x_shape": aj, "out_grad": grads[j]}, (ajg,), {}, name=ajg, **bwd_kw),
-                    Op("add_grad", {"x": mmj, "y": bj, "out_grad": ajg}, (mmjg, bjg), {}, name=mmjg, **bwd_kw),
-                    Op("matmul_grad", {"x": x, "y": wj, "out_grad": mmjg}, (xjg, wjg), dict(ops[img].attrs),
-                       name=xjg, **bwd_kw)]
-            xgs.append(xjg)
-            wgs.append(wjg)
-            bgs.append(bjg)
-        bwd += [Op("add_n", {"input": tuple(xgs)}, (xg,), {}, name=xg, **bwd_kw),
-                Op("concat", {"x": tuple(wgs)}, (wg,), {"axis": out_ax}, name=wg, **bwd_kw),
-                Op("concat", {"x": tuple(bgs)}, (bg,), {"axis": 0}, name=bg, **bwd_kw)]
-        replace_at[i] = fwd
-        replace_at[isg] = bwd
-        drop.update({ia, ir, ish, irg, iag, img})
-        dead.update({mm, added, ops[ir].output_names()[0], *ops[isg].output_names(), *ops[irg].output_names(),
-                     ops[iag].outputs[0]})
+        replace_at[f.mm], replace_at[f.split_grad] = _split_fused(prog, ops, f, tensors, _namer(names))
+        drop.update({f.add, f.reshape, f.split, f.reshape_grad, f.add_grad, f.matmul_grad})
+        dead.update({f.mm_out, f.added, ops[f.reshape].output_names()[0], *ops[f.split_grad].output_names(),
+                     *ops[f.reshape_grad].output_names(), ops[f.add_grad].outputs[0]})
     if not replace_at:
         return prog
     out: list[tuple[int | None, Op]] = []

@@ -1,0 +1,129 @@
+"""The steps the commands share: a model source planned (``spmdkit plan`` and ``spmdkit run``
+alike, :func:`plan_source`), the step timed on a device (:func:`step_estimate`), the ``--html``
+page and the ``--export`` file written, the ``--auto-time-limit`` checked, and the strategies'
+notes printed (:func:`strategy_notes`)."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+from spmdkit.cli.request import Links, PlanRequest
+from spmdkit.core.errors import ProgramError
+from spmdkit.core.reshard import CostModel
+from spmdkit.cost.compute import guess_tokens
+from spmdkit.cost.devices import cost_model, load_device, recost
+from spmdkit.cost.memory import Memory
+from spmdkit.cost.step import StepEstimate, estimate_step
+from spmdkit.models.source import HFModel, Loaded, ModelSource, Preset, load, preset_title
+from spmdkit.models.zoo import ModelConfig
+from spmdkit.outputs.export import export_plan
+from spmdkit.outputs.html import save_html
+from spmdkit.planner.planning import clip_repr, parse_size, plan_model, plan_program
+from spmdkit.program.plan import Plan
+from spmdkit.strategies.strategy import parse_mesh, parse_strategy
+
+
+def plan_source(source: ModelSource, mesh_text: str, strategy_text: str | None, user: dict[str, Any],
+                patterns: dict[str, str] | None = None, cost_text: str | None = None,
+                progress: Any = None, grad_accum: int = 1) -> tuple[Loaded, Plan, float]:
+    """(the loaded model, its plan, seconds) of ``source`` on a mesh under a strategy (default
+    megatron for a preset or a HuggingFace model, none for a program file: its annotations
+    alone); ``progress``: a preset's propagation callback; ``grad_accum``: micro-steps per
+    optimizer step (``--grad-accum``), part of the plan."""
+    if isinstance(source, Preset):
+        model, plan, secs = plan_model(source.name, mesh_text, strategy_text or "megatron", source.overrides(),
+                                       user, cost_text, progress=progress,
+                                       grad_accum=grad_accum)
+        return Loaded(source, model.program, preset_title(source.name, model.config), model=model), plan, secs
+    t0 = time.perf_counter()
+    if isinstance(source, HFModel):
+        strategy_text = strategy_text or "megatron"
+        parse_strategy(strategy_text, parse_mesh(mesh_text))  # refuse a bad mesh / strategy before importing
+    loaded = load(source)
+    _prog, plan = plan_program(loaded.program, mesh_text, strategy_text, user, patterns, cost_text, grad_accum)
+    return loaded, plan, time.perf_counter() - t0
+
+
+def step_estimate(links: Links, plan: Plan, config: ModelConfig | None,
+                  recompute: str) -> tuple[Plan, StepEstimate | None]:
+    """``--device`` / ``--nodes-of``: the plan with its reshards timed by the device's links
+    (``--cost`` applied on top) and the predicted step (None without ``--device``)."""
+    if not links.device and not links.nodes_of:
+        return plan, None
+    device = load_device(str(links.device)) if links.device else None
+    nodes = parse_size("--nodes-of", links.nodes_of, 1 << 20)
+    if device is not None and nodes:
+        device = replace(device, ranks_per_node=nodes)
+    cost = cost_model(plan.mesh, device, nodes)
+    if links.cost:
+        cost = CostModel.parse(links.cost, plan.mesh, base=cost)  # already checked by parse_cost
+    plan = recost(plan, cost)
+    if device is None:
+        return plan, None
+    tokens = config.batch * config.seq if config is not None else guess_tokens(plan.program)
+    return plan, estimate_step(plan, device, tokens, recompute)
+
+
+def require_simulator() -> None:
+    """``--verify`` runs the simulator (:mod:`spmdkit.sim.verify_plan`), which needs numpy: a
+    ProgramError saying so where it is missing."""
+    try:
+        import numpy  # noqa: F401
+    except ImportError as exc:
+        raise ProgramError(f"--verify needs numpy (pip install 'spmdkit[sim]'): {exc}") from None
+
+
+def write_html(req: PlanRequest, plan: Plan, title: str, mem: Memory, est: StepEstimate | None,
+               config: ModelConfig | None = None, mesh_text: str | None = None, recompute: str | None = None,
+               **more: Any) -> None:
+    """``--html FILE``: the page of :mod:`spmdkit.outputs.html`, written atomically; a line on stderr.
+    ``mesh_text`` / ``recompute``: the full mesh and the recomputation (default ``--mesh`` /
+    ``--recompute``; ``--devices`` gives those of the configuration it chose)."""
+    path = req.outputs.html
+    if not path:
+        return
+    nodes = parse_size("--nodes-of", req.links.nodes_of, 1 << 20)
+    size = save_html(path, plan, title, mem, est, config=config, recompute=recompute or req.recompute or "none",
+                     mesh=parse_mesh(mesh_text or req.mesh_text), ranks_per_node=nodes, **more)
+    print(f"spmdkit plan: wrote {path} ({size / 1024:.0f} KiB)", file=sys.stderr)
+
+
+def export_plan_file(req: PlanRequest, plan: Plan) -> None:
+    """``--export FORMAT FILE``: the plan's shardings for another framework (:mod:`spmdkit.outputs.export`)."""
+    if req.outputs.export:
+        export_plan(plan, *req.outputs.export)
+
+
+def auto_time_limit(text: str) -> float:
+    """``--auto-time-limit``: seconds in (0, 86400]."""
+    try:
+        limit = float(text)
+    except ValueError:
+        raise ProgramError(f"--auto-time-limit: {clip_repr(str(text))} is not a number of seconds") from None
+    if not 0 < limit <= 86400:
+        raise ProgramError(f"--auto-time-limit: {limit:g} is not between 0 and 86400 seconds")
+    return limit
+
+
+@contextlib.contextmanager
+def strategy_notes(command: str) -> Iterator[None]:
+    """The strategies' notes (a kv projection replicated over tp: a UserWarning starting with
+    ``--``) printed as one ``spmdkit COMMAND: warning: ...`` line each on stderr, whatever
+    the planning raises."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        try:
+            yield
+        finally:
+            for w in caught:
+                if issubclass(w.category, UserWarning) and str(w.message).startswith("--"):
+                    print(f"spmdkit {command}: warning: {' '.join(str(w.message).split())}", file=sys.stderr)
+
+
+__all__ = ["auto_time_limit", "export_plan_file", "plan_source", "step_estimate", "strategy_notes", "write_html"]

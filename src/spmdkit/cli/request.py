@@ -1,0 +1,305 @@
+"""argv -> one typed request: the flags of ``spmdkit plan`` and ``spmdkit run``, and the frozen
+requests the parsed flags become once (:func:`plan_request`, :func:`run_request`).
+
+A request holds the flags as given (texts where the command checks them itself, in its own
+order and with its own messages, :mod:`spmdkit.cli.checks` the checks they share); the
+commands read it and never change it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+
+from spmdkit.models.zoo import PRESETS
+from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE
+
+#: ``--mesh`` when neither it nor ``--devices`` is given.
+DEFAULT_MESH = "dp=2,tp=4"
+#: ``spmdkit run --timeout`` by default (seconds).
+DEFAULT_TIMEOUT = 120.0
+#: ``spmdkit run --hf`` example inputs when --batch / --seq are not given
+HF_BATCH = 4
+HF_SEQ = 16
+
+
+# -- the requests --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Which model: a preset (``--model``), ``--program FILE`` or ``--hf CLASS`` with its
+    ``--hf-config`` and ``--dtype``; ``--tp-plan`` (megatron's module patterns for the last
+    two). Each command checks them into a :data:`spmdkit.models.source.ModelSource`."""
+
+    model: str
+    program: str | None = None
+    hf: str | None = None
+    hf_config: str | None = None
+    dtype: str | None = None
+    tp_plan: str | None = None
+
+
+@dataclass(frozen=True)
+class Links:
+    """How the step is timed: ``--cost`` (link costs per mesh dim), ``--device`` (a GPU preset
+    or file) and ``--nodes-of`` (ranks per node)."""
+
+    cost: str | None = None
+    device: str | None = None
+    nodes_of: str | None = None
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """What ``spmdkit plan`` writes besides the report: ``--json``, ``--wide``, ``--html FILE``,
+    ``--export FORMAT FILE``."""
+
+    json: bool = False
+    wide: bool = False
+    html: str | None = None
+    export: tuple[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class SearchArgs:
+    """``--auto`` (the ILP search of the shardings), its ``--auto-time-limit``, ``--memory``
+    (the cap) and ``--explain``."""
+
+    auto: bool = False
+    time_limit: str = "60"
+    memory: str | None = None
+    explain: bool = False
+
+
+@dataclass(frozen=True)
+class PipelineArgs:
+    """A pipeline's flags: ``--microbatches``, ``--schedule``, ``--virtual-stages``, ``--stages``."""
+
+    microbatches: str | None = None
+    schedule: str | None = None
+    virtual_stages: str | None = None
+    stages: str | None = None
+
+    def given(self) -> list[str]:
+        """The flags given, in this order."""
+        return [f for f, v in (("--microbatches", self.microbatches), ("--schedule", self.schedule),
+                               ("--virtual-stages", self.virtual_stages), ("--stages", self.stages))
+                if v is not None]
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """``spmdkit plan``'s flags. ``mesh`` is ``--mesh`` or, unless ``--devices`` is given,
+    :data:`DEFAULT_MESH`; ``layers`` / ``batch`` / ``seq`` override a preset's sizes."""
+
+    model: ModelArgs
+    mesh: str | None
+    strategy: str | None = None
+    devices: str | None = None
+    layers: str | None = None
+    batch: str | None = None
+    seq: str | None = None
+    annotate: tuple[str, ...] = ()
+    links: Links = Links()
+    grad_accum: str | None = None
+    recompute: str | None = None
+    verify: bool = False
+    search: SearchArgs = SearchArgs()
+    pipeline: PipelineArgs = PipelineArgs()
+    outputs: Outputs = Outputs()
+
+    @property
+    def mesh_text(self) -> str:
+        """The mesh planned on (a command without ``--devices``)."""
+        assert self.mesh is not None
+        return self.mesh
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """``spmdkit run``'s flags, and ``argv``: its own arguments, which the local launcher hands
+    to every rank."""
+
+    model: ModelArgs
+    mesh: str
+    argv: tuple[str, ...] = ()
+    strategy: str | None = None
+    layers: int | None = None
+    batch: int | None = None
+    seq: int | None = None
+    pad: int | None = None
+    annotate: tuple[str, ...] = ()
+    nproc: int | None = None
+    backend: str = "auto"
+    seed: int = 0
+    kernels: str = "torch"
+    warmup: int = 0
+    device: str | None = None
+    json: bool = False
+    timeout: float = DEFAULT_TIMEOUT
+
+
+def _model_args(ns: argparse.Namespace) -> ModelArgs:
+    return ModelArgs(model=ns.model, program=ns.program, hf=ns.hf, hf_config=ns.hf_config, dtype=ns.dtype,
+                     tp_plan=ns.tp_plan)
+
+
+def plan_request(ns: argparse.Namespace) -> PlanRequest:
+    """The request of a parsed ``spmdkit plan`` command line."""
+    mesh = ns.mesh if ns.mesh is not None or ns.devices is not None else DEFAULT_MESH
+    return PlanRequest(
+        model=_model_args(ns), mesh=mesh, strategy=ns.strategy, devices=ns.devices, layers=ns.layers,
+        batch=ns.batch, seq=ns.seq, annotate=tuple(ns.annotate),
+        links=Links(cost=ns.cost, device=ns.device, nodes_of=ns.nodes_of),
+        grad_accum=ns.grad_accum, recompute=ns.recompute, verify=ns.verify,
+        search=SearchArgs(auto=ns.auto, time_limit=ns.auto_time_limit, memory=ns.memory, explain=ns.explain),
+        pipeline=PipelineArgs(microbatches=ns.microbatches, schedule=ns.schedule,
+                              virtual_stages=ns.virtual_stages, stages=ns.stages),
+        outputs=Outputs(json=ns.json, wide=ns.wide, html=ns.html,
+                        export=None if ns.export is None else (ns.export[0], ns.export[1])))
+
+
+def run_request(ns: argparse.Namespace, argv: list[str]) -> RunRequest:
+    """The request of a parsed ``spmdkit run`` command line; ``argv``: the arguments after ``run``."""
+    return RunRequest(
+        model=_model_args(ns), mesh=ns.mesh, argv=tuple(argv), strategy=ns.strategy, layers=ns.layers,
+        batch=ns.batch, seq=ns.seq, pad=ns.pad, annotate=tuple(ns.annotate), nproc=ns.nproc, backend=ns.backend,
+        seed=ns.seed, kernels=ns.kernels, warmup=ns.warmup, device=ns.device, json=ns.json, timeout=ns.timeout)
+
+
+# -- the flags -----------------------------------------------------------------------------------
+
+
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="llama-7b",
+                   help=f"a preset ({', '.join(sorted(PRESETS))}); default llama-7b")
+    p.add_argument("--program", help="plan a program JSON file (docs/graph.md) instead of a preset")
+    p.add_argument("--hf", metavar="CLASS",
+                   help="plan a HuggingFace transformers model built from --hf-config, e.g. LlamaForCausalLM "
+                        "(needs spmdkit[hf])")
+    p.add_argument("--hf-config", metavar="FILE|JSON", help="the --hf model's config: a config.json file or a JSON object")
+    p.add_argument("--dtype", default="float32", help="the --hf model's dtype: float32 (default), bf16, fp16, float64")
+    p.add_argument("--tp-plan", metavar="FILE|JSON",
+                   help='megatron for --hf / --program: module-name patterns -> column, row, vocab or replicate, '
+                        'tried before the defaults, e.g. \'{"*.k_proj": "replicate"}\'')
+    p.add_argument("--mesh", default=None, help="named mesh dims, e.g. dp=2,tp=4 (default)")
+    p.add_argument("--devices", metavar="N",
+                   help="instead of --mesh: search every dp x tp x pp mesh of N devices, the strategies, ZeRO stages "
+                        "and recomputation (and --auto's search per mesh) for the fastest plan that fits the memory "
+                        "(graph/auto_search.py); prints the top configurations and the best plan")
+    p.add_argument("--strategy", default=None,
+                   help="comma list of dp, megatron (tp), sp, zero1, zero2 (zero), zero3 (fsdp); default megatron (= dp,megatron) for a preset "
+                        "or --hf, none for --program")
+    p.add_argument("--layers", help=f"override the preset's layer count (1 to {MAX_LAYERS})")
+    p.add_argument("--batch", help=f"override the preset's batch size (1 to {MAX_SIZE})")
+    p.add_argument("--seq", help=f"override the preset's sequence length (1 to {MAX_SIZE})")
+    p.add_argument("--annotate", action="append", default=[], metavar="TENSOR=DIMS_MAPPING",
+                   help='pin a tensor, e.g. --annotate "tokens=[0,-1]" (repeatable)')
+    p.add_argument("--cost", help='link costs per mesh dim, e.g. "tp=5us/150GB,dp=20us/25GB"')
+    p.add_argument("--device", help="predict the step on this GPU: a preset (a100-40gb, a100-80gb, h100, h200) "
+                                    "or a JSON file (docs/devices.md); also sets the links of --cost")
+    p.add_argument("--nodes-of", dest="nodes_of", metavar="N",
+                   help="ranks per node (the device's, 8, by default): inner mesh dims within N ranks use NVLink")
+    p.add_argument("--grad-accum", dest="grad_accum", metavar="K",
+                   help="gradient accumulation: K forward/backward micro-steps per optimizer step, the gradients "
+                        "accumulated and reduced once (default 1)")
+    p.add_argument("--recompute", default=None, metavar="none|selective|full",
+                   help="activation recomputation: selective (the attention core, Korthikanti et al. 2022) or "
+                        "full (every layer, only its input kept); in the memory and the --device step (default "
+                        "none; --devices tries all three)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--html", metavar="FILE",
+                   help="also write the plan as one self-contained HTML page (figures of the mesh, the shardings, "
+                        "communication, memory and the step's timeline; no network needed)")
+    p.add_argument("--wide", action="store_true",
+                   help="print the tables whole, however wide (on a terminal they are fitted to its width)")
+    p.add_argument("--export", nargs=2, metavar=("dtensor|jax|paddle", "FILE"),
+                   help="also write the parameters' shardings for torch DTensor (a parallelize_module plan and "
+                        "placements), JAX (PartitionSpecs) or Paddle (shard_tensor placements) to FILE (docs/export.md)")
+    p.add_argument("--verify", action="store_true",
+                   help="also run the same plan at tiny sizes through the simulator (needs numpy)")
+    p.add_argument("--auto", action="store_true",
+                   help="search the shardings (an ILP over the rules' candidates, solved by HiGHS; needs highspy) "
+                        "instead of a --strategy; --annotate pins are kept; minimises communication time, plus compute "
+                        "time with --device")
+    p.add_argument("--auto-time-limit", dest="auto_time_limit", default="60", metavar="SECONDS",
+                   help="the --auto solver's time limit (default 60)")
+    p.add_argument("--memory", metavar="SIZE",
+                   help="memory per device the plan must fit in, e.g. 80GiB, 80GB (10^9 bytes), 512MiB or a byte "
+                        "count (default: the --device's memory): the --auto search's cap; --devices rejects "
+                        "configurations over it")
+    p.add_argument("--explain", action="store_true",
+                   help="--auto: per layer, what was chosen and what the best plan choosing otherwise there costs")
+    add_pipeline_arguments(p)  # a pp mesh dim: --microbatches, --schedule, --virtual-stages, --stages
+
+
+def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--microbatches", metavar="M",
+                   help="pipeline (a pp mesh dim): microbatches per step (batch / M each; gradients accumulated)")
+    p.add_argument("--schedule", help="pipeline schedule: gpipe, 1f1b (default) or interleaved")
+    p.add_argument("--virtual-stages", dest="virtual_stages", metavar="V",
+                   help="interleaved 1F1B: model chunks per device (default 2 with --schedule interleaved)")
+    p.add_argument("--stages", metavar="N,N,...",
+                   help="layers per (virtual) stage, in order, e.g. 20,20,20,20 (default: an even split)")
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not math.isfinite(v) or v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return v
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny-llama", help=f"a preset ({', '.join(sorted(PRESETS))}); default tiny-llama")
+    p.add_argument("--program", help="run a program JSON file (docs/graph.md) instead of a preset; its annotations "
+                                      "come from --annotate")
+    p.add_argument("--hf", metavar="CLASS", help="run a HuggingFace transformers model (e.g. LlamaForCausalLM) built "
+                                                 "from --hf-config, on its own weights (needs spmdkit[hf])")
+    p.add_argument("--hf-config", metavar="FILE|JSON", help="the --hf model's config: a config.json path or a JSON "
+                                                            "object")
+    p.add_argument("--dtype", help="the --hf model's dtype (float32, float64, bfloat16, float16; default float32)")
+    p.add_argument("--pad", type=int, help="--hf: padded positions (attention mask 0) at the end of the batch's last "
+                                           "row (default 0)")
+    p.add_argument("--mesh", default="dp=2,tp=2", help="named mesh dims, e.g. dp=2,tp=2 (default)")
+    p.add_argument("--strategy", help="comma list of dp, megatron (tp), sp, zero1, zero2 (zero), zero3 (fsdp); default megatron (--program: "
+                                      "none, its --annotate pins alone)")
+    p.add_argument("--tp-plan", metavar="FILE|JSON",
+                   help='megatron for --hf / --program: module-name patterns -> column, row, vocab or replicate, '
+                        'e.g. \'{"*.k_proj": "replicate"}\' (docs/torch.md)')
+    p.add_argument("--layers", type=int, help="override the preset's layer count")
+    p.add_argument("--batch", type=int, help=f"override the preset's batch size (--hf: default {HF_BATCH})")
+    p.add_argument("--seq", type=int, help=f"override the preset's sequence length (--hf: default {HF_SEQ})")
+    p.add_argument("--annotate", action="append", default=[], metavar="TENSOR=DIMS_MAPPING",
+                   help='pin a tensor, e.g. --annotate "tokens=[0,-1]" (repeatable)')
+    p.add_argument("--nproc", type=int,
+                   help="start this many local processes (default: the mesh size); ignored under torchrun")
+    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
+                   help="torch.distributed backend (auto: nccl where GPUs exist, else gloo)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the step's data and parameters")
+    p.add_argument("--kernels", choices=("numpy", "torch"), default="torch",
+                   help="what each rank computes with: torch's ops in the program's dtypes (default: a real "
+                        "training step, checked against a single-process torch step within each dtype's "
+                        "tolerance; docs/torch.md) or spmdkit's numpy references in float64 (exact checks)")
+    p.add_argument("--warmup", type=int, metavar="N", default=0,
+                   help="untimed steps before the timed, checked one (default 0: the times then include torch's "
+                        "first-call initialisation of its kernels, and the report says so; 1 for times to set "
+                        "beside the prediction)")
+    p.add_argument("--device", metavar="NAME|FILE",
+                   help="the plan's prediction of the step's time on this GPU (a preset: a100-40gb, a100-80gb, "
+                        "h100, h200, or a JSON file), printed beside the measured time; default: this GPU's "
+                        "preset, else h100")
+    p.add_argument("--json", action="store_true", help="print rank 0's report as JSON")
+    p.add_argument("--timeout", type=_positive_seconds, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+                   help="the longest any rendezvous, process group or collective may wait; a rank that "
+                        "waits longer fails and the run ends (default %(default)g)")
+
+
+__all__ = ["DEFAULT_MESH", "DEFAULT_TIMEOUT", "HF_BATCH", "HF_SEQ",
+           "Links", "ModelArgs", "Outputs", "PipelineArgs", "PlanRequest", "RunRequest", "SearchArgs",
+           "add_pipeline_arguments", "add_plan_arguments", "add_run_arguments", "plan_request", "run_request"]

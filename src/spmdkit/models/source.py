@@ -1,0 +1,119 @@
+"""Where a model comes from, and :func:`load`: one way from a preset, a program file or a
+HuggingFace model to the program a command plans.
+
+A :data:`ModelSource` is one of :class:`Preset` (a zoo preset of :mod:`spmdkit.models.zoo`,
+its sizes optionally overridden), :class:`ProgramFile` (a program JSON file, docs/graph.md)
+or :class:`HFModel` (a HuggingFace ``transformers`` class built from its config and imported
+by :mod:`spmdkit.models.hf`). The command line checks its flags into one (each command names
+its own flags in its messages); ``spmdkit plan`` and ``spmdkit run`` then load it here alike.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from spmdkit.core.errors import ProgramError, SpmdError
+from spmdkit.models.hf import import_hf
+from spmdkit.models.zoo import Model, ModelConfig, build_model, preset
+from spmdkit.program.ir import Program, load_program
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A zoo preset by name; ``layers`` / ``batch`` / ``seq`` override its sizes when given."""
+
+    name: str
+    layers: int | None = None
+    batch: int | None = None
+    seq: int | None = None
+
+    def overrides(self) -> dict[str, int | None]:
+        return {"layers": self.layers, "batch": self.batch, "seq": self.seq}
+
+    def config(self) -> ModelConfig:
+        """The preset's config with the given sizes; ProgramError naming ``--model`` for an
+        unknown name."""
+        return preset(self.name).with_(**{k: v for k, v in self.overrides().items() if v is not None})
+
+
+@dataclass(frozen=True)
+class ProgramFile:
+    """A program JSON file (docs/graph.md)."""
+
+    path: str
+
+
+@dataclass(frozen=True)
+class HFModel:
+    """A HuggingFace model: its class, its config (a config.json path or a JSON object text),
+    its dtype (a name :func:`spmdkit.models.hf.dtype_name` gave) and the example batch it is
+    traced at."""
+
+    class_name: str
+    config: str
+    dtype: str = "float32"
+    batch: int = 2
+    seq: int = 16
+
+
+ModelSource = Preset | ProgramFile | HFModel
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A loaded model: its program and a title naming it; for a preset the zoo model too (its
+    config, the roles its strategies read, its optimizer), for a HuggingFace model the torch
+    module and the keyword inputs of the call its program was traced from."""
+
+    source: ModelSource
+    program: Program
+    title: str
+    model: Model | None = None
+    module: Any = None
+    inputs: dict[str, Any] | None = None
+
+
+def preset_title(name: str, c: ModelConfig) -> str:
+    """A preset's description: ``llama-7b: llama, 32 layers, hidden 4096, ...``."""
+    return (f"{name}: {c.arch}, {c.layers} layers, hidden {c.hidden}, {c.heads} heads"
+            f"{f' ({c.n_kv} kv)' if c.n_kv != c.heads else ''}, FFN {c.ffn}, vocab {c.vocab}, "
+            f"seq {c.seq}, batch {c.batch}, {c.dtype}")
+
+
+def hf_title(source: HFModel) -> str:
+    return f"{source.class_name} (HuggingFace), batch {source.batch}, seq {source.seq}"
+
+
+def import_hf_checked(class_name: str, config: Any, batch: int, seq: int,
+                      dtype: str) -> tuple[Program, Any, dict[str, Any]]:
+    """:func:`spmdkit.models.hf.import_hf` (``dtype`` a dtype name), its errors on a model that does not
+    import given as one ProgramError naming ``--hf``."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        try:
+            return import_hf(class_name, config, batch=batch, seq=seq, dtype=dtype)
+        except SpmdError:
+            raise
+        except (ValueError, TypeError, RuntimeError, IndexError, KeyError) as exc:
+            msg = " ".join(str(exc).split())[:300]
+            raise ProgramError(f"--hf {class_name}: the model does not import: {type(exc).__name__}: {msg}") from None
+
+
+def load(source: ModelSource, *, vocab_parallel_loss: bool = False) -> Loaded:
+    """The program of ``source``: a preset built (its loss vocab-parallel when asked: the rule
+    then also takes the class axis whole), a program file read and validated, a HuggingFace
+    model built and its training step imported."""
+    if isinstance(source, Preset):
+        cfg = source.config()
+        model = build_model(cfg, vocab_parallel_loss=vocab_parallel_loss, check_rules=False)
+        return Loaded(source, model.program, preset_title(source.name, cfg), model=model)
+    if isinstance(source, ProgramFile):
+        return Loaded(source, load_program(source.path), f"program {source.path}")
+    prog, module, kw = import_hf_checked(source.class_name, source.config, source.batch, source.seq, source.dtype)
+    return Loaded(source, prog, hf_title(source), module=module, inputs=kw)
+
+
+__all__ = ["HFModel", "Loaded", "ModelSource", "Preset", "ProgramFile", "hf_title", "import_hf_checked", "load",
+           "preset_title"]
