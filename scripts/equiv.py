@@ -222,7 +222,8 @@ def _pick_tensor(case: dict[str, Any], r: random.Random, min_nd: int = 0) -> dic
 def _dm(t: dict[str, Any]) -> list[Any]:
     if "dims_mapping" not in t or not isinstance(t["dims_mapping"], list):
         t["dims_mapping"] = [-1] * len(t["shape"])
-    return t["dims_mapping"]
+    dm: list[Any] = t["dims_mapping"]
+    return dm
 
 
 def _mut_size(case: dict[str, Any], r: random.Random) -> bool:
@@ -346,7 +347,7 @@ def _mut_partial(case: dict[str, Any], r: random.Random) -> bool:
         t["partial"] = [d]
     else:
         red = r.choice(REDUCES) if r.random() < 0.95 else "bogus"
-        p = t.get("partial") if isinstance(t.get("partial"), dict) else {}
+        p: dict[str, Any] = t["partial"] if isinstance(t.get("partial"), dict) else {}
         p[str(d)] = red
         t["partial"] = p
     return True
@@ -1239,7 +1240,8 @@ class Worker:
             self.proc = None
             return {"rc": f"worker-died({code})", "stdout": "", "stderr": "", "fd_stdout": "", "fd_stderr": "",
                     "exception": "the worker process died"}
-        return json.loads(line)
+        resp: dict[str, Any] = json.loads(line)
+        return resp
 
     def close(self) -> None:
         if self.proc is not None:
@@ -1299,7 +1301,8 @@ def _presets(w: Worker, work: Path) -> tuple[list[str], dict[str, Any]]:
 def cmd_snapshot(a: argparse.Namespace) -> int:
     tree = Path(a.tree).resolve()
     cases = Path(a.cases).resolve()
-    out = Path(a.out).resolve()
+    final = Path(a.out).resolve()
+    out = final.with_name(final.name + ".partial")  # renamed to OUT_DIR when complete (a reader never sees half)
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
@@ -1423,6 +1426,16 @@ def cmd_snapshot(a: argparse.Namespace) -> int:
             "discovery": {"argv": ["plan", "--model", "__equiv_no_such_model__", "--mesh", "dp=2"],
                           "stderr": discovery["stderr"]}}
     (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    if final.exists():
+        old = final.with_name(final.name + ".old")
+        if old.exists():
+            shutil.rmtree(old)
+        final.rename(old)
+        out.rename(final)
+        shutil.rmtree(old)
+    else:
+        out.rename(final)
+    out = final
     bad = [results[i]["id"] for i in range(len(cmds)) if not isinstance(results[i]["rc"], int)]
     print(f"equiv snapshot: {tree} -> {out}: answers {n_answers}, {len(cmds)} commands "
           f"({', '.join(f'{k} {v}' for k, v in sorted(cats.items()))}); {timings['total']} s "
@@ -1604,9 +1617,9 @@ def cmd_compare(a: argparse.Namespace) -> int:
             what_differs[cat].update(w.split()[0] for w, _ in diffs)
             if render:
                 shown += 1
-                argv = " ".join(json.dumps(x) if (" " in x or not x) else x for x in ca[cid]["argv"])
+                shown_argv = " ".join(json.dumps(x) if (" " in x or not x) else x for x in ca[cid]["argv"])
                 body = "\n".join(f"-- {what}:\n{text}" for what, text in diffs[:4])
-                details.append(f"== command {cid}\n   spmdkit {argv[:400]}\n{body}")
+                details.append(f"== command {cid}\n   spmdkit {shown_argv[:400]}\n{body}")
     for cat in sorted(by_cat):
         rows.append((f"commands: {cat}", by_cat[cat][0], by_cat[cat][1]))
         total_diff += by_cat[cat][1]
@@ -1617,9 +1630,9 @@ def cmd_compare(a: argparse.Namespace) -> int:
         what = ", ".join(f"{k} {v}" for k, v in sorted(what_differs[cat].items())) if cat in what_differs else ""
         print(f"{name:<{w}}  {n:>9}  {d:>9}  {what}".rstrip())
     print(f"{'total':<{w}}  {sum(r[1] for r in rows):>9}  {sum(r[2] for r in rows):>9}")
-    for d in details:
+    for text in details:
         print()
-        print(d)
+        print(text)
     print()
     print("IDENTICAL" if total_diff == 0 else f"DIFFERENT: {total_diff} differing items")
     return 0 if total_diff == 0 else 1
