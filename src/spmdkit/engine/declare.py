@@ -45,8 +45,9 @@ from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import InvalidArgumentError, InvalidMeshError, ShapeMismatchError, SpmdError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.codegen import define
-from spmdkit.engine.compiler import RulePlan, compile_plan, infer
+from spmdkit.engine.compiler import compile_plan, infer
 from spmdkit.engine.notation import Notation
+from spmdkit.engine.plans import RulePlan
 from spmdkit.engine.registry import register
 from spmdkit.engine.shapes import NAMESPACE as SHAPE_NAMES
 from spmdkit.engine.shapes import mismatch, require_lines, shape_lines
