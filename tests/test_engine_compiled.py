@@ -17,10 +17,11 @@ import pytest
 from spmdkit.core.dist_attr import ReduceType
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec
-from spmdkit.engine.compiler import RulePlan, compile_plan, infer, merge_letters, run
+from spmdkit.engine.compiler import compile_plan, infer, merge_letters, run
 from spmdkit.engine.dim_trans import reshape_links, view_plan
 from spmdkit.engine.merge import BROADCAST, reference_merge
 from spmdkit.engine.notation import Notation
+from spmdkit.engine.plans import RulePlan
 from spmdkit.ops import (
     amp,
     conv,
@@ -547,7 +548,7 @@ def test_forward_projection_equals_the_reference() -> None:
 def test_big_plan_generates_its_code_on_second_use() -> None:
     """A plan labelling more than ``_EAGER`` axes declines its first call (the general path
     answers), generates its code on the second, and that code answers as the general path."""
-    from spmdkit.engine.compiler import _EAGER
+    from spmdkit.engine.fastpath import _EAGER
 
     rng = random.Random(29)
     n = _EAGER // 2 + 1  # 2-D tensors of their own letters: more than _EAGER axes

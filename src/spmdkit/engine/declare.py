@@ -34,6 +34,7 @@ functions: the generated code calls each by the names of its parameters (see :cl
 
 from __future__ import annotations
 
+import functools
 import inspect
 import keyword
 import sys
@@ -45,8 +46,9 @@ from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import InvalidArgumentError, InvalidMeshError, ShapeMismatchError, SpmdError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.codegen import define
-from spmdkit.engine.compiler import RulePlan, compile_plan, infer
+from spmdkit.engine.compiler import compile_plan, infer
 from spmdkit.engine.notation import Notation
+from spmdkit.engine.plans import RulePlan
 from spmdkit.engine.registry import register
 from spmdkit.engine.shapes import NAMESPACE as SHAPE_NAMES
 from spmdkit.engine.shapes import mismatch, require_lines, shape_lines
@@ -69,6 +71,18 @@ class Let:
 
     name: str
     fn: Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class PartialIn:
+    """A ``post_if`` condition declared, not a hook: one of these tensor parameters is partial
+    (``PartialIn("x")``: a linear op's post hook keeps x's partial status). The generated code
+    reads it inline."""
+
+    tensors: tuple[str, ...]
+
+    def __init__(self, *tensors: str) -> None:
+        object.__setattr__(self, "tensors", tensors)
 
 
 #: a stage's hooks (``Way.pre``, ``Way.check``): one, or several run in order
@@ -102,7 +116,7 @@ class Way:
     * ``post(ins, outs, *args) -> (ins, outs)``: a hook on the engine's answer for a true
       special case (say why where it is declared), given every parameter in order;
       ``post_if``: a hook (by name, as ``check``) where given the post hook runs only where it
-      returns true (``lambda x: x.dist_attr.partial``);
+      returns true, or :class:`PartialIn` (``PartialIn("x")``: where x is partial);
     * ``env``: names the ``key`` expressions may use besides the parameters and ``ones``;
     * ``wrap(fn, signature, outputs) -> fn``: what :func:`declare` registers in place of the
       generated function (a 0-D optional tensor read as absent: ``spmdkit.ops._absent.absent_0d``);
@@ -147,7 +161,7 @@ class Way:
     letters: bool = False
     check: Hooks = ()
     post: Callable[..., Answer] | None = None
-    post_if: Callable[..., Any] | None = None
+    post_if: Callable[..., Any] | PartialIn | None = None
     env: Mapping[str, Any] = field(default_factory=dict)
     wrap: Callable[[Callable[..., SpmdResult], str, Sequence[str]], Callable[..., SpmdResult]] | None = None
     out_shapes: Callable[..., Any] | None = None
@@ -351,9 +365,7 @@ class _Source:
             fn = h.fn if isinstance(h, Let) else h
             if not callable(fn):
                 raise TypeError(f"{self.op}: a {stage} hook is a function, got {fn!r}")
-            var = f"_{stage}{k}"
-            self.ns[var] = fn
-            got = f"{var}({_hook_args(self.op, fn, self.bound)})"
+            got = self.hook(fn, f"_{stage}{k}")
             if isinstance(h, Let):
                 n = h.name
                 if not n.isidentifier() or keyword.iskeyword(n) or n.startswith("_") or n in self.bound or n in self.ns:
@@ -363,11 +375,30 @@ class _Source:
             self.emit(f"        {got}")
 
     def hook(self, fn: Callable[..., Any], var: str) -> str:
-        """A call of a single hook (``post_if``, ``out_shapes``) over every bound name."""
+        """A call of hook ``fn`` over the bound names (a ``functools.partial``: its function called
+        with the bound values first, no partial object per call)."""
         if not callable(fn):
             raise TypeError(f"{self.op}: a {var[1:]} hook is a function, got {fn!r}")
+        args = _hook_args(self.op, fn, self.bound)
+        if isinstance(fn, functools.partial) and not fn.keywords:  # its function called, the bound values first
+            bound = []
+            for i, v in enumerate(fn.args):
+                self.ns[f"{var}_{i}"] = v
+                bound.append(f"{var}_{i}")
+            fn, args = fn.func, ", ".join([*bound, *([args] if args else [])])
         self.ns[var] = fn
-        return f"{var}({_hook_args(self.op, fn, self.bound)})"
+        return f"{var}({args})"
+
+    def condition(self, post_if: Callable[..., Any] | PartialIn | None) -> str:
+        """The generated test of ``post_if`` ("" for none)."""
+        if post_if is None:
+            return ""
+        if not isinstance(post_if, PartialIn):
+            return self.hook(post_if, "_post_if")
+        for n in post_if.tensors:
+            if self.kinds.get(n) != "T":
+                raise ValueError(f"{self.op}: PartialIn {n!r} is not a required tensor parameter")
+        return "(" + " or ".join(f"{n}.dist_attr.partial" for n in post_if.tensors) + ")"
 
     def mesh(self) -> None:
         """The non-empty lists, the ``pre`` hooks, then the one mesh: the first required tensor's
@@ -481,7 +512,7 @@ class _Source:
                 self.emit(f"        _letters(_OP, _p.notation.inputs, {tin}, {names})")
             else:
                 self.emit(f"        _letters(_OP, _p.notation.inputs + _p.notation.outputs, {tin} + {tout}, {names})")
-        post_if = self.hook(way.post_if, "_post_if") if way.post_if is not None else ""
+        post_if = self.condition(way.post_if)
         if way.tail:
             self._tail_answer(outputs, tin, names, shapes)
         elif lists:
@@ -639,4 +670,4 @@ def declare(
     return register(name, fwd, signature, forward_name=forward.paddle, **kw)
 
 
-__all__ = ["PLAN_LIMIT", "Answer", "Hooks", "Let", "Way", "declare", "generate", "ones", "renamed", "same_shape"]
+__all__ = ["PLAN_LIMIT", "Answer", "Hooks", "Let", "PartialIn", "Way", "declare", "generate", "ones", "renamed", "same_shape"]

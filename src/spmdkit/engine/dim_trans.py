@@ -37,9 +37,10 @@ from functools import lru_cache
 from typing import NamedTuple, Union
 
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
-from spmdkit.engine.compiler import RulePlan, compile_plan
+from spmdkit.engine.compiler import compile_plan
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import ALPHABET, BROADCAST, Coshard, Notation
+from spmdkit.engine.plans import RulePlan
 
 
 class InputDim(NamedTuple):

@@ -32,13 +32,3 @@ def check_like(op: str, a: DistTensorSpec, b: DistTensorSpec, na: str, nb: str) 
         raise ShapeMismatchError(f"{op}: {nb} has {len(b.shape)} dims, expected {len(a.shape)} (as {na})")
     if i is not None:
         raise ShapeMismatchError(f"{op}: {na} and {nb} differ on axis {i} ({a.shape[i]} vs {b.shape[i]})")
-
-
-def x_partial(x: DistTensorSpec) -> bool:
-    """A ``post_if`` hook: x is partial (a linear op's post hook keeps its partial status)."""
-    return bool(x.dist_attr.partial)
-
-
-def out_grad_partial(out_grad: DistTensorSpec) -> bool:
-    """A ``post_if`` hook: out_grad is partial."""
-    return bool(out_grad.dist_attr.partial)

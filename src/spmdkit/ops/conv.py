@@ -63,7 +63,7 @@ from spmdkit.core.dist_attr import ReduceType, TensorDistAttr, dims_entry, entry
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec as T
 from spmdkit.engine.axes import largest_mesh_dim, mesh_size
-from spmdkit.engine.declare import Answer, Way, declare
+from spmdkit.engine.declare import Answer, PartialIn, Way, declare
 from spmdkit.engine.facts import LocalOp, LocalTensor, OpCost, facts
 from spmdkit.engine.memo import memo
 from spmdkit.engine.notation import ALPHABET, BROADCAST, Coshard, Notation
@@ -221,10 +221,6 @@ def _flat_stats(ins: Any, outs: Any, *args: Any) -> Answer:
     return ((*ins[:3], st, st, ins[5]), outs) if len(ins) == 6 else (ins, (outs[0], st, st))
 
 
-def _output_grad_partial(output_grad: T) -> Any:
-    return output_grad.dist_attr.partial
-
-
 def _bn_lengths(x: T, data_format: str, scale: T | None, bias: T | None, mean_out: T, variance_out: T,
                 saved_mean: T, saved_variance: T) -> None:  # fmt: skip
     _lengths("the channel count", x.shape[1 if data_format[1] == "C" else -1], scale=scale, bias=bias,
@@ -256,7 +252,7 @@ def _conv(grad: bool, nsp: int, transpose: bool, attrs: bool, out: str, paddle: 
         require=(f"data_format in {fmts!r}", "groups >= 1") if attrs else (),
         shapes=f"input: n _{sp}; filter: _ _{sp}" + (f"; {out}: n _{sp}" if out else ""),
         check=partial(_channels, transpose),
-        post=_linear_partial if grad else None, post_if=_output_grad_partial if grad else None,
+        post=_linear_partial if grad else None, post_if=PartialIn("output_grad") if grad else None,
         paddle=paddle, doc=f"{paddle}: {doc}",
     )  # fmt: skip
 

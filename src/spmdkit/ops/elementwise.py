@@ -29,11 +29,10 @@ from typing import Any
 from spmdkit.core.dist_attr import ReduceType, TensorDistAttr, entry_dims
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
-from spmdkit.engine.declare import Answer, Way, declare, ones
+from spmdkit.engine.declare import Answer, PartialIn, Way, declare, ones
 from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import BROADCAST, Coshard, Notation, UnitAxes, letters_for
 from spmdkit.engine.outshape import Args, Expect, broadcast, same
-from spmdkit.ops._common import out_grad_partial, x_partial
 from spmdkit.ops._cost import by_bytes, fill, one_per_element
 
 _make = TensorDistAttr.unchecked
@@ -232,13 +231,13 @@ declare("gelu", "x: T, approximate: bool = False", Way(unary_notation, key="x", 
         grad=_unary_grad(("x",), "GeluGradInferSpmd"), grad_signature="x: T, out_grad: T, approximate: bool = False",
         grad_name="gelu_grad")
 declare("cast", "x: T, dtype: any = 'float32'",
-        replace(_UNARY, post=_cast_post, post_if=x_partial, paddle="CastInferSpmd",
+        replace(_UNARY, post=_cast_post, post_if=PartialIn("x"), paddle="CastInferSpmd",
                 doc="cast (CastInferSpmd): elementwise unary keeping x's partial status."),
         reverse=_UNARY_REV, outputs="out: T")
 for _n in BINARY_OPS:
     declare(_n, "x: T, y: T", _BINARY, reverse=_BINARY_REV, outputs="out: T")
 declare("multiply", "x: T, y: T",
-        replace(_BINARY, post=_multiply_post, post_if=lambda x, y: x.dist_attr.partial or y.dist_attr.partial,
+        replace(_BINARY, post=_multiply_post, post_if=PartialIn("x", "y"),
                 paddle="ElementwiseBinaryWithPartialInferSpmd", doc=_multiply_post.__doc__ or ""),
         reverse=_BINARY_REV, outputs="out: T")
 declare("dropout_grad",
@@ -249,7 +248,7 @@ for _inputs, _names in UNARY_GRADS.items():
     for _n in _names.split():
         declare(f"{_n}_grad", ", ".join(f"{i}: T" for i in (*_inputs, "out_grad")), _unary_grad(_inputs))
 declare("cast_grad", "x: T, out_grad: T",
-        _unary_grad(("x",), post=_keep_grad_partial, post_if=out_grad_partial))
+        _unary_grad(("x",), post=_keep_grad_partial, post_if=PartialIn("out_grad")))
 declare("pow_grad", "x: T, out_grad: T, y: scalar = 1.0", _unary_grad(("x",), "PowGradInferSpmd"))
 for _n in BINARY_GRADS:
     declare(f"{_n}_grad", "x: T, y: T, out_grad: T, axis: int = -1", _binary_grad(False))

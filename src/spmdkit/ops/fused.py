@@ -38,12 +38,12 @@ from spmdkit.core.dist_attr import DimsMapping, ReduceType, entry_dims
 from spmdkit.core.errors import ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import make_attr
-from spmdkit.engine.declare import Answer, Way, declare
+from spmdkit.engine.declare import Answer, PartialIn, Way, declare
 from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import BROADCAST, Conflict, Coshard, Notation, UnitAxes, letters_for
 from spmdkit.engine.outshape import Args, Expect, UnknownShape, broadcast
 from spmdkit.ops._absent import absent_0d
-from spmdkit.ops._common import check_like, check_same_shape, out_grad_partial
+from spmdkit.ops._common import check_like, check_same_shape
 from spmdkit.ops._cost import by_bytes, one_per_element
 
 
@@ -175,7 +175,7 @@ declare(
     "fix_seed: bool = False",
     Way(_fda_grad_notation, require=("not isinstance(p, bool) and 0 <= p <= 1",
                                      "mode in ('upscale_in_train', 'downscale_in_infer')"),
-        wrap=absent_0d("seed_offset"), post=_keep_partial, post_if=out_grad_partial,
+        wrap=absent_0d("seed_offset"), post=_keep_partial, post_if=PartialIn("out_grad"),
         paddle="FusedDropoutAddGradInferSpmd",
         doc="fused_dropout_add_grad (FusedDropoutAddGradInferSpmd): x_grad and y_grad sharded as out_grad."),
 )  # fmt: skip

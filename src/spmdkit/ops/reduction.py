@@ -66,11 +66,11 @@ from spmdkit.core.dist_attr import ReduceType
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import reduced_axes
-from spmdkit.engine.declare import Answer, Way, declare
+from spmdkit.engine.declare import Answer, PartialIn, Way, declare
 from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import ALPHABET, BROADCAST, Coshard, Notation, Order, Taken, letters_for
 from spmdkit.engine.outshape import over_axis_or_all, reduced, scalar
-from spmdkit.ops._common import check_same_shape, x_partial
+from spmdkit.ops._common import check_same_shape
 from spmdkit.ops._cost import one_per_element
 
 #: Paddle's ReduceType enum, ``reduce_base``'s ``reduce_type``: 0 sum, 1 max, 2 min, 3 prod, 4 avg, 5 any, 6 all
@@ -279,7 +279,7 @@ declare("p_norm_grad", f"x: T, out: T, out_grad: T, {_PN_SIG}", _way)
 declare(
     "numel",
     "x: T",
-    Way(notation, key="x", post=as_given, post_if=x_partial, paddle="NumelInferSpmd"),
+    Way(notation, key="x", post=as_given, post_if=PartialIn("x"), paddle="NumelInferSpmd"),
     reverse=Way(lambda nd: Notation([BROADCAST * nd], [""]), key="x", shapes="out:", paddle="NumelInferSpmdReverse"),
     outputs="out: T",
 )

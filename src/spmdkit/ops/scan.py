@@ -64,12 +64,12 @@ from spmdkit.core.dist_attr import Partial, ReduceType
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import make_attr, normalize_axis, numel, reduced_axes
-from spmdkit.engine.declare import Way, declare
+from spmdkit.engine.declare import PartialIn, Way, declare
 from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import BROADCAST, Coshard, Notation, letters_for
 from spmdkit.engine.outshape import Args, Expect, UnknownShape, axis_of, broadcast, over_axis_or_all, reduced, same
 from spmdkit.engine.tensors import with_partial
-from spmdkit.ops._common import check_same_ndim, check_same_shape, x_partial
+from spmdkit.ops._common import check_same_ndim, check_same_shape
 from spmdkit.ops._cost import by_bytes, copy, fill, no_kernel, one_per_element
 from spmdkit.ops.reduction import as_given, check_reduced, reduced_letters
 
@@ -287,7 +287,7 @@ for _op, _fn, _attrs in (
     ("ones_like", "CreateLikeInferSpmd", ""),
     ("zeros_like", "CreateLikeInferSpmd", ""),
 ):
-    _way = Way(_same, key="x", post=as_given, post_if=x_partial, paddle=_fn)
+    _way = Way(_same, key="x", post=as_given, post_if=PartialIn("x"), paddle=_fn)
     _rev = Way(_same, key="x", same=[("x", "out")], paddle=f"{_op} reverse (spmdkit)")
     declare(_op, f"x: T{_attrs}", _way, reverse=_rev, outputs="out: T")
 

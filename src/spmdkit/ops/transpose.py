@@ -16,12 +16,11 @@ from typing import Any
 
 from spmdkit.core.errors import InvalidAttributeError
 from spmdkit.core.spec import DistTensorSpec
-from spmdkit.engine.declare import Answer, Way, declare
+from spmdkit.engine.declare import Answer, PartialIn, Way, declare
 from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import Notation, letters_for
 from spmdkit.engine.outshape import Args, Expect, UnknownShape
 from spmdkit.engine.tensors import with_partial
-from spmdkit.ops._common import out_grad_partial, x_partial
 from spmdkit.ops._cost import copy
 
 
@@ -51,7 +50,7 @@ def _keep_partial(ins: Any, outs: Any, src: DistTensorSpec, perm: tuple[int, ...
 
 declare(
     "transpose", "x: T, perm: ints",
-    Way(notation, key="x, perm", post=_keep_partial, post_if=x_partial, paddle="TransposeInferSpmd",
+    Way(notation, key="x, perm", post=_keep_partial, post_if=PartialIn("x"), paddle="TransposeInferSpmd",
         doc="out axis i is x axis perm[i]; every sharding moves with its axis (uneven mesh dims dropped)."),
     reverse=Way(notation, key="x, perm", letters=True, paddle="TransposeInferSpmdReverse",
                 doc="x from out: each out axis's sharding goes back to the x axis it came from."),
@@ -59,7 +58,7 @@ declare(
 )  # fmt: skip
 declare(
     "transpose_grad", "out_grad: T, perm: ints",
-    Way(partial(notation, grad=True), key="out_grad, perm", post=_keep_partial, post_if=out_grad_partial,
+    Way(partial(notation, grad=True), key="out_grad, perm", post=_keep_partial, post_if=PartialIn("out_grad"),
         paddle="TransposeGradInferSpmd", doc="x_grad = transpose(out_grad, inverse(perm))."),
 )  # fmt: skip
 

@@ -30,12 +30,11 @@ from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine import dim_trans as dt
 from spmdkit.engine.axes import make_attr
-from spmdkit.engine.declare import Answer, Let, Way, declare
+from spmdkit.engine.declare import Answer, Let, PartialIn, Way, declare
 from spmdkit.engine.dim_trans import DimTrans, Link
 from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import Notation
 from spmdkit.engine.outshape import Args, Expect, ShapeFn, UnknownShape, axis_of
-from spmdkit.ops._common import x_partial
 from spmdkit.ops._cost import no_kernel
 
 #: The most axes one unsqueeze inserts (see the module docstring).
@@ -150,7 +149,7 @@ declare(
     "reshape", "x: T, shape: ints",
     Way(partial(notation, True, False), key="x, dt.reshape_links(x.shape, tgt)", out_shapes=lambda tgt: (tgt,),
         env=_ENV, check=Let("tgt", _reshaped),
-        post=_linear, post_if=x_partial, paddle="ReshapeInferSpmd",
+        post=_linear, post_if=PartialIn("x"), paddle="ReshapeInferSpmd",
         doc="out = x viewed as ``shape`` (0 copies x's size, one -1 inferred; a dynamic (-1) size of x must be "
             "copied by a 0 at its index)."),
     reverse=Way(partial(notation, False, True), key="out, dt.reshape_links(out.shape, x.shape)", env=_ENV,
@@ -172,7 +171,7 @@ for _op, _lists, _rev, _keep, _sig, _aliases, _doc in (
     declare(
         _op, _sig,
         Way(partial(notation, _keep, False), key="x, dt.links(view[0])", env=_ENV, check=_check,
-            out_shapes=lambda view: (view[1],), post=_linear if _keep else None, post_if=x_partial,
+            out_shapes=lambda view: (view[1],), post=_linear if _keep else None, post_if=PartialIn("x"),
             paddle=f"{_pd}InferSpmd", doc=_doc),
         reverse=Way(partial(notation, False, True), key=f"out, dt.links({_rev})", env=_ENV,
                     check=(*_check, _out_view), paddle=f"{_pd}InferSpmdReverse",

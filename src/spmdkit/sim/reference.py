@@ -174,7 +174,7 @@ def norm_axis(axis: Any, ndim: int, any_0d: bool = False) -> int:
 @dataclass(frozen=True)
 class ArrayLib:
     """The array functions whose numpy and torch spellings differ: :data:`NUMPY` (the references,
-    in float64) and ``spmdkit.execute.kernels.TORCH`` (the program's dtype)."""
+    in float64) and ``spmdkit.execute.kernels._common.TORCH`` (the program's dtype)."""
 
     #: an input as the library computes on it (numpy: float64)
     array: Callable[[Any], Any]

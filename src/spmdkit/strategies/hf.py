@@ -53,7 +53,7 @@ the attention is tensor parallel head-wise, and the parts' weight gradients are 
 - ``sp`` (with ``megatron``): Megatron sequence parallel. The residual stream (the
   vocab-parallel embeddings' outputs, the row layers' outputs and the adds that take them)
   and its gradient are sharded on their sequence axis over ``tp``, so HF's decomposed norms
-  (``square`` / ``mean`` / ``rsqrt`` / ``multiply``, or ``layer_norm``) run on sequence
+  (``square`` / ``mean`` / ``rsqrt`` / ``multiply``, or the layer norm op) run on sequence
   shards; the inputs of the column layers and of the LM head are gathered (their summed
   gradients reduce-scattered back), the row layers' partial outputs reduce-scattered and
   their output gradients gathered: every tensor-parallel all-reduce becomes an all-gather /

@@ -1,13 +1,14 @@
 """Import a ``torch.nn.Module`` as a spmdkit :class:`~spmdkit.program.ir.Program`.
 
 ``import_module(module, args, kwargs)`` exports the module with ``torch.export.export``
-(static shapes from the example inputs; the pre-dispatch ATen graph, so ``linear``,
-``layer_norm``, ``rms_norm``, ``scaled_dot_product_attention`` and ``cross_entropy_loss`` keep
-their names) and maps every ATen op to registered rules with their Paddle 3.3.1 attributes:
+(static shapes from the example inputs; the pre-dispatch ATen graph, so ``linear``, the norms,
+``scaled_dot_product_attention`` and ``cross_entropy_loss`` keep their names) and maps every ATen
+op to registered rules with their Paddle 3.3.1 attributes, one module of lowerings per op family
+(``aten/<family>.py``, named as :mod:`spmdkit.ops`):
 
 - ``linear`` -> ``matmul(trans_y=True)`` [+ ``add``]; ``mm`` / ``bmm`` / ``matmul`` ->
   ``matmul``; ``addmm`` -> ``matmul`` + ``add``
-- ``layer_norm`` -> ``layer_norm`` (``begin_norm_axis``), ``rms_norm`` -> ``fused_rms_norm``
+- the layer and RMS norms -> the ``norm`` family's rules (:mod:`.aten.norm`)
 - ``softmax`` / ``log_softmax``, ``embedding``, ``gelu`` / ``silu`` / ``relu`` / ``tanh`` / ``exp``
   / ``rsqrt`` / ... (same names), ``pow`` (2 -> ``square``, 0.5 -> ``sqrt``, -0.5 -> ``rsqrt``, else
   ``elementwise_pow``)
@@ -123,7 +124,7 @@ def import_module(module: Any, args: Sequence[Any] = (), kwargs: Mapping[str, An
     per-call hooks (as :func:`register_aten`), which win over the registered and built-in ones;
     ``fallback``: ``"error"`` (an unmapped op raises ProgramError) or ``"replicate"``;
     ``buffers``: ``"input"`` or ``"parameter"``; ``decompose``: run torch's default decompositions
-    first (core ATen: ``addmm``, ``native_layer_norm``, ``_softmax``, ...). ``module`` may also be
+    first (core ATen: ``addmm``, the native norms, ``_softmax``, ...). ``module`` may also be
     a ``torch.export.ExportedProgram``."""
     modes = {m: m.training for m in module.modules()} if isinstance(module, torch.nn.Module) else {}
     kwargs = hf_call_kwargs(module, kwargs)
