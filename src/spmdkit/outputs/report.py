@@ -272,7 +272,7 @@ def write_estimate(est: StepEstimate, out: TextIO) -> None:
     nb = len(est.buckets)
     rows.append([f"gradient reductions ({nb} DDP bucket{'' if nb == 1 else 's'})", "-", fmt_time(est.grad_sync_s)])
     rows.append(["total", fmt_time(est.compute_total_s), fmt_time(est.comm_total_s)])
-    print_table("Predicted step per device (roofline compute, alpha-beta communication; spmdkit.cost.compute)",
+    print_table("Predicted step per device (roofline compute, alpha-beta communication; spmdkit.cost.step)",
            ["", "compute", "communication"], rows, out)
     exposed = est.step_overlap_s - est.compute_total_s
     out.write(f"step time: {fmt_time(est.step_serial_s)} serial, {fmt_time(est.step_overlap_s)} with the gradient "
