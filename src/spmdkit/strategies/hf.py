@@ -83,6 +83,7 @@ from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.program.ir import Op, Program, Tensor
+from spmdkit.program.plan import Plan
 from spmdkit.strategies.strategy import Marks, optimizer_layouts, strategy_dims, user_attrs
 
 ROLES = ("column", "row", "vocab", "replicate")
@@ -610,7 +611,7 @@ def vocab_parallel_embedding(prog: Program, tables: Iterable[str]) -> Program:
     return _rebuild(prog, tensors, out)
 
 
-def regroup_partial_sums(prog: Program, plan: Any) -> Program:
+def regroup_partial_sums(prog: Program, plan: Plan) -> Program:
     """A copy of ``prog`` where an ``add_n`` that ``plan`` feeds two or more partial inputs
     (partial alike) and some that are not first sums the partial ones (one ``add_n``, still
     partial: one reduction where the rule would reduce each) and then adds the rest. BERT's
