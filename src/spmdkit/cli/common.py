@@ -21,17 +21,10 @@ from spmdkit.cost.devices import cost_model, load_device, recost
 from spmdkit.cost.memory import Memory
 from spmdkit.cost.step import StepEstimate, estimate_step
 from spmdkit.models.source import HFModel, Loaded, ModelSource, Preset, load
-from spmdkit.models.zoo import ModelConfig, preset
+from spmdkit.models.zoo import ModelConfig
 from spmdkit.outputs.export import export_plan
 from spmdkit.outputs.html import save_html
-from spmdkit.planner.planning import (
-    check_overrides,
-    clip_repr,
-    parse_size,
-    plan_program,
-    plan_zoo_model,
-    vocab_parallel,
-)
+from spmdkit.planner.planning import clip_repr, parse_size, plan_preset, plan_program
 from spmdkit.program.plan import Plan
 from spmdkit.strategies.strategy import parse_mesh, parse_strategy
 
@@ -44,15 +37,8 @@ def plan_source(source: ModelSource, mesh_text: str, strategy_text: str | None, 
     alone); ``progress``: a preset's propagation callback; ``grad_accum``: micro-steps per
     optimizer step (``--grad-accum``), part of the plan."""
     if isinstance(source, Preset):
-        preset(source.name)  # an unknown preset, then the mesh, the strategy and the sizes, as always
-        mesh = parse_mesh(mesh_text)
-        st = parse_strategy(strategy_text or "megatron", mesh)
-        source = Preset(source.name, **check_overrides(source.overrides()))
-        t0 = time.perf_counter()
-        loaded = load(source, vocab_parallel_loss=vocab_parallel(st))
-        assert loaded.model is not None  # a preset's
-        plan = plan_zoo_model(loaded.model, mesh, st, user, cost_text, progress, grad_accum)
-        return loaded, plan, time.perf_counter() - t0
+        return plan_preset(source.name, mesh_text, strategy_text or "megatron", source.overrides(), user, cost_text,
+                           progress, grad_accum)
     t0 = time.perf_counter()
     if isinstance(source, HFModel):
         strategy_text = strategy_text or "megatron"

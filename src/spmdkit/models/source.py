@@ -101,19 +101,24 @@ def import_hf_checked(class_name: str, config: Any, batch: int, seq: int,
             raise ProgramError(f"--hf {class_name}: the model does not import: {type(exc).__name__}: {msg}") from None
 
 
+def load_preset(source: Preset, config: ModelConfig, vocab_parallel_loss: bool = False) -> Loaded:
+    """A preset built from ``config`` (its sizes applied; the loss vocab-parallel when asked: the
+    rule then also takes the class axis whole), with its title."""
+    model = build_model(config, vocab_parallel_loss=vocab_parallel_loss, check_rules=False)
+    return Loaded(source, model.program, preset_title(source.name, config), model=model)
+
+
 def load(source: ModelSource, *, vocab_parallel_loss: bool = False) -> Loaded:
     """The program of ``source``: a preset built (its loss vocab-parallel when asked: the rule
     then also takes the class axis whole), a program file read and validated, a HuggingFace
     model built and its training step imported."""
     if isinstance(source, Preset):
-        cfg = source.config()
-        model = build_model(cfg, vocab_parallel_loss=vocab_parallel_loss, check_rules=False)
-        return Loaded(source, model.program, preset_title(source.name, cfg), model=model)
+        return load_preset(source, source.config(), vocab_parallel_loss)
     if isinstance(source, ProgramFile):
         return Loaded(source, load_program(source.path), f"program {source.path}")
     prog, module, kw = import_hf_checked(source.class_name, source.config, source.batch, source.seq, source.dtype)
     return Loaded(source, prog, hf_title(source), module=module, inputs=kw)
 
 
-__all__ = ["HFModel", "Loaded", "ModelSource", "Preset", "ProgramFile", "hf_title", "import_hf_checked", "load",
+__all__ = ["HFModel", "Loaded", "ModelSource", "Preset", "ProgramFile", "hf_title", "import_hf_checked", "load", "load_preset",
            "preset_title"]

@@ -21,8 +21,8 @@ from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel
 from spmdkit.models.hf import dtype_name
-from spmdkit.models.source import import_hf_checked
-from spmdkit.models.zoo import Model, build_model, preset
+from spmdkit.models.source import Loaded, Preset, import_hf_checked, load_preset
+from spmdkit.models.zoo import Model, preset
 from spmdkit.planner.propagate import propagate
 from spmdkit.program.ir import Program
 from spmdkit.program.plan import Plan
@@ -81,38 +81,36 @@ def plan_model(model_name: str, mesh_text: str, strategy_text: str,
                overrides: Mapping[str, int | str | None] | None = None,
                user: dict[str, Any] | None = None, cost_text: str | None = None,
                progress: Callable[[int, int], None] | None = None, grad_accum: int = 1) -> tuple[Model, Plan, float]:
-    """(model, plan, seconds) for a preset on a mesh under a strategy; ``grad_accum``: the
-    plan's gradient accumulation (``--grad-accum``)."""
+    """(model, plan, seconds) for a preset on a mesh under a strategy (:func:`plan_preset`)."""
+    loaded, plan, secs = plan_preset(model_name, mesh_text, strategy_text, overrides, user, cost_text, progress,
+                                     grad_accum)
+    assert loaded.model is not None  # a preset's
+    return loaded.model, plan, secs
+
+
+def plan_preset(model_name: str, mesh_text: str, strategy_text: str,
+                overrides: Mapping[str, int | str | None] | None = None,
+                user: dict[str, Any] | None = None, cost_text: str | None = None,
+                progress: Callable[[int, int], None] | None = None,
+                grad_accum: int = 1) -> tuple[Loaded, Plan, float]:
+    """(the loaded preset, its plan, seconds) on a mesh under a strategy, the model built by
+    :func:`spmdkit.models.source.load_preset` (its loss vocab-parallel under megatron);
+    ``overrides``: sizes (``--layers`` / ``--batch`` / ``--seq``); ``grad_accum``: the plan's
+    gradient accumulation (``--grad-accum``)."""
     cfg = preset(model_name)
     mesh = parse_mesh(mesh_text)
     st = parse_strategy(strategy_text, mesh)
     if overrides:
-        cfg = cfg.with_(**{k: v for k, v in check_overrides(overrides).items() if v is not None})
+        limits = {"layers": MAX_LAYERS, "batch": MAX_SIZE, "seq": MAX_SIZE}
+        checked = {k: parse_size(f"--{k}", v, limits.get(k, MAX_SIZE)) for k, v in overrides.items()}
+        cfg = cfg.with_(**{k: v for k, v in checked.items() if v is not None})
     t0 = time.perf_counter()
-    model = build_model(cfg, vocab_parallel_loss=vocab_parallel(st), check_rules=False)
-    plan = plan_zoo_model(model, mesh, st, user, cost_text, progress, grad_accum)
-    return model, plan, time.perf_counter() - t0
-
-
-def check_overrides(overrides: Mapping[str, int | str | None]) -> dict[str, int | None]:
-    """A preset's ``--layers`` / ``--batch`` / ``--seq`` (and other sizes) checked as sizes."""
-    limits = {"layers": MAX_LAYERS, "batch": MAX_SIZE, "seq": MAX_SIZE}
-    return {k: parse_size(f"--{k}", v, limits.get(k, MAX_SIZE)) for k, v in overrides.items()}
-
-
-def vocab_parallel(strategy: tuple[str, ...]) -> bool:
-    """Whether a zoo model is built with the vocab-parallel loss for ``strategy`` (megatron's)."""
-    return "megatron" in strategy
-
-
-def plan_zoo_model(model: Model, mesh: ProcessMesh, strategy: tuple[str, ...], user: dict[str, Any] | None = None,
-                   cost_text: str | None = None, progress: Callable[[int, int], None] | None = None,
-                   grad_accum: int = 1) -> Plan:
-    """The plan of a built zoo model (:func:`spmdkit.models.source.load` of a preset, its loss
-    vocab-parallel where :func:`vocab_parallel` says) on ``mesh`` under the parsed ``strategy``."""
-    ann = annotate(model, mesh, strategy, user)
-    return propagate(model.program, mesh, ann, parse_cost(cost_text, mesh), progress=progress,
-                     storage=zero3_storage(model.optimizer, ann, strategy), grad_accum=grad_accum)
+    loaded = load_preset(Preset(model_name, cfg.layers, cfg.batch, cfg.seq), cfg, vocab_parallel_loss="megatron" in st)
+    assert loaded.model is not None
+    ann = annotate(loaded.model, mesh, st, user)
+    plan = propagate(loaded.program, mesh, ann, parse_cost(cost_text, mesh), progress=progress,
+                     storage=zero3_storage(loaded.model.optimizer, ann, st), grad_accum=grad_accum)
+    return loaded, plan, time.perf_counter() - t0
 
 
 def plan_program(prog: Program, mesh_text: str, strategy_text: str | None, user: dict[str, Any] | None = None,
@@ -154,5 +152,5 @@ def plan_hf(class_name: str, config: Any, mesh_text: str, strategy_text: str | N
     return prog, model, kw, plan
 
 
-__all__ = ["MAX_LAYERS", "MAX_SIZE", "check_overrides", "clip_repr", "parse_cost", "parse_size", "plan_hf",
-           "plan_model", "plan_program", "plan_zoo_model", "vocab_parallel"]
+__all__ = ["MAX_LAYERS", "MAX_SIZE", "clip_repr", "parse_cost", "parse_size", "plan_hf",
+           "plan_model", "plan_preset", "plan_program"]
