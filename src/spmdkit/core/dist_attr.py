@@ -94,6 +94,18 @@ def entry_dims(entry: Entry) -> tuple[int, ...]:
     return () if entry < 0 else (entry,)
 
 
+def largest_shard(dims_mapping: Sequence[Entry], shape: Sequence[int], mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape of the largest local shard of a tensor of ``shape`` sharded by ``dims_mapping``
+    on a mesh of ``mesh_shape`` (an uneven split: its first, largest, piece)."""
+    out = []
+    for size, e in zip(shape, dims_mapping):
+        k = 1
+        for d in entry_dims(e):
+            k *= mesh_shape[d]
+        out.append(-(-size // k) if k > 1 else size)
+    return tuple(out)
+
+
 def dims_entry(dims: Sequence[int]) -> Entry:
     """Inverse of :func:`entry_dims`."""
     if not dims:

@@ -24,11 +24,12 @@ of the sizes from the innermost dim up to it is at most 8, else inter-node (20 u
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from spmdkit.core.dist_attr import Entry, Partial, ReduceType, TensorDistAttr, dims_entry, entry_dims
+from spmdkit.core.dist_attr import Entry, Partial, ReduceType, TensorDistAttr, dims_entry, entry_dims, largest_shard
 from spmdkit.core.errors import InvalidAttributeError, InvalidMeshError
 from spmdkit.core.mesh import ProcessMesh
 
@@ -137,13 +138,7 @@ def _fmt_bytes(n: float) -> str:
 
 def local_bytes(dm: Sequence[Entry], shape: Sequence[int], mesh_shape: Sequence[int], itemsize: int) -> int:
     """Bytes of the largest local shard of a tensor sharded by ``dm``."""
-    n = itemsize
-    for size, e in zip(shape, dm):
-        k = 1
-        for d in entry_dims(e):
-            k *= mesh_shape[d]
-        n *= -(-size // k) if k > 1 else size
-    return n
+    return itemsize * math.prod(largest_shard(dm, shape, mesh_shape))
 
 
 class _State:

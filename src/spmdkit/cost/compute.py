@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import spmdkit.ops  # noqa: F401  (registers every op family, and with it its facts)
-from spmdkit.core.dist_attr import TensorDistAttr, entry_dims
+from spmdkit.core.dist_attr import TensorDistAttr, entry_dims, largest_shard
 from spmdkit.core.errors import SpmdError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel
@@ -53,19 +53,8 @@ def local_shape(shape: tuple[int, ...], attr: TensorDistAttr | None) -> tuple[in
     if got is None:
         if len(_LOCAL) > 100_000:
             _LOCAL.clear()
-        got = _LOCAL[(shape, attr)] = _shard_shape(shape, attr)
+        got = _LOCAL[(shape, attr)] = largest_shard(attr.dims_mapping, shape, attr.mesh.shape)
     return got
-
-
-def _shard_shape(shape: Sequence[int], attr: TensorDistAttr) -> tuple[int, ...]:
-    ms = attr.mesh.shape
-    out = []
-    for size, e in zip(shape, attr.dims_mapping):
-        k = 1
-        for d in entry_dims(e):
-            k *= ms[d]
-        out.append(-(-size // k) if k > 1 else size)
-    return tuple(out)
 
 
 def local_op(prog: Program, i: int, required: Mapping[str, Any], outputs: Sequence[Any],

@@ -55,11 +55,12 @@ Recomputation (``recompute``):
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from spmdkit.core.dist_attr import TensorDistAttr, entry_dims
+from spmdkit.core.dist_attr import TensorDistAttr, entry_dims, largest_shard
 from spmdkit.core.errors import ProgramError
 from spmdkit.program.ir import Program
 from spmdkit.program.plan import Plan
@@ -67,14 +68,7 @@ from spmdkit.program.plan import Plan
 
 def local_numel(attr: TensorDistAttr, shape: tuple[int, ...]) -> int:
     """Elements of the largest local shard (uneven splits: the first, largest, piece)."""
-    mesh_shape = attr.mesh.shape
-    n = 1
-    for size, e in zip(shape, attr.dims_mapping):
-        k = 1
-        for d in entry_dims(e):
-            k *= mesh_shape[d]
-        n *= -(-size // k) if k > 1 else size
-    return n
+    return math.prod(largest_shard(attr.dims_mapping, shape, attr.mesh.shape))
 
 
 @dataclass(frozen=True)
