@@ -51,7 +51,9 @@ def plan_source(source: ModelSource, mesh_text: str, strategy_text: str | None, 
 def step_estimate(links: Links, plan: Plan, config: ModelConfig | None,
                   recompute: str) -> tuple[Plan, StepEstimate | None]:
     """``--device`` / ``--nodes-of``: the plan with its reshards timed by the device's links
-    (``--cost`` applied on top) and the predicted step (None without ``--device``)."""
+    (``--cost`` applied on top) and the predicted step (None without ``--device``); the plan
+    carries ``--precision`` / ``--framework`` / ``--tp-comm-overlap`` (its runtime) either way."""
+    plan = replace(plan, runtime=links.runtime())
     if not links.device and not links.nodes_of:
         return plan, None
     device = load_device(str(links.device)) if links.device else None

@@ -54,7 +54,7 @@ def run_devices(req: PlanRequest, out: TextIO) -> int:
                             recompute=[req.recompute] if req.recompute else None,
                             overrides={"layers": layers, "batch": batch, "seq": seq} if isinstance(model, str) else None,
                             pins=user, cost_text=req.links.cost, time_limit=limit, nodes_of=nodes, patterns=patterns,
-                            progress=bar)
+                            progress=bar, runtime=req.links.runtime())
     best = res.best
     verdict = None
     if req.verify and best is not None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from spmdkit.models.zoo import PRESETS
 from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE
+from spmdkit.program.runtime import Runtime, parse_precision
 
 #: ``--mesh`` when neither it nor ``--devices`` is given.
 DEFAULT_MESH = "dp=2,tp=4"
@@ -49,6 +50,15 @@ class Links:
     cost: str | None = None
     device: str | None = None
     nodes_of: str | None = None
+    precision: str | None = None
+    framework: str | None = None
+    tp_comm_overlap: bool = False
+
+    def runtime(self) -> Runtime:
+        """``--precision``, ``--framework`` and ``--tp-comm-overlap`` as the plan's
+        :class:`~spmdkit.program.runtime.Runtime` (ProgramError naming the flag)."""
+        return Runtime(parse_precision(self.precision), (self.framework or "megatron").strip().lower(),
+                       self.tp_comm_overlap)
 
 
 @dataclass(frozen=True)
@@ -152,7 +162,8 @@ def plan_request(ns: argparse.Namespace) -> PlanRequest:
     return PlanRequest(
         model=_model_args(ns), mesh=mesh, strategy=ns.strategy, devices=ns.devices, layers=ns.layers,
         batch=ns.batch, seq=ns.seq, annotate=tuple(ns.annotate),
-        links=Links(cost=ns.cost, device=ns.device, nodes_of=ns.nodes_of),
+        links=Links(cost=ns.cost, device=ns.device, nodes_of=ns.nodes_of, precision=ns.precision,
+                    framework=ns.framework, tp_comm_overlap=ns.tp_comm_overlap),
         grad_accum=ns.grad_accum, recompute=ns.recompute, verify=ns.verify,
         search=SearchArgs(auto=ns.auto, time_limit=ns.auto_time_limit, memory=ns.memory, explain=ns.explain),
         pipeline=PipelineArgs(microbatches=ns.microbatches, schedule=ns.schedule,
@@ -202,6 +213,17 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                                     "or a JSON file (docs/devices.md); also sets the links of --cost")
     p.add_argument("--nodes-of", dest="nodes_of", metavar="N",
                    help="ranks per node (the device's, 8, by default): inner mesh dims within N ranks use NVLink")
+    p.add_argument("--precision", metavar="fp32|bf16|fp16|fp8",
+                   help="what the GEMMs compute in: fp8 runs the linear layers' GEMMs on the fp8 tensor cores "
+                        "(Transformer Engine / torchao float8: weights in bf16 plus fp8 copies); default the "
+                        "model's dtype")
+    p.add_argument("--framework", metavar="megatron|torchtitan",
+                   help="whose memory and overlap conventions the prediction follows: megatron (Megatron-LM / "
+                        "NeMo: fp32 main gradients and master weights; default) or torchtitan (FSDP2: fp32 "
+                        "sharded parameters and gradients, bf16 compute copies)")
+    p.add_argument("--tp-comm-overlap", dest="tp_comm_overlap", action="store_true",
+                   help="tensor-parallel all-gathers and reduce-scatters overlap the GEMMs (Megatron's "
+                        "--tp-comm-overlap, torch async TP)")
     p.add_argument("--grad-accum", dest="grad_accum", metavar="K",
                    help="gradient accumulation: K forward/backward micro-steps per optimizer step, the gradients "
                         "accumulated and reduced once (default 1)")

@@ -22,6 +22,7 @@ from typing import Any
 from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel, LinkCost, ReshardPlan, Step
+from spmdkit.cost.measured import Measured, parse_measured
 from spmdkit.engine.facts import OpCost
 from spmdkit.program.plan import Plan, Reshard
 
@@ -56,6 +57,9 @@ class Device:
     inter: Link
     ranks_per_node: int = 8
     tf32: bool = False
+    #: what ``spmdkit calibrate`` measured on the machine (:mod:`spmdkit.cost.measured`); None
+    #: for a preset
+    measured: Measured | None = None
 
     def matmul_peak(self, dtype: str) -> float:
         key = _PEAK_OF_DTYPE.get(dtype, "fp32")
@@ -73,7 +77,8 @@ class Device:
                 "hbm_gb_per_s": self.hbm_bytes_per_s / 1e9, "memory_gb": self.memory_bytes / 1e9,
                 "intra_node": {"latency_us": self.intra.alpha_s * 1e6, "gb_per_s": self.intra.bytes_per_s / 1e9},
                 "inter_node": {"latency_us": self.inter.alpha_s * 1e6, "gb_per_s": self.inter.bytes_per_s / 1e9},
-                "ranks_per_node": self.ranks_per_node, "tf32": self.tf32}
+                "ranks_per_node": self.ranks_per_node, "tf32": self.tf32,
+                **({"measured": self.measured.to_json()} if self.measured is not None else {})}
 
     def op_time(self, c: OpCost) -> float:
         """The roofline time of an op's cost on this device: ``max(flops/peak, bytes/bw)``, the
@@ -106,7 +111,7 @@ _DEVICE_ALIASES = {"a100": "a100-80gb", "a100-80": "a100-80gb", "a100-40": "a100
                    "h100-80gb": "h100", "h200-sxm": "h200", "h200-141gb": "h200"}
 
 _JSON_KEYS = {"name", "peak_tflops", "hbm_gb_per_s", "memory_gb", "intra_node", "inter_node", "ranks_per_node",
-              "tf32", "base"}
+              "tf32", "base", "measured"}
 
 
 def _num(what: str, v: Any, positive: bool = True, scale: float = 1.0) -> float:
@@ -172,7 +177,8 @@ def device_from_json(obj: Any) -> Device:
     name = obj.get("name", (base.name + " (modified)") if base else "custom device")
     if not isinstance(name, str):
         raise ProgramError("--device name: expected a string")
-    return Device(name[:100], peak, hbm, mem, intra, inter, rpn, tf32)
+    measured = parse_measured(obj["measured"]) if "measured" in obj else (base.measured if base else None)
+    return Device(name[:100], peak, hbm, mem, intra, inter, rpn, tf32, measured)
 
 
 def preset_device(name: str) -> Device:

@@ -54,6 +54,7 @@ from spmdkit.planner.pipeline import PipelineEstimate, estimate_pipeline, parse_
 from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, parse_size, plan_model, plan_program
 from spmdkit.program.ir import Program
 from spmdkit.program.plan import Plan
+from spmdkit.program.runtime import Runtime
 from spmdkit.strategies.hf import data_inputs
 from spmdkit.strategies.strategy import MAX_RANKS, parse_mesh, parse_strategy
 
@@ -211,6 +212,7 @@ class _Job:
     nodes_of: int | None
     time_limit: float
     patterns: Any = None
+    runtime: Runtime = field(default_factory=Runtime)
 
 
 def _link_cost(mesh: ProcessMesh, job: _Job, cost_text: str | None) -> CostModel:
@@ -223,6 +225,7 @@ def _link_cost(mesh: ProcessMesh, job: _Job, cost_text: str | None) -> CostModel
 
 def _flat_candidates(cfg: Config, plan: Plan, job: _Job, title: str, info: AutoInfo | None = None) -> list[Candidate]:
     out: list[Candidate] = []
+    plan = replace(plan, runtime=job.runtime)
     for rc in job.modes:
         est = estimate_step(plan, job.device, job.tokens, rc)
         mem = memory_per_device(plan, rc)
@@ -240,6 +243,7 @@ def _pipeline_candidates(cfg: Config, plan: Plan, counts: tuple[int, ...], job: 
     spec = parse_spec(cfg.pp, microbatches=cfg.microbatches)
     m = cfg.microbatches
     out: list[Candidate] = []
+    plan = replace(plan, runtime=job.runtime)
     for rc in job.modes:
         est = estimate_pipeline(plan, spec, counts, job.device, (link.alpha_s, link.beta_s_per_byte), tokens,
                                 full.size, recompute=rc)
@@ -344,7 +348,8 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
                   recompute: Iterable[str] | None = None, pipeline: bool = True,
                   overrides: Mapping[str, int | None] | None = None, pins: Mapping[str, Any] | None = None,
                   cost_text: str | None = None, time_limit: float = 30.0, nodes_of: int | None = None,
-                  patterns: Any = None, progress: SearchProgress | None = None) -> SearchResult:
+                  patterns: Any = None, progress: SearchProgress | None = None,
+                  runtime: Runtime | None = None) -> SearchResult:
     """Search ``devices`` devices for the fastest configuration of ``model`` (a preset name or a
     :class:`spmdkit.program.ir.Program`, e.g. an imported HuggingFace model) that fits in
     ``memory_cap`` bytes per device (default: ``device``'s memory). ``device``: a
@@ -352,7 +357,8 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
     hand strategies to try (default :func:`hand_strategies` of each mesh); ``auto``: also
     :func:`spmdkit.planner.auto.auto_plan` on each mesh (``time_limit`` seconds each).
     ``recompute``: the modes to try (default all three). ``progress``: told of each
-    configuration planned (:class:`SearchProgress`; default none)."""
+    configuration planned (:class:`SearchProgress`; default none). ``runtime``: precision,
+    framework and TP overlap every plan is priced with (:class:`spmdkit.program.runtime.Runtime`)."""
     t0 = time.perf_counter()
     dev, cap, modes, given = _search_args(devices, device, memory_cap, recompute, strategies, auto, nodes_of)
     cfg_model: ModelConfig | None = None
@@ -364,7 +370,7 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
     work, refused = _work(devices, pipeline, sizes, given, auto)
     if len(work) > MAX_PLANS:
         raise ProgramError(f"--devices {devices}: {len(work)} configurations to plan (at most {MAX_PLANS})")
-    job = _Job(dev, sizes.tokens, modes, cap, pins, cost_text, nodes_of, time_limit, patterns)
+    job = _Job(dev, sizes.tokens, modes, cap, pins, cost_text, nodes_of, time_limit, patterns, runtime or Runtime())
     if progress is not None:
         progress.update(0, total=len(work))
     cands: list[Candidate] = []

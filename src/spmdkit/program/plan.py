@@ -12,6 +12,7 @@ from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel, ReshardPlan, Step
 from spmdkit.program.ir import Op, Program
+from spmdkit.program.runtime import Runtime
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,9 @@ class Plan:
     #: gradient accumulation: forward and backward run this many times per step, the parameter
     #: gradients are accumulated and reduced once (``--grad-accum``, an input of the planning)
     grad_accum: int = 1
+    #: how the step runs beyond its shardings (precision, framework, TP overlap): ``--precision``,
+    #: ``--framework``, ``--tp-comm-overlap``; read by the cost model
+    runtime: Runtime = field(default_factory=Runtime)
 
     def attr(self, name: str) -> TensorDistAttr:
         return self.attrs[name]
