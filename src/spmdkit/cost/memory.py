@@ -62,7 +62,7 @@ from typing import Any
 
 from spmdkit.core.dist_attr import TensorDistAttr, entry_dims, largest_shard
 from spmdkit.core.errors import ProgramError
-from spmdkit.program.ir import Program
+from spmdkit.program.ir import Op, Program, flat_refs
 from spmdkit.program.plan import Plan
 
 
@@ -128,6 +128,35 @@ SHAPE_ONLY: dict[str, frozenset[str]] = {
 }
 
 _LAYER_NUMBER = re.compile(r"\d+")
+
+
+def value_inputs(op: Op) -> list[str]:
+    """The tensors ``op`` reads the values of: its inputs less those its grad rule reads for
+    their shape only (:data:`SHAPE_ONLY`)."""
+    skip = SHAPE_ONLY.get(op.rule)
+    if not skip:
+        return op.input_names()
+    return [n for p, v in op.inputs.items() if p not in skip for n in flat_refs(v) if n is not None]
+
+
+def value_spans(prog: Program) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    """(the op that makes each tensor, the last op that reads its values, or makes it if none
+    does, the last forward op that reads its values), by op index, for every tensor an op
+    makes. A read for the shape only (:data:`SHAPE_ONLY`) keeps nothing alive: the framework
+    keeps the shape, not the tensor (``Program.live_spans`` counts every read)."""
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    fwd_last: dict[str, int] = {}
+    for i, op in enumerate(prog.ops):
+        for n in op.output_names():
+            first.setdefault(n, i)
+            last.setdefault(n, i)
+        for n in value_inputs(op):
+            if n in first:
+                last[n] = i
+                if op.phase == "forward":
+                    fwd_last[n] = i
+    return first, last, fwd_last
 
 
 def check_recompute(mode: str) -> str:
@@ -229,16 +258,39 @@ def value_reads(prog: Program) -> dict[str, list[int]]:
     for i, op in enumerate(prog.ops):
         if op.phase != "backward":
             continue
+        for n in value_inputs(op):
+            if n in fwd_made and _is_act(prog, n):
+                lst = reads.setdefault(n, [])
+                if not lst or lst[-1] != i:
+                    lst.append(i)
+    return reads
+
+
+def fp8_stashed(plan: Plan) -> frozenset[str]:
+    """Under ``--precision fp8`` with Megatron-LM / Transformer Engine (``plan.runtime``): the
+    activations the backward reads only as the input of a linear layer (``matmul_grad``'s x
+    against a parameter), which TE saves as the fp8 cast it made for the forward GEMM (one
+    byte an element) rather than in bf16. Empty otherwise (torchao's float8 linears, which
+    torchtitan uses, save the high-precision input and cast again in the backward)."""
+    rt = plan.runtime
+    if not (rt.fp8 and rt.framework == "megatron"):
+        return frozenset()
+    prog = plan.program
+    fp8: set[str] = set()
+    other: set[str] = set()
+    for op in prog.ops:
+        if op.phase != "backward":
+            continue
+        y = op.inputs.get("y")
+        linear = op.rule == "matmul_grad" and isinstance(y, str) and prog.tensors[y].kind == "parameter"
         skip = SHAPE_ONLY.get(op.rule, frozenset())
         for p, v in op.inputs.items():
             if p in skip:
                 continue
-            for n in (v if isinstance(v, (list, tuple)) else (v,)):
-                if isinstance(n, str) and n in fwd_made and _is_act(prog, n):
-                    lst = reads.setdefault(n, [])
-                    if not lst or lst[-1] != i:
-                        lst.append(i)
-    return reads
+            for n in flat_refs(v):
+                if n is not None:
+                    (fp8 if linear and p == "x" else other).add(n)
+    return frozenset(fp8 - other)
 
 
 def saved_activations(plan: Plan, recompute: str = "none") -> ActivationMemory:
@@ -265,6 +317,7 @@ def saved_activations(plan: Plan, recompute: str = "none") -> ActivationMemory:
     for r in plan.reshards:
         if r.output and not r.src.partial and all(s.kind == "all_gather" for s in r.plan.steps if s.bytes_per_rank):
             gathered.setdefault(r.tensor, (r.op_index, r.src))
+    fp8 = fp8_stashed(plan)
     per_layer: dict[str, int] = {}
     tensors: dict[str, list[tuple[str, int]]] = {}
     regathered: list[tuple[str, int]] = []
@@ -278,7 +331,7 @@ def saved_activations(plan: Plan, recompute: str = "none") -> ActivationMemory:
             if local_numel(src, t.shape) < local_numel(attr, t.shape):
                 attr = src
                 regathered.append((n, g[0]))
-        b = local_numel(attr, t.shape) * t.itemsize
+        b = local_numel(attr, t.shape) * (1 if n in fp8 else t.itemsize)
         label = layer_of[n]
         per_layer[label] = per_layer.get(label, 0) + b
         tensors.setdefault(label, []).append((n, b))
@@ -287,28 +340,21 @@ def saved_activations(plan: Plan, recompute: str = "none") -> ActivationMemory:
 
 def spans_with_recompute(plan: Plan, saved: ActivationMemory) -> dict[str, list[tuple[int, int, int]]]:
     """Tensor -> [(first op, last op, bytes)] live intervals for the tensors whose life
-    recomputation or a backward re-gather splits (:func:`memory_per_device`);
-    other tensors live from their producer to their last reader."""
+    recomputation, a backward re-gather or an fp8 stash (:func:`fp8_stashed`) splits
+    (:func:`memory_per_device`); other tensors live from their producer to the last op that
+    reads their values."""
     prog = plan.program
     out: dict[str, list[tuple[int, int, int]]] = {}
-    if not saved.recomputed and not saved.regathered:
+    fp8 = fp8_stashed(plan)
+    if not saved.recomputed and not saved.regathered and not fp8:
         return out
-    made_at: dict[str, int] = {}
-    fwd_last: dict[str, int] = {}
-    last: dict[str, int] = {}
-    for i, op in enumerate(prog.ops):
-        for n in op.output_names():
-            made_at.setdefault(n, i)
-        for n in op.input_names():
-            last[n] = i
-            if op.phase == "forward":
-                fwd_last[n] = i
+    made_at, last, fwd_last = value_spans(prog)
     reads = value_reads(prog)
     kept = {n for lst in saved.tensors.values() for n, _ in lst}
 
-    def size(n: str, attr: TensorDistAttr | None = None) -> int:
+    def size(n: str, attr: TensorDistAttr | None = None, stash: bool = False) -> int:
         t = prog.tensors[n]
-        return local_numel(attr or plan.attrs[n], t.shape) * t.itemsize
+        return local_numel(attr or plan.attrs[n], t.shape) * (1 if stash and n in fp8 else t.itemsize)
 
     for region in saved.recomputed:
         made = [n for i in region for n in prog.ops[i].output_names()]
@@ -322,14 +368,20 @@ def spans_with_recompute(plan: Plan, saved: ActivationMemory) -> dict[str, list[
             b = size(n)
             out[n] = [(a, e, b), (again, last.get(n, again), b)] if again > e else [(a, last.get(n, a), b)]
     shards = {r.tensor: r.src for r in plan.reshards if r.output}
-    for n, _ in saved.regathered:
+    regathered = {n for n, _ in saved.regathered}
+    for n in regathered:
         a = made_at[n]
         e = max(fwd_last.get(n, a), a)
         back = reads[n][0]
         full = size(n)
         if back <= e + 1:
             continue
-        out[n] = [(a, e, full), (e + 1, back - 1, size(n, shards[n])), (back, last.get(n, back), full)]
+        out[n] = [(a, e, full), (e + 1, back - 1, size(n, shards[n], True)), (back, last.get(n, back), full)]
+    for n in kept & fp8 - regathered:  # held as its fp8 cast between its last forward reader and the backward
+        a = made_at[n]
+        e = max(fwd_last.get(n, a), a)
+        if last[n] > e:
+            out[n] = [(a, e, size(n)), (e + 1, last[n], size(n, None, True))]
     return out
 
 
@@ -352,9 +404,103 @@ def rerun_points(plan: Plan, saved: ActivationMemory) -> tuple[dict[int, list[in
     return rerun, regather
 
 
+# -- what the framework holds for the step --------------------------------------------------------
+
+#: bytes the CUDA context takes on each GPU, outside PyTorch's caching allocator (so outside
+#: ``torch.cuda.max_memory_reserved``): docs/devices.md, "Memory"
+CUDA_CONTEXT_BYTES = 512 * 1024**2
+#: bytes NCCL allocates per communicator (process group) outside the caching allocator
+NCCL_BYTES_PER_GROUP = 256 * 1024**2
+#: the caching allocator's reserve over its allocated peak (blocks cached and fragmented), as
+#: a fraction of the allocated peak
+ALLOCATOR_RESERVE = 0.10
+#: the part of a device's memory a plan may use: the rest is the headroom real runs keep
+#: (docs/devices.md, "Memory")
+MEMORY_CAP_FRACTION = 1.0
+
+
+def _bytes_per_element(framework: str, precision: str) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer state) bytes per parameter element under Adam, before
+    ZeRO sharding. Megatron-LM (docs/api-guide/dist_optimizer.md): a 16-bit parameter, the
+    gradient accumulated in fp32 ("main grads"; fp16 keeps fp16 gradients and an fp32 copy
+    in the optimizer), an fp32 master copy and two fp32 moments: 2 + 4 + 12 (bf16), 2 + 2 + 16
+    (fp16), 4 + 4 + 8 (fp32). torchtitan (FSDP2, MixedPrecisionPolicy(param_dtype=bf16,
+    reduce_dtype=fp32)): fp32 parameters and gradients, two fp32 moments, all sharded;
+    the bf16 copies it computes with are gathered per layer (the activation curve)."""
+    if framework == "torchtitan":
+        return 4, 4, 8
+    if precision == "fp32":
+        return 4, 4, 8
+    if precision == "fp16":
+        return 2, 2, 16
+    return 2, 4, 12  # bf16, and fp8 (TE keeps bf16 parameters; fp8 copies counted apart)
+
+
+def held_for_the_step(plan: Plan) -> dict[str, tuple[int, int, int]]:
+    """Parameter -> (parameter, gradient, optimizer-state bytes) it holds for the whole step on
+    one device, as ``plan.runtime.framework`` allocates them (:func:`_bytes_per_element`), each
+    at its local shard: the parameter as stored (ZeRO-3 / FSDP: its shard), the gradient as
+    held (ZeRO-2: reduce-scattered; with gradient accumulation the unreduced gradient, which
+    is accumulated), the states as the optimizer lays them out (ZeRO: sharded over dp).
+    ``--precision fp8`` under Megatron-LM: Transformer Engine's fp8 copy of each linear
+    weight and its transpose, one byte an element each. An update without Adam moments
+    (sgd), and a parameter without an update, count the program's own tensors."""
+    prog = plan.program
+    attrs = plan.attrs
+    rt = plan.runtime
+
+    def numel(n: str, attr: TensorDistAttr | None = None) -> int:
+        return local_numel(attr or attrs[n], prog.tensors[n].shape)
+
+    unreduced: dict[str, int] = {}
+    if plan.grad_accum > 1:
+        for r in plan.reshards:
+            if r.output:
+                unreduced[r.tensor] = max(unreduced.get(r.tensor, 0), numel(r.tensor, r.src))
+    linear = set()
+    if rt.fp8 and rt.framework == "megatron":
+        for op in prog.ops:
+            y = op.inputs.get("y")
+            if op.phase == "forward" and op.rule == "matmul" and isinstance(y, str) \
+                    and prog.tensors[y].kind == "parameter" and len(prog.tensors[y].shape) == 2:
+                linear.add(y)
+    out: dict[str, tuple[int, int, int]] = {}
+    for op in prog.ops:
+        if op.phase != "optimizer":
+            continue
+        names = op.input_names()
+        params = [n for n in names if prog.tensors[n].kind == "parameter" and not prog.tensors[n].inplace_of]
+        if not params or params[0] in out:
+            continue
+        p = params[0]
+        t = prog.tensors[p]
+        grads = [n for n in names if prog.tensors[n].kind == "gradient"]
+        states = [n for n in names if prog.tensors[n].kind == "optimizer_state" and not prog.tensors[n].inplace_of]
+        big = [n for n in states if prog.tensors[n].shape == t.shape]
+        n_grad = max(numel(grads[0]), unreduced.get(grads[0], 0)) if grads else 0
+        if len(big) < 2:  # no Adam moments: the program's own tensors
+            out[p] = (numel(p) * t.itemsize, n_grad * (prog.tensors[grads[0]].itemsize if grads else 0),
+                      sum(numel(n) * prog.tensors[n].itemsize for n in states))
+            continue
+        pb, gb, sb = _bytes_per_element(rt.framework, rt.precision_of(t.dtype))
+        small = sum(numel(n) * prog.tensors[n].itemsize for n in states if n not in big)
+        fp8 = 2 * numel(p) if p in linear else 0
+        out[p] = (numel(p) * pb + fp8, n_grad * gb, numel(big[0]) * sb + small)
+    return out
+
+
+def communicators(plan: Plan, pp: int = 1) -> int:
+    """The NCCL communicators a rank holds: one per mesh dim of more than one rank, one more
+    for the pipeline's sends (``pp`` > 1)."""
+    return sum(1 for s in plan.mesh.shape if s > 1) + (1 if pp > 1 else 0)
+
+
 @dataclass(frozen=True)
 class Memory:
-    """Bytes per device."""
+    """Bytes per device. ``total``: what the step allocates at its peak (PyTorch's
+    ``torch.cuda.max_memory_allocated``); ``reserved``: with the caching allocator's reserve
+    (``max_memory_reserved``, what torchtitan logs as its memory); ``device_total``: with the
+    CUDA context and NCCL's buffers, which no PyTorch counter sees (what the GPU must hold)."""
 
     parameters: int
     gradients: int
@@ -365,89 +511,175 @@ class Memory:
     saved: ActivationMemory | None = None
     #: the live activation bytes while each op runs (program order; the peak is their maximum)
     curve: tuple[int, ...] = field(default=(), repr=False, compare=False)
+    #: the caching allocator's cached and fragmented blocks beyond the allocated peak
+    allocator_reserve: int = 0
+    #: the CUDA context and NCCL's buffers (outside the caching allocator)
+    runtime_overhead: int = 0
+    #: whose allocation conventions these are (``plan.runtime.framework``)
+    framework: str = ""
 
     @property
     def total(self) -> int:
         return self.parameters + self.gradients + self.optimizer_states + self.activation_peak
 
+    @property
+    def reserved(self) -> int:
+        return self.total + self.allocator_reserve
+
+    @property
+    def device_total(self) -> int:
+        return self.reserved + self.runtime_overhead
+
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"parameters": self.parameters, "gradients": self.gradients,
                              "optimizer_states": self.optimizer_states, "activation_peak": self.activation_peak,
-                             "peak_op": self.peak_op, "total": self.total}
+                             "peak_op": self.peak_op, "total": self.total, "allocator_reserve": self.allocator_reserve,
+                             "reserved": self.reserved, "runtime_overhead": self.runtime_overhead,
+                             "device_total": self.device_total, "framework": self.framework}
         if self.saved is not None:
             d["saved_for_backward"] = {k: v for k, v in self.saved.to_json().items() if k != "tensors"}
         return d
 
 
-def memory_per_device(plan: Plan, recompute: str = "none") -> Memory:
-    """Memory per device of a :class:`spmdkit.program.plan.Plan` under activation
-    recomputation ``recompute`` (none, selective, full)."""
-    saved = saved_activations(plan, recompute)
-    prog: Program = plan.program
+def with_overheads(parameters: int, gradients: int, states: int, activations: int, peak_op: int, plan: Plan,
+                   pp: int = 1, saved: ActivationMemory | None = None, curve: tuple[int, ...] = ()) -> Memory:
+    """A :class:`Memory` with the allocator's reserve (:data:`ALLOCATOR_RESERVE` of the
+    allocated peak) and the CUDA context and NCCL buffers (:func:`communicators`) added."""
+    allocated = parameters + gradients + states + activations
+    return Memory(parameters, gradients, states, activations, peak_op, saved, curve,
+                  round(ALLOCATOR_RESERVE * allocated),
+                  CUDA_CONTEXT_BYTES + NCCL_BYTES_PER_GROUP * communicators(plan, pp), plan.runtime.framework)
+
+
+def fit_verdict(need: int, capacity: int) -> tuple[bool, str]:
+    """(fits, the sentence): ``need`` bytes per device (:attr:`Memory.device_total`) against
+    a device of ``capacity`` bytes, of which :data:`MEMORY_CAP_FRACTION` may be used."""
+    cap = int(capacity * MEMORY_CAP_FRACTION)
+    gib = 1024**3
+    if need <= cap:
+        return True, f"fits with {(cap - need) / gib:.1f} GiB headroom ({100 * need / capacity:.0f}% of {capacity / gib:.0f} GiB)"
+    return False, f"does not fit by {(need - cap) / gib:.1f} GiB ({100 * need / capacity:.0f}% of {capacity / gib:.0f} GiB)"
+
+
+# -- the activation curve -------------------------------------------------------------------------
+
+
+def activation_deltas(plan: Plan, saved: ActivationMemory, group_of: list[int] | None = None,
+                      groups: int = 1) -> list[dict[int, int]]:
+    """Per group of ops (a pipeline stage; one group: the whole step), op index -> the change
+    of the live transient bytes there (a tensor starts counting at the op that makes it and
+    stops after the last op of the group that reads its values; recomputation, re-gathers and
+    fp8 stashes split that life: :func:`spans_with_recompute`). A tensor several groups use is
+    counted in each, from its first to its last use there (a stage holds what it received).
+    Copies made by reshards live from the first op that reads them to the last; a ZeRO-3 /
+    FSDP parameter gathered for its layer's ops of one phase lives from the start of the layer
+    before (the next layer's all-gather is prefetched while one layer computes, as FSDP2 and
+    DeepSpeed do) to its layer's last op. Parameter gradients, parameters and optimizer states
+    are held for the step (:func:`held_for_the_step`), not counted here."""
+    prog = plan.program
     attrs = plan.attrs
+    grp = group_of or [0] * len(prog.ops)
+    param_grads = prog.param_grads()
 
     def nbytes(name: str, attr: TensorDistAttr | None = None) -> int:
         t = prog.tensors[name]
         return local_numel(attr or attrs[name], t.shape) * t.itemsize
 
-    param_grads = prog.param_grads()
-    params = sum(nbytes(t.name) for t in prog.tensors.values() if t.kind == "parameter" and not t.inplace_of)
-    states = sum(nbytes(t.name) for t in prog.tensors.values() if t.kind == "optimizer_state" and not t.inplace_of)
-    grads = sum(nbytes(n) for n in param_grads)
-    if plan.grad_accum > 1:
-        # gradient accumulation: a gradient reduced once per step is held, and accumulated,
-        # as its backward op makes it (unreduced, whole on a partial mesh dim) until then
-        for r in plan.reshards:
-            if r.output and r.tensor in param_grads:
-                grads += max(0, nbytes(r.tensor, r.src) - nbytes(r.tensor))
-    n_ops = len(prog.ops)
-    first, last = prog.live_spans()
-    delta = [0] * (n_ops + 1)
+    uses: dict[tuple[int, str], list[int]] = {}
+    for i, op in enumerate(prog.ops):
+        g = grp[i]
+        for n in (*op.output_names(), *value_inputs(op)):
+            t = prog.tensors[n]
+            if n in param_grads or t.inplace_of or t.kind in ("parameter", "optimizer_state", "input"):
+                continue
+            u = uses.get((g, n))
+            if u is None:
+                uses[(g, n)] = [i, i]
+            else:
+                u[1] = i
     split = spans_with_recompute(plan, saved)
-    for n, i in first.items():
-        t = prog.tensors[n]
-        if n in param_grads or t.inplace_of or t.kind in ("parameter", "optimizer_state"):
-            continue
-        b = nbytes(n)
-        for a, e, size in split.get(n, ((i, last[n], b),)):
-            delta[a] += size
-            delta[e + 1] -= size
-    # copies made by reshards live from the first op that reads them to the last
-    spans: dict[tuple[str, TensorDistAttr, str], list[int]] = {}
+    deltas: list[dict[int, int]] = [{} for _ in range(groups)]
+
+    def add(g: int, a: int, e: int, size: int) -> None:
+        d = deltas[g]
+        d[a] = d.get(a, 0) + size
+        d[e + 1] = d.get(e + 1, 0) - size
+
+    for (g, n), (lo, hi) in uses.items():
+        for a, e, size in split.get(n, ((lo, hi, nbytes(n)),)):
+            a, e = max(a, lo), min(e, hi)
+            if a <= e:
+                add(g, a, e, size)
     stored = plan.storage
     blocks: dict[tuple[str, str], list[int]] = {}  # (layer, phase) -> its first and last op
+    before: dict[tuple[str, str], int] = {}  # (layer, phase) -> the first op of the block run before it
     if stored:
+        prev: dict[str, tuple[str, str]] = {}
         for i, op in enumerate(prog.ops):
-            blk = blocks.setdefault((op.layer, op.phase), [i, i])
-            blk[1] = i
+            key = (op.layer, op.phase)
+            blk = blocks.get(key)
+            if blk is None:
+                blocks[key] = [i, i]
+                p = prev.get(op.phase)
+                before[key] = blocks[p][0] if p is not None and grp[blocks[p][0]] == grp[i] else i
+                prev[op.phase] = key
+            else:
+                blk[1] = i
+    spans: dict[tuple[int, str, TensorDistAttr, str], list[int]] = {}
     for r in plan.reshards:
         op = prog.ops[r.op_index]
+        g = grp[r.op_index]
         if r.tensor in stored:
-            # ZeRO-3 / FSDP: gathered for its layer's ops of one phase, freed after them (one
-            # layer's gathered parameters live at a time), gathered again in the next phase
-            lo, hi = blocks[(op.layer, op.phase)]
-            s = spans.setdefault((r.tensor, r.dst, op.phase), [lo, hi])
-            s[0], s[1] = min(s[0], lo), max(s[1], hi)
-            continue
-        s = spans.setdefault((r.tensor, r.dst, ""), [r.op_index, r.op_index])
-        s[0] = min(s[0], r.op_index)
-        s[1] = max(s[1], r.op_index)
-    for (n, dst, _phase), (a, b_) in spans.items():
-        size = nbytes(n, dst)
-        delta[a] += size
-        delta[b_ + 1] -= size
-    curve = []
-    cur = 0
-    for i in range(n_ops):
-        cur += delta[i]
-        curve.append(cur)
-    peak, at = 0, 0
-    for i, v in enumerate(curve):
-        if v > peak:
-            peak, at = v, i
-    return Memory(params, grads, states, peak, at, saved, tuple(curve))
+            lo, hi = before[(op.layer, op.phase)], blocks[(op.layer, op.phase)][1]
+            key = (g, r.tensor, r.dst, op.phase)
+        else:
+            lo = hi = r.op_index
+            key = (g, r.tensor, r.dst, "")
+        s = spans.setdefault(key, [lo, hi])
+        s[0], s[1] = min(s[0], lo), max(s[1], hi)
+    for (g, n, dst, _phase), (a, e) in spans.items():
+        add(g, a, e, nbytes(n, dst))
+    return deltas
 
 
-__all__ = ["RECOMPUTE", "SHAPE_ONLY", "ActivationMemory", "Memory", "UnevenShard", "check_recompute", "local_numel",
-           "memory_per_device", "recompute_regions", "rerun_points", "saved_activations", "spans_with_recompute",
-           "uneven_shards", "value_reads"]
+def peak_of(deltas: dict[int, int], n_ops: int | None = None) -> tuple[int, int, list[int]]:
+    """(peak bytes, the op index where it is reached, the curve over ``n_ops`` ops when given)."""
+    peak, at, cur = 0, 0, 0
+    curve: list[int] = []
+    if n_ops is not None:
+        for i in range(n_ops):
+            cur += deltas.get(i, 0)
+            curve.append(cur)
+            if cur > peak:
+                peak, at = cur, i
+        return peak, at, curve
+    for i in sorted(deltas):
+        cur += deltas[i]
+        if cur > peak:
+            peak, at = cur, i
+    return peak, at, curve
+
+
+def memory_per_device(plan: Plan, recompute: str = "none") -> Memory:
+    """Memory per device of a :class:`spmdkit.program.plan.Plan` under activation
+    recomputation ``recompute`` (none, selective, full), as ``plan.runtime.framework``
+    allocates it (:func:`held_for_the_step`, :func:`with_overheads`)."""
+    saved = saved_activations(plan, recompute)
+    prog: Program = plan.program
+    held = held_for_the_step(plan)
+    counted = set(held)
+    params = sum(b[0] for b in held.values()) + sum(
+        local_numel(plan.attrs[t.name], t.shape) * t.itemsize for t in prog.tensors.values()
+        if t.kind == "parameter" and not t.inplace_of and t.name not in counted)
+    grads = sum(b[1] for b in held.values())
+    states = sum(b[2] for b in held.values())
+    (deltas,) = activation_deltas(plan, saved)
+    peak, at, curve = peak_of(deltas, len(prog.ops))
+    return with_overheads(params, grads, states, peak, at, plan, 1, saved, tuple(curve))
+
+
+__all__ = ["ALLOCATOR_RESERVE", "CUDA_CONTEXT_BYTES", "MEMORY_CAP_FRACTION", "NCCL_BYTES_PER_GROUP", "RECOMPUTE",
+           "SHAPE_ONLY", "ActivationMemory", "Memory", "UnevenShard", "activation_deltas", "check_recompute",
+           "communicators", "fit_verdict", "fp8_stashed", "held_for_the_step", "local_numel", "memory_per_device",
+           "peak_of", "recompute_regions", "rerun_points", "saved_activations", "spans_with_recompute",
+           "uneven_shards", "value_inputs", "value_reads", "value_spans", "with_overheads"]

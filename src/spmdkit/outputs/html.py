@@ -40,7 +40,7 @@ from spmdkit.core.dist_attr import TensorDistAttr, entry_dims
 from spmdkit.core.errors import ProgramError
 from spmdkit.cost.compute import guess_tokens, kernel_collectives
 from spmdkit.cost.devices import preset_device
-from spmdkit.cost.memory import Memory, local_numel, memory_per_device
+from spmdkit.cost.memory import Memory, held_for_the_step, local_numel, memory_per_device
 from spmdkit.cost.step import estimate_step
 from spmdkit.io.atomic import write_atomic
 from spmdkit.outputs.report import fmt_bytes, fmt_time, placements, reshard_groups
@@ -308,16 +308,15 @@ def layer_table(plan: Plan, memory: Memory) -> list[dict[str, Any]]:
         op = prog.ops[k.op_index]
         row(op.layer or "other")[op.phase if op.phase in ("forward", "backward") else "optimizer"] += (
             k.time_s * (1 if op.phase == "optimizer" else plan.grad_accum))
+    held = held_for_the_step(plan)  # as the framework allocates them (plan.runtime)
+    for n, (p, g, st) in held.items():
+        r_ = row(of[n])
+        r_["parameters"] += p
+        r_["gradients"] += g
+        r_["optimizer_states"] += st
     for n, t in prog.tensors.items():
-        if t.inplace_of:
-            continue
-        b = local_numel(plan.attrs[n], t.shape) * t.itemsize
-        if t.kind == "parameter":
-            row(of[n])["parameters"] += b
-        elif t.kind == "optimizer_state":
-            row(of[n])["optimizer_states"] += b
-        elif n in pg:
-            row(of[n])["gradients"] += b
+        if t.kind == "parameter" and not t.inplace_of and n not in held:
+            row(of[n])["parameters"] += local_numel(plan.attrs[n], t.shape) * t.itemsize
     saved = getattr(memory, "saved", None)
     if saved is not None:
         for label, b in saved.per_layer.items():

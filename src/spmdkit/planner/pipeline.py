@@ -50,7 +50,8 @@ from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.cost.compute import kernel_collectives, model_flops, op_cost
 from spmdkit.cost.devices import Device
-from spmdkit.cost.memory import Memory, local_numel, saved_activations
+from spmdkit.cost.memory import (ActivationMemory, Memory, activation_deltas, held_for_the_step, local_numel, peak_of,
+                                 saved_activations, value_inputs, with_overheads)
 from spmdkit.cost.step import is_grad_sync
 from spmdkit.models.zoo import Model, preset
 from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, parse_size, plan_model
@@ -310,28 +311,20 @@ def stage_costs(plan: Plan, stages: list[int], counts: tuple[int, ...], device: 
     microbatch, the bytes sent, and (``device``) the times. ``recompute`` (none, selective,
     full; :func:`spmdkit.cost.memory.saved_activations`): the activations a recomputed region makes are not
     stashed (they are made again), and its ops' times go to ``recompute_s``."""
-    dropped: set[str] = set()
-    regions: list[list[int]] = []
-    if recompute != "none":
-        def kept(mode: str) -> tuple[set[str], list[list[int]]]:
-            a = saved_activations(plan, mode)
-            return {nm for lst in a.tensors.values() for nm, _ in lst}, a.recomputed
-
-        base, _ = kept("none")
-        mine, regions = kept(recompute)
-        dropped = base - mine
+    saved = saved_activations(plan, recompute)
     out = [StageCost(c) for c in counts]
     nbytes = _LocalBytes(plan)
-    param_grads, producer = _held_for_the_step(plan.program, stages, out, nbytes)
+    param_grads, producer = _held_for_the_step(plan, stages, out, nbytes)
 
     def transient(nm: str) -> bool:
         t = plan.program.tensors[nm]
         return not (nm in param_grads or t.inplace_of or t.kind in ("parameter", "optimizer_state"))
 
-    _stash_and_sends(plan, stages, out, nbytes, producer, transient, dropped)
-    _working_peaks(plan.program, stages, out, nbytes, transient)
+    _stash_and_sends(plan, stages, out, nbytes, producer, transient, saved)
+    for s, d in enumerate(activation_deltas(plan, saved, stages, len(out))):
+        out[s].working_peak, out[s].peak_op, _ = peak_of(d)
     if device is not None:
-        _stage_times(plan, stages, out, device, {j for r in regions for j in r})
+        _stage_times(plan, stages, out, device, {j for r in saved.recomputed for j in r})
     return out
 
 
@@ -351,11 +344,15 @@ class _LocalBytes:
         return b
 
 
-def _held_for_the_step(prog: Program, stages: list[int], out: list[StageCost],
+def _held_for_the_step(plan: Plan, stages: list[int], out: list[StageCost],
                        nbytes: _LocalBytes) -> tuple[dict[str, int], dict[str, int]]:
-    """Count each stage's ops, parameters, parameter gradients and optimizer states;
-    (parameter gradient -> its stage, tensor -> the op that makes it)."""
+    """Count each stage's ops, parameters, parameter gradients and optimizer states (as the
+    framework holds them: :func:`spmdkit.cost.memory.held_for_the_step`); (parameter gradient
+    -> its stage, tensor -> the op that makes it)."""
+    prog = plan.program
+    held = held_for_the_step(plan)
     param_grads: dict[str, int] = {}
+    counted_params: set[str] = set()
     for i, op in enumerate(prog.ops):
         out[stages[i]].ops += 1
         if op.phase == "optimizer":
@@ -364,12 +361,12 @@ def _held_for_the_step(prog: Program, stages: list[int], out: list[StageCost],
                 t = prog.tensors[nm]
                 if t.kind == "gradient" and nm not in param_grads:
                     param_grads[nm] = s
-                    out[s].gradients += nbytes(nm)
-                elif t.kind == "parameter" and not t.inplace_of:
-                    out[s].parameters += nbytes(nm)
-                elif t.kind == "optimizer_state" and not t.inplace_of:
-                    out[s].optimizer_states += nbytes(nm)
-    counted_params = {nm for i, op in enumerate(prog.ops) if op.phase == "optimizer" for nm in op.input_names()}
+                elif t.kind == "parameter" and not t.inplace_of and nm not in counted_params:
+                    counted_params.add(nm)
+                    p, g, st = held.get(nm) or (nbytes(nm), 0, 0)
+                    out[s].parameters += p
+                    out[s].gradients += g
+                    out[s].optimizer_states += st
     producer: dict[str, int] = {}
     for i, op in enumerate(prog.ops):
         for nm in op.output_names():
@@ -384,25 +381,34 @@ def _held_for_the_step(prog: Program, stages: list[int], out: list[StageCost],
 
 
 def _stash_and_sends(plan: Plan, stages: list[int], out: list[StageCost], nbytes: _LocalBytes,
-                     producer: dict[str, int], transient: Callable[[str], bool], dropped: set[str]) -> None:
-    """The activations crossing stages (sent forward, their gradients sent back) and the stash
-    (forward tensors read by a backward op, less the ``dropped`` ones recomputation makes again)."""
+                     producer: dict[str, int], transient: Callable[[str], bool], saved: ActivationMemory) -> None:
+    """The activations crossing stages (sent forward, their gradients sent back) and the stash:
+    what one microbatch keeps for the backward (``saved``: the forward tensors a backward op
+    reads the values of, less those recomputation makes again, at the size they are kept in),
+    held by each stage whose backward reads it (a stage keeps the input it received; Megatron-LM
+    frees the output it sent)."""
     prog = plan.program
-    stashed: set[str] = set()
     crossing: dict[str, tuple[int, int]] = {}
+    readers: dict[str, set[int]] = {}
     for i, op in enumerate(prog.ops):
+        b = stages[i]
+        if op.phase == "backward":
+            for nm in value_inputs(op):
+                readers.setdefault(nm, set()).add(b)
+        if op.phase != "forward":
+            continue
         for nm in op.input_names():
             j = producer.get(nm)
             if j is None or not transient(nm):
                 continue
-            a, b = stages[j], stages[i]
-            if op.phase == "forward" and prog.ops[j].phase == "forward" and b > a:
+            a = stages[j]
+            if prog.ops[j].phase == "forward" and b > a:
                 _lo, hi = crossing.get(nm, (a, a))
                 crossing[nm] = (a, max(hi, b))
-            if op.phase == "backward" and prog.ops[j].phase == "forward" and nm not in stashed \
-                    and nm not in dropped:
-                stashed.add(nm)
-                out[a].stash_bytes += nbytes(nm)
+    for lst in saved.tensors.values():
+        for nm, size in lst:
+            for s in readers.get(nm, ()):
+                out[s].stash_bytes += size
     for nm, (a, b) in crossing.items():
         size = nbytes(nm)
         g = nm + ".grad"
@@ -410,33 +416,6 @@ def _stash_and_sends(plan: Plan, stages: list[int], out: list[StageCost], nbytes
         for k in range(a, b):
             out[k].send_bytes += size
             out[k + 1].send_grad_bytes += gsize
-
-
-def _working_peaks(prog: Program, stages: list[int], out: list[StageCost], nbytes: _LocalBytes,
-                   transient: Callable[[str], bool]) -> None:
-    """Each stage's working peak: the live transient bytes over the stage's own ops."""
-    first: dict[tuple[int, str], int] = {}
-    last: dict[tuple[int, str], int] = {}
-    for i, op in enumerate(prog.ops):
-        if op.phase == "optimizer":
-            continue
-        s = stages[i]
-        for nm in (*op.input_names(), *op.output_names()):
-            if transient(nm):
-                first.setdefault((s, nm), i)
-                last[(s, nm)] = i
-    deltas: list[dict[int, int]] = [{} for _ in range(len(out))]
-    for (s, nm), i in first.items():
-        b = nbytes(nm)
-        d = deltas[s]
-        d[i] = d.get(i, 0) + b
-        d[last[(s, nm)] + 1] = d.get(last[(s, nm)] + 1, 0) - b
-    for s in range(len(out)):
-        cur = 0
-        for i in sorted(deltas[s]):
-            cur += deltas[s][i]
-            if cur > out[s].working_peak:
-                out[s].working_peak, out[s].peak_op = cur, i
 
 
 def _stage_times(plan: Plan, stages: list[int], out: list[StageCost], device: Device, rerun: set[int]) -> None:
@@ -563,8 +542,8 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...], d
         work = max(c.working_peak for c in mine)
         act = work + round(max(0.0, flight[r] - 1.0 / v) * stash) if v > 1 else work + round((flight[r] - 1) * stash)
         peak_op = max(mine, key=lambda c: c.working_peak).peak_op
-        mems.append(Memory(sum(c.parameters for c in mine), sum(c.gradients for c in mine),
-                           sum(c.optimizer_states for c in mine), act, peak_op))
+        mems.append(with_overheads(sum(c.parameters for c in mine), sum(c.gradients for c in mine),
+                                   sum(c.optimizer_states for c in mine), act, peak_op, plan, p))
     est = PipelineEstimate(spec, counts, costs, pp_link, send_f, send_b, flight, mems)
     if device is None:
         return est
