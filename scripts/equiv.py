@@ -594,7 +594,6 @@ def _write_program_fixtures(fix: Path) -> dict[str, Any]:
     progs["broken-shape"] = json.dumps(d)
     try:
         import transformers  # noqa: F401
-
         from spmdkit.hf import import_hf
         for name, (cls, cfg) in HF_MODELS.items():
             try:

@@ -177,26 +177,59 @@ def _is_act(prog: Program, n: str) -> bool:
     return prog.tensors[n].kind == "activation"
 
 
-def recompute_regions(prog: Program, mode: str) -> list[list[int]]:
+def _layer_groups(prog: Program, fwd: list[int], mode: str) -> list[list[int]]:
+    """The forward ops of each numbered layer (``layer 3``), in program order; a ProgramError
+    naming ``--recompute`` where no op has a numbered layer label."""
+    groups: dict[str, list[int]] = {}
+    for i in fwd:
+        layer = prog.ops[i].layer
+        if _layer_key(layer) is not None:
+            groups.setdefault(layer, []).append(i)
+    if not groups:
+        labels = sorted({prog.ops[i].layer for i in fwd})
+        raise ProgramError(f"--recompute {mode}: no forward op is labelled with a numbered layer (the program's "
+                           f"layer labels: {', '.join(repr(x) for x in labels[:8]) or 'none'}); this "
+                           f"recomputation runs each numbered layer group again")
+    return list(groups.values())
+
+
+#: the ops whose outputs torchtitan's op-level selective checkpointing saves (besides every
+#: other linear layer's matmul): the attention kernels
+_SAC_SAVED = frozenset({"flash_attention"})
+
+
+def _op_sac(prog: Program, layer: list[int]) -> list[int]:
+    """torchtitan's op-level selective activation checkpointing (``selective_ac_option = "op"``,
+    torchtitan/models/llama/parallelize_llama.py): a layer keeps the outputs of its attention
+    kernel and of its 1st, 3rd, 5th ... linear-layer matmul (``aten.mm``; every second one is
+    recomputed) and runs everything else again in the backward."""
+    region: list[int] = []
+    mm = 0
+    for i in layer:
+        op = prog.ops[i]
+        y = op.inputs.get("y")
+        if op.rule == "matmul" and isinstance(y, str) and prog.tensors[y].kind == "parameter":
+            mm += 1
+            if mm % 2 == 1:
+                continue
+        elif op.rule in _SAC_SAVED:
+            continue
+        region.append(i)
+    return region
+
+
+def recompute_regions(prog: Program, mode: str, framework: str = "megatron") -> list[list[int]]:
     """The forward ops run again in the backward, as regions (op indices in program order):
-    one per attention core (``selective``) or per transformer layer (``full``); none for
-    ``none``."""
+    one per attention core (``selective``; under ``framework`` torchtitan, its op-level policy:
+    :func:`_op_sac`) or per transformer layer (``full``); none for ``none``."""
     check_recompute(mode)
     fwd = [i for i, op in enumerate(prog.ops) if op.phase == "forward"]
     if mode == "none":
         return []
     if mode == "full":
-        groups: dict[str, list[int]] = {}
-        for i in fwd:
-            layer = prog.ops[i].layer
-            if _layer_key(layer) is not None:
-                groups.setdefault(layer, []).append(i)
-        if not groups:
-            labels = sorted({prog.ops[i].layer for i in fwd})
-            raise ProgramError(f"--recompute full: no forward op is labelled with a numbered layer (the program's "
-                               f"layer labels: {', '.join(repr(x) for x in labels[:8]) or 'none'}); full "
-                               f"recomputation runs each numbered layer group again")
-        return list(groups.values())
+        return _layer_groups(prog, fwd, mode)
+    if framework == "torchtitan":
+        return [r for r in (_op_sac(prog, g) for g in _layer_groups(prog, fwd, mode)) if r]
     regions: list[list[int]] = []
     region: list[int] | None = None
     made: set[str] = set()
@@ -301,7 +334,7 @@ def saved_activations(plan: Plan, recompute: str = "none") -> ActivationMemory:
     # layer of a kept tensor: that of the last backward op reading it (the earliest layer)
     layer_of = {n: prog.ops[ix[-1]].layer for n, ix in reads.items()}
     kept = set(reads)
-    regions = recompute_regions(prog, recompute)
+    regions = recompute_regions(prog, recompute, plan.runtime.framework)
     for region in regions:
         kept -= {n for i in region for n in prog.ops[i].output_names()}
     for region in regions:  # a region's inputs made before it are kept to run it again
@@ -479,13 +512,13 @@ def held_for_the_step(plan: Plan) -> dict[str, tuple[int, int, int]]:
         big = [n for n in states if prog.tensors[n].shape == t.shape]
         n_grad = max(numel(grads[0]), unreduced.get(grads[0], 0)) if grads else 0
         if len(big) < 2:  # no Adam moments: the program's own tensors
-            out[p] = (numel(p) * t.itemsize, n_grad * (prog.tensors[grads[0]].itemsize if grads else 0),
+            out[p] = (numel(p, plan.storage.get(p)) * t.itemsize, n_grad * (prog.tensors[grads[0]].itemsize if grads else 0),
                       sum(numel(n) * prog.tensors[n].itemsize for n in states))
             continue
         pb, gb, sb = _bytes_per_element(rt.framework, rt.precision_of(t.dtype))
         small = sum(numel(n) * prog.tensors[n].itemsize for n in states if n not in big)
         fp8 = 2 * numel(p) if p in linear else 0
-        out[p] = (numel(p) * pb + fp8, n_grad * gb, numel(big[0]) * sb + small)
+        out[p] = (numel(p, plan.storage.get(p)) * pb + fp8, n_grad * gb, numel(big[0]) * sb + small)
     return out
 
 
@@ -639,7 +672,44 @@ def activation_deltas(plan: Plan, saved: ActivationMemory, group_of: list[int] |
         s[0], s[1] = min(s[0], lo), max(s[1], hi)
     for (g, n, dst, _phase), (a, e) in spans.items():
         add(g, a, e, nbytes(n, dst))
+    for i, j, elems in loss_spans(plan):
+        held, fwd, bwd = LOSS_BYTES[plan.runtime.framework]
+        add(grp[i], i, j, held * elems)
+        add(grp[i], i, i, fwd * elems)
+        add(grp[j], j, j, bwd * elems)
     return deltas
+
+
+#: softmax cross-entropy rules: (forward, the grad rule that reads its softmax)
+LOSS_RULES = frozenset({"cross_entropy_with_softmax", "c_softmax_with_cross_entropy"})
+#: bytes per logit element the framework's loss holds beyond the program's 16-bit softmax:
+#: (from the loss forward to its backward, at the forward only, at the backward only).
+#: Megatron-LM: ``vocab_parallel_cross_entropy(logits.float())`` keeps the softmax in fp32 (+2)
+#: and computes the gradient in place. torchtitan (eager): ``cross_entropy(pred.float())``
+#: keeps log-softmax in fp32 (+2), its forward holds the fp32 copy of the logits (+4), its
+#: backward the nll gradient and log-softmax's input gradient in fp32 (+8).
+LOSS_BYTES = {"megatron": (2, 0, 0), "torchtitan": (2, 4, 8)}
+
+
+def loss_spans(plan: Plan) -> list[tuple[int, int, int]]:
+    """(loss op, its grad op, local logit elements) for each softmax cross-entropy of ``plan``
+    whose softmax is 16-bit (a float32 program's loss holds nothing more)."""
+    prog = plan.program
+    out = []
+    readers: dict[str, int] = {}
+    for i, op in enumerate(prog.ops):
+        if op.phase == "backward":
+            for n in value_inputs(op):
+                readers.setdefault(n, i)
+    for i, op in enumerate(prog.ops):
+        if op.phase != "forward" or op.rule not in LOSS_RULES:
+            continue
+        soft = op.output_names()[0]
+        t = prog.tensors[soft]
+        j = readers.get(soft)
+        if j is not None and t.itemsize == 2:
+            out.append((i, j, local_numel(plan.attrs[soft], t.shape)))
+    return out
 
 
 def peak_of(deltas: dict[int, int], n_ops: int | None = None) -> tuple[int, int, list[int]]:
@@ -678,7 +748,7 @@ def memory_per_device(plan: Plan, recompute: str = "none") -> Memory:
     return with_overheads(params, grads, states, peak, at, plan, 1, saved, tuple(curve))
 
 
-__all__ = ["ALLOCATOR_RESERVE", "CUDA_CONTEXT_BYTES", "MEMORY_CAP_FRACTION", "NCCL_BYTES_PER_GROUP", "RECOMPUTE",
+__all__ = ["ALLOCATOR_RESERVE", "CUDA_CONTEXT_BYTES", "LOSS_BYTES", "LOSS_RULES", "loss_spans", "MEMORY_CAP_FRACTION", "NCCL_BYTES_PER_GROUP", "RECOMPUTE",
            "SHAPE_ONLY", "ActivationMemory", "Memory", "UnevenShard", "activation_deltas", "check_recompute",
            "communicators", "fit_verdict", "fp8_stashed", "held_for_the_step", "local_numel", "memory_per_device",
            "peak_of", "recompute_regions", "rerun_points", "saved_activations", "spans_with_recompute",

@@ -50,8 +50,17 @@ from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.cost.compute import kernel_collectives, model_flops, op_cost
 from spmdkit.cost.devices import Device
-from spmdkit.cost.memory import (ActivationMemory, Memory, activation_deltas, held_for_the_step, local_numel, peak_of,
-                                 saved_activations, value_inputs, with_overheads)
+from spmdkit.cost.memory import (
+    ActivationMemory,
+    Memory,
+    activation_deltas,
+    held_for_the_step,
+    local_numel,
+    peak_of,
+    saved_activations,
+    value_inputs,
+    with_overheads,
+)
 from spmdkit.cost.step import is_grad_sync
 from spmdkit.models.zoo import Model, preset
 from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, parse_size, plan_model
