@@ -60,7 +60,7 @@ def run_pipeline_plan(req: PlanRequest, out: TextIO) -> int:
     tokens = c.batch * c.seq * spec.microbatches
     est = estimate_pipeline(plan, spec, counts, device, _pp_link(req.links, full, device), tokens, full.size,
                             recompute=check_recompute(req.recompute or "none"))
-    worst = max(range(spec.pp), key=lambda r: est.memory[r].total)
+    worst = max(range(spec.pp), key=lambda r: est.memory[r].device_total)
     title = (f"{m.model}: {c.arch}, {c.layers} layers, hidden {c.hidden}, {c.heads} heads"
              f"{f' ({c.n_kv} kv)' if c.n_kv != c.heads else ''}, FFN {c.ffn}, vocab {c.vocab}, seq {c.seq}, "
              f"batch {c.batch * spec.microbatches} as {spec.microbatches} microbatches of {c.batch}, {c.dtype}; "

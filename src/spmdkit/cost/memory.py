@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import math
 import re
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,6 +140,17 @@ def value_inputs(op: Op) -> list[str]:
     return [n for p, v in op.inputs.items() if p not in skip for n in flat_refs(v) if n is not None]
 
 
+_VALUE_INPUTS: weakref.WeakKeyDictionary[Program, list[list[str]]] = weakref.WeakKeyDictionary()
+
+
+def all_value_inputs(prog: Program) -> list[list[str]]:
+    """:func:`value_inputs` of every op of ``prog`` (program order), computed once per program."""
+    got = _VALUE_INPUTS.get(prog)
+    if got is None or len(got) != len(prog.ops):
+        got = _VALUE_INPUTS[prog] = [value_inputs(op) for op in prog.ops]
+    return got
+
+
 def value_spans(prog: Program) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
     """(the op that makes each tensor, the last op that reads its values, or makes it if none
     does, the last forward op that reads its values), by op index, for every tensor an op
@@ -147,11 +159,12 @@ def value_spans(prog: Program) -> tuple[dict[str, int], dict[str, int], dict[str
     first: dict[str, int] = {}
     last: dict[str, int] = {}
     fwd_last: dict[str, int] = {}
+    vin = all_value_inputs(prog)
     for i, op in enumerate(prog.ops):
         for n in op.output_names():
             first.setdefault(n, i)
             last.setdefault(n, i)
-        for n in value_inputs(op):
+        for n in vin[i]:
             if n in first:
                 last[n] = i
                 if op.phase == "forward":
@@ -288,10 +301,11 @@ def value_reads(prog: Program) -> dict[str, list[int]]:
         if op.phase == "forward":
             fwd_made.update(op.output_names())
     reads: dict[str, list[int]] = {}
+    vin = all_value_inputs(prog)
     for i, op in enumerate(prog.ops):
         if op.phase != "backward":
             continue
-        for n in value_inputs(op):
+        for n in vin[i]:
             if n in fwd_made and _is_act(prog, n):
                 lst = reads.setdefault(n, [])
                 if not lst or lst[-1] != i:
@@ -447,11 +461,6 @@ NCCL_BYTES_PER_GROUP = 256 * 1024**2
 #: the caching allocator's reserve over its allocated peak (blocks cached and fragmented), as
 #: a fraction of the allocated peak
 ALLOCATOR_RESERVE = 0.10
-#: the part of a device's memory a plan may use: the rest is the headroom real runs keep
-#: (docs/devices.md, "Memory")
-MEMORY_CAP_FRACTION = 1.0
-
-
 def _bytes_per_element(framework: str, precision: str) -> tuple[int, int, int]:
     """(parameter, gradient, optimizer state) bytes per parameter element under Adam, before
     ZeRO sharding. Megatron-LM (docs/api-guide/dist_optimizer.md): a 16-bit parameter, the
@@ -585,13 +594,14 @@ def with_overheads(parameters: int, gradients: int, states: int, activations: in
 
 
 def fit_verdict(need: int, capacity: int) -> tuple[bool, str]:
-    """(fits, the sentence): ``need`` bytes per device (:attr:`Memory.device_total`) against
-    a device of ``capacity`` bytes, of which :data:`MEMORY_CAP_FRACTION` may be used."""
-    cap = int(capacity * MEMORY_CAP_FRACTION)
+    """(fits, the sentence): ``need`` bytes per device (:attr:`Memory.device_total`: the
+    allocated peak with the allocator's reserve, the CUDA context and NCCL's buffers, the
+    headroom real runs need) against a device of ``capacity`` bytes."""
     gib = 1024**3
-    if need <= cap:
-        return True, f"fits with {(cap - need) / gib:.1f} GiB headroom ({100 * need / capacity:.0f}% of {capacity / gib:.0f} GiB)"
-    return False, f"does not fit by {(need - cap) / gib:.1f} GiB ({100 * need / capacity:.0f}% of {capacity / gib:.0f} GiB)"
+    share = f"{100 * need / capacity:.0f}% of {capacity / gib:.0f} GiB" if capacity else "no capacity"
+    if need <= capacity:
+        return True, f"fits with {(capacity - need) / gib:.1f} GiB headroom ({share})"
+    return False, f"does not fit by {(need - capacity) / gib:.1f} GiB ({share})"
 
 
 # -- the activation curve -------------------------------------------------------------------------
@@ -614,16 +624,25 @@ def activation_deltas(plan: Plan, saved: ActivationMemory, group_of: list[int] |
     grp = group_of or [0] * len(prog.ops)
     param_grads = prog.param_grads()
 
+    sizes: dict[str, int] = {}
+
     def nbytes(name: str, attr: TensorDistAttr | None = None) -> int:
         t = prog.tensors[name]
-        return local_numel(attr or attrs[name], t.shape) * t.itemsize
+        if attr is not None:
+            return local_numel(attr, t.shape) * t.itemsize
+        b = sizes.get(name)
+        if b is None:
+            b = sizes[name] = local_numel(attrs[name], t.shape) * t.itemsize
+        return b
 
+    held = {n for n, t in prog.tensors.items()
+            if n in param_grads or t.inplace_of or t.kind in ("parameter", "optimizer_state", "input")}
     uses: dict[tuple[int, str], list[int]] = {}
+    vin = all_value_inputs(prog)
     for i, op in enumerate(prog.ops):
         g = grp[i]
-        for n in (*op.output_names(), *value_inputs(op)):
-            t = prog.tensors[n]
-            if n in param_grads or t.inplace_of or t.kind in ("parameter", "optimizer_state", "input"):
+        for n in (*op.output_names(), *vin[i]):
+            if n in held:
                 continue
             u = uses.get((g, n))
             if u is None:
@@ -748,7 +767,7 @@ def memory_per_device(plan: Plan, recompute: str = "none") -> Memory:
     return with_overheads(params, grads, states, peak, at, plan, 1, saved, tuple(curve))
 
 
-__all__ = ["ALLOCATOR_RESERVE", "CUDA_CONTEXT_BYTES", "LOSS_BYTES", "LOSS_RULES", "loss_spans", "MEMORY_CAP_FRACTION", "NCCL_BYTES_PER_GROUP", "RECOMPUTE",
+__all__ = ["ALLOCATOR_RESERVE", "CUDA_CONTEXT_BYTES", "LOSS_BYTES", "LOSS_RULES", "loss_spans", "NCCL_BYTES_PER_GROUP", "RECOMPUTE",
            "SHAPE_ONLY", "ActivationMemory", "Memory", "UnevenShard", "activation_deltas", "check_recompute",
            "communicators", "fit_verdict", "fp8_stashed", "held_for_the_step", "local_numel", "memory_per_device",
            "peak_of", "recompute_regions", "rerun_points", "saved_activations", "spans_with_recompute",

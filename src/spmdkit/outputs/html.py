@@ -40,10 +40,19 @@ from spmdkit.core.dist_attr import TensorDistAttr, entry_dims
 from spmdkit.core.errors import ProgramError
 from spmdkit.cost.compute import guess_tokens, kernel_collectives
 from spmdkit.cost.devices import preset_device
-from spmdkit.cost.memory import Memory, held_for_the_step, local_numel, memory_per_device
+from spmdkit.cost.memory import (
+    Memory,
+    activation_deltas,
+    fit_verdict,
+    held_for_the_step,
+    local_numel,
+    memory_per_device,
+    saved_activations,
+)
 from spmdkit.cost.step import estimate_step
 from spmdkit.io.atomic import write_atomic
 from spmdkit.outputs.report import fmt_bytes, fmt_time, placements, reshard_groups
+from spmdkit.planner.pipeline import op_stages
 from spmdkit.program.plan import Plan
 
 _LAYER_NAME = re.compile(r"^layers\.(\d+)\.")
@@ -529,12 +538,17 @@ def _step_section(plan: Plan, est: Any, assumed: str | None, pipe: Any) -> str:
     return out + "</section>"
 
 
-def _memory_svg(plan: Plan, mem: Memory, curve: Sequence[int], cap: int) -> str:
+def _memory_svg(plan: Plan, mem: Memory, curve: Sequence[int], cap: int, idx: Sequence[int] | None = None) -> str:
+    """The live memory while each op runs: ``curve[k]`` the activations live at op ``idx[k]``
+    (default: every op of the program) over what is held for the step; the peak marked."""
     prog = plan.program
     held = mem.parameters + mem.gradients + mem.optimizer_states
     n = len(curve)
+    ix = list(idx) if idx is not None else list(range(n))
+    at = max(range(n), key=curve.__getitem__) if n else 0
+    peak = held + (curve[at] if n else 0)
     x0, w, h0 = 80, 900, 220
-    top = max([held + max(curve, default=0)] + ([cap] if cap and cap < 2 * (held + max(curve, default=0)) else [])) or 1
+    top = max([peak] + ([cap] if cap and cap < 2 * peak else [])) or 1
     sy = h0 / top
     step = max(1, n // 800)
     pts = []
@@ -542,14 +556,14 @@ def _memory_svg(plan: Plan, mem: Memory, curve: Sequence[int], cap: int) -> str:
         chunk = curve[k:k + step]
         j = k + max(range(len(chunk)), key=chunk.__getitem__)  # keep each bucket's highest point
         pts.append(f"{x0 + w * j / max(1, n - 1):.1f},{10 + h0 - (held + curve[j]) * sy:.1f}")
-    parts = [f'<svg class="fig memory" data-figure="memory" data-peak="{held + mem.activation_peak}" '
+    parts = [f'<svg class="fig memory" data-figure="memory" data-peak="{peak}" '
              f'data-points="{len(pts)}" width="{x0 + w + 200}" height="{h0 + 50}" viewBox="0 0 {x0 + w + 200} '
              f'{h0 + 50}" role="img" aria-label="memory over the step">']
     # phase bands
     start = 0
     for k in range(1, n + 1):
-        if k == n or prog.ops[k].phase != prog.ops[start].phase:
-            ph = prog.ops[start].phase
+        if k == n or prog.ops[ix[k]].phase != prog.ops[ix[start]].phase:
+            ph = prog.ops[ix[start]].phase
             parts.append(f'<rect x="{x0 + w * start / max(1, n - 1):.1f}" y="10" '
                          f'width="{max(0.5, w * (k - 1 - start) / max(1, n - 1)):.1f}" height="{h0}" '
                          f'fill="{PHASE_COLOURS.get(ph, "#ccc")}" opacity="0.12"><title>{_e(ph)}</title></rect>')
@@ -562,13 +576,13 @@ def _memory_svg(plan: Plan, mem: Memory, curve: Sequence[int], cap: int) -> str:
         y = 10 + h0 - cap * sy
         parts.append(f'<line x1="{x0}" y1="{y:.1f}" x2="{x0 + w}" y2="{y:.1f}" stroke="#e15759"/>'
                      f'<text x="{x0 + w + 4}" y="{y + 4:.1f}" class="lbl">device {fmt_bytes(cap)}</text>')
-    px = x0 + w * mem.peak_op / max(1, n - 1)
-    py = 10 + h0 - (held + mem.activation_peak) * sy
-    peak_name = prog.ops[mem.peak_op].name if prog.ops else "-"
+    px = x0 + w * at / max(1, n - 1)
+    py = 10 + h0 - peak * sy
+    peak_name = prog.ops[ix[at]].name if n else "-"
     parts.append(f'<circle class="peak" cx="{px:.1f}" cy="{py:.1f}" r="5" fill="#e15759"><title>peak '
-                 f'{fmt_bytes(held + mem.activation_peak)} at op {mem.peak_op} ({_e(peak_name)})</title></circle>'
+                 f'{fmt_bytes(peak)} at op {ix[at] if n else 0} ({_e(peak_name)})</title></circle>'
                  f'<text x="{min(px + 8, x0 + w - 10):.1f}" y="{max(py - 6, 22):.1f}" class="lbl">peak '
-                 f'{fmt_bytes(held + mem.activation_peak)} at {_e(peak_name)}</text>')
+                 f'{fmt_bytes(peak)} at {_e(peak_name)}</text>')
     for k in range(5):
         v = top * k / 4
         y = 10 + h0 - v * sy
@@ -579,25 +593,55 @@ def _memory_svg(plan: Plan, mem: Memory, curve: Sequence[int], cap: int) -> str:
     return "".join(parts)
 
 
+def pipeline_rank_curve(plan: Plan, pipe: Any, recompute: str) -> tuple[int, list[int], list[int]]:
+    """The fullest pipeline rank of ``pipe`` (by what its device holds), and the activations
+    live over its ops (op indices, bytes): one microbatch through its stages plus the other
+    microbatches it holds in flight, so that the curve's peak is its
+    :attr:`spmdkit.cost.memory.Memory.activation_peak`."""
+    p, v = pipe.spec.pp, pipe.spec.virtual
+    r = max(range(p), key=lambda k: pipe.memory[k].device_total)
+    stages = op_stages(plan.program, pipe.counts)
+    mine = {c * p + r for c in range(v)}
+    deltas = activation_deltas(plan, saved_activations(plan, recompute), stages, p * v)
+    idx = [i for i, s in enumerate(stages) if s in mine]
+    cur, curve = 0, []
+    for i in idx:
+        cur += sum(deltas[s].get(i, 0) for s in mine)
+        curve.append(cur)
+    lift = pipe.memory[r].activation_peak - max(curve, default=0)  # the stash of the microbatches in flight
+    return r, idx, [c + lift for c in curve]
+
+
 def _memory_section(plan: Plan, mem: Memory, recompute: str, cap: int, pipe: Any) -> str:
-    curve = mem.curve or memory_per_device(plan, recompute).curve
-    if not curve:
-        return ""
+    idx: list[int] | None = None
+    curve: Sequence[int] = mem.curve
+    what = "Per device"
     note = ""
     if pipe is not None:
         rows = "".join(f"<tr><td>{r}</td><td>{pipe.in_flight[r]:g}</td><td>{fmt_bytes(m.parameters)}</td>"
                        f"<td>{fmt_bytes(m.gradients)}</td><td>{fmt_bytes(m.optimizer_states)}</td>"
-                       f"<td>{fmt_bytes(m.activation_peak)}</td><td>{fmt_bytes(m.total)}</td></tr>"
+                       f"<td>{fmt_bytes(m.activation_peak)}</td><td>{fmt_bytes(m.total)}</td>"
+                       f"<td>{fmt_bytes(m.device_total)}</td></tr>"
                        for r, m in enumerate(pipe.memory))
-        note = ('<p>The curve is one microbatch through the whole program on the stages\' sub-mesh; per pipeline '
-                'rank (microbatches of activations in flight):</p><table class="small"><tr><th>pp rank</th>'
-                '<th>in flight</th><th>parameters</th><th>gradients</th><th>optimizer</th><th>activations</th>'
-                f'<th>total</th></tr>{rows}</table>')
-        mem = memory_per_device(plan, recompute)
-    return ('<section id="memory"><h2>Memory over the step</h2><p>Per device: what is held for the whole step '
+        r, idx, curve = pipeline_rank_curve(plan, pipe, recompute)
+        mem = pipe.memory[r]
+        what = (f"The fullest pipeline rank, {r} (its stages' ops, one microbatch through them over the "
+                f"{pipe.in_flight[r]:g} microbatches it holds in flight)")
+        note = ('<p>Per pipeline rank (microbatches of activations in flight):</p><table class="small"><tr>'
+                '<th>pp rank</th><th>in flight</th><th>parameters</th><th>gradients</th><th>optimizer</th>'
+                f'<th>activations</th><th>allocated</th><th>on the device</th></tr>{rows}</table>')
+    elif not curve:
+        curve = memory_per_device(plan, recompute).curve
+    if not curve:
+        return ""
+    extra = (f' The allocated peak, {fmt_bytes(mem.total)}, grows by the caching allocator\'s reserve '
+             f'({fmt_bytes(mem.allocator_reserve)}) and the CUDA context and NCCL buffers '
+             f'({fmt_bytes(mem.runtime_overhead)}) to {fmt_bytes(mem.device_total)} on the device'
+             + (f": {fit_verdict(mem.device_total, cap)[1]}." if cap else "."))
+    return ('<section id="memory"><h2>Memory over the step</h2><p>' + _e(what) + ': what is held for the whole step '
             f'(parameters, gradients, optimizer states: {fmt_bytes(mem.parameters + mem.gradients + mem.optimizer_states)}, '
-            'dashed) plus the activations live while each op runs; the peak is marked.</p>'
-            f'{_memory_svg(plan, mem, curve, cap)}{note}</section>')
+            'dashed) plus the activations live while each op runs; the peak is marked.' + _e(extra) + '</p>'
+            f'{_memory_svg(plan, mem, curve, cap, idx)}{note}</section>')
 
 
 # -- the reshard table ----------------------------------------------------------------------------
@@ -777,9 +821,16 @@ def render_html(plan: Plan, title: str = "", memory: Memory | None = None, estim
     step_s = est.step_overlap_s
     if pipeline is not None and pipeline.run is not None:
         step_s = pipeline.step_overlap_s
+    if pipeline is not None:  # the fullest pipeline rank, as the memory section draws it
+        mem = max(pipeline.memory, key=lambda m: m.device_total)
+    tps = pipeline.tokens_per_s if pipeline is not None and pipeline.run is not None else est.tokens_per_s
     summary = [("ranks", str(mesh.size)), ("ops", f"{len(prog.ops)}"), ("tensors", f"{len(prog.tensors)}"),
                ("step (predicted)", fmt_time(step_s)), ("communication", fmt_time(est.comm_total_s)),
-               ("memory per device", fmt_bytes(mem.total))]
+               ("memory per device", fmt_bytes(mem.device_total))]
+    if tps:
+        summary.append(("tokens/s", f"{tps:,.0f}"))
+    if cap:
+        summary.append(("fits?", fit_verdict(mem.device_total, cap)[1].split(" (")[0]))
     if est.mfu is not None and pipeline is None:
         summary.append(("MFU", f"{100 * est.mfu:.1f}%"))
     nav = "".join(f'<a href="#{k}">{v}</a>' for k, v in (("mesh", "mesh"), ("step", "step"), ("memory", "memory"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TextIO
 
-from spmdkit.outputs.report import fmt_bytes, fmt_time
+from spmdkit.outputs.report import fmt_bytes, fmt_time, verdict_line
 from spmdkit.outputs.tables import print_table
 from spmdkit.planner.pipeline import PipelineEstimate, bubble_formula
 
@@ -30,20 +30,22 @@ def write_pipeline(est: PipelineEstimate, out: TextIO) -> None:
     for r in range(p):
         mm = est.memory[r]
         rows.append([str(r), f"{est.in_flight[r]:g}", fmt_bytes(mm.parameters), fmt_bytes(mm.gradients),
-                     fmt_bytes(mm.optimizer_states), fmt_bytes(mm.activation_peak), fmt_bytes(mm.total)])
-    print_table("Memory per device of each pipeline rank (in flight: microbatches of activations held)",
-                ["pp rank", "in flight", "parameters", "gradients", "optimizer", "activations", "total"], rows, out)
+                     fmt_bytes(mm.optimizer_states), fmt_bytes(mm.activation_peak), fmt_bytes(mm.total),
+                     fmt_bytes(mm.reserved), fmt_bytes(mm.device_total)])
+    print_table("Memory per device of each pipeline rank (in flight: microbatches of activations held; reserved: "
+                "with the caching allocator's reserve; on the device: with the CUDA context and NCCL buffers)",
+                ["pp rank", "in flight", "parameters", "gradients", "optimizer", "activations", "allocated",
+                 "reserved", "on the device"], rows, out)
     f = bubble_formula(s.schedule, p, v, m)
     if est.run is None:
         out.write(f"bubble (formula): {100 * f:.1f}% of the work; give --device for the step time\n")
         return
     run = est.run
-    worst = max(range(p), key=lambda r: est.memory[r].total)
-    tot = est.memory[worst].total
+    worst = max(range(p), key=lambda r: est.memory[r].device_total)
     cap = est.device_memory
     if cap:
-        out.write(f"fullest pipeline rank {worst}: {fmt_bytes(tot)} {'fits in' if tot <= cap else 'does NOT fit in'} "
-                  f"the {fmt_bytes(cap)} of a {est.device_name} ({100 * tot / cap:.0f}%)\n")
+        out.write(f"fullest pipeline rank {worst}: {fmt_bytes(est.memory[worst].device_total)}; "
+                  f"{verdict_line(est.memory[worst], cap, est.device_name)}\n")
     out.write(f"pipeline: {fmt_time(run.pipeline_s)} for {m} microbatches; busiest device works "
               f"{fmt_time(max(run.busy_s))}; bubble {fmt_time(run.bubble_s)} = {100 * run.bubble_fraction:.1f}% "
               f"(formula {100 * f:.1f}%)\n")

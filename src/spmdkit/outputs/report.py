@@ -9,7 +9,7 @@ from typing import Any, TextIO
 
 from spmdkit.core.dist_attr import TensorDistAttr, entry_dims
 from spmdkit.cost.compute import KernelCollective, kernel_collectives
-from spmdkit.cost.memory import Memory, memory_per_device, uneven_shards
+from spmdkit.cost.memory import Memory, fit_verdict, memory_per_device, uneven_shards
 from spmdkit.cost.step import StepEstimate
 from spmdkit.io.codec import encode_attr
 from spmdkit.outputs.tables import print_table
@@ -122,6 +122,34 @@ def reshard_groups(plan: Plan) -> list[dict[str, Any]]:
     return out
 
 
+def memory_rows(mem: Memory, peak_op: str) -> list[list[str]]:
+    """The memory table's rows: what is held for the step, the activation peak, what the backward
+    keeps, PyTorch's allocated and reserved peaks, and what the GPU holds besides."""
+    rows = [["parameters", fmt_bytes(mem.parameters)], ["gradients", fmt_bytes(mem.gradients)],
+            ["optimizer states", fmt_bytes(mem.optimizer_states)],
+            ["activations (peak)", f"{fmt_bytes(mem.activation_peak)} (at {peak_op})"]]
+    saved = getattr(mem, "saved", None)
+    if saved is not None and saved.per_layer:
+        per = [b for k, b in saved.per_layer.items() if re.search(r"\d", k)]
+        rows.append([f"kept for the backward (recompute {saved.recompute})",
+                     fmt_bytes(saved.total) + (f"; {'' if min(per) == max(per) else 'up to '}"
+                                               f"{fmt_bytes(max(per))} per layer" if per else "")])
+    rows.append(["allocated (peak, torch max_memory_allocated)", fmt_bytes(mem.total)])
+    if mem.allocator_reserve or mem.runtime_overhead:
+        rows += [["caching allocator's reserve", fmt_bytes(mem.allocator_reserve)],
+                 ["reserved (peak, torch max_memory_reserved)", fmt_bytes(mem.reserved)],
+                 ["CUDA context and NCCL buffers", fmt_bytes(mem.runtime_overhead)],
+                 ["total on the device", fmt_bytes(mem.device_total)]]
+    return rows
+
+
+def verdict_line(mem: Memory, capacity: int, device: str) -> str:
+    """'fits with X GiB headroom' / 'does not fit by X GiB' on ``device`` (``capacity`` bytes),
+    for what the GPU must hold (:attr:`spmdkit.cost.memory.Memory.device_total`)."""
+    _fits, text = fit_verdict(mem.device_total, capacity)
+    return f"{text} on a {device}"
+
+
 def write_report(plan: Plan, out: TextIO, title: str = "", memory: Memory | None = None,
                  plan_seconds: float | None = None, estimate: StepEstimate | None = None) -> None:
     prog = plan.program
@@ -192,22 +220,10 @@ def write_report(plan: Plan, out: TextIO, title: str = "", memory: Memory | None
     if estimate is not None:
         write_estimate(estimate, out)
         out.write("\n")
-    peak_op = prog.ops[mem.peak_op].name if prog.ops else "-"
-    rows = [["parameters", fmt_bytes(mem.parameters)], ["gradients", fmt_bytes(mem.gradients)],
-            ["optimizer states", fmt_bytes(mem.optimizer_states)],
-            ["activations (peak)", f"{fmt_bytes(mem.activation_peak)} (at {peak_op})"],
-            ["total", fmt_bytes(mem.total)]]
-    saved = getattr(mem, "saved", None)
-    if saved is not None and saved.per_layer:
-        per = [b for k, b in saved.per_layer.items() if re.search(r"\d", k)]
-        rows.insert(4, [f"kept for the backward (recompute {saved.recompute})",
-                        fmt_bytes(saved.total) + (f"; {'' if min(per) == max(per) else 'up to '}"
-                                                        f"{fmt_bytes(max(per))} per layer" if per else "")])
-    print_table("Memory per device", ["", "bytes"], rows, out)
+    print_table(f"Memory per device (as {mem.framework or 'megatron'} allocates it)", ["", "bytes"],
+                memory_rows(mem, prog.ops[mem.peak_op].name if prog.ops else "-"), out)
     if estimate is not None and estimate.device.memory_bytes:
-        cap = estimate.device.memory_bytes
-        out.write(f"{'fits in' if mem.total <= cap else 'does NOT fit in'} the {fmt_bytes(cap)} of a "
-                  f"{estimate.device.name} ({100 * mem.total / cap:.0f}%)\n")
+        out.write("memory: " + verdict_line(mem, estimate.device.memory_bytes, estimate.device.name) + "\n")
     uneven = uneven_shards(plan)
     if uneven:
         names = plan.mesh.dim_names
