@@ -92,7 +92,7 @@ def test_a_flat_configuration_is_priced_as_plan_prices_it(tiny4: Any) -> None:
     got = json.loads(out)
     [c] = [c for c in tiny4.candidates if c.config == Config(2, 2, 1, "megatron,sp,zero2", "full", 1)]
     assert c.step_s == pytest.approx(got["step"]["step_overlap_s"], rel=1e-12)
-    assert c.memory == got["memory"]["total"]
+    assert c.memory == got["memory"]["device_total"]
     assert c.estimate.step_overlap_s == estimate_step(c.plan, preset_device("h100"),
                                                       4 * 8, "full").step_overlap_s
 
@@ -105,7 +105,7 @@ def test_a_pipeline_configuration_is_priced_as_plan_prices_it(tiny4: Any) -> Non
     assert rc == 0, err
     got = json.loads(out)
     assert c.step_s == pytest.approx(got["pipeline"]["step_overlap_s"], rel=1e-12)
-    assert c.memory == max(d["memory"]["total"] for d in got["pipeline"]["devices"])
+    assert c.memory == max(d["memory"]["device_total"] for d in got["pipeline"]["devices"])
 
 
 def test_memory_cap_rejects_and_turns_on_memory_savers(tiny4: Any) -> None:
@@ -197,11 +197,12 @@ def test_cli_devices_memory_cap_too_small() -> None:
     rc, out, err = _cli("plan", "--model", "tiny-llama", "--devices", "2", "--memory", "1KB", "--recompute", "none")
     assert rc == 1, err
     assert "no configuration fits" in out and "rejected over the memory cap" in out
-    rc, out, err = _cli("plan", "--model", "tiny-llama", "--devices", "2", "--memory", "100KiB", "--json")
+    # the CUDA context (512 MiB) and one NCCL communicator (256 MiB) on every device, then 100 KiB
+    rc, out, err = _cli("plan", "--model", "tiny-llama", "--devices", "2", "--memory", "786532KiB", "--json")
     assert rc == 0, err
     got = json.loads(out)
-    assert got["search"]["memory_cap"] == 100 << 10
-    assert 0 < got["memory"]["total"] <= 100 << 10 and got["search"]["over_memory_cap"] > 0
+    assert got["search"]["memory_cap"] == 786532 << 10
+    assert 0 < got["memory"]["device_total"] <= 786532 << 10 and got["search"]["over_memory_cap"] > 0
 
 
 def test_cli_devices_writes_the_best_plans_page_and_export(tmp_path: Any) -> None:

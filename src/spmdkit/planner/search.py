@@ -14,8 +14,10 @@ plan: :func:`spmdkit.cost.step.estimate_step` (the step with the gradient reduct
 overlapping the backward) or, with pp > 1, :func:`spmdkit.planner.pipeline.estimate_pipeline`
 (1F1B, ``batch / dp`` microbatches of one sequence per dp rank: the smallest bubble the batch
 allows); memory per device with :func:`spmdkit.cost.memory.memory_per_device` (the fullest
-pipeline rank with pp). A configuration whose memory per device is over the cap (the device's
-memory by default) is rejected; the others are ranked by predicted step time.
+pipeline rank with pp), as the GPU must hold it (:attr:`spmdkit.cost.memory.Memory.device_total`:
+the allocated peak, the caching allocator's reserve, the CUDA context and NCCL's buffers). A
+configuration whose memory per device is over the cap (the device's memory by default) is
+rejected; the others are ranked by predicted step time.
 
 Which factorisations are tried: dp divides the global batch (each rank a whole number of
 sequences), tp divides the attention heads (Megatron's requirement; a preset only), pp divides
@@ -229,10 +231,10 @@ def _flat_candidates(cfg: Config, plan: Plan, job: _Job, title: str, info: AutoI
     for rc in job.modes:
         est = estimate_step(plan, job.device, job.tokens, rc)
         mem = memory_per_device(plan, rc)
-        if any(c.step_s == est.step_overlap_s and c.memory == mem.total for c in out):
+        if any(c.step_s == est.step_overlap_s and c.memory == mem.device_total for c in out):
             continue  # this recomputation changes nothing here (e.g. selective without an attention core)
-        out.append(Candidate(replace(cfg, recompute=rc), est.step_overlap_s, est.mfu, mem.total, est.comm_total_s,
-                             mem.total <= job.cap, plan, est, mem, title, info))
+        out.append(Candidate(replace(cfg, recompute=rc), est.step_overlap_s, est.mfu, mem.device_total,
+                             est.comm_total_s, mem.device_total <= job.cap, plan, est, mem, title, info))
     return out
 
 
@@ -247,16 +249,16 @@ def _pipeline_candidates(cfg: Config, plan: Plan, counts: tuple[int, ...], job: 
     for rc in job.modes:
         est = estimate_pipeline(plan, spec, counts, job.device, (link.alpha_s, link.beta_s_per_byte), tokens,
                                 full.size, recompute=rc)
-        mem = max(est.memory, key=lambda x: x.total)
-        if any(c.step_s == est.step_overlap_s and c.memory == mem.total for c in out):
+        mem = max(est.memory, key=lambda x: x.device_total)
+        if any(c.step_s == est.step_overlap_s and c.memory == mem.device_total for c in out):
             continue  # this recomputation changes nothing here
         one = estimate_step(plan, job.device, tokens // m, rc)  # one microbatch on the sub-mesh, every stage
         # per device: its stages' share of the collectives of m microbatches, the gradient
         # reductions once, and the sends of its busiest stage
         sends = max((f + b for f, b in zip(est.send_f_s, est.send_b_s)), default=0.0)
         comm = ((one.comm_total_s - one.grad_sync_s) * m + one.grad_sync_s) / cfg.pp + m * sends
-        out.append(Candidate(replace(cfg, recompute=rc), est.step_overlap_s, est.mfu, mem.total, comm,
-                             mem.total <= job.cap, plan, est, mem, title, info))
+        out.append(Candidate(replace(cfg, recompute=rc), est.step_overlap_s, est.mfu, mem.device_total, comm,
+                             mem.device_total <= job.cap, plan, est, mem, title, info))
     return out
 
 
