@@ -635,14 +635,14 @@ def activation_deltas(plan: Plan, saved: ActivationMemory, group_of: list[int] |
             b = sizes[name] = local_numel(attrs[name], t.shape) * t.itemsize
         return b
 
-    held = {n for n, t in prog.tensors.items()
-            if n in param_grads or t.inplace_of or t.kind in ("parameter", "optimizer_state", "input")}
+    for_the_step = {n for n, t in prog.tensors.items()
+                    if n in param_grads or t.inplace_of or t.kind in ("parameter", "optimizer_state", "input")}
     uses: dict[tuple[int, str], list[int]] = {}
     vin = all_value_inputs(prog)
     for i, op in enumerate(prog.ops):
         g = grp[i]
         for n in (*op.output_names(), *vin[i]):
-            if n in held:
+            if n in for_the_step:
                 continue
             u = uses.get((g, n))
             if u is None:
@@ -668,13 +668,13 @@ def activation_deltas(plan: Plan, saved: ActivationMemory, group_of: list[int] |
     if stored:
         prev: dict[str, tuple[str, str]] = {}
         for i, op in enumerate(prog.ops):
-            key = (op.layer, op.phase)
-            blk = blocks.get(key)
+            blk_key = (op.layer, op.phase)
+            blk = blocks.get(blk_key)
             if blk is None:
-                blocks[key] = [i, i]
+                blocks[blk_key] = [i, i]
                 p = prev.get(op.phase)
-                before[key] = blocks[p][0] if p is not None and grp[blocks[p][0]] == grp[i] else i
-                prev[op.phase] = key
+                before[blk_key] = blocks[p][0] if p is not None and grp[blocks[p][0]] == grp[i] else i
+                prev[op.phase] = blk_key
             else:
                 blk[1] = i
     spans: dict[tuple[int, str, TensorDistAttr, str], list[int]] = {}

@@ -818,6 +818,8 @@ def render_html(plan: Plan, title: str = "", memory: Memory | None = None, estim
     per_node = ranks_per_node or est.device.ranks_per_node or 8
     mesh = mesh or plan.mesh
     cap = est.device.memory_bytes if estimate is not None else 0
+    if pipeline is not None and pipeline.device_memory:
+        cap = pipeline.device_memory
     step_s = est.step_overlap_s
     if pipeline is not None and pipeline.run is not None:
         step_s = pipeline.step_overlap_s

@@ -14,7 +14,9 @@
   projections are gathered: the all-reduces become all-gather / reduce-scatter pairs.
 - ``zero1`` / ``zero2`` (``zero``) / ``zero3`` (``fsdp``): ZeRO over ``dp``
   (:func:`optimizer_layouts`): optimizer states (moments, fp32 master weights) sharded on
-  their first axis not already sharded that ``dp`` divides; zero1 all-reduces each gradient,
+  their first axis not already sharded that ``dp`` divides, or where none does unevenly on
+  their largest (:func:`zero_axis`: real ZeRO shards flat buffers by bytes, whatever
+  ``dp`` divides); zero1 all-reduces each gradient,
   zero2 reduce-scatters it, zero3 also stores the parameter sharded and gathers it before its
   forward and backward readers (:func:`zero3_storage`). The update runs on the shards; the
   updated parameter is held as the parameter (all-gathered under zero1/2).
@@ -27,7 +29,7 @@ are applied last and win.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from spmdkit.core.dist_attr import TensorDistAttr
@@ -168,6 +170,23 @@ def zero_stage(strategy: Iterable[str]) -> int:
     return max((int(s[4]) for s in st if s in ("zero1", "zero2", "zero3")), default=0)
 
 
+def zero_axis(shape: Sequence[int], dims_mapping: Sequence[Any], dp: int) -> int | None:
+    """The axis ZeRO shards a parameter's states over ``dp`` ranks on: the first axis not
+    already sharded that ``dp`` divides; where none does, the largest axis not already sharded
+    that has at least ``dp`` elements, split unevenly (the first ranks one element row more).
+    Real ZeRO / the distributed optimizer / FSDP shard a flat buffer by bytes (``ceil(numel /
+    dp)`` a rank, whatever the shapes); an uneven split of the largest axis holds at most
+    ``(dp - 1) / size`` of the tensor more on the fullest rank, and its reduce-scatter and
+    all-gather move the same bytes. None where no axis has ``dp`` elements (a tensor too
+    small to shard: held whole, as a scalar state)."""
+    free = [a for a, e in enumerate(dims_mapping) if e == -1]
+    even = next((a for a in free if shape[a] % dp == 0), None)
+    if even is not None:
+        return even
+    big = [a for a in free if shape[a] >= dp]
+    return max(big, key=lambda a: shape[a]) if big else None
+
+
 def optimizer_layouts(prog: Any, mesh: ProcessMesh, optimizer: Mapping[str, tuple[str, tuple[str, ...], str, tuple[str, ...]]],
                       out: dict[str, list[Any]], strategy: Iterable[str], dp: int | None,
                       user: Mapping[str, Any] | None) -> dict[str, TensorDistAttr]:
@@ -188,8 +207,7 @@ def optimizer_layouts(prog: Any, mesh: ProcessMesh, optimizer: Mapping[str, tupl
             out[s] = list(base)
         if not stage or dp is None or not states:
             continue
-        shape = prog.tensors[p].shape
-        axis = next((a for a, e in enumerate(base) if e == -1 and shape[a] % mesh.shape[dp] == 0), None)
+        axis = zero_axis(prog.tensors[p].shape, base, mesh.shape[dp])
         if axis is None:
             continue
         shard = list(base)
@@ -237,4 +255,4 @@ def user_attrs(prog: Any, mesh: ProcessMesh, user: Mapping[str, Any] | None) -> 
     return attrs
 
 
-__all__ = ["MAX_RANKS", "STRATEGIES", "annotate", "optimizer_layouts", "parse_mesh", "parse_strategy", "user_attrs", "zero3_storage", "zero_stage"]
+__all__ = ["MAX_RANKS", "STRATEGIES", "annotate", "optimizer_layouts", "parse_mesh", "parse_strategy", "user_attrs", "zero3_storage", "zero_axis", "zero_stage"]
