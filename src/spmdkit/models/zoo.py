@@ -464,7 +464,8 @@ def build_model(cfg: ModelConfig, vocab_parallel_loss: bool = False, optimizer: 
     else:
         positions = b.tensor("positions", [B, S], "int64", "input")
         m.inputs["positions"] = positions
-        m.inputs["mask"] = b.tensor("causal_mask", [1, 1, S, S], dt, "input")
+        if cfg.attn == "eager":  # flash attention masks inside its kernel
+            m.inputs["mask"] = b.tensor("causal_mask", [1, 1, S, S], dt, "input")
         wpe = t.param("pos_embed", [S, H], dt)
         m.roles[wpe] = "position"
         (pe,) = t.op("embedding", {"x": positions, "weight": wpe}, [("pos_embed.out", [B, S, H], dt)])
