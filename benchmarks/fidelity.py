@@ -46,7 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from spmdkit.cli import main as spmdkit_main
 
-RUNS = Path(__file__).resolve().parents[2] / "shared" / "fidelity" / "published-runs.json"
+#: the published runs (a copy of the team's shared calibration set; benchmarks/data/published-runs.md)
+RUNS = Path(__file__).resolve().parent / "data" / "published-runs.json"
 GIB = 1024**3
 
 
@@ -371,7 +372,7 @@ def summarise(results: list[dict[str, Any]], unsupported: dict[str, list[str]]) 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", default=str(RUNS), help="the runs file (default ../shared/fidelity/published-runs.json)")
+    ap.add_argument("--runs", default=str(RUNS), help="the runs file (default benchmarks/data/published-runs.json)")
     ap.add_argument("--only", help="comma list of run id prefixes")
     ap.add_argument("--json", help="also write every result and the summary to this file")
     ap.add_argument("--show-argv", action="store_true", help="print each run's command line")
