@@ -370,20 +370,19 @@ def summarise(results: list[dict[str, Any]], unsupported: dict[str, list[str]]) 
     }
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", default=str(RUNS), help="the runs file (default benchmarks/data/published-runs.json)")
-    ap.add_argument("--only", help="comma list of run id prefixes")
-    ap.add_argument("--json", help="also write every result and the summary to this file")
-    ap.add_argument("--show-argv", action="store_true", help="print each run's command line")
-    a = ap.parse_args()
-    rows = json.loads(Path(a.runs).read_text())
-    if a.only:
-        rows = [r for r in rows if r["id"].startswith(tuple(a.only.split(",")))]
+def evaluate(rows: list[dict[str, Any]], show_argv: bool = False, out: Any = None
+             ) -> tuple[list[dict[str, Any]], dict[str, list[str]]]:
+    """Every row planned and compared: (results, unsupported runs by missing feature); a table
+    row per run to ``out`` as it goes."""
     results: list[dict[str, Any]] = []
     unsupported: dict[str, list[str]] = {}
-    print("| run | unit | measured | predicted | ratio | memory GiB (measured) | fits | s |")
-    print("|---|---|---|---|---|---|---|---|")
+
+    def say(line: str) -> None:
+        if out is not None:
+            print(line, file=out, flush=True)
+
+    say("| run | unit | measured | predicted | ratio | memory GiB (measured) | fits | s |")
+    say("|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmpd:
         tmp = Path(tmpd)
         for row in rows:
@@ -391,14 +390,14 @@ def main() -> int:
                 case = express(row, tmp)
             except Unsupported as exc:
                 unsupported.setdefault(str(exc), []).append(row["id"])
-                print(f"| {row['id']} | unsupported: {exc} | | | | | | |")
+                say(f"| {row['id']} | unsupported: {exc} | | | | | | |")
                 continue
             t0 = time.perf_counter()
             try:
                 pred, mem = predict(case)
             except RuntimeError as exc:
                 unsupported.setdefault("planner error", []).append(row["id"])
-                print(f"| {row['id']} | error: {str(exc)[:200]} | | | | | | |")
+                say(f"| {row['id']} | error: {str(exc)[:200]} | | | | | | |")
                 continue
             secs = time.perf_counter() - t0
             ratio = pred / case.measured
@@ -407,25 +406,109 @@ def main() -> int:
             fits = mem <= case.device_memory_gib if case.metric != "layer_combined_ms" else None
             res = {"id": row["id"], "metric": case.metric, "measured": case.measured, "predicted": pred,
                    "ratio": ratio, "memory_gib": mem, "fits": fits, "group": _group(row),
+                   "gpu": "A100" if str(row["hardware"]["gpu"]).startswith("A100") else "H100",
+                   "memory_measured_gib": case.memory_measured_gib,
                    "memory_ratio": mem / case.memory_measured_gib if case.memory_measured_gib else None,
                    "assumptions": case.assumptions, "argv": case.argv, "seconds": secs}
             results.append(res)
             mm = f" ({case.memory_measured_gib})" if case.memory_measured_gib else ""
-            print(f"| {row['id']} | {case.metric} | {case.measured:g} | {pred:.4g} | {ratio:.3f} | {mem:.1f}{mm} | "
-                  f"{'yes' if fits else 'no' if fits is not None else ''} | {secs:.1f} |", flush=True)
-            if a.show_argv:
-                print("    spmdkit " + " ".join(_quote(x) for x in case.argv), flush=True)
+            say(f"| {row['id']} | {case.metric} | {case.measured:g} | {pred:.4g} | {ratio:.3f} | {mem:.1f}{mm} | "
+                f"{'yes' if fits else 'no' if fits is not None else ''} | {secs:.1f} |")
+            if show_argv:
+                say("    spmdkit " + " ".join(_quote(x) for x in case.argv))
+    return results, unsupported
+
+
+def summary_lines(s: dict[str, Any]) -> list[str]:
+    return [
+        f"speed: {s['planned']} of {s['runs']} runs planned; median |ratio - 1| "
+        f"{100 * s['speed_median_abs_err']:.1f}%, 90th percentile {100 * s['speed_p90_abs_err']:.1f}%, median ratio "
+        f"{s['speed_median_ratio']:.3f}, within 5%: {100 * s['within_5pct']:.0f}%, within 10%: "
+        f"{100 * s['within_10pct']:.0f}%, worst {s['worst']}",
+        f"memory: {s['memory_within_10pct']} of {s['memory_measured']} measured peaks within 10% "
+        f"(ratios {s['memory_ratios']}); predicted to fit: {s['fit_when_trained']} of {s['trained']} runs that "
+        f"trained",
+        f"order: {s['pairs_in_order']} of {s['pairs']} pairs of configurations of one model in the measured order",
+        "unsupported: " + (", ".join(f"{k}: {v}" for k, v in s["unsupported"].items()) or "none")]
+
+
+SOURCES = {"narayanan21": "Narayanan 2021", "korthikanti22": "Korthikanti 2022", "megatronlm": "Megatron-LM 2024",
+           "nemo2407": "NeMo 24.07", "torchtitan": "torchtitan 2024-12"}
+
+
+def band_json(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The error band per GPU family (spmdkit.cost.band): percentiles of measured / predicted
+    step time over the whole-step runs (Table 4's one-layer timings left out)."""
+    fam: dict[str, Any] = {}
+    steps = [r for r in results if r["metric"] != "layer_combined_ms"]
+    for name, rs in (("A100", [r for r in steps if r["gpu"] == "A100"]),
+                     ("H100", [r for r in steps if r["gpu"] == "H100"]), ("all", steps)):
+        ratios = [r["ratio"] for r in rs]
+        if not ratios:
+            continue
+        fam[name] = {"runs": len(ratios), "p10": round(_pct(ratios, 0.1), 3), "p50": round(_pct(ratios, 0.5), 3),
+                     "p90": round(_pct(ratios, 0.9), 3),
+                     "sources": sorted({SOURCES[r["id"].split("_")[0]] for r in rs})}
+    return {"generated_by": "benchmarks/fidelity.py --write", "runs_file": "benchmarks/data/published-runs.json",
+            "families": fam}
+
+
+def markdown(results: list[dict[str, Any]], unsupported: dict[str, list[str]], s: dict[str, Any]) -> str:
+    """docs/fidelity.md: the summary, every run, the unsupported ones and the assumptions."""
+    out = ["# Predictions against published runs", "",
+           "Generated by `python benchmarks/fidelity.py --write` (tests/test_fidelity.py fails when it is stale):",
+           "every run of `benchmarks/data/published-runs.json` planned through the CLI and compared in the source's",
+           "own unit (`benchmarks/fidelity.py` says how). `ratio`: predicted speed / measured speed (for a time,",
+           "measured / predicted): above 1 the prediction is optimistic.", "", "## Summary", ""]
+    out += [f"- {line}" for line in summary_lines(s)]
+    out += ["", "## Runs", "", "| run | unit | measured | predicted | ratio | memory GiB (measured) | fits |",
+            "|---|---|---|---|---|---|---|"]
+    for r in results:
+        mm = f" ({r['memory_measured_gib']})" if r["memory_measured_gib"] else ""
+        fits = "yes" if r["fits"] else "no" if r["fits"] is not None else ""
+        out.append(f"| {r['id']} | {r['metric']} | {r['measured']:g} | {r['predicted']:.4g} | {r['ratio']:.3f} | "
+                   f"{r['memory_gib']:.1f}{mm} | {fits} |")
+    out += ["", "## Not expressible yet", ""]
+    out += [f"- {k}: {', '.join(v)}" for k, v in unsupported.items()] or ["- none"]
+    out += ["", "## Assumptions (fields the sources do not state)", ""]
+    seen: dict[str, list[str]] = {}
+    for r in results:
+        for x in r["assumptions"]:
+            seen.setdefault(x, []).append(r["id"])
+    out += [f"- {k}: {len(v)} runs ({v[0]}{', ...' if len(v) > 1 else ''})" for k, v in seen.items()]
+    return "\n".join(out) + "\n"
+
+
+ROOT = Path(__file__).resolve().parents[1]
+BAND = ROOT / "src" / "spmdkit" / "cost" / "band.json"
+DOC = ROOT / "docs" / "fidelity.md"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", default=str(RUNS), help="the runs file (default benchmarks/data/published-runs.json)")
+    ap.add_argument("--only", help="comma list of run id prefixes")
+    ap.add_argument("--json", help="also write every result and the summary to this file")
+    ap.add_argument("--write", action="store_true",
+                    help="also write the error band (src/spmdkit/cost/band.json) and docs/fidelity.md")
+    ap.add_argument("--show-argv", action="store_true", help="print each run's command line")
+    a = ap.parse_args()
+    rows = json.loads(Path(a.runs).read_text())
+    if a.only:
+        rows = [r for r in rows if r["id"].startswith(tuple(a.only.split(",")))]
+    results, unsupported = evaluate(rows, a.show_argv, sys.stdout)
     s = summarise(results, unsupported)
     print()
-    print(f"speed: {s['planned']} of {s['runs']} runs planned; median |ratio - 1| {100 * s['speed_median_abs_err']:.1f}%, "
-          f"90th percentile {100 * s['speed_p90_abs_err']:.1f}%, median ratio {s['speed_median_ratio']:.3f}, "
-          f"within 5%: {100 * s['within_5pct']:.0f}%, within 10%: {100 * s['within_10pct']:.0f}%, worst {s['worst']}")
-    print(f"memory: {s['memory_within_10pct']} of {s['memory_measured']} measured peaks within 10% "
-          f"(ratios {s['memory_ratios']}); predicted to fit: {s['fit_when_trained']} of {s['trained']} runs that trained")
-    print(f"order: {s['pairs_in_order']} of {s['pairs']} pairs of configurations of one model in the measured order")
-    print("unsupported: " + (", ".join(f"{k}: {v}" for k, v in s["unsupported"].items()) or "none"))
+    for line in summary_lines(s):
+        print(line)
     if a.json:
         Path(a.json).write_text(json.dumps({"results": results, "unsupported": unsupported, "summary": s}, indent=1))
+    if a.write:
+        if a.only or a.runs != str(RUNS):
+            print("--write: only from every run of the default runs file", file=sys.stderr)
+            return 2
+        BAND.write_text(json.dumps(band_json(results), indent=1) + "\n")
+        DOC.write_text(markdown(results, unsupported, s))
     return 0
 
 
