@@ -69,6 +69,8 @@ class Case:
     gpus: int = 0
     memory_measured_gib: float | None = None
     device_memory_gib: float = 80.0
+    #: what the GPU must hold, predicted (Memory.device_total), set by predict
+    device_need_gib: float = 0.0
 
 
 # -- a run as a command line ------------------------------------------------------------------------
@@ -281,10 +283,13 @@ def _step(d: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     return float(d["step"]["step_overlap_s"]), d["step"]
 
 
-def _memory_gib(d: dict[str, Any]) -> float:
+def _memory_gib(d: dict[str, Any], key: str = "reserved") -> float:
+    """The fullest device's memory: ``reserved`` (torch.cuda.max_memory_reserved, what torchtitan
+    logs as its memory) or ``device_total`` (with the CUDA context and NCCL buffers: what the
+    GPU must hold, the fit)."""
     if "pipeline" in d:
-        return max(x["memory"]["total"] for x in d["pipeline"]["devices"]) / GIB
-    return float(d["memory"]["total"]) / GIB
+        return max(x["memory"][key] for x in d["pipeline"]["devices"]) / GIB
+    return float(d["memory"][key]) / GIB
 
 
 def _phase_s(d: dict[str, Any]) -> float:
@@ -300,6 +305,7 @@ def predict(case: Case) -> tuple[float, float]:
     d = run_cli(case.argv)
     row, metric = case.row, case.metric
     mem = _memory_gib(d)
+    case.device_need_gib = _memory_gib(d, "device_total")
     if metric == "layer_combined_ms":
         assert case.argv2 is not None
         d2 = run_cli(case.argv2)
@@ -403,7 +409,7 @@ def evaluate(rows: list[dict[str, Any]], show_argv: bool = False, out: Any = Non
             ratio = pred / case.measured
             if case.metric in ("step_time_s", "layer_combined_ms"):
                 ratio = case.measured / pred  # a time: > 1 is optimistic, as for a rate
-            fits = mem <= case.device_memory_gib if case.metric != "layer_combined_ms" else None
+            fits = case.device_need_gib <= case.device_memory_gib if case.metric != "layer_combined_ms" else None
             res = {"id": row["id"], "metric": case.metric, "measured": case.measured, "predicted": pred,
                    "ratio": ratio, "memory_gib": mem, "fits": fits, "group": _group(row),
                    "gpu": "A100" if str(row["hardware"]["gpu"]).startswith("A100") else "H100",

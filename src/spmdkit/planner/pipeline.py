@@ -28,10 +28,14 @@ bubble is what the simulated pipeline takes beyond the busiest device's own work
 equal stages and free sends it is exactly ``(p-1)/m`` (GPipe, 1F1B) or ``(p-1)/(v m)``
 (interleaved) of that work.
 
-Memory per device: parameters, gradients and optimizer states of its stages, plus the
-activations of the microbatches it keeps in flight: one microbatch at its working peak
-(the liveness peak over the stage's ops) and ``n - 1`` more holding what the backward
-reads (the forward tensors a backward op uses). ``n``: GPipe ``m``; 1F1B ``min(p - r, m)``
+Memory per device: parameters, gradients and optimizer states of its stages, as the framework
+allocates them (:func:`spmdkit.cost.memory.held_for_the_step`; torchtitan under a pipeline
+also keeps its FSDP2 parameters gathered and their gradients unsharded in fp32 over the
+microbatches), plus the activations of the microbatches it keeps in flight: one microbatch at
+its working peak (the liveness peak over the stage's ops, with recomputation, on the same
+activation curve as a flat step: :func:`spmdkit.cost.memory.activation_deltas`) and ``n - 1``
+more holding what the backward reads (the forward tensors a backward op reads the values
+of, at the size they are kept in, in each stage whose backward reads them). ``n``: GPipe ``m``; 1F1B ``min(p - r, m)``
 on device ``r``; interleaved, Megatron-LM's warm-up count plus one, ``(p - r - 1) * 2 +
 (v - 1) * p + 1`` model chunks (at most ``m v``) of ``1/v`` of the stage each: on the first
 device ``p + (p - 1)/v`` stage-microbatches (Narayanan et al. 2021; Korthikanti et al.
@@ -307,6 +311,10 @@ class StageCost:
     stash_bytes: int = 0      # what one microbatch keeps for the backward
     recompute_s: float = 0.0  # the forward ops --recompute runs again in the backward
     working_peak: int = 0     # the liveness peak of one microbatch through the stage
+    #: torchtitan's FSDP2 under a pipeline: the stage's parameters held gathered (16-bit) and
+    #: their gradients accumulated unsharded (fp32) over the microbatches
+    unsharded_parameters: int = 0
+    unsharded_gradients: int = 0
     peak_op: int = 0
     flops: float = 0.0
 
@@ -360,6 +368,17 @@ def _held_for_the_step(plan: Plan, stages: list[int], out: list[StageCost],
     -> its stage, tensor -> the op that makes it)."""
     prog = plan.program
     held = held_for_the_step(plan)
+    # torchtitan under a pipeline keeps FSDP2's parameters gathered over the microbatches
+    # (parallelize_llama.apply_fsdp: reshard_after_forward=False when pp is enabled) and
+    # torch.distributed.pipelining accumulates their gradients unsharded until the last
+    # microbatch (set_requires_gradient_sync(False)), in the fp32 reduce dtype
+    gathered: dict[str, tuple[int, int]] = {}
+    if plan.runtime.framework == "torchtitan":
+        for r in plan.reshards:
+            if r.tensor in plan.storage and r.tensor not in gathered:
+                t = prog.tensors[r.tensor]
+                n = local_numel(r.dst, t.shape)
+                gathered[r.tensor] = (n * t.itemsize, n * 4)
     param_grads: dict[str, int] = {}
     counted_params: set[str] = set()
     for i, op in enumerate(prog.ops):
@@ -376,6 +395,8 @@ def _held_for_the_step(plan: Plan, stages: list[int], out: list[StageCost],
                     out[s].parameters += p
                     out[s].gradients += g
                     out[s].optimizer_states += st
+                    out[s].unsharded_parameters += gathered.get(nm, (0, 0))[0]
+                    out[s].unsharded_gradients += gathered.get(nm, (0, 0))[1]
     producer: dict[str, int] = {}
     for i, op in enumerate(prog.ops):
         for nm in op.output_names():
@@ -551,7 +572,9 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...], d
         work = max(c.working_peak for c in mine)
         act = work + round(max(0.0, flight[r] - 1.0 / v) * stash) if v > 1 else work + round((flight[r] - 1) * stash)
         peak_op = max(mine, key=lambda c: c.working_peak).peak_op
-        mems.append(with_overheads(sum(c.parameters for c in mine), sum(c.gradients for c in mine),
+        up = sum(c.unsharded_parameters for c in mine) if p > 1 else 0
+        ug = sum(c.unsharded_gradients for c in mine) if p > 1 else 0
+        mems.append(with_overheads(sum(c.parameters for c in mine) + up, sum(c.gradients for c in mine) + ug,
                                    sum(c.optimizer_states for c in mine), act, peak_op, plan, p))
     est = PipelineEstimate(spec, counts, costs, pp_link, send_f, send_b, flight, mems)
     if device is None:
