@@ -11,7 +11,10 @@ megatron (dp + tensor parallel), the microbatch ``--microbatch`` sequences per d
 rank, m = batch / (d * microbatch) microbatches, full activation recomputation in the time
 (one more forward per backward, as the paper trains). The paper's achieved teraFLOP/s per
 GPU counts the recomputation: F = 96 B s l h^2 (1 + s/(6h) + V/(16 l h)) per step (its
-equation 3); the prediction is that same F over the predicted step time and the GPUs.
+equation 3); the prediction is that same F over the predicted step time and the GPUs. The
+memory column: the fullest pipeline rank with full recomputation, as Megatron-LM allocates it
+(:attr:`spmdkit.cost.memory.Memory.device_total`), at ``--microbatch`` (the paper's runs used
+larger micro-batches on the smaller models: benchmarks/fidelity.py plans those).
 Prints a Markdown table (docs/graph.md shows one).
 """
 
@@ -60,8 +63,9 @@ def main() -> int:
     a = ap.parse_args()
     rows = [TABLE1[int(i)] for i in a.rows.split(",")] if a.rows else TABLE1
     dev = preset_device("a100-80gb")
-    print("| params | t | p | d | batch | m | bubble | published TFLOP/s/GPU | predicted | ratio | model-only MFU |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| params | t | p | d | batch | m | bubble | published TFLOP/s/GPU | predicted | ratio | model-only MFU | "
+          "memory (fullest rank, on the device) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for params, heads, hidden, layers, t, p, gpus, batch, achieved in rows:
         t0 = time.perf_counter()
         d = gpus // (t * p)
@@ -79,8 +83,12 @@ def main() -> int:
                                 batch * SEQ, full.size, recompute_forward=True)
         pred = paper_flops(batch, layers, hidden) / (est.step_overlap_s * gpus) / 1e12
         bub = max(0.0, est.run.bubble_fraction) if est.run else 0.0
+        # memory with the full recomputation the paper trains with (the time above counts it)
+        mem = max(estimate_pipeline(plan, spec, split_layers(layers, spec), recompute="full").memory,
+                  key=lambda x: x.device_total)
         print(f"| {params}B | {t} | {p} | {d} | {batch} | {m} | {100 * bub:.1f}% | {achieved} | {pred:.0f} | "
-              f"{pred / achieved:.2f} | {100 * (est.mfu or 0):.0f}% |", flush=True)
+              f"{pred / achieved:.2f} | {100 * (est.mfu or 0):.0f}% | {mem.device_total / 2**30:.1f} GiB "
+              f"({'fits' if mem.device_total <= dev.memory_bytes else 'does not fit'}) |", flush=True)
         print(f"<!-- {time.perf_counter() - t0:.1f} s -->", file=sys.stderr)
     return 0
 
