@@ -115,7 +115,7 @@ def recompute_figures() -> str:
     for rc in ("none", "selective", "full"):
         d = json.loads("\n".join(run(*base, "--recompute", rc)))
         layer = d["memory"]["saved_for_backward"]["per_layer"]["layer 0"]
-        got[rc] = (layer / 2**20, d["memory"]["total"], 100 * d["step"]["mfu"], 100 * d["step"]["hfu"])
+        got[rc] = (layer / 2**20, d["memory"]["device_total"], 100 * d["step"]["mfu"], 100 * d["step"]["hfu"])
     n, s, f = got["none"], got["selective"], got["full"]
     return (f"`spmdkit plan --model gpt-dropout-22b --mesh tp=8 --strategy megatron,sp --device a100-80gb` keeps "
             f"{n[0]:.0f} MiB per layer and needs {_gib(n[1])} at MFU {n[2]:.1f}%; `--recompute selective` keeps "
