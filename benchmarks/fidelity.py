@@ -150,7 +150,7 @@ def _recompute(row: dict[str, Any], assume: list[str]) -> str:
     rc = str(rc)
     if rc.startswith("selective"):
         if "microbatch-level" in rc:
-            raise Unsupported("microbatch-level recomputation (Korthikanti App. C)")
+            return "microbatch"  # Korthikanti App. C: --recompute microbatch (a pipeline's mode)
         return "selective"
     if rc in ("full", "none"):
         return rc

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from spmdkit.core.errors import ProgramError
 from spmdkit.cost.devices import preset_device
 from spmdkit.cost.memory import (
     ALLOCATOR_RESERVE,
@@ -254,3 +255,32 @@ def test_a_plan_at_95_percent_of_hbm_does_not_fit() -> None:
     fits, text = fit_verdict(small.device_total, cap)
     gib = (cap - small.device_total) / GiB
     assert fits and text.startswith(f"fits with {gib:.1f} GiB headroom")
+
+
+def test_microbatch_level_recomputation() -> None:
+    """Korthikanti et al. 2022, App. C: each pipeline rank keeps every activation of as many of
+    its in-flight microbatches as fit and recomputes the attention core of the others: its
+    memory between selective's and the device's, its step no slower than selective's; a flat
+    plan refuses the mode with one line naming --recompute."""
+    cfg = ModelConfig("gpt2", 8, 1024, 16, None, 4096, 1024, 1024, 4, "bfloat16")
+    plan = _plan(cfg, "dp=1,tp=2", "megatron,sp")
+    spec = PipelineSpec(4, 8, "1f1b", 1)
+    counts = split_layers(8, spec)
+    dev = preset_device("a100-40gb")
+
+    def run(rc: str, device: Any) -> Any:
+        return estimate_pipeline(plan, spec, counts, device, (2e-5, 1 / 50e9), 8 * 4 * 1024, 8, recompute=rc)
+
+    sel, none = run("selective", dev), run("none", dev)
+    # a device between the two on the first rank: some of its microbatches fit whole, not all
+    small = replace(dev, memory_bytes=(sel.memory[0].device_total + none.memory[0].device_total) // 2)
+    sel, none, mb = run("selective", small), run("none", small), run("microbatch", small)
+    share = mb.extra["microbatch_recompute"]["recomputed_share"]
+    assert any(0 < s < 1 for s in share), share  # some microbatches kept whole, some recomputed
+    for r in range(4):
+        assert sel.memory[r].device_total <= mb.memory[r].device_total <= max(small.memory_bytes,
+                                                                                sel.memory[r].device_total)
+        assert mb.memory[r].device_total <= none.memory[r].device_total
+    assert none.step_overlap_s <= mb.step_overlap_s <= sel.step_overlap_s
+    with pytest.raises(ProgramError, match=r"--recompute microbatch: .*pipeline"):
+        memory_per_device(plan, "microbatch")

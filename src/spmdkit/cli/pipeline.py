@@ -18,7 +18,7 @@ from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel
 from spmdkit.cost.devices import Device, cost_model, load_device
-from spmdkit.cost.memory import check_recompute
+from spmdkit.cost.memory import check_recompute, per_microbatch_mode
 from spmdkit.models.zoo import model_label
 from spmdkit.outputs.pipeline import write_pipeline
 from spmdkit.outputs.report import plan_json, write_report
@@ -51,7 +51,8 @@ def run_pipeline_plan(req: PlanRequest, out: TextIO) -> int:
                                                     {"layers": req.layers, "batch": req.batch, "seq": req.seq},
                                                     user, req.links.cost)
     full_links = replace(req.links, cost=pp_cost_text(req.links.cost, full))
-    plan, _est = step_estimate(full_links, plan, None, req.recompute or "none")
+    recompute = check_recompute(req.recompute or "none", pipeline=True)
+    plan, _est = step_estimate(full_links, plan, None, per_microbatch_mode(recompute))
     device = None
     if req.links.device:
         device = load_device(str(req.links.device))
@@ -60,7 +61,7 @@ def run_pipeline_plan(req: PlanRequest, out: TextIO) -> int:
     c = model.config
     tokens = c.batch * c.seq * spec.microbatches
     est = estimate_pipeline(plan, spec, counts, device, _pp_link(req.links, full, device), tokens, full.size,
-                            recompute=check_recompute(req.recompute or "none"))
+                            recompute=recompute)
     worst = max(range(spec.pp), key=lambda r: est.memory[r].device_total)
     title = (f"{model_label(m.model)}: {c.arch}, {c.layers} layers, hidden {c.hidden}, {c.heads} heads"
              f"{f' ({c.n_kv} kv)' if c.n_kv != c.heads else ''}, FFN {c.ffn}, vocab {c.vocab}, seq {c.seq}, "

@@ -248,10 +248,12 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-accum", dest="grad_accum", metavar="K",
                    help="gradient accumulation: K forward/backward micro-steps per optimizer step, the gradients "
                         "accumulated and reduced once (default 1)")
-    p.add_argument("--recompute", default=None, metavar="none|selective|full",
+    p.add_argument("--recompute", default=None, metavar="none|selective|full|microbatch",
                    help="activation recomputation: selective (the attention core, Korthikanti et al. 2022) or "
-                        "full (every layer, only its input kept); in the memory and the --device step (default "
-                        "none; --devices tries all three)")
+                        "full (every layer, only its input kept); microbatch (a pipeline: every activation of "
+                        "as many in-flight microbatches as fit, the attention core of the others recomputed, "
+                        "Korthikanti et al. App. C); in the memory and the --device step (default "
+                        "none; --devices tries none, selective, full)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--html", metavar="FILE",
                    help="also write the plan as one self-contained HTML page (figures of the mesh, the shardings, "

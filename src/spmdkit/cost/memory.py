@@ -172,12 +172,30 @@ def value_spans(prog: Program) -> tuple[dict[str, int], dict[str, int], dict[str
     return first, last, fwd_last
 
 
-def check_recompute(mode: str) -> str:
-    """``mode`` if it is one of :data:`RECOMPUTE`, else a ProgramError naming ``--recompute``."""
+#: microbatch-level recomputation (Korthikanti et al. 2022, App. C), a pipeline's mode: each
+#: pipeline rank keeps every activation of as many of its in-flight microbatches as its memory
+#: allows and recomputes the attention core (``selective``) of the others
+MICROBATCH = "microbatch"
+
+
+def check_recompute(mode: str, pipeline: bool = False) -> str:
+    """``mode`` if it is one of :data:`RECOMPUTE` (or, for a pipeline, :data:`MICROBATCH`),
+    else a ProgramError naming ``--recompute``."""
+    if pipeline and mode == MICROBATCH:
+        return mode
+    if mode == MICROBATCH:
+        raise ProgramError(f"--recompute {MICROBATCH}: microbatch-level recomputation applies to a pipeline "
+                           f"(give --mesh with a pp dim)")
     if mode not in RECOMPUTE:
         shown = repr(mode[:40]) if isinstance(mode, str) else type(mode).__name__
-        raise ProgramError(f"--recompute {shown}: expected one of {', '.join(RECOMPUTE)}")
+        raise ProgramError(f"--recompute {shown}: expected one of {', '.join((*RECOMPUTE, MICROBATCH))}")
     return mode
+
+
+def per_microbatch_mode(mode: str) -> str:
+    """The recomputation of one microbatch's plan: ``selective`` for :data:`MICROBATCH` (its
+    recomputed microbatches'), else ``mode``."""
+    return "selective" if mode == MICROBATCH else mode
 
 
 def _layer_key(layer: str) -> tuple[int, ...] | None:
@@ -767,7 +785,8 @@ def memory_per_device(plan: Plan, recompute: str = "none") -> Memory:
     return with_overheads(params, grads, states, peak, at, plan, 1, saved, tuple(curve))
 
 
-__all__ = ["ALLOCATOR_RESERVE", "CUDA_CONTEXT_BYTES", "LOSS_BYTES", "LOSS_RULES", "loss_spans", "NCCL_BYTES_PER_GROUP", "RECOMPUTE",
+__all__ = ["ALLOCATOR_RESERVE", "CUDA_CONTEXT_BYTES", "LOSS_BYTES", "LOSS_RULES", "MICROBATCH", "loss_spans",
+           "per_microbatch_mode", "NCCL_BYTES_PER_GROUP", "RECOMPUTE",
            "SHAPE_ONLY", "ActivationMemory", "Memory", "UnevenShard", "activation_deltas", "check_recompute",
            "communicators", "fit_verdict", "fp8_stashed", "held_for_the_step", "local_numel", "memory_per_device",
            "peak_of", "recompute_regions", "rerun_points", "saved_activations", "spans_with_recompute",

@@ -47,6 +47,7 @@ from spmdkit.cost.memory import (
     held_for_the_step,
     local_numel,
     memory_per_device,
+    per_microbatch_mode,
     saved_activations,
 )
 from spmdkit.cost.step import estimate_step
@@ -807,6 +808,7 @@ def render_html(plan: Plan, title: str = "", memory: Memory | None = None, estim
     :class:`spmdkit.planner.auto.AutoInfo`; ``alternatives``: (label, plan) of other plans of the same
     program, compared in the search section."""
     prog = plan.program
+    recompute = per_microbatch_mode(recompute)  # a pipeline's microbatch-level mode: its recomputed microbatches
     mem = memory or memory_per_device(plan, recompute)
     assumed = None
     est = estimate

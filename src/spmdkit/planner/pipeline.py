@@ -55,12 +55,14 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.cost.compute import kernel_collectives, model_flops, op_cost
 from spmdkit.cost.devices import Device
 from spmdkit.cost.memory import (
+    MICROBATCH,
     ActivationMemory,
     Memory,
     activation_deltas,
     held_for_the_step,
     local_numel,
     peak_of,
+    per_microbatch_mode,
     saved_activations,
     value_inputs,
     with_overheads,
@@ -533,6 +535,8 @@ class PipelineEstimate:
                        for k, st in enumerate(self.stages)],
             "devices": [{"stage": r, "in_flight_microbatches": self.in_flight[r], "memory": self.memory[r].to_json()}
                         for r in range(s.pp)]}
+        if "microbatch_recompute" in self.extra:
+            out["microbatch_recompute"] = self.extra["microbatch_recompute"]
         if self.run is not None:
             out.update({"pipeline_s": self.run.pipeline_s, "bubble_s": self.run.bubble_s,
                         "bubble_fraction": self.run.bubble_fraction, "busy_s": self.run.busy_s,
@@ -552,10 +556,13 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...], d
     activation recomputation, as Narayanan et al. 2021 train; benchmarks/megatron_table.py);
     the memory stays that of a step without recomputation. ``recompute`` (``--recompute``):
     the recomputed regions' activations leave each stage's stash and their ops' times are
-    added to its backward (:func:`stage_costs`)."""
+    added to its backward (:func:`stage_costs`); ``microbatch`` (Korthikanti et al. 2022,
+    App. C): each rank keeps every activation of as many of its in-flight microbatches as fit
+    in ``device``'s memory and recomputes the attention core of the others, its backward
+    paying the selective recomputation for that share of its microbatches."""
     p, v, m = spec.pp, spec.virtual, spec.microbatches
     stages = op_stages(plan.program, counts)
-    costs = stage_costs(plan, stages, counts, device, recompute)
+    costs = stage_costs(plan, stages, counts, device, per_microbatch_mode(recompute))
     n = p * v
     alpha, beta = pp_link
 
@@ -565,21 +572,26 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...], d
     send_f = [send(costs[k].send_bytes) if k < n - 1 else 0.0 for k in range(n)]
     send_b = [send(costs[k + 1].send_grad_bytes) if k < n - 1 else 0.0 for k in range(n)]
     flight = [in_flight(spec.schedule, p, v, m, r) for r in range(p)]
-    mems = []
-    for r in range(p):
-        mine = [costs[c * p + r] for c in range(v)]
-        stash = sum(c.stash_bytes for c in mine)
-        work = max(c.working_peak for c in mine)
-        act = work + round(max(0.0, flight[r] - 1.0 / v) * stash) if v > 1 else work + round((flight[r] - 1) * stash)
-        peak_op = max(mine, key=lambda c: c.working_peak).peak_op
-        up = sum(c.unsharded_parameters for c in mine) if p > 1 else 0
-        ug = sum(c.unsharded_gradients for c in mine) if p > 1 else 0
-        mems.append(with_overheads(sum(c.parameters for c in mine) + up, sum(c.gradients for c in mine) + ug,
-                                   sum(c.optimizer_states for c in mine), act, peak_op, plan, p))
+    mems = [_rank_memory(plan, [costs[c * p + r] for c in range(v)], flight[r], p, v) for r in range(p)]
+    recomputed = [1.0] * p  # the share of each rank's microbatches whose recomputed regions run again
+    if recompute == MICROBATCH:
+        whole = stage_costs(plan, stages, counts, None, "none")
+        cap = device.memory_bytes if device is not None else 0
+        for r in range(p):
+            units = max(1, round(flight[r] * v))
+            mine, full = [costs[c * p + r] for c in range(v)], [whole[c * p + r] for c in range(v)]
+            for kept in range(units, 0, -1):  # the most microbatch-chunks kept whole that fit
+                got = _rank_memory(plan, mine, flight[r], p, v, kept, full)
+                if got.device_total <= cap:
+                    mems[r], recomputed[r] = got, 1.0 - kept / units
+                    break
     est = PipelineEstimate(spec, counts, costs, pp_link, send_f, send_b, flight, mems)
+    if recompute == MICROBATCH:
+        est.extra["microbatch_recompute"] = {"recomputed_share": recomputed}
     if device is None:
         return est
-    bwd = [c.backward_s + c.recompute_s + (c.forward_s if recompute_forward else 0.0) for c in costs]
+    bwd = [c.backward_s + c.recompute_s * recomputed[k % p] + (c.forward_s if recompute_forward else 0.0)
+           for k, c in enumerate(costs)]
     run = run_schedule(spec.schedule, p, v, m, [c.forward_s for c in costs], bwd,
                        send_f, send_b)
     est.run = run
@@ -599,6 +611,29 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...], d
     est.device_name = device.name
     est.device_memory = device.memory_bytes
     return est
+
+
+def _rank_memory(plan: Plan, mine: list[StageCost], flight: float, p: int, v: int, kept: int = 0,
+                 whole: list[StageCost] | None = None) -> Memory:
+    """One pipeline rank's memory (its stages ``mine``, ``flight`` stage-microbatches in flight,
+    held in ``round(flight * v)`` model-chunk units): the working peak of one microbatch plus
+    the stash of the others. ``kept`` > 0 (microbatch-level recomputation): that many units
+    keep every activation (``whole``: the stages without recomputation), the working one
+    among them; the others keep ``mine``'s stash."""
+    stash = sum(c.stash_bytes for c in mine)
+    units = max(1, round(flight * v))
+    if kept and whole is not None:
+        work = max(c.working_peak for c in whole)
+        act = work + round((kept - 1) * sum(c.stash_bytes for c in whole) / v + (units - kept) * stash / v)
+        peak_op = max(whole, key=lambda c: c.working_peak).peak_op
+    else:
+        work = max(c.working_peak for c in mine)
+        act = work + round(max(0.0, flight - 1.0 / v) * stash) if v > 1 else work + round((flight - 1) * stash)
+        peak_op = max(mine, key=lambda c: c.working_peak).peak_op
+    up = sum(c.unsharded_parameters for c in mine) if p > 1 else 0
+    ug = sum(c.unsharded_gradients for c in mine) if p > 1 else 0
+    return with_overheads(sum(c.parameters for c in mine) + up, sum(c.gradients for c in mine) + ug,
+                          sum(c.optimizer_states for c in mine), act, peak_op, plan, p)
 
 
 # -- planning ----------------------------------------------------------
