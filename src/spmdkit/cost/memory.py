@@ -477,7 +477,9 @@ CUDA_CONTEXT_BYTES = 512 * 1024**2
 #: bytes NCCL allocates per communicator (process group) outside the caching allocator
 NCCL_BYTES_PER_GROUP = 256 * 1024**2
 #: the caching allocator's reserve over its allocated peak (blocks cached and fragmented), as
-#: a fraction of the allocated peak
+#: a fraction of the activation peak: the memory allocated and freed over and over in a step,
+#: in sizes that vary; the parameters, gradient buffers and optimizer states are allocated
+#: once, before the first step, and do not fragment
 ALLOCATOR_RESERVE = 0.10
 def _bytes_per_element(framework: str, precision: str) -> tuple[int, int, int]:
     """(parameter, gradient, optimizer state) bytes per parameter element under Adam, before
@@ -604,10 +606,9 @@ class Memory:
 def with_overheads(parameters: int, gradients: int, states: int, activations: int, peak_op: int, plan: Plan,
                    pp: int = 1, saved: ActivationMemory | None = None, curve: tuple[int, ...] = ()) -> Memory:
     """A :class:`Memory` with the allocator's reserve (:data:`ALLOCATOR_RESERVE` of the
-    allocated peak) and the CUDA context and NCCL buffers (:func:`communicators`) added."""
-    allocated = parameters + gradients + states + activations
+    activation peak) and the CUDA context and NCCL buffers (:func:`communicators`) added."""
     return Memory(parameters, gradients, states, activations, peak_op, saved, curve,
-                  round(ALLOCATOR_RESERVE * allocated),
+                  round(ALLOCATOR_RESERVE * activations),
                   CUDA_CONTEXT_BYTES + NCCL_BYTES_PER_GROUP * communicators(plan, pp), plan.runtime.framework)
 
 
