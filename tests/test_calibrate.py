@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 import spmdkit
-from spmdkit.cli import main
+from spmdkit.cli import build_parser, main
+from spmdkit.cli.calibrate import Setup, check_request
 from spmdkit.cost.devices import DEVICES, load_device
 from spmdkit.cost.measured import parse_measured
 from spmdkit.execute.calibrate import (
@@ -22,6 +23,7 @@ from spmdkit.execute.calibrate import (
     GemmShape,
     bus_factor,
     collective_sizes,
+    default_gemms,
     group_sizes,
     measure_collectives,
     model_shapes,
@@ -193,3 +195,21 @@ def test_a_rank_that_fails_is_one_error() -> None:
     with pytest.raises(CalibrationError) as exc:
         measure_collectives(job, 2)
     assert "on 2 processes failed: rank " in str(exc.value) and "\n" not in str(exc.value)
+
+
+def _setup(tmp_path: Path, *argv: str) -> Setup:
+    return check_request(build_parser().parse_args(["calibrate", "--out", str(tmp_path / "x.json"), *argv]))
+
+
+def test_what_a_mesh_asks_for(tmp_path: Path) -> None:
+    s = _setup(tmp_path, "--device", "cpu", "--mesh", "pp=2,dp=2,tp=4", "--base", "a100")
+    # 16 ranks; groups of each non-pp dim's size; send_recv pairs for the pp dim; the alias's preset
+    assert (s.nproc, s.groups, s.p2p, s.base, s.notes) == (16, (2, 4), True, "a100-80gb", ())
+    assert s.gemms == tuple(default_gemms("fp32", False)) and s.backend == "gloo" and not s.gpu
+    s = _setup(tmp_path, "--device", "cpu", "--mesh", "tp=1", "--quick")
+    assert (s.nproc, s.groups, s.p2p, s.base) == (1, (), False, None) and "no collective" in s.notes[0]
+    s = _setup(tmp_path, "--device", "cpu", "--quick")  # no mesh: 2 processes, groups of 2
+    assert (s.nproc, s.groups) == (2, (2,))
+    # the model's shapes on the planning mesh (pp dropped: every stage has the same layers)
+    s = _setup(tmp_path, "--device", "cpu", "--model", "tiny-llama", "--mesh", "pp=2,dp=2", "--quick")
+    assert {(g.m, g.n, g.k, g.dtype) for g in s.gemms} == _tiny_llama_gemms() and s.p2p

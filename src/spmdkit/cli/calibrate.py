@@ -21,7 +21,7 @@ import platform
 import socket
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import metadata
 from typing import Any, TextIO
 
@@ -36,6 +36,7 @@ from spmdkit.execute.calibrate import (
     copy_bytes,
     default_attention,
     default_gemms,
+    fp8_capable,
     gemm_row,
     group_sizes,
     human_bytes,
@@ -43,6 +44,7 @@ from spmdkit.execute.calibrate import (
     measure_collectives,
     measure_copy,
     measure_gemm,
+    measure_gemm_fp8,
     model_shapes,
 )
 from spmdkit.io.atomic import write_atomic
@@ -85,14 +87,15 @@ def add_calibrate_command(sub: Any) -> None:
 @dataclass(frozen=True)
 class Setup:
     """The flags, checked: ``gpu`` (cuda), the backend, the processes the collectives run on,
-    the group sizes and the notes about the ones they cannot form, the base preset (None: a
-    CPU's own figures), the shapes."""
+    the group sizes, ``p2p`` (a pp dim: send_recv between pairs too) and the notes about what
+    cannot be measured, the base preset (None: a CPU's own figures), the shapes."""
 
     out: str
     gpu: bool
     backend: str
     nproc: int
     groups: tuple[int, ...]
+    p2p: bool
     notes: tuple[str, ...]
     base: str | None
     device_name: str
@@ -149,12 +152,14 @@ def _cpu_name() -> str:
     return "CPU " + (platform.processor() or platform.machine() or "unknown")
 
 
-def _plan_mesh(mesh_text: str) -> tuple[str, list[int]]:
+def _plan_mesh(mesh_text: str) -> tuple[str, list[int], int, bool]:
     """(the mesh the model is planned on: ``--mesh`` less its pp dim, whose stages hold the same
-    layers; every dim's size)."""
+    layers; the sizes of the other dims, whose groups run collectives; the ranks; whether a pp
+    dim of 2 or more is there, whose stages send and receive)."""
     mesh = parse_mesh(mesh_text)
-    keep = [f"{n}={s}" for n, s in zip(mesh.dim_names, mesh.shape) if n != "pp"]
-    return ",".join(keep) or "dp=1", list(mesh.shape)
+    keep = [(n, s) for n, s in zip(mesh.dim_names, mesh.shape) if n != "pp"]
+    pp = any(n == "pp" and s > 1 for n, s in zip(mesh.dim_names, mesh.shape))
+    return (",".join(f"{n}={s}" for n, s in keep) or "dp=1", [s for _n, s in keep], math.prod(mesh.shape), pp)
 
 
 def _model_shapes(ns: argparse.Namespace, mesh_text: str, dtype: str | None) -> tuple[list[Any], list[Any]]:
@@ -180,8 +185,7 @@ def check_request(ns: argparse.Namespace) -> Setup:
         raise ProgramError("--backend nccl: needs --device cuda (gloo runs on the CPU)")
     if (ns.batch or ns.seq or ns.strategy) and not ns.model:
         raise ProgramError("--batch / --seq / --strategy: apply to a --model; give --model too")
-    mesh_sizes = _plan_mesh(ns.mesh)[1] if ns.mesh else []
-    world = math.prod(mesh_sizes) if mesh_sizes else 0
+    _m, mesh_sizes, world, p2p = _plan_mesh(ns.mesh) if ns.mesh else ("", [], 0, False)
     if gpu:
         local = int(torch.cuda.device_count())
         nproc = min(local, world) if world else local
@@ -191,14 +195,13 @@ def check_request(ns: argparse.Namespace) -> Setup:
     else:
         nproc = world or 2
         device_name, memory = _cpu_name(), 0
-    groups, notes = group_sizes(mesh_sizes, nproc)
+    groups, notes = group_sizes(mesh_sizes or ([] if not ns.mesh else [1]), nproc)
     if nproc <= 1:
-        groups, notes = [], [f"{nproc} process{'es' if nproc != 1 else ''} on this machine: no collective to "
+        groups, p2p, notes = [], False, [f"{nproc} process{'es' if nproc != 1 else ''} on this machine: no collective to "
                              f"measure (a group needs 2 ranks); the file keeps the base's links"]
     base = ns.base
-    if base is not None:
-        preset_device(base)  # an unknown name refused here, naming --device's presets
-        base = base.strip().lower()
+    if base is not None:  # an unknown name refused, naming --device's presets; an alias as its preset
+        base = next(k for k, d in DEVICES.items() if d == preset_device(base))
     elif gpu:
         base = _guess_base(device_name, memory)
         if base is None:
@@ -211,7 +214,7 @@ def check_request(ns: argparse.Namespace) -> Setup:
         gemms, atts = default_gemms(dtype or "bf16", ns.quick), default_attention(dtype or "bf16", ns.quick)
     if gpu and ns.quick:  # quick on a GPU: the first and last shapes of each kind
         gemms, atts = sorted({gemms[0], gemms[-1]}), sorted({atts[0], atts[-1]}) if atts else []
-    return Setup(out, gpu, backend, nproc, tuple(groups), tuple(notes), base, device_name, tuple(gemms),
+    return Setup(out, gpu, backend, nproc, tuple(groups), p2p, tuple(notes), base, device_name, tuple(gemms),
                  tuple(atts), bool(ns.quick))
 
 
@@ -233,6 +236,23 @@ def _sig(x: float) -> float:
     return float(f"{x:.6g}")
 
 
+def _fp8_gemms(s: Setup, dev: Any, timing: Timing, out: TextIO) -> list[GemmPoint]:
+    """On a GPU with fp8 tensor cores: the bf16 / fp16 shapes again as fp8 GEMMs (those whose
+    sides are multiples of 16, as the fp8 kernels need); a note where they cannot be run."""
+    if not s.gpu or not fp8_capable(dev):
+        return []
+    shapes = [g for g in s.gemms if g.dtype in ("bf16", "fp16") and g.m % 16 == 0 and g.n % 16 == 0 and g.k % 16 == 0]
+    got: list[GemmPoint] = []
+    for g in sorted({replace(g, dtype="fp8") for g in shapes}):
+        try:
+            got.append(p := measure_gemm_fp8(g, dev, timing))
+        except RuntimeError as exc:  # a torch without the kernel for this GPU or shape
+            print(f"  fp8 GEMMs: not measured ({' '.join(str(exc).split())[:120]})", file=out)
+            break
+        print(gemm_row(p), file=out, flush=True)
+    return got
+
+
 def measure(s: Setup, out: TextIO) -> Measured:
     """Every measurement of ``s``, each row printed as it is made."""
     torch = _torch()
@@ -250,6 +270,7 @@ def measure(s: Setup, out: TextIO) -> Measured:
     for g in s.gemms:
         gemm.append(p := measure_gemm(g, dev, timing))
         print(gemm_row(p), file=out, flush=True)
+    gemm += _fp8_gemms(s, dev, timing, out)
     att: list[AttentionPoint] = []
     print(f"attention ({len(s.attention)} shapes, scaled_dot_product_attention):", file=out)
     for a in s.attention:
@@ -262,12 +283,13 @@ def measure(s: Setup, out: TextIO) -> Measured:
     coll: list[CollectivePoint] = []
     for note in s.notes:
         print(f"collectives: {note}", file=out)
-    if s.groups:
-        print(f"collectives over {s.backend}, {s.nproc} local processes (torch's launcher), group sizes "
-              f"{', '.join(map(str, s.groups))}; all intra_node: inter_node needs several machines, not measured:",
-              file=out, flush=True)
+    if s.groups or s.p2p:
+        what = [f"group sizes {', '.join(map(str, s.groups))}"] if s.groups else []
+        what += ["send_recv between pairs (the pp dim)"] if s.p2p else []
+        print(f"collectives over {s.backend}, {s.nproc} local processes (torch's launcher), {'; '.join(what)}; "
+              f"all intra_node: inter_node needs several machines, not measured:", file=out, flush=True)
         job = CollectiveJob(s.backend, "cuda" if s.gpu else "cpu", s.groups,
-                            tuple(collective_sizes(s.gpu, s.quick)), s.quick)
+                            tuple(collective_sizes(s.gpu, s.quick)), s.quick, s.p2p)
         coll = measure_collectives(job, s.nproc)
     return Measured(source, tuple(GemmPoint(p.m, p.n, p.k, p.dtype, _sig(p.tflops)) for p in gemm),
                     tuple(AttentionPoint(p.batch, p.heads, p.seq, p.head_dim, p.causal, p.dtype, _sig(p.fwd_tflops),

@@ -259,6 +259,30 @@ def measure_gemm(s: GemmShape, device: Any, timing: Timing) -> GemmPoint:
     return GemmPoint(s.m, s.n, s.k, s.dtype, s.flops / sec / 1e12)
 
 
+def fp8_capable(device: Any) -> bool:
+    """Whether ``device`` has fp8 tensor cores (CUDA compute capability 8.9: Ada, 9.0: Hopper,
+    and later) and torch offers ``torch._scaled_mm``, the fp8 GEMM Transformer Engine's
+    and torchao's linear layers run."""
+    torch = _torch()
+    if device.type != "cuda" or not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
+        return False
+    return tuple(torch.cuda.get_device_capability(device)) >= (8, 9)
+
+
+def measure_gemm_fp8(s: GemmShape, device: Any, timing: Timing) -> GemmPoint:
+    """The rate of an fp8 GEMM at shape ``s`` (``torch._scaled_mm``: e4m3 operands, per-tensor
+    scales, a bf16 product, the first operand row-major and the second column-major as cuBLASLt
+    requires; M, N, K multiples of 16). Recorded as dtype ``fp8``."""
+    torch = _torch()
+    f8 = torch.float8_e4m3fn
+    a = torch.randn(s.m, s.k, device=device).to(f8)
+    b = torch.randn(s.n, s.k, device=device).to(f8).t()
+    one = torch.ones((), device=device, dtype=torch.float32)
+    sec = median_seconds(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+                         device, timing)
+    return GemmPoint(s.m, s.n, s.k, "fp8", s.flops / sec / 1e12)
+
+
 def measure_attention(s: AttentionShape, device: Any, timing: Timing) -> tuple[AttentionPoint, str]:
     """(the rates of ``scaled_dot_product_attention`` forward and backward at ``s``, the kernel
     used): flash on a GPU where it applies, torch's choice otherwise."""
@@ -314,7 +338,9 @@ def measure_copy(device: Any, nbytes: int, timing: Timing) -> float:
 
 def bus_factor(op: str, ranks: int) -> float:
     """nccl-tests' bus bandwidth over algorithm bandwidth (doc/PERFORMANCE.md): ``2(n-1)/n``
-    for all_reduce, ``(n-1)/n`` for all_gather and reduce_scatter."""
+    for all_reduce, ``(n-1)/n`` for all_gather and reduce_scatter, 1 for a send/recv."""
+    if op == "send_recv":
+        return 1.0
     return (2.0 if op == "all_reduce" else 1.0) * (ranks - 1) / ranks
 
 
@@ -324,13 +350,15 @@ def bus_factor(op: str, ranks: int) -> float:
 @dataclass(frozen=True)
 class CollectiveJob:
     """What each rank measures: ``groups`` (sizes), ``sizes`` (bytes), over ``backend``, on
-    ``device`` (``cuda`` or ``cpu``)."""
+    ``device`` (``cuda`` or ``cpu``); ``p2p``: send_recv between pairs of ranks too (a pipeline's
+    stages)."""
 
     backend: str
     device: str
     groups: tuple[int, ...]
     sizes: tuple[int, ...]
     quick: bool
+    p2p: bool = False
     timeout_s: float = 300.0
 
 
@@ -340,9 +368,15 @@ def _iterations(nbytes: int, quick: bool) -> int:
     return 1 if quick else max(1, min(50, (64 << 20) // max(1, nbytes)))
 
 
-def _one_op(dist: Any, torch: Any, op: str, group: Any, g: int, nbytes: int, dev: Any, dt: Any) -> Callable[[], Any]:
+def _one_op(dist: Any, torch: Any, op: str, group: Any, g: int, nbytes: int, dev: Any, dt: Any,
+            rank: int, first: int) -> Callable[[], Any]:
     el = torch.tensor([], dtype=dt).element_size()
     numel = max(g, nbytes // el // g * g)
+    if op == "send_recv":  # the pair's first rank sends, the other receives: one message
+        buf = torch.ones(numel, device=dev, dtype=dt)
+        if rank == first:
+            return lambda: dist.send(buf, first + 1)
+        return lambda: dist.recv(buf, first)
     if op == "all_reduce":
         buf = torch.ones(numel, device=dev, dtype=dt)
         return lambda: dist.all_reduce(buf, group=group)
@@ -353,6 +387,17 @@ def _one_op(dist: Any, torch: Any, op: str, group: Any, g: int, nbytes: int, dev
     inp = torch.ones(numel, device=dev, dtype=dt)
     out = torch.empty(numel // g, device=dev, dtype=dt)
     return lambda: dist.reduce_scatter_tensor(out, inp, group=group)
+
+
+def _my_group(dist: Any, world: int, rank: int, g: int) -> tuple[Any, int]:
+    """(this rank's group of ``g`` consecutive ranks or None, its first rank); every rank
+    creates every group, as torch requires."""
+    mine, first = None, -1
+    for start in range(0, world - g + 1, g):
+        grp = dist.new_group(list(range(start, start + g)))
+        if start <= rank < start + g:
+            mine, first = grp, start
+    return mine, first
 
 
 def _time_collective(dist: Any, torch: Any, fn: Callable[[], Any], group: Any, dev: Any, iters: int,
@@ -397,24 +442,24 @@ def collective_worker(job: CollectiveJob) -> list[tuple[str, int, int, float]]:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # torch 2.13 renames the *_tensor collectives
-            for g in job.groups:
-                mine = None
-                for start in range(0, world - g + 1, g):  # every rank creates every group
-                    grp = dist.new_group(list(range(start, start + g)))
-                    if start <= rank < start + g:
-                        mine = grp
-                for op in COLLECTIVES:
-                    for nbytes in job.sizes:
-                        sec = 0.0
-                        if mine is not None:
-                            fn = _one_op(dist, torch, op, mine, g, nbytes, dev, dt)
-                            sec = _time_collective(dist, torch, fn, mine, dev, _iterations(nbytes, job.quick), timing)
-                        worst = torch.tensor([sec], dtype=torch.float64, device=dev)
-                        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-                        if rank == 0:
-                            row = (op, g, nbytes, float(worst.item()))
-                            rows.append(row)
-                            print(collective_row(*row), flush=True)
+            tasks = [(g, op) for g in job.groups for op in COLLECTIVES]
+            tasks += [(2, "send_recv")] if job.p2p and world >= 2 else []
+            made: dict[int, tuple[Any, int]] = {}
+            for g, op in tasks:
+                if g not in made:
+                    made[g] = _my_group(dist, world, rank, g)
+                mine, first = made[g]
+                for nbytes in job.sizes:
+                    sec = 0.0
+                    if mine is not None:
+                        fn = _one_op(dist, torch, op, mine, g, nbytes, dev, dt, rank, first)
+                        sec = _time_collective(dist, torch, fn, mine, dev, _iterations(nbytes, job.quick), timing)
+                    worst = torch.tensor([sec], dtype=torch.float64, device=dev)
+                    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+                    if rank == 0:
+                        row = (op, g, nbytes, float(worst.item()))
+                        rows.append(row)
+                        print(collective_row(*row), flush=True)
     finally:
         dist.destroy_process_group()
     return rows
@@ -492,5 +537,5 @@ def collective_row(op: str, ranks: int, nbytes: int, sec: float) -> str:
 
 __all__ = ["COLLECTIVES", "CalibrationError", "DTYPE_NAMES", "AttentionShape", "CollectiveJob", "GemmShape", "Timing", "attention_row",
            "bus_factor", "collective_row", "collective_sizes", "collective_worker", "copy_bytes", "default_attention",
-           "default_gemms", "gemm_row", "group_sizes", "human_bytes", "measure_attention", "measure_collectives",
-           "measure_copy", "measure_gemm", "median_seconds", "model_shapes"]
+           "default_gemms", "fp8_capable", "gemm_row", "group_sizes", "human_bytes", "measure_attention", "measure_collectives",
+           "measure_copy", "measure_gemm", "measure_gemm_fp8", "median_seconds", "model_shapes"]
