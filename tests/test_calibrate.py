@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -189,12 +190,16 @@ def test_a_failed_measurement_leaves_no_file(tmp_path: Path, capsys: pytest.Capt
     assert out.read_text() == '{"base": "h100"}' and os.listdir(tmp_path) == ["mine.json"]
 
 
-def test_a_rank_that_fails_is_one_error() -> None:
-    # nccl on CPU tensors: every rank fails at once; torch's launcher reports it, we say so in one line
-    job = CollectiveJob("nccl" if not torch.cuda.is_available() else "no-such-backend", "cpu", (2,), (4096,), True)
+def test_the_launcher_leaves_this_process_as_it_was() -> None:
+    # torch's launcher installs its own SIGINT / SIGTERM handlers in the calling process; after a
+    # launch (here one that fails) the old ones are back, and its environment variable gone
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    job = CollectiveJob("no-such-backend", "cpu", (2,), (4096,), True)
     with pytest.raises(CalibrationError) as exc:
         measure_collectives(job, 2)
     assert "on 2 processes failed: rank " in str(exc.value) and "\n" not in str(exc.value)
+    assert {s: signal.getsignal(s) for s in before} == before
+    assert "TORCHELASTIC_SIGNALS_TO_HANDLE" not in os.environ
 
 
 def _setup(tmp_path: Path, *argv: str) -> Setup:

@@ -22,7 +22,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import statistics
+import threading
 import time
 import uuid
 import warnings
@@ -465,6 +467,10 @@ def collective_worker(job: CollectiveJob) -> list[tuple[str, int, int, float]]:
     return rows
 
 
+#: what torch's launcher sets in the environment of the process that calls it
+_SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+
+
 def _failure(exc: Exception) -> str:
     """One line on why the launch failed: the first failed rank and its error (torch's
     ChildFailedError), else the exception's first line."""
@@ -496,6 +502,11 @@ def measure_collectives(job: CollectiveJob, nproc: int) -> list[CollectivePoint]
                        start_method="spawn")
     quiet = {n: logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing")}
     levels = {n: lg.level for n, lg in quiet.items()}
+    # the launcher installs its own handlers of these signals in this process and leaves them
+    # (and an environment variable) behind: put back what was there
+    sigs = [getattr(signal, n) for n in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if hasattr(signal, n)]
+    handlers = {sig: signal.getsignal(sig) for sig in sigs}
+    env = os.environ.get(_SIGNALS_ENV)
     for lg in quiet.values():  # a failure is said once, below, not as torch's traceback log
         lg.setLevel(logging.CRITICAL)
     try:
@@ -506,6 +517,14 @@ def measure_collectives(job: CollectiveJob, nproc: int) -> list[CollectivePoint]
     finally:
         for n, lg in quiet.items():
             lg.setLevel(levels[n])
+        if threading.current_thread() is threading.main_thread():
+            for sig, h in handlers.items():
+                if h is not None:
+                    signal.signal(sig, h)
+        if env is None:
+            os.environ.pop(_SIGNALS_ENV, None)
+        else:
+            os.environ[_SIGNALS_ENV] = env
     return [CollectivePoint(op, g, "intra_node", nbytes, sec * 1e6) for op, g, nbytes, sec in got[0]]
 
 
