@@ -149,6 +149,9 @@ def test_bad_flag_is_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixtu
     (["--device", "cpu", "--base", "tpu-v5"], ["--device 'tpu-v5'", "no such preset"]),
     (["--device", "cpu", "--model", "no-such-model"], ["no-such-model"]),
     (["--device", "cpu", "--batch", "4"], ["--batch", "--model"]),
+    (["--device", "cpu", "--model", "tiny-llama", "--model-config", '{"base": "tiny-llama"}'], ["not both"]),
+    (["--device", "cpu", "--model-config", "layers=2"], ["--model-config 'layers=2'", "JSON object"]),
+    (["--device", "cpu", "--model-config", '{"base": "tiny-llama", "activation": "tanh"}'], ["activation"]),
     (["--device", "cpu", "--mesh", "dp=x"], ["--mesh 'dp=x'", "not name=size"]),
 ])
 def test_bad_value_is_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str],
@@ -218,3 +221,16 @@ def test_what_a_mesh_asks_for(tmp_path: Path) -> None:
     # the model's shapes on the planning mesh (pp dropped: every stage has the same layers)
     s = _setup(tmp_path, "--device", "cpu", "--model", "tiny-llama", "--mesh", "pp=2,dp=2", "--quick")
     assert {(g.m, g.n, g.k, g.dtype) for g in s.gemms} == _tiny_llama_gemms() and s.p2p
+    # a decoder of one's own: tied embeddings (the head is the embedding, transposed) and
+    # squared ReLU (no gate) have the same GEMM shapes as tiny-llama
+    cfg = '{"base": "tiny-llama", "tied_embeddings": true, "activation": "squared_relu"}'
+    s = _setup(tmp_path, "--device", "cpu", "--model-config", cfg, "--mesh", "dp=2", "--quick")
+    assert {(g.m, g.n, g.k, g.dtype) for g in s.gemms} == _tiny_llama_gemms()
+    # gpt2 (tiny-gpt2: hidden 16, 4 heads of 4, ffn 32, vocab 64): eager attention's matmuls of
+    # two activations are no GEMM of a weight and give no attention point; flash gives one
+    fwd = [(16, 16, 16), (16, 32, 16), (16, 16, 32), (16, 64, 16)]  # q/k/v/o, fc1, fc2, head
+    gpt2 = {s for m, n, k in fwd for s in ((m, n, k), (m, k, n), (k, n, m))}
+    for attention, points in (("eager", ()), ("flash", (AttentionShape(2, 4, 8, 4, True, "fp32"),))):
+        s = _setup(tmp_path, "--device", "cpu", "--model-config",
+                   f'{{"base": "tiny-gpt2", "attention": "{attention}"}}', "--mesh", "dp=2", "--quick")
+        assert {(g.m, g.n, g.k) for g in s.gemms} == gpt2 and s.attention == points

@@ -48,7 +48,7 @@ from spmdkit.execute.calibrate import (
     model_shapes,
 )
 from spmdkit.io.atomic import write_atomic
-from spmdkit.models.zoo import PRESETS
+from spmdkit.models.zoo import PRESETS, is_config_text
 from spmdkit.planner.planning import MAX_SIZE, plan_preset
 from spmdkit.strategies.strategy import parse_mesh
 
@@ -66,6 +66,8 @@ def add_calibrate_command(sub: Any) -> None:
     p.add_argument("--model", metavar="NAME",
                    help=f"measure the GEMMs and attention of this preset's shapes on one device of --mesh "
                         f"({', '.join(sorted(PRESETS))}); default: a sweep of shapes")
+    p.add_argument("--model-config", dest="model_config", metavar="FILE|JSON",
+                   help="instead of --model: a decoder of your own (the fields of spmdkit plan --model-config)")
     p.add_argument("--strategy", help="with --model: the strategy it is planned under, as for spmdkit plan "
                                       "(default megatron with a tp mesh dim, else dp)")
     p.add_argument("--batch", help=f"with --model: override its batch size (1 to {MAX_SIZE})")
@@ -162,12 +164,15 @@ def _plan_mesh(mesh_text: str) -> tuple[str, list[int], int, bool]:
     return (",".join(f"{n}={s}" for n, s in keep) or "dp=1", [s for _n, s in keep], math.prod(mesh.shape), pp)
 
 
-def _model_shapes(ns: argparse.Namespace, mesh_text: str, dtype: str | None) -> tuple[list[Any], list[Any]]:
+def _model_shapes(model: str, ns: argparse.Namespace, mesh_text: str,
+                  dtype: str | None) -> tuple[list[Any], list[Any]]:
+    """The shapes of ``model`` (a preset's name or a ``--model-config`` text) planned as
+    ``spmdkit plan`` plans it, one layer deep."""
     plan_mesh = _plan_mesh(mesh_text)[0]
     names = parse_mesh(plan_mesh).dim_names
     strategy = ns.strategy or ("megatron" if "tp" in names else "dp" if "dp" in names else "none")
     overrides = {"layers": 1, "batch": ns.batch, "seq": ns.seq}  # every layer has the same shapes
-    _loaded, plan, _secs = plan_preset(ns.model, plan_mesh, strategy, overrides, {}, None, None, 1)
+    _loaded, plan, _secs = plan_preset(model, plan_mesh, strategy, overrides, {}, None, None, 1)
     return model_shapes(plan, dtype)
 
 
@@ -183,7 +188,14 @@ def check_request(ns: argparse.Namespace) -> Setup:
     backend = ns.backend or ("nccl" if gpu else "gloo")
     if backend == "nccl" and not gpu:
         raise ProgramError("--backend nccl: needs --device cuda (gloo runs on the CPU)")
-    if (ns.batch or ns.seq or ns.strategy) and not ns.model:
+    if ns.model and ns.model_config:
+        raise ProgramError("--model-config: give a preset (--model) or a config (--model-config), not both")
+    if ns.model_config and not is_config_text(ns.model_config):
+        raise ProgramError(f"--model-config {ns.model_config[:60]!r}: expected a JSON object or a .json file")
+    model = ns.model_config or ns.model
+    if ns.model and is_config_text(ns.model):
+        raise ProgramError(f"--model {ns.model[:60]!r}: a preset name; give a config as --model-config")
+    if (ns.batch or ns.seq or ns.strategy) and not model:
         raise ProgramError("--batch / --seq / --strategy: apply to a --model; give --model too")
     _m, mesh_sizes, world, p2p = _plan_mesh(ns.mesh) if ns.mesh else ("", [], 0, False)
     if gpu:
@@ -208,8 +220,8 @@ def check_request(ns: argparse.Namespace) -> Setup:
             raise ProgramError(f"--base: cannot tell which preset {device_name[:60]!r} is; give --base "
                                f"({', '.join(DEVICES)}) for the figures that are not measured")
     dtype = None if gpu else "fp32"
-    if ns.model:
-        gemms, atts = _model_shapes(ns, ns.mesh or "dp=1", dtype)
+    if model:
+        gemms, atts = _model_shapes(model, ns, ns.mesh or "dp=1", dtype)
     else:
         gemms, atts = default_gemms(dtype or "bf16", ns.quick), default_attention(dtype or "bf16", ns.quick)
     if gpu and ns.quick:  # quick on a GPU: the first and last shapes of each kind
