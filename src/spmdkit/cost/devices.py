@@ -25,8 +25,18 @@ from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel, LinkCost, ReshardPlan, Step
 from spmdkit.cost.measured import Measured, parse_measured
-from spmdkit.cost.rates import (A100_40_RATES, A100_RATES, H100_RATES, H200_RATES, Rates, attention_efficiency,
-                                gemm_efficiency, measured_attention, measured_gemm, parse_rates)
+from spmdkit.cost.rates import (
+    A100_40_RATES,
+    A100_RATES,
+    H100_RATES,
+    H200_RATES,
+    Rates,
+    attention_efficiency,
+    gemm_efficiency,
+    measured_attention,
+    measured_gemm,
+    parse_rates,
+)
 from spmdkit.engine.facts import OpCost
 from spmdkit.program.plan import Plan, Reshard
 
@@ -120,7 +130,7 @@ class Device:
             got = measured_attention(self.measured, key, backward, seq, hd, causal)
             if got is not None:
                 return got
-        kernel = c.attention_kernel or self.rates.attention_kernel.get("megatron", "")
+        kernel = self.rates.attention_kernel.get(c.framework or "megatron", "")
         return self.matmul_peak(c.dtype) * attention_efficiency(self.rates, kernel, backward, seq, hd, causal)
 
     @property

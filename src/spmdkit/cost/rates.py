@@ -83,7 +83,8 @@ class Rates:
 #: best cuBLAS matmul measured by ml-engineering's mamf-finder (CUDA 12.1); tf32 likewise assumed.
 #: FlashAttention-2 paper (Dao 2023) Fig. 4-6, head dim 128: forward up to ~0.70 of 312, backward
 #: ~0.58. STREAM-like copy on A100 80GB: ~1.75 TB/s of 2.039 (0.86); 40GB: ~1.37 of 1.555 (0.88).
-A100_RATES = Rates(108, {"bf16": 0.859, "fp16": 0.859, "tf32": 0.859, "fp32": 0.95},
+_A100_GEMM = 267.9 / 312
+A100_RATES = Rates(108, {"bf16": _A100_GEMM, "fp16": _A100_GEMM, "tf32": _A100_GEMM, "fp32": 0.95},
                    {"fa2": (0.70, 0.58)}, {"megatron": "fa2", "torchtitan": "fa2"}, hbm=0.86)
 A100_40_RATES = Rates(108, A100_RATES.gemm, A100_RATES.attention, A100_RATES.attention_kernel, hbm=0.88)
 #: H100 SXM5: 132 SMs (NVIDIA H100 whitepaper). bf16 ceiling 0.801 = 792.1 / 989 (mamf-finder, CUDA
@@ -91,7 +92,8 @@ A100_40_RATES = Rates(108, A100_RATES.gemm, A100_RATES.attention, A100_RATES.att
 #: PFLOP/s on large shapes). FlashAttention-2 on H100: ~0.36 forward / 0.31 backward (FA-3 paper,
 #: Shah et al. 2024, its FA-2 baseline at head dim 128); cuDNN fused attention / FA-3: ~0.65 / 0.50
 #: (FA-3 paper Fig. 5-7, bf16, head dim 128). HBM3 STREAM-like copy ~3.0 TB/s of 3.35 (0.90).
-H100_RATES = Rates(132, {"bf16": 0.801, "fp16": 0.801, "tf32": 0.801, "fp32": 0.95, "fp8": 0.68},
+_H100_GEMM = 792.1 / 989
+H100_RATES = Rates(132, {"bf16": _H100_GEMM, "fp16": _H100_GEMM, "tf32": _H100_GEMM, "fp32": 0.95, "fp8": 0.68},
                    {"fa2": (0.36, 0.31), "cudnn": (0.65, 0.50)}, {"megatron": "cudnn", "torchtitan": "fa2"},
                    hbm=0.90)
 #: H200 SXM5: the H100's GPU (132 SMs, the same peaks) with HBM3e at 4.8 TB/s; its larger power
@@ -148,7 +150,7 @@ def measured_gemm(measured: Measured, key: str, m: int, n: int, k: int) -> float
     if not pts:
         return None
     want = (float(max(m, 1)), float(max(n, 1)), float(max(k, 1)))
-    near = sorted(((_dist(want, (p.m, p.n, p.k)), p.tflops) for p in pts))[:4]
+    near = sorted((_dist(want, (p.m, p.n, p.k)), p.tflops) for p in pts)[:4]
     if near[0][0] < 1e-9:
         return near[0][1] * 1e12
     w = [1.0 / d for d, _ in near]

@@ -103,9 +103,9 @@ class OpCost:
     gemms: tuple[tuple[int, int, int, int], ...] = ()
     #: a flash-attention pass: ``(backward, sequence (keys), head dim, causal)``; None otherwise
     attention: tuple[bool, int, int, bool] | None = None
-    #: the kernel name the attention pass runs (``Runtime.framework``'s, set by
-    #: :func:`spmdkit.cost.compute.op_cost`; empty: the device's default)
-    attention_kernel: str = ""
+    #: the framework whose attention kernel runs the pass (``Runtime.framework``, set by
+    #: :func:`spmdkit.cost.compute.op_cost`; the device's rates map it to a kernel; empty: megatron)
+    framework: str = ""
     #: the GEMMs run on the fp8 tensor cores (``--precision fp8``, a linear layer's GEMM)
     fp8: bool = False
     #: bytes of the fp8 casts (and amax) the op adds: memory-bound kernels run before the GEMMs
