@@ -25,6 +25,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 from spmdkit.core.errors import ProgramError
@@ -104,6 +105,7 @@ H200_RATES = Rates(132, H100_RATES.gemm, H100_RATES.attention, H100_RATES.attent
 # -- the model ------------------------------------------------------------------------------------
 
 
+@lru_cache(maxsize=65536)
 def tile_wave_utilisation(batch: int, m: int, n: int, sms: int) -> float:
     """The useful share of the tensor cores' work for a ``batch`` x (m x n) output cut into the
     best of :data:`TILES`: ``m·n·batch / (waves · sms · TM·TN)`` times the tile's reuse, the tile
