@@ -212,7 +212,8 @@ def tiny_like(cfg: ModelConfig) -> str:
     config of the tiny preset's sizes with that variant."""
     base = "tiny-llama" if cfg.arch == "llama" else "tiny-gpt-dropout" if cfg.dropout else "tiny-gpt2"
     tiny = PRESETS[base]
-    kv = tiny.heads // 2 if cfg.n_kv != cfg.heads else tiny.heads
+    # grouped kv heads: tiny-llama has them already; a grouped gpt2 gets half as many kv heads
+    kv = tiny.n_kv if cfg.arch == "llama" else tiny.heads // 2 if cfg.n_kv != cfg.heads else tiny.heads
     variant = {"activation": cfg.act, "attention": cfg.attn, "tied_embeddings": cfg.tied_embeddings,
                "kv_heads": kv}
     if all(getattr(tiny.with_(**variant), f) == getattr(tiny, f) for f in ("act", "attn", "tied_embeddings", "n_kv")):
