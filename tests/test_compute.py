@@ -21,7 +21,7 @@ from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.cost.compute import COSTED, kernel_collectives, model_flops, op_cost
 from spmdkit.cost.devices import DEVICES, cost_model, device_from_json, load_device, recost
-from spmdkit.cost.step import BUCKET_BYTES, FIRST_BUCKET_BYTES, estimate_step
+from spmdkit.cost.step import estimate_step
 from spmdkit.models.zoo import build_model, preset
 from spmdkit.planner.planning import plan_model
 from spmdkit.planner.propagate import propagate

@@ -11,6 +11,7 @@ step time serial and overlapped, tokens/s and MFU.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -255,6 +256,18 @@ def _producers(plan: Plan) -> dict[str, int]:
     return producer
 
 
+def _adjacent_gemm(plan: Plan, comp: _Compute, tensor: str, i: int, producer: dict[str, int],
+                   readers: dict[str, list[int]]) -> int:
+    """The GEMM a TP collective of ``tensor`` (at op ``i``) overlaps: op i, the op that made the
+    tensor, the first op that reads it, or a GEMM feeding the sum that made it (the dgrad GEMMs
+    of q, k, v summed before their reduce-scatter); -1 if none."""
+    j = producer.get(tensor, -1)
+    cands = [i, j, *readers.get(tensor, ())[:1]]
+    if j >= 0:
+        cands += [producer.get(nm, -1) for nm in plan.program.ops[j].input_names()]
+    return next((c for c in cands if c >= 0 and comp.costs[c].matmul), -1)
+
+
 def _communication(plan: Plan, comp: _Compute) -> _Comm:
     """Gradient reductions (:func:`is_grad_sync`) go to the op that makes the gradient (they
     wait for a bucket); a stored parameter's all-gather (ZeRO-3 / FSDP: ``plan.storage``) joins
@@ -268,6 +281,11 @@ def _communication(plan: Plan, comp: _Compute) -> _Comm:
     gathers: dict[int, dict[tuple[int, ...], float]] = {}
     param_grads = plan.param_grads()
     overlap_tp = plan.runtime.tp_comm_overlap
+    readers: dict[str, list[int]] = {}
+    if overlap_tp:
+        for j, op in enumerate(prog.ops):
+            for nm in op.input_names():
+                readers.setdefault(nm, []).append(j)
     for r in plan.reshards:
         if r.shared:
             continue
@@ -288,10 +306,11 @@ def _communication(plan: Plan, comp: _Compute) -> _Comm:
                 first = out.prefetch.get(groups[i], (0.0, i))[1]
                 out.prefetch[groups[i]] = (0.0, min(first, i))
                 continue
-            gemm = i if comp.costs[i].matmul else producer.get(r.tensor, -1)
-            if overlap_tp and s.kind in ("all_gather", "reduce_scatter") and t.kind not in ("parameter",
-                                                                                             "optimizer_state") \
-                    and r.tensor not in param_grads and gemm >= 0 and comp.costs[gemm].matmul:
+            gemm = -1
+            if overlap_tp and s.kind in ("all_gather", "reduce_scatter") and t.kind in ("activation", "gradient") \
+                    and r.tensor not in param_grads:
+                gemm = _adjacent_gemm(plan, comp, r.tensor, i, producer, readers)
+            if gemm >= 0:
                 out.tp.setdefault(i, []).append((s.time_s, gemm, n))
             else:
                 out.blocking[i] = out.blocking.get(i, 0.0) + s.time_s
@@ -346,7 +365,8 @@ class Reducer:
     torch's 1 MiB first bucket then 25 MiB. bf16 gradients are reduced in fp32. Used by
     :func:`estimate_step` and by the pipeline (:mod:`spmdkit.planner.pipeline`)."""
 
-    def __init__(self, plan: Plan) -> None:
+    def __init__(self, plan: Plan, single: bool = False) -> None:
+        self.single = single  # every gradient in one bucket (Megatron's pipeline ranks > 0)
         self.mesh = plan.mesh
         self.cost = plan.cost
         self.framework = plan.runtime.framework
@@ -359,6 +379,8 @@ class Reducer:
         return time_of(self.cost, kind, dims, size, self.mesh.shape)
 
     def _cap(self, kind: str, dims: tuple[int, ...], itemsize: int) -> float:
+        if self.single:
+            return math.inf
         if self.framework == "megatron":
             dp = math.prod(self.mesh.shape[d] for d in dims)
             return max(MEGATRON_BUCKET_PARAMS, MEGATRON_BUCKET_PARAMS_PER_DP * dp) * itemsize
@@ -424,22 +446,26 @@ def _run(plan: Plan, comp: _Compute, comm: _Comm, rerun: _Rerun, kern_by_op: dic
     fb = 0.0
     times = comp.times
     groups = layer_groups(plan) if comm.prefetch else []
+    order = sorted(comm.prefetch)
     first_of = {first: g for g, (_t, first) in comm.prefetch.items()}
-    starts: dict[int, float] = {}
+    done: dict[int, float] = {}
     for i, op in enumerate(plan.program.ops):
         if op.phase == "optimizer" and not flushed:
             fb = clock
             clock = red.flush(clock)
             flushed = True
         wait = 0.0
-        if groups:
-            starts.setdefault(groups[i], clock)
-            g = first_of.get(i)
-            if g is not None:
-                secs = comm.prefetch[g][0]
-                issue = max(starts.get(g - 1, clock), red.free)
-                red.free = issue + secs
-                wait = max(0.0, issue + secs - clock)
+        if groups and (i == 0 or groups[i] != groups[i - 1]):
+            # a group starts: its own gather if not yet issued, then the next group's (prefetch)
+            h = groups[i]
+            k = bisect.bisect_left(order, h)
+            for nxt in order[k:k + 2] if k < len(order) and order[k] == h else order[k:k + 1]:
+                if nxt not in done:
+                    done[nxt] = max(clock, red.free) + comm.prefetch[nxt][0]
+                    red.free = done[nxt]
+        mine = first_of.get(i)
+        if mine is not None:
+            wait = max(0.0, done.get(mine, clock) - clock)
         blocked = wait + comm.exposed(i, times) + kern_by_op.get(i, 0.0)
         timeline.append((i, clock, blocked, rerun.extra_at.get(i, 0.0), times[i]))
         clock += blocked + times[i] + rerun.extra_at.get(i, 0.0)
@@ -450,6 +476,37 @@ def _run(plan: Plan, comp: _Compute, comm: _Comm, rerun: _Rerun, kern_by_op: dic
         fb = clock
         clock = red.flush(clock)
     return _Run(clock, serial_compute, timeline, red.buckets, fb)
+
+
+@dataclass
+class OpComm:
+    """One micro-step's ops on a device, for the pipeline's stages: each op's compute seconds,
+    the seconds it waits on communication (blocking collectives, the exposed part of a
+    TP-overlapped one, the collectives inside its kernel, a prefetched parameter gather the
+    group before did not hide), and the gradient reductions its outputs feed (their buckets)."""
+
+    compute: list[float]
+    wait: list[float]
+    pending: dict[int, list[tuple[str, Step, int]]]
+    costs: list[OpCost]
+
+
+def op_communication(plan: Plan, device: Device) -> OpComm:
+    """:class:`OpComm` of ``plan`` on ``device``: the step's communication model
+    (:func:`estimate_step`) per op, the FSDP prefetch as ``max(0, gather - the group before)``."""
+    comp = _compute(plan, device)
+    comm = _communication(plan, comp)
+    wait = [comm.exposed(i, comp.times) for i in range(len(comp.times))]
+    for k in kernel_collectives(plan):
+        wait[k.op_index] += k.time_s
+    if comm.prefetch:
+        groups = layer_groups(plan)
+        span: dict[int, float] = {}
+        for i, g in enumerate(groups):
+            span[g] = span.get(g, 0.0) + comp.times[i] + wait[i]
+        for g, (secs, first) in comm.prefetch.items():
+            wait[first] += max(0.0, secs - span.get(g - 1, 0.0))
+    return OpComm(comp.times, wait, comm.pending, comp.costs)
 
 
 def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompute: str = "none") -> StepEstimate:
@@ -516,5 +573,5 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
     return est
 
 
-__all__ = ["BUCKET_BYTES", "FIRST_BUCKET_BYTES", "MEGATRON_BUCKET_PARAMS", "Bucket", "Reducer", "StepEstimate",
-           "estimate_step", "is_grad_sync", "layer_groups", "tp_overlap_exposed"]
+__all__ = ["BUCKET_BYTES", "FIRST_BUCKET_BYTES", "MEGATRON_BUCKET_PARAMS", "Bucket", "OpComm", "Reducer", "StepEstimate",
+           "estimate_step", "is_grad_sync", "layer_groups", "op_communication", "tp_overlap_exposed"]
