@@ -15,6 +15,7 @@ from spmdkit.cli.common import auto_time_limit, export_plan_file, require_simula
 from spmdkit.cli.request import PlanRequest
 from spmdkit.core.errors import ProgramError
 from spmdkit.models.source import load
+from spmdkit.models.zoo import model_label
 from spmdkit.outputs.pipeline import write_pipeline
 from spmdkit.outputs.progress import Progress
 from spmdkit.outputs.report import plan_json, write_report
@@ -46,7 +47,7 @@ def run_devices(req: PlanRequest, out: TextIO) -> int:
         loaded = load(program_source(m, layers, batch, seq))
         model, what = loaded.program, loaded.title
     else:
-        model = what = m.model
+        model, what = m.model, model_label(m.model)
     patterns = parse_tp_plan(m.tp_plan)
     with Progress(f"plan --devices {n}") as bar:  # a line on a terminal's stderr, nothing on a pipe
         res = search_meshes(model, n, req.links.device or "h100", req.search.memory, auto=req.search.auto,

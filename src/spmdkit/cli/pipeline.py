@@ -19,6 +19,7 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel
 from spmdkit.cost.devices import Device, cost_model, load_device
 from spmdkit.cost.memory import check_recompute
+from spmdkit.models.zoo import model_label
 from spmdkit.outputs.pipeline import write_pipeline
 from spmdkit.outputs.report import plan_json, write_report
 from spmdkit.planner.pipeline import estimate_pipeline, plan_pipeline, pp_cost_text
@@ -61,7 +62,7 @@ def run_pipeline_plan(req: PlanRequest, out: TextIO) -> int:
     est = estimate_pipeline(plan, spec, counts, device, _pp_link(req.links, full, device), tokens, full.size,
                             recompute=check_recompute(req.recompute or "none"))
     worst = max(range(spec.pp), key=lambda r: est.memory[r].total)
-    title = (f"{m.model}: {c.arch}, {c.layers} layers, hidden {c.hidden}, {c.heads} heads"
+    title = (f"{model_label(m.model)}: {c.arch}, {c.layers} layers, hidden {c.hidden}, {c.heads} heads"
              f"{f' ({c.n_kv} kv)' if c.n_kv != c.heads else ''}, FFN {c.ffn}, vocab {c.vocab}, seq {c.seq}, "
              f"batch {c.batch * spec.microbatches} as {spec.microbatches} microbatches of {c.batch}, {c.dtype}; "
              f"strategy {strategy}; pipeline pp={spec.pp}"

@@ -32,6 +32,7 @@ from spmdkit.core.reshard import CostModel
 from spmdkit.cost.devices import Device, cost_model, load_device
 from spmdkit.cost.memory import check_recompute, memory_per_device
 from spmdkit.models.source import ModelSource, Preset, ProgramFile, load
+from spmdkit.models.zoo import model_label
 from spmdkit.outputs.export import check_target
 from spmdkit.outputs.html import check_html_path
 from spmdkit.outputs.progress import Progress
@@ -48,6 +49,8 @@ def run_plan(req: PlanRequest, out: TextIO) -> int:
     exit status 2 (no traceback); 1 when ``--verify`` finds a difference."""
     try:
         with strategy_notes("plan"):
+            req.model.check_config()
+            req.links.runtime()  # a bad --precision / --framework named before planning
             devices = req.devices is not None
             for flag, given in (("--memory", req.search.memory is not None), ("--explain", req.search.explain)):
                 if given and not req.search.auto and not (flag == "--memory" and devices):
@@ -204,7 +207,7 @@ def _run_auto(req: PlanRequest, out: TextIO, recompute: str, user: dict[str, Any
     config = loaded.model.config if loaded.model is not None else None
     title = loaded.title
     if config is not None:
-        title = (f"{m.model}: {config.arch}, {config.layers} layers, hidden {config.hidden}, seq {config.seq}, "
+        title = (f"{model_label(m.model)}: {config.arch}, {config.layers} layers, hidden {config.hidden}, seq {config.seq}, "
                  f"batch {config.batch}")
     device, cost, cap = _auto_links(req, mesh)
     with Progress("plan --auto") as bar:  # a line on a terminal's stderr, nothing on a pipe

@@ -12,7 +12,8 @@ import argparse
 import math
 from dataclasses import dataclass
 
-from spmdkit.models.zoo import PRESETS
+from spmdkit.core.errors import ProgramError
+from spmdkit.models.zoo import PRESETS, is_config_text
 from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE
 from spmdkit.program.runtime import Runtime, parse_precision
 
@@ -40,6 +41,19 @@ class ModelArgs:
     hf_config: str | None = None
     dtype: str | None = None
     tp_plan: str | None = None
+    #: ``--model-config`` as given (``model`` is then that text); ``--model`` given too
+    model_config: str | None = None
+    preset_given: bool = False
+
+    def check_config(self) -> None:
+        """``--model-config`` and ``--model`` exclude each other; a config is a JSON object or a
+        ``.json`` file."""
+        if self.model_config is None:
+            return
+        if self.preset_given:
+            raise ProgramError("--model-config: give a preset (--model) or a config (--model-config), not both")
+        if not is_config_text(self.model_config):
+            raise ProgramError(f"--model-config {self.model_config[:60]!r}: expected a JSON object or a .json file")
 
 
 @dataclass(frozen=True)
@@ -152,8 +166,9 @@ class RunRequest:
 
 
 def _model_args(ns: argparse.Namespace) -> ModelArgs:
-    return ModelArgs(model=ns.model, program=ns.program, hf=ns.hf, hf_config=ns.hf_config, dtype=ns.dtype,
-                     tp_plan=ns.tp_plan)
+    return ModelArgs(model=ns.model_config or ns.model or ns.default_model, program=ns.program, hf=ns.hf,
+                     hf_config=ns.hf_config, dtype=ns.dtype, tp_plan=ns.tp_plan, model_config=ns.model_config,
+                     preset_given=ns.model is not None)
 
 
 def plan_request(ns: argparse.Namespace) -> PlanRequest:
@@ -184,8 +199,14 @@ def run_request(ns: argparse.Namespace, argv: list[str]) -> RunRequest:
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="llama-7b",
+    p.add_argument("--model", default=None,
                    help=f"a preset ({', '.join(sorted(PRESETS))}); default llama-7b")
+    p.set_defaults(default_model="llama-7b")
+    p.add_argument("--model-config", dest="model_config", metavar="FILE|JSON",
+                   help='a decoder of your own instead of a preset: a JSON object or file with layers, hidden, heads, '
+                        'kv_heads, ffn, vocab, seq, batch, dtype, arch (llama or gpt2), activation (swiglu, gelu, '
+                        'squared_relu, relu), attention (flash or eager), tied_embeddings, or "base": a preset the '
+                        'others override, e.g. \'{"base": "llama-7b", "layers": 16}\' (docs/graph.md)')
     p.add_argument("--program", help="plan a program JSON file (docs/graph.md) instead of a preset")
     p.add_argument("--hf", metavar="CLASS",
                    help="plan a HuggingFace transformers model built from --hf-config, e.g. LlamaForCausalLM "
@@ -278,7 +299,10 @@ def _positive_seconds(text: str) -> float:
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny-llama", help=f"a preset ({', '.join(sorted(PRESETS))}); default tiny-llama")
+    p.add_argument("--model", default=None, help=f"a preset ({', '.join(sorted(PRESETS))}); default tiny-llama")
+    p.set_defaults(default_model="tiny-llama")
+    p.add_argument("--model-config", dest="model_config", metavar="FILE|JSON",
+                   help="a decoder of your own instead of a preset (the fields of spmdkit plan --model-config)")
     p.add_argument("--program", help="run a program JSON file (docs/graph.md) instead of a preset; its annotations "
                                       "come from --annotate")
     p.add_argument("--hf", metavar="CLASS", help="run a HuggingFace transformers model (e.g. LlamaForCausalLM) built "

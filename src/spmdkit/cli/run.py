@@ -33,6 +33,7 @@ from spmdkit.execute.launch import (
 )
 from spmdkit.models.hf import dtype_name, example_inputs
 from spmdkit.models.source import HFModel, Preset, ProgramFile
+from spmdkit.models.zoo import model_label
 from spmdkit.outputs.progress import Progress
 from spmdkit.planner.planning import MAX_SIZE, parse_size
 from spmdkit.program.plan import Plan
@@ -89,9 +90,13 @@ def run_command(req: RunRequest, out: TextIO) -> int:
     rank failed: one line names it), 2 (bad arguments or environment, before any rank starts)."""
     die_with_launcher()  # first: importing torch takes seconds
     try:
+        req.model.check_config()
         return _run_command(req, out)
     except RunUsageError as exc:
         print(f"spmdkit run: {exc}", file=sys.stderr)
+        return 2
+    except ProgramError as exc:
+        print(f"spmdkit run: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
 
 
@@ -188,7 +193,7 @@ def _plan(req: RunRequest, user: dict[str, Any]) -> _Step:
     strategy = req.strategy or "megatron"
     loaded, plan, _ = plan_source(Preset(m.model, req.layers, req.batch, req.seq), req.mesh, strategy, user)
     assert loaded.model is not None
-    return _Step(plan, f"{m.model} ({loaded.model.config.layers} layers), mesh {req.mesh}, strategy {strategy}")
+    return _Step(plan, f"{model_label(m.model)} ({loaded.model.config.layers} layers), mesh {req.mesh}, strategy {strategy}")
 
 
 def _plan_hf_step(req: RunRequest, user: dict[str, Any]) -> _Step:

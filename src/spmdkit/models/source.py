@@ -16,7 +16,7 @@ from typing import Any
 
 from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.models.hf import import_hf
-from spmdkit.models.zoo import Model, ModelConfig, build_model, preset
+from spmdkit.models.zoo import Model, ModelConfig, build_model, model_label, preset
 from spmdkit.program.ir import Program, load_program
 
 
@@ -75,9 +75,18 @@ class Loaded:
     inputs: dict[str, Any] | None = None
 
 
+def _variants(c: ModelConfig) -> str:
+    """A config's variants beside its arch's defaults: `` (squared_relu, flash attention, tied
+    embeddings)``, or nothing."""
+    base = ModelConfig(c.arch)
+    got = ([c.act] if c.act != base.act else []) + ([f"{c.attn} attention"] if c.attn != base.attn else []) \
+        + (["tied embeddings"] if c.tied_embeddings else [])
+    return f" ({', '.join(got)})" if got else ""
+
+
 def preset_title(name: str, c: ModelConfig) -> str:
     """A preset's description: ``llama-7b: llama, 32 layers, hidden 4096, ...``."""
-    return (f"{name}: {c.arch}, {c.layers} layers, hidden {c.hidden}, {c.heads} heads"
+    return (f"{model_label(name)}: {c.arch}{_variants(c)}, {c.layers} layers, hidden {c.hidden}, {c.heads} heads"
             f"{f' ({c.n_kv} kv)' if c.n_kv != c.heads else ''}, FFN {c.ffn}, vocab {c.vocab}, "
             f"seq {c.seq}, batch {c.batch}, {c.dtype}")
 

@@ -13,6 +13,14 @@ final RMSNorm, LM head, ``cross_entropy_with_softmax`` (``c_softmax_with_cross_e
 the head is vocab-parallel) and the mean loss. GPT-2: token + learned position embeddings,
 LayerNorm, q/k/v projections, matmul + softmax attention with a causal mask, GELU MLP.
 
+Variants (:class:`ModelConfig`, ``--model-config``): ``activation`` (``swiglu``: gate and up
+projections; ``gelu``, ``squared_relu`` (Nemotron, Primer) or ``relu``: one up projection),
+``attention`` (``flash``: one fused ``flash_attention`` kernel, no ``s x s`` tensor, as
+Megatron-Core, NeMo and torchtitan run it; ``eager``: the scores materialised, as GPT-2 and the
+Megatron-LM of 2021-2022 ran it; gpt2 only), ``tied_embeddings`` (the LM head is the token
+embedding, transposed). :func:`preset` takes a preset name or a config as a JSON object or a
+``.json`` file (:func:`config_from_json`).
+
 Gradients of a tensor read by several ops are summed with ``add_n`` (which keeps a common
 partial status, as Megatron sums the partial input gradients of its column-parallel
 projections before one all-reduce).
@@ -20,8 +28,10 @@ projections before one all-reduce).
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from spmdkit.core.errors import ProgramError
@@ -47,6 +57,23 @@ class ModelConfig:
     #: the attention probabilities, after the attention output projection and after the MLP,
     #: each keeping a 1-byte mask for the backward (Korthikanti et al. 2022, section 4.1)
     dropout: float = 0.0
+    #: the LM head is the token embedding (transposed): one [vocab, hidden] parameter
+    tied_embeddings: bool = False
+    #: the MLP's activation: swiglu, gelu, squared_relu or relu (None: the arch's, swiglu for
+    #: llama, gelu for gpt2)
+    activation: str | None = None
+    #: the attention kernel: flash or eager (None: the arch's, flash for llama, eager for gpt2)
+    attention: str | None = None
+    #: a name for a custom config (``--model-config``'s ``name``)
+    name: str = ""
+
+    @property
+    def act(self) -> str:
+        return self.activation or ("swiglu" if self.arch == "llama" else "gelu")
+
+    @property
+    def attn(self) -> str:
+        return self.attention or ("flash" if self.arch == "llama" else "eager")
 
     @property
     def head_dim(self) -> int:
@@ -70,6 +97,14 @@ class ModelConfig:
             raise ProgramError(f"model: dropout must be in [0, 1), got {self.dropout}")
         if self.dropout and self.arch != "gpt2":
             raise ProgramError(f"model: dropout is modelled for gpt2 only, not {self.arch}")
+        if self.act not in ACTIVATIONS:
+            raise ProgramError(f"model: unknown activation {self.act!r} ({', '.join(ACTIVATIONS)})")
+        if self.attn not in ("flash", "eager"):
+            raise ProgramError(f"model: unknown attention {self.attn!r} (flash or eager)")
+        if self.attn == "eager" and self.arch != "gpt2":
+            raise ProgramError(f"model: eager attention is modelled for gpt2 only, not {self.arch}")
+        if self.arch == "gpt2" and self.n_kv != self.heads and self.attn == "eager":
+            raise ProgramError("model: grouped kv heads need attention flash in the gpt2 arch")
 
     def with_(self, **kw: Any) -> ModelConfig:
         return replace(self, **kw)
@@ -93,7 +128,107 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
+ACTIVATIONS = ("swiglu", "gelu", "squared_relu", "relu")
+#: the fields of a ``--model-config`` and their kinds
+_CONFIG_FIELDS = {"base": "str", "name": "str", "arch": "str", "layers": "int", "hidden": "int", "heads": "int",
+                  "kv_heads": "int", "ffn": "int", "vocab": "int", "seq": "int", "batch": "int", "dtype": "str",
+                  "dropout": "num", "tied_embeddings": "bool", "activation": "str", "attention": "str"}
+_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+           "fp32": "float32", "float32": "float32"}
+
+
+def is_config_text(name: str) -> bool:
+    """A ``--model`` value that is a config (a JSON object or a ``.json`` path), not a preset."""
+    t = name.strip()
+    return t.startswith("{") or t.lower().endswith(".json")
+
+
+def config_from_json(text: str) -> ModelConfig:
+    """``--model-config``: a JSON object (or a ``.json`` file holding one) with the fields of
+    :class:`ModelConfig` (``ffn`` the MLP's hidden size, ``kv_heads`` grouped-query heads,
+    ``dtype`` bf16 / fp16 / fp32, ``activation``, ``attention``, ``tied_embeddings``), and
+    ``base``: a preset whose sizes the others override (else llama's defaults for a field not
+    given: layers, hidden, heads, ffn and vocab must then be given). ProgramError naming the
+    field otherwise."""
+    raw = text.strip()
+    if not raw.startswith("{"):
+        if not os.path.isfile(raw):
+            raise ProgramError(f"--model-config {raw[:100]!r}: no such file")
+        try:
+            with open(raw, encoding="utf-8") as f:
+                raw = f.read(1 << 20)
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ProgramError(f"--model-config {text[:100]!r}: cannot read it ({type(exc).__name__})") from None
+    try:
+        obj = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise ProgramError(f"--model-config: not valid JSON ({str(exc)[:80]})") from None
+    if not isinstance(obj, dict):
+        raise ProgramError("--model-config: expected a JSON object of model fields")
+    unknown = sorted(set(obj) - set(_CONFIG_FIELDS))
+    if unknown:
+        raise ProgramError(f"--model-config: unknown field {str(unknown[0])[:40]!r} "
+                           f"(fields: {', '.join(sorted(_CONFIG_FIELDS))})")
+    for k, v in obj.items():
+        kind = _CONFIG_FIELDS[k]
+        ok = {"str": isinstance(v, str), "bool": isinstance(v, bool),
+              "int": isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 1 << 31,
+              "num": isinstance(v, (int, float)) and not isinstance(v, bool)}[kind]
+        if not ok:
+            what = {"str": "a string", "bool": "true or false", "int": f"an integer from 1 to {1 << 31}",
+                    "num": "a number"}[kind]
+            raise ProgramError(f"--model-config {k}: expected {what}, got {json.dumps(v)[:40]}")
+    if "base" in obj:
+        cfg = preset(obj["base"])
+    else:
+        missing = [k for k in ("layers", "hidden", "heads", "ffn", "vocab") if k not in obj]
+        if missing:
+            raise ProgramError(f"--model-config: missing {missing[0]!r} (or give \"base\": a preset to start from)")
+        cfg = ModelConfig("llama", seq=2048, batch=1, dtype="bfloat16")
+    kw = {k: v for k, v in obj.items() if k != "base"}
+    if "dtype" in kw:
+        if kw["dtype"].lower() not in _DTYPES:
+            raise ProgramError(f"--model-config dtype: expected bf16, fp16 or fp32, got {kw['dtype'][:20]!r}")
+        kw["dtype"] = _DTYPES[kw["dtype"].lower()]
+    if "name" not in kw:
+        kw["name"] = f"custom {obj['base']}" if "base" in obj else "custom"
+    cfg = cfg.with_(**kw)
+    try:
+        cfg.check()
+    except ProgramError as exc:
+        raise ProgramError(f"--model-config: {str(exc).removeprefix('model: ')}") from None
+    return cfg
+
+
+def config_json(cfg: ModelConfig) -> str:
+    """``cfg`` as a ``--model-config`` JSON object (every field)."""
+    return json.dumps({f.name: getattr(cfg, f.name) for f in fields(cfg) if getattr(cfg, f.name) is not None},
+                      separators=(",", ":"))
+
+
+def tiny_like(cfg: ModelConfig) -> str:
+    """The tiny model of ``cfg``'s architecture (``--verify`` simulates it): a tiny preset, or,
+    where ``cfg`` has a variant (activation, attention, tied embeddings, grouped kv heads), a
+    config of the tiny preset's sizes with that variant."""
+    base = "tiny-llama" if cfg.arch == "llama" else "tiny-gpt-dropout" if cfg.dropout else "tiny-gpt2"
+    tiny = PRESETS[base]
+    kv = tiny.heads // 2 if cfg.n_kv != cfg.heads else tiny.heads
+    variant = {"activation": cfg.act, "attention": cfg.attn, "tied_embeddings": cfg.tied_embeddings,
+               "kv_heads": kv}
+    if all(getattr(tiny.with_(**variant), f) == getattr(tiny, f) for f in ("act", "attn", "tied_embeddings", "n_kv")):
+        return base
+    return json.dumps({"base": base, "name": base + " variant", **variant}, separators=(",", ":"))
+
+
+def model_label(name: str) -> str:
+    """How a ``--model`` value is named in titles: the preset's name, or a config's ``name``."""
+    return preset(name).name or "custom" if is_config_text(name) else name
+
+
 def preset(name: str) -> ModelConfig:
+    """A preset by name, or a config (:func:`is_config_text`) read by :func:`config_from_json`."""
+    if is_config_text(name):
+        return config_from_json(name)
     try:
         return PRESETS[name]
     except KeyError:
@@ -154,6 +289,52 @@ def _row_residual(t: Tape, cfg: ModelConfig, m: Model, x: Any, weight: str, name
     return r
 
 
+def _mlp_act(t: Tape, cfg: ModelConfig, x: str, w_gate: str | None, w_up: str, gate: str, up: str, p: str) -> str:
+    """The MLP up to its down projection: ``swiglu(x @ w_gate, x @ w_up)``, or the activation
+    (gelu, relu, squared ReLU) of ``x @ w_up``; outputs named ``gate`` / ``up`` and after the
+    activation."""
+    B, S, F, dt = cfg.batch, cfg.seq, cfg.ffn, cfg.dtype
+    a = cfg.act
+    if a == "swiglu":
+        assert w_gate is not None
+        (g,) = t.op("matmul", {"x": x, "y": w_gate}, [(gate, [B, S, F], dt)])
+        (u,) = t.op("matmul", {"x": x, "y": w_up}, [(up, [B, S, F], dt)])
+        (out,) = t.op("swiglu", {"x": g, "y": u}, [(p + "swiglu", [B, S, F], dt)])
+    else:
+        (u,) = t.op("matmul", {"x": x, "y": w_up}, [(up, [B, S, F], dt)])
+        if a == "gelu":
+            (out,) = t.op("gelu", {"x": u}, [(p + "gelu", [B, S, F], dt)], approximate=True)
+        else:
+            (out,) = t.op("relu", {"x": u}, [(p + "relu", [B, S, F], dt)])
+            if a == "squared_relu":
+                (out,) = t.op("square", {"x": out}, [(p + "relu.sq", [B, S, F], dt)])
+    assert out is not None
+    return out
+
+
+def _flash_core(t: Tape, cfg: ModelConfig, m: Model, p: str, q: str, k: str, v: str, rope: bool) -> str:
+    """Causal ``flash_attention`` of the projections ``q`` / ``k`` / ``v`` ([B, S, heads x
+    head_dim], kv heads grouped), rotated first when ``rope``; the output as [B, S, H]."""
+    B, S, nh, nkv, hd, dt = cfg.batch, cfg.seq, cfg.heads, cfg.n_kv, cfg.head_dim, cfg.dtype
+    (q4,) = t.op("reshape", {"x": q}, [(p + "q4", [B, S, nh, hd], dt)], shape=(B, S, nh, hd))
+    (k4,) = t.op("reshape", {"x": k}, [(p + "k4", [B, S, nkv, hd], dt)], shape=(B, S, nkv, hd))
+    (v4,) = t.op("reshape", {"x": v}, [(p + "v4", [B, S, nkv, hd], dt)], shape=(B, S, nkv, hd))
+    if rope:
+        # q and k rotated by separate calls: with grouped kv heads their head counts differ
+        q4, _, _ = t.op("fused_rotary_position_embedding",
+                        {"q": q4, "k": None, "v": None, "sin": m.inputs["sin"], "cos": m.inputs["cos"]},
+                        [(p + "q_rope", [B, S, nh, hd], dt), None, None], use_neox_rotary_style=True)
+        k4, _, _ = t.op("fused_rotary_position_embedding",
+                        {"q": k4, "k": None, "v": None, "sin": m.inputs["sin"], "cos": m.inputs["cos"]},
+                        [(p + "k_rope", [B, S, nkv, hd], dt), None, None], use_neox_rotary_style=True)
+    att, _, _, _ = t.op("flash_attention", {"q": q4, "k": k4, "v": v4},
+                        [(p + "attn", [B, S, nh, hd], dt), None, (p + "attn.lse", [B, nh, S], "float32"),
+                         (p + "attn.seed_offset", [2], "int64")], causal=True)
+    (a2,) = t.op("reshape", {"x": att}, [(p + "attn2d", [B, S, nh * hd], dt)], shape=(B, S, nh * hd))
+    assert a2 is not None
+    return a2
+
+
 def _llama_layer(t: Tape, cfg: ModelConfig, i: int, h: str, m: Model) -> str:
     b = t.b
     B, S, H, F = cfg.batch, cfg.seq, cfg.hidden, cfg.ffn
@@ -167,34 +348,22 @@ def _llama_layer(t: Tape, cfg: ModelConfig, i: int, h: str, m: Model) -> str:
     wv = t.param(p + "wv", [H, nkv * hd], dt)
     wo = t.param(p + "wo", [nh * hd, H], dt)
     ln2 = t.param(p + "mlp_norm", [H], dt)
-    wg = t.param(p + "w_gate", [H, F], dt)
+    wg = t.param(p + "w_gate", [H, F], dt) if cfg.act == "swiglu" else None
     wu = t.param(p + "w_up", [H, F], dt)
     wd = t.param(p + "w_down", [F, H], dt)
     m.roles.update({ln1: "norm", ln2: "norm", wq: "column", wk: "column", wv: "column", wo: "row",
-                    wg: "column", wu: "column", wd: "row"})
+                    wu: "column", wd: "row"})
+    if wg is not None:
+        m.roles[wg] = "column"
     n1 = _norm(t, cfg, m, h, p + "attn_norm", ln1)
     (q,) = t.op("matmul", {"x": n1, "y": wq}, [(p + "q", [B, S, nh * hd], dt)])
     (k,) = t.op("matmul", {"x": n1, "y": wk}, [(p + "k", [B, S, nkv * hd], dt)])
     (v,) = t.op("matmul", {"x": n1, "y": wv}, [(p + "v", [B, S, nkv * hd], dt)])
-    (q4,) = t.op("reshape", {"x": q}, [(p + "q4", [B, S, nh, hd], dt)], shape=(B, S, nh, hd))
-    (k4,) = t.op("reshape", {"x": k}, [(p + "k4", [B, S, nkv, hd], dt)], shape=(B, S, nkv, hd))
-    (v4,) = t.op("reshape", {"x": v}, [(p + "v4", [B, S, nkv, hd], dt)], shape=(B, S, nkv, hd))
-    # q and k rotated by separate calls: with grouped kv heads their head counts differ
-    qr, _, _ = t.op("fused_rotary_position_embedding",
-                    {"q": q4, "k": None, "v": None, "sin": m.inputs["sin"], "cos": m.inputs["cos"]},
-                    [(p + "q_rope", [B, S, nh, hd], dt), None, None], use_neox_rotary_style=True)
-    kr, _, _ = t.op("fused_rotary_position_embedding",
-                    {"q": k4, "k": None, "v": None, "sin": m.inputs["sin"], "cos": m.inputs["cos"]},
-                    [(p + "k_rope", [B, S, nkv, hd], dt), None, None], use_neox_rotary_style=True)
-    att, _, _, _ = t.op("flash_attention", {"q": qr, "k": kr, "v": v4},
-                        [(p + "attn", [B, S, nh, hd], dt), None, (p + "attn.lse", [B, nh, S], "float32"),
-                         (p + "attn.seed_offset", [2], "int64")], causal=True)
-    (a2,) = t.op("reshape", {"x": att}, [(p + "attn2d", [B, S, nh * hd], dt)], shape=(B, S, nh * hd))
+    assert q is not None and k is not None and v is not None
+    a2 = _flash_core(t, cfg, m, p, q, k, v, rope=True)
     h1 = _row_residual(t, cfg, m, a2, wo, p + "attn_out", h, p + "resid1")
     n2 = _norm(t, cfg, m, h1, p + "mlp_norm", ln2)
-    (g,) = t.op("matmul", {"x": n2, "y": wg}, [(p + "gate", [B, S, F], dt)])
-    (u,) = t.op("matmul", {"x": n2, "y": wu}, [(p + "up", [B, S, F], dt)])
-    (act,) = t.op("swiglu", {"x": g, "y": u}, [(p + "swiglu", [B, S, F], dt)])
+    act = _mlp_act(t, cfg, n2, wg, wu, p + "gate", p + "up", p)
     h2 = _row_residual(t, cfg, m, act, wd, p + "mlp_out", h1, p + "resid2")
     m.residual.extend([h1, h2])
     return h2
@@ -226,12 +395,20 @@ def _gpt2_layer(t: Tape, cfg: ModelConfig, i: int, h: str, m: Model) -> str:
     dt = cfg.dtype
     p = f"layers.{i}."
     b.layer = f"layer {i}"
+    kv = cfg.n_kv * hd
     names = ["ln1.w", "ln1.b", "wq", "wk", "wv", "wo", "ln2.w", "ln2.b", "fc1", "fc2"]
-    shapes = [[H], [H], [H, H], [H, H], [H, H], [H, H], [H], [H], [H, F], [F, H]]
+    shapes = [[H], [H], [H, H], [H, kv], [H, kv], [H, H], [H], [H], [H, F], [F, H]]
     roles = ["norm", "norm", "column", "column", "column", "row", "norm", "norm", "column", "row"]
+    if cfg.act == "swiglu":
+        names, shapes, roles = [*names, "fc1.gate"], [*shapes, [H, F]], [*roles, "column"]
     w = {n: t.param(p + n, s, dt) for n, s in zip(names, shapes)}
     m.roles.update({p + n: r for n, r in zip(names, roles)})
     n1 = _norm(t, cfg, m, h, p + "ln1", w["ln1.w"], w["ln1.b"])
+    if cfg.attn == "flash":
+        qkv = [t.op("matmul", {"x": n1, "y": w["w" + nm]}, [(p + nm, [B, S, H if nm == "q" else kv], dt)])[0]
+               for nm in ("q", "k", "v")]
+        assert all(isinstance(x, str) for x in qkv)
+        return _gpt2_mlp(t, cfg, m, p, h, _flash_core(t, cfg, m, p, str(qkv[0]), str(qkv[1]), str(qkv[2]), rope=False), w)
     heads: dict[str, str] = {}
     for nm in ("q", "k", "v"):
         (x,) = t.op("matmul", {"x": n1, "y": w["w" + nm]}, [(p + nm, [B, S, H], dt)])
@@ -248,11 +425,17 @@ def _gpt2_layer(t: Tape, cfg: ModelConfig, i: int, h: str, m: Model) -> str:
     (ctx,) = t.op("matmul", {"x": pr, "y": heads["v"]}, [(p + "ctx", [B, nh, S, hd], dt)])
     (ct,) = t.op("transpose", {"x": ctx}, [(p + "ctx.t", [B, S, nh, hd], dt)], perm=(0, 2, 1, 3))
     (c2,) = t.op("reshape", {"x": ct}, [(p + "ctx2d", [B, S, H], dt)], shape=(B, S, H))
-    h1 = _row_residual(t, cfg, m, c2, w["wo"], p + "attn_out", h, p + "resid1")
+    assert c2 is not None
+    return _gpt2_mlp(t, cfg, m, p, h, c2, w)
+
+
+def _gpt2_mlp(t: Tape, cfg: ModelConfig, m: Model, p: str, h: str, ctx: str, w: dict[str, str]) -> str:
+    """A gpt2 layer from its attention's output ``ctx``: the output projection and residual,
+    LayerNorm, the MLP (:func:`_mlp_act`) and its residual."""
+    h1 = _row_residual(t, cfg, m, ctx, w["wo"], p + "attn_out", h, p + "resid1")
     n2 = _norm(t, cfg, m, h1, p + "ln2", w["ln2.w"], w["ln2.b"])
-    (f1,) = t.op("matmul", {"x": n2, "y": w["fc1"]}, [(p + "fc1.out", [B, S, F], dt)])
-    (ge,) = t.op("gelu", {"x": f1}, [(p + "gelu", [B, S, F], dt)], approximate=True)
-    h2 = _row_residual(t, cfg, m, ge, w["fc2"], p + "mlp_out", h1, p + "resid2")
+    act = _mlp_act(t, cfg, n2, w.get("fc1.gate"), w["fc1"], p + "fc1.gate.out", p + "fc1.out", p)
+    h2 = _row_residual(t, cfg, m, act, w["fc2"], p + "mlp_out", h1, p + "resid2")
     m.residual.extend([h1, h2])
     return h2
 
@@ -281,7 +464,8 @@ def build_model(cfg: ModelConfig, vocab_parallel_loss: bool = False, optimizer: 
     else:
         positions = b.tensor("positions", [B, S], "int64", "input")
         m.inputs["positions"] = positions
-        m.inputs["mask"] = b.tensor("causal_mask", [1, 1, S, S], dt, "input")
+        if cfg.attn == "eager":  # flash attention masks inside its kernel
+            m.inputs["mask"] = b.tensor("causal_mask", [1, 1, S, S], dt, "input")
         wpe = t.param("pos_embed", [S, H], dt)
         m.roles[wpe] = "position"
         (pe,) = t.op("embedding", {"x": positions, "weight": wpe}, [("pos_embed.out", [B, S, H], dt)])
@@ -300,9 +484,12 @@ def build_model(cfg: ModelConfig, vocab_parallel_loss: bool = False, optimizer: 
         fw, fb = t.param("final_norm.w", [H], dt), t.param("final_norm.b", [H], dt)
         m.roles.update({fw: "norm", fb: "norm"})
         nf = _norm(t, cfg, m, h, "final_norm", fw, fb)
-    head = t.param("lm_head", [H, V], dt)
-    m.roles[head] = "head"
-    (logits,) = t.op("matmul", {"x": nf, "y": head}, [("logits", [B, S, V], dt)])
+    if cfg.tied_embeddings:  # the head is the embedding table, transposed
+        (logits,) = t.op("matmul", {"x": nf, "y": emb}, [("logits", [B, S, V], dt)], trans_y=True)
+    else:
+        head = t.param("lm_head", [H, V], dt)
+        m.roles[head] = "head"
+        (logits,) = t.op("matmul", {"x": nf, "y": head}, [("logits", [B, S, V], dt)])
     if vocab_parallel_loss:
         _, loss_tok = t.op("c_softmax_with_cross_entropy", {"x": logits, "label": labels},
                            [("softmax", [B, S, V], dt), ("loss.token", [B, S, 1], "float32")])

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from spmdkit.core.errors import ProgramError
-from spmdkit.models.zoo import build_model, preset
+from spmdkit.models.zoo import PRESETS, ModelConfig, build_model, model_label, preset, tiny_like
 from spmdkit.planner.pipeline import PipelineSpec, even_split, op_stages, parse_spec, split_layers, sub_mesh_text
 from spmdkit.planner.planning import parse_cost, plan_model
 from spmdkit.planner.propagate import propagate
@@ -28,22 +28,21 @@ def verify_strategy(model_name: str | None, mesh_text: str, strategy_text: str,
                     cost_text: str | None = None) -> dict[str, Any]:
     """``--verify``: the same strategy on the same mesh, on the tiny model of the same arch as
     ``model_name`` (llama without one), simulated end to end against the unsharded step."""
-    cfg = preset(model_name) if model_name else None
-    tiny = _tiny_of(cfg.arch, cfg.dropout) if cfg else _tiny_of("llama")
+    tiny = tiny_like(preset(model_name)) if model_name else "tiny-llama"
     _, plan, _ = plan_model(tiny, mesh_text, strategy_text, None, None, cost_text)
     rep = simulate_plan(plan)
     ok = rep.ok
-    lines = [f"verify: {tiny} with the same mesh and strategy, simulated on {plan.mesh.size} ranks: "
+    lines = [f"verify: {model_label(tiny)} with the same mesh and strategy, simulated on {plan.mesh.size} ranks: "
              f"{rep.checked} tensors compared with the unsharded step (loss, every gradient, every update): "
              + ("all equal" if ok else f"{len(rep.failures)} differ")]
     for name, what in rep.failures[:10]:
         lines.append(f"  {name}: {what}")
-    return {"ok": ok, "model": tiny, "checked": rep.checked, "failures": [list(f) for f in rep.failures],
+    return {"ok": ok, "model": model_label(tiny), "checked": rep.checked, "failures": [list(f) for f in rep.failures],
             "loss": rep.loss, "text": "\n".join(lines)}
 
 
-def _tiny_of(arch: str, dropout: float = 0.0) -> str:
-    return "tiny-llama" if arch == "llama" else "tiny-gpt-dropout" if dropout else "tiny-gpt2"
+def _tiny_name(cfg: ModelConfig) -> str:
+    return next((n for n, c in PRESETS.items() if c == cfg), "tiny")
 
 
 def verify_auto(plan: Plan, model_name: str, cost_text: str | None = None, layers: int | None = None) -> dict[str, Any]:
@@ -51,9 +50,7 @@ def verify_auto(plan: Plan, model_name: str, cost_text: str | None = None, layer
     the same architecture shares with it (by name; not partial ones, not in-place outputs,
     which are held as the tensor they overwrite) annotated on that tiny model, planned by
     propagate on the same mesh and simulated against the unsharded step."""
-    cfg = preset(model_name)
-    tiny = _tiny_of(cfg.arch, cfg.dropout)
-    tcfg = preset(tiny)
+    tcfg = preset(tiny_like(preset(model_name)))
     if layers:
         tcfg = tcfg.with_(layers=layers)
     vocab_parallel = any(op.rule == "c_softmax_with_cross_entropy" for op in plan.program.ops)
@@ -72,6 +69,7 @@ def verify_auto(plan: Plan, model_name: str, cost_text: str | None = None, layer
     except ProgramError as exc:  # a piece not distributed as the plan says: a failed check, not bad input
         rep = SimReport(0, [("simulation", " ".join(str(exc).split())[:300])])
     ok = rep.ok and held == len(ann)
+    tiny = tcfg.name or _tiny_name(tcfg)
     lines = [f"verify: {tiny} holding the searched plan's dist attrs of the {len(ann)} tensors it shares with it "
              f"({held} held as chosen), simulated on {tplan.mesh.size} ranks: {rep.checked} tensors compared with the "
              f"unsharded step (loss, every gradient, every update): "
@@ -103,7 +101,7 @@ def verify_pipeline(model_name: str, mesh_text: str, spec: PipelineSpec, strateg
     on its own half of the batch (every tensor against its unsharded step), and the sum of the
     microbatch losses is compared with the unsharded loss of the whole batch."""
     _pp, sub = sub_mesh_text(parse_mesh(mesh_text))
-    tiny = "tiny-llama" if preset(model_name).arch == "llama" else "tiny-gpt2"
+    tiny = tiny_like(preset(model_name).with_(dropout=0.0))
     n = spec.pp * spec.virtual
     layers = max(2, n)
     counts = split_layers(layers, PipelineSpec(spec.pp, 1, spec.schedule, spec.virtual,
@@ -131,7 +129,7 @@ def verify_pipeline(model_name: str, mesh_text: str, spec: PipelineSpec, strateg
               and abs(total - ref.loss) <= 1e-9 * max(1.0, abs(ref.loss)))
     ok = not failures and ordered and summed
     checked = sum(r.checked for r in reps)
-    lines = [f"verify: {tiny} with {layers} layers in {n} pipeline stages (forward runs stages 0..{n - 1}, backward "
+    lines = [f"verify: {model_label(tiny)} with {layers} layers in {n} pipeline stages (forward runs stages 0..{n - 1}, backward "
              f"{n - 1}..0, in order: {'yes' if ordered else 'NO'}), each stage on the sub-mesh {sub}, {n_mb} "
              f"microbatches of {b} simulated on {plan.mesh.size} ranks: {checked} tensors compared with the "
              f"unsharded step (loss, every gradient, every update): "
@@ -140,7 +138,7 @@ def verify_pipeline(model_name: str, mesh_text: str, spec: PipelineSpec, strateg
              f"({total:.12g} vs {ref.loss if ref.loss is not None else float('nan'):.12g})"]
     for name, what in failures[:10]:
         lines.append(f"  {name}: {what}")
-    return {"ok": ok, "model": tiny, "layers": layers, "stages_in_order": ordered, "microbatches": n_mb,
+    return {"ok": ok, "model": model_label(tiny), "layers": layers, "stages_in_order": ordered, "microbatches": n_mb,
             "losses_sum": summed, "checked": checked, "failures": [list(f) for f in failures], "loss": total,
             "text": "\n".join(lines)}
 

@@ -1,0 +1,520 @@
+#!/usr/bin/env python3
+"""Predicted vs measured: every published run of a runs file planned through the CLI, as a user
+would type it, and compared in the source's own unit and FLOP definition.
+
+    python benchmarks/fidelity.py [--runs FILE] [--only PREFIX[,PREFIX]] [--json OUT] [--show-argv]
+
+For each run: the command line (``spmdkit plan --model-config ... --mesh pp=..,dp=..,tp=..
+--strategy ... --device ... --precision ... --recompute ... --json``), the prediction in the
+unit the source measured, ``ratio = predicted / measured`` (speed: > 1 is optimistic), the
+predicted peak memory and whether it fits, and the assumptions made for the fields the source
+does not state. Runs the planner cannot express are counted by the missing feature.
+
+Units, as the runs file's README says to compare them:
+
+- ``tflops_per_gpu`` of Narayanan et al. (2021): their eq. 3, ``96 B s l h^2 (1 + s/(6h) +
+  V/(16 l h))`` per iteration (it counts the recompute forward) over the predicted step;
+- Korthikanti et al. (2022): ``step_time_s`` directly; ``mfu_pct`` by their eq. 7 (model FLOPs
+  ``72 B s l h^2 (1 + s/(6h) + V/(12 l h))``, 312 TFLOP/s peak); Table 4's one-layer forward and
+  backward milliseconds as the difference of a 2-layer and a 1-layer plan;
+- Megatron-LM (``tflops_per_gpu``): Megatron-Core's FLOP count
+  (``megatron/training/training.py: num_floating_point_operations``);
+- NeMo and torchtitan: ``tokens_per_sec_per_gpu`` (no FLOP definition needed); torchtitan's
+  ``memory_gib_max`` against the predicted peak.
+
+The summary: median and 90th percentile of ``|ratio - 1|`` (speed), the share within 5% and 10%,
+memory ratios where measured, runs that trained predicted to fit, and the pairwise order of the
+configurations of one model (same model and GPU, different parallelism or recompute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from spmdkit.cli import main as spmdkit_main
+
+#: the published runs (a copy of the team's shared calibration set; benchmarks/data/published-runs.md)
+RUNS = Path(__file__).resolve().parent / "data" / "published-runs.json"
+GIB = 1024**3
+
+
+class Unsupported(Exception):
+    """A run the planner cannot express: the message names the missing feature."""
+
+
+@dataclass
+class Case:
+    """One run made a command line: the argv, what it measures, the assumptions made."""
+
+    row: dict[str, Any]
+    argv: list[str]
+    metric: str
+    measured: float
+    assumptions: list[str] = field(default_factory=list)
+    #: Table 4: the same command at 2 layers (the layer's time is the difference)
+    argv2: list[str] | None = None
+    gpus: int = 0
+    memory_measured_gib: float | None = None
+    device_memory_gib: float = 80.0
+
+
+# -- a run as a command line ------------------------------------------------------------------------
+
+
+def _device(row: dict[str, Any], tmp: Path) -> tuple[str, float]:
+    """The --device for the run's GPU, and its memory in GiB."""
+    gpu = str(row["hardware"]["gpu"])
+    if gpu.startswith("A100"):
+        return ("a100-80gb" if "80" in gpu else "a100-40gb"), (80.0 if "80" in gpu else 40.0)
+    if "96GB" in gpu:  # torchtitan's H100s: 96 GB HBM2e at 2.4 TB/s, 500 W
+        f = tmp / "h100-96gb-hbm2e.json"
+        f.write_text(json.dumps({"base": "h100", "name": "H100 SXM 96GB HBM2e (torchtitan's)",
+                                 "memory_gb": 96 * GIB / 1e9, "hbm_gb_per_s": 2400}))
+        return str(f), 96.0
+    if gpu.startswith("H100"):
+        return "h100", 80.0
+    raise Unsupported(f"GPU {gpu}")
+
+
+def _arch(row: dict[str, Any]) -> dict[str, Any]:
+    m = row["model"]
+    arch = str(m.get("arch") or "")
+    name = str(m.get("name") or "")
+    llama = "Llama" in name or "Llama" in arch or "Nemotron" in arch or "RoPE" in arch
+    out: dict[str, Any] = {"arch": "llama" if llama else "gpt2"}
+    if "squared-ReLU" in arch or "squared ReLU" in arch:
+        out["activation"] = "squared_relu"
+    elif "SwiGLU" in arch or ("Llama" in name and "swiglu" not in out):
+        out["activation"] = "swiglu"
+    else:
+        out["activation"] = "gelu"
+    # the attention kernel: Megatron-LM of 2021-2022 materialised the scores (fused softmax);
+    # Megatron-Core, NeMo and torchtitan run flash attention
+    old = row["id"].startswith(("narayanan21", "korthikanti22"))
+    out["attention"] = "eager" if old and not llama else "flash"
+    return out
+
+
+def _precision(row: dict[str, Any]) -> str:
+    p = str(row.get("precision") or "").lower()
+    if "fp8" in p or "float8" in p:
+        return "fp8"
+    return "fp16" if p.startswith("fp16") else "bf16"
+
+
+def _strategy(row: dict[str, Any], assume: list[str]) -> tuple[str, str]:
+    """(--strategy, --framework)."""
+    par = row["parallelism"]
+    parts = ["dp"]
+    if par["tp"] > 1:
+        parts.append("megatron")
+    sp = par.get("sequence_parallel")
+    if sp is None and par["tp"] > 1 and not row["id"].startswith("narayanan21"):
+        sp = True
+        assume.append("sequence parallel (not stated; the framework's default with tp > 1)")
+    if sp and par["tp"] > 1:
+        parts.append("sp")
+    zero = str(par.get("zero") or "none")
+    framework = "megatron"
+    if zero.startswith("FSDP"):
+        parts.append("zero3")
+        framework = "torchtitan"
+    elif "distributed optimizer" in zero.lower():
+        parts.append("zero1")
+    elif par.get("zero") is None and row["id"].startswith(("megatronlm", "nemo")):
+        parts.append("zero1")
+        assume.append("distributed optimizer (not stated; Megatron-Core / NeMo performance configs use it)")
+    return ",".join(parts), framework
+
+
+def _recompute(row: dict[str, Any], assume: list[str]) -> str:
+    rc = row.get("recompute")
+    if rc is None:
+        assume.append("no activation recomputation (not stated)")
+        return "none"
+    rc = str(rc)
+    if rc.startswith("selective"):
+        if "microbatch-level" in rc:
+            raise Unsupported("microbatch-level recomputation (Korthikanti App. C)")
+        return "selective"
+    if rc in ("full", "none"):
+        return rc
+    raise Unsupported(f"recompute {rc!r}")
+
+
+def express(row: dict[str, Any], tmp: Path) -> Case:
+    """The command line of ``row``, or Unsupported naming the missing feature."""
+    m, par = row["model"], row["parallelism"]
+    if m.get("moe"):
+        raise Unsupported("mixture of experts (expert parallelism)")
+    if (par.get("cp") or 1) > 1:
+        raise Unsupported("context parallelism")
+    assume: list[str] = []
+    device, mem_gib = _device(row, tmp)
+    tp, pp, dp = int(par["tp"]), int(par["pp"]), int(par["dp"])
+    gpus = tp * pp * dp
+    mb = par.get("micro_batch") or par.get("local_batch")
+    gb = par.get("global_batch")
+    if par.get("micro_batch") is None and par.get("local_batch") and pp > 1:
+        # torchtitan's pipeline: as many microbatches as stages unless told otherwise
+        mb = int(par["local_batch"]) // pp
+        assume.append(f"{pp} microbatches of {mb} (torchtitan's default: as many as pipeline stages)")
+    if mb is None:
+        mb = 1
+        assume.append("micro-batch 1 (not stated)")
+    layers = int(m["layers"])
+    vocab = m.get("vocab") or 51200
+    if m.get("vocab") is None:
+        assume.append("vocab 51200 (not stated; a one-layer timing, the vocab cancels)")
+    tied = bool(m.get("tied_embeddings"))
+    cfg = {"name": row["id"], **_arch(row), "layers": layers, "hidden": m["hidden"], "heads": m["heads"],
+           "kv_heads": m.get("kv_heads") or m["heads"], "ffn": m["ffn_hidden"], "vocab": vocab, "seq": m["seq_len"],
+           "batch": 1, "dtype": "bf16", "tied_embeddings": tied}
+    strategy, framework = _strategy(row, assume)
+    recompute = _recompute(row, assume)
+    argv = ["plan", "--mesh", ",".join(f"{k}={v}" for k, v in (("pp", pp), ("dp", dp), ("tp", tp))
+                                        if k != "pp" or pp > 1),
+            "--strategy", strategy, "--device", device, "--precision", _precision(row), "--framework", framework,
+            "--recompute", recompute, "--json"]
+    overlaps = str(par.get("overlaps") or "")
+    if "--tp-comm-overlap" in overlaps or par.get("async_tp"):
+        argv.append("--tp-comm-overlap")
+    accum = (gb // (dp * mb)) if gb else 1
+    if gb and gb % (dp * mb):
+        raise Unsupported(f"global batch {gb} not a multiple of dp x micro-batch {dp * mb}")
+    if pp > 1:
+        argv += ["--batch", str(dp * mb * accum), "--microbatches", str(accum)]
+        v = par.get("vp_chunks") or 1
+        if v > 1:
+            argv += ["--schedule", "interleaved", "--virtual-stages", str(v)]
+        n = pp * v
+        if layers % n:  # torchtitan splits unevenly: the first stages one layer more
+            argv += ["--stages", ",".join(str(layers // n + (k < layers % n)) for k in range(n))]
+            assume.append(f"{layers} layers split {layers // n + 1} / {layers // n} over {n} stages")
+    else:
+        argv += ["--batch", str(dp * mb)]
+        if accum > 1:
+            argv += ["--grad-accum", str(accum)]
+    meas = row["measured"]
+    metric, value = _metric(row, meas)
+    case = Case(row, argv, metric, value, assume, gpus=gpus, device_memory_gib=mem_gib,
+                memory_measured_gib=meas.get("memory_gib_max"))
+    if metric.startswith("layer_"):
+        case.argv = [*argv, "--model-config", json.dumps({**cfg, "layers": 1})]
+        case.argv2 = [*argv, "--model-config", json.dumps({**cfg, "layers": 2})]
+    else:
+        case.argv = [*argv, "--model-config", json.dumps(cfg)]
+    return case
+
+
+def _metric(row: dict[str, Any], meas: dict[str, Any]) -> tuple[str, float]:
+    rid = row["id"]
+    if rid.startswith("korthikanti22_t4"):
+        return "layer_combined_ms", float(meas["layer_combined_ms"])
+    if "step_time_s" in meas:
+        return "step_time_s", float(meas["step_time_s"])
+    if "tokens_per_sec_per_gpu" in meas:
+        return "tokens_per_sec_per_gpu", float(meas["tokens_per_sec_per_gpu"])
+    if "tflops_per_gpu" in meas:
+        return "tflops_per_gpu", float(meas["tflops_per_gpu"])
+    if "mfu_pct" in meas:
+        return "mfu_pct", float(meas["mfu_pct"])
+    raise Unsupported(f"measured figure {sorted(meas)}")
+
+
+# -- FLOP definitions ---------------------------------------------------------------------------------
+
+
+def narayanan_flops(row: dict[str, Any]) -> float:
+    """Narayanan et al. (2021) eq. 3 per iteration (counts the recompute forward)."""
+    m, gb = row["model"], row["parallelism"]["global_batch"]
+    s, h, l_, v = m["seq_len"], m["hidden"], m["layers"], m["vocab"]
+    return 96.0 * gb * s * l_ * h * h * (1 + s / (6 * h) + v / (16 * l_ * h))
+
+
+def korthikanti_model_flops(row: dict[str, Any]) -> float:
+    """Korthikanti et al. (2022) eq. 7: model FLOPs per iteration."""
+    m, gb = row["model"], row["parallelism"]["global_batch"]
+    s, h, l_, v = m["seq_len"], m["hidden"], m["layers"], m["vocab"]
+    return 72.0 * gb * s * l_ * h * h * (1 + s / (6 * h) + v / (12 * l_ * h))
+
+
+def megatron_core_flops(row: dict[str, Any]) -> float:
+    """Megatron-Core's ``num_floating_point_operations`` (training.py) per iteration."""
+    m, gb = row["model"], row["parallelism"]["global_batch"]
+    s, h, l_, v = m["seq_len"], m["hidden"], m["layers"], m["vocab"]
+    heads, kv = m["heads"], m.get("kv_heads") or m["heads"]
+    gated = 1.5 if "SwiGLU" in str(m.get("arch") or "") or "Llama" in str(m.get("name")) else 1.0
+    return 12.0 * gb * s * l_ * h * h * ((1 + kv / heads + s / h) + m["ffn_hidden"] / h * gated
+                                         + v / (2 * l_ * h))
+
+
+# -- running ----------------------------------------------------------------------------------------
+
+
+def run_cli(argv: list[str]) -> dict[str, Any]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = spmdkit_main(argv)
+    if rc != 0:
+        raise RuntimeError(f"spmdkit {' '.join(argv[:3])}...: exit {rc}: {err.getvalue().strip()[:300]}")
+    return json.loads(out.getvalue())
+
+
+def _step(d: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    """(the step's seconds, the phase times) of a plan's JSON (flat or pipeline)."""
+    if "pipeline" in d:
+        return float(d["pipeline"]["step_overlap_s"]), d["pipeline"]
+    return float(d["step"]["step_overlap_s"]), d["step"]
+
+
+def _memory_gib(d: dict[str, Any]) -> float:
+    if "pipeline" in d:
+        return max(x["memory"]["total"] for x in d["pipeline"]["devices"]) / GIB
+    return float(d["memory"]["total"]) / GIB
+
+
+def _phase_s(d: dict[str, Any]) -> float:
+    """Forward + backward (compute, communication, recomputation) of a one-microbatch flat plan."""
+    st = d["step"]
+    c, k = st["compute_s"], st["comm_s"]
+    return sum(float(c.get(p, 0.0)) + float(k.get(p, 0.0)) for p in ("forward", "backward", "recompute")) \
+        + float(k.get("inside_ops", 0.0))
+
+
+def predict(case: Case) -> tuple[float, float]:
+    """(prediction in the run's unit, predicted peak memory GiB)."""
+    d = run_cli(case.argv)
+    row, metric = case.row, case.metric
+    mem = _memory_gib(d)
+    if metric == "layer_combined_ms":
+        assert case.argv2 is not None
+        d2 = run_cli(case.argv2)
+        return 1e3 * (_phase_s(d2) - _phase_s(d)), mem
+    step, _ = _step(d)
+    if metric == "step_time_s":
+        return step, mem
+    if metric == "tokens_per_sec_per_gpu":
+        m = row["model"]
+        return row["parallelism"]["global_batch"] * m["seq_len"] / step / case.gpus, mem
+    if metric == "tflops_per_gpu":
+        f = narayanan_flops(row) if row["id"].startswith("narayanan21") else megatron_core_flops(row)
+        return f / step / case.gpus / 1e12, mem
+    if metric == "mfu_pct":
+        return 100 * korthikanti_model_flops(row) / (step * case.gpus * 312e12), mem
+    raise AssertionError(metric)
+
+
+# -- the summary ---------------------------------------------------------------------------------------
+
+
+def _pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    if not s:
+        return math.nan
+    k = (len(s) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def _group(row: dict[str, Any]) -> str:
+    m = row["model"]
+    return f"{row['id'].split('_')[0]}|{m['layers']}|{m['hidden']}|{row['hardware']['gpu']}|{row['precision']}"
+
+
+def summarise(results: list[dict[str, Any]], unsupported: dict[str, list[str]]) -> dict[str, Any]:
+    speed = [r for r in results if "ratio" in r]
+    errs = [abs(r["ratio"] - 1) for r in speed]
+    mem = [r for r in results if r.get("memory_ratio") is not None]
+    fits = [r for r in results if r.get("fits") is not None]
+    pairs = agree = 0
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in speed:
+        if r["metric"] in ("tokens_per_sec_per_gpu", "tflops_per_gpu", "mfu_pct"):
+            groups.setdefault(r["group"], []).append(r)
+    for rs in groups.values():
+        for i in range(len(rs)):
+            for j in range(i + 1, len(rs)):
+                a, b = rs[i], rs[j]
+                if a["measured"] == b["measured"]:
+                    continue
+                pairs += 1
+                agree += (a["measured"] > b["measured"]) == (a["predicted"] > b["predicted"])
+    return {
+        "runs": len(results) + sum(len(v) for v in unsupported.values()), "planned": len(results),
+        "speed_median_abs_err": statistics.median(errs) if errs else math.nan,
+        "speed_p90_abs_err": _pct(errs, 0.9), "speed_median_ratio": statistics.median([r["ratio"] for r in speed])
+        if speed else math.nan,
+        "within_5pct": sum(e <= 0.05 for e in errs) / len(errs) if errs else math.nan,
+        "within_10pct": sum(e <= 0.10 for e in errs) / len(errs) if errs else math.nan,
+        "worst": max(speed, key=lambda r: abs(r["ratio"] - 1))["id"] if speed else None,
+        "memory_ratios": [round(r["memory_ratio"], 3) for r in mem],
+        "memory_within_10pct": sum(abs(r["memory_ratio"] - 1) <= 0.10 for r in mem),
+        "memory_measured": len(mem),
+        "fit_when_trained": sum(r["fits"] for r in fits), "trained": len(fits),
+        "pairs": pairs, "pairs_in_order": agree,
+        "unsupported": {k: len(v) for k, v in unsupported.items()},
+    }
+
+
+def evaluate(rows: list[dict[str, Any]], show_argv: bool = False, out: Any = None
+             ) -> tuple[list[dict[str, Any]], dict[str, list[str]]]:
+    """Every row planned and compared: (results, unsupported runs by missing feature); a table
+    row per run to ``out`` as it goes."""
+    results: list[dict[str, Any]] = []
+    unsupported: dict[str, list[str]] = {}
+
+    def say(line: str) -> None:
+        if out is not None:
+            print(line, file=out, flush=True)
+
+    say("| run | unit | measured | predicted | ratio | memory GiB (measured) | fits | s |")
+    say("|---|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmpd:
+        tmp = Path(tmpd)
+        for row in rows:
+            try:
+                case = express(row, tmp)
+            except Unsupported as exc:
+                unsupported.setdefault(str(exc), []).append(row["id"])
+                say(f"| {row['id']} | unsupported: {exc} | | | | | | |")
+                continue
+            t0 = time.perf_counter()
+            try:
+                pred, mem = predict(case)
+            except RuntimeError as exc:
+                unsupported.setdefault("planner error", []).append(row["id"])
+                say(f"| {row['id']} | error: {str(exc)[:200]} | | | | | | |")
+                continue
+            secs = time.perf_counter() - t0
+            ratio = pred / case.measured
+            if case.metric in ("step_time_s", "layer_combined_ms"):
+                ratio = case.measured / pred  # a time: > 1 is optimistic, as for a rate
+            fits = mem <= case.device_memory_gib if case.metric != "layer_combined_ms" else None
+            res = {"id": row["id"], "metric": case.metric, "measured": case.measured, "predicted": pred,
+                   "ratio": ratio, "memory_gib": mem, "fits": fits, "group": _group(row),
+                   "gpu": "A100" if str(row["hardware"]["gpu"]).startswith("A100") else "H100",
+                   "memory_measured_gib": case.memory_measured_gib,
+                   "memory_ratio": mem / case.memory_measured_gib if case.memory_measured_gib else None,
+                   "assumptions": case.assumptions, "argv": case.argv, "seconds": secs}
+            results.append(res)
+            mm = f" ({case.memory_measured_gib})" if case.memory_measured_gib else ""
+            say(f"| {row['id']} | {case.metric} | {case.measured:g} | {pred:.4g} | {ratio:.3f} | {mem:.1f}{mm} | "
+                f"{'yes' if fits else 'no' if fits is not None else ''} | {secs:.1f} |")
+            if show_argv:
+                say("    spmdkit " + " ".join(_quote(x) for x in case.argv))
+    return results, unsupported
+
+
+def summary_lines(s: dict[str, Any]) -> list[str]:
+    return [
+        f"speed: {s['planned']} of {s['runs']} runs planned; median |ratio - 1| "
+        f"{100 * s['speed_median_abs_err']:.1f}%, 90th percentile {100 * s['speed_p90_abs_err']:.1f}%, median ratio "
+        f"{s['speed_median_ratio']:.3f}, within 5%: {100 * s['within_5pct']:.0f}%, within 10%: "
+        f"{100 * s['within_10pct']:.0f}%, worst {s['worst']}",
+        f"memory: {s['memory_within_10pct']} of {s['memory_measured']} measured peaks within 10% "
+        f"(ratios {s['memory_ratios']}); predicted to fit: {s['fit_when_trained']} of {s['trained']} runs that "
+        f"trained",
+        f"order: {s['pairs_in_order']} of {s['pairs']} pairs of configurations of one model in the measured order",
+        "unsupported: " + (", ".join(f"{k}: {v}" for k, v in s["unsupported"].items()) or "none")]
+
+
+SOURCES = {"narayanan21": "Narayanan 2021", "korthikanti22": "Korthikanti 2022", "megatronlm": "Megatron-LM 2024",
+           "nemo2407": "NeMo 24.07", "torchtitan": "torchtitan 2024-12"}
+
+
+def band_json(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The error band per GPU family (spmdkit.cost.band): percentiles of measured / predicted
+    step time over the whole-step runs (Table 4's one-layer timings left out)."""
+    fam: dict[str, Any] = {}
+    steps = [r for r in results if r["metric"] != "layer_combined_ms"]
+    for name, rs in (("A100", [r for r in steps if r["gpu"] == "A100"]),
+                     ("H100", [r for r in steps if r["gpu"] == "H100"]), ("all", steps)):
+        ratios = [r["ratio"] for r in rs]
+        if not ratios:
+            continue
+        fam[name] = {"runs": len(ratios), "p10": round(_pct(ratios, 0.1), 3), "p50": round(_pct(ratios, 0.5), 3),
+                     "p90": round(_pct(ratios, 0.9), 3),
+                     "sources": sorted({SOURCES[r["id"].split("_")[0]] for r in rs})}
+    return {"generated_by": "benchmarks/fidelity.py --write", "runs_file": "benchmarks/data/published-runs.json",
+            "families": fam}
+
+
+def markdown(results: list[dict[str, Any]], unsupported: dict[str, list[str]], s: dict[str, Any]) -> str:
+    """docs/fidelity.md: the summary, every run, the unsupported ones and the assumptions."""
+    out = ["# Predictions against published runs", "",
+           "Generated by `python benchmarks/fidelity.py --write` (tests/test_fidelity.py fails when it is stale):",
+           "every run of `benchmarks/data/published-runs.json` planned through the CLI and compared in the source's",
+           "own unit (`benchmarks/fidelity.py` says how). `ratio`: predicted speed / measured speed (for a time,",
+           "measured / predicted): above 1 the prediction is optimistic.", "", "## Summary", ""]
+    out += [f"- {line}" for line in summary_lines(s)]
+    out += ["", "## Runs", "", "| run | unit | measured | predicted | ratio | memory GiB (measured) | fits |",
+            "|---|---|---|---|---|---|---|"]
+    for r in results:
+        mm = f" ({r['memory_measured_gib']})" if r["memory_measured_gib"] else ""
+        fits = "yes" if r["fits"] else "no" if r["fits"] is not None else ""
+        out.append(f"| {r['id']} | {r['metric']} | {r['measured']:g} | {r['predicted']:.4g} | {r['ratio']:.3f} | "
+                   f"{r['memory_gib']:.1f}{mm} | {fits} |")
+    out += ["", "## Not expressible yet", ""]
+    out += [f"- {k}: {', '.join(v)}" for k, v in unsupported.items()] or ["- none"]
+    out += ["", "## Assumptions (fields the sources do not state)", ""]
+    seen: dict[str, list[str]] = {}
+    for r in results:
+        for x in r["assumptions"]:
+            seen.setdefault(x, []).append(r["id"])
+    out += [f"- {k}: {len(v)} runs ({v[0]}{', ...' if len(v) > 1 else ''})" for k, v in seen.items()]
+    return "\n".join(out) + "\n"
+
+
+ROOT = Path(__file__).resolve().parents[1]
+BAND = ROOT / "src" / "spmdkit" / "cost" / "band.json"
+DOC = ROOT / "docs" / "fidelity.md"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", default=str(RUNS), help="the runs file (default benchmarks/data/published-runs.json)")
+    ap.add_argument("--only", help="comma list of run id prefixes")
+    ap.add_argument("--json", help="also write every result and the summary to this file")
+    ap.add_argument("--write", action="store_true",
+                    help="also write the error band (src/spmdkit/cost/band.json) and docs/fidelity.md")
+    ap.add_argument("--show-argv", action="store_true", help="print each run's command line")
+    a = ap.parse_args()
+    rows = json.loads(Path(a.runs).read_text())
+    if a.only:
+        rows = [r for r in rows if r["id"].startswith(tuple(a.only.split(",")))]
+    results, unsupported = evaluate(rows, a.show_argv, sys.stdout)
+    s = summarise(results, unsupported)
+    print()
+    for line in summary_lines(s):
+        print(line)
+    if a.json:
+        Path(a.json).write_text(json.dumps({"results": results, "unsupported": unsupported, "summary": s}, indent=1))
+    if a.write:
+        if a.only or a.runs != str(RUNS):
+            print("--write: only from every run of the default runs file", file=sys.stderr)
+            return 2
+        BAND.write_text(json.dumps(band_json(results), indent=1) + "\n")
+        DOC.write_text(markdown(results, unsupported, s))
+    return 0
+
+
+def _quote(x: str) -> str:
+    return f"'{x}'" if any(c in x for c in " {}\"") else x
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,126 @@
+"""--model-config (a decoder of one's own: sizes and the variants published runs use) and the
+runtime flags (--precision, --framework, --tp-comm-overlap) a plan carries."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from spmdkit.cli import main
+from spmdkit.core.errors import ProgramError
+from spmdkit.models.zoo import PRESETS, ModelConfig, build_model, config_from_json, model_label, preset, tiny_like
+from spmdkit.program.runtime import Runtime, parse_precision
+
+
+def _plan_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    assert main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _params(cfg: ModelConfig) -> int:
+    prog = build_model(cfg, check_rules=False).program
+    return sum(t.numel for t in prog.tensors.values() if t.kind == "parameter" and not t.inplace_of)
+
+
+def test_config_with_a_base_overrides_only_the_fields_given() -> None:
+    cfg = config_from_json('{"base": "llama-7b", "layers": 16, "name": "half"}')
+    assert cfg == PRESETS["llama-7b"].with_(layers=16, name="half")
+    assert model_label('{"base": "llama-7b", "layers": 16, "name": "half"}') == "half"
+    assert model_label("llama-7b") == "llama-7b"
+
+
+def test_parameter_counts_of_the_variants() -> None:
+    """The published formulas: GPT with untied embeddings has 12 L h^2 + 2 V h (+ positions
+    and norms); tying drops V h; a gated MLP of width f has 3 h f weights, an ungated one 2 h f."""
+    L, h, f, V, S = 2, 64, 256, 1000, 32
+    base = ModelConfig("gpt2", L, h, 4, None, f, V, S, 1, "float32")
+    norms = L * 4 * h + 2 * h  # two LayerNorms (weight, bias) per layer and the final one
+    untied = _params(base)
+    assert untied == L * (4 * h * h + 2 * h * f) + 2 * V * h + S * h + norms
+    assert _params(base.with_(tied_embeddings=True)) == untied - V * h
+    assert _params(base.with_(activation="swiglu")) == untied + L * h * f
+    assert _params(base.with_(activation="squared_relu")) == untied
+    llama = ModelConfig("llama", L, h, 4, 2, f, V, S, 1, "float32")
+    gated = _params(llama)
+    assert _params(llama.with_(activation="squared_relu")) == gated - L * h * f
+
+
+def test_flash_attention_keeps_no_score_tensor() -> None:
+    cfg = ModelConfig("gpt2", 1, 64, 4, None, 256, 100, 32, 2, "float32")
+    eager = build_model(cfg, check_rules=False).program
+    flash = build_model(cfg.with_(attention="flash"), check_rules=False).program
+    assert any(t.shape[-2:] == (32, 32) for t in eager.tensors.values())
+    assert not any(len(t.shape) == 4 and t.shape[-2:] == (32, 32) for t in flash.tensors.values())
+    assert [op.rule for op in flash.ops].count("flash_attention") == 1
+
+
+def test_squared_relu_is_relu_then_square() -> None:
+    prog = build_model(ModelConfig("llama", 1, 16, 4, None, 32, 64, 8, 2, "float32", activation="squared_relu"),
+                       check_rules=False).program
+    rules = [op.rule for op in prog.ops if op.phase == "forward"]
+    i = rules.index("relu")
+    assert rules[i + 1] == "square" and "swiglu" not in rules
+
+
+@pytest.mark.parametrize("variant", [
+    {"attention": "flash"}, {"activation": "squared_relu", "tied_embeddings": True},
+    {"activation": "swiglu", "kv_heads": 2, "attention": "flash"}])
+def test_verify_simulates_the_same_variant(capsys: pytest.CaptureFixture[str], variant: dict) -> None:
+    text = json.dumps({"base": "tiny-gpt2", **variant})
+    d = _plan_json(capsys, "--model-config", text, "--mesh", "dp=2,tp=2", "--strategy", "megatron,sp", "--verify")
+    assert d["verify"]["ok"] and d["verify"]["model"] == "tiny-gpt2 variant"
+    tiny = preset(tiny_like(preset(text)))
+    for k in variant:
+        assert getattr(tiny, k) == variant[k]
+
+
+def test_a_tied_pipeline_simulates_equal(capsys: pytest.CaptureFixture[str]) -> None:
+    d = _plan_json(capsys, "--model-config", '{"base": "tiny-llama", "tied_embeddings": true}',
+                   "--mesh", "pp=2,dp=2,tp=2", "--verify")
+    assert d["verify"]["ok"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model-config", '{"layers": 2}'], "--model-config: missing 'hidden'"),
+    (["--model-config", '{"base": "tiny-llama", "activation": "tanh"}'], "unknown activation 'tanh'"),
+    (["--model-config", '{"base": "tiny-llama", "attention": "eager"}'], "eager attention is modelled for gpt2 only"),
+    (["--model-config", '{"base": "tiny-llama", "layerz": 3}'], "unknown field 'layerz'"),
+    (["--model-config", '{"base": "tiny-llama", "layers": 0}'], "--model-config layers: expected an integer"),
+    (["--model-config", '{"base": "tiny-llama", "tied_embeddings": 1}'], "tied_embeddings: expected true or false"),
+    (["--model-config", '{"base": "nope"}'], "--model: no preset 'nope'"),
+    (["--model-config", "missing.json"], "no such file"),
+    (["--model-config", "[1]"], "expected a JSON object or a .json file"),
+    (["--model-config", "{"], "not valid JSON"),
+    (["--model", "tiny-llama", "--model-config", '{"base": "tiny-llama"}'], "not both"),
+    (["--model", "tiny-llama", "--precision", "fp9"], "--precision 'fp9': expected one of fp32, bf16, fp16, fp8"),
+    (["--model", "tiny-llama", "--framework", "jax"], "--framework 'jax': expected one of megatron, torchtitan"),
+])
+def test_bad_configs_are_one_line(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    assert main(["plan", *argv, "--mesh", "dp=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert message in err, err
+
+
+def test_runtime_reaches_the_plan(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import spmdkit.cli.common as common
+
+    seen: list[Runtime] = []
+    real = common.estimate_step
+
+    def spy(plan, *a, **k):  # type: ignore[no-untyped-def]
+        seen.append(plan.runtime)
+        return real(plan, *a, **k)
+
+    monkeypatch.setattr(common, "estimate_step", spy)
+    _plan_json(capsys, "--model", "tiny-llama", "--mesh", "dp=2,tp=2", "--device", "h100", "--precision", "bf16",
+               "--framework", "torchtitan", "--tp-comm-overlap")
+    assert seen == [Runtime("bf16", "torchtitan", True)]
+
+
+def test_precision_names() -> None:
+    assert parse_precision("bfloat16") == "bf16" and parse_precision("FP8") == "fp8" and parse_precision(None) is None
+    assert Runtime().precision_of("bfloat16") == "bf16" and Runtime("fp8").precision_of("bfloat16") == "fp8"
+    with pytest.raises(ProgramError, match="--framework"):
+        Runtime(framework="deepspeed")
