@@ -13,7 +13,8 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel
 from spmdkit.cost.collectives import Fabric, Group, NcclCostModel, collective_time, group_of, time_of
 from spmdkit.cost.devices import cost_model, device_from_json, preset_device, recost
-from spmdkit.cost.step import MEGATRON_BUCKET_PARAMS, Reducer, estimate_step, op_communication, tp_overlap_exposed
+from spmdkit.cost.step import (MEGATRON_BUCKET_PARAMS, Reducer, estimate_step, op_communication, param_gather_time,
+                               tp_overlap_exposed)
 from spmdkit.planner.pipeline import PipelineSpec, estimate_pipeline, run_schedule, split_layers
 from spmdkit.planner.planning import plan_model
 from spmdkit.program.runtime import Runtime
@@ -281,3 +282,28 @@ def test_pipeline_gradients_go_into_the_same_buckets() -> None:
     # device 0 overlaps its reductions with its last backward: less than all of them after it
     dev0_serial = est.run.finish_s[0] + est.stages[0].grad_sync_s + est.stages[0].optimizer_s
     assert est.step_overlap_s < max(dev0_serial, dev1) or est.step_overlap_s == pytest.approx(dev1)
+
+
+def test_distributed_optimizer_gathers_parameters_under_the_next_forward() -> None:
+    plan, dev = _timed("llama-7b", "dp=16", "zero1", {"layers": 4, "batch": 16})
+    est = estimate_step(plan, dev, 16 * 4096)
+    items = []
+    for r in plan.reshards:
+        for s in r.plan.steps:
+            t = plan.program.tensors[r.tensor]
+            if s.bytes_per_rank and s.kind == "all_gather" and t.kind == "parameter" \
+                    and plan.program.ops[r.op_index].phase == "optimizer":
+                items.append((s.mesh_dims, s.bytes_per_rank * 16 / 15, t.itemsize))
+    assert items and est.comm_s["optimizer"] > 0  # the serial step counts them
+    # Megatron buckets of max(40M, 16M) bf16 parameters: 80 MB all-gathers over dp=16 (two nodes)
+    total = sum(b for _d, b, _i in items)
+    full, rest = divmod(total, 80e6)
+    g = Group(16, 8)
+    want = full * collective_time("all_gather", 80e6, g, Fabric.of(450e9, 50e9)) + \
+        collective_time("all_gather", rest, g, Fabric.of(450e9, 50e9))
+    assert param_gather_time(plan, items) == pytest.approx(want)
+    # they block no optimizer op; what the next forward does not cover is exposed
+    opt = [x for x in est.timeline if plan.program.ops[x[0]].phase == "optimizer"]
+    assert all(x[2] == 0 for x in opt)
+    end = est.timeline[-1][1] + sum(est.timeline[-1][2:])
+    assert est.step_overlap_s == pytest.approx(end + max(0.0, want - est.compute_s["forward"]))

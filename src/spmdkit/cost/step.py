@@ -226,6 +226,23 @@ def layer_groups(plan: Plan) -> list[int]:
     return out
 
 
+def param_gather_time(plan: Plan, items: list[tuple[tuple[int, ...], float, int]]) -> float:
+    """Megatron's distributed optimizer all-gathers the updated parameters in its DDP buckets
+    (``max(40M, 1M x dp)`` parameters in their own dtype), one after the other: the seconds of
+    those all-gathers, ``items`` as (mesh dims, bytes, itemsize)."""
+    by: dict[tuple[tuple[int, ...], int], float] = {}
+    for dims, b, itemsize in items:
+        by[(dims, itemsize)] = by.get((dims, itemsize), 0.0) + b
+    total = 0.0
+    for (dims, itemsize), b in by.items():
+        dp = math.prod(plan.mesh.shape[d] for d in dims)
+        cap = max(MEGATRON_BUCKET_PARAMS, MEGATRON_BUCKET_PARAMS_PER_DP * dp) * itemsize
+        full, rest = divmod(b, cap)
+        total += full * time_of(plan.cost, "all_gather", dims, cap, plan.mesh.shape)
+        total += time_of(plan.cost, "all_gather", dims, rest, plan.mesh.shape) if rest else 0.0
+    return total
+
+
 @dataclass
 class _Comm:
     """The plan's reshards by op: the blocking ones (seconds before op i), the gradient
@@ -239,6 +256,9 @@ class _Comm:
     by_phase: dict[str, float]
     tp: dict[int, list[tuple[float, int, int]]] = field(default_factory=dict)
     prefetch: dict[int, tuple[float, int]] = field(default_factory=dict)
+    #: the distributed optimizer's all-gathers of updated parameters (Megatron: op -> (mesh
+    #: dims, bytes, itemsize)), overlapped with the next step's forward
+    param_gathers: dict[int, list[tuple[tuple[int, ...], float, int]]] = field(default_factory=dict)
 
     def exposed(self, i: int, times: list[float]) -> float:
         """Seconds op i waits on its blocking and TP-overlapped collectives."""
@@ -305,6 +325,11 @@ def _communication(plan: Plan, comp: _Compute) -> _Comm:
                 per[s.mesh_dims] = per.get(s.mesh_dims, 0.0) + buffer_bytes(s.kind, s.bytes_per_rank, n)
                 first = out.prefetch.get(groups[i], (0.0, i))[1]
                 out.prefetch[groups[i]] = (0.0, min(first, i))
+                continue
+            if plan.runtime.framework == "megatron" and prog.ops[i].phase == "optimizer" \
+                    and s.kind == "all_gather" and t.kind == "parameter":
+                out.param_gathers.setdefault(i, []).append((s.mesh_dims, buffer_bytes(s.kind, s.bytes_per_rank, n),
+                                                            t.itemsize))
                 continue
             gemm = -1
             if overlap_tp and s.kind in ("all_gather", "reduce_scatter") and t.kind in ("activation", "gradient") \
@@ -489,6 +514,8 @@ class OpComm:
     wait: list[float]
     pending: dict[int, list[tuple[str, Step, int]]]
     costs: list[OpCost]
+    #: the distributed optimizer's parameter all-gathers by op (:func:`param_gather_time`)
+    param_gathers: dict[int, list[tuple[tuple[int, ...], float, int]]] = field(default_factory=dict)
 
 
 def op_communication(plan: Plan, device: Device) -> OpComm:
@@ -506,7 +533,7 @@ def op_communication(plan: Plan, device: Device) -> OpComm:
             span[g] = span.get(g, 0.0) + comp.times[i] + wait[i]
         for g, (secs, first) in comm.prefetch.items():
             wait[first] += max(0.0, secs - span.get(g - 1, 0.0))
-    return OpComm(comp.times, wait, comm.pending, comp.costs)
+    return OpComm(comp.times, wait, comm.pending, comp.costs, comm.param_gathers)
 
 
 def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompute: str = "none") -> StepEstimate:
@@ -536,6 +563,11 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
     flops, mflops, nbytes, matmul_s = comp.flops + rerun.flops, comp.model_flops, comp.bytes, comp.matmul_s
     run = _run(plan, comp, comm, rerun, kern_by_op)
     clock = run.clock
+    if comm.param_gathers:
+        # Megatron's overlap_param_gather: the updated parameters' all-gathers run under the next
+        # step's first forward, bucket by bucket; what the forward does not cover is exposed
+        gathers = param_gather_time(plan, [x for v in comm.param_gathers.values() for x in v])
+        clock += max(0.0, gathers - compute["forward"])
     grad_sync = sum(b.time_s for b in run.buckets)
     kern_total = sum(k.time_s for k in kern)
     serial = run.serial_compute + compute.get("recompute", 0.0) + sum(comm_s.values()) + kern_total + grad_sync
@@ -574,4 +606,4 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
 
 
 __all__ = ["BUCKET_BYTES", "FIRST_BUCKET_BYTES", "MEGATRON_BUCKET_PARAMS", "Bucket", "OpComm", "Reducer", "StepEstimate",
-           "estimate_step", "is_grad_sync", "layer_groups", "op_communication", "tp_overlap_exposed"]
+           "estimate_step", "is_grad_sync", "layer_groups", "op_communication", "param_gather_time", "tp_overlap_exposed"]

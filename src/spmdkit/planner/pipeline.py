@@ -53,7 +53,7 @@ from spmdkit.cost.collectives import Fabric, Group, collective_time
 from spmdkit.cost.compute import model_flops
 from spmdkit.cost.devices import Device
 from spmdkit.cost.memory import Memory, local_numel, saved_activations
-from spmdkit.cost.step import Bucket, Reducer, op_communication
+from spmdkit.cost.step import Bucket, Reducer, op_communication, param_gather_time
 from spmdkit.models.zoo import Model, preset
 from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, parse_size, plan_model
 from spmdkit.program.ir import Program
@@ -459,6 +459,7 @@ def _stage_times(plan: Plan, stages: list[int], out: list[StageCost], device: De
     time in buckets (:class:`spmdkit.cost.step.Reducer`), on ``device``."""
     oc = op_communication(plan, device)
     made: list[list[tuple[float, str, Step, int, str]]] = [[] for _ in out]
+    gathers: list[list[tuple[tuple[int, ...], float, int]]] = [[] for _ in out]
     for i, op in enumerate(plan.program.ops):
         c = oc.costs[i]
         t = oc.compute[i] + oc.wait[i]
@@ -474,6 +475,10 @@ def _stage_times(plan: Plan, stages: list[int], out: list[StageCost], device: De
             sc.optimizer_s += t
         for dt, st, size in oc.pending.get(i, ()):
             made[stages[i]].append((sc.backward_s, dt, st, size, op.layer))
+        gathers[stages[i]] += oc.param_gathers.get(i, [])
+    for sc, items in zip(out, gathers):
+        # Megatron's overlap_param_gather: under the next step's first forward on the stage
+        sc.optimizer_s += max(0.0, param_gather_time(plan, items) - sc.forward_s) if items else 0.0
     for sc, grads in zip(out, made):
         sc.grads = [(at / sc.backward_s if sc.backward_s > 0 else 1.0, dt, st, size, layer)
                     for at, dt, st, size, layer in grads]
