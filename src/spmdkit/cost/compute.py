@@ -280,9 +280,8 @@ def op_kernel_collectives(prog: Program, i: int, required: Mapping[str, Any], me
         for d in dims:
             n = mesh.shape[d]
             b = round(2 * (n - 1) / n * size)
-            link = cost.links[d]
             out.append(KernelCollective(i, op.rule, what, "all_reduce", (d,), rt, b,
-                                        2 * (n - 1) * link.alpha_s + b * link.beta_s_per_byte))
+                                        cost.collective_time("all_reduce", (d,), size, mesh.shape)))
     return out
 
 

@@ -24,6 +24,7 @@ from typing import Any
 from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel, LinkCost, ReshardPlan, Step
+from spmdkit.cost.collectives import Fabric, NcclCostModel, buffer_bytes
 from spmdkit.cost.measured import Measured, parse_measured
 from spmdkit.cost.rates import (
     A100_40_RATES,
@@ -312,7 +313,10 @@ def load_device(text: str) -> Device:
 def cost_model(mesh: ProcessMesh, device: Device | None = None, ranks_per_node: int | None = None) -> CostModel:
     """Links per mesh dim: walking from the innermost (last) mesh dim outwards, a dim is in a
     node while the product of the sizes so far is at most ``ranks_per_node`` (the device's by
-    default), else across nodes. Without a device, the planner's default links."""
+    default), else across nodes. With a device, an :class:`~spmdkit.cost.collectives.NcclCostModel`:
+    its collectives timed as NCCL runs them (:func:`spmdkit.cost.collectives.collective_time`:
+    ring / tree / NVLS, hierarchical groups, bus-bandwidth efficiency by size, or the device's
+    measured points). Without a device, the planner's default links (alpha-beta)."""
     rpn = ranks_per_node or (device.ranks_per_node if device else 8)
     if device is None:
         return CostModel.default(mesh, intra_node=rpn)
@@ -321,7 +325,8 @@ def cost_model(mesh: ProcessMesh, device: Device | None = None, ranks_per_node: 
     for size in reversed(mesh.shape):
         prod *= size
         links.append((device.intra if prod <= rpn else device.inter).cost())
-    return CostModel(tuple(reversed(links)))
+    fabric = Fabric.of(device.intra.bytes_per_s, device.inter.bytes_per_s, rpn, device.measured)
+    return NcclCostModel(tuple(reversed(links)), tuple(mesh.shape), fabric)
 
 
 def _retime(s: Step, cost: CostModel, mesh: ProcessMesh) -> Step:
@@ -330,10 +335,8 @@ def _retime(s: Step, cost: CostModel, mesh: ProcessMesh) -> Step:
     n = 1
     for d in s.mesh_dims:
         n *= mesh.shape[d]
-    k = 2 if s.kind == "all_reduce" else 1
-    a = sum(cost.links[d].alpha_s for d in s.mesh_dims) / len(s.mesh_dims)
-    b = max(cost.links[d].beta_s_per_byte for d in s.mesh_dims)
-    return replace(s, time_s=k * (n - 1) * a + s.bytes_per_rank * b)
+    size = buffer_bytes(s.kind, s.bytes_per_rank, n)
+    return replace(s, time_s=cost.collective_time(s.kind, s.mesh_dims, size, mesh.shape))
 
 
 def recost(plan: Plan, cost: CostModel) -> Plan:
