@@ -80,6 +80,27 @@ class CostModel:
             links[dim] = LinkCost(float(m.group(2)) * units[m.group(3)], 1 / (float(m.group(4)) * bw[m.group(5)]))
         return cls(tuple(links))
 
+    def collective_time(self, kind: str, mesh_dims: Sequence[int], buffer_bytes: float,
+                        mesh_shape: Sequence[int]) -> float:
+        """Seconds of one collective over the groups of ``mesh_dims``: ``buffer_bytes`` the buffer
+        each rank holds (all_reduce: the tensor; all_gather: the gathered output; reduce_scatter,
+        all_to_all: the input; send_recv: the message). Here the alpha-beta ring,
+        ``k(n-1)·alpha + k(n-1)/n·S·beta`` (k = 2 for an all-reduce; the mean latency and the
+        slowest link of the dims); :class:`spmdkit.cost.collectives.NcclCostModel` (a device's
+        links) times it as NCCL runs it."""
+        dims = tuple(mesh_dims)
+        if not dims or buffer_bytes <= 0:
+            return 0.0
+        a = sum(self.links[d].alpha_s for d in dims) / len(dims)
+        b = max(self.links[d].beta_s_per_byte for d in dims)
+        if kind == "send_recv":
+            return a + buffer_bytes * b
+        n = math.prod(mesh_shape[d] for d in dims)
+        if n <= 1:
+            return 0.0
+        k = 2 if kind == "all_reduce" else 1
+        return k * (n - 1) * a + round(k * (n - 1) / n * buffer_bytes) * b
+
 
 @dataclass(frozen=True)
 class Step:
@@ -184,7 +205,6 @@ def plan_reshard(src: TensorDistAttr, dst: TensorDistAttr, shape: Sequence[int],
         if want_partial.get(d) == st.partial[d]:
             continue
         n = ms[d]
-        link = cost.links[d]
         before = st.attr()
         size = lb()
         rt = st.partial.pop(d)
@@ -192,11 +212,11 @@ def plan_reshard(src: TensorDistAttr, dst: TensorDistAttr, shape: Sequence[int],
         if target is not None and want[target][: len(st.dims[target]) + 1] == [*st.dims[target], d]:
             st.dims[target].append(d)
             b = round((n - 1) / n * size)
-            steps.append(Step("reduce_scatter", (d,), target, b, (n - 1) * link.alpha_s + b * link.beta_s_per_byte,
+            steps.append(Step("reduce_scatter", (d,), target, b, cost.collective_time("reduce_scatter", (d,), size, ms),
                               before, st.attr(), None, rt.value))
         else:
             b = round(2 * (n - 1) / n * size)
-            steps.append(Step("all_reduce", (d,), None, b, 2 * (n - 1) * link.alpha_s + b * link.beta_s_per_byte,
+            steps.append(Step("all_reduce", (d,), None, b, cost.collective_time("all_reduce", (d,), size, ms),
                               before, st.attr(), None, rt.value))
     # 2. shardings dst does not have: unwind minor first
     for i in range(len(st.dims)):
@@ -209,19 +229,18 @@ def plan_reshard(src: TensorDistAttr, dst: TensorDistAttr, shape: Sequence[int],
             target = next((j for j, w in enumerate(want) if d in w), None)
             before = st.attr()
             size = lb()
-            link = cost.links[d]
             if target is not None and target != i and want[target][: len(st.dims[target]) + 1] == [
                     *st.dims[target], d]:
                 st.dims[i].pop()
                 st.dims[target].append(d)
                 b = round((n - 1) / n * size)
-                steps.append(Step("all_to_all", (d,), i, b, (n - 1) * link.alpha_s + b * link.beta_s_per_byte,
+                steps.append(Step("all_to_all", (d,), i, b, cost.collective_time("all_to_all", (d,), size, ms),
                                   before, st.attr(), target))
             else:
                 st.dims[i].pop()
                 out = lb()
                 b = round((n - 1) / n * out)
-                steps.append(Step("all_gather", (d,), i, b, (n - 1) * link.alpha_s + b * link.beta_s_per_byte,
+                steps.append(Step("all_gather", (d,), i, b, cost.collective_time("all_gather", (d,), out, ms),
                                   before, st.attr()))
     # 3. shardings dst adds: local slices, major first
     for i, w in enumerate(want):

@@ -25,7 +25,7 @@ outputs as the rule makes them); a partial output costs the same local work as a
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import spmdkit.ops  # noqa: F401  (registers every op family, and with it its facts)
@@ -35,8 +35,8 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel
 from spmdkit.engine.facts import LocalOp, LocalTensor, OpCost, declared, facts_of
 from spmdkit.engine.registry import get_rule
-from spmdkit.ops._cost import lookup, numel
-from spmdkit.ops.matmul import k_of
+from spmdkit.ops._cost import lookup, no_kernel, numel
+from spmdkit.ops.matmul import gemm_dims, k_of
 from spmdkit.program.ir import Program, flat_refs
 from spmdkit.program.plan import Plan
 
@@ -110,10 +110,119 @@ def cost_of(c: LocalOp) -> OpCost:
         return OpCost(0.0, 0.0, c.in_bytes + c.out_bytes, False, c.dtype(), covered=False)
 
 
+#: the GEMM rules of linear layers (forward and grad) that ``--precision fp8`` runs in fp8 where
+#: their weight operand is a parameter
+FP8_GEMMS = frozenset({"matmul", "matmul_grad", "linear_v2", "linear_v2_grad", "fused_gemm_epilogue",
+                       "fused_gemm_epilogue_grad"})
+#: the ops whose output Transformer Engine writes in fp8 itself (LayerNormLinear / LayerNormMLP fuse
+#: the norm and the activation with the cast): a GEMM reading one pays no separate input cast
+FP8_FUSED_PRODUCERS = frozenset({"layer_norm", "fused_rms_norm", "rms_norm", "gelu", "swiglu", "squared_relu"})
+_WEIGHT_PARAMS = ("y", "weight")
+_INPUT_PARAMS = ("x", "input")
+
+
+@dataclass(frozen=True)
+class Fp8Layers:
+    """Which GEMMs of a program run in fp8 (:func:`fp8_layers`): the weights, and the forward ops
+    that pay the cast of their input (the first fp8 reader of an activation no fused producer
+    wrote in fp8)."""
+
+    weights: frozenset[str]
+    casts_input: frozenset[int]
+
+
+_FP8_MEMO: dict[int, tuple[Program, Fp8Layers]] = {}
+
+
+def _operand(prog: Program, op: Any, params: tuple[str, ...], kind: str | None) -> str | None:
+    for p in params:
+        n = op.inputs.get(p)
+        if isinstance(n, str) and (kind is None or prog.tensors[n].kind == kind):
+            return n
+    return None
+
+
+def fp8_layers(prog: Program) -> Fp8Layers:
+    """The parameters whose GEMMs run in fp8 under ``--precision fp8``: every forward linear
+    layer's weight (the y / weight operand, a parameter) but the last one's, the output head
+    (Transformer Engine and torchao keep the lm_head in bf16; in a decoder the head is the last
+    parameter matmul of the forward, the embedding table itself when tied); and the forward ops
+    that cast their input (once per activation; none where a norm or activation wrote it, through
+    views). Memoised per program."""
+    got = _FP8_MEMO.get(id(prog))
+    if got is not None and got[0] is prog:
+        return got[1]
+    producer: dict[str, Any] = {}
+    for op in prog.ops:
+        for o in op.output_names():
+            producer[o] = op
+    ops: list[tuple[int, str]] = []
+    for i, op in enumerate(prog.ops):
+        if op.phase == "forward" and _canonical(op.rule) in FP8_GEMMS:
+            w = _operand(prog, op, _WEIGHT_PARAMS, "parameter")
+            if w is not None:
+                ops.append((i, w))
+    head = ops[-1][1] if ops else None
+    weights = frozenset(w for _, w in ops if w != head)
+    seen: set[str] = set()
+    casts: set[int] = set()
+    for i, w in ops:
+        x = _operand(prog, prog.ops[i], _INPUT_PARAMS, None)
+        if w not in weights or x is None or x in seen:
+            continue
+        seen.add(x)
+        src = producer.get(x)
+        while src is not None and facts_of(_canonical(src.rule)).cost is no_kernel:
+            v = _operand(prog, src, ("x", "input"), None)
+            src = producer.get(v) if v else None
+        if src is None or _canonical(src.rule) not in FP8_FUSED_PRODUCERS:
+            casts.add(i)
+    out = Fp8Layers(weights, frozenset(casts))
+    if len(_FP8_MEMO) > 16:
+        _FP8_MEMO.clear()
+    _FP8_MEMO[id(prog)] = (prog, out)
+    return out
+
+
+def fp8_weights(prog: Program) -> frozenset[str]:
+    """The weights :func:`fp8_layers` runs in fp8."""
+    return fp8_layers(prog).weights
+
+
+def _fp8(prog: Program, i: int, lop: LocalOp, c: OpCost) -> OpCost:
+    """``c`` run in fp8 where op ``i`` is a linear layer's GEMM (:func:`fp8_layers`), with
+    Transformer Engine's casts (bf16 read, an fp8 copy and its transpose written: 4 bytes per
+    element, amax in the same kernel): the forward casts its weight, and its input unless a fused
+    producer wrote it in fp8 or another GEMM cast it; the backward casts the output gradient (the
+    inputs' fp8 copies are the forward's)."""
+    op = prog.ops[i]
+    if _canonical(op.rule) not in FP8_GEMMS or not c.gemms:
+        return c
+    layers = fp8_layers(prog)
+    w = _operand(prog, op, _WEIGHT_PARAMS, "parameter")
+    if w is None or w not in layers.weights:
+        return c
+    b, m, n, k = gemm_dims(lop)
+    if op.rule.endswith("_grad"):
+        elems = b * m * n
+    else:
+        elems = (b * k * n if b > 1 else k * n) + (b * m * k if i in layers.casts_input else 0)
+    return replace(c, fp8=True, cast_bytes=4.0 * elems)
+
+
 def op_cost(plan: Plan, i: int) -> OpCost:
-    """The cost of op ``i`` of ``plan`` on one device (see the module docstring)."""
+    """The cost of op ``i`` of ``plan`` on one device (see the module docstring), with what the
+    plan's runtime changes: a linear layer's GEMMs in fp8 under ``--precision fp8``
+    (:func:`fp8_weights`), the framework whose attention kernel runs a flash-attention pass."""
     opp = plan.ops[i]
-    return cost_of(local_op(plan.program, i, opp.required, opp.outputs, plan.attrs))
+    lop = local_op(plan.program, i, opp.required, opp.outputs, plan.attrs)
+    c = cost_of(lop)
+    rt = plan.runtime
+    if c.attention is not None and rt.framework != "megatron":
+        c = replace(c, framework=rt.framework)
+    if rt.fp8 and c.matmul:
+        c = _fp8(plan.program, i, lop, c)
+    return c
 
 
 #: every registered rule with a cost; the others (today: ``replicated``, the importer's stand-in
@@ -171,9 +280,8 @@ def op_kernel_collectives(prog: Program, i: int, required: Mapping[str, Any], me
         for d in dims:
             n = mesh.shape[d]
             b = round(2 * (n - 1) / n * size)
-            link = cost.links[d]
             out.append(KernelCollective(i, op.rule, what, "all_reduce", (d,), rt, b,
-                                        2 * (n - 1) * link.alpha_s + b * link.beta_s_per_byte))
+                                        cost.collective_time("all_reduce", (d,), size, mesh.shape)))
     return out
 
 
@@ -260,5 +368,6 @@ def guess_tokens(program: Program) -> int | None:
     return None
 
 
-__all__ = ["COSTED", "KernelCollective", "cost_of", "guess_tokens", "kernel_collectives", "local_op", "local_shape",
+__all__ = ["COSTED", "FP8_FUSED_PRODUCERS", "FP8_GEMMS", "Fp8Layers", "KernelCollective", "cost_of", "fp8_layers",
+           "fp8_weights", "guess_tokens", "kernel_collectives", "local_op", "local_shape",
            "model_flops", "op_cost", "op_kernel_collectives"]

@@ -1,12 +1,14 @@
 """Devices: the GPU presets (dense peak FLOP/s per dtype, HBM bandwidth, memory, the links in a
-node and across nodes), a device from a JSON file, the roofline time of an op's cost on a
-device, and the per-mesh-dim :class:`spmdkit.core.reshard.CostModel` of a device's links.
-Standard library only. docs/devices.md.
+node and across nodes, the achievable rates), a device from a JSON file, the time of an op's
+cost on a device, and the per-mesh-dim :class:`spmdkit.core.reshard.CostModel` of a device's
+links. Standard library only. docs/devices.md.
 
 - :class:`Device` and :data:`DEVICES` (a100-40gb, a100-80gb, h100, h200): dense peak FLOP/s
-  per dtype, HBM bandwidth, and the links (NVLink in a node, InfiniBand across nodes) that
-  :func:`cost_model` maps onto the mesh dims; :meth:`Device.op_time`: an op's roofline time
-  ``max(flops/peak, bytes/bw)``.
+  per dtype, HBM bandwidth, the links (NVLink in a node, InfiniBand across nodes) that
+  :func:`cost_model` maps onto the mesh dims, and :class:`spmdkit.cost.rates.Rates` (the
+  fractions of those peaks real kernels reach); :meth:`Device.op_time`: an op's time, the one
+  place it is computed: ``max(flops / achievable rate, bytes / achievable bandwidth)``, at least
+  the kernel launch floor, plus fp8 casts.
 - :func:`load_device`: a preset name or the path of a JSON file (:func:`device_from_json`).
 - :func:`recost` (plan, cost model): the plan's reshards timed by other links.
 """
@@ -22,13 +24,32 @@ from typing import Any
 from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel, LinkCost, ReshardPlan, Step
+from spmdkit.cost.collectives import Fabric, NcclCostModel, buffer_bytes
 from spmdkit.cost.measured import Measured, parse_measured
+from spmdkit.cost.rates import (
+    A100_40_RATES,
+    A100_RATES,
+    H100_RATES,
+    H200_RATES,
+    Rates,
+    attention_efficiency,
+    gemm_efficiency,
+    measured_attention,
+    measured_gemm,
+    parse_rates,
+)
 from spmdkit.engine.facts import OpCost
 from spmdkit.program.plan import Plan, Reshard
 
 #: dtype of a program tensor -> the peak it computes a tensor-core op at
-_PEAK_OF_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
-PEAK_KEYS = ("bf16", "fp16", "tf32", "fp32", "fp64")
+_PEAK_OF_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64",
+                  "float8_e4m3fn": "fp8", "float8_e5m2": "fp8"}
+PEAK_KEYS = ("bf16", "fp16", "tf32", "fp32", "fp64", "fp8")
+
+#: the rates of a device file with no ``base`` and no ``efficiency``: the middle of the presets'
+#: (docs/devices.md, "Achievable rates")
+GENERIC_RATES = Rates(132, {"bf16": 0.8, "fp16": 0.8, "tf32": 0.8, "fp32": 0.95, "fp8": 0.68},
+                      {"fa2": (0.6, 0.5)}, {"megatron": "fa2", "torchtitan": "fa2"}, hbm=0.88)
 
 
 @dataclass(frozen=True)
@@ -60,12 +81,58 @@ class Device:
     #: what ``spmdkit calibrate`` measured on the machine (:mod:`spmdkit.cost.measured`); None
     #: for a preset
     measured: Measured | None = None
+    #: the fractions of the peaks real kernels reach (:mod:`spmdkit.cost.rates`)
+    rates: Rates = GENERIC_RATES
+
+    def _key(self, dtype: str) -> str:
+        key = _PEAK_OF_DTYPE.get(dtype, "fp32")
+        return "tf32" if key == "fp32" and self.tf32 else key
 
     def matmul_peak(self, dtype: str) -> float:
-        key = _PEAK_OF_DTYPE.get(dtype, "fp32")
-        if key == "fp32" and self.tf32:
-            key = "tf32"
-        return self.peak.get(key) or self.peak["fp32"]
+        """The datasheet tensor-core peak of ``dtype`` (MFU's denominator)."""
+        return self.peak.get(self._key(dtype)) or self.peak["fp32"]
+
+    def check_precision(self, precision: str | None) -> None:
+        """ProgramError where ``--precision`` asks for a peak this device has not (fp8 on an A100)."""
+        if precision == "fp8" and "fp8" not in self.peak:
+            raise ProgramError(f"--precision fp8: {self.name} has no fp8 tensor cores (its peak_tflops has no fp8; "
+                               f"use bf16, or an H100 / H200)")
+
+    @property
+    def hbm_rate(self) -> float:
+        """The bandwidth memory-bound kernels reach (bytes/s): the measured figure, else the
+        datasheet's times the achievable fraction."""
+        if self.measured is not None and self.measured.hbm_gb_per_s is not None:
+            return self.measured.hbm_gb_per_s * G
+        return self.hbm_bytes_per_s * self.rates.hbm
+
+    def gemm_rate(self, key: str, batch: int, m: int, n: int, k: int) -> float:
+        """FLOP/s of one (batch, m, n, k) GEMM of peak key ``key``: measured (interpolated), else
+        the peak times :func:`spmdkit.cost.rates.gemm_efficiency`."""
+        if self.measured is not None:
+            got = measured_gemm(self.measured, key, batch * m, n, k)
+            if got is not None:
+                return got
+        peak = self.peak.get(key)
+        if peak is None:
+            if key == "fp8":
+                self.check_precision("fp8")
+            peak = self.peak["fp32"]
+        return peak * gemm_efficiency(self.rates, key, batch, m, n, k)
+
+    def attention_rate(self, c: OpCost) -> float:
+        """FLOP/s of a flash-attention pass (``c.attention``): measured (the nearest point), else
+        the bf16 / fp16 peak times :func:`spmdkit.cost.rates.attention_efficiency` of the kernel
+        the framework runs."""
+        assert c.attention is not None
+        backward, seq, hd, causal = c.attention
+        key = self._key(c.dtype)
+        if self.measured is not None:
+            got = measured_attention(self.measured, key, backward, seq, hd, causal)
+            if got is not None:
+                return got
+        kernel = self.rates.attention_kernel.get(c.framework or "megatron", "")
+        return self.matmul_peak(c.dtype) * attention_efficiency(self.rates, kernel, backward, seq, hd, causal)
 
     @property
     def vector_peak(self) -> float:
@@ -77,14 +144,42 @@ class Device:
                 "hbm_gb_per_s": self.hbm_bytes_per_s / 1e9, "memory_gb": self.memory_bytes / 1e9,
                 "intra_node": {"latency_us": self.intra.alpha_s * 1e6, "gb_per_s": self.intra.bytes_per_s / 1e9},
                 "inter_node": {"latency_us": self.inter.alpha_s * 1e6, "gb_per_s": self.inter.bytes_per_s / 1e9},
-                "ranks_per_node": self.ranks_per_node, "tf32": self.tf32,
+                "ranks_per_node": self.ranks_per_node, "tf32": self.tf32, "efficiency": self.rates.to_json(),
                 **({"measured": self.measured.to_json()} if self.measured is not None else {})}
 
+    def compute_time(self, c: OpCost) -> float:
+        """The op's FLOPs at the rate achievable for what it is: each GEMM at its shape's rate
+        (fp8 where ``c.fp8``; a matmul without shapes at the dtype's large-GEMM ceiling), flash
+        attention at its pass's rate, the rest at the vector (fp32) peak."""
+        if c.flops == 0:
+            return 0.0
+        if c.attention is not None:
+            return c.flops / self.attention_rate(c)
+        if not c.matmul:
+            return c.flops / self.vector_peak
+        key = "fp8" if c.fp8 else self._key(c.dtype)
+        if not c.gemms:
+            if key == "fp8":
+                self.check_precision("fp8")
+            return c.flops / ((self.peak.get(key) or self.peak["fp32"]) * (self.rates.gemm.get(key) or 0.8))
+        total = sum(2.0 * b * m * n * k for b, m, n, k in c.gemms)
+        t = sum(2.0 * b * m * n * k / self.gemm_rate(key, b, m, n, k) for b, m, n, k in c.gemms)
+        return t * (c.flops / total) if total > 0 else c.flops / self.matmul_peak(c.dtype)
+
     def op_time(self, c: OpCost) -> float:
-        """The roofline time of an op's cost on this device: ``max(flops/peak, bytes/bw)``, the
-        peak the tensor cores' of its dtype for a matmul, else the vector (fp32) peak."""
-        peak = self.matmul_peak(c.dtype) if c.matmul else self.vector_peak
-        return max(c.flops / peak, c.bytes / self.hbm_bytes_per_s)
+        """The time of an op's cost on this device, the one place it is computed:
+        ``max(compute_time, bytes / hbm_rate)`` (:meth:`compute_time`, :attr:`hbm_rate`), the fp8
+        casts' bytes after it (memory-bound kernels of their own), and at least the launch floor
+        per kernel (a view runs none: 0)."""
+        if c.kernels == 0:
+            return 0.0
+        bw = self.hbm_rate
+        t = max(self.compute_time(c), c.bytes / bw)
+        kernels = max(c.kernels, len(c.gemms))
+        if c.cast_bytes:
+            t += c.cast_bytes / bw
+            kernels += len(c.gemms) or 1
+        return max(t, kernels * self.rates.launch_s)
 
 
 T = 1e12
@@ -98,20 +193,25 @@ _IB_NDR = Link(20e-6, 50 * G)    # DGX H100 / H200: one 400 Gb/s NDR ConnectX-7 
 
 #: Dense peaks by dtype: A100 SXM4 (40 and 80 GB alike) and H100 / H200 SXM5 (the same GPU).
 _A100_PEAKS = {"bf16": 312 * T, "fp16": 312 * T, "tf32": 156 * T, "fp32": 19.5 * T, "fp64": 9.7 * T}
-_H100_PEAKS = {"bf16": 989.5 * T, "fp16": 989.5 * T, "tf32": 494.5 * T, "fp32": 67 * T, "fp64": 34 * T}
+_H100_PEAKS = {"bf16": 989.5 * T, "fp16": 989.5 * T, "tf32": 494.5 * T, "fp32": 67 * T, "fp64": 34 * T,
+               "fp8": 1979 * T}
 
 #: The presets (docs/devices.md gives the datasheet of every figure; dense, not sparse).
 DEVICES: dict[str, Device] = {
-    "a100-40gb": Device("NVIDIA A100 SXM4 40GB", dict(_A100_PEAKS), 1555 * G, 40 * 1024**3, _NVLINK3, _IB_HDR),
-    "a100-80gb": Device("NVIDIA A100 SXM4 80GB", dict(_A100_PEAKS), 2039 * G, 80 * 1024**3, _NVLINK3, _IB_HDR),
-    "h100": Device("NVIDIA H100 SXM5 80GB", dict(_H100_PEAKS), 3350 * G, 80 * 1024**3, _NVLINK4, _IB_NDR),
-    "h200": Device("NVIDIA H200 SXM5 141GB", dict(_H100_PEAKS), 4800 * G, 141 * 10**9, _NVLINK4, _IB_NDR),
+    "a100-40gb": Device("NVIDIA A100 SXM4 40GB", dict(_A100_PEAKS), 1555 * G, 40 * 1024**3, _NVLINK3, _IB_HDR,
+                        rates=A100_40_RATES),
+    "a100-80gb": Device("NVIDIA A100 SXM4 80GB", dict(_A100_PEAKS), 2039 * G, 80 * 1024**3, _NVLINK3, _IB_HDR,
+                        rates=A100_RATES),
+    "h100": Device("NVIDIA H100 SXM5 80GB", dict(_H100_PEAKS), 3350 * G, 80 * 1024**3, _NVLINK4, _IB_NDR,
+                   rates=H100_RATES),
+    "h200": Device("NVIDIA H200 SXM5 141GB", dict(_H100_PEAKS), 4800 * G, 141 * 10**9, _NVLINK4, _IB_NDR,
+                   rates=H200_RATES),
 }
 _DEVICE_ALIASES = {"a100": "a100-80gb", "a100-80": "a100-80gb", "a100-40": "a100-40gb", "h100-sxm": "h100",
                    "h100-80gb": "h100", "h200-sxm": "h200", "h200-141gb": "h200"}
 
 _JSON_KEYS = {"name", "peak_tflops", "hbm_gb_per_s", "memory_gb", "intra_node", "inter_node", "ranks_per_node",
-              "tf32", "base", "measured"}
+              "tf32", "base", "measured", "efficiency"}
 
 
 def _num(what: str, v: Any, positive: bool = True, scale: float = 1.0) -> float:
@@ -178,7 +278,10 @@ def device_from_json(obj: Any) -> Device:
     if not isinstance(name, str):
         raise ProgramError("--device name: expected a string")
     measured = parse_measured(obj["measured"]) if "measured" in obj else (base.measured if base else None)
-    return Device(name[:100], peak, hbm, mem, intra, inter, rpn, tf32, measured)
+    rates = base.rates if base else GENERIC_RATES
+    if "efficiency" in obj:
+        rates = parse_rates(obj["efficiency"], rates, PEAK_KEYS)
+    return Device(name[:100], peak, hbm, mem, intra, inter, rpn, tf32, measured, rates)
 
 
 def preset_device(name: str) -> Device:
@@ -210,7 +313,10 @@ def load_device(text: str) -> Device:
 def cost_model(mesh: ProcessMesh, device: Device | None = None, ranks_per_node: int | None = None) -> CostModel:
     """Links per mesh dim: walking from the innermost (last) mesh dim outwards, a dim is in a
     node while the product of the sizes so far is at most ``ranks_per_node`` (the device's by
-    default), else across nodes. Without a device, the planner's default links."""
+    default), else across nodes. With a device, an :class:`~spmdkit.cost.collectives.NcclCostModel`:
+    its collectives timed as NCCL runs them (:func:`spmdkit.cost.collectives.collective_time`:
+    ring / tree / NVLS, hierarchical groups, bus-bandwidth efficiency by size, or the device's
+    measured points). Without a device, the planner's default links (alpha-beta)."""
     rpn = ranks_per_node or (device.ranks_per_node if device else 8)
     if device is None:
         return CostModel.default(mesh, intra_node=rpn)
@@ -219,7 +325,8 @@ def cost_model(mesh: ProcessMesh, device: Device | None = None, ranks_per_node: 
     for size in reversed(mesh.shape):
         prod *= size
         links.append((device.intra if prod <= rpn else device.inter).cost())
-    return CostModel(tuple(reversed(links)))
+    fabric = Fabric.of(device.intra.bytes_per_s, device.inter.bytes_per_s, rpn, device.measured)
+    return NcclCostModel(tuple(reversed(links)), tuple(mesh.shape), fabric)
 
 
 def _retime(s: Step, cost: CostModel, mesh: ProcessMesh) -> Step:
@@ -228,10 +335,8 @@ def _retime(s: Step, cost: CostModel, mesh: ProcessMesh) -> Step:
     n = 1
     for d in s.mesh_dims:
         n *= mesh.shape[d]
-    k = 2 if s.kind == "all_reduce" else 1
-    a = sum(cost.links[d].alpha_s for d in s.mesh_dims) / len(s.mesh_dims)
-    b = max(cost.links[d].beta_s_per_byte for d in s.mesh_dims)
-    return replace(s, time_s=k * (n - 1) * a + s.bytes_per_rank * b)
+    size = buffer_bytes(s.kind, s.bytes_per_rank, n)
+    return replace(s, time_s=cost.collective_time(s.kind, s.mesh_dims, size, mesh.shape))
 
 
 def recost(plan: Plan, cost: CostModel) -> Plan:
@@ -257,5 +362,5 @@ def recost(plan: Plan, cost: CostModel) -> Plan:
     return replace(plan, ops=ops, reshards=[rs(r) for r in plan.reshards], cost=cost)
 
 
-__all__ = ["DEVICES", "PEAK_KEYS", "Device", "Link", "cost_model", "device_from_json", "load_device", "preset_device",
+__all__ = ["DEVICES", "GENERIC_RATES", "PEAK_KEYS", "Device", "Link", "cost_model", "device_from_json", "load_device", "preset_device",
            "recost"]

@@ -11,10 +11,13 @@ step time serial and overlapped, tokens/s and MFU.
 
 from __future__ import annotations
 
+import bisect
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from spmdkit.core.reshard import Step
+from spmdkit.cost.collectives import buffer_bytes, time_of
 from spmdkit.cost.compute import KernelCollective, kernel_collectives, local_shape, model_flops, op_cost
 from spmdkit.cost.devices import Device
 from spmdkit.cost.memory import rerun_points, saved_activations
@@ -26,6 +29,14 @@ from spmdkit.program.plan import Plan, Reshard
 #: first bucket dist._DEFAULT_FIRST_BUCKET_BYTES = 1 MiB)
 BUCKET_BYTES = 25 * 1024 * 1024
 FIRST_BUCKET_BYTES = 1024 * 1024
+#: Megatron-Core DDP's bucket: ``max(40000000, 1000000 * dp_size)`` parameters
+#: (DistributedDataParallelConfig.bucket_size, megatron/core/distributed/distributed_data_parallel.py)
+MEGATRON_BUCKET_PARAMS = 40_000_000
+MEGATRON_BUCKET_PARAMS_PER_DP = 1_000_000
+#: bf16 gradients are reduced in fp32 by both frameworks: Megatron-LM forces
+#: accumulate_allreduce_grads_in_fp32 for bf16 (megatron/training/arguments.py), torchtitan's
+#: FSDP2 MixedPrecisionPolicy has reduce_dtype = mixed_precision_reduce = float32
+_REDUCE_ITEMSIZE = {"bfloat16": 4}
 
 
 @dataclass(frozen=True)
@@ -148,50 +159,6 @@ def is_grad_sync(plan: Plan, r: Reshard, s: Step, param_grads: frozenset[str]) -
 
 # -- the steps of the estimate ------------------------------------------------------------------
 
-#: a gradient reduction waiting for its bucket: (dtype, the reshard step, bytes per rank)
-_Pending = tuple[str, Step, int]
-
-
-@dataclass
-class _Comm:
-    """The plan's reshards by op: the blocking ones (seconds before op i), the gradient
-    reductions by the op that makes the gradient, and the blocking seconds per phase."""
-
-    blocking: dict[int, float]
-    pending: dict[int, list[_Pending]]
-    by_phase: dict[str, float]
-
-
-def _communication(plan: Plan) -> _Comm:
-    """Gradient reductions (:func:`is_grad_sync`) go to the op that makes the gradient (they
-    wait for a bucket); every other collective blocks the op that needs it."""
-    prog = plan.program
-    blocking: dict[int, float] = {}
-    pending: dict[int, list[_Pending]] = {}
-    producer: dict[str, int] = {}
-    for i, op in enumerate(prog.ops):
-        for n in op.output_names():
-            producer.setdefault(n, i)
-    comm = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
-    param_grads = plan.param_grads()
-    for r in plan.reshards:
-        if r.shared:
-            continue
-        phase = prog.ops[r.op_index].phase
-        for s in r.plan.steps:
-            if s.bytes_per_rank == 0:
-                continue
-            if is_grad_sync(plan, r, s, param_grads):
-                t = prog.tensors[r.tensor]
-                size = numel(local_shape(t.shape, s.src)) * t.itemsize
-                at = producer.get(r.tensor, r.op_index)
-                pending.setdefault(at, []).append((t.dtype, s, size))
-            else:
-                blocking[r.op_index] = blocking.get(r.op_index, 0.0) + s.time_s
-                comm[phase] += s.time_s
-    return _Comm(blocking, pending, comm)
-
-
 @dataclass
 class _Compute:
     """Every op's cost and roofline time, and their sums."""
@@ -228,6 +195,156 @@ def _compute(plan: Plan, device: Device) -> _Compute:
     return out
 
 
+#: a gradient reduction waiting for its bucket: (dtype, the reshard step, bytes per rank)
+_Pending = tuple[str, Step, int]
+
+#: the exposed share of a TP collective overlapped with its GEMM is one chunk of ``n`` (the
+#: pipeline's fill: Wang et al. 2022, "Overlap communication with dependent computation via
+#: decomposition"; Transformer Engine's userbuffers and torch's async TP split into tp chunks)
+
+
+def tp_overlap_exposed(comm_s: float, gemm_s: float, n: int) -> float:
+    """The communication a TP all-gather / reduce-scatter of ``comm_s`` still exposes when it
+    runs decomposed in ``n`` chunks under its GEMM of ``gemm_s``: ``max(comm, gemm) +
+    min(comm, gemm) / n - gemm``."""
+    n = max(1, n)
+    return max(comm_s, gemm_s) + min(comm_s, gemm_s) / n - gemm_s
+
+
+def layer_groups(plan: Plan) -> list[int]:
+    """Per op, the index of its run of consecutive ops with one (layer tag, phase): the unit
+    FSDP gathers a block's parameters for."""
+    out: list[int] = []
+    prev: tuple[str, str] | None = None
+    g = -1
+    for op in plan.program.ops:
+        key = (op.layer, op.phase)
+        if key != prev:
+            g += 1
+            prev = key
+        out.append(g)
+    return out
+
+
+def param_gather_time(plan: Plan, items: list[tuple[tuple[int, ...], float, int]]) -> float:
+    """Megatron's distributed optimizer all-gathers the updated parameters in its DDP buckets
+    (``max(40M, 1M x dp)`` parameters in their own dtype), one after the other: the seconds of
+    those all-gathers, ``items`` as (mesh dims, bytes, itemsize)."""
+    by: dict[tuple[tuple[int, ...], int], float] = {}
+    for dims, b, itemsize in items:
+        by[(dims, itemsize)] = by.get((dims, itemsize), 0.0) + b
+    total = 0.0
+    for (dims, itemsize), b in by.items():
+        dp = math.prod(plan.mesh.shape[d] for d in dims)
+        cap = max(MEGATRON_BUCKET_PARAMS, MEGATRON_BUCKET_PARAMS_PER_DP * dp) * itemsize
+        full, rest = divmod(b, cap)
+        total += full * time_of(plan.cost, "all_gather", dims, cap, plan.mesh.shape)
+        total += time_of(plan.cost, "all_gather", dims, rest, plan.mesh.shape) if rest else 0.0
+    return total
+
+
+@dataclass
+class _Comm:
+    """The plan's reshards by op: the blocking ones (seconds before op i), the gradient
+    reductions by the op that makes the gradient, and the seconds per phase (every collective,
+    overlapped or not); the TP collectives overlapped with a GEMM (op i: (seconds, the GEMM's
+    op, group size)); the stored parameters' all-gathers per layer group (FSDP prefetch:
+    group -> (seconds, the group's first op that needs them))."""
+
+    blocking: dict[int, float]
+    pending: dict[int, list[_Pending]]
+    by_phase: dict[str, float]
+    tp: dict[int, list[tuple[float, int, int]]] = field(default_factory=dict)
+    prefetch: dict[int, tuple[float, int]] = field(default_factory=dict)
+    #: the distributed optimizer's all-gathers of updated parameters (Megatron: op -> (mesh
+    #: dims, bytes, itemsize)), overlapped with the next step's forward
+    param_gathers: dict[int, list[tuple[tuple[int, ...], float, int]]] = field(default_factory=dict)
+
+    def exposed(self, i: int, times: list[float]) -> float:
+        """Seconds op i waits on its blocking and TP-overlapped collectives."""
+        t = self.blocking.get(i, 0.0)
+        for c, j, n in self.tp.get(i, ()):
+            t += tp_overlap_exposed(c, times[j], n)
+        return t
+
+
+def _producers(plan: Plan) -> dict[str, int]:
+    producer: dict[str, int] = {}
+    for i, op in enumerate(plan.program.ops):
+        for n in op.output_names():
+            producer.setdefault(n, i)
+    return producer
+
+
+def _adjacent_gemm(plan: Plan, comp: _Compute, tensor: str, i: int, producer: dict[str, int],
+                   readers: dict[str, list[int]]) -> int:
+    """The GEMM a TP collective of ``tensor`` (at op ``i``) overlaps: op i, the op that made the
+    tensor, the first op that reads it, or a GEMM feeding the sum that made it (the dgrad GEMMs
+    of q, k, v summed before their reduce-scatter); -1 if none."""
+    j = producer.get(tensor, -1)
+    cands = [i, j, *readers.get(tensor, ())[:1]]
+    if j >= 0:
+        cands += [producer.get(nm, -1) for nm in plan.program.ops[j].input_names()]
+    return next((c for c in cands if c >= 0 and comp.costs[c].matmul), -1)
+
+
+def _communication(plan: Plan, comp: _Compute) -> _Comm:
+    """Gradient reductions (:func:`is_grad_sync`) go to the op that makes the gradient (they
+    wait for a bucket); a stored parameter's all-gather (ZeRO-3 / FSDP: ``plan.storage``) joins
+    its layer group's one all-gather, prefetched; under ``plan.runtime.tp_comm_overlap`` an
+    activation's all-gather / reduce-scatter next to a GEMM (the op that reads it, or the one
+    that made it) overlaps that GEMM; every other collective blocks the op that needs it."""
+    prog = plan.program
+    out = _Comm({}, {}, {"forward": 0.0, "backward": 0.0, "optimizer": 0.0})
+    producer = _producers(plan)
+    groups = layer_groups(plan)
+    gathers: dict[int, dict[tuple[int, ...], float]] = {}
+    param_grads = plan.param_grads()
+    overlap_tp = plan.runtime.tp_comm_overlap
+    readers: dict[str, list[int]] = {}
+    if overlap_tp:
+        for j, op in enumerate(prog.ops):
+            for nm in op.input_names():
+                readers.setdefault(nm, []).append(j)
+    for r in plan.reshards:
+        if r.shared:
+            continue
+        i = r.op_index
+        t = prog.tensors[r.tensor]
+        for s in r.plan.steps:
+            if s.bytes_per_rank == 0:
+                continue
+            if is_grad_sync(plan, r, s, param_grads):
+                size = numel(local_shape(t.shape, s.src)) * t.itemsize
+                out.pending.setdefault(producer.get(r.tensor, i), []).append((t.dtype, s, size))
+                continue
+            out.by_phase[prog.ops[i].phase] += s.time_s
+            n = math.prod(plan.mesh.shape[d] for d in s.mesh_dims)
+            if s.kind == "all_gather" and r.tensor in plan.storage and not r.output and t.kind == "parameter":
+                per = gathers.setdefault(groups[i], {})
+                per[s.mesh_dims] = per.get(s.mesh_dims, 0.0) + buffer_bytes(s.kind, s.bytes_per_rank, n)
+                first = out.prefetch.get(groups[i], (0.0, i))[1]
+                out.prefetch[groups[i]] = (0.0, min(first, i))
+                continue
+            if plan.runtime.framework == "megatron" and prog.ops[i].phase == "optimizer" \
+                    and s.kind == "all_gather" and t.kind == "parameter":
+                out.param_gathers.setdefault(i, []).append((s.mesh_dims, buffer_bytes(s.kind, s.bytes_per_rank, n),
+                                                            t.itemsize))
+                continue
+            gemm = -1
+            if overlap_tp and s.kind in ("all_gather", "reduce_scatter") and t.kind in ("activation", "gradient") \
+                    and r.tensor not in param_grads:
+                gemm = _adjacent_gemm(plan, comp, r.tensor, i, producer, readers)
+            if gemm >= 0:
+                out.tp.setdefault(i, []).append((s.time_s, gemm, n))
+            else:
+                out.blocking[i] = out.blocking.get(i, 0.0) + s.time_s
+    for g, per in gathers.items():
+        secs = sum(time_of(plan.cost, "all_gather", dims, b, plan.mesh.shape) for dims, b in per.items())
+        out.prefetch[g] = (secs, out.prefetch[g][1])
+    return out
+
+
 @dataclass
 class _Rerun:
     """Recomputation and re-gathers: seconds run again right before op i, the FLOPs recomputed
@@ -252,7 +369,7 @@ def _rerun(plan: Plan, recompute: str, comp: _Compute, comm: _Comm, kern_by_op: 
             if c.matmul:
                 out.matmul_flops += c.model_flops
             comp.by_phase["recompute"] = comp.by_phase.get("recompute", 0.0) + comp.times[j]
-            cm = comm.blocking.get(j, 0.0) + kern_by_op.get(j, 0.0)
+            cm = comm.exposed(j, comp.times) + kern_by_op.get(j, 0.0)
             comm.by_phase["recompute"] = comm.by_phase.get("recompute", 0.0) + cm
             out.extra_at[at] = out.extra_at.get(at, 0.0) + comp.times[j] + cm
     for at, ks in regather.items():
@@ -264,43 +381,59 @@ def _rerun(plan: Plan, recompute: str, comp: _Compute, comm: _Comm, kern_by_op: 
     return out
 
 
-class _Reducer:
-    """DDP's gradient buckets: one open bucket per (kind, mesh dims, reduce type, dtype), filled
-    in the order the gradients are made and launched when full (the first at 1 MiB, the others
-    at 25 MiB) on the communication stream, one bucket after the other."""
+class Reducer:
+    """The data-parallel gradient buckets, as the framework (``plan.runtime.framework``) makes
+    them: one open bucket per (kind, mesh dims, reduce type, dtype), filled in the order the
+    gradients are made and launched when full on the communication stream, one bucket after the
+    other. Megatron-Core DDP: ``max(40M, 1M x dp)`` parameters a bucket; torchtitan: FSDP2
+    reduce-scatters each layer's gradients at once (a bucket per layer), its replicate (DDP)
+    torch's 1 MiB first bucket then 25 MiB. bf16 gradients are reduced in fp32. Used by
+    :func:`estimate_step` and by the pipeline (:mod:`spmdkit.planner.pipeline`)."""
 
-    def __init__(self, plan: Plan) -> None:
+    def __init__(self, plan: Plan, single: bool = False) -> None:
+        self.single = single  # every gradient in one bucket (Megatron's pipeline ranks > 0)
         self.mesh = plan.mesh
         self.cost = plan.cost
+        self.framework = plan.runtime.framework
         self.buckets: list[Bucket] = []
-        self.open: dict[tuple[Any, ...], list[Any]] = {}  # key -> [tensors, bytes, ready, cap]
+        self.open: dict[tuple[Any, ...], list[Any]] = {}  # key -> [tensors, bytes, ready, cap, layer]
         self.free = 0.0  # when the communication stream is free
         self.first_cap = FIRST_BUCKET_BYTES
 
     def _time(self, kind: str, dims: tuple[int, ...], size: int) -> float:
-        n = 1
-        for d in dims:
-            n *= self.mesh.shape[d]
-        a = sum(self.cost.links[d].alpha_s for d in dims) / len(dims)
-        b = max(self.cost.links[d].beta_s_per_byte for d in dims)
-        if kind == "all_reduce":
-            return 2 * (n - 1) * a + round(2 * (n - 1) / n * size) * b
-        return (n - 1) * a + round((n - 1) / n * size) * b
+        return time_of(self.cost, kind, dims, size, self.mesh.shape)
+
+    def _cap(self, kind: str, dims: tuple[int, ...], itemsize: int) -> float:
+        if self.single:
+            return math.inf
+        if self.framework == "megatron":
+            dp = math.prod(self.mesh.shape[d] for d in dims)
+            return max(MEGATRON_BUCKET_PARAMS, MEGATRON_BUCKET_PARAMS_PER_DP * dp) * itemsize
+        if kind == "reduce_scatter":
+            return math.inf  # FSDP2: the layer's gradients at once
+        cap, self.first_cap = self.first_cap, BUCKET_BYTES
+        return cap
 
     def _launch(self, key: tuple[Any, ...], now: float) -> None:
-        tensors, size, ready, _cap = self.open.pop(key)
+        tensors, size, ready, _cap, _layer = self.open.pop(key)
         kind, dims, rt, _dt = key
         dur = self._time(kind, dims, size)
         start = max(now, self.free)
         self.free = start + dur
         self.buckets.append(Bucket(kind, dims, rt, tensors, size, ready, start, dur))
 
-    def add(self, dtype: str, s: Step, size: int, now: float) -> None:
+    def add(self, dtype: str, s: Step, size: int, now: float, layer: str = "") -> None:
+        """A gradient of ``size`` bytes (its own dtype) ready at ``now``, made in ``layer``."""
         key = (s.kind, s.mesh_dims, s.reduce_type or "sum", dtype)
         b = self.open.get(key)
+        if b is not None and self.framework == "torchtitan" and s.kind == "reduce_scatter" and b[4] != layer:
+            self._launch(key, b[2])  # the previous layer's gradients are all made
+            b = None
+        itemsize = _REDUCE_ITEMSIZE.get(dtype, 0)
+        if itemsize:
+            size = size * itemsize // 2
         if b is None:
-            b = self.open[key] = [0, 0, now, self.first_cap]
-            self.first_cap = BUCKET_BYTES
+            b = self.open[key] = [0, 0, now, self._cap(s.kind, s.mesh_dims, itemsize or 2), layer]
         b[0] += 1
         b[1] += size
         b[2] = now
@@ -317,34 +450,90 @@ class _Reducer:
 @dataclass
 class _Run:
     """One micro-step in program order: its end (the optimizer waits for the last bucket), the
-    compute alone, the timeline, the buckets."""
+    end of its forward and backward, the compute alone, the timeline, the buckets."""
 
     clock: float
     serial_compute: float
     timeline: list[tuple[int, float, float, float, float]]
     buckets: list[Bucket]
+    fb_s: float = 0.0
 
 
 def _run(plan: Plan, comp: _Compute, comm: _Comm, rerun: _Rerun, kern_by_op: dict[int, float]) -> _Run:
-    red = _Reducer(plan)
+    """The ops in program order; a stored parameters' group all-gather is issued on the
+    communication stream when the group before its own starts (FSDP's prefetch of the next
+    block, forward and backward), and its first reader waits for it."""
+    red = Reducer(plan)
     clock = 0.0
     serial_compute = 0.0
     timeline: list[tuple[int, float, float, float, float]] = []
     flushed = False
+    fb = 0.0
     times = comp.times
+    groups = layer_groups(plan) if comm.prefetch else []
+    order = sorted(comm.prefetch)
+    first_of = {first: g for g, (_t, first) in comm.prefetch.items()}
+    done: dict[int, float] = {}
     for i, op in enumerate(plan.program.ops):
         if op.phase == "optimizer" and not flushed:
+            fb = clock
             clock = red.flush(clock)
             flushed = True
-        blocked = comm.blocking.get(i, 0.0) + kern_by_op.get(i, 0.0)
+        wait = 0.0
+        if groups and (i == 0 or groups[i] != groups[i - 1]):
+            # a group starts: its own gather if not yet issued, then the next group's (prefetch)
+            h = groups[i]
+            k = bisect.bisect_left(order, h)
+            for nxt in order[k:k + 2] if k < len(order) and order[k] == h else order[k:k + 1]:
+                if nxt not in done:
+                    done[nxt] = max(clock, red.free) + comm.prefetch[nxt][0]
+                    red.free = done[nxt]
+        mine = first_of.get(i)
+        if mine is not None:
+            wait = max(0.0, done.get(mine, clock) - clock)
+        blocked = wait + comm.exposed(i, times) + kern_by_op.get(i, 0.0)
         timeline.append((i, clock, blocked, rerun.extra_at.get(i, 0.0), times[i]))
         clock += blocked + times[i] + rerun.extra_at.get(i, 0.0)
         serial_compute += times[i]
         for dt, s, size in comm.pending.get(i, []):
-            red.add(dt, s, size, clock)
+            red.add(dt, s, size, clock, op.layer)
     if not flushed:
+        fb = clock
         clock = red.flush(clock)
-    return _Run(clock, serial_compute, timeline, red.buckets)
+    return _Run(clock, serial_compute, timeline, red.buckets, fb)
+
+
+@dataclass
+class OpComm:
+    """One micro-step's ops on a device, for the pipeline's stages: each op's compute seconds,
+    the seconds it waits on communication (blocking collectives, the exposed part of a
+    TP-overlapped one, the collectives inside its kernel, a prefetched parameter gather the
+    group before did not hide), and the gradient reductions its outputs feed (their buckets)."""
+
+    compute: list[float]
+    wait: list[float]
+    pending: dict[int, list[tuple[str, Step, int]]]
+    costs: list[OpCost]
+    #: the distributed optimizer's parameter all-gathers by op (:func:`param_gather_time`)
+    param_gathers: dict[int, list[tuple[tuple[int, ...], float, int]]] = field(default_factory=dict)
+
+
+def op_communication(plan: Plan, device: Device) -> OpComm:
+    """:class:`OpComm` of ``plan`` on ``device``: the step's communication model
+    (:func:`estimate_step`) per op, the FSDP prefetch as ``max(0, gather - the group before)``."""
+    comp = _compute(plan, device)
+    comm = _communication(plan, comp)
+    wait = [comm.exposed(i, comp.times) for i in range(len(comp.times))]
+    for k in kernel_collectives(plan):
+        wait[k.op_index] += k.time_s
+    if comm.prefetch:
+        groups = layer_groups(plan)
+        span: dict[int, float] = {}
+        for i, g in enumerate(groups):
+            span[g] = span.get(g, 0.0) + comp.times[i] + wait[i]
+        for g, (secs, first) in comm.prefetch.items():
+            wait[first] += max(0.0, secs - span.get(g - 1, 0.0))
+    return OpComm(comp.times, wait, comm.pending, comp.costs, comm.param_gathers)
 
 
 def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompute: str = "none") -> StepEstimate:
@@ -367,28 +556,35 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
     kern_by_op: dict[int, float] = {}
     for k in kern:
         kern_by_op[k.op_index] = kern_by_op.get(k.op_index, 0.0) + k.time_s
-    comm = _communication(plan)
     comp = _compute(plan, device)
+    comm = _communication(plan, comp)
     rerun = _rerun(plan, recompute, comp, comm, kern_by_op)
     compute, comm_s = comp.by_phase, comm.by_phase
     flops, mflops, nbytes, matmul_s = comp.flops + rerun.flops, comp.model_flops, comp.bytes, comp.matmul_s
     run = _run(plan, comp, comm, rerun, kern_by_op)
     clock = run.clock
+    if comm.param_gathers:
+        # Megatron's overlap_param_gather: the updated parameters' all-gathers run under the next
+        # step's first forward, bucket by bucket; what the forward does not cover is exposed
+        gathers = param_gather_time(plan, [x for v in comm.param_gathers.values() for x in v])
+        clock += max(0.0, gathers - compute["forward"])
     grad_sync = sum(b.time_s for b in run.buckets)
     kern_total = sum(k.time_s for k in kern)
     serial = run.serial_compute + compute.get("recompute", 0.0) + sum(comm_s.values()) + kern_total + grad_sync
     mf, n_params, att = model_flops(plan, tokens or 0)
     accum = plan.grad_accum
     if accum > 1:
-        # gradient accumulation: accum - 1 more forward and backward passes before the one above,
-        # whose backward overlaps the step's only gradient reductions
-        extra = (accum - 1) * (compute["forward"] + compute["backward"] + comm_s["forward"] + comm_s["backward"]
-                               + kern_total)
-        serial += extra
-        clock += extra
-        for ph in ("forward", "backward"):
-            compute[ph] *= accum
-            comm_s[ph] *= accum
+        # gradient accumulation: accum - 1 more forward and backward passes (each with its
+        # recomputation) before the one above, whose backward overlaps the step's only gradient
+        # reductions
+        phases = ("forward", "backward", "recompute")
+        serial += (accum - 1) * (sum(compute.get(ph, 0.0) + comm_s.get(ph, 0.0) for ph in phases) + kern_total)
+        clock += (accum - 1) * run.fb_s
+        for ph in phases:
+            if ph in compute:
+                compute[ph] *= accum
+            if ph in comm_s:
+                comm_s[ph] *= accum
         kern_total *= accum
         opt = [c for c, op in zip(comp.costs, prog.ops) if op.phase == "optimizer"]
         of, om, ob = sum(c.flops for c in opt), sum(c.model_flops for c in opt), sum(c.bytes for c in opt)
@@ -402,11 +598,12 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
     dtypes = [t.dtype for t in prog.tensors.values() if t.kind == "parameter"]
     est.peak = device.matmul_peak(max(set(dtypes), key=dtypes.count) if dtypes else "float32")
     est.recompute = recompute
-    est.recompute_flops_per_device = rerun.flops
-    est.hardware_flops = (mf + plan.mesh.size * rerun.matmul_flops) if tokens else 0.0
+    est.recompute_flops_per_device = rerun.flops * accum
+    est.hardware_flops = (mf + plan.mesh.size * rerun.matmul_flops * accum) if tokens else 0.0
     est.regathers = rerun.regathers
     est.timeline = run.timeline
     return est
 
 
-__all__ = ["BUCKET_BYTES", "FIRST_BUCKET_BYTES", "Bucket", "StepEstimate", "estimate_step", "is_grad_sync"]
+__all__ = ["BUCKET_BYTES", "FIRST_BUCKET_BYTES", "MEGATRON_BUCKET_PARAMS", "Bucket", "OpComm", "Reducer", "StepEstimate",
+           "estimate_step", "is_grad_sync", "layer_groups", "op_communication", "param_gather_time", "tp_overlap_exposed"]

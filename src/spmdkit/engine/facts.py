@@ -87,8 +87,9 @@ class LocalOp:
 class OpCost:
     """One op on one device: FLOPs executed, model FLOPs (without a kernel's recomputation),
     bytes read + written in device memory, whether it runs on the tensor cores (at the matmul
-    peak of ``dtype``), and whether its rule is costed at all. (Its time on a device:
-    :meth:`spmdkit.cost.devices.Device.op_time`.)"""
+    peak of ``dtype``), whether its rule is costed at all, and what the device's achievable rate
+    depends on (:mod:`spmdkit.cost.rates`): the GEMM shapes, the attention pass, fp8, kernels.
+    (Its time on a device: :meth:`spmdkit.cost.devices.Device.op_time`.)"""
 
     flops: float
     model_flops: float
@@ -96,6 +97,21 @@ class OpCost:
     matmul: bool = False
     dtype: str = "float32"
     covered: bool = True
+    #: the GEMMs the op runs, each ``(batch, m, n, k)`` on its local shapes (a matmul's one, its
+    #: grad's two: dx and dy); the device's GEMM efficiency is taken per shape. Empty: not GEMMs
+    #: (or their shapes unknown: the large-GEMM ceiling applies)
+    gemms: tuple[tuple[int, int, int, int], ...] = ()
+    #: a flash-attention pass: ``(backward, sequence (keys), head dim, causal)``; None otherwise
+    attention: tuple[bool, int, int, bool] | None = None
+    #: the framework whose attention kernel runs the pass (``Runtime.framework``, set by
+    #: :func:`spmdkit.cost.compute.op_cost`; the device's rates map it to a kernel; empty: megatron)
+    framework: str = ""
+    #: the GEMMs run on the fp8 tensor cores (``--precision fp8``, a linear layer's GEMM)
+    fp8: bool = False
+    #: bytes of the fp8 casts (and amax) the op adds: memory-bound kernels run before the GEMMs
+    cast_bytes: float = 0.0
+    #: kernels the op launches (0: a view, metadata only)
+    kernels: int = 1
 
 
 #: a family's cost function

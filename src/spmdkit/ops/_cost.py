@@ -53,7 +53,7 @@ def scatter_grad(c: LocalOp) -> OpCost:
 
 def no_kernel(c: LocalOp) -> OpCost:
     """Ops that run no kernel (views: metadata only; empty_like: an allocation)."""
-    return OpCost(0.0, 0.0, 0.0, False, c.dtype())
+    return OpCost(0.0, 0.0, 0.0, False, c.dtype(), kernels=0)
 
 
 def fill(c: LocalOp) -> OpCost:

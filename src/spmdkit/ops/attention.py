@@ -365,16 +365,26 @@ def _fwd_flops(c: LocalOp) -> float:
     return f / 2 if c.attr("causal", False) else f
 
 
+def _pass(c: LocalOp, backward: bool) -> tuple[bool, int, int, bool]:
+    """What the kernel's achievable rate depends on: the pass, the key sequence, the head dim,
+    causality (:func:`spmdkit.cost.rates.attention_efficiency`)."""
+    q, k = c.one("q"), c.one("k")
+    assert q is not None and k is not None
+    return backward, k[0][-3], q[0][-1], bool(c.attr("causal", False))
+
+
 def _attention_cost(c: LocalOp) -> OpCost:
+    """The forward pass: its own rate (FlashAttention's forward reaches more of the peak than its
+    backward)."""
     f = _fwd_flops(c)
-    return OpCost(f, f, c.in_bytes + c.out_bytes, True, c.dtype())
+    return OpCost(f, f, c.in_bytes + c.out_bytes, True, c.dtype(), attention=_pass(c, False))
 
 
 def _attention_grad_cost(c: LocalOp) -> OpCost:
     """The backward recomputes QK^T: five matmuls to the forward's two (2.5x executed), the
-    model counts 2x (FlashAttention's own accounting)."""
+    model counts 2x (FlashAttention's own accounting); timed at the backward's rate."""
     f = _fwd_flops(c)
-    return OpCost(2.5 * f, 2.0 * f, c.in_bytes + c.out_bytes, True, c.dtype())
+    return OpCost(2.5 * f, 2.0 * f, c.in_bytes + c.out_bytes, True, c.dtype(), attention=_pass(c, True))
 
 
 facts("flash_attention", cost=_attention_cost)

@@ -492,7 +492,8 @@ def _param_grad_add_cost(c: LocalOp) -> OpCost:
     assert x is not None and dout is not None
     k = x[0][-1] if x[0] else 1
     f = 2.0 * numel(dout[0]) * k
-    return OpCost(f, f, c.in_bytes + c.out_bytes, True, c.dtype())
+    n = dout[0][-1] if dout[0] else 1
+    return OpCost(f, f, c.in_bytes + c.out_bytes, True, c.dtype(), gemms=((1, k, n, numel(dout[0]) // max(n, 1)),))
 
 
 def _einsum_flops(c: LocalOp) -> float | None:

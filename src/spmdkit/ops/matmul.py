@@ -196,8 +196,10 @@ def k_of(x: LocalTensor, trans: bool) -> int:
     return s[-2] if trans else s[-1]
 
 
-def _out_numel(c: LocalOp) -> int:
-    """Elements of the (local) product, from x and y (``input`` and ``weight`` for a linear)."""
+def gemm_dims(c: LocalOp) -> tuple[int, int, int, int]:
+    """The (local) product as one GEMM ``(batch, m, n, k)`` from x and y (``input`` and ``weight``
+    for a linear): a y without batch axes (a weight) folds x's batch into m (one GEMM, as the
+    frameworks run a linear layer); else the broadcast batch is the GEMM's batch count."""
     x, y = c.one("x") or c.one("input"), c.one("y") or c.one("weight")
     tx = bool(c.attr("trans_x", False))
     ty = bool(c.attr("trans_y", c.attr("transpose_weight", False)))
@@ -210,28 +212,33 @@ def _out_numel(c: LocalOp) -> int:
     bx = (1,) * (nb - len(bx)) + tuple(bx)
     by = (1,) * (nb - len(by)) + tuple(by)
     batch = numel(max(a, b) for a, b in zip(bx, by))
-    return batch * m * n
-
-
-def _contraction(c: LocalOp) -> int:
-    x = c.one("x") or c.one("input")
-    assert x is not None
-    return k_of(x, bool(c.attr("trans_x", False)))
+    k = k_of(x, tx)
+    if numel(by) == 1:
+        return 1, batch * m, n, k
+    return batch, m, n, k
 
 
 def cost(c: LocalOp) -> OpCost:
-    """``2mnk`` (batched, transposed; plus ``mn`` for a bias), on the tensor cores."""
-    f = 2.0 * _out_numel(c) * _contraction(c)
+    """``2mnk`` (batched, transposed; plus ``mn`` for a bias), on the tensor cores: one GEMM."""
+    b, m, n, k = gemm_dims(c)
+    f = 2.0 * b * m * n * k
     if c.one("bias") is not None:
-        f += _out_numel(c)
-    return OpCost(f, f, c.in_bytes + c.out_bytes, True, c.dtype())
+        f += b * m * n
+    return OpCost(f, f, c.in_bytes + c.out_bytes, True, c.dtype(), gemms=((b, m, n, k),))
 
 
 def grad_cost(c: LocalOp) -> OpCost:
-    """``2mnk`` per input gradient made (x_grad, y_grad)."""
-    grads = sum(1 for o in c.outs[:2] if o is not None)
-    f = 2.0 * _out_numel(c) * _contraction(c) * grads
-    return OpCost(f, f, c.in_bytes + c.out_bytes, True, c.dtype())
+    """``2mnk`` per input gradient made: x_grad ``= out_grad · y^T`` (an (m, k) output over n),
+    y_grad ``= x^T · out_grad`` (a (k, n) output over m: over the batch too where y is a weight,
+    whose GEMM folds it into m)."""
+    b, m, n, k = gemm_dims(c)
+    gemms: list[tuple[int, int, int, int]] = []
+    if len(c.outs) > 0 and c.outs[0] is not None:
+        gemms.append((b, m, k, n))
+    if len(c.outs) > 1 and c.outs[1] is not None:
+        gemms.append((b, k, n, m))
+    f = sum(2.0 * g[0] * g[1] * g[2] * g[3] for g in gemms)
+    return OpCost(f, f, c.in_bytes + c.out_bytes, True, c.dtype(), gemms=tuple(gemms))
 
 
 facts("matmul", cost=cost)

@@ -52,7 +52,9 @@ from typing import Any
 
 from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
-from spmdkit.cost.compute import kernel_collectives, model_flops, op_cost
+from spmdkit.core.reshard import Step
+from spmdkit.cost.collectives import Fabric, Group, collective_time
+from spmdkit.cost.compute import model_flops
 from spmdkit.cost.devices import Device
 from spmdkit.cost.memory import (
     MICROBATCH,
@@ -67,7 +69,7 @@ from spmdkit.cost.memory import (
     value_inputs,
     with_overheads,
 )
-from spmdkit.cost.step import is_grad_sync
+from spmdkit.cost.step import Bucket, Reducer, op_communication, param_gather_time
 from spmdkit.models.zoo import Model, preset
 from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, parse_size, plan_model
 from spmdkit.program.ir import Program
@@ -242,11 +244,17 @@ class ScheduleRun:
 
 
 def run_schedule(schedule: str, p: int, v: int, m: int, fwd: list[float], bwd: list[float],
-                 send_f: list[float] | None = None, send_b: list[float] | None = None) -> ScheduleRun:
+                 send_f: list[float] | None = None, send_b: list[float] | None = None,
+                 blocking_sends: bool | None = None) -> ScheduleRun:
     """Simulate the schedule: ``fwd[k]`` / ``bwd[k]`` the time of virtual stage ``k`` for one
     microbatch, ``send_f[k]`` / ``send_b[k]`` the time to send its output activations to stage
     ``k+1`` / the gradients of its inputs to ``k-1`` (``send_b[k]`` is stage ``k+1``'s send back
-    to ``k``)."""
+    to ``k``). ``blocking_sends`` (default: every schedule but interleaved): the sender waits for
+    its send to complete before its next unit, as Megatron-LM's 1F1B does (its p2p calls wait on
+    the exchange); the interleaved schedule overlaps its sends with the next unit's compute
+    (Megatron's ``overlap_p2p_comm``), so there only the receiver waits."""
+    if blocking_sends is None:
+        blocking_sends = schedule != "interleaved"
     n = p * v
     sf = send_f or [0.0] * n
     sb = send_b or [0.0] * n
@@ -277,6 +285,8 @@ def run_schedule(schedule: str, p: int, v: int, m: int, fwd: list[float], bwd: l
                 free[r] = start + dur
                 units.append((r, kind, k, i, start, free[r]))
                 done[(kind, k, i)] = free[r]
+                if blocking_sends:
+                    free[r] += (sf[k] if k < n - 1 else 0.0) if kind == "F" else (sb[k - 1] if k > 0 else 0.0)
                 if kind == "B":
                     last_b[r] = dur
                 pos[r] += 1
@@ -319,9 +329,12 @@ class StageCost:
     unsharded_gradients: int = 0
     peak_op: int = 0
     flops: float = 0.0
+    #: the parameter gradients' reductions: (share of the stage's backward done when the
+    #: gradient is made, its dtype, the reduction, its bytes, its layer); timed in buckets
+    grads: list[tuple[float, str, Step, int, str]] = field(default_factory=list, repr=False)
 
     def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if k != "grads"}
 
 
 def stage_costs(plan: Plan, stages: list[int], counts: tuple[int, ...], device: Device | None = None,
@@ -451,25 +464,16 @@ def _stash_and_sends(plan: Plan, stages: list[int], out: list[StageCost], nbytes
 
 
 def _stage_times(plan: Plan, stages: list[int], out: list[StageCost], device: Device, rerun: set[int]) -> None:
-    """Each stage's forward, backward, recomputation and optimizer times and its gradient
-    reductions, on ``device``."""
-    extra: dict[int, float] = {}
-    grads_synced = plan.param_grads()
-    for kc in kernel_collectives(plan):
-        extra[kc.op_index] = extra.get(kc.op_index, 0.0) + kc.time_s
-    for r in plan.reshards:
-        if r.shared:
-            continue
-        for st in r.plan.steps:
-            if st.bytes_per_rank == 0:
-                continue
-            if is_grad_sync(plan, r, st, grads_synced):
-                out[stages[r.op_index]].grad_sync_s += st.time_s
-            else:
-                extra[r.op_index] = extra.get(r.op_index, 0.0) + st.time_s
+    """Each stage's forward, backward, recomputation and optimizer times (each op's compute and
+    the communication it waits on: :func:`spmdkit.cost.step.op_communication`, the step's own
+    model), its gradient reductions (where in its backward each gradient is made) and their
+    time in buckets (:class:`spmdkit.cost.step.Reducer`), on ``device``."""
+    oc = op_communication(plan, device)
+    made: list[list[tuple[float, str, Step, int, str]]] = [[] for _ in out]
+    gathers: list[list[tuple[tuple[int, ...], float, int]]] = [[] for _ in out]
     for i, op in enumerate(plan.program.ops):
-        c = op_cost(plan, i)
-        t = device.op_time(c) + extra.get(i, 0.0)
+        c = oc.costs[i]
+        t = oc.compute[i] + oc.wait[i]
         sc = out[stages[i]]
         if i in rerun:
             sc.recompute_s += t
@@ -480,6 +484,31 @@ def _stage_times(plan: Plan, stages: list[int], out: list[StageCost], device: De
             sc.backward_s += t
         else:
             sc.optimizer_s += t
+        for dt, st, size in oc.pending.get(i, ()):
+            made[stages[i]].append((sc.backward_s, dt, st, size, op.layer))
+        gathers[stages[i]] += oc.param_gathers.get(i, [])
+    for sc, items in zip(out, gathers):
+        # Megatron's overlap_param_gather: under the next step's first forward on the stage
+        sc.optimizer_s += max(0.0, param_gather_time(plan, items) - sc.forward_s) if items else 0.0
+    for sc, grads in zip(out, made):
+        sc.grads = [(at / sc.backward_s if sc.backward_s > 0 else 1.0, dt, st, size, layer)
+                    for at, dt, st, size, layer in grads]
+        red = Reducer(plan)
+        for _f, dt, st, size, layer in sc.grads:
+            red.add(dt, st, size, 0.0, layer)
+        sc.grad_sync_s = red.flush(0.0)
+
+
+def reduce_gradients(plan: Plan, grads: list[tuple[float, str, Step, int, str]], end: float,
+                     single: bool = False) -> tuple[float, list[Bucket]]:
+    """One pipeline device's gradient reductions, ``grads`` as (time made, dtype, reduction,
+    bytes, layer): in the framework's buckets from the time each is made, or (``single``) all
+    in one bucket launched at ``end``, the end of the device's last backward; (when the last is
+    done, the buckets)."""
+    red = Reducer(plan, single=single)
+    for at, dt, st, size, layer in sorted(grads, key=lambda g: g[0]):
+        red.add(dt, st, size, end if single else at, layer)
+    return red.flush(end), red.buckets
 
 
 # -- the whole pipeline ---------------------------------------------------------------------------
@@ -564,10 +593,7 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...], d
     stages = op_stages(plan.program, counts)
     costs = stage_costs(plan, stages, counts, device, per_microbatch_mode(recompute))
     n = p * v
-    alpha, beta = pp_link
-
-    def send(b: int) -> float:
-        return 0.0 if p == 1 or b == 0 else alpha + b * beta
+    send = _sender(p, pp_link, device)
 
     send_f = [send(costs[k].send_bytes) if k < n - 1 else 0.0 for k in range(n)]
     send_b = [send(costs[k + 1].send_grad_bytes) if k < n - 1 else 0.0 for k in range(n)]
@@ -595,13 +621,7 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...], d
     run = run_schedule(spec.schedule, p, v, m, [c.forward_s for c in costs], bwd,
                        send_f, send_b)
     est.run = run
-    serial, overlap = [], []
-    for r in range(p):
-        g = sum(costs[c * p + r].grad_sync_s for c in range(v))
-        o = sum(costs[c * p + r].optimizer_s for c in range(v))
-        serial.append(run.finish_s[r] + g + o)
-        overlap.append(run.finish_s[r] + max(0.0, g - run.last_backward_s[r]) + o)
-    est.step_serial_s, est.step_overlap_s = max(serial), max(overlap)
+    est.step_serial_s, est.step_overlap_s = _step_times(plan, spec, costs, run)
     mb_tokens = tokens // m if tokens else 0
     mf, _n, _att = model_flops(plan, mb_tokens)
     est.tokens, est.model_flops = tokens, mf * m if tokens else 0.0
@@ -634,6 +654,62 @@ def _rank_memory(plan: Plan, mine: list[StageCost], flight: float, p: int, v: in
     ug = sum(c.unsharded_gradients for c in mine) if p > 1 else 0
     return with_overheads(sum(c.parameters for c in mine) + up, sum(c.gradients for c in mine) + ug,
                           sum(c.optimizer_states for c in mine), act, peak_op, plan, p)
+
+
+def _sender(p: int, pp_link: tuple[float, float], device: Device | None) -> Callable[[int], float]:
+    """The time of one pipeline send of ``b`` bytes: NCCL's send/recv
+    (:func:`spmdkit.cost.collectives.collective_time`) over the device's link the pp dim
+    takes (NVLink in a node, the GPU's NIC across nodes), or ``alpha + b beta`` of a link the
+    device does not have (``--cost pp=...``)."""
+    alpha, beta = pp_link
+    scope = None
+    if device is not None:
+        for where, link in (("intra_node", device.intra), ("inter_node", device.inter)):
+            c = link.cost()
+            if abs(c.alpha_s - alpha) <= 1e-12 and abs(c.beta_s_per_byte - beta) <= 1e-6 * beta:
+                scope = where
+                break
+    fabric = Fabric.of(device.intra.bytes_per_s, device.inter.bytes_per_s, device.ranks_per_node,
+                       device.measured) if device is not None and scope else None
+    group = Group(2, 2 if scope == "intra_node" else 1)
+
+    def send(b: int) -> float:
+        if p == 1 or b == 0:
+            return 0.0
+        if fabric is not None:
+            return collective_time("send_recv", b, group, fabric)
+        return alpha + b * beta
+
+    return send
+
+
+def _step_times(plan: Plan, spec: PipelineSpec, costs: list[StageCost], run: ScheduleRun) -> tuple[float, float]:
+    """(serial, overlapped) step: each device's schedule, then its gradient reductions and its
+    optimizer. Overlapped: the reductions in the framework's buckets from the time the last
+    microbatch's backward makes each gradient (Megatron's ``overlap_grad_reduce``); Megatron-Core
+    buckets only on the first pipeline rank and gives every other rank one bucket after its last
+    backward (its reductions are off the critical path: those ranks finish first); the step
+    ends when the slowest device is done (the optimizer's gradient norm spans every stage)."""
+    p, v = spec.pp, spec.virtual
+    last: dict[int, tuple[float, float]] = {}
+    for _r, kind, k, i, start, end in run.units:
+        if kind == "B" and i == spec.microbatches - 1:
+            last[k] = (start, end)
+    serial, overlap = [], []
+    for r in range(p):
+        grads: list[tuple[float, str, Step, int, str]] = []
+        for c in range(v):
+            k = c * p + r
+            start, end = last.get(k, (run.finish_s[r], run.finish_s[r]))
+            grads += [(start + f * (end - start), dt, st, size, layer)
+                      for f, dt, st, size, layer in costs[k].grads]
+        o = sum(costs[c * p + r].optimizer_s for c in range(v))
+        g = sum(costs[c * p + r].grad_sync_s for c in range(v))
+        single = plan.runtime.framework == "megatron" and r > 0
+        done, _b = reduce_gradients(plan, grads, run.finish_s[r], single)
+        serial.append(run.finish_s[r] + g + o)
+        overlap.append(done + o)
+    return max(serial), max(overlap)
 
 
 # -- planning ----------------------------------------------------------
@@ -687,4 +763,5 @@ def pp_cost_text(cost_text: str | None, mesh: ProcessMesh | None) -> str | None:
 
 __all__ = ["SCHEDULES", "PipelineEstimate", "PipelineSpec", "ScheduleRun", "StageCost", "bubble_formula",
            "estimate_pipeline", "even_split", "in_flight", "op_stages", "parse_spec", "plan_pipeline", "pp_cost_text",
+           "reduce_gradients",
            "run_schedule", "schedule_order", "split_layers", "stage_costs", "sub_mesh_text"]

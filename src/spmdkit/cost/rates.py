@@ -1,0 +1,255 @@
+"""Achievable rates: the fraction of a GPU's datasheet peak a kernel reaches, by what it is. The
+roofline of :meth:`spmdkit.cost.devices.Device.op_time` divides by these rates instead of the
+datasheet peaks. Standard library only. docs/devices.md, "Achievable rates".
+
+- GEMMs (:func:`gemm_efficiency`): the large-GEMM ceiling of the dtype (cuBLAS's best measured
+  rate over large shapes, a fraction of the tensor-core peak) times the *tile and wave
+  quantisation* of the (batch, M, N, K) GEMM over the GPU's SMs (NVIDIA's "Matrix Multiplication
+  Background User's Guide", ch. 3: the output is cut into CTA tiles, the tiles run in waves of
+  one per SM; the kernel picks the tile that wastes least) times a saturating curve in K
+  (``K / (K + K0)``: a tile's prologue and epilogue cost as much as ``K0`` of its main loop).
+- Flash attention (:func:`attention_efficiency`): forward and backward separately, a fraction of
+  the bf16 peak by kernel (FlashAttention-2, cuDNN / FlashAttention-3), saturating in the
+  sequence length (``s / (s + S0)``, causal: half the sequence) and in the head dim.
+- Memory-bound ops: a fraction of the datasheet HBM bandwidth (STREAM-like copy / triad).
+- Every kernel takes at least ``launch_s`` (an eager framework issues one kernel per op; a
+  kernel shorter than the launch rate leaves the GPU waiting on the host).
+- :class:`spmdkit.cost.measured.Measured` (``spmdkit calibrate``) overrides the model:
+  :func:`measured_gemm` (log-space inverse-distance interpolation over the nearest measured
+  shapes of the dtype), :func:`measured_attention` (the nearest point).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from spmdkit.core.errors import ProgramError
+from spmdkit.cost.measured import Measured
+
+#: the CTA tiles cuBLAS / CUTLASS choose from for tensor-core GEMMs (M x N), NVIDIA's guide §2.3;
+#: each tile's relative efficiency is its operand reuse, ``TM·TN/(TM+TN)`` FLOPs per byte loaded,
+#: against a 128x128 tile's (the smallest tile that keeps the tensor cores fed; a 64x64 tile moves
+#: twice the operand bytes per FLOP)
+TILES = ((256, 128), (128, 256), (128, 128), (256, 64), (64, 256), (128, 64), (64, 128), (64, 64))
+
+
+def _reuse(tm: int, tn: int) -> float:
+    return min(1.0, (tm * tn / (tm + tn)) / 64.0)
+
+
+#: the training frameworks' attention kernel on a GPU generation (``Runtime.framework`` ->
+#: kernel): Megatron-Core runs Transformer Engine's cuDNN fused attention; torchtitan runs torch's
+#: scaled_dot_product_attention, whose flash backend is FlashAttention-2
+ATTENTION_KERNELS = ("fa2", "cudnn")
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What a GPU reaches, as fractions of its datasheet figures (docs/devices.md gives the
+    source of every preset's numbers).
+
+    ``sms``: streaming multiprocessors (the waves of a GEMM); ``gemm``: the large-GEMM ceiling per
+    dtype key (bf16, fp16, tf32, fp32, fp8) as a fraction of that dtype's peak; ``k0``: the K a
+    tile's prologue and epilogue cost; ``attention``: kernel -> (forward, backward) fraction of the
+    bf16 peak at head dim 128 and a long sequence; ``attention_kernel``: framework -> kernel;
+    ``s0`` / ``d0``: the sequence and head dim at which attention runs at half its asymptote;
+    ``hbm``: fraction of the HBM bandwidth memory-bound kernels reach; ``launch_s``: the least
+    time of a kernel."""
+
+    sms: int
+    gemm: Mapping[str, float]
+    attention: Mapping[str, tuple[float, float]]
+    attention_kernel: Mapping[str, str] = field(default_factory=lambda: {"megatron": "fa2", "torchtitan": "fa2"})
+    hbm: float = 0.85
+    launch_s: float = 4e-6
+    k0: float = 128.0
+    s0: float = 256.0
+    d0: float = 32.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"sms": self.sms, "gemm": dict(self.gemm),
+                "attention": {k: {"fwd": f, "bwd": b} for k, (f, b) in self.attention.items()},
+                "attention_kernel": dict(self.attention_kernel), "hbm": self.hbm, "launch_us": self.launch_s * 1e6,
+                "k0": self.k0, "s0": self.s0, "d0": self.d0}
+
+
+# -- the presets (docs/devices.md, "Achievable rates", gives every source) -------------------------
+
+#: A100 SXM4: 108 SMs (NVIDIA A100 whitepaper). bf16/fp16 ceiling 0.859 = 267.9 / 312 TFLOP/s, the
+#: best cuBLAS matmul measured by ml-engineering's mamf-finder (CUDA 12.1); tf32 likewise assumed.
+#: FlashAttention-2 paper (Dao 2023) Fig. 4-6, head dim 128: forward up to ~0.70 of 312, backward
+#: ~0.58. STREAM-like copy on A100 80GB: ~1.75 TB/s of 2.039 (0.86); 40GB: ~1.37 of 1.555 (0.88).
+_A100_GEMM = 267.9 / 312
+A100_RATES = Rates(108, {"bf16": _A100_GEMM, "fp16": _A100_GEMM, "tf32": _A100_GEMM, "fp32": 0.95},
+                   {"fa2": (0.70, 0.58)}, {"megatron": "fa2", "torchtitan": "fa2"}, hbm=0.86)
+A100_40_RATES = Rates(108, A100_RATES.gemm, A100_RATES.attention, A100_RATES.attention_kernel, hbm=0.88)
+#: H100 SXM5: 132 SMs (NVIDIA H100 whitepaper). bf16 ceiling 0.801 = 792.1 / 989 (mamf-finder, CUDA
+#: 12.1; GH200 reached 0.83); fp8 0.68 of 1979 (cuBLASLt / Transformer Engine fp8 GEMMs, ~1.3-1.4
+#: PFLOP/s on large shapes). FlashAttention-2 on H100: ~0.36 forward / 0.31 backward (FA-3 paper,
+#: Shah et al. 2024, its FA-2 baseline at head dim 128); cuDNN fused attention / FA-3: ~0.65 / 0.50
+#: (FA-3 paper Fig. 5-7, bf16, head dim 128). HBM3 STREAM-like copy ~3.0 TB/s of 3.35 (0.90).
+_H100_GEMM = 792.1 / 989
+H100_RATES = Rates(132, {"bf16": _H100_GEMM, "fp16": _H100_GEMM, "tf32": _H100_GEMM, "fp32": 0.95, "fp8": 0.68},
+                   {"fa2": (0.36, 0.31), "cudnn": (0.65, 0.50)}, {"megatron": "cudnn", "torchtitan": "fa2"},
+                   hbm=0.90)
+#: H200 SXM5: the H100's GPU (132 SMs, the same peaks) with HBM3e at 4.8 TB/s; its larger power
+#: budget holds clocks a little better (GH200 0.83): the H100's fractions, HBM ~0.88.
+H200_RATES = Rates(132, H100_RATES.gemm, H100_RATES.attention, H100_RATES.attention_kernel, hbm=0.88)
+
+
+# -- the model ------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=65536)
+def tile_wave_utilisation(batch: int, m: int, n: int, sms: int) -> float:
+    """The useful share of the tensor cores' work for a ``batch`` x (m x n) output cut into the
+    best of :data:`TILES`: ``m·n·batch / (waves · sms · TM·TN)`` times the tile's reuse, the tile
+    that gives most (NVIDIA's guide ch. 3: tile quantisation, then wave quantisation)."""
+    best = 0.0
+    for tm, tn in TILES:
+        tiles = -(-m // tm) * -(-n // tn) * batch
+        waves = -(-tiles // sms)
+        u = (m * n * batch) / (waves * sms * tm * tn) * _reuse(tm, tn)
+        if u > best:
+            best = u
+    return best
+
+
+def gemm_efficiency(rates: Rates, key: str, batch: int, m: int, n: int, k: int) -> float:
+    """The fraction of the ``key`` peak a (batch, m, n, k) GEMM reaches: the ceiling, the tile and
+    wave utilisation, and ``K / (K + K0)`` (normalised to 1 at K = 2048, where the ceiling was
+    measured; capped at 1)."""
+    ceiling = rates.gemm.get(key) or rates.gemm.get("bf16", 0.8)
+    ksat = min(1.0, (k / (k + rates.k0)) / (2048.0 / (2048.0 + rates.k0)))
+    return ceiling * tile_wave_utilisation(max(batch, 1), max(m, 1), max(n, 1), rates.sms) * ksat
+
+
+def attention_efficiency(rates: Rates, kernel: str, backward: bool, seq: int, head_dim: int, causal: bool) -> float:
+    """The fraction of the bf16 peak a flash-attention pass reaches: the kernel's asymptote (head
+    dim 128, long sequences) times ``s / (s + S0)`` (causal: half the sequence: the kernel skips
+    the masked blocks) and ``d / (d + D0)`` normalised at d = 128 (capped at 1)."""
+    fwd, bwd = rates.attention.get(kernel) or next(iter(rates.attention.values()))
+    s = max(seq / 2 if causal else seq, 1.0)
+    ssat = s / (s + rates.s0)
+    dsat = min(1.0, (head_dim / (head_dim + rates.d0)) / (128.0 / (128.0 + rates.d0)))
+    return (bwd if backward else fwd) * ssat * dsat
+
+
+def _dist(a: tuple[float, ...], b: tuple[float, ...]) -> float:
+    return math.sqrt(sum((math.log(x) - math.log(y)) ** 2 for x, y in zip(a, b)))
+
+
+def measured_gemm(measured: Measured, key: str, m: int, n: int, k: int) -> float | None:
+    """TFLOP/s (x1e12) of an (m, n, k) GEMM of dtype ``key`` from the measured points of that dtype:
+    the exact shape, else an inverse-distance average in log(M, N, K) over the nearest four;
+    None where none of the dtype was measured."""
+    pts = [p for p in measured.gemm if p.dtype == key]
+    if not pts:
+        return None
+    want = (float(max(m, 1)), float(max(n, 1)), float(max(k, 1)))
+    near = sorted((_dist(want, (p.m, p.n, p.k)), p.tflops) for p in pts)[:4]
+    if near[0][0] < 1e-9:
+        return near[0][1] * 1e12
+    w = [1.0 / d for d, _ in near]
+    return sum(wi * t for wi, (_, t) in zip(w, near)) / sum(w) * 1e12
+
+
+def measured_attention(measured: Measured, key: str, backward: bool, seq: int, head_dim: int,
+                       causal: bool) -> float | None:
+    """FLOP/s of a flash-attention pass from the nearest measured point (the same causality and
+    dtype first; log distance over sequence and head dim); None where none was measured."""
+    pts = [p for p in measured.attention if p.dtype == key] or list(measured.attention)
+    if not pts:
+        return None
+    same = [p for p in pts if p.causal == causal] or pts
+    p = min(same, key=lambda q: _dist((float(seq), float(head_dim)), (q.seq, q.head_dim)))
+    return (p.bwd_tflops if backward else p.fwd_tflops) * 1e12
+
+
+# -- a device file's "efficiency" object ----------------------------------------------------------
+
+_FIELDS = ("sms", "gemm", "attention", "attention_kernel", "hbm", "launch_us", "k0", "s0", "d0")
+
+
+def _frac(where: str, v: Any) -> float:
+    ok = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(float(v)) and 0 < v <= 1
+    if not ok:
+        raise ProgramError(f"--device efficiency.{where}: expected a fraction of the peak in (0, 1], "
+                           f"got {json.dumps(v)[:40]}")
+    return float(v)
+
+
+def _positive(where: str, v: Any, hi: float) -> float:
+    ok = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(float(v)) and 0 <= v <= hi
+    if not ok:
+        raise ProgramError(f"--device efficiency.{where}: expected a number from 0 to {hi:g}, got {json.dumps(v)[:40]}")
+    return float(v)
+
+
+def parse_rates(obj: Any, base: Rates, peak_keys: tuple[str, ...]) -> Rates:
+    """``base`` with the fields of a device file's ``"efficiency"`` object (docs/devices.md);
+    ProgramError naming the field."""
+    if not isinstance(obj, dict):
+        raise ProgramError("--device efficiency: expected an object")
+    unknown = sorted(set(obj) - set(_FIELDS))
+    if unknown:
+        raise ProgramError(f"--device efficiency: unknown field {unknown[0][:40]!r} (fields: {', '.join(_FIELDS)})")
+    got: dict[str, Any] = {}
+    if "sms" in obj:
+        v = obj["sms"]
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 100_000:
+            raise ProgramError(f"--device efficiency.sms: expected an integer from 1 to 100000, got {json.dumps(v)[:40]}")
+        got["sms"] = v
+    if "gemm" in obj:
+        g = obj["gemm"]
+        if not isinstance(g, dict):
+            raise ProgramError(f"--device efficiency.gemm: expected an object of {', '.join(peak_keys)} -> fraction")
+        gemm = dict(base.gemm)
+        for key, v in g.items():
+            if key not in peak_keys:
+                raise ProgramError(f"--device efficiency.gemm: unknown dtype {str(key)[:20]!r} (one of "
+                                   f"{', '.join(peak_keys)})")
+            gemm[key] = _frac(f"gemm.{key}", v)
+        got["gemm"] = gemm
+    if "attention" in obj:
+        a = obj["attention"]
+        if not isinstance(a, dict):
+            raise ProgramError("--device efficiency.attention: expected an object of kernel -> {fwd, bwd}")
+        att = dict(base.attention)
+        for key, v in a.items():
+            if key not in ATTENTION_KERNELS:
+                raise ProgramError(f"--device efficiency.attention: unknown kernel {str(key)[:20]!r} (one of "
+                                   f"{', '.join(ATTENTION_KERNELS)})")
+            if not isinstance(v, dict) or set(v) != {"fwd", "bwd"}:
+                raise ProgramError(f"--device efficiency.attention.{key}: expected an object with fwd and bwd")
+            att[key] = (_frac(f"attention.{key}.fwd", v["fwd"]), _frac(f"attention.{key}.bwd", v["bwd"]))
+        got["attention"] = att
+    if "attention_kernel" in obj:
+        ak = obj["attention_kernel"]
+        if not isinstance(ak, dict) or not all(isinstance(v, str) and v in ATTENTION_KERNELS for v in ak.values()):
+            raise ProgramError(f"--device efficiency.attention_kernel: expected an object of framework -> one of "
+                               f"{', '.join(ATTENTION_KERNELS)}")
+        got["attention_kernel"] = {**base.attention_kernel, **ak}
+    if "hbm" in obj:
+        got["hbm"] = _frac("hbm", obj["hbm"])
+    if "launch_us" in obj:
+        got["launch_s"] = _positive("launch_us", obj["launch_us"], 1e6) * 1e-6
+    for key in ("k0", "s0", "d0"):
+        if key in obj:
+            got[key] = _positive(key, obj[key], 1e9)
+    new = Rates(**{**base.__dict__, **got})
+    missing = [k for k in new.attention_kernel.values() if k not in new.attention]
+    if missing:
+        raise ProgramError(f"--device efficiency.attention_kernel: kernel {missing[0]!r} has no rates in "
+                           f"efficiency.attention")
+    return new
+
+
+__all__ = ["A100_40_RATES", "A100_RATES", "ATTENTION_KERNELS", "H100_RATES", "H200_RATES", "TILES", "Rates",
+           "attention_efficiency", "gemm_efficiency", "measured_attention", "measured_gemm", "parse_rates",
+           "tile_wave_utilisation"]
