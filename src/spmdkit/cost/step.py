@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from spmdkit.core.dist_attr import entry_dims
 from spmdkit.core.reshard import Step
 from spmdkit.cost.collectives import buffer_bytes, time_of
 from spmdkit.cost.compute import KernelCollective, kernel_collectives, local_shape, model_flops, op_cost
@@ -288,6 +289,29 @@ def _adjacent_gemm(plan: Plan, comp: _Compute, tensor: str, i: int, producer: di
     return next((c for c in cands if c >= 0 and comp.costs[c].matmul), -1)
 
 
+def distributed_optimizer_grads(plan: Plan) -> dict[tuple[int, ...], set[str]]:
+    """Megatron's distributed optimizer (``framework`` megatron, ZeRO-1/2: the optimizer reads a
+    gradient sharded over the data-parallel dims): it reduce-scatters the gradient buffer into
+    each rank's shard rather than all-reducing it (Megatron-LM docs/distrib_optimizer.md), half
+    the bytes of an all-reduce. Mesh dims -> the gradients the optimizer reads sharded over them."""
+    out: dict[tuple[int, ...], set[str]] = {}
+    if plan.runtime.framework != "megatron":
+        return out
+    prog = plan.program
+    for op_plan in plan.ops:
+        if op_plan.op.phase != "optimizer":
+            continue
+        name, need = op_plan.op.inputs.get("grad"), op_plan.required.get("grad")
+        if not isinstance(name, str) or need is None or prog.tensors[name].kind != "gradient":
+            continue
+        dims = tuple(sorted(d for e in need.dims_mapping for d in entry_dims(e)))
+        for k in range(1, len(dims) + 1):
+            out.setdefault(dims[:k], set()).add(name)
+        for d in dims:
+            out.setdefault((d,), set()).add(name)
+    return out
+
+
 def _communication(plan: Plan, comp: _Compute) -> _Comm:
     """Gradient reductions (:func:`is_grad_sync`) go to the op that makes the gradient (they
     wait for a bucket); a stored parameter's all-gather (ZeRO-3 / FSDP: ``plan.storage``) joins
@@ -301,6 +325,7 @@ def _communication(plan: Plan, comp: _Compute) -> _Comm:
     gathers: dict[int, dict[tuple[int, ...], float]] = {}
     param_grads = plan.param_grads()
     overlap_tp = plan.runtime.tp_comm_overlap
+    rs_grads = distributed_optimizer_grads(plan)
     readers: dict[str, list[int]] = {}
     if overlap_tp:
         for j, op in enumerate(prog.ops):
@@ -316,6 +341,8 @@ def _communication(plan: Plan, comp: _Compute) -> _Comm:
                 continue
             if is_grad_sync(plan, r, s, param_grads):
                 size = numel(local_shape(t.shape, s.src)) * t.itemsize
+                if s.kind == "all_reduce" and r.tensor in rs_grads.get(s.mesh_dims, ()):
+                    s = replace(s, kind="reduce_scatter")  # Megatron's distributed optimizer
                 out.pending.setdefault(producer.get(r.tensor, i), []).append((t.dtype, s, size))
                 continue
             out.by_phase[prog.ops[i].phase] += s.time_s
