@@ -113,14 +113,16 @@ class ModelConfig:
 #: Published sizes (GPT-2's vocabulary padded to 50304 as Megatron-LM does, so it divides
 #: tensor-parallel degrees); tiny ones for tests and ``--verify``.
 PRESETS: dict[str, ModelConfig] = {
-    "gpt2-small": ModelConfig("gpt2", 12, 768, 12, None, 3072, 50304, 1024, 8, "bfloat16"),
-    "gpt2-medium": ModelConfig("gpt2", 24, 1024, 16, None, 4096, 50304, 1024, 8, "bfloat16"),
+    # GPT-2 as trained today: flash attention (PyTorch SDPA in HF transformers, Megatron-Core)
+    "gpt2-small": ModelConfig("gpt2", 12, 768, 12, None, 3072, 50304, 1024, 8, "bfloat16", attention="flash"),
+    "gpt2-medium": ModelConfig("gpt2", 24, 1024, 16, None, 4096, 50304, 1024, 8, "bfloat16", attention="flash"),
     "llama-7b": ModelConfig("llama", 32, 4096, 32, 32, 11008, 32000, 4096, 8, "bfloat16"),
     "llama-13b": ModelConfig("llama", 40, 5120, 40, 40, 13824, 32000, 4096, 8, "bfloat16"),
     "llama-70b": ModelConfig("llama", 80, 8192, 64, 8, 28672, 32000, 4096, 8, "bfloat16"),
     "tiny-llama": ModelConfig("llama", 2, 16, 4, 2, 32, 64, 8, 4, "float32"),
     "tiny-gpt2": ModelConfig("gpt2", 2, 16, 4, None, 32, 64, 8, 4, "float32"),
-    # GPT with Megatron's dropouts (p = 0.1), the layer Korthikanti et al. (2022) count: GPT-2
+    # GPT with Megatron's dropouts (p = 0.1) and its attention of 2022 (the scores materialised,
+    # eager), the layer Korthikanti et al. (2022) count: GPT-2
     # small's sizes, the 22B model of their Table 3 (microbatch 4, seq 2048, vocab 51200), tiny
     "gpt-dropout-small": ModelConfig("gpt2", 12, 768, 12, None, 3072, 50304, 1024, 8, "bfloat16", 0.1),
     "gpt-dropout-22b": ModelConfig("gpt2", 48, 6144, 64, None, 24576, 51200, 2048, 4, "bfloat16", 0.1),
@@ -212,7 +214,8 @@ def tiny_like(cfg: ModelConfig) -> str:
     config of the tiny preset's sizes with that variant."""
     base = "tiny-llama" if cfg.arch == "llama" else "tiny-gpt-dropout" if cfg.dropout else "tiny-gpt2"
     tiny = PRESETS[base]
-    kv = tiny.heads // 2 if cfg.n_kv != cfg.heads else tiny.heads
+    # grouped kv heads: tiny-llama has them already; a grouped gpt2 gets half as many kv heads
+    kv = tiny.n_kv if cfg.arch == "llama" else tiny.heads // 2 if cfg.n_kv != cfg.heads else tiny.heads
     variant = {"activation": cfg.act, "attention": cfg.attn, "tied_embeddings": cfg.tied_embeddings,
                "kv_heads": kv}
     if all(getattr(tiny.with_(**variant), f) == getattr(tiny, f) for f in ("act", "attn", "tied_embeddings", "n_kv")):
