@@ -18,6 +18,7 @@ from typing import Any
 
 from spmdkit.core.dist_attr import entry_dims
 from spmdkit.core.reshard import Step
+from spmdkit.cost.band import error_band
 from spmdkit.cost.collectives import buffer_bytes, time_of
 from spmdkit.cost.compute import KernelCollective, kernel_collectives, local_shape, model_flops, op_cost
 from spmdkit.cost.devices import Device
@@ -143,7 +144,8 @@ class StepEstimate:
                 "recompute": self.recompute, "recompute_flops_per_device": self.recompute_flops_per_device,
                 "hardware_flops": self.hardware_flops, "hfu": self.hfu, "regathers": self.regathers,
                 "memory_bound_ops": self.memory_bound_ops,
-                "buckets": [b.to_json() for b in self.buckets], "uncovered_rules": dict(self.uncovered)}
+                "buckets": [b.to_json() for b in self.buckets], "uncovered_rules": dict(self.uncovered),
+                "error_band": band.to_json() if (band := error_band(self.device.name)) is not None else None}
 
 
 def is_grad_sync(plan: Plan, r: Reshard, s: Step, param_grads: frozenset[str]) -> bool:
