@@ -1,12 +1,11 @@
-"""The predicted training step of a plan on a device: roofline compute per op, the plan's
-communication, data-parallel gradient reductions in DDP buckets overlapped with the backward,
-recomputation, the step time serial and overlapped, tokens/s, MFU and HFU. Standard library
-only. docs/devices.md.
-
-:func:`estimate_step` (plan, device): roofline time per op ``max(flops/peak, bytes/bw)``
-(:mod:`spmdkit.cost.compute`, :mod:`spmdkit.cost.devices`), communication, data-parallel
-gradient reductions in DDP buckets (first 1 MiB, then 25 MiB) overlapped with the backward, the
-step time serial and overlapped, tokens/s and MFU.
+"""The predicted training step of a plan on a device: each op's compute at the rates the GPU
+reaches (:meth:`spmdkit.cost.devices.Device.op_time`, :mod:`spmdkit.cost.rates`), the plan's
+communication timed as NCCL runs it (:mod:`spmdkit.cost.collectives`), the overlaps the
+framework does (gradient buckets under the backward, Megatron's distributed optimizer: gradients
+reduce-scattered and parameters gathered under the next forward, FSDP prefetch, TP
+communication overlap), recomputation and gradient accumulation; the step time serial and
+overlapped, tokens/s, MFU and HFU, and the error band of the published runs
+(:mod:`spmdkit.cost.band`). Standard library only. docs/devices.md.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from typing import Any, TextIO
 
 from spmdkit.core.dist_attr import TensorDistAttr, entry_dims
 from spmdkit.cost.band import error_band
+from spmdkit.cost.collectives import NcclCostModel
 from spmdkit.cost.compute import KernelCollective, kernel_collectives
 from spmdkit.cost.memory import Memory, fit_verdict, memory_per_device, uneven_shards
 from spmdkit.cost.step import StepEstimate
@@ -215,7 +216,9 @@ def write_report(plan: Plan, out: TextIO, title: str = "", memory: Memory | None
         rows.append([phase or "step", ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())) or "-",
                      fmt_bytes(b), fmt_time(t)])
     accum = f"; {plan.grad_accum} micro-steps accumulated, gradients reduced once" if plan.grad_accum > 1 else ""
-    print_table(f"Communication per training step (alpha-beta estimate, spmdkit.core.reshard{accum})",
+    how = "NCCL's algorithms on the device's links, spmdkit.cost.collectives" if isinstance(plan.cost, NcclCostModel) \
+        else "alpha-beta estimate, spmdkit.core.reshard"
+    print_table(f"Communication per training step ({how}{accum})",
            ["phase", "collectives", "bytes/rank", "time"], rows, out)
     out.write("\n")
     if estimate is not None:
@@ -296,7 +299,8 @@ def write_estimate(est: StepEstimate, out: TextIO) -> None:
     nb = len(est.buckets)
     rows.append([f"gradient reductions ({nb} DDP bucket{'' if nb == 1 else 's'})", "-", fmt_time(est.grad_sync_s)])
     rows.append(["total", fmt_time(est.compute_total_s), fmt_time(est.comm_total_s)])
-    print_table("Predicted step per device (roofline compute, alpha-beta communication; spmdkit.cost.step)",
+    print_table("Predicted step per device (compute at the rates the GPU reaches, NCCL's collectives, the "
+                "framework's overlaps; spmdkit.cost.step)",
            ["", "compute", "communication"], rows, out)
     exposed = est.step_overlap_s - est.compute_total_s
     out.write(f"step time: {fmt_time(est.step_serial_s)} serial, {fmt_time(est.step_overlap_s)} with the gradient "
