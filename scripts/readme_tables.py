@@ -123,7 +123,15 @@ def recompute_figures() -> str:
             f"{_gib(f[1])}, MFU {f[2]:.1f}% (HFU {f[3]:.1f}%).")
 
 
-TABLES = {"rules-table": rules_markdown, "golden-table": golden_markdown, "demo-excerpt": demo_excerpt,
+def fidelity_summary() -> str:
+    """The summary of docs/fidelity.md (benchmarks/fidelity.py --write; tests/test_fidelity.py
+    keeps that file current)."""
+    doc = (ROOT / "docs" / "fidelity.md").read_text()
+    part = doc[doc.index("## Summary"):doc.index("## Runs")]
+    return "\n".join(x for x in part.splitlines() if x.startswith("- "))
+
+
+TABLES = {"rules-table": rules_markdown, "fidelity-summary": fidelity_summary, "golden-table": golden_markdown, "demo-excerpt": demo_excerpt,
           "device-excerpt": device_excerpt, "pipeline-excerpt": pipeline_excerpt, "search-excerpt": search_excerpt,
           "recompute-figures": recompute_figures}
 

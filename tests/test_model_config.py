@@ -95,6 +95,7 @@ def test_a_tied_pipeline_simulates_equal(capsys: pytest.CaptureFixture[str]) -> 
     (["--model", "tiny-llama", "--model-config", '{"base": "tiny-llama"}'], "not both"),
     (["--model", "tiny-llama", "--precision", "fp9"], "--precision 'fp9': expected one of fp32, bf16, fp16, fp8"),
     (["--model", "tiny-llama", "--framework", "jax"], "--framework 'jax': expected one of megatron, torchtitan"),
+    (["--model", "tiny-llama", "--precision", "fp8", "--device", "a100-80gb"], "--precision fp8: NVIDIA A100"),
 ])
 def test_bad_configs_are_one_line(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
     assert main(["plan", *argv, "--mesh", "dp=2"]) == 2

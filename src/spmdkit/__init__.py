@@ -8,6 +8,7 @@ from spmdkit.core import (
     SpmdResult,
     TensorDistAttr,
 )
+from spmdkit.core.version import __version__
 from spmdkit.engine.registry import get_rule, rule_names, set_catalogue
 
 
@@ -19,7 +20,6 @@ def _load_catalogue() -> None:
 
 set_catalogue(_load_catalogue)
 
-__version__ = "0.1.0"
 
 __all__ = [
     "DistTensorSpec",

@@ -177,6 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = list(sys.argv[1:] if argv is None else argv)
     ns = parser.parse_args(args)
+    ns.argv = args  # the command line as typed (the --html page shows it)
     try:
         if ns.command == "run":
             return _cmd_run(ns, sys.stdout, args[args.index("run") + 1:])

@@ -6,6 +6,7 @@ notes printed (:func:`strategy_notes`)."""
 from __future__ import annotations
 
 import contextlib
+import shlex
 import sys
 import time
 import warnings
@@ -90,7 +91,8 @@ def write_html(req: PlanRequest, plan: Plan, title: str, mem: Memory, est: StepE
         return
     nodes = parse_size("--nodes-of", req.links.nodes_of, 1 << 20)
     size = save_html(path, plan, title, mem, est, config=config, recompute=recompute or req.recompute or "none",
-                     mesh=parse_mesh(mesh_text or req.mesh_text), ranks_per_node=nodes, **more)
+                     mesh=parse_mesh(mesh_text or req.mesh_text), ranks_per_node=nodes,
+                     command=shlex.join(["spmdkit", *req.argv]) if req.argv else "", **more)
     print(f"spmdkit plan: wrote {path} ({size / 1024:.0f} KiB)", file=sys.stderr)
 
 

@@ -50,7 +50,9 @@ def run_plan(req: PlanRequest, out: TextIO) -> int:
     try:
         with strategy_notes("plan"):
             req.model.check_config()
-            req.links.runtime()  # a bad --precision / --framework named before planning
+            runtime = req.links.runtime()  # a bad --precision / --framework named before planning
+            if req.links.device:  # and fp8 on a GPU without fp8 tensor cores
+                load_device(str(req.links.device)).check_precision(runtime.precision)
             devices = req.devices is not None
             for flag, given in (("--memory", req.search.memory is not None), ("--explain", req.search.explain)):
                 if given and not req.search.auto and not (flag == "--memory" and devices):

@@ -133,6 +133,8 @@ class PlanRequest:
     search: SearchArgs = SearchArgs()
     pipeline: PipelineArgs = PipelineArgs()
     outputs: Outputs = Outputs()
+    #: the command line as typed (after ``spmdkit``)
+    argv: tuple[str, ...] = ()
 
     @property
     def mesh_text(self) -> str:
@@ -184,7 +186,8 @@ def plan_request(ns: argparse.Namespace) -> PlanRequest:
         pipeline=PipelineArgs(microbatches=ns.microbatches, schedule=ns.schedule,
                               virtual_stages=ns.virtual_stages, stages=ns.stages),
         outputs=Outputs(json=ns.json, wide=ns.wide, html=ns.html,
-                        export=None if ns.export is None else (ns.export[0], ns.export[1])))
+                        export=None if ns.export is None else (ns.export[0], ns.export[1])),
+        argv=tuple(ns.argv))
 
 
 def run_request(ns: argparse.Namespace, argv: list[str]) -> RunRequest:
@@ -201,7 +204,7 @@ def run_request(ns: argparse.Namespace, argv: list[str]) -> RunRequest:
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help=f"a preset ({', '.join(sorted(PRESETS))}); default llama-7b")
-    p.set_defaults(default_model="llama-7b")
+    p.set_defaults(default_model="llama-7b", argv=())
     p.add_argument("--model-config", dest="model_config", metavar="FILE|JSON",
                    help='a decoder of your own instead of a preset: a JSON object or file with layers, hidden, heads, '
                         'kv_heads, ffn, vocab, seq, batch, dtype, arch (llama or gpt2), activation (swiglu, gelu, '

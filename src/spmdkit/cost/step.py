@@ -1,22 +1,23 @@
-"""The predicted training step of a plan on a device: roofline compute per op, the plan's
-communication, data-parallel gradient reductions in DDP buckets overlapped with the backward,
-recomputation, the step time serial and overlapped, tokens/s, MFU and HFU. Standard library
-only. docs/devices.md.
-
-:func:`estimate_step` (plan, device): roofline time per op ``max(flops/peak, bytes/bw)``
-(:mod:`spmdkit.cost.compute`, :mod:`spmdkit.cost.devices`), communication, data-parallel
-gradient reductions in DDP buckets (first 1 MiB, then 25 MiB) overlapped with the backward, the
-step time serial and overlapped, tokens/s and MFU.
+"""The predicted training step of a plan on a device: each op's compute at the rates the GPU
+reaches (:meth:`spmdkit.cost.devices.Device.op_time`, :mod:`spmdkit.cost.rates`), the plan's
+communication timed as NCCL runs it (:mod:`spmdkit.cost.collectives`), the overlaps the
+framework does (gradient buckets under the backward, Megatron's distributed optimizer: gradients
+reduce-scattered and parameters gathered under the next forward, FSDP prefetch, TP
+communication overlap), recomputation and gradient accumulation; the step time serial and
+overlapped, tokens/s, MFU and HFU, and the error band of the published runs
+(:mod:`spmdkit.cost.band`). Standard library only. docs/devices.md.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from spmdkit.core.dist_attr import entry_dims
 from spmdkit.core.reshard import Step
+from spmdkit.cost.band import error_band
 from spmdkit.cost.collectives import buffer_bytes, time_of
 from spmdkit.cost.compute import KernelCollective, kernel_collectives, local_shape, model_flops, op_cost
 from spmdkit.cost.devices import Device
@@ -142,7 +143,8 @@ class StepEstimate:
                 "recompute": self.recompute, "recompute_flops_per_device": self.recompute_flops_per_device,
                 "hardware_flops": self.hardware_flops, "hfu": self.hfu, "regathers": self.regathers,
                 "memory_bound_ops": self.memory_bound_ops,
-                "buckets": [b.to_json() for b in self.buckets], "uncovered_rules": dict(self.uncovered)}
+                "buckets": [b.to_json() for b in self.buckets], "uncovered_rules": dict(self.uncovered),
+                "error_band": band.to_json() if (band := error_band(self.device.name)) is not None else None}
 
 
 def is_grad_sync(plan: Plan, r: Reshard, s: Step, param_grads: frozenset[str]) -> bool:
@@ -174,7 +176,22 @@ class _Compute:
     memory_bound: int = 0
 
 
+#: the last (plan, device, its compute): the step and a pipeline's stages time the same plan on
+#: the same device one after the other (a Plan is frozen and not changed once built)
+_LAST: list[tuple[Plan, Device, _Compute]] = []
+
+
 def _compute(plan: Plan, device: Device) -> _Compute:
+    """Every op's cost and time on ``device`` (each caller gets its own sums to add to)."""
+    if _LAST and _LAST[0][0] is plan and _LAST[0][1] is device:
+        c = _LAST[0][2]
+        return replace(c, by_phase=dict(c.by_phase), uncovered=dict(c.uncovered))
+    out = _compute_ops(plan, device)
+    _LAST[:] = [(plan, device, replace(out, by_phase=dict(out.by_phase), uncovered=dict(out.uncovered)))]
+    return out
+
+
+def _compute_ops(plan: Plan, device: Device) -> _Compute:
     out = _Compute([], [], {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}, {})
     for i, op in enumerate(plan.program.ops):
         c = op_cost(plan, i)
@@ -288,6 +305,29 @@ def _adjacent_gemm(plan: Plan, comp: _Compute, tensor: str, i: int, producer: di
     return next((c for c in cands if c >= 0 and comp.costs[c].matmul), -1)
 
 
+def distributed_optimizer_grads(plan: Plan) -> dict[tuple[int, ...], set[str]]:
+    """Megatron's distributed optimizer (``framework`` megatron, ZeRO-1/2: the optimizer reads a
+    gradient sharded over the data-parallel dims): it reduce-scatters the gradient buffer into
+    each rank's shard rather than all-reducing it (Megatron-LM docs/distrib_optimizer.md), half
+    the bytes of an all-reduce. Mesh dims -> the gradients the optimizer reads sharded over them."""
+    out: dict[tuple[int, ...], set[str]] = {}
+    if plan.runtime.framework != "megatron":
+        return out
+    prog = plan.program
+    for op_plan in plan.ops:
+        if op_plan.op.phase != "optimizer":
+            continue
+        name, need = op_plan.op.inputs.get("grad"), op_plan.required.get("grad")
+        if not isinstance(name, str) or need is None or prog.tensors[name].kind != "gradient":
+            continue
+        dims = tuple(sorted(d for e in need.dims_mapping for d in entry_dims(e)))
+        for k in range(1, len(dims) + 1):
+            out.setdefault(dims[:k], set()).add(name)
+        for d in dims:
+            out.setdefault((d,), set()).add(name)
+    return out
+
+
 def _communication(plan: Plan, comp: _Compute) -> _Comm:
     """Gradient reductions (:func:`is_grad_sync`) go to the op that makes the gradient (they
     wait for a bucket); a stored parameter's all-gather (ZeRO-3 / FSDP: ``plan.storage``) joins
@@ -301,6 +341,7 @@ def _communication(plan: Plan, comp: _Compute) -> _Comm:
     gathers: dict[int, dict[tuple[int, ...], float]] = {}
     param_grads = plan.param_grads()
     overlap_tp = plan.runtime.tp_comm_overlap
+    rs_grads = distributed_optimizer_grads(plan)
     readers: dict[str, list[int]] = {}
     if overlap_tp:
         for j, op in enumerate(prog.ops):
@@ -316,6 +357,8 @@ def _communication(plan: Plan, comp: _Compute) -> _Comm:
                 continue
             if is_grad_sync(plan, r, s, param_grads):
                 size = numel(local_shape(t.shape, s.src)) * t.itemsize
+                if s.kind == "all_reduce" and r.tensor in rs_grads.get(s.mesh_dims, ()):
+                    s = replace(s, kind="reduce_scatter")  # Megatron's distributed optimizer
                 out.pending.setdefault(producer.get(r.tensor, i), []).append((t.dtype, s, size))
                 continue
             out.by_phase[prog.ops[i].phase] += s.time_s

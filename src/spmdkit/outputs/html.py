@@ -38,6 +38,8 @@ from typing import Any
 
 from spmdkit.core.dist_attr import TensorDistAttr, entry_dims
 from spmdkit.core.errors import ProgramError
+from spmdkit.core.version import __version__
+from spmdkit.cost.band import error_band
 from spmdkit.cost.compute import guess_tokens, kernel_collectives
 from spmdkit.cost.devices import preset_device
 from spmdkit.cost.memory import (
@@ -800,13 +802,15 @@ _HATCH = ('<svg width="0" height="0" style="position:absolute" aria-hidden="true
 
 def render_html(plan: Plan, title: str = "", memory: Memory | None = None, estimate: Any = None, *,
                 config: Any = None, recompute: str = "none", mesh: Any = None, ranks_per_node: int | None = None,
-                pipeline: Any = None, auto: Any = None, alternatives: Sequence[tuple[str, Plan]] = ()) -> str:
+                pipeline: Any = None, auto: Any = None, alternatives: Sequence[tuple[str, Plan]] = (),
+                command: str = "") -> str:
     """The page (a str) for ``plan``. ``estimate``: its :class:`spmdkit.cost.step.StepEstimate`
     (without one the step is predicted on an H100, and the page says so); ``mesh``: the mesh to
     draw (the full one of a pipeline; default the plan's); ``pipeline``: a
     :class:`spmdkit.planner.pipeline.PipelineEstimate`; ``auto``: the search's
     :class:`spmdkit.planner.auto.AutoInfo`; ``alternatives``: (label, plan) of other plans of the same
-    program, compared in the search section."""
+    program, compared in the search section; ``command``: the command line that made the page
+    (shown with spmdkit's version at its foot)."""
     prog = plan.program
     recompute = per_microbatch_mode(recompute)  # a pipeline's microbatch-level mode: its recomputed microbatches
     mem = memory or memory_per_device(plan, recompute)
@@ -837,6 +841,9 @@ def render_html(plan: Plan, title: str = "", memory: Memory | None = None, estim
         summary.append(("fits?", fit_verdict(mem.device_total, cap)[1].split(" (")[0]))
     if est.mfu is not None and pipeline is None:
         summary.append(("MFU", f"{100 * est.mfu:.1f}%"))
+    band = error_band(est.device.name)
+    if band is not None:
+        summary.append(("error band", f"{band.p10:.2f}-{band.p90:.2f} x step"))
     nav = "".join(f'<a href="#{k}">{v}</a>' for k, v in (("mesh", "mesh"), ("step", "step"), ("memory", "memory"),
                                                           ("layers", "per layer"), ("reshards", "reshards"),
                                                           ("sharding", "sharding")))
@@ -850,7 +857,9 @@ def render_html(plan: Plan, title: str = "", memory: Memory | None = None, estim
             '<meta name="viewport" content="width=device-width, initial-scale=1">'
             f'<title>spmdkit plan: {_e(title or prog.name)}</title><style>{_CSS}</style></head>'
             f'<body data-plan="{_e(meta)}">{_HATCH}{"".join(body)}'
-            '<p class="foot">Written by spmdkit plan --html. Self-contained: no network.</p>'
+            f'<p class="foot">Written by spmdkit {_e(__version__)}'
+            + (f": <code>{_e(command)}</code>" if command else " plan --html") + ". Self-contained: no network."
+            + (f" Error band: {_e(band.text())}." if band is not None else "") + "</p>"
             f"<script>{_JS}</script></body></html>\n")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TextIO
 
-from spmdkit.outputs.report import fmt_bytes, fmt_time, verdict_line
+from spmdkit.outputs.report import fmt_bytes, fmt_time, verdict_line, write_band
 from spmdkit.outputs.tables import print_table
 from spmdkit.planner.pipeline import PipelineEstimate, bubble_formula
 
@@ -55,6 +55,7 @@ def write_pipeline(est: PipelineEstimate, out: TextIO) -> None:
         out.write(f"tokens/s: {est.tokens_per_s or 0:,.0f} ({est.tokens} tokens per step); MFU "
                   f"{100 * (est.mfu or 0):.1f}% ({est.tflops_per_gpu or 0:.0f} model TFLOP/s per GPU over "
                   f"{est.ranks} x {est.peak / 1e12:g} TFLOP/s on {est.device_name})\n")
+        write_band(est.device_name, out)
 
 
 

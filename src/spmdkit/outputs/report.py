@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from spmdkit.core.dist_attr import TensorDistAttr, entry_dims
+from spmdkit.cost.band import error_band
+from spmdkit.cost.collectives import NcclCostModel
 from spmdkit.cost.compute import KernelCollective, kernel_collectives
 from spmdkit.cost.memory import Memory, fit_verdict, memory_per_device, uneven_shards
 from spmdkit.cost.step import StepEstimate
@@ -214,7 +216,9 @@ def write_report(plan: Plan, out: TextIO, title: str = "", memory: Memory | None
         rows.append([phase or "step", ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())) or "-",
                      fmt_bytes(b), fmt_time(t)])
     accum = f"; {plan.grad_accum} micro-steps accumulated, gradients reduced once" if plan.grad_accum > 1 else ""
-    print_table(f"Communication per training step (alpha-beta estimate, spmdkit.core.reshard{accum})",
+    how = "NCCL's algorithms on the device's links, spmdkit.cost.collectives" if isinstance(plan.cost, NcclCostModel) \
+        else "alpha-beta estimate, spmdkit.core.reshard"
+    print_table(f"Communication per training step ({how}{accum})",
            ["phase", "collectives", "bytes/rank", "time"], rows, out)
     out.write("\n")
     if estimate is not None:
@@ -272,6 +276,13 @@ def fmt_flops(f: float) -> str:
     return f"{f:.0f} FLOP"
 
 
+def write_band(device_name: str, out: TextIO) -> None:
+    """The error band of the prediction (:func:`spmdkit.cost.band.error_band`), one line."""
+    band = error_band(device_name)
+    if band is not None:
+        out.write(f"error band: {band.text()}\n")
+
+
 def write_estimate(est: StepEstimate, out: TextIO) -> None:
     """The predicted step (spmdkit.cost.step.estimate_step) as a table and a few lines."""
     d = est.device
@@ -288,7 +299,8 @@ def write_estimate(est: StepEstimate, out: TextIO) -> None:
     nb = len(est.buckets)
     rows.append([f"gradient reductions ({nb} DDP bucket{'' if nb == 1 else 's'})", "-", fmt_time(est.grad_sync_s)])
     rows.append(["total", fmt_time(est.compute_total_s), fmt_time(est.comm_total_s)])
-    print_table("Predicted step per device (roofline compute, alpha-beta communication; spmdkit.cost.step)",
+    print_table("Predicted step per device (compute at the rates the GPU reaches, NCCL's collectives, the "
+                "framework's overlaps; spmdkit.cost.step)",
            ["", "compute", "communication"], rows, out)
     exposed = est.step_overlap_s - est.compute_total_s
     out.write(f"step time: {fmt_time(est.step_serial_s)} serial, {fmt_time(est.step_overlap_s)} with the gradient "
@@ -301,6 +313,7 @@ def write_estimate(est: StepEstimate, out: TextIO) -> None:
         out.write(f"tokens/s: {tps:,.0f} ({est.tokens} tokens per step); MFU {100 * mfu:.1f}% "
                   f"(model FLOPs {fmt_flops(est.model_flops)} = 6 x {est.n_params:,} parameters x tokens + "
                   f"{fmt_flops(est.attention_flops)} attention, over {est.ranks} x {peak:g} TFLOP/s)\n")
+        write_band(est.device.name, out)
         if est.recompute != "none":
             out.write(f"recompute {est.recompute}: {fmt_flops(est.recompute_flops_per_device)} per device run again "
                       f"in the backward; HFU {100 * (est.hfu or 0.0):.1f}% (hardware FLOPs "
@@ -327,6 +340,6 @@ def explain_table(rows: Sequence[LayerChoice]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["RESHARD_OPTIONAL", "explain_table", "fmt_bytes", "fmt_flops", "fmt_time", "placements", "plan_json", "reshard_groups",
+__all__ = ["write_band", "RESHARD_OPTIONAL", "explain_table", "fmt_bytes", "fmt_flops", "fmt_time", "placements", "plan_json", "reshard_groups",
            "step_kinds", "write_estimate",
            "write_report"]

@@ -53,6 +53,7 @@ from typing import Any
 from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import Step
+from spmdkit.cost.band import error_band
 from spmdkit.cost.collectives import Fabric, Group, collective_time
 from spmdkit.cost.compute import model_flops
 from spmdkit.cost.devices import Device
@@ -572,7 +573,8 @@ class PipelineEstimate:
                         "step_serial_s": self.step_serial_s, "step_overlap_s": self.step_overlap_s,
                         "tokens": self.tokens, "tokens_per_s": self.tokens_per_s, "model_flops": self.model_flops,
                         "ranks": self.ranks, "peak_flops": self.peak, "mfu": self.mfu,
-                        "model_tflops_per_gpu": self.tflops_per_gpu})
+                        "model_tflops_per_gpu": self.tflops_per_gpu,
+                        "error_band": band.to_json() if (band := error_band(self.device_name)) is not None else None})
         return out
 
 
