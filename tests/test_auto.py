@@ -316,16 +316,18 @@ def test_cli_auto_only_flags_need_auto(flag: tuple[str, ...]) -> None:
 def test_overlapped_step_no_worse_than_hand_strategies() -> None:
     """With a device the gradient reductions before the optimizer overlap the backward (the
     step's DDP buckets): the search weights them by GRAD_SYNC_WEIGHT, and its plan's overlapped
-    step is no longer than megatron's, megatron+sp's or dp's, nor (within 1%) than the plan of
-    the serial objective (weight 1) on this case."""
+    step is no longer than megatron's, megatron+sp's or dp's, and shorter than the plan of the
+    serial objective (weight 1) on this case."""
     from spmdkit.cost.devices import cost_model, preset_device
     from spmdkit.cost.step import estimate_step
     from spmdkit.models.zoo import build_model, preset
     from spmdkit.planner.auto import GRAD_SYNC_WEIGHT
-    from spmdkit.strategies.strategy import parse_mesh
+    from spmdkit.planner.propagate import propagate
+    from spmdkit.strategies.strategy import annotate, parse_mesh, parse_strategy
 
     dev = preset_device("h100")
-    cfg = preset("gpt2-small").with_(layers=1)
+    # float32: the gradients reduced in the bytes the search counts (bf16 ones are reduced in fp32)
+    cfg = preset("gpt2-small").with_(layers=1, dtype="float32")
     prog = build_model(cfg, vocab_parallel_loss=True, check_rules=False).program
     mesh = parse_mesh("dp=4,tp=2")
     tokens = cfg.batch * cfg.seq
@@ -339,11 +341,11 @@ def test_overlapped_step_no_worse_than_hand_strategies() -> None:
     plan, _ = auto_plan(prog, mesh, {"tokens": [0, -1]}, cost_model(mesh, dev, None), time_limit=30, device=dev)
     serial, _ = auto_plan(prog, mesh, {"tokens": [0, -1]}, cost_model(mesh, dev, None), time_limit=30, device=dev,
                           grad_sync_weight=1.0)
-    hand = {s: step(plan_model("gpt2-small", "dp=4,tp=2", s, {"layers": 1})[1]) for s in ("dp", "megatron", "megatron,sp")}
+    model = build_model(cfg, vocab_parallel_loss=True, check_rules=False)
+    hand = {s: step(propagate(model.program, mesh, annotate(model, mesh, parse_strategy(s, mesh))))
+            for s in ("dp", "megatron", "megatron,sp")}
     assert 0 < GRAD_SYNC_WEIGHT < 1
     assert step(plan) <= min(hand.values()) * (1 + 1e-9), (step(plan), hand)
-    # within 1% of the serial objective's plan: the ILP's weight predates the fp32 gradient
-    # reductions and NCCL timing of cost.collectives (it was strictly shorter under alpha-beta)
-    assert step(plan) <= step(serial) * 1.01
+    assert step(plan) < step(serial)
     with pytest.raises(ProgramError, match="grad_sync_weight 2 is not between 0 and 1"):
         auto_plan(prog, mesh, grad_sync_weight=2)
