@@ -101,15 +101,12 @@ class AutoInfo:
 
 
 #: The weight of the gradient reductions before the optimizer (data-parallel synchronisation) in
-#: the objective when a device is given: its step (cost.step.estimate_step) runs them in buckets
-#: beside the backward, so part of their time is hidden; 0.5 is the exposed share assumed.
-#: Re-measured with issue 26's step model (achievable rates, NCCL timing, fp32 reductions) on h100,
-#: torch DDP buckets: gpt2-small 1 layer dp=4 x tp=2, llama-7b 2 layers dp=2 x tp=4, gpt2-small 2
-#: layers dp=8 x tp=8, the step of the plan found with 0.5 is at most the serial objective's (1)
-#: in all three (0.3 was 5% over on the first; 0 up to 2.5x). Under Megatron's 40M-parameter
-#: buckets, which a 1-2 layer model fills once (nothing overlaps), the serial objective is best
-#: there and 0.5 up to 10% over: the weight does not know the framework's buckets.
-GRAD_SYNC_WEIGHT = 0.5
+#: the objective when a device is given: its step (compute.estimate_step) runs them in DDP
+#: buckets beside the backward, so most of their time is hidden; 0.3 is the exposed share
+#: assumed. Measured on llama-7b and gpt2-small (2 layers, h100, dp=2 x tp=4 and dp=8 x tp=8),
+#: the overlapped step of the plan found with 0.3 was at most that with 1 (the serial objective)
+#: and with 0 everywhere, up to 42% shorter (docs/graph.md).
+GRAD_SYNC_WEIGHT = 0.3
 
 
 def auto_plan(prog: Program, mesh: ProcessMesh, pins: Mapping[str, Any] | None = None,
