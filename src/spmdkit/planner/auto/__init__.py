@@ -106,6 +106,11 @@ class AutoInfo:
 #: assumed. Measured on llama-7b and gpt2-small (2 layers, h100, dp=2 x tp=4 and dp=8 x tp=8),
 #: the overlapped step of the plan found with 0.3 was at most that with 1 (the serial objective)
 #: and with 0 everywhere, up to 42% shorter (docs/graph.md).
+#: Under issue 26's step model the weight does not know that bf16 gradients are reduced in fp32,
+#: nor the framework's buckets: on a bf16 gpt2-small (1 layer, dp=4 x tp=2, torch DDP buckets) its
+#: plan's step is 5% over the serial objective's, on a float32 one it is shorter
+#: (tests/test_auto.py); under Megatron's 40M-parameter buckets, which a 1-2 layer model fills
+#: once, the serial objective does best.
 GRAD_SYNC_WEIGHT = 0.3
 
 
