@@ -234,3 +234,13 @@ def test_what_a_mesh_asks_for(tmp_path: Path) -> None:
         s = _setup(tmp_path, "--device", "cpu", "--model-config",
                    f'{{"base": "tiny-gpt2", "attention": "{attention}"}}', "--mesh", "dp=2", "--quick")
         assert {(g.m, g.n, g.k) for g in s.gemms} == gpt2 and s.attention == points
+
+
+def test_preset_of_gpu_by_driver_name() -> None:
+    from spmdkit.cost.devices import preset_of_gpu
+
+    assert preset_of_gpu("NVIDIA H100 80GB HBM3", 85 * 10**9) == "h100"
+    assert preset_of_gpu("NVIDIA H200", 150 * 10**9) == "h200"
+    assert preset_of_gpu("NVIDIA A100-SXM4-80GB", 85 * 10**9) == "a100-80gb"
+    assert preset_of_gpu("NVIDIA A100-SXM4-40GB", 42 * 10**9) == "a100-40gb"
+    assert preset_of_gpu("NVIDIA L4", 24 * 10**9) is None

@@ -26,7 +26,7 @@ from importlib import metadata
 from typing import Any, TextIO
 
 from spmdkit.core.errors import ProgramError, SpmdError
-from spmdkit.cost.devices import DEVICES, device_from_json, preset_device
+from spmdkit.cost.devices import DEVICES, device_from_json, preset_device, preset_of_gpu
 from spmdkit.cost.measured import AttentionPoint, CollectivePoint, GemmPoint, Measured
 from spmdkit.execute.calibrate import (
     CollectiveJob,
@@ -132,17 +132,6 @@ def _torch() -> Any:
     return torch
 
 
-def _guess_base(name: str, memory: int) -> str | None:
-    up = name.upper()
-    if "H200" in up:
-        return "h200"
-    if "H100" in up:
-        return "h100"
-    if "A100" in up:
-        return "a100-80gb" if memory > 50 * 10**9 else "a100-40gb"
-    return None
-
-
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
@@ -215,7 +204,7 @@ def check_request(ns: argparse.Namespace) -> Setup:
     if base is not None:  # an unknown name refused, naming --device's presets; an alias as its preset
         base = next(k for k, d in DEVICES.items() if d == preset_device(base))
     elif gpu:
-        base = _guess_base(device_name, memory)
+        base = preset_of_gpu(device_name, memory)
         if base is None:
             raise ProgramError(f"--base: cannot tell which preset {device_name[:60]!r} is; give --base "
                                f"({', '.join(DEVICES)}) for the figures that are not measured")

@@ -284,6 +284,19 @@ def device_from_json(obj: Any) -> Device:
     return Device(name[:100], peak, hbm, mem, intra, inter, rpn, tf32, measured, rates)
 
 
+def preset_of_gpu(name: str, memory_bytes: int) -> str | None:
+    """The preset of a GPU by the name the driver gives it and its memory (an A100 over 60 GB is
+    the 80 GB one), None when no preset is that GPU."""
+    up = name.upper()
+    if "H200" in up:
+        return "h200"
+    if "H100" in up:
+        return "h100"
+    if "A100" in up:
+        return "a100-80gb" if memory_bytes > 60 * 10**9 else "a100-40gb"
+    return None
+
+
 def preset_device(name: str) -> Device:
     key = _DEVICE_ALIASES.get(name.strip().lower(), name.strip().lower())
     try:
@@ -362,5 +375,5 @@ def recost(plan: Plan, cost: CostModel) -> Plan:
     return replace(plan, ops=ops, reshards=[rs(r) for r in plan.reshards], cost=cost)
 
 
-__all__ = ["DEVICES", "GENERIC_RATES", "PEAK_KEYS", "Device", "Link", "cost_model", "device_from_json", "load_device", "preset_device",
+__all__ = ["preset_of_gpu", "DEVICES", "GENERIC_RATES", "PEAK_KEYS", "Device", "Link", "cost_model", "device_from_json", "load_device", "preset_device",
            "recost"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from spmdkit.cost.compute import kernel_collectives
-from spmdkit.cost.devices import cost_model, load_device, recost
+from spmdkit.cost.devices import cost_model, load_device, preset_of_gpu, recost
 from spmdkit.cost.step import estimate_step
 from spmdkit.execute.check import TOLERANCES, RunReport
 from spmdkit.program.plan import Plan
@@ -26,14 +26,8 @@ def slowest(timings: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, f
 def this_gpu(device: torch.device) -> str:
     """The device preset of this GPU (by its name), else h100."""
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device).upper()
-        mem = torch.cuda.get_device_properties(device).total_memory
-        if "H200" in name:
-            return "h200"
-        if "H100" in name:
-            return "h100"
-        if "A100" in name:
-            return "a100-80gb" if mem > 60 * 2**30 else "a100-40gb"
+        got = preset_of_gpu(torch.cuda.get_device_name(device), torch.cuda.get_device_properties(device).total_memory)
+        return got or "h100"
     return "h100"
 
 
