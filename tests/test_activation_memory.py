@@ -218,3 +218,27 @@ def test_model_flops_attention_skips_weights_made_activations() -> None:
     _, n_params, att = model_flops(plan, 16)
     assert n_params == 256
     assert att == 3 * 2.0 * (2 * 8 * 8) * 16  # only the scores matmul, forward and backward
+
+
+def test_selective_under_flash_attention_is_megatrons_core_attention_checkpoint() -> None:
+    """Megatron-Core's selective recomputation (recompute_modules core_attn) under flash
+    attention: the fused kernel runs again in the backward, its output and softmax statistics are
+    not kept (q, k, v are); torchtitan's op-level policy saves the flash kernel's outputs."""
+    from dataclasses import replace as _replace
+
+    from spmdkit.cost.memory import recompute_regions, saved_activations
+    from spmdkit.planner.planning import plan_model
+    from spmdkit.program.runtime import Runtime
+
+    _, plan, _ = plan_model("tiny-llama", "dp=2,tp=2", "megatron", {"layers": 2})
+    prog = plan.program
+    flash = [i for i, op in enumerate(prog.ops) if op.rule == "flash_attention" and op.phase == "forward"]
+    assert recompute_regions(prog, "selective") == [[i] for i in flash]
+    none = {n for lst in saved_activations(plan, "none").tensors.values() for n, _ in lst}
+    sel = {n for lst in saved_activations(plan, "selective").tensors.values() for n, _ in lst}
+    outs = {n for i in flash for n in prog.ops[i].output_names() if n in none}
+    assert outs and none - sel == outs  # exactly the kernel's kept outputs leave the stash
+    assert all(prog.ops[flash[0]].inputs[p] in sel for p in ("q", "k", "v"))
+    tt = _replace(plan, runtime=Runtime(framework="torchtitan"))
+    kept_tt = {n for lst in saved_activations(tt, "selective").tensors.values() for n, _ in lst}
+    assert outs <= kept_tt

@@ -76,9 +76,9 @@ def test_search_ranks_fitting_configs_by_predicted_step(tiny4: Any) -> None:
     assert {(4, 1, 1), (2, 2, 1), (1, 4, 1), (2, 1, 2), (1, 2, 2)} <= meshes
     strategies = {c.config.strategy for c in res.candidates}
     assert {"dp", "dp,zero3", "megatron", "megatron,sp", "megatron,sp,zero2"} <= strategies
-    # tiny-llama's attention is one flash_attention op: selective recomputation changes nothing
-    # (the same step and memory as none), so it is not listed twice
-    assert {c.config.recompute for c in res.candidates} == {"none", "full"}
+    # tiny-llama's attention is one flash_attention op: selective recomputation runs it again in the
+    # backward (Megatron-Core's checkpointed core attention), a configuration of its own
+    assert {c.config.recompute for c in res.candidates} == {"none", "selective", "full"}
     # pp=4 cannot split 2 layers: refused with the reason, not dropped
     assert any(cfg.pp == 4 and "layers" in why for cfg, why in res.refused)
     for c in fit:

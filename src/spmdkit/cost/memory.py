@@ -43,8 +43,10 @@ Recomputation (``recompute``):
   again in the backward; its outputs are not kept, its inputs are. A core starts at a
   forward ``matmul`` / ``bmm`` of two batched activations (rank >= 3, neither a parameter:
   ``QK^T``) and takes every later forward op that reads a tensor of the core, up to and
-  including the next such matmul (the product with V). ``flash_attention`` keeps no
-  score-sized tensor: nothing to do.
+  including the next such matmul (the product with V). A ``flash_attention`` keeps no
+  score-sized tensor; Megatron-Core still checkpoints it (``recompute_modules`` core_attn):
+  the fused kernel runs again in the backward and its output and statistics are not kept.
+  Under torchtitan, its op-level policy instead (the flash kernel's outputs saved).
 - ``full``: every transformer layer (the ops of a layer group whose label has a number:
   ``layer 3``) is run again in the backward; only the tensors a layer reads from before it
   (its input) are kept. A program without numbered layer labels (a HuggingFace import,
@@ -266,6 +268,12 @@ def recompute_regions(prog: Program, mode: str, framework: str = "megatron") -> 
     made: set[str] = set()
     for i in fwd:
         op = prog.ops[i]
+        if op.rule == "flash_attention":
+            # Megatron-Core's selective recomputation under flash attention (recompute_modules
+            # core_attn: Transformer Engine's checkpointed core attention): the fused kernel runs
+            # again in the backward; its output and softmax statistics are not kept, q, k, v are
+            regions.append([i])
+            continue
         two_acts = op.rule in ("matmul", "bmm") and all(
             isinstance(op.inputs.get(p), str) and _is_act(prog, op.inputs[p]) and len(prog.tensors[op.inputs[p]].shape) >= 3
             for p in ("x", "y"))
