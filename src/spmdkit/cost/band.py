@@ -16,6 +16,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from spmdkit.cost.devices import preset_of_gpu
+
 BAND_FILE = Path(__file__).with_name("band.json")
 
 
@@ -52,12 +54,8 @@ def _bands() -> dict[str, Band]:
 def family_of(device_name: str) -> str:
     """A device's GPU family as the band names it: A100, H100 (H200 is an H100 with more
     memory), else all."""
-    n = device_name.upper()
-    if "A100" in n:
-        return "A100"
-    if "H100" in n or "H200" in n:
-        return "H100"
-    return "all"
+    preset = preset_of_gpu(device_name, 0) or ""
+    return "A100" if preset.startswith("a100") else "H100" if preset in ("h100", "h200") else "all"
 
 
 def error_band(device_name: str) -> Band | None:

@@ -305,12 +305,12 @@ def _adjacent_gemm(plan: Plan, comp: _Compute, tensor: str, i: int, producer: di
     return next((c for c in cands if c >= 0 and comp.costs[c].matmul), -1)
 
 
-def distributed_optimizer_grads(plan: Plan) -> dict[tuple[int, ...], set[str]]:
+def distributed_optimizer_grads(plan: Plan) -> dict[str, frozenset[int]]:
     """Megatron's distributed optimizer (``framework`` megatron, ZeRO-1/2: the optimizer reads a
     gradient sharded over the data-parallel dims): it reduce-scatters the gradient buffer into
     each rank's shard rather than all-reducing it (Megatron-LM docs/distrib_optimizer.md), half
-    the bytes of an all-reduce. Mesh dims -> the gradients the optimizer reads sharded over them."""
-    out: dict[tuple[int, ...], set[str]] = {}
+    the bytes of an all-reduce. Gradient -> the mesh dims the optimizer reads it sharded over."""
+    out: dict[str, frozenset[int]] = {}
     if plan.runtime.framework != "megatron":
         return out
     prog = plan.program
@@ -320,11 +320,7 @@ def distributed_optimizer_grads(plan: Plan) -> dict[tuple[int, ...], set[str]]:
         name, need = op_plan.op.inputs.get("grad"), op_plan.required.get("grad")
         if not isinstance(name, str) or need is None or prog.tensors[name].kind != "gradient":
             continue
-        dims = tuple(sorted(d for e in need.dims_mapping for d in entry_dims(e)))
-        for k in range(1, len(dims) + 1):
-            out.setdefault(dims[:k], set()).add(name)
-        for d in dims:
-            out.setdefault((d,), set()).add(name)
+        out[name] = frozenset(d for e in need.dims_mapping for d in entry_dims(e))
     return out
 
 
@@ -357,7 +353,7 @@ def _communication(plan: Plan, comp: _Compute) -> _Comm:
                 continue
             if is_grad_sync(plan, r, s, param_grads):
                 size = numel(local_shape(t.shape, s.src)) * t.itemsize
-                if s.kind == "all_reduce" and r.tensor in rs_grads.get(s.mesh_dims, ()):
+                if s.kind == "all_reduce" and set(s.mesh_dims) <= rs_grads.get(r.tensor, frozenset()):
                     s = replace(s, kind="reduce_scatter")  # Megatron's distributed optimizer
                 out.pending.setdefault(producer.get(r.tensor, i), []).append((t.dtype, s, size))
                 continue
