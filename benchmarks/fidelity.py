@@ -99,7 +99,7 @@ def _arch(row: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"arch": "llama" if llama else "gpt2"}
     if "squared-ReLU" in arch or "squared ReLU" in arch:
         out["activation"] = "squared_relu"
-    elif "SwiGLU" in arch or ("Llama" in name and "swiglu" not in out):
+    elif "SwiGLU" in arch or "Llama" in name:
         out["activation"] = "swiglu"
     else:
         out["activation"] = "gelu"
@@ -264,7 +264,7 @@ def megatron_core_flops(row: dict[str, Any]) -> float:
     m, gb = row["model"], row["parallelism"]["global_batch"]
     s, h, l_, v = m["seq_len"], m["hidden"], m["layers"], m["vocab"]
     heads, kv = m["heads"], m.get("kv_heads") or m["heads"]
-    gated = 1.5 if "SwiGLU" in str(m.get("arch") or "") or "Llama" in str(m.get("name")) else 1.0
+    gated = 1.5 if _arch(row)["activation"] == "swiglu" else 1.0
     return 12.0 * gb * s * l_ * h * h * ((1 + kv / heads + s / h) + m["ffn_hidden"] / h * gated
                                          + v / (2 * l_ * h))
 

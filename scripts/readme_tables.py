@@ -8,6 +8,8 @@ time ("planned in 0.21 s") is the one figure compared loosely (:func:`comparable
 from __future__ import annotations
 
 import collections
+import contextlib
+import io
 import json
 import re
 import sys
@@ -37,9 +39,6 @@ def golden_markdown() -> str:
 
 def run(*argv: str) -> list[str]:
     """The lines ``spmdkit plan ...`` prints (wide, as on a pipe)."""
-    import contextlib
-    import io
-
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
         rc = spmdkit_main(list(argv))

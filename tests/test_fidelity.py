@@ -86,8 +86,12 @@ def test_flop_definitions_reproduce_the_published_aggregates() -> None:
     Megatron-Core count gives the README's 41% MFU for its 1.7B (408.8 TFLOP/s / 989)."""
     row = next(r for r in ROWS if r["id"] == "narayanan21_t1_1.7b")
     assert 137 * 32 / 1e3 == pytest.approx(row["measured"]["aggregate_pflops"], abs=0.05)
-    f = FID.narayanan_flops(row)
-    assert f / (f / (137e12 * 32)) / 1e15 == pytest.approx(4.384, rel=1e-3)
+    # Narayanan's eq. 3 counts the recomputed forward that Korthikanti's eq. 7 (model FLOPs) leaves
+    # out: the difference is one forward of the layers, 24 B s l h^2 (1 + s/(6h)), the logits alike
+    mr = row["model"]
+    s_, h_, l_, b_ = mr["seq_len"], mr["hidden"], mr["layers"], row["parallelism"]["global_batch"]
+    assert FID.narayanan_flops(row) - FID.korthikanti_model_flops(row) == \
+        pytest.approx(24 * b_ * s_ * l_ * h_ * h_ * (1 + s_ / (6 * h_)), rel=1e-12)
     m = next(r for r in ROWS if r["id"] == "megatronlm_h100_2024_1.7b")
     assert 100 * m["measured"]["tflops_per_gpu"] / 989.5 == pytest.approx(m["measured"]["mfu_pct"], abs=0.5)
     # Megatron-Core's formula against a hand count for the 1.7B (MHA, 4h GeLU, untied): 12 B s L h^2
