@@ -117,15 +117,18 @@ def auto_time_limit(text: str) -> float:
 def strategy_notes(command: str) -> Iterator[None]:
     """The strategies' notes (a kv projection replicated over tp: a UserWarning starting with
     ``--``) printed as one ``spmdkit COMMAND: warning: ...`` line each on stderr, whatever
-    the planning raises."""
+    the planning raises; each distinct note once."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UserWarning)
         try:
             yield
         finally:
-            for w in caught:
-                if issubclass(w.category, UserWarning) and str(w.message).startswith("--"):
-                    print(f"spmdkit {command}: warning: {' '.join(str(w.message).split())}", file=sys.stderr)
+            shown = set()
+            for w in caught:  # each note once (the --devices search plans many configurations)
+                text = " ".join(str(w.message).split())
+                if issubclass(w.category, UserWarning) and text.startswith("--") and text not in shown:
+                    shown.add(text)
+                    print(f"spmdkit {command}: warning: {text}", file=sys.stderr)
 
 
 __all__ = ["auto_time_limit", "export_plan_file", "plan_source", "step_estimate", "strategy_notes", "write_html"]

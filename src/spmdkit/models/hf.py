@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from spmdkit.core.errors import ProgramError
+from spmdkit.models.hf_checks import check_hf_config
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "float64": "float64", "fp64": "float64",
            "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
@@ -73,6 +74,7 @@ def build(class_name: str, config: Any, *, dtype: str = "float32", seed: int = 0
         raise ProgramError(f"hf: transformers has no model class {class_name!r}")
     cfg = load_config(config)
     cfg.pop("architectures", None)
+    check_hf_config(cfg_cls, cfg)  # one line naming the key for a bad config (models/hf_checks.py)
     try:
         conf = cfg_cls(**cfg)
     except (TypeError, ValueError) as exc:
