@@ -82,8 +82,9 @@ BAD_CONFIGS: list[tuple[str, dict[str, Any], str]] = [
     ("llama", {"num_hidden_layers": 0}, "num_hidden_layers is 0"),
     ("llama", {"num_hidden_layers": -4}, "num_hidden_layers is -4"),
     ("llama", {"num_hidden_layers": 1e3}, "num_hidden_layers is float"),
+    ("llama", {"num_hidden_layers": 10**6}, "num_hidden_layers is 1000000; LlamaConfig needs an integer >= 1 and at most 1024"),
     ("llama", {"vocab_size": 0}, "vocab_size is 0"),
-    ("llama", {"vocab_size": 1 << 40}, "vocab_size is 1099511627776"),
+    ("llama", {"vocab_size": 1 << 40}, "vocab_size is 1099511627776; LlamaConfig needs an integer >= 1 and at most 2147483647"),
     ("llama", {"intermediate_size": 64.0}, "intermediate_size is float"),
     ("llama", {"max_position_embeddings": 0}, "max_position_embeddings is 0"),
     ("llama", {"head_dim": 0}, "head_dim is 0"),
@@ -396,7 +397,7 @@ def test_output_problem_says_what_the_path_is(tmp_path: Path) -> None:
     assert output_problem(str(tmp_path / "target.txt")) is None
     assert output_problem(str(tmp_path / "new.json")) is None
     assert output_problem(str(tmp_path / "no" / "new.json")).startswith("is in no existing directory")  # type: ignore[union-attr]
-    assert output_problem(str(tmp_path / "target.txt" / "x")).startswith("cannot be used")  # type: ignore[union-attr]
+    assert output_problem(str(tmp_path / "target.txt" / "x")).startswith("cannot write it: Not a directory")  # type: ignore[union-attr]
     assert output_problem("") == "is empty: give a file name"
 
 

@@ -116,18 +116,20 @@ def auto_time_limit(text: str) -> float:
 @contextlib.contextmanager
 def strategy_notes(command: str) -> Iterator[None]:
     """The strategies' notes (a kv projection replicated over tp: a UserWarning starting with
-    ``--``) printed as one ``spmdkit COMMAND: warning: ...`` line each on stderr, whatever
-    the planning raises; each distinct note once."""
+    ``--``) printed as one ``spmdkit COMMAND: warning: ...`` line each on stderr, each distinct
+    note once, where the block ends without an error (an error is the one line)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UserWarning)
+        done = False
         try:
             yield
+            done = True
         finally:
-            shown = set()
-            for w in caught:  # each note once (the --devices search plans many configurations)
+            shown: set[str] = set()
+            for w in caught if done else ():  # an error is the one line: no notes of a plan not made
                 text = " ".join(str(w.message).split())
                 if issubclass(w.category, UserWarning) and text.startswith("--") and text not in shown:
-                    shown.add(text)
+                    shown.add(text)  # each note once (the --devices search plans many configurations)
                     print(f"spmdkit {command}: warning: {text}", file=sys.stderr)
 
 

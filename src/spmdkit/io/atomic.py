@@ -27,7 +27,7 @@ def output_problem(path: str) -> str | None:
         folder = os.path.dirname(os.path.abspath(path))
         return None if os.path.isdir(folder) else f"is in no existing directory ({folder!r} does not exist)"
     except OSError as exc:  # a path through a file (ENOTDIR), too long, not permitted
-        return f"cannot be used: {exc.strerror or exc}"
+        return f"cannot write it: {exc.strerror or exc}"
     if stat.S_ISREG(st.st_mode):
         return None
     kind = next((k for test, k in _KINDS if test(st.st_mode)), "not a regular file")

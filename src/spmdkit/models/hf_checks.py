@@ -34,6 +34,11 @@ from spmdkit.core.errors import ProgramError
 #: The largest size a key may have (2**31 - 1).
 MAX_SIZE = (1 << 31) - 1
 
+#: The most layers a stack may have (the largest published models have 61 to 126; each layer
+#: is built and imported, so a million would run for hours instead of being refused).
+MAX_LAYERS = 1024
+LAYER_KEYS = ("num_hidden_layers", "encoder_layers", "decoder_layers", "num_decoder_layers")
+
 #: The canonical size keys (the names ``attribute_map`` maps), required where the class has them
 #: with a fixed default.
 REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
@@ -177,11 +182,12 @@ def _check_sizes(s: _Schema, cfg: Mapping[str, Any]) -> dict[str, Any]:
             values[name] = None
             continue
         low = 0 if default == 0 else 1
-        if not _is_int(v) or not low <= v <= MAX_SIZE:
+        high = MAX_LAYERS if name in {s.key(k) for k in LAYER_KEYS} else MAX_SIZE
+        if not _is_int(v) or not low <= v <= high:
             what = "null" if v is None else f"{type(v).__name__} {str(v)[:40]!r}" if not _is_int(v) else str(v)
             raise ProgramError(f"--hf-config: {key} is {what}; {s.name} needs an integer "
                                f"{'>= 0' if low == 0 else '>= 1'}" + (" or null" if default is None else "")
-                               + (f" (at most {MAX_SIZE})" if _is_int(v) and v > MAX_SIZE else ""))
+                               + (f" and at most {high}" if _is_int(v) and v > high else ""))
         values[name] = v
     return values
 
@@ -222,4 +228,4 @@ def check_hf_config(cfg_cls: type, cfg: Mapping[str, Any]) -> None:
         raise ProgramError(f"--hf-config: {s.name} rejects the config: {type(exc).__name__}: {msg}") from None
 
 
-__all__ = ["FFN_KEYS", "MAX_SIZE", "METADATA", "REQUIRED", "SIZES", "check_hf_config"]
+__all__ = ["FFN_KEYS", "MAX_LAYERS", "MAX_SIZE", "METADATA", "REQUIRED", "SIZES", "check_hf_config"]
