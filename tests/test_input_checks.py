@@ -471,3 +471,22 @@ def test_calibrate_out_refuses_special_paths(tmp_path: Path) -> None:
         with pytest.raises(ProgramError, match="--out"):
             check_out(path)
     assert check_out(str(tmp_path / "dev.json")) == str(tmp_path / "dev.json")
+
+
+def test_verify_grows_the_tiny_model_to_split_evenly(capsys: pytest.CaptureFixture[str]) -> None:
+    """--verify simulates the tiny model of the arch; tiny-llama's 4 heads do not split over tp=8,
+    so it is grown (heads 8, the head size 4 kept) and the plan verified, not refused."""
+    pytest.importorskip("numpy")
+    from spmdkit.models.zoo import preset
+    from spmdkit.sim.verify_plan import tiny_for_mesh
+
+    assert tiny_for_mesh("tiny-llama", "dp=2,tp=4", "megatron") == "tiny-llama"
+    grown = preset(tiny_for_mesh("tiny-llama", "tp=8", "megatron"))
+    assert (grown.heads, grown.n_kv, grown.hidden, grown.ffn, grown.vocab, grown.seq) == (8, 2, 32, 32, 64, 8)
+    assert grown.name == "tiny-llama sized for tp=8" and tp_problem(grown, 8) is None
+    assert preset(tiny_for_mesh("tiny-llama", "tp=3", "megatron,sp")).seq == 24
+    rc = main(["plan", "--model", "llama-7b", "--mesh", "tp=8", "--layers", "1", "--verify"])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err[-1000:]
+    assert "verify: tiny-llama sized for tp=8 with the same mesh and strategy, simulated on 8 ranks" in cap.out
+    assert "all equal" in cap.out and cap.err == ""
