@@ -66,6 +66,41 @@ class ModelConfig:
     attention: str | None = None
     #: a name for a custom config (``--model-config``'s ``name``)
     name: str = ""
+    #: the attention head size (None: hidden // heads); q/k/v are heads x head_dim wide, the
+    #: output projection [heads x head_dim, hidden] (Gemma: 256 with hidden 3584 / 16 heads);
+    #: with MLA (kv_lora_rank > 0) the non-rotary part of each q/k head (qk_nope_head_dim)
+    head_dim: int | None = None
+    #: the normalisation: rms or layer (None: the arch's, rms for llama, layer for gpt2)
+    norm: str | None = None
+    #: positions: rope, learned, alibi or none (None: the arch's, rope for llama, learned for gpt2)
+    positions: str | None = None
+    #: biases on the q, k and v projections (Qwen2)
+    qkv_bias: bool = False
+    #: biases on every linear layer but the LM head (GPT-3, BLOOM)
+    linear_bias: bool = False
+    #: a LayerNorm right after the token embedding (BLOOM)
+    embed_norm: bool = False
+    #: routed experts per MoE layer (0: a dense MLP)
+    experts: int = 0
+    #: experts each token is routed to
+    top_k: int = 2
+    #: each expert's hidden size (None: ffn)
+    moe_ffn: int | None = None
+    #: always-active experts (DeepSeek, Qwen2-MoE), each moe_ffn wide
+    shared_experts: int = 0
+    #: the first dense_layers layers have the dense MLP of width ffn (DeepSeek-V3: 3)
+    dense_layers: int = 0
+    #: expert capacity = ceil(tokens x top_k / experts x capacity_factor) (None: dropless,
+    #: uniform routing, a factor of 1)
+    capacity_factor: float | None = None
+    #: MLA's query compression rank (0: q projected directly, as DeepSeek-V2-Lite)
+    q_lora_rank: int = 0
+    #: > 0: multi-head latent attention (DeepSeek-V2/V3) with this kv compression rank
+    kv_lora_rank: int = 0
+    #: MLA's rotary part of each q/k head (k's shared by the heads)
+    qk_rope_head_dim: int = 0
+    #: MLA's value head size (None: head_dim)
+    v_head_dim: int | None = None
 
     @property
     def act(self) -> str:
@@ -76,8 +111,36 @@ class ModelConfig:
         return self.attention or ("flash" if self.arch == "llama" else "eager")
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+    def hdim(self) -> int:
+        """The head size in effect (q/k's non-rotary part with MLA)."""
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def nrm(self) -> str:
+        """The normalisation in effect: rms or layer."""
+        return self.norm or ("rms" if self.arch == "llama" else "layer")
+
+    @property
+    def pos(self) -> str:
+        """The positions in effect: rope, learned, alibi or none."""
+        return self.positions or ("rope" if self.arch == "llama" else "learned")
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def vdim(self) -> int:
+        """The value head size (MLA's v_head_dim, else the head size)."""
+        return self.v_head_dim or self.hdim
+
+    @property
+    def expert_ffn(self) -> int:
+        return self.moe_ffn or self.ffn
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Layer ``i`` has routed experts (past the first dense_layers)."""
+        return self.experts > 0 and i >= self.dense_layers
 
     @property
     def n_kv(self) -> int:
@@ -89,8 +152,9 @@ class ModelConfig:
         for k in ("layers", "hidden", "heads", "ffn", "vocab", "seq", "batch"):
             if int(getattr(self, k)) < 1:
                 raise ProgramError(f"model: {k} must be >= 1")
-        if self.hidden % self.heads:
-            raise ProgramError(f"model: hidden {self.hidden} is not divisible by heads {self.heads}")
+        if self.head_dim is None and self.hidden % self.heads:
+            raise ProgramError(f"model: hidden {self.hidden} is not divisible by heads {self.heads} "
+                               f"(or give head_dim)")
         if self.heads % self.n_kv:
             raise ProgramError(f"model: heads {self.heads} is not divisible by kv_heads {self.n_kv}")
         if not 0.0 <= float(self.dropout) < 1.0:
@@ -105,6 +169,61 @@ class ModelConfig:
             raise ProgramError(f"model: eager attention is modelled for gpt2 only, not {self.arch}")
         if self.arch == "gpt2" and self.n_kv != self.heads and self.attn == "eager":
             raise ProgramError("model: grouped kv heads need attention flash in the gpt2 arch")
+        self._check_variants()
+        self._check_moe()
+        self._check_mla()
+
+    def _check_variants(self) -> None:
+        for k in ("head_dim", "moe_ffn", "v_head_dim"):
+            v = getattr(self, k)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ProgramError(f"model: {k} must be an integer >= 1 (or null), got {v!r}")
+        for k in ("experts", "shared_experts", "dense_layers", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim"):
+            v = getattr(self, k)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ProgramError(f"model: {k} must be an integer >= 0, got {v!r}")
+        if self.nrm not in NORMS:
+            raise ProgramError(f"model: unknown norm {self.nrm!r} ({' or '.join(NORMS)})")
+        if self.pos not in POSITIONS:
+            raise ProgramError(f"model: unknown positions {self.pos!r} ({', '.join(POSITIONS)})")
+        if self.pos == "rope" and not self.mla and self.hdim % 2:
+            raise ProgramError(f"model: rope needs an even head_dim, got {self.hdim}")
+
+    def _check_moe(self) -> None:
+        if not self.experts:
+            for k in ("shared_experts", "dense_layers"):
+                if getattr(self, k):
+                    raise ProgramError(f"model: {k} {getattr(self, k)} needs experts >= 1 (a MoE model)")
+            if self.moe_ffn is not None or self.capacity_factor is not None:
+                k = "moe_ffn" if self.moe_ffn is not None else "capacity_factor"
+                raise ProgramError(f"model: {k} needs experts >= 1 (a MoE model)")
+            return
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not 1 <= self.top_k <= self.experts:
+            raise ProgramError(f"model: top_k must be from 1 to experts {self.experts}, got {self.top_k!r}")
+        if self.dense_layers >= self.layers:
+            raise ProgramError(f"model: dense_layers {self.dense_layers} leaves no MoE layer of {self.layers}")
+        cf = self.capacity_factor
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not 0 < cf <= 1024):
+            raise ProgramError(f"model: capacity_factor must be a number in (0, 1024] (or null), got {cf!r}")
+        if self.dropout:
+            raise ProgramError("model: dropout is not modelled with experts (a MoE model)")
+
+    def _check_mla(self) -> None:
+        if not self.mla:
+            for k in ("q_lora_rank", "qk_rope_head_dim"):
+                if getattr(self, k):
+                    raise ProgramError(f"model: {k} {getattr(self, k)} needs kv_lora_rank >= 1 (MLA)")
+            if self.v_head_dim is not None:
+                raise ProgramError("model: v_head_dim needs kv_lora_rank >= 1 (MLA)")
+            return
+        if self.attn != "flash":
+            raise ProgramError("model: kv_lora_rank (MLA) needs attention flash, not eager")
+        if self.pos != "rope" or self.qk_rope_head_dim < 2 or self.qk_rope_head_dim % 2:
+            raise ProgramError(f"model: kv_lora_rank (MLA) needs positions rope and an even qk_rope_head_dim >= 2, "
+                               f"got {self.pos} and {self.qk_rope_head_dim}")
+        if self.kv_heads is not None and self.kv_heads != self.heads:
+            raise ProgramError(f"model: kv_heads {self.kv_heads} with kv_lora_rank (MLA): MLA has one kv head per "
+                               f"q head")
 
     def with_(self, **kw: Any) -> ModelConfig:
         return replace(self, **kw)
@@ -130,11 +249,17 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-ACTIVATIONS = ("swiglu", "gelu", "squared_relu", "relu")
+ACTIVATIONS = ("swiglu", "geglu", "gelu", "squared_relu", "relu")
+NORMS = ("rms", "layer")
+POSITIONS = ("rope", "learned", "alibi", "none")
 #: the fields of a ``--model-config`` and their kinds
 _CONFIG_FIELDS = {"base": "str", "name": "str", "arch": "str", "layers": "int", "hidden": "int", "heads": "int",
-                  "kv_heads": "int", "ffn": "int", "vocab": "int", "seq": "int", "batch": "int", "dtype": "str",
-                  "dropout": "num", "tied_embeddings": "bool", "activation": "str", "attention": "str"}
+                  "kv_heads": "int?", "ffn": "int", "vocab": "int", "seq": "int", "batch": "int", "dtype": "str",
+                  "dropout": "num", "tied_embeddings": "bool", "activation": "str?", "attention": "str?",
+                  "head_dim": "int?", "norm": "str?", "positions": "str?", "qkv_bias": "bool", "linear_bias": "bool",
+                  "embed_norm": "bool", "experts": "count", "top_k": "int", "moe_ffn": "int?",
+                  "shared_experts": "count", "dense_layers": "count", "capacity_factor": "num?",
+                  "q_lora_rank": "count", "kv_lora_rank": "count", "qk_rope_head_dim": "count", "v_head_dim": "int?"}
 _DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
            "fp32": "float32", "float32": "float32"}
 
@@ -143,6 +268,26 @@ def is_config_text(name: str) -> bool:
     """A ``--model`` value that is a config (a JSON object or a ``.json`` path), not a preset."""
     t = name.strip()
     return t.startswith("{") or t.lower().endswith(".json")
+
+
+def _check_field(k: str, v: Any) -> None:
+    """ProgramError naming ``--model-config``'s field ``k`` where ``v`` is not of its kind
+    (``?``: null allowed, the arch's default)."""
+    kind = _CONFIG_FIELDS[k]
+    if kind.endswith("?"):
+        if v is None:
+            return
+        kind = kind[:-1]
+    is_int = isinstance(v, int) and not isinstance(v, bool)
+    ok = {"str": isinstance(v, str), "bool": isinstance(v, bool),
+          "int": is_int and 1 <= v <= 1 << 31, "count": is_int and 0 <= v <= 1 << 31,
+          "num": isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")}[kind]
+    if not ok:
+        what = {"str": "a string", "bool": "true or false", "int": f"an integer from 1 to {1 << 31}",
+                "count": f"an integer from 0 to {1 << 31}", "num": "a finite number"}[kind]
+        if _CONFIG_FIELDS[k].endswith("?"):
+            what += " or null"
+        raise ProgramError(f"--model-config {k}: expected {what}, got {json.dumps(v)[:40]}")
 
 
 def config_from_json(text: str) -> ModelConfig:
@@ -172,14 +317,7 @@ def config_from_json(text: str) -> ModelConfig:
         raise ProgramError(f"--model-config: unknown field {str(unknown[0])[:40]!r} "
                            f"(fields: {', '.join(sorted(_CONFIG_FIELDS))})")
     for k, v in obj.items():
-        kind = _CONFIG_FIELDS[k]
-        ok = {"str": isinstance(v, str), "bool": isinstance(v, bool),
-              "int": isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 1 << 31,
-              "num": isinstance(v, (int, float)) and not isinstance(v, bool)}[kind]
-        if not ok:
-            what = {"str": "a string", "bool": "true or false", "int": f"an integer from 1 to {1 << 31}",
-                    "num": "a number"}[kind]
-            raise ProgramError(f"--model-config {k}: expected {what}, got {json.dumps(v)[:40]}")
+        _check_field(k, v)
     if "base" in obj:
         cfg = preset(obj["base"])
     else:
@@ -318,7 +456,7 @@ def _mlp_act(t: Tape, cfg: ModelConfig, x: str, w_gate: str | None, w_up: str, g
 def _flash_core(t: Tape, cfg: ModelConfig, m: Model, p: str, q: str, k: str, v: str, rope: bool) -> str:
     """Causal ``flash_attention`` of the projections ``q`` / ``k`` / ``v`` ([B, S, heads x
     head_dim], kv heads grouped), rotated first when ``rope``; the output as [B, S, H]."""
-    B, S, nh, nkv, hd, dt = cfg.batch, cfg.seq, cfg.heads, cfg.n_kv, cfg.head_dim, cfg.dtype
+    B, S, nh, nkv, hd, dt = cfg.batch, cfg.seq, cfg.heads, cfg.n_kv, cfg.hdim, cfg.dtype
     (q4,) = t.op("reshape", {"x": q}, [(p + "q4", [B, S, nh, hd], dt)], shape=(B, S, nh, hd))
     (k4,) = t.op("reshape", {"x": k}, [(p + "k4", [B, S, nkv, hd], dt)], shape=(B, S, nkv, hd))
     (v4,) = t.op("reshape", {"x": v}, [(p + "v4", [B, S, nkv, hd], dt)], shape=(B, S, nkv, hd))
@@ -341,7 +479,7 @@ def _flash_core(t: Tape, cfg: ModelConfig, m: Model, p: str, q: str, k: str, v: 
 def _llama_layer(t: Tape, cfg: ModelConfig, i: int, h: str, m: Model) -> str:
     b = t.b
     B, S, H, F = cfg.batch, cfg.seq, cfg.hidden, cfg.ffn
-    nh, nkv, hd = cfg.heads, cfg.n_kv, cfg.head_dim
+    nh, nkv, hd = cfg.heads, cfg.n_kv, cfg.hdim
     dt = cfg.dtype
     p = f"layers.{i}."
     b.layer = f"layer {i}"
@@ -394,7 +532,7 @@ def _dropout(t: Tape, cfg: ModelConfig, x: Any, name: str, m: Model | None = Non
 def _gpt2_layer(t: Tape, cfg: ModelConfig, i: int, h: str, m: Model) -> str:
     b = t.b
     B, S, H, F = cfg.batch, cfg.seq, cfg.hidden, cfg.ffn
-    nh, hd = cfg.heads, cfg.head_dim
+    nh, hd = cfg.heads, cfg.hdim
     dt = cfg.dtype
     p = f"layers.{i}."
     b.layer = f"layer {i}"
@@ -448,6 +586,11 @@ def build_model(cfg: ModelConfig, vocab_parallel_loss: bool = False, optimizer: 
     """The training step of ``cfg``: forward, backward and one optimizer update per parameter.
     ``vocab_parallel_loss`` uses ``c_softmax_with_cross_entropy`` (for a vocab-sharded head)."""
     cfg.check()
+    for k in ("experts", "kv_lora_rank", "qkv_bias", "linear_bias", "embed_norm", "head_dim", "norm", "positions"):
+        if getattr(cfg, k) and getattr(cfg, k) != getattr(ModelConfig(cfg.arch), k):  # built in the next commits
+            raise ProgramError(f"model: {k} is not built yet")
+    if cfg.act == "geglu":
+        raise ProgramError("model: activation geglu is not built yet")
     b = ProgramBuilder(f"{cfg.arch} {cfg.layers} layers")
     t = Tape(b)
     m = Model(cfg, Program([], []), {}, [], [], {}, vocab_parallel_loss=vocab_parallel_loss)
@@ -462,8 +605,8 @@ def build_model(cfg: ModelConfig, vocab_parallel_loss: bool = False, optimizer: 
     (h,) = t.op("embedding", {"x": tokens, "weight": emb}, [("embed.out", [B, S, H], dt)])
     assert h is not None
     if cfg.arch == "llama":
-        m.inputs["sin"] = b.tensor("rope.sin", [1, S, 1, cfg.head_dim], dt, "input")
-        m.inputs["cos"] = b.tensor("rope.cos", [1, S, 1, cfg.head_dim], dt, "input")
+        m.inputs["sin"] = b.tensor("rope.sin", [1, S, 1, cfg.hdim], dt, "input")
+        m.inputs["cos"] = b.tensor("rope.cos", [1, S, 1, cfg.hdim], dt, "input")
     else:
         positions = b.tensor("positions", [B, S], "int64", "input")
         m.inputs["positions"] = positions
