@@ -131,10 +131,9 @@ def figure(text: str) -> tuple[float, float]:
     whole, frac, unit = m.group(1), m.group(2) or "", m.group(3)
     scale = _UNITS[unit]
     if frac:
-        step = 10.0 ** -len(frac)
-    else:
-        step = 10.0 ** (len(whole) - len(whole.rstrip("0"))) if whole.strip("0") else 1.0
-    return float(f"{whole}.{frac or 0}") * scale, step * scale / 2
+        return int(whole + frac) * scale / 10 ** len(frac), scale / 10 ** len(frac) / 2
+    zeros = len(whole) - len(whole.rstrip("0")) if whole.strip("0") else 0
+    return float(int(whole) * scale), 10**zeros * scale / 2
 
 
 __all__ = ["DEFAULTS", "FIGURES", "Entry", "config_fields", "entries", "figure", "lookup", "names", "unknown_message"]
