@@ -22,9 +22,10 @@ from spmdkit.planner.planning import plan_preset
 
 DENSE = [n for n, e in catalog.entries().items() if not e.fields.get("experts")]
 MOE = [n for n, e in catalog.entries().items() if e.fields.get("experts")]
-#: the roles Megatron splits over tp (column / head on their output axis, row / embedding on
-#: their input or vocab axis); norms and learned positions are replicated
-SPLIT_ROLES = ("column", "row", "embedding", "head")
+#: the roles Megatron splits over tp (column / head / a column's bias on their output axis, row /
+#: embedding on their input or vocab axis); norms, learned positions, a row's bias, the router
+#: and MLA's down projections are replicated
+SPLIT_ROLES = ("column", "row", "embedding", "head", "column_bias")
 
 
 def published_ok(name: str) -> list[tuple[str, str, int]]:

@@ -38,10 +38,10 @@ def parameters(prog: Program) -> dict[str, int]:
 
 
 def _expert_params(model: Model, layer: int) -> int:
-    """The routed experts' parameters in layer ``layer`` of ``model``."""
-    prefix = f"layers.{layer}."
-    return sum(n for p, n in parameters(model.program).items()
-               if p.startswith(prefix) and model.roles.get(p, "").startswith("expert"))
+    """The routed experts' parameters in layer ``layer`` of ``model`` (the stacks
+    ``layers.<i>.experts.*``, one slice an expert; the shared experts and the router apart)."""
+    prefix = f"layers.{layer}.experts."
+    return sum(n for p, n in parameters(model.program).items() if p.startswith(prefix))
 
 
 def _counts(model: Model) -> tuple[int, int]:

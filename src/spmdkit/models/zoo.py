@@ -31,205 +31,17 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import fields
 from typing import Any
 
 from spmdkit.core.errors import ProgramError
 from spmdkit.models import catalog
 from spmdkit.models.hf_config import hf_fields, is_hf_config
+from spmdkit.models.zoo_config import ACTIVATIONS, NORMS, POSITIONS, Model, ModelConfig
+from spmdkit.models.zoo_layers import NAMES, attention, embed, final_norm, layer_params, mlp_act, norm, row_residual
+from spmdkit.models.zoo_moe import moe_mlp
 from spmdkit.program.autodiff import Tape
 from spmdkit.program.ir import Program, ProgramBuilder
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Sizes of a decoder. ``arch``: llama or gpt2."""
-
-    arch: str = "llama"
-    layers: int = 2
-    hidden: int = 16
-    heads: int = 4
-    kv_heads: int | None = None
-    ffn: int = 32
-    vocab: int = 64
-    seq: int = 8
-    batch: int = 4
-    dtype: str = "float32"
-    #: dropout probability (gpt2 only): > 0 adds Megatron GPT's three dropouts per layer, on
-    #: the attention probabilities, after the attention output projection and after the MLP,
-    #: each keeping a 1-byte mask for the backward (Korthikanti et al. 2022, section 4.1)
-    dropout: float = 0.0
-    #: the LM head is the token embedding (transposed): one [vocab, hidden] parameter
-    tied_embeddings: bool = False
-    #: the MLP's activation: swiglu, gelu, squared_relu or relu (None: the arch's, swiglu for
-    #: llama, gelu for gpt2)
-    activation: str | None = None
-    #: the attention kernel: flash or eager (None: the arch's, flash for llama, eager for gpt2)
-    attention: str | None = None
-    #: a name for a custom config (``--model-config``'s ``name``)
-    name: str = ""
-    #: the attention head size (None: hidden // heads); q/k/v are heads x head_dim wide, the
-    #: output projection [heads x head_dim, hidden] (Gemma: 256 with hidden 3584 / 16 heads);
-    #: with MLA (kv_lora_rank > 0) the non-rotary part of each q/k head (qk_nope_head_dim)
-    head_dim: int | None = None
-    #: the normalisation: rms or layer (None: the arch's, rms for llama, layer for gpt2)
-    norm: str | None = None
-    #: positions: rope, learned, alibi or none (None: the arch's, rope for llama, learned for gpt2)
-    positions: str | None = None
-    #: biases on the q, k and v projections (Qwen2)
-    qkv_bias: bool = False
-    #: biases on every linear layer but the LM head (GPT-3, BLOOM)
-    linear_bias: bool = False
-    #: a LayerNorm right after the token embedding (BLOOM)
-    embed_norm: bool = False
-    #: routed experts per MoE layer (0: a dense MLP)
-    experts: int = 0
-    #: experts each token is routed to
-    top_k: int = 2
-    #: each expert's hidden size (None: ffn)
-    moe_ffn: int | None = None
-    #: always-active experts (DeepSeek, Qwen2-MoE), each moe_ffn wide
-    shared_experts: int = 0
-    #: the first dense_layers layers have the dense MLP of width ffn (DeepSeek-V3: 3)
-    dense_layers: int = 0
-    #: expert capacity = ceil(tokens x top_k / experts x capacity_factor) (None: dropless,
-    #: uniform routing, a factor of 1)
-    capacity_factor: float | None = None
-    #: MLA's query compression rank (0: q projected directly, as DeepSeek-V2-Lite)
-    q_lora_rank: int = 0
-    #: > 0: multi-head latent attention (DeepSeek-V2/V3) with this kv compression rank
-    kv_lora_rank: int = 0
-    #: MLA's rotary part of each q/k head (k's shared by the heads)
-    qk_rope_head_dim: int = 0
-    #: MLA's value head size (None: head_dim)
-    v_head_dim: int | None = None
-
-    @property
-    def act(self) -> str:
-        return self.activation or ("swiglu" if self.arch == "llama" else "gelu")
-
-    @property
-    def attn(self) -> str:
-        return self.attention or ("flash" if self.arch == "llama" else "eager")
-
-    @property
-    def hdim(self) -> int:
-        """The head size in effect (q/k's non-rotary part with MLA)."""
-        return self.head_dim or self.hidden // self.heads
-
-    @property
-    def nrm(self) -> str:
-        """The normalisation in effect: rms or layer."""
-        return self.norm or ("rms" if self.arch == "llama" else "layer")
-
-    @property
-    def pos(self) -> str:
-        """The positions in effect: rope, learned, alibi or none."""
-        return self.positions or ("rope" if self.arch == "llama" else "learned")
-
-    @property
-    def mla(self) -> bool:
-        return self.kv_lora_rank > 0
-
-    @property
-    def vdim(self) -> int:
-        """The value head size (MLA's v_head_dim, else the head size)."""
-        return self.v_head_dim or self.hdim
-
-    @property
-    def expert_ffn(self) -> int:
-        return self.moe_ffn or self.ffn
-
-    def is_moe_layer(self, i: int) -> bool:
-        """Layer ``i`` has routed experts (past the first dense_layers)."""
-        return self.experts > 0 and i >= self.dense_layers
-
-    @property
-    def n_kv(self) -> int:
-        return self.kv_heads or self.heads
-
-    def check(self) -> None:
-        if self.arch not in ("llama", "gpt2"):
-            raise ProgramError(f"model: unknown arch {self.arch!r} (llama or gpt2)")
-        for k in ("layers", "hidden", "heads", "ffn", "vocab", "seq", "batch"):
-            if int(getattr(self, k)) < 1:
-                raise ProgramError(f"model: {k} must be >= 1")
-        if self.head_dim is None and self.hidden % self.heads:
-            raise ProgramError(f"model: hidden {self.hidden} is not divisible by heads {self.heads} "
-                               f"(or give head_dim)")
-        if self.heads % self.n_kv:
-            raise ProgramError(f"model: heads {self.heads} is not divisible by kv_heads {self.n_kv}")
-        if not 0.0 <= float(self.dropout) < 1.0:
-            raise ProgramError(f"model: dropout must be in [0, 1), got {self.dropout}")
-        if self.dropout and self.arch != "gpt2":
-            raise ProgramError(f"model: dropout is modelled for gpt2 only, not {self.arch}")
-        if self.act not in ACTIVATIONS:
-            raise ProgramError(f"model: unknown activation {self.act!r} ({', '.join(ACTIVATIONS)})")
-        if self.attn not in ("flash", "eager"):
-            raise ProgramError(f"model: unknown attention {self.attn!r} (flash or eager)")
-        if self.attn == "eager" and self.arch != "gpt2":
-            raise ProgramError(f"model: eager attention is modelled for gpt2 only, not {self.arch}")
-        if self.arch == "gpt2" and self.n_kv != self.heads and self.attn == "eager":
-            raise ProgramError("model: grouped kv heads need attention flash in the gpt2 arch")
-        self._check_variants()
-        self._check_moe()
-        self._check_mla()
-
-    def _check_variants(self) -> None:
-        for k in ("head_dim", "moe_ffn", "v_head_dim"):
-            v = getattr(self, k)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise ProgramError(f"model: {k} must be an integer >= 1 (or null), got {v!r}")
-        for k in ("experts", "shared_experts", "dense_layers", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim"):
-            v = getattr(self, k)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ProgramError(f"model: {k} must be an integer >= 0, got {v!r}")
-        if self.nrm not in NORMS:
-            raise ProgramError(f"model: unknown norm {self.nrm!r} ({' or '.join(NORMS)})")
-        if self.pos not in POSITIONS:
-            raise ProgramError(f"model: unknown positions {self.pos!r} ({', '.join(POSITIONS)})")
-        if self.pos == "rope" and not self.mla and self.hdim % 2:
-            raise ProgramError(f"model: rope needs an even head_dim, got {self.hdim}")
-
-    def _check_moe(self) -> None:
-        if not self.experts:
-            for k in ("shared_experts", "dense_layers"):
-                if getattr(self, k):
-                    raise ProgramError(f"model: {k} {getattr(self, k)} needs experts >= 1 (a MoE model)")
-            if self.moe_ffn is not None or self.capacity_factor is not None:
-                k = "moe_ffn" if self.moe_ffn is not None else "capacity_factor"
-                raise ProgramError(f"model: {k} needs experts >= 1 (a MoE model)")
-            return
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not 1 <= self.top_k <= self.experts:
-            raise ProgramError(f"model: top_k must be from 1 to experts {self.experts}, got {self.top_k!r}")
-        if self.dense_layers >= self.layers:
-            raise ProgramError(f"model: dense_layers {self.dense_layers} leaves no MoE layer of {self.layers}")
-        cf = self.capacity_factor
-        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not 0 < cf <= 1024):
-            raise ProgramError(f"model: capacity_factor must be a number in (0, 1024] (or null), got {cf!r}")
-        if self.dropout:
-            raise ProgramError("model: dropout is not modelled with experts (a MoE model)")
-
-    def _check_mla(self) -> None:
-        if not self.mla:
-            for k in ("q_lora_rank", "qk_rope_head_dim"):
-                if getattr(self, k):
-                    raise ProgramError(f"model: {k} {getattr(self, k)} needs kv_lora_rank >= 1 (MLA)")
-            if self.v_head_dim is not None:
-                raise ProgramError("model: v_head_dim needs kv_lora_rank >= 1 (MLA)")
-            return
-        if self.attn != "flash":
-            raise ProgramError("model: kv_lora_rank (MLA) needs attention flash, not eager")
-        if self.pos != "rope" or self.qk_rope_head_dim < 2 or self.qk_rope_head_dim % 2:
-            raise ProgramError(f"model: kv_lora_rank (MLA) needs positions rope and an even qk_rope_head_dim >= 2, "
-                               f"got {self.pos} and {self.qk_rope_head_dim}")
-        if self.kv_heads is not None and self.kv_heads != self.heads:
-            raise ProgramError(f"model: kv_heads {self.kv_heads} with kv_lora_rank (MLA): MLA has one kv head per "
-                               f"q head")
-
-    def with_(self, **kw: Any) -> ModelConfig:
-        return replace(self, **kw)
-
 
 #: Published sizes (GPT-2's vocabulary padded to 50304 as Megatron-LM does, so it divides
 #: tensor-parallel degrees); tiny ones for tests and ``--verify``.
@@ -251,9 +63,6 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-ACTIVATIONS = ("swiglu", "geglu", "gelu", "squared_relu", "relu")
-NORMS = ("rms", "layer")
-POSITIONS = ("rope", "learned", "alibi", "none")
 #: the fields of a ``--model-config`` and their kinds
 _CONFIG_FIELDS = {"base": "str", "name": "str", "arch": "str", "layers": "int", "hidden": "int", "heads": "int",
                   "kv_heads": "int?", "ffn": "int", "vocab": "int", "seq": "int", "batch": "int", "dtype": "str",
@@ -352,17 +161,30 @@ def config_json(cfg: ModelConfig) -> str:
 
 def tiny_like(cfg: ModelConfig) -> str:
     """The tiny model of ``cfg``'s architecture (``--verify`` simulates it): a tiny preset, or,
-    where ``cfg`` has a variant (activation, attention, tied embeddings, grouped kv heads), a
-    config of the tiny preset's sizes with that variant."""
+    where ``cfg`` has a variant (activation, attention, tied embeddings, grouped kv heads, head
+    size, norm, positions, biases, embedding norm, experts, MLA), a config of the tiny preset's
+    sizes with that variant (4 experts of width 8, MLA ranks 8 / 6, rope part 4)."""
     base = "tiny-llama" if cfg.arch == "llama" else "tiny-gpt-dropout" if cfg.dropout else "tiny-gpt2"
     tiny = PRESETS[base]
     # grouped kv heads: tiny-llama has them already; a grouped gpt2 gets half as many kv heads
     kv = tiny.n_kv if cfg.arch == "llama" else tiny.heads // 2 if cfg.n_kv != cfg.heads else tiny.heads
-    variant = {"activation": cfg.act, "attention": cfg.attn, "tied_embeddings": cfg.tied_embeddings,
-               "kv_heads": kv}
-    if all(getattr(tiny.with_(**variant), f) == getattr(tiny, f) for f in ("act", "attn", "tied_embeddings", "n_kv")):
+    variant: dict[str, Any] = {"activation": cfg.act, "attention": cfg.attn, "tied_embeddings": cfg.tied_embeddings,
+                               "kv_heads": kv, "norm": cfg.nrm, "positions": cfg.pos}
+    variant.update({k: True for k in ("qkv_bias", "linear_bias", "embed_norm") if getattr(cfg, k)})
+    if cfg.hdim != cfg.hidden // cfg.heads or cfg.hidden % cfg.heads:
+        variant["head_dim"] = 2 * tiny.hdim  # q/k/v wider than hidden, as Gemma's
+    if cfg.experts:
+        variant.update({"experts": 4, "top_k": min(cfg.top_k, 2), "moe_ffn": 8,
+                        "shared_experts": min(cfg.shared_experts, 1), "dense_layers": min(cfg.dense_layers, 1),
+                        "capacity_factor": cfg.capacity_factor})
+    if cfg.mla:
+        variant.update({"kv_heads": None, "kv_lora_rank": 8, "q_lora_rank": 6 if cfg.q_lora_rank else 0,
+                        "qk_rope_head_dim": 4, "head_dim": 4, "v_head_dim": 6 if cfg.vdim != cfg.hdim else None})
+    new = tiny.with_(**variant)
+    if new == tiny.with_(activation=tiny.act, attention=tiny.attn, norm=tiny.nrm, positions=tiny.pos):
         return base
-    return json.dumps({"base": base, "name": base + " variant", **variant}, separators=(",", ":"))
+    return json.dumps({"base": base, "name": base + " variant", **{k: v for k, v in variant.items() if v is not None
+                                                                    or k == "kv_heads"}}, separators=(",", ":"))
 
 
 def model_label(name: str) -> str:
@@ -383,209 +205,26 @@ def preset(name: str) -> ModelConfig:
     return ModelConfig(**fields)
 
 
-@dataclass
-class Model:
-    """A built training step and the roles strategies read."""
 
-    config: ModelConfig
-    program: Program
-    #: parameter name -> role: embedding, position, column, row, head, norm
-    roles: dict[str, str]
-    #: residual-stream activations (Megatron sequence parallel shards their sequence axis)
-    residual: list[str]
-    #: normalised activations that feed the column-parallel projections
-    norm_outputs: list[str]
-    #: parameter -> (gradient, optimizer states, updated parameter, updated states)
-    optimizer: dict[str, tuple[str, tuple[str, ...], str, tuple[str, ...]]]
-    #: outputs of the row-parallel projections (their gradients are gathered under sequence parallel)
-    row_outputs: list[str] = field(default_factory=list)
-    inputs: dict[str, str] = field(default_factory=dict)
-    loss: str = "loss"
-    vocab_parallel_loss: bool = False
-
-
-# -- the models -------------------------------------------------------------------------------
-
-
-def _norm(t: Tape, cfg: ModelConfig, m: Model, x: str, name: str, scale: str, bias: str | None = None) -> str:
-    """``x`` normalised: RMS norm without ``bias`` (llama), layer norm with it (gpt2); its outputs
-    ``<name>.out`` and the float32 statistics; recorded among the norm outputs."""
-    B, S, H, dt = cfg.batch, cfg.seq, cfg.hidden, cfg.dtype
-    out = (name + ".out", [B, S, H], dt)
-    if bias is None:
-        n, _ = t.op("fused_rms_norm", {"x": x, "scale": scale}, [out, (name + ".invvar", [B, S], "float32")],
-                    epsilon=1e-6)
-    else:
-        n, _, _ = t.op("layer_norm", {"x": x, "scale": scale, "bias": bias},
-                       [out, (name + ".mean", [B, S], "float32"), (name + ".var", [B, S], "float32")],
-                       epsilon=1e-5, begin_norm_axis=2)
-    assert n is not None
-    m.norm_outputs.append(n)
-    return n
-
-
-def _row_residual(t: Tape, cfg: ModelConfig, m: Model, x: Any, weight: str, name: str, h: str, resid: str) -> str:
-    """The row-parallel projection ``x @ weight`` (``name``, recorded among the row outputs;
-    dropped out where cfg.dropout) added to the residual stream ``h`` as ``resid``."""
-    B, S, H, dt = cfg.batch, cfg.seq, cfg.hidden, cfg.dtype
-    (o,) = t.op("matmul", {"x": x, "y": weight}, [(name, [B, S, H], dt)])
-    m.row_outputs.append(name)
-    if cfg.dropout:
-        o = _dropout(t, cfg, o, name + ".dropout", m)
-    (r,) = t.op("add", {"x": h, "y": o}, [(resid, [B, S, H], dt)])
-    assert r is not None
-    return r
-
-
-def _mlp_act(t: Tape, cfg: ModelConfig, x: str, w_gate: str | None, w_up: str, gate: str, up: str, p: str) -> str:
-    """The MLP up to its down projection: ``swiglu(x @ w_gate, x @ w_up)``, or the activation
-    (gelu, relu, squared ReLU) of ``x @ w_up``; outputs named ``gate`` / ``up`` and after the
-    activation."""
-    B, S, F, dt = cfg.batch, cfg.seq, cfg.ffn, cfg.dtype
-    a = cfg.act
-    if a == "swiglu":
-        assert w_gate is not None
-        (g,) = t.op("matmul", {"x": x, "y": w_gate}, [(gate, [B, S, F], dt)])
-        (u,) = t.op("matmul", {"x": x, "y": w_up}, [(up, [B, S, F], dt)])
-        (out,) = t.op("swiglu", {"x": g, "y": u}, [(p + "swiglu", [B, S, F], dt)])
-    else:
-        (u,) = t.op("matmul", {"x": x, "y": w_up}, [(up, [B, S, F], dt)])
-        if a == "gelu":
-            (out,) = t.op("gelu", {"x": u}, [(p + "gelu", [B, S, F], dt)], approximate=True)
-        else:
-            (out,) = t.op("relu", {"x": u}, [(p + "relu", [B, S, F], dt)])
-            if a == "squared_relu":
-                (out,) = t.op("square", {"x": out}, [(p + "relu.sq", [B, S, F], dt)])
-    assert out is not None
-    return out
-
-
-def _flash_core(t: Tape, cfg: ModelConfig, m: Model, p: str, q: str, k: str, v: str, rope: bool) -> str:
-    """Causal ``flash_attention`` of the projections ``q`` / ``k`` / ``v`` ([B, S, heads x
-    head_dim], kv heads grouped), rotated first when ``rope``; the output as [B, S, H]."""
-    B, S, nh, nkv, hd, dt = cfg.batch, cfg.seq, cfg.heads, cfg.n_kv, cfg.hdim, cfg.dtype
-    (q4,) = t.op("reshape", {"x": q}, [(p + "q4", [B, S, nh, hd], dt)], shape=(B, S, nh, hd))
-    (k4,) = t.op("reshape", {"x": k}, [(p + "k4", [B, S, nkv, hd], dt)], shape=(B, S, nkv, hd))
-    (v4,) = t.op("reshape", {"x": v}, [(p + "v4", [B, S, nkv, hd], dt)], shape=(B, S, nkv, hd))
-    if rope:
-        # q and k rotated by separate calls: with grouped kv heads their head counts differ
-        q4, _, _ = t.op("fused_rotary_position_embedding",
-                        {"q": q4, "k": None, "v": None, "sin": m.inputs["sin"], "cos": m.inputs["cos"]},
-                        [(p + "q_rope", [B, S, nh, hd], dt), None, None], use_neox_rotary_style=True)
-        k4, _, _ = t.op("fused_rotary_position_embedding",
-                        {"q": k4, "k": None, "v": None, "sin": m.inputs["sin"], "cos": m.inputs["cos"]},
-                        [(p + "k_rope", [B, S, nkv, hd], dt), None, None], use_neox_rotary_style=True)
-    att, _, _, _ = t.op("flash_attention", {"q": q4, "k": k4, "v": v4},
-                        [(p + "attn", [B, S, nh, hd], dt), None, (p + "attn.lse", [B, nh, S], "float32"),
-                         (p + "attn.seed_offset", [2], "int64")], causal=True)
-    (a2,) = t.op("reshape", {"x": att}, [(p + "attn2d", [B, S, nh * hd], dt)], shape=(B, S, nh * hd))
-    assert a2 is not None
-    return a2
-
-
-def _llama_layer(t: Tape, cfg: ModelConfig, i: int, h: str, m: Model) -> str:
-    b = t.b
-    B, S, H, F = cfg.batch, cfg.seq, cfg.hidden, cfg.ffn
-    nh, nkv, hd = cfg.heads, cfg.n_kv, cfg.hdim
-    dt = cfg.dtype
+def decoder_layer(t: Tape, cfg: ModelConfig, i: int, h: str, m: Model) -> str:
+    """Layer ``i`` of ``cfg`` on the residual stream ``h``; the stream after it."""
     p = f"layers.{i}."
-    b.layer = f"layer {i}"
-    ln1 = t.param(p + "attn_norm", [H], dt)
-    wq = t.param(p + "wq", [H, nh * hd], dt)
-    wk = t.param(p + "wk", [H, nkv * hd], dt)
-    wv = t.param(p + "wv", [H, nkv * hd], dt)
-    wo = t.param(p + "wo", [nh * hd, H], dt)
-    ln2 = t.param(p + "mlp_norm", [H], dt)
-    wg = t.param(p + "w_gate", [H, F], dt) if cfg.act == "swiglu" else None
-    wu = t.param(p + "w_up", [H, F], dt)
-    wd = t.param(p + "w_down", [F, H], dt)
-    m.roles.update({ln1: "norm", ln2: "norm", wq: "column", wk: "column", wv: "column", wo: "row",
-                    wu: "column", wd: "row"})
-    if wg is not None:
-        m.roles[wg] = "column"
-    n1 = _norm(t, cfg, m, h, p + "attn_norm", ln1)
-    (q,) = t.op("matmul", {"x": n1, "y": wq}, [(p + "q", [B, S, nh * hd], dt)])
-    (k,) = t.op("matmul", {"x": n1, "y": wk}, [(p + "k", [B, S, nkv * hd], dt)])
-    (v,) = t.op("matmul", {"x": n1, "y": wv}, [(p + "v", [B, S, nkv * hd], dt)])
-    assert q is not None and k is not None and v is not None
-    a2 = _flash_core(t, cfg, m, p, q, k, v, rope=True)
-    h1 = _row_residual(t, cfg, m, a2, wo, p + "attn_out", h, p + "resid1")
-    n2 = _norm(t, cfg, m, h1, p + "mlp_norm", ln2)
-    act = _mlp_act(t, cfg, n2, wg, wu, p + "gate", p + "up", p)
-    h2 = _row_residual(t, cfg, m, act, wd, p + "mlp_out", h1, p + "resid2")
+    t.b.layer = f"layer {i}"
+    moe = cfg.is_moe_layer(i)
+    w = layer_params(t, cfg, m, p, moe)
+    nm = NAMES[cfg.arch]
+    n1 = norm(t, cfg, m, h, p + nm["n1"], w["n1"], w["n1.b"])
+    ctx = attention(t, cfg, m, p, n1, w)
+    h1 = row_residual(t, cfg, m, ctx, w["o"], w.get("o.b"), p + "attn_out", h, p + "resid1")
+    n2 = norm(t, cfg, m, h1, p + nm["n2"], w["n2"], w["n2.b"])
+    if moe:
+        h2 = moe_mlp(t, cfg, m, p, n2, h1)
+    else:
+        act = mlp_act(t, cfg, n2, w, nm, p)
+        h2 = row_residual(t, cfg, m, act, w["down"], w.get("down.b"), p + "mlp_out", h1, p + "resid2")
     m.residual.extend([h1, h2])
     return h2
 
-
-def _dropout(t: Tape, cfg: ModelConfig, x: Any, name: str, m: Model | None = None) -> str:
-    """Megatron's dropout on ``x``: the dropped tensor (``dropout``) and its keep mask, uint8
-    (one byte an element, as the backward keeps it); the gradient is ``dropout_grad(mask,
-    out_grad, p)``. The registered ``dropout`` rule has one output, so the mask is made by a
-    ``bernoulli`` op of the same shape and layout right after it; it reads the dropout's output
-    (not ``x``, whose layout it has). ``m``: ``x`` is a row-parallel projection's output and the
-    dropout is on the residual stream: sequence parallel shards ``x`` (its partial sum
-    reduce-scattered, as Megatron's row-parallel linear does), the output and the mask on
-    the sequence axis; tensor parallel alone all-reduces ``x`` before the dropout."""
-    shape = list(t.b.get(x).shape)
-    mask = name + ".mask"
-    (out,) = t.op("dropout", {"x": x}, [(name, shape, cfg.dtype)], grad_extra={"mask": mask, "p": float(cfg.dropout)})
-    t.op("bernoulli", {"x": out}, [(mask, shape, "uint8")])
-    assert out is not None and mask is not None
-    if m is not None:
-        m.residual.extend([x, out, mask])
-    return out
-
-
-def _gpt2_layer(t: Tape, cfg: ModelConfig, i: int, h: str, m: Model) -> str:
-    b = t.b
-    B, S, H, F = cfg.batch, cfg.seq, cfg.hidden, cfg.ffn
-    nh, hd = cfg.heads, cfg.hdim
-    dt = cfg.dtype
-    p = f"layers.{i}."
-    b.layer = f"layer {i}"
-    kv = cfg.n_kv * hd
-    names = ["ln1.w", "ln1.b", "wq", "wk", "wv", "wo", "ln2.w", "ln2.b", "fc1", "fc2"]
-    shapes = [[H], [H], [H, H], [H, kv], [H, kv], [H, H], [H], [H], [H, F], [F, H]]
-    roles = ["norm", "norm", "column", "column", "column", "row", "norm", "norm", "column", "row"]
-    if cfg.act == "swiglu":
-        names, shapes, roles = [*names, "fc1.gate"], [*shapes, [H, F]], [*roles, "column"]
-    w = {n: t.param(p + n, s, dt) for n, s in zip(names, shapes)}
-    m.roles.update({p + n: r for n, r in zip(names, roles)})
-    n1 = _norm(t, cfg, m, h, p + "ln1", w["ln1.w"], w["ln1.b"])
-    if cfg.attn == "flash":
-        qkv = [t.op("matmul", {"x": n1, "y": w["w" + nm]}, [(p + nm, [B, S, H if nm == "q" else kv], dt)])[0]
-               for nm in ("q", "k", "v")]
-        assert all(isinstance(x, str) for x in qkv)
-        return _gpt2_mlp(t, cfg, m, p, h, _flash_core(t, cfg, m, p, str(qkv[0]), str(qkv[1]), str(qkv[2]), rope=False), w)
-    heads: dict[str, str] = {}
-    for nm in ("q", "k", "v"):
-        (x,) = t.op("matmul", {"x": n1, "y": w["w" + nm]}, [(p + nm, [B, S, H], dt)])
-        (x4,) = t.op("reshape", {"x": x}, [(p + nm + "4", [B, S, nh, hd], dt)], shape=(B, S, nh, hd))
-        (xt,) = t.op("transpose", {"x": x4}, [(p + nm + "t", [B, nh, S, hd], dt)], perm=(0, 2, 1, 3))
-        assert xt is not None
-        heads[nm] = xt
-    (sc,) = t.op("matmul", {"x": heads["q"], "y": heads["k"]}, [(p + "scores", [B, nh, S, S], dt)], trans_y=True)
-    (sc2,) = t.op("scale", {"x": sc}, [(p + "scores.scaled", [B, nh, S, S], dt)])
-    (scm,) = t.op("add", {"x": sc2, "y": m.inputs["mask"]}, [(p + "scores.masked", [B, nh, S, S], dt)])
-    (pr,) = t.op("softmax", {"x": scm}, [(p + "probs", [B, nh, S, S], dt)], axis=-1)
-    if cfg.dropout:
-        pr = _dropout(t, cfg, pr, p + "probs.dropout")
-    (ctx,) = t.op("matmul", {"x": pr, "y": heads["v"]}, [(p + "ctx", [B, nh, S, hd], dt)])
-    (ct,) = t.op("transpose", {"x": ctx}, [(p + "ctx.t", [B, S, nh, hd], dt)], perm=(0, 2, 1, 3))
-    (c2,) = t.op("reshape", {"x": ct}, [(p + "ctx2d", [B, S, H], dt)], shape=(B, S, H))
-    assert c2 is not None
-    return _gpt2_mlp(t, cfg, m, p, h, c2, w)
-
-
-def _gpt2_mlp(t: Tape, cfg: ModelConfig, m: Model, p: str, h: str, ctx: str, w: dict[str, str]) -> str:
-    """A gpt2 layer from its attention's output ``ctx``: the output projection and residual,
-    LayerNorm, the MLP (:func:`_mlp_act`) and its residual."""
-    h1 = _row_residual(t, cfg, m, ctx, w["wo"], p + "attn_out", h, p + "resid1")
-    n2 = _norm(t, cfg, m, h1, p + "ln2", w["ln2.w"], w["ln2.b"])
-    act = _mlp_act(t, cfg, n2, w.get("fc1.gate"), w["fc1"], p + "fc1.gate.out", p + "fc1.out", p)
-    h2 = _row_residual(t, cfg, m, act, w["fc2"], p + "mlp_out", h1, p + "resid2")
-    m.residual.extend([h1, h2])
-    return h2
 
 
 def build_model(cfg: ModelConfig, vocab_parallel_loss: bool = False, optimizer: str = "adamw",
@@ -593,50 +232,16 @@ def build_model(cfg: ModelConfig, vocab_parallel_loss: bool = False, optimizer: 
     """The training step of ``cfg``: forward, backward and one optimizer update per parameter.
     ``vocab_parallel_loss`` uses ``c_softmax_with_cross_entropy`` (for a vocab-sharded head)."""
     cfg.check()
-    for k in ("experts", "kv_lora_rank", "qkv_bias", "linear_bias", "embed_norm", "head_dim", "norm", "positions"):
-        if getattr(cfg, k) and getattr(cfg, k) != getattr(ModelConfig(cfg.arch), k):  # built in the next commits
-            raise ProgramError(f"model: {k} is not built yet")
-    if cfg.act == "geglu":
-        raise ProgramError("model: activation geglu is not built yet")
     b = ProgramBuilder(f"{cfg.arch} {cfg.layers} layers")
     t = Tape(b)
     m = Model(cfg, Program([], []), {}, [], [], {}, vocab_parallel_loss=vocab_parallel_loss)
     B, S, H, V = cfg.batch, cfg.seq, cfg.hidden, cfg.vocab
     dt = cfg.dtype
-    b.layer = "embedding"
-    tokens = b.tensor("tokens", [B, S], "int64", "input")
-    labels = b.tensor("labels", [B, S, 1], "int64", "input")
-    m.inputs.update({"tokens": tokens, "labels": labels})
-    emb = t.param("embed", [V, H], dt)
-    m.roles[emb] = "embedding"
-    (h,) = t.op("embedding", {"x": tokens, "weight": emb}, [("embed.out", [B, S, H], dt)])
-    assert h is not None
-    if cfg.arch == "llama":
-        m.inputs["sin"] = b.tensor("rope.sin", [1, S, 1, cfg.hdim], dt, "input")
-        m.inputs["cos"] = b.tensor("rope.cos", [1, S, 1, cfg.hdim], dt, "input")
-    else:
-        positions = b.tensor("positions", [B, S], "int64", "input")
-        m.inputs["positions"] = positions
-        if cfg.attn == "eager":  # flash attention masks inside its kernel
-            m.inputs["mask"] = b.tensor("causal_mask", [1, 1, S, S], dt, "input")
-        wpe = t.param("pos_embed", [S, H], dt)
-        m.roles[wpe] = "position"
-        (pe,) = t.op("embedding", {"x": positions, "weight": wpe}, [("pos_embed.out", [B, S, H], dt)])
-        m.residual.append(h)  # the token embedding's (partial) output joins the residual stream
-        (h,) = t.op("add", {"x": h, "y": pe}, [("embed.sum", [B, S, H], dt)])
-        assert h is not None
-    m.residual.append(h)
+    emb, h = embed(t, cfg, m)
+    labels = m.inputs["labels"]
     for i in range(cfg.layers):
-        h = (_llama_layer if cfg.arch == "llama" else _gpt2_layer)(t, cfg, i, h, m)
-    b.layer = "head"
-    if cfg.arch == "llama":
-        fn = t.param("final_norm", [H], dt)
-        m.roles[fn] = "norm"
-        nf = _norm(t, cfg, m, h, "final_norm", fn)
-    else:
-        fw, fb = t.param("final_norm.w", [H], dt), t.param("final_norm.b", [H], dt)
-        m.roles.update({fw: "norm", fb: "norm"})
-        nf = _norm(t, cfg, m, h, "final_norm", fw, fb)
+        h = decoder_layer(t, cfg, i, h, m)
+    nf = final_norm(t, cfg, m, h)
     if cfg.tied_embeddings:  # the head is the embedding table, transposed
         (logits,) = t.op("matmul", {"x": nf, "y": emb}, [("logits", [B, S, V], dt)], trans_y=True)
     else:
@@ -698,4 +303,5 @@ def add_optimizer(b: ProgramBuilder, m: Model, grads: Mapping[str, str], kind: s
         m.optimizer[p] = (g, states, p + ".new", tuple(s + ".new" for s in states))
 
 
-__all__ = ["Model", "ModelConfig", "PRESETS", "add_optimizer", "build_model", "preset"]
+__all__ = ["ACTIVATIONS", "NORMS", "POSITIONS", "Model", "ModelConfig", "PRESETS", "add_optimizer", "build_model", "decoder_layer",
+           "preset"]
