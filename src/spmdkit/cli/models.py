@@ -14,7 +14,7 @@ from typing import Any, TextIO
 
 from spmdkit.core.errors import SpmdError
 from spmdkit.models import catalog
-from spmdkit.models.params import count_params
+from spmdkit.models.params import count_params, mismatches
 from spmdkit.models.zoo import ModelConfig, preset
 from spmdkit.outputs.tables import fitted, print_table, terminal_width
 
@@ -60,11 +60,13 @@ def model_rows(filters: list[str] | None = None) -> list[dict[str, Any]]:
             continue
         row: dict[str, Any] = {"name": name, "aliases": list(e.aliases), "family": e.family, "config": dict(e.fields),
                                "params": None, "published": dict(e.published), "published_where": e.where,
+                               "active_without_token_embedding": e.active_without_token_embedding,
                                "source": e.source, "notes": e.notes}
         try:
             pc = count_params(preset(name))
             row["params"] = {"total": pc.total, "active": pc.active, "embedding": pc.embedding,
-                             "non_embedding": pc.non_embedding}
+                             "non_embedding": pc.non_embedding, "token_embedding": pc.token_embedding}
+            row["matches_published"] = not mismatches(e, pc)
         except SpmdError as exc:  # an architecture this build of the zoo does not build
             row["error"] = str(exc)
         out.append(row)

@@ -7,7 +7,8 @@ bfloat16 unless given; ``seq`` the context the model was trained at), and beside
 ``name`` (and ``aliases``), ``family``, ``source`` (the config.json or paper the sizes come
 from), ``published`` (the parameter counts as the source states them: ``total``, ``active``
 for MoE, or ``embedding`` / ``non_embedding`` where that is what it states, and ``where``: the
-page that states them) and ``notes`` (what of the architecture is not modelled).
+page that states them, and ``active_without_token_embedding``: true where the source's active
+count leaves the token embedding out) and ``notes`` (what of the architecture is not modelled).
 
 This module reads the data only (it imports no model code): :func:`spmdkit.models.zoo.preset`
 resolves a catalog name through :func:`config_fields`, and :mod:`spmdkit.models.params`
@@ -50,6 +51,9 @@ class Entry:
     where: str = ""
     notes: str = ""
     aliases: tuple[str, ...] = field(default_factory=tuple)
+    #: the source counts active parameters without the token embedding table (a token reads
+    #: one row of it: DeepSeek), where others count every parameter of the experts it uses
+    active_without_token_embedding: bool = False
 
 
 def _entry(raw: Any, where: str) -> Entry:
@@ -58,6 +62,7 @@ def _entry(raw: Any, where: str) -> Entry:
     name = raw["name"]
     pub = dict(raw.get("published") or {})
     page = str(pub.pop("where", ""))
+    lookup_only = bool(pub.pop("active_without_token_embedding", False))
     bad = [k for k in pub if k not in FIGURES]
     if bad or not pub or not isinstance(raw.get("source"), str):
         raise ProgramError(f"catalog {where} {name}: needs a source and published figures ({', '.join(FIGURES)})")
@@ -65,7 +70,7 @@ def _entry(raw: Any, where: str) -> Entry:
         figure(text)
     fields = {**DEFAULTS, **{k: v for k, v in raw.items() if k not in META_KEYS}, "name": name}
     return Entry(name, str(raw.get("family", "")), fields, raw["source"], pub, page, str(raw.get("notes", "")),
-                 tuple(raw.get("aliases", ())))
+                 tuple(raw.get("aliases", ())), lookup_only)
 
 
 @functools.cache
@@ -108,6 +113,13 @@ def config_fields(name: str) -> dict[str, Any] | None:
     return None if e is None else dict(e.fields)
 
 
+def matches(text: str, count: float) -> bool:
+    """``count`` is the stated figure ``text`` rounded or truncated to its last stated digit
+    (sources do both: Qwen's 7.61B is 7.6156B truncated, HF's 7.62B the same count rounded)."""
+    value, half = figure(text)
+    return abs(count - value) <= half or value <= count < value + 2 * half
+
+
 def unknown_message(name: str, presets: list[str]) -> str:
     """The error for a ``--model`` name that is neither a preset nor in the catalog: the presets,
     where the catalog is listed, and the closest name."""
@@ -136,4 +148,4 @@ def figure(text: str) -> tuple[float, float]:
     return float(int(whole) * scale), 10**zeros * scale / 2
 
 
-__all__ = ["DEFAULTS", "FIGURES", "Entry", "config_fields", "entries", "figure", "lookup", "names", "unknown_message"]
+__all__ = ["DEFAULTS", "FIGURES", "Entry", "config_fields", "entries", "figure", "lookup", "matches", "names", "unknown_message"]
