@@ -255,7 +255,7 @@ def test_plan_takes_a_catalog_name_and_its_overrides(capsys: pytest.CaptureFixtu
 def test_an_unknown_model_names_the_presets_the_catalog_and_the_closest(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--model", "llama3-8bb", "--mesh", "tp=2"]) == 2
     err = capsys.readouterr().err
-    assert "no preset or catalog model 'llama3-8bb'" in err and "llama-7b" in err
+    assert "no preset 'llama3-8bb' nor catalog model" in err and "llama-7b" in err
     assert "`spmdkit models` lists the" in err and "did you mean 'llama3-8b'" in err
 
 

@@ -125,7 +125,7 @@ def unknown_message(name: str, presets: list[str]) -> str:
     where the catalog is listed, and the closest name."""
     close = difflib.get_close_matches(name, [*presets, *entries(), *_aliases()], n=1, cutoff=0.6)
     hint = f"; did you mean {close[0]!r}?" if close else ""
-    return (f"--model: no preset or catalog model {name[:60]!r} (presets: {', '.join(sorted(presets))}; "
+    return (f"--model: no preset {name[:60]!r} nor catalog model (presets: {', '.join(sorted(presets))}; "
             f"`spmdkit models` lists the {len(entries())} catalog models{hint})")
 
 
