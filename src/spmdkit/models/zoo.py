@@ -13,13 +13,20 @@ final RMSNorm, LM head, ``cross_entropy_with_softmax`` (``c_softmax_with_cross_e
 the head is vocab-parallel) and the mean loss. GPT-2: token + learned position embeddings,
 LayerNorm, q/k/v projections, matmul + softmax attention with a causal mask, GELU MLP.
 
-Variants (:class:`ModelConfig`, ``--model-config``): ``activation`` (``swiglu``: gate and up
-projections; ``gelu``, ``squared_relu`` (Nemotron, Primer) or ``relu``: one up projection),
+The layers are built by :mod:`spmdkit.models.zoo_layers` (attention of any head size, MLA,
+norms, positions, biases) and :mod:`spmdkit.models.zoo_moe` (routed and shared experts); the
+config is :mod:`spmdkit.models.zoo_config` (docs/models.md, "Architectures").
+
+Variants (:class:`ModelConfig`, ``--model-config``): ``activation`` (``swiglu`` / ``geglu``: gate
+and up projections; ``gelu``, ``squared_relu`` (Nemotron, Primer) or ``relu``: one up projection),
 ``attention`` (``flash``: one fused ``flash_attention`` kernel, no ``s x s`` tensor, as
 Megatron-Core, NeMo and torchtitan run it; ``eager``: the scores materialised, as GPT-2 and the
 Megatron-LM of 2021-2022 ran it; gpt2 only), ``tied_embeddings`` (the LM head is the token
-embedding, transposed). :func:`preset` takes a preset name or a config as a JSON object or a
-``.json`` file (:func:`config_from_json`).
+embedding, transposed), ``head_dim``, ``norm``, ``positions``, ``qkv_bias``, ``linear_bias``,
+``embed_norm``, MoE (``experts``, ``top_k``, ``moe_ffn``, ``shared_experts``, ``dense_layers``,
+``capacity_factor``) and MLA (``q_lora_rank``, ``kv_lora_rank``, ``qk_rope_head_dim``,
+``v_head_dim``). :func:`preset` takes a preset name or a config as a JSON object or a ``.json``
+file (:func:`config_from_json`).
 
 Gradients of a tensor read by several ops are summed with ``add_n`` (which keeps a common
 partial status, as Megatron sums the partial input gradients of its column-parallel

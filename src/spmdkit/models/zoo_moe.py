@@ -31,8 +31,8 @@ from spmdkit.models.zoo_config import Model, ModelConfig
 from spmdkit.models.zoo_layers import GATED, linear, mlp_act
 from spmdkit.program.autodiff import Tape
 
-_EXPERT_NAMES = {"gate.out": "experts.gate", "up.out": "experts.up"}
-_SHARED_NAMES = {"gate.out": "shared.gate", "up.out": "shared.up"}
+#: the projections' outputs, after the prefix ``layers.<i>.experts.`` / ``layers.<i>.shared.``
+_NAMES = {"gate.out": "gate", "up.out": "up"}
 
 
 def capacity(cfg: ModelConfig) -> int:
@@ -77,7 +77,7 @@ def moe_mlp(t: Tape, cfg: ModelConfig, m: Model, p: str, x: str, h: str) -> str:
                             (p + "dispatch.index", [B, K, S], "int64"), (p + "dispatch.offset", [B, E], "int64"),
                             (p + "dispatch.expert", [B, S, K], "int64")], k=K, capacity=C, use_pad=True)
     assert y is not None and cw is not None and si is not None
-    act = mlp_act(t, cfg, y, {"gate": w.get("gate"), "up": w["up"]}, _EXPERT_NAMES, p + "experts.")
+    act = mlp_act(t, cfg, y, {"gate": w.get("gate"), "up": w["up"]}, _NAMES, p + "experts.")
     down = linear(t, cfg, act, w["down"], None, p + "experts.down")
     m.row_outputs.append(down)
     (rows,) = t.op("reshape", {"x": down}, [(p + "experts.rows", [B, E * C, H], dt)], shape=(B, E * C, H))
@@ -87,7 +87,7 @@ def moe_mlp(t: Tape, cfg: ModelConfig, m: Model, p: str, x: str, h: str) -> str:
                   [(p + "moe_out", [B, S, H], dt)])
     assert out is not None
     if cfg.shared_experts:
-        sact = mlp_act(t, cfg, x, {"gate": w.get("s.gate"), "up": w["s.up"]}, _SHARED_NAMES, p + "shared.")
+        sact = mlp_act(t, cfg, x, {"gate": w.get("s.gate"), "up": w["s.up"]}, _NAMES, p + "shared.")
         sdown = linear(t, cfg, sact, w["s.down"], None, p + "shared.down")
         m.row_outputs.append(sdown)
         (out,) = t.op("add", {"x": out, "y": sdown}, [(p + "moe_out.sum", [B, S, H], dt)])
