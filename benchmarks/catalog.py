@@ -11,9 +11,9 @@ split as evenly as they go (126 layers in 16 stages: 14 of 8 and 2 of 7); strate
 ``megatron,sp,zero1`` (sequence parallel, Megatron's distributed optimizer), full activation
 recomputation, bf16, the model's published training context. "plan s": the ``spmdkit plan`` call in this process, model build, propagation and
 the pipeline's estimate together (the first row pays the rules' warm-up). "params/dev":
-the parameter bytes a device holds (of the fullest stage), against 2 bytes x params / (tp x pp)
-("even"): the two differ by the replicated norms and routers, the embedding stage and uneven
-stages. "device": everything a device holds as the framework allocates it (parameters,
+the parameter bytes a device holds (with a pipeline: on the stage that needs the most memory,
+the one the plan's JSON reports), against 2 bytes x params / (tp x pp) ("even"): the two differ
+by the replicated norms and routers, the embedding and head stages and uneven stages. "device": everything a device holds as the framework allocates it (parameters,
 gradients, distributed-optimizer states, activations, reserve), "fits": under 80 GB.
 """
 
