@@ -33,9 +33,8 @@ def published_ok(name: str) -> list[tuple[str, str, int]]:
 
 
 def tp_for(cfg: ModelConfig) -> int:
-    """The largest of 8, 4, 2 that divides the heads, the kv heads and the MLP (a vocabulary
-    it does not divide is split unevenly)."""
-    sizes = [cfg.heads, cfg.ffn, cfg.expert_ffn] + ([] if cfg.mla else [cfg.n_kv])
+    """The largest of 8, 4, 2 that divides the heads, the kv heads, the MLP and the vocabulary."""
+    sizes = [cfg.heads, cfg.ffn, cfg.expert_ffn, cfg.vocab] + ([] if cfg.mla else [cfg.n_kv])
     return next(t for t in (8, 4, 2, 1) if all(s % t == 0 for s in sizes))
 
 
@@ -316,7 +315,7 @@ def test_megatron_holds_params_bytes_over_shards(name: str) -> None:
     for p, n in parameters(plan.program).items():
         role, shape = model.roles[p], plan.program.tensors[p].shape
         axis = -1 if role in ("column", "head", "column_bias") else -2 if role in ("row", "embedding") else None
-        # an axis tp does not divide (GPT-3's vocabulary of 50257): the largest piece, ceil(size / tp)
+        # an axis tp would not divide: the largest piece, ceil(size / tp)
         expect += 2 * (n if axis is None else n // shape[axis] * -(-shape[axis] // tp))
     assert memory_per_device(plan).parameters == expect
     assert math.gcd(tp, cfg.heads) == tp and tp >= 2
