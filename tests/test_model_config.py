@@ -9,7 +9,16 @@ import pytest
 
 from spmdkit.cli import main
 from spmdkit.core.errors import ProgramError
-from spmdkit.models.zoo import PRESETS, ModelConfig, build_model, config_from_json, model_label, preset, tiny_like
+from spmdkit.models.zoo import (
+    PRESETS,
+    ModelConfig,
+    build_model,
+    config_from_json,
+    config_json,
+    model_label,
+    preset,
+    tiny_like,
+)
 from spmdkit.program.runtime import Runtime, parse_precision
 
 
@@ -166,3 +175,10 @@ def test_new_fields_parse_and_default_to_the_arch() -> None:
     gpt = preset("tiny-gpt2")
     assert (gpt.hdim, gpt.nrm, gpt.pos, gpt.vdim) == (4, "layer", "learned", 4)
     assert config_from_json('{"base": "tiny-gpt2", "norm": "rms", "positions": "alibi"}').pos == "alibi"
+
+
+def test_config_json_round_trips_the_new_fields() -> None:
+    cfg = config_from_json('{"base": "tiny-llama", "kv_heads": null, "experts": 4, "top_k": 2, "moe_ffn": 8, '
+                           '"shared_experts": 1, "dense_layers": 1, "capacity_factor": 1.25, "kv_lora_rank": 8, '
+                           '"q_lora_rank": 6, "qk_rope_head_dim": 4, "head_dim": 4, "v_head_dim": 6, "norm": "layer"}')
+    assert config_from_json(config_json(cfg)) == cfg
