@@ -129,7 +129,7 @@ def strategy_notes(command: str) -> Iterator[None]:
             for w in caught if done else ():  # an error is the one line: no notes of a plan not made
                 text = " ".join(str(w.message).split())
                 if issubclass(w.category, UserWarning) and text.startswith("--") and text not in shown:
-                    shown.add(text)  # each note once (the --devices search plans many configurations)
+                    shown.add(text)  # each note once (--devices plans many configurations; a model read twice)
                     print(f"spmdkit {command}: warning: {text}", file=sys.stderr)
 
 

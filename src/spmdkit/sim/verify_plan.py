@@ -44,8 +44,12 @@ def tiny_for_mesh(tiny: str, mesh_text: str, strategy_text: str) -> str:
         return tiny
     kv = cfg.n_kv if cfg.n_kv % tp == 0 or tp % cfg.n_kv == 0 else _lcm(cfg.n_kv, tp)
     heads = _lcm(_lcm(cfg.heads, tp), kv)
-    grown = {"heads": heads, "kv_heads": kv, "hidden": heads * cfg.head_dim, "ffn": _lcm(cfg.ffn, tp),
-             "vocab": _lcm(cfg.vocab, tp), "seq": _lcm(cfg.seq, tp) if sp else cfg.seq}
+    grown: dict[str, Any] = {"heads": heads, "kv_heads": kv, "ffn": _lcm(cfg.ffn, tp), "vocab": _lcm(cfg.vocab, tp),
+             "seq": _lcm(cfg.seq, tp) if sp else cfg.seq}
+    if not cfg.head_dim:  # the head size follows from the hidden size: kept
+        grown["hidden"] = heads * cfg.hdim
+    if cfg.experts and cfg.moe_ffn:
+        grown["moe_ffn"] = _lcm(cfg.moe_ffn, tp)
     obj = json.loads(tiny) if is_config_text(tiny) else {"base": tiny}
     obj.update(grown, name=f"{model_label(tiny)} sized for tp={tp}")
     return json.dumps(obj, separators=(",", ":"))

@@ -6,9 +6,13 @@
   labels, positions) sharded; parameters, their optimizer states and updates replicated over
   ``dp``, so each parameter gradient (partial over ``dp``) is all-reduced before the update.
 - ``megatron`` (``tp``): Megatron-LM tensor parallel over ``tp``: q/k/v, gate/up (and GPT-2's
-  fc1) column-parallel (output features sharded), output / down (fc2) projections
-  row-parallel (input features sharded), the embedding and the LM head vocab-parallel; the
-  loss is ``c_softmax_with_cross_entropy`` over the vocab-sharded logits.
+  fc1) column-parallel (output features sharded) with their biases (role ``column_bias``),
+  output / down (fc2) projections row-parallel (input features sharded; their biases, role
+  ``bias``, replicated), the embedding and the LM head vocab-parallel; the loss is
+  ``c_softmax_with_cross_entropy`` over the vocab-sharded logits. A stack of experts
+  ``[E, in, out]`` is sharded as one expert's projection (each expert tensor-parallel, as
+  Megatron-Core's expert-tensor-parallel = tp); the MoE router and MLA's down projections
+  (roles ``router``, ``replicated``) stay replicated, as Megatron keeps them.
 - ``sp``: Megatron sequence parallel (with ``megatron``): the residual stream is sharded on
   its sequence axis over ``tp``, the normalised activations that feed the column-parallel
   projections are gathered: the all-reduces become all-gather / reduce-scatter pairs.
@@ -36,7 +40,7 @@ from typing import Any
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.core.mesh import MAX_MESH_RANKS, ProcessMesh
-from spmdkit.models.zoo import Model
+from spmdkit.models.zoo import Model, ModelConfig
 
 STRATEGIES = ("dp", "megatron", "sp", "zero1", "zero2", "zero3")
 _ALIASES = {"tp": "megatron", "ddp": "dp", "zero": "zero2", "fsdp": "zero3"}
@@ -117,7 +121,7 @@ def strategy_dims(mesh: ProcessMesh, strategy: Iterable[str]) -> tuple[set[str],
             mesh.dim_index("tp") if "megatron" in st else None)
 
 
-def tp_problem(cfg: Any, tp: int, sp: bool = False) -> str | None:
+def tp_problem(cfg: ModelConfig, tp: int, sp: bool = False) -> str | None:
     """Why Megatron's tensor parallelism over ``tp`` ranks cannot split the zoo model ``cfg``
     evenly, or None: the attention heads, the MLP's hidden size (each expert's too), the
     vocabulary (the embedding and the head are vocab-parallel) and, under sequence
@@ -126,12 +130,13 @@ def tp_problem(cfg: Any, tp: int, sp: bool = False) -> str | None:
     fallback would gather whole tensors where Megatron shards them: refused instead."""
     if tp <= 1:
         return None
-    moe_ffn = (getattr(cfg, "moe_ffn", None) or cfg.ffn) if getattr(cfg, "experts", 0) else None
-    kv = None if bool(getattr(cfg, "kv_lora_rank", None)) or tp % cfg.n_kv == 0 else cfg.n_kv
+    dense_ffn = cfg.ffn if not cfg.experts or cfg.dense_layers else None  # a layer's dense MLP
+    moe_ffn = cfg.expert_ffn if cfg.experts else None  # each expert's (the shared ones' too)
+    kv = None if cfg.kv_lora_rank or tp % cfg.n_kv == 0 else cfg.n_kv
     counts = [(cfg.heads, f"{cfg.heads} attention heads"),
               (kv, f"{cfg.n_kv} kv heads (each rank must hold whole kv heads, or a share of one that tp "
                    f"divides evenly)"),
-              (cfg.ffn, f"FFN hidden size {cfg.ffn}"), (moe_ffn, f"expert FFN hidden size {moe_ffn}"),
+              (dense_ffn, f"FFN hidden size {cfg.ffn}"), (moe_ffn, f"expert FFN hidden size {moe_ffn}"),
               (cfg.vocab, f"vocabulary of {cfg.vocab} (Megatron pads it to a multiple of tp: give a padded "
                           f"vocab in --model-config)"),
               (cfg.seq if sp else None, f"sequence of {cfg.seq} tokens that sequence parallel splits")]
@@ -143,13 +148,12 @@ def tp_problem(cfg: Any, tp: int, sp: bool = False) -> str | None:
     return None
 
 
-def tp_notes(cfg: Any, tp: int) -> list[str]:
+def tp_notes(cfg: ModelConfig, tp: int) -> list[str]:
     """What the plan of ``cfg`` over ``tp`` ranks does that Megatron-Core would not: fewer kv
     heads than ``tp`` (dividing it) are each split over ``tp / kv`` ranks, and the k / v
     projections gathered before attention (Megatron-Core refuses it; vLLM and the HF strategy
     replicate the kv heads instead)."""
-    mla = bool(getattr(cfg, "kv_lora_rank", None))
-    if tp <= 1 or mla or cfg.n_kv >= tp or tp % cfg.n_kv:
+    if tp <= 1 or cfg.kv_lora_rank or cfg.n_kv >= tp or tp % cfg.n_kv:
         return []
     return [f"the model's {cfg.n_kv} kv heads are fewer than tp={tp}: each is split over {tp // cfg.n_kv} ranks "
             f"and the k / v projections are all-gathered before attention (Megatron-Core needs tp to divide "
@@ -194,10 +198,11 @@ def annotate(model: Model, mesh: ProcessMesh, strategy: Iterable[str],
     if tp is not None:
         check_tp(model, mesh, tp, st)
         for p, role in model.roles.items():
-            if role in ("column", "head"):
-                dm(p)[1] = tp
+            if role in ("column", "head", "column_bias"):
+                dm(p)[-1] = tp  # output features (a stack of experts [E, in, out]: each expert's)
             elif role in ("row", "embedding"):
-                dm(p)[0] = tp
+                dm(p)[-2] = tp  # input features (the vocabulary of a table)
+            # norm, position, bias (after a row-parallel projection), router, replicated: replicated
     optimizer_layouts(prog, mesh, model.optimizer, out, st, dp, user)
     if "sp" in st and tp is not None:
         for n in model.residual:
