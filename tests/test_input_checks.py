@@ -490,3 +490,19 @@ def test_verify_grows_the_tiny_model_to_split_evenly(capsys: pytest.CaptureFixtu
     assert rc == 0, cap.err[-1000:]
     assert "verify: tiny-llama sized for tp=8 with the same mesh and strategy, simulated on 8 ranks" in cap.out
     assert "all equal" in cap.out and cap.err == ""
+
+
+@pytest.mark.parametrize("model", ["mixtral-8x7b", "deepseek-v3", "gemma2-9b", "qwen3-30b-a3b", "gpt3-175b"])
+def test_tiny_for_mesh_keeps_the_variant(model: str) -> None:
+    """The grown tiny model keeps its architecture's variant (MoE, MLA, an explicit head size) and
+    splits evenly over tp=8 (sp: its sequence too)."""
+    pytest.importorskip("numpy")
+    from spmdkit.models.zoo import preset, tiny_like
+    from spmdkit.sim.verify_plan import tiny_for_mesh
+
+    tiny = preset(tiny_like(preset(model)))
+    grown = preset(tiny_for_mesh(tiny_like(preset(model)), "dp=2,tp=8", "megatron,sp"))
+    assert tp_problem(grown, 8, sp=True) is None
+    for f in ("arch", "experts", "kv_lora_rank", "head_dim", "activation", "norm", "positions"):
+        assert getattr(grown, f) == getattr(tiny, f), f
+    assert grown.hdim == tiny.hdim and grown.heads % 8 == 0

@@ -44,7 +44,7 @@ def tiny_for_mesh(tiny: str, mesh_text: str, strategy_text: str) -> str:
         return tiny
     kv = cfg.n_kv if cfg.n_kv % tp == 0 or tp % cfg.n_kv == 0 else _lcm(cfg.n_kv, tp)
     heads = _lcm(_lcm(cfg.heads, tp), kv)
-    grown: dict[str, Any] = {"heads": heads, "kv_heads": kv, "ffn": _lcm(cfg.ffn, tp), "vocab": _lcm(cfg.vocab, tp),
+    grown: dict[str, Any] = {"heads": heads, "kv_heads": None if cfg.kv_lora_rank else kv, "ffn": _lcm(cfg.ffn, tp), "vocab": _lcm(cfg.vocab, tp),
              "seq": _lcm(cfg.seq, tp) if sp else cfg.seq}
     if not cfg.head_dim:  # the head size follows from the hidden size: kept
         grown["hidden"] = heads * cfg.hdim
