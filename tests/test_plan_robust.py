@@ -174,6 +174,9 @@ def test_uneven_tp_is_refused_and_an_uneven_pin_stated(capsys: pytest.CaptureFix
     rc, out, err = plan(capsys, *pin)
     assert rc == 0, err
     assert "Uneven shards:" in out and "over tp=3" in out
+    head = out.splitlines()[:4]  # said at the top too, not only at the end (issue 27)
+    assert any(line.startswith("WARNING: uneven shards: ") and "layers.0.wq axis 1, size 16 in pieces of 6 down to 4"
+               in line for line in head), head
     rc, out, _ = plan(capsys, *pin, "--json")
     un = json.loads(out)["uneven_shards"]
     assert un and all(u["size"] % u["parts"] for u in un)
