@@ -97,6 +97,10 @@ BAD_CONFIGS: list[tuple[str, dict[str, Any], str]] = [
     # shapes that do not divide
     ("llama", {"num_attention_heads": 3, "num_key_value_heads": 3}, "hidden_size 32 is not divisible by num_attention_heads 3"),
     ("llama", {"num_key_value_heads": 3}, "num_attention_heads 4 is not divisible by num_key_value_heads 3"),
+    # values that index or pick from a size
+    ("llama", {"pad_token_id": 10**6}, "pad_token_id 1000000 is not a token of the vocabulary of 64"),
+    ("llama", {"head_dim": 3}, "the head size 3 (head_dim) is odd"),
+    ("llama", {"hidden_size": 36}, "the head size 9 (hidden_size / num_attention_heads) is odd"),
     # typos of known keys
     ("llama", {"num_attention_head": 4}, "'num_attention_head' is not a key of LlamaConfig (did you mean 'num_attention_heads'?)"),
     ("llama", {"hidden_size": DROP, "hiden_size": 32}, "'hiden_size' is not a key of LlamaConfig"),
@@ -121,10 +125,12 @@ BAD_CONFIGS: list[tuple[str, dict[str, Any], str]] = [
     ("mixtral", {"num_local_experts": 2.5}, "num_local_experts is float"),
     ("mixtral", {"num_experts_per_tok": 0}, "num_experts_per_tok is 0"),
     ("mixtral", {"intermediate_size": DROP}, "intermediate_size is missing"),
+    ("mixtral", {"num_experts_per_tok": 8}, "num_experts_per_tok 8 is more than the 4 experts"),
     # BERT
     ("bert", {"intermediate_size": DROP}, "intermediate_size is missing"),
     ("bert", {"num_attention_heads": 5}, "hidden_size 32 is not divisible by num_attention_heads 5"),
     ("bert", {"type_vocab_size": 0}, "type_vocab_size is 0"),
+    ("bert", {"pad_token_id": 200}, "pad_token_id 200 is not a token of the vocabulary of 64"),
     ("bert", {"num_hiden_layers": 1}, "did you mean 'num_hidden_layers'"),
     # T5 (d_model, num_layers, num_heads, d_ff)
     ("t5", {"d_ff": DROP}, "d_ff is missing"),

@@ -13,7 +13,8 @@ key, never a traceback from deep in transformers and never a silently different 
 - **Sizes are integers >= 1** (0 where the class's own default is 0; ``null`` where it is
   ``null``), not floats, strings or booleans, below :data:`MAX_SIZE`.
 - **Heads divide the hidden size** (unless the class has an explicit head size, ``head_dim``
-  or T5's ``d_kv``) and **kv heads divide the heads**.
+  or T5's ``d_kv``) and **kv heads divide the heads**; the padding token is in the vocabulary,
+  the experts per token at most the experts, a rotary head size even.
 - **A key the class does not know** that is close to one it knows (``num_attention_head``) is
   an error naming both; any other unknown key is a warning naming it (a UserWarning starting
   ``--hf-config``, printed by the CLI as one ``warning:`` line): it changes nothing in the model.
@@ -213,6 +214,31 @@ def _check_shapes(s: _Schema, cfg: Mapping[str, Any], values: Mapping[str, Any])
                            f"{shown('num_key_value_heads')} {kv} (each kv head serves a whole group of query heads)")
 
 
+def _check_uses(s: _Schema, cfg: Mapping[str, Any], values: Mapping[str, Any]) -> None:
+    """The values that index or pick from a size: the padding token inside the vocabulary, the
+    experts per token at most the experts, an even rotary head size."""
+    vocab, pad_key = values.get(s.key("vocab_size")), s.given(cfg, "pad_token_id")
+    pad = cfg.get(pad_key) if pad_key else None
+    if pad is not None and _is_int(vocab) and (not _is_int(pad) or not -vocab <= pad < vocab):
+        raise ProgramError(f"--hf-config: pad_token_id {str(pad)[:40]} is not a token of the vocabulary of "
+                           f"{vocab} (the embedding's padding row)")
+    experts = next((values.get(k) for k in (s.key("num_local_experts"), "num_experts", "n_routed_experts")
+                    if _is_int(values.get(k))), None)
+    top_key = s.given(cfg, "num_experts_per_tok")
+    top = cfg.get(top_key) if top_key else None
+    if _is_int(experts) and _is_int(top) and top > experts:
+        raise ProgramError(f"--hf-config: {top_key} {top} is more than the {experts} experts")
+    rotary = any(k in s.known for k in ("rope_parameters", "rope_theta")) \
+        and not any(k in s.known for k in ("partial_rotary_factor", "rotary_pct", "rotary_dim"))
+    head_dim, hidden, heads = values.get(s.key("head_dim")), values.get(s.key("hidden_size")), \
+        values.get(s.key("num_attention_heads"))
+    size = head_dim if _is_int(head_dim) else hidden // heads if _is_int(hidden) and _is_int(heads) else None
+    if rotary and size is not None and size % 2:
+        key = s.given(cfg, "head_dim") or f"{s.key('hidden_size')} / {s.key('num_attention_heads')}"
+        raise ProgramError(f"--hf-config: the head size {size} ({key}) is odd; {s.name}'s rotary embedding "
+                           f"turns pairs of features")
+
+
 def check_hf_config(cfg_cls: type, cfg: Mapping[str, Any]) -> None:
     """ProgramError (one line naming the key) for a config ``cfg`` (the keys given) that
     ``cfg_cls`` would reject, build into a traceback or silently complete with its defaults;
@@ -221,6 +247,7 @@ def check_hf_config(cfg_cls: type, cfg: Mapping[str, Any]) -> None:
     _check_keys(s, cfg)
     values = _check_sizes(s, cfg)
     _check_shapes(s, cfg, values)
+    _check_uses(s, cfg, values)
     try:
         cfg_cls(**cfg)
     except Exception as exc:  # transformers' and huggingface_hub's own checks, whatever their class
