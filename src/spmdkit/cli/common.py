@@ -115,17 +115,19 @@ def auto_time_limit(text: str) -> float:
 
 @contextlib.contextmanager
 def strategy_notes(command: str) -> Iterator[None]:
-    """The strategies' notes (a kv projection replicated over tp: a UserWarning starting with
-    ``--``) printed as one ``spmdkit COMMAND: warning: ...`` line each on stderr, whatever
-    the planning raises."""
-    with warnings.catch_warnings(record=True) as caught:
+    """The strategies' notes (a kv projection replicated over tp, linear layers left
+    replicated: a UserWarning starting with ``--``) printed as one ``spmdkit COMMAND:
+    warning: ...`` line each on stderr as they are raised, so before the report; other
+    warnings are dropped."""
+
+    def show(message: Any, category: type[Warning], *_args: Any, **_kw: Any) -> None:
+        if issubclass(category, UserWarning) and str(message).startswith("--"):
+            print(f"spmdkit {command}: warning: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always", UserWarning)
-        try:
-            yield
-        finally:
-            for w in caught:
-                if issubclass(w.category, UserWarning) and str(w.message).startswith("--"):
-                    print(f"spmdkit {command}: warning: {' '.join(str(w.message).split())}", file=sys.stderr)
+        warnings.showwarning = show
+        yield
 
 
 __all__ = ["auto_time_limit", "export_plan_file", "plan_source", "step_estimate", "strategy_notes", "write_html"]
