@@ -23,9 +23,11 @@ Standard library only.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass
 
 from spmdkit.program.ir import Op, Program
+from spmdkit.program.plan import Plan
 
 #: an op's layer label that is a numbered block (``model.layers.3``, ``transformer.h.0``)
 BLOCK = re.compile(r".+\.\d+")
@@ -137,8 +139,8 @@ def block_roles(prog: Program) -> BlockRoles:
             leaves = True
         succ[lin.op] = (frozenset(found), leaves)
     preds: dict[int, list[int]] = {}
-    for a, (found, _) in succ.items():
-        for b in found:
+    for a, (nxt, _) in succ.items():
+        for b in nxt:
             preds.setdefault(b, []).append(a)
     votes: dict[str, set[str]] = {}
     pairs: dict[str, list[str]] = {}
@@ -161,4 +163,38 @@ def block_roles(prog: Program) -> BlockRoles:
                       {r: tuple(dict.fromkeys(cs)) for r, cs in pairs.items()})
 
 
-__all__ = ["BLOCK", "BlockRoles", "Linear", "block_roles", "linears", "weight_of"]
+
+
+def layer_collectives(plan: Plan, dim: str = "tp") -> dict[str, Counter[tuple[str, str, str]]]:
+    """Per op layer (``model.layers.0``, ``''`` outside any; the layer of the op that made the
+    tensor moved, in the same phase, or of the first term of a sum of partial gradients; else
+    the op's that reads it): the plan's collectives over mesh
+    dim ``dim`` as a Counter of (phase, kind, side), side ``activation`` or ``weight`` (a
+    parameter, a tensor computed from parameters alone such as a slice of a fused weight, or
+    the gradient of one): what Megatron's placement is checked against, 2 all-reduces of
+    activations per dense transformer layer each way."""
+    prog = plan.program
+    names = plan.mesh.dim_names
+    params = {n for n, t in prog.tensors.items() if t.kind in ("parameter", "optimizer_state")}
+    from_params = set(params)
+    for op in prog.ops:
+        ins = op.input_names()
+        if op.phase == "forward" and ins and all(n in from_params for n in ins):
+            from_params.update(op.output_names())
+    made = {o: op for op in prog.ops for o in op.output_names()}
+    out: dict[str, Counter[tuple[str, str, str]]] = {}
+    for r, s in plan.collectives():
+        if not any(names[d] == dim for d in s.mesh_dims):
+            continue
+        op = prog.ops[r.op_index]
+        if not r.output and r.tensor in made and made[r.tensor].phase == op.phase:
+            op = made[r.tensor]  # counted in the layer that made the tensor
+            first = op.input_names()[0] if op.rule == "add_n" and op.input_names() else None
+            if first in made and made[first].phase == op.phase:
+                op = made[first]  # a sum of partial gradients: the layer that made them (a post-LN block's)
+        side = "weight" if r.tensor.split(".grad")[0] in from_params else "activation"
+        out.setdefault(op.layer or "", Counter())[(op.phase, s.kind, side)] += 1
+    return out
+
+
+__all__ = ["BLOCK", "BlockRoles", "Linear", "block_roles", "layer_collectives", "linears", "weight_of"]
