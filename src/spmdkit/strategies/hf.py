@@ -1,5 +1,5 @@
 """Parallel strategies for imported programs (HuggingFace models and any torch module), by
-parameter names.
+their graph and parameter names.
 
 A program imported from torch (:mod:`spmdkit.models.torch_import`, :mod:`spmdkit.models.hf`) names its
 parameters by their state-dict paths (``model.layers.0.self_attn.q_proj.weight``); a program
@@ -13,9 +13,11 @@ them here:
   sharded over ``dp`` on their first axis that is not already sharded and that ``dp`` divides,
   then its gradient, then the parameter itself (stored sharded, gathered per phase), as the
   zoo's (:func:`spmdkit.strategies.strategy.optimizer_layouts`).
-- ``megatron`` (``tp``): a parameter's module path (its name without ``.weight`` / ``.bias``,
-  or a tied parameter's other names) is matched against the patterns below, first match
-  wins, the user's before the defaults: ``column`` shards a linear layer's output features
+- ``megatron`` (``tp``): the user's patterns first, then the column / row roles the graph gives
+  the linears of each numbered block (:mod:`spmdkit.strategies.hf_roles`: whatever the
+  modules are called), then a parameter's module path (its name without ``.weight`` /
+  ``.bias``, or a tied parameter's other names) matched against the default patterns below,
+  first match wins: ``column`` shards a linear layer's output features
   over ``tp`` (and its bias), ``row`` its input features, ``vocab`` the vocabulary axis of
   an embedding table, an LM head (tied or not) or its bias, ``replicate`` leaves it alone.
   Which axis is the output features follows the op that reads the weight: ``matmul`` with
