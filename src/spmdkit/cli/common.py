@@ -115,19 +115,23 @@ def auto_time_limit(text: str) -> float:
 
 @contextlib.contextmanager
 def strategy_notes(command: str) -> Iterator[None]:
-    """The strategies' notes (a kv projection replicated over tp: a UserWarning starting with
-    ``--``) printed as one ``spmdkit COMMAND: warning: ...`` line each on stderr, whatever
-    the planning raises."""
-    with warnings.catch_warnings(record=True) as caught:
+    """The strategies' notes (a kv projection replicated over tp, linear layers left
+    replicated: a UserWarning starting with ``--``) printed as one ``spmdkit COMMAND:
+    warning: ...`` line each on stderr as they are raised, so before the report; other
+    warnings are dropped."""
+
+    said: set[str] = set()  # a note made again (the model read twice) printed once
+
+    def show(message: Any, category: type[Warning], *_args: Any, **_kw: Any) -> None:
+        text = " ".join(str(message).split())
+        if issubclass(category, UserWarning) and text.startswith("--") and text not in said:
+            said.add(text)
+            print(f"spmdkit {command}: warning: {text}", file=sys.stderr, flush=True)
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always", UserWarning)
-        try:
-            yield
-        finally:
-            said = set()  # a note made again (the model read twice) printed once
-            for w in caught:
-                if issubclass(w.category, UserWarning) and str(w.message).startswith("--") and str(w.message) not in said:
-                    said.add(str(w.message))
-                    print(f"spmdkit {command}: warning: {' '.join(str(w.message).split())}", file=sys.stderr)
+        warnings.showwarning = show
+        yield
 
 
 __all__ = ["auto_time_limit", "export_plan_file", "plan_source", "step_estimate", "strategy_notes", "write_html"]
