@@ -42,6 +42,8 @@ from dataclasses import fields
 from typing import Any
 
 from spmdkit.core.errors import ProgramError
+from spmdkit.models import catalog
+from spmdkit.models.hf_config import hf_fields, is_hf_config
 from spmdkit.models.zoo_config import ACTIVATIONS, NORMS, POSITIONS, Model, ModelConfig
 from spmdkit.models.zoo_layers import NAMES, attention, embed, final_norm, layer_params, mlp_act, norm, row_residual
 from spmdkit.models.zoo_moe import moe_mlp
@@ -128,6 +130,8 @@ def config_from_json(text: str) -> ModelConfig:
         raise ProgramError(f"--model-config: not valid JSON ({str(exc)[:80]})") from None
     if not isinstance(obj, dict):
         raise ProgramError("--model-config: expected a JSON object of model fields")
+    if is_hf_config(obj):  # a HuggingFace config.json, mapped to the fields (models/hf_config.py)
+        obj = hf_fields(obj)
     unknown = sorted(set(obj) - set(_CONFIG_FIELDS))
     if unknown:
         raise ProgramError(f"--model-config: unknown field {str(unknown[0])[:40]!r} "
@@ -196,13 +200,16 @@ def model_label(name: str) -> str:
 
 
 def preset(name: str) -> ModelConfig:
-    """A preset by name, or a config (:func:`is_config_text`) read by :func:`config_from_json`."""
+    """A preset by name, a catalog model (:mod:`spmdkit.models.catalog`) by name, or a config
+    (:func:`is_config_text`) read by :func:`config_from_json`."""
     if is_config_text(name):
         return config_from_json(name)
-    try:
+    if name in PRESETS:
         return PRESETS[name]
-    except KeyError:
-        raise ProgramError(f"--model: no preset {name[:60]!r} (presets: {', '.join(sorted(PRESETS))})") from None
+    fields = catalog.config_fields(name)  # a published architecture (models/catalog/)
+    if fields is None:
+        raise ProgramError(catalog.unknown_message(name, list(PRESETS)))
+    return ModelConfig(**fields)
 
 
 
