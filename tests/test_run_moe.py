@@ -6,7 +6,8 @@ MoE / MLA / DeepSeek-like step on the torch kernels in float64 equals the numpy 
 tensor by tensor; a MoE layer of that step (router, top-k with dropped tokens, experts, shared
 expert) equals an independent torch eager implementation under autograd. On gloo: the three
 models on dp=2 x tp=2 megatron equal the single-process step (loss, every gradient, update and
-activation) with the plan's collectives."""
+activation) with the plan's collectives, under a title naming the experts and MLA's ranks; titles
+name what differs from the arch's defaults."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ torch = pytest.importorskip("torch", reason="torch is not installed (pip install
 from spmdkit.execute.check import TOLERANCES  # noqa: E402
 from spmdkit.execute.kernels import get_kernel, missing_kernels  # noqa: E402
 from spmdkit.execute.single import global_step, global_step_torch  # noqa: E402
+from spmdkit.models.source import preset_title, variants  # noqa: E402
+from spmdkit.models.zoo import PRESETS, preset  # noqa: E402
 from spmdkit.planner.planning import plan_model  # noqa: E402
 from spmdkit.sim.plan import source_values  # noqa: E402
 from spmdkit.sim.reference import Ctx, get_reference  # noqa: E402
@@ -182,6 +185,32 @@ def test_a_moe_layer_equals_torch_eager_under_autograd() -> None:
         torch.testing.assert_close(w[n].grad, step[p + n + ".grad"], rtol=1e-10, atol=1e-12, msg=n)
 
 
+def test_titles_name_experts_mla_positions_norms_and_biases() -> None:
+    """A title names what differs from the arch's defaults (nothing for a default config)."""
+    assert preset_title("llama-7b", PRESETS["llama-7b"]) == (
+        "llama-7b: llama, 32 layers, hidden 4096, 32 heads, FFN 11008, vocab 32000, seq 4096, batch 8, bfloat16")
+    assert preset_title("deepseek-v3", preset("deepseek-v3")) == (
+        "deepseek-v3: llama (256 experts top-8, expert FFN 2048, 1 shared, 3 dense layers first, MLA kv rank 512, "
+        "q rank 1536, qk head 128+64 rope, v head 128), 61 layers, hidden 7168, 128 heads, FFN 18432, vocab 129280, "
+        "seq 4096, batch 1, bfloat16")
+    assert preset_title("mixtral-8x7b", preset("mixtral-8x7b")).startswith(
+        "mixtral-8x7b: llama (8 experts top-2), 32 layers, hidden 4096, 32 heads (8 kv), FFN 14336")
+    assert preset_title("bloom-176b", preset("bloom-176b")).startswith(
+        "bloom-176b: gpt2 (flash attention, ALiBi, linear biases, embedding norm, tied embeddings), 70 layers")
+    assert variants(preset("gemma2-9b")) == ["geglu", "head dim 256", "tied embeddings"]
+    assert variants(preset("qwen2.5-72b")) == ["q/k/v biases"]
+    assert variants(preset("deepseek-v2-lite"))[-3:] == ["MLA kv rank 512", "qk head 128+64 rope", "v head 128"]
+    gpt = PRESETS["tiny-gpt2"]
+    assert variants(gpt.with_(norm="rms", positions="rope")) == ["RMS norm", "rotary positions"]
+    assert variants(gpt.with_(norm="layer", positions="learned", dropout=0.1)) == ["dropout 0.1"]
+    llama = PRESETS["tiny-llama"]
+    assert variants(llama.with_(norm="layer", positions="none", head_dim=8, qkv_bias=True)) == [
+        "head dim 8", "layer norm", "no positions", "q/k/v biases"]
+    assert variants(llama.with_(positions="learned", head_dim=4)) == ["learned positions"]  # 4 = 16 / 4 heads
+    moe = llama.with_(experts=8, top_k=1, moe_ffn=32, shared_experts=2, dense_layers=1, capacity_factor=1.25)
+    assert variants(moe) == ["8 experts top-1", "2 shared", "1 dense layer first", "capacity factor 1.25"]
+
+
 # -- on gloo --------------------------------------------------------------------------------------------
 
 
@@ -193,8 +222,13 @@ def _run(*args: str) -> dict[str, Any]:
     return dict(json.loads(p.stdout.strip().splitlines()[-1]))
 
 
-@pytest.mark.parametrize(("cfg", "layers"), [(MOE, 1), (MLA, 1), (DEEPSEEK, 2)], ids=["moe", "mla", "deepseek"])
-def test_run_moe_and_mla_models_with_the_default_torch_kernels(cfg: dict[str, Any], layers: int) -> None:
+@pytest.mark.parametrize(("cfg", "layers", "title"), [
+    (MOE, 1, "custom tiny-llama (1 layer, 4 experts top-2, expert FFN 8)"),
+    (MLA, 1, "custom tiny-llama (1 layer, MLA kv rank 8, q rank 6, qk head 4+4 rope, v head 6)"),
+    (DEEPSEEK, 2, "custom tiny-llama (2 layers, 4 experts top-2, expert FFN 8, 1 shared, 1 dense layer first, "
+                  "capacity factor 0.5, MLA kv rank 8, q rank 6, qk head 4+4 rope, v head 6)"),
+], ids=["moe", "mla", "deepseek"])
+def test_run_moe_and_mla_models_with_the_default_torch_kernels(cfg: dict[str, Any], layers: int, title: str) -> None:
     """dp=2 x tp=2 megatron, 4 gloo processes, float32, the default kernels (torch): loss, every
     gradient, update and activation equal the single-process step, the collectives the plan's."""
     rep = _run("--model-config", json.dumps({**cfg, "layers": layers}), "--mesh", "dp=2,tp=2", "--strategy",
@@ -205,3 +239,4 @@ def test_run_moe_and_mla_models_with_the_default_torch_kernels(cfg: dict[str, An
     assert rep["loss"] == pytest.approx(rep["reference_loss"], rel=1e-6)
     kinds = {(c["kind"], c["mesh_dim"]) for c in rep["collectives"]}
     assert {("all_reduce", 0), ("all_reduce", 1)} <= kinds
+    assert rep["title"] == title + ", mesh dp=2,tp=2, strategy megatron"
