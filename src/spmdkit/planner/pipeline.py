@@ -730,12 +730,12 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | 
         whole = stage_costs(plan, stages, counts, None, "none")
         cap = device.memory_bytes if device is not None else 0
         for r in range(p):
-            units = max(1, round(flight[r] * v))
+            chunks = max(1, round(flight[r] * v))
             mine, full = [costs[c * p + r] for c in range(v)], [whole[c * p + r] for c in range(v)]
-            for kept in range(units, 0, -1):  # the most microbatch-chunks kept whole that fit
+            for kept in range(chunks, 0, -1):  # the most microbatch-chunks kept whole that fit
                 got = _rank_memory(plan, mine, flight[r], p, v, kept, full)
                 if got.device_total <= cap:
-                    mems[r], recomputed[r] = got, 1.0 - kept / units
+                    mems[r], recomputed[r] = got, 1.0 - kept / chunks
                     break
     est = PipelineEstimate(spec, counts, costs, pp_link, send_f, send_b, flight, mems, note=note)
     if recompute == MICROBATCH:
