@@ -172,3 +172,90 @@ def test_program_without_numbered_layers_is_one_line(tmp_path: Path, capsys: pyt
     rc, out, err = _run(["plan", "--program", str(f), "--mesh", "pp=2,dp=2"], capsys)
     assert rc == 2 and out == "" and err.count("\n") == 1
     assert "--mesh pp=2: the program has no numbered layers to cut into stages" in err and "'block'" in err
+
+
+# -- recompute, --devices and --verify for every source ---------------------------------------------
+
+
+def test_recompute_reaches_an_imported_pipeline(hf_and_preset: Any) -> None:
+    """--recompute on an imported model's pipeline, as on a preset's: full keeps less than
+    selective keeps less than none, and each stage's backward pays its recomputation."""
+    hf, _pre = hf_and_preset
+    dev = preset_device("h100")
+    ests = {r: estimate_pipeline(hf.plan, hf.spec, hf.counts, dev, (10e-6, 1 / 10e9), hf.tokens, 8, recompute=r)
+            for r in ("none", "selective", "full")}
+    for s in range(2):
+        stash = {r: e.stages[s].stash_bytes for r, e in ests.items()}
+        assert stash["none"] > stash["selective"] > stash["full"] > 0
+        assert ests["none"].stages[s].recompute_s == 0.0
+        assert 0 < ests["selective"].stages[s].recompute_s < ests["full"].stages[s].recompute_s
+    assert ests["full"].step_serial_s > ests["selective"].step_serial_s > ests["none"].step_serial_s
+
+
+def test_devices_searches_pipelines_of_an_hf_model(hf_and_preset: Any) -> None:
+    """--devices on an HF model: pipelines are searched too, each microbatch the model traced again
+    at one sequence per dp rank (the step's tokens unchanged), its layers split as a preset's."""
+    from dataclasses import replace
+
+    from spmdkit.models.source import load
+    from spmdkit.planner.search import search_meshes
+
+    src = HFModel("LlamaForCausalLM", json.dumps(TINY_LLAMA_HF), "float32", 4, 8)
+    traced: list[int] = []
+
+    def reload(b: int) -> Any:
+        traced.append(b)
+        return load(replace(src, batch=b)).program
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prog = load(src).program
+        res = search_meshes(prog, 4, "h100", strategies=["dp"], recompute=["none", "full"], reload=reload)
+    pipes = {(c.config.dp, c.config.tp, c.config.pp, c.config.microbatches, c.config.recompute): c
+             for c in res.candidates if c.config.pp > 1}
+    assert set(pipes) == {(dp, tp, pp, 4 // dp, r) for dp, tp, pp in ((2, 1, 2), (1, 2, 2), (1, 1, 4))
+                          for r in ("none", "full")}
+    assert sorted(traced) == [1, 2]  # once per microbatch size
+    one = pipes[(1, 1, 4, 4, "none")]
+    assert one.estimate.counts == (1, 1, 1, 1) and one.estimate.tokens == 4 * 8
+    assert one.plan.program.tensors["input_ids"].shape == (1, 8)
+    assert pipes[(2, 1, 2, 2, "full")].memory < pipes[(2, 1, 2, 2, "none")].memory
+
+
+@pytest.mark.parametrize("cls,config", [
+    ("LlamaForCausalLM", {"hidden_size": 512, "intermediate_size": 1408, "num_attention_heads": 8,
+                          "num_key_value_heads": 2, "num_hidden_layers": 4, "vocab_size": 32000,
+                          "rope_theta": 500000.0, "eos_token_id": 31999}),
+    ("GPT2LMHeadModel", {"n_embd": 256, "n_layer": 4, "n_head": 8, "vocab_size": 50304, "n_positions": 1024,
+                         "bos_token_id": 50256, "eos_token_id": 50256}),
+])
+def test_verify_hf_simulates_the_same_class_tiny(cls: str, config: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    from spmdkit.sim.verify_plan import tiny_hf_config
+
+    tiny = tiny_hf_config(config)
+    rc, out, err = _run(["plan", "--hf", cls, "--hf-config", json.dumps(config), "--mesh", "dp=2,tp=2", "--json",
+                         "--verify"], capsys)
+    assert rc == 0, err
+    v = json.loads(out)["verify"]
+    assert v["ok"] and v["checked"] > 100 and v["model"] == cls and v["config"] == tiny
+    if cls == "LlamaForCausalLM":  # the sizes shrunk, every other key kept, the token ids inside the vocab
+        assert tiny == {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+                        "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 128,
+                        "rope_theta": 500000.0, "eos_token_id": 31999 % 128}
+    else:
+        assert tiny == {"n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 128, "n_positions": 256,
+                        "bos_token_id": 50256 % 128, "eos_token_id": 50256 % 128}
+
+
+def test_tiny_hf_config_keeps_the_attention_kind() -> None:
+    from spmdkit.sim.verify_plan import tiny_hf_config
+
+    # multi-head stays multi-head, multi-query stays multi-query, experts and MLA ranks shrink
+    assert tiny_hf_config({"num_attention_heads": 16, "num_key_value_heads": 16})["num_key_value_heads"] == 4
+    assert tiny_hf_config({"num_attention_heads": 16, "num_key_value_heads": 1})["num_key_value_heads"] == 1
+    got = tiny_hf_config({"n_routed_experts": 256, "num_experts_per_tok": 8, "kv_lora_rank": 512,
+                          "q_lora_rank": 1536, "first_k_dense_replace": 3, "num_hidden_layers": 61,
+                          "norm_topk_prob": True, "hidden_act": "silu"})
+    assert got == {"n_routed_experts": 4, "num_experts_per_tok": 2, "kv_lora_rank": 16, "q_lora_rank": 16,
+                   "first_k_dense_replace": 1, "num_hidden_layers": 2, "norm_topk_prob": True, "hidden_act": "silu"}
