@@ -1,9 +1,13 @@
 """Pipeline parallelism over a ``pp`` mesh dim: stages, schedules, bubble, send/recv, memory.
 
 A mesh with a ``pp`` dim (``--mesh pp=4,dp=8,tp=8``) splits the decoder layers into ``p``
-stages (``p * v`` virtual stages with ``--virtual-stages v``): evenly by default, or as
-``--stages 20,20,20,20``. The embedding goes with the first stage, the final norm, LM head
-and loss with the last; a parameter's optimizer update with the stage of the parameter.
+stages (``p * v`` virtual stages with ``--virtual-stages v``): evenly by default, balanced by
+cost where they do not divide (:func:`auto_counts`: Llama 3.1 405B's 126 layers on 16 stages
+7, 8 x 14, 7), or as ``--stages 20,20,20,20``. The embedding goes with the first stage, the
+final norm, LM head and loss with the last; a parameter's optimizer update with the stage of
+the parameter. Every model source is cut the same way (:func:`plan_pipeline_source`): its
+layers are the op labels that end in a number (a preset's ``layer 3``, an imported model's
+``model.layers.3``, a program file's own), :func:`op_units`.
 
 Planning. No tensor is ever sharded over ``pp`` (a stage holds its layers whole, and the
 other stages hold none of them), so the sharding inside a stage is independent of the pp
