@@ -259,3 +259,25 @@ def test_tiny_hf_config_keeps_the_attention_kind() -> None:
                           "norm_topk_prob": True, "hidden_act": "silu"})
     assert got == {"n_routed_experts": 4, "num_experts_per_tok": 2, "kv_lora_rank": 16, "q_lora_rank": 16,
                    "first_k_dense_replace": 1, "num_hidden_layers": 2, "norm_topk_prob": True, "hidden_act": "silu"}
+
+
+def test_devices_searches_pipelines_of_a_program_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--devices on a program file: its pipelines run the file's step as one microbatch (a file
+    cannot be traced again), 6 layers on pp=4 balanced as with --mesh."""
+    f = _program_file(tmp_path, layers=6)
+    rc, out, err = _run(["plan", "--program", str(f), "--devices", "4", "--strategy", "dp", "--recompute", "none",
+                         "--annotate", "tokens=[0,-1]", "--json"], capsys)
+    assert rc == 0, err
+    res = json.loads(out)["search"]
+    rows = {(c["dp"], c["tp"], c["pp"]): c for c in res["top"]}
+    assert {(4, 1, 1), (2, 1, 2), (1, 1, 4)} <= set(rows)
+    assert rows[(1, 1, 4)]["microbatches"] == 1 and rows[(2, 1, 2)]["microbatches"] == 1
+    assert res["refused"] == []
+
+
+def test_verify_with_pp_names_what_it_checks(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    f = _program_file(tmp_path)
+    rc, out, err = _run(["plan", "--program", str(f), "--mesh", "pp=2,dp=2", "--verify"], capsys)
+    assert rc == 2 and out == "" and err.count("\n") == 1
+    assert "--verify: with a pipeline (pp) checks a preset or catalog model's stages; for --program give --verify " \
+           "with a mesh without pp" in err
