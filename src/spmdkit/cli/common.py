@@ -50,10 +50,11 @@ def plan_source(source: ModelSource, mesh_text: str, strategy_text: str | None, 
 
 
 def step_estimate(links: Links, plan: Plan, config: ModelConfig | None,
-                  recompute: str) -> tuple[Plan, StepEstimate | None]:
+                  recompute: str, timed: bool = True) -> tuple[Plan, StepEstimate | None]:
     """``--device`` / ``--nodes-of``: the plan with its reshards timed by the device's links
-    (``--cost`` applied on top) and the predicted step (None without ``--device``); the plan
-    carries ``--precision`` / ``--framework`` / ``--tp-comm-overlap`` (its runtime) either way."""
+    (``--cost`` applied on top) and the predicted step (None without ``--device`` or
+    ``timed``); the plan carries ``--precision`` / ``--framework`` / ``--tp-comm-overlap``
+    (its runtime) either way."""
     plan = replace(plan, runtime=links.runtime())
     if not links.device and not links.nodes_of:
         return plan, None
@@ -65,7 +66,7 @@ def step_estimate(links: Links, plan: Plan, config: ModelConfig | None,
     if links.cost:
         cost = CostModel.parse(links.cost, plan.mesh, base=cost)  # already checked by parse_cost
     plan = recost(plan, cost)
-    if device is None:
+    if device is None or not timed:
         return plan, None
     tokens = config.batch * config.seq if config is not None else guess_tokens(plan.program)
     return plan, estimate_step(plan, device, tokens, recompute)
