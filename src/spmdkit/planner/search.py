@@ -301,7 +301,7 @@ def _model_sizes(model: str, overrides: Mapping[str, int | None] | None) -> tupl
     limits = {"layers": MAX_LAYERS, "batch": MAX_SIZE, "seq": MAX_SIZE}
     checked = {k: parse_size(f"--{k}", v, limits.get(k, MAX_SIZE)) for k, v in dict(overrides or {}).items()}
     cfg = cfg.with_(**{k: v for k, v in checked.items() if v is not None})
-    return cfg, _Sizes(cfg.batch, cfg.batch * cfg.seq, cfg.heads, cfg.layers, cfg)
+    return cfg, _Sizes(cfg.batch, cfg.batch * cfg.seq, cfg.heads, cfg.layers, config=cfg)
 
 
 def _work(devices: int, pipeline: bool, sizes: _Sizes, given: list[str] | None,
