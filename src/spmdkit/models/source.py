@@ -95,14 +95,16 @@ def hf_title(source: HFModel) -> str:
     return f"{source.class_name} (HuggingFace), batch {source.batch}, seq {source.seq}"
 
 
-def import_hf_checked(class_name: str, config: Any, batch: int, seq: int,
-                      dtype: str) -> tuple[Program, Any, dict[str, Any]]:
+def import_hf_checked(class_name: str, config: Any, batch: int, seq: int, dtype: str,
+                      weights: bool | None = None) -> tuple[Program, Any, dict[str, Any]]:
     """:func:`spmdkit.models.hf.import_hf` (``dtype`` a dtype name), its errors on a model that does not
-    import given as one ProgramError naming ``--hf``."""
+    import given as one ProgramError naming ``--hf``. ``weights``: as ``import_hf``'s; by default
+    a small model is built with its weights (``spmdkit run`` runs it) and a larger one is imported
+    without them, its layers traced once per kind and repeated (any size plans)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         try:
-            return import_hf(class_name, config, batch=batch, seq=seq, dtype=dtype)
+            return import_hf(class_name, config, batch=batch, seq=seq, dtype=dtype, weights=weights)
         except SpmdError:
             raise
         except (ValueError, TypeError, RuntimeError, IndexError, KeyError) as exc:
