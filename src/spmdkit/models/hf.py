@@ -139,6 +139,7 @@ def _fake_build(cls: Any, conf: Any, dt: Any) -> Any:
             with mode:
                 fake = torch.empty_strided(param.shape, param.stride(), dtype=param.dtype, device=param.device)
             param = torch.nn.Parameter(fake, requires_grad=param.requires_grad)
+            param._is_hf_initialized = True  # HF's weight initialisation skips it: nothing to fill
         register(module, name, param)
 
     torch.nn.Module.register_parameter = fake_parameter  # type: ignore[method-assign,assignment]
