@@ -123,8 +123,10 @@ def strategy_notes(command: str) -> Iterator[None]:
         try:
             yield
         finally:
+            said = set()  # a note made again (the model read twice) printed once
             for w in caught:
-                if issubclass(w.category, UserWarning) and str(w.message).startswith("--"):
+                if issubclass(w.category, UserWarning) and str(w.message).startswith("--") and str(w.message) not in said:
+                    said.add(str(w.message))
                     print(f"spmdkit {command}: warning: {' '.join(str(w.message).split())}", file=sys.stderr)
 
 
