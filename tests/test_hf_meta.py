@@ -21,7 +21,9 @@ from spmdkit.core.errors import ProgramError  # noqa: E402
 from spmdkit.models import hf  # noqa: E402
 from spmdkit.models.source import import_hf_checked  # noqa: E402
 from spmdkit.models.torch_import import hf_call_kwargs, import_module, torch_values  # noqa: E402
+from spmdkit.models.torch_import.aten import mapped_ops  # noqa: E402
 from spmdkit.models.torch_import.layers import expand, layer_kinds, layer_stack, prefix_plan  # noqa: E402
+from spmdkit.program.autodiff import GRADS  # noqa: E402
 from spmdkit.program.ir import Program  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning"),
@@ -119,10 +121,17 @@ def _canonical(p: Any) -> tuple[list[Any], dict[str, Any]]:
     ("Gemma2ForCausalLM", dict(TINY, head_dim=16), True),
     ("Qwen3MoeForCausalLM", dict(TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                  mlp_only_layers=[0]), False),
+    pytest.param("DeepseekV3ForCausalLM", dict(TINY, num_hidden_layers=5, num_key_value_heads=4, first_k_dense_replace=2,
+                                               moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                                               n_group=2, topk_group=1, q_lora_rank=32, kv_lora_rank=16,
+                                               qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16), False,
+                 marks=pytest.mark.skipif("aten.scatter" not in mapped_ops() or "strided_slice" not in GRADS,
+                                          reason="DeepSeek-V3 needs the scatter lowering and strided_slice's grad")),
 ])
 def test_repeated_layers_equal_the_full_trace(cls: str, cfg: dict[str, Any], exact: bool) -> None:
     """A 4-layer model imported from its first layers repeated (Llama, GPT-2: 2 traced; Gemma 2,
-    local / global: 3; Qwen3-MoE with a dense first layer: 3) is the full trace's training step,
+    local / global: 3; Qwen3-MoE with a dense first layer: 3; a 5-layer DeepSeek-V3, MLA, 2 dense
+    layers then MoE: 4) is the full trace's training step,
     op for op: rules, inputs, outputs, attributes, layers, phases, every tensor's shape, dtype and
     kind, the parameters' names, the module paths, the gradients and the optimizer states. A
     functionalised graph (MoE's in-place updates) is numbered with gaps by torch.export: there the
@@ -140,7 +149,7 @@ def test_repeated_layers_equal_the_full_trace(cls: str, cfg: dict[str, Any], exa
         _same(full, rep)
     else:
         assert _canonical(full) == _canonical(rep)
-    assert sum(op.layer == "model.layers.3" or op.layer == "transformer.h.3" for op in rep.ops) > 10
+    assert sum(op.layer in ("model.layers.3", "transformer.h.3") for op in rep.ops) > 10
 
 
 class _Summed(torch.nn.Module):

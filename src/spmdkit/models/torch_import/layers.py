@@ -99,6 +99,8 @@ class _Holder:
         self._gm = gm
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "_gm":
+            raise AttributeError(name)
         return getattr(self._gm, name)
 
 
