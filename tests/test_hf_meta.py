@@ -167,15 +167,34 @@ class _Summed(torch.nn.Module):
         return sum(outs).sum()
 
 
-def test_layers_that_are_not_a_chain_are_traced_whole() -> None:
-    m = _Summed()
+class _Shared(torch.nn.Module):
+    """One layer applied four times (its parameters shared between the layers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        lin = torch.nn.Linear(8, 8)
+        self.layers = torch.nn.ModuleList([lin] * 4)
+
+    def forward(self, x: Any) -> Any:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.sum()
+
+
+@pytest.mark.parametrize("cls", [_Summed, _Shared])
+def test_layers_that_are_not_a_chain_are_traced_whole(cls: Any) -> None:
+    """Every layer's output read after the last one, or one layer's parameters shared by all: the
+    first layers' export does not expand, and repeat_layers gives the full trace."""
+    m = cls()
     x = torch.randn(2, 8)
-    short_layers = m.layers
-    m.layers = torch.nn.ModuleList(list(short_layers)[:2])
+    layers = m.layers
+    m.layers = torch.nn.ModuleList(list(layers)[:2])
     ep = torch.export.export(m, (x,))
-    m.layers = short_layers
+    m.layers = layers
     assert expand(ep, m, "layers", [0, 1, 1, 1]) is None
-    _same(import_module(m, (x,), training=True), import_module(m, (x,), training=True, repeat_layers=True))
+    full = import_module(m, (x,), training=True)
+    _same(full, import_module(m, (x,), training=True, repeat_layers=True))
+    assert len(full.parameters()) == (8 if cls is _Summed else 2)
 
 
 def test_a_small_model_keeps_its_weights_and_a_large_one_imports_without() -> None:

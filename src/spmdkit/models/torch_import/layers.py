@@ -241,11 +241,10 @@ def expand(ep: Any, module: torch.nn.Module, prefix: str, copies: Sequence[int])
     if not lay.ok:
         return None
     state = {**dict(module.named_parameters(remove_duplicate=False)), **dict(module.named_buffers(remove_duplicate=False))}
-    if len({id(state.get(str(s.target))) for s in ep.graph_signature.input_specs
-            if s.kind == InputKind.PARAMETER and _index_of(str(s.target), prefix) is not None}) \
-            < sum(1 for s in ep.graph_signature.input_specs
-                  if s.kind == InputKind.PARAMETER and _index_of(str(s.target), prefix) is not None):
-        return None  # parameters shared between layers
+    own = [str(s.target) for s in ep.graph_signature.input_specs
+           if s.kind == InputKind.PARAMETER and _index_of(str(s.target), prefix) is not None]
+    if len({id(state.get(t)) for t in own}) < len(own):
+        return None  # parameters shared between layers (or not the module's)
     g = torch.fx.Graph()
     specs: list[Any] = []
     sd, consts = dict(ep.state_dict), dict(ep.constants)
@@ -255,7 +254,7 @@ def expand(ep: Any, module: torch.nn.Module, prefix: str, copies: Sequence[int])
         spec = lay.specs[x.name]
         if i == r:
             new = g.placeholder(x.name)
-            specs.append(spec)
+            specs.append(spec if new.name == x.name else dataclasses.replace(spec, arg=TensorArgument(name=new.name)))
         elif spec.kind == InputKind.CONSTANT_TENSOR:
             target = f"{spec.target}_layer{i}"
             consts[target] = ep.constants[spec.target].detach()
