@@ -49,13 +49,15 @@ class ProgramFile:
 class HFModel:
     """A HuggingFace model: its class, its config (a config.json path or a JSON object text),
     its dtype (a name :func:`spmdkit.models.hf.dtype_name` gave) and the example batch it is
-    traced at."""
+    traced at; ``weights``: build its weights (True: ``spmdkit run`` runs it), import it without
+    them (False), or by its size (None: :data:`spmdkit.models.hf.WEIGHTS_UP_TO`)."""
 
     class_name: str
     config: str
     dtype: str = "float32"
     batch: int = 2
     seq: int = 16
+    weights: bool | None = None
 
 
 ModelSource = Preset | ProgramFile | HFModel
@@ -127,7 +129,8 @@ def load(source: ModelSource, *, vocab_parallel_loss: bool = False) -> Loaded:
         return load_preset(source, source.config(), vocab_parallel_loss)
     if isinstance(source, ProgramFile):
         return Loaded(source, load_program(source.path), f"program {source.path}")
-    prog, module, kw = import_hf_checked(source.class_name, source.config, source.batch, source.seq, source.dtype)
+    prog, module, kw = import_hf_checked(source.class_name, source.config, source.batch, source.seq, source.dtype,
+                                         source.weights)
     return Loaded(source, prog, hf_title(source), module=module, inputs=kw)
 
 
