@@ -87,7 +87,14 @@ from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.program.ir import Op, Program, Tensor
 from spmdkit.program.plan import Plan
-from spmdkit.strategies.hf_fused import namer, rebuild, split_fused_projections
+from spmdkit.strategies.hf_fused import (
+    fused_parts,
+    namer,
+    parts_as_parameters,
+    rebuild,
+    slices_as_split,
+    split_fused_projections,
+)
 from spmdkit.strategies.hf_roles import BLOCK, BlockRoles, block_roles, linears
 from spmdkit.strategies.strategy import Marks, optimizer_layouts, strategy_dims, user_attrs
 
@@ -203,7 +210,11 @@ def optimizer_of(prog: Program) -> dict[str, tuple[str, tuple[str, ...], str, tu
 
 
 def _module_paths(prog: Program, param: str) -> list[str]:
-    """The module paths a parameter goes by: its own and those of its tied aliases."""
+    """The module paths a parameter goes by: its own and those of its tied aliases (a part of
+    a fused parameter: the fused one's)."""
+    part = fused_parts(prog).get(param)
+    if part is not None:
+        param = part.source
     names = [param] + [a for a, t in (getattr(prog, "aliases", None) or {}).items() if t == param]
     return [n.rsplit(".", 1)[0] if "." in n else n for n in names]
 
@@ -277,7 +288,8 @@ def tp_roles(prog: Program, patterns: Mapping[str, str] | Iterable[tuple[str, st
     for p in parameters(prog):
         paths = _module_paths(prog, p)
         r = next((r for path in paths if (r := role_of(path, user)) is not None), None)
-        key = p if p in graph else paths[0] + ".weight"  # a layer's weight, or its bias
+        part = fused_parts(prog).get(p)
+        key = p if p in graph else part.weight if part is not None else paths[0] + ".weight"  # a layer's weight, or its bias
         if r is None and key in graph:
             r = graph[key]
         if r is None:
@@ -349,7 +361,10 @@ def _shard_weights(prog: Program, mesh: ProcessMesh, dm: Marks, tp: int,
         return None
 
     replicated: set[str] = set()  # column layers left whole (kv heads fewer than tp), with their bias
+    parts = fused_parts(prog)
     for p, role in sorted(roles.items(), key=lambda kv: len(prog.tensors[kv[0]].shape) == 1):
+        if p in parts:
+            continue  # a part of a fused projection: _shard_fused_parts
         t = prog.tensors[p]
         mod = _module_paths(prog, p)[0]
         if mod in replicated:
@@ -407,12 +422,10 @@ def _shard_fused_parts(prog: Program, mesh: ProcessMesh, dm: Marks, tp: int,
     Megatron replicates kv heads, with a warning (its bias part with it)."""
     size = mesh.shape[tp]
     groups: dict[str, tuple[list[str], list[str]]] = {}
-    for op in prog.ops:
-        src = op.inputs.get("input") if op.rule == "slice" and op.phase == "forward" else None
-        if not isinstance(src, str) or roles.get(src) != "column" or src in sharded:
+    for part, _of in sorted(fused_parts(prog).items(), key=lambda kv: (kv[1].source, kv[1].lo)):
+        if roles.get(part) != "column" or part in sharded or part not in prog.tensors:
             continue
-        part = op.output_names()[0]
-        groups.setdefault(_module_paths(prog, src)[0], ([], []))[len(prog.tensors[part].shape) == 1].append(part)
+        groups.setdefault(_module_paths(prog, part)[0], ([], []))[len(prog.tensors[part].shape) == 1].append(part)
     for mod, (wparts, bparts) in groups.items():
         feats: list[int] = []
         heads: list[int | None] = []
@@ -715,7 +728,9 @@ def megatron_program(prog: Program, patterns: Mapping[str, str] | Iterable[tuple
     roles = tp_roles(prog, patterns)
     vocab = [p for p, r in roles.items() if r == "vocab"]
     fused = [p for p, r in roles.items() if r == "column" and len(prog.tensors[p].shape) == 2]
-    return split_fused_projections(vocab_parallel_embedding(vocab_parallel_loss(prog), vocab), fused)
+    prog = vocab_parallel_embedding(vocab_parallel_loss(prog), vocab)
+    prog = split_fused_projections(slices_as_split(prog, fused), fused)
+    return parts_as_parameters(prog, [p for p, r in roles.items() if r == "column"])
 
 
 __all__ = ["DEFAULT_PATTERNS", "ROLES", "annotate_program", "check_patterns", "data_inputs", "forward_readers", "megatron_program",
