@@ -101,13 +101,39 @@ def test_megatron_gives_an_experts_collectives_per_layer(name: str) -> None:
                        ("backward", "all_reduce", "activation"): bwd}, (layer, c)
 
 
-@pytest.mark.parametrize("name", ["neox", "stablelm", "mpt"])
+@pytest.mark.parametrize("name", ["neox", "stablelm", "mpt", "distilbert", "opt", "gpt2"])
 def test_sequence_parallel_pairs_per_layer(name: str) -> None:
-    _, plan = _plan(name, "megatron,sp")
+    """megatron,sp at tp=2: 2 reduce-scatters and 2 all-gathers per layer each way, nothing
+    else over tp but the pairs' 1 + 1 outside the layers (the embedding's reduce-scatter and
+    the LM head's gather, their transposes backward; DistilBERT's MLM transform runs on the
+    shards, so its last layer's output is not gathered), the gradients of weights tp-replicated
+    and read on shards (norms, biases, GPT-2's position table) all-reduced. Post-LN DistilBERT,
+    and OPT and GPT-2, which flatten their tokens to [batch * seq, hidden]: the residual stream
+    cut over tp batch-major, as the flattened tensors are."""
+    prog, plan = _plan(name, "megatron,sp")
     for layer, c in _blocks(plan).items():
         act = {k: v for k, v in c.items() if k[2] == "activation"}
-        assert act == {(p, k, "activation"): 2 for p in ("forward", "backward")
-                       for k in ("reduce_scatter", "all_gather")}, (layer, c)
+        want = {(p, k, "activation"): 2 for p in ("forward", "backward") for k in ("reduce_scatter", "all_gather")}
+        if name == "distilbert" and layer.endswith(".1"):
+            want[("forward", "all_gather", "activation")] = 1
+        assert act == want, (layer, c)
+    kinds = Counter((prog.ops[r.op_index].phase, s.kind) for r, s in plan.collectives())
+    assert kinds[("forward", "reduce_scatter")] == kinds[("backward", "all_gather")] == 5
+    assert kinds[("forward", "all_gather")] == kinds[("backward", "reduce_scatter")] == 5
+    assert not {k for k in kinds if k[1] == "all_to_all" or (k[0] != "optimizer" and k[1] == "all_reduce")} \
+        - {("backward", "all_reduce")}
+    assert kinds[("backward", "all_reduce")] == (1 if name == "gpt2" else 0)  # GPT-2's [1, seq, hidden] wpe grad
+
+
+def test_lm_head_bias_goes_with_the_vocab_parallel_logits() -> None:
+    """DistilBERT's vocab_projector (tied to the word embeddings, a bias of its own, no name
+    pattern): its bias is found as the bias added to the vocab-parallel logits and stored
+    sharded with its Adam moments, so the optimizer step moves nothing over tp."""
+    _, plan = _plan("distilbert")
+    for t in ("vocab_projector.bias", "vocab_projector.bias.grad", "vocab_projector.bias.moment1",
+              "vocab_projector.bias.moment2.new"):
+        assert plan.attrs[t].dims_mapping == (0,), t
+    assert not [r.tensor for r, s in plan.collectives("optimizer")]
 
 
 def test_roles_come_from_the_graph_not_the_names() -> None:

@@ -95,7 +95,7 @@ from spmdkit.strategies.hf_fused import (
     slices_as_split,
     split_fused_projections,
 )
-from spmdkit.strategies.hf_roles import BLOCK, BlockRoles, block_roles, linears
+from spmdkit.strategies.hf_roles import BLOCK, BlockRoles, block_roles, linears, weight_of
 from spmdkit.strategies.strategy import Marks, optimizer_layouts, strategy_dims, user_attrs
 
 ROLES = ("column", "row", "vocab", "replicate")
@@ -285,6 +285,7 @@ def tp_roles(prog: Program, patterns: Mapping[str, str] | Iterable[tuple[str, st
     user = check_patterns(patterns)
     graph = (found or block_roles(prog)).roles
     out: dict[str, str] = {}
+    decided: set[str] = set()
     for p in parameters(prog):
         paths = _module_paths(prog, p)
         r = next((r for path in paths if (r := role_of(path, user)) is not None), None)
@@ -294,8 +295,24 @@ def tp_roles(prog: Program, patterns: Mapping[str, str] | Iterable[tuple[str, st
             r = graph[key]
         if r is None:
             r = next((r for path in paths if (r := role_of(path, DEFAULT_PATTERNS)) is not None), None)
+        if r is not None:
+            decided.add(p)
         if r is not None and r != "replicate":
             out[p] = r
+    # a bias nothing above decides goes with its linear (the matmul whose output it is added to):
+    # a vocab-parallel LM head's bias (DistilBERT's vocab_projector) sharded as the logits
+    producer = {o: op for op in prog.ops if op.phase == "forward" for o in op.output_names()}
+    for op in prog.ops:
+        b, x = op.inputs.get("y"), op.inputs.get("x")
+        if op.phase != "forward" or op.rule != "add" or not isinstance(b, str) or not isinstance(x, str) \
+                or b in decided or prog.tensors[b].kind != "parameter" or len(prog.tensors[b].shape) != 1:
+            continue
+        mm = producer.get(x)
+        y = mm.inputs.get("y") if mm is not None and mm.rule == "matmul" else None
+        w = weight_of(prog, y, producer) if isinstance(y, str) else None
+        role = out.get(w[0]) if w is not None else None
+        if role in ("column", "vocab") and prog.tensors[b].shape[-1] == prog.tensors[x].shape[-1]:
+            out[b] = role
     return out
 
 
@@ -313,6 +330,8 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
     if dp is not None:
         _shard_batch(prog, mesh, dm, dp)
     if tp is not None:
+        for n in data_inputs(prog):  # every tp rank reads the whole batch (not a sequence shard of it)
+            dm(n)
         readers = forward_readers(prog)
         found = block_roles(prog)
         roles = tp_roles(prog, patterns, found)
@@ -557,9 +576,22 @@ def _sequence_parallel(prog: Program, mesh: ProcessMesh, sharded: Mapping[str, s
 
     batch = {prog.tensors[n].shape[0] for n in data_inputs(prog) if prog.tensors[n].shape}
 
+    def flat(shape: tuple[int, ...]) -> bool:
+        return len(shape) == 2 and bool(batch) and shape[0] % max(batch) == 0 and shape[0] > max(batch)
+
+    # a residual stream that is also flattened ([batch * seq, hidden]: OPT's MLP, GPT-2's Conv1D)
+    # is cut over tp in the flattened order, batch-major: with 2 or more sequences per dp rank
+    # that tp divides, the [batch, seq, hidden] tensors are cut on the batch axis to match (each
+    # rank still holds 1/tp of the tokens; Megatron's [seq, batch] layout flattens seq-major)
+    local = max(batch) // (mesh.shape[dp] if dp is not None else 1) if batch else 1
+    by_batch = local > 1 and local % size == 0 and any(flat(prog.tensors[n].shape) for n in (*seq, *row_out))
+
     def shard_seq(n: str) -> None:
         shape = prog.tensors[n].shape
-        if len(shape) == 2 and batch and shape[0] % max(batch) == 0 and shape[0] > max(batch):
+        if len(shape) == 3 and by_batch and shape[0] == max(batch):
+            dm(n)[0] = [dp, tp] if dp is not None else tp
+            return
+        if flat(shape):
             # tokens flattened ([batch * seq, hidden], GPT-2's Conv1D): batch over dp, then seq over tp
             if (shape[0] // max(batch)) % size:
                 raise ProgramError(f"--strategy sp: {n} has {shape[0] // max(batch)} tokens per sequence, not "
