@@ -48,9 +48,12 @@ transform.dense, pooler.dense                                replicate
 GPT-2's fused ``c_attn`` (``[in, 3 * hidden]``): sharding its output axis in contiguous
 blocks would cut across q, k and v (the split after it would all-gather), so
 :func:`split_fused_projections` rewrites the projection as three on slices of the weight and
-bias (the parameters stay the module's, replicated over ``tp``), each part column-parallel:
-the attention is tensor parallel head-wise, and the parts' weight gradients are all-gathered
-(weight-sized, not activation-sized) into the weight's gradient.
+bias (a projection cut by ``slice`` s, Phi-3's ``qkv_proj``, first read as a split:
+:func:`slices_as_split`) and :func:`parts_as_parameters` makes each slice a parameter of its
+own, with its own gradient and update: each part is column-parallel and stored sharded over
+``tp`` with its optimizer states, as Megatron stores a fused qkv, and no weight-sized
+collective is left (a part's value is its slice of the module's weight:
+``("parameter_slice", (fqn, axis, lo, hi))`` in an imported program's ``sources``).
 
 - ``sp`` (with ``megatron``): Megatron sequence parallel. The residual stream (the
   vocab-parallel embeddings' outputs, the row layers' outputs and the adds that take them)

@@ -10,10 +10,14 @@ contiguous blocks would cut across its parts (rank 0 would hold all of q, rank 1
 Found here: a matmul on a 2-D parameter (or its transpose), then optionally a bias add, then
 views (``reshape`` / ``unsqueeze``) keeping the features last or splitting them into ``[...,
 groups, d]``, then one ``split`` on the features (or the groups) axis into contiguous parts of
-any sizes. :func:`split_fused_projections` rewrites it as one projection per part on
-``slice`` s of the weight and bias (the parameters stay the module's) and its backward
-likewise: each part's gradient through its own projection, the input gradients summed
-(``add_n``), the weight and bias gradients the ``concat`` of the parts'. The same values.
+any sizes (or ``slice`` s tiling the features, Phi-3's ``qkv_proj``: :func:`slices_as_split`
+reads them as one split). :func:`split_fused_projections` rewrites it as one projection per
+part on ``slice`` s of the weight and bias and its backward likewise: each part's gradient
+through its own projection, the input gradients summed (``add_n``), the weight and bias
+gradients the ``concat`` of the parts'. The same values. :func:`parts_as_parameters` then
+makes each slice a parameter of its own (its gradient, optimizer states and update its own),
+so that the parts, not a replicated fused weight, are what tp shards and the optimizer
+updates.
 
 Head-interleaved fused weights (GPT-NeoX's and BLOOM's ``query_key_value``: ``[heads, 3,
 head_dim]`` rows, split after a view to ``[..., heads, 3 * head_dim]``) need no split: a
