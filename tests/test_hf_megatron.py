@@ -50,6 +50,7 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "distilbert": ("DistilBertForMaskedLM", {"n_layers": 2, "dim": H, "n_heads": 4, "hidden_dim": 128,
                                              "vocab_size": V, "max_position_embeddings": 64}),  # q_lin, lin1
     "mixtral": ("MixtralForCausalLM", {"num_key_value_heads": 2, "num_local_experts": 4, **C}),
+    "phi3": ("Phi3ForCausalLM", {"num_key_value_heads": 2, "pad_token_id": 0, **C}),  # qkv_proj cut by 3 slices
 }
 
 #: per transformer layer: activation all-reduces over tp (forward, backward). Phi and Falcon
@@ -59,8 +60,10 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 EXPECTED: dict[str, tuple[int, int]] = {
     "llama": (2, 2), "mistral": (2, 2), "qwen2": (2, 2), "gemma2": (2, 2), "stablelm": (2, 2), "opt": (2, 2),
     "neox": (2, 2), "gpt2": (2, 2), "mpt": (2, 2), "bert": (2, 2), "distilbert": (2, 2), "phi": (2, 1),
-    "gemma": (2, 4), "falcon": (2, 4), "bigcode": (2, 4),
+    "gemma": (2, 4), "falcon": (2, 4), "bigcode": (2, 4), "phi3": (2, 2),
 }
+#: the models whose fused projections are split into parameters of their own
+FUSED = ("gpt2", "mpt", "falcon", "bigcode", "phi3")
 
 _CACHE: dict[str, Any] = {}
 
@@ -98,13 +101,39 @@ def test_megatron_gives_an_experts_collectives_per_layer(name: str) -> None:
                        ("backward", "all_reduce", "activation"): bwd}, (layer, c)
 
 
-@pytest.mark.parametrize("name", ["neox", "stablelm", "mpt"])
+@pytest.mark.parametrize("name", ["neox", "stablelm", "mpt", "distilbert", "opt", "gpt2"])
 def test_sequence_parallel_pairs_per_layer(name: str) -> None:
-    _, plan = _plan(name, "megatron,sp")
+    """megatron,sp at tp=2: 2 reduce-scatters and 2 all-gathers per layer each way, nothing
+    else over tp but the pairs' 1 + 1 outside the layers (the embedding's reduce-scatter and
+    the LM head's gather, their transposes backward; DistilBERT's MLM transform runs on the
+    shards, so its last layer's output is not gathered), the gradients of weights tp-replicated
+    and read on shards (norms, biases, GPT-2's position table) all-reduced. Post-LN DistilBERT,
+    and OPT and GPT-2, which flatten their tokens to [batch * seq, hidden]: the residual stream
+    cut over tp batch-major, as the flattened tensors are."""
+    prog, plan = _plan(name, "megatron,sp")
     for layer, c in _blocks(plan).items():
         act = {k: v for k, v in c.items() if k[2] == "activation"}
-        assert act == {(p, k, "activation"): 2 for p in ("forward", "backward")
-                       for k in ("reduce_scatter", "all_gather")}, (layer, c)
+        want = {(p, k, "activation"): 2 for p in ("forward", "backward") for k in ("reduce_scatter", "all_gather")}
+        if name == "distilbert" and layer.endswith(".1"):
+            want[("forward", "all_gather", "activation")] = 1
+        assert act == want, (layer, c)
+    kinds = Counter((prog.ops[r.op_index].phase, s.kind) for r, s in plan.collectives())
+    assert kinds[("forward", "reduce_scatter")] == kinds[("backward", "all_gather")] == 5
+    assert kinds[("forward", "all_gather")] == kinds[("backward", "reduce_scatter")] == 5
+    assert not {k for k in kinds if k[1] == "all_to_all" or (k[0] != "optimizer" and k[1] == "all_reduce")} \
+        - {("backward", "all_reduce")}
+    assert kinds[("backward", "all_reduce")] == (1 if name == "gpt2" else 0)  # GPT-2's [1, seq, hidden] wpe grad
+
+
+def test_lm_head_bias_goes_with_the_vocab_parallel_logits() -> None:
+    """DistilBERT's vocab_projector (tied to the word embeddings, a bias of its own, no name
+    pattern): its bias is found as the bias added to the vocab-parallel logits and stored
+    sharded with its Adam moments, so the optimizer step moves nothing over tp."""
+    _, plan = _plan("distilbert")
+    for t in ("vocab_projector.bias", "vocab_projector.bias.grad", "vocab_projector.bias.moment1",
+              "vocab_projector.bias.moment2.new"):
+        assert plan.attrs[t].dims_mapping == (0,), t
+    assert not [r.tensor for r, s in plan.collectives("optimizer")]
 
 
 def test_roles_come_from_the_graph_not_the_names() -> None:
@@ -137,25 +166,63 @@ def test_falcon_linear_reads_its_weight_through_a_transpose() -> None:
     assert plan.attrs["transformer.h.1.self_attention.dense.weight"].dims_mapping == (-1, 0)
 
 
-@pytest.mark.parametrize("name", ["falcon", "bigcode", "mpt"])
-def test_fused_projection_split_keeps_the_step(name: str) -> None:
-    """Falcon's query_key_value (x @ W.T, viewed [.., heads + 2, d], split 4/1/1 heads),
-    GPTBigCode's multi-query c_attn (bias, unsqueeze, split 64/16/16) and MPT's Wqkv (chunk):
-    each split into one projection per part; the rewritten step computes the imported one's
-    loss and every gradient on the model's own weights."""
-    import numpy as np
+@pytest.mark.parametrize("name", FUSED)
+def test_fused_weights_are_stored_sharded_with_no_weight_collective(name: str) -> None:
+    """A split fused weight is its parts, each a parameter of its own stored column-sharded
+    over tp with its gradient and Adam moments (or replicated: GPTBigCode's and Falcon's single
+    k / v head), as Megatron stores a fused qkv: no weight-sized collective anywhere in the
+    step, only the 2 + 2 all-reduces per layer (and the replicated k / v heads' output
+    gradients, EXPECTED)."""
+    from spmdkit.strategies.hf_fused import fused_parts
 
+    prog, plan = _plan(name)
+    parts = fused_parts(prog)
+    assert parts and not {p.source for p in parts.values()} & set(prog.tensors)  # the fused weights are gone
+    sharded = 0
+    for part in parts:
+        assert prog.tensors[part].kind == "parameter"
+        g, states, _new, _ = prog.optimizer[part]
+        dm = plan.attrs[part].dims_mapping
+        for t in (g, *states):  # the gradient and moments laid out as the part
+            assert plan.attrs[t].dims_mapping == dm, (part, t)
+        sharded += 0 in dm
+    # GPT-2, GPTBigCode: 2 layers x (3 weight + 3 bias parts); Falcon, GPTBigCode: k and v replicated
+    assert sharded == {"gpt2": 12, "mpt": 6, "falcon": 2, "bigcode": 4, "phi3": 10}[name]
+    for _layer, c in layer_collectives(plan).items():
+        assert not [k for k in c if k[2] == "weight"], (_layer, c)
+    assert not [r for r, s in plan.collectives("optimizer") if 0 in s.mesh_dims]
+
+
+@pytest.mark.parametrize("name", FUSED)
+def test_fused_projection_split_keeps_the_step(name: str) -> None:
+    """GPT-2's c_attn (Conv1D, bias, split), Falcon's query_key_value (x @ W.T, viewed [..,
+    heads + 2, d], split 4/1/1 heads), GPTBigCode's multi-query c_attn (bias, unsqueeze, split
+    64/16/16), MPT's Wqkv (chunk) and Phi-3's qkv_proj (three slices) and gate_up_proj
+    (chunk): each split into one projection per part, the parts parameters of their own
+    (their values the module weight's slices); the rewritten step computes the imported one's
+    loss, and every gradient (a fused weight's: its parts' concatenated) on the model's own
+    weights; torch eager's gradients, sliced, are the parts'."""
+    from spmdkit.execute.eager import eager_reference
     from spmdkit.execute.single import run_program
     from spmdkit.models.torch_import import torch_values
+    from spmdkit.strategies.hf_fused import fused_parts
 
     prog, model, kw = imported(name)
     new = megatron_program(prog)
-    assert sum(op.rule == "split" for op in new.ops) < sum(op.rule == "split" for op in prog.ops)
+    parts = fused_parts(new)
+    assert not any(op.rule == "split" for op in new.ops)
+    assert all(new.sources[p][0] == "parameter_slice" for p in parts)
     a = run_program(prog, torch_values(prog, model, (), kw))
     b = run_program(new, torch_values(new, model, (), kw))
     assert np.isfinite(a[prog.loss]) and abs(float(a[prog.loss]) - float(b[new.loss])) <= 1e-5
     for p, g in prog.grads.items():
-        assert np.allclose(a[g], b[new.grads[p]], rtol=1e-4, atol=1e-6), p
+        ps = sorted((q for q, f in parts.items() if f.source == p), key=lambda q: parts[q].lo)
+        got = np.concatenate([b[new.grads[q]] for q in ps], axis=parts[ps[0]].axis) if ps else b[new.grads[p]]
+        assert np.allclose(a[g], got, rtol=1e-4, atol=1e-6), p
+    assert len(parts) == {"gpt2": 12, "mpt": 6, "falcon": 6, "bigcode": 12, "phi3": 10}[name]
+    _dt, ref = eager_reference(new, model, (), kw)
+    for q in parts:
+        assert np.allclose(ref[new.grads[q]], b[new.grads[q]], rtol=1e-3, atol=1e-5), q
 
 
 def test_multi_query_c_attn_is_split_by_q_k_v() -> None:
@@ -238,3 +305,47 @@ def test_hf_llama_equals_the_zoo_placement(capsys: pytest.CaptureFixture[str]) -
 
 
 
+
+
+_RUN = {"gpt2": CONFIGS["gpt2"], "falcon": CONFIGS["falcon"], "bigcode": CONFIGS["bigcode"], "phi3": CONFIGS["phi3"]}
+
+
+@pytest.mark.parametrize("name", sorted(_RUN))
+def test_verify_simulates_the_fused_parts(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`plan --hf ... --verify` (dp=2 x tp=2, megatron): the plan with the fused weights' parts
+    as sharded parameters, simulated on 4 ranks, equals the unsharded step in every tensor."""
+    from spmdkit.cli import main
+
+    cls, cfg = _RUN[name]
+    assert main(["plan", "--hf", cls, "--hf-config", json.dumps(cfg), "--mesh", "dp=2,tp=2", "--json",
+                 "--verify"]) == 0
+    v = json.loads(capsys.readouterr().out)["verify"]
+    assert v["ok"] and v["checked"] > 300 and v["model"] == cls
+
+
+@pytest.mark.parametrize("name", ["falcon", "bigcode"])
+def test_run_with_fused_parts_equals_torch_eager(name: str) -> None:
+    """`spmdkit run --hf` on 4 gloo processes (dp=2 x tp=2, megatron, torch kernels): the parts
+    of Falcon's query_key_value and GPTBigCode's c_attn start as the slices of the module's
+    weights, and the loss and every gradient (a part's: torch autograd's slice) equal torch
+    eager's; over tp only the plan's all-reduces (2 + 4 per layer, + 1 each way outside)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cls, cfg = _RUN[name]
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root / "src"))
+    p = subprocess.run([sys.executable, "-m", "spmdkit", "run", "--json", "--kernels", "torch", "--timeout", "120",
+                        "--hf", cls, "--hf-config", json.dumps(cfg), "--mesh", "dp=2,tp=2"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rep = json.loads(p.stdout.strip().splitlines()[-1])
+    assert rep["ok"] and rep["collectives_match"] and not rep["failures"] and rep["nonfinite"] == 0
+    eager = rep["eager"]
+    # parameter tensors: Falcon 2 x 4 linears (qkv as 3 parts: + 2) + 2 x 2 norms + embedding, final norm
+    n_params = {"falcon": 2 * (4 + 2) + 2 * 2 + 1 + 2, "bigcode": 36}[name]
+    assert eager["checked"] == 1 + n_params and not eager["failures"] and eager["max_rel_error"] <= 1e-5
+    tp = Counter(c["kind"] for c in rep["collectives"] if c["mesh_dim"] == 1)
+    assert tp == Counter(all_reduce=2 * (2 + 4) + 2)

@@ -131,12 +131,18 @@ def eager_reference(prog: Any, module: Any, args: Any = (), kwargs: dict[str, An
     named = dict(m.named_parameters(remove_duplicate=False))
     for param, grad in prog.grads.items():
         kind, fqn = prog.sources.get(param, (None, None))
-        if kind != "parameter":
+        cut = None
+        if kind == "parameter_slice":  # a part of a fused parameter (strategies.hf_fused)
+            fqn, *cut = fqn
+        elif kind != "parameter":
             continue
         w = named.get(fqn if fqn in named else str(fqn).removeprefix("module."))
         if w is None:
             raise ProgramError(f"torch eager: the module has no parameter {fqn!r}")
-        res[grad] = (w.grad if w.grad is not None else torch.zeros_like(w)).detach().double().numpy()
+        wg = w.grad if w.grad is not None else torch.zeros_like(w)
+        if cut:
+            wg = wg.narrow(cut[0], cut[1], cut[2] - cut[1])
+        res[grad] = wg.detach().double().numpy()
     m.zero_grad(set_to_none=True)
     return str(dt).removeprefix("torch."), res
 

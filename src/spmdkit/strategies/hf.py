@@ -48,9 +48,12 @@ transform.dense, pooler.dense                                replicate
 GPT-2's fused ``c_attn`` (``[in, 3 * hidden]``): sharding its output axis in contiguous
 blocks would cut across q, k and v (the split after it would all-gather), so
 :func:`split_fused_projections` rewrites the projection as three on slices of the weight and
-bias (the parameters stay the module's, replicated over ``tp``), each part column-parallel:
-the attention is tensor parallel head-wise, and the parts' weight gradients are all-gathered
-(weight-sized, not activation-sized) into the weight's gradient.
+bias (a projection cut by ``slice`` s, Phi-3's ``qkv_proj``, first read as a split:
+:func:`slices_as_split`) and :func:`parts_as_parameters` makes each slice a parameter of its
+own, with its own gradient and update: each part is column-parallel and stored sharded over
+``tp`` with its optimizer states, as Megatron stores a fused qkv, and no weight-sized
+collective is left (a part's value is its slice of the module's weight:
+``("parameter_slice", (fqn, axis, lo, hi))`` in an imported program's ``sources``).
 
 - ``sp`` (with ``megatron``): Megatron sequence parallel. The residual stream (the
   vocab-parallel embeddings' outputs, the row layers' outputs and the adds that take them)
@@ -87,8 +90,15 @@ from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.program.ir import Op, Program, Tensor
 from spmdkit.program.plan import Plan
-from spmdkit.strategies.hf_fused import namer, rebuild, split_fused_projections
-from spmdkit.strategies.hf_roles import BLOCK, BlockRoles, block_roles, linears
+from spmdkit.strategies.hf_fused import (
+    fused_parts,
+    namer,
+    parts_as_parameters,
+    rebuild,
+    slices_as_split,
+    split_fused_projections,
+)
+from spmdkit.strategies.hf_roles import BLOCK, BlockRoles, block_roles, linears, weight_of
 from spmdkit.strategies.strategy import Marks, optimizer_layouts, strategy_dims, user_attrs
 
 ROLES = ("column", "row", "vocab", "replicate")
@@ -203,7 +213,11 @@ def optimizer_of(prog: Program) -> dict[str, tuple[str, tuple[str, ...], str, tu
 
 
 def _module_paths(prog: Program, param: str) -> list[str]:
-    """The module paths a parameter goes by: its own and those of its tied aliases."""
+    """The module paths a parameter goes by: its own and those of its tied aliases (a part of
+    a fused parameter: the fused one's)."""
+    part = fused_parts(prog).get(param)
+    if part is not None:
+        param = part.source
     names = [param] + [a for a, t in (getattr(prog, "aliases", None) or {}).items() if t == param]
     return [n.rsplit(".", 1)[0] if "." in n else n for n in names]
 
@@ -274,16 +288,34 @@ def tp_roles(prog: Program, patterns: Mapping[str, str] | Iterable[tuple[str, st
     user = check_patterns(patterns)
     graph = (found or block_roles(prog)).roles
     out: dict[str, str] = {}
+    decided: set[str] = set()
     for p in parameters(prog):
         paths = _module_paths(prog, p)
         r = next((r for path in paths if (r := role_of(path, user)) is not None), None)
-        key = p if p in graph else paths[0] + ".weight"  # a layer's weight, or its bias
+        part = fused_parts(prog).get(p)
+        key = p if p in graph else part.weight if part is not None else paths[0] + ".weight"  # a layer's weight, or its bias
         if r is None and key in graph:
             r = graph[key]
         if r is None:
             r = next((r for path in paths if (r := role_of(path, DEFAULT_PATTERNS)) is not None), None)
+        if r is not None:
+            decided.add(p)
         if r is not None and r != "replicate":
             out[p] = r
+    # a bias nothing above decides goes with its linear (the matmul whose output it is added to):
+    # a vocab-parallel LM head's bias (DistilBERT's vocab_projector) sharded as the logits
+    producer = {o: op for op in prog.ops if op.phase == "forward" for o in op.output_names()}
+    for op in prog.ops:
+        b, x = op.inputs.get("y"), op.inputs.get("x")
+        if op.phase != "forward" or op.rule != "add" or not isinstance(b, str) or not isinstance(x, str) \
+                or b in decided or prog.tensors[b].kind != "parameter" or len(prog.tensors[b].shape) != 1:
+            continue
+        mm = producer.get(x)
+        y = mm.inputs.get("y") if mm is not None and mm.rule == "matmul" else None
+        w = weight_of(prog, y, producer) if isinstance(y, str) else None
+        role = out.get(w[0]) if w is not None else None
+        if role in ("column", "vocab") and prog.tensors[b].shape[-1] == prog.tensors[x].shape[-1]:
+            out[b] = role
     return out
 
 
@@ -301,6 +333,8 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
     if dp is not None:
         _shard_batch(prog, mesh, dm, dp)
     if tp is not None:
+        for n in data_inputs(prog):  # every tp rank reads the whole batch (not a sequence shard of it)
+            dm(n)
         readers = forward_readers(prog)
         found = block_roles(prog)
         roles = tp_roles(prog, patterns, found)
@@ -349,7 +383,10 @@ def _shard_weights(prog: Program, mesh: ProcessMesh, dm: Marks, tp: int,
         return None
 
     replicated: set[str] = set()  # column layers left whole (kv heads fewer than tp), with their bias
+    parts = fused_parts(prog)
     for p, role in sorted(roles.items(), key=lambda kv: len(prog.tensors[kv[0]].shape) == 1):
+        if p in parts:
+            continue  # a part of a fused projection: _shard_fused_parts
         t = prog.tensors[p]
         mod = _module_paths(prog, p)[0]
         if mod in replicated:
@@ -407,12 +444,10 @@ def _shard_fused_parts(prog: Program, mesh: ProcessMesh, dm: Marks, tp: int,
     Megatron replicates kv heads, with a warning (its bias part with it)."""
     size = mesh.shape[tp]
     groups: dict[str, tuple[list[str], list[str]]] = {}
-    for op in prog.ops:
-        src = op.inputs.get("input") if op.rule == "slice" and op.phase == "forward" else None
-        if not isinstance(src, str) or roles.get(src) != "column" or src in sharded:
+    for part, _of in sorted(fused_parts(prog).items(), key=lambda kv: (kv[1].source, kv[1].lo)):
+        if roles.get(part) != "column" or part in sharded or part not in prog.tensors:
             continue
-        part = op.output_names()[0]
-        groups.setdefault(_module_paths(prog, src)[0], ([], []))[len(prog.tensors[part].shape) == 1].append(part)
+        groups.setdefault(_module_paths(prog, part)[0], ([], []))[len(prog.tensors[part].shape) == 1].append(part)
     for mod, (wparts, bparts) in groups.items():
         feats: list[int] = []
         heads: list[int | None] = []
@@ -544,9 +579,22 @@ def _sequence_parallel(prog: Program, mesh: ProcessMesh, sharded: Mapping[str, s
 
     batch = {prog.tensors[n].shape[0] for n in data_inputs(prog) if prog.tensors[n].shape}
 
+    def flat(shape: tuple[int, ...]) -> bool:
+        return len(shape) == 2 and bool(batch) and shape[0] % max(batch) == 0 and shape[0] > max(batch)
+
+    # a residual stream that is also flattened ([batch * seq, hidden]: OPT's MLP, GPT-2's Conv1D)
+    # is cut over tp in the flattened order, batch-major: with 2 or more sequences per dp rank
+    # that tp divides, the [batch, seq, hidden] tensors are cut on the batch axis to match (each
+    # rank still holds 1/tp of the tokens; Megatron's [seq, batch] layout flattens seq-major)
+    local = max(batch) // (mesh.shape[dp] if dp is not None else 1) if batch else 1
+    by_batch = local > 1 and local % size == 0 and any(flat(prog.tensors[n].shape) for n in (*seq, *row_out))
+
     def shard_seq(n: str) -> None:
         shape = prog.tensors[n].shape
-        if len(shape) == 2 and batch and shape[0] % max(batch) == 0 and shape[0] > max(batch):
+        if len(shape) == 3 and by_batch and shape[0] == max(batch):
+            dm(n)[0] = [dp, tp] if dp is not None else tp
+            return
+        if flat(shape):
             # tokens flattened ([batch * seq, hidden], GPT-2's Conv1D): batch over dp, then seq over tp
             if (shape[0] // max(batch)) % size:
                 raise ProgramError(f"--strategy sp: {n} has {shape[0] // max(batch)} tokens per sequence, not "
@@ -715,7 +763,9 @@ def megatron_program(prog: Program, patterns: Mapping[str, str] | Iterable[tuple
     roles = tp_roles(prog, patterns)
     vocab = [p for p, r in roles.items() if r == "vocab"]
     fused = [p for p, r in roles.items() if r == "column" and len(prog.tensors[p].shape) == 2]
-    return split_fused_projections(vocab_parallel_embedding(vocab_parallel_loss(prog), vocab), fused)
+    prog = vocab_parallel_embedding(vocab_parallel_loss(prog), vocab)
+    prog = split_fused_projections(slices_as_split(prog, fused), fused)
+    return parts_as_parameters(prog, [p for p, r in roles.items() if r == "column"])
 
 
 __all__ = ["DEFAULT_PATTERNS", "ROLES", "annotate_program", "check_patterns", "data_inputs", "forward_readers", "megatron_program",

@@ -182,11 +182,18 @@ def layer_collectives(plan: Plan, dim: str = "tp") -> dict[str, Counter[tuple[st
         if op.phase == "forward" and ins and all(n in from_params for n in ins):
             from_params.update(op.output_names())
     made = {o: op for op in prog.ops for o in op.output_names()}
+    fwd = {op.name: op for op in prog.ops if op.phase == "forward" and op.name}
     out: dict[str, Counter[tuple[str, str, str]]] = {}
     for r, s in plan.collectives():
         if not any(names[d] == dim for d in s.mesh_dims):
             continue
         op = prog.ops[r.op_index]
+        f = fwd.get(op.name[len("grad of "):]) if op.name.startswith("grad of ") and not r.output else None
+        if f is not None and r.tensor.split(".grad")[0] in f.output_names():
+            # the gradient of an op's output moved just before that op's own grad (the transpose
+            # of a collective after the op: the embedding's reduce-scatter): the op's layer
+            out.setdefault(f.layer or "", Counter())[(op.phase, s.kind, "activation")] += 1
+            continue
         if not r.output and r.tensor in made and made[r.tensor].phase == op.phase:
             op = made[r.tensor]  # counted in the layer that made the tensor
             first = op.input_names()[0] if op.rule == "add_n" and op.input_names() else None

@@ -253,6 +253,13 @@ def torch_values(prog: ImportedProgram, module: Any, args: Sequence[Any] = (),
                 if where not in state:
                     raise ProgramError(f"torch_values: the module has no parameter or buffer {where!r}")
                 out[name] = conv(state[where])
+            elif kind == "parameter_slice":  # a part of a fused parameter (strategies.hf_fused)
+                fqn, axis, lo, hi = where
+                if fqn.startswith("module.") and fqn not in state:
+                    fqn = fqn[len("module."):]
+                if fqn not in state:
+                    raise ProgramError(f"torch_values: the module has no parameter {fqn!r}")
+                out[name] = conv(state[fqn].narrow(axis, lo, hi - lo))
             elif kind == "input":
                 out[name] = conv(call_input(name, where))
             else:
