@@ -23,6 +23,7 @@ from spmdkit.cost.compute import KernelCollective, kernel_collectives, local_sha
 from spmdkit.cost.devices import Device
 from spmdkit.cost.memory import rerun_points, saved_activations
 from spmdkit.engine.facts import OpCost
+from spmdkit.engine.memo import gc_paused
 from spmdkit.ops._cost import numel
 from spmdkit.program.plan import Plan, Reshard
 
@@ -557,6 +558,7 @@ class OpComm:
     param_gathers: dict[int, list[tuple[tuple[int, ...], float, int]]] = field(default_factory=dict)
 
 
+@gc_paused
 def op_communication(plan: Plan, device: Device) -> OpComm:
     """:class:`OpComm` of ``plan`` on ``device``: the step's communication model
     (:func:`estimate_step`) per op, the FSDP prefetch as ``max(0, gather - the group before)``."""
@@ -575,6 +577,7 @@ def op_communication(plan: Plan, device: Device) -> OpComm:
     return OpComm(comp.times, wait, comm.pending, comp.costs, comm.param_gathers)
 
 
+@gc_paused
 def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompute: str = "none") -> StepEstimate:
     """The training step of ``plan`` on ``device`` (every rank one such device). Roofline time
     per op; communication from the plan's reshards (timed by the plan's cost model: see
