@@ -62,7 +62,7 @@ COMMANDS: list[tuple[str, list[str]]] = [
 
 _BLANK = [(re.compile(r"planned in [0-9.]+ s"), "planned in X s"),
           (re.compile(r"solved? (in )?[0-9.]+ s"), "solve X s"),
-          (re.compile(r"\"(\w+_seconds)\": [0-9.eE+-]+"), r"\"\1\": 0")]
+          (re.compile(r'"(\w+_seconds)": [0-9.eE+-]+'), r'"\1": 0')]
 
 
 def _normal(text: str) -> str:
@@ -88,10 +88,10 @@ def snapshot(out_dir: Path, tree: Path, only: str | None) -> int:
                     rc = main(["plan", *argv, *(["--json"] if as_json else [])])
                 except SystemExit as exc:
                     rc = exc.code
-            text = _normal(buf.getvalue())
             if as_json:  # key order and float text as written; checked to parse
-                for line in text.splitlines():
+                for line in buf.getvalue().splitlines():
                     json.loads(line)
+            text = _normal(buf.getvalue())
             (out_dir / f"{k:02d}.{'json' if as_json else 'txt'}").write_text(
                 f"# {label}: plan {' '.join(argv)}{' --json' if as_json else ''} -> exit {rc}\n{text}"
                 f"# stderr\n{_normal(err.getvalue())}")

@@ -194,12 +194,15 @@ def _compute(plan: Plan, device: Device) -> _Compute:
 
 def _compute_ops(plan: Plan, device: Device) -> _Compute:
     out = _Compute([], [], {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}, {})
+    times: dict[OpCost, float] = {}  # an op's time is a function of its cost on the device
     for i, op in enumerate(plan.program.ops):
         c = op_cost(plan, i)
         out.costs.append(c)
         if not c.covered:
             out.uncovered[op.rule] = out.uncovered.get(op.rule, 0) + 1
-        t = device.op_time(c)
+        t = times.get(c)
+        if t is None:
+            t = times[c] = device.op_time(c)
         out.times.append(t)
         out.by_phase[op.phase] = out.by_phase.get(op.phase, 0.0) + t
         out.flops += c.flops

@@ -49,7 +49,7 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel, ReshardPlan, plan_reshard
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.cache_keys import UNCACHEABLE, value_key
-from spmdkit.engine.memo import gc_paused
+from spmdkit.engine.memo import gc_paused, memo_enabled
 from spmdkit.engine.registry import get_rule, is_reverse, output_params
 from spmdkit.program.ir import Op, Program, flat_refs, layout_args
 from spmdkit.program.plan import OpPlan, Plan, Reshard
@@ -231,8 +231,15 @@ class _Propagation:
         self.specs = _Specs(program, mesh)
         self.calls = [_OpCall(op, self.specs.shapes) for op in program.ops]
         # rule answers by (the call's signature, its tensors' dist attrs): the repeated layers'
-        # ops call their rules on equal arguments, answered once
-        self.answers: dict[tuple[Any, ...], SpmdResult] = {}
+        # ops call their rules on equal arguments, answered once (off with the engine's memo
+        # tables: spmdkit.ops.set_cache_enabled(False)); a signature enters the key as a small int
+        self.answers: dict[tuple[Any, ...], SpmdResult] | None = {} if memo_enabled() else None
+        ids: dict[tuple[Any, ...], int] = {}
+        for c in self.calls:
+            if c.fwd_sig is not None:
+                c.fwd_sig = ids.setdefault(c.fwd_sig, len(ids))
+            if c.bwd_sig is not None:
+                c.bwd_sig = ids.setdefault(c.bwd_sig, len(ids))
         # outputs that overwrite one of their op's inputs in place: held in that input's dist attr
         self.tied: dict[int, dict[str, str]] = {}
         for i, c in enumerate(self.calls):
@@ -275,7 +282,8 @@ class _Propagation:
         """Op ``i``'s forward (or reverse) rule on its tensors as they are now, memoised by
         (signature, dist attrs): an answer is a function of the specs and attributes alone."""
         sig = c.bwd_sig if backward else c.fwd_sig
-        if sig is None:
+        answers = self.answers
+        if sig is None or answers is None:
             return self._run(i, c, backward)
         attrs, store = self.attrs, self.store
         names = c.bwd_names if backward else c.fwd_names
@@ -283,9 +291,9 @@ class _Propagation:
             key = (sig, True, tuple(store[n] if n in store else attrs[n] for n in names))
         else:
             key = (sig, tuple([attrs[n] for n in names]))
-        got = self.answers.get(key)
+        got = answers.get(key)
         if got is None:
-            got = self.answers[key] = self._run(i, c, backward)
+            got = answers[key] = self._run(i, c, backward)
         return got
 
     def _run(self, i: int, c: _OpCall, backward: bool) -> SpmdResult:
