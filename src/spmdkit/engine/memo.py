@@ -78,6 +78,19 @@ def memo(maxsize: int = 65536) -> Callable[[F], F]:
     return deco
 
 
+
+class _Table(dict):  # type: ignore[type-arg]
+    def cache_clear(self) -> None:
+        self.clear()
+
+
+def memo_table() -> dict[Any, Any]:
+    """A plain dict for a memo kept by hand (its own key and bound), emptied with every memo
+    table by :func:`clear_memo` (``spmdkit.ops.clear_cache()``)."""
+    t = _Table()
+    _tables.append(t)
+    return t
+
 def gc_paused(fn: F) -> F:
     """``@gc_paused``: the cyclic garbage collector paused while ``fn`` runs (and resumed after,
     where it was on). A whole-model plan allocates hundreds of thousands of small containers that

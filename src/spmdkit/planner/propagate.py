@@ -344,8 +344,10 @@ class _Propagation:
         if static is None:
             static = self.static_keys[i] = (op.rule, repr(sorted(op.attrs.items())),
                                             tuple((tensors[n].shape, tensors[n].itemsize) for n in c.names))
-        key = (static, tuple((attrs[n], self.held_attr(n)) for n in c.names),
-               tuple((targets.get(n), attrs[n]) for n in c.outs), res)
+        # what held_attr gives for each input is a function of its dist attr and its stored one
+        store = self.store
+        key = (static, tuple([attrs[n] for n in c.names]), tuple([store.get(n) for n in c.names]) if store else (),
+               tuple([(targets.get(n), attrs[n]) for n in c.outs]), res)
         got = self.chosen.get(key)
         if got is None:
             got = self.chosen[key] = self._choose(c, res, targets)
@@ -404,9 +406,13 @@ class _Propagation:
         last = rounds >= MAX_ROUNDS  # the last sweep is the plan: no new reductions
         for i, c in enumerate(self.calls):
             names = c.names
-            if names and all(attrs[n] is None for n in names):
-                results.append(None)
-                continue
+            if names:
+                for n in names:
+                    if attrs[n] is not None:
+                        break
+                else:  # no input has a dist attr yet
+                    results.append(None)
+                    continue
             res = self.run(i, c, False)
             if i in tied:
                 res = self.in_place(i, c, res)
@@ -415,7 +421,7 @@ class _Propagation:
             for j, refs in c.in_slots if not last else ():
                 if j >= len(req_ins):
                     break
-                for n, r_attr in zip(refs, _flat_attrs(req_ins[j])):
+                for n, r_attr in zip(refs, (r if isinstance(r := req_ins[j], tuple) else (r,))):
                     if n is None or r_attr is None or n in fixed or n in reduced or readers.get(n, 0) < 2:
                         continue
                     a_n = attrs[n]
@@ -427,7 +433,7 @@ class _Propagation:
                         grew = True
             ties = tied.get(i, {})
             for refs, a in zip(c.out_slots, res.outputs):
-                for n, x in zip(refs, _flat_attrs(a)):
+                for n, x in zip(refs, (a if isinstance(a, tuple) else (a,))):
                     if n is not None and x is not None and n not in fixed:
                         attrs[n] = self.held_attr(ties[n]) if n in ties else \
                             reduced[n] if n in reduced and x.partial else x
@@ -450,7 +456,7 @@ class _Propagation:
             res = self.run(i, c, True)
             ins = dict(zip(c.bwd_tparams, res.inputs))
             for p, refs in c.in_items:
-                for n, x in zip(refs, _flat_attrs(ins.get(p))):
+                for n, x in zip(refs, (x0 if isinstance(x0 := ins.get(p), tuple) else (x0,))):
                     if n is not None and x is not None and (attrs[n] is None or n in by_sweep):
                         if attrs[n] != x:
                             attrs[n] = x
