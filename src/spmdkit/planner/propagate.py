@@ -145,6 +145,10 @@ class _OpCall:
 
     __slots__ = ("bwd", "bwd_layout", "bwd_names", "bwd_sig", "bwd_tparams", "fwd", "fwd_layout", "fwd_names",
                  "fwd_sig", "in_items", "in_slots", "names", "op", "out_slots", "outs", "tparams")
+    fwd_names: tuple[str, ...]
+    bwd_names: tuple[str, ...]
+    fwd_sig: Any  # the signature, then (interned by _Propagation) its number; None: not memoised
+    bwd_sig: Any
 
     def __init__(self, op: Op, shapes: Mapping[str, tuple[int, ...]]) -> None:
         rule, fparams, bparams, out_params = _rule_params(op.rule)
@@ -287,6 +291,7 @@ class _Propagation:
             return self._run(i, c, backward)
         attrs, store = self.attrs, self.store
         names = c.bwd_names if backward else c.fwd_names
+        key: tuple[Any, ...]
         if store and c.op.phase == "optimizer":
             key = (sig, True, tuple(store[n] if n in store else attrs[n] for n in names))
         else:
