@@ -127,7 +127,7 @@ def test_memory_cap_rejects_and_turns_on_memory_savers(tiny4: Any) -> None:
 def test_refusals_are_reported(tiny4: Any) -> None:
     res = search_meshes("tiny-llama", 8, "h100", strategies=["megatron"], recompute=["none"])
     reasons = [why for _cfg, why in res.refused]
-    assert any("tp=8 does not divide the 4 attention heads" in w for w in reasons)
+    assert any("tp=8 does not divide the model's 4 attention heads" in w for w in reasons)
     assert any("dp=8 does not divide the batch 4" in w for w in reasons)
     assert all(c.config.tp in (1, 2, 4) and c.config.dp in (1, 2, 4) for c in res.candidates)
     with pytest.raises(ProgramError, match="--recompute"):

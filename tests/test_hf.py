@@ -369,8 +369,9 @@ def test_hf_build_refuses_a_model_larger_than_memory(monkeypatch: Any) -> None:
            "vocab_size": 256}
     n = hf._param_count(transformers.LlamaForCausalLM, transformers.LlamaConfig(**cfg))
     assert n == 2 * 256 * 64 + 2 * (4 * 64 * 64 + 3 * 64 * 128 + 2 * 64) + 64 + 16  # + rotary buffers
-    monkeypatch.setattr(hf, "_available_bytes", lambda: 2 * n * 4 - 1)  # just under twice the fp32 size
+    monkeypatch.setattr(hf, "_available_bytes", lambda: 2 * n * 2 - 1)  # just under twice the bf16 size
     with pytest.raises(ProgramError, match=r"LlamaForCausalLM with this config has 0.00 billion parameters"):
         hf.build("LlamaForCausalLM", cfg, dtype="bf16")
-    monkeypatch.setattr(hf, "_available_bytes", lambda: 2 * n * 4)
+    monkeypatch.setattr(hf, "_available_bytes", lambda: 2 * n * 2)  # built in bf16 directly: no fp32 copy
     assert hf.build("LlamaForCausalLM", cfg, dtype="bf16").dtype == torch.bfloat16
+    assert not hf.has_weights(hf.build("LlamaForCausalLM", cfg, dtype="bf16", weights=False))  # not refused

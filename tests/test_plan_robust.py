@@ -164,15 +164,21 @@ def test_output_shape_checked_through_the_reverse_rule(rule: str, inputs: dict[s
                 b.build()
 
 
-def test_uneven_tp_is_planned_and_stated(capsys: pytest.CaptureFixture[str]) -> None:
+def test_uneven_tp_is_refused_and_an_uneven_pin_stated(capsys: pytest.CaptureFixture[str]) -> None:
+    """megatron over a tp that does not divide the heads is refused (issue 27: Megatron-LM splits
+    evenly or not at all; tests/test_input_checks.py has the other counts); a user's pin that
+    splits a weight unevenly is planned and stated."""
     for tp in ("3", "5"):
-        rc, out, err = plan(capsys, *TINY, "--mesh", f"tp={tp}")
-        assert rc == 0, err
-        assert "Uneven shards:" in out
-        assert f"over tp={tp}" in out
-    rc, out, _ = plan(capsys, *TINY, "--mesh", "tp=3", "--json")
-    doc = json.loads(out)
-    un = doc["uneven_shards"]
+        assert_refused(capsys, [*TINY, "--mesh", f"tp={tp}"], f"--mesh tp={tp}: megatron splits evenly or not at all")
+    pin = [*TINY, "--mesh", "dp=1,tp=3", "--strategy", "dp", "--annotate", "layers.0.wq=[-1,1]"]
+    rc, out, err = plan(capsys, *pin)
+    assert rc == 0, err
+    assert "Uneven shards:" in out and "over tp=3" in out
+    head = out.splitlines()[:4]  # said at the top too, not only at the end (issue 27)
+    assert any(line.startswith("WARNING: uneven shards: ") and "layers.0.wq axis 1, size 16 in pieces of 6 down to 4"
+               in line for line in head), head
+    rc, out, _ = plan(capsys, *pin, "--json")
+    un = json.loads(out)["uneven_shards"]
     assert un and all(u["size"] % u["parts"] for u in un)
     wq = next(u for u in un if u["tensor"] == "layers.0.wq")
     assert (wq["largest"], wq["parts"]) == (-(-wq["size"] // 3), 3)

@@ -223,8 +223,9 @@ def test_bad_arguments_are_one_line_errors(capsys: pytest.CaptureFixture[str], m
         (["--mesh", "dp=3", "--strategy", "dp"],
          "spmdkit run: mesh dp=3: tensor tokens axis 0 of size 4 does not split evenly over mesh dim dp=3 (4 % 3 = 1)"),
         (["--mesh", "dp=2,tp=3"],
-         "spmdkit run: mesh dp=2,tp=3: tensor embed axis 0 of size 64 does not split evenly over mesh dim tp=3"),
-        (["--mesh", "tp=5", "--batch", "8"], "does not split evenly over mesh dim tp=5"),
+         "spmdkit run: --mesh tp=3: megatron splits evenly or not at all: tp=3 does not divide the "
+         "model's 4 attention heads"),
+        (["--mesh", "tp=5", "--batch", "8"], "--mesh tp=5: megatron splits evenly or not at all"),
     ]
     if not torch.cuda.is_available():
         cases.append((["--backend", "nccl"], "spmdkit run: --backend nccl needs CUDA GPUs"))

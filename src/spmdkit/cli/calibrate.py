@@ -47,7 +47,7 @@ from spmdkit.execute.calibrate import (
     measure_gemm_fp8,
     model_shapes,
 )
-from spmdkit.io.atomic import write_atomic
+from spmdkit.io.atomic import output_problem, write_atomic
 from spmdkit.models.zoo import PRESETS, is_config_text
 from spmdkit.planner.planning import MAX_SIZE, plan_preset
 from spmdkit.strategies.strategy import parse_mesh
@@ -116,6 +116,9 @@ def check_out(path: str) -> str:
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise ProgramError(f"--out {path[:100]!r}: no such folder {folder[:100]!r}")
+    problem = output_problem(path)  # a FIFO, a device, a symbolic link: never replaced
+    if problem is not None:
+        raise ProgramError(f"--out {path[:100]!r}: {problem}")
     try:
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".spmdkit-calibrate-", suffix=".probe"):
             pass

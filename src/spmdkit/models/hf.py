@@ -12,12 +12,14 @@ in the spmdkit core imports this module.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from spmdkit.core.errors import ProgramError
+from spmdkit.models.hf_checks import check_hf_config
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "float64": "float64", "fp64": "float64",
            "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
@@ -60,10 +62,39 @@ def dtype_name(dtype: str) -> str:
         raise ProgramError(f"hf: dtype {dtype!r} is not one of {', '.join(sorted(_DTYPES))}") from None
 
 
-def build(class_name: str, config: Any, *, dtype: str = "float32", seed: int = 0) -> Any:
+def build(class_name: str, config: Any, *, dtype: str = "float32", seed: int = 0, weights: bool = True) -> Any:
     """The transformers model ``class_name`` (``LlamaForCausalLM``) from ``config`` (see
-    :func:`load_config`) through its config class, random weights from ``seed``, in ``dtype``,
-    in eval mode."""
+    :func:`load_config`) through its config class, in ``dtype`` directly (torch's default dtype
+    while it is made, as HF's ``from_pretrained(dtype=...)``: no float32 copy first; what the
+    model makes in float32 on purpose, a router or a rotary table, stays float32), in eval mode.
+
+    ``weights=True``: random weights from ``seed`` (refused when they would not fit in memory);
+    ``weights=False``: every parameter a fake tensor (shape, dtype, no storage: any size builds
+    in a few MB) and the buffers real (a rotary table, a mask: the importer reads their values),
+    enough to import and plan the model but not to run it."""
+    import torch
+
+    cls, conf = model_class(class_name, config)
+    dt = getattr(torch, dtype_name(dtype))
+    if not weights:
+        return _fake_build(cls, conf, dt)
+    n = _param_count(cls, conf)
+    need = n * torch.empty((), dtype=dt).element_size()
+    have = _available_bytes()
+    if have is not None and need > MEMORY_FRACTION * have:
+        raise ProgramError(f"hf: {class_name} with this config has {n / 1e9:.2f} billion parameters, "
+                           f"{need / 2**30:.1f} GiB in {dtype_name(dtype)}; this machine has {have / 2**30:.1f} GiB "
+                           f"available and the model is built with its weights: use fewer layers or a smaller "
+                           f"config, or import it without weights (weights=False; spmdkit plan does)")
+    torch.manual_seed(seed)
+    with _default_dtype(dt):
+        model = cls(conf)
+    model.eval()
+    return model
+
+
+def model_class(class_name: str, config: Any) -> tuple[Any, Any]:
+    """(the transformers class ``class_name``, its config object made from ``config``)."""
     import torch
 
     tf = _transformers()
@@ -73,28 +104,70 @@ def build(class_name: str, config: Any, *, dtype: str = "float32", seed: int = 0
         raise ProgramError(f"hf: transformers has no model class {class_name!r}")
     cfg = load_config(config)
     cfg.pop("architectures", None)
+    check_hf_config(cfg_cls, cfg)  # one line naming the key for a bad config (models/hf_checks.py)
     try:
         conf = cfg_cls(**cfg)
     except (TypeError, ValueError) as exc:
         raise ProgramError(f"hf: {cfg_cls.__name__} rejects the config: {exc}") from None
-    dt = getattr(torch, dtype_name(dtype))
-    n = _param_count(cls, conf)
-    need = n * max(torch.empty((), dtype=dt).element_size(), 4)  # built in float32, then cast
-    have = _available_bytes()
-    if have is not None and need > MEMORY_FRACTION * have:
-        raise ProgramError(f"hf: {class_name} with this config has {n / 1e9:.2f} billion parameters, "
-                           f"{need / 2**30:.1f} GiB while it is built (float32, then {dtype_name(dtype)}); "
-                           f"this machine has {have / 2**30:.1f} GiB available and the model is built in "
-                           f"memory: use fewer layers or a smaller config")
-    torch.manual_seed(seed)
-    model = cls(conf).to(dt)
+    return cls, conf
+
+
+@contextlib.contextmanager
+def _default_dtype(dt: Any) -> Iterator[None]:
+    import torch
+
+    old = torch.get_default_dtype()
+    if dt.is_floating_point:
+        torch.set_default_dtype(dt)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _fake_build(cls: Any, conf: Any, dt: Any) -> Any:
+    """``cls(conf)`` in ``dt`` with every parameter a fake tensor (torch's FakeTensorMode: shape,
+    dtype and device, no storage) and the buffers real. Parameters are made fake as they are
+    registered, so no weight is ever allocated; ``torch.export`` traces the model with real
+    inputs under the parameters' fake mode."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    register = torch.nn.Module.register_parameter
+
+    def fake_parameter(module: Any, name: str, param: Any) -> None:
+        if param is not None and not isinstance(param, FakeTensor):
+            with mode:
+                fake = torch.empty_strided(param.shape, param.stride(), dtype=param.dtype, device=param.device)
+            param = torch.nn.Parameter(fake, requires_grad=param.requires_grad)
+            param._is_hf_initialized = True  # HF's weight initialisation skips it: nothing to fill
+        register(module, name, param)
+
+    torch.nn.Module.register_parameter = fake_parameter  # type: ignore[method-assign,assignment]
+    try:
+        with _default_dtype(dt):
+            model = cls(conf)
+    finally:
+        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
     model.eval()
     return model
+
+
+def has_weights(model: Any) -> bool:
+    """Whether ``model``'s parameters hold values (False for :func:`build`'s ``weights=False``)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return not any(isinstance(p, FakeTensor) or p.is_meta for p in model.parameters())
 
 
 #: ``build`` refuses a model whose parameters would take more than this share of the memory
 #: available, instead of letting the operating system kill the process.
 MEMORY_FRACTION = 0.5
+
+#: ``import_hf(weights=None)`` builds the weights of a model up to this size (bytes in its
+#: dtype), for ``spmdkit run`` and the simulator; a larger one is imported without them.
+WEIGHTS_UP_TO = 256 * 2**20
 
 
 def _param_count(cls: Any, conf: Any) -> int:
@@ -160,15 +233,32 @@ def example_inputs(model: Any, batch: int = 2, seq: int = 16, *, labels: bool = 
 
 
 def import_hf(class_name: str, config: Any, *, batch: int = 2, seq: int = 16, dtype: str = "float32",
-              training: bool = True, pad: int = 0, seed: int = 0, **opts: Any) -> tuple[Any, Any, dict[str, Any]]:
+              training: bool = True, pad: int = 0, seed: int = 0, weights: bool | None = True,
+              repeat: bool | None = None, **opts: Any) -> tuple[Any, Any, dict[str, Any]]:
     """``build`` + ``example_inputs`` + ``import_module``: (program, model, keyword inputs).
-    ``opts`` go to :func:`spmdkit.models.torch_import.import_module` (``fallback``, ``optimizer``, ...)."""
+
+    ``weights``: True builds the weights (the model runs: ``torch_values``, ``spmdkit run``),
+    False imports without them (:func:`build`'s fake parameters: any size), None builds them
+    for a model of at most :data:`WEIGHTS_UP_TO` bytes and imports a larger one without them.
+    ``repeat``: trace one layer of each kind and repeat it to the model's depth
+    (:mod:`spmdkit.models.torch_import.layers`; the program is the full trace's); default: when
+    imported without weights. ``opts`` go to :func:`spmdkit.models.torch_import.import_module`
+    (``fallback``, ``optimizer``, ...)."""
     from spmdkit.models.torch_import import import_module
 
-    model = build(class_name, config, dtype=dtype, seed=seed)
+    if weights is None:
+        model = build(class_name, config, dtype=dtype, seed=seed, weights=False)
+        size = sum(p.numel() * p.element_size() for p in model.parameters())
+        if size <= WEIGHTS_UP_TO:
+            model = build(class_name, config, dtype=dtype, seed=seed)
+    else:
+        model = build(class_name, config, dtype=dtype, seed=seed, weights=weights)
+    if repeat is None:
+        repeat = not has_weights(model)
     kw = example_inputs(model, batch, seq, labels=training, pad=pad, seed=seed)
-    prog = import_module(model, (), kw, training=training, **opts)
+    prog = import_module(model, (), kw, training=training, repeat_layers=repeat, **opts)
     return prog, model, kw
 
 
-__all__ = ["build", "dtype_name", "example_inputs", "import_hf", "load_config"]
+__all__ = ["MEMORY_FRACTION", "WEIGHTS_UP_TO", "build", "dtype_name", "example_inputs", "has_weights", "import_hf",
+           "load_config", "model_class"]

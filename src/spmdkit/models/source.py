@@ -49,13 +49,15 @@ class ProgramFile:
 class HFModel:
     """A HuggingFace model: its class, its config (a config.json path or a JSON object text),
     its dtype (a name :func:`spmdkit.models.hf.dtype_name` gave) and the example batch it is
-    traced at."""
+    traced at; ``weights``: build its weights (True: ``spmdkit run`` runs it), import it without
+    them (False), or by its size (None: :data:`spmdkit.models.hf.WEIGHTS_UP_TO`)."""
 
     class_name: str
     config: str
     dtype: str = "float32"
     batch: int = 2
     seq: int = 16
+    weights: bool | None = None
 
 
 ModelSource = Preset | ProgramFile | HFModel
@@ -130,14 +132,16 @@ def hf_title(source: HFModel) -> str:
     return f"{source.class_name} (HuggingFace), batch {source.batch}, seq {source.seq}"
 
 
-def import_hf_checked(class_name: str, config: Any, batch: int, seq: int,
-                      dtype: str) -> tuple[Program, Any, dict[str, Any]]:
+def import_hf_checked(class_name: str, config: Any, batch: int, seq: int, dtype: str,
+                      weights: bool | None = None) -> tuple[Program, Any, dict[str, Any]]:
     """:func:`spmdkit.models.hf.import_hf` (``dtype`` a dtype name), its errors on a model that does not
-    import given as one ProgramError naming ``--hf``."""
+    import given as one ProgramError naming ``--hf``. ``weights``: as ``import_hf``'s; by default
+    a small model is built with its weights (``spmdkit run`` runs it) and a larger one is imported
+    without them, its layers traced once per kind and repeated (any size plans)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         try:
-            return import_hf(class_name, config, batch=batch, seq=seq, dtype=dtype)
+            return import_hf(class_name, config, batch=batch, seq=seq, dtype=dtype, weights=weights)
         except SpmdError:
             raise
         except (ValueError, TypeError, RuntimeError, IndexError, KeyError) as exc:
@@ -160,7 +164,8 @@ def load(source: ModelSource, *, vocab_parallel_loss: bool = False) -> Loaded:
         return load_preset(source, source.config(), vocab_parallel_loss)
     if isinstance(source, ProgramFile):
         return Loaded(source, load_program(source.path), f"program {source.path}")
-    prog, module, kw = import_hf_checked(source.class_name, source.config, source.batch, source.seq, source.dtype)
+    prog, module, kw = import_hf_checked(source.class_name, source.config, source.batch, source.seq, source.dtype,
+                                         source.weights)
     return Loaded(source, prog, hf_title(source), module=module, inputs=kw)
 
 

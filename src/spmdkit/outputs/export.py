@@ -48,7 +48,7 @@ from typing import Any
 from spmdkit.core.dist_attr import TensorDistAttr, entry_dims
 from spmdkit.core.errors import SpmdError
 from spmdkit.core.placements import Partial, Replicate, Shard, to_partition_spec, to_placements
-from spmdkit.io.atomic import write_atomic
+from spmdkit.io.atomic import output_problem, write_atomic
 from spmdkit.io.jsonfile import read_json
 from spmdkit.program.ir import Op, Program
 from spmdkit.program.plan import Plan
@@ -438,11 +438,17 @@ def check_target(fmt: str, path: str) -> None:
 
 
 def _check_path(p: str, what: str) -> None:
+    """ExportError naming ``what`` unless ``p`` is a regular file or a new name in a folder
+    (:func:`spmdkit.io.atomic.output_problem`: a FIFO, a device or a symbolic link is never
+    replaced)."""
     folder = os.path.dirname(os.path.abspath(p))
-    if not p or os.path.isdir(p):
+    if not p or (os.path.isdir(p) and not os.path.islink(p)):
         raise ExportError(f"{what}: {p!r} is a folder, not a file path")
     if not os.path.isdir(folder):
         raise ExportError(f"{what}: cannot write {p!r}: the folder {folder!r} does not exist")
+    problem = output_problem(p)
+    if problem is not None:
+        raise ExportError(f"{what} {p!r}: {problem}")
 
 
 def write_json(doc: Mapping[str, Any], path: str, what: str = "--export") -> None:

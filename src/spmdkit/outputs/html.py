@@ -53,7 +53,7 @@ from spmdkit.cost.memory import (
     saved_activations,
 )
 from spmdkit.cost.step import estimate_step
-from spmdkit.io.atomic import write_atomic
+from spmdkit.io.atomic import output_problem, write_atomic
 from spmdkit.outputs.report import fmt_bytes, fmt_time, placements, reshard_groups
 from spmdkit.planner.pipeline import op_stages
 from spmdkit.program.plan import Plan
@@ -865,12 +865,16 @@ def render_html(plan: Plan, title: str = "", memory: Memory | None = None, estim
 
 def check_html_path(path: str) -> str:
     """The directory ``--html path`` goes to; a ProgramError naming ``--html`` where it cannot
-    be written there (a directory, a missing directory), checked before planning."""
+    be written there (a directory, a missing directory, anything but a regular file or a new
+    name: :func:`spmdkit.io.atomic.output_problem`), checked before planning."""
     d = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
+    if os.path.isdir(path) and not os.path.islink(path):
         raise ProgramError(f"--html {path!r}: is a directory; give a file name, e.g. plan.html")
     if not os.path.isdir(d):
         raise ProgramError(f"--html {path!r}: the directory {d!r} does not exist")
+    problem = output_problem(path)
+    if problem is not None:
+        raise ProgramError(f"--html {path!r}: {problem}")
     return d
 
 

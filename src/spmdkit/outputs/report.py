@@ -165,6 +165,12 @@ def write_report(plan: Plan, out: TextIO, title: str = "", memory: Memory | None
               f"{sum(1 for o in prog.ops if o.phase == 'optimizer')} optimizer), {len(prog.tensors)} tensors; "
               f"propagation converged in {plan.rounds} sweep(s)"
               + (f", planned in {plan_seconds:.2f} s" if plan_seconds is not None else "") + "\n\n")
+    uneven = uneven_shards(plan)
+    if uneven:  # said first, not only at the end of a long report
+        u = uneven[0]
+        out.write(f"WARNING: uneven shards: {len(uneven)} tensor axes are not divided evenly by their mesh dims "
+                  f"(e.g. {u.tensor} axis {u.axis}, size {u.size} in pieces of {u.largest} down to {u.smallest}); "
+                  f"listed under 'Uneven shards' below\n\n")
     # -- sharding of the main tensors: the first layer in full
     layers = sorted({int(m.group(1)) for n in prog.tensors if (m := _LAYER.match(n))})
     first = [t for t in prog.tensors.values() if t.name.startswith("layers.0.") and t.kind in
@@ -228,7 +234,6 @@ def write_report(plan: Plan, out: TextIO, title: str = "", memory: Memory | None
                 memory_rows(mem, prog.ops[mem.peak_op].name if prog.ops else "-"), out)
     if estimate is not None and estimate.device.memory_bytes:
         out.write("memory: " + verdict_line(mem, estimate.device.memory_bytes, estimate.device.name) + "\n")
-    uneven = uneven_shards(plan)
     if uneven:
         names = plan.mesh.dim_names
         out.write(f"\nUneven shards: {len(uneven)} tensor axes are not divided evenly by their mesh dims; "

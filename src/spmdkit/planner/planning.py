@@ -107,8 +107,9 @@ def plan_preset(model_name: str, mesh_text: str, strategy_text: str,
     t0 = time.perf_counter()
     loaded = load_preset(Preset(model_name, cfg.layers, cfg.batch, cfg.seq), cfg, vocab_parallel_loss="megatron" in st)
     assert loaded.model is not None
+    cost = parse_cost(cost_text, mesh)  # a bad --cost refused before the strategy's notes are made
     ann = annotate(loaded.model, mesh, st, user)
-    plan = propagate(loaded.program, mesh, ann, parse_cost(cost_text, mesh), progress=progress,
+    plan = propagate(loaded.program, mesh, ann, cost, progress=progress,
                      storage=zero3_storage(loaded.model.optimizer, ann, st), grad_accum=grad_accum)
     return loaded, plan, time.perf_counter() - t0
 

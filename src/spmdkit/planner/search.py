@@ -70,7 +70,7 @@ from spmdkit.program.ir import Program
 from spmdkit.program.plan import Plan
 from spmdkit.program.runtime import Runtime
 from spmdkit.strategies.hf import data_inputs
-from spmdkit.strategies.strategy import MAX_RANKS, parse_mesh, parse_strategy
+from spmdkit.strategies.strategy import MAX_RANKS, parse_mesh, parse_strategy, tp_problem
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 #: the most configurations one search plans (each a propagation or an exact search)
@@ -291,6 +291,8 @@ class _Sizes:
     layers: int | None
     #: a pipeline's step in microbatches of one sequence per dp rank (else the step whole, m = 1)
     microbatches: bool = True
+    #: the preset's config (tp must split its heads, kv heads, FFN and vocabulary: tp_problem)
+    config: ModelConfig | None = None
 
 
 def _model_sizes(model: str, overrides: Mapping[str, int | None] | None) -> tuple[ModelConfig, _Sizes]:
@@ -299,7 +301,7 @@ def _model_sizes(model: str, overrides: Mapping[str, int | None] | None) -> tupl
     limits = {"layers": MAX_LAYERS, "batch": MAX_SIZE, "seq": MAX_SIZE}
     checked = {k: parse_size(f"--{k}", v, limits.get(k, MAX_SIZE)) for k, v in dict(overrides or {}).items()}
     cfg = cfg.with_(**{k: v for k, v in checked.items() if v is not None})
-    return cfg, _Sizes(cfg.batch, cfg.batch * cfg.seq, cfg.heads, cfg.layers)
+    return cfg, _Sizes(cfg.batch, cfg.batch * cfg.seq, cfg.heads, cfg.layers, config=cfg)
 
 
 def _work(devices: int, pipeline: bool, sizes: _Sizes, given: list[str] | None,
@@ -313,6 +315,8 @@ def _work(devices: int, pipeline: bool, sizes: _Sizes, given: list[str] | None,
         why = None
         if batch is not None and batch % dp:
             why = f"dp={dp} does not divide the batch {batch}"
+        elif sizes.config is not None and (bad := tp_problem(sizes.config, tp)) is not None:
+            why = bad
         elif sizes.heads is not None and sizes.heads % tp:
             why = f"tp={tp} does not divide the {sizes.heads} attention heads"
         elif sizes.layers is not None and sizes.layers < pp:

@@ -11,27 +11,60 @@ and a ``text`` for the terminal. Needs numpy, as the whole simulator does.
 
 from __future__ import annotations
 
+import json
+import math
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 from spmdkit.core.errors import ProgramError
 from spmdkit.models.hf import load_config
-from spmdkit.models.zoo import PRESETS, ModelConfig, build_model, model_label, preset, tiny_like
+from spmdkit.models.zoo import PRESETS, ModelConfig, build_model, is_config_text, model_label, preset, tiny_like
 from spmdkit.planner.pipeline import PipelineSpec, even_split, op_stages, parse_spec, split_layers, sub_mesh_text
 from spmdkit.planner.planning import parse_cost, plan_hf, plan_model
 from spmdkit.planner.propagate import propagate
 from spmdkit.planner.search import Candidate
 from spmdkit.program.plan import Plan
 from spmdkit.sim.plan import SimReport, simulate_plan, source_values
-from spmdkit.strategies.strategy import parse_mesh
+from spmdkit.strategies.strategy import parse_mesh, tp_problem
+
+
+def _lcm(a: int, b: int) -> int:
+    return a * b // math.gcd(a, b)
+
+
+def tiny_for_mesh(tiny: str, mesh_text: str, strategy_text: str) -> str:
+    """The tiny model ``tiny`` (a preset name or a config's JSON) grown where megatron over the
+    mesh's tp dim would not split it evenly (:func:`spmdkit.strategies.strategy.tp_problem`:
+    tiny-llama's 4 heads on tp=8): heads, kv heads, FFN, vocabulary (and with ``sp`` the
+    sequence) made multiples of tp, the head size kept; ``tiny`` itself where it splits."""
+    mesh = parse_mesh(mesh_text)
+    tp = mesh.shape[mesh.dim_index("tp")] if "tp" in mesh.dim_names else 1
+    sp = "sp" in {x.strip() for x in strategy_text.split(",")}
+    cfg = preset(tiny)
+    if tp_problem(cfg, tp, sp) is None:
+        return tiny
+    kv = cfg.n_kv if cfg.n_kv % tp == 0 or tp % cfg.n_kv == 0 else _lcm(cfg.n_kv, tp)
+    heads = _lcm(_lcm(cfg.heads, tp), kv)
+    grown: dict[str, Any] = {"heads": heads, "kv_heads": None if cfg.kv_lora_rank else kv, "ffn": _lcm(cfg.ffn, tp), "vocab": _lcm(cfg.vocab, tp),
+             "seq": _lcm(cfg.seq, tp) if sp else cfg.seq}
+    if not cfg.head_dim:  # the head size follows from the hidden size: kept
+        grown["hidden"] = heads * cfg.hdim
+    if cfg.experts and cfg.moe_ffn:
+        grown["moe_ffn"] = _lcm(cfg.moe_ffn, tp)
+    obj = json.loads(tiny) if is_config_text(tiny) else {"base": tiny}
+    obj.update(grown, name=f"{model_label(tiny)} sized for tp={tp}")
+    return json.dumps(obj, separators=(",", ":"))
 
 
 def verify_strategy(model_name: str | None, mesh_text: str, strategy_text: str,
                     cost_text: str | None = None) -> dict[str, Any]:
     """``--verify``: the same strategy on the same mesh, on the tiny model of the same arch as
     ``model_name`` (llama without one), simulated end to end against the unsharded step."""
-    tiny = tiny_like(preset(model_name)) if model_name else "tiny-llama"
-    _, plan, _ = plan_model(tiny, mesh_text, strategy_text, None, None, cost_text)
+    tiny = tiny_for_mesh(tiny_like(preset(model_name)) if model_name else "tiny-llama", mesh_text, strategy_text)
+    with warnings.catch_warnings():  # the tiny model's notes are not the user's model's
+        warnings.simplefilter("ignore", UserWarning)
+        _, plan, _ = plan_model(tiny, mesh_text, strategy_text, None, None, cost_text)
     rep = simulate_plan(plan)
     ok = rep.ok
     lines = [f"verify: {model_label(tiny)} with the same mesh and strategy, simulated on {plan.mesh.size} ranks: "
@@ -103,12 +136,14 @@ def verify_pipeline(model_name: str, mesh_text: str, spec: PipelineSpec, strateg
     on its own half of the batch (every tensor against its unsharded step), and the sum of the
     microbatch losses is compared with the unsharded loss of the whole batch."""
     _pp, sub = sub_mesh_text(parse_mesh(mesh_text))
-    tiny = tiny_like(preset(model_name).with_(dropout=0.0))
+    tiny = tiny_for_mesh(tiny_like(preset(model_name).with_(dropout=0.0)), sub, strategy)
     n = spec.pp * spec.virtual
     layers = max(2, n)
     counts = split_layers(layers, PipelineSpec(spec.pp, 1, spec.schedule, spec.virtual,
                                                tuple(even_split(layers, n)) if layers % n else None))
-    model, plan, _ = plan_model(tiny, sub, strategy, {"layers": layers})
+    with warnings.catch_warnings():  # the tiny model's notes are not the user's model's
+        warnings.simplefilter("ignore", UserWarning)
+        model, plan, _ = plan_model(tiny, sub, strategy, {"layers": layers})
     stages = op_stages(plan.program, counts)
     phases = [op.phase for op in plan.program.ops]
     fw = [s for s, ph in zip(stages, phases) if ph == "forward"]
@@ -224,4 +259,4 @@ def verify_hf(class_name: str, config: Any, mesh_text: str, strategy_text: str |
             "failures": [list(f) for f in rep.failures], "loss": rep.loss, "text": "\n".join(lines)}
 
 
-__all__ = ["tiny_hf_config", "verify_auto", "verify_config", "verify_hf", "verify_pipeline", "verify_strategy"]
+__all__ = ["tiny_for_mesh", "tiny_hf_config", "verify_auto", "verify_config", "verify_hf", "verify_pipeline", "verify_strategy"]

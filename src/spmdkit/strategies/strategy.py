@@ -33,13 +33,14 @@ are applied last and win.
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.core.mesh import MAX_MESH_RANKS, ProcessMesh
-from spmdkit.models.zoo import Model
+from spmdkit.models.zoo import Model, ModelConfig
 
 STRATEGIES = ("dp", "megatron", "sp", "zero1", "zero2", "zero3")
 _ALIASES = {"tp": "megatron", "ddp": "dp", "zero": "zero2", "fsdp": "zero3"}
@@ -120,6 +121,56 @@ def strategy_dims(mesh: ProcessMesh, strategy: Iterable[str]) -> tuple[set[str],
             mesh.dim_index("tp") if "megatron" in st else None)
 
 
+def tp_problem(cfg: ModelConfig, tp: int, sp: bool = False) -> str | None:
+    """Why Megatron's tensor parallelism over ``tp`` ranks cannot split the zoo model ``cfg``
+    evenly, or None: the attention heads, the MLP's hidden size (each expert's too), the
+    vocabulary (the embedding and the head are vocab-parallel) and, under sequence
+    parallelism, the sequence must each be a multiple of ``tp``; the kv heads a multiple of
+    ``tp`` or a divisor of it (fewer kv heads than ``tp``: :func:`tp_notes`). An uneven
+    fallback would gather whole tensors where Megatron shards them: refused instead."""
+    if tp <= 1:
+        return None
+    dense_ffn = cfg.ffn if not cfg.experts or cfg.dense_layers else None  # a layer's dense MLP
+    moe_ffn = cfg.expert_ffn if cfg.experts else None  # each expert's (the shared ones' too)
+    kv = None if cfg.kv_lora_rank or tp % cfg.n_kv == 0 else cfg.n_kv
+    counts = [(cfg.heads, f"{cfg.heads} attention heads"),
+              (kv, f"{cfg.n_kv} kv heads (each rank must hold whole kv heads, or a share of one that tp "
+                   f"divides evenly)"),
+              (dense_ffn, f"FFN hidden size {cfg.ffn}"), (moe_ffn, f"expert FFN hidden size {moe_ffn}"),
+              (cfg.vocab, f"vocabulary of {cfg.vocab} (Megatron pads it to a multiple of tp: give a padded "
+                          f"vocab in --model-config)"),
+              (cfg.seq if sp else None, f"sequence of {cfg.seq} tokens that sequence parallel splits")]
+    for n, what in counts:
+        if n is not None and n % tp:
+            fits = [d for d in range(2, min(n, 128) + 1) if n % d == 0][:8]
+            some = ", ".join(map(str, fits[:-1])) + (" or " if len(fits) > 1 else "") + str(fits[-1]) if fits else ""
+            return f"tp={tp} does not divide the model's {what}" + (f"; a tp of {some} does" if fits else "")
+    return None
+
+
+def tp_notes(cfg: ModelConfig, tp: int) -> list[str]:
+    """What the plan of ``cfg`` over ``tp`` ranks does that Megatron-Core would not: fewer kv
+    heads than ``tp`` (dividing it) are each split over ``tp / kv`` ranks, and the k / v
+    projections gathered before attention (Megatron-Core refuses it; vLLM and the HF strategy
+    replicate the kv heads instead)."""
+    if tp <= 1 or cfg.kv_lora_rank or cfg.n_kv >= tp or tp % cfg.n_kv:
+        return []
+    return [f"the model's {cfg.n_kv} kv heads are fewer than tp={tp}: each is split over {tp // cfg.n_kv} ranks "
+            f"and the k / v projections are all-gathered before attention (Megatron-Core needs tp to divide "
+            f"the kv heads)"]
+
+
+def check_tp(model: Model, mesh: ProcessMesh, tp: int, st: set[str]) -> None:
+    """ProgramError naming ``--mesh`` and its tp dim, with the count :func:`tp_problem` finds; a
+    UserWarning for each of :func:`tp_notes` (the CLI prints it as a ``warning:`` line)."""
+    dim = f"--mesh {mesh.dim_names[tp]}={mesh.shape[tp]}"
+    why = tp_problem(model.config, mesh.shape[tp], "sp" in st)
+    if why is not None:
+        raise ProgramError(f"{dim}: megatron splits evenly or not at all: {why}")
+    for note in tp_notes(model.config, mesh.shape[tp]):
+        warnings.warn(f"{dim}: {note}", UserWarning, stacklevel=3)
+
+
 class Marks(dict[str, list[Any]]):
     """Tensor name -> the dims_mapping a strategy is writing; ``marks(name)`` is the tensor's
     (all ``-1`` the first time)."""
@@ -145,6 +196,7 @@ def annotate(model: Model, mesh: ProcessMesh, strategy: Iterable[str],
             if n is not None:
                 dm(n)[0] = dp
     if tp is not None:
+        check_tp(model, mesh, tp, st)
         for p, role in model.roles.items():
             if role in ("column", "head", "column_bias"):
                 dm(p)[-1] = tp  # output features (a stack of experts [E, in, out]: each expert's)
@@ -260,4 +312,4 @@ def user_attrs(prog: Any, mesh: ProcessMesh, user: Mapping[str, Any] | None) -> 
     return attrs
 
 
-__all__ = ["MAX_RANKS", "STRATEGIES", "annotate", "optimizer_layouts", "parse_mesh", "parse_strategy", "user_attrs", "zero3_storage", "zero_axis", "zero_stage"]
+__all__ = ["MAX_RANKS", "STRATEGIES", "annotate", "check_tp", "tp_notes", "tp_problem", "optimizer_layouts", "parse_mesh", "parse_strategy", "user_attrs", "zero3_storage", "zero_axis", "zero_stage"]

@@ -58,11 +58,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from spmdkit.core.errors import ProgramError
 from spmdkit.models.torch_import.aten import mapped_ops
 from spmdkit.models.torch_import.context import Hook, ImportContext, Name
 from spmdkit.models.torch_import.importer import ImportedProgram, Importer, register_aten, unregister_aten
+from spmdkit.models.torch_import.layers import expand, layer_kinds, layer_stack, prefix_plan
 
 
 class _WithLoss(torch.nn.Module):
@@ -111,8 +113,8 @@ def export(module: Any, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | No
 def import_module(module: Any, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None, *, name: str = "",
                   training: bool = False,
                   loss: Any = None, mapping: Mapping[Any, Hook | str] | None = None, fallback: str = "error",
-                  buffers: str = "input", optimizer: str | None = "adamw", decompose: bool = False
-                  ) -> ImportedProgram:
+                  buffers: str = "input", optimizer: str | None = "adamw", decompose: bool = False,
+                  repeat_layers: bool = False) -> ImportedProgram:
     """The module's step as a validated spmdkit Program (see the module docstring), for the
     call ``module(*args, **kwargs)`` (the example inputs: their shapes and dtypes are the
     program's; a HuggingFace model takes ``input_ids=``, ``attention_mask=``, ``labels=``, ...).
@@ -125,7 +127,9 @@ def import_module(module: Any, args: Sequence[Any] = (), kwargs: Mapping[str, An
     ``fallback``: ``"error"`` (an unmapped op raises ProgramError) or ``"replicate"``;
     ``buffers``: ``"input"`` or ``"parameter"``; ``decompose``: run torch's default decompositions
     first (core ATen: ``addmm``, the native norms, ``_softmax``, ...). ``module`` may also be
-    a ``torch.export.ExportedProgram``."""
+    a ``torch.export.ExportedProgram``; ``repeat_layers``: export one layer of each kind and
+    repeat it to the module's depth (:mod:`spmdkit.models.torch_import.layers`; the same program
+    as the full trace, which it falls back to where the layers do not form a plain chain)."""
     modes = {m: m.training for m in module.modules()} if isinstance(module, torch.nn.Module) else {}
     kwargs = hf_call_kwargs(module, kwargs)
     name = name or type(module).__name__
@@ -135,17 +139,56 @@ def import_module(module: Any, args: Sequence[Any] = (), kwargs: Mapping[str, An
     if isinstance(module, torch.nn.Module):
         module.eval()  # dropout off, as the simulator and the planner see the step
     try:
-        ep = export(module, tuple(args), kwargs)
+        if repeat_layers and isinstance(module, torch.nn.Module):
+            prog = _import_repeated(module, tuple(args), kwargs, decompose,
+                                    (name, training, mapping, fallback, buffers), (loss, optimizer))
+            if prog is not None:
+                return prog
+        ep = _prepared(export(module, tuple(args), kwargs), decompose)
     finally:
         for m, was in modes.items():
             m.train(was)
-    if decompose:
-        ep = ep.run_decompositions()
-    elif _mutates(ep):  # in-place ops (x.add_(1), buffer updates): functionalise, decomposing nothing
-        ep = ep.run_decompositions({})
     imp = Importer(ep, name, training, mapping, fallback, buffers)
     imp.run()
     return imp.finish(loss, optimizer)
+
+
+def _prepared(ep: Any, decompose: bool) -> Any:
+    if decompose:
+        return ep.run_decompositions()
+    if _mutates(ep):  # in-place ops (x.add_(1), buffer updates): functionalise, decomposing nothing
+        return ep.run_decompositions({})
+    return ep
+
+
+def _import_repeated(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], decompose: bool,
+                     walk: tuple[Any, ...], end: tuple[Any, Any]) -> ImportedProgram | None:
+    """The module imported from an export of its first layers written out to its depth
+    (:mod:`.layers`); None where that does not apply (no layer stack, every layer needed, a
+    graph that is not a plain chain of layers, or parameters that differ from the module's)."""
+    stack = layer_stack(module)
+    if stack is None:
+        return None
+    path, layers = stack
+    n, copies = prefix_plan(layer_kinds(layers))
+    if n >= len(layers):
+        return None
+    parent_path, _, attr = path.rpartition(".")
+    parent = module.get_submodule(parent_path)
+    parent._modules[attr] = torch.nn.ModuleList(list(layers)[:n])
+    try:
+        ep = _prepared(export(module, args, kwargs), decompose)
+    finally:
+        parent._modules[attr] = layers
+    full = expand(ep, module, path, copies)
+    if full is None:
+        return None
+    imp = Importer(full, *walk)
+    imp.run()
+    prog = imp.finish(*end)
+    want = {n: tuple(p.shape) for n, p in module.named_parameters()}
+    got = {n: prog.tensors[n].shape for n in prog.parameters()}
+    return prog if got == want else None
 
 
 def torch_values(prog: ImportedProgram, module: Any, args: Sequence[Any] = (),
@@ -185,6 +228,10 @@ def torch_values(prog: ImportedProgram, module: Any, args: Sequence[Any] = (),
         return v
 
     def conv(t: Any) -> Any:
+        if isinstance(t, FakeTensor) or (isinstance(t, torch.Tensor) and t.is_meta):
+            raise ProgramError("torch_values: the module was imported without its weights (its parameters are fake "
+                               "tensors: hf.build(weights=False), or a model too large to build them); build it "
+                               "with its weights to run it")
         if isinstance(t, torch.Tensor):
             t = t.detach().cpu()
             a = (t.double() if t.dtype in (torch.bfloat16, torch.float16) else t).numpy()  # numpy has no bfloat16
