@@ -33,7 +33,9 @@ from spmdkit.core.dist_attr import TensorDistAttr, entry_dims, largest_shard
 from spmdkit.core.errors import SpmdError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel
+from spmdkit.engine.cache_keys import UNCACHEABLE, value_key
 from spmdkit.engine.facts import LocalOp, LocalTensor, OpCost, declared, facts_of
+from spmdkit.engine.memo import memo_enabled, memo_table
 from spmdkit.engine.registry import get_rule
 from spmdkit.ops._cost import lookup, no_kernel, numel
 from spmdkit.ops.matmul import gemm_dims, k_of
@@ -97,15 +99,44 @@ def _canonical(rule: str) -> str:
         return rule
 
 
+#: costs by what a cost function reads (the function itself, the rule, attributes, local
+#: tensors): a model's repeated layers cost each kind of op once (bounded; off with the engine's
+#: memo tables)
+_COSTS: dict[tuple[Any, ...], OpCost] = memo_table()
+
+
+def _cost_key(c: LocalOp) -> tuple[Any, ...] | None:
+    items: list[Any] = [c.rule]
+    for k, v in c.attrs.items():
+        kv = value_key(v)
+        if kv is UNCACHEABLE:
+            return None
+        items.append((k, kv))
+    return (tuple(items), tuple([(p, tuple(a)) for p, a in c.ins.items()]), tuple(c.outs))
+
+
 def cost_of(c: LocalOp) -> OpCost:
     """The cost of an op on one device, by the cost its family declares for its rule (an alias:
     the rule's); uncovered (its bytes alone) where none is declared or the op's tensors do not
-    fit the family's formula."""
+    fit the family's formula. Memoised by what the cost function reads (:data:`_COSTS`)."""
     fn = facts_of(c.rule).cost or facts_of(_canonical(c.rule)).cost
     if fn is None:
         return OpCost(0.0, 0.0, c.in_bytes + c.out_bytes, False, c.dtype(), covered=False)
+    key = _cost_key(c) if memo_enabled() else None
+    if key is None:
+        return _apply(fn, c)
+    key = (fn, key)
+    got = _COSTS.get(key)
+    if got is None:
+        if len(_COSTS) > 100_000:
+            _COSTS.clear()
+        got = _COSTS[key] = _apply(fn, c)
+    return got
+
+
+def _apply(fn: Any, c: LocalOp) -> OpCost:
     try:
-        return fn(c)
+        return fn(c)  # type: ignore[no-any-return]
     except (AssertionError, IndexError, TypeError, ValueError):
         return OpCost(0.0, 0.0, c.in_bytes + c.out_bytes, False, c.dtype(), covered=False)
 

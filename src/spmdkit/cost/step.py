@@ -23,6 +23,7 @@ from spmdkit.cost.compute import KernelCollective, kernel_collectives, local_sha
 from spmdkit.cost.devices import Device
 from spmdkit.cost.memory import rerun_points, saved_activations
 from spmdkit.engine.facts import OpCost
+from spmdkit.engine.memo import gc_paused
 from spmdkit.ops._cost import numel
 from spmdkit.program.plan import Plan, Reshard
 
@@ -193,12 +194,15 @@ def _compute(plan: Plan, device: Device) -> _Compute:
 
 def _compute_ops(plan: Plan, device: Device) -> _Compute:
     out = _Compute([], [], {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}, {})
+    times: dict[OpCost, float] = {}  # an op's time is a function of its cost on the device
     for i, op in enumerate(plan.program.ops):
         c = op_cost(plan, i)
         out.costs.append(c)
         if not c.covered:
             out.uncovered[op.rule] = out.uncovered.get(op.rule, 0) + 1
-        t = device.op_time(c)
+        t = times.get(c)
+        if t is None:
+            t = times[c] = device.op_time(c)
         out.times.append(t)
         out.by_phase[op.phase] = out.by_phase.get(op.phase, 0.0) + t
         out.flops += c.flops
@@ -557,6 +561,7 @@ class OpComm:
     param_gathers: dict[int, list[tuple[tuple[int, ...], float, int]]] = field(default_factory=dict)
 
 
+@gc_paused
 def op_communication(plan: Plan, device: Device) -> OpComm:
     """:class:`OpComm` of ``plan`` on ``device``: the step's communication model
     (:func:`estimate_step`) per op, the FSDP prefetch as ``max(0, gather - the group before)``."""
@@ -575,6 +580,7 @@ def op_communication(plan: Plan, device: Device) -> OpComm:
     return OpComm(comp.times, wait, comm.pending, comp.costs, comm.param_gathers)
 
 
+@gc_paused
 def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompute: str = "none") -> StepEstimate:
     """The training step of ``plan`` on ``device`` (every rank one such device). Roofline time
     per op; communication from the plan's reshards (timed by the plan's cost model: see

@@ -50,6 +50,23 @@ def _typed(v: Any) -> Any:
     raise _Uncacheable
 
 
+_UNCACHEABLE = object()
+
+
+def value_key(v: Any) -> Any:
+    """``v`` as a hashable key item equal to another only for equal values of equal types (a
+    rule's attribute, as the result cache keys it), or :data:`UNCACHEABLE` for a value whose
+    equality is not known to be exact (a memo must then call, not look up)."""
+    try:
+        return _typed(v)
+    except (_Uncacheable, RecursionError):
+        return _UNCACHEABLE
+
+
+#: what :func:`value_key` gives for a value it cannot key
+UNCACHEABLE = _UNCACHEABLE
+
+
 def positional_key(tag: int, args: tuple[Any, ...]) -> CallKey | None:
     """The :data:`CallKey` of a call with positional arguments only (the general path of a mode's
     key function), or None when it cannot be cached.

@@ -42,6 +42,7 @@ from dataclasses import fields
 from typing import Any
 
 from spmdkit.core.errors import ProgramError
+from spmdkit.engine.memo import gc_paused
 from spmdkit.models import catalog
 from spmdkit.models.hf_config import hf_fields, is_hf_config
 from spmdkit.models.zoo_config import ACTIVATIONS, NORMS, POSITIONS, Model, ModelConfig
@@ -234,6 +235,7 @@ def decoder_layer(t: Tape, cfg: ModelConfig, i: int, h: str, m: Model) -> str:
 
 
 
+@gc_paused
 def build_model(cfg: ModelConfig, vocab_parallel_loss: bool = False, optimizer: str = "adamw",
                 validate: bool = True, check_rules: bool = True) -> Model:
     """The training step of ``cfg``: forward, backward and one optimizer update per parameter.

@@ -48,8 +48,10 @@ from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel, ReshardPlan, plan_reshard
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.registry import get_rule, is_reverse
-from spmdkit.program.ir import Op, Program, flat_refs, layout_args, op_layout
+from spmdkit.engine.cache_keys import UNCACHEABLE, value_key
+from spmdkit.engine.memo import gc_paused, memo_enabled
+from spmdkit.engine.registry import get_rule, is_reverse, output_params
+from spmdkit.program.ir import Op, Program, flat_refs, layout_args
 from spmdkit.program.plan import OpPlan, Plan, Reshard
 
 MAX_ROUNDS = 4
@@ -60,36 +62,116 @@ def _flat_attrs(v: Any) -> list[Any]:
 
 
 class _Specs:
-    """DistTensorSpec per (tensor, dist attr), built once."""
+    """DistTensorSpec per (shape, dist attr), built once: a spec is a function of the two alone,
+    so the repeated layers of a model share theirs."""
 
     def __init__(self, prog: Program, mesh: ProcessMesh) -> None:
-        self.prog = prog
+        self.shapes = {n: t.shape for n, t in prog.tensors.items()}
         self.mesh = mesh
-        self._cache: dict[tuple[str, TensorDistAttr | None], DistTensorSpec] = {}
+        self._cache: dict[tuple[tuple[int, ...], TensorDistAttr | None], DistTensorSpec] = {}
 
     def get(self, name: str, attr: TensorDistAttr | None) -> DistTensorSpec:
-        key = (name, attr)
+        shape = self.shapes[name]
+        key = (shape, attr)
         s = self._cache.get(key)
         if s is None:
-            shape = self.prog.tensors[name].shape
             s = DistTensorSpec(shape, attr if attr is not None else TensorDistAttr.replicated(self.mesh, len(shape)))
             self._cache[key] = s
         return s
 
 
+#: per rule name: (the rule, per mode its params as (name, is tensor, required, default), the
+#: reverse rule's params bound to the op's outputs); read once per rule, not per op
+_RULE_PARAMS: dict[str, tuple[Any, ...]] = {}
+
+
+def _rule_params(name: str) -> tuple[Any, ...]:
+    got = _RULE_PARAMS.get(name)
+    if got is None:
+        rule = get_rule(name)
+        bwd = rule.backward if is_reverse(rule) else None
+        got = _RULE_PARAMS[name] = (
+            rule, tuple((p.name, p.is_tensor, p.required, p.default) for p in rule.forward.params),
+            None if bwd is None else tuple((p.name, p.is_tensor, p.required, p.default) for p in bwd.params),
+            output_params(rule))
+    return got
+
+
+def _layout(op: Op, rule: Any, params: tuple[Any, ...], bound: Mapping[str, Any],
+            shapes: Mapping[str, tuple[int, ...]]) -> tuple[list[tuple[str, Any]], tuple[str, ...], Any]:
+    """(the layout :func:`spmdkit.program.ir.op_layout` gives, the tensor names it reads in
+    argument order, its signature): what a rule call depends on besides its tensors' dist attrs
+    (the rule, the mode, each tensor's shape where the op has one, each attribute's typed value);
+    None where an attribute cannot be keyed exactly (such an op's calls are not memoised)."""
+    layout: list[tuple[str, Any]] = []
+    names: list[str] = []
+    sig: list[Any] | None = [op.rule, params]
+    attrs = op.attrs
+    for name, is_tensor, required, default in params:
+        if is_tensor:
+            v = bound.get(name)
+            if isinstance(v, (list, tuple)):
+                layout.append(("vec", v))
+                names.extend(n for n in v if n is not None)
+                if sig is not None:
+                    sig.append(tuple(None if n is None else shapes[n] for n in v))
+            else:
+                layout.append(("t", v))
+                if v is not None:
+                    names.append(v)
+                if sig is not None:
+                    sig.append(None if v is None else (shapes[v],))
+            continue
+        if name in attrs:
+            a = attrs[name]
+        elif required:
+            raise ProgramError(f"op {op.name or op.rule}: missing attribute {name!r} of rule {rule.name}")
+        else:
+            a = default
+        layout.append(("a", a))
+        if sig is not None:
+            k = value_key(a)
+            if k is UNCACHEABLE:
+                sig = None
+            else:
+                sig.append((k,))
+    return layout, tuple(names), None if sig is None else tuple(sig)
+
+
 class _OpCall:
-    """An op's rule and how to lay out its arguments (computed once per op)."""
+    """An op's rule and how to lay out its arguments (computed once per op): its input and output
+    names, per tensor parameter the names it binds, and the signature its rule calls are
+    memoised by (:func:`_layout`)."""
 
-    __slots__ = ("bwd", "bwd_layout", "fwd", "fwd_layout", "op", "tparams")
+    __slots__ = ("bwd", "bwd_layout", "bwd_names", "bwd_sig", "bwd_tparams", "fwd", "fwd_layout", "fwd_names",
+                 "fwd_sig", "in_items", "in_slots", "names", "op", "out_slots", "outs", "tparams")
+    fwd_names: tuple[str, ...]
+    bwd_names: tuple[str, ...]
+    fwd_sig: Any  # the signature, then (interned by _Propagation) its number; None: not memoised
+    bwd_sig: Any
 
-    def __init__(self, op: Op) -> None:
-        rule = get_rule(op.rule)
+    def __init__(self, op: Op, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        rule, fparams, bparams, out_params = _rule_params(op.rule)
         self.op = op
         self.fwd = rule.forward
-        self.bwd = rule.backward if is_reverse(rule) else None
-        self.fwd_layout = op_layout(op, "forward")
-        self.tparams = [p.name for p in self.fwd.params if p.is_tensor]
-        self.bwd_layout = op_layout(op, "backward") if self.bwd is not None else None
+        self.bwd = rule.backward if bparams is not None else None
+        refs = {p: list(v) if isinstance(v, (list, tuple)) else [v] for p, v in op.inputs.items()}
+        self.in_items = list(refs.items())
+        self.names = [n for r in refs.values() for n in r if n is not None]
+        self.out_slots = [list(v) if isinstance(v, (list, tuple)) else [v] for v in op.outputs]
+        self.outs = [n for r in self.out_slots for n in r if n is not None]
+        self.fwd_layout, self.fwd_names, self.fwd_sig = _layout(op, rule, fparams, op.inputs, shapes)
+        self.tparams = [p[0] for p in fparams if p[1]]
+        # per forward tensor parameter the op binds: (its position among the rule's tensor params, its names)
+        self.in_slots = [(j, refs[p]) for j, p in enumerate(self.tparams) if op.inputs.get(p) is not None]
+        if bparams is None:
+            self.bwd_layout, self.bwd_names, self.bwd_sig, self.bwd_tparams = None, (), None, []
+        else:
+            bound = dict(op.inputs)
+            for name, v in zip(out_params, op.outputs):
+                bound[name] = v
+            self.bwd_layout, self.bwd_names, self.bwd_sig = _layout(op, rule, bparams, bound, shapes)
+            self.bwd_tparams = [p[0] for p in bparams if p[1]]
 
 
 def _parse_annotations(prog: Program, mesh: ProcessMesh,
@@ -114,6 +196,7 @@ def _parse_annotations(prog: Program, mesh: ProcessMesh,
     return out
 
 
+@gc_paused
 def propagate(
     program: Program,
     mesh: ProcessMesh,
@@ -150,12 +233,22 @@ class _Propagation:
         self.attrs: dict[str, TensorDistAttr | None] = {n: None for n in program.tensors}
         self.attrs.update(self.fixed)
         self.specs = _Specs(program, mesh)
-        self.calls = [_OpCall(op) for op in program.ops]
+        self.calls = [_OpCall(op, self.specs.shapes) for op in program.ops]
+        # rule answers by (the call's signature, its tensors' dist attrs): the repeated layers'
+        # ops call their rules on equal arguments, answered once (off with the engine's memo
+        # tables: spmdkit.ops.set_cache_enabled(False)); a signature enters the key as a small int
+        self.answers: dict[tuple[Any, ...], SpmdResult] | None = {} if memo_enabled() else None
+        ids: dict[tuple[Any, ...], int] = {}
+        for c in self.calls:
+            if c.fwd_sig is not None:
+                c.fwd_sig = ids.setdefault(c.fwd_sig, len(ids))
+            if c.bwd_sig is not None:
+                c.bwd_sig = ids.setdefault(c.bwd_sig, len(ids))
         # outputs that overwrite one of their op's inputs in place: held in that input's dist attr
         self.tied: dict[int, dict[str, str]] = {}
-        for i, op in enumerate(program.ops):
-            reads = set(op.input_names())
-            for out_name in op.output_names():
+        for i, c in enumerate(self.calls):
+            reads = set(c.names)
+            for out_name in c.outs:
                 over = program.tensors[out_name].inplace_of
                 if over is not None and over in reads and out_name not in self.fixed:
                     self.tied.setdefault(i, {})[out_name] = over
@@ -163,9 +256,10 @@ class _Propagation:
         self.chosen: dict[tuple[Any, ...], SpmdResult] = {}  # repeated layers: one choice per kind of op
         self.reduced: dict[str, TensorDistAttr] = {}  # partial tensors reduced right after their producer
         self.readers: dict[str, int] = {}
-        for op in program.ops:
-            for read in set(op.input_names()):
+        for c in self.calls:
+            for read in set(c.names):
                 self.readers[read] = self.readers.get(read, 0) + 1
+        self.static_keys: dict[int, tuple[Any, ...]] = {}  # per in-place op: its rule, attributes, input shapes
 
     # -- dist attrs and rule calls
 
@@ -189,6 +283,25 @@ class _Propagation:
         return self.specs.get(n, self.store[n] if n in self.store else self.attrs[n])
 
     def run(self, i: int, c: _OpCall, backward: bool) -> SpmdResult:
+        """Op ``i``'s forward (or reverse) rule on its tensors as they are now, memoised by
+        (signature, dist attrs): an answer is a function of the specs and attributes alone."""
+        sig = c.bwd_sig if backward else c.fwd_sig
+        answers = self.answers
+        if sig is None or answers is None:
+            return self._run(i, c, backward)
+        attrs, store = self.attrs, self.store
+        names = c.bwd_names if backward else c.fwd_names
+        key: tuple[Any, ...]
+        if store and c.op.phase == "optimizer":
+            key = (sig, True, tuple(store[n] if n in store else attrs[n] for n in names))
+        else:
+            key = (sig, tuple([attrs[n] for n in names]))
+        got = answers.get(key)
+        if got is None:
+            got = answers[key] = self._run(i, c, backward)
+        return got
+
+    def _run(self, i: int, c: _OpCall, backward: bool) -> SpmdResult:
         if self.store and c.op.phase == "optimizer":
             try:
                 return get_rule(c.op.rule).infer(
@@ -232,9 +345,14 @@ class _Propagation:
             return res
         op = c.op
         tensors, attrs = self.program.tensors, self.attrs
-        key = (op.rule, repr(sorted(op.attrs.items())),
-               tuple((tensors[n].shape, tensors[n].itemsize, attrs[n], self.held_attr(n)) for n in op.input_names()),
-               tuple((targets.get(n), attrs[n]) for n in op.output_names()), res)
+        static = self.static_keys.get(i)
+        if static is None:
+            static = self.static_keys[i] = (op.rule, repr(sorted(op.attrs.items())),
+                                            tuple((tensors[n].shape, tensors[n].itemsize) for n in c.names))
+        # what held_attr gives for each input is a function of its dist attr and its stored one
+        store = self.store
+        key = (static, tuple([attrs[n] for n in c.names]), tuple([store.get(n) for n in c.names]) if store else (),
+               tuple([(targets.get(n), attrs[n]) for n in c.outs]), res)
         got = self.chosen.get(key)
         if got is None:
             got = self.chosen[key] = self._choose(c, res, targets)
@@ -290,22 +408,26 @@ class _Propagation:
         attrs, fixed, reduced, readers, tied = self.attrs, self.fixed, self.reduced, self.readers, self.tied
         results: list[SpmdResult | None] = []
         grew = False
+        last = rounds >= MAX_ROUNDS  # the last sweep is the plan: no new reductions
         for i, c in enumerate(self.calls):
-            names = c.op.input_names()
-            if names and all(attrs[n] is None for n in names):
-                results.append(None)
-                continue
+            names = c.names
+            if names:
+                for n in names:
+                    if attrs[n] is not None:
+                        break
+                else:  # no input has a dist attr yet
+                    results.append(None)
+                    continue
             res = self.run(i, c, False)
             if i in tied:
                 res = self.in_place(i, c, res)
             results.append(res)
-            for p, req in zip(c.tparams, res.inputs):
-                v = c.op.inputs.get(p)
-                if v is None:
-                    continue
-                for n, r_attr in zip(flat_refs(v), _flat_attrs(req)):
-                    if n is None or r_attr is None or n in fixed or n in reduced or readers.get(n, 0) < 2 \
-                            or rounds >= MAX_ROUNDS:  # the last sweep is the plan: no new reductions
+            req_ins = res.inputs
+            for j, refs in c.in_slots if not last else ():
+                if j >= len(req_ins):
+                    break
+                for n, r_attr in zip(refs, (r if isinstance(r := req_ins[j], tuple) else (r,))):
+                    if n is None or r_attr is None or n in fixed or n in reduced or readers.get(n, 0) < 2:
                         continue
                     a_n = attrs[n]
                     if a_n is not None and a_n.partial and not (set(a_n.partial) <= set(r_attr.partial)):
@@ -315,8 +437,8 @@ class _Propagation:
                         attrs[n] = r_attr
                         grew = True
             ties = tied.get(i, {})
-            for v, a in zip(c.op.outputs, res.outputs):
-                for n, x in zip(flat_refs(v), _flat_attrs(a)):
+            for refs, a in zip(c.out_slots, res.outputs):
+                for n, x in zip(refs, (a if isinstance(a, tuple) else (a,))):
                     if n is not None and x is not None and n not in fixed:
                         attrs[n] = self.held_attr(ties[n]) if n in ties else \
                             reduced[n] if n in reduced and x.partial else x
@@ -334,13 +456,12 @@ class _Propagation:
             c = self.calls[i]
             if c.bwd is None:
                 continue
-            unknown = [n for n in c.op.input_names() if attrs[n] is None or n in by_sweep]
-            if not unknown or all(attrs[n] is None for n in c.op.output_names()):
+            if not any(attrs[n] is None or n in by_sweep for n in c.names) or all(attrs[n] is None for n in c.outs):
                 continue
             res = self.run(i, c, True)
-            ins = dict(zip([p.name for p in c.bwd.params if p.is_tensor], res.inputs))
-            for p, v in c.op.inputs.items():
-                for n, x in zip(flat_refs(v), _flat_attrs(ins.get(p))):
+            ins = dict(zip(c.bwd_tparams, res.inputs))
+            for p, refs in c.in_items:
+                for n, x in zip(refs, (x0 if isinstance(x0 := ins.get(p), tuple) else (x0,))):
                     if n is not None and x is not None and (attrs[n] is None or n in by_sweep):
                         if attrs[n] != x:
                             attrs[n] = x
@@ -393,8 +514,7 @@ class _PlanBuilder:
         required: dict[str, Any] = {}
         outputs: list[Any] = []
         reshards: list[Reshard] = []
-        tparams = [p.name for p in c.fwd.params if p.is_tensor]
-        for p, req in zip(tparams, res.inputs):
+        for p, req in zip(c.tparams, res.inputs):
             v = c.op.inputs.get(p)
             if v is None:
                 continue
