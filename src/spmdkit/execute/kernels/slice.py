@@ -29,7 +29,13 @@ def _k_slice(a: Args, c: Ctx) -> tuple[Any, ...]:
     return (out.contiguous(),)
 
 
-@register("slice_grad")
+@register("strided_slice")
+def _k_strided_slice(a: Args, c: Ctx) -> tuple[Any, ...]:
+    x = tensor(a["input"])
+    return (x[_slice_index(x.shape, a["axes"], a["starts"], a["ends"], a["strides"])].contiguous(),)
+
+
+@register("slice_grad", "strided_slice_grad")
 def _k_slice_grad(a: Args, c: Ctx) -> tuple[Any, ...]:
     x, g = tensor(a["input"]), tensor(a["out_grad"])
     idx = _slice_index(x.shape, a["axes"], a["starts"], a["ends"], a.get("strides"))
