@@ -117,9 +117,9 @@ def _short(msg: str, n: int = 150) -> str:
     return msg if len(msg) <= n else msg[: n - 3] + "..."
 
 
-def _layer_counts(plan: Any) -> tuple[str, float]:
-    """tp collectives of the first transformer layer, forward / backward (``2 / 2``), and the share
-    of parameter elements replicated over tp."""
+def _layer_counts(plan: Any) -> tuple[str, float, list[str]]:
+    """tp collectives of the first transformer layer, forward / backward (``2 / 2``), the share
+    of parameter elements replicated over tp, and the first layer's matrices left replicated."""
     names = plan.mesh.dim_names
     ops = plan.program.ops
     per: dict[tuple[str, str], Counter[str]] = {}
@@ -128,7 +128,8 @@ def _layer_counts(plan: Any) -> tuple[str, float]:
             continue
         op = ops[r.op_index]
         per.setdefault((op.layer or "", op.phase), Counter())[st.kind] += 1
-    layers = sorted({k[0] for k in per if re.search(r"\d", k[0])}, key=lambda s: [int(x) for x in re.findall(r"\d+", s)])
+    layers = sorted({op.layer for op in ops if op.layer and re.search(r"\d", op.layer)},
+                    key=lambda s: [int(x) for x in re.findall(r"\d+", s)])
     first = layers[0] if layers else ""
 
     def say(phase: str) -> str:
@@ -139,8 +140,13 @@ def _layer_counts(plan: Any) -> tuple[str, float]:
     tp = names.index("tp")
     params = [t for t in plan.program.tensors.values() if t.kind == "parameter"]
     total = sum(max(1, _numel(t.shape)) for t in params)
-    repl = sum(max(1, _numel(t.shape)) for t in params if tp not in plan.attrs[t.name].dims_mapping)
-    return f"{say('forward')} / {say('backward')}", repl / total if total else 0.0
+    repl = [t for t in params if tp not in plan.attrs[t.name].dims_mapping]
+    share = sum(max(1, _numel(t.shape)) for t in repl) / total if total else 0.0
+    digits = re.findall(r"\d+", first)
+    mark = f".{digits[0]}." if digits else None
+    left = sorted({re.sub(r"\.(weight|bias|new)\b.*$", "", t.name.split(mark, 1)[1]) for t in repl
+                   if mark and mark in t.name and len(t.shape) >= 2})
+    return f"{say('forward')} / {say('backward')}", share, left
 
 
 def _numel(shape: Any) -> int:
@@ -176,8 +182,10 @@ def one(cls: str, cfg: dict[str, Any], run: bool) -> dict[str, Any]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             _p, plan = plan_program(prog, "dp=2,tp=2", "megatron")
-        counts, repl = _layer_counts(plan)
+        counts, repl, left = _layer_counts(plan)
         row["megatron"], row["replicated"] = counts, f"{100 * repl:.0f}%"
+        if left:
+            row["why"] = _short("megatron leaves replicated: " + ", ".join(left), 120)
     except Exception as exc:
         row["megatron"] = "no"
         row["why"] = _short(f"megatron: {type(exc).__name__}: {exc}")
@@ -188,7 +196,7 @@ def one(cls: str, cfg: dict[str, Any], run: bool) -> dict[str, Any]:
             rep = simulate_plan(plan, values=torch_values(prog, model, (), kw), rtol=1e-6, atol=1e-9)
         row["verify"] = "ok" if rep.ok else f"{len(rep.failures)} differ"
         if not rep.ok:
-            row["why"] = _short(f"verify: {rep.failures[0]}")
+            row["why"] = _short(f"verify: {rep.failures[0]}; {row['why']}")
     except Exception as exc:
         row["verify"] = "error"
         row["why"] = _short(f"verify: {type(exc).__name__}: {exc}")
@@ -198,24 +206,30 @@ def one(cls: str, cfg: dict[str, Any], run: bool) -> dict[str, Any]:
 
 
 def _run(cls: str, cfg: dict[str, Any], why: str) -> dict[str, Any]:
+    """``spmdkit run`` of the class on 4 gloo processes: its verdict (the first failure joins
+    ``why``)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     cmd = [sys.executable, "-m", "spmdkit", "run", "--hf", cls, "--hf-config", json.dumps(cfg), "--mesh", "dp=2,tp=2",
            "--nproc", "4", "--json", "--timeout", "240"]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     except subprocess.TimeoutExpired:
-        return {"run": "timed out", "why": why or "run: timed out after 900 s"}
+        return {"run": "timed out", "why": _join(why, "run: timed out after 900 s")}
     last = (p.stdout.strip().splitlines() or [""])[-1]
     try:
         rep = json.loads(last)
     except json.JSONDecodeError:
         err = (p.stderr.strip().splitlines() or ["(no output)"])[-1]
-        return {"run": f"exit {p.returncode}", "why": why or _short(f"run: {err}")}
+        return {"run": f"exit {p.returncode}", "why": _join(why, _short(f"run: {err}"))}
     eager = rep.get("eager") or {}
     if rep.get("ok"):
         return {"run": f"ok (eager {eager.get('max_rel_error', 0):.1e})"}
     first = (rep.get("failures") or [["?", "?"]])[0]
-    return {"run": f"{len(rep.get('failures') or [])} fail", "why": why or _short(f"run: {first[0]}: {first[1]}")}
+    return {"run": f"{len(rep.get('failures') or [])} fail", "why": _join(why, _short(f"run: {first[0]}: {first[1]}"))}
+
+
+def _join(a: str, b: str) -> str:
+    return f"{b}; {a}" if a else b
 
 
 COLUMNS = ("class", "imports", "megatron", "replicated", "verify", "run", "why")
