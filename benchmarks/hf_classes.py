@@ -129,7 +129,7 @@ def _layer_counts(plan: Any) -> tuple[str, float, list[str]]:
         op = ops[r.op_index]
         per.setdefault((op.layer or "", op.phase), Counter())[st.kind] += 1
     layers = sorted({op.layer for op in ops if op.layer and re.search(r"\d", op.layer)},
-                    key=lambda s: [int(x) for x in re.findall(r"\d+", s)])
+                    key=lambda s: ([int(x) for x in re.findall(r"\d+", s)], s))
     first = layers[0] if layers else ""
 
     def say(phase: str) -> str:

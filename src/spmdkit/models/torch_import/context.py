@@ -148,7 +148,7 @@ class ImportContext:
 
     def is_complex(self, i: int) -> bool:
         """Whether the node's argument ``i`` is a complex tensor (imported as its real parts)."""
-        a = self.node.args[i] if i < len(self.node.args) else None
+        a: Any = self.node.args[i] if i < len(self.node.args) else None
         v = a.meta.get("val") if hasattr(a, "meta") else a
         return isinstance(v, torch.Tensor) and v.is_complex()
 

@@ -497,7 +497,7 @@ class _Vjp:
             got = torch.autograd.grad([r for r, _ in pairs], want, [g.to(r.dtype) for r, g in pairs],
                                       allow_unused=True) if pairs and want else [None] * len(want)
         it = iter(got)
-        out = []
+        out: list[Any] = []
         for n, o in zip(self.f_ins, self.outs):
             if o is None:
                 out.append(None)
