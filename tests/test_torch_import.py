@@ -672,3 +672,25 @@ def test_a_data_dependent_repeat_is_refused() -> None:
     with pytest.raises(ProgramError, match=r"aten\.repeat_interleave.*a different repeat per element"):
         import_module(Rep(), (torch.randn(3, 2),))
 
+
+
+def test_a_frozen_parameter_is_not_trained() -> None:
+    """A parameter with requires_grad=False (Whisper's sinusoidal positions) gets no gradient and
+    no update, as in torch's step; the others' gradients equal torch's."""
+
+    class Frozen(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pos = nn.Parameter(torch.randn(4, 3), requires_grad=False)
+            self.w = nn.Parameter(torch.randn(3, 3))
+
+        def forward(self, x: Any) -> Any:
+            return ((x + self.pos) @ self.w).square().mean()
+
+    m = _model(Frozen)
+    x = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    prog = import_module(m, (x,), training=True)
+    assert set(prog.grads) == {"w"} and "pos.new" not in prog.tensors and prog.tensors["pos"].kind == "parameter"
+    vals = _sim(prog, m, (x,))
+    m(x).backward()
+    np.testing.assert_allclose(vals[prog.grads["w"]], m.w.grad.numpy(), rtol=1e-12, atol=1e-12)

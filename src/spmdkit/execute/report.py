@@ -62,7 +62,8 @@ def format_report(rep: RunReport, title: str) -> str:
     for c in rep.collectives:
         kinds[c.kind] = kinds.get(c.kind, 0) + 1
     kind_text = ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())) or "none"
-    lines = [f"spmdkit run: {title}; {rep.world_size} processes ({rep.backend})"]
+    first, _, notes = title.partition("\n")  # the title's warnings (--fallback replicate) under its first line
+    lines = [f"spmdkit run: {first}; {rep.world_size} processes ({rep.backend})", *notes.splitlines()]
     if rep.loss is not None:
         which = f"tensor {rep.loss_tensor}; " if rep.loss_tensor not in (None, "loss") else ""
         ref = "its op run unsharded on the ranks' inputs" if rep.kernels == "torch" else "single process"

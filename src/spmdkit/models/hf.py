@@ -5,8 +5,8 @@ ranges, imported as spmdkit programs (``pip install 'spmdkit[hf]'``).
 from its config class (no hub access), seeded; ``example_inputs(model, batch, seq)`` gives the
 keyword inputs its forward takes: token ids below the vocabulary size, an attention mask (with
 ``pad`` padded positions at the end of the last row), labels with some -100 (the ignored
-index), ``pixel_values`` for a vision model, ``decoder_input_ids`` for an encoder-decoder called
-without labels; ``import_hf`` does both and :func:`spmdkit.models.torch_import.import_module`. Nothing
+index), ``pixel_values`` for a vision model, ``input_features`` for a speech encoder-decoder (Whisper),
+``decoder_input_ids`` for an encoder-decoder called without labels; ``import_hf`` does both and :func:`spmdkit.models.torch_import.import_module`. Nothing
 in the spmdkit core imports this module.
 """
 

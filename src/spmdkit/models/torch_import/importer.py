@@ -283,7 +283,8 @@ class Importer:
                     shape = tuple(int(s) for s in val.shape)
                     dt = dtype_name(val.dtype)
                     as_param = kind == InputKind.PARAMETER or self.buffers == "parameter"
-                    if as_param and self.tape is not None and val.is_floating_point():
+                    frozen = kind == InputKind.PARAMETER and not getattr(ep.state_dict.get(fqn), "requires_grad", True)
+                    if as_param and self.tape is not None and val.is_floating_point() and not frozen:  # trained
                         n = self.tape.param(fqn, shape, dt)
                     else:
                         n = self.b.tensor(fqn, shape, dt, "parameter" if as_param else "input")
