@@ -31,9 +31,14 @@ from spmdkit.cost.memory import memory_per_device
 from spmdkit.cost.step import estimate_step
 from spmdkit.models.zoo import build_model, preset
 from spmdkit.ops import clear_cache
-from spmdkit.planner.pipeline import estimate_pipeline, parse_spec, split_layers, sub_mesh_text
+from spmdkit.planner.pipeline import PipelineSpec, estimate_pipeline, parse_spec, split_layers, sub_mesh_text
 from spmdkit.planner.propagate import propagate
 from spmdkit.strategies.strategy import annotate, parse_mesh, parse_strategy
+
+
+def _counts(n: int, spec: PipelineSpec) -> tuple[int, ...] | None:
+    """Layers per stage; None (balanced by the estimate) where they do not divide."""
+    return None if n % (spec.pp * spec.virtual) else split_layers(n, spec)
 
 
 def main() -> int:
@@ -65,7 +70,7 @@ def main() -> int:
             plan = propagate(model.program, mesh, annotate(model, mesh, st))
             memory_per_device(plan)
             if spec is not None:
-                estimate_pipeline(plan, spec, split_layers(n, spec))
+                estimate_pipeline(plan, spec, _counts(n, spec))
             t2 = time.perf_counter()
             builds.append(t1 - t0)
             plans.append(t2 - t1)
@@ -76,7 +81,7 @@ def main() -> int:
                     estimate_step(recost(plan, cost_model(mesh, dev)), dev, cfg.batch * cfg.seq)
                 else:
                     link = cost_model(full, dev).links[full.dim_index("pp")]
-                    estimate_pipeline(recost(plan, cost_model(mesh, dev)), spec, split_layers(n, spec), dev,
+                    estimate_pipeline(recost(plan, cost_model(mesh, dev)), spec, _counts(n, spec), dev,
                                       (link.alpha_s, link.beta_s_per_byte),
                                       cfg.batch * cfg.seq * spec.microbatches, full.size)
                 ests.append(time.perf_counter() - t3)

@@ -125,7 +125,7 @@ def test_roofline_time_is_max_of_compute_and_memory() -> None:
 
 
 def _layer_params(cfg: Any) -> int:
-    h, f, kv = cfg.hidden, cfg.ffn, cfg.n_kv * cfg.head_dim
+    h, f, kv = cfg.hidden, cfg.ffn, cfg.n_kv * cfg.hdim
     if cfg.arch == "llama":
         return h * h + 2 * h * kv + h * h + 3 * h * f
     return 4 * h * h + 2 * h * f

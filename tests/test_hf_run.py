@@ -481,8 +481,9 @@ def test_fallback_replicate_plans_warns_and_computes_as_torch(monkeypatch: Any,
     rc, _ = cli_stdout(*args)
     err = capsys.readouterr().err
     assert rc == 2 and "no mapping for aten op aten.gelu" in err and "--fallback replicate" in err, err
-    rc, out = cli_stdout(*args, "--fallback", "replicate")
+    rc, out = cli_stdout(*args, "--fallback", "replicate", "--verify")  # --verify imports it the same way
     assert rc == 0, capsys.readouterr().err
+    assert "verify: BertForMaskedLM at a tiny config" in out and "all equal" in out
     head = out.splitlines()[:2]
     assert head[1].startswith("warning: --fallback replicate: 3 op(s) with no lowering imported replicated")
     assert head[1].count("aten.gelu.default") == 3

@@ -9,7 +9,16 @@ import pytest
 
 from spmdkit.cli import main
 from spmdkit.core.errors import ProgramError
-from spmdkit.models.zoo import PRESETS, ModelConfig, build_model, config_from_json, model_label, preset, tiny_like
+from spmdkit.models.zoo import (
+    PRESETS,
+    ModelConfig,
+    build_model,
+    config_from_json,
+    config_json,
+    model_label,
+    preset,
+    tiny_like,
+)
 from spmdkit.program.runtime import Runtime, parse_precision
 
 
@@ -125,3 +134,51 @@ def test_precision_names() -> None:
     assert Runtime().precision_of("bfloat16") == "bf16" and Runtime("fp8").precision_of("bfloat16") == "fp8"
     with pytest.raises(ProgramError, match="--framework"):
         Runtime(framework="deepspeed")
+
+
+@pytest.mark.parametrize(("field", "text", "msg"), [
+    ("experts", '"experts": -1', "--model-config experts: expected an integer from 0 to"),
+    ("top_k", '"experts": 4, "top_k": 5', "--model-config: top_k must be from 1 to experts 4, got 5"),
+    ("top_k", '"top_k": 0', "--model-config top_k: expected an integer from 1 to"),
+    ("capacity_factor", '"experts": 4, "capacity_factor": "x"', "--model-config capacity_factor: expected a finite number or null"),
+    ("capacity_factor", '"experts": 4, "capacity_factor": 0', "--model-config: capacity_factor must be a number in (0, 1024]"),
+    ("shared_experts", '"shared_experts": 1', "--model-config: shared_experts 1 needs experts >= 1"),
+    ("dense_layers", '"experts": 4, "dense_layers": 2', "--model-config: dense_layers 2 leaves no MoE layer of 2"),
+    ("norm", '"norm": "batch"', "--model-config: unknown norm 'batch' (rms or layer)"),
+    ("positions", '"positions": "sinusoid"', "--model-config: unknown positions 'sinusoid'"),
+    ("activation", '"activation": "reglu"', "--model-config: unknown activation 'reglu' (swiglu, geglu,"),
+    ("head_dim", '"head_dim": 0', "--model-config head_dim: expected an integer from 1 to"),
+    ("head_dim", '"head_dim": 5', "--model-config: rope needs an even head_dim, got 5"),
+    ("kv_lora_rank", '"kv_lora_rank": 8, "qk_rope_head_dim": 4, "base": "tiny-gpt2"',
+     "--model-config: kv_lora_rank (MLA) needs attention flash, not eager"),
+    ("kv_lora_rank", '"kv_lora_rank": 8, "kv_heads": null', "--model-config: kv_lora_rank (MLA) needs positions rope and an even "
+     "qk_rope_head_dim >= 2, got rope and 0"),
+    ("v_head_dim", '"v_head_dim": 4', "--model-config: v_head_dim needs kv_lora_rank >= 1 (MLA)"),
+    ("q_lora_rank", '"q_lora_rank": 8', "--model-config: q_lora_rank 8 needs kv_lora_rank >= 1 (MLA)"),
+    ("kv_heads", '"kv_lora_rank": 8, "qk_rope_head_dim": 4, "kv_heads": 2', "--model-config: kv_heads 2 with "
+     "kv_lora_rank (MLA)"),
+])
+def test_new_fields_are_checked_one_line(field: str, text: str, msg: str) -> None:
+    body = "{" + text + ("" if "base" in text else ', "base": "tiny-llama"') + "}"
+    with pytest.raises(ProgramError) as e:
+        config_from_json(body)
+    assert str(e.value).startswith(msg) and "\n" not in str(e.value) and field in str(e.value)
+
+
+def test_new_fields_parse_and_default_to_the_arch() -> None:
+    cfg = config_from_json('{"base": "tiny-llama", "experts": 4, "top_k": 2, "moe_ffn": 8, "shared_experts": 1, '
+                           '"dense_layers": 1, "capacity_factor": 1.25, "head_dim": 8, "qkv_bias": true, '
+                           '"norm": null, "positions": null}')
+    assert (cfg.experts, cfg.top_k, cfg.expert_ffn, cfg.shared_experts, cfg.capacity_factor) == (4, 2, 8, 1, 1.25)
+    assert (cfg.hdim, cfg.nrm, cfg.pos, cfg.qkv_bias) == (8, "rms", "rope", True)
+    assert [cfg.is_moe_layer(i) for i in range(2)] == [False, True]
+    gpt = preset("tiny-gpt2")
+    assert (gpt.hdim, gpt.nrm, gpt.pos, gpt.vdim) == (4, "layer", "learned", 4)
+    assert config_from_json('{"base": "tiny-gpt2", "norm": "rms", "positions": "alibi"}').pos == "alibi"
+
+
+def test_config_json_round_trips_the_new_fields() -> None:
+    cfg = config_from_json('{"base": "tiny-llama", "kv_heads": null, "experts": 4, "top_k": 2, "moe_ffn": 8, '
+                           '"shared_experts": 1, "dense_layers": 1, "capacity_factor": 1.25, "kv_lora_rank": 8, '
+                           '"q_lora_rank": 6, "qk_rope_head_dim": 4, "head_dim": 4, "v_head_dim": 6, "norm": "layer"}')
+    assert config_from_json(config_json(cfg)) == cfg

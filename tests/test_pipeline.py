@@ -143,7 +143,8 @@ def test_verify_with_pp(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["--model", "llama-7b", "--mesh", "pp=3,tp=2"], "32 layers do not divide evenly into 3 stages"),
+    (["--model", "llama-7b", "--mesh", "pp=3,tp=2", "--stages", "11,11,11"],
+     "--stages 11,11,11: must be 3 counts >= 1 summing to the model's 32 layers"),
     (["--model", "llama-7b", "--mesh", "pp=4,tp=2", "--batch", "10", "--microbatches", "4"],
      "--microbatches 4: does not divide the batch 10"),
     (["--model", "tiny-llama", "--mesh", "pp=4,tp=2"], "2 layers cannot fill 4 stages"),
@@ -155,7 +156,7 @@ def test_verify_with_pp(capsys: pytest.CaptureFixture[str]) -> None:
      "forward units to simulate"),
     (["--model", "llama-7b", "--mesh", "dp=2,pp=4,tp=2", "--annotate", "tokens=[1,-1]"],
      "mesh dim 1 is pp; a tensor cannot be sharded over the pipeline dim"),
-    (["--program", "x.json", "--mesh", "pp=2,tp=2"], "pipeline planning applies to preset models"),
+    (["--program", "x.json", "--mesh", "pp=2,tp=2", "--batch", "4"], "--batch: overrides a preset's size"),
 ])
 def test_errors_are_one_line(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, err = _run(["plan", *argv], capsys)

@@ -1,4 +1,4 @@
-"""The ``spmdkit`` command: infer, rules, verify, plan, run, calibrate, demo.
+"""The ``spmdkit`` command: infer, rules, verify, plan, run, calibrate, models, demo.
 
 argv is parsed once (:func:`build_parser`); ``plan`` and ``run`` then take their typed request
 (:mod:`spmdkit.cli.request`). Their modules, which import the planner and the outputs, are
@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn, TextIO
 
 from spmdkit.cli.calibrate import add_calibrate_command
+from spmdkit.cli.models import add_models_command
 from spmdkit.cli.request import add_plan_arguments, add_run_arguments, plan_request, run_request
 from spmdkit.cli.verify import add_verify_command
 from spmdkit.core.errors import CaseFormatError, SpmdError
@@ -167,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_arguments(pn)  # main calls _cmd_run itself, with the arguments after "run"
 
     add_calibrate_command(sub)  # cli/calibrate.py: measure this machine, write a device file
+
+    add_models_command(sub)  # cli/models.py: the catalog of published architectures
 
     pd = sub.add_parser("demo", help="a short tour of the main job")
     pd.set_defaults(fn=_cmd_demo)

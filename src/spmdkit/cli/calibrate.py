@@ -65,7 +65,7 @@ def add_calibrate_command(sub: Any) -> None:
                         f"({', '.join(DEVICES)}); default: told from the GPU's name")
     p.add_argument("--model", metavar="NAME",
                    help=f"measure the GEMMs and attention of this preset's shapes on one device of --mesh "
-                        f"({', '.join(sorted(PRESETS))}); default: a sweep of shapes")
+                        f"({', '.join(sorted(PRESETS))}) or catalog model's (spmdkit models); default: a sweep of shapes")
     p.add_argument("--model-config", dest="model_config", metavar="FILE|JSON",
                    help="instead of --model: a decoder of your own (the fields of spmdkit plan --model-config)")
     p.add_argument("--strategy", help="with --model: the strategy it is planned under, as for spmdkit plan "

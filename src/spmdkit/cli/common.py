@@ -50,10 +50,11 @@ def plan_source(source: ModelSource, mesh_text: str, strategy_text: str | None, 
 
 
 def step_estimate(links: Links, plan: Plan, config: ModelConfig | None,
-                  recompute: str) -> tuple[Plan, StepEstimate | None]:
+                  recompute: str, timed: bool = True) -> tuple[Plan, StepEstimate | None]:
     """``--device`` / ``--nodes-of``: the plan with its reshards timed by the device's links
-    (``--cost`` applied on top) and the predicted step (None without ``--device``); the plan
-    carries ``--precision`` / ``--framework`` / ``--tp-comm-overlap`` (its runtime) either way."""
+    (``--cost`` applied on top) and the predicted step (None without ``--device`` or
+    ``timed``); the plan carries ``--precision`` / ``--framework`` / ``--tp-comm-overlap``
+    (its runtime) either way."""
     plan = replace(plan, runtime=links.runtime())
     if not links.device and not links.nodes_of:
         return plan, None
@@ -65,7 +66,7 @@ def step_estimate(links: Links, plan: Plan, config: ModelConfig | None,
     if links.cost:
         cost = CostModel.parse(links.cost, plan.mesh, base=cost)  # already checked by parse_cost
     plan = recost(plan, cost)
-    if device is None:
+    if device is None or not timed:
         return plan, None
     tokens = config.batch * config.seq if config is not None else guess_tokens(plan.program)
     return plan, estimate_step(plan, device, tokens, recompute)
@@ -115,17 +116,23 @@ def auto_time_limit(text: str) -> float:
 
 @contextlib.contextmanager
 def strategy_notes(command: str) -> Iterator[None]:
-    """The strategies' notes (a kv projection replicated over tp: a UserWarning starting with
-    ``--``) printed as one ``spmdkit COMMAND: warning: ...`` line each on stderr, whatever
-    the planning raises."""
-    with warnings.catch_warnings(record=True) as caught:
+    """The strategies' notes (a kv projection replicated over tp, linear layers left
+    replicated: a UserWarning starting with ``--``) printed as one ``spmdkit COMMAND:
+    warning: ...`` line each on stderr as they are raised, so before the report; other
+    warnings are dropped."""
+
+    said: set[str] = set()  # a note made again (the model read twice) printed once
+
+    def show(message: Any, category: type[Warning], *_args: Any, **_kw: Any) -> None:
+        text = " ".join(str(message).split())
+        if issubclass(category, UserWarning) and text.startswith("--") and text not in said:
+            said.add(text)
+            print(f"spmdkit {command}: warning: {text}", file=sys.stderr, flush=True)
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always", UserWarning)
-        try:
-            yield
-        finally:
-            for w in caught:
-                if issubclass(w.category, UserWarning) and str(w.message).startswith("--"):
-                    print(f"spmdkit {command}: warning: {' '.join(str(w.message).split())}", file=sys.stderr)
+        warnings.showwarning = show
+        yield
 
 
 __all__ = ["auto_time_limit", "export_plan_file", "plan_source", "step_estimate", "strategy_notes", "write_html"]

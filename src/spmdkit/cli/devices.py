@@ -8,6 +8,7 @@ library), its table printed and the best configuration's plan reported (text or 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any, TextIO
 
 from spmdkit.cli.checks import check_one_model, hf_source, parse_annotations, parse_tp_plan, program_source
@@ -20,7 +21,7 @@ from spmdkit.outputs.pipeline import write_pipeline
 from spmdkit.outputs.progress import Progress
 from spmdkit.outputs.report import plan_json, write_report
 from spmdkit.outputs.search import search_json, write_search
-from spmdkit.planner.pipeline import PipelineEstimate
+from spmdkit.planner.pipeline import PipelineEstimate, pp_cost_text
 from spmdkit.planner.planning import MAX_SIZE, parse_cost, parse_size
 from spmdkit.planner.search import Candidate, SearchResult, search_meshes
 from spmdkit.program.ir import Program
@@ -40,9 +41,15 @@ def run_devices(req: PlanRequest, out: TextIO) -> int:
     seq = parse_size("--seq", req.seq, MAX_SIZE)
     nodes = parse_size("--nodes-of", req.links.nodes_of, 1 << 20)
     model: str | Program
+    reload = None
     if m.hf is not None:
-        loaded = load(hf_source(m, layers, batch, seq, name_cut=True))
+        source = hf_source(m, layers, batch, seq, name_cut=True)
+        loaded = load(source)
         model, what = loaded.program, loaded.title
+
+        def reload(b: int) -> Program:  # the pipelines' microbatches: the model traced again at b sequences
+            return load(replace(source, batch=b)).program
+
     elif m.program:
         loaded = load(program_source(m, layers, batch, seq))
         model, what = loaded.program, loaded.title
@@ -55,16 +62,21 @@ def run_devices(req: PlanRequest, out: TextIO) -> int:
                             recompute=[req.recompute] if req.recompute else None,
                             overrides={"layers": layers, "batch": batch, "seq": seq} if isinstance(model, str) else None,
                             pins=user, cost_text=req.links.cost, time_limit=limit, nodes_of=nodes, patterns=patterns,
-                            progress=bar, runtime=req.links.runtime())
+                            progress=bar, runtime=req.links.runtime(), reload=reload)
     best = res.best
     verdict = None
     if req.verify and best is not None:
-        if not isinstance(model, str):
-            raise ProgramError("--verify: simulates a preset model; it does not apply to --hf or --program")
+        if m.hf is not None and best.config.strategy == "auto":
+            raise ProgramError("--verify: simulates a preset, catalog or --hf model's strategy; it does not apply to "
+                               "the --auto plan of an --hf model")
         require_simulator()
-        from spmdkit.sim.verify_plan import verify_config  # (needs numpy)
+        from spmdkit.sim.verify_plan import verify_config, verify_hf  # (needs numpy)
 
-        verdict = verify_config(best, model, req.links.cost)
+        if m.hf is not None and m.hf_config is not None:  # its strategy on the (stages') mesh at a tiny config
+            verdict = verify_hf(m.hf, m.hf_config, best.config.sub_mesh_text, best.config.strategy, patterns,
+                                pp_cost_text(req.links.cost, None), fallback=m.fallback or "error")
+        else:
+            verdict = verify_config(best, str(model), req.links.cost)
     title = f"{what}; best of {n} devices: {best.title}" if best is not None else what
     if best is not None:
         _write_files(req, res, best, title)
@@ -91,6 +103,9 @@ def _check_flags(req: PlanRequest) -> None:
         raise ProgramError(f"{flag}: does not apply with --devices (the search chooses the pipeline: 1F1B, "
                            "one sequence per dp rank per microbatch)")
     check_one_model(req.model)
+    if req.verify and req.model.program:
+        raise ProgramError("--verify: simulates a preset, catalog or --hf model's strategy; it does not apply to "
+                           "--program")
     if req.model.tp_plan is not None and req.model.hf is None and not req.model.program:
         raise ProgramError("--tp-plan: applies to --hf or --program models (a preset has its own roles)")
     if req.links.cost:

@@ -11,7 +11,7 @@ import json
 from dataclasses import replace
 from typing import Any, TextIO
 
-from spmdkit.cli.checks import parse_annotations
+from spmdkit.cli.checks import check_one_model, hf_source, parse_annotations, parse_tp_plan, program_source
 from spmdkit.cli.common import require_simulator, step_estimate, write_html
 from spmdkit.cli.request import Links, PlanRequest
 from spmdkit.core.errors import ProgramError
@@ -19,11 +19,20 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel
 from spmdkit.cost.devices import Device, cost_model, load_device
 from spmdkit.cost.memory import check_recompute, per_microbatch_mode
+from spmdkit.models.source import HFModel, ModelSource, Preset, ProgramFile
 from spmdkit.models.zoo import model_label
 from spmdkit.outputs.pipeline import write_pipeline
 from spmdkit.outputs.report import plan_json, write_report
-from spmdkit.planner.pipeline import estimate_pipeline, plan_pipeline, pp_cost_text
-from spmdkit.planner.planning import parse_cost
+from spmdkit.planner.pipeline import (
+    PipelinePlan,
+    PipelineSpec,
+    estimate_pipeline,
+    parse_spec,
+    plan_pipeline_source,
+    pp_cost_text,
+    sub_mesh_text,
+)
+from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, parse_cost, parse_size
 from spmdkit.strategies.strategy import parse_mesh
 
 
@@ -35,58 +44,89 @@ def wants_pipeline(req: PlanRequest) -> bool:
 
 
 def run_pipeline_plan(req: PlanRequest, out: TextIO) -> int:
-    """``spmdkit plan`` with a ``pp`` mesh dim (preset models)."""
+    """``spmdkit plan`` with a ``pp`` mesh dim: a preset, a catalog model, ``--model-config``,
+    ``--hf`` or ``--program``, each cut into stages by its layers
+    (:func:`spmdkit.planner.pipeline.plan_pipeline_source`)."""
     m = req.model
-    if m.hf is not None or m.program:
-        raise ProgramError("--mesh pp / --microbatches: pipeline planning applies to preset models (--model), "
-                           "not --hf or --program")
+    check_one_model(m)
     full = parse_mesh(req.mesh_text)
     user = _sub_mesh_annotations(parse_annotations(req.annotate), full)
-    strategy = req.strategy or "megatron"
     parse_cost(req.links.cost, full)  # a bad --cost is named before planning
     p = req.pipeline
     spec_args = {"microbatches": p.microbatches, "schedule": p.schedule, "virtual": p.virtual_stages,
                  "stages": p.stages}
-    model, plan, spec, counts, secs = plan_pipeline(m.model, req.mesh_text, strategy, spec_args,
-                                                    {"layers": req.layers, "batch": req.batch, "seq": req.seq},
-                                                    user, req.links.cost)
-    full_links = replace(req.links, cost=pp_cost_text(req.links.cost, full))
+    spec = parse_spec(sub_mesh_text(full)[0], **spec_args)
     recompute = check_recompute(req.recompute or "none", pipeline=True)
-    plan, _est = step_estimate(full_links, plan, None, per_microbatch_mode(recompute))
+    source = _source(req, spec.microbatches)
+    if req.verify and not isinstance(source, Preset):
+        raise ProgramError(f"--verify: with a pipeline (pp) checks a preset or catalog model's stages; for "
+                           f"{'--hf' if m.hf else '--program'} give --verify with a mesh without pp")
+    got = plan_pipeline_source(source, req.mesh_text, req.strategy, spec_args, user, req.links.cost,
+                               parse_tp_plan(m.tp_plan))
+    full_links = replace(req.links, cost=pp_cost_text(req.links.cost, full))
+    plan, _est = step_estimate(full_links, got.plan, None, per_microbatch_mode(recompute), timed=bool(req.outputs.html))
     device = None
     if req.links.device:
         device = load_device(str(req.links.device))
         if req.links.nodes_of:
             device = replace(device, ranks_per_node=int(req.links.nodes_of))
-    c = model.config
-    tokens = c.batch * c.seq * spec.microbatches
-    est = estimate_pipeline(plan, spec, counts, device, _pp_link(req.links, full, device), tokens, full.size,
+    est = estimate_pipeline(plan, spec, got.counts, device, _pp_link(req.links, full, device), got.tokens, full.size,
                             recompute=recompute)
     worst = max(range(spec.pp), key=lambda r: est.memory[r].device_total)
-    title = (f"{model_label(m.model)}: {c.arch}, {c.layers} layers, hidden {c.hidden}, {c.heads} heads"
-             f"{f' ({c.n_kv} kv)' if c.n_kv != c.heads else ''}, FFN {c.ffn}, vocab {c.vocab}, seq {c.seq}, "
-             f"batch {c.batch * spec.microbatches} as {spec.microbatches} microbatches of {c.batch}, {c.dtype}; "
-             f"strategy {strategy}; pipeline pp={spec.pp}"
+    strategy = req.strategy or ("megatron" if not isinstance(source, ProgramFile) else None)
+    title = (_title(got, source, spec) + (f"; strategy {strategy}" if strategy else "") + f"; pipeline pp={spec.pp}"
              + (f"; recompute {req.recompute}" if req.recompute not in (None, "none") else ""))
-    write_html(req, plan, title, est.memory[worst], _est, c, pipeline=est)
+    config = got.loaded.model.config if got.loaded.model is not None else None
+    write_html(req, plan, title, est.memory[worst], _est, config, pipeline=est)
     verdict = None
     if req.verify:
         require_simulator()
         from spmdkit.sim.verify_plan import verify_pipeline  # (needs numpy)
 
-        verdict = verify_pipeline(m.model, req.mesh_text, spec, strategy)
+        verdict = verify_pipeline(m.model, req.mesh_text, spec, strategy or "megatron")
     if req.outputs.json:
-        extra: dict[str, Any] = {"title": title, "plan_seconds": secs, "pipeline": est.to_json()}
+        extra: dict[str, Any] = {"title": title, "plan_seconds": got.seconds, "pipeline": est.to_json()}
         if verdict is not None:
             extra["verify"] = verdict
         out.write(json.dumps(plan_json(plan, est.memory[worst], extra)) + "\n")
     else:
+        if est.note:
+            out.write(est.note + "\n")
         write_report(plan, out, title + " (the plan of one microbatch on the stages' sub-mesh)",
-                     est.memory[worst], secs)
+                     est.memory[worst], got.seconds)
         write_pipeline(est, out)
         if verdict is not None:
             out.write("\n" + verdict["text"] + "\n")
     return 0 if verdict is None or verdict["ok"] else 1
+
+
+def _source(req: PlanRequest, microbatches: int) -> ModelSource:
+    """The model the pipeline plans: ``--hf`` (the step's batch, ``--batch`` or
+    :data:`~spmdkit.cli.request.HF_PIPELINE_BATCH` sequences per microbatch), ``--program`` (its
+    step as one microbatch), else a preset, catalog model or ``--model-config`` with its sizes."""
+    m = req.model
+    layers = parse_size("--layers", req.layers, MAX_LAYERS)
+    batch = parse_size("--batch", req.batch, MAX_SIZE)
+    seq = parse_size("--seq", req.seq, MAX_SIZE)
+    if m.hf is not None:
+        src = hf_source(m, layers, batch, seq)
+        return src if batch else replace(src, batch=src.batch * microbatches)
+    if m.program:
+        return program_source(m, layers, batch, seq)
+    return Preset(m.model, layers, batch, seq)
+
+
+def _title(got: PipelinePlan, source: ModelSource, spec: PipelineSpec) -> str:
+    m = spec.microbatches
+    if got.loaded.model is not None and isinstance(source, Preset):
+        c = got.loaded.model.config
+        return (f"{model_label(source.name)}: {c.arch}, {c.layers} layers, hidden "
+                f"{c.hidden}, {c.heads} heads{f' ({c.n_kv} kv)' if c.n_kv != c.heads else ''}, FFN {c.ffn}, vocab "
+                f"{c.vocab}, seq {c.seq}, batch {c.batch * m} as {m} microbatches of {c.batch}, {c.dtype}")
+    if isinstance(source, HFModel):
+        return (f"{source.class_name} (HuggingFace), {got.layers} layers, batch {got.batch} as {m} microbatches of "
+                f"{got.microbatch}, seq {source.seq}")
+    return f"{got.loaded.title}, {got.layers} layers, {m} microbatches of its step"
 
 
 def _sub_mesh_annotations(user: dict[str, Any], mesh: ProcessMesh) -> dict[str, Any]:

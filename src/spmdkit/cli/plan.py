@@ -31,7 +31,7 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel
 from spmdkit.cost.devices import Device, cost_model, load_device
 from spmdkit.cost.memory import check_recompute, memory_per_device
-from spmdkit.models.source import ModelSource, Preset, ProgramFile, load
+from spmdkit.models.source import HFModel, ModelSource, Preset, ProgramFile, load
 from spmdkit.models.zoo import model_label
 from spmdkit.outputs.export import check_target
 from spmdkit.outputs.html import check_html_path
@@ -90,7 +90,7 @@ def _strategy_source(req: PlanRequest, layers: int | None, batch: int | None,
     if patterns is not None and m.hf is None and not m.program:
         raise ProgramError("--tp-plan: applies to --hf or --program models (a preset has its own roles)")
     if m.hf is not None:
-        return hf_source(m, layers, batch, seq, verify=req.verify), patterns
+        return hf_source(m, layers, batch, seq), patterns
     if m.program:
         source = program_source(m, layers, batch, seq)
         if req.verify:
@@ -122,11 +122,15 @@ def _run_plan(req: PlanRequest, out: TextIO) -> int:
     mem = memory_per_device(plan, recompute)
     export_plan_file(req, plan)
     verdict = None
-    if req.verify:  # a preset's (refused for --hf and --program above)
+    if req.verify:  # a preset's, or an HF model's at a tiny config (refused for --program above)
         require_simulator()
-        from spmdkit.sim.verify_plan import verify_strategy  # (needs numpy)
+        from spmdkit.sim.verify_plan import verify_hf, verify_strategy  # (needs numpy)
 
-        verdict = verify_strategy(req.model.model, req.mesh_text, strategy or "megatron", req.links.cost)
+        if isinstance(source, HFModel):
+            verdict = verify_hf(source.class_name, source.config, req.mesh_text, strategy, patterns, req.links.cost,
+                                fallback=source.fallback)
+        else:
+            verdict = verify_strategy(req.model.model, req.mesh_text, strategy or "megatron", req.links.cost)
     write_html(req, plan, title, mem, est, config)
     if req.outputs.json:
         extra: dict[str, Any] = {"title": title, "plan_seconds": secs}

@@ -205,7 +205,8 @@ def run_request(ns: argparse.Namespace, argv: list[str]) -> RunRequest:
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
-                   help=f"a preset ({', '.join(sorted(PRESETS))}); default llama-7b")
+                   help=f"a preset ({', '.join(sorted(PRESETS))}) or a published architecture by name "
+                        f"(llama3-8b, deepseek-v3, ...: spmdkit models lists them); default llama-7b")
     p.set_defaults(default_model="llama-7b", argv=())
     p.add_argument("--model-config", dest="model_config", metavar="FILE|JSON",
                    help='a decoder of your own instead of a preset: a JSON object or file with layers, hidden, heads, '
@@ -307,7 +308,8 @@ def _positive_seconds(text: str) -> float:
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help=f"a preset ({', '.join(sorted(PRESETS))}); default tiny-llama")
+    p.add_argument("--model", default=None, help=f"a preset ({', '.join(sorted(PRESETS))}) or a catalog model "
+                                                        f"(spmdkit models); default tiny-llama")
     p.set_defaults(default_model="tiny-llama")
     p.add_argument("--model-config", dest="model_config", metavar="FILE|JSON",
                    help="a decoder of your own instead of a preset (the fields of spmdkit plan --model-config)")

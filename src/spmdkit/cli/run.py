@@ -32,7 +32,7 @@ from spmdkit.execute.launch import (
     uneven_shards,
 )
 from spmdkit.models.hf import dtype_name, example_inputs
-from spmdkit.models.source import HFModel, Preset, ProgramFile
+from spmdkit.models.source import HFModel, Preset, ProgramFile, variants
 from spmdkit.models.zoo import model_label
 from spmdkit.outputs.progress import Progress
 from spmdkit.planner.planning import MAX_SIZE, parse_size
@@ -193,7 +193,9 @@ def _plan(req: RunRequest, user: dict[str, Any]) -> _Step:
     strategy = req.strategy or "megatron"
     loaded, plan, _ = plan_source(Preset(m.model, req.layers, req.batch, req.seq), req.mesh, strategy, user)
     assert loaded.model is not None
-    return _Step(plan, f"{model_label(m.model)} ({loaded.model.config.layers} layers), mesh {req.mesh}, strategy {strategy}")
+    n = loaded.model.config.layers
+    what = ", ".join([f"{n} layer{'s' if n != 1 else ''}", *variants(loaded.model.config)])
+    return _Step(plan, f"{model_label(m.model)} ({what}), mesh {req.mesh}, strategy {strategy}")
 
 
 def _plan_hf_step(req: RunRequest, user: dict[str, Any]) -> _Step:

@@ -297,20 +297,33 @@ def kernel_collectives(plan: Plan) -> list[KernelCollective]:
 # -- the model's FLOPs --------------------------------------------------------------------------
 
 
-def _matmul_params(prog: Program) -> int:
+def _matmul_params(prog: Program, tokens: int = 0) -> int:
     """The parameters a forward op other than a lookup reads (an embedding table read only by
-    lookups does no multiply)."""
+    lookups does no multiply); a stack of experts (a parameter of rank >= 3, the y of forward
+    matmuls) counts as the share of it a token multiplies: ``rows x numel / (experts x
+    tokens)`` for the rows its matmuls multiply it by (top_k / experts of it where each
+    expert takes ``tokens x top_k / experts`` rows), so ``6 N tokens`` counts the active
+    parameters (Mixtral's 12.9B of 46.7B)."""
     read_by: dict[str, set[str]] = {}
+    rows: dict[str, int] = {}
     for op in prog.ops:
         if op.phase != "forward":
             continue
         for n in op.input_names():
             read_by.setdefault(n, set()).add(op.rule)
+        y = op.inputs.get("y")
+        if op.rule == "matmul" and isinstance(y, str) and len(prog.tensors[y].shape) >= 3 and op.output_names():
+            out = prog.tensors[op.output_names()[0]]
+            rows[y] = rows.get(y, 0) + out.numel // max(out.shape[-1], 1)
     n_params = 0
+    tokens = guess_tokens(prog) or tokens if rows else tokens  # the program's own tokens, its rows'
     for t in prog.tensors.values():
         if t.kind == "parameter" and not t.inplace_of:
             rules = read_by.get(t.name, set())
             if rules and all(facts_of(r).cost is lookup for r in rules):
+                continue
+            if t.name in rows and tokens > 0 and rules == {"matmul"}:
+                n_params += round(t.numel * rows[t.name] / (t.shape[0] * tokens))
                 continue
             n_params += t.numel
     return n_params
@@ -350,7 +363,7 @@ def model_flops(plan: Plan, tokens: int) -> tuple[float, int, float]:
     matmul reads (an embedding table read only by a lookup does no multiply), plus the
     attention's ``QK^T`` and ``PV`` over the full ``s x s`` square, three times (forward and
     backward): PaLM's ``12·L·H·Q·T`` per token. Global shapes."""
-    n_params = _matmul_params(plan.program)
+    n_params = _matmul_params(plan.program, tokens)
     att = _attention_flops(plan.program) * 3
     return 6.0 * n_params * tokens + att, n_params, att
 

@@ -48,9 +48,9 @@ Recomputation (``recompute``):
   the fused kernel runs again in the backward and its output and statistics are not kept.
   Under torchtitan, its op-level policy instead (the flash kernel's outputs saved).
 - ``full``: every transformer layer (the ops of a layer group whose label has a number:
-  ``layer 3``) is run again in the backward; only the tensors a layer reads from before it
-  (its input) are kept. A program without numbered layer labels (a HuggingFace import,
-  labelled by its top module) is refused with a ProgramError.
+  ``layer 3`` of a preset, ``model.layers.3`` of an imported HF model) is run again in the
+  backward; only the tensors a layer reads from before it (its input) are kept. A program
+  without numbered layer labels is refused with a ProgramError.
 
 :data:`RECOMPUTE` names the modes. :func:`recompute_regions` gives the recomputed forward ops.
 """

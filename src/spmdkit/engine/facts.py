@@ -10,6 +10,8 @@ and, beside each, the op's other facts with :func:`facts`:
   (a :class:`ClassAllReduces`; the cost model times them);
 * ``wrt``: the inputs the op is differentiated against, and the grad op that does it (autodiff);
   ``grad_reads``: the grad op's parameters that read a forward output of another name;
+  ``outputs``: the names of the op's outputs where no reverse rule names them (the grad op
+  reads output ``o`` as ``o`` and its gradient as ``grad_o``: moe_gate_dispatch);
 * ``unchecked``: why an output's shape is not (fully) checked (its size is not fixed by the
   shapes and attributes: data-dependent sizes, kernel workspace);
 * ``grad_like``: for a grad rule without a ``shape``, the tensor parameter each output has the
@@ -141,6 +143,7 @@ class OpFacts:
     unchecked: str | None = None
     grad_like: tuple[str, ...] | None = None
     collectives: ClassAllReduces | None = None
+    outputs: tuple[str, ...] | None = None
 
 
 _FACTS: dict[str, OpFacts] = {}
@@ -149,7 +152,8 @@ _FACTS: dict[str, OpFacts] = {}
 def facts(*names: str, shape: Callable[..., Any] | None = None, cost: CostFn | None = None,
           grad: str | None = None, wrt: tuple[str, ...] | None = None,
           grad_reads: tuple[tuple[str, str], ...] | None = None, unchecked: str | None = None,
-          grad_like: tuple[str, ...] | None = None, collectives: ClassAllReduces | None = None) -> None:
+          grad_like: tuple[str, ...] | None = None, collectives: ClassAllReduces | None = None,
+          outputs: tuple[str, ...] | None = None) -> None:
     """Declare facts of the rules ``names`` (a fact given again for a name replaces the earlier one;
     facts not given keep what an earlier call declared)."""
     if not names:
@@ -161,7 +165,8 @@ def facts(*names: str, shape: Callable[..., Any] | None = None, cost: CostFn | N
                                grad_reads if grad_reads is not None else old.grad_reads,
                                unchecked if unchecked is not None else old.unchecked,
                                grad_like if grad_like is not None else old.grad_like,
-                               collectives if collectives is not None else old.collectives)
+                               collectives if collectives is not None else old.collectives,
+                               outputs if outputs is not None else old.outputs)
 
 
 def facts_of(name: str) -> OpFacts:

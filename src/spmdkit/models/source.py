@@ -78,12 +78,47 @@ class Loaded:
     inputs: dict[str, Any] | None = None
 
 
-def _variants(c: ModelConfig) -> str:
-    """A config's variants beside its arch's defaults: `` (squared_relu, flash attention, tied
-    embeddings)``, or nothing."""
+_POSITIONS = {"rope": "rotary positions", "learned": "learned positions", "alibi": "ALiBi", "none": "no positions"}
+
+
+def _moe(c: ModelConfig) -> list[str]:
+    """A MoE config's experts: ``8 experts top-2``, each expert's FFN where it is not ``ffn``,
+    the shared experts, the dense layers first and the capacity factor where given."""
+    if not c.experts:
+        return []
+    got = [f"{c.experts} experts top-{c.top_k}"]
+    got += [f"expert FFN {c.moe_ffn}"] if c.moe_ffn is not None and c.moe_ffn != c.ffn else []
+    got += [f"{c.shared_experts} shared"] if c.shared_experts else []
+    got += [f"{c.dense_layers} dense layer{'s' if c.dense_layers > 1 else ''} first"] if c.dense_layers else []
+    return got + ([f"capacity factor {c.capacity_factor:g}"] if c.capacity_factor is not None else [])
+
+
+def _mla(c: ModelConfig) -> list[str]:
+    """MLA's ranks and head sizes: ``MLA kv rank 512, q rank 1536, qk head 128+64 rope, v head 128``."""
+    if not c.mla:
+        return []
+    return [f"MLA kv rank {c.kv_lora_rank}"] + ([f"q rank {c.q_lora_rank}"] if c.q_lora_rank else []) \
+        + [f"qk head {c.hdim}+{c.qk_rope_head_dim} rope", f"v head {c.vdim}"]
+
+
+def variants(c: ModelConfig) -> list[str]:
+    """A config's variants beside its arch's defaults, in words: ``["squared_relu", "flash
+    attention", "tied embeddings"]``, ``["8 experts top-2", "1 shared", "3 dense layers first",
+    "MLA kv rank 512", ...]``; empty for a config of the arch's defaults."""
     base = ModelConfig(c.arch)
-    got = ([c.act] if c.act != base.act else []) + ([f"{c.attn} attention"] if c.attn != base.attn else []) \
-        + (["tied embeddings"] if c.tied_embeddings else [])
+    got = ([c.act] if c.act != base.act else []) + ([f"{c.attn} attention"] if c.attn != base.attn else [])
+    if not c.mla and (c.head_dim is not None and c.head_dim * c.heads != c.hidden):
+        got.append(f"head dim {c.head_dim}")
+    got += [f"{'RMS' if c.nrm == 'rms' else 'layer'} norm"] if c.nrm != base.nrm else []
+    got += [_POSITIONS.get(c.pos, f"{c.pos} positions")] if c.pos != base.pos else []
+    got += [n for n, on in (("q/k/v biases", c.qkv_bias and not c.linear_bias), ("linear biases", c.linear_bias),
+                            ("embedding norm", c.embed_norm), ("tied embeddings", c.tied_embeddings)) if on]
+    got += [f"dropout {c.dropout:g}"] if c.dropout else []
+    return got + _moe(c) + _mla(c)
+
+
+def _variants(c: ModelConfig) -> str:
+    got = variants(c)
     return f" ({', '.join(got)})" if got else ""
 
 
@@ -150,5 +185,5 @@ def load(source: ModelSource, *, vocab_parallel_loss: bool = False) -> Loaded:
     return Loaded(source, prog, hf_title(source, prog), module=module, inputs=kw)
 
 
-__all__ = ["HFModel", "Loaded", "ModelSource", "Preset", "ProgramFile", "fallback_ops", "hf_title", "import_hf_checked", "load", "load_preset",
-           "preset_title"]
+__all__ = ["HFModel", "Loaded", "ModelSource", "Preset", "ProgramFile", "fallback_ops", "hf_title", "import_hf_checked",
+           "load", "load_preset", "preset_title", "variants"]

@@ -13,13 +13,20 @@ final RMSNorm, LM head, ``cross_entropy_with_softmax`` (``c_softmax_with_cross_e
 the head is vocab-parallel) and the mean loss. GPT-2: token + learned position embeddings,
 LayerNorm, q/k/v projections, matmul + softmax attention with a causal mask, GELU MLP.
 
-Variants (:class:`ModelConfig`, ``--model-config``): ``activation`` (``swiglu``: gate and up
-projections; ``gelu``, ``squared_relu`` (Nemotron, Primer) or ``relu``: one up projection),
+The layers are built by :mod:`spmdkit.models.zoo_layers` (attention of any head size, MLA,
+norms, positions, biases) and :mod:`spmdkit.models.zoo_moe` (routed and shared experts); the
+config is :mod:`spmdkit.models.zoo_config` (docs/models.md, "Architectures").
+
+Variants (:class:`ModelConfig`, ``--model-config``): ``activation`` (``swiglu`` / ``geglu``: gate
+and up projections; ``gelu``, ``squared_relu`` (Nemotron, Primer) or ``relu``: one up projection),
 ``attention`` (``flash``: one fused ``flash_attention`` kernel, no ``s x s`` tensor, as
 Megatron-Core, NeMo and torchtitan run it; ``eager``: the scores materialised, as GPT-2 and the
 Megatron-LM of 2021-2022 ran it; gpt2 only), ``tied_embeddings`` (the LM head is the token
-embedding, transposed). :func:`preset` takes a preset name or a config as a JSON object or a
-``.json`` file (:func:`config_from_json`).
+embedding, transposed), ``head_dim``, ``norm``, ``positions``, ``qkv_bias``, ``linear_bias``,
+``embed_norm``, MoE (``experts``, ``top_k``, ``moe_ffn``, ``shared_experts``, ``dense_layers``,
+``capacity_factor``) and MLA (``q_lora_rank``, ``kv_lora_rank``, ``qk_rope_head_dim``,
+``v_head_dim``). :func:`preset` takes a preset name or a config as a JSON object or a ``.json``
+file (:func:`config_from_json`).
 
 Gradients of a tensor read by several ops are summed with ``add_n`` (which keeps a common
 partial status, as Megatron sums the partial input gradients of its column-parallel
@@ -31,84 +38,17 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import fields
 from typing import Any
 
 from spmdkit.core.errors import ProgramError
+from spmdkit.models import catalog
+from spmdkit.models.hf_config import hf_fields, is_hf_config
+from spmdkit.models.zoo_config import ACTIVATIONS, NORMS, POSITIONS, Model, ModelConfig
+from spmdkit.models.zoo_layers import NAMES, attention, embed, final_norm, layer_params, mlp_act, norm, row_residual
+from spmdkit.models.zoo_moe import moe_mlp
 from spmdkit.program.autodiff import Tape
 from spmdkit.program.ir import Program, ProgramBuilder
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Sizes of a decoder. ``arch``: llama or gpt2."""
-
-    arch: str = "llama"
-    layers: int = 2
-    hidden: int = 16
-    heads: int = 4
-    kv_heads: int | None = None
-    ffn: int = 32
-    vocab: int = 64
-    seq: int = 8
-    batch: int = 4
-    dtype: str = "float32"
-    #: dropout probability (gpt2 only): > 0 adds Megatron GPT's three dropouts per layer, on
-    #: the attention probabilities, after the attention output projection and after the MLP,
-    #: each keeping a 1-byte mask for the backward (Korthikanti et al. 2022, section 4.1)
-    dropout: float = 0.0
-    #: the LM head is the token embedding (transposed): one [vocab, hidden] parameter
-    tied_embeddings: bool = False
-    #: the MLP's activation: swiglu, gelu, squared_relu or relu (None: the arch's, swiglu for
-    #: llama, gelu for gpt2)
-    activation: str | None = None
-    #: the attention kernel: flash or eager (None: the arch's, flash for llama, eager for gpt2)
-    attention: str | None = None
-    #: a name for a custom config (``--model-config``'s ``name``)
-    name: str = ""
-
-    @property
-    def act(self) -> str:
-        return self.activation or ("swiglu" if self.arch == "llama" else "gelu")
-
-    @property
-    def attn(self) -> str:
-        return self.attention or ("flash" if self.arch == "llama" else "eager")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @property
-    def n_kv(self) -> int:
-        return self.kv_heads or self.heads
-
-    def check(self) -> None:
-        if self.arch not in ("llama", "gpt2"):
-            raise ProgramError(f"model: unknown arch {self.arch!r} (llama or gpt2)")
-        for k in ("layers", "hidden", "heads", "ffn", "vocab", "seq", "batch"):
-            if int(getattr(self, k)) < 1:
-                raise ProgramError(f"model: {k} must be >= 1")
-        if self.hidden % self.heads:
-            raise ProgramError(f"model: hidden {self.hidden} is not divisible by heads {self.heads}")
-        if self.heads % self.n_kv:
-            raise ProgramError(f"model: heads {self.heads} is not divisible by kv_heads {self.n_kv}")
-        if not 0.0 <= float(self.dropout) < 1.0:
-            raise ProgramError(f"model: dropout must be in [0, 1), got {self.dropout}")
-        if self.dropout and self.arch != "gpt2":
-            raise ProgramError(f"model: dropout is modelled for gpt2 only, not {self.arch}")
-        if self.act not in ACTIVATIONS:
-            raise ProgramError(f"model: unknown activation {self.act!r} ({', '.join(ACTIVATIONS)})")
-        if self.attn not in ("flash", "eager"):
-            raise ProgramError(f"model: unknown attention {self.attn!r} (flash or eager)")
-        if self.attn == "eager" and self.arch != "gpt2":
-            raise ProgramError(f"model: eager attention is modelled for gpt2 only, not {self.arch}")
-        if self.arch == "gpt2" and self.n_kv != self.heads and self.attn == "eager":
-            raise ProgramError("model: grouped kv heads need attention flash in the gpt2 arch")
-
-    def with_(self, **kw: Any) -> ModelConfig:
-        return replace(self, **kw)
-
 
 #: Published sizes (GPT-2's vocabulary padded to 50304 as Megatron-LM does, so it divides
 #: tensor-parallel degrees); tiny ones for tests and ``--verify``.
@@ -130,11 +70,14 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-ACTIVATIONS = ("swiglu", "gelu", "squared_relu", "relu")
 #: the fields of a ``--model-config`` and their kinds
 _CONFIG_FIELDS = {"base": "str", "name": "str", "arch": "str", "layers": "int", "hidden": "int", "heads": "int",
-                  "kv_heads": "int", "ffn": "int", "vocab": "int", "seq": "int", "batch": "int", "dtype": "str",
-                  "dropout": "num", "tied_embeddings": "bool", "activation": "str", "attention": "str"}
+                  "kv_heads": "int?", "ffn": "int", "vocab": "int", "seq": "int", "batch": "int", "dtype": "str",
+                  "dropout": "num", "tied_embeddings": "bool", "activation": "str?", "attention": "str?",
+                  "head_dim": "int?", "norm": "str?", "positions": "str?", "qkv_bias": "bool", "linear_bias": "bool",
+                  "embed_norm": "bool", "experts": "count", "top_k": "int", "moe_ffn": "int?",
+                  "shared_experts": "count", "dense_layers": "count", "capacity_factor": "num?",
+                  "q_lora_rank": "count", "kv_lora_rank": "count", "qk_rope_head_dim": "count", "v_head_dim": "int?"}
 _DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
            "fp32": "float32", "float32": "float32"}
 
@@ -143,6 +86,26 @@ def is_config_text(name: str) -> bool:
     """A ``--model`` value that is a config (a JSON object or a ``.json`` path), not a preset."""
     t = name.strip()
     return t.startswith("{") or t.lower().endswith(".json")
+
+
+def _check_field(k: str, v: Any) -> None:
+    """ProgramError naming ``--model-config``'s field ``k`` where ``v`` is not of its kind
+    (``?``: null allowed, the arch's default)."""
+    kind = _CONFIG_FIELDS[k]
+    if kind.endswith("?"):
+        if v is None:
+            return
+        kind = kind[:-1]
+    is_int = isinstance(v, int) and not isinstance(v, bool)
+    ok = {"str": isinstance(v, str), "bool": isinstance(v, bool),
+          "int": is_int and 1 <= v <= 1 << 31, "count": is_int and 0 <= v <= 1 << 31,
+          "num": isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")}[kind]
+    if not ok:
+        what = {"str": "a string", "bool": "true or false", "int": f"an integer from 1 to {1 << 31}",
+                "count": f"an integer from 0 to {1 << 31}", "num": "a finite number"}[kind]
+        if _CONFIG_FIELDS[k].endswith("?"):
+            what += " or null"
+        raise ProgramError(f"--model-config {k}: expected {what}, got {json.dumps(v)[:40]}")
 
 
 def config_from_json(text: str) -> ModelConfig:
@@ -167,19 +130,14 @@ def config_from_json(text: str) -> ModelConfig:
         raise ProgramError(f"--model-config: not valid JSON ({str(exc)[:80]})") from None
     if not isinstance(obj, dict):
         raise ProgramError("--model-config: expected a JSON object of model fields")
+    if is_hf_config(obj):  # a HuggingFace config.json, mapped to the fields (models/hf_config.py)
+        obj = hf_fields(obj)
     unknown = sorted(set(obj) - set(_CONFIG_FIELDS))
     if unknown:
         raise ProgramError(f"--model-config: unknown field {str(unknown[0])[:40]!r} "
                            f"(fields: {', '.join(sorted(_CONFIG_FIELDS))})")
     for k, v in obj.items():
-        kind = _CONFIG_FIELDS[k]
-        ok = {"str": isinstance(v, str), "bool": isinstance(v, bool),
-              "int": isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 1 << 31,
-              "num": isinstance(v, (int, float)) and not isinstance(v, bool)}[kind]
-        if not ok:
-            what = {"str": "a string", "bool": "true or false", "int": f"an integer from 1 to {1 << 31}",
-                    "num": "a number"}[kind]
-            raise ProgramError(f"--model-config {k}: expected {what}, got {json.dumps(v)[:40]}")
+        _check_field(k, v)
     if "base" in obj:
         cfg = preset(obj["base"])
     else:
@@ -210,17 +168,30 @@ def config_json(cfg: ModelConfig) -> str:
 
 def tiny_like(cfg: ModelConfig) -> str:
     """The tiny model of ``cfg``'s architecture (``--verify`` simulates it): a tiny preset, or,
-    where ``cfg`` has a variant (activation, attention, tied embeddings, grouped kv heads), a
-    config of the tiny preset's sizes with that variant."""
+    where ``cfg`` has a variant (activation, attention, tied embeddings, grouped kv heads, head
+    size, norm, positions, biases, embedding norm, experts, MLA), a config of the tiny preset's
+    sizes with that variant (4 experts of width 8, MLA ranks 8 / 6, rope part 4)."""
     base = "tiny-llama" if cfg.arch == "llama" else "tiny-gpt-dropout" if cfg.dropout else "tiny-gpt2"
     tiny = PRESETS[base]
     # grouped kv heads: tiny-llama has them already; a grouped gpt2 gets half as many kv heads
     kv = tiny.n_kv if cfg.arch == "llama" else tiny.heads // 2 if cfg.n_kv != cfg.heads else tiny.heads
-    variant = {"activation": cfg.act, "attention": cfg.attn, "tied_embeddings": cfg.tied_embeddings,
-               "kv_heads": kv}
-    if all(getattr(tiny.with_(**variant), f) == getattr(tiny, f) for f in ("act", "attn", "tied_embeddings", "n_kv")):
+    variant: dict[str, Any] = {"activation": cfg.act, "attention": cfg.attn, "tied_embeddings": cfg.tied_embeddings,
+                               "kv_heads": kv, "norm": cfg.nrm, "positions": cfg.pos}
+    variant.update({k: True for k in ("qkv_bias", "linear_bias", "embed_norm") if getattr(cfg, k)})
+    if cfg.hdim != cfg.hidden // cfg.heads or cfg.hidden % cfg.heads:
+        variant["head_dim"] = 2 * tiny.hdim  # q/k/v wider than hidden, as Gemma's
+    if cfg.experts:
+        variant.update({"experts": 4, "top_k": min(cfg.top_k, 2), "moe_ffn": 8,
+                        "shared_experts": min(cfg.shared_experts, 1), "dense_layers": min(cfg.dense_layers, 1),
+                        "capacity_factor": cfg.capacity_factor})
+    if cfg.mla:
+        variant.update({"kv_heads": None, "kv_lora_rank": 8, "q_lora_rank": 6 if cfg.q_lora_rank else 0,
+                        "qk_rope_head_dim": 4, "head_dim": 4, "v_head_dim": 6 if cfg.vdim != cfg.hdim else None})
+    new = tiny.with_(**variant)
+    if new == tiny.with_(activation=tiny.act, attention=tiny.attn, norm=tiny.nrm, positions=tiny.pos):
         return base
-    return json.dumps({"base": base, "name": base + " variant", **variant}, separators=(",", ":"))
+    return json.dumps({"base": base, "name": base + " variant", **{k: v for k, v in variant.items() if v is not None
+                                                                    or k == "kv_heads"}}, separators=(",", ":"))
 
 
 def model_label(name: str) -> str:
@@ -229,218 +200,38 @@ def model_label(name: str) -> str:
 
 
 def preset(name: str) -> ModelConfig:
-    """A preset by name, or a config (:func:`is_config_text`) read by :func:`config_from_json`."""
+    """A preset by name, a catalog model (:mod:`spmdkit.models.catalog`) by name, or a config
+    (:func:`is_config_text`) read by :func:`config_from_json`."""
     if is_config_text(name):
         return config_from_json(name)
-    try:
+    if name in PRESETS:
         return PRESETS[name]
-    except KeyError:
-        raise ProgramError(f"--model: no preset {name[:60]!r} (presets: {', '.join(sorted(PRESETS))})") from None
+    fields = catalog.config_fields(name)  # a published architecture (models/catalog/)
+    if fields is None:
+        raise ProgramError(catalog.unknown_message(name, list(PRESETS)))
+    return ModelConfig(**fields)
 
 
-@dataclass
-class Model:
-    """A built training step and the roles strategies read."""
 
-    config: ModelConfig
-    program: Program
-    #: parameter name -> role: embedding, position, column, row, head, norm
-    roles: dict[str, str]
-    #: residual-stream activations (Megatron sequence parallel shards their sequence axis)
-    residual: list[str]
-    #: normalised activations that feed the column-parallel projections
-    norm_outputs: list[str]
-    #: parameter -> (gradient, optimizer states, updated parameter, updated states)
-    optimizer: dict[str, tuple[str, tuple[str, ...], str, tuple[str, ...]]]
-    #: outputs of the row-parallel projections (their gradients are gathered under sequence parallel)
-    row_outputs: list[str] = field(default_factory=list)
-    inputs: dict[str, str] = field(default_factory=dict)
-    loss: str = "loss"
-    vocab_parallel_loss: bool = False
-
-
-# -- the models -------------------------------------------------------------------------------
-
-
-def _norm(t: Tape, cfg: ModelConfig, m: Model, x: str, name: str, scale: str, bias: str | None = None) -> str:
-    """``x`` normalised: RMS norm without ``bias`` (llama), layer norm with it (gpt2); its outputs
-    ``<name>.out`` and the float32 statistics; recorded among the norm outputs."""
-    B, S, H, dt = cfg.batch, cfg.seq, cfg.hidden, cfg.dtype
-    out = (name + ".out", [B, S, H], dt)
-    if bias is None:
-        n, _ = t.op("fused_rms_norm", {"x": x, "scale": scale}, [out, (name + ".invvar", [B, S], "float32")],
-                    epsilon=1e-6)
-    else:
-        n, _, _ = t.op("layer_norm", {"x": x, "scale": scale, "bias": bias},
-                       [out, (name + ".mean", [B, S], "float32"), (name + ".var", [B, S], "float32")],
-                       epsilon=1e-5, begin_norm_axis=2)
-    assert n is not None
-    m.norm_outputs.append(n)
-    return n
-
-
-def _row_residual(t: Tape, cfg: ModelConfig, m: Model, x: Any, weight: str, name: str, h: str, resid: str) -> str:
-    """The row-parallel projection ``x @ weight`` (``name``, recorded among the row outputs;
-    dropped out where cfg.dropout) added to the residual stream ``h`` as ``resid``."""
-    B, S, H, dt = cfg.batch, cfg.seq, cfg.hidden, cfg.dtype
-    (o,) = t.op("matmul", {"x": x, "y": weight}, [(name, [B, S, H], dt)])
-    m.row_outputs.append(name)
-    if cfg.dropout:
-        o = _dropout(t, cfg, o, name + ".dropout", m)
-    (r,) = t.op("add", {"x": h, "y": o}, [(resid, [B, S, H], dt)])
-    assert r is not None
-    return r
-
-
-def _mlp_act(t: Tape, cfg: ModelConfig, x: str, w_gate: str | None, w_up: str, gate: str, up: str, p: str) -> str:
-    """The MLP up to its down projection: ``swiglu(x @ w_gate, x @ w_up)``, or the activation
-    (gelu, relu, squared ReLU) of ``x @ w_up``; outputs named ``gate`` / ``up`` and after the
-    activation."""
-    B, S, F, dt = cfg.batch, cfg.seq, cfg.ffn, cfg.dtype
-    a = cfg.act
-    if a == "swiglu":
-        assert w_gate is not None
-        (g,) = t.op("matmul", {"x": x, "y": w_gate}, [(gate, [B, S, F], dt)])
-        (u,) = t.op("matmul", {"x": x, "y": w_up}, [(up, [B, S, F], dt)])
-        (out,) = t.op("swiglu", {"x": g, "y": u}, [(p + "swiglu", [B, S, F], dt)])
-    else:
-        (u,) = t.op("matmul", {"x": x, "y": w_up}, [(up, [B, S, F], dt)])
-        if a == "gelu":
-            (out,) = t.op("gelu", {"x": u}, [(p + "gelu", [B, S, F], dt)], approximate=True)
-        else:
-            (out,) = t.op("relu", {"x": u}, [(p + "relu", [B, S, F], dt)])
-            if a == "squared_relu":
-                (out,) = t.op("square", {"x": out}, [(p + "relu.sq", [B, S, F], dt)])
-    assert out is not None
-    return out
-
-
-def _flash_core(t: Tape, cfg: ModelConfig, m: Model, p: str, q: str, k: str, v: str, rope: bool) -> str:
-    """Causal ``flash_attention`` of the projections ``q`` / ``k`` / ``v`` ([B, S, heads x
-    head_dim], kv heads grouped), rotated first when ``rope``; the output as [B, S, H]."""
-    B, S, nh, nkv, hd, dt = cfg.batch, cfg.seq, cfg.heads, cfg.n_kv, cfg.head_dim, cfg.dtype
-    (q4,) = t.op("reshape", {"x": q}, [(p + "q4", [B, S, nh, hd], dt)], shape=(B, S, nh, hd))
-    (k4,) = t.op("reshape", {"x": k}, [(p + "k4", [B, S, nkv, hd], dt)], shape=(B, S, nkv, hd))
-    (v4,) = t.op("reshape", {"x": v}, [(p + "v4", [B, S, nkv, hd], dt)], shape=(B, S, nkv, hd))
-    if rope:
-        # q and k rotated by separate calls: with grouped kv heads their head counts differ
-        q4, _, _ = t.op("fused_rotary_position_embedding",
-                        {"q": q4, "k": None, "v": None, "sin": m.inputs["sin"], "cos": m.inputs["cos"]},
-                        [(p + "q_rope", [B, S, nh, hd], dt), None, None], use_neox_rotary_style=True)
-        k4, _, _ = t.op("fused_rotary_position_embedding",
-                        {"q": k4, "k": None, "v": None, "sin": m.inputs["sin"], "cos": m.inputs["cos"]},
-                        [(p + "k_rope", [B, S, nkv, hd], dt), None, None], use_neox_rotary_style=True)
-    att, _, _, _ = t.op("flash_attention", {"q": q4, "k": k4, "v": v4},
-                        [(p + "attn", [B, S, nh, hd], dt), None, (p + "attn.lse", [B, nh, S], "float32"),
-                         (p + "attn.seed_offset", [2], "int64")], causal=True)
-    (a2,) = t.op("reshape", {"x": att}, [(p + "attn2d", [B, S, nh * hd], dt)], shape=(B, S, nh * hd))
-    assert a2 is not None
-    return a2
-
-
-def _llama_layer(t: Tape, cfg: ModelConfig, i: int, h: str, m: Model) -> str:
-    b = t.b
-    B, S, H, F = cfg.batch, cfg.seq, cfg.hidden, cfg.ffn
-    nh, nkv, hd = cfg.heads, cfg.n_kv, cfg.head_dim
-    dt = cfg.dtype
+def decoder_layer(t: Tape, cfg: ModelConfig, i: int, h: str, m: Model) -> str:
+    """Layer ``i`` of ``cfg`` on the residual stream ``h``; the stream after it."""
     p = f"layers.{i}."
-    b.layer = f"layer {i}"
-    ln1 = t.param(p + "attn_norm", [H], dt)
-    wq = t.param(p + "wq", [H, nh * hd], dt)
-    wk = t.param(p + "wk", [H, nkv * hd], dt)
-    wv = t.param(p + "wv", [H, nkv * hd], dt)
-    wo = t.param(p + "wo", [nh * hd, H], dt)
-    ln2 = t.param(p + "mlp_norm", [H], dt)
-    wg = t.param(p + "w_gate", [H, F], dt) if cfg.act == "swiglu" else None
-    wu = t.param(p + "w_up", [H, F], dt)
-    wd = t.param(p + "w_down", [F, H], dt)
-    m.roles.update({ln1: "norm", ln2: "norm", wq: "column", wk: "column", wv: "column", wo: "row",
-                    wu: "column", wd: "row"})
-    if wg is not None:
-        m.roles[wg] = "column"
-    n1 = _norm(t, cfg, m, h, p + "attn_norm", ln1)
-    (q,) = t.op("matmul", {"x": n1, "y": wq}, [(p + "q", [B, S, nh * hd], dt)])
-    (k,) = t.op("matmul", {"x": n1, "y": wk}, [(p + "k", [B, S, nkv * hd], dt)])
-    (v,) = t.op("matmul", {"x": n1, "y": wv}, [(p + "v", [B, S, nkv * hd], dt)])
-    assert q is not None and k is not None and v is not None
-    a2 = _flash_core(t, cfg, m, p, q, k, v, rope=True)
-    h1 = _row_residual(t, cfg, m, a2, wo, p + "attn_out", h, p + "resid1")
-    n2 = _norm(t, cfg, m, h1, p + "mlp_norm", ln2)
-    act = _mlp_act(t, cfg, n2, wg, wu, p + "gate", p + "up", p)
-    h2 = _row_residual(t, cfg, m, act, wd, p + "mlp_out", h1, p + "resid2")
+    t.b.layer = f"layer {i}"
+    moe = cfg.is_moe_layer(i)
+    w = layer_params(t, cfg, m, p, moe)
+    nm = NAMES[cfg.arch]
+    n1 = norm(t, cfg, m, h, p + nm["n1"], w["n1"], w["n1.b"])
+    ctx = attention(t, cfg, m, p, n1, w)
+    h1 = row_residual(t, cfg, m, ctx, w["o"], w.get("o.b"), p + "attn_out", h, p + "resid1")
+    n2 = norm(t, cfg, m, h1, p + nm["n2"], w["n2"], w["n2.b"])
+    if moe:
+        h2 = moe_mlp(t, cfg, m, p, n2, h1)
+    else:
+        act = mlp_act(t, cfg, n2, w, nm, p)
+        h2 = row_residual(t, cfg, m, act, w["down"], w.get("down.b"), p + "mlp_out", h1, p + "resid2")
     m.residual.extend([h1, h2])
     return h2
 
-
-def _dropout(t: Tape, cfg: ModelConfig, x: Any, name: str, m: Model | None = None) -> str:
-    """Megatron's dropout on ``x``: the dropped tensor (``dropout``) and its keep mask, uint8
-    (one byte an element, as the backward keeps it); the gradient is ``dropout_grad(mask,
-    out_grad, p)``. The registered ``dropout`` rule has one output, so the mask is made by a
-    ``bernoulli`` op of the same shape and layout right after it; it reads the dropout's output
-    (not ``x``, whose layout it has). ``m``: ``x`` is a row-parallel projection's output and the
-    dropout is on the residual stream: sequence parallel shards ``x`` (its partial sum
-    reduce-scattered, as Megatron's row-parallel linear does), the output and the mask on
-    the sequence axis; tensor parallel alone all-reduces ``x`` before the dropout."""
-    shape = list(t.b.get(x).shape)
-    mask = name + ".mask"
-    (out,) = t.op("dropout", {"x": x}, [(name, shape, cfg.dtype)], grad_extra={"mask": mask, "p": float(cfg.dropout)})
-    t.op("bernoulli", {"x": out}, [(mask, shape, "uint8")])
-    assert out is not None and mask is not None
-    if m is not None:
-        m.residual.extend([x, out, mask])
-    return out
-
-
-def _gpt2_layer(t: Tape, cfg: ModelConfig, i: int, h: str, m: Model) -> str:
-    b = t.b
-    B, S, H, F = cfg.batch, cfg.seq, cfg.hidden, cfg.ffn
-    nh, hd = cfg.heads, cfg.head_dim
-    dt = cfg.dtype
-    p = f"layers.{i}."
-    b.layer = f"layer {i}"
-    kv = cfg.n_kv * hd
-    names = ["ln1.w", "ln1.b", "wq", "wk", "wv", "wo", "ln2.w", "ln2.b", "fc1", "fc2"]
-    shapes = [[H], [H], [H, H], [H, kv], [H, kv], [H, H], [H], [H], [H, F], [F, H]]
-    roles = ["norm", "norm", "column", "column", "column", "row", "norm", "norm", "column", "row"]
-    if cfg.act == "swiglu":
-        names, shapes, roles = [*names, "fc1.gate"], [*shapes, [H, F]], [*roles, "column"]
-    w = {n: t.param(p + n, s, dt) for n, s in zip(names, shapes)}
-    m.roles.update({p + n: r for n, r in zip(names, roles)})
-    n1 = _norm(t, cfg, m, h, p + "ln1", w["ln1.w"], w["ln1.b"])
-    if cfg.attn == "flash":
-        qkv = [t.op("matmul", {"x": n1, "y": w["w" + nm]}, [(p + nm, [B, S, H if nm == "q" else kv], dt)])[0]
-               for nm in ("q", "k", "v")]
-        assert all(isinstance(x, str) for x in qkv)
-        return _gpt2_mlp(t, cfg, m, p, h, _flash_core(t, cfg, m, p, str(qkv[0]), str(qkv[1]), str(qkv[2]), rope=False), w)
-    heads: dict[str, str] = {}
-    for nm in ("q", "k", "v"):
-        (x,) = t.op("matmul", {"x": n1, "y": w["w" + nm]}, [(p + nm, [B, S, H], dt)])
-        (x4,) = t.op("reshape", {"x": x}, [(p + nm + "4", [B, S, nh, hd], dt)], shape=(B, S, nh, hd))
-        (xt,) = t.op("transpose", {"x": x4}, [(p + nm + "t", [B, nh, S, hd], dt)], perm=(0, 2, 1, 3))
-        assert xt is not None
-        heads[nm] = xt
-    (sc,) = t.op("matmul", {"x": heads["q"], "y": heads["k"]}, [(p + "scores", [B, nh, S, S], dt)], trans_y=True)
-    (sc2,) = t.op("scale", {"x": sc}, [(p + "scores.scaled", [B, nh, S, S], dt)])
-    (scm,) = t.op("add", {"x": sc2, "y": m.inputs["mask"]}, [(p + "scores.masked", [B, nh, S, S], dt)])
-    (pr,) = t.op("softmax", {"x": scm}, [(p + "probs", [B, nh, S, S], dt)], axis=-1)
-    if cfg.dropout:
-        pr = _dropout(t, cfg, pr, p + "probs.dropout")
-    (ctx,) = t.op("matmul", {"x": pr, "y": heads["v"]}, [(p + "ctx", [B, nh, S, hd], dt)])
-    (ct,) = t.op("transpose", {"x": ctx}, [(p + "ctx.t", [B, S, nh, hd], dt)], perm=(0, 2, 1, 3))
-    (c2,) = t.op("reshape", {"x": ct}, [(p + "ctx2d", [B, S, H], dt)], shape=(B, S, H))
-    assert c2 is not None
-    return _gpt2_mlp(t, cfg, m, p, h, c2, w)
-
-
-def _gpt2_mlp(t: Tape, cfg: ModelConfig, m: Model, p: str, h: str, ctx: str, w: dict[str, str]) -> str:
-    """A gpt2 layer from its attention's output ``ctx``: the output projection and residual,
-    LayerNorm, the MLP (:func:`_mlp_act`) and its residual."""
-    h1 = _row_residual(t, cfg, m, ctx, w["wo"], p + "attn_out", h, p + "resid1")
-    n2 = _norm(t, cfg, m, h1, p + "ln2", w["ln2.w"], w["ln2.b"])
-    act = _mlp_act(t, cfg, n2, w.get("fc1.gate"), w["fc1"], p + "fc1.gate.out", p + "fc1.out", p)
-    h2 = _row_residual(t, cfg, m, act, w["fc2"], p + "mlp_out", h1, p + "resid2")
-    m.residual.extend([h1, h2])
-    return h2
 
 
 def build_model(cfg: ModelConfig, vocab_parallel_loss: bool = False, optimizer: str = "adamw",
@@ -453,40 +244,11 @@ def build_model(cfg: ModelConfig, vocab_parallel_loss: bool = False, optimizer: 
     m = Model(cfg, Program([], []), {}, [], [], {}, vocab_parallel_loss=vocab_parallel_loss)
     B, S, H, V = cfg.batch, cfg.seq, cfg.hidden, cfg.vocab
     dt = cfg.dtype
-    b.layer = "embedding"
-    tokens = b.tensor("tokens", [B, S], "int64", "input")
-    labels = b.tensor("labels", [B, S, 1], "int64", "input")
-    m.inputs.update({"tokens": tokens, "labels": labels})
-    emb = t.param("embed", [V, H], dt)
-    m.roles[emb] = "embedding"
-    (h,) = t.op("embedding", {"x": tokens, "weight": emb}, [("embed.out", [B, S, H], dt)])
-    assert h is not None
-    if cfg.arch == "llama":
-        m.inputs["sin"] = b.tensor("rope.sin", [1, S, 1, cfg.head_dim], dt, "input")
-        m.inputs["cos"] = b.tensor("rope.cos", [1, S, 1, cfg.head_dim], dt, "input")
-    else:
-        positions = b.tensor("positions", [B, S], "int64", "input")
-        m.inputs["positions"] = positions
-        if cfg.attn == "eager":  # flash attention masks inside its kernel
-            m.inputs["mask"] = b.tensor("causal_mask", [1, 1, S, S], dt, "input")
-        wpe = t.param("pos_embed", [S, H], dt)
-        m.roles[wpe] = "position"
-        (pe,) = t.op("embedding", {"x": positions, "weight": wpe}, [("pos_embed.out", [B, S, H], dt)])
-        m.residual.append(h)  # the token embedding's (partial) output joins the residual stream
-        (h,) = t.op("add", {"x": h, "y": pe}, [("embed.sum", [B, S, H], dt)])
-        assert h is not None
-    m.residual.append(h)
+    emb, h = embed(t, cfg, m)
+    labels = m.inputs["labels"]
     for i in range(cfg.layers):
-        h = (_llama_layer if cfg.arch == "llama" else _gpt2_layer)(t, cfg, i, h, m)
-    b.layer = "head"
-    if cfg.arch == "llama":
-        fn = t.param("final_norm", [H], dt)
-        m.roles[fn] = "norm"
-        nf = _norm(t, cfg, m, h, "final_norm", fn)
-    else:
-        fw, fb = t.param("final_norm.w", [H], dt), t.param("final_norm.b", [H], dt)
-        m.roles.update({fw: "norm", fb: "norm"})
-        nf = _norm(t, cfg, m, h, "final_norm", fw, fb)
+        h = decoder_layer(t, cfg, i, h, m)
+    nf = final_norm(t, cfg, m, h)
     if cfg.tied_embeddings:  # the head is the embedding table, transposed
         (logits,) = t.op("matmul", {"x": nf, "y": emb}, [("logits", [B, S, V], dt)], trans_y=True)
     else:
@@ -548,4 +310,5 @@ def add_optimizer(b: ProgramBuilder, m: Model, grads: Mapping[str, str], kind: s
         m.optimizer[p] = (g, states, p + ".new", tuple(s + ".new" for s in states))
 
 
-__all__ = ["Model", "ModelConfig", "PRESETS", "add_optimizer", "build_model", "preset"]
+__all__ = ["ACTIVATIONS", "NORMS", "POSITIONS", "Model", "ModelConfig", "PRESETS", "add_optimizer", "build_model", "decoder_layer",
+           "preset"]

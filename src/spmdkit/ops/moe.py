@@ -43,7 +43,7 @@ from __future__ import annotations
 from typing import Any
 
 from spmdkit.core.dist_attr import TensorDistAttr
-from spmdkit.core.errors import InvalidAttributeError
+from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import make_attr, unpartial
 from spmdkit.engine.declare import Answer, Way, declare
@@ -52,24 +52,53 @@ from spmdkit.engine.notation import Coshard, Notation
 from spmdkit.engine.outshape import Args, Expect, UnknownShape
 from spmdkit.ops._cost import copy
 
-# every co-shard read as its largest mesh dim (Paddle's merge); letters of one size checked
-_COMBINE = Notation(["th", "sk", "sk"], ["sh"], replicated="t", coshard=Coshard.LARGEST)
-_COMBINE_GRAD = Notation(["th", "sk", "sk", "sh"], ["th", "sk", "sk"], replicated="tk", coshard=Coshard.LARGEST)
-_DISPATCH_OUTS = ["ech", "sk", "ks", "e", "sk"]
-_DISPATCH_GRAD = Notation(["sk", "ks", "sk", "ech", "sk"], ["sh", "se"], replicated="keck", coshard=Coshard.LARGEST)
+# every co-shard read as its largest mesh dim (Paddle's merge); letters of one size checked. A
+# leading batch axis b (rank 3; spmdkit's, Paddle's ops are 2-D): each batch row is dispatched
+# and combined on its own (its scatter indices point into its own rows), so b may be sharded.
 
 
-def _dispatch(corr_bias: int) -> Notation:
-    return Notation(["sh", "se", "e" if corr_bias >= 0 else None], _DISPATCH_OUTS, replicated="seck", coshard=Coshard.LARGEST)
+def _b(nd: int, labels: list[str], skip: tuple[int, ...] = ()) -> list[str]:
+    """``labels`` with the batch letter b first where the call is batched (``nd`` 3)."""
+    return [x if nd < 3 or i in skip else "b" + x for i, x in enumerate(labels)]
+
+
+def _combine(nd: int) -> Notation:
+    return Notation(_b(nd, ["th", "sk", "sk"]), _b(nd, ["sh"]), replicated="t", coshard=Coshard.LARGEST)
+
+
+def _combine_grad(nd: int) -> Notation:
+    return Notation(_b(nd, ["th", "sk", "sk", "sh"]), _b(nd, ["th", "sk", "sk"]), replicated="tk",
+                    coshard=Coshard.LARGEST)
+
+
+def _dispatch_grad(nd: int) -> Notation:
+    return Notation(_b(nd, ["sk", "ks", "sk", "ech", "sk"]), _b(nd, ["sh", "se"]), replicated="keck",
+                    coshard=Coshard.LARGEST)
+
+
+def _dispatch(nd: int, corr_bias: int) -> Notation:
+    return Notation([*_b(nd, ["sh", "se"]), "e" if corr_bias >= 0 else None], _b(nd, ["ech", "sk", "ks", "e", "sk"]),
+                    replicated="seck", coshard=Coshard.LARGEST)
+
+
+def _batch_rank(op: str, **tensors: DistTensorSpec | None) -> None:
+    """Every tensor 2-D, or every one 3-D (a leading batch axis of one size)."""
+    given = [(n, t) for n, t in tensors.items() if t is not None]
+    ranks = {len(t.shape) for _, t in given}
+    if len(ranks) > 1 or not ranks <= {2, 3}:
+        shapes = ", ".join(f"{n} {list(t.shape)}" for n, t in given)
+        raise ShapeMismatchError(f"{op}: the tensors must all be 2-D or all 3-D (a batch axis first), got {shapes}")
+    if ranks == {3} and len({t.shape[0] for _, t in given if t.shape[0] >= 0}) > 1:
+        raise ShapeMismatchError(f"{op}: the batch axes differ: " + ", ".join(f"{n} {t.shape[0]}" for n, t in given))
 
 
 def _combine_post(ins: list[TensorDistAttr], outs: list[TensorDistAttr], *args: object) -> Answer:
     """As Paddle, k and h are not sharded together: where k is sharded, h is replicated."""
-    if ins[1].dims_mapping[1] == -1:
+    if ins[1].dims_mapping[-1] == -1:
         return ins, outs
     x, y = ins[0], outs[0]
-    return ((make_attr(x.mesh, (x.dims_mapping[0], -1)), *ins[1:]),
-            (make_attr(y.mesh, (y.dims_mapping[0], -1), y.partial),))  # fmt: skip
+    return ((make_attr(x.mesh, (*x.dims_mapping[:-1], -1)), *ins[1:]),
+            (make_attr(y.mesh, (*y.dims_mapping[:-1], -1), y.partial),))  # fmt: skip
 
 
 def _combine_grad_post(ins: Any, outs: Any, *args: object) -> Answer:
@@ -83,35 +112,58 @@ def _no_partial(ins: Any, outs: Any, *args: object) -> Answer:
     return ins, tuple(None if a is None else unpartial(a) for a in outs)
 
 
-_COMBINE_SHAPES = "x: _ _; combine_weights: _ _; scatter_index: _ _"
+def _combine_ranks(op: str, x: DistTensorSpec, combine_weights: DistTensorSpec, scatter_index: DistTensorSpec) -> None:
+    _batch_rank(op, x=x, combine_weights=combine_weights, scatter_index=scatter_index)
+
+
+def _combine_grad_ranks(op: str, x: DistTensorSpec, combine_weights: DistTensorSpec, scatter_index: DistTensorSpec,
+                        grad_y: DistTensorSpec) -> None:
+    _batch_rank(op, x=x, combine_weights=combine_weights, scatter_index=scatter_index, grad_y=grad_y)
+
+
+def _dispatch_ranks(op: str, x: DistTensorSpec, gate_logits: DistTensorSpec) -> None:
+    _batch_rank(op, x=x, gate_logits=gate_logits)
+
+
+def _dispatch_grad_ranks(op: str, combine_weights: DistTensorSpec, scatter_index: DistTensorSpec,
+                         expert_id: DistTensorSpec, grad_combine_weights: DistTensorSpec, grad_y: DistTensorSpec) -> None:
+    _batch_rank(op, combine_weights=combine_weights, scatter_index=scatter_index, expert_id=expert_id,
+                grad_combine_weights=grad_combine_weights)
+    if len(grad_y.shape) != len(combine_weights.shape) + 1:
+        raise ShapeMismatchError(f"{op}: grad_y {list(grad_y.shape)} must have one axis more than combine_weights "
+                                 f"{list(combine_weights.shape)}")
+
+
+_COMBINE_SHAPES = "x: ... _ _; combine_weights: ... _ _; scatter_index: ... _ _"
 _DISPATCH_ATTRS = ("k >= 1", "capacity >= 0")
 
 
 def _experts(op: str, gate_logits: DistTensorSpec, k: int) -> None:
-    if 0 <= gate_logits.shape[1] < k:
-        raise InvalidAttributeError(f"{op}: k {k} exceeds the number of experts {gate_logits.shape[1]}")
+    if 0 <= gate_logits.shape[-1] < k:
+        raise InvalidAttributeError(f"{op}: k {k} exceeds the number of experts {gate_logits.shape[-1]}")
 
 
 declare(
     "moe_combine", "x: T, combine_weights: T, scatter_index: T",
-    Way(lambda: _COMBINE, key=lambda *a: (), shapes=_COMBINE_SHAPES, letters=True, post=_combine_post,
+    Way(_combine, key="x", shapes=_COMBINE_SHAPES, letters=True, post=_combine_post, check=_combine_ranks,
         paddle="MoECombineInferSpmd", doc="moe_combine (MoECombineInferSpmd): rows of x replicated (gathered "
         "through scatter_index), s and h follow the inputs; y partial SUM over k's mesh dims."),
-    grad=Way(lambda: _COMBINE_GRAD, key=lambda *a: (), shapes=_COMBINE_SHAPES + "; grad_y: _ _",
-             letters=True, post=_combine_grad_post, paddle="MoECombineGradInferSpmd",
+    grad=Way(_combine_grad, key="x", shapes=_COMBINE_SHAPES + "; grad_y: ... _ _",
+             letters=True, post=_combine_grad_post, check=_combine_grad_ranks, paddle="MoECombineGradInferSpmd",
              doc="moe_combine_grad (MoECombineGradInferSpmd): x rows and k replicated; grad_x scatters the rows a "
                  "rank holds (partial SUM over s), grad_combine_weights sums over h (partial SUM over h)."),
     grad_signature="x: T, combine_weights: T, scatter_index: T, grad_y: T", grad_name="moe_combine_grad",
 )  # fmt: skip
 declare(
     "moe_gate_dispatch", "x: T, gate_logits: T, corr_bias: T?, k: int, capacity: int, use_pad: bool",
-    Way(_dispatch, key="corr_bias", require=_DISPATCH_ATTRS, shapes="x: _ _; gate_logits: _ _; corr_bias: _",
-        check=_experts, letters=True, post=_no_partial,
+    Way(_dispatch, key="x, corr_bias", require=_DISPATCH_ATTRS,
+        shapes="x: ... _ _; gate_logits: ... _ _; corr_bias: _", check=(_dispatch_ranks, _experts), letters=True,
+        post=_no_partial,
         paddle="MoEGateDispatchInferSpmd", doc="moe_gate_dispatch (MoEGateDispatchInferSpmd): one global "
         "dispatch: only h keeps its sharding (x -> y); nothing partial."),
-    grad=Way(lambda: _DISPATCH_GRAD, key=lambda *a: (), letters=True, post=_no_partial, require=_DISPATCH_ATTRS,
-             shapes="combine_weights: _ _; scatter_index: _ _; expert_id: _ _; grad_y: _ _ _; "
-                    "grad_combine_weights: _ _", paddle="MoEGateDispatchGradInferSpmd",
+    grad=Way(_dispatch_grad, key="combine_weights", letters=True, post=_no_partial, require=_DISPATCH_ATTRS,
+             shapes="combine_weights: ... _ _; scatter_index: ... _ _; expert_id: ... _ _; grad_y: ... _ _ _; "
+                    "grad_combine_weights: ... _ _", check=_dispatch_grad_ranks, paddle="MoEGateDispatchGradInferSpmd",
              doc="moe_gate_dispatch_grad (MoEGateDispatchGradInferSpmd): s and h follow the inputs; k, e and c "
                  "replicated (grad_x gathers rows of grad_y through scatter_index); nothing partial."),
     grad_signature="combine_weights: T, scatter_index: T, expert_id: T, grad_y: T, grad_combine_weights: T, "
@@ -124,34 +176,40 @@ declare(
 
 def _combine_shape(a: Args) -> list[Expect]:
     x, w = a.s("x"), a.s("combine_weights")
-    if len(x) != 2 or not w:
+    if len(x) not in (2, 3) or len(w) != len(x):
         raise UnknownShape
-    return [(w[0], x[1])]
+    return [(*w[:-1], x[-1])]
 
 
 def _dispatch_shape(a: Args) -> list[Expect]:
     """x [S, H], gate_logits [S, E], k, capacity: y [E, capacity, H] (the padded layout, the
     rule's rank-3 answer), combine_weights and expert_id [S, k], scatter_index [k, S],
-    expert_offset [E]."""
+    expert_offset [E]; batched (x [B, S, H]): each with B first."""
     x, gl = a.s("x"), a.s("gate_logits")
     k, cap = a.a("k"), a.a("capacity")
-    if len(x) != 2 or len(gl) != 2 or not isinstance(k, int) or not isinstance(cap, int):
+    if len(x) not in (2, 3) or len(gl) != len(x) or not isinstance(k, int) or not isinstance(cap, int):
         raise UnknownShape
-    s, e = gl
-    y: Expect = (e, cap, x[1]) if a.nd(0) == 3 else None
-    return [y, (s, k), (k, s), (e,), (s, k)]
+    *b, s, e = gl
+    y: Expect = (*b, e, cap, x[-1]) if a.nd(0) == len(x) + 1 else None
+    return [y, (*b, s, k), (*b, k, s), (*b, e), (*b, s, k)]
 
 
 def _dispatch_grad_shape(a: Args) -> list[Expect]:
-    """grad_x [S, H] and grad_gate_logits [S, E] from combine_weights [S, k] and grad_y [E, C, H]."""
+    """grad_x [S, H] and grad_gate_logits [S, E] from combine_weights [S, k] and grad_y [E, C, H]
+    (batched: each with B first)."""
     cw, gy = a.s("combine_weights"), a.s("grad_y")
-    if len(cw) != 2 or len(gy) != 3:
+    if len(cw) not in (2, 3) or len(gy) != len(cw) + 1:
         raise UnknownShape
-    return [(cw[0], gy[2]), (cw[0], gy[0])]
+    return [(*cw[:-1], gy[-1]), (*cw[:-1], gy[-3])]
 
 
-facts("moe_combine", shape=_combine_shape)
-facts("moe_gate_dispatch", shape=_dispatch_shape,
+# autodiff: the outputs by name (no reverse rule names them); the grads of x, combine_weights and
+# scatter_index (zero: a builder reads the index through an op it does not record, so none is made)
+# / of x and gate_logits
+facts("moe_combine", shape=_combine_shape, grad="moe_combine_grad", wrt=("x", "combine_weights", "scatter_index"),
+      outputs=("y",))
+facts("moe_gate_dispatch", shape=_dispatch_shape, grad="moe_gate_dispatch_grad", wrt=("x", "gate_logits"),
+      outputs=("y", "combine_weights", "scatter_index", "expert_offset", "expert_id"),
       unchecked="y is checked in the padded layout only (the rule's rank-3 answer, [E, capacity, H])")
 facts("moe_gate_dispatch_grad", shape=_dispatch_grad_shape)
 facts("moe_combine_grad", grad_like=("x", "combine_weights", "scatter_index"))

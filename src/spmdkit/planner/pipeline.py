@@ -1,9 +1,13 @@
 """Pipeline parallelism over a ``pp`` mesh dim: stages, schedules, bubble, send/recv, memory.
 
 A mesh with a ``pp`` dim (``--mesh pp=4,dp=8,tp=8``) splits the decoder layers into ``p``
-stages (``p * v`` virtual stages with ``--virtual-stages v``): evenly by default, or as
-``--stages 20,20,20,20``. The embedding goes with the first stage, the final norm, LM head
-and loss with the last; a parameter's optimizer update with the stage of the parameter.
+stages (``p * v`` virtual stages with ``--virtual-stages v``): evenly by default, balanced by
+cost where they do not divide (:func:`auto_counts`: Llama 3.1 405B's 126 layers on 16 stages
+7, 8 x 14, 7), or as ``--stages 20,20,20,20``. The embedding goes with the first stage, the
+final norm, LM head and loss with the last; a parameter's optimizer update with the stage of
+the parameter. Every model source is cut the same way (:func:`plan_pipeline_source`): its
+layers are the op labels that end in a number (a preset's ``layer 3``, an imported model's
+``model.layers.3``, a program file's own), :func:`op_units`.
 
 Planning. No tensor is ever sharded over ``pp`` (a stage holds its layers whole, and the
 other stages hold none of them), so the sharding inside a stage is independent of the pp
@@ -47,7 +51,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from spmdkit.core.errors import ProgramError
@@ -55,7 +59,7 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import Step
 from spmdkit.cost.band import error_band
 from spmdkit.cost.collectives import Fabric, Group, collective_time
-from spmdkit.cost.compute import model_flops
+from spmdkit.cost.compute import guess_tokens, model_flops, op_cost
 from spmdkit.cost.devices import Device
 from spmdkit.cost.memory import (
     MICROBATCH,
@@ -70,17 +74,18 @@ from spmdkit.cost.memory import (
     value_inputs,
     with_overheads,
 )
-from spmdkit.cost.step import Bucket, Reducer, op_communication, param_gather_time
+from spmdkit.cost.step import Bucket, OpComm, Reducer, op_communication, param_gather_time
+from spmdkit.models.source import HFModel, Loaded, ModelSource, Preset, ProgramFile, load
 from spmdkit.models.zoo import Model, preset
-from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, parse_size, plan_model
+from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, parse_size, plan_preset, plan_program
 from spmdkit.program.ir import Program
 from spmdkit.program.plan import Plan
-from spmdkit.strategies.strategy import parse_mesh
+from spmdkit.strategies.strategy import parse_mesh, parse_strategy
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 _SCHEDULE_ALIASES = {"interleaved-1f1b": "interleaved", "interleaved1f1b": "interleaved", "1F1B": "1f1b",
                      "GPipe": "gpipe"}
-_LAYER = re.compile(r"layer (\d+)$")
+_NUMBERED = re.compile(r"\d+$")
 MAX_MICROBATCHES = 1 << 16
 #: The most (virtual stage, microbatch) pairs a schedule simulates (about a second of Python).
 MAX_UNITS = 1 << 19
@@ -129,8 +134,11 @@ def parse_spec(pp: int, microbatches: Any = None, schedule: Any = None, virtual:
     return PipelineSpec(pp, m, sched, v or 1, counts)
 
 
-def split_layers(n_layers: int, spec: PipelineSpec) -> tuple[int, ...]:
-    """Layers per virtual stage (``pp * virtual`` of them)."""
+def split_layers(n_layers: int, spec: PipelineSpec, balance: Callable[[int], tuple[int, ...]] | None = None
+                 ) -> tuple[int, ...]:
+    """Layers per virtual stage (``pp * virtual`` of them): ``--stages`` as given, else evenly;
+    layers that do not divide evenly are split by ``balance(n)`` (:func:`balanced_split` over
+    the planned costs, :func:`auto_counts`), or refused without one."""
     n = spec.pp * spec.virtual
     what = f"pp={spec.pp}" + (f" x {spec.virtual} virtual stages" if spec.virtual > 1 else "")
     if n_layers < n:
@@ -143,6 +151,8 @@ def split_layers(n_layers: int, spec: PipelineSpec) -> tuple[int, ...]:
                                f"the model's {n_layers} layers")
         return spec.stages
     if n_layers % n:
+        if balance is not None:
+            return balance(n)
         raise ProgramError(f"--mesh {what}: {n_layers} layers do not divide evenly into {n} stages "
                            f"(give --stages, e.g. {','.join(map(str, even_split(n_layers, n)))})")
     return (n_layers // n,) * n
@@ -153,36 +163,137 @@ def even_split(total: int, n: int) -> list[int]:
     return [total // n + (1 if i < total % n else 0) for i in range(n)]
 
 
-def op_stages(prog: Program, counts: tuple[int, ...]) -> list[int]:
-    """The virtual stage of every op: from its ``layer`` tag (embedding first, head last), an
-    optimizer update with its parameter's stage, an untagged op with the op before it."""
+def balanced_split(layer_costs: list[float], n: int, first: float = 0.0, last: float = 0.0) -> tuple[int, ...]:
+    """The layers (each of cost ``layer_costs[i]``) cut into ``n`` contiguous stages of at
+    least one layer, the first stage also paying ``first`` (the embedding), the last ``last``
+    (the final norm, the head and the loss), so that the costliest stage is as cheap as it can
+    be (binary search on that bound, each bound checked by packing the stages greedily).
+    Among the splits that reach it, the layers go to the middle stages first: the last stage
+    packed from the back, then the middle ones, the first stage taking what is left (fewer
+    layers on the first stage, which also keeps the most microbatches in flight), as Megatron
+    users split Llama 3.1 405B's 126 layers on 16 stages: 7, 8 x 14, 7."""
+    L = len(layer_costs)
+    if not 1 <= n <= L:
+        raise ProgramError(f"--stages: {L} layers cannot fill {n} stages (each needs at least one layer)")
+    tol = 1e-9 * (sum(layer_costs) + first + last + 1e-300)
+
+    def pack(bound: float) -> list[int] | None:
+        """Counts, stage n-1 first, each stage as full as ``bound`` allows (None: does not fit)."""
+        counts: list[int] = []
+        hi = L  # layers [0, hi) not yet placed
+        for k in range(n - 1, 0, -1):
+            cost, c = (last if k == n - 1 else 0.0), 0
+            while hi - c > k and (c == 0 or cost + layer_costs[hi - c - 1] <= bound + tol):
+                cost += layer_costs[hi - c - 1]
+                c += 1
+            if cost > bound + tol:
+                return None
+            counts.append(c)
+            hi -= c
+        if first + sum(layer_costs[:hi]) + (last if n == 1 else 0.0) > bound + tol:
+            return None
+        counts.append(hi)
+        return counts[::-1]
+
+    lo_b = max(max(layer_costs), first + layer_costs[0], last + layer_costs[-1])
+    hi_b = sum(layer_costs) + first + last
+    best = pack(hi_b)
+    for _ in range(100):
+        if hi_b - lo_b <= tol:
+            break
+        mid = (lo_b + hi_b) / 2
+        got = pack(mid)
+        if got is None:
+            lo_b = mid
+        else:
+            best, hi_b = got, mid
+    got = pack(lo_b)
+    out = got if got is not None else best
+    assert out is not None and sum(out) == L
+    return tuple(out)
+
+
+def layer_tags(prog: Program) -> list[str]:
+    """The program's transformer layers: the distinct ``layer`` labels of its forward ops that
+    end in a number (``layer 3`` of a preset, ``model.layers.3`` or ``transformer.h.3`` of an
+    imported model, the module path up to its block's number), in the order the forward
+    reaches them."""
+    seen: dict[str, None] = {}
+    for op in prog.ops:
+        if op.phase == "forward" and op.layer not in seen and _NUMBERED.search(op.layer):
+            seen[op.layer] = None
+    return list(seen)
+
+
+def op_units(prog: Program) -> tuple[list[int], int]:
+    """(each op's layer, the count of layers): the index in :func:`layer_tags` of its label; -1
+    for the embedding (``embedding``, and an unnumbered op before the first layer's); the count
+    for the head (``head``); an optimizer update its parameter's; any other op the unit of the
+    op before it (the final norm, the head and the loss follow the last layer; in the backward,
+    the embedding's gradient follows the first layer's)."""
+    index = {t: k for k, t in enumerate(layer_tags(prog))}
+    n = len(index)
+    out: list[int] = []
+    param_unit: dict[str, int] = {}
+    prev = -1
+    for op in prog.ops:
+        tag = op.layer
+        u = index.get(tag)
+        if u is None:
+            if tag == "embedding":
+                u = -1
+            elif tag == "head":
+                u = n
+            elif op.phase == "optimizer":
+                u = next((param_unit[x] for x in op.input_names() if x in param_unit), prev)
+            else:
+                u = prev
+        if op.phase == "forward":
+            for x in op.input_names():
+                if prog.tensors[x].kind == "parameter":
+                    param_unit.setdefault(x, u)
+        out.append(u)
+        prev = u
+    return out, n
+
+
+def op_stages(prog: Program, counts: tuple[int, ...], units: tuple[list[int], int] | None = None) -> list[int]:
+    """The virtual stage of every op (:func:`op_units`: the embedding with the first stage, the
+    head and the loss with the last, an optimizer update with its parameter's stage)."""
+    unit, n_layers = units if units is not None else op_units(prog)
     last = len(counts) - 1
     of_layer: list[int] = []
     for s, c in enumerate(counts):
         of_layer.extend([s] * c)
-    out: list[int] = []
-    param_stage: dict[str, int] = {}
-    prev = 0
-    for op in prog.ops:
-        tag = op.layer
-        m = _LAYER.match(tag)
-        if m is not None and int(m.group(1)) < len(of_layer):
-            s = of_layer[int(m.group(1))]
-        elif tag == "embedding":
-            s = 0
-        elif tag == "head":
-            s = last
-        elif op.phase == "optimizer":
-            s = next((param_stage[n] for n in op.input_names() if n in param_stage), prev)
-        else:
-            s = prev
-        if op.phase == "forward":
-            for n in op.input_names():
-                if prog.tensors[n].kind == "parameter":
-                    param_stage.setdefault(n, s)
-        out.append(s)
-        prev = s
-    return out
+    of_layer.extend([last] * max(0, n_layers - len(of_layer)))
+    return [0 if u < 0 else (of_layer[u] if u < n_layers else last) for u in unit]
+
+
+def auto_counts(plan: Plan, n: int, op_times: list[float] | None = None,
+                units: tuple[list[int], int] | None = None) -> tuple[int, ...]:
+    """Layers per stage for ``n`` stages, balanced by cost (:func:`balanced_split`): each
+    layer's, the embedding's and the head's forward and backward time (``op_times``, one per
+    op: :func:`spmdkit.cost.step.op_communication`'s compute and wait) or, without times, their
+    FLOPs (:func:`spmdkit.cost.compute.op_cost`)."""
+    unit, n_layers = units if units is not None else op_units(plan.program)
+    costs = [0.0] * (n_layers + 2)  # the embedding, the layers, the head
+    for i, op in enumerate(plan.program.ops):
+        if op.phase == "optimizer":
+            continue
+        costs[unit[i] + 1] += op_times[i] if op_times is not None else op_cost(plan, i).flops
+    return balanced_split(costs[1:-1], n, costs[0], costs[-1])
+
+
+def split_note(counts: tuple[int, ...], n_layers: int, spec: PipelineSpec, timed: bool = True) -> str | None:
+    """The one-line note of a split chosen for layers that do not divide into the stages
+    (None when they do, or ``--stages`` gave it); ``timed``: balanced by predicted time, else
+    by FLOPs."""
+    n = len(counts)
+    if spec.stages is not None or n_layers % n == 0:
+        return None
+    return (f"note: {n_layers} layers do not divide evenly into {n} stages: split {','.join(map(str, counts))} "
+            f"(balanced by {'predicted time' if timed else 'FLOPs'}: the first stage also holds the embedding, the "
+            f"last the head and the loss; --stages overrides)")
 
 
 # -- schedules ----------------------------------------------------------------------------------
@@ -339,11 +450,12 @@ class StageCost:
 
 
 def stage_costs(plan: Plan, stages: list[int], counts: tuple[int, ...], device: Device | None = None,
-                recompute: str = "none") -> list[StageCost]:
+                recompute: str = "none", oc: OpComm | None = None) -> list[StageCost]:
     """Per stage: parameters, gradients and states, the stash and working peak of one
     microbatch, the bytes sent, and (``device``) the times. ``recompute`` (none, selective,
     full; :func:`spmdkit.cost.memory.saved_activations`): the activations a recomputed region makes are not
-    stashed (they are made again), and its ops' times go to ``recompute_s``."""
+    stashed (they are made again), and its ops' times go to ``recompute_s``. ``oc``: the ops'
+    times on ``device`` when already computed (:func:`spmdkit.cost.step.op_communication`)."""
     saved = saved_activations(plan, recompute)
     out = [StageCost(c) for c in counts]
     nbytes = _LocalBytes(plan)
@@ -357,7 +469,7 @@ def stage_costs(plan: Plan, stages: list[int], counts: tuple[int, ...], device: 
     for s, d in enumerate(activation_deltas(plan, saved, stages, len(out))):
         out[s].working_peak, out[s].peak_op, _ = peak_of(d)
     if device is not None:
-        _stage_times(plan, stages, out, device, {j for r in saved.recomputed for j in r})
+        _stage_times(plan, stages, out, oc or op_communication(plan, device), {j for r in saved.recomputed for j in r})
     return out
 
 
@@ -432,10 +544,13 @@ def _stash_and_sends(plan: Plan, stages: list[int], out: list[StageCost], nbytes
     what one microbatch keeps for the backward (``saved``: the forward tensors a backward op
     reads the values of, less those recomputation makes again, at the size they are kept in),
     held by each stage whose backward reads it (a stage keeps the input it received; Megatron-LM
-    frees the output it sent)."""
+    frees the output it sent). A tensor made from the data and constants alone, no parameter
+    (an imported model's attention mask, its rotary cos and sin) is not sent: each stage makes
+    its own, as each stage of Megatron-LM makes its masks and rotary tables."""
     prog = plan.program
     crossing: dict[str, tuple[int, int]] = {}
     readers: dict[str, set[int]] = {}
+    local: set[str] = set()  # made without a parameter, from the data and constants
     for i, op in enumerate(prog.ops):
         b = stages[i]
         if op.phase == "backward":
@@ -443,9 +558,12 @@ def _stash_and_sends(plan: Plan, stages: list[int], out: list[StageCost], nbytes
                 readers.setdefault(nm, set()).add(b)
         if op.phase != "forward":
             continue
-        for nm in op.input_names():
+        ins = op.input_names()
+        if all(nm in local or (nm not in producer and prog.tensors[nm].kind != "parameter") for nm in ins):
+            local.update(op.output_names())
+        for nm in ins:
             j = producer.get(nm)
-            if j is None or not transient(nm):
+            if j is None or not transient(nm) or nm in local:
                 continue
             a = stages[j]
             if prog.ops[j].phase == "forward" and b > a:
@@ -464,12 +582,11 @@ def _stash_and_sends(plan: Plan, stages: list[int], out: list[StageCost], nbytes
             out[k + 1].send_grad_bytes += gsize
 
 
-def _stage_times(plan: Plan, stages: list[int], out: list[StageCost], device: Device, rerun: set[int]) -> None:
+def _stage_times(plan: Plan, stages: list[int], out: list[StageCost], oc: OpComm, rerun: set[int]) -> None:
     """Each stage's forward, backward, recomputation and optimizer times (each op's compute and
     the communication it waits on: :func:`spmdkit.cost.step.op_communication`, the step's own
     model), its gradient reductions (where in its backward each gradient is made) and their
     time in buckets (:class:`spmdkit.cost.step.Reducer`), on ``device``."""
-    oc = op_communication(plan, device)
     made: list[list[tuple[float, str, Step, int, str]]] = [[] for _ in out]
     gathers: list[list[tuple[tuple[int, ...], float, int]]] = [[] for _ in out]
     for i, op in enumerate(plan.program.ops):
@@ -535,6 +652,8 @@ class PipelineEstimate:
     device_name: str = ""
     device_memory: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    #: the one-line note of a split chosen for layers that do not divide into the stages
+    note: str | None = None
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -558,7 +677,7 @@ class PipelineEstimate:
         s = self.spec
         out: dict[str, Any] = {
             "pp": s.pp, "microbatches": s.microbatches, "schedule": s.schedule, "virtual_stages": s.virtual,
-            "layers_per_stage": list(self.counts), "bubble_formula": bubble_formula(s.schedule, s.pp, s.virtual,
+            "layers_per_stage": list(self.counts), "split_note": self.note, "bubble_formula": bubble_formula(s.schedule, s.pp, s.virtual,
                                                                                     s.microbatches),
             "pp_link": {"latency_s": self.pp_link[0], "s_per_byte": self.pp_link[1]},
             "stages": [{**st.to_json(), "send_s": self.send_f_s[k], "send_grad_s": self.send_b_s[k - 1] if k else 0.0}
@@ -578,7 +697,7 @@ class PipelineEstimate:
         return out
 
 
-def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...], device: Device | None = None,
+def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | None, device: Device | None = None,
                       pp_link: tuple[float, float] = (20e-6, 1 / 25e9), tokens: int | None = None,
                       ranks: int | None = None, recompute_forward: bool = False,
                       recompute: str = "none") -> PipelineEstimate:
@@ -590,10 +709,19 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...], d
     added to its backward (:func:`stage_costs`); ``microbatch`` (Korthikanti et al. 2022,
     App. C): each rank keeps every activation of as many of its in-flight microbatches as fit
     in ``device``'s memory and recomputes the attention core of the others, its backward
-    paying the selective recomputation for that share of its microbatches."""
+    paying the selective recomputation for that share of its microbatches. ``counts`` None:
+    the layers split by :func:`auto_counts` (by time on ``device``, else by FLOPs), the split
+    named in the estimate's ``note``."""
     p, v, m = spec.pp, spec.virtual, spec.microbatches
-    stages = op_stages(plan.program, counts)
-    costs = stage_costs(plan, stages, counts, device, per_microbatch_mode(recompute))
+    units = op_units(plan.program)
+    oc = op_communication(plan, device) if device is not None else None
+    note = None
+    if counts is None:
+        times = [a + b for a, b in zip(oc.compute, oc.wait)] if oc is not None else None
+        counts = split_layers(units[1], spec, balance=lambda n: auto_counts(plan, n, times, units))
+        note = split_note(counts, units[1], spec, times is not None)
+    stages = op_stages(plan.program, counts, units)
+    costs = stage_costs(plan, stages, counts, device, per_microbatch_mode(recompute), oc)
     n = p * v
     send = _sender(p, pp_link, device)
 
@@ -606,14 +734,14 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...], d
         whole = stage_costs(plan, stages, counts, None, "none")
         cap = device.memory_bytes if device is not None else 0
         for r in range(p):
-            units = max(1, round(flight[r] * v))
+            chunks = max(1, round(flight[r] * v))
             mine, full = [costs[c * p + r] for c in range(v)], [whole[c * p + r] for c in range(v)]
-            for kept in range(units, 0, -1):  # the most microbatch-chunks kept whole that fit
+            for kept in range(chunks, 0, -1):  # the most microbatch-chunks kept whole that fit
                 got = _rank_memory(plan, mine, flight[r], p, v, kept, full)
                 if got.device_total <= cap:
-                    mems[r], recomputed[r] = got, 1.0 - kept / units
+                    mems[r], recomputed[r] = got, 1.0 - kept / chunks
                     break
-    est = PipelineEstimate(spec, counts, costs, pp_link, send_f, send_b, flight, mems)
+    est = PipelineEstimate(spec, counts, costs, pp_link, send_f, send_b, flight, mems, note=note)
     if recompute == MICROBATCH:
         est.extra["microbatch_recompute"] = {"recomputed_share": recomputed}
     if device is None:
@@ -730,28 +858,106 @@ def sub_mesh_text(mesh: ProcessMesh) -> tuple[int, str]:
     return pp, ",".join(f"{a}={b}" for a, b in zip(names, sizes))
 
 
-def plan_pipeline(model_name: str, mesh_text: str, strategy_text: str, spec_args: dict[str, Any],
-                  overrides: dict[str, Any] | None = None, user: dict[str, Any] | None = None,
-                  cost_text: str | None = None) -> tuple[Model, Plan, PipelineSpec, tuple[int, ...], float]:
-    """(model, plan of one microbatch on the sub-mesh, spec, layers per virtual stage, seconds)."""
+@dataclass
+class PipelinePlan:
+    """A model planned for a pipeline: the plan of ONE microbatch's step on the sub-mesh
+    without pp, the pipeline's spec, its layers and their split (None: layers that do not
+    divide into the stages, balanced by :func:`estimate_pipeline` over the plan's costs)."""
+
+    loaded: Loaded
+    plan: Plan
+    spec: PipelineSpec
+    layers: int
+    counts: tuple[int, ...] | None
+    seconds: float
+    #: tokens per step (every microbatch), None where the program has no token input
+    tokens: int | None
+    #: sequences per microbatch and per step
+    microbatch: int | None = None
+    batch: int | None = None
+
+
+def _no_layers(prog: Program, pp: int) -> ProgramError:
+    labels = sorted({op.layer for op in prog.ops if op.phase == "forward"})
+    return ProgramError(f"--mesh pp={pp}: the program has no numbered layers to cut into stages (a pipeline cuts "
+                        f"between the groups of ops whose layer label ends in a number, e.g. 'layer 3' or "
+                        f"'model.layers.3'; its labels: {', '.join(repr(x) for x in labels[:6]) or 'none'})")
+
+
+def plan_pipeline_source(source: ModelSource, mesh_text: str, strategy_text: str | None, spec_args: dict[str, Any],
+                         user: dict[str, Any] | None = None, cost_text: str | None = None,
+                         patterns: Any = None) -> PipelinePlan:
+    """A pipeline of ``source`` on ``mesh_text`` (its ``pp`` dim): a preset (its sizes
+    overridden as ``source`` says; without a batch each microbatch is the preset's batch), an
+    HF model (``source.batch`` the whole step's, cut into the microbatches) or a program file
+    (the step of one microbatch as it is). Each is cut into stages by its ops' layer labels
+    (:func:`op_stages`), the same way."""
     t0 = time.perf_counter()
     mesh = parse_mesh(mesh_text)
     pp, sub = sub_mesh_text(mesh)
     spec = parse_spec(pp, **spec_args)
-    cfg = preset(model_name)
-    ov = dict(overrides or {})
-    layers = parse_size("--layers", ov.get("layers"), MAX_LAYERS) or cfg.layers
-    given = parse_size("--batch", ov.get("batch"), MAX_SIZE)
-    # without --batch, each microbatch is the preset's batch (the step is m of them)
-    batch = given or cfg.batch * spec.microbatches
-    counts = split_layers(layers, spec)
-    if batch % spec.microbatches:
-        raise ProgramError(f"--microbatches {spec.microbatches}: does not divide the batch {batch} "
-                           f"(each microbatch is batch / microbatches sequences)")
-    ov.update(layers=layers, batch=batch // spec.microbatches)
+    m = spec.microbatches
     cost = pp_cost_text(cost_text, mesh)
-    model, plan, _ = plan_model(model_name, sub, strategy_text, ov, user, cost)
-    return model, plan, spec, counts, time.perf_counter() - t0
+    strategy = strategy_text or ("megatron" if not isinstance(source, ProgramFile) else None)
+    if isinstance(source, Preset):
+        cfg = preset(source.name)
+        layers = parse_size("--layers", source.layers, MAX_LAYERS) or cfg.layers
+        given = parse_size("--batch", source.batch, MAX_SIZE)
+        batch = given or cfg.batch * m  # without --batch, each microbatch is the preset's batch
+        split_layers(layers, spec, balance=lambda n: (1,) * n)  # a bad --stages refused before planning
+        _check_batch(batch, m)
+        over = {"layers": layers, "batch": batch // m, "seq": source.seq}
+        loaded, plan, _ = plan_preset(source.name, sub, strategy or "megatron", over, user, cost)
+        assert loaded.model is not None
+        c = loaded.model.config
+        tokens: int | None = c.batch * c.seq * m
+        mb: int | None = c.batch
+    else:
+        if isinstance(source, HFModel):
+            _check_batch(source.batch, m)
+            parse_strategy(strategy or "megatron", parse_mesh(sub))  # a bad mesh / strategy before importing
+            source = replace(source, batch=source.batch // m)
+        loaded = load(source)
+        layers = len(layer_tags(loaded.program))
+        if layers == 0:
+            raise _no_layers(loaded.program, pp)
+        split_layers(layers, spec, balance=lambda n: (1,) * n)
+        _prog, plan = plan_program(loaded.program, sub, strategy, user, patterns, cost)
+        one = guess_tokens(plan.program)
+        tokens = one * m if one else None
+        mb = _batch_of(plan.program)
+    counts = split_layers(layers, spec) if layers % (spec.pp * spec.virtual) == 0 or spec.stages else None
+    return PipelinePlan(loaded, plan, spec, layers, counts, time.perf_counter() - t0, tokens, mb,
+                        mb * m if mb else None)
+
+
+def _check_batch(batch: int, m: int) -> None:
+    if batch % m:
+        raise ProgramError(f"--microbatches {m}: does not divide the batch {batch} "
+                           f"(each microbatch is batch / microbatches sequences)")
+
+
+def _batch_of(prog: Program) -> int | None:
+    """Sequences per step of a program: the leading size of its token input."""
+    for t in prog.tensors.values():
+        if t.kind == "input" and (t.name in ("tokens", "input_ids") or (t.dtype in ("int64", "int32")
+                                                                        and len(t.shape) == 2)):
+            return t.shape[0]
+    return None
+
+
+def plan_pipeline(model_name: str, mesh_text: str, strategy_text: str, spec_args: dict[str, Any],
+                  overrides: dict[str, Any] | None = None, user: dict[str, Any] | None = None,
+                  cost_text: str | None = None) -> tuple[Model, Plan, PipelineSpec, tuple[int, ...], float]:
+    """(model, plan of one microbatch on the sub-mesh, spec, layers per virtual stage, seconds)
+    of the preset ``model_name`` (:func:`plan_pipeline_source`; layers that do not divide into
+    the stages balanced by FLOPs)."""
+    ov = dict(overrides or {})
+    got = plan_pipeline_source(Preset(model_name, ov.get("layers"), ov.get("batch"), ov.get("seq")), mesh_text,
+                               strategy_text, spec_args, user, cost_text)
+    assert got.loaded.model is not None
+    counts = got.counts or auto_counts(got.plan, got.spec.pp * got.spec.virtual)
+    return got.loaded.model, got.plan, got.spec, counts, got.seconds
 
 
 def pp_cost_text(cost_text: str | None, mesh: ProcessMesh | None) -> str | None:
@@ -763,7 +969,7 @@ def pp_cost_text(cost_text: str | None, mesh: ProcessMesh | None) -> str | None:
     return ",".join(parts) or None
 
 
-__all__ = ["SCHEDULES", "PipelineEstimate", "PipelineSpec", "ScheduleRun", "StageCost", "bubble_formula",
-           "estimate_pipeline", "even_split", "in_flight", "op_stages", "parse_spec", "plan_pipeline", "pp_cost_text",
-           "reduce_gradients",
-           "run_schedule", "schedule_order", "split_layers", "stage_costs", "sub_mesh_text"]
+__all__ = ["SCHEDULES", "PipelineEstimate", "PipelinePlan", "PipelineSpec", "ScheduleRun", "StageCost", "auto_counts",
+           "balanced_split", "bubble_formula", "estimate_pipeline", "even_split", "in_flight", "layer_tags", "op_stages",
+           "op_units", "parse_spec", "plan_pipeline", "plan_pipeline_source", "pp_cost_text", "reduce_gradients",
+           "run_schedule", "schedule_order", "split_layers", "split_note", "stage_costs", "sub_mesh_text"]

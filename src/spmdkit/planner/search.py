@@ -1,7 +1,8 @@
 """The outer search of issue 16: N devices, every mesh factorisation and strategy, the best plans.
 
 :func:`search_meshes` (``spmdkit plan --devices N``) walks every factorisation ``dp x tp x pp``
-of N (pp, pipeline parallelism, only for preset models: :mod:`spmdkit.planner.pipeline`; the
+of N (pp, pipeline parallelism, for every model with numbered layers: a preset, a catalog or
+custom model, an imported or a program file's, :mod:`spmdkit.planner.pipeline`; the
 mesh is ``pp=P,dp=D,tp=T``, pp outermost and tp innermost as Megatron-LM lays ranks out, so
 the innermost dims share a node's NVLink); for each it plans the hand strategies
 (:mod:`spmdkit.strategies.strategy`: ``dp`` with ZeRO 0 to 3 where dp > 1, ``megatron`` and
@@ -20,14 +21,18 @@ configuration whose memory per device is over the cap (the device's memory by de
 rejected; the others are ranked by predicted step time.
 
 Which factorisations are tried: dp divides the global batch (each rank a whole number of
-sequences), tp divides the attention heads (Megatron's requirement; a preset only), pp divides
-the layers. A configuration whose planning fails (a rule refusing a sharding, an uneven shard
+sequences), tp divides the attention heads (Megatron's requirement; a preset only), pp is at
+most the layers (layers that do not divide into the stages are split balanced by predicted
+time: :func:`spmdkit.planner.pipeline.auto_counts`). A configuration whose planning fails (a rule refusing a sharding, an uneven shard
 a strategy cannot take, the search finding no solution in its time limit) is kept in
 :attr:`SearchResult.refused` with the reason, never silently dropped.
 
 ``--annotate`` pins in a search index the mesh ``dp, tp`` (dims 0 and 1; a pipeline's pp dim
 holds no tensor). The global batch is the preset's (``--batch``); with pp it is split into the
-microbatches, so every configuration trains the same tokens per step.
+microbatches, so every configuration trains the same tokens per step. A program (imported or
+from a file) is planned as it was traced; with ``reload`` (an HF model: the program imported
+again at a batch) its pipelines are in microbatches as a preset's, without it (a program
+file) a pipeline runs the program's step as one microbatch.
 
 ``progress`` (a :class:`SearchProgress`, e.g. :class:`spmdkit.outputs.progress.Progress`) hears
 of each configuration planned; the search prints nothing (its table: :mod:`spmdkit.outputs.search`;
@@ -37,7 +42,7 @@ of each configuration planned; the search prints nothing (its table: :mod:`spmdk
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -46,13 +51,20 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel
 from spmdkit.cost.compute import guess_tokens
 from spmdkit.cost.devices import Device, cost_model, load_device, recost
-from spmdkit.cost.memory import Memory, memory_per_device
+from spmdkit.cost.memory import Memory, memory_per_device, recompute_regions
 from spmdkit.cost.step import StepEstimate, estimate_step
 from spmdkit.models.hf import dtype_name
 from spmdkit.models.source import import_hf_checked
 from spmdkit.models.zoo import ModelConfig, build_model, preset
 from spmdkit.planner.auto import AutoInfo, auto_plan
-from spmdkit.planner.pipeline import PipelineEstimate, estimate_pipeline, parse_spec, pp_cost_text, split_layers
+from spmdkit.planner.pipeline import (
+    PipelineEstimate,
+    estimate_pipeline,
+    layer_tags,
+    parse_spec,
+    pp_cost_text,
+    split_layers,
+)
 from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, parse_size, plan_model, plan_program
 from spmdkit.program.ir import Program
 from spmdkit.program.plan import Plan
@@ -238,7 +250,7 @@ def _flat_candidates(cfg: Config, plan: Plan, job: _Job, title: str, info: AutoI
     return out
 
 
-def _pipeline_candidates(cfg: Config, plan: Plan, counts: tuple[int, ...], job: _Job, tokens: int, title: str,
+def _pipeline_candidates(cfg: Config, plan: Plan, counts: tuple[int, ...] | None, job: _Job, tokens: int, title: str,
                          cost_text: str | None, info: AutoInfo | None = None) -> list[Candidate]:
     full = parse_mesh(cfg.mesh_text)
     link = _link_cost(full, job, cost_text).links[full.dim_index("pp")]
@@ -277,6 +289,8 @@ class _Sizes:
     tokens: int | None
     heads: int | None
     layers: int | None
+    #: a pipeline's step in microbatches of one sequence per dp rank (else the step whole, m = 1)
+    microbatches: bool = True
 
 
 def _model_sizes(model: str, overrides: Mapping[str, int | None] | None) -> tuple[ModelConfig, _Sizes]:
@@ -301,12 +315,12 @@ def _work(devices: int, pipeline: bool, sizes: _Sizes, given: list[str] | None,
             why = f"dp={dp} does not divide the batch {batch}"
         elif sizes.heads is not None and sizes.heads % tp:
             why = f"tp={tp} does not divide the {sizes.heads} attention heads"
-        elif sizes.layers is not None and sizes.layers % pp:
-            why = f"pp={pp} does not divide the {sizes.layers} layers"
+        elif sizes.layers is not None and sizes.layers < pp:
+            why = f"pp={pp}: {sizes.layers} layers cannot fill {pp} stages"
         names = list(given) if given is not None else hand_strategies(dp, tp)
         if auto:
             names.append("auto")
-        m = (batch // dp) if (pp > 1 and batch) else 1
+        m = (batch // dp) if (pp > 1 and batch and sizes.microbatches) else 1
         if why is not None:
             refused.append((Config(dp, tp, pp, "*", "none", m), why))
             continue
@@ -351,7 +365,7 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
                   overrides: Mapping[str, int | None] | None = None, pins: Mapping[str, Any] | None = None,
                   cost_text: str | None = None, time_limit: float = 30.0, nodes_of: int | None = None,
                   patterns: Any = None, progress: SearchProgress | None = None,
-                  runtime: Runtime | None = None) -> SearchResult:
+                  runtime: Runtime | None = None, reload: Callable[[int], Program] | None = None) -> SearchResult:
     """Search ``devices`` devices for the fastest configuration of ``model`` (a preset name or a
     :class:`spmdkit.program.ir.Program`, e.g. an imported HuggingFace model) that fits in
     ``memory_cap`` bytes per device (default: ``device``'s memory). ``device``: a
@@ -360,13 +374,18 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
     :func:`spmdkit.planner.auto.auto_plan` on each mesh (``time_limit`` seconds each).
     ``recompute``: the modes to try (default all three). ``progress``: told of each
     configuration planned (:class:`SearchProgress`; default none). ``runtime``: precision,
-    framework and TP overlap every plan is priced with (:class:`spmdkit.program.runtime.Runtime`)."""
+    framework and TP overlap every plan is priced with (:class:`spmdkit.program.runtime.Runtime`).
+    ``reload``: a program ``model`` traced again at a batch (the pipelines' microbatches)."""
     t0 = time.perf_counter()
     dev, cap, modes, given = _search_args(devices, device, memory_cap, recompute, strategies, auto, nodes_of)
     cfg_model: ModelConfig | None = None
     if isinstance(model, Program):
-        pipeline = False
-        sizes = _Sizes(_batch_of(model), guess_tokens(model), None, None)
+        layers = len(layer_tags(model))
+        pipeline = pipeline and layers > 1
+        sizes = _Sizes(_batch_of(model), guess_tokens(model), None, layers or None, reload is not None)
+        modes = _applicable_modes(model, modes, recompute is not None)
+        if reload is not None:
+            reload = _cached(reload)
     else:
         cfg_model, sizes = _model_sizes(model, overrides)
     work, refused = _work(devices, pipeline, sizes, given, auto)
@@ -383,7 +402,7 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
         k = len(cands)
         try:
             if isinstance(model, Program):
-                cands += _plan_program_config(cfg, model, job)
+                cands += _plan_program_config(cfg, model, job, sizes, reload)
             else:
                 assert cfg_model is not None
                 cands += _plan_preset_config(cfg, str(model), cfg_model, job)
@@ -426,22 +445,61 @@ def _plan_preset_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> l
     plan = recost(plan, _link_cost(plan.mesh, job, cost_text))
     if cfg.pp == 1:
         return _flat_candidates(cfg, plan, job, title, info)
-    counts = split_layers(mc.layers, parse_spec(cfg.pp, microbatches=cfg.microbatches))
     assert job.tokens is not None
-    return _pipeline_candidates(cfg, plan, counts, job, job.tokens, title, full_cost, info)
+    return _pipeline_candidates(cfg, plan, _counts(mc.layers, cfg), job, job.tokens, title, full_cost, info)
 
 
-def _plan_program_config(cfg: Config, prog: Program, job: _Job) -> list[Candidate]:
-    cost_text = pp_cost_text(job.cost_text, None)  # no pipeline for a program: a pp= entry has nothing to time
+def _counts(layers: int, cfg: Config) -> tuple[int, ...] | None:
+    """Layers per stage, None where they do not divide (balanced by the estimate)."""
+    return None if layers % cfg.pp else split_layers(layers, parse_spec(cfg.pp, microbatches=cfg.microbatches))
+
+
+def _cached(reload: Callable[[int], Program]) -> Callable[[int], Program]:
+    """``reload`` tracing the program once per batch."""
+    done: dict[int, Program] = {}
+
+    def get(batch: int) -> Program:
+        if batch not in done:
+            done[batch] = reload(batch)
+        return done[batch]
+
+    return get
+
+
+def _applicable_modes(prog: Program, modes: list[str], given: bool) -> list[str]:
+    """The recomputation modes that apply to ``prog`` (full and selective need numbered layers or
+    an attention core): those given are checked (a ProgramError naming ``--recompute``), the
+    default ones that do not apply are left out."""
+    out = []
+    for rc in modes:
+        try:
+            recompute_regions(prog, rc)
+        except ProgramError:
+            if given:
+                raise
+            continue
+        out.append(rc)
+    return out or ["none"]
+
+
+def _plan_program_config(cfg: Config, prog: Program, job: _Job, sizes: _Sizes,
+                         reload: Callable[[int], Program] | None) -> list[Candidate]:
+    full_cost, cost_text = job.cost_text, pp_cost_text(job.cost_text, None)  # pp= times the sends only
     info = None
     title = f"mesh {cfg.mesh_text}; {cfg.strategy}"
+    if cfg.pp > 1 and cfg.microbatches > 1 and reload is not None and sizes.batch:
+        prog = reload(sizes.batch // cfg.microbatches)  # one microbatch's step
+        title += f"; {cfg.microbatches} microbatches of {sizes.batch // cfg.microbatches}"
     if cfg.strategy == "auto":
         plan, info = _auto(prog, _sub_mesh(cfg.dp, cfg.tp), job, cost_text)
         title += _auto_title(info)
     else:
         _p, plan = plan_program(prog, cfg.sub_mesh_text, cfg.strategy, dict(job.pins or {}), job.patterns, cost_text)
     plan = recost(plan, _link_cost(plan.mesh, job, cost_text))
-    return _flat_candidates(cfg, plan, job, title, info)
+    if cfg.pp == 1:
+        return _flat_candidates(cfg, plan, job, title, info)
+    assert sizes.layers is not None and job.tokens is not None
+    return _pipeline_candidates(cfg, plan, _counts(sizes.layers, cfg), job, job.tokens, title, full_cost, info)
 
 
 def import_hf_program(class_name: str, config: Any, batch: int, seq: int, dtype: str = "float32") -> Program:

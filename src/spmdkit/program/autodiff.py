@@ -56,7 +56,7 @@ GRADS: Mapping[str, tuple[str, tuple[str, ...]]] = _Grads()
 
 def _output_names(rule_name: str) -> list[str]:
     rule = get_rule(rule_name)
-    return output_params(rule) if is_reverse(rule) else ["out"]
+    return output_params(rule) if is_reverse(rule) else list(facts_of(rule_name).outputs or ("out",))
 
 
 def _names(v: Any) -> list[str]:
@@ -209,6 +209,8 @@ class Tape:
                     src = by_out[n]
                 elif n.endswith("_grad") and n[:-5] in by_out:
                     src = ograds.get(n[:-5])
+                elif n.startswith("grad_") and n[5:] in by_out:  # moe_gate_dispatch_grad's grad_y
+                    src = ograds.get(n[5:])
                 elif n.endswith("_grad") and len(ograds) == 1:  # slice: output "output", grad "out_grad"
                     src = next(iter(ograds.values()))
                 elif n in ("x_shape", "xshape"):

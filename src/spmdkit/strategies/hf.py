@@ -1,5 +1,5 @@
 """Parallel strategies for imported programs (HuggingFace models and any torch module), by
-parameter names.
+their graph and parameter names.
 
 A program imported from torch (:mod:`spmdkit.models.torch_import`, :mod:`spmdkit.models.hf`) names its
 parameters by their state-dict paths (``model.layers.0.self_attn.q_proj.weight``); a program
@@ -13,9 +13,11 @@ them here:
   sharded over ``dp`` on their first axis that is not already sharded and that ``dp`` divides,
   then its gradient, then the parameter itself (stored sharded, gathered per phase), as the
   zoo's (:func:`spmdkit.strategies.strategy.optimizer_layouts`).
-- ``megatron`` (``tp``): a parameter's module path (its name without ``.weight`` / ``.bias``,
-  or a tied parameter's other names) is matched against the patterns below, first match
-  wins, the user's before the defaults: ``column`` shards a linear layer's output features
+- ``megatron`` (``tp``): the user's patterns first, then the column / row roles the graph gives
+  the linears of each numbered block (:mod:`spmdkit.strategies.hf_roles`: whatever the
+  modules are called), then a parameter's module path (its name without ``.weight`` /
+  ``.bias``, or a tied parameter's other names) matched against the default patterns below,
+  first match wins: ``column`` shards a linear layer's output features
   over ``tp`` (and its bias), ``row`` its input features, ``vocab`` the vocabulary axis of
   an embedding table, an LM head (tied or not) or its bias, ``replicate`` leaves it alone.
   Which axis is the output features follows the op that reads the weight: ``matmul`` with
@@ -72,11 +74,12 @@ Standard library only.
 from __future__ import annotations
 
 import fnmatch
+import math
 import re
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from spmdkit.core.dist_attr import TensorDistAttr
@@ -84,9 +87,13 @@ from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.program.ir import Op, Program, Tensor
 from spmdkit.program.plan import Plan
+from spmdkit.strategies.hf_fused import namer, rebuild, split_fused_projections
+from spmdkit.strategies.hf_roles import BLOCK, BlockRoles, block_roles, linears
 from spmdkit.strategies.strategy import Marks, optimizer_layouts, strategy_dims, user_attrs
 
 ROLES = ("column", "row", "vocab", "replicate")
+#: what :func:`_shard_weights` notes for a k / v projection it replicates (fewer heads than tp)
+KV_REPLICATED = "kv_replicated"
 
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "fc1", "c_fc", "query", "key", "value",
            "wi", "wi_0", "wi_1", "q", "k", "v", "w1", "w3")
@@ -217,7 +224,7 @@ def _heads(prog: Program, readers: dict[str, list[tuple[int, Op, str]]], out: st
     """The head count a column layer's output ``out`` is reshaped into (``[..., heads, d]``
     with ``heads * d == features``), following a bias add; None when it is not."""
     frontier = [out]
-    for _ in range(3):
+    for _ in range(4):
         nxt: list[str] = []
         for n in frontier:
             for _i, op, _p in readers.get(n, []):
@@ -225,10 +232,10 @@ def _heads(prog: Program, readers: dict[str, list[tuple[int, Op, str]]], out: st
                 if not o:
                     continue
                 shape = prog.tensors[o[0]].shape
-                if op.rule == "reshape" and len(shape) == len(prog.tensors[n].shape) + 1 \
-                        and shape[-1] * shape[-2] == features:
+                if op.rule == "reshape" and len(shape) >= len(prog.tensors[n].shape) >= 2 \
+                        and prog.tensors[n].shape[-1] == features and shape[-1] * shape[-2] == features:
                     return shape[-2]
-                if op.rule in ("add", "elementwise_add", "cast"):
+                if op.rule in ("add", "elementwise_add", "cast", "unsqueeze"):
                     nxt.append(o[0])
         frontier = nxt
     return None
@@ -237,7 +244,8 @@ def _heads(prog: Program, readers: dict[str, list[tuple[int, Op, str]]], out: st
 def weight_axes(prog: Program, readers: dict[str, list[tuple[int, Op, str]]],
                  param: str) -> tuple[str, int, int, Op | None]:
     """(how the weight is read, output-feature axis, input-feature axis, the reading op):
-    ``linear`` for a 2-D matmul ``y``, ``embedding`` for a table; ``other`` otherwise."""
+    ``linear`` for a 2-D matmul ``y`` (the weight itself or its transpose: FalconLinear's
+    ``x @ W.T``), ``embedding`` for a table; ``other`` otherwise."""
     t = prog.tensors[param]
     for _i, op, p in readers.get(param, []):
         if op.rule == "matmul" and p == "y" and len(t.shape) == 2:
@@ -245,25 +253,37 @@ def weight_axes(prog: Program, readers: dict[str, list[tuple[int, Op, str]]],
             return ("linear", 0 if ty else 1, 1 if ty else 0, op)
         if op.rule in ("embedding", "c_embedding") and p == "weight":
             return ("embedding", 1, 0, op)
+    for _i, op, _p in readers.get(param, []):
+        if op.rule == "transpose" and len(t.shape) == 2 and tuple(op.attrs.get("perm", ())) == (1, 0):
+            for _j, mop, q in readers.get(op.output_names()[0], []):
+                if mop.rule == "matmul" and q == "y":
+                    ty = bool(mop.attrs.get("trans_y", False))  # axes of W.T: swapped back
+                    return ("linear", 1 if ty else 0, 0 if ty else 1, mop)
     return ("other", -1, -1, None)
 
 
 # -- the annotations -----------------------------------------------------------------------------
 
 
-def tp_roles(prog: Program, patterns: Mapping[str, str] | Iterable[tuple[str, str]] | None = None
-             ) -> dict[str, str]:
-    """parameter -> role (``column`` / ``row`` / ``vocab``; replicated ones left out) under the
-    user's ``patterns`` then :data:`DEFAULT_PATTERNS`."""
-    pats = check_patterns(patterns) + list(DEFAULT_PATTERNS)
+def tp_roles(prog: Program, patterns: Mapping[str, str] | Iterable[tuple[str, str]] | None = None,
+             found: BlockRoles | None = None) -> dict[str, str]:
+    """parameter -> role (``column`` / ``row`` / ``vocab``; replicated ones left out): the
+    user's ``patterns`` first, then the roles the graph gives the linears of the numbered
+    blocks (:func:`spmdkit.strategies.hf_roles.block_roles`; ``found`` when already
+    computed), then :data:`DEFAULT_PATTERNS` by module name."""
+    user = check_patterns(patterns)
+    graph = (found or block_roles(prog)).roles
     out: dict[str, str] = {}
     for p in parameters(prog):
-        for path in _module_paths(prog, p):
-            r = role_of(path, pats)
-            if r is not None:
-                if r != "replicate":
-                    out[p] = r
-                break
+        paths = _module_paths(prog, p)
+        r = next((r for path in paths if (r := role_of(path, user)) is not None), None)
+        key = p if p in graph else paths[0] + ".weight"  # a layer's weight, or its bias
+        if r is None and key in graph:
+            r = graph[key]
+        if r is None:
+            r = next((r for path in paths if (r := role_of(path, DEFAULT_PATTERNS)) is not None), None)
+        if r is not None and r != "replicate":
+            out[p] = r
     return out
 
 
@@ -282,10 +302,14 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
         _shard_batch(prog, mesh, dm, dp)
     if tp is not None:
         readers = forward_readers(prog)
-        roles = tp_roles(prog, patterns)
+        found = block_roles(prog)
+        roles = tp_roles(prog, patterns, found)
+        user_pats = check_patterns(patterns)
         # 2-D weights sharded over tp -> column / row / vocab / vocab_head
-        sharded = _shard_weights(prog, mesh, dm, tp, readers, roles, check_patterns(patterns))
-        _shard_fused_parts(prog, mesh, dm, tp, readers, roles, sharded)
+        sharded = _shard_weights(prog, mesh, dm, tp, readers, roles, user_pats, found.kv)
+        _shard_fused_parts(prog, mesh, dm, tp, readers, roles, sharded, found.kv)
+        warn_replicated(prog, sharded, user_pats)
+        sharded = {k: v for k, v in sharded.items() if v != KV_REPLICATED}
         if "sp" in st:
             _sequence_parallel(prog, mesh, sharded, dm, dp, tp)
     optimizer_layouts(prog, mesh, optimizer_of(prog), out, st, dp, user)
@@ -309,9 +333,11 @@ def _shard_batch(prog: Program, mesh: ProcessMesh, dm: Marks, dp: int) -> None:
 
 def _shard_weights(prog: Program, mesh: ProcessMesh, dm: Marks, tp: int,
                    readers: dict[str, list[tuple[int, Op, str]]], roles: Mapping[str, str],
-                   user_pats: list[tuple[str, str]]) -> dict[str, str]:
+                   user_pats: list[tuple[str, str]], kv: frozenset[str] = frozenset()) -> dict[str, str]:
     """``megatron``: each parameter with a role sharded over ``tp`` on the axis its role and
-    its reader give (a bias with its layer); the 2-D weights sharded, by role."""
+    its reader give (a bias with its layer); the 2-D weights sharded, by role (a k / v
+    projection with fewer heads than tp: :data:`KV_REPLICATED`). ``kv``: the columns the
+    graph found making fewer features than their row's widest (GQA / MQA k and v)."""
     size = mesh.shape[tp]
     sharded: dict[str, str] = {}
 
@@ -356,11 +382,12 @@ def _shard_weights(prog: Program, mesh: ProcessMesh, dm: Marks, tp: int,
         if role == "column" and op is not None:
             heads = _heads(prog, readers, op.output_names()[0], t.shape[axis])
             if heads is not None and heads < size and size % heads == 0 and user_role(p) is None \
-                    and mod.rsplit(".", 1)[-1] in _KV:
+                    and (mod.rsplit(".", 1)[-1] in _KV or p in kv):
                 # fewer kv heads than tp (GQA / MQA): replicated on every rank, as Megatron does
                 warnings.warn(f"--strategy megatron: {mod} makes {heads} heads, fewer than tp={size}: "
                               f"replicated over tp (its gradients are all-reduced)", stacklevel=3)
                 replicated.add(mod)
+                sharded[p] = KV_REPLICATED
                 continue
             if heads is not None and heads % size:
                 raise ProgramError(f"--strategy megatron: {mod} (column) makes {heads} heads, not divisible "
@@ -373,35 +400,87 @@ def _shard_weights(prog: Program, mesh: ProcessMesh, dm: Marks, tp: int,
 
 def _shard_fused_parts(prog: Program, mesh: ProcessMesh, dm: Marks, tp: int,
                        readers: dict[str, list[tuple[int, Op, str]]], roles: Mapping[str, str],
-                       sharded: dict[str, str]) -> None:
+                       sharded: dict[str, str], kv: frozenset[str] = frozenset()) -> None:
     """The parts of a split fused projection (:func:`split_fused_projections`): each
-    column-parallel (added to ``sharded``)."""
+    column-parallel (added to ``sharded``), heads over tp; a k / v part with fewer heads than
+    tp that divide it (GPTBigCode's multi-query c_attn: one k and one v head) replicated, as
+    Megatron replicates kv heads, with a warning (its bias part with it)."""
     size = mesh.shape[tp]
+    groups: dict[str, tuple[list[str], list[str]]] = {}
     for op in prog.ops:
         src = op.inputs.get("input") if op.rule == "slice" and op.phase == "forward" else None
         if not isinstance(src, str) or roles.get(src) != "column" or src in sharded:
             continue
         part = op.output_names()[0]
-        pt = prog.tensors[part]
-        mod = _module_paths(prog, src)[0]
-        if len(pt.shape) == 1:  # a part of the bias
-            if pt.shape[0] % size:
-                raise ProgramError(f"--strategy megatron: {mod} (column): a bias part of {pt.shape[0]} is not "
-                                   f"divisible by tp={size}")
-            dm(part)[0] = tp
+        groups.setdefault(_module_paths(prog, src)[0], ([], []))[len(prog.tensors[part].shape) == 1].append(part)
+    for mod, (wparts, bparts) in groups.items():
+        feats: list[int] = []
+        heads: list[int | None] = []
+        axes: list[int] = []
+        for part in wparts:
+            how, out_ax, _in, mop = weight_axes(prog, readers, part)
+            f = prog.tensors[part].shape[out_ax] if how == "linear" else 0
+            feats.append(f)
+            axes.append(out_ax if how == "linear" and mop is not None else -1)
+            heads.append(_heads(prog, readers, mop.output_names()[0], f) if mop is not None and f else None)
+        known = [(f, h) for f, h in zip(feats, heads) if h]
+        head_dim = max(known)[0] // max(known)[1] if known else None
+        top = max(feats, default=0)
+        for j, part in enumerate(wparts):
+            f, h = feats[j], heads[j]
+            if axes[j] < 0:
+                continue
+            if h is None and head_dim and f % head_dim == 0:
+                h = f // head_dim
+            bias = bparts[j] if j < len(bparts) else None
+            if h is not None and h < size and size % h == 0 and (f < top or part in kv):
+                warnings.warn(f"--strategy megatron: {mod} part {j} ({f} of {sum(feats)} features) makes {h} "
+                              f"head{'s' if h > 1 else ''}, fewer than tp={size}: replicated over tp (its "
+                              f"gradients are all-reduced)", stacklevel=3)
+                sharded[part] = KV_REPLICATED
+                continue
+            if f % size:
+                raise ProgramError(f"--strategy megatron: {mod} (column): a part of {f} features is "
+                                   f"not divisible by tp={size}")
+            if h is not None and h % size:
+                raise ProgramError(f"--strategy megatron: {mod} (column) makes {h} heads, not divisible "
+                                   f"by tp={size}")
+            dm(part)[axes[j]] = tp
+            sharded[part] = "column"
+            if bias is not None:
+                dm(bias)[0] = tp
+
+
+def warn_replicated(prog: Program, sharded: Mapping[str, str], user_pats: list[tuple[str, str]]) -> None:
+    """A warning naming the linear layers (and expert banks) of the numbered blocks that
+    ``megatron`` left replicated over tp (no role from the user's patterns, the graph or the
+    names; not a replicated k / v) and the share of the parameters they hold: never silent."""
+    lins = [lin for lin in linears(prog) if BLOCK.fullmatch(lin.layer or "")]
+    done = {lin.weight for lin in lins if lin.weight in sharded or (lin.part or "") in sharded}
+    left: list[str] = []
+    for lin in lins:
+        w = lin.weight
+        if w in done or w in left:
             continue
-        how, out_ax, _in, mop = weight_axes(prog, readers, part)
-        if how != "linear" or mop is None:
+        if any(role_of(path, user_pats) == "replicate" for path in _module_paths(prog, w)):
             continue
-        if pt.shape[out_ax] % size:
-            raise ProgramError(f"--strategy megatron: {mod} (column): a part of {pt.shape[out_ax]} features is "
-                               f"not divisible by tp={size}")
-        heads = _heads(prog, readers, mop.output_names()[0], pt.shape[out_ax])
-        if heads is not None and heads % size:
-            raise ProgramError(f"--strategy megatron: {mod} (column) makes {heads} heads, not divisible "
-                               f"by tp={size}")
-        dm(part)[out_ax] = tp
-        sharded[part] = "column"
+        left.append(w)
+    for op in prog.ops:  # expert banks ([experts, in, out]: expert parallelism is not planned yet)
+        if op.phase == "forward" and BLOCK.fullmatch(op.layer or ""):
+            left += [n for n in op.input_names() if prog.tensors[n].kind == "parameter" and n not in left
+                     and len(prog.tensors[n].shape) >= 3 and n not in sharded]
+    if not left:
+        return
+    mods = {_module_paths(prog, w)[0] for w in left}
+    size = {p: math.prod(prog.tensors[p].shape) for p in parameters(prog)}
+    mine = sum(n for p, n in size.items() if p in left or _module_paths(prog, p)[0] in mods)
+    share = mine / max(1, sum(size.values()))
+    groups = Counter(re.sub(r"\.\d+(?=\.|$)", ".*", m) for m in sorted(mods))
+    shown = [f"{g} ({k})" if k > 1 else g for g, k in groups.items()]
+    more = f" and {len(shown) - 6} more" if len(shown) > 6 else ""
+    warnings.warn(f"--strategy megatron: {len(mods)} layer{'s' if len(mods) > 1 else ''} left replicated "
+                  f"over tp, {share:.1%} of the parameters (no column / row role from the graph or the names): "
+                  f"{', '.join(shown[:6])}{more}; a linear layer can be given a role with --tp-plan", stacklevel=3)
 
 
 def _sequence_parallel(prog: Program, mesh: ProcessMesh, sharded: Mapping[str, str], dm: Any,
@@ -418,9 +497,12 @@ def _sequence_parallel(prog: Program, mesh: ProcessMesh, sharded: Mapping[str, s
     seq: list[str] = []
     row_out: list[str] = []
     gather: list[str] = []
+    # a weight read through its transpose (FalconLinear's x @ W.T): the transpose -> the weight
+    via = {op.output_names()[0]: op.inputs["x"] for _i, op in fwd if op.rule == "transpose"
+           and isinstance(op.inputs.get("x"), str) and op.inputs["x"] in sharded}
     for _i, op in fwd:
         y = op.inputs.get("y") if op.rule == "matmul" else op.inputs.get("weight")
-        role = sharded.get(y) if isinstance(y, str) else None
+        role = sharded.get(via.get(y, y)) if isinstance(y, str) else None
         if role is None:
             continue
         if op.rule in ("embedding", "c_embedding"):
@@ -448,7 +530,8 @@ def _sequence_parallel(prog: Program, mesh: ProcessMesh, sharded: Mapping[str, s
                 cur = nxt
     for op in prog.ops:
         y = op.inputs.get("y")
-        if op.phase == "backward" and op.rule == "matmul_grad" and isinstance(y, str) and sharded.get(y) == "row":
+        if op.phase == "backward" and op.rule == "matmul_grad" and isinstance(y, str) \
+                and sharded.get(via.get(y, y)) == "row":
             gather.append(op.inputs["out_grad"])
 
     producer = {o: op for op in prog.ops if op.phase == "forward" for o in op.output_names()}
@@ -531,36 +614,7 @@ def vocab_parallel_loss(prog: Program) -> Program:
             changed = True
     if not changed:
         return prog
-    return _rebuild(prog, list(prog.tensors.values()), [(i, op) for i, op in enumerate(ops)])
-
-
-def _namer(names: set[str]) -> Callable[[str], str]:
-    """``fresh(base)``: ``base``, or ``base1``, ``base2``, ... the first not in ``names`` (which
-    it joins)."""
-
-    def fresh(base: str) -> str:
-        n, k = base, 1
-        while n in names:
-            n, k = f"{base}{k}", k + 1
-        names.add(n)
-        return n
-
-    return fresh
-
-
-def _rebuild(prog: Program, tensors: list[Any], ops: list[tuple[int | None, Op]]) -> Program:
-    """A copy of ``prog`` (of its class, its other fields kept) with ``tensors`` and ``ops``
-    (each with the index it had, None for a new one); an imported program's per-op maps
-    (``modules``, ``origins``, ``fallbacks``) follow the ops to their new indices."""
-    new = prog.__class__.__new__(prog.__class__)
-    new.__dict__.update(prog.__dict__)
-    Program.__init__(new, tensors, [op for _, op in ops], prog.name)
-    where = {old: i for i, (old, _) in enumerate(ops) if old is not None}
-    for field in ("modules", "origins", "fallbacks"):
-        m = getattr(prog, field, None)
-        if isinstance(m, dict):
-            setattr(new, field, {where[k]: v for k, v in m.items() if k in where})
-    return new
+    return rebuild(prog, list(prog.tensors.values()), [(i, op) for i, op in enumerate(ops)])
 
 
 def vocab_parallel_embedding(prog: Program, tables: Iterable[str]) -> Program:
@@ -576,7 +630,7 @@ def vocab_parallel_embedding(prog: Program, tables: Iterable[str]) -> Program:
     out: list[tuple[int | None, Op]] = []
     changed = False
 
-    fresh = _namer(names)
+    fresh = namer(names)
 
     for i, op in enumerate(prog.ops):
         pad = int(op.attrs.get("padding_idx", -1))
@@ -608,7 +662,7 @@ def vocab_parallel_embedding(prog: Program, tables: Iterable[str]) -> Program:
                 (i, replace(op, inputs={**op.inputs, "out_grad": masked}, attrs=attrs))]
     if not changed:
         return prog
-    return _rebuild(prog, tensors, out)
+    return rebuild(prog, tensors, out)
 
 
 def regroup_partial_sums(prog: Program, plan: Plan) -> Program:
@@ -649,176 +703,7 @@ def regroup_partial_sums(prog: Program, plan: Plan) -> Program:
         changed = True
     if not changed:
         return prog
-    return _rebuild(prog, tensors, out)
-
-
-@dataclass(frozen=True)
-class _Fused:
-    """A fused projection found in a program: ``x @ w + b`` (ops ``mm``, ``add``), reshaped
-    (``reshape``) and ``split`` into ``parts`` of ``sec`` features each, and its backward ops
-    (``split_grad``, ``reshape_grad``, ``add_grad``, ``matmul_grad``); op indices and tensor
-    names."""
-
-    mm: int
-    add: int
-    reshape: int
-    split: int
-    split_grad: int
-    reshape_grad: int
-    add_grad: int
-    matmul_grad: int
-    x: str
-    w: str
-    b: str
-    mm_out: str
-    added: str
-    parts: tuple[str, ...]
-    sec: int
-    out_ax: int
-    xg: str
-    wg: str
-    bg: str
-
-
-def _find_fused(prog: Program, ops: list[Op], i: int, ws: set[str],
-                readers: dict[str, list[int]]) -> _Fused | None:
-    """The fused projection whose matmul is op ``i`` on one of ``ws``, if it is one."""
-
-    def only(name: str, rule: str) -> int | None:
-        rs = [j for j in readers.get(name, []) if ops[j].phase == "forward"]
-        return rs[0] if len(rs) == 1 and ops[rs[0]].rule == rule else None
-
-    def find(rule: str, **inputs: Any) -> int | None:
-        for j, o in enumerate(ops):
-            if o.phase == "backward" and o.rule == rule and all(o.inputs.get(k) == v for k, v in inputs.items()):
-                return j
-        return None
-
-    op = ops[i]
-    w = op.inputs.get("y")
-    if op.phase != "forward" or op.rule != "matmul" or w not in ws or len(prog.tensors[w].shape) != 2:
-        return None
-    x, mm = op.inputs["x"], op.output_names()[0]
-    ia = only(mm, "add")
-    b = ops[ia].inputs.get("y") if ia is not None else None
-    if ia is None or not isinstance(b, str) or prog.tensors[b].kind != "parameter" or ops[ia].inputs.get("x") != mm:
-        return None
-    added = ops[ia].output_names()[0]
-    ir = only(added, "reshape")
-    if ir is None:
-        return None
-    ish = only(ops[ir].output_names()[0], "split")
-    if ish is None:
-        return None
-    sp = ops[ish]
-    parts = list(sp.outputs[0]) if isinstance(sp.outputs[0], (list, tuple)) else []
-    nd = len(prog.tensors[sp.inputs["x"]].shape)
-    secs = tuple(sp.attrs.get("sections", ()))
-    if len(parts) < 2 or int(sp.attrs.get("axis", -1)) not in (-1, nd - 1) or len(set(secs)) != 1 \
-            or len(secs) != len(parts) or None in parts:
-        return None
-    isg = find("split_grad", out_grad=tuple(p + ".grad" for p in parts))
-    irg = find("reshape_grad", x_shape=added)
-    iag = find("add_grad", x=mm, y=b)
-    img = find("matmul_grad", x=x, y=w)
-    if isg is None or irg is None or iag is None or img is None:
-        return None
-    if ops[irg].inputs.get("out_grad") != ops[isg].output_names()[0] \
-            or ops[iag].inputs.get("out_grad") != ops[irg].output_names()[0] \
-            or ops[img].inputs.get("out_grad") != ops[iag].outputs[0]:
-        return None
-    xg, wg = ops[img].outputs[0], ops[img].outputs[1]
-    bg = ops[iag].outputs[1]
-    if not isinstance(xg, str) or not isinstance(wg, str) or not isinstance(bg, str):
-        return None
-    return _Fused(i, ia, ir, ish, isg, irg, iag, img, x, w, b, mm, added, tuple(parts), secs[0],
-                  0 if bool(op.attrs.get("trans_y", False)) else 1, xg, wg, bg)
-
-
-def _split_fused(prog: Program, ops: list[Op], f: _Fused, tensors: list[Any],
-                 fresh: Callable[[str], str]) -> tuple[list[Op], list[Op]]:
-    """The forward and backward ops of ``f`` split into one projection per part (the new
-    tensors appended to ``tensors``)."""
-    T = prog.tensors
-    sec, out_ax, w, b, mm, added = f.sec, f.out_ax, f.w, f.b, f.mm_out, f.added
-    wt, bt, xt = T[w], T[b], T[f.x]
-    fwd_kw = {"layer": ops[f.mm].layer, "phase": "forward"}
-    bwd_kw = {"layer": ops[f.split_grad].layer, "phase": "backward"}
-    fwd: list[Op] = []
-    bwd: list[Op] = []
-    xgs, wgs, bgs = [], [], []
-    for j, part in enumerate(f.parts):
-        wj, bj = fresh(f"{w}.part{j}"), fresh(f"{b}.part{j}")
-        mmj, aj = fresh(f"{mm}.part{j}"), fresh(f"{added}.part{j}")
-        wshape = list(wt.shape)
-        wshape[out_ax] = sec
-        mshape = list(T[mm].shape)
-        mshape[-1] = sec
-        tensors += [Tensor(wj, tuple(wshape), wt.dtype), Tensor(bj, (sec,), bt.dtype),
-                    Tensor(mmj, tuple(mshape), T[mm].dtype), Tensor(aj, tuple(mshape), T[added].dtype)]
-        fwd += [Op("slice", {"input": w}, (wj,), {"axes": (out_ax,), "starts": (j * sec,), "ends": ((j + 1) * sec,)},
-                   name=wj, **fwd_kw),
-                Op("slice", {"input": b}, (bj,), {"axes": (0,), "starts": (j * sec,), "ends": ((j + 1) * sec,)},
-                   name=bj, **fwd_kw),
-                Op("matmul", {"x": f.x, "y": wj}, (mmj,), dict(ops[f.mm].attrs), name=mmj, **fwd_kw),
-                Op("add", {"x": mmj, "y": bj}, (aj,), {}, name=aj, **fwd_kw),
-                Op("reshape", {"x": aj}, (part,), {"shape": T[part].shape}, name=part, **fwd_kw)]
-        ajg, mmjg, bjg = fresh(aj + ".grad"), fresh(mmj + ".grad"), fresh(bj + ".grad")
-        xjg, wjg = fresh(f"{f.xg}.part{j}"), fresh(wj + ".grad")
-        tensors += [Tensor(ajg, tuple(mshape), T[added].dtype, "gradient"),
-                    Tensor(mmjg, tuple(mshape), T[mm].dtype, "gradient"),
-                    Tensor(bjg, (sec,), bt.dtype, "gradient"),
-                    Tensor(xjg, xt.shape, T[f.xg].dtype, "gradient"),
-                    Tensor(wjg, tuple(wshape), T[f.wg].dtype, "gradient")]
-        bwd += [Op("reshape_grad", {"x_shape": aj, "out_grad": part + ".grad"}, (ajg,), {}, name=ajg, **bwd_kw),
-                Op("add_grad", {"x": mmj, "y": bj, "out_grad": ajg}, (mmjg, bjg), {}, name=mmjg, **bwd_kw),
-                Op("matmul_grad", {"x": f.x, "y": wj, "out_grad": mmjg}, (xjg, wjg), dict(ops[f.matmul_grad].attrs),
-                   name=xjg, **bwd_kw)]
-        xgs.append(xjg)
-        wgs.append(wjg)
-        bgs.append(bjg)
-    bwd += [Op("add_n", {"input": tuple(xgs)}, (f.xg,), {}, name=f.xg, **bwd_kw),
-            Op("concat", {"x": tuple(wgs)}, (f.wg,), {"axis": out_ax}, name=f.wg, **bwd_kw),
-            Op("concat", {"x": tuple(bgs)}, (f.bg,), {"axis": 0}, name=f.bg, **bwd_kw)]
-    return fwd, bwd
-
-
-def split_fused_projections(prog: Program, weights: Iterable[str]) -> Program:
-    """A copy of ``prog`` where a fused projection (GPT-2's ``c_attn``: ``x @ W + b`` reshaped
-    and ``split`` into k equal parts on its last axis, q / k / v) on one of ``weights`` is k
-    projections on slices of ``W`` and ``b`` (``slice`` ops, so the parameters stay the
-    module's), and its backward likewise: each part's gradient through its own projection,
-    the input gradients summed (``add_n``), the weight and bias gradients the ``concat`` of
-    the parts'. The same values; each part can then be column-parallel (head-wise) on its
-    own. ``prog`` itself when no projection matches."""
-    ws = set(weights)
-    ops = list(prog.ops)
-    readers: dict[str, list[int]] = {}
-    for i, op in enumerate(ops):
-        for n in op.input_names():
-            readers.setdefault(n, []).append(i)
-    tensors = list(prog.tensors.values())
-    names = set(prog.tensors)
-    replace_at: dict[int, list[Op]] = {}
-    drop: set[int] = set()
-    dead: set[Any] = set()  # the fused tensors no op makes or reads any more
-    for i in range(len(ops)):
-        f = _find_fused(prog, ops, i, ws, readers)
-        if f is None:
-            continue
-        replace_at[f.mm], replace_at[f.split_grad] = _split_fused(prog, ops, f, tensors, _namer(names))
-        drop.update({f.add, f.reshape, f.split, f.reshape_grad, f.add_grad, f.matmul_grad})
-        dead.update({f.mm_out, f.added, ops[f.reshape].output_names()[0], *ops[f.split_grad].output_names(),
-                     *ops[f.reshape_grad].output_names(), ops[f.add_grad].outputs[0]})
-    if not replace_at:
-        return prog
-    out: list[tuple[int | None, Op]] = []
-    for i, op in enumerate(ops):
-        if i in replace_at:
-            out += [(None, o) for o in replace_at[i]]
-        elif i not in drop:
-            out.append((i, op))
-    return _rebuild(prog, [t for t in tensors if t.name not in dead], out)
+    return rebuild(prog, tensors, out)
 
 
 def megatron_program(prog: Program, patterns: Mapping[str, str] | Iterable[tuple[str, str]] | None = None

@@ -6,9 +6,13 @@
   labels, positions) sharded; parameters, their optimizer states and updates replicated over
   ``dp``, so each parameter gradient (partial over ``dp``) is all-reduced before the update.
 - ``megatron`` (``tp``): Megatron-LM tensor parallel over ``tp``: q/k/v, gate/up (and GPT-2's
-  fc1) column-parallel (output features sharded), output / down (fc2) projections
-  row-parallel (input features sharded), the embedding and the LM head vocab-parallel; the
-  loss is ``c_softmax_with_cross_entropy`` over the vocab-sharded logits.
+  fc1) column-parallel (output features sharded) with their biases (role ``column_bias``),
+  output / down (fc2) projections row-parallel (input features sharded; their biases, role
+  ``bias``, replicated), the embedding and the LM head vocab-parallel; the loss is
+  ``c_softmax_with_cross_entropy`` over the vocab-sharded logits. A stack of experts
+  ``[E, in, out]`` is sharded as one expert's projection (each expert tensor-parallel, as
+  Megatron-Core's expert-tensor-parallel = tp); the MoE router and MLA's down projections
+  (roles ``router``, ``replicated``) stay replicated, as Megatron keeps them.
 - ``sp``: Megatron sequence parallel (with ``megatron``): the residual stream is sharded on
   its sequence axis over ``tp``, the normalised activations that feed the column-parallel
   projections are gathered: the all-reduces become all-gather / reduce-scatter pairs.
@@ -142,10 +146,11 @@ def annotate(model: Model, mesh: ProcessMesh, strategy: Iterable[str],
                 dm(n)[0] = dp
     if tp is not None:
         for p, role in model.roles.items():
-            if role in ("column", "head"):
-                dm(p)[1] = tp
+            if role in ("column", "head", "column_bias"):
+                dm(p)[-1] = tp  # output features (a stack of experts [E, in, out]: each expert's)
             elif role in ("row", "embedding"):
-                dm(p)[0] = tp
+                dm(p)[-2] = tp  # input features (the vocabulary of a table)
+            # norm, position, bias (after a row-parallel projection), router, replicated: replicated
     optimizer_layouts(prog, mesh, model.optimizer, out, st, dp, user)
     if "sp" in st and tp is not None:
         for n in model.residual:

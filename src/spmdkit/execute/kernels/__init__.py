@@ -15,7 +15,10 @@ instead of numpy's:
   output-based unary grads) the reference's formula, in torch;
 - where the numpy reference's formula is the kernel, it is written once and runs here on
   :data:`~spmdkit.execute.kernels._common.TORCH` (:class:`spmdkit.sim.reference.ArrayLib`):
-  ``sum_to_shape``, matmul and its grad, the rotary embedding and its grad, the Adam / AdamW update.
+  ``sum_to_shape``, matmul and its grad, the rotary embedding and its grad, the Adam / AdamW update;
+- the MoE routing ops (:mod:`~spmdkit.execute.kernels.moe`: moe_gate_dispatch, moe_combine and
+  their grads, with the optional batch axis): the reference's token loops vectorised (stable
+  sorts for the top-k and for each choice's expert slot), equal to it index for index.
 
 The attributes a rank sees are made local by the numpy reference's own ``localize`` hook (a
 reshape's target in local sizes, an embedding shard's first row), so a torch kernel computes

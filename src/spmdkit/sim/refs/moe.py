@@ -37,21 +37,36 @@ def _i(x: Any) -> np.ndarray:
 # -- moe_combine -----------------------------------------------------------------------------------
 
 
-def _combine(a: Arrays, c: Ctx) -> tuple[Any, ...]:
-    x, w, si = _f(a["x"]), _f(a["combine_weights"]), _i(a["scatter_index"])
+def _batched(fn: Any, *arrays: np.ndarray, rank: int = 2) -> tuple[np.ndarray, ...]:
+    """``fn`` of 2-D arrays (the first of rank ``rank``), or of each batch row of a batched
+    call (a leading batch axis: every row dispatched / combined on its own), stacked."""
+    if arrays[0].ndim == rank:
+        return tuple(fn(*arrays))
+    rows = [fn(*(a[b] for a in arrays)) for b in range(arrays[0].shape[0])]
+    return tuple(np.stack([r[i] for r in rows]) for i in range(len(rows[0]))) if rows else ()
+
+
+def _combine2(x: np.ndarray, w: np.ndarray, si: np.ndarray) -> tuple[np.ndarray]:
     return (np.einsum("skh,sk->sh", x[si], w),)
 
 
-def _combine_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
-    x, w, si, gy = _f(a["x"]), _f(a["combine_weights"]), _i(a["scatter_index"]), _f(a["grad_y"])
+def _combine(a: Arrays, c: Ctx) -> tuple[Any, ...]:
+    return _batched(_combine2, _f(a["x"]), _f(a["combine_weights"]), _i(a["scatter_index"]))
+
+
+def _combine_grad2(x: np.ndarray, w: np.ndarray, si: np.ndarray, gy: np.ndarray) -> tuple[np.ndarray, ...]:
     gx = np.zeros_like(x)
     np.add.at(gx, si.reshape(-1), (gy[:, None, :] * w[:, :, None]).reshape(si.size, x.shape[1]))
     gw = np.einsum("skh,sh->sk", x[si], gy)
     return gx, gw, np.zeros(si.shape)
 
 
+def _combine_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
+    return _batched(_combine_grad2, _f(a["x"]), _f(a["combine_weights"]), _i(a["scatter_index"]), _f(a["grad_y"]))
+
+
 def _prep_combine(a: Arrays) -> None:
-    rows = max(int(np.shape(a["x"])[0]), 1)
+    rows = max(int(np.shape(a["x"])[-2]), 1)
     a["scatter_index"] = np.abs(_i(a["scatter_index"])) % rows
 
 
@@ -90,13 +105,18 @@ def dispatch(x: np.ndarray, gl: np.ndarray, cb: np.ndarray | None, k: int, cap: 
 
 def _dispatch(a: Arrays, c: Ctx) -> tuple[Any, ...]:
     cb = a.get("corr_bias")
-    return dispatch(_f(a["x"]), _f(a["gate_logits"]), None if cb is None else _f(cb), int(a["k"]),
-                    int(a["capacity"]))
+    k, cap = int(a["k"]), int(a["capacity"])
+    return _batched(lambda x, gl: dispatch(x, gl, None if cb is None else _f(cb), k, cap),
+                    _f(a["x"]), _f(a["gate_logits"]))
 
 
 def _dispatch_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
-    cw, si, eid = _f(a["combine_weights"]), _i(a["scatter_index"]), _i(a["expert_id"])
-    gy, gcw = _f(a["grad_y"]), _f(a["grad_combine_weights"])
+    return _batched(_dispatch_grad2, _f(a["combine_weights"]), _i(a["scatter_index"]), _i(a["expert_id"]),
+                    _f(a["grad_y"]), _f(a["grad_combine_weights"]))
+
+
+def _dispatch_grad2(cw: np.ndarray, si: np.ndarray, eid: np.ndarray, gy: np.ndarray, gcw: np.ndarray
+                    ) -> tuple[np.ndarray, ...]:
     e, cap, h = gy.shape
     s, k = cw.shape
     gx = np.zeros((s, h))
