@@ -271,10 +271,10 @@ def main() -> None:
         row = one(cls, cfg, not a.no_run)
         rows.append(row)
         print(f"{cls}: {row} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+        if a.json:  # row by row: a long sweep's rows so far survive an interruption
+            Path(a.json).write_text(json.dumps(rows, indent=1), encoding="utf-8")
     text = table(rows)
     print(text)
-    if a.json:
-        Path(a.json).write_text(json.dumps(rows, indent=1), encoding="utf-8")
     if a.write_docs:
         write_docs(text)
 
