@@ -1,5 +1,5 @@
 """HF classes beyond the 12 of tests/test_hf.py, at tiny size (issue 27): a representative subset
-of benchmarks/hf_classes.py's 40, each reaching an import gap that is now lowered: GPT-J
+of benchmarks/hf_classes.py's 39, each reaching an import gap that is now lowered: GPT-J
 (repeat_interleave), BLOOM (baddbmm, ALiBi), DeepSeek-V3 (MLA's strided slices in training,
 scatter), Whisper (input_features, an encoder-decoder). Each imports with fallback="error",
 its loss equals torch eager's, the megatron plan on dp=2 x tp=2 simulates rank by rank equal to
