@@ -351,3 +351,158 @@ def test_a_rewritten_copy_keeps_the_recorded_values(imported: Any) -> None:
                      [op for op in prog.ops if gone not in op.input_names()], prog.name)
     assert new.values == {n: v for n, v in prog.values.items() if n != gone} and new.values
     assert Program(prog.tensors.values(), prog.ops).values == {}
+
+
+# -- the torch check: each op against what its ranks received -----------------------------------------
+
+
+def _adam_on_a_cancelling_gradient() -> tuple[Any, dict[str, Any], Any, Any]:
+    """A gradient that is zero in exact arithmetic, made partial over tp = 2 (a row-parallel
+    matmul) and all-reduced before AdamW: (plan, the ranks' values, the received gradient's key,
+    the all-reduced gradient). Adam's first step is ``lr * g / (|g| + eps)``: on 0 it is 0, on a
+    rounding remainder of 1e-9 it is about lr / 10."""
+    from spmdkit.models.zoo import Model, ModelConfig, add_optimizer
+
+    b = ProgramBuilder("adam")  # a gradient partial over tp, and another gradient (the step's scale)
+    a_ = b.tensor("a", (1, 4), "float32", "input")
+    w = b.tensor("w", (4, 1), "float32", "input")
+    c = b.tensor("c", (1, 2), "float32", "input")
+    p = b.tensor("p", (1, 1), "float32", "parameter")
+    q = b.tensor("q", (1, 2), "float32", "parameter")
+    b.phase = "backward"
+    (g,) = b.op("matmul", {"x": a_, "y": w}, [("p.grad", (1, 1), "float32", "gradient")])
+    (gq,) = b.op("multiply", {"x": c, "y": c}, [("q.grad", (1, 2), "float32", "gradient")])  # the step's others
+    b.phase = "optimizer"
+    add_optimizer(b, Model(ModelConfig(), Program([], []), {}, [], [], {}), {p: g, q: gq}, "adamw")
+    prog = b.build()
+    plan = propagate(prog, parse_mesh("tp=2"), {"a": [-1, 0], "w": [0, -1]})
+    av = np.array([[0.1, 0.7, -0.1, -0.7]], dtype=np.float32)
+    wv = np.array([[0.3], [0.9], [0.3], [0.9]], dtype=np.float32)
+    t = torch.from_numpy
+    single = float((t(av) @ t(wv)).item())
+    halves = [(t(av[:, :2]) @ t(wv[:2])).numpy(), (t(av[:, 2:]) @ t(wv[2:])).numpy()]
+    reduced = halves[0] + halves[1]
+    assert reduced.item() == 0.0 and single != 0.0  # the sharded sums cancel exactly, the single one does not
+    values = {"a": av, "w": wv, "c": np.array([[0.6, -0.9]], np.float32), "p": np.full((1, 1), 0.5, np.float32),
+              "q": np.ones((1, 2), np.float32), "learning_rate": np.full((1,), 1e-3, np.float32)}
+    for n, shape in (("p", (1, 1)), ("q", (1, 2))):  # Adam's first step: zero moments
+        values.update({f"{n}.moment1": np.zeros(shape, np.float32), f"{n}.moment2": np.zeros(shape, np.float32),
+                       f"{n}.beta1_pow": np.full((1,), 0.9, np.float32),
+                       f"{n}.beta2_pow": np.full((1,), 0.999, np.float32)})
+    return plan, values, halves, reduced
+
+
+def _ranks(plan: Any, values: dict[str, Any], halves: list[Any], reduced: Any) -> tuple[Any, list[Any]]:
+    """(the rank that checks, each rank's (outputs, collectives, timing, received)) as the two
+    ranks computed the step: the partial gradient pieces, then AdamW on the all-reduced one."""
+    from spmdkit.execute.rank import Rank
+    from spmdkit.execute.single import global_step_torch
+
+    prog = plan.program
+    adam = next(o for o in plan.ops if o.op.rule == "adamw")
+    req = adam.required["grad"]
+    assert req.dims_mapping == (-1, -1) and not req.partial  # the update reads the gradient replicated
+    after, _ = global_step_torch(plan, 0, values, optimizer_inputs={"p.grad": reduced})
+    me = Rank.__new__(Rank)
+    me.made = {n: plan.attrs[n] for op in prog.ops for n in op.output_names()}
+    pieces = []
+    for r in range(2):
+        outs = {n: v.numpy().copy() for n, v in after.items() if n != "p.grad"}
+        outs["p.grad"] = halves[r].copy()
+        pieces.append((outs, [], {}, {("p.grad", req, ""): reduced.copy()}))
+    return me, pieces
+
+
+def _check(plan: Any, values: dict[str, Any], me: Any, pieces: list[Any]) -> Any:
+    from spmdkit.execute.check import RunReport, check_torch
+
+    rep = RunReport(2, "gloo")
+    check_torch(rep, plan, pieces, me, 0, values, torch.device("cpu"))
+    return rep
+
+
+def test_adam_on_a_gradient_zero_in_exact_arithmetic_passes() -> None:
+    """GPTBigCode's failure: the update is checked on the gradient the ranks received (an exact
+    0), not on one recomputed in another order (1e-9, whose Adam step is lr / 10)."""
+    plan, values, halves, reduced = _adam_on_a_cancelling_gradient()
+    me, pieces = _ranks(plan, values, halves, reduced)
+    rep = _check(plan, values, me, pieces)
+    assert not rep.failures, rep.failures
+    assert rep.checked == 12 and rep.max_rel_error < 1e-5  # 2 gradients, AdamW's 5 outputs each
+    assert rep.max_error < 1e-7  # p.grad's rounding remainder in the unsharded matmul; the updates exact
+    assert float(pieces[0][0]["p.moment1.new"][0, 0]) == 0.0  # the ranks' exact zero gradient
+    from spmdkit.execute.single import global_step_torch
+
+    own, _ = global_step_torch(plan, 0, values)  # the step recomputed unsharded: Adam on 3.7e-8, not 0
+    assert abs(float(own["p.new"]) - float(pieces[0][0]["p.new"][0, 0])) > 1e-3 * 0.5
+
+
+@pytest.mark.parametrize("fault", ["kernel", "collective", "nan", "partial piece"])
+def test_a_wrong_kernel_or_collective_or_a_nan_is_still_caught(fault: str) -> None:
+    plan, values, halves, reduced = _adam_on_a_cancelling_gradient()
+    me, pieces = _ranks(plan, values, halves, reduced)
+    if fault == "kernel":  # rank 1's AdamW wrote a wrong update
+        pieces[1][0]["p.new"] += 1e-3
+        want = {"p.new"}
+    elif fault == "collective":  # the all-reduce delivered a wrong sum, and the ranks updated with it
+        me, pieces = _ranks(plan, values, halves, reduced + 0.25)
+        want = {"p.grad"}
+    elif fault == "nan":
+        for p in pieces:  # the same NaN on both ranks (one rank alone: they disagree, also a failure)
+            p[0]["p.moment2.new"][0, 0] = np.nan
+        want = {"p.moment2.new"}
+    else:  # rank 0's matmul piece is wrong: the op fails, not the ops after it
+        pieces[0][0]["p.grad"] += 0.5
+        want = {"p.grad"}
+    rep = _check(plan, values, me, pieces)
+    assert {n for n, _ in rep.failures} == want, rep.failures
+    if fault == "collective":
+        assert "moved from" in rep.failures[0][1]
+    if fault == "nan":
+        assert rep.nonfinite == 1
+
+
+# -- --fallback replicate ----------------------------------------------------------------------------
+
+
+def test_fallback_replicate_plans_warns_and_computes_as_torch(monkeypatch: Any,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """With gelu's lowering taken away, BERT does not import (the hint names --fallback
+    replicate); with the flag it plans, the report's first lines name the replicated ops, and
+    the step (the fallback's forward and its backward by torch autograd) equals torch eager."""
+    from conftest import cli_stdout
+    from spmdkit.execute.single import global_step_torch
+    from spmdkit.models.hf import import_hf
+    from spmdkit.models.torch_import.aten import BUILTIN
+    from spmdkit.planner.planning import plan_program
+
+    monkeypatch.delitem(BUILTIN, "aten.gelu")
+    cls, cfg = _CFG["bert"]
+    args = ["plan", "--hf", cls, "--hf-config", json.dumps(cfg), "--mesh", "dp=2,tp=2"]
+    rc, _ = cli_stdout(*args)
+    err = capsys.readouterr().err
+    assert rc == 2 and "no mapping for aten op aten.gelu" in err and "--fallback replicate" in err, err
+    rc, out = cli_stdout(*args, "--fallback", "replicate", "--verify")  # --verify imports it the same way
+    assert rc == 0, capsys.readouterr().err
+    assert "verify: BertForMaskedLM at a tiny config" in out and "all equal" in out
+    head = out.splitlines()[:2]
+    assert head[1].startswith("warning: --fallback replicate: 3 op(s) with no lowering imported replicated")
+    assert head[1].count("aten.gelu.default") == 3
+    rc, _ = cli_stdout("plan", "--fallback", "replicate")
+    assert rc == 2 and "--fallback replicate: applies to --hf models" in capsys.readouterr().err
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prog, model, kw = import_hf(cls, cfg, batch=2, seq=16, fallback="replicate", optimizer=None)
+    fell = [op for op in prog.ops if op.rule == "replicated"]
+    assert [op.phase for op in fell] == ["forward"] * 3 + ["backward"] * 3
+    _p, plan = plan_program(prog, "dp=2,tp=2", "megatron")
+    got, _ = global_step_torch(plan, 0, torch_values(prog, model, (), kw, dtype=np.float32))
+    out_t = model(**kw)
+    out_t.loss.backward()
+    assert float(got["cross_entropy_loss"]) == pytest.approx(float(out_t.loss), rel=1e-5)
+    big = max(float(p.grad.abs().max()) for p in model.parameters() if p.grad is not None)
+    for n, p in model.named_parameters():
+        if n in prog.grads and p.grad is not None:
+            err = float((got[prog.grads[n]] - p.grad).abs().max())
+            assert err <= 1e-5 * big, (n, err)

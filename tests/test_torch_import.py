@@ -9,6 +9,7 @@ fallback="replicate" warns."""
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import numpy as np
@@ -585,3 +586,111 @@ def test_buffers_as_parameters_and_json_round_trip() -> None:
     again = program_from_json(prog.to_json())
     again.validate()
     assert [op.rule for op in again.ops] == [op.rule for op in prog.ops]
+
+
+# -- the import gaps of issue 27: each lowering against torch eager, forward and gradients --------------
+
+
+class ImportGaps(nn.Module):
+    """The ATen ops the HF classes of issue 27 reach: repeat_interleave (GPT-J, Cohere), baddbmm
+    (BLOOM's ALiBi), polar and complex arithmetic (Llama 4's rope), a strided slice (DeepSeek-V3's
+    interleaved rope), a depthwise causal conv1d, tensor_split with an empty tail and softplus
+    (Mamba), scatter of a value and of a src (DeepSeek-V3's group mask, Llama 4's router), repeat
+    (Llama 4's routed input)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(11)
+        self.w = nn.Parameter(torch.randn(2, 6, 8, generator=g))
+        self.conv = nn.Conv1d(8, 8, 3, padding=2, groups=8)
+        self.conv2 = nn.Conv1d(8, 4, 2, bias=False)
+        self.register_buffer("inv_freq", torch.linspace(0.1, 1.0, 4))
+
+    def forward(self, x: Any) -> Any:
+        a = x * self.w  # [2, 6, 8]
+        rep = a.repeat_interleave(2, dim=-1)  # [2, 6, 16]
+        flat = a[0, :2].repeat_interleave(3)  # dim None: the flattened [48]
+        bias = torch.ones(2, 6, 6, dtype=a.dtype)
+        scores = bias.baddbmm(a, a.transpose(1, 2), beta=0.5, alpha=0.25)  # [2, 6, 6]
+        freqs = torch.arange(6, dtype=a.dtype)[:, None] * self.inv_freq[None, :]  # [6, 4]
+        cis = torch.polar(torch.ones_like(freqs), freqs)
+        ac = torch.view_as_complex(a.reshape(2, 6, 4, 2))
+        rot = torch.view_as_real(ac * cis * 2.0).flatten(2)  # [2, 6, 8]
+        even, odd = a[..., ::2], a[..., 1::2]  # strided slices: their grads
+        conv = self.conv(a.transpose(1, 2))[..., :6]  # causal: padding k - 1, the tail cut
+        conv2 = self.conv2(F.softplus(conv))
+        head, tail = torch.tensor_split(conv, [6], dim=2)  # an empty tail
+        top = a.topk(2, dim=-1)
+        mask = torch.zeros_like(a).scatter(2, top.indices, 1.0)  # value
+        routed = torch.full_like(a, -5.0).scatter(2, top.indices, top.values)  # src: its gradient
+        tiled = a[0].repeat(2, 1)  # [12, 8]
+        parts = [rep, flat, scores, rot, even * odd, conv, conv2, head, mask * a, routed, tiled]
+        return sum((t * t).sum() * (k + 1) for k, t in enumerate(parts)) + tail.sum(), rot, scores, routed
+
+
+def test_import_gaps_equal_torch_eager() -> None:
+    m = _model(ImportGaps)
+    x = torch.randn(2, 6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(12))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="torch import")  # a replicated fallback would warn
+        prog = import_module(m, (x,), training=True, optimizer=None)
+    rules = _rules(prog)
+    assert {"strided_slice_grad", "put_along_axis", "put_along_axis_grad", "tile_grad", "softplus_grad",
+            "conv3d_grad", "expand_grad", "stack"} <= rules and "replicated" not in rules
+    vals = _sim(prog, m, (x,))
+    loss, rot, scores, routed = m(x)
+    loss.backward()
+    for o, want in zip(prog.outputs, (loss, rot, scores, routed)):
+        np.testing.assert_allclose(vals[o], want.detach().numpy(), rtol=1e-12, atol=1e-12, err_msg=o)
+    for p, t in m.named_parameters():
+        assert t.grad is not None and float(t.grad.abs().max()) > 0, p
+        np.testing.assert_allclose(vals[prog.grads[p]], t.grad.numpy(), rtol=1e-11, atol=1e-11, err_msg=p)
+
+
+def test_import_gaps_torch_kernels_equal_the_references() -> None:
+    """The torch kernels the new lowerings need (strided_slice and its grad, put_along_axis and
+    its grad, tile_grad, softplus_grad) agree with the numpy references on the imported step."""
+    from spmdkit.execute.single import global_step
+
+    m = _model(ImportGaps)
+    x = torch.randn(2, 6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(13))
+    prog = import_module(m, (x,), training=True, optimizer=None)
+    plan = propagate(prog, parse_mesh("dp=1"), {})
+    values = torch_values(prog, m, (x,))
+    ref = global_step(plan, 0, values)
+    got = global_step(plan, 0, values, kernels="torch")
+    assert set(got) == set(ref)
+    for n, v in ref.items():
+        np.testing.assert_allclose(got[n], v, rtol=1e-10, atol=1e-10, err_msg=n)
+
+
+def test_a_data_dependent_repeat_is_refused() -> None:
+    class Rep(nn.Module):
+        def forward(self, x: Any) -> Any:
+            return x.repeat_interleave(torch.tensor([1, 2, 1]), dim=0)
+
+    with pytest.raises(ProgramError, match=r"aten\.repeat_interleave.*a different repeat per element"):
+        import_module(Rep(), (torch.randn(3, 2),))
+
+
+
+def test_a_frozen_parameter_is_not_trained() -> None:
+    """A parameter with requires_grad=False (Whisper's sinusoidal positions) gets no gradient and
+    no update, as in torch's step; the others' gradients equal torch's."""
+
+    class Frozen(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pos = nn.Parameter(torch.randn(4, 3), requires_grad=False)
+            self.w = nn.Parameter(torch.randn(3, 3))
+
+        def forward(self, x: Any) -> Any:
+            return ((x + self.pos) @ self.w).square().mean()
+
+    m = _model(Frozen)
+    x = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    prog = import_module(m, (x,), training=True)
+    assert set(prog.grads) == {"w"} and "pos.new" not in prog.tensors and prog.tensors["pos"].kind == "parameter"
+    vals = _sim(prog, m, (x,))
+    m(x).backward()
+    np.testing.assert_allclose(vals[prog.grads["w"]], m.w.grad.numpy(), rtol=1e-12, atol=1e-12)

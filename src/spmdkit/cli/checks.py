@@ -89,6 +89,8 @@ def check_one_model(m: ModelArgs) -> None:
         raise ProgramError("--hf: give either --hf or --program, not both")
     if m.hf is None and m.hf_config is not None:
         raise ProgramError("--hf-config: configures an --hf model; give --hf CLASS too")
+    if m.hf is None and m.fallback is not None:
+        raise ProgramError(f"--fallback {m.fallback}: applies to --hf models (the ATen ops an import has no lowering for)")
 
 
 def hf_source(m: ModelArgs, layers: int | None, batch: int | None, seq: int | None, *, verify: bool = False,
@@ -104,7 +106,7 @@ def hf_source(m: ModelArgs, layers: int | None, batch: int | None, seq: int | No
         if v is not None:
             raise ProgramError(f"{f}: does not apply to --hf (set num_hidden_layers in --hf-config)")
     dtype = dtype_name("float32" if m.dtype is None else m.dtype)
-    return HFModel(m.hf, m.hf_config, dtype, batch or 2, seq or 16)
+    return HFModel(m.hf, m.hf_config, dtype, batch or 2, seq or 16, fallback=m.fallback or "error")
 
 
 def program_source(m: ModelArgs, layers: int | None, batch: int | None, seq: int | None) -> ProgramFile:

@@ -74,7 +74,7 @@ def run_devices(req: PlanRequest, out: TextIO) -> int:
 
         if m.hf is not None and m.hf_config is not None:  # its strategy on the (stages') mesh at a tiny config
             verdict = verify_hf(m.hf, m.hf_config, best.config.sub_mesh_text, best.config.strategy, patterns,
-                                pp_cost_text(req.links.cost, None))
+                                pp_cost_text(req.links.cost, None), fallback=m.fallback or "error")
         else:
             verdict = verify_config(best, str(model), req.links.cost)
     title = f"{what}; best of {n} devices: {best.title}" if best is not None else what

@@ -127,7 +127,8 @@ def _run_plan(req: PlanRequest, out: TextIO) -> int:
         from spmdkit.sim.verify_plan import verify_hf, verify_strategy  # (needs numpy)
 
         if isinstance(source, HFModel):
-            verdict = verify_hf(source.class_name, source.config, req.mesh_text, strategy, patterns, req.links.cost)
+            verdict = verify_hf(source.class_name, source.config, req.mesh_text, strategy, patterns, req.links.cost,
+                                fallback=source.fallback)
         else:
             verdict = verify_strategy(req.model.model, req.mesh_text, strategy or "megatron", req.links.cost)
     write_html(req, plan, title, mem, est, config)

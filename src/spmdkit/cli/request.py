@@ -44,6 +44,8 @@ class ModelArgs:
     #: ``--model-config`` as given (``model`` is then that text); ``--model`` given too
     model_config: str | None = None
     preset_given: bool = False
+    #: ``--fallback`` (``replicate``: an --hf op with no lowering imported as a replicated op)
+    fallback: str | None = None
 
     def check_config(self) -> None:
         """``--model-config`` and ``--model`` exclude each other; a config is a JSON object or a
@@ -170,7 +172,7 @@ class RunRequest:
 def _model_args(ns: argparse.Namespace) -> ModelArgs:
     return ModelArgs(model=ns.model_config or ns.model or ns.default_model, program=ns.program, hf=ns.hf,
                      hf_config=ns.hf_config, dtype=ns.dtype, tp_plan=ns.tp_plan, model_config=ns.model_config,
-                     preset_given=ns.model is not None)
+                     preset_given=ns.model is not None, fallback=ns.fallback)
 
 
 def plan_request(ns: argparse.Namespace) -> PlanRequest:
@@ -217,6 +219,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                         "(needs spmdkit[hf])")
     p.add_argument("--hf-config", metavar="FILE|JSON", help="the --hf model's config: a config.json file or a JSON object")
     p.add_argument("--dtype", default="float32", help="the --hf model's dtype: float32 (default), bf16, fp16, float64")
+    p.add_argument("--fallback", choices=("replicate",), help="--hf: an ATen op with no lowering becomes a replicated op (every input and output replicated, its backward too; torch runs it), named in a warning at the top of the report; default: refused")
     p.add_argument("--tp-plan", metavar="FILE|JSON",
                    help='megatron for --hf / --program: module-name patterns -> column, row, vocab or replicate, '
                         'tried before the defaults, e.g. \'{"*.k_proj": "replicate"}\'')
@@ -317,6 +320,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-config", metavar="FILE|JSON", help="the --hf model's config: a config.json path or a JSON "
                                                             "object")
     p.add_argument("--dtype", help="the --hf model's dtype (float32, float64, bfloat16, float16; default float32)")
+    p.add_argument("--fallback", choices=("replicate",), help="--hf: an ATen op with no lowering becomes a replicated op (every input and output replicated, its backward too; torch runs it), named in a warning at the top of the report; default: refused")
     p.add_argument("--pad", type=int, help="--hf: padded positions (attention mask 0) at the end of the batch's last "
                                            "row (default 0)")
     p.add_argument("--mesh", default="dp=2,tp=2", help="named mesh dims, e.g. dp=2,tp=2 (default)")

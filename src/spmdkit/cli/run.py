@@ -220,12 +220,14 @@ def _plan_hf_step(req: RunRequest, user: dict[str, Any]) -> _Step:
     patterns = parse_tp_plan(m.tp_plan)
     b, sq = parse_size("--batch", batch, MAX_SIZE), parse_size("--seq", seq, MAX_SIZE)
     assert b is not None and sq is not None
-    loaded, plan, _ = plan_source(HFModel(m.hf, m.hf_config, dtype, b, sq, weights=True), req.mesh, strategy, user, patterns)
+    loaded, plan, _ = plan_source(HFModel(m.hf, m.hf_config, dtype, b, sq, weights=True, fallback=m.fallback or "error"),
+                                  req.mesh, strategy, user, patterns)
+    warn = loaded.title.partition("\n")[2]  # --fallback replicate: the ops replicated, under the first line
     kw = loaded.inputs
     if pad:  # the same shapes, a padded last row: the program does not depend on the inputs' values
         kw = example_inputs(loaded.module, batch, seq, labels=True, pad=pad)
     return _Step(plan, f"{m.hf} ({dtype}, batch {batch}, seq {seq}" + (f", {pad} padded" if pad else "")
-                 + f"), mesh {req.mesh}, strategy {strategy}", loaded.module, kw)
+                 + f"), mesh {req.mesh}, strategy {strategy}" + (f"\n{warn}" if warn else ""), loaded.module, kw)
 
 
 def _check_kernels_and_device(req: RunRequest, plan: Plan) -> None:

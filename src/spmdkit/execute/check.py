@@ -1,8 +1,9 @@
 """Rank 0's verdict on a distributed run (:class:`RunReport`): every tensor the step made,
 assembled from the ranks as the plan distributes it, against the single-process step
-(:mod:`spmdkit.execute.single`): with the numpy references each within ``rtol`` / ``atol``
-(:func:`check_numpy`), with the torch kernels within :data:`TOLERANCES` of its dtype
-(:func:`check_torch`); a NaN never passes. The comparison with torch eager fills
+(:mod:`spmdkit.execute.single`) with the numpy references, each within ``rtol`` / ``atol``
+(:func:`check_numpy`); with the torch kernels, each op's outputs against the op run unsharded
+on the inputs its ranks received and each reshard against the value it moved, within
+:data:`TOLERANCES` of the dtype (:func:`check_torch`); a NaN never passes. The comparison with torch eager fills
 :class:`EagerCheck` (:mod:`spmdkit.execute.eager`)."""
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ import torch
 
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.execute.collectives import Collective
-from spmdkit.execute.single import STEP_GRADS, global_step_torch, to_numpy
+from spmdkit.execute.single import as_dtype, call_fallback, run_torch, to_numpy, to_torch
 from spmdkit.program.ir import Program
 from spmdkit.program.plan import Plan
 from spmdkit.sim.mesh import AssembleError, arrays_close, assemble, max_abs_error, nonfinite_count
-from spmdkit.sim.plan import loss_name, unusable
+from spmdkit.sim.plan import flat_values, loss_name, op_io, source_values, unusable
+from spmdkit.sim.reference import Ctx
 
 
 @dataclass
@@ -88,8 +90,8 @@ class Ran(Protocol):
     made: dict[str, TensorDistAttr]
 
 
-#: ``--kernels torch``: the largest error a tensor may have against the single-process step with
-#: the same kernels and dtypes, as a fraction of its scale (the largest magnitude of the
+#: ``--kernels torch``: the largest error a tensor may have against its op run unsharded on the
+#: ranks' inputs with the same kernel and dtypes, as a fraction of its scale (the largest magnitude of the
 #: single-process value, at least :data:`FLOOR` of the largest of its kind: a gradient that is
 #: zero in exact arithmetic is rounding noise). Sharding changes the order of sums (a
 #: row-parallel matmul's partial products, a gradient's all-reduce), so two runs agree to the
@@ -109,16 +111,22 @@ def program_dtype(prog: Program) -> str:
 
 
 def check_torch(rep: RunReport, plan: Plan, pieces: list[Any], me: Ran, seed: int,
-                 values: dict[str, Any] | None, device: torch.device) -> dict[str, np.ndarray]:
-    """``--kernels torch``: every tensor of the step, assembled from the ranks, against the
-    single-process step with the same torch kernels in the same dtypes (on rank 0's device).
-    The optimizer's updates are recomputed there from the distributed run's gradients (Adam's
-    first step is ``lr * sign(g)``: a gradient element within rounding of zero may flip, so its
-    update is checked on the gradient the ranks really had; the gradient itself is checked like
-    every other tensor). Each tensor within :data:`TOLERANCES` of its dtype or of the program's
-    (its parameters'), whichever is looser; integers and
-    booleans exactly; a NaN, or an infinity the reference does not have at the same place,
-    never passes. Returns the assembled values."""
+                values: dict[str, Any] | None, device: torch.device) -> dict[str, np.ndarray]:
+    """``--kernels torch``: what each rank computed, checked against what it received. Every
+    op's outputs, assembled from the ranks as the plan distributes them, against the same torch
+    kernel run unsharded (on rank 0's device) on the op's inputs as the ranks held them (each
+    input assembled from the pieces the ranks read: their own, or what a reshard brought them);
+    every reshard's result, assembled, against the value it moved. So an error does not compound
+    through the step (a gradient that is zero in exact arithmetic, Adam's ``lr * sign(g)`` of
+    it, a router's near-tie: each op sees the bits the ranks saw), and a wrong kernel, a wrong
+    collective or a NaN is still caught where it happens.
+
+    Floats within :data:`TOLERANCES` of their dtype or the program's (its parameters'),
+    whichever is looser, of their scale (the reference's largest magnitude, at least
+    :data:`FLOOR` of the largest of its kind); integers and booleans exactly where the op's
+    inputs are exact (no input summed from partial pieces); a reshard that only moves data
+    (from a dist attr with no partial sum) exactly; a NaN, or an infinity the reference does not
+    have at the same place, never passes. Returns the assembled values."""
     prog = plan.program
     loss = rep.loss_tensor = loss_name(prog)
     base = TOLERANCES.get(program_dtype(prog), 0.0)
@@ -136,13 +144,13 @@ def check_torch(rep: RunReport, plan: Plan, pieces: list[Any], me: Ran, seed: in
                                        rtol=tol, atol=tol)
         except (AssembleError, KeyError) as exc:
             rep.failures.append((name, f"not distributed as {attr}: {exc}"))
-    made_by: dict[str, str] = {n: op.phase for op in prog.ops for n in op.output_names()}
-    feed = {n: assembled[n] for op in prog.ops if op.phase == "optimizer" for n in op.input_names()
-            if n in assembled and made_by.get(n) not in (None, "optimizer")}
-    masks = {n: assembled[n] for op in prog.ops if op.rule in STEP_GRADS for n in op.input_names()
-             if n in assembled and made_by.get(n) == "forward"}
-    ref_t, _ = global_step_torch(plan, seed, values, device, optimizer_inputs=feed, step_inputs=masks)
-    ref = {n: to_numpy(v) for n, v in ref_t.items()}
+    sources = source_values(prog, seed, values)
+
+    def value(n: str) -> Any:
+        return assembled[n] if n in assembled else sources.get(n)
+
+    received = _check_reshards(rep, prog, pieces, me, value, tolerance)
+    ref, inexact = _per_op_references(plan, me, value, received, device)
     largest: dict[str, float] = {}
     for n, g in ref.items():
         if g.dtype.kind == "f" and g.size:
@@ -161,38 +169,133 @@ def check_torch(rep: RunReport, plan: Plan, pieces: list[Any], me: Ran, seed: in
         if _unusable(rep, prog, name, g, loss):
             continue
         if got.shape != g.shape:
-            rep.failures.append((name, f"shape {list(got.shape)}, the single-process run's {list(g.shape)}"))
+            rep.failures.append((name, f"shape {list(got.shape)}, the op's unsharded run's {list(g.shape)}"))
             continue
         if g.dtype.kind != "f" or got.dtype.kind != "f":
-            if not np.array_equal(got, g):
-                rep.failures.append((name, "differs from the single-process run (exact: integers or booleans)"))
+            if name not in inexact and not np.array_equal(got, g):
+                rep.failures.append((name, "differs from its op run unsharded on the ranks' inputs (exact: integers "
+                                           "or booleans from exact inputs)"))
             continue
-        both = np.isfinite(g) & np.isfinite(got)
-        bad_got = int(np.count_nonzero(~both & (got != g)))  # -inf where the reference has -inf is equal
-        if bad_got:
-            _nonfinite(rep, name, bad_got, got.size)
-            continue
-        if not g.size or not both.any():
-            continue
-        err = float(np.max(np.abs(got[both].astype(np.float64) - g[both])))
-        rep.max_error = max(rep.max_error, err)
-        scale = max(float(np.max(np.abs(g[both]))), FLOOR * largest.get(prog.tensors[name].kind, 0.0))
-        rel = err / scale if scale > 0 else (0.0 if err == 0 else math.inf)
+        rel = _float_error(rep, name, got, g, largest.get(prog.tensors[name].kind, 0.0), tolerance(name),
+                           "its op run unsharded on the ranks' inputs")
         worst = max(worst, rel)
-        tol = tolerance(name)
-        if rel > tol:
-            d = got[both].astype(np.float64) - g[both]
-            rms = float(np.linalg.norm(d) / max(float(np.linalg.norm(g[both])), 1e-300))
-            rep.failures.append((name, f"differs from the single-process run: max error {err:.3g} is {rel:.3g} of "
-                                       f"its scale {scale:.3g} (tolerance {tol:g}); "
-                                       f"{int(np.count_nonzero(np.abs(d) > tol * scale))} of {d.size} elements beyond, "
-                                       f"relative L2 error {rms:.3g}"))
-    rep.max_rel_error = worst
+    rep.max_rel_error = max(rep.max_rel_error, worst)
     if loss is not None and loss in ref:
         rep.reference_loss = float(np.asarray(ref[loss], dtype=np.float64).sum())
         if loss in assembled:
             rep.loss = float(np.asarray(assembled[loss], dtype=np.float64).sum())
     return assembled
+
+
+def _float_error(rep: RunReport, name: str, got: np.ndarray, g: np.ndarray, largest: float, tol: float,
+                 against: str) -> float:
+    """Compare one float tensor with its reference: a failure beyond ``tol`` of its scale (or a
+    non-finite value the reference does not have); returns the error as a share of the scale."""
+    both = np.isfinite(g) & np.isfinite(got)
+    bad_got = int(np.count_nonzero(~both & (got != g)))  # -inf where the reference has -inf is equal
+    if bad_got:
+        _nonfinite(rep, name, bad_got, got.size)
+        return 0.0
+    if not g.size or not both.any():
+        return 0.0
+    d = got[both].astype(np.float64) - g[both].astype(np.float64)
+    err = float(np.max(np.abs(d)))
+    rep.max_error = max(rep.max_error, err)
+    scale = max(float(np.max(np.abs(g[both]))), FLOOR * largest)
+    rel = err / scale if scale > 0 else (0.0 if err == 0 else math.inf)
+    if rel > tol:
+        rms = float(np.linalg.norm(d) / max(float(np.linalg.norm(g[both].astype(np.float64))), 1e-300))
+        rep.failures.append((name, f"differs from {against}: max error {err:.3g} is {rel:.3g} of its scale "
+                                   f"{scale:.3g} (tolerance {tol:g}); {int(np.count_nonzero(np.abs(d) > tol * scale))} "
+                                   f"of {d.size} elements beyond, relative L2 error {rms:.3g}"))
+    return rel
+
+
+def _check_reshards(rep: RunReport, prog: Program, pieces: list[Any], me: Ran, value: Any,
+                    tolerance: Any) -> dict[Any, np.ndarray]:
+    """Every reshard's result as the ranks received it, assembled in the dist attr it was moved
+    to, against the value it moved (exactly where that value had no partial sum: the move only
+    copies data); returns the assembled results by their key (tensor, dist attr, phase)."""
+    out: dict[Any, np.ndarray] = {}
+    for key in (pieces[0][3] if len(pieces[0]) > 3 else {}):
+        n, dst = key[0], key[1]
+        tol = tolerance(n)
+        try:
+            got = assemble([p[3][key] for p in pieces], dst, prog.tensors[n].shape, rtol=tol, atol=tol)
+        except (AssembleError, KeyError) as exc:
+            rep.failures.append((n, f"moved to {dst}: the ranks' pieces are not distributed so: {exc}"))
+            continue
+        out[key] = got
+        want = value(n)
+        if want is None:
+            continue
+        want = np.asarray(want)
+        src = me.made.get(n)
+        if got.dtype.kind != "f" or src is None or not src.partial:
+            same = np.array_equal(got, want.astype(got.dtype, copy=False), equal_nan=got.dtype.kind == "f")
+            if not same:
+                rep.failures.append((n, f"moved from {src} to {dst}: the value changed (a move of data: exact)"))
+        else:
+            _float_error(rep, n, got, want, 0.0, tol, f"the value moved from {src} to {dst}")
+    return out
+
+
+def _per_op_references(plan: Plan, me: Ran, value: Any, received: dict[Any, np.ndarray],
+                       device: torch.device) -> tuple[dict[str, np.ndarray], set[str]]:
+    """Each op's torch kernel run unsharded on its inputs as the ranks held them (what they had,
+    or what a reshard brought them, assembled): (every output's value, the outputs of ops that
+    read an input summed from partial pieces: not bit-exact)."""
+    prog = plan.program
+    ref: dict[str, np.ndarray] = {}
+    inexact: set[str] = set()
+    for op_plan in plan.ops:
+        got = _op_reference(plan, op_plan, me, value, received, device)
+        if got is None:
+            continue  # an input the ranks did not make as planned: a failure already
+        outs, summed = got
+        io_refs = op_io(op_plan, prog).out_refs
+        for k, o in enumerate(io_refs):
+            if o is not None and k < len(outs) and outs[k] is not None:
+                ref[o] = to_numpy(as_dtype(outs[k], prog.tensors[o].dtype))
+                if summed:
+                    inexact.add(o)
+    return ref, inexact
+
+
+def _op_reference(plan: Plan, op_plan: Any, me: Ran, value: Any, received: dict[Any, np.ndarray],
+                  device: torch.device) -> tuple[list[Any], bool] | None:
+    """One op's outputs run unsharded on its inputs as the ranks held them, and whether an
+    input was summed from partial pieces; None where an input has no assembled value."""
+    prog = plan.program
+    io = op_io(op_plan, prog)
+    summed = False
+    named: dict[str, torch.Tensor] = {}
+
+    def fetch(n: str, req: TensorDistAttr | None) -> torch.Tensor:
+        nonlocal summed
+        have = me.made.get(n, plan.attrs[n])
+        if req is None or req == have:
+            arr, attr = value(n), have
+        else:
+            arr, attr = received.get((n, req, op_plan.op.phase if n in plan.storage else "")), req
+        if arr is None:
+            raise _Unknown(n)
+        summed = summed or bool(attr.partial)
+        named[n] = to_torch(np.asarray(arr), prog.tensors[n].dtype, device)
+        return named[n]
+    try:
+        args = io.values(fetch)
+    except _Unknown:
+        return None
+    fb = (getattr(prog, "fallbacks", None) or {}).get(op_plan.index)
+    if fb is not None:
+        return call_fallback(fb, named.__getitem__), summed
+    ctx = Ctx(plan.mesh, None, None, io.in_attrs, io.shapes, io.out_ndims, io.out_attrs)
+    return list(flat_values(run_torch(op_plan.op, io, args, ctx))), summed
+
+
+class _Unknown(Exception):
+    """An op input with no assembled value (its failure is reported where it was made)."""
 
 
 def check_numpy(rep: RunReport, prog: Program, pieces: list[Any], made: dict[str, TensorDistAttr],

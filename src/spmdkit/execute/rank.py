@@ -70,7 +70,7 @@ from spmdkit.execute.eager import compare_eager
 from spmdkit.execute.kernels import check_kernels
 from spmdkit.execute.launch import uneven_shards
 from spmdkit.execute.report import predicted_timing, slowest, this_gpu
-from spmdkit.execute.single import as_dtype, global_step, run_torch, to_numpy, to_torch
+from spmdkit.execute.single import as_dtype, call_fallback, global_step, run_torch, to_numpy, to_torch
 from spmdkit.program.plan import Plan
 from spmdkit.sim.mesh import shard
 from spmdkit.sim.plan import flat_values, loss_name, op_io, source_values
@@ -107,6 +107,9 @@ class Rank:
         self.kernel_record: list[Collective] = []
         #: after :meth:`run`: the dist attr each tensor of the step ended up with
         self.made: dict[str, TensorDistAttr] = {}
+        #: after :meth:`run`: each reshard's result as this rank received it, by (tensor, dist attr
+        #: it was moved to, the phase for a ZeRO-3 parameter gathered again per phase)
+        self.moved: dict[tuple[str, TensorDistAttr, str], Any] = {}
 
     # -- torch <-> numpy
     def _t(self, a: np.ndarray) -> torch.Tensor:
@@ -245,7 +248,9 @@ class Rank:
             piece = shard(v, plan.attrs[n], rng)[self.rank]
             local[n] = to_torch(piece, prog.tensors[n].dtype, self.device) if torch_kernels else piece
         moved: dict[tuple[str, TensorDistAttr, str], Any] = {}
+        self.moved = moved
         stored = plan.storage
+        fallbacks = getattr(prog, "fallbacks", None) or {}
         phase = [""]  # the running op's phase: a ZeRO-3 parameter is gathered again in each
         step = self.step_t if torch_kernels else self.step
 
@@ -277,7 +282,13 @@ class Rank:
             ctx = Ctx(self.mesh, self.rank, self.coords, io.in_attrs, io.shapes, io.out_ndims, io.out_attrs,
                       gshapes, comm=comm)
             k0 = self.kernel_comm_s
-            if torch_kernels:
+            fb = fallbacks.get(op_plan.index)
+            if fb is not None:  # an imported op with no lowering: replicated, so torch runs it whole
+                named = {n: a if torch_kernels else torch.from_numpy(np.asarray(a))
+                         for p, v in io.inputs.items() for n, a in _pairs(v, args.get(p))}
+                got = call_fallback(fb, named.__getitem__)
+                outs = got if torch_kernels else [None if r is None else r.numpy() for r in got]
+            elif torch_kernels:
                 outs = flat_values(run_torch(op_plan.op, io, args, ctx))
             else:
                 with np.errstate(all="ignore"):
@@ -300,6 +311,13 @@ class Rank:
                 outputs[o] = local[o]
         timing["step"] = {"wall": self._clock() - t_start}
         return outputs
+
+
+def _pairs(names: Any, vals: Any) -> list[tuple[str, Any]]:
+    """(tensor name, its value) of one op parameter (a vector parameter's names and values)."""
+    if isinstance(names, tuple):
+        return [(n, v) for n, v in zip(names, vals or []) if n is not None]
+    return [] if names is None else [(names, vals)]
 
 
 class TorchComm:
@@ -391,10 +409,12 @@ def _run_step(me: Rank, seed: int, warmup: int, say: Callable[[str], None], worl
         me.kernel_record.clear()
     say("step")
     outputs = me.run(seed)
-    if me.kernels == "torch":
+    received: dict[Any, Any] = {}
+    if me.kernels == "torch":  # what each op read: the per-op check recomputes it from these
         outputs = {n: to_numpy(v) for n, v in outputs.items()}
+        received = {k: to_numpy(v) for k, v in me.moved.items()}
     pieces: list[Any] = [None] * world if me.rank == 0 else []
-    dist.gather_object((outputs, me.record, me.timing), pieces if me.rank == 0 else None, dst=0)
+    dist.gather_object((outputs, me.record, me.timing, received), pieces if me.rank == 0 else None, dst=0)
     return pieces
 
 

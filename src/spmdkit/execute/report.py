@@ -62,10 +62,12 @@ def format_report(rep: RunReport, title: str) -> str:
     for c in rep.collectives:
         kinds[c.kind] = kinds.get(c.kind, 0) + 1
     kind_text = ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())) or "none"
-    lines = [f"spmdkit run: {title}; {rep.world_size} processes ({rep.backend})"]
+    first, _, notes = title.partition("\n")  # the title's warnings (--fallback replicate) under its first line
+    lines = [f"spmdkit run: {first}; {rep.world_size} processes ({rep.backend})", *notes.splitlines()]
     if rep.loss is not None:
         which = f"tensor {rep.loss_tensor}; " if rep.loss_tensor not in (None, "loss") else ""
-        lines.append(f"loss {rep.loss:.12g} ({which}single process {rep.reference_loss:.12g})")
+        ref = "its op run unsharded on the ranks' inputs" if rep.kernels == "torch" else "single process"
+        lines.append(f"loss {rep.loss:.12g} ({which}{ref} {rep.reference_loss:.12g})")
     differ = [f for f in rep.failures if f[0] != "collectives"]
     same = "all within" if rep.kernels == "torch" else "all equal"  # torch: to each dtype's rounding
     verdict = same if not differ else f"{len(differ)} differ (first: {differ[0][0]})"
@@ -73,9 +75,9 @@ def format_report(rep: RunReport, title: str) -> str:
         verdict += f"; {rep.nonfinite} hold NaN or infinite values"
     if rep.kernels == "torch":
         dt = sorted({d for d in TOLERANCES})
-        lines.append(f"{rep.checked} tensors compared with the single-process step on the same torch kernels and "
-                     f"dtypes (loss, every gradient, every update on the distributed gradients, every activation; "
-                     f"ReLU-type grads on the distributed forward values): "
+        lines.append(f"{rep.checked} tensors checked op by op, each against its op run unsharded with the same "
+                     f"torch kernel and dtypes on the inputs the ranks received (loss, every activation, gradient "
+                     f"and update; every reshard against the value it moved): "
                      f"max error {rep.max_rel_error:.3g} of a tensor's scale (tolerance "
                      + ", ".join(f"{d} {TOLERANCES[d]:g}" for d in dt if d != "float64")
                      + f"), max abs error {rep.max_error:.3g}, {verdict}")

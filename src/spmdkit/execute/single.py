@@ -7,7 +7,7 @@ torch tensors of the program's dtypes."""
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
@@ -68,10 +68,15 @@ def global_step(plan: Plan, seed: int, values: dict[str, Any] | None = None, ker
     out: dict[str, np.ndarray] = {}
     for op_plan in plan.ops:
         io = op_io(op_plan, prog)
-        args = io.values(lambda n, req: glob[n])
-        with np.errstate(all="ignore"):
-            gouts = flat_values(io.ref.run(args, Ctx(plan.mesh, None, None, io.in_attrs, io.shapes, io.out_ndims,
-                                                   io.out_attrs)))
+        fb = getattr(prog, "fallbacks", {}).get(op_plan.index)
+        if fb is not None:  # an imported op torch runs itself (float64 here)
+            gouts = [None if r is None else r.numpy() for r in call_fallback(fb, lambda n: torch.from_numpy(
+                np.asarray(glob[n])))]
+        else:
+            args = io.values(lambda n, req: glob[n])
+            with np.errstate(all="ignore"):
+                gouts = flat_values(io.ref.run(args, Ctx(plan.mesh, None, None, io.in_attrs, io.shapes, io.out_ndims,
+                                                       io.out_attrs)))
         for k, o in enumerate(io.out_refs):
             if o is not None and k < len(gouts) and gouts[k] is not None:
                 glob[o] = out[o] = np.asarray(gouts[k])
@@ -121,8 +126,10 @@ def global_step_torch(plan: Plan, seed: int = 0, values: dict[str, Any] | None =
             feed = step_inputs
         args = io.values(partial(_fetch, glob, feed, prog, dev))
         t0 = time.perf_counter()
-        gouts = flat_values(run_torch(op_plan.op, io, args, Ctx(plan.mesh, None, None, io.in_attrs, io.shapes,
-                                                                io.out_ndims, io.out_attrs)))
+        fb = getattr(prog, "fallbacks", {}).get(op_plan.index)
+        gouts = call_fallback(fb, lambda n: glob[n]) if fb is not None else \
+            flat_values(run_torch(op_plan.op, io, args, Ctx(plan.mesh, None, None, io.in_attrs, io.shapes,
+                                                            io.out_ndims, io.out_attrs)))
         if sync:
             torch.cuda.synchronize(dev)
         ph = op_plan.op.phase
@@ -131,6 +138,23 @@ def global_step_torch(plan: Plan, seed: int = 0, values: dict[str, Any] | None =
             if o is not None and k < len(gouts) and gouts[k] is not None:
                 glob[o] = out[o] = as_dtype(gouts[k], prog.tensors[o].dtype)
     return out, secs
+
+
+def call_fallback(entry: tuple[Any, Any, Any], value: Callable[[str], torch.Tensor]) -> list[Any]:
+    """Run an imported program's replicated fallback op (``prog.fallbacks[i]``: the torch
+    callable and its arguments, program tensors as :class:`Name`) on ``value(name)``: its outputs
+    (torch tensors; None for a non-tensor output)."""
+    fn, args, kwargs = entry
+
+    def sub(v: Any) -> Any:
+        if isinstance(v, Name):
+            return value(v)
+        if isinstance(v, (list, tuple)):
+            return type(v)(sub(x) for x in v)
+        return v
+    with torch.no_grad():
+        res = fn(*sub(args), **{k: sub(x) for k, x in kwargs.items()})
+    return [r if isinstance(r, torch.Tensor) else None for r in (list(res) if isinstance(res, (list, tuple)) else [res])]
 
 
 def run_program(prog: Program, values: Mapping[str, Any]) -> dict[str, Any]:
@@ -144,18 +168,8 @@ def run_program(prog: Program, values: Mapping[str, Any]) -> dict[str, Any]:
     for op_plan in plan.ops:
         io = op_io(op_plan, prog)
         if op_plan.index in fallbacks:
-            fn, args, kwargs = fallbacks[op_plan.index]
-
-            def sub(v: Any) -> Any:
-                if isinstance(v, Name):
-                    return torch.from_numpy(np.asarray(glob[v]))
-                if isinstance(v, (list, tuple)):
-                    return type(v)(sub(x) for x in v)
-                return v
-            with torch.no_grad():
-                res = fn(*sub(args), **{k: sub(x) for k, x in kwargs.items()})
-            res_l = list(res) if isinstance(res, (list, tuple)) else [res]
-            outs: list[Any] = [r.numpy() if isinstance(r, torch.Tensor) else None for r in res_l]
+            got = call_fallback(fallbacks[op_plan.index], lambda n: torch.from_numpy(np.asarray(glob[n])))
+            outs: list[Any] = [None if r is None else r.numpy() for r in got]
         else:
             args = io.values(lambda n, req: glob[n])
             ctx = Ctx(mesh, None, None, io.in_attrs, io.shapes, io.out_ndims, io.out_attrs)
@@ -170,5 +184,5 @@ def run_program(prog: Program, values: Mapping[str, Any]) -> dict[str, Any]:
     return glob
 
 
-__all__ = ["STEP_GRADS", "as_dtype", "global_step", "global_step_torch", "run_program", "run_torch", "to_numpy",
+__all__ = ["STEP_GRADS", "as_dtype", "call_fallback", "global_step", "global_step_torch", "run_program", "run_torch", "to_numpy",
            "to_torch"]

@@ -5,8 +5,8 @@ ranges, imported as spmdkit programs (``pip install 'spmdkit[hf]'``).
 from its config class (no hub access), seeded; ``example_inputs(model, batch, seq)`` gives the
 keyword inputs its forward takes: token ids below the vocabulary size, an attention mask (with
 ``pad`` padded positions at the end of the last row), labels with some -100 (the ignored
-index), ``pixel_values`` for a vision model, ``decoder_input_ids`` for an encoder-decoder called
-without labels; ``import_hf`` does both and :func:`spmdkit.models.torch_import.import_module`. Nothing
+index), ``pixel_values`` for a vision model, ``input_features`` for a speech encoder-decoder (Whisper),
+``decoder_input_ids`` for an encoder-decoder called without labels; ``import_hf`` does both and :func:`spmdkit.models.torch_import.import_module`. Nothing
 in the spmdkit core imports this module.
 """
 
@@ -196,7 +196,10 @@ def example_inputs(model: Any, batch: int = 2, seq: int = 16, *, labels: bool = 
                    ignored: float = 0.1, seed: int = 0) -> dict[str, Any]:
     """Keyword inputs for ``model`` in their valid ranges (see the module docstring); ``ignored``:
     the fraction of labels set to -100 (at least one label stays counted); ``pad``: padded
-    positions (attention mask 0) at the end of the last row."""
+    positions (attention mask 0) at the end of the last row. A speech encoder-decoder (Whisper:
+    ``input_features``) gets log-mel features ``[batch, num_mel_bins, 2 * max_source_positions]``
+    (the length its encoder requires) and ``seq`` decoder tokens; an encoder-decoder's decoder
+    reads its labels shifted right (HF's own shift), or ``decoder_input_ids`` without labels."""
     import torch
 
     cfg = model.config
@@ -214,13 +217,21 @@ def example_inputs(model: Any, batch: int = 2, seq: int = 16, *, labels: bool = 
     vocab = int(getattr(cfg, "vocab_size", 0) or 0)
     if vocab < 1:
         raise ProgramError(f"hf: {type(model).__name__} has no vocab_size in its config")
-    kw["input_ids"] = torch.randint(0, vocab, (batch, seq), generator=g)
-    mask = torch.ones(batch, seq, dtype=torch.long)
-    if pad:
-        if not 0 <= pad < seq:
-            raise ProgramError(f"hf: pad={pad} must be in [0, seq={seq})")
-        mask[-1, seq - pad:] = 0
-    kw["attention_mask"] = mask
+    if main == "input_features":
+        mels = int(getattr(cfg, "num_mel_bins", 80))
+        frames = 2 * int(getattr(cfg, "max_source_positions", 1500))
+        kw["input_features"] = torch.randn(batch, mels, frames, generator=g).to(model.dtype)
+        most = int(getattr(cfg, "max_target_positions", seq) or seq)
+        if seq > most:
+            raise ProgramError(f"hf: seq={seq} is more than the decoder's max_target_positions {most}")
+    else:
+        kw["input_ids"] = torch.randint(0, vocab, (batch, seq), generator=g)
+        mask = torch.ones(batch, seq, dtype=torch.long)
+        if pad:
+            if not 0 <= pad < seq:
+                raise ProgramError(f"hf: pad={pad} must be in [0, seq={seq})")
+            mask[-1, seq - pad:] = 0
+        kw["attention_mask"] = mask
     if labels:
         lab = torch.randint(0, vocab, (batch, seq), generator=g)
         drop = torch.rand(batch, seq, generator=g) < ignored

@@ -58,6 +58,9 @@ class HFModel:
     batch: int = 2
     seq: int = 16
     weights: bool | None = None
+    #: ``"error"`` (an ATen op with no lowering refuses the import) or ``"replicate"`` (``--fallback
+    #: replicate``: it becomes a replicated op, named in the title's warning line)
+    fallback: str = "error"
 
 
 ModelSource = Preset | ProgramFile | HFModel
@@ -128,20 +131,38 @@ def preset_title(name: str, c: ModelConfig) -> str:
             f"seq {c.seq}, batch {c.batch}, {c.dtype}")
 
 
-def hf_title(source: HFModel) -> str:
-    return f"{source.class_name} (HuggingFace), batch {source.batch}, seq {source.seq}"
+def hf_title(source: HFModel, prog: Program | None = None) -> str:
+    """``CLASS (HuggingFace), batch B, seq S``; with ``--fallback replicate`` and ops replicated
+    for want of a lowering, a second line warning of them (the report's first lines)."""
+    title = f"{source.class_name} (HuggingFace), batch {source.batch}, seq {source.seq}"
+    fell = fallback_ops(prog) if prog is not None else []
+    if fell:
+        title += (f"\nwarning: --fallback replicate: {len(fell)} op(s) with no lowering imported replicated (every "
+                  f"input and output replicated on every rank): {'; '.join(fell)}")
+    return title
+
+
+def fallback_ops(prog: Program) -> list[str]:
+    """The ATen ops an imported program holds as replicated fallbacks (``aten.hardswish.default
+    at model.py:12``), forward ones only, once each."""
+    fb = getattr(prog, "fallbacks", {}) or {}
+    origins = getattr(prog, "origins", {}) or {}
+    got = [str(origins.get(i, f"op {i}")) for i in sorted(fb) if prog.ops[i].phase == "forward"]
+    return list(dict.fromkeys(got))
 
 
 def import_hf_checked(class_name: str, config: Any, batch: int, seq: int, dtype: str,
-                      weights: bool | None = None) -> tuple[Program, Any, dict[str, Any]]:
+                      weights: bool | None = None, fallback: str = "error") -> tuple[Program, Any, dict[str, Any]]:
     """:func:`spmdkit.models.hf.import_hf` (``dtype`` a dtype name), its errors on a model that does not
     import given as one ProgramError naming ``--hf``. ``weights``: as ``import_hf``'s; by default
     a small model is built with its weights (``spmdkit run`` runs it) and a larger one is imported
     without them, its layers traced once per kind and repeated (any size plans)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
+        warnings.filterwarnings("ignore", message="torch import: no mapping")  # the title names them
         try:
-            return import_hf(class_name, config, batch=batch, seq=seq, dtype=dtype, weights=weights)
+            return import_hf(class_name, config, batch=batch, seq=seq, dtype=dtype, weights=weights,
+                             fallback=fallback)
         except SpmdError:
             raise
         except (ValueError, TypeError, RuntimeError, IndexError, KeyError) as exc:
@@ -165,9 +186,9 @@ def load(source: ModelSource, *, vocab_parallel_loss: bool = False) -> Loaded:
     if isinstance(source, ProgramFile):
         return Loaded(source, load_program(source.path), f"program {source.path}")
     prog, module, kw = import_hf_checked(source.class_name, source.config, source.batch, source.seq, source.dtype,
-                                         source.weights)
-    return Loaded(source, prog, hf_title(source), module=module, inputs=kw)
+                                         source.weights, source.fallback)
+    return Loaded(source, prog, hf_title(source, prog), module=module, inputs=kw)
 
 
-__all__ = ["HFModel", "Loaded", "ModelSource", "Preset", "ProgramFile", "hf_title", "import_hf_checked", "load", "load_preset",
-           "preset_title", "variants"]
+__all__ = ["HFModel", "Loaded", "ModelSource", "Preset", "ProgramFile", "fallback_ops", "hf_title", "import_hf_checked",
+           "load", "load_preset", "preset_title", "variants"]

@@ -211,6 +211,7 @@ def _take_shape(a: Args) -> list[Expect]:
 
 
 facts("put_along_axis", "index_put", shape=same)
+facts("put_along_axis", grad="put_along_axis_grad", wrt=("x", "value"))
 facts("take_along_axis", shape=_take_shape, grad="take_along_axis_grad", wrt=("x",))
 facts("put_along_axis_grad", "index_put_grad", grad_like=("x", "value"))
 

@@ -270,7 +270,8 @@ facts(*(f"{_n}_grad" for _inputs, _names in UNARY_GRADS.items() if "x" not in _i
 # autodiff (the grad rule NAME_grad): the built-in models' ops (the dropout mask and p: the Tape's grad_extra,
 # see spmdkit.models.zoo), those of models imported from torch and HuggingFace (tests/test_torch_import.py and
 # tests/test_hf.py check each gradient against torch's autograd), mixed-precision casts
-for _n in ("gelu", "scale", "dropout", "square", "rsqrt", "silu", "sqrt", "relu", "tanh", "exp", "sigmoid", "cast"):
+for _n in ("gelu", "scale", "dropout", "square", "rsqrt", "silu", "sqrt", "relu", "tanh", "exp", "sigmoid", "cast",
+           "softplus"):
     facts(_n, grad=f"{_n}_grad", wrt=("x",))
 for _n in ("add", "multiply", "subtract", "divide", "elementwise_pow"):
     facts(_n, grad=f"{_n}_grad", wrt=("x", "y"))

@@ -365,9 +365,9 @@ def _pad_grad_shape(a: Args) -> list[Expect]:
 
 facts("expand", shape=_expand_shape, grad="expand_grad", wrt=("x",))
 facts("expand_as", shape=_expand_as_shape)
-facts("tile", shape=_tile_shape)
+facts("tile", shape=_tile_shape, grad="tile_grad", wrt=("x",))
 facts("slice", shape=_slice_shape, grad="slice_grad", wrt=("input",))
-facts("strided_slice", shape=_strided_slice_shape)
+facts("strided_slice", shape=_strided_slice_shape, grad="strided_slice_grad", wrt=("input",))
 facts("pad", shape=_pad_shape, grad="pad_grad", wrt=("x",))
 facts("pad_grad", shape=_pad_grad_shape)
 

@@ -116,6 +116,21 @@ class Tape:
         got.append((x, gn))
         return (gn, t.shape, t.dtype, "gradient")
 
+    def _replicated_grad(self, rec: _Rec, ograds: dict[str, Any], contrib: dict[str, list[str]]) -> None:
+        """The backward of a ``replicated`` op (the torch importer's fallback): one more
+        ``replicated`` op reading the forward inputs and the output gradients and making the
+        gradients of the inputs that need one."""
+        got: list[tuple[str, str]] = []
+        ins = tuple(n for n in _names(rec.inputs.get("ins")) if n is not None)
+        outs = [self._grad_decl(x, got, contrib, rec.rule) for x in ins]
+        if not got:
+            return
+        reads = ins + tuple(g for v in ograds.values() for g in _names(v) if g is not None)
+        self.b.op("replicated", {"ins": tuple(dict.fromkeys(reads)), "outs": (None,) * len(outs)}, outs,
+                  name=f"grad of {next((n for o in rec.outputs for n in _names(o)), rec.rule)}")
+        for x, gn in got:
+            contrib.setdefault(x, []).append(gn)
+
     def backward(self, loss: str) -> dict[str, str]:
         """Emit the backward ops of every recorded op (reverse order); returns tensor -> its
         gradient for every parameter."""
@@ -160,10 +175,13 @@ class Tape:
 
         for rec in reversed(self.recs):
             b.layer = rec.layer
-            out_names = _output_names(rec.rule)
+            out_names = _output_names(rec.rule) if rec.rule != "replicated" else [str(i) for i in range(len(rec.outputs))]
             by_out = dict(zip(out_names, rec.outputs))
             ograds = {o: ograd(n) for o, n in by_out.items() if n is not None}
             if not any(ograds.values()):
+                continue
+            if rec.rule == "replicated":  # an imported op with no lowering: its backward replicated as well
+                self._replicated_grad(rec, ograds, contrib)
                 continue
             if rec.rule not in GRADS:
                 raise ProgramError(f"autodiff: no grad rule known for {rec.rule}")

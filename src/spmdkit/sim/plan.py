@@ -348,7 +348,16 @@ def op_io(op_plan: OpPlan, prog: Program) -> OpIO:
             in_attrs[p] = req
     for p in ref.tensor_params:
         shapes.setdefault(p, None)
+    if op.rule == "replicated" and not any(shapes.get("outs") or ()):  # an imported fallback: its outputs' shapes
+        shapes["outs"] = [None if n is None else prog.tensors[n].shape for v in op.outputs for n in flat_refs(v)]
     out_attrs = tuple(a for v in op_plan.outputs for a in (v if isinstance(v, tuple) else (v,)))
+    if op.rule == "replicated":  # an imported fallback's outputs: replicated (the rule leaves them unset)
+        outs = [n for v in op.outputs for n in flat_refs(v)]
+        meshes = [a.mesh for v in in_attrs.values() for a in (v if isinstance(v, tuple) else (v,))
+                  if isinstance(a, TensorDistAttr)]
+        if meshes and len(outs) == len(out_attrs):
+            out_attrs = tuple(a if a is not None or n is None else
+                              TensorDistAttr(meshes[0], [-1] * len(prog.tensors[n].shape)) for a, n in zip(out_attrs, outs))
     out_ndims = tuple(a.ndim if isinstance(a, TensorDistAttr) else None for a in out_attrs)
     return OpIO(ref, _attrs_of(op), dict(op.inputs), dict(op_plan.required), in_attrs, shapes, out_attrs,
                 out_ndims, [n for v in op.outputs for n in flat_refs(v)])

@@ -233,7 +233,8 @@ def tiny_hf_config(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def verify_hf(class_name: str, config: Any, mesh_text: str, strategy_text: str | None,
-              patterns: Any = None, cost_text: str | None = None, seq: int = 16) -> dict[str, Any]:
+              patterns: Any = None, cost_text: str | None = None, seq: int = 16,
+              fallback: str = "error") -> dict[str, Any]:
     """``plan --hf --verify``: the same plan (mesh, strategy, ``--tp-plan``) on the HF class
     ``class_name`` at the tiny config :func:`tiny_hf_config` derives from ``config``, imported
     in float32 and simulated end to end against the unsharded step (``batch``: the mesh's
@@ -242,7 +243,7 @@ def verify_hf(class_name: str, config: Any, mesh_text: str, strategy_text: str |
     mesh = parse_mesh(mesh_text)
     batch = max(2, mesh.size)
     _prog, _model, _kw, plan = plan_hf(class_name, tiny, mesh_text, strategy_text, "float32", batch, seq,
-                                       None, patterns, cost_text)
+                                       None, patterns, cost_text, fallback=fallback)
     try:
         rep = simulate_plan(plan)
     except ProgramError as exc:  # a piece not distributed as the plan says: a failed check, not bad input

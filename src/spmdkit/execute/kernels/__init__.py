@@ -64,7 +64,10 @@ def missing_kernels(program: Program) -> dict[str, str]:
     """Rules of ``program`` with no torch kernel, or none for the attributes an op sets
     ("flash_attention with return_softmax"): -> the first op that uses it."""
     out: dict[str, str] = {}
-    for op in program.ops:
+    fallbacks = getattr(program, "fallbacks", None) or {}  # an imported op torch itself runs
+    for i, op in enumerate(program.ops):
+        if i in fallbacks:
+            continue
         bad = _UNSUPPORTED.get(op.rule)
         key = bad[1] if bad is not None and op.attrs.get(bad[0]) else op.rule
         if (get_kernel(op.rule) is None or key != op.rule) and key not in out:

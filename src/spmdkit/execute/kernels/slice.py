@@ -29,12 +29,28 @@ def _k_slice(a: Args, c: Ctx) -> tuple[Any, ...]:
     return (out.contiguous(),)
 
 
-@register("slice_grad")
+@register("strided_slice")
+def _k_strided_slice(a: Args, c: Ctx) -> tuple[Any, ...]:
+    x = tensor(a["input"])
+    for ax, sl in enumerate(_slice_index(x.shape, a["axes"], a["starts"], a["ends"], a["strides"])):
+        if sl != slice(None):  # a negative step too (torch's slicing takes positive steps only)
+            idx = torch.tensor(list(range(*sl.indices(x.shape[ax]))), dtype=torch.int64, device=x.device)
+            x = x.index_select(ax, idx)
+    return (x.contiguous(),)
+
+
+@register("slice_grad", "strided_slice_grad")
 def _k_slice_grad(a: Args, c: Ctx) -> tuple[Any, ...]:
     x, g = tensor(a["input"]), tensor(a["out_grad"])
     idx = _slice_index(x.shape, a["axes"], a["starts"], a["ends"], a.get("strides"))
     out = torch.zeros(x.shape, dtype=g.dtype, device=g.device)
-    out[idx] = g.reshape(out[idx].shape)
+    if all(sl.step is None or sl.step > 0 for sl in idx):
+        out[idx] = g.reshape(out[idx].shape)
+        return (out,)
+    ranges = [torch.tensor(list(range(*sl.indices(n))), dtype=torch.int64, device=g.device)  # a negative step
+              for sl, n in zip(idx, x.shape)]
+    grid = torch.meshgrid(*ranges, indexing="ij")
+    out.index_put_(grid, g.reshape(grid[0].shape))
     return (out,)
 
 

@@ -7,7 +7,10 @@ op to registered rules with their Paddle 3.3.1 attributes, one module of lowerin
 (``aten/<family>.py``, named as :mod:`spmdkit.ops`):
 
 - ``linear`` -> ``matmul(trans_y=True)`` [+ ``add``]; ``mm`` / ``bmm`` / ``matmul`` ->
-  ``matmul``; ``addmm`` -> ``matmul`` + ``add``
+  ``matmul``; ``addmm`` / ``baddbmm`` -> ``matmul`` + ``add``; ``conv1d`` / ``conv2d`` ->
+  ``conv2d`` / ``conv3d``; ``repeat_interleave`` -> ``expand`` between reshapes, ``repeat`` ->
+  ``tile``, ``scatter`` -> ``put_along_axis``; complex tensors (``polar``, ``view_as_complex``,
+  a complex ``mul``) as their real parts ``[..., 2]``
 - the layer and RMS norms -> the ``norm`` family's rules (:mod:`.aten.norm`)
 - ``softmax`` / ``log_softmax``, ``embedding``, ``gelu`` / ``silu`` / ``relu`` / ``tanh`` / ``exp``
   / ``rsqrt`` / ... (same names), ``pow`` (2 -> ``square``, 0.5 -> ``sqrt``, -0.5 -> ``rsqrt``, else
@@ -36,7 +39,9 @@ token ids ``int64``); other tensors are named after their FX nodes.
 An ATen op with no mapping raises :class:`~spmdkit.core.errors.ProgramError` naming the op and
 its source line, unless it is mapped (:func:`register_aten`, or ``mapping=`` per call: a hook
 ``fn(ctx) -> value`` or the name of a rule taking the node's tensor arguments in order) or
-``fallback="replicate"`` (a ``replicated`` op, with a warning).
+``fallback="replicate"`` (``--fallback replicate``: a ``replicated`` op, with a warning; in
+training its backward is another ``replicated`` op, and both run the ATen op with torch, the
+backward as its vector-Jacobian product).
 
 ``training=True`` differentiates the imported forward with :class:`spmdkit.program.autodiff.Tape` (the
 registered grad rules) and adds an AdamW (or SGD) update per parameter, as the zoo builders do.

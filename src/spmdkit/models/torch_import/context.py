@@ -21,6 +21,9 @@ DTYPES: dict[Any, str] = {
     torch.bool: "bool",
 }
 TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
+#: a complex tensor is imported as a real one with a trailing axis of 2 (real, imaginary) in
+#: the dtype of its parts (Llama 4's rotary tables: ``polar``, ``view_as_complex``, a complex ``mul``)
+COMPLEX_PARTS: dict[Any, str] = {torch.complex64: "float32", torch.complex128: "float64", torch.complex32: "float16"}
 
 
 def dtype_name(dt: Any) -> str:
@@ -130,14 +133,24 @@ class ImportContext:
         return self.node.meta.get("val")
 
     def out_shape(self) -> tuple[int, ...]:
+        """The node's output shape (a complex output's with the trailing 2 of its parts)."""
         v = self.val()
         if not isinstance(v, torch.Tensor):
             raise ProgramError(f"torch import: {self.target} at {self.where}: no single tensor output")
-        return tuple(int(s) for s in v.shape)
+        shp = tuple(int(s) for s in v.shape)
+        return (*shp, 2) if v.is_complex() else shp
 
     def out_dtype(self) -> str:
         v = self.val()
+        if isinstance(v, torch.Tensor) and v.dtype in COMPLEX_PARTS:
+            return COMPLEX_PARTS[v.dtype]
         return dtype_name(v.dtype) if isinstance(v, torch.Tensor) else "float32"
+
+    def is_complex(self, i: int) -> bool:
+        """Whether the node's argument ``i`` is a complex tensor (imported as its real parts)."""
+        a: Any = self.node.args[i] if i < len(self.node.args) else None
+        v = a.meta.get("val") if hasattr(a, "meta") else a
+        return isinstance(v, torch.Tensor) and v.is_complex()
 
     def shape(self, v: Any) -> tuple[int, ...]:
         if isinstance(v, torch.Tensor):
@@ -213,5 +226,5 @@ class ImportContext:
         return ProgramError(f"torch import: {self.target} (node {self.name}) at {self.where}: {why}")
 
 
-__all__ = ["DTYPES", "TORCH_DTYPES", "Hook", "ImportContext", "ImporterState", "Name", "dtype_name", "key", "lookup",
+__all__ = ["COMPLEX_PARTS", "DTYPES", "TORCH_DTYPES", "Hook", "ImportContext", "ImporterState", "Name", "dtype_name", "key", "lookup",
            "norm_dim", "packet", "where_of"]

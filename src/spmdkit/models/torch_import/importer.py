@@ -185,7 +185,7 @@ class Importer:
             if twice and rule in GRADS and not vector_in:
                 raise ctx.unsupported(f"training: maps to {rule} reading one tensor twice ({', '.join(twice)}), "
                                       f"which the autodiff does not differentiate")
-            if rule not in GRADS:
+            if rule not in GRADS and rule != "replicated":  # a fallback's backward is replicated too
                 why = "has no grad rule in the autodiff (spmdkit.program.autodiff.GRADS)"
                 raise ctx.unsupported(f"training: maps to {rule}, which {why}; import with training=False, or "
                                       f"map the op otherwise (register_aten / mapping=)")
@@ -283,7 +283,8 @@ class Importer:
                     shape = tuple(int(s) for s in val.shape)
                     dt = dtype_name(val.dtype)
                     as_param = kind == InputKind.PARAMETER or self.buffers == "parameter"
-                    if as_param and self.tape is not None and val.is_floating_point():
+                    frozen = kind == InputKind.PARAMETER and not getattr(ep.state_dict.get(fqn), "requires_grad", True)
+                    if as_param and self.tape is not None and val.is_floating_point() and not frozen:  # trained
                         n = self.tape.param(fqn, shape, dt)
                     else:
                         n = self.b.tensor(fqn, shape, dt, "parameter" if as_param else "input")
@@ -338,7 +339,7 @@ class Importer:
                 return self.replicate(ctx)
             raise ProgramError(f"torch import: no mapping for aten op {ctx.target} (node {node.name}) at {ctx.where}; "
                                f"map it with register_aten({pk!r}, fn) or mapping={{{pk!r}: fn}}, or import with "
-                               f"fallback='replicate'")
+                               f"fallback='replicate' (the command line's --fallback replicate)")
         if isinstance(hook, str):
             return _rule_hook(hook)(ctx)
         out = hook(ctx)
@@ -396,6 +397,27 @@ class Importer:
         res = [None if n is None else Name(n) for n in names]
         return tuple(res) if isinstance(val, (list, tuple)) else res[0]
 
+    def _fallback_grads(self, ops: Sequence[Op], start: int) -> None:
+        """The backward of each replicated fallback op (a ``replicated`` op the autodiff emits,
+        reading the forward inputs and the output gradients): its torch callable is the
+        forward op's vector-Jacobian product by torch autograd (:func:`_vjp`)."""
+        made = {n: i for i in self.fallbacks for n in ops[i].output_names()}
+        for i in range(start, len(ops)):
+            op = ops[i]
+            if op.rule != "replicated" or not op.name.startswith("grad of "):
+                continue
+            fwd = made.get(op.name[len("grad of "):])
+            if fwd is None:
+                continue
+            ins = tuple(n for n in op.inputs["ins"] if n is not None)
+            f_op = ops[fwd]
+            f_ins = [n for n in f_op.inputs["ins"] if n is not None]
+            f_outs = f_op.output_names()
+            read = ins[len(f_ins):]  # the output gradients, in the order of the forward's outputs
+            cot = [next((g for g in read if g == o + ".grad" or g.startswith(o + ".grad.")), None) for o in f_outs]
+            fn, args, kwargs = self.fallbacks[fwd]
+            self.fallbacks[i] = (_Vjp(fn, args, kwargs, f_ins, list(op.outputs), cot), tuple(Name(n) for n in ins), {})
+
     def recorded_values(self, prog: Program) -> dict[str, RecordedValue]:
         """The values of the constants and buffers (what the module recorded), for the simulator
         and ``spmdkit run`` (and a program file: ``values`` in its JSON)."""
@@ -419,13 +441,17 @@ class Importer:
         b = self.b
         loss_name: str | None = None
         grads: dict[str, str] = {}
+        start = 0
         model = Model(ModelConfig(), Program([], []), {}, [], [], {})
         if self.tape is not None:
             loss_name = _pick_loss(self.out_names, b, loss)
+            start = b.op_count
             grads = self.tape.backward(loss_name)
             if optimizer:
                 add_optimizer(b, model, grads, optimizer)
         prog = b.build(validate=False)
+        if self.tape is not None and self.fallbacks:
+            self._fallback_grads(prog.ops, start)
         ip = ImportedProgram(prog.tensors.values(), prog.ops, prog.name)
         ip.sources, ip.constants, ip.outputs = self.sources, self.constants, list(self.out_names)
         ip.loss, ip.grads, ip.optimizer = loss_name, grads, model.optimizer
@@ -440,6 +466,46 @@ class Importer:
             origin = ip.origins.get(int(m.group(1))) if m else None
             raise ProgramError(f"{exc} [imported from {origin}]" if origin else str(exc)) from None
         return ip
+
+
+class _Vjp:
+    """A replicated fallback op's backward: called with the values of its ``ins`` (the forward
+    inputs, then the output gradients), it reruns the forward torch op with autograd and returns
+    the gradient of each forward input the backward op makes (zeros where none flows)."""
+
+    def __init__(self, fn: Any, args: Any, kwargs: Any, f_ins: list[str], outs: list[Any],
+                 cot: list[str | None]) -> None:
+        self.fn, self.args, self.kwargs, self.f_ins, self.cot = fn, args, kwargs, f_ins, cot
+        self.outs = outs  # per forward input: its gradient's name, or None
+
+    def __call__(self, *vals: Any) -> tuple[Any, ...]:
+        n_in = len(self.f_ins)
+        leaves = {n: v.detach().clone().requires_grad_(v.is_floating_point()) for n, v in zip(self.f_ins, vals)}
+        grads_in = dict(zip([c for c in self.cot if c is not None], vals[n_in:]))
+
+        def sub(v: Any) -> Any:
+            if isinstance(v, Name):
+                return leaves[v]
+            if isinstance(v, (list, tuple)):
+                return type(v)(sub(x) for x in v)
+            return v
+        with torch.enable_grad():
+            res = self.fn(*sub(self.args), **{k: sub(x) for k, x in self.kwargs.items()})
+            res_l = list(res) if isinstance(res, (list, tuple)) else [res]
+            pairs = [(r, grads_in[c]) for r, c in zip(res_l, self.cot) if c is not None and isinstance(r, torch.Tensor)
+                     and r.requires_grad]
+            want = [leaves[n] for n, o in zip(self.f_ins, self.outs) if o is not None]
+            got = torch.autograd.grad([r for r, _ in pairs], want, [g.to(r.dtype) for r, g in pairs],
+                                      allow_unused=True) if pairs and want else [None] * len(want)
+        it = iter(got)
+        out: list[Any] = []
+        for n, o in zip(self.f_ins, self.outs):
+            if o is None:
+                out.append(None)
+                continue
+            g = next(it)
+            out.append(torch.zeros_like(leaves[n]) if g is None else g.detach())
+        return tuple(out)
 
 
 def _recorded(t: torch.Tensor) -> RecordedValue:

@@ -1,7 +1,8 @@
 """Lowerings of ATen ops to the ``elementwise`` family's rules (:mod:`spmdkit.ops.elementwise`):
 contiguous / clone / alias / detach (the input itself), arithmetic and comparisons (a Python scalar
 operand a 0-d constant), the unary ops (same names), gelu, pow, casts, dropout (eval or p=0 only),
-clamp, isinf / isnan."""
+clamp, isinf / isnan; complex numbers as their real parts (a trailing axis of 2: ``polar``,
+``view_as_complex`` / ``view_as_real``, a complex product), as Llama 4's rotary embedding uses them."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ def _binary(rule: str, negate: bool = False) -> Hook:
 
     def h(c: ImportContext) -> Any:
         x, y = c.args[0], c.args[1]
+        if c.is_complex(0) or c.is_complex(1):
+            return _complex(c, rule)
         alpha = c.kwargs.get("alpha", 1)
         if rule == "subtract" and c.target.startswith("aten.rsub"):
             x, y = y, x
@@ -48,6 +51,68 @@ def _binary(rule: str, negate: bool = False) -> Hook:
             return c.emit1("multiply", {"x": ins["x"], "y": c.tensor(2.0, od)})
         return c.emit1(rule, ins)
     return h
+
+
+def _complex(c: ImportContext, rule: str) -> Any:
+    """Arithmetic on complex tensors held as their parts ``[..., 2]``: a real scalar or a real
+    tensor scales both parts; complex by complex: ``add`` / ``subtract`` part-wise, ``multiply``
+    ``(a + bi)(c + di) = (ac - bd) + (ad + bc)i`` (the parts sliced off, the result stacked)."""
+    x, y = c.args[0], c.args[1]
+    od = c.out_dtype()
+    cx, cy = c.is_complex(0), c.is_complex(1)
+    if c.kwargs.get("alpha", 1) != 1:
+        raise c.unsupported("complex arithmetic with alpha")
+    if not (cx and cy):
+        if rule != "multiply" and not (rule == "divide" and cx):
+            raise c.unsupported(f"{rule} of a complex and a real tensor")
+        z, r = (x, y) if cx else (y, x)
+        if rule == "divide":
+            r = 1.0 / float(r) if not c.is_tensor(r) else c.emit1("reciprocal", {"x": r}, (c.fresh("inv"), c.shape(r), od))
+        if c.is_tensor(r):
+            rs = c.shape(r)
+            r = c.reshape(r, (*rs, 1), c.fresh("col"))
+        return c.emit1("multiply", {"x": z, "y": r if c.is_tensor(r) else c.tensor(float(r), od)})
+    if rule in ("add", "subtract"):
+        return c.emit1(rule, {"x": x, "y": y})
+    if rule != "multiply":
+        raise c.unsupported(f"complex {rule}")
+
+    def parts(v: Any) -> tuple[Any, Any]:
+        vs = c.shape(v)
+        got = []
+        for k in (0, 1):
+            got.append(c.emit1("slice", {"input": v}, (c.fresh("re" if k == 0 else "im"), vs[:-1], c.dtype(v)),
+                               axes=(len(vs) - 1,), starts=(k,), ends=(k + 1,), decrease_axis=(len(vs) - 1,)))
+        return got[0], got[1]
+
+    (a, b), (p, q) = parts(x), parts(y)
+    half = c.out_shape()[:-1]
+
+    def prod(u: Any, v: Any, tag: str) -> Any:
+        return c.emit1("multiply", {"x": u, "y": v}, (c.fresh(tag), half, od))
+
+    re = c.emit1("subtract", {"x": prod(a, p, "ac"), "y": prod(b, q, "bd")}, (c.fresh("real"), half, od))
+    im = c.emit1("add", {"x": prod(a, q, "ad"), "y": prod(b, p, "bc")}, (c.fresh("imag"), half, od))
+    return c.emit1("stack", {"x": (re, im)}, axis=len(half))
+
+
+def _polar(c: ImportContext) -> Any:
+    """``polar(abs, angle)``: ``abs * cos(angle) + i abs * sin(angle)`` as its parts ``[..., 2]``."""
+    r, th = c.args[0], c.args[1]
+    half, od = c.out_shape()[:-1], c.out_dtype()
+    got = []
+    for fn in ("cos", "sin"):
+        t = c.emit1(fn, {"x": th}, (c.fresh(fn), half, od))
+        got.append(c.emit1("multiply", {"x": r, "y": t}, (c.fresh(fn + "_part"), half, od)))
+    return c.emit1("stack", {"x": tuple(got)}, axis=len(half))
+
+
+def _softplus(c: ImportContext) -> Any:
+    """``softplus`` with beta 1 (Mamba's time step); its threshold (linear above 20) differs from
+    log(1 + exp(x)) by under exp(-20) relative, below float32's rounding."""
+    if float(c.arg(1, "beta", 1)) != 1.0:
+        raise c.unsupported("softplus with beta other than 1")
+    return c.emit1("softplus", {"x": c.args[0]})
 
 
 def _neg(c: ImportContext) -> Any:
@@ -155,6 +220,9 @@ def _table() -> dict[str, Hook]:
     t["aten.dropout"] = _dropout
     t["aten.clamp"] = t["aten.clip"] = t["aten.clamp_min"] = t["aten.clamp_max"] = _clamp
     t["aten.isinf"] = t["aten.isnan"] = _isinf
+    t["aten.polar"] = _polar
+    t["aten.softplus"] = _softplus
+    t["aten.view_as_complex"] = t["aten.view_as_real"] = _identity
     return t
 
 

@@ -1,5 +1,6 @@
 """Lowerings of ATen ops to the ``matmul`` family's rules (:mod:`spmdkit.ops.matmul`): mm / bmm /
-matmul, linear (``matmul(trans_y=True)`` [+ ``add``]), addmm, and the grouped matmul of HF's MoE."""
+matmul, linear (``matmul(trans_y=True)`` [+ ``add``]), addmm / baddbmm (BLOOM's ALiBi scores), and
+the grouped matmul of HF's MoE."""
 
 from __future__ import annotations
 
@@ -24,13 +25,17 @@ def _linear(c: ImportContext) -> Any:
 
 
 def _addmm(c: ImportContext) -> Any:
+    """``addmm`` / ``baddbmm``: ``beta * input + alpha * (m1 @ m2)``; a beta of 0 drops the input
+    (torch ignores it then, NaN included)."""
     bias, m1, m2 = c.args[:3]
-    beta, alpha = c.kwargs.get("beta", 1), c.kwargs.get("alpha", 1)
-    mm = c.emit1("matmul", {"x": m1, "y": m2}, c.fresh("mm"))
+    beta, alpha = c.arg(3, "beta", 1), c.arg(4, "alpha", 1)
+    mm = c.emit1("matmul", {"x": m1, "y": m2}, None if beta == 0 and alpha == 1 else c.fresh("mm"))
     if alpha != 1:
-        mm = c.emit1("multiply", {"x": mm, "y": alpha}, c.fresh("alpha"))
+        mm = c.emit1("multiply", {"x": mm, "y": float(alpha)}, None if beta == 0 else c.fresh("alpha"))
+    if beta == 0:
+        return mm
     if beta != 1:
-        bias = c.emit1("multiply", {"x": bias, "y": beta}, (c.fresh("beta"), c.shape(bias), c.dtype(bias)))
+        bias = c.emit1("multiply", {"x": bias, "y": float(beta)}, (c.fresh("beta"), c.shape(bias), c.dtype(bias)))
     return c.emit1("add", {"x": mm, "y": bias})
 
 
@@ -81,7 +86,7 @@ def _table() -> dict[str, Hook]:
     for k in ("mm", "bmm", "matmul"):
         t["aten." + k] = _matmul
     t["aten.linear"] = _linear
-    t["aten.addmm"] = _addmm
+    t["aten.addmm"] = t["aten.baddbmm"] = _addmm
     t["transformers.grouped_mm_fallback"] = t["aten._grouped_mm"] = _grouped_mm
     return t
 

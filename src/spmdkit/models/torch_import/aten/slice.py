@@ -1,9 +1,11 @@
 """Lowerings of ATen ops to the ``slice`` family's rules (:mod:`spmdkit.ops.slice`): expand, select /
-slice -> ``slice``, pad, copy and fill (a broadcast), slice_scatter / select_scatter (a concat of
+slice -> ``slice`` (``strided_slice`` with a step), pad, copy and fill (a broadcast),
+repeat_interleave (an expand between two reshapes), slice_scatter / select_scatter (a concat of
 the kept pieces)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -158,6 +160,44 @@ def _select_scatter(c: ImportContext) -> Any:
     return _scatter_into(c, x, src, d, i, i + 1)
 
 
+def _repeat_interleave(c: ImportContext) -> Any:
+    """``repeat_interleave(x, r, dim)`` (GPT-J's and Cohere's rotary tables): each element ``r``
+    times in a row along ``dim`` (the flattened x where dim is None): x reshaped with a unit axis
+    after ``dim``, expanded to ``r`` there, reshaped back. ``r`` an int, or a constant tensor of
+    one repeat for all (a repeat per element is a data-dependent layout: unsupported)."""
+    x, reps = c.args[0], c.arg(1, "repeats")
+    if not c.is_tensor(x):  # repeat_interleave(repeats): the index form, folded where constant
+        raise c.unsupported("repeat_interleave of a repeats tensor that depends on the program's inputs")
+    if isinstance(reps, torch.Tensor):
+        flat = reps.reshape(-1)
+        if flat.numel() == 0 or not bool((flat == flat[0]).all()):
+            raise c.unsupported("repeat_interleave with a different repeat per element")
+        reps = int(flat[0])
+    elif c.is_tensor(reps):
+        raise c.unsupported("repeat_interleave with repeats computed by the program")
+    r = int(reps)
+    dim = c.arg(2, "dim")
+    xs = c.shape(x)
+    if dim is None:
+        x, xs, d = c.reshape(x, (math.prod(xs),), c.fresh("flat")), (math.prod(xs),), 0
+    else:
+        d = norm_dim(int(dim), len(xs))
+    dt = c.dtype(x)
+    grown = (*xs[:d + 1], r, *xs[d + 1:])
+    col = c.reshape(x, (*xs[:d + 1], 1, *xs[d + 1:]), c.fresh("col"))
+    rep = c.emit1("expand", {"x": col}, (c.fresh("rep"), grown, dt), shape=grown)
+    return c.reshape(rep, c.out_shape(), c.name)
+
+
+def _repeat(c: ImportContext) -> Any:
+    """``x.repeat(*sizes)`` (Llama 4's routed input): ``tile`` (new leading axes where ``sizes``
+    is longer than x's shape)."""
+    x, reps = c.args[0], [int(r) for r in c.args[1]]
+    if all(r == 1 for r in reps) and len(reps) == len(c.shape(x)):
+        return c.tensor(x)
+    return c.emit1("tile", {"x": x}, repeat_times=tuple(reps))
+
+
 def _table() -> dict[str, Hook]:
     t: dict[str, Hook] = {}
     t["aten.expand"] = t["aten.expand_as"] = _expand
@@ -168,6 +208,8 @@ def _table() -> dict[str, Hook]:
     t["aten.fill"] = _fill
     t["aten.slice_scatter"] = _slice_scatter
     t["aten.select_scatter"] = _select_scatter
+    t["aten.repeat_interleave"] = _repeat_interleave
+    t["aten.repeat"] = _repeat
     return t
 
 

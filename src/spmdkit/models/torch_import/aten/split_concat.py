@@ -21,17 +21,22 @@ def _cat(c: ImportContext) -> Any:
 
 
 def _split(c: ImportContext) -> Any:
+    """``split`` / ``split_with_sizes`` / ``chunk`` / ``tensor_split``: ``split`` with the sizes
+    the node's outputs have; an empty piece (Mamba's chunked scan splits off an empty tail) is
+    an empty constant, not an output of the op."""
     x = c.args[0]
     vals = c.val()
     xs = c.shape(x)
-    dim_arg = c.arg(2, "dim", 0)
-    dim = norm_dim(int(dim_arg), len(xs))
+    dim = norm_dim(int(c.arg(2, "dim", 0)), len(xs))
     sizes = [int(v.shape[dim]) for v in vals]
-    if len(sizes) == 1:
-        return (c.tensor(x),)
-    outs = [[(c.fresh(str(i)), tuple(int(s) for s in v.shape), dtype_name(v.dtype)) for i, v in enumerate(vals)]]
-    (names,) = c.emit("split", {"x": x}, outs, sections=tuple(sizes), axis=dim)
-    return tuple(Name(n) for n in names)  # type: ignore[union-attr]
+    empty = {i: torch.zeros(tuple(int(s) for s in v.shape), dtype=v.dtype) for i, v in enumerate(vals) if not sizes[i]}
+    full = [i for i in range(len(vals)) if sizes[i]]
+    if len(full) <= 1:
+        return tuple(empty[i] if i in empty else c.tensor(x) for i in range(len(vals)))
+    outs = [[(c.fresh(str(i)), tuple(int(s) for s in vals[i].shape), dtype_name(vals[i].dtype)) for i in full]]
+    (names,) = c.emit("split", {"x": x}, outs, sections=tuple(sizes[i] for i in full), axis=dim)
+    got = iter(names)  # type: ignore[arg-type]
+    return tuple(empty[i] if i in empty else Name(next(got)) for i in range(len(vals)))
 
 
 def _stack(c: ImportContext) -> Any:
@@ -52,7 +57,7 @@ def _unbind(c: ImportContext) -> Any:
 def _table() -> dict[str, Hook]:
     t: dict[str, Hook] = {}
     t["aten.cat"] = t["aten.concat"] = _cat
-    t["aten.split"] = t["aten.split_with_sizes"] = t["aten.chunk"] = _split
+    t["aten.split"] = t["aten.split_with_sizes"] = t["aten.chunk"] = t["aten.tensor_split"] = _split
     t["aten.stack"] = _stack
     t["aten.unbind"] = _unbind
     return t

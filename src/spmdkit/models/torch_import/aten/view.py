@@ -30,7 +30,9 @@ _view = to_out_shape("reshape")
 
 def _unsqueeze(c: ImportContext) -> Any:
     x, d = c.args[0], int(c.args[1])
-    return c.emit1("unsqueeze", {"x": x}, axis=(norm_dim(d, len(c.shape(x)) + 1),))
+    v = c.val()
+    nd = v.dim() if hasattr(v, "dim") else len(c.shape(x)) + 1  # a complex tensor's parts axis not counted
+    return c.emit1("unsqueeze", {"x": x}, axis=(norm_dim(d, nd),))
 
 
 def _squeeze(c: ImportContext) -> Any:
