@@ -285,13 +285,29 @@ def test_models_lists_the_catalog(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_llama_405b_plans_on_1024_ranks_in_16_uneven_stages(capsys: pytest.CaptureFixture[str]) -> None:
-    """126 layers in 16 stages: 14 of 8 and 2 of 7 (given with --stages until the automatic
-    uneven split lands)."""
-    stages = ",".join(["8"] * 14 + ["7"] * 2)
+    """The issue's command as typed: 126 layers split 7, 8 x 14, 7 (the first and last stages
+    also hold the embedding and the head), and without --batch one sequence per dp rank (8
+    on dp=8), not a batch of 1 cut into empty shards."""
     assert main(["plan", "--model", "llama3.1-405b", "--mesh", "pp=16,dp=8,tp=8", "--strategy", "megatron",
-                 "--device", "h100", "--stages", stages, "--json"]) == 0
-    got = json.loads(capsys.readouterr().out)
-    assert "llama3.1-405b" in json.dumps(got)[:5000]
+                 "--device", "h100"]) == 0
+    got = capsys.readouterr()
+    text = got.out + got.err
+    assert "split 7," + "8," * 14 + "7 " in text
+    assert "batch 8 as 1 microbatches of 8" in text
+    assert "uneven shards" not in text
+
+
+def test_catalog_batch_follows_dp_unless_given(capsys: pytest.CaptureFixture[str]) -> None:
+    """A catalog model's batch is rounded up to whole sequences per dp rank; --batch is kept
+    as given (3 on dp=2 is uneven, and said so); a preset keeps its own batch."""
+    assert main(["plan", "--model", "llama3-8b", "--layers", "1", "--seq", "256", "--mesh", "dp=4,tp=2"]) == 0
+    assert "seq 256, batch 4, bfloat16" in capsys.readouterr().out
+    assert main(["plan", "--model", "llama3-8b", "--layers", "1", "--seq", "256", "--batch", "3",
+                 "--mesh", "dp=2,tp=2"]) == 0
+    out = capsys.readouterr().out
+    assert "batch 3, bfloat16" in out and "uneven shards" in out
+    assert main(["plan", "--model", "tiny-llama", "--mesh", "dp=2,tp=2"]) == 0
+    assert "batch 4, float32" in capsys.readouterr().out
 
 
 # -- megatron over every catalog model ---------------------------------------------------------

@@ -21,13 +21,27 @@ from spmdkit.cost.compute import guess_tokens
 from spmdkit.cost.devices import cost_model, load_device, recost
 from spmdkit.cost.memory import Memory
 from spmdkit.cost.step import StepEstimate, estimate_step
+from spmdkit.models import catalog
 from spmdkit.models.source import HFModel, Loaded, ModelSource, Preset, load
-from spmdkit.models.zoo import ModelConfig
+from spmdkit.models.zoo import ModelConfig, preset
 from spmdkit.outputs.export import export_plan
 from spmdkit.outputs.html import save_html
 from spmdkit.planner.planning import clip_repr, parse_size, plan_preset, plan_program
 from spmdkit.program.plan import Plan
 from spmdkit.strategies.strategy import parse_mesh, parse_strategy
+
+
+def catalog_batch(model: str | None, mesh_text: str, batch: int | None) -> int | None:
+    """The batch (per microbatch) a catalog model is planned at when ``--batch`` is not given:
+    its entry's batch rounded up to a multiple of the mesh's ``dp`` dim, so each data-parallel
+    rank gets whole sequences (llama3.1-405b on dp=8: 8, one sequence per rank, as Megatron's
+    micro-batch-size 1), not a batch of 1 cut into empty shards. ``batch`` when given; None
+    (the model's own) for presets and configs."""
+    if batch is not None or not model or catalog.lookup(model) is None:
+        return batch
+    mesh = parse_mesh(mesh_text)
+    dp = dict(zip(mesh.dim_names, mesh.shape)).get("dp", 1)
+    return -(-preset(model).batch // dp) * dp
 
 
 def plan_source(source: ModelSource, mesh_text: str, strategy_text: str | None, user: dict[str, Any],
@@ -135,4 +149,4 @@ def strategy_notes(command: str) -> Iterator[None]:
         yield
 
 
-__all__ = ["auto_time_limit", "export_plan_file", "plan_source", "step_estimate", "strategy_notes", "write_html"]
+__all__ = ["auto_time_limit", "catalog_batch", "export_plan_file", "plan_source", "step_estimate", "strategy_notes", "write_html"]
