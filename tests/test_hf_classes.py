@@ -102,5 +102,7 @@ def test_gptbigcode_healthy_step_passes_spmdkit_run() -> None:
     rep = json.loads(p.stdout.strip().splitlines()[-1])
     assert rep["ok"] and not rep["failures"] and rep["collectives_match"] and rep["nonfinite"] == 0
     assert rep["checked"] > 300 and rep["max_rel_error"] < 3e-5
-    assert rep["eager"]["checked"] == 29 and rep["eager"]["max_rel_error"] < 3e-5
+    # 29 parameter tensors, each layer's fused c_attn weight and bias stored as their q / k / v
+    # parts under megatron (2 layers x 2 tensors x 2 more): 37 compared with torch eager
+    assert rep["eager"]["checked"] == 37 and rep["eager"]["max_rel_error"] < 3e-5
     assert rep["loss"] == pytest.approx(rep["eager"]["loss"], rel=1e-5)
