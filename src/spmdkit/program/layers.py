@@ -1,0 +1,147 @@
+"""The transformer layers of a program, found the one way for every model source: from its ops'
+``layer`` labels that end in a number (a preset's ``layer 3``, an imported model's
+``model.layers.3`` or ``transformer.h.3``, a program file's own). The pipeline cuts between
+them (:func:`spmdkit.planner.pipeline.op_units`); the report and the HTML page show the first
+layer in full and the others as repeats of it (:func:`program_layers`).
+
+A tensor's layer is its producer op's; a tensor no op makes (a parameter, a constant) is in the
+layer of the ops that read it, where they are all in one (an optimizer update counts in its
+parameter's layer); a name that carries its layer's index is in that layer (the gradient of
+``layers.3``'s output is made by layer 4's backward). Names that carry the layer's index (``layers.3.wq``,
+``model.layers.3.self_attn.q_proj.weight``) fold it to ``*``; the others (an imported model's
+``linear_10``) are matched to the same tensor of another layer of the same structure by their
+place in the layer."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from spmdkit.program.ir import Program
+
+_NUMBERED = re.compile(r"\d+$")
+#: A preset's layer prefix, folded wherever it occurs (``grad of layers.3.wq``).
+_ZOO_STEM = r"\blayers\."
+
+
+def layer_tags(prog: Program) -> list[str]:
+    """The program's transformer layers: the distinct ``layer`` labels of its forward ops that
+    end in a number (``layer 3`` of a preset, ``model.layers.3`` or ``transformer.h.3`` of an
+    imported model, the module path up to its block's number), in the order the forward
+    reaches them."""
+    seen: dict[str, None] = {}
+    for op in prog.ops:
+        if op.phase == "forward" and op.layer not in seen and _NUMBERED.search(op.layer):
+            seen[op.layer] = None
+    return list(seen)
+
+
+@dataclass
+class Layers:
+    """A program's layers (:func:`program_layers`)."""
+
+    #: the layer labels, in the order the forward reaches them
+    tags: list[str]
+    #: each op's layer (an index into ``tags``; -1: outside the layers)
+    op_layer: list[int]
+    #: each tensor's layer (tensors outside the layers are absent)
+    tensor_layer: dict[str, int]
+    #: each layer's structure (layers of one structure share the number: their ops' rules alike)
+    kind: list[int]
+    _fold: re.Pattern[str] = field(repr=False, default=re.compile("(" + _ZOO_STEM + r")(\d+)\."))
+    _tensor_place: dict[str, int] = field(repr=False, default_factory=dict)
+    _op_place: dict[int, int] = field(repr=False, default_factory=dict)
+
+    def fold(self, name: str) -> str:
+        """``name`` with the layer index it carries made ``*``: ``layers.7.wq.grad`` ->
+        ``layers.*.wq.grad``, ``model.layers.7.mlp.up_proj.weight`` -> ``model.layers.*.mlp.up_proj.weight``."""
+        return self._fold.sub(r"\1*.", name)
+
+    def tensor_key(self, name: str) -> Any:
+        """What ``name`` is in every layer alike: its folded name where it carries the layer index,
+        else (where it is in a layer) its layer's structure and its place among the layer's
+        tensors, else the name itself."""
+        g = self.fold(name)
+        if g != name or name not in self._tensor_place:
+            return g
+        return ("#", self.kind[self.tensor_layer[name]], self._tensor_place[name])
+
+    def op_key(self, index: int, name: str) -> Any:
+        """As :meth:`tensor_key`, for the op ``index`` named ``name``."""
+        g = self.fold(name)
+        if g != name or index not in self._op_place:
+            return g
+        return ("#", self.kind[self.op_layer[index]], self._op_place[index])
+
+
+def _fold_pattern(tags: list[str]) -> re.Pattern[str]:
+    stems = sorted({t[:m.start()] for t in tags if (m := _NUMBERED.search(t)) and t[:m.start()].endswith(".")})
+    alts = [_ZOO_STEM] + [r"(?<![\w.])" + re.escape(s) for s in stems]
+    return re.compile("(" + "|".join(alts) + r")(\d+)\.")
+
+
+def program_layers(prog: Program) -> Layers:
+    """Each op's and tensor's layer in ``prog``, and each layer's structure."""
+    tags = layer_tags(prog)
+    index = {t: k for k, t in enumerate(tags)}
+    made: dict[str, int] = {}
+    readers: dict[str, set[int]] = {}
+    opt_readers: dict[str, int] = {}
+    op_layer: list[int] = []
+    optimizer: list[int] = []
+    for k, op in enumerate(prog.ops):
+        u = index.get(op.layer, -1)
+        op_layer.append(u)
+        if op.phase == "optimizer" and u < 0:
+            optimizer.append(k)
+            continue
+        for n in op.input_names():
+            readers.setdefault(n, set()).add(u)
+        for n in op.output_names():
+            made.setdefault(n, u)
+    for k in optimizer:  # an update counts in its parameter's layer
+        op = prog.ops[k]
+        u = next((r for n in op.input_names() if prog.tensors[n].kind == "parameter"
+                  and len(r_ := readers.get(n, ())) == 1 and (r := next(iter(r_))) >= 0), -1)
+        op_layer[k] = u
+        for n in op.input_names():
+            opt_readers.setdefault(n, u)
+        for n in op.output_names():
+            made.setdefault(n, u)
+    fold = _fold_pattern(tags)
+    numbered: dict[tuple[str, int], int] = {}  # (the label's stem, its number) -> the layer
+    for k, t in enumerate(tags):
+        m = _NUMBERED.search(t)
+        assert m is not None
+        numbered.setdefault((t[:m.start()], int(m.group())), k)
+    tensor_layer: dict[str, int] = {}
+    for n in prog.tensors:
+        m = fold.search(n)  # a name that says its layer (the gradient of a layer's output is made by the next)
+        u = None if m is None else numbered.get((m.group(1), int(m.group(2)))) if m.group(1) != "layers." else \
+            numbered.get(("layers.", int(m.group(2))), numbered.get(("layer ", int(m.group(2)))))
+        if u is None:
+            u = made.get(n)
+        if u is None:
+            rs = readers.get(n)
+            u = (next(iter(rs)) if len(rs) == 1 else -1) if rs else opt_readers.get(n, -1)
+        if u >= 0:
+            tensor_layer[n] = u
+    layers = Layers(tags, op_layer, tensor_layer, [], fold)
+    signature: list[list[str]] = [[] for _ in tags]
+    for k, (op, u) in enumerate(zip(prog.ops, op_layer)):
+        if u >= 0:
+            signature[u].append(op.rule)
+            if layers.fold(op.name) == op.name:
+                layers._op_place[k] = len(signature[u]) - 1
+    kinds: dict[tuple[str, ...], int] = {}
+    layers.kind = [kinds.setdefault(tuple(s), len(kinds)) for s in signature]
+    count = [0] * len(tags)
+    for n, u in tensor_layer.items():
+        if layers.fold(n) == n:
+            layers._tensor_place[n] = count[u]
+            count[u] += 1
+    return layers
+
+
+__all__ = ["Layers", "layer_tags", "program_layers"]
