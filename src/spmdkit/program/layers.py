@@ -6,7 +6,7 @@ layer in full and the others as repeats of it (:func:`program_layers`).
 
 A tensor's layer is its producer op's; a tensor no op makes (a parameter, a constant) is in the
 layer of the ops that read it, where they are all in one (an optimizer update counts in its
-parameter's layer); a name that carries its layer's index is in that layer (the gradient of
+parameter's layer); a gradient is in the layer of what it is the gradient of; a name that carries its layer's index is in that layer (the gradient of
 ``layers.3``'s output is made by layer 4's backward). Names that carry the layer's index (``layers.3.wq``,
 ``model.layers.3.self_attn.q_proj.weight``) fold it to ``*``; the others (an imported model's
 ``linear_10``) are matched to the same tensor of another layer of the same structure by their
@@ -51,6 +51,7 @@ class Layers:
     kind: list[int]
     _fold: re.Pattern[str] = field(repr=False, default=re.compile("(" + _ZOO_STEM + r")(\d+)\."))
     _tensor_place: dict[str, int] = field(repr=False, default_factory=dict)
+    _grad_of: dict[str, str] = field(repr=False, default_factory=dict)
     _op_place: dict[int, int] = field(repr=False, default_factory=dict)
 
     def fold(self, name: str) -> str:
@@ -63,7 +64,12 @@ class Layers:
         else (where it is in a layer) its layer's structure and its place among the layer's
         tensors, else the name itself."""
         g = self.fold(name)
-        if g != name or name not in self._tensor_place:
+        if g != name:
+            return g
+        base = self._grad_of.get(name)
+        if base is not None:  # a gradient: by what it is the gradient of
+            return ("grad", self.tensor_key(base), name[len(base):])
+        if name not in self._tensor_place:
             return g
         return ("#", self.kind[self.tensor_layer[name]], self._tensor_place[name])
 
@@ -79,6 +85,17 @@ def _fold_pattern(tags: list[str]) -> re.Pattern[str]:
     stems = sorted({t[:m.start()] for t in tags if (m := _NUMBERED.search(t)) and t[:m.start()].endswith(".")})
     alts = [_ZOO_STEM] + [r"(?<![\w.])" + re.escape(s) for s in stems]
     return re.compile("(" + "|".join(alts) + r")(\d+)\.")
+
+
+def _grad_of(prog: Program, name: str) -> str | None:
+    """The tensor ``name`` is the gradient of (``x.grad``, ``x.grad1``, ``x.grad.sum`` -> ``x``),
+    where it comes earlier in the program."""
+    at = name.find(".grad")
+    while at > 0:
+        if name[:at] in prog.tensors:
+            return name[:at]
+        at = name.find(".grad", at + 1)
+    return None
 
 
 def program_layers(prog: Program) -> Layers:
@@ -116,7 +133,13 @@ def program_layers(prog: Program) -> Layers:
         assert m is not None
         numbered.setdefault((t[:m.start()], int(m.group())), k)
     tensor_layer: dict[str, int] = {}
-    for n in prog.tensors:
+    grad_of: dict[str, str] = {}
+    for n, t in prog.tensors.items():
+        if t.kind == "gradient" and (base := _grad_of(prog, n)) is not None:  # the layer of what it is the gradient of
+            grad_of[n] = base
+            if base in tensor_layer:
+                tensor_layer[n] = tensor_layer[base]
+            continue
         m = fold.search(n)  # a name that says its layer (the gradient of a layer's output is made by the next)
         u = None if m is None else numbered.get((m.group(1), int(m.group(2)))) if m.group(1) != "layers." else \
             numbered.get(("layers.", int(m.group(2))), numbered.get(("layer ", int(m.group(2)))))
@@ -127,7 +150,7 @@ def program_layers(prog: Program) -> Layers:
             u = (next(iter(rs)) if len(rs) == 1 else -1) if rs else opt_readers.get(n, -1)
         if u >= 0:
             tensor_layer[n] = u
-    layers = Layers(tags, op_layer, tensor_layer, [], fold)
+    layers = Layers(tags, op_layer, tensor_layer, [], fold, _grad_of=grad_of)
     signature: list[list[str]] = [[] for _ in tags]
     for k, (op, u) in enumerate(zip(prog.ops, op_layer)):
         if u >= 0:
@@ -138,7 +161,7 @@ def program_layers(prog: Program) -> Layers:
     layers.kind = [kinds.setdefault(tuple(s), len(kinds)) for s in signature]
     count = [0] * len(tags)
     for n, u in tensor_layer.items():
-        if layers.fold(n) == n:
+        if layers.fold(n) == n and n not in grad_of:
             layers._tensor_place[n] = count[u]
             count[u] += 1
     return layers
