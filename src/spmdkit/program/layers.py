@@ -15,12 +15,15 @@ place in the layer."""
 from __future__ import annotations
 
 import re
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 from spmdkit.program.ir import Program
 
 _NUMBERED = re.compile(r"\d+$")
+#: an op named for a tensor: ``grad of linear_3``, ``sum of linear_3.grad``
+_OF = re.compile(r"^(\w+) of (.+)$")
 #: A preset's layer prefix, folded wherever it occurs (``grad of layers.3.wq``).
 _ZOO_STEM = r"\blayers\."
 
@@ -52,12 +55,19 @@ class Layers:
     _fold: re.Pattern[str] = field(repr=False, default=re.compile("(" + _ZOO_STEM + r")(\d+)\."))
     _tensor_place: dict[str, int] = field(repr=False, default_factory=dict)
     _grad_of: dict[str, str] = field(repr=False, default_factory=dict)
+    _stems: tuple[str, ...] = field(repr=False, default=("layers.",))
+    _folded: dict[str, str] = field(repr=False, default_factory=dict)
+    _names: Any = field(repr=False, default=None)  # the program's tensors
     _op_place: dict[int, int] = field(repr=False, default_factory=dict)
 
     def fold(self, name: str) -> str:
         """``name`` with the layer index it carries made ``*``: ``layers.7.wq.grad`` ->
         ``layers.*.wq.grad``, ``model.layers.7.mlp.up_proj.weight`` -> ``model.layers.*.mlp.up_proj.weight``."""
-        return self._fold.sub(r"\1*.", name)
+        got = self._folded.get(name)
+        if got is None:
+            got = self._fold.sub(r"\1*.", name) if any(s in name for s in self._stems) else name
+            self._folded[name] = got
+        return got
 
     def tensor_key(self, name: str) -> Any:
         """What ``name`` is in every layer alike: its folded name where it carries the layer index,
@@ -74,15 +84,26 @@ class Layers:
         return ("#", self.kind[self.tensor_layer[name]], self._tensor_place[name])
 
     def op_key(self, index: int, name: str) -> Any:
-        """As :meth:`tensor_key`, for the op ``index`` named ``name``."""
+        """As :meth:`tensor_key`, for the op ``index`` named ``name``: a backward op named for
+        its tensor (``grad of linear_10``) by that tensor's key, another by its place among its
+        layer's ops of its phase."""
         g = self.fold(name)
-        if g != name or index not in self._op_place:
+        if g != name:
+            return g
+        m = _OF.match(name)
+        if m is not None and self._names is not None and m.group(2) in self._names:
+            return (m.group(1), self.tensor_key(m.group(2)))
+        if index not in self._op_place:
             return g
         return ("#", self.kind[self.op_layer[index]], self._op_place[index])
 
 
-def _fold_pattern(tags: list[str]) -> re.Pattern[str]:
-    stems = sorted({t[:m.start()] for t in tags if (m := _NUMBERED.search(t)) and t[:m.start()].endswith(".")})
+def _stems(tags: list[str]) -> list[str]:
+    """The module paths up to a layer's number (``model.layers.``) of labels that are module paths."""
+    return sorted({t[:m.start()] for t in tags if (m := _NUMBERED.search(t)) and t[:m.start()].endswith(".")})
+
+
+def _fold_pattern(stems: list[str]) -> re.Pattern[str]:
     alts = [_ZOO_STEM] + [r"(?<![\w.])" + re.escape(s) for s in stems]
     return re.compile("(" + "|".join(alts) + r")(\d+)\.")
 
@@ -98,8 +119,23 @@ def _grad_of(prog: Program, name: str) -> str | None:
     return None
 
 
+#: the last program's layers (the report, the page and the reshard table ask for them in turn)
+_LAST: list[tuple[weakref.ref[Program], int, int, Layers]] = []
+
+
 def program_layers(prog: Program) -> Layers:
-    """Each op's and tensor's layer in ``prog``, and each layer's structure."""
+    """Each op's and tensor's layer in ``prog``, and each layer's structure (kept for the last
+    program asked about, while it has as many ops and tensors)."""
+    if _LAST:
+        ref, n_ops, n_tensors, got = _LAST[0]
+        if ref() is prog and n_ops == len(prog.ops) and n_tensors == len(prog.tensors):
+            return got
+    layers = _program_layers(prog)
+    _LAST[:] = [(weakref.ref(prog), len(prog.ops), len(prog.tensors), layers)]
+    return layers
+
+
+def _program_layers(prog: Program) -> Layers:
     tags = layer_tags(prog)
     index = {t: k for k, t in enumerate(tags)}
     made: dict[str, int] = {}
@@ -126,7 +162,8 @@ def program_layers(prog: Program) -> Layers:
             opt_readers.setdefault(n, u)
         for n in op.output_names():
             made.setdefault(n, u)
-    fold = _fold_pattern(tags)
+    stems = _stems(tags)
+    fold = _fold_pattern(stems)
     numbered: dict[tuple[str, int], int] = {}  # (the label's stem, its number) -> the layer
     for k, t in enumerate(tags):
         m = _NUMBERED.search(t)
@@ -140,7 +177,7 @@ def program_layers(prog: Program) -> Layers:
             if base in tensor_layer:
                 tensor_layer[n] = tensor_layer[base]
             continue
-        m = fold.search(n)  # a name that says its layer (the gradient of a layer's output is made by the next)
+        m = fold.search(n) if "." in n else None  # a name that says its layer (the gradient of a layer's output is made by the next)
         u = None if m is None else numbered.get((m.group(1), int(m.group(2)))) if m.group(1) != "layers." else \
             numbered.get(("layers.", int(m.group(2))), numbered.get(("layer ", int(m.group(2)))))
         if u is None:
@@ -150,13 +187,18 @@ def program_layers(prog: Program) -> Layers:
             u = (next(iter(rs)) if len(rs) == 1 else -1) if rs else opt_readers.get(n, -1)
         if u >= 0:
             tensor_layer[n] = u
-    layers = Layers(tags, op_layer, tensor_layer, [], fold, _grad_of=grad_of)
-    signature: list[list[str]] = [[] for _ in tags]
+    layers = Layers(tags, op_layer, tensor_layer, [], fold, _grad_of=grad_of, _stems=("layers.", *stems),
+                    _names=prog.tensors)
+    signature: list[list[str]] = [[] for _ in tags]  # the rules of each layer's forward
+    place: dict[tuple[int, str], int] = {}
     for k, (op, u) in enumerate(zip(prog.ops, op_layer)):
         if u >= 0:
-            signature[u].append(op.rule)
+            if op.phase == "forward":
+                signature[u].append(op.rule)
+            at = place.get((u, op.phase), 0)
+            place[(u, op.phase)] = at + 1
             if layers.fold(op.name) == op.name:
-                layers._op_place[k] = len(signature[u]) - 1
+                layers._op_place[k] = at
     kinds: dict[tuple[str, ...], int] = {}
     layers.kind = [kinds.setdefault(tuple(s), len(kinds)) for s in signature]
     count = [0] * len(tags)
