@@ -171,22 +171,22 @@ def _program_layers(prog: Program) -> Layers:
         numbered.setdefault((t[:m.start()], int(m.group())), k)
     tensor_layer: dict[str, int] = {}
     grad_of: dict[str, str] = {}
-    for n, t in prog.tensors.items():
-        if t.kind == "gradient" and (base := _grad_of(prog, n)) is not None:  # the layer of what it is the gradient of
+    for n, tensor in prog.tensors.items():
+        if tensor.kind == "gradient" and (base := _grad_of(prog, n)) is not None:  # the layer of what it is the gradient of
             grad_of[n] = base
             if base in tensor_layer:
                 tensor_layer[n] = tensor_layer[base]
             continue
         m = fold.search(n) if "." in n else None  # a name that says its layer (the gradient of a layer's output is made by the next)
-        u = None if m is None else numbered.get((m.group(1), int(m.group(2)))) if m.group(1) != "layers." else \
+        named = None if m is None else numbered.get((m.group(1), int(m.group(2)))) if m.group(1) != "layers." else \
             numbered.get(("layers.", int(m.group(2))), numbered.get(("layer ", int(m.group(2)))))
-        if u is None:
-            u = made.get(n)
-        if u is None:
+        if named is None:
+            named = made.get(n)
+        if named is None:
             rs = readers.get(n)
-            u = (next(iter(rs)) if len(rs) == 1 else -1) if rs else opt_readers.get(n, -1)
-        if u >= 0:
-            tensor_layer[n] = u
+            named = (next(iter(rs)) if len(rs) == 1 else -1) if rs else opt_readers.get(n, -1)
+        if named >= 0:
+            tensor_layer[n] = named
     layers = Layers(tags, op_layer, tensor_layer, [], fold, _grad_of=grad_of, _stems=("layers.", *stems),
                     _names=prog.tensors)
     signature: list[list[str]] = [[] for _ in tags]  # the rules of each layer's forward
