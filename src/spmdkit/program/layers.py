@@ -53,11 +53,12 @@ class Layers:
     #: each layer's structure (layers of one structure share the number: their ops' rules alike)
     kind: list[int]
     _fold: re.Pattern[str] = field(repr=False, default=re.compile("(" + _ZOO_STEM + r")(\d+)\."))
-    _tensor_place: dict[str, int] = field(repr=False, default_factory=dict)
+    _tensor_place: dict[str, tuple[str, int]] = field(repr=False, default_factory=dict)
     _grad_of: dict[str, str] = field(repr=False, default_factory=dict)
     _stems: tuple[str, ...] = field(repr=False, default=("layers.",))
     _folded: dict[str, str] = field(repr=False, default_factory=dict)
     _names: Any = field(repr=False, default=None)  # the program's tensors
+    _outputs: list[list[str]] = field(repr=False, default_factory=list)  # each op's outputs
     _op_place: dict[int, int] = field(repr=False, default_factory=dict)
 
     def fold(self, name: str) -> str:
@@ -81,18 +82,21 @@ class Layers:
             return ("grad", self.tensor_key(base), name[len(base):])
         if name not in self._tensor_place:
             return g
-        return ("#", self.kind[self.tensor_layer[name]], self._tensor_place[name])
+        return ("#", self.kind[self.tensor_layer[name]], *self._tensor_place[name])
 
     def op_key(self, index: int, name: str) -> Any:
         """As :meth:`tensor_key`, for the op ``index`` named ``name``: a backward op named for
-        its tensor (``grad of linear_10``) by that tensor's key, another by its place among its
-        layer's ops of its phase."""
+        its tensor (``grad of linear_10``) by that tensor's key, another op of a layer by the key
+        of what it makes, else by its place among its layer's ops of its phase."""
         g = self.fold(name)
         if g != name:
             return g
         m = _OF.match(name)
         if m is not None and self._names is not None and m.group(2) in self._names:
             return (m.group(1), self.tensor_key(m.group(2)))
+        outs = self._outputs[index] if index < len(self._outputs) and self.op_layer[index] >= 0 else []
+        if outs:  # by what it makes (a backward's places shift where a layer has one op fewer)
+            return ("makes", self.tensor_key(outs[0]))
         if index not in self._op_place:
             return g
         return ("#", self.kind[self.op_layer[index]], self._op_place[index])
@@ -201,11 +205,19 @@ def _program_layers(prog: Program) -> Layers:
                 layers._op_place[k] = at
     kinds: dict[tuple[str, ...], int] = {}
     layers.kind = [kinds.setdefault(tuple(s), len(kinds)) for s in signature]
-    count = [0] * len(tags)
+    made_in: dict[str, str] = {}
+    for op in prog.ops:
+        outs = op.output_names()
+        layers._outputs.append(outs)
+        for n in outs:
+            made_in.setdefault(n, op.phase)
+    count: dict[tuple[int, str], int] = {}  # by the phase that makes it: a backward's places do not shift the forward's
     for n, u in tensor_layer.items():
         if layers.fold(n) == n and n not in grad_of:
-            layers._tensor_place[n] = count[u]
-            count[u] += 1
+            ph = made_in.get(n, "")
+            at = count.get((u, ph), 0)
+            layers._tensor_place[n] = (ph, at)
+            count[(u, ph)] = at + 1
     return layers
 
 
