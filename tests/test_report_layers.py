@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 from spmdkit.cost.memory import memory_per_device  # noqa: E402
 from spmdkit.outputs import html as H  # noqa: E402
-from spmdkit.outputs.report import reshard_groups, write_report  # noqa: E402
+from spmdkit.outputs.report import _ranges, reshard_groups, write_report  # noqa: E402
 from spmdkit.planner.planning import plan_hf, plan_model  # noqa: E402
 from spmdkit.program.layers import layer_tags, program_layers  # noqa: E402
 
@@ -141,3 +141,37 @@ def test_bf16_last_layer_folds_with_the_others() -> None:
     assert "layers 1-2: every tensor sharded as in layer 0\n" in text
     rows = reshard_groups(plan)
     assert [g["times"] for g in rows if g["phase"] == "backward" and g["layer"] == "3 layers"] == [3, 3]
+
+
+@pytest.mark.filterwarnings("ignore:--strategy megatron:UserWarning")
+def test_a_dense_layer_then_moe_layers_each_structure_in_full() -> None:
+    """Qwen2-MoE with its first layer dense (``mlp_only_layers``): layer 0 and layer 1 (the first
+    MoE layer) in full, the other MoE layers compared with layer 1, their reshards folded apart."""
+    cfg = {**_config(4), "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, "num_experts": 4,
+           "num_experts_per_tok": 2, "mlp_only_layers": [0]}
+    _prog, _model, _kw, plan = plan_hf("Qwen2MoeForCausalLM", cfg, "dp=2,tp=2", None)
+    layers = program_layers(plan.program)
+    assert layers.kind == [0, 1, 1, 1]
+    text = _report(plan)
+    assert "Sharding (layer 0 in full, layer 1 in full (the first of another structure), and the tensors outside " \
+           "the layers)" in text
+    table = text.split("Sharding (", 1)[1].split("\nReshards", 1)[0]
+    assert "model.layers.1.mlp.gate.weight" in table and "model.layers.0.mlp.gate_proj.weight" in table
+    assert not re.search(r"model\.layers\.[23]\.", table)
+    assert "\nlayers 2-3: every tensor sharded as in layer 1\n" in text
+    fwd = [g for g in reshard_groups(plan) if g["phase"] == "forward" and g["from_to"].endswith("-> [dp:S(0), tp:R]")
+           and "P(sum)" in g["from_to"]]
+    assert sorted(g["times"] for g in fwd if g["layer"] != "model") == [1, 1, 3, 3]  # attention and MLP: dense, MoE
+
+
+def test_preset_moe_after_a_dense_layer() -> None:
+    """deepseek-v2-lite (its first layer dense) at 3 layers: layer 1 in full, layer 2 as layer 1."""
+    _model, plan, _ = plan_model("deepseek-v2-lite", "dp=2,tp=4", "megatron", {"layers": 3, "seq": 512})
+    text = _report(plan)
+    assert "layer 1 in full (the first of another structure)" in text
+    assert "\nlayer 2: every tensor sharded as in layer 1\n" in text
+
+
+def test_layer_ranges() -> None:
+    assert _ranges([1, 2, 3, 5, 7, 8]) == "layers 1-3, 5, 7-8"
+    assert _ranges([4]) == "layer 4"

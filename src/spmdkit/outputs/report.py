@@ -149,22 +149,41 @@ def verdict_line(mem: Memory, capacity: int, device: str) -> str:
     return f"{text} on a {device}"
 
 
+def _ranges(idx: list[int]) -> str:
+    """``[1, 2, 3, 5]`` -> ``layers 1-3, 5``; ``[4]`` -> ``layer 4``."""
+    parts: list[str] = []
+    last = -2
+    for k in idx:
+        if parts and k == last + 1:
+            parts[-1] = f"{parts[-1].split('-')[0]}-{k}"
+        else:
+            parts.append(str(k))
+        last = k
+    return ("layer " if len(idx) == 1 else "layers ") + ", ".join(parts)
+
+
 def _write_sharding(plan: Plan, layers: Layers, out: TextIO) -> None:
-    """The first layer's tensors and those outside the layers in full, then one line for the
-    other layers: sharded as the first, or which tensors are not (a tensor matched to the first
+    """The first layer's tensors (and the first of each other structure's, a MoE layer after
+    dense ones) and those outside the layers in full, then one line for the other layers: sharded
+    as the first of their structure, or which tensors are not (a tensor matched to the first
     layer's by :meth:`spmdkit.program.layers.Layers.tensor_key`)."""
     prog = plan.program
     of = layers.tensor_layer
     shown = ("parameter", "activation")
-    first = [t for n, t in prog.tensors.items() if of.get(n) == 0 and t.kind in shown and not t.inplace_of]
-    rows = [[t.name, t.kind, str(list(t.shape)), placements(plan.attrs[t.name])] for t in first]
+    firsts: dict[int, int] = {}  # structure -> its first layer
+    for i, k in enumerate(layers.kind):
+        firsts.setdefault(k, i)
+    full = sorted(firsts.values())
+    rows = [[t.name, t.kind, str(list(t.shape)), placements(plan.attrs[t.name])] for f in full for n, t in
+            prog.tensors.items() if of.get(n) == f and t.kind in shown and not t.inplace_of]
     other = [t for n, t in prog.tensors.items() if n not in of and t.kind in ("input", *shown) and not t.inplace_of]
     rows += [[t.name, t.kind, str(list(t.shape)), placements(plan.attrs[t.name])] for t in other]
+    more = f", {_ranges(full[1:])} in full (the first of another structure)" if len(full) > 1 else ""
     if rows:
-        print_table("Sharding (layer 0 in full, and the tensors outside the layers)",
+        print_table(f"Sharding (layer 0 in full{more}, and the tensors outside the layers)",
                     ["tensor", "kind", "shape", "placements"], rows, out, optional=("kind",))
     n = len(layers.tags)
-    if n > 1:
+    if n > 1 and len(full) == 1:
         base = {layers.tensor_key(t): plan.attrs[t] for t, u in of.items() if u == 0}
         differ = sorted({t for t, u in of.items() if u > 0 and base.get(layers.tensor_key(t)) != plan.attrs[t]})
         if differ:
@@ -172,6 +191,21 @@ def _write_sharding(plan: Plan, layers: Layers, out: TextIO) -> None:
                       f"e.g. {', '.join(differ[:5])}\n\n")
         else:
             out.write(f"layers 1-{n - 1}: every tensor sharded as in layer 0\n\n")
+        return
+    for k, f in sorted(firsts.items(), key=lambda kf: kf[1]):  # each structure against its first layer
+        members = [i for i, kk in enumerate(layers.kind) if kk == k and i != f]
+        if not members:
+            continue
+        base = {layers.tensor_key(t): plan.attrs[t] for t, u in of.items() if u == f}
+        group = set(members)
+        differ = sorted({t for t, u in of.items() if u in group and base.get(layers.tensor_key(t)) != plan.attrs[t]})
+        what = _ranges(members)
+        if differ:
+            out.write(f"{what}: {len(differ)} tensors are sharded otherwise than in layer {f}, "
+                      f"e.g. {', '.join(differ[:5])}\n")
+        else:
+            out.write(f"{what}: every tensor sharded as in layer {f}\n")
+    out.write("\n")
 
 
 def write_report(plan: Plan, out: TextIO, title: str = "", memory: Memory | None = None,
