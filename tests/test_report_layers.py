@@ -162,6 +162,11 @@ def test_a_dense_layer_then_moe_layers_each_structure_in_full() -> None:
     fwd = [g for g in reshard_groups(plan) if g["phase"] == "forward" and g["from_to"].endswith("-> [dp:S(0), tp:R]")
            and "P(sum)" in g["from_to"]]
     assert sorted(g["times"] for g in fwd if g["layer"] != "model") == [1, 1, 3, 3]  # attention and MLP: dense, MoE
+    page = H.render_html(plan, "tiny qwen2-moe", memory_per_device(plan))
+    cards = re.findall(r'class="card" data-name="([^"]*)"', page)
+    assert "model.layers.0.mlp.gate_proj.weight" in cards and "model.layers.1.mlp.gate.weight" in cards
+    assert not any(re.match(r"model\.layers\.[23]\.", c) for c in cards)
+    assert "Each tensor of layer 0 (and of layer 1, the first of another structure)" in page
 
 
 def test_preset_moe_after_a_dense_layer() -> None:

@@ -227,8 +227,10 @@ def _tensor_svg(name: str, shape: Sequence[int], attr: TensorDistAttr) -> str:
 
 def _sharding_section(plan: Plan) -> str:
     prog = plan.program
-    of = program_layers(prog).tensor_layer
-    names = [n for n, t in prog.tensors.items() if of.get(n) == 0 and not t.inplace_of
+    layers = program_layers(prog)
+    of = layers.tensor_layer
+    full = sorted({k: i for i, k in reversed(list(enumerate(layers.kind)))}.values())  # the first of each structure
+    names = [n for f in full for n, t in prog.tensors.items() if of.get(n) == f and not t.inplace_of
              and t.kind in ("parameter", "activation", "gradient")]
     names += [n for n, t in prog.tensors.items() if n not in of and not t.inplace_of
               and t.kind in ("input", "parameter", "activation")]
@@ -253,7 +255,9 @@ def _sharding_section(plan: Plan) -> str:
                      + (f'<br><b>partial</b> over {_e(partial)}: each block is the sum of the ranks\' values'
                         if partial else "")
                      + f'{cut}</div>{_tensor_svg(n, t.shape, a)}</div>')
-    return ('<section id="sharding"><h2>Sharding</h2><p>Each tensor of layer 0 and those outside the layers: '
+    more = (f" (and of layer{'s' if len(full) > 2 else ''} {', '.join(map(str, full[1:]))}, the first of another "
+            f"structure)") if len(full) > 1 else ""
+    return (f'<section id="sharding"><h2>Sharding</h2><p>Each tensor of layer 0{_e(more)} and those outside the layers: '
             'the global shape as a grid of blocks (leading axes flattened into the rows, the last axis across), '
             'each labelled with the ranks holding it; a hatched block is partial. '
             '<input id="tensor-filter" placeholder="filter tensors" aria-label="filter tensors"></p>'
