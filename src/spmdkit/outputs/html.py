@@ -32,8 +32,7 @@ from __future__ import annotations
 import html
 import json
 import os
-import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from spmdkit.core.dist_attr import TensorDistAttr, entry_dims
@@ -56,9 +55,10 @@ from spmdkit.cost.step import estimate_step
 from spmdkit.io.atomic import output_problem, write_atomic
 from spmdkit.outputs.report import fmt_bytes, fmt_time, placements, reshard_groups
 from spmdkit.planner.pipeline import op_stages
+from spmdkit.program.ir import Program
+from spmdkit.program.layers import Layers, program_layers
 from spmdkit.program.plan import Plan
 
-_LAYER_NAME = re.compile(r"^layers\.(\d+)\.")
 PHASE_COLOURS = {"forward": "#4e79a7", "backward": "#f28e2b", "optimizer": "#59a14f", "recompute": "#b07aa1"}
 COMM_COLOUR = "#e15759"
 BUCKET_COLOUR = "#9c755f"
@@ -227,9 +227,12 @@ def _tensor_svg(name: str, shape: Sequence[int], attr: TensorDistAttr) -> str:
 
 def _sharding_section(plan: Plan) -> str:
     prog = plan.program
-    names = [t.name for t in prog.tensors.values() if t.name.startswith("layers.0.") and not t.inplace_of
+    layers = program_layers(prog)
+    of = layers.tensor_layer
+    full = sorted({k: i for i, k in reversed(list(enumerate(layers.kind)))}.values())  # the first of each structure
+    names = [n for f in full for n, t in prog.tensors.items() if of.get(n) == f and not t.inplace_of
              and t.kind in ("parameter", "activation", "gradient")]
-    names += [t.name for t in prog.tensors.values() if not _LAYER_NAME.match(t.name) and not t.inplace_of
+    names += [n for n, t in prog.tensors.items() if n not in of and not t.inplace_of
               and t.kind in ("input", "parameter", "activation")]
     if not names:  # a program without layers: its parameters and inputs
         names = [t.name for t in prog.tensors.values() if t.kind in ("input", "parameter") and not t.inplace_of]
@@ -252,7 +255,9 @@ def _sharding_section(plan: Plan) -> str:
                      + (f'<br><b>partial</b> over {_e(partial)}: each block is the sum of the ranks\' values'
                         if partial else "")
                      + f'{cut}</div>{_tensor_svg(n, t.shape, a)}</div>')
-    return ('<section id="sharding"><h2>Sharding</h2><p>Each tensor of layer 0 and those outside the layers: '
+    more = (f" (and of layer{'s' if len(full) > 2 else ''} {', '.join(map(str, full[1:]))}, the first of another "
+            f"structure)") if len(full) > 1 else ""
+    return (f'<section id="sharding"><h2>Sharding</h2><p>Each tensor of layer 0{_e(more)} and those outside the layers: '
             'the global shape as a grid of blocks (leading axes flattened into the rows, the last axis across), '
             'each labelled with the ranks holding it; a hatched block is partial. '
             '<input id="tensor-filter" placeholder="filter tensors" aria-label="filter tensors"></p>'
@@ -262,18 +267,36 @@ def _sharding_section(plan: Plan) -> str:
 # -- per layer --------------------------------------------------------------------------------------
 
 
-def _layer_key(label: str) -> tuple[int, int, str]:
-    m = re.match(r"layer (\d+)$", label)
-    if m:
-        return (1, int(m.group(1)), label)
-    return ({"embedding": 0, "head": 2}.get(label, 3), 0, label)
+def _layer_order(prog: Program, layers: Layers) -> Callable[[str], tuple[int, int, str]]:
+    """The sort key of a layer label: the embedding and the labels the forward reaches before the
+    first layer, the layers in order, the head and the labels after them, the rest by name."""
+    index = {t: k for k, t in enumerate(layers.tags)}
+    first_layer = next((k for k, u in enumerate(layers.op_layer) if u >= 0), len(prog.ops))
+    seen: dict[str, int] = {}
+    for k, op in enumerate(prog.ops):
+        if op.phase == "forward":
+            seen.setdefault(op.layer, k)
+
+    def key(label: str) -> tuple[int, int, str]:
+        if label in index:
+            return (1, index[label], label)
+        if label in ("embedding", "head"):
+            return ({"embedding": 0, "head": 2}[label], 0, label)
+        at = seen.get(label)
+        if at is None:
+            return (3, 0, label)
+        return (0 if at < first_layer else 2, at + 1, label)
+
+    return key
 
 
-def tensor_layers(plan: Plan) -> dict[str, str]:
-    """Tensor -> the layer label it belongs to: ``layer N`` for ``layers.N.*``, else its
-    producer's layer, else its first reader's outside the optimizer, else that of the longest
-    dotted prefix naming a tensor (``embed.moment1`` -> ``embed``'s), else ``other``."""
+def tensor_layers(plan: Plan, layers: Layers | None = None) -> dict[str, str]:
+    """Tensor -> the layer label it belongs to: its layer's (:func:`spmdkit.program.layers.program_layers`:
+    a preset's ``layer N``, an imported model's ``model.layers.N``), else its producer's label,
+    else its first reader's outside the optimizer, else that of the longest dotted prefix naming
+    a tensor (``embed.moment1`` -> ``embed``'s), else ``other``."""
     prog = plan.program
+    layers = layers or program_layers(prog)
     made: dict[str, str] = {}
     read: dict[str, str] = {}
     for op in prog.ops:
@@ -284,9 +307,9 @@ def tensor_layers(plan: Plan) -> dict[str, str]:
                 read.setdefault(n, op.layer)
     out: dict[str, str] = {}
     for n in prog.tensors:
-        m = _LAYER_NAME.match(n)
-        if m:
-            out[n] = f"layer {m.group(1)}"
+        u = layers.tensor_layer.get(n)
+        if u is not None:
+            out[n] = layers.tags[u]
             continue
         label = made.get(n) or read.get(n)
         p = n
@@ -302,7 +325,8 @@ def layer_table(plan: Plan, memory: Memory) -> list[dict[str, Any]]:
     repeats, the collectives inside ops) and bytes held per device: parameters, gradients,
     optimizer states, activations kept for the backward."""
     prog = plan.program
-    of = tensor_layers(plan)
+    layers = program_layers(prog)
+    of = tensor_layers(plan, layers)
     rows: dict[str, dict[str, Any]] = {}
 
     def row(label: str) -> dict[str, Any]:
@@ -333,7 +357,7 @@ def layer_table(plan: Plan, memory: Memory) -> list[dict[str, Any]]:
     if saved is not None:
         for label, b in saved.per_layer.items():
             row(label or "other")["activations"] += b
-    return [rows[k] for k in sorted(rows, key=_layer_key)]
+    return [rows[k] for k in sorted(rows, key=_layer_order(prog, layers))]
 
 
 def _hbars(fig: str, title: str, rows: list[tuple[str, list[float], str]], keys: list[tuple[str, str]],

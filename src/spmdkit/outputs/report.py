@@ -16,13 +16,12 @@ from spmdkit.cost.step import StepEstimate
 from spmdkit.io.codec import encode_attr
 from spmdkit.outputs.tables import print_table
 from spmdkit.planner.auto.explain import LayerChoice
+from spmdkit.program.layers import Layers, program_layers
 from spmdkit.program.plan import Plan, Reshard
 
 #: The reshard table's columns left out first, in this order, where the terminal is too narrow
 #: for them all (``--wide`` prints them; the text of the others wraps).
 RESHARD_OPTIONAL = ("where", "collectives", "phase", "times")
-_LAYER = re.compile(r"^layers\.(\d+)\.")
-_ANY_LAYER = re.compile(r"\blayers\.\d+\.")
 
 
 def placements(a: TensorDistAttr) -> str:
@@ -56,14 +55,11 @@ def fmt_time(s: float) -> str:
     return f"{s * 1e6:.1f} us"
 
 
-def _generic(name: str) -> str:
-    """``layers.7.wq.grad`` -> ``layers.*.wq.grad`` (the same tensor in every layer)."""
-    return _ANY_LAYER.sub("layers.*.", name)
-
-
-def _reshard_key(plan: Plan, r: Reshard) -> tuple[Any, ...]:
+def _reshard_key(layers: Layers, plan: Plan, r: Reshard) -> tuple[Any, ...]:
     op = plan.program.ops[r.op_index]
-    return (_generic(r.tensor), _generic(op.name), r.src, r.dst, r.output, op.phase)
+    shape = plan.program.tensors[r.tensor].shape if r.tensor in plan.program.tensors else None
+    return (layers.tensor_key(r.tensor), layers.op_key(r.op_index, op.name), r.src, r.dst, r.output, op.phase,
+            op.rule, shape)
 
 
 def step_kinds(plan: Plan, phase: str | None = None, kernel: list[KernelCollective] | None = None) -> Counter[str]:
@@ -103,11 +99,12 @@ def reshard_groups(plan: Plan) -> list[dict[str, Any]]:
     layer, reshaped alike before or after the same op (``times``: how many; ``bytes_per_rank``
     and ``time_s``: their sum over the step)."""
     prog = plan.program
+    layers = program_layers(prog)
     groups: dict[tuple[Any, ...], list[Reshard]] = {}
     for r in plan.reshards:
         if r.shared:
             continue
-        groups.setdefault(_reshard_key(plan, r), []).append(r)
+        groups.setdefault(_reshard_key(layers, plan, r), []).append(r)
     out = []
     for rs in groups.values():
         r = rs[0]
@@ -116,8 +113,8 @@ def reshard_groups(plan: Plan) -> list[dict[str, Any]]:
         layer = where[0] if len(where) == 1 else f"{len(where)} layers"
         if layer == "optimizer":
             layer = "-"
-        out.append({"phase": op.phase, "layer": layer, "tensor": _generic(r.tensor),
-                    "where": ("after " if r.output else "before ") + f"{op.rule} ({_generic(op.name)})",
+        out.append({"phase": op.phase, "layer": layer, "tensor": layers.fold(r.tensor),
+                    "where": ("after " if r.output else "before ") + f"{op.rule} ({layers.fold(op.name)})",
                     "from_to": f"{placements(r.src)} -> {placements(r.dst)}",
                     "collectives": "; ".join(s.describe() for s in r.plan.steps) or "-", "times": len(rs),
                     "bytes_per_rank": sum(x.bytes_per_rank for x in rs), "time_s": sum(x.time_s for x in rs)})
@@ -152,6 +149,65 @@ def verdict_line(mem: Memory, capacity: int, device: str) -> str:
     return f"{text} on a {device}"
 
 
+def _ranges(idx: list[int]) -> str:
+    """``[1, 2, 3, 5]`` -> ``layers 1-3, 5``; ``[4]`` -> ``layer 4``."""
+    parts: list[str] = []
+    last = -2
+    for k in idx:
+        if parts and k == last + 1:
+            parts[-1] = f"{parts[-1].split('-')[0]}-{k}"
+        else:
+            parts.append(str(k))
+        last = k
+    return ("layer " if len(idx) == 1 else "layers ") + ", ".join(parts)
+
+
+def _write_sharding(plan: Plan, layers: Layers, out: TextIO) -> None:
+    """The first layer's tensors (and the first of each other structure's, a MoE layer after
+    dense ones) and those outside the layers in full, then one line for the other layers: sharded
+    as the first of their structure, or which tensors are not (a tensor matched to the first
+    layer's by :meth:`spmdkit.program.layers.Layers.tensor_key`)."""
+    prog = plan.program
+    of = layers.tensor_layer
+    shown = ("parameter", "activation")
+    firsts: dict[int, int] = {}  # structure -> its first layer
+    for i, k in enumerate(layers.kind):
+        firsts.setdefault(k, i)
+    full = sorted(firsts.values())
+    rows = [[t.name, t.kind, str(list(t.shape)), placements(plan.attrs[t.name])] for f in full for n, t in
+            prog.tensors.items() if of.get(n) == f and t.kind in shown and not t.inplace_of]
+    other = [t for n, t in prog.tensors.items() if n not in of and t.kind in ("input", *shown) and not t.inplace_of]
+    rows += [[t.name, t.kind, str(list(t.shape)), placements(plan.attrs[t.name])] for t in other]
+    more = f", {_ranges(full[1:])} in full (the first of another structure)" if len(full) > 1 else ""
+    if rows:
+        print_table(f"Sharding (layer 0 in full{more}, and the tensors outside the layers)",
+                    ["tensor", "kind", "shape", "placements"], rows, out, optional=("kind",))
+    n = len(layers.tags)
+    if n > 1 and len(full) == 1:
+        base = {layers.tensor_key(t): plan.attrs[t] for t, u in of.items() if u == 0}
+        differ = sorted({t for t, u in of.items() if u > 0 and base.get(layers.tensor_key(t)) != plan.attrs[t]})
+        if differ:
+            out.write(f"layers 1-{n - 1}: {len(differ)} tensors are sharded otherwise than in layer 0, "
+                      f"e.g. {', '.join(differ[:5])}\n\n")
+        else:
+            out.write(f"layers 1-{n - 1}: every tensor sharded as in layer 0\n\n")
+        return
+    for k, f in sorted(firsts.items(), key=lambda kf: kf[1]):  # each structure against its first layer
+        members = [i for i, kk in enumerate(layers.kind) if kk == k and i != f]
+        if not members:
+            continue
+        base = {layers.tensor_key(t): plan.attrs[t] for t, u in of.items() if u == f}
+        group = set(members)
+        differ = sorted({t for t, u in of.items() if u in group and base.get(layers.tensor_key(t)) != plan.attrs[t]})
+        what = _ranges(members)
+        if differ:
+            out.write(f"{what}: {len(differ)} tensors are sharded otherwise than in layer {f}, "
+                      f"e.g. {', '.join(differ[:5])}\n")
+        else:
+            out.write(f"{what}: every tensor sharded as in layer {f}\n")
+    out.write("\n")
+
+
 def write_report(plan: Plan, out: TextIO, title: str = "", memory: Memory | None = None,
                  plan_seconds: float | None = None, estimate: StepEstimate | None = None) -> None:
     prog = plan.program
@@ -172,26 +228,7 @@ def write_report(plan: Plan, out: TextIO, title: str = "", memory: Memory | None
                   f"(e.g. {u.tensor} axis {u.axis}, size {u.size} in pieces of {u.largest} down to {u.smallest}); "
                   f"listed under 'Uneven shards' below\n\n")
     # -- sharding of the main tensors: the first layer in full
-    layers = sorted({int(m.group(1)) for n in prog.tensors if (m := _LAYER.match(n))})
-    first = [t for t in prog.tensors.values() if t.name.startswith("layers.0.") and t.kind in
-             ("parameter", "activation") and not t.inplace_of]
-    rows = [[t.name, t.kind, str(list(t.shape)), placements(plan.attrs[t.name])] for t in first]
-    other = [t for t in prog.tensors.values() if not _LAYER.match(t.name) and t.kind in ("input", "parameter",
-                                                                                     "activation")
-             and not t.inplace_of]
-    rows += [[t.name, t.kind, str(list(t.shape)), placements(plan.attrs[t.name])] for t in other]
-    if rows:
-        print_table("Sharding (layer 0 in full, and the tensors outside the layers)",
-               ["tensor", "kind", "shape", "placements"], rows, out, optional=("kind",))
-    if len(layers) > 1:
-        base = {_generic(n): plan.attrs[n] for n in prog.tensors if n.startswith("layers.0.")}
-        differ = sorted({n for n in prog.tensors if (m := _LAYER.match(n)) and m.group(1) != "0"
-                         and base.get(_generic(n)) != plan.attrs[n]})
-        if differ:
-            out.write(f"layers 1-{layers[-1]}: {len(differ)} tensors are sharded otherwise than in layer 0, "
-                      f"e.g. {', '.join(differ[:5])}\n\n")
-        else:
-            out.write(f"layers 1-{layers[-1]}: every tensor sharded as in layer 0\n\n")
+    _write_sharding(plan, program_layers(prog), out)
     # -- reshards
     rows = [[g["phase"], g["layer"], g["tensor"], g["where"], g["from_to"], g["collectives"], f"x{g['times']}",
              fmt_bytes(g["bytes_per_rank"]), fmt_time(g["time_s"])] for g in reshard_groups(plan)]

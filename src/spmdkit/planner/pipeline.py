@@ -48,7 +48,6 @@ device ``p + (p - 1)/v`` stage-microbatches (Narayanan et al. 2021; Korthikanti 
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -79,13 +78,13 @@ from spmdkit.models.source import HFModel, Loaded, ModelSource, Preset, ProgramF
 from spmdkit.models.zoo import Model, preset
 from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, parse_size, plan_preset, plan_program
 from spmdkit.program.ir import Program
+from spmdkit.program.layers import layer_tags
 from spmdkit.program.plan import Plan
 from spmdkit.strategies.strategy import parse_mesh, parse_strategy
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 _SCHEDULE_ALIASES = {"interleaved-1f1b": "interleaved", "interleaved1f1b": "interleaved", "1F1B": "1f1b",
                      "GPipe": "gpipe"}
-_NUMBERED = re.compile(r"\d+$")
 MAX_MICROBATCHES = 1 << 16
 #: The most (virtual stage, microbatch) pairs a schedule simulates (about a second of Python).
 MAX_UNITS = 1 << 19
@@ -211,18 +210,6 @@ def balanced_split(layer_costs: list[float], n: int, first: float = 0.0, last: f
     out = got if got is not None else best
     assert out is not None and sum(out) == L
     return tuple(out)
-
-
-def layer_tags(prog: Program) -> list[str]:
-    """The program's transformer layers: the distinct ``layer`` labels of its forward ops that
-    end in a number (``layer 3`` of a preset, ``model.layers.3`` or ``transformer.h.3`` of an
-    imported model, the module path up to its block's number), in the order the forward
-    reaches them."""
-    seen: dict[str, None] = {}
-    for op in prog.ops:
-        if op.phase == "forward" and op.layer not in seen and _NUMBERED.search(op.layer):
-            seen[op.layer] = None
-    return list(seen)
 
 
 def op_units(prog: Program) -> tuple[list[int], int]:
