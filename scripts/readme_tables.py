@@ -102,6 +102,24 @@ def search_excerpt() -> str:
     return "```\n" + "\n".join(body) + "\n```"
 
 
+MODELS = ("models", "llama3.1-405b", "mixtral-8x7b", "deepseek-v3", "bloom")
+BIG = ("plan", "--model", "llama3.1-405b", "--mesh", "pp=16,dp=8,tp=8", "--strategy", "megatron", "--device", "h100")
+
+
+def models_excerpt() -> str:
+    """``spmdkit models`` for four entries (the source column left out: it is a URL) and the
+    first lines and device memory of llama3.1-405b planned on 1,024 ranks."""
+    out = run(*MODELS)
+    head = next(x for x in out if x.startswith("┃ model"))
+    cut = head.index("┃ source")
+    ends = {"┏": "┓", "┃": "┃", "┡": "┩", "│": "│", "└": "┘"}
+    table = [x[:cut] + ends[x[0]] for x in out[1:] if x[:1] in ends]
+    big = run(*BIG)
+    body = ["$ spmdkit " + " ".join(MODELS), out[0], *table, "", "$ spmdkit " + " ".join(BIG), *big[:3], "...",
+            *[x for x in big if x.startswith("│ total on the device")][:1]]
+    return "```\n" + "\n".join(body) + "\n```"
+
+
 def _gib(x: float) -> str:
     return f"{x / 2**30:.1f} GiB"
 
@@ -132,7 +150,7 @@ def fidelity_summary() -> str:
 
 TABLES = {"rules-table": rules_markdown, "fidelity-summary": fidelity_summary, "golden-table": golden_markdown, "demo-excerpt": demo_excerpt,
           "device-excerpt": device_excerpt, "pipeline-excerpt": pipeline_excerpt, "search-excerpt": search_excerpt,
-          "recompute-figures": recompute_figures}
+          "recompute-figures": recompute_figures, "models-excerpt": models_excerpt}
 
 
 def comparable(text: str) -> str:
