@@ -191,31 +191,17 @@ def test_bad_hf_config_file_through_devices(capsys: pytest.CaptureFixture[str], 
              "--hf-config: vocab_size is missing (LlamaConfig would take its default 32000 silently)")
 
 
+def _published(name: str) -> dict[str, Any]:
+    """A published config.json as the hub holds it (tests/data/hf/, shared with the import tests)."""
+    return dict(json.loads((Path(__file__).parent / "data" / "hf" / f"{name}.json").read_text()))
+
+
 #: Published config.json files (the keys as the hub holds them): accepted; those keys transformers
 #: no longer reads are one warning naming them.
 PUBLISHED: dict[str, tuple[dict[str, Any], set[str]]] = {
-    "LlamaForCausalLM": ({  # Meta-Llama-3-8B
-        "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-        "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
-        "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 8192, "model_type": "llama",
-        "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1,
-        "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 500000.0, "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16", "transformers_version": "4.40.0.dev0", "use_cache": True, "vocab_size": 128256}, set()),
-    "MixtralForCausalLM": ({  # Mixtral-8x7B-v0.1
-        "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
-        "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
-        "max_position_embeddings": 32768, "model_type": "mixtral", "num_attention_heads": 32, "num_experts_per_tok": 2,
-        "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": False,
-        "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02, "sliding_window": None,
-        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.36.0.dev0",
-        "use_cache": True, "vocab_size": 32000}, set()),
-    "Qwen2ForCausalLM": ({  # Qwen2.5-72B
-        "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
-        "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 8192, "initializer_range": 0.02,
-        "intermediate_size": 29568, "max_position_embeddings": 131072, "max_window_layers": 80, "model_type": "qwen2",
-        "num_attention_heads": 64, "num_hidden_layers": 80, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
-        "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-        "transformers_version": "4.43.1", "use_cache": True, "use_sliding_window": False, "vocab_size": 152064}, set()),
+    "LlamaForCausalLM": (_published("llama-3-8b"), set()),
+    "MixtralForCausalLM": (_published("mixtral-8x7b"), set()),
+    "Qwen2ForCausalLM": (_published("qwen2.5-72b"), set()),
     "GPT2LMHeadModel": ({  # gpt2
         "activation_function": "gelu_new", "architectures": ["GPT2LMHeadModel"], "attn_pdrop": 0.1,
         "bos_token_id": 50256, "embd_pdrop": 0.1, "eos_token_id": 50256, "initializer_range": 0.02,

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import math
 import warnings
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,6 +22,7 @@ from spmdkit.models.params import count_params, mismatches, parameters
 from spmdkit.models.zoo import PRESETS, ModelConfig, build_model, config_from_json, model_label, preset
 from spmdkit.planner.planning import plan_preset
 
+HF_DATA = Path(__file__).parent / "data" / "hf"
 DENSE = [n for n, e in catalog.entries().items() if not e.fields.get("experts")]
 MOE = [n for n, e in catalog.entries().items() if e.fields.get("experts")]
 
@@ -116,48 +119,15 @@ def test_the_count_scales_two_small_builds_exactly() -> None:
 
 # -- HF config.json -> the catalog's config --------------------------------------------------
 
-LLAMA3_8B = {
-    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
-    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 8192, "model_type": "llama",
-    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1,
-    "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 500000.0, "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16", "transformers_version": "4.40.0.dev0", "use_cache": True, "vocab_size": 128256}
-MIXTRAL_8X7B = {
-    "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
-    "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
-    "max_position_embeddings": 32768, "model_type": "mixtral", "num_attention_heads": 32, "num_experts_per_tok": 2,
-    "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": False,
-    "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02, "sliding_window": None,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.36.0.dev0",
-    "use_cache": True, "vocab_size": 32000}
-DEEPSEEK_V3 = {
-    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
-                 "AutoModel": "modeling_deepseek.DeepseekV3Model",
-                 "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"},
-    "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3,
-    "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432,
-    "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v3",
-    "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256,
-    "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128, "num_experts_per_tok": 8,
-    "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "pretraining_tp": 1,
-    "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                            "weight_block_size": [128, 128]},
-    "rms_norm_eps": 1e-06, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
-                                            "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
-                                            "type": "yarn"},
-    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
-    "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
-    "transformers_version": "4.33.1", "use_cache": True, "v_head_dim": 128, "vocab_size": 129280}
-QWEN25_72B = {
-    "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
-    "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 8192, "initializer_range": 0.02,
-    "intermediate_size": 29568, "max_position_embeddings": 131072, "max_window_layers": 80, "model_type": "qwen2",
-    "num_attention_heads": 64, "num_hidden_layers": 80, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
-    "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "transformers_version": "4.43.1", "use_cache": True, "use_sliding_window": False, "vocab_size": 152064}
+def _published(name: str) -> dict[str, Any]:
+    """A published config.json as the hub holds it (tests/data/hf/, shared with the import tests)."""
+    return dict(json.loads((HF_DATA / f"{name}.json").read_text()))
+
+
+LLAMA3_8B = _published("llama-3-8b")
+MIXTRAL_8X7B = _published("mixtral-8x7b")
+DEEPSEEK_V3 = _published("deepseek-v3")
+QWEN25_72B = _published("qwen2.5-72b")
 
 
 @pytest.mark.parametrize(("hf", "name", "seq", "notes"), [
