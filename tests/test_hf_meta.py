@@ -246,3 +246,45 @@ def test_llama_3_8b_imports_at_full_size_with_the_models_parameters() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert hf_call_kwargs(m, kw)["use_cache"] is False
+
+
+DS_TINY = dict(TINY, num_hidden_layers=3, num_key_value_heads=4, first_k_dense_replace=1, moe_intermediate_size=32,
+               n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, q_lora_rank=32, kv_lora_rank=16,
+               qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=512)
+
+
+@pytest.mark.skipif("aten.scatter" not in mapped_ops() or "strided_slice" not in GRADS,
+                    reason="DeepSeek-V3 needs the scatter lowering and strided_slice's grad")
+def test_fills_of_activation_shape_are_ops_not_recorded_constants() -> None:
+    """DeepSeek-V3's MLA writes its keys into ``kv.new_empty(b, heads, s, qk_head_dim)``: a fill
+    of an activation's size is an op (a 0-d constant expanded), not a constant folded at import
+    time, so the recorded values (and the importer's memory) do not grow as batch x seq x heads
+    (at full size and seq 4096 they were 1.5 GiB a layer)."""
+    from spmdkit.models.torch_import import context
+
+    m = hf.build("DeepseekV3ForCausalLM", DS_TINY, dtype="bf16", weights=False)
+    for seq in (32, 256):
+        p = import_module(m, (), hf.example_inputs(m, 2, seq), training=True, repeat_layers=True)
+        # nothing of b x s x heads elements or more but the causal mask [1, 1, s, s]: no [b, h, s, d] fill
+        big = {v.shape for v in p.values.values() if math.prod(v.shape) >= 2 * seq * 4}
+        assert big <= {(1, 1, seq, seq)}, (seq, big)
+        assert any(op.rule == "expand" and any(str(o).startswith("new_empty") for o in op.output_names())
+                   for op in p.ops)
+    assert context.FOLD_FILL_UP_TO < 2 * 4 * 256 * 24  # the keys' fill is above it
+
+
+@pytest.mark.skipif("aten.scatter" not in mapped_ops() or "strided_slice" not in GRADS,
+                    reason="DeepSeek-V3 needs the scatter lowering and strided_slice's grad")
+def test_fills_as_ops_compute_what_torch_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every fill imported as an op (none made a constant) still gives torch's loss."""
+    from spmdkit.execute.single import run_program
+    from spmdkit.models.torch_import import context
+
+    monkeypatch.setattr(context, "FOLD_FILL_UP_TO", 0)
+    prog, model, kw = hf.import_hf("DeepseekV3ForCausalLM", DS_TINY, batch=2, seq=16, fallback="error",
+                                   optimizer=None)
+    assert sum(op.rule == "expand" for op in prog.ops) >= 3
+    vals = run_program(prog, torch_values(prog, model, (), kw))
+    with torch.no_grad():
+        want = float(model(**kw).loss)
+    assert prog.loss is not None and abs(float(vals[prog.loss]) - want) <= 1e-5 * abs(want)

@@ -26,6 +26,13 @@ TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
 COMPLEX_PARTS: dict[Any, str] = {torch.complex64: "float32", torch.complex128: "float64", torch.complex32: "float16"}
 
 
+#: a fill (``zeros_like(x)``, ``x.new_empty(...)``, a scalar broadcast to a program tensor's
+#: shape) with more elements than this is imported as its 0-d value ``expand``-ed (an op), not as
+#: a constant made at import time: a constant's value is recorded, and an activation-sized one
+#: grows with batch x seq (DeepSeek-V3's MLA keys: 1.5 GiB a layer at seq 4096)
+FOLD_FILL_UP_TO = 4096
+
+
 def dtype_name(dt: Any) -> str:
     try:
         return DTYPES[dt]
@@ -226,5 +233,5 @@ class ImportContext:
         return ProgramError(f"torch import: {self.target} (node {self.name}) at {self.where}: {why}")
 
 
-__all__ = ["COMPLEX_PARTS", "DTYPES", "TORCH_DTYPES", "Hook", "ImportContext", "ImporterState", "Name", "dtype_name", "key", "lookup",
+__all__ = ["COMPLEX_PARTS", "DTYPES", "FOLD_FILL_UP_TO", "TORCH_DTYPES", "Hook", "ImportContext", "ImporterState", "Name", "dtype_name", "key", "lookup",
            "norm_dim", "packet", "where_of"]

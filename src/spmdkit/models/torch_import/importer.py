@@ -20,6 +20,7 @@ from torch.utils import _pytree as pt
 
 from spmdkit.core.errors import ProgramError
 from spmdkit.engine.registry import get_rule, has_rule
+from spmdkit.models.torch_import import context
 from spmdkit.models.torch_import.aten import BUILTIN
 from spmdkit.models.torch_import.aten.loss import fuse_nll
 from spmdkit.models.torch_import.context import TORCH_DTYPES, Hook, ImportContext, Name, dtype_name, key, lookup, packet
@@ -348,6 +349,11 @@ class Importer:
     def fold(self, node: Any, pk: str, args: Any, kwargs: Any) -> Any:
         """Evaluate a node at import time when no program tensor reaches it (or only its shape)."""
         if pk in SHAPE_ONLY:
+            if self._has_name(args) or self._has_name(kwargs):
+                filled = self.fill(node, pk, args, kwargs)
+                if filled is not None:
+                    return filled
+
             def stand_in(v: Any) -> Any:
                 if isinstance(v, Name):
                     t = self.b.get(v)
@@ -367,6 +373,27 @@ class Importer:
         with torch.no_grad():
             out = node.target(*args, **kwargs)
         return out
+
+    def fill(self, node: Any, pk: str, args: Any, kwargs: Any) -> Name | None:
+        """A fill of a program tensor's shape (``zeros_like(x)``, ``x.new_empty(...)``) with more
+        than :data:`~.context.FOLD_FILL_UP_TO` elements as an op: its 0-d value ``expand``-ed to the
+        output's shape, instead of a constant whose value would be recorded (a tensor that can
+        grow with batch x seq: DeepSeek-V3's ``key_states = kv.new_empty(...)``). None: fold it."""
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor) or val.is_complex() or val.numel() <= context.FOLD_FILL_UP_TO:
+            return None
+        if pk in ("aten.full_like", "aten.new_full"):
+            i = 1 if pk == "aten.full_like" else 2
+            value = args[i] if len(args) > i else kwargs.get("fill_value")
+        else:
+            value = 1 if pk in ("aten.ones_like", "aten.new_ones") else 0  # empty: zeros, reproducibly
+        if isinstance(value, (Name, torch.Tensor)) or not isinstance(value, (bool, int, float)):
+            return None
+        dt = dtype_name(val.dtype)
+        scalar = torch.tensor(value, dtype=val.dtype)  # the value as the output's dtype holds it
+        ctx = ImportContext(self, node, args, kwargs)
+        x = self.constant(scalar, dt)
+        return ctx.emit1("expand", {"x": x}, shape=tuple(int(s) for s in val.shape))
 
     def replicate(self, ctx: ImportContext) -> Any:
         ins: list[Name] = []

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from spmdkit.models.torch_import import context
 from spmdkit.models.torch_import.aten.view import to_out_shape
 from spmdkit.models.torch_import.context import TORCH_DTYPES, Hook, ImportContext, Name, norm_dim
 
@@ -83,7 +84,9 @@ def broadcast_to(c: ImportContext, v: Any, shape: Sequence[int], dtype: str, nam
     constants are made at import time; a program tensor is cast, reshaped and expanded."""
     if not isinstance(v, Name):
         t = v.to(TORCH_DTYPES[dtype]) if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=TORCH_DTYPES[dtype])
-        return c.tensor(t.expand(*shape).clone())
+        if math.prod(shape) <= context.FOLD_FILL_UP_TO or t.numel() == math.prod(shape):
+            return c.tensor(t.expand(*shape).clone())
+        v = c.tensor(t, dtype)  # a large fill: the small constant expanded by an op, nothing of its size recorded
     if c.dtype(v) != dtype:
         v = c.emit1("cast", {"x": v}, (c.fresh("cast"), c.shape(v), dtype), dtype=dtype)
     vs = c.shape(v)
