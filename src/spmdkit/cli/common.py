@@ -31,17 +31,22 @@ from spmdkit.program.plan import Plan
 from spmdkit.strategies.strategy import parse_mesh, parse_strategy
 
 
-def catalog_batch(model: str | None, mesh_text: str, batch: int | None) -> int | None:
-    """The batch (per microbatch) a catalog model is planned at when ``--batch`` is not given:
-    its entry's batch rounded up to a multiple of the mesh's ``dp`` dim, so each data-parallel
-    rank gets whole sequences (llama3.1-405b on dp=8: 8, one sequence per rank, as Megatron's
-    micro-batch-size 1), not a batch of 1 cut into empty shards. ``batch`` when given; None
-    (the model's own) for presets and configs."""
+def catalog_batch(model: str | None, dp: int, batch: int | None) -> int | None:
+    """The batch a catalog model is planned at when ``--batch`` is not given: its entry's batch
+    rounded up to a multiple of ``dp`` (the mesh's ``dp`` dim, :func:`mesh_dp`; for ``--devices
+    N``, N: the largest dp the search can try), so each data-parallel rank gets whole sequences
+    (llama3.1-405b on dp=8: 8, one sequence per rank, as Megatron's micro-batch-size 1), not a
+    batch of 1 cut into empty shards. ``batch`` when given; None (the model's own) for presets
+    and configs."""
     if batch is not None or not model or catalog.lookup(model) is None:
         return batch
-    mesh = parse_mesh(mesh_text)
-    dp = dict(zip(mesh.dim_names, mesh.shape)).get("dp", 1)
     return -(-preset(model).batch // dp) * dp
+
+
+def mesh_dp(mesh_text: str) -> int:
+    """The size of the mesh's ``dp`` dim (1 without one)."""
+    mesh = parse_mesh(mesh_text)
+    return dict(zip(mesh.dim_names, mesh.shape)).get("dp", 1)
 
 
 def plan_source(source: ModelSource, mesh_text: str, strategy_text: str | None, user: dict[str, Any],
@@ -149,4 +154,4 @@ def strategy_notes(command: str) -> Iterator[None]:
         yield
 
 
-__all__ = ["auto_time_limit", "catalog_batch", "export_plan_file", "plan_source", "step_estimate", "strategy_notes", "write_html"]
+__all__ = ["auto_time_limit", "catalog_batch", "export_plan_file", "mesh_dp", "plan_source", "step_estimate", "strategy_notes", "write_html"]

@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import Any, TextIO
 
 from spmdkit.cli.checks import check_one_model, hf_source, parse_annotations, parse_tp_plan, program_source
-from spmdkit.cli.common import catalog_batch, require_simulator, step_estimate, write_html
+from spmdkit.cli.common import catalog_batch, mesh_dp, require_simulator, step_estimate, write_html
 from spmdkit.cli.request import Links, PlanRequest
 from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
@@ -113,7 +113,7 @@ def _source(req: PlanRequest, microbatches: int) -> ModelSource:
         return src if batch else replace(src, batch=src.batch * microbatches)
     if m.program:
         return program_source(m, layers, batch, seq)
-    return Preset(m.model, layers, catalog_batch(m.model, req.mesh_text, batch), seq)
+    return Preset(m.model, layers, catalog_batch(m.model, mesh_dp(req.mesh_text), batch), seq)
 
 
 def _title(got: PipelinePlan, source: ModelSource, spec: PipelineSpec) -> str:
