@@ -280,6 +280,17 @@ def test_catalog_batch_follows_dp_unless_given(capsys: pytest.CaptureFixture[str
     assert "batch 4, float32" in capsys.readouterr().out
 
 
+def test_devices_search_of_a_catalog_model_tries_every_dp(capsys: pytest.CaptureFixture[str]) -> None:
+    """--devices N without --batch: a catalog model's batch is N whole sequences, so dp up to N
+    divides it (with its entry's batch of 1 the search could only try dp=1)."""
+    assert main(["plan", "--model", "llama3-8b", "--layers", "1", "--seq", "256", "--devices", "4",
+                 "--device", "h100", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert "batch 4" in got["title"]
+    assert {c["dp"] for c in got["search"]["top"]} & {2, 4}
+    assert not any("does not divide the batch" in str(r) for r in got["search"]["refused"])
+
+
 # -- megatron over every catalog model ---------------------------------------------------------
 
 

@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import Any, TextIO
 
 from spmdkit.cli.checks import check_one_model, hf_source, parse_annotations, parse_tp_plan, program_source
-from spmdkit.cli.common import auto_time_limit, export_plan_file, require_simulator, write_html
+from spmdkit.cli.common import auto_time_limit, catalog_batch, export_plan_file, require_simulator, write_html
 from spmdkit.cli.request import PlanRequest
 from spmdkit.core.errors import ProgramError
 from spmdkit.models.source import load
@@ -38,6 +38,8 @@ def run_devices(req: PlanRequest, out: TextIO) -> int:
     user = parse_annotations(req.annotate)
     layers = parse_size("--layers", req.layers, 1 << 20)
     batch = parse_size("--batch", req.batch, MAX_SIZE)
+    if m.hf is None and not m.program:  # a catalog model: whole sequences for every dp up to N
+        batch = catalog_batch(m.model, n, batch)
     seq = parse_size("--seq", req.seq, MAX_SIZE)
     nodes = parse_size("--nodes-of", req.links.nodes_of, 1 << 20)
     model: str | Program
