@@ -21,11 +21,11 @@ from spmdkit.planner.pipeline import (
     balanced_split,
     estimate_pipeline,
     even_split,
-    layer_tags,
     op_stages,
     plan_pipeline_source,
     split_layers,
 )
+from spmdkit.program.layers import layer_tags
 
 #: tiny-llama (hidden 16, 4 heads, 2 kv heads, FFN 32, vocab 64) as an HF config, 4 layers
 TINY_LLAMA_HF = {"hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,

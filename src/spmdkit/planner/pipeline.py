@@ -957,6 +957,6 @@ def pp_cost_text(cost_text: str | None, mesh: ProcessMesh | None) -> str | None:
 
 
 __all__ = ["SCHEDULES", "PipelineEstimate", "PipelinePlan", "PipelineSpec", "ScheduleRun", "StageCost", "auto_counts",
-           "balanced_split", "bubble_formula", "estimate_pipeline", "even_split", "in_flight", "layer_tags", "op_stages",
+           "balanced_split", "bubble_formula", "estimate_pipeline", "even_split", "in_flight", "op_stages",
            "op_units", "parse_spec", "plan_pipeline", "plan_pipeline_source", "pp_cost_text", "reduce_gradients",
            "run_schedule", "schedule_order", "split_layers", "split_note", "stage_costs", "sub_mesh_text"]

@@ -60,13 +60,13 @@ from spmdkit.planner.auto import AutoInfo, auto_plan
 from spmdkit.planner.pipeline import (
     PipelineEstimate,
     estimate_pipeline,
-    layer_tags,
     parse_spec,
     pp_cost_text,
     split_layers,
 )
 from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, parse_size, plan_model, plan_program
 from spmdkit.program.ir import Program
+from spmdkit.program.layers import layer_tags
 from spmdkit.program.plan import Plan
 from spmdkit.program.runtime import Runtime
 from spmdkit.strategies.hf import data_inputs
