@@ -189,3 +189,18 @@ def test_parameter_memory_with_the_experts_sharded() -> None:
     total = sum(t.numel for t in plan.program.tensors.values() if t.kind == "parameter" and not t.inplace_of)
     expert = 3 * E * H * F
     assert memory_per_device(plan).parameters == (total - expert + expert // 8) * 2
+
+
+def test_mixtral_under_ep_parameters_and_all_to_alls() -> None:
+    """Mixtral-8x7B (one layer) on --mesh dp=8,ep=8 --strategy dp,ep: parameter bytes per rank =
+    (dense parameters + expert parameters / 8) x 2; the skew slows the step (the busiest ep
+    rank's expert GEMMs and all-to-alls)."""
+    plan = plan_preset("mixtral-8x7b", "dp=8,ep=8", "dp,ep", {"layers": 1, "seq": 256, "batch": 64})[1]
+    total = sum(t.numel for t in plan.program.tensors.values() if t.kind == "parameter" and not t.inplace_of)
+    expert = 3 * E * H * F
+    assert memory_per_device(plan).parameters == (total - expert + expert // 8) * 2
+    assert rank_load(Runtime(moe_skew=2.0), E, K, 8) == 2.0  # one expert a rank: the busiest expert's
+    dev = preset_device("h100")
+    a = estimate_step(plan, dev, 64 * 256).step_overlap_s
+    b = estimate_step(replace(plan, runtime=Runtime(moe_skew=2.0)), dev, 64 * 256).step_overlap_s
+    assert b > a
