@@ -14,6 +14,7 @@ from dataclasses import replace
 import pytest
 
 from spmdkit.core.errors import ProgramError
+from spmdkit.cost.collectives import Fabric, Group, collective_time
 from spmdkit.cost.compute import model_flops, op_cost
 from spmdkit.cost.devices import preset_device
 from spmdkit.cost.memory import memory_per_device
@@ -204,3 +205,15 @@ def test_mixtral_under_ep_parameters_and_all_to_alls() -> None:
     a = estimate_step(plan, dev, 64 * 256).step_overlap_s
     b = estimate_step(replace(plan, runtime=Runtime(moe_skew=2.0)), dev, 64 * 256).step_overlap_s
     assert b > a
+
+
+def test_all_to_all_across_nodes_by_hand() -> None:
+    """NCCL's all-to-all (pairwise sends, one per peer) over 16 ranks on 2 DGX H100 nodes: the
+    (n - local)/n = 8/16 of the buffer crossing each GPU's 400 Gb/s NIC (46 GB/s reached) sets
+    the time, the 7/16 over NVLink run alongside; plus NCCL's Simple-protocol latency (8.4 us
+    base, 7 NVLink steps of 3.4 us, 8 network steps of 14 us)."""
+    s = 1e9
+    got = collective_time("all_to_all", s, Group(16, 8), Fabric.of(450e9, 50e9))
+    assert got == pytest.approx((8.4 + 7 * 3.4 + 8 * 14.0) * 1e-6 + 8 / 16 * s / (50e9 * 0.92), rel=1e-9)
+    inside = collective_time("all_to_all", s, Group(8, 8), Fabric.of(450e9, 50e9))
+    assert inside == pytest.approx((8.4 + 7 * 3.4) * 1e-6 + 7 / 8 * s / (450e9 * 0.80), rel=1e-9)  # NVLink
