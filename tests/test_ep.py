@@ -295,3 +295,17 @@ def test_run_with_ep_on_gloo_equals_the_single_process_step(cfg: dict[str, Any],
     a2a = [c for c in rep["collectives"] if c["kind"] == "all_to_all"]
     assert len(a2a) == 4 * moe_layers_n and {c["mesh_dim"] for c in a2a} == {ep}
     assert not [c for c in rep["collectives"] if c["kind"] == "all_gather" and "zero" not in strategy]
+
+
+def test_the_docs_command_plans_as_the_page_says() -> None:
+    """docs/experts.md's command: exit 0, 2 x 32 all-to-alls over ep forward and backward (the
+    report's per-step table), the experts over ep and the tokens over dp x ep."""
+    text = (ROOT / "docs" / "experts.md").read_text()
+    cmd = next(line for line in text.splitlines() if line.startswith("spmdkit plan "))
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    p = subprocess.run([sys.executable, "-m", "spmdkit", *cmd.split()[1:]], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "│ forward   │ all_to_all x64 " in p.stdout and "│ backward  │ all_to_all x64 " in p.stdout
+    assert "layers.0.experts.w_gate   │ parameter  │ [8, 4096, 14336]     │ [dp:R, ep:S(0)]" in p.stdout
+    assert "│ tokens                    │ input      │ [64, 4096]           │ [dp:S(0), ep:S(0)]" in p.stdout
