@@ -21,7 +21,7 @@ import pytest
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
-from spmdkit.core.reshard import plan_reshard
+from spmdkit.core.reshard import CostModel, merge_groups, plan_reshard, single_dim_steps
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.cost.compute import model_flops
 from spmdkit.cost.devices import preset_device
@@ -129,13 +129,38 @@ def test_the_token_exchange_is_one_all_to_all_over_ep() -> None:
         assert s.bytes_per_rank == 1 * 4 * 6 * 16 * 2 * 3 // 4
 
 
+def test_a_group_of_two_mesh_dims_reduces_and_gathers_as_one_collective() -> None:
+    """A gradient partial over dp and ep: one all-reduce over the 8 ranks (2 x 7/8 of it, not
+    2 x 1/2 + 2 x 3/4), a reduce-scatter onto its (dp, ep) shard, the all-gather back; each runs
+    as one collective per mesh dim on an executor (major first to scatter, minor first to
+    gather), through the same dist attrs as without the group."""
+    mesh = ProcessMesh([2, 4], dim_names=["dp", "ep"])
+    shape, size = [16, 32], 16 * 32 * 4
+    cost = CostModel.default(mesh)
+    part = TensorDistAttr(mesh, [-1, -1], partial=[0, 1])
+    shard = TensorDistAttr(mesh, [(0, 1), -1])
+    rep = TensorDistAttr(mesh, [-1, -1])
+    for src, dst, kind, nbytes in ((part, rep, "all_reduce", 2 * 7 * size // 8), (part, shard, "reduce_scatter",
+                                   7 * size // 8), (shard, rep, "all_gather", 7 * size // 8)):
+        single = plan_reshard(src, dst, shape, 4, cost)
+        assert [s.mesh_dims for s in single.steps] == ([(1,), (0,)] if kind == "all_gather" else [(0,), (1,)])
+        (one,) = merge_groups(single, [(0, 1)], shape, 4, cost).steps
+        assert (one.kind, one.mesh_dims, one.bytes_per_rank) == (kind, (0, 1), nbytes)
+        assert one.time_s == cost.collective_time(kind, (0, 1), size, mesh.shape)
+        parts = single_dim_steps(one)
+        assert [(s.kind, s.mesh_dims, s.src, s.dst) for s in parts] == [(s.kind, s.mesh_dims, s.src, s.dst)
+                                                                        for s in single.steps]
+        assert merge_groups(single, [], shape, 4, cost) == single
+
+
 # -- tiny plans ------------------------------------------------------------------------------------
 
 
 def test_tiny_plan_layouts_and_collectives() -> None:
     """dp=2, ep=2: the batch over (dp, ep), the experts over ep; 2 all-to-alls forward and 2
-    backward and no other collective before the optimizer; the dense gradients reduced over dp
-    and ep, the experts' over dp only."""
+    backward and no other collective before the optimizer; the dense gradients reduced by one
+    all-reduce over the 4 ranks of dp x ep (2 x 3/4 of the gradient a rank), the experts' over
+    dp only (2 x 1/2)."""
     _, plan, _ = plan_model(json.dumps({**MOE, "layers": 1}), "dp=2,ep=2", "dp,ep")
     (lay,) = moe_layers(plan.program)
     assert set(lay.stacks) == {f"layers.0.experts.w_{w}" for w in ("gate", "up", "down")}
@@ -147,12 +172,16 @@ def test_tiny_plan_layouts_and_collectives() -> None:
     assert a[lay.dispatched].dims_mapping == (0, 1, -1, -1)
     assert a[lay.rows].dims_mapping == ((0, 1), -1, -1)
     assert _counts(plan) == {("forward", "all_to_all", "ep"): 2, ("backward", "all_to_all", "ep"): 2,
-                             ("optimizer", "all_reduce", "dp"): 13, ("optimizer", "all_reduce", "ep"): 10}
-    grads = collections.defaultdict(set)
+                             ("optimizer", "all_reduce", "dp"): 3, ("optimizer", "all_reduce", "dpxep"): 10}
+    grads = {}
     for r, s in plan.collectives("optimizer"):
-        grads[r.tensor].add(plan.mesh.dim_names[s.mesh_dims[0]])
+        grads[r.tensor] = s.mesh_dims
+        expert = r.tensor.removesuffix(".grad") in lay.stacks
+        local = 4 * plan.program.tensors[r.tensor].numel // (2 if expert else 1)  # float32, an expert's on ep
+        n = 2 ** len(s.mesh_dims)
+        assert s.bytes_per_rank == round(2 * (n - 1) / n * local)  # the ring's 2(n-1)/n
     for n, dims in grads.items():
-        assert dims == ({"dp"} if n.removesuffix(".grad") in lay.stacks else {"dp", "ep"}), n
+        assert dims == ((0,) if n.removesuffix(".grad") in lay.stacks else (0, 1)), n
     assert len(grads) == 13
 
 
