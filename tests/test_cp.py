@@ -193,10 +193,11 @@ def _kinds(plan: Any) -> collections.Counter[tuple[str, str]]:
 
 def test_allgather_plan_gathers_k_and_v_and_reduce_scatters_their_grads() -> None:
     """tiny-llama (2 layers) on dp=2,cp=2: per layer k and v all-gathered over cp in the forward
-    and again for the backward, their grads reduce-scattered; each parameter gradient all-reduced
+    (listed again for the backward, shared: not issued again), their grads reduce-scattered; each parameter gradient all-reduced
     once over dp x cp (21 parameters)."""
     _, plan, _ = plan_model("tiny-llama", "dp=2,cp=2", "dp,cp")
     assert _kinds(plan) == {("all_gather", "cp"): 8, ("reduce_scatter", "cp"): 4, ("all_reduce", "dpxcp"): 21}
+    assert sum(1 for r in plan.reshards if r.shared) == 4  # the backward's k, v: the forward's gathers reused
     assert plan.attrs["tokens"].dims_mapping == (0, 1)
     assert plan.attrs["layers.0.mlp_norm.out"].dims_mapping[:2] == (0, 1)
 
@@ -207,14 +208,15 @@ def test_ring_plan_moves_nothing_but_the_gradients() -> None:
 
 
 def test_alltoall_plan_trades_sequence_for_heads() -> None:
-    """Per layer 12 all-to-alls over cp: forward q, k, v to heads and out back (4); backward q, k,
-    v, out and out_grad to heads again (the plan trades the saved activations again, 5) and the
-    three grads back (3); no gather."""
+    """Per layer 9 all-to-alls over cp issued: forward q, k, v to heads and out back (4);
+    backward out and out_grad to heads and the three grads back (5; q, k, v reuse their forward
+    trades, listed as shared); no gather."""
     _, plan, _ = plan_model("tiny-llama", "dp=2,cp=2", "dp,cp,cp-attention=alltoall")
-    assert _kinds(plan) == {("all_to_all", "cp"): 24, ("all_reduce", "dpxcp"): 21}
-    by_phase = collections.Counter(plan.program.ops[r.op_index].phase for r in plan.reshards
-                                   if r.plan.steps[0].kind == "all_to_all")
-    assert by_phase == {"forward": 8, "backward": 16}
+    issued = [r for r in plan.reshards if not r.shared and r.plan.steps[0].kind == "all_to_all"]
+    by_phase = collections.Counter(plan.program.ops[r.op_index].phase for r in issued)
+    assert by_phase == {"forward": 8, "backward": 10}
+    assert {s.mesh_dims for r in issued for s in r.plan.steps} == {(1,)}
+    assert set(_kinds(plan)) == {("all_to_all", "cp"), ("all_reduce", "dpxcp")}
 
 
 @pytest.mark.parametrize(("mesh", "strategy"), [
