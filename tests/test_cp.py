@@ -219,7 +219,20 @@ def test_alltoall_plan_trades_sequence_for_heads() -> None:
     assert set(_kinds(plan)) == {("all_to_all", "cp"), ("all_reduce", "dpxcp")}
 
 
+def test_zero_shards_the_states_over_dp_x_cp_with_one_collective_each_way() -> None:
+    """As Megatron-Core's distributed optimizer: the states over the (dp, cp) ranks, each gradient
+    reduce-scattered over dp x cp at once and the updated parameter all-gathered back; without a
+    dp dim over cp alone."""
+    _, plan, _ = plan_model("tiny-llama", "dp=2,cp=2", "dp,cp,zero2")
+    assert plan.attrs["layers.0.wq.moment1"].dims_mapping == ((0, 1), -1)
+    assert plan.attrs["layers.0.wq.grad"].dims_mapping == ((0, 1), -1)
+    assert _kinds(plan)[("reduce_scatter", "dpxcp")] == 21 and _kinds(plan)[("all_gather", "dpxcp")] == 21
+    _, plan, _ = plan_model("tiny-llama", "cp=2,tp=2", "megatron,cp,zero1")
+    assert plan.attrs["layers.0.w_up.moment1"].dims_mapping == (0, 1)
+
+
 @pytest.mark.parametrize(("mesh", "strategy"), [
+    ("cp=2,tp=2", "megatron,cp,zero1"),
     ("dp=2,cp=2", "dp,cp"),
     ("dp=2,cp=2", "dp,cp,cp-attention=ring"),
     ("dp=2,cp=2", "dp,cp,cp-attention=alltoall"),
@@ -228,7 +241,7 @@ def test_alltoall_plan_trades_sequence_for_heads() -> None:
     ("cp=2,tp=2", "megatron,sp,cp"),
     ("dp=2,cp=2", "dp,cp,zero3,cp-attention=ring"),
     ("cp=2,tp=2", "megatron,cp,cp-attention=alltoall"),
-], ids=["allgather", "ring", "alltoall", "no-balance", "megatron-ring", "sp", "zero3-ring", "megatron-alltoall"])
+], ids=["megatron-zero1", "allgather", "ring", "alltoall", "no-balance", "megatron-ring", "sp", "zero3-ring", "megatron-alltoall"])
 def test_verify_simulates_the_strategy_equal_to_the_unsharded_step(mesh: str, strategy: str) -> None:
     rep = verify_strategy("tiny-llama", mesh, strategy)
     assert rep["ok"] and rep["checked"] > 200, rep["text"]
