@@ -29,6 +29,7 @@ from spmdkit.engine.registry import get_rule
 from spmdkit.execute.single import global_step
 from spmdkit.models.zoo import build_model, preset
 from spmdkit.models.zoo_layers import cp_order
+from spmdkit.outputs.export import dtensor_document
 from spmdkit.planner.planning import plan_model
 from spmdkit.planner.propagate import propagate
 from spmdkit.sim import verify, verify_rule
@@ -295,3 +296,19 @@ def test_the_docs_command_plans_as_the_page_says() -> None:
     p = _spmdkit(*cmd.split()[1:])
     assert p.returncode == 0, p.stderr[-2000:]
     assert "all equal" in p.stdout
+
+
+def test_dtensor_export_says_how_torch_context_parallel_runs_it() -> None:
+    """allgather and ring map onto torch's rotate methods, with the data inputs' sequence axes as
+    its buffers; alltoall (Ulysses) is said to have no torch equivalent; no key without cp."""
+    _, plan, _ = plan_model("tiny-llama", "dp=2,cp=2", "dp,cp,cp-attention=ring")
+    doc = dtensor_document(plan)["context_parallel"]
+    assert doc["supported"] and doc["rotate_method"] == "alltoall" and doc["load_balance"]
+    assert doc["buffers"] == {"labels": 1, "rope.cos": 1, "rope.sin": 1, "tokens": 1}
+    _, plan, _ = plan_model("tiny-llama", "dp=2,cp=2", "dp,cp")
+    assert dtensor_document(plan)["context_parallel"]["rotate_method"] == "allgather"
+    _, plan, _ = plan_model("tiny-llama", "dp=2,cp=2", "dp,cp,cp-attention=alltoall,cp-balance=none")
+    doc = dtensor_document(plan)["context_parallel"]
+    assert not doc["supported"] and "DeepSpeed-Ulysses" in doc["note"] and not doc["load_balance"]
+    _, plan, _ = plan_model("tiny-llama", "dp=2", "dp")
+    assert "context_parallel" not in dtensor_document(plan)

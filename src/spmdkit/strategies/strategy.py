@@ -53,8 +53,8 @@ from spmdkit.core.mesh import MAX_MESH_RANKS, ProcessMesh
 from spmdkit.models.zoo import Model, ModelConfig
 from spmdkit.strategies.context import check_options as check_cp_options
 from spmdkit.strategies.context import cp_marks
-from spmdkit.strategies.context import zero_dims as cp_zero_dims
 from spmdkit.strategies.context import parse_option as parse_cp_option
+from spmdkit.strategies.context import zero_dims as cp_zero_dims
 from spmdkit.strategies.experts import batch_entry, check_ep, ep_dim, expert_marks, moe_layers, zero_dims
 
 STRATEGIES = ("dp", "megatron", "sp", "ep", "cp", "zero1", "zero2", "zero3")
