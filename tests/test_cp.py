@@ -30,7 +30,7 @@ from spmdkit.execute.single import global_step
 from spmdkit.models.zoo import build_model, preset
 from spmdkit.models.zoo_layers import cp_order
 from spmdkit.outputs.export import dtensor_document
-from spmdkit.planner.planning import plan_model
+from spmdkit.planner.planning import plan_model, plan_program
 from spmdkit.planner.propagate import propagate
 from spmdkit.sim import verify, verify_rule
 from spmdkit.sim.plan import simulate_plan, source_values
@@ -268,18 +268,18 @@ def _spmdkit(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.parametrize(("model", "mesh", "variant", "kernels"), [
-    ("tiny-llama", "dp=2,cp=2", "ring", "torch"),
-    (json.dumps(QWEN), "dp=2,cp=2", "allgather", "numpy"),
-    (json.dumps(QWEN), "dp=2,cp=2", "alltoall", "torch"),
-    ("tiny-llama", "cp=2,tp=2", "ring", "numpy"),
-], ids=["llama-ring-torch", "qwen-allgather", "qwen-alltoall-torch", "llama-megatron-ring"])
-def test_run_on_gloo_equals_the_single_process_step(model: str, mesh: str, variant: str, kernels: str) -> None:
+    (["--model", "tiny-llama", "--seq", "16"], "cp=4", "ring", "torch"),
+    (["--model-config", json.dumps(QWEN)], "dp=2,cp=2", "allgather", "numpy"),
+    (["--model-config", json.dumps(QWEN)], "dp=2,cp=2", "alltoall", "torch"),
+    (["--model", "tiny-llama"], "cp=2,tp=2", "ring", "numpy"),
+], ids=["llama-ring-of-4-torch", "qwen-allgather", "qwen-alltoall-torch", "llama-megatron-ring"])
+def test_run_on_gloo_equals_the_single_process_step(model: list[str], mesh: str, variant: str, kernels: str) -> None:
     """4 gloo processes: loss, every gradient, update and activation equal the single-process
     step (numpy: float64 references; torch: each op against its kernel run unsharded); every
-    rank issued the plan's collectives."""
-    flag = ["--model-config", model] if model.startswith("{") else ["--model", model]
-    strategy = "megatron,cp" if "tp=" in mesh else "dp,cp"
-    p = _spmdkit("run", *flag, "--mesh", mesh, "--strategy", strategy, "--cp-attention", variant, "--kernels", kernels,
+    rank issued the plan's collectives (the ring's send / recv are the kernel's own: a ring of 4
+    checks their direction)."""
+    strategy = "megatron,cp" if "tp=" in mesh else "dp,cp" if "dp=" in mesh else "cp"
+    p = _spmdkit("run", *model, "--mesh", mesh, "--strategy", strategy, "--cp-attention", variant, "--kernels", kernels,
                  "--json", "--warmup", "0", "--timeout", "120")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rep = json.loads(p.stdout.strip().splitlines()[-1])
@@ -312,3 +312,11 @@ def test_dtensor_export_says_how_torch_context_parallel_runs_it() -> None:
     assert not doc["supported"] and "DeepSpeed-Ulysses" in doc["note"] and not doc["load_balance"]
     _, plan, _ = plan_model("tiny-llama", "dp=2", "dp")
     assert "context_parallel" not in dtensor_document(plan)
+
+
+def test_an_imported_program_is_refused_under_cp_by_name() -> None:
+    prog = build_model(preset("tiny-llama")).program
+    with pytest.raises(ProgramError) as e:
+        plan_program(prog, "dp=2,cp=2", "dp,cp")
+    assert str(e.value) == ("--strategy cp: context parallelism is planned for zoo and catalog models (--model, "
+                            "--model-config); an imported (--hf) or --program model is not split over cp yet")
