@@ -98,12 +98,15 @@ from spmdkit.strategies.hf_fused import (
     slices_as_split,
     split_fused_projections,
 )
+from spmdkit.strategies.hf_moe import moe_layers, shard_experts
 from spmdkit.strategies.hf_roles import BLOCK, BlockRoles, block_roles, linears, weight_of
 from spmdkit.strategies.strategy import Marks, optimizer_layouts, strategy_dims, user_attrs
 
 ROLES = ("column", "row", "vocab", "replicate")
 #: what :func:`_shard_weights` notes for a k / v projection it replicates (fewer heads than tp)
 KV_REPLICATED = "kv_replicated"
+#: what annotate_program notes for a low-rank down projection it keeps whole (MLA's q_a_proj)
+LOW_RANK = "low_rank"
 
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "fc1", "c_fc", "query", "key", "value",
            "wi", "wi_0", "wi_1", "q", "k", "v", "w1", "w3")
@@ -339,11 +342,19 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
         found = block_roles(prog)
         roles = tp_roles(prog, patterns, found)
         user_pats = check_patterns(patterns)
+        moe = moe_layers(prog)  # the MoE layers' routers stay replicated unless the user's patterns say
+        routers = {m.router for m in moe} - {p for p in roles if any(role_of(path, user_pats) for path in
+                                                                    _module_paths(prog, p))}
+        roles = {p: r for p, r in roles.items() if p not in routers}
         # 2-D weights sharded over tp -> column / row / vocab / vocab_head
         sharded = _shard_weights(prog, mesh, dm, tp, readers, roles, user_pats, found.kv)
         _shard_fused_parts(prog, mesh, dm, tp, readers, roles, sharded, found.kv)
+        shard_experts(prog, mesh, dm, tp, sharded, moe)  # each expert tensor-parallel (ETP = tp)
+        for w, r in found.roles.items():  # low-rank down projections (MLA's), replicated on purpose
+            if r == "replicate" and roles.get(w) is None:
+                sharded.setdefault(w, LOW_RANK)
         warn_replicated(prog, sharded, user_pats)
-        sharded = {k: v for k, v in sharded.items() if v != KV_REPLICATED}
+        sharded = {k: v for k, v in sharded.items() if v not in (KV_REPLICATED, LOW_RANK)}
         if "sp" in st:
             _sequence_parallel(prog, mesh, sharded, dm, dp, tp)
     optimizer_layouts(prog, mesh, optimizer_of(prog), out, st, dp, user)
@@ -500,7 +511,7 @@ def warn_replicated(prog: Program, sharded: Mapping[str, str], user_pats: list[t
         if any(role_of(path, user_pats) == "replicate" for path in _module_paths(prog, w)):
             continue
         left.append(w)
-    for op in prog.ops:  # expert banks ([experts, in, out]: expert parallelism is not planned yet)
+    for op in prog.ops:  # 3-D parameters outside a MoE layer the experts' sharding found (shard_experts)
         if op.phase == "forward" and BLOCK.fullmatch(op.layer or ""):
             left += [n for n in op.input_names() if prog.tensors[n].kind == "parameter" and n not in left
                      and len(prog.tensors[n].shape) >= 3 and n not in sharded]
