@@ -31,7 +31,7 @@ from spmdkit.models import hf  # noqa: E402
 from spmdkit.models.torch_import import import_module, torch_values  # noqa: E402
 from spmdkit.models.torch_import.moe import Routing, capacity_of, moe_blocks  # noqa: E402
 from spmdkit.planner.planning import plan_program  # noqa: E402
-from spmdkit.strategies.hf_moe import moe_layers  # noqa: E402
+from spmdkit.strategies.hf_moe import moe_projections  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
@@ -136,7 +136,7 @@ def test_the_lowered_layer_is_the_zoos_pattern() -> None:
     assert prog.sources[p + "gate_up_proj_up"] == ("parameter_slice", (p + "gate_up_proj", 1, 128, 256, (0, 2, 1)))
     n_prog = sum(math.prod(prog.tensors[n].shape) for n in prog.parameters())
     assert n_prog == sum(p.numel() for p in m.parameters())
-    assert len(moe_layers(prog)) == 2
+    assert len(moe_projections(prog)) == 2
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "deepseek_v3"])
@@ -240,35 +240,50 @@ def _summary(plan: Any) -> tuple[float, tuple[int, int, int], dict[int | None, C
     return flops, (mem.parameters, mem.gradients, mem.optimizer_states), per
 
 
-def test_mixtral_8x7b_plans_as_the_catalog_model() -> None:
-    """`plan --hf MixtralForCausalLM` with the published config (1 layer, bf16, seq 64, batch 2,
-    dp=2 x tp=2, megatron) against `--model mixtral-8x7b`: parameters, gradients and optimizer
-    states per device equal, the layer's collectives equal, the step's FLOPs within 1%."""
+@pytest.mark.parametrize(("mesh", "strategy", "per_layer"), [
+    ("dp=2,tp=2", "megatron", {"all_reduce": 4}),  # attention and experts, each way
+    ("dp=2,ep=2", "dp,ep", {"all_to_all": 4}),  # dispatch and combine, each way
+])
+def test_mixtral_8x7b_plans_as_the_catalog_model(mesh: str, strategy: str, per_layer: dict[str, int]) -> None:
+    """`plan --hf MixtralForCausalLM` with the published config (1 layer, bf16, seq 64, batch 4)
+    against `--model mixtral-8x7b` on the same mesh: parameters, gradients and optimizer states
+    per device equal, the layer's collectives equal, the step's FLOPs within 1%."""
     from spmdkit.planner.planning import plan_hf, plan_preset
 
     cfg = json.loads((ROOT / "tests/data/hf/mixtral-8x7b.json").read_text())
     cfg["num_hidden_layers"] = 1
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _, _, _, hp = plan_hf("MixtralForCausalLM", cfg, "dp=2,tp=2", "megatron", dtype="bf16", batch=2, seq=64)
-        _, cp, _ = plan_preset("mixtral-8x7b", "dp=2,tp=2", "megatron", {"layers": 1, "batch": 2, "seq": 64})
+        _, _, _, hp = plan_hf("MixtralForCausalLM", cfg, mesh, strategy, dtype="bf16", batch=4, seq=64)
+        _, cp, _ = plan_preset("mixtral-8x7b", mesh, strategy, {"layers": 1, "batch": 4, "seq": 64})
     (hf_flops, hf_mem, hf_per), (cat_flops, cat_mem, cat_per) = _summary(hp), _summary(cp)
     assert hf_mem == cat_mem
-    assert hf_per[0] == cat_per[0] and sum(hf_per[0].values()) == 4
+    assert hf_per[0] == cat_per[0]
+    kinds = Counter()
+    for (_phase, kind, _dims, _b), n in hf_per[0].items():
+        kinds[kind] += n
+    assert kinds == per_layer
     assert abs(hf_flops / cat_flops - 1) < 0.01
 
 
 # -- spmdkit run on gloo ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "deepseek_v3"])
-def test_run_hf_moe_megatron_equals_torch_eager(name: str) -> None:
-    """`spmdkit run --hf` with megatron on 4 gloo processes (dp=2 x tp=2): the loss and every
-    gradient equal torch eager of the HF model, the collectives the plan's."""
+@pytest.mark.parametrize(("name", "mesh", "strategy", "over"), [
+    ("mixtral", "dp=2,tp=2", "megatron", ("all_reduce", 1)),
+    ("deepseek_v3", "dp=2,tp=2", "megatron", ("all_reduce", 1)),
+    ("qwen3_moe", "dp=2,ep=2", "dp,ep", ("all_to_all", 1)),
+    ("deepseek_v3", "dp=2,ep=2", "dp,ep", ("all_to_all", 1)),
+])
+def test_run_hf_moe_equals_torch_eager(name: str, mesh: str, strategy: str, over: tuple[str, int]) -> None:
+    """`spmdkit run --hf` on 4 gloo processes, megatron (dp=2 x tp=2: each expert tensor
+    parallel) or expert parallel (dp=2 x ep=2: the tokens dispatched and combined by
+    all-to-all over ep): the loss and every gradient equal torch eager of the HF model (dropless
+    routing, as HF's), the collectives the plan's."""
     cls, cfg = CONFIGS[name]
-    cfg = {k: v for k, v in cfg.items() if k != "routed_scaling_factor"}
     p = subprocess.run([sys.executable, "-m", "spmdkit", "run", "--json", "--kernels", "numpy", "--timeout", "120",
-                        "--hf", cls, "--hf-config", json.dumps(cfg), "--mesh", "dp=2,tp=2"], capture_output=True,
+                        "--hf", cls, "--hf-config", json.dumps(cfg), "--mesh", mesh, "--strategy", strategy,
+                        "--batch", "4"], capture_output=True,
                        text=True, env=dict(os.environ, PYTHONPATH=str(ROOT / "src")), timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     rep = json.loads(p.stdout.strip().splitlines()[-1])
@@ -277,4 +292,4 @@ def test_run_hf_moe_megatron_equals_torch_eager(name: str) -> None:
     assert eager["dtype"] == "float32" and not eager["failures"] and eager["max_rel_error"] <= 1e-5
     assert rep["loss"] == pytest.approx(eager["loss"], rel=1e-5)
     kinds = {(c["kind"], c["mesh_dim"]) for c in rep["collectives"]}
-    assert {("all_reduce", 0), ("all_reduce", 1)} <= kinds
+    assert {("all_reduce", 0), over} <= kinds

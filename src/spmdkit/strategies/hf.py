@@ -90,6 +90,7 @@ from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.program.ir import Op, Program, Tensor
 from spmdkit.program.plan import Plan
+from spmdkit.strategies.experts import batch_entry, check_ep, ep_dim, expert_marks, moe_layers
 from spmdkit.strategies.hf_fused import (
     fused_parts,
     namer,
@@ -98,7 +99,7 @@ from spmdkit.strategies.hf_fused import (
     slices_as_split,
     split_fused_projections,
 )
-from spmdkit.strategies.hf_moe import moe_layers, shard_experts
+from spmdkit.strategies.hf_moe import moe_projections, shard_experts
 from spmdkit.strategies.hf_roles import BLOCK, BlockRoles, block_roles, linears, weight_of
 from spmdkit.strategies.strategy import Marks, optimizer_layouts, strategy_dims, user_attrs
 
@@ -332,9 +333,18 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
     annotations (tensor -> dims_mapping) applied last, which win."""
     st, dp, tp = strategy_dims(mesh, strategy)
     out = dm = Marks(prog)
-
-    if dp is not None:
-        _shard_batch(prog, mesh, dm, dp)
+    ep = ep_dim(mesh, st)
+    experts: frozenset[str] = frozenset()
+    if ep is not None:  # expert parallelism found in the program (strategies.experts), as for the zoo
+        if "sp" in st:
+            raise ProgramError("--strategy ep,sp: sequence parallelism with expert parallelism is planned for "
+                               "catalog and zoo models only, not yet for an imported program")
+        layers = moe_layers(prog)
+        batches = {prog.tensors[n].shape[0] for n in data_inputs(prog) if prog.tensors[n].shape}
+        check_ep(mesh, layers, ep, max(batches) if batches else None, dp)
+        experts = expert_marks(prog, mesh, dm, dp, ep, layers)
+    if dp is not None or ep is not None:
+        _shard_batch(prog, mesh, dm, dp, ep)
     if tp is not None:
         for n in data_inputs(prog):  # every tp rank reads the whole batch (not a sequence shard of it)
             dm(n)
@@ -342,7 +352,7 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
         found = block_roles(prog)
         roles = tp_roles(prog, patterns, found)
         user_pats = check_patterns(patterns)
-        moe = moe_layers(prog)  # the MoE layers' routers stay replicated unless the user's patterns say
+        moe = moe_projections(prog)  # the MoE layers' routers stay replicated unless the user's patterns say
         routers = {m.router for m in moe} - {p for p in roles if any(role_of(path, user_pats) for path in
                                                                     _module_paths(prog, p))}
         roles = {p: r for p, r in roles.items() if p not in routers}
@@ -357,15 +367,16 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
         sharded = {k: v for k, v in sharded.items() if v not in (KV_REPLICATED, LOW_RANK)}
         if "sp" in st:
             _sequence_parallel(prog, mesh, sharded, dm, dp, tp)
-    optimizer_layouts(prog, mesh, optimizer_of(prog), out, st, dp, user)
+    optimizer_layouts(prog, mesh, optimizer_of(prog), out, st, dp, user, ep, experts)
     attrs = {n: TensorDistAttr(mesh, d) for n, d in out.items()}
     attrs.update(user_attrs(prog, mesh, user))
     return attrs
 
 
-def _shard_batch(prog: Program, mesh: ProcessMesh, dm: Marks, dp: int) -> None:
-    """``dp``: the batch axis of every data input over ``dp``."""
-    size = mesh.shape[dp]
+def _shard_batch(prog: Program, mesh: ProcessMesh, dm: Marks, dp: int | None, ep: int | None = None) -> None:
+    """``dp``: the batch axis of every data input over ``dp`` (co-sharded over ``(dp, ep)`` with
+    expert parallelism: data parallel over dp x ep outside the experts, as Megatron folds them)."""
+    size = (mesh.shape[dp] if dp is not None else 1) * (mesh.shape[ep] if ep is not None else 1)
     for n in data_inputs(prog):
         shape = prog.tensors[n].shape
         if not shape:
@@ -373,7 +384,7 @@ def _shard_batch(prog: Program, mesh: ProcessMesh, dm: Marks, dp: int) -> None:
         if shape[0] % size:
             raise ProgramError(f"--strategy dp: input {n} has batch size {shape[0]}, which dp={size} "
                                f"does not divide")
-        dm(n)[0] = dp
+        dm(n)[0] = batch_entry(dp, ep)
 
 
 def _shard_weights(prog: Program, mesh: ProcessMesh, dm: Marks, tp: int,

@@ -5,8 +5,10 @@ A MoE layer is what the zoo (:mod:`spmdkit.models.zoo_moe`) and the HF importer
 come from a router (a ``matmul`` with a 2-D parameter, through ``softmax`` / ``sigmoid`` / casts /
 reshapes), its dispatched tokens ``[B, E, C, H]`` read by ``matmul`` s with 3-D parameter stacks
 ``[E, in, out]`` (the experts' first projections: gate and up), an activation, a ``matmul`` with a
-stack back to the hidden size (down) and, through a reshape, ``moe_combine``. :func:`moe_layers`
-finds them by that pattern, whatever the parameters are called.
+stack back to the hidden size (down) and, through a reshape, ``moe_combine``. :func:`moe_projections`
+finds them by that pattern (with which stacks are an expert's first projections and which its
+down projection, and the router: what Megatron's expert tensor parallelism needs;
+:func:`spmdkit.strategies.experts.moe_layers` is expert parallelism's view of the same layers), whatever the parameters are called.
 
 ``megatron`` (:func:`shard_experts`): Megatron-Core's expert tensor parallelism with ETP = tp, as the
 zoo's megatron: each expert's first projections column-parallel (their ``out`` axis over tp), the
@@ -30,7 +32,7 @@ _ACT = frozenset({"swiglu", "silu", "gelu", "relu", "multiply", "square", "sigmo
 
 
 @dataclass
-class MoeLayer:
+class MoeProjections:
     """One MoE layer of a program: its dispatch and combine ops (indices), the router's weight
     (None where the gate values do not come from a parameter), the experts' first projections
     (``column``: gate and up stacks) and down projections (``row``)."""
@@ -55,7 +57,7 @@ def _stack(prog: Program, op: Op) -> str | None:
     return y if t is not None and t.kind == "parameter" and len(t.shape) == 3 else None
 
 
-def moe_layers(prog: Program) -> list[MoeLayer]:
+def moe_projections(prog: Program) -> list[MoeProjections]:
     """The program's MoE layers in forward order (see the module docstring)."""
     fwd = [(i, op) for i, op in enumerate(prog.ops) if op.phase == "forward"]
     producer = {o: (i, op) for i, op in fwd for o in op.output_names()}
@@ -63,7 +65,7 @@ def moe_layers(prog: Program) -> list[MoeLayer]:
     for i, op in fwd:
         for n in op.input_names():
             readers.setdefault(n, []).append((i, op))
-    found: list[MoeLayer] = []
+    found: list[MoeProjections] = []
     for i, op in fwd:
         if op.rule != "moe_gate_dispatch":
             continue
@@ -75,7 +77,7 @@ def moe_layers(prog: Program) -> list[MoeLayer]:
         frontier, seen = list(outs), set(outs)
         while frontier:  # from the first projections' outputs through the activation to down, then combine
             n = frontier.pop()
-            for j, r in readers.get(n, []):
+            for _j, r in readers.get(n, []):
                 s = _stack(prog, r)
                 if s is not None and r.inputs.get("x") == n:
                     row.append(s)
@@ -86,7 +88,7 @@ def moe_layers(prog: Program) -> list[MoeLayer]:
                         seen.add(o)
                         frontier.append(o)
         if column and row and combine >= 0:
-            found.append(MoeLayer(i, combine, _router(prog, op.inputs.get("gate_logits"), producer),
+            found.append(MoeProjections(i, combine, _router(prog, op.inputs.get("gate_logits"), producer),
                                   list(dict.fromkeys(column)), list(dict.fromkeys(row))))
     return found
 
@@ -113,7 +115,7 @@ def _router(prog: Program, g: Any, producer: Mapping[str, tuple[int, Op]]) -> st
         if op.rule == "matmul":
             w = op.inputs.get("y")
             t = prog.tensors.get(w) if isinstance(w, str) else None
-            return w if t is not None and t.kind == "parameter" and len(t.shape) == 2 else None  # type: ignore[return-value]
+            return w if isinstance(w, str) and t is not None and t.kind == "parameter" and len(t.shape) == 2 else None
         if op.rule not in _THROUGH:
             return None
         g = op.inputs.get("x")
@@ -121,12 +123,12 @@ def _router(prog: Program, g: Any, producer: Mapping[str, tuple[int, Op]]) -> st
 
 
 def shard_experts(prog: Program, mesh: ProcessMesh, dm: Any, tp: int, sharded: dict[str, str],
-                  layers: list[MoeLayer] | None = None) -> list[MoeLayer]:
+                  layers: list[MoeProjections] | None = None) -> list[MoeProjections]:
     """Megatron's ETP = tp over the MoE layers (module docstring): the stacks' feature axes over
     ``tp``, recorded in ``sharded`` (``expert_column`` / ``expert_row``; the router
     ``router``, replicated on purpose). The layers."""
     size = mesh.shape[tp]
-    found = moe_layers(prog) if layers is None else layers
+    found = moe_projections(prog) if layers is None else layers
     for layer in found:
         for p, role in [*((p, "column") for p in layer.column), *((p, "row") for p in layer.row)]:
             if p in sharded:
@@ -145,4 +147,4 @@ def shard_experts(prog: Program, mesh: ProcessMesh, dm: Any, tp: int, sharded: d
     return found
 
 
-__all__ = ["MoeLayer", "moe_layers", "shard_experts"]
+__all__ = ["MoeProjections", "moe_projections", "shard_experts"]
