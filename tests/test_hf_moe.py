@@ -293,3 +293,50 @@ def test_run_hf_moe_equals_torch_eager(name: str, mesh: str, strategy: str, over
     assert rep["loss"] == pytest.approx(eager["loss"], rel=1e-5)
     kinds = {(c["kind"], c["mesh_dim"]) for c in rep["collectives"]}
     assert {("all_reduce", 0), over} <= kinds
+
+
+#: DeepSeek-V3's architecture at scaled widths (MLA, 1 dense layer first, 8 routed experts top 2,
+#: 1 shared, sigmoid routing with a correction bias), its config as HF's config.json
+DS_SCALED = {"model_type": "deepseek_v3", "vocab_size": 512, "hidden_size": 256, "intermediate_size": 512,
+             "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4, "first_k_dense_replace": 1,
+             "moe_intermediate_size": 64, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+             "n_group": 1, "topk_group": 1, "q_lora_rank": 64, "kv_lora_rank": 32, "qk_rope_head_dim": 16,
+             "qk_nope_head_dim": 32, "v_head_dim": 32, "max_position_embeddings": 64, "tie_word_embeddings": False}
+
+
+@pytest.mark.parametrize(("mesh", "strategy"), [("dp=2,tp=2", "megatron"), ("dp=2,ep=2", "dp,ep")])
+def test_deepseek_v3_plans_as_the_zoo_model_of_its_config(mesh: str, strategy: str) -> None:
+    """`plan --hf DeepseekV3ForCausalLM` against the zoo's DeepSeek-V3 built from the same
+    config.json (`--model-config`): parameters, gradients and optimizer states per device
+    equal but for the router, which HF keeps in float32 (in a bf16 step: 2 bytes more per
+    element, and no float32 master copy); per layer the same collectives, but that the MoE layer's backward sums the shared
+    experts' and the routed path's partial input gradients before one all-reduce (the imported
+    program's regrouping; the zoo reduces each: one [B, S, H] all-reduce more); FLOPs within 1%."""
+    from spmdkit.models.source import Preset, load_preset
+    from spmdkit.models.zoo import config_from_json
+    from spmdkit.planner.planning import plan_hf
+    from spmdkit.planner.propagate import propagate
+    from spmdkit.strategies.strategy import annotate, parse_mesh, parse_strategy
+
+    b, s = 4, 32
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, _, _, hp = plan_hf("DeepseekV3ForCausalLM", DS_SCALED, mesh, strategy, dtype="bf16", batch=b, seq=s)
+        cfg = config_from_json(json.dumps(DS_SCALED)).with_(batch=b, seq=s, dtype="bfloat16")
+        m = parse_mesh(mesh)
+        st = parse_strategy(strategy, m)
+        model = load_preset(Preset("deepseek-v3-scaled"), cfg, vocab_parallel_loss="megatron" in st).model
+        assert model is not None
+        zp = propagate(model.program, m, annotate(model, m, st))
+    (hf_flops, hf_mem, hf_per), (z_flops, z_mem, z_per) = _summary(hp), _summary(zp)
+    # 2 MoE layers, each a float32 router of 8 x 256: 2 bytes more an element, no float32 master copy (4 less)
+    assert (hf_mem[0] - z_mem[0], hf_mem[1] - z_mem[1], hf_mem[2] - z_mem[2]) == (2 * 2048 * 2, 0, -2 * 2048 * 4)
+    assert hf_per.get(0) == z_per.get(0), (sorted(hf_per, key=str), sorted(z_per, key=str))  # the dense layer
+    for layer in (1, 2):
+        extra = z_per[layer] - hf_per[layer]
+        assert not hf_per[layer] - z_per[layer]
+        if "megatron" in strategy:
+            assert list(extra.items()) == [(("backward", "all_reduce", (1,), b // 2 * s * 256 * 2), 1)]
+        else:
+            assert not extra
+    assert abs(hf_flops / z_flops - 1) < 0.01

@@ -735,6 +735,31 @@ def vocab_parallel_embedding(prog: Program, tables: Iterable[str]) -> Program:
     return rebuild(prog, tensors, out)
 
 
+def mirror_forward_layouts(plan: Plan, dims: Iterable[int]) -> dict[str, TensorDistAttr]:
+    """Gradients to hold as their forward tensors are held over mesh dims ``dims`` (tp): where
+    ``plan`` reduce-scatters a partial gradient ``X.grad`` onto an axis that ``X`` is whole on
+    over those dims (DeepSeek's MLA: the rope key's one head, expanded to every head, its gradient
+    a partial sum over the tp ranks' heads that a concat_grad would scatter over the batch), the
+    gradient's layout is ``X``'s, so it is all-reduced, as Megatron's backward mirrors its forward
+    and the batch is never cut over tp. Empty when there is none."""
+    prog = plan.program
+    want = set(dims)
+    made = {o: i for i, op in enumerate(prog.ops) for o in op.output_names()}
+    out: dict[str, TensorDistAttr] = {}
+    for r in plan.reshards:
+        if r.shared or not r.src.partial or not r.tensor.endswith(".grad"):
+            continue
+        fwd = r.tensor[:-len(".grad")]
+        if fwd not in prog.tensors or prog.ops[made.get(fwd, 0)].phase != "forward" or fwd not in made:
+            continue
+        a = plan.attr(fwd)
+        cut = {d for e in r.dst.dims_mapping for d in (e if isinstance(e, (list, tuple)) else (e,)) if d != -1}
+        held = {d for e in a.dims_mapping for d in (e if isinstance(e, (list, tuple)) else (e,)) if d != -1}
+        if (cut - held) & want and not a.partial:
+            out[r.tensor] = TensorDistAttr(a.mesh, a.dims_mapping)
+    return out
+
+
 def regroup_partial_sums(prog: Program, plan: Plan) -> Program:
     """A copy of ``prog`` where an ``add_n`` that ``plan`` feeds two or more partial inputs
     (partial alike) and some that are not first sums the partial ones (one ``add_n``, still
