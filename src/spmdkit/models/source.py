@@ -161,8 +161,8 @@ def moe_note(prog: Program) -> str:
             f"{', '.join(map(str, caps))} tokens an expert a sequence ({how})")
     r = b.routing
     if r.groups > 1 and r.topk_group < r.groups:
-        line += (f"; the group-limited top-k is planned as a top-k over every expert (the same shapes, FLOPs "
-                 f"and collectives; the experts chosen can differ)")
+        line += ("; the group-limited top-k is planned as a top-k over every expert (the same shapes, FLOPs "
+                 "and collectives; the experts chosen can differ)")
     return line
 
 
