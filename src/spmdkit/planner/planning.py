@@ -137,7 +137,8 @@ def plan_program(prog: Program, mesh_text: str, strategy_text: str | None, user:
     plan = propagate(prog, mesh, ann, cost, storage=storage, grad_accum=grad_accum)
     regrouped = regroup_partial_sums(prog, plan)  # partial gradients summed before one reduction
     # megatron: a partial gradient all-reduced as its forward tensor is held, not scattered
-    mirrored = mirror_forward_layouts(plan, [mesh.dim_index("tp")]) if "megatron" in st else {}
+    # (sequence parallel scatters the residual's gradients over tp on purpose)
+    mirrored = mirror_forward_layouts(plan, [mesh.dim_index("tp")]) if "megatron" in st and "sp" not in st else {}
     if regrouped is not prog or mirrored:
         ann = {**ann, **mirrored}
         prog, plan = regrouped, propagate(regrouped, mesh, ann, cost, storage=storage, grad_accum=grad_accum)

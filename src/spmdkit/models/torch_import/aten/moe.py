@@ -16,7 +16,9 @@
 What differs from HF: DeepSeek-V3's group-limited top-k (the experts of the ``topk_group`` best
 groups) is planned as a top-k over every expert (the same shapes, FLOPs and collectives; the chosen
 experts can differ); tokens past an expert's capacity are dropped (none with the capacity
-``dropless``: every token of a sequence)."""
+``dropless``: every token of a sequence), the kept choices of a token renormalised among themselves
+(Mixtral, Qwen3-MoE, DeepSeek-V3 divide by the sum plus 1e-20, DeepSeek-V3's own guard: a token
+with every choice dropped gets none)."""
 
 from __future__ import annotations
 
@@ -103,8 +105,9 @@ def _experts(c: ImportContext) -> Any:
                               (c.fresh("dispatch.expert"), (b, s, k), "int64")], k=k, capacity=cap, use_pad=True)
     assert y is not None and cw is not None and si is not None
     wd = c.dtype(cw)
-    if r.norm:
+    if r.norm:  # + 1e-20 (DeepSeek-V3's own): a token whose every choice was dropped keeps weights 0, not 0 / 0
         tot = c.emit1("sum", {"x": cw}, (c.fresh("weights_sum"), (b, s, 1), wd), axis=(-1,), keep_dim=True)
+        tot = c.emit1("add", {"x": tot, "y": c.tensor(1e-20, wd)}, (c.fresh("weights_sum_eps"), (b, s, 1), wd))
         cw = c.emit1("divide", {"x": cw, "y": tot}, (c.fresh("weights_norm"), (b, s, k), wd))
     if r.scale != 1.0:
         cw = c.emit1("multiply", {"x": cw, "y": c.tensor(float(r.scale), wd)}, (c.fresh("weights_scaled"), (b, s, k), wd))
