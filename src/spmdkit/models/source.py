@@ -135,11 +135,35 @@ def hf_title(source: HFModel, prog: Program | None = None) -> str:
     """``CLASS (HuggingFace), batch B, seq S``; with ``--fallback replicate`` and ops replicated
     for want of a lowering, a second line warning of them (the report's first lines)."""
     title = f"{source.class_name} (HuggingFace), batch {source.batch}, seq {source.seq}"
+    note = moe_note(prog) if prog is not None else ""
+    if note:
+        title += "\n" + note
     fell = fallback_ops(prog) if prog is not None else []
     if fell:
         title += (f"\nwarning: --fallback replicate: {len(fell)} op(s) with no lowering imported replicated (every "
                   f"input and output replicated on every rank): {'; '.join(fell)}")
     return title
+
+
+def moe_note(prog: Program) -> str:
+    """A line on the MoE blocks of an imported program (:mod:`spmdkit.models.torch_import.moe`):
+    how many were lowered to the moe ops, their routing, each expert's capacity, and what the
+    plan writes down otherwise than HF computes it; empty without any."""
+    blocks = list(getattr(prog, "moe_blocks", []) or [])
+    if not blocks:
+        return ""
+    caps = sorted({int(op.attrs.get("capacity", 0)) for op in prog.ops if op.rule == "moe_gate_dispatch"})
+    seq = next((prog.tensors[op.input_names()[0]].shape[-2] for op in prog.ops if op.rule == "moe_gate_dispatch"), 0)
+    b = blocks[0]
+    how = "dropless" if caps == [seq] else f"{seq} tokens x top {b.top_k} / {b.num_experts} experts"
+    line = (f"note: MoE: {len(blocks)} block(s) lowered to moe_gate_dispatch -> experts [E, in, out] -> "
+            f"moe_combine ({b.num_experts} experts, top {b.top_k}; {b.routing.describe()}); capacity "
+            f"{', '.join(map(str, caps))} tokens an expert a sequence ({how})")
+    r = b.routing
+    if r.groups > 1 and r.topk_group < r.groups:
+        line += ("; the group-limited top-k is planned as a top-k over every expert (the same shapes, FLOPs "
+                 "and collectives; the experts chosen can differ)")
+    return line
 
 
 def fallback_ops(prog: Program) -> list[str]:
@@ -191,4 +215,5 @@ def load(source: ModelSource, *, vocab_parallel_loss: bool = False) -> Loaded:
 
 
 __all__ = ["HFModel", "Loaded", "ModelSource", "Preset", "ProgramFile", "fallback_ops", "hf_title", "import_hf_checked",
+           "moe_note",
            "load", "load_preset", "preset_title", "variants"]
