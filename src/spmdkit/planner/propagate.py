@@ -41,6 +41,7 @@ copy is freed after use), and the optimizer-phase ops read the stored shard.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 from spmdkit.core.dist_attr import TensorDistAttr
@@ -51,6 +52,7 @@ from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.cache_keys import UNCACHEABLE, value_key
 from spmdkit.engine.memo import gc_paused, memo_enabled
 from spmdkit.engine.registry import get_rule, is_reverse, output_params
+from spmdkit.planner.fuse import infer_fused
 from spmdkit.program.ir import Op, Program, flat_refs, layout_args
 from spmdkit.program.plan import OpPlan, Plan, Reshard
 
@@ -304,16 +306,16 @@ class _Propagation:
     def _run(self, i: int, c: _OpCall, backward: bool) -> SpmdResult:
         if self.store and c.op.phase == "optimizer":
             try:
-                return get_rule(c.op.rule).infer(
-                    "backward" if backward else "forward",
-                    *layout_args(c.bwd_layout if backward else c.fwd_layout, self.get_stored))  # type: ignore[arg-type]
+                return infer_fused(partial(get_rule(c.op.rule).infer, "backward" if backward else "forward"),
+                                   layout_args(c.bwd_layout if backward else c.fwd_layout,  # type: ignore[arg-type]
+                                               self.get_stored), self.mesh)
             except SpmdError as exc:
                 raise ProgramError(f"op {i} ({c.op.name or c.op.rule}): {type(exc).__name__}: {exc}") from None
         try:
             if backward:
                 assert c.bwd is not None and c.bwd_layout is not None
-                return get_rule(c.op.rule).infer_backward(*layout_args(c.bwd_layout, self.get))
-            return get_rule(c.op.rule).infer_forward(*layout_args(c.fwd_layout, self.get))
+                return infer_fused(get_rule(c.op.rule).infer_backward, layout_args(c.bwd_layout, self.get), self.mesh)
+            return infer_fused(get_rule(c.op.rule).infer_forward, layout_args(c.fwd_layout, self.get), self.mesh)
         except SpmdError as exc:
             raise ProgramError(f"op {i} ({c.op.name or c.op.rule}): {type(exc).__name__}: {exc}") from None
 
@@ -366,7 +368,7 @@ class _Propagation:
             return specs.get(n, targets[n] if n in targets else attrs[n])
 
         try:
-            back = get_rule(c.op.rule).infer_backward(*layout_args(c.bwd_layout, get_out))
+            back = infer_fused(get_rule(c.op.rule).infer_backward, layout_args(c.bwd_layout, get_out), self.mesh)
             req: dict[str, TensorDistAttr] = {}
             for p, a in zip([p.name for p in c.bwd.params if p.is_tensor], back.inputs):
                 v = c.op.inputs.get(p)
@@ -378,7 +380,7 @@ class _Propagation:
             def get_in(n: str) -> DistTensorSpec:
                 return specs.get(n, req[n] if n in req else store[n] if n in store else attrs[n])
 
-            alt = get_rule(c.op.rule).infer_forward(*layout_args(c.fwd_layout, get_in))
+            alt = infer_fused(get_rule(c.op.rule).infer_forward, layout_args(c.fwd_layout, get_in), self.mesh)
         except SpmdError:
             return res  # the reverse rule has no answer here: the forward one stands
         return alt if self.price(c, alt, targets) <= self.price(c, res, targets) else res

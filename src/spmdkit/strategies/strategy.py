@@ -41,8 +41,9 @@ from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.core.mesh import MAX_MESH_RANKS, ProcessMesh
 from spmdkit.models.zoo import Model, ModelConfig
+from spmdkit.strategies.experts import batch_entry, check_ep, ep_dim, expert_marks, moe_layers, zero_dims
 
-STRATEGIES = ("dp", "megatron", "sp", "zero1", "zero2", "zero3")
+STRATEGIES = ("dp", "megatron", "sp", "ep", "zero1", "zero2", "zero3")
 _ALIASES = {"tp": "megatron", "ddp": "dp", "zero": "zero2", "fsdp": "zero3"}
 
 
@@ -98,15 +99,17 @@ def parse_strategy(text: str | Iterable[str], mesh: ProcessMesh) -> tuple[str, .
                                f"tp = megatron, zero = zero2, fsdp = zero3)")
         if s not in out:
             out.append(s)
-    if "megatron" in out and "dp" not in out and "dp" in mesh.dim_names:
+    if ("megatron" in out or "ep" in out) and "dp" not in out and "dp" in mesh.dim_names:
         out.insert(0, "dp")
     zeros = [s for s in out if s.startswith("zero")]
     if len(zeros) > 1:
         raise ProgramError(f"--strategy: {' and '.join(zeros)}: give one ZeRO stage")
-    if zeros and "dp" not in out:
-        out.insert(0, "dp")
+    if zeros and "dp" not in out and ("ep" not in out or "dp" in mesh.dim_names):
+        out.insert(0, "dp")  # (with ep and no dp dim: ZeRO over the ep ranks, data parallel over ep alone)
     for s in out:
-        need = "tp" if s in ("megatron", "sp") else "dp"
+        need = "tp" if s in ("megatron", "sp") else "ep" if s == "ep" else "dp"
+        if need == "dp" and s != "dp" and "ep" in out and "dp" not in mesh.dim_names:
+            continue
         if need not in mesh.dim_names:
             raise ProgramError(f"--strategy {s}: the mesh has no {need!r} dim (mesh dims: {', '.join(mesh.dim_names)})")
     if "sp" in out and "megatron" not in out:
@@ -189,12 +192,19 @@ def annotate(model: Model, mesh: ProcessMesh, strategy: Iterable[str],
     prog = model.program
     st, dp, tp = strategy_dims(mesh, strategy)
     out = dm = Marks(prog)
+    ep = ep_dim(mesh, st)
+    experts: frozenset[str] = frozenset()
+    if ep is not None:
+        layers = moe_layers(prog)
+        check_ep(mesh, layers, ep, model.config.batch, dp)
+        experts = expert_marks(prog, mesh, dm, dp, ep, layers)
+    batch = batch_entry(dp, ep)  # data parallel over dp (x ep: outside the experts, as Megatron folds them)
 
-    if dp is not None:
+    if batch != -1:
         for key in ("tokens", "labels", "positions"):
             n = model.inputs.get(key)
             if n is not None:
-                dm(n)[0] = dp
+                dm(n)[0] = batch
     if tp is not None:
         check_tp(model, mesh, tp, st)
         for p, role in model.roles.items():
@@ -203,19 +213,19 @@ def annotate(model: Model, mesh: ProcessMesh, strategy: Iterable[str],
             elif role in ("row", "embedding"):
                 dm(p)[-2] = tp  # input features (the vocabulary of a table)
             # norm, position, bias (after a row-parallel projection), router, replicated: replicated
-    optimizer_layouts(prog, mesh, model.optimizer, out, st, dp, user)
+    optimizer_layouts(prog, mesh, model.optimizer, out, st, dp, user, ep, experts)
     if "sp" in st and tp is not None:
         for n in model.residual:
             d = dm(n)
             d[1] = tp
-            if dp is not None:
-                d[0] = dp
+            d[0] = batch
         # gathered copies: the normalised activations the column-parallel projections read, and
-        # (backward) the gradients of the row-parallel projections' outputs
-        for n in [*model.norm_outputs, *(g for r in model.row_outputs if (g := r + ".grad") in prog.tensors)]:
+        # (backward) the gradients of the row-parallel projections' outputs (not the experts':
+        # their rows go back to the tokens by all-to-all first)
+        for n in [*model.norm_outputs, *(g for r in model.row_outputs if (g := r + ".grad") in prog.tensors
+                                         and (ep is None or len(prog.tensors[g].shape) == 3))]:
             d = dm(n)
-            if dp is not None:
-                d[0] = dp
+            d[0] = batch
     attrs = {n: TensorDistAttr(mesh, d) for n, d in out.items()}
     attrs.update(user_attrs(prog, mesh, user))
     return attrs
@@ -246,13 +256,17 @@ def zero_axis(shape: Sequence[int], dims_mapping: Sequence[Any], dp: int) -> int
 
 def optimizer_layouts(prog: Any, mesh: ProcessMesh, optimizer: Mapping[str, tuple[str, tuple[str, ...], str, tuple[str, ...]]],
                       out: dict[str, list[Any]], strategy: Iterable[str], dp: int | None,
-                      user: Mapping[str, Any] | None) -> dict[str, TensorDistAttr]:
+                      user: Mapping[str, Any] | None, ep: int | None = None,
+                      experts: frozenset[str] = frozenset()) -> dict[str, TensorDistAttr]:
     """Lay out each parameter's optimizer states in ``out`` (tensor -> dims_mapping, edited in
     place): as the parameter (its layout from ``out``, or the user's pin of it, which wins), and
     under ZeRO (``zero1`` / ``zero2`` / ``zero3``) sharded over ``dp`` on their first axis not
     already sharded that ``dp`` divides. zero1 holds the gradient all-reduced (whole on every
     rank), zero2 and zero3 hold it reduce-scattered like the states. The updated parameter and
     states are not annotated: propagation holds an in-place output as the tensor it overwrites.
+    With expert parallelism (``ep``: its mesh dim; ``experts``: the expert stacks) a dense
+    parameter's states are sharded over the data-parallel ranks ``(dp, ep)``, an expert stack's
+    over ``dp`` alone (:func:`spmdkit.strategies.experts.zero_dims`).
     Returns the stored layout of each ZeRO-3 parameter (``propagate(storage=...)``)."""
     stage = zero_stage(strategy)
     pins = user_attrs(prog, mesh, user) if user else {}
@@ -262,13 +276,14 @@ def optimizer_layouts(prog: Any, mesh: ProcessMesh, optimizer: Mapping[str, tupl
         base = list(pin.dims_mapping) if pin is not None else list(out.get(p, [-1] * len(prog.tensors[p].shape)))
         for s in (*states, *new_states):
             out[s] = list(base)
-        if not stage or dp is None or not states:
+        zd = zero_dims(mesh, dp, ep, p in experts) if stage and states else None
+        if zd is None:
             continue
-        axis = zero_axis(prog.tensors[p].shape, base, mesh.shape[dp])
+        axis = zero_axis(prog.tensors[p].shape, base, zd[1])
         if axis is None:
             continue
         shard = list(base)
-        shard[axis] = dp
+        shard[axis] = zd[0]
         for s in (*states, *new_states):
             out[s] = list(shard)
         out[g] = list(base) if stage == 1 else list(shard)

@@ -1,0 +1,168 @@
+"""Expert parallelism (``--strategy dp,ep``) as Megatron-Core folds it, found in the program.
+
+The MoE structure is read from the ops, not from names, so one function serves the zoo, the
+catalog and imported HuggingFace programs (:func:`moe_layers`): each ``moe_gate_dispatch`` (its
+batched output ``[B, E, C, H]``), the ``moe_combine`` that reads the experts' rows back, the 3-D
+parameter stacks ``[E, in, out]`` read between them (the experts) and, in the backward, the
+``moe_gate_dispatch_grad`` / ``moe_combine_grad`` of that layer.
+
+The folding (Megatron-Core's: expert parallelism is carved out of data parallelism): outside the
+experts (attention, dense MLPs, the router, embeddings, the head) the batch axis is co-sharded
+over ``(dp, ep)`` (:func:`batch_entry`), i.e. data parallel over ``dp x ep`` ranks; each expert
+stack has its expert axis 0 sharded over ``ep`` and is replicated over ``dp`` (expert data
+parallel, EDP = dp); with ``megatron`` each expert is also tensor parallel over ``tp`` (ETP = tp,
+Megatron-Core's default). The token exchange (:func:`expert_marks`):
+
+- forward, dispatch: the dispatched tokens ``[B, E, C, H]`` go from batch over ``(dp, ep)`` to
+  batch over ``dp`` and experts over ``ep``: one all-to-all over ``ep``;
+- forward, combine: the experts' rows ``[B, E x C, H]`` back to batch over ``(dp, ep)`` before
+  ``moe_combine``: one all-to-all over ``ep``;
+- backward, the mirrors: the gradient of the rows back to experts over ``ep`` (after
+  ``moe_combine_grad``) and the gradient of the dispatched tokens back to batch over ``(dp, ep)``
+  (before ``moe_gate_dispatch_grad``): two all-to-alls.
+
+The ops outside the experts see the batch co-sharded ``(dp, ep)``; the planner asks their rules on
+the mesh with the two dims fused (:mod:`spmdkit.planner.fuse`), so no rule gathers it. Dense
+parameters' gradients come out partial over ``dp`` and ``ep`` (reduced over both), the experts'
+over ``dp`` only. ZeRO shards dense states over ``(dp, ep)`` and expert states over ``dp``
+(:func:`zero_dims`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from spmdkit.core.dist_attr import Entry
+from spmdkit.core.errors import ProgramError
+from spmdkit.core.mesh import ProcessMesh
+
+
+@dataclass(frozen=True)
+class MoeLayer:
+    """One MoE layer of a program, as its ops give it."""
+
+    #: moe_gate_dispatch's output [B, E, C, H] (the dispatched tokens)
+    dispatched: str
+    #: routed experts (E)
+    experts: int
+    #: moe_combine's x [B, E x C, H] (the experts' rows)
+    rows: str
+    #: the expert stacks [E, in, out] read between the dispatch and the combine
+    stacks: tuple[str, ...]
+    #: moe_gate_dispatch_grad's grad_y (the dispatched tokens' gradient), None without a backward
+    grad_dispatched: str | None = None
+    #: moe_combine_grad's grad_x (the rows' gradient), None without a backward
+    grad_rows: str | None = None
+
+
+def moe_layers(prog: Any) -> list[MoeLayer]:
+    """The program's MoE layers in program order: each forward ``moe_gate_dispatch`` paired with
+    the next ``moe_combine`` after it, the 3-D parameters with E rows read by the forward ops
+    between them, and the backward ops of that layer (``moe_combine_grad`` reading the same rows,
+    ``moe_gate_dispatch_grad`` reading the dispatch's combine weights). ProgramError naming
+    ``--strategy ep`` for a dispatch that is not batched ([B, E, C, H]) or has no combine."""
+    ops = list(prog.ops)
+    tensors = prog.tensors
+    out: list[MoeLayer] = []
+    grad_y = {o.inputs.get("combine_weights"): o.inputs["grad_y"] for o in ops if o.rule == "moe_gate_dispatch_grad"}
+    grad_x = {o.inputs.get("x"): o.outputs[0] for o in ops if o.rule == "moe_combine_grad"}
+    for i, op in enumerate(ops):
+        if op.rule != "moe_gate_dispatch" or op.phase != "forward":
+            continue
+        y, cw = op.outputs[0], op.outputs[1]
+        if y is None or len(tensors[y].shape) != 4:
+            raise ProgramError(f"--strategy ep: op {i} ({op.name or op.rule}) dispatches into "
+                               f"{list(tensors[y].shape) if y else None}, not a batched [B, E, C, H] (expert "
+                               f"parallelism needs the batch axis)")
+        e = tensors[y].shape[1]
+        j = next((j for j in range(i + 1, len(ops)) if ops[j].rule == "moe_combine" and ops[j].phase == "forward"),
+                 None)
+        if j is None:
+            raise ProgramError(f"--strategy ep: op {i} ({op.name or op.rule}) has no moe_combine after it")
+        rows = ops[j].inputs["x"]
+        stacks: list[str] = []
+        for k in range(i + 1, j):
+            for n in ops[k].input_names():
+                t = tensors[n]
+                if t.kind == "parameter" and len(t.shape) == 3 and t.shape[0] == e and n not in stacks:
+                    stacks.append(n)
+        out.append(MoeLayer(y, e, rows, tuple(stacks), grad_y.get(cw), grad_x.get(rows)))
+    return out
+
+
+def batch_entry(dp: int | None, ep: int | None) -> Entry:
+    """The batch axis' entry outside the experts: ``(dp, ep)`` co-sharded (data parallel over
+    ``dp x ep``), one of them where the other is None, -1 with neither."""
+    dims = [d for d in (dp, ep) if d is not None]
+    return -1 if not dims else dims[0] if len(dims) == 1 else (dims[0], dims[1])
+
+
+def check_ep(mesh: ProcessMesh, layers: list[MoeLayer], ep: int, batch: int | None, dp: int | None) -> None:
+    """ProgramError naming ``--strategy ep`` when the program has no MoE layer, ``--mesh`` when
+    ``ep`` does not divide a layer's experts (with the sizes that do) or when ``dp x ep`` does not
+    divide the batch."""
+    if not layers:
+        raise ProgramError("--strategy ep: the model has no experts (no moe_gate_dispatch op): expert parallelism "
+                           "needs a mixture-of-experts model")
+    n = mesh.shape[ep]
+    for lay in layers:
+        if lay.experts % n:
+            fits = [d for d in range(2, lay.experts + 1) if lay.experts % d == 0]
+            some = ", ".join(map(str, fits[:-1])) + (" or " if len(fits) > 1 else "") + str(fits[-1]) if fits else ""
+            raise ProgramError(f"--mesh ep={n}: ep does not divide the model's {lay.experts} experts"
+                               + (f"; an ep of {some} does" if fits else ""))
+    ranks = n * (mesh.shape[dp] if dp is not None else 1)
+    if batch is not None and batch % ranks:
+        what = f"dp x ep = {mesh.shape[dp]} x {n}" if dp is not None else f"ep = {n}"
+        raise ProgramError(f"--batch {batch}: data parallel over {what} ranks needs a batch that is a multiple of "
+                           f"{ranks} (each rank whole sequences)")
+
+
+def expert_marks(prog: Any, mesh: ProcessMesh, dm: Any, dp: int | None, ep: int,
+                 layers: list[MoeLayer] | None = None) -> frozenset[str]:
+    """Mark the MoE tensors of ``prog`` in ``dm`` (:class:`spmdkit.strategies.strategy.Marks`:
+    tensor -> dims_mapping, edited in place) for expert parallelism over mesh dim ``ep`` (batch
+    over ``dp`` too where it is not None): each expert stack's axis 0 over ``ep``, the dispatched
+    tokens ``[dp, ep, -1, -1]`` and the rows back at the batch entry, the gradients as their
+    mirrors (module docstring). Returns the expert stacks (their gradients reduce over ``dp``
+    only; ZeRO shards their states over ``dp``). The batch of the data inputs is the caller's."""
+    b = batch_entry(dp, ep)
+    experts: set[str] = set()
+    for lay in layers if layers is not None else moe_layers(prog):
+        for p in lay.stacks:
+            dm(p)[0] = ep
+            experts.add(p)
+        d = dm(lay.dispatched)
+        d[0], d[1] = (dp if dp is not None else -1), ep
+        dm(lay.rows)[0] = b
+        if lay.grad_dispatched is not None:
+            dm(lay.grad_dispatched)[0] = b
+        if lay.grad_rows is not None:
+            g = dm(lay.grad_rows)
+            g[0], g[1] = (dp if dp is not None else -1), ep
+    return frozenset(experts)
+
+
+def zero_dims(mesh: ProcessMesh, dp: int | None, ep: int | None, expert: bool) -> tuple[Entry, int] | None:
+    """(the entry, the ranks) ZeRO shards a parameter's states over: a dense parameter's over the
+    data-parallel ranks ``(dp, ep)``, an expert stack's over ``dp`` alone (EDP); None where there
+    are none."""
+    if expert:
+        return None if dp is None else (dp, mesh.shape[dp])
+    e = batch_entry(dp, ep)
+    if e == -1:
+        return None
+    n = 1
+    for d in ((e,) if isinstance(e, int) else e):
+        n *= mesh.shape[d]
+    return e, n
+
+
+def ep_dim(mesh: ProcessMesh, strategy: Mapping[str, Any] | Any) -> int | None:
+    """The ``ep`` mesh dim when the strategy has ``ep``, else None."""
+    return mesh.dim_index("ep") if "ep" in set(strategy) else None
+
+
+__all__ = ["MoeLayer", "batch_entry", "check_ep", "ep_dim", "expert_marks", "moe_layers", "zero_dims"]
