@@ -357,8 +357,9 @@ def _work(devices: int, pipeline: bool, sizes: _Sizes, given: list[str] | None,
                 cfg = Config(dp, tp, pp, s, "none", m, ep)
                 if s != "auto":
                     parts = s.split(",")
-                    if (tp == 1 and "megatron" in parts) or ((ep > 1) != ("ep" in parts)):
-                        continue  # megatron over tp=1 is dp; ep over ep=1 is dp; an idle ep dim repeats dp
+                    if (tp == 1 and "megatron" in parts) or ((ep > 1) != ("ep" in parts)) \
+                            or (ep > 1 and tp > 1 and "megatron" not in parts):
+                        continue  # megatron over tp=1 is dp; ep over ep=1 is dp; an idle ep or tp dim repeats work
                     try:
                         parse_strategy(s, _sub_mesh(cfg))
                     except ProgramError as exc:
@@ -479,15 +480,17 @@ def _bounds(model: str | Program, mc: ModelConfig | None, job: _Job) -> Bounds:
         assert mc is not None
         _m, plan, _ = plan_model(str(model), "dp=1,tp=1", "dp", {"layers": mc.layers, "batch": mc.batch,
                                                                    "seq": mc.seq})
-    return model_bounds(replace(plan, runtime=job.runtime), job.device, job.runtime)
+    token = mc.hidden * plan.program.tensors["embed"].itemsize if mc is not None and "embed" in plan.program.tensors \
+        else 0
+    return model_bounds(replace(plan, runtime=job.runtime), job.device, job.runtime, token)
 
 
 def _pruned_why(cfg: Config, bounds: Bounds, cap: int, best: float) -> str | None:
     """Why ``cfg`` need not be planned (its bounds), or None."""
-    mem = bounds.memory(cfg.dp, cfg.ep, cfg.tp, cfg.pp, cfg.strategy) if cfg.strategy != "auto" else 0
+    mem = bounds.memory(cfg.dp, cfg.ep, cfg.tp, cfg.pp, cfg.strategy, cfg.microbatches) if cfg.strategy != "auto" else 0
     if mem > cap:
-        return (f"over the memory cap: its parameters, gradients and optimizer states alone need at least "
-                f"{mem / 2**30:.1f} GiB a device")
+        return (f"over the memory cap: its parameters, gradients, optimizer states and layer inputs kept for the "
+                f"backward alone need at least {mem / 2**30:.1f} GiB a device")
     low = bounds.step(cfg.devices, cfg.pp, cfg.microbatches)
     if low >= best:
         return f"its step is at least {low:.3g} s (FLOPs at peak, the pipeline's bubble), the best found {best:.3g} s"

@@ -32,6 +32,7 @@ from spmdkit.cost.compute import op_cost
 from spmdkit.cost.devices import Device
 from spmdkit.cost.memory import CUDA_CONTEXT_BYTES, NCCL_BYTES_PER_GROUP
 from spmdkit.program.ir import Program
+from spmdkit.program.layers import layer_tags, program_layers
 from spmdkit.program.plan import Plan
 from spmdkit.program.runtime import Runtime
 
@@ -47,33 +48,57 @@ def experts_of(prog: Program) -> int:
     return 0
 
 
+#: (dense parameters, expert parameters, dense states, expert states), bytes at their dtypes
+Held = tuple[int, int, int, int]
+
+
 @dataclass(frozen=True)
 class Bounds:
     """What the bounds read off the full-size step on one rank (bytes, FLOPs)."""
 
-    dense_params: int       # parameters that are not expert stacks (bytes at their dtype)
-    expert_params: int      # expert stacks [E, in, out]
-    dense_states: int       # optimizer states (moments, master copies) of the dense parameters
-    expert_states: int
-    flops: float            # forward + backward + optimizer FLOPs of the unsharded step
-    peak: float             # the fastest tensor-core peak its ops can run at (FLOP/s)
+    layers: tuple[Held, ...]  # each numbered layer's parameters and optimizer states
+    outside: Held             # the rest (embedding, final norm, head)
+    flops: float              # forward + backward + optimizer FLOPs of the unsharded step
+    peak: float               # the fastest tensor-core peak its ops can run at (FLOP/s)
+    #: bytes of one token of a layer's input (hidden x dtype size: what every recomputation
+    #: mode keeps of each layer for its backward), 0 where unknown; the global batch and seq
+    token_bytes: int = 0
+    batch: int = 0
+    seq: int = 0
 
-    def memory(self, dp: int, ep: int, tp: int, pp: int, strategy: str) -> int:
-        """Bytes per device at least (every recomputation mode) under ``strategy`` on
-        ``pp x dp x ep x tp``."""
+    def _held(self, h: Held, dp: int, ep: int, tp: int, strategy: str) -> float:
         st = set(strategy.split(","))
         zero = max((int(s[4]) for s in st if s in ("zero1", "zero2", "zero3")), default=0)
         t = tp if "megatron" in st else 1
         e = ep if "ep" in st else 1
-        dense_z, expert_z = dp * ep, dp
 
-        def held(dense: int, expert: int, stage: int) -> float:
-            return dense / (t * (dense_z if zero >= stage else 1)) + expert / (t * e * (expert_z if zero >= stage else 1))
+        def div(stage: int, expert: bool) -> int:
+            z = (dp if expert else dp * ep) if zero >= stage else 1
+            return t * (e if expert else 1) * z
 
-        states = held(self.dense_params, self.expert_params, 3) + held(self.dense_params, self.expert_params, 2) \
-            + held(self.dense_states, self.expert_states, 1)
-        groups = sum(1 for s in (dp, ep, tp) if s > 1) + (1 if pp > 1 else 0)
-        return int(states / pp) + CUDA_CONTEXT_BYTES + NCCL_BYTES_PER_GROUP * groups
+        dpar, epar, dst, est = h
+        return (dpar / div(3, False) + epar / div(3, True) + dpar / div(2, False) + epar / div(2, True)
+                + dst / div(1, False) + est / div(1, True))
+
+    def memory(self, dp: int, ep: int, tp: int, pp: int, strategy: str, microbatches: int = 1) -> int:
+        """Bytes per device at least (every recomputation mode) under ``strategy`` on
+        ``pp x dp x ep x tp`` (1F1B over ``microbatches`` when ``pp`` > 1)."""
+        per = [self._held(h, dp, ep, tp, strategy) for h in self.layers]
+        total = sum(per) + self._held(self.outside, dp, ep, tp, strategy)
+        unit = 0.0  # one layer's input of one microbatch on one device
+        if self.token_bytes and self.batch and self.seq:
+            m = microbatches if pp > 1 else 1
+            unit = self.batch / m / (dp * ep) * self.seq * self.token_bytes
+            if "sp" in strategy.split(","):
+                unit /= tp
+        if pp == 1:
+            need = total + len(per) * unit
+        else:  # rank r holds c_r layers and min(p - r, m) microbatches: max_r c_r (s + f_r u) with sum c_r = L
+            s = min(per, default=0.0)
+            inv = sum(1.0 / (s + min(pp - r, microbatches) * unit) for r in range(pp)) if s or unit else 0.0
+            need = max(total / pp, len(per) / inv if inv else 0.0)
+        groups = sum(1 for k in (dp, ep, tp) if k > 1) + (1 if pp > 1 else 0)
+        return int(need) + CUDA_CONTEXT_BYTES + NCCL_BYTES_PER_GROUP * groups
 
     def step(self, devices: int, pp: int, microbatches: int) -> float:
         """Seconds per step at least on ``devices`` devices (``pp`` stages, ``microbatches``)."""
@@ -84,35 +109,30 @@ class Bounds:
         return work
 
 
-def model_bounds(plan: Plan, device: Device, runtime: Runtime) -> Bounds:
-    """The :class:`Bounds` of ``plan``, the step planned on one rank at full size."""
+def model_bounds(plan: Plan, device: Device, runtime: Runtime, token_bytes: int = 0) -> Bounds:
+    """The :class:`Bounds` of ``plan``, the step planned on one rank at full size
+    (``token_bytes``: a layer input's bytes per token, where known)."""
     prog = plan.program
     experts = experts_of(prog)
-
-    def is_expert(shape: tuple[int, ...]) -> bool:
-        return experts > 0 and len(shape) == 3 and shape[0] == experts
-
-    dp_ = ep_ = ds = es = 0
+    where = program_layers(prog).tensor_layer
+    n_layers = len(layer_tags(prog))
+    acc = [[0, 0, 0, 0] for _ in range(n_layers + 1)]  # the last: outside the layers
     for t in prog.tensors.values():
-        if t.inplace_of:
+        if t.inplace_of or t.kind not in ("parameter", "optimizer_state"):
             continue
-        nbytes = t.numel * t.itemsize
-        if t.kind == "parameter":
-            if is_expert(t.shape):
-                ep_ += nbytes
-            else:
-                dp_ += nbytes
-        elif t.kind == "optimizer_state":
-            if is_expert(t.shape):
-                es += nbytes
-            else:
-                ds += nbytes
+        expert = experts > 0 and len(t.shape) == 3 and t.shape[0] == experts
+        k = (0 if t.kind == "parameter" else 2) + (1 if expert else 0)
+        lay = where.get(t.name, -1)
+        acc[lay if 0 <= lay < n_layers else n_layers][k] += t.numel * t.itemsize
     flops = sum(op_cost(plan, i).flops for i in range(len(prog.ops)))
     dtypes = {t.dtype for t in prog.tensors.values() if t.dtype.startswith(("float", "bfloat"))}
     peak = max([device.matmul_peak(d) for d in dtypes] or [device.peak["fp32"]])
     if runtime.fp8 and "fp8" in device.peak:
         peak = max(peak, device.peak["fp8"])
-    return Bounds(dp_, ep_, ds, es, float(flops), peak)
+    tokens = [t.shape for t in prog.tensors.values() if t.kind == "input" and t.name in ("tokens", "input_ids")]
+    batch, seq = (tokens[0][0], tokens[0][1]) if tokens and len(tokens[0]) == 2 else (0, 0)
+    held = [(a[0], a[1], a[2], a[3]) for a in acc]
+    return Bounds(tuple(held[:-1]), held[-1], float(flops), peak, token_bytes, batch, seq)
 
 
-__all__ = ["Bounds", "experts_of", "model_bounds"]
+__all__ = ["Bounds", "Held", "experts_of", "model_bounds"]
