@@ -113,8 +113,9 @@ class Config:
                 + f" {self.strategy}" + (f" recompute={self.recompute}" if self.recompute != "none" else ""))
 
     def to_json(self) -> dict[str, Any]:
-        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "ep": self.ep, "strategy": self.strategy,
-                "recompute": self.recompute, "microbatches": self.microbatches, "mesh": self.mesh_text}
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, **({"ep": self.ep} if self.ep > 1 else {}),
+                "strategy": self.strategy, "recompute": self.recompute, "microbatches": self.microbatches,
+                "mesh": self.mesh_text}
 
 
 @dataclass
