@@ -179,3 +179,20 @@ def test_the_installed_torch_has_no_expert_parallel_style() -> None:
     _m, plan, _ = plan_model(MOE, "dp=1,ep=2,tp=1", "dp,ep")
     got = expert_parallel(plan)
     assert got is not None and got["torch_style"] is None and got["torch_version"]
+
+
+def test_auto_on_an_ep_mesh_is_no_slower_than_the_hand_ep_plan() -> None:
+    pytest.importorskip("highspy")
+    from spmdkit.models.zoo import build_model, preset
+    from spmdkit.planner.auto import auto_plan
+    from spmdkit.strategies.strategy import parse_mesh
+
+    dev = DEVICES["h100"]
+    mesh = parse_mesh("dp=1,ep=4,tp=1")
+    plan, info = auto_plan(build_model(preset(MOE), check_rules=False).program, mesh, None,
+                           cost=cost_model(mesh, dev), time_limit=60, device=dev)
+    _m, hand, _ = plan_model(MOE, "dp=1,ep=4,tp=1", "dp,ep")
+    hand = recost(hand, cost_model(hand.mesh, dev))
+    assert info.status == "Optimal"
+    assert estimate_step(plan, dev, 8 * 64, "none").step_overlap_s <= estimate_step(hand, dev, 8 * 64,
+                                                                                   "none").step_overlap_s

@@ -249,6 +249,12 @@ class _Job:
     time_limit: float
     patterns: Any = None
     runtime: Runtime = field(default_factory=Runtime)
+    #: a pruned search: the modes priced from the most recomputation to the least, stopping at the
+    #: first over the cap (recomputing less holds more)
+    lean: bool = False
+
+    def mode_order(self) -> Sequence[str]:
+        return sorted(self.modes, key=lambda r: -RECOMPUTE_MODES.index(r)) if self.lean else self.modes
 
 
 def _link_cost(mesh: ProcessMesh, job: _Job, cost_text: str | None) -> CostModel:
@@ -262,13 +268,15 @@ def _link_cost(mesh: ProcessMesh, job: _Job, cost_text: str | None) -> CostModel
 def _flat_candidates(cfg: Config, plan: Plan, job: _Job, title: str, info: AutoInfo | None = None) -> list[Candidate]:
     out: list[Candidate] = []
     plan = replace(plan, runtime=job.runtime)
-    for rc in job.modes:
+    for rc in job.mode_order():
         est = estimate_step(plan, job.device, job.tokens, rc)
         mem = memory_per_device(plan, rc)
         if any(c.step_s == est.step_overlap_s and c.memory == mem.device_total for c in out):
             continue  # this recomputation changes nothing here (e.g. selective without an attention core)
         out.append(Candidate(replace(cfg, recompute=rc), est.step_overlap_s, est.mfu, mem.device_total,
                              est.comm_total_s, mem.device_total <= job.cap, plan, est, mem, title, info))
+        if job.lean and not out[-1].fits:
+            break
     return out
 
 
@@ -280,7 +288,7 @@ def _pipeline_candidates(cfg: Config, plan: Plan, counts: tuple[int, ...] | None
     m = cfg.microbatches
     out: list[Candidate] = []
     plan = replace(plan, runtime=job.runtime)
-    for rc in job.modes:
+    for rc in job.mode_order():
         est = estimate_pipeline(plan, spec, counts, job.device, (link.alpha_s, link.beta_s_per_byte), tokens,
                                 full.size, recompute=rc)
         mem = max(est.memory, key=lambda x: x.device_total)
@@ -293,6 +301,8 @@ def _pipeline_candidates(cfg: Config, plan: Plan, counts: tuple[int, ...] | None
         comm = ((one.comm_total_s - one.grad_sync_s) * m + one.grad_sync_s) / cfg.pp + m * sends
         out.append(Candidate(replace(cfg, recompute=rc), est.step_overlap_s, est.mfu, mem.device_total, comm,
                              mem.device_total <= job.cap, plan, est, mem, title, info))
+        if job.lean and not out[-1].fits:
+            break
     return out
 
 
@@ -412,8 +422,9 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
     ``reload``: a program ``model`` traced again at a batch (the pipelines' microbatches).
     ``prune``: leave unplanned the configurations whose lower bounds
     (:mod:`spmdkit.planner.search_bounds`) show they cannot fit or cannot beat the best step
-    found (default: for a MoE model whose search has more than :data:`EXHAUSTIVE_PLANS`
-    configurations; a dense model's search plans every one)."""
+    found, and price a planned one's recomputation modes from full to none, stopping at the
+    first over the cap (default: for a MoE model whose search has more than
+    :data:`EXHAUSTIVE_PLANS` configurations; a dense model's search plans and prices every one)."""
     t0 = time.perf_counter()
     dev, cap, modes, given = _search_args(devices, device, memory_cap, recompute, strategies, auto, nodes_of)
     cfg_model: ModelConfig | None = None
@@ -431,6 +442,7 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
     if prune is None:  # a MoE model's search, where ep multiplies the meshes, when it is large
         prune = sizes.experts > 0 and len(work) > EXHAUSTIVE_PLANS
     bounds = _bounds(model, cfg_model, job) if prune and work else None
+    job = replace(job, lean=bounds is not None)
     if bounds is not None:  # the most promising first, so the best step found early prunes the most
         work.sort(key=lambda c: bounds.step(c.devices, c.pp, c.microbatches))
     elif len(work) > MAX_PLANS:
