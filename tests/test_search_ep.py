@@ -196,3 +196,14 @@ def test_auto_on_an_ep_mesh_is_no_slower_than_the_hand_ep_plan() -> None:
     assert info.status == "Optimal"
     assert estimate_step(plan, dev, 8 * 64, "none").step_overlap_s <= estimate_step(hand, dev, 8 * 64,
                                                                                    "none").step_overlap_s
+
+
+def test_a_program_is_searched_with_ep_found_from_its_moe_ops() -> None:
+    from spmdkit.models.zoo import build_model, preset
+    from spmdkit.planner.search_bounds import experts_of
+
+    prog = build_model(preset(MOE)).program
+    assert experts_of(prog) == 4 and experts_of(build_model(preset("tiny-llama")).program) == 0
+    res = search_meshes(prog, 2, "h100", pipeline=False, recompute=["none"])
+    got = {(c.config.sub_mesh_text, c.config.strategy) for c in res.candidates}
+    assert ("dp=1,ep=2,tp=1", "dp,ep") in got and ("dp=2,tp=1", "dp") in got

@@ -66,7 +66,7 @@ from spmdkit.planner.pipeline import (
     split_layers,
 )
 from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, parse_size, plan_model, plan_program
-from spmdkit.planner.search_bounds import Bounds, model_bounds
+from spmdkit.planner.search_bounds import Bounds, experts_of, model_bounds
 from spmdkit.program.ir import Program
 from spmdkit.program.layers import layer_tags
 from spmdkit.program.plan import Plan
@@ -153,7 +153,7 @@ class SearchResult:
     seconds: float = 0.0
     plans: int = 0                       # shardings planned (propagations or searches)
     #: configurations left unplanned by a bound (search_bounds): over the memory cap by their
-    #: parameters and states alone, or unable to beat the best step found; and why
+    #: parameters, states and kept layer inputs alone, or unable to beat the best step found; and why
     pruned: list[tuple[Config, str]] = field(default_factory=list)
 
     @property
@@ -431,7 +431,8 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
     if isinstance(model, Program):
         layers = len(layer_tags(model))
         pipeline = pipeline and layers > 1
-        sizes = _Sizes(_batch_of(model), guess_tokens(model), None, layers or None, reload is not None)
+        sizes = _Sizes(_batch_of(model), guess_tokens(model), None, layers or None, reload is not None,
+                       experts=experts_of(model))
         modes = _applicable_modes(model, modes, recompute is not None)
         if reload is not None:
             reload = _cached(reload)
@@ -452,6 +453,7 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
     cands: list[Candidate] = []
     pruned: list[tuple[Config, str]] = []
     best = math.inf
+    planned = 0
     for cfg in work:
         if progress is not None:
             progress.update(note=cfg.label())
@@ -461,7 +463,8 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
             if progress is not None:
                 progress.advance()
             continue
-        if len(cands) and len(cands) // max(1, len(modes)) >= MAX_PLANS:
+        planned += 1
+        if planned > MAX_PLANS:
             raise ProgramError(f"--devices {devices}: more than {MAX_PLANS} configurations to plan after the "
                                "bounds")
         t1 = time.perf_counter()
