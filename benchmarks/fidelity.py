@@ -2,7 +2,8 @@
 """Predicted vs measured: every published run of a runs file planned through the CLI, as a user
 would type it, and compared in the source's own unit and FLOP definition.
 
-    python benchmarks/fidelity.py [--runs FILE] [--only PREFIX[,PREFIX]] [--json OUT] [--show-argv]
+    python benchmarks/fidelity.py [--runs FILE ...] [--only PREFIX[,PREFIX]] [--json OUT] [--show-argv]
+    python benchmarks/fidelity.py --runs benchmarks/data/moe-runs.json   # the MoE runs (expert parallelism)
 
 For each run: the command line (``spmdkit plan --model-config ... --mesh pp=..,dp=..,tp=..
 --strategy ... --device ... --precision ... --recompute ... --json``), the prediction in the
@@ -48,6 +49,9 @@ from spmdkit.cli import main as spmdkit_main
 
 #: the published runs (a copy of the team's shared calibration set; benchmarks/data/published-runs.md)
 RUNS = Path(__file__).resolve().parent / "data" / "published-runs.json"
+#: published MoE runs with expert parallelism (benchmarks/data/moe-runs.json, the same schema; a
+#: row's ``model.moe.catalog`` names the spmdkit catalog entry with its shapes)
+MOE_RUNS = Path(__file__).resolve().parent / "data" / "moe-runs.json"
 GIB = 1024**3
 
 
@@ -160,14 +164,15 @@ def _recompute(row: dict[str, Any], assume: list[str]) -> str:
 def express(row: dict[str, Any], tmp: Path) -> Case:
     """The command line of ``row``, or Unsupported naming the missing feature."""
     m, par = row["model"], row["parallelism"]
-    if m.get("moe"):
-        raise Unsupported("mixture of experts (expert parallelism)")
+    if m.get("moe") and not (isinstance(m["moe"], dict) and m["moe"].get("catalog")):
+        raise Unsupported("mixture of experts without a catalog architecture")
     if (par.get("cp") or 1) > 1:
         raise Unsupported("context parallelism")
     assume: list[str] = []
     device, mem_gib = _device(row, tmp)
     tp, pp, dp = int(par["tp"]), int(par["pp"]), int(par["dp"])
-    gpus = tp * pp * dp
+    ep = int(par.get("ep") or 1) if m.get("moe") else 1
+    gpus = tp * pp * dp * ep
     mb = par.get("micro_batch") or par.get("local_batch")
     gb = par.get("global_batch")
     if par.get("micro_batch") is None and par.get("local_batch") and pp > 1:
@@ -192,18 +197,21 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
         assume.append("dropout 0.1 (Megatron-LM's default of the time)")
     strategy, framework = _strategy(row, assume)
     recompute = _recompute(row, assume)
-    argv = ["plan", "--mesh", ",".join(f"{k}={v}" for k, v in (("pp", pp), ("dp", dp), ("tp", tp))
-                                        if k != "pp" or pp > 1),
+    if ep > 1:  # Megatron-Core's folding: the experts over ep, the rest data parallel over dp x ep
+        strategy = strategy.replace("dp", "dp,ep", 1)
+    dims = (("pp", pp), ("dp", dp), ("ep", ep), ("tp", tp))
+    argv = ["plan", "--mesh", ",".join(f"{k}={v}" for k, v in dims if (k not in ("pp", "ep") or v > 1)),
             "--strategy", strategy, "--device", device, "--precision", _precision(row), "--framework", framework,
             "--recompute", recompute, "--json"]
     overlaps = str(par.get("overlaps") or "")
     if "--tp-comm-overlap" in overlaps or par.get("async_tp"):
         argv.append("--tp-comm-overlap")
-    accum = (gb // (dp * mb)) if gb else 1
-    if gb and gb % (dp * mb):
-        raise Unsupported(f"global batch {gb} not a multiple of dp x micro-batch {dp * mb}")
+    dpe = dp * ep  # the data-parallel ranks (ep folded into them)
+    accum = (gb // (dpe * mb)) if gb else 1
+    if gb and gb % (dpe * mb):
+        raise Unsupported(f"global batch {gb} not a multiple of dp x micro-batch {dpe * mb}")
     if pp > 1:
-        argv += ["--batch", str(dp * mb * accum), "--microbatches", str(accum)]
+        argv += ["--batch", str(dpe * mb * accum), "--microbatches", str(accum)]
         v = par.get("vp_chunks") or 1
         if v > 1:
             argv += ["--schedule", "interleaved", "--virtual-stages", str(v)]
@@ -212,14 +220,16 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
             argv += ["--stages", ",".join(str(layers // n + (k < layers % n)) for k in range(n))]
             assume.append(f"{layers} layers split {layers // n + 1} / {layers // n} over {n} stages")
     else:
-        argv += ["--batch", str(dp * mb)]
+        argv += ["--batch", str(dpe * mb)]
         if accum > 1:
             argv += ["--grad-accum", str(accum)]
     meas = row["measured"]
     metric, value = _metric(row, meas)
     case = Case(row, argv, metric, value, assume, gpus=gpus, device_memory_gib=mem_gib,
                 memory_measured_gib=meas.get("memory_gib_max"))
-    if metric.startswith("layer_"):
+    if m.get("moe"):  # the catalog's architecture (MoE, MLA) at the run's sequence length
+        case.argv = [*argv, "--model", str(m["moe"]["catalog"]), "--seq", str(m["seq_len"])]
+    elif metric.startswith("layer_"):
         case.argv = [*argv, "--model-config", json.dumps({**cfg, "layers": 1})]
         case.argv2 = [*argv, "--model-config", json.dumps({**cfg, "layers": 2})]
     else:
@@ -464,8 +474,10 @@ def band_json(results: list[dict[str, Any]]) -> dict[str, Any]:
             "families": fam}
 
 
-def markdown(results: list[dict[str, Any]], unsupported: dict[str, list[str]], s: dict[str, Any]) -> str:
-    """docs/fidelity.md: the summary, every run, the unsupported ones and the assumptions."""
+def markdown(results: list[dict[str, Any]], unsupported: dict[str, list[str]], s: dict[str, Any],
+             moe: tuple[list[dict[str, Any]], dict[str, list[str]], dict[str, Any]] | None = None) -> str:
+    """docs/fidelity.md: the summary, every run, the unsupported ones and the assumptions; with
+    ``moe`` (the MoE runs' results, unsupported and summary) their section after the runs."""
     out = ["# Predictions against published runs", "",
            "Generated by `python benchmarks/fidelity.py --write` (tests/test_fidelity.py fails when it is stale):",
            "every run of `benchmarks/data/published-runs.json` planned through the CLI and compared in the source's",
@@ -479,6 +491,19 @@ def markdown(results: list[dict[str, Any]], unsupported: dict[str, list[str]], s
         fits = "yes" if r["fits"] else "no" if r["fits"] is not None else ""
         out.append(f"| {r['id']} | {r['metric']} | {r['measured']:g} | {r['predicted']:.4g} | {r['ratio']:.3f} | "
                    f"{r['memory_gib']:.1f}{mm} | {fits} |")
+    if moe is not None:
+        mres, muns, ms = moe
+        out += ["", "## Mixture of experts", "",
+                "The MoE runs of `benchmarks/data/moe-runs.json` (expert parallelism folded into data parallelism as",
+                "Megatron-Core and FSDP2 + DeepEP run it: `--mesh dp=D,ep=E --strategy dp,ep[,zero3]`; the catalog's",
+                "architecture), planned the same way; not in the error band above.", ""]
+        out += [f"- {line}" for line in summary_lines(ms)[:1] + summary_lines(ms)[3:]]
+        out += ["", "| run | unit | measured | predicted | ratio | memory GiB (measured) | fits |", "|---|---|---|---|---|---|---|"]
+        for r in mres:
+            fits = "yes" if r["fits"] else "no" if r["fits"] is not None else ""
+            out.append(f"| {r['id']} | {r['metric']} | {r['measured']:g} | {r['predicted']:.4g} | {r['ratio']:.3f} | "
+                       f"{r['memory_gib']:.1f} | {fits} |")
+        out += [f"- unsupported {k}: {', '.join(v)}" for k, v in muns.items()]
     out += ["", "## Not expressible yet", ""]
     out += [f"- {k}: {', '.join(v)}" for k, v in unsupported.items()] or ["- none"]
     out += ["", "## Assumptions (fields the sources do not state)", ""]
@@ -497,14 +522,17 @@ DOC = ROOT / "docs" / "fidelity.md"
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", default=str(RUNS), help="the runs file (default benchmarks/data/published-runs.json)")
+    ap.add_argument("--runs", action="append", default=None,
+                    help="a runs file, repeatable (default benchmarks/data/published-runs.json; the MoE runs: "
+                         "benchmarks/data/moe-runs.json)")
     ap.add_argument("--only", help="comma list of run id prefixes")
     ap.add_argument("--json", help="also write every result and the summary to this file")
     ap.add_argument("--write", action="store_true",
                     help="also write the error band (src/spmdkit/cost/band.json) and docs/fidelity.md")
     ap.add_argument("--show-argv", action="store_true", help="print each run's command line")
     a = ap.parse_args()
-    rows = json.loads(Path(a.runs).read_text())
+    runs = a.runs or [str(RUNS)]
+    rows = [r for f in runs for r in json.loads(Path(f).read_text())]
     if a.only:
         rows = [r for r in rows if r["id"].startswith(tuple(a.only.split(",")))]
     results, unsupported = evaluate(rows, a.show_argv, sys.stdout)
@@ -515,11 +543,13 @@ def main() -> int:
     if a.json:
         Path(a.json).write_text(json.dumps({"results": results, "unsupported": unsupported, "summary": s}, indent=1))
     if a.write:
-        if a.only or a.runs != str(RUNS):
+        if a.only or runs != [str(RUNS)]:
             print("--write: only from every run of the default runs file", file=sys.stderr)
             return 2
         BAND.write_text(json.dumps(band_json(results), indent=1) + "\n")
-        DOC.write_text(markdown(results, unsupported, s))
+        mrows = json.loads(MOE_RUNS.read_text())
+        mres, muns = evaluate(mrows, False, sys.stdout)
+        DOC.write_text(markdown(results, unsupported, s, (mres, muns, summarise(mres, muns))))
     return 0
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from spmdkit.core.errors import ProgramError
 from spmdkit.models.zoo import PRESETS, is_config_text
 from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE
-from spmdkit.program.runtime import Runtime, parse_precision
+from spmdkit.program.runtime import Runtime, parse_moe_histogram, parse_moe_skew, parse_precision
 
 #: ``--mesh`` when neither it nor ``--devices`` is given.
 DEFAULT_MESH = "dp=2,tp=4"
@@ -69,12 +69,15 @@ class Links:
     precision: str | None = None
     framework: str | None = None
     tp_comm_overlap: bool = False
+    moe_skew: str | None = None
+    moe_histogram: str | None = None
 
     def runtime(self) -> Runtime:
-        """``--precision``, ``--framework`` and ``--tp-comm-overlap`` as the plan's
-        :class:`~spmdkit.program.runtime.Runtime` (ProgramError naming the flag)."""
+        """``--precision``, ``--framework``, ``--tp-comm-overlap``, ``--moe-skew`` and
+        ``--moe-histogram`` as the plan's :class:`~spmdkit.program.runtime.Runtime` (ProgramError
+        naming the flag)."""
         return Runtime(parse_precision(self.precision), (self.framework or "megatron").strip().lower(),
-                       self.tp_comm_overlap)
+                       self.tp_comm_overlap, parse_moe_skew(self.moe_skew), parse_moe_histogram(self.moe_histogram))
 
 
 @dataclass(frozen=True)
@@ -182,7 +185,8 @@ def plan_request(ns: argparse.Namespace) -> PlanRequest:
         model=_model_args(ns), mesh=mesh, strategy=ns.strategy, devices=ns.devices, layers=ns.layers,
         batch=ns.batch, seq=ns.seq, annotate=tuple(ns.annotate),
         links=Links(cost=ns.cost, device=ns.device, nodes_of=ns.nodes_of, precision=ns.precision,
-                    framework=ns.framework, tp_comm_overlap=ns.tp_comm_overlap),
+                    framework=ns.framework, tp_comm_overlap=ns.tp_comm_overlap, moe_skew=ns.moe_skew,
+                    moe_histogram=ns.moe_histogram),
         grad_accum=ns.grad_accum, recompute=ns.recompute, verify=ns.verify,
         search=SearchArgs(auto=ns.auto, time_limit=ns.auto_time_limit, memory=ns.memory, explain=ns.explain),
         pipeline=PipelineArgs(microbatches=ns.microbatches, schedule=ns.schedule,
@@ -229,8 +233,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                         "and recomputation (and --auto's search per mesh) for the fastest plan that fits the memory "
                         "(graph/auto_search.py); prints the top configurations and the best plan")
     p.add_argument("--strategy", default=None,
-                   help="comma list of dp, megatron (tp), sp, zero1, zero2 (zero), zero3 (fsdp); default megatron (= dp,megatron) for a preset "
-                        "or --hf, none for --program")
+                   help="comma list of dp, megatron (tp), sp, ep (MoE experts over an ep mesh dim, tokens over dp x ep), zero1, "
+                        "zero2 (zero), zero3 (fsdp); default megatron (= dp,megatron) for a preset or --hf, none for --program")
     p.add_argument("--layers", help=f"override the preset's layer count (1 to {MAX_LAYERS})")
     p.add_argument("--batch", help=f"override the preset's batch size (1 to {MAX_SIZE})")
     p.add_argument("--seq", help=f"override the preset's sequence length (1 to {MAX_SIZE})")
@@ -252,6 +256,12 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp-comm-overlap", dest="tp_comm_overlap", action="store_true",
                    help="tensor-parallel all-gathers and reduce-scatters overlap the GEMMs (Megatron's "
                         "--tp-comm-overlap, torch async TP)")
+    p.add_argument("--moe-skew", dest="moe_skew", metavar="F",
+                   help="mixture of experts: the busiest expert receives F x the mean tokens (the others share the "
+                        "rest); under expert parallelism the step waits for the busiest ep rank (default 1: uniform)")
+    p.add_argument("--moe-histogram", dest="moe_histogram", metavar="FILE|JSON",
+                   help="mixture of experts: measured tokens per expert, a JSON list (one number per expert) or a "
+                        "file holding one, instead of --moe-skew")
     p.add_argument("--grad-accum", dest="grad_accum", metavar="K",
                    help="gradient accumulation: K forward/backward micro-steps per optimizer step, the gradients "
                         "accumulated and reduced once (default 1)")
@@ -324,8 +334,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pad", type=int, help="--hf: padded positions (attention mask 0) at the end of the batch's last "
                                            "row (default 0)")
     p.add_argument("--mesh", default="dp=2,tp=2", help="named mesh dims, e.g. dp=2,tp=2 (default)")
-    p.add_argument("--strategy", help="comma list of dp, megatron (tp), sp, zero1, zero2 (zero), zero3 (fsdp); default megatron (--program: "
-                                      "none, its --annotate pins alone)")
+    p.add_argument("--strategy", help="comma list of dp, megatron (tp), sp, ep (MoE experts over an ep mesh dim), zero1, zero2 "
+                                      "(zero), zero3 (fsdp); default megatron (--program: none, its --annotate pins alone)")
     p.add_argument("--tp-plan", metavar="FILE|JSON",
                    help='megatron for --hf / --program: module-name patterns -> column, row, vocab or replicate, '
                         'e.g. \'{"*.k_proj": "replicate"}\' (docs/torch.md)')

@@ -33,6 +33,7 @@ from spmdkit.core.dist_attr import TensorDistAttr, entry_dims, largest_shard
 from spmdkit.core.errors import SpmdError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel
+from spmdkit.cost.moe import active_share, expert_op_cost
 from spmdkit.engine.cache_keys import UNCACHEABLE, value_key
 from spmdkit.engine.facts import LocalOp, LocalTensor, OpCost, declared, facts_of
 from spmdkit.engine.memo import memo_enabled, memo_table
@@ -244,10 +245,12 @@ def _fp8(prog: Program, i: int, lop: LocalOp, c: OpCost) -> OpCost:
 def op_cost(plan: Plan, i: int) -> OpCost:
     """The cost of op ``i`` of ``plan`` on one device (see the module docstring), with what the
     plan's runtime changes: a linear layer's GEMMs in fp8 under ``--precision fp8``
-    (:func:`fp8_weights`), the framework whose attention kernel runs a flash-attention pass."""
+    (:func:`fp8_weights`), the framework whose attention kernel runs a flash-attention pass; an
+    op of a MoE layer's expert computation as grouped GEMMs at the busiest ep rank's load
+    (:func:`spmdkit.cost.moe.expert_op_cost`)."""
     opp = plan.ops[i]
     lop = local_op(plan.program, i, opp.required, opp.outputs, plan.attrs)
-    c = cost_of(lop)
+    c = expert_op_cost(plan, i, lop, cost_of) or cost_of(lop)
     rt = plan.runtime
     if c.attention is not None and rt.framework != "megatron":
         c = replace(c, framework=rt.framework)
@@ -330,11 +333,13 @@ def kernel_collectives(plan: Plan) -> list[KernelCollective]:
 
 def _matmul_params(prog: Program, tokens: int = 0) -> int:
     """The parameters a forward op other than a lookup reads (an embedding table read only by
-    lookups does no multiply); a stack of experts (a parameter of rank >= 3, the y of forward
-    matmuls) counts as the share of it a token multiplies: ``rows x numel / (experts x
-    tokens)`` for the rows its matmuls multiply it by (top_k / experts of it where each
-    expert takes ``tokens x top_k / experts`` rows), so ``6 N tokens`` counts the active
-    parameters (Mixtral's 12.9B of 46.7B)."""
+    lookups does no multiply); a MoE layer's expert stack counts as the share of it a token
+    multiplies, ``top_k / experts`` (:func:`spmdkit.cost.moe.active_share`: the layer found by
+    its structure; capacity padding is not model work), so ``6 N tokens`` counts the active
+    parameters (Mixtral's 12.9B of 46.7B) as MoE reports count them; another stack of rank >=
+    3 read by forward matmuls as ``rows x numel / (experts x tokens)`` for the rows its matmuls
+    multiply it by."""
+    share = active_share(prog)
     read_by: dict[str, set[str]] = {}
     rows: dict[str, int] = {}
     for op in prog.ops:
@@ -352,6 +357,9 @@ def _matmul_params(prog: Program, tokens: int = 0) -> int:
         if t.kind == "parameter" and not t.inplace_of:
             rules = read_by.get(t.name, set())
             if rules and all(facts_of(r).cost is lookup for r in rules):
+                continue
+            if t.name in share:
+                n_params += round(t.numel * share[t.name])
                 continue
             if t.name in rows and tokens > 0 and rules == {"matmul"}:
                 n_params += round(t.numel * rows[t.name] / (t.shape[0] * tokens))

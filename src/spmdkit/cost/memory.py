@@ -65,6 +65,7 @@ from typing import Any
 
 from spmdkit.core.dist_attr import TensorDistAttr, entry_dims, largest_shard
 from spmdkit.core.errors import ProgramError
+from spmdkit.cost.moe import plan_loads
 from spmdkit.program.ir import Op, Program, flat_refs
 from spmdkit.program.plan import Plan
 
@@ -391,6 +392,7 @@ def saved_activations(plan: Plan, recompute: str = "none") -> ActivationMemory:
         if r.output and not r.src.partial and all(s.kind == "all_gather" for s in r.plan.steps if s.bytes_per_rank):
             gathered.setdefault(r.tensor, (r.op_index, r.src))
     fp8 = fp8_stashed(plan)
+    load = plan_loads(plan)  # MoE: the busiest ep rank holds rho x the mean tokens (spmdkit.cost.moe)
     per_layer: dict[str, int] = {}
     tensors: dict[str, list[tuple[str, int]]] = {}
     regathered: list[tuple[str, int]] = []
@@ -404,7 +406,7 @@ def saved_activations(plan: Plan, recompute: str = "none") -> ActivationMemory:
             if local_numel(src, t.shape) < local_numel(attr, t.shape):
                 attr = src
                 regathered.append((n, g[0]))
-        b = local_numel(attr, t.shape) * (1 if n in fp8 else t.itemsize)
+        b = round(local_numel(attr, t.shape) * (1 if n in fp8 else t.itemsize) * load.get(n, 1.0))
         label = layer_of[n]
         per_layer[label] = per_layer.get(label, 0) + b
         tensors.setdefault(label, []).append((n, b))
@@ -424,10 +426,12 @@ def spans_with_recompute(plan: Plan, saved: ActivationMemory) -> dict[str, list[
     made_at, last, fwd_last = value_spans(prog)
     reads = value_reads(prog)
     kept = {n for lst in saved.tensors.values() for n, _ in lst}
+    load = plan_loads(plan)
 
     def size(n: str, attr: TensorDistAttr | None = None, stash: bool = False) -> int:
         t = prog.tensors[n]
-        return local_numel(attr or plan.attrs[n], t.shape) * (1 if stash and n in fp8 else t.itemsize)
+        return round(local_numel(attr or plan.attrs[n], t.shape) * (1 if stash and n in fp8 else t.itemsize)
+                     * load.get(n, 1.0))
 
     for region in saved.recomputed:
         made = [n for i in region for n in prog.ops[i].output_names()]
@@ -652,14 +656,15 @@ def activation_deltas(plan: Plan, saved: ActivationMemory, group_of: list[int] |
     param_grads = prog.param_grads()
 
     sizes: dict[str, int] = {}
+    load = plan_loads(plan)  # MoE: the busiest ep rank's tokens (spmdkit.cost.moe)
 
     def nbytes(name: str, attr: TensorDistAttr | None = None) -> int:
         t = prog.tensors[name]
         if attr is not None:
-            return local_numel(attr, t.shape) * t.itemsize
+            return round(local_numel(attr, t.shape) * t.itemsize * load.get(name, 1.0))
         b = sizes.get(name)
         if b is None:
-            b = sizes[name] = local_numel(attrs[name], t.shape) * t.itemsize
+            b = sizes[name] = round(local_numel(attrs[name], t.shape) * t.itemsize * load.get(name, 1.0))
         return b
 
     for_the_step = {n for n, t in prog.tensors.items()

@@ -22,6 +22,7 @@ from spmdkit.cost.collectives import buffer_bytes, time_of
 from spmdkit.cost.compute import KernelCollective, kernel_collectives, local_shape, model_flops, op_cost
 from spmdkit.cost.devices import Device
 from spmdkit.cost.memory import rerun_points, saved_activations
+from spmdkit.cost.moe import plan_loads
 from spmdkit.engine.facts import OpCost
 from spmdkit.engine.memo import gc_paused
 from spmdkit.ops._cost import numel
@@ -342,6 +343,7 @@ def _communication(plan: Plan, comp: _Compute) -> _Comm:
     param_grads = plan.param_grads()
     overlap_tp = plan.runtime.tp_comm_overlap
     rs_grads = distributed_optimizer_grads(plan)
+    load = plan_loads(plan)  # MoE: the busiest ep rank's share of the tokens (spmdkit.cost.moe)
     readers: dict[str, list[int]] = {}
     if overlap_tp:
         for j, op in enumerate(prog.ops):
@@ -355,6 +357,12 @@ def _communication(plan: Plan, comp: _Compute) -> _Comm:
         for s in r.plan.steps:
             if s.bytes_per_rank == 0:
                 continue
+            if s.kind == "all_to_all" and r.tensor in load:
+                # the busiest ep rank receives (dispatch) and returns (combine) rho x the mean tokens
+                n = math.prod(plan.mesh.shape[d] for d in s.mesh_dims)
+                s = replace(s, time_s=time_of(plan.cost, s.kind, s.mesh_dims,
+                                              buffer_bytes(s.kind, s.bytes_per_rank, n) * load[r.tensor],
+                                              plan.mesh.shape))
             if is_grad_sync(plan, r, s, param_grads):
                 size = numel(local_shape(t.shape, s.src)) * t.itemsize
                 if s.kind == "all_reduce" and set(s.mesh_dims) <= rs_grads.get(r.tensor, frozenset()):

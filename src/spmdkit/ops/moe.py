@@ -47,10 +47,10 @@ from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.axes import make_attr, unpartial
 from spmdkit.engine.declare import Answer, Way, declare
-from spmdkit.engine.facts import facts
+from spmdkit.engine.facts import LocalOp, OpCost, facts
 from spmdkit.engine.notation import Coshard, Notation
 from spmdkit.engine.outshape import Args, Expect, UnknownShape
-from spmdkit.ops._cost import copy
+from spmdkit.ops._cost import numel
 
 # every co-shard read as its largest mesh dim (Paddle's merge); letters of one size checked. A
 # leading batch axis b (rank 3; spmdkit's, Paddle's ops are 2-D): each batch row is dispatched
@@ -215,6 +215,70 @@ facts("moe_gate_dispatch_grad", shape=_dispatch_grad_shape)
 facts("moe_combine_grad", grad_like=("x", "combine_weights", "scatter_index"))
 
 
-# -- cost
+# -- cost: the routing is memory-bound (Megatron-Core's alltoall token dispatcher: top-k, the
+# expert histogram, the permutation's sort and gather; the unpermute's weighted scatter), each
+# kernel its bytes at the achievable HBM bandwidth; the expert GEMMs are their own matmul ops
 
-facts("moe_gate_dispatch", "moe_gate_dispatch_grad", "moe_combine", "moe_combine_grad", cost=copy)
+
+def _n(c: LocalOp, name: str) -> tuple[int, int]:
+    """(elements, itemsize) of input ``name`` (0, 0 where absent)."""
+    t = c.one(name)
+    return (numel(t[0]), t[1]) if t is not None else (0, 0)
+
+
+def _out(c: LocalOp, k: int) -> tuple[int, int]:
+    o = c.outs[k] if k < len(c.outs) else None
+    return (numel(o[0]), o[1]) if o is not None else (0, 0)
+
+
+def _dispatch_cost(c: LocalOp) -> OpCost:
+    """The gate read by top-k and by the histogram, the indices written and sorted (top-k,
+    argsort, offsets: 3 passes over the [S, k] ids), x read once per chosen expert (the gather
+    of the permutation) and the padded [E, C, H] buffer written (capacity padding included): 5
+    kernels (top-k, histogram, sort, permute, the zero fill of the padding)."""
+    xn, xb = _n(c, "x")
+    gn, gb = _n(c, "gate_logits")
+    k = int(c.attr("k", 1))
+    yn, yb = _out(c, 0)
+    idx = sum(_out(c, j)[0] * _out(c, j)[1] for j in range(1, len(c.outs)))
+    nbytes = xn * xb * k + 2 * gn * gb + yn * yb + 3 * idx
+    return OpCost(0.0, 0.0, float(nbytes), False, c.dtype(), kernels=5)
+
+
+def _dispatch_grad_cost(c: LocalOp) -> OpCost:
+    """grad_y [E, C, H] read, each token's k rows gathered and summed into grad_x, the gate
+    gradient scattered into [S, E]: 3 kernels."""
+    gyn, gyb = _n(c, "grad_y")
+    idx = sum(_n(c, p)[0] * _n(c, p)[1] for p in ("combine_weights", "scatter_index", "expert_id",
+                                                  "grad_combine_weights"))
+    outb = sum(_out(c, j)[0] * _out(c, j)[1] for j in range(len(c.outs)))
+    return OpCost(0.0, 0.0, float(gyn * gyb + idx + outb), False, c.dtype(), kernels=3)
+
+
+def _combine_cost(c: LocalOp) -> OpCost:
+    """Each token's k expert rows read (of x [E x C, H]: only the routed rows), weighted and
+    summed into y [S, H]: ``2 k`` FLOPs per output element; one kernel (the unpermute)."""
+    yn, yb = _out(c, 0)
+    k = c.one("combine_weights")
+    kk = k[0][-1] if k is not None else 1
+    f = 2.0 * kk * yn
+    idx = sum(_n(c, p)[0] * _n(c, p)[1] for p in ("combine_weights", "scatter_index"))
+    return OpCost(f, f, float(yn * yb * (kk + 1) + idx), False, c.dtype())
+
+
+def _combine_grad_cost(c: LocalOp) -> OpCost:
+    """grad_y read, the routed rows of x read (the combine weights' gradient: a dot per row),
+    grad_x [E x C, H] zero-filled and its routed rows written: 3 kernels."""
+    gyn, gyb = _n(c, "grad_y")
+    cw = c.one("combine_weights")
+    kk = cw[0][-1] if cw is not None else 1
+    xo, xob = _out(c, 0)
+    rest = sum(_out(c, j)[0] * _out(c, j)[1] for j in range(1, len(c.outs)))
+    f = 2.0 * kk * gyn
+    return OpCost(f, f, float(gyn * gyb * (2 * kk + 1) + xo * xob + rest), False, c.dtype(), kernels=3)
+
+
+facts("moe_gate_dispatch", cost=_dispatch_cost)
+facts("moe_gate_dispatch_grad", cost=_dispatch_grad_cost)
+facts("moe_combine", cost=_combine_cost)
+facts("moe_combine_grad", cost=_combine_grad_cost)

@@ -12,13 +12,21 @@ GEMMs. A plan carries one (:attr:`spmdkit.program.plan.Plan.runtime`); the CLI s
   gradients, bf16 compute copies gathered per layer).
 - ``tp_comm_overlap``: the tensor-parallel all-gathers and reduce-scatters run under the GEMMs
   that consume or produce them (Megatron's ``--tp-comm-overlap``, torch's async TP).
+- ``moe_skew`` / ``moe_histogram``: how unevenly a mixture-of-experts router spreads the tokens
+  (``--moe-skew F``: the busiest expert receives F x the mean, the others share the rest evenly;
+  ``--moe-histogram``: tokens per expert as measured); uniform (1.0, None) by default.
+  :mod:`spmdkit.cost.moe` turns them into the load of the busiest expert-parallel rank.
 """
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass
+from typing import Any
 
 from spmdkit.core.errors import ProgramError
+from spmdkit.io.jsonfile import read_json
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 FRAMEWORKS = ("megatron", "torchtitan")
@@ -34,12 +42,19 @@ class Runtime:
     precision: str | None = None
     framework: str = "megatron"
     tp_comm_overlap: bool = False
+    moe_skew: float = 1.0
+    moe_histogram: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.precision is not None and self.precision not in PRECISIONS:
             raise ProgramError(f"--precision {self.precision[:40]!r}: expected one of {', '.join(PRECISIONS)}")
         if self.framework not in FRAMEWORKS:
             raise ProgramError(f"--framework {self.framework[:40]!r}: expected one of {', '.join(FRAMEWORKS)}")
+        _check_skew(self.moe_skew)
+        if self.moe_histogram is not None:
+            _check_histogram(self.moe_histogram)
+        if self.moe_histogram is not None and self.moe_skew != 1.0:
+            raise ProgramError("--moe-skew and --moe-histogram: give one, not both")
 
     def precision_of(self, dtype: str) -> str:
         """The precision the step computes in: ``precision`` if given, else the one of ``dtype``
@@ -51,7 +66,13 @@ class Runtime:
         return self.precision == "fp8"
 
     def to_json(self) -> dict[str, object]:
-        return {"precision": self.precision, "framework": self.framework, "tp_comm_overlap": self.tp_comm_overlap}
+        out: dict[str, object] = {"precision": self.precision, "framework": self.framework,
+                                  "tp_comm_overlap": self.tp_comm_overlap}
+        if self.moe_skew != 1.0:
+            out["moe_skew"] = self.moe_skew
+        if self.moe_histogram is not None:
+            out["moe_histogram"] = list(self.moe_histogram)
+        return out
 
 
 def parse_precision(text: str | None) -> str | None:
@@ -66,4 +87,54 @@ def parse_precision(text: str | None) -> str | None:
     return key
 
 
-__all__ = ["FRAMEWORKS", "PRECISIONS", "Runtime", "parse_precision"]
+def _number(v: Any) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(float(v))
+
+
+def _check_skew(f: Any) -> None:
+    if not _number(f) or f < 1.0:
+        raise ProgramError(f"--moe-skew {str(f)[:40]}: expected a number >= 1 (the busiest expert's tokens over the "
+                           f"mean; 1 = uniform routing)")
+
+
+def _check_histogram(h: Any) -> None:
+    if not isinstance(h, (list, tuple)) or not h:
+        raise ProgramError("--moe-histogram: expected a non-empty JSON list of tokens per expert")
+    for e, v in enumerate(h):
+        if not _number(v) or v < 0:
+            raise ProgramError(f"--moe-histogram: expert {e} has {json.dumps(v)[:40]} tokens; expected a number >= 0")
+    if sum(h) <= 0:
+        raise ProgramError("--moe-histogram: every expert has 0 tokens; expected some tokens routed")
+
+
+def parse_moe_skew(text: str | None) -> float:
+    """``--moe-skew F``: a number >= 1 (ProgramError naming the flag); 1.0 when not given."""
+    if text is None:
+        return 1.0
+    try:
+        f = float(text)
+    except ValueError:
+        raise ProgramError(f"--moe-skew {text[:40]!r}: expected a number >= 1 (the busiest expert's tokens over "
+                           f"the mean)") from None
+    _check_skew(f)
+    return f
+
+
+def parse_moe_histogram(text: str | None) -> tuple[float, ...] | None:
+    """``--moe-histogram FILE|JSON``: a JSON list of tokens per expert (numbers >= 0, not all
+    0), inline or in a file; None when not given."""
+    if text is None:
+        return None
+    t = text.strip()
+    if t.startswith("["):
+        try:
+            obj = json.loads(t)
+        except (json.JSONDecodeError, RecursionError, ValueError):
+            raise ProgramError(f"--moe-histogram {text[:40]!r}: not a JSON list of tokens per expert") from None
+    else:
+        obj = read_json(t, "--moe-histogram: file", ProgramError)
+    _check_histogram(obj)
+    return tuple(float(v) for v in obj)
+
+
+__all__ = ["FRAMEWORKS", "PRECISIONS", "Runtime", "parse_moe_histogram", "parse_moe_skew", "parse_precision"]

@@ -1,0 +1,285 @@
+"""The cost of mixture-of-experts layers beyond their ops' own formulas: the structure of each
+MoE layer found in the program, the active parameters a token multiplies, the grouped GEMMs of
+the experts and the load of the busiest expert-parallel rank. Standard library only.
+docs/devices.md, "Mixture of experts".
+
+- :func:`moe_layers` (program): every ``moe_gate_dispatch`` (forward) with its ``moe_combine``,
+  found by STRUCTURE (the ops and the tensors between them, not parameter names): the experts
+  ``E`` and ``top_k`` of the dispatch, the capacity, the tokens a sequence routes, the expert
+  parameter stacks (rank >= 3 parameters read between dispatch and combine) and the tensors of
+  the expert computation (the dispatched ``[B, E, C, H]`` through the combined rows).
+- Grouped GEMM (:func:`grouped`): the experts' batched GEMMs ``[B, E, C, H] x [E, H, F]`` run as
+  Megatron-Core's / torch's grouped GEMM, one GEMM per local expert over every token it
+  received from every sequence (``M = B x C``), so tiles quantise once per expert, not per
+  sequence: the GEMM-efficiency model (:mod:`spmdkit.cost.rates`) prices a small per-expert M
+  (many experts, top-k of few tokens) as the slower GEMM it is.
+- Load imbalance (:func:`rank_load`): uniform routing gives every expert ``tokens x top_k / E``;
+  ``--moe-skew F`` gives the busiest expert ``F`` times that and the others an even share of the
+  rest, ``--moe-histogram`` the measured tokens per expert. Experts sit on the ep ranks in
+  contiguous blocks of ``E / ep`` (Megatron-Core's ``local_expert_indices``); the step waits
+  for the busiest ep rank, whose load over the mean is ``rho = max_r sum_{e in r} n_e / (sum_e
+  n_e / ep)``; with one skewed expert ``rho = (F + (E/ep - 1) (E - F) / (E - 1)) / (E/ep)``
+  (1 without ep: one rank holds every expert). Under dropless routing (capacity = the mean,
+  the zoo's default) the busiest rank's expert GEMMs, activations and the all-to-alls that
+  deliver and return its tokens carry ``rho`` times the tokens; with a capacity factor above 1
+  the buffers are padded to the capacity (the GEMMs run on the padded rows, tokens past it
+  are dropped) and skew changes nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+from spmdkit.core.dist_attr import entry_dims
+from spmdkit.core.errors import ProgramError
+from spmdkit.engine.facts import LocalOp, OpCost
+from spmdkit.program.ir import Program, flat_refs
+from spmdkit.program.plan import Plan
+from spmdkit.program.runtime import Runtime
+
+
+@dataclass(frozen=True)
+class MoeLayer:
+    """One MoE layer of a program (:func:`moe_layers`)."""
+
+    dispatch: int
+    combine: int
+    experts: int
+    top_k: int
+    capacity: int
+    #: tokens one dispatch row routes (a sequence's)
+    tokens: int
+    stacks: tuple[str, ...]
+    #: the expert computation's forward tensors (dispatched tokens .. combined rows)
+    tensors: frozenset[str]
+
+    @property
+    def padded(self) -> bool:
+        """The capacity holds more than the mean an expert receives: a capacity factor above 1
+        pads the buffers (skew does not change the work)."""
+        return self.capacity * self.experts > math.ceil(self.tokens * self.top_k)
+
+
+_MEMO: dict[int, tuple[Program, list[MoeLayer], dict[str, int]]] = {}
+
+
+def _scan(prog: Program) -> tuple[list[MoeLayer], dict[str, int]]:
+    got = _MEMO.get(id(prog))
+    if got is not None and got[0] is prog:
+        return got[1], got[2]
+    readers: dict[str, list[int]] = {}
+    for i, op in enumerate(prog.ops):
+        if op.phase == "forward":
+            for n in op.input_names():
+                readers.setdefault(n, []).append(i)
+    layers: list[MoeLayer] = []
+    for i, op in enumerate(prog.ops):
+        if op.phase != "forward" or op.rule != "moe_gate_dispatch":
+            continue
+        outs = op.output_names()
+        gl = op.inputs.get("gate_logits")
+        if not outs or not isinstance(gl, str):
+            continue
+        seen: set[str] = set()
+        stacks: list[str] = []
+        todo, combine = [outs[0]], -1
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            for j in readers.get(n, ()):
+                rop = prog.ops[j]
+                if rop.rule == "moe_combine":
+                    combine = j if combine < 0 else min(combine, j)
+                    continue
+                for p in rop.input_names():
+                    t = prog.tensors[p]
+                    if t.kind == "parameter" and len(t.shape) >= 3 and p not in stacks:
+                        stacks.append(p)
+                todo += [o for o in rop.output_names() if prog.tensors[o].kind != "parameter"]
+        if combine < 0 or len(seen) > 10_000:
+            continue
+        gshape = prog.tensors[gl].shape
+        layers.append(MoeLayer(i, combine, int(gshape[-1]), int(op.attrs.get("k", 1)), int(op.attrs.get("capacity", 0)),
+                               int(gshape[-2]), tuple(stacks), frozenset(seen)))
+    owner: dict[str, int] = {}
+    for li, layer in enumerate(layers):
+        for n in layer.tensors:
+            owner[n] = li
+    for n in prog.tensors:  # the gradients of the expert computation's tensors (autodiff: <name>.grad...)
+        base, sep, _ = n.partition(".grad")
+        if sep and base in owner and n not in owner:
+            owner[n] = owner[base]
+    if len(_MEMO) > 16:
+        _MEMO.clear()
+    _MEMO[id(prog)] = (prog, layers, owner)
+    return layers, owner
+
+
+def moe_layers(prog: Program) -> list[MoeLayer]:
+    """Every MoE layer of ``prog`` (memoised per program)."""
+    return _scan(prog)[0]
+
+
+def expert_tensors(prog: Program) -> dict[str, int]:
+    """Tensor -> the index (in :func:`moe_layers`) of the MoE layer whose expert computation
+    makes or reads it: the forward tensors and their gradients."""
+    return _scan(prog)[1]
+
+
+def active_share(prog: Program) -> dict[str, float]:
+    """Expert parameter stack -> the share of it one token multiplies: ``top_k / E`` (the model
+    FLOPs count active parameters, as MoE reports do; capacity padding is not model work)."""
+    out: dict[str, float] = {}
+    for layer in moe_layers(prog):
+        for s in layer.stacks:
+            if prog.tensors[s].shape[0] == layer.experts:
+                out[s] = layer.top_k / layer.experts
+    return out
+
+
+# -- load imbalance ---------------------------------------------------------------------------------
+
+
+def ep_degree(plan: Plan, layer: MoeLayer) -> int:
+    """The ranks the layer's experts are spread over: the mesh dims its stacks' expert axis is
+    sharded on (1 without expert parallelism)."""
+    best = 1
+    for s in layer.stacks:
+        a = plan.attrs.get(s)
+        if a is None or not a.dims_mapping or plan.program.tensors[s].shape[0] != layer.experts:
+            continue
+        best = max(best, math.prod(plan.mesh.shape[d] for d in entry_dims(a.dims_mapping[0])))
+    return best
+
+
+def rank_load(rt: Runtime, experts: int, top_k: int, ep: int) -> float:
+    """The busiest ep rank's tokens over the mean rank's (module docstring); ProgramError naming
+    the flag where the skew or the histogram cannot describe ``experts`` experts of ``top_k``."""
+    if rt.moe_histogram is not None:
+        h = rt.moe_histogram
+        if len(h) != experts:
+            raise ProgramError(f"--moe-histogram: {len(h)} experts given; the model's MoE layers have {experts}")
+        if ep <= 1 or experts % ep:
+            return 1.0
+        per = experts // ep
+        ranks = [sum(h[r * per:(r + 1) * per]) for r in range(ep)]
+        return max(ranks) / (sum(ranks) / ep)
+    f = rt.moe_skew
+    if f > experts / top_k + 1e-9:
+        raise ProgramError(f"--moe-skew {f:g}: an expert receives at most every token once, {experts / top_k:g} x "
+                           f"the mean ({experts} experts, top-{top_k})")
+    if f == 1.0 or ep <= 1 or experts % ep or experts <= 1:
+        return 1.0
+    per = experts // ep
+    return (f + (per - 1) * (experts - f) / (experts - 1)) / per
+
+
+def busiest_load(plan: Plan) -> dict[str, float]:
+    """Tensor -> the factor its tokens carry on the busiest ep rank (:func:`rank_load`), for the
+    expert computation of dropless MoE layers under expert parallelism; empty when uniform."""
+    rt = plan.runtime
+    if rt.moe_skew == 1.0 and rt.moe_histogram is None:
+        return {}
+    layers, owner = _scan(plan.program)
+    if not layers:
+        return {}
+    loads = []
+    for layer in layers:
+        rho = rank_load(rt, layer.experts, layer.top_k, ep_degree(plan, layer))
+        loads.append(1.0 if layer.padded else rho)
+    return {n: loads[li] for n, li in owner.items() if loads[li] != 1.0}
+
+
+def _scaled(shape: tuple[int, ...], rho: float) -> tuple[int, ...]:
+    """``shape`` with its token (capacity) axis, the second last, times ``rho``."""
+    if len(shape) < 2:
+        return shape
+    return (*shape[:-2], max(1, round(shape[-2] * rho)), shape[-1])
+
+
+def loaded(lop: LocalOp, names_in: dict[str, list[str]], names_out: list[str | None], load: dict[str, float]
+           ) -> LocalOp:
+    """``lop`` with the token axis of every expert tensor scaled by its load (the busiest rank's
+    share of the tokens); ``names_in`` / ``names_out``: the tensor names behind ``lop.ins`` /
+    ``lop.outs``."""
+    ins: dict[str, list[Any]] = {}
+    for p, args in lop.ins.items():
+        names = names_in.get(p, [])
+        ins[p] = [(_scaled(s, load[names[k]]), b, dt) if k < len(names) and names[k] in load else (s, b, dt)
+                  for k, (s, b, dt) in enumerate(args)]
+    outs: list[Any] = []
+    for k, o in enumerate(lop.outs):
+        n = names_out[k] if k < len(names_out) else None
+        outs.append(o if o is None or n is None or n not in load else (_scaled(o[0], load[n]), o[1], o[2]))
+    return LocalOp(lop.rule, lop.attrs, ins, outs)
+
+
+def grouped(c: OpCost, lop: LocalOp) -> OpCost:
+    """An expert GEMM's cost with its batched GEMMs ``(B x E_local, m, n, k)`` (x ``[B, E, C, H]``
+    by the stack y ``[E, H, F]``) run as grouped GEMMs ``(E_local, B x m, n, k)``: each local
+    expert one GEMM over all its tokens; the weight gradient ``(B x E_local, k, n, m)`` as
+    ``(E_local, k, n, B x m)`` (its K is the tokens, summed)."""
+    y = lop.one("y")
+    if not c.gemms or y is None or len(y[0]) != 3:
+        return c
+    el = y[0][0]
+    wgrad = -1
+    if lop.rule.endswith("_grad") and len(lop.outs) > 1 and lop.outs[1] is not None:
+        wgrad = 1 if lop.outs[0] is not None else 0
+    out = []
+    for g, (b, m, n, k) in enumerate(c.gemms):
+        if el <= 0 or b <= el or b % el:
+            out.append((b, m, n, k))
+        elif g == wgrad:
+            out.append((el, m, n, k * (b // el)))
+        else:
+            out.append((el, m * (b // el), n, k))
+    return replace(c, gemms=tuple(out))
+
+
+_LOADS: dict[int, tuple[Plan, dict[str, float]]] = {}
+
+
+def plan_loads(plan: Plan) -> dict[str, float]:
+    """:func:`busiest_load` memoised per plan (a plan is frozen)."""
+    got = _LOADS.get(id(plan))
+    if got is not None and got[0] is plan:
+        return got[1]
+    out = busiest_load(plan)
+    if len(_LOADS) > 16:
+        _LOADS.clear()
+    _LOADS[id(plan)] = (plan, out)
+    return out
+
+
+def expert_op_cost(plan: Plan, i: int, lop: LocalOp, cost_of: Any) -> OpCost | None:
+    """The cost of op ``i`` where it is part of an expert computation (:func:`expert_tensors`):
+    its tokens at the busiest ep rank's load (:func:`plan_loads`), its expert GEMMs grouped
+    (:func:`grouped`); None for any other op (and for the routing ops themselves, which run
+    on the tokens a rank sends)."""
+    prog = plan.program
+    owner = expert_tensors(prog)
+    if not owner:
+        return None
+    op = prog.ops[i]
+    if op.rule.startswith("moe_"):
+        return None
+    names_in = {p: [n for n in flat_refs(v) if n is not None] for p, v in op.inputs.items()}
+    names_out: list[str | None] = []
+    for v in op.outputs:
+        names_out += list(flat_refs(v))
+    if not any(n in owner for ns in names_in.values() for n in ns if n) and not any(n in owner for n in names_out if n):
+        return None
+    load = plan_loads(plan)
+    if load:
+        lop = loaded(lop, names_in, names_out, load)
+    c: OpCost = cost_of(lop)
+    return grouped(c, lop) if c.matmul else c
+
+
+__all__ = ["MoeLayer", "active_share", "busiest_load", "ep_degree", "expert_op_cost", "expert_tensors", "grouped",
+           "loaded", "moe_layers", "plan_loads", "rank_load"]

@@ -1,0 +1,219 @@
+"""The cost and memory of MoE layers (spmdkit.cost.moe): expert GEMM FLOPs by hand, grouped
+GEMM shapes, the routing ops' cost, the busiest ep rank's load under --moe-skew and
+--moe-histogram (exactly the docstring's formula), their validation, model FLOPs on active
+parameters, parameter memory with the experts sharded."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from spmdkit.core.errors import ProgramError
+from spmdkit.cost.collectives import Fabric, Group, collective_time
+from spmdkit.cost.compute import model_flops, op_cost
+from spmdkit.cost.devices import preset_device
+from spmdkit.cost.memory import memory_per_device
+from spmdkit.cost.moe import active_share, busiest_load, moe_layers, rank_load
+from spmdkit.cost.step import estimate_step
+from spmdkit.models.params import count_params
+from spmdkit.models.source import Preset, load_preset
+from spmdkit.models.zoo import preset
+from spmdkit.planner.planning import plan_preset
+from spmdkit.planner.propagate import propagate
+from spmdkit.program.runtime import Runtime, parse_moe_histogram, parse_moe_skew
+from spmdkit.strategies.strategy import annotate, parse_mesh, parse_strategy
+
+# Mixtral's shapes, one layer, short sequences: E = 8, top-2, H = 4096, F = 14336, C = S x 2 / 8
+H, F, E, K = 4096, 14336, 8, 2
+STACKS = ("layers.0.experts.w_gate", "layers.0.experts.w_up", "layers.0.experts.w_down")
+
+
+def _plan(mesh: str = "dp=2", seq: int = 256, batch: int = 4, ep: bool = False):  # type: ignore[no-untyped-def]
+    user = {s: [0, -1, -1] for s in STACKS} if ep else None  # the experts sharded over dp (ep = dp)
+    return plan_preset("mixtral-8x7b", mesh, "dp", {"layers": 1, "seq": seq, "batch": batch}, user)[1]
+
+
+def _expert_ops(plan, phase: str = "forward") -> list[int]:  # type: ignore[no-untyped-def]
+    return [i for i, op in enumerate(plan.program.ops) if op.phase == phase and op.rule.startswith("matmul")
+            and any(n in STACKS or n.startswith(STACKS) for n in op.input_names() + op.output_names())]
+
+
+def test_the_layer_is_found_by_structure() -> None:
+    layers = moe_layers(_plan().program)
+    assert len(layers) == 1
+    la = layers[0]
+    assert (la.experts, la.top_k, la.capacity, la.tokens) == (E, K, 64, 256)
+    assert set(la.stacks) == set(STACKS) and not la.padded
+    assert active_share(_plan().program) == {s: K / E for s in STACKS}
+
+
+def test_expert_gemm_flops_by_hand() -> None:
+    """Forward: 2 x tokens x top_k x H x F x 3 (gate, up, down of SwiGLU) per device, the tokens
+    the rank's batch rows route (dp=2: 2 of 4 sequences of 256); the backward twice that."""
+    plan = _plan()
+    tokens = 2 * 256
+    fwd = sum(op_cost(plan, i).flops for i in _expert_ops(plan))
+    assert fwd == 2 * tokens * K * H * F * 3
+    bwd = sum(op_cost(plan, i).flops for i in _expert_ops(plan, "backward"))
+    assert bwd == 2 * fwd
+
+
+def test_expert_gemms_are_grouped_per_expert() -> None:
+    """[B, E, C, H] x [E, H, F] runs as E GEMMs of B x C tokens each (not B x E of C); the
+    weight gradient's K is the tokens."""
+    plan = _plan()
+    gate = next(i for i in _expert_ops(plan) if STACKS[0] in plan.program.ops[i].input_names())
+    assert op_cost(plan, gate).gemms == ((E, 2 * 64, F, H),)
+    grad = next(i for i in _expert_ops(plan, "backward") if "layers.0.experts.w_gate" in plan.program.ops[i].input_names())
+    assert op_cost(plan, grad).gemms == ((E, 2 * 64, H, F), (E, H, F, 2 * 64))
+
+
+def test_routing_ops_cost_their_bytes() -> None:
+    """moe_gate_dispatch: x read once per chosen expert, the padded [E, C, H] written, the gate
+    read twice, the index tensors three times; 5 kernels."""
+    plan = _plan()
+    i = next(i for i, op in enumerate(plan.program.ops) if op.rule == "moe_gate_dispatch")
+    c = op_cost(plan, i)
+    b, s = 2, 256
+    x = b * s * H * 2 * K
+    y = b * E * 64 * H * 2
+    gate = 2 * b * s * E * 2
+    idx = 3 * (b * s * K * 2 + b * K * s * 8 + b * E * 8 + b * s * K * 8)
+    assert (c.bytes, c.kernels, c.matmul) == (x + y + gate + idx, 5, False)
+
+
+@pytest.mark.parametrize(("skew", "rho"), [(1.0, 1.0), (1.875, 1.125), (2.75, 1.25), (3.625, 1.375)])
+def test_skew_scales_the_busiest_rank_exactly(skew: float, rho: float) -> None:
+    """ep = 2 over 8 experts (4 a rank): rho = (F + 3 (8 - F) / 7) / 4 = (F + 6) / 7; the
+    expert GEMMs of the busiest rank do rho x the uniform FLOPs."""
+    assert rank_load(Runtime(moe_skew=skew), E, K, 2) == pytest.approx(rho)
+    plan = _plan(ep=True)
+    uniform = sum(op_cost(plan, i).flops for i in _expert_ops(plan))
+    skewed = replace(plan, runtime=Runtime(moe_skew=skew))
+    assert set(busiest_load(skewed).values()) <= {rho}
+    assert sum(op_cost(skewed, i).flops for i in _expert_ops(skewed)) == pytest.approx(rho * uniform)
+
+
+def test_skew_raises_the_step_monotonically() -> None:
+    plan = _plan(ep=True)
+    dev = preset_device("h100")
+    steps = [estimate_step(replace(plan, runtime=Runtime(moe_skew=f)), dev, 1024).step_overlap_s
+             for f in (1.0, 1.5, 2.0, 3.0, 4.0)]
+    assert all(a < b for a, b in itertools.pairwise(steps)), steps
+
+
+def test_skew_without_ep_or_with_padding_changes_nothing() -> None:
+    """One rank holds every expert (no ep): the same tokens; a capacity factor pads every
+    expert's buffer to the capacity (the GEMMs run on the padded rows)."""
+    assert rank_load(Runtime(moe_skew=3.0), E, K, 1) == 1.0
+    plan = _plan()
+    assert busiest_load(replace(plan, runtime=Runtime(moe_skew=3.0))) == {}
+
+
+def test_histogram_load_and_memory() -> None:
+    """Tokens per expert [3, 1, 1, 1 | 1, 1, 1, 1] on 2 ep ranks: the busiest holds 6 of a mean
+    5 (rho = 1.2); its dispatched activations grow by the same factor."""
+    h = (3.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0)
+    assert rank_load(Runtime(moe_histogram=h), E, K, 2) == pytest.approx(1.2)
+    plan = _plan(ep=True)
+    hist = replace(plan, runtime=Runtime(moe_histogram=h))
+    a, b = memory_per_device(plan).saved, memory_per_device(hist).saved
+    assert a is not None and b is not None
+    sa = {n: x for lst in a.tensors.values() for n, x in lst}
+    sb = {n: x for lst in b.tensors.values() for n, x in lst}
+    assert sb["layers.0.experts.up"] == round(1.2 * sa["layers.0.experts.up"])
+    assert sb["layers.0.mlp_norm.out"] == sa["layers.0.mlp_norm.out"]  # outside the experts: unchanged
+
+
+@pytest.mark.parametrize(("text", "msg"), [
+    ("[]", "--moe-histogram: expected a non-empty JSON list of tokens per expert"),
+    ("[1, -2]", "--moe-histogram: expert 1 has -2 tokens; expected a number >= 0"),
+    ("[0, 0]", "--moe-histogram: every expert has 0 tokens; expected some tokens routed"),
+    ("[1, true]", "--moe-histogram: expert 1 has true tokens; expected a number >= 0"),
+    ("[1,", "--moe-histogram '[1,': not a JSON list of tokens per expert"),
+])
+def test_histogram_validation(text: str, msg: str) -> None:
+    with pytest.raises(ProgramError) as e:
+        parse_moe_histogram(text)
+    assert str(e.value) == msg
+
+
+def test_skew_validation_and_the_plan_time_checks() -> None:
+    with pytest.raises(ProgramError, match=r"^--moe-skew 0.5: expected a number >= 1"):
+        parse_moe_skew("0.5")
+    with pytest.raises(ProgramError, match=r"^--moe-skew 'x': expected a number >= 1"):
+        parse_moe_skew("x")
+    with pytest.raises(ProgramError, match=r"^--moe-skew 5: an expert receives at most every token once, 4 x"):
+        rank_load(Runtime(moe_skew=5.0), E, K, 2)
+    with pytest.raises(ProgramError, match=r"^--moe-histogram: 3 experts given; the model's MoE layers have 8$"):
+        rank_load(Runtime(moe_histogram=(1.0, 2.0, 3.0)), E, K, 2)
+
+
+def test_cli_names_a_bad_histogram_with_exit_2(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    f = tmp_path / "h.json"
+    f.write_text(json.dumps([1] * 7))
+    r = subprocess.run([sys.executable, "-m", "spmdkit", "plan", "--model", "mixtral-8x7b", "--layers", "1", "--seq",
+                        "256", "--mesh", "dp=2", "--strategy", "dp", "--device", "h100", "--moe-histogram", str(f)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "--moe-histogram: 7 experts given; the model's MoE layers have 8" in r.stderr
+
+
+def test_model_flops_count_active_parameters_with_a_capacity_factor() -> None:
+    """Mixtral-8x7B at capacity factor 1.25 (padded buffers): model FLOPs = 6 x (active
+    parameters less the input embedding, a lookup) x tokens + attention, as Mixtral / DeepSeek
+    count them; the padding is not model work."""
+    cfg = preset("mixtral-8x7b").with_(layers=2, seq=512, batch=2, capacity_factor=1.25)
+    active = count_params(cfg).active - cfg.vocab * cfg.hidden
+    loaded = load_preset(Preset("mixtral-8x7b", 2, 2, 512), cfg)
+    mesh = parse_mesh("dp=2")
+    assert loaded.model is not None
+    plan = propagate(loaded.program, mesh, annotate(loaded.model, mesh, parse_strategy("dp", mesh), None))
+    assert moe_layers(plan.program)[0].padded
+    tokens = 2 * 512
+    mf, n, att = model_flops(plan, tokens)
+    assert n == active
+    # PaLM's attention term: 6 x 2 x layers x seq x (heads x head dim) per token, causal square counted whole
+    assert att == 12 * 2 * 512 * cfg.heads * (cfg.hidden // cfg.heads) * tokens
+    assert mf == 6 * active * tokens + att
+
+
+def test_parameter_memory_with_the_experts_sharded() -> None:
+    """Mixtral-8x7B (one layer) on 8 ranks with the experts' axis sharded 8 ways: parameter
+    bytes per rank = (dense parameters + expert parameters / 8) x 2 (bf16)."""
+    plan = _plan(mesh="dp=8", batch=8, ep=True)
+    total = sum(t.numel for t in plan.program.tensors.values() if t.kind == "parameter" and not t.inplace_of)
+    expert = 3 * E * H * F
+    assert memory_per_device(plan).parameters == (total - expert + expert // 8) * 2
+
+
+def test_mixtral_under_ep_parameters_and_all_to_alls() -> None:
+    """Mixtral-8x7B (one layer) on --mesh dp=8,ep=8 --strategy dp,ep: parameter bytes per rank =
+    (dense parameters + expert parameters / 8) x 2; the skew slows the step (the busiest ep
+    rank's expert GEMMs and all-to-alls)."""
+    plan = plan_preset("mixtral-8x7b", "dp=8,ep=8", "dp,ep", {"layers": 1, "seq": 256, "batch": 64})[1]
+    total = sum(t.numel for t in plan.program.tensors.values() if t.kind == "parameter" and not t.inplace_of)
+    expert = 3 * E * H * F
+    assert memory_per_device(plan).parameters == (total - expert + expert // 8) * 2
+    assert rank_load(Runtime(moe_skew=2.0), E, K, 8) == 2.0  # one expert a rank: the busiest expert's
+    dev = preset_device("h100")
+    a = estimate_step(plan, dev, 64 * 256).step_overlap_s
+    b = estimate_step(replace(plan, runtime=Runtime(moe_skew=2.0)), dev, 64 * 256).step_overlap_s
+    assert b > a
+
+
+def test_all_to_all_across_nodes_by_hand() -> None:
+    """NCCL's all-to-all (pairwise sends, one per peer) over 16 ranks on 2 DGX H100 nodes: the
+    (n - local)/n = 8/16 of the buffer crossing each GPU's 400 Gb/s NIC (46 GB/s reached) sets
+    the time, the 7/16 over NVLink run alongside; plus NCCL's Simple-protocol latency (8.4 us
+    base, 7 NVLink steps of 3.4 us, 8 network steps of 14 us)."""
+    s = 1e9
+    got = collective_time("all_to_all", s, Group(16, 8), Fabric.of(450e9, 50e9))
+    assert got == pytest.approx((8.4 + 7 * 3.4 + 8 * 14.0) * 1e-6 + 8 / 16 * s / (50e9 * 0.92), rel=1e-9)
+    inside = collective_time("all_to_all", s, Group(8, 8), Fabric.of(450e9, 50e9))
+    assert inside == pytest.approx((8.4 + 7 * 3.4) * 1e-6 + 7 / 8 * s / (450e9 * 0.80), rel=1e-9)  # NVLink
