@@ -136,6 +136,8 @@ def hf_title(source: HFModel, prog: Program | None = None) -> str:
     for want of a lowering, a second line warning of them (the report's first lines)."""
     title = f"{source.class_name} (HuggingFace), batch {source.batch}, seq {source.seq}"
     fell = fallback_ops(prog) if prog is not None else []
+    for note in getattr(prog, "notes", ()):
+        title += "\n" + note
     if fell:
         title += (f"\nwarning: --fallback replicate: {len(fell)} op(s) with no lowering imported replicated (every "
                   f"input and output replicated on every rank): {'; '.join(fell)}")

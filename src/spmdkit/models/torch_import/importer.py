@@ -56,6 +56,7 @@ class ImportedProgram(Program):
     the tensor it is (``head.weight`` -> ``wte.weight``); ``modules``: op index -> (path, class
     name) of the innermost ``nn.Module`` whose forward made it (``("model.layers.0.self_attn.q_proj",
     "Linear")``; absent for ops outside any submodule), so strategies can go by module names;
+    ``notes``: lines the report prints first (an attention kept spelt out with its mask);
     ``values`` (as every :class:`~spmdkit.program.ir.Program`): the recorded values of the
     constants and buffers, which the simulator and ``spmdkit run`` use and the JSON keeps."""
 
@@ -72,6 +73,7 @@ class ImportedProgram(Program):
         self.aliases: dict[str, str] = {}
         self.input_paths: dict[str, tuple[Any, ...]] = {}
         self.modules: dict[int, tuple[str, str]] = {}
+        self.notes: list[str] = []  # what the report's first lines say of the import (models/hf_attention.py)
 
     def input_path(self, name: str) -> str:
         """Where an ``input`` tensor comes from in the call: ``args[0]``, ``kwargs['input_ids']``."""

@@ -1,6 +1,6 @@
 """Lowerings of ATen ops to the ``attention`` family's rules (:mod:`spmdkit.ops.attention`):
 scaled_dot_product_attention -> ``flash_attention`` on Paddle's ``[b, s, h, d]`` (transposes around
-it), or spelt out with a mask or a non-default scale."""
+it; a non-default scale multiplies q first), or spelt out with a mask."""
 
 from __future__ import annotations
 
@@ -27,7 +27,9 @@ def _sdpa(c: ImportContext) -> Any:
     hk = ks[1]
     dt = c.dtype(q)
     default_scale = scale is None or math.isclose(float(scale), 1.0 / math.sqrt(d), rel_tol=1e-12)
-    if mask is None and default_scale and hq % hk == 0:
+    if mask is None and hq % hk == 0:
+        if scale is not None and not default_scale:  # softmax(q k^T * scale) = flash's softmax((q * scale sqrt(d)) k^T / sqrt(d))
+            q = c.emit1("multiply", {"x": q, "y": float(scale) * math.sqrt(d)}, (c.fresh("q_scaled"), qs, dt))
         perm = (0, 2, 1, 3)
         qt, kt, vt = (c.transpose(t, perm, c.fresh(n)) for t, n in ((q, "q"), (k, "k"), (v, "v")))
         vs = c.shape(vt)
