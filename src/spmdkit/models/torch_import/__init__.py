@@ -68,6 +68,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from spmdkit.core.errors import ProgramError
 from spmdkit.models.torch_import.aten import mapped_ops
 from spmdkit.models.torch_import.context import Hook, ImportContext, Name
+from spmdkit.models.torch_import.fuse import fuse as fuse_graph
 from spmdkit.models.torch_import.importer import ImportedProgram, Importer, register_aten, unregister_aten
 from spmdkit.models.torch_import.layers import expand, layer_kinds, layer_stack, prefix_plan
 
@@ -119,7 +120,7 @@ def import_module(module: Any, args: Sequence[Any] = (), kwargs: Mapping[str, An
                   training: bool = False,
                   loss: Any = None, mapping: Mapping[Any, Hook | str] | None = None, fallback: str = "error",
                   buffers: str = "input", optimizer: str | None = "adamw", decompose: bool = False,
-                  repeat_layers: bool = False) -> ImportedProgram:
+                  repeat_layers: bool = False, fuse: bool = False) -> ImportedProgram:
     """The module's step as a validated spmdkit Program (see the module docstring), for the
     call ``module(*args, **kwargs)`` (the example inputs: their shapes and dtypes are the
     program's; a HuggingFace model takes ``input_ids=``, ``attention_mask=``, ``labels=``, ...).
@@ -134,7 +135,8 @@ def import_module(module: Any, args: Sequence[Any] = (), kwargs: Mapping[str, An
     first (core ATen: ``addmm``, the native norms, ``_softmax``, ...). ``module`` may also be
     a ``torch.export.ExportedProgram``; ``repeat_layers``: export one layer of each kind and
     repeat it to the module's depth (:mod:`spmdkit.models.torch_import.layers`; the same program
-    as the full trace, which it falls back to where the layers do not form a plain chain)."""
+    as the full trace, which it falls back to where the layers do not form a plain chain); ``fuse``:
+    RMSNorm and SwiGLU spelt out in ATen ops become the zoo's fused ops (:mod:`.fuse`)."""
     modes = {m: m.training for m in module.modules()} if isinstance(module, torch.nn.Module) else {}
     kwargs = hf_call_kwargs(module, kwargs)
     name = name or type(module).__name__
@@ -145,11 +147,11 @@ def import_module(module: Any, args: Sequence[Any] = (), kwargs: Mapping[str, An
         module.eval()  # dropout off, as the simulator and the planner see the step
     try:
         if repeat_layers and isinstance(module, torch.nn.Module):
-            prog = _import_repeated(module, tuple(args), kwargs, decompose,
+            prog = _import_repeated(module, tuple(args), kwargs, (decompose, fuse),
                                     (name, training, mapping, fallback, buffers), (loss, optimizer))
             if prog is not None:
                 return prog
-        ep = _prepared(export(module, tuple(args), kwargs), decompose)
+        ep = _prepared(export(module, tuple(args), kwargs), decompose, fuse)
     finally:
         for m, was in modes.items():
             m.train(was)
@@ -158,15 +160,17 @@ def import_module(module: Any, args: Sequence[Any] = (), kwargs: Mapping[str, An
     return imp.finish(loss, optimizer)
 
 
-def _prepared(ep: Any, decompose: bool) -> Any:
+def _prepared(ep: Any, decompose: bool, fuse: bool = False) -> Any:
     if decompose:
         return ep.run_decompositions()
     if _mutates(ep):  # in-place ops (x.add_(1), buffer updates): functionalise, decomposing nothing
-        return ep.run_decompositions({})
+        ep = ep.run_decompositions({})
+    if fuse:
+        fuse_graph(ep)
     return ep
 
 
-def _import_repeated(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], decompose: bool,
+def _import_repeated(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], prep: tuple[bool, bool],
                      walk: tuple[Any, ...], end: tuple[Any, Any]) -> ImportedProgram | None:
     """The module imported from an export of its first layers written out to its depth
     (:mod:`.layers`); None where that does not apply (no layer stack, every layer needed, a
@@ -182,12 +186,14 @@ def _import_repeated(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dic
     parent = module.get_submodule(parent_path)
     parent._modules[attr] = torch.nn.ModuleList(list(layers)[:n])
     try:
-        ep = _prepared(export(module, args, kwargs), decompose)
+        ep = _prepared(export(module, args, kwargs), prep[0])
     finally:
         parent._modules[attr] = layers
     full = expand(ep, module, path, copies)
     if full is None:
         return None
+    if prep[1]:  # fused once written out, so that its nodes are named as a full trace's
+        fuse_graph(full)
     imp = Importer(full, *walk)
     imp.run()
     prog = imp.finish(*end)
