@@ -7,6 +7,7 @@ kept and the report's first lines say why."""
 
 from __future__ import annotations
 
+import json
 import warnings
 from typing import Any
 
@@ -138,3 +139,56 @@ def test_attention_the_causal_op_cannot_express_keeps_its_mask(cls: str, cfg: di
     prog, model, kw = _import(cls, cfg, 16, optimizer=None)
     assert spelt_out_attention(prog, 16) and why in prog.notes[0]
     _loss_equals_eager(prog, model, kw)
+
+
+def _own_attention(module: Any, q: Any, k: Any, v: Any, mask: Any, scaling: float = 1.0, **_: Any) -> Any:
+    """Attention in a model's own code: sdpa told nothing but the mask it is handed (without
+    one it attends everywhere), as a model reading its mask itself does."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+class _OwnOnly:
+    """An attention table whose every entry is :func:`_own_attention` (not transformers' sdpa)."""
+
+    def get_interface(self, _name: str, _default: Any) -> Any:
+        return _own_attention
+
+
+def test_a_model_reading_its_mask_itself_is_traced_again_with_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model configured for sdpa whose attention is its own code reading the mask (as BLOOM's
+    reads its own): handed no mask it would attend everywhere, so the import sees that sdpa was
+    never called and traces again with the mask: the program is the plain trace's (HF's masks as
+    torch.export builds them), and the note says why. (HF's eager mode would skip that mask
+    itself, so such a model is broken in eager too: the retrace is a guard.)"""
+    from transformers.models.llama import modeling_llama
+
+    from spmdkit.models.torch_import import import_module
+
+    monkeypatch.setattr(modeling_llama, "ALL_ATTENTION_FUNCTIONS", _OwnOnly())
+    prog, model, kw = _import("LlamaForCausalLM", {**TINY, "max_position_embeddings": 64}, 16, optimizer=None)
+    assert len(spelt_out_attention(prog, 16)) == 2 and "reads its mask in code of its own" in prog.notes[0]
+    plain = import_module(model, (), kw, training=True, optimizer=None, fuse=True)
+    assert [(op.rule, op.inputs, op.outputs) for op in prog.ops] == [(op.rule, op.inputs, op.outputs) for op in plain.ops]
+    masked = [op for op in prog.ops if op.rule == "where" and op.phase == "forward"]
+    assert len(masked) == 2  # where(mask, scores, -inf) in each layer
+
+
+def test_the_note_is_the_reports_second_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """On the command line the note follows the title's first line (which carries the strategy),
+    flat and with a pipeline."""
+    from spmdkit.cli import main
+
+    cfg = json.dumps({**TINY, "sliding_window": 8, "max_position_embeddings": 64})
+    for mesh in ("dp=2", "pp=2"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert main(["plan", "--hf", "MistralForCausalLM", "--hf-config", cfg, "--mesh", mesh, "--strategy", "dp",
+                         "--seq", "16", "--batch", "4"]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        first = next(i for i, ln in enumerate(lines) if ln.startswith("MistralForCausalLM (HuggingFace)"))
+        assert "; strategy dp" in lines[first]
+        assert lines[first + 1].startswith("note: 2 attention(s) spelt out") and "sliding window 8 <= seq 16" in \
+            lines[first + 1] and "strategy" not in lines[first + 1]

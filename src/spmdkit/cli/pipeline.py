@@ -75,6 +75,8 @@ def run_pipeline_plan(req: PlanRequest, out: TextIO) -> int:
     strategy = req.strategy or ("megatron" if not isinstance(source, ProgramFile) else None)
     title = (_title(got, source, spec) + (f"; strategy {strategy}" if strategy else "") + f"; pipeline pp={spec.pp}"
              + (f"; recompute {req.recompute}" if req.recompute not in (None, "none") else ""))
+    if isinstance(source, HFModel):  # the import's warning and note lines, below the first
+        title = "\n".join([title, *got.loaded.title.split("\n")[1:]])
     config = got.loaded.model.config if got.loaded.model is not None else None
     write_html(req, plan, title, est.memory[worst], _est, config, pipeline=est)
     verdict = None

@@ -63,6 +63,8 @@ class MaskRecord:
 def _skip_reason(kv_length: int, q_length: int, q_offset: Any, local_size: int | None, causal_skip: bool,
                  bidirectional_skip: bool) -> str | None:
     """None where HF's sdpa would skip the mask of an unpadded batch in eager mode, else why not."""
+    if not isinstance(q_offset, int) or not isinstance(kv_length, int):
+        return "a mask over a cache (an offset HF reads at run time)"
     if not (causal_skip or bidirectional_skip):
         return "the model has the mask built (a bias added to it such as ALiBi, overlays or packed sequences)"
     if local_size is not None and kv_length >= local_size:
