@@ -19,6 +19,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from spmdkit.core.errors import ProgramError
+from spmdkit.models.hf_attention import attention_note, unmasked_attention
 from spmdkit.models.hf_checks import check_hf_config
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "float64": "float64", "fp64": "float64",
@@ -275,7 +276,14 @@ def import_hf(class_name: str, config: Any, *, batch: int = 2, seq: int = 16, dt
     kw = example_inputs(model, batch, seq, labels=training, pad=pad, seed=seed)
     if moe == "auto":
         moe = "dropless" if weights is True else "uniform"
-    prog = import_module(model, (), kw, training=training, repeat_layers=repeat, moe=moe, **opts)
+    record = None
+    if not pad:  # no padding: HF's sdpa mask is skipped as in eager mode (models/hf_attention.py)
+        with unmasked_attention() as record:
+            prog = import_module(model, (), kw, training=training, repeat_layers=repeat, moe=moe, fuse=True, **opts)
+    if record is None or record.unsafe:
+        prog = import_module(model, (), kw, training=training, repeat_layers=repeat, moe=moe, fuse=True, **opts)
+    note = attention_note(record, prog, seq, bool(pad))
+    prog.notes += [note] if note else []
     return prog, model, kw
 
 

@@ -61,6 +61,9 @@ class HFModel:
     #: ``"error"`` (an ATen op with no lowering refuses the import) or ``"replicate"`` (``--fallback
     #: replicate``: it becomes a replicated op, named in the title's warning line)
     fallback: str = "error"
+    #: padded positions at the end of the example batch's last row (``spmdkit run --pad``): the
+    #: step is then traced with HF's padding mask (unpadded, attention is one causal flash op)
+    pad: int = 0
 
 
 ModelSource = Preset | ProgramFile | HFModel
@@ -139,6 +142,8 @@ def hf_title(source: HFModel, prog: Program | None = None) -> str:
     if note:
         title += "\n" + note
     fell = fallback_ops(prog) if prog is not None else []
+    for note in getattr(prog, "notes", ()):
+        title += "\n" + note
     if fell:
         title += (f"\nwarning: --fallback replicate: {len(fell)} op(s) with no lowering imported replicated (every "
                   f"input and output replicated on every rank): {'; '.join(fell)}")
@@ -176,7 +181,8 @@ def fallback_ops(prog: Program) -> list[str]:
 
 
 def import_hf_checked(class_name: str, config: Any, batch: int, seq: int, dtype: str,
-                      weights: bool | None = None, fallback: str = "error") -> tuple[Program, Any, dict[str, Any]]:
+                      weights: bool | None = None, fallback: str = "error",
+                      pad: int = 0) -> tuple[Program, Any, dict[str, Any]]:
     """:func:`spmdkit.models.hf.import_hf` (``dtype`` a dtype name), its errors on a model that does not
     import given as one ProgramError naming ``--hf``. ``weights``: as ``import_hf``'s; by default
     a small model is built with its weights (``spmdkit run`` runs it) and a larger one is imported
@@ -186,7 +192,7 @@ def import_hf_checked(class_name: str, config: Any, batch: int, seq: int, dtype:
         warnings.filterwarnings("ignore", message="torch import: no mapping")  # the title names them
         try:
             return import_hf(class_name, config, batch=batch, seq=seq, dtype=dtype, weights=weights,
-                             fallback=fallback)
+                             fallback=fallback, pad=pad)
         except SpmdError:
             raise
         except (ValueError, TypeError, RuntimeError, IndexError, KeyError) as exc:
@@ -210,7 +216,7 @@ def load(source: ModelSource, *, vocab_parallel_loss: bool = False) -> Loaded:
     if isinstance(source, ProgramFile):
         return Loaded(source, load_program(source.path), f"program {source.path}")
     prog, module, kw = import_hf_checked(source.class_name, source.config, source.batch, source.seq, source.dtype,
-                                         source.weights, source.fallback)
+                                         source.weights, source.fallback, source.pad)
     return Loaded(source, prog, hf_title(source, prog), module=module, inputs=kw)
 
 

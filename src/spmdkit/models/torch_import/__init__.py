@@ -70,6 +70,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from spmdkit.core.errors import ProgramError
 from spmdkit.models.torch_import.aten import mapped_ops
 from spmdkit.models.torch_import.context import Hook, ImportContext, Name
+from spmdkit.models.torch_import.fuse import fuse as fuse_graph
 from spmdkit.models.torch_import.importer import ImportedProgram, Importer, register_aten, unregister_aten
 from spmdkit.models.torch_import.layers import expand, layer_kinds, layer_stack, prefix_plan
 from spmdkit.models.torch_import.moe import Block, lowered_moe
@@ -122,7 +123,8 @@ def import_module(module: Any, args: Sequence[Any] = (), kwargs: Mapping[str, An
                   training: bool = False,
                   loss: Any = None, mapping: Mapping[Any, Hook | str] | None = None, fallback: str = "error",
                   buffers: str = "input", optimizer: str | None = "adamw", decompose: bool = False,
-                  repeat_layers: bool = False, moe: str | float | None = "dropless") -> ImportedProgram:
+                  repeat_layers: bool = False, moe: str | float | None = "dropless",
+                  fuse: bool = False) -> ImportedProgram:
     """The module's step as a validated spmdkit Program (see the module docstring), for the
     call ``module(*args, **kwargs)`` (the example inputs: their shapes and dtypes are the
     program's; a HuggingFace model takes ``input_ids=``, ``attention_mask=``, ``labels=``, ...).
@@ -141,7 +143,8 @@ def import_module(module: Any, args: Sequence[Any] = (), kwargs: Mapping[str, An
     ``moe``: HF's MoE blocks lowered to the zoo's MoE ops (:mod:`.moe`) with this capacity per
     expert and sequence (``"dropless"``: every token, the module's own values; ``"uniform"``: the
     zoo's ``ceil(seq x top_k / experts)``; a float: that times the capacity factor), or None:
-    imported as HF computes them (its grouped matmul: every expert on every token)."""
+    imported as HF computes them (its grouped matmul: every expert on every token); ``fuse``:
+    RMSNorm and SwiGLU spelt out in ATen ops become the zoo's fused ops (:mod:`.fuse`)."""
     modes = {m: m.training for m in module.modules()} if isinstance(module, torch.nn.Module) else {}
     kwargs = hf_call_kwargs(module, kwargs)
     name = name or type(module).__name__
@@ -156,12 +159,12 @@ def import_module(module: Any, args: Sequence[Any] = (), kwargs: Mapping[str, An
             blocks = stack.enter_context(lowered_moe(module, _tokens(args, kwargs), moe))
         try:
             if repeat_layers and isinstance(module, torch.nn.Module):
-                prog = _import_repeated(module, tuple(args), kwargs, decompose,
+                prog = _import_repeated(module, tuple(args), kwargs, (decompose, fuse),
                                         (name, training, mapping, fallback, buffers), (loss, optimizer))
                 if prog is not None:
                     prog.moe_blocks = blocks
                     return prog
-            ep = _prepared(export(module, tuple(args), kwargs), decompose)
+            ep = _prepared(export(module, tuple(args), kwargs), decompose, fuse)
         finally:
             for m, was in modes.items():
                 m.train(was)
@@ -180,15 +183,17 @@ def _tokens(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[int, int]:
     return (int(ids[0].shape[0]), int(ids[0].shape[1])) if ids else (1, 1)
 
 
-def _prepared(ep: Any, decompose: bool) -> Any:
+def _prepared(ep: Any, decompose: bool, fuse: bool = False) -> Any:
     if decompose:
         return ep.run_decompositions()
     if _mutates(ep):  # in-place ops (x.add_(1), buffer updates): functionalise, decomposing nothing
-        return ep.run_decompositions({})
+        ep = ep.run_decompositions({})
+    if fuse:
+        fuse_graph(ep)
     return ep
 
 
-def _import_repeated(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], decompose: bool,
+def _import_repeated(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], prep: tuple[bool, bool],
                      walk: tuple[Any, ...], end: tuple[Any, Any]) -> ImportedProgram | None:
     """The module imported from an export of its first layers written out to its depth
     (:mod:`.layers`); None where that does not apply (no layer stack, every layer needed, a
@@ -204,12 +209,14 @@ def _import_repeated(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dic
     parent = module.get_submodule(parent_path)
     parent._modules[attr] = torch.nn.ModuleList(list(layers)[:n])
     try:
-        ep = _prepared(export(module, args, kwargs), decompose)
+        ep = _prepared(export(module, args, kwargs), prep[0])
     finally:
         parent._modules[attr] = layers
     full = expand(ep, module, path, copies)
     if full is None:
         return None
+    if prep[1]:  # fused once written out, so that its nodes are named as a full trace's
+        fuse_graph(full)
     imp = Importer(full, *walk)
     imp.run()
     prog = imp.finish(*end)

@@ -57,6 +57,7 @@ class ImportedProgram(Program):
     the tensor it is (``head.weight`` -> ``wte.weight``); ``modules``: op index -> (path, class
     name) of the innermost ``nn.Module`` whose forward made it (``("model.layers.0.self_attn.q_proj",
     "Linear")``; absent for ops outside any submodule), so strategies can go by module names;
+    ``notes``: lines the report prints first (an attention kept spelt out with its mask);
     ``values`` (as every :class:`~spmdkit.program.ir.Program`): the recorded values of the
     constants and buffers, which the simulator and ``spmdkit run`` use and the JSON keeps."""
 
@@ -75,6 +76,7 @@ class ImportedProgram(Program):
         self.modules: dict[int, tuple[str, str]] = {}
         #: the HF MoE blocks lowered to the moe ops (:mod:`spmdkit.models.torch_import.moe`)
         self.moe_blocks: list[Any] = []
+        self.notes: list[str] = []  # what the report's first lines say of the import (models/hf_attention.py)
 
     def input_path(self, name: str) -> str:
         """Where an ``input`` tensor comes from in the call: ``args[0]``, ``kwargs['input_ids']``."""
