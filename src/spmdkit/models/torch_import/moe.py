@@ -266,10 +266,24 @@ def identify_routing(router: torch.nn.Module, e: int, k: int) -> tuple[Routing, 
     return None
 
 
+def _router_key(router: torch.nn.Module, e: int, k: int) -> tuple[Any, ...]:
+    """What decides a router's routing: its class, its scalar settings (top_k, groups, scaling,
+    normalisation flags), its weight's shape and its buffers' names and shapes; two routers with
+    the same key route alike, so one probe answers for both (a router with its own forward or
+    hooks is probed on its own)."""
+    plain = tuple(sorted((n, v) for n, v in vars(router).items()
+                         if not n.startswith("_") and isinstance(v, (bool, int, float, str))))
+    shapes = tuple((n, tuple(t.shape)) for n, t in (*router.named_parameters(recurse=False),
+                                                      *router.named_buffers(recurse=False)))
+    own = "forward" in vars(router) or bool(router._forward_hooks or router._forward_pre_hooks)
+    return (type(router), e, k, plain, shapes, id(router) if own else None)  # a patched router: its own probe
+
+
 def moe_blocks(module: torch.nn.Module, warn: bool = True) -> list[Block]:
     """The MoE blocks of ``module`` (see the module docstring); a block found but not lowerable
     is a warning naming it and why (``warn``)."""
     found: list[Block] = []
+    probed: dict[tuple[Any, ...], tuple[Routing, str | None] | None] = {}
     named = dict(module.named_modules())
     for path, m in named.items():
         if not _banks(m) or not hasattr(m, "has_gate"):
@@ -290,7 +304,10 @@ def moe_blocks(module: torch.nn.Module, warn: bool = True) -> list[Block]:
         if why is None and rt is not None:
             assert not isinstance(layout, str) and act is not None
             k = int(getattr(rt[1], "top_k"))  # noqa: B009 - a module attribute mypy reads as a submodule
-            ident = identify_routing(rt[1], layout[2], k)
+            key = _router_key(rt[1], layout[2], k)
+            if key not in probed:  # one probe per kind of router: the layers of a model share it
+                probed[key] = identify_routing(rt[1], layout[2], k)
+            ident = probed[key]
             if ident is None:
                 why = f"router {type(rt[1]).__name__} computes a routing the ops do not express"
             else:
