@@ -137,7 +137,7 @@ def _strategy(row: dict[str, Any], assume: list[str]) -> tuple[str, str]:
     framework = "megatron"
     if zero.startswith("FSDP"):
         parts.append("zero3")
-        framework = "torchtitan"
+        framework = str(row.get("framework") or "torchtitan")  # a stated FSDP2 framework (AutoModel's)
     elif "distributed optimizer" in zero.lower():
         parts.append("zero1")
     elif par.get("zero") is None and row["id"].startswith(("megatronlm", "nemo")):

@@ -500,9 +500,15 @@ def _bytes_per_element(framework: str, precision: str) -> tuple[int, int, int]:
     in the optimizer), an fp32 master copy and two fp32 moments: 2 + 4 + 12 (bf16), 2 + 2 + 16
     (fp16), 4 + 4 + 8 (fp32). torchtitan (FSDP2, MixedPrecisionPolicy(param_dtype=bf16,
     reduce_dtype=fp32)): fp32 parameters and gradients, two fp32 moments, all sharded;
-    the bf16 copies it computes with are gathered per layer (the activation curve)."""
+    the bf16 copies it computes with are gathered per layer (the activation curve). NeMo
+    AutoModel (its benchmark recipes: the model built in its config's bf16, FSDP2's
+    ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, ``torch.optim.Adam``, whose
+    moments take the parameter's dtype): 2 + 2 + 4, the gradient reduced in fp32 and stored in
+    bf16 (unreduced under gradient accumulation: accumulated in the fp32 reduce dtype)."""
     if framework == "torchtitan":
         return 4, 4, 8
+    if framework == "automodel" and precision != "fp32":
+        return 2, 2, 4
     if precision == "fp32":
         return 4, 4, 8
     if precision == "fp16":
@@ -559,6 +565,8 @@ def held_for_the_step(plan: Plan) -> dict[str, tuple[int, int, int]]:
         pb, gb, sb = _bytes_per_element(rt.framework, rt.precision_of(t.dtype))
         small = sum(numel(n) * prog.tensors[n].itemsize for n in states if n not in big)
         fp8 = 2 * numel(p) if p in linear else 0
+        if rt.framework == "automodel" and grads and unreduced.get(grads[0], 0) > numel(grads[0]):
+            gb = 4  # FSDP2 accumulates the unsharded gradient in its fp32 reduce dtype
         out[p] = (numel(p, plan.storage.get(p)) * pb + fp8, n_grad * gb, numel(big[0]) * sb + small)
     return out
 
@@ -738,8 +746,10 @@ LOSS_RULES = frozenset({"cross_entropy_with_softmax", "c_softmax_with_cross_entr
 #: Megatron-LM: ``vocab_parallel_cross_entropy(logits.float())`` keeps the softmax in fp32 (+2)
 #: and computes the gradient in place. torchtitan (eager): ``cross_entropy(pred.float())``
 #: keeps log-softmax in fp32 (+2), its forward holds the fp32 copy of the logits (+4), its
-#: backward the nll gradient and log-softmax's input gradient in fp32 (+8).
-LOSS_BYTES = {"megatron": (2, 0, 0), "torchtitan": (2, 4, 8)}
+#: backward the nll gradient and log-softmax's input gradient in fp32 (+8). NeMo AutoModel's
+#: benchmark recipes (``MaskedCrossEntropy(fp32_upcast=False)``): ``cross_entropy`` on the bf16
+#: logits, whose backward holds the nll gradient in bf16 (+2) beside the program's.
+LOSS_BYTES = {"megatron": (2, 0, 0), "torchtitan": (2, 4, 8), "automodel": (0, 0, 2)}
 
 
 def loss_spans(plan: Plan) -> list[tuple[int, int, int]]:

@@ -488,7 +488,7 @@ def _held_for_the_step(plan: Plan, stages: list[int], out: list[StageCost],
     # torch.distributed.pipelining accumulates their gradients unsharded until the last
     # microbatch (set_requires_gradient_sync(False)), in the fp32 reduce dtype
     gathered: dict[str, tuple[int, int]] = {}
-    if plan.runtime.framework == "torchtitan":
+    if plan.runtime.fsdp2:  # AutoModel too (reshard_after_forward=not pp_enabled)
         for r in plan.reshards:
             if r.tensor in plan.storage and r.tensor not in gathered:
                 t = prog.tensors[r.tensor]
