@@ -67,7 +67,7 @@ from spmdkit.core.dist_attr import TensorDistAttr, entry_dims, largest_shard
 from spmdkit.core.errors import ProgramError
 from spmdkit.cost.moe import plan_loads
 from spmdkit.program.ir import Op, Program, flat_refs
-from spmdkit.program.plan import Plan
+from spmdkit.program.plan import Plan, Reshard
 
 
 def local_numel(attr: TensorDistAttr, shape: tuple[int, ...]) -> int:
@@ -516,6 +516,15 @@ def _bytes_per_element(framework: str, precision: str) -> tuple[int, int, int]:
     return 2, 4, 12  # bf16, and fp8 (TE keeps bf16 parameters; fp8 copies counted apart)
 
 
+def makes_no_copy(plan: Plan, r: Reshard) -> bool:
+    """``r`` changes only mesh dims of one rank (a ZeRO-3 gather of an expert stack over an
+    expert-data-parallel dim of size 1): the local tensor is the same, no bytes move and the
+    framework makes no copy (FSDP2 leaves such a parameter out: AutoModel's ``ignored_params``)."""
+    shape = plan.program.tensors[r.tensor].shape
+    return (not r.plan.bytes_per_rank and local_numel(r.src, shape) == local_numel(r.dst, shape)
+            and not any(s.bytes_per_rank for s in r.plan.steps))
+
+
 def held_for_the_step(plan: Plan) -> dict[str, tuple[int, int, int]]:
     """Parameter -> (parameter, gradient, optimizer-state bytes) it holds for the whole step on
     one device, as ``plan.runtime.framework`` allocates them (:func:`_bytes_per_element`), each
@@ -719,6 +728,8 @@ def activation_deltas(plan: Plan, saved: ActivationMemory, group_of: list[int] |
                 blk[1] = i
     spans: dict[tuple[int, str, TensorDistAttr, str], list[int]] = {}
     for r in plan.reshards:
+        if makes_no_copy(plan, r):
+            continue
         op = prog.ops[r.op_index]
         g = grp[r.op_index]
         if r.tensor in stored:
@@ -812,6 +823,6 @@ def memory_per_device(plan: Plan, recompute: str = "none") -> Memory:
 __all__ = ["ALLOCATOR_RESERVE", "CUDA_CONTEXT_BYTES", "LOSS_BYTES", "LOSS_RULES", "MICROBATCH", "loss_spans",
            "per_microbatch_mode", "NCCL_BYTES_PER_GROUP", "RECOMPUTE",
            "SHAPE_ONLY", "ActivationMemory", "Memory", "UnevenShard", "activation_deltas", "check_recompute",
-           "communicators", "fit_verdict", "fp8_stashed", "held_for_the_step", "local_numel", "memory_per_device",
+           "communicators", "fit_verdict", "fp8_stashed", "held_for_the_step", "local_numel", "makes_no_copy", "memory_per_device",
            "peak_of", "recompute_regions", "rerun_points", "saved_activations", "spans_with_recompute",
            "uneven_shards", "value_inputs", "value_reads", "value_spans", "with_overheads"]
