@@ -44,9 +44,12 @@ def catalog_batch(model: str | None, dp: int, batch: int | None) -> int | None:
 
 
 def mesh_dp(mesh_text: str) -> int:
-    """The size of the mesh's ``dp`` dim (1 without one)."""
+    """The data-parallel ranks of the mesh: its ``dp`` dim times its ``ep`` dim (expert
+    parallelism is carved out of data parallelism: outside the experts the batch is split over
+    ``dp x ep``); 1 without either."""
     mesh = parse_mesh(mesh_text)
-    return dict(zip(mesh.dim_names, mesh.shape)).get("dp", 1)
+    sizes = dict(zip(mesh.dim_names, mesh.shape))
+    return sizes.get("dp", 1) * sizes.get("ep", 1)
 
 
 def plan_source(source: ModelSource, mesh_text: str, strategy_text: str | None, user: dict[str, Any],

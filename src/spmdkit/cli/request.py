@@ -233,8 +233,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                         "and recomputation (and --auto's search per mesh) for the fastest plan that fits the memory "
                         "(graph/auto_search.py); prints the top configurations and the best plan")
     p.add_argument("--strategy", default=None,
-                   help="comma list of dp, megatron (tp), sp, zero1, zero2 (zero), zero3 (fsdp); default megatron (= dp,megatron) for a preset "
-                        "or --hf, none for --program")
+                   help="comma list of dp, megatron (tp), sp, ep (MoE experts over an ep mesh dim, tokens over dp x ep), zero1, "
+                        "zero2 (zero), zero3 (fsdp); default megatron (= dp,megatron) for a preset or --hf, none for --program")
     p.add_argument("--layers", help=f"override the preset's layer count (1 to {MAX_LAYERS})")
     p.add_argument("--batch", help=f"override the preset's batch size (1 to {MAX_SIZE})")
     p.add_argument("--seq", help=f"override the preset's sequence length (1 to {MAX_SIZE})")
@@ -335,8 +335,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pad", type=int, help="--hf: padded positions (attention mask 0) at the end of the batch's last "
                                            "row (default 0)")
     p.add_argument("--mesh", default="dp=2,tp=2", help="named mesh dims, e.g. dp=2,tp=2 (default)")
-    p.add_argument("--strategy", help="comma list of dp, megatron (tp), sp, zero1, zero2 (zero), zero3 (fsdp); default megatron (--program: "
-                                      "none, its --annotate pins alone)")
+    p.add_argument("--strategy", help="comma list of dp, megatron (tp), sp, ep (MoE experts over an ep mesh dim), zero1, zero2 "
+                                      "(zero), zero3 (fsdp); default megatron (--program: none, its --annotate pins alone)")
     p.add_argument("--tp-plan", metavar="FILE|JSON",
                    help='megatron for --hf / --program: module-name patterns -> column, row, vocab or replicate, '
                         'e.g. \'{"*.k_proj": "replicate"}\' (docs/torch.md)')

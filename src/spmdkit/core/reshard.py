@@ -179,6 +179,80 @@ class _State:
         return None
 
 
+def _without(attr: TensorDistAttr, d: int, axis: int | None, add: bool) -> TensorDistAttr:
+    """``attr`` with mesh dim ``d`` no longer partial (``add``: now sharding ``axis`` as its
+    minor dim), or (not ``add``) no longer sharding ``axis``."""
+    dims = [list(entry_dims(e)) for e in attr.dims_mapping]
+    pt = dict(attr.partial)
+    if add:
+        pt.pop(d, None)
+        if axis is not None:
+            dims[axis].append(d)
+    elif axis is not None:
+        dims[axis].remove(d)
+    return TensorDistAttr.unchecked(attr.mesh, tuple(dims_entry(x) for x in dims), tuple(sorted(pt.items())))
+
+
+def single_dim_steps(step: Step) -> tuple[Step, ...]:
+    """A collective over several mesh dims (one group of their ranks: a data-parallel group
+    folded over ``dp x ep``) as the same collective over each dim in turn, with the dist attrs
+    between (bytes and time not split: 0): an all-reduce dim by dim, a reduce-scatter major dim
+    first, an all-gather minor dim first (``mesh_dims`` are the co-shard's, major first). The
+    result is the same; an executor with one process group per mesh dim runs it so."""
+    if len(step.mesh_dims) < 2:
+        return (step,)
+    out: list[Step] = []
+    cur = step.src
+    dims = step.mesh_dims if step.kind != "all_gather" else tuple(reversed(step.mesh_dims))
+    for d in dims:
+        nxt = _without(cur, d, step.tensor_axis, step.kind != "all_gather")
+        out.append(Step(step.kind, (d,), step.tensor_axis, 0, 0.0, cur, nxt, step.dst_axis, step.reduce_type))
+        cur = nxt
+    return tuple(out)
+
+
+def merge_groups(plan: ReshardPlan, groups: Sequence[tuple[int, int]], shape: Sequence[int], itemsize: int,
+                 cost: CostModel) -> ReshardPlan:
+    """``plan`` with two consecutive collectives of one kind over the mesh dims of a group
+    ``(a, b)`` (an all-reduce over both, a reduce-scatter over ``a`` then ``b`` onto one axis, an
+    all-gather over ``b`` then ``a`` off one) made one collective over the group's ``|a| x |b|``
+    ranks, its bytes and time those of one ring over them."""
+    steps = list(plan.steps)
+    if len(steps) < 2 or not groups:
+        return plan
+    ms = steps[0].src.mesh.shape
+    out: list[Step] = []
+    i = 0
+    while i < len(steps):
+        s = steps[i]
+        t = steps[i + 1] if i + 1 < len(steps) else None
+        pair = None
+        if t is not None and s.kind == t.kind and s.reduce_type == t.reduce_type and s.tensor_axis == t.tensor_axis \
+                and len(s.mesh_dims) == 1 and len(t.mesh_dims) == 1 and s.bytes_per_rank and t.bytes_per_rank:
+            x, y = s.mesh_dims[0], t.mesh_dims[0]
+            if s.kind == "all_reduce" and ((x, y) in groups or (y, x) in groups):
+                pair = (x, y) if (x, y) in groups else (y, x)
+            elif s.kind == "reduce_scatter" and (x, y) in groups:
+                pair = (x, y)
+            elif s.kind == "all_gather" and (y, x) in groups:
+                pair = (y, x)
+        if pair is None:
+            out.append(s)
+            i += 1
+            continue
+        n = ms[pair[0]] * ms[pair[1]]
+        if s.kind == "all_gather":
+            size = local_bytes(t.dst.dims_mapping, shape, ms, itemsize)  # type: ignore[union-attr]
+            b = round((n - 1) / n * size)
+        else:
+            size = local_bytes(s.src.dims_mapping, shape, ms, itemsize)
+            b = round((2 if s.kind == "all_reduce" else 1) * (n - 1) / n * size)
+        out.append(Step(s.kind, pair, s.tensor_axis, b, cost.collective_time(s.kind, pair, size, ms), s.src,
+                        t.dst, None, s.reduce_type))  # type: ignore[union-attr]
+        i += 2
+    return ReshardPlan(tuple(out))
+
+
 def plan_reshard(src: TensorDistAttr, dst: TensorDistAttr, shape: Sequence[int], itemsize: int = 4,
                  cost: CostModel | None = None) -> ReshardPlan:
     """The steps that turn a tensor distributed as ``src`` into one distributed as ``dst``."""
@@ -260,4 +334,5 @@ def plan_reshard(src: TensorDistAttr, dst: TensorDistAttr, shape: Sequence[int],
     return ReshardPlan(tuple(steps))
 
 
-__all__ = ["CostModel", "LinkCost", "ReshardPlan", "Step", "local_bytes", "plan_reshard"]
+__all__ = ["CostModel", "LinkCost", "ReshardPlan", "Step", "local_bytes", "merge_groups", "plan_reshard",
+           "single_dim_steps"]

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from spmdkit.core.dist_attr import ReduceType
 from spmdkit.core.mesh import ProcessMesh
-from spmdkit.core.reshard import local_bytes
+from spmdkit.core.reshard import local_bytes, single_dim_steps
 from spmdkit.program.plan import Plan
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
@@ -37,14 +37,15 @@ class Collective:
 
 
 def expected_collectives(plan: Plan) -> list[Collective]:
-    """The collectives the plan's reshards issue on every rank, in program order."""
+    """The collectives the plan's reshards issue on every rank, in program order (one over a
+    group of several mesh dims as one per dim: :func:`spmdkit.core.reshard.single_dim_steps`)."""
     out: list[Collective] = []
     ms = plan.mesh.shape
     for rs in plan.reshards:
         if rs.shared:
             continue
         shape = plan.program.tensors[rs.tensor].shape
-        for st in rs.plan.steps:
+        for st in (x for step in rs.plan.steps for x in single_dim_steps(step)):
             if st.kind in COLLECTIVES:
                 out.append(Collective(rs.tensor, st.kind, st.mesh_dims[0],
                                       local_bytes(st.src.dims_mapping, shape, ms, 1),

@@ -55,7 +55,7 @@ import torch.distributed as dist
 from spmdkit.core.dist_attr import ReduceType, TensorDistAttr
 from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.core.mesh import ProcessMesh
-from spmdkit.core.reshard import Step, plan_reshard
+from spmdkit.core.reshard import Step, plan_reshard, single_dim_steps
 from spmdkit.execute.check import TOLERANCES, RunReport, check_numpy, check_torch, program_dtype
 from spmdkit.execute.collectives import (
     COLLECTIVES,
@@ -152,7 +152,12 @@ class Rank:
 
     def step_t(self, name: str, st: Step, a: torch.Tensor) -> torch.Tensor:
         """One reshard step on this rank's local piece (a torch tensor, any dtype): the
-        collective over the mesh dim's group, or the local slice / to_partial."""
+        collective over the mesh dim's group, or the local slice / to_partial; a collective over
+        several mesh dims as one over each in turn (:func:`single_dim_steps`: the same result)."""
+        if len(st.mesh_dims) > 1:
+            for sub in single_dim_steps(st):
+                a = self.step_t(name, sub, a)
+            return a
         d = st.mesh_dims[0]
         n = self.mesh.shape[d]
         g = self.groups.of_dim.get(d)

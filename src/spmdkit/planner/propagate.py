@@ -47,7 +47,7 @@ from typing import Any
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.core.mesh import ProcessMesh
-from spmdkit.core.reshard import CostModel, ReshardPlan, plan_reshard
+from spmdkit.core.reshard import CostModel, ReshardPlan, merge_groups, plan_reshard
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.cache_keys import UNCACHEABLE, value_key
 from spmdkit.engine.memo import gc_paused, memo_enabled
@@ -232,6 +232,10 @@ class _Propagation:
             if program.tensors[stored].kind not in ("parameter", "input", "optimizer_state"):
                 raise ProgramError(f"storage for {stored!r}: only a program input (a parameter) can be stored sharded")
         self.cost = cost or CostModel.default(mesh)
+        # mesh dims annotated as one co-shard (expert parallelism's batch over (dp, ep)): one
+        # group of ranks, whose reductions and gathers run as one collective over both
+        self.groups = sorted({(e[0], e[1]) for a in self.fixed.values() for e in a.dims_mapping
+                              if isinstance(e, tuple) and len(e) == 2})
         self.attrs: dict[str, TensorDistAttr | None] = {n: None for n in program.tensors}
         self.attrs.update(self.fixed)
         self.specs = _Specs(program, mesh)
@@ -271,6 +275,8 @@ class _Propagation:
         p = self.planned.get(key)
         if p is None:
             p = plan_reshard(src, dst, t.shape, t.itemsize, self.cost)
+            if self.groups:
+                p = merge_groups(p, self.groups, t.shape, t.itemsize, self.cost)
             self.planned[key] = p
         return p
 

@@ -37,23 +37,36 @@ def tiny_for_mesh(tiny: str, mesh_text: str, strategy_text: str) -> str:
     """The tiny model ``tiny`` (a preset name or a config's JSON) grown where megatron over the
     mesh's tp dim would not split it evenly (:func:`spmdkit.strategies.strategy.tp_problem`:
     tiny-llama's 4 heads on tp=8): heads, kv heads, FFN, vocabulary (and with ``sp`` the
-    sequence) made multiples of tp, the head size kept; ``tiny`` itself where it splits."""
+    sequence) made multiples of tp, the head size kept; with ``ep`` the experts a multiple of
+    the ep dim and the batch of ``dp x ep``; ``tiny`` itself where it splits."""
     mesh = parse_mesh(mesh_text)
-    tp = mesh.shape[mesh.dim_index("tp")] if "tp" in mesh.dim_names else 1
-    sp = "sp" in {x.strip() for x in strategy_text.split(",")}
+    sizes = dict(zip(mesh.dim_names, mesh.shape))
+    tp = sizes.get("tp", 1)
+    st = {x.strip() for x in strategy_text.split(",")}
+    sp = "sp" in st
     cfg = preset(tiny)
-    if tp_problem(cfg, tp, sp) is None:
+    grown: dict[str, Any] = {}
+    if "ep" in st and cfg.experts:
+        ep, dp = sizes.get("ep", 1), sizes.get("dp", 1)
+        if cfg.experts % ep:
+            grown["experts"] = _lcm(cfg.experts, ep)
+        if cfg.batch % (dp * ep):
+            grown["batch"] = _lcm(cfg.batch, dp * ep)
+    if tp_problem(cfg, tp, sp) is not None:
+        kv = cfg.n_kv if cfg.n_kv % tp == 0 or tp % cfg.n_kv == 0 else _lcm(cfg.n_kv, tp)
+        heads = _lcm(_lcm(cfg.heads, tp), kv)
+        grown.update({"heads": heads, "kv_heads": None if cfg.kv_lora_rank else kv, "ffn": _lcm(cfg.ffn, tp),
+                      "vocab": _lcm(cfg.vocab, tp), "seq": _lcm(cfg.seq, tp) if sp else cfg.seq})
+        if not cfg.head_dim:  # the head size follows from the hidden size: kept
+            grown["hidden"] = heads * cfg.hdim
+        if cfg.experts and cfg.moe_ffn:
+            grown["moe_ffn"] = _lcm(cfg.moe_ffn, tp)
+    if not grown:
         return tiny
-    kv = cfg.n_kv if cfg.n_kv % tp == 0 or tp % cfg.n_kv == 0 else _lcm(cfg.n_kv, tp)
-    heads = _lcm(_lcm(cfg.heads, tp), kv)
-    grown: dict[str, Any] = {"heads": heads, "kv_heads": None if cfg.kv_lora_rank else kv, "ffn": _lcm(cfg.ffn, tp), "vocab": _lcm(cfg.vocab, tp),
-             "seq": _lcm(cfg.seq, tp) if sp else cfg.seq}
-    if not cfg.head_dim:  # the head size follows from the hidden size: kept
-        grown["hidden"] = heads * cfg.hdim
-    if cfg.experts and cfg.moe_ffn:
-        grown["moe_ffn"] = _lcm(cfg.moe_ffn, tp)
     obj = json.loads(tiny) if is_config_text(tiny) else {"base": tiny}
-    obj.update(grown, name=f"{model_label(tiny)} sized for tp={tp}")
+    what = ", ".join([*([f"tp={tp}"] if "heads" in grown else []),
+                      *([f"ep={sizes.get('ep')}"] if "experts" in grown or "batch" in grown else [])])
+    obj.update(grown, name=f"{model_label(tiny)} sized for {what}")
     return json.dumps(obj, separators=(",", ":"))
 
 

@@ -16,6 +16,10 @@
 - ``sp``: Megatron sequence parallel (with ``megatron``): the residual stream is sharded on
   its sequence axis over ``tp``, the normalised activations that feed the column-parallel
   projections are gathered: the all-reduces become all-gather / reduce-scatter pairs.
+- ``ep``: expert parallelism over the ``ep`` mesh dim, folded into data parallelism as
+  Megatron-Core does (:mod:`spmdkit.strategies.experts`, docs/experts.md): outside the experts
+  the batch co-sharded over ``(dp, ep)``, each expert stack's expert axis over ``ep``, the
+  tokens dispatched and combined by one all-to-all over ``ep`` each way.
 - ``zero1`` / ``zero2`` (``zero``) / ``zero3`` (``fsdp``): ZeRO over ``dp``
   (:func:`optimizer_layouts`): optimizer states (moments, fp32 master weights) sharded on
   their first axis not already sharded that ``dp`` divides, or where none does unevenly on
@@ -25,8 +29,9 @@
   forward and backward readers (:func:`zero3_storage`). The update runs on the shards; the
   updated parameter is held as the parameter (all-gathered under zero1/2).
 
-``megatron`` alone means ``dp,megatron`` when the mesh has a ``dp`` dim; every strategy
-needs its mesh dims (``dp`` / ``tp``) to exist. User annotations (tensor -> dims_mapping)
+``megatron`` (or ``ep``) alone means ``dp,megatron`` when the mesh has a ``dp`` dim; every
+strategy needs its mesh dims (``dp`` / ``tp`` / ``ep``) to exist (with ``ep`` and no ``dp`` dim,
+ZeRO shards over the ep ranks). User annotations (tensor -> dims_mapping)
 are applied last and win.
 """
 
