@@ -2,7 +2,8 @@
 layer keeps for the backward by hand (Megatron-Core's alltoall dispatcher keeps the same
 tensors), no copy counted for a ZeRO-3 gather over an expert-data-parallel dim of one rank, and
 ``--framework automodel``'s bytes per parameter (bf16 parameters, gradients and Adam moments) and
-loss."""
+loss. The auxiliary load-balancing loss of the zoo's MoE layers (models/zoo_moe.py): its ops,
+no collective added, dense programs unchanged, its cost and kept tensors."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dataclasses import replace
 import pytest
 
 from spmdkit.core.errors import ProgramError
+from spmdkit.cost.compute import op_cost
 from spmdkit.cost.memory import (
     LOSS_BYTES,
     held_for_the_step,
@@ -166,3 +168,76 @@ def test_framework_is_checked() -> None:
     with pytest.raises(ProgramError, match="expected one of megatron, torchtitan, automodel"):
         Runtime("bf16", "nemo")
     assert Runtime(None, "automodel").fsdp2 and Runtime(None, "torchtitan").fsdp2 and not Runtime().fsdp2
+
+
+# -- the auxiliary load-balancing loss (models/zoo_moe.py) ---------------------------------------------
+
+
+
+def _aux_ops(b: int) -> list[tuple[str, str, list[int]]]:
+    """The aux-loss ops of one MoE layer (forward) at batch ``b``, in program order."""
+    return [("one_hot", "aux.onehot", [b, S, K, E]), ("sum", "aux.count", [b, E]), ("cast", "aux.f", [b, E]),
+            ("mean", "aux.p", [b, E]), ("cast", "aux.p32", [b, E]), ("multiply", "aux.fp", [b, E]),
+            ("sum", "aux", [b])]
+
+
+def _mixtral(aux: bool, mesh: str, strategy: str, layers: int = 2):  # type: ignore[no-untyped-def]
+    cfg = preset("mixtral-8x7b").with_(layers=layers, seq=S, batch=4, aux_loss=aux)
+    loaded = load_preset(Preset("mixtral-8x7b", layers, 4, S), cfg, vocab_parallel_loss="megatron" in strategy)
+    assert loaded.model is not None
+    m = parse_mesh(mesh)
+    return propagate(loaded.program, m, annotate(loaded.model, m, parse_strategy(strategy, m)))
+
+
+def test_aux_loss_ops_per_moe_layer_and_into_the_loss() -> None:
+    plan = _mixtral(True, "dp=1", "dp", layers=1)
+    prog = plan.program
+    fwd = [(op.rule, op.output_names()[0]) for op in prog.ops if op.phase == "forward"]
+    got = [(r, n[len("layers.0."):], list(prog.tensors[n].shape)) for r, n in fwd if n.startswith("layers.0.aux")]
+    assert got == _aux_ops(4)
+    assert fwd[-4:] == [("reshape", "loss.token2d"), ("reshape", "loss.aux"), ("concat", "loss.terms"),
+                        ("sum", "loss")]
+    # the counts take no gradient; the router's probabilities get the aux loss's through mean_grad
+    bwd = {op.rule for op in prog.ops if op.phase == "backward" and any("aux" in n for n in op.input_names())}
+    assert {"mean_grad", "multiply_grad", "cast_grad", "sum_grad"} <= bwd and "one_hot_grad" not in bwd
+    assert "layers.0.aux.count.grad" not in prog.tensors
+
+
+def test_dense_programs_and_aux_loss_false_are_unchanged() -> None:
+    dense = plan_preset("tiny-llama", "dp=2", "dp")[1].program
+    assert not any("aux" in n for n in dense.tensors) and "loss.terms" not in dense.tensors
+    off = _mixtral(False, "dp=2", "dp").program
+    on = _mixtral(True, "dp=2", "dp").program
+    assert not any("aux" in n for n in off.tensors)
+    extra = {n for n in on.tensors if n not in off.tensors}
+    # besides its own tensors: the router probabilities' second gradient and the sum of both
+    assert {n for n in extra if not ("aux" in n or n.startswith("loss."))} == {
+        f"layers.{i}.router.probs.{g}" for i in (0, 1) for g in ("grad1", "grad.sum")}
+
+
+@pytest.mark.parametrize("mesh, strategy", [("dp=2,ep=2", "dp,ep"), ("dp=2,tp=2", "dp,megatron"),
+                                            ("dp=2,ep=2,tp=2", "dp,ep,megatron,sp")])
+def test_aux_loss_adds_no_collective(mesh: str, strategy: str) -> None:
+    """Per sequence: the batch axis stays sharded to the loss's sum, which stays partial as the
+    token losses' is; every reshard of the step is the same with and without it."""
+    def comm(aux: bool) -> list[tuple[str, str, tuple[str, ...]]]:
+        plan = _mixtral(aux, mesh, strategy)
+        return sorted((r.tensor, s.kind, tuple(map(str, s.mesh_dims))) for r in plan.reshards for s in r.plan.steps
+                      if r.bytes_per_rank)
+
+    off, on = comm(False), comm(True)
+    assert on == off and off
+    plan = _mixtral(True, mesh, strategy)
+    assert plan.attrs["loss"].partial  # reduced only where the loss is read, as without it
+
+
+def test_aux_loss_is_costed_and_its_memory_counted() -> None:
+    """The one_hot [B, S, K, E] int64 is a memory-bound op; the backward keeps the counts and the
+    probabilities' mean in fp32 ([B, E] each: multiply_grad's inputs)."""
+    plan = _mixtral(True, "dp=1", "dp", layers=1)
+    prog = plan.program
+    i = next(k for k, op in enumerate(prog.ops) if op.rule == "one_hot")
+    assert op_cost(plan, i).bytes >= 4 * S * K * E * 8
+    saved = dict(saved_activations(plan, "none").tensors["layer 0"])
+    assert saved["layers.0.aux.f"] == saved["layers.0.aux.p32"] == 4 * E * 4
+    assert "layers.0.aux.onehot" not in saved and "layers.0.aux.count" not in saved

@@ -264,7 +264,7 @@ def build_model(cfg: ModelConfig, vocab_parallel_loss: bool = False, optimizer: 
         _, loss_tok = t.op("cross_entropy_with_softmax", {"x": logits, "label": labels},
                            [("softmax", [B, S, V], dt), ("loss.token", [B, S, 1], "float32")])
     # the loss is the sum of the token losses (a mean differs by a constant factor and shards alike)
-    if m.aux:  # MoE: the per-sequence load-balancing losses summed with the token losses (zoo_moe.aux_loss)
+    if m.aux and loss_tok:  # MoE: the per-sequence load-balancing losses summed with the token losses (zoo_moe)
         loss_tok = aux_terms(t, m, loss_tok)
     (loss,) = t.op("sum", {"x": loss_tok}, [("loss", [], "float32")], axis=(), keep_dim=False)
     assert loss is not None
