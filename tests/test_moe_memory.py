@@ -12,6 +12,7 @@ import subprocess
 import sys
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from spmdkit.core.errors import ProgramError
@@ -25,9 +26,10 @@ from spmdkit.cost.memory import (
     saved_activations,
 )
 from spmdkit.cost.moe import moe_layers
+from spmdkit.execute.single import global_step
 from spmdkit.models.source import Preset, load_preset
 from spmdkit.models.zoo import preset
-from spmdkit.planner.planning import plan_preset
+from spmdkit.planner.planning import plan_model, plan_preset
 from spmdkit.planner.propagate import propagate
 from spmdkit.program.runtime import Runtime
 from spmdkit.strategies.strategy import annotate, parse_mesh, parse_strategy
@@ -176,7 +178,8 @@ def test_framework_is_checked() -> None:
 
 def _aux_ops(b: int) -> list[tuple[str, str, list[int]]]:
     """The aux-loss ops of one MoE layer (forward) at batch ``b``, in program order."""
-    return [("one_hot", "aux.onehot", [b, S, K, E]), ("sum", "aux.count", [b, E]), ("cast", "aux.f", [b, E]),
+    return [("slice", "aux.hi", [b, E - 1]), ("slice", "aux.lo", [b, E - 1]), ("slice", "aux.first", [b, 1]),
+            ("subtract", "aux.diff", [b, E - 1]), ("concat", "aux.count", [b, E]), ("cast", "aux.f", [b, E]),
             ("mean", "aux.p", [b, E]), ("cast", "aux.p32", [b, E]), ("multiply", "aux.fp", [b, E]),
             ("sum", "aux", [b])]
 
@@ -232,12 +235,27 @@ def test_aux_loss_adds_no_collective(mesh: str, strategy: str) -> None:
 
 
 def test_aux_loss_is_costed_and_its_memory_counted() -> None:
-    """The one_hot [B, S, K, E] int64 is a memory-bound op; the backward keeps the counts and the
+    """The counts are the differences of the dispatch's cumulative expert_offset (each sequence's
+    histogram): checked against a one_hot count of the chosen experts on the tiny step; the
+    mean over the sequence reads [B, S, E]; the backward keeps the counts and the
     probabilities' mean in fp32 ([B, E] each: multiply_grad's inputs)."""
     plan = _mixtral(True, "dp=1", "dp", layers=1)
     prog = plan.program
-    i = next(k for k, op in enumerate(prog.ops) if op.rule == "one_hot")
-    assert op_cost(plan, i).bytes >= 4 * S * K * E * 8
+    i = next(k for k, op in enumerate(prog.ops) if op.rule == "mean" and op.phase == "forward")
+    assert op_cost(plan, i).bytes >= 4 * S * E * 2
     saved = dict(saved_activations(plan, "none").tensors["layer 0"])
     assert saved["layers.0.aux.f"] == saved["layers.0.aux.p32"] == 4 * E * 4
-    assert "layers.0.aux.onehot" not in saved and "layers.0.aux.count" not in saved
+    assert "layers.0.aux.count" not in saved and "layers.0.dispatch.offset" not in saved
+
+
+def test_aux_counts_are_each_sequences_expert_histogram() -> None:
+    """On the tiny MoE step (numpy references): aux.count equals one_hot(expert_id) summed over
+    the sequence and top-k, and aux equals sum_e count_e x mean_s probs."""
+    _, plan, _ = plan_model(json.dumps({"base": "tiny-llama", "experts": 4, "top_k": 2, "moe_ffn": 8}), "dp=1", "dp")
+    vals = global_step(plan, 3)
+    p = "layers.0."
+    eid, probs = np.asarray(vals[p + "dispatch.expert"]), np.asarray(vals[p + "router.probs"], dtype=np.float64)
+    counts = np.stack([np.bincount(eid[b].ravel(), minlength=4) for b in range(eid.shape[0])])
+    assert np.array_equal(np.asarray(vals[p + "aux.count"]), counts)
+    want = (counts * probs.mean(axis=1)).sum(axis=1)
+    assert np.allclose(np.asarray(vals[p + "aux"], dtype=np.float64), want, rtol=1e-5)

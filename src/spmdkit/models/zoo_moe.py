@@ -19,12 +19,14 @@ Per MoE layer, on the normalised residual stream ``x`` [B, S, H]:
 
 The auxiliary load-balancing loss (``aux_loss``, on by default; Switch Transformer / Mixtral's
 ``E x sum_i f_i P_i``, computed per sequence as Megatron-Core's ``seq_aux_loss`` and DeepSeek-V3's
-sequence-wise balance loss are): per MoE layer, on the dispatch's ``expert_id`` [B, S, K] and
+sequence-wise balance loss are): per MoE layer, on the dispatch's ``expert_offset`` [B, E] and
 the router's ``probs`` [B, S, E],
 
-- ``one_hot`` (``aux.onehot`` [B, S, K, E], int64) and ``sum`` over S and K (``aux.count``
-  [B, E]): the tokens each expert receives from the sequence (``f_i`` x S x K; a count, no
-  gradient, dropped tokens included, as Switch counts them), ``cast`` to float32 (``aux.f``);
+- the tokens each expert receives from the sequence (``f_i`` x S x K; a count, no gradient,
+  dropped tokens included, as Switch counts them), from the dispatch's ``expert_offset`` [B, E]
+  (cumulative counts: the histogram the dispatch makes anyway, as Megatron-Core's
+  ``tokens_per_expert`` is the routing map's sum): three ``slice``-s, a ``subtract`` and a
+  ``concat`` (``aux.count`` [B, E], int64), ``cast`` to float32 (``aux.f``);
 - ``mean`` of ``probs`` over S (``aux.p`` [B, E]: ``P_i``), ``cast`` to float32 (``aux.p32``);
 - ``multiply`` and ``sum`` over E: ``aux`` [B], each sequence's loss; the layers' are ``add``-ed
   (``aux.total``). After the head: the token losses ``reshape``-d to [B, S] (``loss.token2d``),
@@ -85,14 +87,24 @@ def moe_params(t: Tape, cfg: ModelConfig, m: Model, p: str) -> dict[str, str]:
     return w
 
 
-def aux_loss(t: Tape, cfg: ModelConfig, m: Model, p: str, probs: str, eid: str | None) -> str:
+def aux_loss(t: Tape, cfg: ModelConfig, m: Model, p: str, probs: str, off: str | None) -> str:
     """Layer ``p``'s per-sequence load-balancing loss [B] (module docstring), added to
     ``m.aux``; its name."""
-    B, S, E, K = cfg.batch, cfg.seq, cfg.experts, cfg.top_k
-    assert eid is not None
-    # the counts have no gradient: their ops are not recorded on the tape
-    (oh,) = t.b.op("one_hot", {"x": eid}, [(p + "aux.onehot", [B, S, K, E], "int64")], num_classes=E)
-    (cnt,) = t.b.op("sum", {"x": oh}, [(p + "aux.count", [B, E], "int64")], axis=(1, 2), keep_dim=False)
+    B, E = cfg.batch, cfg.experts
+    assert off is not None
+    # the counts have no gradient: their ops are not recorded on the tape. The dispatch's
+    # expert_offset [B, E] counts each sequence's choices of experts <= e: its differences
+    cnt = off
+    if E > 1:
+        def cut(name: str, lo: int, hi: int) -> str:
+            (o,) = t.b.op("slice", {"input": off}, [(p + name, [B, hi - lo], "int64")], axes=(1,), starts=(lo,),
+                          ends=(hi,))
+            assert o is not None
+            return o
+
+        hi, lo, first = cut("aux.hi", 1, E), cut("aux.lo", 0, E - 1), cut("aux.first", 0, 1)
+        (d,) = t.b.op("subtract", {"x": hi, "y": lo}, [(p + "aux.diff", [B, E - 1], "int64")])
+        (cnt,) = t.b.op("concat", {"x": (first, d)}, [(p + "aux.count", [B, E], "int64")], axis=1)
     (f,) = t.b.op("cast", {"x": cnt}, [(p + "aux.f", [B, E], "float32")], dtype="float32")
     (pm,) = t.op("mean", {"x": probs}, [(p + "aux.p", [B, E], cfg.dtype)], axis=(1,), keep_dim=False)
     if cfg.dtype != "float32":
@@ -129,13 +141,13 @@ def moe_mlp(t: Tape, cfg: ModelConfig, m: Model, p: str, x: str, h: str) -> str:
     w = moe_params(t, cfg, m, p)
     logits = linear(t, cfg, x, w["router"], None, p + "router.logits")
     (probs,) = t.op("softmax", {"x": logits}, [(p + "router.probs", [B, S, E], dt)], axis=-1)
-    y, cw, si, _, eid = t.op("moe_gate_dispatch", {"x": x, "gate_logits": probs, "corr_bias": None},
+    y, cw, si, off, _ = t.op("moe_gate_dispatch", {"x": x, "gate_logits": probs, "corr_bias": None},
                            [(p + "dispatch", [B, E, C, H], dt), (p + "dispatch.weights", [B, S, K], dt),
                             (p + "dispatch.index", [B, K, S], "int64"), (p + "dispatch.offset", [B, E], "int64"),
                             (p + "dispatch.expert", [B, S, K], "int64")], k=K, capacity=C, use_pad=True)
     assert y is not None and cw is not None and si is not None and probs is not None
     if cfg.aux_loss:
-        aux_loss(t, cfg, m, p, probs, eid)
+        aux_loss(t, cfg, m, p, probs, off)
     act = mlp_act(t, cfg, y, {"gate": w.get("gate"), "up": w["up"]}, _NAMES, p + "experts.")
     down = linear(t, cfg, act, w["down"], None, p + "experts.down")
     m.row_outputs.append(down)
