@@ -104,7 +104,9 @@ def aux_loss(t: Tape, cfg: ModelConfig, m: Model, p: str, probs: str, off: str |
 
         hi, lo, first = cut("aux.hi", 1, E), cut("aux.lo", 0, E - 1), cut("aux.first", 0, 1)
         (d,) = t.b.op("subtract", {"x": hi, "y": lo}, [(p + "aux.diff", [B, E - 1], "int64")])
-        (cnt,) = t.b.op("concat", {"x": (first, d)}, [(p + "aux.count", [B, E], "int64")], axis=1)
+        (c,) = t.b.op("concat", {"x": (first, d)}, [(p + "aux.count", [B, E], "int64")], axis=1)
+        assert c is not None
+        cnt = c
     (f,) = t.b.op("cast", {"x": cnt}, [(p + "aux.f", [B, E], "float32")], dtype="float32")
     (pm,) = t.op("mean", {"x": probs}, [(p + "aux.p", [B, E], cfg.dtype)], axis=(1,), keep_dim=False)
     if cfg.dtype != "float32":
