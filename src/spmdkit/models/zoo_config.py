@@ -234,8 +234,8 @@ class Model:
     inputs: dict[str, str] = field(default_factory=dict)
     loss: str = "loss"
     vocab_parallel_loss: bool = False
-    #: MoE with ``aux_loss``: the per-sequence load-balancing losses summed over the MoE layers [batch]
-    aux: str | None = None
+    #: MoE with ``aux_loss``: each MoE layer's per-sequence load-balancing losses [batch, 1]
+    aux: list[str] = field(default_factory=list)
 
 
 

@@ -28,10 +28,9 @@ the router's ``probs`` [B, S, E],
   ``tokens_per_expert`` is the routing map's sum): three ``slice``-s, a ``subtract`` and a
   ``concat`` (``aux.count`` [B, E], int64), ``cast`` to float32 (``aux.f``);
 - ``mean`` of ``probs`` over S (``aux.p`` [B, E]: ``P_i``), ``cast`` to float32 (``aux.p32``);
-- ``multiply`` and ``sum`` over E: ``aux`` [B], each sequence's loss; the layers' are ``add``-ed
-  (``aux.total``). After the head: the token losses ``reshape``-d to [B, S] (``loss.token2d``),
-  the aux losses to [B, 1] (``loss.aux``), ``concat`` into ``loss.terms`` [B, S + 1], whose
-  ``sum`` is ``loss``.
+- ``multiply`` and ``sum`` over E (kept: ``aux`` [B, 1]), each sequence's loss. After the
+  head: the token losses ``reshape``-d to [B, S] (``loss.token2d``) and ``concat``-ed with every
+  MoE layer's ``aux`` into ``loss.terms`` [B, S + MoE layers], whose ``sum`` is ``loss``.
 
 Every op keeps the batch axis until the last sum, so data parallelism (over dp x ep) shards it
 like the token losses and the aux loss adds no collective beyond the loss's own (the scalar is
@@ -112,25 +111,21 @@ def aux_loss(t: Tape, cfg: ModelConfig, m: Model, p: str, probs: str, off: str |
     if cfg.dtype != "float32":
         (pm,) = t.op("cast", {"x": pm}, [(p + "aux.p32", [B, E], "float32")], dtype="float32")
     (fp,) = t.op("multiply", {"x": f, "y": pm}, [(p + "aux.fp", [B, E], "float32")])
-    (a,) = t.op("sum", {"x": fp}, [(p + "aux", [B], "float32")], axis=(1,), keep_dim=False)
+    (a,) = t.op("sum", {"x": fp}, [(p + "aux", [B, 1], "float32")], axis=(1,), keep_dim=True)
     assert a is not None
-    if m.aux is not None:
-        (a,) = t.op("add", {"x": m.aux, "y": a}, [(p + "aux.total", [B], "float32")])
-        assert a is not None
-    m.aux = a
+    m.aux.append(a)
     return a
 
 
 def aux_terms(t: Tape, m: Model, loss_tok: str) -> str:
-    """The token losses [B, S, 1] and the MoE layers' load-balancing losses ``m.aux`` [B] as one
-    tensor [B, S + 1] whose sum is the step's loss: each batch row keeps its sequence's terms, so
-    the sum is partial over the data-parallel dims as the token losses' alone is (an ``add`` of
-    two partial scalars would reduce each first)."""
-    assert m.aux is not None
-    B, S = m.config.batch, m.config.seq
+    """The token losses [B, S, 1] and the MoE layers' load-balancing losses ``m.aux`` ([B, 1]
+    each) as one tensor [B, S + MoE layers] whose sum is the step's loss: each batch row keeps
+    its sequence's terms, so the sum is partial over the data-parallel dims as the token losses'
+    alone is (an ``add`` of two partial scalars would reduce each first), and every MoE layer
+    has the same ops (the report groups layers by them)."""
+    B, S, n = m.config.batch, m.config.seq, len(m.aux)
     (lt,) = t.op("reshape", {"x": loss_tok}, [("loss.token2d", [B, S], "float32")], shape=(B, S))
-    (ax,) = t.op("reshape", {"x": m.aux}, [("loss.aux", [B, 1], "float32")], shape=(B, 1))
-    (terms,) = t.op("concat", {"x": (lt, ax)}, [("loss.terms", [B, S + 1], "float32")], axis=1)
+    (terms,) = t.op("concat", {"x": (lt, *m.aux)}, [("loss.terms", [B, S + n], "float32")], axis=1)
     assert terms is not None
     return terms
 
