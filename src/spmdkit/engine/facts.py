@@ -7,7 +7,8 @@ and, beside each, the op's other facts with :func:`facts`:
   (``Program.validate`` refuses a program whose declared output shapes contradict its op);
 * ``cost``: the op's FLOPs and bytes on one device (an :class:`OpCost`) from its local (sharded)
   tensors (a :class:`LocalOp`); ``collectives``: the all-reduces its kernel runs inside itself
-  (a :class:`ClassAllReduces`; the cost model times them);
+  (a :class:`ClassAllReduces`; the cost model times them); ``ring``: the blocks its kernel
+  passes round the ranks itself (a :class:`RingPass`: ring attention's KV blocks);
 * ``wrt``: the inputs the op is differentiated against, and the grad op that does it (autodiff);
   ``grad_reads``: the grad op's parameters that read a forward output of another name;
   ``outputs``: the names of the op's outputs where no reverse rule names them (the grad op
@@ -132,6 +133,26 @@ class ClassAllReduces:
 
 
 @dataclass(frozen=True)
+class RingPass:
+    """Blocks an op's kernel passes round the ranks itself (ring attention): where the op's
+    attribute ``attr`` is ``value``, the ranks sharding axis ``axis`` of the inputs ``blocks``
+    (the key sequence of k and v) send their local blocks on round the ring: ``n - 1`` send/recv
+    steps over those ``n`` ranks, each step's transfer overlappable with the computation of the
+    block the rank already holds. ``grads``: the backward's blocks that travel with them and end
+    back at their owner (dK and dV: ``n`` steps; the forward's blocks travel again too)."""
+
+    blocks: tuple[str, ...]
+    axis: int
+    attr: str = "variant"
+    value: str = "ring"
+    grads: tuple[str, ...] = ()
+
+    def applies(self, attrs: Mapping[str, Any]) -> bool:
+        """Whether an op with these attributes runs the ring."""
+        return attrs.get(self.attr) == self.value
+
+
+@dataclass(frozen=True)
 class OpFacts:
     """One rule's facts; a field is None where the family declares none."""
 
@@ -144,6 +165,7 @@ class OpFacts:
     grad_like: tuple[str, ...] | None = None
     collectives: ClassAllReduces | None = None
     outputs: tuple[str, ...] | None = None
+    ring: RingPass | None = None
 
 
 _FACTS: dict[str, OpFacts] = {}
@@ -153,7 +175,7 @@ def facts(*names: str, shape: Callable[..., Any] | None = None, cost: CostFn | N
           grad: str | None = None, wrt: tuple[str, ...] | None = None,
           grad_reads: tuple[tuple[str, str], ...] | None = None, unchecked: str | None = None,
           grad_like: tuple[str, ...] | None = None, collectives: ClassAllReduces | None = None,
-          outputs: tuple[str, ...] | None = None) -> None:
+          outputs: tuple[str, ...] | None = None, ring: RingPass | None = None) -> None:
     """Declare facts of the rules ``names`` (a fact given again for a name replaces the earlier one;
     facts not given keep what an earlier call declared)."""
     if not names:
@@ -166,7 +188,8 @@ def facts(*names: str, shape: Callable[..., Any] | None = None, cost: CostFn | N
                                unchecked if unchecked is not None else old.unchecked,
                                grad_like if grad_like is not None else old.grad_like,
                                collectives if collectives is not None else old.collectives,
-                               outputs if outputs is not None else old.outputs)
+                               outputs if outputs is not None else old.outputs,
+                               ring if ring is not None else old.ring)
 
 
 def facts_of(name: str) -> OpFacts:
@@ -182,5 +205,5 @@ def declared() -> frozenset[str]:
 
 _NONE = OpFacts()
 
-__all__ = ["ClassAllReduces", "CostFn", "LocalOp", "LocalTensor", "OpCost", "OpFacts", "declared", "facts",
+__all__ = ["ClassAllReduces", "CostFn", "LocalOp", "LocalTensor", "OpCost", "OpFacts", "RingPass", "declared", "facts",
            "facts_of"]

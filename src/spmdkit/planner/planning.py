@@ -26,7 +26,15 @@ from spmdkit.models.zoo import Model, preset
 from spmdkit.planner.propagate import propagate
 from spmdkit.program.ir import Program
 from spmdkit.program.plan import Plan
-from spmdkit.strategies.hf import annotate_program, megatron_program, optimizer_of, regroup_partial_sums
+from spmdkit.strategies.context import config_for as cp_config
+from spmdkit.strategies.context import cp_groups
+from spmdkit.strategies.hf import (
+    annotate_program,
+    megatron_program,
+    mirror_forward_layouts,
+    optimizer_of,
+    regroup_partial_sums,
+)
 from spmdkit.strategies.strategy import annotate, parse_mesh, parse_strategy, user_attrs, zero3_storage
 
 #: The most layers ``--layers`` takes: planning is linear in the ops (~30 per layer with its
@@ -104,13 +112,15 @@ def plan_preset(model_name: str, mesh_text: str, strategy_text: str,
         limits = {"layers": MAX_LAYERS, "batch": MAX_SIZE, "seq": MAX_SIZE}
         checked = {k: parse_size(f"--{k}", v, limits.get(k, MAX_SIZE)) for k, v in overrides.items()}
         cfg = cfg.with_(**{k: v for k, v in checked.items() if v is not None})
+    cfg = cp_config(cfg, mesh, st)  # context parallel: built with cp_attention at the tokens' positions
     t0 = time.perf_counter()
     loaded = load_preset(Preset(model_name, cfg.layers, cfg.batch, cfg.seq), cfg, vocab_parallel_loss="megatron" in st)
     assert loaded.model is not None
     cost = parse_cost(cost_text, mesh)  # a bad --cost refused before the strategy's notes are made
     ann = annotate(loaded.model, mesh, st, user)
     plan = propagate(loaded.program, mesh, ann, cost, progress=progress,
-                     storage=zero3_storage(loaded.model.optimizer, ann, st), grad_accum=grad_accum)
+                     storage=zero3_storage(loaded.model.optimizer, ann, st), grad_accum=grad_accum,
+                     groups=cp_groups(mesh, st))
     return loaded, plan, time.perf_counter() - t0
 
 
@@ -130,7 +140,11 @@ def plan_program(prog: Program, mesh_text: str, strategy_text: str | None, user:
     storage = zero3_storage(optimizer_of(prog), ann, st)
     plan = propagate(prog, mesh, ann, cost, storage=storage, grad_accum=grad_accum)
     regrouped = regroup_partial_sums(prog, plan)  # partial gradients summed before one reduction
-    if regrouped is not prog:
+    # megatron: a partial gradient all-reduced as its forward tensor is held, not scattered
+    # (sequence parallel scatters the residual's gradients over tp on purpose)
+    mirrored = mirror_forward_layouts(plan, [mesh.dim_index("tp")]) if "megatron" in st and "sp" not in st else {}
+    if regrouped is not prog or mirrored:
+        ann = {**ann, **mirrored}
         prog, plan = regrouped, propagate(regrouped, mesh, ann, cost, storage=storage, grad_accum=grad_accum)
     return prog, plan
 
