@@ -137,7 +137,7 @@ def _strategy(row: dict[str, Any], assume: list[str]) -> tuple[str, str]:
     framework = "megatron"
     if zero.startswith("FSDP"):
         parts.append("zero3")
-        framework = "torchtitan"
+        framework = str(row.get("framework") or "torchtitan")  # a stated FSDP2 framework (AutoModel's)
     elif "distributed optimizer" in zero.lower():
         parts.append("zero1")
     elif par.get("zero") is None and row["id"].startswith(("megatronlm", "nemo")):
@@ -496,7 +496,11 @@ def markdown(results: list[dict[str, Any]], unsupported: dict[str, list[str]], s
         out += ["", "## Mixture of experts", "",
                 "The MoE runs of `benchmarks/data/moe-runs.json` (expert parallelism folded into data parallelism as",
                 "Megatron-Core and FSDP2 + DeepEP run it: `--mesh dp=D,ep=E --strategy dp,ep[,zero3]`; the catalog's",
-                "architecture), planned the same way; not in the error band above.", ""]
+                "architecture), planned the same way; not in the error band above. Their recipes are read from",
+                "NeMo AutoModel's benchmark configs (each row's `companions`): every decoder layer checkpointed",
+                "(`--recompute full`), the model in bf16 with `torch.optim.Adam` (bf16 moments) under FSDP2 and",
+                "the loss on bf16 logits (`--framework automodel`, docs/devices.md \"Memory\"); the experts stay",
+                "out of FSDP (ep covers every rank of a stage).", ""]
         out += [f"- {line}" for line in summary_lines(ms)[:1] + summary_lines(ms)[3:]]
         out += ["", "| run | unit | measured | predicted | ratio | memory GiB (measured) | fits |", "|---|---|---|---|---|---|---|"]
         for r in mres:

@@ -141,12 +141,16 @@ def test_a_moe_mla_step_on_torch_kernels_equals_the_numpy_references(cfg: dict[s
             assert np.max(np.abs(g - w), initial=0.0) <= 1e-8 * max(1.0, float(np.max(np.abs(w), initial=0.0))), n
 
 
-def _eager_moe(x: Any, w: dict[str, Any], k: int, cap: int) -> Any:
+def _eager_moe(x: Any, w: dict[str, Any], k: int, cap: int) -> tuple[Any, Any]:
     """A MoE MLP in plain torch, token by token: softmax router, top-k, (k, token) order up to
     ``cap`` tokens per expert and sequence, SwiGLU experts weighted by the gate value, plus the
-    shared expert."""
+    shared expert; and each sequence's load-balancing loss as HF Mixtral's
+    load_balancing_loss_func counts it (one_hot of the chosen experts, dropped ones included,
+    times the mean router probability; without its constant factor)."""
     probs = torch.softmax(x @ w["router"], dim=-1)
     top = torch.topk(probs, k, dim=-1).indices
+    counts = torch.nn.functional.one_hot(top, probs.shape[-1]).sum(dim=(1, 2)).to(probs.dtype)
+    aux = (counts * probs.mean(dim=1)).sum(dim=-1)
     out = []
     for b in range(x.shape[0]):
         count = [0] * probs.shape[-1]
@@ -160,13 +164,13 @@ def _eager_moe(x: Any, w: dict[str, Any], k: int, cap: int) -> Any:
                     rows[i] = rows[i] + probs[b, i, e] * (act @ w["experts.w_down"][e])
         out.append(torch.stack(rows))
     shared = torch.nn.functional.silu(x @ w["shared.w_gate"]) * (x @ w["shared.w_up"]) @ w["shared.w_down"]
-    return torch.stack(out) + shared
+    return torch.stack(out) + shared, aux
 
 
 def test_a_moe_layer_equals_torch_eager_under_autograd() -> None:
-    """Layer 1 of the DeepSeek-like step (float64, tokens dropped): its output and the gradients
-    of its input, router, experts and shared expert equal plain torch autograd's on the same
-    input, weights and output gradient."""
+    """Layer 1 of the DeepSeek-like step (float64, tokens dropped): its output, its aux loss and
+    the gradients of its input, router, experts and shared expert equal plain torch autograd's
+    on the same input, weights and output gradients."""
     _, plan, _ = plan_model(json.dumps(DEEPSEEK), "dp=2,tp=2", "megatron")
     _float64(plan)
     step, _ = global_step_torch(plan, 5)
@@ -176,10 +180,12 @@ def test_a_moe_layer_equals_torch_eager_under_autograd() -> None:
     src = source_values(plan.program, 5)
     w = {n: torch.tensor(np.asarray(src[p + n], dtype=np.float64), requires_grad=True) for n in names}
     x = step[p + "mlp_norm.out"].detach().clone().requires_grad_(True)
-    out = _eager_moe(x, w, 2, 2)
+    out, aux = _eager_moe(x, w, 2, 2)
     assert int((step[p + "dispatch.weights"] == 0).sum()) > 0  # tokens were dropped
     torch.testing.assert_close(out, step[p + "moe_out.sum"], rtol=1e-12, atol=1e-12)
-    out.backward(step[p + "moe_out.sum.grad"])
+    torch.testing.assert_close(aux, step[p + "aux"][:, 0].to(aux.dtype), rtol=1e-12, atol=1e-12)
+    assert torch.all(step[p + "aux.grad"] == 1)  # the loss sums the aux losses with the token losses
+    torch.autograd.backward([out, aux], [step[p + "moe_out.sum.grad"], step[p + "aux.grad"][:, 0].to(aux.dtype)])
     torch.testing.assert_close(x.grad, step[p + "mlp_norm.out.grad.sum"], rtol=1e-10, atol=1e-12)
     for n in names:
         torch.testing.assert_close(w[n].grad, step[p + n + ".grad"], rtol=1e-10, atol=1e-12, msg=n)

@@ -270,10 +270,11 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="what the GEMMs compute in: fp8 runs the linear layers' GEMMs on the fp8 tensor cores "
                         "(Transformer Engine / torchao float8: weights in bf16 plus fp8 copies); default the "
                         "model's dtype")
-    p.add_argument("--framework", metavar="megatron|torchtitan",
+    p.add_argument("--framework", metavar="megatron|torchtitan|automodel",
                    help="whose memory and overlap conventions the prediction follows: megatron (Megatron-LM / "
-                        "NeMo: fp32 main gradients and master weights; default) or torchtitan (FSDP2: fp32 "
-                        "sharded parameters and gradients, bf16 compute copies)")
+                        "NeMo: fp32 main gradients and master weights; default), torchtitan (FSDP2: fp32 "
+                        "sharded parameters and gradients, bf16 compute copies) or automodel (NeMo AutoModel: "
+                        "FSDP2 over bf16 parameters, bf16 Adam moments, the loss on bf16 logits)")
     p.add_argument("--tp-comm-overlap", dest="tp_comm_overlap", action="store_true",
                    help="tensor-parallel all-gathers and reduce-scatters overlap the GEMMs (Megatron's "
                         "--tp-comm-overlap, torch async TP)")

@@ -252,7 +252,7 @@ def op_cost(plan: Plan, i: int) -> OpCost:
     lop = local_op(plan.program, i, opp.required, opp.outputs, plan.attrs)
     c = expert_op_cost(plan, i, lop, cost_of) or cost_of(lop)
     rt = plan.runtime
-    if c.attention is not None and rt.framework != "megatron":
+    if c.attention is not None and rt.framework == "torchtitan":  # AutoModel runs TE's attention, as Megatron
         c = replace(c, framework=rt.framework)
     if rt.fp8 and c.matmul:
         c = _fp8(plan.program, i, lop, c)

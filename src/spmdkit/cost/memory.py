@@ -67,7 +67,7 @@ from spmdkit.core.dist_attr import TensorDistAttr, entry_dims, largest_shard
 from spmdkit.core.errors import ProgramError
 from spmdkit.cost.moe import plan_loads
 from spmdkit.program.ir import Op, Program, flat_refs
-from spmdkit.program.plan import Plan
+from spmdkit.program.plan import Plan, Reshard
 
 
 def local_numel(attr: TensorDistAttr, shape: tuple[int, ...]) -> int:
@@ -511,14 +511,29 @@ def _bytes_per_element(framework: str, precision: str) -> tuple[int, int, int]:
     in the optimizer), an fp32 master copy and two fp32 moments: 2 + 4 + 12 (bf16), 2 + 2 + 16
     (fp16), 4 + 4 + 8 (fp32). torchtitan (FSDP2, MixedPrecisionPolicy(param_dtype=bf16,
     reduce_dtype=fp32)): fp32 parameters and gradients, two fp32 moments, all sharded;
-    the bf16 copies it computes with are gathered per layer (the activation curve)."""
+    the bf16 copies it computes with are gathered per layer (the activation curve). NeMo
+    AutoModel (its benchmark recipes: the model built in its config's bf16, FSDP2's
+    ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, ``torch.optim.Adam``, whose
+    moments take the parameter's dtype): 2 + 2 + 4, the gradient reduced in fp32 and stored in
+    bf16 (unreduced under gradient accumulation: accumulated in the fp32 reduce dtype)."""
     if framework == "torchtitan":
         return 4, 4, 8
+    if framework == "automodel" and precision != "fp32":
+        return 2, 2, 4
     if precision == "fp32":
         return 4, 4, 8
     if precision == "fp16":
         return 2, 2, 16
     return 2, 4, 12  # bf16, and fp8 (TE keeps bf16 parameters; fp8 copies counted apart)
+
+
+def makes_no_copy(plan: Plan, r: Reshard) -> bool:
+    """``r`` changes only mesh dims of one rank (a ZeRO-3 gather of an expert stack over an
+    expert-data-parallel dim of size 1): the local tensor is the same, no bytes move and the
+    framework makes no copy (FSDP2 leaves such a parameter out: AutoModel's ``ignored_params``)."""
+    shape = plan.program.tensors[r.tensor].shape
+    return (not r.plan.bytes_per_rank and local_numel(r.src, shape) == local_numel(r.dst, shape)
+            and not any(s.bytes_per_rank for s in r.plan.steps))
 
 
 def held_for_the_step(plan: Plan) -> dict[str, tuple[int, int, int]]:
@@ -570,6 +585,8 @@ def held_for_the_step(plan: Plan) -> dict[str, tuple[int, int, int]]:
         pb, gb, sb = _bytes_per_element(rt.framework, rt.precision_of(t.dtype))
         small = sum(numel(n) * prog.tensors[n].itemsize for n in states if n not in big)
         fp8 = 2 * numel(p) if p in linear else 0
+        if rt.framework == "automodel" and grads and unreduced.get(grads[0], 0) > numel(grads[0]):
+            gb = 4  # FSDP2 accumulates the unsharded gradient in its fp32 reduce dtype
         out[p] = (numel(p, plan.storage.get(p)) * pb + fp8, n_grad * gb, numel(big[0]) * sb + small)
     return out
 
@@ -722,6 +739,8 @@ def activation_deltas(plan: Plan, saved: ActivationMemory, group_of: list[int] |
                 blk[1] = i
     spans: dict[tuple[int, str, TensorDistAttr, str], list[int]] = {}
     for r in plan.reshards:
+        if makes_no_copy(plan, r):
+            continue
         op = prog.ops[r.op_index]
         g = grp[r.op_index]
         if r.tensor in stored:
@@ -749,8 +768,10 @@ LOSS_RULES = frozenset({"cross_entropy_with_softmax", "c_softmax_with_cross_entr
 #: Megatron-LM: ``vocab_parallel_cross_entropy(logits.float())`` keeps the softmax in fp32 (+2)
 #: and computes the gradient in place. torchtitan (eager): ``cross_entropy(pred.float())``
 #: keeps log-softmax in fp32 (+2), its forward holds the fp32 copy of the logits (+4), its
-#: backward the nll gradient and log-softmax's input gradient in fp32 (+8).
-LOSS_BYTES = {"megatron": (2, 0, 0), "torchtitan": (2, 4, 8)}
+#: backward the nll gradient and log-softmax's input gradient in fp32 (+8). NeMo AutoModel's
+#: benchmark recipes (``MaskedCrossEntropy(fp32_upcast=False)``): ``cross_entropy`` on the bf16
+#: logits, whose backward holds the nll gradient in bf16 (+2) beside the program's.
+LOSS_BYTES = {"megatron": (2, 0, 0), "torchtitan": (2, 4, 8), "automodel": (0, 0, 2)}
 
 
 def loss_spans(plan: Plan) -> list[tuple[int, int, int]]:
@@ -812,7 +833,8 @@ def memory_per_device(plan: Plan, recompute: str = "none") -> Memory:
 
 __all__ = ["ALLOCATOR_RESERVE", "CUDA_CONTEXT_BYTES", "LOSS_BYTES", "LOSS_RULES", "MICROBATCH", "loss_spans",
            "per_microbatch_mode", "NCCL_BYTES_PER_GROUP", "RECOMPUTE",
-           "FOR_GRAD_ONLY", "SHAPE_ONLY", "ActivationMemory", "Memory", "UnevenShard", "activation_deltas", "check_recompute",
-           "communicators", "fit_verdict", "fp8_stashed", "held_for_the_step", "local_numel", "memory_per_device",
+           "FOR_GRAD_ONLY", "SHAPE_ONLY", "ActivationMemory", "Memory", "UnevenShard", "activation_deltas",
+           "check_recompute", "communicators", "fit_verdict", "fp8_stashed", "held_for_the_step", "local_numel",
+           "makes_no_copy", "memory_per_device",
            "peak_of", "recompute_regions", "rerun_points", "saved_activations", "spans_with_recompute",
            "uneven_shards", "value_inputs", "value_reads", "value_spans", "with_overheads"]

@@ -27,6 +27,7 @@ from spmdkit.engine.facts import OpCost
 from spmdkit.engine.memo import gc_paused
 from spmdkit.ops._cost import numel
 from spmdkit.program.plan import Plan, Reshard
+from spmdkit.program.runtime import FSDP2
 
 #: DDP's bucket sizes (torch.nn.parallel.DistributedDataParallel: bucket_cap_mb=25, and the
 #: first bucket dist._DEFAULT_FIRST_BUCKET_BYTES = 1 MiB)
@@ -477,7 +478,7 @@ class Reducer:
         """A gradient of ``size`` bytes (its own dtype) ready at ``now``, made in ``layer``."""
         key = (s.kind, s.mesh_dims, s.reduce_type or "sum", dtype)
         b = self.open.get(key)
-        if b is not None and self.framework == "torchtitan" and s.kind == "reduce_scatter" and b[4] != layer:
+        if b is not None and self.framework in FSDP2 and s.kind == "reduce_scatter" and b[4] != layer:
             self._launch(key, b[2])  # the previous layer's gradients are all made
             b = None
         itemsize = _REDUCE_ITEMSIZE.get(dtype, 0)

@@ -58,7 +58,7 @@ from spmdkit.models.zoo_layers import (
     norm,
     row_residual,
 )
-from spmdkit.models.zoo_moe import moe_mlp
+from spmdkit.models.zoo_moe import aux_terms, moe_mlp
 from spmdkit.program.autodiff import Tape
 from spmdkit.program.ir import Program, ProgramBuilder, RecordedValue
 
@@ -88,7 +88,7 @@ _CONFIG_FIELDS = {"base": "str", "name": "str", "arch": "str", "layers": "int", 
                   "dropout": "num", "tied_embeddings": "bool", "activation": "str?", "attention": "str?",
                   "head_dim": "int?", "norm": "str?", "positions": "str?", "qkv_bias": "bool", "linear_bias": "bool",
                   "embed_norm": "bool", "experts": "count", "top_k": "int", "moe_ffn": "int?",
-                  "shared_experts": "count", "dense_layers": "count", "capacity_factor": "num?",
+                  "shared_experts": "count", "dense_layers": "count", "capacity_factor": "num?", "aux_loss": "bool",
                   "q_lora_rank": "count", "kv_lora_rank": "count", "qk_rope_head_dim": "count", "v_head_dim": "int?"}
 _DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
            "fp32": "float32", "float32": "float32"}
@@ -276,6 +276,8 @@ def build_model(cfg: ModelConfig, vocab_parallel_loss: bool = False, optimizer: 
         _, loss_tok = t.op("cross_entropy_with_softmax", {"x": logits, "label": labels},
                            [("softmax", [B, S, V], dt), ("loss.token", [B, S, 1], "float32")])
     # the loss is the sum of the token losses (a mean differs by a constant factor and shards alike)
+    if m.aux and loss_tok:  # MoE: the per-sequence load-balancing losses summed with the token losses (zoo_moe)
+        loss_tok = aux_terms(t, m, loss_tok)
     (loss,) = t.op("sum", {"x": loss_tok}, [("loss", [], "float32")], axis=(), keep_dim=False)
     assert loss is not None
     m.loss = loss

@@ -75,6 +75,8 @@ class ModelConfig:
     #: expert capacity = ceil(tokens x top_k / experts x capacity_factor) (None: dropless,
     #: uniform routing, a factor of 1)
     capacity_factor: float | None = None
+    #: MoE: the auxiliary load-balancing loss (Switch / Mixtral, per sequence: :mod:`spmdkit.models.zoo_moe`)
+    aux_loss: bool = True
     #: MLA's query compression rank (0: q projected directly, as DeepSeek-V2-Lite)
     q_lora_rank: int = 0
     #: > 0: multi-head latent attention (DeepSeek-V2/V3) with this kv compression rank
@@ -267,6 +269,8 @@ class Model:
     inputs: dict[str, str] = field(default_factory=dict)
     loss: str = "loss"
     vocab_parallel_loss: bool = False
+    #: MoE with ``aux_loss``: each MoE layer's per-sequence load-balancing losses [batch, 1]
+    aux: list[str] = field(default_factory=list)
 
 
 

@@ -17,6 +17,28 @@ Per MoE layer, on the normalised residual stream ``x`` [B, S, H]:
 - ``shared_experts`` > 0: a dense MLP of width ``shared_experts x moe_ffn`` on every token
   (``shared.w_gate`` / ``shared.w_up`` / ``shared.w_down``) added to the output.
 
+The auxiliary load-balancing loss (``aux_loss``, on by default; Switch Transformer / Mixtral's
+``E x sum_i f_i P_i``, computed per sequence as Megatron-Core's ``seq_aux_loss`` and DeepSeek-V3's
+sequence-wise balance loss are): per MoE layer, on the dispatch's ``expert_offset`` [B, E] and
+the router's ``probs`` [B, S, E],
+
+- the tokens each expert receives from the sequence (``f_i`` x S x K; a count, no gradient,
+  dropped tokens included, as Switch counts them), from the dispatch's ``expert_offset`` [B, E]
+  (cumulative counts: the histogram the dispatch makes anyway, as Megatron-Core's
+  ``tokens_per_expert`` is the routing map's sum): three ``slice``-s, a ``subtract`` and a
+  ``concat`` (``aux.count`` [B, E], int64), ``cast`` to float32 (``aux.f``);
+- ``mean`` of ``probs`` over S (``aux.p`` [B, E]: ``P_i``), ``cast`` to float32 (``aux.p32``);
+- ``multiply`` and ``sum`` over E (kept: ``aux`` [B, 1]), each sequence's loss. After the
+  head: the token losses ``reshape``-d to [B, S] (``loss.token2d``) and ``concat``-ed with every
+  MoE layer's ``aux`` into ``loss.terms`` [B, S + MoE layers], whose ``sum`` is ``loss``.
+
+Every op keeps the batch axis until the last sum, so data parallelism (over dp x ep) shards it
+like the token losses and the aux loss adds no collective beyond the loss's own (the scalar is
+partial, as the token-loss sum is). The constant factor ``alpha x E / (S x K)`` is left out, as
+the mean of the token losses is (it shards alike and costs one pass over [B]). ``aux_loss``
+false: none of these ops (the HF importer's programs, which compute no aux loss in the forward,
+compare with that).
+
 Megatron (tensor parallel, no expert parallelism: issue 28): the experts' gate / up stacks are
 column-parallel (their moe_ffn axis sharded), the down stack row-parallel, as Megatron-Core runs
 experts with expert-tensor-parallel = tp; the router is replicated; the shared experts are a
@@ -64,6 +86,50 @@ def moe_params(t: Tape, cfg: ModelConfig, m: Model, p: str) -> dict[str, str]:
     return w
 
 
+def aux_loss(t: Tape, cfg: ModelConfig, m: Model, p: str, probs: str, off: str | None) -> str:
+    """Layer ``p``'s per-sequence load-balancing loss [B] (module docstring), added to
+    ``m.aux``; its name."""
+    B, E = cfg.batch, cfg.experts
+    assert off is not None
+    # the counts have no gradient: their ops are not recorded on the tape. The dispatch's
+    # expert_offset [B, E] counts each sequence's choices of experts <= e: its differences
+    cnt = off
+    if E > 1:
+        def cut(name: str, lo: int, hi: int) -> str:
+            (o,) = t.b.op("slice", {"input": off}, [(p + name, [B, hi - lo], "int64")], axes=(1,), starts=(lo,),
+                          ends=(hi,))
+            assert o is not None
+            return o
+
+        hi, lo, first = cut("aux.hi", 1, E), cut("aux.lo", 0, E - 1), cut("aux.first", 0, 1)
+        (d,) = t.b.op("subtract", {"x": hi, "y": lo}, [(p + "aux.diff", [B, E - 1], "int64")])
+        (c,) = t.b.op("concat", {"x": (first, d)}, [(p + "aux.count", [B, E], "int64")], axis=1)
+        assert c is not None
+        cnt = c
+    (f,) = t.b.op("cast", {"x": cnt}, [(p + "aux.f", [B, E], "float32")], dtype="float32")
+    (pm,) = t.op("mean", {"x": probs}, [(p + "aux.p", [B, E], cfg.dtype)], axis=(1,), keep_dim=False)
+    if cfg.dtype != "float32":
+        (pm,) = t.op("cast", {"x": pm}, [(p + "aux.p32", [B, E], "float32")], dtype="float32")
+    (fp,) = t.op("multiply", {"x": f, "y": pm}, [(p + "aux.fp", [B, E], "float32")])
+    (a,) = t.op("sum", {"x": fp}, [(p + "aux", [B, 1], "float32")], axis=(1,), keep_dim=True)
+    assert a is not None
+    m.aux.append(a)
+    return a
+
+
+def aux_terms(t: Tape, m: Model, loss_tok: str) -> str:
+    """The token losses [B, S, 1] and the MoE layers' load-balancing losses ``m.aux`` ([B, 1]
+    each) as one tensor [B, S + MoE layers] whose sum is the step's loss: each batch row keeps
+    its sequence's terms, so the sum is partial over the data-parallel dims as the token losses'
+    alone is (an ``add`` of two partial scalars would reduce each first), and every MoE layer
+    has the same ops (the report groups layers by them)."""
+    B, S, n = m.config.batch, m.config.seq, len(m.aux)
+    (lt,) = t.op("reshape", {"x": loss_tok}, [("loss.token2d", [B, S], "float32")], shape=(B, S))
+    (terms,) = t.op("concat", {"x": (lt, *m.aux)}, [("loss.terms", [B, S + n], "float32")], axis=1)
+    assert terms is not None
+    return terms
+
+
 def moe_mlp(t: Tape, cfg: ModelConfig, m: Model, p: str, x: str, h: str) -> str:
     """The MoE MLP of layer prefix ``p`` on the normalised ``x`` [B, S, H], added to the
     residual stream ``h``; the stream after it (``p + "resid2"``)."""
@@ -72,11 +138,13 @@ def moe_mlp(t: Tape, cfg: ModelConfig, m: Model, p: str, x: str, h: str) -> str:
     w = moe_params(t, cfg, m, p)
     logits = linear(t, cfg, x, w["router"], None, p + "router.logits")
     (probs,) = t.op("softmax", {"x": logits}, [(p + "router.probs", [B, S, E], dt)], axis=-1)
-    y, cw, si, _, _ = t.op("moe_gate_dispatch", {"x": x, "gate_logits": probs, "corr_bias": None},
+    y, cw, si, off, _ = t.op("moe_gate_dispatch", {"x": x, "gate_logits": probs, "corr_bias": None},
                            [(p + "dispatch", [B, E, C, H], dt), (p + "dispatch.weights", [B, S, K], dt),
                             (p + "dispatch.index", [B, K, S], "int64"), (p + "dispatch.offset", [B, E], "int64"),
                             (p + "dispatch.expert", [B, S, K], "int64")], k=K, capacity=C, use_pad=True)
-    assert y is not None and cw is not None and si is not None
+    assert y is not None and cw is not None and si is not None and probs is not None
+    if cfg.aux_loss:
+        aux_loss(t, cfg, m, p, probs, off)
     act = mlp_act(t, cfg, y, {"gate": w.get("gate"), "up": w["up"]}, _NAMES, p + "experts.")
     down = linear(t, cfg, act, w["down"], None, p + "experts.down")
     m.row_outputs.append(down)
@@ -96,4 +164,4 @@ def moe_mlp(t: Tape, cfg: ModelConfig, m: Model, p: str, x: str, h: str) -> str:
     return r
 
 
-__all__ = ["capacity", "moe_mlp", "moe_params"]
+__all__ = ["aux_loss", "aux_terms", "capacity", "moe_mlp", "moe_params"]

@@ -67,6 +67,7 @@ from spmdkit.cost.memory import (
     activation_deltas,
     held_for_the_step,
     local_numel,
+    makes_no_copy,
     peak_of,
     per_microbatch_mode,
     saved_activations,
@@ -489,9 +490,9 @@ def _held_for_the_step(plan: Plan, stages: list[int], out: list[StageCost],
     # torch.distributed.pipelining accumulates their gradients unsharded until the last
     # microbatch (set_requires_gradient_sync(False)), in the fp32 reduce dtype
     gathered: dict[str, tuple[int, int]] = {}
-    if plan.runtime.framework == "torchtitan":
+    if plan.runtime.fsdp2:  # AutoModel too (reshard_after_forward=not pp_enabled)
         for r in plan.reshards:
-            if r.tensor in plan.storage and r.tensor not in gathered:
+            if r.tensor in plan.storage and r.tensor not in gathered and not makes_no_copy(plan, r):
                 t = prog.tensors[r.tensor]
                 n = local_numel(r.dst, t.shape)
                 gathered[r.tensor] = (n * t.itemsize, n * 4)

@@ -8,8 +8,11 @@ GEMMs. A plan carries one (:attr:`spmdkit.program.plan.Plan.runtime`); the CLI s
   weights kept in bf16 plus fp8 copies, the rest of the model in bf16. None: the program's own
   parameter dtype.
 - ``framework``: ``megatron`` (Megatron-LM / NeMo: DDP or the distributed optimizer, fp32 main
-  gradients and master weights) or ``torchtitan`` (FSDP2: fp32 sharded parameters and
-  gradients, bf16 compute copies gathered per layer).
+  gradients and master weights), ``torchtitan`` (FSDP2: fp32 sharded parameters and
+  gradients, bf16 compute copies gathered per layer) or ``automodel`` (NeMo AutoModel's
+  benchmark recipes: FSDP2 over bf16 parameters, ``torch.optim.Adam`` whose moments take the
+  parameters' bf16, gradients reduced in fp32 and kept in bf16, the loss without an fp32
+  upcast, Transformer Engine's attention). :data:`FSDP2` names the FSDP2 ones.
 - ``tp_comm_overlap``: the tensor-parallel all-gathers and reduce-scatters run under the GEMMs
   that consume or produce them (Megatron's ``--tp-comm-overlap``, torch's async TP).
 - ``moe_skew`` / ``moe_histogram``: how unevenly a mixture-of-experts router spreads the tokens
@@ -29,7 +32,9 @@ from spmdkit.core.errors import ProgramError
 from spmdkit.io.jsonfile import read_json
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
-FRAMEWORKS = ("megatron", "torchtitan")
+FRAMEWORKS = ("megatron", "torchtitan", "automodel")
+#: the frameworks that shard with FSDP2 (their overlaps and pipelines alike)
+FSDP2 = frozenset({"torchtitan", "automodel"})
 
 #: a program dtype -> the precision it computes in
 _OF_DTYPE = {"float32": "fp32", "float64": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -60,6 +65,11 @@ class Runtime:
         """The precision the step computes in: ``precision`` if given, else the one of ``dtype``
         (the program's parameter dtype)."""
         return self.precision or _OF_DTYPE.get(dtype, "fp32")
+
+    @property
+    def fsdp2(self) -> bool:
+        """The framework shards with FSDP2 (:data:`FSDP2`)."""
+        return self.framework in FSDP2
 
     @property
     def fp8(self) -> bool:
@@ -137,4 +147,4 @@ def parse_moe_histogram(text: str | None) -> tuple[float, ...] | None:
     return tuple(float(v) for v in obj)
 
 
-__all__ = ["FRAMEWORKS", "PRECISIONS", "Runtime", "parse_moe_histogram", "parse_moe_skew", "parse_precision"]
+__all__ = ["FRAMEWORKS", "FSDP2", "PRECISIONS", "Runtime", "parse_moe_histogram", "parse_moe_skew", "parse_precision"]
