@@ -65,6 +65,7 @@ from typing import Any
 
 from spmdkit.core.dist_attr import TensorDistAttr, entry_dims, largest_shard
 from spmdkit.core.errors import ProgramError
+from spmdkit.cost.context import ring_buffers
 from spmdkit.cost.moe import plan_loads
 from spmdkit.program.ir import Op, Program, flat_refs
 from spmdkit.program.plan import Plan
@@ -723,6 +724,8 @@ def activation_deltas(plan: Plan, saved: ActivationMemory, group_of: list[int] |
         s[0], s[1] = min(s[0], lo), max(s[1], hi)
     for (g, n, dst, _phase), (a, e) in spans.items():
         add(g, a, e, nbytes(n, dst))
+    for i, size in ring_buffers(plan).items():  # ring attention's KV (and dK / dV) blocks in flight
+        add(grp[i], i, i, size)
     for i, j, elems in loss_spans(plan):
         held, fwd, bwd = LOSS_BYTES[plan.runtime.framework]
         add(grp[i], i, j, held * elems)

@@ -325,6 +325,20 @@ def write_band(device_name: str, out: TextIO) -> None:
         out.write(f"error band: {band.text()}\n")
 
 
+def write_rings(est: StepEstimate, out: TextIO) -> None:
+    """Context parallelism's ring attention: its transfers, how much of them the block
+    computations hide, the causal imbalance without zig-zag (spmdkit.cost.context)."""
+    r = est.ring_json() or {}
+    fwd, bwd = r.get("forward") or {}, r.get("backward") or {}
+    share = 100 * r.get("exposed_share", 0.0)
+    out.write(f"ring attention over cp={r.get('cp')}: {fmt_time(est.ring_comm_s)} of KV block transfers, "
+              f"{fmt_time(est.ring_exposed_s)} exposed ({share:.0f}%); a forward step moves "
+              f"{fmt_bytes(fwd.get('block_bytes', 0))} in {fmt_time(fwd.get('step_comm_s', 0.0))} under "
+              f"{fmt_time(fwd.get('step_compute_s', 0.0))} of block attention"
+              + (f", a backward step {fmt_bytes(bwd.get('block_bytes', 0))} in {fmt_time(bwd.get('step_comm_s', 0.0))}"
+                 f" under {fmt_time(bwd.get('step_compute_s', 0.0))}" if bwd else "") + "\n")
+
+
 def write_estimate(est: StepEstimate, out: TextIO) -> None:
     """The predicted step (spmdkit.cost.step.estimate_step) as a table and a few lines."""
     d = est.device
@@ -338,6 +352,8 @@ def write_estimate(est: StepEstimate, out: TextIO) -> None:
         rows.append([f"recomputation ({est.recompute})", fmt_time(est.compute_s.get("recompute", 0.0)),
                      fmt_time(est.comm_s.get("recompute", 0.0))])
     rows.append(["collectives inside ops", "-", fmt_time(est.kernel_comm_s)])
+    if est.rings:
+        rows.append(["ring attention (KV blocks passed round cp)", "-", fmt_time(est.ring_comm_s)])
     nb = len(est.buckets)
     rows.append([f"gradient reductions ({nb} DDP bucket{'' if nb == 1 else 's'})", "-", fmt_time(est.grad_sync_s)])
     rows.append(["total", fmt_time(est.compute_total_s), fmt_time(est.comm_total_s)])
@@ -347,6 +363,11 @@ def write_estimate(est: StepEstimate, out: TextIO) -> None:
     exposed = est.step_overlap_s - est.compute_total_s
     out.write(f"step time: {fmt_time(est.step_serial_s)} serial, {fmt_time(est.step_overlap_s)} with the gradient "
               f"reductions overlapped with the backward ({fmt_time(exposed)} of communication exposed)\n")
+    if est.rings:
+        write_rings(est, out)
+    if est.cp_imbalance > 1.0:
+        out.write(f"causal imbalance: without the zig-zag balance the last cp rank computes {est.cp_imbalance:.2f} x "
+                  f"the mean attention (every rank waits for it); the zig-zag balance evens it\n")
     out.write(f"FLOPs per device: {fmt_flops(est.flops_per_device)} executed "
               f"({fmt_time(est.matmul_s)} on the tensor cores); memory traffic {fmt_bytes(est.bytes_per_device)}\n")
     if est.tokens:
