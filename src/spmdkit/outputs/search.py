@@ -15,7 +15,8 @@ def write_search(res: SearchResult, out: TextIO, top: int = 10) -> None:
     rows = []
     for k, c in enumerate(res.fitting[:top]):
         cf = c.config
-        rows.append([str(k + 1), f"{cf.dp}x{cf.tp}x{cf.pp}" + (f" m={cf.microbatches}" if cf.pp > 1 else ""),
+        rows.append([str(k + 1), f"{cf.dp}x{cf.tp}x{cf.pp}" + (f" m={cf.microbatches}" if cf.pp > 1 else "")
+                     + (f" cp={cf.cp}" if cf.cp > 1 else ""),
                      cf.strategy, cf.recompute, fmt_time(c.step_s), f"{100 * c.mfu:.1f}%" if c.mfu else "-",
                      fmt_bytes(c.memory), fmt_time(c.comm_s)])
     n_fit = len(res.fitting)

@@ -73,6 +73,9 @@ from spmdkit.strategies.hf import data_inputs
 from spmdkit.strategies.strategy import MAX_RANKS, parse_mesh, parse_strategy, tp_problem
 
 RECOMPUTE_MODES = ("none", "selective", "full")
+#: the sequence length from which a preset's search also splits the sequence over a ``cp`` dim
+#: (context parallelism: Llama 3 trained from 8k with cp from 16k up; torchtitan and NeMo from 16k-32k)
+LONG_SEQ = 16384
 #: the most configurations one search plans (each a propagation or an exact search)
 MAX_PLANS = 2000
 
@@ -87,11 +90,13 @@ class Config:
     strategy: str = "dp"      # a --strategy comma list, or "auto"
     recompute: str = "none"
     microbatches: int = 1
+    #: context parallelism: the sequence split over a cp dim between dp and tp (1: none)
+    cp: int = 1
 
     @property
     def sub_mesh_text(self) -> str:
         """The mesh the shardings are planned on (without pp)."""
-        return f"dp={self.dp},tp={self.tp}"
+        return f"dp={self.dp}," + (f"cp={self.cp}," if self.cp > 1 else "") + f"tp={self.tp}"
 
     @property
     def mesh_text(self) -> str:
@@ -99,15 +104,17 @@ class Config:
 
     @property
     def devices(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     def label(self) -> str:
-        return (f"dp={self.dp} tp={self.tp} pp={self.pp}" + (f" (m={self.microbatches})" if self.pp > 1 else "")
+        return (f"dp={self.dp}" + (f" cp={self.cp}" if self.cp > 1 else "") + f" tp={self.tp} pp={self.pp}"
+                + (f" (m={self.microbatches})" if self.pp > 1 else "")
                 + f" {self.strategy}" + (f" recompute={self.recompute}" if self.recompute != "none" else ""))
 
     def to_json(self) -> dict[str, Any]:
-        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "strategy": self.strategy, "recompute": self.recompute,
-                "microbatches": self.microbatches, "mesh": self.mesh_text}
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, **({"cp": self.cp} if self.cp > 1 else {}),
+                "strategy": self.strategy, "recompute": self.recompute, "microbatches": self.microbatches,
+                "mesh": self.mesh_text}
 
 
 @dataclass
@@ -168,11 +175,25 @@ def factorizations(n: int, pipeline: bool = True) -> list[tuple[int, int, int]]:
     return sorted(out, key=lambda t: (t[2], t[1], t[0]))
 
 
-def hand_strategies(dp: int, tp: int) -> list[str]:
-    """The hand strategies a (dp, tp) sub-mesh can take (ZeRO only where dp > 1)."""
-    zeros = ["", ",zero1", ",zero2", ",zero3"] if dp > 1 else [""]
+def hand_strategies(dp: int, tp: int, cp: int = 1) -> list[str]:
+    """The hand strategies a (dp, tp) sub-mesh can take (ZeRO only where dp > 1); with ``cp`` > 1
+    (a ``dp x cp x tp`` sub-mesh) the same with context parallelism (``,cp``), ZeRO where the
+    ranks that reduce the gradients, ``dp x cp``, are more than one."""
+    zeros = ["", ",zero1", ",zero2", ",zero3"] if dp * cp > 1 else [""]
     bases = ["dp"] if tp == 1 else ["megatron", "megatron,sp"]
+    if cp > 1:
+        bases = [b + ",cp" for b in bases]
     return [b + z for b in bases for z in zeros]
+
+
+def context_degrees(dp_total: int, seq: int | None) -> list[int]:
+    """The cp degrees a data-parallel degree ``dp_total`` can give its sequence to: 1, and for a
+    sequence of :data:`LONG_SEQ` tokens or more every divisor ``cp`` > 1 of ``dp_total`` whose
+    zig-zag chunks divide the sequence (``2 cp`` divides it)."""
+    out = [1]
+    if seq is not None and seq >= LONG_SEQ:
+        out += [c for c in range(2, dp_total + 1) if dp_total % c == 0 and seq % (2 * c) == 0]
+    return out
 
 
 def parse_memory(text: Any) -> int:
@@ -311,34 +332,46 @@ def _work(devices: int, pipeline: bool, sizes: _Sizes, given: list[str] | None,
     work: list[Config] = []
     refused: list[tuple[Config, str]] = []
     batch = sizes.batch
-    for dp, tp, pp in factorizations(devices, pipeline):
-        why = None
-        if batch is not None and batch % dp:
-            why = f"dp={dp} does not divide the batch {batch}"
-        elif sizes.config is not None and (bad := tp_problem(sizes.config, tp)) is not None:
-            why = bad
-        elif sizes.heads is not None and sizes.heads % tp:
-            why = f"tp={tp} does not divide the {sizes.heads} attention heads"
-        elif sizes.layers is not None and sizes.layers < pp:
-            why = f"pp={pp}: {sizes.layers} layers cannot fill {pp} stages"
-        names = list(given) if given is not None else hand_strategies(dp, tp)
-        if auto:
-            names.append("auto")
-        m = (batch // dp) if (pp > 1 and batch and sizes.microbatches) else 1
-        if why is not None:
-            refused.append((Config(dp, tp, pp, "*", "none", m), why))
-            continue
-        for s in names:
-            if s != "auto":
-                try:
-                    parse_strategy(s, _sub_mesh(dp, tp))
-                except ProgramError as exc:
-                    refused.append((Config(dp, tp, pp, s, "none", m), str(exc)))
-                    continue
-                if tp == 1 and "megatron" in s.split(","):
-                    continue  # megatron over tp=1 is dp
-            work.append(Config(dp, tp, pp, s, "none", m))
+    seq = sizes.config.seq if sizes.config is not None else None
+    for dpt, tp, pp in factorizations(devices, pipeline):
+        for cp in context_degrees(dpt, seq):  # cp = 1 first: the meshes as they were
+            _work_mesh(dpt // cp, tp, pp, cp, sizes, given, auto, work, refused)
     return work, refused
+
+
+def _work_mesh(dp: int, tp: int, pp: int, cp: int, sizes: _Sizes, given: list[str] | None, auto: bool,
+               work: list[Config], refused: list[tuple[Config, str]]) -> None:
+    """The configurations of one (dp, cp, tp, pp) mesh into ``work`` (those refused before planning
+    into ``refused``)."""
+    batch = sizes.batch
+    why = None
+    if batch is not None and batch % dp:
+        why = f"dp={dp} does not divide the batch {batch}"
+    elif sizes.config is not None and (bad := tp_problem(sizes.config, tp)) is not None:
+        why = bad
+    elif sizes.heads is not None and sizes.heads % tp:
+        why = f"tp={tp} does not divide the {sizes.heads} attention heads"
+    elif sizes.layers is not None and sizes.layers < pp:
+        why = f"pp={pp}: {sizes.layers} layers cannot fill {pp} stages"
+    names = list(given) if given is not None else hand_strategies(dp, tp, cp)
+    if auto and cp == 1:
+        names.append("auto")
+    m = (batch // dp) if (pp > 1 and batch and sizes.microbatches) else 1
+    if why is not None:
+        refused.append((Config(dp, tp, pp, "*", "none", m, cp), why))
+        return
+    for s in names:
+        if s != "auto":
+            if (cp > 1) != ("cp" in s.split(",")):
+                continue  # the strategies given go to the meshes of their own cp
+            try:
+                parse_strategy(s, _sub_mesh(dp, tp, cp))
+            except ProgramError as exc:
+                refused.append((Config(dp, tp, pp, s, "none", m, cp), str(exc)))
+                continue
+            if tp == 1 and "megatron" in s.split(","):
+                continue  # megatron over tp=1 is dp
+        work.append(Config(dp, tp, pp, s, "none", m, cp))
 
 
 def _search_args(devices: int, device: Device | str, memory_cap: int | str | None, recompute: Iterable[str] | None,
@@ -420,8 +453,8 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
     return SearchResult(devices, dev, cap, cands, refused, time.perf_counter() - t0, len(work))
 
 
-def _sub_mesh(dp: int, tp: int) -> ProcessMesh:
-    return parse_mesh(f"dp={dp},tp={tp}")
+def _sub_mesh(dp: int, tp: int, cp: int = 1) -> ProcessMesh:
+    return parse_mesh(f"dp={dp}," + (f"cp={cp}," if cp > 1 else "") + f"tp={tp}")
 
 
 def _auto(prog: Program, mesh: ProcessMesh, job: _Job, cost_text: str | None) -> tuple[Plan, AutoInfo]:
