@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
@@ -46,10 +47,10 @@ from spmdkit.engine.memo import gc_paused
 from spmdkit.models import catalog
 from spmdkit.models.hf_config import hf_fields, is_hf_config
 from spmdkit.models.zoo_config import ACTIVATIONS, NORMS, POSITIONS, Model, ModelConfig
-from spmdkit.models.zoo_layers import NAMES, attention, embed, final_norm, layer_params, mlp_act, norm, row_residual
+from spmdkit.models.zoo_layers import NAMES, attention, cp_order, embed, final_norm, layer_params, mlp_act, norm, row_residual
 from spmdkit.models.zoo_moe import moe_mlp
 from spmdkit.program.autodiff import Tape
-from spmdkit.program.ir import Program, ProgramBuilder
+from spmdkit.program.ir import Program, ProgramBuilder, RecordedValue
 
 #: Published sizes (GPT-2's vocabulary padded to 50304 as Megatron-LM does, so it divides
 #: tensor-parallel degrees); tiny ones for tests and ``--verify``.
@@ -270,7 +271,29 @@ def build_model(cfg: ModelConfig, vocab_parallel_loss: bool = False, optimizer: 
     grads = t.backward(loss)
     add_optimizer(b, m, grads, optimizer)
     m.program = b.build(validate=validate, rules=check_rules)
+    if cfg.cp > 1:
+        record_cp_positions(cfg, m.program)
     return m
+
+
+def record_cp_positions(cfg: ModelConfig, prog: Program) -> None:
+    """The positions each token holds under context parallelism (:func:`cp_order`: the zig-zag
+    order), recorded as the values of the inputs that carry them: ``cp.positions`` /
+    ``cp.key_positions``, the learned ``positions`` (each row), and an eager model's
+    ``causal_mask`` (0 where the key's position is at most the query's, -1e4 elsewhere; recorded up
+    to 2,048 tokens). The rope tables' rows follow ``cp.positions``
+    (:func:`spmdkit.sim.plan.source_values`)."""
+    order = cp_order(cfg)
+    S = len(order)
+    data = struct.pack(f"<{S}q", *order)
+    for n in ("cp.positions", "cp.key_positions"):
+        if n in prog.tensors:
+            prog.values[n] = RecordedValue("int64", (S,), data)
+    if "positions" in prog.tensors:
+        prog.values["positions"] = RecordedValue("int64", (cfg.batch, S), data * cfg.batch)
+    if "causal_mask" in prog.tensors and S <= 2048:
+        mask = [0.0 if kp <= qp else -1e4 for qp in order for kp in order]
+        prog.values["causal_mask"] = RecordedValue("float32", (1, 1, S, S), struct.pack(f"<{S * S}f", *mask))
 
 
 def add_optimizer(b: ProgramBuilder, m: Model, grads: Mapping[str, str], kind: str) -> None:

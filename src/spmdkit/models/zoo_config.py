@@ -16,6 +16,11 @@ NORMS = ("rms", "layer")
 POSITIONS = ("rope", "learned", "alibi", "none")
 
 
+#: cp_attention's variants and the positions' balance (spmdkit.ops.context: VARIANTS, BALANCES)
+CP_ATTENTION = ("allgather", "ring", "alltoall")
+CP_BALANCE = ("zigzag", "none")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Sizes of a decoder. ``arch``: llama or gpt2."""
@@ -78,6 +83,15 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     #: MLA's value head size (None: head_dim)
     v_head_dim: int | None = None
+    #: context parallelism (docs/context.md): > 1 splits the sequence over this many ranks; the
+    #: attention is then ``cp_attention`` at the positions each token holds (inputs
+    #: ``cp.positions`` / ``cp.key_positions``, recorded in the program)
+    cp: int = 1
+    #: how cp_attention computes a split sequence: allgather (Llama 3's), ring or alltoall (Ulysses)
+    cp_attention: str = "allgather"
+    #: zigzag: rank i of cp holds the sequence's chunks i and 2cp-1-i of 2cp (every rank the same
+    #: causal work); none: chunk i
+    cp_balance: str = "zigzag"
 
     @property
     def act(self) -> str:
@@ -147,6 +161,7 @@ class ModelConfig:
         if self.arch == "gpt2" and self.n_kv != self.heads and self.attn == "eager":
             raise ProgramError("model: grouped kv heads need attention flash in the gpt2 arch")
         self._check_variants()
+        self._check_cp()
         self._check_moe()
         self._check_mla()
 
@@ -165,6 +180,26 @@ class ModelConfig:
             raise ProgramError(f"model: unknown positions {self.pos!r} ({', '.join(POSITIONS)})")
         if self.pos == "rope" and not self.mla and self.hdim % 2:
             raise ProgramError(f"model: rope needs an even head_dim, got {self.hdim}")
+
+    def _check_cp(self) -> None:
+        if not isinstance(self.cp, int) or isinstance(self.cp, bool) or self.cp < 1:
+            raise ProgramError(f"model: cp must be an integer >= 1, got {self.cp!r}")
+        if self.cp_attention not in CP_ATTENTION:
+            raise ProgramError(f"--cp-attention {self.cp_attention!r}: not one of {', '.join(CP_ATTENTION)}")
+        if self.cp_balance not in CP_BALANCE:
+            raise ProgramError(f"--cp-balance {self.cp_balance!r}: not one of {', '.join(CP_BALANCE)}")
+        if self.cp == 1:
+            return
+        chunks = 2 * self.cp if self.cp_balance == "zigzag" else self.cp
+        if self.seq % chunks:
+            how = f"2 x cp = {chunks} chunks (the zig-zag balance)" if self.cp_balance == "zigzag" else f"cp = {chunks}"
+            raise ProgramError(f"--mesh cp={self.cp}: the sequence of {self.seq} tokens does not split into {how}")
+        if self.attn == "eager" and self.pos == "alibi":
+            raise ProgramError("--mesh cp: eager attention with alibi positions is not modelled under context "
+                               "parallelism (the bias is a [1, heads, s, s] input); give attention flash")
+        if self.attn == "eager" and self.cp_attention != "allgather":
+            raise ProgramError(f"--cp-attention {self.cp_attention}: the model's attention is eager (the scores "
+                               f"materialised): only allgather splits it; give attention flash in --model-config")
 
     def _check_moe(self) -> None:
         if not self.experts:
@@ -235,4 +270,4 @@ class Model:
 
 
 
-__all__ = ["ACTIVATIONS", "NORMS", "POSITIONS", "Model", "ModelConfig"]
+__all__ = ["CP_ATTENTION", "CP_BALANCE", "ACTIVATIONS", "NORMS", "POSITIONS", "Model", "ModelConfig"]

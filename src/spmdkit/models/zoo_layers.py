@@ -144,6 +144,14 @@ def flash(t: Tape, cfg: ModelConfig, p: str, q4: str, k4: str, v4: str) -> str:
     """Causal ``flash_attention`` of [b, s, heads, d] q / k / v; the output as [b, s, heads x dv]."""
     B, S, nh, dt = cfg.batch, cfg.seq, cfg.heads, cfg.dtype
     dv = t.b.get(v4).shape[-1]
+    if cfg.cp > 1:  # context parallel: attention at the positions the (permuted) tokens hold
+        att, _ = t.op("cp_attention", {"q": q4, "k": k4, "v": v4, "q_positions": "cp.positions",
+                                       "k_positions": "cp.key_positions"},
+                      [(p + "attn", [B, S, nh, dv], dt), (p + "attn.lse", [B, nh, S], "float32")],
+                      causal=True, variant=cfg.cp_attention, balance=cfg.cp_balance)
+        (a2,) = t.op("reshape", {"x": att}, [(p + "attn2d", [B, S, nh * dv], dt)], shape=(B, S, nh * dv))
+        assert a2 is not None
+        return a2
     att, _, _, _ = t.op("flash_attention", {"q": q4, "k": k4, "v": v4},
                         [(p + "attn", [B, S, nh, dv], dt), None, (p + "attn.lse", [B, nh, S], "float32"),
                          (p + "attn.seed_offset", [2], "int64")], causal=True)
@@ -325,6 +333,9 @@ def embed(t: Tape, cfg: ModelConfig, m: Model) -> tuple[str, str]:
         m.inputs["cos"] = b.tensor("rope.cos", [1, S, 1, d], dt, "input")
     if cfg.pos == "learned":
         m.inputs["positions"] = b.tensor("positions", [B, S], "int64", "input")
+    if cfg.cp > 1 and cfg.attn == "flash":  # each token's place in the sequence (cp_attention's mask)
+        m.inputs["cp_positions"] = b.tensor("cp.positions", [S], "int64", "input")
+        m.inputs["cp_key_positions"] = b.tensor("cp.key_positions", [S], "int64", "input")
     if cfg.attn == "eager":  # flash attention masks inside its kernel (and adds ALiBi's bias there)
         nh = cfg.heads if cfg.pos == "alibi" else 1
         name = "alibi_mask" if cfg.pos == "alibi" else "causal_mask"
@@ -344,6 +355,17 @@ def embed(t: Tape, cfg: ModelConfig, m: Model) -> tuple[str, str]:
     return emb, h
 
 
+def cp_order(cfg: ModelConfig) -> list[int]:
+    """The sequence's positions in the order the tokens are laid out: under ``cp_balance``
+    zigzag (cp > 1) rank i of cp holds chunks i and 2cp-1-i of 2cp, so the global order is
+    chunk 0, 2cp-1, 1, 2cp-2, ...; else 0, 1, ..."""
+    S, n = cfg.seq, cfg.cp
+    if n <= 1 or cfg.cp_balance != "zigzag":
+        return list(range(S))
+    c = S // (2 * n)
+    return [p for i in range(n) for j in (i, 2 * n - 1 - i) for p in range(j * c, (j + 1) * c)]
+
+
 def final_norm(t: Tape, cfg: ModelConfig, m: Model, h: str) -> str:
     """The final norm of the residual stream ``h`` (llama ``final_norm``, gpt2
     ``final_norm.w`` / ``.b``)."""
@@ -352,5 +374,5 @@ def final_norm(t: Tape, cfg: ModelConfig, m: Model, h: str) -> str:
     return norm(t, cfg, m, h, "final_norm", scale, bias)
 
 
-__all__ = ["GATED", "NAMES", "attention", "dropout", "layer_params", "embed", "final_norm", "linear", "mlp_act", "norm",
+__all__ = ["cp_order", "GATED", "NAMES", "attention", "dropout", "layer_params", "embed", "final_norm", "linear", "mlp_act", "norm",
            "norm_params", "row_residual"]

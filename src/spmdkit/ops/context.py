@@ -190,7 +190,7 @@ def _grad_cost(c: LocalOp) -> OpCost:
     return OpCost(2.5 * f, 2.0 * f, c.in_bytes + c.out_bytes, True, c.dtype(), attention=_pass(c, True))
 
 
-facts("cp_attention", shape=_shape, grad="cp_attention_grad", wrt=("q", "k", "v"), cost=_cost,
+facts("cp_attention", shape=_shape, grad="cp_attention_grad", wrt=("q", "k", "v"), cost=_cost, outputs=("out", "softmax_lse"),
       ring=RingPass(("k", "v", "k_positions"), 1))
 facts("cp_attention_grad", grad_like=("q", "k", "v"), cost=_grad_cost,
       ring=RingPass(("k", "v", "k_positions"), 1, grads=("k_grad", "v_grad")))

@@ -27,6 +27,8 @@ from spmdkit.planner.propagate import propagate
 from spmdkit.program.ir import Program
 from spmdkit.program.plan import Plan
 from spmdkit.strategies.hf import annotate_program, megatron_program, optimizer_of, regroup_partial_sums
+from spmdkit.strategies.context import config_for as cp_config
+from spmdkit.strategies.context import cp_groups
 from spmdkit.strategies.strategy import annotate, parse_mesh, parse_strategy, user_attrs, zero3_storage
 
 #: The most layers ``--layers`` takes: planning is linear in the ops (~30 per layer with its
@@ -104,13 +106,15 @@ def plan_preset(model_name: str, mesh_text: str, strategy_text: str,
         limits = {"layers": MAX_LAYERS, "batch": MAX_SIZE, "seq": MAX_SIZE}
         checked = {k: parse_size(f"--{k}", v, limits.get(k, MAX_SIZE)) for k, v in overrides.items()}
         cfg = cfg.with_(**{k: v for k, v in checked.items() if v is not None})
+    cfg = cp_config(cfg, mesh, st)  # context parallel: built with cp_attention at the tokens' positions
     t0 = time.perf_counter()
     loaded = load_preset(Preset(model_name, cfg.layers, cfg.batch, cfg.seq), cfg, vocab_parallel_loss="megatron" in st)
     assert loaded.model is not None
     cost = parse_cost(cost_text, mesh)  # a bad --cost refused before the strategy's notes are made
     ann = annotate(loaded.model, mesh, st, user)
     plan = propagate(loaded.program, mesh, ann, cost, progress=progress,
-                     storage=zero3_storage(loaded.model.optimizer, ann, st), grad_accum=grad_accum)
+                     storage=zero3_storage(loaded.model.optimizer, ann, st), grad_accum=grad_accum,
+                     groups=cp_groups(mesh, st))
     return loaded, plan, time.perf_counter() - t0
 
 

@@ -40,7 +40,7 @@ copy is freed after use), and the optimizer-phase ops read the stored shard.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -207,14 +207,19 @@ def propagate(
     progress: Callable[[int, int], None] | None = None,
     storage: Mapping[str, Any] | None = None,
     grad_accum: int = 1,
+    groups: Sequence[tuple[int, int]] = (),
 ) -> Plan:
-    """Every tensor's dist attr and the reshards of ``program`` on ``mesh``; ``annotations``:
+    """Every tensor's dist attr and the reshards of ``program`` on ``mesh``; ``groups``: pairs of
+    mesh dims whose consecutive collectives of one kind run as one over both (besides those
+    annotated as one co-shard: context parallelism's gradient reduction over dp x cp); ``annotations``:
     tensor name -> TensorDistAttr (or a dims_mapping list) that never changes; ``storage``:
     tensor -> the dist attr it is stored in, gathered to its (annotated) dist attr before the
     forward and the backward readers (ZeRO-3); ``grad_accum``: the plan's gradient
     accumulation (:attr:`spmdkit.program.plan.Plan.grad_accum`; it changes no dist attr).
     ``progress(done, total)`` is called as the sweeps go."""
     prop = _Propagation(program, mesh, annotations, cost, storage)
+    if groups:
+        prop.groups = sorted({*prop.groups, *(tuple(g) for g in groups)})  # type: ignore[misc]
     results, rounds = prop.sweeps(progress)
     return prop.plan(results, rounds, grad_accum)
 

@@ -239,7 +239,9 @@ def source_values(prog: Program, seed: int = 0, values: Mapping[str, Any] | None
         elif n in ("rope.sin", "rope.cos"):
             s, d = shape[1], shape[-1]
             inv = 1.0 / (10000 ** (np.arange(0, d, 2) / d))
-            f = np.outer(np.arange(s), inv)
+            # the rows of the positions the tokens hold (context parallelism's zig-zag order)
+            pos = recorded_array(recorded["cp.positions"]) if "cp.positions" in recorded else np.arange(s)
+            f = np.outer(pos if len(pos) == s else np.arange(s), inv)
             f = np.concatenate([f, f], axis=-1)
             out[n] = (np.sin(f) if n.endswith("sin") else np.cos(f)).reshape(shape)
         elif t.kind == "input" and not shape:

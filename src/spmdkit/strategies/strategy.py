@@ -46,9 +46,12 @@ from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.core.mesh import MAX_MESH_RANKS, ProcessMesh
 from spmdkit.models.zoo import Model, ModelConfig
+from spmdkit.strategies.context import check_options as check_cp_options
+from spmdkit.strategies.context import cp_marks
+from spmdkit.strategies.context import parse_option as parse_cp_option
 from spmdkit.strategies.experts import batch_entry, check_ep, ep_dim, expert_marks, moe_layers, zero_dims
 
-STRATEGIES = ("dp", "megatron", "sp", "ep", "zero1", "zero2", "zero3")
+STRATEGIES = ("dp", "megatron", "sp", "ep", "cp", "zero1", "zero2", "zero3")
 _ALIASES = {"tp": "megatron", "ddp": "dp", "zero": "zero2", "fsdp": "zero3"}
 
 
@@ -99,19 +102,25 @@ def parse_strategy(text: str | Iterable[str], mesh: ProcessMesh) -> tuple[str, .
         s = _ALIASES.get(s, s)
         if s == "none":
             continue
-        if s not in STRATEGIES:
+        opt = parse_cp_option(s)
+        if opt is not None:
+            s = opt
+        elif s not in STRATEGIES:
             raise ProgramError(f"--strategy: unknown strategy {_cut(s, 40)} (one of {', '.join(STRATEGIES)}; "
                                f"tp = megatron, zero = zero2, fsdp = zero3)")
         if s not in out:
             out.append(s)
-    if ("megatron" in out or "ep" in out) and "dp" not in out and "dp" in mesh.dim_names:
+    if ("megatron" in out or "ep" in out or "cp" in out) and "dp" not in out and "dp" in mesh.dim_names:
         out.insert(0, "dp")
     zeros = [s for s in out if s.startswith("zero")]
     if len(zeros) > 1:
         raise ProgramError(f"--strategy: {' and '.join(zeros)}: give one ZeRO stage")
     if zeros and "dp" not in out and ("ep" not in out or "dp" in mesh.dim_names):
         out.insert(0, "dp")  # (with ep and no dp dim: ZeRO over the ep ranks, data parallel over ep alone)
+    check_cp_options(out, mesh)
     for s in out:
+        if s == "cp" or "=" in s:
+            continue
         need = "tp" if s in ("megatron", "sp") else "ep" if s == "ep" else "dp"
         if need == "dp" and s != "dp" and "ep" in out and "dp" not in mesh.dim_names:
             continue
@@ -218,11 +227,12 @@ def annotate(model: Model, mesh: ProcessMesh, strategy: Iterable[str],
             elif role in ("row", "embedding"):
                 dm(p)[-2] = tp  # input features (the vocabulary of a table)
             # norm, position, bias (after a row-parallel projection), router, replicated: replicated
+    cp = cp_marks(model, mesh, dm, st, batch, tp)
     optimizer_layouts(prog, mesh, model.optimizer, out, st, dp, user, ep, experts)
     if "sp" in st and tp is not None:
         for n in model.residual:
             d = dm(n)
-            d[1] = tp
+            d[1] = tp if cp is None else (cp, tp)  # under cp: the cp rank's chunk split again over tp
             d[0] = batch
         # gathered copies: the normalised activations the column-parallel projections read, and
         # (backward) the gradients of the row-parallel projections' outputs (not the experts':
@@ -231,6 +241,8 @@ def annotate(model: Model, mesh: ProcessMesh, strategy: Iterable[str],
                                          and (ep is None or len(prog.tensors[g].shape) == 3))]:
             d = dm(n)
             d[0] = batch
+            if cp is not None:
+                d[1] = cp
     attrs = {n: TensorDistAttr(mesh, d) for n, d in out.items()}
     attrs.update(user_attrs(prog, mesh, user))
     return attrs

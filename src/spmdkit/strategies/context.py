@@ -1,0 +1,152 @@
+"""Context parallelism (``--strategy ...,cp``; docs/context.md): the sequence over the ``cp`` mesh dim.
+
+Every activation outside attention is sharded on its sequence axis over ``cp`` (the batch over
+``dp`` as before): the inputs that carry the sequence (tokens, labels, the learned positions,
+the rope tables' rows, an eager model's causal mask rows, ``cp.positions``) are annotated so and
+propagation carries it through every position-independent op. Parameters are replicated over
+``cp``; their gradients come out partial over ``dp`` and ``cp`` and are reduced over both.
+Attention is the model's ``cp_attention`` (the zoo builds it when ``cp > 1``), computed as
+``--cp-attention`` says: ``allgather`` (the default, Llama 3's: k and v gathered, cheap with
+grouped kv heads), ``ring`` (kv blocks passed round the cp ranks inside the kernel) or
+``alltoall`` (DeepSpeed-Ulysses: the sequence traded for the heads by all-to-all). With
+``--cp-balance zigzag`` (the default) rank ``i`` holds chunks ``i`` and ``2cp-1-i`` of the
+sequence (the tokens are laid out in that order and each carries its position), so causal
+attention costs every rank the same.
+
+The strategy text carries the options, so a plan, ``--verify``, ``run`` and the search see the
+same: ``cp-attention=ring`` and ``cp-balance=none`` items (the CLI's ``--cp-attention`` /
+``--cp-balance`` add them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from spmdkit.core.errors import ProgramError
+from spmdkit.core.mesh import ProcessMesh
+from spmdkit.models.zoo_config import CP_ATTENTION, CP_BALANCE, Model, ModelConfig
+
+#: the strategy items that carry cp's options
+OPTIONS = {"cp-attention": CP_ATTENTION, "cp-balance": CP_BALANCE}
+DEFAULTS = {"cp-attention": "allgather", "cp-balance": "zigzag"}
+
+
+def parse_option(item: str) -> str | None:
+    """``cp-attention=ring`` -> the canonical item; None where ``item`` is no cp option;
+    ProgramError (naming the flag) for an unknown value."""
+    key, eq, value = item.partition("=")
+    key = key.strip()
+    if not eq or key not in OPTIONS:
+        return None
+    value = value.strip()
+    if value not in OPTIONS[key]:
+        raise ProgramError(f"--{key} {value!r}: not one of {', '.join(OPTIONS[key])}")
+    return f"{key}={value}"
+
+
+def options(strategy: Iterable[str]) -> tuple[str, str]:
+    """(the cp attention variant, the balance) a parsed strategy asks for."""
+    got = dict(DEFAULTS)
+    for s in strategy:
+        k, eq, v = s.partition("=")
+        if eq and k in got:
+            got[k] = v
+    return got["cp-attention"], got["cp-balance"]
+
+
+def check_options(items: Iterable[str], mesh: ProcessMesh) -> None:
+    """The options need ``cp`` in the strategy, and ``cp`` a ``cp`` mesh dim."""
+    st = list(items)
+    opts = [s for s in st if "=" in s]
+    if opts and "cp" not in st:
+        k, _, v = opts[0].partition("=")
+        raise ProgramError(f"--{k} {v}: context parallelism is not asked for (add cp to --strategy and a cp dim to "
+                           f"--mesh)")
+    if "cp" in st and "cp" not in mesh.dim_names:
+        raise ProgramError(f"--strategy cp: the mesh has no 'cp' dim (mesh dims: {', '.join(mesh.dim_names)})")
+
+
+def config_for(cfg: ModelConfig, mesh: ProcessMesh, strategy: Iterable[str]) -> ModelConfig:
+    """The zoo config built for the strategy: ``cp`` (the mesh's cp size), the variant and the
+    balance set where ``cp`` is asked for; ``cfg`` otherwise."""
+    st = tuple(strategy)
+    if "cp" not in st:
+        return cfg
+    variant, balance = options(st)
+    return cfg.with_(cp=mesh.shape[mesh.dim_index("cp")], cp_attention=variant, cp_balance=balance)
+
+
+def cp_groups(mesh: ProcessMesh, strategy: Iterable[str]) -> list[tuple[int, int]]:
+    """The mesh-dim pairs whose reductions run as one collective under cp: ``(dp, cp)`` (a
+    parameter's gradient, partial over both, all-reduced over the dp x cp ranks at once, as
+    Megatron-Core's data-parallel group with context parallelism spans them); none without
+    both dims."""
+    st = set(strategy)
+    if "cp" not in st or "dp" not in st or "dp" not in mesh.dim_names:
+        return []
+    return [(mesh.dim_index("dp"), mesh.dim_index("cp"))]
+
+
+def cp_problem(cfg: ModelConfig, cp: int, tp: int) -> str | None:
+    """Why the variant cannot split ``cfg`` over ``cp`` (x ``tp``) ranks, or None: the sequence
+    into ``2 x cp`` chunks (zig-zag) or ``cp``; under alltoall the heads and kv heads over
+    ``cp x tp`` ranks (each rank attends whole heads)."""
+    chunks = 2 * cp if cfg.cp_balance == "zigzag" else cp
+    if cfg.seq % chunks:
+        how = f"2 x cp = {chunks} chunks (the zig-zag balance)" if cfg.cp_balance == "zigzag" else f"cp = {cp} chunks"
+        return f"the sequence of {cfg.seq} tokens does not split into {how}"
+    if cfg.cp_attention == "alltoall":
+        n = cp * tp
+        for count, what in ((cfg.heads, "attention heads"), (cfg.n_kv, "kv heads")):
+            if count % n:
+                return (f"--cp-attention alltoall moves the sequence onto the heads: cp x tp = {n} does not divide "
+                        f"the model's {count} {what}")
+    return None
+
+
+def cp_marks(model: Model, mesh: ProcessMesh, dm: Any, st: set[str], batch: Any, tp: int | None) -> int | None:
+    """Annotate the sequence inputs over ``cp`` (``dm``: the strategy's marks); the cp mesh dim,
+    None without cp. ProgramError naming ``--mesh`` / ``--cp-attention`` where the model cannot
+    be split (:func:`cp_problem`)."""
+    if "cp" not in st:
+        return None
+    cp = mesh.dim_index("cp")
+    n = mesh.shape[cp]
+    cfg = model.config
+    if n > 1 and cfg.cp != n:
+        raise ProgramError(f"--mesh cp={n}: the model was built for cp={cfg.cp} (plan it with --strategy ...,cp)")
+    why = cp_problem(cfg, n, mesh.shape[tp] if tp is not None else 1)
+    if why is not None:
+        raise ProgramError(f"--mesh cp={n}: {why}")
+    prog = model.program
+    ins = model.inputs
+    for key in ("tokens", "labels", "positions"):
+        name = ins.get(key)
+        if name is not None:
+            dm(name)[1] = cp
+    for key in ("sin", "cos"):
+        name = ins.get(key)
+        if name is not None:
+            dm(name)[-3 if len(prog.tensors[name].shape) == 4 else 0] = cp
+    if "causal_mask" in prog.tensors:
+        dm("causal_mask")[2] = cp
+    ring = cfg.cp_attention == "ring"
+    if "cp.positions" in prog.tensors:
+        dm("cp.positions")[0] = -1 if cfg.cp_attention == "alltoall" else cp
+        dm("cp.key_positions")[0] = cp if ring else -1
+    # attention's boundary held sequence-sharded: alltoall's output traded back by all-to-all, the
+    # grads of q, k, v back onto the sequence (allgather's partial k / v grads reduce-scattered)
+    heads = tp if tp is not None and "megatron" in st else None
+    for op in prog.ops:
+        if op.rule not in ("cp_attention", "cp_attention_grad"):
+            continue
+        for name in op.outputs[:1] if op.rule == "cp_attention" else op.outputs[:3]:
+            if isinstance(name, str):
+                d = dm(name)
+                h = prog.tensors[name].shape[2]
+                d[0], d[1], d[2] = batch, cp, heads if heads is not None and h % mesh.shape[heads] == 0 else -1
+    return cp
+
+
+__all__ = ["DEFAULTS", "OPTIONS", "check_options", "config_for", "cp_groups", "cp_marks", "cp_problem", "options", "parse_option"]
