@@ -268,15 +268,26 @@ def ring_buffers(plan: Plan) -> dict[int, int]:
 
 
 def gather_overlaps(plan: Plan) -> dict[int, int]:
-    """Op index -> cp ranks of the allgather attention ops whose K / V all-gathers run under the
-    local block (torch's context_parallel: ``--framework torchtitan``); Transformer Engine's
-    block (none)."""
+    """Op index -> cp ranks of the allgather attention ops (forward and grad) whose K / V
+    all-gathers (and the grad's dK / dV reduce-scatters) run under the local block (torch's
+    context_parallel: ``--framework torchtitan``); Transformer Engine's block (none)."""
     if plan.runtime.framework != "torchtitan":
         return {}
-    return {c.index: c.ranks for c in cp_ops(plan) if c.variant == "allgather" and c.ranks > 1
-            and plan.program.ops[c.index].phase != "backward"}
+    return {c.index: c.ranks for c in cp_ops(plan) if c.variant == "allgather" and c.ranks > 1}
+
+
+def regathers(plan: Plan) -> frozenset[int]:
+    """Indices in ``plan.reshards`` of the K / V all-gathers an allgather attention's grad reads
+    shared with its forward's: both frameworks keep the local K and V and gather them again for
+    the backward (Transformer Engine's AttnFuncWithCPAndKVAllGather, torch's rotater), so the
+    gathered copy lives in each pass alone and the backward pays its all-gather again."""
+    grads = {c.index for c in cp_ops(plan) if c.variant == "allgather" and plan.program.ops[c.index].phase == "backward"}
+    if not grads:
+        return frozenset()
+    return frozenset(k for k, r in enumerate(plan.reshards) if r.shared and not r.output and r.op_index in grads
+                     and any(s.kind == "all_gather" for s in r.plan.steps))
 
 
 __all__ = ["CP_ATTENTION", "CP_RULES", "CpOp", "GRAD_ACCUM_ITEMSIZE", "cp_op", "cp_op_cost", "cp_ops",
-           "gather_overlaps", "ring_buffers", "ring_costs", "RingCost", "allgather_exposed", "causal_imbalance", "kv_block_bytes", "rank_blocks",
+           "gather_overlaps", "regathers", "ring_buffers", "ring_costs", "RingCost", "allgather_exposed", "causal_imbalance", "kv_block_bytes", "rank_blocks",
            "ring_cost", "ring_exposed"]

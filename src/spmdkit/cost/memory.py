@@ -65,7 +65,7 @@ from typing import Any
 
 from spmdkit.core.dist_attr import TensorDistAttr, entry_dims, largest_shard
 from spmdkit.core.errors import ProgramError
-from spmdkit.cost.context import ring_buffers
+from spmdkit.cost.context import regathers, ring_buffers
 from spmdkit.cost.moe import plan_loads
 from spmdkit.program.ir import Op, Program, flat_refs
 from spmdkit.program.plan import Plan
@@ -639,6 +639,14 @@ def fit_verdict(need: int, capacity: int) -> tuple[bool, str]:
 # -- the activation curve -------------------------------------------------------------------------
 
 
+def _no_copy(r: Any, shape: tuple[int, ...]) -> bool:
+    """A reshard that moves nothing and keeps the local shape (a layout change over a mesh dim of
+    size 1: ``dp=1``'s batch entry) makes no copy."""
+    return all(s.bytes_per_rank == 0 for s in r.plan.steps) and not r.src.partial and not r.dst.partial \
+        and largest_shard(r.src.dims_mapping, shape, r.src.mesh.shape) == \
+        largest_shard(r.dst.dims_mapping, shape, r.dst.mesh.shape)
+
+
 def activation_deltas(plan: Plan, saved: ActivationMemory, group_of: list[int] | None = None,
                       groups: int = 1) -> list[dict[int, int]]:
     """Per group of ops (a pipeline stage; one group: the whole step), op index -> the change
@@ -646,7 +654,9 @@ def activation_deltas(plan: Plan, saved: ActivationMemory, group_of: list[int] |
     stops after the last op of the group that reads its values; recomputation, re-gathers and
     fp8 stashes split that life: :func:`spans_with_recompute`). A tensor several groups use is
     counted in each, from its first to its last use there (a stage holds what it received).
-    Copies made by reshards live from the first op that reads them to the last; a ZeRO-3 /
+    Copies made by reshards live from the first op that reads them to the last (the K / V an
+    allgather cp attention gathers: in each pass alone, gathered again for its grad,
+    :func:`spmdkit.cost.context.regathers`); a ZeRO-3 /
     FSDP parameter gathered for its layer's ops of one phase lives from the start of the layer
     before (the next layer's all-gather is prefetched while one layer computes, as FSDP2 and
     DeepSpeed do) to its layer's last op. Parameter gradients, parameters and optimizer states
@@ -711,15 +721,18 @@ def activation_deltas(plan: Plan, saved: ActivationMemory, group_of: list[int] |
             else:
                 blk[1] = i
     spans: dict[tuple[int, str, TensorDistAttr, str], list[int]] = {}
-    for r in plan.reshards:
+    again = regathers(plan)  # a cp attention's K / V gathered again for its grad: a copy of its own
+    for k, r in enumerate(plan.reshards):
         op = prog.ops[r.op_index]
         g = grp[r.op_index]
+        if _no_copy(r, prog.tensors[r.tensor].shape):
+            continue
         if r.tensor in stored:
             lo, hi = before[(op.layer, op.phase)], blocks[(op.layer, op.phase)][1]
             key = (g, r.tensor, r.dst, op.phase)
         else:
             lo = hi = r.op_index
-            key = (g, r.tensor, r.dst, "")
+            key = (g, r.tensor, r.dst, "again" if k in again else "")
         s = spans.setdefault(key, [lo, hi])
         s[0], s[1] = min(s[0], lo), max(s[1], hi)
     for (g, n, dst, _phase), (a, e) in spans.items():

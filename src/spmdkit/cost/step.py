@@ -26,6 +26,7 @@ from spmdkit.cost.context import (
     causal_imbalance,
     cp_ops,
     gather_overlaps,
+    regathers,
     ring_costs,
 )
 from spmdkit.cost.devices import Device
@@ -382,13 +383,14 @@ def _communication(plan: Plan, comp: _Compute) -> _Comm:
     rs_grads = distributed_optimizer_grads(plan)
     load = plan_loads(plan)  # MoE: the busiest ep rank's share of the tokens (spmdkit.cost.moe)
     under = gather_overlaps(plan)
+    again = regathers(plan)  # allgather attention's K / V gathered again for its grad
     readers: dict[str, list[int]] = {}
     if overlap_tp:
         for j, op in enumerate(prog.ops):
             for nm in op.input_names():
                 readers.setdefault(nm, []).append(j)
-    for r in plan.reshards:
-        if r.shared:
+    for k, r in enumerate(plan.reshards):
+        if r.shared and k not in again:
             continue
         i = r.op_index
         t = prog.tensors[r.tensor]
@@ -420,7 +422,7 @@ def _communication(plan: Plan, comp: _Compute) -> _Comm:
                 out.param_gathers.setdefault(i, []).append((s.mesh_dims, buffer_bytes(s.kind, s.bytes_per_rank, n),
                                                             t.itemsize))
                 continue
-            if i in under and s.kind == "all_gather" and not r.output:
+            if i in under and s.kind in ("all_gather", "reduce_scatter"):
                 secs, _n = out.under.get(i, (0.0, under[i]))
                 out.under[i] = (secs + s.time_s, under[i])
                 continue
