@@ -178,11 +178,30 @@ def _model_args(ns: argparse.Namespace) -> ModelArgs:
                      preset_given=ns.model is not None, fallback=ns.fallback)
 
 
+def _strategy(ns: argparse.Namespace) -> str | None:
+    """``--strategy`` with ``--cp-attention`` / ``--cp-balance`` added as its items
+    (spmdkit.strategies.context: the strategy text carries cp's options)."""
+    extra = [f"{k}={v}" for k, v in (("cp-attention", getattr(ns, "cp_attention", None)),
+                                     ("cp-balance", getattr(ns, "cp_balance", None))) if v]
+    if not extra:
+        return ns.strategy  # type: ignore[no-any-return]
+    return ",".join([*([ns.strategy] if ns.strategy else []), *extra])
+
+
+def _add_cp_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cp-attention", dest="cp_attention", choices=("allgather", "ring", "alltoall"),
+                   help="with cp in --strategy: attention over the split sequence by allgather (k and v gathered: "
+                        "the default, Llama 3's), ring (kv blocks passed round the cp ranks) or alltoall "
+                        "(DeepSpeed-Ulysses: sequence traded for heads) (docs/context.md)")
+    p.add_argument("--cp-balance", dest="cp_balance", choices=("zigzag", "none"),
+                   help="with cp: zigzag (the default: rank i holds chunks i and 2cp-1-i, equal causal work) or none")
+
+
 def plan_request(ns: argparse.Namespace) -> PlanRequest:
     """The request of a parsed ``spmdkit plan`` command line."""
     mesh = ns.mesh if ns.mesh is not None or ns.devices is not None else DEFAULT_MESH
     return PlanRequest(
-        model=_model_args(ns), mesh=mesh, strategy=ns.strategy, devices=ns.devices, layers=ns.layers,
+        model=_model_args(ns), mesh=mesh, strategy=_strategy(ns), devices=ns.devices, layers=ns.layers,
         batch=ns.batch, seq=ns.seq, annotate=tuple(ns.annotate),
         links=Links(cost=ns.cost, device=ns.device, nodes_of=ns.nodes_of, precision=ns.precision,
                     framework=ns.framework, tp_comm_overlap=ns.tp_comm_overlap, moe_skew=ns.moe_skew,
@@ -199,7 +218,7 @@ def plan_request(ns: argparse.Namespace) -> PlanRequest:
 def run_request(ns: argparse.Namespace, argv: list[str]) -> RunRequest:
     """The request of a parsed ``spmdkit run`` command line; ``argv``: the arguments after ``run``."""
     return RunRequest(
-        model=_model_args(ns), mesh=ns.mesh, argv=tuple(argv), strategy=ns.strategy, layers=ns.layers,
+        model=_model_args(ns), mesh=ns.mesh, argv=tuple(argv), strategy=_strategy(ns), layers=ns.layers,
         batch=ns.batch, seq=ns.seq, pad=ns.pad, annotate=tuple(ns.annotate), nproc=ns.nproc, backend=ns.backend,
         seed=ns.seed, kernels=ns.kernels, warmup=ns.warmup, device=ns.device, json=ns.json, timeout=ns.timeout)
 
@@ -233,8 +252,10 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                         "and recomputation (and --auto's search per mesh) for the fastest plan that fits the memory "
                         "(graph/auto_search.py); prints the top configurations and the best plan")
     p.add_argument("--strategy", default=None,
-                   help="comma list of dp, megatron (tp), sp, ep (MoE experts over an ep mesh dim, tokens over dp x ep), zero1, "
+                   help="comma list of dp, megatron (tp), sp, ep (MoE experts over an ep mesh dim, tokens over dp x ep), "
+                        "cp (the sequence over a cp mesh dim: context parallelism), zero1, "
                         "zero2 (zero), zero3 (fsdp); default megatron (= dp,megatron) for a preset or --hf, none for --program")
+    _add_cp_arguments(p)
     p.add_argument("--layers", help=f"override the preset's layer count (1 to {MAX_LAYERS})")
     p.add_argument("--batch", help=f"override the preset's batch size (1 to {MAX_SIZE})")
     p.add_argument("--seq", help=f"override the preset's sequence length (1 to {MAX_SIZE})")
@@ -334,8 +355,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pad", type=int, help="--hf: padded positions (attention mask 0) at the end of the batch's last "
                                            "row (default 0)")
     p.add_argument("--mesh", default="dp=2,tp=2", help="named mesh dims, e.g. dp=2,tp=2 (default)")
-    p.add_argument("--strategy", help="comma list of dp, megatron (tp), sp, ep (MoE experts over an ep mesh dim), zero1, zero2 "
+    p.add_argument("--strategy", help="comma list of dp, megatron (tp), sp, ep (MoE experts over an ep mesh dim), cp "
+                                      "(the sequence over a cp mesh dim), zero1, zero2 "
                                       "(zero), zero3 (fsdp); default megatron (--program: none, its --annotate pins alone)")
+    _add_cp_arguments(p)
     p.add_argument("--tp-plan", metavar="FILE|JSON",
                    help='megatron for --hf / --program: module-name patterns -> column, row, vocab or replicate, '
                         'e.g. \'{"*.k_proj": "replicate"}\' (docs/torch.md)')

@@ -134,6 +134,40 @@ class Rank:
         self.kernel_comm_s += self._clock() - t0
         return out
 
+    def ring_pass_t(self, ts: list[torch.Tensor], mesh_dims: tuple[int, ...]) -> list[torch.Tensor]:
+        """A ring kernel's own step (``Ctx.comm.ring_pass``: ring attention's kv blocks): each
+        tensor sent to the next rank of the mesh dim's group and received from the previous one
+        (send / recv), timed as communication and recorded apart from the plan's reshards."""
+        if len(mesh_dims) != 1:
+            raise ProgramError(f"spmdkit run: a ring over mesh dims {list(mesh_dims)}: the executor rings over one "
+                               f"mesh dim")
+        d = mesh_dims[0]
+        n = self.mesh.shape[d]
+        if n == 1:
+            return ts
+        t0 = self._clock()
+        coords = list(self.coords)
+
+        def rank_at(i: int) -> int:
+            want = [*coords[:d], i % n, *coords[d + 1:]]
+            return next(r for r in range(self.mesh.size) if list(self.mesh.coords(r)) == want)
+
+        nxt, prv = rank_at(coords[d] + 1), rank_at(coords[d] - 1)
+        outs = [torch.empty_like(t) for t in ts]
+        ops = []
+        for t, o in zip(ts, outs):
+            ops.append(dist.P2POp(dist.isend, t.contiguous(), nxt))
+            ops.append(dist.P2POp(dist.irecv, o, prv))
+            self.kernel_record.append(Collective("(kernel)", "send_recv", d, int(t.numel()), int(o.numel())))
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+        self.kernel_comm_s += self._clock() - t0
+        return outs
+
+    def ring_pass(self, arrays: list[np.ndarray], mesh_dims: tuple[int, ...]) -> list[np.ndarray]:
+        """:meth:`ring_pass_t` on numpy pieces (``--kernels numpy``)."""
+        return [self._n(t) for t in self.ring_pass_t([self._t(np.asarray(a)) for a in arrays], mesh_dims)]
+
     def _clock(self) -> float:
         """Wall time, after the device's queued work (CUDA runs asynchronously)."""
         if self.device.type == "cuda":
@@ -332,6 +366,9 @@ class TorchComm:
 
     def all_reduce(self, t: torch.Tensor, mesh_dims: tuple[int, ...], op: str) -> torch.Tensor:
         return self.rank.all_reduce_t(t, mesh_dims, op)
+
+    def ring_pass(self, ts: list[torch.Tensor], mesh_dims: tuple[int, ...]) -> list[torch.Tensor]:
+        return self.rank.ring_pass_t(ts, mesh_dims)
 
 
 def run_rank(plan: Plan, seed: int = 0, rtol: float = 1e-5, atol: float = 1e-8,

@@ -47,7 +47,17 @@ from spmdkit.engine.memo import gc_paused
 from spmdkit.models import catalog
 from spmdkit.models.hf_config import hf_fields, is_hf_config
 from spmdkit.models.zoo_config import ACTIVATIONS, NORMS, POSITIONS, Model, ModelConfig
-from spmdkit.models.zoo_layers import NAMES, attention, cp_order, embed, final_norm, layer_params, mlp_act, norm, row_residual
+from spmdkit.models.zoo_layers import (
+    NAMES,
+    attention,
+    cp_order,
+    embed,
+    final_norm,
+    layer_params,
+    mlp_act,
+    norm,
+    row_residual,
+)
 from spmdkit.models.zoo_moe import moe_mlp
 from spmdkit.program.autodiff import Tape
 from spmdkit.program.ir import Program, ProgramBuilder, RecordedValue

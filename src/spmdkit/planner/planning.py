@@ -26,9 +26,9 @@ from spmdkit.models.zoo import Model, preset
 from spmdkit.planner.propagate import propagate
 from spmdkit.program.ir import Program
 from spmdkit.program.plan import Plan
-from spmdkit.strategies.hf import annotate_program, megatron_program, optimizer_of, regroup_partial_sums
 from spmdkit.strategies.context import config_for as cp_config
 from spmdkit.strategies.context import cp_groups
+from spmdkit.strategies.hf import annotate_program, megatron_program, optimizer_of, regroup_partial_sums
 from spmdkit.strategies.strategy import annotate, parse_mesh, parse_strategy, user_attrs, zero3_storage
 
 #: The most layers ``--layers`` takes: planning is linear in the ops (~30 per layer with its

@@ -219,7 +219,7 @@ def propagate(
     ``progress(done, total)`` is called as the sweeps go."""
     prop = _Propagation(program, mesh, annotations, cost, storage)
     if groups:
-        prop.groups = sorted({*prop.groups, *(tuple(g) for g in groups)})  # type: ignore[misc]
+        prop.groups = sorted({*prop.groups, *((int(a), int(b)) for a, b in groups)})
     results, rounds = prop.sweeps(progress)
     return prop.plan(results, rounds, grad_accum)
 

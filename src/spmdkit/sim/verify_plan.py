@@ -61,10 +61,22 @@ def tiny_for_mesh(tiny: str, mesh_text: str, strategy_text: str) -> str:
             grown["hidden"] = heads * cfg.hdim
         if cfg.experts and cfg.moe_ffn:
             grown["moe_ffn"] = _lcm(cfg.moe_ffn, tp)
+    if "cp" in st and sizes.get("cp", 1) > 1:  # context parallel: the sequence into 2 x cp chunks (x tp under sp);
+        cp = sizes["cp"]  # alltoall: the heads and kv heads over cp x tp
+        seq = _lcm(grown.get("seq", cfg.seq), 2 * cp * (tp if sp else 1))
+        if seq != cfg.seq:
+            grown["seq"] = seq
+        if "cp-attention=alltoall" in st and (cfg.n_kv % (cp * tp) or cfg.heads % (cp * tp)):
+            kv = _lcm(grown.get("kv_heads") or cfg.n_kv, cp * tp)
+            heads = _lcm(grown.get("heads", cfg.heads), kv)
+            grown.update({"heads": heads, "kv_heads": kv, "ffn": _lcm(grown.get("ffn", cfg.ffn), tp),
+                          "vocab": _lcm(grown.get("vocab", cfg.vocab), tp)})
+            if not cfg.head_dim:
+                grown["hidden"] = heads * cfg.hdim
     if not grown:
         return tiny
     obj = json.loads(tiny) if is_config_text(tiny) else {"base": tiny}
-    what = ", ".join([*([f"tp={tp}"] if "heads" in grown else []),
+    what = ", ".join([*([f"tp={tp}"] if "heads" in grown else []), *([f"cp={sizes['cp']}"] if "cp" in st else []),
                       *([f"ep={sizes.get('ep')}"] if "experts" in grown or "batch" in grown else [])])
     obj.update(grown, name=f"{model_label(tiny)} sized for {what}")
     return json.dumps(obj, separators=(",", ":"))

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from spmdkit.core.dist_attr import entry_dims
-from spmdkit.sim.cases import GENERATORS, TGen, Spec
+from spmdkit.sim.cases import GENERATORS, Spec, TGen
 from spmdkit.sim.mesh import balanced_split, local_slices, piece_index
 from spmdkit.sim.reference import Arrays, Ctx, Reference, register_reference
 
@@ -185,10 +185,10 @@ def _ints(x: Any) -> np.ndarray:
     return np.asarray(x, dtype=np.int64)
 
 
-def _sim_blocks(a: Arrays, c: Ctx, names: tuple[str, ...]) -> Callable[[int, int], list[np.ndarray]]:
-    """``blocks(step, owner_offset)``: in the simulator, the block of the rank ``step`` places
+def _sim_blocks(a: Arrays, c: Ctx, names: tuple[str, ...]) -> Callable[[int], list[np.ndarray]]:
+    """``blocks(step)``: in the simulator, the block of the rank ``step`` places
     before this one, of the global ``names``, after checking this rank's pieces are its slices."""
-    dims, i, n = ring_of(c)
+    _dims, i, n = ring_of(c)
     for nm in names:
         g = _GROUP.get(nm)
         if g is None or tuple(g.shape) != tuple(c.shapes.get(nm) or ()):
@@ -236,7 +236,7 @@ def _cp_attention_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
         _GROUP.update(q_positions=qp.copy(), k_positions=kp.copy())
     if c.is_global or a.get("variant") != "ring":
         return block_grad(NP, q, k, v, qp, kp, lse, g, delta_of(g, out), causal)
-    dims, i, n = ring_of(c)
+    dims, _i, n = ring_of(c)
     if c.comm is not None:
         return ring_backward(NP, q, k, v, qp, kp, out, lse, g, causal, n, lambda j, cur: c.comm.ring_pass(cur, dims))
     kv = _sim_blocks(a, c, ("k", "v", "k_positions"))

@@ -1,0 +1,282 @@
+"""Context parallelism (``--strategy ...,cp``, docs/context.md): the sequence over a cp mesh dim.
+
+The cp_attention rules per variant (hand-checked answers), their soundness over generated cases
+and the simulator's refusal of deliberately wrong ones (an all-gather that does not gather, a
+causal kernel without positions), the strategy's errors, the zig-zag layout (the permuted step
+equals the plain model's), whole plans simulated (--verify) and runs on 4 gloo processes
+against the single-process step."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from spmd_helpers import T, dms
+from spmdkit.core.dist_attr import ReduceType, TensorDistAttr
+from spmdkit.core.errors import ProgramError
+from spmdkit.core.mesh import ProcessMesh
+from spmdkit.core.spec import SpmdResult
+from spmdkit.engine.facts import facts_of
+from spmdkit.engine.registry import get_rule
+from spmdkit.execute.single import global_step
+from spmdkit.models.zoo import build_model, preset
+from spmdkit.models.zoo_layers import cp_order
+from spmdkit.planner.planning import plan_model
+from spmdkit.planner.propagate import propagate
+from spmdkit.sim import verify, verify_rule
+from spmdkit.sim.plan import simulate_plan, source_values
+from spmdkit.sim.verify_plan import verify_strategy
+
+ROOT = Path(__file__).resolve().parents[1]
+M = ProcessMesh([2, 2], dim_names=["cp", "tp"])
+CPA = get_rule("cp_attention")
+CPG = get_rule("cp_attention_grad")
+QWEN = {"base": "tiny-llama", "qkv_bias": True, "kv_heads": 2, "name": "tiny-qwen2"}
+SUM = ((0, ReduceType.SUM),)
+
+
+def _qkv(hk: int = 2) -> tuple[Any, ...]:
+    """q [2, 8, 4, 4], k / v with ``hk`` kv heads, all sequence over cp and heads over tp."""
+    dm = [-1, 0, 1, -1]
+    return (T(M, [2, 8, 4, 4], dm), T(M, [2, 8, hk, 4], dm), T(M, [2, 8, hk, 4], dm), T(M, [8], [0]),
+            T(M, [8], [0]))
+
+
+# -- the rules -----------------------------------------------------------------------------------
+
+
+def test_allgather_keeps_q_on_the_sequence_and_gathers_k_and_v() -> None:
+    r = CPA.infer_forward(*_qkv(), True, "allgather", "zigzag")
+    assert dms(r.inputs) == [(-1, 0, 1, -1), (-1, -1, 1, -1), (-1, -1, 1, -1), (0,), (-1,)]
+    assert dms(r.outputs) == [(-1, 0, 1, -1), (-1, 1, 0)]
+
+
+def test_allgather_grad_gives_k_and_v_grads_partial_over_the_query_sequence() -> None:
+    q, k, v, qp, kp = _qkv()
+    out, lse = T(M, [2, 8, 4, 4], [-1, 0, 1, -1]), T(M, [2, 4, 8], [-1, 1, 0])
+    r = CPG.infer_forward(q, k, v, out, lse, qp, kp, out, True, "allgather", "zigzag")
+    assert dms(r.outputs) == [(-1, 0, 1, -1), (-1, -1, 1, -1), (-1, -1, 1, -1)]
+    assert [a.partial for a in r.outputs] == [(), SUM, SUM]
+
+
+def test_ring_keeps_q_k_v_and_both_positions_on_the_sequence() -> None:
+    r = CPA.infer_forward(*_qkv(), True, "ring", "zigzag")
+    assert dms(r.inputs) == [(-1, 0, 1, -1)] * 3 + [(0,), (0,)]
+    q, k, v, qp, kp = _qkv()
+    out, lse = T(M, [2, 8, 4, 4], [-1, 0, 1, -1]), T(M, [2, 4, 8], [-1, 1, 0])
+    g = CPG.infer_forward(q, k, v, out, lse, qp, kp, out, True, "ring", "zigzag")
+    assert dms(g.outputs) == [(-1, 0, 1, -1)] * 3 and not any(a.partial for a in g.outputs)
+
+
+def test_alltoall_moves_the_sequence_onto_the_heads_minor_to_tp() -> None:
+    r = CPA.infer_forward(*_qkv(hk=4), True, "alltoall", "zigzag")
+    assert dms(r.inputs) == [(-1, -1, (1, 0), -1)] * 3 + [(-1,), (-1,)]
+    assert dms(r.outputs) == [(-1, -1, (1, 0), -1), (-1, (1, 0), -1)]
+
+
+def test_ring_fact_names_the_blocks_the_kernel_passes() -> None:
+    """cost/ reads this: the forward rings k, v and their positions on axis 1; the grad also dK, dV."""
+    f, g = facts_of("cp_attention").ring, facts_of("cp_attention_grad").ring
+    assert f is not None and g is not None
+    assert (f.blocks, f.axis, f.grads) == (("k", "v", "k_positions"), 1, ())
+    assert g.grads == ("k_grad", "v_grad")
+    assert f.applies({"variant": "ring"}) and not f.applies({"variant": "allgather"})
+
+
+@pytest.mark.parametrize("rule", ["cp_attention", "cp_attention_grad"])
+def test_generated_cases_are_sound(rule: str) -> None:
+    rep = verify_rule(rule, n=40, seed=3)
+    assert rep.cases == 40 and rep.sound == 40, rep.first_unsound
+
+
+def _case(rule: str, args: list[Any]) -> dict[str, Any]:
+    return {"rule": rule, "mesh": [2], "mode": "forward", "args": args}
+
+
+def _a(dm: list[int]) -> TensorDistAttr:
+    return TensorDistAttr(ProcessMesh([2]), dm)
+
+
+def test_an_allgather_that_does_not_gather_is_caught() -> None:
+    """Each rank attending only its own block of keys (k, v left on the sequence) is unsound."""
+    seq = {"dims_mapping": [-1, 0, -1, -1]}
+    case = _case("cp_attention", [{"shape": [1, 8, 2, 2], **seq}, {"shape": [1, 8, 2, 2], **seq},
+                                  {"shape": [1, 8, 2, 2], **seq}, {"shape": [8], "dims_mapping": [0]},
+                                  {"shape": [8], "dims_mapping": [0]}, True, "allgather", "zigzag"])
+    assert verify(None, case).status == "sound"  # the rule's own answer gathers k and v
+    wrong = SpmdResult([_a([-1, 0, -1, -1])] * 3 + [_a([0]), _a([0])], [_a([-1, 0, -1, -1]), _a([-1, -1, 0])])
+    assert verify(None, case, result=wrong).status == "unsound"
+
+
+def test_causal_flash_attention_without_positions_on_a_split_sequence_is_caught() -> None:
+    """flash_attention masks from position 0 on every rank: its queries sequence-sharded, k and v
+    whole, it is wrong on rank 1 (why cp needs cp_attention's positions)."""
+    case = _case("flash_attention", [{"shape": [1, 8, 2, 2], "dims_mapping": [-1, 0, -1, -1]},
+                                     {"shape": [1, 8, 2, 2], "dims_mapping": [-1, -1, -1, -1]},
+                                     {"shape": [1, 8, 2, 2], "dims_mapping": [-1, -1, -1, -1]}, None, None,
+                                     0.0, True, False, False])
+    wrong = SpmdResult([_a([-1, 0, -1, -1]), _a([-1, -1, -1, -1]), _a([-1, -1, -1, -1]), None, None],
+                       [_a([-1, 0, -1, -1]), None, _a([-1, -1, 0]), _a([-1])])
+    assert verify(None, case, result=wrong).status == "unsound"
+
+
+# -- the strategy ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("mesh", "strategy", "msg"), [
+    ("dp=2,tp=2", "dp,cp", "--strategy cp: the mesh has no 'cp' dim (mesh dims: dp, tp)"),
+    ("cp=8", "cp", "--mesh cp=8: the sequence of 8 tokens does not split into 2 x cp = 16 chunks (the zig-zag "
+                   "balance)"),
+    ("cp=2,tp=2", "megatron,cp,cp-attention=alltoall", "--mesh cp=2: --cp-attention alltoall moves the sequence "
+                                                       "onto the heads: cp x tp = 4 does not divide the model's 2 kv heads"),
+    ("dp=2,tp=2", "megatron,cp-attention=ring", "--cp-attention ring: context parallelism is not asked for (add cp "
+                                                "to --strategy and a cp dim to --mesh)"),
+    ("cp=2", "cp,cp-attention=mesh", "--cp-attention 'mesh': not one of allgather, ring, alltoall"),
+], ids=["no-cp-dim", "sequence", "alltoall-heads", "option-without-cp", "unknown-variant"])
+def test_errors_name_the_flag_value_and_what_is_wrong(mesh: str, strategy: str, msg: str) -> None:
+    with pytest.raises(ProgramError) as e:
+        plan_model("tiny-llama", mesh, strategy)
+    assert str(e.value) == msg
+
+
+def test_cli_error_is_one_line_exit_2() -> None:
+    p = _spmdkit("plan", "--model", "tiny-llama", "--mesh", "cp=8", "--strategy", "cp", "--cp-attention", "ring")
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert "--mesh cp=8: the sequence of 8 tokens does not split into 2 x cp = 16 chunks" in p.stderr
+
+
+def test_zigzag_order_gives_rank_i_chunks_i_and_mirror() -> None:
+    cfg = preset("tiny-llama").with_(seq=16, cp=2)
+    assert cp_order(cfg) == [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11]
+    assert cp_order(cfg.with_(cp_balance="none")) == list(range(16))
+
+
+def test_the_zigzag_step_equals_the_plain_model_on_the_same_tokens() -> None:
+    """The cp program (tokens laid out in zig-zag order, each with its position; rope's rows and
+    cp_attention's mask from the positions) on the permuted tokens and labels: the loss, every
+    parameter gradient and update equal the plain model's (flash_attention) on the tokens in order."""
+    base = preset("tiny-llama").with_(seq=8)
+    plain = build_model(base)
+    zig = build_model(base.with_(cp=2))
+    order = cp_order(base.with_(cp=2))
+    assert order == [0, 1, 6, 7, 2, 3, 4, 5]
+    assert any(op.rule == "cp_attention" for op in zig.program.ops)
+    assert not any(op.rule == "cp_attention" for op in plain.program.ops)
+    vals = source_values(plain.program, seed=5)
+    given = {n: v for n, v in vals.items() if n in zig.program.tensors and n not in ("rope.sin", "rope.cos")}
+    given["tokens"] = vals["tokens"][:, order]
+    given["labels"] = vals["labels"][:, order]
+    mesh = ProcessMesh([1], dim_names=["dp"])
+    a = global_step(propagate(plain.program, mesh, {}), 0, vals)
+    b = global_step(propagate(zig.program, mesh, {}), 0, given)
+    assert b["loss"] == pytest.approx(float(a["loss"]), rel=1e-12)
+    assert len(plain.optimizer) == 21  # 2 layers x 9, the embedding, the final norm, the head
+    for p, (grad, _, new, _) in plain.optimizer.items():
+        np.testing.assert_allclose(b[grad], a[grad], rtol=1e-10, atol=1e-12, err_msg=p)
+        np.testing.assert_allclose(b[new], a[new], rtol=1e-10, atol=1e-12, err_msg=p)
+    np.testing.assert_allclose(b["final_norm.out"], a["final_norm.out"][:, order], rtol=1e-10)
+
+
+def _kinds(plan: Any) -> collections.Counter[tuple[str, str]]:
+    names = plan.mesh.dim_names
+    return collections.Counter((s.kind, "x".join(names[d] for d in s.mesh_dims)) for r in plan.reshards
+                               for s in r.plan.steps if s.kind != "slice")
+
+
+def test_allgather_plan_gathers_k_and_v_and_reduce_scatters_their_grads() -> None:
+    """tiny-llama (2 layers) on dp=2,cp=2: per layer k and v all-gathered over cp in the forward
+    and again for the backward, their grads reduce-scattered; each parameter gradient all-reduced
+    once over dp x cp (21 parameters)."""
+    _, plan, _ = plan_model("tiny-llama", "dp=2,cp=2", "dp,cp")
+    assert _kinds(plan) == {("all_gather", "cp"): 8, ("reduce_scatter", "cp"): 4, ("all_reduce", "dpxcp"): 21}
+    assert plan.attrs["tokens"].dims_mapping == (0, 1)
+    assert plan.attrs["layers.0.mlp_norm.out"].dims_mapping[:2] == (0, 1)
+
+
+def test_ring_plan_moves_nothing_but_the_gradients() -> None:
+    _, plan, _ = plan_model("tiny-llama", "dp=2,cp=2", "dp,cp,cp-attention=ring")
+    assert _kinds(plan) == {("all_reduce", "dpxcp"): 21}
+
+
+def test_alltoall_plan_trades_sequence_for_heads() -> None:
+    """Per layer 12 all-to-alls over cp: forward q, k, v to heads and out back (4); backward q, k,
+    v, out and out_grad to heads again (the plan trades the saved activations again, 5) and the
+    three grads back (3); no gather."""
+    _, plan, _ = plan_model("tiny-llama", "dp=2,cp=2", "dp,cp,cp-attention=alltoall")
+    assert _kinds(plan) == {("all_to_all", "cp"): 24, ("all_reduce", "dpxcp"): 21}
+    by_phase = collections.Counter(plan.program.ops[r.op_index].phase for r in plan.reshards
+                                   if r.plan.steps[0].kind == "all_to_all")
+    assert by_phase == {"forward": 8, "backward": 16}
+
+
+@pytest.mark.parametrize(("mesh", "strategy"), [
+    ("dp=2,cp=2", "dp,cp"),
+    ("dp=2,cp=2", "dp,cp,cp-attention=ring"),
+    ("dp=2,cp=2", "dp,cp,cp-attention=alltoall"),
+    ("dp=2,cp=2", "dp,cp,cp-balance=none"),
+    ("cp=2,tp=2", "megatron,cp,cp-attention=ring"),
+    ("cp=2,tp=2", "megatron,sp,cp"),
+    ("dp=2,cp=2", "dp,cp,zero3,cp-attention=ring"),
+    ("cp=2,tp=2", "megatron,cp,cp-attention=alltoall"),
+], ids=["allgather", "ring", "alltoall", "no-balance", "megatron-ring", "sp", "zero3-ring", "megatron-alltoall"])
+def test_verify_simulates_the_strategy_equal_to_the_unsharded_step(mesh: str, strategy: str) -> None:
+    rep = verify_strategy("tiny-llama", mesh, strategy)
+    assert rep["ok"] and rep["checked"] > 200, rep["text"]
+
+
+def test_gpt2_learned_positions_and_eager_attention_under_cp() -> None:
+    """gpt2 (eager attention: the scores' matmuls gather k and v as allgather does; its causal mask
+    and learned positions recorded in zig-zag order) simulated equal; ring refused for eager."""
+    _, plan, _ = plan_model("tiny-gpt2", "dp=2,cp=2", "dp,cp")
+    assert plan.attrs["positions"].dims_mapping == (0, 1) and plan.attrs["causal_mask"].dims_mapping == (-1, -1, 1, -1)
+    assert simulate_plan(plan).ok
+    with pytest.raises(ProgramError, match="--cp-attention ring: the model's attention is eager"):
+        plan_model("tiny-gpt2", "dp=2,cp=2", "dp,cp,cp-attention=ring")
+
+
+# -- on gloo ---------------------------------------------------------------------------------------
+
+
+def _spmdkit(*args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    return subprocess.run([sys.executable, "-m", "spmdkit", *args], capture_output=True, text=True, env=env,
+                          timeout=400)
+
+
+@pytest.mark.parametrize(("model", "mesh", "variant", "kernels"), [
+    ("tiny-llama", "dp=2,cp=2", "ring", "torch"),
+    (json.dumps(QWEN), "dp=2,cp=2", "allgather", "numpy"),
+    (json.dumps(QWEN), "dp=2,cp=2", "alltoall", "torch"),
+    ("tiny-llama", "cp=2,tp=2", "ring", "numpy"),
+], ids=["llama-ring-torch", "qwen-allgather", "qwen-alltoall-torch", "llama-megatron-ring"])
+def test_run_on_gloo_equals_the_single_process_step(model: str, mesh: str, variant: str, kernels: str) -> None:
+    """4 gloo processes: loss, every gradient, update and activation equal the single-process
+    step (numpy: float64 references; torch: each op against its kernel run unsharded); every
+    rank issued the plan's collectives."""
+    flag = ["--model-config", model] if model.startswith("{") else ["--model", model]
+    strategy = "megatron,cp" if "tp=" in mesh else "dp,cp"
+    p = _spmdkit("run", *flag, "--mesh", mesh, "--strategy", strategy, "--cp-attention", variant, "--kernels", kernels,
+                 "--json", "--warmup", "0", "--timeout", "120")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rep = json.loads(p.stdout.strip().splitlines()[-1])
+    assert rep["world_size"] == 4 and rep["backend"] == "gloo"
+    assert rep["ok"] and rep["collectives_match"] and not rep["failures"] and rep["nonfinite"] == 0, rep["failures"]
+    assert rep["loss"] == pytest.approx(rep["reference_loss"], rel=1e-6)
+    kinds = {c["kind"] for c in rep["collectives"]}
+    assert ("all_to_all" in kinds) == (variant == "alltoall") and ("all_gather" in kinds) == (variant == "allgather")
+
+
+def test_the_docs_command_plans_as_the_page_says() -> None:
+    text = (ROOT / "docs" / "context.md").read_text()
+    cmd = next(line for line in text.splitlines() if line.startswith("spmdkit plan "))
+    p = _spmdkit(*cmd.split()[1:])
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "all equal" in p.stdout
