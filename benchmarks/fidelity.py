@@ -456,6 +456,7 @@ def evaluate(rows: list[dict[str, Any]], show_argv: bool = False, out: Any = Non
             res = {"id": row["id"], "metric": case.metric, "measured": case.measured, "predicted": pred,
                    "ratio": ratio, "memory_gib": mem, "fits": fits, "group": _group(row),
                    "gpu": "A100" if str(row["hardware"]["gpu"]).startswith("A100") else "H100",
+                   "cp": int(row["parallelism"].get("cp") or 1),
                    "memory_measured_gib": case.memory_measured_gib,
                    "memory_ratio": mem / case.memory_measured_gib if case.memory_measured_gib else None,
                    "assumptions": case.assumptions, "argv": case.argv, "seconds": secs}
@@ -487,11 +488,13 @@ SOURCES = {"narayanan21": "Narayanan 2021", "korthikanti22": "Korthikanti 2022",
 
 def band_json(results: list[dict[str, Any]]) -> dict[str, Any]:
     """The error band per GPU family (spmdkit.cost.band): percentiles of measured / predicted
-    step time over the whole-step runs (Table 4's one-layer timings left out)."""
+    step time over the whole-step runs (Table 4's one-layer timings left out); ``cp``: the
+    context-parallel runs' (cp > 1, any GPU), the band of a cp plan."""
     fam: dict[str, Any] = {}
     steps = [r for r in results if r["metric"] != "layer_combined_ms"]
     for name, rs in (("A100", [r for r in steps if r["gpu"] == "A100"]),
-                     ("H100", [r for r in steps if r["gpu"] == "H100"]), ("all", steps)):
+                     ("H100", [r for r in steps if r["gpu"] == "H100"]), ("all", steps),
+                     ("cp", [r for r in steps if r.get("cp", 1) > 1])):
         ratios = [r["ratio"] for r in rs]
         if not ratios:
             continue

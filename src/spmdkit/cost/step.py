@@ -117,6 +117,8 @@ class StepEstimate:
     #: causal cp attention without the zig-zag balance: the busiest cp rank's attention over the
     #: mean (1: balanced, :func:`spmdkit.cost.context.causal_imbalance`)
     cp_imbalance: float = 1.0
+    #: the context-parallel degree (the most ranks a cp attention op splits its sequence over; 1: none)
+    cp: int = 1
 
     @property
     def compute_total_s(self) -> float:
@@ -178,7 +180,9 @@ class StepEstimate:
                 "hardware_flops": self.hardware_flops, "hfu": self.hfu, "regathers": self.regathers,
                 "memory_bound_ops": self.memory_bound_ops,
                 "buckets": [b.to_json() for b in self.buckets], "uncovered_rules": dict(self.uncovered),
-                "error_band": band.to_json() if (band := error_band(self.device.name)) is not None else None}
+                "cp": self.cp,
+                "error_band": band.to_json() if (band := error_band(self.device.name, self.cp > 1)) is not None
+                else None}
 
 
 def is_grad_sync(plan: Plan, r: Reshard, s: Step, param_grads: frozenset[str]) -> bool:
@@ -716,8 +720,10 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
     est.regathers = rerun.regathers
     est.timeline = run.timeline
     est.rings, est.ring_comm_s, est.ring_exposed_s = rings, ring_comm, ring_exposed
-    est.cp_imbalance = max((causal_imbalance(c.ranks, c.balanced, c.causal) for c in cp_ops(plan)
-                            if c.variant != "alltoall"), default=1.0)
+    cps = cp_ops(plan)
+    est.cp_imbalance = max((causal_imbalance(c.ranks, c.balanced, c.causal) for c in cps if c.variant != "alltoall"),
+                           default=1.0)
+    est.cp = max((c.ranks for c in cps), default=1)
     return est
 
 

@@ -331,7 +331,6 @@ def _work(devices: int, pipeline: bool, sizes: _Sizes, given: list[str] | None,
     those refused before planning, with the reason."""
     work: list[Config] = []
     refused: list[tuple[Config, str]] = []
-    batch = sizes.batch
     seq = sizes.config.seq if sizes.config is not None else None
     for dpt, tp, pp in factorizations(devices, pipeline):
         for cp in context_degrees(dpt, seq):  # cp = 1 first: the meshes as they were
