@@ -12,6 +12,7 @@ import pytest
 
 from spmdkit.cli import main as spmdkit_main
 from spmdkit.cost.band import error_band
+from spmdkit.planner import search
 from spmdkit.planner.search import context_degrees, factorizations, hand_strategies, search_meshes
 
 GIB = 1024**3
@@ -91,3 +92,18 @@ def test_long_sequence_search_picks_cp() -> None:
     assert best.config.strategy == "megatron,sp,cp"
     plain = [c for c in res.candidates if c.config.cp == 1]
     assert plain and all(c.step_s > best.step_s or not c.fits for c in plain)
+
+
+def test_auto_search_splits_the_sequence_over_cp(monkeypatch: pytest.MonkeyPatch) -> None:
+    # --devices --auto: on a cp mesh the model is built with cp_attention and the exact search
+    # chooses to split the sequence over cp (a tiny llama; the long-sequence threshold lowered to it)
+    monkeypatch.setattr(search, "LONG_SEQ", 64)
+    res = search_meshes("tiny-llama", 4, "h100", auto=True, strategies=[], recompute=["none"], pipeline=False,
+                        overrides={"seq": 4096, "batch": 1}, time_limit=20)
+    cps = [c for c in res.candidates if c.config.cp > 1]
+    assert {c.config.cp for c in cps} == {2, 4} and all(c.config.strategy == "auto" for c in res.candidates)
+    assert res.best is not None and res.best.config.cp > 1
+    for c in cps:
+        cp_dim = c.plan.mesh.dim_index("cp")
+        assert c.plan.attrs["layers.0.resid1"].dims_mapping[1] == cp_dim  # the residual's sequence over cp
+        assert c.estimate.cp == c.config.cp

@@ -20,6 +20,12 @@ the allocated peak, the caching allocator's reserve, the CUDA context and NCCL's
 configuration whose memory per device is over the cap (the device's memory by default) is
 rejected; the others are ranked by predicted step time.
 
+Context parallelism: for a preset whose sequence is :data:`LONG_SEQ` tokens or more, each
+data-parallel degree is also split into ``dp x cp`` (:func:`context_degrees`: cp dividing it, the
+sequence into ``2 cp`` zig-zag chunks; the mesh ``dp=D,cp=C,tp=T``) with the hand strategies plus
+``,cp`` and, with ``auto``, the exact search on the model built with ``cp_attention``; a shorter
+sequence searches exactly the meshes it did before.
+
 Which factorisations are tried: dp divides the global batch (each rank a whole number of
 sequences), tp divides the attention heads (Megatron's requirement; a preset only), pp is at
 most the layers (layers that do not divide into the stages are split balanced by predicted
@@ -353,7 +359,7 @@ def _work_mesh(dp: int, tp: int, pp: int, cp: int, sizes: _Sizes, given: list[st
     elif sizes.layers is not None and sizes.layers < pp:
         why = f"pp={pp}: {sizes.layers} layers cannot fill {pp} stages"
     names = list(given) if given is not None else hand_strategies(dp, tp, cp)
-    if auto and cp == 1:
+    if auto:
         names.append("auto")
     m = (batch // dp) if (pp > 1 and batch and sizes.microbatches) else 1
     if why is not None:
@@ -473,8 +479,11 @@ def _plan_preset_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> l
              + f"; mesh {cfg.mesh_text}; {cfg.strategy}")
     info = None
     if cfg.strategy == "auto":
-        model = build_model(mc.with_(**over), vocab_parallel_loss=cfg.tp > 1, check_rules=False)
-        plan, info = _auto(model.program, _sub_mesh(cfg.dp, cfg.tp), job, cost_text)
+        # on a cp mesh the model is built with cp_attention (its default variant, allgather): the
+        # exact search then chooses where the sequence is split over cp
+        built = mc.with_(**over, **({"cp": cfg.cp} if cfg.cp > 1 else {}))
+        model = build_model(built, vocab_parallel_loss=cfg.tp > 1, check_rules=False)
+        plan, info = _auto(model.program, _sub_mesh(cfg.dp, cfg.tp, cfg.cp), job, cost_text)
         title += _auto_title(info)
     else:
         _model, plan, _ = plan_model(name, cfg.sub_mesh_text, cfg.strategy, over, dict(job.pins or {}), cost_text)
