@@ -29,7 +29,8 @@ from spmdkit.engine.registry import get_rule
 from spmdkit.execute.single import global_step
 from spmdkit.models.zoo import build_model, preset
 from spmdkit.models.zoo_layers import cp_order
-from spmdkit.planner.planning import plan_model
+from spmdkit.outputs.export import dtensor_document
+from spmdkit.planner.planning import plan_model, plan_program
 from spmdkit.planner.propagate import propagate
 from spmdkit.sim import verify, verify_rule
 from spmdkit.sim.plan import simulate_plan, source_values
@@ -193,10 +194,11 @@ def _kinds(plan: Any) -> collections.Counter[tuple[str, str]]:
 
 def test_allgather_plan_gathers_k_and_v_and_reduce_scatters_their_grads() -> None:
     """tiny-llama (2 layers) on dp=2,cp=2: per layer k and v all-gathered over cp in the forward
-    and again for the backward, their grads reduce-scattered; each parameter gradient all-reduced
+    (listed again for the backward, shared: not issued again), their grads reduce-scattered; each parameter gradient all-reduced
     once over dp x cp (21 parameters)."""
     _, plan, _ = plan_model("tiny-llama", "dp=2,cp=2", "dp,cp")
     assert _kinds(plan) == {("all_gather", "cp"): 8, ("reduce_scatter", "cp"): 4, ("all_reduce", "dpxcp"): 21}
+    assert sum(1 for r in plan.reshards if r.shared) == 4  # the backward's k, v: the forward's gathers reused
     assert plan.attrs["tokens"].dims_mapping == (0, 1)
     assert plan.attrs["layers.0.mlp_norm.out"].dims_mapping[:2] == (0, 1)
 
@@ -207,17 +209,31 @@ def test_ring_plan_moves_nothing_but_the_gradients() -> None:
 
 
 def test_alltoall_plan_trades_sequence_for_heads() -> None:
-    """Per layer 12 all-to-alls over cp: forward q, k, v to heads and out back (4); backward q, k,
-    v, out and out_grad to heads again (the plan trades the saved activations again, 5) and the
-    three grads back (3); no gather."""
+    """Per layer 9 all-to-alls over cp issued: forward q, k, v to heads and out back (4);
+    backward out and out_grad to heads and the three grads back (5; q, k, v reuse their forward
+    trades, listed as shared); no gather."""
     _, plan, _ = plan_model("tiny-llama", "dp=2,cp=2", "dp,cp,cp-attention=alltoall")
-    assert _kinds(plan) == {("all_to_all", "cp"): 24, ("all_reduce", "dpxcp"): 21}
-    by_phase = collections.Counter(plan.program.ops[r.op_index].phase for r in plan.reshards
-                                   if r.plan.steps[0].kind == "all_to_all")
-    assert by_phase == {"forward": 8, "backward": 16}
+    issued = [r for r in plan.reshards if not r.shared and r.plan.steps[0].kind == "all_to_all"]
+    by_phase = collections.Counter(plan.program.ops[r.op_index].phase for r in issued)
+    assert by_phase == {"forward": 8, "backward": 10}
+    assert {s.mesh_dims for r in issued for s in r.plan.steps} == {(1,)}
+    assert set(_kinds(plan)) == {("all_to_all", "cp"), ("all_reduce", "dpxcp")}
+
+
+def test_zero_shards_the_states_over_dp_x_cp_with_one_collective_each_way() -> None:
+    """As Megatron-Core's distributed optimizer: the states over the (dp, cp) ranks, each gradient
+    reduce-scattered over dp x cp at once and the updated parameter all-gathered back; without a
+    dp dim over cp alone."""
+    _, plan, _ = plan_model("tiny-llama", "dp=2,cp=2", "dp,cp,zero2")
+    assert plan.attrs["layers.0.wq.moment1"].dims_mapping == ((0, 1), -1)
+    assert plan.attrs["layers.0.wq.grad"].dims_mapping == ((0, 1), -1)
+    assert _kinds(plan)[("reduce_scatter", "dpxcp")] == 21 and _kinds(plan)[("all_gather", "dpxcp")] == 21
+    _, plan, _ = plan_model("tiny-llama", "cp=2,tp=2", "megatron,cp,zero1")
+    assert plan.attrs["layers.0.w_up.moment1"].dims_mapping == (0, 1)
 
 
 @pytest.mark.parametrize(("mesh", "strategy"), [
+    ("cp=2,tp=2", "megatron,cp,zero1"),
     ("dp=2,cp=2", "dp,cp"),
     ("dp=2,cp=2", "dp,cp,cp-attention=ring"),
     ("dp=2,cp=2", "dp,cp,cp-attention=alltoall"),
@@ -226,7 +242,7 @@ def test_alltoall_plan_trades_sequence_for_heads() -> None:
     ("cp=2,tp=2", "megatron,sp,cp"),
     ("dp=2,cp=2", "dp,cp,zero3,cp-attention=ring"),
     ("cp=2,tp=2", "megatron,cp,cp-attention=alltoall"),
-], ids=["allgather", "ring", "alltoall", "no-balance", "megatron-ring", "sp", "zero3-ring", "megatron-alltoall"])
+], ids=["megatron-zero1", "allgather", "ring", "alltoall", "no-balance", "megatron-ring", "sp", "zero3-ring", "megatron-alltoall"])
 def test_verify_simulates_the_strategy_equal_to_the_unsharded_step(mesh: str, strategy: str) -> None:
     rep = verify_strategy("tiny-llama", mesh, strategy)
     assert rep["ok"] and rep["checked"] > 200, rep["text"]
@@ -252,18 +268,18 @@ def _spmdkit(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.parametrize(("model", "mesh", "variant", "kernels"), [
-    ("tiny-llama", "dp=2,cp=2", "ring", "torch"),
-    (json.dumps(QWEN), "dp=2,cp=2", "allgather", "numpy"),
-    (json.dumps(QWEN), "dp=2,cp=2", "alltoall", "torch"),
-    ("tiny-llama", "cp=2,tp=2", "ring", "numpy"),
-], ids=["llama-ring-torch", "qwen-allgather", "qwen-alltoall-torch", "llama-megatron-ring"])
-def test_run_on_gloo_equals_the_single_process_step(model: str, mesh: str, variant: str, kernels: str) -> None:
+    (["--model", "tiny-llama", "--seq", "16"], "cp=4", "ring", "torch"),
+    (["--model-config", json.dumps(QWEN)], "dp=2,cp=2", "allgather", "numpy"),
+    (["--model-config", json.dumps(QWEN)], "dp=2,cp=2", "alltoall", "torch"),
+    (["--model", "tiny-llama"], "cp=2,tp=2", "ring", "numpy"),
+], ids=["llama-ring-of-4-torch", "qwen-allgather", "qwen-alltoall-torch", "llama-megatron-ring"])
+def test_run_on_gloo_equals_the_single_process_step(model: list[str], mesh: str, variant: str, kernels: str) -> None:
     """4 gloo processes: loss, every gradient, update and activation equal the single-process
     step (numpy: float64 references; torch: each op against its kernel run unsharded); every
-    rank issued the plan's collectives."""
-    flag = ["--model-config", model] if model.startswith("{") else ["--model", model]
-    strategy = "megatron,cp" if "tp=" in mesh else "dp,cp"
-    p = _spmdkit("run", *flag, "--mesh", mesh, "--strategy", strategy, "--cp-attention", variant, "--kernels", kernels,
+    rank issued the plan's collectives (the ring's send / recv are the kernel's own: a ring of 4
+    checks their direction)."""
+    strategy = "megatron,cp" if "tp=" in mesh else "dp,cp" if "dp=" in mesh else "cp"
+    p = _spmdkit("run", *model, "--mesh", mesh, "--strategy", strategy, "--cp-attention", variant, "--kernels", kernels,
                  "--json", "--warmup", "0", "--timeout", "120")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rep = json.loads(p.stdout.strip().splitlines()[-1])
@@ -280,3 +296,27 @@ def test_the_docs_command_plans_as_the_page_says() -> None:
     p = _spmdkit(*cmd.split()[1:])
     assert p.returncode == 0, p.stderr[-2000:]
     assert "all equal" in p.stdout
+
+
+def test_dtensor_export_says_how_torch_context_parallel_runs_it() -> None:
+    """allgather and ring map onto torch's rotate methods, with the data inputs' sequence axes as
+    its buffers; alltoall (Ulysses) is said to have no torch equivalent; no key without cp."""
+    _, plan, _ = plan_model("tiny-llama", "dp=2,cp=2", "dp,cp,cp-attention=ring")
+    doc = dtensor_document(plan)["context_parallel"]
+    assert doc["supported"] and doc["rotate_method"] == "alltoall" and doc["load_balance"]
+    assert doc["buffers"] == {"labels": 1, "rope.cos": 1, "rope.sin": 1, "tokens": 1}
+    _, plan, _ = plan_model("tiny-llama", "dp=2,cp=2", "dp,cp")
+    assert dtensor_document(plan)["context_parallel"]["rotate_method"] == "allgather"
+    _, plan, _ = plan_model("tiny-llama", "dp=2,cp=2", "dp,cp,cp-attention=alltoall,cp-balance=none")
+    doc = dtensor_document(plan)["context_parallel"]
+    assert not doc["supported"] and "DeepSpeed-Ulysses" in doc["note"] and not doc["load_balance"]
+    _, plan, _ = plan_model("tiny-llama", "dp=2", "dp")
+    assert "context_parallel" not in dtensor_document(plan)
+
+
+def test_an_imported_program_is_refused_under_cp_by_name() -> None:
+    prog = build_model(preset("tiny-llama")).program
+    with pytest.raises(ProgramError) as e:
+        plan_program(prog, "dp=2,cp=2", "dp,cp")
+    assert str(e.value) == ("--strategy cp: context parallelism is planned for zoo and catalog models (--model, "
+                            "--model-config); an imported (--hf) or --program model is not split over cp yet")

@@ -173,9 +173,10 @@ def config_from_json(text: str) -> ModelConfig:
 
 
 def config_json(cfg: ModelConfig) -> str:
-    """``cfg`` as a ``--model-config`` JSON object (every field)."""
-    return json.dumps({f.name: getattr(cfg, f.name) for f in fields(cfg) if getattr(cfg, f.name) is not None},
-                      separators=(",", ":"))
+    """``cfg`` as a ``--model-config`` JSON object (every field but context parallelism's, which
+    the strategy sets: ``--strategy ...,cp``, docs/context.md)."""
+    return json.dumps({f.name: getattr(cfg, f.name) for f in fields(cfg) if getattr(cfg, f.name) is not None
+                       and f.name not in ("cp", "cp_attention", "cp_balance")}, separators=(",", ":"))
 
 
 def tiny_like(cfg: ModelConfig) -> str:

@@ -377,8 +377,47 @@ class _DTensorExport:
 
 
 def dtensor_document(plan: Plan) -> dict[str, Any]:
-    """The ``dtensor`` export of ``plan`` (module docstring) as a JSON-able dict."""
-    return _DTensorExport(plan).document()
+    """The ``dtensor`` export of ``plan`` (module docstring) as a JSON-able dict; a plan with
+    context parallelism adds ``"context_parallel"`` (:func:`context_parallel_doc`)."""
+    doc = _DTensorExport(plan).document()
+    cp = context_parallel_doc(plan)
+    if cp is not None:
+        doc["context_parallel"] = cp
+    return doc
+
+
+#: spmdkit's cp_attention variant -> torch's context_parallel rotate method (None: torch has none)
+_ROTATE = {"allgather": "allgather", "ring": "alltoall", "alltoall": None}
+
+
+def context_parallel_doc(plan: Plan) -> dict[str, Any] | None:
+    """How torch's ``context_parallel`` (torch.distributed.tensor.experimental) runs the plan's
+    context parallelism (docs/context.md), or None without a ``cp_attention`` op: the mesh dim,
+    the data inputs split on their sequence (``buffers``: name -> sequence axis, torch's
+    ``buffer_seq_dims``), the rotate method (``set_rotate_method``: spmdkit's allgather is torch's
+    "allgather", its ring torch's "alltoall" ring), torch's load balancing (its head-tail layout
+    is spmdkit's zig-zag); where torch has no equivalent (alltoall: Ulysses' head/sequence
+    exchange) ``supported`` is false and ``note`` says so."""
+    ops = [op for op in plan.program.ops if op.rule == "cp_attention"]
+    if not ops or "cp" not in plan.mesh.dim_names:
+        return None
+    cp = plan.mesh.dim_index("cp")
+    variant = str(ops[0].attrs.get("variant", "allgather"))
+    buffers: dict[str, int] = {}
+    for t in plan.program.tensors.values():
+        a = plan.attrs.get(t.name)
+        if t.kind != "input" or a is None or t.name.startswith("cp."):
+            continue
+        axes = [i for i, e in enumerate(a.dims_mapping) if cp in (e if isinstance(e, tuple) else (e,))]
+        if axes:
+            buffers[t.name] = axes[0]
+    rotate = _ROTATE.get(variant)
+    note = (f"torch's context_parallel runs SDPA over the sequence by {rotate} (set_rotate_method({rotate!r}))"
+            if rotate else "torch's context_parallel has no head/sequence all-to-all (DeepSpeed-Ulysses): the plan's "
+                           "all-to-alls around attention are not expressible there")
+    return {"mesh_dim": "cp", "variant": variant, "supported": rotate is not None, "rotate_method": rotate,
+            "buffers": dict(sorted(buffers.items())),
+            "load_balance": str(ops[0].attrs.get("balance", "zigzag")) == "zigzag", "note": note}
 
 
 # -- jax / paddle --------------------------------------------------------------------------------
@@ -617,6 +656,6 @@ def load_paddle_placements(path: str) -> tuple[Any, dict[str, list[Any]]]:
     return mesh, {p: [_parse_placement(v, dist, partial) for v in pls] for p, pls in doc["placements"].items()}
 
 
-__all__ = ["DOC_FORMATS", "FORMATS", "ExportError", "check_target", "dtensor_document", "export_document", "export_plan",
+__all__ = ["DOC_FORMATS", "FORMATS", "ExportError", "check_target", "context_parallel_doc", "dtensor_document", "export_document", "export_plan",
            "apply_dtensor_plan", "jax_document", "jax_mesh", "load_dtensor_placements", "load_dtensor_plan", "load_jax_specs",
            "load_paddle_placements", "paddle_document", "read_document", "write_json"]

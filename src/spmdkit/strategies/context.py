@@ -83,9 +83,19 @@ def cp_groups(mesh: ProcessMesh, strategy: Iterable[str]) -> list[tuple[int, int
     Megatron-Core's data-parallel group with context parallelism spans them); none without
     both dims."""
     st = set(strategy)
-    if "cp" not in st or "dp" not in st or "dp" not in mesh.dim_names:
+    if "cp" not in st or "cp" not in mesh.dim_names or "dp" not in st or "dp" not in mesh.dim_names:
         return []
     return [(mesh.dim_index("dp"), mesh.dim_index("cp"))]
+
+
+def zero_dims(mesh: ProcessMesh, dp: int | None, cp: int) -> tuple[Any, int]:
+    """(the entry, the ranks) ZeRO shards a parameter's states over under cp: the data-parallel
+    ranks times the cp ranks ``(dp, cp)`` (Megatron-Core's distributed optimizer shards over
+    dp x cp: every one of them holds the whole parameter and reduces its gradient), ``cp`` alone
+    without a dp dim."""
+    if dp is None:
+        return cp, mesh.shape[cp]
+    return (dp, cp), mesh.shape[dp] * mesh.shape[cp]
 
 
 def cp_problem(cfg: ModelConfig, cp: int, tp: int) -> str | None:
@@ -149,4 +159,4 @@ def cp_marks(model: Model, mesh: ProcessMesh, dm: Any, st: set[str], batch: Any,
     return cp
 
 
-__all__ = ["DEFAULTS", "OPTIONS", "check_options", "config_for", "cp_groups", "cp_marks", "cp_problem", "options", "parse_option"]
+__all__ = ["DEFAULTS", "OPTIONS", "check_options", "config_for", "cp_groups", "cp_marks", "cp_problem", "options", "parse_option", "zero_dims"]

@@ -328,6 +328,9 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
     ``patterns``: the user's module-name patterns -> role for ``megatron``; ``user``:
     annotations (tensor -> dims_mapping) applied last, which win."""
     st, dp, tp = strategy_dims(mesh, strategy)
+    if "cp" in st:  # the sequence split needs attention at the tokens' positions (the zoo's cp_attention)
+        raise ProgramError("--strategy cp: context parallelism is planned for zoo and catalog models (--model, "
+                           "--model-config); an imported (--hf) or --program model is not split over cp yet")
     out = dm = Marks(prog)
 
     if dp is not None:

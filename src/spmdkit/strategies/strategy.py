@@ -20,6 +20,11 @@
   Megatron-Core does (:mod:`spmdkit.strategies.experts`, docs/experts.md): outside the experts
   the batch co-sharded over ``(dp, ep)``, each expert stack's expert axis over ``ep``, the
   tokens dispatched and combined by one all-to-all over ``ep`` each way.
+- ``cp``: context parallelism over the ``cp`` mesh dim (:mod:`spmdkit.strategies.context`,
+  docs/context.md): the sequence of every activation outside attention split over ``cp``,
+  attention by ``cp_attention`` (``cp-attention=allgather|ring|alltoall`` and
+  ``cp-balance=zigzag|none`` items, added by ``--cp-attention`` / ``--cp-balance``); gradients
+  reduced over dp x cp, ZeRO's states sharded over it.
 - ``zero1`` / ``zero2`` (``zero``) / ``zero3`` (``fsdp``): ZeRO over ``dp``
   (:func:`optimizer_layouts`): optimizer states (moments, fp32 master weights) sharded on
   their first axis not already sharded that ``dp`` divides, or where none does unevenly on
@@ -29,7 +34,7 @@
   forward and backward readers (:func:`zero3_storage`). The update runs on the shards; the
   updated parameter is held as the parameter (all-gathered under zero1/2).
 
-``megatron`` (or ``ep``) alone means ``dp,megatron`` when the mesh has a ``dp`` dim; every
+``megatron`` (or ``ep``, ``cp``) alone means ``dp,megatron`` when the mesh has a ``dp`` dim; every
 strategy needs its mesh dims (``dp`` / ``tp`` / ``ep``) to exist (with ``ep`` and no ``dp`` dim,
 ZeRO shards over the ep ranks). User annotations (tensor -> dims_mapping)
 are applied last and win.
@@ -49,6 +54,7 @@ from spmdkit.models.zoo import Model, ModelConfig
 from spmdkit.strategies.context import check_options as check_cp_options
 from spmdkit.strategies.context import cp_marks
 from spmdkit.strategies.context import parse_option as parse_cp_option
+from spmdkit.strategies.context import zero_dims as cp_zero_dims
 from spmdkit.strategies.experts import batch_entry, check_ep, ep_dim, expert_marks, moe_layers, zero_dims
 
 STRATEGIES = ("dp", "megatron", "sp", "ep", "cp", "zero1", "zero2", "zero3")
@@ -115,14 +121,14 @@ def parse_strategy(text: str | Iterable[str], mesh: ProcessMesh) -> tuple[str, .
     zeros = [s for s in out if s.startswith("zero")]
     if len(zeros) > 1:
         raise ProgramError(f"--strategy: {' and '.join(zeros)}: give one ZeRO stage")
-    if zeros and "dp" not in out and ("ep" not in out or "dp" in mesh.dim_names):
-        out.insert(0, "dp")  # (with ep and no dp dim: ZeRO over the ep ranks, data parallel over ep alone)
+    if zeros and "dp" not in out and (("ep" not in out and "cp" not in out) or "dp" in mesh.dim_names):
+        out.insert(0, "dp")  # (with ep / cp and no dp dim: ZeRO over the ep / cp ranks)
     check_cp_options(out, mesh)
     for s in out:
         if s == "cp" or "=" in s:
             continue
         need = "tp" if s in ("megatron", "sp") else "ep" if s == "ep" else "dp"
-        if need == "dp" and s != "dp" and "ep" in out and "dp" not in mesh.dim_names:
+        if need == "dp" and s != "dp" and ("ep" in out or "cp" in out) and "dp" not in mesh.dim_names:
             continue
         if need not in mesh.dim_names:
             raise ProgramError(f"--strategy {s}: the mesh has no {need!r} dim (mesh dims: {', '.join(mesh.dim_names)})")
@@ -280,7 +286,8 @@ def optimizer_layouts(prog: Any, mesh: ProcessMesh, optimizer: Mapping[str, tupl
     """Lay out each parameter's optimizer states in ``out`` (tensor -> dims_mapping, edited in
     place): as the parameter (its layout from ``out``, or the user's pin of it, which wins), and
     under ZeRO (``zero1`` / ``zero2`` / ``zero3``) sharded over ``dp`` on their first axis not
-    already sharded that ``dp`` divides. zero1 holds the gradient all-reduced (whole on every
+    already sharded that ``dp`` divides (with context parallelism over the ``(dp, cp)`` ranks, as
+    Megatron-Core's distributed optimizer shards over dp x cp). zero1 holds the gradient all-reduced (whole on every
     rank), zero2 and zero3 hold it reduce-scattered like the states. The updated parameter and
     states are not annotated: propagation holds an in-place output as the tensor it overwrites.
     With expert parallelism (``ep``: its mesh dim; ``experts``: the expert stacks) a dense
@@ -288,6 +295,7 @@ def optimizer_layouts(prog: Any, mesh: ProcessMesh, optimizer: Mapping[str, tupl
     over ``dp`` alone (:func:`spmdkit.strategies.experts.zero_dims`).
     Returns the stored layout of each ZeRO-3 parameter (``propagate(storage=...)``)."""
     stage = zero_stage(strategy)
+    cp = mesh.dim_index("cp") if "cp" in set(strategy) and "cp" in mesh.dim_names else None
     pins = user_attrs(prog, mesh, user) if user else {}
     storage: dict[str, TensorDistAttr] = {}
     for p, (g, states, _new, new_states) in optimizer.items():
@@ -295,7 +303,8 @@ def optimizer_layouts(prog: Any, mesh: ProcessMesh, optimizer: Mapping[str, tupl
         base = list(pin.dims_mapping) if pin is not None else list(out.get(p, [-1] * len(prog.tensors[p].shape)))
         for s in (*states, *new_states):
             out[s] = list(base)
-        zd = zero_dims(mesh, dp, ep, p in experts) if stage and states else None
+        zd = (zero_dims(mesh, dp, ep, p in experts) if cp is None or ep is not None else cp_zero_dims(mesh, dp, cp)) \
+            if stage and states else None
         if zd is None:
             continue
         axis = zero_axis(prog.tensors[p].shape, base, zd[1])

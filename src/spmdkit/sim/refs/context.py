@@ -76,11 +76,11 @@ def block(xp: XP, q: Any, k: Any, v: Any, qp: Any, kp: Any, causal: bool) -> tup
     m = xp.lib.where(xp.lib.isfinite(m), m, xp.full_like(m, 0.0))
     p = xp.lib.exp(s - m)
     den = p.sum(-1)
-    lse = xp.lib.log(den) + m[..., 0]
+    safe = xp.lib.where(den > 0, den, xp.full_like(den, 1.0))
+    lse = xp.lib.where(den > 0, xp.lib.log(safe) + m[..., 0], xp.full_like(den, -math.inf))
     hq, hk = q.shape[2], v.shape[2]
     ve = v if hq == hk or hk == 0 else xp.repeat(v, hq // hk)
     num = xp.einsum("bhst,bthe->bshe", p, ve)
-    safe = xp.lib.where(den > 0, den, xp.full_like(den, 1.0))
     return num / safe.permute(0, 2, 1)[..., None] if hasattr(safe, "permute") else \
         num / np.transpose(safe, (0, 2, 1))[..., None], lse
 
