@@ -234,9 +234,7 @@ def annotate(model: Model, mesh: ProcessMesh, strategy: Iterable[str],
                 dm(p)[-2] = tp  # input features (the vocabulary of a table)
             # norm, position, bias (after a row-parallel projection), router, replicated: replicated
     cp = cp_marks(model, mesh, dm, st, batch, tp)
-    # ZeRO over the ranks that reduce the gradients: dp x ep, or dp x cp (Megatron's data-parallel
-    # group with cp; torchtitan's FSDP over dp_shard x cp)
-    optimizer_layouts(prog, mesh, model.optimizer, out, st, dp, user, ep if ep is not None else cp, experts)
+    optimizer_layouts(prog, mesh, model.optimizer, out, st, dp, user, ep, experts)
     if "sp" in st and tp is not None:
         for n in model.residual:
             d = dm(n)
