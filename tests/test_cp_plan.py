@@ -107,3 +107,10 @@ def test_auto_search_splits_the_sequence_over_cp(monkeypatch: pytest.MonkeyPatch
         cp_dim = c.plan.mesh.dim_index("cp")
         assert c.plan.attrs["layers.0.resid1"].dims_mapping[1] == cp_dim  # the residual's sequence over cp
         assert c.estimate.cp == c.config.cp
+
+
+def test_pipeline_of_a_cp_plan_carries_the_cp_band() -> None:
+    d = json.loads(_cli(["plan", "--model", "llama3-8b", "--layers", "2", "--seq", "16384", "--batch", "2",
+                         "--mesh", "pp=2,cp=2,tp=2", "--strategy", "megatron,sp,cp", "--microbatches", "2",
+                         "--device", "h100", "--json"]))
+    assert d["pipeline"]["error_band"]["family"] == error_band("h100", cp=True).family != error_band("h100").family
