@@ -523,6 +523,13 @@ def markdown(results: list[dict[str, Any]], unsupported: dict[str, list[str]], s
         fits = "yes" if r["fits"] else "no" if r["fits"] is not None else ""
         out.append(f"| {r['id']} | {r['metric']} | {r['measured']:g} | {r['predicted']:.4g} | {r['ratio']:.3f} | "
                    f"{r['memory_gib']:.1f}{mm} | {fits} |")
+    cp = [r for r in results if r.get("cp", 1) > 1]
+    if cp:
+        ratios = ", ".join(f"{r['id']} {r['ratio']:.3f}" for r in cp)
+        out += ["", "## Context parallelism", "",
+                f"The {len(cp)} runs with cp > 1 (above: `--mesh ...,cp=C,...`, `--strategy ...,cp,cp-attention=V`: NeMo",
+                "24.07 Transformer Engine's p2p ring, torchtitan's context_parallel the all-gather rotation) make the",
+                "error band of a cp plan (`band.json` family `cp`), apart from the families above. Ratios: " + ratios + "."]
     if moe is not None:
         mres, muns, ms = moe
         out += ["", "## Mixture of experts", "",

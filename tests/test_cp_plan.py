@@ -51,14 +51,14 @@ def test_llama3_8b_131k_ring_exposed_reported(done: dict) -> None:
 
 
 def test_llama3_8b_131k_within_the_cp_runs_band(done: dict) -> None:
-    # the plan carries the error band of the published cp runs (benchmarks/fidelity.py), and its
-    # predicted step is that of a cp plan within it: tokens/s x the band's ratios brackets the truth
+    # the plan carries the error band of the published cp runs (benchmarks/fidelity.py --write), and
+    # the MFU that band implies for the real step brackets what long-context training reaches on
+    # H100s: Llama 3's 38% (Dubey et al. 2024, Table 4: 131,072 tokens with cp=16, BF16 MFU 38%)
     band = error_band("h100", cp=True)
-    assert band is not None and band.family.startswith("context-parallel") and band.runs >= 5
+    assert band is not None and band.family.startswith("context-parallel") and band.runs == 8
     assert done["step"]["error_band"]["family"] == band.family
     mfu = done["step"]["mfu"]
-    assert 0.2 < mfu < 0.8  # 8B at 131k on H100s: MFU within what long-context runs reach (~0.3-0.6)
-    assert 0.2 < mfu / band.p90 and mfu / band.p10 < 0.8
+    assert mfu / band.p90 <= 0.38 <= mfu / band.p10
 
 
 def test_context_degrees() -> None:
