@@ -253,7 +253,9 @@ def _check_training(m: Any, kw: dict[str, Any], prog: ImportedProgram, ref: Any,
     """The simulated loss and gradients of ``prog`` (imported from ``m``) against torch's autograd
     on ``ref`` (``m`` itself, or a float64 copy of its weights)."""
     params = dict(ref.named_parameters())
-    assert set(prog.grads) | set(prog.aliases) >= {k for k, v in params.items() if v.requires_grad}
+    # a parameter's gradient under its name, or its parts' (an expert bank's [E, in, out] parts)
+    of = {p: (w[0] if k == "parameter_slice" else w) for p, (k, w) in prog.sources.items() if p in prog.grads}
+    assert set(of.values()) | set(prog.aliases) >= {k for k, v in params.items() if v.requires_grad}
     vals = run_program(prog, torch_values(prog, m, (), kw))
     ref.zero_grad()
     out = _eager(ref, kw)
@@ -262,8 +264,13 @@ def _check_training(m: Any, kw: dict[str, Any], prog: ImportedProgram, ref: Any,
     _close(vals[prog.loss], out.loss, rtol, f"{name} loss")
     gscale = max(float(p.grad.abs().max()) for p in params.values() if p.grad is not None)
     for p, g in prog.grads.items():
-        want = params[p].grad
+        kind, where = prog.sources[p]
+        want = params[of[p]].grad
         assert want is not None, p
+        if kind == "parameter_slice":
+            _fqn, axis, lo, hi, *perm = where
+            want = want.narrow(axis, lo, hi - lo)
+            want = want.permute(*perm[0]) if perm and perm[0] else want
         got = np.asarray(vals[g], dtype=np.float64)
         err = float(np.max(np.abs(got - want.double().numpy())))
         assert np.isfinite(got).all() and err <= rtol * max(float(want.abs().max()), 1e-3 * gscale), \

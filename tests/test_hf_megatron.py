@@ -61,6 +61,7 @@ EXPECTED: dict[str, tuple[int, int]] = {
     "llama": (2, 2), "mistral": (2, 2), "qwen2": (2, 2), "gemma2": (2, 2), "stablelm": (2, 2), "opt": (2, 2),
     "neox": (2, 2), "gpt2": (2, 2), "mpt": (2, 2), "bert": (2, 2), "distilbert": (2, 2), "phi": (2, 1),
     "gemma": (2, 4), "falcon": (2, 4), "bigcode": (2, 4), "phi3": (2, 2),
+    "mixtral": (2, 2),  # attention and the experts (ETP = tp: each expert column / row parallel)
 }
 #: the models whose fused projections are split into parameters of their own
 FUSED = ("gpt2", "mpt", "falcon", "bigcode", "phi3")
@@ -241,9 +242,15 @@ def test_multi_query_c_attn_is_split_by_q_k_v() -> None:
 
 
 def test_replicated_layers_are_a_warning_with_their_share() -> None:
-    """Mixtral's router (gate) and expert banks have no tensor-parallel role: one warning
-    names them and the share of the parameters they hold (hand-computed)."""
-    prog = imported("mixtral")[0]
+    """Mixtral imported as HF computes its experts (moe=None: HF's grouped matmul, no MoE ops):
+    its router (gate) and expert banks have no tensor-parallel role: one warning names them and
+    the share of the parameters they hold (hand-computed)."""
+    from spmdkit.models.hf import import_hf
+
+    cls, cfg = CONFIGS["mixtral"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prog = import_hf(cls, cfg, batch=2, seq=16, seed=0, moe=None)[0]
     n = {p: prog.tensors[p].shape for p in prog.parameters()}
     total = sum(int(np.prod(s)) for s in n.values())
     left = sum(int(np.prod(s)) for p, s in n.items() if ".mlp.experts." in p or ".mlp.gate." in p)

@@ -238,7 +238,7 @@ def test_program_json_keeps_what_the_strategy_reads(imported: Callable[[str], An
     t = out["tensors"]
     assert t["model.layers.0.self_attn.q_proj.weight"]["dims_mapping"] == [1, -1]
     assert t["input_ids"]["dims_mapping"] == [0, -1]
-    assert t["const_0"]["dims_mapping"] == [-1, -1, -1, -1]
+    assert set(t["const_0"]["dims_mapping"]) == {-1}  # a recorded constant (the rotary positions), replicated
     # tp=4 > 2 kv heads: k / v replicated, one warning line each on stderr
     assert main(["plan", "--program", str(f), "--mesh", "tp=4", "--strategy", "megatron", "--json"]) == 0
     cap = capsys.readouterr()

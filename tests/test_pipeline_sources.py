@@ -279,5 +279,4 @@ def test_verify_with_pp_names_what_it_checks(capsys: pytest.CaptureFixture[str],
     f = _program_file(tmp_path)
     rc, out, err = _run(["plan", "--program", str(f), "--mesh", "pp=2,dp=2", "--verify"], capsys)
     assert rc == 2 and out == "" and err.count("\n") == 1
-    assert "--verify: with a pipeline (pp) checks a preset or catalog model's stages; for --program give --verify " \
-           "with a mesh without pp" in err
+    assert "--verify: simulates a preset, catalog or --hf model; it does not apply to --program" in err

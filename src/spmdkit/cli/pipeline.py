@@ -58,9 +58,8 @@ def run_pipeline_plan(req: PlanRequest, out: TextIO) -> int:
     spec = parse_spec(sub_mesh_text(full)[0], **spec_args)
     recompute = check_recompute(req.recompute or "none", pipeline=True)
     source = _source(req, spec.microbatches)
-    if req.verify and not isinstance(source, Preset):
-        raise ProgramError(f"--verify: with a pipeline (pp) checks a preset or catalog model's stages; for "
-                           f"{'--hf' if m.hf else '--program'} give --verify with a mesh without pp")
+    if req.verify and isinstance(source, ProgramFile):
+        raise ProgramError("--verify: simulates a preset, catalog or --hf model; it does not apply to --program")
     got = plan_pipeline_source(source, req.mesh_text, req.strategy, spec_args, user, req.links.cost,
                                parse_tp_plan(m.tp_plan))
     full_links = replace(req.links, cost=pp_cost_text(req.links.cost, full))
@@ -76,14 +75,20 @@ def run_pipeline_plan(req: PlanRequest, out: TextIO) -> int:
     strategy = req.strategy or ("megatron" if not isinstance(source, ProgramFile) else None)
     title = (_title(got, source, spec) + (f"; strategy {strategy}" if strategy else "") + f"; pipeline pp={spec.pp}"
              + (f"; recompute {req.recompute}" if req.recompute not in (None, "none") else ""))
+    if isinstance(source, HFModel):  # the import's warning and note lines, below the first
+        title = "\n".join([title, *got.loaded.title.split("\n")[1:]])
     config = got.loaded.model.config if got.loaded.model is not None else None
     write_html(req, plan, title, est.memory[worst], _est, config, pipeline=est)
     verdict = None
     if req.verify:
         require_simulator()
-        from spmdkit.sim.verify_plan import verify_pipeline  # (needs numpy)
+        from spmdkit.sim.verify_plan import verify_pipeline, verify_pipeline_hf  # (needs numpy)
 
-        verdict = verify_pipeline(m.model, req.mesh_text, spec, strategy or "megatron")
+        if isinstance(source, HFModel):
+            verdict = verify_pipeline_hf(source.class_name, source.config, req.mesh_text, spec, strategy,
+                                         parse_tp_plan(m.tp_plan), source.fallback)
+        else:
+            verdict = verify_pipeline(m.model, req.mesh_text, spec, strategy or "megatron")
     if req.outputs.json:
         extra: dict[str, Any] = {"title": title, "plan_seconds": got.seconds, "pipeline": est.to_json()}
         if verdict is not None:

@@ -119,7 +119,8 @@ def _run_plan(req: PlanRequest, out: TextIO) -> int:
     loaded, plan, secs = plan_source(source, req.mesh_text, req.strategy, user, patterns, req.links.cost, progress,
                                      grad_accum)
     strategy = req.strategy or ("megatron" if not isinstance(source, ProgramFile) else None)
-    title = loaded.title + (f"; strategy {strategy}" if strategy else "")
+    first, *notes = loaded.title.split("\n")  # an HF title's warning and note lines stay below its first
+    title = "\n".join([first + (f"; strategy {strategy}" if strategy else ""), *notes])
     config = loaded.model.config if loaded.model is not None else None
     plan, est = step_estimate(req.links, plan, config, recompute)
     mem = memory_per_device(plan, recompute)

@@ -31,7 +31,7 @@ from spmdkit.execute.launch import (
     port_in_use,
     uneven_shards,
 )
-from spmdkit.models.hf import dtype_name, example_inputs
+from spmdkit.models.hf import dtype_name
 from spmdkit.models.source import HFModel, Preset, ProgramFile, variants
 from spmdkit.models.zoo import model_label
 from spmdkit.outputs.progress import Progress
@@ -220,12 +220,10 @@ def _plan_hf_step(req: RunRequest, user: dict[str, Any]) -> _Step:
     patterns = parse_tp_plan(m.tp_plan)
     b, sq = parse_size("--batch", batch, MAX_SIZE), parse_size("--seq", seq, MAX_SIZE)
     assert b is not None and sq is not None
-    loaded, plan, _ = plan_source(HFModel(m.hf, m.hf_config, dtype, b, sq, weights=True, fallback=m.fallback or "error"),
-                                  req.mesh, strategy, user, patterns)
+    loaded, plan, _ = plan_source(HFModel(m.hf, m.hf_config, dtype, b, sq, weights=True, fallback=m.fallback or "error",
+                                          pad=pad), req.mesh, strategy, user, patterns)
     warn = loaded.title.partition("\n")[2]  # --fallback replicate: the ops replicated, under the first line
-    kw = loaded.inputs
-    if pad:  # the same shapes, a padded last row: the program does not depend on the inputs' values
-        kw = example_inputs(loaded.module, batch, seq, labels=True, pad=pad)
+    kw = loaded.inputs  # padded: traced with HF's padding mask (an unpadded step has none to read)
     return _Step(plan, f"{m.hf} ({dtype}, batch {batch}, seq {seq}" + (f", {pad} padded" if pad else "")
                  + f"), mesh {req.mesh}, strategy {strategy}" + (f"\n{warn}" if warn else ""), loaded.module, kw)
 

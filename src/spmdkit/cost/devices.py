@@ -3,7 +3,7 @@ node and across nodes, the achievable rates), a device from a JSON file, the tim
 cost on a device, and the per-mesh-dim :class:`spmdkit.core.reshard.CostModel` of a device's
 links. Standard library only. docs/devices.md.
 
-- :class:`Device` and :data:`DEVICES` (a100-40gb, a100-80gb, h100, h200): dense peak FLOP/s
+- :class:`Device` and :data:`DEVICES` (a100-40gb, a100-80gb, h100, h200, h800): dense peak FLOP/s
   per dtype, HBM bandwidth, the links (NVLink in a node, InfiniBand across nodes) that
   :func:`cost_model` maps onto the mesh dims, and :class:`spmdkit.cost.rates.Rates` (the
   fractions of those peaks real kernels reach); :meth:`Device.op_time`: an op's time, the one
@@ -190,6 +190,11 @@ _NVLINK3 = Link(5e-6, 300 * G)   # A100 SXM4: NVLink 600 GB/s bidirectional = 30
 _NVLINK4 = Link(5e-6, 450 * G)   # H100 / H200 SXM5: 900 GB/s bidirectional = 450 GB/s each way
 _IB_HDR = Link(20e-6, 25 * G)    # DGX A100: one 200 Gb/s HDR InfiniBand port per GPU
 _IB_NDR = Link(20e-6, 50 * G)    # DGX H100 / H200: one 400 Gb/s NDR ConnectX-7 port per GPU
+#: H800 SXM5 (the export H100: its compute and HBM, NVLink cut to 400 GB/s bidirectional =
+#: 200 GB/s each way). DeepSeek-V3's cluster (arXiv 2412.19437, section 3.1; arXiv 2505.09343,
+#: section 5): 8 H800 a node on NVLink / NVSwitch, 8 x 400 Gb/s InfiniBand NICs a node (one
+#: per GPU, 50 GB/s); the report measures 160 GB/s of NVLink and 50 GB/s of IB (section 3.2.2).
+_NVLINK4_H800 = Link(5e-6, 200 * G)
 
 #: Dense peaks by dtype: A100 SXM4 (40 and 80 GB alike) and H100 / H200 SXM5 (the same GPU).
 _A100_PEAKS = {"bf16": 312 * T, "fp16": 312 * T, "tf32": 156 * T, "fp32": 19.5 * T, "fp64": 9.7 * T}
@@ -206,9 +211,12 @@ DEVICES: dict[str, Device] = {
                    rates=H100_RATES),
     "h200": Device("NVIDIA H200 SXM5 141GB", dict(_H100_PEAKS), 4800 * G, 141 * 10**9, _NVLINK4, _IB_NDR,
                    rates=H200_RATES),
+    "h800": Device("NVIDIA H800 SXM5 80GB", dict(_H100_PEAKS), 3350 * G, 80 * 1024**3, _NVLINK4_H800, _IB_NDR,
+                   rates=H100_RATES),
 }
 _DEVICE_ALIASES = {"a100": "a100-80gb", "a100-80": "a100-80gb", "a100-40": "a100-40gb", "h100-sxm": "h100",
-                   "h100-80gb": "h100", "h200-sxm": "h200", "h200-141gb": "h200"}
+                   "h100-80gb": "h100", "h200-sxm": "h200", "h200-141gb": "h200",
+                   "h800-sxm": "h800", "h800-80gb": "h800"}
 
 _JSON_KEYS = {"name", "peak_tflops", "hbm_gb_per_s", "memory_gb", "intra_node", "inter_node", "ranks_per_node",
               "tf32", "base", "measured", "efficiency"}
@@ -290,6 +298,8 @@ def preset_of_gpu(name: str, memory_bytes: int) -> str | None:
     up = name.upper()
     if "H200" in up:
         return "h200"
+    if "H800" in up:
+        return "h800"
     if "H100" in up:
         return "h100"
     if "A100" in up:

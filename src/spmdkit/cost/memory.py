@@ -135,10 +135,21 @@ SHAPE_ONLY: dict[str, frozenset[str]] = {
 _LAYER_NUMBER = re.compile(r"\d+")
 
 
+#: grad rule -> {output index: the input only that gradient reads}: a product's operand is read for
+#: the other operand's gradient alone, so where that gradient is not made (``cos`` of a rotary
+#: table, a constant) the operand is not kept, as torch's autograd saves ``self`` of ``mul`` only
+#: when ``other`` requires a gradient
+FOR_GRAD_ONLY: dict[str, dict[int, str]] = {"multiply_grad": {0: "y", 1: "x"}}
+
+
 def value_inputs(op: Op) -> list[str]:
     """The tensors ``op`` reads the values of: its inputs less those its grad rule reads for
-    their shape only (:data:`SHAPE_ONLY`)."""
-    skip = SHAPE_ONLY.get(op.rule)
+    their shape only (:data:`SHAPE_ONLY`) and those read only for a gradient it does not make
+    (:data:`FOR_GRAD_ONLY`)."""
+    skip = SHAPE_ONLY.get(op.rule, frozenset())
+    only = FOR_GRAD_ONLY.get(op.rule)
+    if only:
+        skip = skip | {p for i, p in only.items() if i < len(op.outputs) and op.outputs[i] is None}
     if not skip:
         return op.input_names()
     return [n for p, v in op.inputs.items() if p not in skip for n in flat_refs(v) if n is not None]
@@ -817,7 +828,7 @@ def memory_per_device(plan: Plan, recompute: str = "none") -> Memory:
 
 __all__ = ["ALLOCATOR_RESERVE", "CUDA_CONTEXT_BYTES", "LOSS_BYTES", "LOSS_RULES", "MICROBATCH", "loss_spans",
            "per_microbatch_mode", "NCCL_BYTES_PER_GROUP", "RECOMPUTE",
-           "SHAPE_ONLY", "ActivationMemory", "Memory", "UnevenShard", "activation_deltas", "check_recompute",
+           "FOR_GRAD_ONLY", "SHAPE_ONLY", "ActivationMemory", "Memory", "UnevenShard", "activation_deltas", "check_recompute",
            "communicators", "fit_verdict", "fp8_stashed", "held_for_the_step", "local_numel", "memory_per_device",
            "peak_of", "recompute_regions", "rerun_points", "saved_activations", "spans_with_recompute",
            "uneven_shards", "value_inputs", "value_reads", "value_spans", "with_overheads"]

@@ -142,6 +142,8 @@ def eager_reference(prog: Any, module: Any, args: Any = (), kwargs: dict[str, An
         wg = w.grad if w.grad is not None else torch.zeros_like(w)
         if cut:
             wg = wg.narrow(cut[0], cut[1], cut[2] - cut[1])
+            if len(cut) > 3 and cut[3]:  # an expert bank's part, [E, in, out] (models.torch_import.moe)
+                wg = wg.permute(*cut[3])
         res[grad] = wg.detach().double().numpy()
     m.zero_grad(set_to_none=True)
     return str(dt).removeprefix("torch."), res

@@ -19,6 +19,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from spmdkit.core.errors import ProgramError
+from spmdkit.models.hf_attention import attention_note, unmasked_attention
 from spmdkit.models.hf_checks import check_hf_config
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "float64": "float64", "fp64": "float64",
@@ -245,7 +246,8 @@ def example_inputs(model: Any, batch: int = 2, seq: int = 16, *, labels: bool = 
 
 def import_hf(class_name: str, config: Any, *, batch: int = 2, seq: int = 16, dtype: str = "float32",
               training: bool = True, pad: int = 0, seed: int = 0, weights: bool | None = True,
-              repeat: bool | None = None, **opts: Any) -> tuple[Any, Any, dict[str, Any]]:
+              repeat: bool | None = None, moe: str | float | None = "auto", **opts: Any
+              ) -> tuple[Any, Any, dict[str, Any]]:
     """``build`` + ``example_inputs`` + ``import_module``: (program, model, keyword inputs).
 
     ``weights``: True builds the weights (the model runs: ``torch_values``, ``spmdkit run``),
@@ -253,7 +255,12 @@ def import_hf(class_name: str, config: Any, *, batch: int = 2, seq: int = 16, dt
     for a model of at most :data:`WEIGHTS_UP_TO` bytes and imports a larger one without them.
     ``repeat``: trace one layer of each kind and repeat it to the model's depth
     (:mod:`spmdkit.models.torch_import.layers`; the program is the full trace's); default: when
-    imported without weights. ``opts`` go to :func:`spmdkit.models.torch_import.import_module`
+    imported without weights. ``moe``: the capacity of each expert of the MoE blocks (Mixtral,
+    Qwen-MoE, DeepSeek-V3: lowered to the zoo's MoE ops, :mod:`spmdkit.models.torch_import.moe`):
+    ``"auto"`` is ``"dropless"`` (every token of a sequence: the module's own values, as ``spmdkit
+    run`` compares them) where ``weights`` is True, else ``"uniform"`` (the zoo's and the catalog's
+    ``ceil(seq x top_k / experts)``: the plan of the step as MoE frameworks size it); a float is a
+    capacity factor; None imports the blocks as HF computes them. ``opts`` go to :func:`spmdkit.models.torch_import.import_module`
     (``fallback``, ``optimizer``, ...)."""
     from spmdkit.models.torch_import import import_module
 
@@ -267,7 +274,16 @@ def import_hf(class_name: str, config: Any, *, batch: int = 2, seq: int = 16, dt
     if repeat is None:
         repeat = not has_weights(model)
     kw = example_inputs(model, batch, seq, labels=training, pad=pad, seed=seed)
-    prog = import_module(model, (), kw, training=training, repeat_layers=repeat, **opts)
+    if moe == "auto":
+        moe = "dropless" if weights is True else "uniform"
+    record = None
+    if not pad:  # no padding: HF's sdpa mask is skipped as in eager mode (models/hf_attention.py)
+        with unmasked_attention() as record:
+            prog = import_module(model, (), kw, training=training, repeat_layers=repeat, moe=moe, fuse=True, **opts)
+    if record is None or record.unsafe:
+        prog = import_module(model, (), kw, training=training, repeat_layers=repeat, moe=moe, fuse=True, **opts)
+    note = attention_note(record, prog, seq, bool(pad))
+    prog.notes += [note] if note else []
     return prog, model, kw
 
 

@@ -61,6 +61,9 @@ class HFModel:
     #: ``"error"`` (an ATen op with no lowering refuses the import) or ``"replicate"`` (``--fallback
     #: replicate``: it becomes a replicated op, named in the title's warning line)
     fallback: str = "error"
+    #: padded positions at the end of the example batch's last row (``spmdkit run --pad``): the
+    #: step is then traced with HF's padding mask (unpadded, attention is one causal flash op)
+    pad: int = 0
 
 
 ModelSource = Preset | ProgramFile | HFModel
@@ -135,11 +138,37 @@ def hf_title(source: HFModel, prog: Program | None = None) -> str:
     """``CLASS (HuggingFace), batch B, seq S``; with ``--fallback replicate`` and ops replicated
     for want of a lowering, a second line warning of them (the report's first lines)."""
     title = f"{source.class_name} (HuggingFace), batch {source.batch}, seq {source.seq}"
+    note = moe_note(prog) if prog is not None else ""
+    if note:
+        title += "\n" + note
     fell = fallback_ops(prog) if prog is not None else []
+    for note in getattr(prog, "notes", ()):
+        title += "\n" + note
     if fell:
         title += (f"\nwarning: --fallback replicate: {len(fell)} op(s) with no lowering imported replicated (every "
                   f"input and output replicated on every rank): {'; '.join(fell)}")
     return title
+
+
+def moe_note(prog: Program) -> str:
+    """A line on the MoE blocks of an imported program (:mod:`spmdkit.models.torch_import.moe`):
+    how many were lowered to the moe ops, their routing, each expert's capacity, and what the
+    plan writes down otherwise than HF computes it; empty without any."""
+    blocks = list(getattr(prog, "moe_blocks", []) or [])
+    if not blocks:
+        return ""
+    caps = sorted({int(op.attrs.get("capacity", 0)) for op in prog.ops if op.rule == "moe_gate_dispatch"})
+    seq = next((prog.tensors[op.input_names()[0]].shape[-2] for op in prog.ops if op.rule == "moe_gate_dispatch"), 0)
+    b = blocks[0]
+    how = "dropless" if caps == [seq] else f"{seq} tokens x top {b.top_k} / {b.num_experts} experts"
+    line = (f"note: MoE: {len(blocks)} block(s) lowered to moe_gate_dispatch -> experts [E, in, out] -> "
+            f"moe_combine ({b.num_experts} experts, top {b.top_k}; {b.routing.describe()}); capacity "
+            f"{', '.join(map(str, caps))} tokens an expert a sequence ({how})")
+    r = b.routing
+    if r.groups > 1 and r.topk_group < r.groups:
+        line += ("; the group-limited top-k is planned as a top-k over every expert (the same shapes, FLOPs "
+                 "and collectives; the experts chosen can differ)")
+    return line
 
 
 def fallback_ops(prog: Program) -> list[str]:
@@ -152,7 +181,8 @@ def fallback_ops(prog: Program) -> list[str]:
 
 
 def import_hf_checked(class_name: str, config: Any, batch: int, seq: int, dtype: str,
-                      weights: bool | None = None, fallback: str = "error") -> tuple[Program, Any, dict[str, Any]]:
+                      weights: bool | None = None, fallback: str = "error",
+                      pad: int = 0) -> tuple[Program, Any, dict[str, Any]]:
     """:func:`spmdkit.models.hf.import_hf` (``dtype`` a dtype name), its errors on a model that does not
     import given as one ProgramError naming ``--hf``. ``weights``: as ``import_hf``'s; by default
     a small model is built with its weights (``spmdkit run`` runs it) and a larger one is imported
@@ -162,7 +192,7 @@ def import_hf_checked(class_name: str, config: Any, batch: int, seq: int, dtype:
         warnings.filterwarnings("ignore", message="torch import: no mapping")  # the title names them
         try:
             return import_hf(class_name, config, batch=batch, seq=seq, dtype=dtype, weights=weights,
-                             fallback=fallback)
+                             fallback=fallback, pad=pad)
         except SpmdError:
             raise
         except (ValueError, TypeError, RuntimeError, IndexError, KeyError) as exc:
@@ -186,9 +216,10 @@ def load(source: ModelSource, *, vocab_parallel_loss: bool = False) -> Loaded:
     if isinstance(source, ProgramFile):
         return Loaded(source, load_program(source.path), f"program {source.path}")
     prog, module, kw = import_hf_checked(source.class_name, source.config, source.batch, source.seq, source.dtype,
-                                         source.weights, source.fallback)
+                                         source.weights, source.fallback, source.pad)
     return Loaded(source, prog, hf_title(source, prog), module=module, inputs=kw)
 
 
 __all__ = ["HFModel", "Loaded", "ModelSource", "Preset", "ProgramFile", "fallback_ops", "hf_title", "import_hf_checked",
+           "moe_note",
            "load", "load_preset", "preset_title", "variants"]

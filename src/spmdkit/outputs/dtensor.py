@@ -16,7 +16,11 @@ shards take the ceiling first, as DTensor does). The mapping itself is
 
 ``device_mesh(plan)`` builds the matching ``DeviceMesh`` (the plan's mesh dim names), and
 ``distribute_parameters(module, plan, names)`` replaces a module's parameters by DTensors
-sharded as the plan says (``distribute_tensor``).
+sharded as the plan says (``distribute_tensor``): an expert-parallel plan's expert stacks too
+(``Shard(0)`` over ``ep``). ``expert_parallel(plan)`` says what torch can and cannot express of
+an ep plan (:mod:`spmdkit.outputs.dtensor_ep`), checked against the installed
+``torch.distributed.tensor.parallel``: it has no expert-parallel style, so the experts modules
+and their token all-to-alls need a custom ``ParallelStyle`` (torchtitan's ``ExpertParallel``).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from torch.distributed.tensor import Partial, Placement, distribute_tensor
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import InvalidAttributeError
 from spmdkit.core.placements import to_torch_placements
+from spmdkit.outputs.dtensor_ep import expert_parallel_statement
 from spmdkit.program.plan import Plan
 
 
@@ -79,4 +84,18 @@ def distribute_parameters(module: torch.nn.Module, plan: Plan, names: Mapping[st
     return applied
 
 
-__all__ = ["device_mesh", "distribute_parameters", "placements", "plan_placements"]
+def expert_parallel(plan: Plan) -> dict[str, Any] | None:
+    """The plan's expert parallelism in torch's terms (:func:`spmdkit.outputs.dtensor_ep.expert_parallel_statement`),
+    ``torch_style`` the installed ``torch.distributed.tensor.parallel``'s own expert style if it
+    has one (None on torch 2.13: it has none); None for a plan without expert parallelism."""
+    got = expert_parallel_statement(plan)
+    if got is None:
+        return None
+    import torch.distributed.tensor.parallel as tp_api
+
+    own = sorted(n for n in getattr(tp_api, "__all__", dir(tp_api)) if "expert" in n.lower())
+    return {**got, "torch_style": own[0] if own else None,
+            "torch_version": torch.__version__.split("+")[0]}
+
+
+__all__ = ["device_mesh", "distribute_parameters", "expert_parallel", "placements", "plan_placements"]

@@ -21,6 +21,9 @@ per parameter, its shape and its sharding in the framework's terms. The names ar
   summed before one all-reduce, as the plan has it (instead of one all-reduce per layer).
   A tied parameter gets the style of each module reading it and is listed in ``tied``
   (:func:`apply_dtensor_plan` ties it again after ``parallelize_module``).
+  An expert-parallel plan's experts get no style (torch has none for experts): the document's
+  ``expert_parallel`` names the experts modules and says what torch can and cannot express
+  (:mod:`spmdkit.outputs.dtensor_ep`), with a note.
   Refused: ``[in, out]`` weights (GPT-2's Conv1D, the presets'), a
   weight left replicated beside column layers of the same input (kv heads fewer than tp), and
   sequence-parallel plans (docs/export.md says why). Load with
@@ -50,6 +53,7 @@ from spmdkit.core.errors import SpmdError
 from spmdkit.core.placements import Partial, Replicate, Shard, to_partition_spec, to_placements
 from spmdkit.io.atomic import output_problem, write_atomic
 from spmdkit.io.jsonfile import read_json
+from spmdkit.outputs.dtensor_ep import expert_note, expert_parallel_statement
 from spmdkit.program.ir import Op, Program
 from spmdkit.program.plan import Plan
 from spmdkit.strategies.hf import data_inputs, forward_readers, parameters, weight_axes
@@ -212,8 +216,11 @@ class _DTensorExport:
             self.notes.append("the program records no module paths (a program JSON): no PrepareModuleOutput derived, "
                               "so each column layer all-reduces its own input gradient (more than the plan's one per "
                               "block)")
+        experts = expert_parallel_statement(plan)
+        if experts is not None:
+            self.notes.append(expert_note(experts))
         return {"format": DOC_FORMATS[self.fmt], "version": VERSION, "mesh": _mesh_doc(plan),
-                "tp_dim": None if tp is None else plan.mesh.dim_names[tp],
+                "expert_parallel": experts, "tp_dim": None if tp is None else plan.mesh.dim_names[tp],
                 "parallelize_plan": dict(sorted(self.styles.items())), "loss_parallel": self.loss_parallel,
                 "tied": self.tied_to, "placements": self.placements,
                 "shapes": {p: list(prog.tensors[p].shape) for p in self.params}, "notes": self.notes}

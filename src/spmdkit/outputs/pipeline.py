@@ -8,6 +8,7 @@ from typing import TextIO
 from spmdkit.outputs.report import fmt_bytes, fmt_time, verdict_line, write_band
 from spmdkit.outputs.tables import print_table
 from spmdkit.planner.pipeline import PipelineEstimate, bubble_formula
+from spmdkit.planner.pipeline_moe import MoeMemory
 
 
 def write_pipeline(est: PipelineEstimate, out: TextIO) -> None:
@@ -36,6 +37,8 @@ def write_pipeline(est: PipelineEstimate, out: TextIO) -> None:
                 "with the caching allocator's reserve; on the device: with the CUDA context and NCCL buffers)",
                 ["pp rank", "in flight", "parameters", "gradients", "optimizer", "activations", "allocated",
                  "reserved", "on the device"], rows, out)
+    if est.moe is not None:
+        write_moe_memory(est.moe, out)
     f = bubble_formula(s.schedule, p, v, m)
     if est.run is None:
         out.write(f"bubble (formula): {100 * f:.1f}% of the work; give --device for the step time\n")
@@ -58,5 +61,21 @@ def write_pipeline(est: PipelineEstimate, out: TextIO) -> None:
         write_band(est.device_name, out, est.cp > 1)
 
 
+def write_moe_memory(mm: MoeMemory, out: TextIO) -> None:
+    """The fullest rank's memory split into its experts and the rest, with the divisors
+    (:class:`spmdkit.planner.pipeline_moe.MoeMemory`)."""
+    local = mm.expert_elements // max(1, mm.ep)
+    out.write(f"MoE memory of pipeline rank {mm.rank} ({mm.layers} layers, {mm.moe_layers} with {mm.experts} experts; "
+              f"experts over ep={mm.ep}, their states over edp = dp = {mm.edp}, the rest data parallel over "
+              f"dp x ep = {mm.dense_dp}):\n")
+    rows = [["parameters", fmt_bytes(mm.expert_parameters), fmt_bytes(mm.dense_parameters)],
+            ["gradients", fmt_bytes(mm.expert_gradients), fmt_bytes(mm.dense_gradients)],
+            ["optimizer states", fmt_bytes(mm.expert_states), fmt_bytes(mm.dense_states)]]
+    print_table(f"  experts: {mm.expert_elements:,} elements in the rank's stacks / ep {mm.ep} = {local:,} a device",
+                ["", "experts", "the rest"], rows, out)
+    extra = max(0.0, mm.in_flight - 1)
+    out.write(f"  activations {fmt_bytes(mm.activations)} = one microbatch's working peak {fmt_bytes(mm.working_peak)}"
+              f" + {extra:g} more in flight x {fmt_bytes(mm.stash)} each keeps for its backward\n")
 
-__all__ = ["write_pipeline"]
+
+__all__ = ["write_moe_memory", "write_pipeline"]

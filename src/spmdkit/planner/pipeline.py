@@ -77,6 +77,7 @@ from spmdkit.cost.memory import (
 from spmdkit.cost.step import Bucket, OpComm, Reducer, op_communication, param_gather_time
 from spmdkit.models.source import HFModel, Loaded, ModelSource, Preset, ProgramFile, load
 from spmdkit.models.zoo import Model, preset
+from spmdkit.planner.pipeline_moe import MoeMemory, moe_memory
 from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, parse_size, plan_preset, plan_program
 from spmdkit.program.ir import Program
 from spmdkit.program.layers import layer_tags
@@ -642,6 +643,8 @@ class PipelineEstimate:
     extra: dict[str, Any] = field(default_factory=dict)
     #: the one-line note of a split chosen for layers that do not divide into the stages
     note: str | None = None
+    #: a MoE plan's fullest rank split into experts and the rest (pipeline_moe.moe_memory)
+    moe: MoeMemory | None = None
     #: the context-parallel degree of the stages' plan (its error band is the cp runs')
     cp: int = 1
 
@@ -674,6 +677,8 @@ class PipelineEstimate:
                        for k, st in enumerate(self.stages)],
             "devices": [{"stage": r, "in_flight_microbatches": self.in_flight[r], "memory": self.memory[r].to_json()}
                         for r in range(s.pp)]}
+        if self.moe is not None:
+            out["moe_memory"] = self.moe.to_json()
         if "microbatch_recompute" in self.extra:
             out["microbatch_recompute"] = self.extra["microbatch_recompute"]
         if self.run is not None:
@@ -733,6 +738,7 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | 
                     mems[r], recomputed[r] = got, 1.0 - kept / chunks
                     break
     est = PipelineEstimate(spec, counts, costs, pp_link, send_f, send_b, flight, mems, note=note,
+                           moe=moe_memory(plan, stages, counts, p, mems, flight, costs),
                            cp=max((c.ranks for c in cp_ops(plan)), default=1))
     if recompute == MICROBATCH:
         est.extra["microbatch_recompute"] = {"recomputed_share": recomputed}

@@ -28,7 +28,13 @@ from spmdkit.program.ir import Program
 from spmdkit.program.plan import Plan
 from spmdkit.strategies.context import config_for as cp_config
 from spmdkit.strategies.context import cp_groups
-from spmdkit.strategies.hf import annotate_program, megatron_program, optimizer_of, regroup_partial_sums
+from spmdkit.strategies.hf import (
+    annotate_program,
+    megatron_program,
+    mirror_forward_layouts,
+    optimizer_of,
+    regroup_partial_sums,
+)
 from spmdkit.strategies.strategy import annotate, parse_mesh, parse_strategy, user_attrs, zero3_storage
 
 #: The most layers ``--layers`` takes: planning is linear in the ops (~30 per layer with its
@@ -134,7 +140,11 @@ def plan_program(prog: Program, mesh_text: str, strategy_text: str | None, user:
     storage = zero3_storage(optimizer_of(prog), ann, st)
     plan = propagate(prog, mesh, ann, cost, storage=storage, grad_accum=grad_accum)
     regrouped = regroup_partial_sums(prog, plan)  # partial gradients summed before one reduction
-    if regrouped is not prog:
+    # megatron: a partial gradient all-reduced as its forward tensor is held, not scattered
+    # (sequence parallel scatters the residual's gradients over tp on purpose)
+    mirrored = mirror_forward_layouts(plan, [mesh.dim_index("tp")]) if "megatron" in st and "sp" not in st else {}
+    if regrouped is not prog or mirrored:
+        ann = {**ann, **mirrored}
         prog, plan = regrouped, propagate(regrouped, mesh, ann, cost, storage=storage, grad_accum=grad_accum)
     return prog, plan
 

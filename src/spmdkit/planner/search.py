@@ -21,10 +21,10 @@ configuration whose memory per device is over the cap (the device's memory by de
 rejected; the others are ranked by predicted step time.
 
 Context parallelism: for a preset whose sequence is :data:`LONG_SEQ` tokens or more, each
-data-parallel degree is also split into ``dp x cp`` (:func:`context_degrees`: cp dividing it, the
-sequence into ``2 cp`` zig-zag chunks; the mesh ``dp=D,cp=C,tp=T``) with the hand strategies plus
-``,cp`` and, with ``auto``, the exact search on the model built with ``cp_attention``; a shorter
-sequence searches exactly the meshes it did before.
+data-parallel degree (without ep) is also split into ``dp x cp`` (:func:`context_degrees`: cp
+dividing it, the sequence into ``2 cp`` zig-zag chunks; the mesh ``dp=D,cp=C,tp=T``) with the hand
+strategies plus ``,cp`` and, with ``auto``, the exact search on the model built with
+``cp_attention``; a shorter sequence searches exactly the meshes it did before.
 
 Which factorisations are tried: dp divides the global batch (each rank a whole number of
 sequences), tp divides the attention heads (Megatron's requirement; a preset only), pp is at
@@ -47,6 +47,7 @@ of each configuration planned; the search prints nothing (its table: :mod:`spmdk
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -71,6 +72,7 @@ from spmdkit.planner.pipeline import (
     split_layers,
 )
 from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, parse_size, plan_model, plan_program
+from spmdkit.planner.search_bounds import Bounds, experts_of, model_bounds
 from spmdkit.program.ir import Program
 from spmdkit.program.layers import layer_tags
 from spmdkit.program.plan import Plan
@@ -79,16 +81,19 @@ from spmdkit.strategies.hf import data_inputs
 from spmdkit.strategies.strategy import MAX_RANKS, parse_mesh, parse_strategy, tp_problem
 
 RECOMPUTE_MODES = ("none", "selective", "full")
+#: the most configurations one search plans (each a propagation or an exact search)
+MAX_PLANS = 2000
+#: a MoE model's search plans every configuration up to this many, beyond prunes by bounds
+EXHAUSTIVE_PLANS = 200
 #: the sequence length from which a preset's search also splits the sequence over a ``cp`` dim
 #: (context parallelism: Llama 3 trained from 8k with cp from 16k up; torchtitan and NeMo from 16k-32k)
 LONG_SEQ = 16384
-#: the most configurations one search plans (each a propagation or an exact search)
-MAX_PLANS = 2000
 
 
 @dataclass(frozen=True)
 class Config:
-    """One point of the outer search."""
+    """One point of the outer search. ``ep`` > 1: expert parallelism carved out of data
+    parallelism as Megatron-Core folds it (the batch over ``dp x ep``, the experts over ``ep``)."""
 
     dp: int
     tp: int
@@ -96,13 +101,15 @@ class Config:
     strategy: str = "dp"      # a --strategy comma list, or "auto"
     recompute: str = "none"
     microbatches: int = 1
+    ep: int = 1
     #: context parallelism: the sequence split over a cp dim between dp and tp (1: none)
     cp: int = 1
 
     @property
     def sub_mesh_text(self) -> str:
         """The mesh the shardings are planned on (without pp)."""
-        return f"dp={self.dp}," + (f"cp={self.cp}," if self.cp > 1 else "") + f"tp={self.tp}"
+        return (f"dp={self.dp}," + (f"ep={self.ep}," if self.ep > 1 else "") + (f"cp={self.cp}," if self.cp > 1 else "")
+                + f"tp={self.tp}")
 
     @property
     def mesh_text(self) -> str:
@@ -110,15 +117,17 @@ class Config:
 
     @property
     def devices(self) -> int:
-        return self.dp * self.cp * self.tp * self.pp
+        return self.dp * self.ep * self.cp * self.tp * self.pp
 
     def label(self) -> str:
-        return (f"dp={self.dp}" + (f" cp={self.cp}" if self.cp > 1 else "") + f" tp={self.tp} pp={self.pp}"
+        return (f"dp={self.dp}" + (f" ep={self.ep}" if self.ep > 1 else "") + (f" cp={self.cp}" if self.cp > 1 else "")
+                + f" tp={self.tp} pp={self.pp}"
                 + (f" (m={self.microbatches})" if self.pp > 1 else "")
                 + f" {self.strategy}" + (f" recompute={self.recompute}" if self.recompute != "none" else ""))
 
     def to_json(self) -> dict[str, Any]:
-        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, **({"cp": self.cp} if self.cp > 1 else {}),
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, **({"ep": self.ep} if self.ep > 1 else {}),
+                **({"cp": self.cp} if self.cp > 1 else {}),
                 "strategy": self.strategy, "recompute": self.recompute, "microbatches": self.microbatches,
                 "mesh": self.mesh_text}
 
@@ -157,6 +166,9 @@ class SearchResult:
     refused: list[tuple[Config, str]]    # configurations that could not be planned, and why
     seconds: float = 0.0
     plans: int = 0                       # shardings planned (propagations or searches)
+    #: configurations left unplanned by a bound (search_bounds): over the memory cap by their
+    #: parameters, states and kept layer inputs alone, or unable to beat the best step found; and why
+    pruned: list[tuple[Config, str]] = field(default_factory=list)
 
     @property
     def fitting(self) -> list[Candidate]:
@@ -181,12 +193,17 @@ def factorizations(n: int, pipeline: bool = True) -> list[tuple[int, int, int]]:
     return sorted(out, key=lambda t: (t[2], t[1], t[0]))
 
 
-def hand_strategies(dp: int, tp: int, cp: int = 1) -> list[str]:
-    """The hand strategies a (dp, tp) sub-mesh can take (ZeRO only where dp > 1); with ``cp`` > 1
-    (a ``dp x cp x tp`` sub-mesh) the same with context parallelism (``,cp``), ZeRO where the
-    ranks that reduce the gradients, ``dp x cp``, are more than one."""
-    zeros = ["", ",zero1", ",zero2", ",zero3"] if dp * cp > 1 else [""]
+def hand_strategies(dp: int, tp: int, ep: int = 1, cp: int = 1) -> list[str]:
+    """The hand strategies a (dp, tp) sub-mesh can take (ZeRO only where dp > 1); with ``ep``
+    > 1 (a ``dp x ep x tp`` sub-mesh) the same with expert parallelism (``,ep``; megatron's
+    experts tensor-parallel over tp: ETP = TP), ZeRO where the data-parallel ranks ``dp x ep``
+    are more than one; with ``cp`` > 1 (a ``dp x cp x tp`` sub-mesh) the same with context
+    parallelism (``,cp``), ZeRO where ``dp x cp`` (the ranks that reduce the gradients) are more
+    than one."""
+    zeros = ["", ",zero1", ",zero2", ",zero3"] if dp * ep * cp > 1 else [""]
     bases = ["dp"] if tp == 1 else ["megatron", "megatron,sp"]
+    if ep > 1:
+        bases = [b + ",ep" for b in bases]
     if cp > 1:
         bases = [b + ",cp" for b in bases]
     return [b + z for b in bases for z in zeros]
@@ -200,6 +217,12 @@ def context_degrees(dp_total: int, seq: int | None) -> list[int]:
     if seq is not None and seq >= LONG_SEQ:
         out += [c for c in range(2, dp_total + 1) if dp_total % c == 0 and seq % (2 * c) == 0]
     return out
+
+
+def expert_degrees(dp_total: int, experts: int) -> list[int]:
+    """The ep degrees a data-parallel degree ``dp_total`` can fold out (Megatron-Core: ``dp x ep``
+    = the data-parallel ranks): the divisors of both it and the experts, 1 first."""
+    return [e for e in range(1, dp_total + 1) if dp_total % e == 0 and (e == 1 or (experts and experts % e == 0))]
 
 
 def parse_memory(text: Any) -> int:
@@ -254,6 +277,12 @@ class _Job:
     time_limit: float
     patterns: Any = None
     runtime: Runtime = field(default_factory=Runtime)
+    #: a pruned search: the modes priced from the most recomputation to the least, stopping at the
+    #: first over the cap (recomputing less holds more)
+    lean: bool = False
+
+    def mode_order(self) -> Sequence[str]:
+        return sorted(self.modes, key=lambda r: -RECOMPUTE_MODES.index(r)) if self.lean else self.modes
 
 
 def _link_cost(mesh: ProcessMesh, job: _Job, cost_text: str | None) -> CostModel:
@@ -267,13 +296,15 @@ def _link_cost(mesh: ProcessMesh, job: _Job, cost_text: str | None) -> CostModel
 def _flat_candidates(cfg: Config, plan: Plan, job: _Job, title: str, info: AutoInfo | None = None) -> list[Candidate]:
     out: list[Candidate] = []
     plan = replace(plan, runtime=job.runtime)
-    for rc in job.modes:
+    for rc in job.mode_order():
         est = estimate_step(plan, job.device, job.tokens, rc)
         mem = memory_per_device(plan, rc)
         if any(c.step_s == est.step_overlap_s and c.memory == mem.device_total for c in out):
             continue  # this recomputation changes nothing here (e.g. selective without an attention core)
         out.append(Candidate(replace(cfg, recompute=rc), est.step_overlap_s, est.mfu, mem.device_total,
                              est.comm_total_s, mem.device_total <= job.cap, plan, est, mem, title, info))
+        if job.lean and not out[-1].fits:
+            break
     return out
 
 
@@ -285,7 +316,7 @@ def _pipeline_candidates(cfg: Config, plan: Plan, counts: tuple[int, ...] | None
     m = cfg.microbatches
     out: list[Candidate] = []
     plan = replace(plan, runtime=job.runtime)
-    for rc in job.modes:
+    for rc in job.mode_order():
         est = estimate_pipeline(plan, spec, counts, job.device, (link.alpha_s, link.beta_s_per_byte), tokens,
                                 full.size, recompute=rc)
         mem = max(est.memory, key=lambda x: x.device_total)
@@ -298,6 +329,8 @@ def _pipeline_candidates(cfg: Config, plan: Plan, counts: tuple[int, ...] | None
         comm = ((one.comm_total_s - one.grad_sync_s) * m + one.grad_sync_s) / cfg.pp + m * sends
         out.append(Candidate(replace(cfg, recompute=rc), est.step_overlap_s, est.mfu, mem.device_total, comm,
                              mem.device_total <= job.cap, plan, est, mem, title, info))
+        if job.lean and not out[-1].fits:
+            break
     return out
 
 
@@ -320,6 +353,8 @@ class _Sizes:
     microbatches: bool = True
     #: the preset's config (tp must split its heads, kv heads, FFN and vocabulary: tp_problem)
     config: ModelConfig | None = None
+    #: routed experts (0: a dense model, no ep dim tried)
+    experts: int = 0
 
 
 def _model_sizes(model: str, overrides: Mapping[str, int | None] | None) -> tuple[ModelConfig, _Sizes]:
@@ -328,7 +363,7 @@ def _model_sizes(model: str, overrides: Mapping[str, int | None] | None) -> tupl
     limits = {"layers": MAX_LAYERS, "batch": MAX_SIZE, "seq": MAX_SIZE}
     checked = {k: parse_size(f"--{k}", v, limits.get(k, MAX_SIZE)) for k, v in dict(overrides or {}).items()}
     cfg = cfg.with_(**{k: v for k, v in checked.items() if v is not None})
-    return cfg, _Sizes(cfg.batch, cfg.batch * cfg.seq, cfg.heads, cfg.layers, config=cfg)
+    return cfg, _Sizes(cfg.batch, cfg.batch * cfg.seq, cfg.heads, cfg.layers, config=cfg, experts=cfg.experts)
 
 
 def _work(devices: int, pipeline: bool, sizes: _Sizes, given: list[str] | None,
@@ -337,46 +372,49 @@ def _work(devices: int, pipeline: bool, sizes: _Sizes, given: list[str] | None,
     those refused before planning, with the reason."""
     work: list[Config] = []
     refused: list[tuple[Config, str]] = []
+    batch = sizes.batch
     seq = sizes.config.seq if sizes.config is not None else None
     for dpt, tp, pp in factorizations(devices, pipeline):
-        for cp in context_degrees(dpt, seq):  # cp = 1 first: the meshes as they were
-            _work_mesh(dpt // cp, tp, pp, cp, sizes, given, auto, work, refused)
-    return work, refused
-
-
-def _work_mesh(dp: int, tp: int, pp: int, cp: int, sizes: _Sizes, given: list[str] | None, auto: bool,
-               work: list[Config], refused: list[tuple[Config, str]]) -> None:
-    """The configurations of one (dp, cp, tp, pp) mesh into ``work`` (those refused before planning
-    into ``refused``)."""
-    batch = sizes.batch
-    why = None
-    if batch is not None and batch % dp:
-        why = f"dp={dp} does not divide the batch {batch}"
-    elif sizes.config is not None and (bad := tp_problem(sizes.config, tp)) is not None:
-        why = bad
-    elif sizes.heads is not None and sizes.heads % tp:
-        why = f"tp={tp} does not divide the {sizes.heads} attention heads"
-    elif sizes.layers is not None and sizes.layers < pp:
-        why = f"pp={pp}: {sizes.layers} layers cannot fill {pp} stages"
-    names = list(given) if given is not None else hand_strategies(dp, tp, cp)
-    if auto:
-        names.append("auto")
-    m = (batch // dp) if (pp > 1 and batch and sizes.microbatches) else 1
-    if why is not None:
-        refused.append((Config(dp, tp, pp, "*", "none", m, cp), why))
-        return
-    for s in names:
-        if s != "auto":
-            if (cp > 1) != ("cp" in s.split(",")):
-                continue  # the strategies given go to the meshes of their own cp
-            try:
-                parse_strategy(s, _sub_mesh(dp, tp, cp))
-            except ProgramError as exc:
-                refused.append((Config(dp, tp, pp, s, "none", m, cp), str(exc)))
+        why = None
+        uneven = batch is not None and batch % dpt != 0
+        if sizes.config is not None and (bad := tp_problem(sizes.config, tp)) is not None:
+            why = bad
+        elif sizes.heads is not None and sizes.heads % tp:
+            why = f"tp={tp} does not divide the {sizes.heads} attention heads"
+        elif sizes.layers is not None and sizes.layers < pp:
+            why = f"pp={pp}: {sizes.layers} layers cannot fill {pp} stages"
+        m = (batch // dpt) if (pp > 1 and batch and sizes.microbatches) else 1
+        if uneven or why is not None:
+            refused.append((Config(dpt, tp, pp, "*", "none", m),
+                            f"dp={dpt} does not divide the batch {batch}" if uneven else str(why)))
+        if why is not None:
+            continue
+        # ep = 1 and cp = 1 first: a dense model's meshes at a short sequence as they were; a batch dp
+        # does not divide may still split over dp x cp (the cp ranks share their sequences)
+        degrees = [(e, c) for e in expert_degrees(dpt, sizes.experts) for c in (context_degrees(dpt, seq) if e == 1 else [1])]
+        for ep, cp in degrees:
+            dp = dpt // ep // cp
+            if batch is not None and batch % (dp * ep):
                 continue
-            if tp == 1 and "megatron" in s.split(","):
-                continue  # megatron over tp=1 is dp
-        work.append(Config(dp, tp, pp, s, "none", m, cp))
+            m = (batch // (dp * ep)) if (pp > 1 and batch and sizes.microbatches) else 1
+            names = list(given) if given is not None else hand_strategies(dp, tp, ep, cp)
+            if auto:
+                names.append("auto")
+            for s in names:
+                cfg = Config(dp, tp, pp, s, "none", m, ep, cp)
+                if s != "auto":
+                    parts = s.split(",")
+                    if (tp == 1 and "megatron" in parts) or ((ep > 1) != ("ep" in parts)) \
+                            or (ep > 1 and tp > 1 and "megatron" not in parts) or ((cp > 1) != ("cp" in parts)):
+                        continue  # megatron over tp=1 is dp; ep over ep=1 is dp; an idle ep or tp dim repeats work;
+                        # the strategies go to the meshes of their own cp
+                    try:
+                        parse_strategy(s, _sub_mesh(cfg))
+                    except ProgramError as exc:
+                        refused.append((cfg, str(exc)))
+                        continue
+                work.append(cfg)
+    return work, refused
 
 
 def _search_args(devices: int, device: Device | str, memory_cap: int | str | None, recompute: Iterable[str] | None,
@@ -407,7 +445,8 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
                   overrides: Mapping[str, int | None] | None = None, pins: Mapping[str, Any] | None = None,
                   cost_text: str | None = None, time_limit: float = 30.0, nodes_of: int | None = None,
                   patterns: Any = None, progress: SearchProgress | None = None,
-                  runtime: Runtime | None = None, reload: Callable[[int], Program] | None = None) -> SearchResult:
+                  runtime: Runtime | None = None, reload: Callable[[int], Program] | None = None,
+                  prune: bool | None = None) -> SearchResult:
     """Search ``devices`` devices for the fastest configuration of ``model`` (a preset name or a
     :class:`spmdkit.program.ir.Program`, e.g. an imported HuggingFace model) that fits in
     ``memory_cap`` bytes per device (default: ``device``'s memory). ``device``: a
@@ -417,29 +456,54 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
     ``recompute``: the modes to try (default all three). ``progress``: told of each
     configuration planned (:class:`SearchProgress`; default none). ``runtime``: precision,
     framework and TP overlap every plan is priced with (:class:`spmdkit.program.runtime.Runtime`).
-    ``reload``: a program ``model`` traced again at a batch (the pipelines' microbatches)."""
+    ``reload``: a program ``model`` traced again at a batch (the pipelines' microbatches).
+    ``prune``: leave unplanned the configurations whose lower bounds
+    (:mod:`spmdkit.planner.search_bounds`) show they cannot fit or cannot beat the best step
+    found, and price a planned one's recomputation modes from full to none, stopping at the
+    first over the cap (default: for a MoE model whose search has more than
+    :data:`EXHAUSTIVE_PLANS` configurations; a dense model's search plans and prices every one)."""
     t0 = time.perf_counter()
     dev, cap, modes, given = _search_args(devices, device, memory_cap, recompute, strategies, auto, nodes_of)
     cfg_model: ModelConfig | None = None
     if isinstance(model, Program):
         layers = len(layer_tags(model))
         pipeline = pipeline and layers > 1
-        sizes = _Sizes(_batch_of(model), guess_tokens(model), None, layers or None, reload is not None)
+        sizes = _Sizes(_batch_of(model), guess_tokens(model), None, layers or None, reload is not None,
+                       experts=experts_of(model))
         modes = _applicable_modes(model, modes, recompute is not None)
         if reload is not None:
             reload = _cached(reload)
     else:
         cfg_model, sizes = _model_sizes(model, overrides)
     work, refused = _work(devices, pipeline, sizes, given, auto)
-    if len(work) > MAX_PLANS:
-        raise ProgramError(f"--devices {devices}: {len(work)} configurations to plan (at most {MAX_PLANS})")
     job = _Job(dev, sizes.tokens, modes, cap, pins, cost_text, nodes_of, time_limit, patterns, runtime or Runtime())
+    if prune is None:  # a MoE model's search, where ep multiplies the meshes, when it is large
+        prune = sizes.experts > 0 and len(work) > EXHAUSTIVE_PLANS
+    bounds = _bounds(model, cfg_model, job) if prune and work else None
+    job = replace(job, lean=bounds is not None)
+    if bounds is not None:  # the most promising first, so the best step found early prunes the most
+        work.sort(key=lambda c: bounds.step(c.devices, c.pp, c.microbatches))
+    elif len(work) > MAX_PLANS:
+        raise ProgramError(f"--devices {devices}: {len(work)} configurations to plan (at most {MAX_PLANS})")
     if progress is not None:
         progress.update(0, total=len(work))
     cands: list[Candidate] = []
+    pruned: list[tuple[Config, str]] = []
+    best = math.inf
+    planned = 0
     for cfg in work:
         if progress is not None:
             progress.update(note=cfg.label())
+        why = _pruned_why(cfg, bounds, cap, best) if bounds is not None else None
+        if why is not None:
+            pruned.append((cfg, why))
+            if progress is not None:
+                progress.advance()
+            continue
+        planned += 1
+        if planned > MAX_PLANS:
+            raise ProgramError(f"--devices {devices}: more than {MAX_PLANS} configurations to plan after the "
+                               "bounds")
         t1 = time.perf_counter()
         k = len(cands)
         try:
@@ -452,18 +516,64 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
             refused.append((cfg, " ".join(str(exc).split())[:300]))
         for c in cands[k:]:
             c.plan_s = time.perf_counter() - t1
+            if c.fits:
+                best = min(best, c.step_s)
         if progress is not None:
             progress.advance()
     cands.sort(key=lambda c: (not c.fits, c.step_s if c.fits else c.memory, c.memory))
-    return SearchResult(devices, dev, cap, cands, refused, time.perf_counter() - t0, len(work))
+    return SearchResult(devices, dev, cap, cands, refused, time.perf_counter() - t0, len(work) - len(pruned), pruned)
 
 
-def _sub_mesh(dp: int, tp: int, cp: int = 1) -> ProcessMesh:
-    return parse_mesh(f"dp={dp}," + (f"cp={cp}," if cp > 1 else "") + f"tp={tp}")
+def _bounds(model: str | Program, mc: ModelConfig | None, job: _Job) -> Bounds:
+    """The search's :class:`spmdkit.planner.search_bounds.Bounds`: the step planned on one rank at
+    full size (the global batch)."""
+    if isinstance(model, Program):
+        _p, plan = plan_program(model, "dp=1", None)
+    else:
+        assert mc is not None
+        _m, plan, _ = plan_model(str(model), "dp=1,tp=1", "dp", {"layers": mc.layers, "batch": mc.batch,
+                                                                   "seq": mc.seq})
+    token = mc.hidden * plan.program.tensors["embed"].itemsize if mc is not None and "embed" in plan.program.tensors \
+        else 0
+    return model_bounds(replace(plan, runtime=job.runtime), job.device, job.runtime, token)
 
 
-def _auto(prog: Program, mesh: ProcessMesh, job: _Job, cost_text: str | None) -> tuple[Plan, AutoInfo]:
-    return auto_plan(prog, mesh, job.pins, cost=_link_cost(mesh, job, cost_text), time_limit=job.time_limit,
+def _pruned_why(cfg: Config, bounds: Bounds, cap: int, best: float) -> str | None:
+    """Why ``cfg`` need not be planned (its bounds), or None."""
+    # cp: ZeRO shards over dp x cp and each rank holds 1/cp of the sequences' tokens, as dp x cp ranks would
+    mem = bounds.memory(cfg.dp * cfg.cp, cfg.ep, cfg.tp, cfg.pp, cfg.strategy, cfg.microbatches) \
+        if cfg.strategy != "auto" else 0
+    if mem > cap:
+        return (f"over the memory cap: its parameters, gradients, optimizer states and layer inputs kept for the "
+                f"backward alone need at least {mem / 2**30:.1f} GiB a device")
+    low = bounds.step(cfg.devices, cfg.pp, cfg.microbatches)
+    if low >= best:
+        return f"its step is at least {low:.3g} s (FLOPs at peak, the pipeline's bubble), the best found {best:.3g} s"
+    return None
+
+
+def _sub_mesh(cfg: Config) -> ProcessMesh:
+    return parse_mesh(cfg.sub_mesh_text)
+
+
+def _pins_for(cfg: Config, pins: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``--annotate``'s pins (mesh dims 0 = dp, 1 = tp) on ``cfg``'s sub-mesh: with an ep or a cp
+    dim (``dp, ep, tp`` / ``dp, cp, tp``) tp is dim 2."""
+    if (cfg.ep == 1 and cfg.cp == 1) or not pins:
+        return dict(pins or {})
+
+    def dim(d: Any) -> Any:
+        if isinstance(d, list):
+            return [dim(x) for x in d]
+        return 2 if d == 1 else d
+
+    return {n: (dim(v) if isinstance(v, list) else v) for n, v in pins.items()}
+
+
+def _auto(prog: Program, cfg: Config, job: _Job, cost_text: str | None) -> tuple[Plan, AutoInfo]:
+    mesh = _sub_mesh(cfg)
+    return auto_plan(prog, mesh, _pins_for(cfg, job.pins), cost=_link_cost(mesh, job, cost_text),
+                     time_limit=job.time_limit,
                      device=job.device)
 
 
@@ -483,10 +593,10 @@ def _plan_preset_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> l
         # exact search then chooses where the sequence is split over cp
         built = mc.with_(**over, **({"cp": cfg.cp} if cfg.cp > 1 else {}))
         model = build_model(built, vocab_parallel_loss=cfg.tp > 1, check_rules=False)
-        plan, info = _auto(model.program, _sub_mesh(cfg.dp, cfg.tp, cfg.cp), job, cost_text)
+        plan, info = _auto(model.program, cfg, job, cost_text)
         title += _auto_title(info)
     else:
-        _model, plan, _ = plan_model(name, cfg.sub_mesh_text, cfg.strategy, over, dict(job.pins or {}), cost_text)
+        _model, plan, _ = plan_model(name, cfg.sub_mesh_text, cfg.strategy, over, _pins_for(cfg, job.pins), cost_text)
     plan = recost(plan, _link_cost(plan.mesh, job, cost_text))
     if cfg.pp == 1:
         return _flat_candidates(cfg, plan, job, title, info)
@@ -536,10 +646,10 @@ def _plan_program_config(cfg: Config, prog: Program, job: _Job, sizes: _Sizes,
         prog = reload(sizes.batch // cfg.microbatches)  # one microbatch's step
         title += f"; {cfg.microbatches} microbatches of {sizes.batch // cfg.microbatches}"
     if cfg.strategy == "auto":
-        plan, info = _auto(prog, _sub_mesh(cfg.dp, cfg.tp), job, cost_text)
+        plan, info = _auto(prog, cfg, job, cost_text)
         title += _auto_title(info)
     else:
-        _p, plan = plan_program(prog, cfg.sub_mesh_text, cfg.strategy, dict(job.pins or {}), job.patterns, cost_text)
+        _p, plan = plan_program(prog, cfg.sub_mesh_text, cfg.strategy, _pins_for(cfg, job.pins), job.patterns, cost_text)
     plan = recost(plan, _link_cost(plan.mesh, job, cost_text))
     if cfg.pp == 1:
         return _flat_candidates(cfg, plan, job, title, info)

@@ -25,7 +25,7 @@ from spmdkit.planner.planning import parse_cost, plan_hf, plan_model
 from spmdkit.planner.propagate import propagate
 from spmdkit.planner.search import Candidate
 from spmdkit.program.plan import Plan
-from spmdkit.sim.plan import SimReport, simulate_plan, source_values
+from spmdkit.sim.plan import SimReport, loss_name, simulate_plan, source_values
 from spmdkit.strategies.strategy import parse_mesh, tp_problem
 
 
@@ -286,3 +286,78 @@ def verify_hf(class_name: str, config: Any, mesh_text: str, strategy_text: str |
 
 
 __all__ = ["tiny_for_mesh", "tiny_hf_config", "verify_auto", "verify_config", "verify_hf", "verify_pipeline", "verify_strategy"]
+
+
+def _tiny_layers(tiny: dict[str, Any], layers: int) -> dict[str, Any]:
+    """``tiny`` with its layer counts (every key of ``_LAYERS`` it has) set to ``layers``."""
+    return {k: (layers if k in _LAYERS and isinstance(v, int) and not isinstance(v, bool) else v)
+            for k, v in tiny.items()}
+
+
+def _all_counted(labels: Any) -> Any:
+    """``labels`` with the ignored ones (negative: -100) made class 0."""
+    return labels.clip(min=0)
+
+
+def verify_pipeline_hf(class_name: str, config: Any, mesh_text: str, spec: PipelineSpec, strategy: str | None,
+                       patterns: Any = None, fallback: str = "error", seq: int = 16) -> dict[str, Any]:
+    """``plan --hf --verify`` with a pp dim, as :func:`verify_pipeline` checks a preset's: the HF
+    class at :func:`tiny_hf_config`'s size with ``pp * v`` layers (at least 2), planned on the
+    stages' sub-mesh under the same strategy; its ops are checked to run stage after stage
+    (forward 0..n-1, backward n-1..0); 2 microbatches are simulated, each on its half of a batch
+    (every tensor against its unsharded step), and their losses compared with the whole batch's
+    unsharded loss: HF's loss is the mean over the counted tokens, so the labels carry no ignored
+    index (each microbatch counts as many tokens) and the whole batch's loss is the mean of the
+    microbatches' (their sum for a summed loss)."""
+    _pp, sub = sub_mesh_text(parse_mesh(mesh_text))
+    n = spec.pp * spec.virtual
+    layers = max(2, n)
+    tiny = _tiny_layers(tiny_hf_config(load_config(config)), layers)
+    counts = split_layers(layers, PipelineSpec(spec.pp, 1, spec.schedule, spec.virtual,
+                                               tuple(even_split(layers, n)) if layers % n else None))
+    b = max(2, parse_mesh(sub).size)
+    n_mb = 2
+    with warnings.catch_warnings():  # the tiny model's notes are not the user's model's
+        warnings.simplefilter("ignore", UserWarning)
+        prog, _m, _kw, plan = plan_hf(class_name, tiny, sub, strategy, "float32", b, seq, None, patterns,
+                                      fallback=fallback)
+        whole_prog, _m2, _kw2, whole = plan_hf(class_name, tiny, "dp=1", "dp", "float32", b * n_mb, seq,
+                                               fallback=fallback)
+    stages = op_stages(prog, counts)
+    phases = [op.phase for op in prog.ops]
+    fw = [s for s, ph in zip(stages, phases) if ph == "forward"]
+    bw = [s for s, ph in zip(stages, phases) if ph == "backward"]
+    ordered = fw == sorted(fw) and bw == sorted(bw, reverse=True) and set(fw) == set(range(n))
+    vals = source_values(whole_prog, 0)
+    if "labels" in vals:  # no ignored index: every microbatch counts b x its tokens
+        vals["labels"] = _all_counted(vals["labels"])
+    ref = simulate_plan(whole, values=vals)
+    batched = {k for k, (kind, _) in getattr(whole_prog, "sources", {}).items()
+               if kind == "input" and whole_prog.tensors[k].shape[:1] == (b * n_mb,)}
+    reps = []
+    for i in range(n_mb):
+        mine = {k: (v[i * b:(i + 1) * b] if k in batched else v) for k, v in vals.items()
+                if k in prog.tensors and prog.tensors[k].kind != "activation"}
+        mine = {k: v for k, v in mine.items() if tuple(getattr(v, "shape", ())) == prog.tensors[k].shape}
+        reps.append(simulate_plan(plan, values=mine))
+    failures = [f for r in reps for f in r.failures]
+    losses = [r.loss for r in reps]
+    mean = any(op.rule == "divide" and loss_name(prog) in op.output_names() for op in prog.ops)
+    total = sum(x for x in losses if x is not None) / (n_mb if mean else 1)
+    agree = (ref.loss is not None and None not in losses
+             and abs(total - ref.loss) <= 1e-9 * max(1.0, abs(ref.loss)))
+    ok = not failures and ordered and agree
+    checked = sum(r.checked for r in reps)
+    how = "average" if mean else "sum"
+    lines = [f"verify: {class_name} at a tiny config with {layers} layers in {n} pipeline stages (forward runs stages "
+             f"0..{n - 1}, backward {n - 1}..0, in order: {'yes' if ordered else 'NO'}), each stage on the sub-mesh "
+             f"{sub}, {n_mb} microbatches of {b} simulated on {plan.mesh.size} ranks: {checked} tensors compared with "
+             f"the unsharded step (loss, every gradient, every update): "
+             + ("all equal" if not failures else f"{len(failures)} differ")
+             + f"; the microbatch losses {how} to the whole batch's loss: {'yes' if agree else 'NO'} "
+             f"({total:.12g} vs {ref.loss if ref.loss is not None else float('nan'):.12g})"]
+    for name, what in failures[:10]:
+        lines.append(f"  {name}: {what}")
+    return {"ok": ok, "model": class_name, "config": tiny, "layers": layers, "stages_in_order": ordered,
+            "microbatches": n_mb, "losses_agree": agree, "checked": checked,
+            "failures": [list(f) for f in failures], "loss": total, "text": "\n".join(lines)}

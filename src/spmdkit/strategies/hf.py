@@ -90,6 +90,7 @@ from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.program.ir import Op, Program, Tensor
 from spmdkit.program.plan import Plan
+from spmdkit.strategies.experts import batch_entry, check_ep, ep_dim, expert_marks, moe_layers
 from spmdkit.strategies.hf_fused import (
     fused_parts,
     namer,
@@ -98,12 +99,15 @@ from spmdkit.strategies.hf_fused import (
     slices_as_split,
     split_fused_projections,
 )
+from spmdkit.strategies.hf_moe import moe_projections, shard_experts
 from spmdkit.strategies.hf_roles import BLOCK, BlockRoles, block_roles, linears, weight_of
 from spmdkit.strategies.strategy import Marks, optimizer_layouts, strategy_dims, user_attrs
 
 ROLES = ("column", "row", "vocab", "replicate")
 #: what :func:`_shard_weights` notes for a k / v projection it replicates (fewer heads than tp)
 KV_REPLICATED = "kv_replicated"
+#: what annotate_program notes for a low-rank down projection it keeps whole (MLA's q_a_proj)
+LOW_RANK = "low_rank"
 
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "fc1", "c_fc", "query", "key", "value",
            "wi", "wi_0", "wi_1", "q", "k", "v", "w1", "w3")
@@ -332,9 +336,18 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
         raise ProgramError("--strategy cp: context parallelism is planned for zoo and catalog models (--model, "
                            "--model-config); an imported (--hf) or --program model is not split over cp yet")
     out = dm = Marks(prog)
-
-    if dp is not None:
-        _shard_batch(prog, mesh, dm, dp)
+    ep = ep_dim(mesh, st)
+    experts: frozenset[str] = frozenset()
+    if ep is not None:  # expert parallelism found in the program (strategies.experts), as for the zoo
+        if "sp" in st:
+            raise ProgramError("--strategy ep,sp: sequence parallelism with expert parallelism is planned for "
+                               "catalog and zoo models only, not yet for an imported program")
+        layers = moe_layers(prog)
+        batches = {prog.tensors[n].shape[0] for n in data_inputs(prog) if prog.tensors[n].shape}
+        check_ep(mesh, layers, ep, max(batches) if batches else None, dp)
+        experts = expert_marks(prog, mesh, dm, dp, ep, layers)
+    if dp is not None or ep is not None:
+        _shard_batch(prog, mesh, dm, dp, ep)
     if tp is not None:
         for n in data_inputs(prog):  # every tp rank reads the whole batch (not a sequence shard of it)
             dm(n)
@@ -342,22 +355,31 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
         found = block_roles(prog)
         roles = tp_roles(prog, patterns, found)
         user_pats = check_patterns(patterns)
+        moe = moe_projections(prog)  # the MoE layers' routers stay replicated unless the user's patterns say
+        routers = {m.router for m in moe} - {p for p in roles if any(role_of(path, user_pats) for path in
+                                                                    _module_paths(prog, p))}
+        roles = {p: r for p, r in roles.items() if p not in routers}
         # 2-D weights sharded over tp -> column / row / vocab / vocab_head
         sharded = _shard_weights(prog, mesh, dm, tp, readers, roles, user_pats, found.kv)
         _shard_fused_parts(prog, mesh, dm, tp, readers, roles, sharded, found.kv)
+        shard_experts(prog, mesh, dm, tp, sharded, moe)  # each expert tensor-parallel (ETP = tp)
+        for w, r in found.roles.items():  # low-rank down projections (MLA's), replicated on purpose
+            if r == "replicate" and roles.get(w) is None:
+                sharded.setdefault(w, LOW_RANK)
         warn_replicated(prog, sharded, user_pats)
-        sharded = {k: v for k, v in sharded.items() if v != KV_REPLICATED}
+        sharded = {k: v for k, v in sharded.items() if v not in (KV_REPLICATED, LOW_RANK)}
         if "sp" in st:
             _sequence_parallel(prog, mesh, sharded, dm, dp, tp)
-    optimizer_layouts(prog, mesh, optimizer_of(prog), out, st, dp, user)
+    optimizer_layouts(prog, mesh, optimizer_of(prog), out, st, dp, user, ep, experts)
     attrs = {n: TensorDistAttr(mesh, d) for n, d in out.items()}
     attrs.update(user_attrs(prog, mesh, user))
     return attrs
 
 
-def _shard_batch(prog: Program, mesh: ProcessMesh, dm: Marks, dp: int) -> None:
-    """``dp``: the batch axis of every data input over ``dp``."""
-    size = mesh.shape[dp]
+def _shard_batch(prog: Program, mesh: ProcessMesh, dm: Marks, dp: int | None, ep: int | None = None) -> None:
+    """``dp``: the batch axis of every data input over ``dp`` (co-sharded over ``(dp, ep)`` with
+    expert parallelism: data parallel over dp x ep outside the experts, as Megatron folds them)."""
+    size = (mesh.shape[dp] if dp is not None else 1) * (mesh.shape[ep] if ep is not None else 1)
     for n in data_inputs(prog):
         shape = prog.tensors[n].shape
         if not shape:
@@ -365,7 +387,7 @@ def _shard_batch(prog: Program, mesh: ProcessMesh, dm: Marks, dp: int) -> None:
         if shape[0] % size:
             raise ProgramError(f"--strategy dp: input {n} has batch size {shape[0]}, which dp={size} "
                                f"does not divide")
-        dm(n)[0] = dp
+        dm(n)[0] = batch_entry(dp, ep)
 
 
 def _shard_weights(prog: Program, mesh: ProcessMesh, dm: Marks, tp: int,
@@ -503,7 +525,7 @@ def warn_replicated(prog: Program, sharded: Mapping[str, str], user_pats: list[t
         if any(role_of(path, user_pats) == "replicate" for path in _module_paths(prog, w)):
             continue
         left.append(w)
-    for op in prog.ops:  # expert banks ([experts, in, out]: expert parallelism is not planned yet)
+    for op in prog.ops:  # 3-D parameters outside a MoE layer the experts' sharding found (shard_experts)
         if op.phase == "forward" and BLOCK.fullmatch(op.layer or ""):
             left += [n for n in op.input_names() if prog.tensors[n].kind == "parameter" and n not in left
                      and len(prog.tensors[n].shape) >= 3 and n not in sharded]
@@ -714,6 +736,31 @@ def vocab_parallel_embedding(prog: Program, tables: Iterable[str]) -> Program:
     if not changed:
         return prog
     return rebuild(prog, tensors, out)
+
+
+def mirror_forward_layouts(plan: Plan, dims: Iterable[int]) -> dict[str, TensorDistAttr]:
+    """Gradients to hold as their forward tensors are held over mesh dims ``dims`` (tp): where
+    ``plan`` reduce-scatters a partial gradient ``X.grad`` onto an axis that ``X`` is whole on
+    over those dims (DeepSeek's MLA: the rope key's one head, expanded to every head, its gradient
+    a partial sum over the tp ranks' heads that a concat_grad would scatter over the batch), the
+    gradient's layout is ``X``'s, so it is all-reduced, as Megatron's backward mirrors its forward
+    and the batch is never cut over tp. Empty when there is none."""
+    prog = plan.program
+    want = set(dims)
+    made = {o: i for i, op in enumerate(prog.ops) for o in op.output_names()}
+    out: dict[str, TensorDistAttr] = {}
+    for r in plan.reshards:
+        if r.shared or not r.src.partial or not r.tensor.endswith(".grad"):
+            continue
+        fwd = r.tensor[:-len(".grad")]
+        if fwd not in prog.tensors or prog.ops[made.get(fwd, 0)].phase != "forward" or fwd not in made:
+            continue
+        a = plan.attr(fwd)
+        cut = {d for e in r.dst.dims_mapping for d in (e if isinstance(e, (list, tuple)) else (e,)) if d != -1}
+        held = {d for e in a.dims_mapping for d in (e if isinstance(e, (list, tuple)) else (e,)) if d != -1}
+        if (cut - held) & want and not a.partial:
+            out[r.tensor] = TensorDistAttr(a.mesh, a.dims_mapping)
+    return out
 
 
 def regroup_partial_sums(prog: Program, plan: Plan) -> Program:

@@ -13,6 +13,10 @@ the block (the residual stream flowing on) counts too. Megatron's pairs are then
   down projection (after gate and up, or fc1). Its output returns to the residual stream.
 - ``column``: those predecessors: they read the normalised residual stream and their outputs
   stay inside the block until the row linear (attention heads, the MLP's hidden features).
+- ``replicate``: a low-rank down projection, whose output stays in the block, the only
+  predecessor of a linear whose output stays in the block too and flows on to further linears (MLA's ``q_a_proj`` before ``q_b_proj``,
+  ``kv_a_proj_with_mqa`` before ``kv_b_proj``): Megatron keeps it whole on every rank, and the
+  linear after it is a column of the block's row linear (MLA's heads).
 
 A linear in a block that is neither (a router, a projection whose output leaves the block) has
 no role here: :func:`spmdkit.strategies.hf.annotate_program` replicates it, with a warning.
@@ -93,7 +97,7 @@ def linears(prog: Program) -> list[Linear]:
 
 @dataclass(frozen=True)
 class BlockRoles:
-    """What the graph says: ``roles`` (weight -> ``column`` / ``row``), ``kv`` (the column
+    """What the graph says: ``roles`` (weight -> ``column`` / ``row`` / ``replicate``), ``kv`` (the column
     weights, or parts of a split fused one, making fewer features than another column of the
     same row linear: GQA / MQA k and v, replicated when their heads are fewer than tp), ``unpaired`` (weights of block
     linears with no role), ``pairs`` (row weight -> its column weights)."""
@@ -142,7 +146,14 @@ def block_roles(prog: Program) -> BlockRoles:
     for a, (nxt, _) in succ.items():
         for b in nxt:
             preds.setdefault(b, []).append(a)
-    votes: dict[str, set[str]] = {}
+    # a low-rank factorisation (MLA's q_a_proj -> q_b_proj, kv_a_proj_with_mqa -> kv_b_proj): a
+    # linear that is the only predecessor of a linear whose output stays in the block, flowing on
+    # to further linears (a row linear's returns to the residual stream). The down projection is
+    # replicated, as Megatron keeps MLA's, and left out of the pairs
+    down = {ps[0] for b, ps in preds.items() if len(ps) == 1 and succ[b][0] and not succ[b][1]
+            and not succ[ps[0]][1]}
+    preds = {b: kept for b, ps in preds.items() if (kept := [a for a in ps if a not in down])}
+    votes: dict[str, set[str]] = {by_op[a].weight: {"replicate"} for a in down}
     pairs: dict[str, list[str]] = {}
     kv: set[str] = set()
     for b, ps in preds.items():

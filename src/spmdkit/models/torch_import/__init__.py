@@ -58,7 +58,9 @@ lowerings, one module per op family with the file names of :mod:`spmdkit.ops`).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -68,8 +70,10 @@ from torch._subclasses.fake_tensor import FakeTensor
 from spmdkit.core.errors import ProgramError
 from spmdkit.models.torch_import.aten import mapped_ops
 from spmdkit.models.torch_import.context import Hook, ImportContext, Name
+from spmdkit.models.torch_import.fuse import fuse as fuse_graph
 from spmdkit.models.torch_import.importer import ImportedProgram, Importer, register_aten, unregister_aten
 from spmdkit.models.torch_import.layers import expand, layer_kinds, layer_stack, prefix_plan
+from spmdkit.models.torch_import.moe import Block, lowered_moe
 
 
 class _WithLoss(torch.nn.Module):
@@ -119,7 +123,8 @@ def import_module(module: Any, args: Sequence[Any] = (), kwargs: Mapping[str, An
                   training: bool = False,
                   loss: Any = None, mapping: Mapping[Any, Hook | str] | None = None, fallback: str = "error",
                   buffers: str = "input", optimizer: str | None = "adamw", decompose: bool = False,
-                  repeat_layers: bool = False) -> ImportedProgram:
+                  repeat_layers: bool = False, moe: str | float | None = "dropless",
+                  fuse: bool = False) -> ImportedProgram:
     """The module's step as a validated spmdkit Program (see the module docstring), for the
     call ``module(*args, **kwargs)`` (the example inputs: their shapes and dtypes are the
     program's; a HuggingFace model takes ``input_ids=``, ``attention_mask=``, ``labels=``, ...).
@@ -134,7 +139,12 @@ def import_module(module: Any, args: Sequence[Any] = (), kwargs: Mapping[str, An
     first (core ATen: ``addmm``, the native norms, ``_softmax``, ...). ``module`` may also be
     a ``torch.export.ExportedProgram``; ``repeat_layers``: export one layer of each kind and
     repeat it to the module's depth (:mod:`spmdkit.models.torch_import.layers`; the same program
-    as the full trace, which it falls back to where the layers do not form a plain chain)."""
+    as the full trace, which it falls back to where the layers do not form a plain chain);
+    ``moe``: HF's MoE blocks lowered to the zoo's MoE ops (:mod:`.moe`) with this capacity per
+    expert and sequence (``"dropless"``: every token, the module's own values; ``"uniform"``: the
+    zoo's ``ceil(seq x top_k / experts)``; a float: that times the capacity factor), or None:
+    imported as HF computes them (its grouped matmul: every expert on every token); ``fuse``:
+    RMSNorm and SwiGLU spelt out in ATen ops become the zoo's fused ops (:mod:`.fuse`)."""
     modes = {m: m.training for m in module.modules()} if isinstance(module, torch.nn.Module) else {}
     kwargs = hf_call_kwargs(module, kwargs)
     name = name or type(module).__name__
@@ -143,30 +153,47 @@ def import_module(module: Any, args: Sequence[Any] = (), kwargs: Mapping[str, An
         loss = None
     if isinstance(module, torch.nn.Module):
         module.eval()  # dropout off, as the simulator and the planner see the step
-    try:
-        if repeat_layers and isinstance(module, torch.nn.Module):
-            prog = _import_repeated(module, tuple(args), kwargs, decompose,
-                                    (name, training, mapping, fallback, buffers), (loss, optimizer))
-            if prog is not None:
-                return prog
-        ep = _prepared(export(module, tuple(args), kwargs), decompose)
-    finally:
-        for m, was in modes.items():
-            m.train(was)
+    blocks: list[Block] = []
+    with contextlib.ExitStack() as stack:
+        if moe is not None and isinstance(module, torch.nn.Module):
+            blocks = stack.enter_context(lowered_moe(module, _tokens(args, kwargs), moe))
+        try:
+            if repeat_layers and isinstance(module, torch.nn.Module):
+                prog = _import_repeated(module, tuple(args), kwargs, (decompose, fuse),
+                                        (name, training, mapping, fallback, buffers), (loss, optimizer))
+                if prog is not None:
+                    prog.moe_blocks = blocks
+                    return prog
+            ep = _prepared(export(module, tuple(args), kwargs), decompose, fuse)
+        finally:
+            for m, was in modes.items():
+                m.train(was)
     imp = Importer(ep, name, training, mapping, fallback, buffers)
     imp.run()
-    return imp.finish(loss, optimizer)
+    prog = imp.finish(loss, optimizer)
+    prog.moe_blocks = blocks
+    return prog
 
 
-def _prepared(ep: Any, decompose: bool) -> Any:
+def _tokens(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[int, int]:
+    """(sequences, tokens each) of a call: the first integer tensor of two or more axes (the
+    token ids), else the first tensor's first two axes; (1, 1) without one."""
+    flat = [v for v in torch.utils._pytree.tree_flatten((tuple(args), dict(kwargs)))[0] if isinstance(v, torch.Tensor)]
+    ids = [v for v in flat if v.dim() >= 2 and not v.is_floating_point()] or [v for v in flat if v.dim() >= 2]
+    return (int(ids[0].shape[0]), int(ids[0].shape[1])) if ids else (1, 1)
+
+
+def _prepared(ep: Any, decompose: bool, fuse: bool = False) -> Any:
     if decompose:
         return ep.run_decompositions()
     if _mutates(ep):  # in-place ops (x.add_(1), buffer updates): functionalise, decomposing nothing
-        return ep.run_decompositions({})
+        ep = ep.run_decompositions({})
+    if fuse:
+        fuse_graph(ep)
     return ep
 
 
-def _import_repeated(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], decompose: bool,
+def _import_repeated(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], prep: tuple[bool, bool],
                      walk: tuple[Any, ...], end: tuple[Any, Any]) -> ImportedProgram | None:
     """The module imported from an export of its first layers written out to its depth
     (:mod:`.layers`); None where that does not apply (no layer stack, every layer needed, a
@@ -182,17 +209,23 @@ def _import_repeated(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dic
     parent = module.get_submodule(parent_path)
     parent._modules[attr] = torch.nn.ModuleList(list(layers)[:n])
     try:
-        ep = _prepared(export(module, args, kwargs), decompose)
+        ep = _prepared(export(module, args, kwargs), prep[0])
     finally:
         parent._modules[attr] = layers
     full = expand(ep, module, path, copies)
     if full is None:
         return None
+    if prep[1]:  # fused once written out, so that its nodes are named as a full trace's
+        fuse_graph(full)
     imp = Importer(full, *walk)
     imp.run()
     prog = imp.finish(*end)
-    want = {n: tuple(p.shape) for n, p in module.named_parameters()}
-    got = {n: prog.tensors[n].shape for n in prog.parameters()}
+    want = {n: math.prod(tuple(p.shape)) for n, p in module.named_parameters()}
+    got: dict[str, int] = {}
+    for pn in prog.parameters():  # an expert bank's [E, in, out] parts count as the bank
+        kind, where = prog.sources[pn]
+        fqn = str(where[0] if kind == "parameter_slice" else where)
+        got[fqn] = got.get(fqn, 0) + math.prod(prog.tensors[pn].shape)
     return prog if got == want else None
 
 
@@ -259,12 +292,13 @@ def torch_values(prog: ImportedProgram, module: Any, args: Sequence[Any] = (),
                     raise ProgramError(f"torch_values: the module has no parameter or buffer {where!r}")
                 out[name] = conv(state[where])
             elif kind == "parameter_slice":  # a part of a fused parameter (strategies.hf_fused)
-                fqn, axis, lo, hi = where
+                fqn, axis, lo, hi, *perm = where
                 if fqn.startswith("module.") and fqn not in state:
                     fqn = fqn[len("module."):]
                 if fqn not in state:
                     raise ProgramError(f"torch_values: the module has no parameter {fqn!r}")
-                out[name] = conv(state[fqn].narrow(axis, lo, hi - lo))
+                part = state[fqn].narrow(axis, lo, hi - lo)
+                out[name] = conv(part.permute(*perm[0]) if perm and perm[0] else part)  # an expert bank's [E, in, out]
             elif kind == "input":
                 out[name] = conv(call_input(name, where))
             else:

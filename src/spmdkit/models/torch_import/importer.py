@@ -23,6 +23,7 @@ from spmdkit.engine.registry import get_rule, has_rule
 from spmdkit.models.torch_import import context
 from spmdkit.models.torch_import.aten import BUILTIN
 from spmdkit.models.torch_import.aten.loss import fuse_nll
+from spmdkit.models.torch_import.aten.moe import Bank
 from spmdkit.models.torch_import.context import TORCH_DTYPES, Hook, ImportContext, Name, dtype_name, key, lookup, packet
 from spmdkit.models.zoo import Model, ModelConfig, add_optimizer
 from spmdkit.program.autodiff import GRADS, Tape
@@ -56,6 +57,7 @@ class ImportedProgram(Program):
     the tensor it is (``head.weight`` -> ``wte.weight``); ``modules``: op index -> (path, class
     name) of the innermost ``nn.Module`` whose forward made it (``("model.layers.0.self_attn.q_proj",
     "Linear")``; absent for ops outside any submodule), so strategies can go by module names;
+    ``notes``: lines the report prints first (an attention kept spelt out with its mask);
     ``values`` (as every :class:`~spmdkit.program.ir.Program`): the recorded values of the
     constants and buffers, which the simulator and ``spmdkit run`` use and the JSON keeps."""
 
@@ -72,6 +74,9 @@ class ImportedProgram(Program):
         self.aliases: dict[str, str] = {}
         self.input_paths: dict[str, tuple[Any, ...]] = {}
         self.modules: dict[int, tuple[str, str]] = {}
+        #: the HF MoE blocks lowered to the moe ops (:mod:`spmdkit.models.torch_import.moe`)
+        self.moe_blocks: list[Any] = []
+        self.notes: list[str] = []  # what the report's first lines say of the import (models/hf_attention.py)
 
     def input_path(self, name: str) -> str:
         """Where an ``input`` tensor comes from in the call: ``args[0]``, ``kwargs['input_ids']``."""
@@ -220,6 +225,33 @@ class Importer:
         n, shape, *rest = o
         return self.b.tensor(n, shape, rest[0] if rest else "float32", rest[1] if len(rest) > 1 else "activation")
 
+    def bank(self, node: Any, fqn: str, shape: tuple[int, ...], dt: str, how: tuple[str, bool, bool], ep: Any) -> Bank:
+        """An expert bank (read by ``spmdkit::moe_experts``) as its ``[E, in, out]`` parts, each a
+        parameter of its own (``<fqn>_gate`` / ``_up`` of a fused gate_up_proj, ``<fqn>_t`` for a
+        transposed one: ``experts.down_proj_t``), its value the module's bank narrowed and transposed (``("parameter_slice",
+        (fqn, axis, lo, hi, perm))`` in ``sources``): parameter counts equal the module's."""
+        role, gated, transposed = how
+        e, a, b = shape
+        perm = None if transposed else (0, 2, 1)
+        out_axis = 2 if transposed else 1
+        n_out = b if transposed else a
+        if role == "up" and gated:
+            f = n_out // 2
+            cuts = [("_gate", 0, f), ("_up", f, n_out)]
+        else:
+            cuts = [("" if transposed else "_t", 0, n_out)]
+        trained = self.tape is not None and val_trained(ep, fqn)
+        parts: list[Name] = []
+        for suffix, lo, hi in cuts:
+            rows = hi - lo
+            pshape = (e, a, rows) if transposed else (e, shape[2], rows)
+            name = fqn + suffix
+            n = self.tape.param(name, pshape, dt) if trained and self.tape is not None else \
+                self.b.tensor(name, pshape, dt, "parameter")
+            self.sources[n] = ("parameter_slice", (fqn, out_axis, lo, hi, perm)) if suffix else ("parameter", fqn)
+            parts.append(Name(n))
+        return Bank(tuple(parts))
+
     # -- values
     def resolve(self, a: Any) -> Any:
         if isinstance(a, torch.fx.Node):
@@ -253,6 +285,7 @@ class Importer:
         paths = _input_paths(ep)
         out_names: list[str] = []
         first: dict[int, str] = {}
+        banks = expert_banks(graph)
         for sp in ep.graph_signature.input_specs:
             if sp.kind in (InputKind.PARAMETER, InputKind.BUFFER) and sp.target in ep.state_dict:
                 key = id(ep.state_dict[sp.target])
@@ -283,6 +316,9 @@ class Importer:
                         continue
                     shape = tuple(int(s) for s in val.shape)
                     dt = dtype_name(val.dtype)
+                    if node in banks and kind == InputKind.PARAMETER:  # an expert bank: its [E, in, out] parts
+                        self.env[node] = self.bank(node, fqn, shape, dt, banks[node], ep)
+                        continue
                     as_param = kind == InputKind.PARAMETER or self.buffers == "parameter"
                     frozen = kind == InputKind.PARAMETER and not getattr(ep.state_dict.get(fqn), "requires_grad", True)
                     if as_param and self.tape is not None and val.is_floating_point() and not frozen:  # trained
@@ -325,7 +361,7 @@ class Importer:
         if target is operator.getitem:
             seq, i = args
             v = seq[i]
-            if v is None:
+            if v is None and node.users:
                 raise ctx.unsupported(f"output {i} of {node.args[0].name} is not imported")
             return v
         pk = packet(target)
@@ -533,6 +569,23 @@ class _Vjp:
             g = next(it)
             out.append(torch.zeros_like(leaves[n]) if g is None else g.detach())
         return tuple(out)
+
+
+def val_trained(ep: Any, fqn: str) -> bool:
+    return bool(getattr(ep.state_dict.get(fqn), "requires_grad", True))
+
+
+def expert_banks(graph: Any) -> dict[Any, tuple[str, bool, bool]]:
+    """The parameter placeholders ``spmdkit::moe_experts`` reads as expert banks: node -> (``"up"``
+    or ``"down"``, gated, transposed)."""
+    out: dict[Any, tuple[str, bool, bool]] = {}
+    for n in graph.nodes:
+        if n.op == "call_function" and packet(n.target) == "spmdkit.moe_experts" and len(n.args) >= 9:
+            gated, transposed = bool(n.args[7]), bool(n.args[8])
+            for role, a in (("up", n.args[3]), ("down", n.args[4])):
+                if isinstance(a, torch.fx.Node) and a.op == "placeholder":
+                    out[a] = (role, gated, transposed)
+    return out
 
 
 def _recorded(t: torch.Tensor) -> RecordedValue:

@@ -1,6 +1,7 @@
 """Lowerings of ATen ops to the ``attention`` family's rules (:mod:`spmdkit.ops.attention`):
 scaled_dot_product_attention -> ``flash_attention`` on Paddle's ``[b, s, h, d]`` (transposes around
-it), or spelt out with a mask or a non-default scale."""
+it; a non-default scale multiplies q first; one kv head is repeated to q's heads, so that the op's
+rule can split the heads, as HF's ``repeat_kv`` does), or spelt out with a mask."""
 
 from __future__ import annotations
 
@@ -10,6 +11,16 @@ from typing import Any
 import torch
 
 from spmdkit.models.torch_import.context import TORCH_DTYPES, Hook, ImportContext, Name
+
+
+def _repeat_heads(c: ImportContext, t: Any, hq: int, n: str) -> Name:
+    """``[b, hk, s, d]`` kv heads repeated to ``hq`` (each kv head beside the q heads that use it)."""
+    ts, dt = c.shape(t), c.dtype(t)
+    g = hq // ts[1]
+    u = c.emit1("unsqueeze", {"x": t}, (c.fresh(n + "u"), (ts[0], ts[1], 1, ts[2], ts[3]), dt), axis=(2,))
+    e = c.emit1("expand", {"x": u}, (c.fresh(n + "e"), (ts[0], ts[1], g, ts[2], ts[3]), dt),
+                shape=(ts[0], ts[1], g, ts[2], ts[3]))
+    return c.reshape(e, (ts[0], hq, ts[2], ts[3]), c.fresh(n + "rep"))
 
 
 def _sdpa(c: ImportContext) -> Any:
@@ -27,7 +38,11 @@ def _sdpa(c: ImportContext) -> Any:
     hk = ks[1]
     dt = c.dtype(q)
     default_scale = scale is None or math.isclose(float(scale), 1.0 / math.sqrt(d), rel_tol=1e-12)
-    if mask is None and default_scale and hq % hk == 0:
+    if mask is None and hq % hk == 0:
+        if scale is not None and not default_scale:  # softmax(q k^T * scale) = flash's softmax((q * scale sqrt(d)) k^T / sqrt(d))
+            q = c.emit1("multiply", {"x": q, "y": float(scale) * math.sqrt(d)}, (c.fresh("q_scaled"), qs, dt))
+        if hk == 1 < hq:  # multi-query: the op's rule splits q's heads only over whole kv heads (as HF's repeat_kv)
+            k, v = _repeat_heads(c, k, hq, "k"), _repeat_heads(c, v, hq, "v")
         perm = (0, 2, 1, 3)
         qt, kt, vt = (c.transpose(t, perm, c.fresh(n)) for t, n in ((q, "q"), (k, "k"), (v, "v")))
         vs = c.shape(vt)
@@ -37,15 +52,7 @@ def _sdpa(c: ImportContext) -> Any:
         return c.transpose(o, perm, c.name)
     # spelt out: softmax(q k^T * scale + mask) v
     if hk != hq:
-        g = hq // hk
-
-        def rep(t: Any, n: str) -> Name:
-            ts = c.shape(t)
-            u = c.emit1("unsqueeze", {"x": t}, (c.fresh(n + "u"), (ts[0], ts[1], 1, ts[2], ts[3]), dt), axis=(2,))
-            e = c.emit1("expand", {"x": u}, (c.fresh(n + "e"), (ts[0], ts[1], g, ts[2], ts[3]), dt),
-                        shape=(ts[0], ts[1], g, ts[2], ts[3]))
-            return c.reshape(e, (ts[0], hq, ts[2], ts[3]), c.fresh(n + "rep"))
-        k, v = rep(k, "k"), rep(v, "v")
+        k, v = _repeat_heads(c, k, hq, "k"), _repeat_heads(c, v, hq, "v")
     t_ = c.shape(k)[2]
     sc = c.emit1("matmul", {"x": q, "y": k}, (c.fresh("scores"), (b_, hq, s, t_), dt), trans_y=True)
     sc = c.emit1("multiply", {"x": sc, "y": float(scale) if scale is not None else 1.0 / math.sqrt(d)},

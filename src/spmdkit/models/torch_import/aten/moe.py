@@ -1,0 +1,154 @@
+"""Lowerings of HF's MoE blocks (:mod:`spmdkit.models.torch_import.moe`: ``spmdkit::moe_route`` and
+``spmdkit::moe_experts``, the custom ops a block's router and experts are exported as) to the
+``moe`` family's rules, as the zoo builds its MoE (:mod:`spmdkit.models.zoo_moe`):
+
+- the router: the tokens as ``[B, S, H]`` (each sequence routed on its own: the batch axis
+  data parallelism shards), ``matmul(trans_y)`` with the router's ``[E, H]`` weight, the gate
+  values ``softmax`` (or ``sigmoid``: DeepSeek-V3) over the experts, in the dtype HF computes them;
+  its top-k outputs are a :class:`Routed` record (what the experts need), not tensors;
+- the experts: ``moe_gate_dispatch`` of the tokens by the gate values (the top k chosen with the
+  correction bias added where the router has one) into ``[B, E, C, H]``; the combine weights
+  renormalised (``norm_topk_prob``) and scaled (``routed_scaling_factor``) as the router does;
+  ``[B, E, C, H] @ [E, H, F]`` for gate and up (the parts of HF's fused ``gate_up_proj``, made
+  parameters ``[E, in, out]`` by the importer), ``swiglu`` (or the activation times up),
+  ``@ [E, F, H]`` (``down_proj``), reshape to ``[B, E x C, H]``, ``moe_combine``.
+
+What differs from HF: DeepSeek-V3's group-limited top-k (the experts of the ``topk_group`` best
+groups) is planned as a top-k over every expert (the same shapes, FLOPs and collectives; the chosen
+experts can differ); tokens past an expert's capacity are dropped (none with the capacity
+``dropless``: every token of a sequence), the kept choices of a token renormalised among themselves
+(Mixtral, Qwen3-MoE, DeepSeek-V3 divide by the sum plus 1e-20, DeepSeek-V3's own guard: a token
+with every choice dropped gets none)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from spmdkit.models.torch_import.context import Hook, ImportContext, Name, dtype_name
+
+
+@dataclass(frozen=True)
+class Routed:
+    """A router's top-k outputs as the experts lowering reads them."""
+
+    probs: Name  # the gate values [B, S, E]
+    bias: Name | None  # the correction bias [E] the top k is chosen with
+    top_k: int
+    norm: bool
+    scale: float
+    batch: int
+    seq: int
+    dtype: str  # of HF's top-k weights
+    tokens: tuple[Name, Name]  # the router's input and its [B, S, H] view
+
+
+@dataclass(frozen=True)
+class Bank:
+    """An expert bank parameter as the importer made it: its ``[E, in, out]`` parts (gate and up
+    of a fused ``gate_up_proj``; one part otherwise)."""
+
+    parts: tuple[Name, ...]
+
+
+def _route(c: ImportContext) -> Any:
+    x, w, bias = c.args[0], c.args[1], c.arg(2, "bias")
+    score, bias_used, norm, scale, _groups, _keep, top_k, batch = c.args[3:11]
+    wdt = dtype_name(c.args[11]) if isinstance(c.args[11], torch.dtype) else "float32"
+    xs, ws = c.shape(x), c.shape(w)
+    h, e = xs[-1], ws[0]
+    t = 1
+    for s in xs[:-1]:
+        t *= s
+    b = batch if batch > 0 and t % batch == 0 else 1
+    s = t // b
+    x3 = tokens = _as(c, x, (b, s, h))
+    if c.dtype(x3) != c.dtype(w):  # DeepSeek-V3: the router in float32
+        x3 = c.emit1("cast", {"x": x3}, (c.fresh("tokens_f"), (b, s, h), c.dtype(w)), dtype=c.dtype(w))
+    ldt = c.dtype(w)
+    logits = c.emit1("matmul", {"x": x3, "y": w}, (c.fresh("logits"), (b, s, e), ldt), trans_y=True)
+    pin = logits
+    if ldt != "float32" and wdt == "float32":  # softmax(logits.float())
+        pin = c.emit1("cast", {"x": logits}, (c.fresh("logits_f"), (b, s, e), "float32"), dtype="float32")
+    pdt = c.dtype(pin)
+    if score == "softmax":
+        probs = c.emit1("softmax", {"x": pin}, (c.fresh("probs"), (b, s, e), pdt), axis=-1)
+    else:
+        probs = c.emit1("sigmoid", {"x": pin}, (c.fresh("probs"), (b, s, e), pdt))
+    used = any(len(u.args) > 1 and u.args[1] == 0 and u.users for u in c.node.users)
+    out0 = c.reshape(logits, (t, e), c.fresh("router_logits")) if used else None
+    r = Routed(probs, c.tensor(bias) if bias_used and bias is not None else None, int(top_k), bool(norm),
+               float(scale), b, s, wdt, (c.tensor(x), tokens))
+    return (out0, r, r)
+
+
+def _experts(c: ImportContext) -> Any:
+    x, idx, wts, up, down = c.args[:5]
+    act, approximate, gated, _transposed, cap = c.args[5:10]
+    if not isinstance(idx, Routed) or idx is not wts:
+        raise c.unsupported("the experts' top-k indices and weights are not a router's (spmdkit::moe_route)")
+    if not isinstance(up, Bank) or not isinstance(down, Bank):
+        raise c.unsupported("the expert banks are not parameters of the module")
+    r = idx
+    xs = c.shape(x)
+    b, s, h, k = r.batch, r.seq, xs[-1], r.top_k
+    e = c.shape(r.probs)[-1]
+    dt = c.dtype(x)
+    x3 = r.tokens[1] if c.tensor(x) == r.tokens[0] else _as(c, x, (b, s, h))
+    y, cw, si, _, _ = c.emit("moe_gate_dispatch", {"x": x3, "gate_logits": r.probs, "corr_bias": r.bias},
+                             [(c.fresh("dispatch"), (b, e, cap, h), dt),
+                              (c.fresh("dispatch.weights"), (b, s, k), c.dtype(r.probs)),
+                              (c.fresh("dispatch.index"), (b, k, s), "int64"),
+                              (c.fresh("dispatch.offset"), (b, e), "int64"),
+                              (c.fresh("dispatch.expert"), (b, s, k), "int64")], k=k, capacity=cap, use_pad=True)
+    assert y is not None and cw is not None and si is not None
+    wd = c.dtype(cw)
+    if r.norm:  # + 1e-20 (DeepSeek-V3's own): a token whose every choice was dropped keeps weights 0, not 0 / 0
+        tot = c.emit1("sum", {"x": cw}, (c.fresh("weights_sum"), (b, s, 1), wd), axis=(-1,), keep_dim=True)
+        tot = c.emit1("add", {"x": tot, "y": c.tensor(1e-20, wd)}, (c.fresh("weights_sum_eps"), (b, s, 1), wd))
+        cw = c.emit1("divide", {"x": cw, "y": tot}, (c.fresh("weights_norm"), (b, s, k), wd))
+    if r.scale != 1.0:
+        cw = c.emit1("multiply", {"x": cw, "y": c.tensor(float(r.scale), wd)}, (c.fresh("weights_scaled"), (b, s, k), wd))
+    if c.dtype(cw) != dt:
+        cw = c.emit1("cast", {"x": cw}, (c.fresh("weights_cast"), (b, s, k), dt), dtype=dt)
+    f = c.shape(down.parts[0])[1]
+    rule, approx = str(act), bool(approximate)
+    if gated:
+        g = c.emit1("matmul", {"x": y, "y": up.parts[0]}, (c.fresh("gate"), (b, e, cap, f), dt))
+        u = c.emit1("matmul", {"x": y, "y": up.parts[1]}, (c.fresh("up"), (b, e, cap, f), dt))
+        if rule == "silu":
+            a = c.emit1("swiglu", {"x": g, "y": u}, (c.fresh("swiglu"), (b, e, cap, f), dt))
+        else:
+            ga = _activation(c, g, rule, approx, (b, e, cap, f), dt)
+            a = c.emit1("multiply", {"x": ga, "y": u}, (c.fresh("gated"), (b, e, cap, f), dt))
+    else:
+        u = c.emit1("matmul", {"x": y, "y": up.parts[0]}, (c.fresh("up"), (b, e, cap, f), dt))
+        a = _activation(c, u, rule, approx, (b, e, cap, f), dt)
+    dn = c.emit1("matmul", {"x": a, "y": down.parts[0]}, (c.fresh("down"), (b, e, cap, h), dt))
+    rows = c.reshape(dn, (b, e * cap, h), c.fresh("rows"))
+    (sit,) = c.emit_nograd("transpose", {"x": si}, [(c.fresh("dispatch.index.t"), (b, s, k), "int64")], perm=(0, 2, 1))
+    same = tuple(xs) == (b, s, h)
+    out = c.emit1("moe_combine", {"x": rows, "combine_weights": cw, "scatter_index": sit},
+                  (c.name if same else c.fresh("combined"), (b, s, h), dt))
+    return out if same else c.reshape(out, xs, c.name)
+
+
+def _as(c: ImportContext, x: Any, shape: tuple[int, ...]) -> Name:
+    """``x`` as ``shape`` (itself where it has it)."""
+    return c.tensor(x) if tuple(c.shape(x)) == shape else c.reshape(x, shape, c.fresh("tokens"))
+
+
+def _activation(c: ImportContext, x: Name, rule: str, approx: bool, shape: tuple[int, ...], dt: str) -> Name:
+    if rule == "gelu":
+        return c.emit1("gelu", {"x": x}, (c.fresh("act"), shape, dt), approximate=approx)
+    return c.emit1(rule, {"x": x}, (c.fresh("act"), shape, dt))
+
+
+def _table() -> dict[str, Hook]:
+    return {"spmdkit.moe_route": _route, "spmdkit.moe_experts": _experts}
+
+
+#: op (packet) -> its lowering
+ATEN = _table()

@@ -1,0 +1,138 @@
+"""Lower bounds that let the outer search (:mod:`spmdkit.planner.search`) leave a configuration
+unplanned when it cannot fit or cannot be the fastest (branch and bound).
+
+Both bounds are read off the model once, at full size on one rank (:func:`model_bounds`), and
+are lower bounds of what :func:`spmdkit.cost.memory.memory_per_device` and the step models
+(:func:`spmdkit.cost.step.estimate_step`, :func:`spmdkit.planner.pipeline.estimate_pipeline`)
+give the configuration, under every recomputation mode:
+
+- memory (:meth:`Bounds.memory`): the parameters, their gradients and their optimizer states a
+  device must hold, at least at the program's own dtypes (every framework holds as many bytes
+  or more: Megatron-LM fp32 main gradients and master weights, torchtitan fp32 parameters),
+  each divided by every mesh dim the strategy could shard it over: ``tp`` under megatron (every
+  parameter, as if none were replicated), ``ep`` for the expert stacks ``[E, in, out]`` under
+  ``ep``, ZeRO's data-parallel ranks (``dp x ep`` for the dense parameters, ``dp`` for the
+  experts: EDP) for the optimizer states (zero1+), gradients (zero2+) and parameters (zero3);
+  with ``pp`` stages the fullest holds at least their average; plus the CUDA context and one
+  NCCL buffer per communicator (:func:`spmdkit.cost.memory.with_overheads`), the activations
+  counted as nothing;
+- the step (:meth:`Bounds.step`): every op's time is at least its FLOPs at the device's
+  tensor-core peak (:meth:`spmdkit.cost.devices.Device.op_time`), the devices together do at
+  least the FLOPs of the unsharded step, so a device works at least ``F / (N x peak)``; a 1F1B
+  pipeline of ``p`` stages and ``m`` microbatches takes at least ``(m + p - 1) / m`` of its
+  busiest device's work (the first microbatch crosses every stage forward and back before the
+  busiest device's last ``m - 1``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from spmdkit.cost.compute import op_cost
+from spmdkit.cost.devices import Device
+from spmdkit.cost.memory import CUDA_CONTEXT_BYTES, NCCL_BYTES_PER_GROUP
+from spmdkit.program.ir import Program
+from spmdkit.program.layers import layer_tags, program_layers
+from spmdkit.program.plan import Plan
+from spmdkit.program.runtime import Runtime
+
+
+def experts_of(prog: Program) -> int:
+    """The routed experts of a program's MoE layers (the expert axis of ``moe_gate_dispatch``'s
+    output ``[B, E, C, H]``), 0 for a dense program."""
+    for op in prog.ops:
+        if op.rule == "moe_gate_dispatch" and op.phase == "forward":
+            names = op.output_names()
+            if names and len(prog.tensors[names[0]].shape) == 4:
+                return prog.tensors[names[0]].shape[1]
+    return 0
+
+
+#: (dense parameters, expert parameters, dense states, expert states), bytes at their dtypes
+Held = tuple[int, int, int, int]
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What the bounds read off the full-size step on one rank (bytes, FLOPs)."""
+
+    layers: tuple[Held, ...]  # each numbered layer's parameters and optimizer states
+    outside: Held             # the rest (embedding, final norm, head)
+    flops: float              # forward + backward + optimizer FLOPs of the unsharded step
+    peak: float               # the fastest tensor-core peak its ops can run at (FLOP/s)
+    #: bytes of one token of a layer's input (hidden x dtype size: what every recomputation
+    #: mode keeps of each layer for its backward), 0 where unknown; the global batch and seq
+    token_bytes: int = 0
+    batch: int = 0
+    seq: int = 0
+
+    def _held(self, h: Held, dp: int, ep: int, tp: int, strategy: str) -> float:
+        st = set(strategy.split(","))
+        zero = max((int(s[4]) for s in st if s in ("zero1", "zero2", "zero3")), default=0)
+        t = tp if "megatron" in st else 1
+        e = ep if "ep" in st else 1
+
+        def div(stage: int, expert: bool) -> int:
+            z = (dp if expert else dp * ep) if zero >= stage else 1
+            return t * (e if expert else 1) * z
+
+        dpar, epar, dst, est = h
+        return (dpar / div(3, False) + epar / div(3, True) + dpar / div(2, False) + epar / div(2, True)
+                + dst / div(1, False) + est / div(1, True))
+
+    def memory(self, dp: int, ep: int, tp: int, pp: int, strategy: str, microbatches: int = 1) -> int:
+        """Bytes per device at least (every recomputation mode) under ``strategy`` on
+        ``pp x dp x ep x tp`` (1F1B over ``microbatches`` when ``pp`` > 1)."""
+        per = [self._held(h, dp, ep, tp, strategy) for h in self.layers]
+        total = sum(per) + self._held(self.outside, dp, ep, tp, strategy)
+        unit = 0.0  # one layer's input of one microbatch on one device
+        if self.token_bytes and self.batch and self.seq:
+            m = microbatches if pp > 1 else 1
+            unit = self.batch / m / (dp * ep) * self.seq * self.token_bytes
+            if "sp" in strategy.split(","):
+                unit /= tp
+        if pp == 1:
+            need = total + len(per) * unit
+        else:  # rank r holds c_r layers and min(p - r, m) microbatches: max_r c_r (s + f_r u) with sum c_r = L
+            s = min(per, default=0.0)
+            inv = sum(1.0 / (s + min(pp - r, microbatches) * unit) for r in range(pp)) if s or unit else 0.0
+            need = max(total / pp, len(per) / inv if inv else 0.0)
+        groups = sum(1 for k in (dp, ep, tp) if k > 1) + (1 if pp > 1 else 0)
+        return int(need) + CUDA_CONTEXT_BYTES + NCCL_BYTES_PER_GROUP * groups
+
+    def step(self, devices: int, pp: int, microbatches: int) -> float:
+        """Seconds per step at least on ``devices`` devices (``pp`` stages, ``microbatches``)."""
+        work = self.flops / (devices * self.peak)
+        if pp > 1:
+            m = max(1, microbatches)
+            work *= (m + pp - 1) / m
+        return work
+
+
+def model_bounds(plan: Plan, device: Device, runtime: Runtime, token_bytes: int = 0) -> Bounds:
+    """The :class:`Bounds` of ``plan``, the step planned on one rank at full size
+    (``token_bytes``: a layer input's bytes per token, where known)."""
+    prog = plan.program
+    experts = experts_of(prog)
+    where = program_layers(prog).tensor_layer
+    n_layers = len(layer_tags(prog))
+    acc = [[0, 0, 0, 0] for _ in range(n_layers + 1)]  # the last: outside the layers
+    for t in prog.tensors.values():
+        if t.inplace_of or t.kind not in ("parameter", "optimizer_state"):
+            continue
+        expert = experts > 0 and len(t.shape) == 3 and t.shape[0] == experts
+        k = (0 if t.kind == "parameter" else 2) + (1 if expert else 0)
+        lay = where.get(t.name, -1)
+        acc[lay if 0 <= lay < n_layers else n_layers][k] += t.numel * t.itemsize
+    flops = sum(op_cost(plan, i).flops for i in range(len(prog.ops)))
+    dtypes = {t.dtype for t in prog.tensors.values() if t.dtype.startswith(("float", "bfloat"))}
+    peak = max([device.matmul_peak(d) for d in dtypes] or [device.peak["fp32"]])
+    if runtime.fp8 and "fp8" in device.peak:
+        peak = max(peak, device.peak["fp8"])
+    tokens = [t.shape for t in prog.tensors.values() if t.kind == "input" and t.name in ("tokens", "input_ids")]
+    batch, seq = (tokens[0][0], tokens[0][1]) if tokens and len(tokens[0]) == 2 else (0, 0)
+    held = [(a[0], a[1], a[2], a[3]) for a in acc]
+    return Bounds(tuple(held[:-1]), held[-1], float(flops), peak, token_bytes, batch, seq)
+
+
+__all__ = ["Bounds", "Held", "experts_of", "model_bounds"]

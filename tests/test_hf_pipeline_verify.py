@@ -1,0 +1,54 @@
+"""``plan --hf ... --mesh pp=...`` with ``--verify`` (it was refused): the HF class at a tiny config
+cut into the same stages and simulated as a preset's pipeline is (sim/verify_plan.verify_pipeline_hf):
+the stages run in order, 2 microbatches each equal their unsharded step, and HF's mean loss of the
+whole batch is the mean of the microbatches' (labels without ignored tokens, so each counts as
+many). A plan that breaks the simulation is reported, exit 1."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch", reason="torch is not installed (pip install 'spmdkit[torch]')")
+pytest.importorskip("transformers", reason="transformers is not installed (pip install 'spmdkit[hf]')")
+
+from spmdkit.cli import main
+from spmdkit.planner.pipeline import parse_spec
+from spmdkit.sim import verify_plan
+
+pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.filterwarnings("ignore::UserWarning")]
+
+LLAMA = {"hidden_size": 512, "intermediate_size": 1408, "num_attention_heads": 8, "num_key_value_heads": 2,
+         "num_hidden_layers": 8, "vocab_size": 32000}
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    rc = main(argv)
+    got = capsys.readouterr()
+    return rc, got.out, got.err
+
+
+@pytest.mark.parametrize(("cls", "config", "mesh", "strategy"), [
+    ("LlamaForCausalLM", LLAMA, "pp=2,tp=2", "megatron"),
+    ("GPT2LMHeadModel", {"n_embd": 256, "n_layer": 4, "n_head": 8, "vocab_size": 50304}, "pp=2,dp=2", "dp"),
+])
+def test_hf_pipeline_verify_simulates_the_stages(cls: str, config: dict[str, Any], mesh: str, strategy: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = _run(["plan", "--hf", cls, "--hf-config", json.dumps(config), "--mesh", mesh, "--strategy", strategy,
+                         "--seq", "64", "--json", "--verify"], capsys)
+    assert rc == 0, err
+    v = json.loads(out)["verify"]
+    assert v["ok"] and v["stages_in_order"] and v["losses_agree"] and v["microbatches"] == 2
+    assert v["model"] == cls and v["layers"] == 2 and v["checked"] > 200 and v["failures"] == []
+    assert "the microbatch losses average to the whole batch's loss: yes" in v["text"]
+
+
+def test_a_wrong_microbatch_weighting_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the ignored labels left in (microbatches counting different numbers of tokens) the
+    mean of the microbatch losses is not the whole batch's: the check says NO, so it can fail."""
+    monkeypatch.setattr(verify_plan, "_all_counted", lambda a: a)  # keep the drawn -100 labels
+    v = verify_plan.verify_pipeline_hf("LlamaForCausalLM", LLAMA, "pp=2,tp=2", parse_spec(2), "megatron")
+    assert v["stages_in_order"] and v["failures"] == []
+    assert not v["losses_agree"] and not v["ok"] and "average to the whole batch's loss: NO" in v["text"]

@@ -1,0 +1,209 @@
+"""The outer search with expert parallelism (issue 28): ep meshes among the others for a MoE
+model, a dense model's candidates as they were, the bounds that prune a large MoE search (lower
+bounds of every planned configuration, the same best with and without them), DeepSeek-V3 on
+2,048 H800 with its memory breakdown checked by hand, the DTensor export's statement."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from spmdkit.cost.devices import DEVICES, cost_model, recost
+from spmdkit.cost.step import estimate_step
+from spmdkit.outputs.dtensor_ep import expert_parallel_statement
+from spmdkit.outputs.export import dtensor_document
+from spmdkit.planner.pipeline import estimate_pipeline, plan_pipeline
+from spmdkit.planner.planning import plan_model
+from spmdkit.planner.search import _bounds, _Job, _model_sizes, _work, hand_strategies, search_meshes
+from spmdkit.program.runtime import Runtime
+
+#: a small MoE whose experts dominate its parameters (4 experts of width 4096)
+MOE = json.dumps({"base": "tiny-llama", "name": "moe", "layers": 2, "hidden": 256, "heads": 4, "kv_heads": 4,
+                  "ffn": 512, "vocab": 512, "seq": 64, "batch": 8, "dtype": "bfloat16", "experts": 4, "top_k": 2,
+                  "moe_ffn": 4096})
+#: below what a device holds without splitting the experts (every plan needs at least 0.93 GB)
+CAP = "0.95GB"
+
+#: llama-7b on 16 devices at batch 16 before issue 28 (dp, tp, pp, microbatches, strategy)
+DENSE_16 = (
+    "16,1,1,1,dp;16,1,1,1,dp,zero1;16,1,1,1,dp,zero2;16,1,1,1,dp,zero3;8,2,1,1,megatron;8,2,1,1,megatron,zero1;"
+    "8,2,1,1,megatron,zero2;8,2,1,1,megatron,zero3;8,2,1,1,megatron,sp;8,2,1,1,megatron,sp,zero1;"
+    "8,2,1,1,megatron,sp,zero2;8,2,1,1,megatron,sp,zero3;4,4,1,1,megatron;4,4,1,1,megatron,zero1;"
+    "4,4,1,1,megatron,zero2;4,4,1,1,megatron,zero3;4,4,1,1,megatron,sp;4,4,1,1,megatron,sp,zero1;"
+    "4,4,1,1,megatron,sp,zero2;4,4,1,1,megatron,sp,zero3;2,8,1,1,megatron;2,8,1,1,megatron,zero1;"
+    "2,8,1,1,megatron,zero2;2,8,1,1,megatron,zero3;2,8,1,1,megatron,sp;2,8,1,1,megatron,sp,zero1;"
+    "2,8,1,1,megatron,sp,zero2;2,8,1,1,megatron,sp,zero3;1,16,1,1,megatron;1,16,1,1,megatron,sp;8,1,2,2,dp;"
+    "8,1,2,2,dp,zero1;8,1,2,2,dp,zero2;8,1,2,2,dp,zero3;4,2,2,4,megatron;4,2,2,4,megatron,zero1;"
+    "4,2,2,4,megatron,zero2;4,2,2,4,megatron,zero3;4,2,2,4,megatron,sp;4,2,2,4,megatron,sp,zero1;"
+    "4,2,2,4,megatron,sp,zero2;4,2,2,4,megatron,sp,zero3;2,4,2,8,megatron;2,4,2,8,megatron,zero1;"
+    "2,4,2,8,megatron,zero2;2,4,2,8,megatron,zero3;2,4,2,8,megatron,sp;2,4,2,8,megatron,sp,zero1;"
+    "2,4,2,8,megatron,sp,zero2;2,4,2,8,megatron,sp,zero3;1,8,2,16,megatron;1,8,2,16,megatron,sp;4,1,4,4,dp;"
+    "4,1,4,4,dp,zero1;4,1,4,4,dp,zero2;4,1,4,4,dp,zero3;2,2,4,8,megatron;2,2,4,8,megatron,zero1;"
+    "2,2,4,8,megatron,zero2;2,2,4,8,megatron,zero3;2,2,4,8,megatron,sp;2,2,4,8,megatron,sp,zero1;"
+    "2,2,4,8,megatron,sp,zero2;2,2,4,8,megatron,sp,zero3;1,4,4,16,megatron;1,4,4,16,megatron,sp;2,1,8,8,dp;"
+    "2,1,8,8,dp,zero1;2,1,8,8,dp,zero2;2,1,8,8,dp,zero3;1,2,8,16,megatron;1,2,8,16,megatron,sp;1,1,16,16,dp")
+
+
+def test_a_dense_models_candidates_are_what_they_were() -> None:
+    _mc, sizes = _model_sizes("llama-7b", {"batch": 16})
+    work, refused = _work(16, True, sizes, None, False)
+    got = ";".join(f"{c.dp},{c.tp},{c.pp},{c.microbatches},{c.strategy}" for c in work)
+    assert got == DENSE_16 and not refused
+    assert all(c.ep == 1 and c.sub_mesh_text == f"dp={c.dp},tp={c.tp}" for c in work)
+
+
+def test_a_moe_models_candidates_fold_ep_out_of_dp() -> None:
+    _mc, sizes = _model_sizes(MOE, None)
+    work, _ = _work(8, True, sizes, None, False)
+    meshes = {(c.dp, c.ep, c.tp, c.pp) for c in work}
+    # ep divides the 4 experts and the data-parallel ranks dp x ep; the devices are dp x ep x tp x pp
+    assert {(4, 2, 1, 1), (2, 4, 1, 1), (1, 4, 2, 1), (1, 4, 1, 2), (2, 2, 2, 1)} <= meshes
+    assert all(4 % c.ep == 0 and c.devices == 8 for c in work)
+    for c in work:
+        parts = c.strategy.split(",")
+        assert ("ep" in parts) == (c.ep > 1)  # ep over ep=1 is dp; an idle ep dim repeats dp
+        if c.ep > 1:
+            assert c.sub_mesh_text == f"dp={c.dp},ep={c.ep},tp={c.tp}"
+            assert c.tp == 1 or "megatron" in parts  # ETP = tp
+    assert hand_strategies(1, 2, 4) == ["megatron,ep", "megatron,ep,zero1", "megatron,ep,zero2", "megatron,ep,zero3",
+                                        "megatron,sp,ep", "megatron,sp,ep,zero1", "megatron,sp,ep,zero2",
+                                        "megatron,sp,ep,zero3"]
+    given, _ = _work(8, True, sizes, ["dp,ep,zero1"], False)
+    assert given and all(c.ep > 1 and c.tp == 1 for c in given)
+
+
+@pytest.fixture(scope="module")
+def searches() -> tuple[Any, Any]:
+    """The MoE's search on 4 H100 under the cap, every configuration planned and pruned by bounds."""
+    full = search_meshes(MOE, 4, "h100", memory_cap=CAP, prune=False)
+    pruned = search_meshes(MOE, 4, "h100", memory_cap=CAP, prune=True)
+    return full, pruned
+
+
+def test_the_search_finds_ep_no_slower_than_a_hand_ep_layout(searches: tuple[Any, Any]) -> None:
+    full, _ = searches
+    assert sum(1 for c in full.candidates if c.config.ep > 1) >= 20  # ep configurations were planned
+    best = full.best
+    assert best is not None and best.config.ep > 1  # the experts split over ep beat tp and pp here
+    dev = DEVICES["h100"]
+    for mesh, strategy in (("dp=2,ep=2,tp=1", "dp,ep,zero1"), ("dp=1,ep=4,tp=1", "dp,ep")):
+        _m, plan, _ = plan_model(MOE, mesh, strategy)
+        plan = recost(plan, cost_model(plan.mesh, dev))
+        hand = estimate_step(plan, dev, 8 * 64, "none").step_overlap_s
+        assert best.step_s <= hand
+    assert not any(c.fits for c in full.candidates if c.config.ep == 1 and c.config.tp == c.config.pp == 1)
+
+
+def test_bounds_are_lower_bounds_of_every_planned_configuration(searches: tuple[Any, Any]) -> None:
+    full, _ = searches
+    mc, sizes = _model_sizes(MOE, None)
+    job = _Job(DEVICES["h100"], sizes.tokens, ["none"], 0, None, None, None, 30.0, None, Runtime())
+    b = _bounds(MOE, mc, job)
+    assert b.layers and b.token_bytes == 256 * 2 and (b.batch, b.seq) == (8, 64)
+    pipelines = 0
+    for c in full.candidates:
+        cf = c.config
+        assert b.memory(cf.dp, cf.ep, cf.tp, cf.pp, cf.strategy, cf.microbatches) <= c.memory, cf.label()
+        assert b.step(cf.devices, cf.pp, cf.microbatches) <= c.step_s, cf.label()
+        pipelines += cf.pp > 1
+    assert pipelines
+
+
+def test_pruning_keeps_the_best_and_every_fitting_configuration(searches: tuple[Any, Any]) -> None:
+    full, pruned = searches
+    assert pruned.pruned and pruned.plans + len(pruned.pruned) == full.plans
+    assert {c.config for c in pruned.fitting} == {c.config for c in full.fitting}
+    assert pruned.best is not None and full.best is not None
+    assert (pruned.best.config, pruned.best.step_s) == (full.best.config, full.best.step_s)
+    over = {c.config.__class__(**{**c.config.__dict__, "recompute": "none"}) for c in full.candidates if not c.fits}
+    assert all(cfg in over for cfg, why in pruned.pruned if why.startswith("over the memory cap"))
+
+
+def test_deepseek_v3_on_2048_h800_fits_with_a_breakdown_checked_by_hand() -> None:
+    """pp=16, dp=2, ep=64, ZeRO-1 (DeepSeek-V3 technical report, section 3.2), its batch of
+    15,360 sequences as 120 microbatches of 128 (one sequence per data-parallel rank), layers
+    recomputed: each category of the fullest rank from the catalog figures."""
+    _model, plan, spec, _counts, _ = plan_pipeline("deepseek-v3", "pp=16,dp=2,ep=64", "dp,ep,zero1",
+                                                  {"microbatches": 120}, {"batch": 15360})
+    dev = DEVICES["h800"]
+    est = estimate_pipeline(plan, spec, None, dev, (dev.inter.alpha_s, 1 / dev.inter.bytes_per_s), 15360 * 4096,
+                            2048, recompute="full")
+    mm = est.moe
+    assert mm is not None and (mm.ep, mm.edp, mm.dense_dp, mm.experts) == (64, 2, 128, 256)
+    assert max(m.device_total for m in est.memory) <= 80 * 2**30
+    H, E, F, HD = 7168, 256, 2048, 18432
+    attention = (H * 1536 + 1536 * 128 * 192 + H * (512 + 64) + 512 * 128 * (128 + 128) + 128 * 128 * H
+                 + 1536 + 512 + 2 * H)                     # MLA, its norms and the layer's two norms
+    dense_layer = attention + 3 * H * HD                   # the first 3 layers: a dense SwiGLU MLP
+    moe_layer = attention + H * E + 3 * H * F              # router, one shared expert
+    expert = mm.moe_layers * E * 3 * H * F                 # the routed experts of the rank's layers
+    assert mm.rank not in (0, 15)                          # no embedding, no head
+    dense = (mm.layers - mm.moe_layers) * dense_layer + mm.moe_layers * moe_layer
+    assert mm.expert_elements == expert
+    assert mm.expert_parameters == expert // 64 * 2        # bf16, E / ep experts a rank
+    assert mm.expert_gradients == expert // 64 * 4         # Megatron's fp32 main gradients
+    # fp32 master + 2 moments over edp = dp = 2, and each stack's 8-byte step count
+    assert mm.expert_states == expert // 64 * 12 // 2 + 3 * mm.moe_layers * 8
+    assert mm.dense_parameters == dense * 2 and mm.dense_gradients == dense * 4
+    assert mm.dense_states == pytest.approx(dense * 12 / 128, rel=1e-3)  # over dp x ep, uneven axes rounded up
+    assert mm.stash == mm.layers * 4096 * H * 2            # full recompute: each layer's input, one sequence
+    assert mm.activations == mm.working_peak + round((mm.in_flight - 1) * mm.stash)
+    assert est.memory[mm.rank].parameters == mm.expert_parameters + mm.dense_parameters
+
+
+def test_the_dtensor_export_states_what_torch_cannot_express() -> None:
+    _m, plan, _ = plan_model(MOE, "dp=2,ep=2,tp=1", "dp,ep")
+    st = expert_parallel_statement(plan)
+    assert st is not None and st["mesh_dim"] == "ep" and st["torch_style"] is None
+    assert st["modules"] == {"layers.0.experts": ["layers.0.experts.w_down", "layers.0.experts.w_gate",
+                                                  "layers.0.experts.w_up"],
+                             "layers.1.experts": ["layers.1.experts.w_down", "layers.1.experts.w_gate",
+                                                  "layers.1.experts.w_up"]}
+    assert "no expert-parallel ParallelStyle" in st["torch_cannot"] and "ExpertParallel" in st["torch_cannot"]
+    doc = dtensor_document(plan)
+    assert doc["expert_parallel"] == st
+    assert doc["placements"]["layers.0.experts.w_up"] == ["Replicate()", "Shard(0)", "Replicate()"]
+    assert any(n.startswith("expert parallel over ep (2 experts modules: layers.0.experts, layers.1.experts)")
+               for n in doc["notes"])
+    assert "layers.0.experts" not in doc["parallelize_plan"]
+    _m, dense, _ = plan_model(MOE, "dp=2,tp=1", "dp")
+    assert expert_parallel_statement(dense) is None and dtensor_document(dense)["expert_parallel"] is None
+
+
+def test_the_installed_torch_has_no_expert_parallel_style() -> None:
+    pytest.importorskip("torch")
+    from spmdkit.outputs.dtensor import expert_parallel
+
+    _m, plan, _ = plan_model(MOE, "dp=1,ep=2,tp=1", "dp,ep")
+    got = expert_parallel(plan)
+    assert got is not None and got["torch_style"] is None and got["torch_version"]
+
+
+def test_auto_on_an_ep_mesh_is_no_slower_than_the_hand_ep_plan() -> None:
+    pytest.importorskip("highspy")
+    from spmdkit.models.zoo import build_model, preset
+    from spmdkit.planner.auto import auto_plan
+    from spmdkit.strategies.strategy import parse_mesh
+
+    dev = DEVICES["h100"]
+    mesh = parse_mesh("dp=1,ep=4,tp=1")
+    plan, info = auto_plan(build_model(preset(MOE), check_rules=False).program, mesh, None,
+                           cost=cost_model(mesh, dev), time_limit=60, device=dev)
+    _m, hand, _ = plan_model(MOE, "dp=1,ep=4,tp=1", "dp,ep")
+    hand = recost(hand, cost_model(hand.mesh, dev))
+    assert info.status == "Optimal"
+    assert estimate_step(plan, dev, 8 * 64, "none").step_overlap_s <= estimate_step(hand, dev, 8 * 64,
+                                                                                   "none").step_overlap_s
+
+
+def test_a_program_is_searched_with_ep_found_from_its_moe_ops() -> None:
+    from spmdkit.models.zoo import build_model, preset
+    from spmdkit.planner.search_bounds import experts_of
+
+    prog = build_model(preset(MOE)).program
+    assert experts_of(prog) == 4 and experts_of(build_model(preset("tiny-llama")).program) == 0
+    res = search_meshes(prog, 2, "h100", pipeline=False, recompute=["none"])
+    got = {(c.config.sub_mesh_text, c.config.strategy) for c in res.candidates}
+    assert ("dp=1,ep=2,tp=1", "dp,ep") in got and ("dp=2,tp=1", "dp") in got
