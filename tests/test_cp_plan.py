@@ -65,7 +65,7 @@ def test_context_degrees() -> None:
     assert context_degrees(8, 8192) == [1]  # short sequences: no cp
     assert context_degrees(8, 131072) == [1, 2, 4, 8]
     assert context_degrees(6, 16384) == [1, 2]  # 2 x cp must divide the sequence: 3 does not (16384 / 6)
-    assert hand_strategies(1, 8, 8) == ["megatron,cp", "megatron,cp,zero1", "megatron,cp,zero2", "megatron,cp,zero3",
+    assert hand_strategies(1, 8, cp=8) == ["megatron,cp", "megatron,cp,zero1", "megatron,cp,zero2", "megatron,cp,zero3",
                                         "megatron,sp,cp", "megatron,sp,cp,zero1", "megatron,sp,cp,zero2",
                                         "megatron,sp,cp,zero3"]
     assert hand_strategies(4, 1) == ["dp", "dp,zero1", "dp,zero2", "dp,zero3"]
