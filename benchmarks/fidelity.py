@@ -161,18 +161,42 @@ def _recompute(row: dict[str, Any], assume: list[str]) -> str:
     raise Unsupported(f"recompute {rc!r}")
 
 
+def _with_cp(strategy: str, attention: str) -> str:
+    """``--strategy`` with ``cp`` after the tensor-parallel parts (before ZeRO) and the cp attention
+    variant as its item (what ``--cp-attention`` adds)."""
+    parts = strategy.split(",")
+    at = next((k for k, p in enumerate(parts) if p.startswith("zero")), len(parts))
+    return ",".join([*parts[:at], "cp", *parts[at:], f"cp-attention={attention}"])
+
+
+def _cp_attention(row: dict[str, Any], framework: str, assume: list[str]) -> str:
+    """The cp attention the source ran (``--cp-attention``). torchtitan of 2024-12 (9dec370) calls
+    torch's ``context_parallel``, whose ``_cp_options.rotate_method`` defaults to
+    ``_RotateMethod.ALL_GATHER`` (torch/distributed/tensor/experimental/_attention.py): K and V
+    all-gathered once, asynchronously under the local block, dK / dV passed back round a ring
+    in fp32; load-balanced (zig-zag). NeMo 24.07 (Megatron-Core 0.8, before its ``cp_comm_type``
+    option) runs Transformer Engine's default, the p2p ring: KV blocks sent peer to peer under
+    the block computations, load-balanced."""
+    if framework == "torchtitan":
+        assume.append("cp attention: torch context_parallel's all-gather rotation (its default, "
+                      "_RotateMethod.ALL_GATHER), zig-zag balanced")
+        return "allgather"
+    assume.append("cp attention: Transformer Engine's p2p ring (its default; Megatron-Core 0.8 has no "
+                  "cp_comm_type), zig-zag balanced")
+    return "ring"
+
+
 def express(row: dict[str, Any], tmp: Path) -> Case:
     """The command line of ``row``, or Unsupported naming the missing feature."""
     m, par = row["model"], row["parallelism"]
     if m.get("moe") and not (isinstance(m["moe"], dict) and m["moe"].get("catalog")):
         raise Unsupported("mixture of experts without a catalog architecture")
-    if (par.get("cp") or 1) > 1:
-        raise Unsupported("context parallelism")
     assume: list[str] = []
     device, mem_gib = _device(row, tmp)
     tp, pp, dp = int(par["tp"]), int(par["pp"]), int(par["dp"])
     ep = int(par.get("ep") or 1) if m.get("moe") else 1
-    gpus = tp * pp * dp * ep
+    cp = int(par.get("cp") or 1)
+    gpus = tp * pp * dp * ep * cp
     mb = par.get("micro_batch") or par.get("local_batch")
     gb = par.get("global_batch")
     if par.get("micro_batch") is None and par.get("local_batch") and pp > 1:
@@ -199,14 +223,18 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
     recompute = _recompute(row, assume)
     if ep > 1:  # Megatron-Core's folding: the experts over ep, the rest data parallel over dp x ep
         strategy = strategy.replace("dp", "dp,ep", 1)
-    dims = (("pp", pp), ("dp", dp), ("ep", ep), ("tp", tp))
-    argv = ["plan", "--mesh", ",".join(f"{k}={v}" for k, v in dims if (k not in ("pp", "ep") or v > 1)),
+    if cp > 1:
+        strategy = _with_cp(strategy, _cp_attention(row, framework, assume))
+    # the ranks as both frameworks lay them out: tp innermost, then cp (Megatron-Core's
+    # tp-cp-ep-dp-pp order; torchtitan's mesh pp, dp_shard, cp, tp)
+    dims = (("pp", pp), ("dp", dp), ("ep", ep), ("cp", cp), ("tp", tp))
+    argv = ["plan", "--mesh", ",".join(f"{k}={v}" for k, v in dims if (k not in ("pp", "ep", "cp") or v > 1)),
             "--strategy", strategy, "--device", device, "--precision", _precision(row), "--framework", framework,
             "--recompute", recompute, "--json"]
     overlaps = str(par.get("overlaps") or "")
     if "--tp-comm-overlap" in overlaps or par.get("async_tp"):
         argv.append("--tp-comm-overlap")
-    dpe = dp * ep  # the data-parallel ranks (ep folded into them)
+    dpe = dp * ep  # the data-parallel ranks (ep folded into them; cp ranks share their sequences)
     accum = (gb // (dpe * mb)) if gb else 1
     if gb and gb % (dpe * mb):
         raise Unsupported(f"global batch {gb} not a multiple of dp x micro-batch {dpe * mb}")
@@ -428,6 +456,7 @@ def evaluate(rows: list[dict[str, Any]], show_argv: bool = False, out: Any = Non
             res = {"id": row["id"], "metric": case.metric, "measured": case.measured, "predicted": pred,
                    "ratio": ratio, "memory_gib": mem, "fits": fits, "group": _group(row),
                    "gpu": "A100" if str(row["hardware"]["gpu"]).startswith("A100") else "H100",
+                   "cp": int(row["parallelism"].get("cp") or 1),
                    "memory_measured_gib": case.memory_measured_gib,
                    "memory_ratio": mem / case.memory_measured_gib if case.memory_measured_gib else None,
                    "assumptions": case.assumptions, "argv": case.argv, "seconds": secs}
@@ -459,11 +488,14 @@ SOURCES = {"narayanan21": "Narayanan 2021", "korthikanti22": "Korthikanti 2022",
 
 def band_json(results: list[dict[str, Any]]) -> dict[str, Any]:
     """The error band per GPU family (spmdkit.cost.band): percentiles of measured / predicted
-    step time over the whole-step runs (Table 4's one-layer timings left out)."""
+    step time over the whole-step runs without cp (Table 4's one-layer timings left out); ``cp``:
+    the context-parallel runs' (cp > 1, any GPU), the band of a cp plan."""
     fam: dict[str, Any] = {}
-    steps = [r for r in results if r["metric"] != "layer_combined_ms"]
+    whole = [r for r in results if r["metric"] != "layer_combined_ms"]
+    steps = [r for r in whole if r.get("cp", 1) == 1]  # the families: plans without cp
     for name, rs in (("A100", [r for r in steps if r["gpu"] == "A100"]),
-                     ("H100", [r for r in steps if r["gpu"] == "H100"]), ("all", steps)):
+                     ("H100", [r for r in steps if r["gpu"] == "H100"]), ("all", steps),
+                     ("cp", [r for r in whole if r.get("cp", 1) > 1])):
         ratios = [r["ratio"] for r in rs]
         if not ratios:
             continue
@@ -491,6 +523,13 @@ def markdown(results: list[dict[str, Any]], unsupported: dict[str, list[str]], s
         fits = "yes" if r["fits"] else "no" if r["fits"] is not None else ""
         out.append(f"| {r['id']} | {r['metric']} | {r['measured']:g} | {r['predicted']:.4g} | {r['ratio']:.3f} | "
                    f"{r['memory_gib']:.1f}{mm} | {fits} |")
+    cp = [r for r in results if r.get("cp", 1) > 1]
+    if cp:
+        ratios = ", ".join(f"{r['id']} {r['ratio']:.3f}" for r in cp)
+        out += ["", "## Context parallelism", "",
+                f"The {len(cp)} runs with cp > 1 (above: `--mesh ...,cp=C,...`, `--strategy ...,cp,cp-attention=V`: NeMo",
+                "24.07 Transformer Engine's p2p ring, torchtitan's context_parallel the all-gather rotation) make the",
+                "error band of a cp plan (`band.json` family `cp`), apart from the families above. Ratios: " + ratios + "."]
     if moe is not None:
         mres, muns, ms = moe
         out += ["", "## Mixture of experts", "",

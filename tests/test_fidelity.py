@@ -31,9 +31,9 @@ def _bench() -> ModuleType:
 
 FID = _bench()
 ROWS: list[dict[str, Any]] = json.loads(FID.RUNS.read_text())
-#: features the planner does not have yet (issues 29 and the microbatch-level recompute of
-#: Korthikanti App. C); every other run must be expressible
-NOT_YET = {"context parallelism", "microbatch-level recomputation (Korthikanti App. C)"}
+#: features the planner does not have yet (the microbatch-level recompute of Korthikanti App. C);
+#: every other run must be expressible
+NOT_YET = {"microbatch-level recomputation (Korthikanti App. C)"}
 
 
 def test_every_run_is_expressed_or_named_unsupported() -> None:
@@ -47,7 +47,25 @@ def test_every_run_is_expressed_or_named_unsupported() -> None:
                 continue
             assert case.argv[0] == "plan" and "--json" in case.argv
     assert set(reasons) <= NOT_YET, reasons
-    assert len(ROWS) - sum(map(len, reasons.values())) >= 55
+    assert len(ROWS) - sum(map(len, reasons.values())) >= 63
+
+
+def test_cp_runs_expressed_as_their_sources_ran_them() -> None:
+    # the 8 runs with cp > 1: a cp mesh dim between dp and tp, ,cp in the strategy (ZeRO after it),
+    # and the attention the source ran: NeMo 24.07 Transformer Engine's p2p ring, torchtitan's
+    # context_parallel the all-gather rotation (torch's default)
+    cp_rows = [r for r in ROWS if (r["parallelism"].get("cp") or 1) > 1]
+    assert len(cp_rows) == 8
+    with tempfile.TemporaryDirectory() as d:
+        for row in cp_rows:
+            case = FID.express(row, Path(d))
+            par = row["parallelism"]
+            mesh = case.argv[case.argv.index("--mesh") + 1]
+            strategy = case.argv[case.argv.index("--strategy") + 1].split(",")
+            assert f"cp={par['cp']}" in mesh.split(",") and mesh.index("cp=") < mesh.index("tp=")
+            want = "ring" if row["id"].startswith("nemo") else "allgather"
+            assert "cp" in strategy and f"cp-attention={want}" in strategy
+            assert case.gpus == row["hardware"]["num_gpus"]
 
 
 def _params(row: dict[str, Any]) -> float:

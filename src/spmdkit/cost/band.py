@@ -5,7 +5,8 @@ stale). Standard library only.
 
 :func:`error_band` (device) -> :class:`Band`: for the device's GPU family (A100, H100 / H200) or
 all runs, the 10th, 50th and 90th percentile of ``measured step time / predicted step time``
-(above 1: the real step is slower than predicted) and the runs it rests on.
+(above 1: the real step is slower than predicted) and the runs it rests on; a context-parallel
+plan (``cp``) gets the band of the published runs with cp > 1 (long context, any GPU).
 """
 
 from __future__ import annotations
@@ -42,12 +43,16 @@ class Band:
                 "sources": list(self.sources)}
 
 
+#: how a family is named in the band's sentence
+_NAMES = {"all": "GPU", "cp": "context-parallel (cp > 1)"}
+
+
 @cache
 def _bands() -> dict[str, Band]:
     if not BAND_FILE.is_file():
         return {}
     raw = json.loads(BAND_FILE.read_text(encoding="utf-8"))
-    return {k: Band(k if k != "all" else "GPU", int(v["runs"]), float(v["p10"]), float(v["p50"]), float(v["p90"]),
+    return {k: Band(_NAMES.get(k, k), int(v["runs"]), float(v["p10"]), float(v["p50"]), float(v["p90"]),
                     tuple(v["sources"])) for k, v in raw["families"].items()}
 
 
@@ -58,9 +63,12 @@ def family_of(device_name: str) -> str:
     return "A100" if preset.startswith("a100") else "H100" if preset in ("h100", "h200") else "all"
 
 
-def error_band(device_name: str) -> Band | None:
-    """The band of the device's family (every run's where the family has fewer than 5)."""
+def error_band(device_name: str, cp: bool = False) -> Band | None:
+    """The band of the device's family (every run's where the family has fewer than 5); with
+    ``cp`` (a context-parallel plan) the band of the published cp runs where there are 5."""
     bands = _bands()
+    if cp and (c := bands.get("cp")) is not None and c.runs >= 5:
+        return c
     b = bands.get(family_of(device_name))
     if b is None or b.runs < 5:
         b = bands.get("all")

@@ -33,6 +33,7 @@ from spmdkit.core.dist_attr import TensorDistAttr, entry_dims, largest_shard
 from spmdkit.core.errors import SpmdError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel
+from spmdkit.cost.context import CP_RULES, cp_op_cost
 from spmdkit.cost.moe import active_share, expert_op_cost
 from spmdkit.engine.cache_keys import UNCACHEABLE, value_key
 from spmdkit.engine.facts import LocalOp, LocalTensor, OpCost, declared, facts_of
@@ -247,10 +248,13 @@ def op_cost(plan: Plan, i: int) -> OpCost:
     plan's runtime changes: a linear layer's GEMMs in fp8 under ``--precision fp8``
     (:func:`fp8_weights`), the framework whose attention kernel runs a flash-attention pass; an
     op of a MoE layer's expert computation as grouped GEMMs at the busiest ep rank's load
-    (:func:`spmdkit.cost.moe.expert_op_cost`)."""
+    (:func:`spmdkit.cost.moe.expert_op_cost`); a cp attention op as its busiest rank runs it (a
+    ring's steps, the causal imbalance without zig-zag: :func:`spmdkit.cost.context.cp_op_cost`)."""
     opp = plan.ops[i]
     lop = local_op(plan.program, i, opp.required, opp.outputs, plan.attrs)
     c = expert_op_cost(plan, i, lop, cost_of) or cost_of(lop)
+    if opp.op.rule in CP_RULES:
+        c = cp_op_cost(plan, i, c)
     rt = plan.runtime
     if c.attention is not None and rt.framework == "torchtitan":  # AutoModel runs TE's attention, as Megatron
         c = replace(c, framework=rt.framework)
@@ -370,13 +374,13 @@ def _matmul_params(prog: Program, tokens: int = 0) -> int:
 
 def _attention_flops(prog: Program) -> float:
     """``QK^T`` and ``PV`` of the forward over the full ``s x s`` square (global shapes):
-    flash_attention, or a forward matmul of two batched activations (rank >= 3: an imported
+    flash_attention or cp_attention, or a forward matmul of two batched activations (rank >= 3: an imported
     program's weights may be activations, transposed or split, but are 2-D)."""
     att = 0.0
     for op in prog.ops:
         if op.phase != "forward":
             continue
-        if op.rule == "flash_attention":
+        if op.rule in ("flash_attention", "cp_attention"):
             q, k, v = (prog.tensors[op.inputs[p]].shape for p in ("q", "k", "v"))
             att += 2.0 * q[-4] * q[-2] * q[-3] * k[-3] * (q[-1] + v[-1])
         elif op.rule in ("matmul", "bmm"):

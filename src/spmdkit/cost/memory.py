@@ -65,6 +65,7 @@ from typing import Any
 
 from spmdkit.core.dist_attr import TensorDistAttr, entry_dims, largest_shard
 from spmdkit.core.errors import ProgramError
+from spmdkit.cost.context import regathers, ring_buffers
 from spmdkit.cost.moe import plan_loads
 from spmdkit.program.ir import Op, Program, flat_refs
 from spmdkit.program.plan import Plan, Reshard
@@ -530,7 +531,8 @@ def _bytes_per_element(framework: str, precision: str) -> tuple[int, int, int]:
 def makes_no_copy(plan: Plan, r: Reshard) -> bool:
     """``r`` changes only mesh dims of one rank (a ZeRO-3 gather of an expert stack over an
     expert-data-parallel dim of size 1): the local tensor is the same, no bytes move and the
-    framework makes no copy (FSDP2 leaves such a parameter out: AutoModel's ``ignored_params``)."""
+    framework makes no copy (FSDP2 leaves such a parameter out: AutoModel's ``ignored_params``;
+    a layout change over a mesh dim of size 1, ``dp=1``'s batch entry, alike)."""
     shape = plan.program.tensors[r.tensor].shape
     return (not r.plan.bytes_per_rank and local_numel(r.src, shape) == local_numel(r.dst, shape)
             and not any(s.bytes_per_rank for s in r.plan.steps))
@@ -673,7 +675,9 @@ def activation_deltas(plan: Plan, saved: ActivationMemory, group_of: list[int] |
     stops after the last op of the group that reads its values; recomputation, re-gathers and
     fp8 stashes split that life: :func:`spans_with_recompute`). A tensor several groups use is
     counted in each, from its first to its last use there (a stage holds what it received).
-    Copies made by reshards live from the first op that reads them to the last; a ZeRO-3 /
+    Copies made by reshards live from the first op that reads them to the last (the K / V an
+    allgather cp attention gathers: in each pass alone, gathered again for its grad,
+    :func:`spmdkit.cost.context.regathers`); a ZeRO-3 /
     FSDP parameter gathered for its layer's ops of one phase lives from the start of the layer
     before (the next layer's all-gather is prefetched while one layer computes, as FSDP2 and
     DeepSpeed do) to its layer's last op. Parameter gradients, parameters and optimizer states
@@ -738,7 +742,8 @@ def activation_deltas(plan: Plan, saved: ActivationMemory, group_of: list[int] |
             else:
                 blk[1] = i
     spans: dict[tuple[int, str, TensorDistAttr, str], list[int]] = {}
-    for r in plan.reshards:
+    again = regathers(plan)  # a cp attention's K / V gathered again for its grad: a copy of its own
+    for k, r in enumerate(plan.reshards):
         if makes_no_copy(plan, r):
             continue
         op = prog.ops[r.op_index]
@@ -748,11 +753,13 @@ def activation_deltas(plan: Plan, saved: ActivationMemory, group_of: list[int] |
             key = (g, r.tensor, r.dst, op.phase)
         else:
             lo = hi = r.op_index
-            key = (g, r.tensor, r.dst, "")
+            key = (g, r.tensor, r.dst, "again" if k in again else "")
         s = spans.setdefault(key, [lo, hi])
         s[0], s[1] = min(s[0], lo), max(s[1], hi)
     for (g, n, dst, _phase), (a, e) in spans.items():
         add(g, a, e, nbytes(n, dst))
+    for i, size in ring_buffers(plan).items():  # ring attention's KV (and dK / dV) blocks in flight
+        add(grp[i], i, i, size)
     for i, j, elems in loss_spans(plan):
         held, fwd, bwd = LOSS_BYTES[plan.runtime.framework]
         add(grp[i], i, j, held * elems)

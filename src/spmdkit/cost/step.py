@@ -20,6 +20,15 @@ from spmdkit.core.reshard import Step
 from spmdkit.cost.band import error_band
 from spmdkit.cost.collectives import buffer_bytes, time_of
 from spmdkit.cost.compute import KernelCollective, kernel_collectives, local_shape, model_flops, op_cost
+from spmdkit.cost.context import (
+    RingCost,
+    allgather_exposed,
+    causal_imbalance,
+    cp_ops,
+    gather_overlaps,
+    regathers,
+    ring_costs,
+)
 from spmdkit.cost.devices import Device
 from spmdkit.cost.memory import rerun_points, saved_activations
 from spmdkit.cost.moe import plan_loads
@@ -99,6 +108,18 @@ class StepEstimate:
     #: before it, recomputation and re-gathers s before it, its compute s); the gradient buckets
     #: run beside it on their own stream (:attr:`buckets`)
     timeline: list[tuple[int, float, float, float, float]] = field(default_factory=list, repr=False)
+    #: context parallelism's ring attention ops (one micro-step): their block transfers and
+    #: what the block computations leave exposed (:mod:`spmdkit.cost.context`)
+    rings: list[RingCost] = field(default_factory=list)
+    #: the ring's communication and its exposed part over the step (gradient accumulation's
+    #: micro-steps included)
+    ring_comm_s: float = 0.0
+    ring_exposed_s: float = 0.0
+    #: causal cp attention without the zig-zag balance: the busiest cp rank's attention over the
+    #: mean (1: balanced, :func:`spmdkit.cost.context.causal_imbalance`)
+    cp_imbalance: float = 1.0
+    #: the context-parallel degree (the most ranks a cp attention op splits its sequence over; 1: none)
+    cp: int = 1
 
     @property
     def compute_total_s(self) -> float:
@@ -106,7 +127,18 @@ class StepEstimate:
 
     @property
     def comm_total_s(self) -> float:
-        return sum(self.comm_s.values()) + self.kernel_comm_s + self.grad_sync_s
+        return sum(self.comm_s.values()) + self.kernel_comm_s + self.grad_sync_s + self.ring_comm_s
+
+    def ring_json(self) -> dict[str, Any] | None:
+        """The ring attention's communication and how much of it is exposed (None without one)."""
+        if not self.rings:
+            return None
+        return {"ops": len(self.rings), "cp": max(r.cp for r in self.rings), "comm_s": self.ring_comm_s,
+                "exposed_s": self.ring_exposed_s,
+                "exposed_share": self.ring_exposed_s / self.ring_comm_s if self.ring_comm_s else 0.0,
+                "imbalance": max(r.imbalance for r in self.rings),
+                "forward": next((r.to_json() for r in self.rings if r.phase == "forward"), None),
+                "backward": next((r.to_json() for r in self.rings if r.phase == "backward"), None)}
 
     @property
     def exposed_comm_s(self) -> float:
@@ -136,7 +168,9 @@ class StepEstimate:
         return {"device": self.device.to_json(), "ranks": self.ranks,
                 "compute_s": dict(self.compute_s), "compute_total_s": self.compute_total_s,
                 "matmul_s": self.matmul_s,
-                "comm_s": {**self.comm_s, "inside_ops": self.kernel_comm_s, "gradient_buckets": self.grad_sync_s},
+                "comm_s": {**self.comm_s, "inside_ops": self.kernel_comm_s, "gradient_buckets": self.grad_sync_s,
+                           **({"ring_attention": self.ring_comm_s} if self.rings else {})},
+                "ring_attention": self.ring_json(), "cp_imbalance": self.cp_imbalance,
                 "comm_total_s": self.comm_total_s, "step_serial_s": self.step_serial_s,
                 "step_overlap_s": self.step_overlap_s, "exposed_comm_s": self.exposed_comm_s,
                 "flops_per_device": self.flops_per_device, "model_flops_per_device": self.model_flops_per_device,
@@ -147,7 +181,9 @@ class StepEstimate:
                 "hardware_flops": self.hardware_flops, "hfu": self.hfu, "regathers": self.regathers,
                 "memory_bound_ops": self.memory_bound_ops,
                 "buckets": [b.to_json() for b in self.buckets], "uncovered_rules": dict(self.uncovered),
-                "error_band": band.to_json() if (band := error_band(self.device.name)) is not None else None}
+                "cp": self.cp,
+                "error_band": band.to_json() if (band := error_band(self.device.name, self.cp > 1)) is not None
+                else None}
 
 
 def is_grad_sync(plan: Plan, r: Reshard, s: Step, param_grads: frozenset[str]) -> bool:
@@ -282,12 +318,18 @@ class _Comm:
     #: the distributed optimizer's all-gathers of updated parameters (Megatron: op -> (mesh
     #: dims, bytes, itemsize)), overlapped with the next step's forward
     param_gathers: dict[int, list[tuple[tuple[int, ...], float, int]]] = field(default_factory=dict)
+    #: a cp attention's K / V all-gathers run under its local block (torch's context_parallel):
+    #: op -> (seconds, cp ranks)
+    under: dict[int, tuple[float, int]] = field(default_factory=dict)
 
     def exposed(self, i: int, times: list[float]) -> float:
         """Seconds op i waits on its blocking and TP-overlapped collectives."""
         t = self.blocking.get(i, 0.0)
         for c, j, n in self.tp.get(i, ()):
             t += tp_overlap_exposed(c, times[j], n)
+        u = self.under.get(i)
+        if u is not None:
+            t += allgather_exposed(u[0], times[i], u[1], True)
         return t
 
 
@@ -345,13 +387,15 @@ def _communication(plan: Plan, comp: _Compute) -> _Comm:
     overlap_tp = plan.runtime.tp_comm_overlap
     rs_grads = distributed_optimizer_grads(plan)
     load = plan_loads(plan)  # MoE: the busiest ep rank's share of the tokens (spmdkit.cost.moe)
+    under = gather_overlaps(plan)
+    again = regathers(plan)  # allgather attention's K / V gathered again for its grad
     readers: dict[str, list[int]] = {}
     if overlap_tp:
         for j, op in enumerate(prog.ops):
             for nm in op.input_names():
                 readers.setdefault(nm, []).append(j)
-    for r in plan.reshards:
-        if r.shared:
+    for k, r in enumerate(plan.reshards):
+        if r.shared and k not in again:
             continue
         i = r.op_index
         t = prog.tensors[r.tensor]
@@ -383,6 +427,10 @@ def _communication(plan: Plan, comp: _Compute) -> _Comm:
                 out.param_gathers.setdefault(i, []).append((s.mesh_dims, buffer_bytes(s.kind, s.bytes_per_rank, n),
                                                             t.itemsize))
                 continue
+            if i in under and s.kind in ("all_gather", "reduce_scatter"):
+                secs, _n = out.under.get(i, (0.0, under[i]))
+                out.under[i] = (secs + s.time_s, under[i])
+                continue
             gemm = -1
             if overlap_tp and s.kind in ("all_gather", "reduce_scatter") and t.kind in ("activation", "gradient") \
                     and r.tensor not in param_grads:
@@ -403,6 +451,8 @@ class _Rerun:
     (all, and the matmuls' model FLOPs), the all-gathers run again."""
 
     extra_at: dict[int, float] = field(default_factory=dict)
+    #: the forward ops run again
+    ops: set[int] = field(default_factory=set)
     flops: float = 0.0
     matmul_flops: float = 0.0
     regathers: int = 0
@@ -417,6 +467,7 @@ def _rerun(plan: Plan, recompute: str, comp: _Compute, comm: _Comm, kern_by_op: 
     for at, idx in rerun.items():
         for j in idx:
             c = comp.costs[j]
+            out.ops.add(j)
             out.flops += c.flops
             if c.matmul:
                 out.matmul_flops += c.model_flops
@@ -579,6 +630,8 @@ def op_communication(plan: Plan, device: Device) -> OpComm:
     wait = [comm.exposed(i, comp.times) for i in range(len(comp.times))]
     for k in kernel_collectives(plan):
         wait[k.op_index] += k.time_s
+    for r in ring_costs(plan, comp.times):
+        wait[r.op_index] += r.exposed_s
     if comm.prefetch:
         groups = layer_groups(plan)
         span: dict[int, float] = {}
@@ -612,6 +665,9 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
         kern_by_op[k.op_index] = kern_by_op.get(k.op_index, 0.0) + k.time_s
     comp = _compute(plan, device)
     comm = _communication(plan, comp)
+    rings = ring_costs(plan, comp.times)
+    for rg in rings:  # the ring's exposed transfers wait inside the op, as a kernel's collective
+        kern_by_op[rg.op_index] = kern_by_op.get(rg.op_index, 0.0) + rg.exposed_s
     rerun = _rerun(plan, recompute, comp, comm, kern_by_op)
     compute, comm_s = comp.by_phase, comm.by_phase
     flops, mflops, nbytes, matmul_s = comp.flops + rerun.flops, comp.model_flops, comp.bytes, comp.matmul_s
@@ -624,7 +680,12 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
         clock += max(0.0, gathers - compute["forward"])
     grad_sync = sum(b.time_s for b in run.buckets)
     kern_total = sum(k.time_s for k in kern)
-    serial = run.serial_compute + compute.get("recompute", 0.0) + sum(comm_s.values()) + kern_total + grad_sync
+    # the rings of recomputed forward ops run again (their exposed part is in comm_s["recompute"])
+    again = [rg for rg in rings if rg.op_index in rerun.ops]
+    ring_comm = sum(rg.comm_s for rg in rings) + sum(rg.comm_s for rg in again)
+    ring_exposed = sum(rg.exposed_s for rg in rings) + sum(rg.exposed_s for rg in again)
+    serial = (run.serial_compute + compute.get("recompute", 0.0) + sum(comm_s.values()) + kern_total + grad_sync
+              + ring_comm - sum(rg.exposed_s for rg in again))
     mf, n_params, att = model_flops(plan, tokens or 0)
     accum = plan.grad_accum
     if accum > 1:
@@ -632,8 +693,11 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
         # recomputation) before the one above, whose backward overlaps the step's only gradient
         # reductions
         phases = ("forward", "backward", "recompute")
-        serial += (accum - 1) * (sum(compute.get(ph, 0.0) + comm_s.get(ph, 0.0) for ph in phases) + kern_total)
+        serial += (accum - 1) * (sum(compute.get(ph, 0.0) + comm_s.get(ph, 0.0) for ph in phases) + kern_total
+                                 + ring_comm - sum(rg.exposed_s for rg in again))
         clock += (accum - 1) * run.fb_s
+        ring_comm *= accum
+        ring_exposed *= accum
         for ph in phases:
             if ph in compute:
                 compute[ph] *= accum
@@ -656,6 +720,11 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
     est.hardware_flops = (mf + plan.mesh.size * rerun.matmul_flops * accum) if tokens else 0.0
     est.regathers = rerun.regathers
     est.timeline = run.timeline
+    est.rings, est.ring_comm_s, est.ring_exposed_s = rings, ring_comm, ring_exposed
+    cps = cp_ops(plan)
+    est.cp_imbalance = max((causal_imbalance(c.ranks, c.balanced, c.causal) for c in cps if c.variant != "alltoall"),
+                           default=1.0)
+    est.cp = max((c.ranks for c in cps), default=1)
     return est
 
 

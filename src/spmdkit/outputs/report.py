@@ -318,11 +318,26 @@ def fmt_flops(f: float) -> str:
     return f"{f:.0f} FLOP"
 
 
-def write_band(device_name: str, out: TextIO) -> None:
-    """The error band of the prediction (:func:`spmdkit.cost.band.error_band`), one line."""
-    band = error_band(device_name)
+def write_band(device_name: str, out: TextIO, cp: bool = False) -> None:
+    """The error band of the prediction (:func:`spmdkit.cost.band.error_band`; ``cp``: of a
+    context-parallel plan), one line."""
+    band = error_band(device_name, cp)
     if band is not None:
         out.write(f"error band: {band.text()}\n")
+
+
+def write_rings(est: StepEstimate, out: TextIO) -> None:
+    """Context parallelism's ring attention: its transfers, how much of them the block
+    computations hide, the causal imbalance without zig-zag (spmdkit.cost.context)."""
+    r = est.ring_json() or {}
+    fwd, bwd = r.get("forward") or {}, r.get("backward") or {}
+    share = 100 * r.get("exposed_share", 0.0)
+    out.write(f"ring attention over cp={r.get('cp')}: {fmt_time(est.ring_comm_s)} of KV block transfers, "
+              f"{fmt_time(est.ring_exposed_s)} exposed ({share:.0f}%); a forward step moves "
+              f"{fmt_bytes(fwd.get('block_bytes', 0))} in {fmt_time(fwd.get('step_comm_s', 0.0))} under "
+              f"{fmt_time(fwd.get('step_compute_s', 0.0))} of block attention"
+              + (f", a backward step {fmt_bytes(bwd.get('block_bytes', 0))} in {fmt_time(bwd.get('step_comm_s', 0.0))}"
+                 f" under {fmt_time(bwd.get('step_compute_s', 0.0))}" if bwd else "") + "\n")
 
 
 def write_estimate(est: StepEstimate, out: TextIO) -> None:
@@ -338,6 +353,8 @@ def write_estimate(est: StepEstimate, out: TextIO) -> None:
         rows.append([f"recomputation ({est.recompute})", fmt_time(est.compute_s.get("recompute", 0.0)),
                      fmt_time(est.comm_s.get("recompute", 0.0))])
     rows.append(["collectives inside ops", "-", fmt_time(est.kernel_comm_s)])
+    if est.rings:
+        rows.append(["ring attention (KV blocks passed round cp)", "-", fmt_time(est.ring_comm_s)])
     nb = len(est.buckets)
     rows.append([f"gradient reductions ({nb} DDP bucket{'' if nb == 1 else 's'})", "-", fmt_time(est.grad_sync_s)])
     rows.append(["total", fmt_time(est.compute_total_s), fmt_time(est.comm_total_s)])
@@ -347,6 +364,11 @@ def write_estimate(est: StepEstimate, out: TextIO) -> None:
     exposed = est.step_overlap_s - est.compute_total_s
     out.write(f"step time: {fmt_time(est.step_serial_s)} serial, {fmt_time(est.step_overlap_s)} with the gradient "
               f"reductions overlapped with the backward ({fmt_time(exposed)} of communication exposed)\n")
+    if est.rings:
+        write_rings(est, out)
+    if est.cp_imbalance > 1.0:
+        out.write(f"causal imbalance: without the zig-zag balance the last cp rank computes {est.cp_imbalance:.2f} x "
+                  f"the mean attention (every rank waits for it); the zig-zag balance evens it\n")
     out.write(f"FLOPs per device: {fmt_flops(est.flops_per_device)} executed "
               f"({fmt_time(est.matmul_s)} on the tensor cores); memory traffic {fmt_bytes(est.bytes_per_device)}\n")
     if est.tokens:
@@ -355,7 +377,7 @@ def write_estimate(est: StepEstimate, out: TextIO) -> None:
         out.write(f"tokens/s: {tps:,.0f} ({est.tokens} tokens per step); MFU {100 * mfu:.1f}% "
                   f"(model FLOPs {fmt_flops(est.model_flops)} = 6 x {est.n_params:,} parameters x tokens + "
                   f"{fmt_flops(est.attention_flops)} attention, over {est.ranks} x {peak:g} TFLOP/s)\n")
-        write_band(est.device.name, out)
+        write_band(est.device.name, out, est.cp > 1)
         if est.recompute != "none":
             out.write(f"recompute {est.recompute}: {fmt_flops(est.recompute_flops_per_device)} per device run again "
                       f"in the backward; HFU {100 * (est.hfu or 0.0):.1f}% (hardware FLOPs "

@@ -59,6 +59,7 @@ from spmdkit.core.reshard import Step
 from spmdkit.cost.band import error_band
 from spmdkit.cost.collectives import Fabric, Group, collective_time
 from spmdkit.cost.compute import guess_tokens, model_flops, op_cost
+from spmdkit.cost.context import cp_ops
 from spmdkit.cost.devices import Device
 from spmdkit.cost.memory import (
     MICROBATCH,
@@ -645,6 +646,8 @@ class PipelineEstimate:
     note: str | None = None
     #: a MoE plan's fullest rank split into experts and the rest (pipeline_moe.moe_memory)
     moe: MoeMemory | None = None
+    #: the context-parallel degree of the stages' plan (its error band is the cp runs')
+    cp: int = 1
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -686,7 +689,8 @@ class PipelineEstimate:
                         "tokens": self.tokens, "tokens_per_s": self.tokens_per_s, "model_flops": self.model_flops,
                         "ranks": self.ranks, "peak_flops": self.peak, "mfu": self.mfu,
                         "model_tflops_per_gpu": self.tflops_per_gpu,
-                        "error_band": band.to_json() if (band := error_band(self.device_name)) is not None else None})
+                        "error_band": band.to_json() if (band := error_band(self.device_name, self.cp > 1)) is not None
+                        else None})
         return out
 
 
@@ -735,7 +739,8 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | 
                     mems[r], recomputed[r] = got, 1.0 - kept / chunks
                     break
     est = PipelineEstimate(spec, counts, costs, pp_link, send_f, send_b, flight, mems, note=note,
-                           moe=moe_memory(plan, stages, counts, p, mems, flight, costs))
+                           moe=moe_memory(plan, stages, counts, p, mems, flight, costs),
+                           cp=max((c.ranks for c in cp_ops(plan)), default=1))
     if recompute == MICROBATCH:
         est.extra["microbatch_recompute"] = {"recomputed_share": recomputed}
     if device is None:

@@ -20,6 +20,12 @@ the allocated peak, the caching allocator's reserve, the CUDA context and NCCL's
 configuration whose memory per device is over the cap (the device's memory by default) is
 rejected; the others are ranked by predicted step time.
 
+Context parallelism: for a preset whose sequence is :data:`LONG_SEQ` tokens or more, each
+data-parallel degree (without ep) is also split into ``dp x cp`` (:func:`context_degrees`: cp
+dividing it, the sequence into ``2 cp`` zig-zag chunks; the mesh ``dp=D,cp=C,tp=T``) with the hand
+strategies plus ``,cp`` and, with ``auto``, the exact search on the model built with
+``cp_attention``; a shorter sequence searches exactly the meshes it did before.
+
 Which factorisations are tried: dp divides the global batch (each rank a whole number of
 sequences), tp divides the attention heads (Megatron's requirement; a preset only), pp is at
 most the layers (layers that do not divide into the stages are split balanced by predicted
@@ -79,6 +85,9 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 MAX_PLANS = 2000
 #: a MoE model's search plans every configuration up to this many, beyond prunes by bounds
 EXHAUSTIVE_PLANS = 200
+#: the sequence length from which a preset's search also splits the sequence over a ``cp`` dim
+#: (context parallelism: Llama 3 trained from 8k with cp from 16k up; torchtitan and NeMo from 16k-32k)
+LONG_SEQ = 16384
 
 
 @dataclass(frozen=True)
@@ -93,11 +102,14 @@ class Config:
     recompute: str = "none"
     microbatches: int = 1
     ep: int = 1
+    #: context parallelism: the sequence split over a cp dim between dp and tp (1: none)
+    cp: int = 1
 
     @property
     def sub_mesh_text(self) -> str:
         """The mesh the shardings are planned on (without pp)."""
-        return f"dp={self.dp}," + (f"ep={self.ep}," if self.ep > 1 else "") + f"tp={self.tp}"
+        return (f"dp={self.dp}," + (f"ep={self.ep}," if self.ep > 1 else "") + (f"cp={self.cp}," if self.cp > 1 else "")
+                + f"tp={self.tp}")
 
     @property
     def mesh_text(self) -> str:
@@ -105,15 +117,17 @@ class Config:
 
     @property
     def devices(self) -> int:
-        return self.dp * self.ep * self.tp * self.pp
+        return self.dp * self.ep * self.cp * self.tp * self.pp
 
     def label(self) -> str:
-        return (f"dp={self.dp}" + (f" ep={self.ep}" if self.ep > 1 else "") + f" tp={self.tp} pp={self.pp}"
+        return (f"dp={self.dp}" + (f" ep={self.ep}" if self.ep > 1 else "") + (f" cp={self.cp}" if self.cp > 1 else "")
+                + f" tp={self.tp} pp={self.pp}"
                 + (f" (m={self.microbatches})" if self.pp > 1 else "")
                 + f" {self.strategy}" + (f" recompute={self.recompute}" if self.recompute != "none" else ""))
 
     def to_json(self) -> dict[str, Any]:
         return {"dp": self.dp, "tp": self.tp, "pp": self.pp, **({"ep": self.ep} if self.ep > 1 else {}),
+                **({"cp": self.cp} if self.cp > 1 else {}),
                 "strategy": self.strategy, "recompute": self.recompute, "microbatches": self.microbatches,
                 "mesh": self.mesh_text}
 
@@ -179,16 +193,30 @@ def factorizations(n: int, pipeline: bool = True) -> list[tuple[int, int, int]]:
     return sorted(out, key=lambda t: (t[2], t[1], t[0]))
 
 
-def hand_strategies(dp: int, tp: int, ep: int = 1) -> list[str]:
+def hand_strategies(dp: int, tp: int, ep: int = 1, cp: int = 1) -> list[str]:
     """The hand strategies a (dp, tp) sub-mesh can take (ZeRO only where dp > 1); with ``ep``
     > 1 (a ``dp x ep x tp`` sub-mesh) the same with expert parallelism (``,ep``; megatron's
     experts tensor-parallel over tp: ETP = TP), ZeRO where the data-parallel ranks ``dp x ep``
-    are more than one."""
-    zeros = ["", ",zero1", ",zero2", ",zero3"] if dp * ep > 1 else [""]
+    are more than one; with ``cp`` > 1 (a ``dp x cp x tp`` sub-mesh) the same with context
+    parallelism (``,cp``), ZeRO where ``dp x cp`` (the ranks that reduce the gradients) are more
+    than one."""
+    zeros = ["", ",zero1", ",zero2", ",zero3"] if dp * ep * cp > 1 else [""]
     bases = ["dp"] if tp == 1 else ["megatron", "megatron,sp"]
     if ep > 1:
         bases = [b + ",ep" for b in bases]
+    if cp > 1:
+        bases = [b + ",cp" for b in bases]
     return [b + z for b in bases for z in zeros]
+
+
+def context_degrees(dp_total: int, seq: int | None) -> list[int]:
+    """The cp degrees a data-parallel degree ``dp_total`` can give its sequence to: 1, and for a
+    sequence of :data:`LONG_SEQ` tokens or more every divisor ``cp`` > 1 of ``dp_total`` whose
+    zig-zag chunks divide the sequence (``2 cp`` divides it)."""
+    out = [1]
+    if seq is not None and seq >= LONG_SEQ:
+        out += [c for c in range(2, dp_total + 1) if dp_total % c == 0 and seq % (2 * c) == 0]
+    return out
 
 
 def expert_degrees(dp_total: int, experts: int) -> list[int]:
@@ -345,32 +373,41 @@ def _work(devices: int, pipeline: bool, sizes: _Sizes, given: list[str] | None,
     work: list[Config] = []
     refused: list[tuple[Config, str]] = []
     batch = sizes.batch
+    seq = sizes.config.seq if sizes.config is not None else None
     for dpt, tp, pp in factorizations(devices, pipeline):
         why = None
-        if batch is not None and batch % dpt:
-            why = f"dp={dpt} does not divide the batch {batch}"
-        elif sizes.config is not None and (bad := tp_problem(sizes.config, tp)) is not None:
+        uneven = batch is not None and batch % dpt != 0
+        if sizes.config is not None and (bad := tp_problem(sizes.config, tp)) is not None:
             why = bad
         elif sizes.heads is not None and sizes.heads % tp:
             why = f"tp={tp} does not divide the {sizes.heads} attention heads"
         elif sizes.layers is not None and sizes.layers < pp:
             why = f"pp={pp}: {sizes.layers} layers cannot fill {pp} stages"
         m = (batch // dpt) if (pp > 1 and batch and sizes.microbatches) else 1
+        if uneven or why is not None:
+            refused.append((Config(dpt, tp, pp, "*", "none", m),
+                            f"dp={dpt} does not divide the batch {batch}" if uneven else str(why)))
         if why is not None:
-            refused.append((Config(dpt, tp, pp, "*", "none", m), why))
             continue
-        for ep in expert_degrees(dpt, sizes.experts):  # ep = 1 first: a dense model's meshes as they were
-            dp = dpt // ep
-            names = list(given) if given is not None else hand_strategies(dp, tp, ep)
+        # ep = 1 and cp = 1 first: a dense model's meshes at a short sequence as they were; a batch dp
+        # does not divide may still split over dp x cp (the cp ranks share their sequences)
+        degrees = [(e, c) for e in expert_degrees(dpt, sizes.experts) for c in (context_degrees(dpt, seq) if e == 1 else [1])]
+        for ep, cp in degrees:
+            dp = dpt // ep // cp
+            if batch is not None and batch % (dp * ep):
+                continue
+            m = (batch // (dp * ep)) if (pp > 1 and batch and sizes.microbatches) else 1
+            names = list(given) if given is not None else hand_strategies(dp, tp, ep, cp)
             if auto:
                 names.append("auto")
             for s in names:
-                cfg = Config(dp, tp, pp, s, "none", m, ep)
+                cfg = Config(dp, tp, pp, s, "none", m, ep, cp)
                 if s != "auto":
                     parts = s.split(",")
                     if (tp == 1 and "megatron" in parts) or ((ep > 1) != ("ep" in parts)) \
-                            or (ep > 1 and tp > 1 and "megatron" not in parts):
-                        continue  # megatron over tp=1 is dp; ep over ep=1 is dp; an idle ep or tp dim repeats work
+                            or (ep > 1 and tp > 1 and "megatron" not in parts) or ((cp > 1) != ("cp" in parts)):
+                        continue  # megatron over tp=1 is dp; ep over ep=1 is dp; an idle ep or tp dim repeats work;
+                        # the strategies go to the meshes of their own cp
                     try:
                         parse_strategy(s, _sub_mesh(cfg))
                     except ProgramError as exc:
@@ -503,7 +540,9 @@ def _bounds(model: str | Program, mc: ModelConfig | None, job: _Job) -> Bounds:
 
 def _pruned_why(cfg: Config, bounds: Bounds, cap: int, best: float) -> str | None:
     """Why ``cfg`` need not be planned (its bounds), or None."""
-    mem = bounds.memory(cfg.dp, cfg.ep, cfg.tp, cfg.pp, cfg.strategy, cfg.microbatches) if cfg.strategy != "auto" else 0
+    # cp: ZeRO shards over dp x cp and each rank holds 1/cp of the sequences' tokens, as dp x cp ranks would
+    mem = bounds.memory(cfg.dp * cfg.cp, cfg.ep, cfg.tp, cfg.pp, cfg.strategy, cfg.microbatches) \
+        if cfg.strategy != "auto" else 0
     if mem > cap:
         return (f"over the memory cap: its parameters, gradients, optimizer states and layer inputs kept for the "
                 f"backward alone need at least {mem / 2**30:.1f} GiB a device")
@@ -518,9 +557,9 @@ def _sub_mesh(cfg: Config) -> ProcessMesh:
 
 
 def _pins_for(cfg: Config, pins: Mapping[str, Any] | None) -> dict[str, Any]:
-    """``--annotate``'s pins (mesh dims 0 = dp, 1 = tp) on ``cfg``'s sub-mesh: with an ep dim
-    (``dp, ep, tp``) tp is dim 2."""
-    if cfg.ep == 1 or not pins:
+    """``--annotate``'s pins (mesh dims 0 = dp, 1 = tp) on ``cfg``'s sub-mesh: with an ep or a cp
+    dim (``dp, ep, tp`` / ``dp, cp, tp``) tp is dim 2."""
+    if (cfg.ep == 1 and cfg.cp == 1) or not pins:
         return dict(pins or {})
 
     def dim(d: Any) -> Any:
@@ -550,7 +589,10 @@ def _plan_preset_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> l
              + f"; mesh {cfg.mesh_text}; {cfg.strategy}")
     info = None
     if cfg.strategy == "auto":
-        model = build_model(mc.with_(**over), vocab_parallel_loss=cfg.tp > 1, check_rules=False)
+        # on a cp mesh the model is built with cp_attention (its default variant, allgather): the
+        # exact search then chooses where the sequence is split over cp
+        built = mc.with_(**over, **({"cp": cfg.cp} if cfg.cp > 1 else {}))
+        model = build_model(built, vocab_parallel_loss=cfg.tp > 1, check_rules=False)
         plan, info = _auto(model.program, cfg, job, cost_text)
         title += _auto_title(info)
     else:
