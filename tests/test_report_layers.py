@@ -161,7 +161,10 @@ def test_a_dense_layer_then_moe_layers_each_structure_in_full() -> None:
     assert "\nlayers 2-3: every tensor sharded as in layer 1\n" in text
     fwd = [g for g in reshard_groups(plan) if g["phase"] == "forward" and g["from_to"].endswith("-> [dp:S(0), tp:R]")
            and "P(sum)" in g["from_to"]]
-    assert sorted(g["times"] for g in fwd if g["layer"] != "model") == [1, 1, 3, 3]  # attention and MLP: dense, MoE
+    # layer 0: attention and MLP; each MoE layer: attention, the shared expert and the routed experts' rows
+    # (tensor-parallel experts, ETP = tp: their down projection's partial sum)
+    assert sorted(g["times"] for g in fwd if g["layer"] != "model") == [1, 1, 3, 3, 3]
+    assert "moe_experts.rows" in {g["tensor"] for g in fwd}
     page = H.render_html(plan, "tiny qwen2-moe", memory_per_device(plan))
     cards = re.findall(r'class="card" data-name="([^"]*)"', page)
     assert "model.layers.0.mlp.gate_proj.weight" in cards and "model.layers.1.mlp.gate.weight" in cards
