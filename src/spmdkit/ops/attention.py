@@ -354,37 +354,45 @@ facts("fused_rotary_position_embedding_grad", grad_like=("out_q_grad", "out_k_gr
 # -- cost
 
 
-def _fwd_flops(c: LocalOp) -> float:
+def _fwd_flops(c: LocalOp, causal: bool) -> float:
     """QK^T and PV of flash attention (q [b, sq, h, d], k [b, sk, hk, d], v [b, sk, hk, dv]):
-    ``2·b·h·sq·sk·(d + dv)``, halved when causal (the kernel skips the masked blocks)."""
+    ``2·b·h·sq·sk·(d + dv)``, halved when causal (the kernel skips the masked blocks; the
+    ``causal`` attribute, ``causal`` where the op has none)."""
     q, k, v = c.one("q"), c.one("k"), c.one("v")
     assert q is not None and k is not None and v is not None
     b, sq, h, d = q[0][-4], q[0][-3], q[0][-2], q[0][-1]
     sk, dv = k[0][-3], v[0][-1]
     f = 2.0 * b * h * sq * sk * (d + dv)
-    return f / 2 if c.attr("causal", False) else f
+    return f / 2 if c.attr("causal", causal) else f
 
 
-def _pass(c: LocalOp, backward: bool) -> tuple[bool, int, int, bool]:
+def _pass(c: LocalOp, backward: bool, causal: bool) -> tuple[bool, int, int, bool]:
     """What the kernel's achievable rate depends on: the pass, the key sequence, the head dim,
     causality (:func:`spmdkit.cost.rates.attention_efficiency`)."""
     q, k = c.one("q"), c.one("k")
     assert q is not None and k is not None
-    return backward, k[0][-3], q[0][-1], bool(c.attr("causal", False))
+    return backward, k[0][-3], q[0][-1], bool(c.attr("causal", causal))
 
 
-def _attention_cost(c: LocalOp) -> OpCost:
-    """The forward pass: its own rate (FlashAttention's forward reaches more of the peak than its
-    backward)."""
-    f = _fwd_flops(c)
-    return OpCost(f, f, c.in_bytes + c.out_bytes, True, c.dtype(), attention=_pass(c, False))
+def attention_costs(causal: bool) -> tuple[Callable[[LocalOp], OpCost], Callable[[LocalOp], OpCost]]:
+    """(forward, backward) cost functions of an attention kernel on its local shapes, ``causal``
+    where the op has no ``causal`` attribute. The forward at its own rate (FlashAttention's
+    forward reaches more of the peak than its backward); the backward recomputes QK^T: five
+    matmuls to the forward's two (2.5x executed), the model counts 2x (FlashAttention's own
+    accounting), timed at the backward's rate."""
+
+    def forward(c: LocalOp) -> OpCost:
+        f = _fwd_flops(c, causal)
+        return OpCost(f, f, c.in_bytes + c.out_bytes, True, c.dtype(), attention=_pass(c, False, causal))
+
+    def backward(c: LocalOp) -> OpCost:
+        f = _fwd_flops(c, causal)
+        return OpCost(2.5 * f, 2.0 * f, c.in_bytes + c.out_bytes, True, c.dtype(), attention=_pass(c, True, causal))
+
+    return forward, backward
 
 
-def _attention_grad_cost(c: LocalOp) -> OpCost:
-    """The backward recomputes QK^T: five matmuls to the forward's two (2.5x executed), the
-    model counts 2x (FlashAttention's own accounting); timed at the backward's rate."""
-    f = _fwd_flops(c)
-    return OpCost(2.5 * f, 2.0 * f, c.in_bytes + c.out_bytes, True, c.dtype(), attention=_pass(c, True))
+_attention_cost, _attention_grad_cost = attention_costs(causal=False)
 
 
 facts("flash_attention", cost=_attention_cost)

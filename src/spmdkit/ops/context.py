@@ -46,11 +46,11 @@ from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.axes import make_attr
 from spmdkit.engine.declare import Way, declare
-from spmdkit.engine.facts import LocalOp, OpCost, RingPass, facts
+from spmdkit.engine.facts import RingPass, facts
 from spmdkit.engine.notation import Coshard, Notation
 from spmdkit.engine.outshape import Args, Expect, UnknownShape
 from spmdkit.engine.signature import parse_signature
-from spmdkit.ops.attention import _grouped_heads
+from spmdkit.ops.attention import _grouped_heads, attention_costs
 
 #: the variants of cp_attention
 VARIANTS = ("allgather", "ring", "alltoall")
@@ -161,33 +161,11 @@ def _shape(a: Args) -> list[Expect]:
 # -- cost (cost/ reads these; the ring's communication is the RingPass fact)
 
 
-def _flops(c: LocalOp) -> float:
-    """QK^T and PV on the local shapes: ``2·b·h·sq·sk·(d + dv)``, halved when causal (on average
-    over the ranks: exactly so with the zig-zag balance). Under ``variant='ring'`` the local k is
-    one block: this is one ring step's work; the kernel runs ``n`` of them (n: the ring's ranks,
-    which cost/ knows from the RingPass fact and the mesh)."""
-    q, k, v = c.one("q"), c.one("k"), c.one("v")
-    assert q is not None and k is not None and v is not None
-    b, sq, h, d = q[0][-4], q[0][-3], q[0][-2], q[0][-1]
-    sk, dv = k[0][-3], v[0][-1]
-    f = 2.0 * b * h * sq * sk * (d + dv)
-    return f / 2 if c.attr("causal", True) else f
-
-
-def _pass(c: LocalOp, backward: bool) -> tuple[bool, int, int, bool]:
-    q, k = c.one("q"), c.one("k")
-    assert q is not None and k is not None
-    return backward, k[0][-3], q[0][-1], bool(c.attr("causal", True))
-
-
-def _cost(c: LocalOp) -> OpCost:
-    f = _flops(c)
-    return OpCost(f, f, c.in_bytes + c.out_bytes, True, c.dtype(), attention=_pass(c, False))
-
-
-def _grad_cost(c: LocalOp) -> OpCost:
-    f = _flops(c)
-    return OpCost(2.5 * f, 2.0 * f, c.in_bytes + c.out_bytes, True, c.dtype(), attention=_pass(c, True))
+#: QK^T and PV on the local shapes, causal unless the op says otherwise (on average over the
+#: ranks: exactly so with the zig-zag balance). Under ``variant='ring'`` the local k is one
+#: block: this is one ring step's work; the kernel runs ``n`` of them (n: the ring's ranks,
+#: which cost/ knows from the RingPass fact and the mesh).
+_cost, _grad_cost = attention_costs(causal=True)
 
 
 facts("cp_attention", shape=_shape, grad="cp_attention_grad", wrt=("q", "k", "v"), cost=_cost, outputs=("out", "softmax_lse"),

@@ -153,6 +153,24 @@ def verify_config(best: Candidate, model_name: str, cost_text: str | None = None
 
 
 
+def _pipeline_text(label: str, shape: tuple[Any, ...], failures: list[tuple[str, str]],
+                   losses: tuple[str, bool, float, float | None]) -> str:
+    """The pipeline --verify verdict: ``shape`` (layers, stages, stages in order, sub-mesh,
+    microbatches, microbatch size, ranks, tensors checked), ``losses`` (how the microbatch losses
+    make the batch's: "sum" / "average", whether they do, their total, the batch's loss)."""
+    layers, n, ordered, sub, n_mb, b, ranks, checked = shape
+    how, agree, total, ref_loss = losses
+    lines = [f"verify: {label} with {layers} layers in {n} pipeline stages (forward runs stages 0..{n - 1}, backward "
+             f"{n - 1}..0, in order: {'yes' if ordered else 'NO'}), each stage on the sub-mesh {sub}, {n_mb} "
+             f"microbatches of {b} simulated on {ranks} ranks: {checked} tensors compared with the "
+             f"unsharded step (loss, every gradient, every update): "
+             + ("all equal" if not failures else f"{len(failures)} differ")
+             + f"; the microbatch losses {how} to the whole batch's loss: {'yes' if agree else 'NO'} "
+             f"({total:.12g} vs {ref_loss if ref_loss is not None else float('nan'):.12g})"]
+    lines += [f"  {name}: {what}" for name, what in failures[:10]]
+    return "\n".join(lines)
+
+
 def verify_pipeline(model_name: str, mesh_text: str, spec: PipelineSpec, strategy: str) -> dict[str, Any]:
     """``--verify`` of a pipeline plan of the preset ``model_name`` on ``mesh_text`` (with its pp
     dim): the tiny model of the same arch with ``pp * v`` layers (at least 2), split one layer
@@ -191,18 +209,11 @@ def verify_pipeline(model_name: str, mesh_text: str, spec: PipelineSpec, strateg
               and abs(total - ref.loss) <= 1e-9 * max(1.0, abs(ref.loss)))
     ok = not failures and ordered and summed
     checked = sum(r.checked for r in reps)
-    lines = [f"verify: {model_label(tiny)} with {layers} layers in {n} pipeline stages (forward runs stages 0..{n - 1}, backward "
-             f"{n - 1}..0, in order: {'yes' if ordered else 'NO'}), each stage on the sub-mesh {sub}, {n_mb} "
-             f"microbatches of {b} simulated on {plan.mesh.size} ranks: {checked} tensors compared with the "
-             f"unsharded step (loss, every gradient, every update): "
-             + ("all equal" if not failures else f"{len(failures)} differ")
-             + f"; the microbatch losses sum to the whole batch's loss: {'yes' if summed else 'NO'} "
-             f"({total:.12g} vs {ref.loss if ref.loss is not None else float('nan'):.12g})"]
-    for name, what in failures[:10]:
-        lines.append(f"  {name}: {what}")
+    text = _pipeline_text(model_label(tiny), (layers, n, ordered, sub, n_mb, b, plan.mesh.size, checked), failures,
+                          ("sum", summed, total, ref.loss))
     return {"ok": ok, "model": model_label(tiny), "layers": layers, "stages_in_order": ordered, "microbatches": n_mb,
             "losses_sum": summed, "checked": checked, "failures": [list(f) for f in failures], "loss": total,
-            "text": "\n".join(lines)}
+            "text": text}
 
 
 # -- HuggingFace models -----------------------------------------------------------------------------
@@ -349,15 +360,8 @@ def verify_pipeline_hf(class_name: str, config: Any, mesh_text: str, spec: Pipel
     ok = not failures and ordered and agree
     checked = sum(r.checked for r in reps)
     how = "average" if mean else "sum"
-    lines = [f"verify: {class_name} at a tiny config with {layers} layers in {n} pipeline stages (forward runs stages "
-             f"0..{n - 1}, backward {n - 1}..0, in order: {'yes' if ordered else 'NO'}), each stage on the sub-mesh "
-             f"{sub}, {n_mb} microbatches of {b} simulated on {plan.mesh.size} ranks: {checked} tensors compared with "
-             f"the unsharded step (loss, every gradient, every update): "
-             + ("all equal" if not failures else f"{len(failures)} differ")
-             + f"; the microbatch losses {how} to the whole batch's loss: {'yes' if agree else 'NO'} "
-             f"({total:.12g} vs {ref.loss if ref.loss is not None else float('nan'):.12g})"]
-    for name, what in failures[:10]:
-        lines.append(f"  {name}: {what}")
+    text = _pipeline_text(f"{class_name} at a tiny config", (layers, n, ordered, sub, n_mb, b, plan.mesh.size, checked),
+                          failures, (how, agree, total, ref.loss))
     return {"ok": ok, "model": class_name, "config": tiny, "layers": layers, "stages_in_order": ordered,
             "microbatches": n_mb, "losses_agree": agree, "checked": checked,
-            "failures": [list(f) for f in failures], "loss": total, "text": "\n".join(lines)}
+            "failures": [list(f) for f in failures], "loss": total, "text": text}
