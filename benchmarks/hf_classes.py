@@ -74,6 +74,7 @@ CLASSES: dict[str, dict[str, Any]] = {
                               "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
                               "n_group": 1, "topk_group": 1, **_IDS},
     "MambaForCausalLM": {"num_hidden_layers": 2, "hidden_size": H, "vocab_size": V, "state_size": 8, "expand": 2,
+                         "intermediate_size": 2 * H,
                          "conv_kernel": 4, **_IDS},
     "WhisperForConditionalGeneration": {**_ENC_DEC, "num_mel_bins": 16, "max_source_positions": 16,
                                         "max_target_positions": 32, "begin_suppress_tokens": None,
@@ -193,7 +194,7 @@ def one(cls: str, cfg: dict[str, Any], run: bool) -> dict[str, Any]:
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            rep = simulate_plan(plan, values=torch_values(prog, model, (), kw), rtol=1e-6, atol=1e-9)
+            rep = simulate_plan(plan, values=torch_values(plan.program, model, (), kw), rtol=1e-6, atol=1e-9)
         row["verify"] = "ok" if rep.ok else f"{len(rep.failures)} differ"
         if not rep.ok:
             row["why"] = _short(f"verify: {rep.failures[0]}; {row['why']}")
