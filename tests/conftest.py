@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_cli_line(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
@@ -29,3 +37,13 @@ def cli_stdout(*argv: str) -> tuple[int, str]:
     with contextlib.redirect_stdout(buf):
         rc = main(list(argv))
     return rc, buf.getvalue()
+
+
+def run_json(*args: str) -> dict[str, Any]:
+    """``spmdkit run --json --warmup 0 --timeout 120 ARGS`` in a subprocess (it launches the
+    gloo ranks): its JSON report; a non-zero exit fails the test with the output's tail."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    p = subprocess.run([sys.executable, "-m", "spmdkit", "run", "--json", "--warmup", "0", "--timeout", "120", *args],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return dict(json.loads(p.stdout.strip().splitlines()[-1]))

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from conftest import run_json
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
@@ -297,14 +298,6 @@ def test_qwen3_moe_and_deepseek_v3_plans(name: str, mesh: str, strategy: str, ba
 # -- on gloo -------------------------------------------------------------------------------------------
 
 
-def _run(*args: str) -> dict[str, Any]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    p = subprocess.run([sys.executable, "-m", "spmdkit", "run", "--json", "--warmup", "0", "--timeout", "120", *args],
-                       capture_output=True, text=True, env=env, timeout=300)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return dict(json.loads(p.stdout.strip().splitlines()[-1]))
-
-
 @pytest.mark.parametrize(("cfg", "layers", "mesh", "strategy"), [
     (MOE, 1, "dp=2,ep=2", "dp,ep"),
     (QWEN3, 1, "dp=2,ep=2", "dp,ep,zero1"),
@@ -315,7 +308,7 @@ def test_run_with_ep_on_gloo_equals_the_single_process_step(cfg: dict[str, Any],
     """4 gloo processes, float32: loss, every gradient, update and activation equal the
     single-process step; every rank issued the plan's collectives, among them 2 all-to-alls
     over ep forward and 2 backward per MoE layer."""
-    rep = _run("--model-config", json.dumps({**cfg, "layers": layers}), "--mesh", mesh, "--strategy", strategy)
+    rep = run_json("--model-config", json.dumps({**cfg, "layers": layers}), "--mesh", mesh, "--strategy", strategy)
     assert rep["world_size"] == 4 and rep["backend"] == "gloo"
     assert rep["ok"] and rep["collectives_match"] and not rep["failures"] and rep["nonfinite"] == 0, rep["failures"]
     assert rep["loss"] == pytest.approx(rep["reference_loss"], rel=1e-6)

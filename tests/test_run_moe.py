@@ -12,14 +12,13 @@ name what differs from the arch's defaults."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+
+from conftest import run_json
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'spmdkit[torch]')")
 
@@ -220,14 +219,6 @@ def test_titles_name_experts_mla_positions_norms_and_biases() -> None:
 # -- on gloo --------------------------------------------------------------------------------------------
 
 
-def _run(*args: str) -> dict[str, Any]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    p = subprocess.run([sys.executable, "-m", "spmdkit", "run", "--json", "--warmup", "0", "--timeout", "120", *args],
-                       capture_output=True, text=True, env=env, timeout=300)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return dict(json.loads(p.stdout.strip().splitlines()[-1]))
-
-
 @pytest.mark.parametrize(("cfg", "layers", "title"), [
     (MOE, 1, "custom tiny-llama (1 layer, 4 experts top-2, expert FFN 8)"),
     (MLA, 1, "custom tiny-llama (1 layer, MLA kv rank 8, q rank 6, qk head 4+4 rope, v head 6)"),
@@ -237,7 +228,7 @@ def _run(*args: str) -> dict[str, Any]:
 def test_run_moe_and_mla_models_with_the_default_torch_kernels(cfg: dict[str, Any], layers: int, title: str) -> None:
     """dp=2 x tp=2 megatron, 4 gloo processes, float32, the default kernels (torch): loss, every
     gradient, update and activation equal the single-process step, the collectives the plan's."""
-    rep = _run("--model-config", json.dumps({**cfg, "layers": layers}), "--mesh", "dp=2,tp=2", "--strategy",
+    rep = run_json("--model-config", json.dumps({**cfg, "layers": layers}), "--mesh", "dp=2,tp=2", "--strategy",
                "megatron")
     assert rep["kernels"] == "torch" and rep["world_size"] == 4 and rep["backend"] == "gloo"
     assert rep["ok"] and rep["collectives_match"] and not rep["failures"] and rep["nonfinite"] == 0, rep["failures"]
