@@ -19,6 +19,11 @@ GEMMs. A plan carries one (:attr:`spmdkit.program.plan.Plan.runtime`); the CLI s
   (``--moe-skew F``: the busiest expert receives F x the mean, the others share the rest evenly;
   ``--moe-histogram``: tokens per expert as measured); uniform (1.0, None) by default.
   :mod:`spmdkit.cost.moe` turns them into the load of the busiest expert-parallel rank.
+- ``compile``: torchtitan's ``training.compile`` (``--compile`` / ``--no-compile``): each
+  transformer block compiled by Inductor (its norms, rotary embedding and SwiGLU fused, as the
+  program's ops are costed) or run eagerly (each PyTorch op its own kernels: the unfused
+  traffic of :mod:`spmdkit.cost.eager`). None: the framework's default (torchtitan: eager,
+  its ``compile = false``). Megatron and AutoModel run fused kernels: only torchtitan takes it.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ class Runtime:
     tp_comm_overlap: bool = False
     moe_skew: float = 1.0
     moe_histogram: tuple[float, ...] | None = None
+    compile: bool | None = None
 
     def __post_init__(self) -> None:
         if self.precision is not None and self.precision not in PRECISIONS:
@@ -60,6 +66,14 @@ class Runtime:
             _check_histogram(self.moe_histogram)
         if self.moe_histogram is not None and self.moe_skew != 1.0:
             raise ProgramError("--moe-skew and --moe-histogram: give one, not both")
+        if self.compile is not None and self.framework != "torchtitan":
+            raise ProgramError(f"--{'' if self.compile else 'no-'}compile: applies to --framework torchtitan only "
+                               f"(--framework {self.framework} runs fused Transformer Engine kernels)")
+
+    @property
+    def eager(self) -> bool:
+        """The model's blocks run as eager PyTorch ops (torchtitan without ``--compile``)."""
+        return self.framework == "torchtitan" and not self.compile
 
     def precision_of(self, dtype: str) -> str:
         """The precision the step computes in: ``precision`` if given, else the one of ``dtype``
@@ -82,6 +96,8 @@ class Runtime:
             out["moe_skew"] = self.moe_skew
         if self.moe_histogram is not None:
             out["moe_histogram"] = list(self.moe_histogram)
+        if self.framework == "torchtitan":
+            out["compile"] = bool(self.compile)
         return out
 
 
