@@ -112,6 +112,7 @@ def aux_loss(t: Tape, cfg: ModelConfig, m: Model, p: str, probs: str, off: str |
         cnt = c
     (f,) = t.b.op("cast", {"x": cnt}, [(p + "aux.f", [B, E], "float32")], dtype="float32")
     if cfg.cp > 1:
+        assert f is not None
         return _aux_per_token(t, cfg, m, p, probs, f)
     (pm,) = t.op("mean", {"x": probs}, [(p + "aux.p", [B, E], cfg.dtype)], axis=(1,), keep_dim=False)
     if cfg.dtype != "float32":
@@ -133,9 +134,10 @@ def _aux_per_token(t: Tape, cfg: ModelConfig, m: Model, p: str, probs: str, f: s
     all-reduced over the tp x cp group, ``probs`` summed over the rank's tokens only)."""
     B, S, E = cfg.batch, cfg.seq, cfg.experts
     (f3,) = t.b.op("reshape", {"x": f}, [(p + "aux.f3", [B, 1, E], "float32")], shape=(B, 1, E))
+    p32: str | None = probs
     if cfg.dtype != "float32":
-        (probs,) = t.op("cast", {"x": probs}, [(p + "aux.p32", [B, S, E], "float32")], dtype="float32")
-    (fp,) = t.op("multiply", {"x": f3, "y": probs}, [(p + "aux.fp", [B, S, E], "float32")])
+        (p32,) = t.op("cast", {"x": probs}, [(p + "aux.p32", [B, S, E], "float32")], dtype="float32")
+    (fp,) = t.op("multiply", {"x": f3, "y": p32}, [(p + "aux.fp", [B, S, E], "float32")])
     (a,) = t.op("sum", {"x": fp}, [(p + "aux", [B, S, 1], "float32")], axis=(2,), keep_dim=True)
     assert a is not None
     m.aux.append(a)
