@@ -43,6 +43,10 @@ def test_auto_config_builds_the_variant_asked_and_refuses_what_it_cannot() -> No
     assert cfg is not None and (cfg.cp, cfg.cp_attention, cfg.cp_balance) == (2, "ring", "zigzag")
     assert auto_config(preset("tiny-llama"), parse_mesh("dp=2,tp=2"), [], None) == preset("tiny-llama")
     with pytest.raises(ProgramError) as e:
+        auto_config(preset("tiny-llama"), parse_mesh("dp=2"), ["cp-attention=ring"], None)
+    assert str(e.value) == ("--cp-attention ring: context parallelism is not asked for (--auto splits the sequence on "
+                            "a cp mesh dim of more than one rank)")
+    with pytest.raises(ProgramError) as e:
         auto_config(None, mesh, [], "--hf")
     assert str(e.value) == ("--auto --mesh cp=2: context parallelism needs the model built with cp_attention; an --hf "
                             "model is not (plan it with --strategy ...,cp)")
@@ -52,10 +56,10 @@ def test_auto_config_builds_the_variant_asked_and_refuses_what_it_cannot() -> No
                             "balance)")
     with pytest.raises(ProgramError) as e:
         auto_config(preset("tiny-llama"), mesh, ["dp", "cp"], None)
-    assert str(e.value) == "--strategy dp,cp: does not apply with --auto (the search chooses the shardings)"
+    assert str(e.value) == "--strategy: does not apply with --auto (the search chooses the shardings)"
 
 
 def test_auto_with_a_strategy_is_one_line_exit_2() -> None:
     rc, out, err = _plan("--model", "tiny-llama", "--mesh", "cp=2", "--auto", "--strategy", "dp")
     assert rc == 2 and not out and "Traceback" not in err
-    assert "--strategy dp: does not apply with --auto (the search chooses the shardings)" in err
+    assert "--strategy: does not apply with --auto (the search chooses the shardings)" in err

@@ -88,10 +88,13 @@ def auto_config(cfg: ModelConfig | None, mesh: ProcessMesh, items: Iterable[str]
     st = list(items)
     other = [s for s in st if parse_option(s) is None]
     if other:
-        raise ProgramError(f"--strategy {','.join(other)}: does not apply with --auto (the search chooses the "
-                           f"shardings)")
+        raise ProgramError("--strategy: does not apply with --auto (the search chooses the shardings)")
     n = mesh.shape[mesh.dim_index("cp")] if "cp" in mesh.dim_names else 1
     if n == 1:
+        if st:
+            k, _, v = st[0].partition("=")
+            raise ProgramError(f"--{k} {v}: context parallelism is not asked for (--auto splits the sequence on a "
+                               f"cp mesh dim of more than one rank)")
         return cfg
     if imported is not None or cfg is None:
         raise ProgramError(f"--auto --mesh cp={n}: context parallelism needs the model built with cp_attention; an "
