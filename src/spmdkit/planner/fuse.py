@@ -70,17 +70,18 @@ def fused_pair(args: Sequence[Any]) -> tuple[int, int] | None:
     for s in specs:
         attr = s.dist_attr
         pt = attr.partial_status
-        whole = False  # the tensor holds the co-shard itself
+        alone = False  # the tensor holds a alone on an axis (and is partial over b alone)
         for e in attr.dims_mapping:
             ds = entry_dims(e)
             if a in ds or b in ds:
                 i = ds.index(a) if a in ds else -1
                 if i >= 0 and i + 1 < len(ds) and ds[i + 1] == b:
-                    whole = True
-                elif i < 0 or i + 1 < len(ds) or a in pt or b not in pt:
+                    continue  # the co-shard itself
+                if i < 0 or i + 1 < len(ds) or a in pt or b not in pt:
                     return None  # b without a, a inside an entry, or a alone and not partial over b alone
-        if whole and ((a in pt) != (b in pt) or (a in pt and pt[a] != pt[b])):
-            return None
+                alone = True
+        if not alone and ((a in pt) != (b in pt) or (a in pt and pt[a] != pt[b])):
+            return None  # partial over one of the two only
     return pair
 
 
