@@ -135,6 +135,9 @@ class PlanRequest:
     grad_accum: str | None = None
     recompute: str | None = None
     verify: bool = False
+    #: sequences per optimizer step, and per data-parallel rank in one micro-step (cli/batch.py)
+    global_batch: str | None = None
+    micro_batch: str | None = None
     search: SearchArgs = SearchArgs()
     pipeline: PipelineArgs = PipelineArgs()
     outputs: Outputs = Outputs()
@@ -207,6 +210,7 @@ def plan_request(ns: argparse.Namespace) -> PlanRequest:
                     framework=ns.framework, tp_comm_overlap=ns.tp_comm_overlap, moe_skew=ns.moe_skew,
                     moe_histogram=ns.moe_histogram),
         grad_accum=ns.grad_accum, recompute=ns.recompute, verify=ns.verify,
+        global_batch=ns.global_batch, micro_batch=ns.micro_batch,
         search=SearchArgs(auto=ns.auto, time_limit=ns.auto_time_limit, memory=ns.memory, explain=ns.explain),
         pipeline=PipelineArgs(microbatches=ns.microbatches, schedule=ns.schedule,
                               virtual_stages=ns.virtual_stages, stages=ns.stages),
@@ -257,7 +261,15 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                         "zero2 (zero), zero3 (fsdp); default megatron (= dp,megatron) for a preset or --hf, none for --program")
     _add_cp_arguments(p)
     p.add_argument("--layers", help=f"override the preset's layer count (1 to {MAX_LAYERS})")
-    p.add_argument("--batch", help=f"override the preset's batch size (1 to {MAX_SIZE})")
+    p.add_argument("--batch", help=f"override the preset's batch size (1 to {MAX_SIZE}): the sequences of one "
+                                   "forward/backward over every data-parallel rank (with --grad-accum K a step "
+                                   "trains K x batch; with --devices or a pipeline, the sequences per step)")
+    p.add_argument("--global-batch", dest="global_batch", metavar="G",
+                   help="sequences per optimizer step (Megatron's --global-batch-size); the gradient accumulation "
+                        "or a pipeline's microbatches are derived: G / (micro-batch x dp)")
+    p.add_argument("--micro-batch", dest="micro_batch", metavar="B",
+                   help="with --global-batch: sequences per data-parallel rank in one forward/backward "
+                        "(default: G / dp without a pipeline, 1 with one)")
     p.add_argument("--seq", help=f"override the preset's sequence length (1 to {MAX_SIZE})")
     p.add_argument("--annotate", action="append", default=[], metavar="TENSOR=DIMS_MAPPING",
                    help='pin a tensor, e.g. --annotate "tokens=[0,-1]" (repeatable)')

@@ -106,6 +106,8 @@ class Config:
     ep: int = 1
     #: context parallelism: the sequence split over a cp dim between dp and tp (1: none)
     cp: int = 1
+    #: gradient accumulation without a pipeline: micro-steps per optimizer step (--micro-batch)
+    grad_accum: int = 1
 
     @property
     def sub_mesh_text(self) -> str:
@@ -125,11 +127,13 @@ class Config:
         return (f"dp={self.dp}" + (f" ep={self.ep}" if self.ep > 1 else "") + (f" cp={self.cp}" if self.cp > 1 else "")
                 + f" tp={self.tp} pp={self.pp}"
                 + (f" (m={self.microbatches})" if self.pp > 1 else "")
+                + (f" (accum={self.grad_accum})" if self.grad_accum > 1 else "")
                 + f" {self.strategy}" + (f" recompute={self.recompute}" if self.recompute != "none" else ""))
 
     def to_json(self) -> dict[str, Any]:
         return {"dp": self.dp, "tp": self.tp, "pp": self.pp, **({"ep": self.ep} if self.ep > 1 else {}),
                 **({"cp": self.cp} if self.cp > 1 else {}),
+                **({"grad_accum": self.grad_accum} if self.grad_accum > 1 else {}),
                 "strategy": self.strategy, "recompute": self.recompute, "microbatches": self.microbatches,
                 "mesh": self.mesh_text}
 
@@ -271,6 +275,8 @@ class SearchProgress(Protocol):
 
     def advance(self, n: int = 1, note: str | None = None) -> None: ...
 
+    def phase(self, text: str) -> None: ...
+
 
 @dataclass(frozen=True)
 class _Job:
@@ -329,8 +335,9 @@ def _flat_candidates(cfg: Config, plan: Plan, job: _Job, title: str, info: AutoI
     out: list[Candidate] = []
     plan = replace(plan, runtime=job.runtime)
     n = collectives_of(plan)
+    tokens = job.tokens // plan.grad_accum if job.tokens else job.tokens  # estimate_step counts the micro-steps
     for rc in job.mode_order():
-        est = estimate_step(plan, job.device, job.tokens, rc)
+        est = estimate_step(plan, job.device, tokens, rc)
         mem = memory_per_device(plan, rc)
         out.append(Candidate(replace(cfg, recompute=rc), est.step_overlap_s, est.mfu, mem.device_total,
                              est.comm_total_s, mem.device_total <= job.cap, plan, est, mem, title, info, collectives=n))
@@ -385,6 +392,9 @@ class _Sizes:
     config: ModelConfig | None = None
     #: routed experts (0: a dense model, no ep dim tried)
     experts: int = 0
+    #: --micro-batch: sequences per data-parallel rank in one micro-step (None: the whole share
+    #: without a pipeline, one sequence a microbatch with one)
+    micro: int | None = None
 
 
 def _model_sizes(model: str, overrides: Mapping[str, int | None] | None) -> tuple[ModelConfig, _Sizes]:
@@ -427,11 +437,19 @@ def _work(devices: int, pipeline: bool, sizes: _Sizes, given: list[str] | None,
             if batch is not None and batch % (dp * ep):
                 continue
             m = (batch // (dp * ep)) if (pp > 1 and batch and sizes.microbatches) else 1
+            accum = 1
+            if sizes.micro is not None and batch is not None:
+                if batch % (sizes.micro * dp * ep):
+                    refused.append((Config(dp, tp, pp, "*", "none", m, ep, cp), f"--micro-batch {sizes.micro} x "
+                                    f"{dp * ep} data-parallel ranks does not divide the global batch {batch}"))
+                    continue
+                steps = batch // (sizes.micro * dp * ep)
+                m, accum = (steps, 1) if pp > 1 else (1, steps)
             names = list(given) if given is not None else hand_strategies(dp, tp, ep, cp)
             if auto:
                 names.append("auto")
             for s in names:
-                cfg = Config(dp, tp, pp, s, "none", m, ep, cp)
+                cfg = Config(dp, tp, pp, s, "none", m, ep, cp, accum)
                 if s != "auto":
                     parts = s.split(",")
                     if (tp == 1 and "megatron" in parts) or ((ep > 1) != ("ep" in parts)) \
@@ -476,7 +494,7 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
                   cost_text: str | None = None, time_limit: float = 30.0, nodes_of: int | None = None,
                   patterns: Any = None, progress: SearchProgress | None = None,
                   runtime: Runtime | None = None, reload: Callable[[int], Program] | None = None,
-                  prune: bool | None = None, fold: bool = True) -> SearchResult:
+                  prune: bool | None = None, fold: bool = True, micro_batch: int | None = None) -> SearchResult:
     """Search ``devices`` devices for the fastest configuration of ``model`` (a preset name or a
     :class:`spmdkit.program.ir.Program`, e.g. an imported HuggingFace model) that fits in
     ``memory_cap`` bytes per device (default: ``device``'s memory). ``device``: a
@@ -492,6 +510,9 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
     found, and price a planned one's recomputation modes from full to none, stopping at the
     first over the cap (default: for a MoE model whose search has more than
     :data:`EXHAUSTIVE_PLANS` configurations; a dense model's search plans and prices every one).
+    ``micro_batch``: sequences per data-parallel rank in one micro-step (a preset; the global
+    batch is its batch): without a pipeline ``batch / (micro_batch x dp)`` micro-steps of gradient
+    accumulation, with one that many microbatches.
     ``fold``: a preset's configurations planned on two shallow copies and extrapolated to its
     depth (:mod:`spmdkit.planner.fold`; exact to rounding), the best planned again whole."""
     t0 = time.perf_counter()
@@ -505,8 +526,12 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
         modes = _applicable_modes(model, modes, recompute is not None)
         if reload is not None:
             reload = _cached(reload)
+        if micro_batch is not None:
+            raise ProgramError("--micro-batch: applies to a preset or catalog model's search (an imported or "
+                               "program-file model is planned at the batch it was traced at)")
     else:
         cfg_model, sizes = _model_sizes(model, overrides)
+        sizes = replace(sizes, micro=micro_batch)
     work, refused = _work(devices, pipeline, sizes, given, auto)
     job = _Job(dev, sizes.tokens, modes, cap, pins, cost_text, nodes_of, time_limit, patterns, runtime or Runtime(),
                fold=fold)
@@ -520,6 +545,9 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
         raise ProgramError(f"--devices {devices}: {len(work)} configurations to plan (at most {MAX_PLANS})")
     if progress is not None:
         progress.update(0, total=len(work))
+        progress.phase(f"{len(work)} configurations to plan" + (f", {len(refused)} refused before planning"
+                       if refused else "") + (" (each on two shallow copies of the model where its layers "
+                                                "repeat: planner/fold.py)" if fold and cfg_model is not None else ""))
     cands: list[Candidate] = []
     pruned: list[tuple[Config, str]] = []
     best = math.inf
@@ -554,8 +582,14 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
         if progress is not None:
             progress.advance()
     cands.sort(key=lambda c: (not c.fits, c.step_s if c.fits else c.memory, c.memory))
+    if progress is not None:
+        folded = len({c.config for c in cands if c.folded})
+        progress.phase(f"planned {planned} configurations ({folded} folded), {len(pruned)} pruned by bounds, "
+                       f"{len(refused)} not planned; {sum(1 for c in cands if c.fits)} rows fit")
     if cands and cands[0].fits and cands[0].folded and cfg_model is not None:
         cands[0] = _in_full(cands[0], str(model), cfg_model, job)
+        if progress is not None:
+            progress.phase(f"the best ({cands[0].config.label()}) planned whole")
     return SearchResult(devices, dev, cap, cands, refused, time.perf_counter() - t0, len(work) - len(pruned), pruned)
 
 
@@ -630,9 +664,10 @@ class _Planned:
 def _preset_plan(cfg: Config, name: str, mc: ModelConfig, job: _Job, layers: int | None = None) -> _Planned:
     """``cfg`` planned on the preset (``layers``: a shallow copy of it, planner.fold)."""
     full_cost, cost_text = job.cost_text, pp_cost_text(job.cost_text, None)  # pp= times the sends only
-    over = {"layers": layers or mc.layers, "batch": mc.batch // cfg.microbatches, "seq": mc.seq}
+    over = {"layers": layers or mc.layers, "batch": mc.batch // cfg.microbatches // cfg.grad_accum, "seq": mc.seq}
     title = (f"{name}: {mc.arch}, {mc.layers} layers, hidden {mc.hidden}, seq {mc.seq}, batch {mc.batch}"
              + (f" as {cfg.microbatches} microbatches of {mc.batch // cfg.microbatches}" if cfg.pp > 1 else "")
+             + (f" as {cfg.grad_accum} micro-steps of {mc.batch // cfg.grad_accum}" if cfg.grad_accum > 1 else "")
              + f"; mesh {cfg.mesh_text}; {cfg.strategy}")
     info = None
     if cfg.strategy == "auto":
@@ -643,7 +678,8 @@ def _preset_plan(cfg: Config, name: str, mc: ModelConfig, job: _Job, layers: int
         plan, info = _auto(model.program, cfg, job, cost_text)
         title += _auto_title(info)
     else:
-        _model, plan, _ = plan_model(name, cfg.sub_mesh_text, cfg.strategy, over, _pins_for(cfg, job.pins), cost_text)
+        _model, plan, _ = plan_model(name, cfg.sub_mesh_text, cfg.strategy, over, _pins_for(cfg, job.pins), cost_text,
+                                     grad_accum=cfg.grad_accum)
     return _Planned(recost(plan, _link_cost(plan.mesh, job, cost_text)), title, info, full_cost)
 
 
