@@ -7,7 +7,8 @@ One row per size (the default models and batches below; each search run once, in
 process): seconds of the search, configurations planned, candidates costed (a configuration
 under each recomputation mode), how many were folded (:mod:`spmdkit.planner.fold`: planned on
 two shallow copies of the model), candidates costed per second, the best configuration, its
-step and MFU. For Llama 3 405B the published layout (tp=8, pp=16, dp=128 at 8k: 16 microbatches
+step and MFU. The search's seconds are CPU seconds of this process (the machine's other jobs do
+not count) and wall seconds beside them. For Llama 3 405B the published layout (tp=8, pp=16, dp=128 at 8k: 16 microbatches
 of one sequence per dp rank, Megatron with sp and the distributed optimizer; Llama 3 paper,
 table 4) is priced the same way beside it. ``--no-fold`` plans every configuration whole (the
 search before folding). Timings are CPU seconds on whatever machine runs it: say which and how
@@ -39,13 +40,13 @@ PUBLISHED = {16384: Config(128, 8, 16, "megatron,sp,zero1", microbatches=16)}
 
 def row(n: int, fold: bool) -> None:
     model, over = ROWS[n]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     res = search_meshes(model, n, "h100", overrides=over, fold=fold)
-    secs = time.perf_counter() - t0
+    wall, secs = time.perf_counter() - t0, time.process_time() - c0
     folded = sum(1 for c in res.candidates if c.folded)
     best = res.best
     what = f"{best.config.label()}: {best.step_s:.3f} s, MFU {100 * (best.mfu or 0):.1f}%" if best else "none fits"
-    print(f"{n:6d}  {model:12s} {over.get('batch', ''):>5}  {secs:8.1f} s  {res.plans:5d} planned  "
+    print(f"{n:6d}  {model:12s} {over.get('batch', ''):>5}  {secs:8.1f} s  {wall:8.1f} s  {res.plans:5d} planned  "
           f"{len(res.candidates):5d} costed  {folded:5d} folded  {len(res.candidates) / secs:7.2f}/s  {what}",
           flush=True)
     pub = PUBLISHED.get(n)
@@ -64,7 +65,7 @@ def main() -> int:
     ap.add_argument("--no-fold", action="store_true")
     a = ap.parse_args()
     warnings.simplefilter("ignore")
-    print("devices model        batch    search   planned    costed    folded   costed/s  best")
+    print("devices model        batch   CPU s     wall s    planned          costed       folded   costed per CPU s  best")
     for n in (int(x) for x in a.sizes.split(",")):
         row(n, not a.no_fold)
     return 0

@@ -81,3 +81,23 @@ def test_search_is_the_same_folded_and_its_best_is_planned_whole() -> None:
     assert any(c.folded for c in folded.candidates[1:])
     best = folded.best
     assert best is not None and best.folded == 0 and len(layer_tags(best.plan.program)) == 9
+
+
+@pytest.mark.parametrize(("model", "over"), [("llama3-8b", {"batch": 8, "layers": 12, "seq": 1024}),
+                                              ("deepseek-v2-lite", {"batch": 8, "layers": 9, "seq": 1024})])
+def test_search_bounds_fold_exactly(model: str, over: dict[str, int]) -> None:
+    """The bounds that prune a large search (search_bounds), read off two shallow copies: every
+    layer's parameters and states and the step's FLOPs as the whole model's."""
+    from dataclasses import replace
+
+    from spmdkit.cost.devices import load_device
+    from spmdkit.planner.search import RECOMPUTE_MODES, _bounds, _Job, _model_sizes
+
+    mc, sizes = _model_sizes(model, over)
+    dev = load_device("h100")
+    job = _Job(dev, sizes.tokens, RECOMPUTE_MODES, dev.memory_bytes, None, None, None, 30.0)
+    folded, whole = _bounds(model, mc, job), _bounds(model, mc, replace(job, fold=False))
+    assert folded.layers == whole.layers and len(folded.layers) == over["layers"]
+    assert folded.flops == pytest.approx(whole.flops, rel=1e-12)
+    assert (folded.outside, folded.peak, folded.token_bytes, folded.batch) == \
+           (whole.outside, whole.peak, whole.token_bytes, whole.batch)

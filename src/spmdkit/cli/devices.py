@@ -20,6 +20,7 @@ from spmdkit.models.source import load
 from spmdkit.models.zoo import model_label, preset
 from spmdkit.outputs.pipeline import write_pipeline
 from spmdkit.outputs.progress import Progress
+from spmdkit.outputs.recipe import check_recipe_target, recipe, write_recipe
 from spmdkit.outputs.report import plan_json, write_report
 from spmdkit.outputs.search import search_json, write_search
 from spmdkit.planner.pipeline import PipelineEstimate, pp_cost_text
@@ -84,6 +85,10 @@ def run_devices(req: PlanRequest, out: TextIO) -> int:
     title = f"{what}; best of {n} devices: {best.title}" if best is not None else what
     if best is not None:
         _write_files(req, res, best, title)
+        if req.outputs.recipe is not None:
+            kind, path = req.outputs.recipe
+            got = recipe(best, what, _global_batch(model, batch, best), _seq_of(model, seq), _layers_of(model, layers))
+            write_recipe(kind, path, got)
     if req.outputs.json:
         return _write_json(res, best, title, verdict, out)
     out.write(f"{what} on {n} devices ({res.device.name})\n")
@@ -95,6 +100,26 @@ def run_devices(req: PlanRequest, out: TextIO) -> int:
     if verdict is not None:
         out.write("\n" + verdict["text"] + "\n")
     return 0 if verdict is None or verdict["ok"] else 1
+
+
+def _global_batch(model: str | Program, batch: int | None, best: Candidate) -> int:
+    """The sequences a step of the best configuration trains."""
+    if batch is not None:
+        return batch
+    got = _batch_of(model)
+    return got if got is not None else best.config.dp * best.config.ep
+
+
+def _seq_of(model: str | Program, seq: int | None) -> int:
+    if seq is not None or isinstance(model, Program):
+        return seq or 0
+    return preset(model).seq
+
+
+def _layers_of(model: str | Program, layers: int | None) -> int:
+    if layers is not None or isinstance(model, Program):
+        return layers or 0
+    return preset(model).layers
 
 
 def _batch_of(model: str | Program) -> int | None:
@@ -146,6 +171,8 @@ def _check_flags(req: PlanRequest) -> None:
     whose entry times the pipeline's sends)."""
     if req.mesh is not None:
         raise ProgramError("--devices: give either --mesh or --devices (the search chooses the mesh)")
+    if req.outputs.recipe is not None:
+        check_recipe_target(*req.outputs.recipe)
     for flag in [*req.pipeline.given(), *(["--grad-accum"] if req.grad_accum is not None else [])][:1]:
         raise ProgramError(f"{flag}: does not apply with --devices (the search chooses the pipeline: 1F1B, "
                            "one sequence per dp rank per microbatch; give --global-batch and --micro-batch for "

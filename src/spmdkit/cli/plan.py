@@ -64,6 +64,8 @@ def run_plan(req: PlanRequest, out: TextIO) -> int:
                 check_html_path(req.outputs.html)  # before planning
             if req.outputs.export:  # a bad format or folder refused before planning
                 check_target(*req.outputs.export)
+            if req.outputs.recipe is not None and not devices:
+                raise ProgramError("--export-recipe: applies to --devices (the search's best recipe); give --devices N")
             width = None if req.outputs.json else terminal_width(out, req.outputs.wide)
             with fitted(out, width) as fout:
                 if devices:  # the outer search: cli/devices.py

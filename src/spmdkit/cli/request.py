@@ -89,6 +89,8 @@ class Outputs:
     wide: bool = False
     html: str | None = None
     export: tuple[str, str] | None = None
+    #: ``--export-recipe KIND FILE`` (--devices: the best recipe as torchtitan TOML, Megatron-LM arguments, JSON)
+    recipe: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -215,7 +217,8 @@ def plan_request(ns: argparse.Namespace) -> PlanRequest:
         pipeline=PipelineArgs(microbatches=ns.microbatches, schedule=ns.schedule,
                               virtual_stages=ns.virtual_stages, stages=ns.stages),
         outputs=Outputs(json=ns.json, wide=ns.wide, html=ns.html,
-                        export=None if ns.export is None else (ns.export[0], ns.export[1])),
+                        export=None if ns.export is None else (ns.export[0], ns.export[1]),
+                        recipe=None if ns.export_recipe is None else (ns.export_recipe[0], ns.export_recipe[1])),
         argv=tuple(ns.argv))
 
 
@@ -314,6 +317,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--export", nargs=2, metavar=("dtensor|jax|paddle", "FILE"),
                    help="also write the parameters' shardings for torch DTensor (a parallelize_module plan and "
                         "placements), JAX (PartitionSpecs) or Paddle (shard_tensor placements) to FILE (docs/export.md)")
+    p.add_argument("--export-recipe", dest="export_recipe", nargs=2, metavar=("torchtitan|megatron|json", "FILE"),
+                   help="with --devices: also write the best recipe as a torchtitan job config (TOML), Megatron-LM's "
+                        "command-line arguments or JSON to FILE (docs/search.md)")
     p.add_argument("--verify", action="store_true",
                    help="also run the same plan at tiny sizes through the simulator (needs numpy)")
     p.add_argument("--auto", action="store_true",

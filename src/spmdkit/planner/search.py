@@ -87,6 +87,8 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 MAX_PLANS = 2000
 #: a MoE model's search plans every configuration up to this many, beyond prunes by bounds
 EXHAUSTIVE_PLANS = 200
+#: a search of this many devices or more is pruned by bounds (search_bounds) by default
+PRUNED_DEVICES = 512
 #: the sequence length from which a preset's search also splits the sequence over a ``cp`` dim
 #: (context parallelism: Llama 3 trained from 8k with cp from 16k up; torchtitan and NeMo from 16k-32k)
 LONG_SEQ = 16384
@@ -535,8 +537,8 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
     work, refused = _work(devices, pipeline, sizes, given, auto)
     job = _Job(dev, sizes.tokens, modes, cap, pins, cost_text, nodes_of, time_limit, patterns, runtime or Runtime(),
                fold=fold)
-    if prune is None:  # a MoE model's search, where ep multiplies the meshes, when it is large
-        prune = sizes.experts > 0 and len(work) > EXHAUSTIVE_PLANS
+    if prune is None:  # a MoE model's search, where ep multiplies the meshes, when it is large; a large cluster's
+        prune = (sizes.experts > 0 and len(work) > EXHAUSTIVE_PLANS) or devices >= PRUNED_DEVICES
     bounds = _bounds(model, cfg_model, job) if prune and work else None
     job = replace(job, lean=bounds is not None)
     if bounds is not None:  # the most promising first, so the best step found early prunes the most
@@ -595,21 +597,32 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
 
 def _bounds(model: str | Program, mc: ModelConfig | None, job: _Job) -> Bounds:
     """The search's :class:`spmdkit.planner.search_bounds.Bounds`: the step planned on one rank at
-    full size (the global batch)."""
+    full size (the global batch); a preset's folded (two shallow copies, their repeated layer's
+    parameters and states repeated, the FLOPs extrapolated: planner.fold) where ``job.fold``."""
     if isinstance(model, Program):
         _p, plan = plan_program(model, "dp=1", None)
-    else:
-        assert mc is not None
-        _m, plan, _ = plan_model(str(model), "dp=1,tp=1", "dp", {"layers": mc.layers, "batch": mc.batch,
-                                                                   "seq": mc.seq})
-    token = mc.hidden * plan.program.tensors["embed"].itemsize if mc is not None and "embed" in plan.program.tensors \
-        else 0
-    return model_bounds(replace(plan, runtime=job.runtime), job.device, job.runtime, token)
+        return model_bounds(replace(plan, runtime=job.runtime), job.device, job.runtime, 0)
+    assert mc is not None
+    dense = mc.dense_layers if mc.experts else 0
+    fold = fold_of((mc.layers,), dense) if job.fold else None
+    got = []
+    for layers in ([fold.layers_a, fold.layers_b] if fold is not None else [mc.layers]):
+        _m, plan, _ = plan_model(str(model), "dp=1,tp=1", "dp", {"layers": layers, "batch": mc.batch, "seq": mc.seq})
+        token = mc.hidden * plan.program.tensors["embed"].itemsize if "embed" in plan.program.tensors else 0
+        got.append(model_bounds(replace(plan, runtime=job.runtime), job.device, job.runtime, token))
+    if fold is None:
+        return got[0]
+    a, b = got
+    k = dense + 1
+    return replace(b, layers=b.layers[:k] + (b.layers[k],) * (mc.layers - fold.layers_b) + b.layers[k:],
+                   flops=fold.at(a.flops, b.flops))
 
 
 def _pruned_why(cfg: Config, bounds: Bounds, cap: int, best: float) -> str | None:
     """Why ``cfg`` need not be planned (its bounds), or None."""
     # cp: ZeRO shards over dp x cp and each rank holds 1/cp of the sequences' tokens, as dp x cp ranks would
+    if cfg.grad_accum > 1:  # a micro-step holds the activations of batch / accum sequences
+        bounds = replace(bounds, batch=bounds.batch // cfg.grad_accum)
     mem = bounds.memory(cfg.dp * cfg.cp, cfg.ep, cfg.tp, cfg.pp, cfg.strategy, cfg.microbatches) \
         if cfg.strategy != "auto" else 0
     if mem > cap:
