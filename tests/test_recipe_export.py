@@ -5,6 +5,7 @@ JSON; refused before the search where it cannot be written or expressed."""
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import tomllib
 from contextlib import redirect_stderr, redirect_stdout
@@ -48,12 +49,13 @@ def test_torchtitan_toml_from_the_search(tmp_path: Path) -> None:
 
 
 def test_megatron_arguments_and_a_pipeline_recipe() -> None:
-    c = [x for x in config_candidates("llama3-8b", Config(2, 2, 2, "megatron,sp,zero1", microbatches=8),
-                                      overrides={"layers": 4, "batch": 16, "seq": 512}) if x.config.recompute == "selective"][0]
+    c = next(x for x in config_candidates("llama3-8b", Config(2, 2, 2, "megatron,sp,zero1", microbatches=8),
+                                          overrides={"layers": 4, "batch": 16, "seq": 512})
+             if x.config.recompute == "selective")
     r = recipe(c, "llama3-8b", 16, 512, 4)
     assert (r["micro_batch"], r["microbatches"], r["schedule"]) == (1, 8, "1F1B")
     args = megatron_args(r).replace("\\\n", "").split()
-    pairs = dict(zip(args[::1], args[1::1]))
+    pairs = dict(itertools.pairwise(args))
     assert pairs["--tensor-model-parallel-size"] == "2" and pairs["--pipeline-model-parallel-size"] == "2"
     assert pairs["--micro-batch-size"] == "1" and pairs["--global-batch-size"] == "16"
     assert pairs["--recompute-granularity"] == "selective"

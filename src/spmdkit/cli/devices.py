@@ -216,8 +216,8 @@ def _write_files(req: PlanRequest, res: SearchResult, best: Candidate, title: st
     if req.outputs.export and best.config.pp > 1:
         raise ProgramError(f"--export: the best configuration ({best.config.label()}) is a pipeline (pp) plan; "
                            "--export does not apply to one yet (give --mesh without pp)")
-    others = [(c.config.label(), c.plan) for c in res.fitting[1:]
-              if c.plan is not None and c.config.pp == 1][:MAX_ALTERNATIVES]
+    others = [(c.config.label(), c.plan) for c in res.fitting[1:]  # planned whole (a folded one holds a copy's plan)
+              if c.plan is not None and c.config.pp == 1 and not c.folded][:MAX_ALTERNATIVES]
     est = best.estimate
     if isinstance(est, PipelineEstimate):  # a pp configuration
         write_html(req, best.plan, title, best.memory_detail, None, mesh_text=best.config.mesh_text,

@@ -40,6 +40,13 @@ from a file) is planned as it was traced; with ``reload`` (an HF model: the prog
 again at a batch) its pipelines are in microbatches as a preset's, without it (a program
 file) a pipeline runs the program's step as one microbatch.
 
+Layer folding (:mod:`spmdkit.planner.fold`, ``fold=True``): a preset's configuration is planned
+and priced on two shallow copies of the model and its step, memory, communication and
+collectives rebuilt at full depth (exactly, to rounding: ``scripts/check_fold.py``); one whose
+copies do not reproduce their own figures that way is planned whole, and so is the best one
+after the search. ``micro_batch``: a fixed micro-batch per data-parallel rank, the global batch
+then trained as gradient accumulation (``Config.grad_accum``) or a pipeline's microbatches.
+
 ``progress`` (a :class:`SearchProgress`, e.g. :class:`spmdkit.outputs.progress.Progress`) hears
 of each configuration planned; the search prints nothing (its table: :mod:`spmdkit.outputs.search`;
 ``--verify`` of the best configuration: :func:`spmdkit.sim.verify_plan.verify_config`).
