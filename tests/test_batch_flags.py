@@ -78,3 +78,17 @@ def test_a_search_with_nothing_to_plan_says_why() -> None:
     assert last.startswith("no configuration of 6 devices: of the factorisations dp x tp x pp, 3 have a "
                            "data-parallel degree that does not divide the batch 8")
     assert "--devices 4 or 8" in last and "3 more pipeline stages than layers" in last
+
+
+def test_devices_without_a_micro_batch_searches_the_micro_batches() -> None:
+    from spmdkit.planner.search import search_meshes
+
+    res = search_meshes("llama3-8b", 4, "h100", overrides={"layers": 2, "seq": 512, "batch": 16}, micro_batch=0,
+                        strategies=["dp,zero1"], recompute=["none"])
+    got = {(c.config.dp, c.config.pp, c.config.microbatches, c.config.grad_accum) for c in res.candidates}
+    # dp=4: a rank's 4 sequences whole, or in micro-steps of 1 and 2; pp=2 x dp=2: 8 a rank in 8, 4 or 2 microbatches
+    assert {(4, 1, 1, 1), (4, 1, 1, 4), (4, 1, 1, 2)} <= got
+    assert {(2, 2, 8, 1), (2, 2, 4, 1), (2, 2, 2, 1)} <= got
+    one = min((c for c in res.candidates if c.config.dp == 4 and c.config.pp == 1), key=lambda c: c.config.grad_accum)
+    more = max((c for c in res.candidates if c.config.dp == 4 and c.config.pp == 1), key=lambda c: c.config.grad_accum)
+    assert more.memory < one.memory  # a smaller micro-batch holds fewer activations

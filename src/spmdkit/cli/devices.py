@@ -67,7 +67,8 @@ def run_devices(req: PlanRequest, out: TextIO) -> int:
                             recompute=[req.recompute] if req.recompute else None,
                             overrides={"layers": layers, "batch": batch, "seq": seq} if isinstance(model, str) else None,
                             pins=user, cost_text=req.links.cost, time_limit=limit, nodes_of=nodes, patterns=patterns,
-                            progress=bar, runtime=req.links.runtime(), reload=reload, micro_batch=micro)
+                            progress=bar, runtime=req.links.runtime(), reload=reload,
+                            micro_batch=micro if micro is not None else (0 if g is not None else None))
     best = res.best
     verdict = None
     if req.verify and best is not None:

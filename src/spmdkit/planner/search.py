@@ -446,18 +446,15 @@ def _work(devices: int, pipeline: bool, sizes: _Sizes, given: list[str] | None,
             if batch is not None and batch % (dp * ep):
                 continue
             m = (batch // (dp * ep)) if (pp > 1 and batch and sizes.microbatches) else 1
-            accum = 1
-            if sizes.micro is not None and batch is not None:
-                if batch % (sizes.micro * dp * ep):
-                    refused.append((Config(dp, tp, pp, "*", "none", m, ep, cp), f"--micro-batch {sizes.micro} x "
-                                    f"{dp * ep} data-parallel ranks does not divide the global batch {batch}"))
-                    continue
-                steps = batch // (sizes.micro * dp * ep)
-                m, accum = (steps, 1) if pp > 1 else (1, steps)
+            steps = [(m, 1)] if sizes.micro is None or batch is None else _micro_steps(batch, dp * ep, pp, sizes.micro)
+            if not steps:
+                refused.append((Config(dp, tp, pp, "*", "none", m, ep, cp), f"--micro-batch {sizes.micro} x "
+                                f"{dp * ep} data-parallel ranks does not divide the global batch {batch}"))
+                continue
             names = list(given) if given is not None else hand_strategies(dp, tp, ep, cp)
             if auto:
                 names.append("auto")
-            for s in names:
+            for s, (m, accum) in ((s, st) for st in steps for s in names):
                 cfg = Config(dp, tp, pp, s, "none", m, ep, cp, accum)
                 if s != "auto":
                     parts = s.split(",")
@@ -472,6 +469,24 @@ def _work(devices: int, pipeline: bool, sizes: _Sizes, given: list[str] | None,
                         continue
                 work.append(cfg)
     return work, refused
+
+
+#: the micro-batches (sequences per data-parallel rank a forward) a search tries when given a
+#: global batch but no micro-batch, beside a rank's whole share without a pipeline
+MICRO_BATCHES = (1, 2, 4)
+
+
+def _micro_steps(batch: int, ranks: int, pp: int, micro: int) -> list[tuple[int, int]]:
+    """(microbatches, gradient accumulation) for each micro-batch tried on ``ranks`` data-parallel
+    ranks: ``micro`` > 0 that one; 0 every one of :data:`MICRO_BATCHES` (and without a pipeline
+    the rank's whole share, no accumulation, first) that divides a rank's share of ``batch``."""
+    share = batch // ranks
+    sizes = [micro] if micro else ([share] if pp == 1 else []) + [b for b in MICRO_BATCHES if b < share or pp > 1]
+    out = []
+    for b in dict.fromkeys(sizes):
+        if b <= share and share % b == 0:
+            out.append((share // b, 1) if pp > 1 else (1, share // b))
+    return out
 
 
 def _search_args(devices: int, device: Device | str, memory_cap: int | str | None, recompute: Iterable[str] | None,
@@ -521,7 +536,8 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
     :data:`EXHAUSTIVE_PLANS` configurations; a dense model's search plans and prices every one).
     ``micro_batch``: sequences per data-parallel rank in one micro-step (a preset; the global
     batch is its batch): without a pipeline ``batch / (micro_batch x dp)`` micro-steps of gradient
-    accumulation, with one that many microbatches.
+    accumulation, with one that many microbatches; 0: each of :data:`MICRO_BATCHES` that divides
+    a rank's share is tried (and the whole share without a pipeline).
     ``fold``: a preset's configurations planned on two shallow copies and extrapolated to its
     depth (:mod:`spmdkit.planner.fold`; exact to rounding), the best planned again whole."""
     t0 = time.perf_counter()
