@@ -28,6 +28,9 @@ CASES: list[tuple[str, dict[str, int], list[Config]]] = [
         Config(4, 1, 2, "dp,zero1", microbatches=2), Config(2, 2, 2, "megatron,sp,zero2", microbatches=4),
         Config(1, 2, 4, "megatron,sp", microbatches=8),
     ]),
+    ("llama3-8b", {"batch": 32}, [  # gradient accumulation (--global-batch 32 --micro-batch 1)
+        Config(8, 1, 1, "dp,zero1", grad_accum=4), Config(4, 2, 1, "megatron,sp,zero2", grad_accum=8),
+    ]),
     ("llama3-8b", {"batch": 8, "layers": 29}, [  # layers the stages do not divide: a balanced split
         Config(4, 1, 2, "dp,zero1", microbatches=2), Config(2, 1, 3, "dp", microbatches=4),
         Config(1, 2, 4, "megatron,sp", microbatches=8),
