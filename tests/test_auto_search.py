@@ -177,7 +177,10 @@ def test_cli_devices_table_and_best_plan() -> None:
     assert "configurations that fit" in out and "dp x tp x pp" in out
     assert "The best: dp=4 tp=1 pp=1 dp" in out
     assert "Predicted step" in out or "step time" in out
-    assert err == ""
+    # on a pipe: one line per phase on stderr (what is searched, what was planned), nothing else
+    lines = err.splitlines()
+    assert lines and all(line.startswith("plan --devices 4: ") for line in lines), err
+    assert "configurations to plan" in lines[0] and "planned" in lines[1]
 
 
 def test_cli_devices_json_and_verify() -> None:

@@ -123,3 +123,22 @@ def test_plan_auto_shows_its_phases_on_a_terminal(monkeypatch: Any) -> None:
                  "--annotate", "tokens=[0,-1]"]) == 0
     shown = tty.getvalue()
     assert "plan --auto" in shown and "candidates" in shown and "solve" in shown
+
+
+def test_phases_are_lines_on_a_pipe_with_lines_and_notes_on_a_terminal() -> None:
+    s = io.StringIO()
+    bar = Progress("plan --devices 8", total=3, stream=s, lines=True)
+    bar.advance()
+    bar.phase("3 configurations to plan")
+    bar.phase("planned 3")
+    got = s.getvalue().splitlines()
+    assert [g.rsplit(" (", 1)[0] for g in got] == ["plan --devices 8: 3 configurations to plan",
+                                                    "plan --devices 8: planned 3"]
+    assert all(g.endswith(" s)") for g in got)
+    quiet = io.StringIO()
+    Progress("x", stream=quiet).phase("nothing on a pipe without lines")
+    assert quiet.getvalue() == ""
+    tty = FakeTty()
+    live = Progress("x", total=2, stream=tty, interval=0.0, width=200, lines=True)
+    live.phase("planning")
+    assert tty.getvalue().startswith("\rx [") and "planning" in tty.getvalue() and "\n" not in tty.getvalue()

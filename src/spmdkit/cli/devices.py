@@ -11,14 +11,16 @@ import json
 from dataclasses import replace
 from typing import Any, TextIO
 
+from spmdkit.cli.batch import global_batch
 from spmdkit.cli.checks import check_one_model, hf_source, parse_annotations, parse_tp_plan, program_source
 from spmdkit.cli.common import auto_time_limit, catalog_batch, export_plan_file, require_simulator, write_html
 from spmdkit.cli.request import PlanRequest
-from spmdkit.core.errors import ProgramError
+from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.models.source import load
-from spmdkit.models.zoo import model_label
+from spmdkit.models.zoo import model_label, preset
 from spmdkit.outputs.pipeline import write_pipeline
 from spmdkit.outputs.progress import Progress
+from spmdkit.outputs.recipe import check_recipe_target, recipe, write_recipe
 from spmdkit.outputs.report import plan_json, write_report
 from spmdkit.outputs.search import search_json, write_search
 from spmdkit.planner.pipeline import PipelineEstimate, pp_cost_text
@@ -37,7 +39,8 @@ def run_devices(req: PlanRequest, out: TextIO) -> int:
     limit = auto_time_limit(req.search.time_limit or "60")
     user = parse_annotations(req.annotate)
     layers = parse_size("--layers", req.layers, 1 << 20)
-    batch = parse_size("--batch", req.batch, MAX_SIZE)
+    g, micro = global_batch(req)  # --global-batch: the sequences per step; --micro-batch: per rank a micro-step
+    batch = g if g is not None else parse_size("--batch", req.batch, MAX_SIZE)
     if m.hf is None and not m.program:  # a catalog model: whole sequences for every dp up to N
         batch = catalog_batch(m.model, n, batch)
     seq = parse_size("--seq", req.seq, MAX_SIZE)
@@ -58,13 +61,14 @@ def run_devices(req: PlanRequest, out: TextIO) -> int:
     else:
         model, what = m.model, model_label(m.model)
     patterns = parse_tp_plan(m.tp_plan)
-    with Progress(f"plan --devices {n}") as bar:  # a line on a terminal's stderr, nothing on a pipe
+    with Progress(f"plan --devices {n}", lines=True) as bar:  # a line on a terminal's stderr, a line a phase on a pipe
         res = search_meshes(model, n, req.links.device or "h100", req.search.memory, auto=req.search.auto,
                             strategies=[req.strategy] if req.strategy else None,
                             recompute=[req.recompute] if req.recompute else None,
                             overrides={"layers": layers, "batch": batch, "seq": seq} if isinstance(model, str) else None,
                             pins=user, cost_text=req.links.cost, time_limit=limit, nodes_of=nodes, patterns=patterns,
-                            progress=bar, runtime=req.links.runtime(), reload=reload)
+                            progress=bar, runtime=req.links.runtime(), reload=reload,
+                            micro_batch=micro if micro is not None else (0 if g is not None else None))
     best = res.best
     verdict = None
     if req.verify and best is not None:
@@ -82,17 +86,84 @@ def run_devices(req: PlanRequest, out: TextIO) -> int:
     title = f"{what}; best of {n} devices: {best.title}" if best is not None else what
     if best is not None:
         _write_files(req, res, best, title)
+        if req.outputs.recipe is not None:
+            kind, path = req.outputs.recipe
+            got = recipe(best, what, _global_batch(model, batch, best), _seq_of(model, seq), _layers_of(model, layers))
+            write_recipe(kind, path, got)
     if req.outputs.json:
         return _write_json(res, best, title, verdict, out)
     out.write(f"{what} on {n} devices ({res.device.name})\n")
     write_search(res, out)
     if best is None:
-        out.write("no configuration fits: raise --memory, add devices, or shorten the model\n")
+        out.write(why_none(res, n, batch if batch is not None else _batch_of(model)) + "\n")
         return 1
     _write_best(best, out)
     if verdict is not None:
         out.write("\n" + verdict["text"] + "\n")
     return 0 if verdict is None or verdict["ok"] else 1
+
+
+def _global_batch(model: str | Program, batch: int | None, best: Candidate) -> int:
+    """The sequences a step of the best configuration trains."""
+    if batch is not None:
+        return batch
+    got = _batch_of(model)
+    return got if got is not None else best.config.dp * best.config.ep
+
+
+def _seq_of(model: str | Program, seq: int | None) -> int:
+    if seq is not None or isinstance(model, Program):
+        return seq or 0
+    return preset(model).seq
+
+
+def _layers_of(model: str | Program, layers: int | None) -> int:
+    if layers is not None or isinstance(model, Program):
+        return layers or 0
+    return preset(model).layers
+
+
+def _batch_of(model: str | Program) -> int | None:
+    if isinstance(model, Program):
+        return None
+    try:
+        return preset(model).batch
+    except SpmdError:
+        return None
+
+
+def why_none(res: SearchResult, n: int, batch: int | None) -> str:
+    """Why no configuration of the search fits, in terms the user can act on: what refused the
+    factorisations of ``n`` devices (a dp that does not divide the batch, with the batches and
+    device counts that would do; a tp the heads refuse; more stages than layers), or every planned
+    one over the memory cap (the least it needs)."""
+    over = [c for c in res.candidates if not c.fits]
+    if over:
+        least = min(over, key=lambda c: c.memory)
+        return (f"no configuration fits in {res.memory_cap / 2**30:.1f} GiB per device: the least needs "
+                f"{least.memory / 2**30:.1f} GiB ({least.config.label()}); raise --memory, add devices, or "
+                "shorten the model")
+    kinds = {"batch": 0, "heads": 0, "layers": 0}
+    for _c, why in res.refused:
+        k = "batch" if "divide the batch" in why or "global batch" in why else "heads" if "heads" in why \
+            else "layers" if "stages" in why else ""
+        if k:
+            kinds[k] += 1
+    parts = []
+    if kinds["batch"] and batch is not None:
+        devs = [d for d in range(max(1, n - n // 2), 2 * n + 1) if d != n and batch % d == 0][:3]
+        dps = sorted({c.dp * c.ep for c, w in res.refused if "batch" in w})
+        sizes = sorted({-(-batch // d) * d for d in dps if d > 1})[:3]
+        parts.append(f"{kinds['batch']} have a data-parallel degree that does not divide the batch {batch} (each "
+                     f"rank takes whole sequences): give --batch {' or '.join(map(str, sizes))}"
+                     + (f", or --devices {' or '.join(map(str, devs))} (dividing {batch})" if devs else ""))
+    if kinds["heads"]:
+        parts.append(f"{kinds['heads']} a tp the attention heads do not divide")
+    if kinds["layers"]:
+        parts.append(f"{kinds['layers']} more pipeline stages than layers")
+    if not parts:
+        return "no configuration could be planned (see why above)"
+    return f"no configuration of {n} devices: of the factorisations dp x tp x pp, " + "; ".join(parts)
 
 
 def _check_flags(req: PlanRequest) -> None:
@@ -101,9 +172,12 @@ def _check_flags(req: PlanRequest) -> None:
     whose entry times the pipeline's sends)."""
     if req.mesh is not None:
         raise ProgramError("--devices: give either --mesh or --devices (the search chooses the mesh)")
+    if req.outputs.recipe is not None:
+        check_recipe_target(*req.outputs.recipe)
     for flag in [*req.pipeline.given(), *(["--grad-accum"] if req.grad_accum is not None else [])][:1]:
         raise ProgramError(f"{flag}: does not apply with --devices (the search chooses the pipeline: 1F1B, "
-                           "one sequence per dp rank per microbatch)")
+                           "one sequence per dp rank per microbatch; give --global-batch and --micro-batch for "
+                           "gradient accumulation)")
     check_one_model(req.model)
     if req.verify and req.model.program:
         raise ProgramError("--verify: simulates a preset, catalog or --hf model's strategy; it does not apply to "
@@ -143,8 +217,8 @@ def _write_files(req: PlanRequest, res: SearchResult, best: Candidate, title: st
     if req.outputs.export and best.config.pp > 1:
         raise ProgramError(f"--export: the best configuration ({best.config.label()}) is a pipeline (pp) plan; "
                            "--export does not apply to one yet (give --mesh without pp)")
-    others = [(c.config.label(), c.plan) for c in res.fitting[1:]
-              if c.plan is not None and c.config.pp == 1][:MAX_ALTERNATIVES]
+    others = [(c.config.label(), c.plan) for c in res.fitting[1:]  # planned whole (a folded one holds a copy's plan)
+              if c.plan is not None and c.config.pp == 1 and not c.folded][:MAX_ALTERNATIVES]
     est = best.estimate
     if isinstance(est, PipelineEstimate):  # a pp configuration
         write_html(req, best.plan, title, best.memory_detail, None, mesh_text=best.config.mesh_text,

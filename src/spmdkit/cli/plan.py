@@ -13,6 +13,7 @@ import time
 from dataclasses import replace
 from typing import Any, TextIO
 
+from spmdkit.cli.batch import resolve_mesh_batch
 from spmdkit.cli.checks import check_one_model, hf_source, parse_annotations, parse_tp_plan, program_source
 from spmdkit.cli.common import (
     auto_time_limit,
@@ -64,10 +65,13 @@ def run_plan(req: PlanRequest, out: TextIO) -> int:
                 check_html_path(req.outputs.html)  # before planning
             if req.outputs.export:  # a bad format or folder refused before planning
                 check_target(*req.outputs.export)
+            if req.outputs.recipe is not None and not devices:
+                raise ProgramError("--export-recipe: applies to --devices (the search's best recipe); give --devices N")
             width = None if req.outputs.json else terminal_width(out, req.outputs.wide)
             with fitted(out, width) as fout:
                 if devices:  # the outer search: cli/devices.py
                     return run_devices(req, fout)
+                req = resolve_mesh_batch(req)  # --global-batch / --micro-batch as the planner's flags
                 if wants_pipeline(req):  # a pp mesh dim: cli/pipeline.py, planner/pipeline.py
                     if req.outputs.export:
                         raise ProgramError("--export: does not apply to a pipeline (pp) plan yet")

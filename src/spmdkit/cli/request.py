@@ -102,6 +102,8 @@ class Outputs:
     wide: bool = False
     html: str | None = None
     export: tuple[str, str] | None = None
+    #: ``--export-recipe KIND FILE`` (--devices: the best recipe as torchtitan TOML, Megatron-LM arguments, JSON)
+    recipe: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,9 @@ class PlanRequest:
     grad_accum: str | None = None
     recompute: str | None = None
     verify: bool = False
+    #: sequences per optimizer step, and per data-parallel rank in one micro-step (cli/batch.py)
+    global_batch: str | None = None
+    micro_batch: str | None = None
     search: SearchArgs = SearchArgs()
     pipeline: PipelineArgs = PipelineArgs()
     outputs: Outputs = Outputs()
@@ -221,11 +226,13 @@ def plan_request(ns: argparse.Namespace) -> PlanRequest:
                     moe_histogram=ns.moe_histogram, grad_dtype=ns.grad_dtype,
                     optimizer_dtype=ns.optimizer_dtype, compile=ns.compile),
         grad_accum=ns.grad_accum, recompute=ns.recompute, verify=ns.verify,
+        global_batch=ns.global_batch, micro_batch=ns.micro_batch,
         search=SearchArgs(auto=ns.auto, time_limit=ns.auto_time_limit, memory=ns.memory, explain=ns.explain),
         pipeline=PipelineArgs(microbatches=ns.microbatches, schedule=ns.schedule,
                               virtual_stages=ns.virtual_stages, stages=ns.stages),
         outputs=Outputs(json=ns.json, wide=ns.wide, html=ns.html,
-                        export=None if ns.export is None else (ns.export[0], ns.export[1])),
+                        export=None if ns.export is None else (ns.export[0], ns.export[1]),
+                        recipe=None if ns.export_recipe is None else (ns.export_recipe[0], ns.export_recipe[1])),
         argv=tuple(ns.argv))
 
 
@@ -271,7 +278,15 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                         "zero2 (zero), zero3 (fsdp); default megatron (= dp,megatron) for a preset or --hf, none for --program")
     _add_cp_arguments(p)
     p.add_argument("--layers", help=f"override the preset's layer count (1 to {MAX_LAYERS})")
-    p.add_argument("--batch", help=f"override the preset's batch size (1 to {MAX_SIZE})")
+    p.add_argument("--batch", help=f"override the preset's batch size (1 to {MAX_SIZE}): the sequences of one "
+                                   "forward/backward over every data-parallel rank (with --grad-accum K a step "
+                                   "trains K x batch; with --devices or a pipeline, the sequences per step)")
+    p.add_argument("--global-batch", dest="global_batch", metavar="G",
+                   help="sequences per optimizer step (Megatron's --global-batch-size); the gradient accumulation "
+                        "or a pipeline's microbatches are derived: G / (micro-batch x dp)")
+    p.add_argument("--micro-batch", dest="micro_batch", metavar="B",
+                   help="with --global-batch: sequences per data-parallel rank in one forward/backward "
+                        "(default: G / dp without a pipeline, 1 with one)")
     p.add_argument("--seq", help=f"override the preset's sequence length (1 to {MAX_SIZE})")
     p.add_argument("--annotate", action="append", default=[], metavar="TENSOR=DIMS_MAPPING",
                    help='pin a tensor, e.g. --annotate "tokens=[0,-1]" (repeatable)')
@@ -326,6 +341,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--export", nargs=2, metavar=("dtensor|jax|paddle", "FILE"),
                    help="also write the parameters' shardings for torch DTensor (a parallelize_module plan and "
                         "placements), JAX (PartitionSpecs) or Paddle (shard_tensor placements) to FILE (docs/export.md)")
+    p.add_argument("--export-recipe", dest="export_recipe", nargs=2, metavar=("torchtitan|megatron|json", "FILE"),
+                   help="with --devices: also write the best recipe as a torchtitan job config (TOML), Megatron-LM's "
+                        "command-line arguments or JSON to FILE (docs/search.md)")
     p.add_argument("--verify", action="store_true",
                    help="also run the same plan at tiny sizes through the simulator (needs numpy)")
     p.add_argument("--auto", action="store_true",

@@ -1,4 +1,5 @@
-"""A one-line progress display on a terminal, nothing on a pipe. Standard library only.
+"""A one-line progress display on a terminal; on a pipe nothing, or (``lines=True``) one line
+per phase. Standard library only.
 
 ``Progress(label, total)`` writes ``label [#####-----] done/total  elapsed  note`` to its stream
 (stderr by default), redrawn in place with a carriage return at most every ``interval`` seconds
@@ -12,6 +13,11 @@ nothing at all, so piped output and ``--json`` stay clean.
             ...
 
 A ``Progress`` is also a ``(done, total)`` callback (``propagate(progress=...)``'s).
+
+``phase(text)`` names a phase of the work: on a terminal it becomes the line's note; on a pipe
+or a log file, with ``lines=True``, it is written as its own line, ``label: text (elapsed s)``
+(``spmdkit plan --devices``: what is searched, what was planned, folded and pruned, the best
+planned whole), so a log shows where the time went; without ``lines`` a pipe gets nothing.
 """
 
 from __future__ import annotations
@@ -35,8 +41,9 @@ class Progress:
     """A progress counter (``total`` known: a bar and a percentage; else a counter)."""
 
     def __init__(self, label: str, total: int | None = None, stream: TextIO | None = None,
-                 interval: float = 0.1, width: int | None = None) -> None:
+                 interval: float = 0.1, width: int | None = None, lines: bool = False) -> None:
         self.label = label
+        self.lines = lines
         self.total = total
         self.done = 0
         self.note = ""
@@ -72,6 +79,19 @@ class Progress:
 
     def __call__(self, done: int, total: int) -> None:
         self.update(done, total)
+
+    def phase(self, text: str) -> None:
+        """A phase begins or ends: the note on a terminal, a line of its own on a pipe (``lines``)."""
+        if self.enabled:
+            self.update(note=text)
+            return
+        if not self.lines:
+            return
+        try:
+            self.stream.write(f"{self.label}: {text} ({time.perf_counter() - self.t0:.1f} s)\n")
+            self.stream.flush()
+        except (OSError, ValueError):
+            self.lines = False
 
     # -- drawing -------------------------------------------------------------------------------
 

@@ -40,6 +40,13 @@ from a file) is planned as it was traced; with ``reload`` (an HF model: the prog
 again at a batch) its pipelines are in microbatches as a preset's, without it (a program
 file) a pipeline runs the program's step as one microbatch.
 
+Layer folding (:mod:`spmdkit.planner.fold`, ``fold=True``): a preset's configuration is planned
+and priced on two shallow copies of the model and its step, memory, communication and
+collectives rebuilt at full depth (exactly, to rounding: ``scripts/check_fold.py``); one whose
+copies do not reproduce their own figures that way is planned whole, and so is the best one
+after the search. ``micro_batch``: a fixed micro-batch per data-parallel rank, the global batch
+then trained as gradient accumulation (``Config.grad_accum``) or a pipeline's microbatches.
+
 ``progress`` (a :class:`SearchProgress`, e.g. :class:`spmdkit.outputs.progress.Progress`) hears
 of each configuration planned; the search prints nothing (its table: :mod:`spmdkit.outputs.search`;
 ``--verify`` of the best configuration: :func:`spmdkit.sim.verify_plan.verify_config`).
@@ -56,17 +63,19 @@ from typing import Any, Protocol
 from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel
-from spmdkit.cost.compute import guess_tokens
+from spmdkit.cost.compute import guess_tokens, kernel_collectives
 from spmdkit.cost.devices import Device, cost_model, load_device, recost
 from spmdkit.cost.memory import Memory, memory_per_device, recompute_regions
-from spmdkit.cost.step import StepEstimate, estimate_step
+from spmdkit.cost.step import StepEstimate, estimate_step, op_communication
 from spmdkit.models.hf import dtype_name
 from spmdkit.models.source import import_hf_checked
 from spmdkit.models.zoo import ModelConfig, build_model, preset
 from spmdkit.planner.auto import AutoInfo, auto_plan
+from spmdkit.planner.fold import Fold, balanced_counts, bucket_figures, fold_of, pipeline_memory, pipeline_step
 from spmdkit.planner.pipeline import (
     PipelineEstimate,
     estimate_pipeline,
+    op_units,
     parse_spec,
     pp_cost_text,
     split_layers,
@@ -85,6 +94,8 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 MAX_PLANS = 2000
 #: a MoE model's search plans every configuration up to this many, beyond prunes by bounds
 EXHAUSTIVE_PLANS = 200
+#: a search of this many devices or more is pruned by bounds (search_bounds) by default
+PRUNED_DEVICES = 512
 #: the sequence length from which a preset's search also splits the sequence over a ``cp`` dim
 #: (context parallelism: Llama 3 trained from 8k with cp from 16k up; torchtitan and NeMo from 16k-32k)
 LONG_SEQ = 16384
@@ -104,6 +115,8 @@ class Config:
     ep: int = 1
     #: context parallelism: the sequence split over a cp dim between dp and tp (1: none)
     cp: int = 1
+    #: gradient accumulation without a pipeline: micro-steps per optimizer step (--micro-batch)
+    grad_accum: int = 1
 
     @property
     def sub_mesh_text(self) -> str:
@@ -123,11 +136,13 @@ class Config:
         return (f"dp={self.dp}" + (f" ep={self.ep}" if self.ep > 1 else "") + (f" cp={self.cp}" if self.cp > 1 else "")
                 + f" tp={self.tp} pp={self.pp}"
                 + (f" (m={self.microbatches})" if self.pp > 1 else "")
+                + (f" (accum={self.grad_accum})" if self.grad_accum > 1 else "")
                 + f" {self.strategy}" + (f" recompute={self.recompute}" if self.recompute != "none" else ""))
 
     def to_json(self) -> dict[str, Any]:
         return {"dp": self.dp, "tp": self.tp, "pp": self.pp, **({"ep": self.ep} if self.ep > 1 else {}),
                 **({"cp": self.cp} if self.cp > 1 else {}),
+                **({"grad_accum": self.grad_accum} if self.grad_accum > 1 else {}),
                 "strategy": self.strategy, "recompute": self.recompute, "microbatches": self.microbatches,
                 "mesh": self.mesh_text}
 
@@ -148,6 +163,13 @@ class Candidate:
     title: str = ""
     auto: AutoInfo | None = None                        # for strategy "auto"
     plan_s: float = 0.0                                 # seconds to plan its shardings
+    #: the collectives of the step's plan (reshard steps and those inside kernels)
+    collectives: int = 0
+    #: a pipeline's one microbatch on the stages' sub-mesh, every stage (its communication)
+    micro: StepEstimate | None = field(default=None, repr=False)
+    #: folded (:mod:`spmdkit.planner.fold`): the layers of the deeper copy planned (its plan,
+    #: estimate and memory are that copy's; the figures above the full model's); 0: planned whole
+    folded: int = 0
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {**self.config.to_json(), "step_s": self.step_s, "mfu": self.mfu,
@@ -262,6 +284,8 @@ class SearchProgress(Protocol):
 
     def advance(self, n: int = 1, note: str | None = None) -> None: ...
 
+    def phase(self, text: str) -> None: ...
+
 
 @dataclass(frozen=True)
 class _Job:
@@ -280,6 +304,8 @@ class _Job:
     #: a pruned search: the modes priced from the most recomputation to the least, stopping at the
     #: first over the cap (recomputing less holds more)
     lean: bool = False
+    #: a preset's configurations planned on two shallow copies and extrapolated (planner.fold)
+    fold: bool = True
 
     def mode_order(self) -> Sequence[str]:
         return sorted(self.modes, key=lambda r: -RECOMPUTE_MODES.index(r)) if self.lean else self.modes
@@ -293,45 +319,65 @@ def _link_cost(mesh: ProcessMesh, job: _Job, cost_text: str | None) -> CostModel
     return cost
 
 
-def _flat_candidates(cfg: Config, plan: Plan, job: _Job, title: str, info: AutoInfo | None = None) -> list[Candidate]:
+def collectives_of(plan: Plan) -> int:
+    """The collectives of a plan's step: its reshards' steps and those inside its kernels."""
+    return sum(len(r.plan.steps) for r in plan.reshards) + len(kernel_collectives(plan))
+
+
+def _kept(cands: list[Candidate], job: _Job) -> list[Candidate]:
+    """The modes of one configuration as listed: a mode that changes neither the step nor the
+    memory of one before it left out (e.g. selective without an attention core); a pruned
+    search stops at the first over the cap (recomputing less holds more)."""
     out: list[Candidate] = []
-    plan = replace(plan, runtime=job.runtime)
-    for rc in job.mode_order():
-        est = estimate_step(plan, job.device, job.tokens, rc)
-        mem = memory_per_device(plan, rc)
-        if any(c.step_s == est.step_overlap_s and c.memory == mem.device_total for c in out):
-            continue  # this recomputation changes nothing here (e.g. selective without an attention core)
-        out.append(Candidate(replace(cfg, recompute=rc), est.step_overlap_s, est.mfu, mem.device_total,
-                             est.comm_total_s, mem.device_total <= job.cap, plan, est, mem, title, info))
-        if job.lean and not out[-1].fits:
+    for c in cands:
+        if any(o.step_s == c.step_s and o.memory == c.memory for o in out):
+            continue
+        out.append(c)
+        if job.lean and not c.fits:
             break
     return out
 
 
+def _flat_candidates(cfg: Config, plan: Plan, job: _Job, title: str, info: AutoInfo | None = None,
+                     raw: bool = False) -> list[Candidate]:
+    """Every mode priced (``raw``: each of ``job.mode_order()``, none left out)."""
+    out: list[Candidate] = []
+    plan = replace(plan, runtime=job.runtime)
+    n = collectives_of(plan)
+    tokens = job.tokens // plan.grad_accum if job.tokens else job.tokens  # estimate_step counts the micro-steps
+    for rc in job.mode_order():
+        est = estimate_step(plan, job.device, tokens, rc)
+        mem = memory_per_device(plan, rc)
+        out.append(Candidate(replace(cfg, recompute=rc), est.step_overlap_s, est.mfu, mem.device_total,
+                             est.comm_total_s, mem.device_total <= job.cap, plan, est, mem, title, info, collectives=n))
+        if not raw and job.lean and not out[-1].fits:
+            break
+    return out if raw else _kept(out, job)
+
+
 def _pipeline_candidates(cfg: Config, plan: Plan, counts: tuple[int, ...] | None, job: _Job, tokens: int, title: str,
-                         cost_text: str | None, info: AutoInfo | None = None) -> list[Candidate]:
+                         cost_text: str | None, info: AutoInfo | None = None, raw: bool = False) -> list[Candidate]:
     full = parse_mesh(cfg.mesh_text)
     link = _link_cost(full, job, cost_text).links[full.dim_index("pp")]
     spec = parse_spec(cfg.pp, microbatches=cfg.microbatches)
     m = cfg.microbatches
     out: list[Candidate] = []
     plan = replace(plan, runtime=job.runtime)
+    n = collectives_of(plan)
     for rc in job.mode_order():
         est = estimate_pipeline(plan, spec, counts, job.device, (link.alpha_s, link.beta_s_per_byte), tokens,
                                 full.size, recompute=rc)
         mem = max(est.memory, key=lambda x: x.device_total)
-        if any(c.step_s == est.step_overlap_s and c.memory == mem.device_total for c in out):
-            continue  # this recomputation changes nothing here
         one = estimate_step(plan, job.device, tokens // m, rc)  # one microbatch on the sub-mesh, every stage
         # per device: its stages' share of the collectives of m microbatches, the gradient
         # reductions once, and the sends of its busiest stage
         sends = max((f + b for f, b in zip(est.send_f_s, est.send_b_s)), default=0.0)
         comm = ((one.comm_total_s - one.grad_sync_s) * m + one.grad_sync_s) / cfg.pp + m * sends
         out.append(Candidate(replace(cfg, recompute=rc), est.step_overlap_s, est.mfu, mem.device_total, comm,
-                             mem.device_total <= job.cap, plan, est, mem, title, info))
-        if job.lean and not out[-1].fits:
+                             mem.device_total <= job.cap, plan, est, mem, title, info, collectives=n, micro=one))
+        if not raw and job.lean and not out[-1].fits:
             break
-    return out
+    return out if raw else _kept(out, job)
 
 
 def _batch_of(prog: Program) -> int | None:
@@ -355,6 +401,9 @@ class _Sizes:
     config: ModelConfig | None = None
     #: routed experts (0: a dense model, no ep dim tried)
     experts: int = 0
+    #: --micro-batch: sequences per data-parallel rank in one micro-step (None: the whole share
+    #: without a pipeline, one sequence a microbatch with one)
+    micro: int | None = None
 
 
 def _model_sizes(model: str, overrides: Mapping[str, int | None] | None) -> tuple[ModelConfig, _Sizes]:
@@ -397,11 +446,16 @@ def _work(devices: int, pipeline: bool, sizes: _Sizes, given: list[str] | None,
             if batch is not None and batch % (dp * ep):
                 continue
             m = (batch // (dp * ep)) if (pp > 1 and batch and sizes.microbatches) else 1
+            steps = [(m, 1)] if sizes.micro is None or batch is None else _micro_steps(batch, dp * ep, pp, sizes.micro)
+            if not steps:
+                refused.append((Config(dp, tp, pp, "*", "none", m, ep, cp), f"--micro-batch {sizes.micro} x "
+                                f"{dp * ep} data-parallel ranks does not divide the global batch {batch}"))
+                continue
             names = list(given) if given is not None else hand_strategies(dp, tp, ep, cp)
             if auto:
                 names.append("auto")
-            for s in names:
-                cfg = Config(dp, tp, pp, s, "none", m, ep, cp)
+            for s, (m, accum) in ((s, st) for st in steps for s in names):
+                cfg = Config(dp, tp, pp, s, "none", m, ep, cp, accum)
                 if s != "auto":
                     parts = s.split(",")
                     if (tp == 1 and "megatron" in parts) or ((ep > 1) != ("ep" in parts)) \
@@ -415,6 +469,24 @@ def _work(devices: int, pipeline: bool, sizes: _Sizes, given: list[str] | None,
                         continue
                 work.append(cfg)
     return work, refused
+
+
+#: the micro-batches (sequences per data-parallel rank a forward) a search tries when given a
+#: global batch but no micro-batch, beside a rank's whole share without a pipeline
+MICRO_BATCHES = (1, 2, 4)
+
+
+def _micro_steps(batch: int, ranks: int, pp: int, micro: int) -> list[tuple[int, int]]:
+    """(microbatches, gradient accumulation) for each micro-batch tried on ``ranks`` data-parallel
+    ranks: ``micro`` > 0 that one; 0 every one of :data:`MICRO_BATCHES` (and without a pipeline
+    the rank's whole share, no accumulation, first) that divides a rank's share of ``batch``."""
+    share = batch // ranks
+    sizes = [micro] if micro else ([share] if pp == 1 else []) + [b for b in MICRO_BATCHES if b < share or pp > 1]
+    out = []
+    for b in dict.fromkeys(sizes):
+        if b <= share and share % b == 0:
+            out.append((share // b, 1) if pp > 1 else (1, share // b))
+    return out
 
 
 def _search_args(devices: int, device: Device | str, memory_cap: int | str | None, recompute: Iterable[str] | None,
@@ -446,7 +518,7 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
                   cost_text: str | None = None, time_limit: float = 30.0, nodes_of: int | None = None,
                   patterns: Any = None, progress: SearchProgress | None = None,
                   runtime: Runtime | None = None, reload: Callable[[int], Program] | None = None,
-                  prune: bool | None = None) -> SearchResult:
+                  prune: bool | None = None, fold: bool = True, micro_batch: int | None = None) -> SearchResult:
     """Search ``devices`` devices for the fastest configuration of ``model`` (a preset name or a
     :class:`spmdkit.program.ir.Program`, e.g. an imported HuggingFace model) that fits in
     ``memory_cap`` bytes per device (default: ``device``'s memory). ``device``: a
@@ -461,7 +533,13 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
     (:mod:`spmdkit.planner.search_bounds`) show they cannot fit or cannot beat the best step
     found, and price a planned one's recomputation modes from full to none, stopping at the
     first over the cap (default: for a MoE model whose search has more than
-    :data:`EXHAUSTIVE_PLANS` configurations; a dense model's search plans and prices every one)."""
+    :data:`EXHAUSTIVE_PLANS` configurations; a dense model's search plans and prices every one).
+    ``micro_batch``: sequences per data-parallel rank in one micro-step (a preset; the global
+    batch is its batch): without a pipeline ``batch / (micro_batch x dp)`` micro-steps of gradient
+    accumulation, with one that many microbatches; 0: each of :data:`MICRO_BATCHES` that divides
+    a rank's share is tried (and the whole share without a pipeline).
+    ``fold``: a preset's configurations planned on two shallow copies and extrapolated to its
+    depth (:mod:`spmdkit.planner.fold`; exact to rounding), the best planned again whole."""
     t0 = time.perf_counter()
     dev, cap, modes, given = _search_args(devices, device, memory_cap, recompute, strategies, auto, nodes_of)
     cfg_model: ModelConfig | None = None
@@ -473,12 +551,17 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
         modes = _applicable_modes(model, modes, recompute is not None)
         if reload is not None:
             reload = _cached(reload)
+        if micro_batch is not None:
+            raise ProgramError("--micro-batch: applies to a preset or catalog model's search (an imported or "
+                               "program-file model is planned at the batch it was traced at)")
     else:
         cfg_model, sizes = _model_sizes(model, overrides)
+        sizes = replace(sizes, micro=micro_batch)
     work, refused = _work(devices, pipeline, sizes, given, auto)
-    job = _Job(dev, sizes.tokens, modes, cap, pins, cost_text, nodes_of, time_limit, patterns, runtime or Runtime())
-    if prune is None:  # a MoE model's search, where ep multiplies the meshes, when it is large
-        prune = sizes.experts > 0 and len(work) > EXHAUSTIVE_PLANS
+    job = _Job(dev, sizes.tokens, modes, cap, pins, cost_text, nodes_of, time_limit, patterns, runtime or Runtime(),
+               fold=fold)
+    if prune is None:  # a MoE model's search, where ep multiplies the meshes, when it is large; a large cluster's
+        prune = (sizes.experts > 0 and len(work) > EXHAUSTIVE_PLANS) or devices >= PRUNED_DEVICES
     bounds = _bounds(model, cfg_model, job) if prune and work else None
     job = replace(job, lean=bounds is not None)
     if bounds is not None:  # the most promising first, so the best step found early prunes the most
@@ -487,6 +570,9 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
         raise ProgramError(f"--devices {devices}: {len(work)} configurations to plan (at most {MAX_PLANS})")
     if progress is not None:
         progress.update(0, total=len(work))
+        progress.phase(f"{len(work)} configurations to plan" + (f", {len(refused)} refused before planning"
+                       if refused else "") + (" (each on two shallow copies of the model where its layers "
+                                                "repeat: planner/fold.py)" if fold and cfg_model is not None else ""))
     cands: list[Candidate] = []
     pruned: list[tuple[Config, str]] = []
     best = math.inf
@@ -521,26 +607,45 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
         if progress is not None:
             progress.advance()
     cands.sort(key=lambda c: (not c.fits, c.step_s if c.fits else c.memory, c.memory))
+    if progress is not None:
+        folded = len({c.config for c in cands if c.folded})
+        progress.phase(f"planned {planned} configurations ({folded} folded), {len(pruned)} pruned by bounds, "
+                       f"{len(refused)} not planned; {sum(1 for c in cands if c.fits)} rows fit")
+    if cands and cands[0].fits and cands[0].folded and cfg_model is not None:
+        cands[0] = _in_full(cands[0], str(model), cfg_model, job)
+        if progress is not None:
+            progress.phase(f"the best ({cands[0].config.label()}) planned whole")
     return SearchResult(devices, dev, cap, cands, refused, time.perf_counter() - t0, len(work) - len(pruned), pruned)
 
 
 def _bounds(model: str | Program, mc: ModelConfig | None, job: _Job) -> Bounds:
     """The search's :class:`spmdkit.planner.search_bounds.Bounds`: the step planned on one rank at
-    full size (the global batch)."""
+    full size (the global batch); a preset's folded (two shallow copies, their repeated layer's
+    parameters and states repeated, the FLOPs extrapolated: planner.fold) where ``job.fold``."""
     if isinstance(model, Program):
         _p, plan = plan_program(model, "dp=1", None)
-    else:
-        assert mc is not None
-        _m, plan, _ = plan_model(str(model), "dp=1,tp=1", "dp", {"layers": mc.layers, "batch": mc.batch,
-                                                                   "seq": mc.seq})
-    token = mc.hidden * plan.program.tensors["embed"].itemsize if mc is not None and "embed" in plan.program.tensors \
-        else 0
-    return model_bounds(replace(plan, runtime=job.runtime), job.device, job.runtime, token)
+        return model_bounds(replace(plan, runtime=job.runtime), job.device, job.runtime, 0)
+    assert mc is not None
+    dense = mc.dense_layers if mc.experts else 0
+    fold = fold_of((mc.layers,), dense) if job.fold else None
+    got = []
+    for layers in ([fold.layers_a, fold.layers_b] if fold is not None else [mc.layers]):
+        _m, plan, _ = plan_model(str(model), "dp=1,tp=1", "dp", {"layers": layers, "batch": mc.batch, "seq": mc.seq})
+        token = mc.hidden * plan.program.tensors["embed"].itemsize if "embed" in plan.program.tensors else 0
+        got.append(model_bounds(replace(plan, runtime=job.runtime), job.device, job.runtime, token))
+    if fold is None:
+        return got[0]
+    a, b = got
+    k = dense + 1
+    return replace(b, layers=b.layers[:k] + (b.layers[k],) * (mc.layers - fold.layers_b) + b.layers[k:],
+                   flops=fold.at(a.flops, b.flops))
 
 
 def _pruned_why(cfg: Config, bounds: Bounds, cap: int, best: float) -> str | None:
     """Why ``cfg`` need not be planned (its bounds), or None."""
     # cp: ZeRO shards over dp x cp and each rank holds 1/cp of the sequences' tokens, as dp x cp ranks would
+    if cfg.grad_accum > 1:  # a micro-step holds the activations of batch / accum sequences
+        bounds = replace(bounds, batch=bounds.batch // cfg.grad_accum)
     mem = bounds.memory(cfg.dp * cfg.cp, cfg.ep, cfg.tp, cfg.pp, cfg.strategy, cfg.microbatches) \
         if cfg.strategy != "auto" else 0
     if mem > cap:
@@ -581,11 +686,24 @@ def _auto_title(info: AutoInfo) -> str:
     return f" (HiGHS {info.status}, gap {info.gap:.2%}, solve {info.solve_s:.2f} s, realised {info.realized})"
 
 
-def _plan_preset_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> list[Candidate]:
+@dataclass(frozen=True)
+class _Planned:
+    """One configuration's shardings planned: the plan (recosted on the device's links), its
+    title, the exact search's report (auto) and the ``--cost`` text of the pipeline's sends."""
+
+    plan: Plan
+    title: str
+    info: AutoInfo | None
+    full_cost: str | None
+
+
+def _preset_plan(cfg: Config, name: str, mc: ModelConfig, job: _Job, layers: int | None = None) -> _Planned:
+    """``cfg`` planned on the preset (``layers``: a shallow copy of it, planner.fold)."""
     full_cost, cost_text = job.cost_text, pp_cost_text(job.cost_text, None)  # pp= times the sends only
-    over = {"layers": mc.layers, "batch": mc.batch // cfg.microbatches, "seq": mc.seq}
+    over = {"layers": layers or mc.layers, "batch": mc.batch // cfg.microbatches // cfg.grad_accum, "seq": mc.seq}
     title = (f"{name}: {mc.arch}, {mc.layers} layers, hidden {mc.hidden}, seq {mc.seq}, batch {mc.batch}"
              + (f" as {cfg.microbatches} microbatches of {mc.batch // cfg.microbatches}" if cfg.pp > 1 else "")
+             + (f" as {cfg.grad_accum} micro-steps of {mc.batch // cfg.grad_accum}" if cfg.grad_accum > 1 else "")
              + f"; mesh {cfg.mesh_text}; {cfg.strategy}")
     info = None
     if cfg.strategy == "auto":
@@ -596,12 +714,104 @@ def _plan_preset_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> l
         plan, info = _auto(model.program, cfg, job, cost_text)
         title += _auto_title(info)
     else:
-        _model, plan, _ = plan_model(name, cfg.sub_mesh_text, cfg.strategy, over, _pins_for(cfg, job.pins), cost_text)
-    plan = recost(plan, _link_cost(plan.mesh, job, cost_text))
+        _model, plan, _ = plan_model(name, cfg.sub_mesh_text, cfg.strategy, over, _pins_for(cfg, job.pins), cost_text,
+                                     grad_accum=cfg.grad_accum)
+    return _Planned(recost(plan, _link_cost(plan.mesh, job, cost_text)), title, info, full_cost)
+
+
+def _price(cfg: Config, p: _Planned, counts: tuple[int, ...] | None, job: _Job, raw: bool = False) -> list[Candidate]:
+    """``cfg``'s plan priced under every recomputation mode (a pipeline's stages: ``counts``)."""
     if cfg.pp == 1:
-        return _flat_candidates(cfg, plan, job, title, info)
+        return _flat_candidates(cfg, p.plan, job, p.title, p.info, raw)
     assert job.tokens is not None
-    return _pipeline_candidates(cfg, plan, _counts(mc.layers, cfg), job, job.tokens, title, full_cost, info)
+    return _pipeline_candidates(cfg, p.plan, counts, job, job.tokens, p.title, p.full_cost, p.info, raw)
+
+
+def _plan_preset_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> list[Candidate]:
+    if job.fold and cfg.strategy != "auto":
+        got = _folded_config(cfg, name, mc, job)
+        if got is not None:
+            return got
+    return _price(cfg, _preset_plan(cfg, name, mc, job), _counts(mc.layers, cfg), job)
+
+
+def _in_full(c: Candidate, name: str, mc: ModelConfig, job: _Job) -> Candidate:
+    """A folded candidate planned again at the model's depth (the search's best: its report
+    and files are the whole model's); its figures equal the folded ones to rounding."""
+    cfg = replace(c.config, recompute="none")
+    got = _price(cfg, _preset_plan(cfg, name, mc, job), _counts(mc.layers, cfg), replace(job, lean=False), raw=True)
+    return next(x for x in got if x.config.recompute == c.config.recompute)
+
+
+def _folded_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> list[Candidate] | None:
+    """``cfg`` priced on two shallow copies of the preset, extrapolated to its depth
+    (:mod:`spmdkit.planner.fold`); None where folding saves nothing."""
+    n, big = cfg.pp, mc.layers
+    dense = mc.dense_layers if mc.experts else 0
+    probe = fold = fold_of((big // n,) * n, dense)
+    if fold is None or fold.layers_a + fold.layers_b >= big:
+        return None  # two copies would plan as many layers as the model (a deep pipeline's stages)
+    a = _preset_plan(cfg, name, mc, job, fold.layers_a)
+    if big % n:  # the full model's balanced split, from the copy's per-layer times
+        fold = fold_of(balanced_counts(*_unit_times(a.plan, job), big, n, dense), dense)
+        if fold is None or fold.layers_a + fold.layers_b >= big:
+            return None
+        if probe is not None and fold.layers_a != probe.layers_a:
+            a = _preset_plan(cfg, name, mc, job, fold.layers_a)
+    b = _preset_plan(cfg, name, mc, job, fold.layers_b)
+    ca = _price(cfg, a, fold.a if n > 1 else None, job, raw=True)
+    cb = _price(cfg, b, fold.b if n > 1 else None, job, raw=True)
+    out = [_extrapolated(x, y, fold, job, big, dense) for x, y in zip(ca, cb)]
+    return None if any(c is None for c in out) else _kept([c for c in out if c is not None], job)
+
+
+def _unit_times(plan: Plan, job: _Job) -> tuple[list[float], float, float]:
+    """A plan's per-layer times as the pipeline balances its stages by them
+    (:func:`spmdkit.planner.pipeline.auto_counts`): each layer's, the embedding's, the head's."""
+    plan = replace(plan, runtime=job.runtime)
+    oc = op_communication(plan, job.device)
+    unit, n_layers = op_units(plan.program)
+    costs = [0.0] * (n_layers + 2)
+    for i, op in enumerate(plan.program.ops):
+        if op.phase != "optimizer":
+            costs[unit[i] + 1] += oc.compute[i] + oc.wait[i]
+    return costs[1:-1], costs[0], costs[-1]
+
+
+def _extrapolated(x: Candidate, y: Candidate, fold: Fold, job: _Job, layers: int, dense: int) -> Candidate | None:
+    """The full model's candidate from its two shallow copies' (``x``: ``fold.a``, ``y``: ``fold.b``):
+    the affine figures extrapolated, the gradient buckets replayed and a pipeline's schedule and
+    ranks' memory rebuilt at full depth (:mod:`spmdkit.planner.fold`); None where one of those
+    does not reproduce a copy's own figures (the configuration is then planned whole)."""
+    ex, ey = x.estimate, y.estimate
+    flat = isinstance(ex, StepEstimate) and isinstance(ey, StepEstimate)
+    mx, my = (ex, ey) if flat else (x.micro, y.micro)  # the step (a pipeline: one microbatch's)
+    if not isinstance(mx, StepEstimate) or not isinstance(my, StepEstimate):
+        return None
+    got = bucket_figures(fold, x.plan, mx, y.plan, my, layers, dense)
+    if got is None:
+        return None
+    gs, extra, extra_a, extra_b = got
+    if flat:
+        step = fold.at(x.step_s - extra_a, y.step_s - extra_b) + extra
+        comm = fold.at(x.comm_s - mx.grad_sync_s, y.comm_s - my.grad_sync_s) + gs
+        mem = round(fold.at(x.memory, y.memory))
+    else:
+        assert isinstance(ex, PipelineEstimate) and isinstance(ey, PipelineEstimate)
+        pstep = pipeline_step(fold, x.plan, ex, y.plan, ey, job.device)
+        ranks = pipeline_memory(fold, ex, y.plan, ey, y.config.recompute)
+        if pstep is None or ranks is None:
+            return None
+        (step, sends), mem = pstep, max(ranks)
+        p, m = x.config.pp, x.config.microbatches  # the microbatch's gradient reductions once over the stages
+
+        def part(c: Candidate, one: StepEstimate, e: PipelineEstimate) -> float:
+            return c.comm_s - one.grad_sync_s / p - m * max((f + b for f, b in zip(e.send_f_s, e.send_b_s)), default=0.0)
+
+        comm = fold.at(part(x, mx, ex), part(y, my, ey)) + gs / p + m * sends
+    mfu = fold.at(x.mfu * x.step_s, y.mfu * y.step_s) / step if x.mfu is not None and y.mfu is not None else None
+    return replace(y, step_s=step, mfu=mfu, memory=mem, comm_s=comm, fits=mem <= job.cap,
+                   collectives=round(fold.at(x.collectives, y.collectives)), folded=fold.layers_b)
 
 
 def _counts(layers: int, cfg: Config) -> tuple[int, ...] | None:
@@ -657,6 +867,18 @@ def _plan_program_config(cfg: Config, prog: Program, job: _Job, sizes: _Sizes,
     return _pipeline_candidates(cfg, plan, _counts(sizes.layers, cfg), job, job.tokens, title, full_cost, info)
 
 
+def config_candidates(model: str, cfg: Config, device: Device | str = "h100",
+                      overrides: Mapping[str, int | None] | None = None, *, fold: bool = True,
+                      runtime: Runtime | None = None, memory_cap: int | str | None = None) -> list[Candidate]:
+    """One configuration of the preset ``model`` planned and priced as the search prices it,
+    every recomputation mode (``fold``: on two shallow copies, :mod:`spmdkit.planner.fold`,
+    where that saves planning; else at the model's depth). ``scripts/check_fold.py`` compares the two."""
+    dev, cap, modes, _given = _search_args(max(1, cfg.devices), device, memory_cap, None, None, False, None)
+    mc, sizes = _model_sizes(model, overrides)
+    job = _Job(dev, sizes.tokens, modes, cap, None, None, None, 30.0, runtime=runtime or Runtime(), fold=fold)
+    return _plan_preset_config(cfg, model, mc, job)
+
+
 def import_hf_program(class_name: str, config: Any, batch: int, seq: int, dtype: str = "float32") -> Program:
     """The training step of the HuggingFace model ``class_name`` (config: dict, JSON text or a
     config.json path) imported at ``batch`` x ``seq`` (no strategy: as the model computes)."""
@@ -664,5 +886,6 @@ def import_hf_program(class_name: str, config: Any, batch: int, seq: int, dtype:
     return prog
 
 
-__all__ = ["MAX_PLANS", "RECOMPUTE_MODES", "Candidate", "Config", "SearchProgress", "SearchResult", "factorizations",
+__all__ = ["MAX_PLANS", "RECOMPUTE_MODES", "Candidate", "Config", "SearchProgress", "SearchResult", "collectives_of",
+           "config_candidates", "factorizations",
            "hand_strategies", "import_hf_program", "parse_memory", "search_meshes"]

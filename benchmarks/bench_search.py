@@ -1,0 +1,75 @@
+#!/usr/bin/env python3
+"""The outer search's speed (``spmdkit plan --devices N``) from 8 to 16,384 devices.
+
+    python benchmarks/bench_search.py [--sizes 8,64,512,2048,16384] [--no-fold]
+
+One row per size (the default models and batches below; each search run once, in this
+process): seconds of the search, configurations planned, candidates costed (a configuration
+under each recomputation mode), how many were folded (:mod:`spmdkit.planner.fold`: planned on
+two shallow copies of the model), candidates costed per second, the best configuration, its
+step and MFU. The search's seconds are CPU seconds of this process (the machine's other jobs do
+not count) and wall seconds beside them. For Llama 3 405B the published layout (tp=8, pp=16, dp=128 at 8k: 16 microbatches
+of one sequence per dp rank, Megatron with sp and the distributed optimizer; Llama 3 paper,
+table 4) is priced the same way beside it. ``--no-fold`` plans every configuration whole (the
+search before folding). Timings are CPU seconds on whatever machine runs it: say which and how
+loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from spmdkit.planner.search import Config, config_candidates, search_meshes
+
+#: devices -> (model, overrides)
+ROWS = {
+    8: ("llama3-8b", {"batch": 8}),
+    64: ("llama-70b", {"batch": 64}),
+    512: ("llama-70b", {"batch": 512}),
+    2048: ("llama3-405b", {"batch": 2048, "seq": 8192}),
+    16384: ("llama3-405b", {"batch": 2048, "seq": 8192}),
+}
+PUBLISHED = {16384: Config(128, 8, 16, "megatron,sp,zero1", microbatches=16)}
+
+
+def row(n: int, fold: bool) -> None:
+    model, over = ROWS[n]
+    t0, c0 = time.perf_counter(), time.process_time()
+    res = search_meshes(model, n, "h100", overrides=over, fold=fold)
+    wall, secs = time.perf_counter() - t0, time.process_time() - c0
+    folded = sum(1 for c in res.candidates if c.folded)
+    best = res.best
+    what = f"{best.config.label()}: {best.step_s:.3f} s, MFU {100 * (best.mfu or 0):.1f}%" if best else "none fits"
+    print(f"{n:6d}  {model:12s} {over.get('batch', ''):>5}  {secs:8.1f} s  {wall:8.1f} s  {res.plans:5d} planned  "
+          f"{len(res.candidates):5d} costed  {folded:5d} folded  {len(res.candidates) / secs:7.2f}/s  {what}",
+          flush=True)
+    pub = PUBLISHED.get(n)
+    if pub is not None:
+        got = [c for c in config_candidates(model, pub, overrides=over) if c.fits]
+        if got:
+            p = min(got, key=lambda c: c.step_s)
+            faster = best is not None and best.step_s <= p.step_s
+            print(f"        published layout {p.config.label()}: {p.step_s:.3f} s, MFU {100 * (p.mfu or 0):.1f}% "
+                  f"(the search's best is {'as fast or faster' if faster else 'SLOWER'})", flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="8,64,512,2048,16384")
+    ap.add_argument("--no-fold", action="store_true")
+    a = ap.parse_args()
+    warnings.simplefilter("ignore")
+    print("devices model        batch   CPU s     wall s    planned          costed       folded   costed per CPU s  best")
+    for n in (int(x) for x in a.sizes.split(",")):
+        row(n, not a.no_fold)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""The search's best recipe as what people launch (``spmdkit plan --devices N --export-recipe
+KIND FILE``): a torchtitan job config (TOML: ``[parallelism]`` degrees, ``[training]`` batch and
+sequence, ``[activation_checkpoint]``), Megatron-LM's command-line arguments, or JSON.
+
+The batch: ``global`` sequences per optimizer step; a micro-batch is the sequences one
+data-parallel rank (``dp x ep``; cp ranks share theirs) runs in one forward/backward: with a
+pipeline ``global / (microbatches x dp)``, without one ``global / (grad_accum x dp)``. ZeRO: 3 is
+FSDP (torchtitan's ``data_parallel_shard_degree``; Megatron-LM has no ZeRO-3: its arguments are
+refused for it), 1 and 2 Megatron's distributed optimizer (torchtitan: FSDP2 shards whatever
+the level, so a ZeRO-1 / 2 recipe is exported as FSDP there, which holds less, never more).
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from spmdkit.core.errors import ProgramError
+from spmdkit.io.atomic import output_problem, write_atomic
+from spmdkit.planner.search import Candidate
+
+KINDS = ("torchtitan", "megatron", "json")
+
+
+def _zero(strategy: str) -> int:
+    return max((int(p[4]) for p in strategy.split(",") if p in ("zero1", "zero2", "zero3")), default=0)
+
+
+def recipe(c: Candidate, model: str, global_batch: int, seq: int, layers: int) -> dict[str, Any]:
+    """The recipe's figures: degrees, batch, recomputation, ZeRO level, the prediction."""
+    cf = c.config
+    ranks = cf.dp * cf.ep
+    steps = cf.microbatches if cf.pp > 1 else cf.grad_accum
+    micro = global_batch // (steps * ranks)
+    parts = cf.strategy.split(",")
+    return {"model": model, "devices": cf.devices, "dp": cf.dp, "tp": cf.tp, "pp": cf.pp, "cp": cf.cp, "ep": cf.ep,
+            "sequence_parallel": "sp" in parts, "zero": _zero(cf.strategy), "strategy": cf.strategy,
+            "recompute": cf.recompute, "global_batch": global_batch, "micro_batch": micro, "seq": seq,
+            "layers": layers, "microbatches": cf.microbatches if cf.pp > 1 else None,
+            "grad_accum": cf.grad_accum if cf.pp == 1 else None, "schedule": "1F1B" if cf.pp > 1 else None,
+            "predicted": {"step_s": c.step_s, "mfu": c.mfu, "memory_per_device": c.memory,
+                          "tokens_per_s": global_batch * seq / c.step_s if c.step_s > 0 else None}}
+
+
+def _toml(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return json.dumps(str(v))
+
+
+def torchtitan_toml(r: dict[str, Any]) -> str:
+    """A torchtitan job config's sections for the recipe (``--job.config_file``)."""
+    fsdp = r["zero"] >= 1
+    sections: dict[str, dict[str, Any]] = {
+        "job": {"description": f"{r['model']} on {r['devices']} GPUs: spmdkit plan --devices "
+                               f"{r['devices']} (predicted {r['predicted']['step_s']:.4g} s a step)"},
+        # local_batch_size: a rank's sequences a forward (torchtitan accumulates up to global_batch_size), or
+        # with a pipeline its share of the step, split into pipeline_parallel_microbatch_size microbatches
+        "training": {"global_batch_size": r["global_batch"],
+                     "local_batch_size": r["micro_batch"] * (r["microbatches"] if r["pp"] > 1 else 1),
+                     "seq_len": r["seq"]},
+        "parallelism": {"data_parallel_replicate_degree": 1 if fsdp else r["dp"],
+                        "data_parallel_shard_degree": r["dp"] if fsdp else 1,
+                        "tensor_parallel_degree": r["tp"], "context_parallel_degree": r["cp"],
+                        "pipeline_parallel_degree": r["pp"], "expert_parallel_degree": r["ep"]},
+        "activation_checkpoint": {"mode": r["recompute"], **({"selective_ac_option": "op"}
+                                                            if r["recompute"] == "selective" else {})},
+    }
+    if r["pp"] > 1:
+        sections["parallelism"].update({"pipeline_parallel_schedule": "1F1B",
+                                        "pipeline_parallel_microbatch_size": r["micro_batch"]})
+    out = []
+    for name, kv in sections.items():
+        out.append(f"[{name}]")
+        out += [f"{k} = {_toml(v)}" for k, v in kv.items()]
+        out.append("")
+    return "\n".join(out)
+
+
+def megatron_args(r: dict[str, Any]) -> str:
+    """Megatron-LM's (``pretrain_gpt.py``) parallelism, batch and recomputation arguments."""
+    if r["zero"] == 3:
+        raise ProgramError(f"--export-recipe megatron: the best recipe shards parameters (ZeRO-3 / FSDP, "
+                           f"{r['strategy']}), which Megatron-LM's arguments do not express; give --strategy without "
+                           "zero3, or --export-recipe torchtitan")
+    args = [f"--tensor-model-parallel-size {r['tp']}", f"--pipeline-model-parallel-size {r['pp']}",
+            f"--context-parallel-size {r['cp']}", f"--expert-model-parallel-size {r['ep']}",
+            f"--micro-batch-size {r['micro_batch']}", f"--global-batch-size {r['global_batch']}",
+            f"--seq-length {r['seq']}", f"--num-layers {r['layers']}"]
+    if r["sequence_parallel"]:
+        args.append("--sequence-parallel")
+    if r["zero"] >= 1:
+        args.append("--use-distributed-optimizer")
+    if r["recompute"] == "selective":
+        args.append("--recompute-granularity selective")
+    elif r["recompute"] == "full":
+        args += ["--recompute-granularity full", "--recompute-method uniform", "--recompute-num-layers 1"]
+    return " \\\n".join(args) + "\n"
+
+
+def write_recipe(kind: str, path: str, r: dict[str, Any]) -> None:
+    """``r`` written to ``path`` as ``kind`` (whole or not at all)."""
+    if kind == "torchtitan":
+        text = torchtitan_toml(r)
+    elif kind == "megatron":
+        text = megatron_args(r)
+    else:
+        text = json.dumps(r, indent=2) + "\n"
+    write_atomic(path, text.encode())
+
+
+def check_recipe_target(kind: str, path: str) -> None:
+    """``--export-recipe KIND FILE`` refused before the search when it cannot be written."""
+    if kind not in KINDS:
+        raise ProgramError(f"--export-recipe {kind[:40]!r}: one of {', '.join(KINDS)}")
+    why = output_problem(path)
+    if why is not None:
+        raise ProgramError(f"--export-recipe {path[:200]!r}: {why}")
+
+
+__all__ = ["KINDS", "check_recipe_target", "megatron_args", "recipe", "torchtitan_toml", "write_recipe"]

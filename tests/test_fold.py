@@ -1,0 +1,103 @@
+"""Layer folding (spmdkit.planner.fold): a configuration priced on two shallow copies of the
+model and extrapolated equals the model planned whole (step, memory, communication, MFU,
+collectives, every recomputation mode; 1e-9 relative), for dense, sp, ZeRO, pp (even and
+balanced splits), cp and ep configurations; the gradient buckets that do not end where a layer
+ends are replayed; the search's table is the same folded or not and its best is planned whole.
+scripts/check_fold.py checks more configurations at full size."""
+
+from __future__ import annotations
+
+import pytest
+
+from spmdkit.planner.fold import Fold, fold_of, full_layer_costs
+from spmdkit.planner.search import Config, config_candidates, search_meshes
+from spmdkit.program.layers import layer_tags
+from spmdkit.program.runtime import Runtime
+
+FIELDS = ("step_s", "memory", "comm_s", "mfu", "collectives")
+
+
+def _same(model: str, over: dict[str, int], cfg: Config, runtime: Runtime | None = None) -> int:
+    folded = config_candidates(model, cfg, overrides=over, fold=True, runtime=runtime)
+    whole = config_candidates(model, cfg, overrides=over, fold=False, runtime=runtime)
+    assert [c.config for c in folded] == [c.config for c in whole]
+    for f, w in zip(folded, whole):
+        for k in FIELDS:
+            assert getattr(f, k) == pytest.approx(getattr(w, k), rel=1e-9, abs=0), (cfg.label(), f.config.recompute, k)
+        assert w.folded == 0
+    return folded[0].folded
+
+
+def test_fold_of_keeps_the_stages_and_the_dense_layers() -> None:
+    assert fold_of((32,)) == Fold((2,), (3,), 30)
+    assert fold_of((7, 8, 8, 7)) == Fold((2, 3, 3, 2), (3, 4, 4, 3), 5)
+    assert fold_of((27,), dense=3) == Fold((4,), (5,), 23)   # the 3 dense layers kept, one MoE layer repeated
+    assert fold_of((3, 3)) is None                           # nothing to save
+    assert fold_of((2, 30), dense=3) is None                 # dense layers past the first stage
+    assert Fold((2,), (3,), 30).at(1.0, 1.5) == 16.0
+    assert full_layer_costs([5.0, 1.0, 2.0, 3.0], 6, dense=0) == [5.0, 1.0, 1.0, 1.0, 2.0, 3.0]
+
+
+def test_dense_zero_sp_configurations_fold_exactly() -> None:
+    over = {"batch": 8, "layers": 10, "seq": 1024}
+    assert _same("llama3-8b", over, Config(8, 1, 1, "dp,zero1")) == 3
+    assert _same("llama3-8b", over, Config(2, 4, 1, "megatron,sp,zero3")) == 3
+    assert _same("llama3-8b", over, Config(8, 1, 1, "dp,zero2"), Runtime(framework="torchtitan")) == 3
+    # FSDP2's parameter prefetch shares the buckets' stream and moves the step's clock: planned whole
+    assert _same("llama3-8b", over, Config(8, 1, 1, "dp,zero3"), Runtime(framework="torchtitan")) == 0
+
+
+def test_pipelines_fold_exactly_even_and_balanced() -> None:
+    over = {"batch": 8, "layers": 12, "seq": 1024}
+    assert _same("llama3-8b", over, Config(2, 2, 2, "megatron,sp,zero1", microbatches=4)) == 6  # 6 + 6 -> 3 + 3
+    # 21 layers balanced by time as 12, 9 (the 128k-word head is heavy at seq 1024): copies 5 + 2 and 6 + 3
+    assert _same("llama3-8b", {**over, "layers": 21}, Config(4, 1, 2, "dp,zero1", microbatches=2)) == 9
+    whole = config_candidates("llama3-8b", Config(4, 1, 2, "dp,zero1", microbatches=2),
+                              overrides={**over, "layers": 21}, fold=False)
+    assert whole[0].estimate.counts == (12, 9)
+
+
+def test_cp_configuration_folds_exactly() -> None:
+    assert _same("llama3-8b", {"batch": 4, "layers": 10, "seq": 4096}, Config(2, 2, 1, "megatron,sp,cp", cp=2)) == 3
+
+
+def test_moe_buckets_are_replayed() -> None:
+    """Mixtral under megatron,sp,ep: Megatron's 40M-parameter buckets fall every other layer,
+    so the buckets' count and time are not affine in the layers (the replay makes them exact),
+    and DeepSeek-V2-Lite's dense first layer stays in the first stage of a balanced split."""
+    assert _same("mixtral-8x7b", {"batch": 8, "layers": 8, "seq": 1024}, Config(1, 2, 1, "megatron,sp,ep", ep=4)) == 3
+    assert _same("deepseek-v2-lite", {"batch": 8, "seq": 1024},
+                 Config(2, 1, 2, "dp,ep,zero1", microbatches=2, ep=2)) > 0
+
+
+def test_search_is_the_same_folded_and_its_best_is_planned_whole() -> None:
+    over = {"batch": 8, "layers": 9, "seq": 1024}
+    folded = search_meshes("llama3-8b", 8, "h100", overrides=over, strategies=["dp,zero1", "megatron,sp,zero1"])
+    whole = search_meshes("llama3-8b", 8, "h100", overrides=over, strategies=["dp,zero1", "megatron,sp,zero1"],
+                          fold=False)
+    assert [c.config for c in folded.candidates] == [c.config for c in whole.candidates]
+    for f, w in zip(folded.candidates, whole.candidates):
+        assert f.step_s == pytest.approx(w.step_s, rel=1e-9) and f.memory == pytest.approx(w.memory, rel=1e-9)
+    assert any(c.folded for c in folded.candidates[1:])
+    best = folded.best
+    assert best is not None and best.folded == 0 and len(layer_tags(best.plan.program)) == 9
+
+
+@pytest.mark.parametrize(("model", "over"), [("llama3-8b", {"batch": 8, "layers": 12, "seq": 1024}),
+                                              ("deepseek-v2-lite", {"batch": 8, "layers": 9, "seq": 1024})])
+def test_search_bounds_fold_exactly(model: str, over: dict[str, int]) -> None:
+    """The bounds that prune a large search (search_bounds), read off two shallow copies: every
+    layer's parameters and states and the step's FLOPs as the whole model's."""
+    from dataclasses import replace
+
+    from spmdkit.cost.devices import load_device
+    from spmdkit.planner.search import RECOMPUTE_MODES, _bounds, _Job, _model_sizes
+
+    mc, sizes = _model_sizes(model, over)
+    dev = load_device("h100")
+    job = _Job(dev, sizes.tokens, RECOMPUTE_MODES, dev.memory_bytes, None, None, None, 30.0)
+    folded, whole = _bounds(model, mc, job), _bounds(model, mc, replace(job, fold=False))
+    assert folded.layers == whole.layers and len(folded.layers) == over["layers"]
+    assert folded.flops == pytest.approx(whole.flops, rel=1e-12)
+    assert (folded.outside, folded.peak, folded.token_bytes, folded.batch) == \
+           (whole.outside, whole.peak, whole.token_bytes, whole.batch)

@@ -1,0 +1,88 @@
+"""--export-recipe (spmdkit.outputs.recipe): the search's best recipe as a torchtitan job config
+(parsed with tomllib, each field checked against the configuration), Megatron-LM's arguments and
+JSON; refused before the search where it cannot be written or expressed."""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import tomllib
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+import pytest
+
+from spmdkit.cli import main
+from spmdkit.outputs.recipe import megatron_args, recipe, torchtitan_toml
+from spmdkit.planner.search import Config, config_candidates
+
+
+def _cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        rc = main(list(argv))
+    return rc, out.getvalue(), err.getvalue()
+
+
+SEARCH = ("plan", "--model", "llama3-8b", "--layers", "2", "--seq", "512", "--devices", "8", "--recompute", "full",
+          "--global-batch", "64", "--micro-batch", "2")
+
+
+def test_torchtitan_toml_from_the_search(tmp_path: Path) -> None:
+    f = tmp_path / "job.toml"
+    rc, _out, err = _cli(*SEARCH, "--strategy", "megatron,sp,zero1", "--export-recipe", "torchtitan", str(f))
+    assert rc == 0, err
+    j = tmp_path / "r.json"
+    assert _cli(*SEARCH, "--strategy", "megatron,sp,zero1", "--export-recipe", "json", str(j))[0] == 0
+    r = json.loads(j.read_text())
+    doc = tomllib.loads(f.read_text())
+    par = doc["parallelism"]
+    assert r["dp"] * r["tp"] * r["pp"] == 8 and r["global_batch"] == 64 and r["recompute"] == "full"
+    assert par["tensor_parallel_degree"] == r["tp"] and par["pipeline_parallel_degree"] == r["pp"]
+    assert par["data_parallel_shard_degree"] == r["dp"] and par["data_parallel_replicate_degree"] == 1  # FSDP
+    assert par["context_parallel_degree"] == 1 and par["expert_parallel_degree"] == 1
+    assert doc["training"] == {"global_batch_size": 64, "seq_len": 512,
+                               "local_batch_size": 2 * (r["microbatches"] if r["pp"] > 1 else 1)}
+    assert doc["activation_checkpoint"] == {"mode": "full"}
+    assert r["micro_batch"] == 2 and (r["grad_accum"] or r["microbatches"]) == 64 // (2 * r["dp"])
+
+
+def test_megatron_arguments_and_a_pipeline_recipe() -> None:
+    c = next(x for x in config_candidates("llama3-8b", Config(2, 2, 2, "megatron,sp,zero1", microbatches=8),
+                                          overrides={"layers": 4, "batch": 16, "seq": 512})
+             if x.config.recompute == "selective")
+    r = recipe(c, "llama3-8b", 16, 512, 4)
+    assert (r["micro_batch"], r["microbatches"], r["schedule"]) == (1, 8, "1F1B")
+    args = megatron_args(r).replace("\\\n", "").split()
+    pairs = dict(itertools.pairwise(args))
+    assert pairs["--tensor-model-parallel-size"] == "2" and pairs["--pipeline-model-parallel-size"] == "2"
+    assert pairs["--micro-batch-size"] == "1" and pairs["--global-batch-size"] == "16"
+    assert pairs["--recompute-granularity"] == "selective"
+    assert "--sequence-parallel" in args and "--use-distributed-optimizer" in args
+    doc = tomllib.loads(torchtitan_toml(r))
+    assert doc["parallelism"]["pipeline_parallel_microbatch_size"] == 1
+    assert doc["parallelism"]["pipeline_parallel_schedule"] == "1F1B"
+    assert doc["training"]["local_batch_size"] == 8  # the rank's 8 sequences, in microbatches of 1
+    assert doc["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "op"}
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (("--export-recipe", "yaml", "x.yaml"), "--export-recipe 'yaml': one of torchtitan, megatron, json"),
+    (("--export-recipe", "json", "/no/such/dir/r.json"), "--export-recipe '/no/such/dir/r.json': is in no existing"),
+    (("--strategy", "dp,zero3", "--export-recipe", "megatron", "args.txt"),
+     "--export-recipe megatron: the best recipe shards parameters (ZeRO-3 / FSDP"),
+])
+def test_refused_in_one_line(extra: tuple[str, ...], message: str, tmp_path: Path,
+                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    rc, _out, err = _cli(*SEARCH, *extra)
+    assert rc == 2 and message in err, err
+    assert [line for line in err.splitlines() if line.startswith("spmdkit plan:")] == err.splitlines()[-1:]
+    assert not list(tmp_path.iterdir())  # no partial output file
+
+
+def test_refused_without_devices(tmp_path: Path) -> None:
+    rc, _out, err = _cli("plan", "--model", "tiny-llama", "--mesh", "dp=2", "--export-recipe", "json",
+                         str(tmp_path / "r.json"))
+    assert rc == 2 and "--export-recipe: applies to --devices" in err
