@@ -25,12 +25,8 @@ accumulated over the microbatches and reduced after the last one), the optimizer
 activations sent to the next stage in the forward and their gradients sent back in the
 backward (local bytes under the plan, timed on the ``pp`` link of the device's cost model),
 and its memory. The schedule (GPipe, 1F1B, interleaved 1F1B) is then run as an event
-simulation over these per-stage times: each device executes its forwards and backwards in
-the schedule's order, a forward waiting for the previous stage's forward of the same
-microbatch plus the send, a backward for the next stage's backward plus the send. The
-bubble is what the simulated pipeline takes beyond the busiest device's own work; with
-equal stages and free sends it is exactly ``(p-1)/m`` (GPipe, 1F1B) or ``(p-1)/(v m)``
-(interleaved) of that work.
+simulation over these per-stage times (:mod:`spmdkit.planner.schedules`). The layers' split
+into stages: :mod:`spmdkit.planner.partition`.
 
 Memory per device: parameters, gradients and optimizer states of its stages, as the framework
 allocates them (:func:`spmdkit.cost.memory.held_for_the_step`; torchtitan under a pipeline
@@ -78,16 +74,23 @@ from spmdkit.cost.memory import (
 from spmdkit.cost.step import Bucket, OpComm, Reducer, op_communication, param_gather_time
 from spmdkit.models.source import HFModel, Loaded, ModelSource, Preset, ProgramFile, load
 from spmdkit.models.zoo import Model, preset
+from spmdkit.planner.partition import balanced_split, even_split
 from spmdkit.planner.pipeline_moe import MoeMemory, moe_memory
 from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, parse_size, plan_preset, plan_program
+from spmdkit.planner.schedules import (
+    SCHEDULE_ALIASES,
+    SCHEDULES,
+    ScheduleRun,
+    bubble_formula,
+    in_flight,
+    run_schedule,
+    schedule_order,
+)
 from spmdkit.program.ir import Program
 from spmdkit.program.layers import layer_tags
 from spmdkit.program.plan import Plan
 from spmdkit.strategies.strategy import parse_mesh, parse_strategy
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-_SCHEDULE_ALIASES = {"interleaved-1f1b": "interleaved", "interleaved1f1b": "interleaved", "1F1B": "1f1b",
-                     "GPipe": "gpipe"}
 MAX_MICROBATCHES = 1 << 16
 #: The most (virtual stage, microbatch) pairs a schedule simulates (about a second of Python).
 MAX_UNITS = 1 << 19
@@ -111,7 +114,7 @@ def parse_spec(pp: int, microbatches: Any = None, schedule: Any = None, virtual:
     m = _int("--microbatches", microbatches, MAX_MICROBATCHES) or 1
     sched = str(schedule).strip() if schedule is not None else None
     if sched is not None:
-        sched = _SCHEDULE_ALIASES.get(sched, sched.lower())
+        sched = SCHEDULE_ALIASES.get(sched, sched.lower())
         if sched not in SCHEDULES:
             raise ProgramError(f"--schedule {sched[:40]!r}: unknown schedule (one of {', '.join(SCHEDULES)})")
     v = _int("--virtual-stages", virtual, 1024)
@@ -158,61 +161,6 @@ def split_layers(n_layers: int, spec: PipelineSpec, balance: Callable[[int], tup
         raise ProgramError(f"--mesh {what}: {n_layers} layers do not divide evenly into {n} stages "
                            f"(give --stages, e.g. {','.join(map(str, even_split(n_layers, n)))})")
     return (n_layers // n,) * n
-
-
-def even_split(total: int, n: int) -> list[int]:
-    """``total`` layers in ``n`` stages as evenly as they go (the first stages one more)."""
-    return [total // n + (1 if i < total % n else 0) for i in range(n)]
-
-
-def balanced_split(layer_costs: list[float], n: int, first: float = 0.0, last: float = 0.0) -> tuple[int, ...]:
-    """The layers (each of cost ``layer_costs[i]``) cut into ``n`` contiguous stages of at
-    least one layer, the first stage also paying ``first`` (the embedding), the last ``last``
-    (the final norm, the head and the loss), so that the costliest stage is as cheap as it can
-    be (binary search on that bound, each bound checked by packing the stages greedily).
-    Among the splits that reach it, the layers go to the middle stages first: the last stage
-    packed from the back, then the middle ones, the first stage taking what is left (fewer
-    layers on the first stage, which also keeps the most microbatches in flight), as Megatron
-    users split Llama 3.1 405B's 126 layers on 16 stages: 7, 8 x 14, 7."""
-    L = len(layer_costs)
-    if not 1 <= n <= L:
-        raise ProgramError(f"--stages: {L} layers cannot fill {n} stages (each needs at least one layer)")
-    tol = 1e-9 * (sum(layer_costs) + first + last + 1e-300)
-
-    def pack(bound: float) -> list[int] | None:
-        """Counts, stage n-1 first, each stage as full as ``bound`` allows (None: does not fit)."""
-        counts: list[int] = []
-        hi = L  # layers [0, hi) not yet placed
-        for k in range(n - 1, 0, -1):
-            cost, c = (last if k == n - 1 else 0.0), 0
-            while hi - c > k and (c == 0 or cost + layer_costs[hi - c - 1] <= bound + tol):
-                cost += layer_costs[hi - c - 1]
-                c += 1
-            if cost > bound + tol:
-                return None
-            counts.append(c)
-            hi -= c
-        if first + sum(layer_costs[:hi]) + (last if n == 1 else 0.0) > bound + tol:
-            return None
-        counts.append(hi)
-        return counts[::-1]
-
-    lo_b = max(max(layer_costs), first + layer_costs[0], last + layer_costs[-1])
-    hi_b = sum(layer_costs) + first + last
-    best = pack(hi_b)
-    for _ in range(100):
-        if hi_b - lo_b <= tol:
-            break
-        mid = (lo_b + hi_b) / 2
-        got = pack(mid)
-        if got is None:
-            lo_b = mid
-        else:
-            best, hi_b = got, mid
-    got = pack(lo_b)
-    out = got if got is not None else best
-    assert out is not None and sum(out) == L
-    return tuple(out)
 
 
 def op_units(prog: Program) -> tuple[list[int], int]:
@@ -284,124 +232,6 @@ def split_note(counts: tuple[int, ...], n_layers: int, spec: PipelineSpec, timed
     return (f"note: {n_layers} layers do not divide evenly into {n} stages: split {','.join(map(str, counts))} "
             f"(balanced by {'predicted time' if timed else 'FLOPs'}: the first stage also holds the embedding, the "
             f"last the head and the loss; --stages overrides)")
-
-
-# -- schedules ----------------------------------------------------------------------------------
-
-
-def schedule_order(schedule: str, p: int, v: int, m: int, r: int) -> list[tuple[str, int, int]]:
-    """Device ``r``'s work in order: ("F" | "B", virtual stage, microbatch)."""
-    if schedule == "gpipe":
-        return [("F", r, i) for i in range(m)] + [("B", r, i) for i in range(m)]
-    if schedule == "1f1b":
-        warm = min(p - r - 1, m)
-        order = [("F", r, i) for i in range(warm)]
-        for i in range(m - warm):
-            order += [("F", r, warm + i), ("B", r, i)]
-        return order + [("B", r, i) for i in range(m - warm, m)]
-    total = m * v
-
-    def unit(k: int, forward: bool) -> tuple[int, int]:
-        chunk = (k % (p * v)) // p
-        if not forward:
-            chunk = v - 1 - chunk
-        return chunk * p + r, (k // (p * v)) * p + k % p
-
-    warm = min((p - r - 1) * 2 + (v - 1) * p, total)
-    order = [("F", *unit(k, True)) for k in range(warm)]
-    for j in range(total - warm):
-        order += [("F", *unit(warm + j, True)), ("B", *unit(j, False))]
-    return order + [("B", *unit(k, False)) for k in range(total - warm, total)]
-
-
-def in_flight(schedule: str, p: int, v: int, m: int, r: int) -> float:
-    """Microbatches of a whole stage whose activations device ``r`` holds at its peak."""
-    if schedule == "gpipe":
-        return float(m)
-    if schedule == "1f1b":
-        return float(min(p - r, m))
-    return min((p - r - 1) * 2 + (v - 1) * p + 1, m * v) / v
-
-
-@dataclass
-class ScheduleRun:
-    finish_s: list[float]   # per device: the end of its last backward
-    busy_s: list[float]     # per device: its own forward + backward work
-    last_backward_s: list[float]
-    #: every unit run: (device, "F" | "B", virtual stage, microbatch, start s, end s)
-    units: list[tuple[int, str, int, int, float, float]] = field(default_factory=list, repr=False)
-
-    @property
-    def pipeline_s(self) -> float:
-        return max(self.finish_s)
-
-    @property
-    def bubble_s(self) -> float:
-        return self.pipeline_s - max(self.busy_s)
-
-    @property
-    def bubble_fraction(self) -> float:
-        w = max(self.busy_s)
-        return self.bubble_s / w if w > 0 else 0.0
-
-
-def run_schedule(schedule: str, p: int, v: int, m: int, fwd: list[float], bwd: list[float],
-                 send_f: list[float] | None = None, send_b: list[float] | None = None,
-                 blocking_sends: bool | None = None) -> ScheduleRun:
-    """Simulate the schedule: ``fwd[k]`` / ``bwd[k]`` the time of virtual stage ``k`` for one
-    microbatch, ``send_f[k]`` / ``send_b[k]`` the time to send its output activations to stage
-    ``k+1`` / the gradients of its inputs to ``k-1`` (``send_b[k]`` is stage ``k+1``'s send back
-    to ``k``). ``blocking_sends`` (default: every schedule but interleaved): the sender waits for
-    its send to complete before its next unit, as Megatron-LM's 1F1B does (its p2p calls wait on
-    the exchange); the interleaved schedule overlaps its sends with the next unit's compute
-    (Megatron's ``overlap_p2p_comm``), so there only the receiver waits."""
-    if blocking_sends is None:
-        blocking_sends = schedule != "interleaved"
-    n = p * v
-    sf = send_f or [0.0] * n
-    sb = send_b or [0.0] * n
-    orders = [schedule_order(schedule, p, v, m, r) for r in range(p)]
-    done: dict[tuple[str, int, int], float] = {}
-    pos = [0] * p
-    free = [0.0] * p
-    last_b = [0.0] * p
-    units: list[tuple[int, str, int, int, float, float]] = []
-    remaining = sum(len(o) for o in orders)
-    while remaining:
-        progressed = False
-        for r in range(p):
-            while pos[r] < len(orders[r]):
-                kind, k, i = orders[r][pos[r]]
-                if kind == "F":
-                    dep = 0.0 if k == 0 else (None if ("F", k - 1, i) not in done else done[("F", k - 1, i)] + sf[k - 1])
-                    dur = fwd[k]
-                else:
-                    if k == n - 1:
-                        dep = done.get(("F", k, i))
-                    else:
-                        dep = None if ("B", k + 1, i) not in done else done[("B", k + 1, i)] + sb[k]
-                    dur = bwd[k]
-                if dep is None:
-                    break
-                start = max(free[r], dep)
-                free[r] = start + dur
-                units.append((r, kind, k, i, start, free[r]))
-                done[(kind, k, i)] = free[r]
-                if blocking_sends:
-                    free[r] += (sf[k] if k < n - 1 else 0.0) if kind == "F" else (sb[k - 1] if k > 0 else 0.0)
-                if kind == "B":
-                    last_b[r] = dur
-                pos[r] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:  # cannot happen for the three schedules; never loop forever
-            raise ProgramError(f"--schedule {schedule}: the schedule deadlocks (p={p}, v={v}, m={m})")
-    busy = [m * sum(fwd[c * p + r] + bwd[c * p + r] for c in range(v)) for r in range(p)]
-    return ScheduleRun(free, busy, last_b, units)
-
-
-def bubble_formula(schedule: str, p: int, v: int, m: int) -> float:
-    return (p - 1) / (v * m) if schedule == "interleaved" else (p - 1) / m
 
 
 # -- per-stage costs ------------------------------------------------------------------------------
