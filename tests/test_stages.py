@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -220,8 +222,10 @@ def test_stages_auto_fits_where_the_even_split_does_not(capsys: pytest.CaptureFi
     assert sum(counts) == 32 and counts[0] < 8 and len(set(counts)) > 1
     assert max(d["memory"]["device_total"] for d in got["devices"]) <= cap
     why = got["stages_auto"]
-    assert why["chosen"] == "partition" and why["partition"]["fits"]
-    assert why["default_estimate"]["layers_per_stage"] == [8, 8, 8, 8] and not why["default_estimate"]["fits"]
+    assert why["chosen"] == "partition" and why["partition"]["fits"] and why["counts"] == counts
+    assert set(why["candidates"]) == {"partition", "default"}  # even is the default here
+    assert why["candidates"]["default"]["layers_per_stage"] == [8, 8, 8, 8]
+    assert not why["candidates"]["default"]["fits"] and why["candidates"]["partition"]["fits"]
     # the partition's own memory model is the estimate's, less the CUDA context and NCCL buffers
     for d, b in zip(got["devices"], why["partition"]["rank_bytes"]):
         assert b + d["memory"]["runtime_overhead"] == pytest.approx(d["memory"]["device_total"], rel=1e-6)
@@ -231,8 +235,31 @@ def test_stages_auto_text_and_errors(capsys: pytest.CaptureFixture[str]) -> None
     argv = ["plan", "--model", "llama-7b", "--mesh", "pp=4,dp=1,tp=2", "--microbatches", "8", "--layers", "10"]
     assert main([*argv, "--stages", "auto", "--device", "h100"]) == 0
     out = capsys.readouterr().out
-    assert "note: --stages auto:" in out and "the default split (even, balanced where the layers do not divide)" in out
+    assert "note: --stages auto: " in out and "the default split (even, balanced by time where the layers" in out
+    assert "the even split, the first stages one layer more 3,3,2,2: step" in out
     assert main([*argv, "--stages", "auto", "--layers", "3"]) == 2
     assert "--mesh pp=4: 3 layers cannot fill 4 stages" in capsys.readouterr().err
     assert main([*argv, "--stages", "8,x"]) == 2
     assert "expected layers per stage as integers, e.g. 20,20,20,20, or auto" in capsys.readouterr().err
+
+
+# -- the published runs with pipelines (benchmarks/stages.py), at reduced cost ----------------------
+
+_BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "stages.py"
+
+
+@pytest.mark.parametrize("run_id,layers", [("torchtitan_202412_t6_405b_512gpu_17", 12),
+                                           ("megatronlm_h100_2024_177b", 12)])
+def test_stages_auto_on_published_runs_is_never_slower(run_id: str, layers: int, tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("stages_bench", _BENCH)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = json.loads(bench.RUNS.read_text())
+    row = next(r for r in rows if r["id"] == run_id)
+    got = bench.compare(row, tmp_path, layers)
+    pub, auto = got["published"], got["auto"]
+    assert sum(pub["counts"]) == sum(auto["counts"]) == layers
+    assert auto["step_s"] <= pub["step_s"] * (1 + 1e-12)
+    if len(set(pub["counts"])) > 1:  # torchtitan's 2 x 4, 1 x 4 on pp=8: auto's is uneven too
+        assert pub["counts"] == [2, 2, 2, 2, 1, 1, 1, 1] and len(set(auto["counts"])) > 1

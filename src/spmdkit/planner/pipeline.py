@@ -324,7 +324,7 @@ class PipelineEstimate:
 def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | None, device: Device | None = None,
                       pp_link: tuple[float, float] = (20e-6, 1 / 25e9), tokens: int | None = None,
                       ranks: int | None = None, recompute_forward: bool = False,
-                      recompute: str = "none") -> PipelineEstimate:
+                      recompute: str = "none", oc: OpComm | None = None) -> PipelineEstimate:
     """The pipeline of ``plan`` (ONE microbatch's step on the sub-mesh without pp).
     ``recompute_forward``: time only, each stage's forward run again before its backward (full
     activation recomputation, as Narayanan et al. 2021 train; benchmarks/megatron_table.py);
@@ -335,12 +335,14 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | 
     in ``device``'s memory and recomputes the attention core of the others, its backward
     paying the selective recomputation for that share of its microbatches. ``counts`` None:
     the layers split by :func:`auto_counts` (by time on ``device``, else by FLOPs), the split
-    named in the estimate's ``note``."""
+    named in the estimate's ``note``; ``spec.auto`` (``--stages auto``): :func:`stages_auto`.
+    ``oc``: the ops' times on ``device`` when already computed."""
     p, v, m = spec.pp, spec.virtual, spec.microbatches
     if spec.auto and counts is None:
         return stages_auto(plan, spec, device, pp_link, tokens, ranks, recompute_forward, recompute)
     units = op_units(plan.program)
-    oc = op_communication(plan, device) if device is not None else None
+    if oc is None and device is not None:
+        oc = op_communication(plan, device)
     note = None
     if counts is None:
         times = [a + b for a, b in zip(oc.compute, oc.wait)] if oc is not None else None
@@ -443,19 +445,25 @@ def plan_unit_costs(plan: Plan, p: int, device: Device | None = None, recompute:
 def stages_auto(plan: Plan, spec: PipelineSpec, device: Device | None, pp_link: tuple[float, float],
                 tokens: int | None = None, ranks: int | None = None, recompute_forward: bool = False,
                 recompute: str = "none") -> PipelineEstimate:
-    """``--stages auto``: the pipeline with the layers split by
-    :func:`spmdkit.planner.partition.partition` (the slowest stage as fast as it can be within
-    ``device``'s memory), estimated beside the default split (even, or balanced where the
-    layers do not divide); the faster of the two that fit, with why in ``extra["stages_auto"]``
-    and the note."""
+    """``--stages auto``: the layers split by :func:`spmdkit.planner.partition.partition` (the
+    slowest stage as fast as it can be within ``device``'s memory), estimated in full beside
+    the default split (even, or balanced by time where the layers do not divide) and the even
+    split with the first stages one layer more (torchtitan's); the fastest that fits is kept
+    (the partition's wins ties), with why in ``extra["stages_auto"]`` and the note."""
     base = replace(spec, auto=False)
     oc = op_communication(plan, device) if device is not None else None
     uc = plan_unit_costs(plan, spec.pp, device, recompute, pp_link, oc)
     cap = (device.memory_bytes - with_overheads(0, 0, 0, 0, 0, plan, spec.pp).runtime_overhead
            if device is not None else None)
     part = partition(uc, spec.pp, spec.virtual, spec.microbatches, spec.schedule, cap)
-    got = estimate_pipeline(plan, base, part.counts, device, pp_link, tokens, ranks, recompute_forward, recompute)
-    ref = estimate_pipeline(plan, base, None, device, pp_link, tokens, ranks, recompute_forward, recompute)
+    args = (device, pp_link, tokens, ranks, recompute_forward, recompute)
+    got: dict[str, PipelineEstimate] = {"partition": estimate_pipeline(plan, base, part.counts, *args, oc=oc)}
+    ref = estimate_pipeline(plan, base, None, *args, oc=oc)
+    if ref.counts != part.counts:
+        got["default"] = ref
+    even = tuple(even_split(uc.layers, spec.pp * spec.virtual))
+    if even not in (part.counts, ref.counts):
+        got["even"] = estimate_pipeline(plan, base, even, *args, oc=oc)
 
     def key(e: PipelineEstimate) -> tuple[bool, float]:
         need = max(mm.device_total for mm in e.memory)
@@ -463,32 +471,39 @@ def stages_auto(plan: Plan, spec: PipelineSpec, device: Device | None, pp_link: 
                                                                           spec.microbatches, spec.schedule)[0])
         return (device is not None and need > device.memory_bytes, pace)
 
-    best = got if key(got) <= key(ref) else ref
+    chosen = min(got, key=lambda k: key(got[k]))  # dicts keep order: the partition first
+    best = got[chosen]
     best.spec = spec
-    why = {"partition": part.to_json(), "chosen": "partition" if best is got else "default",
-           "counts": list(best.counts)}
-    for name, e in (("partition_estimate", got), ("default_estimate", ref)):
-        why[name] = {"layers_per_stage": list(e.counts), "step_s": e.step_overlap_s if e.run is not None else None,
-                     "slowest_stage_s": max(c.forward_s + c.backward_s for c in e.stages),
-                     "fullest_rank_bytes": max(mm.device_total for mm in e.memory), "fits": not key(e)[0]}
+    why: dict[str, Any] = {"partition": part.to_json(), "chosen": chosen, "counts": list(best.counts),
+                           "candidates": {}}
+    for name, e in [("partition", got["partition"]), ("default", ref), *[(k, v) for k, v in got.items()
+                                                                          if k == "even"]]:
+        why["candidates"][name] = {
+            "layers_per_stage": list(e.counts), "step_s": e.step_overlap_s if e.run is not None else None,
+            "slowest_stage_s": max(c.forward_s + c.backward_s for c in e.stages),
+            "fullest_rank_bytes": max(mm.device_total for mm in e.memory), "fits": not key(e)[0]}
     best.extra["stages_auto"] = why
     best.note = _auto_note(why, device is not None)
     return best
 
 
-def _auto_note(why: dict[str, Any], timed: bool) -> str:
-    """The note of ``--stages auto``: the split, and the default split's cost beside it."""
-    got, ref = why["partition_estimate"], why["default_estimate"]
+_CANDIDATE = {"partition": "partitioned (the slowest stage least, within each rank's memory)",
+              "default": "the default split (even, balanced by time where the layers do not divide)",
+              "even": "the even split, the first stages one layer more"}
 
-    def one(e: dict[str, Any]) -> str:
+
+def _auto_note(why: dict[str, Any], timed: bool) -> str:
+    """The note of ``--stages auto``: the split kept, and each candidate's cost."""
+
+    def one(name: str, e: dict[str, Any]) -> str:
         what = f"step {e['step_s']:.4g} s" if timed and e["step_s"] is not None else \
             f"slowest stage {e['slowest_stage_s']:.4g} {'s' if timed else 'FLOP'}"
-        return (f"{','.join(map(str, e['layers_per_stage']))}: {what}, fullest rank "
+        return (f"{_CANDIDATE[name]} {','.join(map(str, e['layers_per_stage']))}: {what}, fullest rank "
                 f"{e['fullest_rank_bytes'] / 2**30:.1f} GiB{'' if e['fits'] else ' (does not fit)'}")
 
-    kept = "the partition's" if why["chosen"] == "partition" else "the default split (the partition is no faster)"
-    return (f"note: --stages auto: {kept}; partitioned (slowest stage under each rank's memory) {one(got)}; "
-            f"the default split (even, balanced where the layers do not divide) {one(ref)}")
+    kept = ",".join(map(str, why["counts"]))
+    return (f"note: --stages auto: {kept} ({why['chosen']}); "
+            + "; ".join(one(k, e) for k, e in why["candidates"].items()))
 
 
 def _rank_memory(plan: Plan, mine: list[StageCost], flight: float, p: int, v: int, kept: int = 0,
