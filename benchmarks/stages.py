@@ -10,8 +10,10 @@ Each run with pp > 1 of the runs file (default: the team's shared fidelity file,
 the layers do not divide, torchtitan's split, the first stages one layer more), then again
 with ``--stages auto`` (:func:`spmdkit.planner.partition.partition`: the slowest stage as
 fast as it can be within each rank's memory, kept where its predicted step beats the default
-split). The table: the published split and its predicted step, auto's split and step, and
-whether each fits. ``--layers N`` plans every run at N layers (a quick look; the "published"
+split). The table: the published split and its predicted step, auto's split and step,
+whether each fits, and which candidate auto kept (``partition``: the min-max split, which is
+also the even one where they coincide; ``default``: the balanced split; ``even``: the first
+stages one layer more). ``--layers N`` plans every run at N layers (a quick look; the "published"
 split then is the same rule at N layers).
 """
 
@@ -117,7 +119,7 @@ def main() -> int:
         rows = [r for r in rows if r["id"].startswith(tuple(a.only.split(",")))]
     print(f"{len(rows)} runs with pipelines from {', '.join(runs)}")
     head = (f"{'run':44} {'pp x vp':>8} {'m':>4}  {'published split':24} {'step s':>8} {'fits':>4}  "
-            f"{'auto split':30} {'step s':>8} {'fits':>4} {'auto/pub':>8}")
+            f"{'auto split':30} {'step s':>8} {'fits':>4} {'auto/pub':>8}  chosen")
     print(head)
     print("-" * len(head))
     worse, uneven_missed, n = 0, 0, 0
@@ -141,7 +143,7 @@ def main() -> int:
                 uneven_missed += 1
             print(f"{r['id']:44} {r['pp']:>3} x {r['vp']:<3} {r['microbatches'] or 1:>4}  {_split(pub['counts']):24.24} "
                   f"{pub['step_s']:>8.3f} {'yes' if pub['fits'] else 'no':>4}  {_split(got['counts']):30.30} "
-                  f"{got['step_s']:>8.3f} {'yes' if got['fits'] else 'no':>4} {ratio:>8.4f}")
+                  f"{got['step_s']:>8.3f} {'yes' if got['fits'] else 'no':>4} {ratio:>8.4f}  {r['chosen']}")
     print(f"\n{n} runs: auto slower than the published split in {worse}; the published split uneven and auto's "
           f"even in {uneven_missed}")
     return 0

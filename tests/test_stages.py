@@ -16,7 +16,7 @@ from spmdkit.core.errors import ProgramError
 from spmdkit.cost.devices import preset_device
 from spmdkit.cost.memory import check_recompute
 from spmdkit.cost.step import op_communication
-from spmdkit.planner.partition import UnitCosts, partition, stage_loads, unit_costs
+from spmdkit.planner.partition import UnitCosts, even_split, partition, simulate_split, stage_loads, unit_costs
 from spmdkit.planner.pipeline import (
     estimate_pipeline,
     op_stages,
@@ -51,16 +51,38 @@ def test_partition_is_the_exact_min_max_under_memory(seed: int) -> None:
     held = [rng.uniform(0, 2)] + [rng.uniform(1, 3) for _ in range(L)] + [rng.uniform(0, 2)]
     stash = [0.0] + [rng.uniform(0.5, 2) for _ in range(L)] + [rng.uniform(0, 1)]
     u = unit_costs(time, held, stash, send_s=0.05)
-    free = partition(u, p, m=m)
+    free = partition(u, p, m=m, refine=False)
     assert free.fits and free.bottleneck_s == pytest.approx(_brute(u, p, m, None), rel=1e-9)
     # a capacity between the tightest and the loosest split's fullest rank
     fullest = [max(stage_loads(u, [b - a for a, b in zip((0, *c), (*c, L))], p, 1, m)[1])
                for c in itertools.combinations(range(1, L), p - 1)]
     cap = (min(fullest) + max(fullest)) / 2
-    got = partition(u, p, m=m, capacity=cap)
+    got = partition(u, p, m=m, capacity=cap, refine=False)
     assert got.fits and max(got.rank_bytes) <= cap
     assert got.bottleneck_s == pytest.approx(_brute(u, p, m, cap), rel=1e-9)
     assert sum(got.counts) == L and min(got.counts) >= 1
+    # refined by simulation: never slower than the min-max split nor the even split that fits
+    ref = partition(u, p, m=m, capacity=cap)
+    assert ref.fits and max(ref.rank_bytes) <= cap and ref.min_max == got.counts
+    assert ref.pipeline_s == pytest.approx(simulate_split(u, ref.counts, p, 1, m), rel=1e-12)
+    assert ref.pipeline_s <= simulate_split(u, got.counts, p, 1, m) * (1 + 1e-12)
+    even = even_split(L, p)
+    if max(stage_loads(u, even, p, 1, m)[1]) <= cap:
+        assert ref.pipeline_s <= simulate_split(u, even, p, 1, m) * (1 + 1e-12)
+
+
+def test_partition_refined_by_the_schedule_puts_heavy_stages_first_with_few_microbatches() -> None:
+    # 12 equal layers on pp=8 with 8 microbatches: the min-max split 1,1,1,2,2,2,2,1 and the
+    # even split 2 x 4, 1 x 4 have the same slowest stage, but 1F1B's warm-up fills sooner
+    # with the heavier stages first (as the 405B runs of torchtitan split, benchmarks/stages.py)
+    u = UnitCosts((0.6,) + (1.0,) * 12 + (0.6,), (0.4,) + (3.3,) * 12 + (1.2,))
+    got = partition(u, 8, m=8)
+    assert got.min_max == (1, 1, 1, 2, 2, 2, 2, 1)
+    assert got.counts == (2, 2, 2, 2, 1, 1, 1, 1)
+    assert got.pipeline_s == pytest.approx(108.2) and simulate_split(u, got.min_max, 8, 1, 8) == pytest.approx(112.6)
+    # with many microbatches the slowest stage rules: the min-max split stays
+    many = partition(unit_costs([0.05] + [1.0] * 126 + [0.9]), 16, m=128)
+    assert many.counts == many.min_max == (7,) + (8,) * 14 + (7,)
 
 
 def test_partition_of_126_equal_layers_on_16_stages_is_llama3_405b_layout() -> None:
@@ -236,7 +258,10 @@ def test_stages_auto_text_and_errors(capsys: pytest.CaptureFixture[str]) -> None
     assert main([*argv, "--stages", "auto", "--device", "h100"]) == 0
     out = capsys.readouterr().out
     assert "note: --stages auto: " in out and "the default split (even, balanced by time where the layers" in out
-    assert "the even split, the first stages one layer more 3,3,2,2: step" in out
+    # the partition finds the even split here (heavier stages first), faster than the balanced one
+    assert out.startswith("note: --stages auto: 3,3,2,2 (partition); partitioned (the least slowest stage, refined "
+                          "by the schedule, within each rank's memory) 3,3,2,2: step ")
+    assert "the default split (even, balanced by time where the layers do not divide) 2,3,3,2: step " in out
     assert main([*argv, "--stages", "auto", "--layers", "3"]) == 2
     assert "--mesh pp=4: 3 layers cannot fill 4 stages" in capsys.readouterr().err
     assert main([*argv, "--stages", "8,x"]) == 2

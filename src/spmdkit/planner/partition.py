@@ -23,6 +23,14 @@ argument of the linear partition problem), so the bound found is the dynamic pro
 ``min over splits of max_k t_k`` at ``O(L log)`` instead of ``O(p v L^2)``. Among the splits
 that reach it, the greedy packing puts the layers on the later stages first and leaves the
 first stage (the most microbatches in flight) the fewest.
+
+The slowest stage is the whole story only with many microbatches: with few (torchtitan's
+``m = p``) the pipeline's fill and drain weigh as much, and 1F1B's warm-up fills sooner with
+the heavier stages first. So the min-max split is then refined against the schedule itself
+(:func:`simulate_split`: the event simulation of :mod:`spmdkit.planner.schedules` over the
+split's stage times): from it and from the even split, one layer at a time is moved across a
+boundary while the simulated pipeline gets faster and every rank fits, within
+:data:`SIM_UNITS` simulated units (``refine=False``: the min-max split alone).
 """
 
 from __future__ import annotations
@@ -32,7 +40,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from spmdkit.core.errors import ProgramError
-from spmdkit.planner.schedules import in_flight, weight_pending
+from spmdkit.planner.schedules import in_flight, run_schedule, weight_pending
+
+#: the most schedule units (forwards and backwards) one :func:`partition` simulates to refine its split
+SIM_UNITS = 40_000
 
 
 def even_split(total: int, n: int) -> list[int]:
@@ -146,11 +157,16 @@ class Partition:
     capacity: float | None
     fits: bool
     schedule: str
+    #: the schedule simulated over the stages' times (:func:`simulate_split`), 0 where not simulated
+    pipeline_s: float = 0.0
+    #: the min-max split before the refinement by simulation
+    min_max: tuple[int, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {"layers_per_stage": list(self.counts), "stage_s": list(self.stage_s),
                 "rank_bytes": list(self.rank_bytes), "bottleneck_s": self.bottleneck_s,
-                "capacity_bytes": self.capacity, "fits": self.fits}
+                "capacity_bytes": self.capacity, "fits": self.fits, "pipeline_s": self.pipeline_s or None,
+                "min_max_split": list(self.min_max)}
 
 
 class _Prefix:
@@ -191,9 +207,9 @@ class _Stages:
     """Time and memory of virtual stage ``k`` over units [a, b) (the embedding, unit 0, with
     stage 0; the head, unit L+1, with the last)."""
 
-    def __init__(self, u: UnitCosts, p: int, v: int, m: int, schedule: str) -> None:
+    def __init__(self, u: UnitCosts, p: int, v: int, m: int, schedule: str, pre: _Prefix | None = None) -> None:
         self.u, self.p, self.v, self.n = u, p, v, p * v
-        self.pre = _Prefix(u)
+        self.pre = pre or _Prefix(u)
         self.flight = [in_flight(schedule, p, v, m, r) for r in range(p)]
         self.pending = [weight_pending(schedule, p, m, r) for r in range(p)]
 
@@ -248,12 +264,38 @@ def stage_loads(u: UnitCosts, counts: Sequence[int], p: int, v: int = 1, m: int 
     return times, ranks
 
 
+def simulate_split(u: UnitCosts, counts: Sequence[int], p: int, v: int = 1, m: int = 1,
+                   schedule: str = "1f1b") -> float:
+    """The pipeline's time for ``m`` microbatches (:func:`spmdkit.planner.schedules.run_schedule`)
+    over the stage times of the split ``counts`` (ZB-H1: its B and W apart), each boundary's
+    send ``u.send_s``."""
+    pre = _Prefix(u)
+    fw, bw, wt = _cum(u.forward_s), _cum(u.backward_s), _cum(u._arr("weight_s"))
+    st = _Stages(u, p, v, m, schedule, pre)
+    f, b, w = [], [], []
+    a = 1
+    for k, c in enumerate(counts):
+        lo, hi = st.span(k, a, a + c)
+        f.append(fw[hi] - fw[lo])
+        w.append(wt[hi] - wt[lo] if schedule == "zb-h1" else 0.0)
+        b.append(bw[hi] - bw[lo] - w[-1])
+        a += c
+    n = len(counts)
+    sends = [u.send_s if k < n - 1 else 0.0 for k in range(n)]
+    return run_schedule(schedule, p, v, m, f, b, sends, sends, weight=w if schedule == "zb-h1" else None).pipeline_s
+
+
 def partition(u: UnitCosts, p: int, v: int = 1, m: int = 1, schedule: str = "1f1b",
-              capacity: float | None = None) -> Partition:
+              capacity: float | None = None, refine: bool = True) -> Partition:
     """The layers of ``u`` in ``p * v`` contiguous virtual stages of at least one layer each,
     the slowest stage as fast as it can be with every rank's bytes within ``capacity`` (None:
     no memory bound); where no split fits, the fastest split regardless, ``fits`` False.
-    Exact (module docstring); about ``60 L`` stage evaluations."""
+    Exact (module docstring); about ``60 L`` stage evaluations. ``refine``: then, within
+    :data:`SIM_UNITS` simulated units, the schedule simulated (:func:`simulate_split`) from
+    that split and from the even split, each improved by moving one layer across a boundary
+    while the simulated pipeline gets faster and the ranks fit: with few microbatches the
+    pipeline's fill and drain weigh as much as its slowest stage (heavier stages first fill
+    1F1B's warm-up sooner), with many the min-max split is already the fastest."""
     L, n = u.layers, p * v
     if not 1 <= n <= L:
         raise ProgramError(f"--stages auto: {L} layers cannot fill {n} stages (each needs at least one layer)")
@@ -277,9 +319,57 @@ def partition(u: UnitCosts, p: int, v: int = 1, m: int = 1, schedule: str = "1f1
             lo_b = mid
         else:
             best, hi_b = got, mid
+    min_max = tuple(best)
+    sim = 0.0
+    if refine and p * v > 1:
+        best, sim = _refine(u, p, v, m, schedule, list(best), capacity if fits else None)
     times, ranks = stage_loads(u, best, p, v, m, schedule)
     ok = fits and (capacity is None or max(ranks) <= capacity * (1 + 1e-12))
-    return Partition(tuple(best), tuple(times), tuple(ranks), max(times), capacity, ok, schedule)
+    return Partition(tuple(best), tuple(times), tuple(ranks), max(times), capacity, ok, schedule, sim, min_max)
 
 
-__all__ = ["Partition", "UnitCosts", "balanced_split", "even_split", "partition", "stage_loads", "unit_costs"]
+def _refine(u: UnitCosts, p: int, v: int, m: int, schedule: str, start: list[int],
+            capacity: float | None) -> tuple[list[int], float]:
+    """(the split, its simulated pipeline) found by moving one layer at a time across a
+    boundary from ``start`` and from the even split (where it fits), while the simulated
+    pipeline gets faster, within :data:`SIM_UNITS` simulated units (none: ``start``, 0)."""
+    n = p * v
+    budget = SIM_UNITS // (2 * n * m)
+    if budget < 2:
+        return start, 0.0
+
+    def fits(c: list[int]) -> bool:
+        return capacity is None or max(stage_loads(u, c, p, v, m, schedule)[1]) <= capacity * (1 + 1e-12)
+
+    seen: dict[tuple[int, ...], float] = {}
+
+    def cost(c: list[int]) -> float:
+        key = tuple(c)
+        if key not in seen:
+            seen[key] = simulate_split(u, c, p, v, m, schedule)
+        return seen[key]
+
+    even = even_split(u.layers, n)
+    starts = [start] + ([even] if even != start and fits(even) else [])
+    best = min(starts, key=cost)
+    while len(seen) < budget:
+        here = cost(best)
+        moves = []
+        for i in range(n - 1):
+            for d in (1, -1):
+                c = list(best)
+                c[i] += d
+                c[i + 1] -= d
+                if min(c[i], c[i + 1]) >= 1 and tuple(c) not in seen and fits(c):
+                    moves.append(c)
+        if not moves or len(seen) + len(moves) > budget:
+            break
+        nxt = min(moves, key=cost)
+        if cost(nxt) >= here * (1 - 1e-12):
+            break
+        best = nxt
+    return best, cost(best)
+
+
+__all__ = ["SIM_UNITS", "Partition", "UnitCosts", "balanced_split", "even_split", "partition", "simulate_split",
+           "stage_loads", "unit_costs"]

@@ -487,7 +487,8 @@ def stages_auto(plan: Plan, spec: PipelineSpec, device: Device | None, pp_link: 
     return best
 
 
-_CANDIDATE = {"partition": "partitioned (the slowest stage least, within each rank's memory)",
+_CANDIDATE = {"partition": "partitioned (the least slowest stage, refined by the schedule, within each rank's "
+                           "memory)",
               "default": "the default split (even, balanced by time where the layers do not divide)",
               "even": "the even split, the first stages one layer more"}
 
