@@ -262,6 +262,9 @@ def test_stages_auto_text_and_errors(capsys: pytest.CaptureFixture[str]) -> None
     assert out.startswith("note: --stages auto: 3,3,2,2 (partition); partitioned (the least slowest stage, refined "
                           "by the schedule, within each rank's memory) 3,3,2,2: step ")
     assert "the default split (even, balanced by time where the layers do not divide) 2,3,3,2: step " in out
+    assert main([*argv, "--stages", "auto"]) == 0  # without --device: FLOPs for times
+    out = capsys.readouterr().out
+    assert out.startswith("note: --stages auto: 3,3,2,2 (partition)") and " FLOP, the schedule " in out
     assert main([*argv, "--stages", "auto", "--layers", "3"]) == 2
     assert "--mesh pp=4: 3 layers cannot fill 4 stages" in capsys.readouterr().err
     assert main([*argv, "--stages", "8,x"]) == 2

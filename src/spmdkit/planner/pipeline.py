@@ -68,7 +68,7 @@ from spmdkit.cost.memory import (
 from spmdkit.cost.step import OpComm, op_communication
 from spmdkit.models.source import HFModel, Loaded, ModelSource, Preset, ProgramFile, load
 from spmdkit.models.zoo import Model, preset
-from spmdkit.planner.partition import UnitCosts, balanced_split, even_split, partition, stage_loads
+from spmdkit.planner.partition import UnitCosts, balanced_split, even_split, partition, simulate_split, stage_loads
 from spmdkit.planner.pipeline_moe import MoeMemory, moe_memory
 from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, parse_size, plan_preset, plan_program
 from spmdkit.planner.schedules import (
@@ -467,9 +467,14 @@ def stages_auto(plan: Plan, spec: PipelineSpec, device: Device | None, pp_link: 
 
     def key(e: PipelineEstimate) -> tuple[bool, float]:
         need = max(mm.device_total for mm in e.memory)
-        pace = e.step_overlap_s if e.run is not None else max(stage_loads(uc, e.counts, spec.pp, spec.virtual,
-                                                                          spec.microbatches, spec.schedule)[0])
+        pace = e.step_overlap_s if e.run is not None else simulate_split(uc, e.counts, spec.pp, spec.virtual,
+                                                                          spec.microbatches, spec.schedule)
         return (device is not None and need > device.memory_bytes, pace)
+
+    def slowest(e: PipelineEstimate) -> float:
+        if device is not None:
+            return max(c.forward_s + c.backward_s for c in e.stages)
+        return max(stage_loads(uc, e.counts, spec.pp, spec.virtual, spec.microbatches, spec.schedule)[0])
 
     chosen = min(got, key=lambda k: key(got[k]))  # dicts keep order: the partition first
     best = got[chosen]
@@ -480,7 +485,7 @@ def stages_auto(plan: Plan, spec: PipelineSpec, device: Device | None, pp_link: 
                                                                           if k == "even"]]:
         why["candidates"][name] = {
             "layers_per_stage": list(e.counts), "step_s": e.step_overlap_s if e.run is not None else None,
-            "slowest_stage_s": max(c.forward_s + c.backward_s for c in e.stages),
+            "slowest_stage_s": slowest(e), "pipeline_flop": None if device is not None else key(e)[1],
             "fullest_rank_bytes": max(mm.device_total for mm in e.memory), "fits": not key(e)[0]}
     best.extra["stages_auto"] = why
     best.note = _auto_note(why, device is not None)
@@ -498,7 +503,7 @@ def _auto_note(why: dict[str, Any], timed: bool) -> str:
 
     def one(name: str, e: dict[str, Any]) -> str:
         what = f"step {e['step_s']:.4g} s" if timed and e["step_s"] is not None else \
-            f"slowest stage {e['slowest_stage_s']:.4g} {'s' if timed else 'FLOP'}"
+            f"slowest stage {e['slowest_stage_s']:.4g} FLOP, the schedule {e['pipeline_flop']:.4g} FLOP"
         return (f"{_CANDIDATE[name]} {','.join(map(str, e['layers_per_stage']))}: {what}, fullest rank "
                 f"{e['fullest_rank_bytes'] / 2**30:.1f} GiB{'' if e['fits'] else ' (does not fit)'}")
 
