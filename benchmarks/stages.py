@@ -7,7 +7,8 @@ Each run with pp > 1 of the runs file (default: the team's shared fidelity file,
 ``../shared/fidelity/published-runs.json`` beside the repository, else this repository's copy
 ``benchmarks/data/published-runs.json``) is planned as :mod:`benchmarks.fidelity` plans it
 (its command line: the published mesh, schedule, virtual stages, microbatches and, where
-the layers do not divide, torchtitan's split, the first stages one layer more), then again
+the layers do not divide, the framework's split: torchtitan's ``generate_split_points``),
+then again
 with ``--stages auto`` (:func:`spmdkit.planner.partition.partition`: the slowest stage as
 fast as it can be within each rank's memory, kept where its predicted step beats the default
 split). The table: the published split and its predicted step, auto's split and step,
@@ -31,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from fidelity import RUNS, Unsupported, express, run_cli
+from fidelity import _split as framework_split
 
 #: the team's shared fidelity file, beside the repository (../shared) or beside its worktrees (../../shared)
 SHARED = next((d / "shared" / "fidelity" / "published-runs.json" for d in Path(__file__).resolve().parents[1:4]
@@ -53,9 +55,10 @@ def _split(counts: list[int]) -> str:
 
 def _with_layers(argv: list[str], layers: int) -> list[str]:
     """``argv`` with its model config at ``layers`` layers, split as :mod:`fidelity` splits a
-    run (evenly; torchtitan's first stages one layer more where they do not divide)."""
+    run (evenly; where the layers do not divide, as the run's framework does)."""
     n = _dim(argv, "--mesh", "pp") * (_flag(argv, "--virtual-stages") or 1)
-    split = ["--stages", ",".join(str(layers // n + (k < layers % n)) for k in range(n))] if layers % n else []
+    framework = argv[argv.index("--framework") + 1] if "--framework" in argv else "megatron"
+    split = ["--stages", ",".join(map(str, framework_split(layers, n, framework)))] if layers % n else []
     out: list[str] = []
     it = iter(argv)
     for a in it:

@@ -289,5 +289,5 @@ def test_stages_auto_on_published_runs_is_never_slower(run_id: str, layers: int,
     pub, auto = got["published"], got["auto"]
     assert sum(pub["counts"]) == sum(auto["counts"]) == layers
     assert auto["step_s"] <= pub["step_s"] * (1 + 1e-12)
-    if len(set(pub["counts"])) > 1:  # torchtitan's 2 x 4, 1 x 4 on pp=8: auto's is uneven too
-        assert pub["counts"] == [2, 2, 2, 2, 1, 1, 1, 1] and len(set(auto["counts"])) > 1
+    if len(set(pub["counts"])) > 1:  # torchtitan's 12 layers on pp=8: auto's split is uneven too
+        assert pub["counts"] == [1, 2, 2, 2, 2, 1, 1, 1] and len(set(auto["counts"])) > 1
