@@ -326,9 +326,11 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-accum", dest="grad_accum", metavar="K",
                    help="gradient accumulation: K forward/backward micro-steps per optimizer step, the gradients "
                         "accumulated and reduced once (default 1)")
-    p.add_argument("--recompute", default=None, metavar="none|selective|full|microbatch",
+    p.add_argument("--recompute", default=None, metavar="none|selective|full|full:K|microbatch",
                    help="activation recomputation: selective (the attention core, Korthikanti et al. 2022) or "
-                        "full (every layer, only its input kept); microbatch (a pipeline: every activation of "
+                        "full (every layer, only its input kept); full:K (a pipeline: the first K layers of each "
+                        "stage, Megatron-LM's --recompute-method block --recompute-num-layers K); microbatch (a "
+                        "pipeline: every activation of "
                         "as many in-flight microbatches as fit, the attention core of the others recomputed, "
                         "Korthikanti et al. App. C); in the memory and the --device step (default "
                         "none; --devices tries none, selective, full)")
@@ -364,11 +366,13 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
 def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--microbatches", metavar="M",
                    help="pipeline (a pp mesh dim): microbatches per step (batch / M each; gradients accumulated)")
-    p.add_argument("--schedule", help="pipeline schedule: gpipe, 1f1b (default) or interleaved")
+    p.add_argument("--schedule", help="pipeline schedule: gpipe, 1f1b (default), interleaved or zb-h1 (zero bubble: "
+                                      "the weight gradients deferred into the bubble, Qi et al. 2023)")
     p.add_argument("--virtual-stages", dest="virtual_stages", metavar="V",
                    help="interleaved 1F1B: model chunks per device (default 2 with --schedule interleaved)")
-    p.add_argument("--stages", metavar="N,N,...",
-                   help="layers per (virtual) stage, in order, e.g. 20,20,20,20 (default: an even split)")
+    p.add_argument("--stages", metavar="N,N,...|auto",
+                   help="layers per (virtual) stage, in order, e.g. 20,20,20,20 (default: an even split); auto: "
+                        "the split whose slowest stage is fastest within each rank's memory (docs/pipeline.md)")
 
 
 def _positive_seconds(text: str) -> float:

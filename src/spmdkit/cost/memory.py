@@ -60,6 +60,7 @@ from __future__ import annotations
 import math
 import re
 import weakref
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -193,11 +194,26 @@ def value_spans(prog: Program) -> tuple[dict[str, int], dict[str, int], dict[str
 MICROBATCH = "microbatch"
 
 
+def recompute_layers(mode: str) -> int | None:
+    """K of ``full:K`` (full recomputation of the first K layers of each pipeline stage, as
+    Megatron-LM's ``--recompute-granularity full --recompute-method block
+    --recompute-num-layers K``), None for the other modes."""
+    if isinstance(mode, str) and mode.startswith("full:"):
+        k = mode[5:]
+        if not (k.isascii() and k.isdigit() and 1 <= len(k) <= 6 and int(k) >= 1):
+            raise ProgramError(f"--recompute {mode[:40]!r}: expected full:K with K >= 1 layers per stage")
+        return int(k)
+    return None
+
+
 def check_recompute(mode: str, pipeline: bool = False) -> str:
-    """``mode`` if it is one of :data:`RECOMPUTE` (or, for a pipeline, :data:`MICROBATCH`),
-    else a ProgramError naming ``--recompute``."""
-    if pipeline and mode == MICROBATCH:
+    """``mode`` if it is one of :data:`RECOMPUTE` (or, for a pipeline, :data:`MICROBATCH` and
+    ``full:K``, :func:`recompute_layers`), else a ProgramError naming ``--recompute``."""
+    if pipeline and (mode == MICROBATCH or recompute_layers(mode) is not None):
         return mode
+    if isinstance(mode, str) and mode.startswith("full:"):
+        raise ProgramError(f"--recompute {mode[:40]}: full recomputation of K layers per stage applies to a "
+                           f"pipeline (give --mesh with a pp dim)")
     if mode == MICROBATCH:
         raise ProgramError(f"--recompute {MICROBATCH}: microbatch-level recomputation applies to a pipeline "
                            f"(give --mesh with a pp dim)")
@@ -209,8 +225,8 @@ def check_recompute(mode: str, pipeline: bool = False) -> str:
 
 def per_microbatch_mode(mode: str) -> str:
     """The recomputation of one microbatch's plan: ``selective`` for :data:`MICROBATCH` (its
-    recomputed microbatches'), else ``mode``."""
-    return "selective" if mode == MICROBATCH else mode
+    recomputed microbatches'), ``full`` for ``full:K`` (its recomputed layers'), else ``mode``."""
+    return "selective" if mode == MICROBATCH else ("full" if recompute_layers(mode) is not None else mode)
 
 
 def _layer_key(layer: str) -> tuple[int, ...] | None:
@@ -379,8 +395,9 @@ def fp8_stashed(plan: Plan) -> frozenset[str]:
     return frozenset(fp8 - other)
 
 
-def saved_activations(plan: Plan, recompute: str = "none") -> ActivationMemory:
-    """The activations ``plan``'s backward keeps, per layer (module docstring)."""
+def saved_activations(plan: Plan, recompute: str = "none", only: Collection[str] | None = None) -> ActivationMemory:
+    """The activations ``plan``'s backward keeps, per layer (module docstring); ``only``: the
+    layer labels whose regions are recomputed (``full:K``: the first K of each stage), else all."""
     check_recompute(recompute)
     prog = plan.program
     reads = value_reads(prog)
@@ -388,6 +405,8 @@ def saved_activations(plan: Plan, recompute: str = "none") -> ActivationMemory:
     layer_of = {n: prog.ops[ix[-1]].layer for n, ix in reads.items()}
     kept = set(reads)
     regions = recompute_regions(prog, recompute, plan.runtime.framework)
+    if only is not None:
+        regions = [r for r in regions if prog.ops[r[0]].layer in only]
     for region in regions:
         kept -= {n for i in region for n in prog.ops[i].output_names()}
     for region in regions:  # a region's inputs made before it are kept to run it again
@@ -862,7 +881,7 @@ def memory_per_device(plan: Plan, recompute: str = "none") -> Memory:
 
 
 __all__ = ["ALLOCATOR_RESERVE", "CUDA_CONTEXT_BYTES", "LOSS_BYTES", "LOSS_RULES", "MICROBATCH", "loss_spans",
-           "per_microbatch_mode", "NCCL_BYTES_PER_GROUP", "RECOMPUTE",
+           "per_microbatch_mode", "recompute_layers", "NCCL_BYTES_PER_GROUP", "RECOMPUTE",
            "FOR_GRAD_ONLY", "SHAPE_ONLY", "ActivationMemory", "Memory", "UnevenShard", "activation_deltas",
            "check_recompute", "communicators", "fit_verdict", "fp8_stashed", "held_for_the_step", "local_numel",
            "makes_no_copy", "memory_per_device",

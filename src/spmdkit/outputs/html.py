@@ -527,11 +527,11 @@ def _pipeline_svg(pipe: Any) -> str:
     for r, kind, k, i, a, b in run.units:
         y = 10 + r * (lh + 6)
         hue = (i * 360 / max(1, m)) % 360
-        fill = f"hsl({hue:.0f}, 60%, {72 if kind == 'F' else 48}%)"
+        fill = f"hsl({hue:.0f}, 60%, {({'F': 72, 'W': 34}).get(kind, 48)}%)"
         label = f"{kind}{i}"
         parts.append(f'<rect class="unit" x="{x0 + a * sx:.2f}" y="{y}" width="{max(0.6, (b - a) * sx):.2f}" '
                      f'height="{lh}" fill="{fill}" stroke="#fff" stroke-width="0.5"><title>'
-                     f'{"forward" if kind == "F" else "backward"} of microbatch {i}, stage {k}: {fmt_time(b - a)}'
+                     f'{({"F": "forward", "W": "weight gradients"}).get(kind, "backward")} of microbatch {i}, stage {k}: {fmt_time(b - a)}'
                      f'</title></rect>')
         if (b - a) * sx > 7 * len(label) + 2:
             parts.append(f'<text x="{x0 + (a + b) / 2 * sx:.1f}" y="{y + 15}" text-anchor="middle" '

@@ -7,8 +7,9 @@ from typing import TextIO
 
 from spmdkit.outputs.report import fmt_bytes, fmt_time, verdict_line, write_band
 from spmdkit.outputs.tables import print_table
-from spmdkit.planner.pipeline import PipelineEstimate, bubble_formula
+from spmdkit.planner.pipeline import PipelineEstimate
 from spmdkit.planner.pipeline_moe import MoeMemory
+from spmdkit.planner.schedules import weight_pending
 
 
 def write_pipeline(est: PipelineEstimate, out: TextIO) -> None:
@@ -30,16 +31,19 @@ def write_pipeline(est: PipelineEstimate, out: TextIO) -> None:
     rows = []
     for r in range(p):
         mm = est.memory[r]
-        rows.append([str(r), f"{est.in_flight[r]:g}", fmt_bytes(mm.parameters), fmt_bytes(mm.gradients),
+        pend = weight_pending(s.schedule, p, m, r)
+        rows.append([str(r), f"{est.in_flight[r]:g}" + (f" + {pend} W" if pend else ""), fmt_bytes(mm.parameters), fmt_bytes(mm.gradients),
                      fmt_bytes(mm.optimizer_states), fmt_bytes(mm.activation_peak), fmt_bytes(mm.total),
                      fmt_bytes(mm.reserved), fmt_bytes(mm.device_total)])
-    print_table("Memory per device of each pipeline rank (in flight: microbatches of activations held; reserved: "
+    print_table("Memory per device of each pipeline rank (in flight: microbatches of activations held"
+                + ("; + W: microbatches holding only their deferred weight gradients' inputs" if s.schedule == "zb-h1"
+                   else "") + "; reserved: "
                 "with the caching allocator's reserve; on the device: with the CUDA context and NCCL buffers)",
                 ["pp rank", "in flight", "parameters", "gradients", "optimizer", "activations", "allocated",
                  "reserved", "on the device"], rows, out)
     if est.moe is not None:
         write_moe_memory(est.moe, out)
-    f = bubble_formula(s.schedule, p, v, m)
+    f = est.formula()
     if est.run is None:
         out.write(f"bubble (formula): {100 * f:.1f}% of the work; give --device for the step time\n")
         return

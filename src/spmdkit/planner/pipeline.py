@@ -25,12 +25,8 @@ accumulated over the microbatches and reduced after the last one), the optimizer
 activations sent to the next stage in the forward and their gradients sent back in the
 backward (local bytes under the plan, timed on the ``pp`` link of the device's cost model),
 and its memory. The schedule (GPipe, 1F1B, interleaved 1F1B) is then run as an event
-simulation over these per-stage times: each device executes its forwards and backwards in
-the schedule's order, a forward waiting for the previous stage's forward of the same
-microbatch plus the send, a backward for the next stage's backward plus the send. The
-bubble is what the simulated pipeline takes beyond the busiest device's own work; with
-equal stages and free sends it is exactly ``(p-1)/m`` (GPipe, 1F1B) or ``(p-1)/(v m)``
-(interleaved) of that work.
+simulation over these per-stage times (:mod:`spmdkit.planner.schedules`). The layers' split
+into stages: :mod:`spmdkit.planner.partition`.
 
 Memory per device: parameters, gradients and optimizer states of its stages, as the framework
 allocates them (:func:`spmdkit.cost.memory.held_for_the_step`; torchtitan under a pipeline
@@ -62,32 +58,35 @@ from spmdkit.cost.compute import guess_tokens, model_flops, op_cost
 from spmdkit.cost.context import cp_ops
 from spmdkit.cost.devices import Device
 from spmdkit.cost.memory import (
+    ALLOCATOR_RESERVE,
     MICROBATCH,
-    ActivationMemory,
     Memory,
-    activation_deltas,
-    held_for_the_step,
-    local_numel,
-    makes_no_copy,
-    peak_of,
     per_microbatch_mode,
-    saved_activations,
-    value_inputs,
+    recompute_layers,
     with_overheads,
 )
-from spmdkit.cost.step import Bucket, OpComm, Reducer, op_communication, param_gather_time
+from spmdkit.cost.step import OpComm, op_communication
 from spmdkit.models.source import HFModel, Loaded, ModelSource, Preset, ProgramFile, load
 from spmdkit.models.zoo import Model, preset
+from spmdkit.planner.partition import UnitCosts, balanced_split, even_split, partition, simulate_split, stage_loads
 from spmdkit.planner.pipeline_moe import MoeMemory, moe_memory
 from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, parse_size, plan_preset, plan_program
+from spmdkit.planner.schedules import (
+    SCHEDULE_ALIASES,
+    SCHEDULES,
+    ScheduleRun,
+    bubble_formula,
+    in_flight,
+    run_schedule,
+    schedule_order,
+    weight_pending,
+)
+from spmdkit.planner.stage_costs import StageCost, reduce_gradients, stage_costs
 from spmdkit.program.ir import Program
 from spmdkit.program.layers import layer_tags
 from spmdkit.program.plan import Plan
 from spmdkit.strategies.strategy import parse_mesh, parse_strategy
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-_SCHEDULE_ALIASES = {"interleaved-1f1b": "interleaved", "interleaved1f1b": "interleaved", "1F1B": "1f1b",
-                     "GPipe": "gpipe"}
 MAX_MICROBATCHES = 1 << 16
 #: The most (virtual stage, microbatch) pairs a schedule simulates (about a second of Python).
 MAX_UNITS = 1 << 19
@@ -100,6 +99,8 @@ class PipelineSpec:
     schedule: str
     virtual: int
     stages: tuple[int, ...] | None = None  # layers per virtual stage, when given
+    #: ``--stages auto``: the split :func:`spmdkit.planner.partition.partition` finds
+    auto: bool = False
 
 
 def _int(flag: str, text: Any, hi: int) -> int | None:
@@ -111,7 +112,7 @@ def parse_spec(pp: int, microbatches: Any = None, schedule: Any = None, virtual:
     m = _int("--microbatches", microbatches, MAX_MICROBATCHES) or 1
     sched = str(schedule).strip() if schedule is not None else None
     if sched is not None:
-        sched = _SCHEDULE_ALIASES.get(sched, sched.lower())
+        sched = SCHEDULE_ALIASES.get(sched, sched.lower())
         if sched not in SCHEDULES:
             raise ProgramError(f"--schedule {sched[:40]!r}: unknown schedule (one of {', '.join(SCHEDULES)})")
     v = _int("--virtual-stages", virtual, 1024)
@@ -128,10 +129,13 @@ def parse_spec(pp: int, microbatches: Any = None, schedule: Any = None, virtual:
         raise ProgramError(f"--microbatches {m}: {m} microbatches x {pp * (v or 1)} stages is more than "
                            f"{MAX_UNITS:,} forward units to simulate")
     counts = None
+    if stages is not None and str(stages).strip().lower() == "auto":
+        return PipelineSpec(pp, m, sched, v or 1, None, True)
     if stages is not None:
         parts = [s.strip() for s in str(stages).split(",") if s.strip()]
         if not parts or not all(s.isascii() and s.isdigit() and len(s) <= 6 for s in parts):
-            raise ProgramError(f"--stages {str(stages)[:60]!r}: expected layers per stage as integers, e.g. 20,20,20,20")
+            raise ProgramError(f"--stages {str(stages)[:60]!r}: expected layers per stage as integers, e.g. "
+                               f"20,20,20,20, or auto")
         counts = tuple(int(s) for s in parts)
     return PipelineSpec(pp, m, sched, v or 1, counts)
 
@@ -158,61 +162,6 @@ def split_layers(n_layers: int, spec: PipelineSpec, balance: Callable[[int], tup
         raise ProgramError(f"--mesh {what}: {n_layers} layers do not divide evenly into {n} stages "
                            f"(give --stages, e.g. {','.join(map(str, even_split(n_layers, n)))})")
     return (n_layers // n,) * n
-
-
-def even_split(total: int, n: int) -> list[int]:
-    """``total`` layers in ``n`` stages as evenly as they go (the first stages one more)."""
-    return [total // n + (1 if i < total % n else 0) for i in range(n)]
-
-
-def balanced_split(layer_costs: list[float], n: int, first: float = 0.0, last: float = 0.0) -> tuple[int, ...]:
-    """The layers (each of cost ``layer_costs[i]``) cut into ``n`` contiguous stages of at
-    least one layer, the first stage also paying ``first`` (the embedding), the last ``last``
-    (the final norm, the head and the loss), so that the costliest stage is as cheap as it can
-    be (binary search on that bound, each bound checked by packing the stages greedily).
-    Among the splits that reach it, the layers go to the middle stages first: the last stage
-    packed from the back, then the middle ones, the first stage taking what is left (fewer
-    layers on the first stage, which also keeps the most microbatches in flight), as Megatron
-    users split Llama 3.1 405B's 126 layers on 16 stages: 7, 8 x 14, 7."""
-    L = len(layer_costs)
-    if not 1 <= n <= L:
-        raise ProgramError(f"--stages: {L} layers cannot fill {n} stages (each needs at least one layer)")
-    tol = 1e-9 * (sum(layer_costs) + first + last + 1e-300)
-
-    def pack(bound: float) -> list[int] | None:
-        """Counts, stage n-1 first, each stage as full as ``bound`` allows (None: does not fit)."""
-        counts: list[int] = []
-        hi = L  # layers [0, hi) not yet placed
-        for k in range(n - 1, 0, -1):
-            cost, c = (last if k == n - 1 else 0.0), 0
-            while hi - c > k and (c == 0 or cost + layer_costs[hi - c - 1] <= bound + tol):
-                cost += layer_costs[hi - c - 1]
-                c += 1
-            if cost > bound + tol:
-                return None
-            counts.append(c)
-            hi -= c
-        if first + sum(layer_costs[:hi]) + (last if n == 1 else 0.0) > bound + tol:
-            return None
-        counts.append(hi)
-        return counts[::-1]
-
-    lo_b = max(max(layer_costs), first + layer_costs[0], last + layer_costs[-1])
-    hi_b = sum(layer_costs) + first + last
-    best = pack(hi_b)
-    for _ in range(100):
-        if hi_b - lo_b <= tol:
-            break
-        mid = (lo_b + hi_b) / 2
-        got = pack(mid)
-        if got is None:
-            lo_b = mid
-        else:
-            best, hi_b = got, mid
-    got = pack(lo_b)
-    out = got if got is not None else best
-    assert out is not None and sum(out) == L
-    return tuple(out)
 
 
 def op_units(prog: Program) -> tuple[list[int], int]:
@@ -286,339 +235,6 @@ def split_note(counts: tuple[int, ...], n_layers: int, spec: PipelineSpec, timed
             f"last the head and the loss; --stages overrides)")
 
 
-# -- schedules ----------------------------------------------------------------------------------
-
-
-def schedule_order(schedule: str, p: int, v: int, m: int, r: int) -> list[tuple[str, int, int]]:
-    """Device ``r``'s work in order: ("F" | "B", virtual stage, microbatch)."""
-    if schedule == "gpipe":
-        return [("F", r, i) for i in range(m)] + [("B", r, i) for i in range(m)]
-    if schedule == "1f1b":
-        warm = min(p - r - 1, m)
-        order = [("F", r, i) for i in range(warm)]
-        for i in range(m - warm):
-            order += [("F", r, warm + i), ("B", r, i)]
-        return order + [("B", r, i) for i in range(m - warm, m)]
-    total = m * v
-
-    def unit(k: int, forward: bool) -> tuple[int, int]:
-        chunk = (k % (p * v)) // p
-        if not forward:
-            chunk = v - 1 - chunk
-        return chunk * p + r, (k // (p * v)) * p + k % p
-
-    warm = min((p - r - 1) * 2 + (v - 1) * p, total)
-    order = [("F", *unit(k, True)) for k in range(warm)]
-    for j in range(total - warm):
-        order += [("F", *unit(warm + j, True)), ("B", *unit(j, False))]
-    return order + [("B", *unit(k, False)) for k in range(total - warm, total)]
-
-
-def in_flight(schedule: str, p: int, v: int, m: int, r: int) -> float:
-    """Microbatches of a whole stage whose activations device ``r`` holds at its peak."""
-    if schedule == "gpipe":
-        return float(m)
-    if schedule == "1f1b":
-        return float(min(p - r, m))
-    return min((p - r - 1) * 2 + (v - 1) * p + 1, m * v) / v
-
-
-@dataclass
-class ScheduleRun:
-    finish_s: list[float]   # per device: the end of its last backward
-    busy_s: list[float]     # per device: its own forward + backward work
-    last_backward_s: list[float]
-    #: every unit run: (device, "F" | "B", virtual stage, microbatch, start s, end s)
-    units: list[tuple[int, str, int, int, float, float]] = field(default_factory=list, repr=False)
-
-    @property
-    def pipeline_s(self) -> float:
-        return max(self.finish_s)
-
-    @property
-    def bubble_s(self) -> float:
-        return self.pipeline_s - max(self.busy_s)
-
-    @property
-    def bubble_fraction(self) -> float:
-        w = max(self.busy_s)
-        return self.bubble_s / w if w > 0 else 0.0
-
-
-def run_schedule(schedule: str, p: int, v: int, m: int, fwd: list[float], bwd: list[float],
-                 send_f: list[float] | None = None, send_b: list[float] | None = None,
-                 blocking_sends: bool | None = None) -> ScheduleRun:
-    """Simulate the schedule: ``fwd[k]`` / ``bwd[k]`` the time of virtual stage ``k`` for one
-    microbatch, ``send_f[k]`` / ``send_b[k]`` the time to send its output activations to stage
-    ``k+1`` / the gradients of its inputs to ``k-1`` (``send_b[k]`` is stage ``k+1``'s send back
-    to ``k``). ``blocking_sends`` (default: every schedule but interleaved): the sender waits for
-    its send to complete before its next unit, as Megatron-LM's 1F1B does (its p2p calls wait on
-    the exchange); the interleaved schedule overlaps its sends with the next unit's compute
-    (Megatron's ``overlap_p2p_comm``), so there only the receiver waits."""
-    if blocking_sends is None:
-        blocking_sends = schedule != "interleaved"
-    n = p * v
-    sf = send_f or [0.0] * n
-    sb = send_b or [0.0] * n
-    orders = [schedule_order(schedule, p, v, m, r) for r in range(p)]
-    done: dict[tuple[str, int, int], float] = {}
-    pos = [0] * p
-    free = [0.0] * p
-    last_b = [0.0] * p
-    units: list[tuple[int, str, int, int, float, float]] = []
-    remaining = sum(len(o) for o in orders)
-    while remaining:
-        progressed = False
-        for r in range(p):
-            while pos[r] < len(orders[r]):
-                kind, k, i = orders[r][pos[r]]
-                if kind == "F":
-                    dep = 0.0 if k == 0 else (None if ("F", k - 1, i) not in done else done[("F", k - 1, i)] + sf[k - 1])
-                    dur = fwd[k]
-                else:
-                    if k == n - 1:
-                        dep = done.get(("F", k, i))
-                    else:
-                        dep = None if ("B", k + 1, i) not in done else done[("B", k + 1, i)] + sb[k]
-                    dur = bwd[k]
-                if dep is None:
-                    break
-                start = max(free[r], dep)
-                free[r] = start + dur
-                units.append((r, kind, k, i, start, free[r]))
-                done[(kind, k, i)] = free[r]
-                if blocking_sends:
-                    free[r] += (sf[k] if k < n - 1 else 0.0) if kind == "F" else (sb[k - 1] if k > 0 else 0.0)
-                if kind == "B":
-                    last_b[r] = dur
-                pos[r] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:  # cannot happen for the three schedules; never loop forever
-            raise ProgramError(f"--schedule {schedule}: the schedule deadlocks (p={p}, v={v}, m={m})")
-    busy = [m * sum(fwd[c * p + r] + bwd[c * p + r] for c in range(v)) for r in range(p)]
-    return ScheduleRun(free, busy, last_b, units)
-
-
-def bubble_formula(schedule: str, p: int, v: int, m: int) -> float:
-    return (p - 1) / (v * m) if schedule == "interleaved" else (p - 1) / m
-
-
-# -- per-stage costs ------------------------------------------------------------------------------
-
-
-@dataclass
-class StageCost:
-    """One virtual stage, for one microbatch (times in s, bytes per device)."""
-
-    layers: int
-    ops: int = 0
-    forward_s: float = 0.0
-    backward_s: float = 0.0
-    grad_sync_s: float = 0.0
-    optimizer_s: float = 0.0
-    send_bytes: int = 0       # activations sent to the next stage (its gradients come back alike)
-    send_grad_bytes: int = 0  # gradients sent to the previous stage
-    parameters: int = 0
-    gradients: int = 0
-    optimizer_states: int = 0
-    stash_bytes: int = 0      # what one microbatch keeps for the backward
-    recompute_s: float = 0.0  # the forward ops --recompute runs again in the backward
-    working_peak: int = 0     # the liveness peak of one microbatch through the stage
-    #: torchtitan's FSDP2 under a pipeline: the stage's parameters held gathered (16-bit) and
-    #: their gradients accumulated unsharded (fp32) over the microbatches
-    unsharded_parameters: int = 0
-    unsharded_gradients: int = 0
-    peak_op: int = 0
-    flops: float = 0.0
-    #: the parameter gradients' reductions: (share of the stage's backward done when the
-    #: gradient is made, its dtype, the reduction, its bytes, its layer); timed in buckets
-    grads: list[tuple[float, str, Step, int, str]] = field(default_factory=list, repr=False)
-
-    def to_json(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "grads"}
-
-
-def stage_costs(plan: Plan, stages: list[int], counts: tuple[int, ...], device: Device | None = None,
-                recompute: str = "none", oc: OpComm | None = None) -> list[StageCost]:
-    """Per stage: parameters, gradients and states, the stash and working peak of one
-    microbatch, the bytes sent, and (``device``) the times. ``recompute`` (none, selective,
-    full; :func:`spmdkit.cost.memory.saved_activations`): the activations a recomputed region makes are not
-    stashed (they are made again), and its ops' times go to ``recompute_s``. ``oc``: the ops'
-    times on ``device`` when already computed (:func:`spmdkit.cost.step.op_communication`)."""
-    saved = saved_activations(plan, recompute)
-    out = [StageCost(c) for c in counts]
-    nbytes = _LocalBytes(plan)
-    param_grads, producer = _held_for_the_step(plan, stages, out, nbytes)
-
-    def transient(nm: str) -> bool:
-        t = plan.program.tensors[nm]
-        return not (nm in param_grads or t.inplace_of or t.kind in ("parameter", "optimizer_state"))
-
-    _stash_and_sends(plan, stages, out, nbytes, producer, transient, saved)
-    for s, d in enumerate(activation_deltas(plan, saved, stages, len(out))):
-        out[s].working_peak, out[s].peak_op, _ = peak_of(d)
-    if device is not None:
-        _stage_times(plan, stages, out, oc or op_communication(plan, device), {j for r in saved.recomputed for j in r})
-    return out
-
-
-class _LocalBytes:
-    """A tensor's local bytes under the plan (its largest shard), computed once."""
-
-    def __init__(self, plan: Plan) -> None:
-        self.tensors = plan.program.tensors
-        self.attrs = plan.attrs
-        self.sizes: dict[str, int] = {}
-
-    def __call__(self, name: str) -> int:
-        b = self.sizes.get(name)
-        if b is None:
-            t = self.tensors[name]
-            b = self.sizes[name] = int(local_numel(self.attrs[name], t.shape) * t.itemsize)
-        return b
-
-
-def _held_for_the_step(plan: Plan, stages: list[int], out: list[StageCost],
-                       nbytes: _LocalBytes) -> tuple[dict[str, int], dict[str, int]]:
-    """Count each stage's ops, parameters, parameter gradients and optimizer states (as the
-    framework holds them: :func:`spmdkit.cost.memory.held_for_the_step`); (parameter gradient
-    -> its stage, tensor -> the op that makes it)."""
-    prog = plan.program
-    held = held_for_the_step(plan)
-    # torchtitan under a pipeline keeps FSDP2's parameters gathered over the microbatches
-    # (parallelize_llama.apply_fsdp: reshard_after_forward=False when pp is enabled) and
-    # torch.distributed.pipelining accumulates their gradients unsharded until the last
-    # microbatch (set_requires_gradient_sync(False)), in the fp32 reduce dtype
-    gathered: dict[str, tuple[int, int]] = {}
-    if plan.runtime.fsdp2:  # AutoModel too (reshard_after_forward=not pp_enabled)
-        for r in plan.reshards:
-            if r.tensor in plan.storage and r.tensor not in gathered and not makes_no_copy(plan, r):
-                t = prog.tensors[r.tensor]
-                n = local_numel(r.dst, t.shape)
-                gathered[r.tensor] = (n * t.itemsize, n * 4)
-    param_grads: dict[str, int] = {}
-    counted_params: set[str] = set()
-    for i, op in enumerate(prog.ops):
-        out[stages[i]].ops += 1
-        if op.phase == "optimizer":
-            s = stages[i]
-            for nm in op.input_names():
-                t = prog.tensors[nm]
-                if t.kind == "gradient" and nm not in param_grads:
-                    param_grads[nm] = s
-                elif t.kind == "parameter" and not t.inplace_of and nm not in counted_params:
-                    counted_params.add(nm)
-                    p, g, st = held.get(nm) or (nbytes(nm), 0, 0)
-                    out[s].parameters += p
-                    out[s].gradients += g
-                    out[s].optimizer_states += st
-                    out[s].unsharded_parameters += gathered.get(nm, (0, 0))[0]
-                    out[s].unsharded_gradients += gathered.get(nm, (0, 0))[1]
-    producer: dict[str, int] = {}
-    for i, op in enumerate(prog.ops):
-        for nm in op.output_names():
-            producer.setdefault(nm, i)
-        if op.phase == "forward":
-            for nm in op.input_names():
-                t = prog.tensors[nm]
-                if t.kind == "parameter" and nm not in counted_params:  # a parameter without an update
-                    counted_params.add(nm)
-                    out[stages[i]].parameters += nbytes(nm)
-    return param_grads, producer
-
-
-def _stash_and_sends(plan: Plan, stages: list[int], out: list[StageCost], nbytes: _LocalBytes,
-                     producer: dict[str, int], transient: Callable[[str], bool], saved: ActivationMemory) -> None:
-    """The activations crossing stages (sent forward, their gradients sent back) and the stash:
-    what one microbatch keeps for the backward (``saved``: the forward tensors a backward op
-    reads the values of, less those recomputation makes again, at the size they are kept in),
-    held by each stage whose backward reads it (a stage keeps the input it received; Megatron-LM
-    frees the output it sent). A tensor made from the data and constants alone, no parameter
-    (an imported model's attention mask, its rotary cos and sin) is not sent: each stage makes
-    its own, as each stage of Megatron-LM makes its masks and rotary tables."""
-    prog = plan.program
-    crossing: dict[str, tuple[int, int]] = {}
-    readers: dict[str, set[int]] = {}
-    local: set[str] = set()  # made without a parameter, from the data and constants
-    for i, op in enumerate(prog.ops):
-        b = stages[i]
-        if op.phase == "backward":
-            for nm in value_inputs(op):
-                readers.setdefault(nm, set()).add(b)
-        if op.phase != "forward":
-            continue
-        ins = op.input_names()
-        if all(nm in local or (nm not in producer and prog.tensors[nm].kind != "parameter") for nm in ins):
-            local.update(op.output_names())
-        for nm in ins:
-            j = producer.get(nm)
-            if j is None or not transient(nm) or nm in local:
-                continue
-            a = stages[j]
-            if prog.ops[j].phase == "forward" and b > a:
-                _lo, hi = crossing.get(nm, (a, a))
-                crossing[nm] = (a, max(hi, b))
-    for lst in saved.tensors.values():
-        for nm, size in lst:
-            for s in readers.get(nm, ()):
-                out[s].stash_bytes += size
-    for nm, (a, b) in crossing.items():
-        size = nbytes(nm)
-        g = nm + ".grad"
-        gsize = nbytes(g) if g in prog.tensors and g in plan.attrs else size
-        for k in range(a, b):
-            out[k].send_bytes += size
-            out[k + 1].send_grad_bytes += gsize
-
-
-def _stage_times(plan: Plan, stages: list[int], out: list[StageCost], oc: OpComm, rerun: set[int]) -> None:
-    """Each stage's forward, backward, recomputation and optimizer times (each op's compute and
-    the communication it waits on: :func:`spmdkit.cost.step.op_communication`, the step's own
-    model), its gradient reductions (where in its backward each gradient is made) and their
-    time in buckets (:class:`spmdkit.cost.step.Reducer`), on ``device``."""
-    made: list[list[tuple[float, str, Step, int, str]]] = [[] for _ in out]
-    gathers: list[list[tuple[tuple[int, ...], float, int]]] = [[] for _ in out]
-    for i, op in enumerate(plan.program.ops):
-        c = oc.costs[i]
-        t = oc.compute[i] + oc.wait[i]
-        sc = out[stages[i]]
-        if i in rerun:
-            sc.recompute_s += t
-        sc.flops += c.flops
-        if op.phase == "forward":
-            sc.forward_s += t
-        elif op.phase == "backward":
-            sc.backward_s += t
-        else:
-            sc.optimizer_s += t
-        for dt, st, size in oc.pending.get(i, ()):
-            made[stages[i]].append((sc.backward_s, dt, st, size, op.layer))
-        gathers[stages[i]] += oc.param_gathers.get(i, [])
-    for sc, items in zip(out, gathers):
-        # Megatron's overlap_param_gather: under the next step's first forward on the stage
-        sc.optimizer_s += max(0.0, param_gather_time(plan, items) - sc.forward_s) if items else 0.0
-    for sc, grads in zip(out, made):
-        sc.grads = [(at / sc.backward_s if sc.backward_s > 0 else 1.0, dt, st, size, layer)
-                    for at, dt, st, size, layer in grads]
-        red = Reducer(plan)
-        for _f, dt, st, size, layer in sc.grads:
-            red.add(dt, st, size, 0.0, layer)
-        sc.grad_sync_s = red.flush(0.0)
-
-
-def reduce_gradients(plan: Plan, grads: list[tuple[float, str, Step, int, str]], end: float,
-                     single: bool = False) -> tuple[float, list[Bucket]]:
-    """One pipeline device's gradient reductions, ``grads`` as (time made, dtype, reduction,
-    bytes, layer): in the framework's buckets from the time each is made, or (``single``) all
-    in one bucket launched at ``end``, the end of the device's last backward; (when the last is
-    done, the buckets)."""
-    red = Reducer(plan, single=single)
-    for at, dt, st, size, layer in sorted(grads, key=lambda g: g[0]):
-        red.add(dt, st, size, end if single else at, layer)
-    return red.flush(end), red.buckets
-
-
 # -- the whole pipeline ---------------------------------------------------------------------------
 
 
@@ -667,17 +283,28 @@ class PipelineEstimate:
             return None
         return self.model_flops / (self.step_overlap_s * self.ranks) / 1e12
 
+    def formula(self) -> float:
+        """:func:`spmdkit.planner.schedules.bubble_formula` (ZB-H1: at the stages' mean F, B, W)."""
+        s, n = self.spec, max(1, len(self.stages))
+        tf = sum(c.forward_s for c in self.stages) / n
+        tw = sum(c.weight_s for c in self.stages) / n
+        tb = sum(c.backward_s for c in self.stages) / n - tw
+        times = (tf, tb, tw) if s.schedule == "zb-h1" and tf + tb + tw > 0 else None
+        return bubble_formula(s.schedule, s.pp, s.virtual, s.microbatches, times)
+
     def to_json(self) -> dict[str, Any]:
         s = self.spec
         out: dict[str, Any] = {
             "pp": s.pp, "microbatches": s.microbatches, "schedule": s.schedule, "virtual_stages": s.virtual,
-            "layers_per_stage": list(self.counts), "split_note": self.note, "bubble_formula": bubble_formula(s.schedule, s.pp, s.virtual,
-                                                                                    s.microbatches),
+            "layers_per_stage": list(self.counts), "split_note": self.note, "bubble_formula": self.formula(),
             "pp_link": {"latency_s": self.pp_link[0], "s_per_byte": self.pp_link[1]},
             "stages": [{**st.to_json(), "send_s": self.send_f_s[k], "send_grad_s": self.send_b_s[k - 1] if k else 0.0}
                        for k, st in enumerate(self.stages)],
-            "devices": [{"stage": r, "in_flight_microbatches": self.in_flight[r], "memory": self.memory[r].to_json()}
-                        for r in range(s.pp)]}
+            "devices": [{"stage": r, "in_flight_microbatches": self.in_flight[r],
+                         "weight_pending_microbatches": weight_pending(s.schedule, s.pp, s.microbatches, r),
+                         "memory": self.memory[r].to_json()} for r in range(s.pp)]}
+        if "stages_auto" in self.extra:
+            out["stages_auto"] = self.extra["stages_auto"]
         if self.moe is not None:
             out["moe_memory"] = self.moe.to_json()
         if "microbatch_recompute" in self.extra:
@@ -697,7 +324,7 @@ class PipelineEstimate:
 def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | None, device: Device | None = None,
                       pp_link: tuple[float, float] = (20e-6, 1 / 25e9), tokens: int | None = None,
                       ranks: int | None = None, recompute_forward: bool = False,
-                      recompute: str = "none") -> PipelineEstimate:
+                      recompute: str = "none", oc: OpComm | None = None) -> PipelineEstimate:
     """The pipeline of ``plan`` (ONE microbatch's step on the sub-mesh without pp).
     ``recompute_forward``: time only, each stage's forward run again before its backward (full
     activation recomputation, as Narayanan et al. 2021 train; benchmarks/megatron_table.py);
@@ -708,24 +335,32 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | 
     in ``device``'s memory and recomputes the attention core of the others, its backward
     paying the selective recomputation for that share of its microbatches. ``counts`` None:
     the layers split by :func:`auto_counts` (by time on ``device``, else by FLOPs), the split
-    named in the estimate's ``note``."""
+    named in the estimate's ``note``; ``spec.auto`` (``--stages auto``): :func:`stages_auto`.
+    ``oc``: the ops' times on ``device`` when already computed."""
     p, v, m = spec.pp, spec.virtual, spec.microbatches
+    if spec.auto and counts is None:
+        return stages_auto(plan, spec, device, pp_link, tokens, ranks, recompute_forward, recompute)
     units = op_units(plan.program)
-    oc = op_communication(plan, device) if device is not None else None
+    if oc is None and device is not None:
+        oc = op_communication(plan, device)
     note = None
     if counts is None:
         times = [a + b for a, b in zip(oc.compute, oc.wait)] if oc is not None else None
         counts = split_layers(units[1], spec, balance=lambda n: auto_counts(plan, n, times, units))
         note = split_note(counts, units[1], spec, times is not None)
     stages = op_stages(plan.program, counts, units)
-    costs = stage_costs(plan, stages, counts, device, per_microbatch_mode(recompute), oc)
+    k = recompute_layers(recompute)
+    costs = stage_costs(plan, stages, counts, device, per_microbatch_mode(recompute), oc,
+                        block_layers(plan.program, counts, k) if k else None)
     n = p * v
     send = _sender(p, pp_link, device)
 
     send_f = [send(costs[k].send_bytes) if k < n - 1 else 0.0 for k in range(n)]
     send_b = [send(costs[k + 1].send_grad_bytes) if k < n - 1 else 0.0 for k in range(n)]
     flight = [in_flight(spec.schedule, p, v, m, r) for r in range(p)]
-    mems = [_rank_memory(plan, [costs[c * p + r] for c in range(v)], flight[r], p, v) for r in range(p)]
+    pend = [weight_pending(spec.schedule, p, m, r) for r in range(p)]
+    mems = [_rank_memory(plan, [costs[c * p + r] for c in range(v)], flight[r], p, v, pending=pend[r])
+            for r in range(p)]
     recomputed = [1.0] * p  # the share of each rank's microbatches whose recomputed regions run again
     if recompute == MICROBATCH:
         whole = stage_costs(plan, stages, counts, None, "none")
@@ -734,7 +369,7 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | 
             chunks = max(1, round(flight[r] * v))
             mine, full = [costs[c * p + r] for c in range(v)], [whole[c * p + r] for c in range(v)]
             for kept in range(chunks, 0, -1):  # the most microbatch-chunks kept whole that fit
-                got = _rank_memory(plan, mine, flight[r], p, v, kept, full)
+                got = _rank_memory(plan, mine, flight[r], p, v, kept, full, pend[r])
                 if got.device_total <= cap:
                     mems[r], recomputed[r] = got, 1.0 - kept / chunks
                     break
@@ -745,10 +380,11 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | 
         est.extra["microbatch_recompute"] = {"recomputed_share": recomputed}
     if device is None:
         return est
-    bwd = [c.backward_s + c.recompute_s * recomputed[k % p] + (c.forward_s if recompute_forward else 0.0)
-           for k, c in enumerate(costs)]
+    zb = spec.schedule == "zb-h1"  # the backward's B and W apart (the W's are deferred)
+    bwd = [c.backward_s - (c.weight_s if zb else 0.0) + c.recompute_s * recomputed[j % p]
+           + (c.forward_s if recompute_forward else 0.0) for j, c in enumerate(costs)]
     run = run_schedule(spec.schedule, p, v, m, [c.forward_s for c in costs], bwd,
-                       send_f, send_b)
+                       send_f, send_b, weight=[c.weight_s for c in costs] if zb else None)
     est.run = run
     est.step_serial_s, est.step_overlap_s = _step_times(plan, spec, costs, run)
     mb_tokens = tokens // m if tokens else 0
@@ -762,13 +398,128 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | 
     return est
 
 
+def block_layers(prog: Program, counts: tuple[int, ...], k: int) -> frozenset[str]:
+    """The layer labels ``full:K`` recomputes: the first ``k`` layers of each (virtual) stage, as
+    Megatron-LM's ``--recompute-method block --recompute-num-layers K`` in each model chunk."""
+    tags = layer_tags(prog)
+    out: list[str] = []
+    a = 0
+    for c in counts:
+        out += tags[a:a + min(k, c)]
+        a += c
+    return frozenset(out)
+
+
+def plan_unit_costs(plan: Plan, p: int, device: Device | None = None, recompute: str = "none",
+                    pp_link: tuple[float, float] = (20e-6, 1 / 25e9), oc: OpComm | None = None) -> UnitCosts:
+    """The per-unit costs :func:`spmdkit.planner.partition.partition` splits (the embedding,
+    each layer, the head and the loss; one microbatch of ``plan`` on ``device``, else FLOPs
+    for times): :func:`stage_costs` with one stage per unit. Activation bytes carry the
+    caching allocator's reserve; ``full:K`` is costed without recomputation (which layers it
+    recomputes depends on the split)."""
+    unit, n_layers = op_units(plan.program)
+    stages = [u + 1 for u in unit]
+    counts = (0,) + (1,) * n_layers + (0,)
+    mode = "none" if recompute_layers(recompute) else per_microbatch_mode(recompute)
+    if device is not None and oc is None:
+        oc = op_communication(plan, device)
+    cs = stage_costs(plan, stages, counts, device, mode, oc)
+    if device is None:  # FLOPs stand for the times
+        for i, op in enumerate(plan.program.ops):
+            f = op_cost(plan, i).flops
+            if op.phase == "forward":
+                cs[stages[i]].forward_s += f
+            elif op.phase == "backward":
+                cs[stages[i]].backward_s += f
+    grow = 1.0 + ALLOCATOR_RESERVE
+    send = _sender(p, pp_link, device)
+    return UnitCosts(
+        tuple(c.forward_s for c in cs), tuple(c.backward_s + c.recompute_s for c in cs),
+        tuple(float(c.parameters + c.gradients + c.optimizer_states
+                    + (c.unsharded_parameters + c.unsharded_gradients if p > 1 else 0)) for c in cs),
+        tuple(c.stash_bytes * grow for c in cs), tuple(max(0, c.working_peak - c.stash_bytes) * grow for c in cs),
+        tuple(c.weight_s for c in cs), tuple(c.wstash_bytes * grow for c in cs),
+        send(max(c.send_bytes for c in cs[1:-1])) if device is not None else 0.0)
+
+
+def stages_auto(plan: Plan, spec: PipelineSpec, device: Device | None, pp_link: tuple[float, float],
+                tokens: int | None = None, ranks: int | None = None, recompute_forward: bool = False,
+                recompute: str = "none") -> PipelineEstimate:
+    """``--stages auto``: the layers split by :func:`spmdkit.planner.partition.partition` (the
+    slowest stage as fast as it can be within ``device``'s memory), estimated in full beside
+    the default split (even, or balanced by time where the layers do not divide) and the even
+    split with the first stages one layer more (torchtitan's); the fastest that fits is kept
+    (the partition's wins ties), with why in ``extra["stages_auto"]`` and the note."""
+    base = replace(spec, auto=False)
+    oc = op_communication(plan, device) if device is not None else None
+    uc = plan_unit_costs(plan, spec.pp, device, recompute, pp_link, oc)
+    cap = (device.memory_bytes - with_overheads(0, 0, 0, 0, 0, plan, spec.pp).runtime_overhead
+           if device is not None else None)
+    part = partition(uc, spec.pp, spec.virtual, spec.microbatches, spec.schedule, cap)
+    args = (device, pp_link, tokens, ranks, recompute_forward, recompute)
+    got: dict[str, PipelineEstimate] = {"partition": estimate_pipeline(plan, base, part.counts, *args, oc=oc)}
+    ref = estimate_pipeline(plan, base, None, *args, oc=oc)
+    if ref.counts != part.counts:
+        got["default"] = ref
+    even = tuple(even_split(uc.layers, spec.pp * spec.virtual))
+    if even not in (part.counts, ref.counts):
+        got["even"] = estimate_pipeline(plan, base, even, *args, oc=oc)
+
+    def key(e: PipelineEstimate) -> tuple[bool, float]:
+        need = max(mm.device_total for mm in e.memory)
+        pace = e.step_overlap_s if e.run is not None else simulate_split(uc, e.counts, spec.pp, spec.virtual,
+                                                                          spec.microbatches, spec.schedule)
+        return (device is not None and need > device.memory_bytes, pace)
+
+    def slowest(e: PipelineEstimate) -> float:
+        if device is not None:
+            return max(c.forward_s + c.backward_s for c in e.stages)
+        return max(stage_loads(uc, e.counts, spec.pp, spec.virtual, spec.microbatches, spec.schedule)[0])
+
+    chosen = min(got, key=lambda k: key(got[k]))  # dicts keep order: the partition first
+    best = got[chosen]
+    best.spec = spec
+    why: dict[str, Any] = {"partition": part.to_json(), "chosen": chosen, "counts": list(best.counts),
+                           "candidates": {}}
+    for name, e in [("partition", got["partition"]), ("default", ref), *[(k, v) for k, v in got.items()
+                                                                          if k == "even"]]:
+        why["candidates"][name] = {
+            "layers_per_stage": list(e.counts), "step_s": e.step_overlap_s if e.run is not None else None,
+            "slowest_stage_s": slowest(e), "pipeline_flop": None if device is not None else key(e)[1],
+            "fullest_rank_bytes": max(mm.device_total for mm in e.memory), "fits": not key(e)[0]}
+    best.extra["stages_auto"] = why
+    best.note = _auto_note(why, device is not None)
+    return best
+
+
+_CANDIDATE = {"partition": "partitioned (the least slowest stage, refined by the schedule, within each rank's "
+                           "memory)",
+              "default": "the default split (even, balanced by time where the layers do not divide)",
+              "even": "the even split, the first stages one layer more"}
+
+
+def _auto_note(why: dict[str, Any], timed: bool) -> str:
+    """The note of ``--stages auto``: the split kept, and each candidate's cost."""
+
+    def one(name: str, e: dict[str, Any]) -> str:
+        what = f"step {e['step_s']:.4g} s" if timed and e["step_s"] is not None else \
+            f"slowest stage {e['slowest_stage_s']:.4g} FLOP, the schedule {e['pipeline_flop']:.4g} FLOP"
+        return (f"{_CANDIDATE[name]} {','.join(map(str, e['layers_per_stage']))}: {what}, fullest rank "
+                f"{e['fullest_rank_bytes'] / 2**30:.1f} GiB{'' if e['fits'] else ' (does not fit)'}")
+
+    kept = ",".join(map(str, why["counts"]))
+    return (f"note: --stages auto: {kept} ({why['chosen']}); "
+            + "; ".join(one(k, e) for k, e in why["candidates"].items()))
+
+
 def _rank_memory(plan: Plan, mine: list[StageCost], flight: float, p: int, v: int, kept: int = 0,
-                 whole: list[StageCost] | None = None) -> Memory:
+                 whole: list[StageCost] | None = None, pending: int = 0) -> Memory:
     """One pipeline rank's memory (its stages ``mine``, ``flight`` stage-microbatches in flight,
     held in ``round(flight * v)`` model-chunk units): the working peak of one microbatch plus
     the stash of the others. ``kept`` > 0 (microbatch-level recomputation): that many units
     keep every activation (``whole``: the stages without recomputation), the working one
-    among them; the others keep ``mine``'s stash."""
+    among them; the others keep ``mine``'s stash. ``pending``: microbatches whose weight
+    gradients are still to run (ZB-H1's deferred W's), each keeping the stages' ``wstash``."""
     stash = sum(c.stash_bytes for c in mine)
     units = max(1, round(flight * v))
     if kept and whole is not None:
@@ -779,6 +530,7 @@ def _rank_memory(plan: Plan, mine: list[StageCost], flight: float, p: int, v: in
         work = max(c.working_peak for c in mine)
         act = work + round(max(0.0, flight - 1.0 / v) * stash) if v > 1 else work + round((flight - 1) * stash)
         peak_op = max(mine, key=lambda c: c.working_peak).peak_op
+    act += pending * sum(c.wstash_bytes for c in mine)
     up = sum(c.unsharded_parameters for c in mine) if p > 1 else 0
     ug = sum(c.unsharded_gradients for c in mine) if p > 1 else 0
     return with_overheads(sum(c.parameters for c in mine) + up, sum(c.gradients for c in mine) + ug,
@@ -822,7 +574,7 @@ def _step_times(plan: Plan, spec: PipelineSpec, costs: list[StageCost], run: Sch
     p, v = spec.pp, spec.virtual
     last: dict[int, tuple[float, float]] = {}
     for _r, kind, k, i, start, end in run.units:
-        if kind == "B" and i == spec.microbatches - 1:
+        if kind == ("W" if spec.schedule == "zb-h1" else "B") and i == spec.microbatches - 1:
             last[k] = (start, end)
     serial, overlap = [], []
     for r in range(p):
@@ -925,7 +677,8 @@ def plan_pipeline_source(source: ModelSource, mesh_text: str, strategy_text: str
         one = guess_tokens(plan.program)
         tokens = one * m if one else None
         mb = _batch_of(plan.program)
-    counts = split_layers(layers, spec) if layers % (spec.pp * spec.virtual) == 0 or spec.stages else None
+    even = layers % (spec.pp * spec.virtual) == 0
+    counts = split_layers(layers, spec) if (even or spec.stages) and not spec.auto else None
     return PipelinePlan(loaded, plan, spec, layers, counts, time.perf_counter() - t0, tokens, mb,
                         mb * m if mb else None)
 
@@ -968,7 +721,7 @@ def pp_cost_text(cost_text: str | None, mesh: ProcessMesh | None) -> str | None:
     return ",".join(parts) or None
 
 
-__all__ = ["SCHEDULES", "PipelineEstimate", "PipelinePlan", "PipelineSpec", "ScheduleRun", "StageCost", "auto_counts",
+__all__ = ["block_layers", "plan_unit_costs", "stages_auto", "SCHEDULES", "PipelineEstimate", "PipelinePlan", "PipelineSpec", "ScheduleRun", "StageCost", "auto_counts",
            "balanced_split", "bubble_formula", "estimate_pipeline", "even_split", "in_flight", "op_stages",
            "op_units", "parse_spec", "plan_pipeline", "plan_pipeline_source", "pp_cost_text", "reduce_gradients",
            "run_schedule", "schedule_order", "split_layers", "split_note", "stage_costs", "sub_mesh_text"]

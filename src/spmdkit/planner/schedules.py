@@ -1,0 +1,213 @@
+"""Pipeline schedules as event simulations: each device's order of work and its timeline.
+
+:func:`schedule_order` gives device ``r``'s forwards and backwards in the order the schedule
+runs them (GPipe: every forward, then every backward; 1F1B: ``p - r - 1`` warm-up forwards,
+then one forward and one backward in turn, then the cool-down backwards; interleaved 1F1B:
+Megatron-LM's order over ``v`` model chunks per device). :func:`run_schedule` runs those
+orders against each other: a forward waits for the previous stage's forward of the same
+microbatch plus the send, a backward for the next stage's backward plus the send. The bubble
+is what the simulated pipeline takes beyond the busiest device's own work; with equal stages
+and free sends it is exactly ``(p-1)/m`` (GPipe, 1F1B) or ``(p-1)/(v m)`` (interleaved) of
+that work (:func:`bubble_formula`). :func:`in_flight` gives the microbatches of activations
+a device holds at its peak under each schedule.
+
+ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", section 3.1) splits each backward
+into B, the input gradient the previous stage waits for, and W, the weight gradient nothing
+waits for. Device ``r`` runs 1F1B's order of forwards and B's (``p - r - 1`` warm-up
+forwards), and its W's ``r`` microbatches late: after its ``j``-th B the W of microbatch
+``j - r``, the last ``r`` W's at the end, filling the cool-down's bubble (torch's
+``ScheduleInterleavedZeroBubble`` with one stage per rank: ``num_1f1b_microbatches = rank``).
+With equal stages, free sends and ``m >= p`` its bubble is ``(p-1)(T_F + T_B - T_W)`` against
+1F1B's ``(p-1)(T_F + T_B + T_W)`` (where ``T_W <= T_F, T_B``; else ``(p-1) max(T_F, T_B)``),
+a third of it where the three are equal; device ``r`` keeps 1F1B's
+``p - r`` microbatches of activations in flight and the ``r`` deferred W's inputs, at most
+``p`` microbatches on any device, 1F1B's peak (its first device).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from spmdkit.core.errors import ProgramError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULE_ALIASES = {"interleaved-1f1b": "interleaved", "interleaved1f1b": "interleaved", "1F1B": "1f1b",
+                    "GPipe": "gpipe", "zbh1": "zb-h1", "ZB-H1": "zb-h1", "zb1p": "zb-h1"}
+
+
+def schedule_order(schedule: str, p: int, v: int, m: int, r: int) -> list[tuple[str, int, int]]:
+    """Device ``r``'s work in order: ("F" | "B", virtual stage, microbatch)."""
+    if schedule == "gpipe":
+        return [("F", r, i) for i in range(m)] + [("B", r, i) for i in range(m)]
+    if schedule == "1f1b":
+        warm = min(p - r - 1, m)
+        order = [("F", r, i) for i in range(warm)]
+        for i in range(m - warm):
+            order += [("F", r, warm + i), ("B", r, i)]
+        return order + [("B", r, i) for i in range(m - warm, m)]
+    if schedule == "zb-h1":
+        return _zb_h1_order(p, m, r)
+    total = m * v
+
+    def unit(k: int, forward: bool) -> tuple[int, int]:
+        chunk = (k % (p * v)) // p
+        if not forward:
+            chunk = v - 1 - chunk
+        return chunk * p + r, (k // (p * v)) * p + k % p
+
+    warm = min((p - r - 1) * 2 + (v - 1) * p, total)
+    order = [("F", *unit(k, True)) for k in range(warm)]
+    for j in range(total - warm):
+        order += [("F", *unit(warm + j, True)), ("B", *unit(j, False))]
+    return order + [("B", *unit(k, False)) for k in range(total - warm, total)]
+
+
+def _zb_h1_order(p: int, m: int, r: int) -> list[tuple[str, int, int]]:
+    """ZB-H1 on device ``r`` (module docstring): 1F1B's forwards and B's, the W of microbatch
+    ``j - r`` after the ``j``-th B, the rest at the end."""
+    warm = min(p - r - 1, m)
+    order = [("F", r, i) for i in range(warm)]
+    w = 0
+    for j in range(m):
+        if warm + j < m:
+            order.append(("F", r, warm + j))
+        order.append(("B", r, j))
+        if j >= r:
+            order.append(("W", r, w))
+            w += 1
+    return order + [("W", r, i) for i in range(w, m)]
+
+
+def held_counts(order: list[tuple[str, int, int]]) -> tuple[int, int]:
+    """(microbatches whose forward is done and backward not, at most; and of the B-done,
+    W-pending ones at the points where the first count is largest, the most)."""
+    full = pend = 0
+    best = (0, 0)
+    for kind, _k, _i in order:
+        if kind == "F":
+            full += 1
+        elif kind == "B":
+            full -= 1
+            pend += 1
+        else:
+            pend -= 1
+        best = max(best, (full, pend))
+    return best
+
+
+def weight_pending(schedule: str, p: int, m: int, r: int) -> int:
+    """Microbatches device ``r`` holds only the weight gradients' inputs of (ZB-H1's deferred
+    W's) beside its :func:`in_flight` ones at its peak: 0 but for ZB-H1."""
+    if schedule != "zb-h1":
+        return 0
+    return held_counts(_zb_h1_order(p, m, r))[1]
+
+
+def in_flight(schedule: str, p: int, v: int, m: int, r: int) -> float:
+    """Microbatches of a whole stage whose activations device ``r`` holds at its peak."""
+    if schedule == "gpipe":
+        return float(m)
+    if schedule in ("1f1b", "zb-h1"):
+        return float(min(p - r, m))
+    return min((p - r - 1) * 2 + (v - 1) * p + 1, m * v) / v
+
+
+@dataclass
+class ScheduleRun:
+    finish_s: list[float]   # per device: the end of its last backward
+    busy_s: list[float]     # per device: its own forward + backward work
+    last_backward_s: list[float]
+    #: every unit run: (device, "F" | "B" | "W", virtual stage, microbatch, start s, end s)
+    units: list[tuple[int, str, int, int, float, float]] = field(default_factory=list, repr=False)
+
+    @property
+    def pipeline_s(self) -> float:
+        return max(self.finish_s)
+
+    @property
+    def bubble_s(self) -> float:
+        return self.pipeline_s - max(self.busy_s)
+
+    @property
+    def bubble_fraction(self) -> float:
+        w = max(self.busy_s)
+        return self.bubble_s / w if w > 0 else 0.0
+
+
+def run_schedule(schedule: str, p: int, v: int, m: int, fwd: list[float], bwd: list[float],
+                 send_f: list[float] | None = None, send_b: list[float] | None = None,
+                 blocking_sends: bool | None = None, weight: list[float] | None = None) -> ScheduleRun:
+    """Simulate the schedule: ``fwd[k]`` / ``bwd[k]`` the time of virtual stage ``k`` for one
+    microbatch, ``send_f[k]`` / ``send_b[k]`` the time to send its output activations to stage
+    ``k+1`` / the gradients of its inputs to ``k-1`` (``send_b[k]`` is stage ``k+1``'s send back
+    to ``k``). ``blocking_sends`` (default: every schedule but interleaved): the sender waits for
+    its send to complete before its next unit, as Megatron-LM's 1F1B does (its p2p calls wait on
+    the exchange); the interleaved schedule overlaps its sends with the next unit's compute
+    (Megatron's ``overlap_p2p_comm``), so there only the receiver waits. ZB-H1: ``bwd[k]`` is
+    the input gradient (B) alone and ``weight[k]`` the weight gradient (W), run after it on
+    the same device in the schedule's order."""
+    if blocking_sends is None:
+        blocking_sends = schedule != "interleaved"
+    n = p * v
+    sf = send_f or [0.0] * n
+    sb = send_b or [0.0] * n
+    wt = weight or [0.0] * n
+    orders = [schedule_order(schedule, p, v, m, r) for r in range(p)]
+    done: dict[tuple[str, int, int], float] = {}
+    pos = [0] * p
+    free = [0.0] * p
+    last_b = [0.0] * p
+    units: list[tuple[int, str, int, int, float, float]] = []
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for r in range(p):
+            while pos[r] < len(orders[r]):
+                kind, k, i = orders[r][pos[r]]
+                if kind == "F":
+                    dep = 0.0 if k == 0 else (None if ("F", k - 1, i) not in done else done[("F", k - 1, i)] + sf[k - 1])
+                    dur = fwd[k]
+                elif kind == "W":
+                    dep, dur = done.get(("B", k, i)), wt[k]
+                else:
+                    if k == n - 1:
+                        dep = done.get(("F", k, i))
+                    else:
+                        dep = None if ("B", k + 1, i) not in done else done[("B", k + 1, i)] + sb[k]
+                    dur = bwd[k]
+                if dep is None:
+                    break
+                start = max(free[r], dep)
+                free[r] = start + dur
+                units.append((r, kind, k, i, start, free[r]))
+                done[(kind, k, i)] = free[r]
+                if blocking_sends and kind != "W":
+                    free[r] += (sf[k] if k < n - 1 else 0.0) if kind == "F" else (sb[k - 1] if k > 0 else 0.0)
+                if kind == "B":
+                    last_b[r] = dur
+                pos[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:  # cannot happen for the three schedules; never loop forever
+            raise ProgramError(f"--schedule {schedule}: the schedule deadlocks (p={p}, v={v}, m={m})")
+    busy = [m * sum(fwd[c * p + r] + bwd[c * p + r] + wt[c * p + r] for c in range(v)) for r in range(p)]
+    return ScheduleRun(free, busy, last_b, units)
+
+
+def bubble_formula(schedule: str, p: int, v: int, m: int, times: tuple[float, float, float] | None = None) -> float:
+    """The bubble as a share of a device's work with equal stages and free sends: ``(p-1)/m``
+    (GPipe, 1F1B), ``(p-1)/(v m)`` (interleaved), ``(p-1) max(T_F + T_B - T_W, T_F, T_B) /
+    (m (T_F + T_B + T_W))`` (ZB-H1, ``m >= p``; ``times`` = (T_F, T_B, T_W), equal where not
+    given: ``(p-1)/(3m)``): Qi et al.'s ``(p-1)(T_F + T_B - T_W)`` where ``T_W`` is at most
+    ``T_F`` and ``T_B``; a longer W cannot hide in the gap of a shorter F or B."""
+    if schedule == "interleaved":
+        return (p - 1) / (v * m)
+    if schedule == "zb-h1":
+        tf, tb, tw = times or (1.0, 1.0, 1.0)
+        work = tf + tb + tw
+        return (p - 1) * max(tf + tb - tw, tf, tb) / (m * work) if work > 0 else 0.0
+    return (p - 1) / m
+
+
+__all__ = ["SCHEDULES", "SCHEDULE_ALIASES", "ScheduleRun", "bubble_formula", "held_counts", "in_flight",
+           "run_schedule", "schedule_order", "weight_pending"]

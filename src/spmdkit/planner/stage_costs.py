@@ -1,0 +1,253 @@
+"""A pipeline stage's costs for one microbatch: its ops' times (forward, backward, ZB-H1's
+weight-gradient part, recomputation, optimizer), its parameters, gradients and optimizer
+states as the framework holds them, the activations it stashes and sends, its working peak,
+and its gradient reductions (:func:`stage_costs`; the stages of
+:mod:`spmdkit.planner.pipeline`, or one unit per layer for :mod:`spmdkit.planner.partition`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+from spmdkit.core.reshard import Step
+from spmdkit.cost.devices import Device
+from spmdkit.cost.memory import (
+    ActivationMemory,
+    activation_deltas,
+    held_for_the_step,
+    local_numel,
+    makes_no_copy,
+    peak_of,
+    saved_activations,
+    value_inputs,
+)
+from spmdkit.cost.step import Bucket, OpComm, Reducer, op_communication, param_gather_time
+from spmdkit.planner.zero_bubble import weight_shares, weight_stash
+from spmdkit.program.plan import Plan
+
+
+@dataclass
+class StageCost:
+    """One virtual stage, for one microbatch (times in s, bytes per device)."""
+
+    layers: int
+    ops: int = 0
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    grad_sync_s: float = 0.0
+    optimizer_s: float = 0.0
+    send_bytes: int = 0       # activations sent to the next stage (its gradients come back alike)
+    send_grad_bytes: int = 0  # gradients sent to the previous stage
+    parameters: int = 0
+    gradients: int = 0
+    optimizer_states: int = 0
+    stash_bytes: int = 0      # what one microbatch keeps for the backward
+    recompute_s: float = 0.0  # the forward ops --recompute runs again in the backward
+    weight_s: float = 0.0     # the part of backward_s that makes the weight gradients (ZB-H1's W)
+    wstash_bytes: int = 0     # what one microbatch keeps from its input gradients to its W
+    working_peak: int = 0     # the liveness peak of one microbatch through the stage
+    #: torchtitan's FSDP2 under a pipeline: the stage's parameters held gathered (16-bit) and
+    #: their gradients accumulated unsharded (fp32) over the microbatches
+    unsharded_parameters: int = 0
+    unsharded_gradients: int = 0
+    peak_op: int = 0
+    flops: float = 0.0
+    #: the parameter gradients' reductions: (share of the stage's backward done when the
+    #: gradient is made, its dtype, the reduction, its bytes, its layer); timed in buckets
+    grads: list[tuple[float, str, Step, int, str]] = field(default_factory=list, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "grads"}
+
+
+def stage_costs(plan: Plan, stages: list[int], counts: tuple[int, ...], device: Device | None = None,
+                recompute: str = "none", oc: OpComm | None = None,
+                only: Collection[str] | None = None) -> list[StageCost]:
+    """Per stage: parameters, gradients and states, the stash and working peak of one
+    microbatch, the bytes sent, and (``device``) the times. ``recompute`` (none, selective,
+    full; :func:`spmdkit.cost.memory.saved_activations`): the activations a recomputed region makes are not
+    stashed (they are made again), and its ops' times go to ``recompute_s``. ``oc``: the ops'
+    times on ``device`` when already computed (:func:`spmdkit.cost.step.op_communication`).
+    ``only``: the layer labels whose regions ``recompute`` runs again (``full:K``), else all."""
+    saved = saved_activations(plan, recompute, only)
+    out = [StageCost(c) for c in counts]
+    nbytes = _LocalBytes(plan)
+    param_grads, producer = _held_for_the_step(plan, stages, out, nbytes)
+
+    def transient(nm: str) -> bool:
+        t = plan.program.tensors[nm]
+        return not (nm in param_grads or t.inplace_of or t.kind in ("parameter", "optimizer_state"))
+
+    _stash_and_sends(plan, stages, out, nbytes, producer, transient, saved)
+    for s, d in enumerate(activation_deltas(plan, saved, stages, len(out))):
+        out[s].working_peak, out[s].peak_op, _ = peak_of(d)
+    shares = weight_shares(plan, param_grads)
+    for s, b in enumerate(weight_stash(plan, stages, len(out), saved, shares, nbytes)):
+        out[s].wstash_bytes = b
+    if device is not None:
+        _stage_times(plan, stages, out, oc or op_communication(plan, device), {j for r in saved.recomputed for j in r},
+                     shares)
+    return out
+
+
+class _LocalBytes:
+    """A tensor's local bytes under the plan (its largest shard), computed once."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.tensors = plan.program.tensors
+        self.attrs = plan.attrs
+        self.sizes: dict[str, int] = {}
+
+    def __call__(self, name: str) -> int:
+        b = self.sizes.get(name)
+        if b is None:
+            t = self.tensors[name]
+            b = self.sizes[name] = int(local_numel(self.attrs[name], t.shape) * t.itemsize)
+        return b
+
+
+def _held_for_the_step(plan: Plan, stages: list[int], out: list[StageCost],
+                       nbytes: _LocalBytes) -> tuple[dict[str, int], dict[str, int]]:
+    """Count each stage's ops, parameters, parameter gradients and optimizer states (as the
+    framework holds them: :func:`spmdkit.cost.memory.held_for_the_step`); (parameter gradient
+    -> its stage, tensor -> the op that makes it)."""
+    prog = plan.program
+    held = held_for_the_step(plan)
+    # torchtitan under a pipeline keeps FSDP2's parameters gathered over the microbatches
+    # (parallelize_llama.apply_fsdp: reshard_after_forward=False when pp is enabled) and
+    # torch.distributed.pipelining accumulates their gradients unsharded until the last
+    # microbatch (set_requires_gradient_sync(False)), in the fp32 reduce dtype
+    gathered: dict[str, tuple[int, int]] = {}
+    if plan.runtime.fsdp2:  # AutoModel too (reshard_after_forward=not pp_enabled)
+        for r in plan.reshards:
+            if r.tensor in plan.storage and r.tensor not in gathered and not makes_no_copy(plan, r):
+                t = prog.tensors[r.tensor]
+                n = local_numel(r.dst, t.shape)
+                gathered[r.tensor] = (n * t.itemsize, n * 4)
+    param_grads: dict[str, int] = {}
+    counted_params: set[str] = set()
+    for i, op in enumerate(prog.ops):
+        out[stages[i]].ops += 1
+        if op.phase == "optimizer":
+            s = stages[i]
+            for nm in op.input_names():
+                t = prog.tensors[nm]
+                if t.kind == "gradient" and nm not in param_grads:
+                    param_grads[nm] = s
+                elif t.kind == "parameter" and not t.inplace_of and nm not in counted_params:
+                    counted_params.add(nm)
+                    p, g, st = held.get(nm) or (nbytes(nm), 0, 0)
+                    out[s].parameters += p
+                    out[s].gradients += g
+                    out[s].optimizer_states += st
+                    out[s].unsharded_parameters += gathered.get(nm, (0, 0))[0]
+                    out[s].unsharded_gradients += gathered.get(nm, (0, 0))[1]
+    producer: dict[str, int] = {}
+    for i, op in enumerate(prog.ops):
+        for nm in op.output_names():
+            producer.setdefault(nm, i)
+        if op.phase == "forward":
+            for nm in op.input_names():
+                t = prog.tensors[nm]
+                if t.kind == "parameter" and nm not in counted_params:  # a parameter without an update
+                    counted_params.add(nm)
+                    out[stages[i]].parameters += nbytes(nm)
+    return param_grads, producer
+
+
+def _stash_and_sends(plan: Plan, stages: list[int], out: list[StageCost], nbytes: _LocalBytes,
+                     producer: dict[str, int], transient: Callable[[str], bool], saved: ActivationMemory) -> None:
+    """The activations crossing stages (sent forward, their gradients sent back) and the stash:
+    what one microbatch keeps for the backward (``saved``: the forward tensors a backward op
+    reads the values of, less those recomputation makes again, at the size they are kept in),
+    held by each stage whose backward reads it (a stage keeps the input it received; Megatron-LM
+    frees the output it sent). A tensor made from the data and constants alone, no parameter
+    (an imported model's attention mask, its rotary cos and sin) is not sent: each stage makes
+    its own, as each stage of Megatron-LM makes its masks and rotary tables."""
+    prog = plan.program
+    crossing: dict[str, tuple[int, int]] = {}
+    readers: dict[str, set[int]] = {}
+    local: set[str] = set()  # made without a parameter, from the data and constants
+    for i, op in enumerate(prog.ops):
+        b = stages[i]
+        if op.phase == "backward":
+            for nm in value_inputs(op):
+                readers.setdefault(nm, set()).add(b)
+        if op.phase != "forward":
+            continue
+        ins = op.input_names()
+        if all(nm in local or (nm not in producer and prog.tensors[nm].kind != "parameter") for nm in ins):
+            local.update(op.output_names())
+        for nm in ins:
+            j = producer.get(nm)
+            if j is None or not transient(nm) or nm in local:
+                continue
+            a = stages[j]
+            if prog.ops[j].phase == "forward" and b > a:
+                _lo, hi = crossing.get(nm, (a, a))
+                crossing[nm] = (a, max(hi, b))
+    for lst in saved.tensors.values():
+        for nm, size in lst:
+            for s in readers.get(nm, ()):
+                out[s].stash_bytes += size
+    for nm, (a, b) in crossing.items():
+        size = nbytes(nm)
+        g = nm + ".grad"
+        gsize = nbytes(g) if g in prog.tensors and g in plan.attrs else size
+        for k in range(a, b):
+            out[k].send_bytes += size
+            out[k + 1].send_grad_bytes += gsize
+
+
+def _stage_times(plan: Plan, stages: list[int], out: list[StageCost], oc: OpComm, rerun: set[int],
+                 shares: dict[int, float]) -> None:
+    """Each stage's forward, backward, recomputation and optimizer times (each op's compute and
+    the communication it waits on: :func:`spmdkit.cost.step.op_communication`, the step's own
+    model), its gradient reductions (where in its backward each gradient is made) and their
+    time in buckets (:class:`spmdkit.cost.step.Reducer`), on ``device``."""
+    made: list[list[tuple[float, str, Step, int, str]]] = [[] for _ in out]
+    gathers: list[list[tuple[tuple[int, ...], float, int]]] = [[] for _ in out]
+    for i, op in enumerate(plan.program.ops):
+        c = oc.costs[i]
+        t = oc.compute[i] + oc.wait[i]
+        sc = out[stages[i]]
+        if i in rerun:
+            sc.recompute_s += t
+        sc.flops += c.flops
+        if op.phase == "forward":
+            sc.forward_s += t
+        elif op.phase == "backward":
+            sc.backward_s += t
+            sc.weight_s += t * shares.get(i, 0.0)
+        else:
+            sc.optimizer_s += t
+        for dt, st, size in oc.pending.get(i, ()):
+            made[stages[i]].append((sc.backward_s, dt, st, size, op.layer))
+        gathers[stages[i]] += oc.param_gathers.get(i, [])
+    for sc, items in zip(out, gathers):
+        # Megatron's overlap_param_gather: under the next step's first forward on the stage
+        sc.optimizer_s += max(0.0, param_gather_time(plan, items) - sc.forward_s) if items else 0.0
+    for sc, grads in zip(out, made):
+        sc.grads = [(at / sc.backward_s if sc.backward_s > 0 else 1.0, dt, st, size, layer)
+                    for at, dt, st, size, layer in grads]
+        red = Reducer(plan)
+        for _f, dt, st, size, layer in sc.grads:
+            red.add(dt, st, size, 0.0, layer)
+        sc.grad_sync_s = red.flush(0.0)
+
+
+def reduce_gradients(plan: Plan, grads: list[tuple[float, str, Step, int, str]], end: float,
+                     single: bool = False) -> tuple[float, list[Bucket]]:
+    """One pipeline device's gradient reductions, ``grads`` as (time made, dtype, reduction,
+    bytes, layer): in the framework's buckets from the time each is made, or (``single``) all
+    in one bucket launched at ``end``, the end of the device's last backward; (when the last is
+    done, the buckets)."""
+    red = Reducer(plan, single=single)
+    for at, dt, st, size, layer in sorted(grads, key=lambda g: g[0]):
+        red.add(dt, st, size, end if single else at, layer)
+    return red.flush(end), red.buckets
+
+
+__all__ = ["StageCost", "reduce_gradients", "stage_costs"]
