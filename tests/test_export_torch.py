@@ -21,8 +21,7 @@ import pytest
 pytest.importorskip("torch", reason="torch is not installed (pip install 'spmdkit[torch]')")
 pytest.importorskip("transformers", reason="transformers is not installed (pip install 'spmdkit[hf]')")
 
-from spmdkit.outputs.export import ExportError  # noqa: E402
-from spmdkit.outputs.export_torch import export_torch, torch_source  # noqa: E402
+from spmdkit.outputs.export_torch import export_torch, torch_source
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
