@@ -75,13 +75,14 @@ def rank_main(r: int, world: int, folder: str, cls: str, config: dict[str, Any],
         mesh = init_device_mesh("cpu", tuple(plan.MESH_SHAPE), mesh_dim_names=tuple(plan.MESH_DIMS))
         model = plan.parallelize(model, mesh)
         dims = list(plan.MESH_DIMS)
-        if "dp" in dims:  # this rank's slice of the batch
+        sliced = plan.DATA_PARALLEL is not None
+        if sliced:  # this rank's slice of the batch
             n, i = plan.MESH_SHAPE[dims.index("dp")], mesh.get_local_rank("dp")
             kw = {k: v.chunk(n)[i] if torch.is_tensor(v) and v.dim() and v.shape[0] == batch else v for k, v in kw.items()}
         with _counter() as comm:
             loss = _loss(model, kw, plan.LOSS_PARALLEL)
         full = loss.full_tensor() if isinstance(loss, DTensor) else loss
-        if "dp" in dims:
+        if sliced:
             full = full.detach().clone()
             dist.all_reduce(full, group=mesh.get_group("dp"))
             full = full / plan.MESH_SHAPE[dims.index("dp")]

@@ -50,7 +50,7 @@ from spmdkit.planner.pipeline import PipelineSpec, op_stages
 from spmdkit.program.ir import Op
 from spmdkit.program.layers import layer_tags
 from spmdkit.program.plan import Plan
-from spmdkit.strategies.hf import parameters
+from spmdkit.strategies.hf import data_inputs, parameters
 
 #: a plan's collective kind -> the op CommDebugMode counts (torch's functional collectives)
 FUNCOL = {"all_reduce": "all_reduce", "all_gather": "all_gather_into_tensor",
@@ -68,6 +68,12 @@ class _TorchExport(_DTensorExport):
         super().__init__(plan)
         self.conv1d: set[str] = set()
         self.after: dict[str, dict[str, Any]] = {}
+
+    def tensor_parallel_dim(self) -> int | None:
+        """The mesh dim named ``tp`` (None without one): torch's styles run over ``mesh["tp"]``; a
+        weight sharded over another dim is ZeRO-3's (dp) or refused (:meth:`check_experts`)."""
+        names = self.plan.mesh.dim_names
+        return names.index("tp") if "tp" in names else None
 
     def check_experts(self) -> None:
         """Expert stacks (3-D parameters) sharded over any mesh dim but dp are refused: torch's
@@ -328,7 +334,19 @@ def data_parallel(plan: Plan) -> dict[str, Any] | None:
     all-reduces the gradient and shards only the optimizer states; the same bytes move) and the
     layers container each of whose blocks is one group (then the root)."""
     names = plan.mesh.dim_names
-    if "dp" not in names or plan.mesh.shape[names.index("dp")] == 1:
+    batch_dims: set[str] = set()
+    for n in data_inputs(plan.program):
+        a = plan.attrs.get(n)
+        if a is None or not a.dims_mapping:
+            continue
+        e = a.dims_mapping[0]
+        for d in (e if isinstance(e, tuple) else (e,)):
+            if d != -1:
+                batch_dims.add(names[d])
+    if batch_dims - {"dp"}:
+        raise ExportError(f"--export torch: the plan splits the batch over {', '.join(sorted(batch_dims))}; torch's "
+                          f"data parallelism (FSDP2's fully_shard / replicate) splits it over dp only")
+    if "dp" not in batch_dims:  # the whole batch on every rank (an --auto plan may): nothing to synchronise
         return None
     z = zero_level(plan)
     return {"mesh_dim": "dp", "zero": z, "wrap": "fully_shard" if z else "replicate",
@@ -616,6 +634,11 @@ def torch_source(plan: Plan, command: str = "",
     dims, shape = tuple(full.dim_names), tuple(full.shape)
     pipe = by_stage = None
     if pipeline is not None:
+        sp = sorted(m for m, d in ex.styles.items() if d["style"] == "SequenceParallel")
+        if sp:
+            raise ExportError(f"--export torch: a pipeline of a sequence-parallel plan ({sp[0]}: SequenceParallel): "
+                              f"the hidden states between stages are sequence-sharded DTensors, which torch's "
+                              f"PipelineStage does not send; not exported (drop sp or pp)")
         pipe = pipeline_doc(plan, pipeline[1], pipeline[2])
         by_stage = stage_collectives(plan, pipeline[2], pipeline[1].microbatches)
     ordered = {p: ex.styles[p] for p in _model_order(ex, ex.styles)}
