@@ -44,6 +44,7 @@ from spmdkit.outputs.export import (
     _style_doc,
     _tp_placement,
     check_target,
+    context_parallel_doc,
     write_atomic_text,
 )
 from spmdkit.planner.pipeline import PipelineSpec, op_stages
@@ -627,6 +628,11 @@ def torch_source(plan: Plan, command: str = "",
     """The ``torch`` export of ``plan``: the text of a Python module (module docstring).
     ``pipeline``: (the full mesh with its pp dim, the spec, the layers per stage) of a pipeline
     plan, ``plan`` then the plan of one microbatch on the sub-mesh without pp."""
+    cp = context_parallel_doc(plan)
+    if cp is not None:
+        raise ExportError(f"--export torch: the plan runs context parallelism over cp ({cp['variant']} attention): "
+                          f"not exported to torch yet (--export dtensor says how torch's context_parallel would run "
+                          f"it: {'rotate ' + str(cp['rotate_method']) if cp['supported'] else 'it has no equivalent'})")
     ex = _TorchExport(plan)
     ex.check_experts()
     doc = ex.document()
