@@ -24,7 +24,14 @@ The styles come from the plan, as the ``dtensor`` export derives them
   own input (``ColwiseParallel(input_layouts=Shard(1))``);
 - GPT-2's ``Conv1D`` (``x @ W`` with ``W [in, out]``): torch's styles shard ``nn.Linear`` only, so
   ``parallelize`` first swaps each such module the plan shards for the ``nn.Linear`` it equals
-  (``CONV1D_AS_LINEAR``; the weight transposed, the same names), then styles it.
+  (``CONV1D_AS_LINEAR``; the weight transposed, the same names), then styles it;
+- pipelines: ``PIPELINE`` (the stages' module prefixes, torch's schedule, the microbatches),
+  ``pipeline_stage`` and ``build_pipeline`` (``torch.distributed.pipelining``).
+
+Refused by name (:class:`ExportError`, one line): a fused weight split into parts (GPT-2's
+``c_attn``), a row layer with no column layer beside it, expert stacks over tp / ep, context
+parallelism, a preset (no HF module), and a pipeline with tied parameters, sequence parallel or the
+interleaved schedule (docs/export.md).
 """
 
 from __future__ import annotations
