@@ -60,6 +60,9 @@ from spmdkit.program.plan import Plan
 from spmdkit.strategies.hf import data_inputs, forward_readers, parameters, weight_axes
 
 FORMATS = ("dtensor", "jax", "paddle")
+#: every --export format: the JSON documents above and ``torch``, a Python module
+#: (:mod:`spmdkit.outputs.export_torch`)
+ALL_FORMATS = (*FORMATS, "torch")
 #: The ``format`` field of each document.
 DOC_FORMATS = {f: f"spmdkit-{f}-export" for f in FORMATS}
 VERSION = 1
@@ -170,7 +173,8 @@ def _module_of_param(name: str, fmt: str) -> str:
 
 def _sequence_parallel(mod: str, name: str, pl: Any) -> ExportError:
     return ExportError(f"--export dtensor: {mod}: the plan holds {name} as {_placement_text(pl)} over tp (sequence "
-                       f"parallel): sequence-parallel plans are not exported to DTensor yet")
+                       f"parallel): a parallelize_module plan holds one style per module and a sequence-parallel norm "
+                       f"needs two (SequenceParallel, then its output all-gathered): use --export torch")
 
 
 def _style_doc(style: str, **kw: Any) -> dict[str, Any]:
@@ -195,12 +199,16 @@ class _DTensorExport:
         self.modules: dict[int, tuple[str, str]] = getattr(prog, "modules", None) or {}
         self.aliases: dict[str, str] = getattr(prog, "aliases", None) or {}
         self.weights = [p for p in self.params if len(prog.tensors[p].shape) == 2]
-        self.tp = _tp_dim(plan, self.weights)
+        self.tp = self.tensor_parallel_dim()
         self.styles: dict[str, dict[str, Any]] = {}
         self.loss_parallel = False
         self.notes: list[str] = []
         self.column_inputs: dict[str, list[str]] = {}
         self.tied_to: dict[str, str] = {}
+
+    def tensor_parallel_dim(self) -> int | None:
+        """The tensor-parallel mesh dim (:func:`_tp_dim`)."""
+        return _tp_dim(self.plan, self.weights)
 
     def document(self) -> dict[str, Any]:
         plan, prog, tp = self.plan, self.prog, self.tp
@@ -220,7 +228,7 @@ class _DTensorExport:
         experts = expert_parallel_statement(plan)
         if experts is not None:
             self.notes.append(expert_note(experts))
-        return {"format": DOC_FORMATS[self.fmt], "version": VERSION, "mesh": _mesh_doc(plan),
+        return {"format": DOC_FORMATS.get(self.fmt, self.fmt), "version": VERSION, "mesh": _mesh_doc(plan),
                 "expert_parallel": experts, "tp_dim": None if tp is None else plan.mesh.dim_names[tp],
                 "parallelize_plan": dict(sorted(self.styles.items())), "loss_parallel": self.loss_parallel,
                 "tied": self.tied_to, "placements": self.placements,
@@ -445,14 +453,14 @@ _DOCUMENTS = {"dtensor": dtensor_document, "jax": jax_document, "paddle": paddle
 def export_document(plan: Plan, fmt: str) -> dict[str, Any]:
     """The export of ``plan`` in ``fmt`` (one of :data:`FORMATS`) as a JSON-able dict."""
     if fmt not in _DOCUMENTS:
-        raise ExportError(f"--export {str(fmt)[:40]!r}: unknown format (one of {', '.join(FORMATS)})")
+        raise ExportError(f"--export {str(fmt)[:40]!r}: unknown format (one of {', '.join(ALL_FORMATS)})")
     return _DOCUMENTS[fmt](plan)
 
 
 def check_target(fmt: str, path: str) -> None:
     """ExportError for an unknown format, or a path that is a folder or in no folder."""
-    if fmt not in _DOCUMENTS:
-        raise ExportError(f"--export {str(fmt)[:40]!r}: unknown format (one of {', '.join(FORMATS)})")
+    if fmt not in ALL_FORMATS:
+        raise ExportError(f"--export {str(fmt)[:40]!r}: unknown format (one of {', '.join(ALL_FORMATS)})")
     _check_path(os.fspath(path), f"--export {fmt}")
 
 
@@ -473,10 +481,15 @@ def _check_path(p: str, what: str) -> None:
 def write_json(doc: Mapping[str, Any], path: str, what: str = "--export") -> None:
     """Write ``doc`` to ``path`` atomically (a temporary file in the same folder, then renamed):
     a reader never sees half a file; ExportError naming the path when it cannot be written."""
+    write_atomic_text(json.dumps(doc, indent=1) + "\n", path, what)
+
+
+def write_atomic_text(text: str, path: str, what: str) -> None:
+    """Write ``text`` to ``path`` atomically; ExportError naming the path when it cannot be written."""
     p = os.fspath(path)
     _check_path(p, what)
     try:
-        write_atomic(p, (json.dumps(doc, indent=1) + "\n").encode("utf-8"))
+        write_atomic(p, text.encode("utf-8"))
     except OSError as exc:
         raise ExportError(f"{what}: cannot write {p!r}: {exc.strerror or exc}") from None
 
@@ -636,6 +649,6 @@ def load_paddle_placements(path: str) -> tuple[Any, dict[str, list[Any]]]:
     return mesh, {p: [_parse_placement(v, dist, partial) for v in pls] for p, pls in doc["placements"].items()}
 
 
-__all__ = ["DOC_FORMATS", "FORMATS", "ExportError", "check_target", "context_parallel_doc", "dtensor_document", "export_document", "export_plan",
+__all__ = ["ALL_FORMATS", "DOC_FORMATS", "FORMATS", "ExportError", "check_target", "context_parallel_doc", "dtensor_document", "export_document", "export_plan",
            "apply_dtensor_plan", "jax_document", "jax_mesh", "load_dtensor_placements", "load_dtensor_plan", "load_jax_specs",
-           "load_paddle_placements", "paddle_document", "read_document", "write_json"]
+           "load_paddle_placements", "paddle_document", "read_document", "write_atomic_text", "write_json"]

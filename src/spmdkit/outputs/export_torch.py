@@ -1,0 +1,718 @@
+"""Export a plan as a Python module that applies it with torch's own parallel APIs
+(``spmdkit plan ... --export torch FILE``, docs/export.md).
+
+The file is plain Python a person reads: the mesh (``MESH_DIMS``, ``MESH_SHAPE``), each module's
+tensor-parallel style (``TP_PLAN``: ``ColwiseParallel`` / ``RowwiseParallel`` /
+``SequenceParallel`` / ``PrepareModuleOutput`` with the plan's input and output layouts, module
+paths with ``*`` for the layer number where every layer has the same style), the data-parallel
+wrapping (``fully_shard`` per layer and at the root for ZeRO-3, with
+``reshard_after_forward=False`` for ZeRO-1/2, FSDP2's ``replicate`` for plain dp), whether the loss
+runs under ``loss_parallel()`` (``LOSS_PARALLEL``), the pipeline (``PIPELINE`` and
+``pipeline_stage``), and the collectives the plan issues per step in the terms ``CommDebugMode``
+counts (``PLAN_COLLECTIVES``). ``parallelize(model, mesh)`` applies it all and returns the model.
+
+The styles come from the plan, as the ``dtensor`` export derives them
+(:class:`spmdkit.outputs.export._DTensorExport`), with what that export refuses resolved:
+
+- sequence parallel: a norm whose input the plan holds ``Shard(1)`` over tp is
+  ``SequenceParallel``; a row layer (or the vocab-parallel embedding) whose partial output the
+  plan reduce-scatters to ``Shard(1)`` is ``RowwiseParallel(output_layouts=Shard(1))`` and keeps
+  its output a DTensor (``use_local_output=False``), so the residual stream is a sequence-sharded
+  DTensor of the global shape (HF's mask and positions read its sequence length); the column
+  layers reading a norm's output get it all-gathered once (``PrepareModuleOutput`` from
+  ``Shard(1)`` to ``Replicate()`` after ``SequenceParallel``), the LM head alone all-gathers its
+  own input (``ColwiseParallel(input_layouts=Shard(1))``);
+- GPT-2's ``Conv1D`` (``x @ W`` with ``W [in, out]``): torch's styles shard ``nn.Linear`` only, so
+  ``parallelize`` first swaps each such module the plan shards for the ``nn.Linear`` it equals
+  (``CONV1D_AS_LINEAR``; the weight transposed, the same names), then styles it;
+- pipelines: ``PIPELINE`` (the stages' module prefixes, torch's schedule, the microbatches),
+  ``pipeline_stage`` and ``build_pipeline`` (``torch.distributed.pipelining``).
+
+Refused by name (:class:`ExportError`, one line): a fused weight split into parts (GPT-2's
+``c_attn``), a row layer with no column layer beside it, expert stacks over tp / ep, context
+parallelism, a preset (no HF module), and a pipeline with tied parameters, sequence parallel or the
+interleaved schedule (docs/export.md).
+"""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from collections import Counter
+from typing import Any
+
+from spmdkit.core.placements import Shard
+from spmdkit.outputs.export import (
+    ExportError,
+    _DTensorExport,
+    _feeds_loss,
+    _placement_text,
+    _reduced_to,
+    _style_doc,
+    _tp_placement,
+    check_target,
+    context_parallel_doc,
+    write_atomic_text,
+)
+from spmdkit.planner.pipeline import PipelineSpec, op_stages
+from spmdkit.program.ir import Op
+from spmdkit.program.layers import layer_tags
+from spmdkit.program.plan import Plan
+from spmdkit.strategies.hf import data_inputs, parameters
+
+#: a plan's collective kind -> the op CommDebugMode counts (torch's functional collectives)
+FUNCOL = {"all_reduce": "all_reduce", "all_gather": "all_gather_into_tensor",
+          "reduce_scatter": "reduce_scatter_tensor", "all_to_all": "all_to_all_single"}
+
+
+class _TorchExport(_DTensorExport):
+    """The styles of the ``torch`` export: the dtensor export's, sequence parallel and
+    Conv1D included (module docstring). ``self.entries``: (module path, style doc) in the order
+    they are applied; a module may have two (``SequenceParallel`` then ``PrepareModuleOutput``)."""
+
+    fmt = "torch"
+
+    def __init__(self, plan: Plan) -> None:
+        super().__init__(plan)
+        self.conv1d: set[str] = set()
+        self.after: dict[str, dict[str, Any]] = {}
+        self.row_inputs: dict[str, str] = {}
+
+    def tensor_parallel_dim(self) -> int | None:
+        """The mesh dim named ``tp`` (None without one): torch's styles run over ``mesh["tp"]``; a
+        weight sharded over another dim is ZeRO-3's (dp) or refused (:meth:`check_experts`)."""
+        names = self.plan.mesh.dim_names
+        return names.index("tp") if "tp" in names else None
+
+    def check_experts(self) -> None:
+        """Expert stacks (3-D parameters) sharded over any mesh dim but dp are refused: torch's
+        parallel styles shard ``nn.Linear`` / ``nn.Embedding`` and have no experts style."""
+        names = self.plan.mesh.dim_names
+        for p in self.params:
+            a = self.plan.attrs[p]
+            if len(self.prog.tensors[p].shape) < 3:
+                continue
+            over = sorted({names[d] for e in a.dims_mapping for d in (e if isinstance(e, tuple) else (e,))
+                           if d != -1 and names[d] != "dp"} - {"dp"})
+            if over:
+                mod = p.rsplit(".", 1)[0]
+                raise ExportError(f"--export torch: {mod}: the plan shards its expert stacks over {', '.join(over)} "
+                                  f"({p} {list(self.placements[p])}); torch.distributed.tensor.parallel has no "
+                                  f"experts style (its styles shard nn.Linear and nn.Embedding), and a fused "
+                                  f"gate_up stack would need each half sharded apart; export a plan without tp / ep "
+                                  f"over the experts (dp, fsdp) or use --export dtensor (placements and a statement)")
+
+    def uses(self, p: str) -> list[tuple[str, str, int, Op]]:
+        m = re.fullmatch(r"(.+)\.weight\.part\d+", p)
+        if m:
+            parts = sorted(n for n in self.weights if n.startswith(m.group(1) + ".weight.part"))
+            raise ExportError(f"--export torch: {m.group(1)}: the plan splits its fused weight into {len(parts)} "
+                              f"parts (q / k / v) and shards each over tp ({self.placements[p][self.tp or 0]} of "
+                              f"{p}); torch's ColwiseParallel shards the fused weight in one block, which would give "
+                              f"a rank other heads' q / k / v: keep it whole (--tp-plan "
+                              f"'{{\"{m.group(1).rsplit('.', 1)[-1]}\": \"replicate\"}}')")
+        return super().uses(p)
+
+    def _linear_in_out(self, p: str, how: str, out_ax: int) -> None:
+        if how == "linear" and out_ax != 0:
+            self.conv1d.add(p[: -len(".weight")] if p.endswith(".weight") else p)
+
+    def style(self, mod: str, how: str, op: Op, pl: Any) -> bool:
+        """:meth:`_DTensorExport.style` with the output-feature axis read from the op (a
+        Conv1D's is 1): a column layer shards it."""
+        assert self.tp is not None
+        out_ax = (0 if op.attrs.get("trans_y", False) else 1) if how == "linear" else 1
+        if how == "linear" and out_ax == 1:  # as the nn.Linear it is swapped for: [out, in]
+            pl = Shard(1 - pl.dim) if pl.is_shard() else pl
+        return super().style(mod, how, op, pl)
+
+    def made_as(self, x: str) -> Any:
+        """The tp placement ``x`` is made in (before any reshard to its readers)."""
+        assert self.tp is not None
+        i = self.producers.get(x)
+        if i is None:
+            return _tp_placement(self.plan.attrs[x], self.tp)
+        return _tp_placement(self.plan.ops[i].outputs[self.prog.ops[i].output_names().index(x)], self.tp)
+
+    def _colwise(self, mod: str, op: Op, x: str, x_in: Any, x_req: Any) -> bool:
+        assert self.tp is not None
+        prog = self.prog
+        x_in = self.made_as(x)
+        out = op.output_names()[0]
+        if not x_req.is_replicate():
+            raise ExportError(f"--export torch: {mod} (ColwiseParallel): the plan reads its input {x} as "
+                              f"{_placement_text(x_req)} over tp, ColwiseParallel as Replicate()")
+        local = not _feeds_loss(prog, self.fwd_readers, out)
+        o = _tp_placement(self.plan.attrs[out], self.tp)
+        if not (o.is_shard() and o.dim == len(prog.tensors[out].shape) - 1):
+            raise ExportError(f"--export torch: {mod} (ColwiseParallel): the plan makes its output {out} "
+                              f"{_placement_text(o)} over tp, ColwiseParallel Shard(-1)")
+        self.styles[mod] = _style_doc("ColwiseParallel", input_layouts=_placement_text(x_in),
+                                      output_layouts="Shard(-1)", use_local_output=local)
+        self.column_inputs.setdefault(x, []).append(mod)
+        return not local
+
+    def _rowwise(self, mod: str, how: str, op: Op, x: str, x_req: Any, colwise: bool) -> None:
+        assert self.tp is not None
+        out = op.output_names()[0]
+        nd = len(self.prog.tensors[x].shape)
+        if how == "linear" and not (x_req.is_shard() and x_req.dim == nd - 1):
+            raise ExportError(f"--export torch: {mod} (RowwiseParallel): the plan reads its input {x} as "
+                              f"{_placement_text(x_req)} over tp, RowwiseParallel as Shard(-1)")
+        if how == "embedding" and not x_req.is_replicate():
+            raise ExportError(f"--export torch: {mod} (RowwiseParallel): the plan reads the ids {x} as "
+                              f"{_placement_text(x_req)} over tp (it gathers the vocab-sharded table); torch's "
+                              f"vocab-parallel embedding reads them Replicate()")
+        if how == "embedding" and colwise:
+            self.styles[mod] = _style_doc("ColwiseParallel", input_layouts="Replicate()", output_layouts="Shard(-1)",
+                                          use_local_output=True)
+            return
+        dst = _reduced_to(self.plan, out, self.tp)
+        if dst is None:
+            raise ExportError(f"--export torch: {mod} (RowwiseParallel): the plan never reduces its "
+                              f"partial output {out} over tp")
+        if dst.is_shard() and dst.dim != 1:
+            raise ExportError(f"--export torch: {mod} (RowwiseParallel): the plan reduce-scatters its output {out} "
+                              f"to {_placement_text(dst)} over tp; torch's sequence parallel shards axis 1")
+        made = self.made_as(x)
+        x_in = "Replicate()" if how == "embedding" else "Shard(-1)" if made.is_shard() and made.dim == nd - 1 \
+            else _placement_text(made)
+        if how == "linear":
+            self.row_inputs[mod] = x
+        self.styles[mod] = _style_doc("RowwiseParallel", input_layouts=x_in,
+                                      output_layouts=_placement_text(dst), use_local_output=not dst.is_shard())
+
+    def sequence_parallel_norms(self) -> None:
+        """A module with a replicated 1-D parameter (a norm's weight or bias) that the plan runs
+        on a sequence-sharded input over tp (``Shard(1)``): ``SequenceParallel``. Found by the
+        parameter's reading ops, whatever the norm is lowered to (a fused rms_norm, or HF's
+        ``weight * x * rsqrt(mean(x^2))``)."""
+        assert self.tp is not None
+        prog, tp = self.prog, self.tp
+        for p in self.params:
+            if len(prog.tensors[p].shape) != 1 or _tp_placement(self.plan.attrs[p], tp).is_shard():
+                continue
+            for i, op, _slot in self.readers.get(p, []):
+                seq = [k for k, v in op.inputs.items() if isinstance(v, str) and v != p and v in prog.tensors
+                       and prog.tensors[v].kind != "parameter"
+                       and _tp_placement(self.plan.ops[i].required[k], tp).is_shard()]
+                if not seq:
+                    continue
+                mod = self.modules.get(i, ("", ""))[0]
+                if not mod:
+                    raise ExportError(f"--export torch: {p}: read on a sequence-sharded input and the program "
+                                      f"records no module for it (a program JSON): export from --hf")
+                if mod in self.styles:
+                    break
+                d = _tp_placement(self.plan.ops[i].required[seq[0]], tp).dim
+                if d != 1:
+                    raise ExportError(f"--export torch: {mod} (SequenceParallel): the plan shards its input on "
+                                      f"axis {d} over tp; torch's sequence parallel shards axis 1")
+                self.styles[mod] = _style_doc("SequenceParallel", sequence_dim=1, use_local_output=False)
+                break
+
+    def check_row_inputs(self) -> None:
+        """A row layer whose input no column layer beside it makes (in its parent module) is
+        refused: the plan slices a replicated computation somewhere between (GPT-2's attention
+        heads from a replicated ``c_attn``, their gradients all-gathered where the plan splits
+        q / k / v), which torch runs whole on every rank, all-gathering at the row layer."""
+        columns = [m for m, d in self.styles.items() if d["style"] == "ColwiseParallel"]
+        for mod, x in self.row_inputs.items():
+            parent = mod.rsplit(".", 1)[0] + "."
+            if not any(c.startswith(parent) for c in columns):
+                raise ExportError(f"--export torch: {mod} (RowwiseParallel): no column-parallel layer under "
+                                  f"{parent[:-1]} makes its input {x}: the plan slices a replicated computation "
+                                  f"before it (and all-gathers its gradients there), torch's module would run it whole "
+                                  f"and all-gather at {mod.rsplit('.', 1)[-1]}; keep it whole too (--tp-plan "
+                                  f"'{{\"{'.'.join(mod.split('.')[-2:])}\": \"replicate\"}}')")
+
+    def prepare_shared_inputs(self) -> None:
+        """Column layers sharing one input that a module makes: that module's output a
+        replicated DTensor (all-gathered from ``Shard(1)`` under sequence parallel)."""
+        self.check_row_inputs()
+        self.sequence_parallel_norms()
+        for x, mods in self.column_inputs.items():
+            if len(mods) < 2 or x not in self.producers:
+                continue
+            made = self.modules.get(self.producers[x])
+            if made is None:
+                continue
+            path = made[0]
+            outside = all(not (self.modules.get(j, ("", ""))[0] + ".").startswith(path + ".")
+                          for j in self.fwd_readers.get(x, []))
+            if not outside:
+                continue
+            src = _placement_text(self.made_as(x))
+            doc = _style_doc("PrepareModuleOutput", output_layouts=src, desired_output_layouts="Replicate()",
+                             use_local_output=False)
+            for m in mods:  # they receive it replicated
+                self.styles[m]["input_layouts"] = "Replicate()"
+            if path in self.styles:
+                if self.styles[path]["style"] != "SequenceParallel":
+                    continue
+                self.after[path] = doc
+            else:
+                self.styles[path] = doc
+            self.notes.append(f"{path}: its output {x} is read by {', '.join(mods)}: one replicated DTensor"
+                              + (" (all-gathered once)" if src != "Replicate()" else "")
+                              + ", its gradient reduced once")
+
+
+# -- what the file says ---------------------------------------------------------------------------
+
+
+def _layer_glob(path: str) -> tuple[str, str | None]:
+    """(``a.layers.*.b``, ``"3"``) for a path with a number after its container, else (path, None)."""
+    m = re.search(r"\.(\d+)(\.|$)", path)
+    if m is None:
+        return path, None
+    return path[: m.start(1)] + "*" + path[m.end(1):], m.group(1)
+
+
+def compress(styles: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Module path -> style, the paths that every layer has with the same style written once with
+    ``*`` for the layer number (``parallelize_module`` matches ``*`` per path atom)."""
+    by: dict[str, dict[str, dict[str, Any]]] = {}
+    numbers: dict[str, set[str]] = {}
+    for path, doc in styles.items():
+        glob, n = _layer_glob(path)
+        if n is not None:
+            by.setdefault(glob, {})[n] = doc
+            numbers.setdefault(glob.split("*")[0], set()).add(n)
+    out: dict[str, dict[str, Any]] = {}
+    for path, doc in styles.items():
+        glob, n = _layer_glob(path)
+        group = by.get(glob, {})
+        uniform = n is not None and set(group) == numbers[glob.split("*")[0]] and \
+            all(d == doc for d in group.values()) and len(group) > 1
+        out[glob if uniform else path] = doc
+    return out
+
+
+def _py(v: Any) -> str:
+    if isinstance(v, str) and (v.startswith(("Shard(", "Replicate(", "Partial("))):
+        return v
+    return repr(v)
+
+
+def _style_py(doc: dict[str, Any]) -> str:
+    kw = ", ".join(f"{k}={_py(v)}" for k, v in doc.items() if k != "style")
+    return f"{doc['style']}({kw})"
+
+
+def _plan_py(name: str, styles: dict[str, dict[str, Any]], comment: str) -> list[str]:
+    lines = [f"#: {comment}", f"{name} = {{"]
+    for path, doc in styles.items():
+        lines.append(f"    {path!r}: {_style_py(doc)},")
+    lines.append("}")
+    return lines
+
+
+def tp_collectives(plan: Plan) -> dict[str, dict[str, int]]:
+    """The plan's collectives over tp per phase (forward, backward), by the functional
+    collective CommDebugMode counts: the reshards the model's modules run. A parameter gradient
+    the plan reduces over tp in its gradient sync (a replicated norm weight under sequence
+    parallel: partial over tp) is reduced by DTensor in torch's backward: counted there."""
+    names = plan.mesh.dim_names
+    out: dict[str, dict[str, int]] = {}
+    for phase in ("forward", "backward"):
+        c = Counter(FUNCOL.get(s.kind, s.kind) for _r, s in plan.collectives(phase)
+                    if any(names[d] == "tp" for d in s.mesh_dims))
+        if phase == "backward":
+            c.update("all_reduce" for _r, s in plan.collectives("optimizer")
+                     if s.kind == "all_reduce" and any(names[d] == "tp" for d in s.mesh_dims))
+        out[phase] = dict(sorted(c.items()))
+    return out
+
+
+def zero_level(plan: Plan) -> int:
+    """The plan's ZeRO stage read from its layouts: 3 when parameters are stored sharded, 2 when a
+    gradient is sharded over dp, 1 when only optimizer states are, else 0."""
+    if "dp" not in plan.mesh.dim_names or plan.mesh.shape[plan.mesh.dim_index("dp")] == 1:
+        return 0
+    if plan.storage:
+        return 3
+    dp = plan.mesh.dim_index("dp")
+    prog = plan.program
+    opt = getattr(prog, "optimizer", None) or {}
+    level = 0
+    for _p, (g, states, *_rest) in opt.items():
+        def on_dp(n: str) -> bool:
+            a = plan.attrs.get(n)
+            return a is not None and any(dp in (e if isinstance(e, tuple) else (e,)) for e in a.dims_mapping)
+        if on_dp(g):
+            return 2
+        if any(on_dp(s) for s in states):
+            level = 1
+    return level
+
+
+def layers_container(plan: Plan) -> str | None:
+    """The module holding the numbered blocks (``model.layers``, GPT-2's ``transformer.h``):
+    the prefix before a number that the most module paths share."""
+    mods = getattr(plan.program, "modules", None) or {}
+    c = Counter(m.group(1) for path, _cls in mods.values() for m in [re.match(r"(.+?)\.\d+(\.|$)", path)] if m)
+    return c.most_common(1)[0][0] if c else None
+
+
+def data_parallel(plan: Plan) -> dict[str, Any] | None:
+    """How the dp mesh dim is applied with FSDP2: None without a dp dim of size > 1; else the
+    ZeRO stage, the wrapper (``fully_shard`` for ZeRO-1/2/3, ``replicate`` for plain dp), its
+    ``reshard_after_forward`` (ZeRO-3: True; ZeRO-1/2: False, the parameters stay whole from the
+    forward to the backward and the gradient is reduce-scattered: torch has no ZeRO-1, which
+    all-reduces the gradient and shards only the optimizer states; the same bytes move) and the
+    layers container each of whose blocks is one group (then the root)."""
+    names = plan.mesh.dim_names
+    batch_dims: set[str] = set()
+    for n in data_inputs(plan.program):
+        a = plan.attrs.get(n)
+        if a is None or not a.dims_mapping:
+            continue
+        e = a.dims_mapping[0]
+        for d in (e if isinstance(e, tuple) else (e,)):
+            if d != -1:
+                batch_dims.add(names[d])
+    if batch_dims - {"dp"}:
+        raise ExportError(f"--export torch: the plan splits the batch over {', '.join(sorted(batch_dims))}; torch's "
+                          f"data parallelism (FSDP2's fully_shard / replicate) splits it over dp only")
+    if "dp" not in batch_dims:  # the whole batch on every rank (an --auto plan may): nothing to synchronise
+        return None
+    z = zero_level(plan)
+    return {"mesh_dim": "dp", "zero": z, "wrap": "fully_shard" if z else "replicate",
+            "reshard_after_forward": z == 3, "layers": layers_container(plan)}
+
+
+def dp_collectives(dp: dict[str, Any] | None, layers: int) -> dict[str, dict[str, int]]:
+    """What FSDP2 issues over dp per step, as CommDebugMode counts its c10d ops: one collective per
+    group (each block, then the root): ``fully_shard`` all-gathers each group's parameters in the
+    forward (``_allgather_base_``), again in the backward where it resharded after the forward
+    (the blocks under ZeRO-3; the root keeps its own), and reduce-scatters each group's gradients
+    (``_reduce_scatter_base_``); ``replicate`` all-reduces each group's gradients (``allreduce_``).
+    The plan counts one collective per parameter: FSDP2 buckets them per group."""
+    if dp is None:
+        return {}
+    groups = layers + 1
+    if dp["wrap"] == "replicate":
+        return {"forward": {}, "backward": {"allreduce_": groups}}
+    back = {"_allgather_base_": layers} if dp["reshard_after_forward"] and layers else {}
+    return {"forward": {"_allgather_base_": groups}, "backward": {**back, "_reduce_scatter_base_": groups}}
+
+
+def _header(plan: Plan, command: str, dims: tuple[str, ...], shape: tuple[int, ...]) -> list[str]:
+    where = " x ".join(f"{n}={s}" for n, s in zip(dims, shape))
+    out = [f'"""The plan of {plan.program.name or "a model"} on mesh {where}, applied with torch\'s own parallel APIs.', ""]
+    if command:
+        out += ["Written by::", "", "    " + command, ""]
+    out += ["Use (every rank, under torchrun)::", "",
+            "    mesh = init_device_mesh(\"cuda\", MESH_SHAPE, mesh_dim_names=MESH_DIMS)",
+            "    model = parallelize(model, mesh)",
+            "    with loss_parallel() if LOSS_PARALLEL else contextlib.nullcontext():",
+            "        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())",
+            "        loss.backward()",
+            "",
+            "With a pipeline (PIPELINE not None): ``schedule = build_pipeline(model, mesh, loss_fn, device)``, then",
+            "``schedule.step(...)`` per step.",
+            '"""', ""]
+    return out
+
+
+def _model_order(ex: _TorchExport, paths: dict[str, Any]) -> list[str]:
+    first: dict[str, int] = {}
+    for i in range(len(ex.prog.ops)):
+        m = ex.modules.get(i, ("", ""))[0]
+        for p in paths:
+            if p not in first and (m == p or m.startswith(p + ".")):
+                first[p] = i
+    return sorted(paths, key=lambda p: (first.get(p, 1 << 30), p))
+
+
+def _notes(notes: list[str]) -> list[str]:
+    seen: list[str] = []
+    for n in notes:
+        g = re.sub(r"\.\d+\.", ".*.", n)
+        g = re.sub(r"(?<=output )\S+", "", g).replace("output  is", "output is")
+        if g not in seen:
+            seen.append(g)
+    return [line for n in seen for line in textwrap.wrap(n, 100, initial_indent="# ", subsequent_indent="#   ")]
+
+
+def _dp_lines(dp: dict[str, Any] | None) -> list[str]:
+    """``parallelize``'s data-parallel lines."""
+    if dp is None:
+        return []
+    wrap, raf = dp["wrap"], dp["reshard_after_forward"]
+    kw = f", reshard_after_forward={raf}" if wrap == "fully_shard" else ""
+    out = [f"    dp = mesh[{dp['mesh_dim']!r}]"]
+    if dp["layers"]:
+        out += [f"    for block in model.get_submodule({dp['layers']!r}):",
+                f"        {wrap}(block, mesh=dp{kw})"]
+    out.append(f"    {wrap}(model, mesh=dp{', reshard_after_forward=False' if wrap == 'fully_shard' else ''})")
+    return out
+
+
+#: spmdkit's schedule -> torch.distributed.pipelining's schedule class
+SCHEDULE_CLASSES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe"}
+
+
+def pipeline_doc(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...]) -> dict[str, Any]:
+    """``PIPELINE`` of a pipeline plan (``plan``: one microbatch's on the sub-mesh without pp):
+    the module prefixes of each stage (its blocks; the embedding with the first, the final norm
+    and the head with the last, as the plan cuts them: :func:`spmdkit.planner.pipeline.op_stages`),
+    the schedule (torch's name), the microbatches, the layers container and the modules outside it
+    (``ends``: the stages that do not hold one get an ``nn.Identity``)."""
+    if spec.schedule not in SCHEDULE_CLASSES:
+        raise ExportError(f"--export torch: --schedule {spec.schedule}: not exported (torch's Schedule1F1B and "
+                          f"ScheduleGPipe are: one stage a rank)")
+    prog = plan.program
+    aliases: dict[str, str] = getattr(prog, "aliases", None) or {}
+    if aliases:
+        tied = ", ".join(f"{a} = {t}" for a, t in sorted(aliases.items()))
+        raise ExportError(f"--export torch: a pipeline of a model with tied parameters ({tied}): the stages would "
+                          f"each hold a copy and torch's pipelining does not sum their gradients; untie them")
+    container = layers_container(plan)
+    tags = layer_tags(prog)
+    if container is None or not tags:
+        raise ExportError("--export torch: the pipeline's program records no numbered blocks of modules (a program "
+                          "JSON): export from --hf")
+    stage_of_op = op_stages(prog, counts)
+    stages: list[list[str]] = [[] for _ in counts]
+    k = 0
+    for s, c in enumerate(counts):
+        stages[s] += tags[k:k + c]
+        k += c
+    ends: list[str] = []
+    for p in parameters(prog):
+        mod = p.rsplit(".", 1)[0]
+        if mod.startswith(container + ".") or mod in ends:
+            continue
+        first = next((i for i, op in enumerate(prog.ops) if op.phase == "forward" and p in op.input_names()), None)
+        if first is None:
+            continue
+        ends.append(mod)
+        stages[stage_of_op[first]].append(mod)
+    first_ends = [m for m in ends if m in stages[0]]
+    if len(first_ends) > 1:
+        raise ExportError(f"--export torch: a pipeline whose first stage holds {', '.join(first_ends)} besides the "
+                          f"blocks: HF's model, given the hidden states on a later stage, would run all but the token "
+                          f"embedding again (GPT-2's position embedding); not exported")
+    return {"stages": stages, "schedule": SCHEDULE_CLASSES[spec.schedule].removeprefix("Schedule"),
+            "microbatches": spec.microbatches, "layers": container, "ends": ends}
+
+
+def stage_collectives(plan: Plan, counts: tuple[int, ...], microbatches: int) -> list[dict[str, dict[str, int]]]:
+    """The plan's tp collectives of each stage per step (every microbatch), as :func:`tp_collectives`."""
+    names = plan.mesh.dim_names
+    stage_of_op = op_stages(plan.program, counts)
+    out: list[dict[str, Counter[str]]] = [{"forward": Counter(), "backward": Counter()} for _ in counts]
+    for phase in ("forward", "backward", "optimizer"):
+        for r, st in plan.collectives(phase):
+            if not any(names[d] == "tp" for d in st.mesh_dims):
+                continue
+            if phase == "optimizer" and st.kind != "all_reduce":
+                continue
+            ph = "forward" if phase == "forward" else "backward"
+            out[stage_of_op[r.op_index]][ph][FUNCOL.get(st.kind, st.kind)] += microbatches
+    return [{ph: dict(sorted(c.items())) for ph, c in d.items()} for d in out]
+
+
+def _pipeline_lines(pipe: dict[str, Any]) -> list[str]:
+    """The stage module and its builder."""
+    cls = "Schedule" + pipe["schedule"]
+    return ["", "", "class _Stage(torch.nn.Module):",
+            "    \"\"\"One pipeline stage: the model with this stage's modules only, fed the token ids (the first",
+            "    stage) or the previous stage's hidden states; returns the logits (the last) or its hidden states.\"\"\"",
+            "", "    def __init__(self, hf: torch.nn.Module, first: bool) -> None:",
+            "        super().__init__()", "        self.hf, self.first = hf, first", "",
+            "    def forward(self, x: torch.Tensor) -> torch.Tensor:",
+            "        out = self.hf(input_ids=x) if self.first else self.hf(inputs_embeds=x)",
+            "        return out.logits", "", "",
+            "def pipeline_stage(model: torch.nn.Module, pp_rank: int, mesh: DeviceMesh) -> torch.nn.Module:",
+            "    \"\"\"The stage of ``pp_rank`` (PIPELINE[\"stages\"][pp_rank]): the other blocks dropped (this stage's",
+            "    are renumbered from 0), the embedding / final norm / head it does not hold made nn.Identity; then",
+            "    ``parallelize(stage.hf, mesh)``.\"\"\"",
+            "    keep = set(PIPELINE[\"stages\"][pp_rank])",
+            "    container = PIPELINE[\"layers\"]",
+            "    blocks = model.get_submodule(container)",
+            "    owner, leaf = container.rsplit(\".\", 1) if \".\" in container else (\"\", container)",
+            "    setattr(model.get_submodule(owner), leaf,",
+            "            torch.nn.ModuleList([b for i, b in enumerate(blocks) if f\"{container}.{i}\" in keep]))",
+            "    for name in PIPELINE[\"ends\"]:",
+            "        if name not in keep:",
+            "            owner, leaf = name.rsplit(\".\", 1) if \".\" in name else (\"\", name)",
+            "            setattr(model.get_submodule(owner), leaf, torch.nn.Identity())",
+            "    return _Stage(model, first=pp_rank == 0)", "", "",
+            "def build_pipeline(model: torch.nn.Module, mesh: DeviceMesh, loss_fn: Any, device: torch.device) -> Any:",
+            "    \"\"\"This rank's stage parallelized and its schedule (run ``schedule.step(ids, target=labels)`` on the",
+            "    first and last stage, ``schedule.step()`` between; under loss_parallel() when LOSS_PARALLEL).\"\"\"",
+            "    pp = mesh[\"pp\"]",
+            "    stage = pipeline_stage(model, pp.get_local_rank(), mesh)",
+            "    parallelize(stage.hf, mesh)",
+            "    pipe = PipelineStage(stage, pp.get_local_rank(), pp.size(), device, group=pp.get_group())",
+            f"    return {cls}(pipe, n_microbatches=PIPELINE[\"microbatches\"], loss_fn=loss_fn)"]
+
+
+_CONV1D_FN = [
+    "", "", "def _conv1d_as_linear(model: torch.nn.Module) -> None:",
+    "    \"\"\"Swap each module CONV1D_AS_LINEAR names for the nn.Linear it equals.\"\"\"",
+    "    for name, conv in list(model.named_modules()):",
+    "        if not any(fnmatch.fnmatchcase(name, p) for p in CONV1D_AS_LINEAR):",
+    "            continue",
+    "        n_in, n_out = conv.weight.shape",
+    "        linear = torch.nn.Linear(n_in, n_out, bias=conv.bias is not None, device=conv.weight.device,",
+    "                                 dtype=conv.weight.dtype)",
+    "        with torch.no_grad():",
+    "            linear.weight.copy_(conv.weight.t())",
+    "            if conv.bias is not None:",
+    "                linear.bias.copy_(conv.bias)",
+    "        owner, leaf = name.rsplit(\".\", 1)",
+    "        setattr(model.get_submodule(owner), leaf, linear)"]
+_PRESENT_FN = [
+    "", "", "def _present(model: torch.nn.Module, plan: dict[str, Any]) -> dict[str, Any]:",
+    "    \"\"\"The entries of ``plan`` naming a module this stage holds (not an nn.Identity).\"\"\"",
+    "    names = [n for n, m in model.named_modules() if not isinstance(m, torch.nn.Identity)]",
+    "    return {k: v for k, v in plan.items() if any(fnmatch.fnmatchcase(n, k) for n in names)}"]
+_COLLECTIVES_DOC = [
+    "#: The collectives the plan issues per training step over tp, as CommDebugMode counts them in the",
+    "#: model's forward and backward (get_comm_counts / comm_module_counts): each of the plan's reshards is",
+    "#: one collective (all_reduce -> all_reduce, all_gather -> all_gather_into_tensor, reduce_scatter ->",
+    "#: reduce_scatter_tensor, all_to_all -> all_to_all_single); a parameter gradient the plan reduces over tp",
+    "#: in its gradient sync (a norm weight under sequence parallel) DTensor reduces in the backward. The loss",
+    "#: under loss_parallel() runs its own 3 all-reduces outside the model (max, sum of exponentials, the",
+    "#: label's logit); the plan counts them inside its vocab-parallel cross entropy, not here."]
+_ZERO = {0: "plain data parallel: FSDP2's replicate (DDP), gradients all-reduced per group",
+         1: "ZeRO-1: torch has none; fully_shard(reshard_after_forward=False) (ZeRO-2-like) instead",
+         2: "ZeRO-2: fully_shard(reshard_after_forward=False)",
+         3: "ZeRO-3 / FSDP: fully_shard per block and the root"}
+
+
+def _constants(plan: Plan, doc: dict[str, Any], dims: tuple[str, ...], shape: tuple[int, ...],
+               dp: dict[str, Any] | None, n_layers: int, pipe: dict[str, Any] | None,
+               by_stage: list[Any] | None) -> list[str]:
+    lines = ["", f"MESH_DIMS = {dims!r}", f"MESH_SHAPE = {shape!r}", f"LOSS_PARALLEL = {bool(doc['loss_parallel'])}"]
+    if pipe is None:
+        lines += ["PIPELINE = None", "", *_COLLECTIVES_DOC, f"PLAN_COLLECTIVES = {tp_collectives(plan)!r}", ""]
+    else:
+        total: dict[str, Counter[str]] = {"forward": Counter(), "backward": Counter()}
+        for st in by_stage or []:
+            for ph, c in st.items():
+                total[ph].update(c)
+        lines += ["#: the stages (module prefixes; the blocks renumbered from 0 in each), the schedule",
+                  "#: (torch.distributed.pipelining's Schedule<name>), the microbatches per step",
+                  f"PIPELINE = {pipe!r}", "", *_COLLECTIVES_DOC,
+                  "#: Under the pipeline: every microbatch of the step, each stage's own in PLAN_COLLECTIVES_BY_STAGE.",
+                  f"PLAN_COLLECTIVES = {dict((ph, dict(sorted(c.items()))) for ph, c in total.items())!r}",
+                  f"PLAN_COLLECTIVES_BY_STAGE = {by_stage!r}", ""]
+    if dp is None:
+        return [*lines, "DATA_PARALLEL = None", "DP_COLLECTIVES = {}", ""]
+    lines += [f"#: The data-parallel dim: {_ZERO[dp['zero']]}.", f"DATA_PARALLEL = {dp!r}"]
+    if pipe is not None:
+        return [*lines, "#: Under a pipeline FSDP2 gathers per microbatch as the schedule runs them: not counted here.",
+                "DP_COLLECTIVES = None", ""]
+    return [*lines, "#: What FSDP2 issues over dp per step (its c10d ops, as CommDebugMode counts them): one collective",
+            "#: per group (each block, then the root), not one per parameter as the plan counts them.",
+            f"DP_COLLECTIVES = {dp_collectives(dp, n_layers)!r}", ""]
+
+
+def _parallelize_fn(styles: dict[str, Any], after: dict[str, Any], conv: list[str], dp: dict[str, Any] | None,
+                    pipe: dict[str, Any] | None) -> list[str]:
+    lines = ["", "", "def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:",
+             "    \"\"\"Apply the plan to ``model`` on ``mesh`` (MESH_DIMS, MESH_SHAPE); returns the model.\"\"\""]
+    if conv:
+        lines.append("    _conv1d_as_linear(model)")
+    if styles:
+        use = (lambda n: f"_present(model, {n})") if pipe is not None else (lambda n: n)
+        lines += ["    tp = mesh[\"tp\"]", f"    parallelize_module(model, tp, {use('TP_PLAN')})"]
+        if after:
+            lines.append(f"    parallelize_module(model, tp, {use('TP_PLAN_AFTER')})")
+        lines += ["    for alias, kept in TIED.items():  # tie again",
+                  "        owner, leaf = alias.rsplit(\".\", 1)",
+                  "        src, src_leaf = kept.rsplit(\".\", 1)",
+                  "        setattr(model.get_submodule(owner), leaf, getattr(model.get_submodule(src), src_leaf))"]
+    return [*lines, *_dp_lines(dp), "    return model", ""]
+
+
+def _imports(ex: _TorchExport, dp: dict[str, Any] | None, used: list[str], pipe: dict[str, Any] | None) -> list[str]:
+    lines = ["from __future__ import annotations", ""]
+    if ex.conv1d or pipe is not None:
+        lines += ["import fnmatch", ""]
+    if pipe is not None:
+        lines += ["from typing import Any", ""]
+    lines += ["import torch", "from torch.distributed.device_mesh import DeviceMesh"]
+    if dp is not None:
+        lines.append("from torch.distributed.fsdp import fully_shard" if dp["wrap"] == "fully_shard" else
+                     "from torch.distributed._composable.replicate_with_fsdp import replicate")
+    if pipe is not None:
+        lines.append(f"from torch.distributed.pipelining import PipelineStage, Schedule{pipe['schedule']}")
+    if used:
+        lines += ["from torch.distributed.tensor import Replicate, Shard",
+                  f"from torch.distributed.tensor.parallel import {', '.join([*used, 'parallelize_module'])}"]
+    return lines
+
+
+def torch_source(plan: Plan, command: str = "",
+                 pipeline: tuple[Any, PipelineSpec, tuple[int, ...]] | None = None) -> str:
+    """The ``torch`` export of ``plan``: the text of a Python module (module docstring).
+    ``pipeline``: (the full mesh with its pp dim, the spec, the layers per stage) of a pipeline
+    plan, ``plan`` then the plan of one microbatch on the sub-mesh without pp."""
+    if not getattr(plan.program, "modules", None):
+        raise ExportError(f"--export torch: the program {plan.program.name or ''} records no module paths (a preset's "
+                          f"zoo model or a program JSON): the torch export styles an HF model's modules (plan --hf)")
+    cp = context_parallel_doc(plan)
+    if cp is not None:
+        raise ExportError(f"--export torch: the plan runs context parallelism over cp ({cp['variant']} attention): "
+                          f"not exported to torch yet (--export dtensor says how torch's context_parallel would run "
+                          f"it: {'rotate ' + str(cp['rotate_method']) if cp['supported'] else 'it has no equivalent'})")
+    ex = _TorchExport(plan)
+    ex.check_experts()
+    doc = ex.document()
+    full = plan.mesh if pipeline is None else pipeline[0]
+    dims, shape = tuple(full.dim_names), tuple(full.shape)
+    pipe = by_stage = None
+    if pipeline is not None:
+        sp = sorted(m for m, d in ex.styles.items() if d["style"] == "SequenceParallel")
+        if sp:
+            raise ExportError(f"--export torch: a pipeline of a sequence-parallel plan ({sp[0]}: SequenceParallel): "
+                              f"the hidden states between stages are sequence-sharded DTensors, which torch's "
+                              f"PipelineStage does not send; not exported (drop sp or pp)")
+        pipe = pipeline_doc(plan, pipeline[1], pipeline[2])
+        by_stage = stage_collectives(plan, pipeline[2], pipeline[1].microbatches)
+    ordered = {p: ex.styles[p] for p in _model_order(ex, ex.styles)}
+    styles, after = compress(ordered), compress(ex.after)
+    dp = data_parallel(plan)
+    container = layers_container(plan)
+    n_layers = len(layer_tags(plan.program)) if container else 0
+    used = sorted({d["style"] for d in [*styles.values(), *after.values()]})
+    lines = [*_header(plan, command, dims, shape), *_imports(ex, dp, used, pipe),
+             *_constants(plan, doc, dims, shape, dp, n_layers, pipe, by_stage)]
+    lines += _plan_py("TP_PLAN", styles, "module path -> its style over mesh[\"tp\"] (parallelize_module; * is any layer)")
+    if after:
+        lines += ["", *_plan_py("TP_PLAN_AFTER", after, "applied after TP_PLAN: a norm's sequence-sharded output "
+                                                         "all-gathered once for the column layers sharing it")]
+    conv = list(dict.fromkeys(c if c in styles else m for m in sorted(ex.conv1d) for c in [_layer_glob(m)[0]]))
+    if conv:
+        lines += ["", "#: Conv1D modules (x @ W, W [in, out]: GPT-2's) the plan shards: torch's styles shard nn.Linear, so",
+                  "#: each is swapped for the nn.Linear it equals (its weight transposed, the same names) before TP_PLAN",
+                  f"CONV1D_AS_LINEAR = {tuple(conv)!r}"]
+    lines += ["", "#: tied parameters (parallelize_module gives each module its own; tied again after): name -> the one kept",
+              f"TIED = {dict(sorted(doc['tied'].items()))!r}"]
+    notes = _notes(doc["notes"])
+    lines += ["", *notes] if notes else []
+    lines += _CONV1D_FN if conv else []
+    lines += _PRESENT_FN if pipe is not None else []
+    lines += _parallelize_fn(styles, after, conv, dp, pipe)
+    if pipe is not None:
+        lines += [*_pipeline_lines(pipe)[1:], ""]
+    return "\n".join(lines)
+
+
+def export_torch(plan: Plan, path: str, command: str = "",
+                 pipeline: tuple[Any, PipelineSpec, tuple[int, ...]] | None = None) -> str:
+    """Write the ``torch`` export of ``plan`` to ``path`` (atomically) and return its text
+    (:func:`torch_source`)."""
+    check_target("torch", path)
+    text = torch_source(plan, command, pipeline)
+    write_atomic_text(text, path, "--export torch")
+    return text
+
+
+__all__ = ["FUNCOL", "compress", "export_torch", "torch_source", "tp_collectives"]

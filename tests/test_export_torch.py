@@ -1,0 +1,356 @@
+"""``spmdkit plan ... --export torch FILE`` (spmdkit/outputs/export_torch.py): a Python module that
+applies the plan with torch's own parallel APIs.
+
+The generated files of tiny HF models are read back (imported: they are Python) and their styles,
+data-parallel wrapping, pipeline and collectives checked against the plan; then the exported
+``parallelize`` is applied on 4 gloo processes (tests/torch_export_ranks.py) and one forward and
+backward compared with the eager model on the whole batch (loss and every gradient, float32), and
+the collectives CommDebugMode counts in the model compared with the file's ``PLAN_COLLECTIVES``."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import warnings
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from spmdkit.outputs.export import ExportError
+from spmdkit.outputs.export_torch import export_torch, torch_source
+
+pytest.importorskip("torch", reason="torch is not installed (pip install 'spmdkit[torch]')")
+pytest.importorskip("transformers", reason="transformers is not installed (pip install 'spmdkit[hf]')")
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+LLAMA = {"num_key_value_heads": 2, "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+         "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 64}
+QWEN2 = {**LLAMA, "tie_word_embeddings": True}
+GPT2 = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 256, "n_positions": 64, "bos_token_id": 0,
+        "eos_token_id": 0}
+#: GPT-2's attention kept whole over tp (its fused c_attn cannot be column-parallel in torch), the MLP megatron
+GPT2_ATTN_WHOLE = {"c_attn": "replicate", "attn.c_proj": "replicate"}
+MIXTRAL = {**LLAMA, "num_local_experts": 4, "num_experts_per_tok": 2}
+BATCH, SEQ = 4, 16
+
+
+def _plan(cls: str, cfg: dict[str, Any], mesh: str, strategy: str, patterns: dict[str, str] | None = None) -> Any:
+    from spmdkit.planner.planning import plan_hf
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return plan_hf(cls, cfg, mesh, strategy, batch=BATCH, seq=SEQ, patterns=patterns)[3]
+
+
+def _export(cls: str, cfg: dict[str, Any], mesh: str, strategy: str, folder: Path,
+            patterns: dict[str, str] | None = None) -> Any:
+    path = folder / "plan.py"
+    export_torch(_plan(cls, cfg, mesh, strategy, patterns), str(path))
+    return _load(path)
+
+
+def _load(path: Path) -> Any:
+    spec = importlib.util.spec_from_file_location(f"exported_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _styles(mod: Any) -> dict[str, tuple[str, dict[str, Any]]]:
+    """TP_PLAN as (class name, the style's layouts and use_local_output)."""
+    out = {}
+    for path, style in mod.TP_PLAN.items():
+        kw = {k: getattr(style, k) for k in ("input_layouts", "output_layouts", "use_local_output",
+                                              "desired_output_layouts") if hasattr(style, k)}
+        kw = {k: v[0] if isinstance(v, tuple) and len(v) == 1 else v for k, v in kw.items()}
+        out[path] = (type(style).__name__, kw)
+    return out
+
+
+@pytest.fixture(scope="module")
+def llama_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The exported modules of the tiny Llama on dp=2 x tp=2 under megatron, megatron+sp, megatron+sp+fsdp."""
+    folder = tmp_path_factory.mktemp("llama")
+    out = {}
+    for st in ("megatron", "megatron,sp", "megatron,sp,fsdp"):
+        path = folder / f"{st.replace(',', '_')}.py"
+        export_torch(_plan("LlamaForCausalLM", LLAMA, "dp=2,tp=2", st), str(path))
+        out[st] = _load(path)
+    return out
+
+
+def test_llama_megatron_styles_are_the_plans(llama_files: dict[str, Any]) -> None:
+    from torch.distributed.tensor import Replicate, Shard
+
+    mod = llama_files["megatron"]
+    assert mod.MESH_DIMS == ("dp", "tp") and mod.MESH_SHAPE == (2, 2)
+    assert mod.LOSS_PARALLEL is True and mod.PIPELINE is None
+    # 2 per layer and the vocab-parallel embedding forward; 2 per layer and the LM head's input backward
+    assert mod.PLAN_COLLECTIVES == {"forward": {"all_reduce": 5}, "backward": {"all_reduce": 5}}
+    s = _styles(mod)
+    assert list(s) == ["model.embed_tokens", "model.layers.*.input_layernorm", "model.layers.*.self_attn.q_proj",
+                       "model.layers.*.self_attn.k_proj", "model.layers.*.self_attn.v_proj",
+                       "model.layers.*.self_attn.o_proj", "model.layers.*.post_attention_layernorm",
+                       "model.layers.*.mlp.gate_proj", "model.layers.*.mlp.up_proj", "model.layers.*.mlp.down_proj",
+                       "lm_head"]
+    col = ("ColwiseParallel", {"input_layouts": Replicate(), "output_layouts": Shard(-1), "use_local_output": True})
+    row = ("RowwiseParallel", {"input_layouts": Shard(-1), "output_layouts": Replicate(), "use_local_output": True})
+    assert s["model.layers.*.self_attn.q_proj"] == s["model.layers.*.mlp.up_proj"] == col
+    assert s["model.layers.*.self_attn.o_proj"] == s["model.layers.*.mlp.down_proj"] == row
+    assert s["model.embed_tokens"] == ("RowwiseParallel", {"input_layouts": Replicate(), "output_layouts": Replicate(),
+                                                            "use_local_output": True})
+    assert s["lm_head"] == ("ColwiseParallel", {**col[1], "use_local_output": False})  # the vocab-parallel loss
+    assert s["model.layers.*.input_layernorm"][0] == "PrepareModuleOutput"
+    # plain dp: FSDP2's replicate per block and the root, one all-reduce of each group's gradients
+    assert mod.DATA_PARALLEL == {"mesh_dim": "dp", "zero": 0, "wrap": "replicate", "reshard_after_forward": False,
+                                 "layers": "model.layers"}
+    assert mod.DP_COLLECTIVES == {"forward": {}, "backward": {"allreduce_": 3}}
+
+
+def test_llama_sequence_parallel_styles(llama_files: dict[str, Any]) -> None:
+    from torch.distributed.tensor import Replicate, Shard
+
+    mod = llama_files["megatron,sp"]
+    s = _styles(mod)
+    # the residual stream a sequence-sharded DTensor: the embedding and the row layers reduce-scatter
+    row = ("RowwiseParallel", {"input_layouts": Shard(-1), "output_layouts": Shard(1), "use_local_output": False})
+    assert s["model.layers.*.self_attn.o_proj"] == s["model.layers.*.mlp.down_proj"] == row
+    assert s["model.embed_tokens"] == ("RowwiseParallel", {"input_layouts": Replicate(), "output_layouts": Shard(1),
+                                                            "use_local_output": False})
+    for norm in ("model.layers.*.input_layernorm", "model.layers.*.post_attention_layernorm", "model.norm"):
+        assert s[norm] == ("SequenceParallel", {"use_local_output": False}), norm
+    # the norms' outputs all-gathered once for the column layers that share them; the LM head its own input
+    after = {p: (type(v).__name__, v.output_layouts, v.desired_output_layouts) for p, v in mod.TP_PLAN_AFTER.items()}
+    assert after == {n: ("PrepareModuleOutput", (Shard(1),), (Replicate(),))
+                     for n in ("model.layers.*.input_layernorm", "model.layers.*.post_attention_layernorm")}
+    assert s["model.layers.*.self_attn.q_proj"][1]["input_layouts"] == Replicate()
+    assert s["lm_head"] == ("ColwiseParallel", {"input_layouts": Shard(1), "output_layouts": Shard(-1),
+                                                 "use_local_output": False})
+    # per layer: 2 reduce-scatters and 2 all-gathers each way; the embedding's reduce-scatter, the final
+    # norm's all-gather; backward the mirrors, and the 5 norm weights' gradients (partial over tp: the
+    # plan reduces them in its gradient sync, DTensor in the backward)
+    assert mod.PLAN_COLLECTIVES == {"forward": {"all_gather_into_tensor": 5, "reduce_scatter_tensor": 5},
+                                    "backward": {"all_gather_into_tensor": 5, "all_reduce": 5,
+                                                 "reduce_scatter_tensor": 5}}
+
+
+def test_llama_fsdp_wraps_each_block_and_the_root(llama_files: dict[str, Any]) -> None:
+    mod = llama_files["megatron,sp,fsdp"]
+    assert mod.DATA_PARALLEL == {"mesh_dim": "dp", "zero": 3, "wrap": "fully_shard", "reshard_after_forward": True,
+                                 "layers": "model.layers"}
+    # all-gather each group forward, each block again backward (resharded), reduce-scatter every group
+    assert mod.DP_COLLECTIVES == {"forward": {"_allgather_base_": 3},
+                                  "backward": {"_allgather_base_": 2, "_reduce_scatter_base_": 3}}
+    assert _styles(mod) == _styles(llama_files["megatron,sp"])  # fsdp changes no tp style
+
+
+def test_cli_writes_the_file_atomically_and_refuses_in_one_line(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from spmdkit.cli import main
+
+    path = tmp_path / "plan.py"
+    argv = ["plan", "--hf", "LlamaForCausalLM", "--hf-config", json.dumps(LLAMA), "--mesh", "dp=2,tp=2",
+            "--batch", str(BATCH), "--seq", str(SEQ)]
+    assert main([*argv, "--export", "torch", str(path)]) == 0
+    text = path.read_text()
+    command = text.split("Written by::\n\n    ", 1)[1].split("\n")[0]
+    assert command.startswith("spmdkit plan --hf LlamaForCausalLM") and command.endswith(f"--export torch {path}")
+    assert text == torch_source(_plan("LlamaForCausalLM", LLAMA, "dp=2,tp=2", "megatron"), command)
+    compile(text, str(path), "exec")
+    capsys.readouterr()
+    assert main(["plan", "--model", "tiny-llama", "--mesh", "dp=2,tp=2", "--export", "torch", str(tmp_path / "z.py")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("spmdkit plan: ExportError: --export torch: the program ")
+    assert "records no module paths (a preset's zoo model or a program JSON)" in err[0]
+    assert not (tmp_path / "z.py").exists()
+    assert main([*argv, "--export", "torch", str(tmp_path / "no" / "p.py")]) == 2
+    assert capsys.readouterr().err.strip().endswith("does not exist")
+
+
+def test_llama_zero1_and_zero2_map_to_fsdp2_without_resharding(tmp_path: Path) -> None:
+    for st, z in (("megatron,zero1", 1), ("megatron,zero2", 2)):
+        mod = _export("LlamaForCausalLM", LLAMA, "dp=2,tp=2", st, tmp_path)
+        assert mod.DATA_PARALLEL == {"mesh_dim": "dp", "zero": z, "wrap": "fully_shard",
+                                     "reshard_after_forward": False, "layers": "model.layers"}
+        assert mod.DP_COLLECTIVES == {"forward": {"_allgather_base_": 3}, "backward": {"_reduce_scatter_base_": 3}}
+
+
+def test_qwen2_tied_with_biases_under_sequence_parallel(tmp_path: Path) -> None:
+    from torch.distributed.tensor import Replicate, Shard
+
+    mod = _export("Qwen2ForCausalLM", QWEN2, "dp=2,tp=2", "megatron,sp", tmp_path)
+    assert mod.TIED == {"lm_head.weight": "model.embed_tokens.weight"}  # tied again after parallelize_module
+    s = _styles(mod)
+    assert s["model.layers.*.self_attn.q_proj"] == ("ColwiseParallel", {"input_layouts": Replicate(),
+                                                                         "output_layouts": Shard(-1),
+                                                                         "use_local_output": True})
+    assert s["model.norm"][0] == "SequenceParallel" and s["lm_head"][1]["input_layouts"] == Shard(1)
+    assert set(mod.TP_PLAN_AFTER) == {"model.layers.*.input_layernorm", "model.layers.*.post_attention_layernorm"}
+
+
+def test_gpt2_conv1d_swapped_for_linear_and_fused_qkv_refused(tmp_path: Path) -> None:
+    from torch.distributed.tensor import Replicate, Shard
+
+    with pytest.raises(ExportError, match=r"^--export torch: transformer\.h\.0\.attn\.c_attn: the plan splits its fused "
+                                          r"weight into 3 parts \(q / k / v\) and shards each over tp \(Shard\(1\) of "
+                                          r"transformer\.h\.0\.attn\.c_attn\.weight\.part0\).*--tp-plan "
+                                          r"'\{\"c_attn\": \"replicate\"\}'\)$"):
+        torch_source(_plan("GPT2LMHeadModel", GPT2, "dp=2,tp=2", "megatron"))
+    # c_attn kept whole: the plan still slices the attention's heads per rank (and all-gathers q / k / v's
+    # gradients, 3 a layer) where torch would run it whole and all-gather c_proj's input gradient (1)
+    with pytest.raises(ExportError, match=r"^--export torch: transformer\.h\.0\.attn\.c_proj \(RowwiseParallel\): no "
+                                          r"column-parallel layer under transformer\.h\.0\.attn makes its input .*"
+                                          r"\(--tp-plan '\{\"attn\.c_proj\": \"replicate\"\}'\)$"):
+        torch_source(_plan("GPT2LMHeadModel", GPT2, "dp=2,tp=2", "megatron", {"c_attn": "replicate"}))
+    mod = _export("GPT2LMHeadModel", GPT2, "dp=2,tp=2", "megatron", tmp_path, GPT2_ATTN_WHOLE)
+    assert mod.CONV1D_AS_LINEAR == ("transformer.h.*.mlp.c_fc", "transformer.h.*.mlp.c_proj")
+    s = _styles(mod)
+    assert list(s) == ["transformer.wte", "transformer.h.*.mlp.c_fc", "transformer.h.*.mlp.c_proj", "lm_head"]
+    assert s["transformer.h.*.mlp.c_fc"] == ("ColwiseParallel", {"input_layouts": Replicate(), "output_layouts": Shard(-1),
+                                                                  "use_local_output": True})
+    assert s["transformer.h.*.mlp.c_proj"][1]["input_layouts"] == Shard(-1)
+    # the embedding's and each MLP's all-reduce forward; each MLP's input gradient and the LM head's backward
+    assert mod.PLAN_COLLECTIVES == {"forward": {"all_reduce": 3}, "backward": {"all_reduce": 3}}
+    assert mod.TIED == {"lm_head.weight": "transformer.wte.weight"} and mod.DATA_PARALLEL["layers"] == "transformer.h"
+    # GPT-2 under sp: the plan reduce-scatters the residual on axis 0 (Conv1D's flattened [batch * seq] or the
+    # batch), not the sequence axis torch's sequence parallel shards
+    with pytest.raises(ExportError, match=r"^--export torch: transformer\.\S+ \(RowwiseParallel\): the plan "
+                                          r"reduce-scatters its output \S+ to Shard\(0\) over tp; torch's sequence "
+                                          r"parallel shards axis 1$"):
+        torch_source(_plan("GPT2LMHeadModel", GPT2, "dp=2,tp=2", "megatron,sp", GPT2_ATTN_WHOLE))
+
+
+def test_mixtral_expert_stacks_over_tp_refused_and_fsdp_exported(tmp_path: Path) -> None:
+    with pytest.raises(ExportError, match=r"^--export torch: model\.layers\.0\.mlp\.experts: the plan shards its "
+                                          r"expert stacks over tp .*has no experts style"):
+        torch_source(_plan("MixtralForCausalLM", MIXTRAL, "dp=2,tp=2", "megatron"))
+    mod = _export("MixtralForCausalLM", MIXTRAL, "dp=4", "fsdp", tmp_path)
+    assert mod.TP_PLAN == {} and mod.DATA_PARALLEL["zero"] == 3 and mod.PLAN_COLLECTIVES == {"forward": {},
+                                                                                             "backward": {}}
+
+
+def test_auto_plan_of_a_tiny_model_exports(tmp_path: Path) -> None:
+    from spmdkit.cli import main
+
+    path = tmp_path / "auto.py"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main(["plan", "--hf", "LlamaForCausalLM", "--hf-config", json.dumps(LLAMA), "--mesh", "dp=2,tp=2",
+                     "--auto", "--json", "--export", "torch", str(path)]) == 0
+    mod = _load(path)
+    # what --auto chose at this size: everything whole on every rank, the batch too: no style, no data
+    # parallel wrapper (nothing to synchronise)
+    assert mod.TP_PLAN == {} and mod.DATA_PARALLEL is None and mod.LOSS_PARALLEL is False
+
+
+def test_pipeline_pp2_tp2_stages_and_collectives(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from spmdkit.cli import main
+
+    path = tmp_path / "pp.py"
+    argv = ["plan", "--hf", "LlamaForCausalLM", "--hf-config", json.dumps(LLAMA), "--mesh", "pp=2,tp=2",
+            "--batch", str(BATCH), "--seq", str(SEQ), "--microbatches", "2"]
+    assert main([*argv, "--export", "torch", str(path)]) == 0
+    mod = _load(path)
+    assert mod.MESH_DIMS == ("pp", "tp") and mod.MESH_SHAPE == (2, 2)
+    assert mod.PIPELINE == {"stages": [["model.layers.0", "model.embed_tokens"], ["model.layers.1", "model.norm", "lm_head"]],
+                            "schedule": "1F1B", "microbatches": 2, "layers": "model.layers",
+                            "ends": ["model.embed_tokens", "model.norm", "lm_head"]}
+    # per microbatch: stage 0 the embedding's and layer 0's 2 all-reduces forward, layer 0's 2 backward;
+    # stage 1 layer 1's 2 forward, its 2 and the LM head input's backward; x 2 microbatches
+    assert mod.PLAN_COLLECTIVES_BY_STAGE == [{"forward": {"all_reduce": 6}, "backward": {"all_reduce": 4}},
+                                             {"forward": {"all_reduce": 4}, "backward": {"all_reduce": 6}}]
+    assert mod.PLAN_COLLECTIVES == {"forward": {"all_reduce": 10}, "backward": {"all_reduce": 10}}
+    capsys.readouterr()
+    assert main([*argv, "--strategy", "megatron,sp", "--export", "torch", str(tmp_path / "sp.py")]) == 2
+    assert "a pipeline of a sequence-parallel plan" in capsys.readouterr().err
+    assert not (tmp_path / "sp.py").exists()
+    assert main([*argv, "--export", "jax", str(tmp_path / "j.json")]) == 2
+    assert "--export jax: does not apply to a pipeline (pp) plan (--export torch does)" in capsys.readouterr().err
+
+
+# -- on gloo: the exported parallelize against eager ------------------------------------------------
+
+
+def _ranks() -> Any:
+    sys.path.insert(0, str(Path(__file__).parent))
+    try:
+        import torch_export_ranks
+    finally:
+        sys.path.pop(0)
+    return torch_export_ranks
+
+
+def _gloo(cls: str, cfg: dict[str, Any], mesh: str, strategy: str, folder: Path,
+          patterns: dict[str, str] | None = None) -> tuple[Any, Any]:
+    import torch.multiprocessing as mp
+
+    plan = _plan(cls, cfg, mesh, strategy, patterns)
+    export_torch(plan, str(folder / "plan.py"))
+    rank_main = _ranks().rank_main
+    q = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(rank_main, args=(plan.mesh.size, str(folder), cls, cfg, BATCH, SEQ, q),
+                       nprocs=plan.mesh.size, start_method="spawn")
+    return q.get(), _load(folder / "plan.py")
+
+
+def _check_gloo(result: tuple[Any, ...], mod: Any) -> None:
+    """Loss and gradients equal eager's; the tp collectives in the model's forward and backward are
+    PLAN_COLLECTIVES; all those of the step are those, FSDP2's (DP_COLLECTIVES) and the loss's."""
+    from spmdkit.outputs.export_torch import FUNCOL
+
+    loss, eager, worst, where, per_phase, total = result
+    assert abs(loss - eager) <= 1e-5 * abs(eager), (loss, eager)
+    assert worst <= 1e-4, (worst, where)
+    funcol = set(FUNCOL.values())
+    for phase in ("forward", "backward"):
+        assert {k: v for k, v in per_phase[phase].items() if k in funcol} == mod.PLAN_COLLECTIVES[phase], phase
+    want: Counter[str] = Counter()
+    for table in (mod.PLAN_COLLECTIVES, mod.DP_COLLECTIVES):
+        for counts in table.values():
+            want.update(counts)
+    if mod.LOSS_PARALLEL:  # max, sum of exponentials, the label's logit
+        want["all_reduce"] += 3
+    assert Counter(total) == want
+
+
+@pytest.mark.parametrize("strategy", ["megatron,sp,fsdp"])
+def test_llama_on_gloo_equals_eager(strategy: str, tmp_path: Path) -> None:
+    _check_gloo(*_gloo("LlamaForCausalLM", LLAMA, "dp=2,tp=2", strategy, tmp_path))
+
+
+def test_gpt2_conv1d_tied_on_gloo_equals_eager(tmp_path: Path) -> None:
+    _check_gloo(*_gloo("GPT2LMHeadModel", GPT2, "dp=2,tp=2", "megatron", tmp_path, GPT2_ATTN_WHOLE))
+
+
+def test_pipeline_on_gloo_equals_eager(tmp_path: Path) -> None:
+    """pp=2 x tp=2, 2 microbatches under Schedule1F1B: the last stage's loss and every rank's
+    gradients equal eager's; each rank's collectives its stage's (and the loss's 3 per microbatch)."""
+    import torch.multiprocessing as mp
+
+    from spmdkit.cli import main
+
+    path = tmp_path / "plan.py"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main(["plan", "--hf", "LlamaForCausalLM", "--hf-config", json.dumps(LLAMA), "--mesh", "pp=2,tp=2",
+                     "--batch", str(BATCH), "--seq", str(SEQ), "--microbatches", "2", "--json", "--export", "torch",
+                     str(path)]) == 0
+    mod = _load(path)
+    rank_main = _ranks().pipeline_rank_main
+    q = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(rank_main, args=(4, str(tmp_path), "LlamaForCausalLM", LLAMA, BATCH, SEQ, q), nprocs=4,
+                       start_method="spawn")
+    got = sorted(q.get() for _ in range(4))
+    for r, loss, eager, worst, where, total in got:
+        stage = r // 2  # ranks (pp, tp) row-major
+        assert worst <= 1e-4, (r, worst, where)
+        want = dict(sum((Counter(c) for c in mod.PLAN_COLLECTIVES_BY_STAGE[stage].values()), Counter()))
+        if stage == 1:
+            assert abs(loss - eager) <= 1e-5 * abs(eager), (loss, eager)
+            want["all_reduce"] += 3 * mod.PIPELINE["microbatches"]  # the vocab-parallel loss's own
+        assert total == want, r
