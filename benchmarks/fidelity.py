@@ -249,6 +249,10 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
             "--strategy", strategy, "--device", device, "--precision", _precision(row), "--framework", framework,
             "--recompute", recompute, "--json"]
     argv += _nemo_states(row, assume)
+    if par.get("dispatcher"):  # MoE: the dispatcher and the routing the run used (moe-runs.json)
+        argv += ["--moe-dispatcher", str(par["dispatcher"])]
+    if par.get("routing"):
+        argv += ["--moe-routing", str(par["routing"])]
     overlaps = str(par.get("overlaps") or "")
     if "--tp-comm-overlap" in overlaps or par.get("async_tp"):
         argv.append("--tp-comm-overlap")
