@@ -4,6 +4,7 @@ group-limited routing (the dispatch's groups / topk_groups: model config, kernel
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -14,12 +15,13 @@ import pytest
 
 from spmdkit.core.errors import ProgramError
 from spmdkit.cost.collectives import Fabric, Group, collective_time, deduplicated_all_to_all
-from spmdkit.cost.devices import cost_model, preset_device
+from spmdkit.cost.devices import DEVICES, cost_model, preset_device
 from spmdkit.cost.moe import MoeLayer, expert_all_to_all, moe_layers, reached
 from spmdkit.cost.step import estimate_step
 from spmdkit.models.hf_config import hf_fields
 from spmdkit.models.zoo import preset
 from spmdkit.planner.planning import plan_preset
+from spmdkit.planner.search import _bounds, _Job, _model_sizes, search_meshes
 from spmdkit.program.runtime import Runtime
 from spmdkit.sim.refs.moe import dispatch, limit_groups
 
@@ -172,3 +174,34 @@ def test_cli_flags_and_refusals() -> None:
     bad = subprocess.run([*base, "--moe-routing", "random"], capture_output=True, text=True, check=False)
     assert bad.returncode == 2 and "--moe-routing 'random': expected one of topk, balanced" in bad.stderr
     assert Runtime(moe_dispatcher="deepep", moe_routing="balanced").to_json()["moe_dispatcher"] == "deepep"
+
+
+#: a small MoE whose experts dominate (tests/test_search_ep.py's), its tokens long enough that
+#: the all-to-alls weigh
+SMALL = json.dumps({"base": "tiny-llama", "name": "moe", "layers": 2, "hidden": 256, "heads": 4, "kv_heads": 4,
+                    "ffn": 512, "vocab": 512, "seq": 512, "batch": 8, "dtype": "bfloat16", "experts": 8, "top_k": 2,
+                    "moe_ffn": 1024})
+
+
+@pytest.mark.parametrize(("dispatcher", "routing"), [("alltoall", "topk"), ("deepep", "balanced")])
+def test_the_step_bound_with_all_to_alls_is_a_lower_bound(dispatcher: str, routing: str) -> None:
+    """Every configuration of the small MoE's search on 4 H100 in nodes of 2 (so ep=4 crosses
+    nodes): the step bound, with the MoE all-to-alls and the GEMM ceiling, stays at or below the
+    planned step; for an ep configuration its all-to-all term is positive and its floor above
+    FLOPs at peak."""
+    dev = replace(DEVICES["h100"], ranks_per_node=2)
+    rt = Runtime(moe_dispatcher=dispatcher, moe_routing=routing)
+    full = search_meshes(SMALL, 4, dev, memory_cap=None, prune=False, runtime=rt, pipeline=False)
+    mc, sizes = _model_sizes(SMALL, None)
+    job = _Job(dev, sizes.tokens, ["none"], 0, None, None, None, 30.0, None, rt)
+    b = _bounds(SMALL, mc, job)
+    assert b.floor_s > b.flops / b.peak and len(b.moe) == 2
+    eps = 0
+    for c in full.candidates:
+        cf = c.config
+        low = b.step(cf.devices, cf.pp, cf.microbatches, cf.ep, cf.strategy)
+        assert low <= c.step_s, cf.label()
+        if cf.ep > 1:
+            eps += 1
+            assert b.all_to_all(cf.devices, cf.ep, cf.strategy) > 0
+    assert eps >= 4
