@@ -9,6 +9,7 @@ import math
 import subprocess
 import sys
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -71,7 +72,7 @@ def _deepseek_plan(dispatcher: str, routing: str = "topk"):  # type: ignore[no-u
                                                                             moe_routing=routing))
 
 
-def _a2a_steps(plan):  # type: ignore[no-untyped-def]
+def _a2a_steps(plan: Any) -> list[tuple[str, Any]]:
     return [(r.tensor, s) for r in plan.reshards if not r.shared for s in r.plan.steps if s.kind == "all_to_all"]
 
 

@@ -48,6 +48,7 @@ Megatron MLP.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from spmdkit.models.zoo_config import Model, ModelConfig
 from spmdkit.models.zoo_layers import GATED, linear, mlp_act
@@ -130,7 +131,7 @@ def aux_terms(t: Tape, m: Model, loss_tok: str) -> str:
     return terms
 
 
-def groups(cfg: ModelConfig) -> dict[str, int]:
+def groups(cfg: ModelConfig) -> dict[str, Any]:
     """The dispatch's group-limited routing attrs (none for plain top-k: the op's defaults)."""
     if cfg.expert_groups <= 1 or cfg.topk_groups >= cfg.expert_groups:
         return {}
