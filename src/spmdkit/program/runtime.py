@@ -37,6 +37,11 @@ GEMMs. A plan carries one (:attr:`spmdkit.program.plan.Plan.runtime`); the CLI s
   says: each token's experts drawn uniformly) or ``balanced`` (NeMo AutoModel's
   ``fake_balanced_gate``, its benchmark configs' setting: token t goes to experts ``t k .. t k +
   k - 1`` mod E, consecutive, every expert the same tokens).
+- ``compile``: torchtitan's ``training.compile`` (``--compile`` / ``--no-compile``): each
+  transformer block compiled by Inductor (its norms, rotary embedding and SwiGLU fused, as the
+  program's ops are costed) or run eagerly (each PyTorch op its own kernels: the unfused
+  traffic of :mod:`spmdkit.cost.eager`). None: the framework's default (torchtitan: eager,
+  its ``compile = false``). Megatron and AutoModel run fused kernels: only torchtitan takes it.
 """
 
 from __future__ import annotations
@@ -75,6 +80,7 @@ class Runtime:
     moe_histogram: tuple[float, ...] | None = None
     grad_dtype: str | None = None
     optimizer_dtype: str | None = None
+    compile: bool | None = None
     moe_dispatcher: str = "alltoall"
     moe_routing: str = "topk"
 
@@ -96,6 +102,14 @@ class Runtime:
             _check_histogram(self.moe_histogram)
         if self.moe_histogram is not None and self.moe_skew != 1.0:
             raise ProgramError("--moe-skew and --moe-histogram: give one, not both")
+        if self.compile is not None and self.framework != "torchtitan":
+            raise ProgramError(f"--{'' if self.compile else 'no-'}compile: applies to --framework torchtitan only "
+                               f"(--framework {self.framework} runs fused Transformer Engine kernels)")
+
+    @property
+    def eager(self) -> bool:
+        """The model's blocks run as eager PyTorch ops (torchtitan without ``--compile``)."""
+        return self.framework == "torchtitan" and not self.compile
 
     def precision_of(self, dtype: str) -> str:
         """The precision the step computes in: ``precision`` if given, else the one of ``dtype``
@@ -126,6 +140,8 @@ class Runtime:
             out["moe_dispatcher"] = self.moe_dispatcher
         if self.moe_routing != "topk":
             out["moe_routing"] = self.moe_routing
+        if self.framework == "torchtitan":
+            out["compile"] = bool(self.compile)
         return out
 
 
