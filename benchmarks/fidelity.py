@@ -254,6 +254,10 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
             "--strategy", strategy, "--device", device, "--precision", _precision(row), "--framework", framework,
             "--recompute", recompute, "--json"]
     argv += _nemo_states(row, assume)
+    if par.get("dispatcher"):  # MoE: the dispatcher and the routing the run used (moe-runs.json)
+        argv += ["--moe-dispatcher", str(par["dispatcher"])]
+    if par.get("routing"):
+        argv += ["--moe-routing", str(par["routing"])]
     if framework == "torchtitan":  # training.compile: Inductor's fused blocks, or eager PyTorch ops
         argv.append("--compile" if par.get("torch_compile") else "--no-compile")
     overlaps = str(par.get("overlaps") or "")
@@ -585,7 +589,9 @@ def markdown(results: list[dict[str, Any]], unsupported: dict[str, list[str]], s
                 "NeMo AutoModel's benchmark configs (each row's `companions`): every decoder layer checkpointed",
                 "(`--recompute full`), the model in bf16 with `torch.optim.Adam` (bf16 moments) under FSDP2 and",
                 "the loss on bf16 logits (`--framework automodel`, docs/devices.md \"Memory\"); the experts stay",
-                "out of FSDP (ep covers every rank of a stage).", ""]
+                "out of FSDP (ep covers every rank of a stage). The configs set `enable_deepep` and",
+                "`fake_balanced_gate` (token t to experts t k .. t k + k - 1): `--moe-dispatcher deepep",
+                "--moe-routing balanced` (docs/devices.md \"Mixture of experts\").", ""]
         out += [f"- {line}" for line in summary_lines(ms)[:1] + summary_lines(ms)[3:]]
         out += ["", "| run | unit | measured | predicted | ratio | memory GiB (measured) | fits |", "|---|---|---|---|---|---|---|"]
         for r in mres:

@@ -74,6 +74,8 @@ class Links:
     grad_dtype: str | None = None
     optimizer_dtype: str | None = None
     compile: bool | None = None
+    moe_dispatcher: str | None = None
+    moe_routing: str | None = None
 
     def runtime(self) -> Runtime:
         """``--precision``, ``--framework``, ``--tp-comm-overlap``, ``--moe-skew`` and
@@ -81,7 +83,8 @@ class Links:
         naming the flag)."""
         return Runtime(parse_precision(self.precision), (self.framework or "megatron").strip().lower(),
                        self.tp_comm_overlap, parse_moe_skew(self.moe_skew), parse_moe_histogram(self.moe_histogram),
-                       _state_dtype(self.grad_dtype), _state_dtype(self.optimizer_dtype), self.compile)
+                       _state_dtype(self.grad_dtype), _state_dtype(self.optimizer_dtype), self.compile,
+                       (self.moe_dispatcher or "alltoall").strip().lower(), (self.moe_routing or "topk").strip().lower())
 
 
 def _state_dtype(text: str | None) -> str | None:
@@ -224,7 +227,8 @@ def plan_request(ns: argparse.Namespace) -> PlanRequest:
         links=Links(cost=ns.cost, device=ns.device, nodes_of=ns.nodes_of, precision=ns.precision,
                     framework=ns.framework, tp_comm_overlap=ns.tp_comm_overlap, moe_skew=ns.moe_skew,
                     moe_histogram=ns.moe_histogram, grad_dtype=ns.grad_dtype,
-                    optimizer_dtype=ns.optimizer_dtype, compile=ns.compile),
+                    optimizer_dtype=ns.optimizer_dtype, compile=ns.compile, moe_dispatcher=ns.moe_dispatcher,
+                    moe_routing=ns.moe_routing),
         grad_accum=ns.grad_accum, recompute=ns.recompute, verify=ns.verify,
         global_batch=ns.global_batch, micro_batch=ns.micro_batch,
         search=SearchArgs(auto=ns.auto, time_limit=ns.auto_time_limit, memory=ns.memory, explain=ns.explain),
@@ -317,6 +321,14 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-histogram", dest="moe_histogram", metavar="FILE|JSON",
                    help="mixture of experts: measured tokens per expert, a JSON list (one number per expert) or a "
                         "file holding one, instead of --moe-skew")
+    p.add_argument("--moe-dispatcher", dest="moe_dispatcher", metavar="alltoall|deepep",
+                   help="mixture of experts: how tokens reach other ranks' experts: alltoall (NCCL all-to-all, "
+                        "Megatron-Core's alltoall dispatcher; default) or deepep (DeepEP: once per destination node "
+                        "over the network, forwarded over NVLink; Megatron-Core's flex, AutoModel's DeepEP)")
+    p.add_argument("--moe-routing", dest="moe_routing", metavar="topk|balanced",
+                   help="mixture of experts: the experts a token reaches, for the all-to-alls' bytes: topk (the "
+                        "model's router; default) or balanced (consecutive experts t*k..t*k+k-1: NeMo AutoModel's "
+                        "fake_balanced_gate)")
     p.add_argument("--grad-dtype", dest="grad_dtype", metavar="fp32|bf16",
                    help="the dtype gradients are accumulated and reduced in (Megatron-Core's grad_reduce_in_fp32, "
                         "NeMo's optim.grad_sync_dtype); default the framework's (fp32 main gradients)")

@@ -31,7 +31,7 @@ from spmdkit.cost.context import (
 )
 from spmdkit.cost.devices import Device
 from spmdkit.cost.memory import rerun_points, saved_activations
-from spmdkit.cost.moe import plan_loads
+from spmdkit.cost.moe import expert_all_to_all, plan_loads
 from spmdkit.engine.facts import OpCost
 from spmdkit.engine.memo import gc_paused
 from spmdkit.ops._cost import numel
@@ -386,7 +386,7 @@ def _communication(plan: Plan, comp: _Compute) -> _Comm:
     param_grads = plan.param_grads()
     overlap_tp = plan.runtime.tp_comm_overlap
     rs_grads = distributed_optimizer_grads(plan)
-    load = plan_loads(plan)  # MoE: the busiest ep rank's share of the tokens (spmdkit.cost.moe)
+    moe_a2a = bool(plan_loads(plan)) or plan.runtime.moe_dispatcher != "alltoall"
     under = gather_overlaps(plan)
     again = regathers(plan)  # allgather attention's K / V gathered again for its grad
     readers: dict[str, list[int]] = {}
@@ -402,12 +402,9 @@ def _communication(plan: Plan, comp: _Compute) -> _Comm:
         for s in r.plan.steps:
             if s.bytes_per_rank == 0:
                 continue
-            if s.kind == "all_to_all" and r.tensor in load:
-                # the busiest ep rank receives (dispatch) and returns (combine) rho x the mean tokens
-                n = math.prod(plan.mesh.shape[d] for d in s.mesh_dims)
-                s = replace(s, time_s=time_of(plan.cost, s.kind, s.mesh_dims,
-                                              buffer_bytes(s.kind, s.bytes_per_rank, n) * load[r.tensor],
-                                              plan.mesh.shape))
+            if s.kind == "all_to_all" and moe_a2a:
+                # MoE: the busiest ep rank's tokens, by the dispatcher (spmdkit.cost.moe.expert_all_to_all)
+                s = replace(s, time_s=expert_all_to_all(plan, r.tensor, s))
             if is_grad_sync(plan, r, s, param_grads):
                 size = numel(local_shape(t.shape, s.src)) * t.itemsize
                 if s.kind == "all_reduce" and set(s.mesh_dims) <= rs_grads.get(r.tensor, frozenset()):
