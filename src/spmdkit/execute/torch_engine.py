@@ -1,0 +1,318 @@
+"""The worker of ``spmdkit run --engine torch``: one rank, started by torch's own launcher
+(``python -m torch.distributed.run --standalone --nproc-per-node N -m spmdkit.execute.torch_engine
+SPEC``; :mod:`spmdkit.execute.torchrun` writes SPEC and reads what rank 0 leaves).
+
+It builds the HF model from its config (no hub), seeded the same on every rank, applies the
+exported plan (``spmdkit plan ... --export torch FILE``; the file defines ``MESH_DIMS``,
+``MESH_SHAPE``, ``parallelize(model, mesh) -> model``, ``PLAN_COLLECTIVES`` (functional collective
+name -> count per step), ``LOSS_PARALLEL`` and ``PIPELINE``: None, or a dict with ``schedule``
+and ``microbatches`` and ``pipeline_stage(model, pp_rank, mesh) -> PipelineStage``), trains
+``steps`` steps on fixed data from the seed, and counts each step's collectives with torch's
+``CommDebugMode``. Rank 0 then trains the same model on the same data with the same optimizer
+in one process (torch eager) and writes the report's facts as JSON.
+
+Each step's data: ``input_ids`` and ``labels`` drawn from ``seed`` and the step's index, the
+global batch ``[batch, seq]``, every label counted (no -100), so that the mean of the batch
+shards' mean losses is the global batch's mean; the loss is the cross entropy of the logits
+against the labels (no shift: the labels are random). The batch is split over the mesh dims
+that are not ``tp``, ``pp`` or ``cp`` (the export may name them as ``BATCH_DIMS``).
+
+A failure is one line in ``OUT/error.RANK`` and exit status 1; torchrun then ends every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import math
+import os
+import resource
+import sys
+import warnings
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.parallel import loss_parallel
+
+from spmdkit.models.hf import build
+
+#: the mesh dims that never split the batch (the rest do, unless the export says BATCH_DIMS)
+NOT_BATCH = ("tp", "pp", "cp")
+
+#: c10d's own op names (what FSDP2 and torch.distributed's calls issue) -> the functional
+#: collective's name, so that both are counted under one name
+_C10D = {"allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce",
+         "_allgather_base_": "all_gather_into_tensor", "allgather_": "all_gather",
+         "allgather_into_tensor_coalesced_": "all_gather_into_tensor",
+         "_reduce_scatter_base_": "reduce_scatter_tensor", "reduce_scatter_": "reduce_scatter",
+         "reduce_scatter_tensor_coalesced_": "reduce_scatter_tensor",
+         "alltoall_base_": "all_to_all_single", "alltoall_": "all_to_all", "broadcast_": "broadcast",
+         "send": "send", "recv_": "recv", "barrier": "barrier"}
+
+
+def collective_name(op: Any) -> str:
+    """The functional collective's name of an op CommDebugMode counted
+    (``torch.ops._c10d_functional.all_reduce`` and ``torch.ops.c10d.allreduce_`` -> ``all_reduce``)."""
+    name = str(getattr(op, "__name__", op)).split(".")[-1]
+    if name == "default":
+        name = str(op).split(".")[-2]
+    return _C10D.get(name, name.removesuffix("_inplace"))
+
+
+def load_export(path: str) -> Any:
+    """The exported plan's module (a Python file), checked for the names the worker reads."""
+    spec = importlib.util.spec_from_file_location("spmdkit_torch_export", path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"export {path}: not a Python file")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    missing = [n for n in ("MESH_DIMS", "MESH_SHAPE", "parallelize", "PLAN_COLLECTIVES") if not hasattr(mod, n)]
+    if missing:
+        raise ValueError(f"export {path}: defines no {', '.join(missing)}")
+    if getattr(mod, "PIPELINE", None) is not None and not hasattr(mod, "pipeline_stage"):
+        raise ValueError(f"export {path}: PIPELINE is set but no pipeline_stage(model, pp_rank, mesh) is defined")
+    return mod
+
+
+def step_data(seed: int, step: int, batch: int, seq: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of step ``step``: (input_ids, labels), both ``[batch, seq]``."""
+    g = torch.Generator().manual_seed(seed * 100_003 + step)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    return ids, torch.randint(0, vocab, (batch, seq), generator=g)
+
+
+def lm_loss(logits: Any, labels: torch.Tensor) -> Any:
+    """Mean cross entropy of ``[b, s, vocab]`` logits against ``[b, s]`` labels (a vocab-sharded
+    DTensor under ``loss_parallel``)."""
+    return F.cross_entropy(logits.flatten(0, 1).float() if not _is_dtensor(logits) else logits.flatten(0, 1),
+                           labels.flatten())
+
+
+def _is_dtensor(x: Any) -> bool:
+    return isinstance(x, DTensor)
+
+
+def make_optimizer(params: Any, name: str, lr: float) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, foreach=False)
+    raise ValueError(f"optimizer {name!r}: expected sgd or adamw")
+
+
+def eager_losses(spec: dict[str, Any], model: Any) -> list[float]:
+    """torch eager: ``model`` trained ``steps`` steps on the global batches, one process."""
+    opt = make_optimizer(model.parameters(), spec["optimizer"], spec["lr"])
+    vocab = int(model.config.vocab_size)
+    out = []
+    for s in range(spec["steps"]):
+        ids, labels = step_data(spec["seed"], s, spec["batch"], spec["seq"], vocab)
+        loss = lm_loss(model(input_ids=ids).logits, labels)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out.append(float(loss.item()))
+    return out
+
+
+def _local_bytes(t: Any) -> int:
+    if t is None:
+        return 0
+    if _is_dtensor(t):
+        t = t.to_local()
+    return int(t.numel() * t.element_size()) if isinstance(t, torch.Tensor) else 0
+
+
+def state_bytes(modules: list[Any], opt: torch.optim.Optimizer) -> dict[str, int]:
+    """The bytes this rank holds of the parameters, their gradients and the optimizer's state
+    (local shards), counted tensor by tensor."""
+    params = {id(p): p for m in modules for p in m.parameters()}
+    grads = sum(_local_bytes(p.grad) for p in params.values())
+    opt_b = sum(_local_bytes(v) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))
+    return {"parameters": sum(_local_bytes(p) for p in params.values()), "gradients": grads, "optimizer": opt_b}
+
+
+def _batch_slice(mesh: Any, dims: list[str], batch: int) -> slice:
+    """This rank's rows of the global batch: split over ``dims`` (major first)."""
+    n, idx = 1, 0
+    for d in dims:
+        size = mesh.size(mesh.mesh_dim_names.index(d))
+        idx = idx * size + mesh.get_local_rank(d)
+        n *= size
+    if batch % n:
+        raise ValueError(f"--batch {batch} does not split evenly over the batch mesh dims "
+                         f"{' x '.join(dims)} ({n} shards)")
+    per = batch // n
+    return slice(idx * per, (idx + 1) * per)
+
+
+def comm_debug_mode() -> Any:
+    """torch's ``CommDebugMode``, its module tracker made to survive a module object called more
+    than once in one forward (transformers' kernelized ``apply_rotary_pos_emb`` is one module
+    shared by every layer, and torch's tracker pops its parent once per call until it runs out);
+    the counts are torch's own."""
+    cm = CommDebugMode()  # type: ignore[no-untyped-call]
+    tracker = cm.advanced_module_tracker
+    orig = tracker._fw_set_module_hook
+
+    def tolerant(mod: Any, inputs: Any, output: Any) -> None:
+        if len(tracker.parent_list) > 1:
+            orig(mod, inputs, output)  # type: ignore[no-untyped-call]
+
+    tracker._fw_set_module_hook = tolerant  # type: ignore[method-assign]
+    return cm
+
+
+def _counts(mode: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for op, n in mode.get_comm_counts().items():
+        name = collective_name(op)
+        out[name] = out.get(name, 0) + int(n)
+    return {k: v for k, v in sorted(out.items()) if v}
+
+
+def _train(spec: dict[str, Any], exp: Any, mesh: Any, model: Any, device: torch.device
+           ) -> tuple[list[float | None], list[dict[str, int]], dict[str, int]]:
+    names = list(exp.MESH_DIMS)
+    batch_dims = list(getattr(exp, "BATCH_DIMS", None) or [d for d in names if d not in NOT_BATCH])
+    rows = _batch_slice(mesh, batch_dims, spec["batch"])
+    vocab = int(model.config.vocab_size)
+    pipe = getattr(exp, "PIPELINE", None)
+    parallel_loss = bool(getattr(exp, "LOSS_PARALLEL", False))
+    schedule = None
+    if pipe is not None:
+        pp_rank = mesh.get_local_rank("pp")
+        stage = exp.pipeline_stage(model, pp_rank, mesh)
+        modules = [stage.submod]
+        schedule = _schedule(pipe, stage, parallel_loss)
+        last = stage.is_last
+        first = stage.is_first
+    else:
+        model = exp.parallelize(model, mesh)
+        modules = [model]
+    opt = make_optimizer([p for m in modules for p in m.parameters()], spec["optimizer"], spec["lr"])
+    losses: list[float | None] = []
+    counts: list[dict[str, int]] = []
+    held: dict[str, int] = {}
+    for s in range(spec["steps"]):
+        ids, labels = step_data(spec["seed"], s, spec["batch"], spec["seq"], vocab)
+        ids, labels = ids[rows].to(device), labels[rows].to(device)
+        mode = comm_debug_mode()
+        with mode:
+            if schedule is not None:
+                got: list[Any] = []
+                if first:
+                    schedule.step(ids, target=labels if last else None, losses=got if last else None)
+                else:
+                    schedule.step(target=labels if last else None, losses=got if last else None)
+                loss = torch.stack([_full(x) for x in got]).mean() if got else None
+            else:
+                with loss_parallel() if parallel_loss else contextlib.nullcontext():
+                    loss = lm_loss(model(input_ids=ids).logits, labels)
+                    loss.backward()
+            opt.step()
+        counts.append(_counts(mode))
+        held = state_bytes(modules, opt)  # after the update, the gradients still held
+        opt.zero_grad(set_to_none=True)
+        losses.append(None if loss is None else float(_full(loss).item()))
+    return losses, counts, held
+
+
+def _full(x: Any) -> torch.Tensor:
+    out: torch.Tensor = x.full_tensor() if _is_dtensor(x) else x.detach()
+    return out
+
+
+def _schedule(pipe: dict[str, Any], stage: Any, parallel_loss: bool) -> Any:
+    import torch.distributed.pipelining as pl
+
+    kinds = {"gpipe": pl.ScheduleGPipe, "1f1b": pl.Schedule1F1B}
+    name = str(pipe.get("schedule", "1f1b")).lower()
+    if name not in kinds:
+        raise ValueError(f"PIPELINE schedule {name!r}: the torch engine runs {', '.join(kinds)} (one stage per rank)")
+    if parallel_loss:
+        raise ValueError("LOSS_PARALLEL with PIPELINE: the schedule computes the loss outside loss_parallel()")
+    return kinds[name](stage, n_microbatches=int(pipe["microbatches"]), loss_fn=lm_loss)
+
+
+def _peak(device: torch.device) -> dict[str, Any]:
+    """What this rank's peak memory is, honestly named: the process's maximum resident set
+    (everything the process touched: Python, torch's libraries, the model) on CPU; the CUDA
+    caching allocator's peak of allocated bytes on a GPU."""
+    out: dict[str, Any] = {"max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    if device.type == "cuda":
+        out["cuda_max_allocated_bytes"] = int(torch.cuda.max_memory_allocated(device))
+    return out
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any] | None:
+    """One rank's run; rank 0 returns the report's facts, the others None."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    backend = spec["backend"]
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, timeout=timedelta(seconds=spec["timeout"]))
+    exp = load_export(spec["export"])
+    shape = tuple(int(x) for x in exp.MESH_SHAPE)
+    if math.prod(shape) != world:
+        raise ValueError(f"the export's mesh {dict(zip(exp.MESH_DIMS, shape))} has {math.prod(shape)} ranks, "
+                         f"torchrun started {world}")
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=tuple(exp.MESH_DIMS))
+    model = build(spec["hf"], spec["config"], dtype=spec["dtype"], seed=spec["seed"]).to(device)
+    losses, counts, held = _train(spec, exp, mesh, model, device)
+    mine = {"rank": rank, "losses": losses, "counts": counts, "state_bytes": held, **_peak(device)}
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, mine)
+    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    ref = build(spec["hf"], spec["config"], dtype=spec["dtype"], seed=spec["seed"])
+    eager = eager_losses(spec, ref)
+    eager_state = sum(p.numel() * p.element_size() for p in ref.parameters())
+    plan = {str(k): int(v) for k, v in dict(exp.PLAN_COLLECTIVES).items() if int(v)}
+    return {"world_size": world, "backend": backend, "mesh": dict(zip(exp.MESH_DIMS, shape)),
+            "loss_parallel": bool(getattr(exp, "LOSS_PARALLEL", False)),
+            "pipeline": getattr(exp, "PIPELINE", None), "eager": eager, "plan_collectives": plan,
+            "eager_parameter_bytes": eager_state, "ranks": every}
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return f"{type(exc).__name__}: {lines[0][:400] if lines else '(no message)'}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    warnings.simplefilter("ignore")
+    with open(args[0], encoding="utf-8") as f:
+        spec = json.load(f)
+    rank = os.environ.get("RANK", "?")
+    try:
+        got = run(spec)
+    except Exception as exc:  # one line for the launcher; torchrun ends the other ranks
+        if os.environ.get("SPMDKIT_TRACEBACK"):
+            import traceback
+
+            traceback.print_exc()
+        with open(os.path.join(spec["out"], f"error.{rank}"), "w", encoding="utf-8") as f:
+            f.write(_one_line(exc) + "\n")
+        return 1
+    if got is not None:
+        tmp = os.path.join(spec["out"], "result.json.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(got, f)
+        os.replace(tmp, os.path.join(spec["out"], "result.json"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
