@@ -60,16 +60,80 @@ REPLICATE = ("from torch.distributed._composable.replicate_with_fsdp import repl
              "    replicate(model, mesh=mesh['dp'])")
 
 
+#: a hand-written pp=2 x tp=2 export: each stage's blocks of the HF model (``use_cache=False``),
+#: torch's styles on tp, 1F1B over 2 microbatches
+PP_EXPORT = """
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+MESH_DIMS = ("pp", "tp")
+MESH_SHAPE = (2, 2)
+LOSS_PARALLEL = False
+PIPELINE = {"schedule": "1f1b", "microbatches": 2}
+# per microbatch: stage 0 runs the embedding's, o_proj's and down_proj's forward all-reduces (3) and
+# its 5 column layers' input-gradient all-reduces; stage 1 o_proj and down_proj (2), the 5 column
+# inputs and lm_head's (6), and gathers lm_head's vocab-sharded output (1)
+PLAN_COLLECTIVES = {0: {"all_reduce": 2 * 8}, 1: {"all_reduce": 2 * 8, "all_gather_into_tensor": 2}}
+
+
+def parallelize(model, mesh):
+    plan = {}
+    if model.model.embed_tokens is not None:
+        plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if model.lm_head is not None:
+        plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
+    for i in range(len(model.model.layers)):
+        p = f"model.layers.{i}."
+        for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            plan[p + n] = ColwiseParallel()
+        for n in ("self_attn.o_proj", "mlp.down_proj"):
+            plan[p + n] = RowwiseParallel()
+    parallelize_module(model, mesh["tp"], plan)
+    return model
+
+
+class Stage(nn.Module):
+    def __init__(self, model, first, last):
+        super().__init__()
+        self.model, self.lm_head, self.first, self.last = model.model, model.lm_head if last else None, first, last
+
+    def forward(self, x):
+        kw = {"input_ids" if self.first else "inputs_embeds": x}
+        h = self.model(**kw, use_cache=False).last_hidden_state
+        return self.lm_head(h) if self.last else h
+
+
+def pipeline_stage(model, pp_rank, mesh):
+    pp = mesh["pp"].size()
+    n = len(model.model.layers)
+    lo, hi = n * pp_rank // pp, n * (pp_rank + 1) // pp
+    model.model.layers = nn.ModuleList(list(model.model.layers)[lo:hi])
+    model.config.num_hidden_layers = hi - lo
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    if not first:
+        model.model.embed_tokens = None
+    if not last:
+        model.model.norm = nn.Identity()
+        model.lm_head = None
+    stage = Stage(model, first, last)
+    parallelize(stage, mesh)
+    return PipelineStage(stage, pp_rank, pp, torch.device("cpu"), group=mesh["pp"].get_group())
+"""
+
+
 def _export(tmp_path: Path, name: str, plan: dict[str, int], dp: str = REPLICATE, extra: str = "") -> str:
     path = tmp_path / name
     path.write_text(EXPORT.replace("{PLAN}", repr(plan)).replace("{DP}", dp) + extra)
     return str(path)
 
 
-def _launch(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+def _launch(*args: str, timeout: float = 600, config: dict[str, int] = LLAMA) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     return subprocess.run([sys.executable, "-m", "spmdkit", "run", "--engine", "torch", "--hf", "LlamaForCausalLM",
-                           "--hf-config", json.dumps(LLAMA), "--batch", "4", "--seq", "8", "--timeout", "60", *args],
+                           "--hf-config", json.dumps(config), "--batch", "4", "--seq", "8", "--timeout", "60", *args],
                           capture_output=True, text=True, env=env, timeout=timeout)
 
 
@@ -83,7 +147,7 @@ def test_llama_dp_tp_trains_as_eager_with_the_plans_collectives(tmp_path: Path) 
     assert len(rep["steps"]) == 3
     for s in rep["steps"]:
         assert abs(s["loss"] - s["eager_loss"]) <= 2e-5 * max(1.0, abs(s["eager_loss"])), s
-        assert s["collectives"] == {"all_reduce": ALL_REDUCES}
+        assert s["collectives"] == [{"all_reduce": ALL_REDUCES}] * 4
     # the updates move the loss: step 2 is not step 1's batch through the same weights
     assert len({round(s["eager_loss"], 6) for s in rep["steps"]}) == 3
     # every rank holds half of each tp-sharded parameter and its gradient (sgd: no state)
@@ -91,6 +155,21 @@ def test_llama_dp_tp_trains_as_eager_with_the_plans_collectives(tmp_path: Path) 
     assert len(half) == 1 and half.pop() < rep["eager_parameter_bytes"] * 0.75
     assert all(m["gradients"] == m["parameters"] and m["optimizer"] == 0 and m["max_rss_bytes"] > 2**20
                for m in rep["memory"])
+
+
+def test_llama_pp_tp_pipeline_trains_as_eager(tmp_path: Path) -> None:
+    path = tmp_path / "pp.py"
+    path.write_text(PP_EXPORT)
+    p = _launch("--torch-plan", str(path), "--json", "--optimizer", "adamw", "--steps", "2",
+                config={**LLAMA, "num_hidden_layers": 2})
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    rep = json.loads(p.stdout.strip().splitlines()[-1])
+    assert rep["ok"] and rep["pipeline"] == {"schedule": "1f1b", "microbatches": 2}
+    for s in rep["steps"]:
+        assert abs(s["loss"] - s["eager_loss"]) <= 2e-5 * max(1.0, abs(s["eager_loss"])), s
+        assert s["collectives"] == [{"all_reduce": 16}] * 2 + [{"all_gather_into_tensor": 2, "all_reduce": 16}] * 2
+    # AdamW holds two moments per local parameter element (and a step count per parameter)
+    assert all(m["optimizer"] >= 2 * m["parameters"] for m in rep["memory"])
 
 
 def test_an_export_without_the_dp_gradient_reduction_fails_the_check(tmp_path: Path) -> None:
@@ -139,8 +218,9 @@ def test_report_averages_the_batch_shards_and_names_the_ranks_that_differ() -> N
     from spmdkit.execute.torchrun import format_torch_report, torch_report
 
     got = {"world_size": 2, "backend": "gloo", "mesh": {"dp": 2}, "loss_parallel": False, "pipeline": None,
-           "eager": [2.0, 1.5], "plan_collectives": {"all_reduce": 1}, "eager_parameter_bytes": 4096,
+           "eager": [2.0, 1.5], "eager_parameter_bytes": 4096,
            "ranks": [{"rank": r, "losses": [2.0 + d, 1.5 + d], "counts": [{"all_reduce": 1}, {"all_reduce": 1 + r}],
+                      "expected": {"all_reduce": 1},
                       "state_bytes": {"parameters": 4096, "gradients": 4096, "optimizer": 0},
                       "max_rss_bytes": 2**28} for r, d in ((0, 1e-6), (1, -1e-6))]}
     rep = torch_report(got, "t")
@@ -148,7 +228,19 @@ def test_report_averages_the_batch_shards_and_names_the_ranks_that_differ() -> N
     assert rep["losses_match"] and not rep["collectives_match"] and not rep["ok"]
     assert rep["steps"][1]["collectives_differ_on_ranks"] == [1]
     text = format_torch_report(rep)
-    assert "NOT the plan's on rank(s) [1]" in text and "256.0 MiB" in text
+    assert "all_reduce x1 (rank 0); all_reduce x2 (rank 1)  NOT the plan's on rank(s) [1]" in text
+    assert "256.0 MiB" in text
+
+
+def test_expected_counts_per_stage_and_phase() -> None:
+    from spmdkit.execute.torch_engine import expected_counts
+
+    assert expected_counts({"allreduce_": 2, "all_reduce": 1, "send": 0}, None) == {"all_reduce": 3}
+    per_stage = {0: {"all_reduce": 3}, 1: {"forward": {"all_reduce": 2}, "backward": {"all_reduce": 2,
+                                                                                      "all_gather_into_tensor": 1}}}
+    assert expected_counts(per_stage, 1) == {"all_gather_into_tensor": 1, "all_reduce": 4}
+    with pytest.raises(ValueError, match="no entry for pipeline stage 2"):
+        expected_counts(per_stage, 2)
 
 
 def test_failure_line_names_torchruns_root_cause(tmp_path: Path) -> None:

@@ -66,6 +66,33 @@ def collective_name(op: Any) -> str:
     return _C10D.get(name, name.removesuffix("_inplace"))
 
 
+def expected_counts(plan: Any, pp_rank: int | None) -> dict[str, int]:
+    """The collectives a rank should count per step from the export's ``PLAN_COLLECTIVES``:
+    ``{name: count}`` for every rank; keyed by pipeline stage (``{0: {...}, 1: {...}}``) the pp
+    rank's; keyed by phase (``{"forward": {...}, "backward": {...}}``) their sum. Names as
+    :func:`collective_name` gives them (c10d's ``allreduce_`` is ``all_reduce``)."""
+    if not isinstance(plan, dict):
+        raise ValueError(f"PLAN_COLLECTIVES is a {type(plan).__name__}, expected a dict")
+    if all(isinstance(v, int) for v in plan.values()):
+        out: dict[str, int] = {}
+        for k, v in plan.items():
+            name = _C10D.get(str(k), str(k))
+            out[name] = out.get(name, 0) + v
+        return {k: v for k, v in sorted(out.items()) if v}
+    if all(isinstance(k, int) or str(k).isdigit() for k in plan):
+        if pp_rank is None:
+            raise ValueError("PLAN_COLLECTIVES is keyed by pipeline stage but the mesh has no pp dim")
+        got = {int(k): v for k, v in plan.items()}
+        if pp_rank not in got:
+            raise ValueError(f"PLAN_COLLECTIVES has no entry for pipeline stage {pp_rank}")
+        return expected_counts(got[pp_rank], pp_rank)
+    total: dict[str, int] = {}
+    for part in plan.values():
+        for k, v in expected_counts(part, pp_rank).items():
+            total[k] = total.get(k, 0) + v
+    return dict(sorted(total.items()))
+
+
 def load_export(path: str) -> Any:
     """The exported plan's module (a Python file), checked for the names the worker reads."""
     spec = importlib.util.spec_from_file_location("spmdkit_torch_export", path)
@@ -114,7 +141,7 @@ def eager_losses(spec: dict[str, Any], model: Any) -> list[float]:
     out = []
     for s in range(spec["steps"]):
         ids, labels = step_data(spec["seed"], s, spec["batch"], spec["seq"], vocab)
-        loss = lm_loss(model(input_ids=ids).logits, labels)
+        loss = lm_loss(model(input_ids=ids, use_cache=False).logits, labels)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -153,20 +180,36 @@ def _batch_slice(mesh: Any, dims: list[str], batch: int) -> slice:
     return slice(idx * per, (idx + 1) * per)
 
 
+class _NoModules:
+    """In place of CommDebugMode's module tracker: the counts need none, and torch's tracker
+    breaks two things here: it pops its parent once per call of a module object, so a module
+    called by every layer (transformers' kernelized ``apply_rotary_pos_emb``) empties its stack,
+    and its backward hooks on a stage's input make ``torch.distributed.pipelining``'s
+    ``autograd.grad`` fail ("A leaf node was passed to _will_engine_execute_node")."""
+
+    name = "Global"
+    is_bw = False
+    activation_checkpointing = False
+
+    def __init__(self) -> None:
+        self.module_parents_dict: dict[str, set[str]] = {"Global": set()}
+        self.module_helper_dict: dict[str, Any] = {"Global": {"depth": 0}}
+        self.parent_dict: dict[str, Any] = {}
+        self.module_parameters_dict: dict[str, Any] = {}
+        self.sharding_dict: dict[str, Any] = {}
+
+    def __enter__(self) -> _NoModules:
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        return None
+
+
 def comm_debug_mode() -> Any:
-    """torch's ``CommDebugMode``, its module tracker made to survive a module object called more
-    than once in one forward (transformers' kernelized ``apply_rotary_pos_emb`` is one module
-    shared by every layer, and torch's tracker pops its parent once per call until it runs out);
-    the counts are torch's own."""
+    """torch's ``CommDebugMode`` counting every collective of the step (its own counts, by op),
+    without its per-module tracker (:class:`_NoModules`)."""
     cm = CommDebugMode()  # type: ignore[no-untyped-call]
-    tracker = cm.advanced_module_tracker
-    orig = tracker._fw_set_module_hook
-
-    def tolerant(mod: Any, inputs: Any, output: Any) -> None:
-        if len(tracker.parent_list) > 1:
-            orig(mod, inputs, output)  # type: ignore[no-untyped-call]
-
-    tracker._fw_set_module_hook = tolerant  # type: ignore[method-assign]
+    cm.advanced_module_tracker = _NoModules()
     return cm
 
 
@@ -204,6 +247,8 @@ def _train(spec: dict[str, Any], exp: Any, mesh: Any, model: Any, device: torch.
     for s in range(spec["steps"]):
         ids, labels = step_data(spec["seed"], s, spec["batch"], spec["seq"], vocab)
         ids, labels = ids[rows].to(device), labels[rows].to(device)
+        if schedule is not None and s == 0:
+            _init_stage(schedule, pipe, first, last, ids, labels)
         mode = comm_debug_mode()
         with mode:
             if schedule is not None:
@@ -215,7 +260,7 @@ def _train(spec: dict[str, Any], exp: Any, mesh: Any, model: Any, device: torch.
                 loss = torch.stack([_full(x) for x in got]).mean() if got else None
             else:
                 with loss_parallel() if parallel_loss else contextlib.nullcontext():
-                    loss = lm_loss(model(input_ids=ids).logits, labels)
+                    loss = lm_loss(model(input_ids=ids, use_cache=False).logits, labels)
                     loss.backward()
             opt.step()
         counts.append(_counts(mode))
@@ -228,6 +273,20 @@ def _train(spec: dict[str, Any], exp: Any, mesh: Any, model: Any, device: torch.
 def _full(x: Any) -> torch.Tensor:
     out: torch.Tensor = x.full_tensor() if _is_dtensor(x) else x.detach()
     return out
+
+
+def _init_stage(schedule: Any, pipe: dict[str, Any], first: bool, last: bool, ids: torch.Tensor,
+                labels: torch.Tensor) -> None:
+    """The stage's shape inference (a forward of one microbatch's metadata between the stages),
+    before the counted steps: torch runs it at the first ``step`` otherwise, and its collectives
+    are not the step's. (``_initialize_stage`` is the schedule's own call for it.)"""
+    m = int(pipe["microbatches"])
+    if ids.shape[0] % m:
+        raise ValueError(f"this rank's batch of {ids.shape[0]} rows does not split into PIPELINE microbatches {m}")
+    init = getattr(schedule, "_initialize_stage", None)
+    if init is not None:
+        mb = ids.shape[0] // m
+        init((ids[:mb],) if first else (), {}, labels[:mb] if last else None)
 
 
 def _schedule(pipe: dict[str, Any], stage: Any, parallel_loss: bool) -> Any:
@@ -269,7 +328,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any] | None:
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=tuple(exp.MESH_DIMS))
     model = build(spec["hf"], spec["config"], dtype=spec["dtype"], seed=spec["seed"]).to(device)
     losses, counts, held = _train(spec, exp, mesh, model, device)
-    mine = {"rank": rank, "losses": losses, "counts": counts, "state_bytes": held, **_peak(device)}
+    pp_rank = mesh.get_local_rank("pp") if "pp" in exp.MESH_DIMS else None
+    mine = {"rank": rank, "losses": losses, "counts": counts, "state_bytes": held, **_peak(device),
+            "expected": expected_counts(exp.PLAN_COLLECTIVES, pp_rank), "pp_rank": pp_rank}
     every: list[Any] = [None] * world
     dist.all_gather_object(every, mine)
     dist.destroy_process_group()
@@ -278,10 +339,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any] | None:
     ref = build(spec["hf"], spec["config"], dtype=spec["dtype"], seed=spec["seed"])
     eager = eager_losses(spec, ref)
     eager_state = sum(p.numel() * p.element_size() for p in ref.parameters())
-    plan = {str(k): int(v) for k, v in dict(exp.PLAN_COLLECTIVES).items() if int(v)}
     return {"world_size": world, "backend": backend, "mesh": dict(zip(exp.MESH_DIMS, shape)),
             "loss_parallel": bool(getattr(exp, "LOSS_PARALLEL", False)),
-            "pipeline": getattr(exp, "PIPELINE", None), "eager": eager, "plan_collectives": plan,
+            "pipeline": getattr(exp, "PIPELINE", None), "eager": eager,
             "eager_parameter_bytes": eager_state, "ranks": every}
 
 

@@ -108,6 +108,8 @@ def launch_torchrun(spec: dict[str, Any], nproc: int, deadline: float) -> dict[s
                                  f"ended torchrun and its {nproc} workers" + _errors_suffix(folder))
         result = os.path.join(folder, "result.json")
         if rc != 0 or not os.path.isfile(result):
+            if os.environ.get("SPMDKIT_TRACEBACK"):  # the workers' tracebacks (they print them then)
+                sys.stderr.write(text)
             raise TorchrunFailed(_failure_line(folder, text, rc))
         with open(result, encoding="utf-8") as f:
             got: dict[str, Any] = json.load(f)
@@ -184,21 +186,31 @@ def _fmt_counts(c: dict[str, int]) -> str:
     return ", ".join(f"{k} x{v}" for k, v in sorted(c.items())) or "none"
 
 
+def _by_ranks(per_rank: list[dict[str, int]]) -> str:
+    """Each rank's counts, the ranks with equal counts written once: ``all_reduce x16`` when every
+    rank's are equal, else ``all_reduce x16 (ranks 0, 1); ... (ranks 2, 3)``."""
+    groups: dict[str, list[int]] = {}
+    for r, c in enumerate(per_rank):
+        groups.setdefault(_fmt_counts(c), []).append(r)
+    if len(groups) == 1:
+        return next(iter(groups))
+    return "; ".join(f"{k} (rank{'s' if len(v) > 1 else ''} {', '.join(map(str, v))})" for k, v in groups.items())
+
+
 def torch_report(got: dict[str, Any], title: str) -> dict[str, Any]:
     """The report of a torch-engine run from rank 0's facts: per step the loss (the mean over the
     batch shards of their mean losses: each shard holds the same number of tokens) beside torch
     eager's, and every rank's collectives beside the plan's; ``ok`` when both agree every step."""
-    plan = {k: int(v) for k, v in got["plan_collectives"].items()}
     ranks = got["ranks"]
     steps = []
     for s, eager in enumerate(got["eager"]):
         vals = [r["losses"][s] for r in ranks if r["losses"][s] is not None]
         loss = sum(vals) / len(vals) if vals else None
         err = None if loss is None else abs(loss - eager)
-        differ = [r["rank"] for r in ranks if r["counts"][s] != plan]
+        differ = [r["rank"] for r in ranks if r["counts"][s] != r["expected"]]
         steps.append({"step": s + 1, "loss": loss, "eager_loss": eager, "abs_error": err,
                       "loss_within": err is not None and err <= LOSS_RTOL * max(1.0, abs(eager)),
-                      "collectives": ranks[0]["counts"][s], "collectives_differ_on_ranks": differ,
+                      "collectives": [r["counts"][s] for r in ranks], "collectives_differ_on_ranks": differ,
                       "collectives_match": not differ})
     losses_ok = all(s["loss_within"] for s in steps)
     coll_ok = all(s["collectives_match"] for s in steps)
@@ -207,12 +219,11 @@ def torch_report(got: dict[str, Any], title: str) -> dict[str, Any]:
             "loss_parallel": got["loss_parallel"], "pipeline": got["pipeline"],
             "ok": losses_ok and coll_ok, "losses_match": losses_ok, "collectives_match": coll_ok,
             "loss": steps[-1]["loss"] if steps else None, "reference_loss": got["eager"][-1] if steps else None,
-            "loss_rtol": LOSS_RTOL, "steps": steps, "plan_collectives": plan,
+            "loss_rtol": LOSS_RTOL, "steps": steps, "plan_collectives": [r["expected"] for r in ranks],
             "memory": [{"rank": r["rank"], "max_rss_bytes": r["max_rss_bytes"], **r["state_bytes"],
                         **({"cuda_max_allocated_bytes": r["cuda_max_allocated_bytes"]}
                            if "cuda_max_allocated_bytes" in r else {})} for r in ranks],
-            "memory_measured": MEMORY_NOTE, "eager_parameter_bytes": got["eager_parameter_bytes"],
-            "per_rank_collectives": [r["counts"] for r in ranks]}
+            "memory_measured": MEMORY_NOTE, "eager_parameter_bytes": got["eager_parameter_bytes"]}
 
 
 def _mib(b: int) -> str:
@@ -229,8 +240,8 @@ def format_torch_report(rep: dict[str, Any]) -> str:
         err = "-" if s["abs_error"] is None else f"{s['abs_error']:.1e}"
         mark = "" if s["collectives_match"] else f"  NOT the plan's on rank(s) {s['collectives_differ_on_ranks']}"
         lines.append(f"  {s['step']:<5} {loss:>14} {s['eager_loss']:>14.8f} {err:>9}  "
-                     f"{_fmt_counts(s['collectives'])}{mark}")
-    lines.append(f"plan's collectives per step: {_fmt_counts(rep['plan_collectives'])}")
+                     f"{_by_ranks(s['collectives'])}{mark}")
+    lines.append(f"plan's collectives per step: {_by_ranks(rep['plan_collectives'])}")
     lines.append(f"peak memory per rank ({rep['memory_measured']}; unsharded parameters "
                  f"{_mib(rep['eager_parameter_bytes'])}):")
     lines.append(f"  {'rank':<5} {'max RSS':>11} {'parameters':>11} {'gradients':>11} {'optimizer':>11}")
