@@ -50,6 +50,9 @@ def run_torch_command(req: RunRequest, out: TextIO) -> int:
     except TorchrunFailed as exc:
         print(f"spmdkit run: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # the launcher ended torchrun's process group first
+        print("spmdkit run: interrupted; ended torchrun and its workers", file=sys.stderr)
+        return 130
 
 
 def _check(req: RunRequest) -> None:

@@ -209,7 +209,7 @@ def comm_debug_mode() -> Any:
     """torch's ``CommDebugMode`` counting every collective of the step (its own counts, by op),
     without its per-module tracker (:class:`_NoModules`)."""
     cm = CommDebugMode()  # type: ignore[no-untyped-call]
-    cm.advanced_module_tracker = _NoModules()
+    cm.advanced_module_tracker = _NoModules()  # type: ignore[assignment]
     return cm
 
 
@@ -234,7 +234,7 @@ def _train(spec: dict[str, Any], exp: Any, mesh: Any, model: Any, device: torch.
         pp_rank = mesh.get_local_rank("pp")
         stage = exp.pipeline_stage(model, pp_rank, mesh)
         modules = [stage.submod]
-        schedule = _schedule(pipe, stage, parallel_loss)
+        schedule = _schedule(pipe, stage)
         last = stage.is_last
         first = stage.is_first
     else:
@@ -247,19 +247,17 @@ def _train(spec: dict[str, Any], exp: Any, mesh: Any, model: Any, device: torch.
     for s in range(spec["steps"]):
         ids, labels = step_data(spec["seed"], s, spec["batch"], spec["seq"], vocab)
         ids, labels = ids[rows].to(device), labels[rows].to(device)
-        if schedule is not None and s == 0:
+        if schedule is not None and pipe is not None and s == 0:
             _init_stage(schedule, pipe, first, last, ids, labels)
         mode = comm_debug_mode()
         with mode:
-            if schedule is not None:
-                got: list[Any] = []
-                if first:
-                    schedule.step(ids, target=labels if last else None, losses=got if last else None)
+            with loss_parallel() if parallel_loss else contextlib.nullcontext():
+                if schedule is not None:  # the last stage's microbatch losses, averaged
+                    got: list[Any] = []
+                    schedule.step(*([ids] if first else []), target=labels if last else None,
+                                  losses=got if last else None)
+                    loss = torch.stack([_full(x) for x in got]).mean() if got else None
                 else:
-                    schedule.step(target=labels if last else None, losses=got if last else None)
-                loss = torch.stack([_full(x) for x in got]).mean() if got else None
-            else:
-                with loss_parallel() if parallel_loss else contextlib.nullcontext():
                     loss = lm_loss(model(input_ids=ids, use_cache=False).logits, labels)
                     loss.backward()
             opt.step()
@@ -289,15 +287,13 @@ def _init_stage(schedule: Any, pipe: dict[str, Any], first: bool, last: bool, id
         init((ids[:mb],) if first else (), {}, labels[:mb] if last else None)
 
 
-def _schedule(pipe: dict[str, Any], stage: Any, parallel_loss: bool) -> Any:
+def _schedule(pipe: dict[str, Any], stage: Any) -> Any:
     import torch.distributed.pipelining as pl
 
     kinds = {"gpipe": pl.ScheduleGPipe, "1f1b": pl.Schedule1F1B}
     name = str(pipe.get("schedule", "1f1b")).lower()
     if name not in kinds:
         raise ValueError(f"PIPELINE schedule {name!r}: the torch engine runs {', '.join(kinds)} (one stage per rank)")
-    if parallel_loss:
-        raise ValueError("LOSS_PARALLEL with PIPELINE: the schedule computes the loss outside loss_parallel()")
     return kinds[name](stage, n_microbatches=int(pipe["microbatches"]), loss_fn=lm_loss)
 
 
