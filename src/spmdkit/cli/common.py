@@ -25,6 +25,7 @@ from spmdkit.models import catalog
 from spmdkit.models.source import HFModel, Loaded, ModelSource, Preset, load
 from spmdkit.models.zoo import ModelConfig, preset
 from spmdkit.outputs.export import export_plan
+from spmdkit.outputs.export_torch import export_torch
 from spmdkit.outputs.html import save_html
 from spmdkit.planner.planning import clip_repr, parse_size, plan_preset, plan_program
 from spmdkit.program.plan import Plan
@@ -122,7 +123,11 @@ def write_html(req: PlanRequest, plan: Plan, title: str, mem: Memory, est: StepE
 def export_plan_file(req: PlanRequest, plan: Plan) -> None:
     """``--export FORMAT FILE``: the plan's shardings for another framework (:mod:`spmdkit.outputs.export`)."""
     if req.outputs.export:
-        export_plan(plan, *req.outputs.export)
+        fmt, path = req.outputs.export
+        if fmt == "torch":
+            export_torch(plan, path, shlex.join(["spmdkit", *req.argv]) if req.argv else "")
+        else:
+            export_plan(plan, fmt, path)
 
 
 def auto_time_limit(text: str) -> float:

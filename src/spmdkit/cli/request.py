@@ -307,8 +307,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                         "communication, memory and the step's timeline; no network needed)")
     p.add_argument("--wide", action="store_true",
                    help="print the tables whole, however wide (on a terminal they are fitted to its width)")
-    p.add_argument("--export", nargs=2, metavar=("dtensor|jax|paddle", "FILE"),
-                   help="also write the parameters' shardings for torch DTensor (a parallelize_module plan and "
+    p.add_argument("--export", nargs=2, metavar=("torch|dtensor|jax|paddle", "FILE"),
+                   help="also write the plan for torch (a Python module: parallelize(model, mesh) with torch's "
+                        "parallel styles, FSDP2 and pipelining), torch DTensor (a parallelize_module plan and "
                         "placements), JAX (PartitionSpecs) or Paddle (shard_tensor placements) to FILE (docs/export.md)")
     p.add_argument("--verify", action="store_true",
                    help="also run the same plan at tiny sizes through the simulator (needs numpy)")

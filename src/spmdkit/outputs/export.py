@@ -59,6 +59,9 @@ from spmdkit.program.plan import Plan
 from spmdkit.strategies.hf import data_inputs, forward_readers, parameters, weight_axes
 
 FORMATS = ("dtensor", "jax", "paddle")
+#: every --export format: the JSON documents above and ``torch``, a Python module
+#: (:mod:`spmdkit.outputs.export_torch`)
+ALL_FORMATS = (*FORMATS, "torch")
 #: The ``format`` field of each document.
 DOC_FORMATS = {f: f"spmdkit-{f}-export" for f in FORMATS}
 VERSION = 1
@@ -219,7 +222,7 @@ class _DTensorExport:
         experts = expert_parallel_statement(plan)
         if experts is not None:
             self.notes.append(expert_note(experts))
-        return {"format": DOC_FORMATS[self.fmt], "version": VERSION, "mesh": _mesh_doc(plan),
+        return {"format": DOC_FORMATS.get(self.fmt, self.fmt), "version": VERSION, "mesh": _mesh_doc(plan),
                 "expert_parallel": experts, "tp_dim": None if tp is None else plan.mesh.dim_names[tp],
                 "parallelize_plan": dict(sorted(self.styles.items())), "loss_parallel": self.loss_parallel,
                 "tied": self.tied_to, "placements": self.placements,
@@ -472,14 +475,14 @@ _DOCUMENTS = {"dtensor": dtensor_document, "jax": jax_document, "paddle": paddle
 def export_document(plan: Plan, fmt: str) -> dict[str, Any]:
     """The export of ``plan`` in ``fmt`` (one of :data:`FORMATS`) as a JSON-able dict."""
     if fmt not in _DOCUMENTS:
-        raise ExportError(f"--export {str(fmt)[:40]!r}: unknown format (one of {', '.join(FORMATS)})")
+        raise ExportError(f"--export {str(fmt)[:40]!r}: unknown format (one of {', '.join(ALL_FORMATS)})")
     return _DOCUMENTS[fmt](plan)
 
 
 def check_target(fmt: str, path: str) -> None:
     """ExportError for an unknown format, or a path that is a folder or in no folder."""
-    if fmt not in _DOCUMENTS:
-        raise ExportError(f"--export {str(fmt)[:40]!r}: unknown format (one of {', '.join(FORMATS)})")
+    if fmt not in ALL_FORMATS:
+        raise ExportError(f"--export {str(fmt)[:40]!r}: unknown format (one of {', '.join(ALL_FORMATS)})")
     _check_path(os.fspath(path), f"--export {fmt}")
 
 
@@ -500,10 +503,15 @@ def _check_path(p: str, what: str) -> None:
 def write_json(doc: Mapping[str, Any], path: str, what: str = "--export") -> None:
     """Write ``doc`` to ``path`` atomically (a temporary file in the same folder, then renamed):
     a reader never sees half a file; ExportError naming the path when it cannot be written."""
+    write_atomic_text(json.dumps(doc, indent=1) + "\n", path, what)
+
+
+def write_atomic_text(text: str, path: str, what: str) -> None:
+    """Write ``text`` to ``path`` atomically; ExportError naming the path when it cannot be written."""
     p = os.fspath(path)
     _check_path(p, what)
     try:
-        write_atomic(p, (json.dumps(doc, indent=1) + "\n").encode("utf-8"))
+        write_atomic(p, text.encode("utf-8"))
     except OSError as exc:
         raise ExportError(f"{what}: cannot write {p!r}: {exc.strerror or exc}") from None
 
@@ -663,6 +671,6 @@ def load_paddle_placements(path: str) -> tuple[Any, dict[str, list[Any]]]:
     return mesh, {p: [_parse_placement(v, dist, partial) for v in pls] for p, pls in doc["placements"].items()}
 
 
-__all__ = ["DOC_FORMATS", "FORMATS", "ExportError", "check_target", "context_parallel_doc", "dtensor_document", "export_document", "export_plan",
+__all__ = ["ALL_FORMATS", "DOC_FORMATS", "FORMATS", "ExportError", "check_target", "context_parallel_doc", "dtensor_document", "export_document", "export_plan",
            "apply_dtensor_plan", "jax_document", "jax_mesh", "load_dtensor_placements", "load_dtensor_plan", "load_jax_specs",
-           "load_paddle_placements", "paddle_document", "read_document", "write_json"]
+           "load_paddle_placements", "paddle_document", "read_document", "write_atomic_text", "write_json"]

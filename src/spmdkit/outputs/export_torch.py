@@ -1,0 +1,437 @@
+"""Export a plan as a Python module that applies it with torch's own parallel APIs
+(``spmdkit plan ... --export torch FILE``, docs/export.md).
+
+The file is plain Python a person reads: the mesh (``MESH_DIMS``, ``MESH_SHAPE``), each module's
+tensor-parallel style (``TP_PLAN``: ``ColwiseParallel`` / ``RowwiseParallel`` /
+``SequenceParallel`` / ``PrepareModuleOutput`` with the plan's input and output layouts, module
+paths with ``*`` for the layer number where every layer has the same style), the data-parallel
+wrapping (``fully_shard`` per layer and at the root for ZeRO-3, with
+``reshard_after_forward=False`` for ZeRO-1/2, FSDP2's ``replicate`` for plain dp), whether the loss
+runs under ``loss_parallel()`` (``LOSS_PARALLEL``), the pipeline (``PIPELINE`` and
+``pipeline_stage``), and the collectives the plan issues per step in the terms ``CommDebugMode``
+counts (``PLAN_COLLECTIVES``). ``parallelize(model, mesh)`` applies it all and returns the model.
+
+The styles come from the plan, as the ``dtensor`` export derives them
+(:class:`spmdkit.outputs.export._DTensorExport`), with what that export refuses resolved:
+
+- sequence parallel: a norm whose input the plan holds ``Shard(1)`` over tp is
+  ``SequenceParallel``; a row layer (or the vocab-parallel embedding) whose partial output the
+  plan reduce-scatters to ``Shard(1)`` is ``RowwiseParallel(output_layouts=Shard(1))`` and keeps
+  its output a DTensor (``use_local_output=False``), so the residual stream is a sequence-sharded
+  DTensor of the global shape (HF's mask and positions read its sequence length); the column
+  layers reading a norm's output get it all-gathered once (``PrepareModuleOutput`` from
+  ``Shard(1)`` to ``Replicate()`` after ``SequenceParallel``), the LM head alone all-gathers its
+  own input (``ColwiseParallel(input_layouts=Shard(1))``);
+- GPT-2's ``Conv1D`` (``x @ W`` with ``W [in, out]``): torch's styles shard ``nn.Linear`` only, so
+  ``parallelize`` first swaps each such module the plan shards for the ``nn.Linear`` it equals
+  (``CONV1D_AS_LINEAR``; the weight transposed, the same names), then styles it.
+"""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from collections import Counter
+from typing import Any
+
+from spmdkit.core.placements import Shard
+from spmdkit.outputs.export import (
+    ExportError,
+    _DTensorExport,
+    _feeds_loss,
+    _placement_text,
+    _reduced_to,
+    _style_doc,
+    _tp_placement,
+    check_target,
+    write_atomic_text,
+)
+from spmdkit.program.ir import Op
+from spmdkit.program.plan import Plan
+
+#: a plan's collective kind -> the op CommDebugMode counts (torch's functional collectives)
+FUNCOL = {"all_reduce": "all_reduce", "all_gather": "all_gather_into_tensor",
+          "reduce_scatter": "reduce_scatter_tensor", "all_to_all": "all_to_all_single"}
+
+
+class _TorchExport(_DTensorExport):
+    """The styles of the ``torch`` export: the dtensor export's, sequence parallel and
+    Conv1D included (module docstring). ``self.entries``: (module path, style doc) in the order
+    they are applied; a module may have two (``SequenceParallel`` then ``PrepareModuleOutput``)."""
+
+    fmt = "torch"
+
+    def __init__(self, plan: Plan) -> None:
+        super().__init__(plan)
+        self.conv1d: set[str] = set()
+        self.after: dict[str, dict[str, Any]] = {}
+
+    def _linear_in_out(self, p: str, how: str, out_ax: int) -> None:
+        if how == "linear" and out_ax != 0:
+            self.conv1d.add(p[: -len(".weight")] if p.endswith(".weight") else p)
+
+    def style(self, mod: str, how: str, op: Op, pl: Any) -> bool:
+        """:meth:`_DTensorExport.style` with the output-feature axis read from the op (a
+        Conv1D's is 1): a column layer shards it."""
+        assert self.tp is not None
+        out_ax = (0 if op.attrs.get("trans_y", False) else 1) if how == "linear" else 1
+        if how == "linear" and out_ax == 1:  # as the nn.Linear it is swapped for: [out, in]
+            pl = Shard(1 - pl.dim) if pl.is_shard() else pl
+        return super().style(mod, how, op, pl)
+
+    def made_as(self, x: str) -> Any:
+        """The tp placement ``x`` is made in (before any reshard to its readers)."""
+        assert self.tp is not None
+        a = next((r.src for r in self.plan.reshards if r.tensor == x), self.plan.attrs[x])
+        return _tp_placement(a, self.tp)
+
+    def _colwise(self, mod: str, op: Op, x: str, x_in: Any, x_req: Any) -> bool:
+        assert self.tp is not None
+        prog = self.prog
+        x_in = self.made_as(x)
+        out = op.output_names()[0]
+        if not x_req.is_replicate():
+            raise ExportError(f"--export torch: {mod} (ColwiseParallel): the plan reads its input {x} as "
+                              f"{_placement_text(x_req)} over tp, ColwiseParallel as Replicate()")
+        local = not _feeds_loss(prog, self.fwd_readers, out)
+        o = _tp_placement(self.plan.attrs[out], self.tp)
+        if not (o.is_shard() and o.dim == len(prog.tensors[out].shape) - 1):
+            raise ExportError(f"--export torch: {mod} (ColwiseParallel): the plan makes its output {out} "
+                              f"{_placement_text(o)} over tp, ColwiseParallel Shard(-1)")
+        self.styles[mod] = _style_doc("ColwiseParallel", input_layouts=_placement_text(x_in),
+                                      output_layouts="Shard(-1)", use_local_output=local)
+        self.column_inputs.setdefault(x, []).append(mod)
+        return not local
+
+    def _rowwise(self, mod: str, how: str, op: Op, x: str, x_req: Any, colwise: bool) -> None:
+        assert self.tp is not None
+        out = op.output_names()[0]
+        nd = len(self.prog.tensors[x].shape)
+        if how == "linear" and not (x_req.is_shard() and x_req.dim == nd - 1):
+            raise ExportError(f"--export torch: {mod} (RowwiseParallel): the plan reads its input {x} as "
+                              f"{_placement_text(x_req)} over tp, RowwiseParallel as Shard(-1)")
+        if how == "embedding" and not x_req.is_replicate():
+            raise ExportError(f"--export torch: {mod} (RowwiseParallel): the plan reads the ids {x} as "
+                              f"{_placement_text(x_req)} over tp (it gathers the vocab-sharded table); torch's "
+                              f"vocab-parallel embedding reads them Replicate()")
+        if how == "embedding" and colwise:
+            self.styles[mod] = _style_doc("ColwiseParallel", input_layouts="Replicate()", output_layouts="Shard(-1)",
+                                          use_local_output=True)
+            return
+        dst = _reduced_to(self.plan, out, self.tp)
+        if dst is None:
+            raise ExportError(f"--export torch: {mod} (RowwiseParallel): the plan never reduces its "
+                              f"partial output {out} over tp")
+        if dst.is_shard() and dst.dim != 1:
+            raise ExportError(f"--export torch: {mod} (RowwiseParallel): the plan reduce-scatters its output {out} "
+                              f"to {_placement_text(dst)} over tp; torch's sequence parallel shards axis 1")
+        self.styles[mod] = _style_doc("RowwiseParallel", input_layouts="Shard(-1)" if how == "linear" else "Replicate()",
+                                      output_layouts=_placement_text(dst), use_local_output=not dst.is_shard())
+
+    def sequence_parallel_norms(self) -> None:
+        """A module with a replicated 1-D parameter (a norm's weight or bias) that the plan runs
+        on a sequence-sharded input over tp (``Shard(1)``): ``SequenceParallel``. Found by the
+        parameter's reading ops, whatever the norm is lowered to (a fused rms_norm, or HF's
+        ``weight * x * rsqrt(mean(x^2))``)."""
+        assert self.tp is not None
+        prog, tp = self.prog, self.tp
+        for p in self.params:
+            if len(prog.tensors[p].shape) != 1 or _tp_placement(self.plan.attrs[p], tp).is_shard():
+                continue
+            for i, op, _slot in self.readers.get(p, []):
+                seq = [k for k, v in op.inputs.items() if isinstance(v, str) and v != p and v in prog.tensors
+                       and prog.tensors[v].kind != "parameter"
+                       and _tp_placement(self.plan.ops[i].required[k], tp).is_shard()]
+                if not seq:
+                    continue
+                mod = self.modules.get(i, ("", ""))[0]
+                if not mod:
+                    raise ExportError(f"--export torch: {p}: read on a sequence-sharded input and the program "
+                                      f"records no module for it (a program JSON): export from --hf")
+                if mod in self.styles:
+                    break
+                d = _tp_placement(self.plan.ops[i].required[seq[0]], tp).dim
+                if d != 1:
+                    raise ExportError(f"--export torch: {mod} (SequenceParallel): the plan shards its input on "
+                                      f"axis {d} over tp; torch's sequence parallel shards axis 1")
+                self.styles[mod] = _style_doc("SequenceParallel", sequence_dim=1, use_local_output=False)
+                break
+
+    def prepare_shared_inputs(self) -> None:
+        """Column layers sharing one input that a module makes: that module's output a
+        replicated DTensor (all-gathered from ``Shard(1)`` under sequence parallel)."""
+        self.sequence_parallel_norms()
+        for x, mods in self.column_inputs.items():
+            if len(mods) < 2 or x not in self.producers:
+                continue
+            made = self.modules.get(self.producers[x])
+            if made is None:
+                continue
+            path = made[0]
+            outside = all(not (self.modules.get(j, ("", ""))[0] + ".").startswith(path + ".")
+                          for j in self.fwd_readers.get(x, []))
+            if not outside:
+                continue
+            src = _placement_text(self.made_as(x))
+            doc = _style_doc("PrepareModuleOutput", output_layouts=src, desired_output_layouts="Replicate()",
+                             use_local_output=False)
+            for m in mods:  # they receive it replicated
+                self.styles[m]["input_layouts"] = "Replicate()"
+            if path in self.styles:
+                if self.styles[path]["style"] != "SequenceParallel":
+                    continue
+                self.after[path] = doc
+            else:
+                self.styles[path] = doc
+            self.notes.append(f"{path}: its output {x} is read by {', '.join(mods)}: one replicated DTensor"
+                              + (" (all-gathered once)" if src != "Replicate()" else "")
+                              + ", its gradient reduced once")
+
+
+# -- what the file says ---------------------------------------------------------------------------
+
+
+def _layer_glob(path: str) -> tuple[str, str | None]:
+    """(``a.layers.*.b``, ``"3"``) for a path with a number after its container, else (path, None)."""
+    m = re.search(r"\.(\d+)(\.|$)", path)
+    if m is None:
+        return path, None
+    return path[: m.start(1)] + "*" + path[m.end(1):], m.group(1)
+
+
+def compress(styles: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Module path -> style, the paths that every layer has with the same style written once with
+    ``*`` for the layer number (``parallelize_module`` matches ``*`` per path atom)."""
+    by: dict[str, dict[str, dict[str, Any]]] = {}
+    numbers: dict[str, set[str]] = {}
+    for path, doc in styles.items():
+        glob, n = _layer_glob(path)
+        if n is not None:
+            by.setdefault(glob, {})[n] = doc
+            numbers.setdefault(glob.split("*")[0], set()).add(n)
+    out: dict[str, dict[str, Any]] = {}
+    for path, doc in styles.items():
+        glob, n = _layer_glob(path)
+        group = by.get(glob, {})
+        uniform = n is not None and set(group) == numbers[glob.split("*")[0]] and \
+            all(d == doc for d in group.values()) and len(group) > 1
+        out[glob if uniform else path] = doc
+    return out
+
+
+def _py(v: Any) -> str:
+    if isinstance(v, str) and (v.startswith(("Shard(", "Replicate(", "Partial("))):
+        return v
+    return repr(v)
+
+
+def _style_py(doc: dict[str, Any]) -> str:
+    kw = ", ".join(f"{k}={_py(v)}" for k, v in doc.items() if k != "style")
+    return f"{doc['style']}({kw})"
+
+
+def _plan_py(name: str, styles: dict[str, dict[str, Any]], comment: str) -> list[str]:
+    lines = [f"#: {comment}", f"{name} = {{"]
+    for path, doc in styles.items():
+        lines.append(f"    {path!r}: {_style_py(doc)},")
+    lines.append("}")
+    return lines
+
+
+def tp_collectives(plan: Plan) -> dict[str, dict[str, int]]:
+    """The plan's collectives over tp per phase (forward, backward), by the functional
+    collective CommDebugMode counts: the reshards the model's modules run. A parameter gradient
+    the plan reduces over tp in its gradient sync (a replicated norm weight under sequence
+    parallel: partial over tp) is reduced by DTensor in torch's backward: counted there."""
+    names = plan.mesh.dim_names
+    out: dict[str, dict[str, int]] = {}
+    for phase in ("forward", "backward"):
+        c = Counter(FUNCOL.get(s.kind, s.kind) for _r, s in plan.collectives(phase)
+                    if any(names[d] == "tp" for d in s.mesh_dims))
+        if phase == "backward":
+            c.update("all_reduce" for _r, s in plan.collectives("optimizer")
+                     if s.kind == "all_reduce" and any(names[d] == "tp" for d in s.mesh_dims))
+        out[phase] = dict(sorted(c.items()))
+    return out
+
+
+def zero_level(plan: Plan) -> int:
+    """The plan's ZeRO stage read from its layouts: 3 when parameters are stored sharded, 2 when a
+    gradient is sharded over dp, 1 when only optimizer states are, else 0."""
+    if "dp" not in plan.mesh.dim_names or plan.mesh.shape[plan.mesh.dim_index("dp")] == 1:
+        return 0
+    if plan.storage:
+        return 3
+    dp = plan.mesh.dim_index("dp")
+    prog = plan.program
+    opt = getattr(prog, "optimizer", None) or {}
+    level = 0
+    for _p, (g, states, *_rest) in opt.items():
+        def on_dp(n: str) -> bool:
+            a = plan.attrs.get(n)
+            return a is not None and any(dp in (e if isinstance(e, tuple) else (e,)) for e in a.dims_mapping)
+        if on_dp(g):
+            return 2
+        if any(on_dp(s) for s in states):
+            level = 1
+    return level
+
+
+def layers_container(plan: Plan) -> str | None:
+    """The module holding the numbered blocks (``model.layers``, GPT-2's ``transformer.h``):
+    the prefix before a number that the most module paths share."""
+    mods = getattr(plan.program, "modules", None) or {}
+    c = Counter(m.group(1) for path, _cls in mods.values() for m in [re.match(r"(.+?)\.\d+(\.|$)", path)] if m)
+    return c.most_common(1)[0][0] if c else None
+
+
+def data_parallel(plan: Plan) -> dict[str, Any] | None:
+    """How the dp mesh dim is applied with FSDP2: None without a dp dim of size > 1; else the
+    ZeRO stage, the wrapper (``fully_shard`` for ZeRO-1/2/3, ``replicate`` for plain dp), its
+    ``reshard_after_forward`` (ZeRO-3: True; ZeRO-1/2: False, the parameters stay whole from the
+    forward to the backward and the gradient is reduce-scattered: torch has no ZeRO-1, which
+    all-reduces the gradient and shards only the optimizer states; the same bytes move) and the
+    layers container each of whose blocks is one group (then the root)."""
+    names = plan.mesh.dim_names
+    if "dp" not in names or plan.mesh.shape[names.index("dp")] == 1:
+        return None
+    z = zero_level(plan)
+    return {"mesh_dim": "dp", "zero": z, "wrap": "fully_shard" if z else "replicate",
+            "reshard_after_forward": z == 3, "layers": layers_container(plan)}
+
+
+def dp_collectives(dp: dict[str, Any] | None, layers: int) -> dict[str, dict[str, int]]:
+    """What FSDP2 issues over dp per step, as CommDebugMode counts its c10d ops: one collective per
+    group (each block, then the root): ``fully_shard`` all-gathers each group's parameters in the
+    forward (``_allgather_base_``), again in the backward where it resharded after the forward
+    (the blocks under ZeRO-3; the root keeps its own), and reduce-scatters each group's gradients
+    (``_reduce_scatter_base_``); ``replicate`` all-reduces each group's gradients (``allreduce_``).
+    The plan counts one collective per parameter: FSDP2 buckets them per group."""
+    if dp is None:
+        return {}
+    groups = layers + 1
+    if dp["wrap"] == "replicate":
+        return {"forward": {}, "backward": {"allreduce_": groups}}
+    back = {"_allgather_base_": layers} if dp["reshard_after_forward"] and layers else {}
+    return {"forward": {"_allgather_base_": groups}, "backward": {**back, "_reduce_scatter_base_": groups}}
+
+
+def _header(plan: Plan, command: str) -> list[str]:
+    mesh = plan.mesh
+    where = " x ".join(f"{n}={s}" for n, s in zip(mesh.dim_names, mesh.shape))
+    out = [f'"""The plan of {plan.program.name or "a model"} on mesh {where}, applied with torch\'s own parallel APIs.', ""]
+    if command:
+        out += ["Written by::", "", *textwrap.wrap(command, 96, initial_indent="    ", subsequent_indent="        ",
+                                                     break_on_hyphens=False, break_long_words=False), ""]
+    out += ["Use (every rank, under torchrun)::", "",
+            "    mesh = init_device_mesh(\"cuda\", MESH_SHAPE, mesh_dim_names=MESH_DIMS)",
+            "    model = parallelize(model, mesh)",
+            "    with loss_parallel() if LOSS_PARALLEL else contextlib.nullcontext():",
+            "        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())",
+            "        loss.backward()",
+            '"""', ""]
+    return out
+
+
+def _model_order(ex: _TorchExport, paths: dict[str, Any]) -> list[str]:
+    first: dict[str, int] = {}
+    for i in range(len(ex.prog.ops)):
+        m = ex.modules.get(i, ("", ""))[0]
+        for p in paths:
+            if p not in first and (m == p or m.startswith(p + ".")):
+                first[p] = i
+    return sorted(paths, key=lambda p: (first.get(p, 1 << 30), p))
+
+
+def _notes(notes: list[str]) -> list[str]:
+    seen: list[str] = []
+    for n in notes:
+        g = re.sub(r"\.\d+\.", ".*.", n)
+        g = re.sub(r"(?<=output )\S+", "", g).replace("output  is", "output is")
+        if g not in seen:
+            seen.append(g)
+    return [line for n in seen for line in textwrap.wrap(n, 100, initial_indent="# ", subsequent_indent="#   ")]
+
+
+def _dp_lines(dp: dict[str, Any] | None) -> list[str]:
+    """``parallelize``'s data-parallel lines."""
+    if dp is None:
+        return []
+    wrap, raf = dp["wrap"], dp["reshard_after_forward"]
+    kw = f", reshard_after_forward={raf}" if wrap == "fully_shard" else ""
+    out = [f"    dp = mesh[{dp['mesh_dim']!r}]"]
+    if dp["layers"]:
+        out += [f"    for block in model.get_submodule({dp['layers']!r}):",
+                f"        {wrap}(block, mesh=dp{kw})"]
+    out.append(f"    {wrap}(model, mesh=dp{', reshard_after_forward=False' if wrap == 'fully_shard' else ''})")
+    return out
+
+
+def torch_source(plan: Plan, command: str = "") -> str:
+    """The ``torch`` export of ``plan``: the text of a Python module (module docstring)."""
+    ex = _TorchExport(plan)
+    doc = ex.document()
+    mesh = plan.mesh
+    dims, shape = tuple(mesh.dim_names), tuple(mesh.shape)
+    ordered = {p: ex.styles[p] for p in _model_order(ex, ex.styles)}
+    styles, after = compress(ordered), compress(ex.after)
+    dp = data_parallel(plan)
+    n_layers = len({n for p in getattr(plan.program, "modules", {}).values() if dp and dp["layers"]
+                    for m in [re.match(re.escape(str(dp["layers"])) + r"\.(\d+)(\.|$)", p[0])] if m for n in [m.group(1)]})
+    used = sorted({d["style"] for d in [*styles.values(), *after.values()]})
+    lines = [*_header(plan, command), "from __future__ import annotations", "", "import torch", "from torch.distributed.device_mesh import DeviceMesh"]
+    if dp is not None:
+        lines.append("from torch.distributed.fsdp import fully_shard" if dp["wrap"] == "fully_shard" else
+                     "from torch.distributed._composable.replicate_with_fsdp import replicate")
+    if used:
+        lines += ["from torch.distributed.tensor import Replicate, Shard",
+                  f"from torch.distributed.tensor.parallel import {', '.join([*used, 'parallelize_module'])}"]
+    lines += ["", f"MESH_DIMS = {dims!r}", f"MESH_SHAPE = {shape!r}",
+              f"LOSS_PARALLEL = {bool(doc['loss_parallel'])}", "PIPELINE = None", ""]
+    lines += ["#: The collectives the plan issues per training step over tp, as CommDebugMode counts them in the",
+              "#: model's forward and backward (get_comm_counts / comm_module_counts): each of the plan's reshards is",
+              "#: one collective (all_reduce -> all_reduce, all_gather -> all_gather_into_tensor, reduce_scatter ->",
+              "#: reduce_scatter_tensor, all_to_all -> all_to_all_single). The loss under loss_parallel() runs its own",
+              "#: 3 all-reduces outside the model (max, sum of exponentials, the label's logit); the plan counts them",
+              "#: inside its vocab-parallel cross entropy, not here.",
+              f"PLAN_COLLECTIVES = {tp_collectives(plan)!r}", ""]
+    if dp is not None:
+        zero = {0: "plain data parallel: FSDP2's replicate (DDP), gradients all-reduced per group",
+                1: "ZeRO-1: torch has none; fully_shard(reshard_after_forward=False) (ZeRO-2-like) instead",
+                2: "ZeRO-2: fully_shard(reshard_after_forward=False)",
+                3: "ZeRO-3 / FSDP: fully_shard per block and the root"}[dp["zero"]]
+        lines += [f"#: The data-parallel dim: {zero}.", f"DATA_PARALLEL = {dp!r}",
+                  "#: What FSDP2 issues over dp per step (its c10d ops, as CommDebugMode counts them): one collective",
+                  "#: per group (each block, then the root), not one per parameter as the plan counts them.",
+                  f"DP_COLLECTIVES = {dp_collectives(dp, n_layers)!r}", ""]
+    else:
+        lines += ["DATA_PARALLEL = None", "DP_COLLECTIVES = {}", ""]
+    lines += _plan_py("TP_PLAN", styles, "module path -> its style over mesh[\"tp\"] (parallelize_module; * is any layer)")
+    if after:
+        lines += ["", *_plan_py("TP_PLAN_AFTER", after, "applied after TP_PLAN: a norm's sequence-sharded output "
+                                                         "all-gathered once for the column layers sharing it")]
+    lines += ["", "#: tied parameters (parallelize_module gives each module its own; tied again after): name -> the one kept",
+              f"TIED = {dict(sorted(doc['tied'].items()))!r}", "", *_notes(doc["notes"])]
+    lines += ["", "", "def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:",
+              "    \"\"\"Apply the plan to ``model`` on ``mesh`` (MESH_DIMS, MESH_SHAPE); returns the model.\"\"\""]
+    if styles:
+        lines += ["    tp = mesh[\"tp\"]", "    parallelize_module(model, tp, TP_PLAN)"]
+        if after:
+            lines.append("    parallelize_module(model, tp, TP_PLAN_AFTER)")
+        lines += ["    for alias, kept in TIED.items():  # tie again",
+                  "        owner, leaf = alias.rsplit(\".\", 1)",
+                  "        src, src_leaf = kept.rsplit(\".\", 1)",
+                  "        setattr(model.get_submodule(owner), leaf, getattr(model.get_submodule(src), src_leaf))"]
+    lines += [*_dp_lines(dp), "    return model", ""]
+    return "\n".join(lines)
+
+
+def export_torch(plan: Plan, path: str, command: str = "") -> str:
+    """Write the ``torch`` export of ``plan`` to ``path`` (atomically) and return its text."""
+    check_target("torch", path)
+    text = torch_source(plan, command)
+    write_atomic_text(text, path, "--export torch")
+    return text
+
+
+__all__ = ["FUNCOL", "compress", "export_torch", "torch_source", "tp_collectives"]

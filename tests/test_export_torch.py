@@ -1,0 +1,202 @@
+"""``spmdkit plan ... --export torch FILE`` (spmdkit/outputs/export_torch.py): a Python module that
+applies the plan with torch's own parallel APIs.
+
+The generated files of tiny HF models are read back (imported: they are Python) and their styles,
+data-parallel wrapping, pipeline and collectives checked against the plan; then the exported
+``parallelize`` is applied on 4 gloo processes (tests/torch_export_ranks.py) and one forward and
+backward compared with the eager model on the whole batch (loss and every gradient, float32), and
+the collectives CommDebugMode counts in the model compared with the file's ``PLAN_COLLECTIVES``."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch", reason="torch is not installed (pip install 'spmdkit[torch]')")
+pytest.importorskip("transformers", reason="transformers is not installed (pip install 'spmdkit[hf]')")
+
+from spmdkit.outputs.export_torch import export_torch, torch_source
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+LLAMA = {"num_key_value_heads": 2, "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+         "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 64}
+QWEN2 = {**LLAMA, "tie_word_embeddings": True}
+GPT2 = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 256, "n_positions": 64, "bos_token_id": 0,
+        "eos_token_id": 0}
+MIXTRAL = {**LLAMA, "num_local_experts": 4, "num_experts_per_tok": 2}
+BATCH, SEQ = 4, 16
+
+
+def _plan(cls: str, cfg: dict[str, Any], mesh: str, strategy: str) -> Any:
+    from spmdkit.planner.planning import plan_hf
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return plan_hf(cls, cfg, mesh, strategy, batch=BATCH, seq=SEQ)[3]
+
+
+def _load(path: Path) -> Any:
+    spec = importlib.util.spec_from_file_location(f"exported_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _styles(mod: Any) -> dict[str, tuple[str, dict[str, Any]]]:
+    """TP_PLAN as (class name, the style's layouts and use_local_output)."""
+    out = {}
+    for path, style in mod.TP_PLAN.items():
+        kw = {k: getattr(style, k) for k in ("input_layouts", "output_layouts", "use_local_output",
+                                              "desired_output_layouts") if hasattr(style, k)}
+        kw = {k: v[0] if isinstance(v, tuple) and len(v) == 1 else v for k, v in kw.items()}
+        out[path] = (type(style).__name__, kw)
+    return out
+
+
+@pytest.fixture(scope="module")
+def llama_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The exported modules of the tiny Llama on dp=2 x tp=2 under megatron, megatron+sp, megatron+sp+fsdp."""
+    folder = tmp_path_factory.mktemp("llama")
+    out = {}
+    for st in ("megatron", "megatron,sp", "megatron,sp,fsdp"):
+        path = folder / f"{st.replace(',', '_')}.py"
+        export_torch(_plan("LlamaForCausalLM", LLAMA, "dp=2,tp=2", st), str(path))
+        out[st] = _load(path)
+    return out
+
+
+def test_llama_megatron_styles_are_the_plans(llama_files: dict[str, Any]) -> None:
+    from torch.distributed.tensor import Replicate, Shard
+
+    mod = llama_files["megatron"]
+    assert mod.MESH_DIMS == ("dp", "tp") and mod.MESH_SHAPE == (2, 2)
+    assert mod.LOSS_PARALLEL is True and mod.PIPELINE is None
+    # 2 per layer and the vocab-parallel embedding forward; 2 per layer and the LM head's input backward
+    assert mod.PLAN_COLLECTIVES == {"forward": {"all_reduce": 5}, "backward": {"all_reduce": 5}}
+    s = _styles(mod)
+    assert list(s) == ["model.embed_tokens", "model.layers.*.input_layernorm", "model.layers.*.self_attn.q_proj",
+                       "model.layers.*.self_attn.k_proj", "model.layers.*.self_attn.v_proj",
+                       "model.layers.*.self_attn.o_proj", "model.layers.*.post_attention_layernorm",
+                       "model.layers.*.mlp.gate_proj", "model.layers.*.mlp.up_proj", "model.layers.*.mlp.down_proj",
+                       "lm_head"]
+    col = ("ColwiseParallel", {"input_layouts": Replicate(), "output_layouts": Shard(-1), "use_local_output": True})
+    row = ("RowwiseParallel", {"input_layouts": Shard(-1), "output_layouts": Replicate(), "use_local_output": True})
+    assert s["model.layers.*.self_attn.q_proj"] == s["model.layers.*.mlp.up_proj"] == col
+    assert s["model.layers.*.self_attn.o_proj"] == s["model.layers.*.mlp.down_proj"] == row
+    assert s["model.embed_tokens"] == ("RowwiseParallel", {"input_layouts": Replicate(), "output_layouts": Replicate(),
+                                                            "use_local_output": True})
+    assert s["lm_head"] == ("ColwiseParallel", {**col[1], "use_local_output": False})  # the vocab-parallel loss
+    assert s["model.layers.*.input_layernorm"][0] == "PrepareModuleOutput"
+    # plain dp: FSDP2's replicate per block and the root, one all-reduce of each group's gradients
+    assert mod.DATA_PARALLEL == {"mesh_dim": "dp", "zero": 0, "wrap": "replicate", "reshard_after_forward": False,
+                                 "layers": "model.layers"}
+    assert mod.DP_COLLECTIVES == {"forward": {}, "backward": {"allreduce_": 3}}
+
+
+def test_llama_sequence_parallel_styles(llama_files: dict[str, Any]) -> None:
+    from torch.distributed.tensor import Replicate, Shard
+
+    mod = llama_files["megatron,sp"]
+    s = _styles(mod)
+    # the residual stream a sequence-sharded DTensor: the embedding and the row layers reduce-scatter
+    row = ("RowwiseParallel", {"input_layouts": Shard(-1), "output_layouts": Shard(1), "use_local_output": False})
+    assert s["model.layers.*.self_attn.o_proj"] == s["model.layers.*.mlp.down_proj"] == row
+    assert s["model.embed_tokens"] == ("RowwiseParallel", {"input_layouts": Replicate(), "output_layouts": Shard(1),
+                                                            "use_local_output": False})
+    for norm in ("model.layers.*.input_layernorm", "model.layers.*.post_attention_layernorm", "model.norm"):
+        assert s[norm] == ("SequenceParallel", {"use_local_output": False}), norm
+    # the norms' outputs all-gathered once for the column layers that share them; the LM head its own input
+    after = {p: (type(v).__name__, v.output_layouts, v.desired_output_layouts) for p, v in mod.TP_PLAN_AFTER.items()}
+    assert after == {n: ("PrepareModuleOutput", (Shard(1),), (Replicate(),))
+                     for n in ("model.layers.*.input_layernorm", "model.layers.*.post_attention_layernorm")}
+    assert s["model.layers.*.self_attn.q_proj"][1]["input_layouts"] == Replicate()
+    assert s["lm_head"] == ("ColwiseParallel", {"input_layouts": Shard(1), "output_layouts": Shard(-1),
+                                                 "use_local_output": False})
+    # per layer: 2 reduce-scatters and 2 all-gathers each way; the embedding's reduce-scatter, the final
+    # norm's all-gather; backward the mirrors, and the 5 norm weights' gradients (partial over tp: the
+    # plan reduces them in its gradient sync, DTensor in the backward)
+    assert mod.PLAN_COLLECTIVES == {"forward": {"all_gather_into_tensor": 5, "reduce_scatter_tensor": 5},
+                                    "backward": {"all_gather_into_tensor": 5, "all_reduce": 5,
+                                                 "reduce_scatter_tensor": 5}}
+
+
+def test_llama_fsdp_wraps_each_block_and_the_root(llama_files: dict[str, Any]) -> None:
+    mod = llama_files["megatron,sp,fsdp"]
+    assert mod.DATA_PARALLEL == {"mesh_dim": "dp", "zero": 3, "wrap": "fully_shard", "reshard_after_forward": True,
+                                 "layers": "model.layers"}
+    # all-gather each group forward, each block again backward (resharded), reduce-scatter every group
+    assert mod.DP_COLLECTIVES == {"forward": {"_allgather_base_": 3},
+                                  "backward": {"_allgather_base_": 2, "_reduce_scatter_base_": 3}}
+    assert _styles(mod) == _styles(llama_files["megatron,sp"])  # fsdp changes no tp style
+
+
+def test_cli_writes_the_file_atomically_and_refuses_in_one_line(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from spmdkit.cli import main
+
+    path = tmp_path / "plan.py"
+    argv = ["plan", "--hf", "LlamaForCausalLM", "--hf-config", json.dumps(LLAMA), "--mesh", "dp=2,tp=2",
+            "--batch", str(BATCH), "--seq", str(SEQ)]
+    assert main([*argv, "--export", "torch", str(path)]) == 0
+    text = path.read_text()
+    assert text == torch_source(_plan("LlamaForCausalLM", LLAMA, "dp=2,tp=2", "megatron"),
+                                text.split("Written by::\n\n", 1)[1].split("\n\n")[0].replace("\n        ", " ")
+                                .strip())
+    compile(text, str(path), "exec")
+    capsys.readouterr()
+    assert main([*argv, "--export", "torch", str(tmp_path / "no" / "p.py")]) == 2
+    assert capsys.readouterr().err.strip().endswith("does not exist")
+
+
+# -- on gloo: the exported parallelize against eager ------------------------------------------------
+
+
+def _gloo(cls: str, cfg: dict[str, Any], mesh: str, strategy: str, folder: Path) -> tuple[Any, Any]:
+    import torch.multiprocessing as mp
+
+    plan = _plan(cls, cfg, mesh, strategy)
+    export_torch(plan, str(folder / "plan.py"))
+    sys.path.insert(0, str(Path(__file__).parent))
+    try:
+        from torch_export_ranks import rank_main
+    finally:
+        sys.path.pop(0)
+    q = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(rank_main, args=(plan.mesh.size, str(folder), cls, cfg, BATCH, SEQ, q),
+                       nprocs=plan.mesh.size, start_method="spawn")
+    return q.get(), _load(folder / "plan.py")
+
+
+def _check_gloo(result: tuple[Any, ...], mod: Any) -> None:
+    """Loss and gradients equal eager's; the tp collectives in the model's forward and backward are
+    PLAN_COLLECTIVES; all those of the step are those, FSDP2's (DP_COLLECTIVES) and the loss's."""
+    from collections import Counter
+
+    from spmdkit.outputs.export_torch import FUNCOL
+
+    loss, eager, worst, where, per_phase, total = result
+    assert abs(loss - eager) <= 1e-5 * abs(eager), (loss, eager)
+    assert worst <= 1e-4, (worst, where)
+    funcol = set(FUNCOL.values())
+    for phase in ("forward", "backward"):
+        assert {k: v for k, v in per_phase[phase].items() if k in funcol} == mod.PLAN_COLLECTIVES[phase], phase
+    want: Counter[str] = Counter()
+    for table in (mod.PLAN_COLLECTIVES, mod.DP_COLLECTIVES):
+        for counts in table.values():
+            want.update(counts)
+    if mod.LOSS_PARALLEL:  # max, sum of exponentials, the label's logit
+        want["all_reduce"] += 3
+    assert Counter(total) == want
+
+
+@pytest.mark.parametrize("strategy", ["megatron,sp,fsdp"])
+def test_llama_on_gloo_equals_eager(strategy: str, tmp_path: Path) -> None:
+    _check_gloo(*_gloo("LlamaForCausalLM", LLAMA, "dp=2,tp=2", strategy, tmp_path))

@@ -1,0 +1,109 @@
+"""Rank side of tests/test_export_torch.py: a ``--export torch`` file applied to a tiny HF model on
+gloo processes (spawned by ``torch.multiprocessing``), one forward and backward compared with the
+eager model on the whole batch.
+
+Each rank builds the same seeded model twice (``spmdkit.models.hf.build``), runs the whole batch
+through the plain one, imports the exported file, makes the mesh it names (``MESH_DIMS``,
+``MESH_SHAPE``), calls ``parallelize(model, mesh)`` on the other and runs its dp rank's slice of the
+batch (under ``loss_parallel()`` when ``LOSS_PARALLEL``), counting collectives with
+``CommDebugMode``. Rank 0 puts (loss, eager loss, the largest gradient difference relative to the
+gradient's largest value, where, the collectives counted in the model per phase, all of them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import warnings
+from collections import Counter
+from typing import Any
+
+
+def _loss(model: Any, kw: dict[str, Any], parallel: bool) -> Any:
+    import torch.nn.functional as F
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    inputs = {k: v for k, v in kw.items() if k != "labels"}
+    with loss_parallel() if parallel else contextlib.nullcontext():
+        logits = model(**inputs).logits
+        vocab = logits.shape[-1]
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, vocab), kw["labels"][:, 1:].reshape(-1))
+        loss.backward()
+    return loss
+
+
+def _counter() -> Any:
+    """CommDebugMode tolerant of a module object called more than once per forward (tests/test_export.py)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    cm = CommDebugMode()
+    tracker = cm.advanced_module_tracker
+    orig = tracker._fw_set_module_hook
+
+    def tolerant(mod: Any, inputs: Any, output: Any) -> None:
+        if len(tracker.parent_list) > 1:
+            orig(mod, inputs, output)
+
+    tracker._fw_set_module_hook = tolerant
+    return cm
+
+
+def _name(k: Any) -> str:
+    return str(k).rsplit(".", 1)[-1]
+
+
+def rank_main(r: int, world: int, folder: str, cls: str, config: dict[str, Any], batch: int, seq: int, out: Any) -> None:
+    warnings.simplefilter("ignore")
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from spmdkit.models.hf import build, example_inputs
+
+    spec = importlib.util.spec_from_file_location("exported_plan", f"{folder}/plan.py")
+    assert spec is not None and spec.loader is not None
+    plan = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=r, world_size=world)
+    try:
+        ref = build(cls, config, seed=0)
+        model = build(cls, config, seed=0)
+        torch.manual_seed(1)
+        kw = example_inputs(ref, batch, seq, ignored=0.0)  # equal token counts per dp rank: the mean of their means
+        ref_loss = _loss(ref, kw, False)
+        mesh = init_device_mesh("cpu", tuple(plan.MESH_SHAPE), mesh_dim_names=tuple(plan.MESH_DIMS))
+        model = plan.parallelize(model, mesh)
+        dims = list(plan.MESH_DIMS)
+        if "dp" in dims:  # this rank's slice of the batch
+            n, i = plan.MESH_SHAPE[dims.index("dp")], mesh.get_local_rank("dp")
+            kw = {k: v.chunk(n)[i] if torch.is_tensor(v) and v.dim() and v.shape[0] == batch else v for k, v in kw.items()}
+        with _counter() as comm:
+            loss = _loss(model, kw, plan.LOSS_PARALLEL)
+        full = loss.full_tensor() if isinstance(loss, DTensor) else loss
+        if "dp" in dims:
+            full = full.detach().clone()
+            dist.all_reduce(full, group=mesh.get_group("dp"))
+            full = full / plan.MESH_SHAPE[dims.index("dp")]
+        refp = dict(ref.named_parameters())
+        worst, where = 0.0, ""
+        for name, p in model.named_parameters():
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            want = refp[name].grad
+            if g.shape != want.shape and g.shape == want.t().shape:  # a Conv1D swapped for its nn.Linear
+                g = g.t()
+            rel = ((g - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+            if not rel <= worst:  # NaN counts as worst
+                worst, where = rel, name
+        root = type(model).__name__
+        counts = comm.comm_module_counts
+        per_phase = {ph: {_name(k): v for k, v in counts.get(root, {}).get(ph, {}).items() if v}
+                     for ph in ("forward", "backward")}
+        total = {_name(k): v for k, v in Counter(comm.get_comm_counts()).items() if v}
+        if r == 0:
+            out.put((full.item(), ref_loss.item(), worst, where, per_phase, total))
+    finally:
+        dist.destroy_process_group()
+
+
+__all__ = ["rank_main"]
