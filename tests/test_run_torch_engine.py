@@ -26,38 +26,23 @@ pytest.importorskip("transformers")
 
 LLAMA = {"num_key_value_heads": 2, "num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 4,
          "intermediate_size": 64, "vocab_size": 128, "max_position_embeddings": 64}
-
-#: a hand-written export of a Llama dp x tp megatron plan, in the contract's names: torch's
-#: styles on tp, the vocab-parallel loss, composable replicate (FSDP2's) over dp
-EXPORT = '''
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-MESH_DIMS = ("dp", "tp")
-MESH_SHAPE = (2, 2)
-LOSS_PARALLEL = True
-PIPELINE = None
-PLAN_COLLECTIVES = {PLAN}
+#: 1 layer on dp=2 x tp=2, megatron, as CommDebugMode counts them per step on every rank: the forward's
+#: tp all-reduces (o_proj, down_proj, the vocab-parallel embedding: 3), the backward's (the shared
+#: inputs of q/k/v and of gate/up, the head's input: 3), the vocab-parallel loss's 3 (max, sum of
+#: exponentials, the label's logit), FSDP2's replicate over dp: one gradient all-reduce per group (the
+#: block, the root: 2)
+ALL_REDUCES = 3 + 3 + 3 + 2
 
 
-def parallelize(model, mesh):
-    plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
-    for i in range(len(model.model.layers)):
-        p = f"model.layers.{i}."
-        for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
-            plan[p + n] = ColwiseParallel()
-        for n in ("self_attn.o_proj", "mlp.down_proj"):
-            plan[p + n] = RowwiseParallel()
-    parallelize_module(model, mesh["tp"], plan)
-    {DP}
-    return model
-'''
-#: 1 layer: forward 2 + 1 (the vocab-parallel embedding), backward 5 column inputs + the head's
-#: input, the loss's 3 (max, sum of exponentials, the label's logit), 1 bucket of dp gradients
-ALL_REDUCES = 3 + 6 + 3 + 1
-REPLICATE = ("from torch.distributed._composable.replicate_with_fsdp import replicate\n"
-             "    replicate(model, mesh=mesh['dp'])")
+def _real_export(tmp_path: Path, name: str = "plan.py") -> Path:
+    """``spmdkit plan --export torch`` of the 1-layer Llama's dp=2 x tp=2 megatron plan."""
+    path = tmp_path / name
+    p = subprocess.run([sys.executable, "-m", "spmdkit", "plan", "--hf", "LlamaForCausalLM", "--hf-config",
+                        json.dumps(LLAMA), "--mesh", "dp=2,tp=2", "--strategy", "megatron", "--export", "torch",
+                        str(path)], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT / "src")),
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return path
 
 
 #: a hand-written pp=2 x tp=2 export: each stage's blocks of the HF model (``use_cache=False``),
@@ -124,12 +109,6 @@ def pipeline_stage(model, pp_rank, mesh):
 """
 
 
-def _export(tmp_path: Path, name: str, plan: dict[str, int], dp: str = REPLICATE, extra: str = "") -> str:
-    path = tmp_path / name
-    path.write_text(EXPORT.replace("{PLAN}", repr(plan)).replace("{DP}", dp) + extra)
-    return str(path)
-
-
 def _launch(*args: str, timeout: float = 600, config: dict[str, int] = LLAMA) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     return subprocess.run([sys.executable, "-m", "spmdkit", "run", "--engine", "torch", "--hf", "LlamaForCausalLM",
@@ -137,9 +116,9 @@ def _launch(*args: str, timeout: float = 600, config: dict[str, int] = LLAMA) ->
                           capture_output=True, text=True, env=env, timeout=timeout)
 
 
-def test_llama_dp_tp_trains_as_eager_with_the_plans_collectives(tmp_path: Path) -> None:
-    path = _export(tmp_path, "ok.py", {"all_reduce": ALL_REDUCES})
-    p = _launch("--torch-plan", path, "--json")
+def test_llama_dp_tp_trains_as_eager_with_the_plans_collectives() -> None:
+    """Planned and exported by the run itself (no --torch-plan), trained 3 steps under torchrun."""
+    p = _launch("--mesh", "dp=2,tp=2", "--strategy", "megatron", "--json")
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     rep = json.loads(p.stdout.strip().splitlines()[-1])
     assert rep["ok"] and rep["engine"] == "torch" and rep["world_size"] == 4 and rep["backend"] == "gloo"
@@ -173,26 +152,31 @@ def test_llama_pp_tp_pipeline_trains_as_eager(tmp_path: Path) -> None:
 
 
 def test_an_export_without_the_dp_gradient_reduction_fails_the_check(tmp_path: Path) -> None:
-    """The same export, but the dp replicas never average their gradients (a missing all-reduce):
-    step 1's loss is still eager's (the weights are equal), step 2's is not, and every step runs one
-    all-reduce fewer than the plan says."""
-    path = _export(tmp_path, "wrong.py", {"all_reduce": ALL_REDUCES}, dp="pass")
-    p = _launch("--torch-plan", path, "--steps", "2", "--lr", "0.5")
+    """The real export with its FSDP2 replicate lines removed (the dp gradient all-reduces missing):
+    step 1's loss is still eager's (the weights are equal), step 2's is not, and every step runs two
+    all-reduces fewer than the export says."""
+    path = _real_export(tmp_path)
+    text = path.read_text()
+    assert text.count("replicate(") == 2  # each block, then the root
+    wrong = "\n".join(ln for ln in text.splitlines() if not ln.strip().startswith(("replicate(", "for block in")))
+    path.write_text(wrong)
+    p = _launch("--torch-plan", str(path), "--steps", "2", "--lr", "0.5")
     assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
     rows = [ln.split() for ln in p.stdout.splitlines() if ln.strip()[:1].isdigit()][:2]
-    assert rows[0][3] == "0.0e+00" or float(rows[0][3]) <= 1e-6
+    assert float(rows[0][3]) <= 1e-6
     assert float(rows[1][3]) > 1e-4  # step 2: the ranks' updates differ from eager's
-    assert f"all_reduce x{ALL_REDUCES - 1}  NOT the plan's on rank(s) [0, 1, 2, 3]" in p.stdout
+    assert f"all_reduce x{ALL_REDUCES - 2}  NOT the plan's on rank(s) [0, 1, 2, 3]" in p.stdout
+    assert f"plan's collectives per step: all_reduce x{ALL_REDUCES}" in p.stdout
     assert "losses NOT equal to torch eager's" in p.stdout and "collectives NOT equal to the plan's" in p.stdout
 
 
 def test_a_rank_that_raises_ends_the_job_with_one_line(tmp_path: Path) -> None:
-    raising = ("\n_orig = parallelize\n\ndef parallelize(model, mesh):\n"
-               "    if mesh.get_rank() == 2:\n        raise RuntimeError('rank two cannot place lm_head')\n"
-               "    return _orig(model, mesh)\n")
-    path = _export(tmp_path, "raises.py", {"all_reduce": ALL_REDUCES}, extra=raising)
+    path = _real_export(tmp_path)
+    path.write_text(path.read_text() + "\n_orig = parallelize\n\ndef parallelize(model, mesh):\n"
+                    "    if mesh.get_rank() == 2:\n        raise RuntimeError('rank two cannot place lm_head')\n"
+                    "    return _orig(model, mesh)\n")
     t0 = time.monotonic()
-    p = _launch("--torch-plan", path, timeout=300)
+    p = _launch("--torch-plan", str(path), timeout=300)
     assert p.returncode == 1 and p.stdout == ""
     lines = p.stderr.strip().splitlines()
     assert lines == ["spmdkit run: rank 2 failed: RuntimeError: rank two cannot place lm_head; torchrun ended "

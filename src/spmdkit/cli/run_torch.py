@@ -25,7 +25,7 @@ from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.execute.torchrun import TorchrunFailed, export_mesh, format_torch_report, launch_torchrun, torch_report
 from spmdkit.models.hf import dtype_name, load_config
 from spmdkit.models.source import HFModel
-from spmdkit.outputs.export import export_plan
+from spmdkit.outputs.export_torch import export_torch
 from spmdkit.planner.planning import MAX_SIZE, parse_size
 from spmdkit.strategies.strategy import parse_mesh
 
@@ -100,7 +100,7 @@ def _backend(name: str) -> str:
 
 def _export(req: RunRequest, folder: str, dtype: str, batch: int, seq: int) -> tuple[str, str]:
     """(the export's path, what it is for the title): ``--torch-plan``, or the plan of ``--mesh`` /
-    ``--strategy`` exported here (``spmdkit.outputs.export.export_plan(plan, "torch", path)``)."""
+    ``--strategy`` exported here (``spmdkit.outputs.export_torch.export_torch``)."""
     if req.torch_plan is not None:
         return req.torch_plan, f"export {req.torch_plan}"
     mesh = parse_mesh(req.mesh)
@@ -115,7 +115,7 @@ def _export(req: RunRequest, folder: str, dtype: str, batch: int, seq: int) -> t
         _loaded, plan, _ = plan_source(HFModel(m.hf, m.hf_config, dtype, batch, seq, weights=False), req.mesh,
                                        strategy, {}, parse_tp_plan(m.tp_plan))
     path = os.path.join(folder, "plan_torch.py")
-    export_plan(plan, "torch", path)
+    export_torch(plan, path)
     return path, f"mesh {req.mesh}, strategy {strategy}"
 
 

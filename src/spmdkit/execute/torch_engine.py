@@ -73,6 +73,8 @@ def expected_counts(plan: Any, pp_rank: int | None) -> dict[str, int]:
     :func:`collective_name` gives them (c10d's ``allreduce_`` is ``all_reduce``)."""
     if not isinstance(plan, dict):
         raise ValueError(f"PLAN_COLLECTIVES is a {type(plan).__name__}, expected a dict")
+    if not plan:
+        return {}
     if all(isinstance(v, int) for v in plan.values()):
         out: dict[str, int] = {}
         for k, v in plan.items():
@@ -88,6 +90,29 @@ def expected_counts(plan: Any, pp_rank: int | None) -> dict[str, int]:
         return expected_counts(got[pp_rank], pp_rank)
     total: dict[str, int] = {}
     for part in plan.values():
+        for k, v in expected_counts(part, pp_rank).items():
+            total[k] = total.get(k, 0) + v
+    return dict(sorted(total.items()))
+
+
+#: what torch's ``loss_parallel()`` cross entropy issues over tp (the max, the sum of
+#: exponentials, the label's logit): the plan counts them inside its vocab-parallel cross entropy
+LOSS_PARALLEL_COLLECTIVES = {"all_reduce": 3}
+
+
+def step_collectives(exp: Any, pp_rank: int | None) -> dict[str, int]:
+    """Everything a rank's step should issue by the export: ``PLAN_COLLECTIVES`` (the model's),
+    ``DP_COLLECTIVES`` (what FSDP2 issues over dp, when the export names it apart) and
+    ``LOSS_COLLECTIVES`` (the loss's, outside the model; by default torch's ``loss_parallel``'s
+    three all-reduces when ``LOSS_PARALLEL``, on the stage that computes the loss)."""
+    parts = [exp.PLAN_COLLECTIVES, getattr(exp, "DP_COLLECTIVES", None) or {}]
+    loss = getattr(exp, "LOSS_COLLECTIVES", None)
+    pipe = getattr(exp, "PIPELINE", None)
+    computes_loss = pp_rank is None or pipe is None or pp_rank == int(pipe.get("stages", pp_rank + 1)) - 1
+    if loss is None and bool(getattr(exp, "LOSS_PARALLEL", False)) and computes_loss:
+        loss = {k: v * (int(pipe["microbatches"]) if pipe else 1) for k, v in LOSS_PARALLEL_COLLECTIVES.items()}
+    total: dict[str, int] = {}
+    for part in (*parts, loss or {}):
         for k, v in expected_counts(part, pp_rank).items():
             total[k] = total.get(k, 0) + v
     return dict(sorted(total.items()))
@@ -326,7 +351,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any] | None:
     losses, counts, held = _train(spec, exp, mesh, model, device)
     pp_rank = mesh.get_local_rank("pp") if "pp" in exp.MESH_DIMS else None
     mine = {"rank": rank, "losses": losses, "counts": counts, "state_bytes": held, **_peak(device),
-            "expected": expected_counts(exp.PLAN_COLLECTIVES, pp_rank), "pp_rank": pp_rank}
+            "expected": step_collectives(exp, pp_rank), "pp_rank": pp_rank}
     every: list[Any] = [None] * world
     dist.all_gather_object(every, mine)
     dist.destroy_process_group()
