@@ -269,3 +269,17 @@ def test_export_mesh_is_read_without_running_the_file(tmp_path: Path) -> None:
     f.write_text("MESH_DIMS = ('tp',)\n")
     with pytest.raises(ValueError, match="defines no MESH_SHAPE"):
         export_mesh(str(f))
+
+
+def test_an_export_missing_a_contract_name_is_named(tmp_path: Path) -> None:
+    from spmdkit.execute.torch_engine import load_export
+
+    f = tmp_path / "plan.torch"  # any file name: the export is loaded as Python source
+    f.write_text("MESH_DIMS = ('tp',)\nMESH_SHAPE = (2,)\nPIPELINE = {'schedule': '1f1b', 'microbatches': 2}\n"
+                 "def parallelize(model, mesh):\n    return model\nPLAN_COLLECTIVES = {}\n")
+    with pytest.raises(ValueError, match=r"PIPELINE is set but no pipeline_stage\(model, pp_rank, mesh\) is defined"):
+        load_export(str(f))
+    f.write_text("MESH_DIMS = ('tp',)\n")
+    with pytest.raises(ValueError, match="defines no MESH_SHAPE, parallelize, PLAN_COLLECTIVES"):
+        load_export(str(f))
+

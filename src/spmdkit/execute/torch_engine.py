@@ -23,6 +23,7 @@ A failure is one line in ``OUT/error.RANK`` and exit status 1; torchrun then end
 from __future__ import annotations
 
 import contextlib
+import importlib.machinery
 import importlib.util
 import json
 import math
@@ -120,7 +121,8 @@ def step_collectives(exp: Any, pp_rank: int | None) -> dict[str, int]:
 
 def load_export(path: str) -> Any:
     """The exported plan's module (a Python file), checked for the names the worker reads."""
-    spec = importlib.util.spec_from_file_location("spmdkit_torch_export", path)
+    loader = importlib.machinery.SourceFileLoader("spmdkit_torch_export", path)  # any file name
+    spec = importlib.util.spec_from_loader("spmdkit_torch_export", loader)
     if spec is None or spec.loader is None:
         raise ValueError(f"export {path}: not a Python file")
     mod = importlib.util.module_from_spec(spec)
