@@ -21,12 +21,14 @@ from typing import Any, TextIO
 from spmdkit.cli.checks import parse_tp_plan
 from spmdkit.cli.common import plan_source, strategy_notes
 from spmdkit.cli.request import HF_BATCH, HF_SEQ, RunRequest
+from spmdkit.core.dist_attr import entry_dims
 from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.execute.torchrun import TorchrunFailed, export_mesh, format_torch_report, launch_torchrun, torch_report
 from spmdkit.models.hf import dtype_name, load_config
 from spmdkit.models.source import HFModel
 from spmdkit.outputs.export_torch import export_torch
 from spmdkit.planner.planning import MAX_SIZE, parse_size
+from spmdkit.program.plan import Plan
 from spmdkit.strategies.strategy import parse_mesh
 
 DEFAULT_STEPS = 3
@@ -98,11 +100,13 @@ def _backend(name: str) -> str:
     return name
 
 
-def _export(req: RunRequest, folder: str, dtype: str, batch: int, seq: int) -> tuple[str, str]:
-    """(the export's path, what it is for the title): ``--torch-plan``, or the plan of ``--mesh`` /
+def _export(req: RunRequest, folder: str, dtype: str, batch: int, seq: int
+            ) -> tuple[str, str, list[str] | None]:
+    """(the export's path, what it is for the title, the plan's batch dims): ``--torch-plan``
+    (the batch dims then the export's ``BATCH_DIMS``, else by name), or the plan of ``--mesh`` /
     ``--strategy`` exported here (``spmdkit.outputs.export_torch.export_torch``)."""
     if req.torch_plan is not None:
-        return req.torch_plan, f"export {req.torch_plan}"
+        return req.torch_plan, f"export {req.torch_plan}", None
     mesh = parse_mesh(req.mesh)
     if "pp" in mesh.dim_names:
         raise TorchUsageError(f"--mesh {req.mesh}: a pipeline plan's stages and schedule come from spmdkit plan: "
@@ -116,7 +120,16 @@ def _export(req: RunRequest, folder: str, dtype: str, batch: int, seq: int) -> t
                                        strategy, {}, parse_tp_plan(m.tp_plan))
     path = os.path.join(folder, "plan_torch.py")
     export_torch(plan, path)
-    return path, f"mesh {req.mesh}, strategy {strategy}"
+    return path, f"mesh {req.mesh}, strategy {strategy}", batch_dims(plan)
+
+
+def batch_dims(plan: Plan) -> list[str] | None:
+    """The mesh dims the plan splits the batch over: those sharding axis 0 of its token ids
+    (``input_ids``), major first; None when the program has none."""
+    attr = plan.attrs.get("input_ids")
+    if attr is None or not attr.dims_mapping:
+        return None
+    return [plan.mesh.dim_names[d] for d in entry_dims(attr.dims_mapping[0])]
 
 
 def _run(req: RunRequest, out: TextIO) -> int:
@@ -134,7 +147,7 @@ def _run(req: RunRequest, out: TextIO) -> int:
     lr = DEFAULT_LR if req.lr is None else req.lr
     folder = tempfile.mkdtemp(prefix="spmdkit-run-torch-")
     try:
-        path, what = _export(req, folder, dtype, batch, seq)
+        path, what, dims_of_batch = _export(req, folder, dtype, batch, seq)
         try:
             dims, shape = export_mesh(path)
         except ValueError as exc:
@@ -145,7 +158,8 @@ def _run(req: RunRequest, out: TextIO) -> int:
                                   f"{','.join(f'{d}={s}' for d, s in zip(dims, shape))} has {nproc} ranks")
         spec: dict[str, Any] = {"hf": m.hf, "config": config, "dtype": dtype, "batch": batch, "seq": seq,
                                 "steps": steps, "optimizer": optimizer, "lr": lr, "seed": req.seed,
-                                "export": os.path.abspath(path), "timeout": req.timeout, "backend": backend}
+                                "export": os.path.abspath(path), "timeout": req.timeout, "backend": backend,
+                                "batch_dims": dims_of_batch}
         got = launch_torchrun(spec, nproc, req.timeout * (steps + 3))
     finally:
         shutil.rmtree(folder, ignore_errors=True)

@@ -193,6 +193,20 @@ def state_bytes(modules: list[Any], opt: torch.optim.Optimizer) -> dict[str, int
     return {"parameters": sum(_local_bytes(p) for p in params.values()), "gradients": grads, "optimizer": opt_b}
 
 
+def batch_split(exp: Any, planned: list[str] | None) -> list[str]:
+    """The mesh dims the batch is split over: the export's ``BATCH_DIMS``, else the plan's (what
+    its token ids are sharded over, when the run planned it), else every dim not named tp, pp or cp."""
+    got = getattr(exp, "BATCH_DIMS", None)
+    if got is None:
+        got = planned
+    if got is None:
+        got = [d for d in exp.MESH_DIMS if d not in NOT_BATCH]
+    unknown = [d for d in got if d not in exp.MESH_DIMS]
+    if unknown:
+        raise ValueError(f"BATCH_DIMS {list(got)}: {', '.join(unknown)} not in MESH_DIMS {list(exp.MESH_DIMS)}")
+    return list(got)
+
+
 def _batch_slice(mesh: Any, dims: list[str], batch: int) -> slice:
     """This rank's rows of the global batch: split over ``dims`` (major first)."""
     n, idx = 1, 0
@@ -250,8 +264,7 @@ def _counts(mode: Any) -> dict[str, int]:
 
 def _train(spec: dict[str, Any], exp: Any, mesh: Any, model: Any, device: torch.device
            ) -> tuple[list[float | None], list[dict[str, int]], dict[str, int]]:
-    names = list(exp.MESH_DIMS)
-    batch_dims = list(getattr(exp, "BATCH_DIMS", None) or [d for d in names if d not in NOT_BATCH])
+    batch_dims = batch_split(exp, spec.get("batch_dims"))
     rows = _batch_slice(mesh, batch_dims, spec["batch"])
     vocab = int(model.config.vocab_size)
     pipe = getattr(exp, "PIPELINE", None)
