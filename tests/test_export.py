@@ -94,7 +94,7 @@ def test_dtensor_refuses_a_presets_in_out_weights(tiny_plan: Any) -> None:
 
 
 def test_errors_name_what_is_wrong(tiny_plan: Any, tmp_path: Path) -> None:
-    with pytest.raises(ExportError, match=r"'yaml': unknown format \(one of dtensor, jax, paddle\)"):
+    with pytest.raises(ExportError, match=r"'yaml': unknown format \(one of dtensor, jax, paddle, torch\)"):
         export_plan(tiny_plan, "yaml", str(tmp_path / "x"))
     with pytest.raises(ExportError, match="does not exist"):
         export_plan(tiny_plan, "jax", str(tmp_path / "no" / "x.json"))
@@ -145,7 +145,7 @@ def test_cli_export(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     capsys.readouterr()
     assert main(["plan", "--model", "tiny-llama", "--export", "onnx", str(path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["spmdkit plan: ExportError: --export 'onnx': unknown format (one of dtensor, jax, paddle)"]
+    assert err == ["spmdkit plan: ExportError: --export 'onnx': unknown format (one of dtensor, jax, paddle, torch)"]
     assert main(["plan", "--model", "tiny-llama", "--export", "dtensor", str(tmp_path / "d.json")]) == 2
     assert "embed: a sharded 2-D parameter not named <module>.weight" in capsys.readouterr().err
     assert not (tmp_path / "d.json").exists()

@@ -13,15 +13,17 @@ import importlib.util
 import json
 import sys
 import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from spmdkit.outputs.export import ExportError
+from spmdkit.outputs.export_torch import export_torch, torch_source
+
 pytest.importorskip("torch", reason="torch is not installed (pip install 'spmdkit[torch]')")
 pytest.importorskip("transformers", reason="transformers is not installed (pip install 'spmdkit[hf]')")
-
-from spmdkit.outputs.export_torch import export_torch, torch_source
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -34,12 +36,19 @@ MIXTRAL = {**LLAMA, "num_local_experts": 4, "num_experts_per_tok": 2}
 BATCH, SEQ = 4, 16
 
 
-def _plan(cls: str, cfg: dict[str, Any], mesh: str, strategy: str) -> Any:
+def _plan(cls: str, cfg: dict[str, Any], mesh: str, strategy: str, patterns: dict[str, str] | None = None) -> Any:
     from spmdkit.planner.planning import plan_hf
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return plan_hf(cls, cfg, mesh, strategy, batch=BATCH, seq=SEQ)[3]
+        return plan_hf(cls, cfg, mesh, strategy, batch=BATCH, seq=SEQ, patterns=patterns)[3]
+
+
+def _export(cls: str, cfg: dict[str, Any], mesh: str, strategy: str, folder: Path,
+            patterns: dict[str, str] | None = None) -> Any:
+    path = folder / "plan.py"
+    export_torch(_plan(cls, cfg, mesh, strategy, patterns), str(path))
+    return _load(path)
 
 
 def _load(path: Path) -> Any:
@@ -156,19 +165,121 @@ def test_cli_writes_the_file_atomically_and_refuses_in_one_line(tmp_path: Path,
     assert capsys.readouterr().err.strip().endswith("does not exist")
 
 
+def test_llama_zero1_and_zero2_map_to_fsdp2_without_resharding(tmp_path: Path) -> None:
+    for st, z in (("megatron,zero1", 1), ("megatron,zero2", 2)):
+        mod = _export("LlamaForCausalLM", LLAMA, "dp=2,tp=2", st, tmp_path)
+        assert mod.DATA_PARALLEL == {"mesh_dim": "dp", "zero": z, "wrap": "fully_shard",
+                                     "reshard_after_forward": False, "layers": "model.layers"}
+        assert mod.DP_COLLECTIVES == {"forward": {"_allgather_base_": 3}, "backward": {"_reduce_scatter_base_": 3}}
+
+
+def test_qwen2_tied_with_biases_under_sequence_parallel(tmp_path: Path) -> None:
+    from torch.distributed.tensor import Replicate, Shard
+
+    mod = _export("Qwen2ForCausalLM", QWEN2, "dp=2,tp=2", "megatron,sp", tmp_path)
+    assert mod.TIED == {"lm_head.weight": "model.embed_tokens.weight"}  # tied again after parallelize_module
+    s = _styles(mod)
+    assert s["model.layers.*.self_attn.q_proj"] == ("ColwiseParallel", {"input_layouts": Replicate(),
+                                                                         "output_layouts": Shard(-1),
+                                                                         "use_local_output": True})
+    assert s["model.norm"][0] == "SequenceParallel" and s["lm_head"][1]["input_layouts"] == Shard(1)
+    assert set(mod.TP_PLAN_AFTER) == {"model.layers.*.input_layernorm", "model.layers.*.post_attention_layernorm"}
+
+
+def test_gpt2_conv1d_swapped_for_linear_and_fused_qkv_refused(tmp_path: Path) -> None:
+    from torch.distributed.tensor import Replicate, Shard
+
+    with pytest.raises(ExportError, match=r"^--export torch: transformer\.h\.0\.attn\.c_attn: the plan splits its fused "
+                                          r"weight into 3 parts \(q / k / v\) and shards each over tp \(Shard\(1\) of "
+                                          r"transformer\.h\.0\.attn\.c_attn\.weight\.part0\).*--tp-plan "
+                                          r"'\{\"c_attn\": \"replicate\"\}'\)$"):
+        torch_source(_plan("GPT2LMHeadModel", GPT2, "dp=2,tp=2", "megatron"))
+    mod = _export("GPT2LMHeadModel", GPT2, "dp=2,tp=2", "megatron", tmp_path, {"c_attn": "replicate"})
+    assert mod.CONV1D_AS_LINEAR == ("transformer.h.*.attn.c_proj", "transformer.h.*.mlp.c_fc",
+                                    "transformer.h.*.mlp.c_proj")
+    s = _styles(mod)
+    # the attention runs whole on every tp rank (c_attn kept whole); c_proj takes its slice of the heads
+    assert s["transformer.h.*.attn.c_proj"] == ("RowwiseParallel", {"input_layouts": Replicate(),
+                                                                     "output_layouts": Replicate(),
+                                                                     "use_local_output": True})
+    assert s["transformer.h.*.mlp.c_fc"][0] == "ColwiseParallel"
+    assert s["transformer.h.*.mlp.c_proj"][1]["input_layouts"] == Shard(-1)
+    assert mod.TIED == {"lm_head.weight": "transformer.wte.weight"} and mod.DATA_PARALLEL["layers"] == "transformer.h"
+    # GPT-2 under sp: the plan reduce-scatters the residual on axis 0 (Conv1D's flattened [batch * seq] or the
+    # batch), not the sequence axis torch's sequence parallel shards
+    with pytest.raises(ExportError, match=r"^--export torch: transformer\.\S+ \(RowwiseParallel\): the plan "
+                                          r"reduce-scatters its output \S+ to Shard\(0\) over tp; torch's sequence "
+                                          r"parallel shards axis 1$"):
+        torch_source(_plan("GPT2LMHeadModel", GPT2, "dp=2,tp=2", "megatron,sp", {"c_attn": "replicate"}))
+
+
+def test_mixtral_expert_stacks_over_tp_refused_and_fsdp_exported(tmp_path: Path) -> None:
+    with pytest.raises(ExportError, match=r"^--export torch: model\.layers\.0\.mlp\.experts: the plan shards its "
+                                          r"expert stacks over tp .*has no experts style"):
+        torch_source(_plan("MixtralForCausalLM", MIXTRAL, "dp=2,tp=2", "megatron"))
+    mod = _export("MixtralForCausalLM", MIXTRAL, "dp=4", "fsdp", tmp_path)
+    assert mod.TP_PLAN == {} and mod.DATA_PARALLEL["zero"] == 3 and mod.PLAN_COLLECTIVES == {"forward": {},
+                                                                                             "backward": {}}
+
+
+def test_auto_plan_of_a_tiny_model_exports(tmp_path: Path) -> None:
+    from spmdkit.cli import main
+
+    path = tmp_path / "auto.py"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main(["plan", "--hf", "LlamaForCausalLM", "--hf-config", json.dumps(LLAMA), "--mesh", "dp=2,tp=2",
+                     "--auto", "--json", "--export", "torch", str(path)]) == 0
+    mod = _load(path)
+    # what --auto chose at this size: everything whole on every rank, the batch too: no style, no data
+    # parallel wrapper (nothing to synchronise)
+    assert mod.TP_PLAN == {} and mod.DATA_PARALLEL is None and mod.LOSS_PARALLEL is False
+
+
+def test_pipeline_pp2_tp2_stages_and_collectives(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from spmdkit.cli import main
+
+    path = tmp_path / "pp.py"
+    argv = ["plan", "--hf", "LlamaForCausalLM", "--hf-config", json.dumps(LLAMA), "--mesh", "pp=2,tp=2",
+            "--batch", str(BATCH), "--seq", str(SEQ), "--microbatches", "2"]
+    assert main([*argv, "--export", "torch", str(path)]) == 0
+    mod = _load(path)
+    assert mod.MESH_DIMS == ("pp", "tp") and mod.MESH_SHAPE == (2, 2)
+    assert mod.PIPELINE == {"stages": [["model.layers.0", "model.embed_tokens"], ["model.layers.1", "model.norm", "lm_head"]],
+                            "schedule": "1F1B", "microbatches": 2, "layers": "model.layers",
+                            "ends": ["model.embed_tokens", "model.norm", "lm_head"]}
+    # per microbatch: stage 0 the embedding's and layer 0's 2 all-reduces forward, layer 0's 2 backward;
+    # stage 1 layer 1's 2 forward, its 2 and the LM head input's backward; x 2 microbatches
+    assert mod.PLAN_COLLECTIVES_BY_STAGE == [{"forward": {"all_reduce": 6}, "backward": {"all_reduce": 4}},
+                                             {"forward": {"all_reduce": 4}, "backward": {"all_reduce": 6}}]
+    assert mod.PLAN_COLLECTIVES == {"forward": {"all_reduce": 10}, "backward": {"all_reduce": 10}}
+    capsys.readouterr()
+    assert main([*argv, "--strategy", "megatron,sp", "--export", "torch", str(tmp_path / "sp.py")]) == 2
+    assert "a pipeline of a sequence-parallel plan" in capsys.readouterr().err
+    assert not (tmp_path / "sp.py").exists()
+    assert main([*argv, "--export", "jax", str(tmp_path / "j.json")]) == 2
+    assert "--export jax: does not apply to a pipeline (pp) plan (--export torch does)" in capsys.readouterr().err
+
+
 # -- on gloo: the exported parallelize against eager ------------------------------------------------
 
 
-def _gloo(cls: str, cfg: dict[str, Any], mesh: str, strategy: str, folder: Path) -> tuple[Any, Any]:
-    import torch.multiprocessing as mp
-
-    plan = _plan(cls, cfg, mesh, strategy)
-    export_torch(plan, str(folder / "plan.py"))
+def _ranks() -> Any:
     sys.path.insert(0, str(Path(__file__).parent))
     try:
-        from torch_export_ranks import rank_main
+        import torch_export_ranks
     finally:
         sys.path.pop(0)
+    return torch_export_ranks
+
+
+def _gloo(cls: str, cfg: dict[str, Any], mesh: str, strategy: str, folder: Path,
+          patterns: dict[str, str] | None = None) -> tuple[Any, Any]:
+    import torch.multiprocessing as mp
+
+    plan = _plan(cls, cfg, mesh, strategy, patterns)
+    export_torch(plan, str(folder / "plan.py"))
+    rank_main = _ranks().rank_main
     q = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(rank_main, args=(plan.mesh.size, str(folder), cls, cfg, BATCH, SEQ, q),
                        nprocs=plan.mesh.size, start_method="spawn")
@@ -178,8 +289,6 @@ def _gloo(cls: str, cfg: dict[str, Any], mesh: str, strategy: str, folder: Path)
 def _check_gloo(result: tuple[Any, ...], mod: Any) -> None:
     """Loss and gradients equal eager's; the tp collectives in the model's forward and backward are
     PLAN_COLLECTIVES; all those of the step are those, FSDP2's (DP_COLLECTIVES) and the loss's."""
-    from collections import Counter
-
     from spmdkit.outputs.export_torch import FUNCOL
 
     loss, eager, worst, where, per_phase, total = result
@@ -200,3 +309,36 @@ def _check_gloo(result: tuple[Any, ...], mod: Any) -> None:
 @pytest.mark.parametrize("strategy", ["megatron,sp,fsdp"])
 def test_llama_on_gloo_equals_eager(strategy: str, tmp_path: Path) -> None:
     _check_gloo(*_gloo("LlamaForCausalLM", LLAMA, "dp=2,tp=2", strategy, tmp_path))
+
+
+def test_gpt2_conv1d_tied_on_gloo_equals_eager(tmp_path: Path) -> None:
+    _check_gloo(*_gloo("GPT2LMHeadModel", GPT2, "dp=2,tp=2", "megatron", tmp_path, {"c_attn": "replicate"}))
+
+
+def test_pipeline_on_gloo_equals_eager(tmp_path: Path) -> None:
+    """pp=2 x tp=2, 2 microbatches under Schedule1F1B: the last stage's loss and every rank's
+    gradients equal eager's; each rank's collectives its stage's (and the loss's 3 per microbatch)."""
+    import torch.multiprocessing as mp
+
+    from spmdkit.cli import main
+
+    path = tmp_path / "plan.py"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main(["plan", "--hf", "LlamaForCausalLM", "--hf-config", json.dumps(LLAMA), "--mesh", "pp=2,tp=2",
+                     "--batch", str(BATCH), "--seq", str(SEQ), "--microbatches", "2", "--json", "--export", "torch",
+                     str(path)]) == 0
+    mod = _load(path)
+    rank_main = _ranks().pipeline_rank_main
+    q = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(rank_main, args=(4, str(tmp_path), "LlamaForCausalLM", LLAMA, BATCH, SEQ, q), nprocs=4,
+                       start_method="spawn")
+    got = sorted(q.get() for _ in range(4))
+    for r, loss, eager, worst, where, total in got:
+        stage = r // 2  # ranks (pp, tp) row-major
+        assert worst <= 1e-4, (r, worst, where)
+        want = dict(sum((Counter(c) for c in mod.PLAN_COLLECTIVES_BY_STAGE[stage].values()), Counter()))
+        if stage == 1:
+            assert abs(loss - eager) <= 1e-5 * abs(eager), (loss, eager)
+            want["all_reduce"] += 3 * mod.PIPELINE["microbatches"]  # the vocab-parallel loss's own
+        assert total == want, r

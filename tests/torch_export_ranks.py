@@ -75,13 +75,14 @@ def rank_main(r: int, world: int, folder: str, cls: str, config: dict[str, Any],
         mesh = init_device_mesh("cpu", tuple(plan.MESH_SHAPE), mesh_dim_names=tuple(plan.MESH_DIMS))
         model = plan.parallelize(model, mesh)
         dims = list(plan.MESH_DIMS)
-        if "dp" in dims:  # this rank's slice of the batch
+        sliced = plan.DATA_PARALLEL is not None
+        if sliced:  # this rank's slice of the batch
             n, i = plan.MESH_SHAPE[dims.index("dp")], mesh.get_local_rank("dp")
             kw = {k: v.chunk(n)[i] if torch.is_tensor(v) and v.dim() and v.shape[0] == batch else v for k, v in kw.items()}
         with _counter() as comm:
             loss = _loss(model, kw, plan.LOSS_PARALLEL)
         full = loss.full_tensor() if isinstance(loss, DTensor) else loss
-        if "dp" in dims:
+        if sliced:
             full = full.detach().clone()
             dist.all_reduce(full, group=mesh.get_group("dp"))
             full = full / plan.MESH_SHAPE[dims.index("dp")]
@@ -106,4 +107,82 @@ def rank_main(r: int, world: int, folder: str, cls: str, config: dict[str, Any],
         dist.destroy_process_group()
 
 
-__all__ = ["rank_main"]
+
+def pipeline_rank_main(r: int, world: int, folder: str, cls: str, config: dict[str, Any], batch: int, seq: int,
+                       out: Any) -> None:
+    """The same for a pipeline export (``PIPELINE``): ``build_pipeline`` on each rank, one
+    ``schedule.step`` over the whole batch (its microbatches); every rank puts (rank, the loss on
+    the last stage or None, the eager loss, the largest relative gradient difference of its own
+    parameters, where, the collectives counted)."""
+    warnings.simplefilter("ignore")
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from spmdkit.models.hf import build, example_inputs
+
+    spec = importlib.util.spec_from_file_location("exported_plan", f"{folder}/plan.py")
+    assert spec is not None and spec.loader is not None
+    plan = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=r, world_size=world)
+    try:
+        ref = build(cls, config, seed=0)
+        model = build(cls, config, seed=0)
+        torch.manual_seed(1)
+        kw = example_inputs(ref, batch, seq, ignored=0.0)
+        ref_loss = _loss(ref, {"input_ids": kw["input_ids"], "labels": kw["labels"]}, False)
+        mesh = init_device_mesh("cpu", tuple(plan.MESH_SHAPE), mesh_dim_names=tuple(plan.MESH_DIMS))
+
+        def loss_fn(logits: Any, target: Any) -> Any:
+            vocab = logits.shape[-1]
+            return F.cross_entropy(logits[:, :-1].reshape(-1, vocab), target[:, 1:].reshape(-1))
+
+        schedule = plan.build_pipeline(model, mesh, loss_fn, torch.device("cpu"))
+        pp, last = mesh.get_local_rank("pp"), mesh["pp"].size() - 1
+        losses: list[Any] = []
+
+        def step(counter: Any) -> None:
+            losses.clear()
+            model.zero_grad()
+            with counter, loss_parallel() if plan.LOSS_PARALLEL else contextlib.nullcontext():
+                if pp == 0:
+                    schedule.step(kw["input_ids"])
+                elif pp == last:
+                    schedule.step(target=kw["labels"], losses=losses)
+                else:
+                    schedule.step()
+
+        # the first step infers the stages' shapes (an autograd.grad the module tracker of CommDebugMode
+        # cannot run under); the second, from zero gradients, is counted
+        step(contextlib.nullcontext())
+        comm = _counter()
+        step(comm)
+        loss = None
+        if losses:
+            full = [x.full_tensor() if isinstance(x, DTensor) else x for x in losses]
+            loss = float(torch.stack([x.detach() for x in full]).mean())
+        container = plan.PIPELINE["layers"]
+        mine = [t for t in plan.PIPELINE["stages"][pp] if t.startswith(container + ".")]
+        refp = dict(ref.named_parameters())
+        worst, where = 0.0, ""
+        for name, p in model.named_parameters():
+            for j, orig in enumerate(mine):
+                if name.startswith(f"{container}.{j}."):
+                    name = orig + name[len(f"{container}.{j}"):]
+                    break
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            want = refp[name].grad
+            rel = ((g - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+            if not rel <= worst:
+                worst, where = rel, name
+        total = {_name(k): v for k, v in Counter(comm.get_comm_counts()).items() if v}
+        out.put((r, loss, ref_loss.item(), worst, where, total))
+    finally:
+        dist.destroy_process_group()
+
+
+__all__ = ["pipeline_rank_main", "rank_main"]

@@ -8,6 +8,7 @@ The command that plans, estimates and prints a pipeline (its flags, ``--microbat
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import replace
 from typing import Any, TextIO
 
@@ -21,11 +22,13 @@ from spmdkit.cost.devices import Device, cost_model, load_device
 from spmdkit.cost.memory import check_recompute, per_microbatch_mode
 from spmdkit.models.source import HFModel, ModelSource, Preset, ProgramFile
 from spmdkit.models.zoo import model_label
+from spmdkit.outputs.export_torch import export_torch
 from spmdkit.outputs.pipeline import write_pipeline
 from spmdkit.outputs.report import plan_json, write_report
 from spmdkit.planner.pipeline import (
     PipelinePlan,
     PipelineSpec,
+    auto_counts,
     estimate_pipeline,
     parse_spec,
     plan_pipeline_source,
@@ -79,6 +82,10 @@ def run_pipeline_plan(req: PlanRequest, out: TextIO) -> int:
         title = "\n".join([title, *got.loaded.title.split("\n")[1:]])
     config = got.loaded.model.config if got.loaded.model is not None else None
     write_html(req, plan, title, est.memory[worst], _est, config, pipeline=est)
+    if req.outputs.export:  # --export torch (cli/plan.py refuses the others)
+        counts = got.counts or auto_counts(got.plan, spec.pp * spec.virtual)
+        export_torch(got.plan, req.outputs.export[1], shlex.join(["spmdkit", *req.argv]) if req.argv else "",
+                     (full, spec, counts))
     verdict = None
     if req.verify:
         require_simulator()

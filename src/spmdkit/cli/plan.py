@@ -68,8 +68,9 @@ def run_plan(req: PlanRequest, out: TextIO) -> int:
                 if devices:  # the outer search: cli/devices.py
                     return run_devices(req, fout)
                 if wants_pipeline(req):  # a pp mesh dim: cli/pipeline.py, planner/pipeline.py
-                    if req.outputs.export:
-                        raise ProgramError("--export: does not apply to a pipeline (pp) plan yet")
+                    if req.outputs.export and req.outputs.export[0] != "torch":
+                        raise ProgramError(f"--export {req.outputs.export[0]}: does not apply to a pipeline (pp) "
+                                           f"plan (--export torch does)")
                     return run_pipeline_plan(req, fout)
                 return _run_plan(req, fout)
     except SpmdError as exc:

@@ -172,7 +172,8 @@ def _module_of_param(name: str, fmt: str) -> str:
 
 def _sequence_parallel(mod: str, name: str, pl: Any) -> ExportError:
     return ExportError(f"--export dtensor: {mod}: the plan holds {name} as {_placement_text(pl)} over tp (sequence "
-                       f"parallel): sequence-parallel plans are not exported to DTensor yet")
+                       f"parallel): a parallelize_module plan holds one style per module and a sequence-parallel norm "
+                       f"needs two (SequenceParallel, then its output all-gathered): use --export torch")
 
 
 def _style_doc(style: str, **kw: Any) -> dict[str, Any]:
@@ -197,12 +198,16 @@ class _DTensorExport:
         self.modules: dict[int, tuple[str, str]] = getattr(prog, "modules", None) or {}
         self.aliases: dict[str, str] = getattr(prog, "aliases", None) or {}
         self.weights = [p for p in self.params if len(prog.tensors[p].shape) == 2]
-        self.tp = _tp_dim(plan, self.weights)
+        self.tp = self.tensor_parallel_dim()
         self.styles: dict[str, dict[str, Any]] = {}
         self.loss_parallel = False
         self.notes: list[str] = []
         self.column_inputs: dict[str, list[str]] = {}
         self.tied_to: dict[str, str] = {}
+
+    def tensor_parallel_dim(self) -> int | None:
+        """The tensor-parallel mesh dim (:func:`_tp_dim`)."""
+        return _tp_dim(self.plan, self.weights)
 
     def document(self) -> dict[str, Any]:
         plan, prog, tp = self.plan, self.prog, self.tp

@@ -44,10 +44,14 @@ from spmdkit.outputs.export import (
     _style_doc,
     _tp_placement,
     check_target,
+    context_parallel_doc,
     write_atomic_text,
 )
+from spmdkit.planner.pipeline import PipelineSpec, op_stages
 from spmdkit.program.ir import Op
+from spmdkit.program.layers import layer_tags
 from spmdkit.program.plan import Plan
+from spmdkit.strategies.hf import data_inputs, parameters
 
 #: a plan's collective kind -> the op CommDebugMode counts (torch's functional collectives)
 FUNCOL = {"all_reduce": "all_reduce", "all_gather": "all_gather_into_tensor",
@@ -65,6 +69,41 @@ class _TorchExport(_DTensorExport):
         super().__init__(plan)
         self.conv1d: set[str] = set()
         self.after: dict[str, dict[str, Any]] = {}
+
+    def tensor_parallel_dim(self) -> int | None:
+        """The mesh dim named ``tp`` (None without one): torch's styles run over ``mesh["tp"]``; a
+        weight sharded over another dim is ZeRO-3's (dp) or refused (:meth:`check_experts`)."""
+        names = self.plan.mesh.dim_names
+        return names.index("tp") if "tp" in names else None
+
+    def check_experts(self) -> None:
+        """Expert stacks (3-D parameters) sharded over any mesh dim but dp are refused: torch's
+        parallel styles shard ``nn.Linear`` / ``nn.Embedding`` and have no experts style."""
+        names = self.plan.mesh.dim_names
+        for p in self.params:
+            a = self.plan.attrs[p]
+            if len(self.prog.tensors[p].shape) < 3:
+                continue
+            over = sorted({names[d] for e in a.dims_mapping for d in (e if isinstance(e, tuple) else (e,))
+                           if d != -1 and names[d] != "dp"} - {"dp"})
+            if over:
+                mod = p.rsplit(".", 1)[0]
+                raise ExportError(f"--export torch: {mod}: the plan shards its expert stacks over {', '.join(over)} "
+                                  f"({p} {list(self.placements[p])}); torch.distributed.tensor.parallel has no "
+                                  f"experts style (its styles shard nn.Linear and nn.Embedding), and a fused "
+                                  f"gate_up stack would need each half sharded apart; export a plan without tp / ep "
+                                  f"over the experts (dp, fsdp) or use --export dtensor (placements and a statement)")
+
+    def uses(self, p: str) -> list[tuple[str, str, int, Op]]:
+        m = re.fullmatch(r"(.+)\.weight\.part\d+", p)
+        if m:
+            parts = sorted(n for n in self.weights if n.startswith(m.group(1) + ".weight.part"))
+            raise ExportError(f"--export torch: {m.group(1)}: the plan splits its fused weight into {len(parts)} "
+                              f"parts (q / k / v) and shards each over tp ({self.placements[p][self.tp or 0]} of "
+                              f"{p}); torch's ColwiseParallel shards the fused weight in one block, which would give "
+                              f"a rank other heads' q / k / v: keep it whole (--tp-plan "
+                              f"'{{\"{m.group(1).rsplit('.', 1)[-1]}\": \"replicate\"}}')")
+        return super().uses(p)
 
     def _linear_in_out(self, p: str, how: str, out_ax: int) -> None:
         if how == "linear" and out_ax != 0:
@@ -125,7 +164,10 @@ class _TorchExport(_DTensorExport):
         if dst.is_shard() and dst.dim != 1:
             raise ExportError(f"--export torch: {mod} (RowwiseParallel): the plan reduce-scatters its output {out} "
                               f"to {_placement_text(dst)} over tp; torch's sequence parallel shards axis 1")
-        self.styles[mod] = _style_doc("RowwiseParallel", input_layouts="Shard(-1)" if how == "linear" else "Replicate()",
+        made = self.made_as(x)
+        x_in = "Replicate()" if how == "embedding" else "Shard(-1)" if made.is_shard() and made.dim == nd - 1 \
+            else _placement_text(made)
+        self.styles[mod] = _style_doc("RowwiseParallel", input_layouts=x_in,
                                       output_layouts=_placement_text(dst), use_local_output=not dst.is_shard())
 
     def sequence_parallel_norms(self) -> None:
@@ -293,7 +335,19 @@ def data_parallel(plan: Plan) -> dict[str, Any] | None:
     all-reduces the gradient and shards only the optimizer states; the same bytes move) and the
     layers container each of whose blocks is one group (then the root)."""
     names = plan.mesh.dim_names
-    if "dp" not in names or plan.mesh.shape[names.index("dp")] == 1:
+    batch_dims: set[str] = set()
+    for n in data_inputs(plan.program):
+        a = plan.attrs.get(n)
+        if a is None or not a.dims_mapping:
+            continue
+        e = a.dims_mapping[0]
+        for d in (e if isinstance(e, tuple) else (e,)):
+            if d != -1:
+                batch_dims.add(names[d])
+    if batch_dims - {"dp"}:
+        raise ExportError(f"--export torch: the plan splits the batch over {', '.join(sorted(batch_dims))}; torch's "
+                          f"data parallelism (FSDP2's fully_shard / replicate) splits it over dp only")
+    if "dp" not in batch_dims:  # the whole batch on every rank (an --auto plan may): nothing to synchronise
         return None
     z = zero_level(plan)
     return {"mesh_dim": "dp", "zero": z, "wrap": "fully_shard" if z else "replicate",
@@ -316,9 +370,8 @@ def dp_collectives(dp: dict[str, Any] | None, layers: int) -> dict[str, dict[str
     return {"forward": {"_allgather_base_": groups}, "backward": {**back, "_reduce_scatter_base_": groups}}
 
 
-def _header(plan: Plan, command: str) -> list[str]:
-    mesh = plan.mesh
-    where = " x ".join(f"{n}={s}" for n, s in zip(mesh.dim_names, mesh.shape))
+def _header(plan: Plan, command: str, dims: tuple[str, ...], shape: tuple[int, ...]) -> list[str]:
+    where = " x ".join(f"{n}={s}" for n, s in zip(dims, shape))
     out = [f'"""The plan of {plan.program.name or "a model"} on mesh {where}, applied with torch\'s own parallel APIs.', ""]
     if command:
         out += ["Written by::", "", *textwrap.wrap(command, 96, initial_indent="    ", subsequent_indent="        ",
@@ -329,6 +382,9 @@ def _header(plan: Plan, command: str) -> list[str]:
             "    with loss_parallel() if LOSS_PARALLEL else contextlib.nullcontext():",
             "        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())",
             "        loss.backward()",
+            "",
+            "With a pipeline (PIPELINE not None): ``schedule = build_pipeline(model, mesh, loss_fn, device)``, then",
+            "``schedule.step(...)`` per step.",
             '"""', ""]
     return out
 
@@ -367,69 +423,265 @@ def _dp_lines(dp: dict[str, Any] | None) -> list[str]:
     return out
 
 
-def torch_source(plan: Plan, command: str = "") -> str:
-    """The ``torch`` export of ``plan``: the text of a Python module (module docstring)."""
-    ex = _TorchExport(plan)
-    doc = ex.document()
-    mesh = plan.mesh
-    dims, shape = tuple(mesh.dim_names), tuple(mesh.shape)
-    ordered = {p: ex.styles[p] for p in _model_order(ex, ex.styles)}
-    styles, after = compress(ordered), compress(ex.after)
-    dp = data_parallel(plan)
-    n_layers = len({n for p in getattr(plan.program, "modules", {}).values() if dp and dp["layers"]
-                    for m in [re.match(re.escape(str(dp["layers"])) + r"\.(\d+)(\.|$)", p[0])] if m for n in [m.group(1)]})
-    used = sorted({d["style"] for d in [*styles.values(), *after.values()]})
-    lines = [*_header(plan, command), "from __future__ import annotations", "", "import torch", "from torch.distributed.device_mesh import DeviceMesh"]
-    if dp is not None:
-        lines.append("from torch.distributed.fsdp import fully_shard" if dp["wrap"] == "fully_shard" else
-                     "from torch.distributed._composable.replicate_with_fsdp import replicate")
-    if used:
-        lines += ["from torch.distributed.tensor import Replicate, Shard",
-                  f"from torch.distributed.tensor.parallel import {', '.join([*used, 'parallelize_module'])}"]
-    lines += ["", f"MESH_DIMS = {dims!r}", f"MESH_SHAPE = {shape!r}",
-              f"LOSS_PARALLEL = {bool(doc['loss_parallel'])}", "PIPELINE = None", ""]
-    lines += ["#: The collectives the plan issues per training step over tp, as CommDebugMode counts them in the",
-              "#: model's forward and backward (get_comm_counts / comm_module_counts): each of the plan's reshards is",
-              "#: one collective (all_reduce -> all_reduce, all_gather -> all_gather_into_tensor, reduce_scatter ->",
-              "#: reduce_scatter_tensor, all_to_all -> all_to_all_single). The loss under loss_parallel() runs its own",
-              "#: 3 all-reduces outside the model (max, sum of exponentials, the label's logit); the plan counts them",
-              "#: inside its vocab-parallel cross entropy, not here.",
-              f"PLAN_COLLECTIVES = {tp_collectives(plan)!r}", ""]
-    if dp is not None:
-        zero = {0: "plain data parallel: FSDP2's replicate (DDP), gradients all-reduced per group",
-                1: "ZeRO-1: torch has none; fully_shard(reshard_after_forward=False) (ZeRO-2-like) instead",
-                2: "ZeRO-2: fully_shard(reshard_after_forward=False)",
-                3: "ZeRO-3 / FSDP: fully_shard per block and the root"}[dp["zero"]]
-        lines += [f"#: The data-parallel dim: {zero}.", f"DATA_PARALLEL = {dp!r}",
-                  "#: What FSDP2 issues over dp per step (its c10d ops, as CommDebugMode counts them): one collective",
-                  "#: per group (each block, then the root), not one per parameter as the plan counts them.",
-                  f"DP_COLLECTIVES = {dp_collectives(dp, n_layers)!r}", ""]
+#: spmdkit's schedule -> torch.distributed.pipelining's schedule class
+SCHEDULE_CLASSES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe"}
+
+
+def pipeline_doc(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...]) -> dict[str, Any]:
+    """``PIPELINE`` of a pipeline plan (``plan``: one microbatch's on the sub-mesh without pp):
+    the module prefixes of each stage (its blocks; the embedding with the first, the final norm
+    and the head with the last, as the plan cuts them: :func:`spmdkit.planner.pipeline.op_stages`),
+    the schedule (torch's name), the microbatches, the layers container and the modules outside it
+    (``ends``: the stages that do not hold one get an ``nn.Identity``)."""
+    if spec.schedule not in SCHEDULE_CLASSES:
+        raise ExportError(f"--export torch: --schedule {spec.schedule}: not exported (torch's Schedule1F1B and "
+                          f"ScheduleGPipe are: one stage a rank)")
+    prog = plan.program
+    if getattr(prog, "aliases", None):
+        tied = ", ".join(f"{a} = {t}" for a, t in sorted(prog.aliases.items()))
+        raise ExportError(f"--export torch: a pipeline of a model with tied parameters ({tied}): the stages would "
+                          f"each hold a copy and torch's pipelining does not sum their gradients; untie them")
+    container = layers_container(plan)
+    tags = layer_tags(prog)
+    if container is None or not tags:
+        raise ExportError("--export torch: the pipeline's program records no numbered blocks of modules (a program "
+                          "JSON): export from --hf")
+    stage_of_op = op_stages(prog, counts)
+    stages: list[list[str]] = [[] for _ in counts]
+    k = 0
+    for s, c in enumerate(counts):
+        stages[s] += tags[k:k + c]
+        k += c
+    ends: list[str] = []
+    mods = getattr(prog, "modules", None) or {}
+    for p in parameters(prog):
+        mod = p.rsplit(".", 1)[0]
+        if mod.startswith(container + ".") or mod in ends:
+            continue
+        first = next((i for i, op in enumerate(prog.ops) if op.phase == "forward" and p in op.input_names()), None)
+        if first is None:
+            continue
+        ends.append(mod)
+        stages[stage_of_op[first]].append(mod)
+    first_ends = [m for m in ends if m in stages[0]]
+    if len(first_ends) > 1:
+        raise ExportError(f"--export torch: a pipeline whose first stage holds {', '.join(first_ends)} besides the "
+                          f"blocks: HF's model, given the hidden states on a later stage, would run all but the token "
+                          f"embedding again (GPT-2's position embedding); not exported")
+    del mods
+    return {"stages": stages, "schedule": SCHEDULE_CLASSES[spec.schedule].removeprefix("Schedule"),
+            "microbatches": spec.microbatches, "layers": container, "ends": ends}
+
+
+def stage_collectives(plan: Plan, counts: tuple[int, ...], microbatches: int) -> list[dict[str, dict[str, int]]]:
+    """The plan's tp collectives of each stage per step (every microbatch), as :func:`tp_collectives`."""
+    names = plan.mesh.dim_names
+    stage_of_op = op_stages(plan.program, counts)
+    out = [{"forward": Counter(), "backward": Counter()} for _ in counts]
+    for phase in ("forward", "backward", "optimizer"):
+        for r, st in plan.collectives(phase):
+            if not any(names[d] == "tp" for d in st.mesh_dims):
+                continue
+            if phase == "optimizer" and st.kind != "all_reduce":
+                continue
+            ph = "forward" if phase == "forward" else "backward"
+            out[stage_of_op[r.op_index]][ph][FUNCOL.get(st.kind, st.kind)] += microbatches
+    return [{ph: dict(sorted(c.items())) for ph, c in d.items()} for d in out]
+
+
+def _pipeline_lines(pipe: dict[str, Any]) -> list[str]:
+    """The stage module and its builder."""
+    cls = "Schedule" + pipe["schedule"]
+    return ["", "", "class _Stage(torch.nn.Module):",
+            "    \"\"\"One pipeline stage: the model with this stage's modules only, fed the token ids (the first",
+            "    stage) or the previous stage's hidden states; returns the logits (the last) or its hidden states.\"\"\"",
+            "", "    def __init__(self, hf: torch.nn.Module, first: bool) -> None:",
+            "        super().__init__()", "        self.hf, self.first = hf, first", "",
+            "    def forward(self, x: torch.Tensor) -> torch.Tensor:",
+            "        out = self.hf(input_ids=x) if self.first else self.hf(inputs_embeds=x)",
+            "        return out.logits", "", "",
+            "def pipeline_stage(model: torch.nn.Module, pp_rank: int, mesh: DeviceMesh) -> torch.nn.Module:",
+            "    \"\"\"The stage of ``pp_rank`` (PIPELINE[\"stages\"][pp_rank]): the other blocks dropped (this stage's",
+            "    are renumbered from 0), the embedding / final norm / head it does not hold made nn.Identity; then",
+            "    ``parallelize(stage.hf, mesh)``.\"\"\"",
+            "    keep = set(PIPELINE[\"stages\"][pp_rank])",
+            "    container = PIPELINE[\"layers\"]",
+            "    blocks = model.get_submodule(container)",
+            "    owner, leaf = container.rsplit(\".\", 1) if \".\" in container else (\"\", container)",
+            "    setattr(model.get_submodule(owner), leaf,",
+            "            torch.nn.ModuleList([b for i, b in enumerate(blocks) if f\"{container}.{i}\" in keep]))",
+            "    for name in PIPELINE[\"ends\"]:",
+            "        if name not in keep:",
+            "            owner, leaf = name.rsplit(\".\", 1) if \".\" in name else (\"\", name)",
+            "            setattr(model.get_submodule(owner), leaf, torch.nn.Identity())",
+            "    return _Stage(model, first=pp_rank == 0)", "", "",
+            "def build_pipeline(model: torch.nn.Module, mesh: DeviceMesh, loss_fn: Any, device: torch.device) -> Any:",
+            "    \"\"\"This rank's stage parallelized and its schedule (run ``schedule.step(ids, target=labels)`` on the",
+            "    first and last stage, ``schedule.step()`` between; under loss_parallel() when LOSS_PARALLEL).\"\"\"",
+            "    pp = mesh[\"pp\"]",
+            "    stage = pipeline_stage(model, pp.get_local_rank(), mesh)",
+            "    parallelize(stage.hf, mesh)",
+            "    pipe = PipelineStage(stage, pp.get_local_rank(), pp.size(), device, group=pp.get_group())",
+            f"    return {cls}(pipe, n_microbatches=PIPELINE[\"microbatches\"], loss_fn=loss_fn)"]
+
+
+_CONV1D_FN = [
+    "", "", "def _conv1d_as_linear(model: torch.nn.Module) -> None:",
+    "    \"\"\"Swap each module CONV1D_AS_LINEAR names for the nn.Linear it equals.\"\"\"",
+    "    for name, conv in list(model.named_modules()):",
+    "        if not any(fnmatch.fnmatchcase(name, p) for p in CONV1D_AS_LINEAR):",
+    "            continue",
+    "        n_in, n_out = conv.weight.shape",
+    "        linear = torch.nn.Linear(n_in, n_out, bias=conv.bias is not None, device=conv.weight.device,",
+    "                                 dtype=conv.weight.dtype)",
+    "        with torch.no_grad():",
+    "            linear.weight.copy_(conv.weight.t())",
+    "            if conv.bias is not None:",
+    "                linear.bias.copy_(conv.bias)",
+    "        owner, leaf = name.rsplit(\".\", 1)",
+    "        setattr(model.get_submodule(owner), leaf, linear)"]
+_PRESENT_FN = [
+    "", "", "def _present(model: torch.nn.Module, plan: dict[str, Any]) -> dict[str, Any]:",
+    "    \"\"\"The entries of ``plan`` naming a module this stage holds (not an nn.Identity).\"\"\"",
+    "    names = [n for n, m in model.named_modules() if not isinstance(m, torch.nn.Identity)]",
+    "    return {k: v for k, v in plan.items() if any(fnmatch.fnmatchcase(n, k) for n in names)}"]
+_COLLECTIVES_DOC = [
+    "#: The collectives the plan issues per training step over tp, as CommDebugMode counts them in the",
+    "#: model's forward and backward (get_comm_counts / comm_module_counts): each of the plan's reshards is",
+    "#: one collective (all_reduce -> all_reduce, all_gather -> all_gather_into_tensor, reduce_scatter ->",
+    "#: reduce_scatter_tensor, all_to_all -> all_to_all_single); a parameter gradient the plan reduces over tp",
+    "#: in its gradient sync (a norm weight under sequence parallel) DTensor reduces in the backward. The loss",
+    "#: under loss_parallel() runs its own 3 all-reduces outside the model (max, sum of exponentials, the",
+    "#: label's logit); the plan counts them inside its vocab-parallel cross entropy, not here."]
+_ZERO = {0: "plain data parallel: FSDP2's replicate (DDP), gradients all-reduced per group",
+         1: "ZeRO-1: torch has none; fully_shard(reshard_after_forward=False) (ZeRO-2-like) instead",
+         2: "ZeRO-2: fully_shard(reshard_after_forward=False)",
+         3: "ZeRO-3 / FSDP: fully_shard per block and the root"}
+
+
+def _constants(plan: Plan, doc: dict[str, Any], dims: tuple[str, ...], shape: tuple[int, ...],
+               dp: dict[str, Any] | None, n_layers: int, pipe: dict[str, Any] | None,
+               by_stage: list[Any] | None) -> list[str]:
+    lines = ["", f"MESH_DIMS = {dims!r}", f"MESH_SHAPE = {shape!r}", f"LOSS_PARALLEL = {bool(doc['loss_parallel'])}"]
+    if pipe is None:
+        lines += ["PIPELINE = None", "", *_COLLECTIVES_DOC, f"PLAN_COLLECTIVES = {tp_collectives(plan)!r}", ""]
     else:
-        lines += ["DATA_PARALLEL = None", "DP_COLLECTIVES = {}", ""]
-    lines += _plan_py("TP_PLAN", styles, "module path -> its style over mesh[\"tp\"] (parallelize_module; * is any layer)")
-    if after:
-        lines += ["", *_plan_py("TP_PLAN_AFTER", after, "applied after TP_PLAN: a norm's sequence-sharded output "
-                                                         "all-gathered once for the column layers sharing it")]
-    lines += ["", "#: tied parameters (parallelize_module gives each module its own; tied again after): name -> the one kept",
-              f"TIED = {dict(sorted(doc['tied'].items()))!r}", "", *_notes(doc["notes"])]
-    lines += ["", "", "def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:",
-              "    \"\"\"Apply the plan to ``model`` on ``mesh`` (MESH_DIMS, MESH_SHAPE); returns the model.\"\"\""]
+        total: dict[str, Counter[str]] = {"forward": Counter(), "backward": Counter()}
+        for st in by_stage or []:
+            for ph, c in st.items():
+                total[ph].update(c)
+        lines += ["#: the stages (module prefixes; the blocks renumbered from 0 in each), the schedule",
+                  "#: (torch.distributed.pipelining's Schedule<name>), the microbatches per step",
+                  f"PIPELINE = {pipe!r}", "", *_COLLECTIVES_DOC,
+                  "#: Under the pipeline: every microbatch of the step, each stage's own in PLAN_COLLECTIVES_BY_STAGE.",
+                  f"PLAN_COLLECTIVES = {dict((ph, dict(sorted(c.items()))) for ph, c in total.items())!r}",
+                  f"PLAN_COLLECTIVES_BY_STAGE = {by_stage!r}", ""]
+    if dp is None:
+        return [*lines, "DATA_PARALLEL = None", "DP_COLLECTIVES = {}", ""]
+    lines += [f"#: The data-parallel dim: {_ZERO[dp['zero']]}.", f"DATA_PARALLEL = {dp!r}"]
+    if pipe is not None:
+        return [*lines, "#: Under a pipeline FSDP2 gathers per microbatch as the schedule runs them: not counted here.",
+                "DP_COLLECTIVES = None", ""]
+    return [*lines, "#: What FSDP2 issues over dp per step (its c10d ops, as CommDebugMode counts them): one collective",
+            "#: per group (each block, then the root), not one per parameter as the plan counts them.",
+            f"DP_COLLECTIVES = {dp_collectives(dp, n_layers)!r}", ""]
+
+
+def _parallelize_fn(styles: dict[str, Any], after: dict[str, Any], conv: list[str], dp: dict[str, Any] | None,
+                    pipe: dict[str, Any] | None) -> list[str]:
+    lines = ["", "", "def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:",
+             "    \"\"\"Apply the plan to ``model`` on ``mesh`` (MESH_DIMS, MESH_SHAPE); returns the model.\"\"\""]
+    if conv:
+        lines.append("    _conv1d_as_linear(model)")
     if styles:
-        lines += ["    tp = mesh[\"tp\"]", "    parallelize_module(model, tp, TP_PLAN)"]
+        use = (lambda n: f"_present(model, {n})") if pipe is not None else (lambda n: n)
+        lines += ["    tp = mesh[\"tp\"]", f"    parallelize_module(model, tp, {use('TP_PLAN')})"]
         if after:
-            lines.append("    parallelize_module(model, tp, TP_PLAN_AFTER)")
+            lines.append(f"    parallelize_module(model, tp, {use('TP_PLAN_AFTER')})")
         lines += ["    for alias, kept in TIED.items():  # tie again",
                   "        owner, leaf = alias.rsplit(\".\", 1)",
                   "        src, src_leaf = kept.rsplit(\".\", 1)",
                   "        setattr(model.get_submodule(owner), leaf, getattr(model.get_submodule(src), src_leaf))"]
-    lines += [*_dp_lines(dp), "    return model", ""]
+    return [*lines, *_dp_lines(dp), "    return model", ""]
+
+
+def _imports(ex: _TorchExport, dp: dict[str, Any] | None, used: list[str], pipe: dict[str, Any] | None) -> list[str]:
+    lines = ["from __future__ import annotations", ""]
+    if ex.conv1d or pipe is not None:
+        lines += ["import fnmatch", ""]
+    if pipe is not None:
+        lines += ["from typing import Any", ""]
+    lines += ["import torch", "from torch.distributed.device_mesh import DeviceMesh"]
+    if dp is not None:
+        lines.append("from torch.distributed.fsdp import fully_shard" if dp["wrap"] == "fully_shard" else
+                     "from torch.distributed._composable.replicate_with_fsdp import replicate")
+    if pipe is not None:
+        lines.append(f"from torch.distributed.pipelining import PipelineStage, Schedule{pipe['schedule']}")
+    if used:
+        lines += ["from torch.distributed.tensor import Replicate, Shard",
+                  f"from torch.distributed.tensor.parallel import {', '.join([*used, 'parallelize_module'])}"]
+    return lines
+
+
+def torch_source(plan: Plan, command: str = "",
+                 pipeline: tuple[Any, PipelineSpec, tuple[int, ...]] | None = None) -> str:
+    """The ``torch`` export of ``plan``: the text of a Python module (module docstring).
+    ``pipeline``: (the full mesh with its pp dim, the spec, the layers per stage) of a pipeline
+    plan, ``plan`` then the plan of one microbatch on the sub-mesh without pp."""
+    cp = context_parallel_doc(plan)
+    if cp is not None:
+        raise ExportError(f"--export torch: the plan runs context parallelism over cp ({cp['variant']} attention): "
+                          f"not exported to torch yet (--export dtensor says how torch's context_parallel would run "
+                          f"it: {'rotate ' + str(cp['rotate_method']) if cp['supported'] else 'it has no equivalent'})")
+    ex = _TorchExport(plan)
+    ex.check_experts()
+    doc = ex.document()
+    full = plan.mesh if pipeline is None else pipeline[0]
+    dims, shape = tuple(full.dim_names), tuple(full.shape)
+    pipe = by_stage = None
+    if pipeline is not None:
+        sp = sorted(m for m, d in ex.styles.items() if d["style"] == "SequenceParallel")
+        if sp:
+            raise ExportError(f"--export torch: a pipeline of a sequence-parallel plan ({sp[0]}: SequenceParallel): "
+                              f"the hidden states between stages are sequence-sharded DTensors, which torch's "
+                              f"PipelineStage does not send; not exported (drop sp or pp)")
+        pipe = pipeline_doc(plan, pipeline[1], pipeline[2])
+        by_stage = stage_collectives(plan, pipeline[2], pipeline[1].microbatches)
+    ordered = {p: ex.styles[p] for p in _model_order(ex, ex.styles)}
+    styles, after = compress(ordered), compress(ex.after)
+    dp = data_parallel(plan)
+    container = layers_container(plan)
+    n_layers = len(layer_tags(plan.program)) if container else 0
+    used = sorted({d["style"] for d in [*styles.values(), *after.values()]})
+    lines = [*_header(plan, command, dims, shape), *_imports(ex, dp, used, pipe),
+             *_constants(plan, doc, dims, shape, dp, n_layers, pipe, by_stage)]
+    lines += _plan_py("TP_PLAN", styles, "module path -> its style over mesh[\"tp\"] (parallelize_module; * is any layer)")
+    if after:
+        lines += ["", *_plan_py("TP_PLAN_AFTER", after, "applied after TP_PLAN: a norm's sequence-sharded output "
+                                                         "all-gathered once for the column layers sharing it")]
+    conv = list(dict.fromkeys(c if c in styles else m for m in sorted(ex.conv1d) for c in [_layer_glob(m)[0]]))
+    if conv:
+        lines += ["", "#: Conv1D modules (x @ W, W [in, out]: GPT-2's) the plan shards: torch's styles shard nn.Linear, so",
+                  "#: each is swapped for the nn.Linear it equals (its weight transposed, the same names) before TP_PLAN",
+                  f"CONV1D_AS_LINEAR = {tuple(conv)!r}"]
+    lines += ["", "#: tied parameters (parallelize_module gives each module its own; tied again after): name -> the one kept",
+              f"TIED = {dict(sorted(doc['tied'].items()))!r}"]
+    notes = _notes(doc["notes"])
+    lines += ["", *notes] if notes else []
+    lines += _CONV1D_FN if conv else []
+    lines += _PRESENT_FN if pipe is not None else []
+    lines += _parallelize_fn(styles, after, conv, dp, pipe)
+    if pipe is not None:
+        lines += [*_pipeline_lines(pipe)[1:], ""]
     return "\n".join(lines)
 
 
-def export_torch(plan: Plan, path: str, command: str = "") -> str:
-    """Write the ``torch`` export of ``plan`` to ``path`` (atomically) and return its text."""
+def export_torch(plan: Plan, path: str, command: str = "",
+                 pipeline: tuple[Any, PipelineSpec, tuple[int, ...]] | None = None) -> str:
+    """Write the ``torch`` export of ``plan`` to ``path`` (atomically) and return its text
+    (:func:`torch_source`)."""
     check_target("torch", path)
-    text = torch_source(plan, command)
+    text = torch_source(plan, command, pipeline)
     write_atomic_text(text, path, "--export torch")
     return text
 
