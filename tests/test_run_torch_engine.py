@@ -34,79 +34,16 @@ LLAMA = {"num_key_value_heads": 2, "num_hidden_layers": 1, "hidden_size": 32, "n
 ALL_REDUCES = 3 + 3 + 3 + 2
 
 
-def _real_export(tmp_path: Path, name: str = "plan.py") -> Path:
-    """``spmdkit plan --export torch`` of the 1-layer Llama's dp=2 x tp=2 megatron plan."""
+def _real_export(tmp_path: Path, name: str = "plan.py", mesh: str = "dp=2,tp=2", extra: list[str] | None = None,
+                 config: dict[str, int] = LLAMA) -> Path:
+    """``spmdkit plan --export torch`` of the Llama's megatron plan (1 layer, dp=2 x tp=2 by default)."""
     path = tmp_path / name
     p = subprocess.run([sys.executable, "-m", "spmdkit", "plan", "--hf", "LlamaForCausalLM", "--hf-config",
-                        json.dumps(LLAMA), "--mesh", "dp=2,tp=2", "--strategy", "megatron", "--export", "torch",
-                        str(path)], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT / "src")),
-                       timeout=300)
+                        json.dumps(config), "--mesh", mesh, "--strategy", "megatron", *(extra or []), "--export",
+                        "torch", str(path)], capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT / "src")), timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     return path
-
-
-#: a hand-written pp=2 x tp=2 export: each stage's blocks of the HF model (``use_cache=False``),
-#: torch's styles on tp, 1F1B over 2 microbatches
-PP_EXPORT = """
-import torch
-from torch import nn
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-MESH_DIMS = ("pp", "tp")
-MESH_SHAPE = (2, 2)
-LOSS_PARALLEL = False
-PIPELINE = {"schedule": "1f1b", "microbatches": 2}
-# per microbatch: stage 0 runs the embedding's, o_proj's and down_proj's forward all-reduces (3) and
-# its 5 column layers' input-gradient all-reduces; stage 1 o_proj and down_proj (2), the 5 column
-# inputs and lm_head's (6), and gathers lm_head's vocab-sharded output (1)
-PLAN_COLLECTIVES = {0: {"all_reduce": 2 * 8}, 1: {"all_reduce": 2 * 8, "all_gather_into_tensor": 2}}
-
-
-def parallelize(model, mesh):
-    plan = {}
-    if model.model.embed_tokens is not None:
-        plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    if model.lm_head is not None:
-        plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
-    for i in range(len(model.model.layers)):
-        p = f"model.layers.{i}."
-        for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
-            plan[p + n] = ColwiseParallel()
-        for n in ("self_attn.o_proj", "mlp.down_proj"):
-            plan[p + n] = RowwiseParallel()
-    parallelize_module(model, mesh["tp"], plan)
-    return model
-
-
-class Stage(nn.Module):
-    def __init__(self, model, first, last):
-        super().__init__()
-        self.model, self.lm_head, self.first, self.last = model.model, model.lm_head if last else None, first, last
-
-    def forward(self, x):
-        kw = {"input_ids" if self.first else "inputs_embeds": x}
-        h = self.model(**kw, use_cache=False).last_hidden_state
-        return self.lm_head(h) if self.last else h
-
-
-def pipeline_stage(model, pp_rank, mesh):
-    pp = mesh["pp"].size()
-    n = len(model.model.layers)
-    lo, hi = n * pp_rank // pp, n * (pp_rank + 1) // pp
-    model.model.layers = nn.ModuleList(list(model.model.layers)[lo:hi])
-    model.config.num_hidden_layers = hi - lo
-    first, last = pp_rank == 0, pp_rank == pp - 1
-    if not first:
-        model.model.embed_tokens = None
-    if not last:
-        model.model.norm = nn.Identity()
-        model.lm_head = None
-    stage = Stage(model, first, last)
-    parallelize(stage, mesh)
-    return PipelineStage(stage, pp_rank, pp, torch.device("cpu"), group=mesh["pp"].get_group())
-"""
 
 
 def _launch(*args: str, timeout: float = 600, config: dict[str, int] = LLAMA) -> subprocess.CompletedProcess[str]:
@@ -137,16 +74,19 @@ def test_llama_dp_tp_trains_as_eager_with_the_plans_collectives() -> None:
 
 
 def test_llama_pp_tp_pipeline_trains_as_eager(tmp_path: Path) -> None:
-    path = tmp_path / "pp.py"
-    path.write_text(PP_EXPORT)
-    p = _launch("--torch-plan", str(path), "--json", "--optimizer", "adamw", "--steps", "2",
-                config={**LLAMA, "num_hidden_layers": 2})
+    """pp=2 x tp=2, 1F1B over 2 microbatches, AdamW: the export's build_pipeline under torchrun.
+    Per microbatch stage 0 (the embedding, block 0) all-reduces 3 in the forward (the embedding,
+    o_proj, down_proj) and 2 in the backward (the inputs q/k/v and gate/up share); stage 1 (block
+    1, the norm, the head) 2 forward, 3 backward (+ the head's input) and the loss's 3."""
+    cfg = {**LLAMA, "num_hidden_layers": 2}
+    path = _real_export(tmp_path, "pp.py", "pp=2,tp=2", ["--microbatches", "2", "--schedule", "1f1b"], cfg)
+    p = _launch("--torch-plan", str(path), "--json", "--optimizer", "adamw", "--steps", "2", config=cfg)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     rep = json.loads(p.stdout.strip().splitlines()[-1])
-    assert rep["ok"] and rep["pipeline"] == {"schedule": "1f1b", "microbatches": 2}
+    assert rep["ok"] and rep["pipeline"]["microbatches"] == 2
     for s in rep["steps"]:
         assert abs(s["loss"] - s["eager_loss"]) <= 2e-5 * max(1.0, abs(s["eager_loss"])), s
-        assert s["collectives"] == [{"all_reduce": 16}] * 2 + [{"all_gather_into_tensor": 2, "all_reduce": 16}] * 2
+        assert s["collectives"] == [{"all_reduce": 2 * 5}] * 2 + [{"all_reduce": 2 * 5 + 2 * 3}] * 2
     # AdamW holds two moments per local parameter element (and a step count per parameter)
     assert all(m["optimizer"] >= 2 * m["parameters"] for m in rep["memory"])
 
@@ -277,7 +217,7 @@ def test_an_export_missing_a_contract_name_is_named(tmp_path: Path) -> None:
     f = tmp_path / "plan.torch"  # any file name: the export is loaded as Python source
     f.write_text("MESH_DIMS = ('tp',)\nMESH_SHAPE = (2,)\nPIPELINE = {'schedule': '1f1b', 'microbatches': 2}\n"
                  "def parallelize(model, mesh):\n    return model\nPLAN_COLLECTIVES = {}\n")
-    with pytest.raises(ValueError, match=r"PIPELINE is set but no pipeline_stage\(model, pp_rank, mesh\) is defined"):
+    with pytest.raises(ValueError, match=r"PIPELINE is set but no build_pipeline\(model, mesh, loss_fn, device\) is defined"):
         load_export(str(f))
     f.write_text("MESH_DIMS = ('tp',)\n")
     with pytest.raises(ValueError, match="defines no MESH_SHAPE, parallelize, PLAN_COLLECTIVES"):

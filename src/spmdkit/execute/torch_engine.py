@@ -101,15 +101,23 @@ def expected_counts(plan: Any, pp_rank: int | None) -> dict[str, int]:
 LOSS_PARALLEL_COLLECTIVES = {"all_reduce": 3}
 
 
-def step_collectives(exp: Any, pp_rank: int | None) -> dict[str, int]:
-    """Everything a rank's step should issue by the export: ``PLAN_COLLECTIVES`` (the model's),
-    ``DP_COLLECTIVES`` (what FSDP2 issues over dp, when the export names it apart) and
+def step_collectives(exp: Any, pp_rank: int | None, pp_size: int = 1) -> dict[str, int] | None:
+    """Everything a rank's step should issue by the export: ``PLAN_COLLECTIVES`` (the model's;
+    under a pipeline the stage's own, ``PLAN_COLLECTIVES_BY_STAGE[pp_rank]`` where the export
+    gives it), ``DP_COLLECTIVES`` (what FSDP2 issues over dp, when the export names it apart) and
     ``LOSS_COLLECTIVES`` (the loss's, outside the model; by default torch's ``loss_parallel``'s
-    three all-reduces when ``LOSS_PARALLEL``, on the stage that computes the loss)."""
-    parts = [exp.PLAN_COLLECTIVES, getattr(exp, "DP_COLLECTIVES", None) or {}]
+    three all-reduces per microbatch when ``LOSS_PARALLEL``, on the stage that computes the loss).
+    None when the export says it cannot tell (``DP_COLLECTIVES = None``: FSDP2 under a pipeline)."""
+    model = exp.PLAN_COLLECTIVES
+    by_stage = getattr(exp, "PLAN_COLLECTIVES_BY_STAGE", None)
+    if pp_rank is not None and by_stage is not None:
+        model = by_stage[pp_rank] if isinstance(by_stage, (list, tuple)) else by_stage
+    if hasattr(exp, "DP_COLLECTIVES") and exp.DP_COLLECTIVES is None:
+        return None
+    parts = [model, getattr(exp, "DP_COLLECTIVES", None) or {}]
     loss = getattr(exp, "LOSS_COLLECTIVES", None)
     pipe = getattr(exp, "PIPELINE", None)
-    computes_loss = pp_rank is None or pipe is None or pp_rank == int(pipe.get("stages", pp_rank + 1)) - 1
+    computes_loss = pp_rank is None or pipe is None or pp_rank == pp_size - 1
     if loss is None and bool(getattr(exp, "LOSS_PARALLEL", False)) and computes_loss:
         loss = {k: v * (int(pipe["microbatches"]) if pipe else 1) for k, v in LOSS_PARALLEL_COLLECTIVES.items()}
     total: dict[str, int] = {}
@@ -130,8 +138,9 @@ def load_export(path: str) -> Any:
     missing = [n for n in ("MESH_DIMS", "MESH_SHAPE", "parallelize", "PLAN_COLLECTIVES") if not hasattr(mod, n)]
     if missing:
         raise ValueError(f"export {path}: defines no {', '.join(missing)}")
-    if getattr(mod, "PIPELINE", None) is not None and not hasattr(mod, "pipeline_stage"):
-        raise ValueError(f"export {path}: PIPELINE is set but no pipeline_stage(model, pp_rank, mesh) is defined")
+    if getattr(mod, "PIPELINE", None) is not None and not hasattr(mod, "build_pipeline"):
+        raise ValueError(f"export {path}: PIPELINE is set but no build_pipeline(model, mesh, loss_fn, device) is "
+                         "defined (this rank's stage, parallelized, and its schedule)")
     return mod
 
 
@@ -271,12 +280,10 @@ def _train(spec: dict[str, Any], exp: Any, mesh: Any, model: Any, device: torch.
     parallel_loss = bool(getattr(exp, "LOSS_PARALLEL", False))
     schedule = None
     if pipe is not None:
-        pp_rank = mesh.get_local_rank("pp")
-        stage = exp.pipeline_stage(model, pp_rank, mesh)
-        modules = [stage.submod]
-        schedule = _schedule(pipe, stage)
-        last = stage.is_last
-        first = stage.is_first
+        pp_rank, pp_size = mesh.get_local_rank("pp"), mesh["pp"].size()
+        first, last = pp_rank == 0, pp_rank == pp_size - 1
+        schedule = exp.build_pipeline(model, mesh, lm_loss, device)  # the stage: the model, cut in place
+        modules = [model]
     else:
         model = exp.parallelize(model, mesh)
         modules = [model]
@@ -288,7 +295,8 @@ def _train(spec: dict[str, Any], exp: Any, mesh: Any, model: Any, device: torch.
         ids, labels = step_data(spec["seed"], s, spec["batch"], spec["seq"], vocab)
         ids, labels = ids[rows].to(device), labels[rows].to(device)
         if schedule is not None and pipe is not None and s == 0:
-            _init_stage(schedule, pipe, first, last, ids, labels)
+            with loss_parallel() if parallel_loss else contextlib.nullcontext():
+                _init_stage(schedule, pipe, first, last, ids, labels)
         mode = comm_debug_mode()
         with mode:
             with loss_parallel() if parallel_loss else contextlib.nullcontext():
@@ -327,16 +335,6 @@ def _init_stage(schedule: Any, pipe: dict[str, Any], first: bool, last: bool, id
         init((ids[:mb],) if first else (), {}, labels[:mb] if last else None)
 
 
-def _schedule(pipe: dict[str, Any], stage: Any) -> Any:
-    import torch.distributed.pipelining as pl
-
-    kinds = {"gpipe": pl.ScheduleGPipe, "1f1b": pl.Schedule1F1B}
-    name = str(pipe.get("schedule", "1f1b")).lower()
-    if name not in kinds:
-        raise ValueError(f"PIPELINE schedule {name!r}: the torch engine runs {', '.join(kinds)} (one stage per rank)")
-    return kinds[name](stage, n_microbatches=int(pipe["microbatches"]), loss_fn=lm_loss)
-
-
 def _peak(device: torch.device) -> dict[str, Any]:
     """What this rank's peak memory is, honestly named: the process's maximum resident set
     (everything the process touched: Python, torch's libraries, the model) on CPU; the CUDA
@@ -365,8 +363,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any] | None:
     model = build(spec["hf"], spec["config"], dtype=spec["dtype"], seed=spec["seed"]).to(device)
     losses, counts, held = _train(spec, exp, mesh, model, device)
     pp_rank = mesh.get_local_rank("pp") if "pp" in exp.MESH_DIMS else None
+    pp_size = mesh["pp"].size() if "pp" in exp.MESH_DIMS else 1
     mine = {"rank": rank, "losses": losses, "counts": counts, "state_bytes": held, **_peak(device),
-            "expected": step_collectives(exp, pp_rank), "pp_rank": pp_rank}
+            "expected": step_collectives(exp, pp_rank, pp_size), "pp_rank": pp_rank}
     every: list[Any] = [None] * world
     dist.all_gather_object(every, mine)
     dist.destroy_process_group()
