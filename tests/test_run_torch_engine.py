@@ -59,6 +59,7 @@ def test_llama_dp_tp_trains_as_eager_with_the_plans_collectives() -> None:
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     rep = json.loads(p.stdout.strip().splitlines()[-1])
     assert rep["ok"] and rep["engine"] == "torch" and rep["world_size"] == 4 and rep["backend"] == "gloo"
+    assert rep["same_initial_weights"]
     assert rep["launcher"] == "torch.distributed.run" and "--nproc-per-node 4" in rep["command"]
     assert len(rep["steps"]) == 3
     for s in rep["steps"]:
@@ -144,7 +145,7 @@ def test_report_averages_the_batch_shards_and_names_the_ranks_that_differ() -> N
     got = {"world_size": 2, "backend": "gloo", "mesh": {"dp": 2}, "loss_parallel": False, "pipeline": None,
            "eager": [2.0, 1.5], "eager_parameter_bytes": 4096,
            "ranks": [{"rank": r, "losses": [2.0 + d, 1.5 + d], "counts": [{"all_reduce": 1}, {"all_reduce": 1 + r}],
-                      "expected": {"all_reduce": 1},
+                      "expected": {"all_reduce": 1}, "weights_sum": 1.5,
                       "state_bytes": {"parameters": 4096, "gradients": 4096, "optimizer": 0},
                       "max_rss_bytes": 2**28} for r, d in ((0, 1e-6), (1, -1e-6))]}
     rep = torch_report(got, "t")

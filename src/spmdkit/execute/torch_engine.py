@@ -5,17 +5,20 @@ SPEC``; :mod:`spmdkit.execute.torchrun` writes SPEC and reads what rank 0 leaves
 It builds the HF model from its config (no hub), seeded the same on every rank, applies the
 exported plan (``spmdkit plan ... --export torch FILE``; the file defines ``MESH_DIMS``,
 ``MESH_SHAPE``, ``parallelize(model, mesh) -> model``, ``PLAN_COLLECTIVES`` (functional collective
-name -> count per step), ``LOSS_PARALLEL`` and ``PIPELINE``: None, or a dict with ``schedule``
-and ``microbatches`` and ``pipeline_stage(model, pp_rank, mesh) -> PipelineStage``), trains
-``steps`` steps on fixed data from the seed, and counts each step's collectives with torch's
-``CommDebugMode``. Rank 0 then trains the same model on the same data with the same optimizer
-in one process (torch eager) and writes the report's facts as JSON.
+name -> count per step, or per phase), ``LOSS_PARALLEL``, ``DP_COLLECTIVES`` and ``PIPELINE``: None,
+or a dict with ``microbatches``, ``build_pipeline(model, mesh, loss_fn, device) -> schedule`` (the
+rank's stage cut from the model in place and parallelized) and ``PLAN_COLLECTIVES_BY_STAGE``),
+trains ``steps`` steps on fixed data from the seed, and counts each step's collectives with
+torch's ``CommDebugMode`` (:func:`step_collectives`: what the export says a rank issues). Rank 0
+then trains the same model on the same data with the same optimizer in one process (torch
+eager) and writes the report's facts as JSON.
 
 Each step's data: ``input_ids`` and ``labels`` drawn from ``seed`` and the step's index, the
 global batch ``[batch, seq]``, every label counted (no -100), so that the mean of the batch
 shards' mean losses is the global batch's mean; the loss is the cross entropy of the logits
-against the labels (no shift: the labels are random). The batch is split over the mesh dims
-that are not ``tp``, ``pp`` or ``cp`` (the export may name them as ``BATCH_DIMS``).
+against the labels (no shift: the labels are random). The batch is split over the export's
+``BATCH_DIMS``, else the dims the plan shards the token ids over (when the run planned it), else
+the mesh dims not named ``tp``, ``pp`` or ``cp`` (:func:`batch_split`).
 
 A failure is one line in ``OUT/error.RANK`` and exit status 1; torchrun then ends every rank.
 """
@@ -361,11 +364,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any] | None:
                          f"torchrun started {world}")
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=tuple(exp.MESH_DIMS))
     model = build(spec["hf"], spec["config"], dtype=spec["dtype"], seed=spec["seed"]).to(device)
+    with torch.no_grad():  # every rank's weights before the plan is applied (the same seed: equal)
+        weights_sum = float(sum(p.double().sum() for p in model.parameters()))
     losses, counts, held = _train(spec, exp, mesh, model, device)
     pp_rank = mesh.get_local_rank("pp") if "pp" in exp.MESH_DIMS else None
     pp_size = mesh["pp"].size() if "pp" in exp.MESH_DIMS else 1
     mine = {"rank": rank, "losses": losses, "counts": counts, "state_bytes": held, **_peak(device),
-            "expected": step_collectives(exp, pp_rank, pp_size), "pp_rank": pp_rank}
+            "expected": step_collectives(exp, pp_rank, pp_size), "pp_rank": pp_rank, "weights_sum": weights_sum}
     every: list[Any] = [None] * world
     dist.all_gather_object(every, mine)
     dist.destroy_process_group()

@@ -214,12 +214,14 @@ def torch_report(got: dict[str, Any], title: str) -> dict[str, Any]:
                       "loss_within": err is not None and err <= LOSS_RTOL * max(1.0, abs(eager)),
                       "collectives": [r["counts"][s] for r in ranks], "collectives_differ_on_ranks": differ,
                       "collectives_match": not differ})
-    losses_ok = all(s["loss_within"] for s in steps)
+    same_start = len({r.get("weights_sum") for r in ranks}) == 1
+    losses_ok = all(s["loss_within"] for s in steps) and same_start
     coll_ok = all(s["collectives_match"] for s in steps)
     return {"engine": "torch", "title": title, "launcher": "torch.distributed.run", "command": got.get("command"),
             "world_size": got["world_size"], "backend": got["backend"], "mesh": got["mesh"],
             "loss_parallel": got["loss_parallel"], "pipeline": got["pipeline"],
             "ok": losses_ok and coll_ok, "losses_match": losses_ok, "collectives_match": coll_ok,
+            "same_initial_weights": same_start,
             "loss": steps[-1]["loss"] if steps else None, "reference_loss": got["eager"][-1] if steps else None,
             "loss_rtol": LOSS_RTOL, "steps": steps, "plan_collectives": [r["expected"] for r in ranks],
             "memory": [{"rank": r["rank"], "max_rss_bytes": r["max_rss_bytes"], **r["state_bytes"],
@@ -250,6 +252,8 @@ def format_torch_report(rep: dict[str, Any]) -> str:
     for m in rep["memory"]:
         lines.append(f"  {m['rank']:<5} {_mib(m['max_rss_bytes']):>11} {_mib(m['parameters']):>11} "
                      f"{_mib(m['gradients']):>11} {_mib(m['optimizer']):>11}")
+    if not rep["same_initial_weights"]:
+        lines.append("the ranks' weights differed before the plan was applied (the sums of their parameters)")
     lines.append(("losses equal torch eager's" if rep["losses_match"] else "losses NOT equal to torch eager's")
                  + f" every step (within {rep['loss_rtol']:g} relative); collectives "
                  + ("equal the plan's every step on every rank" if rep["collectives_match"]
