@@ -39,7 +39,8 @@ def _real_export(tmp_path: Path, name: str = "plan.py", mesh: str = "dp=2,tp=2",
     """``spmdkit plan --export torch`` of the Llama's megatron plan (1 layer, dp=2 x tp=2 by default)."""
     path = tmp_path / name
     p = subprocess.run([sys.executable, "-m", "spmdkit", "plan", "--hf", "LlamaForCausalLM", "--hf-config",
-                        json.dumps(config), "--mesh", mesh, "--strategy", "megatron", *(extra or []), "--export",
+                        json.dumps(config), "--mesh", mesh, *(["--strategy", "megatron"] if "--auto" not in (extra or [])
+                                                             else []), *(extra or []), "--export",
                         "torch", str(path)], capture_output=True, text=True,
                        env=dict(os.environ, PYTHONPATH=str(ROOT / "src")), timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
@@ -90,6 +91,17 @@ def test_llama_pp_tp_pipeline_trains_as_eager(tmp_path: Path) -> None:
         assert s["collectives"] == [{"all_reduce": 2 * 5}] * 2 + [{"all_reduce": 2 * 5 + 2 * 3}] * 2
     # AdamW holds two moments per local parameter element (and a step count per parameter)
     assert all(m["optimizer"] >= 2 * m["parameters"] for m in rep["memory"])
+
+
+def test_an_auto_plan_exports_and_trains(tmp_path: Path) -> None:
+    """--auto keeps the tiny model's step whole on every rank (no collective is worth it): the
+    export wraps nothing, the batch is not split, the steps equal eager's with no collective."""
+    path = _real_export(tmp_path, "auto.py", extra=["--auto", "--batch", "4", "--seq", "8"])
+    assert "DATA_PARALLEL = None" in path.read_text()
+    p = _launch("--torch-plan", str(path), "--json", "--steps", "2")
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    rep = json.loads(p.stdout.strip().splitlines()[-1])
+    assert rep["ok"] and all(s["collectives"] == [{}] * 4 for s in rep["steps"])
 
 
 def test_an_export_without_the_dp_gradient_reduction_fails_the_check(tmp_path: Path) -> None:
@@ -223,4 +235,19 @@ def test_an_export_missing_a_contract_name_is_named(tmp_path: Path) -> None:
     f.write_text("MESH_DIMS = ('tp',)\n")
     with pytest.raises(ValueError, match="defines no MESH_SHAPE, parallelize, PLAN_COLLECTIVES"):
         load_export(str(f))
+
+
+def test_the_batch_follows_the_export_then_the_plan_then_its_data_parallel_dim() -> None:
+    from types import SimpleNamespace
+
+    from spmdkit.execute.torch_engine import batch_split
+
+    dims = ("dp", "tp")
+    assert batch_split(SimpleNamespace(MESH_DIMS=dims, BATCH_DIMS=("dp", "tp")), ["dp"]) == ["dp", "tp"]
+    assert batch_split(SimpleNamespace(MESH_DIMS=dims), []) == []  # the plan keeps the batch whole
+    assert batch_split(SimpleNamespace(MESH_DIMS=dims, DATA_PARALLEL=None), None) == []  # an --auto export
+    assert batch_split(SimpleNamespace(MESH_DIMS=dims, DATA_PARALLEL={"mesh_dim": "dp"}), None) == ["dp"]
+    assert batch_split(SimpleNamespace(MESH_DIMS=("pp", "dp", "tp")), None) == ["dp"]
+    with pytest.raises(ValueError, match=r"BATCH_DIMS \['ep'\]: ep not in MESH_DIMS \['dp', 'tp'\]"):
+        batch_split(SimpleNamespace(MESH_DIMS=dims, BATCH_DIMS=["ep"]), None)
 

@@ -18,7 +18,8 @@ global batch ``[batch, seq]``, every label counted (no -100), so that the mean o
 shards' mean losses is the global batch's mean; the loss is the cross entropy of the logits
 against the labels (no shift: the labels are random). The batch is split over the export's
 ``BATCH_DIMS``, else the dims the plan shards the token ids over (when the run planned it), else
-the mesh dims not named ``tp``, ``pp`` or ``cp`` (:func:`batch_split`).
+the export's ``DATA_PARALLEL`` dim, else the mesh dims not named ``tp``, ``pp`` or ``cp``
+(:func:`batch_split`).
 
 A failure is one line in ``OUT/error.RANK`` and exit status 1; torchrun then ends every rank.
 """
@@ -207,10 +208,14 @@ def state_bytes(modules: list[Any], opt: torch.optim.Optimizer) -> dict[str, int
 
 def batch_split(exp: Any, planned: list[str] | None) -> list[str]:
     """The mesh dims the batch is split over: the export's ``BATCH_DIMS``, else the plan's (what
-    its token ids are sharded over, when the run planned it), else every dim not named tp, pp or cp."""
+    its token ids are sharded over, when the run planned it), else the export's ``DATA_PARALLEL``
+    dim (none when it is None), else every dim not named tp, pp or cp."""
     got = getattr(exp, "BATCH_DIMS", None)
     if got is None:
         got = planned
+    if got is None and hasattr(exp, "DATA_PARALLEL"):  # the export's data parallelism: None, or its dim
+        dp = exp.DATA_PARALLEL
+        got = [] if dp is None else [dp["mesh_dim"]]
     if got is None:
         got = [d for d in exp.MESH_DIMS if d not in NOT_BATCH]
     unknown = [d for d in got if d not in exp.MESH_DIMS]
