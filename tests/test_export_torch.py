@@ -32,6 +32,8 @@ LLAMA = {"num_key_value_heads": 2, "num_hidden_layers": 2, "hidden_size": 64, "n
 QWEN2 = {**LLAMA, "tie_word_embeddings": True}
 GPT2 = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 256, "n_positions": 64, "bos_token_id": 0,
         "eos_token_id": 0}
+#: GPT-2's attention kept whole over tp (its fused c_attn cannot be column-parallel in torch), the MLP megatron
+GPT2_ATTN_WHOLE = {"c_attn": "replicate", "attn.c_proj": "replicate"}
 MIXTRAL = {**LLAMA, "num_local_experts": 4, "num_experts_per_tok": 2}
 BATCH, SEQ = 4, 16
 
@@ -156,11 +158,16 @@ def test_cli_writes_the_file_atomically_and_refuses_in_one_line(tmp_path: Path,
             "--batch", str(BATCH), "--seq", str(SEQ)]
     assert main([*argv, "--export", "torch", str(path)]) == 0
     text = path.read_text()
-    assert text == torch_source(_plan("LlamaForCausalLM", LLAMA, "dp=2,tp=2", "megatron"),
-                                text.split("Written by::\n\n", 1)[1].split("\n\n")[0].replace("\n        ", " ")
-                                .strip())
+    command = text.split("Written by::\n\n    ", 1)[1].split("\n")[0]
+    assert command.startswith("spmdkit plan --hf LlamaForCausalLM") and command.endswith(f"--export torch {path}")
+    assert text == torch_source(_plan("LlamaForCausalLM", LLAMA, "dp=2,tp=2", "megatron"), command)
     compile(text, str(path), "exec")
     capsys.readouterr()
+    assert main(["plan", "--model", "tiny-llama", "--mesh", "dp=2,tp=2", "--export", "torch", str(tmp_path / "z.py")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("spmdkit plan: ExportError: --export torch: the program ")
+    assert "records no module paths (a preset's zoo model or a program JSON)" in err[0]
+    assert not (tmp_path / "z.py").exists()
     assert main([*argv, "--export", "torch", str(tmp_path / "no" / "p.py")]) == 2
     assert capsys.readouterr().err.strip().endswith("does not exist")
 
@@ -194,23 +201,28 @@ def test_gpt2_conv1d_swapped_for_linear_and_fused_qkv_refused(tmp_path: Path) ->
                                           r"transformer\.h\.0\.attn\.c_attn\.weight\.part0\).*--tp-plan "
                                           r"'\{\"c_attn\": \"replicate\"\}'\)$"):
         torch_source(_plan("GPT2LMHeadModel", GPT2, "dp=2,tp=2", "megatron"))
-    mod = _export("GPT2LMHeadModel", GPT2, "dp=2,tp=2", "megatron", tmp_path, {"c_attn": "replicate"})
-    assert mod.CONV1D_AS_LINEAR == ("transformer.h.*.attn.c_proj", "transformer.h.*.mlp.c_fc",
-                                    "transformer.h.*.mlp.c_proj")
+    # c_attn kept whole: the plan still slices the attention's heads per rank (and all-gathers q / k / v's
+    # gradients, 3 a layer) where torch would run it whole and all-gather c_proj's input gradient (1)
+    with pytest.raises(ExportError, match=r"^--export torch: transformer\.h\.0\.attn\.c_proj \(RowwiseParallel\): no "
+                                          r"column-parallel layer under transformer\.h\.0\.attn makes its input .*"
+                                          r"\(--tp-plan '\{\"attn\.c_proj\": \"replicate\"\}'\)$"):
+        torch_source(_plan("GPT2LMHeadModel", GPT2, "dp=2,tp=2", "megatron", {"c_attn": "replicate"}))
+    mod = _export("GPT2LMHeadModel", GPT2, "dp=2,tp=2", "megatron", tmp_path, GPT2_ATTN_WHOLE)
+    assert mod.CONV1D_AS_LINEAR == ("transformer.h.*.mlp.c_fc", "transformer.h.*.mlp.c_proj")
     s = _styles(mod)
-    # the attention runs whole on every tp rank (c_attn kept whole); c_proj takes its slice of the heads
-    assert s["transformer.h.*.attn.c_proj"] == ("RowwiseParallel", {"input_layouts": Replicate(),
-                                                                     "output_layouts": Replicate(),
-                                                                     "use_local_output": True})
-    assert s["transformer.h.*.mlp.c_fc"][0] == "ColwiseParallel"
+    assert list(s) == ["transformer.wte", "transformer.h.*.mlp.c_fc", "transformer.h.*.mlp.c_proj", "lm_head"]
+    assert s["transformer.h.*.mlp.c_fc"] == ("ColwiseParallel", {"input_layouts": Replicate(), "output_layouts": Shard(-1),
+                                                                  "use_local_output": True})
     assert s["transformer.h.*.mlp.c_proj"][1]["input_layouts"] == Shard(-1)
+    # the embedding's and each MLP's all-reduce forward; each MLP's input gradient and the LM head's backward
+    assert mod.PLAN_COLLECTIVES == {"forward": {"all_reduce": 3}, "backward": {"all_reduce": 3}}
     assert mod.TIED == {"lm_head.weight": "transformer.wte.weight"} and mod.DATA_PARALLEL["layers"] == "transformer.h"
     # GPT-2 under sp: the plan reduce-scatters the residual on axis 0 (Conv1D's flattened [batch * seq] or the
     # batch), not the sequence axis torch's sequence parallel shards
     with pytest.raises(ExportError, match=r"^--export torch: transformer\.\S+ \(RowwiseParallel\): the plan "
                                           r"reduce-scatters its output \S+ to Shard\(0\) over tp; torch's sequence "
                                           r"parallel shards axis 1$"):
-        torch_source(_plan("GPT2LMHeadModel", GPT2, "dp=2,tp=2", "megatron,sp", {"c_attn": "replicate"}))
+        torch_source(_plan("GPT2LMHeadModel", GPT2, "dp=2,tp=2", "megatron,sp", GPT2_ATTN_WHOLE))
 
 
 def test_mixtral_expert_stacks_over_tp_refused_and_fsdp_exported(tmp_path: Path) -> None:
@@ -312,7 +324,7 @@ def test_llama_on_gloo_equals_eager(strategy: str, tmp_path: Path) -> None:
 
 
 def test_gpt2_conv1d_tied_on_gloo_equals_eager(tmp_path: Path) -> None:
-    _check_gloo(*_gloo("GPT2LMHeadModel", GPT2, "dp=2,tp=2", "megatron", tmp_path, {"c_attn": "replicate"}))
+    _check_gloo(*_gloo("GPT2LMHeadModel", GPT2, "dp=2,tp=2", "megatron", tmp_path, GPT2_ATTN_WHOLE))
 
 
 def test_pipeline_on_gloo_equals_eager(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ gradient's largest value, where, the collectives counted in the model per phase,
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import importlib.util
 import warnings
 from collections import Counter
@@ -91,8 +92,9 @@ def rank_main(r: int, world: int, folder: str, cls: str, config: dict[str, Any],
         for name, p in model.named_parameters():
             g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
             want = refp[name].grad
-            if g.shape != want.shape and g.shape == want.t().shape:  # a Conv1D swapped for its nn.Linear
-                g = g.t()
+            swapped = getattr(plan, "CONV1D_AS_LINEAR", ())
+            if name.endswith(".weight") and any(fnmatch.fnmatchcase(name[:-7], c) for c in swapped):
+                g = g.t()  # a Conv1D swapped for the nn.Linear it equals: [out, in]
             rel = ((g - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
             if not rel <= worst:  # NaN counts as worst
                 worst, where = rel, name

@@ -24,7 +24,14 @@ The styles come from the plan, as the ``dtensor`` export derives them
   own input (``ColwiseParallel(input_layouts=Shard(1))``);
 - GPT-2's ``Conv1D`` (``x @ W`` with ``W [in, out]``): torch's styles shard ``nn.Linear`` only, so
   ``parallelize`` first swaps each such module the plan shards for the ``nn.Linear`` it equals
-  (``CONV1D_AS_LINEAR``; the weight transposed, the same names), then styles it.
+  (``CONV1D_AS_LINEAR``; the weight transposed, the same names), then styles it;
+- pipelines: ``PIPELINE`` (the stages' module prefixes, torch's schedule, the microbatches),
+  ``pipeline_stage`` and ``build_pipeline`` (``torch.distributed.pipelining``).
+
+Refused by name (:class:`ExportError`, one line): a fused weight split into parts (GPT-2's
+``c_attn``), a row layer with no column layer beside it, expert stacks over tp / ep, context
+parallelism, a preset (no HF module), and a pipeline with tied parameters, sequence parallel or the
+interleaved schedule (docs/export.md).
 """
 
 from __future__ import annotations
@@ -69,6 +76,7 @@ class _TorchExport(_DTensorExport):
         super().__init__(plan)
         self.conv1d: set[str] = set()
         self.after: dict[str, dict[str, Any]] = {}
+        self.row_inputs: dict[str, str] = {}
 
     def tensor_parallel_dim(self) -> int | None:
         """The mesh dim named ``tp`` (None without one): torch's styles run over ``mesh["tp"]``; a
@@ -121,8 +129,10 @@ class _TorchExport(_DTensorExport):
     def made_as(self, x: str) -> Any:
         """The tp placement ``x`` is made in (before any reshard to its readers)."""
         assert self.tp is not None
-        a = next((r.src for r in self.plan.reshards if r.tensor == x), self.plan.attrs[x])
-        return _tp_placement(a, self.tp)
+        i = self.producers.get(x)
+        if i is None:
+            return _tp_placement(self.plan.attrs[x], self.tp)
+        return _tp_placement(self.plan.ops[i].outputs[self.prog.ops[i].output_names().index(x)], self.tp)
 
     def _colwise(self, mod: str, op: Op, x: str, x_in: Any, x_req: Any) -> bool:
         assert self.tp is not None
@@ -167,6 +177,8 @@ class _TorchExport(_DTensorExport):
         made = self.made_as(x)
         x_in = "Replicate()" if how == "embedding" else "Shard(-1)" if made.is_shard() and made.dim == nd - 1 \
             else _placement_text(made)
+        if how == "linear":
+            self.row_inputs[mod] = x
         self.styles[mod] = _style_doc("RowwiseParallel", input_layouts=x_in,
                                       output_layouts=_placement_text(dst), use_local_output=not dst.is_shard())
 
@@ -199,9 +211,25 @@ class _TorchExport(_DTensorExport):
                 self.styles[mod] = _style_doc("SequenceParallel", sequence_dim=1, use_local_output=False)
                 break
 
+    def check_row_inputs(self) -> None:
+        """A row layer whose input no column layer beside it makes (in its parent module) is
+        refused: the plan slices a replicated computation somewhere between (GPT-2's attention
+        heads from a replicated ``c_attn``, their gradients all-gathered where the plan splits
+        q / k / v), which torch runs whole on every rank, all-gathering at the row layer."""
+        columns = [m for m, d in self.styles.items() if d["style"] == "ColwiseParallel"]
+        for mod, x in self.row_inputs.items():
+            parent = mod.rsplit(".", 1)[0] + "."
+            if not any(c.startswith(parent) for c in columns):
+                raise ExportError(f"--export torch: {mod} (RowwiseParallel): no column-parallel layer under "
+                                  f"{parent[:-1]} makes its input {x}: the plan slices a replicated computation "
+                                  f"before it (and all-gathers its gradients there), torch's module would run it whole "
+                                  f"and all-gather at {mod.rsplit('.', 1)[-1]}; keep it whole too (--tp-plan "
+                                  f"'{{\"{'.'.join(mod.split('.')[-2:])}\": \"replicate\"}}')")
+
     def prepare_shared_inputs(self) -> None:
         """Column layers sharing one input that a module makes: that module's output a
         replicated DTensor (all-gathered from ``Shard(1)`` under sequence parallel)."""
+        self.check_row_inputs()
         self.sequence_parallel_norms()
         for x, mods in self.column_inputs.items():
             if len(mods) < 2 or x not in self.producers:
@@ -374,8 +402,7 @@ def _header(plan: Plan, command: str, dims: tuple[str, ...], shape: tuple[int, .
     where = " x ".join(f"{n}={s}" for n, s in zip(dims, shape))
     out = [f'"""The plan of {plan.program.name or "a model"} on mesh {where}, applied with torch\'s own parallel APIs.', ""]
     if command:
-        out += ["Written by::", "", *textwrap.wrap(command, 96, initial_indent="    ", subsequent_indent="        ",
-                                                     break_on_hyphens=False, break_long_words=False), ""]
+        out += ["Written by::", "", "    " + command, ""]
     out += ["Use (every rank, under torchrun)::", "",
             "    mesh = init_device_mesh(\"cuda\", MESH_SHAPE, mesh_dim_names=MESH_DIMS)",
             "    model = parallelize(model, mesh)",
@@ -437,8 +464,9 @@ def pipeline_doc(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...]) -> dic
         raise ExportError(f"--export torch: --schedule {spec.schedule}: not exported (torch's Schedule1F1B and "
                           f"ScheduleGPipe are: one stage a rank)")
     prog = plan.program
-    if getattr(prog, "aliases", None):
-        tied = ", ".join(f"{a} = {t}" for a, t in sorted(prog.aliases.items()))
+    aliases: dict[str, str] = getattr(prog, "aliases", None) or {}
+    if aliases:
+        tied = ", ".join(f"{a} = {t}" for a, t in sorted(aliases.items()))
         raise ExportError(f"--export torch: a pipeline of a model with tied parameters ({tied}): the stages would "
                           f"each hold a copy and torch's pipelining does not sum their gradients; untie them")
     container = layers_container(plan)
@@ -453,7 +481,6 @@ def pipeline_doc(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...]) -> dic
         stages[s] += tags[k:k + c]
         k += c
     ends: list[str] = []
-    mods = getattr(prog, "modules", None) or {}
     for p in parameters(prog):
         mod = p.rsplit(".", 1)[0]
         if mod.startswith(container + ".") or mod in ends:
@@ -468,7 +495,6 @@ def pipeline_doc(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...]) -> dic
         raise ExportError(f"--export torch: a pipeline whose first stage holds {', '.join(first_ends)} besides the "
                           f"blocks: HF's model, given the hidden states on a later stage, would run all but the token "
                           f"embedding again (GPT-2's position embedding); not exported")
-    del mods
     return {"stages": stages, "schedule": SCHEDULE_CLASSES[spec.schedule].removeprefix("Schedule"),
             "microbatches": spec.microbatches, "layers": container, "ends": ends}
 
@@ -477,7 +503,7 @@ def stage_collectives(plan: Plan, counts: tuple[int, ...], microbatches: int) ->
     """The plan's tp collectives of each stage per step (every microbatch), as :func:`tp_collectives`."""
     names = plan.mesh.dim_names
     stage_of_op = op_stages(plan.program, counts)
-    out = [{"forward": Counter(), "backward": Counter()} for _ in counts]
+    out: list[dict[str, Counter[str]]] = [{"forward": Counter(), "backward": Counter()} for _ in counts]
     for phase in ("forward", "backward", "optimizer"):
         for r, st in plan.collectives(phase):
             if not any(names[d] == "tp" for d in st.mesh_dims):
@@ -628,6 +654,9 @@ def torch_source(plan: Plan, command: str = "",
     """The ``torch`` export of ``plan``: the text of a Python module (module docstring).
     ``pipeline``: (the full mesh with its pp dim, the spec, the layers per stage) of a pipeline
     plan, ``plan`` then the plan of one microbatch on the sub-mesh without pp."""
+    if not getattr(plan.program, "modules", None):
+        raise ExportError(f"--export torch: the program {plan.program.name or ''} records no module paths (a preset's "
+                          f"zoo model or a program JSON): the torch export styles an HF model's modules (plan --hf)")
     cp = context_parallel_doc(plan)
     if cp is not None:
         raise ExportError(f"--export torch: the plan runs context parallelism over cp ({cp['variant']} attention): "
