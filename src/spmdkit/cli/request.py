@@ -191,6 +191,13 @@ class RunRequest:
     device: str | None = None
     json: bool = False
     timeout: float = DEFAULT_TIMEOUT
+    #: ``--engine``: spmdkit (op by op, exact) or torch (the export on torch's own engine under torchrun)
+    engine: str = "spmdkit"
+    #: ``--engine torch``: training steps, optimizer, learning rate, an export file to run (None: made here)
+    steps: int | None = None
+    optimizer: str | None = None
+    lr: float | None = None
+    torch_plan: str | None = None
 
 
 def _model_args(ns: argparse.Namespace) -> ModelArgs:
@@ -245,7 +252,8 @@ def run_request(ns: argparse.Namespace, argv: list[str]) -> RunRequest:
     return RunRequest(
         model=_model_args(ns), mesh=ns.mesh, argv=tuple(argv), strategy=_strategy(ns), layers=ns.layers,
         batch=ns.batch, seq=ns.seq, pad=ns.pad, annotate=tuple(ns.annotate), nproc=ns.nproc, backend=ns.backend,
-        seed=ns.seed, kernels=ns.kernels, warmup=ns.warmup, device=ns.device, json=ns.json, timeout=ns.timeout)
+        seed=ns.seed, kernels=ns.kernels, warmup=ns.warmup, device=ns.device, json=ns.json, timeout=ns.timeout,
+        engine=ns.engine, steps=ns.steps, optimizer=ns.optimizer, lr=ns.lr, torch_plan=ns.torch_plan)
 
 
 # -- the flags -----------------------------------------------------------------------------------
@@ -448,6 +456,17 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=_positive_seconds, default=DEFAULT_TIMEOUT, metavar="SECONDS",
                    help="the longest any rendezvous, process group or collective may wait; a rank that "
                         "waits longer fails and the run ends (default %(default)g)")
+    p.add_argument("--engine", choices=("spmdkit", "torch"), default="spmdkit",
+                   help="spmdkit (default): the plan executed op by op by spmdkit's executor, every tensor "
+                        "checked; torch: the plan exported for torch (--export torch) applied to the --hf model "
+                        "with torch's own APIs (DTensor styles, FSDP2, pipelining), trained --steps steps under "
+                        "torchrun, losses against torch eager and collectives against the plan's (docs/export.md)")
+    p.add_argument("--steps", type=int, help="--engine torch: training steps (default 3)")
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), help="--engine torch: the optimizer (default sgd)")
+    p.add_argument("--lr", type=float, help="--engine torch: the learning rate (default 0.01)")
+    p.add_argument("--torch-plan", dest="torch_plan", metavar="FILE",
+                   help="--engine torch: run this export (spmdkit plan ... --export torch FILE) instead of "
+                        "planning --mesh / --strategy here; a pipeline (pp) plan needs it")
 
 
 __all__ = ["DEFAULT_MESH", "DEFAULT_TIMEOUT", "HF_BATCH", "HF_SEQ",
