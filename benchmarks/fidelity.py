@@ -186,6 +186,32 @@ def _cp_attention(row: dict[str, Any], framework: str, assume: list[str]) -> str
     return "ring"
 
 
+#: NeMo 24.07's runs of the performance summary used the NeMo 1.0 launcher's training configs
+#: (NVIDIA/NeMo-Framework-Launcher launcher_scripts/conf/training/{gpt3,llama,nemotron}/*.yaml at
+#: 1ab2c781, August 2024): per model, ``ub_tp_comm_overlap`` (Transformer Engine's userbuffers TP
+#: overlap: ``--tp-comm-overlap``), ``hidden_dropout`` / ``attention_dropout`` and
+#: ``cross_entropy_loss_fusion`` (absent: Megatron-Core's default, off)
+NEMO_LAUNCHER = {"gpt3_5b": (False, 0.1, False), "gpt3_20b": (True, 0.1, False), "gpt3_175b": (False, 0.1, False),
+                 "llama2_7b": (False, 0.0, True), "llama2_13b": (False, 0.0, True), "llama2_70b": (True, 0.0, True),
+                 "nemotron_8b": (True, 0.0, True), "nemotron_22b": (True, 0.0, True),
+                 "nemotron_340b": (False, 0.0, False), "llama3_8b": (False, 0.0, True),
+                 "llama3_70b": (True, 0.0, True)}
+
+
+def nemo_launcher(row: dict[str, Any], assume: list[str]) -> tuple[bool, float, bool] | None:
+    """(TP comm overlap, dropout, fused cross-entropy) of a NeMo 24.07 run, from the launcher's
+    config of its model (:data:`NEMO_LAUNCHER`); None for another source."""
+    rid = str(row["id"])
+    if not rid.startswith("nemo2407"):
+        return None
+    key = "_".join(rid.split("_")[3:-1])
+    got = NEMO_LAUNCHER.get(key)
+    if got is not None:
+        assume.append("NeMo launcher config (conf/training, Aug 2024): ub_tp_comm_overlap, dropout and "
+                      "cross_entropy_loss_fusion as its model's yaml sets them")
+    return got
+
+
 def express(row: dict[str, Any], tmp: Path) -> Case:
     """The command line of ``row``, or Unsupported naming the missing feature."""
     m, par = row["model"], row["parallelism"]
@@ -219,6 +245,9 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
         # masks in their activation memory, Sec. 4.1)
         cfg["dropout"] = 0.1
         assume.append("dropout 0.1 (Megatron-LM's default of the time)")
+    nemo = nemo_launcher(row, assume)
+    if nemo is not None and nemo[1] > 0:
+        cfg["dropout"] = nemo[1]
     strategy, framework = _strategy(row, assume)
     recompute = _recompute(row, assume)
     if ep > 1:  # Megatron-Core's folding: the experts over ep, the rest data parallel over dp x ep
@@ -232,8 +261,10 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
             "--strategy", strategy, "--device", device, "--precision", _precision(row), "--framework", framework,
             "--recompute", recompute, "--json"]
     overlaps = str(par.get("overlaps") or "")
-    if "--tp-comm-overlap" in overlaps or par.get("async_tp"):
+    if "--tp-comm-overlap" in overlaps or par.get("async_tp") or (nemo is not None and nemo[0] and tp > 1):
         argv.append("--tp-comm-overlap")
+    if nemo is not None and nemo[2]:
+        argv.append("--cross-entropy-fusion")
     dpe = dp * ep  # the data-parallel ranks (ep folded into them; cp ranks share their sequences)
     accum = (gb // (dpe * mb)) if gb else 1
     if gb and gb % (dpe * mb):

@@ -71,13 +71,15 @@ class Links:
     tp_comm_overlap: bool = False
     moe_skew: str | None = None
     moe_histogram: str | None = None
+    ce_fusion: bool = False
 
     def runtime(self) -> Runtime:
         """``--precision``, ``--framework``, ``--tp-comm-overlap``, ``--moe-skew`` and
         ``--moe-histogram`` as the plan's :class:`~spmdkit.program.runtime.Runtime` (ProgramError
         naming the flag)."""
         return Runtime(parse_precision(self.precision), (self.framework or "megatron").strip().lower(),
-                       self.tp_comm_overlap, parse_moe_skew(self.moe_skew), parse_moe_histogram(self.moe_histogram))
+                       self.tp_comm_overlap, parse_moe_skew(self.moe_skew), parse_moe_histogram(self.moe_histogram),
+                       self.ce_fusion)
 
 
 @dataclass(frozen=True)
@@ -205,7 +207,7 @@ def plan_request(ns: argparse.Namespace) -> PlanRequest:
         batch=ns.batch, seq=ns.seq, annotate=tuple(ns.annotate),
         links=Links(cost=ns.cost, device=ns.device, nodes_of=ns.nodes_of, precision=ns.precision,
                     framework=ns.framework, tp_comm_overlap=ns.tp_comm_overlap, moe_skew=ns.moe_skew,
-                    moe_histogram=ns.moe_histogram),
+                    moe_histogram=ns.moe_histogram, ce_fusion=ns.ce_fusion),
         grad_accum=ns.grad_accum, recompute=ns.recompute, verify=ns.verify,
         search=SearchArgs(auto=ns.auto, time_limit=ns.auto_time_limit, memory=ns.memory, explain=ns.explain),
         pipeline=PipelineArgs(microbatches=ns.microbatches, schedule=ns.schedule,
@@ -278,6 +280,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp-comm-overlap", dest="tp_comm_overlap", action="store_true",
                    help="tensor-parallel all-gathers and reduce-scatters overlap the GEMMs (Megatron's "
                         "--tp-comm-overlap, torch async TP)")
+    p.add_argument("--cross-entropy-fusion", dest="ce_fusion", action="store_true",
+                   help="framework megatron: the loss as Megatron's --cross-entropy-loss-fusion runs it (NeMo's "
+                        "cross_entropy_loss_fusion: fewer passes over the fp32 logits; default off, as in Megatron-LM)")
     p.add_argument("--moe-skew", dest="moe_skew", metavar="F",
                    help="mixture of experts: the busiest expert receives F x the mean tokens (the others share the "
                         "rest); under expert parallelism the step waits for the busiest ep rank (default 1: uniform)")

@@ -461,7 +461,8 @@ class _Rerun:
 def _rerun(plan: Plan, recompute: str, comp: _Compute, comm: _Comm, kern_by_op: dict[int, float]) -> _Rerun:
     """The recomputed forward ops (with their forward collectives) run again before the first
     op that reads their outputs (``comp.by_phase["recompute"]``, ``comm.by_phase["recompute"]``);
-    a tensor kept as its producer's shard is all-gathered again there (``comm.by_phase["backward"]``)."""
+    a tensor kept as its producer's shard is all-gathered again there (``comm.by_phase["backward"]``),
+    under Megatron overlapped with that op's dgrad GEMM (:func:`dgrad_time`)."""
     rerun, regather = rerun_points(plan, saved_activations(plan, recompute))
     out = _Rerun()
     for at, idx in rerun.items():
@@ -476,12 +477,28 @@ def _rerun(plan: Plan, recompute: str, comp: _Compute, comm: _Comm, kern_by_op: 
             comm.by_phase["recompute"] = comm.by_phase.get("recompute", 0.0) + cm
             out.extra_at[at] = out.extra_at.get(at, 0.0) + comp.times[j] + cm
     for at, ks in regather.items():
+        secs = 0.0
         for ix in ks:
             t_ = plan.reshards[ix].plan.time_s
             out.regathers += 1
             comm.by_phase["backward"] += t_
-            out.extra_at[at] = out.extra_at.get(at, 0.0) + t_
+            secs += t_
+        exposed = max(0.0, secs - dgrad_time(comp.costs[at], comp.times[at])) \
+            if plan.runtime.framework == "megatron" else secs
+        out.extra_at[at] = out.extra_at.get(at, 0.0) + exposed
     return out
+
+
+def dgrad_time(c: OpCost, t: float) -> float:
+    """The seconds of a matmul grad's input-gradient GEMM (its first, ``dx``; its share of the
+    op's time by FLOPs); 0 for another op. Megatron's sequence-parallel linear layers (its own
+    ``LinearWithGradAccumulationAndAsyncCommunication`` and Transformer Engine's, "Overlap input
+    AG with dgrad") launch the backward's all-gather of their input asynchronously and run the
+    dgrad GEMM while it goes; the weight-gradient GEMM waits for it."""
+    if not c.matmul or len(c.gemms) < 2:
+        return 0.0
+    f = [b * m * n * k for b, m, n, k in c.gemms]
+    return t * f[0] / sum(f) if sum(f) > 0 else 0.0
 
 
 class Reducer:
@@ -729,4 +746,4 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
 
 
 __all__ = ["BUCKET_BYTES", "FIRST_BUCKET_BYTES", "MEGATRON_BUCKET_PARAMS", "Bucket", "OpComm", "Reducer", "StepEstimate",
-           "estimate_step", "is_grad_sync", "layer_groups", "op_communication", "param_gather_time", "tp_overlap_exposed"]
+           "dgrad_time", "estimate_step", "is_grad_sync", "layer_groups", "op_communication", "param_gather_time", "tp_overlap_exposed"]

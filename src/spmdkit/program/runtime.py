@@ -15,6 +15,9 @@ GEMMs. A plan carries one (:attr:`spmdkit.program.plan.Plan.runtime`); the CLI s
   upcast, Transformer Engine's attention). :data:`FSDP2` names the FSDP2 ones.
 - ``tp_comm_overlap``: the tensor-parallel all-gathers and reduce-scatters run under the GEMMs
   that consume or produce them (Megatron's ``--tp-comm-overlap``, torch's async TP).
+- ``ce_fusion``: Megatron's ``--cross-entropy-loss-fusion`` (NeMo's ``cross_entropy_loss_fusion``):
+  the vocab-parallel cross-entropy's passes over the fp32 logits compiled together, fewer of
+  them (:mod:`spmdkit.cost.loss`); off by default, as in Megatron-LM.
 - ``moe_skew`` / ``moe_histogram``: how unevenly a mixture-of-experts router spreads the tokens
   (``--moe-skew F``: the busiest expert receives F x the mean, the others share the rest evenly;
   ``--moe-histogram``: tokens per expert as measured); uniform (1.0, None) by default.
@@ -49,6 +52,7 @@ class Runtime:
     tp_comm_overlap: bool = False
     moe_skew: float = 1.0
     moe_histogram: tuple[float, ...] | None = None
+    ce_fusion: bool = False
 
     def __post_init__(self) -> None:
         if self.precision is not None and self.precision not in PRECISIONS:
@@ -82,6 +86,8 @@ class Runtime:
             out["moe_skew"] = self.moe_skew
         if self.moe_histogram is not None:
             out["moe_histogram"] = list(self.moe_histogram)
+        if self.ce_fusion:
+            out["ce_fusion"] = True
         return out
 
 
