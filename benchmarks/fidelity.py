@@ -265,6 +265,12 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
         argv.append("--tp-comm-overlap")
     if nemo is not None and nemo[2]:
         argv.append("--cross-entropy-fusion")
+    if pp > 1 and row["id"].startswith(("narayanan21", "korthikanti22")):
+        # Megatron-LM of 2021-2022 (megatron/p2p_communication.py): batch_isend_irecv, req.wait()
+        # and torch.cuda.synchronize() after every exchange; overlap_p2p_comm came in 2023-05
+        argv.append("--no-p2p-overlap")
+        assume.append("pipeline sends block (Megatron-LM 2021-2022: torch.cuda.synchronize() after each "
+                      "batch_isend_irecv)")
     dpe = dp * ep  # the data-parallel ranks (ep folded into them; cp ranks share their sequences)
     accum = (gb // (dpe * mb)) if gb else 1
     if gb and gb % (dpe * mb):

@@ -135,3 +135,47 @@ def test_nemo_runs_take_their_launcher_config(tmp_path: Path) -> None:
     case = fid.express(rows["nemo2407_h100_fp8_llama2_7b_8gpu"], tmp_path)  # tp=1: nothing to overlap
     assert "--tp-comm-overlap" not in case.argv and "dropout" not in json.loads(case.argv[-1])
     assert fid.nemo_launcher(rows["megatronlm_h100_2024_1.7b"], []) is None
+
+
+# -- Transformer Engine's userbuffers: a reduce-scatter's SMs taken from its GEMM ------------------
+
+
+def test_userbuffers_reduce_scatter_takes_sms_from_its_gemm() -> None:
+    # TE's default num_sm = 16 of the H100's 132: the GEMM keeps 116, 16/116 more time while overlapped
+    assert st.UB_COMM_SMS == 16
+    tax = st.ub_sm_tax("megatron", 132)
+    assert tax == pytest.approx(16 / 116) and st.ub_sm_tax("torchtitan", 132) == 0.0
+    # comm 1 ms under a 2 ms GEMM in 4 chunks: the GEMM stretched by 1 ms x tax, then one chunk's
+    # collective (1/4 ms) left exposed: 0.25 + tax ms beyond the GEMM's own 2 ms
+    assert st.overlap_exposed(1e-3, 2e-3, 4, tax) == pytest.approx(0.25e-3 + 1e-3 * tax)
+    assert st.overlap_exposed(1e-3, 2e-3, 4) == pytest.approx(st.tp_overlap_exposed(1e-3, 2e-3, 4))
+    # the collective longer than its GEMM: the GEMM's whole time is taxed
+    assert st.overlap_exposed(3e-3, 2e-3, 4, tax) == pytest.approx(3e-3 + (2e-3 + 2e-3 * tax) / 4 - 2e-3)
+
+
+def _plan_json(*extra: str) -> dict[str, Any]:
+    import contextlib
+    import io
+    argv = ["plan", "--model", "llama-7b", "--layers", "8", "--seq", "1024", "--mesh", "pp=2,tp=2",
+            "--strategy", "megatron", "--device", "h100", "--batch", "8", "--microbatches", "8",
+            "--schedule", "interleaved", "--virtual-stages", "2", "--json", *extra]
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(argv) == 0
+    return json.loads(buf.getvalue())  # type: ignore[no-any-return]
+
+
+def test_blocking_pipeline_sends_of_megatron_2021() -> None:
+    from spmdkit.planner.pipeline import run_schedule
+    over, block = _plan_json(), _plan_json("--no-p2p-overlap")
+    p = over["pipeline"]
+    stages = p["stages"]
+    fwd = [s["forward_s"] for s in stages]
+    bwd = [s["backward_s"] + s["recompute_s"] for s in stages]
+    sf = [s["send_s"] for s in stages]
+    sb = [stages[k + 1]["send_grad_s"] if k + 1 < len(stages) else 0.0 for k in range(len(stages))]
+    want = run_schedule("interleaved", 2, 2, 8, fwd, bwd, sf, sb, True)
+    free = run_schedule("interleaved", 2, 2, 8, fwd, bwd, sf, sb)
+    assert block["pipeline"]["pipeline_s"] == pytest.approx(want.pipeline_s)
+    assert over["pipeline"]["pipeline_s"] == pytest.approx(free.pipeline_s)
+    assert block["pipeline"]["pipeline_s"] > over["pipeline"]["pipeline_s"]

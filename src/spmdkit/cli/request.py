@@ -72,6 +72,7 @@ class Links:
     moe_skew: str | None = None
     moe_histogram: str | None = None
     ce_fusion: bool = False
+    p2p_overlap: bool = True
 
     def runtime(self) -> Runtime:
         """``--precision``, ``--framework``, ``--tp-comm-overlap``, ``--moe-skew`` and
@@ -79,7 +80,7 @@ class Links:
         naming the flag)."""
         return Runtime(parse_precision(self.precision), (self.framework or "megatron").strip().lower(),
                        self.tp_comm_overlap, parse_moe_skew(self.moe_skew), parse_moe_histogram(self.moe_histogram),
-                       self.ce_fusion)
+                       self.ce_fusion, self.p2p_overlap)
 
 
 @dataclass(frozen=True)
@@ -207,7 +208,8 @@ def plan_request(ns: argparse.Namespace) -> PlanRequest:
         batch=ns.batch, seq=ns.seq, annotate=tuple(ns.annotate),
         links=Links(cost=ns.cost, device=ns.device, nodes_of=ns.nodes_of, precision=ns.precision,
                     framework=ns.framework, tp_comm_overlap=ns.tp_comm_overlap, moe_skew=ns.moe_skew,
-                    moe_histogram=ns.moe_histogram, ce_fusion=ns.ce_fusion),
+                    moe_histogram=ns.moe_histogram, ce_fusion=ns.ce_fusion,
+                    p2p_overlap=ns.p2p_overlap),
         grad_accum=ns.grad_accum, recompute=ns.recompute, verify=ns.verify,
         search=SearchArgs(auto=ns.auto, time_limit=ns.auto_time_limit, memory=ns.memory, explain=ns.explain),
         pipeline=PipelineArgs(microbatches=ns.microbatches, schedule=ns.schedule,
@@ -280,6 +282,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp-comm-overlap", dest="tp_comm_overlap", action="store_true",
                    help="tensor-parallel all-gathers and reduce-scatters overlap the GEMMs (Megatron's "
                         "--tp-comm-overlap, torch async TP)")
+    p.add_argument("--no-p2p-overlap", dest="p2p_overlap", action="store_false",
+                   help="pipeline: every stage-to-stage send blocks its sender (Megatron-LM before 2023, "
+                        "--no-overlap-p2p-communication); default: the interleaved schedule's sends overlap compute")
     p.add_argument("--cross-entropy-fusion", dest="ce_fusion", action="store_true",
                    help="framework megatron: the loss as Megatron's --cross-entropy-loss-fusion runs it (NeMo's "
                         "cross_entropy_loss_fusion: fewer passes over the fp32 logits; default off, as in Megatron-LM)")

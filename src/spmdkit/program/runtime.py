@@ -18,6 +18,9 @@ GEMMs. A plan carries one (:attr:`spmdkit.program.plan.Plan.runtime`); the CLI s
 - ``ce_fusion``: Megatron's ``--cross-entropy-loss-fusion`` (NeMo's ``cross_entropy_loss_fusion``):
   the vocab-parallel cross-entropy's passes over the fp32 logits compiled together, fewer of
   them (:mod:`spmdkit.cost.loss`); off by default, as in Megatron-LM.
+- ``p2p_overlap``: the interleaved pipeline's sends overlap the next unit's compute (Megatron's
+  ``overlap_p2p_comm``, on by default since 2023); off (``--no-p2p-overlap``): every send blocks
+  its sender, as Megatron-LM's ``batch_isend_irecv`` + ``torch.cuda.synchronize()`` of 2021-2022.
 - ``moe_skew`` / ``moe_histogram``: how unevenly a mixture-of-experts router spreads the tokens
   (``--moe-skew F``: the busiest expert receives F x the mean, the others share the rest evenly;
   ``--moe-histogram``: tokens per expert as measured); uniform (1.0, None) by default.
@@ -53,6 +56,7 @@ class Runtime:
     moe_skew: float = 1.0
     moe_histogram: tuple[float, ...] | None = None
     ce_fusion: bool = False
+    p2p_overlap: bool = True
 
     def __post_init__(self) -> None:
         if self.precision is not None and self.precision not in PRECISIONS:
@@ -88,6 +92,8 @@ class Runtime:
             out["moe_histogram"] = list(self.moe_histogram)
         if self.ce_fusion:
             out["ce_fusion"] = True
+        if not self.p2p_overlap:
+            out["p2p_overlap"] = False
         return out
 
 
