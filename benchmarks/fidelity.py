@@ -240,9 +240,10 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
     cfg = {"name": row["id"], **_arch(row), "layers": layers, "hidden": m["hidden"], "heads": m["heads"],
            "kv_heads": m.get("kv_heads") or m["heads"], "ffn": m["ffn_hidden"], "vocab": vocab, "seq": m["seq_len"],
            "batch": 1, "dtype": "bf16", "tied_embeddings": tied}
-    if row["id"].startswith(("narayanan21", "korthikanti22")):
+    if row["id"].startswith(("narayanan21", "korthikanti22", "megatronlm")):
         # Megatron GPT's hidden and attention dropout, 0.1 by default (Korthikanti et al. count its
-        # masks in their activation memory, Sec. 4.1)
+        # masks in their activation memory, Sec. 4.1); still so in Megatron-LM core_r0.8.0
+        # (megatron/training/arguments.py: --hidden-dropout / --attention-dropout default 0.1)
         cfg["dropout"] = 0.1
         assume.append("dropout 0.1 (Megatron-LM's default of the time)")
     nemo = nemo_launcher(row, assume)
