@@ -212,6 +212,23 @@ def nemo_launcher(row: dict[str, Any], assume: list[str]) -> tuple[bool, float, 
     return got
 
 
+def _nemo_states(row: dict[str, Any], assume: list[str]) -> list[str]:
+    """NeMo 24.07's gradient and optimizer-state dtypes (``--grad-dtype``, ``--optimizer-dtype``).
+    NVIDIA's performance recipes reduce and hold the gradients in bf16: NeMo-Framework-Launcher's
+    fp8 configs (``gpt3/{5b,20b,175b}_fp8_performance.yaml``, 24.07's ``gpt3/175b_fp8.yaml`` and
+    ``nemotron/nemotron_340b.yaml``: ``optim.grad_sync_dtype: bf16``; NeMo 2.0's
+    ``scripts/performance/helpers.py``: ``grad_reduce_in_fp32 = False``). Nemotron-4 340B's 24.07
+    recipe also keeps Adam's moments in bf16 (``optim.dtype: bf16``)."""
+    if not row["id"].startswith("nemo"):
+        return []
+    out = ["--grad-dtype", "bf16"]
+    assume.append("gradients in bf16 (not stated; NVIDIA's fp8 performance recipes: optim.grad_sync_dtype bf16)")
+    if "Nemotron-4 340B" in str(row["model"].get("name")):
+        out += ["--optimizer-dtype", "bf16"]
+        assume.append("Adam moments in bf16 (not stated; NeMo 24.07's nemotron_340b.yaml: optim.dtype bf16)")
+    return out
+
+
 def express(row: dict[str, Any], tmp: Path) -> Case:
     """The command line of ``row``, or Unsupported naming the missing feature."""
     m, par = row["model"], row["parallelism"]
@@ -261,6 +278,7 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
     argv = ["plan", "--mesh", ",".join(f"{k}={v}" for k, v in dims if (k not in ("pp", "ep", "cp") or v > 1)),
             "--strategy", strategy, "--device", device, "--precision", _precision(row), "--framework", framework,
             "--recompute", recompute, "--json"]
+    argv += _nemo_states(row, assume)
     overlaps = str(par.get("overlaps") or "")
     if "--tp-comm-overlap" in overlaps or par.get("async_tp") or (nemo is not None and nemo[0] and tp > 1):
         argv.append("--tp-comm-overlap")

@@ -71,6 +71,8 @@ class Links:
     tp_comm_overlap: bool = False
     moe_skew: str | None = None
     moe_histogram: str | None = None
+    grad_dtype: str | None = None
+    optimizer_dtype: str | None = None
     ce_fusion: bool = False
     p2p_overlap: bool = True
 
@@ -80,7 +82,17 @@ class Links:
         naming the flag)."""
         return Runtime(parse_precision(self.precision), (self.framework or "megatron").strip().lower(),
                        self.tp_comm_overlap, parse_moe_skew(self.moe_skew), parse_moe_histogram(self.moe_histogram),
-                       self.ce_fusion, self.p2p_overlap)
+                       _state_dtype(self.grad_dtype), _state_dtype(self.optimizer_dtype),
+                       ce_fusion=self.ce_fusion, p2p_overlap=self.p2p_overlap)
+
+
+def _state_dtype(text: str | None) -> str | None:
+    """``--grad-dtype`` / ``--optimizer-dtype`` as given (bfloat16 / float32 as aliases); the
+    Runtime refuses other values, naming the flag."""
+    if text is None:
+        return None
+    key = text.strip().lower()
+    return {"bfloat16": "bf16", "float32": "fp32"}.get(key, key)
 
 
 @dataclass(frozen=True)
@@ -208,8 +220,8 @@ def plan_request(ns: argparse.Namespace) -> PlanRequest:
         batch=ns.batch, seq=ns.seq, annotate=tuple(ns.annotate),
         links=Links(cost=ns.cost, device=ns.device, nodes_of=ns.nodes_of, precision=ns.precision,
                     framework=ns.framework, tp_comm_overlap=ns.tp_comm_overlap, moe_skew=ns.moe_skew,
-                    moe_histogram=ns.moe_histogram, ce_fusion=ns.ce_fusion,
-                    p2p_overlap=ns.p2p_overlap),
+                    moe_histogram=ns.moe_histogram, grad_dtype=ns.grad_dtype,
+                    optimizer_dtype=ns.optimizer_dtype, ce_fusion=ns.ce_fusion, p2p_overlap=ns.p2p_overlap),
         grad_accum=ns.grad_accum, recompute=ns.recompute, verify=ns.verify,
         search=SearchArgs(auto=ns.auto, time_limit=ns.auto_time_limit, memory=ns.memory, explain=ns.explain),
         pipeline=PipelineArgs(microbatches=ns.microbatches, schedule=ns.schedule,
@@ -294,6 +306,12 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-histogram", dest="moe_histogram", metavar="FILE|JSON",
                    help="mixture of experts: measured tokens per expert, a JSON list (one number per expert) or a "
                         "file holding one, instead of --moe-skew")
+    p.add_argument("--grad-dtype", dest="grad_dtype", metavar="fp32|bf16",
+                   help="the dtype gradients are accumulated and reduced in (Megatron-Core's grad_reduce_in_fp32, "
+                        "NeMo's optim.grad_sync_dtype); default the framework's (fp32 main gradients)")
+    p.add_argument("--optimizer-dtype", dest="optimizer_dtype", metavar="fp32|bf16",
+                   help="the dtype of Adam's moments (NeMo's optim.dtype); bf16: two bf16 moments and no fp32 "
+                        "master copy; default the framework's")
     p.add_argument("--grad-accum", dest="grad_accum", metavar="K",
                    help="gradient accumulation: K forward/backward micro-steps per optimizer step, the gradients "
                         "accumulated and reduced once (default 1)")

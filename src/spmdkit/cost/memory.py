@@ -528,6 +528,25 @@ def _bytes_per_element(framework: str, precision: str) -> tuple[int, int, int]:
     return 2, 4, 12  # bf16, and fp8 (TE keeps bf16 parameters; fp8 copies counted apart)
 
 
+def state_bytes(framework: str, precision: str, grad_dtype: str | None = None,
+                optimizer_dtype: str | None = None) -> tuple[int, int, int]:
+    """:func:`_bytes_per_element` with ``--grad-dtype`` and ``--optimizer-dtype`` over the
+    framework's defaults. ``grad_dtype``: the gradient held (and reduced) in fp32 (4 bytes) or
+    bf16 (2; NVIDIA's performance recipes: NeMo 1.0's ``optim.grad_sync_dtype: bf16``, NeMo 2.0's
+    ``grad_reduce_in_fp32 = False``). ``optimizer_dtype`` bf16: Adam's two moments in bf16 (4
+    bytes) and no fp32 master copy, the bf16 parameter being updated in place (Apex's
+    ``DistributedFusedAdam(dtype=bf16)``, NeMo's ``store_params=False`` when the optimizer's dtype
+    is the model's); fp32: the framework's fp32 states (automodel: two fp32 moments, 8)."""
+    pb, gb, sb = _bytes_per_element(framework, precision)
+    if grad_dtype is not None:
+        gb = 4 if grad_dtype == "fp32" else 2
+    if optimizer_dtype == "bf16":
+        sb = 4
+    elif optimizer_dtype == "fp32" and framework == "automodel" and precision != "fp32":
+        sb = 8  # fp32 moments beside the bf16 parameters
+    return pb, gb, sb
+
+
 def makes_no_copy(plan: Plan, r: Reshard) -> bool:
     """``r`` changes only mesh dims of one rank (a ZeRO-3 gather of an expert stack over an
     expert-data-parallel dim of size 1): the local tensor is the same, no bytes move and the
@@ -584,7 +603,7 @@ def held_for_the_step(plan: Plan) -> dict[str, tuple[int, int, int]]:
             out[p] = (numel(p, plan.storage.get(p)) * t.itemsize, n_grad * (prog.tensors[grads[0]].itemsize if grads else 0),
                       sum(numel(n) * prog.tensors[n].itemsize for n in states))
             continue
-        pb, gb, sb = _bytes_per_element(rt.framework, rt.precision_of(t.dtype))
+        pb, gb, sb = state_bytes(rt.framework, rt.precision_of(t.dtype), rt.grad_dtype, rt.optimizer_dtype)
         small = sum(numel(n) * prog.tensors[n].itemsize for n in states if n not in big)
         fp8 = 2 * numel(p) if p in linear else 0
         if rt.framework == "automodel" and grads and unreduced.get(grads[0], 0) > numel(grads[0]):
@@ -746,14 +765,18 @@ def activation_deltas(plan: Plan, saved: ActivationMemory, group_of: list[int] |
     for k, r in enumerate(plan.reshards):
         if makes_no_copy(plan, r):
             continue
+        if not r.output and r.tensor not in vin[r.op_index]:
+            continue  # an input its op reads for the shape only (SHAPE_ONLY): no copy is made
         op = prog.ops[r.op_index]
         g = grp[r.op_index]
         if r.tensor in stored:
             lo, hi = before[(op.layer, op.phase)], blocks[(op.layer, op.phase)][1]
             key = (g, r.tensor, r.dst, op.phase)
         else:
+            # one copy per phase: the plan reshards again for a backward reader (and prices it),
+            # so the forward's copy is not held to the backward
             lo = hi = r.op_index
-            key = (g, r.tensor, r.dst, "again" if k in again else "")
+            key = (g, r.tensor, r.dst, "again" if k in again else op.phase)
         s = spans.setdefault(key, [lo, hi])
         s[0], s[1] = min(s[0], lo), max(s[1], hi)
     for (g, n, dst, _phase), (a, e) in spans.items():
@@ -843,5 +866,5 @@ __all__ = ["ALLOCATOR_RESERVE", "CUDA_CONTEXT_BYTES", "LOSS_BYTES", "LOSS_RULES"
            "FOR_GRAD_ONLY", "SHAPE_ONLY", "ActivationMemory", "Memory", "UnevenShard", "activation_deltas",
            "check_recompute", "communicators", "fit_verdict", "fp8_stashed", "held_for_the_step", "local_numel",
            "makes_no_copy", "memory_per_device",
-           "peak_of", "recompute_regions", "rerun_points", "saved_activations", "spans_with_recompute",
+           "peak_of", "recompute_regions", "state_bytes", "rerun_points", "saved_activations", "spans_with_recompute",
            "uneven_shards", "value_inputs", "value_reads", "value_spans", "with_overheads"]

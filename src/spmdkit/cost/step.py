@@ -542,6 +542,8 @@ class Reducer:
         self.mesh = plan.mesh
         self.cost = plan.cost
         self.framework = plan.runtime.framework
+        #: ``--grad-dtype bf16``: the gradients reduced in bf16, as they are held
+        self.reduce_itemsize = {} if plan.runtime.grad_dtype == "bf16" else _REDUCE_ITEMSIZE
         self.buckets: list[Bucket] = []
         self.open: dict[tuple[Any, ...], list[Any]] = {}  # key -> [tensors, bytes, ready, cap, layer]
         self.free = 0.0  # when the communication stream is free
@@ -576,7 +578,7 @@ class Reducer:
         if b is not None and self.framework in FSDP2 and s.kind == "reduce_scatter" and b[4] != layer:
             self._launch(key, b[2])  # the previous layer's gradients are all made
             b = None
-        itemsize = _REDUCE_ITEMSIZE.get(dtype, 0)
+        itemsize = self.reduce_itemsize.get(dtype, 0)
         if itemsize:
             size = size * itemsize // 2
         if b is None:

@@ -15,6 +15,13 @@ GEMMs. A plan carries one (:attr:`spmdkit.program.plan.Plan.runtime`); the CLI s
   upcast, Transformer Engine's attention). :data:`FSDP2` names the FSDP2 ones.
 - ``tp_comm_overlap``: the tensor-parallel all-gathers and reduce-scatters run under the GEMMs
   that consume or produce them (Megatron's ``--tp-comm-overlap``, torch's async TP).
+- ``grad_dtype``: ``fp32`` or ``bf16``, the dtype the framework accumulates and reduces the
+  gradients in (Megatron-LM's ``--accumulate-allreduce-grads-in-fp32``, Megatron-Core's
+  ``grad_reduce_in_fp32``, NeMo's ``optim.grad_sync_dtype``); None: the framework's default
+  (fp32 main gradients under megatron and torchtitan; automodel's bf16).
+- ``optimizer_dtype``: ``fp32`` or ``bf16``, the dtype of Adam's moments (NeMo's ``optim.dtype``,
+  Apex's ``DistributedFusedAdam(dtype=...)``): bf16 keeps two bf16 moments and no fp32 master
+  copy (the bf16 parameter is the master); None: the framework's default.
 - ``ce_fusion``: Megatron's ``--cross-entropy-loss-fusion`` (NeMo's ``cross_entropy_loss_fusion``):
   the vocab-parallel cross-entropy's passes over the fp32 logits compiled together, fewer of
   them (:mod:`spmdkit.cost.loss`); off by default, as in Megatron-LM.
@@ -38,6 +45,8 @@ from spmdkit.core.errors import ProgramError
 from spmdkit.io.jsonfile import read_json
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+#: the dtypes of ``--grad-dtype`` and ``--optimizer-dtype``
+STATE_DTYPES = ("fp32", "bf16")
 FRAMEWORKS = ("megatron", "torchtitan", "automodel")
 #: the frameworks that shard with FSDP2 (their overlaps and pipelines alike)
 FSDP2 = frozenset({"torchtitan", "automodel"})
@@ -55,10 +64,15 @@ class Runtime:
     tp_comm_overlap: bool = False
     moe_skew: float = 1.0
     moe_histogram: tuple[float, ...] | None = None
+    grad_dtype: str | None = None
+    optimizer_dtype: str | None = None
     ce_fusion: bool = False
     p2p_overlap: bool = True
 
     def __post_init__(self) -> None:
+        for flag, v in (("--grad-dtype", self.grad_dtype), ("--optimizer-dtype", self.optimizer_dtype)):
+            if v is not None and v not in STATE_DTYPES:
+                raise ProgramError(f"{flag} {str(v)[:40]!r}: expected one of {', '.join(STATE_DTYPES)}")
         if self.precision is not None and self.precision not in PRECISIONS:
             raise ProgramError(f"--precision {self.precision[:40]!r}: expected one of {', '.join(PRECISIONS)}")
         if self.framework not in FRAMEWORKS:
@@ -90,6 +104,10 @@ class Runtime:
             out["moe_skew"] = self.moe_skew
         if self.moe_histogram is not None:
             out["moe_histogram"] = list(self.moe_histogram)
+        if self.grad_dtype is not None:
+            out["grad_dtype"] = self.grad_dtype
+        if self.optimizer_dtype is not None:
+            out["optimizer_dtype"] = self.optimizer_dtype
         if self.ce_fusion:
             out["ce_fusion"] = True
         if not self.p2p_overlap:
