@@ -35,6 +35,7 @@ import contextlib
 import io
 import json
 import math
+import re
 import statistics
 import sys
 import tempfile
@@ -87,8 +88,12 @@ def _device(row: dict[str, Any], tmp: Path) -> tuple[str, float]:
         return ("a100-80gb" if "80" in gpu else "a100-40gb"), (80.0 if "80" in gpu else 40.0)
     if "96GB" in gpu:  # torchtitan's H100s: 96 GB HBM2e at 2.4 TB/s, 500 W
         f = tmp / "h100-96gb-hbm2e.json"
-        f.write_text(json.dumps({"base": "h100", "name": "H100 SXM 96GB HBM2e (torchtitan's)",
-                                 "memory_gb": 96 * GIB / 1e9, "hbm_gb_per_s": 2400}))
+        dev: dict[str, Any] = {"base": "h100", "name": "H100 SXM 96GB HBM2e (torchtitan's)",
+                               "memory_gb": 96 * GIB / 1e9, "hbm_gb_per_s": 2400}
+        watts = re.search(r"at (\d+) W power limit", gpu)
+        if watts:  # the sustained tensor-core clock under the cap (docs/devices.md, "Power limits")
+            dev["power_limit_w"] = int(watts.group(1))
+        f.write_text(json.dumps(dev))
         return str(f), 96.0
     if gpu.startswith("H100"):
         return "h100", 80.0
@@ -279,6 +284,8 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
             "--strategy", strategy, "--device", device, "--precision", _precision(row), "--framework", framework,
             "--recompute", recompute, "--json"]
     argv += _nemo_states(row, assume)
+    if framework == "torchtitan":  # training.compile: Inductor's fused blocks, or eager PyTorch ops
+        argv.append("--compile" if par.get("torch_compile") else "--no-compile")
     overlaps = str(par.get("overlaps") or "")
     if "--tp-comm-overlap" in overlaps or par.get("async_tp") or (nemo is not None and nemo[0] and tp > 1):
         argv.append("--tp-comm-overlap")
@@ -297,12 +304,18 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
     if pp > 1:
         argv += ["--batch", str(dpe * mb * accum), "--microbatches", str(accum)]
         v = par.get("vp_chunks") or 1
+        if par.get("vp_chunks") is None and str(par.get("schedule") or "").lower().startswith("interleaved") \
+                and framework == "torchtitan":
+            v = 2  # torchtitan's generate_split_points: 2 stages a rank for a looped schedule without split points
+            assume.append("2 stages per rank (not stated; torchtitan's default for a looped schedule without "
+                          "pipeline_parallel_split_points)")
         if v > 1:
             argv += ["--schedule", "interleaved", "--virtual-stages", str(v)]
         n = pp * v
-        if layers % n:  # torchtitan splits unevenly: the first stages one layer more
-            argv += ["--stages", ",".join(str(layers // n + (k < layers % n)) for k in range(n))]
-            assume.append(f"{layers} layers split {layers // n + 1} / {layers // n} over {n} stages")
+        if layers % n:
+            argv += ["--stages", ",".join(str(k) for k in _split(layers, n, framework))]
+            assume.append(f"{layers} layers split {'/'.join(str(k) for k in _split(layers, n, framework))} "
+                          f"over {n} stages")
     else:
         argv += ["--batch", str(dpe * mb)]
         if accum > 1:
@@ -319,6 +332,21 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
     else:
         case.argv = [*argv, "--model-config", json.dumps(cfg)]
     return case
+
+
+def _split(layers: int, n: int, framework: str) -> list[int]:
+    """Layers per pipeline stage. torchtitan (``generate_split_points`` at 9dec370, no split
+    points given): the first stage ``layers // n`` (it holds the embedding), the middle stages one
+    more while the remainder lasts, the rest ``layers // n``; otherwise the first stages one more."""
+    base, extra = divmod(layers, n)
+    if framework != "torchtitan":
+        return [base + (k < extra) for k in range(n)]
+    out = [base]
+    for _ in range(1, n):
+        out.append(base + (extra > 0))
+        extra -= extra > 0
+    out[-1] += extra  # more left than middle stages (never with n > 2 and layers >= n): the last takes it
+    return out
 
 
 def _metric(row: dict[str, Any], meas: dict[str, Any]) -> tuple[str, float]:

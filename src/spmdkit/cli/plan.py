@@ -33,7 +33,7 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel
 from spmdkit.cost.devices import Device, cost_model, load_device
 from spmdkit.cost.memory import check_recompute, memory_per_device
-from spmdkit.models.source import HFModel, ModelSource, Preset, ProgramFile, load
+from spmdkit.models.source import HFModel, ModelSource, Preset, ProgramFile, load, load_preset
 from spmdkit.models.zoo import model_label
 from spmdkit.outputs.export import check_target
 from spmdkit.outputs.html import check_html_path
@@ -43,6 +43,7 @@ from spmdkit.outputs.tables import fitted, terminal_width
 from spmdkit.planner.auto import AutoInfo, auto_plan
 from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, parse_cost, parse_size
 from spmdkit.planner.search import parse_memory
+from spmdkit.strategies.context import auto_config as auto_cp_config
 from spmdkit.strategies.strategy import parse_mesh
 
 
@@ -204,7 +205,8 @@ def _run_auto(req: PlanRequest, out: TextIO, recompute: str, user: dict[str, Any
     """``--auto``: the searched plan of a preset, a --program file or an --hf model (planner/auto/);
     ``--verify``: a preset's plan checked on its tiny model (sim/verify_plan.verify_auto)."""
     m = req.model
-    if req.strategy is not None:
+    items = [s.strip() for s in req.strategy.split(",") if s.strip()] if req.strategy is not None else []
+    if req.strategy is not None and not items:
         raise ProgramError("--strategy: does not apply with --auto (the search chooses the shardings)")
     check_one_model(m)
     if req.verify and (m.hf is not None or m.program):
@@ -212,8 +214,13 @@ def _run_auto(req: PlanRequest, out: TextIO, recompute: str, user: dict[str, Any
     limit = auto_time_limit(req.search.time_limit)
     mesh = parse_mesh(req.mesh_text)
     t0 = time.perf_counter()
+    source = _auto_source(req, sizes)
+    # on a cp mesh a preset is built with cp_attention (the search then splits the sequence over cp)
+    cp_cfg = auto_cp_config(sizes.config() if isinstance(source, Preset) else None, mesh, items,
+                            "--hf" if m.hf is not None else "--program" if m.program else None)
     # a preset with the vocab-parallel loss: its rule also takes the class axis whole (the plain loss)
-    loaded = load(_auto_source(req, sizes), vocab_parallel_loss=True)
+    loaded = load_preset(source, cp_cfg, True) if isinstance(source, Preset) and cp_cfg is not None else \
+        load(source, vocab_parallel_loss=True)
     config = loaded.model.config if loaded.model is not None else None
     title = loaded.title
     if config is not None:

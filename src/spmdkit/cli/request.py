@@ -73,6 +73,7 @@ class Links:
     moe_histogram: str | None = None
     grad_dtype: str | None = None
     optimizer_dtype: str | None = None
+    compile: bool | None = None
     ce_fusion: bool = False
     p2p_overlap: bool = True
 
@@ -82,7 +83,7 @@ class Links:
         naming the flag)."""
         return Runtime(parse_precision(self.precision), (self.framework or "megatron").strip().lower(),
                        self.tp_comm_overlap, parse_moe_skew(self.moe_skew), parse_moe_histogram(self.moe_histogram),
-                       _state_dtype(self.grad_dtype), _state_dtype(self.optimizer_dtype),
+                       _state_dtype(self.grad_dtype), _state_dtype(self.optimizer_dtype), self.compile,
                        ce_fusion=self.ce_fusion, p2p_overlap=self.p2p_overlap)
 
 
@@ -221,7 +222,8 @@ def plan_request(ns: argparse.Namespace) -> PlanRequest:
         links=Links(cost=ns.cost, device=ns.device, nodes_of=ns.nodes_of, precision=ns.precision,
                     framework=ns.framework, tp_comm_overlap=ns.tp_comm_overlap, moe_skew=ns.moe_skew,
                     moe_histogram=ns.moe_histogram, grad_dtype=ns.grad_dtype,
-                    optimizer_dtype=ns.optimizer_dtype, ce_fusion=ns.ce_fusion, p2p_overlap=ns.p2p_overlap),
+                    optimizer_dtype=ns.optimizer_dtype, compile=ns.compile, ce_fusion=ns.ce_fusion,
+                    p2p_overlap=ns.p2p_overlap),
         grad_accum=ns.grad_accum, recompute=ns.recompute, verify=ns.verify,
         search=SearchArgs(auto=ns.auto, time_limit=ns.auto_time_limit, memory=ns.memory, explain=ns.explain),
         pipeline=PipelineArgs(microbatches=ns.microbatches, schedule=ns.schedule,
@@ -291,6 +293,10 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                         "NeMo: fp32 main gradients and master weights; default), torchtitan (FSDP2: fp32 "
                         "sharded parameters and gradients, bf16 compute copies) or automodel (NeMo AutoModel: "
                         "FSDP2 over bf16 parameters, bf16 Adam moments, the loss on bf16 logits)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="--framework torchtitan: the transformer blocks compiled by torch.compile (norms, rotary "
+                        "and SwiGLU fused) or, --no-compile (torchtitan's default), run eagerly: every PyTorch op "
+                        "its own kernels reading and writing HBM (docs/devices.md, \"Eager and compiled\")")
     p.add_argument("--tp-comm-overlap", dest="tp_comm_overlap", action="store_true",
                    help="tensor-parallel all-gathers and reduce-scatters overlap the GEMMs (Megatron's "
                         "--tp-comm-overlap, torch async TP)")

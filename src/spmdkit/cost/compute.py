@@ -34,6 +34,7 @@ from spmdkit.core.errors import SpmdError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel
 from spmdkit.cost.context import CP_RULES, cp_op_cost
+from spmdkit.cost.eager import eager_cost
 from spmdkit.cost.loss import loss_cost
 from spmdkit.cost.moe import active_share, expert_op_cost
 from spmdkit.engine.cache_keys import UNCACHEABLE, value_key
@@ -262,6 +263,8 @@ def op_cost(plan: Plan, i: int) -> OpCost:
         c = replace(c, framework=rt.framework)
     if rt.fp8 and c.matmul:
         c = _fp8(plan.program, i, lop, c)
+    if rt.framework == "torchtitan":  # its model code's eager ops (and, under --compile, the loss and repeat_kv)
+        c = eager_cost(lop, c, rt.eager)
     return loss_cost(_canonical(opp.op.rule), lop, c, rt.framework, rt.ce_fusion)
 
 

@@ -33,6 +33,7 @@ from spmdkit.cost.rates import (
     H200_RATES,
     Rates,
     attention_efficiency,
+    clock_at_power,
     gemm_efficiency,
     measured_attention,
     measured_gemm,
@@ -118,7 +119,7 @@ class Device:
             if key == "fp8":
                 self.check_precision("fp8")
             peak = self.peak["fp32"]
-        return peak * gemm_efficiency(self.rates, key, batch, m, n, k)
+        return peak * gemm_efficiency(self.rates, key, batch, m, n, k) * self.rates.clock
 
     def attention_rate(self, c: OpCost) -> float:
         """FLOP/s of a flash-attention pass (``c.attention``): measured (the nearest point), else
@@ -132,7 +133,8 @@ class Device:
             if got is not None:
                 return got
         kernel = self.rates.attention_kernel.get(c.framework or "megatron", "")
-        return self.matmul_peak(c.dtype) * attention_efficiency(self.rates, kernel, backward, seq, hd, causal)
+        return self.matmul_peak(c.dtype) * attention_efficiency(self.rates, kernel, backward, seq, hd, causal) * \
+            self.rates.clock
 
     @property
     def vector_peak(self) -> float:
@@ -161,7 +163,8 @@ class Device:
         if not c.gemms:
             if key == "fp8":
                 self.check_precision("fp8")
-            return c.flops / ((self.peak.get(key) or self.peak["fp32"]) * (self.rates.gemm.get(key) or 0.8))
+            return c.flops / ((self.peak.get(key) or self.peak["fp32"]) * (self.rates.gemm.get(key) or 0.8) *
+                              self.rates.clock)
         total = sum(2.0 * b * m * n * k for b, m, n, k in c.gemms)
         t = sum(2.0 * b * m * n * k / self.gemm_rate(key, b, m, n, k) for b, m, n, k in c.gemms)
         return t * (c.flops / total) if total > 0 else c.flops / self.matmul_peak(c.dtype)
@@ -219,7 +222,7 @@ _DEVICE_ALIASES = {"a100": "a100-80gb", "a100-80": "a100-80gb", "a100-40": "a100
                    "h800-sxm": "h800", "h800-80gb": "h800"}
 
 _JSON_KEYS = {"name", "peak_tflops", "hbm_gb_per_s", "memory_gb", "intra_node", "inter_node", "ranks_per_node",
-              "tf32", "base", "measured", "efficiency"}
+              "tf32", "base", "measured", "efficiency", "power_limit_w"}
 
 
 def _num(what: str, v: Any, positive: bool = True, scale: float = 1.0) -> float:
@@ -289,6 +292,11 @@ def device_from_json(obj: Any) -> Device:
     rates = base.rates if base else GENERIC_RATES
     if "efficiency" in obj:
         rates = parse_rates(obj["efficiency"], rates, PEAK_KEYS)
+    if "power_limit_w" in obj:
+        if "efficiency" in obj and "clock" in obj["efficiency"]:
+            raise ProgramError("--device power_limit_w: give it or efficiency.clock, not both")
+        watts = _num("power_limit_w", obj["power_limit_w"])
+        rates = replace(rates, clock=clock_at_power(rates, watts, base.name if base else str(name)))
     return Device(name[:100], peak, hbm, mem, intra, inter, rpn, tf32, measured, rates)
 
 

@@ -20,7 +20,8 @@ compiled by ``jit_fuser``: torch.compile from torch 2.2): the upcast and ``max``
 division (read 4, write 4): 26 forward; the backward's scale and cast to bf16 in one kernel (read
 4, write 4 in place, write 2): 10.
 
-Only the ``megatron`` framework's loss is modelled here; the others keep the op families' cost.
+Only the ``megatron`` framework's loss is modelled here (torchtitan's eager loss: :mod:`spmdkit.cost.eager`;
+AutoModel's on bf16 logits keeps the op families' cost).
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ datasheet peaks. Standard library only. docs/devices.md, "Achievable rates".
   the bf16 peak by kernel (FlashAttention-2, cuDNN / FlashAttention-3), saturating in the
   sequence length (``s / (s + S0)``, causal: half the sequence) and in the head dim.
 - Memory-bound ops: a fraction of the datasheet HBM bandwidth (STREAM-like copy / triad).
+- A power limit below the board's rated power (``clock``, a device file's ``power_limit_w``:
+  :func:`clock_at_power`): the tensor cores' sustained clock, hence every GEMM and attention
+  rate, scaled by the rated tensor-core peak NVIDIA gives the same GPU at that power.
 - Every kernel takes at least ``launch_s`` (an eager framework issues one kernel per op; a
   kernel shorter than the launch rate leaves the GPU waiting on the host).
 - :class:`spmdkit.cost.measured.Measured` (``spmdkit calibrate``) overrides the model:
@@ -21,6 +24,7 @@ datasheet peaks. Standard library only. docs/devices.md, "Achievable rates".
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Mapping
@@ -70,12 +74,18 @@ class Rates:
     k0: float = 128.0
     s0: float = 256.0
     d0: float = 32.0
+    #: the sustained tensor-core clock as a fraction of the one the rates were measured at (the
+    #: board's rated power): 1, or less under a power limit (:func:`clock_at_power`)
+    clock: float = 1.0
+    #: (board power W, tensor-core peak at that power / the rated one) of the GPU's own SKUs,
+    #: NVIDIA's datasheets; :func:`clock_at_power` interpolates them. Empty: not known
+    power_points: tuple[tuple[float, float], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {"sms": self.sms, "gemm": dict(self.gemm),
+        return {"sms": self.sms, "gemm": dict(self.gemm), "clock": self.clock,
                 "attention": {k: {"fwd": f, "bwd": b} for k, (f, b) in self.attention.items()},
                 "attention_kernel": dict(self.attention_kernel), "hbm": self.hbm, "launch_us": self.launch_s * 1e6,
-                "k0": self.k0, "s0": self.s0, "d0": self.d0}
+                "k0": self.k0, "s0": self.s0, "d0": self.d0, "power_points": [list(p) for p in self.power_points]}
 
 
 # -- the presets (docs/devices.md, "Achievable rates", gives every source) -------------------------
@@ -94,12 +104,37 @@ A100_40_RATES = Rates(108, A100_RATES.gemm, A100_RATES.attention, A100_RATES.att
 #: Shah et al. 2024, its FA-2 baseline at head dim 128); cuDNN fused attention / FA-3: ~0.65 / 0.50
 #: (FA-3 paper Fig. 5-7, bf16, head dim 128). HBM3 STREAM-like copy ~3.0 TB/s of 3.35 (0.90).
 _H100_GEMM = 792.1 / 989
+#: GH100 (132 SMs) at two board powers, NVIDIA's datasheets: H100 SXM at 700 W, dense bf16 989.5
+#: TFLOP/s (1,979 with sparsity); H100 NVL at 350-400 W, 835.5 (1,671 with sparsity): the same
+#: SMs at the tensor-core clock NVIDIA rates for 400 W, 0.844 of the SXM's. torchtitan's H100
+#: benchmark (benchmarks/llama3_h100_202412_torchtitan.md, footnote 2) puts its 500 W H100s
+#: "between SXM and NVL" for the same reason.
+HOPPER_POWER = ((400.0, 835.5 / 989.5), (700.0, 1.0))
 H100_RATES = Rates(132, {"bf16": _H100_GEMM, "fp16": _H100_GEMM, "tf32": _H100_GEMM, "fp32": 0.95, "fp8": 0.68},
                    {"fa2": (0.36, 0.31), "cudnn": (0.65, 0.50)}, {"megatron": "cudnn", "torchtitan": "fa2"},
-                   hbm=0.90)
+                   hbm=0.90, power_points=HOPPER_POWER)
 #: H200 SXM5: the H100's GPU (132 SMs, the same peaks) with HBM3e at 4.8 TB/s; its larger power
 #: budget holds clocks a little better (GH200 0.83): the H100's fractions, HBM ~0.88.
-H200_RATES = Rates(132, H100_RATES.gemm, H100_RATES.attention, H100_RATES.attention_kernel, hbm=0.88)
+H200_RATES = Rates(132, H100_RATES.gemm, H100_RATES.attention, H100_RATES.attention_kernel, hbm=0.88,
+                   power_points=HOPPER_POWER)
+
+
+def clock_at_power(rates: Rates, watts: float, name: str) -> float:
+    """The sustained tensor-core clock under a ``watts`` board power limit, as a fraction of the
+    rated one: linear between the GPU's :attr:`Rates.power_points` (ProgramError outside them or
+    where none are known)."""
+    pts = sorted(rates.power_points)
+    if not pts:
+        raise ProgramError(f"--device power_limit_w: no rated power points known for {name[:60]} (give "
+                           f"efficiency.clock, the sustained tensor-core clock as a fraction, instead)")
+    lo, hi = pts[0][0], pts[-1][0]
+    if not lo <= watts <= hi:
+        raise ProgramError(f"--device power_limit_w: {watts:g} W is outside {lo:g}-{hi:g} W, the powers NVIDIA "
+                           f"rates {name[:60]}'s GPU at (give efficiency.clock instead)")
+    for (w0, c0), (w1, c1) in itertools.pairwise(pts):
+        if w0 <= watts <= w1:
+            return c0 + (c1 - c0) * (watts - w0) / (w1 - w0) if w1 > w0 else c1
+    return pts[-1][1]
 
 
 # -- the model ------------------------------------------------------------------------------------
@@ -173,7 +208,7 @@ def measured_attention(measured: Measured, key: str, backward: bool, seq: int, h
 
 # -- a device file's "efficiency" object ----------------------------------------------------------
 
-_FIELDS = ("sms", "gemm", "attention", "attention_kernel", "hbm", "launch_us", "k0", "s0", "d0")
+_FIELDS = ("sms", "gemm", "attention", "attention_kernel", "hbm", "launch_us", "k0", "s0", "d0", "clock", "power_points")
 
 
 def _frac(where: str, v: Any) -> float:
@@ -237,6 +272,14 @@ def parse_rates(obj: Any, base: Rates, peak_keys: tuple[str, ...]) -> Rates:
         got["attention_kernel"] = {**base.attention_kernel, **ak}
     if "hbm" in obj:
         got["hbm"] = _frac("hbm", obj["hbm"])
+    if "clock" in obj:
+        got["clock"] = _frac("clock", obj["clock"])
+    if "power_points" in obj:
+        pp = obj["power_points"]
+        if not isinstance(pp, list) or not all(isinstance(p, list) and len(p) == 2 for p in pp):
+            raise ProgramError("--device efficiency.power_points: expected a list of [watts, clock fraction] pairs")
+        got["power_points"] = tuple((_positive("power_points watts", w, 1e5), _frac("power_points fraction", f))
+                                    for w, f in pp)
     if "launch_us" in obj:
         got["launch_s"] = _positive("launch_us", obj["launch_us"], 1e6) * 1e-6
     for key in ("k0", "s0", "d0"):
@@ -250,6 +293,6 @@ def parse_rates(obj: Any, base: Rates, peak_keys: tuple[str, ...]) -> Rates:
     return new
 
 
-__all__ = ["A100_40_RATES", "A100_RATES", "ATTENTION_KERNELS", "H100_RATES", "H200_RATES", "TILES", "Rates",
-           "attention_efficiency", "gemm_efficiency", "measured_attention", "measured_gemm", "parse_rates",
+__all__ = ["A100_40_RATES", "A100_RATES", "ATTENTION_KERNELS", "H100_RATES", "H200_RATES", "HOPPER_POWER", "TILES",
+           "Rates", "attention_efficiency", "clock_at_power", "gemm_efficiency", "measured_attention", "measured_gemm", "parse_rates",
            "tile_wave_utilisation"]

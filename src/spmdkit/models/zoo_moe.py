@@ -35,7 +35,11 @@ the router's ``probs`` [B, S, E],
 Every op keeps the batch axis until the last sum, so data parallelism (over dp x ep) shards it
 like the token losses and the aux loss adds no collective beyond the loss's own (the scalar is
 partial, as the token-loss sum is). The constant factor ``alpha x E / (S x K)`` is left out, as
-the mean of the token losses is (it shards alike and costs one pass over [B]). ``aux_loss``
+the mean of the token losses is (it shards alike and costs one pass over [B]). Under context
+parallelism (``cp`` > 1) each token's share ``sum_i f_i p_si`` is kept instead ([B, S, 1], the
+``mean`` left out: a factor S more) and concatenated beside the token losses on a new axis
+(``loss.terms`` [B, S, 1 + MoE layers]): the sequence stays split, as Megatron-Core sums the
+router probabilities over the rank's own tokens (tests/test_cp_moe.py). ``aux_loss``
 false: none of these ops (the HF importer's programs, which compute no aux loss in the forward,
 compare with that).
 
@@ -107,11 +111,34 @@ def aux_loss(t: Tape, cfg: ModelConfig, m: Model, p: str, probs: str, off: str |
         assert c is not None
         cnt = c
     (f,) = t.b.op("cast", {"x": cnt}, [(p + "aux.f", [B, E], "float32")], dtype="float32")
+    if cfg.cp > 1:
+        assert f is not None
+        return _aux_per_token(t, cfg, m, p, probs, f)
     (pm,) = t.op("mean", {"x": probs}, [(p + "aux.p", [B, E], cfg.dtype)], axis=(1,), keep_dim=False)
     if cfg.dtype != "float32":
         (pm,) = t.op("cast", {"x": pm}, [(p + "aux.p32", [B, E], "float32")], dtype="float32")
     (fp,) = t.op("multiply", {"x": f, "y": pm}, [(p + "aux.fp", [B, E], "float32")])
     (a,) = t.op("sum", {"x": fp}, [(p + "aux", [B, 1], "float32")], axis=(1,), keep_dim=True)
+    assert a is not None
+    m.aux.append(a)
+    return a
+
+
+def _aux_per_token(t: Tape, cfg: ModelConfig, m: Model, p: str, probs: str, f: str) -> str:
+    """Under context parallelism: layer ``p``'s load-balancing loss as each token's share
+    ``sum_i f_i p_si`` [B, S, 1] (``aux`` summed over S is ``S x`` the per-sequence loss: a
+    constant factor, as the module docstring's). The counts ``f`` are the sequence's (the
+    dispatch holds the whole sequence's routing); the probabilities stay on the tokens the rank
+    holds, so the loss needs no reduction of ``P`` over cp and no gather of the token losses, as
+    Megatron-Core computes it (``switch_load_balancing_loss_func``: ``tokens_per_expert``
+    all-reduced over the tp x cp group, ``probs`` summed over the rank's tokens only)."""
+    B, S, E = cfg.batch, cfg.seq, cfg.experts
+    (f3,) = t.b.op("reshape", {"x": f}, [(p + "aux.f3", [B, 1, E], "float32")], shape=(B, 1, E))
+    p32: str | None = probs
+    if cfg.dtype != "float32":
+        (p32,) = t.op("cast", {"x": probs}, [(p + "aux.p32", [B, S, E], "float32")], dtype="float32")
+    (fp,) = t.op("multiply", {"x": f3, "y": p32}, [(p + "aux.fp", [B, S, E], "float32")])
+    (a,) = t.op("sum", {"x": fp}, [(p + "aux", [B, S, 1], "float32")], axis=(2,), keep_dim=True)
     assert a is not None
     m.aux.append(a)
     return a
@@ -124,6 +151,10 @@ def aux_terms(t: Tape, m: Model, loss_tok: str) -> str:
     alone is (an ``add`` of two partial scalars would reduce each first), and every MoE layer
     has the same ops (the report groups layers by them)."""
     B, S, n = m.config.batch, m.config.seq, len(m.aux)
+    if m.config.cp > 1:  # each a token's share [B, S, 1]: side by side on a new axis, the sequence left split
+        (terms,) = t.op("concat", {"x": (loss_tok, *m.aux)}, [("loss.terms", [B, S, 1 + n], "float32")], axis=2)
+        assert terms is not None
+        return terms
     (lt,) = t.op("reshape", {"x": loss_tok}, [("loss.token2d", [B, S], "float32")], shape=(B, S))
     (terms,) = t.op("concat", {"x": (lt, *m.aux)}, [("loss.terms", [B, S + n], "float32")], axis=1)
     assert terms is not None

@@ -247,22 +247,29 @@ def rope_notation(kind: str, k: int, v: int, sin: int, ids: int, time_major: boo
 
 def _rope_post(ins: Any, outs: Any, *args: Any) -> Answer:
     """d replicated (the rotation pairs its halves), s as the module docstring says; sin / cos
-    take q's sequence sharding (or none), position_ids the batch's only."""
-    q, sin, ids, tm = ins[0], ins[3], ins[5], args[-2]
+    take q's sequence sharding (or none), position_ids the batch's only. With
+    ``local_positions`` (spmdkit's, off by default: Paddle's answer) and position_ids given, s
+    stays sharded: position_ids take q's (b, s), sin / cos whole (the ids index the table)."""
+    q, sin, ids, tm, local = ins[0], ins[3], ins[5], args[-3], args[-1]
     bi, si = (1, 0) if tm else (0, 1)
     dm = q.dims_mapping
-    keep_s = sin is not None and ids is None
+    by_ids = ids is not None and bool(local)
+    keep_s = (sin is not None and ids is None) or by_ids
     s = dm[si] if keep_s else -1
     qd: DimsMapping = (s, dm[1], dm[2], -1) if tm else (dm[0], s, dm[2], -1)
     mesh = q.mesh
     qa = make_attr(mesh, qd) if qd != dm else q
     qkv = tuple(None if t is None else qa for t in ins[:3])
-    sa = None if sin is None else make_attr(mesh, (-1, s, -1, -1) if len(sin.dims_mapping) == 4 else (s, -1))
-    ia = None if ids is None else make_attr(mesh, (dm[bi], -1))
+    ts = -1 if by_ids else s
+    sa = None if sin is None else make_attr(mesh, (-1, ts, -1, -1) if len(sin.dims_mapping) == 4 else (ts, -1))
+    ia = None if ids is None else make_attr(mesh, (dm[bi], s if by_ids else -1))
     return (*qkv, sa, sa, ia), qkv
 
 
-_ROPE_ATTRS = "use_neox_rotary_style: bool = True, time_major: bool = False, rotary_emb_base: float = 10000.0"
+#: ``local_positions`` is spmdkit's (rope-local-positions, docs/deviations.md): each rank rotates
+#: its share of the sequence by the position_ids it holds (context parallelism's zig-zag order too)
+_ROPE_ATTRS = ("use_neox_rotary_style: bool = True, time_major: bool = False, rotary_emb_base: float = 10000.0, "
+               "local_positions: bool = False")
 def _rope_q(op: str, q: DistTensorSpec, sin: DistTensorSpec | None, cos: DistTensorSpec | None,
             position_ids: DistTensorSpec | None, time_major: bool) -> None:  # fmt: skip
     _rope(op, "q", q, sin, cos, position_ids, time_major)

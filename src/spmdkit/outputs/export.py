@@ -54,6 +54,7 @@ from spmdkit.core.placements import Partial, Replicate, Shard, to_partition_spec
 from spmdkit.io.atomic import output_problem, write_atomic
 from spmdkit.io.jsonfile import read_json
 from spmdkit.outputs.dtensor_ep import expert_note, expert_parallel_statement
+from spmdkit.outputs.torch_cp import torch_context_parallel
 from spmdkit.program.ir import Op, Program
 from spmdkit.program.plan import Plan
 from spmdkit.strategies.hf import data_inputs, forward_readers, parameters, weight_axes
@@ -393,38 +394,10 @@ def dtensor_document(plan: Plan) -> dict[str, Any]:
     return doc
 
 
-#: spmdkit's cp_attention variant -> torch's context_parallel rotate method (None: torch has none)
-_ROTATE = {"allgather": "allgather", "ring": "alltoall", "alltoall": None}
-
-
 def context_parallel_doc(plan: Plan) -> dict[str, Any] | None:
-    """How torch's ``context_parallel`` (torch.distributed.tensor.experimental) runs the plan's
-    context parallelism (docs/context.md), or None without a ``cp_attention`` op: the mesh dim,
-    the data inputs split on their sequence (``buffers``: name -> sequence axis, torch's
-    ``buffer_seq_dims``), the rotate method (``set_rotate_method``: spmdkit's allgather is torch's
-    "allgather", its ring torch's "alltoall" ring), torch's load balancing (its head-tail layout
-    is spmdkit's zig-zag); where torch has no equivalent (alltoall: Ulysses' head/sequence
-    exchange) ``supported`` is false and ``note`` says so."""
-    ops = [op for op in plan.program.ops if op.rule == "cp_attention"]
-    if not ops or "cp" not in plan.mesh.dim_names:
-        return None
-    cp = plan.mesh.dim_index("cp")
-    variant = str(ops[0].attrs.get("variant", "allgather"))
-    buffers: dict[str, int] = {}
-    for t in plan.program.tensors.values():
-        a = plan.attrs.get(t.name)
-        if t.kind != "input" or a is None or t.name.startswith("cp."):
-            continue
-        axes = [i for i, e in enumerate(a.dims_mapping) if cp in (e if isinstance(e, tuple) else (e,))]
-        if axes:
-            buffers[t.name] = axes[0]
-    rotate = _ROTATE.get(variant)
-    note = (f"torch's context_parallel runs SDPA over the sequence by {rotate} (set_rotate_method({rotate!r}))"
-            if rotate else "torch's context_parallel has no head/sequence all-to-all (DeepSpeed-Ulysses): the plan's "
-                           "all-to-alls around attention are not expressible there")
-    return {"mesh_dim": "cp", "variant": variant, "supported": rotate is not None, "rotate_method": rotate,
-            "buffers": dict(sorted(buffers.items())),
-            "load_balance": str(ops[0].attrs.get("balance", "zigzag")) == "zigzag", "note": note}
+    """How torch's ``context_parallel`` runs the plan's context parallelism, or None without cp
+    (:func:`spmdkit.outputs.torch_cp.torch_context_parallel`)."""
+    return torch_context_parallel(plan)
 
 
 # -- jax / paddle --------------------------------------------------------------------------------

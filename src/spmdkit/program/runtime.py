@@ -32,6 +32,11 @@ GEMMs. A plan carries one (:attr:`spmdkit.program.plan.Plan.runtime`); the CLI s
   (``--moe-skew F``: the busiest expert receives F x the mean, the others share the rest evenly;
   ``--moe-histogram``: tokens per expert as measured); uniform (1.0, None) by default.
   :mod:`spmdkit.cost.moe` turns them into the load of the busiest expert-parallel rank.
+- ``compile``: torchtitan's ``training.compile`` (``--compile`` / ``--no-compile``): each
+  transformer block compiled by Inductor (its norms, rotary embedding and SwiGLU fused, as the
+  program's ops are costed) or run eagerly (each PyTorch op its own kernels: the unfused
+  traffic of :mod:`spmdkit.cost.eager`). None: the framework's default (torchtitan: eager,
+  its ``compile = false``). Megatron and AutoModel run fused kernels: only torchtitan takes it.
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ class Runtime:
     moe_histogram: tuple[float, ...] | None = None
     grad_dtype: str | None = None
     optimizer_dtype: str | None = None
+    compile: bool | None = None
     ce_fusion: bool = False
     p2p_overlap: bool = True
 
@@ -82,6 +88,14 @@ class Runtime:
             _check_histogram(self.moe_histogram)
         if self.moe_histogram is not None and self.moe_skew != 1.0:
             raise ProgramError("--moe-skew and --moe-histogram: give one, not both")
+        if self.compile is not None and self.framework != "torchtitan":
+            raise ProgramError(f"--{'' if self.compile else 'no-'}compile: applies to --framework torchtitan only "
+                               f"(--framework {self.framework} runs fused Transformer Engine kernels)")
+
+    @property
+    def eager(self) -> bool:
+        """The model's blocks run as eager PyTorch ops (torchtitan without ``--compile``)."""
+        return self.framework == "torchtitan" and not self.compile
 
     def precision_of(self, dtype: str) -> str:
         """The precision the step computes in: ``precision`` if given, else the one of ``dtype``
@@ -108,6 +122,8 @@ class Runtime:
             out["grad_dtype"] = self.grad_dtype
         if self.optimizer_dtype is not None:
             out["optimizer_dtype"] = self.optimizer_dtype
+        if self.framework == "torchtitan":
+            out["compile"] = bool(self.compile)
         if self.ce_fusion:
             out["ce_fusion"] = True
         if not self.p2p_overlap:

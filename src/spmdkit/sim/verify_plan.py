@@ -113,6 +113,13 @@ def verify_auto(plan: Plan, model_name: str, cost_text: str | None = None, layer
     tcfg = preset(tiny_like(preset(model_name)))
     if layers:
         tcfg = tcfg.with_(layers=layers)
+    tiny = tcfg.name or _tiny_name(tcfg)
+    cp_op = next((op for op in plan.program.ops if op.rule == "cp_attention"), None)
+    if cp_op is not None and "cp" in plan.mesh.dim_names:  # built for cp: the tiny model too, its sequence in 2 x cp chunks
+        ncp = plan.mesh.shape[plan.mesh.dim_index("cp")]
+        tcfg = tcfg.with_(cp=ncp, cp_attention=cp_op.attrs["variant"], cp_balance=cp_op.attrs["balance"],
+                          seq=_lcm(tcfg.seq, 2 * ncp))
+        tiny += f" built for cp={ncp}"
     vocab_parallel = any(op.rule == "c_softmax_with_cross_entropy" for op in plan.program.ops)
     tmodel = build_model(tcfg, vocab_parallel_loss=vocab_parallel, check_rules=False)
     tp = tmodel.program
@@ -129,7 +136,6 @@ def verify_auto(plan: Plan, model_name: str, cost_text: str | None = None, layer
     except ProgramError as exc:  # a piece not distributed as the plan says: a failed check, not bad input
         rep = SimReport(0, [("simulation", " ".join(str(exc).split())[:300])])
     ok = rep.ok and held == len(ann)
-    tiny = tcfg.name or _tiny_name(tcfg)
     lines = [f"verify: {tiny} holding the searched plan's dist attrs of the {len(ann)} tensors it shares with it "
              f"({held} held as chosen), simulated on {tplan.mesh.size} ranks: {rep.checked} tensors compared with the "
              f"unsharded step (loss, every gradient, every update): "

@@ -77,6 +77,36 @@ def config_for(cfg: ModelConfig, mesh: ProcessMesh, strategy: Iterable[str]) -> 
     return cfg.with_(cp=mesh.shape[mesh.dim_index("cp")], cp_attention=variant, cp_balance=balance)
 
 
+def auto_config(cfg: ModelConfig | None, mesh: ProcessMesh, items: Iterable[str],
+                imported: str | None) -> ModelConfig | None:
+    """The zoo config ``--auto`` searches on ``mesh``: with a ``cp`` dim of more than one rank,
+    built with ``cp_attention`` (the variant and balance of ``items``, cp's option items:
+    ``--cp-attention`` / ``--cp-balance``) so that the search may split the sequence over cp;
+    ``cfg`` without one. ProgramError naming the flag: a strategy item that is no cp option
+    (``--auto`` chooses the shardings), an ``imported`` model (``--hf`` / ``--program``: not built
+    with cp_attention; ``cfg`` None), a model the variant cannot split (:func:`cp_problem`)."""
+    st = list(items)
+    other = [s for s in st if parse_option(s) is None]
+    if other:
+        raise ProgramError("--strategy: does not apply with --auto (the search chooses the shardings)")
+    n = mesh.shape[mesh.dim_index("cp")] if "cp" in mesh.dim_names else 1
+    if n == 1:
+        if st:
+            k, _, v = st[0].partition("=")
+            raise ProgramError(f"--{k} {v}: context parallelism is not asked for (--auto splits the sequence on a "
+                               f"cp mesh dim of more than one rank)")
+        return cfg
+    if imported is not None or cfg is None:
+        raise ProgramError(f"--auto --mesh cp={n}: context parallelism needs the model built with cp_attention; an "
+                           f"{imported} model is not (plan it with --strategy ...,cp)")
+    built = config_for(cfg, mesh, ["cp", *st])
+    tp = mesh.shape[mesh.dim_index("tp")] if "tp" in mesh.dim_names else 1
+    why = cp_problem(built, n, tp)
+    if why is not None:
+        raise ProgramError(f"--mesh cp={n}: {why}")
+    return built
+
+
 def cp_groups(mesh: ProcessMesh, strategy: Iterable[str]) -> list[tuple[int, int]]:
     """The mesh-dim pairs whose reductions run as one collective under cp: ``(dp, cp)`` (a
     parameter's gradient, partial over both, all-reduced over the dp x cp ranks at once, as
@@ -159,4 +189,4 @@ def cp_marks(model: Model, mesh: ProcessMesh, dm: Any, st: set[str], batch: Any,
     return cp
 
 
-__all__ = ["DEFAULTS", "OPTIONS", "check_options", "config_for", "cp_groups", "cp_marks", "cp_problem", "options", "parse_option", "zero_dims"]
+__all__ = ["DEFAULTS", "OPTIONS", "auto_config", "check_options", "config_for", "cp_groups", "cp_marks", "cp_problem", "options", "parse_option", "zero_dims"]

@@ -242,6 +242,7 @@ def _g_rope_parts(r: random.Random, m: list[int]) -> tuple[tuple[int, ...], dict
     return qs, {
         "sin": sin, "cos": sin, "position_ids": TGen((b, s), "int") if ids else None,
         "use_neox_rotary_style": r.random() < 0.6, "time_major": tm, "rotary_emb_base": 10000.0,
+        **({"local_positions": r.random() < 0.5} if ids else {}),
     }  # fmt: skip
 
 
