@@ -76,6 +76,8 @@ class Links:
     compile: bool | None = None
     moe_dispatcher: str | None = None
     moe_routing: str | None = None
+    ce_fusion: bool = False
+    p2p_overlap: bool = True
 
     def runtime(self) -> Runtime:
         """``--precision``, ``--framework``, ``--tp-comm-overlap``, ``--moe-skew`` and
@@ -84,7 +86,8 @@ class Links:
         return Runtime(parse_precision(self.precision), (self.framework or "megatron").strip().lower(),
                        self.tp_comm_overlap, parse_moe_skew(self.moe_skew), parse_moe_histogram(self.moe_histogram),
                        _state_dtype(self.grad_dtype), _state_dtype(self.optimizer_dtype), self.compile,
-                       (self.moe_dispatcher or "alltoall").strip().lower(), (self.moe_routing or "topk").strip().lower())
+                       (self.moe_dispatcher or "alltoall").strip().lower(), (self.moe_routing or "topk").strip().lower(),
+                       ce_fusion=self.ce_fusion, p2p_overlap=self.p2p_overlap)
 
 
 def _state_dtype(text: str | None) -> str | None:
@@ -235,7 +238,7 @@ def plan_request(ns: argparse.Namespace) -> PlanRequest:
                     framework=ns.framework, tp_comm_overlap=ns.tp_comm_overlap, moe_skew=ns.moe_skew,
                     moe_histogram=ns.moe_histogram, grad_dtype=ns.grad_dtype,
                     optimizer_dtype=ns.optimizer_dtype, compile=ns.compile, moe_dispatcher=ns.moe_dispatcher,
-                    moe_routing=ns.moe_routing),
+                    moe_routing=ns.moe_routing, ce_fusion=ns.ce_fusion, p2p_overlap=ns.p2p_overlap),
         grad_accum=ns.grad_accum, recompute=ns.recompute, verify=ns.verify,
         global_batch=ns.global_batch, micro_batch=ns.micro_batch,
         search=SearchArgs(auto=ns.auto, time_limit=ns.auto_time_limit, memory=ns.memory, explain=ns.explain),
@@ -323,6 +326,12 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp-comm-overlap", dest="tp_comm_overlap", action="store_true",
                    help="tensor-parallel all-gathers and reduce-scatters overlap the GEMMs (Megatron's "
                         "--tp-comm-overlap, torch async TP)")
+    p.add_argument("--no-p2p-overlap", dest="p2p_overlap", action="store_false",
+                   help="pipeline: every stage-to-stage send blocks its sender (Megatron-LM before 2023, "
+                        "--no-overlap-p2p-communication); default: the interleaved schedule's sends overlap compute")
+    p.add_argument("--cross-entropy-fusion", dest="ce_fusion", action="store_true",
+                   help="framework megatron: the loss as Megatron's --cross-entropy-loss-fusion runs it (NeMo's "
+                        "cross_entropy_loss_fusion: fewer passes over the fp32 logits; default off, as in Megatron-LM)")
     p.add_argument("--moe-skew", dest="moe_skew", metavar="F",
                    help="mixture of experts: the busiest expert receives F x the mean tokens (the others share the "
                         "rest); under expert parallelism the step waits for the busiest ep rank (default 1: uniform)")

@@ -22,6 +22,12 @@ GEMMs. A plan carries one (:attr:`spmdkit.program.plan.Plan.runtime`); the CLI s
 - ``optimizer_dtype``: ``fp32`` or ``bf16``, the dtype of Adam's moments (NeMo's ``optim.dtype``,
   Apex's ``DistributedFusedAdam(dtype=...)``): bf16 keeps two bf16 moments and no fp32 master
   copy (the bf16 parameter is the master); None: the framework's default.
+- ``ce_fusion``: Megatron's ``--cross-entropy-loss-fusion`` (NeMo's ``cross_entropy_loss_fusion``):
+  the vocab-parallel cross-entropy's passes over the fp32 logits compiled together, fewer of
+  them (:mod:`spmdkit.cost.loss`); off by default, as in Megatron-LM.
+- ``p2p_overlap``: the interleaved pipeline's sends overlap the next unit's compute (Megatron's
+  ``overlap_p2p_comm``, on by default since 2023); off (``--no-p2p-overlap``): every send blocks
+  its sender, as Megatron-LM's ``batch_isend_irecv`` + ``torch.cuda.synchronize()`` of 2021-2022.
 - ``moe_skew`` / ``moe_histogram``: how unevenly a mixture-of-experts router spreads the tokens
   (``--moe-skew F``: the busiest expert receives F x the mean, the others share the rest evenly;
   ``--moe-histogram``: tokens per expert as measured); uniform (1.0, None) by default.
@@ -83,6 +89,8 @@ class Runtime:
     compile: bool | None = None
     moe_dispatcher: str = "alltoall"
     moe_routing: str = "topk"
+    ce_fusion: bool = False
+    p2p_overlap: bool = True
 
     def __post_init__(self) -> None:
         if self.moe_dispatcher not in DISPATCHERS:
@@ -142,6 +150,10 @@ class Runtime:
             out["moe_routing"] = self.moe_routing
         if self.framework == "torchtitan":
             out["compile"] = bool(self.compile)
+        if self.ce_fusion:
+            out["ce_fusion"] = True
+        if not self.p2p_overlap:
+            out["p2p_overlap"] = False
         return out
 
 
