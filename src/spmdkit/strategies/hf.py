@@ -90,6 +90,7 @@ from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.program.ir import Op, Program, Tensor
 from spmdkit.program.plan import Plan
+from spmdkit.strategies.context import hf_cp_marks
 from spmdkit.strategies.experts import batch_entry, check_ep, ep_dim, expert_marks, moe_layers
 from spmdkit.strategies.hf_fused import (
     fused_parts,
@@ -332,9 +333,6 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
     ``patterns``: the user's module-name patterns -> role for ``megatron``; ``user``:
     annotations (tensor -> dims_mapping) applied last, which win."""
     st, dp, tp = strategy_dims(mesh, strategy)
-    if "cp" in st:  # the sequence split needs attention at the tokens' positions (the zoo's cp_attention)
-        raise ProgramError("--strategy cp: context parallelism is planned for zoo and catalog models (--model, "
-                           "--model-config); an imported (--hf) or --program model is not split over cp yet")
     out = dm = Marks(prog)
     ep = ep_dim(mesh, st)
     experts: frozenset[str] = frozenset()
@@ -348,6 +346,9 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
         experts = expert_marks(prog, mesh, dm, dp, ep, layers)
     if dp is not None or ep is not None:
         _shard_batch(prog, mesh, dm, dp, ep)
+    # cp: the call's sequence over cp, attention cp_attention's (an import traced for cp: models/hf_cp.py)
+    hf_cp_marks(prog, mesh, dm, st, data_inputs(prog), batch_entry(dp, ep) if dp is not None or ep is not None
+                else -1, tp)
     if tp is not None:
         for n in data_inputs(prog):  # every tp rank reads the whole batch (not a sequence shard of it)
             dm(n)
