@@ -280,7 +280,7 @@ def import_hf(class_name: str, config: Any, *, batch: int = 2, seq: int = 16, dt
     if repeat is None:
         repeat = not has_weights(model)
     kw = example_inputs(model, batch, seq, labels=training, pad=pad, seed=seed)
-    natural, masked = kw, []
+    natural, masked = kw, list[str]()
     if cp is not None:  # the tokens in the cp ranks' order, attention at their positions (models/hf_cp.py)
         kw, q_pos, k_pos = cp_call(model, kw, cp, pad)
         opts["mapping"] = {**(opts.get("mapping") or {}), **cp_mapping(q_pos, k_pos, cp[1], cp[2], masked)}

@@ -55,9 +55,9 @@ def cp_call(model: Any, kw: dict[str, Any], cp: tuple[int, str, str], pad: int) 
         raise ProgramError(f"--strategy cp: {name} is not a decoder reading input_ids (context parallelism splits "
                            f"a causal language model's sequence)")
     try:
-        takes = inspect.signature(model.forward).parameters
+        takes = set(inspect.signature(model.forward).parameters)
     except (TypeError, ValueError):
-        takes = {}
+        takes = set()
     if "position_ids" not in takes:
         raise ProgramError(f"--strategy cp: {name} takes no position_ids (its positions cannot follow the "
                            f"tokens' zig-zag layout)")

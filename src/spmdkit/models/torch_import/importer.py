@@ -284,6 +284,10 @@ class Importer:
         ep = self.ep
         graph = ep.graph_module.graph
         fuse_nll(graph, self.skip, self.fused)
+        for hook in self.mapping.values():  # a per-call hook may fuse nodes before the walk too
+            prepare = getattr(hook, "prepare", None)
+            if prepare is not None:
+                prepare(graph, self.skip, self.fused)
         specs = {s.arg.name: s for s in ep.graph_signature.input_specs if hasattr(s.arg, "name")}
         user_i = 0
         paths = _input_paths(ep)

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from spmdkit.models.torch_import.aten.loss import cross_entropy_unflattened
 from spmdkit.models.torch_import.context import TORCH_DTYPES, Hook, ImportContext, Name
 
 
@@ -122,8 +123,11 @@ def cp_sdpa(q_positions: torch.Tensor, k_positions: torch.Tensor, variant: str, 
 
 def cp_mapping(q_positions: torch.Tensor, k_positions: torch.Tensor, variant: str, balance: str,
                masked: list[str]) -> dict[str, Hook]:
-    """``import_module(mapping=...)`` under context parallelism: :func:`cp_sdpa` for sdpa."""
-    return {"aten.scaled_dot_product_attention": cp_sdpa(q_positions, k_positions, variant, balance, masked)}
+    """``import_module(mapping=...)`` under context parallelism: :func:`cp_sdpa` for sdpa; the loss
+    on the unflattened ``[batch, seq, vocab]`` logits (HF flattens them; the sequence split over
+    cp cannot be flattened with the batch in place)."""
+    return {"aten.scaled_dot_product_attention": cp_sdpa(q_positions, k_positions, variant, balance, masked),
+            "aten.cross_entropy_loss": cross_entropy_unflattened()}
 
 
 def _sdpa_tuple(c: ImportContext) -> Any:
