@@ -66,6 +66,7 @@ def _over_cp(plan: object, cp: int) -> list[str]:
     ("dp=1,cp=2", "cp", 8),  # allgather: k, v gathered (the backward reuses them), dK, dV reduce-scattered
     ("dp=1,cp=2", "cp,cp-attention=ring", 0),  # the ring passes the blocks inside the kernel
     ("dp=1,cp=2,tp=2", "megatron,cp", 8),
+    ("dp=1,cp=2,tp=2", "megatron,sp,cp", 8),
 ])
 def test_nothing_moves_over_cp_outside_attention(mesh: str, strategy: str, attention: int) -> None:
     _p, _m, _kw, plan = plan_hf("LlamaForCausalLM", LLAMA, mesh, strategy, "float32", 2, 16)
