@@ -315,8 +315,10 @@ def test_dtensor_export_says_how_torch_context_parallel_runs_it() -> None:
 
 
 def test_an_imported_program_is_refused_under_cp_by_name() -> None:
+    """A program without cp_attention (not imported for cp: --hf with --strategy ...,cp is,
+    tests/test_hf_cp.py) is refused on a cp mesh."""
     prog = build_model(preset("tiny-llama")).program
     with pytest.raises(ProgramError) as e:
         plan_program(prog, "dp=2,cp=2", "dp,cp")
-    assert str(e.value) == ("--strategy cp: context parallelism is planned for zoo and catalog models (--model, "
-                            "--model-config); an imported (--hf) or --program model is not split over cp yet")
+    assert str(e.value) == ("--mesh cp=2: the imported program has no cp_attention (import it with cp: "
+                            "--strategy ...,cp on --hf)")

@@ -29,6 +29,7 @@ from spmdkit.outputs.export_torch import export_torch
 from spmdkit.outputs.html import save_html
 from spmdkit.planner.planning import clip_repr, parse_size, plan_preset, plan_program
 from spmdkit.program.plan import Plan
+from spmdkit.strategies.context import hf_cp
 from spmdkit.strategies.strategy import parse_mesh, parse_strategy
 
 
@@ -66,7 +67,9 @@ def plan_source(source: ModelSource, mesh_text: str, strategy_text: str | None, 
     t0 = time.perf_counter()
     if isinstance(source, HFModel):
         strategy_text = strategy_text or "megatron"
-        parse_strategy(strategy_text, parse_mesh(mesh_text))  # refuse a bad mesh / strategy before importing
+        mesh = parse_mesh(mesh_text)
+        st = parse_strategy(strategy_text, mesh)  # refuse a bad mesh / strategy before importing
+        source = replace(source, cp=hf_cp(mesh, st))  # cp: traced in the cp ranks' token order
     loaded = load(source)
     _prog, plan = plan_program(loaded.program, mesh_text, strategy_text, user, patterns, cost_text, grad_accum)
     return loaded, plan, time.perf_counter() - t0

@@ -96,6 +96,7 @@ def eager_reference(prog: Any, module: Any, args: Any = (), kwargs: dict[str, An
     torch's half-precision step is from its float32 one: the error budget of the comparison)."""
 
 
+    kwargs = getattr(prog, "eager_kwargs", None) or kwargs  # a cp import's natural call (models/hf_cp.py)
     pl = getattr(prog, "loss", None)
     if not isinstance(pl, str):
         raise ProgramError("torch eager: the program has no loss (import it with training=True)")

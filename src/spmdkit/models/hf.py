@@ -21,6 +21,8 @@ from typing import Any
 from spmdkit.core.errors import ProgramError
 from spmdkit.models.hf_attention import attention_note, unmasked_attention
 from spmdkit.models.hf_checks import check_hf_config
+from spmdkit.models.hf_cp import check as check_cp
+from spmdkit.models.hf_cp import cp_call
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "float64": "float64", "fp64": "float64",
            "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
@@ -246,7 +248,8 @@ def example_inputs(model: Any, batch: int = 2, seq: int = 16, *, labels: bool = 
 
 def import_hf(class_name: str, config: Any, *, batch: int = 2, seq: int = 16, dtype: str = "float32",
               training: bool = True, pad: int = 0, seed: int = 0, weights: bool | None = True,
-              repeat: bool | None = None, moe: str | float | None = "auto", **opts: Any
+              repeat: bool | None = None, moe: str | float | None = "auto",
+              cp: tuple[int, str, str] | None = None, **opts: Any
               ) -> tuple[Any, Any, dict[str, Any]]:
     """``build`` + ``example_inputs`` + ``import_module``: (program, model, keyword inputs).
 
@@ -260,9 +263,12 @@ def import_hf(class_name: str, config: Any, *, batch: int = 2, seq: int = 16, dt
     ``"auto"`` is ``"dropless"`` (every token of a sequence: the module's own values, as ``spmdkit
     run`` compares them) where ``weights`` is True, else ``"uniform"`` (the zoo's and the catalog's
     ``ceil(seq x top_k / experts)``: the plan of the step as MoE frameworks size it); a float is a
-    capacity factor; None imports the blocks as HF computes them. ``opts`` go to :func:`spmdkit.models.torch_import.import_module`
+    capacity factor; None imports the blocks as HF computes them. ``cp``: (ranks, variant, balance)
+    of context parallelism: the call traced in the cp ranks' token order with ``cp_attention``
+    (:mod:`spmdkit.models.hf_cp`; the keyword inputs returned are that call's, torch eager's the
+    program's ``eager_kwargs``). ``opts`` go to :func:`spmdkit.models.torch_import.import_module`
     (``fallback``, ``optimizer``, ...)."""
-    from spmdkit.models.torch_import import import_module
+    from spmdkit.models.torch_import import cp_mapping, import_module
 
     if weights is None:
         model = build(class_name, config, dtype=dtype, seed=seed, weights=False)
@@ -274,6 +280,10 @@ def import_hf(class_name: str, config: Any, *, batch: int = 2, seq: int = 16, dt
     if repeat is None:
         repeat = not has_weights(model)
     kw = example_inputs(model, batch, seq, labels=training, pad=pad, seed=seed)
+    natural, masked = kw, list[str]()
+    if cp is not None:  # the tokens in the cp ranks' order, attention at their positions (models/hf_cp.py)
+        kw, q_pos, k_pos = cp_call(model, kw, cp, pad)
+        opts["mapping"] = {**(opts.get("mapping") or {}), **cp_mapping(q_pos, k_pos, cp[1], cp[2], masked)}
     if moe == "auto":
         moe = "dropless" if weights is True else "uniform"
     record = None
@@ -282,6 +292,9 @@ def import_hf(class_name: str, config: Any, *, batch: int = 2, seq: int = 16, dt
             prog = import_module(model, (), kw, training=training, repeat_layers=repeat, moe=moe, fuse=True, **opts)
     if record is None or record.unsafe:
         prog = import_module(model, (), kw, training=training, repeat_layers=repeat, moe=moe, fuse=True, **opts)
+    if cp is not None:
+        check_cp(prog, model, record, masked)
+        prog.eager_kwargs = natural
     note = attention_note(record, prog, seq, bool(pad))
     prog.notes += [note] if note else []
     return prog, model, kw

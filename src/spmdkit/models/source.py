@@ -64,6 +64,9 @@ class HFModel:
     #: padded positions at the end of the example batch's last row (``spmdkit run --pad``): the
     #: step is then traced with HF's padding mask (unpadded, attention is one causal flash op)
     pad: int = 0
+    #: context parallelism's (ranks, variant, balance): the step traced in the cp ranks' token
+    #: order with cp_attention (:mod:`spmdkit.models.hf_cp`); None without cp
+    cp: tuple[int, str, str] | None = None
 
 
 ModelSource = Preset | ProgramFile | HFModel
@@ -182,7 +185,7 @@ def fallback_ops(prog: Program) -> list[str]:
 
 def import_hf_checked(class_name: str, config: Any, batch: int, seq: int, dtype: str,
                       weights: bool | None = None, fallback: str = "error",
-                      pad: int = 0) -> tuple[Program, Any, dict[str, Any]]:
+                      pad: int = 0, cp: tuple[int, str, str] | None = None) -> tuple[Program, Any, dict[str, Any]]:
     """:func:`spmdkit.models.hf.import_hf` (``dtype`` a dtype name), its errors on a model that does not
     import given as one ProgramError naming ``--hf``. ``weights``: as ``import_hf``'s; by default
     a small model is built with its weights (``spmdkit run`` runs it) and a larger one is imported
@@ -192,7 +195,7 @@ def import_hf_checked(class_name: str, config: Any, batch: int, seq: int, dtype:
         warnings.filterwarnings("ignore", message="torch import: no mapping")  # the title names them
         try:
             return import_hf(class_name, config, batch=batch, seq=seq, dtype=dtype, weights=weights,
-                             fallback=fallback, pad=pad)
+                             fallback=fallback, pad=pad, cp=cp)
         except SpmdError:
             raise
         except (ValueError, TypeError, RuntimeError, IndexError, KeyError) as exc:
@@ -216,7 +219,7 @@ def load(source: ModelSource, *, vocab_parallel_loss: bool = False) -> Loaded:
     if isinstance(source, ProgramFile):
         return Loaded(source, load_program(source.path), f"program {source.path}")
     prog, module, kw = import_hf_checked(source.class_name, source.config, source.batch, source.seq, source.dtype,
-                                         source.weights, source.fallback, source.pad)
+                                         source.weights, source.fallback, source.pad, source.cp)
     return Loaded(source, prog, hf_title(source, prog), module=module, inputs=kw)
 
 

@@ -27,7 +27,7 @@ from spmdkit.planner.propagate import propagate
 from spmdkit.program.ir import Program
 from spmdkit.program.plan import Plan
 from spmdkit.strategies.context import config_for as cp_config
-from spmdkit.strategies.context import cp_groups
+from spmdkit.strategies.context import cp_groups, hf_cp
 from spmdkit.strategies.hf import (
     annotate_program,
     megatron_program,
@@ -138,14 +138,16 @@ def plan_program(prog: Program, mesh_text: str, strategy_text: str | None, user:
         prog = megatron_program(prog, patterns)
     ann = annotate_program(prog, mesh, st, user, patterns)
     storage = zero3_storage(optimizer_of(prog), ann, st)
-    plan = propagate(prog, mesh, ann, cost, storage=storage, grad_accum=grad_accum)
+    groups = cp_groups(mesh, st)  # cp: a gradient reduced over dp x cp at once
+    plan = propagate(prog, mesh, ann, cost, storage=storage, grad_accum=grad_accum, groups=groups)
     regrouped = regroup_partial_sums(prog, plan)  # partial gradients summed before one reduction
     # megatron: a partial gradient all-reduced as its forward tensor is held, not scattered
     # (sequence parallel scatters the residual's gradients over tp on purpose)
     mirrored = mirror_forward_layouts(plan, [mesh.dim_index("tp")]) if "megatron" in st and "sp" not in st else {}
     if regrouped is not prog or mirrored:
         ann = {**ann, **mirrored}
-        prog, plan = regrouped, propagate(regrouped, mesh, ann, cost, storage=storage, grad_accum=grad_accum)
+        prog, plan = regrouped, propagate(regrouped, mesh, ann, cost, storage=storage, grad_accum=grad_accum,
+                                          groups=groups)
     return prog, plan
 
 
@@ -163,8 +165,9 @@ def plan_hf(class_name: str, config: Any, mesh_text: str, strategy_text: str | N
     b = parse_size("--batch", batch, MAX_SIZE)
     sq = parse_size("--seq", seq, MAX_SIZE)
     assert b is not None and sq is not None
-    parse_strategy(strategy_text or "megatron", parse_mesh(mesh_text))  # refuse a bad mesh / strategy before importing
-    prog, model, kw = import_hf_checked(class_name, config, b, sq, dt, fallback=fallback)
+    mesh = parse_mesh(mesh_text)
+    st = parse_strategy(strategy_text or "megatron", mesh)  # refuse a bad mesh / strategy before importing
+    prog, model, kw = import_hf_checked(class_name, config, b, sq, dt, fallback=fallback, cp=hf_cp(mesh, st))
     prog, plan = plan_program(prog, mesh_text, strategy_text or "megatron", user, patterns, cost_text, grad_accum)
     return prog, model, kw, plan
 

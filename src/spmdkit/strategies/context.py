@@ -171,12 +171,17 @@ def cp_marks(model: Model, mesh: ProcessMesh, dm: Any, st: set[str], batch: Any,
             dm(name)[-3 if len(prog.tensors[name].shape) == 4 else 0] = cp
     if "causal_mask" in prog.tensors:
         dm("causal_mask")[2] = cp
-    ring = cfg.cp_attention == "ring"
     if "cp.positions" in prog.tensors:
         dm("cp.positions")[0] = -1 if cfg.cp_attention == "alltoall" else cp
-        dm("cp.key_positions")[0] = cp if ring else -1
-    # attention's boundary held sequence-sharded: alltoall's output traded back by all-to-all, the
-    # grads of q, k, v back onto the sequence (allgather's partial k / v grads reduce-scattered)
+        dm("cp.key_positions")[0] = cp if cfg.cp_attention == "ring" else -1
+    _attention_marks(prog, mesh, dm, st, batch, cp, tp)
+    return cp
+
+
+def _attention_marks(prog: Any, mesh: ProcessMesh, dm: Any, st: set[str], batch: Any, cp: int,
+                     tp: int | None) -> None:
+    """Attention's boundary held sequence-sharded: alltoall's output traded back by all-to-all,
+    the grads of q, k, v back onto the sequence (allgather's partial k / v grads reduce-scattered)."""
     heads = tp if tp is not None and "megatron" in st else None
     for op in prog.ops:
         if op.rule not in ("cp_attention", "cp_attention_grad"):
@@ -186,7 +191,51 @@ def cp_marks(model: Model, mesh: ProcessMesh, dm: Any, st: set[str], batch: Any,
                 d = dm(name)
                 h = prog.tensors[name].shape[2]
                 d[0], d[1], d[2] = batch, cp, heads if heads is not None and h % mesh.shape[heads] == 0 else -1
+
+
+def hf_cp(mesh: ProcessMesh, strategy: Iterable[str]) -> tuple[int, str, str] | None:
+    """(cp ranks, variant, balance) an imported (``--hf``) model is traced for
+    (:func:`spmdkit.models.hf.import_hf`'s ``cp``): None without ``cp`` in the strategy or a cp
+    mesh dim of more than one rank."""
+    st = tuple(strategy)
+    if "cp" not in st or "cp" not in mesh.dim_names or mesh.shape[mesh.dim_index("cp")] < 2:
+        return None
+    return (mesh.shape[mesh.dim_index("cp")], *options(st))
+
+
+def hf_cp_marks(prog: Any, mesh: ProcessMesh, dm: Any, st: set[str], data: Iterable[str], batch: Any,
+                tp: int | None) -> int | None:
+    """``cp_marks`` of an imported program (``import_hf(cp=...)``: its attention ``cp_attention``,
+    its call in the cp ranks' token order): the sequence axis (1) of the call's inputs ``data``
+    over ``cp``, the positions of each ``cp_attention`` as its variant reads them, attention's
+    boundary as the zoo's. ProgramError naming the mesh where the program has no cp_attention of
+    that many ranks' order, or alltoall's heads do not divide."""
+    if "cp" not in st:
+        return None
+    cp = mesh.dim_index("cp")
+    n = mesh.shape[cp]
+    ops = [op for op in prog.ops if op.rule == "cp_attention"]
+    if n > 1 and not ops:
+        raise ProgramError(f"--mesh cp={n}: the imported program has no cp_attention (import it with cp: "
+                           f"--strategy ...,cp on --hf)")
+    seq = prog.tensors[ops[0].inputs["q"]].shape[1] if ops else None
+    for name in data:
+        shape = prog.tensors[name].shape
+        if len(shape) >= 2 and shape[1] == seq:
+            dm(name)[1] = cp
+    size = n * (mesh.shape[tp] if tp is not None else 1)
+    for op in ops:
+        variant = op.attrs.get("variant")
+        if variant == "alltoall":
+            for t, what in (("q", "attention heads"), ("k", "kv heads")):
+                h = prog.tensors[op.inputs[t]].shape[2]
+                if h % size:
+                    raise ProgramError(f"--mesh cp={n}: --cp-attention alltoall moves the sequence onto the heads: "
+                                       f"cp x tp = {size} does not divide the model's {h} {what}")
+        dm(op.inputs["q_positions"])[0] = -1 if variant == "alltoall" else cp
+        dm(op.inputs["k_positions"])[0] = cp if variant == "ring" else -1
+    _attention_marks(prog, mesh, dm, st, batch, cp, tp)
     return cp
 
 
-__all__ = ["DEFAULTS", "OPTIONS", "auto_config", "check_options", "config_for", "cp_groups", "cp_marks", "cp_problem", "options", "parse_option", "zero_dims"]
+__all__ = ["DEFAULTS", "OPTIONS", "auto_config", "check_options", "config_for", "cp_groups", "cp_marks", "cp_problem", "hf_cp", "hf_cp_marks", "options", "parse_option", "zero_dims"]

@@ -90,6 +90,7 @@ from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.program.ir import Op, Program, Tensor
 from spmdkit.program.plan import Plan
+from spmdkit.strategies.context import hf_cp_marks
 from spmdkit.strategies.experts import batch_entry, check_ep, ep_dim, expert_marks, moe_layers
 from spmdkit.strategies.hf_fused import (
     fused_parts,
@@ -332,9 +333,6 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
     ``patterns``: the user's module-name patterns -> role for ``megatron``; ``user``:
     annotations (tensor -> dims_mapping) applied last, which win."""
     st, dp, tp = strategy_dims(mesh, strategy)
-    if "cp" in st:  # the sequence split needs attention at the tokens' positions (the zoo's cp_attention)
-        raise ProgramError("--strategy cp: context parallelism is planned for zoo and catalog models (--model, "
-                           "--model-config); an imported (--hf) or --program model is not split over cp yet")
     out = dm = Marks(prog)
     ep = ep_dim(mesh, st)
     experts: frozenset[str] = frozenset()
@@ -348,6 +346,9 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
         experts = expert_marks(prog, mesh, dm, dp, ep, layers)
     if dp is not None or ep is not None:
         _shard_batch(prog, mesh, dm, dp, ep)
+    # cp: the call's sequence over cp, attention cp_attention's (an import traced for cp: models/hf_cp.py)
+    cp = hf_cp_marks(prog, mesh, dm, st, data_inputs(prog), batch_entry(dp, ep) if dp is not None or ep is not None
+                     else -1, tp)
     if tp is not None:
         for n in data_inputs(prog):  # every tp rank reads the whole batch (not a sequence shard of it)
             dm(n)
@@ -369,7 +370,7 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
         warn_replicated(prog, sharded, user_pats)
         sharded = {k: v for k, v in sharded.items() if v not in (KV_REPLICATED, LOW_RANK)}
         if "sp" in st:
-            _sequence_parallel(prog, mesh, sharded, dm, dp, tp)
+            _sequence_parallel(prog, mesh, sharded, dm, dp, tp, cp)
     optimizer_layouts(prog, mesh, optimizer_of(prog), out, st, dp, user, ep, experts)
     attrs = {n: TensorDistAttr(mesh, d) for n, d in out.items()}
     attrs.update(user_attrs(prog, mesh, user))
@@ -544,13 +545,15 @@ def warn_replicated(prog: Program, sharded: Mapping[str, str], user_pats: list[t
 
 
 def _sequence_parallel(prog: Program, mesh: ProcessMesh, sharded: Mapping[str, str], dm: Any,
-                       dp: int | None, tp: int) -> None:
+                       dp: int | None, tp: int, cp: int | None = None) -> None:
     """Megatron sequence parallel on an imported program: the residual stream (the outputs of
     the adds that take a row-parallel layer's output, and of the vocab-parallel embeddings)
     sharded on its sequence axis (1) over tp, so the row layers' partial outputs are
     reduce-scattered into it and the norms between run on sequence shards; the inputs of the
     column-parallel layers and of the LM head are gathered (sequence whole), and so are the
-    gradients of the row layers' outputs in the backward step."""
+    gradients of the row layers' outputs in the backward step. Under ``cp`` (its mesh dim) the
+    residual is co-sharded ``(cp, tp)`` on its sequence (the cp rank's share split again over tp)
+    and the gathered tensors stay on their cp share, as the zoo's (docs/context.md)."""
     size = mesh.shape[tp]
     fwd = [(i, op) for i, op in enumerate(prog.ops) if op.phase == "forward"]
     readers = forward_readers(prog)
@@ -612,7 +615,7 @@ def _sequence_parallel(prog: Program, mesh: ProcessMesh, sharded: Mapping[str, s
     # that tp divides, the [batch, seq, hidden] tensors are cut on the batch axis to match (each
     # rank still holds 1/tp of the tokens; Megatron's [seq, batch] layout flattens seq-major)
     local = max(batch) // (mesh.shape[dp] if dp is not None else 1) if batch else 1
-    by_batch = local > 1 and local % size == 0 and any(flat(prog.tensors[n].shape) for n in (*seq, *row_out))
+    by_batch = cp is None and local > 1 and local % size == 0 and any(flat(prog.tensors[n].shape) for n in (*seq, *row_out))
 
     def shard_seq(n: str) -> None:
         shape = prog.tensors[n].shape
@@ -631,7 +634,7 @@ def _sequence_parallel(prog: Program, mesh: ProcessMesh, sharded: Mapping[str, s
         if shape[1] % size:
             raise ProgramError(f"--strategy sp: {n} has sequence length {shape[1]}, not divisible by tp={size}")
         d = dm(n)
-        d[0], d[1] = (dp if dp is not None else -1), tp
+        d[0], d[1] = (dp if dp is not None else -1), (tp if cp is None else [cp, tp])
 
     for n in seq:
         # the residual stream and its gradient, sequence-sharded
@@ -644,6 +647,8 @@ def _sequence_parallel(prog: Program, mesh: ProcessMesh, sharded: Mapping[str, s
         d = dm(n)
         if dp is not None and d:
             d[0] = dp
+        if cp is not None and len(d) == 3:
+            d[1] = cp
         # the summed gradient of a gathered input: reduce-scattered back to sequence shards
         # (of the [batch, seq, hidden] tensor a flattened input was reshaped from)
         src = producer.get(n)

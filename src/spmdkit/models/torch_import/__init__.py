@@ -69,6 +69,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from spmdkit.core.errors import ProgramError
 from spmdkit.models.torch_import.aten import mapped_ops
+from spmdkit.models.torch_import.aten.attention import cp_mapping
 from spmdkit.models.torch_import.context import Hook, ImportContext, Name
 from spmdkit.models.torch_import.fuse import fuse as fuse_graph
 from spmdkit.models.torch_import.importer import ImportedProgram, Importer, register_aten, unregister_aten
@@ -318,5 +319,5 @@ def torch_values(prog: ImportedProgram, module: Any, args: Sequence[Any] = (),
     return out
 
 
-__all__ = ["ImportContext", "ImportedProgram", "Name", "export", "hf_call_kwargs", "import_module", "mapped_ops",
+__all__ = ["ImportContext", "ImportedProgram", "cp_mapping", "Name", "export", "hf_call_kwargs", "import_module", "mapped_ops",
            "register_aten", "torch_values", "unregister_aten"]

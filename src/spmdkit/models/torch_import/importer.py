@@ -77,6 +77,10 @@ class ImportedProgram(Program):
         #: the HF MoE blocks lowered to the moe ops (:mod:`spmdkit.models.torch_import.moe`)
         self.moe_blocks: list[Any] = []
         self.notes: list[str] = []  # what the report's first lines say of the import (models/hf_attention.py)
+        #: the call torch eager runs for the comparison where it differs from the traced one (a
+        #: context-parallel import traces the tokens in zig-zag order: eager runs them in order;
+        #: :mod:`spmdkit.models.hf_cp`)
+        self.eager_kwargs: dict[str, Any] | None = None
 
     def input_path(self, name: str) -> str:
         """Where an ``input`` tensor comes from in the call: ``args[0]``, ``kwargs['input_ids']``."""
@@ -280,6 +284,10 @@ class Importer:
         ep = self.ep
         graph = ep.graph_module.graph
         fuse_nll(graph, self.skip, self.fused)
+        for hook in self.mapping.values():  # a per-call hook may fuse nodes before the walk too
+            prepare = getattr(hook, "prepare", None)
+            if prepare is not None:
+                prepare(graph, self.skip, self.fused)
         specs = {s.arg.name: s for s in ep.graph_signature.input_specs if hasattr(s.arg, "name")}
         user_i = 0
         paths = _input_paths(ep)

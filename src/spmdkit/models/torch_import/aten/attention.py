@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from spmdkit.models.torch_import.aten.loss import cross_entropy_unflattened
 from spmdkit.models.torch_import.context import TORCH_DTYPES, Hook, ImportContext, Name
 
 
@@ -81,6 +82,52 @@ def _sdpa(c: ImportContext) -> Any:
         sc = c.emit1("add", {"x": sc, "y": add}, (c.fresh("masked"), (b_, hq, s, t_), dt))
     pr = c.emit1("softmax", {"x": sc}, (c.fresh("probs"), (b_, hq, s, t_), dt), axis=3)
     return c.emit1("matmul", {"x": pr, "y": v})
+
+
+def cp_sdpa(q_positions: torch.Tensor, k_positions: torch.Tensor, variant: str, balance: str,
+            masked: list[str]) -> Hook:
+    """The lowering of ``scaled_dot_product_attention`` under context parallelism (``import_hf``
+    with ``cp``; docs/context.md): causal sdpa without a mask -> ``cp_attention`` (``variant``,
+    ``balance``) at the positions the (zig-zag laid out) tokens hold, ``q_positions`` /
+    ``k_positions`` (``[seq]`` int64: one constant each, shared by every layer). Attention with a
+    mask, or not causal, is lowered as without cp and named in ``masked`` (the importer then
+    refuses cp: a window, an overlay or a bias cannot be split by position alone)."""
+
+    def hook(c: ImportContext) -> Any:
+        q, k, v = c.args[:3]
+        mask = c.arg(3, "attn_mask")
+        causal = bool(c.arg(5, "is_causal", False))
+        scale = c.kwargs.get("scale", c.args[6] if len(c.args) > 6 else None)
+        qs, ks = c.shape(q), c.shape(k)
+        if mask is not None or not causal or len(qs) != 4 or len(ks) != 4 or qs[1] % ks[1] or float(
+                c.arg(4, "dropout_p", 0.0)):
+            masked.append("an attention mask" if mask is not None else "attention that is not causal"
+                          if not causal else "attention of another shape")
+            return _sdpa(c)
+        b_, hq, s, d = qs
+        dt = c.dtype(q)
+        if ks[1] == 1 < hq:  # multi-query: as the lowering without cp
+            k, v = _repeat_heads(c, k, hq, "k"), _repeat_heads(c, v, hq, "v")
+        if scale is not None and not math.isclose(float(scale), 1.0 / math.sqrt(d), rel_tol=1e-12):
+            q = c.emit1("multiply", {"x": q, "y": float(scale) * math.sqrt(d)}, (c.fresh("q_scaled"), qs, dt))
+        perm = (0, 2, 1, 3)
+        qt, kt, vt = (c.transpose(t, perm, c.fresh(n)) for t, n in ((q, "q"), (k, "k"), (v, "v")))
+        outs = [(c.fresh("bshd"), (b_, s, hq, c.shape(vt)[3]), dt), (c.fresh("lse"), (b_, hq, s), "float32")]
+        o, _ = c.emit("cp_attention", {"q": qt, "k": kt, "v": vt, "q_positions": q_positions,
+                                       "k_positions": k_positions}, outs, causal=True, variant=variant,
+                      balance=balance)
+        return c.transpose(o, perm, c.name)
+
+    return hook
+
+
+def cp_mapping(q_positions: torch.Tensor, k_positions: torch.Tensor, variant: str, balance: str,
+               masked: list[str]) -> dict[str, Hook]:
+    """``import_module(mapping=...)`` under context parallelism: :func:`cp_sdpa` for sdpa; the loss
+    on the unflattened ``[batch, seq, vocab]`` logits (HF flattens them; the sequence split over
+    cp cannot be flattened with the batch in place)."""
+    return {"aten.scaled_dot_product_attention": cp_sdpa(q_positions, k_positions, variant, balance, masked),
+            "aten.cross_entropy_loss": cross_entropy_unflattened()}
 
 
 def _sdpa_tuple(c: ImportContext) -> Any:

@@ -48,9 +48,59 @@ def fuse_nll(graph: Any, skip: set[Any], fused: dict[Any, Any]) -> None:
         fused[node] = x
 
 
-def _ce_core(c: ImportContext, x: Any, target: Any, reduction: int, ignore_index: int, use_softmax: bool) -> Name:
+def _shape(node: Any) -> tuple[int, ...] | None:
+    v = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return tuple(int(d) for d in v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def _used_once(node: Any) -> bool:
+    """``node`` is read by one node (torch.export's metadata assertions not counted)."""
+    return sum(1 for u in node.users if packet(u.target) != "aten._assert_tensor_metadata") == 1
+
+
+def _flattened(node: Any) -> tuple[Any, list[Any]]:
+    """(the source of ``node``, the nodes passed) where ``node`` is a view used once (a flatten of
+    it), through a cast to its own dtype (HF's ``labels.to(device)``); (None, []) else."""
+    passed = []
+    if isinstance(node, torch.fx.Node) and node.op == "call_function" and packet(node.target) in ("aten.to",
+                                                                                                  "aten._to_copy") \
+            and _used_once(node) and isinstance(node.args[0], torch.fx.Node) \
+            and getattr(node.meta.get("val"), "dtype", None) == getattr(node.args[0].meta.get("val"), "dtype", 0):
+        passed.append(node)
+        node = node.args[0]
+    if isinstance(node, torch.fx.Node) and node.op == "call_function" and packet(node.target) in VIEWS \
+            and _used_once(node) and isinstance(node.args[0], torch.fx.Node):
+        return node.args[0], [*passed, node]
+    return None, []
+
+
+def fuse_ce_views(graph: Any, skip: set[Any], fused: dict[Any, Any]) -> None:
+    """Before the walk (a ``prepare`` of :func:`cross_entropy_unflattened`): a ``cross_entropy_loss``
+    (mean or sum) of logits flattened to ``[N, C]`` and labels to ``[N]``, views of ``[..., C]``
+    logits and ``[...]`` labels of the same leading dims, reads the unflattened ones (HF's loss
+    flattens ``[batch, seq]``, which a sequence split over cp cannot: Paddle's reshape splits a
+    flattened axis by its leading dim only). The views join ``skip``; the loss node maps to
+    (logits node, labels node) in ``fused``."""
+    for node in graph.nodes:
+        if node.op != "call_function" or packet(node.target) != "aten.cross_entropy_loss":
+            continue
+        red = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
+        (x, xp), (t, tp) = _flattened(node.args[0]), _flattened(node.args[1])
+        if int(red) == 0 or x is None or t is None:
+            continue
+        fx_, ft, xs, ts = _shape(node.args[0]), _shape(node.args[1]), _shape(x), _shape(t)
+        if fx_ is None or ft is None or xs is None or ts is None or len(fx_) != 2 or len(ts) < 2 \
+                or xs[-1] != fx_[-1] or xs[:-1] != ts:
+            continue
+        skip.update([*xp, *tp])
+        skip.update(u for n in (*xp, *tp) for u in n.users if packet(u.target) == "aten._assert_tensor_metadata")
+        fused[node] = (x, t)
+
+
+def _ce_core(c: ImportContext, x: Any, target: Any, reduction: int, ignore_index: int, use_softmax: bool,
+             classes_last: bool = False) -> Name:
     xs = c.shape(x)
-    if len(xs) > 2:  # class dim 1 -> last
+    if len(xs) > 2 and not classes_last:  # class dim 1 -> last
         perm = (0, *range(2, len(xs)), 1)
         x = c.transpose(x, perm, c.fresh("classes_last"))
         xs = c.shape(x)
@@ -94,7 +144,22 @@ def _cross_entropy(c: ImportContext) -> Any:
         raise c.unsupported("label smoothing")
     if c.is_tensor(target) and c.dtype(target).startswith(("float", "bfloat")):
         raise c.unsupported("soft (probability) targets")
+    pair = c.imp.fused.get(c.node)
+    if pair is not None:  # through the flattening views (fuse_ce_views): classes last, leading dims kept
+        return _ce_core(c, c.imp.env[pair[0]], c.imp.env[pair[1]], red, ii, True, classes_last=True)
     return _ce_core(c, x, target, red, ii, True)
+
+
+def cross_entropy_unflattened() -> Hook:
+    """The ``cross_entropy_loss`` lowering with a ``prepare`` (run by the importer before the walk)
+    that reads the loss through the views flattening its logits and labels (:func:`fuse_ce_views`):
+    ``cross_entropy_with_softmax`` on ``[batch, seq, C]``, as the zoo's loss (context parallelism)."""
+
+    def hook(c: ImportContext) -> Any:
+        return _cross_entropy(c)
+
+    hook.prepare = fuse_ce_views  # type: ignore[attr-defined]
+    return hook
 
 
 def _nll(c: ImportContext) -> Any:
