@@ -191,6 +191,32 @@ def _cp_attention(row: dict[str, Any], framework: str, assume: list[str]) -> str
     return "ring"
 
 
+#: NeMo 24.07's runs of the performance summary used the NeMo 1.0 launcher's training configs
+#: (NVIDIA/NeMo-Framework-Launcher launcher_scripts/conf/training/{gpt3,llama,nemotron}/*.yaml at
+#: 1ab2c781, August 2024): per model, ``ub_tp_comm_overlap`` (Transformer Engine's userbuffers TP
+#: overlap: ``--tp-comm-overlap``), ``hidden_dropout`` / ``attention_dropout`` and
+#: ``cross_entropy_loss_fusion`` (absent: Megatron-Core's default, off)
+NEMO_LAUNCHER = {"gpt3_5b": (False, 0.1, False), "gpt3_20b": (True, 0.1, False), "gpt3_175b": (False, 0.1, False),
+                 "llama2_7b": (False, 0.0, True), "llama2_13b": (False, 0.0, True), "llama2_70b": (True, 0.0, True),
+                 "nemotron_8b": (True, 0.0, True), "nemotron_22b": (True, 0.0, True),
+                 "nemotron_340b": (False, 0.0, False), "llama3_8b": (False, 0.0, True),
+                 "llama3_70b": (True, 0.0, True)}
+
+
+def nemo_launcher(row: dict[str, Any], assume: list[str]) -> tuple[bool, float, bool] | None:
+    """(TP comm overlap, dropout, fused cross-entropy) of a NeMo 24.07 run, from the launcher's
+    config of its model (:data:`NEMO_LAUNCHER`); None for another source."""
+    rid = str(row["id"])
+    if not rid.startswith("nemo2407"):
+        return None
+    key = "_".join(rid.split("_")[3:-1])
+    got = NEMO_LAUNCHER.get(key)
+    if got is not None:
+        assume.append("NeMo launcher config (conf/training, Aug 2024): ub_tp_comm_overlap, dropout and "
+                      "cross_entropy_loss_fusion as its model's yaml sets them")
+    return got
+
+
 def _nemo_states(row: dict[str, Any], assume: list[str]) -> list[str]:
     """NeMo 24.07's gradient and optimizer-state dtypes (``--grad-dtype``, ``--optimizer-dtype``).
     NVIDIA's performance recipes reduce and hold the gradients in bf16: NeMo-Framework-Launcher's
@@ -236,11 +262,15 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
     cfg = {"name": row["id"], **_arch(row), "layers": layers, "hidden": m["hidden"], "heads": m["heads"],
            "kv_heads": m.get("kv_heads") or m["heads"], "ffn": m["ffn_hidden"], "vocab": vocab, "seq": m["seq_len"],
            "batch": 1, "dtype": "bf16", "tied_embeddings": tied}
-    if row["id"].startswith(("narayanan21", "korthikanti22")):
+    if row["id"].startswith(("narayanan21", "korthikanti22", "megatronlm")):
         # Megatron GPT's hidden and attention dropout, 0.1 by default (Korthikanti et al. count its
-        # masks in their activation memory, Sec. 4.1)
+        # masks in their activation memory, Sec. 4.1); still so in Megatron-LM core_r0.8.0
+        # (megatron/training/arguments.py: --hidden-dropout / --attention-dropout default 0.1)
         cfg["dropout"] = 0.1
         assume.append("dropout 0.1 (Megatron-LM's default of the time)")
+    nemo = nemo_launcher(row, assume)
+    if nemo is not None and nemo[1] > 0:
+        cfg["dropout"] = nemo[1]
     strategy, framework = _strategy(row, assume)
     recompute = _recompute(row, assume)
     if ep > 1:  # Megatron-Core's folding: the experts over ep, the rest data parallel over dp x ep
@@ -254,11 +284,23 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
             "--strategy", strategy, "--device", device, "--precision", _precision(row), "--framework", framework,
             "--recompute", recompute, "--json"]
     argv += _nemo_states(row, assume)
+    if par.get("dispatcher"):  # MoE: the dispatcher and the routing the run used (moe-runs.json)
+        argv += ["--moe-dispatcher", str(par["dispatcher"])]
+    if par.get("routing"):
+        argv += ["--moe-routing", str(par["routing"])]
     if framework == "torchtitan":  # training.compile: Inductor's fused blocks, or eager PyTorch ops
         argv.append("--compile" if par.get("torch_compile") else "--no-compile")
     overlaps = str(par.get("overlaps") or "")
-    if "--tp-comm-overlap" in overlaps or par.get("async_tp"):
+    if "--tp-comm-overlap" in overlaps or par.get("async_tp") or (nemo is not None and nemo[0] and tp > 1):
         argv.append("--tp-comm-overlap")
+    if nemo is not None and nemo[2]:
+        argv.append("--cross-entropy-fusion")
+    if pp > 1 and row["id"].startswith(("narayanan21", "korthikanti22")):
+        # Megatron-LM of 2021-2022 (megatron/p2p_communication.py): batch_isend_irecv, req.wait()
+        # and torch.cuda.synchronize() after every exchange; overlap_p2p_comm came in 2023-05
+        argv.append("--no-p2p-overlap")
+        assume.append("pipeline sends block (Megatron-LM 2021-2022: torch.cuda.synchronize() after each "
+                      "batch_isend_irecv)")
     dpe = dp * ep  # the data-parallel ranks (ep folded into them; cp ranks share their sequences)
     accum = (gb // (dpe * mb)) if gb else 1
     if gb and gb % (dpe * mb):
@@ -585,7 +627,9 @@ def markdown(results: list[dict[str, Any]], unsupported: dict[str, list[str]], s
                 "NeMo AutoModel's benchmark configs (each row's `companions`): every decoder layer checkpointed",
                 "(`--recompute full`), the model in bf16 with `torch.optim.Adam` (bf16 moments) under FSDP2 and",
                 "the loss on bf16 logits (`--framework automodel`, docs/devices.md \"Memory\"); the experts stay",
-                "out of FSDP (ep covers every rank of a stage).", ""]
+                "out of FSDP (ep covers every rank of a stage). The configs set `enable_deepep` and",
+                "`fake_balanced_gate` (token t to experts t k .. t k + k - 1): `--moe-dispatcher deepep",
+                "--moe-routing balanced` (docs/devices.md \"Mixture of experts\").", ""]
         out += [f"- {line}" for line in summary_lines(ms)[:1] + summary_lines(ms)[3:]]
         out += ["", "| run | unit | measured | predicted | ratio | memory GiB (measured) | fits |", "|---|---|---|---|---|---|---|"]
         for r in mres:

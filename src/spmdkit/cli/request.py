@@ -74,6 +74,10 @@ class Links:
     grad_dtype: str | None = None
     optimizer_dtype: str | None = None
     compile: bool | None = None
+    moe_dispatcher: str | None = None
+    moe_routing: str | None = None
+    ce_fusion: bool = False
+    p2p_overlap: bool = True
 
     def runtime(self) -> Runtime:
         """``--precision``, ``--framework``, ``--tp-comm-overlap``, ``--moe-skew`` and
@@ -81,7 +85,9 @@ class Links:
         naming the flag)."""
         return Runtime(parse_precision(self.precision), (self.framework or "megatron").strip().lower(),
                        self.tp_comm_overlap, parse_moe_skew(self.moe_skew), parse_moe_histogram(self.moe_histogram),
-                       _state_dtype(self.grad_dtype), _state_dtype(self.optimizer_dtype), self.compile)
+                       _state_dtype(self.grad_dtype), _state_dtype(self.optimizer_dtype), self.compile,
+                       (self.moe_dispatcher or "alltoall").strip().lower(), (self.moe_routing or "topk").strip().lower(),
+                       ce_fusion=self.ce_fusion, p2p_overlap=self.p2p_overlap)
 
 
 def _state_dtype(text: str | None) -> str | None:
@@ -188,6 +194,13 @@ class RunRequest:
     device: str | None = None
     json: bool = False
     timeout: float = DEFAULT_TIMEOUT
+    #: ``--engine``: spmdkit (op by op, exact) or torch (the export on torch's own engine under torchrun)
+    engine: str = "spmdkit"
+    #: ``--engine torch``: training steps, optimizer, learning rate, an export file to run (None: made here)
+    steps: int | None = None
+    optimizer: str | None = None
+    lr: float | None = None
+    torch_plan: str | None = None
 
 
 def _model_args(ns: argparse.Namespace) -> ModelArgs:
@@ -224,7 +237,8 @@ def plan_request(ns: argparse.Namespace) -> PlanRequest:
         links=Links(cost=ns.cost, device=ns.device, nodes_of=ns.nodes_of, precision=ns.precision,
                     framework=ns.framework, tp_comm_overlap=ns.tp_comm_overlap, moe_skew=ns.moe_skew,
                     moe_histogram=ns.moe_histogram, grad_dtype=ns.grad_dtype,
-                    optimizer_dtype=ns.optimizer_dtype, compile=ns.compile),
+                    optimizer_dtype=ns.optimizer_dtype, compile=ns.compile, moe_dispatcher=ns.moe_dispatcher,
+                    moe_routing=ns.moe_routing, ce_fusion=ns.ce_fusion, p2p_overlap=ns.p2p_overlap),
         grad_accum=ns.grad_accum, recompute=ns.recompute, verify=ns.verify,
         global_batch=ns.global_batch, micro_batch=ns.micro_batch,
         search=SearchArgs(auto=ns.auto, time_limit=ns.auto_time_limit, memory=ns.memory, explain=ns.explain),
@@ -241,7 +255,8 @@ def run_request(ns: argparse.Namespace, argv: list[str]) -> RunRequest:
     return RunRequest(
         model=_model_args(ns), mesh=ns.mesh, argv=tuple(argv), strategy=_strategy(ns), layers=ns.layers,
         batch=ns.batch, seq=ns.seq, pad=ns.pad, annotate=tuple(ns.annotate), nproc=ns.nproc, backend=ns.backend,
-        seed=ns.seed, kernels=ns.kernels, warmup=ns.warmup, device=ns.device, json=ns.json, timeout=ns.timeout)
+        seed=ns.seed, kernels=ns.kernels, warmup=ns.warmup, device=ns.device, json=ns.json, timeout=ns.timeout,
+        engine=ns.engine, steps=ns.steps, optimizer=ns.optimizer, lr=ns.lr, torch_plan=ns.torch_plan)
 
 
 # -- the flags -----------------------------------------------------------------------------------
@@ -311,12 +326,26 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp-comm-overlap", dest="tp_comm_overlap", action="store_true",
                    help="tensor-parallel all-gathers and reduce-scatters overlap the GEMMs (Megatron's "
                         "--tp-comm-overlap, torch async TP)")
+    p.add_argument("--no-p2p-overlap", dest="p2p_overlap", action="store_false",
+                   help="pipeline: every stage-to-stage send blocks its sender (Megatron-LM before 2023, "
+                        "--no-overlap-p2p-communication); default: the interleaved schedule's sends overlap compute")
+    p.add_argument("--cross-entropy-fusion", dest="ce_fusion", action="store_true",
+                   help="framework megatron: the loss as Megatron's --cross-entropy-loss-fusion runs it (NeMo's "
+                        "cross_entropy_loss_fusion: fewer passes over the fp32 logits; default off, as in Megatron-LM)")
     p.add_argument("--moe-skew", dest="moe_skew", metavar="F",
                    help="mixture of experts: the busiest expert receives F x the mean tokens (the others share the "
                         "rest); under expert parallelism the step waits for the busiest ep rank (default 1: uniform)")
     p.add_argument("--moe-histogram", dest="moe_histogram", metavar="FILE|JSON",
                    help="mixture of experts: measured tokens per expert, a JSON list (one number per expert) or a "
                         "file holding one, instead of --moe-skew")
+    p.add_argument("--moe-dispatcher", dest="moe_dispatcher", metavar="alltoall|deepep",
+                   help="mixture of experts: how tokens reach other ranks' experts: alltoall (NCCL all-to-all, "
+                        "Megatron-Core's alltoall dispatcher; default) or deepep (DeepEP: once per destination node "
+                        "over the network, forwarded over NVLink; Megatron-Core's flex, AutoModel's DeepEP)")
+    p.add_argument("--moe-routing", dest="moe_routing", metavar="topk|balanced",
+                   help="mixture of experts: the experts a token reaches, for the all-to-alls' bytes: topk (the "
+                        "model's router; default) or balanced (consecutive experts t*k..t*k+k-1: NeMo AutoModel's "
+                        "fake_balanced_gate)")
     p.add_argument("--grad-dtype", dest="grad_dtype", metavar="fp32|bf16",
                    help="the dtype gradients are accumulated and reduced in (Megatron-Core's grad_reduce_in_fp32, "
                         "NeMo's optim.grad_sync_dtype); default the framework's (fp32 main gradients)")
@@ -436,6 +465,17 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=_positive_seconds, default=DEFAULT_TIMEOUT, metavar="SECONDS",
                    help="the longest any rendezvous, process group or collective may wait; a rank that "
                         "waits longer fails and the run ends (default %(default)g)")
+    p.add_argument("--engine", choices=("spmdkit", "torch"), default="spmdkit",
+                   help="spmdkit (default): the plan executed op by op by spmdkit's executor, every tensor "
+                        "checked; torch: the plan exported for torch (--export torch) applied to the --hf model "
+                        "with torch's own APIs (DTensor styles, FSDP2, pipelining), trained --steps steps under "
+                        "torchrun, losses against torch eager and collectives against the plan's (docs/export.md)")
+    p.add_argument("--steps", type=int, help="--engine torch: training steps (default 3)")
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), help="--engine torch: the optimizer (default sgd)")
+    p.add_argument("--lr", type=float, help="--engine torch: the learning rate (default 0.01)")
+    p.add_argument("--torch-plan", dest="torch_plan", metavar="FILE",
+                   help="--engine torch: run this export (spmdkit plan ... --export torch FILE) instead of "
+                        "planning --mesh / --strategy here; a pipeline (pp) plan needs it")
 
 
 __all__ = ["DEFAULT_MESH", "DEFAULT_TIMEOUT", "HF_BATCH", "HF_SEQ",

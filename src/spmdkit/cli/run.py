@@ -20,6 +20,7 @@ from typing import Any, NoReturn, TextIO
 from spmdkit.cli.checks import parse_annotations, parse_tp_plan
 from spmdkit.cli.common import plan_source, strategy_notes
 from spmdkit.cli.request import HF_BATCH, HF_SEQ, RunRequest
+from spmdkit.cli.run_torch import run_torch_command
 from spmdkit.core.errors import ProgramError
 from spmdkit.cost.devices import load_device
 from spmdkit.execute.launch import (
@@ -88,9 +89,16 @@ def die_with_launcher() -> None:
 def run_command(req: RunRequest, out: TextIO) -> int:
     """``spmdkit run``: exit 0 (every tensor and collective as planned), 1 (the check failed, or a
     rank failed: one line names it), 2 (bad arguments or environment, before any rank starts)."""
+    if req.engine == "torch":  # the export on torch's own engine, under torchrun (cli/run_torch.py)
+        return run_torch_command(req, out)
     die_with_launcher()  # first: importing torch takes seconds
     try:
         req.model.check_config()
+        for flag, v in (("--steps", req.steps), ("--optimizer", req.optimizer), ("--lr", req.lr),
+                        ("--torch-plan", req.torch_plan)):
+            if v is not None:
+                raise RunUsageError(f"{flag} applies to --engine torch (this run is --engine spmdkit: one step, "
+                                    "op by op)")
         return _run_command(req, out)
     except RunUsageError as exc:
         print(f"spmdkit run: {exc}", file=sys.stderr)

@@ -211,6 +211,24 @@ def collective_time(op: str, nbytes: float, group: Group, fabric: Fabric, share:
     return _best(op, nbytes, group, fabric, share)
 
 
+def deduplicated_all_to_all(net_bytes: float, nvl_bytes: float, group: Group, fabric: Fabric, share: float = 1.0
+                            ) -> float:
+    """Seconds of DeepEP's normal (high-throughput) dispatch or combine on ``group``
+    (deepseek-ai/DeepEP README: "normal kernels with NVLink and RDMA forwarding"): a rank sends
+    each token once to every other node holding one of its experts, over its NIC (``net_bytes``),
+    and once to every rank holding one, over NVLink (``nvl_bytes``: directly inside its node,
+    forwarded by the receiving rank in another); the two run pipelined, so the slower link sets
+    the time. Latency: one Simple-protocol step per remote node and per NVLink peer."""
+    if group.ranks <= 1 or net_bytes + nvl_bytes <= 0:
+        return 0.0
+    t_nvl = nvl_bytes / (fabric.nvlink_bps * fabric.nvlink_eff)
+    t_net = 0.0 if group.nodes <= 1 else net_bytes / (fabric.nic_bps * fabric.nic_eff / max(1.0, share))
+    p = PROTOCOLS.index("Simple")
+    lat = (BASE_LAT_US["ring"][p] + (group.nodes - 1) * HW_LAT_US["ring"][1][p]
+           + (min(group.ranks, group.per_node) - 1) * HW_LAT_US["ring"][0][p])
+    return lat * 1e-6 + max(t_net, t_nvl)
+
+
 @dataclass(frozen=True)
 class NcclCostModel(CostModel):
     """A device's links on a mesh (:func:`spmdkit.cost.devices.cost_model`): ``links`` per mesh
@@ -248,4 +266,5 @@ def time_of(cost: CostModel, kind: str, mesh_dims: Sequence[int], nbytes: float,
     return cost.collective_time(kind, mesh_dims, nbytes, mesh_shape)
 
 
-__all__ = ["OPS", "Fabric", "Group", "NcclCostModel", "buffer_bytes", "collective_time", "group_of", "time_of"]
+__all__ = ["OPS", "Fabric", "Group", "NcclCostModel", "buffer_bytes", "collective_time", "deduplicated_all_to_all",
+           "group_of", "time_of"]

@@ -35,6 +35,7 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel
 from spmdkit.cost.context import CP_RULES, cp_op_cost
 from spmdkit.cost.eager import eager_cost
+from spmdkit.cost.loss import loss_cost
 from spmdkit.cost.moe import active_share, expert_op_cost
 from spmdkit.engine.cache_keys import UNCACHEABLE, value_key
 from spmdkit.engine.facts import LocalOp, LocalTensor, OpCost, declared, facts_of
@@ -250,7 +251,8 @@ def op_cost(plan: Plan, i: int) -> OpCost:
     (:func:`fp8_weights`), the framework whose attention kernel runs a flash-attention pass; an
     op of a MoE layer's expert computation as grouped GEMMs at the busiest ep rank's load
     (:func:`spmdkit.cost.moe.expert_op_cost`); a cp attention op as its busiest rank runs it (a
-    ring's steps, the causal imbalance without zig-zag: :func:`spmdkit.cost.context.cp_op_cost`)."""
+    ring's steps, the causal imbalance without zig-zag: :func:`spmdkit.cost.context.cp_op_cost`); a
+    softmax cross-entropy over the logits as the framework runs it (:func:`spmdkit.cost.loss.loss_cost`)."""
     opp = plan.ops[i]
     lop = local_op(plan.program, i, opp.required, opp.outputs, plan.attrs)
     c = expert_op_cost(plan, i, lop, cost_of) or cost_of(lop)
@@ -263,7 +265,7 @@ def op_cost(plan: Plan, i: int) -> OpCost:
         c = _fp8(plan.program, i, lop, c)
     if rt.framework == "torchtitan":  # its model code's eager ops (and, under --compile, the loss and repeat_kv)
         c = eager_cost(lop, c, rt.eager)
-    return c
+    return loss_cost(_canonical(opp.op.rule), lop, c, rt.framework, rt.ce_fusion)
 
 
 #: every registered rule with a cost; the others (today: ``replicated``, the importer's stand-in

@@ -24,6 +24,19 @@ docs/devices.md, "Mixture of experts".
   deliver and return its tokens carry ``rho`` times the tokens; with a capacity factor above 1
   the buffers are padded to the capacity (the GEMMs run on the padded rows, tokens past it
   are dropped) and skew changes nothing.
+- The dispatch and combine all-to-alls (:func:`expert_all_to_all`): under ``--moe-dispatcher
+  alltoall`` (NCCL's all-to-all) a rank sends each of a token's ``top_k`` copies to the rank of
+  its expert, so ``(N - 1) / N`` of them cross the network when the ep group spans ``N`` nodes.
+  Under ``deepep`` (DeepEP's normal kernels, deepseek-ai/DeepEP README) a token crosses the
+  network once per other node holding one of its experts and is forwarded inside that node over
+  NVLink (:func:`spmdkit.cost.collectives.deduplicated_all_to_all`). The nodes a token reaches
+  (:func:`nodes_reached`) follow from the routing: with experts in contiguous blocks of ``E / N``
+  per node, a top-k over every expert reaches ``N (1 - C(E - E/N, k) / C(E, k))`` nodes on
+  average (uniform routing); DeepSeek-V3's group-limited routing (``groups`` = its ``n_group``
+  8, ``topk_groups`` = ``topk_group`` 4; report sec. 3.2, "node-limited routing": each token is
+  sent to at most 4 nodes) picks ``topk_groups`` of ``groups`` groups, so with whole groups per
+  node it reaches ``N (1 - C(G - G/N, M) / C(G, M))`` nodes: 4 of 8 (3.5 of them remote) where
+  plain top-8 routing would reach 5.3 and NCCL's all-to-all sends 7 of the 8 copies off the node.
 """
 
 from __future__ import annotations
@@ -34,6 +47,8 @@ from typing import Any
 
 from spmdkit.core.dist_attr import entry_dims
 from spmdkit.core.errors import ProgramError
+from spmdkit.core.reshard import Step
+from spmdkit.cost.collectives import NcclCostModel, buffer_bytes, deduplicated_all_to_all, time_of
 from spmdkit.engine.facts import LocalOp, OpCost
 from spmdkit.program.ir import Program, flat_refs
 from spmdkit.program.plan import Plan
@@ -54,6 +69,9 @@ class MoeLayer:
     stacks: tuple[str, ...]
     #: the expert computation's forward tensors (dispatched tokens .. combined rows)
     tensors: frozenset[str]
+    #: group-limited routing: the top_k among the experts of the topk_groups best of groups
+    groups: int = 1
+    topk_groups: int = 1
 
     @property
     def padded(self) -> bool:
@@ -104,7 +122,8 @@ def _scan(prog: Program) -> tuple[list[MoeLayer], dict[str, int]]:
             continue
         gshape = prog.tensors[gl].shape
         layers.append(MoeLayer(i, combine, int(gshape[-1]), int(op.attrs.get("k", 1)), int(op.attrs.get("capacity", 0)),
-                               int(gshape[-2]), tuple(stacks), frozenset(seen)))
+                               int(gshape[-2]), tuple(stacks), frozenset(seen), int(op.attrs.get("groups", 1) or 1),
+                               int(op.attrs.get("topk_groups", 1) or 1)))
     owner: dict[str, int] = {}
     for li, layer in enumerate(layers):
         for n in layer.tensors:
@@ -281,5 +300,70 @@ def expert_op_cost(plan: Plan, i: int, lop: LocalOp, cost_of: Any) -> OpCost | N
     return grouped(c, lop) if c.matmul else c
 
 
-__all__ = ["MoeLayer", "active_share", "busiest_load", "ep_degree", "expert_op_cost", "expert_tensors", "grouped",
-           "loaded", "moe_layers", "plan_loads", "rank_load"]
+# -- the dispatch and combine all-to-alls -----------------------------------------------------------
+
+
+def _spread(total: int, per: int, picked: int) -> float:
+    """Bins of ``per`` consecutive units (of ``total``) that ``picked`` distinct units drawn
+    uniformly at random fall in, on average: ``bins (1 - C(total - per, picked) / C(total, picked))``."""
+    if per <= 0 or total % per or picked <= 0:
+        return float(max(1, min(picked, total // max(1, per))))
+    picked = min(picked, total)
+    return total // per * (1.0 - math.comb(total - per, picked) / math.comb(total, picked))
+
+
+def _blocks(experts: int, top_k: int, per: int) -> float:
+    """Blocks of ``per`` consecutive experts that a token's experts ``t k .. t k + k - 1`` (mod E)
+    touch, averaged over the tokens (AutoModel's FakeBalancedGate)."""
+    starts = sorted({(t * top_k) % experts for t in range(experts)})
+    return sum(len({((s0 + j) % experts) // per for j in range(top_k)}) for s0 in starts) / len(starts)
+
+
+def reached(layer: MoeLayer, nodes: int, ranks: int, routing: str = "topk") -> tuple[float, float]:
+    """(nodes, ranks) a token's ``top_k`` experts sit on, on average, with the experts in
+    contiguous blocks of ``E / ranks`` per ep rank and ``E / nodes`` per node (module docstring):
+    ``routing`` ``topk`` the model's router (uniform), ``balanced`` the consecutive experts of
+    AutoModel's fake balanced gate."""
+    e, k = layer.experts, layer.top_k
+    nodes, ranks = max(1, nodes), max(1, ranks)
+    if e % ranks or ranks % nodes:
+        return float(min(nodes, k)), float(min(ranks, k))
+    if routing == "balanced":
+        return _blocks(e, k, e // nodes), _blocks(e, k, e // ranks)
+    g, m = layer.groups, layer.topk_groups
+    if 1 < g and m < g:
+        n_nodes = _spread(g, g // nodes, m) if g % nodes == 0 else _spread(e, e // nodes, k)
+        n_ranks = _spread(m * e // g, e // ranks, k) if ranks % g == 0 else _spread(e, e // ranks, k)
+        return n_nodes, n_ranks
+    return _spread(e, e // nodes, k), _spread(e, e // ranks, k)
+
+
+def expert_all_to_all(plan: Plan, tensor: str, s: Step) -> float:
+    """Seconds of the all-to-all step ``s`` of ``tensor``: for a MoE layer's dispatched tokens,
+    rows and their gradients, at the busiest ep rank's load (:func:`plan_loads`) and by
+    ``--moe-dispatcher`` (module docstring); ``s.time_s`` for any other tensor."""
+    li = expert_tensors(plan.program).get(tensor)
+    if li is None:
+        return s.time_s
+    layer = moe_layers(plan.program)[li]
+    rho = plan_loads(plan).get(tensor, 1.0)
+    deepep = plan.runtime.moe_dispatcher == "deepep" and isinstance(plan.cost, NcclCostModel)
+    if rho == 1.0 and not deepep:
+        return s.time_s
+    n = math.prod(plan.mesh.shape[d] for d in s.mesh_dims)
+    buf = buffer_bytes(s.kind, s.bytes_per_rank, n) * rho
+    if not deepep:
+        return time_of(plan.cost, s.kind, s.mesh_dims, buf, plan.mesh.shape)
+    assert isinstance(plan.cost, NcclCostModel)
+    g = plan.cost.group(s.mesh_dims)
+    d_nodes, d_ranks = reached(layer, g.nodes, g.ranks, plan.runtime.moe_routing)
+    # the buffer holds capacity x experts slots of a token each; a rank's tokens are tokens x (the
+    # sequences it routes): each crosses to the other nodes and ranks holding its experts once
+    token_bytes = buf * layer.tokens / max(1, layer.capacity * layer.experts)
+    net = token_bytes * d_nodes * (g.nodes - 1) / g.nodes
+    nvl = token_bytes * d_ranks * (g.ranks - 1) / g.ranks
+    return deduplicated_all_to_all(net, nvl, g, plan.cost.fabric)
+
+
+__all__ = ["MoeLayer", "active_share", "busiest_load", "ep_degree", "expert_all_to_all", "expert_op_cost",
+           "expert_tensors", "grouped", "loaded", "moe_layers", "plan_loads", "rank_load", "reached"]

@@ -31,7 +31,7 @@ from spmdkit.cost.context import (
 )
 from spmdkit.cost.devices import Device
 from spmdkit.cost.memory import rerun_points, saved_activations
-from spmdkit.cost.moe import plan_loads
+from spmdkit.cost.moe import expert_all_to_all, plan_loads
 from spmdkit.engine.facts import OpCost
 from spmdkit.engine.memo import gc_paused
 from spmdkit.ops._cost import numel
@@ -270,6 +270,30 @@ def tp_overlap_exposed(comm_s: float, gemm_s: float, n: int) -> float:
     return max(comm_s, gemm_s) + min(comm_s, gemm_s) / n - gemm_s
 
 
+#: Transformer Engine's userbuffers (Megatron's ``--tp-comm-overlap``) run the reduce-scatter
+#: overlaps (the forward's ``pipeline`` method after proj / fc2, the backward's ``bulk`` one under
+#: the wgrad GEMMs) as kernels on ``num_sm`` SMs beside the GEMM: TE's default is 16
+#: (transformer_engine/pytorch/module/base.py ``initialize_ub``: ``add_ub(..., num_sm=16)``; NeMo's
+#: H100 configs 16-24); the all-gathers ring-exchange their chunks peer to peer (copy engines)
+UB_COMM_SMS = 16
+
+
+def ub_sm_tax(framework: str, sms: int) -> float:
+    """The extra GEMM time per second of a TP reduce-scatter overlapped with it under
+    ``framework`` (megatron: the GEMM keeps ``sms - UB_COMM_SMS`` of the GPU's ``sms`` while the
+    collective runs, ``UB_COMM_SMS / (sms - UB_COMM_SMS)``); 0 for the others."""
+    if framework != "megatron" or sms <= UB_COMM_SMS:
+        return 0.0
+    return UB_COMM_SMS / (sms - UB_COMM_SMS)
+
+
+def overlap_exposed(comm_s: float, gemm_s: float, n: int, tax: float = 0.0) -> float:
+    """:func:`tp_overlap_exposed` with the GEMM slowed while the collective runs on ``tax`` of its
+    time in SMs (:func:`ub_sm_tax`): the seconds beyond the GEMM's own."""
+    slow = min(comm_s, gemm_s) * tax
+    return tp_overlap_exposed(comm_s, gemm_s + slow, n) + slow
+
+
 def layer_groups(plan: Plan) -> list[int]:
     """Per op, the index of its run of consecutive ops with one (layer tag, phase): the unit
     FSDP gathers a block's parameters for."""
@@ -313,7 +337,7 @@ class _Comm:
     blocking: dict[int, float]
     pending: dict[int, list[_Pending]]
     by_phase: dict[str, float]
-    tp: dict[int, list[tuple[float, int, int]]] = field(default_factory=dict)
+    tp: dict[int, list[tuple[float, int, int, str]]] = field(default_factory=dict)
     prefetch: dict[int, tuple[float, int]] = field(default_factory=dict)
     #: the distributed optimizer's all-gathers of updated parameters (Megatron: op -> (mesh
     #: dims, bytes, itemsize)), overlapped with the next step's forward
@@ -321,12 +345,15 @@ class _Comm:
     #: a cp attention's K / V all-gathers run under its local block (torch's context_parallel):
     #: op -> (seconds, cp ranks)
     under: dict[int, tuple[float, int]] = field(default_factory=dict)
+    #: a TP reduce-scatter's SM share taken from the GEMM it overlaps (:func:`ub_sm_tax`)
+    rs_tax: float = 0.0
 
     def exposed(self, i: int, times: list[float]) -> float:
-        """Seconds op i waits on its blocking and TP-overlapped collectives."""
+        """Seconds op i waits on its blocking and TP-overlapped collectives (a reduce-scatter's
+        GEMM slowed by the SMs it takes: :func:`overlap_exposed`)."""
         t = self.blocking.get(i, 0.0)
-        for c, j, n in self.tp.get(i, ()):
-            t += tp_overlap_exposed(c, times[j], n)
+        for c, j, n, kind in self.tp.get(i, ()):
+            t += overlap_exposed(c, times[j], n, self.rs_tax if kind == "reduce_scatter" else 0.0)
         u = self.under.get(i)
         if u is not None:
             t += allgather_exposed(u[0], times[i], u[1], True)
@@ -386,7 +413,7 @@ def _communication(plan: Plan, comp: _Compute) -> _Comm:
     param_grads = plan.param_grads()
     overlap_tp = plan.runtime.tp_comm_overlap
     rs_grads = distributed_optimizer_grads(plan)
-    load = plan_loads(plan)  # MoE: the busiest ep rank's share of the tokens (spmdkit.cost.moe)
+    moe_a2a = bool(plan_loads(plan)) or plan.runtime.moe_dispatcher != "alltoall"
     under = gather_overlaps(plan)
     again = regathers(plan)  # allgather attention's K / V gathered again for its grad
     readers: dict[str, list[int]] = {}
@@ -402,12 +429,9 @@ def _communication(plan: Plan, comp: _Compute) -> _Comm:
         for s in r.plan.steps:
             if s.bytes_per_rank == 0:
                 continue
-            if s.kind == "all_to_all" and r.tensor in load:
-                # the busiest ep rank receives (dispatch) and returns (combine) rho x the mean tokens
-                n = math.prod(plan.mesh.shape[d] for d in s.mesh_dims)
-                s = replace(s, time_s=time_of(plan.cost, s.kind, s.mesh_dims,
-                                              buffer_bytes(s.kind, s.bytes_per_rank, n) * load[r.tensor],
-                                              plan.mesh.shape))
+            if s.kind == "all_to_all" and moe_a2a:
+                # MoE: the busiest ep rank's tokens, by the dispatcher (spmdkit.cost.moe.expert_all_to_all)
+                s = replace(s, time_s=expert_all_to_all(plan, r.tensor, s))
             if is_grad_sync(plan, r, s, param_grads):
                 size = numel(local_shape(t.shape, s.src)) * t.itemsize
                 if s.kind == "all_reduce" and set(s.mesh_dims) <= rs_grads.get(r.tensor, frozenset()):
@@ -436,7 +460,7 @@ def _communication(plan: Plan, comp: _Compute) -> _Comm:
                     and r.tensor not in param_grads:
                 gemm = _adjacent_gemm(plan, comp, r.tensor, i, producer, readers)
             if gemm >= 0:
-                out.tp.setdefault(i, []).append((s.time_s, gemm, n))
+                out.tp.setdefault(i, []).append((s.time_s, gemm, n, s.kind))
             else:
                 out.blocking[i] = out.blocking.get(i, 0.0) + s.time_s
     for g, per in gathers.items():
@@ -461,7 +485,8 @@ class _Rerun:
 def _rerun(plan: Plan, recompute: str, comp: _Compute, comm: _Comm, kern_by_op: dict[int, float]) -> _Rerun:
     """The recomputed forward ops (with their forward collectives) run again before the first
     op that reads their outputs (``comp.by_phase["recompute"]``, ``comm.by_phase["recompute"]``);
-    a tensor kept as its producer's shard is all-gathered again there (``comm.by_phase["backward"]``)."""
+    a tensor kept as its producer's shard is all-gathered again there (``comm.by_phase["backward"]``),
+    under Megatron overlapped with that op's dgrad GEMM (:func:`dgrad_time`)."""
     rerun, regather = rerun_points(plan, saved_activations(plan, recompute))
     out = _Rerun()
     for at, idx in rerun.items():
@@ -476,12 +501,28 @@ def _rerun(plan: Plan, recompute: str, comp: _Compute, comm: _Comm, kern_by_op: 
             comm.by_phase["recompute"] = comm.by_phase.get("recompute", 0.0) + cm
             out.extra_at[at] = out.extra_at.get(at, 0.0) + comp.times[j] + cm
     for at, ks in regather.items():
+        secs = 0.0
         for ix in ks:
             t_ = plan.reshards[ix].plan.time_s
             out.regathers += 1
             comm.by_phase["backward"] += t_
-            out.extra_at[at] = out.extra_at.get(at, 0.0) + t_
+            secs += t_
+        exposed = max(0.0, secs - dgrad_time(comp.costs[at], comp.times[at])) \
+            if plan.runtime.framework == "megatron" else secs
+        out.extra_at[at] = out.extra_at.get(at, 0.0) + exposed
     return out
+
+
+def dgrad_time(c: OpCost, t: float) -> float:
+    """The seconds of a matmul grad's input-gradient GEMM (its first, ``dx``; its share of the
+    op's time by FLOPs); 0 for another op. Megatron's sequence-parallel linear layers (its own
+    ``LinearWithGradAccumulationAndAsyncCommunication`` and Transformer Engine's, "Overlap input
+    AG with dgrad") launch the backward's all-gather of their input asynchronously and run the
+    dgrad GEMM while it goes; the weight-gradient GEMM waits for it."""
+    if not c.matmul or len(c.gemms) < 2:
+        return 0.0
+    f = [b * m * n * k for b, m, n, k in c.gemms]
+    return t * f[0] / sum(f) if sum(f) > 0 else 0.0
 
 
 class Reducer:
@@ -629,6 +670,7 @@ def op_communication(plan: Plan, device: Device) -> OpComm:
     (:func:`estimate_step`) per op, the FSDP prefetch as ``max(0, gather - the group before)``."""
     comp = _compute(plan, device)
     comm = _communication(plan, comp)
+    comm.rs_tax = ub_sm_tax(plan.runtime.framework, device.rates.sms)
     wait = [comm.exposed(i, comp.times) for i in range(len(comp.times))]
     for k in kernel_collectives(plan):
         wait[k.op_index] += k.time_s
@@ -667,6 +709,7 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
         kern_by_op[k.op_index] = kern_by_op.get(k.op_index, 0.0) + k.time_s
     comp = _compute(plan, device)
     comm = _communication(plan, comp)
+    comm.rs_tax = ub_sm_tax(plan.runtime.framework, device.rates.sms)
     rings = ring_costs(plan, comp.times)
     for rg in rings:  # the ring's exposed transfers wait inside the op, as a kernel's collective
         kern_by_op[rg.op_index] = kern_by_op.get(rg.op_index, 0.0) + rg.exposed_s
@@ -731,4 +774,4 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
 
 
 __all__ = ["BUCKET_BYTES", "FIRST_BUCKET_BYTES", "MEGATRON_BUCKET_PARAMS", "Bucket", "OpComm", "Reducer", "StepEstimate",
-           "estimate_step", "is_grad_sync", "layer_groups", "op_communication", "param_gather_time", "tp_overlap_exposed"]
+           "dgrad_time", "estimate_step", "is_grad_sync", "UB_COMM_SMS", "layer_groups", "op_communication", "overlap_exposed", "param_gather_time", "tp_overlap_exposed", "ub_sm_tax"]

@@ -217,6 +217,9 @@ def _experts(r: _Reader, notes: list[str]) -> dict[str, Any]:
     out = {"experts": r.size("n_routed_experts"), "top_k": r.size("num_experts_per_tok"),
            "moe_ffn": r.size("moe_intermediate_size"), "shared_experts": r.size("n_shared_experts", default=0, low=0),
            "dense_layers": r.size("first_k_dense_replace", default=0, low=0)}
+    if mt == "deepseek_v3" and obj.get("topk_method", "noaux_tc") == "noaux_tc":  # group-limited (node-limited) routing
+        out["expert_groups"] = r.size("n_group", default=1)
+        out["topk_groups"] = r.size("topk_group", default=out["expert_groups"])
     if r.size("moe_layer_freq", default=1) != 1:
         notes.append(f"moe_layer_freq {obj['moe_layer_freq']} (planned with experts in every layer past the dense)")
     return out

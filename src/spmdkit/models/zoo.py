@@ -24,6 +24,7 @@ Megatron-Core, NeMo and torchtitan run it; ``eager``: the scores materialised, a
 Megatron-LM of 2021-2022 ran it; gpt2 only), ``tied_embeddings`` (the LM head is the token
 embedding, transposed), ``head_dim``, ``norm``, ``positions``, ``qkv_bias``, ``linear_bias``,
 ``embed_norm``, MoE (``experts``, ``top_k``, ``moe_ffn``, ``shared_experts``, ``dense_layers``,
+``expert_groups``, ``topk_groups``,
 ``capacity_factor``) and MLA (``q_lora_rank``, ``kv_lora_rank``, ``qk_rope_head_dim``,
 ``v_head_dim``). :func:`preset` takes a preset name or a config as a JSON object or a ``.json``
 file (:func:`config_from_json`).
@@ -89,6 +90,7 @@ _CONFIG_FIELDS = {"base": "str", "name": "str", "arch": "str", "layers": "int", 
                   "head_dim": "int?", "norm": "str?", "positions": "str?", "qkv_bias": "bool", "linear_bias": "bool",
                   "embed_norm": "bool", "experts": "count", "top_k": "int", "moe_ffn": "int?",
                   "shared_experts": "count", "dense_layers": "count", "capacity_factor": "num?", "aux_loss": "bool",
+                  "expert_groups": "int", "topk_groups": "int",
                   "q_lora_rank": "count", "kv_lora_rank": "count", "qk_rope_head_dim": "count", "v_head_dim": "int?"}
 _DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
            "fp32": "float32", "float32": "float32"}

@@ -72,6 +72,10 @@ class ModelConfig:
     shared_experts: int = 0
     #: the first dense_layers layers have the dense MLP of width ffn (DeepSeek-V3: 3)
     dense_layers: int = 0
+    #: group-limited routing (DeepSeek-V3's n_group / topk_group): the experts in expert_groups
+    #: contiguous groups, a token's top_k chosen among the topk_groups best groups (1, 1: plain top-k)
+    expert_groups: int = 1
+    topk_groups: int = 1
     #: expert capacity = ceil(tokens x top_k / experts x capacity_factor) (None: dropless,
     #: uniform routing, a factor of 1)
     capacity_factor: float | None = None
@@ -208,6 +212,8 @@ class ModelConfig:
             for k in ("shared_experts", "dense_layers"):
                 if getattr(self, k):
                     raise ProgramError(f"model: {k} {getattr(self, k)} needs experts >= 1 (a MoE model)")
+            if (self.expert_groups, self.topk_groups) != (1, 1):
+                raise ProgramError("model: expert_groups / topk_groups need experts >= 1 (a MoE model)")
             if self.moe_ffn is not None or self.capacity_factor is not None:
                 k = "moe_ffn" if self.moe_ffn is not None else "capacity_factor"
                 raise ProgramError(f"model: {k} needs experts >= 1 (a MoE model)")
@@ -216,6 +222,14 @@ class ModelConfig:
             raise ProgramError(f"model: top_k must be from 1 to experts {self.experts}, got {self.top_k!r}")
         if self.dense_layers >= self.layers:
             raise ProgramError(f"model: dense_layers {self.dense_layers} leaves no MoE layer of {self.layers}")
+        g, kg = self.expert_groups, self.topk_groups
+        for k, v in (("expert_groups", g), ("topk_groups", kg)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ProgramError(f"model: {k} must be an integer >= 1, got {v!r}")
+        if self.experts % g or kg > g or kg * (self.experts // g) < self.top_k:
+            raise ProgramError(f"model: expert_groups {g} / topk_groups {kg}: the groups must divide the "
+                               f"{self.experts} experts, topk_groups <= expert_groups and the kept groups hold at "
+                               f"least top_k {self.top_k} experts")
         cf = self.capacity_factor
         if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not 0 < cf <= 1024):
             raise ProgramError(f"model: capacity_factor must be a number in (0, 1024] (or null), got {cf!r}")

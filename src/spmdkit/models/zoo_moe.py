@@ -52,6 +52,7 @@ Megatron MLP.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from spmdkit.models.zoo_config import Model, ModelConfig
 from spmdkit.models.zoo_layers import GATED, linear, mlp_act
@@ -161,6 +162,13 @@ def aux_terms(t: Tape, m: Model, loss_tok: str) -> str:
     return terms
 
 
+def groups(cfg: ModelConfig) -> dict[str, Any]:
+    """The dispatch's group-limited routing attrs (none for plain top-k: the op's defaults)."""
+    if cfg.expert_groups <= 1 or cfg.topk_groups >= cfg.expert_groups:
+        return {}
+    return {"groups": cfg.expert_groups, "topk_groups": cfg.topk_groups}
+
+
 def moe_mlp(t: Tape, cfg: ModelConfig, m: Model, p: str, x: str, h: str) -> str:
     """The MoE MLP of layer prefix ``p`` on the normalised ``x`` [B, S, H], added to the
     residual stream ``h``; the stream after it (``p + "resid2"``)."""
@@ -172,7 +180,8 @@ def moe_mlp(t: Tape, cfg: ModelConfig, m: Model, p: str, x: str, h: str) -> str:
     y, cw, si, off, _ = t.op("moe_gate_dispatch", {"x": x, "gate_logits": probs, "corr_bias": None},
                            [(p + "dispatch", [B, E, C, H], dt), (p + "dispatch.weights", [B, S, K], dt),
                             (p + "dispatch.index", [B, K, S], "int64"), (p + "dispatch.offset", [B, E], "int64"),
-                            (p + "dispatch.expert", [B, S, K], "int64")], k=K, capacity=C, use_pad=True)
+                            (p + "dispatch.expert", [B, S, K], "int64")], k=K, capacity=C, use_pad=True,
+                           **groups(cfg))
     assert y is not None and cw is not None and si is not None and probs is not None
     if cfg.aux_loss:
         aux_loss(t, cfg, m, p, probs, off)

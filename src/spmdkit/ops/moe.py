@@ -155,7 +155,8 @@ declare(
     grad_signature="x: T, combine_weights: T, scatter_index: T, grad_y: T", grad_name="moe_combine_grad",
 )  # fmt: skip
 declare(
-    "moe_gate_dispatch", "x: T, gate_logits: T, corr_bias: T?, k: int, capacity: int, use_pad: bool",
+    "moe_gate_dispatch", "x: T, gate_logits: T, corr_bias: T?, k: int, capacity: int, use_pad: bool, "
+    "groups: int = 1, topk_groups: int = 1",
     Way(_dispatch, key="x, corr_bias", require=_DISPATCH_ATTRS,
         shapes="x: ... _ _; gate_logits: ... _ _; corr_bias: _", check=(_dispatch_ranks, _experts), letters=True,
         post=_no_partial,
@@ -167,7 +168,8 @@ declare(
              doc="moe_gate_dispatch_grad (MoEGateDispatchGradInferSpmd): s and h follow the inputs; k, e and c "
                  "replicated (grad_x gathers rows of grad_y through scatter_index); nothing partial."),
     grad_signature="combine_weights: T, scatter_index: T, expert_id: T, grad_y: T, grad_combine_weights: T, "
-                   "k: int, capacity: int, use_pad: bool", grad_name="moe_gate_dispatch_grad",
+                   "k: int, capacity: int, use_pad: bool, groups: int = 1, topk_groups: int = 1",
+    grad_name="moe_gate_dispatch_grad",
 )  # fmt: skip
 
 

@@ -384,7 +384,8 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | 
     bwd = [c.backward_s - (c.weight_s if zb else 0.0) + c.recompute_s * recomputed[j % p]
            + (c.forward_s if recompute_forward else 0.0) for j, c in enumerate(costs)]
     run = run_schedule(spec.schedule, p, v, m, [c.forward_s for c in costs], bwd,
-                       send_f, send_b, weight=[c.weight_s for c in costs] if zb else None)
+                       send_f, send_b, None if plan.runtime.p2p_overlap else True,
+                       weight=[c.weight_s for c in costs] if zb else None)
     est.run = run
     est.step_serial_s, est.step_overlap_s = _step_times(plan, spec, costs, run)
     mb_tokens = tokens // m if tokens else 0

@@ -565,7 +565,7 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
     bounds = _bounds(model, cfg_model, job) if prune and work else None
     job = replace(job, lean=bounds is not None)
     if bounds is not None:  # the most promising first, so the best step found early prunes the most
-        work.sort(key=lambda c: bounds.step(c.devices, c.pp, c.microbatches))
+        work.sort(key=lambda c: bounds.step(c.devices, c.pp, c.microbatches, c.ep, c.strategy))
     elif len(work) > MAX_PLANS:
         raise ProgramError(f"--devices {devices}: {len(work)} configurations to plan (at most {MAX_PLANS})")
     if progress is not None:
@@ -651,9 +651,9 @@ def _pruned_why(cfg: Config, bounds: Bounds, cap: int, best: float) -> str | Non
     if mem > cap:
         return (f"over the memory cap: its parameters, gradients, optimizer states and layer inputs kept for the "
                 f"backward alone need at least {mem / 2**30:.1f} GiB a device")
-    low = bounds.step(cfg.devices, cfg.pp, cfg.microbatches)
+    low = bounds.step(cfg.devices, cfg.pp, cfg.microbatches, cfg.ep, cfg.strategy)
     if low >= best:
-        return f"its step is at least {low:.3g} s (FLOPs at peak, the pipeline's bubble), the best found {best:.3g} s"
+        return f"its step is at least {low:.3g} s (FLOPs at the fastest rates, MoE all-to-alls, the pipeline's bubble), the best found {best:.3g} s"
     return None
 
 

@@ -16,21 +16,32 @@ give the configuration, under every recomputation mode:
   with ``pp`` stages the fullest holds at least their average; plus the CUDA context and one
   NCCL buffer per communicator (:func:`spmdkit.cost.memory.with_overheads`), the activations
   counted as nothing;
-- the step (:meth:`Bounds.step`): every op's time is at least its FLOPs at the device's
-  tensor-core peak (:meth:`spmdkit.cost.devices.Device.op_time`), the devices together do at
-  least the FLOPs of the unsharded step, so a device works at least ``F / (N x peak)``; a 1F1B
-  pipeline of ``p`` stages and ``m`` microbatches takes at least ``(m + p - 1) / m`` of its
-  busiest device's work (the first microbatch crosses every stage forward and back before the
-  busiest device's last ``m - 1``).
+- the step (:meth:`Bounds.step`): every op's time is at least its FLOPs at the fastest rate
+  its kind reaches (:meth:`spmdkit.cost.devices.Device.compute_time`): a GEMM at the best
+  large-GEMM ceiling of the dtypes it may run in (:data:`spmdkit.cost.rates.Rates.gemm` times the
+  peak: the tile, wave and K factors are at most 1; the plain peak where ``spmdkit calibrate``
+  measured GEMMs), any other op at the tensor-core peak; the devices together do at least the
+  FLOPs of the unsharded step, so a device works at least ``floor / N``. Under ``--strategy ...,ep``
+  each MoE layer adds 2 all-to-alls forward and 2 backward that block the step
+  (:mod:`spmdkit.cost.step`), carrying at least the ``T x top_k`` token copies of the layer's
+  ``T`` tokens spread over the ``N`` devices (``--moe-dispatcher deepep``: each token once per
+  node and rank its experts reach, :func:`spmdkit.cost.moe.reached`) over the ep group packed
+  as densely into nodes as it can be (``min(ep, ranks per node)`` a node: more nodes only send
+  more over the network), at the NIC's and NVLink's reached bandwidth, no latency; none where
+  ``spmdkit calibrate`` measured all-to-alls. A 1F1B pipeline of ``p`` stages and ``m``
+  microbatches takes at least ``(m + p - 1) / m`` of its busiest device's work (the first
+  microbatch crosses every stage forward and back before the busiest device's last ``m - 1``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from spmdkit.cost.collectives import Fabric
 from spmdkit.cost.compute import op_cost
 from spmdkit.cost.devices import Device
 from spmdkit.cost.memory import CUDA_CONTEXT_BYTES, NCCL_BYTES_PER_GROUP
+from spmdkit.cost.moe import MoeLayer, moe_layers, reached
 from spmdkit.program.ir import Program
 from spmdkit.program.layers import layer_tags, program_layers
 from spmdkit.program.plan import Plan
@@ -65,6 +76,14 @@ class Bounds:
     token_bytes: int = 0
     batch: int = 0
     seq: int = 0
+    #: one device's seconds for the whole step's ops at their kinds' fastest rates (0: use flops / peak)
+    floor_s: float = 0.0
+    #: the MoE layers (each with its tokens per step and bytes per token copy) and the links
+    #: their all-to-alls cross (None: no all-to-all bound, e.g. measured all-to-alls)
+    moe: tuple[tuple[MoeLayer, int, int], ...] = ()
+    fabric: Fabric | None = None
+    dispatcher: str = "alltoall"
+    routing: str = "topk"
 
     def _held(self, h: Held, dp: int, ep: int, tp: int, strategy: str) -> float:
         st = set(strategy.split(","))
@@ -100,9 +119,32 @@ class Bounds:
         groups = sum(1 for k in (dp, ep, tp) if k > 1) + (1 if pp > 1 else 0)
         return int(need) + CUDA_CONTEXT_BYTES + NCCL_BYTES_PER_GROUP * groups
 
-    def step(self, devices: int, pp: int, microbatches: int) -> float:
-        """Seconds per step at least on ``devices`` devices (``pp`` stages, ``microbatches``)."""
-        work = self.flops / (devices * self.peak)
+    def all_to_all(self, devices: int, ep: int, strategy: str) -> float:
+        """Seconds one device spends at least in the MoE layers' dispatch and combine
+        all-to-alls per step (module docstring) on ``devices`` devices with an ``ep`` group."""
+        f = self.fabric
+        if f is None or ep <= 1 or "ep" not in strategy.split(","):
+            return 0.0
+        per_node = min(ep, f.ranks_per_node)
+        nodes = -(-ep // per_node)
+        nvl, nic = f.nvlink_bps * f.nvlink_eff, f.nic_bps * f.nic_eff
+        total = 0.0
+        for layer, tokens, copy_bytes in self.moe:
+            if layer.experts % ep:
+                continue
+            if self.dispatcher == "deepep":
+                d_nodes, d_ranks = reached(layer, nodes, ep, self.routing)
+                t = max(d_nodes * (nodes - 1) / nodes / nic, d_ranks * (ep - 1) / ep / nvl)
+            else:
+                k = layer.top_k
+                t = k * max((per_node - 1) / ep / nvl, (ep - per_node) / ep / nic)
+            total += 4 * t * copy_bytes * tokens / devices
+        return total
+
+    def step(self, devices: int, pp: int, microbatches: int, ep: int = 1, strategy: str = "") -> float:
+        """Seconds per step at least on ``devices`` devices (``pp`` stages, ``microbatches``;
+        ``ep`` and ``strategy``: the MoE all-to-alls' bound, :meth:`all_to_all`)."""
+        work = max(self.flops / self.peak, self.floor_s) / devices + self.all_to_all(devices, ep, strategy)
         if pp > 1:
             m = max(1, microbatches)
             work *= (m + pp - 1) / m
@@ -124,15 +166,32 @@ def model_bounds(plan: Plan, device: Device, runtime: Runtime, token_bytes: int 
         k = (0 if t.kind == "parameter" else 2) + (1 if expert else 0)
         lay = where.get(t.name, -1)
         acc[lay if 0 <= lay < n_layers else n_layers][k] += t.numel * t.itemsize
-    flops = sum(op_cost(plan, i).flops for i in range(len(prog.ops)))
+    costs = [op_cost(plan, i) for i in range(len(prog.ops))]
+    flops = sum(c.flops for c in costs)
     dtypes = {t.dtype for t in prog.tensors.values() if t.dtype.startswith(("float", "bfloat"))}
     peak = max([device.matmul_peak(d) for d in dtypes] or [device.peak["fp32"]])
     if runtime.fp8 and "fp8" in device.peak:
         peak = max(peak, device.peak["fp8"])
+    # a GEMM reaches at most the best large-GEMM ceiling of its possible dtypes (none where measured)
+    gemm_rate = peak
+    if device.measured is None or not device.measured.gemm:
+        keys = {device._key(d) for d in dtypes} | ({"fp8"} if runtime.fp8 else set())
+        gemm_rate = min(peak, max([device.peak.get(k, 0.0) * device.rates.gemm.get(k, 1.0) for k in keys] or [peak]))
+        gemm_rate = gemm_rate if gemm_rate > 0 else peak
+    floor_s = sum(c.flops / (gemm_rate if c.matmul and c.attention is None else peak) for c in costs)
+    moe: list[tuple[MoeLayer, int, int]] = []
+    for layer in moe_layers(prog):
+        y = prog.tensors[prog.ops[layer.dispatch].output_names()[0]]
+        rows = y.shape[0] if len(y.shape) == 4 else 1
+        moe.append((layer, rows * layer.tokens, int(y.shape[-1]) * y.itemsize))
+    measured_a2a = device.measured is not None and any(p.op == "all_to_all" for p in device.measured.collectives)
+    fabric = None if measured_a2a else Fabric.of(device.intra.bytes_per_s, device.inter.bytes_per_s,
+                                                  device.ranks_per_node)
     tokens = [t.shape for t in prog.tensors.values() if t.kind == "input" and t.name in ("tokens", "input_ids")]
     batch, seq = (tokens[0][0], tokens[0][1]) if tokens and len(tokens[0]) == 2 else (0, 0)
     held = [(a[0], a[1], a[2], a[3]) for a in acc]
-    return Bounds(tuple(held[:-1]), held[-1], float(flops), peak, token_bytes, batch, seq)
+    return Bounds(tuple(held[:-1]), held[-1], float(flops), peak, token_bytes, batch, seq, floor_s, tuple(moe), fabric,
+                  runtime.moe_dispatcher, runtime.moe_routing)
 
 
 __all__ = ["Bounds", "Held", "experts_of", "model_bounds"]

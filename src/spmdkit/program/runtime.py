@@ -22,10 +22,27 @@ GEMMs. A plan carries one (:attr:`spmdkit.program.plan.Plan.runtime`); the CLI s
 - ``optimizer_dtype``: ``fp32`` or ``bf16``, the dtype of Adam's moments (NeMo's ``optim.dtype``,
   Apex's ``DistributedFusedAdam(dtype=...)``): bf16 keeps two bf16 moments and no fp32 master
   copy (the bf16 parameter is the master); None: the framework's default.
+- ``ce_fusion``: Megatron's ``--cross-entropy-loss-fusion`` (NeMo's ``cross_entropy_loss_fusion``):
+  the vocab-parallel cross-entropy's passes over the fp32 logits compiled together, fewer of
+  them (:mod:`spmdkit.cost.loss`); off by default, as in Megatron-LM.
+- ``p2p_overlap``: the interleaved pipeline's sends overlap the next unit's compute (Megatron's
+  ``overlap_p2p_comm``, on by default since 2023); off (``--no-p2p-overlap``): every send blocks
+  its sender, as Megatron-LM's ``batch_isend_irecv`` + ``torch.cuda.synchronize()`` of 2021-2022.
 - ``moe_skew`` / ``moe_histogram``: how unevenly a mixture-of-experts router spreads the tokens
   (``--moe-skew F``: the busiest expert receives F x the mean, the others share the rest evenly;
   ``--moe-histogram``: tokens per expert as measured); uniform (1.0, None) by default.
   :mod:`spmdkit.cost.moe` turns them into the load of the busiest expert-parallel rank.
+- ``moe_dispatcher``: how the tokens reach the experts of other ranks (``--moe-dispatcher``):
+  ``alltoall`` (NCCL's all-to-all: Megatron-Core's ``alltoall`` dispatcher, torch's
+  ``all_to_all_single``; a token goes to each rank holding one of its experts, across nodes too)
+  or ``deepep`` (DeepSeek's DeepEP normal kernels: Megatron-Core's ``flex`` dispatcher, NeMo
+  AutoModel's ``TE + DeepEP``; a token crosses the network once per destination node and is
+  forwarded to that node's ranks over NVLink). :mod:`spmdkit.cost.moe` times each.
+- ``moe_routing``: which experts a token's router picks, as the cost model spreads them over
+  the ranks (``--moe-routing``): ``topk`` (the model's router, group-limited where its config
+  says: each token's experts drawn uniformly) or ``balanced`` (NeMo AutoModel's
+  ``fake_balanced_gate``, its benchmark configs' setting: token t goes to experts ``t k .. t k +
+  k - 1`` mod E, consecutive, every expert the same tokens).
 - ``compile``: torchtitan's ``training.compile`` (``--compile`` / ``--no-compile``): each
   transformer block compiled by Inductor (its norms, rotary embedding and SwiGLU fused, as the
   program's ops are costed) or run eagerly (each PyTorch op its own kernels: the unfused
@@ -47,6 +64,10 @@ PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 #: the dtypes of ``--grad-dtype`` and ``--optimizer-dtype``
 STATE_DTYPES = ("fp32", "bf16")
 FRAMEWORKS = ("megatron", "torchtitan", "automodel")
+#: ``--moe-dispatcher`` values (module docstring)
+DISPATCHERS = ("alltoall", "deepep")
+#: ``--moe-routing`` values (module docstring)
+ROUTINGS = ("topk", "balanced")
 #: the frameworks that shard with FSDP2 (their overlaps and pipelines alike)
 FSDP2 = frozenset({"torchtitan", "automodel"})
 
@@ -66,8 +87,17 @@ class Runtime:
     grad_dtype: str | None = None
     optimizer_dtype: str | None = None
     compile: bool | None = None
+    moe_dispatcher: str = "alltoall"
+    moe_routing: str = "topk"
+    ce_fusion: bool = False
+    p2p_overlap: bool = True
 
     def __post_init__(self) -> None:
+        if self.moe_dispatcher not in DISPATCHERS:
+            raise ProgramError(f"--moe-dispatcher {str(self.moe_dispatcher)[:40]!r}: expected one of "
+                               f"{', '.join(DISPATCHERS)}")
+        if self.moe_routing not in ROUTINGS:
+            raise ProgramError(f"--moe-routing {str(self.moe_routing)[:40]!r}: expected one of {', '.join(ROUTINGS)}")
         for flag, v in (("--grad-dtype", self.grad_dtype), ("--optimizer-dtype", self.optimizer_dtype)):
             if v is not None and v not in STATE_DTYPES:
                 raise ProgramError(f"{flag} {str(v)[:40]!r}: expected one of {', '.join(STATE_DTYPES)}")
@@ -114,8 +144,16 @@ class Runtime:
             out["grad_dtype"] = self.grad_dtype
         if self.optimizer_dtype is not None:
             out["optimizer_dtype"] = self.optimizer_dtype
+        if self.moe_dispatcher != "alltoall":
+            out["moe_dispatcher"] = self.moe_dispatcher
+        if self.moe_routing != "topk":
+            out["moe_routing"] = self.moe_routing
         if self.framework == "torchtitan":
             out["compile"] = bool(self.compile)
+        if self.ce_fusion:
+            out["ce_fusion"] = True
+        if not self.p2p_overlap:
+            out["p2p_overlap"] = False
         return out
 
 
@@ -181,4 +219,4 @@ def parse_moe_histogram(text: str | None) -> tuple[float, ...] | None:
     return tuple(float(v) for v in obj)
 
 
-__all__ = ["FRAMEWORKS", "FSDP2", "PRECISIONS", "Runtime", "parse_moe_histogram", "parse_moe_skew", "parse_precision"]
+__all__ = ["DISPATCHERS", "FRAMEWORKS", "ROUTINGS", "FSDP2", "PRECISIONS", "Runtime", "parse_moe_histogram", "parse_moe_skew", "parse_precision"]

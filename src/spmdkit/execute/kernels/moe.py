@@ -3,7 +3,8 @@ their gradients, with the optional leading batch axis (each batch row dispatched
 its own), equal to the numpy references of :mod:`spmdkit.sim.refs.moe` and vectorised over the
 batch, the tokens and the top-k choices (no Python loop over tokens).
 
-- ``moe_gate_dispatch``: each token's experts are the top k of ``gate_logits + corr_bias``, ties
+- ``moe_gate_dispatch``: each token's experts are the top k of ``gate_logits + corr_bias`` (among
+  the experts of its ``topk_groups`` best of ``groups`` groups where the op is group-limited), ties
   to the lower expert (a stable descending sort, as the reference's stable argsort); its combine
   weights the gate values of those experts. Tokens take expert slots in (k, token) order: a
   choice's slot is the number of earlier choices of the same expert in that order (a stable sort
@@ -87,13 +88,28 @@ def _slots(eid: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]
     return torch.empty_like(eid).scatter_(1, order, place), count
 
 
-def dispatch(x: torch.Tensor, gl: torch.Tensor, cb: torch.Tensor | None, k: int, cap: int
-             ) -> tuple[torch.Tensor, ...]:
+def limit_groups(sel: torch.Tensor, groups: int, topk_groups: int) -> torch.Tensor:
+    """``sel`` [B, S, E] with the experts outside each token's ``topk_groups`` best of ``groups``
+    contiguous groups set to -inf (a group scored by its two highest: HF's DeepseekV3TopkRouter)."""
+    e = sel.shape[-1]
+    if groups <= 1 or topk_groups >= groups or sel.numel() == 0:
+        return sel
+    per = e // groups
+    grouped = sel.reshape(*sel.shape[:-1], groups, per)
+    score = torch.sort(grouped, dim=-1, descending=True).values[..., :min(2, per)].sum(-1)
+    best = torch.sort(score, dim=-1, descending=True, stable=True).indices[..., :topk_groups]
+    keep = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, best, True)
+    return sel.masked_fill(~keep.repeat_interleave(per, dim=-1), float("-inf"))
+
+
+def dispatch(x: torch.Tensor, gl: torch.Tensor, cb: torch.Tensor | None, k: int, cap: int, groups: int = 1,
+             topk_groups: int = 1) -> tuple[torch.Tensor, ...]:
     """(y, combine_weights, scatter_index, expert_offset, expert_id) of each batch row of x [B, S, H]
-    and gate_logits [B, S, E] dispatched on its own."""
+    and gate_logits [B, S, E] dispatched on its own (the top k among the experts of the
+    ``topk_groups`` best of ``groups`` groups: :func:`limit_groups`)."""
     b, s, e = gl.shape
     h = x.shape[-1]
-    sel = gl if cb is None else gl + cb.to(gl.dtype)
+    sel = limit_groups(gl if cb is None else gl + cb.to(gl.dtype), groups, topk_groups)
     eid = torch.sort(sel, dim=-1, descending=True, stable=True).indices[..., :k]  # [B, S, K]
     order = eid.transpose(1, 2).reshape(b, k * s)  # (k, token) order
     slot, count = _slots(order, e)
@@ -128,7 +144,8 @@ def dispatch_grad(cw: torch.Tensor, si: torch.Tensor, eid: torch.Tensor, gy: tor
 def _k_dispatch(a: Args, c: Ctx) -> tuple[Any, ...]:
     cb = a.get("corr_bias")
     k, cap = int(a["k"]), int(a["capacity"])
-    return _batched(lambda x, gl: dispatch(x, gl, None if cb is None else floating(cb), k, cap), 2,
+    g, kg = int(a.get("groups", 1) or 1), int(a.get("topk_groups", 1) or 1)
+    return _batched(lambda x, gl: dispatch(x, gl, None if cb is None else floating(cb), k, cap, g, kg), 2,
                     floating(a["x"]), floating(a["gate_logits"]))
 
 

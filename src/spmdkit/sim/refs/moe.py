@@ -7,7 +7,8 @@ x's rows (``grad_x``), sums ``grad_y * x[scatter_index]`` over h (``grad_combine
 gives a zero ``grad_scatter_index`` (an index has no gradient).
 
 ``moe_gate_dispatch``: one global dispatch in ``use_pad`` layout. The experts of a token are the
-top k of ``gate_logits + corr_bias``; its combine weights are the gate values of those experts.
+top k of ``gate_logits + corr_bias`` (group-limited with ``groups`` > 1: among the experts of its
+``topk_groups`` best groups, DeepSeek-V3's node-limited routing); its combine weights are the gate values of those experts.
 Tokens take expert slots in (k, token) order; past ``capacity`` a token is dropped (combine weight
 0, scatter index 0), else ``y[e, slot] = x[token]`` and ``scatter_index[k, token] = e *
 capacity + slot``; ``expert_offset[e]`` counts the assignments to experts ``<= e``. The grad
@@ -79,11 +80,27 @@ register_reference(Reference("moe_combine_grad", _combine_grad, ("x", "combine_w
 # -- moe_gate_dispatch -----------------------------------------------------------------------------
 
 
-def dispatch(x: np.ndarray, gl: np.ndarray, cb: np.ndarray | None, k: int, cap: int
-             ) -> tuple[np.ndarray, ...]:
-    """(y, combine_weights, scatter_index, expert_offset, expert_id) of one global dispatch."""
+def limit_groups(sel: np.ndarray, groups: int, topk_groups: int) -> np.ndarray:
+    """``sel`` [S, E] with the experts outside each token's ``topk_groups`` best of ``groups``
+    contiguous expert groups set to -inf (DeepSeek-V3's node-limited routing: a group's score is
+    the sum of its two highest scores, HF's ``DeepseekV3TopkRouter``)."""
+    s, e = sel.shape
+    if groups <= 1 or topk_groups >= groups or not s:
+        return sel
+    per = e // groups
+    grouped = np.sort(sel.reshape(s, groups, per), axis=2)[:, :, ::-1]
+    score = grouped[:, :, :min(2, per)].sum(axis=2)
+    keep = np.zeros((s, groups), dtype=bool)
+    np.put_along_axis(keep, np.argsort(-score, axis=1, kind="stable")[:, :topk_groups], True, axis=1)
+    return np.where(np.repeat(keep, per, axis=1), sel, -np.inf)
+
+
+def dispatch(x: np.ndarray, gl: np.ndarray, cb: np.ndarray | None, k: int, cap: int, groups: int = 1,
+             topk_groups: int = 1) -> tuple[np.ndarray, ...]:
+    """(y, combine_weights, scatter_index, expert_offset, expert_id) of one global dispatch (the
+    top k among the experts of the ``topk_groups`` best of ``groups`` groups: :func:`limit_groups`)."""
     s, e = gl.shape
-    sel = gl + cb[None, :] if cb is not None else gl
+    sel = limit_groups(gl + cb[None, :] if cb is not None else gl, groups, topk_groups)
     eid = np.argsort(-sel, axis=1, kind="stable")[:, :k].astype(np.int64)
     cw = np.take_along_axis(gl, eid, axis=1) if s else np.zeros((0, k))
     y = np.zeros((e, cap, x.shape[1]))
@@ -106,7 +123,8 @@ def dispatch(x: np.ndarray, gl: np.ndarray, cb: np.ndarray | None, k: int, cap: 
 def _dispatch(a: Arrays, c: Ctx) -> tuple[Any, ...]:
     cb = a.get("corr_bias")
     k, cap = int(a["k"]), int(a["capacity"])
-    return _batched(lambda x, gl: dispatch(x, gl, None if cb is None else _f(cb), k, cap),
+    g, kg = int(a.get("groups", 1) or 1), int(a.get("topk_groups", 1) or 1)
+    return _batched(lambda x, gl: dispatch(x, gl, None if cb is None else _f(cb), k, cap, g, kg),
                     _f(a["x"]), _f(a["gate_logits"]))
 
 

@@ -13,9 +13,9 @@
   parameters ``[E, in, out]`` by the importer), ``swiglu`` (or the activation times up),
   ``@ [E, F, H]`` (``down_proj``), reshape to ``[B, E x C, H]``, ``moe_combine``.
 
-What differs from HF: DeepSeek-V3's group-limited top-k (the experts of the ``topk_group`` best
-groups) is planned as a top-k over every expert (the same shapes, FLOPs and collectives; the chosen
-experts can differ); tokens past an expert's capacity are dropped (none with the capacity
+DeepSeek-V3's group-limited top-k (the experts of the ``topk_group`` best of ``n_group`` groups)
+is the dispatch's ``groups`` / ``topk_groups`` (its kernels pick among those groups' experts, and
+the cost model counts the nodes a token reaches by them). What differs from HF: tokens past an expert's capacity are dropped (none with the capacity
 ``dropless``: every token of a sequence), the kept choices of a token renormalised among themselves
 (Mixtral, Qwen3-MoE, DeepSeek-V3 divide by the sum plus 1e-20, DeepSeek-V3's own guard: a token
 with every choice dropped gets none)."""
@@ -43,6 +43,8 @@ class Routed:
     seq: int
     dtype: str  # of HF's top-k weights
     tokens: tuple[Name, Name]  # the router's input and its [B, S, H] view
+    groups: int = 1  # group-limited top-k: the top_k among the experts of the topk_groups best of groups
+    topk_groups: int = 1
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,7 @@ class Bank:
 
 def _route(c: ImportContext) -> Any:
     x, w, bias = c.args[0], c.args[1], c.arg(2, "bias")
-    score, bias_used, norm, scale, _groups, _keep, top_k, batch = c.args[3:11]
+    score, bias_used, norm, scale, groups, keep, top_k, batch = c.args[3:11]
     wdt = dtype_name(c.args[11]) if isinstance(c.args[11], torch.dtype) else "float32"
     xs, ws = c.shape(x), c.shape(w)
     h, e = xs[-1], ws[0]
@@ -80,7 +82,7 @@ def _route(c: ImportContext) -> Any:
     used = any(len(u.args) > 1 and u.args[1] == 0 and u.users for u in c.node.users)
     out0 = c.reshape(logits, (t, e), c.fresh("router_logits")) if used else None
     r = Routed(probs, c.tensor(bias) if bias_used and bias is not None else None, int(top_k), bool(norm),
-               float(scale), b, s, wdt, (c.tensor(x), tokens))
+               float(scale), b, s, wdt, (c.tensor(x), tokens), int(groups), int(keep))
     return (out0, r, r)
 
 
@@ -102,7 +104,9 @@ def _experts(c: ImportContext) -> Any:
                               (c.fresh("dispatch.weights"), (b, s, k), c.dtype(r.probs)),
                               (c.fresh("dispatch.index"), (b, k, s), "int64"),
                               (c.fresh("dispatch.offset"), (b, e), "int64"),
-                              (c.fresh("dispatch.expert"), (b, s, k), "int64")], k=k, capacity=cap, use_pad=True)
+                              (c.fresh("dispatch.expert"), (b, s, k), "int64")], k=k, capacity=cap, use_pad=True,
+                             **({"groups": r.groups, "topk_groups": r.topk_groups}
+                                if 1 < r.groups and r.topk_groups < r.groups else {}))
     assert y is not None and cw is not None and si is not None
     wd = c.dtype(cw)
     if r.norm:  # + 1e-20 (DeepSeek-V3's own): a token whose every choice was dropped keeps weights 0, not 0 / 0

@@ -1,0 +1,181 @@
+"""What Megatron-LM / NeMo runs beyond the layers' GEMMs: the vocab-parallel cross-entropy over
+fp32 logits (spmdkit.cost.loss: its passes counted by hand, fused and unfused), the sequence-parallel
+re-gather of a linear layer's input overlapped with its dgrad GEMM (spmdkit.cost.step.dgrad_time),
+and NeMo 24.07's recipes as its launcher configs set them (benchmarks/fidelity.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from spmdkit.cli import main
+from spmdkit.cost import step as st
+from spmdkit.cost.compute import op_cost
+from spmdkit.cost.devices import DEVICES, cost_model, recost
+from spmdkit.cost.loss import MEGATRON_CE
+from spmdkit.engine.facts import OpCost
+from spmdkit.planner.planning import plan_model
+from spmdkit.program.plan import Plan
+from spmdkit.program.runtime import Runtime
+
+H100 = DEVICES["h100"]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _loss_plan() -> tuple[Plan, int, int, int]:
+    """llama-7b's head and loss at vocab 1024, 2 x 128 tokens, tp=2: (plan, loss op, its grad, local
+    logit elements: 2 x 128 x 512)."""
+    _, plan, _ = plan_model("llama-7b", "tp=2", "megatron", {"layers": 1, "seq": 128, "batch": 2, "vocab": 1024})
+    ops = plan.program.ops
+    fwd = next(i for i, op in enumerate(ops) if op.rule == "c_softmax_with_cross_entropy")
+    bwd = next(i for i, op in enumerate(ops) if op.rule == "c_softmax_with_cross_entropy_grad")
+    return plan, fwd, bwd, 2 * 128 * 512
+
+
+def test_megatron_cross_entropy_passes_by_hand() -> None:
+    # Megatron-Core's vocab_parallel_cross_entropy on bf16 logits, per local logit element: forward
+    # .float() 2+4, max 4, -= 4+4, exp 4+4, sum 4, div_ 4+4 = 38; backward mul_ 4+4, cast to bf16 4+2 = 14
+    assert MEGATRON_CE[False][0] == (2 + 4 + 4 + 8 + 8 + 4 + 8, 8 + 6)
+    # fused (torch.compile'd pieces): float+max 2+4, sub+exp 4+4, sum 4, div 4+4 = 26; scale+cast 4+4+2 = 10
+    assert MEGATRON_CE[True][0] == (6 + 8 + 4 + 8, 10)
+    plan, fwd, bwd, elems = _loss_plan()
+    unfused = replace(plan, runtime=Runtime(framework="megatron"))
+    fused = replace(plan, runtime=Runtime(framework="megatron", ce_fusion=True))
+    assert op_cost(unfused, fwd).bytes == 38 * elems and op_cost(unfused, bwd).bytes == 14 * elems
+    assert op_cost(fused, fwd).bytes == 26 * elems and op_cost(fused, bwd).bytes == 10 * elems
+    # AutoModel's loss on the bf16 logits keeps the op family's one pass: logits read, softmax written (+ labels)
+    am = replace(plan, runtime=Runtime(framework="automodel"))
+    assert 4 * elems <= op_cost(am, fwd).bytes < 5 * elems
+    # on the device: at this size its six kernels' launch floor (6 x 4 us), not its bytes at 3.015 TB/s
+    assert 38 * elems / (3.35e12 * 0.90) < 24e-6
+    assert H100.op_time(op_cost(unfused, fwd)) == pytest.approx(6 * 4e-6)
+    assert H100.op_time(op_cost(fused, bwd)) == pytest.approx(1 * 4e-6)
+
+
+def test_the_loss_weighs_with_the_vocabulary_in_the_step() -> None:
+    # Megatron-LM's 1.7B of 2024 (h 2048, vocab 131072, 4096 tokens): the unfused loss moves
+    # 52 x 4096 x 131072 bytes = 27.9 GB a micro-step, 9.3 ms at 3.015 TB/s
+    cfg = {"name": "g", "arch": "gpt2", "activation": "gelu", "attention": "flash", "layers": 1, "hidden": 2048,
+           "heads": 16, "ffn": 8192, "vocab": 131072, "seq": 4096, "batch": 1, "dtype": "bf16"}
+    out: dict[str, float] = {}
+    for flag in ([], ["--cross-entropy-fusion"]):
+        argv = ["plan", "--mesh", "dp=1", "--strategy", "dp", "--device", "h100", "--precision", "bf16",
+                "--framework", "megatron", "--json", "--model-config", json.dumps(cfg), *flag]
+        import contextlib
+        import io
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            assert main(argv) == 0
+        d = json.loads(buf.getvalue())
+        out[" ".join(flag)] = d["step"]["compute_total_s"]
+    elems = 4096 * 131072
+    assert out[""] - out["--cross-entropy-fusion"] == pytest.approx((52 - 36) * elems / 3.015e12, rel=1e-3)
+
+
+def test_dgrad_time_is_the_input_gradient_gemm_share() -> None:
+    # a matmul grad's dx (4096 x 1024 x 4096) and dw (1024 x 4096 x 4096): equal FLOPs, half the op's time
+    c = OpCost(4.0 * 4096 * 1024 * 4096, 0, 0, True, "bfloat16",
+               gemms=((1, 4096, 4096, 1024), (1, 1024, 4096, 4096)))
+    assert st.dgrad_time(c, 2e-3) == pytest.approx(1e-3)
+    lop = replace(c, gemms=((1, 4096, 4096, 1024), (1, 4096, 4096, 3072)))  # dw three times dx
+    assert st.dgrad_time(lop, 2e-3) == pytest.approx(0.5e-3)
+    assert st.dgrad_time(OpCost(1.0, 1.0, 8.0), 1e-3) == 0.0  # not a GEMM
+
+
+def test_sequence_parallel_regather_hides_under_the_dgrad_gemm() -> None:
+    _, plan, _ = plan_model("llama-7b", "tp=8", "megatron,sp", {"layers": 1, "seq": 2048, "batch": 1})
+    plan = recost(plan, cost_model(plan.mesh, H100))
+    got: dict[str, dict[int, float]] = {}
+    for fw in ("megatron", "torchtitan"):
+        p = replace(plan, runtime=Runtime(framework=fw))
+        comp = st._compute(p, H100)
+        comm = st._communication(p, comp)
+        got[fw] = st._rerun(p, "none", comp, comm, {}).extra_at
+    from spmdkit.cost.memory import rerun_points, saved_activations
+    _, regather = rerun_points(plan, saved_activations(plan, "none"))
+    assert regather and set(got["megatron"]) == set(regather)
+    comp = st._compute(replace(plan, runtime=Runtime(framework="megatron")), H100)
+    for at, ks in regather.items():
+        secs = sum(plan.reshards[k].plan.time_s for k in ks)
+        assert got["torchtitan"][at] == pytest.approx(secs)  # no such overlap: the gather blocks
+        assert got["megatron"][at] == pytest.approx(max(0.0, secs - st.dgrad_time(comp.costs[at], comp.times[at])))
+        assert got["megatron"][at] < secs
+
+
+# -- NeMo 24.07's recipes (benchmarks/fidelity.py) -----------------------------------------------------
+
+
+def _bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("fidelity_bench_mc", ROOT / "benchmarks" / "fidelity.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["fidelity_bench_mc"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_nemo_runs_take_their_launcher_config(tmp_path: Path) -> None:
+    fid = _bench()
+    rows: dict[str, dict[str, Any]] = {r["id"]: r for r in json.loads(fid.RUNS.read_text())}
+    nemo = [k for k in rows if k.startswith("nemo2407")]
+    # every NeMo run has its model's launcher config
+    assert all(fid.nemo_launcher(rows[k], []) is not None for k in nemo)
+    case = fid.express(rows["nemo2407_h100_fp8_llama3_70b_64gpu"], tmp_path)
+    assert "--tp-comm-overlap" in case.argv and "--cross-entropy-fusion" in case.argv  # ub_tp_comm_overlap: true
+    case = fid.express(rows["nemo2407_h100_fp8_gpt3_5b_64gpu"], tmp_path)
+    cfg = json.loads(case.argv[case.argv.index("--model-config") + 1])
+    assert cfg["dropout"] == 0.1 and "--cross-entropy-fusion" not in case.argv  # hidden/attention_dropout 0.1
+    case = fid.express(rows["nemo2407_h100_fp8_llama2_7b_8gpu"], tmp_path)  # tp=1: nothing to overlap
+    assert "--tp-comm-overlap" not in case.argv and "dropout" not in json.loads(case.argv[-1])
+    assert fid.nemo_launcher(rows["megatronlm_h100_2024_1.7b"], []) is None
+
+
+# -- Transformer Engine's userbuffers: a reduce-scatter's SMs taken from its GEMM ------------------
+
+
+def test_userbuffers_reduce_scatter_takes_sms_from_its_gemm() -> None:
+    # TE's default num_sm = 16 of the H100's 132: the GEMM keeps 116, 16/116 more time while overlapped
+    assert st.UB_COMM_SMS == 16
+    tax = st.ub_sm_tax("megatron", 132)
+    assert tax == pytest.approx(16 / 116) and st.ub_sm_tax("torchtitan", 132) == 0.0
+    # comm 1 ms under a 2 ms GEMM in 4 chunks: the GEMM stretched by 1 ms x tax, then one chunk's
+    # collective (1/4 ms) left exposed: 0.25 + tax ms beyond the GEMM's own 2 ms
+    assert st.overlap_exposed(1e-3, 2e-3, 4, tax) == pytest.approx(0.25e-3 + 1e-3 * tax)
+    assert st.overlap_exposed(1e-3, 2e-3, 4) == pytest.approx(st.tp_overlap_exposed(1e-3, 2e-3, 4))
+    # the collective longer than its GEMM: the GEMM's whole time is taxed
+    assert st.overlap_exposed(3e-3, 2e-3, 4, tax) == pytest.approx(3e-3 + (2e-3 + 2e-3 * tax) / 4 - 2e-3)
+
+
+def _plan_json(*extra: str) -> dict[str, Any]:
+    import contextlib
+    import io
+    argv = ["plan", "--model", "llama-7b", "--layers", "8", "--seq", "1024", "--mesh", "pp=2,tp=2",
+            "--strategy", "megatron", "--device", "h100", "--batch", "8", "--microbatches", "8",
+            "--schedule", "interleaved", "--virtual-stages", "2", "--json", *extra]
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(argv) == 0
+    return json.loads(buf.getvalue())  # type: ignore[no-any-return]
+
+
+def test_blocking_pipeline_sends_of_megatron_2021() -> None:
+    from spmdkit.planner.pipeline import run_schedule
+    over, block = _plan_json(), _plan_json("--no-p2p-overlap")
+    p = over["pipeline"]
+    stages = p["stages"]
+    fwd = [s["forward_s"] for s in stages]
+    bwd = [s["backward_s"] + s["recompute_s"] for s in stages]
+    sf = [s["send_s"] for s in stages]
+    sb = [stages[k + 1]["send_grad_s"] if k + 1 < len(stages) else 0.0 for k in range(len(stages))]
+    want = run_schedule("interleaved", 2, 2, 8, fwd, bwd, sf, sb, True)
+    free = run_schedule("interleaved", 2, 2, 8, fwd, bwd, sf, sb)
+    assert block["pipeline"]["pipeline_s"] == pytest.approx(want.pipeline_s)
+    assert over["pipeline"]["pipeline_s"] == pytest.approx(free.pipeline_s)
+    assert block["pipeline"]["pipeline_s"] > over["pipeline"]["pipeline_s"]

@@ -1,0 +1,253 @@
+"""``spmdkit run --engine torch``: an exported plan applied to an HF model with torch's own APIs
+and trained under torch's own launcher (``python -m torch.distributed.run``) on gloo.
+
+Each launch starts 4 worker processes (about a minute on 2 cores), so the suite runs the smallest
+set: Llama dp=2 x tp=2 megatron whose 3 steps' losses equal torch eager's and whose collectives
+equal the export's; an export without the dp gradient reduction (the check fails: exit 1, the
+losses and collectives named); an export that raises on one rank (exit 1, one line naming the
+rank and its error, every rank ended, no hang). The rest are checked without launching: the
+report's arithmetic, the names of the collectives, the failure line read from torchrun's
+output, the refusals before torchrun starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from tests.conftest import ROOT, run_cli_line
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+LLAMA = {"num_key_value_heads": 2, "num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 4,
+         "intermediate_size": 64, "vocab_size": 128, "max_position_embeddings": 64}
+#: 1 layer on dp=2 x tp=2, megatron, as CommDebugMode counts them per step on every rank: the forward's
+#: tp all-reduces (o_proj, down_proj, the vocab-parallel embedding: 3), the backward's (the shared
+#: inputs of q/k/v and of gate/up, the head's input: 3), the vocab-parallel loss's 3 (max, sum of
+#: exponentials, the label's logit), FSDP2's replicate over dp: one gradient all-reduce per group (the
+#: block, the root: 2)
+ALL_REDUCES = 3 + 3 + 3 + 2
+
+
+def _real_export(tmp_path: Path, name: str = "plan.py", mesh: str = "dp=2,tp=2", extra: list[str] | None = None,
+                 config: dict[str, int] = LLAMA) -> Path:
+    """``spmdkit plan --export torch`` of the Llama's megatron plan (1 layer, dp=2 x tp=2 by default)."""
+    path = tmp_path / name
+    p = subprocess.run([sys.executable, "-m", "spmdkit", "plan", "--hf", "LlamaForCausalLM", "--hf-config",
+                        json.dumps(config), "--mesh", mesh, *(["--strategy", "megatron"] if "--auto" not in (extra or [])
+                                                             else []), *(extra or []), "--export",
+                        "torch", str(path)], capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT / "src")), timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return path
+
+
+def _launch(*args: str, timeout: float = 600, config: dict[str, int] = LLAMA) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    return subprocess.run([sys.executable, "-m", "spmdkit", "run", "--engine", "torch", "--hf", "LlamaForCausalLM",
+                           "--hf-config", json.dumps(config), "--batch", "4", "--seq", "8", "--timeout", "60", *args],
+                          capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def test_llama_dp_tp_trains_as_eager_with_the_plans_collectives() -> None:
+    """Planned and exported by the run itself (no --torch-plan), trained 3 steps under torchrun."""
+    p = _launch("--mesh", "dp=2,tp=2", "--strategy", "megatron", "--json")
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    rep = json.loads(p.stdout.strip().splitlines()[-1])
+    assert rep["ok"] and rep["engine"] == "torch" and rep["world_size"] == 4 and rep["backend"] == "gloo"
+    assert rep["same_initial_weights"]
+    assert rep["launcher"] == "torch.distributed.run" and "--nproc-per-node 4" in rep["command"]
+    assert len(rep["steps"]) == 3
+    for s in rep["steps"]:
+        assert abs(s["loss"] - s["eager_loss"]) <= 2e-5 * max(1.0, abs(s["eager_loss"])), s
+        assert s["collectives"] == [{"all_reduce": ALL_REDUCES}] * 4
+    # the updates move the loss: step 2 is not step 1's batch through the same weights
+    assert len({round(s["eager_loss"], 6) for s in rep["steps"]}) == 3
+    # every rank holds half of each tp-sharded parameter and its gradient (sgd: no state)
+    half = {m["parameters"] for m in rep["memory"]}
+    assert len(half) == 1 and half.pop() < rep["eager_parameter_bytes"] * 0.75
+    assert all(m["gradients"] == m["parameters"] and m["optimizer"] == 0 and m["max_rss_bytes"] > 2**20
+               for m in rep["memory"])
+
+
+def test_llama_pp_tp_pipeline_trains_as_eager(tmp_path: Path) -> None:
+    """pp=2 x tp=2, 1F1B over 2 microbatches, AdamW: the export's build_pipeline under torchrun.
+    Per microbatch stage 0 (the embedding, block 0) all-reduces 3 in the forward (the embedding,
+    o_proj, down_proj) and 2 in the backward (the inputs q/k/v and gate/up share); stage 1 (block
+    1, the norm, the head) 2 forward, 3 backward (+ the head's input) and the loss's 3."""
+    cfg = {**LLAMA, "num_hidden_layers": 2}
+    path = _real_export(tmp_path, "pp.py", "pp=2,tp=2", ["--microbatches", "2", "--schedule", "1f1b"], cfg)
+    p = _launch("--torch-plan", str(path), "--json", "--optimizer", "adamw", "--steps", "2", config=cfg)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    rep = json.loads(p.stdout.strip().splitlines()[-1])
+    assert rep["ok"] and rep["pipeline"]["microbatches"] == 2
+    for s in rep["steps"]:
+        assert abs(s["loss"] - s["eager_loss"]) <= 2e-5 * max(1.0, abs(s["eager_loss"])), s
+        assert s["collectives"] == [{"all_reduce": 2 * 5}] * 2 + [{"all_reduce": 2 * 5 + 2 * 3}] * 2
+    # AdamW holds two moments per local parameter element (and a step count per parameter)
+    assert all(m["optimizer"] >= 2 * m["parameters"] for m in rep["memory"])
+
+
+def test_an_auto_plan_exports_and_trains(tmp_path: Path) -> None:
+    """--auto keeps the tiny model's step whole on every rank (no collective is worth it): the
+    export wraps nothing, the batch is not split, the steps equal eager's with no collective."""
+    path = _real_export(tmp_path, "auto.py", extra=["--auto", "--batch", "4", "--seq", "8"])
+    assert "DATA_PARALLEL = None" in path.read_text()
+    p = _launch("--torch-plan", str(path), "--json", "--steps", "2")
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    rep = json.loads(p.stdout.strip().splitlines()[-1])
+    assert rep["ok"] and all(s["collectives"] == [{}] * 4 for s in rep["steps"])
+
+
+def test_an_export_without_the_dp_gradient_reduction_fails_the_check(tmp_path: Path) -> None:
+    """The real export with its FSDP2 replicate lines removed (the dp gradient all-reduces missing):
+    step 1's loss is still eager's (the weights are equal), step 2's is not, and every step runs two
+    all-reduces fewer than the export says."""
+    path = _real_export(tmp_path)
+    text = path.read_text()
+    assert text.count("replicate(") == 2  # each block, then the root
+    wrong = "\n".join(ln for ln in text.splitlines() if not ln.strip().startswith(("replicate(", "for block in")))
+    path.write_text(wrong)
+    p = _launch("--torch-plan", str(path), "--steps", "2", "--lr", "0.5")
+    assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
+    rows = [ln.split() for ln in p.stdout.splitlines() if ln.strip()[:1].isdigit()][:2]
+    assert float(rows[0][3]) <= 1e-6
+    assert float(rows[1][3]) > 1e-4  # step 2: the ranks' updates differ from eager's
+    assert f"all_reduce x{ALL_REDUCES - 2}  NOT the plan's on rank(s) [0, 1, 2, 3]" in p.stdout
+    assert f"plan's collectives per step: all_reduce x{ALL_REDUCES}" in p.stdout
+    assert "losses NOT equal to torch eager's" in p.stdout and "collectives NOT equal to the plan's" in p.stdout
+
+
+def test_a_rank_that_raises_ends_the_job_with_one_line(tmp_path: Path) -> None:
+    path = _real_export(tmp_path)
+    path.write_text(path.read_text() + "\n_orig = parallelize\n\ndef parallelize(model, mesh):\n"
+                    "    if mesh.get_rank() == 2:\n        raise RuntimeError('rank two cannot place lm_head')\n"
+                    "    return _orig(model, mesh)\n")
+    t0 = time.monotonic()
+    p = _launch("--torch-plan", str(path), timeout=300)
+    assert p.returncode == 1 and p.stdout == ""
+    lines = p.stderr.strip().splitlines()
+    assert lines == ["spmdkit run: rank 2 failed: RuntimeError: rank two cannot place lm_head; torchrun ended "
+                     "every rank (exit 1)"], p.stderr[-2000:]
+    assert time.monotonic() - t0 < 240  # the others did not wait out --timeout 60 in a collective
+
+
+# -- without launching -------------------------------------------------------------------------
+
+
+def test_collective_names_are_the_functional_ones() -> None:
+    import torch
+
+    from spmdkit.execute.torch_engine import collective_name
+
+    assert collective_name(torch.ops._c10d_functional.all_reduce.default) == "all_reduce"
+    assert collective_name(torch.ops._c10d_functional.all_gather_into_tensor.default) == "all_gather_into_tensor"
+    assert collective_name(torch.ops.c10d.allreduce_.default) == "all_reduce"
+    assert collective_name(torch.ops.c10d._reduce_scatter_base_.default) == "reduce_scatter_tensor"
+
+
+def test_report_averages_the_batch_shards_and_names_the_ranks_that_differ() -> None:
+    from spmdkit.execute.torchrun import format_torch_report, torch_report
+
+    got = {"world_size": 2, "backend": "gloo", "mesh": {"dp": 2}, "loss_parallel": False, "pipeline": None,
+           "eager": [2.0, 1.5], "eager_parameter_bytes": 4096,
+           "ranks": [{"rank": r, "losses": [2.0 + d, 1.5 + d], "counts": [{"all_reduce": 1}, {"all_reduce": 1 + r}],
+                      "expected": {"all_reduce": 1}, "weights_sum": 1.5,
+                      "state_bytes": {"parameters": 4096, "gradients": 4096, "optimizer": 0},
+                      "max_rss_bytes": 2**28} for r, d in ((0, 1e-6), (1, -1e-6))]}
+    rep = torch_report(got, "t")
+    assert [s["loss"] for s in rep["steps"]] == pytest.approx([2.0, 1.5], abs=1e-12)
+    assert rep["losses_match"] and not rep["collectives_match"] and not rep["ok"]
+    assert rep["steps"][1]["collectives_differ_on_ranks"] == [1]
+    text = format_torch_report(rep)
+    assert "all_reduce x1 (rank 0); all_reduce x2 (rank 1)  NOT the plan's on rank(s) [1]" in text
+    assert "256.0 MiB" in text
+
+
+def test_expected_counts_per_stage_and_phase() -> None:
+    from spmdkit.execute.torch_engine import expected_counts
+
+    assert expected_counts({"allreduce_": 2, "all_reduce": 1, "send": 0}, None) == {"all_reduce": 3}
+    per_stage = {0: {"all_reduce": 3}, 1: {"forward": {"all_reduce": 2}, "backward": {"all_reduce": 2,
+                                                                                      "all_gather_into_tensor": 1}}}
+    assert expected_counts(per_stage, 1) == {"all_gather_into_tensor": 1, "all_reduce": 4}
+    with pytest.raises(ValueError, match="no entry for pipeline stage 2"):
+        expected_counts(per_stage, 2)
+
+
+def test_failure_line_names_torchruns_root_cause(tmp_path: Path) -> None:
+    from spmdkit.execute.torchrun import _failure_line
+
+    log = ("Root Cause (first observed failure):\n[0]:\n  time      : now\n  host      : localhost\n"
+           "  rank      : 3 (local_rank: 3)\n  exitcode  : -9 (pid: 1)\n  error_file: <N/A>\n"
+           "  traceback : Signal 9 (SIGKILL) received by PID 1\n")
+    assert _failure_line(str(tmp_path), log, 1) == "rank 3 failed: killed by SIGKILL; torchrun ended every rank (exit 1)"
+    (tmp_path / "error.3").write_text("ValueError: x\n")
+    assert _failure_line(str(tmp_path), log, 1) == "rank 3 failed: ValueError: x; torchrun ended every rank (exit 1)"
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    (["--model", "tiny-llama"], "spmdkit run: --engine torch runs an --hf model"),
+    (["--hf", "LlamaForCausalLM"], "spmdkit run: --hf needs --hf-config FILE|JSON (the model's config)"),
+    (["--hf", "LlamaForCausalLM", "--hf-config", "{}", "--steps", "0"], "spmdkit run: --steps 0: must be in [1, 1000]"),
+    (["--hf", "LlamaForCausalLM", "--hf-config", "{}", "--pad", "1"],
+     "spmdkit run: --pad applies to --engine spmdkit, not --engine torch"),
+    (["--hf", "LlamaForCausalLM", "--hf-config", "{}", "--torch-plan", "/nonexistent/x.py"],
+     "spmdkit run: --torch-plan /nonexistent/x.py: cannot be read (No such file or directory)"),
+    (["--hf", "LlamaForCausalLM", "--hf-config", "{}", "--mesh", "pp=2,tp=2"],
+     "spmdkit run: --mesh pp=2,tp=2: a pipeline plan's stages and schedule come from spmdkit plan"),
+])
+def test_refused_before_torchrun_starts(capsys: pytest.CaptureFixture[str], args: list[str], line: str) -> None:
+    rc, last = run_cli_line(capsys, "--engine", "torch", *args)
+    assert rc == 2 and last.startswith(line), last
+
+
+def test_torch_flags_are_refused_on_the_spmdkit_engine(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, last = run_cli_line(capsys, "--steps", "2")
+    assert rc == 2 and last == ("spmdkit run: --steps applies to --engine torch (this run is --engine spmdkit: "
+                                "one step, op by op)")
+
+
+def test_export_mesh_is_read_without_running_the_file(tmp_path: Path) -> None:
+    from spmdkit.execute.torchrun import export_mesh
+
+    f = tmp_path / "e.py"
+    f.write_text("import does_not_exist\nMESH_DIMS = ('pp', 'tp')\nMESH_SHAPE = (2, 2)\n")
+    assert export_mesh(str(f)) == (("pp", "tp"), (2, 2))
+    f.write_text("MESH_DIMS = ('tp',)\n")
+    with pytest.raises(ValueError, match="defines no MESH_SHAPE"):
+        export_mesh(str(f))
+
+
+def test_an_export_missing_a_contract_name_is_named(tmp_path: Path) -> None:
+    from spmdkit.execute.torch_engine import load_export
+
+    f = tmp_path / "plan.torch"  # any file name: the export is loaded as Python source
+    f.write_text("MESH_DIMS = ('tp',)\nMESH_SHAPE = (2,)\nPIPELINE = {'schedule': '1f1b', 'microbatches': 2}\n"
+                 "def parallelize(model, mesh):\n    return model\nPLAN_COLLECTIVES = {}\n")
+    with pytest.raises(ValueError, match=r"PIPELINE is set but no build_pipeline\(model, mesh, loss_fn, device\) is defined"):
+        load_export(str(f))
+    f.write_text("MESH_DIMS = ('tp',)\n")
+    with pytest.raises(ValueError, match="defines no MESH_SHAPE, parallelize, PLAN_COLLECTIVES"):
+        load_export(str(f))
+
+
+def test_the_batch_follows_the_export_then_the_plan_then_its_data_parallel_dim() -> None:
+    from types import SimpleNamespace
+
+    from spmdkit.execute.torch_engine import batch_split
+
+    dims = ("dp", "tp")
+    assert batch_split(SimpleNamespace(MESH_DIMS=dims, BATCH_DIMS=("dp", "tp")), ["dp"]) == ["dp", "tp"]
+    assert batch_split(SimpleNamespace(MESH_DIMS=dims), []) == []  # the plan keeps the batch whole
+    assert batch_split(SimpleNamespace(MESH_DIMS=dims, DATA_PARALLEL=None), None) == []  # an --auto export
+    assert batch_split(SimpleNamespace(MESH_DIMS=dims, DATA_PARALLEL={"mesh_dim": "dp"}), None) == ["dp"]
+    assert batch_split(SimpleNamespace(MESH_DIMS=("pp", "dp", "tp")), None) == ["dp"]
+    with pytest.raises(ValueError, match=r"BATCH_DIMS \['ep'\]: ep not in MESH_DIMS \['dp', 'tp'\]"):
+        batch_split(SimpleNamespace(MESH_DIMS=dims, BATCH_DIMS=["ep"]), None)
+
