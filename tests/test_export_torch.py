@@ -354,3 +354,67 @@ def test_pipeline_on_gloo_equals_eager(tmp_path: Path) -> None:
             assert abs(loss - eager) <= 1e-5 * abs(eager), (loss, eager)
             want["all_reduce"] += 3 * mod.PIPELINE["microbatches"]  # the vocab-parallel loss's own
         assert total == want, r
+
+
+# -- context parallelism: refused, torch's context_parallel does not run on CPU / gloo ---------------
+
+
+@pytest.mark.parametrize(("variant", "method"), [("allgather", "allgather"), ("ring", "alltoall")])
+def test_cp_plan_refused_naming_what_fails_on_cpu(variant: str, method: str, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from spmdkit.cli import main
+
+    path = tmp_path / "cp.py"
+    assert main(["plan", "--model", "tiny-llama", "--mesh", "dp=2,cp=2", "--strategy", f"dp,cp,cp-attention={variant}",
+                 "--export", "torch", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"spmdkit plan: ExportError: --export torch: the plan runs context parallelism over cp ({variant} "
+                   f"attention; torch 2.13's context_parallel with set_rotate_method('{method}')): not exported, it "
+                   f"cannot run on CPU / gloo (where exports are checked against eager): torch's ring runs in the CUDA "
+                   f"SDPA kernels (aten._scaled_dot_product_{{flash,efficient,cudnn}}_attention), and CPU's "
+                   f"aten._scaled_dot_product_flash_attention_for_cpu has no DTensor sharding strategy; --export "
+                   f"dtensor says how torch runs it on CUDA"]
+    assert not path.exists()
+
+
+@pytest.mark.parametrize(("model", "strategy", "why"), [
+    ("tiny-llama", "dp,cp,cp-attention=alltoall", "torch's context_parallel has no head/sequence all-to-all "
+                                                  "(DeepSpeed-Ulysses)"),
+    ("tiny-gpt2", "dp,cp", "the model's attention is eager (scores by matmul, a causal mask, softmax): torch's "
+                           "context_parallel replaces the SDPA kernels only")])
+def test_cp_plan_torch_cannot_express_refused(model: str, strategy: str, why: str) -> None:
+    from spmdkit.planner.planning import plan_model
+
+    _, plan, _ = plan_model(model, "dp=2,cp=2", strategy)
+    with pytest.raises(ExportError) as exc:
+        torch_source(plan)
+    msg = str(exc.value)
+    variant = "alltoall" if "alltoall" in strategy else "eager"
+    assert msg.startswith(f"--export torch: the plan runs context parallelism over cp ({variant} attention): not "
+                          f"exported: {why}") and msg.endswith("(torch 2.13)") and "\n" not in msg
+
+
+def test_torch_context_parallel_does_not_run_on_cpu(tmp_path: Path) -> None:
+    """What the refusal says, against the installed torch: its ring kernels' SDPA ops have no CPU
+    kernel, and a causal SDPA under context_parallel on 2 gloo processes raises, by the default
+    backend (CPU's flash op: no DTensor sharding strategy) and by the math backend (a plain mask
+    added to DTensor scores). When torch runs it, this fails: export cp plans then."""
+    import torch
+    import torch.multiprocessing as mp
+
+    from spmdkit.outputs.export_torch import CP_ON_CPU
+
+    x = torch.zeros(1, 1, 2, 2)
+    for op in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+               "_scaled_dot_product_cudnn_attention"):
+        assert op in CP_ON_CPU.replace("{flash,efficient,cudnn}", op.split("_")[-2])
+        args = (x, x, x, 0.0, True) if "flash" in op else (x, x, x, None, True, 0.0, True)
+        with pytest.raises(NotImplementedError, match=f"Could not run 'aten::{op}' with arguments from the 'CPU'"):
+            getattr(torch.ops.aten, op)(*args)
+    q = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_ranks().cp_probe_rank_main, args=(2, str(tmp_path), q), nprocs=2, start_method="spawn")
+    got = q.get()
+    assert got["default"] == ("NotImplementedError", "Operator aten._scaled_dot_product_flash_attention_for_cpu.default "
+                                                     "does not have a sharding strategy registered.")
+    assert "aten._scaled_dot_product_flash_attention_for_cpu" in CP_ON_CPU
+    assert got["math"][0] == "RuntimeError" and "got mixed torch.Tensor and DTensor" in got["math"][1]

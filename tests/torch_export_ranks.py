@@ -187,4 +187,39 @@ def pipeline_rank_main(r: int, world: int, folder: str, cls: str, config: dict[s
         dist.destroy_process_group()
 
 
-__all__ = ["pipeline_rank_main", "rank_main"]
+def cp_probe_rank_main(r: int, world: int, folder: str, out: Any) -> None:
+    """torch's ``context_parallel`` on CPU: a causal SDPA of sequence-sharded q / k / v over a 1-D
+    cp mesh, under the default SDPA backend and under the math backend; rank 0 puts, for each, the
+    exception's type and first line, or None where it ran (the ``--export torch`` refusal of cp
+    plans says it does not: ``CP_ON_CPU``)."""
+    warnings.simplefilter("ignore")
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import set_rotate_method
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=r, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+        set_rotate_method("allgather")
+        got: dict[str, Any] = {}
+        for name, backend in (("default", None), ("math", SDPBackend.MATH)):
+            torch.manual_seed(0)
+            q, k, v = (torch.randn(1, 2, 4 * world, 8) for _ in range(3))
+            try:
+                with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext(), \
+                        context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
+                    F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                got[name] = None
+            except Exception as exc:  # what torch raises is the outcome
+                got[name] = (type(exc).__name__, str(exc).splitlines()[0])
+        if r == 0:
+            out.put(got)
+    finally:
+        dist.destroy_process_group()
+
+
+__all__ = ["cp_probe_rank_main", "pipeline_rank_main", "rank_main"]

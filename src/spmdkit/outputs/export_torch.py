@@ -30,8 +30,10 @@ The styles come from the plan, as the ``dtensor`` export derives them
 
 Refused by name (:class:`ExportError`, one line): a fused weight split into parts (GPT-2's
 ``c_attn``), a row layer with no column layer beside it, expert stacks over tp / ep, context
-parallelism, a preset (no HF module), and a pipeline with tied parameters, sequence parallel or the
-interleaved schedule (docs/export.md).
+parallelism (torch's ``context_parallel`` has no Ulysses and no eager attention, and what it has runs
+only in CUDA's SDPA kernels, not on the CPU / gloo where an export is checked: ``CP_ON_CPU``), a
+preset (no HF module), and a pipeline with tied parameters, sequence parallel or the interleaved
+schedule (docs/export.md).
 """
 
 from __future__ import annotations
@@ -649,19 +651,35 @@ def _imports(ex: _TorchExport, dp: dict[str, Any] | None, used: list[str], pipe:
     return lines
 
 
+#: why torch's context_parallel cannot run a plan's cp on CPU (tests/test_export_torch.py checks it against
+#: the installed torch: 2 gloo processes, a causal SDPA under context_parallel; docs/export.md)
+CP_ON_CPU = ("torch's ring runs in the CUDA SDPA kernels (aten._scaled_dot_product_{flash,efficient,cudnn}_attention), "
+             "and CPU's aten._scaled_dot_product_flash_attention_for_cpu has no DTensor sharding strategy")
+
+
+def _cp_refusal(cp: dict[str, Any]) -> str:
+    """The one-line refusal of a cp plan (``cp``: :func:`context_parallel_doc`): torch has no
+    equivalent of the variant, or its equivalent does not run on CPU / gloo, where the export is
+    checked against eager (docs/export.md)."""
+    head = f"--export torch: the plan runs context parallelism over cp ({cp['variant']} attention"
+    if not cp["supported"]:
+        return f"{head}): not exported: {cp['note']} (torch {cp['torch']})"
+    return (f"{head}; torch {cp['torch']}'s context_parallel with set_rotate_method({cp['rotate_method']!r})): not "
+            f"exported, it cannot run on CPU / gloo (where exports are checked against eager): {CP_ON_CPU}; "
+            f"--export dtensor says how torch runs it on CUDA")
+
+
 def torch_source(plan: Plan, command: str = "",
                  pipeline: tuple[Any, PipelineSpec, tuple[int, ...]] | None = None) -> str:
     """The ``torch`` export of ``plan``: the text of a Python module (module docstring).
     ``pipeline``: (the full mesh with its pp dim, the spec, the layers per stage) of a pipeline
     plan, ``plan`` then the plan of one microbatch on the sub-mesh without pp."""
+    cp = context_parallel_doc(plan)
+    if cp is not None:
+        raise ExportError(_cp_refusal(cp))
     if not getattr(plan.program, "modules", None):
         raise ExportError(f"--export torch: the program {plan.program.name or ''} records no module paths (a preset's "
                           f"zoo model or a program JSON): the torch export styles an HF model's modules (plan --hf)")
-    cp = context_parallel_doc(plan)
-    if cp is not None:
-        raise ExportError(f"--export torch: the plan runs context parallelism over cp ({cp['variant']} attention): "
-                          f"not exported to torch yet (--export dtensor says how torch's context_parallel would run "
-                          f"it: {'rotate ' + str(cp['rotate_method']) if cp['supported'] else 'it has no equivalent'})")
     ex = _TorchExport(plan)
     ex.check_experts()
     doc = ex.document()
@@ -715,4 +733,4 @@ def export_torch(plan: Plan, path: str, command: str = "",
     return text
 
 
-__all__ = ["FUNCOL", "compress", "export_torch", "torch_source", "tp_collectives"]
+__all__ = ["CP_ON_CPU", "FUNCOL", "compress", "export_torch", "torch_source", "tp_collectives"]
