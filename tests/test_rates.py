@@ -39,13 +39,34 @@ def _gemm(b: int, m: int, n: int, k: int, dtype: str = "bfloat16") -> OpCost:
 
 
 def test_presets_large_gemm_ceilings_are_the_published_measurements() -> None:
-    # ml-engineering's MAMF table (mamf-finder, cuBLAS, bf16): A100 SXM 267.9 of 312, H100 SXM 792.1 of 989
+    # ml-engineering's MAMF table (mamf-finder, cuBLAS, bf16): A100 SXM 267.9 of 312, H100 SXM 792.1 of 989;
+    # fp8 (float8_e4m3fn, torch 2.7.0+cu126): H100 SXM 1402.6 of 1979
     assert A100.rates.gemm["bf16"] * 312 == pytest.approx(267.9, abs=0.1)
     assert H100.rates.gemm["bf16"] * 989 == pytest.approx(792.1, abs=0.1)
+    assert H100.rates.gemm["fp8"] * 1979 == pytest.approx(1402.6, abs=0.1)
     assert (A100.rates.sms, H100.rates.sms, DEVICES["h200"].rates.sms) == (108, 132, 132)
     assert H100.peak["fp8"] == 1979e12 and "fp8" not in A100.peak
     for dev in DEVICES.values():
         assert 0.5 < dev.rates.hbm < 1 and all(0.3 < f < 1 for f in dev.rates.gemm.values())
+
+
+def test_gemm_rates_at_the_measured_shapes_are_the_cited_figures() -> None:
+    # mamf-finder's best shapes (MxNxK): A100 6912x2048x16384 (27 x 16 = 432 tiles of 256x128: four full
+    # waves of 108), H100 6144x2816x17920 (48 x 11 = 528 tiles of 128x256: four full waves of 132)
+    assert tile_wave_utilisation(1, 6912, 2048, 108) == 1.0 and tile_wave_utilisation(1, 6144, 2816, 132) == 1.0
+    assert gemm_efficiency(A100_RATES, "bf16", 1, 6912, 2048, 16384) * 312 == pytest.approx(267.9)
+    assert gemm_efficiency(H100_RATES, "bf16", 1, 6144, 2816, 17920) * 989 == pytest.approx(792.1)
+    # fp8 at its measured K (14336) on a full wave (11 x 12 tiles of 256x128): 1402.6
+    assert gemm_efficiency(H100_RATES, "fp8", 1, 2816, 1536, 14336) * 1979 == pytest.approx(1402.6)
+    # mamf's own fp8 shape, 1024x9216: 128x128 tiles, 8 x 72 = 576 in five waves of 132 (the best tiling
+    # of TILES): the model gives 576 / 660 of the measured 1402.6 there (Hopper's wider tiles not modelled)
+    assert gemm_efficiency(H100_RATES, "fp8", 1, 1024, 9216, 14336) * 1979 == pytest.approx(1402.6 * 576 / 660)
+    # K = 4096 on the same full wave: bf16 (4096/4224) / (17920/18048) of 792.1; fp8 (K0 = 256)
+    # (4096/4352) / (14336/14592) of 1402.6
+    assert gemm_efficiency(H100_RATES, "bf16", 1, 6144, 2816, 4096) * 989 == \
+        pytest.approx(792.1 * (4096 / 4224) / (17920 / 18048))
+    assert gemm_efficiency(H100_RATES, "fp8", 1, 2816, 1536, 4096) * 1979 == \
+        pytest.approx(1402.6 * (4096 / 4352) / (14336 / 14592))
 
 
 def test_tile_and_wave_quantisation_by_hand() -> None:
@@ -61,11 +82,12 @@ def test_tile_and_wave_quantisation_by_hand() -> None:
 
 
 def test_gemm_efficiency_saturates_in_k_and_falls_for_skinny_shapes() -> None:
-    big = gemm_efficiency(A100_RATES, "bf16", 1, 2304, 1536, 4096)
-    assert big == pytest.approx(267.9 / 312)  # a full wave, K past the 2048 the ceiling was measured at
+    big = gemm_efficiency(A100_RATES, "bf16", 1, 2304, 1536, 16384)
+    assert big == pytest.approx(267.9 / 312)  # a full wave at the K the ceiling was measured at
+    assert gemm_efficiency(A100_RATES, "bf16", 1, 2304, 1536, 32768) == pytest.approx(big)  # capped at 1
     small_k = gemm_efficiency(A100_RATES, "bf16", 1, 2304, 1536, 128)
-    # K / (K + 128) normalised at K = 2048: 0.5 / (2048 / 2176)
-    assert small_k == pytest.approx(267.9 / 312 * 0.5 / (2048 / 2176))
+    # K / (K + 128) normalised at K = 16384: 0.5 / (16384 / 16512)
+    assert small_k == pytest.approx(267.9 / 312 * 0.5 / (16384 / 16512))
     skinny = gemm_efficiency(A100_RATES, "bf16", 1, 16, 4096, 4096)  # 16 rows in 64-row tiles at best
     assert skinny < 0.25 * big
 
@@ -77,7 +99,9 @@ def test_op_time_uses_each_gemm_shape_and_the_fp8_ceiling() -> None:
     f8 = replace(c, fp8=True)
     eff8 = gemm_efficiency(H100_RATES, "fp8", 1, 16384, 4096, 4096)
     assert H100.op_time(f8) == pytest.approx(f8.flops / (1979e12 * eff8))
-    assert eff8 / eff == pytest.approx(0.68 / (792.1 / 989))  # fp8 reaches less of its (double) peak
+    # fp8 reaches less of its (double) peak, and its K0 is twice bf16's (K = 4096 is further from saturation)
+    assert eff8 / eff == pytest.approx((1402.6 / 1979) / (792.1 / 989) * ((4096 / 4352) / (14336 / 14592)) /
+                                       ((4096 / 4224) / (17920 / 18048)))
     # a matmul grad's two GEMMs (dx, dw) are timed each at its own shape
     two = OpCost(c.flops * 2, c.flops * 2, c.bytes, True, "bfloat16", gemms=((1, 16384, 4096, 4096),
                                                                              (1, 4096, 4096, 16384)))
@@ -130,10 +154,20 @@ def test_flash_attention_forward_and_backward_rates() -> None:
     assert A100.attention_rate(_attn(False, 512, causal=True)) < 0.5 * 312e12
     assert attention_efficiency(A100_RATES, "fa2", False, 4096, 64, False) < \
         attention_efficiency(A100_RATES, "fa2", False, 4096, 128, False)
-    # H100: Megatron-Core runs cuDNN fused attention (~0.65), torchtitan torch's FlashAttention-2 (~0.36)
+    # H100: Megatron-Core runs cuDNN fused attention, torchtitan torch's FlashAttention-2
     cudnn, fa2 = H100.attention_rate(_attn(False)), H100.attention_rate(_attn(False, framework="torchtitan"))
-    assert cudnn / fa2 == pytest.approx(0.65 / 0.36)
+    assert cudnn / fa2 == pytest.approx((595 / (16384 / 16640)) / (329.483 / (4608 / 4864)))
     assert 550e12 < cudnn < 650e12
+
+
+def test_h100_attention_rates_at_the_measured_shapes_are_the_cited_figures() -> None:
+    # torch 2.6.0.dev20241204's SDPA (flash backend) at (1, 24, 4608, 128), non-causal: 329.483 TFLOP/s
+    # forward (pytorch/pytorch#142132); the FlashAttention-3 paper's head-dim-128 figures at 16k tokens:
+    # FlashAttention-2 backward 322, cuDNN forward 595 and backward 516 (bf16 peak 989.5)
+    assert H100.attention_rate(_attn(False, 4608, framework="torchtitan")) == pytest.approx(329.483e12)
+    assert H100.attention_rate(_attn(True, 16384, framework="torchtitan")) == pytest.approx(322e12)
+    assert H100.attention_rate(_attn(False, 16384, framework="megatron")) == pytest.approx(595e12)
+    assert H100.attention_rate(_attn(True, 16384, framework="megatron")) == pytest.approx(516e12)
 
 
 def test_flash_attention_op_says_its_pass_and_the_framework() -> None:
@@ -227,10 +261,18 @@ def test_efficiency_round_trips_and_overrides(tmp_path: Path) -> None:
         assert replace(r, gemm={k: r.gemm[k] for k in dev.rates.gemm}) == dev.rates
     mine = device_from_json({"base": "h100", "efficiency": {"gemm": {"bf16": 0.7}, "hbm": 0.8, "launch_us": 2,
                                                             "attention_kernel": {"torchtitan": "cudnn"}}})
-    assert mine.rates.gemm["bf16"] == 0.7 and mine.rates.gemm["fp8"] == 0.68 and mine.hbm_rate == 0.8 * 3350e9
+    assert mine.rates.gemm["bf16"] == 0.7 and mine.rates.gemm["fp8"] == 1402.6 / 1979 and mine.hbm_rate == 0.8 * 3350e9
     assert mine.rates.launch_s == pytest.approx(2e-6) and mine.rates.attention_kernel["torchtitan"] == "cudnn"
     with pytest.raises(ProgramError, match="attention_kernel"):
         device_from_json({"base": "a100", "efficiency": {"attention_kernel": {"megatron": "cudnn"}}})
+    # gemm_k: the K the user's ceiling was measured at (K saturation 1 there)
+    at4k = device_from_json({"base": "h100", "efficiency": {"gemm": {"bf16": 0.75}, "gemm_k": {"bf16": 4096}}})
+    assert at4k.rates.gemm_k == {**H100_RATES.gemm_k, "bf16": 4096}
+    assert gemm_efficiency(at4k.rates, "bf16", 1, 6144, 2816, 4096) == pytest.approx(0.75)
+    with pytest.raises(ProgramError, match=r"^--device efficiency.gemm_k.bf16: expected a K of at least 1, got 0$"):
+        device_from_json({"base": "h100", "efficiency": {"gemm_k": {"bf16": 0}}})
+    with pytest.raises(ProgramError, match=r"^--device efficiency.gemm_k: expected an object of "):
+        device_from_json({"base": "h100", "efficiency": {"gemm_k": {"int4": 4096}}})
 
 
 def test_measured_block_overrides_the_model(tmp_path: Path) -> None:

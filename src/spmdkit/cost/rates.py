@@ -7,9 +7,11 @@ datasheet peaks. Standard library only. docs/devices.md, "Achievable rates".
   quantisation* of the (batch, M, N, K) GEMM over the GPU's SMs (NVIDIA's "Matrix Multiplication
   Background User's Guide", ch. 3: the output is cut into CTA tiles, the tiles run in waves of
   one per SM; the kernel picks the tile that wastes least) times a saturating curve in K
-  (``K / (K + K0)``: a tile's prologue and epilogue cost as much as ``K0`` of its main loop).
+  (``K / (K + K0)``: a tile's prologue and epilogue cost as much as ``K0`` of its main loop;
+  normalised to 1 at the K of the shape the ceiling was measured at, :attr:`Rates.gemm_k`; fp8's
+  ``K0`` is twice bf16's: its main loop runs at twice the rate, the prologue and epilogue do not).
 - Flash attention (:func:`attention_efficiency`): forward and backward separately, a fraction of
-  the bf16 peak by kernel (FlashAttention-2, cuDNN / FlashAttention-3), saturating in the
+  the bf16 peak by kernel (FlashAttention-2, cuDNN), saturating in the
   sequence length (``s / (s + S0)``, causal: half the sequence) and in the head dim.
 - Memory-bound ops: a fraction of the datasheet HBM bandwidth (STREAM-like copy / triad).
 - A power limit below the board's rated power (``clock``, a device file's ``power_limit_w``:
@@ -58,8 +60,9 @@ class Rates:
     source of every preset's numbers).
 
     ``sms``: streaming multiprocessors (the waves of a GEMM); ``gemm``: the large-GEMM ceiling per
-    dtype key (bf16, fp16, tf32, fp32, fp8) as a fraction of that dtype's peak; ``k0``: the K a
-    tile's prologue and epilogue cost; ``attention``: kernel -> (forward, backward) fraction of the
+    dtype key (bf16, fp16, tf32, fp32, fp8) as a fraction of that dtype's peak; ``gemm_k``: the K
+    of the shape each ceiling was measured at (where the K saturation is 1; 2048 where not given);
+    ``k0``: the K a bf16 tile's prologue and epilogue cost (fp8: twice it); ``attention``: kernel -> (forward, backward) fraction of the
     bf16 peak at head dim 128 and a long sequence; ``attention_kernel``: framework -> kernel;
     ``s0`` / ``d0``: the sequence and head dim at which attention runs at half its asymptote;
     ``hbm``: fraction of the HBM bandwidth memory-bound kernels reach; ``launch_s``: the least
@@ -80,43 +83,60 @@ class Rates:
     #: (board power W, tensor-core peak at that power / the rated one) of the GPU's own SKUs,
     #: NVIDIA's datasheets; :func:`clock_at_power` interpolates them. Empty: not known
     power_points: tuple[tuple[float, float], ...] = ()
+    gemm_k: Mapping[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"sms": self.sms, "gemm": dict(self.gemm), "clock": self.clock,
                 "attention": {k: {"fwd": f, "bwd": b} for k, (f, b) in self.attention.items()},
                 "attention_kernel": dict(self.attention_kernel), "hbm": self.hbm, "launch_us": self.launch_s * 1e6,
-                "k0": self.k0, "s0": self.s0, "d0": self.d0, "power_points": [list(p) for p in self.power_points]}
+                "k0": self.k0, "s0": self.s0, "d0": self.d0, "power_points": [list(p) for p in self.power_points],
+                "gemm_k": dict(self.gemm_k)}
 
 
 # -- the presets (docs/devices.md, "Achievable rates", gives every source) -------------------------
 
 #: A100 SXM4: 108 SMs (NVIDIA A100 whitepaper). bf16/fp16 ceiling 0.859 = 267.9 / 312 TFLOP/s, the
-#: best cuBLAS matmul measured by ml-engineering's mamf-finder (CUDA 12.1); tf32 likewise assumed.
+#: best cuBLAS matmul measured by ml-engineering's mamf-finder (CUDA 12.1), at 6912x2048x16384
+#: (MxNxK: four full waves of 256x128 tiles, so K = 16384 is where it holds); tf32 likewise assumed.
 #: FlashAttention-2 paper (Dao 2023) Fig. 4-6, head dim 128: forward up to ~0.70 of 312, backward
 #: ~0.58. STREAM-like copy on A100 80GB: ~1.75 TB/s of 2.039 (0.86); 40GB: ~1.37 of 1.555 (0.88).
 _A100_GEMM = 267.9 / 312
 A100_RATES = Rates(108, {"bf16": _A100_GEMM, "fp16": _A100_GEMM, "tf32": _A100_GEMM, "fp32": 0.95},
-                   {"fa2": (0.70, 0.58)}, {"megatron": "fa2", "torchtitan": "fa2"}, hbm=0.86)
-A100_40_RATES = Rates(108, A100_RATES.gemm, A100_RATES.attention, A100_RATES.attention_kernel, hbm=0.88)
-#: H100 SXM5: 132 SMs (NVIDIA H100 whitepaper). bf16 ceiling 0.801 = 792.1 / 989 (mamf-finder, CUDA
-#: 12.1; GH200 reached 0.83); fp8 0.68 of 1979 (cuBLASLt / Transformer Engine fp8 GEMMs, ~1.3-1.4
-#: PFLOP/s on large shapes). FlashAttention-2 on H100: ~0.36 forward / 0.31 backward (FA-3 paper,
-#: Shah et al. 2024, its FA-2 baseline at head dim 128); cuDNN fused attention / FA-3: ~0.65 / 0.50
-#: (FA-3 paper Fig. 5-7, bf16, head dim 128). HBM3 STREAM-like copy ~3.0 TB/s of 3.35 (0.90).
+                   {"fa2": (0.70, 0.58)}, {"megatron": "fa2", "torchtitan": "fa2"}, hbm=0.86,
+                   gemm_k={"bf16": 16384, "fp16": 16384, "tf32": 16384})
+A100_40_RATES = Rates(108, A100_RATES.gemm, A100_RATES.attention, A100_RATES.attention_kernel, hbm=0.88,
+                      gemm_k=A100_RATES.gemm_k)
+#: H100 SXM5: 132 SMs (NVIDIA H100 whitepaper). bf16 ceiling 792.1 / 989 (mamf-finder, CUDA 12.1,
+#: at 6144x2816x17920: four full waves of 128x256 tiles; its torch 2.7 rerun 794.5 at
+#: 2048x2048x13312). fp8 (``float8_e4m3fn``) 1402.6 / 1979 = 0.709 (mamf-finder, torch 2.7.0+cu126,
+#: at 1024x9216x14336). The same table's ``Theory`` column gives the peaks as 989 / 1979.
 _H100_GEMM = 792.1 / 989
+_H100_FP8 = 1402.6 / 1979
+_H100_GEMM_K = {"bf16": 17920, "fp16": 17920, "tf32": 17920, "fp8": 14336}
+#: Flash attention on H100 SXM5 at head dim 128 (each asymptote = the cited TFLOP/s / 989.5 / the
+#: sequence saturation at the cited length, so the model gives the cited figure there):
+#: - ``fa2``, torch's ``scaled_dot_product_attention`` (its flash backend, FlashAttention-2; cuDNN is
+#:   opt-in since pytorch/pytorch#138522, 2.5.1): forward 329.483 TFLOP/s at (batch 1, 24 heads,
+#:   4608 tokens), non-causal, torch 2.6.0.dev20241204 (pytorch/pytorch#142132, tritonbench);
+#:   backward FlashAttention-2's 322 at 16k (FlashAttention-3 paper, Shah et al. 2024, backward
+#:   figure, head dim 128).
+#: - ``cudnn``, Transformer Engine's fused attention (cuDNN): 595 forward, 516 backward at 16k, the
+#:   same paper's non-causal head-dim-128 figures.
+_FA2_H100 = (329.483 / 989.5 / (4608 / (4608 + 256)), 322 / 989.5 / (16384 / (16384 + 256)))
+_CUDNN_H100 = (595 / 989.5 / (16384 / (16384 + 256)), 516 / 989.5 / (16384 / (16384 + 256)))
 #: GH100 (132 SMs) at two board powers, NVIDIA's datasheets: H100 SXM at 700 W, dense bf16 989.5
 #: TFLOP/s (1,979 with sparsity); H100 NVL at 350-400 W, 835.5 (1,671 with sparsity): the same
 #: SMs at the tensor-core clock NVIDIA rates for 400 W, 0.844 of the SXM's. torchtitan's H100
 #: benchmark (benchmarks/llama3_h100_202412_torchtitan.md, footnote 2) puts its 500 W H100s
 #: "between SXM and NVL" for the same reason.
 HOPPER_POWER = ((400.0, 835.5 / 989.5), (700.0, 1.0))
-H100_RATES = Rates(132, {"bf16": _H100_GEMM, "fp16": _H100_GEMM, "tf32": _H100_GEMM, "fp32": 0.95, "fp8": 0.68},
-                   {"fa2": (0.36, 0.31), "cudnn": (0.65, 0.50)}, {"megatron": "cudnn", "torchtitan": "fa2"},
-                   hbm=0.90, power_points=HOPPER_POWER)
+H100_RATES = Rates(132, {"bf16": _H100_GEMM, "fp16": _H100_GEMM, "tf32": _H100_GEMM, "fp32": 0.95, "fp8": _H100_FP8},
+                   {"fa2": _FA2_H100, "cudnn": _CUDNN_H100}, {"megatron": "cudnn", "torchtitan": "fa2"},
+                   hbm=0.90, power_points=HOPPER_POWER, gemm_k=_H100_GEMM_K)
 #: H200 SXM5: the H100's GPU (132 SMs, the same peaks) with HBM3e at 4.8 TB/s; its larger power
 #: budget holds clocks a little better (GH200 0.83): the H100's fractions, HBM ~0.88.
 H200_RATES = Rates(132, H100_RATES.gemm, H100_RATES.attention, H100_RATES.attention_kernel, hbm=0.88,
-                   power_points=HOPPER_POWER)
+                   power_points=HOPPER_POWER, gemm_k=_H100_GEMM_K)
 
 
 def clock_at_power(rates: Rates, watts: float, name: str) -> float:
@@ -155,12 +175,20 @@ def tile_wave_utilisation(batch: int, m: int, n: int, sms: int) -> float:
     return best
 
 
+#: ``K0`` of a dtype over bf16's: fp8's tensor cores run a tile's main loop at twice the rate, its
+#: prologue and epilogue at the same (tilelang's fp8 8192x8192xK sweep on H800: K = 2048 reaches
+#: 0.87 of K = 16384; ``K0`` = 128 would give 0.95, 256 gives 0.90)
+K0_SCALE = {"fp8": 2.0}
+
+
 def gemm_efficiency(rates: Rates, key: str, batch: int, m: int, n: int, k: int) -> float:
     """The fraction of the ``key`` peak a (batch, m, n, k) GEMM reaches: the ceiling, the tile and
-    wave utilisation, and ``K / (K + K0)`` (normalised to 1 at K = 2048, where the ceiling was
-    measured; capped at 1)."""
+    wave utilisation, and ``K / (K + K0)`` (normalised to 1 at :attr:`Rates.gemm_k`, the K the
+    ceiling was measured at, 2048 where not given; capped at 1)."""
     ceiling = rates.gemm.get(key) or rates.gemm.get("bf16", 0.8)
-    ksat = min(1.0, (k / (k + rates.k0)) / (2048.0 / (2048.0 + rates.k0)))
+    k0 = rates.k0 * K0_SCALE.get(key, 1.0)
+    kref = float(rates.gemm_k.get(key, 2048.0))
+    ksat = min(1.0, (k / (k + k0)) / (kref / (kref + k0)))
     return ceiling * tile_wave_utilisation(max(batch, 1), max(m, 1), max(n, 1), rates.sms) * ksat
 
 
@@ -208,7 +236,8 @@ def measured_attention(measured: Measured, key: str, backward: bool, seq: int, h
 
 # -- a device file's "efficiency" object ----------------------------------------------------------
 
-_FIELDS = ("sms", "gemm", "attention", "attention_kernel", "hbm", "launch_us", "k0", "s0", "d0", "clock", "power_points")
+_FIELDS = ("sms", "gemm", "attention", "attention_kernel", "hbm", "launch_us", "k0", "s0", "d0", "clock", "power_points",
+           "gemm_k")
 
 
 def _frac(where: str, v: Any) -> float:
@@ -251,6 +280,15 @@ def parse_rates(obj: Any, base: Rates, peak_keys: tuple[str, ...]) -> Rates:
                                    f"{', '.join(peak_keys)})")
             gemm[key] = _frac(f"gemm.{key}", v)
         got["gemm"] = gemm
+    if "gemm_k" in obj:
+        gk = obj["gemm_k"]
+        if not isinstance(gk, dict) or not all(key in peak_keys for key in gk):
+            raise ProgramError(f"--device efficiency.gemm_k: expected an object of {', '.join(peak_keys)} -> K")
+        ks = {key: _positive(f"gemm_k.{key}", v, 1e9) for key, v in gk.items()}
+        bad = [key for key, v in ks.items() if v < 1]
+        if bad:
+            raise ProgramError(f"--device efficiency.gemm_k.{bad[0]}: expected a K of at least 1, got {ks[bad[0]]:g}")
+        got["gemm_k"] = {**base.gemm_k, **ks}
     if "attention" in obj:
         a = obj["attention"]
         if not isinstance(a, dict):
@@ -293,6 +331,6 @@ def parse_rates(obj: Any, base: Rates, peak_keys: tuple[str, ...]) -> Rates:
     return new
 
 
-__all__ = ["A100_40_RATES", "A100_RATES", "ATTENTION_KERNELS", "H100_RATES", "H200_RATES", "HOPPER_POWER", "TILES",
+__all__ = ["A100_40_RATES", "A100_RATES", "ATTENTION_KERNELS", "H100_RATES", "H200_RATES", "HOPPER_POWER", "K0_SCALE", "TILES",
            "Rates", "attention_efficiency", "clock_at_power", "gemm_efficiency", "measured_attention", "measured_gemm", "parse_rates",
            "tile_wave_utilisation"]
