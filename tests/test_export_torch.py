@@ -247,6 +247,12 @@ def test_mixtral_experts_style_under_megatron_and_what_is_refused(tmp_path: Path
                                           r"expert stacks over ep \(model\.layers\.0\.mlp\.experts\.gate_up_proj_gate "
                                           r"\(1, -1, -1\)\); the export's experts style runs them over tp only"):
         torch_source(_plan("MixtralForCausalLM", MIXTRAL, "dp=2,ep=2", "dp,ep"))
+    # megatron+sp: the plan runs the MoE block on the batch sharded over tp (all-to-all from the sequence
+    # shard, the rows reduce-scattered), which the experts style (whole rows all-reduced) does not
+    with pytest.raises(ExportError, match=r"^--export torch: model\.layers\.0\.mlp\.experts: the plan "
+                                          r"reduce-scatters its experts' partial rows moe_experts\.rows over tp to "
+                                          r"Shard\(0\) \(sequence parallel: "):
+        torch_source(_plan("MixtralForCausalLM", MIXTRAL, "dp=2,tp=2", "megatron,sp"))
     mod = _export("MixtralForCausalLM", MIXTRAL, "dp=4", "fsdp", tmp_path)
     assert mod.TP_PLAN == {} and mod.DATA_PARALLEL["zero"] == 3 and mod.PLAN_COLLECTIVES == {"forward": {},
                                                                                              "backward": {}}

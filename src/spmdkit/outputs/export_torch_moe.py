@@ -16,7 +16,9 @@ The export writes a ``ParallelStyle`` of its own into the file for it (torch's e
 
 Refused by name (:class:`ExportError`): a stack sharded over a mesh dim other than tp and dp (expert
 parallelism over ep), split otherwise than on its ffn axis, rows reduced to anything but
-``Replicate()`` (sequence parallel around the experts), a module not holding the fused banks.
+``Replicate()`` (a megatron+sp plan: spmdkit runs the MoE block batch-sharded over tp, all-to-all
+from the sequence shard and back, and its backward re-gathers the norm's activations, which no
+torch style issues), a module not holding the fused banks.
 """
 
 from __future__ import annotations
@@ -91,10 +93,16 @@ def experts_styles(plan: Plan, tp: int | None, modules: dict[int, tuple[str, str
             raise ExportError(f"--export torch: {mod}: the plan shards {', '.join(sorted(sharded))} over tp and not "
                               f"all of {', '.join(sorted(PARTS))}; the experts style splits them together")
         dst = _rows_reduced_to(plan, lay.rows, tp)  # type: ignore[arg-type]
+        if dst is not None and dst.is_shard():
+            raise ExportError(f"--export torch: {mod}: the plan reduce-scatters its experts' partial rows {lay.rows} "
+                              f"over tp to {_placement_text(dst)} (sequence parallel: it runs the MoE block on the "
+                              f"batch sharded over tp, all-to-all from the sequence shard and back, and re-gathers "
+                              f"the norm's activations in the backward); the experts style all-reduces whole rows "
+                              f"(megatron without sp, or with fsdp / zero)")
         if dst is None or not dst.is_replicate():
             raise ExportError(f"--export torch: {mod}: the plan reduces its experts' partial rows {lay.rows} over tp "
                               f"to {'nothing' if dst is None else _placement_text(dst)}; the experts style "
-                              f"all-reduces them to Replicate() (a megatron plan without sp around the experts)")
+                              f"all-reduces them to Replicate()")
         out[mod] = {"style": STYLE}
     return out
 
