@@ -225,10 +225,34 @@ def test_gpt2_conv1d_swapped_for_linear_and_fused_qkv_refused(tmp_path: Path) ->
         torch_source(_plan("GPT2LMHeadModel", GPT2, "dp=2,tp=2", "megatron,sp", GPT2_ATTN_WHOLE))
 
 
-def test_mixtral_expert_stacks_over_tp_refused_and_fsdp_exported(tmp_path: Path) -> None:
+def test_mixtral_experts_style_under_megatron_and_what_is_refused(tmp_path: Path) -> None:
+    import torch
+
+    mod = _export("MixtralForCausalLM", MIXTRAL, "dp=2,tp=2", "megatron", tmp_path)
+    s = _styles(mod)
+    # the experts get the file's own ParallelStyle; the router (mlp.gate) none: replicated
+    assert s["model.layers.*.mlp.experts"] == ("ExpertsTensorParallel", {})
+    assert not any(p.endswith("mlp.gate") for p in s)
+    # per layer forward: o_proj's and the experts' rows' all-reduce, and the embedding's; backward: the
+    # attention's input (once for q / k / v), the experts' input, and the LM head's input
+    assert mod.PLAN_COLLECTIVES == {"forward": {"all_reduce": 5}, "backward": {"all_reduce": 5}}
+    # the permutation: rank r's Shard(1) chunk of the bank is [gate_r; up_r], gate_up_to_hf undoes it
+    e, f, h, n = 2, 4, 3, 2
+    bank = torch.arange(e * 2 * f * h, dtype=torch.float32).view(e, 2 * f, h)
+    perm = bank.view(e, 2, n, f // n, h).transpose(1, 2).reshape(e, 2 * f, h)
+    r1 = perm.chunk(n, dim=1)[1]
+    assert torch.equal(r1, torch.cat([bank[:, f // n:f], bank[:, f + f // n:]], dim=1))
+    assert torch.equal(mod.gate_up_to_hf(perm, n), bank)
     with pytest.raises(ExportError, match=r"^--export torch: model\.layers\.0\.mlp\.experts: the plan shards its "
-                                          r"expert stacks over tp .*has no experts style"):
-        torch_source(_plan("MixtralForCausalLM", MIXTRAL, "dp=2,tp=2", "megatron"))
+                                          r"expert stacks over ep \(model\.layers\.0\.mlp\.experts\.gate_up_proj_gate "
+                                          r"\(1, -1, -1\)\); the export's experts style runs them over tp only"):
+        torch_source(_plan("MixtralForCausalLM", MIXTRAL, "dp=2,ep=2", "dp,ep"))
+    # megatron+sp: the plan runs the MoE block on the batch sharded over tp (all-to-all from the sequence
+    # shard, the rows reduce-scattered), which the experts style (whole rows all-reduced) does not
+    with pytest.raises(ExportError, match=r"^--export torch: model\.layers\.0\.mlp\.experts: the plan "
+                                          r"reduce-scatters its experts' partial rows moe_experts\.rows over tp to "
+                                          r"Shard\(0\) \(sequence parallel: "):
+        torch_source(_plan("MixtralForCausalLM", MIXTRAL, "dp=2,tp=2", "megatron,sp"))
     mod = _export("MixtralForCausalLM", MIXTRAL, "dp=4", "fsdp", tmp_path)
     assert mod.TP_PLAN == {} and mod.DATA_PARALLEL["zero"] == 3 and mod.PLAN_COLLECTIVES == {"forward": {},
                                                                                              "backward": {}}
@@ -321,6 +345,13 @@ def _check_gloo(result: tuple[Any, ...], mod: Any) -> None:
 @pytest.mark.parametrize("strategy", ["megatron,sp,fsdp"])
 def test_llama_on_gloo_equals_eager(strategy: str, tmp_path: Path) -> None:
     _check_gloo(*_gloo("LlamaForCausalLM", LLAMA, "dp=2,tp=2", strategy, tmp_path))
+
+
+@pytest.mark.parametrize("strategy", ["megatron", "megatron,fsdp"])
+def test_mixtral_experts_tp_on_gloo_equals_eager(strategy: str, tmp_path: Path) -> None:
+    """The experts style written into the file (gate_up permuted, down Shard(2), the rows all-reduced
+    before the combine): loss and every gradient equal eager's, the collectives the plan's."""
+    _check_gloo(*_gloo("MixtralForCausalLM", MIXTRAL, "dp=2,tp=2", strategy, tmp_path))
 
 
 def test_gpt2_conv1d_tied_on_gloo_equals_eager(tmp_path: Path) -> None:

@@ -95,6 +95,8 @@ def rank_main(r: int, world: int, folder: str, cls: str, config: dict[str, Any],
             swapped = getattr(plan, "CONV1D_AS_LINEAR", ())
             if name.endswith(".weight") and any(fnmatch.fnmatchcase(name[:-7], c) for c in swapped):
                 g = g.t()  # a Conv1D swapped for the nn.Linear it equals: [out, in]
+            if name.endswith(".gate_up_proj") and hasattr(plan, "gate_up_to_hf") and isinstance(p.grad, DTensor):
+                g = plan.gate_up_to_hf(g, mesh["tp"].size())  # ExpertsTensorParallel's permuted bank
             rel = ((g - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
             if not rel <= worst:  # NaN counts as worst
                 worst, where = rel, name

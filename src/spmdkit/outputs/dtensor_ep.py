@@ -18,6 +18,13 @@ experts. In torch (checked on 2.13):
   with ``all_to_all_single_autograd``), and its ``TensorParallel`` for the experts' tensor
   parallelism.
 
+The ``torch`` export (``--export torch``, :mod:`spmdkit.outputs.export_torch_moe`) writes such a
+style of its own into the file for the experts' tensor parallelism: ``ExpertsTensorParallel``
+(HF's fused ``gate_up_proj`` / ``down_proj`` split on each expert's ffn axis over ``tp``, the rows
+all-reduced before the combine), checked on gloo against eager for Mixtral under megatron and
+megatron+fsdp. Over ``ep`` it refuses (no dispatch / combine style written yet): this statement
+stands for expert parallelism.
+
 :func:`expert_parallel_statement` gives this for a plan (None for a plan without expert
 parallelism), naming each experts module (a stack's name up to its last dot) and its stacks; the
 ``dtensor`` export carries it as ``expert_parallel`` with a note (:mod:`spmdkit.outputs.export`).
@@ -39,7 +46,8 @@ TORCH_STYLES = ("ColwiseParallel", "RowwiseParallel", "SequenceParallel", "Prepa
 CANNOT = ("torch.distributed.tensor.parallel has no expert-parallel ParallelStyle (its styles: "
           + ", ".join(TORCH_STYLES) + ", for nn.Linear / nn.Embedding): parallelize_module cannot shard these "
           "experts modules nor insert the token dispatch and combine (one all-to-all over {ep} each way, their "
-          "mirrors in the backward); write them as a custom ParallelStyle, as torchtitan's ExpertParallel "
+          "mirrors in the backward), nor does --export torch yet (it writes a ParallelStyle for experts over tp "
+          "only); write them as a custom ParallelStyle, as torchtitan's ExpertParallel "
           "(torchtitan/distributed/expert_parallel.py: distribute_module with Shard(0) parameters, token dispatch / "
           "combine with all_to_all_single_autograd)")
 CAN = ("the placements: each stack Shard(0) over {ep} (distribute_tensor; spmdkit.outputs.dtensor."

@@ -56,6 +56,7 @@ from spmdkit.outputs.export import (
     context_parallel_doc,
     write_atomic_text,
 )
+from spmdkit.outputs.export_torch_moe import STYLE, STYLE_SOURCE, experts_styles
 from spmdkit.planner.pipeline import PipelineSpec, op_stages
 from spmdkit.program.ir import Op
 from spmdkit.program.layers import layer_tags
@@ -87,22 +88,9 @@ class _TorchExport(_DTensorExport):
         return names.index("tp") if "tp" in names else None
 
     def check_experts(self) -> None:
-        """Expert stacks (3-D parameters) sharded over any mesh dim but dp are refused: torch's
-        parallel styles shard ``nn.Linear`` / ``nn.Embedding`` and have no experts style."""
-        names = self.plan.mesh.dim_names
-        for p in self.params:
-            a = self.plan.attrs[p]
-            if len(self.prog.tensors[p].shape) < 3:
-                continue
-            over = sorted({names[d] for e in a.dims_mapping for d in (e if isinstance(e, tuple) else (e,))
-                           if d != -1 and names[d] != "dp"} - {"dp"})
-            if over:
-                mod = p.rsplit(".", 1)[0]
-                raise ExportError(f"--export torch: {mod}: the plan shards its expert stacks over {', '.join(over)} "
-                                  f"({p} {list(self.placements[p])}); torch.distributed.tensor.parallel has no "
-                                  f"experts style (its styles shard nn.Linear and nn.Embedding), and a fused "
-                                  f"gate_up stack would need each half sharded apart; export a plan without tp / ep "
-                                  f"over the experts (dp, fsdp) or use --export dtensor (placements and a statement)")
+        """Expert stacks (3-D parameters) sharded over tp: the experts style written into the file
+        (:mod:`spmdkit.outputs.export_torch_moe`), or ExportError for what it does not run."""
+        self.styles.update(experts_styles(self.plan, self.tp, self.modules))
 
     def uses(self, p: str) -> list[tuple[str, str, int, Op]]:
         m = re.fullmatch(r"(.+)\.weight\.part\d+", p)
@@ -633,21 +621,27 @@ def _parallelize_fn(styles: dict[str, Any], after: dict[str, Any], conv: list[st
     return [*lines, *_dp_lines(dp), "    return model", ""]
 
 
-def _imports(ex: _TorchExport, dp: dict[str, Any] | None, used: list[str], pipe: dict[str, Any] | None) -> list[str]:
+def _imports(ex: _TorchExport, dp: dict[str, Any] | None, used: list[str], pipe: dict[str, Any] | None,
+             experts: bool) -> list[str]:
     lines = ["from __future__ import annotations", ""]
-    if ex.conv1d or pipe is not None:
-        lines += ["import fnmatch", ""]
-    if pipe is not None:
-        lines += ["from typing import Any", ""]
+    std = [*(["import fnmatch"] if ex.conv1d or pipe is not None else []), *(["import types"] if experts else []),
+           *(["from typing import Any"] if pipe is not None or experts else [])]
+    lines += [*std, ""] if std else []
     lines += ["import torch", "from torch.distributed.device_mesh import DeviceMesh"]
     if dp is not None:
         lines.append("from torch.distributed.fsdp import fully_shard" if dp["wrap"] == "fully_shard" else
                      "from torch.distributed._composable.replicate_with_fsdp import replicate")
     if pipe is not None:
         lines.append(f"from torch.distributed.pipelining import PipelineStage, Schedule{pipe['schedule']}")
-    if used:
-        lines += ["from torch.distributed.tensor import Replicate, Shard",
-                  f"from torch.distributed.tensor.parallel import {', '.join([*used, 'parallelize_module'])}"]
+    if experts:
+        lines += ["from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, "
+                  "distribute_tensor"]
+    elif used:
+        lines.append("from torch.distributed.tensor import Replicate, Shard")
+    if used or experts:
+        lines.append(f"from torch.distributed.tensor.parallel import {', '.join([*used, 'parallelize_module'])}")
+    if experts:
+        lines.append("from torch.distributed.tensor.parallel.style import ParallelStyle")
     return lines
 
 
@@ -699,9 +693,11 @@ def torch_source(plan: Plan, command: str = "",
     dp = data_parallel(plan)
     container = layers_container(plan)
     n_layers = len(layer_tags(plan.program)) if container else 0
-    used = sorted({d["style"] for d in [*styles.values(), *after.values()]})
-    lines = [*_header(plan, command, dims, shape), *_imports(ex, dp, used, pipe),
+    used = sorted({d["style"] for d in [*styles.values(), *after.values()]} - {STYLE})
+    experts = any(d["style"] == STYLE for d in styles.values())
+    lines = [*_header(plan, command, dims, shape), *_imports(ex, dp, used, pipe, experts),
              *_constants(plan, doc, dims, shape, dp, n_layers, pipe, by_stage)]
+    lines += [*STYLE_SOURCE.split("\n")[1:], "", ""] if experts else []
     lines += _plan_py("TP_PLAN", styles, "module path -> its style over mesh[\"tp\"] (parallelize_module; * is any layer)")
     if after:
         lines += ["", *_plan_py("TP_PLAN_AFTER", after, "applied after TP_PLAN: a norm's sequence-sharded output "
