@@ -63,7 +63,7 @@ from typing import Any, Protocol
 from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel
-from spmdkit.cost.compute import guess_tokens, kernel_collectives
+from spmdkit.cost.compute import guess_tokens, kernel_collectives, model_flops
 from spmdkit.cost.devices import Device, cost_model, load_device, recost
 from spmdkit.cost.memory import Memory, memory_per_device, recompute_regions
 from spmdkit.cost.step import StepEstimate, estimate_step, op_communication
@@ -72,8 +72,11 @@ from spmdkit.models.source import import_hf_checked
 from spmdkit.models.zoo import ModelConfig, build_model, preset
 from spmdkit.planner.auto import AutoInfo, auto_plan
 from spmdkit.planner.fold import Fold, balanced_counts, bucket_figures, fold_of, pipeline_memory, pipeline_step
+from spmdkit.planner.fold_stages import copy_layers, deep_pipeline, stage_copy
+from spmdkit.planner.partition import even_split
 from spmdkit.planner.pipeline import (
     PipelineEstimate,
+    PipelineSpec,
     estimate_pipeline,
     op_units,
     parse_spec,
@@ -117,6 +120,8 @@ class Config:
     cp: int = 1
     #: gradient accumulation without a pipeline: micro-steps per optimizer step (--micro-batch)
     grad_accum: int = 1
+    #: model chunks a pipeline rank holds (> 1: Megatron-LM's interleaved 1F1B, virtual stages)
+    virtual: int = 1
 
     @property
     def sub_mesh_text(self) -> str:
@@ -135,6 +140,7 @@ class Config:
     def label(self) -> str:
         return (f"dp={self.dp}" + (f" ep={self.ep}" if self.ep > 1 else "") + (f" cp={self.cp}" if self.cp > 1 else "")
                 + f" tp={self.tp} pp={self.pp}"
+                + (f" vp={self.virtual}" if self.virtual > 1 else "")
                 + (f" (m={self.microbatches})" if self.pp > 1 else "")
                 + (f" (accum={self.grad_accum})" if self.grad_accum > 1 else "")
                 + f" {self.strategy}" + (f" recompute={self.recompute}" if self.recompute != "none" else ""))
@@ -143,6 +149,7 @@ class Config:
         return {"dp": self.dp, "tp": self.tp, "pp": self.pp, **({"ep": self.ep} if self.ep > 1 else {}),
                 **({"cp": self.cp} if self.cp > 1 else {}),
                 **({"grad_accum": self.grad_accum} if self.grad_accum > 1 else {}),
+                **({"virtual_stages": self.virtual} if self.virtual > 1 else {}),
                 "strategy": self.strategy, "recompute": self.recompute, "microbatches": self.microbatches,
                 "mesh": self.mesh_text}
 
@@ -359,7 +366,7 @@ def _pipeline_candidates(cfg: Config, plan: Plan, counts: tuple[int, ...] | None
                          cost_text: str | None, info: AutoInfo | None = None, raw: bool = False) -> list[Candidate]:
     full = parse_mesh(cfg.mesh_text)
     link = _link_cost(full, job, cost_text).links[full.dim_index("pp")]
-    spec = parse_spec(cfg.pp, microbatches=cfg.microbatches)
+    spec = _spec(cfg)
     m = cfg.microbatches
     out: list[Candidate] = []
     plan = replace(plan, runtime=job.runtime)
@@ -729,9 +736,11 @@ def _price(cfg: Config, p: _Planned, counts: tuple[int, ...] | None, job: _Job, 
 
 def _plan_preset_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> list[Candidate]:
     if job.fold and cfg.strategy != "auto":
-        got = _folded_config(cfg, name, mc, job)
-        if got is not None:
-            return got
+        ways = [_deep_config, _folded_config] if _deep_first(cfg, mc) else [_folded_config]
+        for way in ways:
+            got = way(cfg, name, mc, job)
+            if got is not None:
+                return got
     return _price(cfg, _preset_plan(cfg, name, mc, job), _counts(mc.layers, cfg), job)
 
 
@@ -763,6 +772,63 @@ def _folded_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> list[C
     cb = _price(cfg, b, fold.b if n > 1 else None, job, raw=True)
     out = [_extrapolated(x, y, fold, job, big, dense) for x, y in zip(ca, cb)]
     return None if any(c is None for c in out) else _kept([c for c in out if c is not None], job)
+
+
+def _deep_first(cfg: Config, mc: ModelConfig) -> bool:
+    """A pipeline folded by stage (planner.fold_stages) plans fewer layers than the two-copy
+    fold (or that cannot fold it: interleaved stages, stages of 2-3 layers)."""
+    if cfg.pp == 1:
+        return False
+    n, big = cfg.pp * cfg.virtual, mc.layers
+    dense = mc.dense_layers if mc.experts else 0
+    flat, std = fold_of((big,), dense), fold_of((big // cfg.pp,) * cfg.pp, dense)
+    deep = copy_layers(tuple(even_split(big, n)), dense)
+    if flat is None or deep is None:
+        return False
+    plain = std.layers_a + std.layers_b if std is not None and cfg.virtual == 1 else big
+    return flat.layers_a + flat.layers_b + deep < min(plain, big)
+
+
+def _deep_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> list[Candidate] | None:
+    """A deep pipeline priced on a shallow copy with the first stage, one middle stage of each
+    distinct layer count and the last (:mod:`spmdkit.planner.fold_stages`), its communication,
+    collectives and model FLOPs from two flat copies of 2 and 3 layers (:mod:`spmdkit.planner.fold`)."""
+    n, big = cfg.pp * cfg.virtual, mc.layers
+    dense = mc.dense_layers if mc.experts else 0
+    flat = fold_of((big,), dense)
+    if flat is None or job.tokens is None:
+        return None
+    b = _preset_plan(cfg, name, mc, job, flat.layers_b)
+    counts = _counts(big, cfg) or balanced_counts(*_unit_times(b.plan, job), big, n, dense)
+    got = stage_copy(counts, dense)
+    if got is None:
+        return None
+    a, s = _preset_plan(cfg, name, mc, job, flat.layers_a), _preset_plan(cfg, name, mc, job, sum(got[0]))
+    full = parse_mesh(cfg.mesh_text)
+    link = _link_cost(full, job, s.full_cost).links[full.dim_index("pp")]
+    m = cfg.microbatches
+    pa, pb, ps = (replace(x.plan, runtime=job.runtime) for x in (a, b, s))
+    mb = job.tokens // m
+    flops = flat.at(model_flops(pa, mb)[0], model_flops(pb, mb)[0])
+    coll = round(flat.at(collectives_of(pa), collectives_of(pb)))
+    out: list[Candidate] = []
+    for rc in job.mode_order():
+        oa, ob = estimate_step(pa, job.device, mb, rc), estimate_step(pb, job.device, mb, rc)
+        figs = bucket_figures(flat, pa, oa, pb, ob, big, dense)
+        est = deep_pipeline(ps, _spec(cfg), counts, job.device, (link.alpha_s, link.beta_s_per_byte), job.tokens,
+                            full.size, rc, flops)
+        if figs is None or est is None:
+            return None
+        mem = max(est.memory, key=lambda x: x.device_total)
+        sends = max((f + b for f, b in zip(est.send_f_s, est.send_b_s)), default=0.0)
+        comm = (flat.at(oa.comm_total_s - oa.grad_sync_s, ob.comm_total_s - ob.grad_sync_s) * m + figs[0]) / cfg.pp \
+            + m * sends
+        out.append(Candidate(replace(cfg, recompute=rc), est.step_overlap_s, est.mfu, mem.device_total, comm,
+                             mem.device_total <= job.cap, ps, est, mem, s.title, None, collectives=coll,
+                             folded=sum(got[0])))
+        if job.lean and not out[-1].fits:
+            break
+    return _kept(out, job)
 
 
 def _unit_times(plan: Plan, job: _Job) -> tuple[list[float], float, float]:
@@ -814,9 +880,14 @@ def _extrapolated(x: Candidate, y: Candidate, fold: Fold, job: _Job, layers: int
                    collectives=round(fold.at(x.collectives, y.collectives)), folded=fold.layers_b)
 
 
+def _spec(cfg: Config) -> PipelineSpec:
+    """``cfg``'s pipeline: 1F1B, or interleaved 1F1B over ``cfg.virtual`` model chunks."""
+    return parse_spec(cfg.pp, microbatches=cfg.microbatches, virtual=cfg.virtual if cfg.virtual > 1 else None)
+
+
 def _counts(layers: int, cfg: Config) -> tuple[int, ...] | None:
-    """Layers per stage, None where they do not divide (balanced by the estimate)."""
-    return None if layers % cfg.pp else split_layers(layers, parse_spec(cfg.pp, microbatches=cfg.microbatches))
+    """Layers per virtual stage, None where they do not divide (balanced by the estimate)."""
+    return None if layers % (cfg.pp * cfg.virtual) else split_layers(layers, _spec(cfg))
 
 
 def _cached(reload: Callable[[int], Program]) -> Callable[[int], Program]:
