@@ -22,9 +22,12 @@ stage, its gradient buckets) and the model FLOPs, comes from the flat two-copy f
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from spmdkit.cost.devices import Device
 from spmdkit.cost.memory import MICROBATCH, per_microbatch_mode, recompute_layers
 from spmdkit.cost.step import op_communication
+from spmdkit.planner.partition import UnitCosts
 from spmdkit.planner.pipeline import PipelineEstimate, PipelineSpec, block_layers, estimate_pipeline, op_stages
 from spmdkit.planner.stage_costs import stage_costs
 from spmdkit.program.plan import Plan
@@ -52,6 +55,22 @@ def copy_layers(counts: tuple[int, ...], dense: int = 0) -> int | None:
     return None if got is None else sum(got[0])
 
 
+def stretch_units(u: UnitCosts, layers: int, dense: int = 0) -> UnitCosts:
+    """A shallow copy's per-unit costs (:func:`spmdkit.planner.pipeline.plan_unit_costs`: the
+    embedding, its layers, the head) as the full model's ``layers``: the embedding, the first
+    ``dense + 1`` layers and the last as they are, the layer after them repeated in between (as
+    :func:`spmdkit.planner.fold.full_layer_costs`), for :func:`spmdkit.planner.partition.partition`."""
+    k = dense + 2  # the unit of the repeated layer
+    if u.layers < dense + 3:
+        raise ValueError("stretch_units: the copy has too few layers to repeat one")
+
+    def grow(t: tuple[float, ...]) -> tuple[float, ...]:
+        return t[:k] + (t[k],) * (layers - u.layers) + t[k:] if t else t
+
+    return replace(u, forward_s=grow(u.forward_s), backward_s=grow(u.backward_s), held=grow(u.held),
+                   stash=grow(u.stash), transient=grow(u.transient), weight_s=grow(u.weight_s), wstash=grow(u.wstash))
+
+
 def deep_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...], device: Device,
                   pp_link: tuple[float, float], tokens: int | None, ranks: int, recompute: str,
                   flops: float) -> PipelineEstimate | None:
@@ -73,4 +92,4 @@ def deep_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...], devic
                              costs=costs, flops=flops)
 
 
-__all__ = ["copy_layers", "deep_pipeline", "stage_copy"]
+__all__ = ["copy_layers", "deep_pipeline", "stage_copy", "stretch_units"]
