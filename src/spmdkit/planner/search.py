@@ -392,7 +392,7 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
     bounds = _bounds(model, cfg_model, job) if prune and work else None
     job = replace(job, lean=bounds is not None)
     if bounds is not None:  # the most promising first, so the best step found early prunes the most
-        work.sort(key=lambda c: bounds.step(c.devices, c.pp, c.microbatches))
+        work.sort(key=lambda c: bounds.step(c.devices, c.pp, c.microbatches, c.virtual))
     elif len(work) > MAX_PLANS:
         raise ProgramError(f"--devices {devices}: {len(work)} configurations to plan (at most {MAX_PLANS})")
     if progress is not None:
@@ -478,7 +478,7 @@ def _pruned_why(cfg: Config, bounds: Bounds, cap: int, best: float) -> str | Non
     if mem > cap:
         return (f"over the memory cap: its parameters, gradients, optimizer states and layer inputs kept for the "
                 f"backward alone need at least {mem / 2**30:.1f} GiB a device")
-    low = bounds.step(cfg.devices, cfg.pp, cfg.microbatches)
+    low = bounds.step(cfg.devices, cfg.pp, cfg.microbatches, cfg.virtual)
     if low >= best:
         return f"its step is at least {low:.3g} s (FLOPs at peak, the pipeline's bubble), the best found {best:.3g} s"
     return None
@@ -595,6 +595,8 @@ def _folded_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> list[C
     (:mod:`spmdkit.planner.fold`); None where folding saves nothing."""
     n, big = cfg.pp, mc.layers
     dense = mc.dense_layers if mc.experts else 0
+    if cfg.virtual > 1:
+        return None  # interleaved: folded by stage (_deep_config) or planned whole
     probe = fold = fold_of((big // n,) * n, dense)
     if fold is None or fold.layers_a + fold.layers_b >= big:
         return None  # two copies would plan as many layers as the model (a deep pipeline's stages)

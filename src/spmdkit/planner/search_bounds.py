@@ -100,12 +100,13 @@ class Bounds:
         groups = sum(1 for k in (dp, ep, tp) if k > 1) + (1 if pp > 1 else 0)
         return int(need) + CUDA_CONTEXT_BYTES + NCCL_BYTES_PER_GROUP * groups
 
-    def step(self, devices: int, pp: int, microbatches: int) -> float:
-        """Seconds per step at least on ``devices`` devices (``pp`` stages, ``microbatches``)."""
+    def step(self, devices: int, pp: int, microbatches: int, virtual: int = 1) -> float:
+        """Seconds per step at least on ``devices`` devices (``pp`` stages, ``microbatches``;
+        ``virtual`` model chunks a rank: interleaved 1F1B's bubble is ``(pp - 1) / virtual`` stages)."""
         work = self.flops / (devices * self.peak)
         if pp > 1:
             m = max(1, microbatches)
-            work *= (m + pp - 1) / m
+            work *= (m + (pp - 1) / max(1, virtual)) / m
         return work
 
 
