@@ -5,7 +5,9 @@ MFU, collectives, for every recomputation mode) from two shallow copies of the m
 compared with the model planned whole; prints one line per configuration and the worst
 relative difference, exit 1 if any is over 1e-9 (or a configuration lists other modes).
 
-    PYTHONPATH=src python scripts/check_fold.py [--quick]
+    PYTHONPATH=src python scripts/check_fold.py [--quick] [--deep]
+
+``--deep``: only the deep pipelines (DEEP).
 """
 
 from __future__ import annotations
@@ -50,6 +52,19 @@ CASES: list[tuple[str, dict[str, int], list[Config]]] = [
 ]
 
 
+#: deep pipelines, folded by stage (planner.fold_stages: the first stage, one middle stage of each
+#: layer count, the last): pp 8 / 16 / 32 on 126 layers (uneven: balanced splits) and 128, interleaved vp=2
+DEEP: list[tuple[str, dict[str, int], list[Config]]] = [
+    ("llama3-8b", {"batch": 32, "layers": 126, "seq": 1024}, [
+        Config(2, 1, 16, "dp,zero1", microbatches=16), Config(1, 2, 32, "megatron,sp", microbatches=32),
+        Config(4, 1, 8, "dp,zero1", microbatches=8, virtual=2), Config(1, 1, 32, "dp", microbatches=32, virtual=2),
+        Config(2, 2, 8, "megatron,sp,zero1", microbatches=16),
+    ]),
+    ("llama3-8b", {"batch": 32, "layers": 128, "seq": 1024}, [
+        Config(1, 1, 32, "dp", microbatches=32), Config(2, 1, 16, "dp,zero2", microbatches=16, virtual=2),
+    ]),
+]
+
 #: the same under torchtitan (FSDP2: a bucket per layer, the parameters' prefetch)
 TORCHTITAN: list[tuple[str, dict[str, int], list[Config]]] = [
     ("llama3-8b", {"batch": 8}, [
@@ -83,7 +98,9 @@ def compare(model: str, over: dict[str, int], cfg: Config,
 def main(argv: list[str]) -> int:
     quick = "--quick" in argv
     worst_all, bad = 0.0, 0
-    runs = [(m, o, c, None) for m, o, c in CASES] + [(m, o, c, Runtime(framework="torchtitan")) for m, o, c in TORCHTITAN]
+    runs = [(m, o, c, None) for m, o, c in (DEEP if "--deep" in argv else CASES + DEEP)]
+    if "--deep" not in argv:
+        runs += [(m, o, c, Runtime(framework="torchtitan")) for m, o, c in TORCHTITAN]
     for model, over, cfgs, rt in runs:
         for cfg in cfgs[:2] if quick else cfgs:
             worst, layers, tf, tw = compare(model, over, cfg, rt)

@@ -12,7 +12,7 @@ import pytest
 
 from spmdkit.cli import main as spmdkit_main
 from spmdkit.cost.band import error_band
-from spmdkit.planner import search
+from spmdkit.planner import search_space
 from spmdkit.planner.search import context_degrees, factorizations, hand_strategies, search_meshes
 
 GIB = 1024**3
@@ -97,7 +97,7 @@ def test_long_sequence_search_picks_cp() -> None:
 def test_auto_search_splits_the_sequence_over_cp(monkeypatch: pytest.MonkeyPatch) -> None:
     # --devices --auto: on a cp mesh the model is built with cp_attention and the exact search
     # chooses to split the sequence over cp (a tiny llama; the long-sequence threshold lowered to it)
-    monkeypatch.setattr(search, "LONG_SEQ", 64)
+    monkeypatch.setattr(search_space, "LONG_SEQ", 64)
     res = search_meshes("tiny-llama", 4, "h100", auto=True, strategies=[], recompute=["none"], pipeline=False,
                         overrides={"seq": 4096, "batch": 1}, time_limit=20)
     cps = [c for c in res.candidates if c.config.cp > 1]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from spmdkit.planner.fold import Fold, fold_of, full_layer_costs
+from spmdkit.planner.fold_stages import copy_layers, stage_copy
 from spmdkit.planner.search import Config, config_candidates, search_meshes
 from spmdkit.program.layers import layer_tags
 from spmdkit.program.runtime import Runtime
@@ -101,3 +102,29 @@ def test_search_bounds_fold_exactly(model: str, over: dict[str, int]) -> None:
     assert folded.flops == pytest.approx(whole.flops, rel=1e-12)
     assert (folded.outside, folded.peak, folded.token_bytes, folded.batch) == \
            (whole.outside, whole.peak, whole.token_bytes, whole.batch)
+
+
+def test_stage_copy_keeps_one_middle_stage_of_each_count() -> None:
+    """Llama 3 405B's 126 layers on 16 stages, 7, 8 x 14, 7: a copy of 7, 8, 7 (22 layers)."""
+    copy, where = stage_copy((7,) + (8,) * 14 + (7,))
+    assert copy == (7, 8, 7) and where == (0,) + (1,) * 14 + (2,)
+    assert stage_copy((3, 4, 4, 3, 4, 3)) == ((3, 4, 3, 3), (0, 1, 1, 2, 1, 3))
+    assert stage_copy((4, 4, 4)) is None          # no middle stage repeats: nothing saved
+    assert stage_copy((2, 3, 3, 3), dense=3) is None  # the dense layers reach past the first stage
+    assert copy_layers((8,) * 16) == 24
+
+
+@pytest.mark.parametrize(("over", "cfg", "layers"), [
+    ({"layers": 24}, Config(1, 1, 8, "dp", microbatches=8), 9),                              # 3 x 8 -> 3, 3, 3
+    ({"layers": 22}, Config(2, 1, 8, "dp,zero1", microbatches=4), 7),                         # uneven: 3 x 7, 1 -> 3, 3, 1
+    ({"layers": 16}, Config(1, 2, 4, "megatron,sp", microbatches=8, virtual=2), 6),           # interleaved: 8 x 2
+])
+def test_deep_pipelines_fold_by_stage_exactly(over: dict[str, int], cfg: Config, layers: int) -> None:
+    """A pipeline whose stages are too shallow for the two-copy fold is priced on a copy with its
+    first stage, one middle stage of each layer count and its last (planner.fold_stages): the same
+    step, memory, communication, MFU and collectives as the pipeline planned whole, every mode."""
+    over = {"batch": 8, "seq": 512, **over}
+    assert _same("llama3-8b", over, cfg) == layers
+    folded = config_candidates("llama3-8b", cfg, overrides=over)
+    whole = config_candidates("llama3-8b", cfg, overrides=over, fold=False)
+    assert [c.estimate.counts for c in folded] == [c.estimate.counts for c in whole]  # type: ignore[union-attr]

@@ -86,3 +86,16 @@ def test_refused_without_devices(tmp_path: Path) -> None:
     rc, _out, err = _cli("plan", "--model", "tiny-llama", "--mesh", "dp=2", "--export-recipe", "json",
                          str(tmp_path / "r.json"))
     assert rc == 2 and "--export-recipe: applies to --devices" in err
+
+
+def test_an_interleaved_recipe() -> None:
+    """vp=2 (Config.virtual): torchtitan's Interleaved1F1B (2 stages a rank), Megatron-LM's
+    --num-virtual-stages-per-pipeline-rank 2."""
+    c = config_candidates("llama3-8b", Config(1, 2, 2, "megatron,sp", microbatches=4, virtual=2),
+                          overrides={"layers": 4, "batch": 4, "seq": 512})[0]
+    assert c.estimate.spec.virtual == 2 and c.estimate.counts == (1, 1, 1, 1)  # type: ignore[union-attr]
+    r = recipe(c, "llama3-8b", 4, 512, 4)
+    assert (r["schedule"], r["virtual_stages"], r["microbatches"]) == ("Interleaved1F1B", 2, 4)
+    pairs = dict(itertools.pairwise(megatron_args(r).replace("\\\n", "").split()))
+    assert pairs["--num-virtual-stages-per-pipeline-rank"] == "2" and pairs["--pipeline-model-parallel-size"] == "2"
+    assert tomllib.loads(torchtitan_toml(r))["parallelism"]["pipeline_parallel_schedule"] == "Interleaved1F1B"

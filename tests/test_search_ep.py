@@ -6,6 +6,7 @@ bounds of every planned configuration, the same best with and without them), Dee
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -49,8 +50,11 @@ DENSE_16 = (
 def test_a_dense_models_candidates_are_what_they_were() -> None:
     _mc, sizes = _model_sizes("llama-7b", {"batch": 16})
     work, refused = _work(16, True, sizes, None, False)
-    got = ";".join(f"{c.dp},{c.tp},{c.pp},{c.microbatches},{c.strategy}" for c in work)
+    got = ";".join(f"{c.dp},{c.tp},{c.pp},{c.microbatches},{c.strategy}" for c in work if c.virtual == 1)
     assert got == DENSE_16 and not refused
+    # and interleaved 1F1B over 2 model chunks beside each pipeline whose microbatches pp divides
+    two = {replace(c, virtual=1) for c in work if c.virtual == 2}
+    assert two == {c for c in work if c.pp > 1 and c.virtual == 1 and c.microbatches % c.pp == 0} and two
     assert all(c.ep == 1 and c.sub_mesh_text == f"dp={c.dp},tp={c.tp}" for c in work)
 
 

@@ -38,7 +38,9 @@ def recipe(c: Candidate, model: str, global_batch: int, seq: int, layers: int) -
             "sequence_parallel": "sp" in parts, "zero": _zero(cf.strategy), "strategy": cf.strategy,
             "recompute": cf.recompute, "global_batch": global_batch, "micro_batch": micro, "seq": seq,
             "layers": layers, "microbatches": cf.microbatches if cf.pp > 1 else None,
-            "grad_accum": cf.grad_accum if cf.pp == 1 else None, "schedule": "1F1B" if cf.pp > 1 else None,
+            "grad_accum": cf.grad_accum if cf.pp == 1 else None,
+            "schedule": ("Interleaved1F1B" if cf.virtual > 1 else "1F1B") if cf.pp > 1 else None,
+            "virtual_stages": cf.virtual if cf.pp > 1 else None,
             "predicted": {"step_s": c.step_s, "mfu": c.mfu, "memory_per_device": c.memory,
                           "tokens_per_s": global_batch * seq / c.step_s if c.step_s > 0 else None}}
 
@@ -70,7 +72,8 @@ def torchtitan_toml(r: dict[str, Any]) -> str:
                                                             if r["recompute"] == "selective" else {})},
     }
     if r["pp"] > 1:
-        sections["parallelism"].update({"pipeline_parallel_schedule": "1F1B",
+        # Interleaved1F1B: torchtitan's looped schedules hold 2 stages a rank unless told otherwise
+        sections["parallelism"].update({"pipeline_parallel_schedule": r["schedule"],
                                         "pipeline_parallel_microbatch_size": r["micro_batch"]})
     out = []
     for name, kv in sections.items():
@@ -90,6 +93,8 @@ def megatron_args(r: dict[str, Any]) -> str:
             f"--context-parallel-size {r['cp']}", f"--expert-model-parallel-size {r['ep']}",
             f"--micro-batch-size {r['micro_batch']}", f"--global-batch-size {r['global_batch']}",
             f"--seq-length {r['seq']}", f"--num-layers {r['layers']}"]
+    if r.get("virtual_stages") and r["virtual_stages"] > 1:
+        args.append(f"--num-virtual-stages-per-pipeline-rank {r['virtual_stages']}")
     if r["sequence_parallel"]:
         args.append("--sequence-parallel")
     if r["zero"] >= 1:

@@ -210,11 +210,13 @@ def bucket_figures(fold: Fold, plan_a: Plan, est_a: StepEstimate, plan_b: Plan, 
     top_b = [x for x in b.items if x[0] == b.layers - 1]
     bot_a = [x for x in a.items if x[0] == 0]
     bot_b = [x for x in b.items if x[0] == 0]
-    if not (top_a and top_b and bot_a and bot_b):
-        return None
-    f = top_b[0][5] - top_a[0][5]           # one more layer's forward
-    bk = bot_b[0][5] - bot_a[0][5] - f      # and its backward
-    out = _stretch(b.items, k, layers - b.layers, (layers - b.layers) * f, bk)
+    out: list[Item] | None = []
+    if a.items or b.items:  # none: no data-parallel reduction (dp = 1), no buckets
+        if not (top_a and top_b and bot_a and bot_b):
+            return None
+        f = top_b[0][5] - top_a[0][5]           # one more layer's forward
+        bk = bot_b[0][5] - bot_a[0][5] - f      # and its backward
+        out = _stretch(b.items, k, layers - b.layers, (layers - b.layers) * f, bk)
     if out is None:
         return None
     fb_full = fold.at(a.fb, b.fb)

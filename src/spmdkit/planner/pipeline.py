@@ -324,7 +324,8 @@ class PipelineEstimate:
 def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | None, device: Device | None = None,
                       pp_link: tuple[float, float] = (20e-6, 1 / 25e9), tokens: int | None = None,
                       ranks: int | None = None, recompute_forward: bool = False,
-                      recompute: str = "none", oc: OpComm | None = None) -> PipelineEstimate:
+                      recompute: str = "none", oc: OpComm | None = None, costs: list[StageCost] | None = None,
+                      flops: float | None = None) -> PipelineEstimate:
     """The pipeline of ``plan`` (ONE microbatch's step on the sub-mesh without pp).
     ``recompute_forward``: time only, each stage's forward run again before its backward (full
     activation recomputation, as Narayanan et al. 2021 train; benchmarks/megatron_table.py);
@@ -336,22 +337,29 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | 
     paying the selective recomputation for that share of its microbatches. ``counts`` None:
     the layers split by :func:`auto_counts` (by time on ``device``, else by FLOPs), the split
     named in the estimate's ``note``; ``spec.auto`` (``--stages auto``): :func:`stages_auto`.
-    ``oc``: the ops' times on ``device`` when already computed."""
+    ``oc``: the ops' times on ``device`` when already computed. ``costs`` (with ``counts``): the
+    virtual stages' costs already made (:mod:`spmdkit.planner.fold_stages`: a deep pipeline's
+    from a shallow copy of the model; ``plan`` then the copy's, no MoE split, no ``microbatch``
+    recomputation) and ``flops``: the model FLOPs of one microbatch of the full model."""
     p, v, m = spec.pp, spec.virtual, spec.microbatches
     if spec.auto and counts is None:
         return stages_auto(plan, spec, device, pp_link, tokens, ranks, recompute_forward, recompute)
-    units = op_units(plan.program)
-    if oc is None and device is not None:
-        oc = op_communication(plan, device)
     note = None
-    if counts is None:
-        times = [a + b for a, b in zip(oc.compute, oc.wait)] if oc is not None else None
-        counts = split_layers(units[1], spec, balance=lambda n: auto_counts(plan, n, times, units))
-        note = split_note(counts, units[1], spec, times is not None)
-    stages = op_stages(plan.program, counts, units)
-    k = recompute_layers(recompute)
-    costs = stage_costs(plan, stages, counts, device, per_microbatch_mode(recompute), oc,
-                        block_layers(plan.program, counts, k) if k else None)
+    stages: list[int] = []
+    if costs is None:
+        units = op_units(plan.program)
+        if oc is None and device is not None:
+            oc = op_communication(plan, device)
+        if counts is None:
+            times = [a + b for a, b in zip(oc.compute, oc.wait)] if oc is not None else None
+            counts = split_layers(units[1], spec, balance=lambda n: auto_counts(plan, n, times, units))
+            note = split_note(counts, units[1], spec, times is not None)
+        stages = op_stages(plan.program, counts, units)
+        k = recompute_layers(recompute)
+        costs = stage_costs(plan, stages, counts, device, per_microbatch_mode(recompute), oc,
+                            block_layers(plan.program, counts, k) if k else None)
+    elif counts is None or recompute == MICROBATCH:
+        raise ValueError("estimate_pipeline: given costs need their counts, and not microbatch recomputation")
     n = p * v
     send = _sender(p, pp_link, device)
 
@@ -374,7 +382,7 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | 
                     mems[r], recomputed[r] = got, 1.0 - kept / chunks
                     break
     est = PipelineEstimate(spec, counts, costs, pp_link, send_f, send_b, flight, mems, note=note,
-                           moe=moe_memory(plan, stages, counts, p, mems, flight, costs),
+                           moe=moe_memory(plan, stages, counts, p, mems, flight, costs) if stages else None,
                            cp=max((c.ranks for c in cp_ops(plan)), default=1))
     if recompute == MICROBATCH:
         est.extra["microbatch_recompute"] = {"recomputed_share": recomputed}
@@ -389,7 +397,7 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | 
     est.run = run
     est.step_serial_s, est.step_overlap_s = _step_times(plan, spec, costs, run)
     mb_tokens = tokens // m if tokens else 0
-    mf, _n, _att = model_flops(plan, mb_tokens)
+    mf = model_flops(plan, mb_tokens)[0] if flops is None else flops
     est.tokens, est.model_flops = tokens, mf * m if tokens else 0.0
     est.ranks = ranks or plan.mesh.size * p
     dtypes = [t.dtype for t in plan.program.tensors.values() if t.kind == "parameter"]

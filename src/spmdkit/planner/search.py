@@ -63,31 +63,46 @@ from typing import Any, Protocol
 from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel
-from spmdkit.cost.compute import guess_tokens, kernel_collectives
+from spmdkit.cost.compute import guess_tokens, kernel_collectives, model_flops
 from spmdkit.cost.devices import Device, cost_model, load_device, recost
-from spmdkit.cost.memory import Memory, memory_per_device, recompute_regions
-from spmdkit.cost.step import StepEstimate, estimate_step, op_communication
+from spmdkit.cost.memory import Memory, memory_per_device, recompute_regions, with_overheads
+from spmdkit.cost.step import StepEstimate, estimate_step
 from spmdkit.models.hf import dtype_name
 from spmdkit.models.source import import_hf_checked
 from spmdkit.models.zoo import ModelConfig, build_model, preset
 from spmdkit.planner.auto import AutoInfo, auto_plan
-from spmdkit.planner.fold import Fold, balanced_counts, bucket_figures, fold_of, pipeline_memory, pipeline_step
+from spmdkit.planner.fold import Fold, bucket_figures, fold_of, pipeline_memory, pipeline_step
+from spmdkit.planner.fold_stages import copy_layers, deep_pipeline, stage_copy, stretch_units
+from spmdkit.planner.partition import even_split, partition
 from spmdkit.planner.pipeline import (
     PipelineEstimate,
+    PipelineSpec,
     estimate_pipeline,
-    op_units,
     parse_spec,
+    plan_unit_costs,
     pp_cost_text,
     split_layers,
 )
 from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, parse_size, plan_model, plan_program
 from spmdkit.planner.search_bounds import Bounds, experts_of, model_bounds
+from spmdkit.planner.search_space import (
+    LONG_SEQ,
+    MICRO_BATCHES,
+    Config,
+    _Sizes,
+    _sub_mesh,
+    _work,
+    context_degrees,
+    expert_degrees,
+    factorizations,
+    hand_strategies,
+)
 from spmdkit.program.ir import Program
 from spmdkit.program.layers import layer_tags
 from spmdkit.program.plan import Plan
 from spmdkit.program.runtime import Runtime
 from spmdkit.strategies.hf import data_inputs
-from spmdkit.strategies.strategy import MAX_RANKS, parse_mesh, parse_strategy, tp_problem
+from spmdkit.strategies.strategy import MAX_RANKS, parse_mesh
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 #: the most configurations one search plans (each a propagation or an exact search)
@@ -96,55 +111,6 @@ MAX_PLANS = 2000
 EXHAUSTIVE_PLANS = 200
 #: a search of this many devices or more is pruned by bounds (search_bounds) by default
 PRUNED_DEVICES = 512
-#: the sequence length from which a preset's search also splits the sequence over a ``cp`` dim
-#: (context parallelism: Llama 3 trained from 8k with cp from 16k up; torchtitan and NeMo from 16k-32k)
-LONG_SEQ = 16384
-
-
-@dataclass(frozen=True)
-class Config:
-    """One point of the outer search. ``ep`` > 1: expert parallelism carved out of data
-    parallelism as Megatron-Core folds it (the batch over ``dp x ep``, the experts over ``ep``)."""
-
-    dp: int
-    tp: int
-    pp: int = 1
-    strategy: str = "dp"      # a --strategy comma list, or "auto"
-    recompute: str = "none"
-    microbatches: int = 1
-    ep: int = 1
-    #: context parallelism: the sequence split over a cp dim between dp and tp (1: none)
-    cp: int = 1
-    #: gradient accumulation without a pipeline: micro-steps per optimizer step (--micro-batch)
-    grad_accum: int = 1
-
-    @property
-    def sub_mesh_text(self) -> str:
-        """The mesh the shardings are planned on (without pp)."""
-        return (f"dp={self.dp}," + (f"ep={self.ep}," if self.ep > 1 else "") + (f"cp={self.cp}," if self.cp > 1 else "")
-                + f"tp={self.tp}")
-
-    @property
-    def mesh_text(self) -> str:
-        return (f"pp={self.pp}," if self.pp > 1 else "") + self.sub_mesh_text
-
-    @property
-    def devices(self) -> int:
-        return self.dp * self.ep * self.cp * self.tp * self.pp
-
-    def label(self) -> str:
-        return (f"dp={self.dp}" + (f" ep={self.ep}" if self.ep > 1 else "") + (f" cp={self.cp}" if self.cp > 1 else "")
-                + f" tp={self.tp} pp={self.pp}"
-                + (f" (m={self.microbatches})" if self.pp > 1 else "")
-                + (f" (accum={self.grad_accum})" if self.grad_accum > 1 else "")
-                + f" {self.strategy}" + (f" recompute={self.recompute}" if self.recompute != "none" else ""))
-
-    def to_json(self) -> dict[str, Any]:
-        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, **({"ep": self.ep} if self.ep > 1 else {}),
-                **({"cp": self.cp} if self.cp > 1 else {}),
-                **({"grad_accum": self.grad_accum} if self.grad_accum > 1 else {}),
-                "strategy": self.strategy, "recompute": self.recompute, "microbatches": self.microbatches,
-                "mesh": self.mesh_text}
 
 
 @dataclass
@@ -200,51 +166,6 @@ class SearchResult:
     def best(self) -> Candidate | None:
         f = self.fitting
         return f[0] if f else None
-
-
-def factorizations(n: int, pipeline: bool = True) -> list[tuple[int, int, int]]:
-    """Every (dp, tp, pp) with dp * tp * pp == n (pp == 1 unless ``pipeline``)."""
-    out = []
-    for pp in range(1, n + 1):
-        if n % pp or (pp > 1 and not pipeline):
-            continue
-        rest = n // pp
-        for tp in range(1, rest + 1):
-            if rest % tp == 0:
-                out.append((rest // tp, tp, pp))
-    return sorted(out, key=lambda t: (t[2], t[1], t[0]))
-
-
-def hand_strategies(dp: int, tp: int, ep: int = 1, cp: int = 1) -> list[str]:
-    """The hand strategies a (dp, tp) sub-mesh can take (ZeRO only where dp > 1); with ``ep``
-    > 1 (a ``dp x ep x tp`` sub-mesh) the same with expert parallelism (``,ep``; megatron's
-    experts tensor-parallel over tp: ETP = TP), ZeRO where the data-parallel ranks ``dp x ep``
-    are more than one; with ``cp`` > 1 (a ``dp x cp x tp`` sub-mesh) the same with context
-    parallelism (``,cp``), ZeRO where ``dp x cp`` (the ranks that reduce the gradients) are more
-    than one."""
-    zeros = ["", ",zero1", ",zero2", ",zero3"] if dp * ep * cp > 1 else [""]
-    bases = ["dp"] if tp == 1 else ["megatron", "megatron,sp"]
-    if ep > 1:
-        bases = [b + ",ep" for b in bases]
-    if cp > 1:
-        bases = [b + ",cp" for b in bases]
-    return [b + z for b in bases for z in zeros]
-
-
-def context_degrees(dp_total: int, seq: int | None) -> list[int]:
-    """The cp degrees a data-parallel degree ``dp_total`` can give its sequence to: 1, and for a
-    sequence of :data:`LONG_SEQ` tokens or more every divisor ``cp`` > 1 of ``dp_total`` whose
-    zig-zag chunks divide the sequence (``2 cp`` divides it)."""
-    out = [1]
-    if seq is not None and seq >= LONG_SEQ:
-        out += [c for c in range(2, dp_total + 1) if dp_total % c == 0 and seq % (2 * c) == 0]
-    return out
-
-
-def expert_degrees(dp_total: int, experts: int) -> list[int]:
-    """The ep degrees a data-parallel degree ``dp_total`` can fold out (Megatron-Core: ``dp x ep``
-    = the data-parallel ranks): the divisors of both it and the experts, 1 first."""
-    return [e for e in range(1, dp_total + 1) if dp_total % e == 0 and (e == 1 or (experts and experts % e == 0))]
 
 
 def parse_memory(text: Any) -> int:
@@ -359,7 +280,7 @@ def _pipeline_candidates(cfg: Config, plan: Plan, counts: tuple[int, ...] | None
                          cost_text: str | None, info: AutoInfo | None = None, raw: bool = False) -> list[Candidate]:
     full = parse_mesh(cfg.mesh_text)
     link = _link_cost(full, job, cost_text).links[full.dim_index("pp")]
-    spec = parse_spec(cfg.pp, microbatches=cfg.microbatches)
+    spec = _spec(cfg)
     m = cfg.microbatches
     out: list[Candidate] = []
     plan = replace(plan, runtime=job.runtime)
@@ -386,26 +307,6 @@ def _batch_of(prog: Program) -> int | None:
     return shapes[0][0] if shapes else None
 
 
-@dataclass(frozen=True)
-class _Sizes:
-    """What limits the factorisations: the global batch, the attention heads, the layers
-    (None where unknown: an imported program has no heads or layers to divide)."""
-
-    batch: int | None
-    tokens: int | None
-    heads: int | None
-    layers: int | None
-    #: a pipeline's step in microbatches of one sequence per dp rank (else the step whole, m = 1)
-    microbatches: bool = True
-    #: the preset's config (tp must split its heads, kv heads, FFN and vocabulary: tp_problem)
-    config: ModelConfig | None = None
-    #: routed experts (0: a dense model, no ep dim tried)
-    experts: int = 0
-    #: --micro-batch: sequences per data-parallel rank in one micro-step (None: the whole share
-    #: without a pipeline, one sequence a microbatch with one)
-    micro: int | None = None
-
-
 def _model_sizes(model: str, overrides: Mapping[str, int | None] | None) -> tuple[ModelConfig, _Sizes]:
     """The preset ``model`` with ``--layers`` / ``--batch`` / ``--seq`` applied, and its sizes."""
     cfg = preset(str(model))
@@ -413,80 +314,6 @@ def _model_sizes(model: str, overrides: Mapping[str, int | None] | None) -> tupl
     checked = {k: parse_size(f"--{k}", v, limits.get(k, MAX_SIZE)) for k, v in dict(overrides or {}).items()}
     cfg = cfg.with_(**{k: v for k, v in checked.items() if v is not None})
     return cfg, _Sizes(cfg.batch, cfg.batch * cfg.seq, cfg.heads, cfg.layers, config=cfg, experts=cfg.experts)
-
-
-def _work(devices: int, pipeline: bool, sizes: _Sizes, given: list[str] | None,
-          auto: bool) -> tuple[list[Config], list[tuple[Config, str]]]:
-    """The configurations to plan (recomputation "none": the modes are priced on one plan) and
-    those refused before planning, with the reason."""
-    work: list[Config] = []
-    refused: list[tuple[Config, str]] = []
-    batch = sizes.batch
-    seq = sizes.config.seq if sizes.config is not None else None
-    for dpt, tp, pp in factorizations(devices, pipeline):
-        why = None
-        uneven = batch is not None and batch % dpt != 0
-        if sizes.config is not None and (bad := tp_problem(sizes.config, tp)) is not None:
-            why = bad
-        elif sizes.heads is not None and sizes.heads % tp:
-            why = f"tp={tp} does not divide the {sizes.heads} attention heads"
-        elif sizes.layers is not None and sizes.layers < pp:
-            why = f"pp={pp}: {sizes.layers} layers cannot fill {pp} stages"
-        m = (batch // dpt) if (pp > 1 and batch and sizes.microbatches) else 1
-        if uneven or why is not None:
-            refused.append((Config(dpt, tp, pp, "*", "none", m),
-                            f"dp={dpt} does not divide the batch {batch}" if uneven else str(why)))
-        if why is not None:
-            continue
-        # ep = 1 and cp = 1 first: a dense model's meshes at a short sequence as they were; a batch dp
-        # does not divide may still split over dp x cp (the cp ranks share their sequences)
-        degrees = [(e, c) for e in expert_degrees(dpt, sizes.experts) for c in (context_degrees(dpt, seq) if e == 1 else [1])]
-        for ep, cp in degrees:
-            dp = dpt // ep // cp
-            if batch is not None and batch % (dp * ep):
-                continue
-            m = (batch // (dp * ep)) if (pp > 1 and batch and sizes.microbatches) else 1
-            steps = [(m, 1)] if sizes.micro is None or batch is None else _micro_steps(batch, dp * ep, pp, sizes.micro)
-            if not steps:
-                refused.append((Config(dp, tp, pp, "*", "none", m, ep, cp), f"--micro-batch {sizes.micro} x "
-                                f"{dp * ep} data-parallel ranks does not divide the global batch {batch}"))
-                continue
-            names = list(given) if given is not None else hand_strategies(dp, tp, ep, cp)
-            if auto:
-                names.append("auto")
-            for s, (m, accum) in ((s, st) for st in steps for s in names):
-                cfg = Config(dp, tp, pp, s, "none", m, ep, cp, accum)
-                if s != "auto":
-                    parts = s.split(",")
-                    if (tp == 1 and "megatron" in parts) or ((ep > 1) != ("ep" in parts)) \
-                            or (ep > 1 and tp > 1 and "megatron" not in parts) or ((cp > 1) != ("cp" in parts)):
-                        continue  # megatron over tp=1 is dp; ep over ep=1 is dp; an idle ep or tp dim repeats work;
-                        # the strategies go to the meshes of their own cp
-                    try:
-                        parse_strategy(s, _sub_mesh(cfg))
-                    except ProgramError as exc:
-                        refused.append((cfg, str(exc)))
-                        continue
-                work.append(cfg)
-    return work, refused
-
-
-#: the micro-batches (sequences per data-parallel rank a forward) a search tries when given a
-#: global batch but no micro-batch, beside a rank's whole share without a pipeline
-MICRO_BATCHES = (1, 2, 4)
-
-
-def _micro_steps(batch: int, ranks: int, pp: int, micro: int) -> list[tuple[int, int]]:
-    """(microbatches, gradient accumulation) for each micro-batch tried on ``ranks`` data-parallel
-    ranks: ``micro`` > 0 that one; 0 every one of :data:`MICRO_BATCHES` (and without a pipeline
-    the rank's whole share, no accumulation, first) that divides a rank's share of ``batch``."""
-    share = batch // ranks
-    sizes = [micro] if micro else ([share] if pp == 1 else []) + [b for b in MICRO_BATCHES if b < share or pp > 1]
-    out = []
-    for b in dict.fromkeys(sizes):
-        if b <= share and share % b == 0:
-            out.append((share // b, 1) if pp > 1 else (1, share // b))
-    return out
 
 
 def _search_args(devices: int, device: Device | str, memory_cap: int | str | None, recompute: Iterable[str] | None,
@@ -565,7 +392,7 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
     bounds = _bounds(model, cfg_model, job) if prune and work else None
     job = replace(job, lean=bounds is not None)
     if bounds is not None:  # the most promising first, so the best step found early prunes the most
-        work.sort(key=lambda c: bounds.step(c.devices, c.pp, c.microbatches, c.ep, c.strategy))
+        work.sort(key=lambda c: bounds.step(c.devices, c.pp, c.microbatches, c.ep, c.strategy, c.virtual))
     elif len(work) > MAX_PLANS:
         raise ProgramError(f"--devices {devices}: {len(work)} configurations to plan (at most {MAX_PLANS})")
     if progress is not None:
@@ -651,14 +478,10 @@ def _pruned_why(cfg: Config, bounds: Bounds, cap: int, best: float) -> str | Non
     if mem > cap:
         return (f"over the memory cap: its parameters, gradients, optimizer states and layer inputs kept for the "
                 f"backward alone need at least {mem / 2**30:.1f} GiB a device")
-    low = bounds.step(cfg.devices, cfg.pp, cfg.microbatches, cfg.ep, cfg.strategy)
+    low = bounds.step(cfg.devices, cfg.pp, cfg.microbatches, cfg.ep, cfg.strategy, cfg.virtual)
     if low >= best:
         return f"its step is at least {low:.3g} s (FLOPs at the fastest rates, MoE all-to-alls, the pipeline's bubble), the best found {best:.3g} s"
     return None
-
-
-def _sub_mesh(cfg: Config) -> ProcessMesh:
-    return parse_mesh(cfg.sub_mesh_text)
 
 
 def _pins_for(cfg: Config, pins: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -729,17 +552,41 @@ def _price(cfg: Config, p: _Planned, counts: tuple[int, ...] | None, job: _Job, 
 
 def _plan_preset_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> list[Candidate]:
     if job.fold and cfg.strategy != "auto":
-        got = _folded_config(cfg, name, mc, job)
-        if got is not None:
-            return got
-    return _price(cfg, _preset_plan(cfg, name, mc, job), _counts(mc.layers, cfg), job)
+        ways = [_deep_config, _folded_config] if _deep_first(cfg, mc) else [_folded_config]
+        for way in ways:
+            got = way(cfg, name, mc, job)
+            if got is not None:
+                return got
+    p = _preset_plan(cfg, name, mc, job)
+    return _price(cfg, p, _split(cfg, p, job, mc.layers), job)
+
+
+def _split(cfg: Config, p: _Planned, job: _Job, layers: int, dense: int | None = None) -> tuple[int, ...] | None:
+    """Layers per virtual stage of ``cfg`` (None without a pipeline): even where they divide, else
+    :func:`spmdkit.planner.partition.partition`'s split (the slowest stage as fast as it can be,
+    each rank within the memory cap; ``refine=False``) of the per-layer costs of ``p``'s plan,
+    the full model's or (``dense`` given) a shallow copy's stretched to ``layers``."""
+    if cfg.pp == 1:
+        return None
+    even = _counts(layers, cfg)
+    if even is not None:
+        return even
+    plan = replace(p.plan, runtime=job.runtime)
+    full = parse_mesh(cfg.mesh_text)
+    link = _link_cost(full, job, p.full_cost).links[full.dim_index("pp")]
+    u = plan_unit_costs(plan, cfg.pp, job.device, "none", (link.alpha_s, link.beta_s_per_byte))
+    if dense is not None:
+        u = stretch_units(u, layers, dense)
+    cap = job.cap - with_overheads(0, 0, 0, 0, 0, plan, cfg.pp).runtime_overhead
+    return partition(u, cfg.pp, cfg.virtual, cfg.microbatches, _spec(cfg).schedule, cap, refine=False).counts
 
 
 def _in_full(c: Candidate, name: str, mc: ModelConfig, job: _Job) -> Candidate:
     """A folded candidate planned again at the model's depth (the search's best: its report
     and files are the whole model's); its figures equal the folded ones to rounding."""
     cfg = replace(c.config, recompute="none")
-    got = _price(cfg, _preset_plan(cfg, name, mc, job), _counts(mc.layers, cfg), replace(job, lean=False), raw=True)
+    p = _preset_plan(cfg, name, mc, job)
+    got = _price(cfg, p, _split(cfg, p, job, mc.layers), replace(job, lean=False), raw=True)
     return next(x for x in got if x.config.recompute == c.config.recompute)
 
 
@@ -748,12 +595,16 @@ def _folded_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> list[C
     (:mod:`spmdkit.planner.fold`); None where folding saves nothing."""
     n, big = cfg.pp, mc.layers
     dense = mc.dense_layers if mc.experts else 0
+    if cfg.virtual > 1:
+        return None  # interleaved: folded by stage (_deep_config) or planned whole
     probe = fold = fold_of((big // n,) * n, dense)
     if fold is None or fold.layers_a + fold.layers_b >= big:
         return None  # two copies would plan as many layers as the model (a deep pipeline's stages)
     a = _preset_plan(cfg, name, mc, job, fold.layers_a)
-    if big % n:  # the full model's balanced split, from the copy's per-layer times
-        fold = fold_of(balanced_counts(*_unit_times(a.plan, job), big, n, dense), dense)
+    if big % n:  # the full model's partition, from the copy's per-layer costs
+        counts = _split(cfg, a, job, big, dense)
+        assert counts is not None
+        fold = fold_of(counts, dense)
         if fold is None or fold.layers_a + fold.layers_b >= big:
             return None
         if probe is not None and fold.layers_a != probe.layers_a:
@@ -765,17 +616,62 @@ def _folded_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> list[C
     return None if any(c is None for c in out) else _kept([c for c in out if c is not None], job)
 
 
-def _unit_times(plan: Plan, job: _Job) -> tuple[list[float], float, float]:
-    """A plan's per-layer times as the pipeline balances its stages by them
-    (:func:`spmdkit.planner.pipeline.auto_counts`): each layer's, the embedding's, the head's."""
-    plan = replace(plan, runtime=job.runtime)
-    oc = op_communication(plan, job.device)
-    unit, n_layers = op_units(plan.program)
-    costs = [0.0] * (n_layers + 2)
-    for i, op in enumerate(plan.program.ops):
-        if op.phase != "optimizer":
-            costs[unit[i] + 1] += oc.compute[i] + oc.wait[i]
-    return costs[1:-1], costs[0], costs[-1]
+def _deep_first(cfg: Config, mc: ModelConfig) -> bool:
+    """A pipeline folded by stage (planner.fold_stages) plans fewer layers than the two-copy
+    fold (or that cannot fold it: interleaved stages, stages of 2-3 layers)."""
+    if cfg.pp == 1:
+        return False
+    n, big = cfg.pp * cfg.virtual, mc.layers
+    dense = mc.dense_layers if mc.experts else 0
+    flat, std = fold_of((big,), dense), fold_of((big // cfg.pp,) * cfg.pp, dense)
+    deep = copy_layers(tuple(even_split(big, n)), dense)
+    if flat is None or deep is None:
+        return False
+    plain = std.layers_a + std.layers_b if std is not None and cfg.virtual == 1 else big
+    return flat.layers_a + flat.layers_b + deep < min(plain, big)
+
+
+def _deep_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> list[Candidate] | None:
+    """A deep pipeline priced on a shallow copy with the first stage, one middle stage of each
+    distinct layer count and the last (:mod:`spmdkit.planner.fold_stages`), its communication,
+    collectives and model FLOPs from two flat copies of 2 and 3 layers (:mod:`spmdkit.planner.fold`)."""
+    big = mc.layers
+    dense = mc.dense_layers if mc.experts else 0
+    flat = fold_of((big,), dense)
+    if flat is None or job.tokens is None:
+        return None
+    b = _preset_plan(cfg, name, mc, job, flat.layers_b)
+    counts = _split(cfg, b, job, big, dense)
+    assert counts is not None
+    got = stage_copy(counts, dense)
+    if got is None:
+        return None
+    a, s = _preset_plan(cfg, name, mc, job, flat.layers_a), _preset_plan(cfg, name, mc, job, sum(got[0]))
+    full = parse_mesh(cfg.mesh_text)
+    link = _link_cost(full, job, s.full_cost).links[full.dim_index("pp")]
+    m = cfg.microbatches
+    pa, pb, ps = (replace(x.plan, runtime=job.runtime) for x in (a, b, s))
+    mb = job.tokens // m
+    flops = flat.at(model_flops(pa, mb)[0], model_flops(pb, mb)[0])
+    coll = round(flat.at(collectives_of(pa), collectives_of(pb)))
+    out: list[Candidate] = []
+    for rc in job.mode_order():
+        oa, ob = estimate_step(pa, job.device, mb, rc), estimate_step(pb, job.device, mb, rc)
+        figs = bucket_figures(flat, pa, oa, pb, ob, big, dense)
+        est = deep_pipeline(ps, _spec(cfg), counts, job.device, (link.alpha_s, link.beta_s_per_byte), job.tokens,
+                            full.size, rc, flops)
+        if figs is None or est is None:
+            return None
+        mem = max(est.memory, key=lambda x: x.device_total)
+        sends = max((f + b for f, b in zip(est.send_f_s, est.send_b_s)), default=0.0)
+        comm = (flat.at(oa.comm_total_s - oa.grad_sync_s, ob.comm_total_s - ob.grad_sync_s) * m + figs[0]) / cfg.pp \
+            + m * sends
+        out.append(Candidate(replace(cfg, recompute=rc), est.step_overlap_s, est.mfu, mem.device_total, comm,
+                             mem.device_total <= job.cap, ps, est, mem, s.title, None, collectives=coll,
+                             folded=sum(got[0])))
+        if job.lean and not out[-1].fits:
+            break
+    return _kept(out, job)
 
 
 def _extrapolated(x: Candidate, y: Candidate, fold: Fold, job: _Job, layers: int, dense: int) -> Candidate | None:
@@ -814,9 +710,14 @@ def _extrapolated(x: Candidate, y: Candidate, fold: Fold, job: _Job, layers: int
                    collectives=round(fold.at(x.collectives, y.collectives)), folded=fold.layers_b)
 
 
+def _spec(cfg: Config) -> PipelineSpec:
+    """``cfg``'s pipeline: 1F1B, or interleaved 1F1B over ``cfg.virtual`` model chunks."""
+    return parse_spec(cfg.pp, microbatches=cfg.microbatches, virtual=cfg.virtual if cfg.virtual > 1 else None)
+
+
 def _counts(layers: int, cfg: Config) -> tuple[int, ...] | None:
-    """Layers per stage, None where they do not divide (balanced by the estimate)."""
-    return None if layers % cfg.pp else split_layers(layers, parse_spec(cfg.pp, microbatches=cfg.microbatches))
+    """Layers per virtual stage, None where they do not divide (balanced by the estimate)."""
+    return None if layers % (cfg.pp * cfg.virtual) else split_layers(layers, _spec(cfg))
 
 
 def _cached(reload: Callable[[int], Program]) -> Callable[[int], Program]:
@@ -886,6 +787,6 @@ def import_hf_program(class_name: str, config: Any, batch: int, seq: int, dtype:
     return prog
 
 
-__all__ = ["MAX_PLANS", "RECOMPUTE_MODES", "Candidate", "Config", "SearchProgress", "SearchResult", "collectives_of",
-           "config_candidates", "factorizations",
+__all__ = ["LONG_SEQ", "MICRO_BATCHES", "MAX_PLANS", "RECOMPUTE_MODES", "Candidate", "Config", "SearchProgress", "SearchResult", "collectives_of",
+           "config_candidates", "context_degrees", "expert_degrees", "factorizations",
            "hand_strategies", "import_hf_program", "parse_memory", "search_meshes"]

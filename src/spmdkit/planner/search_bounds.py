@@ -141,13 +141,15 @@ class Bounds:
             total += 4 * t * copy_bytes * tokens / devices
         return total
 
-    def step(self, devices: int, pp: int, microbatches: int, ep: int = 1, strategy: str = "") -> float:
+    def step(self, devices: int, pp: int, microbatches: int, ep: int = 1, strategy: str = "",
+             virtual: int = 1) -> float:
         """Seconds per step at least on ``devices`` devices (``pp`` stages, ``microbatches``;
-        ``ep`` and ``strategy``: the MoE all-to-alls' bound, :meth:`all_to_all`)."""
+        ``ep`` and ``strategy``: the MoE all-to-alls' bound, :meth:`all_to_all`; ``virtual`` model
+        chunks a rank: interleaved 1F1B's bubble is ``(pp - 1) / virtual`` stages)."""
         work = max(self.flops / self.peak, self.floor_s) / devices + self.all_to_all(devices, ep, strategy)
         if pp > 1:
             m = max(1, microbatches)
-            work *= (m + pp - 1) / m
+            work *= (m + (pp - 1) / max(1, virtual)) / m
         return work
 
 

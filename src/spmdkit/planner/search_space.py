@@ -1,0 +1,223 @@
+"""The outer search's space (:mod:`spmdkit.planner.search`): the configurations of N devices.
+
+:class:`Config` (dp, tp, pp, vp, ep, cp, a strategy, a recomputation mode, microbatches and
+gradient accumulation) and :func:`_work`, every factorisation ``dp x tp x pp`` (x ``ep`` x
+``cp``) of the devices the batch, the heads and the layers allow, each hand strategy, each
+micro-batch, and for a pipeline interleaved 1F1B over 2 model chunks where Megatron-LM's
+schedule takes it (``m % pp == 0``, two layers a virtual stage), with the reasons of those
+refused before planning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from spmdkit.core.errors import ProgramError
+from spmdkit.core.mesh import ProcessMesh
+from spmdkit.models.zoo import ModelConfig
+from spmdkit.strategies.strategy import parse_mesh, parse_strategy, tp_problem
+
+#: the sequence length from which a preset's search also splits the sequence over a ``cp`` dim
+#: (context parallelism: Llama 3 trained from 8k with cp from 16k up; torchtitan and NeMo from 16k-32k)
+LONG_SEQ = 16384
+
+
+@dataclass(frozen=True)
+class Config:
+    """One point of the outer search. ``ep`` > 1: expert parallelism carved out of data
+    parallelism as Megatron-Core folds it (the batch over ``dp x ep``, the experts over ``ep``)."""
+
+    dp: int
+    tp: int
+    pp: int = 1
+    strategy: str = "dp"      # a --strategy comma list, or "auto"
+    recompute: str = "none"
+    microbatches: int = 1
+    ep: int = 1
+    #: context parallelism: the sequence split over a cp dim between dp and tp (1: none)
+    cp: int = 1
+    #: gradient accumulation without a pipeline: micro-steps per optimizer step (--micro-batch)
+    grad_accum: int = 1
+    #: model chunks a pipeline rank holds (> 1: Megatron-LM's interleaved 1F1B, virtual stages)
+    virtual: int = 1
+
+    @property
+    def sub_mesh_text(self) -> str:
+        """The mesh the shardings are planned on (without pp)."""
+        return (f"dp={self.dp}," + (f"ep={self.ep}," if self.ep > 1 else "") + (f"cp={self.cp}," if self.cp > 1 else "")
+                + f"tp={self.tp}")
+
+    @property
+    def mesh_text(self) -> str:
+        return (f"pp={self.pp}," if self.pp > 1 else "") + self.sub_mesh_text
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.ep * self.cp * self.tp * self.pp
+
+    def label(self) -> str:
+        return (f"dp={self.dp}" + (f" ep={self.ep}" if self.ep > 1 else "") + (f" cp={self.cp}" if self.cp > 1 else "")
+                + f" tp={self.tp} pp={self.pp}"
+                + (f" vp={self.virtual}" if self.virtual > 1 else "")
+                + (f" (m={self.microbatches})" if self.pp > 1 else "")
+                + (f" (accum={self.grad_accum})" if self.grad_accum > 1 else "")
+                + f" {self.strategy}" + (f" recompute={self.recompute}" if self.recompute != "none" else ""))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, **({"ep": self.ep} if self.ep > 1 else {}),
+                **({"cp": self.cp} if self.cp > 1 else {}),
+                **({"grad_accum": self.grad_accum} if self.grad_accum > 1 else {}),
+                **({"virtual_stages": self.virtual} if self.virtual > 1 else {}),
+                "strategy": self.strategy, "recompute": self.recompute, "microbatches": self.microbatches,
+                "mesh": self.mesh_text}
+
+
+def factorizations(n: int, pipeline: bool = True) -> list[tuple[int, int, int]]:
+    """Every (dp, tp, pp) with dp * tp * pp == n (pp == 1 unless ``pipeline``)."""
+    out = []
+    for pp in range(1, n + 1):
+        if n % pp or (pp > 1 and not pipeline):
+            continue
+        rest = n // pp
+        for tp in range(1, rest + 1):
+            if rest % tp == 0:
+                out.append((rest // tp, tp, pp))
+    return sorted(out, key=lambda t: (t[2], t[1], t[0]))
+
+
+def hand_strategies(dp: int, tp: int, ep: int = 1, cp: int = 1) -> list[str]:
+    """The hand strategies a (dp, tp) sub-mesh can take (ZeRO only where dp > 1); with ``ep``
+    > 1 (a ``dp x ep x tp`` sub-mesh) the same with expert parallelism (``,ep``; megatron's
+    experts tensor-parallel over tp: ETP = TP), ZeRO where the data-parallel ranks ``dp x ep``
+    are more than one; with ``cp`` > 1 (a ``dp x cp x tp`` sub-mesh) the same with context
+    parallelism (``,cp``), ZeRO where ``dp x cp`` (the ranks that reduce the gradients) are more
+    than one."""
+    zeros = ["", ",zero1", ",zero2", ",zero3"] if dp * ep * cp > 1 else [""]
+    bases = ["dp"] if tp == 1 else ["megatron", "megatron,sp"]
+    if ep > 1:
+        bases = [b + ",ep" for b in bases]
+    if cp > 1:
+        bases = [b + ",cp" for b in bases]
+    return [b + z for b in bases for z in zeros]
+
+
+def context_degrees(dp_total: int, seq: int | None) -> list[int]:
+    """The cp degrees a data-parallel degree ``dp_total`` can give its sequence to: 1, and for a
+    sequence of :data:`LONG_SEQ` tokens or more every divisor ``cp`` > 1 of ``dp_total`` whose
+    zig-zag chunks divide the sequence (``2 cp`` divides it)."""
+    out = [1]
+    if seq is not None and seq >= LONG_SEQ:
+        out += [c for c in range(2, dp_total + 1) if dp_total % c == 0 and seq % (2 * c) == 0]
+    return out
+
+
+def expert_degrees(dp_total: int, experts: int) -> list[int]:
+    """The ep degrees a data-parallel degree ``dp_total`` can fold out (Megatron-Core: ``dp x ep``
+    = the data-parallel ranks): the divisors of both it and the experts, 1 first."""
+    return [e for e in range(1, dp_total + 1) if dp_total % e == 0 and (e == 1 or (experts and experts % e == 0))]
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """What limits the factorisations: the global batch, the attention heads, the layers
+    (None where unknown: an imported program has no heads or layers to divide)."""
+
+    batch: int | None
+    tokens: int | None
+    heads: int | None
+    layers: int | None
+    #: a pipeline's step in microbatches of one sequence per dp rank (else the step whole, m = 1)
+    microbatches: bool = True
+    #: the preset's config (tp must split its heads, kv heads, FFN and vocabulary: tp_problem)
+    config: ModelConfig | None = None
+    #: routed experts (0: a dense model, no ep dim tried)
+    experts: int = 0
+    #: --micro-batch: sequences per data-parallel rank in one micro-step (None: the whole share
+    #: without a pipeline, one sequence a microbatch with one)
+    micro: int | None = None
+
+
+def _work(devices: int, pipeline: bool, sizes: _Sizes, given: list[str] | None,
+          auto: bool) -> tuple[list[Config], list[tuple[Config, str]]]:
+    """The configurations to plan (recomputation "none": the modes are priced on one plan) and
+    those refused before planning, with the reason."""
+    work: list[Config] = []
+    refused: list[tuple[Config, str]] = []
+    batch = sizes.batch
+    seq = sizes.config.seq if sizes.config is not None else None
+    for dpt, tp, pp in factorizations(devices, pipeline):
+        why = None
+        uneven = batch is not None and batch % dpt != 0
+        if sizes.config is not None and (bad := tp_problem(sizes.config, tp)) is not None:
+            why = bad
+        elif sizes.heads is not None and sizes.heads % tp:
+            why = f"tp={tp} does not divide the {sizes.heads} attention heads"
+        elif sizes.layers is not None and sizes.layers < pp:
+            why = f"pp={pp}: {sizes.layers} layers cannot fill {pp} stages"
+        m = (batch // dpt) if (pp > 1 and batch and sizes.microbatches) else 1
+        if uneven or why is not None:
+            refused.append((Config(dpt, tp, pp, "*", "none", m),
+                            f"dp={dpt} does not divide the batch {batch}" if uneven else str(why)))
+        if why is not None:
+            continue
+        # ep = 1 and cp = 1 first: a dense model's meshes at a short sequence as they were; a batch dp
+        # does not divide may still split over dp x cp (the cp ranks share their sequences)
+        degrees = [(e, c) for e in expert_degrees(dpt, sizes.experts) for c in (context_degrees(dpt, seq) if e == 1 else [1])]
+        for ep, cp in degrees:
+            dp = dpt // ep // cp
+            if batch is not None and batch % (dp * ep):
+                continue
+            m = (batch // (dp * ep)) if (pp > 1 and batch and sizes.microbatches) else 1
+            steps = [(m, 1)] if sizes.micro is None or batch is None else _micro_steps(batch, dp * ep, pp, sizes.micro)
+            if not steps:
+                refused.append((Config(dp, tp, pp, "*", "none", m, ep, cp), f"--micro-batch {sizes.micro} x "
+                                f"{dp * ep} data-parallel ranks does not divide the global batch {batch}"))
+                continue
+            names = list(given) if given is not None else hand_strategies(dp, tp, ep, cp)
+            if auto:
+                names.append("auto")
+            for s, (m, accum) in ((s, st) for st in steps for s in names):
+                cfg = Config(dp, tp, pp, s, "none", m, ep, cp, accum)
+                if s != "auto":
+                    parts = s.split(",")
+                    if (tp == 1 and "megatron" in parts) or ((ep > 1) != ("ep" in parts)) \
+                            or (ep > 1 and tp > 1 and "megatron" not in parts) or ((cp > 1) != ("cp" in parts)):
+                        continue  # megatron over tp=1 is dp; ep over ep=1 is dp; an idle ep or tp dim repeats work;
+                        # the strategies go to the meshes of their own cp
+                    try:
+                        parse_strategy(s, _sub_mesh(cfg))
+                    except ProgramError as exc:
+                        refused.append((cfg, str(exc)))
+                        continue
+                work.append(cfg)
+                if pp > 1 and m % pp == 0 and sizes.config is not None and sizes.layers is not None \
+                        and sizes.layers >= 2 * pp:
+                    work.append(replace(cfg, virtual=2))  # interleaved 1F1B (Megatron-LM's needs m % pp == 0)
+    return work, refused
+
+
+#: the micro-batches (sequences per data-parallel rank a forward) a search tries when given a
+#: global batch but no micro-batch, beside a rank's whole share without a pipeline
+MICRO_BATCHES = (1, 2, 4)
+
+
+def _micro_steps(batch: int, ranks: int, pp: int, micro: int) -> list[tuple[int, int]]:
+    """(microbatches, gradient accumulation) for each micro-batch tried on ``ranks`` data-parallel
+    ranks: ``micro`` > 0 that one; 0 every one of :data:`MICRO_BATCHES` (and without a pipeline
+    the rank's whole share, no accumulation, first) that divides a rank's share of ``batch``."""
+    share = batch // ranks
+    sizes = [micro] if micro else ([share] if pp == 1 else []) + [b for b in MICRO_BATCHES if b < share or pp > 1]
+    out = []
+    for b in dict.fromkeys(sizes):
+        if b <= share and share % b == 0:
+            out.append((share // b, 1) if pp > 1 else (1, share // b))
+    return out
+
+
+def _sub_mesh(cfg: Config) -> ProcessMesh:
+    return parse_mesh(cfg.sub_mesh_text)
+
+
+__all__ = ["LONG_SEQ", "MICRO_BATCHES", "Config", "context_degrees", "expert_degrees", "factorizations",
+           "hand_strategies"]
