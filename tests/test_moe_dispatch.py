@@ -200,7 +200,7 @@ def test_the_step_bound_with_all_to_alls_is_a_lower_bound(dispatcher: str, routi
     eps = 0
     for c in full.candidates:
         cf = c.config
-        low = b.step(cf.devices, cf.pp, cf.microbatches, cf.ep, cf.strategy)
+        low = b.step(cf.devices, cf.pp, cf.microbatches, cf.ep, cf.strategy, cf.virtual)
         assert low <= c.step_s, cf.label()
         if cf.ep > 1:
             eps += 1

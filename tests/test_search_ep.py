@@ -110,7 +110,7 @@ def test_bounds_are_lower_bounds_of_every_planned_configuration(searches: tuple[
     for c in full.candidates:
         cf = c.config
         assert b.memory(cf.dp, cf.ep, cf.tp, cf.pp, cf.strategy, cf.microbatches) <= c.memory, cf.label()
-        assert b.step(cf.devices, cf.pp, cf.microbatches, cf.ep, cf.strategy) <= c.step_s, cf.label()
+        assert b.step(cf.devices, cf.pp, cf.microbatches, cf.ep, cf.strategy, cf.virtual) <= c.step_s, cf.label()
         pipelines += cf.pp > 1
     assert pipelines
 
