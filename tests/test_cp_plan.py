@@ -65,9 +65,9 @@ def test_context_degrees() -> None:
     assert context_degrees(8, 8192) == [1]  # short sequences: no cp
     assert context_degrees(8, 131072) == [1, 2, 4, 8]
     assert context_degrees(6, 16384) == [1, 2]  # 2 x cp must divide the sequence: 3 does not (16384 / 6)
-    assert hand_strategies(1, 8, cp=8) == ["megatron,cp", "megatron,cp,zero1", "megatron,cp,zero2", "megatron,cp,zero3",
-                                        "megatron,sp,cp", "megatron,sp,cp,zero1", "megatron,sp,cp,zero2",
-                                        "megatron,sp,cp,zero3"]
+    assert hand_strategies(1, 8, cp=8) == [b + v + z for b in ("megatron", "megatron,sp")
+                                           for v in (",cp", ",cp,cp-attention=ring", ",cp,cp-attention=alltoall")
+                                           for z in ("", ",zero1", ",zero2", ",zero3")]
     assert hand_strategies(4, 1) == ["dp", "dp,zero1", "dp,zero2", "dp,zero3"]
 
 
@@ -85,13 +85,21 @@ def test_long_sequence_search_picks_cp() -> None:
     # llama3-8b at 131,072 tokens, a global batch of 8 sequences on 64 H100s (2 layers: the choice
     # is per layer): splitting the sequence over cp beats splitting the model over tp=8 (the best
     # mesh without cp: all-gathers and reduce-scatters of every activation over 8 ranks)
+    ring = "megatron,sp,cp,cp-attention=ring"
     res = search_meshes("llama3-8b", 64, "h100", recompute=["none"], pipeline=False,
-                        strategies=["megatron,sp", "megatron,sp,cp"], overrides={"seq": 131072, "batch": 8, "layers": 2})
+                        strategies=["megatron,sp", "megatron,sp,cp", ring],
+                        overrides={"seq": 131072, "batch": 8, "layers": 2})
     best = res.best
     assert best is not None and best.config.cp > 1 and best.config.devices == 64
-    assert best.config.strategy == "megatron,sp,cp"
+    assert best.config.strategy in ("megatron,sp,cp", ring)
     plain = [c for c in res.candidates if c.config.cp == 1]
     assert plain and all(c.step_s > best.step_s or not c.fits for c in plain)
+    # the attention variant is chosen by cost: both were planned on each cp mesh, each costed on its own
+    by = {(c.config.dp, c.config.cp, c.config.tp, c.config.strategy): c.step_s for c in res.candidates if c.config.cp > 1}
+    pairs = [(v, by[(dp, cp, tp, ring)]) for (dp, cp, tp, s), v in by.items() if s == "megatron,sp,cp"
+             and (dp, cp, tp, ring) in by]
+    assert pairs and any(a != b for a, b in pairs)
+    assert best.step_s == min(c.step_s for c in res.candidates if c.fits)
 
 
 def test_auto_search_splits_the_sequence_over_cp(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -86,19 +86,24 @@ def factorizations(n: int, pipeline: bool = True) -> list[tuple[int, int, int]]:
     return sorted(out, key=lambda t: (t[2], t[1], t[0]))
 
 
+#: the cp attention variants the search tries (strategies.context: allgather is the default)
+CP_VARIANTS = (",cp", ",cp,cp-attention=ring", ",cp,cp-attention=alltoall")
+
+
 def hand_strategies(dp: int, tp: int, ep: int = 1, cp: int = 1) -> list[str]:
     """The hand strategies a (dp, tp) sub-mesh can take (ZeRO only where dp > 1); with ``ep``
     > 1 (a ``dp x ep x tp`` sub-mesh) the same with expert parallelism (``,ep``; megatron's
     experts tensor-parallel over tp: ETP = TP), ZeRO where the data-parallel ranks ``dp x ep``
     are more than one; with ``cp`` > 1 (a ``dp x cp x tp`` sub-mesh) the same with context
-    parallelism (``,cp``), ZeRO where ``dp x cp`` (the ranks that reduce the gradients) are more
-    than one."""
+    parallelism, each attention variant (``,cp``: allgather, ``,cp,cp-attention=ring``,
+    ``,cp,cp-attention=alltoall``; a variant the heads refuse is kept among the refused), ZeRO
+    where ``dp x cp`` (the ranks that reduce the gradients) are more than one."""
     zeros = ["", ",zero1", ",zero2", ",zero3"] if dp * ep * cp > 1 else [""]
     bases = ["dp"] if tp == 1 else ["megatron", "megatron,sp"]
     if ep > 1:
         bases = [b + ",ep" for b in bases]
     if cp > 1:
-        bases = [b + ",cp" for b in bases]
+        bases = [b + v for b in bases for v in CP_VARIANTS]
     return [b + z for b in bases for z in zeros]
 
 
