@@ -193,36 +193,35 @@ def test_qwen2_tied_with_biases_under_sequence_parallel(tmp_path: Path) -> None:
     assert set(mod.TP_PLAN_AFTER) == {"model.layers.*.input_layernorm", "model.layers.*.post_attention_layernorm"}
 
 
-def test_gpt2_conv1d_swapped_for_linear_and_fused_qkv_refused(tmp_path: Path) -> None:
+def test_gpt2_fused_qkv_reordered_per_rank(tmp_path: Path) -> None:
     from torch.distributed.tensor import Replicate, Shard
 
-    with pytest.raises(ExportError, match=r"^--export torch: transformer\.h\.0\.attn\.c_attn: the plan splits its fused "
-                                          r"weight into 3 parts \(q / k / v\) and shards each over tp \(Shard\(1\) of "
-                                          r"transformer\.h\.0\.attn\.c_attn\.weight\.part0\).*--tp-plan "
-                                          r"'\{\"c_attn\": \"replicate\"\}'\)$"):
-        torch_source(_plan("GPT2LMHeadModel", GPT2, "dp=2,tp=2", "megatron"))
-    # c_attn kept whole: the plan still slices the attention's heads per rank (and all-gathers q / k / v's
-    # gradients, 3 a layer) where torch would run it whole and all-gather c_proj's input gradient (1)
+    mod = _export("GPT2LMHeadModel", GPT2, "dp=2,tp=2", "megatron", tmp_path)
+    assert mod.CONV1D_AS_LINEAR == ("transformer.h.*.attn.c_attn", "transformer.h.*.attn.c_proj",
+                                    "transformer.h.*.mlp.c_fc", "transformer.h.*.mlp.c_proj")
+    # c_attn: q | k | v, 64 features each; rank r's contiguous block [q_r | k_r | v_r]
+    assert mod.FUSED_QKV == {"transformer.h.*.attn.c_attn": (64, 64, 64)}
+    order = mod.fused_order((64, 64, 64), 2)
+    assert order[:32] == list(range(32)) and order[32:64] == list(range(64, 96)) and order[96:128] == list(range(32, 64))
+    assert sorted(order) == list(range(192))
+    s = _styles(mod)
+    assert list(s) == ["transformer.wte", "transformer.h.*.attn.c_attn", "transformer.h.*.attn.c_proj",
+                       "transformer.h.*.mlp.c_fc", "transformer.h.*.mlp.c_proj", "lm_head"]
+    col = ("ColwiseParallel", {"input_layouts": Replicate(), "output_layouts": Shard(-1), "use_local_output": True})
+    assert s["transformer.h.*.attn.c_attn"] == s["transformer.h.*.mlp.c_fc"] == col
+    assert s["transformer.h.*.attn.c_proj"][1]["input_layouts"] == Shard(-1)
+    # the embedding's and each block's 2 all-reduces forward; each block's 2 input gradients and the LM head's backward
+    assert mod.PLAN_COLLECTIVES == {"forward": {"all_reduce": 5}, "backward": {"all_reduce": 5}}
+    assert mod.TIED == {"lm_head.weight": "transformer.wte.weight"} and mod.DATA_PARALLEL["layers"] == "transformer.h"
+    # the attention whole over tp (c_attn replicated) and c_proj row-parallel: the plan slices the heads
+    # between (all-gathering q / k / v's gradients), torch would run it whole: refused
     with pytest.raises(ExportError, match=r"^--export torch: transformer\.h\.0\.attn\.c_proj \(RowwiseParallel\): no "
                                           r"column-parallel layer under transformer\.h\.0\.attn makes its input .*"
                                           r"\(--tp-plan '\{\"attn\.c_proj\": \"replicate\"\}'\)$"):
         torch_source(_plan("GPT2LMHeadModel", GPT2, "dp=2,tp=2", "megatron", {"c_attn": "replicate"}))
-    mod = _export("GPT2LMHeadModel", GPT2, "dp=2,tp=2", "megatron", tmp_path, GPT2_ATTN_WHOLE)
-    assert mod.CONV1D_AS_LINEAR == ("transformer.h.*.mlp.c_fc", "transformer.h.*.mlp.c_proj")
-    s = _styles(mod)
-    assert list(s) == ["transformer.wte", "transformer.h.*.mlp.c_fc", "transformer.h.*.mlp.c_proj", "lm_head"]
-    assert s["transformer.h.*.mlp.c_fc"] == ("ColwiseParallel", {"input_layouts": Replicate(), "output_layouts": Shard(-1),
-                                                                  "use_local_output": True})
-    assert s["transformer.h.*.mlp.c_proj"][1]["input_layouts"] == Shard(-1)
-    # the embedding's and each MLP's all-reduce forward; each MLP's input gradient and the LM head's backward
-    assert mod.PLAN_COLLECTIVES == {"forward": {"all_reduce": 3}, "backward": {"all_reduce": 3}}
-    assert mod.TIED == {"lm_head.weight": "transformer.wte.weight"} and mod.DATA_PARALLEL["layers"] == "transformer.h"
-    # GPT-2 under sp: the plan reduce-scatters the residual on axis 0 (Conv1D's flattened [batch * seq] or the
-    # batch), not the sequence axis torch's sequence parallel shards
-    with pytest.raises(ExportError, match=r"^--export torch: transformer\.\S+ \(RowwiseParallel\): the plan "
-                                          r"reduce-scatters its output \S+ to Shard\(0\) over tp; torch's sequence "
-                                          r"parallel shards axis 1$"):
-        torch_source(_plan("GPT2LMHeadModel", GPT2, "dp=2,tp=2", "megatron,sp", GPT2_ATTN_WHOLE))
+    whole = _export("GPT2LMHeadModel", GPT2, "dp=2,tp=2", "megatron", tmp_path, GPT2_ATTN_WHOLE)
+    assert not hasattr(whole, "FUSED_QKV") and whole.PLAN_COLLECTIVES == {"forward": {"all_reduce": 3},
+                                                                          "backward": {"all_reduce": 3}}
 
 
 def test_mixtral_expert_stacks_over_tp_refused_and_fsdp_exported(tmp_path: Path) -> None:
@@ -324,7 +323,7 @@ def test_llama_on_gloo_equals_eager(strategy: str, tmp_path: Path) -> None:
 
 
 def test_gpt2_conv1d_tied_on_gloo_equals_eager(tmp_path: Path) -> None:
-    _check_gloo(*_gloo("GPT2LMHeadModel", GPT2, "dp=2,tp=2", "megatron", tmp_path, GPT2_ATTN_WHOLE))
+    _check_gloo(*_gloo("GPT2LMHeadModel", GPT2, "dp=2,tp=2", "megatron", tmp_path))
 
 
 def test_pipeline_on_gloo_equals_eager(tmp_path: Path) -> None:

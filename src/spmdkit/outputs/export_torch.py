@@ -25,13 +25,17 @@ The styles come from the plan, as the ``dtensor`` export derives them
 - GPT-2's ``Conv1D`` (``x @ W`` with ``W [in, out]``): torch's styles shard ``nn.Linear`` only, so
   ``parallelize`` first swaps each such module the plan shards for the ``nn.Linear`` it equals
   (``CONV1D_AS_LINEAR``; the weight transposed, the same names), then styles it;
+- GPT-2's fused ``c_attn`` (q | k | v in one weight), which the plan splits into parts and shards
+  each by heads: ``parallelize`` reorders its output features so each rank's contiguous block
+  (what ``ColwiseParallel`` gives it) is its heads' [q | k | v], its bias with them, and divides
+  the attention's ``split_size`` / ``num_heads`` by tp (``FUSED_QKV``, ``fused_order``);
 - pipelines: ``PIPELINE`` (the stages' module prefixes, torch's schedule, the microbatches),
   ``pipeline_stage`` and ``build_pipeline`` (``torch.distributed.pipelining``).
 
-Refused by name (:class:`ExportError`, one line): a fused weight split into parts (GPT-2's
-``c_attn``), a row layer with no column layer beside it, expert stacks over tp / ep, context
-parallelism, a preset (no HF module), and a pipeline with tied parameters, sequence parallel or the
-interleaved schedule (docs/export.md).
+Refused by name (:class:`ExportError`, one line): a fused weight whose parts are not all sharded on
+their output features, a row layer with no column layer beside it, expert stacks over tp / ep,
+context parallelism, a preset (no HF module), and a pipeline with tied parameters, sequence
+parallel or the interleaved schedule (docs/export.md).
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ from spmdkit.planner.pipeline import PipelineSpec, op_stages
 from spmdkit.program.ir import Op
 from spmdkit.program.layers import layer_tags
 from spmdkit.program.plan import Plan
-from spmdkit.strategies.hf import data_inputs, parameters
+from spmdkit.strategies.hf import data_inputs, parameters, weight_axes
 
 #: a plan's collective kind -> the op CommDebugMode counts (torch's functional collectives)
 FUNCOL = {"all_reduce": "all_reduce", "all_gather": "all_gather_into_tensor",
@@ -77,6 +81,8 @@ class _TorchExport(_DTensorExport):
         self.conv1d: set[str] = set()
         self.after: dict[str, dict[str, Any]] = {}
         self.row_inputs: dict[str, str] = {}
+        #: a fused weight's module -> its parts' output features (GPT-2's c_attn: q, k, v)
+        self.fused: dict[str, tuple[int, ...]] = {}
 
     def tensor_parallel_dim(self) -> int | None:
         """The mesh dim named ``tp`` (None without one): torch's styles run over ``mesh["tp"]``; a
@@ -103,15 +109,38 @@ class _TorchExport(_DTensorExport):
                                   f"over the experts (dp, fsdp) or use --export dtensor (placements and a statement)")
 
     def uses(self, p: str) -> list[tuple[str, str, int, Op]]:
-        m = re.fullmatch(r"(.+)\.weight\.part\d+", p)
+        m = re.fullmatch(r"(.+)\.weight\.part(\d+)", p)
         if m:
-            parts = sorted(n for n in self.weights if n.startswith(m.group(1) + ".weight.part"))
-            raise ExportError(f"--export torch: {m.group(1)}: the plan splits its fused weight into {len(parts)} "
-                              f"parts (q / k / v) and shards each over tp ({self.placements[p][self.tp or 0]} of "
-                              f"{p}); torch's ColwiseParallel shards the fused weight in one block, which would give "
-                              f"a rank other heads' q / k / v: keep it whole (--tp-plan "
-                              f"'{{\"{m.group(1).rsplit('.', 1)[-1]}\": \"replicate\"}}')")
+            return self._fused_uses(m.group(1), int(m.group(2)), p)
         return super().uses(p)
+
+    def _fused_uses(self, mod: str, k: int, p: str) -> list[tuple[str, str, int, Op]]:
+        """A fused weight the plan splits into parts and shards each on its output features over
+        tp (GPT-2's ``c_attn``: q | k | v, each column-parallel by heads): one ``ColwiseParallel``
+        for the module, read from part 0's op, after the file reorders the fused output features
+        so that each rank's contiguous block is its share of every part (``FUSED_QKV``)."""
+        assert self.tp is not None
+        tp = self.tp
+        parts = sorted((n for n in self.weights if n.startswith(mod + ".weight.part")), key=lambda n: int(n.rsplit("part", 1)[1]))
+        how, out_ax, _in_ax, op = weight_axes(self.prog, self.readers, p)
+        if how != "linear" or op is None:
+            raise ExportError(f"--export torch: {p}: a part of a fused weight not read as a linear layer's weight: "
+                              f"torch has no parallel style for it")
+        bad = [f"{n} {_placement_text(pl)}" for n in parts for pl in [_tp_placement(self.plan.attrs[n], tp)]
+               if pl != Shard(out_ax)]
+        if bad:
+            raise ExportError(f"--export torch: {mod}: the plan splits its fused weight into {len(parts)} parts and does "
+                              f"not shard every part on its output features over tp ({', '.join(bad)}); torch's "
+                              f"ColwiseParallel shards the fused weight's output features, each rank one block")
+        for b in sorted(n for n in self.params if n.startswith(mod + ".bias.part")):
+            bp = _tp_placement(self.plan.attrs[b], tp)
+            if bp != Shard(0):
+                raise ExportError(f"--export torch: {b}: the plan places it {_placement_text(bp)} over tp, "
+                                  f"ColwiseParallel Shard(0) (with its weight's part)")
+        self.fused[mod] = tuple(self.prog.tensors[n].shape[out_ax] for n in parts)
+        if out_ax != 0:
+            self.conv1d.add(mod)
+        return [(mod, how, out_ax, op)] if k == 0 else []
 
     def _linear_in_out(self, p: str, how: str, out_ax: int) -> None:
         if how == "linear" and out_ax != 0:
@@ -286,6 +315,19 @@ def compress(styles: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         uniform = n is not None and set(group) == numbers[glob.split("*")[0]] and \
             all(d == doc for d in group.values()) and len(group) > 1
         out[glob if uniform else path] = doc
+    return out
+
+
+def compress_values(by_module: dict[str, Any]) -> dict[str, Any]:
+    """Module path -> value, the paths every layer has with the same value written once with ``*``."""
+    globs: dict[str, list[Any]] = {}
+    for path, v in by_module.items():
+        globs.setdefault(_layer_glob(path)[0], []).append(v)
+    out: dict[str, Any] = {}
+    for path, v in sorted(by_module.items()):
+        glob = _layer_glob(path)[0]
+        same = len(globs[glob]) > 1 and all(x == v for x in globs[glob])
+        out[glob if same else path] = v
     return out
 
 
@@ -566,6 +608,32 @@ _CONV1D_FN = [
     "                linear.bias.copy_(conv.bias)",
     "        owner, leaf = name.rsplit(\".\", 1)",
     "        setattr(model.get_submodule(owner), leaf, linear)"]
+_FUSED_FN = [
+    "", "", "def fused_order(sizes: tuple[int, ...], tp: int) -> list[int]:",
+    "    \"\"\"The order of a fused weight's output features that makes rank r's contiguous block (what",
+    "    ColwiseParallel gives it) its share of every part: row i of the reordered weight is row",
+    "    order[i] of the original ([q_0 | k_0 | v_0 | q_1 | k_1 | v_1 ...] for GPT-2's c_attn).\"\"\"",
+    "    starts = [sum(sizes[:k]) for k in range(len(sizes))]",
+    "    return [s + r * (n // tp) + j for r in range(tp) for s, n in zip(starts, sizes) for j in range(n // tp)]",
+    "", "", "def _fused_per_rank(model: torch.nn.Module, tp: int) -> None:",
+    "    \"\"\"Reorder each FUSED_QKV module's output features (weight rows and bias, fused_order) and make the",
+    "    attention module holding it run its rank's heads: HF's GPT2Attention splits c_attn's output by",
+    "    split_size (and keeps num_heads): both divided by tp (head_dim stays).\"\"\"",
+    "    for name, linear in list(model.named_modules()):",
+    "        sizes = next((v for k, v in FUSED_QKV.items() if fnmatch.fnmatchcase(name, k)), None)",
+    "        if sizes is None:",
+    "            continue",
+    "        order = torch.tensor(fused_order(sizes, tp), device=linear.weight.device)",
+    "        with torch.no_grad():",
+    "            linear.weight.copy_(linear.weight[order])",
+    "            if linear.bias is not None:",
+    "                linear.bias.copy_(linear.bias[order])",
+    "        attention = model.get_submodule(name.rsplit(\".\", 1)[0])",
+    "        for attr in (\"split_size\", \"num_heads\"):",
+    "            if hasattr(attention, attr):",
+    "                if getattr(attention, attr) % tp:",
+    "                    raise ValueError(f\"{name}: {attr} {getattr(attention, attr)} is not divisible by tp {tp}\")",
+    "                setattr(attention, attr, getattr(attention, attr) // tp)"]
 _PRESENT_FN = [
     "", "", "def _present(model: torch.nn.Module, plan: dict[str, Any]) -> dict[str, Any]:",
     "    \"\"\"The entries of ``plan`` naming a module this stage holds (not an nn.Identity).\"\"\"",
@@ -614,11 +682,13 @@ def _constants(plan: Plan, doc: dict[str, Any], dims: tuple[str, ...], shape: tu
 
 
 def _parallelize_fn(styles: dict[str, Any], after: dict[str, Any], conv: list[str], dp: dict[str, Any] | None,
-                    pipe: dict[str, Any] | None) -> list[str]:
+                    pipe: dict[str, Any] | None, fused: bool = False) -> list[str]:
     lines = ["", "", "def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:",
              "    \"\"\"Apply the plan to ``model`` on ``mesh`` (MESH_DIMS, MESH_SHAPE); returns the model.\"\"\""]
     if conv:
         lines.append("    _conv1d_as_linear(model)")
+    if fused:
+        lines.append("    _fused_per_rank(model, mesh[\"tp\"].size())  # before ColwiseParallel shards the fused weights")
     if styles:
         use = (lambda n: f"_present(model, {n})") if pipe is not None else (lambda n: n)
         lines += ["    tp = mesh[\"tp\"]", f"    parallelize_module(model, tp, {use('TP_PLAN')})"]
@@ -633,7 +703,7 @@ def _parallelize_fn(styles: dict[str, Any], after: dict[str, Any], conv: list[st
 
 def _imports(ex: _TorchExport, dp: dict[str, Any] | None, used: list[str], pipe: dict[str, Any] | None) -> list[str]:
     lines = ["from __future__ import annotations", ""]
-    if ex.conv1d or pipe is not None:
+    if ex.conv1d or ex.fused or pipe is not None:
         lines += ["import fnmatch", ""]
     if pipe is not None:
         lines += ["from typing import Any", ""]
@@ -693,13 +763,22 @@ def torch_source(plan: Plan, command: str = "",
         lines += ["", "#: Conv1D modules (x @ W, W [in, out]: GPT-2's) the plan shards: torch's styles shard nn.Linear, so",
                   "#: each is swapped for the nn.Linear it equals (its weight transposed, the same names) before TP_PLAN",
                   f"CONV1D_AS_LINEAR = {tuple(conv)!r}"]
+    fused = compress_values(ex.fused)
+    if fused:
+        lines += ["", "#: Fused weights the plan splits into parts, each sharded over tp by heads (GPT-2's c_attn: q | k | v,",
+                  "#: the parts' output features). ColwiseParallel shards a weight's output features in one contiguous",
+                  "#: block, which would give a rank other heads' q / k / v: _fused_per_rank first reorders them so",
+                  "#: that rank r's block is [q_r | k_r | v_r] (fused_order), its bias with them, and divides the",
+                  "#: attention's split_size / num_heads by tp. Gradients come back in that order (fused_order maps them).",
+                  f"FUSED_QKV = {fused!r}"]
     lines += ["", "#: tied parameters (parallelize_module gives each module its own; tied again after): name -> the one kept",
               f"TIED = {dict(sorted(doc['tied'].items()))!r}"]
     notes = _notes(doc["notes"])
     lines += ["", *notes] if notes else []
     lines += _CONV1D_FN if conv else []
+    lines += _FUSED_FN if fused else []
     lines += _PRESENT_FN if pipe is not None else []
-    lines += _parallelize_fn(styles, after, conv, dp, pipe)
+    lines += _parallelize_fn(styles, after, conv, dp, pipe, bool(fused))
     if pipe is not None:
         lines += [*_pipeline_lines(pipe)[1:], ""]
     return "\n".join(lines)
