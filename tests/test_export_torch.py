@@ -224,6 +224,33 @@ def test_gpt2_fused_qkv_reordered_per_rank(tmp_path: Path) -> None:
                                                                           "backward": {"all_reduce": 3}}
 
 
+def test_gpt2_sequence_parallel_on_the_flattened_tokens(tmp_path: Path) -> None:
+    """GPT-2's Conv1D multiplies the flattened [batch * seq, hidden] tokens, whose axis 0 the plan
+    shards under sp: on [batch, seq, hidden] that is Shard(0) (each rank its batch rows of its dp
+    slice), which torch's styles take as they take Shard(1)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    mod = _export("GPT2LMHeadModel", GPT2, "dp=2,tp=2", "megatron,sp", tmp_path)
+    s = _styles(mod)
+    assert s["transformer.wte"] == ("RowwiseParallel", {"input_layouts": Replicate(), "output_layouts": Shard(0),
+                                                        "use_local_output": False})
+    # the position embedding, replicated, added to the token-sharded stream: a replicated DTensor
+    assert s["transformer.wpe"] == ("PrepareModuleOutput", {"output_layouts": Replicate(), "use_local_output": False,
+                                                            "desired_output_layouts": Replicate()})
+    assert [k for k, v in s.items() if v[0] == "SequenceParallel"] == ["transformer.h.*.ln_1", "transformer.h.*.ln_2",
+                                                                       "transformer.ln_f"]
+    assert mod.TP_PLAN["transformer.h.*.ln_1"].sequence_sharding == (Shard(0),)
+    assert s["transformer.h.*.attn.c_attn"][1]["input_layouts"] == Shard(0)
+    assert s["transformer.h.*.mlp.c_proj"][1]["output_layouts"] == Shard(0)
+    # per block 2 all-gathers and 2 reduce-scatters, and the embedding's / the LM head's; backward their
+    # mirrors and the all-reduces of the 5 norms' weights and biases and of wpe's gradient; not the
+    # c_proj biases' 4 the plan adds (torch takes them from the all-gathered gradient)
+    assert mod.PLAN_COLLECTIVES == {"forward": {"all_gather_into_tensor": 5, "reduce_scatter_tensor": 5},
+                                    "backward": {"all_gather_into_tensor": 5, "all_reduce": 11,
+                                                 "reduce_scatter_tensor": 5}}
+    assert "Not counted: the plan's all-reduce of each row layer's bias" in (tmp_path / "plan.py").read_text()
+
+
 def test_mixtral_expert_stacks_over_tp_refused_and_fsdp_exported(tmp_path: Path) -> None:
     with pytest.raises(ExportError, match=r"^--export torch: model\.layers\.0\.mlp\.experts: the plan shards its "
                                           r"expert stacks over tp .*has no experts style"):
@@ -322,8 +349,9 @@ def test_llama_on_gloo_equals_eager(strategy: str, tmp_path: Path) -> None:
     _check_gloo(*_gloo("LlamaForCausalLM", LLAMA, "dp=2,tp=2", strategy, tmp_path))
 
 
-def test_gpt2_conv1d_tied_on_gloo_equals_eager(tmp_path: Path) -> None:
-    _check_gloo(*_gloo("GPT2LMHeadModel", GPT2, "dp=2,tp=2", "megatron", tmp_path))
+@pytest.mark.parametrize("strategy", ["megatron", "megatron,sp"])
+def test_gpt2_conv1d_tied_on_gloo_equals_eager(strategy: str, tmp_path: Path) -> None:
+    _check_gloo(*_gloo("GPT2LMHeadModel", GPT2, "dp=2,tp=2", strategy, tmp_path))
 
 
 def test_pipeline_on_gloo_equals_eager(tmp_path: Path) -> None:

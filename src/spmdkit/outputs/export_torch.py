@@ -83,6 +83,10 @@ class _TorchExport(_DTensorExport):
         self.row_inputs: dict[str, str] = {}
         #: a fused weight's module -> its parts' output features (GPT-2's c_attn: q, k, v)
         self.fused: dict[str, tuple[int, ...]] = {}
+        #: the token axis sequence parallel shards on [batch, seq, hidden] (token_axis)
+        self.seq_dim: int | None = self._residual_axis()
+        #: row layers' biases under sequence parallel: their gradient all-reduce is the plan's only
+        self.row_bias: set[str] = set()
 
     def tensor_parallel_dim(self) -> int | None:
         """The mesh dim named ``tp`` (None without one): torch's styles run over ``mesh["tp"]``; a
@@ -163,10 +167,35 @@ class _TorchExport(_DTensorExport):
             return _tp_placement(self.plan.attrs[x], self.tp)
         return _tp_placement(self.plan.ops[i].outputs[self.prog.ops[i].output_names().index(x)], self.tp)
 
+    def _residual_axis(self) -> int | None:
+        """The axis of ``[batch, seq, hidden]`` the plan shards the residual stream's tokens on
+        over tp (sequence parallel), or None: the one token axis (0 or 1) of the 3-D forward
+        activations the plan makes sharded over tp (a hidden axis sharded is a column layer's; an
+        op's other outputs, such as the attention's log-sum-exp [batch, heads, seq], left out)."""
+        if self.tp is None:
+            return None
+        found = {pl.dim for i, op in enumerate(self.prog.ops) if op.phase == "forward" and op.output_names()
+                 for n, a in [(op.output_names()[0], self.plan.ops[i].outputs[0])]  # not an lse [b, heads, s]
+                 if hasattr(a, "mesh") and n in self.prog.tensors and len(self.prog.tensors[n].shape) == 3
+                 for pl in [_tp_placement(a, self.tp)] if pl.is_shard() and pl.dim in (0, 1)}
+        if len(found) > 1:
+            raise ExportError("--export torch: the plan shards the residual stream over tp on both axis 0 and 1 of "
+                              "[batch, seq, hidden]; torch's sequence parallel shards one token axis")
+        return found.pop() if found else None
+
+    def token_layout(self, pl: Any, x: str) -> Any:
+        """``pl`` of tensor ``x`` as a layout of the module's ``[batch, seq, hidden]`` input or
+        output: a Shard(0) of GPT-2's flattened ``[batch * seq, hidden]`` tokens is a split of
+        the tokens, which reshaped back is the residual stream's token axis (``seq_dim``: the
+        batch rows when tp divides each dp slice's batch, else the sequence)."""
+        if pl.is_shard() and pl.dim == 0 and len(self.prog.tensors[x].shape) == 2 and self.seq_dim is not None:
+            return Shard(self.seq_dim)
+        return pl
+
     def _colwise(self, mod: str, op: Op, x: str, x_in: Any, x_req: Any) -> bool:
         assert self.tp is not None
         prog = self.prog
-        x_in = self.made_as(x)
+        x_in = self.token_layout(self.made_as(x), x)
         out = op.output_names()[0]
         if not x_req.is_replicate():
             raise ExportError(f"--export torch: {mod} (ColwiseParallel): the plan reads its input {x} as "
@@ -200,9 +229,11 @@ class _TorchExport(_DTensorExport):
         if dst is None:
             raise ExportError(f"--export torch: {mod} (RowwiseParallel): the plan never reduces its "
                               f"partial output {out} over tp")
-        if dst.is_shard() and dst.dim != 1:
-            raise ExportError(f"--export torch: {mod} (RowwiseParallel): the plan reduce-scatters its output {out} "
-                              f"to {_placement_text(dst)} over tp; torch's sequence parallel shards axis 1")
+        if dst.is_shard():
+            dst = self.token_layout(dst, out)
+            self.token_axis(mod, "RowwiseParallel", f"reduce-scatters its output {out} to", dst.dim)
+            if how == "linear" and mod + ".bias" in self.placements:
+                self.row_bias.add(mod + ".bias")
         made = self.made_as(x)
         x_in = "Replicate()" if how == "embedding" else "Shard(-1)" if made.is_shard() and made.dim == nd - 1 \
             else _placement_text(made)
@@ -234,11 +265,53 @@ class _TorchExport(_DTensorExport):
                 if mod in self.styles:
                     break
                 d = _tp_placement(self.plan.ops[i].required[seq[0]], tp).dim
-                if d != 1:
-                    raise ExportError(f"--export torch: {mod} (SequenceParallel): the plan shards its input on "
-                                      f"axis {d} over tp; torch's sequence parallel shards axis 1")
-                self.styles[mod] = _style_doc("SequenceParallel", sequence_dim=1, use_local_output=False)
+                self.token_axis(mod, "SequenceParallel", "shards its input on", d)
+                self.styles[mod] = _style_doc("SequenceParallel", sequence_dim=d, use_local_output=False)
                 break
+
+    def token_axis(self, mod: str, style: str, what: str, d: int) -> None:
+        """Check that the plan shards the residual stream's tokens over tp on one axis of
+        ``[batch, seq, hidden]``, ``seq_dim``: 1, the sequence (Llama's 3-D linears), or 0, the
+        batch rows of each dp slice, where the plan shards GPT-2's flattened ``[batch * seq,
+        hidden]`` Conv1D tokens in contiguous blocks. Both are token partitions (each token's
+        hidden vector whole on one rank), which ``SequenceParallel(sequence_dim=d)`` and the
+        styles' ``Shard(d)`` layouts express."""
+        if d not in (0, 1) or d != self.seq_dim:
+            raise ExportError(f"--export torch: {mod} ({style}): the plan {what} Shard({d}) over tp; torch's "
+                              f"sequence parallel shards one token axis of [batch, seq, hidden] for the whole model"
+                              f" (here Shard({self.seq_dim}))")
+
+    def replicated_beside_tokens(self) -> None:
+        """An embedding the plan keeps replicated over tp (GPT-2's position embedding ``wpe``)
+        whose output is added to the token-sharded residual stream (a DTensor under sequence
+        parallel): its output made a replicated DTensor (``PrepareModuleOutput``), so DTensor's
+        broadcasting add takes each rank's tokens and reduces the gradient over tp in the
+        backward, as the plan all-reduces it."""
+        assert self.tp is not None
+        prog, tp = self.prog, self.tp
+        for i, op in enumerate(prog.ops):
+            if op.phase != "forward" or op.rule not in ("embedding", "c_embedding"):
+                continue
+            mod = self.modules.get(i, ("", ""))[0]
+            out = op.output_names()[0]
+            if not mod or mod in self.styles:
+                continue
+            made = _tp_placement(self.plan.ops[i].outputs[0], tp)
+            for j in self.fwd_readers.get(out, []):
+                other = [k for k, v in prog.ops[j].inputs.items() if isinstance(v, str) and v != out
+                         and _tp_placement(self.plan.ops[j].required[k], tp).is_shard()]
+                if other and made.is_shard():
+                    raise ExportError(f"--export torch: {mod}: the plan looks up its {out} already sharded over tp "
+                                      f"({_placement_text(made)}, each rank its positions) beside the token-sharded "
+                                      f"residual stream; torch would slice a replicated output and all-gather its "
+                                      f"gradient where the plan all-reduces it: not exported (a batch tp divides per "
+                                      f"dp rank shards the batch rows instead)")
+                if other:
+                    self.styles[mod] = _style_doc("PrepareModuleOutput", output_layouts="Replicate()",
+                                                  desired_output_layouts="Replicate()", use_local_output=False)
+                    self.notes.append(f"{mod}: its output {out} is added to the token-sharded residual stream: a "
+                                      f"replicated DTensor, its gradient all-reduced over tp")
+                    break
 
     def check_row_inputs(self) -> None:
         """A row layer whose input no column layer beside it makes (in its parent module) is
@@ -260,6 +333,8 @@ class _TorchExport(_DTensorExport):
         replicated DTensor (all-gathered from ``Shard(1)`` under sequence parallel)."""
         self.check_row_inputs()
         self.sequence_parallel_norms()
+        if self.seq_dim is not None:
+            self.replicated_beside_tokens()
         for x, mods in self.column_inputs.items():
             if len(mods) < 2 or x not in self.producers:
                 continue
@@ -350,19 +425,22 @@ def _plan_py(name: str, styles: dict[str, dict[str, Any]], comment: str) -> list
     return lines
 
 
-def tp_collectives(plan: Plan) -> dict[str, dict[str, int]]:
+def tp_collectives(plan: Plan, torch_local: frozenset[str] = frozenset()) -> dict[str, dict[str, int]]:
     """The plan's collectives over tp per phase (forward, backward), by the functional
     collective CommDebugMode counts: the reshards the model's modules run. A parameter gradient
     the plan reduces over tp in its gradient sync (a replicated norm weight under sequence
-    parallel: partial over tp) is reduced by DTensor in torch's backward: counted there."""
+    parallel: partial over tp) is reduced by DTensor in torch's backward: counted there; those of
+    ``torch_local`` (a row layer's bias under sequence parallel: ``_ROW_BIAS_DOC`` says why) are not."""
     names = plan.mesh.dim_names
     out: dict[str, dict[str, int]] = {}
     for phase in ("forward", "backward"):
-        c = Counter(FUNCOL.get(s.kind, s.kind) for _r, s in plan.collectives(phase)
-                    if any(names[d] == "tp" for d in s.mesh_dims))
+        c = Counter(FUNCOL.get(s.kind, s.kind) for r, s in plan.collectives(phase)
+                    if any(names[d] == "tp" for d in s.mesh_dims)
+                    and not (s.kind == "all_reduce" and r.tensor.removesuffix(".grad") in torch_local))
         if phase == "backward":
-            c.update("all_reduce" for _r, s in plan.collectives("optimizer")
-                     if s.kind == "all_reduce" and any(names[d] == "tp" for d in s.mesh_dims))
+            c.update("all_reduce" for r, s in plan.collectives("optimizer")
+                     if s.kind == "all_reduce" and any(names[d] == "tp" for d in s.mesh_dims)
+                     and r.tensor.removesuffix(".grad") not in torch_local)
         out[phase] = dict(sorted(c.items()))
     return out
 
@@ -541,7 +619,8 @@ def pipeline_doc(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...]) -> dic
             "microbatches": spec.microbatches, "layers": container, "ends": ends}
 
 
-def stage_collectives(plan: Plan, counts: tuple[int, ...], microbatches: int) -> list[dict[str, dict[str, int]]]:
+def stage_collectives(plan: Plan, counts: tuple[int, ...], microbatches: int,
+                      torch_local: frozenset[str] = frozenset()) -> list[dict[str, dict[str, int]]]:
     """The plan's tp collectives of each stage per step (every microbatch), as :func:`tp_collectives`."""
     names = plan.mesh.dim_names
     stage_of_op = op_stages(plan.program, counts)
@@ -551,6 +630,8 @@ def stage_collectives(plan: Plan, counts: tuple[int, ...], microbatches: int) ->
             if not any(names[d] == "tp" for d in st.mesh_dims):
                 continue
             if phase == "optimizer" and st.kind != "all_reduce":
+                continue
+            if st.kind == "all_reduce" and r.tensor.removesuffix(".grad") in torch_local:
                 continue
             ph = "forward" if phase == "forward" else "backward"
             out[stage_of_op[r.op_index]][ph][FUNCOL.get(st.kind, st.kind)] += microbatches
@@ -647,6 +728,11 @@ _COLLECTIVES_DOC = [
     "#: in its gradient sync (a norm weight under sequence parallel) DTensor reduces in the backward. The loss",
     "#: under loss_parallel() runs its own 3 all-reduces outside the model (max, sum of exponentials, the",
     "#: label's logit); the plan counts them inside its vocab-parallel cross entropy, not here."]
+_ROW_BIAS_DOC = [
+    "#: Not counted: the plan's all-reduce of each row layer's bias gradient under sequence parallel. The plan",
+    "#: (as Megatron) adds the bias after the reduce-scatter, on its tokens, and all-reduces its gradient over",
+    "#: tp; torch's RowwiseParallel adds it before, to the partial sum, and takes its gradient from the",
+    "#: all-gathered output gradient (the reduce-scatter's backward), with no collective of its own."]
 _ZERO = {0: "plain data parallel: FSDP2's replicate (DDP), gradients all-reduced per group",
          1: "ZeRO-1: torch has none; fully_shard(reshard_after_forward=False) (ZeRO-2-like) instead",
          2: "ZeRO-2: fully_shard(reshard_after_forward=False)",
@@ -655,10 +741,11 @@ _ZERO = {0: "plain data parallel: FSDP2's replicate (DDP), gradients all-reduced
 
 def _constants(plan: Plan, doc: dict[str, Any], dims: tuple[str, ...], shape: tuple[int, ...],
                dp: dict[str, Any] | None, n_layers: int, pipe: dict[str, Any] | None,
-               by_stage: list[Any] | None) -> list[str]:
+               by_stage: list[Any] | None, local: frozenset[str] = frozenset()) -> list[str]:
     lines = ["", f"MESH_DIMS = {dims!r}", f"MESH_SHAPE = {shape!r}", f"LOSS_PARALLEL = {bool(doc['loss_parallel'])}"]
     if pipe is None:
-        lines += ["PIPELINE = None", "", *_COLLECTIVES_DOC, f"PLAN_COLLECTIVES = {tp_collectives(plan)!r}", ""]
+        lines += ["PIPELINE = None", "", *_COLLECTIVES_DOC, *(_ROW_BIAS_DOC if local else []),
+                  f"PLAN_COLLECTIVES = {tp_collectives(plan, local)!r}", ""]
     else:
         total: dict[str, Counter[str]] = {"forward": Counter(), "backward": Counter()}
         for st in by_stage or []:
@@ -745,7 +832,7 @@ def torch_source(plan: Plan, command: str = "",
                               f"the hidden states between stages are sequence-sharded DTensors, which torch's "
                               f"PipelineStage does not send; not exported (drop sp or pp)")
         pipe = pipeline_doc(plan, pipeline[1], pipeline[2])
-        by_stage = stage_collectives(plan, pipeline[2], pipeline[1].microbatches)
+        by_stage = stage_collectives(plan, pipeline[2], pipeline[1].microbatches, frozenset(ex.row_bias))
     ordered = {p: ex.styles[p] for p in _model_order(ex, ex.styles)}
     styles, after = compress(ordered), compress(ex.after)
     dp = data_parallel(plan)
@@ -753,7 +840,7 @@ def torch_source(plan: Plan, command: str = "",
     n_layers = len(layer_tags(plan.program)) if container else 0
     used = sorted({d["style"] for d in [*styles.values(), *after.values()]})
     lines = [*_header(plan, command, dims, shape), *_imports(ex, dp, used, pipe),
-             *_constants(plan, doc, dims, shape, dp, n_layers, pipe, by_stage)]
+             *_constants(plan, doc, dims, shape, dp, n_layers, pipe, by_stage, frozenset(ex.row_bias))]
     lines += _plan_py("TP_PLAN", styles, "module path -> its style over mesh[\"tp\"] (parallelize_module; * is any layer)")
     if after:
         lines += ["", *_plan_py("TP_PLAN_AFTER", after, "applied after TP_PLAN: a norm's sequence-sharded output "
