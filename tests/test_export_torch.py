@@ -193,36 +193,62 @@ def test_qwen2_tied_with_biases_under_sequence_parallel(tmp_path: Path) -> None:
     assert set(mod.TP_PLAN_AFTER) == {"model.layers.*.input_layernorm", "model.layers.*.post_attention_layernorm"}
 
 
-def test_gpt2_conv1d_swapped_for_linear_and_fused_qkv_refused(tmp_path: Path) -> None:
+def test_gpt2_fused_qkv_reordered_per_rank(tmp_path: Path) -> None:
     from torch.distributed.tensor import Replicate, Shard
 
-    with pytest.raises(ExportError, match=r"^--export torch: transformer\.h\.0\.attn\.c_attn: the plan splits its fused "
-                                          r"weight into 3 parts \(q / k / v\) and shards each over tp \(Shard\(1\) of "
-                                          r"transformer\.h\.0\.attn\.c_attn\.weight\.part0\).*--tp-plan "
-                                          r"'\{\"c_attn\": \"replicate\"\}'\)$"):
-        torch_source(_plan("GPT2LMHeadModel", GPT2, "dp=2,tp=2", "megatron"))
-    # c_attn kept whole: the plan still slices the attention's heads per rank (and all-gathers q / k / v's
-    # gradients, 3 a layer) where torch would run it whole and all-gather c_proj's input gradient (1)
+    mod = _export("GPT2LMHeadModel", GPT2, "dp=2,tp=2", "megatron", tmp_path)
+    assert mod.CONV1D_AS_LINEAR == ("transformer.h.*.attn.c_attn", "transformer.h.*.attn.c_proj",
+                                    "transformer.h.*.mlp.c_fc", "transformer.h.*.mlp.c_proj")
+    # c_attn: q | k | v, 64 features each; rank r's contiguous block [q_r | k_r | v_r]
+    assert mod.FUSED_QKV == {"transformer.h.*.attn.c_attn": (64, 64, 64)}
+    order = mod.fused_order((64, 64, 64), 2)
+    assert order[:32] == list(range(32)) and order[32:64] == list(range(64, 96)) and order[96:128] == list(range(32, 64))
+    assert sorted(order) == list(range(192))
+    s = _styles(mod)
+    assert list(s) == ["transformer.wte", "transformer.h.*.attn.c_attn", "transformer.h.*.attn.c_proj",
+                       "transformer.h.*.mlp.c_fc", "transformer.h.*.mlp.c_proj", "lm_head"]
+    col = ("ColwiseParallel", {"input_layouts": Replicate(), "output_layouts": Shard(-1), "use_local_output": True})
+    assert s["transformer.h.*.attn.c_attn"] == s["transformer.h.*.mlp.c_fc"] == col
+    assert s["transformer.h.*.attn.c_proj"][1]["input_layouts"] == Shard(-1)
+    # the embedding's and each block's 2 all-reduces forward; each block's 2 input gradients and the LM head's backward
+    assert mod.PLAN_COLLECTIVES == {"forward": {"all_reduce": 5}, "backward": {"all_reduce": 5}}
+    assert mod.TIED == {"lm_head.weight": "transformer.wte.weight"} and mod.DATA_PARALLEL["layers"] == "transformer.h"
+    # the attention whole over tp (c_attn replicated) and c_proj row-parallel: the plan slices the heads
+    # between (all-gathering q / k / v's gradients), torch would run it whole: refused
     with pytest.raises(ExportError, match=r"^--export torch: transformer\.h\.0\.attn\.c_proj \(RowwiseParallel\): no "
                                           r"column-parallel layer under transformer\.h\.0\.attn makes its input .*"
                                           r"\(--tp-plan '\{\"attn\.c_proj\": \"replicate\"\}'\)$"):
         torch_source(_plan("GPT2LMHeadModel", GPT2, "dp=2,tp=2", "megatron", {"c_attn": "replicate"}))
-    mod = _export("GPT2LMHeadModel", GPT2, "dp=2,tp=2", "megatron", tmp_path, GPT2_ATTN_WHOLE)
-    assert mod.CONV1D_AS_LINEAR == ("transformer.h.*.mlp.c_fc", "transformer.h.*.mlp.c_proj")
+    whole = _export("GPT2LMHeadModel", GPT2, "dp=2,tp=2", "megatron", tmp_path, GPT2_ATTN_WHOLE)
+    assert not hasattr(whole, "FUSED_QKV") and whole.PLAN_COLLECTIVES == {"forward": {"all_reduce": 3},
+                                                                          "backward": {"all_reduce": 3}}
+
+
+def test_gpt2_sequence_parallel_on_the_flattened_tokens(tmp_path: Path) -> None:
+    """GPT-2's Conv1D multiplies the flattened [batch * seq, hidden] tokens, whose axis 0 the plan
+    shards under sp: on [batch, seq, hidden] that is Shard(0) (each rank its batch rows of its dp
+    slice), which torch's styles take as they take Shard(1)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    mod = _export("GPT2LMHeadModel", GPT2, "dp=2,tp=2", "megatron,sp", tmp_path)
     s = _styles(mod)
-    assert list(s) == ["transformer.wte", "transformer.h.*.mlp.c_fc", "transformer.h.*.mlp.c_proj", "lm_head"]
-    assert s["transformer.h.*.mlp.c_fc"] == ("ColwiseParallel", {"input_layouts": Replicate(), "output_layouts": Shard(-1),
-                                                                  "use_local_output": True})
-    assert s["transformer.h.*.mlp.c_proj"][1]["input_layouts"] == Shard(-1)
-    # the embedding's and each MLP's all-reduce forward; each MLP's input gradient and the LM head's backward
-    assert mod.PLAN_COLLECTIVES == {"forward": {"all_reduce": 3}, "backward": {"all_reduce": 3}}
-    assert mod.TIED == {"lm_head.weight": "transformer.wte.weight"} and mod.DATA_PARALLEL["layers"] == "transformer.h"
-    # GPT-2 under sp: the plan reduce-scatters the residual on axis 0 (Conv1D's flattened [batch * seq] or the
-    # batch), not the sequence axis torch's sequence parallel shards
-    with pytest.raises(ExportError, match=r"^--export torch: transformer\.\S+ \(RowwiseParallel\): the plan "
-                                          r"reduce-scatters its output \S+ to Shard\(0\) over tp; torch's sequence "
-                                          r"parallel shards axis 1$"):
-        torch_source(_plan("GPT2LMHeadModel", GPT2, "dp=2,tp=2", "megatron,sp", GPT2_ATTN_WHOLE))
+    assert s["transformer.wte"] == ("RowwiseParallel", {"input_layouts": Replicate(), "output_layouts": Shard(0),
+                                                        "use_local_output": False})
+    # the position embedding, replicated, added to the token-sharded stream: a replicated DTensor
+    assert s["transformer.wpe"] == ("PrepareModuleOutput", {"output_layouts": Replicate(), "use_local_output": False,
+                                                            "desired_output_layouts": Replicate()})
+    assert [k for k, v in s.items() if v[0] == "SequenceParallel"] == ["transformer.h.*.ln_1", "transformer.h.*.ln_2",
+                                                                       "transformer.ln_f"]
+    assert mod.TP_PLAN["transformer.h.*.ln_1"].sequence_sharding == (Shard(0),)
+    assert s["transformer.h.*.attn.c_attn"][1]["input_layouts"] == Shard(0)
+    assert s["transformer.h.*.mlp.c_proj"][1]["output_layouts"] == Shard(0)
+    # per block 2 all-gathers and 2 reduce-scatters, and the embedding's / the LM head's; backward their
+    # mirrors and the all-reduces of the 5 norms' weights and biases and of wpe's gradient; not the
+    # c_proj biases' 4 the plan adds (torch takes them from the all-gathered gradient)
+    assert mod.PLAN_COLLECTIVES == {"forward": {"all_gather_into_tensor": 5, "reduce_scatter_tensor": 5},
+                                    "backward": {"all_gather_into_tensor": 5, "all_reduce": 11,
+                                                 "reduce_scatter_tensor": 5}}
+    assert "Not counted: the plan's all-reduce of each row layer's bias" in (tmp_path / "plan.py").read_text()
 
 
 def test_mixtral_experts_style_under_megatron_and_what_is_refused(tmp_path: Path) -> None:
@@ -249,9 +275,10 @@ def test_mixtral_experts_style_under_megatron_and_what_is_refused(tmp_path: Path
         torch_source(_plan("MixtralForCausalLM", MIXTRAL, "dp=2,ep=2", "dp,ep"))
     # megatron+sp: the plan runs the MoE block on the batch sharded over tp (all-to-all from the sequence
     # shard, the rows reduce-scattered), which the experts style (whole rows all-reduced) does not
-    with pytest.raises(ExportError, match=r"^--export torch: model\.layers\.0\.mlp\.experts: the plan "
-                                          r"reduce-scatters its experts' partial rows moe_experts\.rows over tp to "
-                                          r"Shard\(0\) \(sequence parallel: "):
+    # (refused where the residual stream's layout is read: batch rows and sequence both over tp)
+    with pytest.raises(ExportError, match=r"^--export torch: the plan shards the residual stream over tp on both "
+                                          r"axis 0 and 1 of \[batch, seq, hidden\]; torch's sequence parallel "
+                                          r"shards one token axis$"):
         torch_source(_plan("MixtralForCausalLM", MIXTRAL, "dp=2,tp=2", "megatron,sp"))
     mod = _export("MixtralForCausalLM", MIXTRAL, "dp=4", "fsdp", tmp_path)
     assert mod.TP_PLAN == {} and mod.DATA_PARALLEL["zero"] == 3 and mod.PLAN_COLLECTIVES == {"forward": {},
@@ -354,8 +381,9 @@ def test_mixtral_experts_tp_on_gloo_equals_eager(strategy: str, tmp_path: Path) 
     _check_gloo(*_gloo("MixtralForCausalLM", MIXTRAL, "dp=2,tp=2", strategy, tmp_path))
 
 
-def test_gpt2_conv1d_tied_on_gloo_equals_eager(tmp_path: Path) -> None:
-    _check_gloo(*_gloo("GPT2LMHeadModel", GPT2, "dp=2,tp=2", "megatron", tmp_path, GPT2_ATTN_WHOLE))
+@pytest.mark.parametrize("strategy", ["megatron", "megatron,sp"])
+def test_gpt2_conv1d_tied_on_gloo_equals_eager(strategy: str, tmp_path: Path) -> None:
+    _check_gloo(*_gloo("GPT2LMHeadModel", GPT2, "dp=2,tp=2", strategy, tmp_path))
 
 
 def test_pipeline_on_gloo_equals_eager(tmp_path: Path) -> None:

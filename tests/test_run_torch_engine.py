@@ -47,9 +47,10 @@ def _real_export(tmp_path: Path, name: str = "plan.py", mesh: str = "dp=2,tp=2",
     return path
 
 
-def _launch(*args: str, timeout: float = 600, config: dict[str, int] = LLAMA) -> subprocess.CompletedProcess[str]:
+def _launch(*args: str, timeout: float = 600, config: dict[str, int] = LLAMA,
+            cls: str = "LlamaForCausalLM") -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    return subprocess.run([sys.executable, "-m", "spmdkit", "run", "--engine", "torch", "--hf", "LlamaForCausalLM",
+    return subprocess.run([sys.executable, "-m", "spmdkit", "run", "--engine", "torch", "--hf", cls,
                            "--hf-config", json.dumps(config), "--batch", "4", "--seq", "8", "--timeout", "60", *args],
                           capture_output=True, text=True, env=env, timeout=timeout)
 
@@ -73,6 +74,28 @@ def test_llama_dp_tp_trains_as_eager_with_the_plans_collectives() -> None:
     assert len(half) == 1 and half.pop() < rep["eager_parameter_bytes"] * 0.75
     assert all(m["gradients"] == m["parameters"] and m["optimizer"] == 0 and m["max_rss_bytes"] > 2**20
                for m in rep["memory"])
+
+
+GPT2 = {"n_layer": 1, "n_embd": 32, "n_head": 4, "vocab_size": 128, "n_positions": 64}
+
+
+def test_gpt2_fused_qkv_sequence_parallel_fsdp_trains_as_eager() -> None:
+    """GPT-2 (1 block) on dp=2 x tp=2 under megatron + sp + zero3, one launch: the fused c_attn
+    reordered per rank, the flattened tokens' sequence parallel on the batch rows (Shard(0)), the
+    position embedding a replicated DTensor, FSDP2 per block and the root. Per step on every rank:
+    the tp all-gathers (c_attn, c_fc, the LM head: 3 forward, 3 backward) and reduce-scatters (wte,
+    the 2 c_proj: 3 forward, 3 backward); all-reduces: the 3 norms' weights and biases, wpe's
+    gradient (7) and the loss's 3; FSDP2's 2 all-gathers forward, 1 backward (the block's), 2
+    reduce-scatters."""
+    p = _launch("--mesh", "dp=2,tp=2", "--strategy", "megatron,sp,zero3", "--json", config=GPT2,
+                cls="GPT2LMHeadModel")
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    rep = json.loads(p.stdout.strip().splitlines()[-1])
+    assert rep["ok"] and rep["same_initial_weights"] and len(rep["steps"]) == 3
+    for s in rep["steps"]:
+        assert abs(s["loss"] - s["eager_loss"]) <= 2e-5 * max(1.0, abs(s["eager_loss"])), s
+        assert s["collectives"] == [{"all_gather_into_tensor": 3 + 3 + 2 + 1, "all_reduce": 7 + 3,
+                                     "reduce_scatter_tensor": 3 + 3 + 2}] * 4
 
 
 def test_llama_pp_tp_pipeline_trains_as_eager(tmp_path: Path) -> None:

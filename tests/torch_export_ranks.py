@@ -53,6 +53,25 @@ def _name(k: Any) -> str:
     return str(k).rsplit(".", 1)[-1]
 
 
+def _unfused(plan: Any, name: str, g: Any, mesh: Any) -> Any:
+    """A fused weight's (or bias's) gradient in the original order of its output features (the last
+    axis of a Conv1D weight [in, out], of a Linear's [out, in] the first): the export reordered them
+    (FUSED_QKV, fused_order)."""
+    import torch
+
+    mod, _, leaf = name.rpartition(".")
+    sizes = next((v for k, v in getattr(plan, "FUSED_QKV", {}).items() if fnmatch.fnmatchcase(mod, k)), None)
+    if sizes is None:
+        return g
+    order = torch.tensor(plan.fused_order(sizes, mesh["tp"].size()))
+    out = torch.empty_like(g)
+    if leaf == "weight" and g.shape[0] != sum(sizes):  # Conv1D layout [in, out]
+        out[:, order] = g
+    else:
+        out[order] = g
+    return out
+
+
 def rank_main(r: int, world: int, folder: str, cls: str, config: dict[str, Any], batch: int, seq: int, out: Any) -> None:
     warnings.simplefilter("ignore")
     import torch
@@ -95,6 +114,7 @@ def rank_main(r: int, world: int, folder: str, cls: str, config: dict[str, Any],
             swapped = getattr(plan, "CONV1D_AS_LINEAR", ())
             if name.endswith(".weight") and any(fnmatch.fnmatchcase(name[:-7], c) for c in swapped):
                 g = g.t()  # a Conv1D swapped for the nn.Linear it equals: [out, in]
+            g = _unfused(plan, name, g, mesh)
             if name.endswith(".gate_up_proj") and hasattr(plan, "gate_up_to_hf") and isinstance(p.grad, DTensor):
                 g = plan.gate_up_to_hf(g, mesh["tp"].size())  # ExpertsTensorParallel's permuted bank
             rel = ((g - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()

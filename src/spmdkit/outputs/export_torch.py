@@ -25,15 +25,19 @@ The styles come from the plan, as the ``dtensor`` export derives them
 - GPT-2's ``Conv1D`` (``x @ W`` with ``W [in, out]``): torch's styles shard ``nn.Linear`` only, so
   ``parallelize`` first swaps each such module the plan shards for the ``nn.Linear`` it equals
   (``CONV1D_AS_LINEAR``; the weight transposed, the same names), then styles it;
+- GPT-2's fused ``c_attn`` (q | k | v in one weight), which the plan splits into parts and shards
+  each by heads: ``parallelize`` reorders its output features so each rank's contiguous block
+  (what ``ColwiseParallel`` gives it) is its heads' [q | k | v], its bias with them, and divides
+  the attention's ``split_size`` / ``num_heads`` by tp (``FUSED_QKV``, ``fused_order``);
 - pipelines: ``PIPELINE`` (the stages' module prefixes, torch's schedule, the microbatches),
   ``pipeline_stage`` and ``build_pipeline`` (``torch.distributed.pipelining``).
 
-Refused by name (:class:`ExportError`, one line): a fused weight split into parts (GPT-2's
-``c_attn``), a row layer with no column layer beside it, expert stacks over tp / ep, context
-parallelism (torch's ``context_parallel`` has no Ulysses and no eager attention, and what it has runs
-only in CUDA's SDPA kernels, not on the CPU / gloo where an export is checked: ``CP_ON_CPU``), a
-preset (no HF module), and a pipeline with tied parameters, sequence parallel or the interleaved
-schedule (docs/export.md).
+Refused by name (:class:`ExportError`, one line): a fused weight whose parts are not all sharded on
+their output features, a row layer with no column layer beside it, expert stacks over ep (or over
+tp other than the experts style's way), context parallelism (torch's ``context_parallel`` has no
+Ulysses and no eager attention, and what it has runs only in CUDA's SDPA kernels, not on the CPU /
+gloo where an export is checked: ``CP_ON_CPU``), a preset (no HF module), and a pipeline with tied
+parameters, sequence parallel or the interleaved schedule (docs/export.md).
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ from spmdkit.planner.pipeline import PipelineSpec, op_stages
 from spmdkit.program.ir import Op
 from spmdkit.program.layers import layer_tags
 from spmdkit.program.plan import Plan
-from spmdkit.strategies.hf import data_inputs, parameters
+from spmdkit.strategies.hf import data_inputs, parameters, weight_axes
 
 #: a plan's collective kind -> the op CommDebugMode counts (torch's functional collectives)
 FUNCOL = {"all_reduce": "all_reduce", "all_gather": "all_gather_into_tensor",
@@ -80,6 +84,12 @@ class _TorchExport(_DTensorExport):
         self.conv1d: set[str] = set()
         self.after: dict[str, dict[str, Any]] = {}
         self.row_inputs: dict[str, str] = {}
+        #: a fused weight's module -> its parts' output features (GPT-2's c_attn: q, k, v)
+        self.fused: dict[str, tuple[int, ...]] = {}
+        #: the token axis sequence parallel shards on [batch, seq, hidden] (token_axis)
+        self.seq_dim: int | None = self._residual_axis()
+        #: row layers' biases under sequence parallel: their gradient all-reduce is the plan's only
+        self.row_bias: set[str] = set()
 
     def tensor_parallel_dim(self) -> int | None:
         """The mesh dim named ``tp`` (None without one): torch's styles run over ``mesh["tp"]``; a
@@ -93,15 +103,38 @@ class _TorchExport(_DTensorExport):
         self.styles.update(experts_styles(self.plan, self.tp, self.modules))
 
     def uses(self, p: str) -> list[tuple[str, str, int, Op]]:
-        m = re.fullmatch(r"(.+)\.weight\.part\d+", p)
+        m = re.fullmatch(r"(.+)\.weight\.part(\d+)", p)
         if m:
-            parts = sorted(n for n in self.weights if n.startswith(m.group(1) + ".weight.part"))
-            raise ExportError(f"--export torch: {m.group(1)}: the plan splits its fused weight into {len(parts)} "
-                              f"parts (q / k / v) and shards each over tp ({self.placements[p][self.tp or 0]} of "
-                              f"{p}); torch's ColwiseParallel shards the fused weight in one block, which would give "
-                              f"a rank other heads' q / k / v: keep it whole (--tp-plan "
-                              f"'{{\"{m.group(1).rsplit('.', 1)[-1]}\": \"replicate\"}}')")
+            return self._fused_uses(m.group(1), int(m.group(2)), p)
         return super().uses(p)
+
+    def _fused_uses(self, mod: str, k: int, p: str) -> list[tuple[str, str, int, Op]]:
+        """A fused weight the plan splits into parts and shards each on its output features over
+        tp (GPT-2's ``c_attn``: q | k | v, each column-parallel by heads): one ``ColwiseParallel``
+        for the module, read from part 0's op, after the file reorders the fused output features
+        so that each rank's contiguous block is its share of every part (``FUSED_QKV``)."""
+        assert self.tp is not None
+        tp = self.tp
+        parts = sorted((n for n in self.weights if n.startswith(mod + ".weight.part")), key=lambda n: int(n.rsplit("part", 1)[1]))
+        how, out_ax, _in_ax, op = weight_axes(self.prog, self.readers, p)
+        if how != "linear" or op is None:
+            raise ExportError(f"--export torch: {p}: a part of a fused weight not read as a linear layer's weight: "
+                              f"torch has no parallel style for it")
+        bad = [f"{n} {_placement_text(pl)}" for n in parts for pl in [_tp_placement(self.plan.attrs[n], tp)]
+               if pl != Shard(out_ax)]
+        if bad:
+            raise ExportError(f"--export torch: {mod}: the plan splits its fused weight into {len(parts)} parts and does "
+                              f"not shard every part on its output features over tp ({', '.join(bad)}); torch's "
+                              f"ColwiseParallel shards the fused weight's output features, each rank one block")
+        for b in sorted(n for n in self.params if n.startswith(mod + ".bias.part")):
+            bp = _tp_placement(self.plan.attrs[b], tp)
+            if bp != Shard(0):
+                raise ExportError(f"--export torch: {b}: the plan places it {_placement_text(bp)} over tp, "
+                                  f"ColwiseParallel Shard(0) (with its weight's part)")
+        self.fused[mod] = tuple(self.prog.tensors[n].shape[out_ax] for n in parts)
+        if out_ax != 0:
+            self.conv1d.add(mod)
+        return [(mod, how, out_ax, op)] if k == 0 else []
 
     def _linear_in_out(self, p: str, how: str, out_ax: int) -> None:
         if how == "linear" and out_ax != 0:
@@ -124,10 +157,35 @@ class _TorchExport(_DTensorExport):
             return _tp_placement(self.plan.attrs[x], self.tp)
         return _tp_placement(self.plan.ops[i].outputs[self.prog.ops[i].output_names().index(x)], self.tp)
 
+    def _residual_axis(self) -> int | None:
+        """The axis of ``[batch, seq, hidden]`` the plan shards the residual stream's tokens on
+        over tp (sequence parallel), or None: the one token axis (0 or 1) of the 3-D forward
+        activations the plan makes sharded over tp (a hidden axis sharded is a column layer's; an
+        op's other outputs, such as the attention's log-sum-exp [batch, heads, seq], left out)."""
+        if self.tp is None:
+            return None
+        found = {pl.dim for i, op in enumerate(self.prog.ops) if op.phase == "forward" and op.output_names()
+                 for n, a in [(op.output_names()[0], self.plan.ops[i].outputs[0])]  # not an lse [b, heads, s]
+                 if hasattr(a, "mesh") and n in self.prog.tensors and len(self.prog.tensors[n].shape) == 3
+                 for pl in [_tp_placement(a, self.tp)] if pl.is_shard() and pl.dim in (0, 1)}
+        if len(found) > 1:
+            raise ExportError("--export torch: the plan shards the residual stream over tp on both axis 0 and 1 of "
+                              "[batch, seq, hidden]; torch's sequence parallel shards one token axis")
+        return found.pop() if found else None
+
+    def token_layout(self, pl: Any, x: str) -> Any:
+        """``pl`` of tensor ``x`` as a layout of the module's ``[batch, seq, hidden]`` input or
+        output: a Shard(0) of GPT-2's flattened ``[batch * seq, hidden]`` tokens is a split of
+        the tokens, which reshaped back is the residual stream's token axis (``seq_dim``: the
+        batch rows when tp divides each dp slice's batch, else the sequence)."""
+        if pl.is_shard() and pl.dim == 0 and len(self.prog.tensors[x].shape) == 2 and self.seq_dim is not None:
+            return Shard(self.seq_dim)
+        return pl
+
     def _colwise(self, mod: str, op: Op, x: str, x_in: Any, x_req: Any) -> bool:
         assert self.tp is not None
         prog = self.prog
-        x_in = self.made_as(x)
+        x_in = self.token_layout(self.made_as(x), x)
         out = op.output_names()[0]
         if not x_req.is_replicate():
             raise ExportError(f"--export torch: {mod} (ColwiseParallel): the plan reads its input {x} as "
@@ -161,9 +219,11 @@ class _TorchExport(_DTensorExport):
         if dst is None:
             raise ExportError(f"--export torch: {mod} (RowwiseParallel): the plan never reduces its "
                               f"partial output {out} over tp")
-        if dst.is_shard() and dst.dim != 1:
-            raise ExportError(f"--export torch: {mod} (RowwiseParallel): the plan reduce-scatters its output {out} "
-                              f"to {_placement_text(dst)} over tp; torch's sequence parallel shards axis 1")
+        if dst.is_shard():
+            dst = self.token_layout(dst, out)
+            self.token_axis(mod, "RowwiseParallel", f"reduce-scatters its output {out} to", dst.dim)
+            if how == "linear" and mod + ".bias" in self.placements:
+                self.row_bias.add(mod + ".bias")
         made = self.made_as(x)
         x_in = "Replicate()" if how == "embedding" else "Shard(-1)" if made.is_shard() and made.dim == nd - 1 \
             else _placement_text(made)
@@ -195,11 +255,53 @@ class _TorchExport(_DTensorExport):
                 if mod in self.styles:
                     break
                 d = _tp_placement(self.plan.ops[i].required[seq[0]], tp).dim
-                if d != 1:
-                    raise ExportError(f"--export torch: {mod} (SequenceParallel): the plan shards its input on "
-                                      f"axis {d} over tp; torch's sequence parallel shards axis 1")
-                self.styles[mod] = _style_doc("SequenceParallel", sequence_dim=1, use_local_output=False)
+                self.token_axis(mod, "SequenceParallel", "shards its input on", d)
+                self.styles[mod] = _style_doc("SequenceParallel", sequence_dim=d, use_local_output=False)
                 break
+
+    def token_axis(self, mod: str, style: str, what: str, d: int) -> None:
+        """Check that the plan shards the residual stream's tokens over tp on one axis of
+        ``[batch, seq, hidden]``, ``seq_dim``: 1, the sequence (Llama's 3-D linears), or 0, the
+        batch rows of each dp slice, where the plan shards GPT-2's flattened ``[batch * seq,
+        hidden]`` Conv1D tokens in contiguous blocks. Both are token partitions (each token's
+        hidden vector whole on one rank), which ``SequenceParallel(sequence_dim=d)`` and the
+        styles' ``Shard(d)`` layouts express."""
+        if d not in (0, 1) or d != self.seq_dim:
+            raise ExportError(f"--export torch: {mod} ({style}): the plan {what} Shard({d}) over tp; torch's "
+                              f"sequence parallel shards one token axis of [batch, seq, hidden] for the whole model"
+                              f" (here Shard({self.seq_dim}))")
+
+    def replicated_beside_tokens(self) -> None:
+        """An embedding the plan keeps replicated over tp (GPT-2's position embedding ``wpe``)
+        whose output is added to the token-sharded residual stream (a DTensor under sequence
+        parallel): its output made a replicated DTensor (``PrepareModuleOutput``), so DTensor's
+        broadcasting add takes each rank's tokens and reduces the gradient over tp in the
+        backward, as the plan all-reduces it."""
+        assert self.tp is not None
+        prog, tp = self.prog, self.tp
+        for i, op in enumerate(prog.ops):
+            if op.phase != "forward" or op.rule not in ("embedding", "c_embedding"):
+                continue
+            mod = self.modules.get(i, ("", ""))[0]
+            out = op.output_names()[0]
+            if not mod or mod in self.styles:
+                continue
+            made = _tp_placement(self.plan.ops[i].outputs[0], tp)
+            for j in self.fwd_readers.get(out, []):
+                other = [k for k, v in prog.ops[j].inputs.items() if isinstance(v, str) and v != out
+                         and _tp_placement(self.plan.ops[j].required[k], tp).is_shard()]
+                if other and made.is_shard():
+                    raise ExportError(f"--export torch: {mod}: the plan looks up its {out} already sharded over tp "
+                                      f"({_placement_text(made)}, each rank its positions) beside the token-sharded "
+                                      f"residual stream; torch would slice a replicated output and all-gather its "
+                                      f"gradient where the plan all-reduces it: not exported (a batch tp divides per "
+                                      f"dp rank shards the batch rows instead)")
+                if other:
+                    self.styles[mod] = _style_doc("PrepareModuleOutput", output_layouts="Replicate()",
+                                                  desired_output_layouts="Replicate()", use_local_output=False)
+                    self.notes.append(f"{mod}: its output {out} is added to the token-sharded residual stream: a "
+                                      f"replicated DTensor, its gradient all-reduced over tp")
+                    break
 
     def check_row_inputs(self) -> None:
         """A row layer whose input no column layer beside it makes (in its parent module) is
@@ -221,6 +323,8 @@ class _TorchExport(_DTensorExport):
         replicated DTensor (all-gathered from ``Shard(1)`` under sequence parallel)."""
         self.check_row_inputs()
         self.sequence_parallel_norms()
+        if self.seq_dim is not None:
+            self.replicated_beside_tokens()
         for x, mods in self.column_inputs.items():
             if len(mods) < 2 or x not in self.producers:
                 continue
@@ -279,6 +383,19 @@ def compress(styles: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def compress_values(by_module: dict[str, Any]) -> dict[str, Any]:
+    """Module path -> value, the paths every layer has with the same value written once with ``*``."""
+    globs: dict[str, list[Any]] = {}
+    for path, v in by_module.items():
+        globs.setdefault(_layer_glob(path)[0], []).append(v)
+    out: dict[str, Any] = {}
+    for path, v in sorted(by_module.items()):
+        glob = _layer_glob(path)[0]
+        same = len(globs[glob]) > 1 and all(x == v for x in globs[glob])
+        out[glob if same else path] = v
+    return out
+
+
 def _py(v: Any) -> str:
     if isinstance(v, str) and (v.startswith(("Shard(", "Replicate(", "Partial("))):
         return v
@@ -298,19 +415,22 @@ def _plan_py(name: str, styles: dict[str, dict[str, Any]], comment: str) -> list
     return lines
 
 
-def tp_collectives(plan: Plan) -> dict[str, dict[str, int]]:
+def tp_collectives(plan: Plan, torch_local: frozenset[str] = frozenset()) -> dict[str, dict[str, int]]:
     """The plan's collectives over tp per phase (forward, backward), by the functional
     collective CommDebugMode counts: the reshards the model's modules run. A parameter gradient
     the plan reduces over tp in its gradient sync (a replicated norm weight under sequence
-    parallel: partial over tp) is reduced by DTensor in torch's backward: counted there."""
+    parallel: partial over tp) is reduced by DTensor in torch's backward: counted there; those of
+    ``torch_local`` (a row layer's bias under sequence parallel: ``_ROW_BIAS_DOC`` says why) are not."""
     names = plan.mesh.dim_names
     out: dict[str, dict[str, int]] = {}
     for phase in ("forward", "backward"):
-        c = Counter(FUNCOL.get(s.kind, s.kind) for _r, s in plan.collectives(phase)
-                    if any(names[d] == "tp" for d in s.mesh_dims))
+        c = Counter(FUNCOL.get(s.kind, s.kind) for r, s in plan.collectives(phase)
+                    if any(names[d] == "tp" for d in s.mesh_dims)
+                    and not (s.kind == "all_reduce" and r.tensor.removesuffix(".grad") in torch_local))
         if phase == "backward":
-            c.update("all_reduce" for _r, s in plan.collectives("optimizer")
-                     if s.kind == "all_reduce" and any(names[d] == "tp" for d in s.mesh_dims))
+            c.update("all_reduce" for r, s in plan.collectives("optimizer")
+                     if s.kind == "all_reduce" and any(names[d] == "tp" for d in s.mesh_dims)
+                     and r.tensor.removesuffix(".grad") not in torch_local)
         out[phase] = dict(sorted(c.items()))
     return out
 
@@ -489,7 +609,8 @@ def pipeline_doc(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...]) -> dic
             "microbatches": spec.microbatches, "layers": container, "ends": ends}
 
 
-def stage_collectives(plan: Plan, counts: tuple[int, ...], microbatches: int) -> list[dict[str, dict[str, int]]]:
+def stage_collectives(plan: Plan, counts: tuple[int, ...], microbatches: int,
+                      torch_local: frozenset[str] = frozenset()) -> list[dict[str, dict[str, int]]]:
     """The plan's tp collectives of each stage per step (every microbatch), as :func:`tp_collectives`."""
     names = plan.mesh.dim_names
     stage_of_op = op_stages(plan.program, counts)
@@ -499,6 +620,8 @@ def stage_collectives(plan: Plan, counts: tuple[int, ...], microbatches: int) ->
             if not any(names[d] == "tp" for d in st.mesh_dims):
                 continue
             if phase == "optimizer" and st.kind != "all_reduce":
+                continue
+            if st.kind == "all_reduce" and r.tensor.removesuffix(".grad") in torch_local:
                 continue
             ph = "forward" if phase == "forward" else "backward"
             out[stage_of_op[r.op_index]][ph][FUNCOL.get(st.kind, st.kind)] += microbatches
@@ -556,6 +679,32 @@ _CONV1D_FN = [
     "                linear.bias.copy_(conv.bias)",
     "        owner, leaf = name.rsplit(\".\", 1)",
     "        setattr(model.get_submodule(owner), leaf, linear)"]
+_FUSED_FN = [
+    "", "", "def fused_order(sizes: tuple[int, ...], tp: int) -> list[int]:",
+    "    \"\"\"The order of a fused weight's output features that makes rank r's contiguous block (what",
+    "    ColwiseParallel gives it) its share of every part: row i of the reordered weight is row",
+    "    order[i] of the original ([q_0 | k_0 | v_0 | q_1 | k_1 | v_1 ...] for GPT-2's c_attn).\"\"\"",
+    "    starts = [sum(sizes[:k]) for k in range(len(sizes))]",
+    "    return [s + r * (n // tp) + j for r in range(tp) for s, n in zip(starts, sizes) for j in range(n // tp)]",
+    "", "", "def _fused_per_rank(model: torch.nn.Module, tp: int) -> None:",
+    "    \"\"\"Reorder each FUSED_QKV module's output features (weight rows and bias, fused_order) and make the",
+    "    attention module holding it run its rank's heads: HF's GPT2Attention splits c_attn's output by",
+    "    split_size (and keeps num_heads): both divided by tp (head_dim stays).\"\"\"",
+    "    for name, linear in list(model.named_modules()):",
+    "        sizes = next((v for k, v in FUSED_QKV.items() if fnmatch.fnmatchcase(name, k)), None)",
+    "        if sizes is None:",
+    "            continue",
+    "        order = torch.tensor(fused_order(sizes, tp), device=linear.weight.device)",
+    "        with torch.no_grad():",
+    "            linear.weight.copy_(linear.weight[order])",
+    "            if linear.bias is not None:",
+    "                linear.bias.copy_(linear.bias[order])",
+    "        attention = model.get_submodule(name.rsplit(\".\", 1)[0])",
+    "        for attr in (\"split_size\", \"num_heads\"):",
+    "            if hasattr(attention, attr):",
+    "                if getattr(attention, attr) % tp:",
+    "                    raise ValueError(f\"{name}: {attr} {getattr(attention, attr)} is not divisible by tp {tp}\")",
+    "                setattr(attention, attr, getattr(attention, attr) // tp)"]
 _PRESENT_FN = [
     "", "", "def _present(model: torch.nn.Module, plan: dict[str, Any]) -> dict[str, Any]:",
     "    \"\"\"The entries of ``plan`` naming a module this stage holds (not an nn.Identity).\"\"\"",
@@ -569,6 +718,11 @@ _COLLECTIVES_DOC = [
     "#: in its gradient sync (a norm weight under sequence parallel) DTensor reduces in the backward. The loss",
     "#: under loss_parallel() runs its own 3 all-reduces outside the model (max, sum of exponentials, the",
     "#: label's logit); the plan counts them inside its vocab-parallel cross entropy, not here."]
+_ROW_BIAS_DOC = [
+    "#: Not counted: the plan's all-reduce of each row layer's bias gradient under sequence parallel. The plan",
+    "#: (as Megatron) adds the bias after the reduce-scatter, on its tokens, and all-reduces its gradient over",
+    "#: tp; torch's RowwiseParallel adds it before, to the partial sum, and takes its gradient from the",
+    "#: all-gathered output gradient (the reduce-scatter's backward), with no collective of its own."]
 _ZERO = {0: "plain data parallel: FSDP2's replicate (DDP), gradients all-reduced per group",
          1: "ZeRO-1: torch has none; fully_shard(reshard_after_forward=False) (ZeRO-2-like) instead",
          2: "ZeRO-2: fully_shard(reshard_after_forward=False)",
@@ -577,10 +731,11 @@ _ZERO = {0: "plain data parallel: FSDP2's replicate (DDP), gradients all-reduced
 
 def _constants(plan: Plan, doc: dict[str, Any], dims: tuple[str, ...], shape: tuple[int, ...],
                dp: dict[str, Any] | None, n_layers: int, pipe: dict[str, Any] | None,
-               by_stage: list[Any] | None) -> list[str]:
+               by_stage: list[Any] | None, local: frozenset[str] = frozenset()) -> list[str]:
     lines = ["", f"MESH_DIMS = {dims!r}", f"MESH_SHAPE = {shape!r}", f"LOSS_PARALLEL = {bool(doc['loss_parallel'])}"]
     if pipe is None:
-        lines += ["PIPELINE = None", "", *_COLLECTIVES_DOC, f"PLAN_COLLECTIVES = {tp_collectives(plan)!r}", ""]
+        lines += ["PIPELINE = None", "", *_COLLECTIVES_DOC, *(_ROW_BIAS_DOC if local else []),
+                  f"PLAN_COLLECTIVES = {tp_collectives(plan, local)!r}", ""]
     else:
         total: dict[str, Counter[str]] = {"forward": Counter(), "backward": Counter()}
         for st in by_stage or []:
@@ -604,11 +759,13 @@ def _constants(plan: Plan, doc: dict[str, Any], dims: tuple[str, ...], shape: tu
 
 
 def _parallelize_fn(styles: dict[str, Any], after: dict[str, Any], conv: list[str], dp: dict[str, Any] | None,
-                    pipe: dict[str, Any] | None) -> list[str]:
+                    pipe: dict[str, Any] | None, fused: bool = False) -> list[str]:
     lines = ["", "", "def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:",
              "    \"\"\"Apply the plan to ``model`` on ``mesh`` (MESH_DIMS, MESH_SHAPE); returns the model.\"\"\""]
     if conv:
         lines.append("    _conv1d_as_linear(model)")
+    if fused:
+        lines.append("    _fused_per_rank(model, mesh[\"tp\"].size())  # before ColwiseParallel shards the fused weights")
     if styles:
         use = (lambda n: f"_present(model, {n})") if pipe is not None else (lambda n: n)
         lines += ["    tp = mesh[\"tp\"]", f"    parallelize_module(model, tp, {use('TP_PLAN')})"]
@@ -624,7 +781,7 @@ def _parallelize_fn(styles: dict[str, Any], after: dict[str, Any], conv: list[st
 def _imports(ex: _TorchExport, dp: dict[str, Any] | None, used: list[str], pipe: dict[str, Any] | None,
              experts: bool) -> list[str]:
     lines = ["from __future__ import annotations", ""]
-    std = [*(["import fnmatch"] if ex.conv1d or pipe is not None else []), *(["import types"] if experts else []),
+    std = [*(["import fnmatch"] if ex.conv1d or ex.fused or pipe is not None else []), *(["import types"] if experts else []),
            *(["from typing import Any"] if pipe is not None or experts else [])]
     lines += [*std, ""] if std else []
     lines += ["import torch", "from torch.distributed.device_mesh import DeviceMesh"]
@@ -687,7 +844,7 @@ def torch_source(plan: Plan, command: str = "",
                               f"the hidden states between stages are sequence-sharded DTensors, which torch's "
                               f"PipelineStage does not send; not exported (drop sp or pp)")
         pipe = pipeline_doc(plan, pipeline[1], pipeline[2])
-        by_stage = stage_collectives(plan, pipeline[2], pipeline[1].microbatches)
+        by_stage = stage_collectives(plan, pipeline[2], pipeline[1].microbatches, frozenset(ex.row_bias))
     ordered = {p: ex.styles[p] for p in _model_order(ex, ex.styles)}
     styles, after = compress(ordered), compress(ex.after)
     dp = data_parallel(plan)
@@ -696,7 +853,7 @@ def torch_source(plan: Plan, command: str = "",
     used = sorted({d["style"] for d in [*styles.values(), *after.values()]} - {STYLE})
     experts = any(d["style"] == STYLE for d in styles.values())
     lines = [*_header(plan, command, dims, shape), *_imports(ex, dp, used, pipe, experts),
-             *_constants(plan, doc, dims, shape, dp, n_layers, pipe, by_stage)]
+             *_constants(plan, doc, dims, shape, dp, n_layers, pipe, by_stage, frozenset(ex.row_bias))]
     lines += [*STYLE_SOURCE.split("\n")[1:], "", ""] if experts else []
     lines += _plan_py("TP_PLAN", styles, "module path -> its style over mesh[\"tp\"] (parallelize_module; * is any layer)")
     if after:
@@ -707,13 +864,22 @@ def torch_source(plan: Plan, command: str = "",
         lines += ["", "#: Conv1D modules (x @ W, W [in, out]: GPT-2's) the plan shards: torch's styles shard nn.Linear, so",
                   "#: each is swapped for the nn.Linear it equals (its weight transposed, the same names) before TP_PLAN",
                   f"CONV1D_AS_LINEAR = {tuple(conv)!r}"]
+    fused = compress_values(ex.fused)
+    if fused:
+        lines += ["", "#: Fused weights the plan splits into parts, each sharded over tp by heads (GPT-2's c_attn: q | k | v,",
+                  "#: the parts' output features). ColwiseParallel shards a weight's output features in one contiguous",
+                  "#: block, which would give a rank other heads' q / k / v: _fused_per_rank first reorders them so",
+                  "#: that rank r's block is [q_r | k_r | v_r] (fused_order), its bias with them, and divides the",
+                  "#: attention's split_size / num_heads by tp. Gradients come back in that order (fused_order maps them).",
+                  f"FUSED_QKV = {fused!r}"]
     lines += ["", "#: tied parameters (parallelize_module gives each module its own; tied again after): name -> the one kept",
               f"TIED = {dict(sorted(doc['tied'].items()))!r}"]
     notes = _notes(doc["notes"])
     lines += ["", *notes] if notes else []
     lines += _CONV1D_FN if conv else []
+    lines += _FUSED_FN if fused else []
     lines += _PRESENT_FN if pipe is not None else []
-    lines += _parallelize_fn(styles, after, conv, dp, pipe)
+    lines += _parallelize_fn(styles, after, conv, dp, pipe, bool(fused))
     if pipe is not None:
         lines += [*_pipeline_lines(pipe)[1:], ""]
     return "\n".join(lines)
