@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -160,19 +161,14 @@ LLAMA = {"num_key_value_heads": 2, "num_hidden_layers": 2, "hidden_size": 64, "n
 def _counter() -> Any:
     """A CommDebugMode whose module tracker survives a module object called more than once in one
     forward (transformers' kernelized ``apply_rotary_pos_emb``, one ``Func`` module shared by the
-    layers: torch's tracker pops its parent once per call and runs out); the counts are torch's."""
-    from torch.distributed.tensor.debug import CommDebugMode
-
-    cm = CommDebugMode()
-    tracker = cm.advanced_module_tracker
-    orig = tracker._fw_set_module_hook
-
-    def tolerant(mod: Any, inputs: Any, output: Any) -> None:
-        if len(tracker.parent_list) > 1:
-            orig(mod, inputs, output)
-
-    tracker._fw_set_module_hook = tolerant
-    return cm
+    layers: torch's tracker pops its parent once per call and runs out); the counts are torch's.
+    The one the export's gloo ranks use (tests/torch_export_ranks.py)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    try:
+        import torch_export_ranks
+    finally:
+        sys.path.pop(0)
+    return torch_export_ranks._counter()
 
 
 def _kinds(cm: Any) -> Counter[str]:

@@ -72,6 +72,15 @@ def _unfused(plan: Any, name: str, g: Any, mesh: Any) -> Any:
     return out
 
 
+def _exported(folder: str) -> Any:
+    """The exported module ``folder/plan.py``, loaded as a user would."""
+    spec = importlib.util.spec_from_file_location("exported_plan", f"{folder}/plan.py")
+    assert spec is not None and spec.loader is not None
+    plan = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan)
+    return plan
+
+
 def rank_main(r: int, world: int, folder: str, cls: str, config: dict[str, Any], batch: int, seq: int, out: Any) -> None:
     warnings.simplefilter("ignore")
     import torch
@@ -81,10 +90,7 @@ def rank_main(r: int, world: int, folder: str, cls: str, config: dict[str, Any],
 
     from spmdkit.models.hf import build, example_inputs
 
-    spec = importlib.util.spec_from_file_location("exported_plan", f"{folder}/plan.py")
-    assert spec is not None and spec.loader is not None
-    plan = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plan)
+    plan = _exported(folder)
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=r, world_size=world)
     try:
         ref = build(cls, config, seed=0)
@@ -148,10 +154,7 @@ def pipeline_rank_main(r: int, world: int, folder: str, cls: str, config: dict[s
 
     from spmdkit.models.hf import build, example_inputs
 
-    spec = importlib.util.spec_from_file_location("exported_plan", f"{folder}/plan.py")
-    assert spec is not None and spec.loader is not None
-    plan = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plan)
+    plan = _exported(folder)
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=r, world_size=world)
     try:
         ref = build(cls, config, seed=0)

@@ -312,21 +312,30 @@ class _DTensorExport:
                                   f"{style} {'Shard(0)' if style == 'ColwiseParallel' else 'Replicate()'}")
         return feeds_loss
 
-    def _colwise(self, mod: str, op: Op, x: str, x_in: Any, x_req: Any) -> bool:
-        """A column-parallel linear layer's style; True when its output feeds the loss."""
+    #: the option the export's messages name
+    flag = "--export dtensor"
+
+    def _colwise_style(self, mod: str, op: Op, x: str, x_in: Any, x_req: Any) -> bool:
+        """A column-parallel linear layer's style (its input read as ``x_in``); True when its
+        output stays a local tensor (it does not feed the loss)."""
         assert self.tp is not None
         prog = self.prog
         out = op.output_names()[0]
         if not x_req.is_replicate():
-            raise ExportError(f"--export dtensor: {mod} (ColwiseParallel): the plan reads its input {x} as "
+            raise ExportError(f"{self.flag}: {mod} (ColwiseParallel): the plan reads its input {x} as "
                               f"{_placement_text(x_req)} over tp, ColwiseParallel as Replicate()")
         local = not _feeds_loss(prog, self.fwd_readers, out)
         o = _tp_placement(self.plan.attrs[out], self.tp)
         if not (o.is_shard() and o.dim == len(prog.tensors[out].shape) - 1):
-            raise ExportError(f"--export dtensor: {mod} (ColwiseParallel): the plan makes its output {out} "
+            raise ExportError(f"{self.flag}: {mod} (ColwiseParallel): the plan makes its output {out} "
                               f"{_placement_text(o)} over tp, ColwiseParallel Shard(-1)")
         self.styles[mod] = _style_doc("ColwiseParallel", input_layouts=_placement_text(x_in),
                                       output_layouts="Shard(-1)", use_local_output=local)
+        return local
+
+    def _colwise(self, mod: str, op: Op, x: str, x_in: Any, x_req: Any) -> bool:
+        """A column-parallel linear layer's style; True when its output feeds the loss."""
+        local = self._colwise_style(mod, op, x, x_in, x_req)
         if x_in.is_shard():
             raise _sequence_parallel(mod, x, x_in)
         self.column_inputs.setdefault(x, []).append(mod)

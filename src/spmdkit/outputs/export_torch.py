@@ -51,7 +51,6 @@ from spmdkit.core.placements import Shard
 from spmdkit.outputs.export import (
     ExportError,
     _DTensorExport,
-    _feeds_loss,
     _placement_text,
     _reduced_to,
     _style_doc,
@@ -182,21 +181,12 @@ class _TorchExport(_DTensorExport):
             return Shard(self.seq_dim)
         return pl
 
+    flag = "--export torch"
+
     def _colwise(self, mod: str, op: Op, x: str, x_in: Any, x_req: Any) -> bool:
-        assert self.tp is not None
-        prog = self.prog
-        x_in = self.token_layout(self.made_as(x), x)
-        out = op.output_names()[0]
-        if not x_req.is_replicate():
-            raise ExportError(f"--export torch: {mod} (ColwiseParallel): the plan reads its input {x} as "
-                              f"{_placement_text(x_req)} over tp, ColwiseParallel as Replicate()")
-        local = not _feeds_loss(prog, self.fwd_readers, out)
-        o = _tp_placement(self.plan.attrs[out], self.tp)
-        if not (o.is_shard() and o.dim == len(prog.tensors[out].shape) - 1):
-            raise ExportError(f"--export torch: {mod} (ColwiseParallel): the plan makes its output {out} "
-                              f"{_placement_text(o)} over tp, ColwiseParallel Shard(-1)")
-        self.styles[mod] = _style_doc("ColwiseParallel", input_layouts=_placement_text(x_in),
-                                      output_layouts="Shard(-1)", use_local_output=local)
+        """The column style with its input as the plan's token layout holds it (sequence parallel:
+        the sequence-sharded residual, which torch's ColwiseParallel gathers)."""
+        local = self._colwise_style(mod, op, x, self.token_layout(self.made_as(x), x), x_req)
         self.column_inputs.setdefault(x, []).append(mod)
         return not local
 
