@@ -81,6 +81,19 @@ def _exported(folder: str) -> Any:
     return plan
 
 
+def _models(cls: str, config: dict[str, Any], batch: int, seq: int) -> tuple[Any, Any, Any]:
+    """The eager reference and the model to parallelize (the same seeded weights) and the batch
+    (equal token counts per dp rank: the mean of their means is the batch's)."""
+    import torch
+
+    from spmdkit.models.hf import build, example_inputs
+
+    ref = build(cls, config, seed=0)
+    model = build(cls, config, seed=0)
+    torch.manual_seed(1)
+    return ref, model, example_inputs(ref, batch, seq, ignored=0.0)
+
+
 def rank_main(r: int, world: int, folder: str, cls: str, config: dict[str, Any], batch: int, seq: int, out: Any) -> None:
     warnings.simplefilter("ignore")
     import torch
@@ -88,15 +101,11 @@ def rank_main(r: int, world: int, folder: str, cls: str, config: dict[str, Any],
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from spmdkit.models.hf import build, example_inputs
 
     plan = _exported(folder)
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=r, world_size=world)
     try:
-        ref = build(cls, config, seed=0)
-        model = build(cls, config, seed=0)
-        torch.manual_seed(1)
-        kw = example_inputs(ref, batch, seq, ignored=0.0)  # equal token counts per dp rank: the mean of their means
+        ref, model, kw = _models(cls, config, batch, seq)
         ref_loss = _loss(ref, kw, False)
         mesh = init_device_mesh("cpu", tuple(plan.MESH_SHAPE), mesh_dim_names=tuple(plan.MESH_DIMS))
         model = plan.parallelize(model, mesh)
@@ -152,15 +161,11 @@ def pipeline_rank_main(r: int, world: int, folder: str, cls: str, config: dict[s
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from spmdkit.models.hf import build, example_inputs
 
     plan = _exported(folder)
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=r, world_size=world)
     try:
-        ref = build(cls, config, seed=0)
-        model = build(cls, config, seed=0)
-        torch.manual_seed(1)
-        kw = example_inputs(ref, batch, seq, ignored=0.0)
+        ref, model, kw = _models(cls, config, batch, seq)
         ref_loss = _loss(ref, {"input_ids": kw["input_ids"], "labels": kw["labels"]}, False)
         mesh = init_device_mesh("cpu", tuple(plan.MESH_SHAPE), mesh_dim_names=tuple(plan.MESH_DIMS))
 

@@ -341,6 +341,20 @@ class _DTensorExport:
         self.column_inputs.setdefault(x, []).append(mod)
         return not local
 
+    def _row_target(self, mod: str, how: str, out: str, colwise: bool) -> Any:
+        """Where a row layer's partial output is reduced to over tp (a placement), or None for an
+        embedding table sharded on its features (ColwiseParallel, its style set here)."""
+        assert self.tp is not None
+        if how == "embedding" and colwise:
+            self.styles[mod] = _style_doc("ColwiseParallel", input_layouts="Replicate()", output_layouts="Shard(-1)",
+                                          use_local_output=True)
+            return None
+        dst = _reduced_to(self.plan, out, self.tp)
+        if dst is None:
+            raise ExportError(f"{self.flag}: {mod} (RowwiseParallel): the plan never reduces its "
+                              f"partial output {out} over tp")
+        return dst
+
     def _rowwise(self, mod: str, how: str, op: Op, x: str, x_req: Any, colwise: bool) -> None:
         """A row-parallel linear layer's style, or an embedding table's."""
         assert self.tp is not None
@@ -352,14 +366,9 @@ class _DTensorExport:
                 or (how == "embedding" and not x_req.is_replicate()):
             raise ExportError(f"--export dtensor: {mod} (RowwiseParallel): the plan reads its input {x} as "
                               f"{_placement_text(x_req)} over tp, RowwiseParallel as {want}")
-        if how == "embedding" and colwise:
-            self.styles[mod] = _style_doc("ColwiseParallel", input_layouts="Replicate()", output_layouts="Shard(-1)",
-                                          use_local_output=True)
-            return
-        dst = _reduced_to(self.plan, out, self.tp)
+        dst = self._row_target(mod, how, out, colwise)
         if dst is None:
-            raise ExportError(f"--export dtensor: {mod} (RowwiseParallel): the plan never reduces its "
-                              f"partial output {out} over tp")
+            return
         if dst.is_shard():
             raise _sequence_parallel(mod, out, dst)
         self.styles[mod] = _style_doc("RowwiseParallel", input_layouts=want if how == "linear" else "Replicate()",

@@ -52,7 +52,6 @@ from spmdkit.outputs.export import (
     ExportError,
     _DTensorExport,
     _placement_text,
-    _reduced_to,
     _style_doc,
     _tp_placement,
     check_target,
@@ -201,14 +200,9 @@ class _TorchExport(_DTensorExport):
             raise ExportError(f"--export torch: {mod} (RowwiseParallel): the plan reads the ids {x} as "
                               f"{_placement_text(x_req)} over tp (it gathers the vocab-sharded table); torch's "
                               f"vocab-parallel embedding reads them Replicate()")
-        if how == "embedding" and colwise:
-            self.styles[mod] = _style_doc("ColwiseParallel", input_layouts="Replicate()", output_layouts="Shard(-1)",
-                                          use_local_output=True)
-            return
-        dst = _reduced_to(self.plan, out, self.tp)
+        dst = self._row_target(mod, how, out, colwise)
         if dst is None:
-            raise ExportError(f"--export torch: {mod} (RowwiseParallel): the plan never reduces its "
-                              f"partial output {out} over tp")
+            return
         if dst.is_shard():
             dst = self.token_layout(dst, out)
             self.token_axis(mod, "RowwiseParallel", f"reduce-scatters its output {out} to", dst.dim)
