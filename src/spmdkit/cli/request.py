@@ -80,13 +80,16 @@ class Links:
     p2p_overlap: bool = True
 
     def runtime(self) -> Runtime:
-        """``--precision``, ``--framework``, ``--tp-comm-overlap``, ``--moe-skew`` and
-        ``--moe-histogram`` as the plan's :class:`~spmdkit.program.runtime.Runtime` (ProgramError
-        naming the flag)."""
-        return Runtime(parse_precision(self.precision), (self.framework or "megatron").strip().lower(),
-                       self.tp_comm_overlap, parse_moe_skew(self.moe_skew), parse_moe_histogram(self.moe_histogram),
-                       _state_dtype(self.grad_dtype), _state_dtype(self.optimizer_dtype), self.compile,
-                       (self.moe_dispatcher or "alltoall").strip().lower(), (self.moe_routing or "topk").strip().lower(),
+        """The runtime flags (``--precision``, ``--framework``, ``--tp-comm-overlap``, the MoE,
+        state-dtype, compile, loss and p2p flags) as the plan's
+        :class:`~spmdkit.program.runtime.Runtime` (ProgramError naming the flag)."""
+        return Runtime(precision=parse_precision(self.precision),
+                       framework=(self.framework or "megatron").strip().lower(),
+                       tp_comm_overlap=self.tp_comm_overlap, moe_skew=parse_moe_skew(self.moe_skew),
+                       moe_histogram=parse_moe_histogram(self.moe_histogram),
+                       grad_dtype=_state_dtype(self.grad_dtype), optimizer_dtype=_state_dtype(self.optimizer_dtype),
+                       compile=self.compile, moe_dispatcher=(self.moe_dispatcher or "alltoall").strip().lower(),
+                       moe_routing=(self.moe_routing or "topk").strip().lower(),
                        ce_fusion=self.ce_fusion, p2p_overlap=self.p2p_overlap)
 
 
