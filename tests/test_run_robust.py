@@ -293,3 +293,30 @@ def test_a_pipeline_mesh_is_refused_not_run_replicated(capsys: pytest.CaptureFix
     """A pp dim would run as a plain replicated dim (every pp rank the whole step): refused."""
     rc, line = _cli(capsys, "--mesh", "pp=2,dp=2", "--strategy", "dp")
     assert rc == 2 and "--mesh pp=2,dp=2: a pp dim (pipeline parallelism) is planned by 'spmdkit plan'" in line
+
+
+def test_the_rank_that_failed_first_is_named_though_its_peer_exits_sooner(capsys: pytest.CaptureFixture[str]) -> None:
+    """The race CI hit: rank 1 raises, rank 0's gloo sees the closed connection and exits before
+    rank 1 is seen to have exited. The launcher names rank 1's error, not rank 0's lost peer."""
+    import threading
+
+    from spmdkit.execute import launch
+
+    def rank(code: str) -> subprocess.Popen[bytes]:
+        return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    procs = [rank("import sys; sys.stderr.write('RuntimeError: [gloo] Connection closed by peer\\n'); sys.exit(3)"),
+             rank("import sys, time; time.sleep(0.8); "
+                  "sys.stderr.write('spmdkit run: rank 1: RuntimeError: injected fault\\n'); sys.exit(3)")]
+    errs: list[list[bytes]] = [[], []]
+    readers = []
+    for p, buf in zip(procs, errs):
+        t = threading.Thread(target=lambda s=p.stderr, b=buf: b.extend(iter(s.readline, b"")), daemon=True)
+        t.start()
+        readers.append(t)
+    procs[0].wait()  # the consequence has exited, the cause has not
+    assert procs[1].poll() is None
+    rc = launch._watch(procs, errs, readers, 60.0, launch._Show(None, [], threading.Lock()))
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "rank 1 failed (exit 3): spmdkit run: rank 1: RuntimeError: injected fault" in err, err

@@ -304,6 +304,31 @@ _CONSEQUENCES = ("connection closed", "connection reset", "broken pipe", "timed 
                  "socket", "rendezvous")
 
 
+_CAUSE_GRACE_S = 3.0
+
+
+def _is_consequence(line: str) -> bool:
+    return any(w in line.lower() for w in _CONSEQUENCES)
+
+
+def _await_cause(procs: list[subprocess.Popen[bytes]], failed: list[int], codes: list[int | None],
+                 text: Any) -> tuple[list[int], list[int | None]]:
+    """While every failed rank failed only because a peer went away (and none was killed by a signal),
+    wait up to _CAUSE_GRACE_S for another rank to exit; return the failures seen then."""
+    import time
+
+    end = time.monotonic() + _CAUSE_GRACE_S
+    while time.monotonic() < end:
+        if any(int(codes[r] or 0) < 0 or not _is_consequence(_error_line(text(r))) for r in failed):
+            break
+        if all(c is not None for c in codes):
+            break
+        time.sleep(0.05)
+        codes = [p.poll() for p in procs]
+        failed = [r for r, c in enumerate(codes) if c is not None and c != 0 and not (r == 0 and c == 1)]
+    return failed, codes
+
+
 def _watch(procs: list[subprocess.Popen[bytes]], errs: list[list[bytes]], readers: list[Any],
            timeout: float, show: _Show, forwarder: Any = None) -> int:
     import time
@@ -317,6 +342,9 @@ def _watch(procs: list[subprocess.Popen[bytes]], errs: list[list[bytes]], reader
         # rank 0's exit 1 is its report saying the check failed; any other non-zero exit is a fault
         failed = [r for r, c in enumerate(codes) if c is not None and c != 0 and not (r == 0 and c == 1)]
         if failed:
+            # a rank that lost its peer often exits before the peer that failed first is seen to: give
+            # the cause a moment to exit on its own before the consequence is reported
+            failed, codes = _await_cause(procs, failed, codes, text)
             stopped = [r for r, p in enumerate(procs) if p.poll() is None and _proc_state(p.pid) == "T"]
             _kill(procs)
             lines = {r: _error_line(text(r)) for r in failed}
@@ -324,7 +352,7 @@ def _watch(procs: list[subprocess.Popen[bytes]], errs: list[list[bytes]], reader
             # a rank killed by a signal caused the others' failures; then one whose own error is not a
             # lost peer or a timeout; then the lowest rank
             bad = min(failed, key=lambda r: (int(codes[r] or 0) >= 0,
-                                             any(w in lines[r].lower() for w in _CONSEQUENCES), r))
+                                             _is_consequence(lines[r]), r))
             c = int(codes[bad] or 0)
             if c == EXIT_PORT_IN_USE and bad == 0:
                 return -EXIT_PORT_IN_USE
