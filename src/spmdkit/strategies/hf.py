@@ -91,7 +91,7 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.program.ir import Op, Program, Tensor
 from spmdkit.program.plan import Plan
 from spmdkit.strategies.context import hf_cp_marks
-from spmdkit.strategies.experts import batch_entry, check_ep, ep_dim, expert_marks, moe_layers
+from spmdkit.strategies.experts import batch_entry, check_ep, ep_dim, expert_fold, expert_marks, moe_layers
 from spmdkit.strategies.hf_fused import (
     fused_parts,
     namer,
@@ -342,8 +342,9 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
                                "catalog and zoo models only, not yet for an imported program")
         layers = moe_layers(prog)
         batches = {prog.tensors[n].shape[0] for n in data_inputs(prog) if prog.tensors[n].shape}
-        check_ep(mesh, layers, ep, max(batches) if batches else None, dp)
-        experts = expert_marks(prog, mesh, dm, dp, ep, layers)
+        fold = expert_fold(mesh, st)  # etp=1: the experts over ep x tp, each whole
+        check_ep(mesh, layers, ep, max(batches) if batches else None, dp, fold)
+        experts = expert_marks(prog, mesh, dm, dp, ep, layers, fold)
     if dp is not None or ep is not None:
         _shard_batch(prog, mesh, dm, dp, ep)
     # cp: the call's sequence over cp, attention cp_attention's (an import traced for cp: models/hf_cp.py)
@@ -363,7 +364,7 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
         # 2-D weights sharded over tp -> column / row / vocab / vocab_head
         sharded = _shard_weights(prog, mesh, dm, tp, readers, roles, user_pats, found.kv)
         _shard_fused_parts(prog, mesh, dm, tp, readers, roles, sharded, found.kv)
-        shard_experts(prog, mesh, dm, tp, sharded, moe)  # each expert tensor-parallel (ETP = tp)
+        shard_experts(prog, mesh, dm, tp, sharded, moe, whole=experts if "etp=1" in st else frozenset())
         for w, r in found.roles.items():  # low-rank down projections (MLA's), replicated on purpose
             if r == "replicate" and roles.get(w) is None:
                 sharded.setdefault(w, LOW_RANK)

@@ -123,14 +123,18 @@ def _router(prog: Program, g: Any, producer: Mapping[str, tuple[int, Op]]) -> st
 
 
 def shard_experts(prog: Program, mesh: ProcessMesh, dm: Any, tp: int, sharded: dict[str, str],
-                  layers: list[MoeProjections] | None = None) -> list[MoeProjections]:
+                  layers: list[MoeProjections] | None = None, whole: frozenset[str] = frozenset()
+                  ) -> list[MoeProjections]:
     """Megatron's ETP = tp over the MoE layers (module docstring): the stacks' feature axes over
     ``tp``, recorded in ``sharded`` (``expert_column`` / ``expert_row``; the router
-    ``router``, replicated on purpose). The layers."""
+    ``router``, replicated on purpose). ``whole``: the stacks kept whole (ETP = 1: expert
+    parallel over ep x tp instead, recorded as ``expert``). The layers."""
     size = mesh.shape[tp]
     found = moe_projections(prog) if layers is None else layers
     for layer in found:
         for p, role in [*((p, "column") for p in layer.column), *((p, "row") for p in layer.row)]:
+            if p in whole:
+                sharded.setdefault(p, "expert")
             if p in sharded:
                 continue
             trans = any(op.attrs.get("trans_y") for op in prog.ops if op.phase == "forward" and op.rule == "matmul"
