@@ -22,6 +22,7 @@ from spmdkit.cost.memory import memory_per_device
 from spmdkit.cost.moe import ep_degree, rank_load
 from spmdkit.cost.moe import moe_layers as cost_layers
 from spmdkit.planner.planning import plan_model
+from spmdkit.planner.search import _model_sizes, _work, hand_strategies
 from spmdkit.program.runtime import Runtime
 from spmdkit.sim.verify_plan import tiny_for_mesh, verify_strategy
 from spmdkit.strategies.experts import moe_layers
@@ -203,3 +204,22 @@ def test_verify_grows_the_experts_to_ep_x_tp() -> None:
     got = json.loads(tiny_for_mesh(json.dumps(MOE), "ep=4,tp=2", "ep,megatron,etp=1"))
     assert got["experts"] == 8
     assert tiny_for_mesh(json.dumps(MOE), "ep=4,tp=2", "ep,megatron") == json.dumps(MOE)
+
+
+# -- the search ----------------------------------------------------------------------------------------
+
+
+def test_the_search_space_offers_etp1_where_ep_x_tp_divides_the_experts() -> None:
+    """``plan --devices``: with tp > 1 and ep > 1, ``megatron,sp,ep,etp=1`` (and its ZeRO stages)
+    beside ETP = tp, only where ep x tp divides the experts (4 experts: ep=2 x tp=2, not ep=4 x
+    tp=2)."""
+    assert hand_strategies(1, 2, 2, experts=4)[-4:] == ["megatron,sp,ep,etp=1", "megatron,sp,ep,etp=1,zero1",
+                                                        "megatron,sp,ep,etp=1,zero2", "megatron,sp,ep,etp=1,zero3"]
+    assert not [s for s in hand_strategies(1, 2, 4, experts=4) if "etp=1" in s]
+    assert not [s for s in hand_strategies(2, 1, 2, experts=4) if "etp=1" in s]
+    _mc, sizes = _model_sizes(json.dumps({**MOE, "batch": 8}), None)
+    work, _ = _work(8, False, sizes, None, False)
+    ep_meshes = {(c.dp, c.ep, c.tp) for c in work if c.ep > 1}
+    assert {(2, 2, 2), (1, 4, 2), (1, 2, 4)} <= ep_meshes  # 8 devices, ep and tp > 1
+    etp = {(c.dp, c.ep, c.tp, c.strategy) for c in work if "etp=1" in c.strategy.split(",")}
+    assert etp == {(2, 2, 2, "megatron,sp,ep,etp=1" + z) for z in ("", ",zero1", ",zero2", ",zero3")}

@@ -20,6 +20,10 @@
   Megatron-Core does (:mod:`spmdkit.strategies.experts`, docs/experts.md): outside the experts
   the batch co-sharded over ``(dp, ep)``, each expert stack's expert axis over ``ep``, the
   tokens dispatched and combined by one all-to-all over ``ep`` each way.
+- ``etp=1`` (with ``ep`` and ``megatron``): Megatron-Core's ``--expert-tensor-parallel-size 1``:
+  each expert whole (not tensor-split), the experts spread over the ``ep x tp`` ranks (the
+  co-shard ``(tp, ep)`` of the expert axis) while attention stays tensor-parallel over ``tp``;
+  ``etp=tp`` is the default (each expert split over ``tp``) and adds nothing.
 - ``cp``: context parallelism over the ``cp`` mesh dim (:mod:`spmdkit.strategies.context`,
   docs/context.md): the sequence of every activation outside attention split over ``cp``,
   attention by ``cp_attention`` (``cp-attention=allgather|ring|alltoall`` and
