@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import collections
 import json
+import re
+import warnings
 from typing import Any
 
 import pytest
@@ -223,3 +225,35 @@ def test_the_search_space_offers_etp1_where_ep_x_tp_divides_the_experts() -> Non
     assert {(2, 2, 2), (1, 4, 2), (1, 2, 4)} <= ep_meshes  # 8 devices, ep and tp > 1
     etp = {(c.dp, c.ep, c.tp, c.strategy) for c in work if "etp=1" in c.strategy.split(",")}
     assert etp == {(2, 2, 2, "megatron,sp,ep,etp=1" + z) for z in ("", ",zero1", ",zero2", ",zero3")}
+
+
+def test_an_hf_mixtral_plans_etp1_as_the_catalog_model() -> None:
+    """`plan --hf MixtralForCausalLM` (the published config, 1 layer, seq 64, batch 4) on ep=2 x
+    tp=2 with etp=1: its expert stacks whole over (tp, ep), its layer's collectives (kind, mesh
+    dims, bytes) those of `--model mixtral-8x7b`: the all-to-alls at half ETP = tp's bytes, the
+    rows all-gathered over tp once each way."""
+    from pathlib import Path
+
+    from spmdkit.planner.planning import plan_hf, plan_preset
+
+    cfg = json.loads((Path(__file__).parent / "data/hf/mixtral-8x7b.json").read_text())
+    cfg["num_hidden_layers"] = 1
+    got = {}
+    for st in ("ep,megatron", "ep,megatron,etp=1"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _, _, _, hp = plan_hf("MixtralForCausalLM", cfg, "ep=2,tp=2", st, dtype="bf16", batch=4, seq=64)
+            _, cp, _ = plan_preset("mixtral-8x7b", "ep=2,tp=2", st, {"layers": 1, "batch": 4, "seq": 64})
+        per = [collections.Counter((p.program.ops[r.op_index].phase, s.kind, s.mesh_dims, s.bytes_per_rank)
+                                   for r, s in p.collectives() if re.search(r"layers?[. ]0\b", p.program.ops[r.op_index].layer or "")
+                                   and p.program.ops[r.op_index].phase != "optimizer") for p in (hp, cp)]
+        assert per[0] == per[1], st
+        got[st] = per[0]
+        if "etp=1" in st:
+            stacks = [n for n, t in hp.program.tensors.items() if t.kind == "parameter" and len(t.shape) == 3
+                      and not n.endswith(".new")]
+            assert len(stacks) == 3 and all(hp.attrs[n].dims_mapping == ((1, 0), -1, -1) for n in stacks)
+    a2a = {k[3] for k in got["ep,megatron"] if k[1] == "all_to_all"}
+    assert a2a == {1048576}  # 2 sequences a rank x 64 tokens x 2 (top-2) x 4096 x 2 B x (2 - 1) / 2
+    assert {k[3] for k in got["ep,megatron,etp=1"] if k[1] == "all_to_all"} == {b // 2 for b in a2a}
+    assert sum(n for k, n in got["ep,megatron,etp=1"].items() if k[1] == "all_gather" and k[2] == (1,)) == 2
