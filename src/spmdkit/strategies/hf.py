@@ -62,8 +62,11 @@ collective is left (a part's value is its slice of the module's weight:
   shards; the inputs of the column layers and of the LM head are gathered (their summed
   gradients reduce-scattered back), the row layers' partial outputs reduce-scattered and
   their output gradients gathered: every tensor-parallel all-reduce becomes an all-gather /
-  reduce-scatter pair. A sequence length ``tp`` does not divide is refused (ViT's 17 tokens
-  at tp=2).
+  reduce-scatter pair. A MoE block (:func:`spmdkit.strategies.hf_moe.moe_ends`) is run as
+  Megatron and torchtitan run one under tp: its tokens gathered before the router (every tp rank
+  routes the whole sequence, each expert split over tp; the gradient reduce-scattered back), its
+  output sliced back to the sequence shard (its gradient gathered). A sequence length ``tp`` does
+  not divide is refused (ViT's 17 tokens at tp=2).
 
 ``megatron`` also makes the loss vocab-parallel: :func:`vocab_parallel_loss` rewrites the
 imported ``cross_entropy_with_softmax`` (hard labels, ``ignore_index``) and its grad into
@@ -100,7 +103,7 @@ from spmdkit.strategies.hf_fused import (
     slices_as_split,
     split_fused_projections,
 )
-from spmdkit.strategies.hf_moe import moe_projections, shard_experts
+from spmdkit.strategies.hf_moe import moe_ends, moe_projections, shard_experts
 from spmdkit.strategies.hf_roles import BLOCK, BlockRoles, block_roles, linears, weight_of
 from spmdkit.strategies.strategy import Marks, optimizer_layouts, strategy_dims, user_attrs
 
@@ -660,6 +663,19 @@ def _sequence_parallel(prog: Program, mesh: ProcessMesh, sharded: Mapping[str, s
         total = n + ".grad.sum" if n + ".grad.sum" in gs else (n + ".grad" if n + ".grad" in gs else None)
         if total is not None:
             shard_seq(total)
+    # a MoE block as Megatron and torchtitan run it under tp: its tokens gathered before the router
+    # (every tp rank routes the whole sequence, each expert split over tp; their gradient
+    # reduce-scattered back), its output returned to sequence shards (its gradient gathered)
+    # (a block with a shared expert, whose column layers gather the same tokens, is left as it was)
+    for moe_in, moe_out in moe_ends(prog, moe_projections(prog)):
+        if not moe_in or set(moe_in) & set(gather):
+            continue
+        for m in (*moe_in, *moe_out):
+            for t in (m, *grads_of(m)):
+                dm(t)[0] = dp if dp is not None else -1
+        for g in grads_of(moe_in[-1]):
+            shard_seq(g)
+        shard_seq(moe_out[-1])
 
 
 # -- the vocab-parallel loss ---------------------------------------------------------------------
