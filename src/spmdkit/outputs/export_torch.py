@@ -66,6 +66,7 @@ from spmdkit.outputs.export_torch_pp import (
     layers_container,
     pipeline_constants,
     pipeline_doc,
+    pipeline_imports,
     pipeline_lines,
     stage_collectives,
 )
@@ -638,6 +639,9 @@ def _parallelize_fn(styles: dict[str, Any], after: dict[str, Any], conv: list[st
         lines += ["    for alias, kept in TIED.items():  # tie again",
                   "        owner, leaf = alias.rsplit(\".\", 1)",
                   "        src, src_leaf = kept.rsplit(\".\", 1)",
+                  *(["        if any(isinstance(model.get_submodule(m), torch.nn.Identity) for m in (owner, src)):",
+                     "            continue  # a pipeline stage holding one of them: its own copy (PIPELINE[\"tied\"])"]
+                    if pipe is not None else []),
                   "        setattr(model.get_submodule(owner), leaf, getattr(model.get_submodule(src), src_leaf))"]
     return [*lines, *_dp_lines(dp), "    return model", ""]
 
@@ -653,7 +657,7 @@ def _imports(ex: _TorchExport, dp: dict[str, Any] | None, used: list[str], pipe:
         lines.append("from torch.distributed.fsdp import fully_shard" if dp["wrap"] == "fully_shard" else
                      "from torch.distributed._composable.replicate_with_fsdp import replicate")
     if pipe is not None:
-        lines.append(f"from torch.distributed.pipelining import PipelineStage, Schedule{pipe['schedule']}")
+        lines += pipeline_imports(pipe)
     if experts:
         lines += ["from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, "
                   "distribute_tensor"]
@@ -707,7 +711,7 @@ def torch_source(plan: Plan, command: str = "",
             raise ExportError(f"--export torch: a pipeline of a sequence-parallel plan ({sp[0]}: SequenceParallel): "
                               f"the hidden states between stages are sequence-sharded DTensors, which torch's "
                               f"PipelineStage does not send; not exported (drop sp or pp)")
-        pipe = pipeline_doc(plan, pipeline[1], pipeline[2])
+        pipe = pipeline_doc(plan, pipeline[1], pipeline[2], frozenset(ex.styles))
         by_stage = stage_collectives(plan, pipeline[2], pipeline[1].microbatches, frozenset(ex.row_bias))
     ordered = {p: ex.styles[p] for p in _model_order(ex, ex.styles)}
     styles, after = compress(ordered), compress(ex.after)
