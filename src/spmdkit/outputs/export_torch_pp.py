@@ -113,8 +113,9 @@ def tied_copies(plan: Plan, stage_of_op: list[int], styled: frozenset[str] = fro
         held = [n.rsplit(".", 1)[0] in styled for n in names]
         if any(held) and not all(held):
             raise ExportError(f"--export torch: the tied {' = '.join(names)}: the tp plan styles "
-                              f"{', '.join(n for n, h in zip(names, held) if h)} and not "
-                              f"{', '.join(n for n, h in zip(names, held) if not h)}; the stages' copies would be "
+                              f"{', '.join(n.rsplit('.', 1)[0] for n, h in zip(names, held) if h)} and not "
+                              f"{', '.join(n.rsplit('.', 1)[0] for n, h in zip(names, held) if not h)}; the stages' "
+                              f"copies would be "
                               f"sharded differently and their gradients could not be summed shard by shard")
         out.append({"names": names, "stages": list(where)})
     return out
@@ -293,6 +294,9 @@ def pipeline_constants(pipe: dict[str, Any], by_stage: list[Any] | None, collect
             "#: (torch.distributed.pipelining's Schedule<name>), the microbatches per step",
             f"PIPELINE = {pipe!r}", "", *collectives_doc,
             "#: Under the pipeline: every microbatch of the step, each stage's own in PLAN_COLLECTIVES_BY_STAGE.",
+            *(["#: And once per step, on each stage holding a copy of a tied parameter (PIPELINE[\"tied\"]), the",
+               "#: all-reduce of the copies' gradients over pp (_TiedSchedule: a c10d all_reduce, counted as all_reduce)."]
+              if pipe.get("tied") else []),
             f"PLAN_COLLECTIVES = {dict((ph, dict(sorted(c.items()))) for ph, c in total.items())!r}",
             f"PLAN_COLLECTIVES_BY_STAGE = {by_stage!r}", ""]
 
