@@ -356,6 +356,14 @@ def test_gpt2_pipeline_tied_copies_and_its_own_stage_forward(tmp_path: Path, cap
     text = path.read_text()
     assert "h = body.drop(body.wte(x) + body.wpe(positions)) if self.first else x" in text
     assert "torch.distributed.all_reduce(grad, group=group)" in text and "self.hf(inputs_embeds=x)" not in text
+    # with dp: FSDP2's replicate per block and per module outside the blocks (the stage's forward calls them,
+    # not the root's), each all-reducing after every microbatch: 3 groups x 2 microbatches on each stage
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main([*argv[:6], "pp=2,dp=2,tp=2", *argv[7:], "--export", "torch", str(tmp_path / "dp.py")]) == 0
+    dp = _load(tmp_path / "dp.py")
+    assert dp.DP_COLLECTIVES == {0: {"allreduce_": 6}, 1: {"allreduce_": 6}}
+    assert "            replicate(model.get_submodule(name), mesh=dp)" in (tmp_path / "dp.py").read_text()
     capsys.readouterr()
     neo = {"num_layers": 2, "hidden_size": 32, "num_heads": 4, "vocab_size": 128, "max_position_embeddings": 64,
            "attention_types": [[["global"], 2]]}

@@ -66,6 +66,7 @@ from spmdkit.outputs.export_torch_pp import (
     layers_container,
     pipeline_constants,
     pipeline_doc,
+    pipeline_dp_lines,
     pipeline_imports,
     pipeline_lines,
     stage_collectives,
@@ -529,8 +530,10 @@ def _notes(notes: list[str]) -> list[str]:
     return [line for n in seen for line in textwrap.wrap(n, 100, initial_indent="# ", subsequent_indent="#   ")]
 
 
-def _dp_lines(dp: dict[str, Any] | None) -> list[str]:
-    """``parallelize``'s data-parallel lines."""
+def _dp_lines(dp: dict[str, Any] | None, pipe: dict[str, Any] | None = None) -> list[str]:
+    """``parallelize``'s data-parallel lines. A pipeline stage whose forward the file writes out
+    (GPT-2's: the root's forward is not called, nor its FSDP2 hooks) wraps each module it holds
+    outside the blocks as a group of its own."""
     if dp is None:
         return []
     wrap, raf = dp["wrap"], dp["reshard_after_forward"]
@@ -539,6 +542,10 @@ def _dp_lines(dp: dict[str, Any] | None) -> list[str]:
     if dp["layers"]:
         out += [f"    for block in model.get_submodule({dp['layers']!r}):",
                 f"        {wrap}(block, mesh=dp{kw})"]
+    if pipe is not None and pipe.get("body"):
+        out += ["    for name in PIPELINE[\"ends\"]:  # the stage's forward calls them, not the root's",
+                "        if not isinstance(model.get_submodule(name), torch.nn.Identity):",
+                f"            {wrap}(model.get_submodule(name), mesh=dp{kw})"]
     out.append(f"    {wrap}(model, mesh=dp{', reshard_after_forward=False' if wrap == 'fully_shard' else ''})")
     return out
 
@@ -616,8 +623,7 @@ def _constants(plan: Plan, doc: dict[str, Any], dims: tuple[str, ...], shape: tu
         return [*lines, "DATA_PARALLEL = None", "DP_COLLECTIVES = {}", ""]
     lines += [f"#: The data-parallel dim: {_ZERO[dp['zero']]}.", f"DATA_PARALLEL = {dp!r}"]
     if pipe is not None:
-        return [*lines, "#: Under a pipeline FSDP2 gathers per microbatch as the schedule runs them: not counted here.",
-                "DP_COLLECTIVES = None", ""]
+        return [*lines, *pipeline_dp_lines(pipe, dp)]
     return [*lines, "#: What FSDP2 issues over dp per step (its c10d ops, as CommDebugMode counts them): one collective",
             "#: per group (each block, then the root), not one per parameter as the plan counts them.",
             f"DP_COLLECTIVES = {dp_collectives(dp, n_layers)!r}", ""]
@@ -643,7 +649,7 @@ def _parallelize_fn(styles: dict[str, Any], after: dict[str, Any], conv: list[st
                      "            continue  # a pipeline stage holding one of them: its own copy (PIPELINE[\"tied\"])"]
                     if pipe is not None else []),
                   "        setattr(model.get_submodule(owner), leaf, getattr(model.get_submodule(src), src_leaf))"]
-    return [*lines, *_dp_lines(dp), "    return model", ""]
+    return [*lines, *_dp_lines(dp, pipe), "    return model", ""]
 
 
 def _imports(ex: _TorchExport, dp: dict[str, Any] | None, used: list[str], pipe: dict[str, Any] | None,

@@ -145,6 +145,27 @@ def stage_collectives(plan: Plan, counts: tuple[int, ...], microbatches: int,
     return [{ph: dict(sorted(c.items())) for ph, c in d.items()} for d in out]
 
 
+def pipeline_dp_lines(pipe: dict[str, Any], dp: dict[str, Any]) -> list[str]:
+    """``DP_COLLECTIVES`` under a pipeline, per stage: FSDP2's ``replicate`` all-reduces each
+    group's gradients after every microbatch's backward (the stage module torch's pipelining runs
+    is not itself an FSDP module, so it does not hold the reduction to the last microbatch): the
+    stage's blocks, and its modules outside them (GPT-2's stage: each a group of its own; else
+    the root's one group, where the stage holds any); ``fully_shard``'s gathers per microbatch
+    are not counted (None)."""
+    if dp["wrap"] != "replicate":
+        return ["#: Under a pipeline FSDP2 gathers per microbatch as the schedule runs them: not counted here.",
+                "DP_COLLECTIVES = None", ""]
+    out: dict[int, dict[str, int]] = {}
+    for s, mods in enumerate(pipe["stages"]):
+        blocks = sum(m.startswith(pipe["layers"] + ".") for m in mods)
+        ends = len(mods) - blocks
+        groups = blocks + (ends if pipe.get("body") else min(ends, 1))
+        out[s] = {"allreduce_": groups * pipe["microbatches"]}
+    return ["#: What FSDP2's replicate issues over dp per step on each stage (its c10d ops, as CommDebugMode counts",
+            "#: them): one all-reduce per group (each block, the modules outside them) after every microbatch.",
+            f"DP_COLLECTIVES = {out!r}", ""]
+
+
 def pipeline_imports(pipe: dict[str, Any]) -> list[str]:
     """The file's imports for the pipeline."""
     out = [f"from torch.distributed.pipelining import PipelineStage, Schedule{pipe['schedule']}"]
@@ -302,4 +323,4 @@ def pipeline_constants(pipe: dict[str, Any], by_stage: list[Any] | None, collect
 
 
 __all__ = ["FUNCOL", "PRESENT_FN", "SCHEDULE_CLASSES", "layers_container", "pipeline_constants", "pipeline_doc",
-           "pipeline_imports", "pipeline_lines", "stage_collectives", "tied_copies"]
+           "pipeline_dp_lines", "pipeline_imports", "pipeline_lines", "stage_collectives", "tied_copies"]
