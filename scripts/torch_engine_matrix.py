@@ -4,7 +4,8 @@ plans exported for torch and trained on torch's own engine under torchrun on glo
     PYTHONPATH=src python scripts/torch_engine_matrix.py [--only Llama] [--steps 3]
 
 For each model (Llama, Qwen2, GPT-2, Mixtral) and each plan (dp=2 x tp=2 megatron, megatron + sp,
-megatron + sp + fsdp (zero3), pp=2 x tp=2 megatron with 1F1B over 2 microbatches):
+megatron + sp + fsdp (zero3), pp=2 x tp=2 and pp=2 x dp=2 x tp=2 (8 processes) megatron with 1F1B over 2
+microbatches):
 ``spmdkit plan ... --export torch FILE`` then ``spmdkit run --engine torch --torch-plan FILE``; one
 row per pair: refused (the export's one line), failed (the run's one line), or the largest loss
 difference from torch eager over the steps and whether every rank's collectives equal the plan's
@@ -36,6 +37,7 @@ PLANS = [
     ("dp=2,tp=2", "megatron,sp", []),
     ("dp=2,tp=2", "megatron,sp,zero3", []),
     ("pp=2,tp=2", "megatron", ["--microbatches", "2", "--schedule", "1f1b"]),
+    ("pp=2,dp=2,tp=2", "megatron", ["--microbatches", "2", "--schedule", "1f1b"]),
 ]
 
 
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     ok = True
     with tempfile.TemporaryDirectory() as folder:
-        print(f"{'model':<20} {'mesh':<10} {'strategy':<18} result")
+        print(f"{'model':<20} {'mesh':<15} {'strategy':<18} result")
         for cls in MODELS:
             if a.only and a.only not in cls:
                 continue
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 text, good = row(cls, mesh, strategy, extra, a.steps, folder)
                 ok &= good
-                print(f"{cls:<20} {mesh:<10} {strategy:<18} {text}", flush=True)
+                print(f"{cls:<20} {mesh:<15} {strategy:<18} {text}", flush=True)
     return 0 if ok else 1
 
 

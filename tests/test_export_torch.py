@@ -351,7 +351,7 @@ def test_pipeline_pp2_tp2_stages_and_collectives(tmp_path: Path, capsys: pytest.
     assert mod.MESH_DIMS == ("pp", "tp") and mod.MESH_SHAPE == (2, 2)
     assert mod.PIPELINE == {"stages": [["model.layers.0", "model.embed_tokens"], ["model.layers.1", "model.norm", "lm_head"]],
                             "schedule": "1F1B", "microbatches": 2, "layers": "model.layers",
-                            "ends": ["model.embed_tokens", "model.norm", "lm_head"]}
+                            "ends": ["model.embed_tokens", "model.norm", "lm_head"], "tied": []}
     # per microbatch: stage 0 the embedding's and layer 0's 2 all-reduces forward, layer 0's 2 backward;
     # stage 1 layer 1's 2 forward, its 2 and the LM head input's backward; x 2 microbatches
     assert mod.PLAN_COLLECTIVES_BY_STAGE == [{"forward": {"all_reduce": 6}, "backward": {"all_reduce": 4}},
@@ -363,6 +363,67 @@ def test_pipeline_pp2_tp2_stages_and_collectives(tmp_path: Path, capsys: pytest.
     assert not (tmp_path / "sp.py").exists()
     assert main([*argv, "--export", "jax", str(tmp_path / "j.json")]) == 2
     assert "--export jax: does not apply to a pipeline (pp) plan (--export torch does)" in capsys.readouterr().err
+
+
+def test_gpt2_pipeline_tied_copies_and_its_own_stage_forward(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """GPT-2 at pp=2 x tp=2: the first stage holds wte and wpe (its stage forward written out:
+    HF's model would add wpe again on the next stage), the last ln_f and lm_head, its copy of the
+    tied wte; the copies' gradients all-reduced once per step on both stages (the plan's:
+    planner/stage_costs.shared_parameters). A model whose first stage holds more than the token
+    embedding and that is not GPT-2 stays refused."""
+    from spmdkit.cli import main
+    from spmdkit.models.source import HFModel
+    from spmdkit.outputs.export_torch_pp import tied_copies
+    from spmdkit.planner.pipeline import op_stages, plan_pipeline_source
+
+    path = tmp_path / "gpt2pp.py"
+    argv = ["plan", "--hf", "GPT2LMHeadModel", "--hf-config", json.dumps(GPT2), "--mesh", "pp=2,tp=2",
+            "--batch", str(BATCH), "--seq", str(SEQ), "--microbatches", "2"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main([*argv, "--export", "torch", str(path)]) == 0
+    mod = _load(path)
+    assert mod.PIPELINE == {
+        "stages": [["transformer.h.0", "transformer.wte", "transformer.wpe"], ["transformer.h.1", "transformer.ln_f",
+                                                                             "lm_head"]],
+        "schedule": "1F1B", "microbatches": 2, "layers": "transformer.h",
+        "ends": ["transformer.wte", "transformer.wpe", "transformer.ln_f", "lm_head"],
+        "tied": [{"names": ["transformer.wte.weight", "lm_head.weight"], "stages": [0, 1]}], "body": "transformer"}
+    # per microbatch: stage 0 wte's, attn.c_proj's and mlp.c_proj's all-reduces forward, c_attn's and c_fc's
+    # input gradients backward; stage 1 the block's 2 forward, its 2 and lm_head's input backward; x 2
+    # microbatches; and once per step on each stage the tied copies' gradient all-reduce
+    assert mod.PLAN_COLLECTIVES_BY_STAGE == [{"forward": {"all_reduce": 6}, "backward": {"all_reduce": 4 + 1}},
+                                             {"forward": {"all_reduce": 4}, "backward": {"all_reduce": 6 + 1}}]
+    text = path.read_text()
+    assert "h = body.drop(body.wte(x) + body.wpe(positions)) if self.first else x" in text
+    assert "torch.distributed.all_reduce(grad, group=group)" in text and "self.hf(inputs_embeds=x)" not in text
+    # with dp: FSDP2's replicate per block and per module outside the blocks (the stage's forward calls them,
+    # not the root's), each all-reducing after every microbatch: 3 groups x 2 microbatches on each stage
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main([*argv[:6], "pp=2,dp=2,tp=2", *argv[7:], "--export", "torch", str(tmp_path / "dp.py")]) == 0
+    dp = _load(tmp_path / "dp.py")
+    assert dp.DP_COLLECTIVES == {0: {"allreduce_": 6}, 1: {"allreduce_": 6}}
+    assert "            replicate(model.get_submodule(name), mesh=dp)" in (tmp_path / "dp.py").read_text()
+    capsys.readouterr()
+    neo = {"num_layers": 2, "hidden_size": 32, "num_heads": 4, "vocab_size": 128, "max_position_embeddings": 64,
+           "attention_types": [[["global"], 2]]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main(["plan", "--hf", "GPTNeoForCausalLM", "--hf-config", json.dumps(neo), "--mesh", "pp=2,tp=2",
+                     "--batch", str(BATCH), "--seq", str(SEQ), "--microbatches", "2", "--export", "torch",
+                     str(tmp_path / "neo.py")]) == 2
+        got = plan_pipeline_source(HFModel("GPT2LMHeadModel", json.dumps(GPT2), "float32", BATCH, SEQ), "pp=2,tp=2",
+                                   "megatron", {"microbatches": 2})
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "spmdkit plan: ExportError: --export torch: a pipeline whose first stage holds transformer.wte, "
+        "transformer.wpe besides the blocks: HF's model, given the hidden states on a later stage, would run all but "
+        "the token embedding again; not exported (the file writes GPT-2's stage forward out, not GPTNeoModel's)")
+    assert not (tmp_path / "neo.py").exists()
+    stages = op_stages(got.plan.program, got.counts)
+    with pytest.raises(ExportError, match=r"^--export torch: the tied transformer.wte.weight = lm_head.weight: the tp "
+                                          r"plan styles transformer.wte and not lm_head; "):
+        tied_copies(got.plan, stages, frozenset({"transformer.wte"}))
 
 
 # -- on gloo: the exported parallelize against eager ------------------------------------------------

@@ -129,6 +129,56 @@ def test_hf_llama_cuts_as_the_same_preset(hf_and_preset: Any) -> None:
     assert stages[emb] == 0
 
 
+#: a tiny GPT2LMHeadModel: its LM head is the token embedding wte (tied)
+TINY_GPT2_HF = {"n_layer": 2, "n_embd": 32, "n_head": 4, "vocab_size": 128, "n_positions": 64}
+
+
+def test_tied_embedding_held_on_both_stages_and_its_gradient_all_reduced() -> None:
+    """GPT-2's tied wte at pp=2 x tp=2 (megatron): the first stage looks it up, the last stage's
+    head reads it. As Megatron-LM's embedding group: each stage holds a copy (its vocab shard,
+    [128/2, 32] fp32 = 8192 bytes), with its gradient and AdamW's states, and the copies'
+    gradients are all-reduced between the two stages once per step. By hand, per tp rank, fp32:
+    a block holds ln_1 64, c_attn 32*96/2 + 96/2, c_proj 32*32/2 + 32, ln_2 64, c_fc 32*128/2 +
+    128/2, mlp c_proj 128*32/2 + 32 = 6448 floats; stage 0 a block, wte's shard 2048 and wpe
+    64*32 = 2048 (replicated); stage 1 a block, ln_f 64 and its copy of wte's shard 2048 (the
+    plan held it on stage 0 only before: 26048 bytes)."""
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    from spmdkit.planner.pipeline import _step_times
+    from spmdkit.planner.stage_costs import shared_parameters
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = plan_pipeline_source(HFModel("GPT2LMHeadModel", json.dumps(TINY_GPT2_HF), "float32", 4, 8),
+                                   "pp=2,tp=2", "megatron", {"microbatches": 2})
+    assert got.counts == (1, 1)
+    assert shared_parameters(got.plan.program, op_stages(got.plan.program, got.counts)) == \
+        {"transformer.wte.weight": (0, 1)}
+    link = (10e-6, 1 / 10e9)  # a pp link the device does not have: alpha + bytes * beta
+    est = estimate_pipeline(got.plan, got.spec, got.counts, preset_device("h100"), link, got.tokens, 4)
+    assert [s.parameters for s in est.stages] == [4 * (6448 + 2048 + 2048), 4 * (6448 + 64 + 2048)]
+    assert [s.gradients for s in est.stages] == [s.parameters for s in est.stages]
+    # AdamW: two fp32 moments per element and two fp32 scalars (beta1_pow, beta2_pow) per parameter;
+    # stage 1 holds 2048 - 64 elements fewer in one parameter more (ln_f's two, not wpe)
+    assert est.stages[1].optimizer_states - est.stages[0].optimizer_states == 4 * 2 * (64 - 2048) + 4 * 2 * (3 - 2)
+    assert [s.tied_bytes for s in est.stages] == [8192, 8192]
+    # the ring all-reduce of 2 ranks: 2 latencies and the bytes once
+    assert est.tied_s == pytest.approx([2 * 10e-6 + 8192 / 10e9] * 2, rel=1e-12)
+    assert est.to_json()["devices"][1]["tied_grad_sync_s"] == est.tied_s[1]
+    assert est.run is not None
+    before = _step_times(got.plan, got.spec, est.stages, est.run)
+    assert est.step_overlap_s - before[1] == pytest.approx(est.tied_s[0], rel=1e-9)
+    assert est.step_serial_s - before[0] == pytest.approx(est.tied_s[0], rel=1e-9)
+
+
+def test_untied_model_has_no_shared_parameters(hf_and_preset: Any) -> None:
+    from spmdkit.planner.stage_costs import shared_parameters
+
+    hf, _pre = hf_and_preset
+    assert shared_parameters(hf.plan.program, op_stages(hf.plan.program, hf.counts)) == {}
+    est = estimate_pipeline(hf.plan, hf.spec, hf.counts, None, (10e-6, 1 / 10e9))
+    assert est.tied_s == [0.0, 0.0] and [s.tied_bytes for s in est.stages] == [0, 0]
+
+
 def test_cli_hf_pipeline(capsys: pytest.CaptureFixture[str], hf_and_preset: Any) -> None:
     rc, out, err = _run(["plan", "--hf", "LlamaForCausalLM", "--hf-config", json.dumps(TINY_LLAMA_HF), "--seq", "8",
                          "--mesh", "pp=3,dp=2", "--strategy", "dp", "--device", "h100"], capsys)

@@ -29,8 +29,9 @@ The styles come from the plan, as the ``dtensor`` export derives them
   each by heads: ``parallelize`` reorders its output features so each rank's contiguous block
   (what ``ColwiseParallel`` gives it) is its heads' [q | k | v], its bias with them, and divides
   the attention's ``split_size`` / ``num_heads`` by tp (``FUSED_QKV``, ``fused_order``);
-- pipelines: ``PIPELINE`` (the stages' module prefixes, torch's schedule, the microbatches),
-  ``pipeline_stage`` and ``build_pipeline`` (``torch.distributed.pipelining``).
+- pipelines (:mod:`spmdkit.outputs.export_torch_pp`): ``PIPELINE`` (the stages' module prefixes,
+  torch's schedule, the microbatches), ``pipeline_stage`` and ``build_pipeline``
+  (``torch.distributed.pipelining``).
 
 Refused by name (:class:`ExportError`, one line): a fused weight whose parts are not all sharded on
 their output features, a row layer with no column layer beside it, expert stacks over ep (or over
@@ -59,15 +60,22 @@ from spmdkit.outputs.export import (
     write_atomic_text,
 )
 from spmdkit.outputs.export_torch_moe import STYLE, STYLE_SOURCE, experts_styles
-from spmdkit.planner.pipeline import PipelineSpec, op_stages
+from spmdkit.outputs.export_torch_pp import (
+    FUNCOL,
+    PRESENT_FN,
+    layers_container,
+    pipeline_constants,
+    pipeline_doc,
+    pipeline_dp_lines,
+    pipeline_imports,
+    pipeline_lines,
+    stage_collectives,
+)
+from spmdkit.planner.pipeline import PipelineSpec
 from spmdkit.program.ir import Op
 from spmdkit.program.layers import layer_tags
 from spmdkit.program.plan import Plan
-from spmdkit.strategies.hf import data_inputs, parameters, weight_axes
-
-#: a plan's collective kind -> the op CommDebugMode counts (torch's functional collectives)
-FUNCOL = {"all_reduce": "all_reduce", "all_gather": "all_gather_into_tensor",
-          "reduce_scatter": "reduce_scatter_tensor", "all_to_all": "all_to_all_single"}
+from spmdkit.strategies.hf import data_inputs, weight_axes
 
 
 class _TorchExport(_DTensorExport):
@@ -441,14 +449,6 @@ def zero_level(plan: Plan) -> int:
     return level
 
 
-def layers_container(plan: Plan) -> str | None:
-    """The module holding the numbered blocks (``model.layers``, GPT-2's ``transformer.h``):
-    the prefix before a number that the most module paths share."""
-    mods = getattr(plan.program, "modules", None) or {}
-    c = Counter(m.group(1) for path, _cls in mods.values() for m in [re.match(r"(.+?)\.\d+(\.|$)", path)] if m)
-    return c.most_common(1)[0][0] if c else None
-
-
 def data_parallel(plan: Plan) -> dict[str, Any] | None:
     """How the dp mesh dim is applied with FSDP2: None without a dp dim of size > 1; else the
     ZeRO stage, the wrapper (``fully_shard`` for ZeRO-1/2/3, ``replicate`` for plain dp), its
@@ -530,8 +530,10 @@ def _notes(notes: list[str]) -> list[str]:
     return [line for n in seen for line in textwrap.wrap(n, 100, initial_indent="# ", subsequent_indent="#   ")]
 
 
-def _dp_lines(dp: dict[str, Any] | None) -> list[str]:
-    """``parallelize``'s data-parallel lines."""
+def _dp_lines(dp: dict[str, Any] | None, pipe: dict[str, Any] | None = None) -> list[str]:
+    """``parallelize``'s data-parallel lines. A pipeline stage whose forward the file writes out
+    (GPT-2's: the root's forward is not called, nor its FSDP2 hooks) wraps each module it holds
+    outside the blocks as a group of its own."""
     if dp is None:
         return []
     wrap, raf = dp["wrap"], dp["reshard_after_forward"]
@@ -540,112 +542,12 @@ def _dp_lines(dp: dict[str, Any] | None) -> list[str]:
     if dp["layers"]:
         out += [f"    for block in model.get_submodule({dp['layers']!r}):",
                 f"        {wrap}(block, mesh=dp{kw})"]
+    if pipe is not None and pipe.get("body"):
+        out += ["    for name in PIPELINE[\"ends\"]:  # the stage's forward calls them, not the root's",
+                "        if not isinstance(model.get_submodule(name), torch.nn.Identity):",
+                f"            {wrap}(model.get_submodule(name), mesh=dp{kw})"]
     out.append(f"    {wrap}(model, mesh=dp{', reshard_after_forward=False' if wrap == 'fully_shard' else ''})")
     return out
-
-
-#: spmdkit's schedule -> torch.distributed.pipelining's schedule class
-SCHEDULE_CLASSES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe"}
-
-
-def pipeline_doc(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...]) -> dict[str, Any]:
-    """``PIPELINE`` of a pipeline plan (``plan``: one microbatch's on the sub-mesh without pp):
-    the module prefixes of each stage (its blocks; the embedding with the first, the final norm
-    and the head with the last, as the plan cuts them: :func:`spmdkit.planner.pipeline.op_stages`),
-    the schedule (torch's name), the microbatches, the layers container and the modules outside it
-    (``ends``: the stages that do not hold one get an ``nn.Identity``)."""
-    if spec.schedule not in SCHEDULE_CLASSES:
-        raise ExportError(f"--export torch: --schedule {spec.schedule}: not exported (torch's Schedule1F1B and "
-                          f"ScheduleGPipe are: one stage a rank)")
-    prog = plan.program
-    aliases: dict[str, str] = getattr(prog, "aliases", None) or {}
-    if aliases:
-        tied = ", ".join(f"{a} = {t}" for a, t in sorted(aliases.items()))
-        raise ExportError(f"--export torch: a pipeline of a model with tied parameters ({tied}): the stages would "
-                          f"each hold a copy and torch's pipelining does not sum their gradients; untie them")
-    container = layers_container(plan)
-    tags = layer_tags(prog)
-    if container is None or not tags:
-        raise ExportError("--export torch: the pipeline's program records no numbered blocks of modules (a program "
-                          "JSON): export from --hf")
-    stage_of_op = op_stages(prog, counts)
-    stages: list[list[str]] = [[] for _ in counts]
-    k = 0
-    for s, c in enumerate(counts):
-        stages[s] += tags[k:k + c]
-        k += c
-    ends: list[str] = []
-    for p in parameters(prog):
-        mod = p.rsplit(".", 1)[0]
-        if mod.startswith(container + ".") or mod in ends:
-            continue
-        first = next((i for i, op in enumerate(prog.ops) if op.phase == "forward" and p in op.input_names()), None)
-        if first is None:
-            continue
-        ends.append(mod)
-        stages[stage_of_op[first]].append(mod)
-    first_ends = [m for m in ends if m in stages[0]]
-    if len(first_ends) > 1:
-        raise ExportError(f"--export torch: a pipeline whose first stage holds {', '.join(first_ends)} besides the "
-                          f"blocks: HF's model, given the hidden states on a later stage, would run all but the token "
-                          f"embedding again (GPT-2's position embedding); not exported")
-    return {"stages": stages, "schedule": SCHEDULE_CLASSES[spec.schedule].removeprefix("Schedule"),
-            "microbatches": spec.microbatches, "layers": container, "ends": ends}
-
-
-def stage_collectives(plan: Plan, counts: tuple[int, ...], microbatches: int,
-                      torch_local: frozenset[str] = frozenset()) -> list[dict[str, dict[str, int]]]:
-    """The plan's tp collectives of each stage per step (every microbatch), as :func:`tp_collectives`."""
-    names = plan.mesh.dim_names
-    stage_of_op = op_stages(plan.program, counts)
-    out: list[dict[str, Counter[str]]] = [{"forward": Counter(), "backward": Counter()} for _ in counts]
-    for phase in ("forward", "backward", "optimizer"):
-        for r, st in plan.collectives(phase):
-            if not any(names[d] == "tp" for d in st.mesh_dims):
-                continue
-            if phase == "optimizer" and st.kind != "all_reduce":
-                continue
-            if st.kind == "all_reduce" and r.tensor.removesuffix(".grad") in torch_local:
-                continue
-            ph = "forward" if phase == "forward" else "backward"
-            out[stage_of_op[r.op_index]][ph][FUNCOL.get(st.kind, st.kind)] += microbatches
-    return [{ph: dict(sorted(c.items())) for ph, c in d.items()} for d in out]
-
-
-def _pipeline_lines(pipe: dict[str, Any]) -> list[str]:
-    """The stage module and its builder."""
-    cls = "Schedule" + pipe["schedule"]
-    return ["", "", "class _Stage(torch.nn.Module):",
-            "    \"\"\"One pipeline stage: the model with this stage's modules only, fed the token ids (the first",
-            "    stage) or the previous stage's hidden states; returns the logits (the last) or its hidden states.\"\"\"",
-            "", "    def __init__(self, hf: torch.nn.Module, first: bool) -> None:",
-            "        super().__init__()", "        self.hf, self.first = hf, first", "",
-            "    def forward(self, x: torch.Tensor) -> torch.Tensor:",
-            "        out = self.hf(input_ids=x) if self.first else self.hf(inputs_embeds=x)",
-            "        return out.logits", "", "",
-            "def pipeline_stage(model: torch.nn.Module, pp_rank: int, mesh: DeviceMesh) -> torch.nn.Module:",
-            "    \"\"\"The stage of ``pp_rank`` (PIPELINE[\"stages\"][pp_rank]): the other blocks dropped (this stage's",
-            "    are renumbered from 0), the embedding / final norm / head it does not hold made nn.Identity; then",
-            "    ``parallelize(stage.hf, mesh)``.\"\"\"",
-            "    keep = set(PIPELINE[\"stages\"][pp_rank])",
-            "    container = PIPELINE[\"layers\"]",
-            "    blocks = model.get_submodule(container)",
-            "    owner, leaf = container.rsplit(\".\", 1) if \".\" in container else (\"\", container)",
-            "    setattr(model.get_submodule(owner), leaf,",
-            "            torch.nn.ModuleList([b for i, b in enumerate(blocks) if f\"{container}.{i}\" in keep]))",
-            "    for name in PIPELINE[\"ends\"]:",
-            "        if name not in keep:",
-            "            owner, leaf = name.rsplit(\".\", 1) if \".\" in name else (\"\", name)",
-            "            setattr(model.get_submodule(owner), leaf, torch.nn.Identity())",
-            "    return _Stage(model, first=pp_rank == 0)", "", "",
-            "def build_pipeline(model: torch.nn.Module, mesh: DeviceMesh, loss_fn: Any, device: torch.device) -> Any:",
-            "    \"\"\"This rank's stage parallelized and its schedule (run ``schedule.step(ids, target=labels)`` on the",
-            "    first and last stage, ``schedule.step()`` between; under loss_parallel() when LOSS_PARALLEL).\"\"\"",
-            "    pp = mesh[\"pp\"]",
-            "    stage = pipeline_stage(model, pp.get_local_rank(), mesh)",
-            "    parallelize(stage.hf, mesh)",
-            "    pipe = PipelineStage(stage, pp.get_local_rank(), pp.size(), device, group=pp.get_group())",
-            f"    return {cls}(pipe, n_microbatches=PIPELINE[\"microbatches\"], loss_fn=loss_fn)"]
 
 
 _CONV1D_FN = [
@@ -689,11 +591,6 @@ _FUSED_FN = [
     "                if getattr(attention, attr) % tp:",
     "                    raise ValueError(f\"{name}: {attr} {getattr(attention, attr)} is not divisible by tp {tp}\")",
     "                setattr(attention, attr, getattr(attention, attr) // tp)"]
-_PRESENT_FN = [
-    "", "", "def _present(model: torch.nn.Module, plan: dict[str, Any]) -> dict[str, Any]:",
-    "    \"\"\"The entries of ``plan`` naming a module this stage holds (not an nn.Identity).\"\"\"",
-    "    names = [n for n, m in model.named_modules() if not isinstance(m, torch.nn.Identity)]",
-    "    return {k: v for k, v in plan.items() if any(fnmatch.fnmatchcase(n, k) for n in names)}"]
 _COLLECTIVES_DOC = [
     "#: The collectives the plan issues per training step over tp, as CommDebugMode counts them in the",
     "#: model's forward and backward (get_comm_counts / comm_module_counts): each of the plan's reshards is",
@@ -721,22 +618,12 @@ def _constants(plan: Plan, doc: dict[str, Any], dims: tuple[str, ...], shape: tu
         lines += ["PIPELINE = None", "", *_COLLECTIVES_DOC, *(_ROW_BIAS_DOC if local else []),
                   f"PLAN_COLLECTIVES = {tp_collectives(plan, local)!r}", ""]
     else:
-        total: dict[str, Counter[str]] = {"forward": Counter(), "backward": Counter()}
-        for st in by_stage or []:
-            for ph, c in st.items():
-                total[ph].update(c)
-        lines += ["#: the stages (module prefixes; the blocks renumbered from 0 in each), the schedule",
-                  "#: (torch.distributed.pipelining's Schedule<name>), the microbatches per step",
-                  f"PIPELINE = {pipe!r}", "", *_COLLECTIVES_DOC,
-                  "#: Under the pipeline: every microbatch of the step, each stage's own in PLAN_COLLECTIVES_BY_STAGE.",
-                  f"PLAN_COLLECTIVES = {dict((ph, dict(sorted(c.items()))) for ph, c in total.items())!r}",
-                  f"PLAN_COLLECTIVES_BY_STAGE = {by_stage!r}", ""]
+        lines += pipeline_constants(pipe, by_stage, _COLLECTIVES_DOC)
     if dp is None:
         return [*lines, "DATA_PARALLEL = None", "DP_COLLECTIVES = {}", ""]
     lines += [f"#: The data-parallel dim: {_ZERO[dp['zero']]}.", f"DATA_PARALLEL = {dp!r}"]
     if pipe is not None:
-        return [*lines, "#: Under a pipeline FSDP2 gathers per microbatch as the schedule runs them: not counted here.",
-                "DP_COLLECTIVES = None", ""]
+        return [*lines, *pipeline_dp_lines(pipe, dp)]
     return [*lines, "#: What FSDP2 issues over dp per step (its c10d ops, as CommDebugMode counts them): one collective",
             "#: per group (each block, then the root), not one per parameter as the plan counts them.",
             f"DP_COLLECTIVES = {dp_collectives(dp, n_layers)!r}", ""]
@@ -758,8 +645,11 @@ def _parallelize_fn(styles: dict[str, Any], after: dict[str, Any], conv: list[st
         lines += ["    for alias, kept in TIED.items():  # tie again",
                   "        owner, leaf = alias.rsplit(\".\", 1)",
                   "        src, src_leaf = kept.rsplit(\".\", 1)",
+                  *(["        if any(isinstance(model.get_submodule(m), torch.nn.Identity) for m in (owner, src)):",
+                     "            continue  # a pipeline stage holding one of them: its own copy (PIPELINE[\"tied\"])"]
+                    if pipe is not None else []),
                   "        setattr(model.get_submodule(owner), leaf, getattr(model.get_submodule(src), src_leaf))"]
-    return [*lines, *_dp_lines(dp), "    return model", ""]
+    return [*lines, *_dp_lines(dp, pipe), "    return model", ""]
 
 
 def _imports(ex: _TorchExport, dp: dict[str, Any] | None, used: list[str], pipe: dict[str, Any] | None,
@@ -773,7 +663,7 @@ def _imports(ex: _TorchExport, dp: dict[str, Any] | None, used: list[str], pipe:
         lines.append("from torch.distributed.fsdp import fully_shard" if dp["wrap"] == "fully_shard" else
                      "from torch.distributed._composable.replicate_with_fsdp import replicate")
     if pipe is not None:
-        lines.append(f"from torch.distributed.pipelining import PipelineStage, Schedule{pipe['schedule']}")
+        lines += pipeline_imports(pipe)
     if experts:
         lines += ["from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, "
                   "distribute_tensor"]
@@ -827,7 +717,7 @@ def torch_source(plan: Plan, command: str = "",
             raise ExportError(f"--export torch: a pipeline of a sequence-parallel plan ({sp[0]}: SequenceParallel): "
                               f"the hidden states between stages are sequence-sharded DTensors, which torch's "
                               f"PipelineStage does not send; not exported (drop sp or pp)")
-        pipe = pipeline_doc(plan, pipeline[1], pipeline[2])
+        pipe = pipeline_doc(plan, pipeline[1], pipeline[2], frozenset(ex.styles))
         by_stage = stage_collectives(plan, pipeline[2], pipeline[1].microbatches, frozenset(ex.row_bias))
     ordered = {p: ex.styles[p] for p in _model_order(ex, ex.styles)}
     styles, after = compress(ordered), compress(ex.after)
@@ -862,10 +752,10 @@ def torch_source(plan: Plan, command: str = "",
     lines += ["", *notes] if notes else []
     lines += _CONV1D_FN if conv else []
     lines += _FUSED_FN if fused else []
-    lines += _PRESENT_FN if pipe is not None else []
+    lines += PRESENT_FN if pipe is not None else []
     lines += _parallelize_fn(styles, after, conv, dp, pipe, bool(fused))
     if pipe is not None:
-        lines += [*_pipeline_lines(pipe)[1:], ""]
+        lines += [*pipeline_lines(pipe)[1:], ""]
     return "\n".join(lines)
 
 

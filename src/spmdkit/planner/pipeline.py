@@ -264,6 +264,9 @@ class PipelineEstimate:
     moe: MoeMemory | None = None
     #: the context-parallel degree of the stages' plan (its error band is the cp runs')
     cp: int = 1
+    #: per device: the all-reduce of the tied parameters' gradients among the stages holding a copy
+    #: (:func:`spmdkit.planner.stage_costs.shared_parameters`), after its gradient reductions
+    tied_s: list[float] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -301,6 +304,7 @@ class PipelineEstimate:
             "stages": [{**st.to_json(), "send_s": self.send_f_s[k], "send_grad_s": self.send_b_s[k - 1] if k else 0.0}
                        for k, st in enumerate(self.stages)],
             "devices": [{"stage": r, "in_flight_microbatches": self.in_flight[r],
+                         "tied_grad_sync_s": self.tied_s[r] if self.tied_s else 0.0,
                          "weight_pending_microbatches": weight_pending(s.schedule, s.pp, s.microbatches, r),
                          "memory": self.memory[r].to_json()} for r in range(s.pp)]}
         if "stages_auto" in self.extra:
@@ -363,6 +367,8 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | 
     n = p * v
     send = _sender(p, pp_link, device)
 
+    tied = _sender(p, pp_link, device, "all_reduce")
+    tied_s = [tied(sum(costs[c * p + r].tied_bytes for c in range(v))) for r in range(p)]
     send_f = [send(costs[k].send_bytes) if k < n - 1 else 0.0 for k in range(n)]
     send_b = [send(costs[k + 1].send_grad_bytes) if k < n - 1 else 0.0 for k in range(n)]
     flight = [in_flight(spec.schedule, p, v, m, r) for r in range(p)]
@@ -381,7 +387,7 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | 
                 if got.device_total <= cap:
                     mems[r], recomputed[r] = got, 1.0 - kept / chunks
                     break
-    est = PipelineEstimate(spec, counts, costs, pp_link, send_f, send_b, flight, mems, note=note,
+    est = PipelineEstimate(spec, counts, costs, pp_link, send_f, send_b, flight, mems, note=note, tied_s=tied_s,
                            moe=moe_memory(plan, stages, counts, p, mems, flight, costs) if stages else None,
                            cp=max((c.ranks for c in cp_ops(plan)), default=1))
     if recompute == MICROBATCH:
@@ -395,7 +401,7 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | 
                        send_f, send_b, None if plan.runtime.p2p_overlap else True,
                        weight=[c.weight_s for c in costs] if zb else None)
     est.run = run
-    est.step_serial_s, est.step_overlap_s = _step_times(plan, spec, costs, run)
+    est.step_serial_s, est.step_overlap_s = _step_times(plan, spec, costs, run, tied_s)
     mb_tokens = tokens // m if tokens else 0
     mf = model_flops(plan, mb_tokens)[0] if flops is None else flops
     est.tokens, est.model_flops = tokens, mf * m if tokens else 0.0
@@ -546,11 +552,14 @@ def _rank_memory(plan: Plan, mine: list[StageCost], flight: float, p: int, v: in
                           sum(c.optimizer_states for c in mine), act, peak_op, plan, p)
 
 
-def _sender(p: int, pp_link: tuple[float, float], device: Device | None) -> Callable[[int], float]:
+def _sender(p: int, pp_link: tuple[float, float], device: Device | None,
+            kind: str = "send_recv") -> Callable[[int], float]:
     """The time of one pipeline send of ``b`` bytes: NCCL's send/recv
     (:func:`spmdkit.cost.collectives.collective_time`) over the device's link the pp dim
     takes (NVLink in a node, the GPU's NIC across nodes), or ``alpha + b beta`` of a link the
-    device does not have (``--cost pp=...``)."""
+    device does not have (``--cost pp=...``). ``kind`` ``all_reduce``: an all-reduce of ``b``
+    bytes between two stages over that link (a tied parameter's gradient: ring, ``2 alpha + b
+    beta`` on a link the device does not have)."""
     alpha, beta = pp_link
     scope = None
     if device is not None:
@@ -567,19 +576,23 @@ def _sender(p: int, pp_link: tuple[float, float], device: Device | None) -> Call
         if p == 1 or b == 0:
             return 0.0
         if fabric is not None:
-            return collective_time("send_recv", b, group, fabric)
-        return alpha + b * beta
+            return collective_time(kind, b, group, fabric)
+        return (2 * alpha if kind == "all_reduce" else alpha) + b * beta
 
     return send
 
 
-def _step_times(plan: Plan, spec: PipelineSpec, costs: list[StageCost], run: ScheduleRun) -> tuple[float, float]:
+def _step_times(plan: Plan, spec: PipelineSpec, costs: list[StageCost], run: ScheduleRun,
+                tied_s: list[float] | None = None) -> tuple[float, float]:
     """(serial, overlapped) step: each device's schedule, then its gradient reductions and its
     optimizer. Overlapped: the reductions in the framework's buckets from the time the last
     microbatch's backward makes each gradient (Megatron's ``overlap_grad_reduce``); Megatron-Core
     buckets only on the first pipeline rank and gives every other rank one bucket after its last
     backward (its reductions are off the critical path: those ranks finish first); the step
-    ends when the slowest device is done (the optimizer's gradient norm spans every stage)."""
+    ends when the slowest device is done (the optimizer's gradient norm spans every stage). A
+    tied parameter's copies (``tied_s``) are all-reduced after the device's gradient reductions,
+    before its optimizer (Megatron-LM's ``finalize_model_grads``: the data-parallel reduction,
+    then the embedding group's all-reduce)."""
     p, v = spec.pp, spec.virtual
     last: dict[int, tuple[float, float]] = {}
     for _r, kind, k, i, start, end in run.units:
@@ -597,8 +610,9 @@ def _step_times(plan: Plan, spec: PipelineSpec, costs: list[StageCost], run: Sch
         g = sum(costs[c * p + r].grad_sync_s for c in range(v))
         single = plan.runtime.framework == "megatron" and r > 0
         done, _b = reduce_gradients(plan, grads, run.finish_s[r], single)
-        serial.append(run.finish_s[r] + g + o)
-        overlap.append(done + o)
+        t = tied_s[r] if tied_s else 0.0
+        serial.append(run.finish_s[r] + g + t + o)
+        overlap.append(done + t + o)
     return max(serial), max(overlap)
 
 

@@ -54,6 +54,9 @@ class StageCost:
     unsharded_gradients: int = 0
     peak_op: int = 0
     flops: float = 0.0
+    #: the local gradient bytes of the parameters it holds a copy of that other stages read too (a tied
+    #: embedding and LM head: :func:`shared_parameters`), all-reduced among those stages once per step
+    tied_bytes: int = 0
     #: the parameter gradients' reductions: (share of the stage's backward done when the
     #: gradient is made, its dtype, the reduction, its bytes, its layer); timed in buckets
     grads: list[tuple[float, str, Step, int, str]] = field(default_factory=list, repr=False)
@@ -75,6 +78,8 @@ def stage_costs(plan: Plan, stages: list[int], counts: tuple[int, ...], device: 
     out = [StageCost(c) for c in counts]
     nbytes = _LocalBytes(plan)
     param_grads, producer = _held_for_the_step(plan, stages, out, nbytes)
+    shared = shared_parameters(plan.program, stages)
+    copies = _shared_copies(plan, shared, param_grads, out, nbytes)
 
     def transient(nm: str) -> bool:
         t = plan.program.tensors[nm]
@@ -88,8 +93,54 @@ def stage_costs(plan: Plan, stages: list[int], counts: tuple[int, ...], device: 
         out[s].wstash_bytes = b
     if device is not None:
         _stage_times(plan, stages, out, oc or op_communication(plan, device), {j for r in saved.recomputed for j in r},
-                     shares)
+                     shares, copies)
     return out
+
+
+def shared_parameters(prog: Any, stages: list[int]) -> dict[str, tuple[int, ...]]:
+    """The parameters that forward ops of more than one stage read -> those stages (a tied
+    embedding and LM head, GPT-2's ``wte``: the first stage's lookup and the last stage's head).
+    Each of those stages holds its own copy, initialised equal, its gradient made from its own
+    ops; the copies' gradients are all-reduced among those stages after the last microbatch's
+    backward, so each runs the same update (Megatron-LM's embedding group:
+    ``_allreduce_embedding_grads``)."""
+    seen: dict[str, set[int]] = {}
+    for i, op in enumerate(prog.ops):
+        if op.phase == "forward":
+            for nm in op.input_names():
+                if prog.tensors[nm].kind == "parameter":
+                    seen.setdefault(nm, set()).add(stages[i])
+    return {nm: tuple(sorted(s)) for nm, s in seen.items() if len(s) > 1}
+
+
+def _shared_copies(plan: Plan, shared: dict[str, tuple[int, ...]], param_grads: dict[str, int],
+                   out: list[StageCost], nbytes: _LocalBytes) -> dict[str, tuple[str | None, tuple[int, ...]]]:
+    """Count the copies of the :func:`shared_parameters` on the stages that do not update the
+    plan's one parameter: its bytes, its gradient's and its optimizer states (as the framework
+    holds them); each holder's ``tied_bytes``. Returns parameter -> (its gradient the optimizer
+    reads, the stages holding a copy besides the one the plan's update runs on)."""
+    prog = plan.program
+    held = held_for_the_step(plan)
+    grad_of = {p: g for g, _s in param_grads.items() for p in _updated_by(prog, g)}
+    found: dict[str, tuple[str | None, tuple[int, ...]]] = {}
+    for nm, where in shared.items():
+        g = grad_of.get(nm)
+        home = param_grads[g] if g is not None else where[0]
+        p_b, g_b, st_b = held.get(nm) or (nbytes(nm), 0, 0)
+        for s in where:
+            out[s].tied_bytes += nbytes(g) if g is not None and g in plan.attrs else nbytes(nm)
+            if s != home:
+                out[s].parameters += p_b
+                out[s].gradients += g_b
+                out[s].optimizer_states += st_b
+        found[nm] = (g, tuple(s for s in where if s != home))
+    return found
+
+
+def _updated_by(prog: Any, grad: str) -> list[str]:
+    """The parameters an optimizer op reading ``grad`` updates."""
+    return [nm for op in prog.ops if op.phase == "optimizer" and grad in op.input_names()
+            for nm in op.input_names() if prog.tensors[nm].kind == "parameter" and not prog.tensors[nm].inplace_of]
 
 
 class _LocalBytes:
@@ -202,14 +253,25 @@ def _stash_and_sends(plan: Plan, stages: list[int], out: list[StageCost], nbytes
 
 
 def _stage_times(plan: Plan, stages: list[int], out: list[StageCost], oc: OpComm, rerun: set[int],
-                 shares: dict[int, float]) -> None:
+                 shares: dict[int, float], copies: dict[str, tuple[str | None, tuple[int, ...]]]) -> None:
     """Each stage's forward, backward, recomputation and optimizer times (each op's compute and
     the communication it waits on: :func:`spmdkit.cost.step.op_communication`, the step's own
     model), its gradient reductions (where in its backward each gradient is made) and their
-    time in buckets (:class:`spmdkit.cost.step.Reducer`), on ``device``."""
+    time in buckets (:class:`spmdkit.cost.step.Reducer`), on ``device``. A shared parameter's
+    copy (``copies``: :func:`_shared_copies`) costs its stage the same update and the same
+    gradient reduction, that one at the end of its backward."""
     made: list[list[tuple[float, str, Step, int, str]]] = [[] for _ in out]
     gathers: list[list[tuple[tuple[int, ...], float, int]]] = [[] for _ in out]
-    for i, op in enumerate(plan.program.ops):
+    prog = plan.program
+    also: dict[int, tuple[int, ...]] = {}  # op -> the other stages its update / reduction also runs on
+    for nm, (g, others) in copies.items():
+        for i, op in enumerate(prog.ops):
+            if others and op.phase == "optimizer" and nm in op.input_names():
+                also[i] = others
+            if others and g is not None and g in op.output_names():
+                also[i] = others
+    late: list[list[tuple[str, Step, int, str]]] = [[] for _ in out]
+    for i, op in enumerate(prog.ops):
         c = oc.costs[i]
         t = oc.compute[i] + oc.wait[i]
         sc = out[stages[i]]
@@ -223,9 +285,15 @@ def _stage_times(plan: Plan, stages: list[int], out: list[StageCost], oc: OpComm
             sc.weight_s += t * shares.get(i, 0.0)
         else:
             sc.optimizer_s += t
+            for s in also.get(i, ()):
+                out[s].optimizer_s += t
         for dt, st, size in oc.pending.get(i, ()):
             made[stages[i]].append((sc.backward_s, dt, st, size, op.layer))
+            for s in also.get(i, ()) if op.phase != "optimizer" else ():
+                late[s].append((dt, st, size, op.layer))
         gathers[stages[i]] += oc.param_gathers.get(i, [])
+    for s, copy_grads in enumerate(late):
+        made[s] += [(out[s].backward_s, dt, st, size, layer) for dt, st, size, layer in copy_grads]
     for sc, items in zip(out, gathers):
         # Megatron's overlap_param_gather: under the next step's first forward on the stage
         sc.optimizer_s += max(0.0, param_gather_time(plan, items) - sc.forward_s) if items else 0.0
@@ -250,4 +318,4 @@ def reduce_gradients(plan: Plan, grads: list[tuple[float, str, Step, int, str]],
     return red.flush(end), red.buckets
 
 
-__all__ = ["StageCost", "reduce_gradients", "stage_costs"]
+__all__ = ["StageCost", "reduce_gradients", "shared_parameters", "stage_costs"]
