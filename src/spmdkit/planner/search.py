@@ -71,7 +71,7 @@ from spmdkit.models.hf import dtype_name
 from spmdkit.models.source import import_hf_checked
 from spmdkit.models.zoo import ModelConfig, build_model, preset
 from spmdkit.planner.auto import AutoInfo, auto_plan
-from spmdkit.planner.fold import Fold, bucket_figures, fold_of, pipeline_memory, pipeline_step
+from spmdkit.planner.fold import Fold, bucket_figures, bucket_sync, fold_of, pipeline_memory, pipeline_step
 from spmdkit.planner.fold_stages import copy_layers, deep_pipeline, stage_copy, stretch_units
 from spmdkit.planner.partition import even_split, partition
 from spmdkit.planner.pipeline import (
@@ -85,6 +85,7 @@ from spmdkit.planner.pipeline import (
 )
 from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, parse_size, plan_model, plan_program
 from spmdkit.planner.search_bounds import Bounds, experts_of, model_bounds
+from spmdkit.planner.search_floor import StepFloor
 from spmdkit.planner.search_space import (
     LONG_SEQ,
     MICRO_BATCHES,
@@ -391,8 +392,10 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
         prune = (sizes.experts > 0 and len(work) > EXHAUSTIVE_PLANS) or devices >= PRUNED_DEVICES
     bounds = _bounds(model, cfg_model, job) if prune and work else None
     job = replace(job, lean=bounds is not None)
+    lows: dict[Config, float] = {}
     if bounds is not None:  # the most promising first, so the best step found early prunes the most
-        work.sort(key=lambda c: bounds.step(c.devices, c.pp, c.microbatches, c.ep, c.strategy, c.virtual))
+        lows = _step_bounds(work, bounds, _floor(model, cfg_model, job), cap, progress)
+        work.sort(key=lambda c: lows.get(c, math.inf))
     elif len(work) > MAX_PLANS:
         raise ProgramError(f"--devices {devices}: {len(work)} configurations to plan (at most {MAX_PLANS})")
     if progress is not None:
@@ -407,7 +410,7 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
     for cfg in work:
         if progress is not None:
             progress.update(note=cfg.label())
-        why = _pruned_why(cfg, bounds, cap, best) if bounds is not None else None
+        why = _pruned_why(cfg, bounds, cap, best, lows.get(cfg)) if bounds is not None else None
         if why is not None:
             pruned.append((cfg, why))
             if progress is not None:
@@ -468,8 +471,8 @@ def _bounds(model: str | Program, mc: ModelConfig | None, job: _Job) -> Bounds:
                    flops=fold.at(a.flops, b.flops))
 
 
-def _pruned_why(cfg: Config, bounds: Bounds, cap: int, best: float) -> str | None:
-    """Why ``cfg`` need not be planned (its bounds), or None."""
+def _memory_why(cfg: Config, bounds: Bounds, cap: int) -> str | None:
+    """Why ``cfg`` cannot fit in ``cap`` bytes a device (its memory bound), or None."""
     # cp: ZeRO shards over dp x cp and each rank holds 1/cp of the sequences' tokens, as dp x cp ranks would
     if cfg.grad_accum > 1:  # a micro-step holds the activations of batch / accum sequences
         bounds = replace(bounds, batch=bounds.batch // cfg.grad_accum)
@@ -478,10 +481,50 @@ def _pruned_why(cfg: Config, bounds: Bounds, cap: int, best: float) -> str | Non
     if mem > cap:
         return (f"over the memory cap: its parameters, gradients, optimizer states and layer inputs kept for the "
                 f"backward alone need at least {mem / 2**30:.1f} GiB a device")
-    low = bounds.step(cfg.devices, cfg.pp, cfg.microbatches, cfg.ep, cfg.strategy, cfg.virtual)
-    if low >= best:
-        return f"its step is at least {low:.3g} s (FLOPs at the fastest rates, MoE all-to-alls, the pipeline's bubble), the best found {best:.3g} s"
     return None
+
+
+def _pruned_why(cfg: Config, bounds: Bounds, cap: int, best: float, low: float | None = None) -> str | None:
+    """Why ``cfg`` need not be planned (its bounds; ``low``: its step bound where computed), or None."""
+    why = _memory_why(cfg, bounds, cap)
+    if why is not None:
+        return why
+    if low is None:
+        low = bounds.step(cfg.devices, cfg.pp, cfg.microbatches, cfg.ep, cfg.strategy, cfg.virtual)
+    if low >= best:
+        return (f"its step is at least {low:.3g} s (its layers' GEMMs and blocking collectives at their shapes, "
+                f"FLOPs at the fastest rates, MoE all-to-alls, the pipeline's bubble), the best found {best:.3g} s")
+    return None
+
+
+def _floor(model: str | Program, mc: ModelConfig | None, job: _Job) -> StepFloor | None:
+    """The :class:`spmdkit.planner.search_floor.StepFloor` of a preset's search (None for a program)."""
+    if isinstance(model, Program) or mc is None:
+        return None
+
+    def plan_copy(cfg: Config, layers: int, batch: int) -> Plan:
+        return replace(_preset_plan(cfg, str(model), mc.with_(batch=batch), job, layers).plan, runtime=job.runtime)
+
+    return StepFloor(plan_copy, job.device, mc.layers, mc.batch, mc.dense_layers if mc.experts else 0)
+
+
+def _step_bounds(work: list[Config], bounds: Bounds, floor: StepFloor | None, cap: int,
+                 progress: SearchProgress | None) -> dict[Config, float]:
+    """Each configuration's step bound (the larger of :meth:`Bounds.step` and ``floor``'s), for
+    those the memory bound does not reject."""
+    t0 = time.perf_counter()
+    out: dict[Config, float] = {}
+    for cfg in work:
+        if _memory_why(cfg, bounds, cap) is not None:
+            continue
+        low = bounds.step(cfg.devices, cfg.pp, cfg.microbatches, cfg.ep, cfg.strategy, cfg.virtual)
+        if floor is not None:
+            low = max(low, floor.step(cfg))
+        out[cfg] = low
+    if progress is not None and floor is not None:
+        progress.phase(f"step bounds of {len(out)} configurations from {len(floor.cache)} layer plans "
+                       f"({floor.plans} shallow copies planned, {time.perf_counter() - t0:.1f} s)")
+    return out
 
 
 def _pins_for(cfg: Config, pins: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -552,7 +595,10 @@ def _price(cfg: Config, p: _Planned, counts: tuple[int, ...] | None, job: _Job, 
 
 def _plan_preset_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> list[Candidate]:
     if job.fold and cfg.strategy != "auto":
-        ways = [_deep_config, _folded_config] if _deep_first(cfg, mc) else [_folded_config]
+        # folded by stage first where that plans fewer layers; else the two-copy fold, and where
+        # that cannot (interleaved stages, FSDP's prefetch) by stage if its copy is shallower
+        ways = [_deep_config, _folded_config] if _deep_first(cfg, mc) else [_folded_config] + (
+            [_deep_config] if _deep_shallower(cfg, mc) else [])
         for way in ways:
             got = way(cfg, name, mc, job)
             if got is not None:
@@ -631,6 +677,17 @@ def _deep_first(cfg: Config, mc: ModelConfig) -> bool:
     return flat.layers_a + flat.layers_b + deep < min(plain, big)
 
 
+def _deep_shallower(cfg: Config, mc: ModelConfig) -> bool:
+    """A pipeline whose fold by stage plans fewer layers than the model (counting its two flat
+    copies), on the even split's shape."""
+    if cfg.pp == 1:
+        return False
+    dense = mc.dense_layers if mc.experts else 0
+    flat = fold_of((mc.layers,), dense)
+    deep = copy_layers(tuple(even_split(mc.layers, cfg.pp * cfg.virtual)), dense)
+    return flat is not None and deep is not None and flat.layers_a + flat.layers_b + deep < mc.layers
+
+
 def _deep_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> list[Candidate] | None:
     """A deep pipeline priced on a shallow copy with the first stage, one middle stage of each
     distinct layer count and the last (:mod:`spmdkit.planner.fold_stages`), its communication,
@@ -657,14 +714,17 @@ def _deep_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> list[Can
     out: list[Candidate] = []
     for rc in job.mode_order():
         oa, ob = estimate_step(pa, job.device, mb, rc), estimate_step(pb, job.device, mb, rc)
+        # only the buckets' total time is wanted here (the communication column): a ZeRO-3
+        # prefetch that moves their starts (bucket_figures refuses it) does not change it
         figs = bucket_figures(flat, pa, oa, pb, ob, big, dense)
+        sync = figs[0] if figs is not None else bucket_sync(pa, oa, pb, ob, big, dense)
         est = deep_pipeline(ps, _spec(cfg), counts, job.device, (link.alpha_s, link.beta_s_per_byte), job.tokens,
                             full.size, rc, flops)
-        if figs is None or est is None:
+        if sync is None or est is None:
             return None
         mem = max(est.memory, key=lambda x: x.device_total)
         sends = max((f + b for f, b in zip(est.send_f_s, est.send_b_s)), default=0.0)
-        comm = (flat.at(oa.comm_total_s - oa.grad_sync_s, ob.comm_total_s - ob.grad_sync_s) * m + figs[0]) / cfg.pp \
+        comm = (flat.at(oa.comm_total_s - oa.grad_sync_s, ob.comm_total_s - ob.grad_sync_s) * m + sync) / cfg.pp \
             + m * sends
         out.append(Candidate(replace(cfg, recompute=rc), est.step_overlap_s, est.mfu, mem.device_total, comm,
                              mem.device_total <= job.cap, ps, est, mem, s.title, None, collectives=coll,
