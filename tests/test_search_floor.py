@@ -83,3 +83,27 @@ def test_the_pruned_search_finds_the_unpruned_best_with_its_figures() -> None:
     steps = {c.config.label().split(" recompute=")[0]: c.step_s for c in full.fitting}
     assert all(steps.get(cfg.label(), float("inf")) >= a.step_s for cfg in by_step)
     assert any(line.startswith("step bounds of ") and "layer plans" in line for line in seen.lines)
+
+
+LONG = {"layers": 4, "batch": 8, "seq": 8192}  # activations that matter beside the states
+
+
+@pytest.mark.parametrize("cfg", [SAMPLE[2], SAMPLE[6], SAMPLE[7]], ids=lambda c: c.label())
+def test_the_bound_under_a_cap_that_forces_recomputation_is_below_the_fitting_step(cfg: Config) -> None:
+    """Under a cap between full recomputation's memory and the others', the bound (the floor of
+    the least recomputation whose kept activations can fit) stays under the step that fits."""
+    from dataclasses import replace
+
+    from spmdkit.planner.search import _bounds, _step_bounds
+
+    got = {c.config.recompute: c for c in config_candidates(MODEL, cfg, "h100", LONG)}
+    full, least = got["full"], min(got["none"].memory, got.get("selective", got["none"]).memory)
+    assert full.memory < least
+    cap = (full.memory + least) // 2
+    mc, job = _job(MODEL, LONG)
+    job = replace(job, cap=cap)
+    floor = _floor(MODEL, mc, job)
+    assert floor is not None
+    low = _step_bounds([cfg], _bounds(MODEL, mc, job), floor, job, None).get(cfg)
+    fitting = [c for c in config_candidates(MODEL, cfg, "h100", LONG, memory_cap=cap) if c.fits]
+    assert fitting and low is not None and low <= min(c.step_s for c in fitting)

@@ -85,7 +85,7 @@ from spmdkit.planner.pipeline import (
 )
 from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, parse_size, plan_model, plan_program
 from spmdkit.planner.search_bounds import Bounds, experts_of, model_bounds
-from spmdkit.planner.search_floor import StepFloor
+from spmdkit.planner.search_floor import NO_FLOOR, StepFloor
 from spmdkit.planner.search_space import (
     LONG_SEQ,
     MICRO_BATCHES,
@@ -394,7 +394,7 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
     job = replace(job, lean=bounds is not None)
     lows: dict[Config, float] = {}
     if bounds is not None:  # the most promising first, so the best step found early prunes the most
-        lows = _step_bounds(work, bounds, _floor(model, cfg_model, job), cap, progress)
+        lows = _step_bounds(work, bounds, _floor(model, cfg_model, job), job, progress)
         work.sort(key=lambda c: lows.get(c, math.inf))
     elif len(work) > MAX_PLANS:
         raise ProgramError(f"--devices {devices}: {len(work)} configurations to plan (at most {MAX_PLANS})")
@@ -471,13 +471,19 @@ def _bounds(model: str | Program, mc: ModelConfig | None, job: _Job) -> Bounds:
                    flops=fold.at(a.flops, b.flops))
 
 
-def _memory_why(cfg: Config, bounds: Bounds, cap: int) -> str | None:
-    """Why ``cfg`` cannot fit in ``cap`` bytes a device (its memory bound), or None."""
+def _memory_bound(cfg: Config, bounds: Bounds, layer_bytes: float = 0.0) -> int:
+    """Bytes a device of ``cfg`` needs at least (``layer_bytes``: a layer's kept bytes of one
+    microbatch under a recomputation mode, where known)."""
     # cp: ZeRO shards over dp x cp and each rank holds 1/cp of the sequences' tokens, as dp x cp ranks would
     if cfg.grad_accum > 1:  # a micro-step holds the activations of batch / accum sequences
         bounds = replace(bounds, batch=bounds.batch // cfg.grad_accum)
-    mem = bounds.memory(cfg.dp * cfg.cp, cfg.ep, cfg.tp, cfg.pp, cfg.strategy, cfg.microbatches) \
+    return bounds.memory(cfg.dp * cfg.cp, cfg.ep, cfg.tp, cfg.pp, cfg.strategy, cfg.microbatches, layer_bytes) \
         if cfg.strategy != "auto" else 0
+
+
+def _memory_why(cfg: Config, bounds: Bounds, cap: int) -> str | None:
+    """Why ``cfg`` cannot fit in ``cap`` bytes a device (its memory bound), or None."""
+    mem = _memory_bound(cfg, bounds)
     if mem > cap:
         return (f"over the memory cap: its parameters, gradients, optimizer states and layer inputs kept for the "
                 f"backward alone need at least {mem / 2**30:.1f} GiB a device")
@@ -491,6 +497,9 @@ def _pruned_why(cfg: Config, bounds: Bounds, cap: int, best: float, low: float |
         return why
     if low is None:
         low = bounds.step(cfg.devices, cfg.pp, cfg.microbatches, cfg.ep, cfg.strategy, cfg.virtual)
+    if low == math.inf:
+        return ("over the memory cap under every recomputation mode: its parameters, gradients, optimizer states "
+                "and the activations each mode keeps of its layers need more")
     if low >= best:
         return (f"its step is at least {low:.3g} s (its layers' GEMMs and blocking collectives at their shapes, "
                 f"FLOPs at the fastest rates, MoE all-to-alls, the pipeline's bubble), the best found {best:.3g} s")
@@ -508,18 +517,21 @@ def _floor(model: str | Program, mc: ModelConfig | None, job: _Job) -> StepFloor
     return StepFloor(plan_copy, job.device, mc.layers, mc.batch, mc.dense_layers if mc.experts else 0)
 
 
-def _step_bounds(work: list[Config], bounds: Bounds, floor: StepFloor | None, cap: int,
+def _step_bounds(work: list[Config], bounds: Bounds, floor: StepFloor | None, job: _Job,
                  progress: SearchProgress | None) -> dict[Config, float]:
-    """Each configuration's step bound (the larger of :meth:`Bounds.step` and ``floor``'s), for
-    those the memory bound does not reject."""
+    """Each configuration's step bound, for those the memory bound does not reject: the larger
+    of :meth:`Bounds.step` and ``floor``'s under the least recomputation its memory bound allows
+    (a mode whose kept activations cannot fit is not counted; inf: none can)."""
     t0 = time.perf_counter()
     out: dict[Config, float] = {}
     for cfg in work:
-        if _memory_why(cfg, bounds, cap) is not None:
+        if _memory_why(cfg, bounds, job.cap) is not None:
             continue
         low = bounds.step(cfg.devices, cfg.pp, cfg.microbatches, cfg.ep, cfg.strategy, cfg.virtual)
-        if floor is not None:
-            low = max(low, floor.step(cfg))
+        f = floor.of(cfg) if floor is not None else NO_FLOOR
+        if floor is not None and f is not NO_FLOOR:
+            low = max(low, min((floor.step(cfg, rc) for rc in job.modes
+                                if _memory_bound(cfg, bounds, f.kept.get(rc, 0)) <= job.cap), default=math.inf))
         out[cfg] = low
     if progress is not None and floor is not None:
         progress.phase(f"step bounds of {len(out)} configurations from {len(floor.cache)} layer plans "
@@ -698,7 +710,10 @@ def _deep_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> list[Can
     if flat is None or job.tokens is None:
         return None
     b = _preset_plan(cfg, name, mc, job, flat.layers_b)
-    counts = _split(cfg, b, job, big, dense)
+    # the split from a copy's per-layer costs needs a repeated layer after the dense ones
+    deeper = b if flat.layers_b >= dense + 3 or big % (cfg.pp * cfg.virtual) == 0 else \
+        _preset_plan(cfg, name, mc, job, dense + 3)
+    counts = _split(cfg, deeper, job, big, dense)
     assert counts is not None
     got = stage_copy(counts, dense)
     if got is None:

@@ -41,10 +41,15 @@ from dataclasses import dataclass, field
 
 from spmdkit.core.errors import SpmdError
 from spmdkit.cost.devices import Device
+from spmdkit.cost.memory import saved_activations
 from spmdkit.cost.step import op_communication
 from spmdkit.planner.fold import fold_of
 from spmdkit.planner.search_space import Config
+from spmdkit.program.layers import layer_tags
 from spmdkit.program.plan import Plan
+
+#: the recomputation modes (planner.search's RECOMPUTE_MODES: none the least)
+RECOMPUTE = ("none", "selective", "full")
 
 #: (tp, ep, cp, the strategy without ZeRO, sequences a data-parallel rank computes at once)
 FloorKey = tuple[int, int, int, str, int]
@@ -55,22 +60,52 @@ def base_strategy(strategy: str) -> str:
     return ",".join(p for p in strategy.split(",") if p not in ("zero1", "zero2", "zero3")) or "dp"
 
 
+def _counted(plan: Plan, i: int, matmul: bool, attention: bool) -> bool:
+    """Whether op ``i``'s compute counts in the floor: a GEMM, an attention pass, or an op that
+    reads no parameter (a parameter's elementwise op may run on ZeRO-3's shard in the real plan)."""
+    prog = plan.program
+    return matmul or attention or not any(
+        prog.tensors[n].kind in ("parameter", "optimizer_state") for n in prog.ops[i].input_names())
+
+
 def per_device_work(plan: Plan, device: Device) -> float:
     """One device's forward and backward seconds of ``plan`` that every configuration with its
     layers has (module docstring): GEMMs and attention passes, the ops that read no parameter,
     the communication each op waits on."""
+    return _work(plan, device)[0]
+
+
+def _work(plan: Plan, device: Device) -> tuple[float, dict[str, float], dict[str, int]]:
+    """(:func:`per_device_work`; per recomputation mode, the same of the ops it runs again; per
+    mode, the fewest bytes a numbered layer keeps for the backward)."""
     oc = op_communication(plan, device)
     prog = plan.program
-    total = 0.0
+    own = [0.0] * len(prog.ops)
     for i, op in enumerate(prog.ops):
-        if op.phase not in ("forward", "backward"):
-            continue
-        c = oc.costs[i]
-        if c.matmul or c.attention is not None or not any(
-                prog.tensors[n].kind in ("parameter", "optimizer_state") for n in op.input_names()):
-            total += oc.compute[i]
-        total += oc.wait[i]
-    return total
+        if op.phase in ("forward", "backward"):
+            c = oc.costs[i]
+            own[i] = (oc.compute[i] if _counted(plan, i, c.matmul, c.attention is not None) else 0.0) + oc.wait[i]
+    rerun: dict[str, float] = {}
+    kept: dict[str, int] = {}
+    numbered = set(layer_tags(prog))
+    for mode in RECOMPUTE:
+        saved = saved_activations(plan, mode)
+        rerun[mode] = sum(own[i] for i in {j for r in saved.recomputed for j in r})
+        kept[mode] = min((b for lay, b in saved.per_layer.items() if lay in numbered), default=0)
+    return sum(own), rerun, kept
+
+
+@dataclass(frozen=True)
+class LayerFloor:
+    """One layer key's figures for the whole model, one microbatch on one device: the work
+    (s), what each recomputation mode runs again (s), the fewest bytes a layer keeps under each."""
+
+    work: float
+    rerun: dict[str, float]
+    kept: dict[str, int]
+
+
+NO_FLOOR = LayerFloor(0.0, {}, {})
 
 
 @dataclass
@@ -86,7 +121,7 @@ class StepFloor:
     layers: int
     batch: int
     dense: int = 0
-    cache: dict[FloorKey, float] = field(default_factory=dict)
+    cache: dict[FloorKey, LayerFloor] = field(default_factory=dict)
     plans: int = 0
 
     def key(self, cfg: Config) -> FloorKey | None:
@@ -97,11 +132,11 @@ class StepFloor:
             return None
         return (cfg.tp, cfg.ep, cfg.cp, base_strategy(cfg.strategy), local)
 
-    def per_micro(self, cfg: Config) -> float:
-        """One device's work (s) for one microbatch through the whole model (0: no floor)."""
+    def of(self, cfg: Config) -> LayerFloor:
+        """``cfg``'s layer figures (:data:`NO_FLOOR` where its layers cannot be planned so)."""
         key = self.key(cfg)
         if key is None:
-            return 0.0
+            return NO_FLOOR
         got = self.cache.get(key)
         if got is None:
             tp, ep, cp, strategy, local = key
@@ -110,24 +145,31 @@ class StepFloor:
             try:
                 if fold is None:
                     self.plans += 1
-                    got = per_device_work(self.plan_copy(one, self.layers, local), self.device)
+                    w, r, k = _work(self.plan_copy(one, self.layers, local), self.device)
                 else:
                     self.plans += 2
-                    a = per_device_work(self.plan_copy(one, fold.layers_a, local), self.device)
-                    b = per_device_work(self.plan_copy(one, fold.layers_b, local), self.device)
-                    got = fold.at(a, b)
+                    wa, ra, _ka = _work(self.plan_copy(one, fold.layers_a, local), self.device)
+                    wb, rb, k = _work(self.plan_copy(one, fold.layers_b, local), self.device)
+                    w, r = fold.at(wa, wb), {m: fold.at(ra[m], rb[m]) for m in rb}
+                got = LayerFloor(w, r, k)
             except SpmdError:
-                got = 0.0  # its layers cannot be planned so: no floor (the configuration says why when planned)
+                got = NO_FLOOR  # its layers cannot be planned so (the configuration says why when planned)
             self.cache[key] = got
         return got
 
-    def step(self, cfg: Config) -> float:
-        """Seconds the step of ``cfg`` takes at least, under every recomputation mode."""
-        w = self.per_micro(cfg)
+    def per_micro(self, cfg: Config) -> float:
+        """One device's work (s) for one microbatch through the whole model (0: no floor)."""
+        return self.of(cfg).work
+
+    def step(self, cfg: Config, mode: str = "none") -> float:
+        """Seconds the step of ``cfg`` takes at least under recomputation ``mode`` (and every
+        mode that recomputes more: none is the least)."""
+        f = self.of(cfg)
+        w = f.work + f.rerun.get(mode, 0.0)
         if cfg.pp == 1:
             return w * cfg.grad_accum
         m = max(1, cfg.microbatches)
         return w / cfg.pp * (m + (cfg.pp - 1) / max(1, cfg.virtual))
 
 
-__all__ = ["FloorKey", "StepFloor", "base_strategy", "per_device_work"]
+__all__ = ["NO_FLOOR", "FloorKey", "LayerFloor", "StepFloor", "base_strategy", "per_device_work"]
