@@ -94,7 +94,7 @@ def test_the_bound_under_a_cap_that_forces_recomputation_is_below_the_fitting_st
     the least recomputation whose kept activations can fit) stays under the step that fits."""
     from dataclasses import replace
 
-    from spmdkit.planner.search import _bounds, _step_bounds
+    from spmdkit.planner.search import _bounds, _step_bound
 
     got = {c.config.recompute: c for c in config_candidates(MODEL, cfg, "h100", LONG)}
     full, least = got["full"], min(got["none"].memory, got.get("selective", got["none"]).memory)
@@ -104,6 +104,6 @@ def test_the_bound_under_a_cap_that_forces_recomputation_is_below_the_fitting_st
     job = replace(job, cap=cap)
     floor = _floor(MODEL, mc, job)
     assert floor is not None
-    low = _step_bounds([cfg], _bounds(MODEL, mc, job), floor, job, None).get(cfg)
+    low = _step_bound(cfg, _bounds(MODEL, mc, job), floor, job)
     fitting = [c for c in config_candidates(MODEL, cfg, "h100", LONG, memory_cap=cap) if c.fits]
-    assert fitting and low is not None and low <= min(c.step_s for c in fitting)
+    assert fitting and low <= min(c.step_s for c in fitting)

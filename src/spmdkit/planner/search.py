@@ -112,6 +112,9 @@ MAX_PLANS = 2000
 EXHAUSTIVE_PLANS = 200
 #: a search of this many devices or more is pruned by bounds (search_bounds) by default
 PRUNED_DEVICES = 512
+#: the most distinct layer keys whose floors (search_floor) are computed before the search, to
+#: order it; beyond, each configuration's floor is computed when it is its turn
+EAGER_FLOORS = 64
 
 
 @dataclass
@@ -393,8 +396,10 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
     bounds = _bounds(model, cfg_model, job) if prune and work else None
     job = replace(job, lean=bounds is not None)
     lows: dict[Config, float] = {}
+    floor, lazy = None, False
     if bounds is not None:  # the most promising first, so the best step found early prunes the most
-        lows = _step_bounds(work, bounds, _floor(model, cfg_model, job), job, progress)
+        floor = _floor(model, cfg_model, job)
+        lows, lazy = _step_bounds(work, bounds, floor, job, progress)
         work.sort(key=lambda c: lows.get(c, math.inf))
     elif len(work) > MAX_PLANS:
         raise ProgramError(f"--devices {devices}: {len(work)} configurations to plan (at most {MAX_PLANS})")
@@ -410,7 +415,10 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
     for cfg in work:
         if progress is not None:
             progress.update(note=cfg.label())
-        why = _pruned_why(cfg, bounds, cap, best, lows.get(cfg)) if bounds is not None else None
+        low = lows.get(cfg)
+        if lazy and low is not None and low < best:
+            low = _step_bound(cfg, bounds, floor, job)  # its layers' floor, now it is its turn
+        why = _pruned_why(cfg, bounds, cap, best, low) if bounds is not None else None
         if why is not None:
             pruned.append((cfg, why))
             if progress is not None:
@@ -517,26 +525,33 @@ def _floor(model: str | Program, mc: ModelConfig | None, job: _Job) -> StepFloor
     return StepFloor(plan_copy, job.device, mc.layers, mc.batch, mc.dense_layers if mc.experts else 0)
 
 
+def _step_bound(cfg: Config, bounds: Bounds, floor: StepFloor | None, job: _Job) -> float:
+    """``cfg``'s step bound: the larger of :meth:`Bounds.step` and ``floor``'s under the least
+    recomputation its memory bound allows (a mode whose kept activations cannot fit is not
+    counted; inf: none can)."""
+    low = bounds.step(cfg.devices, cfg.pp, cfg.microbatches, cfg.ep, cfg.strategy, cfg.virtual)
+    f = floor.of(cfg) if floor is not None else NO_FLOOR
+    if floor is not None and f is not NO_FLOOR:
+        low = max(low, min((floor.step(cfg, rc) for rc in job.modes
+                            if _memory_bound(cfg, bounds, f.kept.get(rc, 0)) <= job.cap), default=math.inf))
+    return low
+
+
 def _step_bounds(work: list[Config], bounds: Bounds, floor: StepFloor | None, job: _Job,
-                 progress: SearchProgress | None) -> dict[Config, float]:
-    """Each configuration's step bound, for those the memory bound does not reject: the larger
-    of :meth:`Bounds.step` and ``floor``'s under the least recomputation its memory bound allows
-    (a mode whose kept activations cannot fit is not counted; inf: none can)."""
+                 progress: SearchProgress | None) -> tuple[dict[Config, float], bool]:
+    """Each configuration's step bound (:func:`_step_bound`), for those the memory bound does not
+    reject; and whether the floor was left out of them (``lazy``: its layer plans, one per
+    distinct key, would be more than :data:`EAGER_FLOORS`; each configuration's floor is then
+    computed when it is its turn, :meth:`Bounds.step` ordering them)."""
     t0 = time.perf_counter()
-    out: dict[Config, float] = {}
-    for cfg in work:
-        if _memory_why(cfg, bounds, job.cap) is not None:
-            continue
-        low = bounds.step(cfg.devices, cfg.pp, cfg.microbatches, cfg.ep, cfg.strategy, cfg.virtual)
-        f = floor.of(cfg) if floor is not None else NO_FLOOR
-        if floor is not None and f is not NO_FLOOR:
-            low = max(low, min((floor.step(cfg, rc) for rc in job.modes
-                                if _memory_bound(cfg, bounds, f.kept.get(rc, 0)) <= job.cap), default=math.inf))
-        out[cfg] = low
+    fits = [c for c in work if _memory_why(c, bounds, job.cap) is None]
+    lazy = floor is not None and len({floor.key(c) for c in fits}) > EAGER_FLOORS
+    out = {c: _step_bound(c, bounds, None if lazy else floor, job) for c in fits}
     if progress is not None and floor is not None:
         progress.phase(f"step bounds of {len(out)} configurations from {len(floor.cache)} layer plans "
-                       f"({floor.plans} shallow copies planned, {time.perf_counter() - t0:.1f} s)")
-    return out
+                       f"({floor.plans} shallow copies planned, {time.perf_counter() - t0:.1f} s)" if not lazy else
+                       f"step bounds of {len(out)} configurations (FLOPs; their layers' floors as they come)")
+    return out, lazy
 
 
 def _pins_for(cfg: Config, pins: Mapping[str, Any] | None) -> dict[str, Any]:
