@@ -416,7 +416,7 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
         if progress is not None:
             progress.update(note=cfg.label())
         low = lows.get(cfg)
-        if lazy and low is not None and low < best:
+        if lazy and bounds is not None and low is not None and low < best:
             low = _step_bound(cfg, bounds, floor, job)  # its layers' floor, now it is its turn
         why = _pruned_why(cfg, bounds, cap, best, low) if bounds is not None else None
         if why is not None:
