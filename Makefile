@@ -32,7 +32,7 @@ typecheck: $(VENV)/.installed-test
 	$(BIN)/mypy
 
 unit: $(VENV)/.installed-test chromium
-	$(BIN)/python -m pytest -n 2 tests
+	$(BIN)/python -m pytest -n 2 --durations=25 tests
 
 # headless Chromium for the browser checks of tests/test_html.py: Debian's package, installed
 # where missing when root and apt-get is there; never fails (the tests skip, saying why)

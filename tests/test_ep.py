@@ -302,12 +302,15 @@ def test_qwen3_moe_and_deepseek_v3_plans(name: str, mesh: str, strategy: str, ba
     (MOE, 1, "dp=2,ep=2", "dp,ep"),
     (QWEN3, 1, "dp=2,ep=2", "dp,ep,zero1"),
     (DEEPSEEK, 2, "ep=2,tp=2", "ep,megatron"),
-], ids=["mixtral-like", "qwen3-moe-like", "deepseek-like"])
+    (MOE, 1, "ep=2,tp=2", "ep,megatron,sp,etp=1"),
+], ids=["mixtral-like", "qwen3-moe-like", "deepseek-like", "mixtral-like-etp1"])
 def test_run_with_ep_on_gloo_equals_the_single_process_step(cfg: dict[str, Any], layers: int, mesh: str,
                                                              strategy: str) -> None:
     """4 gloo processes, float32: loss, every gradient, update and activation equal the
     single-process step; every rank issued the plan's collectives, among them 2 all-to-alls
-    over ep forward and 2 backward per MoE layer."""
+    over ep forward and 2 backward per MoE layer. ETP = 1 (tests/test_etp.py): the experts
+    whole over ep x tp, no all-reduce of the experts' rows over tp; sp's all-gathers over tp
+    only."""
     rep = run_json("--model-config", json.dumps({**cfg, "layers": layers}), "--mesh", mesh, "--strategy", strategy)
     assert rep["world_size"] == 4 and rep["backend"] == "gloo"
     assert rep["ok"] and rep["collectives_match"] and not rep["failures"] and rep["nonfinite"] == 0, rep["failures"]
@@ -316,7 +319,11 @@ def test_run_with_ep_on_gloo_equals_the_single_process_step(cfg: dict[str, Any],
     moe_layers_n = layers - cfg.get("dense_layers", 0)
     a2a = [c for c in rep["collectives"] if c["kind"] == "all_to_all"]
     assert len(a2a) == 4 * moe_layers_n and {c["mesh_dim"] for c in a2a} == {ep}
-    assert not [c for c in rep["collectives"] if c["kind"] == "all_gather" and "zero" not in strategy]
+    tp = mesh.split(",").index("tp=2") if "sp" in strategy else None
+    assert not [c for c in rep["collectives"] if c["kind"] == "all_gather" and "zero" not in strategy
+                and c["mesh_dim"] != tp]
+    if "etp=1" in strategy:
+        assert not [c for c in rep["collectives"] if c["kind"] == "all_reduce" and "experts.rows" in c["tensor"]]
 
 
 def test_the_docs_command_plans_as_the_page_says() -> None:

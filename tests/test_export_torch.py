@@ -273,16 +273,57 @@ def test_mixtral_experts_style_under_megatron_and_what_is_refused(tmp_path: Path
                                           r"expert stacks over ep \(model\.layers\.0\.mlp\.experts\.gate_up_proj_gate "
                                           r"\(1, -1, -1\)\); the export's experts style runs them over tp only"):
         torch_source(_plan("MixtralForCausalLM", MIXTRAL, "dp=2,ep=2", "dp,ep"))
-    # megatron+sp: the plan runs the MoE block on the batch sharded over tp (all-to-all from the sequence
-    # shard, the rows reduce-scattered), which the experts style (whole rows all-reduced) does not
-    # (refused where the residual stream's layout is read: batch rows and sequence both over tp)
-    with pytest.raises(ExportError, match=r"^--export torch: the plan shards the residual stream over tp on both "
-                                          r"axis 0 and 1 of \[batch, seq, hidden\]; torch's sequence parallel "
-                                          r"shards one token axis$"):
-        torch_source(_plan("MixtralForCausalLM", MIXTRAL, "dp=2,tp=2", "megatron,sp"))
     mod = _export("MixtralForCausalLM", MIXTRAL, "dp=4", "fsdp", tmp_path)
     assert mod.TP_PLAN == {} and mod.DATA_PARALLEL["zero"] == 3 and mod.PLAN_COLLECTIVES == {"forward": {},
                                                                                              "backward": {}}
+
+
+def test_mixtral_sequence_parallel_moe_block_gathers_the_sequence(tmp_path: Path) -> None:
+    """megatron+sp: the plan runs the MoE block on the whole sequence (torchtitan's layout), so the
+    block gets PrepareModuleInputOutput (Shard(1) -> Replicate() in, Replicate() -> Shard(1) out, a
+    sequence-sharded DTensor for the residual add) around the experts style; no all-to-all."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    mod = _export("MixtralForCausalLM", MIXTRAL, "dp=2,tp=2", "megatron,sp", tmp_path)
+    s = _styles(mod)
+    assert s["model.layers.*.mlp.experts"] == ("ExpertsTensorParallel", {})
+    block = mod.TP_PLAN["model.layers.*.mlp"]
+    assert type(block).__name__ == "PrepareModuleInputOutput"
+    assert block.prepare_module_input.input_layouts == (Shard(1),)
+    assert block.prepare_module_input.desired_input_layouts == (Replicate(),)
+    assert block.prepare_module_input.use_local_output is True
+    assert block.prepare_module_output.output_layouts == (Replicate(),)
+    assert block.prepare_module_output.desired_output_layouts == (Shard(1),)
+    assert block.prepare_module_output.use_local_output is False
+    assert s["model.layers.*.post_attention_layernorm"][0] == "SequenceParallel"
+    assert not any(p.endswith("mlp.gate") for p in s)  # the router: replicated, on every token
+    # forward: per layer q/k/v's and the MoE block's input all-gathered, o_proj reduce-scattered, the
+    # experts' rows all-reduced; the embedding's reduce-scatter and the LM head's all-gather. Backward
+    # their mirrors (the block's output gradient all-gathered, its experts' input gradient all-reduced)
+    # and the 5 norm weights' gradients
+    assert mod.PLAN_COLLECTIVES == {"forward": {"all_gather_into_tensor": 5, "all_reduce": 2,
+                                                "reduce_scatter_tensor": 3},
+                                    "backward": {"all_gather_into_tensor": 5, "all_reduce": 2 + 5,
+                                                 "reduce_scatter_tensor": 3}}
+    from spmdkit.planner.planning import plan_hf
+
+    def annotated(user: dict[str, Any]) -> Any:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return plan_hf("MixtralForCausalLM", MIXTRAL, "dp=2,tp=2", "megatron,sp", batch=BATCH, seq=SEQ,
+                           user=user)[3]
+
+    # the router's tokens annotated onto the batch rows over tp (the plan's layout before: all-to-all
+    # from the sequence shard): two token axes over tp, refused where the residual stream is read
+    with pytest.raises(ExportError, match=r"^--export torch: the plan shards the residual stream over tp on both "
+                                          r"axis 0 and 1 of \[batch, seq, hidden\]; torch's sequence parallel "
+                                          r"shards one token axis$"):
+        torch_source(annotated({"moe_route.tokens": [[0, 1], -1, -1]}))
+    # the block's output annotated whole over tp: not the Shard(1) -> Replicate() -> Shard(1) round trip
+    with pytest.raises(ExportError, match=r"^--export torch: model\.layers\.0\.mlp: the plan makes its tokens "
+                                          r"mul_10 Shard\(1\) over tp and reads them Replicate\(\), makes its output "
+                                          r"reshape_2 Replicate\(\) and hands it on Replicate\(\); "):
+        torch_source(annotated({"reshape_2": [0, -1, -1]}))
 
 
 def test_auto_plan_of_a_tiny_model_exports(tmp_path: Path) -> None:

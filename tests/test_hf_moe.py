@@ -200,6 +200,35 @@ def test_megatron_shards_each_expert_and_keeps_the_router() -> None:
         assert act == {("forward", "all_reduce", "activation"): 2, ("backward", "all_reduce", "activation"): 2}
 
 
+def test_megatron_sp_gathers_the_moe_blocks_tokens_as_torchtitan() -> None:
+    """megatron+sp: the MoE block runs on every token of the sequence, as Megatron and torchtitan run
+    one under tp (torchtitan: its MoE module's input Shard(1) -> Replicate, router replicated,
+    experts split over tp): the norm's output all-gathered once before the router, the experts'
+    partial rows all-reduced, the output sliced back to the sequence shard; backward the output's
+    gradient all-gathered and the dispatch gradient all-reduced. No all-to-all (the plan once moved
+    the block to the batch rows and back, 2 each way, and all-gathered the k x larger dispatch
+    buffer), and the router's gradient is whole on every tp rank (reduced over dp only)."""
+    from spmdkit.strategies.hf_moe import moe_ends
+    from spmdkit.strategies.hf_roles import BLOCK, layer_collectives
+
+    prog, _, _ = _import("mixtral")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prog, plan = plan_program(prog, "dp=2,tp=2", "megatron,sp")
+    for c in (v for k, v in layer_collectives(plan).items() if BLOCK.fullmatch(k)):
+        act = {k[:2]: v for k, v in c.items() if k[2] == "activation"}
+        # attention: q/k/v's input gathered, o_proj's output reduce-scattered; MoE: tokens gathered, rows reduced
+        assert act == {("forward", "all_gather"): 2, ("forward", "reduce_scatter"): 1, ("forward", "all_reduce"): 1,
+                       ("backward", "all_gather"): 2, ("backward", "reduce_scatter"): 1,
+                       ("backward", "all_reduce"): 1}, act
+    (ins, outs), _ = moe_ends(prog, moe_projections(prog))
+    assert plan.attr(ins[0]).dims_mapping == (0, -1, -1)  # the router's tokens: batch over dp, whole over tp
+    assert plan.attr(outs[-1]).dims_mapping == (0, 1, -1)  # the block's output: the sequence shard
+    assert plan.attr("model.layers.0.mlp.gate.weight").dims_mapping == (-1, -1)
+    grad = plan.attr("model.layers.0.mlp.gate.weight.grad")
+    assert [d for d, _ in grad.partial] == [0]  # partial over dp only: every tp rank routes the same tokens
+
+
 def test_megatron_replicates_mla_down_projections() -> None:
     """DeepSeek-V3's MLA: the low-rank down projections (q_a_proj, kv_a_proj_with_mqa)
     replicated, q_b_proj and kv_b_proj column-parallel (heads), o_proj row-parallel, as the

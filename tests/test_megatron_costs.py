@@ -96,7 +96,7 @@ def test_sequence_parallel_regather_hides_under_the_dgrad_gemm() -> None:
     for fw in ("megatron", "torchtitan"):
         p = replace(plan, runtime=Runtime(framework=fw))
         comp = st._compute(p, H100)
-        comm = st._communication(p, comp)
+        comm = st._communication(p, comp, H100)
         got[fw] = st._rerun(p, "none", comp, comm, {}).extra_at
     from spmdkit.cost.memory import rerun_points, saved_activations
     _, regather = rerun_points(plan, saved_activations(plan, "none"))

@@ -98,6 +98,30 @@ def test_gpt2_fused_qkv_sequence_parallel_fsdp_trains_as_eager() -> None:
                                      "reduce_scatter_tensor": 3 + 3 + 2}] * 4
 
 
+MIXTRAL = {**LLAMA, "num_local_experts": 4, "num_experts_per_tok": 2}
+
+
+def test_mixtral_sequence_parallel_fsdp_trains_as_eager() -> None:
+    """Mixtral (1 layer, 4 experts, top 2) on dp=2 x tp=2 under megatron + sp + zero3, one launch:
+    the MoE block's tokens gathered from the sequence shard (PrepareModuleInputOutput), the router
+    replicated, each expert split over tp (ExpertsTensorParallel: the rows all-reduced), FSDP2 per
+    block and the root. Per step on every rank: the tp all-gathers (q/k/v's input, the MoE block's
+    input, the LM head's: 3 forward; the o_proj output's, the MoE output's and the embedding's
+    gradients: 3 backward) and reduce-scatters (the embedding, o_proj: 2 forward; q/k/v's and the LM
+    head's input gradients: 2 backward); all-reduces: the experts' rows and their input gradient (2),
+    the 3 norms' weights (3) and the loss's 3; FSDP2's 2 all-gathers forward, 1 backward, 2
+    reduce-scatters."""
+    p = _launch("--mesh", "dp=2,tp=2", "--strategy", "megatron,sp,zero3", "--json", config=MIXTRAL,
+                cls="MixtralForCausalLM")
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    rep = json.loads(p.stdout.strip().splitlines()[-1])
+    assert rep["ok"] and rep["same_initial_weights"] and len(rep["steps"]) == 3
+    for s in rep["steps"]:
+        assert abs(s["loss"] - s["eager_loss"]) <= 2e-5 * max(1.0, abs(s["eager_loss"])), s
+        assert s["collectives"] == [{"all_gather_into_tensor": 3 + 3 + 2 + 1, "all_reduce": 2 + 3 + 3,
+                                     "reduce_scatter_tensor": 2 + 2 + 2}] * 4
+
+
 def test_llama_pp_tp_pipeline_trains_as_eager(tmp_path: Path) -> None:
     """pp=2 x tp=2, 1F1B over 2 microbatches, AdamW: the export's build_pipeline under torchrun.
     Per microbatch stage 0 (the embedding, block 0) all-reduces 3 in the forward (the embedding,

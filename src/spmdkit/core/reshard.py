@@ -231,7 +231,7 @@ def merge_groups(plan: ReshardPlan, groups: Sequence[tuple[int, int]], shape: Se
                 and len(s.mesh_dims) == 1 and len(t.mesh_dims) == 1 and s.bytes_per_rank and t.bytes_per_rank:
             x, y = s.mesh_dims[0], t.mesh_dims[0]
             if s.kind == "all_reduce" and ((x, y) in groups or (y, x) in groups):
-                pair = (x, y) if (x, y) in groups else (y, x)
+                pair = (x, y)  # the steps' own order: one dim after the other, as an executor replans it
             elif s.kind == "reduce_scatter" and (x, y) in groups:
                 pair = (x, y)
             elif s.kind == "all_gather" and (y, x) in groups:
@@ -251,6 +251,27 @@ def merge_groups(plan: ReshardPlan, groups: Sequence[tuple[int, int]], shape: Se
                         t.dst, None, s.reduce_type))  # type: ignore[union-attr]
         i += 2
     return ReshardPlan(tuple(out))
+
+
+def _slice_major(st: _State, want: list[int], target: int, d: int, steps: list[Step]) -> None:
+    """Before mesh dim ``d`` moves onto axis ``target`` by all-to-all: the dims ``want`` puts
+    before ``d`` there that the tensor does not use yet (replicated over them, not partial) are
+    sliced onto it first, so the all-to-all lands ``d`` as the minor dim (and carries only the
+    slice) instead of ``d`` being all-gathered and sliced again (experts co-sharded ``(tp, ep)``
+    from tokens replicated over tp: docs/experts.md, ETP = 1)."""
+    if d not in want:
+        return
+    major = want[: want.index(d)]
+    have = st.dims[target]
+    if major[: len(have)] != have:
+        return
+    free = major[len(have):]
+    if not free or any(st.axis_of(m) is not None or m in st.partial for m in free):
+        return
+    for m in free:
+        before = st.attr()
+        st.dims[target].append(m)
+        steps.append(Step("slice", (m,), target, 0, 0.0, before, st.attr()))
 
 
 def plan_reshard(src: TensorDistAttr, dst: TensorDistAttr, shape: Sequence[int], itemsize: int = 4,
@@ -301,6 +322,8 @@ def plan_reshard(src: TensorDistAttr, dst: TensorDistAttr, shape: Sequence[int],
             d = st.dims[i][-1]
             n = ms[d]
             target = next((j for j, w in enumerate(want) if d in w), None)
+            if target is not None and target != i:
+                _slice_major(st, want[target], target, d, steps)
             before = st.attr()
             size = lb()
             if target is not None and target != i and want[target][: len(st.dims[target]) + 1] == [

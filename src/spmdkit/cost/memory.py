@@ -444,6 +444,38 @@ def saved_activations(plan: Plan, recompute: str = "none", only: Collection[str]
     return ActivationMemory(recompute, per_layer, tensors, regions, regathered)
 
 
+def recompute_inputs(plan: Plan, saved: ActivationMemory) -> dict[str, int]:
+    """Kept activation -> the backward op before which the recomputed region reading it runs
+    again (the latest such op): a region's input made before it is held until the region has
+    run again, whether or not a backward op reads it itself. Which inputs: those of the region's
+    ops that must run again (their outputs, or those of ops after them, feed the backward), as
+    AOTAutograd's partitioner saves them (compiled); in eager PyTorch (torchtitan without
+    ``--compile``) every output its op-level selective checkpointing marks saved
+    (``wq`` / ``wv`` / ``w1`` / ``w2``'s): torch.utils.checkpoint's ``_CachingTorchDispatchMode``
+    stores each ``MUST_SAVE`` op's output in the forward, and the storage lives until the
+    layer's backward, needed or not (``w2``'s, which only the residual add reads)."""
+    prog = plan.program
+    reads = value_reads(prog)
+    kept = {n for lst in saved.tensors.values() for n, _ in lst}
+    every = plan.runtime.eager
+    out: dict[str, int] = {}
+    for region in saved.recomputed:
+        made = {n for i in region for n in prog.ops[i].output_names()}
+        dropped = [n for n in made if n in reads and n not in kept]
+        if not dropped:
+            continue
+        again = min(reads[n][0] for n in dropped)
+        need = set(dropped)
+        for i in reversed(region):
+            op = prog.ops[i]
+            if every or any(n in need for n in op.output_names()):
+                need.update(op.input_names())
+                for n in op.input_names():
+                    if n in kept and n not in made:
+                        out[n] = max(out.get(n, again), again)
+    return out
+
+
 def spans_with_recompute(plan: Plan, saved: ActivationMemory) -> dict[str, list[tuple[int, int, int]]]:
     """Tensor -> [(first op, last op, bytes)] live intervals for the tensors whose life
     recomputation, a backward re-gather or an fp8 stash (:func:`fp8_stashed`) splits
@@ -706,6 +738,15 @@ def fit_verdict(need: int, capacity: int) -> tuple[bool, str]:
 # -- the activation curve -------------------------------------------------------------------------
 
 
+def root_reshard(plan: Plan) -> int:
+    """The op after which FSDP2's root group (the parameters outside the transformer blocks:
+    embedding, final norm, head) is resharded: the backward's last (0: not FSDP2). Without a
+    pipeline (whose stages keep every parameter gathered: :mod:`spmdkit.planner.stage_costs`)."""
+    if not plan.runtime.fsdp2:
+        return 0
+    return max((i for i, op in enumerate(plan.program.ops) if op.phase == "backward"), default=0)
+
+
 def activation_deltas(plan: Plan, saved: ActivationMemory, group_of: list[int] | None = None,
                       groups: int = 1) -> list[dict[int, int]]:
     """Per group of ops (a pipeline stage; one group: the whole step), op index -> the change
@@ -751,6 +792,10 @@ def activation_deltas(plan: Plan, saved: ActivationMemory, group_of: list[int] |
                 uses[(g, n)] = [i, i]
             else:
                 u[1] = i
+    for n, at in recompute_inputs(plan, saved).items():  # held until their region runs again
+        u = uses.get((grp[at], n))
+        if u is not None:
+            u[1] = max(u[1], at)
     split = spans_with_recompute(plan, saved)
     deltas: list[dict[int, int]] = [{} for _ in range(groups)]
 
@@ -780,6 +825,8 @@ def activation_deltas(plan: Plan, saved: ActivationMemory, group_of: list[int] |
             else:
                 blk[1] = i
     spans: dict[tuple[int, str, TensorDistAttr, str], list[int]] = {}
+    root = root_reshard(plan) if groups == 1 else 0
+    held_root: dict[str, tuple[int, TensorDistAttr]] = {}
     again = regathers(plan)  # a cp attention's K / V gathered again for its grad: a copy of its own
     for k, r in enumerate(plan.reshards):
         if makes_no_copy(plan, r):
@@ -788,7 +835,15 @@ def activation_deltas(plan: Plan, saved: ActivationMemory, group_of: list[int] |
             continue  # an input its op reads for the shape only (SHAPE_ONLY): no copy is made
         op = prog.ops[r.op_index]
         g = grp[r.op_index]
-        if r.tensor in stored:
+        if r.tensor in stored and root and not op.layer.startswith("layer"):
+            # FSDP2's root group (the embedding, the final norm, the head): gathered when the
+            # forward starts and not resharded until the backward ends (FSDPState._lazy_init:
+            # "For the root, do not reshard after forward since for training, the parameters
+            # would be freed and all-gathered immediately": post_forward_mesh_info = None)
+            # (one gathered copy a parameter, however many readers reshard it)
+            held_root.setdefault(r.tensor, (g, r.dst))
+            continue
+        elif r.tensor in stored:
             lo, hi = before[(op.layer, op.phase)], blocks[(op.layer, op.phase)][1]
             key = (g, r.tensor, r.dst, op.phase)
         else:
@@ -800,10 +855,12 @@ def activation_deltas(plan: Plan, saved: ActivationMemory, group_of: list[int] |
         s[0], s[1] = min(s[0], lo), max(s[1], hi)
     for (g, n, dst, _phase), (a, e) in spans.items():
         add(g, a, e, nbytes(n, dst))
+    for n, (g, dst) in held_root.items():
+        add(g, 0, root, nbytes(n, dst))
     for i, size in ring_buffers(plan).items():  # ring attention's KV (and dK / dV) blocks in flight
         add(grp[i], i, i, size)
     for i, j, elems in loss_spans(plan):
-        held, fwd, bwd = LOSS_BYTES[plan.runtime.framework]
+        held, fwd, bwd = loss_bytes(plan, i)
         add(grp[i], i, j, held * elems)
         add(grp[i], i, i, fwd * elems)
         add(grp[j], j, j, bwd * elems)
@@ -821,6 +878,26 @@ LOSS_RULES = frozenset({"cross_entropy_with_softmax", "c_softmax_with_cross_entr
 #: benchmark recipes (``MaskedCrossEntropy(fp32_upcast=False)``): ``cross_entropy`` on the bf16
 #: logits, whose backward holds the nll gradient in bf16 (+2) beside the program's.
 LOSS_BYTES = {"megatron": (2, 0, 0), "torchtitan": (2, 4, 8), "automodel": (0, 0, 2)}
+#: torchtitan's loss over vocab-sharded logits (tp > 1: ``loss_parallel``, on unless
+#: ``training.disable_loss_parallel``): torch's DTensor handlers
+#: (``torch/distributed/tensor/parallel/loss.py``) run the cross-entropy op by op. Forward
+#: ``_log_softmax``: ``shifted = x - max`` and ``exp(shifted)`` in fp32 beside the fp32 copy of
+#: the logits (then ``shifted - logsumexp``): 4 bytes more than aten's one log-softmax kernel.
+#: Backward ``_nll_loss_and_log_softmax_backward``: ``zeros_like(x)``, ``exp(x)`` and their sum in
+#: fp32 beside the saved log-softmax (then times the gradient): 4 more than aten's nll gradient
+#: and ``log_softmax_backward``.
+LOSS_PARALLEL_BYTES = {"torchtitan": (2, 8, 12)}
+
+
+def loss_bytes(plan: Plan, i: int) -> tuple[int, int, int]:
+    """(held, forward, backward) bytes per logit element of the loss at op ``i``
+    (:data:`LOSS_BYTES`, :data:`LOSS_PARALLEL_BYTES` where its logits are vocab-sharded)."""
+    fw = plan.runtime.framework
+    if fw in LOSS_PARALLEL_BYTES:
+        attr = plan.attrs[plan.program.ops[i].output_names()[0]]
+        if attr.dims_mapping and entry_dims(attr.dims_mapping[-1]):
+            return LOSS_PARALLEL_BYTES[fw]
+    return LOSS_BYTES[fw]
 
 
 def loss_spans(plan: Plan) -> list[tuple[int, int, int]]:
@@ -880,10 +957,10 @@ def memory_per_device(plan: Plan, recompute: str = "none") -> Memory:
     return with_overheads(params, grads, states, peak, at, plan, 1, saved, tuple(curve))
 
 
-__all__ = ["ALLOCATOR_RESERVE", "CUDA_CONTEXT_BYTES", "LOSS_BYTES", "LOSS_RULES", "MICROBATCH", "loss_spans",
+__all__ = ["ALLOCATOR_RESERVE", "CUDA_CONTEXT_BYTES", "LOSS_BYTES", "LOSS_PARALLEL_BYTES", "LOSS_RULES", "loss_bytes", "MICROBATCH", "loss_spans",
            "per_microbatch_mode", "recompute_layers", "NCCL_BYTES_PER_GROUP", "RECOMPUTE",
            "FOR_GRAD_ONLY", "SHAPE_ONLY", "ActivationMemory", "Memory", "UnevenShard", "activation_deltas",
            "check_recompute", "communicators", "fit_verdict", "fp8_stashed", "held_for_the_step", "local_numel",
            "makes_no_copy", "memory_per_device",
-           "peak_of", "recompute_regions", "state_bytes", "rerun_points", "saved_activations", "spans_with_recompute",
+           "peak_of", "recompute_inputs", "recompute_regions", "root_reshard", "state_bytes", "rerun_points", "saved_activations", "spans_with_recompute",
            "uneven_shards", "value_inputs", "value_reads", "value_spans", "with_overheads"]

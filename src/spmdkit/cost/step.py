@@ -17,6 +17,7 @@ from typing import Any
 
 from spmdkit.core.dist_attr import entry_dims
 from spmdkit.core.reshard import Step
+from spmdkit.cost.async_tp import fused_exposed, fused_window, reduce_partials_s
 from spmdkit.cost.band import error_band
 from spmdkit.cost.collectives import buffer_bytes, time_of
 from spmdkit.cost.compute import KernelCollective, kernel_collectives, local_shape, model_flops, op_cost
@@ -347,11 +348,14 @@ class _Comm:
     under: dict[int, tuple[float, int]] = field(default_factory=dict)
     #: a TP reduce-scatter's SM share taken from the GEMM it overlaps (:func:`ub_sm_tax`)
     rs_tax: float = 0.0
+    #: torch's async TP: the seconds op i waits on the fused all-gather-matmuls /
+    #: matmul-reduce-scatters beyond their GEMMs (:mod:`spmdkit.cost.async_tp`)
+    fused: dict[int, float] = field(default_factory=dict)
 
     def exposed(self, i: int, times: list[float]) -> float:
         """Seconds op i waits on its blocking and TP-overlapped collectives (a reduce-scatter's
         GEMM slowed by the SMs it takes: :func:`overlap_exposed`)."""
-        t = self.blocking.get(i, 0.0)
+        t = self.blocking.get(i, 0.0) + self.fused.get(i, 0.0)
         for c, j, n, kind in self.tp.get(i, ()):
             t += overlap_exposed(c, times[j], n, self.rs_tax if kind == "reduce_scatter" else 0.0)
         u = self.under.get(i)
@@ -399,12 +403,13 @@ def distributed_optimizer_grads(plan: Plan) -> dict[str, frozenset[int]]:
     return out
 
 
-def _communication(plan: Plan, comp: _Compute) -> _Comm:
+def _communication(plan: Plan, comp: _Compute, device: Device) -> _Comm:
     """Gradient reductions (:func:`is_grad_sync`) go to the op that makes the gradient (they
     wait for a bucket); a stored parameter's all-gather (ZeRO-3 / FSDP: ``plan.storage``) joins
     its layer group's one all-gather, prefetched; under ``plan.runtime.tp_comm_overlap`` an
     activation's all-gather / reduce-scatter next to a GEMM (the op that reads it, or the one
-    that made it) overlaps that GEMM; every other collective blocks the op that needs it."""
+    that made it) overlaps that GEMM (under an FSDP2 framework as torch's async TP fuses them:
+    :mod:`spmdkit.cost.async_tp`); every other collective blocks the op that needs it."""
     prog = plan.program
     out = _Comm({}, {}, {"forward": 0.0, "backward": 0.0, "optimizer": 0.0})
     producer = _producers(plan)
@@ -412,6 +417,7 @@ def _communication(plan: Plan, comp: _Compute) -> _Comm:
     gathers: dict[int, dict[tuple[int, ...], float]] = {}
     param_grads = plan.param_grads()
     overlap_tp = plan.runtime.tp_comm_overlap
+    torch_tp = overlap_tp and plan.runtime.framework in FSDP2  # torch's async TP (micro-pipeline TP)
     rs_grads = distributed_optimizer_grads(plan)
     moe_a2a = bool(plan_loads(plan)) or plan.runtime.moe_dispatcher != "alltoall"
     under = gather_overlaps(plan)
@@ -456,8 +462,16 @@ def _communication(plan: Plan, comp: _Compute) -> _Comm:
                 out.under[i] = (secs + s.time_s, under[i])
                 continue
             gemm = -1
-            if overlap_tp and s.kind in ("all_gather", "reduce_scatter") and t.kind in ("activation", "gradient") \
-                    and r.tensor not in param_grads:
+            tp_act = s.kind in ("all_gather", "reduce_scatter") and t.kind in ("activation", "gradient") \
+                and r.tensor not in param_grads
+            if torch_tp and tp_act:
+                win = fused_window(plan, comp.costs, comp.times, device, i, r.tensor, s.kind, producer, readers, n)
+                if win is not None:
+                    red = reduce_partials_s(device, numel(local_shape(t.shape, s.src)) * t.itemsize, n) \
+                        if s.kind == "reduce_scatter" else 0.0
+                    out.fused[i] = out.fused.get(i, 0.0) + fused_exposed(s.kind, s.time_s, *win, n, red)
+                    continue
+            elif overlap_tp and tp_act:
                 gemm = _adjacent_gemm(plan, comp, r.tensor, i, producer, readers)
             if gemm >= 0:
                 out.tp.setdefault(i, []).append((s.time_s, gemm, n, s.kind))
@@ -669,7 +683,7 @@ def op_communication(plan: Plan, device: Device) -> OpComm:
     """:class:`OpComm` of ``plan`` on ``device``: the step's communication model
     (:func:`estimate_step`) per op, the FSDP prefetch as ``max(0, gather - the group before)``."""
     comp = _compute(plan, device)
-    comm = _communication(plan, comp)
+    comm = _communication(plan, comp, device)
     comm.rs_tax = ub_sm_tax(plan.runtime.framework, device.rates.sms)
     wait = [comm.exposed(i, comp.times) for i in range(len(comp.times))]
     for k in kernel_collectives(plan):
@@ -708,7 +722,7 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
     for k in kern:
         kern_by_op[k.op_index] = kern_by_op.get(k.op_index, 0.0) + k.time_s
     comp = _compute(plan, device)
-    comm = _communication(plan, comp)
+    comm = _communication(plan, comp, device)
     comm.rs_tax = ub_sm_tax(plan.runtime.framework, device.rates.sms)
     rings = ring_costs(plan, comp.times)
     for rg in rings:  # the ring's exposed transfers wait inside the op, as a kernel's collective

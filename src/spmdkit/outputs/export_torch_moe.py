@@ -13,12 +13,19 @@ The export writes a ``ParallelStyle`` of its own into the file for it (torch's e
   ``down_proj`` ``Shard(2)``; the input read whole and its gradient all-reduced in the backward;
   the rows' outputs all-reduced, then weighted and summed per token on every rank. The router (the
   block's ``gate``) stays a plain replicated module: every rank routes every token alike.
+- under sequence parallel (megatron+sp) the plan gathers the MoE block's tokens from the sequence
+  shard before the router and slices its output back (strategies.hf: as torchtitan's
+  ``PrepareModuleInputOutput`` on its MoE module and Megatron's all-gather dispatcher): the block
+  (the experts module's parent, HF's sparse MoE block) gets ``PrepareModuleInputOutput``, input
+  ``Shard(1)`` -> ``Replicate()`` (all-gather; its gradient, whole once the experts' input hook
+  has all-reduced theirs, sliced back), output ``Replicate()`` -> ``Shard(1)`` (sliced; its
+  gradient all-gathered), a sequence-sharded DTensor for the residual add.
 
 Refused by name (:class:`ExportError`): a stack sharded over a mesh dim other than tp and dp (expert
 parallelism over ep), split otherwise than on its ffn axis, rows reduced to anything but
-``Replicate()`` (a megatron+sp plan: spmdkit runs the MoE block batch-sharded over tp, all-to-all
-from the sequence shard and back, and its backward re-gathers the norm's activations, which no
-torch style issues), a module not holding the fused banks.
+``Replicate()`` (reduce-scattered: a block run on tokens sharded over tp, which the style's
+whole-row all-reduce does not do), a block whose tokens or output the plan moves otherwise than
+``Shard(d)`` -> ``Replicate()`` -> ``Shard(d)``, a module not holding the fused banks.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from typing import Any
 from spmdkit.outputs.export import ExportError, _placement_text, _tp_placement
 from spmdkit.program.plan import Plan
 from spmdkit.strategies.experts import moe_layers
+from spmdkit.strategies.hf_moe import moe_ends, moe_projections
 
 #: the spmdkit program's parts of HF's fused banks (the importer's names): part -> (HF's bank, the
 #: part's ffn axis in the program's [E, in, out] layout)
@@ -60,10 +68,13 @@ def _rows_reduced_to(plan: Plan, rows: str, tp: int) -> Any:
 
 def experts_styles(plan: Plan, tp: int | None, modules: dict[int, tuple[str, str]]) -> dict[str, dict[str, Any]]:
     """The experts modules' styles (module path -> style doc) of a plan whose expert stacks are
-    sharded over tp; {} when none is. ExportError for what the style does not run (module docstring)."""
+    sharded over tp (and, under sequence parallel, their MoE blocks' PrepareModuleInputOutput); {} when
+    none is. ExportError for what the style does not run (module docstring)."""
     names = plan.mesh.dim_names
     prog = plan.program
     out: dict[str, dict[str, Any]] = {}
+    found = moe_projections(prog)
+    ends = {prog.ops[m.combine].inputs.get("x"): e for m, e in zip(found, moe_ends(prog, found), strict=True) if e[0]}
     for lay in moe_layers(prog) if any(op.rule == "moe_gate_dispatch" for op in prog.ops) else []:
         sharded = []
         for s in lay.stacks:
@@ -95,16 +106,54 @@ def experts_styles(plan: Plan, tp: int | None, modules: dict[int, tuple[str, str
         dst = _rows_reduced_to(plan, lay.rows, tp)  # type: ignore[arg-type]
         if dst is not None and dst.is_shard():
             raise ExportError(f"--export torch: {mod}: the plan reduce-scatters its experts' partial rows {lay.rows} "
-                              f"over tp to {_placement_text(dst)} (sequence parallel: it runs the MoE block on the "
-                              f"batch sharded over tp, all-to-all from the sequence shard and back, and re-gathers "
-                              f"the norm's activations in the backward); the experts style all-reduces whole rows "
-                              f"(megatron without sp, or with fsdp / zero)")
+                              f"over tp to {_placement_text(dst)} (it runs the MoE block on tokens sharded over "
+                              f"tp); the experts style all-reduces whole rows (the block on every token: megatron, "
+                              f"with sp, fsdp or zero)")
         if dst is None or not dst.is_replicate():
             raise ExportError(f"--export torch: {mod}: the plan reduces its experts' partial rows {lay.rows} over tp "
                               f"to {'nothing' if dst is None else _placement_text(dst)}; the experts style "
                               f"all-reduces them to Replicate()")
         out[mod] = {"style": STYLE}
+        block = _block_style(plan, tp, mod, ends.get(lay.rows)) if tp is not None else None
+        if block is not None:
+            out[mod.rpartition(".")[0]] = block
     return out
+
+
+def _made_as(plan: Plan, tp: int, x: str, producers: dict[str, int]) -> Any:
+    """The tp placement ``x`` is made in (its producer's output, before any reshard to its readers)."""
+    i = producers.get(x)
+    if i is None:
+        return _tp_placement(plan.attrs[x], tp)
+    return _tp_placement(plan.ops[i].outputs[plan.program.ops[i].output_names().index(x)], tp)
+
+
+def _block_style(plan: Plan, tp: int, experts: str, ends: tuple[list[str], list[str]] | None) -> dict[str, Any] | None:
+    """The MoE block's own style under sequence parallel (the experts module's parent: HF's sparse
+    MoE block, which runs the router and the experts): the plan gathers the block's tokens from
+    the sequence-sharded residual stream before the router and returns its output to sequence
+    shards, as torchtitan's ``PrepareModuleInputOutput`` on its MoE module does: input ``Shard(d)``
+    -> ``Replicate()`` (all-gather forward; the gradient, whole after the experts' input
+    all-reduce, sliced back), output ``Replicate()`` -> ``Shard(d)`` (sliced forward, its gradient
+    all-gathered), a ``Shard(d)`` DTensor for the residual add. None without sequence parallel."""
+    if ends is None:
+        return None
+    prog = plan.program
+    producers = {n: i for i, op in enumerate(prog.ops) for n in op.output_names()}
+    ins, outs = ends
+    src, got = _made_as(plan, tp, ins[-1], producers), _tp_placement(plan.attrs[ins[0]], tp)
+    dst, made = _tp_placement(plan.attrs[outs[-1]], tp), _made_as(plan, tp, outs[-1], producers)
+    if src.is_replicate() and dst.is_replicate():
+        return None
+    mod = experts.rpartition(".")[0]
+    if not (src.is_shard() and got.is_replicate() and made.is_replicate() and dst.is_shard() and src.dim == dst.dim):
+        raise ExportError(f"--export torch: {mod}: the plan makes its tokens {ins[-1]} {_placement_text(src)} over tp "
+                          f"and reads them {_placement_text(got)}, makes its output {outs[-1]} "
+                          f"{_placement_text(made)} and hands it on {_placement_text(dst)}; the export runs a MoE "
+                          f"block on every token of the sequence (Shard(1) -> Replicate() before it, back after it)")
+    return {"style": "PrepareModuleInputOutput", "input_layouts": _placement_text(src),
+            "desired_input_layouts": "Replicate()", "use_local_input": True, "output_layouts": "Replicate()",
+            "desired_output_layouts": _placement_text(dst), "use_local_output": False}
 
 
 STYLE_SOURCE = '''

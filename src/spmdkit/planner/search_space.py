@@ -90,18 +90,22 @@ def factorizations(n: int, pipeline: bool = True) -> list[tuple[int, int, int]]:
 CP_VARIANTS = (",cp", ",cp,cp-attention=ring", ",cp,cp-attention=alltoall")
 
 
-def hand_strategies(dp: int, tp: int, ep: int = 1, cp: int = 1) -> list[str]:
+def hand_strategies(dp: int, tp: int, ep: int = 1, cp: int = 1, experts: int = 0) -> list[str]:
     """The hand strategies a (dp, tp) sub-mesh can take (ZeRO only where dp > 1); with ``ep``
     > 1 (a ``dp x ep x tp`` sub-mesh) the same with expert parallelism (``,ep``; megatron's
     experts tensor-parallel over tp: ETP = TP), ZeRO where the data-parallel ranks ``dp x ep``
     are more than one; with ``cp`` > 1 (a ``dp x cp x tp`` sub-mesh) the same with context
     parallelism, each attention variant (``,cp``: allgather, ``,cp,cp-attention=ring``,
     ``,cp,cp-attention=alltoall``; a variant the heads refuse is kept among the refused), ZeRO
-    where ``dp x cp`` (the ranks that reduce the gradients) are more than one."""
+    where ``dp x cp`` (the ranks that reduce the gradients) are more than one. With ``experts``
+    (the routed experts; 0: not given) that ``ep x tp`` divides, tp > 1 also offers ETP = 1
+    (``megatron,sp,ep,etp=1``: each expert whole over the ep x tp ranks, docs/experts.md)."""
     zeros = ["", ",zero1", ",zero2", ",zero3"] if dp * ep * cp > 1 else [""]
     bases = ["dp"] if tp == 1 else ["megatron", "megatron,sp"]
     if ep > 1:
         bases = [b + ",ep" for b in bases]
+        if tp > 1 and experts and experts % (ep * tp) == 0:
+            bases.append("megatron,sp,ep,etp=1")
     if cp > 1:
         bases = [b + v for b in bases for v in CP_VARIANTS]
     return [b + z for b in bases for z in zeros]
@@ -179,7 +183,7 @@ def _work(devices: int, pipeline: bool, sizes: _Sizes, given: list[str] | None,
                 refused.append((Config(dp, tp, pp, "*", "none", m, ep, cp), f"--micro-batch {sizes.micro} x "
                                 f"{dp * ep} data-parallel ranks does not divide the global batch {batch}"))
                 continue
-            names = list(given) if given is not None else hand_strategies(dp, tp, ep, cp)
+            names = list(given) if given is not None else hand_strategies(dp, tp, ep, cp, sizes.experts)
             if auto:
                 names.append("auto")
             for s, (m, accum) in ((s, st) for st in steps for s in names):

@@ -46,13 +46,15 @@ def tiny_for_mesh(tiny: str, mesh_text: str, strategy_text: str) -> str:
     sp = "sp" in st
     cfg = preset(tiny)
     grown: dict[str, Any] = {}
+    etp1 = "etp=1" in st and "ep" in st
     if "ep" in st and cfg.experts:
         ep, dp = sizes.get("ep", 1), sizes.get("dp", 1)
-        if cfg.experts % ep:
-            grown["experts"] = _lcm(cfg.experts, ep)
+        spread = ep * (tp if etp1 else 1)  # etp=1: the experts over ep x tp
+        if cfg.experts % spread:
+            grown["experts"] = _lcm(cfg.experts, spread)
         if cfg.batch % (dp * ep):
             grown["batch"] = _lcm(cfg.batch, dp * ep)
-    if tp_problem(cfg, tp, sp) is not None:
+    if tp_problem(cfg, tp, sp, etp1) is not None:
         kv = cfg.n_kv if cfg.n_kv % tp == 0 or tp % cfg.n_kv == 0 else _lcm(cfg.n_kv, tp)
         heads = _lcm(_lcm(cfg.heads, tp), kv)
         grown.update({"heads": heads, "kv_heads": None if cfg.kv_lora_rank else kv, "ffn": _lcm(cfg.ffn, tp),

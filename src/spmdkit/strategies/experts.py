@@ -99,18 +99,24 @@ def batch_entry(dp: int | None, ep: int | None) -> Entry:
     return -1 if not dims else dims[0] if len(dims) == 1 else (dims[0], dims[1])
 
 
-def check_ep(mesh: ProcessMesh, layers: list[MoeLayer], ep: int, batch: int | None, dp: int | None) -> None:
+def check_ep(mesh: ProcessMesh, layers: list[MoeLayer], ep: int, batch: int | None, dp: int | None,
+             fold: int | None = None) -> None:
     """ProgramError naming ``--strategy ep`` when the program has no MoE layer, ``--mesh`` when
-    ``ep`` does not divide a layer's experts (with the sizes that do) or when ``dp x ep`` does not
-    divide the batch."""
+    ``ep`` (with ETP = 1, ``ep x tp``: ``fold`` is the tp dim) does not divide a layer's experts
+    (with the sizes that do) or when ``dp x ep`` does not divide the batch."""
     if not layers:
         raise ProgramError("--strategy ep: the model has no experts (no moe_gate_dispatch op): expert parallelism "
                            "needs a mixture-of-experts model")
     n = mesh.shape[ep]
+    t = mesh.shape[fold] if fold is not None else 1
     for lay in layers:
-        if lay.experts % n:
+        if lay.experts % (n * t):
             fits = [d for d in range(2, lay.experts + 1) if lay.experts % d == 0]
             some = ", ".join(map(str, fits[:-1])) + (" or " if len(fits) > 1 else "") + str(fits[-1]) if fits else ""
+            if fold is not None:
+                raise ProgramError(f"--mesh ep={n},{mesh.dim_names[fold]}={t}: with etp=1 the experts are spread over "
+                                   f"ep x tp = {n * t} ranks, which does not divide the model's {lay.experts} experts"
+                                   + (f"; an ep x tp of {some} does" if fits else ""))
             raise ProgramError(f"--mesh ep={n}: ep does not divide the model's {lay.experts} experts"
                                + (f"; an ep of {some} does" if fits else ""))
     ranks = n * (mesh.shape[dp] if dp is not None else 1)
@@ -121,28 +127,71 @@ def check_ep(mesh: ProcessMesh, layers: list[MoeLayer], ep: int, batch: int | No
 
 
 def expert_marks(prog: Any, mesh: ProcessMesh, dm: Any, dp: int | None, ep: int,
-                 layers: list[MoeLayer] | None = None) -> frozenset[str]:
+                 layers: list[MoeLayer] | None = None, fold: int | None = None) -> frozenset[str]:
     """Mark the MoE tensors of ``prog`` in ``dm`` (:class:`spmdkit.strategies.strategy.Marks`:
     tensor -> dims_mapping, edited in place) for expert parallelism over mesh dim ``ep`` (batch
     over ``dp`` too where it is not None): each expert stack's axis 0 over ``ep``, the dispatched
     tokens ``[dp, ep, -1, -1]`` and the rows back at the batch entry, the gradients as their
-    mirrors (module docstring). Returns the expert stacks (their gradients reduce over ``dp``
-    only; ZeRO shards their states over ``dp``). The batch of the data inputs is the caller's."""
+    mirrors (module docstring). ``fold`` (ETP = 1: the tp mesh dim) spreads the experts over the
+    co-shard ``(tp, ep)`` instead: the stacks, the dispatched tokens and the rows' gradient
+    ``[dp, (tp, ep), ...]`` (:func:`expert_entry`). Returns the expert stacks (their gradients
+    reduce over ``dp`` only; ZeRO shards their states over ``dp``). The batch of the data inputs
+    is the caller's."""
     b = batch_entry(dp, ep)
+    e = expert_entry(ep, fold)
     experts: set[str] = set()
     for lay in layers if layers is not None else moe_layers(prog):
         for p in lay.stacks:
-            dm(p)[0] = ep
+            dm(p)[0] = e
             experts.add(p)
         d = dm(lay.dispatched)
-        d[0], d[1] = (dp if dp is not None else -1), ep
+        d[0], d[1] = (dp if dp is not None else -1), e
         dm(lay.rows)[0] = b
         if lay.grad_dispatched is not None:
             dm(lay.grad_dispatched)[0] = b
         if lay.grad_rows is not None:
             g = dm(lay.grad_rows)
-            g[0], g[1] = (dp if dp is not None else -1), ep
+            g[0], g[1] = (dp if dp is not None else -1), e
     return frozenset(experts)
+
+
+def expert_entry(ep: int, fold: int | None = None) -> Entry:
+    """The expert axis' entry: ``ep``, or with ETP = 1 (``fold``: the tp mesh dim) the co-shard
+    ``(tp, ep)``: tp major, so a tp rank's share of experts is a slice of tokens it already holds
+    (gathered over tp before the dispatch) and the all-to-all over ep carries only that slice."""
+    return ep if fold is None else (fold, ep)
+
+
+def parse_etp(item: str) -> str | None:
+    """``etp=1`` -> ``"etp=1"``; ``etp=tp`` -> ``""`` (the default: each expert tensor-parallel
+    over tp, nothing to add); None where ``item`` is no etp item; ProgramError naming the item
+    for another value."""
+    key, eq, value = item.partition("=")
+    if not eq or key.strip() != "etp":
+        return None
+    value = value.strip()
+    if value == "1":
+        return "etp=1"
+    if value == "tp":
+        return ""
+    raise ProgramError(f"--strategy etp={value}: expert tensor parallel is 1 (each expert whole, experts over ep x "
+                       f"tp) or tp (each expert split over tp: the default)")
+
+
+def check_etp(items: list[str], mesh: ProcessMesh) -> None:
+    """``etp=1`` needs ``ep`` and ``megatron`` in the strategy (and their mesh dims)."""
+    if "etp=1" not in items:
+        return
+    for need, what in (("ep", "expert parallelism (ep)"), ("megatron", "tensor parallelism (megatron)")):
+        if need not in items:
+            raise ProgramError(f"--strategy etp=1: expert tensor parallel = 1 folds the experts over ep x tp; it needs "
+                               f"{what} in --strategy")
+
+
+def expert_fold(mesh: ProcessMesh, strategy: Mapping[str, Any] | Any) -> int | None:
+    """The tp mesh dim the experts are folded over (ETP = 1: ``etp=1`` in the strategy), else None."""
+    st = set(strategy)
+    return mesh.dim_index("tp") if "etp=1" in st and "megatron" in st and "ep" in st else None
 
 
 def zero_dims(mesh: ProcessMesh, dp: int | None, ep: int | None, expert: bool) -> tuple[Entry, int] | None:
@@ -165,4 +214,5 @@ def ep_dim(mesh: ProcessMesh, strategy: Mapping[str, Any] | Any) -> int | None:
     return mesh.dim_index("ep") if "ep" in set(strategy) else None
 
 
-__all__ = ["MoeLayer", "batch_entry", "check_ep", "ep_dim", "expert_marks", "moe_layers", "zero_dims"]
+__all__ = ["MoeLayer", "batch_entry", "check_ep", "check_etp", "ep_dim", "expert_entry", "expert_fold", "expert_marks",
+           "moe_layers", "parse_etp", "zero_dims"]

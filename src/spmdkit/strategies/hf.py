@@ -62,8 +62,11 @@ collective is left (a part's value is its slice of the module's weight:
   shards; the inputs of the column layers and of the LM head are gathered (their summed
   gradients reduce-scattered back), the row layers' partial outputs reduce-scattered and
   their output gradients gathered: every tensor-parallel all-reduce becomes an all-gather /
-  reduce-scatter pair. A sequence length ``tp`` does not divide is refused (ViT's 17 tokens
-  at tp=2).
+  reduce-scatter pair. A MoE block (:func:`spmdkit.strategies.hf_moe.moe_ends`) is run as
+  Megatron and torchtitan run one under tp: its tokens gathered before the router (every tp rank
+  routes the whole sequence, each expert split over tp; the gradient reduce-scattered back), its
+  output sliced back to the sequence shard (its gradient gathered). A sequence length ``tp`` does
+  not divide is refused (ViT's 17 tokens at tp=2).
 
 ``megatron`` also makes the loss vocab-parallel: :func:`vocab_parallel_loss` rewrites the
 imported ``cross_entropy_with_softmax`` (hard labels, ``ignore_index``) and its grad into
@@ -91,7 +94,7 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.program.ir import Op, Program, Tensor
 from spmdkit.program.plan import Plan
 from spmdkit.strategies.context import hf_cp_marks
-from spmdkit.strategies.experts import batch_entry, check_ep, ep_dim, expert_marks, moe_layers
+from spmdkit.strategies.experts import batch_entry, check_ep, ep_dim, expert_fold, expert_marks, moe_layers
 from spmdkit.strategies.hf_fused import (
     fused_parts,
     namer,
@@ -100,7 +103,7 @@ from spmdkit.strategies.hf_fused import (
     slices_as_split,
     split_fused_projections,
 )
-from spmdkit.strategies.hf_moe import moe_projections, shard_experts
+from spmdkit.strategies.hf_moe import moe_ends, moe_projections, shard_experts
 from spmdkit.strategies.hf_roles import BLOCK, BlockRoles, block_roles, linears, weight_of
 from spmdkit.strategies.strategy import Marks, optimizer_layouts, strategy_dims, user_attrs
 
@@ -342,8 +345,9 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
                                "catalog and zoo models only, not yet for an imported program")
         layers = moe_layers(prog)
         batches = {prog.tensors[n].shape[0] for n in data_inputs(prog) if prog.tensors[n].shape}
-        check_ep(mesh, layers, ep, max(batches) if batches else None, dp)
-        experts = expert_marks(prog, mesh, dm, dp, ep, layers)
+        fold = expert_fold(mesh, st)  # etp=1: the experts over ep x tp, each whole
+        check_ep(mesh, layers, ep, max(batches) if batches else None, dp, fold)
+        experts = expert_marks(prog, mesh, dm, dp, ep, layers, fold)
     if dp is not None or ep is not None:
         _shard_batch(prog, mesh, dm, dp, ep)
     # cp: the call's sequence over cp, attention cp_attention's (an import traced for cp: models/hf_cp.py)
@@ -363,7 +367,7 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
         # 2-D weights sharded over tp -> column / row / vocab / vocab_head
         sharded = _shard_weights(prog, mesh, dm, tp, readers, roles, user_pats, found.kv)
         _shard_fused_parts(prog, mesh, dm, tp, readers, roles, sharded, found.kv)
-        shard_experts(prog, mesh, dm, tp, sharded, moe)  # each expert tensor-parallel (ETP = tp)
+        shard_experts(prog, mesh, dm, tp, sharded, moe, whole=experts if "etp=1" in st else frozenset())
         for w, r in found.roles.items():  # low-rank down projections (MLA's), replicated on purpose
             if r == "replicate" and roles.get(w) is None:
                 sharded.setdefault(w, LOW_RANK)
@@ -659,6 +663,19 @@ def _sequence_parallel(prog: Program, mesh: ProcessMesh, sharded: Mapping[str, s
         total = n + ".grad.sum" if n + ".grad.sum" in gs else (n + ".grad" if n + ".grad" in gs else None)
         if total is not None:
             shard_seq(total)
+    # a MoE block as Megatron and torchtitan run it under tp: its tokens gathered before the router
+    # (every tp rank routes the whole sequence, each expert split over tp; their gradient
+    # reduce-scattered back), its output returned to sequence shards (its gradient gathered)
+    # (a block with a shared expert, whose column layers gather the same tokens, is left as it was)
+    for moe_in, moe_out in moe_ends(prog, moe_projections(prog)):
+        if not moe_in or set(moe_in) & set(gather):
+            continue
+        for m in (*moe_in, *moe_out):
+            for t in (m, *grads_of(m)):
+                dm(t)[0] = dp if dp is not None else -1
+        for g in grads_of(moe_in[-1]):
+            shard_seq(g)
+        shard_seq(moe_out[-1])
 
 
 # -- the vocab-parallel loss ---------------------------------------------------------------------

@@ -123,14 +123,18 @@ def _router(prog: Program, g: Any, producer: Mapping[str, tuple[int, Op]]) -> st
 
 
 def shard_experts(prog: Program, mesh: ProcessMesh, dm: Any, tp: int, sharded: dict[str, str],
-                  layers: list[MoeProjections] | None = None) -> list[MoeProjections]:
+                  layers: list[MoeProjections] | None = None, whole: frozenset[str] = frozenset()
+                  ) -> list[MoeProjections]:
     """Megatron's ETP = tp over the MoE layers (module docstring): the stacks' feature axes over
     ``tp``, recorded in ``sharded`` (``expert_column`` / ``expert_row``; the router
-    ``router``, replicated on purpose). The layers."""
+    ``router``, replicated on purpose). ``whole``: the stacks kept whole (ETP = 1: expert
+    parallel over ep x tp instead, recorded as ``expert``). The layers."""
     size = mesh.shape[tp]
     found = moe_projections(prog) if layers is None else layers
     for layer in found:
         for p, role in [*((p, "column") for p in layer.column), *((p, "row") for p in layer.row)]:
+            if p in whole:
+                sharded.setdefault(p, "expert")
             if p in sharded:
                 continue
             trans = any(op.attrs.get("trans_y") for op in prog.ops if op.phase == "forward" and op.rule == "matmul"
@@ -147,4 +151,29 @@ def shard_experts(prog: Program, mesh: ProcessMesh, dm: Any, tp: int, sharded: d
     return found
 
 
-__all__ = ["MoeProjections", "moe_projections", "shard_experts"]
+def moe_ends(prog: Program, layers: list[MoeProjections]) -> list[tuple[list[str], list[str]]]:
+    """Each MoE layer's ends: its input tokens (the dispatch's ``x``, then back through reshapes to
+    the tensor it is read from, the last: a norm's output) and its output (the combine's, then on
+    through reshapes, the last: what the residual add reads). Sequence parallel gathers the first
+    before the block and returns the second to sequence shards (strategies.hf)."""
+    producer = {o: op for op in prog.ops if op.phase == "forward" for o in op.output_names()}
+    readers: dict[str, list[Op]] = {}
+    for op in prog.ops:
+        if op.phase == "forward":
+            for n in op.input_names():
+                readers.setdefault(n, []).append(op)
+    out = []
+    for m in layers:
+        x = prog.ops[m.dispatch].inputs.get("x")
+        ins = [x] if isinstance(x, str) else []
+        while ins and ins[-1] in producer and producer[ins[-1]].rule == "reshape" \
+                and isinstance(producer[ins[-1]].inputs.get("x"), str):
+            ins.append(producer[ins[-1]].inputs["x"])
+        outs = [prog.ops[m.combine].output_names()[0]]
+        while len(readers.get(outs[-1], [])) == 1 and readers[outs[-1]][0].rule == "reshape":
+            outs.append(readers[outs[-1]][0].output_names()[0])
+        out.append((ins, outs))
+    return out
+
+
+__all__ = ["MoeProjections", "moe_ends", "moe_projections", "shard_experts"]

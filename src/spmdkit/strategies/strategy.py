@@ -20,6 +20,10 @@
   Megatron-Core does (:mod:`spmdkit.strategies.experts`, docs/experts.md): outside the experts
   the batch co-sharded over ``(dp, ep)``, each expert stack's expert axis over ``ep``, the
   tokens dispatched and combined by one all-to-all over ``ep`` each way.
+- ``etp=1`` (with ``ep`` and ``megatron``): Megatron-Core's ``--expert-tensor-parallel-size 1``:
+  each expert whole (not tensor-split), the experts spread over the ``ep x tp`` ranks (the
+  co-shard ``(tp, ep)`` of the expert axis) while attention stays tensor-parallel over ``tp``;
+  ``etp=tp`` is the default (each expert split over ``tp``) and adds nothing.
 - ``cp``: context parallelism over the ``cp`` mesh dim (:mod:`spmdkit.strategies.context`,
   docs/context.md): the sequence of every activation outside attention split over ``cp``,
   attention by ``cp_attention`` (``cp-attention=allgather|ring|alltoall`` and
@@ -55,7 +59,17 @@ from spmdkit.strategies.context import check_options as check_cp_options
 from spmdkit.strategies.context import cp_marks
 from spmdkit.strategies.context import parse_option as parse_cp_option
 from spmdkit.strategies.context import zero_dims as cp_zero_dims
-from spmdkit.strategies.experts import batch_entry, check_ep, ep_dim, expert_marks, moe_layers, zero_dims
+from spmdkit.strategies.experts import (
+    batch_entry,
+    check_ep,
+    check_etp,
+    ep_dim,
+    expert_fold,
+    expert_marks,
+    moe_layers,
+    parse_etp,
+    zero_dims,
+)
 
 STRATEGIES = ("dp", "megatron", "sp", "ep", "cp", "zero1", "zero2", "zero3")
 _ALIASES = {"tp": "megatron", "ddp": "dp", "zero": "zero2", "fsdp": "zero3"}
@@ -109,7 +123,12 @@ def parse_strategy(text: str | Iterable[str], mesh: ProcessMesh) -> tuple[str, .
         if s == "none":
             continue
         opt = parse_cp_option(s)
-        if opt is not None:
+        etp = parse_etp(s)
+        if etp is not None:
+            if not etp:
+                continue
+            s = etp
+        elif opt is not None:
             s = opt
         elif s not in STRATEGIES:
             raise ProgramError(f"--strategy: unknown strategy {_cut(s, 40)} (one of {', '.join(STRATEGIES)}; "
@@ -123,7 +142,8 @@ def parse_strategy(text: str | Iterable[str], mesh: ProcessMesh) -> tuple[str, .
         raise ProgramError(f"--strategy: {' and '.join(zeros)}: give one ZeRO stage")
     if zeros and "dp" not in out and (("ep" not in out and "cp" not in out) or "dp" in mesh.dim_names):
         out.insert(0, "dp")  # (with ep / cp and no dp dim: ZeRO over the ep / cp ranks)
-    check_cp_options(out, mesh)
+    check_cp_options([s for s in out if s != "etp=1"], mesh)
+    check_etp(out, mesh)
     for s in out:
         if s == "cp" or "=" in s:
             continue
@@ -144,22 +164,27 @@ def strategy_dims(mesh: ProcessMesh, strategy: Iterable[str]) -> tuple[set[str],
             mesh.dim_index("tp") if "megatron" in st else None)
 
 
-def tp_problem(cfg: ModelConfig, tp: int, sp: bool = False) -> str | None:
+def tp_problem(cfg: ModelConfig, tp: int, sp: bool = False, etp1: bool = False) -> str | None:
     """Why Megatron's tensor parallelism over ``tp`` ranks cannot split the zoo model ``cfg``
     evenly, or None: the attention heads, the MLP's hidden size (each expert's too), the
     vocabulary (the embedding and the head are vocab-parallel) and, under sequence
     parallelism, the sequence must each be a multiple of ``tp``; the kv heads a multiple of
     ``tp`` or a divisor of it (fewer kv heads than ``tp``: :func:`tp_notes`). An uneven
-    fallback would gather whole tensors where Megatron shards them: refused instead."""
+    fallback would gather whole tensors where Megatron shards them: refused instead. ``etp1``
+    (ETP = 1): the routed experts stay whole, only the shared experts' width (``shared_experts x
+    moe_ffn``) is split."""
     if tp <= 1:
         return None
     dense_ffn = cfg.ffn if not cfg.experts or cfg.dense_layers else None  # a layer's dense MLP
     moe_ffn = cfg.expert_ffn if cfg.experts else None  # each expert's (the shared ones' too)
+    shared = moe_ffn * cfg.shared_experts if etp1 and moe_ffn is not None and cfg.shared_experts else None
+    moe_ffn = None if etp1 else moe_ffn
     kv = None if cfg.kv_lora_rank or tp % cfg.n_kv == 0 else cfg.n_kv
     counts = [(cfg.heads, f"{cfg.heads} attention heads"),
               (kv, f"{cfg.n_kv} kv heads (each rank must hold whole kv heads, or a share of one that tp "
                    f"divides evenly)"),
               (dense_ffn, f"FFN hidden size {cfg.ffn}"), (moe_ffn, f"expert FFN hidden size {moe_ffn}"),
+              (shared, f"shared experts' FFN width {shared}"),
               (cfg.vocab, f"vocabulary of {cfg.vocab} (Megatron pads it to a multiple of tp: give a padded "
                           f"vocab in --model-config)"),
               (cfg.seq if sp else None, f"sequence of {cfg.seq} tokens that sequence parallel splits")]
@@ -187,7 +212,7 @@ def check_tp(model: Model, mesh: ProcessMesh, tp: int, st: set[str]) -> None:
     """ProgramError naming ``--mesh`` and its tp dim, with the count :func:`tp_problem` finds; a
     UserWarning for each of :func:`tp_notes` (the CLI prints it as a ``warning:`` line)."""
     dim = f"--mesh {mesh.dim_names[tp]}={mesh.shape[tp]}"
-    why = tp_problem(model.config, mesh.shape[tp], "sp" in st)
+    why = tp_problem(model.config, mesh.shape[tp], "sp" in st, "etp=1" in st)
     if why is not None:
         raise ProgramError(f"{dim}: megatron splits evenly or not at all: {why}")
     for note in tp_notes(model.config, mesh.shape[tp]):
@@ -213,11 +238,12 @@ def annotate(model: Model, mesh: ProcessMesh, strategy: Iterable[str],
     st, dp, tp = strategy_dims(mesh, strategy)
     out = dm = Marks(prog)
     ep = ep_dim(mesh, st)
+    fold = expert_fold(mesh, st)  # ETP = 1: the experts over ep x tp
     experts: frozenset[str] = frozenset()
     if ep is not None:
         layers = moe_layers(prog)
-        check_ep(mesh, layers, ep, model.config.batch, dp)
-        experts = expert_marks(prog, mesh, dm, dp, ep, layers)
+        check_ep(mesh, layers, ep, model.config.batch, dp, fold)
+        experts = expert_marks(prog, mesh, dm, dp, ep, layers, fold)
     batch = batch_entry(dp, ep)  # data parallel over dp (x ep: outside the experts, as Megatron folds them)
 
     if batch != -1:
@@ -228,6 +254,8 @@ def annotate(model: Model, mesh: ProcessMesh, strategy: Iterable[str],
     if tp is not None:
         check_tp(model, mesh, tp, st)
         for p, role in model.roles.items():
+            if p in experts and fold is not None:
+                continue  # ETP = 1: each expert whole on one rank of the ep x tp group
             if role in ("column", "head", "column_bias"):
                 dm(p)[-1] = tp  # output features (a stack of experts [E, in, out]: each expert's)
             elif role in ("row", "embedding"):

@@ -1,0 +1,259 @@
+"""Expert tensor parallel 1 with tp > 1 (``--strategy megatron,sp,ep,etp=1``): Megatron-Core's
+``--expert-tensor-parallel-size 1``, the experts whole and spread over the ep x tp ranks while
+attention stays tensor-parallel over tp (docs/experts.md, "ETP = 1").
+
+Counted on the plans' collectives (hand-computed bytes), the experts' layout and memory, the
+busiest rank's load, the refusals, simulated (--verify); the gloo run is a case of
+tests/test_ep.py's launch."""
+
+from __future__ import annotations
+
+import collections
+import json
+import re
+import warnings
+from typing import Any
+
+import pytest
+
+from spmdkit.core.dist_attr import TensorDistAttr, largest_shard
+from spmdkit.core.errors import ProgramError
+from spmdkit.core.mesh import ProcessMesh
+from spmdkit.core.reshard import plan_reshard
+from spmdkit.cost.memory import memory_per_device
+from spmdkit.cost.moe import ep_degree, rank_load
+from spmdkit.cost.moe import moe_layers as cost_layers
+from spmdkit.planner.planning import plan_model
+from spmdkit.planner.search import _model_sizes, _work, hand_strategies
+from spmdkit.program.runtime import Runtime
+from spmdkit.sim.verify_plan import tiny_for_mesh, verify_strategy
+from spmdkit.strategies.experts import moe_layers
+from spmdkit.strategies.strategy import parse_mesh, parse_strategy
+
+MOE = {"base": "tiny-llama", "experts": 4, "top_k": 2, "moe_ffn": 8}
+MLA = {"kv_heads": None, "kv_lora_rank": 8, "q_lora_rank": 6, "qk_rope_head_dim": 4, "head_dim": 4, "v_head_dim": 6}
+DEEPSEEK = {**MOE, **MLA, "shared_experts": 1, "dense_layers": 1, "capacity_factor": 0.5}
+
+
+def _per_layer(plan: Any, layer: str) -> collections.Counter[tuple[str, str, str, str, int]]:
+    """(phase, kind, mesh dims, tensor, bytes per rank) -> count, for the tensors of ``layer``."""
+    c: collections.Counter[tuple[str, str, str, str, int]] = collections.Counter()
+    for r, s in plan.collectives():
+        phase = plan.program.ops[r.op_index].phase
+        if r.tensor.startswith(layer) and phase != "optimizer":
+            c[(phase, s.kind, "x".join(plan.mesh.dim_names[d] for d in s.mesh_dims), r.tensor[len(layer):],
+               s.bytes_per_rank)] += 1
+    return c
+
+
+# -- the strategy text ---------------------------------------------------------------------------------
+
+
+def test_etp_items_parse_and_refuse() -> None:
+    mesh = parse_mesh("dp=2,ep=2,tp=2")
+    assert parse_strategy("megatron,sp,ep,etp=1", mesh) == ("dp", "megatron", "sp", "ep", "etp=1")
+    assert parse_strategy("megatron,ep,etp=tp", mesh) == ("dp", "megatron", "ep")  # the default, nothing added
+    with pytest.raises(ProgramError, match=r"^--strategy etp=2: expert tensor parallel is 1 \(each expert whole, "
+                                           r"experts over ep x tp\) or tp \(each expert split over tp: the default\)$"):
+        parse_strategy("megatron,ep,etp=2", mesh)
+    with pytest.raises(ProgramError, match=r"^--strategy etp=1: expert tensor parallel = 1 folds the experts over "
+                                           r"ep x tp; it needs expert parallelism \(ep\) in --strategy$"):
+        parse_strategy("megatron,sp,etp=1", mesh)
+    with pytest.raises(ProgramError, match=r"^--strategy etp=1: .* it needs tensor parallelism \(megatron\) in "
+                                           r"--strategy$"):
+        parse_strategy("dp,ep,etp=1", mesh)
+
+
+def test_ep_x_tp_must_divide_the_experts() -> None:
+    with pytest.raises(ProgramError, match=r"^--mesh ep=4,tp=2: with etp=1 the experts are spread over ep x tp = 8 "
+                                           r"ranks, which does not divide the model's 4 experts; an ep x tp of 2 or "
+                                           r"4 does$"):
+        plan_model(json.dumps({**MOE, "batch": 4}), "ep=4,tp=2", "ep,megatron,etp=1")
+    # the same mesh with ETP = tp: ep=4 divides the 4 experts, each split over tp
+    plan_model(json.dumps({**MOE, "batch": 4}), "ep=4,tp=2", "ep,megatron")
+
+
+def test_the_expert_ffn_need_not_divide_by_tp() -> None:
+    """Each expert is whole: an expert FFN of 7 on tp=2 plans (ETP = tp refuses it)."""
+    cfg = json.dumps({**MOE, "moe_ffn": 7})
+    with pytest.raises(ProgramError, match=r"^--mesh tp=2: megatron splits evenly or not at all: tp=2 does not "
+                                           r"divide the model's expert FFN hidden size 7"):
+        plan_model(cfg, "ep=2,tp=2", "ep,megatron")
+    _, plan, _ = plan_model(cfg, "ep=2,tp=2", "ep,megatron,etp=1")
+    assert plan.attrs["layers.0.experts.w_up"].dims_mapping == ((1, 0), -1, -1)
+
+
+# -- the plan ------------------------------------------------------------------------------------------
+
+
+def test_tiny_plan_collectives_per_moe_layer_by_hand() -> None:
+    """tiny MoE (batch 4, seq 8, hidden 16, 4 experts top-2: capacity 8 x 2 / 4 = 4), float32 on
+    dp=2 x ep=2 x tp=2, megatron + sp + ETP = 1. A rank holds one sequence ([1, 8, 16]: 512 B;
+    its tp half 256 B) and one expert (4 / (ep x tp)).
+
+    forward: the normalised tokens all-gathered over tp (sp: 256 B of [1, 4, 16] gathered); the
+    dispatched slots [1, 4, 4, 16] (1 KiB) sliced to the tp rank's 2 experts (512 B) and sent
+    over ep: all-to-all (ep - 1) / ep x 512 = 256 B; the rows back the same way (256 B), then
+    all-gathered over tp (512 of 1 KiB); no all-reduce of the rows over tp (ETP = tp's 1 KiB).
+    backward: the rows' gradient reduce-scattered over tp (1 KiB in, (tp - 1) / tp: 512 B) and
+    sent by all-to-all (256 B); the dispatched tokens' gradient all-to-all (256 B) and
+    all-gathered over tp (512 B)."""
+    _, plan, _ = plan_model(json.dumps({**MOE, "layers": 1}), "dp=2,ep=2,tp=2", "dp,ep,megatron,sp,etp=1")
+    got = _per_layer(plan, "layers.0.")
+    assert got == collections.Counter({
+        ("forward", "all_gather", "tp", "attn_norm.out", 256): 1,
+        ("forward", "reduce_scatter", "tp", "attn_out", 256): 1,
+        ("forward", "all_gather", "tp", "mlp_norm.out", 256): 1,
+        ("forward", "all_to_all", "ep", "dispatch", 256): 1,
+        ("forward", "all_to_all", "ep", "experts.rows", 256): 1,
+        ("forward", "all_gather", "tp", "experts.rows", 512): 1,
+        ("backward", "reduce_scatter", "tp", "experts.rows.grad", 512): 1,
+        ("backward", "all_to_all", "ep", "experts.rows.grad", 256): 1,
+        ("backward", "all_to_all", "ep", "dispatch.grad.sum", 256): 1,
+        ("backward", "all_gather", "tp", "dispatch.grad.sum", 512): 1,
+        ("backward", "all_gather", "tp", "attn_out.grad", 256): 1,
+        ("backward", "reduce_scatter", "tp", "attn_norm.out.grad.sum", 256): 1,
+    })
+    # ETP = tp on the same mesh: twice the all-to-all bytes, and the experts' row-parallel
+    # output all-reduced over tp each way
+    _, base, _ = plan_model(json.dumps({**MOE, "layers": 1}), "dp=2,ep=2,tp=2", "dp,ep,megatron,sp")
+    old = _per_layer(base, "layers.0.")
+    assert old[("forward", "all_to_all", "ep", "dispatch", 512)] == 1
+    assert old[("forward", "all_reduce", "tp", "experts.rows", 1024)] == 1
+
+
+def test_mixtral_8x7b_experts_whole_over_ep_x_tp() -> None:
+    """Mixtral-8x7B, batch 8 x seq 4096, bf16, dp=2 x ep=4 x tp=2: each rank holds one whole
+    expert ([1, 4096, 14336] of each stack, against ETP = tp's two halves [2, 4096, 7168]): the
+    same bytes, so the parameters, gradients and optimizer states per device equal ETP = tp's.
+    Per MoE layer 2 all-to-alls over ep each way of (4 - 1) / 4 x the tp rank's slice (1 sequence
+    x 4 experts x capacity 1024 x 4096 x 2 B = 32 MiB): 24 MiB, half ETP = tp's; no all-reduce
+    over tp; the experts' gradients all-reduced over dp only (EDP = dp: 3 x 4096 x 14336 x 2 B
+    each, x 2 (dp - 1) / dp)."""
+    _, plan, _ = plan_model("mixtral-8x7b", "dp=2,ep=4,tp=2", "dp,ep,megatron,sp,etp=1", {"batch": 8, "seq": 4096})
+    _, base, _ = plan_model("mixtral-8x7b", "dp=2,ep=4,tp=2", "dp,ep,megatron,sp", {"batch": 8, "seq": 4096})
+    lay = moe_layers(plan.program)
+    assert len(lay) == 32
+    for w in lay[0].stacks:
+        a = plan.attrs[w]
+        assert a.dims_mapping == ((2, 1), -1, -1)
+        assert largest_shard(a.dims_mapping, plan.program.tensors[w].shape, plan.mesh.shape)[0] == 1
+    assert largest_shard(plan.attrs["layers.0.experts.w_up"].dims_mapping, [8, 4096, 14336], plan.mesh.shape) \
+        == (1, 4096, 14336)
+    assert largest_shard(base.attrs["layers.0.experts.w_up"].dims_mapping, [8, 4096, 14336], base.mesh.shape) \
+        == (2, 4096, 7168)
+    mem, old = memory_per_device(plan), memory_per_device(base)
+    assert (mem.parameters, mem.gradients, mem.optimizer_states) == (old.parameters, old.gradients,
+                                                                      old.optimizer_states)
+    got = _per_layer(plan, "layers.0.")
+    slice_bytes = 1 * 4 * 1024 * 4096 * 2
+    a2a = {k: n for k, n in got.items() if k[1] == "all_to_all"}
+    assert a2a == {(ph, "all_to_all", "ep", t, 3 * slice_bytes // 4): 1 for ph, t in [
+        ("forward", "dispatch"), ("forward", "experts.rows"), ("backward", "experts.rows.grad"),
+        ("backward", "dispatch.grad.sum")]}
+    assert not [k for k in got if k[1] == "all_reduce"]
+    grads = {r.tensor: (s.kind, s.mesh_dims, s.bytes_per_rank) for r, s in plan.collectives()
+             if r.tensor.startswith("layers.0.experts.w_")}
+    assert grads == {f"layers.0.experts.{w}.grad": ("all_reduce", (0,), 4096 * 14336 * 2)
+                     for w in ("w_gate", "w_up", "w_down")}
+
+
+def test_the_busiest_rank_holds_one_expert_of_eight() -> None:
+    """--moe-skew 2 (the busiest expert twice the mean): over ep x tp = 8 ranks each holds one
+    expert, so the busiest rank carries 2 x the mean; over ep = 4 (ETP = tp) two experts share
+    a rank: (2 + (8 - 2) / 7) / 2 = 1.4286."""
+    _, plan, _ = plan_model(json.dumps({**MOE, "experts": 8, "layers": 1}), "ep=4,tp=2", "ep,megatron,etp=1")
+    _, base, _ = plan_model(json.dumps({**MOE, "experts": 8, "layers": 1}), "ep=4,tp=2", "ep,megatron")
+    layer = cost_layers(plan.program)[0]
+    assert ep_degree(plan, layer) == 8 and ep_degree(base, layer) == 4
+    rt = Runtime(moe_skew=2.0)
+    assert rank_load(rt, 8, 2, 8) == pytest.approx(2.0)
+    assert rank_load(rt, 8, 2, 4) == pytest.approx((2 + 6 / 7) / 2)
+
+
+def test_zero_shards_expert_states_over_edp_only() -> None:
+    _, plan, _ = plan_model(json.dumps({**MOE, "layers": 1}), "dp=2,ep=2,tp=2", "dp,ep,megatron,sp,etp=1,zero2")
+    a = plan.attrs
+    assert a["layers.0.experts.w_up"].dims_mapping == ((2, 1), -1, -1)
+    assert a["layers.0.experts.w_up.moment1"].dims_mapping == ((2, 1), 0, -1)  # over dp (EDP)
+    assert a["layers.0.wq.moment1"].dims_mapping == ((0, 1), 2)  # dense: over dp x ep, tp as the weight
+
+
+def test_the_dispatch_slices_over_tp_before_the_all_to_all() -> None:
+    """Tokens replicated over tp, batch over (dp, ep), to experts over (tp, ep): the tp slice is
+    taken first (free) and the all-to-all over ep carries only it, instead of the slots being
+    all-gathered over ep and sliced."""
+    mesh = ProcessMesh([2, 2, 2], dim_names=["dp", "ep", "tp"])
+    src = TensorDistAttr(mesh, [(0, 1), -1, -1, -1])
+    dst = TensorDistAttr(mesh, [0, (2, 1), -1, -1])
+    steps = plan_reshard(src, dst, [4, 4, 4, 16], 4).steps
+    assert [(s.kind, s.mesh_dims, s.bytes_per_rank) for s in steps] == [("slice", (2,), 0), ("all_to_all", (1,), 256)]
+
+
+# -- soundness -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("cfg", "mesh", "strategy"), [
+    (MOE, "dp=2,ep=2,tp=2", "dp,ep,megatron,sp,etp=1"),
+    (DEEPSEEK, "dp=2,ep=2,tp=2", "dp,ep,megatron,sp,etp=1,zero2"),
+])
+def test_verify_simulates_etp1_plans(cfg: dict[str, Any], mesh: str, strategy: str) -> None:
+    rep = verify_strategy(json.dumps(cfg), mesh, strategy)
+    assert rep["ok"] and rep["checked"] > 300 and not rep["failures"], rep["text"]
+
+
+def test_verify_grows_the_experts_to_ep_x_tp() -> None:
+    got = json.loads(tiny_for_mesh(json.dumps(MOE), "ep=4,tp=2", "ep,megatron,etp=1"))
+    assert got["experts"] == 8
+    assert tiny_for_mesh(json.dumps(MOE), "ep=4,tp=2", "ep,megatron") == json.dumps(MOE)
+
+
+# -- the search ----------------------------------------------------------------------------------------
+
+
+def test_the_search_space_offers_etp1_where_ep_x_tp_divides_the_experts() -> None:
+    """``plan --devices``: with tp > 1 and ep > 1, ``megatron,sp,ep,etp=1`` (and its ZeRO stages)
+    beside ETP = tp, only where ep x tp divides the experts (4 experts: ep=2 x tp=2, not ep=4 x
+    tp=2)."""
+    assert hand_strategies(1, 2, 2, experts=4)[-4:] == ["megatron,sp,ep,etp=1", "megatron,sp,ep,etp=1,zero1",
+                                                        "megatron,sp,ep,etp=1,zero2", "megatron,sp,ep,etp=1,zero3"]
+    assert not [s for s in hand_strategies(1, 2, 4, experts=4) if "etp=1" in s]
+    assert not [s for s in hand_strategies(2, 1, 2, experts=4) if "etp=1" in s]
+    _mc, sizes = _model_sizes(json.dumps({**MOE, "batch": 8}), None)
+    work, _ = _work(8, False, sizes, None, False)
+    ep_meshes = {(c.dp, c.ep, c.tp) for c in work if c.ep > 1}
+    assert {(2, 2, 2), (1, 4, 2), (1, 2, 4)} <= ep_meshes  # 8 devices, ep and tp > 1
+    etp = {(c.dp, c.ep, c.tp, c.strategy) for c in work if "etp=1" in c.strategy.split(",")}
+    assert etp == {(2, 2, 2, "megatron,sp,ep,etp=1" + z) for z in ("", ",zero1", ",zero2", ",zero3")}
+
+
+def test_an_hf_mixtral_plans_etp1_as_the_catalog_model() -> None:
+    """`plan --hf MixtralForCausalLM` (the published config, 1 layer, seq 64, batch 4) on ep=2 x
+    tp=2 with etp=1: its expert stacks whole over (tp, ep), its layer's collectives (kind, mesh
+    dims, bytes) those of `--model mixtral-8x7b`: the all-to-alls at half ETP = tp's bytes, the
+    rows all-gathered over tp once each way."""
+    from pathlib import Path
+
+    from spmdkit.planner.planning import plan_hf, plan_preset
+
+    cfg = json.loads((Path(__file__).parent / "data/hf/mixtral-8x7b.json").read_text())
+    cfg["num_hidden_layers"] = 1
+    got = {}
+    for st in ("ep,megatron", "ep,megatron,etp=1"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _, _, _, hp = plan_hf("MixtralForCausalLM", cfg, "ep=2,tp=2", st, dtype="bf16", batch=4, seq=64)
+            _, cp, _ = plan_preset("mixtral-8x7b", "ep=2,tp=2", st, {"layers": 1, "batch": 4, "seq": 64})
+        per = [collections.Counter((p.program.ops[r.op_index].phase, s.kind, s.mesh_dims, s.bytes_per_rank)
+                                   for r, s in p.collectives() if re.search(r"layers?[. ]0\b", p.program.ops[r.op_index].layer or "")
+                                   and p.program.ops[r.op_index].phase != "optimizer") for p in (hp, cp)]
+        assert per[0] == per[1], st
+        got[st] = per[0]
+        if "etp=1" in st:
+            stacks = [n for n, t in hp.program.tensors.items() if t.kind == "parameter" and len(t.shape) == 3
+                      and not n.endswith(".new")]
+            assert len(stacks) == 3 and all(hp.attrs[n].dims_mapping == ((1, 0), -1, -1) for n in stacks)
+    a2a = {k[3] for k in got["ep,megatron"] if k[1] == "all_to_all"}
+    assert a2a == {1048576}  # 2 sequences a rank x 64 tokens x 2 (top-2) x 4096 x 2 B x (2 - 1) / 2
+    assert {k[3] for k in got["ep,megatron,etp=1"] if k[1] == "all_to_all"} == {b // 2 for b in a2a}
+    assert sum(n for k, n in got["ep,megatron,etp=1"].items() if k[1] == "all_gather" and k[2] == (1,)) == 2
