@@ -59,6 +59,8 @@ DEEP: list[tuple[str, dict[str, int], list[Config]]] = [
         Config(2, 1, 16, "dp,zero1", microbatches=16), Config(1, 2, 32, "megatron,sp", microbatches=32),
         Config(4, 1, 8, "dp,zero1", microbatches=8, virtual=2), Config(1, 1, 32, "dp", microbatches=32, virtual=2),
         Config(2, 2, 8, "megatron,sp,zero1", microbatches=16),
+        # ZeRO-3 (FSDP's prefetch: folded by stage, its buckets' total time from the flat copies)
+        Config(2, 1, 16, "dp,zero3", microbatches=16), Config(2, 2, 8, "megatron,sp,zero3", microbatches=16, virtual=2),
     ]),
     ("llama3-8b", {"batch": 32, "layers": 128, "seq": 1024}, [
         Config(1, 1, 32, "dp", microbatches=32), Config(2, 1, 16, "dp,zero2", microbatches=16, virtual=2),

@@ -118,6 +118,7 @@ def test_stage_copy_keeps_one_middle_stage_of_each_count() -> None:
     ({"layers": 24}, Config(1, 1, 8, "dp", microbatches=8), 9),                              # 3 x 8 -> 3, 3, 3
     ({"layers": 22}, Config(2, 1, 8, "dp,zero1", microbatches=4), 7),                         # uneven: 3 x 7, 1 -> 3, 3, 1
     ({"layers": 16}, Config(1, 2, 4, "megatron,sp", microbatches=8, virtual=2), 6),           # interleaved: 8 x 2
+    ({"layers": 24}, Config(2, 1, 8, "dp,zero3", microbatches=4), 9),                         # FSDP's prefetch: bucket_sync
 ])
 def test_deep_pipelines_fold_by_stage_exactly(over: dict[str, int], cfg: Config, layers: int) -> None:
     """A pipeline whose stages are too shallow for the two-copy fold is priced on a copy with its

@@ -229,6 +229,28 @@ def bucket_figures(fold: Fold, plan_a: Plan, est_a: StepEstimate, plan_b: Plan, 
             _end(red_b, b.fb) - b.fb + gb)
 
 
+def bucket_sync(plan_a: Plan, est_a: StepEstimate, plan_b: Plan, est_b: StepEstimate, layers: int,
+                dense: int = 0) -> float | None:
+    """The full model's gradient buckets' total time (``bucket_figures``' first figure) where only
+    their times are wanted, not when they run: a bucket's contents and time do not depend on
+    when it is launched, so a ZeRO-3 prefetch sharing their stream (which moves their starts and
+    makes :func:`bucket_figures` refuse) changes neither; None where a replay does not make a
+    copy's own buckets (their kinds, tensors, bytes and times)."""
+    a, b = _adds(plan_a, est_a), _adds(plan_b, est_b)
+    if a is None or b is None:
+        return None
+    for plan, adds, est in ((plan_a, a, est_a), (plan_b, b, est_b)):
+        red = _replay(plan, adds.items, adds.fb)
+        if len(red.buckets) != len(est.buckets) or not all(
+                (x.kind, x.mesh_dims, x.tensors, x.bytes) == (y.kind, y.mesh_dims, y.tensors, y.bytes)
+                and _close(x.time_s, y.time_s) for x, y in zip(red.buckets, est.buckets)):
+            return None
+    if not (a.items or b.items):
+        return 0.0  # no data-parallel reduction
+    out = _stretch(b.items, dense + 1, layers - b.layers, 0.0, 0.0)
+    return None if out is None else sum(x.time_s for x in _replay(plan_b, out, 0.0).buckets)
+
+
 Item = tuple[int, str, Step, int, str, float]
 
 
@@ -383,5 +405,5 @@ def _close(x: float, y: float) -> bool:
     return abs(x - y) <= 1e-12 * max(abs(x), abs(y), 1e-30)
 
 
-__all__ = ["FOLD_LAYERS", "Fold", "balanced_counts", "bucket_figures", "fold_of", "full_layer_costs", "pipeline_memory",
+__all__ = ["bucket_sync", "FOLD_LAYERS", "Fold", "balanced_counts", "bucket_figures", "fold_of", "full_layer_costs", "pipeline_memory",
            "pipeline_step"]

@@ -71,7 +71,7 @@ from spmdkit.models.hf import dtype_name
 from spmdkit.models.source import import_hf_checked
 from spmdkit.models.zoo import ModelConfig, build_model, preset
 from spmdkit.planner.auto import AutoInfo, auto_plan
-from spmdkit.planner.fold import Fold, bucket_figures, fold_of, pipeline_memory, pipeline_step
+from spmdkit.planner.fold import Fold, bucket_figures, bucket_sync, fold_of, pipeline_memory, pipeline_step
 from spmdkit.planner.fold_stages import copy_layers, deep_pipeline, stage_copy, stretch_units
 from spmdkit.planner.partition import even_split, partition
 from spmdkit.planner.pipeline import (
@@ -85,6 +85,7 @@ from spmdkit.planner.pipeline import (
 )
 from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, parse_size, plan_model, plan_program
 from spmdkit.planner.search_bounds import Bounds, experts_of, model_bounds
+from spmdkit.planner.search_floor import NO_FLOOR, StepFloor
 from spmdkit.planner.search_space import (
     LONG_SEQ,
     MICRO_BATCHES,
@@ -111,6 +112,9 @@ MAX_PLANS = 2000
 EXHAUSTIVE_PLANS = 200
 #: a search of this many devices or more is pruned by bounds (search_bounds) by default
 PRUNED_DEVICES = 512
+#: the most distinct layer keys whose floors (search_floor) are computed before the search, to
+#: order it; beyond, each configuration's floor is computed when it is its turn
+EAGER_FLOORS = 64
 
 
 @dataclass
@@ -391,8 +395,12 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
         prune = (sizes.experts > 0 and len(work) > EXHAUSTIVE_PLANS) or devices >= PRUNED_DEVICES
     bounds = _bounds(model, cfg_model, job) if prune and work else None
     job = replace(job, lean=bounds is not None)
+    lows: dict[Config, float] = {}
+    floor, lazy = None, False
     if bounds is not None:  # the most promising first, so the best step found early prunes the most
-        work.sort(key=lambda c: bounds.step(c.devices, c.pp, c.microbatches, c.ep, c.strategy, c.virtual))
+        floor = _floor(model, cfg_model, job)
+        lows, lazy = _step_bounds(work, bounds, floor, job, progress)
+        work.sort(key=lambda c: lows.get(c, math.inf))
     elif len(work) > MAX_PLANS:
         raise ProgramError(f"--devices {devices}: {len(work)} configurations to plan (at most {MAX_PLANS})")
     if progress is not None:
@@ -407,7 +415,10 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
     for cfg in work:
         if progress is not None:
             progress.update(note=cfg.label())
-        why = _pruned_why(cfg, bounds, cap, best) if bounds is not None else None
+        low = lows.get(cfg)
+        if lazy and bounds is not None and low is not None and low < best:
+            low = _step_bound(cfg, bounds, floor, job)  # its layers' floor, now it is its turn
+        why = _pruned_why(cfg, bounds, cap, best, low) if bounds is not None else None
         if why is not None:
             pruned.append((cfg, why))
             if progress is not None:
@@ -468,20 +479,79 @@ def _bounds(model: str | Program, mc: ModelConfig | None, job: _Job) -> Bounds:
                    flops=fold.at(a.flops, b.flops))
 
 
-def _pruned_why(cfg: Config, bounds: Bounds, cap: int, best: float) -> str | None:
-    """Why ``cfg`` need not be planned (its bounds), or None."""
+def _memory_bound(cfg: Config, bounds: Bounds, layer_bytes: float = 0.0) -> int:
+    """Bytes a device of ``cfg`` needs at least (``layer_bytes``: a layer's kept bytes of one
+    microbatch under a recomputation mode, where known)."""
     # cp: ZeRO shards over dp x cp and each rank holds 1/cp of the sequences' tokens, as dp x cp ranks would
     if cfg.grad_accum > 1:  # a micro-step holds the activations of batch / accum sequences
         bounds = replace(bounds, batch=bounds.batch // cfg.grad_accum)
-    mem = bounds.memory(cfg.dp * cfg.cp, cfg.ep, cfg.tp, cfg.pp, cfg.strategy, cfg.microbatches) \
+    return bounds.memory(cfg.dp * cfg.cp, cfg.ep, cfg.tp, cfg.pp, cfg.strategy, cfg.microbatches, layer_bytes) \
         if cfg.strategy != "auto" else 0
+
+
+def _memory_why(cfg: Config, bounds: Bounds, cap: int) -> str | None:
+    """Why ``cfg`` cannot fit in ``cap`` bytes a device (its memory bound), or None."""
+    mem = _memory_bound(cfg, bounds)
     if mem > cap:
         return (f"over the memory cap: its parameters, gradients, optimizer states and layer inputs kept for the "
                 f"backward alone need at least {mem / 2**30:.1f} GiB a device")
-    low = bounds.step(cfg.devices, cfg.pp, cfg.microbatches, cfg.ep, cfg.strategy, cfg.virtual)
-    if low >= best:
-        return f"its step is at least {low:.3g} s (FLOPs at the fastest rates, MoE all-to-alls, the pipeline's bubble), the best found {best:.3g} s"
     return None
+
+
+def _pruned_why(cfg: Config, bounds: Bounds, cap: int, best: float, low: float | None = None) -> str | None:
+    """Why ``cfg`` need not be planned (its bounds; ``low``: its step bound where computed), or None."""
+    why = _memory_why(cfg, bounds, cap)
+    if why is not None:
+        return why
+    if low is None:
+        low = bounds.step(cfg.devices, cfg.pp, cfg.microbatches, cfg.ep, cfg.strategy, cfg.virtual)
+    if low == math.inf:
+        return ("over the memory cap under every recomputation mode: its parameters, gradients, optimizer states "
+                "and the activations each mode keeps of its layers need more")
+    if low >= best:
+        return (f"its step is at least {low:.3g} s (its layers' GEMMs and blocking collectives at their shapes, "
+                f"FLOPs at the fastest rates, MoE all-to-alls, the pipeline's bubble), the best found {best:.3g} s")
+    return None
+
+
+def _floor(model: str | Program, mc: ModelConfig | None, job: _Job) -> StepFloor | None:
+    """The :class:`spmdkit.planner.search_floor.StepFloor` of a preset's search (None for a program)."""
+    if isinstance(model, Program) or mc is None:
+        return None
+
+    def plan_copy(cfg: Config, layers: int, batch: int) -> Plan:
+        return replace(_preset_plan(cfg, str(model), mc.with_(batch=batch), job, layers).plan, runtime=job.runtime)
+
+    return StepFloor(plan_copy, job.device, mc.layers, mc.batch, mc.dense_layers if mc.experts else 0)
+
+
+def _step_bound(cfg: Config, bounds: Bounds, floor: StepFloor | None, job: _Job) -> float:
+    """``cfg``'s step bound: the larger of :meth:`Bounds.step` and ``floor``'s under the least
+    recomputation its memory bound allows (a mode whose kept activations cannot fit is not
+    counted; inf: none can)."""
+    low = bounds.step(cfg.devices, cfg.pp, cfg.microbatches, cfg.ep, cfg.strategy, cfg.virtual)
+    f = floor.of(cfg) if floor is not None else NO_FLOOR
+    if floor is not None and f is not NO_FLOOR:
+        low = max(low, min((floor.step(cfg, rc) for rc in job.modes
+                            if _memory_bound(cfg, bounds, f.kept.get(rc, 0)) <= job.cap), default=math.inf))
+    return low
+
+
+def _step_bounds(work: list[Config], bounds: Bounds, floor: StepFloor | None, job: _Job,
+                 progress: SearchProgress | None) -> tuple[dict[Config, float], bool]:
+    """Each configuration's step bound (:func:`_step_bound`), for those the memory bound does not
+    reject; and whether the floor was left out of them (``lazy``: its layer plans, one per
+    distinct key, would be more than :data:`EAGER_FLOORS`; each configuration's floor is then
+    computed when it is its turn, :meth:`Bounds.step` ordering them)."""
+    t0 = time.perf_counter()
+    fits = [c for c in work if _memory_why(c, bounds, job.cap) is None]
+    lazy = floor is not None and len({floor.key(c) for c in fits}) > EAGER_FLOORS
+    out = {c: _step_bound(c, bounds, None if lazy else floor, job) for c in fits}
+    if progress is not None and floor is not None:
+        progress.phase(f"step bounds of {len(out)} configurations from {len(floor.cache)} layer plans "
+                       f"({floor.plans} shallow copies planned, {time.perf_counter() - t0:.1f} s)" if not lazy else
+                       f"step bounds of {len(out)} configurations (FLOPs; their layers' floors as they come)")
+    return out, lazy
 
 
 def _pins_for(cfg: Config, pins: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -552,7 +622,10 @@ def _price(cfg: Config, p: _Planned, counts: tuple[int, ...] | None, job: _Job, 
 
 def _plan_preset_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> list[Candidate]:
     if job.fold and cfg.strategy != "auto":
-        ways = [_deep_config, _folded_config] if _deep_first(cfg, mc) else [_folded_config]
+        # folded by stage first where that plans fewer layers; else the two-copy fold, and where
+        # that cannot (interleaved stages, FSDP's prefetch) by stage if its copy is shallower
+        ways = [_deep_config, _folded_config] if _deep_first(cfg, mc) else [_folded_config] + (
+            [_deep_config] if _deep_shallower(cfg, mc) else [])
         for way in ways:
             got = way(cfg, name, mc, job)
             if got is not None:
@@ -631,6 +704,17 @@ def _deep_first(cfg: Config, mc: ModelConfig) -> bool:
     return flat.layers_a + flat.layers_b + deep < min(plain, big)
 
 
+def _deep_shallower(cfg: Config, mc: ModelConfig) -> bool:
+    """A pipeline whose fold by stage plans fewer layers than the model (counting its two flat
+    copies), on the even split's shape."""
+    if cfg.pp == 1:
+        return False
+    dense = mc.dense_layers if mc.experts else 0
+    flat = fold_of((mc.layers,), dense)
+    deep = copy_layers(tuple(even_split(mc.layers, cfg.pp * cfg.virtual)), dense)
+    return flat is not None and deep is not None and flat.layers_a + flat.layers_b + deep < mc.layers
+
+
 def _deep_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> list[Candidate] | None:
     """A deep pipeline priced on a shallow copy with the first stage, one middle stage of each
     distinct layer count and the last (:mod:`spmdkit.planner.fold_stages`), its communication,
@@ -641,7 +725,10 @@ def _deep_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> list[Can
     if flat is None or job.tokens is None:
         return None
     b = _preset_plan(cfg, name, mc, job, flat.layers_b)
-    counts = _split(cfg, b, job, big, dense)
+    # the split from a copy's per-layer costs needs a repeated layer after the dense ones
+    deeper = b if flat.layers_b >= dense + 3 or big % (cfg.pp * cfg.virtual) == 0 else \
+        _preset_plan(cfg, name, mc, job, dense + 3)
+    counts = _split(cfg, deeper, job, big, dense)
     assert counts is not None
     got = stage_copy(counts, dense)
     if got is None:
@@ -657,14 +744,17 @@ def _deep_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> list[Can
     out: list[Candidate] = []
     for rc in job.mode_order():
         oa, ob = estimate_step(pa, job.device, mb, rc), estimate_step(pb, job.device, mb, rc)
+        # only the buckets' total time is wanted here (the communication column): a ZeRO-3
+        # prefetch that moves their starts (bucket_figures refuses it) does not change it
         figs = bucket_figures(flat, pa, oa, pb, ob, big, dense)
+        sync = figs[0] if figs is not None else bucket_sync(pa, oa, pb, ob, big, dense)
         est = deep_pipeline(ps, _spec(cfg), counts, job.device, (link.alpha_s, link.beta_s_per_byte), job.tokens,
                             full.size, rc, flops)
-        if figs is None or est is None:
+        if sync is None or est is None:
             return None
         mem = max(est.memory, key=lambda x: x.device_total)
         sends = max((f + b for f, b in zip(est.send_f_s, est.send_b_s)), default=0.0)
-        comm = (flat.at(oa.comm_total_s - oa.grad_sync_s, ob.comm_total_s - ob.grad_sync_s) * m + figs[0]) / cfg.pp \
+        comm = (flat.at(oa.comm_total_s - oa.grad_sync_s, ob.comm_total_s - ob.grad_sync_s) * m + sync) / cfg.pp \
             + m * sends
         out.append(Candidate(replace(cfg, recompute=rc), est.step_overlap_s, est.mfu, mem.device_total, comm,
                              mem.device_total <= job.cap, ps, est, mem, s.title, None, collectives=coll,

@@ -99,9 +99,12 @@ class Bounds:
         return (dpar / div(3, False) + epar / div(3, True) + dpar / div(2, False) + epar / div(2, True)
                 + dst / div(1, False) + est / div(1, True))
 
-    def memory(self, dp: int, ep: int, tp: int, pp: int, strategy: str, microbatches: int = 1) -> int:
+    def memory(self, dp: int, ep: int, tp: int, pp: int, strategy: str, microbatches: int = 1,
+               layer_bytes: float = 0.0) -> int:
         """Bytes per device at least (every recomputation mode) under ``strategy`` on
-        ``pp x dp x ep x tp`` (1F1B over ``microbatches`` when ``pp`` > 1)."""
+        ``pp x dp x ep x tp`` (1F1B over ``microbatches`` when ``pp`` > 1); ``layer_bytes``: what
+        a layer keeps of one microbatch on a device at least, where known (a recomputation
+        mode's: :class:`spmdkit.planner.search_floor.LayerFloor`), else its input."""
         per = [self._held(h, dp, ep, tp, strategy) for h in self.layers]
         total = sum(per) + self._held(self.outside, dp, ep, tp, strategy)
         unit = 0.0  # one layer's input of one microbatch on one device
@@ -110,6 +113,7 @@ class Bounds:
             unit = self.batch / m / (dp * ep) * self.seq * self.token_bytes
             if "sp" in strategy.split(","):
                 unit /= tp
+        unit = max(unit, layer_bytes)
         if pp == 1:
             need = total + len(per) * unit
         else:  # rank r holds c_r layers and min(p - r, m) microbatches: max_r c_r (s + f_r u) with sum c_r = L

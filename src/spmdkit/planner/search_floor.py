@@ -1,0 +1,175 @@
+"""A configuration's step floor from its layers' own plan: the tight bound of the pruned search.
+
+:mod:`spmdkit.planner.search_bounds` bounds a configuration's step by the FLOPs of the
+unsharded model at the fastest rates spread over every device: it knows nothing of how small a
+GEMM gets under ``tp = 128`` or what a tensor-parallel all-reduce over InfiniBand costs, so at
+2,048 and 16,384 devices it prunes almost nothing. :class:`StepFloor` bounds it by what the
+configuration's own layers cost one device, read off the same cost model as the plan:
+
+- the shardings of a layer under a strategy depend on ``tp``, ``cp``, ``ep``, the strategy's
+  tensor-parallel base (megatron, sp, the cp variant, ep) and the sequences one data-parallel
+  rank computes at once (a microbatch), not on ``dp``, ``pp`` or the ZeRO level (those add
+  gradient reductions, parameter gathers and stages, never a layer's GEMMs or its
+  tensor-parallel collectives). So the model is planned once per such key
+  (:meth:`StepFloor.per_micro`) on ``dp = 1`` with that rank's sequences and the strategy
+  without ZeRO, as two shallow copies of 2 and 3 layers (:func:`spmdkit.planner.fold.fold_of`,
+  the fold's affine extrapolation: the layers' sums are affine in the layers), and every
+  configuration of the key reuses it;
+- of that plan, one device's forward and backward work per microbatch: each GEMM's and
+  attention pass's time at its local shapes (:func:`spmdkit.cost.step.op_communication`, the
+  rates by shape), the other ops' that read no parameter (a parameter's elementwise op runs on
+  ZeRO-3's shard in the real plan), and the communication every op waits on (tensor- and
+  context-parallel collectives, MoE all-to-alls, the exposed part of an overlapped one);
+  gradient reductions, parameter gathers, the optimizer and recomputation are left out (they
+  only add);
+- the step is at least that work times the micro-steps of gradient accumulation without a
+  pipeline, and with ``p`` stages (``v`` model chunks a rank) and ``m`` microbatches at least
+  ``(m + (p - 1) / v) / p`` of it: the pipeline bound of :meth:`Bounds.step`, on the busiest
+  device's share of this work instead of the FLOPs.
+
+The search prunes with ``max`` of this floor and :meth:`Bounds.step`, costs configurations in
+the order of that bound, and stops when the next bound is at least the best step found.
+``tests/test_search_floor.py`` checks the floor is never above a configuration's planned step
+and that the pruned search finds the unpruned one's best with the same figures;
+``scripts/check_search.py`` does so on the searches of 8 to 256 devices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from spmdkit.core.errors import SpmdError
+from spmdkit.cost.devices import Device
+from spmdkit.cost.memory import saved_activations
+from spmdkit.cost.step import op_communication
+from spmdkit.planner.fold import fold_of
+from spmdkit.planner.search_space import Config
+from spmdkit.program.layers import layer_tags
+from spmdkit.program.plan import Plan
+
+#: the recomputation modes (planner.search's RECOMPUTE_MODES: none the least)
+RECOMPUTE = ("none", "selective", "full")
+
+#: (tp, ep, cp, the strategy without ZeRO, sequences a data-parallel rank computes at once)
+FloorKey = tuple[int, int, int, str, int]
+
+
+def base_strategy(strategy: str) -> str:
+    """``strategy`` without its ZeRO level (``megatron,sp,zero1`` -> ``megatron,sp``)."""
+    return ",".join(p for p in strategy.split(",") if p not in ("zero1", "zero2", "zero3")) or "dp"
+
+
+def _counted(plan: Plan, i: int, matmul: bool, attention: bool) -> bool:
+    """Whether op ``i``'s compute counts in the floor: a GEMM, an attention pass, or an op that
+    reads no parameter (a parameter's elementwise op may run on ZeRO-3's shard in the real plan)."""
+    prog = plan.program
+    return matmul or attention or not any(
+        prog.tensors[n].kind in ("parameter", "optimizer_state") for n in prog.ops[i].input_names())
+
+
+def per_device_work(plan: Plan, device: Device) -> float:
+    """One device's forward and backward seconds of ``plan`` that every configuration with its
+    layers has (module docstring): GEMMs and attention passes, the ops that read no parameter,
+    the communication each op waits on."""
+    return _work(plan, device)[0]
+
+
+def _work(plan: Plan, device: Device) -> tuple[float, dict[str, float], dict[str, int]]:
+    """(:func:`per_device_work`; per recomputation mode, the same of the ops it runs again; per
+    mode, the fewest bytes a numbered layer keeps for the backward)."""
+    oc = op_communication(plan, device)
+    prog = plan.program
+    own = [0.0] * len(prog.ops)
+    for i, op in enumerate(prog.ops):
+        if op.phase in ("forward", "backward"):
+            c = oc.costs[i]
+            own[i] = (oc.compute[i] if _counted(plan, i, c.matmul, c.attention is not None) else 0.0) + oc.wait[i]
+    rerun: dict[str, float] = {}
+    kept: dict[str, int] = {}
+    numbered = set(layer_tags(prog))
+    for mode in RECOMPUTE:
+        saved = saved_activations(plan, mode)
+        rerun[mode] = sum(own[i] for i in {j for r in saved.recomputed for j in r})
+        kept[mode] = min((b for lay, b in saved.per_layer.items() if lay in numbered), default=0)
+    return sum(own), rerun, kept
+
+
+@dataclass(frozen=True)
+class LayerFloor:
+    """One layer key's figures for the whole model, one microbatch on one device: the work
+    (s), what each recomputation mode runs again (s), the fewest bytes a layer keeps under each."""
+
+    work: float
+    rerun: dict[str, float]
+    kept: dict[str, int]
+
+
+NO_FLOOR = LayerFloor(0.0, {}, {})
+
+
+@dataclass
+class StepFloor:
+    """The floor of each configuration's step (module docstring), its layer plans cached by key.
+
+    ``plan_copy(cfg, layers, batch)``: ``cfg`` (dp = 1, no pipeline, no ZeRO) planned on a copy
+    of the model with ``layers`` layers and a global batch of ``batch`` sequences, as the
+    search plans it (the device's links, the runtime)."""
+
+    plan_copy: Callable[[Config, int, int], Plan]
+    device: Device
+    layers: int
+    batch: int
+    dense: int = 0
+    cache: dict[FloorKey, LayerFloor] = field(default_factory=dict)
+    plans: int = 0
+
+    def key(self, cfg: Config) -> FloorKey | None:
+        if cfg.strategy == "auto":
+            return None
+        local = self.batch // (cfg.microbatches * cfg.grad_accum * cfg.dp)
+        if local < 1 or local % cfg.ep:
+            return None
+        return (cfg.tp, cfg.ep, cfg.cp, base_strategy(cfg.strategy), local)
+
+    def of(self, cfg: Config) -> LayerFloor:
+        """``cfg``'s layer figures (:data:`NO_FLOOR` where its layers cannot be planned so)."""
+        key = self.key(cfg)
+        if key is None:
+            return NO_FLOOR
+        got = self.cache.get(key)
+        if got is None:
+            tp, ep, cp, strategy, local = key
+            fold = fold_of((self.layers,), self.dense)
+            one = Config(1, tp, 1, strategy, "none", 1, ep, cp)
+            try:
+                if fold is None:
+                    self.plans += 1
+                    w, r, k = _work(self.plan_copy(one, self.layers, local), self.device)
+                else:
+                    self.plans += 2
+                    wa, ra, _ka = _work(self.plan_copy(one, fold.layers_a, local), self.device)
+                    wb, rb, k = _work(self.plan_copy(one, fold.layers_b, local), self.device)
+                    w, r = fold.at(wa, wb), {m: fold.at(ra[m], rb[m]) for m in rb}
+                got = LayerFloor(w, r, k)
+            except SpmdError:
+                got = NO_FLOOR  # its layers cannot be planned so (the configuration says why when planned)
+            self.cache[key] = got
+        return got
+
+    def per_micro(self, cfg: Config) -> float:
+        """One device's work (s) for one microbatch through the whole model (0: no floor)."""
+        return self.of(cfg).work
+
+    def step(self, cfg: Config, mode: str = "none") -> float:
+        """Seconds the step of ``cfg`` takes at least under recomputation ``mode`` (and every
+        mode that recomputes more: none is the least)."""
+        f = self.of(cfg)
+        w = f.work + f.rerun.get(mode, 0.0)
+        if cfg.pp == 1:
+            return w * cfg.grad_accum
+        m = max(1, cfg.microbatches)
+        return w / cfg.pp * (m + (cfg.pp - 1) / max(1, cfg.virtual))
+
+
+__all__ = ["NO_FLOOR", "FloorKey", "LayerFloor", "StepFloor", "base_strategy", "per_device_work"]

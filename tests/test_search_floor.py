@@ -1,0 +1,109 @@
+"""The pruned search's step floor (planner/search_floor.py): never above a configuration's
+planned step under any recomputation mode, and a search pruned by it finds the unpruned search's
+best with the same figures; its progress line."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from spmdkit.cost.devices import load_device
+from spmdkit.planner.search import Config, _floor, _Job, _model_sizes, config_candidates, search_meshes
+from spmdkit.planner.search_floor import base_strategy
+
+MODEL = "llama3-8b"
+OVER = {"layers": 4, "batch": 8, "seq": 512}
+
+
+def _job(model: str, over: dict[str, int]) -> tuple[Any, Any]:
+    mc, sizes = _model_sizes(model, over)
+    dev = load_device("h100")
+    return mc, _Job(dev, sizes.tokens, ["none", "selective", "full"], dev.memory_bytes, None, None, None, 30.0)
+
+
+SAMPLE = [
+    Config(8, 1, 1, "dp"), Config(8, 1, 1, "dp,zero3"), Config(2, 4, 1, "megatron"),
+    Config(2, 4, 1, "megatron,sp,zero1"), Config(1, 8, 1, "megatron,sp"), Config(4, 2, 1, "megatron,sp,zero2", grad_accum=2),
+    Config(4, 1, 2, "dp,zero1", microbatches=2), Config(2, 2, 2, "megatron,sp,zero3", microbatches=4),
+    Config(1, 2, 4, "megatron,sp", microbatches=8), Config(2, 1, 2, "dp", microbatches=4, virtual=2),
+]
+
+
+@pytest.mark.parametrize("cfg", SAMPLE, ids=lambda c: c.label())
+def test_the_floor_is_never_above_the_planned_step(cfg: Config) -> None:
+    mc, job = _job(MODEL, OVER)
+    floor = _floor(MODEL, mc, job)
+    assert floor is not None
+    low = floor.step(cfg)
+    got = config_candidates(MODEL, cfg, "h100", OVER)
+    assert got and low > 0
+    assert all(low <= c.step_s for c in got), (low, [(c.config.recompute, c.step_s) for c in got])
+
+
+def test_the_floor_is_cached_per_layer_key() -> None:
+    mc, job = _job(MODEL, OVER)
+    floor = _floor(MODEL, mc, job)
+    assert floor is not None
+    a = floor.step(Config(4, 2, 1, "megatron,sp,zero1"))
+    plans = floor.plans
+    # the same layers (tp 2, sp, one rank's 2 sequences): dp, the ZeRO level and the stages do not
+    # change them, only how the work adds up (2 stages, 2 microbatches: (2 + 1) / 2 of a microbatch's)
+    assert floor.step(Config(4, 2, 1, "megatron,sp,zero3")) == a
+    assert floor.step(Config(2, 2, 2, "megatron,sp", microbatches=2)) == pytest.approx(a / 2 * (2 + 1))
+    assert floor.plans == plans == 2  # two shallow copies (2 and 3 layers), once
+    assert base_strategy("megatron,sp,zero2") == "megatron,sp" and base_strategy("zero1") == "dp"
+
+
+class _Lines:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def update(self, done: int | None = None, total: int | None = None, note: str | None = None) -> None:
+        pass
+
+    def advance(self, n: int = 1, note: str | None = None) -> None:
+        pass
+
+    def phase(self, text: str) -> None:
+        self.lines.append(text)
+
+
+def test_the_pruned_search_finds_the_unpruned_best_with_its_figures() -> None:
+    full = search_meshes(MODEL, 8, "h100", overrides=OVER, prune=False)
+    seen = _Lines()
+    pruned = search_meshes(MODEL, 8, "h100", overrides=OVER, prune=True, progress=seen)
+    assert full.best is not None and pruned.best is not None
+    a, b = full.best, pruned.best
+    assert a.config == b.config
+    assert (a.step_s, a.memory, a.comm_s, a.mfu, a.collectives) == (b.step_s, b.memory, b.comm_s, b.mfu, b.collectives)
+    by_step = [cfg for cfg, why in pruned.pruned if why.startswith("its step is at least")]
+    assert by_step and pruned.plans < full.plans
+    # every configuration the floor pruned is no faster than the best in the unpruned search
+    steps = {c.config.label().split(" recompute=")[0]: c.step_s for c in full.fitting}
+    assert all(steps.get(cfg.label(), float("inf")) >= a.step_s for cfg in by_step)
+    assert any(line.startswith("step bounds of ") and "layer plans" in line for line in seen.lines)
+
+
+LONG = {"layers": 4, "batch": 8, "seq": 8192}  # activations that matter beside the states
+
+
+@pytest.mark.parametrize("cfg", [SAMPLE[2], SAMPLE[6], SAMPLE[7]], ids=lambda c: c.label())
+def test_the_bound_under_a_cap_that_forces_recomputation_is_below_the_fitting_step(cfg: Config) -> None:
+    """Under a cap between full recomputation's memory and the others', the bound (the floor of
+    the least recomputation whose kept activations can fit) stays under the step that fits."""
+    from dataclasses import replace
+
+    from spmdkit.planner.search import _bounds, _step_bound
+
+    got = {c.config.recompute: c for c in config_candidates(MODEL, cfg, "h100", LONG)}
+    full, least = got["full"], min(got["none"].memory, got.get("selective", got["none"]).memory)
+    assert full.memory < least
+    cap = (full.memory + least) // 2
+    mc, job = _job(MODEL, LONG)
+    job = replace(job, cap=cap)
+    floor = _floor(MODEL, mc, job)
+    assert floor is not None
+    low = _step_bound(cfg, _bounds(MODEL, mc, job), floor, job)
+    fitting = [c for c in config_candidates(MODEL, cfg, "h100", LONG, memory_cap=cap) if c.fits]
+    assert fitting and low <= min(c.step_s for c in fitting)
