@@ -120,7 +120,7 @@ def _torch_file(path: str) -> bool:
     spec = importlib.util.find_spec("torch")
     if spec is None or not spec.submodule_search_locations:
         return True  # no torch here: nothing to check it against
-    return (Path(list(spec.submodule_search_locations)[0]).parent / path).is_file()
+    return (Path(next(iter(spec.submodule_search_locations))).parent / path).is_file()
 
 
 def stale_references(text: str, files: list[str] | None = None) -> list[str]:

@@ -119,9 +119,11 @@ def _shared_copies(plan: Plan, shared: dict[str, tuple[int, ...]], param_grads: 
     plan's one parameter: its bytes, its gradient's and its optimizer states (as the framework
     holds them); each holder's ``tied_bytes``. Returns parameter -> (its gradient the optimizer
     reads, the stages holding a copy besides the one the plan's update runs on)."""
+    if not shared:
+        return {}
     prog = plan.program
     held = held_for_the_step(plan)
-    grad_of = {p: g for g, _s in param_grads.items() for p in _updated_by(prog, g)}
+    grad_of = _updated_by(prog, set(param_grads))
     found: dict[str, tuple[str | None, tuple[int, ...]]] = {}
     for nm, where in shared.items():
         g = grad_of.get(nm)
@@ -137,10 +139,22 @@ def _shared_copies(plan: Plan, shared: dict[str, tuple[int, ...]], param_grads: 
     return found
 
 
-def _updated_by(prog: Any, grad: str) -> list[str]:
-    """The parameters an optimizer op reading ``grad`` updates."""
-    return [nm for op in prog.ops if op.phase == "optimizer" and grad in op.input_names()
-            for nm in op.input_names() if prog.tensors[nm].kind == "parameter" and not prog.tensors[nm].inplace_of]
+def _updated_by(prog: Any, grads: set[str]) -> dict[str, str]:
+    """Parameter -> the gradient (one of ``grads``) the optimizer op updating it reads; one pass
+    over the optimizer ops."""
+    out: dict[str, str] = {}
+    for op in prog.ops:
+        if op.phase != "optimizer":
+            continue
+        names = op.input_names()
+        read = [g for g in names if g in grads]
+        if not read:
+            continue
+        for nm in names:
+            t = prog.tensors[nm]
+            if t.kind == "parameter" and not t.inplace_of:
+                out.setdefault(nm, read[0])
+    return out
 
 
 class _LocalBytes:
