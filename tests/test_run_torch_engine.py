@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tests.conftest import ROOT, run_cli_line
@@ -88,15 +89,20 @@ def test_gpt2_fused_qkv_sequence_parallel_fsdp_trains_as_eager() -> None:
     the 2 c_proj: 3 forward, 3 backward); all-reduces: the 3 norms' weights and biases, wpe's
     gradient (7) and the loss's 3; FSDP2's 2 all-gathers forward, 1 backward (the block's), 2
     reduce-scatters."""
-    p = _launch("--mesh", "dp=2,tp=2", "--strategy", "megatron,sp,zero3", "--json", config=GPT2,
-                cls="GPT2LMHeadModel")
+    _sp_zero3_trains_as_eager(GPT2, "GPT2LMHeadModel", {"all_gather_into_tensor": 3 + 3 + 2 + 1, "all_reduce": 7 + 3,
+                                                        "reduce_scatter_tensor": 3 + 3 + 2})
+
+
+def _sp_zero3_trains_as_eager(config: dict[str, Any], cls: str, per_rank: dict[str, int]) -> None:
+    """One launch of dp=2 x tp=2 megatron + sp + zero3: 3 steps, each loss eager's, every rank's
+    collectives ``per_rank``."""
+    p = _launch("--mesh", "dp=2,tp=2", "--strategy", "megatron,sp,zero3", "--json", config=config, cls=cls)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     rep = json.loads(p.stdout.strip().splitlines()[-1])
     assert rep["ok"] and rep["same_initial_weights"] and len(rep["steps"]) == 3
     for s in rep["steps"]:
         assert abs(s["loss"] - s["eager_loss"]) <= 2e-5 * max(1.0, abs(s["eager_loss"])), s
-        assert s["collectives"] == [{"all_gather_into_tensor": 3 + 3 + 2 + 1, "all_reduce": 7 + 3,
-                                     "reduce_scatter_tensor": 3 + 3 + 2}] * 4
+        assert s["collectives"] == [per_rank] * 4
 
 
 MIXTRAL = {**LLAMA, "num_local_experts": 4, "num_experts_per_tok": 2}
@@ -112,15 +118,8 @@ def test_mixtral_sequence_parallel_fsdp_trains_as_eager() -> None:
     head's input gradients: 2 backward); all-reduces: the experts' rows and their input gradient (2),
     the 3 norms' weights (3) and the loss's 3; FSDP2's 2 all-gathers forward, 1 backward, 2
     reduce-scatters."""
-    p = _launch("--mesh", "dp=2,tp=2", "--strategy", "megatron,sp,zero3", "--json", config=MIXTRAL,
-                cls="MixtralForCausalLM")
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    rep = json.loads(p.stdout.strip().splitlines()[-1])
-    assert rep["ok"] and rep["same_initial_weights"] and len(rep["steps"]) == 3
-    for s in rep["steps"]:
-        assert abs(s["loss"] - s["eager_loss"]) <= 2e-5 * max(1.0, abs(s["eager_loss"])), s
-        assert s["collectives"] == [{"all_gather_into_tensor": 3 + 3 + 2 + 1, "all_reduce": 2 + 3 + 3,
-                                     "reduce_scatter_tensor": 2 + 2 + 2}] * 4
+    _sp_zero3_trains_as_eager(MIXTRAL, "MixtralForCausalLM", {"all_gather_into_tensor": 3 + 3 + 2 + 1,
+                                                              "all_reduce": 2 + 3 + 3, "reduce_scatter_tensor": 2 + 2 + 2})
 
 
 def test_llama_pp_tp_pipeline_trains_as_eager(tmp_path: Path) -> None:
@@ -141,7 +140,7 @@ def test_llama_pp_tp_pipeline_trains_as_eager(tmp_path: Path) -> None:
     assert all(m["optimizer"] >= 2 * m["parameters"] for m in rep["memory"])
 
 
-GPT2 = {"n_layer": 2, "n_embd": 32, "n_head": 4, "vocab_size": 128, "n_positions": 64}
+GPT2_PP = {"n_layer": 2, "n_embd": 32, "n_head": 4, "vocab_size": 128, "n_positions": 64}
 
 
 def test_gpt2_pp_tp_tied_pipeline_trains_as_eager(tmp_path: Path) -> None:
@@ -152,11 +151,11 @@ def test_gpt2_pp_tp_tied_pipeline_trains_as_eager(tmp_path: Path) -> None:
     backward (the inputs c_attn and c_fc read); stage 1 2 forward, 3 backward (+ lm_head's input)
     and the loss's 3. At lr 0.5 a step without the tied all-reduce differs from eager by 1e-2 at
     step 2 (checked by hand)."""
-    path = _real_export(tmp_path, "gpt2pp.py", "pp=2,tp=2", ["--microbatches", "2", "--schedule", "1f1b"], GPT2,
+    path = _real_export(tmp_path, "gpt2pp.py", "pp=2,tp=2", ["--microbatches", "2", "--schedule", "1f1b"], GPT2_PP,
                         "GPT2LMHeadModel")
     text = path.read_text()
     assert "class _TiedSchedule(Schedule1F1B):" in text and "self.hf(inputs_embeds=x)" not in text
-    p = _launch("--torch-plan", str(path), "--json", "--steps", "3", "--lr", "0.5", config=GPT2,
+    p = _launch("--torch-plan", str(path), "--json", "--steps", "3", "--lr", "0.5", config=GPT2_PP,
                 cls="GPT2LMHeadModel")
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     rep = json.loads(p.stdout.strip().splitlines()[-1])
