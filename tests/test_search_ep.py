@@ -125,6 +125,38 @@ def test_pruning_keeps_the_best_and_every_fitting_configuration(searches: tuple[
     assert all(cfg in over for cfg, why in pruned.pruned if why.startswith("over the memory cap"))
 
 
+def test_lazy_floors_plan_the_seeds_first_and_find_the_unpruned_best(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the floors computed as each configuration's turn comes (more layer keys than
+    EAGER_FLOORS, forced here), the ``dp,ep,zero1`` pipelines are planned first (search._seeds:
+    an incumbent early) and the result is the unpruned search's: its best with the same figures,
+    every configuration the bounds pruned no faster than it."""
+    from spmdkit.planner import search as search_mod
+
+    full = search_meshes(MOE, 4, "h100", prune=False)  # no cap: every configuration fits
+    monkeypatch.setattr(search_mod, "EAGER_FLOORS", 0)
+    order: list[str] = []
+
+    class _Notes:
+        def update(self, done: int | None = None, total: int | None = None, note: str | None = None) -> None:
+            if note:
+                order.append(note)
+
+        def advance(self, n: int = 1, note: str | None = None) -> None:
+            pass
+
+        def phase(self, text: str) -> None:
+            pass
+
+    lazy = search_meshes(MOE, 4, "h100", prune=True, progress=_Notes())
+    assert order[0].endswith("dp,ep,zero1") and " pp=" in order[0] and " tp=1 " in order[0]
+    a, b = full.best, lazy.best
+    assert a is not None and b is not None
+    assert (b.config, b.step_s, b.memory, b.comm_s) == (a.config, a.step_s, a.memory, a.comm_s)
+    assert lazy.pruned and lazy.plans + len(lazy.pruned) == full.plans
+    steps = {c.config.label().split(" recompute=")[0]: c.step_s for c in full.fitting}
+    assert all(steps.get(cfg.label(), float("inf")) >= a.step_s for cfg, _why in lazy.pruned)
+
+
 def test_deepseek_v3_on_2048_h800_fits_with_a_breakdown_checked_by_hand() -> None:
     """pp=16, dp=2, ep=64, ZeRO-1 (DeepSeek-V3 technical report, section 3.2), its batch of
     15,360 sequences as 120 microbatches of 128 (one sequence per data-parallel rank), layers

@@ -115,6 +115,8 @@ PRUNED_DEVICES = 512
 #: the most distinct layer keys whose floors (search_floor) are computed before the search, to
 #: order it; beyond, each configuration's floor is computed when it is its turn
 EAGER_FLOORS = 64
+#: a search with lazy floors plans first this many of its seed configurations (:func:`_seeds`)
+SEEDS = 3
 
 
 @dataclass
@@ -401,6 +403,9 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
         floor = _floor(model, cfg_model, job)
         lows, lazy = _step_bounds(work, bounds, floor, job, progress)
         work.sort(key=lambda c: lows.get(c, math.inf))
+        if lazy:
+            first = _seeds(work, lows, bounds, floor, job)
+            work = first + [c for c in work if c not in set(first)]
     elif len(work) > MAX_PLANS:
         raise ProgramError(f"--devices {devices}: {len(work)} configurations to plan (at most {MAX_PLANS})")
     if progress is not None:
@@ -552,6 +557,21 @@ def _step_bounds(work: list[Config], bounds: Bounds, floor: StepFloor | None, jo
                        f"({floor.plans} shallow copies planned, {time.perf_counter() - t0:.1f} s)" if not lazy else
                        f"step bounds of {len(out)} configurations (FLOPs; their layers' floors as they come)")
     return out, lazy
+
+
+def _seeds(work: list[Config], lows: dict[Config, float], bounds: Bounds, floor: StepFloor | None,
+           job: _Job) -> list[Config]:
+    """The configurations a search with lazy floors plans first, so that a step is found early and
+    the floors prune the rest: of a MoE model's expert-parallel pipelines without tensor or context
+    parallelism and with ZeRO-1 (``dp,ep,zero1``: the DeepSeek-V3 report's family, few layer keys,
+    their optimizer states over dp and their memory low), the :data:`SEEDS` of lowest bound, their
+    floors computed now (``lows`` updated). The order changes no result: a configuration is
+    pruned only where its bound is at least a step planned."""
+    family = [c for c in work if c in lows and c.tp == 1 and c.cp == 1 and c.ep > 1 and c.pp > 1
+              and c.strategy == "dp,ep,zero1"]
+    for c in family:
+        lows[c] = _step_bound(c, bounds, floor, job)
+    return sorted(family, key=lambda c: lows[c])[:SEEDS]
 
 
 def _pins_for(cfg: Config, pins: Mapping[str, Any] | None) -> dict[str, Any]:
