@@ -405,7 +405,8 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
         work.sort(key=lambda c: lows.get(c, math.inf))
         if lazy:
             first = _seeds(work, lows, bounds, floor, job)
-            work = first + [c for c in work if c not in set(first)]
+            seeded = set(first)
+            work = first + [c for c in work if c not in seeded]
     elif len(work) > MAX_PLANS:
         raise ProgramError(f"--devices {devices}: {len(work)} configurations to plan (at most {MAX_PLANS})")
     if progress is not None:

@@ -153,8 +153,14 @@ class Bounds:
         work = max(self.flops / self.peak, self.floor_s) / devices + self.all_to_all(devices, ep, strategy)
         if pp > 1:
             m = max(1, microbatches)
-            work *= (m + (pp - 1) / max(1, virtual)) / m
+            work *= (m + pipeline_fill(pp, virtual)) / m
         return work
+
+
+def pipeline_fill(pp: int, virtual: int = 1) -> float:
+    """The fill and drain of a ``pp``-stage 1F1B pipeline in microbatches of a stage's work (its
+    bubble; interleaved 1F1B with ``virtual`` chunks a rank: ``(pp - 1) / virtual``)."""
+    return (pp - 1) / max(1, virtual)
 
 
 def model_bounds(plan: Plan, device: Device, runtime: Runtime, token_bytes: int = 0) -> Bounds:
@@ -200,4 +206,4 @@ def model_bounds(plan: Plan, device: Device, runtime: Runtime, token_bytes: int 
                   runtime.moe_dispatcher, runtime.moe_routing)
 
 
-__all__ = ["Bounds", "Held", "experts_of", "model_bounds"]
+__all__ = ["Bounds", "Held", "experts_of", "model_bounds", "pipeline_fill"]

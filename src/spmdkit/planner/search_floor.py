@@ -44,6 +44,7 @@ from spmdkit.cost.devices import Device
 from spmdkit.cost.memory import saved_activations
 from spmdkit.cost.step import op_communication
 from spmdkit.planner.fold import fold_of
+from spmdkit.planner.search_bounds import pipeline_fill
 from spmdkit.planner.search_space import Config
 from spmdkit.program.layers import layer_tags
 from spmdkit.program.plan import Plan
@@ -169,7 +170,7 @@ class StepFloor:
         if cfg.pp == 1:
             return w * cfg.grad_accum
         m = max(1, cfg.microbatches)
-        return w / cfg.pp * (m + (cfg.pp - 1) / max(1, cfg.virtual))
+        return w / cfg.pp * (m + pipeline_fill(cfg.pp, cfg.virtual))
 
 
 __all__ = ["NO_FLOOR", "FloorKey", "LayerFloor", "StepFloor", "base_strategy", "per_device_work"]
