@@ -307,6 +307,12 @@ _CONSEQUENCES = ("connection closed", "connection reset", "broken pipe", "timed 
 _CAUSE_GRACE_S = 3.0
 
 
+def _faulted(codes: list[int | None]) -> list[int]:
+    """The ranks that exited with a fault: rank 0's exit 1 is its report saying the check failed;
+    any other non-zero exit is a fault."""
+    return [r for r, c in enumerate(codes) if c is not None and c != 0 and not (r == 0 and c == 1)]
+
+
 def _is_consequence(line: str) -> bool:
     return any(w in line.lower() for w in _CONSEQUENCES)
 
@@ -325,7 +331,7 @@ def _await_cause(procs: list[subprocess.Popen[bytes]], failed: list[int], codes:
             break
         time.sleep(0.05)
         codes = [p.poll() for p in procs]
-        failed = [r for r, c in enumerate(codes) if c is not None and c != 0 and not (r == 0 and c == 1)]
+        failed = _faulted(codes)
     return failed, codes
 
 
@@ -339,8 +345,7 @@ def _watch(procs: list[subprocess.Popen[bytes]], errs: list[list[bytes]], reader
 
     while True:
         codes = [p.poll() for p in procs]
-        # rank 0's exit 1 is its report saying the check failed; any other non-zero exit is a fault
-        failed = [r for r, c in enumerate(codes) if c is not None and c != 0 and not (r == 0 and c == 1)]
+        failed = _faulted(codes)
         if failed:
             # a rank that lost its peer often exits before the peer that failed first is seen to: give
             # the cause a moment to exit on its own before the consequence is reported
