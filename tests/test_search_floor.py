@@ -125,6 +125,8 @@ def test_the_pruned_search_finds_the_unpruned_best_with_its_figures() -> None:
     # every configuration the floor pruned is no faster than the best in the unpruned search
     steps = {c.config.label().split(" recompute=")[0]: c.step_s for c in full.fitting}
     assert all(steps.get(cfg.label(), float("inf")) >= a.step_s for cfg in by_step)
+    # among them ZeRO-3 configurations, their bounds refined with their gathers when their turn came
+    assert any("zero3" in cfg.strategy for cfg in by_step)
     assert any(line.startswith("step bounds of ") and "layer plans" in line for line in seen.lines)
 
 

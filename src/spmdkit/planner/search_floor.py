@@ -22,6 +22,12 @@ configuration's own layers cost one device, read off the same cost model as the 
   context-parallel collectives, MoE all-to-alls, the exposed part of an overlapped one);
   gradient reductions, parameter gathers, the optimizer and recomputation are left out (they
   only add);
+- a ZeRO-3 configuration's parameter gathers (:meth:`StepFloor.gathered`, computed when its
+  turn comes in the search): its layers planned on its own ``dp`` with ZeRO-3 (two shallow
+  copies per dp and layer key); with a pipeline the part of each layer group's gather the group
+  before leaves exposed (:func:`spmdkit.cost.step.op_communication`'s prefetch, in every stage's
+  time per microbatch), without one the gathers' sum (one after the other on the communication
+  stream; the last micro-step waits for the last);
 - the step is at least that work times the micro-steps of gradient accumulation without a
   pipeline, and with ``p`` stages (``v`` model chunks a rank) and ``m`` microbatches at least
   ``(m + (p - 1) / v) / p`` of it: the pipeline bound of :meth:`Bounds.step`, on the busiest
