@@ -65,7 +65,8 @@ def row(n: int, fold: bool, model_name: str | None = None) -> None:
           flush=True)
     pub = PUBLISHED.get(n) if model_name is None else MODELS[model_name][3]
     if pub is not None:
-        got = [c for c in config_candidates(model, pub, device, overrides=over) if c.fits]
+        # planned whole, as the search's best is (the fold agrees to rounding, not to the last bit)
+        got = [c for c in config_candidates(model, pub, device, overrides=over, fold=False) if c.fits]
         if got:
             p = min(got, key=lambda c: c.step_s)
             faster = best is not None and best.step_s <= p.step_s
