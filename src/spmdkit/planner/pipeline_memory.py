@@ -133,30 +133,30 @@ def torch_rank_memory(chunks: Sequence[ChunkBytes], order: Sequence[tuple[str, i
     const_p = sum(c.parameters for c in chunks)
     states = sum(c.states for c in chunks)
     recv = sum(m * (c.input_bytes + c.grad_recv_bytes) for c in chunks)
-    held: set[tuple[int, int]] = set()
+    held = 0        # stash units held (microbatches forwarded and not backwarded, over the stages)
+    held_bytes = 0  # their stash
     fwd_done, bwd_done = [0] * v, [0] * v
     best: RankPeak | None = None
     best_total = -1
     for kind, c, j in order:
+        ch = chunks[c]
         started = [bwd_done[i] > 0 or (kind == "B" and i == c) for i in range(v)]
         finished = [bwd_done[i] == m for i in range(v)]
         gathered = [fwd_done[i] > 0 or i == c for i in range(v)]
-        stash = sum(chunks[i].stash for i, k in held if (i, k) != (c, j))
-        act = chunks[c].working + stash
+        act = ch.working + held_bytes - (ch.stash if kind == "B" else 0)
         buf = recv + sum(fwd_done[i] * chunks[i].output_bytes + bwd_done[i] * chunks[i].input_bytes for i in range(v))
         params = const_p + sum(chunks[i].unsharded_parameters for i in range(v) if gathered[i] and not finished[i])
         grads = sum(chunks[i].unsharded_gradients for i in range(v) if started[i] and not finished[i])
         grads += sum(chunks[i].gradients for i in range(v) if finished[i])
         total = params + grads + states + act + buf
         if total > best_total:
-            units = len(held) + (1 if kind == "F" else 0)
             best_total = total
-            best = RankPeak(params, grads, states, act + buf, buf, (kind, c, j), units / v)
+            best = RankPeak(params, grads, states, act + buf, buf, (kind, c, j), (held + (kind == "F")) / v)
         if kind == "F":
-            held.add((c, j))
+            held, held_bytes = held + 1, held_bytes + ch.stash
             fwd_done[c] += 1
         else:
-            held.discard((c, j))
+            held, held_bytes = held - 1, held_bytes - ch.stash
             bwd_done[c] += 1
     if best is None:
         raise ValueError("torch_rank_memory: an empty order")
