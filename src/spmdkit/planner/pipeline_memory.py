@@ -32,8 +32,9 @@ forwards, then one backward and one forward until the forwards are done, then th
 ``ScheduleInterleaved1F1B``: ``min((v - 1) * mpr + 2 (p - 1 - r), m v)`` forwards (``mpr``: the
 microbatches of a round, ``m // max(1, m // p)``; a round of ``mpr`` microbatches on one local
 stage, then the next), then one forward and one backward (the backwards from the last local
-stage down), then the backwards (``_get_1f1b_rank_ops``); ``ScheduleGPipe``: every forward,
-then every backward.
+stage down), then the backwards (``_get_1f1b_rank_ops``; torch's earlier form counts rounds of
+``p`` microbatches, the same wherever ``m`` is a multiple of ``p``, as spmdkit's interleaved
+schedule requires); ``ScheduleGPipe``: every forward, then every backward.
 """
 
 from __future__ import annotations
