@@ -10,7 +10,7 @@ import pytest
 
 from spmdkit.cost.devices import load_device
 from spmdkit.planner.search import Config, _floor, _Job, _model_sizes, config_candidates, search_meshes
-from spmdkit.planner.search_floor import base_strategy
+from spmdkit.planner.search_floor import Units, base_strategy, busiest_rank
 
 MODEL = "llama3-8b"
 OVER = {"layers": 4, "batch": 8, "seq": 512}
@@ -93,7 +93,9 @@ def test_the_floor_is_cached_per_layer_key() -> None:
     # the same layers (tp 2, sp, one rank's 2 sequences): dp, the ZeRO level and the stages do not
     # change them, only how the work adds up (2 stages, 2 microbatches: (2 + 1) / 2 of a microbatch's)
     assert floor.step(Config(4, 2, 1, "megatron,sp,zero3")) == a
-    assert floor.step(Config(2, 2, 2, "megatron,sp", microbatches=2)) == pytest.approx(a / 2 * (2 + 1))
+    two = Config(2, 2, 2, "megatron,sp", microbatches=2)
+    u = floor.of(two).units["none"]
+    assert floor.step(two) == pytest.approx(max(a / 2 * (2 + 1), busiest_rank(u, 4, 2, 1, 2)))
     assert floor.plans == plans == 2  # two shallow copies (2 and 3 layers), once
     assert base_strategy("megatron,sp,zero2") == "megatron,sp" and base_strategy("zero1") == "dp"
 
@@ -152,3 +154,57 @@ def test_the_bound_under_a_cap_that_forces_recomputation_is_below_the_fitting_st
     low = _step_bound(cfg, _bounds(MODEL, mc, job), floor, job)
     fitting = [c for c in config_candidates(MODEL, cfg, "h100", LONG, memory_cap=cap) if c.fits]
     assert fitting and low <= min(c.step_s for c in fitting)
+
+
+def test_the_busiest_rank_bound_by_hand() -> None:
+    """The least over splits of max_r (m W_r + the chunks before rank r), by hand."""
+    u = Units(first=1.0, last=5.0, layer=2.0)
+    # 2 ranks, 1 chunk each, 4 layers, m = 3: rank 0 (e + n0 l), rank 1 (h + n1 l) and e + l before it;
+    # n = (1, 3): 3 * 3 = 9, 3 * 11 + 3 = 36; (2, 2): 15, 3 * 9 + 3 = 30; (3, 1): 21, 3 * 7 + 3 = 24: the least
+    assert busiest_rank(u, 4, 2, 1, 3) == 24.0
+    # 3 ranks x 2 chunks, 7 layers (p v does not divide them), m = 4: the figures with two layers
+    # each are 4 * 5 = 20, 4 * 4 + 3 = 19, 4 * 9 + 5 = 41; the seventh layer on rank 1: 27
+    assert busiest_rank(u, 7, 3, 2, 4) == 41.0
+    # a light head: the layers' count decides (6 layers on 2 ranks, one more where 5 would not divide)
+    light = Units(first=0.0, last=0.0, layer=1.0)
+    assert busiest_rank(light, 6, 2, 1, 4) == max(4 * 3, 4 * 3 + 1)
+    assert busiest_rank(light, 5, 2, 1, 4) == 4 * 3 + 0  # 3 layers on rank 0 (12) or on rank 1 (13): 12
+    assert busiest_rank(light, 3, 2, 2, 4) == 0.0  # fewer layers than chunks: no bound
+
+
+UNEVEN = [  # layers, configuration: p v not dividing the layers, 4 and 8 chunks a rank, the head's rank busiest
+    (5, Config(1, 2, 2, "megatron,sp", microbatches=4)),
+    (4, Config(1, 1, 2, "dp", microbatches=8, virtual=2)),
+    (7, Config(2, 1, 2, "dp", microbatches=4, virtual=2)),
+    (7, Config(1, 1, 3, "dp", microbatches=6)),
+    (8, Config(2, 1, 2, "dp,zero1", microbatches=4, virtual=4)),
+    (16, Config(2, 1, 2, "dp", microbatches=4, virtual=8)),
+]
+
+
+@pytest.mark.parametrize("layers,cfg", UNEVEN, ids=lambda x: x.label() if isinstance(x, Config) else str(x))
+def test_the_pipeline_floor_holds_for_uneven_layer_counts_and_chunks(layers: int, cfg: Config) -> None:
+    """llama3-8b's head (128k vocabulary) weighs more than two of its layers at this size: the
+    floor is the larger of the even split's and the busiest rank's terms, under every planned
+    step; with one layer a chunk (4 layers, 2 x 2 chunks, 8 microbatches) the head's rank is
+    busiest: 8 (2 l + h) + e + l, over the even (8 + 1/2) (e + 4 l + h) / 2."""
+    over = dict(OVER, layers=layers)
+    mc, job = _job(MODEL, over)
+    floor = _floor(MODEL, mc, job)
+    assert floor is not None
+    f = floor.of(cfg)
+    assert f.units["none"].last > 2 * f.units["none"].layer > 0
+    got = config_candidates(MODEL, cfg, "h100", over)
+    assert got
+    for c in got:
+        rc = c.config.recompute
+        u = f.units[rc]
+        even = (f.work + f.rerun[rc]) / cfg.pp * (cfg.microbatches + (cfg.pp - 1) / cfg.virtual)
+        busy = busiest_rank(u, layers, cfg.pp, cfg.virtual, cfg.microbatches)
+        assert floor.step(cfg, rc) == pytest.approx(max(even, busy))
+        assert floor.step(cfg, rc) <= c.step_s, (rc, even, busy, c.step_s)
+    if (layers, cfg.pp, cfg.virtual, cfg.microbatches) == (4, 2, 2, 8):
+        u = f.units["none"]
+        assert busiest_rank(u, layers, cfg.pp, cfg.virtual, cfg.microbatches) == pytest.approx(
+            8 * (2 * u.layer + u.last) + u.first + u.layer)
+        assert floor.step(cfg) > 1.2 * f.work / cfg.pp * (cfg.microbatches + (cfg.pp - 1) / cfg.virtual)

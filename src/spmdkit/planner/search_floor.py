@@ -42,6 +42,7 @@ and that the pruned search finds the unpruned one's best with the same figures;
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -50,6 +51,7 @@ from spmdkit.cost.devices import Device
 from spmdkit.cost.memory import saved_activations
 from spmdkit.cost.step import op_communication
 from spmdkit.planner.fold import fold_of
+from spmdkit.planner.pipeline import op_units
 from spmdkit.planner.search_bounds import pipeline_fill
 from spmdkit.planner.search_space import Config
 from spmdkit.program.layers import layer_tags
@@ -92,6 +94,7 @@ def _work(plan: Plan, device: Device) -> LayerFloor:
     and their seconds together (one after the other on the communication stream)."""
     oc = op_communication(plan, device)
     prog = plan.program
+    unit, n_layers = op_units(prog)
     own = [0.0] * len(prog.ops)
     exposed = 0.0
     for i, op in enumerate(prog.ops):
@@ -102,12 +105,28 @@ def _work(plan: Plan, device: Device) -> LayerFloor:
             own[i] = (oc.compute[i] if _counted(plan, i, c.matmul, c.attention is not None) else 0.0) + oc.wait[i] - e
     rerun: dict[str, float] = {}
     kept: dict[str, int] = {}
+    units: dict[str, Units] = {}
     numbered = set(layer_tags(prog))
     for mode in RECOMPUTE:
         saved = saved_activations(plan, mode)
-        rerun[mode] = sum(own[i] for i in {j for r in saved.recomputed for j in r})
+        again = {j for r in saved.recomputed for j in r}
+        rerun[mode] = sum(own[i] for i in again)
         kept[mode] = min((b for lay, b in saved.per_layer.items() if lay in numbered), default=0)
-    return LayerFloor(sum(own), rerun, kept, exposed, oc.gathers_s)
+        per = [0.0] * (n_layers + 2)  # the embedding, the layers, the head (op_units: -1 .. n_layers)
+        for i, t in enumerate(own):
+            per[unit[i] + 1] += t + (t if i in again else 0.0)
+        units[mode] = Units(per[0], per[-1], min(per[1:-1], default=0.0))
+    return LayerFloor(sum(own), rerun, kept, exposed, oc.gathers_s, units)
+
+
+@dataclass(frozen=True)
+class Units:
+    """One microbatch's work (s) on one device by pipeline unit (:func:`spmdkit.planner.pipeline.op_units`):
+    the embedding's, the final norm's, head's and loss's, and the least of any layer's."""
+
+    first: float
+    last: float
+    layer: float
 
 
 @dataclass(frozen=True)
@@ -121,6 +140,8 @@ class LayerFloor:
     kept: dict[str, int]
     exposed: float = 0.0
     gathers: float = 0.0
+    #: per recomputation mode, the work (and what it runs again) by pipeline unit
+    units: dict[str, Units] = field(default_factory=dict)
 
 
 NO_FLOOR = LayerFloor(0.0, {}, {})
@@ -197,8 +218,11 @@ class StepFloor:
             b = _work(self.plan_copy(one, fold.layers_b, batch), self.device)
         except SpmdError:
             return NO_FLOOR  # its layers cannot be planned so (the configuration says why when planned)
+        # a layer the copies repeat costs what the deeper one adds (the fold's affine figures)
+        units = {m: Units(u.first, u.last, min(u.layer, (b.work + b.rerun[m]) - (a.work + a.rerun[m])))
+                 for m, u in b.units.items()}
         return LayerFloor(fold.at(a.work, b.work), {m: fold.at(a.rerun[m], b.rerun[m]) for m in b.rerun}, b.kept,
-                          fold.at(a.exposed, b.exposed), fold.at(a.gathers, b.gathers))
+                          fold.at(a.exposed, b.exposed), fold.at(a.gathers, b.gathers), units)
 
     def per_micro(self, cfg: Config) -> float:
         """One device's work (s) for one microbatch through the whole model (0: no floor)."""
@@ -222,7 +246,50 @@ class StepFloor:
             w = max(w, z.work + z.rerun.get(mode, 0.0))
             return w * (cfg.grad_accum - 1) + max(w, z.gathers)
         m = max(1, cfg.microbatches)
-        return w / cfg.pp * (m + pipeline_fill(cfg.pp, cfg.virtual))
+        even = w / cfg.pp * (m + pipeline_fill(cfg.pp, cfg.virtual))
+        u = f.units.get(mode)
+        return even if u is None else max(even, busiest_rank(u, self.layers, cfg.pp, cfg.virtual, m))
 
 
-__all__ = ["NO_FLOOR", "FloorKey", "ZeroKey", "LayerFloor", "StepFloor", "base_strategy", "per_device_work"]
+def busiest_rank(u: Units, layers: int, p: int, v: int, m: int) -> float:
+    """Seconds a 1F1B or interleaved pipeline step takes at least, whatever the split of the
+    ``layers`` layers into ``p x v`` chunks (each of at least one layer, chunk ``c`` on rank
+    ``c mod p``, the embedding with chunk 0, the head and the loss with the last), ``m``
+    microbatches, ``u`` one microbatch's work by unit on one device.
+
+    The argument. Rank ``r`` runs its ``m`` microbatches' forwards and backwards of its own
+    chunks one after the other: ``m W_r`` seconds, ``W_r`` the work of its chunks for one
+    microbatch. It can start none before some microbatch's forward has gone through chunks
+    ``0 .. r-1`` (a chain, one chunk after the other); its last unit is the backward of its
+    lowest chunk ``r`` (the backward of any higher chunk ``c`` of a microbatch is followed,
+    through chunks ``c-1 .. c-p`` on the other ranks, by that microbatch's backward of chunk
+    ``c - p`` on this rank), and after it that microbatch's backward still goes through chunks
+    ``r-1 .. 0``. So the step is at least ``m W_r + sum_{c<r} W_c`` (chunk ``c < r`` lies on rank
+    ``c``; sends and waits only add) for every ``r``: at least ``max_r`` of it. Every layer costs
+    at least ``u.layer``, so with ``n_r >= v`` layers on rank ``r``: ``W_r >= n_r u.layer``
+    plus ``u.first`` on rank 0 and ``u.last`` on rank ``p - 1``, and ``sum_{c<r} W_c >= u.first
+    + r u.layer`` for ``r >= 1`` (each chunk at least one layer). The least over the counts
+    ``n_r`` (``sum n_r = layers``; any counts ``>= v`` are some split's) of the largest of these
+    is reached by giving the ``layers - p v`` layers beyond the first ``v`` of each rank one at a
+    time to the rank whose figure is lowest (every layer adds the same ``m u.layer`` to its
+    rank's figure, so this greedy filling is optimal): a bound for every split the search may
+    pick, even (one more layer on some rank where ``p v`` does not divide the layers) or uneven
+    (``--stages auto``, a memory cap). It exceeds the even-split bound where the head (or the
+    embedding) weighs on its rank more than the layers a balanced split could take off it."""
+    lam = u.layer
+    spare = layers - p * v
+    if spare < 0 or lam < 0:
+        return 0.0
+    fig = [m * (v * lam + (u.first if r == 0 else 0.0) + (u.last if r == p - 1 else 0.0))
+           + (u.first + r * lam if r else 0.0) for r in range(p)]
+    if lam == 0 or spare == 0:
+        return max(fig)
+    step = m * lam
+    heap = sorted(fig)
+    for _ in range(spare):
+        heapq.heapreplace(heap, heap[0] + step)
+    return max(heap)
+
+
+__all__ = ["NO_FLOOR", "FloorKey", "ZeroKey", "LayerFloor", "StepFloor", "Units", "base_strategy", "busiest_rank",
+           "per_device_work"]
