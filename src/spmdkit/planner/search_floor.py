@@ -30,8 +30,11 @@ configuration's own layers cost one device, read off the same cost model as the 
   stream; the last micro-step waits for the last);
 - the step is at least that work times the micro-steps of gradient accumulation without a
   pipeline, and with ``p`` stages (``v`` model chunks a rank) and ``m`` microbatches at least
-  ``(m + (p - 1) / v) / p`` of it: the pipeline bound of :meth:`Bounds.step`, on the busiest
-  device's share of this work instead of the FLOPs.
+  ``(m + (p - 1) / v) / p`` of it (the pipeline bound of :meth:`Bounds.step`, on the busiest
+  device's share of this work instead of the FLOPs) and at least the busiest rank's
+  (:func:`busiest_rank`: its ``m`` microbatches of its own chunks and the chunks before it,
+  the least over every split the search may pick, from the work by unit: the embedding, the
+  head and the loss, the cheapest layer), which is more where the head's rank cannot shed it.
 
 The search prunes with ``max`` of this floor and :meth:`Bounds.step`, costs configurations in
 the order of that bound, and stops when the next bound is at least the best step found.
