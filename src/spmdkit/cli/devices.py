@@ -8,6 +8,7 @@ library), its table printed and the best configuration's plan reported (text or 
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import replace
 from typing import Any, TextIO
 
@@ -20,7 +21,7 @@ from spmdkit.models.source import load
 from spmdkit.models.zoo import model_label, preset
 from spmdkit.outputs.pipeline import write_pipeline
 from spmdkit.outputs.progress import Progress
-from spmdkit.outputs.recipe import check_recipe_target, recipe, write_recipe
+from spmdkit.outputs.recipe import check_recipe_target, recipe, recipe_warning, write_recipe
 from spmdkit.outputs.report import plan_json, write_report
 from spmdkit.outputs.search import search_json, write_search
 from spmdkit.planner.pipeline import PipelineEstimate, pp_cost_text
@@ -90,6 +91,9 @@ def run_devices(req: PlanRequest, out: TextIO) -> int:
             kind, path = req.outputs.recipe
             got = recipe(best, what, _global_batch(model, batch, best), _seq_of(model, seq), _layers_of(model, layers))
             write_recipe(kind, path, got)
+            note = recipe_warning(kind, got)
+            if note is not None:
+                print(f"spmdkit plan: warning: {note}", file=sys.stderr, flush=True)
     if req.outputs.json:
         return _write_json(res, best, title, verdict, out)
     out.write(f"{what} on {n} devices ({res.device.name})\n")

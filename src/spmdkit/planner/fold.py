@@ -27,7 +27,13 @@ from dataclasses import dataclass
 
 from spmdkit.core.reshard import Step
 from spmdkit.cost.devices import Device
-from spmdkit.cost.memory import activation_deltas, per_microbatch_mode, saved_activations, with_overheads
+from spmdkit.cost.memory import (
+    activation_deltas,
+    per_microbatch_mode,
+    recompute_layers,
+    saved_activations,
+    with_overheads,
+)
 from spmdkit.cost.step import OpComm, Reducer, StepEstimate, op_communication, param_gather_time
 from spmdkit.planner.pipeline import (
     PipelineEstimate,
@@ -35,6 +41,7 @@ from spmdkit.planner.pipeline import (
     StageCost,
     _sender,
     balanced_split,
+    block_layers,
     op_stages,
     op_units,
     reduce_gradients,
@@ -79,6 +86,11 @@ def fold_of(counts: tuple[int, ...], dense: int = 0, per_stage: int = FOLD_LAYER
     if d < 2:
         return None
     return Fold(tuple(c - d for c in counts), tuple(c - d + 1 for c in counts), d)
+
+
+def fold_counts(fold: Fold) -> tuple[int, ...]:
+    """The full configuration's layers per stage (copy a's plus ``d``)."""
+    return tuple(c + fold.d for c in fold.a)
 
 
 def full_layer_costs(unit_costs: list[float], layers: int, dense: int = 0) -> list[float]:
@@ -366,7 +378,9 @@ def pipeline_memory(fold: Fold, est_a: PipelineEstimate, plan_b: Plan, est_b: Pi
     layers' stash at many); None where copy b's own memory is not reproduced."""
     if est_b.spec.virtual != 1:
         return None
-    saved = saved_activations(plan_b, per_microbatch_mode(recompute))
+    k = recompute_layers(recompute)  # full:K: the first K layers of each stage (those of the copy's)
+    saved = saved_activations(plan_b, per_microbatch_mode(recompute),
+                              block_layers(plan_b.program, est_b.counts, k) if k else None)
     stages = op_stages(plan_b.program, est_b.counts)
     deltas = activation_deltas(plan_b, saved, stages, len(est_b.counts))
     unit, _n = op_units(plan_b.program)
@@ -405,5 +419,5 @@ def _close(x: float, y: float) -> bool:
     return abs(x - y) <= 1e-12 * max(abs(x), abs(y), 1e-30)
 
 
-__all__ = ["bucket_sync", "FOLD_LAYERS", "Fold", "balanced_counts", "bucket_figures", "fold_of", "full_layer_costs", "pipeline_memory",
+__all__ = ["bucket_sync", "FOLD_LAYERS", "Fold", "balanced_counts", "bucket_figures", "fold_counts", "fold_of", "full_layer_costs", "pipeline_memory",
            "pipeline_step"]

@@ -65,13 +65,13 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel
 from spmdkit.cost.compute import guess_tokens, kernel_collectives, model_flops
 from spmdkit.cost.devices import Device, cost_model, load_device, recost
-from spmdkit.cost.memory import Memory, memory_per_device, recompute_regions, with_overheads
-from spmdkit.cost.step import StepEstimate, estimate_step
+from spmdkit.cost.memory import Memory, memory_per_device, per_microbatch_mode, recompute_regions, with_overheads
+from spmdkit.cost.step import OpComm, StepEstimate, estimate_step, op_communication
 from spmdkit.models.hf import dtype_name
 from spmdkit.models.source import import_hf_checked
 from spmdkit.models.zoo import ModelConfig, build_model, preset
 from spmdkit.planner.auto import AutoInfo, auto_plan
-from spmdkit.planner.fold import Fold, bucket_figures, bucket_sync, fold_of, pipeline_memory, pipeline_step
+from spmdkit.planner.fold import Fold, bucket_figures, bucket_sync, fold_counts, fold_of, pipeline_memory, pipeline_step
 from spmdkit.planner.fold_stages import copy_layers, deep_pipeline, stage_copy, stretch_units
 from spmdkit.planner.partition import even_split, partition
 from spmdkit.planner.pipeline import (
@@ -84,6 +84,7 @@ from spmdkit.planner.pipeline import (
     split_layers,
 )
 from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, parse_size, plan_model, plan_program
+from spmdkit.planner.search_blocks import blocks_floor, blocks_mode, least_blocks, wants_blocks
 from spmdkit.planner.search_bounds import Bounds, experts_of, model_bounds
 from spmdkit.planner.search_floor import NO_FLOOR, StepFloor
 from spmdkit.planner.search_space import (
@@ -233,6 +234,8 @@ class _Job:
     lean: bool = False
     #: a preset's configurations planned on two shallow copies and extrapolated (planner.fold)
     fold: bool = True
+    #: a pruned search: the best step found so far (a full:K that cannot beat it is not priced)
+    best: float = math.inf
 
     def mode_order(self) -> Sequence[str]:
         return sorted(self.modes, key=lambda r: -RECOMPUTE_MODES.index(r)) if self.lean else self.modes
@@ -289,13 +292,16 @@ def _pipeline_candidates(cfg: Config, plan: Plan, counts: tuple[int, ...] | None
     spec = _spec(cfg)
     m = cfg.microbatches
     out: list[Candidate] = []
-    plan = replace(plan, runtime=job.runtime)
+    plan, oc, ones = _pricing(plan, job)
     n = collectives_of(plan)
     for rc in job.mode_order():
         est = estimate_pipeline(plan, spec, counts, job.device, (link.alpha_s, link.beta_s_per_byte), tokens,
-                                full.size, recompute=rc)
+                                full.size, recompute=rc, oc=oc)
         mem = max(est.memory, key=lambda x: x.device_total)
-        one = estimate_step(plan, job.device, tokens // m, rc)  # one microbatch on the sub-mesh, every stage
+        mode = per_microbatch_mode(rc)  # full:K: the microbatch's step (communication) under full
+        if mode not in ones:  # one microbatch on the sub-mesh, every stage
+            ones[mode] = estimate_step(plan, job.device, tokens // m, mode)
+        one = ones[mode]
         # per device: its stages' share of the collectives of m microbatches, the gradient
         # reductions once, and the sends of its busiest stage
         sends = max((f + b for f, b in zip(est.send_f_s, est.send_b_s)), default=0.0)
@@ -305,6 +311,23 @@ def _pipeline_candidates(cfg: Config, plan: Plan, counts: tuple[int, ...] | None
         if not raw and job.lean and not out[-1].fits:
             break
     return out if raw else _kept(out, job)
+
+
+#: a plan's pricing inputs by the plan priced (its modes and its full:K share them): (the plan,
+#: the runtime, the device, the plan under the runtime, its ops' times, one microbatch's step by mode)
+_PRICED: dict[int, tuple[Plan, Runtime, Device, Plan, OpComm, dict[str, StepEstimate]]] = {}
+
+
+def _pricing(plan_in: Plan, job: _Job) -> tuple[Plan, OpComm, dict[str, StepEstimate]]:
+    """``plan_in`` under the search's runtime, its ops' times on the device, and the steps of one
+    microbatch already priced, once per plan (the last few kept)."""
+    got = _PRICED.get(id(plan_in))
+    if got is None or got[0] is not plan_in or got[1] != job.runtime or got[2] is not job.device:
+        if len(_PRICED) >= 4:
+            _PRICED.clear()
+        plan = replace(plan_in, runtime=job.runtime)
+        got = _PRICED[id(plan_in)] = (plan_in, job.runtime, job.device, plan, op_communication(plan, job.device), {})
+    return got[3], got[4], got[5]
 
 
 def _batch_of(prog: Program) -> int | None:
@@ -441,7 +464,7 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
                 cands += _plan_program_config(cfg, model, job, sizes, reload)
             else:
                 assert cfg_model is not None
-                cands += _plan_preset_config(cfg, str(model), cfg_model, job)
+                cands += _plan_preset_config(cfg, str(model), cfg_model, replace(job, best=best))
         except SpmdError as exc:
             refused.append((cfg, " ".join(str(exc).split())[:300]))
         for c in cands[k:]:
@@ -538,8 +561,14 @@ def _step_bound(cfg: Config, bounds: Bounds, floor: StepFloor | None, job: _Job)
     low = bounds.step(cfg.devices, cfg.pp, cfg.microbatches, cfg.ep, cfg.strategy, cfg.virtual)
     f = floor.of(cfg) if floor is not None else NO_FLOOR
     if floor is not None and f is not NO_FLOOR:
-        low = max(low, min((floor.step(cfg, rc) for rc in job.modes
-                            if _memory_bound(cfg, bounds, f.kept.get(rc, 0)) <= job.cap), default=math.inf))
+        def fits(kept: float) -> bool:
+            return _memory_bound(cfg, bounds, kept) <= job.cap
+
+        least = min((floor.step(cfg, rc) for rc in job.modes if fits(f.kept.get(rc, 0))), default=math.inf)
+        if cfg.pp > 1 and "full" in job.modes and "none" in job.modes and not fits(f.kept.get("none", 0)):
+            least = min(least, blocks_floor(bounds, cfg, job.cap, f.kept.get("none", 0), f.kept.get("full", 0),
+                                            floor.step(cfg, "none"), floor.step(cfg, "full")))  # full:K
+        low = max(low, least)
     return low
 
 
@@ -652,7 +681,28 @@ def _plan_preset_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> l
             if got is not None:
                 return got
     p = _preset_plan(cfg, name, mc, job)
-    return _price(cfg, p, _split(cfg, p, job, mc.layers), job)
+    counts = _split(cfg, p, job, mc.layers)
+    got = _price(cfg, p, counts, job)
+    return got + _blocks(cfg, got, counts, job, lambda k: _price(cfg, p, counts, _only(job, blocks_mode(k)), raw=True)[0])
+
+
+def _only(job: _Job, mode: str) -> _Job:
+    """``job`` pricing the one recomputation ``mode``."""
+    return replace(job, modes=(mode,), lean=False)
+
+
+def _blocks(cfg: Config, got: list[Candidate], counts: tuple[int, ...] | None, job: _Job,
+            price: Callable[[int], Candidate | None]) -> list[Candidate]:
+    """``cfg``'s least ``full:K`` that fits (:mod:`spmdkit.planner.search_blocks`), where its
+    priced modes ``got`` have full fitting and no recomputation not; ``price(k)`` prices ``full:k``."""
+    want = wants_blocks(cfg.pp, job.modes, [(c.config.recompute, c.fits, c.memory) for c in got])
+    if want is None or not counts:
+        return []
+    none = next((c for c in got if c.config.recompute == "none"), None)
+    if job.lean and none is not None and none.step_s >= job.best:
+        return []  # full:K only adds recomputation to no recomputation's step
+    c = least_blocks(price, lambda x: x.fits, lambda x: x.memory, max(counts), want[0], want[1], job.cap)
+    return [] if c is None else [c]
 
 
 def _split(cfg: Config, p: _Planned, job: _Job, layers: int, dense: int | None = None) -> tuple[int, ...] | None:
@@ -680,8 +730,8 @@ def _in_full(c: Candidate, name: str, mc: ModelConfig, job: _Job) -> Candidate:
     and files are the whole model's); its figures equal the folded ones to rounding."""
     cfg = replace(c.config, recompute="none")
     p = _preset_plan(cfg, name, mc, job)
-    got = _price(cfg, p, _split(cfg, p, job, mc.layers), replace(job, lean=False), raw=True)
-    return next(x for x in got if x.config.recompute == c.config.recompute)
+    got = _price(cfg, p, _split(cfg, p, job, mc.layers), _only(job, c.config.recompute), raw=True)
+    return got[0]
 
 
 def _folded_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> list[Candidate] | None:
@@ -707,7 +757,33 @@ def _folded_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> list[C
     ca = _price(cfg, a, fold.a if n > 1 else None, job, raw=True)
     cb = _price(cfg, b, fold.b if n > 1 else None, job, raw=True)
     out = [_extrapolated(x, y, fold, job, big, dense) for x, y in zip(ca, cb)]
-    return None if any(c is None for c in out) else _kept([c for c in out if c is not None], job)
+    if any(c is None for c in out):
+        return None
+    got = _kept([c for c in out if c is not None], job)
+    counts = fold_counts(fold)
+    pairs = [(fold, a, b)]
+    whole: list[_Planned] = []
+
+    def price(k: int) -> Candidate | None:
+        """full:k on two copies whose stages hold k + 1 layers at least (the repeated layer not
+        recomputed), planned k + 2 a stage where those planned hold fewer; else on the model."""
+        jk = _only(job, blocks_mode(k))
+        pair = next((x for x in pairs if min(x[0].a) >= k + 1), None)
+        deeper = fold_of(counts, dense, k + 2) if pair is None else None
+        if deeper is not None and deeper.layers_a + deeper.layers_b < big:
+            pair = (deeper, _preset_plan(cfg, name, mc, job, deeper.layers_a),
+                    _preset_plan(cfg, name, mc, job, deeper.layers_b))
+            pairs.append(pair)
+        if pair is not None:
+            f, pa, pb = pair
+            ext = _extrapolated(_price(cfg, pa, f.a, jk, raw=True)[0], _price(cfg, pb, f.b, jk, raw=True)[0],
+                                f, jk, big, dense)
+            if ext is not None:
+                return ext
+        whole[:] = whole or [_preset_plan(cfg, name, mc, job)]
+        return _price(cfg, whole[0], counts, jk, raw=True)[0]
+
+    return got + _blocks(cfg, got, counts if n > 1 else None, job, price)
 
 
 def _deep_first(cfg: Config, mc: ModelConfig) -> bool:
@@ -762,14 +838,16 @@ def _deep_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> list[Can
     mb = job.tokens // m
     flops = flat.at(model_flops(pa, mb)[0], model_flops(pb, mb)[0])
     coll = round(flat.at(collectives_of(pa), collectives_of(pb)))
-    out: list[Candidate] = []
-    for rc in job.mode_order():
-        oa, ob = estimate_step(pa, job.device, mb, rc), estimate_step(pb, job.device, mb, rc)
+    tokens = job.tokens
+
+    def one(rc: str) -> Candidate | None:
+        one_mode = per_microbatch_mode(rc)  # full:K: the flat copies' step (communication) under full
+        oa, ob = estimate_step(pa, job.device, mb, one_mode), estimate_step(pb, job.device, mb, one_mode)
         # only the buckets' total time is wanted here (the communication column): a ZeRO-3
         # prefetch that moves their starts (bucket_figures refuses it) does not change it
         figs = bucket_figures(flat, pa, oa, pb, ob, big, dense)
         sync = figs[0] if figs is not None else bucket_sync(pa, oa, pb, ob, big, dense)
-        est = deep_pipeline(ps, _spec(cfg), counts, job.device, (link.alpha_s, link.beta_s_per_byte), job.tokens,
+        est = deep_pipeline(ps, _spec(cfg), counts, job.device, (link.alpha_s, link.beta_s_per_byte), tokens,
                             full.size, rc, flops)
         if sync is None or est is None:
             return None
@@ -777,12 +855,20 @@ def _deep_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> list[Can
         sends = max((f + b for f, b in zip(est.send_f_s, est.send_b_s)), default=0.0)
         comm = (flat.at(oa.comm_total_s - oa.grad_sync_s, ob.comm_total_s - ob.grad_sync_s) * m + sync) / cfg.pp \
             + m * sends
-        out.append(Candidate(replace(cfg, recompute=rc), est.step_overlap_s, est.mfu, mem.device_total, comm,
-                             mem.device_total <= job.cap, ps, est, mem, s.title, None, collectives=coll,
-                             folded=sum(got[0])))
-        if job.lean and not out[-1].fits:
+        return Candidate(replace(cfg, recompute=rc), est.step_overlap_s, est.mfu, mem.device_total, comm,
+                         mem.device_total <= job.cap, ps, est, mem, s.title, None, collectives=coll,
+                         folded=sum(got[0]))
+
+    out: list[Candidate] = []
+    for rc in job.mode_order():
+        c = one(rc)
+        if c is None:
+            return None
+        out.append(c)
+        if job.lean and not c.fits:
             break
-    return _kept(out, job)
+    kept = _kept(out, job)
+    return kept + _blocks(cfg, kept, counts, job, lambda k: one(blocks_mode(k)))
 
 
 def _extrapolated(x: Candidate, y: Candidate, fold: Fold, job: _Job, layers: int, dense: int) -> Candidate | None:
