@@ -96,7 +96,7 @@ def run_pipeline_plan(req: PlanRequest, out: TextIO) -> int:
             verdict = verify_pipeline_hf(source.class_name, source.config, req.mesh_text, spec, strategy,
                                          parse_tp_plan(m.tp_plan), source.fallback)
         else:
-            verdict = verify_pipeline(m.model, req.mesh_text, spec, strategy or "megatron")
+            verdict = verify_pipeline(m.model, req.mesh_text, spec, strategy or "megatron", est.counts)
     hint = bubble_hint(plan, est)
     if req.outputs.json:
         extra: dict[str, Any] = {"title": title, "plan_seconds": got.seconds, "pipeline": est.to_json(),
