@@ -176,3 +176,15 @@ def test_the_search_picks_full_k_over_full_and_exports_it(tmp_path: Path) -> Non
     assert json.loads(j.read_text())["recompute_num_layers"] == k
 
 
+
+
+def test_the_pruned_search_finds_the_exhaustive_full_k_best() -> None:
+    """The step bound counts full:K (blocks_floor): a pruned search finds the exhaustive one's
+    best, a full:K, with the same figures."""
+    cap = _cap(CFG, OVER, 0.3)
+    runs = [search_meshes(MODEL, 8, "h100", cap, strategies=["dp", "dp,zero1"], overrides=OVER,
+                          micro_batch=1, prune=prune) for prune in (False, True)]
+    a, b = (r.best for r in runs)
+    assert a is not None and b is not None and a.config.recompute.startswith("full:")
+    assert a.config == b.config and (a.step_s, a.memory, a.comm_s) == (b.step_s, b.memory, b.comm_s)
+    assert runs[1].plans <= runs[0].plans
