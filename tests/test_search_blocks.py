@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import io
 import itertools
-import json
 import math
 import tomllib
 from contextlib import redirect_stderr, redirect_stdout
@@ -144,14 +143,24 @@ def _cli(*argv: str) -> tuple[int, str, str]:
 
 
 def test_the_search_picks_full_k_over_full_and_exports_it(tmp_path: Path) -> None:
-    cap = _cap(CFG, OVER, 0.3)
-    res = search_meshes(MODEL, 8, "h100", cap, strategies=["dp,zero1"], overrides=OVER, micro_batch=1)
+    """The search's best is a full:K that beats full on the same configuration; a pruned search
+    (the step bound counts full:K: blocks_floor) finds it with the same figures; exported as
+    Megatron-LM's three flags, and for torchtitan as mode full with one warning line."""
+    over = {**OVER, "layers": 12}
+    cap = _cap(CFG, over, 0.3)
+    res, pruned = (search_meshes(MODEL, 8, "h100", cap, strategies=["dp,zero1"], overrides=over, micro_batch=1,
+                                 prune=prune) for prune in (False, True))
     best = res.best
     assert best is not None and best.config.recompute.startswith("full:")
     full = next(c for c in res.fitting if c.config == replace(best.config, recompute="full"))
     assert best.step_s < full.step_s
-    r = recipe(best, MODEL, 8, 4096, 24)
+    b = pruned.best
+    assert b is not None and b.config == best.config and (b.step_s, b.memory, b.comm_s) == (
+        best.step_s, best.memory, best.comm_s)
+    assert pruned.plans < res.plans and pruned.pruned
+    r = recipe(best, MODEL, 8, 4096, 12)
     k = r["recompute_num_layers"]
+    assert best.config.recompute == f"full:{k}"
     pairs = dict(itertools.pairwise(megatron_args(r).replace("\\\n", "").split()))
     assert (pairs["--recompute-granularity"], pairs["--recompute-method"], pairs["--recompute-num-layers"]) \
         == ("full", "block", str(k))
@@ -161,30 +170,11 @@ def test_the_search_picks_full_k_over_full_and_exports_it(tmp_path: Path) -> Non
     assert note is not None and note.startswith(f"--export-recipe torchtitan: recompute full:{k} ")
     # the CLI: the warning on stderr in one line, the file written
     f = tmp_path / "job.toml"
-    rc, out, err = _cli("plan", "--model", MODEL, "--layers", "24", "--seq", "4096",
+    rc, out, err = _cli("plan", "--model", MODEL, "--layers", "12", "--seq", "4096",
                         "--devices", "8", "--strategy", "dp,zero1", "--micro-batch", "1", "--global-batch", "8",
                         "--memory", str(cap), "--export-recipe", "torchtitan", str(f))
     assert rc == 0, err
     assert "hint: " not in out  # interleaved over 2 stages: the bubble is under 25% of the step
     warned = [line for line in err.splitlines() if "warning: --export-recipe torchtitan" in line]
-    assert len(warned) == 1 and "full:" in warned[0]
+    assert len(warned) == 1 and f"full:{k}" in warned[0]
     assert tomllib.loads(f.read_text())["activation_checkpoint"] == {"mode": "full"}
-    j = tmp_path / "r.json"
-    assert _cli("plan", "--model", MODEL, "--layers", "24", "--seq", "4096", "--devices", "8",
-                "--strategy", "dp,zero1", "--micro-batch", "1", "--global-batch", "8", "--memory", str(cap),
-                "--export-recipe", "json", str(j))[0] == 0
-    assert json.loads(j.read_text())["recompute_num_layers"] == k
-
-
-
-
-def test_the_pruned_search_finds_the_exhaustive_full_k_best() -> None:
-    """The step bound counts full:K (blocks_floor): a pruned search finds the exhaustive one's
-    best, a full:K, with the same figures."""
-    cap = _cap(CFG, OVER, 0.3)
-    runs = [search_meshes(MODEL, 8, "h100", cap, strategies=["dp", "dp,zero1"], overrides=OVER,
-                          micro_batch=1, prune=prune) for prune in (False, True)]
-    a, b = (r.best for r in runs)
-    assert a is not None and b is not None and a.config.recompute.startswith("full:")
-    assert a.config == b.config and (a.step_s, a.memory, a.comm_s) == (b.step_s, b.memory, b.comm_s)
-    assert runs[1].plans <= runs[0].plans
