@@ -63,6 +63,8 @@ def test_least_blocks_finds_the_least_k_that_fits_in_few_pricings() -> None:
     # the bytes fall slower than interpolated (3 a layer): the bracket closes from below
     assert least(78, 3) == (8, 76) and len(priced) <= 4
     assert least(10) is None                                # only full fits
+    # a pruned search: a K over the cap already too slow to win (the K that fit are slower): none
+    assert least_blocks(price, lambda c: c[1] <= 78, lambda c: c[1], 12, 100, 40, 78, lambda c: c[0] >= 4) is None
     assert least_blocks(price, lambda c: True, lambda c: c[1], 1, 100, 40, 78) is None  # full:K is full
     # each K from 1 to 11 the least for some cap, found with at most 4 pricings
     for k in range(1, 12):

@@ -10,7 +10,8 @@ the innermost dims share a node's NVLink); for each it plans the hand strategies
 search :func:`spmdkit.planner.auto.auto_plan` on the mesh (its own shardings of everything,
 optimizer states included, so no ZeRO variants); every plan is then costed under each
 activation recomputation mode (none, selective, full; recomputation changes the step and the
-memory, not the shardings; a mode that changes neither is not listed). Each configuration is priced with the same models as a single
+memory, not the shardings; a mode that changes neither is not listed; a pipeline that fits with
+full recomputation and not without also with its least ``full:K``, :mod:`spmdkit.planner.search_blocks`). Each configuration is priced with the same models as a single
 plan: :func:`spmdkit.cost.step.estimate_step` (the step with the gradient reductions
 overlapping the backward) or, with pp > 1, :func:`spmdkit.planner.pipeline.estimate_pipeline`
 (1F1B, ``batch / dp`` microbatches of one sequence per dp rank: the smallest bubble the batch
@@ -98,6 +99,7 @@ from spmdkit.planner.search_space import (
     expert_degrees,
     factorizations,
     hand_strategies,
+    parse_memory,
 )
 from spmdkit.program.ir import Program
 from spmdkit.program.layers import layer_tags
@@ -173,32 +175,6 @@ class SearchResult:
     def best(self) -> Candidate | None:
         f = self.fitting
         return f[0] if f else None
-
-
-def parse_memory(text: Any) -> int:
-    """``80GB`` / ``80GiB`` / ``512MB`` / ``8e10`` (bytes) / an int -> bytes. GB is 10**9,
-    GiB 2**30."""
-    if isinstance(text, bool):
-        raise ProgramError("--memory: expected a size such as 80GB or 80GiB")
-    if isinstance(text, (int, float)):
-        v = float(text)
-    else:
-        t = str(text).strip().replace(" ", "")
-        units = {"tib": 1 << 40, "gib": 1 << 30, "mib": 1 << 20, "kib": 1 << 10, "tb": 10**12, "gb": 10**9,
-                 "mb": 10**6, "kb": 10**3, "b": 1}
-        k = 1
-        low = t.lower()
-        for u, mult in units.items():
-            if low.endswith(u):
-                k, t = mult, t[:-len(u)]
-                break
-        try:
-            v = float(t) * k
-        except ValueError:
-            raise ProgramError(f"--memory {str(text)[:40]!r}: expected a size such as 80GB or 80GiB") from None
-    if not (v == v) or not 1 <= v <= 1 << 60:
-        raise ProgramError(f"--memory {str(text)[:40]!r}: expected a size from 1 byte to 1 EiB")
-    return int(v)
 
 
 # -- one configuration ------------------------------------------------------------------------------
@@ -701,7 +677,8 @@ def _blocks(cfg: Config, got: list[Candidate], counts: tuple[int, ...] | None, j
     none = next((c for c in got if c.config.recompute == "none"), None)
     if job.lean and none is not None and none.step_s >= job.best:
         return []  # full:K only adds recomputation to no recomputation's step
-    c = least_blocks(price, lambda x: x.fits, lambda x: x.memory, max(counts), want[0], want[1], job.cap)
+    c = least_blocks(price, lambda x: x.fits, lambda x: x.memory, max(counts), want[0], want[1], job.cap,
+                     (lambda x: x.step_s >= job.best) if job.lean else None)
     return [] if c is None else [c]
 
 

@@ -116,13 +116,16 @@ def wants_blocks(pp: int, modes: Sequence[str], priced: Sequence[tuple[str, bool
 
 
 def least_blocks(price: Callable[[int], C | None], fits: Callable[[C], bool], bytes_of: Callable[[C], int],
-                 stage_layers: int, none_bytes: int | None, full_bytes: int, cap: int) -> C | None:
+                 stage_layers: int, none_bytes: int | None, full_bytes: int, cap: int,
+                 hopeless: Callable[[C], bool] | None = None) -> C | None:
     """The priced ``full:K`` of the least K (1 .. ``stage_layers`` - 1, the most layers a virtual
     stage holds: K at least that is ``full``) that fits, or None where none does; ``price(k)``
     prices ``full:k`` (None: it cannot be priced). Memory falls with K, so the least K is
     bracketed between the most that does not fit (0: no recomputation) and the least that does
     (``stage_layers``: full), each guess interpolated between the bracket's bytes (regula falsi;
-    after two guesses that moved the same end, the middle), one layer from a bracket's end at least."""
+    after two guesses that moved the same end, the middle), one layer from a bracket's end at least.
+    ``hopeless(c)``: a K over the cap whose step already cannot win (the K that fits are larger,
+    so slower): None at once (a pruned search)."""
     hi = stage_layers - 1
     if hi < 1:
         return None
@@ -142,6 +145,8 @@ def least_blocks(price: Callable[[int], C | None], fits: Callable[[C], bool], by
         if fits(c):
             hi_k, hi_b, best, sides = k, bytes_of(c), c, sides + "f"
         else:
+            if hopeless is not None and hopeless(c):
+                return None
             lo_k, lo_b, sides = k, bytes_of(c), sides + "o"
     return best
 

@@ -73,6 +73,32 @@ class Config:
                 "mesh": self.mesh_text}
 
 
+def parse_memory(text: Any) -> int:
+    """``80GB`` / ``80GiB`` / ``512MB`` / ``8e10`` (bytes) / an int -> bytes. GB is 10**9,
+    GiB 2**30."""
+    if isinstance(text, bool):
+        raise ProgramError("--memory: expected a size such as 80GB or 80GiB")
+    if isinstance(text, (int, float)):
+        v = float(text)
+    else:
+        t = str(text).strip().replace(" ", "")
+        units = {"tib": 1 << 40, "gib": 1 << 30, "mib": 1 << 20, "kib": 1 << 10, "tb": 10**12, "gb": 10**9,
+                 "mb": 10**6, "kb": 10**3, "b": 1}
+        k = 1
+        low = t.lower()
+        for u, mult in units.items():
+            if low.endswith(u):
+                k, t = mult, t[:-len(u)]
+                break
+        try:
+            v = float(t) * k
+        except ValueError:
+            raise ProgramError(f"--memory {str(text)[:40]!r}: expected a size such as 80GB or 80GiB") from None
+    if not (v == v) or not 1 <= v <= 1 << 60:
+        raise ProgramError(f"--memory {str(text)[:40]!r}: expected a size from 1 byte to 1 EiB")
+    return int(v)
+
+
 def factorizations(n: int, pipeline: bool = True) -> list[tuple[int, int, int]]:
     """Every (dp, tp, pp) with dp * tp * pp == n (pp == 1 unless ``pipeline``)."""
     out = []
@@ -228,5 +254,5 @@ def _sub_mesh(cfg: Config) -> ProcessMesh:
     return parse_mesh(cfg.sub_mesh_text)
 
 
-__all__ = ["LONG_SEQ", "MICRO_BATCHES", "Config", "context_degrees", "expert_degrees", "factorizations",
+__all__ = ["LONG_SEQ", "MICRO_BATCHES", "Config", "context_degrees", "expert_degrees", "factorizations", "parse_memory",
            "hand_strategies"]
