@@ -760,7 +760,8 @@ def _folded_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> list[C
         whole[:] = whole or [_preset_plan(cfg, name, mc, job)]
         return _price(cfg, whole[0], counts, jk, raw=True)[0]
 
-    return got + _blocks(cfg, got, counts if n > 1 else None, job, price)
+    priced = [c for c in out if c is not None]  # every mode (a pruned search lists those to the first over the cap)
+    return got + _blocks(cfg, priced, counts if n > 1 else None, job, price)
 
 
 def _deep_first(cfg: Config, mc: ModelConfig) -> bool:
