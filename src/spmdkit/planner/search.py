@@ -67,7 +67,7 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel
 from spmdkit.cost.compute import guess_tokens, kernel_collectives, model_flops
 from spmdkit.cost.devices import Device, cost_model, load_device, recost
-from spmdkit.cost.memory import Memory, memory_per_device, per_microbatch_mode, recompute_regions, with_overheads
+from spmdkit.cost.memory import Memory, memory_per_device, per_microbatch_mode, with_overheads
 from spmdkit.cost.step import OpComm, StepEstimate, estimate_step, op_communication
 from spmdkit.models.hf import dtype_name
 from spmdkit.models.source import import_hf_checked
@@ -86,13 +86,15 @@ from spmdkit.planner.pipeline import (
     split_layers,
 )
 from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, parse_size, plan_model, plan_program
-from spmdkit.planner.search_blocks import blocks_floor, blocks_mode, least_blocks, wants_blocks
+from spmdkit.planner.search_blocks import blocks_floor, blocks_k, blocks_mode, least_blocks, wants_blocks
 from spmdkit.planner.search_bounds import Bounds, experts_of, model_bounds
 from spmdkit.planner.search_floor import NO_FLOOR, StepFloor
 from spmdkit.planner.search_space import (
     LONG_SEQ,
     MICRO_BATCHES,
     Config,
+    _applicable_modes,
+    _cached,
     _Sizes,
     _sub_mesh,
     _work,
@@ -683,7 +685,7 @@ def _plan_preset_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> l
     p = _preset_plan(cfg, name, mc, job)
     counts = _split(cfg, p, job, mc.layers)
     got = _price(cfg, p, counts, job)
-    return got + _blocks(cfg, got, counts, job, lambda k: _price(cfg, p, counts, _only(job, blocks_mode(k)), raw=True)[0])
+    return got + _blocks(cfg, got, counts, job, lambda m: _price(cfg, p, counts, _only(job, m), raw=True)[0])
 
 
 def _only(job: _Job, mode: str) -> _Job:
@@ -692,16 +694,22 @@ def _only(job: _Job, mode: str) -> _Job:
 
 
 def _blocks(cfg: Config, got: list[Candidate], counts: tuple[int, ...] | None, job: _Job,
-            price: Callable[[int], Candidate | None]) -> list[Candidate]:
+            price: Callable[[str], Candidate | None]) -> list[Candidate]:
     """``cfg``'s least ``full:K`` that fits (:mod:`spmdkit.planner.search_blocks`), where its
-    priced modes ``got`` have full fitting and no recomputation not; ``price(k)`` prices ``full:k``."""
+    priced modes ``got`` have full fitting and no recomputation not; ``price(mode)`` prices one
+    mode (a pruned search prices no recomputation first where it stopped before it: full:K only
+    adds recomputation to its step, so none at least the best found rules every K out)."""
     want = wants_blocks(cfg.pp, job.modes, [(c.config.recompute, c.fits, c.memory) for c in got])
     if want is None or not counts:
         return []
     none = next((c for c in got if c.config.recompute == "none"), None)
+    if job.lean and none is None:
+        none = price("none")
+        want = (none.memory, want[1]) if none is not None else want
     if job.lean and none is not None and none.step_s >= job.best:
-        return []  # full:K only adds recomputation to no recomputation's step
-    c = least_blocks(price, lambda x: x.fits, lambda x: x.memory, max(counts), want[0], want[1], job.cap,
+        return []
+    c = least_blocks(lambda k: price(blocks_mode(k)), lambda x: x.fits, lambda x: x.memory, max(counts), want[0],
+                     want[1], job.cap,
                      (lambda x: x.step_s >= job.best) if job.lean else None)
     return [] if c is None else [c]
 
@@ -765,10 +773,11 @@ def _folded_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> list[C
     pairs = [(fold, a, b)]
     whole: list[_Planned] = []
 
-    def price(k: int) -> Candidate | None:
+    def price(mode: str) -> Candidate | None:
         """full:k on two copies whose stages hold k + 1 layers at least (the repeated layer not
         recomputed), planned k + 2 a stage where those planned hold fewer; else on the model."""
-        jk = _only(job, blocks_mode(k))
+        jk = _only(job, mode)
+        k = blocks_k(mode)  # (no recomputation: any pair)
         pair = next((x for x in pairs if min(x[0].a) >= k + 1), None)
         deeper = fold_of(counts, dense, k + 2) if pair is None else None
         if deeper is not None and deeper.layers_a + deeper.layers_b < big:
@@ -870,7 +879,7 @@ def _deep_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> list[Can
         if job.lean and not c.fits:
             break
     kept = _kept(out, job)
-    return kept + _blocks(cfg, kept, counts, job, lambda k: one(blocks_mode(k)))
+    return kept + _blocks(cfg, kept, counts, job, one)
 
 
 def _extrapolated(x: Candidate, y: Candidate, fold: Fold, job: _Job, layers: int, dense: int) -> Candidate | None:
@@ -917,34 +926,6 @@ def _spec(cfg: Config) -> PipelineSpec:
 def _counts(layers: int, cfg: Config) -> tuple[int, ...] | None:
     """Layers per virtual stage, None where they do not divide (balanced by the estimate)."""
     return None if layers % (cfg.pp * cfg.virtual) else split_layers(layers, _spec(cfg))
-
-
-def _cached(reload: Callable[[int], Program]) -> Callable[[int], Program]:
-    """``reload`` tracing the program once per batch."""
-    done: dict[int, Program] = {}
-
-    def get(batch: int) -> Program:
-        if batch not in done:
-            done[batch] = reload(batch)
-        return done[batch]
-
-    return get
-
-
-def _applicable_modes(prog: Program, modes: list[str], given: bool) -> list[str]:
-    """The recomputation modes that apply to ``prog`` (full and selective need numbered layers or
-    an attention core): those given are checked (a ProgramError naming ``--recompute``), the
-    default ones that do not apply are left out."""
-    out = []
-    for rc in modes:
-        try:
-            recompute_regions(prog, rc)
-        except ProgramError:
-            if given:
-                raise
-            continue
-        out.append(rc)
-    return out or ["none"]
 
 
 def _plan_program_config(cfg: Config, prog: Program, job: _Job, sizes: _Sizes,

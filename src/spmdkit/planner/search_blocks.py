@@ -28,7 +28,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from spmdkit.cost.memory import CUDA_CONTEXT_BYTES, NCCL_BYTES_PER_GROUP
+from spmdkit.cost.memory import CUDA_CONTEXT_BYTES, NCCL_BYTES_PER_GROUP, recompute_layers
 from spmdkit.planner.search_bounds import Bounds
 from spmdkit.planner.search_space import Config
 
@@ -37,6 +37,11 @@ C = TypeVar("C")
 
 def blocks_mode(k: int) -> str:
     return f"full:{k}"
+
+
+def blocks_k(mode: str) -> int:
+    """K of ``full:K`` (0 for another mode)."""
+    return recompute_layers(mode) or 0
 
 
 def blocks_floor(bounds: Bounds, cfg: Config, cap: int, kept_none: float, kept_full: float, step_none: float,
@@ -151,4 +156,4 @@ def least_blocks(price: Callable[[int], C | None], fits: Callable[[C], bool], by
     return best
 
 
-__all__ = ["blocks_floor", "blocks_mode", "least_blocks", "wants_blocks"]
+__all__ = ["blocks_floor", "blocks_k", "blocks_mode", "least_blocks", "wants_blocks"]

@@ -11,12 +11,15 @@ refused before planning.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
+from spmdkit.cost.memory import recompute_regions
 from spmdkit.models.zoo import ModelConfig
+from spmdkit.program.ir import Program
 from spmdkit.strategies.strategy import parse_mesh, parse_strategy, tp_problem
 
 #: the sequence length from which a preset's search also splits the sequence over a ``cp`` dim
@@ -98,6 +101,34 @@ def parse_memory(text: Any) -> int:
     if not (v == v) or not 1 <= v <= 1 << 60:
         raise ProgramError(f"--memory {str(text)[:40]!r}: expected a size from 1 byte to 1 EiB")
     return int(v)
+
+
+def _cached(reload: Callable[[int], Program]) -> Callable[[int], Program]:
+    """``reload`` tracing the program once per batch."""
+    done: dict[int, Program] = {}
+
+    def get(batch: int) -> Program:
+        if batch not in done:
+            done[batch] = reload(batch)
+        return done[batch]
+
+    return get
+
+
+def _applicable_modes(prog: Program, modes: list[str], given: bool) -> list[str]:
+    """The recomputation modes that apply to ``prog`` (full and selective need numbered layers or
+    an attention core): those given are checked (a ProgramError naming ``--recompute``), the
+    default ones that do not apply are left out."""
+    out = []
+    for rc in modes:
+        try:
+            recompute_regions(prog, rc)
+        except ProgramError:
+            if given:
+                raise
+            continue
+        out.append(rc)
+    return out or ["none"]
 
 
 def factorizations(n: int, pipeline: bool = True) -> list[tuple[int, int, int]]:
