@@ -559,10 +559,10 @@ def _step_bound(cfg: Config, bounds: Bounds, floor: StepFloor | None, job: _Job,
 
         least = min((floor.step(cfg, rc, gathers) for rc in job.modes if fits(kept[rc])), default=math.inf)
         if cfg.pp > 1 and "full" in job.modes and "none" in job.modes and not fits(kept["none"]):
-            # full:K (planner.search_blocks): on the layers' floor without the gathers (affine in the
-            # rerun), and at least no recomputation's with them
-            blocks = blocks_floor(bounds, cfg, job.cap, kept["none"], kept["full"], floor.step(cfg, "none"),
-                                  floor.step(cfg, "full"))
+            # full:K (planner.search_blocks): on the layers' floor without the gathers (its even
+            # pipeline term: affine in the rerun), and at least no recomputation's with them
+            blocks = blocks_floor(bounds, cfg, job.cap, kept["none"], kept["full"], floor.step(cfg, "none", busiest=False),
+                                  floor.step(cfg, "full", busiest=False))
             least = min(least, max(blocks, floor.step(cfg, "none", gathers)))
         low = max(low, least)
     return low

@@ -231,13 +231,15 @@ class StepFloor:
         """One device's work (s) for one microbatch through the whole model (0: no floor)."""
         return self.of(cfg).work
 
-    def step(self, cfg: Config, mode: str = "none", gathers: bool = False) -> float:
+    def step(self, cfg: Config, mode: str = "none", gathers: bool = False, busiest: bool = True) -> float:
         """Seconds the step of ``cfg`` takes at least under recomputation ``mode`` (and every
         mode that recomputes more: none is the least). ``gathers``: a ZeRO-3 configuration's
         also from its own layers' plan with the parameter gathers (:meth:`gathered`): with a
         pipeline the part of each group's gather the group before does not hide (a stage's
         time per microbatch), without one the gathers one after the other on the communication
-        stream (the last micro-step waits for the last)."""
+        stream (the last micro-step waits for the last). ``busiest=False``: a pipeline's even
+        term alone (affine in the work: what ``full:K``'s floor interpolates between modes;
+        :func:`busiest_rank` is convex in it, so it is not interpolated)."""
         f = self.of(cfg)
         w = f.work + f.rerun.get(mode, 0.0)
         z = self.gathered(cfg) if gathers else NO_FLOOR
@@ -250,7 +252,7 @@ class StepFloor:
             return w * (cfg.grad_accum - 1) + max(w, z.gathers)
         m = max(1, cfg.microbatches)
         even = w / cfg.pp * (m + pipeline_fill(cfg.pp, cfg.virtual))
-        u = f.units.get(mode)
+        u = f.units.get(mode) if busiest else None
         return even if u is None else max(even, busiest_rank(u, self.layers, cfg.pp, cfg.virtual, m))
 
 
