@@ -148,7 +148,8 @@ def test_lazy_floors_plan_the_seeds_first_and_find_the_unpruned_best(monkeypatch
             pass
 
     lazy = search_meshes(MOE, 4, "h100", prune=True, progress=_Notes())
-    assert order[0].endswith("dp,ep,zero1") and " pp=" in order[0] and " tp=1 " in order[0]
+    # the seeds: ZeRO-1 or its twin ZeRO-2 (the same layers; of equal bounds the one holding less first)
+    assert order[0].endswith(("dp,ep,zero1", "dp,ep,zero2")) and " pp=" in order[0] and " tp=1 " in order[0]
     a, b = full.best, lazy.best
     assert a is not None and b is not None
     assert (b.config, b.step_s, b.memory, b.comm_s) == (a.config, a.step_s, a.memory, a.comm_s)

@@ -564,15 +564,17 @@ def _seeds(work: list[Config], lows: dict[Config, float], bounds: Bounds, floor:
            job: _Job) -> list[Config]:
     """The configurations a search with lazy floors plans first, so that a step is found early and
     the floors prune the rest: of a MoE model's expert-parallel pipelines without tensor or context
-    parallelism and with ZeRO-1 (``dp,ep,zero1``: the DeepSeek-V3 report's family, few layer keys,
-    their optimizer states over dp and their memory low), the :data:`SEEDS` of lowest bound, their
-    floors computed now (``lows`` updated). The order changes no result: a configuration is
-    pruned only where its bound is at least a step planned."""
+    parallelism and with ZeRO-1 or ZeRO-2 (``dp,ep,zero1``: the DeepSeek-V3 report's family, few
+    layer keys, their optimizer states over dp and their memory low; ``dp,ep,zero2`` its twin of
+    the same layers, which holds less), the :data:`SEEDS` of lowest bound, of two equal bounds the
+    one whose memory bound is lower first (the more likely to fit: DeepSeek-V3's ZeRO-1 pp=32 ep=2
+    does not, its ZeRO-2 twin does), their floors computed now (``lows`` updated). The order
+    changes no result: a configuration is pruned only where its bound is at least a step planned."""
     family = [c for c in work if c in lows and c.tp == 1 and c.cp == 1 and c.ep > 1 and c.pp > 1
-              and c.strategy == "dp,ep,zero1"]
+              and c.strategy in ("dp,ep,zero1", "dp,ep,zero2")]
     for c in family:
         lows[c] = _step_bound(c, bounds, floor, job)
-    return sorted(family, key=lambda c: lows[c])[:SEEDS]
+    return sorted(family, key=lambda c: (lows[c], _memory_bound(c, bounds)))[:SEEDS]
 
 
 def _pins_for(cfg: Config, pins: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -770,7 +772,7 @@ def _deep_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> list[Can
         figs = bucket_figures(flat, pa, oa, pb, ob, big, dense)
         sync = figs[0] if figs is not None else bucket_sync(pa, oa, pb, ob, big, dense)
         est = deep_pipeline(ps, _spec(cfg), counts, job.device, (link.alpha_s, link.beta_s_per_byte), job.tokens,
-                            full.size, rc, flops)
+                            full.size, rc, flops, dense)
         if sync is None or est is None:
             return None
         mem = max(est.memory, key=lambda x: x.device_total)
