@@ -107,3 +107,38 @@ def test_the_bound_under_a_cap_that_forces_recomputation_is_below_the_fitting_st
     low = _step_bound(cfg, _bounds(MODEL, mc, job), floor, job)
     fitting = [c for c in config_candidates(MODEL, cfg, "h100", LONG, memory_cap=cap) if c.fits]
     assert fitting and low <= min(c.step_s for c in fitting)
+
+
+#: a DeepSeek-style MoE (3 dense layers first, then MoE layers, one shared expert) at 12 layers
+MOE3 = ('{"base": "tiny-llama", "name": "moe3", "layers": 12, "hidden": 256, "heads": 4, "kv_heads": 4, "ffn": 512, '
+        '"vocab": 512, "seq": 64, "batch": 16, "dtype": "bfloat16", "experts": 4, "top_k": 2, "moe_ffn": 256, '
+        '"shared_experts": 1, "dense_layers": 3}')
+
+MOE_SAMPLE = [
+    Config(2, 1, 1, "dp,ep,zero1", ep=2), Config(1, 1, 1, "dp,ep", ep=4), Config(1, 2, 1, "megatron,sp,ep", ep=2),
+    Config(2, 2, 1, "megatron,ep,zero2", ep=2), Config(1, 1, 2, "dp,ep,zero1", microbatches=4, ep=2),
+    Config(1, 1, 4, "dp,ep", microbatches=8, ep=2), Config(1, 2, 2, "megatron,sp,ep,etp=1", microbatches=8, ep=2),
+]
+
+
+@pytest.mark.parametrize("cfg", MOE_SAMPLE, ids=lambda c: c.label())
+def test_a_moe_floor_from_one_copy_is_under_the_two_copy_floor_and_the_planned_step(cfg: Config) -> None:
+    """A MoE model's layer keys on one copy of dense + 2 layers, the work counted by layer
+    (planner/search_floor_layers.py): at most the two-copy extrapolation (within 1%), never above
+    a planned step under any recomputation mode."""
+    from dataclasses import replace
+
+    from spmdkit.planner.search_floor import StepFloor
+    from spmdkit.planner.search_floor_layers import LayerStepFloor
+
+    mc, job = _job(MOE3, {})
+    floor = _floor(MOE3, mc, job)
+    assert isinstance(floor, LayerStepFloor) and floor.dense == 3
+    two = StepFloor(floor.plan_copy, floor.device, floor.layers, floor.batch, floor.dense)
+    got = config_candidates(MOE3, cfg, "h100")
+    assert got
+    for c in got:
+        low, high = floor.step(cfg, c.config.recompute), two.step(cfg, c.config.recompute)
+        assert 0.99 * high <= low <= high * (1 + 1e-12) and low <= c.step_s, (c.config.recompute, low, high, c.step_s)
+    assert floor.plans == 1 and two.plans == 2  # one copy of 5 layers against copies of 4 and 5
+    assert replace(floor, cache={}).of(replace(cfg, strategy="auto")).work == 0  # no key: no floor

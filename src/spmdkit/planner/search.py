@@ -86,6 +86,7 @@ from spmdkit.planner.pipeline import (
 from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, parse_size, plan_model, plan_program
 from spmdkit.planner.search_bounds import Bounds, experts_of, model_bounds
 from spmdkit.planner.search_floor import NO_FLOOR, StepFloor
+from spmdkit.planner.search_floor_layers import LayerStepFloor
 from spmdkit.planner.search_space import (
     LONG_SEQ,
     MICRO_BATCHES,
@@ -528,7 +529,9 @@ def _floor(model: str | Program, mc: ModelConfig | None, job: _Job) -> StepFloor
     def plan_copy(cfg: Config, layers: int, batch: int) -> Plan:
         return replace(_preset_plan(cfg, str(model), mc.with_(batch=batch), job, layers).plan, runtime=job.runtime)
 
-    return StepFloor(plan_copy, job.device, mc.layers, mc.batch, mc.dense_layers if mc.experts else 0)
+    dense = mc.dense_layers if mc.experts else 0
+    # a MoE model with dense first layers: each layer key on one copy, its work by layer
+    return (LayerStepFloor if dense else StepFloor)(plan_copy, job.device, mc.layers, mc.batch, dense)
 
 
 def _step_bound(cfg: Config, bounds: Bounds, floor: StepFloor | None, job: _Job) -> float:

@@ -21,10 +21,14 @@ step). Each recomputation mode's rerun is counted the same way (the recomputed o
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from spmdkit.core.errors import SpmdError
 from spmdkit.cost.devices import Device
 from spmdkit.cost.memory import saved_activations
 from spmdkit.cost.step import op_communication
-from spmdkit.planner.search_floor import RECOMPUTE, LayerFloor, _counted
+from spmdkit.planner.search_floor import NO_FLOOR, RECOMPUTE, LayerFloor, StepFloor, _counted
+from spmdkit.planner.search_space import Config
 from spmdkit.program.layers import program_layers
 from spmdkit.program.plan import Plan
 
@@ -67,4 +71,28 @@ def one_copy_floor(plan: Plan, device: Device, layers: int, dense: int) -> Layer
     return LayerFloor(sum(own) + missing * min(by_layer[dense:]), rerun, kept)
 
 
-__all__ = ["copy_layers", "one_copy_floor"]
+@dataclass
+class LayerStepFloor(StepFloor):
+    """:class:`spmdkit.planner.search_floor.StepFloor` whose layer keys are planned on ONE copy
+    of ``dense + 2`` layers (:func:`one_copy_floor`), for a model with dense first layers deep
+    enough to have more."""
+
+    def of(self, cfg: Config) -> LayerFloor:
+        n = copy_layers(self.dense)
+        key = self.key(cfg)
+        if key is None or not self.dense or self.layers <= n:
+            return super().of(cfg)
+        got = self.cache.get(key)
+        if got is None:
+            tp, ep, cp, strategy, local = key
+            self.plans += 1
+            try:
+                plan = self.plan_copy(Config(1, tp, 1, strategy, "none", 1, ep, cp), n, local)
+                got = one_copy_floor(plan, self.device, self.layers, self.dense)
+            except SpmdError:
+                got = NO_FLOOR  # its layers cannot be planned so (the configuration says why when planned)
+            self.cache[key] = got
+        return got
+
+
+__all__ = ["LayerStepFloor", "copy_layers", "one_copy_floor"]
