@@ -401,7 +401,7 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
     lows: dict[Config, float] = {}
     floor, lazy = None, False
     if bounds is not None:  # the most promising first, so the best step found early prunes the most
-        floor = _floor(model, cfg_model, job)
+        floor = _floor(model, cfg_model, job, bounds)
         lows, lazy = _step_bounds(work, bounds, floor, job, progress)
         work.sort(key=lambda c: lows.get(c, math.inf))
         if lazy:
@@ -521,8 +521,10 @@ def _pruned_why(cfg: Config, bounds: Bounds, cap: int, best: float, low: float |
     return None
 
 
-def _floor(model: str | Program, mc: ModelConfig | None, job: _Job) -> StepFloor | None:
-    """The :class:`spmdkit.planner.search_floor.StepFloor` of a preset's search (None for a program)."""
+def _floor(model: str | Program, mc: ModelConfig | None, job: _Job, bounds: Bounds | None = None) -> StepFloor | None:
+    """The :class:`spmdkit.planner.search_floor.StepFloor` of a preset's search (None for a
+    program); a MoE model's with dense first layers (``bounds``: with its pipelines' split
+    floor, :func:`spmdkit.planner.search_floor_layers.split_floor`)."""
     if isinstance(model, Program) or mc is None:
         return None
 
@@ -531,7 +533,9 @@ def _floor(model: str | Program, mc: ModelConfig | None, job: _Job) -> StepFloor
 
     dense = mc.dense_layers if mc.experts else 0
     # a MoE model with dense first layers: each layer key on one copy, its work by layer
-    return (LayerStepFloor if dense else StepFloor)(plan_copy, job.device, mc.layers, mc.batch, dense)
+    if dense:
+        return LayerStepFloor(plan_copy, job.device, mc.layers, mc.batch, dense, bounds=bounds, cap=job.cap)
+    return StepFloor(plan_copy, job.device, mc.layers, mc.batch, dense)
 
 
 def _step_bound(cfg: Config, bounds: Bounds, floor: StepFloor | None, job: _Job) -> float:

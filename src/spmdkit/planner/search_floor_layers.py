@@ -21,12 +21,14 @@ step). Each recomputation mode's rerun is counted the same way (the recomputed o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 from spmdkit.core.errors import SpmdError
 from spmdkit.cost.devices import Device
-from spmdkit.cost.memory import saved_activations
+from spmdkit.cost.memory import CUDA_CONTEXT_BYTES, NCCL_BYTES_PER_GROUP, saved_activations
 from spmdkit.cost.step import op_communication
+from spmdkit.planner.search_bounds import Bounds
 from spmdkit.planner.search_floor import NO_FLOOR, RECOMPUTE, LayerFloor, StepFloor, _counted
 from spmdkit.planner.search_space import Config
 from spmdkit.program.layers import program_layers
@@ -38,7 +40,18 @@ def copy_layers(dense: int) -> int:
     return dense + 2
 
 
-def one_copy_floor(plan: Plan, device: Device, layers: int, dense: int) -> LayerFloor:
+@dataclass(frozen=True)
+class MoeLayerFloor(LayerFloor):
+    """:class:`spmdkit.planner.search_floor.LayerFloor` with one layer of the repeated kind's
+    figures (the least of the copy's two, one microbatch on one device): its work (s), what each
+    recomputation mode runs again of it (s), the bytes it keeps under each mode."""
+
+    layer_work: float = 0.0
+    layer_rerun: dict[str, float] = field(default_factory=dict)
+    layer_kept: dict[str, int] = field(default_factory=dict)
+
+
+def one_copy_floor(plan: Plan, device: Device, layers: int, dense: int) -> MoeLayerFloor:
     """The layer floor of a model of ``layers`` layers (``dense`` of them dense, first) from
     ``plan``, its copy of :func:`copy_layers` layers (module docstring)."""
     oc = op_communication(plan, device)
@@ -59,6 +72,8 @@ def one_copy_floor(plan: Plan, device: Device, layers: int, dense: int) -> Layer
     missing = layers - n
     rerun: dict[str, float] = {}
     kept: dict[str, int] = {}
+    layer_rerun: dict[str, float] = {}
+    layer_kept: dict[str, int] = {}
     for mode in RECOMPUTE:
         saved = saved_activations(plan, mode)
         ops = {j for r in saved.recomputed for j in r}
@@ -66,16 +81,75 @@ def one_copy_floor(plan: Plan, device: Device, layers: int, dense: int) -> Layer
         for j in ops:
             if 0 <= where[j] < n:
                 again[where[j]] += own[j]
-        rerun[mode] = sum(own[j] for j in ops) + missing * min(again[dense:])
+        layer_rerun[mode] = min(again[dense:])
+        rerun[mode] = sum(own[j] for j in ops) + missing * layer_rerun[mode]
         kept[mode] = min((b for lay, b in saved.per_layer.items() if lay in tags), default=0)
-    return LayerFloor(sum(own) + missing * min(by_layer[dense:]), rerun, kept)
+        layer_kept[mode] = min(saved.per_layer.get(t, 0) for t in lay.tags[dense:])
+    return MoeLayerFloor(sum(own) + missing * min(by_layer[dense:]), rerun, kept, layer_work=min(by_layer[dense:]),
+                         layer_rerun=layer_rerun, layer_kept=layer_kept)
+
+
+def split_floor(cfg: Config, bounds: Bounds, f: MoeLayerFloor, mode: str, cap: int) -> float:
+    """A pipeline's step at least under recomputation ``mode`` from how its MoE layers can be
+    split under the memory cap (0: no pipeline or no MoE layer; inf: they cannot fit).
+
+    Rank ``r`` of ``p`` holds ``c_r`` of the ``L`` MoE layers and, as :meth:`Bounds.memory`
+    counts, ``min(p - r, m)`` microbatches of their kept activations: it needs at least
+    ``c_r (s + f_r u)`` bytes (``s``: the least parameters, gradients and states a MoE layer
+    holds on a device under the strategy, :attr:`Bounds.layers`; ``u``: the least a MoE layer
+    keeps of one microbatch under ``mode``), so ``c_r <= M_r = room / (s + f_r u)``, and it
+    works at least ``m c_r t`` seconds a step (``t``: a MoE layer's work and rerun for one
+    microbatch). Some rank holds at least ``c*``, the least ``c`` with ``sum_r min(c, M_r) >= L``
+    (the split that fills each rank to its cap, contiguity and whole layers relaxed): the step is
+    at least ``m c* t``. A time-balanced split (what :meth:`StepFloor.step` assumes) puts on the
+    first ranks, whose microbatches in flight are the most, more layers than their memory holds
+    without recomputation; this bound makes the other ranks pay for it."""
+    if cfg.pp == 1 or not f.layer_work or "auto" in cfg.strategy:
+        return 0.0
+    per = [bounds._held(h, cfg.dp * cfg.cp, cfg.ep, cfg.tp, cfg.strategy) for h in bounds.layers if h[1] > 0]
+    if not per:
+        return 0.0
+    groups = sum(1 for k in (cfg.dp, cfg.ep, cfg.tp) if k > 1) + 1
+    room = cap - CUDA_CONTEXT_BYTES - NCCL_BYTES_PER_GROUP * groups
+    m = max(1, cfg.microbatches)
+    s, u = min(per), f.layer_kept.get(mode, 0)
+    if room <= 0:
+        return math.inf
+    caps = sorted(room / (s + min(cfg.pp - r, m) * u) for r in range(cfg.pp)) if s + u > 0 else []
+    if not caps or sum(caps) < len(per):
+        return math.inf if caps else 0.0
+    return m * fill_level(caps, len(per)) * (f.layer_work + f.layer_rerun.get(mode, 0.0))
+
+
+def fill_level(caps: list[float], total: float) -> float:
+    """The least ``c`` with ``sum(min(c, x) for x in caps) >= total`` (``caps`` ascending, their
+    sum at least ``total``): ranks whose cap is under the level hold their cap, the others the
+    level."""
+    rest, k = total, len(caps)
+    for i, x in enumerate(caps):
+        level = rest / (k - i)
+        if level <= x:
+            return level
+        rest -= x
+    return caps[-1]
 
 
 @dataclass
 class LayerStepFloor(StepFloor):
     """:class:`spmdkit.planner.search_floor.StepFloor` whose layer keys are planned on ONE copy
     of ``dense + 2`` layers (:func:`one_copy_floor`), for a model with dense first layers deep
-    enough to have more."""
+    enough to have more; with ``bounds`` and ``cap``, a pipeline's step is also at least its
+    :func:`split_floor`."""
+
+    bounds: Bounds | None = None
+    cap: int = 0
+
+    def step(self, cfg: Config, mode: str = "none", *args: bool, **kw: bool) -> float:
+        low = super().step(cfg, mode, *args, **kw)
+        f = self.of(cfg)
+        if self.bounds is None or not self.cap or not isinstance(f, MoeLayerFloor):
+            return low
+        return max(low, split_floor(cfg, self.bounds, f, mode, self.cap))
 
     def of(self, cfg: Config) -> LayerFloor:
         n = copy_layers(self.dense)
@@ -95,4 +169,4 @@ class LayerStepFloor(StepFloor):
         return got
 
 
-__all__ = ["LayerStepFloor", "copy_layers", "one_copy_floor"]
+__all__ = ["LayerStepFloor", "MoeLayerFloor", "copy_layers", "fill_level", "one_copy_floor", "split_floor"]
