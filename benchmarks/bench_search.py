@@ -2,6 +2,7 @@
 """The outer search's speed (``spmdkit plan --devices N``) from 8 to 16,384 devices.
 
     python benchmarks/bench_search.py [--sizes 8,64,512,2048,16384] [--no-fold]
+    python benchmarks/bench_search.py --sizes "" --models gpt3-175b,mixtral-8x7b
 
 One row per size (the default models and batches below; each search run once, in this
 process): seconds of the search, configurations planned, candidates costed (a configuration
@@ -36,12 +37,25 @@ ROWS = {
     16384: ("llama3-405b", {"batch": 2048, "seq": 8192}),
 }
 PUBLISHED = {16384: Config(128, 8, 16, "megatron,sp,zero1", microbatches=16)}
+#: ``--models``: a model's search against its published layout: name -> (devices, device,
+#: overrides, the published layout). GPT-3 175B: Narayanan et al. 2021 (tp=8, pp=8, dp=16 at
+#: batch 1,536; one sequence a microbatch). Mixtral-8x7B: NeMo's recommended H100 BF16
+#: pre-training recipe (scripts/performance/recommended_model_configs/model_configs_h100.csv at
+#: NVIDIA/NeMo ae861a9c43: 64 GPUs, seq 4096, TP 1, PP 4, VP 8, EP 8, MBS 1, GBS 256; Megatron's
+#: distributed optimizer)
+MODELS = {
+    "gpt3-175b": (1024, "a100", {"batch": 1536, "seq": 2048},
+                  Config(16, 8, 8, "megatron,sp,zero1", microbatches=96)),
+    "mixtral-8x7b": (64, "h100", {"batch": 256, "seq": 4096},
+                     Config(2, 1, 4, "dp,ep,zero1", microbatches=16, ep=8, virtual=8)),
+}
 
 
-def row(n: int, fold: bool) -> None:
-    model, over = ROWS[n]
+def row(n: int, fold: bool, model_name: str | None = None) -> None:
+    model, over = ROWS[n] if model_name is None else (model_name, MODELS[model_name][2])
+    device = "h100" if model_name is None else MODELS[model_name][1]
     t0, c0 = time.perf_counter(), time.process_time()
-    res = search_meshes(model, n, "h100", overrides=over, fold=fold)
+    res = search_meshes(model, n, device, overrides=over, fold=fold)
     wall, secs = time.perf_counter() - t0, time.process_time() - c0
     folded = sum(1 for c in res.candidates if c.folded)
     best = res.best
@@ -49,9 +63,10 @@ def row(n: int, fold: bool) -> None:
     print(f"{n:6d}  {model:12s} {over.get('batch', ''):>5}  {secs:8.1f} s  {wall:8.1f} s  {res.plans:5d} planned  "
           f"{len(res.candidates):5d} costed  {folded:5d} folded  {len(res.candidates) / secs:7.2f}/s  {what}",
           flush=True)
-    pub = PUBLISHED.get(n)
+    pub = PUBLISHED.get(n) if model_name is None else MODELS[model_name][3]
     if pub is not None:
-        got = [c for c in config_candidates(model, pub, overrides=over) if c.fits]
+        # planned whole, as the search's best is (the fold agrees to rounding, not to the last bit)
+        got = [c for c in config_candidates(model, pub, device, overrides=over, fold=False) if c.fits]
         if got:
             p = min(got, key=lambda c: c.step_s)
             faster = best is not None and best.step_s <= p.step_s
@@ -63,11 +78,14 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="8,64,512,2048,16384")
     ap.add_argument("--no-fold", action="store_true")
+    ap.add_argument("--models", default="", help=f"also these models' searches: {', '.join(MODELS)}")
     a = ap.parse_args()
     warnings.simplefilter("ignore")
     print("devices model        batch   CPU s     wall s    planned          costed       folded   costed per CPU s  best")
-    for n in (int(x) for x in a.sizes.split(",")):
+    for n in (int(x) for x in a.sizes.split(",") if x):
         row(n, not a.no_fold)
+    for name in (x for x in a.models.split(",") if x):
+        row(MODELS[name][0], not a.no_fold, name)
     return 0
 
 

@@ -153,6 +153,20 @@ def test_search_with_auto_on_each_mesh() -> None:
     assert "auto" in out.getvalue()
 
 
+def test_search_table_names_virtual_stages(tiny4: Any) -> None:
+    # an interleaved configuration's row says its chunks per rank: without them it reads as the
+    # same mesh as its vp=1 twin
+    import dataclasses
+
+    best = tiny4.fitting[0]
+    vp = dataclasses.replace(best, config=dataclasses.replace(best.config, dp=1, pp=2, microbatches=4, virtual=2))
+    one = dataclasses.replace(best, config=dataclasses.replace(best.config, dp=1, pp=2, microbatches=4))
+    out = io.StringIO()
+    write_search(dataclasses.replace(tiny4, candidates=[vp, one], pruned=[], refused=[]), out)
+    rows = [line for line in out.getvalue().splitlines() if "x2 " in line]
+    assert len(rows) == 2 and "x2 vp=2 m=4" in rows[0] and "vp=" not in rows[1] and "x2 m=4" in rows[1]
+
+
 def test_progress_shown_on_a_terminal_only(capsys: pytest.CaptureFixture[str]) -> None:
     from spmdkit.outputs.progress import Progress
 

@@ -58,6 +58,15 @@ def test_pipelines_fold_exactly_even_and_balanced() -> None:
     assert whole[0].estimate.counts == (12, 9)
 
 
+def test_a_tied_embedding_pipeline_folds_exactly() -> None:
+    """GPT-3's word embedding is its LM head: a copy on the first and the last stage whose
+    gradients are all-reduced after the data-parallel reductions (planner.pipeline's tied_s);
+    the two copies' step counts it as the whole model's does (it was refused, and planned on
+    far deeper copies)."""
+    over = {"batch": 16, "layers": 12, "seq": 1024}
+    assert _same("gpt3-175b", over, Config(2, 4, 2, "megatron,sp,zero1", microbatches=8)) == 6  # 6 + 6 -> 3 + 3
+
+
 def test_cp_configuration_folds_exactly() -> None:
     assert _same("llama3-8b", {"batch": 4, "layers": 10, "seq": 4096}, Config(2, 2, 1, "megatron,sp,cp", cp=2)) == 3
 

@@ -17,7 +17,7 @@ from spmdkit.outputs.dtensor_ep import expert_parallel_statement
 from spmdkit.outputs.export import dtensor_document
 from spmdkit.planner.pipeline import estimate_pipeline, plan_pipeline
 from spmdkit.planner.planning import plan_model
-from spmdkit.planner.search import _bounds, _Job, _model_sizes, _work, hand_strategies, search_meshes
+from spmdkit.planner.search import Config, _bounds, _Job, _model_sizes, _work, hand_strategies, search_meshes
 from spmdkit.program.runtime import Runtime
 
 #: a small MoE whose experts dominate its parameters (4 experts of width 4096)
@@ -56,6 +56,20 @@ def test_a_dense_models_candidates_are_what_they_were() -> None:
     two = {replace(c, virtual=1) for c in work if c.virtual == 2}
     assert two == {c for c in work if c.pp > 1 and c.virtual == 1 and c.microbatches % c.pp == 0} and two
     assert all(c.ep == 1 and c.sub_mesh_text == f"dp={c.dp},tp={c.tp}" for c in work)
+
+
+def test_interleaving_over_4_and_8_chunks_where_they_split_the_layers_evenly() -> None:
+    """NeMo's Mixtral-8x7B recipe on 64 H100 (pp=4 x vp=8, ep=8, one layer a virtual stage) is
+    among the search's configurations; vp=4 and 8 only where pp x vp divides the layers."""
+    _mc, sizes = _model_sizes("mixtral-8x7b", {"batch": 256, "seq": 4096})
+    work, _ = _work(64, True, sizes, None, False)
+    assert replace(Config(2, 1, 4, "dp,ep,zero1", microbatches=16, ep=8), virtual=8) in work
+    assert {c.virtual for c in work if c.pp == 4} == {1, 2, 4, 8}
+    assert all(32 % (c.pp * c.virtual) == 0 for c in work if c.virtual > 2)
+    assert {c.virtual for c in work if c.pp == 16} == {1, 2}  # 32 layers: 64 virtual stages would be fewer
+    _mc, gpt = _model_sizes("gpt3-175b", {"batch": 1536, "seq": 2048})
+    work, _ = _work(1024, True, gpt, ["megatron,sp,zero1"], False)
+    assert {c.virtual for c in work if c.pp == 8 and c.tp == 8} == {1, 2, 4}  # 96 layers: 8 x 8 does not divide
 
 
 def test_a_moe_models_candidates_fold_ep_out_of_dp() -> None:

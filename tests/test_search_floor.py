@@ -30,7 +30,15 @@ SAMPLE = [
 ]
 
 
-@pytest.mark.parametrize("cfg", SAMPLE, ids=lambda c: c.label())
+#: ZeRO-3 configurations: their floor also counts the parameter gathers (StepFloor.gathered)
+ZERO3 = [
+    Config(8, 1, 1, "dp,zero3"), Config(4, 1, 1, "dp,zero3", grad_accum=2), Config(4, 2, 1, "megatron,zero3"),
+    Config(2, 2, 2, "megatron,sp,zero3", microbatches=4), Config(4, 1, 2, "dp,zero3", microbatches=2),
+    Config(2, 1, 2, "dp,zero3", microbatches=4, virtual=2), Config(2, 1, 4, "dp,zero3", microbatches=4), Config(2, 2, 2, "megatron,sp,zero3", microbatches=2, virtual=2),
+]
+
+
+@pytest.mark.parametrize("cfg", SAMPLE + ZERO3, ids=lambda c: c.label())
 def test_the_floor_is_never_above_the_planned_step(cfg: Config) -> None:
     mc, job = _job(MODEL, OVER)
     floor = _floor(MODEL, mc, job)
@@ -39,6 +47,41 @@ def test_the_floor_is_never_above_the_planned_step(cfg: Config) -> None:
     got = config_candidates(MODEL, cfg, "h100", OVER)
     assert got and low > 0
     assert all(low <= c.step_s for c in got), (low, [(c.config.recompute, c.step_s) for c in got])
+    # with the ZeRO-3 gathers, under each mode (a mode's floor bounds it and every mode recomputing more)
+    for c in got:
+        rc = c.config.recompute
+        assert floor.step(cfg, rc, gathers=True) <= c.step_s, (rc, floor.step(cfg, rc, gathers=True), c.step_s)
+        assert floor.step(cfg, rc, gathers=True) >= floor.step(cfg, rc)
+
+
+def test_the_zero3_floor_counts_the_gathers_the_plan_leaves_exposed() -> None:
+    """A ZeRO-3 pipeline's floor counts the part of each layer group's parameter gather that the
+    group before does not hide, and a flat one the gathers one after the other: both as the
+    whole model's plan has them (the two shallow copies extrapolated), and both raise the floor."""
+    from spmdkit.cost.step import layer_groups, op_communication
+    from spmdkit.planner.search import _preset_plan
+
+    mc, job = _job(MODEL, OVER)
+    floor = _floor(MODEL, mc, job)
+    assert floor is not None
+    cfg = Config(2, 2, 2, "megatron,sp,zero3", microbatches=4)
+    z = floor.gathered(cfg)
+    # the whole model (4 layers) on the configuration's sub-mesh, one microbatch: its own figures
+    whole = _preset_plan(Config(2, 2, 1, cfg.strategy), MODEL, mc.with_(batch=mc.batch // 4), job).plan
+    oc = op_communication(whole, job.device)
+    groups = layer_groups(whole)
+    span: dict[int, float] = {}
+    for i, g in enumerate(groups):
+        span[g] = span.get(g, 0.0) + oc.compute[i] + oc.wait[i] - oc.prefetch_exposed.get(i, 0.0)
+    assert oc.gathers_s > 0 and sum(oc.prefetch_exposed.values()) > 0
+    assert z.gathers == pytest.approx(oc.gathers_s, rel=1e-9)
+    assert z.exposed == pytest.approx(sum(oc.prefetch_exposed.values()), rel=1e-9)
+    # each exposed part is the gather less the group before's span (FSDP's prefetch)
+    first = {i: g for i, g in enumerate(groups) if i in oc.prefetch_exposed}
+    assert all(oc.prefetch_exposed[i] <= oc.gathers_s for i in first)
+    assert floor.step(cfg, gathers=True) > floor.step(cfg)
+    flat = Config(8, 1, 1, "dp,zero3")
+    assert floor.step(flat, gathers=True) >= floor.gathered(flat).gathers > 0
 
 
 def test_the_floor_is_cached_per_layer_key() -> None:
@@ -82,6 +125,8 @@ def test_the_pruned_search_finds_the_unpruned_best_with_its_figures() -> None:
     # every configuration the floor pruned is no faster than the best in the unpruned search
     steps = {c.config.label().split(" recompute=")[0]: c.step_s for c in full.fitting}
     assert all(steps.get(cfg.label(), float("inf")) >= a.step_s for cfg in by_step)
+    # among them ZeRO-3 configurations, their bounds refined with their gathers when their turn came
+    assert any("zero3" in cfg.strategy for cfg in by_step)
     assert any(line.startswith("step bounds of ") and "layer plans" in line for line in seen.lines)
 
 

@@ -67,6 +67,7 @@ from typing import Any
 from spmdkit.core.dist_attr import TensorDistAttr, entry_dims, largest_shard
 from spmdkit.core.errors import ProgramError
 from spmdkit.cost.context import regathers, ring_buffers
+from spmdkit.cost.memory_cp import allgather_buffers
 from spmdkit.cost.moe import plan_loads
 from spmdkit.program.ir import Op, Program, flat_refs
 from spmdkit.program.plan import Plan, Reshard
@@ -858,6 +859,8 @@ def activation_deltas(plan: Plan, saved: ActivationMemory, group_of: list[int] |
     for n, (g, dst) in held_root.items():
         add(g, 0, root, nbytes(n, dst))
     for i, size in ring_buffers(plan).items():  # ring attention's KV (and dK / dV) blocks in flight
+        add(grp[i], i, i, size)
+    for i, size in allgather_buffers(plan).items():  # torch context_parallel's gathered K / V, accumulators
         add(grp[i], i, i, size)
     for i, j, elems in loss_spans(plan):
         held, fwd, bwd = loss_bytes(plan, i)

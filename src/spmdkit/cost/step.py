@@ -676,6 +676,10 @@ class OpComm:
     costs: list[OpCost]
     #: the distributed optimizer's parameter all-gathers by op (:func:`param_gather_time`)
     param_gathers: dict[int, list[tuple[tuple[int, ...], float, int]]] = field(default_factory=dict)
+    #: ZeRO-3 / FSDP: the part of ``wait`` that is a prefetched group gather the group before
+    #: did not hide (op -> seconds), and the seconds of every group's gather together
+    prefetch_exposed: dict[int, float] = field(default_factory=dict)
+    gathers_s: float = 0.0
 
 
 @gc_paused
@@ -690,14 +694,18 @@ def op_communication(plan: Plan, device: Device) -> OpComm:
         wait[k.op_index] += k.time_s
     for r in ring_costs(plan, comp.times):
         wait[r.op_index] += r.exposed_s
+    exposed: dict[int, float] = {}
     if comm.prefetch:
         groups = layer_groups(plan)
         span: dict[int, float] = {}
         for i, g in enumerate(groups):
             span[g] = span.get(g, 0.0) + comp.times[i] + wait[i]
         for g, (secs, first) in comm.prefetch.items():
-            wait[first] += max(0.0, secs - span.get(g - 1, 0.0))
-    return OpComm(comp.times, wait, comm.pending, comp.costs, comm.param_gathers)
+            e = max(0.0, secs - span.get(g - 1, 0.0))
+            wait[first] += e
+            exposed[first] = exposed.get(first, 0.0) + e
+    return OpComm(comp.times, wait, comm.pending, comp.costs, comm.param_gathers, exposed,
+                  sum(secs for secs, _first in comm.prefetch.values()))
 
 
 @gc_paused

@@ -17,7 +17,7 @@ def write_search(res: SearchResult, out: TextIO, top: int = 10) -> None:
     for k, c in enumerate(res.fitting[:top]):
         cf = c.config
         mesh = f"{cf.dp}x{cf.ep}x{cf.tp}x{cf.pp}" if ep else f"{cf.dp}x{cf.tp}x{cf.pp}"
-        rows.append([str(k + 1), mesh + (f" m={cf.microbatches}" if cf.pp > 1 else "") + (f" accum={cf.grad_accum}" if cf.grad_accum > 1 else "")
+        rows.append([str(k + 1), mesh + (f" vp={cf.virtual}" if cf.virtual > 1 else "") + (f" m={cf.microbatches}" if cf.pp > 1 else "") + (f" accum={cf.grad_accum}" if cf.grad_accum > 1 else "")
                      + (f" cp={cf.cp}" if cf.cp > 1 else ""),
                      cf.strategy, cf.recompute, fmt_time(c.step_s), f"{100 * c.mfu:.1f}%" if c.mfu else "-",
                      fmt_bytes(c.memory), fmt_time(c.comm_s)])

@@ -331,7 +331,10 @@ def _pipeline_overlap(fold: Fold, plan_a: Plan, est_a: PipelineEstimate, est_b: 
         grads = [(start + (t / bw if bw > 0 else 1.0) * (end - start), dt, st, size, lay)
                  for _u, dt, st, size, lay, t in full]
         done, _b = reduce_gradients(plan_b, grads, fin, single_ranks and r > 0)
-        out.append(done + fold.at(ca.optimizer_s - ga, cb.optimizer_s - gb) + gf)
+        # a tied parameter's copies all-reduced among their stages after the reductions
+        # (planner.pipeline._step_times): the embedding and the head, as many bytes in both copies
+        tied = fold.at(est_a.tied_s[r], est_b.tied_s[r]) if est_a.tied_s and est_b.tied_s else 0.0
+        out.append(done + tied + fold.at(ca.optimizer_s - ga, cb.optimizer_s - gb) + gf)
         lo = hi
     return max(out)
 

@@ -61,6 +61,7 @@ from spmdkit.cost.memory import (
     ALLOCATOR_RESERVE,
     MICROBATCH,
     Memory,
+    loss_spans,
     per_microbatch_mode,
     recompute_layers,
     with_overheads,
@@ -69,6 +70,7 @@ from spmdkit.cost.step import OpComm, op_communication
 from spmdkit.models.source import HFModel, Loaded, ModelSource, Preset, ProgramFile, load
 from spmdkit.models.zoo import Model, preset
 from spmdkit.planner.partition import UnitCosts, balanced_split, even_split, partition, simulate_split, stage_loads
+from spmdkit.planner.pipeline_memory import TORCH_SCHEDULES, ChunkBytes, torch_order, torch_rank_memory
 from spmdkit.planner.pipeline_moe import MoeMemory, moe_memory
 from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, parse_size, plan_preset, plan_program
 from spmdkit.planner.schedules import (
@@ -375,6 +377,11 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | 
     pend = [weight_pending(spec.schedule, p, m, r) for r in range(p)]
     mems = [_rank_memory(plan, [costs[c * p + r] for c in range(v)], flight[r], p, v, pending=pend[r])
             for r in range(p)]
+    if recompute != MICROBATCH and torch_pipelining(plan, spec.schedule, p):
+        for r in range(p):
+            walked = _torch_rank(plan, costs, spec.schedule, p, v, m, r)
+            if walked is not None:
+                mems[r], flight[r] = walked
     recomputed = [1.0] * p  # the share of each rank's microbatches whose recomputed regions run again
     if recompute == MICROBATCH:
         whole = stage_costs(plan, stages, counts, None, "none")
@@ -550,6 +557,39 @@ def _rank_memory(plan: Plan, mine: list[StageCost], flight: float, p: int, v: in
     ug = sum(c.unsharded_gradients for c in mine) if p > 1 else 0
     return with_overheads(sum(c.parameters for c in mine) + up, sum(c.gradients for c in mine) + ug,
                           sum(c.optimizer_states for c in mine), act, peak_op, plan, p)
+
+
+def torch_pipelining(plan: Plan, schedule: str, p: int) -> bool:
+    """Whether a pipeline of ``plan`` runs on ``torch.distributed.pipelining`` with FSDP2
+    (``--framework torchtitan``, a schedule torch had: :mod:`spmdkit.planner.pipeline_memory`)."""
+    return p > 1 and plan.runtime.framework == "torchtitan" and schedule in TORCH_SCHEDULES
+
+
+def _torch_rank(plan: Plan, costs: list[StageCost], schedule: str, p: int, v: int, m: int, r: int
+                ) -> tuple[Memory, float] | None:
+    """Rank ``r``'s memory walked over torch's order of its units
+    (:func:`spmdkit.planner.pipeline_memory.torch_rank_memory`) and the whole-stage microbatches
+    it holds then; None where torch's schedule cannot run it. A stage's received activations
+    live in its receive buffers, so they leave its stash and working peak."""
+    order = torch_order(schedule, p, v, m, r)
+    if order is None:
+        return None
+    n = p * v
+    logits = 2 * sum(e for _, _, e in loss_spans(plan))  # the last stage's output: 16-bit logits
+    chunks = []
+    for c in range(v):
+        k = c * p + r
+        s = costs[k]
+        got = costs[k - 1].send_bytes if k else 0
+        out = s.send_bytes if k < n - 1 else logits
+        chunks.append(ChunkBytes(max(0, s.stash_bytes - got), max(0, s.working_peak - got), s.parameters,
+                                 s.optimizer_states, s.gradients, s.unsharded_parameters, s.unsharded_gradients,
+                                 got, out, s.send_bytes if k < n - 1 else 0))
+    peak = torch_rank_memory(chunks, order, m)
+    mine = [costs[c * p + r] for c in range(v)]
+    peak_op = max(mine, key=lambda c: c.working_peak).peak_op
+    mem = with_overheads(peak.parameters, peak.gradients, peak.optimizer_states, peak.activations, peak_op, plan, p)
+    return mem, peak.in_flight
 
 
 def _sender(p: int, pp_link: tuple[float, float], device: Device | None,

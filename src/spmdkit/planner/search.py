@@ -54,6 +54,7 @@ of each configuration planned; the search prints nothing (its table: :mod:`spmdk
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -400,14 +401,13 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
     job = replace(job, lean=bounds is not None)
     lows: dict[Config, float] = {}
     floor, lazy = None, False
+    seeds: set[Config] = set()
     if bounds is not None:  # the most promising first, so the best step found early prunes the most
         floor = _floor(model, cfg_model, job, bounds)
         lows, lazy = _step_bounds(work, bounds, floor, job, progress)
         work.sort(key=lambda c: lows.get(c, math.inf))
         if lazy:
-            first = _seeds(work, lows, bounds, floor, job)
-            seeded = set(first)
-            work = first + [c for c in work if c not in seeded]
+            seeds = set(_seeds(work, lows, bounds, floor, job))
     elif len(work) > MAX_PLANS:
         raise ProgramError(f"--devices {devices}: {len(work)} configurations to plan (at most {MAX_PLANS})")
     if progress is not None:
@@ -419,12 +419,22 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
     pruned: list[tuple[Config, str]] = []
     best = math.inf
     planned = 0
-    for cfg in work:
+    # in the order of the bounds (the seeds first), each bound refined when its turn comes (a
+    # lazy search's layer floors, a ZeRO-3 configuration's parameter gathers) and put back in
+    # its place where that moves it: the order changes no result, only what the best step prunes
+    queue = [(0 if cfg in seeds else 1, lows.get(cfg, math.inf), n, cfg, bounds is None)
+             for n, cfg in enumerate(work)]
+    heapq.heapify(queue)
+    while queue:
+        tier, key, n, cfg, refined = heapq.heappop(queue)
+        low = lows.get(cfg)
+        if not refined and bounds is not None and low is not None and low < best and _refines(cfg, floor, lazy):
+            low = lows[cfg] = _step_bound(cfg, bounds, floor, job, gathers=True)  # now it is its turn
+            if low > key and tier:
+                heapq.heappush(queue, (tier, low, n, cfg, True))
+                continue
         if progress is not None:
             progress.update(note=cfg.label())
-        low = lows.get(cfg)
-        if lazy and bounds is not None and low is not None and low < best:
-            low = _step_bound(cfg, bounds, floor, job)  # its layers' floor, now it is its turn
         why = _pruned_why(cfg, bounds, cap, best, low) if bounds is not None else None
         if why is not None:
             pruned.append((cfg, why))
@@ -538,16 +548,26 @@ def _floor(model: str | Program, mc: ModelConfig | None, job: _Job, bounds: Boun
     return StepFloor(plan_copy, job.device, mc.layers, mc.batch, dense)
 
 
-def _step_bound(cfg: Config, bounds: Bounds, floor: StepFloor | None, job: _Job) -> float:
+def _step_bound(cfg: Config, bounds: Bounds, floor: StepFloor | None, job: _Job, gathers: bool = False) -> float:
     """``cfg``'s step bound: the larger of :meth:`Bounds.step` and ``floor``'s under the least
     recomputation its memory bound allows (a mode whose kept activations cannot fit is not
-    counted; inf: none can)."""
+    counted; inf: none can). ``gathers``: a ZeRO-3 configuration's floor also from its own
+    layers' plan with the parameter gathers (:meth:`StepFloor.gathered`: two more shallow
+    copies, so only when its turn comes)."""
     low = bounds.step(cfg.devices, cfg.pp, cfg.microbatches, cfg.ep, cfg.strategy, cfg.virtual)
     f = floor.of(cfg) if floor is not None else NO_FLOOR
     if floor is not None and f is not NO_FLOOR:
-        low = max(low, min((floor.step(cfg, rc) for rc in job.modes
-                            if _memory_bound(cfg, bounds, f.kept.get(rc, 0)) <= job.cap), default=math.inf))
+        z = floor.gathered(cfg) if gathers else NO_FLOOR
+        kept = {rc: max(f.kept.get(rc, 0), z.kept.get(rc, 0)) for rc in job.modes}
+        low = max(low, min((floor.step(cfg, rc, gathers) for rc in job.modes
+                            if _memory_bound(cfg, bounds, kept[rc]) <= job.cap), default=math.inf))
     return low
+
+
+def _refines(cfg: Config, floor: StepFloor | None, lazy: bool) -> bool:
+    """Whether ``cfg``'s bound can be refined when its turn comes: its layers' floor where the
+    floors are lazy, its parameter gathers' under ZeRO-3."""
+    return floor is not None and (lazy or floor.gathered_key(cfg) is not None)
 
 
 def _step_bounds(work: list[Config], bounds: Bounds, floor: StepFloor | None, job: _Job,

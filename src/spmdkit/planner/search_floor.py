@@ -22,6 +22,12 @@ configuration's own layers cost one device, read off the same cost model as the 
   context-parallel collectives, MoE all-to-alls, the exposed part of an overlapped one);
   gradient reductions, parameter gathers, the optimizer and recomputation are left out (they
   only add);
+- a ZeRO-3 configuration's parameter gathers (:meth:`StepFloor.gathered`, computed when its
+  turn comes in the search): its layers planned on its own ``dp`` with ZeRO-3 (two shallow
+  copies per dp and layer key); with a pipeline the part of each layer group's gather the group
+  before leaves exposed (:func:`spmdkit.cost.step.op_communication`'s prefetch, in every stage's
+  time per microbatch), without one the gathers' sum (one after the other on the communication
+  stream; the last micro-step waits for the last);
 - the step is at least that work times the micro-steps of gradient accumulation without a
   pipeline, and with ``p`` stages (``v`` model chunks a rank) and ``m`` microbatches at least
   ``(m + (p - 1) / v) / p`` of it: the pipeline bound of :meth:`Bounds.step`, on the busiest
@@ -54,6 +60,8 @@ RECOMPUTE = ("none", "selective", "full")
 
 #: (tp, ep, cp, the strategy without ZeRO, sequences a data-parallel rank computes at once)
 FloorKey = tuple[int, int, int, str, int]
+#: a ZeRO-3 configuration's own layers: (dp, tp, ep, cp, its strategy, sequences a rank computes at once)
+ZeroKey = tuple[int, int, int, int, str, int]
 
 
 def base_strategy(strategy: str) -> str:
@@ -73,19 +81,25 @@ def per_device_work(plan: Plan, device: Device) -> float:
     """One device's forward and backward seconds of ``plan`` that every configuration with its
     layers has (module docstring): GEMMs and attention passes, the ops that read no parameter,
     the communication each op waits on."""
-    return _work(plan, device)[0]
+    return _work(plan, device).work
 
 
-def _work(plan: Plan, device: Device) -> tuple[float, dict[str, float], dict[str, int]]:
-    """(:func:`per_device_work`; per recomputation mode, the same of the ops it runs again; per
-    mode, the fewest bytes a numbered layer keeps for the backward)."""
+def _work(plan: Plan, device: Device) -> LayerFloor:
+    """:func:`per_device_work` (without the ZeRO-3 gathers' exposed part), per recomputation
+    mode the same of the ops it runs again, per mode the fewest bytes a numbered layer keeps for
+    the backward; and the ZeRO-3 / FSDP parameter gathers: the part the group before leaves
+    exposed (:func:`spmdkit.cost.step.op_communication`'s prefetch, the pipeline's stage times)
+    and their seconds together (one after the other on the communication stream)."""
     oc = op_communication(plan, device)
     prog = plan.program
     own = [0.0] * len(prog.ops)
+    exposed = 0.0
     for i, op in enumerate(prog.ops):
         if op.phase in ("forward", "backward"):
             c = oc.costs[i]
-            own[i] = (oc.compute[i] if _counted(plan, i, c.matmul, c.attention is not None) else 0.0) + oc.wait[i]
+            e = oc.prefetch_exposed.get(i, 0.0)
+            exposed += e
+            own[i] = (oc.compute[i] if _counted(plan, i, c.matmul, c.attention is not None) else 0.0) + oc.wait[i] - e
     rerun: dict[str, float] = {}
     kept: dict[str, int] = {}
     numbered = set(layer_tags(prog))
@@ -93,17 +107,20 @@ def _work(plan: Plan, device: Device) -> tuple[float, dict[str, float], dict[str
         saved = saved_activations(plan, mode)
         rerun[mode] = sum(own[i] for i in {j for r in saved.recomputed for j in r})
         kept[mode] = min((b for lay, b in saved.per_layer.items() if lay in numbered), default=0)
-    return sum(own), rerun, kept
+    return LayerFloor(sum(own), rerun, kept, exposed, oc.gathers_s)
 
 
 @dataclass(frozen=True)
 class LayerFloor:
     """One layer key's figures for the whole model, one microbatch on one device: the work
-    (s), what each recomputation mode runs again (s), the fewest bytes a layer keeps under each."""
+    (s), what each recomputation mode runs again (s), the fewest bytes a layer keeps under each;
+    under ZeRO-3, its parameter gathers' exposed part (s) and their total (s)."""
 
     work: float
     rerun: dict[str, float]
     kept: dict[str, int]
+    exposed: float = 0.0
+    gathers: float = 0.0
 
 
 NO_FLOOR = LayerFloor(0.0, {}, {})
@@ -123,6 +140,7 @@ class StepFloor:
     batch: int
     dense: int = 0
     cache: dict[FloorKey, LayerFloor] = field(default_factory=dict)
+    zero3: dict[ZeroKey, LayerFloor] = field(default_factory=dict)
     plans: int = 0
 
     def key(self, cfg: Config) -> FloorKey | None:
@@ -141,36 +159,70 @@ class StepFloor:
         got = self.cache.get(key)
         if got is None:
             tp, ep, cp, strategy, local = key
-            fold = fold_of((self.layers,), self.dense)
-            one = Config(1, tp, 1, strategy, "none", 1, ep, cp)
-            try:
-                if fold is None:
-                    self.plans += 1
-                    w, r, k = _work(self.plan_copy(one, self.layers, local), self.device)
-                else:
-                    self.plans += 2
-                    wa, ra, _ka = _work(self.plan_copy(one, fold.layers_a, local), self.device)
-                    wb, rb, k = _work(self.plan_copy(one, fold.layers_b, local), self.device)
-                    w, r = fold.at(wa, wb), {m: fold.at(ra[m], rb[m]) for m in rb}
-                got = LayerFloor(w, r, k)
-            except SpmdError:
-                got = NO_FLOOR  # its layers cannot be planned so (the configuration says why when planned)
+            got = self._planned(Config(1, tp, 1, strategy, "none", 1, ep, cp), local)
             self.cache[key] = got
         return got
+
+    def gathered_key(self, cfg: Config) -> ZeroKey | None:
+        """The key of ``cfg``'s ZeRO-3 layer plan (None: not ZeRO-3)."""
+        key = self.key(cfg)
+        if key is None or "zero3" not in cfg.strategy.split(","):
+            return None
+        return (cfg.dp, key[0], key[1], key[2], cfg.strategy, key[4])
+
+    def gathered(self, cfg: Config) -> LayerFloor:
+        """A ZeRO-3 configuration's layer figures from its own layers' plan: on its data-parallel
+        degree with ZeRO-3 (the parameters stored sharded and gathered by layer group), one
+        microbatch; :data:`NO_FLOOR` for another configuration. Cached by (dp, the layer key)."""
+        zkey = self.gathered_key(cfg)
+        if zkey is None:
+            return NO_FLOOR
+        got = self.zero3.get(zkey)
+        if got is None:
+            dp, tp, ep, cp, strategy, local = zkey
+            got = self._planned(Config(dp, tp, 1, strategy, "none", 1, ep, cp), local * dp)
+            self.zero3[zkey] = got
+        return got
+
+    def _planned(self, one: Config, batch: int) -> LayerFloor:
+        """``one`` planned on two shallow copies (or the model) with ``batch`` sequences,
+        extrapolated to the model's depth (:data:`NO_FLOOR` where it cannot be planned)."""
+        fold = fold_of((self.layers,), self.dense)
+        try:
+            if fold is None:
+                self.plans += 1
+                return _work(self.plan_copy(one, self.layers, batch), self.device)
+            self.plans += 2
+            a = _work(self.plan_copy(one, fold.layers_a, batch), self.device)
+            b = _work(self.plan_copy(one, fold.layers_b, batch), self.device)
+        except SpmdError:
+            return NO_FLOOR  # its layers cannot be planned so (the configuration says why when planned)
+        return LayerFloor(fold.at(a.work, b.work), {m: fold.at(a.rerun[m], b.rerun[m]) for m in b.rerun}, b.kept,
+                          fold.at(a.exposed, b.exposed), fold.at(a.gathers, b.gathers))
 
     def per_micro(self, cfg: Config) -> float:
         """One device's work (s) for one microbatch through the whole model (0: no floor)."""
         return self.of(cfg).work
 
-    def step(self, cfg: Config, mode: str = "none") -> float:
+    def step(self, cfg: Config, mode: str = "none", gathers: bool = False) -> float:
         """Seconds the step of ``cfg`` takes at least under recomputation ``mode`` (and every
-        mode that recomputes more: none is the least)."""
+        mode that recomputes more: none is the least). ``gathers``: a ZeRO-3 configuration's
+        also from its own layers' plan with the parameter gathers (:meth:`gathered`): with a
+        pipeline the part of each group's gather the group before does not hide (a stage's
+        time per microbatch), without one the gathers one after the other on the communication
+        stream (the last micro-step waits for the last)."""
         f = self.of(cfg)
         w = f.work + f.rerun.get(mode, 0.0)
+        z = self.gathered(cfg) if gathers else NO_FLOOR
+        if z is not NO_FLOOR and cfg.pp > 1:
+            w = max(w, z.work + z.exposed + z.rerun.get(mode, 0.0))
         if cfg.pp == 1:
-            return w * cfg.grad_accum
+            if z is NO_FLOOR:
+                return w * cfg.grad_accum
+            w = max(w, z.work + z.rerun.get(mode, 0.0))
+            return w * (cfg.grad_accum - 1) + max(w, z.gathers)
         m = max(1, cfg.microbatches)
         return w / cfg.pp * (m + pipeline_fill(cfg.pp, cfg.virtual))
 
 
-__all__ = ["NO_FLOOR", "FloorKey", "LayerFloor", "StepFloor", "base_strategy", "per_device_work"]
+__all__ = ["NO_FLOOR", "FloorKey", "ZeroKey", "LayerFloor", "StepFloor", "base_strategy", "per_device_work"]

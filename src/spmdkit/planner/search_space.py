@@ -4,7 +4,8 @@
 gradient accumulation) and :func:`_work`, every factorisation ``dp x tp x pp`` (x ``ep`` x
 ``cp``) of the devices the batch, the heads and the layers allow, each hand strategy, each
 micro-batch, and for a pipeline interleaved 1F1B over 2 model chunks where Megatron-LM's
-schedule takes it (``m % pp == 0``, two layers a virtual stage), with the reasons of those
+schedule takes it (``m % pp == 0``, two layers a virtual stage; 4 and 8 chunks where they split
+the layers evenly: :data:`VIRTUAL`), with the reasons of those
 refused before planning.
 """
 
@@ -202,8 +203,15 @@ def _work(devices: int, pipeline: bool, sizes: _Sizes, given: list[str] | None,
                 work.append(cfg)
                 if pp > 1 and m % pp == 0 and sizes.config is not None and sizes.layers is not None \
                         and sizes.layers >= 2 * pp:
-                    work.append(replace(cfg, virtual=2))  # interleaved 1F1B (Megatron-LM's needs m % pp == 0)
+                    # interleaved 1F1B (Megatron-LM's needs m % pp == 0): 2 chunks a rank, and 4 and
+                    # 8 where they split the layers evenly (NeMo's Mixtral-8x7B: pp=4 x vp=8)
+                    work += [replace(cfg, virtual=v) for v in VIRTUAL if v == 2 or sizes.layers % (pp * v) == 0]
     return work, refused
+
+
+#: the model chunks a pipeline rank may hold (interleaved 1F1B's virtual stages) in the search:
+#: 2 wherever the layers fill them, 4 and 8 where they divide the layers evenly
+VIRTUAL = (2, 4, 8)
 
 
 #: the micro-batches (sequences per data-parallel rank a forward) a search tries when given a
@@ -228,5 +236,5 @@ def _sub_mesh(cfg: Config) -> ProcessMesh:
     return parse_mesh(cfg.sub_mesh_text)
 
 
-__all__ = ["LONG_SEQ", "MICRO_BATCHES", "Config", "context_degrees", "expert_degrees", "factorizations",
+__all__ = ["LONG_SEQ", "MICRO_BATCHES", "VIRTUAL", "Config", "context_degrees", "expert_degrees", "factorizations",
            "hand_strategies"]
