@@ -157,7 +157,12 @@ def test_lazy_floors_plan_the_seeds_first_and_find_the_unpruned_best(monkeypatch
     monkeypatch.setattr(search_mod, "EAGER_FLOORS", 0)
     made: list[Any] = []
     real = search_mod._floor
-    monkeypatch.setattr(search_mod, "_floor", lambda *a: made.append(real(*a)) or made[-1])
+
+    def kept(*a: Any) -> Any:
+        made.append(real(*a))
+        return made[-1]
+
+    monkeypatch.setattr(search_mod, "_floor", kept)
     order: list[str] = []
 
     class _Notes:
