@@ -429,7 +429,12 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
         tier, key, n, cfg, refined = heapq.heappop(queue)
         low = lows.get(cfg)
         if not refined and bounds is not None and low is not None and low < best and _refines(cfg, floor, lazy):
-            low = lows[cfg] = _step_bound(cfg, bounds, floor, job, gathers=True)  # now it is its turn
+            if lazy and floor is not None and floor.gathered_key(cfg) is not None:
+                # its layers' floor first (cached by key): the gathers' own copies, which only raise
+                # the bound, are planned only where that does not reach the best step found
+                low = lows[cfg] = _step_bound(cfg, bounds, floor, job)
+            if low < best:
+                low = lows[cfg] = _step_bound(cfg, bounds, floor, job, gathers=True)  # now it is its turn
             if low > key and tier:
                 heapq.heappush(queue, (tier, low, n, cfg, True))
                 continue
