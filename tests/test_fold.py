@@ -42,10 +42,18 @@ def test_fold_of_keeps_the_stages_and_the_dense_layers() -> None:
 def test_dense_zero_sp_configurations_fold_exactly() -> None:
     over = {"batch": 8, "layers": 10, "seq": 1024}
     assert _same("llama3-8b", over, Config(8, 1, 1, "dp,zero1")) == 3
-    assert _same("llama3-8b", over, Config(2, 4, 1, "megatron,sp,zero3")) == 3
     assert _same("llama3-8b", over, Config(8, 1, 1, "dp,zero2"), Runtime(framework="torchtitan")) == 3
-    # FSDP2's parameter prefetch shares the buckets' stream and moves the step's clock: planned whole
+    # ZeRO-3 / FSDP2: the parameter prefetch shares the buckets' stream: planned whole
+    assert _same("llama3-8b", over, Config(2, 4, 1, "megatron,sp,zero3")) == 0
     assert _same("llama3-8b", over, Config(8, 1, 1, "dp,zero3"), Runtime(framework="torchtitan")) == 0
+
+
+def test_zero3_whose_stream_queue_grows_with_depth_is_planned_whole() -> None:
+    """llama3-405b on 16,384 devices, dp=2048 x tp=8 megatron,sp,zero3: its gathers and
+    reductions over 2,048 ranks outrun a layer's backward, so their queue grows with the depth;
+    two shallow copies do not show it (folded it was 8.48 s, whole 11.72 s: the search listed the
+    folded figure and planned its best again whole at 12.31 s)."""
+    assert _same("llama3-405b", {"batch": 2048, "seq": 8192}, Config(2048, 8, 1, "megatron,sp,zero3")) == 0
 
 
 def test_pipelines_fold_exactly_even_and_balanced() -> None:

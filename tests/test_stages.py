@@ -271,6 +271,21 @@ def test_stages_auto_text_and_errors(capsys: pytest.CaptureFixture[str]) -> None
     assert "expected layers per stage as integers, e.g. 20,20,20,20, or auto" in capsys.readouterr().err
 
 
+def test_verify_checks_the_split_planned(capsys: pytest.CaptureFixture[str]) -> None:
+    """--verify under --stages auto simulates the uneven split the plan chose (3,3,2,2 of 10
+    layers), not one layer a stage."""
+    argv = ["plan", "--model", "llama-7b", "--mesh", "pp=4,dp=1,tp=2", "--microbatches", "8", "--layers", "10",
+            "--device", "h100", "--stages", "auto", "--verify"]
+    assert main([*argv, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["pipeline"]["layers_per_stage"] == [3, 3, 2, 2]
+    v = doc["verify"]
+    assert v["ok"] and v["layers"] == 10 and v["layers_per_stage"] == [3, 3, 2, 2] and v["stages_in_order"]
+    assert main(argv) == 0
+    assert "verify: tiny-llama with 10 layers in 4 pipeline stages split 3, 3, 2, 2 (forward runs" \
+        in capsys.readouterr().out
+
+
 # -- the published runs with pipelines (benchmarks/stages.py), at reduced cost ----------------------
 
 _BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "stages.py"

@@ -8,6 +8,7 @@ library), its table printed and the best configuration's plan reported (text or 
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import replace
 from typing import Any, TextIO
 
@@ -18,11 +19,12 @@ from spmdkit.cli.request import PlanRequest
 from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.models.source import load
 from spmdkit.models.zoo import model_label, preset
-from spmdkit.outputs.pipeline import write_pipeline
+from spmdkit.outputs.pipeline import bubble_line, write_pipeline
 from spmdkit.outputs.progress import Progress
-from spmdkit.outputs.recipe import check_recipe_target, recipe, write_recipe
+from spmdkit.outputs.recipe import check_recipe_target, recipe, recipe_warning, write_recipe
 from spmdkit.outputs.report import plan_json, write_report
 from spmdkit.outputs.search import search_json, write_search
+from spmdkit.planner.bubble import BubbleHint, bubble_hint
 from spmdkit.planner.pipeline import PipelineEstimate, pp_cost_text
 from spmdkit.planner.planning import MAX_SIZE, parse_cost, parse_size
 from spmdkit.planner.search import Candidate, SearchResult, search_meshes
@@ -90,14 +92,21 @@ def run_devices(req: PlanRequest, out: TextIO) -> int:
             kind, path = req.outputs.recipe
             got = recipe(best, what, _global_batch(model, batch, best), _seq_of(model, seq), _layers_of(model, layers))
             write_recipe(kind, path, got)
+            note = recipe_warning(kind, got)
+            if note is not None:
+                print(f"spmdkit plan: warning: {note}", file=sys.stderr, flush=True)
+    hint = bubble_hint(best.plan, best.estimate) if best is not None and isinstance(best.estimate, PipelineEstimate) \
+        else None
     if req.outputs.json:
-        return _write_json(res, best, title, verdict, out)
+        return _write_json(res, best, title, verdict, out, hint)
     out.write(f"{what} on {n} devices ({res.device.name})\n")
     write_search(res, out)
     if best is None:
         out.write(why_none(res, n, batch if batch is not None else _batch_of(model)) + "\n")
         return 1
     _write_best(best, out)
+    if hint is not None:
+        out.write(bubble_line(hint, _global_batch(model, batch, best)))
     if verdict is not None:
         out.write("\n" + verdict["text"] + "\n")
     return 0 if verdict is None or verdict["ok"] else 1
@@ -189,7 +198,7 @@ def _check_flags(req: PlanRequest) -> None:
 
 
 def _write_json(res: SearchResult, best: Candidate | None, title: str, verdict: dict[str, Any] | None,
-                out: TextIO) -> int:
+                out: TextIO, hint: BubbleHint | None = None) -> int:
     extra: dict[str, Any] = {"search": search_json(res)}
     if best is None:
         out.write(json.dumps(extra) + "\n")
@@ -200,6 +209,7 @@ def _write_json(res: SearchResult, best: Candidate | None, title: str, verdict: 
     est = best.estimate
     if isinstance(est, PipelineEstimate):  # a pp configuration
         extra["pipeline"] = est.to_json()
+        extra["bubble_hint"] = hint.to_json() if hint is not None else None
         out.write(json.dumps(plan_json(best.plan, best.memory_detail, extra)) + "\n")
     else:
         out.write(json.dumps(plan_json(best.plan, best.memory_detail, extra, est)) + "\n")

@@ -23,8 +23,9 @@ from spmdkit.cost.memory import check_recompute, per_microbatch_mode
 from spmdkit.models.source import HFModel, ModelSource, Preset, ProgramFile
 from spmdkit.models.zoo import model_label
 from spmdkit.outputs.export_torch import export_torch
-from spmdkit.outputs.pipeline import write_pipeline
+from spmdkit.outputs.pipeline import bubble_line, write_pipeline
 from spmdkit.outputs.report import plan_json, write_report
+from spmdkit.planner.bubble import bubble_hint
 from spmdkit.planner.pipeline import (
     PipelinePlan,
     PipelineSpec,
@@ -95,9 +96,11 @@ def run_pipeline_plan(req: PlanRequest, out: TextIO) -> int:
             verdict = verify_pipeline_hf(source.class_name, source.config, req.mesh_text, spec, strategy,
                                          parse_tp_plan(m.tp_plan), source.fallback)
         else:
-            verdict = verify_pipeline(m.model, req.mesh_text, spec, strategy or "megatron")
+            verdict = verify_pipeline(m.model, req.mesh_text, spec, strategy or "megatron", est.counts)
+    hint = bubble_hint(plan, est)
     if req.outputs.json:
-        extra: dict[str, Any] = {"title": title, "plan_seconds": got.seconds, "pipeline": est.to_json()}
+        extra: dict[str, Any] = {"title": title, "plan_seconds": got.seconds, "pipeline": est.to_json(),
+                                 "bubble_hint": hint.to_json() if hint is not None else None}
         if verdict is not None:
             extra["verify"] = verdict
         out.write(json.dumps(plan_json(plan, est.memory[worst], extra)) + "\n")
@@ -107,6 +110,8 @@ def run_pipeline_plan(req: PlanRequest, out: TextIO) -> int:
         write_report(plan, out, title + " (the plan of one microbatch on the stages' sub-mesh)",
                      est.memory[worst], got.seconds)
         write_pipeline(est, out)
+        if hint is not None:
+            out.write(bubble_line(hint))
         if verdict is not None:
             out.write("\n" + verdict["text"] + "\n")
     return 0 if verdict is None or verdict["ok"] else 1

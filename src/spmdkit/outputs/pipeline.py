@@ -7,6 +7,7 @@ from typing import TextIO
 
 from spmdkit.outputs.report import fmt_bytes, fmt_time, verdict_line, write_band
 from spmdkit.outputs.tables import print_table
+from spmdkit.planner.bubble import BubbleHint
 from spmdkit.planner.pipeline import PipelineEstimate
 from spmdkit.planner.pipeline_moe import MoeMemory
 from spmdkit.planner.schedules import weight_pending
@@ -83,3 +84,15 @@ def write_moe_memory(mm: MoeMemory, out: TextIO) -> None:
 
 
 __all__ = ["write_moe_memory", "write_pipeline"]
+
+
+def bubble_line(hint: BubbleHint, global_batch: int | None = None) -> str:
+    """The one line of the bubble hint (:func:`spmdkit.planner.bubble.bubble_hint`); with the
+    global batch in sequences, the one that brings the bubble under the threshold."""
+    more = round(global_batch * hint.times) if global_batch else None
+    return (f"hint: the pipeline's bubble ({fmt_time(hint.bubble_s)} idle on the busiest rank) is "
+            f"{100 * hint.share:.1f}% of the {fmt_time(hint.step_s)} step at {hint.microbatches} microbatches, over "
+            f"{100 * hint.threshold:.0f}%; a global batch {hint.times:g}x as large"
+            + (f" (--global-batch {more})" if more else "")
+            + f", {hint.more} microbatches of the same size, brings it to {100 * hint.more_share:.1f}% "
+            f"(a step of {fmt_time(hint.more_step_s)} for {hint.times:g}x the tokens)\n")

@@ -8,6 +8,11 @@ pipeline ``global / (microbatches x dp)``, without one ``global / (grad_accum x 
 FSDP (torchtitan's ``data_parallel_shard_degree``; Megatron-LM has no ZeRO-3: its arguments are
 refused for it), 1 and 2 Megatron's distributed optimizer (torchtitan: FSDP2 shards whatever
 the level, so a ZeRO-1 / 2 recipe is exported as FSDP there, which holds less, never more).
+Recomputation ``full:K`` (the first K layers of each pipeline stage, the search's least K that
+fits: :mod:`spmdkit.planner.search_blocks`) is Megatron-LM's ``--recompute-granularity full
+--recompute-method block --recompute-num-layers K``; torchtitan's ``[activation_checkpoint]``
+has no count of layers per stage, so it is written as ``mode = "full"`` (every layer: it holds
+less and runs slower than predicted) with a warning (:func:`recipe_warning`).
 Standard library only.
 """
 
@@ -17,6 +22,7 @@ import json
 from typing import Any
 
 from spmdkit.core.errors import ProgramError
+from spmdkit.cost.memory import recompute_layers
 from spmdkit.io.atomic import output_problem, write_atomic
 from spmdkit.planner.search import Candidate
 
@@ -36,7 +42,8 @@ def recipe(c: Candidate, model: str, global_batch: int, seq: int, layers: int) -
     parts = cf.strategy.split(",")
     return {"model": model, "devices": cf.devices, "dp": cf.dp, "tp": cf.tp, "pp": cf.pp, "cp": cf.cp, "ep": cf.ep,
             "sequence_parallel": "sp" in parts, "zero": _zero(cf.strategy), "strategy": cf.strategy,
-            "recompute": cf.recompute, "global_batch": global_batch, "micro_batch": micro, "seq": seq,
+            "recompute": cf.recompute, "recompute_num_layers": recompute_layers(cf.recompute),
+            "global_batch": global_batch, "micro_batch": micro, "seq": seq,
             "layers": layers, "microbatches": cf.microbatches if cf.pp > 1 else None,
             "grad_accum": cf.grad_accum if cf.pp == 1 else None,
             "schedule": ("Interleaved1F1B" if cf.virtual > 1 else "1F1B") if cf.pp > 1 else None,
@@ -68,7 +75,9 @@ def torchtitan_toml(r: dict[str, Any]) -> str:
                         "data_parallel_shard_degree": r["dp"] if fsdp else 1,
                         "tensor_parallel_degree": r["tp"], "context_parallel_degree": r["cp"],
                         "pipeline_parallel_degree": r["pp"], "expert_parallel_degree": r["ep"]},
-        "activation_checkpoint": {"mode": r["recompute"], **({"selective_ac_option": "op"}
+        # full:K has no torchtitan form (no count of layers per stage): every layer (recipe_warning)
+        "activation_checkpoint": {"mode": "full" if r.get("recompute_num_layers") else r["recompute"],
+                                  **({"selective_ac_option": "op"}
                                                             if r["recompute"] == "selective" else {})},
     }
     if r["pp"] > 1:
@@ -103,7 +112,21 @@ def megatron_args(r: dict[str, Any]) -> str:
         args.append("--recompute-granularity selective")
     elif r["recompute"] == "full":
         args += ["--recompute-granularity full", "--recompute-method uniform", "--recompute-num-layers 1"]
+    elif r.get("recompute_num_layers"):  # full:K: the first K layers of each stage (of each model chunk)
+        args += ["--recompute-granularity full", "--recompute-method block",
+                 f"--recompute-num-layers {r['recompute_num_layers']}"]
     return " \\\n".join(args) + "\n"
+
+
+def recipe_warning(kind: str, r: dict[str, Any]) -> str | None:
+    """The one line saying what ``kind`` writes for what it cannot express (None: all of it)."""
+    k = r.get("recompute_num_layers")
+    if kind == "torchtitan" and k:
+        return (f"--export-recipe torchtitan: recompute {r['recompute']} (full recomputation of the first {k} layers "
+                f"of each pipeline stage) has no [activation_checkpoint] option (its mode has no count of layers); "
+                f"written as mode = \"full\" (every layer: less memory, a slower step than the "
+                f"{r['predicted']['step_s']:.4g} s predicted)")
+    return None
 
 
 def write_recipe(kind: str, path: str, r: dict[str, Any]) -> None:
@@ -126,4 +149,5 @@ def check_recipe_target(kind: str, path: str) -> None:
         raise ProgramError(f"--export-recipe {path[:200]!r}: {why}")
 
 
-__all__ = ["KINDS", "check_recipe_target", "megatron_args", "recipe", "torchtitan_toml", "write_recipe"]
+__all__ = ["KINDS", "check_recipe_target", "megatron_args", "recipe", "recipe_warning", "torchtitan_toml",
+           "write_recipe"]

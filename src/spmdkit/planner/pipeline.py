@@ -404,10 +404,11 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | 
     zb = spec.schedule == "zb-h1"  # the backward's B and W apart (the W's are deferred)
     bwd = [c.backward_s - (c.weight_s if zb else 0.0) + c.recompute_s * recomputed[j % p]
            + (c.forward_s if recompute_forward else 0.0) for j, c in enumerate(costs)]
-    run = run_schedule(spec.schedule, p, v, m, [c.forward_s for c in costs], bwd,
-                       send_f, send_b, None if plan.runtime.p2p_overlap else True,
-                       weight=[c.weight_s for c in costs] if zb else None)
+    args = ([c.forward_s for c in costs], bwd, send_f, send_b, None if plan.runtime.p2p_overlap else True,
+            [c.weight_s for c in costs] if zb else None)
+    run = run_schedule(spec.schedule, p, v, m, *args[:5], weight=args[5])
     est.run = run
+    est.extra["schedule_args"] = args  # planner.bubble runs it again at more microbatches
     est.step_serial_s, est.step_overlap_s = _step_times(plan, spec, costs, run, tied_s)
     mb_tokens = tokens // m if tokens else 0
     mf = model_flops(plan, mb_tokens)[0] if flops is None else flops

@@ -10,7 +10,8 @@ the innermost dims share a node's NVLink); for each it plans the hand strategies
 search :func:`spmdkit.planner.auto.auto_plan` on the mesh (its own shardings of everything,
 optimizer states included, so no ZeRO variants); every plan is then costed under each
 activation recomputation mode (none, selective, full; recomputation changes the step and the
-memory, not the shardings; a mode that changes neither is not listed). Each configuration is priced with the same models as a single
+memory, not the shardings; a mode that changes neither is not listed; a pipeline that fits with
+full recomputation and not without also with its least ``full:K``, :mod:`spmdkit.planner.search_blocks`). Each configuration is priced with the same models as a single
 plan: :func:`spmdkit.cost.step.estimate_step` (the step with the gradient reductions
 overlapping the backward) or, with pp > 1, :func:`spmdkit.planner.pipeline.estimate_pipeline`
 (1F1B, ``batch / dp`` microbatches of one sequence per dp rank: the smallest bubble the batch
@@ -66,13 +67,13 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel
 from spmdkit.cost.compute import guess_tokens, kernel_collectives, model_flops
 from spmdkit.cost.devices import Device, cost_model, load_device, recost
-from spmdkit.cost.memory import Memory, memory_per_device, recompute_regions, with_overheads
-from spmdkit.cost.step import StepEstimate, estimate_step
+from spmdkit.cost.memory import Memory, memory_per_device, per_microbatch_mode, with_overheads
+from spmdkit.cost.step import OpComm, StepEstimate, estimate_step, op_communication
 from spmdkit.models.hf import dtype_name
 from spmdkit.models.source import import_hf_checked
 from spmdkit.models.zoo import ModelConfig, build_model, preset
 from spmdkit.planner.auto import AutoInfo, auto_plan
-from spmdkit.planner.fold import Fold, bucket_figures, bucket_sync, fold_of, pipeline_memory, pipeline_step
+from spmdkit.planner.fold import Fold, bucket_figures, bucket_sync, fold_counts, fold_of, pipeline_memory, pipeline_step
 from spmdkit.planner.fold_stages import copy_layers, deep_pipeline, stage_copy, stretch_units
 from spmdkit.planner.partition import even_split, partition
 from spmdkit.planner.pipeline import (
@@ -85,6 +86,7 @@ from spmdkit.planner.pipeline import (
     split_layers,
 )
 from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, parse_size, plan_model, plan_program
+from spmdkit.planner.search_blocks import blocks_floor, blocks_k, blocks_mode, least_blocks, wants_blocks
 from spmdkit.planner.search_bounds import Bounds, experts_of, model_bounds
 from spmdkit.planner.search_floor import NO_FLOOR, StepFloor
 from spmdkit.planner.search_floor_layers import LayerStepFloor
@@ -92,6 +94,8 @@ from spmdkit.planner.search_space import (
     LONG_SEQ,
     MICRO_BATCHES,
     Config,
+    _applicable_modes,
+    _cached,
     _Sizes,
     _sub_mesh,
     _work,
@@ -99,6 +103,7 @@ from spmdkit.planner.search_space import (
     expert_degrees,
     factorizations,
     hand_strategies,
+    parse_memory,
 )
 from spmdkit.program.ir import Program
 from spmdkit.program.layers import layer_tags
@@ -176,32 +181,6 @@ class SearchResult:
         return f[0] if f else None
 
 
-def parse_memory(text: Any) -> int:
-    """``80GB`` / ``80GiB`` / ``512MB`` / ``8e10`` (bytes) / an int -> bytes. GB is 10**9,
-    GiB 2**30."""
-    if isinstance(text, bool):
-        raise ProgramError("--memory: expected a size such as 80GB or 80GiB")
-    if isinstance(text, (int, float)):
-        v = float(text)
-    else:
-        t = str(text).strip().replace(" ", "")
-        units = {"tib": 1 << 40, "gib": 1 << 30, "mib": 1 << 20, "kib": 1 << 10, "tb": 10**12, "gb": 10**9,
-                 "mb": 10**6, "kb": 10**3, "b": 1}
-        k = 1
-        low = t.lower()
-        for u, mult in units.items():
-            if low.endswith(u):
-                k, t = mult, t[:-len(u)]
-                break
-        try:
-            v = float(t) * k
-        except ValueError:
-            raise ProgramError(f"--memory {str(text)[:40]!r}: expected a size such as 80GB or 80GiB") from None
-    if not (v == v) or not 1 <= v <= 1 << 60:
-        raise ProgramError(f"--memory {str(text)[:40]!r}: expected a size from 1 byte to 1 EiB")
-    return int(v)
-
-
 # -- one configuration ------------------------------------------------------------------------------
 
 
@@ -235,6 +214,8 @@ class _Job:
     lean: bool = False
     #: a preset's configurations planned on two shallow copies and extrapolated (planner.fold)
     fold: bool = True
+    #: a pruned search: the best step found so far (a full:K that cannot beat it is not priced)
+    best: float = math.inf
 
     def mode_order(self) -> Sequence[str]:
         return sorted(self.modes, key=lambda r: -RECOMPUTE_MODES.index(r)) if self.lean else self.modes
@@ -291,13 +272,16 @@ def _pipeline_candidates(cfg: Config, plan: Plan, counts: tuple[int, ...] | None
     spec = _spec(cfg)
     m = cfg.microbatches
     out: list[Candidate] = []
-    plan = replace(plan, runtime=job.runtime)
+    plan, oc, ones = _pricing(plan, job)
     n = collectives_of(plan)
     for rc in job.mode_order():
         est = estimate_pipeline(plan, spec, counts, job.device, (link.alpha_s, link.beta_s_per_byte), tokens,
-                                full.size, recompute=rc)
+                                full.size, recompute=rc, oc=oc)
         mem = max(est.memory, key=lambda x: x.device_total)
-        one = estimate_step(plan, job.device, tokens // m, rc)  # one microbatch on the sub-mesh, every stage
+        mode = per_microbatch_mode(rc)  # full:K: the microbatch's step (communication) under full
+        if mode not in ones:  # one microbatch on the sub-mesh, every stage
+            ones[mode] = estimate_step(plan, job.device, tokens // m, mode)
+        one = ones[mode]
         # per device: its stages' share of the collectives of m microbatches, the gradient
         # reductions once, and the sends of its busiest stage
         sends = max((f + b for f, b in zip(est.send_f_s, est.send_b_s)), default=0.0)
@@ -307,6 +291,23 @@ def _pipeline_candidates(cfg: Config, plan: Plan, counts: tuple[int, ...] | None
         if not raw and job.lean and not out[-1].fits:
             break
     return out if raw else _kept(out, job)
+
+
+#: a plan's pricing inputs by the plan priced (its modes and its full:K share them): (the plan,
+#: the runtime, the device, the plan under the runtime, its ops' times, one microbatch's step by mode)
+_PRICED: dict[int, tuple[Plan, Runtime, Device, Plan, OpComm, dict[str, StepEstimate]]] = {}
+
+
+def _pricing(plan_in: Plan, job: _Job) -> tuple[Plan, OpComm, dict[str, StepEstimate]]:
+    """``plan_in`` under the search's runtime, its ops' times on the device, and the steps of one
+    microbatch already priced, once per plan (the last few kept)."""
+    got = _PRICED.get(id(plan_in))
+    if got is None or got[0] is not plan_in or got[1] != job.runtime or got[2] is not job.device:
+        if len(_PRICED) >= 4:
+            _PRICED.clear()
+        plan = replace(plan_in, runtime=job.runtime)
+        got = _PRICED[id(plan_in)] = (plan_in, job.runtime, job.device, plan, op_communication(plan, job.device), {})
+    return got[3], got[4], got[5]
 
 
 def _batch_of(prog: Program) -> int | None:
@@ -457,7 +458,7 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
                 cands += _plan_program_config(cfg, model, job, sizes, reload)
             else:
                 assert cfg_model is not None
-                cands += _plan_preset_config(cfg, str(model), cfg_model, job)
+                cands += _plan_preset_config(cfg, str(model), cfg_model, replace(job, best=best))
         except SpmdError as exc:
             refused.append((cfg, " ".join(str(exc).split())[:300]))
         for c in cands[k:]:
@@ -564,8 +565,20 @@ def _step_bound(cfg: Config, bounds: Bounds, floor: StepFloor | None, job: _Job,
     if floor is not None and f is not NO_FLOOR:
         z = floor.gathered(cfg) if gathers else NO_FLOOR
         kept = {rc: max(f.kept.get(rc, 0), z.kept.get(rc, 0)) for rc in job.modes}
-        low = max(low, min((floor.step(cfg, rc, gathers) for rc in job.modes
-                            if _memory_bound(cfg, bounds, kept[rc]) <= job.cap), default=math.inf))
+
+        def fits(b: float) -> bool:
+            return _memory_bound(cfg, bounds, b) <= job.cap
+
+        least = min((floor.step(cfg, rc, gathers) for rc in job.modes if fits(kept[rc])), default=math.inf)
+        if cfg.pp > 1 and "full" in job.modes and "none" in job.modes and not fits(kept["none"]):
+            # full:K (planner.search_blocks): on the layers' floor without the gathers (affine in the
+            # rerun), and at least no recomputation's with them
+            # (StepFloor.step: without a MoE pipeline's split floor, which holds no recomputation's bytes)
+            plain = StepFloor.step
+            blocks = blocks_floor(bounds, cfg, job.cap, kept["none"], kept["full"], plain(floor, cfg, "none"),
+                                  plain(floor, cfg, "full"))
+            least = min(least, max(blocks, plain(floor, cfg, "none", gathers)))
+        low = max(low, least)
     return low
 
 
@@ -686,7 +699,35 @@ def _plan_preset_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> l
             if got is not None:
                 return got
     p = _preset_plan(cfg, name, mc, job)
-    return _price(cfg, p, _split(cfg, p, job, mc.layers), job)
+    counts = _split(cfg, p, job, mc.layers)
+    got = _price(cfg, p, counts, job)
+    return got + _blocks(cfg, got, counts, job, lambda m: _price(cfg, p, counts, _only(job, m), raw=True)[0])
+
+
+def _only(job: _Job, mode: str) -> _Job:
+    """``job`` pricing the one recomputation ``mode``."""
+    return replace(job, modes=(mode,), lean=False)
+
+
+def _blocks(cfg: Config, got: list[Candidate], counts: tuple[int, ...] | None, job: _Job,
+            price: Callable[[str], Candidate | None]) -> list[Candidate]:
+    """``cfg``'s least ``full:K`` that fits (:mod:`spmdkit.planner.search_blocks`), where its
+    priced modes ``got`` have full fitting and no recomputation not; ``price(mode)`` prices one
+    mode (a pruned search prices no recomputation first where it stopped before it: full:K only
+    adds recomputation to its step, so none at least the best found rules every K out)."""
+    want = wants_blocks(cfg.pp, job.modes, [(c.config.recompute, c.fits, c.memory) for c in got])
+    if want is None or not counts:
+        return []
+    none = next((c for c in got if c.config.recompute == "none"), None)
+    if job.lean and none is None:
+        none = price("none")
+        want = (none.memory, want[1]) if none is not None else want
+    if job.lean and none is not None and none.step_s >= job.best:
+        return []
+    c = least_blocks(lambda k: price(blocks_mode(k)), lambda x: x.fits, lambda x: x.memory, max(counts), want[0],
+                     want[1], job.cap,
+                     (lambda x: x.step_s >= job.best) if job.lean else None)
+    return [] if c is None else [c]
 
 
 def _split(cfg: Config, p: _Planned, job: _Job, layers: int, dense: int | None = None) -> tuple[int, ...] | None:
@@ -714,8 +755,8 @@ def _in_full(c: Candidate, name: str, mc: ModelConfig, job: _Job) -> Candidate:
     and files are the whole model's); its figures equal the folded ones to rounding."""
     cfg = replace(c.config, recompute="none")
     p = _preset_plan(cfg, name, mc, job)
-    got = _price(cfg, p, _split(cfg, p, job, mc.layers), replace(job, lean=False), raw=True)
-    return next(x for x in got if x.config.recompute == c.config.recompute)
+    got = _price(cfg, p, _split(cfg, p, job, mc.layers), _only(job, c.config.recompute), raw=True)
+    return got[0]
 
 
 def _folded_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> list[Candidate] | None:
@@ -741,7 +782,35 @@ def _folded_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> list[C
     ca = _price(cfg, a, fold.a if n > 1 else None, job, raw=True)
     cb = _price(cfg, b, fold.b if n > 1 else None, job, raw=True)
     out = [_extrapolated(x, y, fold, job, big, dense) for x, y in zip(ca, cb)]
-    return None if any(c is None for c in out) else _kept([c for c in out if c is not None], job)
+    if any(c is None for c in out):
+        return None
+    got = _kept([c for c in out if c is not None], job)
+    counts = fold_counts(fold)
+    pairs = [(fold, a, b)]
+    whole: list[_Planned] = []
+
+    def price(mode: str) -> Candidate | None:
+        """full:k on two copies whose stages hold k + 1 layers at least (the repeated layer not
+        recomputed), planned k + 2 a stage where those planned hold fewer; else on the model."""
+        jk = _only(job, mode)
+        k = blocks_k(mode)  # (no recomputation: any pair)
+        pair = next((x for x in pairs if min(x[0].a) >= k + 1), None)
+        deeper = fold_of(counts, dense, k + 2) if pair is None else None
+        if deeper is not None and deeper.layers_a + deeper.layers_b < big:
+            pair = (deeper, _preset_plan(cfg, name, mc, job, deeper.layers_a),
+                    _preset_plan(cfg, name, mc, job, deeper.layers_b))
+            pairs.append(pair)
+        if pair is not None:
+            f, pa, pb = pair
+            ext = _extrapolated(_price(cfg, pa, f.a, jk, raw=True)[0], _price(cfg, pb, f.b, jk, raw=True)[0],
+                                f, jk, big, dense)
+            if ext is not None:
+                return ext
+        whole[:] = whole or [_preset_plan(cfg, name, mc, job)]
+        return _price(cfg, whole[0], counts, jk, raw=True)[0]
+
+    priced = [c for c in out if c is not None]  # every mode (a pruned search lists those to the first over the cap)
+    return got + _blocks(cfg, priced, counts if n > 1 else None, job, price)
 
 
 def _deep_first(cfg: Config, mc: ModelConfig) -> bool:
@@ -796,14 +865,16 @@ def _deep_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> list[Can
     mb = job.tokens // m
     flops = flat.at(model_flops(pa, mb)[0], model_flops(pb, mb)[0])
     coll = round(flat.at(collectives_of(pa), collectives_of(pb)))
-    out: list[Candidate] = []
-    for rc in job.mode_order():
-        oa, ob = estimate_step(pa, job.device, mb, rc), estimate_step(pb, job.device, mb, rc)
+    tokens = job.tokens
+
+    def one(rc: str) -> Candidate | None:
+        one_mode = per_microbatch_mode(rc)  # full:K: the flat copies' step (communication) under full
+        oa, ob = estimate_step(pa, job.device, mb, one_mode), estimate_step(pb, job.device, mb, one_mode)
         # only the buckets' total time is wanted here (the communication column): a ZeRO-3
         # prefetch that moves their starts (bucket_figures refuses it) does not change it
         figs = bucket_figures(flat, pa, oa, pb, ob, big, dense)
         sync = figs[0] if figs is not None else bucket_sync(pa, oa, pb, ob, big, dense)
-        est = deep_pipeline(ps, _spec(cfg), counts, job.device, (link.alpha_s, link.beta_s_per_byte), job.tokens,
+        est = deep_pipeline(ps, _spec(cfg), counts, job.device, (link.alpha_s, link.beta_s_per_byte), tokens,
                             full.size, rc, flops, dense)
         if sync is None or est is None:
             return None
@@ -811,12 +882,20 @@ def _deep_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> list[Can
         sends = max((f + b for f, b in zip(est.send_f_s, est.send_b_s)), default=0.0)
         comm = (flat.at(oa.comm_total_s - oa.grad_sync_s, ob.comm_total_s - ob.grad_sync_s) * m + sync) / cfg.pp \
             + m * sends
-        out.append(Candidate(replace(cfg, recompute=rc), est.step_overlap_s, est.mfu, mem.device_total, comm,
-                             mem.device_total <= job.cap, ps, est, mem, s.title, None, collectives=coll,
-                             folded=sum(got[0])))
-        if job.lean and not out[-1].fits:
+        return Candidate(replace(cfg, recompute=rc), est.step_overlap_s, est.mfu, mem.device_total, comm,
+                         mem.device_total <= job.cap, ps, est, mem, s.title, None, collectives=coll,
+                         folded=sum(got[0]))
+
+    out: list[Candidate] = []
+    for rc in job.mode_order():
+        c = one(rc)
+        if c is None:
+            return None
+        out.append(c)
+        if job.lean and not c.fits:
             break
-    return _kept(out, job)
+    kept = _kept(out, job)
+    return kept + _blocks(cfg, kept, counts, job, one)
 
 
 def _extrapolated(x: Candidate, y: Candidate, fold: Fold, job: _Job, layers: int, dense: int) -> Candidate | None:
@@ -863,34 +942,6 @@ def _spec(cfg: Config) -> PipelineSpec:
 def _counts(layers: int, cfg: Config) -> tuple[int, ...] | None:
     """Layers per virtual stage, None where they do not divide (balanced by the estimate)."""
     return None if layers % (cfg.pp * cfg.virtual) else split_layers(layers, _spec(cfg))
-
-
-def _cached(reload: Callable[[int], Program]) -> Callable[[int], Program]:
-    """``reload`` tracing the program once per batch."""
-    done: dict[int, Program] = {}
-
-    def get(batch: int) -> Program:
-        if batch not in done:
-            done[batch] = reload(batch)
-        return done[batch]
-
-    return get
-
-
-def _applicable_modes(prog: Program, modes: list[str], given: bool) -> list[str]:
-    """The recomputation modes that apply to ``prog`` (full and selective need numbered layers or
-    an attention core): those given are checked (a ProgramError naming ``--recompute``), the
-    default ones that do not apply are left out."""
-    out = []
-    for rc in modes:
-        try:
-            recompute_regions(prog, rc)
-        except ProgramError:
-            if given:
-                raise
-            continue
-        out.append(rc)
-    return out or ["none"]
 
 
 def _plan_program_config(cfg: Config, prog: Program, job: _Job, sizes: _Sizes,

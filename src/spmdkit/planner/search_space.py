@@ -11,12 +11,15 @@ refused before planning.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
+from spmdkit.cost.memory import recompute_regions
 from spmdkit.models.zoo import ModelConfig
+from spmdkit.program.ir import Program
 from spmdkit.strategies.strategy import parse_mesh, parse_strategy, tp_problem
 
 #: the sequence length from which a preset's search also splits the sequence over a ``cp`` dim
@@ -72,6 +75,60 @@ class Config:
                 **({"virtual_stages": self.virtual} if self.virtual > 1 else {}),
                 "strategy": self.strategy, "recompute": self.recompute, "microbatches": self.microbatches,
                 "mesh": self.mesh_text}
+
+
+def parse_memory(text: Any) -> int:
+    """``80GB`` / ``80GiB`` / ``512MB`` / ``8e10`` (bytes) / an int -> bytes. GB is 10**9,
+    GiB 2**30."""
+    if isinstance(text, bool):
+        raise ProgramError("--memory: expected a size such as 80GB or 80GiB")
+    if isinstance(text, (int, float)):
+        v = float(text)
+    else:
+        t = str(text).strip().replace(" ", "")
+        units = {"tib": 1 << 40, "gib": 1 << 30, "mib": 1 << 20, "kib": 1 << 10, "tb": 10**12, "gb": 10**9,
+                 "mb": 10**6, "kb": 10**3, "b": 1}
+        k = 1
+        low = t.lower()
+        for u, mult in units.items():
+            if low.endswith(u):
+                k, t = mult, t[:-len(u)]
+                break
+        try:
+            v = float(t) * k
+        except ValueError:
+            raise ProgramError(f"--memory {str(text)[:40]!r}: expected a size such as 80GB or 80GiB") from None
+    if not (v == v) or not 1 <= v <= 1 << 60:
+        raise ProgramError(f"--memory {str(text)[:40]!r}: expected a size from 1 byte to 1 EiB")
+    return int(v)
+
+
+def _cached(reload: Callable[[int], Program]) -> Callable[[int], Program]:
+    """``reload`` tracing the program once per batch."""
+    done: dict[int, Program] = {}
+
+    def get(batch: int) -> Program:
+        if batch not in done:
+            done[batch] = reload(batch)
+        return done[batch]
+
+    return get
+
+
+def _applicable_modes(prog: Program, modes: list[str], given: bool) -> list[str]:
+    """The recomputation modes that apply to ``prog`` (full and selective need numbered layers or
+    an attention core): those given are checked (a ProgramError naming ``--recompute``), the
+    default ones that do not apply are left out."""
+    out = []
+    for rc in modes:
+        try:
+            recompute_regions(prog, rc)
+        except ProgramError:
+            if given:
+                raise
+            continue
+        out.append(rc)
+    return out or ["none"]
 
 
 def factorizations(n: int, pipeline: bool = True) -> list[tuple[int, int, int]]:
@@ -237,4 +294,5 @@ def _sub_mesh(cfg: Config) -> ProcessMesh:
 
 
 __all__ = ["LONG_SEQ", "MICRO_BATCHES", "VIRTUAL", "Config", "context_degrees", "expert_degrees", "factorizations",
+           "parse_memory",
            "hand_strategies"]

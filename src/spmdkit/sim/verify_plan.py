@@ -155,20 +155,24 @@ def verify_config(best: Candidate, model_name: str, cost_text: str | None = None
     cfg = best.config
     if cfg.strategy == "auto":
         return verify_auto(best.plan, model_name, cost_text)
-    if cfg.pp > 1:
-        return verify_pipeline(model_name, cfg.mesh_text, parse_spec(cfg.pp, microbatches=1), cfg.strategy)
+    if cfg.pp > 1:  # the split planned (an uneven one where the layers do not divide)
+        counts = getattr(best.estimate, "counts", None)
+        spec = parse_spec(cfg.pp, microbatches=cfg.pp if cfg.virtual > 1 else 1,
+                          virtual=cfg.virtual if cfg.virtual > 1 else None)
+        return verify_pipeline(model_name, cfg.mesh_text, spec, cfg.strategy, counts)
     return verify_strategy(model_name, cfg.mesh_text, cfg.strategy, cost_text)
 
 
 
 def _pipeline_text(label: str, shape: tuple[Any, ...], failures: list[tuple[str, str]],
-                   losses: tuple[str, bool, float, float | None]) -> str:
+                   losses: tuple[str, bool, float, float | None], counts: tuple[int, ...] | None = None) -> str:
     """The pipeline --verify verdict: ``shape`` (layers, stages, stages in order, sub-mesh,
     microbatches, microbatch size, ranks, tensors checked), ``losses`` (how the microbatch losses
     make the batch's: "sum" / "average", whether they do, their total, the batch's loss)."""
     layers, n, ordered, sub, n_mb, b, ranks, checked = shape
     how, agree, total, ref_loss = losses
-    lines = [f"verify: {label} with {layers} layers in {n} pipeline stages (forward runs stages 0..{n - 1}, backward "
+    split = f" split {', '.join(map(str, counts))}" if counts is not None and len(set(counts)) > 1 else ""
+    lines = [f"verify: {label} with {layers} layers in {n} pipeline stages{split} (forward runs stages 0..{n - 1}, backward "
              f"{n - 1}..0, in order: {'yes' if ordered else 'NO'}), each stage on the sub-mesh {sub}, {n_mb} "
              f"microbatches of {b} simulated on {ranks} ranks: {checked} tensors compared with the "
              f"unsharded step (loss, every gradient, every update): "
@@ -179,19 +183,25 @@ def _pipeline_text(label: str, shape: tuple[Any, ...], failures: list[tuple[str,
     return "\n".join(lines)
 
 
-def verify_pipeline(model_name: str, mesh_text: str, spec: PipelineSpec, strategy: str) -> dict[str, Any]:
+def verify_pipeline(model_name: str, mesh_text: str, spec: PipelineSpec, strategy: str,
+                    counts: tuple[int, ...] | None = None) -> dict[str, Any]:
     """``--verify`` of a pipeline plan of the preset ``model_name`` on ``mesh_text`` (with its pp
     dim): the tiny model of the same arch with ``pp * v`` layers (at least 2), split one layer
-    per stage and planned on the sub-mesh: its ops are checked to run stage after stage
+    per stage, or with ``counts`` (the plan's layers per virtual stage) where they are uneven
+    (``--stages auto``, a balanced split: the tiny model has the plan's layers, split as the plan
+    splits them), and planned on the sub-mesh: its ops are checked to run stage after stage
     (forward 0..n-1, backward n-1..0); a step of 2 microbatches is simulated, each microbatch
     on its own half of the batch (every tensor against its unsharded step), and the sum of the
     microbatch losses is compared with the unsharded loss of the whole batch."""
     _pp, sub = sub_mesh_text(parse_mesh(mesh_text))
     tiny = tiny_for_mesh(tiny_like(preset(model_name).with_(dropout=0.0)), sub, strategy)
     n = spec.pp * spec.virtual
-    layers = max(2, n)
-    counts = split_layers(layers, PipelineSpec(spec.pp, 1, spec.schedule, spec.virtual,
-                                               tuple(even_split(layers, n)) if layers % n else None))
+    if counts is not None and len(counts) == n and len(set(counts)) > 1:
+        layers = sum(counts)  # the plan's uneven split
+    else:
+        layers = max(2, n)
+        counts = split_layers(layers, PipelineSpec(spec.pp, 1, spec.schedule, spec.virtual,
+                                                   tuple(even_split(layers, n)) if layers % n else None))
     with warnings.catch_warnings():  # the tiny model's notes are not the user's model's
         warnings.simplefilter("ignore", UserWarning)
         model, plan, _ = plan_model(tiny, sub, strategy, {"layers": layers})
@@ -218,8 +228,9 @@ def verify_pipeline(model_name: str, mesh_text: str, spec: PipelineSpec, strateg
     ok = not failures and ordered and summed
     checked = sum(r.checked for r in reps)
     text = _pipeline_text(model_label(tiny), (layers, n, ordered, sub, n_mb, b, plan.mesh.size, checked), failures,
-                          ("sum", summed, total, ref.loss))
-    return {"ok": ok, "model": model_label(tiny), "layers": layers, "stages_in_order": ordered, "microbatches": n_mb,
+                          ("sum", summed, total, ref.loss), counts)
+    return {"ok": ok, "model": model_label(tiny), "layers": layers, "layers_per_stage": list(counts),
+            "stages_in_order": ordered, "microbatches": n_mb,
             "losses_sum": summed, "checked": checked, "failures": [list(f) for f in failures], "loss": total,
             "text": text}
 
