@@ -139,15 +139,30 @@ def test_pruning_keeps_the_best_and_every_fitting_configuration(searches: tuple[
     assert all(cfg in over for cfg, why in pruned.pruned if why.startswith("over the memory cap"))
 
 
+#: the MoE above with a dense first layer and 4 layers: its layer keys on one copy and its
+#: pipelines' split floor (planner/search_floor_layers.py)
+MOE_DENSE = json.dumps({**json.loads(MOE), "name": "moe-dense", "layers": 4, "dense_layers": 1})
+
+
 def test_lazy_floors_plan_the_seeds_first_and_find_the_unpruned_best(monkeypatch: pytest.MonkeyPatch) -> None:
     """With the floors computed as each configuration's turn comes (more layer keys than
-    EAGER_FLOORS, forced here), the ``dp,ep,zero1`` pipelines are planned first (search._seeds:
-    an incumbent early) and the result is the unpruned search's: its best with the same figures,
-    every configuration the bounds pruned no faster than it."""
+    EAGER_FLOORS, forced here), the ``dp,ep,zero1`` / ``dp,ep,zero2`` pipelines are planned first
+    (search._seeds: an incumbent early) and the result is the unpruned search's: its best with
+    the same figures, every configuration the bounds pruned no faster than it. The MoE has a
+    dense first layer, so its floors come from one copy with the pipelines' split floor."""
     from spmdkit.planner import search as search_mod
+    from spmdkit.planner.search_floor_layers import LayerStepFloor
 
-    full = search_meshes(MOE, 4, "h100", prune=False)  # no cap: every configuration fits
+    full = search_meshes(MOE_DENSE, 4, "h100", prune=False)  # no cap: every configuration fits
     monkeypatch.setattr(search_mod, "EAGER_FLOORS", 0)
+    made: list[Any] = []
+    real = search_mod._floor
+
+    def kept(*a: Any) -> Any:
+        made.append(real(*a))
+        return made[-1]
+
+    monkeypatch.setattr(search_mod, "_floor", kept)
     order: list[str] = []
 
     class _Notes:
@@ -161,8 +176,10 @@ def test_lazy_floors_plan_the_seeds_first_and_find_the_unpruned_best(monkeypatch
         def phase(self, text: str) -> None:
             pass
 
-    lazy = search_meshes(MOE, 4, "h100", prune=True, progress=_Notes())
-    assert order[0].endswith("dp,ep,zero1") and " pp=" in order[0] and " tp=1 " in order[0]
+    lazy = search_meshes(MOE_DENSE, 4, "h100", prune=True, progress=_Notes())
+    assert made and isinstance(made[0], LayerStepFloor) and made[0].bounds is not None
+    # the seeds: ZeRO-1 or its twin ZeRO-2 (the same layers; of equal bounds the one holding less first)
+    assert order[0].endswith(("dp,ep,zero1", "dp,ep,zero2")) and " pp=" in order[0] and " tp=1 " in order[0]
     a, b = full.best, lazy.best
     assert a is not None and b is not None
     assert (b.config, b.step_s, b.memory, b.comm_s) == (a.config, a.step_s, a.memory, a.comm_s)
@@ -257,3 +274,4 @@ def test_a_program_is_searched_with_ep_found_from_its_moe_ops() -> None:
     res = search_meshes(prog, 2, "h100", pipeline=False, recompute=["none"])
     got = {(c.config.sub_mesh_text, c.config.strategy) for c in res.candidates}
     assert ("dp=1,ep=2,tp=1", "dp,ep") in got and ("dp=2,tp=1", "dp") in got
+

@@ -208,3 +208,73 @@ def test_the_pipeline_floor_holds_for_uneven_layer_counts_and_chunks(layers: int
         assert busiest_rank(u, layers, cfg.pp, cfg.virtual, cfg.microbatches) == pytest.approx(
             8 * (2 * u.layer + u.last) + u.first + u.layer)
         assert floor.step(cfg) > 1.2 * f.work / cfg.pp * (cfg.microbatches + (cfg.pp - 1) / cfg.virtual)
+
+
+#: a DeepSeek-style MoE (3 dense layers first, then MoE layers, one shared expert) at 12 layers
+MOE3 = ('{"base": "tiny-llama", "name": "moe3", "layers": 12, "hidden": 256, "heads": 4, "kv_heads": 4, "ffn": 512, '
+        '"vocab": 512, "seq": 64, "batch": 16, "dtype": "bfloat16", "experts": 4, "top_k": 2, "moe_ffn": 256, '
+        '"shared_experts": 1, "dense_layers": 3}')
+
+MOE_SAMPLE = [
+    Config(2, 1, 1, "dp,ep,zero1", ep=2), Config(1, 1, 1, "dp,ep", ep=4), Config(1, 2, 1, "megatron,sp,ep", ep=2),
+    Config(2, 2, 1, "megatron,ep,zero2", ep=2), Config(1, 1, 2, "dp,ep,zero1", microbatches=4, ep=2),
+    Config(1, 1, 4, "dp,ep", microbatches=8, ep=2), Config(1, 2, 2, "megatron,sp,ep,etp=1", microbatches=8, ep=2),
+]
+
+
+@pytest.mark.parametrize("cfg", MOE_SAMPLE, ids=lambda c: c.label())
+def test_a_moe_floor_from_one_copy_is_under_the_two_copy_floor_and_the_planned_step(cfg: Config) -> None:
+    """A MoE model's layer keys on one copy of dense + 2 layers, the work counted by layer
+    (planner/search_floor_layers.py): at most the two-copy extrapolation (within 1%), never above
+    a planned step under any recomputation mode."""
+    from dataclasses import replace
+
+    from spmdkit.planner.search_floor import StepFloor
+    from spmdkit.planner.search_floor_layers import LayerStepFloor
+
+    mc, job = _job(MOE3, {})
+    floor = _floor(MOE3, mc, job)
+    assert isinstance(floor, LayerStepFloor) and floor.dense == 3
+    two = StepFloor(floor.plan_copy, floor.device, floor.layers, floor.batch, floor.dense)
+    got = config_candidates(MOE3, cfg, "h100")
+    assert got
+    for c in got:
+        low, high = floor.step(cfg, c.config.recompute), two.step(cfg, c.config.recompute)
+        assert 0.99 * high <= low <= high * (1 + 1e-12) and low <= c.step_s, (c.config.recompute, low, high, c.step_s)
+    assert floor.plans == 1 and two.plans == 2  # one copy of 5 layers against copies of 4 and 5
+    assert replace(floor, cache={}).of(replace(cfg, strategy="auto")).work == 0  # no key: no floor
+
+
+def test_fill_level_fills_each_rank_to_its_cap() -> None:
+    from spmdkit.planner.search_floor_layers import fill_level
+
+    # 10 layers over caps 1, 2, 5, 5: the first two full (3), the other two 3.5 each
+    assert fill_level([1.0, 2.0, 5.0, 5.0], 10) == 3.5
+    assert fill_level([4.0, 4.0], 6) == 3.0  # no cap binds: the even share
+
+
+V3 = {"batch": 15360}
+
+
+@pytest.mark.parametrize("cfg", [Config(32, 1, 32, "dp,ep,zero2", microbatches=240, ep=2),
+                                 Config(16, 1, 16, "dp,ep,zero2", microbatches=120, ep=8)], ids=lambda c: c.label())
+def test_deepseek_v3s_split_floor_is_under_its_fitting_steps_and_bites(cfg: Config) -> None:
+    """DeepSeek-V3 on 2,048 H800: without recomputation a time-balanced split of its 58 MoE layers
+    holds 140-180 GiB on the first stages (their microbatches in flight), so the split floor
+    (search_floor_layers.split_floor: the ranks filled to what memory allows, the others
+    holding more) is well above the plain floor; never above a step that fits."""
+    from spmdkit.planner.search import _bounds
+    from spmdkit.planner.search_floor import StepFloor
+
+    mc, sizes = _model_sizes("deepseek-v3", V3)
+    dev = load_device("h800")
+    job = _Job(dev, sizes.tokens, ["none", "selective", "full"], dev.memory_bytes, None, None, None, 30.0)
+    floor = _floor("deepseek-v3", mc, job, _bounds("deepseek-v3", mc, job))
+    assert floor is not None
+    plain = StepFloor(floor.plan_copy, floor.device, floor.layers, floor.batch, floor.dense)
+    plain.cache = floor.cache  # the same layer figures, without the split
+    assert floor.step(cfg, "none") > 1.2 * plain.step(cfg, "none")
+    got = config_candidates("deepseek-v3", cfg, "h800", V3)
+    fitting = [c for c in got if c.fits]
+    assert fitting and not any(c.fits for c in got if c.config.recompute == "none")
+    assert all(floor.step(cfg, c.config.recompute) <= c.step_s for c in fitting)

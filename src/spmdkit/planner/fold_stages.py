@@ -36,16 +36,24 @@ from spmdkit.program.plan import Plan
 def stage_copy(counts: tuple[int, ...], dense: int = 0) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """(the shallow copy's layers per virtual stage: the first, one middle stage of each distinct
     count in order, the last; each full virtual stage's copy stage), or None where the copy
-    would not be shallower (fewer than 3 stages, no middle count repeated) or ``dense`` layers
-    of another kind (a MoE model's dense ones) reach past the first stage."""
+    would not be shallower (fewer than 3 stages, no middle count repeated) or reach the last
+    stage. Where ``dense`` layers of another kind come first (a MoE model's dense ones: 3 of
+    DeepSeek-V3's, which a pipeline of 1-2 layers a stage spreads over two), every stage up to
+    the one holding the first layer of the repeated kind is kept as it is (the first of them
+    reads a dense layer's output, the others a layer of its own kind's: ``fold.fold_of`` keeps
+    the same ``dense + 1`` layers); the middle stages after them hold the repeated kind only."""
     n = len(counts)
-    if n < 3 or dense > counts[0]:
+    head, start = 1, counts[0]  # the stages kept as they are; the first layer after them
+    while start < dense + (dense > 0) and head < n:
+        start += counts[head]
+        head += 1
+    if n < 3 or head >= n - 1:
         return None
-    mids = list(dict.fromkeys(counts[1:-1]))
-    copy = (counts[0], *mids, counts[-1])
+    mids = list(dict.fromkeys(counts[head:-1]))
+    copy = (*counts[:head], *mids, counts[-1])
     if len(copy) >= n:
         return None
-    where = (0, *(1 + mids.index(c) for c in counts[1:-1]), len(copy) - 1)
+    where = (*range(head), *(head + mids.index(c) for c in counts[head:-1]), len(copy) - 1)
     return copy, where
 
 
@@ -73,13 +81,13 @@ def stretch_units(u: UnitCosts, layers: int, dense: int = 0) -> UnitCosts:
 
 def deep_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...], device: Device,
                   pp_link: tuple[float, float], tokens: int | None, ranks: int, recompute: str,
-                  flops: float) -> PipelineEstimate | None:
+                  flops: float, dense: int = 0) -> PipelineEstimate | None:
     """The full pipeline (``spec``, ``counts`` layers per virtual stage) priced from ``plan``, a
     shallow copy of the model split as :func:`stage_copy` makes it (the copy's stages' costs
     repeated for every full stage of the same place and count); ``flops``: one microbatch's
-    model FLOPs of the full model. None where not folded so (microbatch-level recomputation
-    needs the whole pipeline's stages)."""
-    got = stage_copy(counts)
+    model FLOPs of the full model; ``dense``: its first layers of another kind. None where not
+    folded so (microbatch-level recomputation needs the whole pipeline's stages)."""
+    got = stage_copy(counts, dense)
     if got is None or recompute == MICROBATCH:
         return None
     copy, where = got

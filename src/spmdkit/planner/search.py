@@ -89,6 +89,7 @@ from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, parse_size, plan_mode
 from spmdkit.planner.search_blocks import blocks_floor, blocks_k, blocks_mode, least_blocks, wants_blocks
 from spmdkit.planner.search_bounds import Bounds, experts_of, model_bounds
 from spmdkit.planner.search_floor import NO_FLOOR, StepFloor
+from spmdkit.planner.search_floor_layers import LayerStepFloor
 from spmdkit.planner.search_space import (
     LONG_SEQ,
     MICRO_BATCHES,
@@ -403,7 +404,7 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
     floor, lazy = None, False
     seeds: set[Config] = set()
     if bounds is not None:  # the most promising first, so the best step found early prunes the most
-        floor = _floor(model, cfg_model, job)
+        floor = _floor(model, cfg_model, job, bounds)
         lows, lazy = _step_bounds(work, bounds, floor, job, progress)
         work.sort(key=lambda c: lows.get(c, math.inf))
         if lazy:
@@ -429,7 +430,12 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
         tier, key, n, cfg, refined = heapq.heappop(queue)
         low = lows.get(cfg)
         if not refined and bounds is not None and low is not None and low < best and _refines(cfg, floor, lazy):
-            low = lows[cfg] = _step_bound(cfg, bounds, floor, job, gathers=True)  # now it is its turn
+            if lazy and floor is not None and floor.gathered_key(cfg) is not None:
+                # its layers' floor first (cached by key): the gathers' own copies, which only raise
+                # the bound, are planned only where that does not reach the best step found
+                low = lows[cfg] = _step_bound(cfg, bounds, floor, job)
+            if low < best:
+                low = lows[cfg] = _step_bound(cfg, bounds, floor, job, gathers=True)  # now it is its turn
             if low > key and tier:
                 heapq.heappush(queue, (tier, low, n, cfg, True))
                 continue
@@ -531,15 +537,21 @@ def _pruned_why(cfg: Config, bounds: Bounds, cap: int, best: float, low: float |
     return None
 
 
-def _floor(model: str | Program, mc: ModelConfig | None, job: _Job) -> StepFloor | None:
-    """The :class:`spmdkit.planner.search_floor.StepFloor` of a preset's search (None for a program)."""
+def _floor(model: str | Program, mc: ModelConfig | None, job: _Job, bounds: Bounds | None = None) -> StepFloor | None:
+    """The :class:`spmdkit.planner.search_floor.StepFloor` of a preset's search (None for a
+    program); a MoE model's with dense first layers (``bounds``: with its pipelines' split
+    floor, :func:`spmdkit.planner.search_floor_layers.split_floor`)."""
     if isinstance(model, Program) or mc is None:
         return None
 
     def plan_copy(cfg: Config, layers: int, batch: int) -> Plan:
         return replace(_preset_plan(cfg, str(model), mc.with_(batch=batch), job, layers).plan, runtime=job.runtime)
 
-    return StepFloor(plan_copy, job.device, mc.layers, mc.batch, mc.dense_layers if mc.experts else 0)
+    dense = mc.dense_layers if mc.experts else 0
+    # a MoE model with dense first layers: each layer key on one copy, its work by layer
+    if dense:
+        return LayerStepFloor(plan_copy, job.device, mc.layers, mc.batch, dense, bounds=bounds, cap=job.cap)
+    return StepFloor(plan_copy, job.device, mc.layers, mc.batch, dense)
 
 
 def _step_bound(cfg: Config, bounds: Bounds, floor: StepFloor | None, job: _Job, gathers: bool = False) -> float:
@@ -561,9 +573,11 @@ def _step_bound(cfg: Config, bounds: Bounds, floor: StepFloor | None, job: _Job,
         if cfg.pp > 1 and "full" in job.modes and "none" in job.modes and not fits(kept["none"]):
             # full:K (planner.search_blocks): on the layers' floor without the gathers (its even
             # pipeline term: affine in the rerun), and at least no recomputation's with them
-            blocks = blocks_floor(bounds, cfg, job.cap, kept["none"], kept["full"], floor.step(cfg, "none", busiest=False),
-                                  floor.step(cfg, "full", busiest=False))
-            least = min(least, max(blocks, floor.step(cfg, "none", gathers)))
+            # (StepFloor.step: without a MoE pipeline's split floor, which holds no recomputation's bytes)
+            plain = StepFloor.step
+            blocks = blocks_floor(bounds, cfg, job.cap, kept["none"], kept["full"],
+                                  plain(floor, cfg, "none", busiest=False), plain(floor, cfg, "full", busiest=False))
+            least = min(least, max(blocks, plain(floor, cfg, "none", gathers)))
         low = max(low, least)
     return low
 
@@ -595,15 +609,17 @@ def _seeds(work: list[Config], lows: dict[Config, float], bounds: Bounds, floor:
            job: _Job) -> list[Config]:
     """The configurations a search with lazy floors plans first, so that a step is found early and
     the floors prune the rest: of a MoE model's expert-parallel pipelines without tensor or context
-    parallelism and with ZeRO-1 (``dp,ep,zero1``: the DeepSeek-V3 report's family, few layer keys,
-    their optimizer states over dp and their memory low), the :data:`SEEDS` of lowest bound, their
-    floors computed now (``lows`` updated). The order changes no result: a configuration is
-    pruned only where its bound is at least a step planned."""
+    parallelism and with ZeRO-1 or ZeRO-2 (``dp,ep,zero1``: the DeepSeek-V3 report's family, few
+    layer keys, their optimizer states over dp and their memory low; ``dp,ep,zero2`` its twin of
+    the same layers, which holds less), the :data:`SEEDS` of lowest bound, of two equal bounds the
+    one whose memory bound is lower first (the more likely to fit: DeepSeek-V3's ZeRO-1 pp=32 ep=2
+    does not, its ZeRO-2 twin does), their floors computed now (``lows`` updated). The order
+    changes no result: a configuration is pruned only where its bound is at least a step planned."""
     family = [c for c in work if c in lows and c.tp == 1 and c.cp == 1 and c.ep > 1 and c.pp > 1
-              and c.strategy == "dp,ep,zero1"]
+              and c.strategy in ("dp,ep,zero1", "dp,ep,zero2")]
     for c in family:
         lows[c] = _step_bound(c, bounds, floor, job)
-    return sorted(family, key=lambda c: lows[c])[:SEEDS]
+    return sorted(family, key=lambda c: (lows[c], _memory_bound(c, bounds)))[:SEEDS]
 
 
 def _pins_for(cfg: Config, pins: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -859,7 +875,7 @@ def _deep_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> list[Can
         figs = bucket_figures(flat, pa, oa, pb, ob, big, dense)
         sync = figs[0] if figs is not None else bucket_sync(pa, oa, pb, ob, big, dense)
         est = deep_pipeline(ps, _spec(cfg), counts, job.device, (link.alpha_s, link.beta_s_per_byte), tokens,
-                            full.size, rc, flops)
+                            full.size, rc, flops, dense)
         if sync is None or est is None:
             return None
         mem = max(est.memory, key=lambda x: x.device_total)
