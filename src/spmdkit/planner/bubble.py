@@ -7,7 +7,7 @@ large share of the step. :func:`bubble_hint` says so where the bubble (the busie
 idle time in the schedule, ``ScheduleRun.bubble_s``) is more than :data:`BUBBLE_SHARE` of the
 predicted step, and finds the least number of microbatches (the same micro-batch size and
 data-parallel degree: a larger global batch) whose bubble is under it, by running the same event
-simulation (:func:`spmdkit.planner.schedules.run_schedule`) on the same stages' times and sends,
+simulation (:meth:`spmdkit.planner.schedules.ScheduleInputs.run`) on the same stages' times and sends,
 the step then made as the estimate makes it (each rank's gradient reductions after its last
 backward, its optimizer). Interleaved 1F1B needs a multiple of ``p`` microbatches. None where the
 bubble is under the threshold, or more microbatches (up to :data:`MOST_TIMES` as many) do not bring
@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from spmdkit.planner.pipeline import PipelineEstimate, _step_times
-from spmdkit.planner.schedules import ScheduleRun, run_schedule
+from spmdkit.planner.schedules import ScheduleRun
 from spmdkit.program.plan import Plan
 
 #: the share of the step the bubble may take before the plan says so
@@ -58,8 +58,8 @@ class BubbleHint:
 def _at(plan: Plan, est: PipelineEstimate, m: int) -> tuple[float, float, ScheduleRun]:
     """(the bubble's share of the step, the step) of ``est``'s pipeline at ``m`` microbatches."""
     s = est.spec
-    fwd, bwd, send_f, send_b, blocking, weight = est.extra["schedule_args"]
-    run = run_schedule(s.schedule, s.pp, s.virtual, m, fwd, bwd, send_f, send_b, blocking, weight=weight)
+    assert est.inputs is not None
+    run = est.inputs.run(s.schedule, s.pp, s.virtual, m)
     step = _step_times(plan, replace(s, microbatches=m), est.stages, run, est.tied_s)[1]
     return (run.bubble_s / step if step > 0 else 0.0), step, run
 
@@ -67,7 +67,7 @@ def _at(plan: Plan, est: PipelineEstimate, m: int) -> tuple[float, float, Schedu
 def bubble_hint(plan: Plan, est: PipelineEstimate, threshold: float = BUBBLE_SHARE) -> BubbleHint | None:
     """The hint for ``est`` (the pipeline of ``plan``, one microbatch's plan), or None (module
     docstring)."""
-    if est.run is None or "schedule_args" not in est.extra or est.step_overlap_s <= 0:
+    if est.run is None or est.inputs is None or est.step_overlap_s <= 0:
         return None
     s = est.spec
     m = s.microbatches

@@ -76,6 +76,7 @@ from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, parse_size, plan_pres
 from spmdkit.planner.schedules import (
     SCHEDULE_ALIASES,
     SCHEDULES,
+    ScheduleInputs,
     ScheduleRun,
     bubble_formula,
     in_flight,
@@ -251,6 +252,8 @@ class PipelineEstimate:
     in_flight: list[float]
     memory: list[Memory]
     run: ScheduleRun | None = None
+    #: the stages' times and sends the schedule was run from (planner.bubble runs it again)
+    inputs: ScheduleInputs | None = None
     step_serial_s: float = 0.0
     step_overlap_s: float = 0.0
     tokens: int | None = None
@@ -375,13 +378,15 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | 
     send_b = [send(costs[k + 1].send_grad_bytes) if k < n - 1 else 0.0 for k in range(n)]
     flight = [in_flight(spec.schedule, p, v, m, r) for r in range(p)]
     pend = [weight_pending(spec.schedule, p, m, r) for r in range(p)]
-    mems = [_rank_memory(plan, [costs[c * p + r] for c in range(v)], flight[r], p, v, pending=pend[r])
-            for r in range(p)]
-    if recompute != MICROBATCH and torch_pipelining(plan, spec.schedule, p):
-        for r in range(p):
-            walked = _torch_rank(plan, costs, spec.schedule, p, v, m, r)
-            if walked is not None:
-                mems[r], flight[r] = walked
+    walk = recompute != MICROBATCH and torch_pipelining(plan, spec.schedule, p)
+    mems = []
+    for r in range(p):  # walked over torch's order where it runs the pipeline, else by in-flight count
+        walked = _torch_rank(plan, costs, spec.schedule, p, v, m, r) if walk else None
+        if walked is not None:
+            mem, flight[r] = walked
+        else:
+            mem = _rank_memory(plan, [costs[c * p + r] for c in range(v)], flight[r], p, v, pending=pend[r])
+        mems.append(mem)
     recomputed = [1.0] * p  # the share of each rank's microbatches whose recomputed regions run again
     if recompute == MICROBATCH:
         whole = stage_costs(plan, stages, counts, None, "none")
@@ -404,11 +409,9 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | 
     zb = spec.schedule == "zb-h1"  # the backward's B and W apart (the W's are deferred)
     bwd = [c.backward_s - (c.weight_s if zb else 0.0) + c.recompute_s * recomputed[j % p]
            + (c.forward_s if recompute_forward else 0.0) for j, c in enumerate(costs)]
-    args = ([c.forward_s for c in costs], bwd, send_f, send_b, None if plan.runtime.p2p_overlap else True,
-            [c.weight_s for c in costs] if zb else None)
-    run = run_schedule(spec.schedule, p, v, m, *args[:5], weight=args[5])
-    est.run = run
-    est.extra["schedule_args"] = args  # planner.bubble runs it again at more microbatches
+    est.inputs = ScheduleInputs([c.forward_s for c in costs], bwd, send_f, send_b,
+                                None if plan.runtime.p2p_overlap else True, [c.weight_s for c in costs] if zb else None)
+    run = est.run = est.inputs.run(spec.schedule, p, v, m)
     est.step_serial_s, est.step_overlap_s = _step_times(plan, spec, costs, run, tied_s)
     mb_tokens = tokens // m if tokens else 0
     mf = model_flops(plan, mb_tokens)[0] if flops is None else flops

@@ -134,6 +134,25 @@ class ScheduleRun:
         return self.bubble_s / w if w > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class ScheduleInputs:
+    """What :func:`run_schedule` simulates a pipeline from, besides its shape and microbatch
+    count: each virtual stage's forward, backward (and, split apart, weight-gradient) time and
+    sends (:func:`spmdkit.planner.pipeline.estimate_pipeline` keeps them so the same stages can be
+    run again at another microbatch count: :mod:`spmdkit.planner.bubble`)."""
+
+    fwd: list[float]
+    bwd: list[float]
+    send_f: list[float]
+    send_b: list[float]
+    blocking_sends: bool | None = None
+    weight: list[float] | None = None
+
+    def run(self, schedule: str, p: int, v: int, m: int) -> ScheduleRun:
+        return run_schedule(schedule, p, v, m, self.fwd, self.bwd, self.send_f, self.send_b,
+                            self.blocking_sends, weight=self.weight)
+
+
 def run_schedule(schedule: str, p: int, v: int, m: int, fwd: list[float], bwd: list[float],
                  send_f: list[float] | None = None, send_b: list[float] | None = None,
                  blocking_sends: bool | None = None, weight: list[float] | None = None) -> ScheduleRun:
@@ -209,5 +228,5 @@ def bubble_formula(schedule: str, p: int, v: int, m: int, times: tuple[float, fl
     return (p - 1) / m
 
 
-__all__ = ["SCHEDULES", "SCHEDULE_ALIASES", "ScheduleRun", "bubble_formula", "held_counts", "in_flight",
+__all__ = ["SCHEDULES", "SCHEDULE_ALIASES", "ScheduleInputs", "ScheduleRun", "bubble_formula", "held_counts", "in_flight",
            "run_schedule", "schedule_order", "weight_pending"]
