@@ -28,7 +28,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from spmdkit.cost.memory import CUDA_CONTEXT_BYTES, NCCL_BYTES_PER_GROUP, recompute_layers
+from spmdkit.cost.memory import recompute_layers
 from spmdkit.planner.search_bounds import Bounds
 from spmdkit.planner.search_space import Config
 
@@ -62,18 +62,13 @@ def blocks_floor(bounds: Bounds, cfg: Config, cap: int, kept_none: float, kept_f
     if cfg.pp <= 1 or cfg.strategy == "auto":
         return step_none
     p, v, m = cfg.pp, cfg.virtual, cfg.microbatches
-    per = [bounds._held(h, cfg.dp * cfg.cp, cfg.ep, cfg.tp, cfg.strategy) for h in bounds.layers]
+    dp = cfg.dp * cfg.cp
+    per, total = bounds.held(dp, cfg.ep, cfg.tp, cfg.strategy)
     layers = len(per)
-    total = sum(per) + bounds._held(bounds.outside, cfg.dp * cfg.cp, cfg.ep, cfg.tp, cfg.strategy)
-    groups = sum(1 for k in (cfg.dp * cfg.cp, cfg.ep, cfg.tp) if k > 1) + 1
-    budget = cap - CUDA_CONTEXT_BYTES - NCCL_BYTES_PER_GROUP * groups
+    budget = cap - bounds.overhead(dp, cfg.ep, cfg.tp, p)
     if not layers or total / p > budget:
         return math.inf
-    unit = 0.0  # a layer's input of one microbatch on a device: what every mode keeps at least
-    if bounds.token_bytes and bounds.batch and bounds.seq:
-        unit = bounds.batch / m / (cfg.dp * cfg.cp * cfg.ep) * bounds.seq * bounds.token_bytes
-        if "sp" in cfg.strategy.split(","):
-            unit /= cfg.tp
+    unit = bounds.layer_input(dp, cfg.ep, cfg.tp, p, cfg.strategy, m)  # what every mode keeps at least
     kn, kf = max(unit, kept_none), max(unit, kept_full)
     held = min(per)
     flight = [min(p - r, m) for r in range(p)]

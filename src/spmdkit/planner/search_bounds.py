@@ -99,29 +99,43 @@ class Bounds:
         return (dpar / div(3, False) + epar / div(3, True) + dpar / div(2, False) + epar / div(2, True)
                 + dst / div(1, False) + est / div(1, True))
 
+    def held(self, dp: int, ep: int, tp: int, strategy: str) -> tuple[list[float], float]:
+        """(each layer's parameters, gradients and optimizer states on a device, those of the
+        whole model with what lies outside the layers) under ``strategy``."""
+        per = [self._held(h, dp, ep, tp, strategy) for h in self.layers]
+        return per, sum(per) + self._held(self.outside, dp, ep, tp, strategy)
+
+    def layer_input(self, dp: int, ep: int, tp: int, pp: int, strategy: str, microbatches: int = 1) -> float:
+        """One layer's input of one microbatch on one device (0 where the token bytes are not known):
+        what every recomputation mode keeps at least."""
+        if not (self.token_bytes and self.batch and self.seq):
+            return 0.0
+        m = microbatches if pp > 1 else 1
+        unit = self.batch / m / (dp * ep) * self.seq * self.token_bytes
+        return unit / tp if "sp" in strategy.split(",") else unit
+
+    @staticmethod
+    def overhead(dp: int, ep: int, tp: int, pp: int) -> int:
+        """The bytes a device holds besides the model: the CUDA context and NCCL's buffers, one set
+        per process group (dp, ep, tp and pp where above 1)."""
+        groups = sum(1 for k in (dp, ep, tp) if k > 1) + (1 if pp > 1 else 0)
+        return CUDA_CONTEXT_BYTES + NCCL_BYTES_PER_GROUP * groups
+
     def memory(self, dp: int, ep: int, tp: int, pp: int, strategy: str, microbatches: int = 1,
                layer_bytes: float = 0.0) -> int:
         """Bytes per device at least (every recomputation mode) under ``strategy`` on
         ``pp x dp x ep x tp`` (1F1B over ``microbatches`` when ``pp`` > 1); ``layer_bytes``: what
         a layer keeps of one microbatch on a device at least, where known (a recomputation
         mode's: :class:`spmdkit.planner.search_floor.LayerFloor`), else its input."""
-        per = [self._held(h, dp, ep, tp, strategy) for h in self.layers]
-        total = sum(per) + self._held(self.outside, dp, ep, tp, strategy)
-        unit = 0.0  # one layer's input of one microbatch on one device
-        if self.token_bytes and self.batch and self.seq:
-            m = microbatches if pp > 1 else 1
-            unit = self.batch / m / (dp * ep) * self.seq * self.token_bytes
-            if "sp" in strategy.split(","):
-                unit /= tp
-        unit = max(unit, layer_bytes)
+        per, total = self.held(dp, ep, tp, strategy)
+        unit = max(self.layer_input(dp, ep, tp, pp, strategy, microbatches), layer_bytes)
         if pp == 1:
             need = total + len(per) * unit
         else:  # rank r holds c_r layers and min(p - r, m) microbatches: max_r c_r (s + f_r u) with sum c_r = L
             s = min(per, default=0.0)
             inv = sum(1.0 / (s + min(pp - r, microbatches) * unit) for r in range(pp)) if s or unit else 0.0
             need = max(total / pp, len(per) / inv if inv else 0.0)
-        groups = sum(1 for k in (dp, ep, tp) if k > 1) + (1 if pp > 1 else 0)
-        return int(need) + CUDA_CONTEXT_BYTES + NCCL_BYTES_PER_GROUP * groups
+        return int(need) + self.overhead(dp, ep, tp, pp)
 
     def all_to_all(self, devices: int, ep: int, strategy: str) -> float:
         """Seconds one device spends at least in the MoE layers' dispatch and combine

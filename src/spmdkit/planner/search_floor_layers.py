@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from spmdkit.core.errors import SpmdError
 from spmdkit.cost.devices import Device
-from spmdkit.cost.memory import CUDA_CONTEXT_BYTES, NCCL_BYTES_PER_GROUP, saved_activations
+from spmdkit.cost.memory import saved_activations
 from spmdkit.cost.step import op_communication
 from spmdkit.planner.search_bounds import Bounds
 from spmdkit.planner.search_floor import NO_FLOOR, RECOMPUTE, LayerFloor, StepFloor, _counted
@@ -109,8 +109,7 @@ def split_floor(cfg: Config, bounds: Bounds, f: MoeLayerFloor, mode: str, cap: i
     per = [bounds._held(h, cfg.dp * cfg.cp, cfg.ep, cfg.tp, cfg.strategy) for h in bounds.layers if h[1] > 0]
     if not per:
         return 0.0
-    groups = sum(1 for k in (cfg.dp, cfg.ep, cfg.tp) if k > 1) + 1
-    room = cap - CUDA_CONTEXT_BYTES - NCCL_BYTES_PER_GROUP * groups
+    room = cap - bounds.overhead(cfg.dp, cfg.ep, cfg.tp, cfg.pp)
     m = max(1, cfg.microbatches)
     s, u = min(per), f.layer_kept.get(mode, 0)
     if room <= 0:
