@@ -19,7 +19,7 @@ import pytest
 from spmdkit.core.dist_attr import TensorDistAttr, largest_shard
 from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
-from spmdkit.core.reshard import plan_reshard
+from spmdkit.core.reshard import plan_reshard, single_dim_steps
 from spmdkit.cost.memory import memory_per_device
 from spmdkit.cost.moe import ep_degree, rank_load
 from spmdkit.cost.moe import moe_layers as cost_layers
@@ -87,56 +87,74 @@ def test_the_expert_ffn_need_not_divide_by_tp() -> None:
 
 
 def test_tiny_plan_collectives_per_moe_layer_by_hand() -> None:
-    """tiny MoE (batch 4, seq 8, hidden 16, 4 experts top-2: capacity 8 x 2 / 4 = 4), float32 on
-    dp=2 x ep=2 x tp=2, megatron + sp + ETP = 1. A rank holds one sequence ([1, 8, 16]: 512 B;
-    its tp half 256 B) and one expert (4 / (ep x tp)).
+    """tiny MoE (batch 4, seq 8, hidden 16, 4 experts top-2), float32 on dp=2 x ep=2 x tp=2,
+    megatron + sp + ETP = 1: Megatron's token path. Each sequence is routed in tp = 2 chunks of
+    4 tokens (capacity per chunk 4 x 2 / 4 = 2); a rank holds one sequence's tp half ([1, 4, 16]:
+    256 B) and one expert (4 / (ep x tp)).
 
-    forward: the normalised tokens all-gathered over tp (sp: 256 B of [1, 4, 16] gathered); the
-    dispatched slots [1, 4, 4, 16] (1 KiB) sliced to the tp rank's 2 experts (512 B) and sent
-    over ep: all-to-all (ep - 1) / ep x 512 = 256 B; the rows back the same way (256 B), then
-    all-gathered over tp (512 of 1 KiB); no all-reduce of the rows over tp (ETP = tp's 1 KiB).
-    backward: the rows' gradient reduce-scattered over tp (1 KiB in, (tp - 1) / tp: 512 B) and
-    sent by all-to-all (256 B); the dispatched tokens' gradient all-to-all (256 B) and
-    all-gathered over tp (512 B)."""
+    forward: attention's sp collectives (the normalised tokens all-gathered over tp, its output
+    reduce-scattered: 256 B each); the MoE layer's tokens are NOT gathered: each rank dispatches
+    its own chunk into [1, 1, 4, 2, 16] slots (512 B) and sends them by one all-to-all over the
+    ep x tp group ((4 - 1) / 4 x 512 = 384 B); the rows come back the same way (384 B); no tp
+    collective around the experts. backward: the mirrors (384 B each). The load-balancing loss'
+    statistics ([B, E] = 4 floats a rank, 16 B) are summed over the chunks: the counts and the
+    mean gate values all-reduced over tp, the per-chunk means' gradient gathered back."""
     _, plan, _ = plan_model(json.dumps({**MOE, "layers": 1}), "dp=2,ep=2,tp=2", "dp,ep,megatron,sp,etp=1")
+    assert plan.program.tensors["layers.0.dispatch"].shape == (4, 2, 4, 2, 16)
     got = _per_layer(plan, "layers.0.")
     assert got == collections.Counter({
         ("forward", "all_gather", "tp", "attn_norm.out", 256): 1,
         ("forward", "reduce_scatter", "tp", "attn_out", 256): 1,
-        ("forward", "all_gather", "tp", "mlp_norm.out", 256): 1,
-        ("forward", "all_to_all", "ep", "dispatch", 256): 1,
-        ("forward", "all_to_all", "ep", "experts.rows", 256): 1,
-        ("forward", "all_gather", "tp", "experts.rows", 512): 1,
-        ("backward", "reduce_scatter", "tp", "experts.rows.grad", 512): 1,
-        ("backward", "all_to_all", "ep", "experts.rows.grad", 256): 1,
-        ("backward", "all_to_all", "ep", "dispatch.grad.sum", 256): 1,
-        ("backward", "all_gather", "tp", "dispatch.grad.sum", 512): 1,
+        ("forward", "all_to_all", "epxtp", "dispatch", 384): 1,
+        ("forward", "all_to_all", "tpxep", "experts.rows", 384): 1,
+        ("forward", "all_reduce", "tp", "aux.fs", 16): 1,
+        ("forward", "all_reduce", "tp", "aux.p", 16): 1,
+        ("backward", "all_to_all", "epxtp", "experts.rows.grad", 384): 1,
+        ("backward", "all_to_all", "tpxep", "dispatch.grad.sum", 384): 1,
+        ("backward", "all_gather", "tp", "aux.pc", 16): 1,
         ("backward", "all_gather", "tp", "attn_out.grad", 256): 1,
         ("backward", "reduce_scatter", "tp", "attn_norm.out.grad.sum", 256): 1,
     })
-    # ETP = tp on the same mesh: twice the all-to-all bytes, and the experts' row-parallel
-    # output all-reduced over tp each way
+    # ETP = tp on the same mesh: the tokens gathered over tp, the all-to-all over ep of 512 B,
+    # and the experts' row-parallel output all-reduced over tp each way
     _, base, _ = plan_model(json.dumps({**MOE, "layers": 1}), "dp=2,ep=2,tp=2", "dp,ep,megatron,sp")
     old = _per_layer(base, "layers.0.")
     assert old[("forward", "all_to_all", "ep", "dispatch", 512)] == 1
     assert old[("forward", "all_reduce", "tp", "experts.rows", 1024)] == 1
+    assert old[("forward", "all_gather", "tp", "mlp_norm.out", 256)] == 1
+
+
+def test_the_merged_all_to_all_runs_as_one_per_mesh_dim() -> None:
+    """The dispatch's all-to-all over the ep x tp group, as an executor with one process group
+    per mesh dim runs it: over ep (the batch's ep onto the expert axis), then over tp (the
+    chunks' tp after it): the plan's source and destination layouts, the steps between legal."""
+    _, plan, _ = plan_model(json.dumps({**MOE, "layers": 1}), "dp=2,ep=2,tp=2", "dp,ep,megatron,sp,etp=1")
+    (step,) = [s for r, s in plan.collectives() if r.tensor == "layers.0.dispatch"]
+    assert (step.kind, step.mesh_dims, step.src.dims_mapping, step.dst.dims_mapping) == (
+        "all_to_all", (1, 2), ((0, 1), 2, -1, -1, -1), (0, -1, (1, 2), -1, -1))
+    parts = single_dim_steps(step)
+    assert [(s.mesh_dims, s.tensor_axis, s.dst_axis, s.dst.dims_mapping) for s in parts] == [
+        ((1,), 0, 2, (0, 2, 1, -1, -1)), ((2,), 1, 2, (0, -1, (1, 2), -1, -1))]
+    assert parts[0].src == step.src and parts[-1].dst == step.dst
 
 
 def test_mixtral_8x7b_experts_whole_over_ep_x_tp() -> None:
     """Mixtral-8x7B, batch 8 x seq 4096, bf16, dp=2 x ep=4 x tp=2: each rank holds one whole
     expert ([1, 4096, 14336] of each stack, against ETP = tp's two halves [2, 4096, 7168]): the
     same bytes, so the parameters, gradients and optimizer states per device equal ETP = tp's.
-    Per MoE layer 2 all-to-alls over ep each way of (4 - 1) / 4 x the tp rank's slice (1 sequence
-    x 4 experts x capacity 1024 x 4096 x 2 B = 32 MiB): 24 MiB, half ETP = tp's; no all-reduce
-    over tp; the experts' gradients all-reduced over dp only (EDP = dp: 3 x 4096 x 14336 x 2 B
-    each, x 2 (dp - 1) / dp)."""
+    Megatron's token path: each rank routes its own half of a sequence (2,048 tokens, capacity
+    2048 x 2 / 8 = 512 an expert) into 8 experts' slots (1 x 1 x 8 x 512 x 4096 x 2 B = 32 MiB)
+    and sends them by one all-to-all over the ep x tp = 8 ranks: (8 - 1) / 8 x 32 = 28 MiB, each
+    way and in the backward; no tp collective around the experts (ETP = tp: the tokens
+    all-gathered over tp, 48 MiB all-to-alls and 64 MiB all-reduces of the rows); the experts'
+    gradients all-reduced over dp only (EDP = dp: 3 x 4096 x 14336 x 2 B each, x 2 (dp - 1) / dp)."""
     _, plan, _ = plan_model("mixtral-8x7b", "dp=2,ep=4,tp=2", "dp,ep,megatron,sp,etp=1", {"batch": 8, "seq": 4096})
     _, base, _ = plan_model("mixtral-8x7b", "dp=2,ep=4,tp=2", "dp,ep,megatron,sp", {"batch": 8, "seq": 4096})
     lay = moe_layers(plan.program)
     assert len(lay) == 32
     for w in lay[0].stacks:
         a = plan.attrs[w]
-        assert a.dims_mapping == ((2, 1), -1, -1)
+        assert a.dims_mapping == ((1, 2), -1, -1)  # (ep, tp): the chunks' tp moves onto the experts after ep
         assert largest_shard(a.dims_mapping, plan.program.tensors[w].shape, plan.mesh.shape)[0] == 1
     assert largest_shard(plan.attrs["layers.0.experts.w_up"].dims_mapping, [8, 4096, 14336], plan.mesh.shape) \
         == (1, 4096, 14336)
@@ -146,12 +164,17 @@ def test_mixtral_8x7b_experts_whole_over_ep_x_tp() -> None:
     assert (mem.parameters, mem.gradients, mem.optimizer_states) == (old.parameters, old.gradients,
                                                                       old.optimizer_states)
     got = _per_layer(plan, "layers.0.")
-    slice_bytes = 1 * 4 * 1024 * 4096 * 2
+    slots = 1 * 1 * 8 * 512 * 4096 * 2
     a2a = {k: n for k, n in got.items() if k[1] == "all_to_all"}
-    assert a2a == {(ph, "all_to_all", "ep", t, 3 * slice_bytes // 4): 1 for ph, t in [
-        ("forward", "dispatch"), ("forward", "experts.rows"), ("backward", "experts.rows.grad"),
-        ("backward", "dispatch.grad.sum")]}
-    assert not [k for k in got if k[1] == "all_reduce"]
+    assert a2a == {(ph, "all_to_all", g, t, 7 * slots // 8): 1 for ph, g, t in [
+        ("forward", "epxtp", "dispatch"), ("forward", "tpxep", "experts.rows"),
+        ("backward", "epxtp", "experts.rows.grad"), ("backward", "tpxep", "dispatch.grad.sum")]}
+    # over tp only attention's sp collectives (16 MiB each) and the aux loss' [B, E] statistics
+    assert {(k[0], k[1], k[3]) for k in got if k[2] == "tp" and k[4] > 64} == {
+        ("forward", "all_gather", "attn_norm.out"), ("forward", "reduce_scatter", "attn_out"),
+        ("backward", "all_gather", "attn_out.grad"), ("backward", "reduce_scatter", "attn_norm.out.grad.sum")}
+    old_a2a = {k[4] for k in _per_layer(base, "layers.0.") if k[1] == "all_to_all"}
+    assert old_a2a == {48 << 20}
     grads = {r.tensor: (s.kind, s.mesh_dims, s.bytes_per_rank) for r, s in plan.collectives()
              if r.tensor.startswith("layers.0.experts.w_")}
     assert grads == {f"layers.0.experts.{w}.grad": ("all_reduce", (0,), 4096 * 14336 * 2)
@@ -174,8 +197,8 @@ def test_the_busiest_rank_holds_one_expert_of_eight() -> None:
 def test_zero_shards_expert_states_over_edp_only() -> None:
     _, plan, _ = plan_model(json.dumps({**MOE, "layers": 1}), "dp=2,ep=2,tp=2", "dp,ep,megatron,sp,etp=1,zero2")
     a = plan.attrs
-    assert a["layers.0.experts.w_up"].dims_mapping == ((2, 1), -1, -1)
-    assert a["layers.0.experts.w_up.moment1"].dims_mapping == ((2, 1), 0, -1)  # over dp (EDP)
+    assert a["layers.0.experts.w_up"].dims_mapping == ((1, 2), -1, -1)
+    assert a["layers.0.experts.w_up.moment1"].dims_mapping == ((1, 2), 0, -1)  # over dp (EDP)
     assert a["layers.0.wq.moment1"].dims_mapping == ((0, 1), 2)  # dense: over dp x ep, tp as the weight
 
 
@@ -257,3 +280,60 @@ def test_an_hf_mixtral_plans_etp1_as_the_catalog_model() -> None:
     assert a2a == {1048576}  # 2 sequences a rank x 64 tokens x 2 (top-2) x 4096 x 2 B x (2 - 1) / 2
     assert {k[3] for k in got["ep,megatron,etp=1"] if k[1] == "all_to_all"} == {b // 2 for b in a2a}
     assert sum(n for k, n in got["ep,megatron,etp=1"].items() if k[1] == "all_gather" and k[2] == (1,)) == 2
+
+
+# -- the ops routed in chunks ----------------------------------------------------------------------------
+
+
+def test_a_dispatch_in_chunks_is_each_chunk_on_its_own() -> None:
+    """moe_gate_dispatch / moe_combine with a batch and a chunk axis first (x [B, T, S/T, H]):
+    the numpy reference and the torch kernel are the 2-D op per chunk, and the rules keep both
+    the batch (over dp x ep) and the chunk axis (over tp) sharded, forward and grad, nothing
+    gathered (Megatron's ETP = 1 token path: each tp rank routes its own tokens)."""
+    import numpy as np
+    import torch
+
+    from spmd_helpers import T, dms, global_ctx
+    from spmdkit.engine.registry import get_rule
+    from spmdkit.execute.kernels import moe as kernels
+    from spmdkit.models.zoo import preset
+    from spmdkit.sim.reference import get_reference
+
+    rng = np.random.default_rng(0)
+    x, gl = rng.normal(size=(2, 3, 5, 4)), rng.uniform(size=(2, 3, 5, 4))
+    ref = get_reference("moe_gate_dispatch")
+    assert ref is not None
+    args = {"x": x, "gate_logits": gl, "k": 2, "capacity": 2, "use_pad": True}
+    outs = ref.fn(args, global_ctx())
+    assert [np.shape(o) for o in outs] == [(2, 3, 4, 2, 4), (2, 3, 5, 2), (2, 3, 2, 5), (2, 3, 4), (2, 3, 5, 2)]
+    for b in range(2):
+        for c in range(3):
+            one = ref.fn({**args, "x": x[b, c], "gate_logits": gl[b, c]}, global_ctx())
+            assert all(np.array_equal(o[b, c], o1) for o, o1 in zip(outs, one))
+    got = kernels.dispatch(torch.tensor(x.reshape(6, 5, 4)), torch.tensor(gl.reshape(6, 5, 4)), None, 2, 2)
+    kern = kernels._batched(lambda a, g: kernels.dispatch(a, g, None, 2, 2), 2, torch.tensor(x), torch.tensor(gl))
+    for o, k, g in zip(outs, kern, got):
+        assert np.allclose(np.asarray(o), k.numpy()) and torch.equal(k.reshape(g.shape), g)
+    m = ProcessMesh([2, 2])
+    res = get_rule("moe_gate_dispatch").infer_forward(T(m, [4, 2, 8, 16], [0, 1, -1, -1]),
+                                                      T(m, [4, 2, 8, 4], [0, 1, -1, -1]), None, 2, 4, True)
+    assert dms(res.inputs[:2]) == [(0, 1, -1, -1), (0, 1, -1, -1)]
+    assert dms(res.outputs) == [(0, 1, -1, -1, -1), (0, 1, -1, -1), (0, 1, -1, -1), (0, 1, -1), (0, 1, -1, -1)]
+    res = get_rule("moe_combine").infer_forward(T(m, [4, 2, 16, 16], [0, 1, -1, -1]),
+                                                T(m, [4, 2, 8, 2], [0, 1, -1, -1]), T(m, [4, 2, 8, 2], [0, 1, -1, -1]))
+    assert dms(res.outputs) == [(0, 1, -1, -1)]
+    res = get_rule("moe_gate_dispatch_grad").infer_forward(
+        T(m, [4, 2, 8, 2], [0, 1, -1, -1]), T(m, [4, 2, 2, 8], [0, 1, -1, -1]), T(m, [4, 2, 8, 2], [0, 1, -1, -1]),
+        T(m, [4, 2, 4, 4, 16], [0, 1, -1, -1, -1]), T(m, [4, 2, 8, 2], [0, 1, -1, -1]), 2, 4, True)
+    assert dms(res.outputs) == [(0, 1, -1, -1), (0, 1, -1, -1)]
+    with pytest.raises(ProgramError, match=r"^model: moe_chunks must be an integer >= 1 dividing seq 8, got 3$"):
+        preset(json.dumps(MOE)).with_(moe_chunks=3).check()  # set by the strategy (not a --model-config field)
+
+
+def test_chunks_only_under_sp_and_etp1() -> None:
+    """The model is routed in tp chunks under megatron,sp,ep,etp=1 only: ETP = tp, or etp=1
+    without sp (the tokens are whole over tp there), route each sequence as one."""
+    for st, chunks in (("dp,ep,megatron,sp,etp=1", 2), ("dp,ep,megatron,sp", 1), ("dp,ep,megatron,etp=1", 1)):
+        model, plan, _ = plan_model(json.dumps({**MOE, "layers": 1}), "dp=2,ep=2,tp=2", st)
+        assert model.config.moe_chunks == chunks, st
+        assert len(plan.program.tensors["layers.0.dispatch"].shape) == (5 if chunks > 1 else 4)

@@ -251,7 +251,7 @@ def test_batched_dispatch_is_each_sequence_on_its_own() -> None:
         T(m, [4, 8, 2], [0, -1, -1]), T(m, [4, 2, 8], [0, -1, -1]), T(m, [4, 8, 2], [0, -1, -1]),
         T(m, [4, 4, 4, 16], [0, -1, -1, -1]), T(m, [4, 8, 2], [0, -1, -1]), 2, 4, True)
     assert dms(res.outputs) == [(0, -1, -1), (0, -1, -1)]
-    with pytest.raises(ShapeMismatchError, match="moe_gate_dispatch: the tensors must all be 2-D or all 3-D"):
+    with pytest.raises(ShapeMismatchError, match="moe_gate_dispatch: the tensors must all be 2-D, all 3-D"):
         get_rule("moe_gate_dispatch").infer_forward(T(m, [4, 8, 16], [-1, -1, -1]), T(m, [8, 4], [-1, -1]),
                                                     None, 2, 4, True)
 

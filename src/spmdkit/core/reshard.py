@@ -203,6 +203,18 @@ def single_dim_steps(step: Step) -> tuple[Step, ...]:
         return (step,)
     out: list[Step] = []
     cur = step.src
+    if step.kind == "all_to_all":  # each dim moved in turn (mesh_dims in that order), minor off its axis
+        want = [entry_dims(e) for e in step.dst.dims_mapping]
+        for d in step.mesh_dims:
+            held = [list(entry_dims(e)) for e in cur.dims_mapping]
+            i = next(a for a, ds in enumerate(held) if d in ds)
+            j = next(a for a, ds in enumerate(want) if d in ds)
+            held[i].remove(d)
+            held[j].append(d)
+            nxt = TensorDistAttr.unchecked(cur.mesh, tuple(dims_entry(x) for x in held), cur.partial)
+            out.append(Step("all_to_all", (d,), i, 0, 0.0, cur, nxt, j))
+            cur = nxt
+        return tuple(out)
     dims = step.mesh_dims if step.kind != "all_gather" else tuple(reversed(step.mesh_dims))
     for d in dims:
         nxt = _without(cur, d, step.tensor_axis, step.kind != "all_gather")
@@ -215,8 +227,10 @@ def merge_groups(plan: ReshardPlan, groups: Sequence[tuple[int, int]], shape: Se
                  cost: CostModel) -> ReshardPlan:
     """``plan`` with two consecutive collectives of one kind over the mesh dims of a group
     ``(a, b)`` (an all-reduce over both, a reduce-scatter over ``a`` then ``b`` onto one axis, an
-    all-gather over ``b`` then ``a`` off one) made one collective over the group's ``|a| x |b|``
-    ranks, its bytes and time those of one ring over them."""
+    all-gather over ``b`` then ``a`` off one, an all-to-all over each in either order off one
+    axis or onto one: Megatron's ETP = 1 token dispatch over the ep x tp group) made one
+    collective over the group's ``|a| x |b|`` ranks, its bytes and time those of one ring (one
+    all-to-all) over them."""
     steps = list(plan.steps)
     if len(steps) < 2 or not groups:
         return plan
@@ -227,7 +241,8 @@ def merge_groups(plan: ReshardPlan, groups: Sequence[tuple[int, int]], shape: Se
         s = steps[i]
         t = steps[i + 1] if i + 1 < len(steps) else None
         pair = None
-        if t is not None and s.kind == t.kind and s.reduce_type == t.reduce_type and s.tensor_axis == t.tensor_axis \
+        if t is not None and s.kind == t.kind and s.reduce_type == t.reduce_type \
+                and (s.tensor_axis == t.tensor_axis or s.kind == "all_to_all") \
                 and len(s.mesh_dims) == 1 and len(t.mesh_dims) == 1 and s.bytes_per_rank and t.bytes_per_rank:
             x, y = s.mesh_dims[0], t.mesh_dims[0]
             if s.kind == "all_reduce" and ((x, y) in groups or (y, x) in groups):
@@ -236,6 +251,9 @@ def merge_groups(plan: ReshardPlan, groups: Sequence[tuple[int, int]], shape: Se
                 pair = (x, y)
             elif s.kind == "all_gather" and (y, x) in groups:
                 pair = (y, x)
+            elif s.kind == "all_to_all" and ((x, y) in groups or (y, x) in groups) and (
+                    s.dst_axis == t.dst_axis or s.tensor_axis == t.tensor_axis):
+                pair = (x, y)  # the steps' order (single_dim_steps moves them so again)
         if pair is None:
             out.append(s)
             i += 1
@@ -248,7 +266,7 @@ def merge_groups(plan: ReshardPlan, groups: Sequence[tuple[int, int]], shape: Se
             size = local_bytes(s.src.dims_mapping, shape, ms, itemsize)
             b = round((2 if s.kind == "all_reduce" else 1) * (n - 1) / n * size)
         out.append(Step(s.kind, pair, s.tensor_axis, b, cost.collective_time(s.kind, pair, size, ms), s.src,
-                        t.dst, None, s.reduce_type))  # type: ignore[union-attr]
+                        t.dst, t.dst_axis if s.kind == "all_to_all" else None, s.reduce_type))  # type: ignore[union-attr]
         i += 2
     return ReshardPlan(tuple(out))
 

@@ -98,6 +98,11 @@ class ModelConfig:
     #: zigzag: rank i of cp holds the sequence's chunks i and 2cp-1-i of 2cp (every rank the same
     #: causal work); none: chunk i
     cp_balance: str = "zigzag"
+    #: MoE: > 1 routes each sequence in this many chunks of ``seq / moe_chunks`` tokens, each on
+    #: its own (capacity per chunk): Megatron's ETP = 1 token path, where each tp rank dispatches
+    #: its own sequence-parallel shard (``--strategy megatron,sp,ep,etp=1`` builds it with tp
+    #: chunks; :mod:`spmdkit.models.zoo_moe`, docs/experts.md)
+    moe_chunks: int = 1
 
     @property
     def act(self) -> str:
@@ -230,6 +235,9 @@ class ModelConfig:
             raise ProgramError(f"model: expert_groups {g} / topk_groups {kg}: the groups must divide the "
                                f"{self.experts} experts, topk_groups <= expert_groups and the kept groups hold at "
                                f"least top_k {self.top_k} experts")
+        t = self.moe_chunks
+        if not isinstance(t, int) or isinstance(t, bool) or t < 1 or self.seq % t:
+            raise ProgramError(f"model: moe_chunks must be an integer >= 1 dividing seq {self.seq}, got {t!r}")
         cf = self.capacity_factor
         if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not 0 < cf <= 1024):
             raise ProgramError(f"model: capacity_factor must be a number in (0, 1024] (or null), got {cf!r}")

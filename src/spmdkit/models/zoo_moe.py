@@ -63,9 +63,10 @@ _NAMES = {"gate.out": "gate", "up.out": "up"}
 
 
 def capacity(cfg: ModelConfig) -> int:
-    """Tokens an expert takes from one sequence: ``ceil(seq x top_k / experts x
-    (capacity_factor or 1))``."""
-    return max(1, math.ceil(cfg.seq * cfg.top_k / cfg.experts * (cfg.capacity_factor or 1.0) - 1e-9))
+    """Tokens an expert takes from one routed chunk (a sequence, or with ``moe_chunks`` one of
+    its chunks): ``ceil(tokens x top_k / experts x (capacity_factor or 1))``."""
+    tokens = cfg.seq // max(1, cfg.moe_chunks)
+    return max(1, math.ceil(tokens * cfg.top_k / cfg.experts * (cfg.capacity_factor or 1.0) - 1e-9))
 
 
 def moe_params(t: Tape, cfg: ModelConfig, m: Model, p: str) -> dict[str, str]:
@@ -94,28 +95,35 @@ def moe_params(t: Tape, cfg: ModelConfig, m: Model, p: str) -> dict[str, str]:
 def aux_loss(t: Tape, cfg: ModelConfig, m: Model, p: str, probs: str, off: str | None) -> str:
     """Layer ``p``'s per-sequence load-balancing loss [B] (module docstring), added to
     ``m.aux``; its name."""
-    B, E = cfg.batch, cfg.experts
+    B, E, T = cfg.batch, cfg.experts, cfg.moe_chunks
     assert off is not None
     # the counts have no gradient: their ops are not recorded on the tape. The dispatch's
-    # expert_offset [B, E] counts each sequence's choices of experts <= e: its differences
+    # expert_offset [B, E] (chunked: [B, T, E]) counts each sequence's (chunk's) choices of
+    # experts <= e: its differences
+    lead = [B] if T == 1 else [B, T]
     cnt = off
     if E > 1:
         def cut(name: str, lo: int, hi: int) -> str:
-            (o,) = t.b.op("slice", {"input": off}, [(p + name, [B, hi - lo], "int64")], axes=(1,), starts=(lo,),
-                          ends=(hi,))
+            (o,) = t.b.op("slice", {"input": off}, [(p + name, [*lead, hi - lo], "int64")], axes=(len(lead),),
+                          starts=(lo,), ends=(hi,))
             assert o is not None
             return o
 
         hi, lo, first = cut("aux.hi", 1, E), cut("aux.lo", 0, E - 1), cut("aux.first", 0, 1)
-        (d,) = t.b.op("subtract", {"x": hi, "y": lo}, [(p + "aux.diff", [B, E - 1], "int64")])
-        (c,) = t.b.op("concat", {"x": (first, d)}, [(p + "aux.count", [B, E], "int64")], axis=1)
+        (d,) = t.b.op("subtract", {"x": hi, "y": lo}, [(p + "aux.diff", [*lead, E - 1], "int64")])
+        (c,) = t.b.op("concat", {"x": (first, d)}, [(p + "aux.count", [*lead, E], "int64")], axis=len(lead))
         assert c is not None
         cnt = c
-    (f,) = t.b.op("cast", {"x": cnt}, [(p + "aux.f", [B, E], "float32")], dtype="float32")
+    (f,) = t.b.op("cast", {"x": cnt}, [(p + "aux.f", [*lead, E], "float32")], dtype="float32")
+    if T > 1:  # the sequence's counts: its chunks' summed (Megatron's tokens_per_expert, summed over tp)
+        (f,) = t.b.op("sum", {"x": f}, [(p + "aux.fs", [B, E], "float32")], axis=(1,), keep_dim=False)
     if cfg.cp > 1:
         assert f is not None
         return _aux_per_token(t, cfg, m, p, probs, f)
-    (pm,) = t.op("mean", {"x": probs}, [(p + "aux.p", [B, E], cfg.dtype)], axis=(1,), keep_dim=False)
+    src: str | None = probs
+    if T > 1:  # each chunk's mean first ([B, T, E]: the chunk axis stays split), then the chunks'
+        (src,) = t.op("mean", {"x": probs}, [(p + "aux.pc", [B, T, E], cfg.dtype)], axis=(2,), keep_dim=False)
+    (pm,) = t.op("mean", {"x": src}, [(p + "aux.p", [B, E], cfg.dtype)], axis=(1,), keep_dim=False)
     if cfg.dtype != "float32":
         (pm,) = t.op("cast", {"x": pm}, [(p + "aux.p32", [B, E], "float32")], dtype="float32")
     (fp,) = t.op("multiply", {"x": f, "y": pm}, [(p + "aux.fp", [B, E], "float32")])
@@ -174,13 +182,21 @@ def moe_mlp(t: Tape, cfg: ModelConfig, m: Model, p: str, x: str, h: str) -> str:
     residual stream ``h``; the stream after it (``p + "resid2"``)."""
     B, S, H, E, K, dt = cfg.batch, cfg.seq, cfg.hidden, cfg.experts, cfg.top_k, cfg.dtype
     C = capacity(cfg)
+    T = cfg.moe_chunks
     w = moe_params(t, cfg, m, p)
-    logits = linear(t, cfg, x, w["router"], None, p + "router.logits")
-    (probs,) = t.op("softmax", {"x": logits}, [(p + "router.probs", [B, S, E], dt)], axis=-1)
-    y, cw, si, off, _ = t.op("moe_gate_dispatch", {"x": x, "gate_logits": probs, "corr_bias": None},
-                           [(p + "dispatch", [B, E, C, H], dt), (p + "dispatch.weights", [B, S, K], dt),
-                            (p + "dispatch.index", [B, K, S], "int64"), (p + "dispatch.offset", [B, E], "int64"),
-                            (p + "dispatch.expert", [B, S, K], "int64")], k=K, capacity=C, use_pad=True,
+    xin: str | None = x
+    lead, s = [B], S
+    if T > 1:  # routed in chunks: [B, T, S/T, H], each chunk dispatched on its own (Megatron's ETP = 1 path)
+        lead, s = [B, T], S // T
+        (xin,) = t.op("reshape", {"x": x}, [(p + "chunks", [B, T, s, H], dt)], shape=(B, T, s, H))
+    assert xin is not None
+    logits = linear(t, cfg, xin, w["router"], None, p + "router.logits")
+    (probs,) = t.op("softmax", {"x": logits}, [(p + "router.probs", [*lead, s, E], dt)], axis=-1)
+    y, cw, si, off, _ = t.op("moe_gate_dispatch", {"x": xin, "gate_logits": probs, "corr_bias": None},
+                           [(p + "dispatch", [*lead, E, C, H], dt), (p + "dispatch.weights", [*lead, s, K], dt),
+                            (p + "dispatch.index", [*lead, K, s], "int64"),
+                            (p + "dispatch.offset", [*lead, E], "int64"),
+                            (p + "dispatch.expert", [*lead, s, K], "int64")], k=K, capacity=C, use_pad=True,
                            **groups(cfg))
     assert y is not None and cw is not None and si is not None and probs is not None
     if cfg.aux_loss:
@@ -188,11 +204,14 @@ def moe_mlp(t: Tape, cfg: ModelConfig, m: Model, p: str, x: str, h: str) -> str:
     act = mlp_act(t, cfg, y, {"gate": w.get("gate"), "up": w["up"]}, _NAMES, p + "experts.")
     down = linear(t, cfg, act, w["down"], None, p + "experts.down")
     m.row_outputs.append(down)
-    (rows,) = t.op("reshape", {"x": down}, [(p + "experts.rows", [B, E * C, H], dt)], shape=(B, E * C, H))
+    (rows,) = t.op("reshape", {"x": down}, [(p + "experts.rows", [*lead, E * C, H], dt)], shape=(*lead, E * C, H))
     # an index has no gradient: the transpose is not recorded on the tape
-    (sit,) = t.b.op("transpose", {"x": si}, [(p + "dispatch.index.t", [B, S, K], "int64")], perm=(0, 2, 1))
+    perm = (0, 2, 1) if T == 1 else (0, 1, 3, 2)
+    (sit,) = t.b.op("transpose", {"x": si}, [(p + "dispatch.index.t", [*lead, s, K], "int64")], perm=perm)
     (out,) = t.op("moe_combine", {"x": rows, "combine_weights": cw, "scatter_index": sit},
-                  [(p + "moe_out", [B, S, H], dt)])
+                  [(p + "moe_out", [*lead, s, H], dt)])
+    if T > 1:
+        (out,) = t.op("reshape", {"x": out}, [(p + "moe_out.seq", [B, S, H], dt)], shape=(B, S, H))
     assert out is not None
     if cfg.shared_experts:
         sact = mlp_act(t, cfg, x, {"gate": w.get("s.gate"), "up": w["s.up"]}, _NAMES, p + "shared.")

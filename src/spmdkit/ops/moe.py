@@ -55,11 +55,16 @@ from spmdkit.ops._cost import numel
 # every co-shard read as its largest mesh dim (Paddle's merge); letters of one size checked. A
 # leading batch axis b (rank 3; spmdkit's, Paddle's ops are 2-D): each batch row is dispatched
 # and combined on its own (its scatter indices point into its own rows), so b may be sharded.
+# Rank 4: a chunk axis a after b (each sequence routed in chunks of S/T tokens, each chunk on
+# its own: capacity per chunk, indices into the chunk's own rows), so a may be sharded too.
 
 
 def _b(nd: int, labels: list[str], skip: tuple[int, ...] = ()) -> list[str]:
-    """``labels`` with the batch letter b first where the call is batched (``nd`` 3)."""
-    return [x if nd < 3 or i in skip else "b" + x for i, x in enumerate(labels)]
+    """``labels`` with the batch letter b first where the call is batched (``nd`` 3), and the
+    chunk letter a after it where each batch row is routed in chunks (``nd`` 4: x ``[B, T, S/T,
+    H]``, every chunk of a sequence dispatched on its own, docs/experts.md ETP = 1)."""
+    lead = "" if nd < 3 else "b" if nd == 3 else "ba"
+    return [x if i in skip else lead + x for i, x in enumerate(labels)]
 
 
 def _combine(nd: int) -> Notation:
@@ -82,14 +87,18 @@ def _dispatch(nd: int, corr_bias: int) -> Notation:
 
 
 def _batch_rank(op: str, **tensors: DistTensorSpec | None) -> None:
-    """Every tensor 2-D, or every one 3-D (a leading batch axis of one size)."""
+    """Every tensor 2-D, or every one 3-D (a leading batch axis of one size), or every one 4-D
+    (a batch axis and a chunk axis, each of one size)."""
     given = [(n, t) for n, t in tensors.items() if t is not None]
     ranks = {len(t.shape) for _, t in given}
-    if len(ranks) > 1 or not ranks <= {2, 3}:
+    if len(ranks) > 1 or not ranks <= {2, 3, 4}:
         shapes = ", ".join(f"{n} {list(t.shape)}" for n, t in given)
-        raise ShapeMismatchError(f"{op}: the tensors must all be 2-D or all 3-D (a batch axis first), got {shapes}")
-    if ranks == {3} and len({t.shape[0] for _, t in given if t.shape[0] >= 0}) > 1:
-        raise ShapeMismatchError(f"{op}: the batch axes differ: " + ", ".join(f"{n} {t.shape[0]}" for n, t in given))
+        raise ShapeMismatchError(f"{op}: the tensors must all be 2-D, all 3-D (a batch axis first) or all 4-D (a "
+                                 f"batch and a chunk axis first), got {shapes}")
+    for ax, what in ((0, "batch"), (1, "chunk")):
+        if max(ranks) - 2 > ax and len({t.shape[ax] for _, t in given if t.shape[ax] >= 0}) > 1:
+            raise ShapeMismatchError(f"{op}: the {what} axes differ: "
+                                     + ", ".join(f"{n} {t.shape[ax]}" for n, t in given))
 
 
 def _combine_post(ins: list[TensorDistAttr], outs: list[TensorDistAttr], *args: object) -> Answer:
@@ -178,7 +187,7 @@ declare(
 
 def _combine_shape(a: Args) -> list[Expect]:
     x, w = a.s("x"), a.s("combine_weights")
-    if len(x) not in (2, 3) or len(w) != len(x):
+    if len(x) not in (2, 3, 4) or len(w) != len(x):
         raise UnknownShape
     return [(*w[:-1], x[-1])]
 
@@ -189,7 +198,7 @@ def _dispatch_shape(a: Args) -> list[Expect]:
     expert_offset [E]; batched (x [B, S, H]): each with B first."""
     x, gl = a.s("x"), a.s("gate_logits")
     k, cap = a.a("k"), a.a("capacity")
-    if len(x) not in (2, 3) or len(gl) != len(x) or not isinstance(k, int) or not isinstance(cap, int):
+    if len(x) not in (2, 3, 4) or len(gl) != len(x) or not isinstance(k, int) or not isinstance(cap, int):
         raise UnknownShape
     *b, s, e = gl
     y: Expect = (*b, e, cap, x[-1]) if a.nd(0) == len(x) + 1 else None
@@ -200,7 +209,7 @@ def _dispatch_grad_shape(a: Args) -> list[Expect]:
     """grad_x [S, H] and grad_gate_logits [S, E] from combine_weights [S, k] and grad_y [E, C, H]
     (batched: each with B first)."""
     cw, gy = a.s("combine_weights"), a.s("grad_y")
-    if len(cw) not in (2, 3) or len(gy) != len(cw) + 1:
+    if len(cw) not in (2, 3, 4) or len(gy) != len(cw) + 1:
         raise UnknownShape
     return [(*cw[:-1], gy[-1]), (*cw[:-1], gy[-3])]
 

@@ -28,6 +28,7 @@ from spmdkit.program.ir import Program
 from spmdkit.program.plan import Plan
 from spmdkit.strategies.context import config_for as cp_config
 from spmdkit.strategies.context import cp_groups, hf_cp
+from spmdkit.strategies.experts import config_for as ep_config
 from spmdkit.strategies.hf import (
     annotate_program,
     megatron_program,
@@ -113,6 +114,7 @@ def plan_preset(model_name: str, mesh_text: str, strategy_text: str,
         checked = {k: parse_size(f"--{k}", v, limits.get(k, MAX_SIZE)) for k, v in overrides.items()}
         cfg = cfg.with_(**{k: v for k, v in checked.items() if v is not None})
     cfg = cp_config(cfg, mesh, st)  # context parallel: built with cp_attention at the tokens' positions
+    cfg = ep_config(cfg, mesh, st)  # ETP = 1 under sp: each sequence routed in tp chunks (Megatron's token path)
     t0 = time.perf_counter()
     loaded = load_preset(Preset(model_name, cfg.layers, cfg.batch, cfg.seq), cfg, vocab_parallel_loss="megatron" in st)
     assert loaded.model is not None

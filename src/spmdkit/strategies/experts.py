@@ -55,6 +55,9 @@ class MoeLayer:
     grad_dispatched: str | None = None
     #: moe_combine_grad's grad_x (the rows' gradient), None without a backward
     grad_rows: str | None = None
+    #: routed in chunks (Megatron's ETP = 1 token path): the dispatch's x [B, T, S/T, H], the
+    #: dispatched tokens [B, T, E, C, H] and the rows [B, T, E x C, H]; None: one route a sequence
+    chunks: str | None = None
 
 
 def moe_layers(prog: Any) -> list[MoeLayer]:
@@ -72,11 +75,11 @@ def moe_layers(prog: Any) -> list[MoeLayer]:
         if op.rule != "moe_gate_dispatch" or op.phase != "forward":
             continue
         y, cw = op.outputs[0], op.outputs[1]
-        if y is None or len(tensors[y].shape) != 4:
+        if y is None or len(tensors[y].shape) not in (4, 5):
             raise ProgramError(f"--strategy ep: op {i} ({op.name or op.rule}) dispatches into "
                                f"{list(tensors[y].shape) if y else None}, not a batched [B, E, C, H] (expert "
                                f"parallelism needs the batch axis)")
-        e = tensors[y].shape[1]
+        e = tensors[y].shape[-3]
         j = next((j for j in range(i + 1, len(ops)) if ops[j].rule == "moe_combine" and ops[j].phase == "forward"),
                  None)
         if j is None:
@@ -88,7 +91,9 @@ def moe_layers(prog: Any) -> list[MoeLayer]:
                 t = tensors[n]
                 if t.kind == "parameter" and len(t.shape) == 3 and t.shape[0] == e and n not in stacks:
                     stacks.append(n)
-        out.append(MoeLayer(y, e, rows, tuple(stacks), grad_y.get(cw), grad_x.get(rows)))
+        x = op.inputs["x"]
+        out.append(MoeLayer(y, e, rows, tuple(stacks), grad_y.get(cw), grad_x.get(rows),
+                            x if len(tensors[y].shape) == 5 else None))
     return out
 
 
@@ -138,28 +143,48 @@ def expert_marks(prog: Any, mesh: ProcessMesh, dm: Any, dp: int | None, ep: int,
     reduce over ``dp`` only; ZeRO shards their states over ``dp``). The batch of the data inputs
     is the caller's."""
     b = batch_entry(dp, ep)
-    e = expert_entry(ep, fold)
     experts: set[str] = set()
-    for lay in layers if layers is not None else moe_layers(prog):
+    lays = layers if layers is not None else moe_layers(prog)
+    chunked = fold is not None and any(lay.chunks is not None for lay in lays)
+    e = expert_entry(ep, fold, chunked)
+    for lay in lays:
         for p in lay.stacks:
             dm(p)[0] = e
             experts.add(p)
+        c = 1 if lay.chunks is not None else 0  # the chunk axis after the batch
+        own = c and fold is not None  # each tp rank routes its own sequence-parallel chunk
         d = dm(lay.dispatched)
-        d[0], d[1] = (dp if dp is not None else -1), e
-        dm(lay.rows)[0] = b
+        d[0], d[1 + c] = (dp if dp is not None else -1), e
+        r = dm(lay.rows)
+        r[0] = b
+        if own:
+            r[1] = fold
+            x = dm(lay.chunks)
+            x[0], x[1] = b, fold
+            for n in chunk_means(prog, lay):  # the aux loss' per-chunk means, their grads: kept on the chunks
+                for m in (n, n + ".grad"):
+                    if m in prog.tensors:
+                        g = dm(m)
+                        g[0], g[1] = b, fold
         if lay.grad_dispatched is not None:
-            dm(lay.grad_dispatched)[0] = b
+            g = dm(lay.grad_dispatched)
+            g[0] = b
+            if own:
+                g[1] = fold
         if lay.grad_rows is not None:
             g = dm(lay.grad_rows)
-            g[0], g[1] = (dp if dp is not None else -1), e
+            g[0], g[1 + c] = (dp if dp is not None else -1), e
     return frozenset(experts)
 
 
-def expert_entry(ep: int, fold: int | None = None) -> Entry:
-    """The expert axis' entry: ``ep``, or with ETP = 1 (``fold``: the tp mesh dim) the co-shard
-    ``(tp, ep)``: tp major, so a tp rank's share of experts is a slice of tokens it already holds
-    (gathered over tp before the dispatch) and the all-to-all over ep carries only that slice."""
-    return ep if fold is None else (fold, ep)
+def expert_entry(ep: int, fold: int | None = None, chunked: bool = False) -> Entry:
+    """The expert axis' entry: ``ep``, or with ETP = 1 (``fold``: the tp mesh dim) a co-shard of
+    ``tp`` and ``ep``. Routed in chunks (Megatron's token path, ``chunked``): ``(ep, tp)``, so
+    the dispatch moves the batch's ep and then the chunks' tp onto the expert axis, two
+    all-to-alls the planner makes one over the ep x tp group. Else ``(tp, ep)``: tp major, so a
+    tp rank's share of experts is a slice of tokens it already holds (gathered over tp before
+    the dispatch) and the all-to-all over ep carries only that slice."""
+    return ep if fold is None else (ep, fold) if chunked else (fold, ep)
 
 
 def parse_etp(item: str) -> str | None:
@@ -176,6 +201,44 @@ def parse_etp(item: str) -> str | None:
         return ""
     raise ProgramError(f"--strategy etp={value}: expert tensor parallel is 1 (each expert whole, experts over ep x "
                        f"tp) or tp (each expert split over tp: the default)")
+
+
+def chunk_means(prog: Any, lay: MoeLayer) -> list[str]:
+    """The outputs of the forward reductions over the tokens of a chunk (axis 2) of the gate
+    values a layer routed in chunks dispatches by (the load-balancing loss' per-chunk means)."""
+    gates = {op.inputs.get("gate_logits") for op in prog.ops if op.rule == "moe_gate_dispatch"
+             and op.outputs[0] == lay.dispatched}
+    return [op.outputs[0] for op in prog.ops if op.phase == "forward" and op.rule in ("mean", "sum")
+            and op.inputs.get("x") in gates and tuple(op.attrs.get("axis", ())) == (2,)]
+
+
+def chunk_inputs(prog: Any, layers: list[MoeLayer]) -> frozenset[str]:
+    """The tensors that only the reshapes into the chunks of MoE layers routed in chunks read
+    (the normalised tokens before a layer without shared experts): under ``sp`` they stay
+    sequence-sharded over tp, each rank routing its own tokens, instead of gathered."""
+    chunks = {lay.chunks for lay in layers if lay.chunks is not None}
+    if not chunks:
+        return frozenset()
+    readers: dict[str, set[bool]] = {}
+    for op in prog.ops:
+        if op.phase != "forward":
+            continue
+        into = op.rule == "reshape" and op.outputs[0] in chunks
+        for n in op.input_names():
+            readers.setdefault(n, set()).add(into)
+    return frozenset(n for n, r in readers.items() if r == {True})
+
+
+def config_for(cfg: Any, mesh: ProcessMesh, strategy: Any) -> Any:
+    """The zoo config (:class:`spmdkit.models.zoo_config.ModelConfig`) built for the strategy:
+    under ``megatron,sp,ep,etp=1`` (no cp) a MoE model routes each sequence in ``tp`` chunks
+    (``moe_chunks``), one a tp rank, as Megatron's ETP = 1 token path has each rank dispatch its
+    own sequence-parallel shard over the ep x tp group; ``cfg`` otherwise."""
+    st = set(strategy)
+    if not cfg.experts or not {"megatron", "sp", "ep", "etp=1"} <= st or "cp" in st or cfg.cp > 1:
+        return cfg
+    tp = mesh.shape[mesh.dim_index("tp")] if "tp" in mesh.dim_names else 1
+    return cfg.with_(moe_chunks=tp) if tp > 1 and cfg.seq % tp == 0 else cfg
 
 
 def check_etp(items: list[str], mesh: ProcessMesh) -> None:
@@ -214,5 +277,5 @@ def ep_dim(mesh: ProcessMesh, strategy: Mapping[str, Any] | Any) -> int | None:
     return mesh.dim_index("ep") if "ep" in set(strategy) else None
 
 
-__all__ = ["MoeLayer", "batch_entry", "check_ep", "check_etp", "ep_dim", "expert_entry", "expert_fold", "expert_marks",
+__all__ = ["MoeLayer", "batch_entry", "check_ep", "check_etp", "chunk_inputs", "config_for", "ep_dim", "expert_entry", "expert_fold", "expert_marks",
            "moe_layers", "parse_etp", "zero_dims"]

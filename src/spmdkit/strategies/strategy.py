@@ -63,6 +63,7 @@ from spmdkit.strategies.experts import (
     batch_entry,
     check_ep,
     check_etp,
+    chunk_inputs,
     ep_dim,
     expert_fold,
     expert_marks,
@@ -240,6 +241,7 @@ def annotate(model: Model, mesh: ProcessMesh, strategy: Iterable[str],
     ep = ep_dim(mesh, st)
     fold = expert_fold(mesh, st)  # ETP = 1: the experts over ep x tp
     experts: frozenset[str] = frozenset()
+    layers: list[Any] = []
     if ep is not None:
         layers = moe_layers(prog)
         check_ep(mesh, layers, ep, model.config.batch, dp, fold)
@@ -268,11 +270,14 @@ def annotate(model: Model, mesh: ProcessMesh, strategy: Iterable[str],
             d = dm(n)
             d[1] = tp if cp is None else (cp, tp)  # under cp: the cp rank's chunk split again over tp
             d[0] = batch
-        # gathered copies: the normalised activations the column-parallel projections read, and
+        # gathered copies: the normalised activations the column-parallel projections read (not
+        # those only a MoE layer routed in chunks reads: each tp rank routes its own tokens), and
         # (backward) the gradients of the row-parallel projections' outputs (not the experts':
         # their rows go back to the tokens by all-to-all first)
-        for n in [*model.norm_outputs, *(g for r in model.row_outputs if (g := r + ".grad") in prog.tensors
-                                         and (ep is None or len(prog.tensors[g].shape) == 3))]:
+        own = chunk_inputs(prog, layers) if ep is not None and fold is not None else frozenset()
+        for n in [*(x for x in model.norm_outputs if x not in own),
+                  *(g for r in model.row_outputs if (g := r + ".grad") in prog.tensors
+                    and (ep is None or len(prog.tensors[g].shape) == 3))]:
             d = dm(n)
             d[0] = batch
             if cp is not None:

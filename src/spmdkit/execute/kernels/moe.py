@@ -1,6 +1,6 @@
 """torch kernels of the ``moe`` family (:mod:`spmdkit.ops.moe`): moe_gate_dispatch, moe_combine and
 their gradients, with the optional leading batch axis (each batch row dispatched and combined on
-its own), equal to the numpy references of :mod:`spmdkit.sim.refs.moe` and vectorised over the
+its own) and chunk axis after it (each chunk of a row on its own), equal to the numpy references of :mod:`spmdkit.sim.refs.moe` and vectorised over the
 batch, the tokens and the top-k choices (no Python loop over tokens).
 
 - ``moe_gate_dispatch``: each token's experts are the top k of ``gate_logits + corr_bias`` (among
@@ -31,7 +31,12 @@ from spmdkit.sim.reference import Ctx
 
 def _batched(fn: Callable[..., tuple[torch.Tensor, ...]], rank: int, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``fn`` of batched tensors (a leading batch axis) on ``xs``: a call whose first tensor has
-    rank ``rank`` (unbatched) runs on a batch of one and drops it again."""
+    rank ``rank`` (unbatched) runs on a batch of one and drops it again; a chunked call (a batch
+    and a chunk axis first, rank ``rank + 2``) runs with the two folded into one batch axis."""
+    if xs[0].ndim == rank + 2:
+        b, t = xs[0].shape[:2]
+        outs = fn(*(x.reshape(b * t, *x.shape[2:]) for x in xs))
+        return tuple(o.reshape(b, t, *o.shape[1:]) for o in outs)
     if xs[0].ndim != rank:
         return fn(*xs)
     return tuple(o.squeeze(0) for o in fn(*(x.unsqueeze(0) for x in xs)))

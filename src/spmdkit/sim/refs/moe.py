@@ -40,10 +40,11 @@ def _i(x: Any) -> np.ndarray:
 
 def _batched(fn: Any, *arrays: np.ndarray, rank: int = 2) -> tuple[np.ndarray, ...]:
     """``fn`` of 2-D arrays (the first of rank ``rank``), or of each batch row of a batched
-    call (a leading batch axis: every row dispatched / combined on its own), stacked."""
+    call (a leading batch axis, and a chunk axis after it: every row, every chunk of a row,
+    dispatched / combined on its own), stacked."""
     if arrays[0].ndim == rank:
         return tuple(fn(*arrays))
-    rows = [fn(*(a[b] for a in arrays)) for b in range(arrays[0].shape[0])]
+    rows = [_batched(fn, *(a[b] for a in arrays), rank=rank) for b in range(arrays[0].shape[0])]
     return tuple(np.stack([r[i] for r in rows]) for i in range(len(rows[0]))) if rows else ()
 
 
