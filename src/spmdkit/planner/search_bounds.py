@@ -54,8 +54,8 @@ def experts_of(prog: Program) -> int:
     for op in prog.ops:
         if op.rule == "moe_gate_dispatch" and op.phase == "forward":
             names = op.output_names()
-            if names and len(prog.tensors[names[0]].shape) == 4:
-                return prog.tensors[names[0]].shape[1]
+            if names and len(prog.tensors[names[0]].shape) in (4, 5):  # 5: routed in chunks [B, T, E, C, H]
+                return prog.tensors[names[0]].shape[-3]
     return 0
 
 

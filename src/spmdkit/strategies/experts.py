@@ -21,6 +21,12 @@ Megatron-Core's default). The token exchange (:func:`expert_marks`):
   ``moe_combine_grad``) and the gradient of the dispatched tokens back to batch over ``(dp, ep)``
   (before ``moe_gate_dispatch_grad``): two all-to-alls.
 
+ETP = 1 (``etp=1``: :func:`expert_fold`) spreads the experts over ``ep x tp``. With ``sp`` the model
+is routed in tp chunks (:func:`config_for`: Megatron's token path): each tp rank dispatches its
+own sequence shard ``[B, T, S/T, H]`` (chunk axis over tp), the experts are co-sharded ``(ep,
+tp)`` and the dispatch and combine are one all-to-all each over the ep x tp group, with no tp
+collective around the experts.
+
 The ops outside the experts see the batch co-sharded ``(dp, ep)``; the planner asks their rules on
 the mesh with the two dims fused (:mod:`spmdkit.planner.fuse`), so no rule gathers it. Dense
 parameters' gradients come out partial over ``dp`` and ``ep`` (reduced over both), the experts'

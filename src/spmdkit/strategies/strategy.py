@@ -21,8 +21,10 @@
   the batch co-sharded over ``(dp, ep)``, each expert stack's expert axis over ``ep``, the
   tokens dispatched and combined by one all-to-all over ``ep`` each way.
 - ``etp=1`` (with ``ep`` and ``megatron``): Megatron-Core's ``--expert-tensor-parallel-size 1``:
-  each expert whole (not tensor-split), the experts spread over the ``ep x tp`` ranks (the
-  co-shard ``(tp, ep)`` of the expert axis) while attention stays tensor-parallel over ``tp``;
+  each expert whole (not tensor-split), the experts spread over the ``ep x tp`` ranks (a
+  co-shard of the expert axis) while attention stays tensor-parallel over ``tp``; with ``sp``
+  each tp rank routes its own sequence shard (the model built with ``moe_chunks``, Megatron's
+  token path: one all-to-all over the ep x tp group each way, docs/experts.md);
   ``etp=tp`` is the default (each expert split over ``tp``) and adds nothing.
 - ``cp``: context parallelism over the ``cp`` mesh dim (:mod:`spmdkit.strategies.context`,
   docs/context.md): the sequence of every activation outside attention split over ``cp``,
