@@ -19,7 +19,7 @@ import pytest
 from spmdkit.core.dist_attr import TensorDistAttr, largest_shard
 from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
-from spmdkit.core.reshard import plan_reshard, single_dim_steps
+from spmdkit.core.reshard import CostModel, merge_groups, plan_reshard, single_dim_steps
 from spmdkit.cost.memory import memory_per_device
 from spmdkit.cost.moe import ep_degree, rank_load
 from spmdkit.cost.moe import moe_layers as cost_layers
@@ -136,6 +136,29 @@ def test_the_merged_all_to_all_runs_as_one_per_mesh_dim() -> None:
     assert [(s.mesh_dims, s.tensor_axis, s.dst_axis, s.dst.dims_mapping) for s in parts] == [
         ((1,), 0, 2, (0, 2, 1, -1, -1)), ((2,), 1, 2, (0, -1, (1, 2), -1, -1))]
     assert parts[0].src == step.src and parts[-1].dst == step.dst
+
+
+def test_two_all_to_alls_over_a_group_merge_into_one() -> None:
+    """The dispatch (batch's ep, then the chunks' tp, onto the expert axis) and the combine (the
+    expert axis' tp onto the chunks, then its ep onto the batch): each two all-to-alls of (2 - 1) /
+    2 x 1 KiB, merged into one over the 4 ranks of the (ep, tp) group, (4 - 1) / 4 x 1 KiB, at
+    one all-to-all's time; single_dim_steps gives back the two steps, through the same layouts."""
+    mesh = ProcessMesh([2, 2, 2], dim_names=["dp", "ep", "tp"])
+    cost = CostModel.default(mesh)
+    shape, size = [4, 2, 4, 2, 16], 4 * 2 * 4 * 2 * 16 * 4 // 8
+    tokens = TensorDistAttr(mesh, [(0, 1), 2, -1, -1, -1])
+    experts = TensorDistAttr(mesh, [0, -1, (1, 2), -1, -1])
+    for src, dst, order in ((tokens, experts, (1, 2)), (experts, tokens, (2, 1))):
+        single = plan_reshard(src, dst, shape, 4, cost)
+        assert [(s.kind, s.mesh_dims, s.bytes_per_rank) for s in single.steps] == [
+            ("all_to_all", (order[0],), size // 2), ("all_to_all", (order[1],), size // 2)]
+        (one,) = merge_groups(single, [(1, 2)], shape, 4, cost).steps
+        assert (one.kind, one.mesh_dims, one.bytes_per_rank, one.src, one.dst) == (
+            "all_to_all", order, 3 * size // 4, src, dst)
+        assert one.time_s == cost.collective_time("all_to_all", order, size, mesh.shape)
+        assert [(s.mesh_dims, s.tensor_axis, s.dst_axis, s.src, s.dst) for s in single_dim_steps(one)] == [
+            (s.mesh_dims, s.tensor_axis, s.dst_axis, s.src, s.dst) for s in single.steps]
+        assert merge_groups(single, [(0, 1)], shape, 4, cost) == single  # not a group: two all-to-alls
 
 
 def test_mixtral_8x7b_experts_whole_over_ep_x_tp() -> None:
