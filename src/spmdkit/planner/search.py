@@ -85,7 +85,7 @@ from spmdkit.planner.pipeline import (
     pp_cost_text,
     split_layers,
 )
-from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, parse_size, plan_model, plan_program
+from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, BuiltModels, parse_size, plan_model, plan_program
 from spmdkit.planner.search_blocks import blocks_floor, blocks_k, blocks_mode, least_blocks, wants_blocks
 from spmdkit.planner.search_bounds import Bounds, experts_of, model_bounds
 from spmdkit.planner.search_floor import NO_FLOOR, StepFloor
@@ -216,6 +216,8 @@ class _Job:
     fold: bool = True
     #: a pruned search: the best step found so far (a full:K that cannot beat it is not priced)
     best: float = math.inf
+    #: the search's built models (a shallow copy is planned on many meshes; planning.BuiltModels)
+    models: BuiltModels = field(default_factory=BuiltModels, compare=False, repr=False)
 
     def mode_order(self) -> Sequence[str]:
         return sorted(self.modes, key=lambda r: -RECOMPUTE_MODES.index(r)) if self.lean else self.modes
@@ -491,7 +493,8 @@ def _bounds(model: str | Program, mc: ModelConfig | None, job: _Job) -> Bounds:
     fold = fold_of((mc.layers,), dense) if job.fold else None
     got = []
     for layers in ([fold.layers_a, fold.layers_b] if fold is not None else [mc.layers]):
-        _m, plan, _ = plan_model(str(model), "dp=1,tp=1", "dp", {"layers": layers, "batch": mc.batch, "seq": mc.seq})
+        _m, plan, _ = plan_model(str(model), "dp=1,tp=1", "dp", {"layers": layers, "batch": mc.batch, "seq": mc.seq},
+                                 models=job.models)
         token = mc.hidden * plan.program.tensors["embed"].itemsize if "embed" in plan.program.tensors else 0
         got.append(model_bounds(replace(plan, runtime=job.runtime), job.device, job.runtime, token))
     if fold is None:
@@ -676,7 +679,7 @@ def _preset_plan(cfg: Config, name: str, mc: ModelConfig, job: _Job, layers: int
         title += _auto_title(info)
     else:
         _model, plan, _ = plan_model(name, cfg.sub_mesh_text, cfg.strategy, over, _pins_for(cfg, job.pins), cost_text,
-                                     grad_accum=cfg.grad_accum)
+                                     grad_accum=cfg.grad_accum, models=job.models)
     return _Planned(recost(plan, _link_cost(plan.mesh, job, cost_text)), title, info, full_cost)
 
 

@@ -35,7 +35,7 @@ give the configuration, under every recomputation mode:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from spmdkit.cost.collectives import Fabric
 from spmdkit.cost.compute import op_cost
@@ -84,6 +84,10 @@ class Bounds:
     fabric: Fabric | None = None
     dispatcher: str = "alltoall"
     routing: str = "topk"
+    #: :meth:`held` by (dp, ep, tp, strategy) (not an argument: a copy ``dataclasses.replace``
+    #: makes starts its own)
+    memo: dict[tuple[int, int, int, str], tuple[list[float], float]] = field(
+        default_factory=dict, init=False, compare=False, repr=False)
 
     def _held(self, h: Held, dp: int, ep: int, tp: int, strategy: str) -> float:
         st = set(strategy.split(","))
@@ -101,9 +105,16 @@ class Bounds:
 
     def held(self, dp: int, ep: int, tp: int, strategy: str) -> tuple[list[float], float]:
         """(each layer's parameters, gradients and optimizer states on a device, those of the
-        whole model with what lies outside the layers) under ``strategy``."""
-        per = [self._held(h, dp, ep, tp, strategy) for h in self.layers]
-        return per, sum(per) + self._held(self.outside, dp, ep, tp, strategy)
+        whole model with what lies outside the layers) under ``strategy`` (kept by its degrees:
+        a search asks for the same ones under every recomputation mode and bound)."""
+        key = (dp, ep, tp, strategy)
+        got = self.memo.get(key)
+        if got is None:
+            kinds: dict[Held, float] = {}  # a model's layers are of a few kinds: each computed once
+            per = [kinds[h] if h in kinds else kinds.setdefault(h, self._held(h, dp, ep, tp, strategy))
+                   for h in self.layers]
+            got = self.memo[key] = (per, sum(per) + self._held(self.outside, dp, ep, tp, strategy))
+        return list(got[0]), got[1]
 
     def layer_input(self, dp: int, ep: int, tp: int, pp: int, strategy: str, microbatches: int = 1) -> float:
         """One layer's input of one microbatch on one device (0 where the token bytes are not known):
