@@ -87,7 +87,7 @@ from spmdkit.planner.pipeline import (
 )
 from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, BuiltModels, parse_size, plan_model, plan_program
 from spmdkit.planner.search_blocks import blocks_floor, blocks_k, blocks_mode, least_blocks, wants_blocks
-from spmdkit.planner.search_bounds import Bounds, experts_of, model_bounds
+from spmdkit.planner.search_bounds import Bounds, experts_of, memory_bound, memory_why, model_bounds, pruned_why
 from spmdkit.planner.search_floor import NO_FLOOR, StepFloor
 from spmdkit.planner.search_floor_layers import LayerStepFloor
 from spmdkit.planner.search_space import (
@@ -443,7 +443,7 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
                 continue
         if progress is not None:
             progress.update(note=cfg.label())
-        why = _pruned_why(cfg, bounds, cap, best, low) if bounds is not None else None
+        why = pruned_why(cfg, bounds, cap, best, low) if bounds is not None else None
         if why is not None:
             pruned.append((cfg, why))
             if progress is not None:
@@ -505,41 +505,6 @@ def _bounds(model: str | Program, mc: ModelConfig | None, job: _Job) -> Bounds:
                    flops=fold.at(a.flops, b.flops))
 
 
-def _memory_bound(cfg: Config, bounds: Bounds, layer_bytes: float = 0.0) -> int:
-    """Bytes a device of ``cfg`` needs at least (``layer_bytes``: a layer's kept bytes of one
-    microbatch under a recomputation mode, where known)."""
-    # cp: ZeRO shards over dp x cp and each rank holds 1/cp of the sequences' tokens, as dp x cp ranks would
-    if cfg.grad_accum > 1:  # a micro-step holds the activations of batch / accum sequences
-        bounds = replace(bounds, batch=bounds.batch // cfg.grad_accum)
-    return bounds.memory(cfg.dp * cfg.cp, cfg.ep, cfg.tp, cfg.pp, cfg.strategy, cfg.microbatches, layer_bytes) \
-        if cfg.strategy != "auto" else 0
-
-
-def _memory_why(cfg: Config, bounds: Bounds, cap: int) -> str | None:
-    """Why ``cfg`` cannot fit in ``cap`` bytes a device (its memory bound), or None."""
-    mem = _memory_bound(cfg, bounds)
-    if mem > cap:
-        return (f"over the memory cap: its parameters, gradients, optimizer states and layer inputs kept for the "
-                f"backward alone need at least {mem / 2**30:.1f} GiB a device")
-    return None
-
-
-def _pruned_why(cfg: Config, bounds: Bounds, cap: int, best: float, low: float | None = None) -> str | None:
-    """Why ``cfg`` need not be planned (its bounds; ``low``: its step bound where computed), or None."""
-    why = _memory_why(cfg, bounds, cap)
-    if why is not None:
-        return why
-    if low is None:
-        low = bounds.step(cfg.devices, cfg.pp, cfg.microbatches, cfg.ep, cfg.strategy, cfg.virtual)
-    if low == math.inf:
-        return ("over the memory cap under every recomputation mode: its parameters, gradients, optimizer states "
-                "and the activations each mode keeps of its layers need more")
-    if low >= best:
-        return (f"its step is at least {low:.3g} s (its layers' GEMMs and blocking collectives at their shapes, "
-                f"FLOPs at the fastest rates, MoE all-to-alls, the pipeline's bubble), the best found {best:.3g} s")
-    return None
-
-
 def _floor(model: str | Program, mc: ModelConfig | None, job: _Job, bounds: Bounds | None = None) -> StepFloor | None:
     """The :class:`spmdkit.planner.search_floor.StepFloor` of a preset's search (None for a
     program); a MoE model's with dense first layers (``bounds``: with its pipelines' split
@@ -570,7 +535,7 @@ def _step_bound(cfg: Config, bounds: Bounds, floor: StepFloor | None, job: _Job,
         kept = {rc: max(f.kept.get(rc, 0), z.kept.get(rc, 0)) for rc in job.modes}
 
         def fits(b: float) -> bool:
-            return _memory_bound(cfg, bounds, b) <= job.cap
+            return memory_bound(cfg, bounds, b) <= job.cap
 
         least = min((floor.step(cfg, rc, gathers) for rc in job.modes if fits(kept[rc])), default=math.inf)
         if cfg.pp > 1 and "full" in job.modes and "none" in job.modes and not fits(kept["none"]):
@@ -598,7 +563,7 @@ def _step_bounds(work: list[Config], bounds: Bounds, floor: StepFloor | None, jo
     distinct key, would be more than :data:`EAGER_FLOORS`; each configuration's floor is then
     computed when it is its turn, :meth:`Bounds.step` ordering them)."""
     t0 = time.perf_counter()
-    fits = [c for c in work if _memory_why(c, bounds, job.cap) is None]
+    fits = [c for c in work if memory_why(c, bounds, job.cap) is None]
     lazy = floor is not None and len({floor.key(c) for c in fits}) > EAGER_FLOORS
     out = {c: _step_bound(c, bounds, None if lazy else floor, job) for c in fits}
     if progress is not None and floor is not None:
@@ -622,7 +587,7 @@ def _seeds(work: list[Config], lows: dict[Config, float], bounds: Bounds, floor:
               and c.strategy in ("dp,ep,zero1", "dp,ep,zero2")]
     for c in family:
         lows[c] = _step_bound(c, bounds, floor, job)
-    return sorted(family, key=lambda c: (lows[c], _memory_bound(c, bounds)))[:SEEDS]
+    return sorted(family, key=lambda c: (lows[c], memory_bound(c, bounds)))[:SEEDS]
 
 
 def _pins_for(cfg: Config, pins: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -869,14 +834,21 @@ def _deep_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> list[Can
     flops = flat.at(model_flops(pa, mb)[0], model_flops(pb, mb)[0])
     coll = round(flat.at(collectives_of(pa), collectives_of(pb)))
     tokens = job.tokens
+    flats: dict[str, tuple[StepEstimate, StepEstimate, float | None]] = {}
+
+    def flat_steps(mode: str) -> tuple[StepEstimate, StepEstimate, float | None]:
+        """The flat copies' microbatch steps under ``mode`` and the buckets' total time (only
+        that is wanted here, the communication column: a ZeRO-3 prefetch that moves their
+        starts, which bucket_figures refuses, does not change it); once per mode."""
+        if mode not in flats:
+            oa, ob = estimate_step(pa, job.device, mb, mode), estimate_step(pb, job.device, mb, mode)
+            figs = bucket_figures(flat, pa, oa, pb, ob, big, dense)
+            flats[mode] = oa, ob, figs[0] if figs is not None else bucket_sync(pa, oa, pb, ob, big, dense)
+        return flats[mode]
 
     def one(rc: str) -> Candidate | None:
-        one_mode = per_microbatch_mode(rc)  # full:K: the flat copies' step (communication) under full
-        oa, ob = estimate_step(pa, job.device, mb, one_mode), estimate_step(pb, job.device, mb, one_mode)
-        # only the buckets' total time is wanted here (the communication column): a ZeRO-3
-        # prefetch that moves their starts (bucket_figures refuses it) does not change it
-        figs = bucket_figures(flat, pa, oa, pb, ob, big, dense)
-        sync = figs[0] if figs is not None else bucket_sync(pa, oa, pb, ob, big, dense)
+        # full:K: the flat copies' step (communication) under full
+        oa, ob, sync = flat_steps(per_microbatch_mode(rc))
         est = deep_pipeline(ps, _spec(cfg), counts, job.device, (link.alpha_s, link.beta_s_per_byte), tokens,
                             full.size, rc, flops, dense)
         if sync is None or est is None:
