@@ -816,16 +816,23 @@ def _deep_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> list[Can
     flat = fold_of((big,), dense)
     if flat is None or job.tokens is None:
         return None
-    b = _preset_plan(cfg, name, mc, job, flat.layers_b)
+    uneven = big % (cfg.pp * cfg.virtual) != 0
+    if uneven and flat.layers_b < dense + 3:  # the split's copy (below) serves as the deeper flat one
+        flat = fold_of((big,), dense, dense + 2) or flat
+    copies: dict[int, _Planned] = {}
+
+    def copy(layers: int) -> _Planned:
+        if layers not in copies:
+            copies[layers] = _preset_plan(cfg, name, mc, job, layers)
+        return copies[layers]
+
     # the split from a copy's per-layer costs needs a repeated layer after the dense ones
-    deeper = b if flat.layers_b >= dense + 3 or big % (cfg.pp * cfg.virtual) == 0 else \
-        _preset_plan(cfg, name, mc, job, dense + 3)
-    counts = _split(cfg, deeper, job, big, dense)
+    counts = _split(cfg, copy(max(flat.layers_b, dense + 3) if uneven else flat.layers_b), job, big, dense)
     assert counts is not None
     got = stage_copy(counts, dense)
     if got is None:
         return None
-    a, s = _preset_plan(cfg, name, mc, job, flat.layers_a), _preset_plan(cfg, name, mc, job, sum(got[0]))
+    a, b, s = copy(flat.layers_a), copy(flat.layers_b), copy(sum(got[0]))
     full = parse_mesh(cfg.mesh_text)
     link = _link_cost(full, job, s.full_cost).links[full.dim_index("pp")]
     m = cfg.microbatches
