@@ -94,10 +94,25 @@ class BuiltModels:
     its program's ops or tensors (``tests/test_search_floor.py`` plans twice on one and checks
     the plans equal those on a fresh build), so one object serves every plan of a search."""
 
-    def __init__(self, limit: int = 128) -> None:
+    def __init__(self, limit: int = 128, plans: int = 32) -> None:
         self.limit = limit
         self.built: OrderedDict[tuple[str, ModelConfig, bool], Loaded] = OrderedDict()
         self.hits = 0
+        #: the searcher's plans by what they were planned from (:meth:`plan`), the last ``plans`` kept
+        self.plans: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
+        self.plan_limit = plans
+
+    def plan(self, key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
+        """``make()``, or what it made for ``key`` before (a frozen plan: the same shallow copy
+        on the same mesh under the same strategy, asked for by two configurations)."""
+        got = self.plans.get(key)
+        if got is None:
+            got = self.plans[key] = make()
+            if len(self.plans) > self.plan_limit:
+                self.plans.popitem(last=False)
+        else:
+            self.plans.move_to_end(key)
+        return got
 
     def load(self, name: str, cfg: ModelConfig, vocab_parallel_loss: bool) -> Loaded:
         key = (name, cfg, vocab_parallel_loss)

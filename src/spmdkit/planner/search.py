@@ -642,10 +642,16 @@ def _preset_plan(cfg: Config, name: str, mc: ModelConfig, job: _Job, layers: int
         model = build_model(built, vocab_parallel_loss=cfg.tp > 1, check_rules=False)
         plan, info = _auto(model.program, cfg, job, cost_text)
         title += _auto_title(info)
-    else:
-        _model, plan, _ = plan_model(name, cfg.sub_mesh_text, cfg.strategy, over, _pins_for(cfg, job.pins), cost_text,
+        return _Planned(recost(plan, _link_cost(plan.mesh, job, cost_text)), title, info, full_cost)
+    pins = _pins_for(cfg, job.pins)
+
+    def make() -> Plan:
+        _model, plan, _ = plan_model(name, cfg.sub_mesh_text, cfg.strategy, over, pins, cost_text,
                                      grad_accum=cfg.grad_accum, models=job.models)
-    return _Planned(recost(plan, _link_cost(plan.mesh, job, cost_text)), title, info, full_cost)
+        return recost(plan, _link_cost(plan.mesh, job, cost_text))
+
+    key = (name, cfg.sub_mesh_text, cfg.strategy, tuple(over.items()), cfg.grad_accum, repr(pins), cost_text)
+    return _Planned(job.models.plan(key, make), title, info, full_cost)
 
 
 def _price(cfg: Config, p: _Planned, counts: tuple[int, ...] | None, job: _Job, raw: bool = False) -> list[Candidate]:
