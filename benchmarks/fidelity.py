@@ -2,7 +2,7 @@
 """Predicted vs measured: every published run of a runs file planned through the CLI, as a user
 would type it, and compared in the source's own unit and FLOP definition.
 
-    python benchmarks/fidelity.py [--runs FILE ...] [--only PREFIX[,PREFIX]] [--json OUT] [--show-argv]
+    python benchmarks/fidelity.py [--runs FILE ...] [--only PREFIX[,PREFIX]] [--json OUT] [--show-argv] [--breakdown]
     python benchmarks/fidelity.py --runs benchmarks/data/moe-runs.json   # the MoE runs (expert parallelism)
 
 For each run: the command line (``spmdkit plan --model-config ... --mesh pp=..,dp=..,tp=..
@@ -76,6 +76,8 @@ class Case:
     device_memory_gib: float = 80.0
     #: what the GPU must hold, predicted (Memory.device_total), set by predict
     device_need_gib: float = 0.0
+    #: where the predicted step goes (:func:`breakdown`), set by predict
+    breakdown: dict[str, float] = field(default_factory=dict)
 
 
 # -- a run as a command line ------------------------------------------------------------------------
@@ -431,12 +433,37 @@ def _phase_s(d: dict[str, Any]) -> float:
         + float(k.get("inside_ops", 0.0))
 
 
+def breakdown(d: dict[str, Any]) -> dict[str, float]:
+    """Where a plan's predicted step goes (seconds), from its ``--json``: a flat plan's compute
+    and the parts of its exposed communication (``step.exposed_s``: blocking collectives,
+    gradient buckets past the last backward, distributed-optimizer gathers past the first
+    forward, backward re-gathers), which sum to the step; a pipeline's schedule (its bubble
+    inside) and what runs after it (gradient reductions, optimizer, gathers)."""
+    if "pipeline" in d:
+        p = d["pipeline"]
+        step = float(p["step_overlap_s"])
+        return {"pipeline": float(p["pipeline_s"]), "bubble": float(p["bubble_s"]),
+                "after_pipeline": step - float(p["pipeline_s"]), "step": step}
+    st = d["step"]
+    return {"compute": float(st["compute_total_s"]), **{k: float(v) for k, v in st["exposed_s"].items()},
+            "step": float(st["step_overlap_s"])}
+
+
+def breakdown_line(b: dict[str, float], ratio: float | None) -> str:
+    """``b`` as one line; with ``ratio`` (a whole-step run's measured / predicted time) the
+    measured step beside it."""
+    parts = ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in b.items() if k != "step")
+    meas = f" (measured {ratio * b['step']:.3f} s)" if ratio is not None else ""
+    return f"    step {b['step']:.3f} s{meas}: {parts}"
+
+
 def predict(case: Case) -> tuple[float, float]:
     """(prediction in the run's unit, predicted peak memory GiB)."""
     d = run_cli(case.argv)
     row, metric = case.row, case.metric
     mem = _memory_gib(d)
     case.device_need_gib = _memory_gib(d, "device_total")
+    case.breakdown = breakdown(d)
     if metric == "layer_combined_ms":
         assert case.argv2 is not None
         d2 = run_cli(case.argv2)
@@ -507,10 +534,10 @@ def summarise(results: list[dict[str, Any]], unsupported: dict[str, list[str]]) 
     }
 
 
-def evaluate(rows: list[dict[str, Any]], show_argv: bool = False, out: Any = None
+def evaluate(rows: list[dict[str, Any]], show_argv: bool = False, out: Any = None, show_breakdown: bool = False
              ) -> tuple[list[dict[str, Any]], dict[str, list[str]]]:
     """Every row planned and compared: (results, unsupported runs by missing feature); a table
-    row per run to ``out`` as it goes."""
+    row per run to ``out`` as it goes (with ``show_breakdown``, where its predicted step goes)."""
     results: list[dict[str, Any]] = []
     unsupported: dict[str, list[str]] = {}
 
@@ -547,13 +574,16 @@ def evaluate(rows: list[dict[str, Any]], show_argv: bool = False, out: Any = Non
                    "cp": int(row["parallelism"].get("cp") or 1),
                    "memory_measured_gib": case.memory_measured_gib,
                    "memory_ratio": mem / case.memory_measured_gib if case.memory_measured_gib else None,
-                   "assumptions": case.assumptions, "argv": case.argv, "seconds": secs}
+                   "assumptions": case.assumptions, "argv": case.argv, "seconds": secs,
+                   "breakdown": case.breakdown}
             results.append(res)
             mm = f" ({case.memory_measured_gib})" if case.memory_measured_gib else ""
             say(f"| {row['id']} | {case.metric} | {case.measured:g} | {pred:.4g} | {ratio:.3f} | {mem:.1f}{mm} | "
                 f"{'yes' if fits else 'no' if fits is not None else ''} | {secs:.1f} |")
             if show_argv:
                 say("    spmdkit " + " ".join(_quote(x) for x in case.argv))
+            if show_breakdown:
+                say(breakdown_line(case.breakdown, ratio if case.metric != "layer_combined_ms" else None))
     return results, unsupported
 
 
@@ -663,12 +693,15 @@ def main() -> int:
     ap.add_argument("--write", action="store_true",
                     help="also write the error band (src/spmdkit/cost/band.json) and docs/fidelity.md")
     ap.add_argument("--show-argv", action="store_true", help="print each run's command line")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="print where each run's predicted step goes (compute, exposed communication by kind; "
+                         "a pipeline's schedule, bubble and what runs after it) and the measured step")
     a = ap.parse_args()
     runs = a.runs or [str(RUNS)]
     rows = [r for f in runs for r in json.loads(Path(f).read_text())]
     if a.only:
         rows = [r for r in rows if r["id"].startswith(tuple(a.only.split(",")))]
-    results, unsupported = evaluate(rows, a.show_argv, sys.stdout)
+    results, unsupported = evaluate(rows, a.show_argv, sys.stdout, a.breakdown)
     s = summarise(results, unsupported)
     print()
     for line in summary_lines(s):

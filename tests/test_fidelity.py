@@ -131,3 +131,24 @@ def test_band_and_docs_are_current() -> None:
     band = error_band("NVIDIA H100 SXM5 80GB")
     assert band is not None and band.family == "H100" and band.p10 <= band.p50 <= band.p90
     assert family_of("NVIDIA A100 SXM4 80GB") == "A100" and family_of("my TPU") == "all"
+
+
+def test_breakdown_sums_to_the_step() -> None:
+    """``--breakdown``: a flat run's compute and exposed parts sum to its predicted step (Megatron-LM's
+    1.7B: tp = 1, so nothing blocks, and the gradient buckets overlap all but the tail of its last
+    backward); a pipeline's schedule and what runs after it likewise; the measured step is the
+    ratio times the predicted one."""
+    row = next(r for r in ROWS if r["id"] == "megatronlm_h100_2024_1.7b")
+    with tempfile.TemporaryDirectory() as d:
+        case = FID.express(row, Path(d))
+    pred, _ = FID.predict(case)
+    b = case.breakdown
+    assert set(b) == {"compute", "blocking", "gradient_buckets", "param_gathers", "regathers", "step"}
+    assert sum(v for k, v in b.items() if k != "step") == pytest.approx(b["step"], rel=1e-9)
+    assert b["blocking"] == 0 and b["gradient_buckets"] < 0.05 * b["step"]
+    # the README's TFLOP/s is Megatron-Core's count over the step: the step is that count over the prediction
+    assert FID.megatron_core_flops(row) / 48 / b["step"] / 1e12 == pytest.approx(pred, rel=1e-9)
+    line = FID.breakdown_line(b, case.measured and pred / case.measured)
+    assert line.startswith(f"    step {b['step']:.3f} s (measured {pred / case.measured * b['step']:.3f} s): compute ")
+    p = {"pipeline": {"step_overlap_s": 2.5, "pipeline_s": 2.0, "bubble_s": 0.25}}
+    assert FID.breakdown(p) == {"pipeline": 2.0, "bubble": 0.25, "after_pipeline": 0.5, "step": 2.5}

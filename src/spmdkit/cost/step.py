@@ -121,6 +121,15 @@ class StepEstimate:
     cp_imbalance: float = 1.0
     #: the context-parallel degree (the most ranks a cp attention op splits its sequence over; 1: none)
     cp: int = 1
+    #: where :attr:`exposed_comm_s` goes (seconds over the step): ``blocking`` (collectives that
+    #: hold the compute stream: tensor-parallel ones not overlapped, their overlap's exposed
+    #: chunk, collectives inside kernels, a prefetched gather waited for, ring attention's
+    #: exposed transfers; every micro-step), ``gradient_buckets`` (the data-parallel reductions
+    #: still running after the last backward), ``param_gathers`` (Megatron's distributed
+    #: optimizer all-gathers the first forward does not cover), ``regathers`` (the backward's
+    #: all-gathers of kept shards, sequence parallelism's norm outputs, and the collectives of
+    #: recomputed ops, less what their dgrad GEMM covers); they sum to :attr:`exposed_comm_s`
+    exposed_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def compute_total_s(self) -> float:
@@ -174,6 +183,7 @@ class StepEstimate:
                 "ring_attention": self.ring_json(), "cp_imbalance": self.cp_imbalance,
                 "comm_total_s": self.comm_total_s, "step_serial_s": self.step_serial_s,
                 "step_overlap_s": self.step_overlap_s, "exposed_comm_s": self.exposed_comm_s,
+                "exposed_s": dict(self.exposed_s),
                 "flops_per_device": self.flops_per_device, "model_flops_per_device": self.model_flops_per_device,
                 "bytes_per_device": self.bytes_per_device, "tokens": self.tokens,
                 "tokens_per_s": self.tokens_per_s, "model_flops": self.model_flops, "parameters": self.n_params,
@@ -617,6 +627,8 @@ class _Run:
     timeline: list[tuple[int, float, float, float, float]]
     buckets: list[Bucket]
     fb_s: float = 0.0
+    #: the buckets still running after the last backward (the optimizer waits for them)
+    tail_s: float = 0.0
 
 
 def _run(plan: Plan, comp: _Compute, comm: _Comm, rerun: _Rerun, kern_by_op: dict[int, float]) -> _Run:
@@ -628,7 +640,7 @@ def _run(plan: Plan, comp: _Compute, comm: _Comm, rerun: _Rerun, kern_by_op: dic
     serial_compute = 0.0
     timeline: list[tuple[int, float, float, float, float]] = []
     flushed = False
-    fb = 0.0
+    fb = tail = 0.0
     times = comp.times
     groups = layer_groups(plan) if comm.prefetch else []
     order = sorted(comm.prefetch)
@@ -639,6 +651,7 @@ def _run(plan: Plan, comp: _Compute, comm: _Comm, rerun: _Rerun, kern_by_op: dic
             fb = clock
             clock = red.flush(clock)
             flushed = True
+            tail = clock - fb
         wait = 0.0
         if groups and (i == 0 or groups[i] != groups[i - 1]):
             # a group starts: its own gather if not yet issued, then the next group's (prefetch)
@@ -660,7 +673,8 @@ def _run(plan: Plan, comp: _Compute, comm: _Comm, rerun: _Rerun, kern_by_op: dic
     if not flushed:
         fb = clock
         clock = red.flush(clock)
-    return _Run(clock, serial_compute, timeline, red.buckets, fb)
+        tail = clock - fb
+    return _Run(clock, serial_compute, timeline, red.buckets, fb, tail)
 
 
 @dataclass
@@ -740,11 +754,13 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
     flops, mflops, nbytes, matmul_s = comp.flops + rerun.flops, comp.model_flops, comp.bytes, comp.matmul_s
     run = _run(plan, comp, comm, rerun, kern_by_op)
     clock = run.clock
+    gathers_exposed = 0.0
     if comm.param_gathers:
         # Megatron's overlap_param_gather: the updated parameters' all-gathers run under the next
         # step's first forward, bucket by bucket; what the forward does not cover is exposed
         gathers = param_gather_time(plan, [x for v in comm.param_gathers.values() for x in v])
-        clock += max(0.0, gathers - compute["forward"])
+        gathers_exposed = max(0.0, gathers - compute["forward"])
+        clock += gathers_exposed
     grad_sync = sum(b.time_s for b in run.buckets)
     kern_total = sum(k.time_s for k in kern)
     # the rings of recomputed forward ops run again (their exposed part is in comm_s["recompute"])
@@ -792,6 +808,9 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
     est.cp_imbalance = max((causal_imbalance(c.ranks, c.balanced, c.causal) for c in cps if c.variant != "alltoall"),
                            default=1.0)
     est.cp = max((c.ranks for c in cps), default=1)
+    blocking = accum * sum(b for _i, _t, b, _r, _c in run.timeline)
+    est.exposed_s = {"blocking": blocking, "gradient_buckets": run.tail_s, "param_gathers": gathers_exposed,
+                     "regathers": est.exposed_comm_s - blocking - run.tail_s - gathers_exposed}
     return est
 
 
