@@ -278,3 +278,33 @@ def test_deepseek_v3s_split_floor_is_under_its_fitting_steps_and_bites(cfg: Conf
     fitting = [c for c in got if c.fits]
     assert fitting and not any(c.fits for c in got if c.config.recompute == "none")
     assert all(floor.step(cfg, c.config.recompute) <= c.step_s for c in fitting)
+
+
+def _plan_facts(plan: Any) -> tuple[Any, ...]:
+    return plan.attrs, plan.ops, plan.reshards, plan.annotations, plan.storage, plan.rounds
+
+
+def test_a_built_model_serves_many_plans_unchanged() -> None:
+    """The search's built models (planning.BuiltModels): one model planned on several meshes and
+    strategies in turn gives each the plan a fresh build gives, and its program's ops and tensors
+    are the same after (no plan changes the object the next one reads)."""
+    from spmdkit.planner.planning import BuiltModels, plan_model
+
+    cases = [("mixtral-8x7b", "dp=2,ep=2,tp=2", "megatron,sp,ep,zero3"), ("mixtral-8x7b", "dp=4,ep=2", "dp,ep,zero1"),
+             ("mixtral-8x7b", "dp=2,ep=2,tp=2", "megatron,sp,ep,zero3"), ("llama3-8b", "dp=2,tp=4", "megatron,sp,zero2"),
+             ("llama3-8b", "dp=8", "dp,zero3"), ("llama3-8b", "dp=2,tp=4", "megatron,sp,zero2")]
+    over = {"layers": 2, "batch": 8, "seq": 64}
+    models = BuiltModels(limit=2)
+    first: dict[tuple[str, bool], Any] = {}
+    served = 0
+    for name, mesh, strategy in cases:
+        _model, plan, _ = plan_model(name, mesh, strategy, over, models=models)
+        _m, fresh, _ = plan_model(name, mesh, strategy, over)
+        assert fresh.program is not plan.program and _plan_facts(plan) == _plan_facts(fresh)
+        prog, key = plan.program, (name, "megatron" in strategy)  # megatron's loss is vocab-parallel
+        if key in first and first[key][0] is prog:
+            served += 1
+            assert prog.tensors == first[key][1] and prog.ops == first[key][2]
+        first[key] = (prog, dict(prog.tensors), list(prog.ops))
+    # the third and the last are served again; the others built (two kept: the oldest dropped)
+    assert served == models.hits == 2 and len(models.built) == 2

@@ -389,7 +389,7 @@ def recost(plan: Plan, cost: CostModel) -> Plan:
             new[id(r)] = x
         return x
 
-    ops = [replace(o, reshards=[rs(r) for r in o.reshards]) for o in plan.ops]
+    ops = [replace(o, reshards=[rs(r) for r in o.reshards]) if o.reshards else o for o in plan.ops]  # (frozen)
     return replace(plan, ops=ops, reshards=[rs(r) for r in plan.reshards], cost=cost)
 
 

@@ -130,17 +130,18 @@ class _Adds:
     layers: int
 
 
-_OC: dict[int, tuple[Plan, OpComm]] = {}
+_OC: dict[int, tuple[Plan, Device, OpComm]] = {}
 
 
-def _op_comm(plan: Plan, device: Device) -> OpComm:
-    """:func:`spmdkit.cost.step.op_communication` of a copy, once per plan (its modes share it)."""
+def op_comm(plan: Plan, device: Device) -> OpComm:
+    """:func:`spmdkit.cost.step.op_communication` of a copy, once per plan and device (its modes
+    share it; the last few kept)."""
     got = _OC.get(id(plan))
-    if got is None or got[0] is not plan:
+    if got is None or got[0] is not plan or got[1] is not device:
         if len(_OC) > 8:
             _OC.clear()
-        got = _OC[id(plan)] = (plan, op_communication(plan, device))
-    return got[1]
+        got = _OC[id(plan)] = (plan, device, op_communication(plan, device))
+    return got[2]
 
 
 def _gathered(plan: Plan, oc: OpComm, ops: set[int] | None = None) -> dict[tuple[tuple[int, ...], int], float]:
@@ -170,7 +171,7 @@ def _adds(plan: Plan, est: StepEstimate) -> _Adds | None:
     """``est``'s gradient reductions (None: no timeline)."""
     if len(est.timeline) != len(plan.program.ops):
         return None
-    oc = _op_comm(plan, est.device)
+    oc = op_comm(plan, est.device)
     unit, n = op_units(plan.program)
     items: list[tuple[int, str, Step, int, str, float]] = []
     fb = None
@@ -214,7 +215,7 @@ def bucket_figures(fold: Fold, plan_a: Plan, est_a: StepEstimate, plan_b: Plan, 
     copy's buckets: the gathers and the reductions queue on one stream, and where they outrun a
     layer's backward the queue grows with the depth, which two shallow copies do not show
     (llama3-405b dp=2048 tp=8 megatron,sp,zero3 on 16,384 devices: 8.48 s folded, 11.72 s whole)."""
-    if _op_comm(plan_b, est_b.device).gathers_s > 0:
+    if op_comm(plan_b, est_b.device).gathers_s > 0:
         return None
     a, b = _adds(plan_a, est_a), _adds(plan_b, est_b)
     if a is None or b is None:
@@ -240,8 +241,8 @@ def bucket_figures(fold: Fold, plan_a: Plan, est_a: StepEstimate, plan_b: Plan, 
     red = _replay(plan_b, out, fb_full)
     fwd_a = est_a.compute_s.get("forward", 0.0) / plan_a.grad_accum
     fwd_b = est_b.compute_s.get("forward", 0.0) / plan_b.grad_accum
-    ga, gb, gf = gather_exposed(fold, plan_b, _gathered(plan_a, _op_comm(plan_a, est_a.device)),
-                                _gathered(plan_b, _op_comm(plan_b, est_b.device)), fwd_a, fwd_b)
+    ga, gb, gf = gather_exposed(fold, plan_b, _gathered(plan_a, op_comm(plan_a, est_a.device)),
+                                _gathered(plan_b, op_comm(plan_b, est_b.device)), fwd_a, fwd_b)
     return (sum(x.time_s for x in red.buckets), _end(red, fb_full) - fb_full + gf, _end(red_a, a.fb) - a.fb + ga,
             _end(red_b, b.fb) - b.fb + gb)
 
@@ -328,7 +329,7 @@ def _pipeline_overlap(fold: Fold, plan_a: Plan, est_a: PipelineEstimate, est_b: 
     last = {k: (s0, s1) for _r, kind, k, i, s0, s1 in run.units if kind == "B" and i == m - 1}
     index = {t: n for n, t in enumerate(layer_tags(plan_b.program))}
     single_ranks = plan_b.runtime.framework == "megatron"
-    oc_a, oc_b = _op_comm(plan_a, device), _op_comm(plan_b, device)
+    oc_a, oc_b = op_comm(plan_a, device), op_comm(plan_b, device)
     st_a, st_b = op_stages(plan_a.program, est_a.counts), op_stages(plan_b.program, est_b.counts)
     out = []
     lo = 0
@@ -427,5 +428,5 @@ def _close(x: float, y: float) -> bool:
     return abs(x - y) <= 1e-12 * max(abs(x), abs(y), 1e-30)
 
 
-__all__ = ["bucket_sync", "FOLD_LAYERS", "Fold", "balanced_counts", "bucket_figures", "fold_counts", "fold_of", "full_layer_costs", "pipeline_memory",
+__all__ = ["bucket_sync", "FOLD_LAYERS", "op_comm", "Fold", "balanced_counts", "bucket_figures", "fold_counts", "fold_of", "full_layer_costs", "pipeline_memory",
            "pipeline_step"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -22,7 +23,7 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel
 from spmdkit.models.hf import dtype_name
 from spmdkit.models.source import Loaded, Preset, import_hf_checked, load_preset
-from spmdkit.models.zoo import Model, preset
+from spmdkit.models.zoo import Model, ModelConfig, preset
 from spmdkit.planner.propagate import propagate
 from spmdkit.program.ir import Program
 from spmdkit.program.plan import Plan
@@ -86,13 +87,55 @@ def parse_cost(text: str | None, mesh: ProcessMesh) -> CostModel:
     return cost
 
 
+class BuiltModels:
+    """Presets built once for many plans (a search plans the same shallow copy of a model on
+    hundreds of meshes): :class:`spmdkit.models.source.Loaded` by (preset name, its sizes, a
+    vocab-parallel loss), the ``limit`` most recently used kept. A built model is only read by
+    the strategies (annotate) and the propagation, which make new objects and change none of
+    its program's ops or tensors (``tests/test_search_floor.py`` plans twice on one and checks
+    the plans equal those on a fresh build), so one object serves every plan of a search."""
+
+    def __init__(self, limit: int = 128, plans: int = 32) -> None:
+        self.limit = limit
+        self.built: OrderedDict[tuple[str, ModelConfig, bool], Loaded] = OrderedDict()
+        self.hits = 0
+        #: the searcher's plans by what they were planned from (:meth:`plan`), the last ``plans`` kept
+        self.plans: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
+        self.plan_limit = plans
+
+    def plan(self, key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
+        """``make()``, or what it made for ``key`` before (a frozen plan: the same shallow copy
+        on the same mesh under the same strategy, asked for by two configurations)."""
+        got = self.plans.get(key)
+        if got is None:
+            got = self.plans[key] = make()
+            if len(self.plans) > self.plan_limit:
+                self.plans.popitem(last=False)
+        else:
+            self.plans.move_to_end(key)
+        return got
+
+    def load(self, name: str, cfg: ModelConfig, vocab_parallel_loss: bool) -> Loaded:
+        key = (name, cfg, vocab_parallel_loss)
+        got = self.built.get(key)
+        if got is not None:
+            self.hits += 1
+            self.built.move_to_end(key)
+            return got
+        got = self.built[key] = load_preset(Preset(name, cfg.layers, cfg.batch, cfg.seq), cfg, vocab_parallel_loss)
+        if len(self.built) > self.limit:
+            self.built.popitem(last=False)
+        return got
+
+
 def plan_model(model_name: str, mesh_text: str, strategy_text: str,
                overrides: Mapping[str, int | str | None] | None = None,
                user: dict[str, Any] | None = None, cost_text: str | None = None,
-               progress: Callable[[int, int], None] | None = None, grad_accum: int = 1) -> tuple[Model, Plan, float]:
+               progress: Callable[[int, int], None] | None = None, grad_accum: int = 1,
+               models: BuiltModels | None = None) -> tuple[Model, Plan, float]:
     """(model, plan, seconds) for a preset on a mesh under a strategy (:func:`plan_preset`)."""
     loaded, plan, secs = plan_preset(model_name, mesh_text, strategy_text, overrides, user, cost_text, progress,
-                                     grad_accum)
+                                     grad_accum, models)
     assert loaded.model is not None  # a preset's
     return loaded.model, plan, secs
 
@@ -101,11 +144,12 @@ def plan_preset(model_name: str, mesh_text: str, strategy_text: str,
                 overrides: Mapping[str, int | str | None] | None = None,
                 user: dict[str, Any] | None = None, cost_text: str | None = None,
                 progress: Callable[[int, int], None] | None = None,
-                grad_accum: int = 1) -> tuple[Loaded, Plan, float]:
+                grad_accum: int = 1, models: BuiltModels | None = None) -> tuple[Loaded, Plan, float]:
     """(the loaded preset, its plan, seconds) on a mesh under a strategy, the model built by
     :func:`spmdkit.models.source.load_preset` (its loss vocab-parallel under megatron);
     ``overrides``: sizes (``--layers`` / ``--batch`` / ``--seq``); ``grad_accum``: the plan's
-    gradient accumulation (``--grad-accum``)."""
+    gradient accumulation (``--grad-accum``); ``models``: built models to take it from (and
+    keep it in) where one of the same sizes was built before (:class:`BuiltModels`)."""
     cfg = preset(model_name)
     mesh = parse_mesh(mesh_text)
     st = parse_strategy(strategy_text, mesh)
@@ -116,7 +160,9 @@ def plan_preset(model_name: str, mesh_text: str, strategy_text: str,
     cfg = cp_config(cfg, mesh, st)  # context parallel: built with cp_attention at the tokens' positions
     cfg = ep_config(cfg, mesh, st)  # ETP = 1 under sp: each sequence routed in tp chunks (Megatron's token path)
     t0 = time.perf_counter()
-    loaded = load_preset(Preset(model_name, cfg.layers, cfg.batch, cfg.seq), cfg, vocab_parallel_loss="megatron" in st)
+    vpl = "megatron" in st
+    loaded = load_preset(Preset(model_name, cfg.layers, cfg.batch, cfg.seq), cfg, vocab_parallel_loss=vpl) \
+        if models is None else models.load(model_name, cfg, vpl)
     assert loaded.model is not None
     cost = parse_cost(cost_text, mesh)  # a bad --cost refused before the strategy's notes are made
     ann = annotate(loaded.model, mesh, st, user)
@@ -174,5 +220,5 @@ def plan_hf(class_name: str, config: Any, mesh_text: str, strategy_text: str | N
     return prog, model, kw, plan
 
 
-__all__ = ["MAX_LAYERS", "MAX_SIZE", "clip_repr", "parse_cost", "parse_size", "plan_hf",
+__all__ = ["MAX_LAYERS", "MAX_SIZE", "BuiltModels", "clip_repr", "parse_cost", "parse_size", "plan_hf",
            "plan_model", "plan_preset", "plan_program"]

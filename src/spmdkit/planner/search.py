@@ -85,9 +85,9 @@ from spmdkit.planner.pipeline import (
     pp_cost_text,
     split_layers,
 )
-from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, parse_size, plan_model, plan_program
+from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, BuiltModels, parse_size, plan_model, plan_program
 from spmdkit.planner.search_blocks import blocks_floor, blocks_k, blocks_mode, least_blocks, wants_blocks
-from spmdkit.planner.search_bounds import Bounds, experts_of, model_bounds
+from spmdkit.planner.search_bounds import Bounds, experts_of, memory_bound, memory_why, model_bounds, pruned_why
 from spmdkit.planner.search_floor import NO_FLOOR, StepFloor
 from spmdkit.planner.search_floor_layers import LayerStepFloor
 from spmdkit.planner.search_space import (
@@ -216,6 +216,8 @@ class _Job:
     fold: bool = True
     #: a pruned search: the best step found so far (a full:K that cannot beat it is not priced)
     best: float = math.inf
+    #: the search's built models (a shallow copy is planned on many meshes; planning.BuiltModels)
+    models: BuiltModels = field(default_factory=BuiltModels, compare=False, repr=False)
 
     def mode_order(self) -> Sequence[str]:
         return sorted(self.modes, key=lambda r: -RECOMPUTE_MODES.index(r)) if self.lean else self.modes
@@ -441,7 +443,7 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
                 continue
         if progress is not None:
             progress.update(note=cfg.label())
-        why = _pruned_why(cfg, bounds, cap, best, low) if bounds is not None else None
+        why = pruned_why(cfg, bounds, cap, best, low) if bounds is not None else None
         if why is not None:
             pruned.append((cfg, why))
             if progress is not None:
@@ -491,7 +493,8 @@ def _bounds(model: str | Program, mc: ModelConfig | None, job: _Job) -> Bounds:
     fold = fold_of((mc.layers,), dense) if job.fold else None
     got = []
     for layers in ([fold.layers_a, fold.layers_b] if fold is not None else [mc.layers]):
-        _m, plan, _ = plan_model(str(model), "dp=1,tp=1", "dp", {"layers": layers, "batch": mc.batch, "seq": mc.seq})
+        _m, plan, _ = plan_model(str(model), "dp=1,tp=1", "dp", {"layers": layers, "batch": mc.batch, "seq": mc.seq},
+                                 models=job.models)
         token = mc.hidden * plan.program.tensors["embed"].itemsize if "embed" in plan.program.tensors else 0
         got.append(model_bounds(replace(plan, runtime=job.runtime), job.device, job.runtime, token))
     if fold is None:
@@ -500,41 +503,6 @@ def _bounds(model: str | Program, mc: ModelConfig | None, job: _Job) -> Bounds:
     k = dense + 1
     return replace(b, layers=b.layers[:k] + (b.layers[k],) * (mc.layers - fold.layers_b) + b.layers[k:],
                    flops=fold.at(a.flops, b.flops))
-
-
-def _memory_bound(cfg: Config, bounds: Bounds, layer_bytes: float = 0.0) -> int:
-    """Bytes a device of ``cfg`` needs at least (``layer_bytes``: a layer's kept bytes of one
-    microbatch under a recomputation mode, where known)."""
-    # cp: ZeRO shards over dp x cp and each rank holds 1/cp of the sequences' tokens, as dp x cp ranks would
-    if cfg.grad_accum > 1:  # a micro-step holds the activations of batch / accum sequences
-        bounds = replace(bounds, batch=bounds.batch // cfg.grad_accum)
-    return bounds.memory(cfg.dp * cfg.cp, cfg.ep, cfg.tp, cfg.pp, cfg.strategy, cfg.microbatches, layer_bytes) \
-        if cfg.strategy != "auto" else 0
-
-
-def _memory_why(cfg: Config, bounds: Bounds, cap: int) -> str | None:
-    """Why ``cfg`` cannot fit in ``cap`` bytes a device (its memory bound), or None."""
-    mem = _memory_bound(cfg, bounds)
-    if mem > cap:
-        return (f"over the memory cap: its parameters, gradients, optimizer states and layer inputs kept for the "
-                f"backward alone need at least {mem / 2**30:.1f} GiB a device")
-    return None
-
-
-def _pruned_why(cfg: Config, bounds: Bounds, cap: int, best: float, low: float | None = None) -> str | None:
-    """Why ``cfg`` need not be planned (its bounds; ``low``: its step bound where computed), or None."""
-    why = _memory_why(cfg, bounds, cap)
-    if why is not None:
-        return why
-    if low is None:
-        low = bounds.step(cfg.devices, cfg.pp, cfg.microbatches, cfg.ep, cfg.strategy, cfg.virtual)
-    if low == math.inf:
-        return ("over the memory cap under every recomputation mode: its parameters, gradients, optimizer states "
-                "and the activations each mode keeps of its layers need more")
-    if low >= best:
-        return (f"its step is at least {low:.3g} s (its layers' GEMMs and blocking collectives at their shapes, "
-                f"FLOPs at the fastest rates, MoE all-to-alls, the pipeline's bubble), the best found {best:.3g} s")
-    return None
 
 
 def _floor(model: str | Program, mc: ModelConfig | None, job: _Job, bounds: Bounds | None = None) -> StepFloor | None:
@@ -567,7 +535,7 @@ def _step_bound(cfg: Config, bounds: Bounds, floor: StepFloor | None, job: _Job,
         kept = {rc: max(f.kept.get(rc, 0), z.kept.get(rc, 0)) for rc in job.modes}
 
         def fits(b: float) -> bool:
-            return _memory_bound(cfg, bounds, b) <= job.cap
+            return memory_bound(cfg, bounds, b) <= job.cap
 
         least = min((floor.step(cfg, rc, gathers) for rc in job.modes if fits(kept[rc])), default=math.inf)
         if cfg.pp > 1 and "full" in job.modes and "none" in job.modes and not fits(kept["none"]):
@@ -595,7 +563,7 @@ def _step_bounds(work: list[Config], bounds: Bounds, floor: StepFloor | None, jo
     distinct key, would be more than :data:`EAGER_FLOORS`; each configuration's floor is then
     computed when it is its turn, :meth:`Bounds.step` ordering them)."""
     t0 = time.perf_counter()
-    fits = [c for c in work if _memory_why(c, bounds, job.cap) is None]
+    fits = [c for c in work if memory_why(c, bounds, job.cap) is None]
     lazy = floor is not None and len({floor.key(c) for c in fits}) > EAGER_FLOORS
     out = {c: _step_bound(c, bounds, None if lazy else floor, job) for c in fits}
     if progress is not None and floor is not None:
@@ -619,7 +587,7 @@ def _seeds(work: list[Config], lows: dict[Config, float], bounds: Bounds, floor:
               and c.strategy in ("dp,ep,zero1", "dp,ep,zero2")]
     for c in family:
         lows[c] = _step_bound(c, bounds, floor, job)
-    return sorted(family, key=lambda c: (lows[c], _memory_bound(c, bounds)))[:SEEDS]
+    return sorted(family, key=lambda c: (lows[c], memory_bound(c, bounds)))[:SEEDS]
 
 
 def _pins_for(cfg: Config, pins: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -674,10 +642,16 @@ def _preset_plan(cfg: Config, name: str, mc: ModelConfig, job: _Job, layers: int
         model = build_model(built, vocab_parallel_loss=cfg.tp > 1, check_rules=False)
         plan, info = _auto(model.program, cfg, job, cost_text)
         title += _auto_title(info)
-    else:
-        _model, plan, _ = plan_model(name, cfg.sub_mesh_text, cfg.strategy, over, _pins_for(cfg, job.pins), cost_text,
-                                     grad_accum=cfg.grad_accum)
-    return _Planned(recost(plan, _link_cost(plan.mesh, job, cost_text)), title, info, full_cost)
+        return _Planned(recost(plan, _link_cost(plan.mesh, job, cost_text)), title, info, full_cost)
+    pins = _pins_for(cfg, job.pins)
+
+    def make() -> Plan:
+        _model, plan, _ = plan_model(name, cfg.sub_mesh_text, cfg.strategy, over, pins, cost_text,
+                                     grad_accum=cfg.grad_accum, models=job.models)
+        return recost(plan, _link_cost(plan.mesh, job, cost_text))
+
+    key = (name, cfg.sub_mesh_text, cfg.strategy, tuple(over.items()), cfg.grad_accum, repr(pins), cost_text)
+    return _Planned(job.models.plan(key, make), title, info, full_cost)
 
 
 def _price(cfg: Config, p: _Planned, counts: tuple[int, ...] | None, job: _Job, raw: bool = False) -> list[Candidate]:
@@ -848,16 +822,23 @@ def _deep_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> list[Can
     flat = fold_of((big,), dense)
     if flat is None or job.tokens is None:
         return None
-    b = _preset_plan(cfg, name, mc, job, flat.layers_b)
+    uneven = big % (cfg.pp * cfg.virtual) != 0
+    if uneven and flat.layers_b < dense + 3:  # the split's copy (below) serves as the deeper flat one
+        flat = fold_of((big,), dense, dense + 2) or flat
+    copies: dict[int, _Planned] = {}
+
+    def copy(layers: int) -> _Planned:
+        if layers not in copies:
+            copies[layers] = _preset_plan(cfg, name, mc, job, layers)
+        return copies[layers]
+
     # the split from a copy's per-layer costs needs a repeated layer after the dense ones
-    deeper = b if flat.layers_b >= dense + 3 or big % (cfg.pp * cfg.virtual) == 0 else \
-        _preset_plan(cfg, name, mc, job, dense + 3)
-    counts = _split(cfg, deeper, job, big, dense)
+    counts = _split(cfg, copy(max(flat.layers_b, dense + 3) if uneven else flat.layers_b), job, big, dense)
     assert counts is not None
     got = stage_copy(counts, dense)
     if got is None:
         return None
-    a, s = _preset_plan(cfg, name, mc, job, flat.layers_a), _preset_plan(cfg, name, mc, job, sum(got[0]))
+    a, b, s = copy(flat.layers_a), copy(flat.layers_b), copy(sum(got[0]))
     full = parse_mesh(cfg.mesh_text)
     link = _link_cost(full, job, s.full_cost).links[full.dim_index("pp")]
     m = cfg.microbatches
@@ -866,14 +847,21 @@ def _deep_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> list[Can
     flops = flat.at(model_flops(pa, mb)[0], model_flops(pb, mb)[0])
     coll = round(flat.at(collectives_of(pa), collectives_of(pb)))
     tokens = job.tokens
+    flats: dict[str, tuple[StepEstimate, StepEstimate, float | None]] = {}
+
+    def flat_steps(mode: str) -> tuple[StepEstimate, StepEstimate, float | None]:
+        """The flat copies' microbatch steps under ``mode`` and the buckets' total time (only
+        that is wanted here, the communication column: a ZeRO-3 prefetch that moves their
+        starts, which bucket_figures refuses, does not change it); once per mode."""
+        if mode not in flats:
+            oa, ob = estimate_step(pa, job.device, mb, mode), estimate_step(pb, job.device, mb, mode)
+            figs = bucket_figures(flat, pa, oa, pb, ob, big, dense)
+            flats[mode] = oa, ob, figs[0] if figs is not None else bucket_sync(pa, oa, pb, ob, big, dense)
+        return flats[mode]
 
     def one(rc: str) -> Candidate | None:
-        one_mode = per_microbatch_mode(rc)  # full:K: the flat copies' step (communication) under full
-        oa, ob = estimate_step(pa, job.device, mb, one_mode), estimate_step(pb, job.device, mb, one_mode)
-        # only the buckets' total time is wanted here (the communication column): a ZeRO-3
-        # prefetch that moves their starts (bucket_figures refuses it) does not change it
-        figs = bucket_figures(flat, pa, oa, pb, ob, big, dense)
-        sync = figs[0] if figs is not None else bucket_sync(pa, oa, pb, ob, big, dense)
+        # full:K: the flat copies' step (communication) under full
+        oa, ob, sync = flat_steps(per_microbatch_mode(rc))
         est = deep_pipeline(ps, _spec(cfg), counts, job.device, (link.alpha_s, link.beta_s_per_byte), tokens,
                             full.size, rc, flops, dense)
         if sync is None or est is None:

@@ -35,13 +35,15 @@ give the configuration, under every recomputation mode:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field, replace
 
 from spmdkit.cost.collectives import Fabric
 from spmdkit.cost.compute import op_cost
 from spmdkit.cost.devices import Device
 from spmdkit.cost.memory import CUDA_CONTEXT_BYTES, NCCL_BYTES_PER_GROUP
 from spmdkit.cost.moe import MoeLayer, moe_layers, reached
+from spmdkit.planner.search_space import Config
 from spmdkit.program.ir import Program
 from spmdkit.program.layers import layer_tags, program_layers
 from spmdkit.program.plan import Plan
@@ -84,6 +86,10 @@ class Bounds:
     fabric: Fabric | None = None
     dispatcher: str = "alltoall"
     routing: str = "topk"
+    #: :meth:`held` by (dp, ep, tp, strategy) (not an argument: a copy ``dataclasses.replace``
+    #: makes starts its own)
+    memo: dict[tuple[int, int, int, str], tuple[list[float], float]] = field(
+        default_factory=dict, init=False, compare=False, repr=False)
 
     def _held(self, h: Held, dp: int, ep: int, tp: int, strategy: str) -> float:
         st = set(strategy.split(","))
@@ -101,9 +107,16 @@ class Bounds:
 
     def held(self, dp: int, ep: int, tp: int, strategy: str) -> tuple[list[float], float]:
         """(each layer's parameters, gradients and optimizer states on a device, those of the
-        whole model with what lies outside the layers) under ``strategy``."""
-        per = [self._held(h, dp, ep, tp, strategy) for h in self.layers]
-        return per, sum(per) + self._held(self.outside, dp, ep, tp, strategy)
+        whole model with what lies outside the layers) under ``strategy`` (kept by its degrees:
+        a search asks for the same ones under every recomputation mode and bound)."""
+        key = (dp, ep, tp, strategy)
+        got = self.memo.get(key)
+        if got is None:
+            kinds: dict[Held, float] = {}  # a model's layers are of a few kinds: each computed once
+            per = [kinds[h] if h in kinds else kinds.setdefault(h, self._held(h, dp, ep, tp, strategy))
+                   for h in self.layers]
+            got = self.memo[key] = (per, sum(per) + self._held(self.outside, dp, ep, tp, strategy))
+        return list(got[0]), got[1]
 
     def layer_input(self, dp: int, ep: int, tp: int, pp: int, strategy: str, microbatches: int = 1) -> float:
         """One layer's input of one microbatch on one device (0 where the token bytes are not known):
@@ -220,4 +233,39 @@ def model_bounds(plan: Plan, device: Device, runtime: Runtime, token_bytes: int 
                   runtime.moe_dispatcher, runtime.moe_routing)
 
 
-__all__ = ["Bounds", "Held", "experts_of", "model_bounds", "pipeline_fill"]
+def memory_bound(cfg: Config, bounds: Bounds, layer_bytes: float = 0.0) -> int:
+    """Bytes a device of ``cfg`` needs at least (``layer_bytes``: a layer's kept bytes of one
+    microbatch under a recomputation mode, where known)."""
+    # cp: ZeRO shards over dp x cp and each rank holds 1/cp of the sequences' tokens, as dp x cp ranks would
+    if cfg.grad_accum > 1:  # a micro-step holds the activations of batch / accum sequences
+        bounds = replace(bounds, batch=bounds.batch // cfg.grad_accum)
+    return bounds.memory(cfg.dp * cfg.cp, cfg.ep, cfg.tp, cfg.pp, cfg.strategy, cfg.microbatches, layer_bytes) \
+        if cfg.strategy != "auto" else 0
+
+
+def memory_why(cfg: Config, bounds: Bounds, cap: int) -> str | None:
+    """Why ``cfg`` cannot fit in ``cap`` bytes a device (its memory bound), or None."""
+    mem = memory_bound(cfg, bounds)
+    if mem > cap:
+        return (f"over the memory cap: its parameters, gradients, optimizer states and layer inputs kept for the "
+                f"backward alone need at least {mem / 2**30:.1f} GiB a device")
+    return None
+
+
+def pruned_why(cfg: Config, bounds: Bounds, cap: int, best: float, low: float | None = None) -> str | None:
+    """Why ``cfg`` need not be planned (its bounds; ``low``: its step bound where computed), or None."""
+    why = memory_why(cfg, bounds, cap)
+    if why is not None:
+        return why
+    if low is None:
+        low = bounds.step(cfg.devices, cfg.pp, cfg.microbatches, cfg.ep, cfg.strategy, cfg.virtual)
+    if low == math.inf:
+        return ("over the memory cap under every recomputation mode: its parameters, gradients, optimizer states "
+                "and the activations each mode keeps of its layers need more")
+    if low >= best:
+        return (f"its step is at least {low:.3g} s (its layers' GEMMs and blocking collectives at their shapes, "
+                f"FLOPs at the fastest rates, MoE all-to-alls, the pipeline's bubble), the best found {best:.3g} s")
+    return None
+
+
+__all__ = ["Bounds", "Held", "experts_of", "memory_bound", "memory_why", "model_bounds", "pipeline_fill", "pruned_why"]

@@ -106,7 +106,8 @@ def split_floor(cfg: Config, bounds: Bounds, f: MoeLayerFloor, mode: str, cap: i
     without recomputation; this bound makes the other ranks pay for it."""
     if cfg.pp == 1 or not f.layer_work or "auto" in cfg.strategy:
         return 0.0
-    per = [bounds._held(h, cfg.dp * cfg.cp, cfg.ep, cfg.tp, cfg.strategy) for h in bounds.layers if h[1] > 0]
+    every, _total = bounds.held(cfg.dp * cfg.cp, cfg.ep, cfg.tp, cfg.strategy)
+    per = [x for x, h in zip(every, bounds.layers) if h[1] > 0]
     if not per:
         return 0.0
     room = cap - bounds.overhead(cfg.dp, cfg.ep, cfg.tp, cfg.pp)
