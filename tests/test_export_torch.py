@@ -438,17 +438,38 @@ def _ranks() -> Any:
     return torch_export_ranks
 
 
-def _gloo(cls: str, cfg: dict[str, Any], mesh: str, strategy: str, folder: Path,
-          patterns: dict[str, str] | None = None) -> tuple[Any, Any]:
+#: the five dp=2 x tp=2 cases run on gloo: (HF class, config, strategy); one spawn of 4 ranks runs
+#: them all (torch_export_ranks.rank_cases: one import of torch and transformers a rank, ~30 s of
+#: CPU a launch saved per case), checked by one test (so one xdist worker runs the spawn)
+GLOO_CASES = {"llama-megatron,sp,fsdp": ("LlamaForCausalLM", LLAMA, "megatron,sp,fsdp"),
+              "mixtral-megatron": ("MixtralForCausalLM", MIXTRAL, "megatron"),
+              "mixtral-megatron,fsdp": ("MixtralForCausalLM", MIXTRAL, "megatron,fsdp"),
+              "gpt2-megatron": ("GPT2LMHeadModel", GPT2, "megatron"),
+              "gpt2-megatron,sp": ("GPT2LMHeadModel", GPT2, "megatron,sp")}
+
+
+@pytest.fixture()
+def gloo_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, Any]]:
+    """Each case's (rank 0's result, the exported module): every case planned on dp=2 x tp=2 and
+    exported to a folder of its own, then run in one spawn of 4 gloo processes."""
     import torch.multiprocessing as mp
 
-    plan = _plan(cls, cfg, mesh, strategy, patterns)
-    export_torch(plan, str(folder / "plan.py"))
-    rank_main = _ranks().rank_main
+    cases, folders = [], {}
+    for key, (cls, cfg, strategy) in GLOO_CASES.items():
+        folder = tmp_path_factory.mktemp(key.replace(",", "_"))
+        plan = _plan(cls, cfg, "dp=2,tp=2", strategy)
+        assert plan.mesh.size == 4
+        export_torch(plan, str(folder / "plan.py"))
+        cases.append((str(folder), cls, cfg))
+        folders[str(folder)] = key
     q = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(rank_main, args=(plan.mesh.size, str(folder), cls, cfg, BATCH, SEQ, q),
-                       nprocs=plan.mesh.size, start_method="spawn")
-    return q.get(), _load(folder / "plan.py")
+    mp.start_processes(_ranks().rank_cases, args=(4, cases, BATCH, SEQ, q), nprocs=4, start_method="spawn")
+    got: dict[str, tuple[Any, Any]] = {}
+    while not q.empty():
+        folder, result = q.get()
+        got[folders[folder]] = (result, _load(Path(folder) / "plan.py"))
+    assert set(got) == set(GLOO_CASES)
+    return got
 
 
 def _check_gloo(result: tuple[Any, ...], mod: Any) -> None:
@@ -471,21 +492,18 @@ def _check_gloo(result: tuple[Any, ...], mod: Any) -> None:
     assert Counter(total) == want
 
 
-@pytest.mark.parametrize("strategy", ["megatron,sp,fsdp"])
-def test_llama_on_gloo_equals_eager(strategy: str, tmp_path: Path) -> None:
-    _check_gloo(*_gloo("LlamaForCausalLM", LLAMA, "dp=2,tp=2", strategy, tmp_path))
-
-
-@pytest.mark.parametrize("strategy", ["megatron", "megatron,fsdp"])
-def test_mixtral_experts_tp_on_gloo_equals_eager(strategy: str, tmp_path: Path) -> None:
-    """The experts style written into the file (gate_up permuted, down Shard(2), the rows all-reduced
-    before the combine): loss and every gradient equal eager's, the collectives the plan's."""
-    _check_gloo(*_gloo("MixtralForCausalLM", MIXTRAL, "dp=2,tp=2", strategy, tmp_path))
-
-
-@pytest.mark.parametrize("strategy", ["megatron", "megatron,sp"])
-def test_gpt2_conv1d_tied_on_gloo_equals_eager(strategy: str, tmp_path: Path) -> None:
-    _check_gloo(*_gloo("GPT2LMHeadModel", GPT2, "dp=2,tp=2", strategy, tmp_path))
+def test_exported_files_on_gloo_equal_eager(gloo_runs: dict[str, tuple[Any, Any]]) -> None:
+    """Each case's exported parallelize on 4 gloo ranks: loss and every gradient equal eager's, the
+    collectives the plan's. Llama under megatron,sp,fsdp; Mixtral's experts style written into the
+    file (gate_up permuted, down Shard(2), the rows all-reduced before the combine) under megatron
+    and megatron,fsdp; GPT-2's Conv1D and tied embedding under megatron and megatron,sp."""
+    failures = []
+    for case, (result, mod) in gloo_runs.items():
+        try:
+            _check_gloo(result, mod)
+        except AssertionError as exc:
+            failures.append(f"{case}: {exc}")
+    assert not failures, "\n".join(failures)
 
 
 def test_pipeline_on_gloo_equals_eager(tmp_path: Path) -> None:

@@ -94,7 +94,18 @@ def _models(cls: str, config: dict[str, Any], batch: int, seq: int) -> tuple[Any
     return ref, model, example_inputs(ref, batch, seq, ignored=0.0)
 
 
-def rank_main(r: int, world: int, folder: str, cls: str, config: dict[str, Any], batch: int, seq: int, out: Any) -> None:
+def rank_cases(r: int, world: int, cases: list[tuple[str, str, dict[str, Any]]], batch: int, seq: int,
+               out: Any) -> None:
+    """:func:`rank_main` for several cases (folder, HF class, config) one after the other in the same
+    processes, each on a process group of its own (its folder's file store): one spawn, and one
+    import of torch and transformers per rank, for all of them. Rank 0 puts (folder, result) per
+    case; a case that raises ends the spawn (every case's test then fails with its error)."""
+    for folder, cls, config in cases:
+        rank_main(r, world, folder, cls, config, batch, seq, out, tag=folder)
+
+
+def rank_main(r: int, world: int, folder: str, cls: str, config: dict[str, Any], batch: int, seq: int, out: Any,
+              tag: str | None = None) -> None:
     warnings.simplefilter("ignore")
     import torch
     import torch.distributed as dist
@@ -141,7 +152,8 @@ def rank_main(r: int, world: int, folder: str, cls: str, config: dict[str, Any],
                      for ph in ("forward", "backward")}
         total = {_name(k): v for k, v in Counter(comm.get_comm_counts()).items() if v}
         if r == 0:
-            out.put((full.item(), ref_loss.item(), worst, where, per_phase, total))
+            result = (full.item(), ref_loss.item(), worst, where, per_phase, total)
+            out.put(result if tag is None else (tag, result))
     finally:
         dist.destroy_process_group()
 
