@@ -175,10 +175,11 @@ def config_from_json(text: str) -> ModelConfig:
 
 
 def config_json(cfg: ModelConfig) -> str:
-    """``cfg`` as a ``--model-config`` JSON object (every field but context parallelism's, which
-    the strategy sets: ``--strategy ...,cp``, docs/context.md)."""
+    """``cfg`` as a ``--model-config`` JSON object (every field but those the strategy sets:
+    context parallelism's, ``--strategy ...,cp``, docs/context.md; the MoE routing chunks of
+    ``--strategy megatron,sp,ep,etp=1``, docs/experts.md)."""
     return json.dumps({f.name: getattr(cfg, f.name) for f in fields(cfg) if getattr(cfg, f.name) is not None
-                       and f.name not in ("cp", "cp_attention", "cp_balance")}, separators=(",", ":"))
+                       and f.name not in ("cp", "cp_attention", "cp_balance", "moe_chunks")}, separators=(",", ":"))
 
 
 def tiny_like(cfg: ModelConfig) -> str:
