@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import Counter
 from collections.abc import Sequence
@@ -24,8 +25,10 @@ from spmdkit.program.plan import Plan, Reshard
 RESHARD_OPTIONAL = ("where", "collectives", "phase", "times")
 
 
+@functools.lru_cache(maxsize=4096)
 def placements(a: TensorDistAttr) -> str:
-    """DTensor-style placements per named mesh dim: ``[dp:S(0), tp:R]`` (P(sum) for partial)."""
+    """DTensor-style placements per named mesh dim: ``[dp:S(0), tp:R]`` (P(sum) for partial).
+    Cached by the (immutable) attribute: a plan's JSON asks it of every tensor, most alike."""
     names = a.mesh.dim_names
     out = []
     for m, nm in enumerate(names):
