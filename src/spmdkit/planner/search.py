@@ -545,7 +545,7 @@ def _step_bound(cfg: Config, bounds: Bounds, floor: StepFloor | None, job: _Job,
             plain = StepFloor.step
             blocks = blocks_floor(bounds, cfg, job.cap, kept["none"], kept["full"],
                                   plain(floor, cfg, "none", busiest=False), plain(floor, cfg, "full", busiest=False))
-            least = min(least, max(blocks, plain(floor, cfg, "none", gathers)))
+            least = min(least, max(blocks, plain(floor, cfg, "none", gathers), floor.blocks_step(cfg)))
         low = max(low, least)
     return low
 
