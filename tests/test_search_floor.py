@@ -247,14 +247,6 @@ def test_a_moe_floor_from_one_copy_is_under_the_two_copy_floor_and_the_planned_s
     assert replace(floor, cache={}).of(replace(cfg, strategy="auto")).work == 0  # no key: no floor
 
 
-def test_fill_level_fills_each_rank_to_its_cap() -> None:
-    from spmdkit.planner.search_floor_layers import fill_level
-
-    # 10 layers over caps 1, 2, 5, 5: the first two full (3), the other two 3.5 each
-    assert fill_level([1.0, 2.0, 5.0, 5.0], 10) == 3.5
-    assert fill_level([4.0, 4.0], 6) == 3.0  # no cap binds: the even share
-
-
 def test_whole_layers_level_by_hand() -> None:
     """search_floor_layers.whole_layers_level: whole MoE layers under each rank's room, the
     dense first layers' room where they can lie, full:K's recomputed layers (worked by hand)."""

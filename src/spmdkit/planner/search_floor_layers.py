@@ -50,6 +50,8 @@ class MoeLayerFloor(LayerFloor):
     layer_work: float = 0.0
     layer_rerun: dict[str, float] = field(default_factory=dict)
     layer_kept: dict[str, int] = field(default_factory=dict)
+    #: the least work of any of the copy's layers, dense or MoE (s, one microbatch)
+    least_layer: float = 0.0
 
 
 def one_copy_floor(plan: Plan, device: Device, layers: int, dense: int) -> MoeLayerFloor:
@@ -87,7 +89,7 @@ def one_copy_floor(plan: Plan, device: Device, layers: int, dense: int) -> MoeLa
         kept[mode] = min((b for lay, b in saved.per_layer.items() if lay in tags), default=0)
         layer_kept[mode] = min(saved.per_layer.get(t, 0) for t in lay.tags[dense:])
     return MoeLayerFloor(sum(own) + missing * min(by_layer[dense:]), rerun, kept, layer_work=min(by_layer[dense:]),
-                         layer_rerun=layer_rerun, layer_kept=layer_kept)
+                         layer_rerun=layer_rerun, layer_kept=layer_kept, least_layer=min(by_layer))
 
 
 def split_floor(cfg: Config, bounds: Bounds, f: MoeLayerFloor, mode: str, cap: int) -> float:
@@ -103,7 +105,8 @@ def split_floor(cfg: Config, bounds: Bounds, f: MoeLayerFloor, mode: str, cap: i
     microbatch). Layers are whole, so ``c_r <= floor(M_r)``; and the ``D`` dense first layers
     take their room too (:func:`whole_layers_level`: where they can lie). Some rank holds at
     least ``c*``, the least ``c`` with ``sum_r min(c, floor(M_r)) >= L`` over the dense layers'
-    best placement: the step is at least ``m c* t``. A time-balanced split (what
+    best placement: the step is at least ``m c* t``, plus the work of the chunks before the
+    lowest rank ``r`` that can hold ``c*`` (:func:`split_levels`: at least ``r`` layers). A time-balanced split (what
     :meth:`StepFloor.step` assumes) puts on the first ranks, whose microbatches in flight are
     the most, more layers than their memory holds without recomputation; this bound makes the
     other ranks pay for it."""
@@ -118,16 +121,16 @@ def split_floor(cfg: Config, bounds: Bounds, f: MoeLayerFloor, mode: str, cap: i
     m = max(1, cfg.microbatches)
     if room <= 0:
         return math.inf
-    c = whole_layers_level(room, cfg.pp, cfg.virtual, m, len(per), min(per), f.layer_kept.get(mode, 0), len(dense),
-                           min(dense, default=0.0), f.kept.get(mode, 0))
-    return m * c * (f.layer_work + f.layer_rerun.get(mode, 0.0))
+    levels = split_levels(room, cfg.pp, cfg.virtual, m, len(per), min(per), f.layer_kept.get(mode, 0), len(dense),
+                          min(dense, default=0.0), f.kept.get(mode, 0))
+    t = f.layer_work + f.layer_rerun.get(mode, 0.0)
+    return min((m * c * t + r * f.least_layer for c, r in levels), default=math.inf)
 
 
 #: the most dense first layers whose placements :func:`whole_layers_level` tries (beyond, their room is not counted)
 DENSE_WAYS = 6
 
 
-@functools.lru_cache(maxsize=4096)
 def whole_layers_level(room: float, p: int, v: int, m: int, moe: int, s: float, u: float, dense: int = 0,
                        sd: float = 0.0, ud: float = 0.0, k: int = 0, uf: float = 0.0) -> float:
     """The least ``c`` such that ``moe`` whole MoE layers fit on ``p`` pipeline ranks of
@@ -148,6 +151,17 @@ def whole_layers_level(room: float, p: int, v: int, m: int, moe: int, s: float, 
     at most ``v k`` of a rank's MoE layers keep ``uf`` bytes a microbatch (full's), the others
     ``u``; the ranks holding dense layers are not held to the level (their recomputed layers may
     be dense ones: :func:`blocks_split_floor` counts the rerun on the others only)."""
+    return float(min((c for c, _r in split_levels(room, p, v, m, moe, s, u, dense, sd, ud, k, uf)), default=math.inf))
+
+
+@functools.lru_cache(maxsize=4096)
+def split_levels(room: float, p: int, v: int, m: int, moe: int, s: float, u: float, dense: int = 0,
+                 sd: float = 0.0, ud: float = 0.0, k: int = 0, uf: float = 0.0) -> tuple[tuple[int, int], ...]:
+    """:func:`whole_layers_level`'s level of each placement of the dense layers that fits, with
+    the lowest rank that can hold that many MoE layers (its room; with ``k``, a rank without a
+    dense layer): ``(level, rank)`` pairs. Some rank ``r`` at least that one holds the level,
+    and its step is at least ``m W_r`` plus the work of chunks ``0 .. r - 1`` (:func:`spmdkit.
+    planner.search_floor.busiest_rank`'s argument), each at least one layer."""
     if dense > min(DENSE_WAYS, p):
         dense = 0
 
@@ -162,18 +176,19 @@ def whole_layers_level(room: float, p: int, v: int, m: int, moe: int, s: float, 
             out.append(0 if blocked else _most(left, f, s, u, v * k, uf, moe))
         return out
 
-    best = math.inf
+    got_levels = []
     for a in _placements(dense) if dense else [()]:
         got = caps(a)
         if got is None or sum(got) < moe:
             continue
-        free = sum(got[:len(a)]) if k else 0  # full:k: the dense ranks are not held to the level
-        rest = got[len(a):] if k else got
+        held = len(a) if k else 0  # full:k: the dense ranks are not held to the level
+        free = sum(got[:held])
+        rest = got[held:]
         c = max(1, -(-(moe - free) // max(1, len(rest))))
         while free + sum(min(c, x) for x in rest) < moe:
             c += 1
-        best = min(best, c)
-    return float(best)
+        got_levels.append((c, held + next(i for i, x in enumerate(rest) if x >= c)))
+    return tuple(got_levels)
 
 
 def _most(left: float, f: int, s: float, u: float, full: int, uf: float, moe: int) -> int:
@@ -212,10 +227,9 @@ def blocks_split_floor(cfg: Config, bounds: Bounds, f: MoeLayerFloor, cap: int) 
     t, r = f.layer_work, f.layer_rerun.get("full", 0.0)
     best = math.inf
     for k in range(1, len(per) + 1):
-        c = whole_layers_level(room, p, v, m, len(per), s, un, len(dense), min(dense, default=0.0), f.kept.get("none", 0),
-                               k, uf)
-        if c < math.inf:
-            best = min(best, m * (c * t + min(c, k) * r))
+        for c, q in split_levels(room, p, v, m, len(per), s, un, len(dense), min(dense, default=0.0),
+                                 f.kept.get("none", 0), k, uf):
+            best = min(best, m * (c * t + min(c, k) * r) + q * f.least_layer)
         if all(_most(room, min(p - q, m), s, uf, 0, uf, len(per)) <= v * k for q in range(p)):
             break  # every rank's layers all recomputed fit already: a larger K holds no more
     return best
@@ -229,19 +243,6 @@ def _placements(dense: int) -> list[tuple[int, ...]]:
     for first in range(1, dense):
         out += [(first, *rest) for rest in _placements(dense - first)]
     return out
-
-
-def fill_level(caps: list[float], total: float) -> float:
-    """The least ``c`` with ``sum(min(c, x) for x in caps) >= total`` (``caps`` ascending, their
-    sum at least ``total``): ranks whose cap is under the level hold their cap, the others the
-    level."""
-    rest, k = total, len(caps)
-    for i, x in enumerate(caps):
-        level = rest / (k - i)
-        if level <= x:
-            return level
-        rest -= x
-    return caps[-1]
 
 
 @dataclass
@@ -285,5 +286,5 @@ class LayerStepFloor(StepFloor):
         return got
 
 
-__all__ = ["LayerStepFloor", "MoeLayerFloor", "copy_layers", "fill_level", "one_copy_floor", "split_floor",
-           "blocks_split_floor", "whole_layers_level"]
+__all__ = ["LayerStepFloor", "MoeLayerFloor", "copy_layers", "one_copy_floor", "split_floor",
+           "blocks_split_floor", "split_levels", "whole_layers_level"]
