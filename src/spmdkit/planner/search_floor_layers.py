@@ -124,7 +124,11 @@ def split_floor(cfg: Config, bounds: Bounds, f: MoeLayerFloor, mode: str, cap: i
     levels = split_levels(room, cfg.pp, cfg.virtual, m, len(per), min(per), f.layer_kept.get(mode, 0), len(dense),
                           min(dense, default=0.0), f.kept.get(mode, 0))
     t = f.layer_work + f.layer_rerun.get(mode, 0.0)
-    return min((m * c * t + r * f.least_layer for c, r in levels), default=math.inf)
+    lam = f.least_layer
+    return min((min([m * c * t + r * lam] if r >= 0 else [], default=math.inf) if not held else
+                min(min([m * c * t + r * lam] if r >= 0 else [], default=math.inf),
+                    min(m * (c * t + d * lam) + q * lam for q, d in held))
+                for c, r, held in levels), default=math.inf)
 
 
 #: the most dense first layers whose placements :func:`whole_layers_level` tries (beyond, their room is not counted)
@@ -149,19 +153,21 @@ def whole_layers_level(room: float, p: int, v: int, m: int, moe: int, s: float, 
 
     ``k`` > 0: Megatron's ``full:k`` (the first ``k`` layers of each chunk recomputed in full):
     at most ``v k`` of a rank's MoE layers keep ``uf`` bytes a microbatch (full's), the others
-    ``u``; the ranks holding dense layers are not held to the level (their recomputed layers may
-    be dense ones: :func:`blocks_split_floor` counts the rerun on the others only)."""
-    return float(min((c for c, _r in split_levels(room, p, v, m, moe, s, u, dense, sd, ud, k, uf)), default=math.inf))
+    ``u`` (:func:`blocks_split_floor` counts the rerun only on a rank without dense layers:
+    another's recomputed layers may be dense ones)."""
+    return float(min((c for c, _r, _d in split_levels(room, p, v, m, moe, s, u, dense, sd, ud, k, uf)), default=math.inf))
 
 
 @functools.lru_cache(maxsize=4096)
 def split_levels(room: float, p: int, v: int, m: int, moe: int, s: float, u: float, dense: int = 0,
-                 sd: float = 0.0, ud: float = 0.0, k: int = 0, uf: float = 0.0) -> tuple[tuple[int, int], ...]:
+                 sd: float = 0.0, ud: float = 0.0, k: int = 0,
+                 uf: float = 0.0) -> tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...]:
     """:func:`whole_layers_level`'s level of each placement of the dense layers that fits, with
-    the lowest rank that can hold that many MoE layers (its room; with ``k``, a rank without a
-    dense layer): ``(level, rank)`` pairs. Some rank ``r`` at least that one holds the level,
-    and its step is at least ``m W_r`` plus the work of chunks ``0 .. r - 1`` (:func:`spmdkit.
-    planner.search_floor.busiest_rank`'s argument), each at least one layer."""
+    the ranks whose room holds that many MoE layers: the lowest holding no dense layer (-1:
+    none) and each holding dense layers, with their count: ``(level, rank, ((rank, dense),
+    ...))``. One of them holds the level, and its step is at least ``m W_r`` (its layers, dense
+    ones too) plus the work of chunks ``0 .. r - 1`` (:func:`spmdkit.planner.search_floor.
+    busiest_rank`'s argument), each at least one layer."""
     if dense > min(DENSE_WAYS, p):
         dense = 0
 
@@ -181,13 +187,11 @@ def split_levels(room: float, p: int, v: int, m: int, moe: int, s: float, u: flo
         got = caps(a)
         if got is None or sum(got) < moe:
             continue
-        held = len(a) if k else 0  # full:k: the dense ranks are not held to the level
-        free = sum(got[:held])
-        rest = got[held:]
-        c = max(1, -(-(moe - free) // max(1, len(rest))))
-        while free + sum(min(c, x) for x in rest) < moe:
+        c = max(1, -(-moe // p))
+        while sum(min(c, x) for x in got) < moe:
             c += 1
-        got_levels.append((c, held + next(i for i, x in enumerate(rest) if x >= c)))
+        plain = next((i for i, x in enumerate(got) if x >= c and i >= len(a)), -1)
+        got_levels.append((c, plain, tuple((r, a[r]) for r in range(len(a)) if got[r] >= c)))
     return tuple(got_levels)
 
 
@@ -207,11 +211,13 @@ def blocks_split_floor(cfg: Config, bounds: Bounds, f: MoeLayerFloor, cap: int) 
     """A MoE pipeline's step at least under any ``full:K`` (Megatron's block recomputation: the
     first K layers of each chunk recomputed in full, the others keeping what no recomputation
     keeps), from how its MoE layers can be split under the memory cap (:func:`split_floor`'s
-    argument, whole layers): for each K, some rank not holding a dense layer holds at least
-    ``c*`` MoE layers (:func:`whole_layers_level` with ``k = K``), at least ``min(c*, K)`` of
-    them recomputed (its first chunk's first K), so it works at least ``m (c* t + min(c*, K)
-    r)`` a step (``t``: a MoE layer's work, ``r``: its full rerun). The least over K (0: no
-    pipeline or MoE layer; inf: no K fits)."""
+    argument, whole layers, at most ``v K`` of a rank's MoE layers keeping full's bytes): for
+    each K some rank holds at least ``c*`` MoE layers (:func:`split_levels` with ``k = K``). If
+    it holds no dense layer, at least ``min(c*, K)`` of them are recomputed (the first K of its
+    first chunk), so it works at least ``m (c* t + min(c*, K) r)`` a step (``t``: a MoE layer's
+    work, ``r``: its full rerun); one holding dense layers at least ``m c* t``; plus the chunks
+    before it. The least over K and the ranks that can hold ``c*`` (0: no pipeline or MoE
+    layer; inf: no K fits)."""
     if cfg.pp == 1 or not f.layer_work or "auto" in cfg.strategy:
         return 0.0
     every, _total = bounds.held(cfg.dp * cfg.cp, cfg.ep, cfg.tp, cfg.strategy)
@@ -227,9 +233,14 @@ def blocks_split_floor(cfg: Config, bounds: Bounds, f: MoeLayerFloor, cap: int) 
     t, r = f.layer_work, f.layer_rerun.get("full", 0.0)
     best = math.inf
     for k in range(1, len(per) + 1):
-        for c, q in split_levels(room, p, v, m, len(per), s, un, len(dense), min(dense, default=0.0),
-                                 f.kept.get("none", 0), k, uf):
-            best = min(best, m * (c * t + min(c, k) * r) + q * f.least_layer)
+        for c, plain, held in split_levels(room, p, v, m, len(per), s, un, len(dense), min(dense, default=0.0),
+                                           f.kept.get("none", 0), k, uf):
+            # the rank holding the level: one without a dense layer reruns min(c, k) MoE layers;
+            # one with d dense layers may rerun those instead (no rerun counted, their work is)
+            lam = f.least_layer
+            got = [m * (c * t + min(c, k) * r) + plain * lam] if plain >= 0 else []
+            got += [m * (c * t + d * lam) + q * lam for q, d in held]
+            best = min(best, *got)
         if all(_most(room, min(p - q, m), s, uf, 0, uf, len(per)) <= v * k for q in range(p)):
             break  # every rank's layers all recomputed fit already: a larger K holds no more
     return best
