@@ -188,6 +188,42 @@ def test_lazy_floors_plan_the_seeds_first_and_find_the_unpruned_best(monkeypatch
     assert all(steps.get(cfg.label(), float("inf")) >= a.step_s for cfg, _why in lazy.pruned)
 
 
+MOE_ETP = json.dumps({**json.loads(MOE), "name": "moe-etp", "layers": 6, "dense_layers": 1, "seq": 512, "batch": 16})
+
+
+def test_a_pruned_etp1_pipeline_search_keeps_the_exhaustive_best(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Megatron's ETP=1 token path on 8 H100 under a cap that leaves the pipelines room only with
+    recomputation: the lazy pruned search (its floors with whole layers per rank and full:K's
+    block split floor) finds the exhaustive search's best, a full:K pipeline, with the same
+    figures; every pipeline's floor under each mode is under its planned step."""
+    from spmdkit.planner import search as search_mod
+
+    strategies = ["megatron,sp,ep,etp=1", "megatron,sp,ep,etp=1,zero2"]
+    full = search_meshes(MOE_ETP, 8, "h100", memory_cap="1.56GB", prune=False, strategies=strategies)
+    monkeypatch.setattr(search_mod, "EAGER_FLOORS", 0)
+    made: list[Any] = []
+    real = search_mod._floor
+
+    def kept(*a: Any) -> Any:
+        made.append(real(*a))
+        return made[-1]
+
+    monkeypatch.setattr(search_mod, "_floor", kept)
+    lazy = search_meshes(MOE_ETP, 8, "h100", memory_cap="1.56GB", prune=True, strategies=strategies)
+    a, b = full.best, lazy.best
+    assert a is not None and b is not None
+    assert (b.config, b.step_s, b.memory, b.comm_s) == (a.config, a.step_s, a.memory, a.comm_s)
+    assert a.config.pp == 2 and "etp=1" in a.config.strategy and a.config.recompute.startswith("full:")
+    assert lazy.pruned and lazy.plans + len(lazy.pruned) == full.plans
+    floor = made[-1]
+    piped = [c for c in full.candidates if c.config.pp > 1]
+    assert any(c.config.recompute.startswith("full:") for c in piped) and any(not c.fits for c in piped)
+    for c in piped:
+        cfg, mode = replace(c.config, recompute="none"), c.config.recompute
+        low = floor.blocks_step(cfg) if mode.startswith("full:") else floor.step(cfg, mode)
+        assert 0 < low <= c.step_s, (c.config.label(), low, c.step_s)
+
+
 def test_deepseek_v3_on_2048_h800_fits_with_a_breakdown_checked_by_hand() -> None:
     """pp=16, dp=2, ep=64, ZeRO-1 (DeepSeek-V3 technical report, section 3.2), its batch of
     15,360 sequences as 120 microbatches of 128 (one sequence per data-parallel rank), layers

@@ -4,6 +4,8 @@ best with the same figures; its progress line."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -139,7 +141,6 @@ LONG = {"layers": 4, "batch": 8, "seq": 8192}  # activations that matter beside 
 def test_the_bound_under_a_cap_that_forces_recomputation_is_below_the_fitting_step(cfg: Config) -> None:
     """Under a cap between full recomputation's memory and the others', the bound (the floor of
     the least recomputation whose kept activations can fit) stays under the step that fits."""
-    from dataclasses import replace
 
     from spmdkit.planner.search import _bounds, _step_bound
 
@@ -227,7 +228,6 @@ def test_a_moe_floor_from_one_copy_is_under_the_two_copy_floor_and_the_planned_s
     """A MoE model's layer keys on one copy of dense + 2 layers, the work counted by layer
     (planner/search_floor_layers.py): at most the two-copy extrapolation (within 1%), never above
     a planned step under any recomputation mode."""
-    from dataclasses import replace
 
     from spmdkit.planner.search_floor import StepFloor
     from spmdkit.planner.search_floor_layers import LayerStepFloor
@@ -245,12 +245,56 @@ def test_a_moe_floor_from_one_copy_is_under_the_two_copy_floor_and_the_planned_s
     assert replace(floor, cache={}).of(replace(cfg, strategy="auto")).work == 0  # no key: no floor
 
 
-def test_fill_level_fills_each_rank_to_its_cap() -> None:
-    from spmdkit.planner.search_floor_layers import fill_level
+def test_whole_layers_level_by_hand() -> None:
+    """search_floor_layers.whole_layers_level: whole MoE layers under each rank's room, the
+    dense first layers' room where they can lie, full:K's recomputed layers (worked by hand)."""
+    from spmdkit.planner.search_floor_layers import whole_layers_level
 
-    # 10 layers over caps 1, 2, 5, 5: the first two full (3), the other two 3.5 each
-    assert fill_level([1.0, 2.0, 5.0, 5.0], 10) == 3.5
-    assert fill_level([4.0, 4.0], 6) == 3.0  # no cap binds: the even share
+    # 2 ranks of 10 bytes, m = 2: rank 0 keeps 2 microbatches (a layer 1 + 2 x 1 = 3 bytes: 3
+    # layers), rank 1 one (2 bytes: 5 layers); 7 layers: 3 + 4, so some rank holds 4 (the
+    # fractional fill would say 3.67)
+    assert whole_layers_level(10.0, 2, 1, 2, 7, 1.0, 1.0) == 4.0
+    # a dense first layer (3 bytes on rank 0) leaves rank 0 room for 2: 2 + 5
+    assert whole_layers_level(10.0, 2, 1, 2, 7, 1.0, 1.0, 1, 1.0, 1.0) == 5.0
+    # two dense layers, 6 MoE ones: both on rank 0 (room for 1 more: 1 + 5), or one a rank; with
+    # one chunk a rank rank 0 then holds only its dense layer (rank 1: 8 bytes left, 4 layers:
+    # 4 < 6), with two chunks a rank its second chunk may hold MoE layers (2 + 4)
+    assert whole_layers_level(10.0, 2, 1, 2, 6, 1.0, 1.0, 2, 1.0, 1.0) == 5.0
+    assert whole_layers_level(10.0, 2, 2, 2, 6, 1.0, 1.0, 2, 1.0, 1.0) == 4.0
+    assert whole_layers_level(10.0, 2, 1, 2, 7, 1.0, 1.0, 2, 1.0, 1.0) == float("inf")  # 6 at most
+    # full:1 with full keeping nothing: rank 0 holds (10 + 2 x 1) / 3 = 4, rank 1 (10 + 1) / 2 = 5
+    assert whole_layers_level(10.0, 2, 1, 2, 7, 1.0, 1.0, 0, 0.0, 0.0, 1, 0.0) == 4.0
+
+
+V3_ETP1 = "megatron,sp,ep,etp=1,zero2"
+
+
+def test_deepseek_v3s_etp1_pipelines_floor_counts_whole_layers() -> None:
+    """DeepSeek-V3 on 2,048 H800, Megatron's ETP=1 token path with tp=2: the planned split of
+    ``dp=32 ep=2 tp=2 pp=16`` holds 5 layers on its fullest ranks (memory: the first stages keep
+    up to 16 microbatches), where a fractional fill of the ranks said 3.8: whole layers and the
+    dense first layers' room raise its floor from 21.5 s to 26.5 s, under its planned 28.79 s;
+    and every full:K of the interleaved ``dp=16 ep=4 tp=2 pp=16 vp=2`` (the search's best, full:1)
+    stays above its block split floor."""
+    from spmdkit.planner.search import _bounds
+
+    mc, sizes = _model_sizes("deepseek-v3", V3)
+    dev = load_device("h800")
+    job = _Job(dev, sizes.tokens, ["none", "selective", "full"], dev.memory_bytes, None, None, None, 30.0)
+    floor = _floor("deepseek-v3", mc, job, _bounds("deepseek-v3", mc, job))
+    assert floor is not None
+    cfg = Config(32, 2, 16, V3_ETP1, microbatches=240, ep=2)
+    assert 26.0 < floor.step(cfg, "none") < 28.0
+    got = config_candidates("deepseek-v3", cfg, "h800", V3)
+    none = next(c for c in got if c.config.recompute == "none")
+    assert none.fits and max(none.estimate.counts) == 5
+    assert all(floor.step(cfg, c.config.recompute) <= c.step_s for c in got if c.fits)
+    inter = Config(16, 2, 16, V3_ETP1, microbatches=240, ep=4, virtual=2)
+    low = floor.blocks_step(inter)
+    assert 0 < low < math.inf
+    blocks = [x for x in config_candidates("deepseek-v3", inter, "h800", V3) if x.config.recompute.startswith("full:")]
+    assert [x.config.recompute for x in blocks] == ["full:1"] and blocks[0].fits
+    assert 23.0 < low <= blocks[0].step_s, (low, blocks[0].step_s)
 
 
 V3 = {"batch": 15360}

@@ -538,14 +538,17 @@ def _step_bound(cfg: Config, bounds: Bounds, floor: StepFloor | None, job: _Job,
             return memory_bound(cfg, bounds, b) <= job.cap
 
         least = min((floor.step(cfg, rc, gathers) for rc in job.modes if fits(kept[rc])), default=math.inf)
-        if cfg.pp > 1 and "full" in job.modes and "none" in job.modes and not fits(kept["none"]):
+        if cfg.pp > 1 and "full" in job.modes and "none" in job.modes:
             # full:K (planner.search_blocks): on the layers' floor without the gathers (its even
             # pipeline term: affine in the rerun), and at least no recomputation's with them
-            # (StepFloor.step: without a MoE pipeline's split floor, which holds no recomputation's bytes)
+            # (StepFloor.step: without a MoE pipeline's split floor, which holds no recomputation's bytes).
+            # Counted even where the memory bound lets none fit: a MoE pipeline's split floor may put
+            # none above a full:K that the plan prices where none does not fit
+            # (search_floor_layers.blocks_split_floor)
             plain = StepFloor.step
             blocks = blocks_floor(bounds, cfg, job.cap, kept["none"], kept["full"],
                                   plain(floor, cfg, "none", busiest=False), plain(floor, cfg, "full", busiest=False))
-            least = min(least, max(blocks, plain(floor, cfg, "none", gathers)))
+            least = min(least, max(blocks, plain(floor, cfg, "none", gathers), floor.blocks_step(cfg)))
         low = max(low, least)
     return low
 

@@ -227,6 +227,11 @@ class StepFloor:
         return LayerFloor(fold.at(a.work, b.work), {m: fold.at(a.rerun[m], b.rerun[m]) for m in b.rerun}, b.kept,
                           fold.at(a.exposed, b.exposed), fold.at(a.gathers, b.gathers), units)
 
+    def blocks_step(self, cfg: Config) -> float:
+        """Seconds any ``full:K`` of ``cfg`` takes at least besides :func:`spmdkit.planner.search_blocks.blocks_floor`'s (0 here;
+        a MoE pipeline's whole-layer split: :class:`spmdkit.planner.search_floor_layers.LayerStepFloor`)."""
+        return 0.0
+
     def per_micro(self, cfg: Config) -> float:
         """One device's work (s) for one microbatch through the whole model (0: no floor)."""
         return self.of(cfg).work

@@ -21,6 +21,7 @@ step). Each recomputation mode's rerun is counted the same way (the recomputed o
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -49,6 +50,8 @@ class MoeLayerFloor(LayerFloor):
     layer_work: float = 0.0
     layer_rerun: dict[str, float] = field(default_factory=dict)
     layer_kept: dict[str, int] = field(default_factory=dict)
+    #: the least work of any of the copy's layers, dense or MoE (s, one microbatch)
+    least_layer: float = 0.0
 
 
 def one_copy_floor(plan: Plan, device: Device, layers: int, dense: int) -> MoeLayerFloor:
@@ -86,7 +89,7 @@ def one_copy_floor(plan: Plan, device: Device, layers: int, dense: int) -> MoeLa
         kept[mode] = min((b for lay, b in saved.per_layer.items() if lay in tags), default=0)
         layer_kept[mode] = min(saved.per_layer.get(t, 0) for t in lay.tags[dense:])
     return MoeLayerFloor(sum(own) + missing * min(by_layer[dense:]), rerun, kept, layer_work=min(by_layer[dense:]),
-                         layer_rerun=layer_rerun, layer_kept=layer_kept)
+                         layer_rerun=layer_rerun, layer_kept=layer_kept, least_layer=min(by_layer))
 
 
 def split_floor(cfg: Config, bounds: Bounds, f: MoeLayerFloor, mode: str, cap: int) -> float:
@@ -99,39 +102,158 @@ def split_floor(cfg: Config, bounds: Bounds, f: MoeLayerFloor, mode: str, cap: i
     holds on a device under the strategy, :attr:`Bounds.layers`; ``u``: the least a MoE layer
     keeps of one microbatch under ``mode``), so ``c_r <= M_r = room / (s + f_r u)``, and it
     works at least ``m c_r t`` seconds a step (``t``: a MoE layer's work and rerun for one
-    microbatch). Some rank holds at least ``c*``, the least ``c`` with ``sum_r min(c, M_r) >= L``
-    (the split that fills each rank to its cap, contiguity and whole layers relaxed): the step is
-    at least ``m c* t``. A time-balanced split (what :meth:`StepFloor.step` assumes) puts on the
-    first ranks, whose microbatches in flight are the most, more layers than their memory holds
-    without recomputation; this bound makes the other ranks pay for it."""
+    microbatch). Layers are whole, so ``c_r <= floor(M_r)``; and the ``D`` dense first layers
+    take their room too (:func:`whole_layers_level`: where they can lie). Some rank holds at
+    least ``c*``, the least ``c`` with ``sum_r min(c, floor(M_r)) >= L`` over the dense layers'
+    best placement: the step is at least ``m c* t``, plus the work of the chunks before the
+    lowest rank ``r`` that can hold ``c*`` (:func:`split_levels`: at least ``r`` layers). A time-balanced split (what
+    :meth:`StepFloor.step` assumes) puts on the first ranks, whose microbatches in flight are
+    the most, more layers than their memory holds without recomputation; this bound makes the
+    other ranks pay for it."""
     if cfg.pp == 1 or not f.layer_work or "auto" in cfg.strategy:
         return 0.0
     every, _total = bounds.held(cfg.dp * cfg.cp, cfg.ep, cfg.tp, cfg.strategy)
     per = [x for x, h in zip(every, bounds.layers) if h[1] > 0]
     if not per:
         return 0.0
+    dense = [x for x, h in zip(every, bounds.layers) if h[1] <= 0]
     room = cap - bounds.overhead(cfg.dp, cfg.ep, cfg.tp, cfg.pp)
     m = max(1, cfg.microbatches)
-    s, u = min(per), f.layer_kept.get(mode, 0)
     if room <= 0:
         return math.inf
-    caps = sorted(room / (s + min(cfg.pp - r, m) * u) for r in range(cfg.pp)) if s + u > 0 else []
-    if not caps or sum(caps) < len(per):
-        return math.inf if caps else 0.0
-    return m * fill_level(caps, len(per)) * (f.layer_work + f.layer_rerun.get(mode, 0.0))
+    levels = split_levels(room, cfg.pp, cfg.virtual, m, len(per), min(per), f.layer_kept.get(mode, 0), len(dense),
+                          min(dense, default=0.0), f.kept.get(mode, 0))
+    t = f.layer_work + f.layer_rerun.get(mode, 0.0)
+    lam = f.least_layer
+    return min((min([m * c * t + r * lam] if r >= 0 else [], default=math.inf) if not held else
+                min(min([m * c * t + r * lam] if r >= 0 else [], default=math.inf),
+                    min(m * (c * t + d * lam) + q * lam for q, d in held))
+                for c, r, held in levels), default=math.inf)
 
 
-def fill_level(caps: list[float], total: float) -> float:
-    """The least ``c`` with ``sum(min(c, x) for x in caps) >= total`` (``caps`` ascending, their
-    sum at least ``total``): ranks whose cap is under the level hold their cap, the others the
-    level."""
-    rest, k = total, len(caps)
-    for i, x in enumerate(caps):
-        level = rest / (k - i)
-        if level <= x:
-            return level
-        rest -= x
-    return caps[-1]
+#: the most dense first layers whose placements :func:`whole_layers_level` tries (beyond, their room is not counted)
+DENSE_WAYS = 6
+
+
+def whole_layers_level(room: float, p: int, v: int, m: int, moe: int, s: float, u: float, dense: int = 0,
+                       sd: float = 0.0, ud: float = 0.0, k: int = 0, uf: float = 0.0) -> float:
+    """The least ``c`` such that ``moe`` whole MoE layers fit on ``p`` pipeline ranks of
+    ``room`` bytes with at most ``c`` on any (inf: none does), rank ``r`` holding
+    ``min(p - r, m)`` microbatches in flight: a MoE layer needs ``s + f_r u`` bytes there, a
+    dense one ``sd + f_r ud``.
+
+    The ``dense`` dense layers come first, each chunk holds at least one layer and chunk
+    ``k < p`` lies on rank ``k`` (``v`` chunks a rank, chunk ``k`` on rank ``k mod p``): so they
+    lie in chunks ``0 .. j`` of ranks ``0 .. j`` for some ``j < dense``, chunks ``0 .. j - 1``
+    holding only dense layers (at least one each) and chunk ``j`` at least one. With one chunk a
+    rank (``v = 1``) ranks ``0 .. j - 1`` hold no MoE layer; with more their later chunks may.
+    The level is the least over these placements (where there are more than
+    :data:`DENSE_WAYS` dense layers or more than ``p``, their room is left out: a lower bound
+    still).
+
+    ``k`` > 0: Megatron's ``full:k`` (the first ``k`` layers of each chunk recomputed in full):
+    at most ``v k`` of a rank's MoE layers keep ``uf`` bytes a microbatch (full's), the others
+    ``u`` (:func:`blocks_split_floor` counts the rerun only on a rank without dense layers:
+    another's recomputed layers may be dense ones)."""
+    return float(min((c for c, _r, _d in split_levels(room, p, v, m, moe, s, u, dense, sd, ud, k, uf)), default=math.inf))
+
+
+@functools.lru_cache(maxsize=4096)
+def split_levels(room: float, p: int, v: int, m: int, moe: int, s: float, u: float, dense: int = 0,
+                 sd: float = 0.0, ud: float = 0.0, k: int = 0,
+                 uf: float = 0.0) -> tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...]:
+    """:func:`whole_layers_level`'s level of each placement of the dense layers that fits, with
+    the ranks whose room holds that many MoE layers: the lowest holding no dense layer (-1:
+    none) and each holding dense layers, with their count: ``(level, rank, ((rank, dense),
+    ...))``. One of them holds the level, and its step is at least ``m W_r`` (its layers, dense
+    ones too) plus the work of chunks ``0 .. r - 1`` (:func:`spmdkit.planner.search_floor.
+    busiest_rank`'s argument), each at least one layer."""
+    if dense > min(DENSE_WAYS, p):
+        dense = 0
+
+    def caps(a: tuple[int, ...]) -> list[int] | None:
+        out = []
+        for r in range(p):
+            f = min(p - r, m)
+            left = room - (a[r] * (sd + f * ud) if r < len(a) else 0.0)
+            if left < 0:
+                return None
+            blocked = v == 1 and r < len(a) - 1
+            out.append(0 if blocked else _most(left, f, s, u, v * k, uf, moe))
+        return out
+
+    got_levels = []
+    for a in _placements(dense) if dense else [()]:
+        got = caps(a)
+        if got is None or sum(got) < moe:
+            continue
+        c = max(1, -(-moe // p))
+        while sum(min(c, x) for x in got) < moe:
+            c += 1
+        plain = next((i for i, x in enumerate(got) if x >= c and i >= len(a)), -1)
+        got_levels.append((c, plain, tuple((r, a[r]) for r in range(len(a)) if got[r] >= c)))
+    return tuple(got_levels)
+
+
+def _most(left: float, f: int, s: float, u: float, full: int, uf: float, moe: int) -> int:
+    """The most whole MoE layers ``left`` bytes hold on a rank with ``f`` microbatches in flight,
+    ``full`` of them keeping ``uf`` bytes a microbatch and the others ``u`` (at most ``moe``)."""
+    def most(room: float, per: float) -> int:
+        return moe if per <= 0 else min(moe, math.floor(room / per * (1 + 1e-12)))
+
+    if full <= 0 or uf >= u:
+        return most(left, s + f * min(u, uf) if full > 0 else s + f * u)
+    every = most(left, s + f * uf)  # all its layers recomputed
+    return every if every <= full else max(full, most(left + f * full * (u - uf), s + f * u))
+
+
+def blocks_split_floor(cfg: Config, bounds: Bounds, f: MoeLayerFloor, cap: int) -> float:
+    """A MoE pipeline's step at least under any ``full:K`` (Megatron's block recomputation: the
+    first K layers of each chunk recomputed in full, the others keeping what no recomputation
+    keeps), from how its MoE layers can be split under the memory cap (:func:`split_floor`'s
+    argument, whole layers, at most ``v K`` of a rank's MoE layers keeping full's bytes): for
+    each K some rank holds at least ``c*`` MoE layers (:func:`split_levels` with ``k = K``). If
+    it holds no dense layer, at least ``min(c*, K)`` of them are recomputed (the first K of its
+    first chunk), so it works at least ``m (c* t + min(c*, K) r)`` a step (``t``: a MoE layer's
+    work, ``r``: its full rerun); one holding dense layers at least ``m c* t``; plus the chunks
+    before it. The least over K and the ranks that can hold ``c*`` (0: no pipeline or MoE
+    layer; inf: no K fits)."""
+    if cfg.pp == 1 or not f.layer_work or "auto" in cfg.strategy:
+        return 0.0
+    every, _total = bounds.held(cfg.dp * cfg.cp, cfg.ep, cfg.tp, cfg.strategy)
+    per = [x for x, h in zip(every, bounds.layers) if h[1] > 0]
+    if not per:
+        return 0.0
+    dense = [x for x, h in zip(every, bounds.layers) if h[1] <= 0]
+    room = cap - bounds.overhead(cfg.dp, cfg.ep, cfg.tp, cfg.pp)
+    m, p, v = max(1, cfg.microbatches), cfg.pp, cfg.virtual
+    if room <= 0:
+        return math.inf
+    s, un, uf = min(per), f.layer_kept.get("none", 0), f.layer_kept.get("full", 0)
+    t, r = f.layer_work, f.layer_rerun.get("full", 0.0)
+    best = math.inf
+    for k in range(1, len(per) + 1):
+        for c, plain, held in split_levels(room, p, v, m, len(per), s, un, len(dense), min(dense, default=0.0),
+                                           f.kept.get("none", 0), k, uf):
+            # the rank holding the level: one without a dense layer reruns min(c, k) MoE layers;
+            # one with d dense layers may rerun those instead (no rerun counted, their work is)
+            lam = f.least_layer
+            got = [m * (c * t + min(c, k) * r) + plain * lam] if plain >= 0 else []
+            got += [m * (c * t + d * lam) + q * lam for q, d in held]
+            best = min(best, *got)
+        if all(_most(room, min(p - q, m), s, uf, 0, uf, len(per)) <= v * k for q in range(p)):
+            break  # every rank's layers all recomputed fit already: a larger K holds no more
+    return best
+
+
+def _placements(dense: int) -> list[tuple[int, ...]]:
+    """The counts of ``dense`` first layers on ranks ``0 .. j`` (each at least one), every ``j``."""
+    if dense == 0:
+        return [()]
+    out: list[tuple[int, ...]] = [(dense,)]
+    for first in range(1, dense):
+        out += [(first, *rest) for rest in _placements(dense - first)]
+    return out
 
 
 @dataclass
@@ -139,7 +261,7 @@ class LayerStepFloor(StepFloor):
     """:class:`spmdkit.planner.search_floor.StepFloor` whose layer keys are planned on ONE copy
     of ``dense + 2`` layers (:func:`one_copy_floor`), for a model with dense first layers deep
     enough to have more; with ``bounds`` and ``cap``, a pipeline's step is also at least its
-    :func:`split_floor`."""
+    :func:`split_floor`, and under ``full:K`` its :func:`blocks_split_floor`."""
 
     bounds: Bounds | None = None
     cap: int = 0
@@ -150,6 +272,12 @@ class LayerStepFloor(StepFloor):
         if self.bounds is None or not self.cap or not isinstance(f, MoeLayerFloor):
             return low
         return max(low, split_floor(cfg, self.bounds, f, mode, self.cap))
+
+    def blocks_step(self, cfg: Config) -> float:
+        f = self.of(cfg)
+        if self.bounds is None or not self.cap or not isinstance(f, MoeLayerFloor):
+            return 0.0
+        return blocks_split_floor(cfg, self.bounds, f, self.cap)
 
     def of(self, cfg: Config) -> LayerFloor:
         n = copy_layers(self.dense)
@@ -169,4 +297,5 @@ class LayerStepFloor(StepFloor):
         return got
 
 
-__all__ = ["LayerStepFloor", "MoeLayerFloor", "copy_layers", "fill_level", "one_copy_floor", "split_floor"]
+__all__ = ["LayerStepFloor", "MoeLayerFloor", "copy_layers", "one_copy_floor", "split_floor",
+           "blocks_split_floor", "split_levels", "whole_layers_level"]
