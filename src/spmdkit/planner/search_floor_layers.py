@@ -92,6 +92,24 @@ def one_copy_floor(plan: Plan, device: Device, layers: int, dense: int) -> MoeLa
                          layer_rerun=layer_rerun, layer_kept=layer_kept, least_layer=min(by_layer))
 
 
+def _moe_room(f: MoeLayerFloor, cfg: Config, bounds: Bounds, cap: int
+              ) -> float | tuple[list[float], list[float], float]:
+    """What :func:`split_floor` and :func:`blocks_split_floor` read: (each MoE layer's held bytes,
+    each dense layer's, the room a rank has for them under ``cap``); or their answer where that
+    is all: 0.0 (no pipeline, no MoE layer, an --auto strategy) or inf (no room at all)."""
+    if cfg.pp == 1 or not f.layer_work or "auto" in cfg.strategy:
+        return 0.0
+    every, _total = bounds.held(cfg.dp * cfg.cp, cfg.ep, cfg.tp, cfg.strategy)
+    per = [x for x, h in zip(every, bounds.layers) if h[1] > 0]
+    if not per:
+        return 0.0
+    dense = [x for x, h in zip(every, bounds.layers) if h[1] <= 0]
+    room = cap - bounds.overhead(cfg.dp, cfg.ep, cfg.tp, cfg.pp)
+    if room <= 0:
+        return math.inf
+    return per, dense, room
+
+
 def split_floor(cfg: Config, bounds: Bounds, f: MoeLayerFloor, mode: str, cap: int) -> float:
     """A pipeline's step at least under recomputation ``mode`` from how its MoE layers can be
     split under the memory cap (0: no pipeline or no MoE layer; inf: they cannot fit).
@@ -110,17 +128,11 @@ def split_floor(cfg: Config, bounds: Bounds, f: MoeLayerFloor, mode: str, cap: i
     :meth:`StepFloor.step` assumes) puts on the first ranks, whose microbatches in flight are
     the most, more layers than their memory holds without recomputation; this bound makes the
     other ranks pay for it."""
-    if cfg.pp == 1 or not f.layer_work or "auto" in cfg.strategy:
-        return 0.0
-    every, _total = bounds.held(cfg.dp * cfg.cp, cfg.ep, cfg.tp, cfg.strategy)
-    per = [x for x, h in zip(every, bounds.layers) if h[1] > 0]
-    if not per:
-        return 0.0
-    dense = [x for x, h in zip(every, bounds.layers) if h[1] <= 0]
-    room = cap - bounds.overhead(cfg.dp, cfg.ep, cfg.tp, cfg.pp)
+    fits = _moe_room(f, cfg, bounds, cap)
+    if isinstance(fits, float):
+        return fits
+    per, dense, room = fits
     m = max(1, cfg.microbatches)
-    if room <= 0:
-        return math.inf
     levels = split_levels(room, cfg.pp, cfg.virtual, m, len(per), min(per), f.layer_kept.get(mode, 0), len(dense),
                           min(dense, default=0.0), f.kept.get(mode, 0))
     t = f.layer_work + f.layer_rerun.get(mode, 0.0)
@@ -218,17 +230,11 @@ def blocks_split_floor(cfg: Config, bounds: Bounds, f: MoeLayerFloor, cap: int) 
     work, ``r``: its full rerun); one holding dense layers at least ``m c* t``; plus the chunks
     before it. The least over K and the ranks that can hold ``c*`` (0: no pipeline or MoE
     layer; inf: no K fits)."""
-    if cfg.pp == 1 or not f.layer_work or "auto" in cfg.strategy:
-        return 0.0
-    every, _total = bounds.held(cfg.dp * cfg.cp, cfg.ep, cfg.tp, cfg.strategy)
-    per = [x for x, h in zip(every, bounds.layers) if h[1] > 0]
-    if not per:
-        return 0.0
-    dense = [x for x, h in zip(every, bounds.layers) if h[1] <= 0]
-    room = cap - bounds.overhead(cfg.dp, cfg.ep, cfg.tp, cfg.pp)
+    fits = _moe_room(f, cfg, bounds, cap)
+    if isinstance(fits, float):
+        return fits
+    per, dense, room = fits
     m, p, v = max(1, cfg.microbatches), cfg.pp, cfg.virtual
-    if room <= 0:
-        return math.inf
     s, un, uf = min(per), f.layer_kept.get("none", 0), f.layer_kept.get("full", 0)
     t, r = f.layer_work, f.layer_rerun.get("full", 0.0)
     best = math.inf
