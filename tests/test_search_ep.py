@@ -144,16 +144,11 @@ def test_pruning_keeps_the_best_and_every_fitting_configuration(searches: tuple[
 MOE_DENSE = json.dumps({**json.loads(MOE), "name": "moe-dense", "layers": 4, "dense_layers": 1})
 
 
-def test_lazy_floors_plan_the_seeds_first_and_find_the_unpruned_best(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the floors computed as each configuration's turn comes (more layer keys than
-    EAGER_FLOORS, forced here), the ``dp,ep,zero1`` / ``dp,ep,zero2`` pipelines are planned first
-    (search._seeds: an incumbent early) and the result is the unpruned search's: its best with
-    the same figures, every configuration the bounds pruned no faster than it. The MoE has a
-    dense first layer, so its floors come from one copy with the pipelines' split floor."""
+def _lazy_floors_kept(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Floors computed as each configuration's turn comes (EAGER_FLOORS 0); the list returned
+    gets every search's floor object (search._floor) as it is made."""
     from spmdkit.planner import search as search_mod
-    from spmdkit.planner.search_floor_layers import LayerStepFloor
 
-    full = search_meshes(MOE_DENSE, 4, "h100", prune=False)  # no cap: every configuration fits
     monkeypatch.setattr(search_mod, "EAGER_FLOORS", 0)
     made: list[Any] = []
     real = search_mod._floor
@@ -163,6 +158,19 @@ def test_lazy_floors_plan_the_seeds_first_and_find_the_unpruned_best(monkeypatch
         return made[-1]
 
     monkeypatch.setattr(search_mod, "_floor", kept)
+    return made
+
+
+def test_lazy_floors_plan_the_seeds_first_and_find_the_unpruned_best(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the floors computed as each configuration's turn comes (more layer keys than
+    EAGER_FLOORS, forced here), the ``dp,ep,zero1`` / ``dp,ep,zero2`` pipelines are planned first
+    (search._seeds: an incumbent early) and the result is the unpruned search's: its best with
+    the same figures, every configuration the bounds pruned no faster than it. The MoE has a
+    dense first layer, so its floors come from one copy with the pipelines' split floor."""
+    from spmdkit.planner.search_floor_layers import LayerStepFloor
+
+    full = search_meshes(MOE_DENSE, 4, "h100", prune=False)  # no cap: every configuration fits
+    made = _lazy_floors_kept(monkeypatch)
     order: list[str] = []
 
     class _Notes:
@@ -196,19 +204,10 @@ def test_a_pruned_etp1_pipeline_search_keeps_the_exhaustive_best(monkeypatch: py
     recomputation: the lazy pruned search (its floors with whole layers per rank and full:K's
     block split floor) finds the exhaustive search's best, a full:K pipeline, with the same
     figures; every pipeline's floor under each mode is under its planned step."""
-    from spmdkit.planner import search as search_mod
 
     strategies = ["megatron,sp,ep,etp=1", "megatron,sp,ep,etp=1,zero2"]
     full = search_meshes(MOE_ETP, 8, "h100", memory_cap="1.56GB", prune=False, strategies=strategies)
-    monkeypatch.setattr(search_mod, "EAGER_FLOORS", 0)
-    made: list[Any] = []
-    real = search_mod._floor
-
-    def kept(*a: Any) -> Any:
-        made.append(real(*a))
-        return made[-1]
-
-    monkeypatch.setattr(search_mod, "_floor", kept)
+    made = _lazy_floors_kept(monkeypatch)
     lazy = search_meshes(MOE_ETP, 8, "h100", memory_cap="1.56GB", prune=True, strategies=strategies)
     a, b = full.best, lazy.best
     assert a is not None and b is not None
