@@ -68,12 +68,21 @@ from spmdkit.core.reshard import CostModel
 from spmdkit.cost.compute import guess_tokens, kernel_collectives, model_flops
 from spmdkit.cost.devices import Device, cost_model, load_device, recost
 from spmdkit.cost.memory import Memory, memory_per_device, per_microbatch_mode, with_overheads
-from spmdkit.cost.step import OpComm, StepEstimate, estimate_step, op_communication
+from spmdkit.cost.step import OpComm, StepEstimate, estimate_step
 from spmdkit.models.hf import dtype_name
 from spmdkit.models.source import import_hf_checked
 from spmdkit.models.zoo import ModelConfig, build_model, preset
 from spmdkit.planner.auto import AutoInfo, auto_plan
-from spmdkit.planner.fold import Fold, bucket_figures, bucket_sync, fold_counts, fold_of, pipeline_memory, pipeline_step
+from spmdkit.planner.fold import (
+    Fold,
+    bucket_figures,
+    bucket_sync,
+    fold_counts,
+    fold_of,
+    op_comm,
+    pipeline_memory,
+    pipeline_step,
+)
 from spmdkit.planner.fold_stages import copy_layers, deep_pipeline, stage_copy, stretch_units
 from spmdkit.planner.partition import even_split, partition
 from spmdkit.planner.pipeline import (
@@ -296,8 +305,8 @@ def _pipeline_candidates(cfg: Config, plan: Plan, counts: tuple[int, ...] | None
 
 
 #: a plan's pricing inputs by the plan priced (its modes and its full:K share them): (the plan,
-#: the runtime, the device, the plan under the runtime, its ops' times, one microbatch's step by mode)
-_PRICED: dict[int, tuple[Plan, Runtime, Device, Plan, OpComm, dict[str, StepEstimate]]] = {}
+#: the runtime, the device, the plan under the runtime, one microbatch's step by mode)
+_PRICED: dict[int, tuple[Plan, Runtime, Device, Plan, dict[str, StepEstimate]]] = {}
 
 
 def _pricing(plan_in: Plan, job: _Job) -> tuple[Plan, OpComm, dict[str, StepEstimate]]:
@@ -308,8 +317,8 @@ def _pricing(plan_in: Plan, job: _Job) -> tuple[Plan, OpComm, dict[str, StepEsti
         if len(_PRICED) >= 4:
             _PRICED.clear()
         plan = replace(plan_in, runtime=job.runtime)
-        got = _PRICED[id(plan_in)] = (plan_in, job.runtime, job.device, plan, op_communication(plan, job.device), {})
-    return got[3], got[4], got[5]
+        got = _PRICED[id(plan_in)] = (plan_in, job.runtime, job.device, plan, {})
+    return got[3], op_comm(got[3], job.device), got[4]
 
 
 def _batch_of(prog: Program) -> int | None:
