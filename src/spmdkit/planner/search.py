@@ -426,7 +426,7 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
         refiner = Refiner(floor, lazy, functools.partial(_step_bound, bounds=bounds, floor=floor, job=job))
         if lazy:
             seeds = set(_seeds(work, lows, bounds, floor, job))
-            refiner.start(sorted((c for c in work if c in lows), key=lambda c: (c not in seeds, lows[c])), workers)
+            refiner.start(sorted((c for c in work if c in lows), key=lambda c: (c not in seeds, lows[c])), workers, lows)
     elif len(work) > MAX_PLANS:
         raise ProgramError(f"--devices {devices}: {len(work)} configurations to plan (at most {MAX_PLANS})")
     if progress is not None:

@@ -1,23 +1,27 @@
-"""A second process that plans a lazy search's layer floors ahead of it (issue 30).
+"""A second process that computes a lazy search's bounds ahead of it (issue 30).
 
-A pruned search whose floors are lazy (:func:`spmdkit.planner.search._step_bounds`: more layer
-keys than it is worth planning up front; DeepSeek-V3 on 2,048 devices has 223) plans each
-configuration's layer key (:meth:`spmdkit.planner.search_floor.StepFloor.of`: a shallow copy
-planned on ``dp = 1``) when that configuration's turn comes, one after the other with the
-configurations it plans. A key's floor is a pure function of the key, so on a machine with a
-second core :class:`Ahead` forks one process that plans the keys in the order the search will
-ask for them (its configurations' order) and sends each floor back; the search takes a key's
-floor from it where it has come (or is being planned: it waits), and plans the key itself
-otherwise (the worker then skips it: each key is claimed once, under a lock). Either way the
-floor is the same figures, so the search's answer, its rows and what it prunes are the same as
-without it (``tests/test_search_ahead.py``); only the wall time changes. The warnings a key's
-plan raises (a strategy's notes) are sent with it and raised again when the search takes it, so
-they appear as they would without the worker.
+A pruned search whose layer floors are lazy (:func:`spmdkit.planner.search._step_bounds`: more
+layer keys than it is worth planning up front; DeepSeek-V3 on 2,048 devices has 223) refines
+each configuration's bound when its turn comes (:class:`Refiner`): its layer key planned on a
+shallow copy (:meth:`spmdkit.planner.search_floor.StepFloor.of`), the pipelines' split floors,
+under ZeRO-3 its parameter gathers' copies; one after the other with the configurations it
+plans, on one core. A bound is a pure function of the configuration, so where the process has a
+second core :class:`Ahead` forks one worker that computes the bounds in the order the search
+takes the configurations and sends each back with the layer floors it planned. The search takes
+a bound from it where it has come or is being computed (it waits for it), and computes it
+itself otherwise: each configuration is claimed once, under a lock; the worker skips what the
+search has passed and what the best step found already prunes (its FLOPs bound at least the
+best: the search's best only falls, so the search will not refine it). A ZeRO-3
+configuration's bound with its gathers is computed by the worker where the first is under the
+best found so far (so wherever the search will need it). The strategies' notes a bound's plans
+raise in the worker are sent with it and raised when the search takes it.
 
-The worker is forked (the search's models, bounds and floor are its memory as they were, nothing
-pickled but the floors it sends); it exits when its keys are done or the search closes the pipe
-(:meth:`Ahead.close`), and is a daemon (it dies with the search's process). Where ``fork`` is not
-available or there is one core, none is started.
+The search's answer, its rows and what it prunes do not depend on who computed a bound
+(``tests/test_search_ahead.py``); only the wall time does. The worker is forked (the search's
+models, bounds and floor are its memory as they were; only the bounds and floors it sends are
+pickled), exits when its work is done or the search closes the pipe (:meth:`Ahead.close`, or
+when the :class:`Ahead` is collected), and is a daemon (it dies with the search's process).
+Where ``fork`` is not available or the process has one core, none is started.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import multiprocessing
 import os
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -52,8 +56,10 @@ class Ahead:
     the order the search takes them) ahead of the search (module docstring), and sending each
     with the layer floors it planned for it."""
 
-    def __init__(self, floor: StepFloor, order: Sequence[Config], bound: Callable[..., float]) -> None:
+    def __init__(self, floor: StepFloor, order: Sequence[Config], bound: Callable[..., float],
+                 lows: Mapping[Config, float] | None = None) -> None:
         self.floor = floor
+        self.lows = lows or {}
         self.order = list(dict.fromkeys(order))
         self.index = {c: i for i, c in enumerate(self.order)}
         self.got: dict[int, tuple[float, float | None, list[Any]]] = {}
@@ -86,7 +92,8 @@ class Ahead:
         cache = self.floor.cache
         try:
             for i, cfg in enumerate(self.order):
-                if i < self.at.value or not self._claim(i, _WORKER):
+                if i < self.at.value or self.lows.get(cfg, -math.inf) >= self.best.value \
+                        or not self._claim(i, _WORKER):
                     continue
                 before, had = self.floor.plans, set(cache)
                 with warnings.catch_warnings(record=True) as said:
@@ -162,13 +169,13 @@ class Refiner:
         self.floor, self.lazy, self.bound = floor, lazy, bound
         self.ahead: Ahead | None = None
 
-    def start(self, order: Iterable[Config], workers: int | None) -> None:
+    def start(self, order: Iterable[Config], workers: int | None, lows: Mapping[Config, float] | None = None) -> None:
         """An :class:`Ahead` computing the bounds of ``order`` where ``workers`` (default: one
         where this process may run on two cores or more) is at least 1 and ``fork`` is
         available; else none (the search computes each itself)."""
         n = (1 if cores() > 1 else 0) if workers is None else workers
         if self.floor is not None and n >= 1 and "fork" in multiprocessing.get_all_start_methods():
-            self.ahead = Ahead(self.floor, list(order), self.bound)
+            self.ahead = Ahead(self.floor, list(order), self.bound, lows)
 
     def wants(self, cfg: Config) -> bool:
         """Whether ``cfg``'s bound can be refined."""
