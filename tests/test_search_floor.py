@@ -13,6 +13,7 @@ import pytest
 from spmdkit.cost.devices import load_device
 from spmdkit.planner.search import Config, _floor, _Job, _model_sizes, config_candidates, search_meshes
 from spmdkit.planner.search_floor import Units, base_strategy, busiest_rank
+from spmdkit.planner.search_floor_layers import split_levels
 
 MODEL = "llama3-8b"
 OVER = {"layers": 4, "batch": 8, "seq": 512}
@@ -264,6 +265,39 @@ def test_whole_layers_level_by_hand() -> None:
     assert whole_layers_level(10.0, 2, 1, 2, 7, 1.0, 1.0, 2, 1.0, 1.0) == float("inf")  # 6 at most
     # full:1 with full keeping nothing: rank 0 holds (10 + 2 x 1) / 3 = 4, rank 1 (10 + 1) / 2 = 5
     assert whole_layers_level(10.0, 2, 1, 2, 7, 1.0, 1.0, 0, 0.0, 0.0, 1, 0.0) == 4.0
+
+
+@pytest.mark.parametrize("cfg", [Config(1, 1, 4, "dp", microbatches=4), Config(1, 2, 4, "megatron,sp", microbatches=4)],
+                         ids=lambda c: c.label())
+def test_a_recomputed_layers_working_peak_is_the_one_layer_stages_peak(cfg: Config) -> None:
+    """The floor's working peak of a layer recomputed in full (search_floor.layer_peak: each
+    layer's ops alone on activation_deltas' curve) is, on dp = 1 without ZeRO (the floor's own
+    layer plans), exactly the working peak of a middle stage holding that one layer in the planned
+    pipeline under full recomputation (llama3-8b at 4 layers on pp=4: 208 MiB at tp=1, 112 MiB at
+    tp=2 with sp); with ZeRO-2 on dp=2 the stages peak higher (168 MiB against 104 MiB), never lower."""
+    mc, job = _job(MODEL, OVER)
+    floor = _floor(MODEL, mc, job)
+    assert floor is not None
+    peak = floor.of(cfg).full_peak
+    full = next(c for c in config_candidates(MODEL, cfg, "h100", OVER) if c.config.recompute == "full")
+    stages = full.estimate.stages
+    assert [s.working_peak for s in stages[1:3]] == [peak, peak]
+    assert peak == (218243088 if cfg.tp == 1 else 117510160)
+    assert all(peak <= s.working_peak for s in stages) and all(s.stash_bytes < peak for s in stages[:3])
+    zero2 = Config(2, 1, 4, "dp,zero2", microbatches=4)
+    low = floor.of(zero2).full_peak
+    got = next(c for c in config_candidates(MODEL, zero2, "h100", OVER) if c.config.recompute == "full")
+    assert 0 < low <= min(s.working_peak for s in got.estimate.stages)
+
+
+def test_split_levels_count_the_working_peak_by_hand() -> None:
+    """7 MoE layers of 1 byte held and 1 kept a microbatch on 2 ranks of 10 bytes (2 and 1
+    microbatches in flight): ranks hold 3 and 5, the level 4. With a working peak of 5 bytes
+    beside f - 1 microbatches' stash rank 0 holds (10 - 5) / 2 = 2, rank 1 5: the level 5; with
+    6 bytes, 2 + 4 < 7: no split fits."""
+    assert split_levels(10.0, 2, 1, 2, 7, 1.0, 1.0) == ((4, 1, ()),)
+    assert split_levels(10.0, 2, 1, 2, 7, 1.0, 1.0, flights=(2.0, 1.0), peak=5.0) == ((5, 1, ()),)
+    assert split_levels(10.0, 2, 1, 2, 7, 1.0, 1.0, flights=(2.0, 1.0), peak=6.0) == ()
 
 
 V3_ETP1 = "megatron,sp,ep,etp=1,zero2"

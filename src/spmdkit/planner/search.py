@@ -546,8 +546,8 @@ def _step_bound(cfg: Config, bounds: Bounds, floor: StepFloor | None, job: _Job,
             # none above a full:K that the plan prices where none does not fit
             # (search_floor_layers.blocks_split_floor)
             plain = StepFloor.step
-            blocks = blocks_floor(bounds, cfg, job.cap, kept["none"], kept["full"],
-                                  plain(floor, cfg, "none", busiest=False), plain(floor, cfg, "full", busiest=False))
+            blocks = blocks_floor(bounds, cfg, job.cap, kept["none"], kept["full"], plain(floor, cfg, "none", busiest=False),
+                                  plain(floor, cfg, "full", busiest=False), f.full_peak)
             least = min(least, max(blocks, plain(floor, cfg, "none", gathers), floor.blocks_step(cfg)))
         low = max(low, least)
     return low
