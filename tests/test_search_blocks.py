@@ -139,6 +139,21 @@ def test_blocks_floor_counts_a_recomputed_layers_working_peak() -> None:
     assert blocks_floor(tt, cfg, room, 100, 40, 10.0, 14.0, 700) == pytest.approx(10.0 + 4.0 * 12 / 24)
 
 
+def test_the_memory_bound_counts_the_reserve_the_flight_and_a_working_peak() -> None:
+    """Bounds.memory on the pipeline above (a layer keeps 100 bytes, 110 with the reserve):
+    24 / (1 / (20 + 2 x 110) + 1 / (20 + 110)) = 2,023 bytes at least on the fuller rank; with
+    a layer's working peak of 2,000 bytes (2,200 with the reserve) beside f - 1 microbatches'
+    stash, 2,200 + 24 / (1 / 130 + 1 / 20) = 2,616; interleaved over 2 chunks (m = 4) Megatron's
+    ranks hold 2.5 and 1.5 microbatches (schedules.in_flight), not 2 and 1."""
+    bounds = Bounds(layers=((10, 0, 0, 0),) * 24, outside=(0, 0, 0, 0), flops=0.0, peak=1.0)
+    over = Bounds.overhead(1, 1, 1, 2)
+    assert bounds.memory(1, 1, 1, 2, "dp", 2, 100) - over == int(24 / (1 / 240 + 1 / 130))
+    assert bounds.memory(1, 1, 1, 2, "dp", 2, 100, 1, 2000) - over == int(2200 + 24 / (1 / 130 + 1 / 20))
+    assert bounds.memory(1, 1, 1, 2, "dp", 2, 100, 1, 100) - over == int(24 / (1 / 240 + 1 / 130))
+    assert bounds.flights(2, 2, 4) == ((2.5, 1.5), True)
+    assert replace(bounds, framework="torchtitan").flights(2, 2, 4) == ((2.0, 1.0), False)
+
+
 def test_the_step_floor_stays_under_full_k() -> None:
     """Full:K recomputes less than full: the bound of a configuration whose no-recomputation bytes
     are over the cap counts it (no recomputation's floor under full's memory bound)."""

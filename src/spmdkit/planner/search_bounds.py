@@ -158,21 +158,26 @@ class Bounds:
         return tuple(in_flight(schedule, pp, virtual, m, r) for r in range(pp)), True
 
     def memory(self, dp: int, ep: int, tp: int, pp: int, strategy: str, microbatches: int = 1,
-               layer_bytes: float = 0.0, virtual: int = 1) -> int:
+               layer_bytes: float = 0.0, virtual: int = 1, peak: float = 0.0) -> int:
         """Bytes per device at least (every recomputation mode) under ``strategy`` on
         ``pp x dp x ep x tp`` (1F1B over ``microbatches`` when ``pp`` > 1, interleaved over
         ``virtual`` chunks); ``layer_bytes``: what a layer keeps of one microbatch on a device at
         least, where known (a recomputation mode's: :class:`spmdkit.planner.search_floor.LayerFloor`),
-        else its input; the activations with the allocator's reserve (:data:`GROW`)."""
+        else its input; the activations with the allocator's reserve (:data:`GROW`). ``peak``: the
+        least working peak of a layer under the mode (full recomputation's:
+        :attr:`spmdkit.planner.search_floor.LayerFloor.full_peak`), where the plan counts one
+        microbatch at its peak beside the others' stash (:meth:`flights`)."""
         per, total = self.held(dp, ep, tp, strategy)
         unit = GROW * max(self.layer_input(dp, ep, tp, pp, strategy, microbatches), layer_bytes)
         if pp == 1:
             need = total + len(per) * unit
         else:  # rank r holds c_r layers and f_r microbatches (flights): max_r c_r (s + f_r u) with sum c_r = L
             s = min(per, default=0.0)
-            flight, _peak = self.flights(pp, virtual, microbatches)
-            inv = sum(1.0 / (s + f * unit) for f in flight) if s or unit else 0.0
-            need = max(total / pp, len(per) / inv if inv else 0.0)
+            flight, working = self.flights(pp, virtual, microbatches)
+            need = total / pp
+            for extra, less in [(0.0, 0.0)] + ([(GROW * peak, 1.0 / virtual)] if working and peak > 0 else []):
+                inv = sum(1.0 / (s + (f - less) * unit) for f in flight) if s or unit else 0.0
+                need = max(need, extra + len(per) / inv if inv else 0.0)
         return int(need) + self.overhead(dp, ep, tp, pp)
 
     def all_to_all(self, devices: int, ep: int, strategy: str) -> float:
@@ -258,14 +263,15 @@ def model_bounds(plan: Plan, device: Device, runtime: Runtime, token_bytes: int 
                   runtime.moe_dispatcher, runtime.moe_routing, runtime.framework)
 
 
-def memory_bound(cfg: Config, bounds: Bounds, layer_bytes: float = 0.0) -> int:
+def memory_bound(cfg: Config, bounds: Bounds, layer_bytes: float = 0.0, peak: float = 0.0) -> int:
     """Bytes a device of ``cfg`` needs at least (``layer_bytes``: a layer's kept bytes of one
-    microbatch under a recomputation mode, where known)."""
+    microbatch under a recomputation mode, where known; ``peak``: a layer's least working peak
+    under it, :meth:`Bounds.memory`)."""
     # cp: ZeRO shards over dp x cp and each rank holds 1/cp of the sequences' tokens, as dp x cp ranks would
     if cfg.grad_accum > 1:  # a micro-step holds the activations of batch / accum sequences
         bounds = replace(bounds, batch=bounds.batch // cfg.grad_accum)
     return bounds.memory(cfg.dp * cfg.cp, cfg.ep, cfg.tp, cfg.pp, cfg.strategy, cfg.microbatches, layer_bytes,
-                         cfg.virtual) if cfg.strategy != "auto" else 0
+                         cfg.virtual, peak) if cfg.strategy != "auto" else 0
 
 
 def memory_why(cfg: Config, bounds: Bounds, cap: int) -> str | None:
