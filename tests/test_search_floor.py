@@ -358,6 +358,45 @@ def test_deepseek_v3s_split_floor_is_under_its_fitting_steps_and_bites(cfg: Conf
     assert all(floor.step(cfg, c.config.recompute) <= c.step_s for c in fitting)
 
 
+def test_deepseek_v3s_full_k_relaxation_needs_the_planned_k() -> None:
+    """DeepSeek-V3 on 2,048 H800, ``dp=64 ep=2 tp=2 pp=8 vp=2 (m=120)`` with Megatron's ETP=1
+    path and ZeRO-2: its plan fits full:3 (29.36 s) and not full:2. The memory relaxation that
+    picks full:K's least K held each rank's layers and min(p - r, m) microbatches of their kept
+    bytes, so K = 1 fitted it and the bound was 23.0 s (no recomputation's floor). With the
+    allocator's reserve, interleaved 1F1B's in-flight count (9.5 microbatches on rank 2, not 6)
+    and a recomputed layer's working peak (0.95 GiB) beside the others' stash, K = 1 and 2 do not
+    fit it either (no level of MoE layers), and the bound counts full:3's reruns: 25.1 s, under
+    the planned step."""
+    from spmdkit.planner.search import _bounds
+    from spmdkit.planner.search_bounds import GROW
+    from spmdkit.planner.search_floor_layers import _moe_room
+
+    mc, sizes = _model_sizes("deepseek-v3", V3)
+    dev = load_device("h800")
+    job = _Job(dev, sizes.tokens, ["none", "selective", "full"], dev.memory_bytes, None, None, None, 30.0)
+    bounds = _bounds("deepseek-v3", mc, job)
+    floor = _floor("deepseek-v3", mc, job, bounds)
+    assert floor is not None
+    cfg = Config(64, 2, 8, V3_ETP1, microbatches=120, ep=2, virtual=2)
+    f = floor.of(cfg)
+    assert 0.9 * 2**30 < f.full_peak < 1.0 * 2**30
+    room = _moe_room(f, cfg, bounds, job.cap)
+    assert isinstance(room, tuple)
+    per, dense, left = room
+    flights, working = bounds.flights(8, 2, 120)
+    assert working and flights[2] == 9.5
+
+    def levels(k: int) -> tuple[Any, ...]:
+        return split_levels(left, 8, 2, 120, len(per), min(per), GROW * f.layer_kept["none"], len(dense), min(dense),
+                            GROW * f.kept["none"], k, GROW * f.layer_kept["full"], flights, GROW * f.full_peak)
+
+    assert levels(1) == () and levels(2) == () and levels(3)
+    low = floor.blocks_step(cfg)
+    got = {c.config.recompute: c for c in config_candidates("deepseek-v3", cfg, "h800", V3)}
+    assert "full:3" in got and got["full:3"].fits
+    assert 25.0 < low <= got["full:3"].step_s, (low, got["full:3"].step_s)
+
+
 def _plan_facts(plan: Any) -> tuple[Any, ...]:
     return plan.attrs, plan.ops, plan.reshards, plan.annotations, plan.storage, plan.rounds
 
