@@ -51,7 +51,7 @@ def blocks_floor(bounds: Bounds, cfg: Config, cap: int, kept_none: float, kept_f
     device's share of the model's work) and the fewest bytes a layer keeps of a microbatch under
     each (``kept_*``), on :meth:`spmdkit.planner.search_bounds.Bounds.memory`'s relaxation: rank
     ``r`` holds ``c_r`` layers (fractional, ``sum c_r = L``) at ``s`` bytes each for the step
-    (the least a layer holds) and ``f_r = min(p - r, m)`` microbatches in flight, of which its
+    (the least a layer holds) and ``f_r`` microbatches in flight (:meth:`Bounds.flights`), of which its
     first ``v K`` layers (K of each of its ``v`` chunks) keep ``kept_full`` and the rest
     ``kept_none``: ``c_r (s + f_r kept_none) - f_r min(v K, c_r) (kept_none - kept_full)`` within
     the cap. The least K whose ranks can hold the ``L`` layers is a lower bound of the K

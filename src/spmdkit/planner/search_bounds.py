@@ -14,8 +14,10 @@ give the configuration, under every recomputation mode:
   ``ep``, ZeRO's data-parallel ranks (``dp x ep`` for the dense parameters, ``dp`` for the
   experts: EDP) for the optimizer states (zero1+), gradients (zero2+) and parameters (zero3);
   with ``pp`` stages the fullest holds at least their average; plus the CUDA context and one
-  NCCL buffer per communicator (:func:`spmdkit.cost.memory.with_overheads`), the activations
-  counted as nothing;
+  NCCL buffer per communicator (:func:`spmdkit.cost.memory.with_overheads`), and of the
+  activations each layer's input (or what a recomputation mode keeps of it) for each microbatch
+  a rank holds in flight as the plan counts them (:meth:`Bounds.flights`), with the caching
+  allocator's reserve (:data:`GROW`);
 - the step (:meth:`Bounds.step`): every op's time is at least its FLOPs at the fastest rate
   its kind reaches (:meth:`spmdkit.cost.devices.Device.compute_time`): a GEMM at the best
   large-GEMM ceiling of the dtypes it may run in (:data:`spmdkit.cost.rates.Rates.gemm` times the

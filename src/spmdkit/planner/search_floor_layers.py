@@ -122,7 +122,8 @@ def split_floor(cfg: Config, bounds: Bounds, f: MoeLayerFloor, mode: str, cap: i
     split under the memory cap (0: no pipeline or no MoE layer; inf: they cannot fit).
 
     Rank ``r`` of ``p`` holds ``c_r`` of the ``L`` MoE layers and, as :meth:`Bounds.memory`
-    counts, ``min(p - r, m)`` microbatches of their kept activations: it needs at least
+    counts, ``f_r`` microbatches of their kept activations (:meth:`Bounds.flights`, with the
+    allocator's reserve; under full recomputation one of them at a layer's working peak): it needs at least
     ``c_r (s + f_r u)`` bytes (``s``: the least parameters, gradients and states a MoE layer
     holds on a device under the strategy, :attr:`Bounds.layers`; ``u``: the least a MoE layer
     keeps of one microbatch under ``mode``), so ``c_r <= M_r = room / (s + f_r u)``, and it
@@ -242,12 +243,14 @@ def blocks_split_floor(cfg: Config, bounds: Bounds, f: MoeLayerFloor, cap: int) 
     first K layers of each chunk recomputed in full, the others keeping what no recomputation
     keeps), from how its MoE layers can be split under the memory cap (:func:`split_floor`'s
     argument, whole layers, at most ``v K`` of a rank's MoE layers keeping full's bytes): for
-    each K some rank holds at least ``c*`` MoE layers (:func:`split_levels` with ``k = K``). If
-    it holds no dense layer, at least ``min(c*, K)`` of them are recomputed (the first K of its
-    first chunk), so it works at least ``m (c* t + min(c*, K) r)`` a step (``t``: a MoE layer's
-    work, ``r``: its full rerun); one holding dense layers at least ``m c* t``; plus the chunks
-    before it. The least over K and the ranks that can hold ``c*`` (0: no pipeline or MoE
-    layer; inf: no K fits)."""
+    each K some rank holds at least ``c*`` MoE layers (:func:`split_levels` with ``k = K``, a
+    recomputed layer's working peak counted where the plan counts it). Each of its ``v`` chunks
+    holds a layer and recomputes its first K, so at least ``R = v - 1 + min(K, c* - v + 1)``
+    layers: if it holds no dense layer it works at least ``m (c* t + R r)`` a step (``t``: a MoE
+    layer's work, ``r``: its full rerun); one holding ``d`` dense layers at least ``m (c* t + d
+    w + R' r')`` (``R'`` over its ``c* + d`` layers, ``w`` and ``r'``: any layer's least work and
+    rerun: its recomputed layers may be dense ones); plus the chunks before it. The least over K
+    and the ranks that can hold ``c*`` (0: no pipeline or MoE layer; inf: no K fits)."""
     fits = _moe_room(f, cfg, bounds, cap)
     if isinstance(fits, float):
         return fits
