@@ -109,17 +109,49 @@ def test_full_k_is_the_least_k_that_fits_and_folds_exactly(cfg: Config, over: di
 def test_blocks_floor_by_hand() -> None:
     """24 layers of 20 bytes held (parameters and gradients) on pp=2 with 2 microbatches (ranks
     keep 2 and 1 in flight); a layer keeps 100 bytes of a microbatch without recomputation, 40
-    with full; 1,500 bytes for them a rank. Rank 0 holds c layers, its first K recomputed, within
-    c (20 + 2 x 100) - 2 K 60 <= 1500, rank 1 within c (20 + 100) - K 60 <= 1500: K = 4 holds
-    9 + 14.5 < 24 layers, K = 5 holds 9.55 + 15 (the least K). The fewest layers recomputed: rank 1
-    filled (5 of its 15), rank 0 the other 9 (5 of them): 10 of 24 of full's rerun."""
+    with full, 110 and 44 with the allocator's reserve (GROW = 1.1); 1,500 bytes for them a
+    rank. Rank 0 holds c layers, its first K recomputed, within c (20 + 2 x 110) - 2 K 66 <= 1500,
+    rank 1 within c (20 + 110) - K 66 <= 1500: K = 5 holds 9 + 14.08 < 24 layers, K = 6 holds
+    9.55 + 14.58 (the least K). The fewest layers recomputed: rank 1 filled (6 of its 14.58), rank 0
+    the other 9.42 (6 of them): 12 of 24 of full's rerun."""
     bounds = Bounds(layers=((10, 0, 0, 0),) * 24, outside=(0, 0, 0, 0), flops=0.0, peak=1.0)
     cfg = Config(1, 1, 2, "dp", microbatches=2)
     room = 1500 + CUDA_CONTEXT_BYTES + NCCL_BYTES_PER_GROUP  # a pp group
-    assert blocks_floor(bounds, cfg, room, 100, 40, 10.0, 14.0) == pytest.approx(10.0 + 4.0 * 10 / 24)
-    # full holds 24 / (1500 / 100 + 1500 / 60) at most: 24 < 15 + 25; all but full (K = 11) does not
+    assert blocks_floor(bounds, cfg, room, 100, 40, 10.0, 14.0) == pytest.approx(10.0 + 4.0 * 12 / 24)
+    # full holds 24 / (1500 / 108 + 1500 / 64) at most: 24 < 13.9 + 23.4; all but full (K = 11) does not
     assert blocks_floor(bounds, cfg, room - 1000, 100, 40, 10.0, 14.0) == math.inf
     assert blocks_floor(bounds, replace(cfg, pp=1), room, 100, 40, 10.0, 14.0) == 10.0  # no pipeline
+
+
+def test_blocks_floor_counts_a_recomputed_layers_working_peak() -> None:
+    """The same pipeline with a recomputed layer's working peak of 700 bytes (770 with the
+    reserve): a Megatron rank also holds c 20 + (f - 1) kept + 770 within 1,500 (the microbatch
+    at its peak beside the others' stash). Rank 0 (f = 2): (730 + 66 K) / 130 layers, under
+    K = 6 8.66 + 14.58 < 24; K = 7: 9.17 + 15.09 (rank 1, f - 1 = 0, holds 36.5 by it): rank 1
+    filled (7 of its 15.09), rank 0 the other 8.91 (7): 14 of 24 recomputed. Under torchtitan
+    (its ranks walked unit by unit) the peak is not counted: 12 of 24 as above."""
+    bounds = Bounds(layers=((10, 0, 0, 0),) * 24, outside=(0, 0, 0, 0), flops=0.0, peak=1.0)
+    cfg = Config(1, 1, 2, "dp", microbatches=2)
+    room = 1500 + CUDA_CONTEXT_BYTES + NCCL_BYTES_PER_GROUP
+    assert blocks_floor(bounds, cfg, room, 100, 40, 10.0, 14.0, 700) == pytest.approx(10.0 + 4.0 * 14 / 24)
+    assert blocks_floor(bounds, cfg, room, 100, 40, 10.0, 14.0, 200) == pytest.approx(10.0 + 4.0 * 12 / 24)
+    tt = replace(bounds, framework="torchtitan")
+    assert blocks_floor(tt, cfg, room, 100, 40, 10.0, 14.0, 700) == pytest.approx(10.0 + 4.0 * 12 / 24)
+
+
+def test_the_memory_bound_counts_the_reserve_the_flight_and_a_working_peak() -> None:
+    """Bounds.memory on the pipeline above (a layer keeps 100 bytes, 110 with the reserve):
+    24 / (1 / (20 + 2 x 110) + 1 / (20 + 110)) = 2,023 bytes at least on the fuller rank; with
+    a layer's working peak of 2,000 bytes (2,200 with the reserve) beside f - 1 microbatches'
+    stash, 2,200 + 24 / (1 / 130 + 1 / 20) = 2,616; interleaved over 2 chunks (m = 4) Megatron's
+    ranks hold 2.5 and 1.5 microbatches (schedules.in_flight), not 2 and 1."""
+    bounds = Bounds(layers=((10, 0, 0, 0),) * 24, outside=(0, 0, 0, 0), flops=0.0, peak=1.0)
+    over = Bounds.overhead(1, 1, 1, 2)
+    assert bounds.memory(1, 1, 1, 2, "dp", 2, 100) - over == int(24 / (1 / 240 + 1 / 130))
+    assert bounds.memory(1, 1, 1, 2, "dp", 2, 100, 1, 2000) - over == int(2200 + 24 / (1 / 130 + 1 / 20))
+    assert bounds.memory(1, 1, 1, 2, "dp", 2, 100, 1, 100) - over == int(24 / (1 / 240 + 1 / 130))
+    assert bounds.flights(2, 2, 4) == ((2.5, 1.5), True)
+    assert replace(bounds, framework="torchtitan").flights(2, 2, 4) == ((2.0, 1.0), False)
 
 
 def test_the_step_floor_stays_under_full_k() -> None:

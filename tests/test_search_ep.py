@@ -6,6 +6,7 @@ bounds of every planned configuration, the same best with and without them), Dee
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -220,7 +221,9 @@ def test_a_pruned_etp1_pipeline_search_keeps_the_exhaustive_best(monkeypatch: py
     for c in piped:
         cfg, mode = replace(c.config, recompute="none"), c.config.recompute
         low = floor.blocks_step(cfg) if mode.startswith("full:") else floor.step(cfg, mode)
-        assert 0 < low <= c.step_s, (c.config.label(), low, c.step_s)
+        # a mode over the cap may have no split that fits its relaxation (inf: the reserve, the
+        # in-flight count, the working peak), never one that fits
+        assert 0 < low <= c.step_s or (not c.fits and low == math.inf), (c.config.label(), low, c.step_s)
 
 
 def test_deepseek_v3_on_2048_h800_fits_with_a_breakdown_checked_by_hand() -> None:

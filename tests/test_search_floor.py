@@ -13,6 +13,7 @@ import pytest
 from spmdkit.cost.devices import load_device
 from spmdkit.planner.search import Config, _floor, _Job, _model_sizes, config_candidates, search_meshes
 from spmdkit.planner.search_floor import Units, base_strategy, busiest_rank
+from spmdkit.planner.search_floor_layers import split_levels
 
 MODEL = "llama3-8b"
 OVER = {"layers": 4, "batch": 8, "seq": 512}
@@ -266,6 +267,39 @@ def test_whole_layers_level_by_hand() -> None:
     assert whole_layers_level(10.0, 2, 1, 2, 7, 1.0, 1.0, 0, 0.0, 0.0, 1, 0.0) == 4.0
 
 
+@pytest.mark.parametrize("cfg", [Config(1, 1, 4, "dp", microbatches=4), Config(1, 2, 4, "megatron,sp", microbatches=4)],
+                         ids=lambda c: c.label())
+def test_a_recomputed_layers_working_peak_is_the_one_layer_stages_peak(cfg: Config) -> None:
+    """The floor's working peak of a layer recomputed in full (search_floor.layer_peak: each
+    layer's ops alone on activation_deltas' curve) is, on dp = 1 without ZeRO (the floor's own
+    layer plans), exactly the working peak of a middle stage holding that one layer in the planned
+    pipeline under full recomputation (llama3-8b at 4 layers on pp=4: 208 MiB at tp=1, 112 MiB at
+    tp=2 with sp); with ZeRO-2 on dp=2 the stages peak higher (168 MiB against 104 MiB), never lower."""
+    mc, job = _job(MODEL, OVER)
+    floor = _floor(MODEL, mc, job)
+    assert floor is not None
+    peak = floor.of(cfg).full_peak
+    full = next(c for c in config_candidates(MODEL, cfg, "h100", OVER) if c.config.recompute == "full")
+    stages = full.estimate.stages
+    assert [s.working_peak for s in stages[1:3]] == [peak, peak]
+    assert peak == (218243088 if cfg.tp == 1 else 117510160)
+    assert all(peak <= s.working_peak for s in stages) and all(s.stash_bytes < peak for s in stages[:3])
+    zero2 = Config(2, 1, 4, "dp,zero2", microbatches=4)
+    low = floor.of(zero2).full_peak
+    got = next(c for c in config_candidates(MODEL, zero2, "h100", OVER) if c.config.recompute == "full")
+    assert 0 < low <= min(s.working_peak for s in got.estimate.stages)
+
+
+def test_split_levels_count_the_working_peak_by_hand() -> None:
+    """7 MoE layers of 1 byte held and 1 kept a microbatch on 2 ranks of 10 bytes (2 and 1
+    microbatches in flight): ranks hold 3 and 5, the level 4. With a working peak of 5 bytes
+    beside f - 1 microbatches' stash rank 0 holds (10 - 5) / 2 = 2, rank 1 5: the level 5; with
+    6 bytes, 2 + 4 < 7: no split fits."""
+    assert split_levels(10.0, 2, 1, 2, 7, 1.0, 1.0) == ((4, 1, ()),)
+    assert split_levels(10.0, 2, 1, 2, 7, 1.0, 1.0, flights=(2.0, 1.0), peak=5.0) == ((5, 1, ()),)
+    assert split_levels(10.0, 2, 1, 2, 7, 1.0, 1.0, flights=(2.0, 1.0), peak=6.0) == ()
+
+
 V3_ETP1 = "megatron,sp,ep,etp=1,zero2"
 
 
@@ -322,6 +356,45 @@ def test_deepseek_v3s_split_floor_is_under_its_fitting_steps_and_bites(cfg: Conf
     fitting = [c for c in got if c.fits]
     assert fitting and not any(c.fits for c in got if c.config.recompute == "none")
     assert all(floor.step(cfg, c.config.recompute) <= c.step_s for c in fitting)
+
+
+def test_deepseek_v3s_full_k_relaxation_needs_the_planned_k() -> None:
+    """DeepSeek-V3 on 2,048 H800, ``dp=64 ep=2 tp=2 pp=8 vp=2 (m=120)`` with Megatron's ETP=1
+    path and ZeRO-2: its plan fits full:3 (29.36 s) and not full:2. The memory relaxation that
+    picks full:K's least K held each rank's layers and min(p - r, m) microbatches of their kept
+    bytes, so K = 1 fitted it and the bound was 23.0 s (no recomputation's floor). With the
+    allocator's reserve, interleaved 1F1B's in-flight count (9.5 microbatches on rank 2, not 6)
+    and a recomputed layer's working peak (0.95 GiB) beside the others' stash, K = 1 and 2 do not
+    fit it either (no level of MoE layers), and the bound counts full:3's reruns: 25.1 s, under
+    the planned step."""
+    from spmdkit.planner.search import _bounds
+    from spmdkit.planner.search_bounds import GROW
+    from spmdkit.planner.search_floor_layers import _moe_room
+
+    mc, sizes = _model_sizes("deepseek-v3", V3)
+    dev = load_device("h800")
+    job = _Job(dev, sizes.tokens, ["none", "selective", "full"], dev.memory_bytes, None, None, None, 30.0)
+    bounds = _bounds("deepseek-v3", mc, job)
+    floor = _floor("deepseek-v3", mc, job, bounds)
+    assert floor is not None
+    cfg = Config(64, 2, 8, V3_ETP1, microbatches=120, ep=2, virtual=2)
+    f = floor.of(cfg)
+    assert 0.9 * 2**30 < f.full_peak < 1.0 * 2**30
+    room = _moe_room(f, cfg, bounds, job.cap)
+    assert isinstance(room, tuple)
+    per, dense, left = room
+    flights, working = bounds.flights(8, 2, 120)
+    assert working and flights[2] == 9.5
+
+    def levels(k: int) -> tuple[Any, ...]:
+        return split_levels(left, 8, 2, 120, len(per), min(per), GROW * f.layer_kept["none"], len(dense), min(dense),
+                            GROW * f.kept["none"], k, GROW * f.layer_kept["full"], flights, GROW * f.full_peak)
+
+    assert levels(1) == () and levels(2) == () and levels(3)
+    low = floor.blocks_step(cfg)
+    got = {c.config.recompute: c for c in config_candidates("deepseek-v3", cfg, "h800", V3)}
+    assert "full:3" in got and got["full:3"].fits
+    assert 25.0 < low <= got["full:3"].step_s, (low, got["full:3"].step_s)
 
 
 def _plan_facts(plan: Any) -> tuple[Any, ...]:

@@ -547,10 +547,10 @@ def _step_bound(cfg: Config, bounds: Bounds, floor: StepFloor | None, job: _Job,
         z = floor.gathered(cfg) if gathers else NO_FLOOR
         kept = {rc: max(f.kept.get(rc, 0), z.kept.get(rc, 0)) for rc in job.modes}
 
-        def fits(b: float) -> bool:
-            return memory_bound(cfg, bounds, b) <= job.cap
+        def fits(rc: str) -> bool:  # full recomputation: with a layer's working peak (Bounds.memory)
+            return memory_bound(cfg, bounds, kept[rc], f.full_peak if rc == "full" else 0.0) <= job.cap
 
-        least = min((floor.step(cfg, rc, gathers) for rc in job.modes if fits(kept[rc])), default=math.inf)
+        least = min((floor.step(cfg, rc, gathers) for rc in job.modes if fits(rc)), default=math.inf)
         if cfg.pp > 1 and "full" in job.modes and "none" in job.modes:
             # full:K (planner.search_blocks): on the layers' floor without the gathers (its even
             # pipeline term: affine in the rerun), and at least no recomputation's with them
@@ -559,8 +559,8 @@ def _step_bound(cfg: Config, bounds: Bounds, floor: StepFloor | None, job: _Job,
             # none above a full:K that the plan prices where none does not fit
             # (search_floor_layers.blocks_split_floor)
             plain = StepFloor.step
-            blocks = blocks_floor(bounds, cfg, job.cap, kept["none"], kept["full"],
-                                  plain(floor, cfg, "none", busiest=False), plain(floor, cfg, "full", busiest=False))
+            blocks = blocks_floor(bounds, cfg, job.cap, kept["none"], kept["full"], plain(floor, cfg, "none", busiest=False),
+                                  plain(floor, cfg, "full", busiest=False), f.full_peak)
             least = min(least, max(blocks, plain(floor, cfg, "none", gathers), floor.blocks_step(cfg)))
         low = max(low, least)
     return low

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from spmdkit.cost.memory import recompute_layers
-from spmdkit.planner.search_bounds import Bounds
+from spmdkit.planner.search_bounds import GROW, Bounds
 from spmdkit.planner.search_space import Config
 
 C = TypeVar("C")
@@ -45,20 +45,27 @@ def blocks_k(mode: str) -> int:
 
 
 def blocks_floor(bounds: Bounds, cfg: Config, cap: int, kept_none: float, kept_full: float, step_none: float,
-                 step_full: float) -> float:
+                 step_full: float, peak: float = 0.0) -> float:
     """The least step any ``full:K`` of the pipeline ``cfg`` can take within ``cap`` bytes a
     device (inf: none can fit), from no recomputation's and full's floors (``step_*``, one
     device's share of the model's work) and the fewest bytes a layer keeps of a microbatch under
     each (``kept_*``), on :meth:`spmdkit.planner.search_bounds.Bounds.memory`'s relaxation: rank
     ``r`` holds ``c_r`` layers (fractional, ``sum c_r = L``) at ``s`` bytes each for the step
-    (the least a layer holds) and ``f_r = min(p - r, m)`` microbatches in flight, of which its
+    (the least a layer holds) and ``f_r`` microbatches in flight (:meth:`Bounds.flights`), of which its
     first ``v K`` layers (K of each of its ``v`` chunks) keep ``kept_full`` and the rest
     ``kept_none``: ``c_r (s + f_r kept_none) - f_r min(v K, c_r) (kept_none - kept_full)`` within
     the cap. The least K whose ranks can hold the ``L`` layers is a lower bound of the K
     planned; of the splits they allow, the one recomputing the fewest layers fills the ranks
     that hold the most and leaves the others one layer a chunk (the cost is concave in each
     ``c_r``), and the floor adds that share of the layers of full recomputation's rerun to no
-    recomputation's. A MoE model (its dense layers lighter) counts no rerun."""
+    recomputation's. A MoE model (its dense layers lighter) counts no rerun.
+
+    The activations count with the allocator's reserve (:data:`spmdkit.planner.search_bounds.GROW`),
+    ``f_r`` as the plan counts it (:meth:`Bounds.flights`); and where the plan counts one
+    microbatch at its working peak (Megatron), ``peak``: the least working peak of one recomputed
+    layer alone (:func:`spmdkit.planner.search_floor.layer_peak`): every chunk's first layer is
+    recomputed, and while it runs its backward its whole activations are live, so a rank also
+    needs ``c_r s + (f_r - 1 / v) kept + peak`` (the other microbatches' stash beside it)."""
     if cfg.pp <= 1 or cfg.strategy == "auto":
         return step_none
     p, v, m = cfg.pp, cfg.virtual, cfg.microbatches
@@ -69,17 +76,23 @@ def blocks_floor(bounds: Bounds, cfg: Config, cap: int, kept_none: float, kept_f
     if not layers or total / p > budget:
         return math.inf
     unit = bounds.layer_input(dp, cfg.ep, cfg.tp, p, cfg.strategy, m)  # what every mode keeps at least
-    kn, kf = max(unit, kept_none), max(unit, kept_full)
+    kn, kf = GROW * max(unit, kept_none), GROW * max(unit, kept_full)
     held = min(per)
-    flight = [min(p - r, m) for r in range(p)]
+    flight, working = bounds.flights(p, v, m)
+    ways = [(budget, 0.0)] + ([(budget - GROW * peak, 1.0 / v)] if working and peak > 0 else [])
+
+    def fill(left: float, f: float, k: int) -> float:
+        """The most layers ``left`` bytes hold at ``f`` microbatches' kept bytes with full:k."""
+        if left <= 0:
+            return 0.0
+        every = left / (held + f * kf) if held + f * kf > 0 else math.inf  # all its layers recomputed
+        if every <= v * k:
+            return every
+        return (left + f * v * k * (kn - kf)) / (held + f * kn) if held + f * kn > 0 else math.inf
 
     def room(k: int) -> list[float]:
         """The most layers each rank can hold with full:k."""
-        out = []
-        for f in flight:
-            every = budget / (held + f * kf)  # all its layers recomputed
-            out.append(every if every <= v * k else (budget + f * v * k * (kn - kf)) / (held + f * kn))
-        return out
+        return [min(fill(left, f - less, k) for left, less in ways) for f in flight]
 
     most = -(-layers // (p * v))  # K at least a stage's layers is full
     ks = [k for k in range(1, most) if sum(room(k)) >= layers]

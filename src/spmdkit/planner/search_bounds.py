@@ -14,8 +14,10 @@ give the configuration, under every recomputation mode:
   ``ep``, ZeRO's data-parallel ranks (``dp x ep`` for the dense parameters, ``dp`` for the
   experts: EDP) for the optimizer states (zero1+), gradients (zero2+) and parameters (zero3);
   with ``pp`` stages the fullest holds at least their average; plus the CUDA context and one
-  NCCL buffer per communicator (:func:`spmdkit.cost.memory.with_overheads`), the activations
-  counted as nothing;
+  NCCL buffer per communicator (:func:`spmdkit.cost.memory.with_overheads`), and of the
+  activations each layer's input (or what a recomputation mode keeps of it) for each microbatch
+  a rank holds in flight as the plan counts them (:meth:`Bounds.flights`), with the caching
+  allocator's reserve (:data:`GROW`);
 - the step (:meth:`Bounds.step`): every op's time is at least its FLOPs at the fastest rate
   its kind reaches (:meth:`spmdkit.cost.devices.Device.compute_time`): a GEMM at the best
   large-GEMM ceiling of the dtypes it may run in (:data:`spmdkit.cost.rates.Rates.gemm` times the
@@ -41,8 +43,9 @@ from dataclasses import dataclass, field, replace
 from spmdkit.cost.collectives import Fabric
 from spmdkit.cost.compute import op_cost
 from spmdkit.cost.devices import Device
-from spmdkit.cost.memory import CUDA_CONTEXT_BYTES, NCCL_BYTES_PER_GROUP
+from spmdkit.cost.memory import ALLOCATOR_RESERVE, CUDA_CONTEXT_BYTES, NCCL_BYTES_PER_GROUP
 from spmdkit.cost.moe import MoeLayer, moe_layers, reached
+from spmdkit.planner.schedules import in_flight
 from spmdkit.planner.search_space import Config
 from spmdkit.program.ir import Program
 from spmdkit.program.layers import layer_tags, program_layers
@@ -63,6 +66,11 @@ def experts_of(prog: Program) -> int:
 
 #: (dense parameters, expert parameters, dense states, expert states), bytes at their dtypes
 Held = tuple[int, int, int, int]
+
+#: a device's bytes for each activation byte at its peak: the caching allocator's reserve is
+#: :data:`spmdkit.cost.memory.ALLOCATOR_RESERVE` of the activation peak in every plan
+#: (:func:`spmdkit.cost.memory.with_overheads`)
+GROW = 1.0 + ALLOCATOR_RESERVE
 
 
 @dataclass(frozen=True)
@@ -86,6 +94,9 @@ class Bounds:
     fabric: Fabric | None = None
     dispatcher: str = "alltoall"
     routing: str = "topk"
+    #: the runtime's framework: a Megatron pipeline rank holds :func:`spmdkit.planner.schedules.
+    #: in_flight` microbatches and one at its working peak (:meth:`flights`); torchtitan's is walked
+    framework: str = "megatron"
     #: :meth:`held` by (dp, ep, tp, strategy) (not an argument: a copy ``dataclasses.replace``
     #: makes starts its own)
     memo: dict[tuple[int, int, int, str], tuple[list[float], float]] = field(
@@ -134,20 +145,41 @@ class Bounds:
         groups = sum(1 for k in (dp, ep, tp) if k > 1) + (1 if pp > 1 else 0)
         return CUDA_CONTEXT_BYTES + NCCL_BYTES_PER_GROUP * groups
 
+    def flights(self, pp: int, virtual: int, microbatches: int) -> tuple[tuple[float, ...], bool]:
+        """Each pipeline rank's microbatches in flight at its peak (whole-stage units) as the
+        plan's memory counts them, and whether one of them is counted at its working peak above
+        the others' stash (:func:`spmdkit.planner.pipeline._rank_memory`: ``working + (flight -
+        1 / v) stash``): Megatron's :func:`spmdkit.planner.schedules.in_flight` (1F1B, or
+        interleaved over ``virtual`` chunks: ``p + (p - 1) / v`` on the first rank); under
+        torchtitan (its order walked unit by unit, :mod:`spmdkit.planner.pipeline_memory`)
+        ``min(p - r, m)``, the peak not counted."""
+        m = max(1, microbatches)
+        if self.framework == "torchtitan":
+            return tuple(float(min(pp - r, m)) for r in range(pp)), False
+        schedule = "interleaved" if virtual > 1 else "1f1b"
+        return tuple(in_flight(schedule, pp, virtual, m, r) for r in range(pp)), True
+
     def memory(self, dp: int, ep: int, tp: int, pp: int, strategy: str, microbatches: int = 1,
-               layer_bytes: float = 0.0) -> int:
+               layer_bytes: float = 0.0, virtual: int = 1, peak: float = 0.0) -> int:
         """Bytes per device at least (every recomputation mode) under ``strategy`` on
-        ``pp x dp x ep x tp`` (1F1B over ``microbatches`` when ``pp`` > 1); ``layer_bytes``: what
-        a layer keeps of one microbatch on a device at least, where known (a recomputation
-        mode's: :class:`spmdkit.planner.search_floor.LayerFloor`), else its input."""
+        ``pp x dp x ep x tp`` (1F1B over ``microbatches`` when ``pp`` > 1, interleaved over
+        ``virtual`` chunks); ``layer_bytes``: what a layer keeps of one microbatch on a device at
+        least, where known (a recomputation mode's: :class:`spmdkit.planner.search_floor.LayerFloor`),
+        else its input; the activations with the allocator's reserve (:data:`GROW`). ``peak``: the
+        least working peak of a layer under the mode (full recomputation's:
+        :attr:`spmdkit.planner.search_floor.LayerFloor.full_peak`), where the plan counts one
+        microbatch at its peak beside the others' stash (:meth:`flights`)."""
         per, total = self.held(dp, ep, tp, strategy)
-        unit = max(self.layer_input(dp, ep, tp, pp, strategy, microbatches), layer_bytes)
+        unit = GROW * max(self.layer_input(dp, ep, tp, pp, strategy, microbatches), layer_bytes)
         if pp == 1:
             need = total + len(per) * unit
-        else:  # rank r holds c_r layers and min(p - r, m) microbatches: max_r c_r (s + f_r u) with sum c_r = L
+        else:  # rank r holds c_r layers and f_r microbatches (flights): max_r c_r (s + f_r u) with sum c_r = L
             s = min(per, default=0.0)
-            inv = sum(1.0 / (s + min(pp - r, microbatches) * unit) for r in range(pp)) if s or unit else 0.0
-            need = max(total / pp, len(per) / inv if inv else 0.0)
+            flight, working = self.flights(pp, virtual, microbatches)
+            need = total / pp
+            for extra, less in [(0.0, 0.0)] + ([(GROW * peak, 1.0 / virtual)] if working and peak > 0 else []):
+                inv = sum(1.0 / (s + (f - less) * unit) for f in flight) if s or unit else 0.0
+                need = max(need, extra + len(per) / inv if inv else 0.0)
         return int(need) + self.overhead(dp, ep, tp, pp)
 
     def all_to_all(self, devices: int, ep: int, strategy: str) -> float:
@@ -230,17 +262,18 @@ def model_bounds(plan: Plan, device: Device, runtime: Runtime, token_bytes: int 
     batch, seq = (tokens[0][0], tokens[0][1]) if tokens and len(tokens[0]) == 2 else (0, 0)
     held = [(a[0], a[1], a[2], a[3]) for a in acc]
     return Bounds(tuple(held[:-1]), held[-1], float(flops), peak, token_bytes, batch, seq, floor_s, tuple(moe), fabric,
-                  runtime.moe_dispatcher, runtime.moe_routing)
+                  runtime.moe_dispatcher, runtime.moe_routing, runtime.framework)
 
 
-def memory_bound(cfg: Config, bounds: Bounds, layer_bytes: float = 0.0) -> int:
+def memory_bound(cfg: Config, bounds: Bounds, layer_bytes: float = 0.0, peak: float = 0.0) -> int:
     """Bytes a device of ``cfg`` needs at least (``layer_bytes``: a layer's kept bytes of one
-    microbatch under a recomputation mode, where known)."""
+    microbatch under a recomputation mode, where known; ``peak``: a layer's least working peak
+    under it, :meth:`Bounds.memory`)."""
     # cp: ZeRO shards over dp x cp and each rank holds 1/cp of the sequences' tokens, as dp x cp ranks would
     if cfg.grad_accum > 1:  # a micro-step holds the activations of batch / accum sequences
         bounds = replace(bounds, batch=bounds.batch // cfg.grad_accum)
-    return bounds.memory(cfg.dp * cfg.cp, cfg.ep, cfg.tp, cfg.pp, cfg.strategy, cfg.microbatches, layer_bytes) \
-        if cfg.strategy != "auto" else 0
+    return bounds.memory(cfg.dp * cfg.cp, cfg.ep, cfg.tp, cfg.pp, cfg.strategy, cfg.microbatches, layer_bytes,
+                         cfg.virtual, peak) if cfg.strategy != "auto" else 0
 
 
 def memory_why(cfg: Config, bounds: Bounds, cap: int) -> str | None:
@@ -268,4 +301,4 @@ def pruned_why(cfg: Config, bounds: Bounds, cap: int, best: float, low: float | 
     return None
 
 
-__all__ = ["Bounds", "Held", "experts_of", "memory_bound", "memory_why", "model_bounds", "pipeline_fill", "pruned_why"]
+__all__ = ["GROW", "Bounds", "Held", "experts_of", "memory_bound", "memory_why", "model_bounds", "pipeline_fill", "pruned_why"]

@@ -51,13 +51,13 @@ from dataclasses import dataclass, field
 
 from spmdkit.core.errors import SpmdError
 from spmdkit.cost.devices import Device
-from spmdkit.cost.memory import saved_activations
+from spmdkit.cost.memory import ActivationMemory, activation_deltas, peak_of, saved_activations
 from spmdkit.cost.step import op_communication
 from spmdkit.planner.fold import fold_of
 from spmdkit.planner.pipeline import op_units
 from spmdkit.planner.search_bounds import pipeline_fill
 from spmdkit.planner.search_space import Config
-from spmdkit.program.layers import layer_tags
+from spmdkit.program.layers import layer_tags, program_layers
 from spmdkit.program.plan import Plan
 
 #: the recomputation modes (planner.search's RECOMPUTE_MODES: none the least)
@@ -110,8 +110,11 @@ def _work(plan: Plan, device: Device) -> LayerFloor:
     kept: dict[str, int] = {}
     units: dict[str, Units] = {}
     numbered = set(layer_tags(prog))
+    peak = 0
     for mode in RECOMPUTE:
         saved = saved_activations(plan, mode)
+        if mode == "full":
+            peak = layer_peak(plan, saved)
         again = {j for r in saved.recomputed for j in r}
         rerun[mode] = sum(own[i] for i in again)
         kept[mode] = min((b for lay, b in saved.per_layer.items() if lay in numbered), default=0)
@@ -119,7 +122,23 @@ def _work(plan: Plan, device: Device) -> LayerFloor:
         for i, t in enumerate(own):
             per[unit[i] + 1] += t + (t if i in again else 0.0)
         units[mode] = Units(per[0], per[-1], min(per[1:-1], default=0.0))
-    return LayerFloor(sum(own), rerun, kept, exposed, oc.gathers_s, units)
+    return LayerFloor(sum(own), rerun, kept, exposed, oc.gathers_s, units, peak)
+
+
+def layer_peak(plan: Plan, saved: ActivationMemory) -> int:
+    """The least working peak of any numbered layer of ``plan`` alone, one microbatch: each
+    layer's ops as their own pipeline stage on :func:`spmdkit.cost.memory.activation_deltas`'
+    curve (the one the plan's stages peak on, ``saved``: a recomputation mode's activations).
+    Every stage holding that layer peaks at least as high while the layer runs: a tensor the
+    layer uses lives at least over its uses there (and the stage holds its earlier layers' stash
+    beside it). The layer plans of the floor are made on dp = 1 without ZeRO at a data-parallel
+    rank's sequences: a layer's activations are the same on every dp degree and ZeRO stage
+    (ZeRO-3's gathered parameters only add to them)."""
+    lay = program_layers(plan.program)
+    n = len(lay.tags)
+    group = [u if 0 <= u < n else n for u in lay.op_layer]
+    deltas = activation_deltas(plan, saved, group, n + 1)
+    return min((peak_of(d)[0] for d in deltas[:n]), default=0)
 
 
 @dataclass(frozen=True)
@@ -145,6 +164,9 @@ class LayerFloor:
     gathers: float = 0.0
     #: per recomputation mode, the work (and what it runs again) by pipeline unit
     units: dict[str, Units] = field(default_factory=dict)
+    #: the least working peak of a numbered layer alone recomputed in full (bytes, one
+    #: microbatch on one device: :func:`layer_peak`), 0 where not known
+    full_peak: int = 0
 
 
 NO_FLOOR = LayerFloor(0.0, {}, {})
@@ -225,7 +247,8 @@ class StepFloor:
         units = {m: Units(u.first, u.last, min(u.layer, (b.work + b.rerun[m]) - (a.work + a.rerun[m])))
                  for m, u in b.units.items()}
         return LayerFloor(fold.at(a.work, b.work), {m: fold.at(a.rerun[m], b.rerun[m]) for m in b.rerun}, b.kept,
-                          fold.at(a.exposed, b.exposed), fold.at(a.gathers, b.gathers), units)
+                          fold.at(a.exposed, b.exposed), fold.at(a.gathers, b.gathers), units,
+                          min(a.full_peak, b.full_peak))
 
     def blocks_step(self, cfg: Config) -> float:
         """Seconds any ``full:K`` of ``cfg`` takes at least besides :func:`spmdkit.planner.search_blocks.blocks_floor`'s (0 here;

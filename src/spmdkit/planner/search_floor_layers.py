@@ -29,8 +29,8 @@ from spmdkit.core.errors import SpmdError
 from spmdkit.cost.devices import Device
 from spmdkit.cost.memory import saved_activations
 from spmdkit.cost.step import op_communication
-from spmdkit.planner.search_bounds import Bounds
-from spmdkit.planner.search_floor import NO_FLOOR, RECOMPUTE, LayerFloor, StepFloor, _counted
+from spmdkit.planner.search_bounds import GROW, Bounds
+from spmdkit.planner.search_floor import NO_FLOOR, RECOMPUTE, LayerFloor, StepFloor, _counted, layer_peak
 from spmdkit.planner.search_space import Config
 from spmdkit.program.layers import program_layers
 from spmdkit.program.plan import Plan
@@ -52,6 +52,8 @@ class MoeLayerFloor(LayerFloor):
     layer_kept: dict[str, int] = field(default_factory=dict)
     #: the least work of any of the copy's layers, dense or MoE (s, one microbatch)
     least_layer: float = 0.0
+    #: the least full recomputation's rerun of any of the copy's layers, dense or MoE (s, one microbatch)
+    least_rerun: float = 0.0
 
 
 def one_copy_floor(plan: Plan, device: Device, layers: int, dense: int) -> MoeLayerFloor:
@@ -77,6 +79,7 @@ def one_copy_floor(plan: Plan, device: Device, layers: int, dense: int) -> MoeLa
     kept: dict[str, int] = {}
     layer_rerun: dict[str, float] = {}
     layer_kept: dict[str, int] = {}
+    peak, least_rerun = 0, 0.0
     for mode in RECOMPUTE:
         saved = saved_activations(plan, mode)
         ops = {j for r in saved.recomputed for j in r}
@@ -84,12 +87,16 @@ def one_copy_floor(plan: Plan, device: Device, layers: int, dense: int) -> MoeLa
         for j in ops:
             if 0 <= where[j] < n:
                 again[where[j]] += own[j]
+        if mode == "full":
+            peak, least_rerun = layer_peak(plan, saved), min(again)
         layer_rerun[mode] = min(again[dense:])
         rerun[mode] = sum(own[j] for j in ops) + missing * layer_rerun[mode]
         kept[mode] = min((b for lay, b in saved.per_layer.items() if lay in tags), default=0)
         layer_kept[mode] = min(saved.per_layer.get(t, 0) for t in lay.tags[dense:])
-    return MoeLayerFloor(sum(own) + missing * min(by_layer[dense:]), rerun, kept, layer_work=min(by_layer[dense:]),
-                         layer_rerun=layer_rerun, layer_kept=layer_kept, least_layer=min(by_layer))
+    return MoeLayerFloor(sum(own) + missing * min(by_layer[dense:]), rerun, kept, full_peak=peak,
+                         layer_work=min(by_layer[dense:]),
+                         layer_rerun=layer_rerun, layer_kept=layer_kept, least_layer=min(by_layer),
+                         least_rerun=least_rerun)
 
 
 def _moe_room(f: MoeLayerFloor, cfg: Config, bounds: Bounds, cap: int
@@ -115,7 +122,8 @@ def split_floor(cfg: Config, bounds: Bounds, f: MoeLayerFloor, mode: str, cap: i
     split under the memory cap (0: no pipeline or no MoE layer; inf: they cannot fit).
 
     Rank ``r`` of ``p`` holds ``c_r`` of the ``L`` MoE layers and, as :meth:`Bounds.memory`
-    counts, ``min(p - r, m)`` microbatches of their kept activations: it needs at least
+    counts, ``f_r`` microbatches of their kept activations (:meth:`Bounds.flights`, with the
+    allocator's reserve; under full recomputation one of them at a layer's working peak): it needs at least
     ``c_r (s + f_r u)`` bytes (``s``: the least parameters, gradients and states a MoE layer
     holds on a device under the strategy, :attr:`Bounds.layers`; ``u``: the least a MoE layer
     keeps of one microbatch under ``mode``), so ``c_r <= M_r = room / (s + f_r u)``, and it
@@ -133,8 +141,10 @@ def split_floor(cfg: Config, bounds: Bounds, f: MoeLayerFloor, mode: str, cap: i
         return fits
     per, dense, room = fits
     m = max(1, cfg.microbatches)
-    levels = split_levels(room, cfg.pp, cfg.virtual, m, len(per), min(per), f.layer_kept.get(mode, 0), len(dense),
-                          min(dense, default=0.0), f.kept.get(mode, 0))
+    flights, working = bounds.flights(cfg.pp, cfg.virtual, m)
+    peak = GROW * f.full_peak if working and mode == "full" else 0.0
+    levels = split_levels(room, cfg.pp, cfg.virtual, m, len(per), min(per), GROW * f.layer_kept.get(mode, 0),
+                          len(dense), min(dense, default=0.0), GROW * f.kept.get(mode, 0), 0, 0.0, flights, peak)
     t = f.layer_work + f.layer_rerun.get(mode, 0.0)
     lam = f.least_layer
     return min((min([m * c * t + r * lam] if r >= 0 else [], default=math.inf) if not held else
@@ -172,26 +182,35 @@ def whole_layers_level(room: float, p: int, v: int, m: int, moe: int, s: float, 
 
 @functools.lru_cache(maxsize=4096)
 def split_levels(room: float, p: int, v: int, m: int, moe: int, s: float, u: float, dense: int = 0,
-                 sd: float = 0.0, ud: float = 0.0, k: int = 0,
-                 uf: float = 0.0) -> tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...]:
+                 sd: float = 0.0, ud: float = 0.0, k: int = 0, uf: float = 0.0, flights: tuple[float, ...] = (),
+                 peak: float = 0.0) -> tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...]:
     """:func:`whole_layers_level`'s level of each placement of the dense layers that fits, with
     the ranks whose room holds that many MoE layers: the lowest holding no dense layer (-1:
     none) and each holding dense layers, with their count: ``(level, rank, ((rank, dense),
     ...))``. One of them holds the level, and its step is at least ``m W_r`` (its layers, dense
     ones too) plus the work of chunks ``0 .. r - 1`` (:func:`spmdkit.planner.search_floor.
-    busiest_rank`'s argument), each at least one layer."""
+    busiest_rank`'s argument), each at least one layer.
+
+    ``flights``: rank ``r``'s microbatches in flight (:meth:`spmdkit.planner.search_bounds.Bounds.
+    flights`; else ``min(p - r, m)``); ``peak`` > 0: one of them is at its working peak, at least
+    ``peak`` bytes (a recomputed layer's: :func:`spmdkit.planner.search_floor.layer_peak`) beside
+    ``f_r - 1 / v`` microbatches' kept bytes, so a rank's layers also fit ``room - peak`` at that
+    count (the bytes of activations given with the allocator's reserve by the caller)."""
     if dense > min(DENSE_WAYS, p):
         dense = 0
 
     def caps(a: tuple[int, ...]) -> list[int] | None:
         out = []
         for r in range(p):
-            f = min(p - r, m)
-            left = room - (a[r] * (sd + f * ud) if r < len(a) else 0.0)
-            if left < 0:
-                return None
+            f = flights[r] if flights else min(p - r, m)
+            most = moe
+            for rm, fr in ((room, f), (room - peak, f - 1.0 / v))[:2 if peak > 0 else 1]:
+                left = rm - (a[r] * (sd + fr * ud) if r < len(a) else 0.0)
+                if left < 0:
+                    return None
+                most = min(most, _most(left, fr, s, u, v * k, uf, moe))
             blocked = v == 1 and r < len(a) - 1
-            out.append(0 if blocked else _most(left, f, s, u, v * k, uf, moe))
+            out.append(0 if blocked else most)
         return out
 
     got_levels = []
@@ -207,7 +226,7 @@ def split_levels(room: float, p: int, v: int, m: int, moe: int, s: float, u: flo
     return tuple(got_levels)
 
 
-def _most(left: float, f: int, s: float, u: float, full: int, uf: float, moe: int) -> int:
+def _most(left: float, f: float, s: float, u: float, full: int, uf: float, moe: int) -> int:
     """The most whole MoE layers ``left`` bytes hold on a rank with ``f`` microbatches in flight,
     ``full`` of them keeping ``uf`` bytes a microbatch and the others ``u`` (at most ``moe``)."""
     def most(room: float, per: float) -> int:
@@ -224,32 +243,44 @@ def blocks_split_floor(cfg: Config, bounds: Bounds, f: MoeLayerFloor, cap: int) 
     first K layers of each chunk recomputed in full, the others keeping what no recomputation
     keeps), from how its MoE layers can be split under the memory cap (:func:`split_floor`'s
     argument, whole layers, at most ``v K`` of a rank's MoE layers keeping full's bytes): for
-    each K some rank holds at least ``c*`` MoE layers (:func:`split_levels` with ``k = K``). If
-    it holds no dense layer, at least ``min(c*, K)`` of them are recomputed (the first K of its
-    first chunk), so it works at least ``m (c* t + min(c*, K) r)`` a step (``t``: a MoE layer's
-    work, ``r``: its full rerun); one holding dense layers at least ``m c* t``; plus the chunks
-    before it. The least over K and the ranks that can hold ``c*`` (0: no pipeline or MoE
-    layer; inf: no K fits)."""
+    each K some rank holds at least ``c*`` MoE layers (:func:`split_levels` with ``k = K``, a
+    recomputed layer's working peak counted where the plan counts it). Each of its ``v`` chunks
+    holds a layer and recomputes its first K, so at least ``R = v - 1 + min(K, c* - v + 1)``
+    layers: if it holds no dense layer it works at least ``m (c* t + R r)`` a step (``t``: a MoE
+    layer's work, ``r``: its full rerun); one holding ``d`` dense layers at least ``m (c* t + d
+    w + R' r')`` (``R'`` over its ``c* + d`` layers, ``w`` and ``r'``: any layer's least work and
+    rerun: its recomputed layers may be dense ones); plus the chunks before it. The least over K
+    and the ranks that can hold ``c*`` (0: no pipeline or MoE layer; inf: no K fits)."""
     fits = _moe_room(f, cfg, bounds, cap)
     if isinstance(fits, float):
         return fits
     per, dense, room = fits
     m, p, v = max(1, cfg.microbatches), cfg.pp, cfg.virtual
-    s, un, uf = min(per), f.layer_kept.get("none", 0), f.layer_kept.get("full", 0)
+    s, un, uf = min(per), GROW * f.layer_kept.get("none", 0), GROW * f.layer_kept.get("full", 0)
     t, r = f.layer_work, f.layer_rerun.get("full", 0.0)
+    flights, working = bounds.flights(p, v, m)
+    peak = GROW * f.full_peak if working else 0.0  # every chunk's first layer is recomputed
     best = math.inf
     for k in range(1, len(per) + 1):
         for c, plain, held in split_levels(room, p, v, m, len(per), s, un, len(dense), min(dense, default=0.0),
-                                           f.kept.get("none", 0), k, uf):
-            # the rank holding the level: one without a dense layer reruns min(c, k) MoE layers;
-            # one with d dense layers may rerun those instead (no rerun counted, their work is)
+                                           GROW * f.kept.get("none", 0), k, uf, flights, peak):
+            # the rank holding the level: each of its v chunks holds a layer and recomputes its first
+            # k, so at least v - 1 + min(k, c - v + 1) of its c layers (one chunk holding all but v - 1):
+            # MoE layers on a rank without a dense layer, any layers on one with d dense layers
             lam = f.least_layer
-            got = [m * (c * t + min(c, k) * r) + plain * lam] if plain >= 0 else []
-            got += [m * (c * t + d * lam) + q * lam for q, d in held]
+            got = [m * (c * t + _recomputed(c, k, v) * r) + plain * lam] if plain >= 0 else []
+            got += [m * (c * t + d * lam + _recomputed(c + d, k, v) * f.least_rerun) + q * lam for q, d in held]
             best = min(best, *got)
         if all(_most(room, min(p - q, m), s, uf, 0, uf, len(per)) <= v * k for q in range(p)):
             break  # every rank's layers all recomputed fit already: a larger K holds no more
     return best
+
+
+def _recomputed(c: int, k: int, v: int) -> int:
+    """The fewest layers ``full:k`` recomputes on a rank of ``v`` chunks holding ``c`` layers
+    (each chunk at least one, its first ``k`` recomputed): ``v - 1`` chunks of one layer, the
+    rest in one chunk."""
+    return v - 1 + min(k, max(c, v) - v + 1)
 
 
 def _placements(dense: int) -> list[tuple[int, ...]]:
