@@ -37,6 +37,7 @@ from typing import Any
 from spmdkit.core.dist_attr import Partial, TensorDistAttr, dims_entry, entry_dims
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.memo import memo_table
 
 
 def _specs(args: Sequence[Any]) -> list[DistTensorSpec]:
@@ -98,8 +99,38 @@ class Fusion:
         self.fused = ProcessMesh(shape, dim_names=names)
         self.to = [d - (d > b) for d in range(mesh.ndim)]  # real dim -> fused dim (b: unused)
         self.back = [d for d in range(mesh.ndim) if d != b]  # fused dim -> real dim
+        # each map is a function of the dist attr alone: the repeated layers map few, once each
+        self._in: dict[TensorDistAttr, TensorDistAttr] = {}
+        self._out: dict[TensorDistAttr, TensorDistAttr] = {}
+
+    @staticmethod
+    def of(mesh: ProcessMesh, a: int, b: int) -> Fusion:
+        """The fusion of ``a`` and ``b`` on ``mesh``, made once (with its maps' memos)."""
+        key = (mesh, a, b)
+        got = _FUSIONS.get(key)
+        if got is None:
+            if len(_FUSIONS) > 64:
+                _FUSIONS.clear()
+            got = _FUSIONS[key] = Fusion(mesh, a, b)
+        return got
 
     def attr_in(self, attr: TensorDistAttr) -> TensorDistAttr:
+        got = self._in.get(attr)
+        if got is None:
+            if len(self._in) > 4096:
+                self._in.clear()
+            got = self._in[attr] = self._attr_in(attr)
+        return got
+
+    def attr_out(self, attr: TensorDistAttr) -> TensorDistAttr:
+        got = self._out.get(attr)
+        if got is None:
+            if len(self._out) > 4096:
+                self._out.clear()
+            got = self._out[attr] = self._attr_out(attr)
+        return got
+
+    def _attr_in(self, attr: TensorDistAttr) -> TensorDistAttr:
         dm = []
         for e in attr.dims_mapping:
             ds = [self.to[d] for d in entry_dims(e) if d != self.b]
@@ -107,7 +138,7 @@ class Fusion:
         pt: Partial = tuple((self.to[d], r) for d, r in attr.partial if d != self.b)
         return TensorDistAttr.unchecked(self.fused, tuple(dm), pt)
 
-    def attr_out(self, attr: TensorDistAttr) -> TensorDistAttr:
+    def _attr_out(self, attr: TensorDistAttr) -> TensorDistAttr:
         a, b = self.a, self.b
         dm = []
         for e in attr.dims_mapping:
@@ -133,6 +164,10 @@ class Fusion:
         if isinstance(x, (tuple, list)):
             return tuple(self.res_out(y) for y in x)
         return x
+
+
+#: fusions by (mesh, a, b), each with its maps' memos (emptied with the engine's memo tables)
+_FUSIONS: dict[tuple[ProcessMesh, int, int], Fusion] = memo_table()
 
 
 def minor_elsewhere(args: Sequence[Any]) -> tuple[int, int] | None:
@@ -189,7 +224,7 @@ def infer_fused(fn: Callable[..., SpmdResult], args: Sequence[Any], mesh: Proces
             t = Trim(*trim)
             return fn(*[t.arg_in(x) for x in args])
         return fn(*args)
-    f = Fusion(mesh, *pair)
+    f = Fusion.of(mesh, *pair)
     res = fn(*[f.arg_in(x) for x in args])
     return SpmdResult([f.res_out(x) for x in res.inputs], [f.res_out(x) for x in res.outputs])
 
