@@ -6,6 +6,7 @@ forgotten when a program is rebuilt; the pipeline schedule's simulation keeps it
 from __future__ import annotations
 
 import json
+import pickle
 
 import pytest
 
@@ -61,6 +62,18 @@ def test_a_program_table_is_made_once_and_forgotten_by_a_rebuild() -> None:
     Program.__init__(new, list(prog.tensors.values()), prog.ops[:-1], prog.name)
     assert new.derived("t", make) == len(prog.ops) - 1
     assert len(calls) == 2
+
+
+def test_a_program_pickles_without_its_tables() -> None:
+    """``spmdkit run`` pickles a plan: the propagation's per-op calls (rule functions inside) are
+    left out, and a plan on the unpickled program is the plan on the original."""
+    model = _model()
+    plan = _plan(model, "dp=2,tp=2", "megatron")
+    assert "propagate.calls" in model.program._derived
+    back = pickle.loads(pickle.dumps(plan))
+    assert back.program._derived == {} and back.attrs == plan.attrs
+    model.program = back.program
+    assert _plan(model, "dp=2,tp=2", "megatron").attrs == plan.attrs
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])

@@ -236,6 +236,10 @@ class Program:
             got = self._derived[key] = make(self)
         return got
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (and copied) without its :meth:`derived` tables: made again where read."""
+        return {**self.__dict__, "_derived": {}}
+
     def __iter__(self) -> Iterator[Op]:
         return iter(self.ops)
 
