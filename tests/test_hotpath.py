@@ -127,3 +127,29 @@ def test_the_interleaved_schedule_runs_its_units_in_dependency_order() -> None:
     assert len(run.units) == 2 * 2 * 2 * 2
     assert run.finish_s == [max(u[5] for u in run.units if u[0] == r) for r in range(2)]
     assert run.pipeline_s == max(run.finish_s)
+
+
+def test_a_plan_timed_again_after_others_is_not_costed_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ops' costs of the last few (plan, device) pairs are kept: timing a plan again after
+    another one (the search's step, then its stages, then the bound's copy) costs its ops once,
+    and each caller gets the same figures with sums of its own."""
+    import spmdkit.cost.step as step_mod
+
+    model = _model()
+    a, b = _plan(model, "dp=2,tp=2", "megatron"), _plan(model, "dp=4", "dp")
+    dev = preset_device("h100")
+    computed: list[int] = []
+    real = step_mod._compute_ops
+    monkeypatch.setattr(step_mod, "_compute_ops", lambda p, d: computed.append(1) or real(p, d))
+    monkeypatch.setattr(step_mod, "_LAST", [])
+    first = step_mod._compute(a, dev)
+    step_mod._compute(b, dev)
+    again = step_mod._compute(a, dev)
+    assert len(computed) == 2
+    assert again.times == first.times and again.by_phase == first.by_phase and again.by_phase is not first.by_phase
+    assert again.flops == first.flops > 0
+    step_mod._compute(b, preset_device("a100-80gb"))  # another device: another pair
+    for _ in range(step_mod._KEPT - 1):  # a pushed out by as many other pairs as are kept
+        step_mod._compute(_plan(model, "dp=2", "dp"), dev)
+    step_mod._compute(a, dev)
+    assert len(computed) == 3 + step_mod._KEPT
