@@ -72,10 +72,18 @@ from spmdkit.cost.moe import plan_loads
 from spmdkit.program.ir import Op, Program, flat_refs
 from spmdkit.program.plan import Plan, Reshard
 
+_NUMEL: dict[tuple[TensorDistAttr, tuple[int, ...]], int] = {}
+
 
 def local_numel(attr: TensorDistAttr, shape: tuple[int, ...]) -> int:
-    """Elements of the largest local shard (uneven splits: the first, largest, piece)."""
-    return math.prod(largest_shard(attr.dims_mapping, shape, attr.mesh.shape))
+    """Elements of the largest local shard (uneven splits: the first, largest, piece); memoised
+    (a model repeats few (dist attr, shape) pairs)."""
+    got = _NUMEL.get((attr, shape))
+    if got is None:
+        if len(_NUMEL) > 100_000:
+            _NUMEL.clear()
+        got = _NUMEL[(attr, shape)] = math.prod(largest_shard(attr.dims_mapping, shape, attr.mesh.shape))
+    return got
 
 
 @dataclass(frozen=True)
