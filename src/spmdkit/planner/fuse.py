@@ -86,6 +86,16 @@ def fused_pair(args: Sequence[Any]) -> tuple[int, int] | None:
     return pair
 
 
+def _kept(table: dict[Any, Any], key: Any, limit: int, make: Callable[[Any], Any]) -> Any:
+    """``make(key)``, kept in ``table`` (emptied when it holds more than ``limit``)."""
+    got = table.get(key)
+    if got is None:
+        if len(table) > limit:
+            table.clear()
+        got = table[key] = make(key)
+    return got
+
+
 class Fusion:
     """The real mesh, the fused one (``a`` and ``b`` one dim, at ``a``'s place) and the maps."""
 
@@ -106,29 +116,13 @@ class Fusion:
     @staticmethod
     def of(mesh: ProcessMesh, a: int, b: int) -> Fusion:
         """The fusion of ``a`` and ``b`` on ``mesh``, made once (with its maps' memos)."""
-        key = (mesh, a, b)
-        got = _FUSIONS.get(key)
-        if got is None:
-            if len(_FUSIONS) > 64:
-                _FUSIONS.clear()
-            got = _FUSIONS[key] = Fusion(mesh, a, b)
-        return got
+        return _kept(_FUSIONS, (mesh, a, b), 64, lambda k: Fusion(*k))  # type: ignore[no-any-return]
 
     def attr_in(self, attr: TensorDistAttr) -> TensorDistAttr:
-        got = self._in.get(attr)
-        if got is None:
-            if len(self._in) > 4096:
-                self._in.clear()
-            got = self._in[attr] = self._attr_in(attr)
-        return got
+        return _kept(self._in, attr, 4096, self._attr_in)  # type: ignore[no-any-return]
 
     def attr_out(self, attr: TensorDistAttr) -> TensorDistAttr:
-        got = self._out.get(attr)
-        if got is None:
-            if len(self._out) > 4096:
-                self._out.clear()
-            got = self._out[attr] = self._attr_out(attr)
-        return got
+        return _kept(self._out, attr, 4096, self._attr_out)  # type: ignore[no-any-return]
 
     def _attr_in(self, attr: TensorDistAttr) -> TensorDistAttr:
         dm = []
