@@ -74,6 +74,9 @@ def test_a_program_pickles_without_its_tables() -> None:
     assert back.program._derived == {} and back.attrs == plan.attrs
     model.program = back.program
     assert _plan(model, "dp=2,tp=2", "megatron").attrs == plan.attrs
+    old = Program.__new__(Program)  # pickled before programs had tables: made on first use
+    old.__setstate__({k: v for k, v in back.program.__dict__.items() if k != "_derived"})
+    assert old.derived("n", lambda p: len(p.ops)) == len(plan.program.ops)
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])

@@ -240,6 +240,10 @@ class Program:
         """Pickled (and copied) without its :meth:`derived` tables: made again where read."""
         return {**self.__dict__, "_derived": {}}
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._derived = {}  # a program pickled before it had tables
+
     def __iter__(self) -> Iterator[Op]:
         return iter(self.ops)
 
