@@ -63,36 +63,46 @@ def local_shape(shape: tuple[int, ...], attr: TensorDistAttr | None) -> tuple[in
     return got
 
 
+#: an op's tensors as :func:`local_op` reads them: per input parameter its tensors (name,
+#: shape, item size, dtype; None for an absent one), per output position its tensors
+_OpTensors = tuple[tuple[tuple[str, tuple[Any, ...]], ...], tuple[tuple[Any, ...], ...]]
+
+
+def _op_tensors(prog: Program) -> list[_OpTensors]:
+    """Every op's tensors (:data:`_OpTensors`), read once per program."""
+    tensors = prog.tensors
+
+    def one(n: str | None) -> tuple[str, tuple[int, ...], int, str] | None:
+        if n is None:
+            return None
+        t = tensors[n]
+        return n, t.shape, t.itemsize, t.dtype
+
+    return [(tuple((p, tuple(one(n) for n in flat_refs(v))) for p, v in op.inputs.items()),
+             tuple(tuple(one(n) for n in flat_refs(v)) for v in op.outputs)) for op in prog.ops]
+
+
 def local_op(prog: Program, i: int, required: Mapping[str, Any], outputs: Sequence[Any],
              attrs: Mapping[str, TensorDistAttr]) -> LocalOp:
     """Op ``i`` of ``prog`` on one device: its inputs as ``required`` (per parameter: a dist attr,
     or a tuple of them for a vector parameter), its outputs as ``outputs`` (per position), a
     tensor neither gives as ``attrs`` has it (else whole)."""
     op = prog.ops[i]
+    in_slots, out_slots = prog.derived("compute.op_tensors", _op_tensors)[i]
     ins: dict[str, list[LocalTensor]] = {}
-    for p, v in op.inputs.items():
-        names = flat_refs(v)
+    for p, ts in in_slots:
         req = required.get(p)
-        reqs = list(req) if isinstance(req, tuple) else [req] * len(names)
-        args = []
-        for n, a in zip(names, reqs):
-            if n is None:
-                continue
-            t = prog.tensors[n]
-            args.append((local_shape(t.shape, a if a is not None else attrs.get(n)), t.itemsize, t.dtype))
+        reqs = req if isinstance(req, tuple) else (req,) * len(ts)
+        args = [(local_shape(t[1], a if a is not None else attrs.get(t[0])), t[2], t[3])
+                for t, a in zip(ts, reqs) if t is not None]
         if args:
             ins[p] = args
     outs: list[LocalTensor | None] = []
-    for k, v in enumerate(op.outputs):
+    for k, ts in enumerate(out_slots):
         got = outputs[k] if k < len(outputs) else None
-        names = flat_refs(v)
-        given = list(got) if isinstance(got, tuple) else [got] * len(names)
-        for n, a in zip(names, given):
-            if n is None:
-                outs.append(None)
-                continue
-            t = prog.tensors[n]
-            outs.append((local_shape(t.shape, a if a is not None else attrs.get(n)), t.itemsize, t.dtype))
+        given = got if isinstance(got, tuple) else (got,) * len(ts)
+        outs += [None if t is None else (local_shape(t[1], a if a is not None else attrs.get(t[0])), t[2], t[3])
+                 for t, a in zip(ts, given)]
     return LocalOp(op.rule, op.attrs, ins, outs)
 
 

@@ -72,10 +72,18 @@ from spmdkit.cost.moe import plan_loads
 from spmdkit.program.ir import Op, Program, flat_refs
 from spmdkit.program.plan import Plan, Reshard
 
+_NUMEL: dict[tuple[TensorDistAttr, tuple[int, ...]], int] = {}
+
 
 def local_numel(attr: TensorDistAttr, shape: tuple[int, ...]) -> int:
-    """Elements of the largest local shard (uneven splits: the first, largest, piece)."""
-    return math.prod(largest_shard(attr.dims_mapping, shape, attr.mesh.shape))
+    """Elements of the largest local shard (uneven splits: the first, largest, piece); memoised
+    (a model repeats few (dist attr, shape) pairs)."""
+    got = _NUMEL.get((attr, shape))
+    if got is None:
+        if len(_NUMEL) > 100_000:
+            _NUMEL.clear()
+        got = _NUMEL[(attr, shape)] = math.prod(largest_shard(attr.dims_mapping, shape, attr.mesh.shape))
+    return got
 
 
 @dataclass(frozen=True)
@@ -172,7 +180,12 @@ def value_spans(prog: Program) -> tuple[dict[str, int], dict[str, int], dict[str
     """(the op that makes each tensor, the last op that reads its values, or makes it if none
     does, the last forward op that reads its values), by op index, for every tensor an op
     makes. A read for the shape only (:data:`SHAPE_ONLY`) keeps nothing alive: the framework
-    keeps the shape, not the tensor (``Program.live_spans`` counts every read)."""
+    keeps the shape, not the tensor (``Program.live_spans`` counts every read). Made once per
+    program (:meth:`~spmdkit.program.ir.Program.derived`): read only."""
+    return prog.derived("memory.value_spans", _value_spans)  # type: ignore[no-any-return]
+
+
+def _value_spans(prog: Program) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
     first: dict[str, int] = {}
     last: dict[str, int] = {}
     fwd_last: dict[str, int] = {}
@@ -351,7 +364,12 @@ class ActivationMemory:
 
 
 def value_reads(prog: Program) -> dict[str, list[int]]:
-    """Forward activation -> the backward ops that read its values (program order)."""
+    """Forward activation -> the backward ops that read its values (program order). Made once
+    per program (:meth:`~spmdkit.program.ir.Program.derived`): read only."""
+    return prog.derived("memory.value_reads", _value_reads)  # type: ignore[no-any-return]
+
+
+def _value_reads(prog: Program) -> dict[str, list[int]]:
     fwd_made: set[str] = set()
     for op in prog.ops:
         if op.phase == "forward":
@@ -748,6 +766,15 @@ def root_reshard(plan: Plan) -> int:
     return max((i for i, op in enumerate(plan.program.ops) if op.phase == "backward"), default=0)
 
 
+def _transient_uses(prog: Program) -> list[tuple[str, ...]]:
+    """Per op, the tensors it makes or reads the values of that are not held for the step (the
+    parameters, their gradients and states, the inputs): what :func:`activation_deltas` counts."""
+    param_grads, vin = prog.param_grads(), all_value_inputs(prog)
+    held = {n for n, t in prog.tensors.items()
+            if n in param_grads or t.inplace_of or t.kind in ("parameter", "optimizer_state", "input")}
+    return [tuple(n for n in (*op.output_names(), *vin[i]) if n not in held) for i, op in enumerate(prog.ops)]
+
+
 def activation_deltas(plan: Plan, saved: ActivationMemory, group_of: list[int] | None = None,
                       groups: int = 1) -> list[dict[int, int]]:
     """Per group of ops (a pipeline stage; one group: the whole step), op index -> the change
@@ -765,7 +792,6 @@ def activation_deltas(plan: Plan, saved: ActivationMemory, group_of: list[int] |
     prog = plan.program
     attrs = plan.attrs
     grp = group_of or [0] * len(prog.ops)
-    param_grads = prog.param_grads()
 
     sizes: dict[str, int] = {}
     load = plan_loads(plan)  # MoE: the busiest ep rank's tokens (spmdkit.cost.moe)
@@ -779,15 +805,11 @@ def activation_deltas(plan: Plan, saved: ActivationMemory, group_of: list[int] |
             b = sizes[name] = round(local_numel(attrs[name], t.shape) * t.itemsize * load.get(name, 1.0))
         return b
 
-    for_the_step = {n for n, t in prog.tensors.items()
-                    if n in param_grads or t.inplace_of or t.kind in ("parameter", "optimizer_state", "input")}
     uses: dict[tuple[int, str], list[int]] = {}
     vin = all_value_inputs(prog)
-    for i, op in enumerate(prog.ops):
+    for i, names in enumerate(prog.derived("memory.transient_uses", _transient_uses)):
         g = grp[i]
-        for n in (*op.output_names(), *vin[i]):
-            if n in for_the_step:
-                continue
+        for n in names:
             u = uses.get((g, n))
             if u is None:
                 uses[(g, n)] = [i, i]

@@ -275,24 +275,34 @@ def plan_loads(plan: Plan) -> dict[str, float]:
     return out
 
 
+def _expert_ops(prog: Program) -> list[tuple[dict[str, list[str]], list[str | None]] | None]:
+    """Per op of ``prog``: where it is part of an expert computation (it makes or reads one of
+    :func:`expert_tensors`, and is not a routing op ``moe_*``), the tensor names behind its
+    local inputs and outputs (:func:`loaded`), else None; found once per program."""
+    owner = expert_tensors(prog)
+    out: list[tuple[dict[str, list[str]], list[str | None]] | None] = []
+    for op in prog.ops:
+        if not owner or op.rule.startswith("moe_"):
+            out.append(None)
+            continue
+        names_in = {p: [n for n in flat_refs(v) if n is not None] for p, v in op.inputs.items()}
+        names_out: list[str | None] = []
+        for v in op.outputs:
+            names_out += list(flat_refs(v))
+        mine = any(n in owner for ns in names_in.values() for n in ns if n) or any(n in owner for n in names_out if n)
+        out.append((names_in, names_out) if mine else None)
+    return out
+
+
 def expert_op_cost(plan: Plan, i: int, lop: LocalOp, cost_of: Any) -> OpCost | None:
     """The cost of op ``i`` where it is part of an expert computation (:func:`expert_tensors`):
     its tokens at the busiest ep rank's load (:func:`plan_loads`), its expert GEMMs grouped
     (:func:`grouped`); None for any other op (and for the routing ops themselves, which run
     on the tokens a rank sends)."""
-    prog = plan.program
-    owner = expert_tensors(prog)
-    if not owner:
+    names = plan.program.derived("moe.expert_ops", _expert_ops)[i]
+    if names is None:
         return None
-    op = prog.ops[i]
-    if op.rule.startswith("moe_"):
-        return None
-    names_in = {p: [n for n in flat_refs(v) if n is not None] for p, v in op.inputs.items()}
-    names_out: list[str | None] = []
-    for v in op.outputs:
-        names_out += list(flat_refs(v))
-    if not any(n in owner for ns in names_in.values() for n in ns if n) and not any(n in owner for n in names_out if n):
-        return None
+    names_in, names_out = names
     load = plan_loads(plan)
     if load:
         lop = loaded(lop, names_in, names_out, load)

@@ -37,6 +37,7 @@ from typing import Any
 from spmdkit.core.dist_attr import Partial, TensorDistAttr, dims_entry, entry_dims
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.memo import memo_table
 
 
 def _specs(args: Sequence[Any]) -> list[DistTensorSpec]:
@@ -85,6 +86,16 @@ def fused_pair(args: Sequence[Any]) -> tuple[int, int] | None:
     return pair
 
 
+def _kept(table: dict[Any, Any], key: Any, limit: int, make: Callable[[Any], Any]) -> Any:
+    """``make(key)``, kept in ``table`` (emptied when it holds more than ``limit``)."""
+    got = table.get(key)
+    if got is None:
+        if len(table) > limit:
+            table.clear()
+        got = table[key] = make(key)
+    return got
+
+
 class Fusion:
     """The real mesh, the fused one (``a`` and ``b`` one dim, at ``a``'s place) and the maps."""
 
@@ -98,8 +109,22 @@ class Fusion:
         self.fused = ProcessMesh(shape, dim_names=names)
         self.to = [d - (d > b) for d in range(mesh.ndim)]  # real dim -> fused dim (b: unused)
         self.back = [d for d in range(mesh.ndim) if d != b]  # fused dim -> real dim
+        # each map is a function of the dist attr alone: the repeated layers map few, once each
+        self._in: dict[TensorDistAttr, TensorDistAttr] = {}
+        self._out: dict[TensorDistAttr, TensorDistAttr] = {}
+
+    @staticmethod
+    def of(mesh: ProcessMesh, a: int, b: int) -> Fusion:
+        """The fusion of ``a`` and ``b`` on ``mesh``, made once (with its maps' memos)."""
+        return _kept(_FUSIONS, (mesh, a, b), 64, lambda k: Fusion(*k))  # type: ignore[no-any-return]
 
     def attr_in(self, attr: TensorDistAttr) -> TensorDistAttr:
+        return _kept(self._in, attr, 4096, self._attr_in)  # type: ignore[no-any-return]
+
+    def attr_out(self, attr: TensorDistAttr) -> TensorDistAttr:
+        return _kept(self._out, attr, 4096, self._attr_out)  # type: ignore[no-any-return]
+
+    def _attr_in(self, attr: TensorDistAttr) -> TensorDistAttr:
         dm = []
         for e in attr.dims_mapping:
             ds = [self.to[d] for d in entry_dims(e) if d != self.b]
@@ -107,7 +132,7 @@ class Fusion:
         pt: Partial = tuple((self.to[d], r) for d, r in attr.partial if d != self.b)
         return TensorDistAttr.unchecked(self.fused, tuple(dm), pt)
 
-    def attr_out(self, attr: TensorDistAttr) -> TensorDistAttr:
+    def _attr_out(self, attr: TensorDistAttr) -> TensorDistAttr:
         a, b = self.a, self.b
         dm = []
         for e in attr.dims_mapping:
@@ -133,6 +158,10 @@ class Fusion:
         if isinstance(x, (tuple, list)):
             return tuple(self.res_out(y) for y in x)
         return x
+
+
+#: fusions by (mesh, a, b), each with its maps' memos (emptied with the engine's memo tables)
+_FUSIONS: dict[tuple[ProcessMesh, int, int], Fusion] = memo_table()
 
 
 def minor_elsewhere(args: Sequence[Any]) -> tuple[int, int] | None:
@@ -189,7 +218,7 @@ def infer_fused(fn: Callable[..., SpmdResult], args: Sequence[Any], mesh: Proces
             t = Trim(*trim)
             return fn(*[t.arg_in(x) for x in args])
         return fn(*args)
-    f = Fusion(mesh, *pair)
+    f = Fusion.of(mesh, *pair)
     res = fn(*[f.arg_in(x) for x in args])
     return SpmdResult([f.res_out(x) for x in res.inputs], [f.res_out(x) for x in res.outputs])
 

@@ -172,7 +172,13 @@ def op_units(prog: Program) -> tuple[list[int], int]:
     for the embedding (``embedding``, and an unnumbered op before the first layer's); the count
     for the head (``head``); an optimizer update its parameter's; any other op the unit of the
     op before it (the final norm, the head and the loss follow the last layer; in the backward,
-    the embedding's gradient follows the first layer's)."""
+    the embedding's gradient follows the first layer's). Found once per program (the caller's list
+    is its own copy)."""
+    unit, n = prog.derived("pipeline.op_units", _op_units)
+    return list(unit), n
+
+
+def _op_units(prog: Program) -> tuple[list[int], int]:
     index = {t: k for k, t in enumerate(layer_tags(prog))}
     n = len(index)
     out: list[int] = []

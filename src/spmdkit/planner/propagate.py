@@ -176,6 +176,24 @@ class _OpCall:
             self.bwd_tparams = [p[0] for p in bparams if p[1]]
 
 
+def _program_calls(program: Program) -> tuple[list[_OpCall], dict[str, int]]:
+    """(every op's :class:`_OpCall`, a signature entering a memo key as a small int; per tensor
+    how many ops read it)."""
+    shapes = {n: t.shape for n, t in program.tensors.items()}
+    calls = [_OpCall(op, shapes) for op in program.ops]
+    ids: dict[tuple[Any, ...], int] = {}
+    for c in calls:
+        if c.fwd_sig is not None:
+            c.fwd_sig = ids.setdefault(c.fwd_sig, len(ids))
+        if c.bwd_sig is not None:
+            c.bwd_sig = ids.setdefault(c.bwd_sig, len(ids))
+    readers: dict[str, int] = {}
+    for c in calls:
+        for read in set(c.names):
+            readers[read] = readers.get(read, 0) + 1
+    return calls, readers
+
+
 def _parse_annotations(prog: Program, mesh: ProcessMesh,
                        annotations: Mapping[str, Any] | None, what: str = "annotation") -> dict[str, TensorDistAttr]:
     out: dict[str, TensorDistAttr] = {}
@@ -244,17 +262,13 @@ class _Propagation:
         self.attrs: dict[str, TensorDistAttr | None] = {n: None for n in program.tensors}
         self.attrs.update(self.fixed)
         self.specs = _Specs(program, mesh)
-        self.calls = [_OpCall(op, self.specs.shapes) for op in program.ops]
         # rule answers by (the call's signature, its tensors' dist attrs): the repeated layers'
         # ops call their rules on equal arguments, answered once (off with the engine's memo
-        # tables: spmdkit.ops.set_cache_enabled(False)); a signature enters the key as a small int
+        # tables: spmdkit.ops.set_cache_enabled(False))
         self.answers: dict[tuple[Any, ...], SpmdResult] | None = {} if memo_enabled() else None
-        ids: dict[tuple[Any, ...], int] = {}
-        for c in self.calls:
-            if c.fwd_sig is not None:
-                c.fwd_sig = ids.setdefault(c.fwd_sig, len(ids))
-            if c.bwd_sig is not None:
-                c.bwd_sig = ids.setdefault(c.bwd_sig, len(ids))
+        # the ops' calls and how many ops read each tensor: functions of the program alone, made
+        # once per program (read only here) and shared by every plan of it
+        self.calls, self.readers = program.derived("propagate.calls", _program_calls)
         # outputs that overwrite one of their op's inputs in place: held in that input's dist attr
         self.tied: dict[int, dict[str, str]] = {}
         for i, c in enumerate(self.calls):
@@ -266,10 +280,6 @@ class _Propagation:
         self.planned: dict[tuple[TensorDistAttr, TensorDistAttr, tuple[int, ...], int], ReshardPlan] = {}
         self.chosen: dict[tuple[Any, ...], SpmdResult] = {}  # repeated layers: one choice per kind of op
         self.reduced: dict[str, TensorDistAttr] = {}  # partial tensors reduced right after their producer
-        self.readers: dict[str, int] = {}
-        for c in self.calls:
-            for read in set(c.names):
-                self.readers[read] = self.readers.get(read, 0) + 1
         self.static_keys: dict[int, tuple[Any, ...]] = {}  # per in-place op: its rule, attributes, input shapes
 
     # -- dist attrs and rule calls

@@ -172,7 +172,9 @@ def run_schedule(schedule: str, p: int, v: int, m: int, fwd: list[float], bwd: l
     sb = send_b or [0.0] * n
     wt = weight or [0.0] * n
     orders = [schedule_order(schedule, p, v, m, r) for r in range(p)]
-    done: dict[tuple[str, int, int], float] = {}
+    # the end of each forward / backward unit done, at [virtual stage x m + microbatch]
+    done_f: list[float | None] = [None] * (n * m)
+    done_b: list[float | None] = [None] * (n * m)
     pos = [0] * p
     free = [0.0] * p
     last_b = [0.0] * p
@@ -183,23 +185,33 @@ def run_schedule(schedule: str, p: int, v: int, m: int, fwd: list[float], bwd: l
         for r in range(p):
             while pos[r] < len(orders[r]):
                 kind, k, i = orders[r][pos[r]]
+                at = k * m + i
+                dep: float | None
                 if kind == "F":
-                    dep = 0.0 if k == 0 else (None if ("F", k - 1, i) not in done else done[("F", k - 1, i)] + sf[k - 1])
+                    if k == 0:
+                        dep = 0.0
+                    else:
+                        d = done_f[at - m]  # the forward of the stage before
+                        dep = None if d is None else d + sf[k - 1]
                     dur = fwd[k]
                 elif kind == "W":
-                    dep, dur = done.get(("B", k, i)), wt[k]
+                    dep, dur = done_b[at], wt[k]
                 else:
                     if k == n - 1:
-                        dep = done.get(("F", k, i))
+                        dep = done_f[at]
                     else:
-                        dep = None if ("B", k + 1, i) not in done else done[("B", k + 1, i)] + sb[k]
+                        d = done_b[at + m]  # the backward of the stage after
+                        dep = None if d is None else d + sb[k]
                     dur = bwd[k]
                 if dep is None:
                     break
                 start = max(free[r], dep)
                 free[r] = start + dur
                 units.append((r, kind, k, i, start, free[r]))
-                done[(kind, k, i)] = free[r]
+                if kind == "F":
+                    done_f[at] = free[r]
+                elif kind == "B":
+                    done_b[at] = free[r]
                 if blocking_sends and kind != "W":
                     free[r] += (sf[k] if k < n - 1 else 0.0) if kind == "F" else (sb[k - 1] if k > 0 else 0.0)
                 if kind == "B":

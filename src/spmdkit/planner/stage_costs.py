@@ -16,15 +16,16 @@ from spmdkit.cost.devices import Device
 from spmdkit.cost.memory import (
     ActivationMemory,
     activation_deltas,
+    all_value_inputs,
     held_for_the_step,
     local_numel,
     makes_no_copy,
     peak_of,
     saved_activations,
-    value_inputs,
 )
 from spmdkit.cost.step import Bucket, OpComm, Reducer, op_communication, param_gather_time
 from spmdkit.planner.zero_bubble import weight_shares, weight_stash
+from spmdkit.program.ir import Program
 from spmdkit.program.plan import Plan
 
 
@@ -77,7 +78,7 @@ def stage_costs(plan: Plan, stages: list[int], counts: tuple[int, ...], device: 
     saved = saved_activations(plan, recompute, only)
     out = [StageCost(c) for c in counts]
     nbytes = _LocalBytes(plan)
-    param_grads, producer = _held_for_the_step(plan, stages, out, nbytes)
+    param_grads = _held_for_the_step(plan, stages, out, nbytes)
     shared = shared_parameters(plan.program, stages)
     copies = _shared_copies(plan, shared, param_grads, out, nbytes)
 
@@ -85,7 +86,7 @@ def stage_costs(plan: Plan, stages: list[int], counts: tuple[int, ...], device: 
         t = plan.program.tensors[nm]
         return not (nm in param_grads or t.inplace_of or t.kind in ("parameter", "optimizer_state"))
 
-    _stash_and_sends(plan, stages, out, nbytes, producer, transient, saved)
+    _stash_and_sends(plan, stages, out, nbytes, transient, saved)
     for s, d in enumerate(activation_deltas(plan, saved, stages, len(out))):
         out[s].working_peak, out[s].peak_op, _ = peak_of(d)
     shares = weight_shares(plan, param_grads)
@@ -174,10 +175,10 @@ class _LocalBytes:
 
 
 def _held_for_the_step(plan: Plan, stages: list[int], out: list[StageCost],
-                       nbytes: _LocalBytes) -> tuple[dict[str, int], dict[str, int]]:
+                       nbytes: _LocalBytes) -> dict[str, int]:
     """Count each stage's ops, parameters, parameter gradients and optimizer states (as the
-    framework holds them: :func:`spmdkit.cost.memory.held_for_the_step`); (parameter gradient
-    -> its stage, tensor -> the op that makes it)."""
+    framework holds them: :func:`spmdkit.cost.memory.held_for_the_step`); parameter gradient
+    -> its stage."""
     prog = plan.program
     held = held_for_the_step(plan)
     # torchtitan under a pipeline keeps FSDP2's parameters gathered over the microbatches
@@ -191,39 +192,75 @@ def _held_for_the_step(plan: Plan, stages: list[int], out: list[StageCost],
                 t = prog.tensors[r.tensor]
                 n = local_numel(r.dst, t.shape)
                 gathered[r.tensor] = (n * t.itemsize, n * 4)
-    param_grads: dict[str, int] = {}
-    counted_params: set[str] = set()
-    for i, op in enumerate(prog.ops):
+    grads, updated, not_updated = prog.derived("stage_costs.held", _step_reads)
+    for i in range(len(prog.ops)):
         out[stages[i]].ops += 1
+    param_grads = {nm: stages[i] for nm, i in grads}
+    for nm, i in updated:
+        s = stages[i]
+        p, g, st = held.get(nm) or (nbytes(nm), 0, 0)
+        out[s].parameters += p
+        out[s].gradients += g
+        out[s].optimizer_states += st
+        out[s].unsharded_parameters += gathered.get(nm, (0, 0))[0]
+        out[s].unsharded_gradients += gathered.get(nm, (0, 0))[1]
+    for nm, i in not_updated:  # a parameter without an update
+        out[stages[i]].parameters += nbytes(nm)
+    return param_grads
+
+
+def _step_reads(prog: Program) -> tuple[list[tuple[str, int]], list[tuple[str, int]], list[tuple[str, int]]]:
+    """(each parameter gradient with the first optimizer op reading it; each parameter with the
+    first optimizer op reading it; each parameter no optimizer op reads, with its first forward
+    reader): found once per program for :func:`_held_for_the_step`."""
+    grads: dict[str, int] = {}
+    updated: dict[str, int] = {}
+    for i, op in enumerate(prog.ops):
         if op.phase == "optimizer":
-            s = stages[i]
             for nm in op.input_names():
                 t = prog.tensors[nm]
-                if t.kind == "gradient" and nm not in param_grads:
-                    param_grads[nm] = s
-                elif t.kind == "parameter" and not t.inplace_of and nm not in counted_params:
-                    counted_params.add(nm)
-                    p, g, st = held.get(nm) or (nbytes(nm), 0, 0)
-                    out[s].parameters += p
-                    out[s].gradients += g
-                    out[s].optimizer_states += st
-                    out[s].unsharded_parameters += gathered.get(nm, (0, 0))[0]
-                    out[s].unsharded_gradients += gathered.get(nm, (0, 0))[1]
+                if t.kind == "gradient" and nm not in grads:
+                    grads[nm] = i
+                elif t.kind == "parameter" and not t.inplace_of and nm not in updated:
+                    updated[nm] = i
+    not_updated: dict[str, int] = {}
+    for i, op in enumerate(prog.ops):
+        if op.phase == "forward":
+            for nm in op.input_names():
+                if prog.tensors[nm].kind == "parameter" and nm not in updated and nm not in not_updated:
+                    not_updated[nm] = i
+    return list(grads.items()), list(updated.items()), list(not_updated.items())
+
+
+def _stage_reads(prog: Program) -> tuple[list[tuple[int, list[str]]], list[tuple[int, list[tuple[str, int]]]]]:
+    """(each backward op and the tensors it reads the values of; each forward op and the inputs
+    it reads from an earlier forward op, with that op, but those made from the data and
+    constants alone), found once per program for :func:`_stash_and_sends`."""
     producer: dict[str, int] = {}
     for i, op in enumerate(prog.ops):
         for nm in op.output_names():
             producer.setdefault(nm, i)
-        if op.phase == "forward":
-            for nm in op.input_names():
-                t = prog.tensors[nm]
-                if t.kind == "parameter" and nm not in counted_params:  # a parameter without an update
-                    counted_params.add(nm)
-                    out[stages[i]].parameters += nbytes(nm)
-    return param_grads, producer
+    vin = all_value_inputs(prog)
+    back: list[tuple[int, list[str]]] = []
+    fwd: list[tuple[int, list[tuple[str, int]]]] = []
+    local: set[str] = set()  # made without a parameter, from the data and constants
+    for i, op in enumerate(prog.ops):
+        if op.phase == "backward":
+            back.append((i, vin[i]))
+        if op.phase != "forward":
+            continue
+        ins = op.input_names()
+        if all(nm in local or (nm not in producer and prog.tensors[nm].kind != "parameter") for nm in ins):
+            local.update(op.output_names())
+        got = [(nm, j) for nm in ins if (j := producer.get(nm)) is not None and nm not in local
+               and prog.ops[j].phase == "forward"]
+        if got:
+            fwd.append((i, got))
+    return back, fwd
 
 
 def _stash_and_sends(plan: Plan, stages: list[int], out: list[StageCost], nbytes: _LocalBytes,
-                     producer: dict[str, int], transient: Callable[[str], bool], saved: ActivationMemory) -> None:
+                     transient: Callable[[str], bool], saved: ActivationMemory) -> None:
     """The activations crossing stages (sent forward, their gradients sent back) and the stash:
     what one microbatch keeps for the backward (``saved``: the forward tensors a backward op
     reads the values of, less those recomputation makes again, at the size they are kept in),
@@ -234,23 +271,16 @@ def _stash_and_sends(plan: Plan, stages: list[int], out: list[StageCost], nbytes
     prog = plan.program
     crossing: dict[str, tuple[int, int]] = {}
     readers: dict[str, set[int]] = {}
-    local: set[str] = set()  # made without a parameter, from the data and constants
-    for i, op in enumerate(prog.ops):
+    back, fwd = prog.derived("stage_costs.reads", _stage_reads)
+    for i, names in back:
         b = stages[i]
-        if op.phase == "backward":
-            for nm in value_inputs(op):
-                readers.setdefault(nm, set()).add(b)
-        if op.phase != "forward":
-            continue
-        ins = op.input_names()
-        if all(nm in local or (nm not in producer and prog.tensors[nm].kind != "parameter") for nm in ins):
-            local.update(op.output_names())
-        for nm in ins:
-            j = producer.get(nm)
-            if j is None or not transient(nm) or nm in local:
-                continue
+        for nm in names:
+            readers.setdefault(nm, set()).add(b)
+    for i, ins in fwd:
+        b = stages[i]
+        for nm, j in ins:
             a = stages[j]
-            if prog.ops[j].phase == "forward" and b > a:
+            if b > a and transient(nm):
                 _lo, hi = crossing.get(nm, (a, a))
                 crossing[nm] = (a, max(hi, b))
     for lst in saved.tensors.values():

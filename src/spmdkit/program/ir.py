@@ -110,10 +110,21 @@ class Op:
     phase: str = "forward"
 
     def input_names(self) -> list[str]:
-        return [n for v in self.inputs.values() for n in flat_refs(v) if n is not None]
+        """The tensor names the op reads, in parameter order (computed once per op: an op is
+        frozen and its inputs are never changed in place)."""
+        got: tuple[str, ...] | None = self.__dict__.get("_input_names")
+        if got is None:
+            got = tuple([n for v in self.inputs.values() for n in flat_refs(v) if n is not None])
+            object.__setattr__(self, "_input_names", got)
+        return list(got)
 
     def output_names(self) -> list[str]:
-        return [n for v in self.outputs for n in flat_refs(v) if n is not None]
+        """The tensor names the op makes, in output order (computed once per op)."""
+        got: tuple[str, ...] | None = self.__dict__.get("_output_names")
+        if got is None:
+            got = tuple([n for v in self.outputs for n in flat_refs(v) if n is not None])
+            object.__setattr__(self, "_output_names", got)
+        return list(got)
 
     def to_json(self) -> dict[str, Any]:
         return {"rule": self.rule, "name": self.name, "inputs": {k: _jsonable(v) for k, v in self.inputs.items()},
@@ -175,6 +186,8 @@ def _value_from_json(name: str, obj: Any, prog: Program) -> RecordedValue:
 
 def flat_refs(v: Ref) -> list[str | None]:
     """An op slot's tensor names as a list (a list slot as is, one name or None as one item)."""
+    if type(v) is str or v is None:
+        return [v]
     if isinstance(v, (list, tuple)):
         return list(v)
     return [v]
@@ -186,6 +199,11 @@ def _jsonable(v: Any) -> Any:
     if isinstance(v, tuple):
         return [_jsonable(x) for x in v]
     return v
+
+
+def _param_grads(prog: Program) -> frozenset[str]:
+    return frozenset(n for op in prog.ops if op.phase == "optimizer" for n in op.input_names()
+                     if prog.tensors[n].kind == "gradient")
 
 
 class Program:
@@ -206,6 +224,25 @@ class Program:
         kept = getattr(self, "values", None)
         self.values: dict[str, RecordedValue] = \
             {n: v for n, v in kept.items() if n in self.tensors} if isinstance(kept, dict) else {}
+        self._derived: dict[str, Any] = {}
+
+    def derived(self, key: str, make: Callable[[Program], Any]) -> Any:
+        """``make(self)``, made once per program and kept under ``key``: a table derived from the
+        ops and tensors alone (a planner's per-op constants), which every plan of the program
+        reads. A program's ops and tensors are not changed once built (a rewrite builds a new
+        program, or re-runs ``__init__``, which forgets these tables)."""
+        got = self._derived.get(key)
+        if got is None:
+            got = self._derived[key] = make(self)
+        return got
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (and copied) without its :meth:`derived` tables: made again where read."""
+        return {**self.__dict__, "_derived": {}}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._derived = {}  # a program pickled before it had tables
 
     def __iter__(self) -> Iterator[Op]:
         return iter(self.ops)
@@ -223,9 +260,8 @@ class Program:
         return [t for t in self.tensors.values() if t.kind in kinds]
 
     def param_grads(self) -> frozenset[str]:
-        """The gradients the optimizer-phase ops read (the parameter gradients)."""
-        return frozenset(n for op in self.ops if op.phase == "optimizer" for n in op.input_names()
-                         if self.tensors[n].kind == "gradient")
+        """The gradients the optimizer-phase ops read (the parameter gradients), found once."""
+        return self.derived("param_grads", _param_grads)  # type: ignore[no-any-return]
 
     def live_spans(self) -> tuple[dict[str, int], dict[str, int]]:
         """(the op that makes each tensor, the last op that reads it, or makes it if none does),

@@ -284,7 +284,20 @@ def annotate(model: Model, mesh: ProcessMesh, strategy: Iterable[str],
             d[0] = batch
             if cp is not None:
                 d[1] = cp
-    attrs = {n: TensorDistAttr(mesh, d) for n, d in out.items()}
+    # one dist attr per distinct dims_mapping (validated once): a model's layers repeat few
+    made: dict[tuple[Any, ...], TensorDistAttr] = {}
+    attrs: dict[str, TensorDistAttr] = {}
+    for n, d in out.items():
+        mk: tuple[Any, ...] | None = tuple(tuple(e) if isinstance(e, list) else e for e in d)
+        try:
+            a = made.get(mk)  # type: ignore[arg-type]
+        except TypeError:  # an entry no dims_mapping holds: refused by TensorDistAttr below
+            a, mk = None, None
+        if a is None:
+            a = TensorDistAttr(mesh, d)
+            if mk is not None:
+                made[mk] = a
+        attrs[n] = a
     attrs.update(user_attrs(prog, mesh, user))
     return attrs
 
