@@ -432,9 +432,9 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
         tier, key, n, cfg, refined = heapq.heappop(queue)
         low = lows.get(cfg)
         if not refined and bounds is not None and low is not None and low < best and _refines(cfg, floor, lazy):
-            if lazy and floor is not None and floor.gathered_key(cfg) is not None:
-                # its layers' floor first (cached by key): the gathers' own copies, which only raise
-                # the bound, are planned only where that does not reach the best step found
+            if lazy and floor is not None:
+                # its layers' floor first (cached by key): its own copies (the gathers, the tail), which
+                # only raise the bound, are planned only where that does not reach the best step found
                 low = lows[cfg] = _step_bound(cfg, bounds, floor, job)
             if low < best:
                 low = lows[cfg] = _step_bound(cfg, bounds, floor, job, gathers=True)  # now it is its turn
@@ -525,9 +525,9 @@ def _floor(model: str | Program, mc: ModelConfig | None, job: _Job, bounds: Boun
 def _step_bound(cfg: Config, bounds: Bounds, floor: StepFloor | None, job: _Job, gathers: bool = False) -> float:
     """``cfg``'s step bound: the larger of :meth:`Bounds.step` and ``floor``'s under the least
     recomputation its memory bound allows (a mode whose kept activations cannot fit is not
-    counted; inf: none can). ``gathers``: a ZeRO-3 configuration's floor also from its own
-    layers' plan with the parameter gathers (:meth:`StepFloor.gathered`: two more shallow
-    copies, so only when its turn comes)."""
+    counted; inf: none can). ``gathers`` (its turn has come): also from its layers' plans on its
+    own dp and strategy, ZeRO-3's parameter gathers (:meth:`StepFloor.gathered`) and each rank's
+    tail after its last backward (:meth:`StepFloor.tail`: optimizer, unhidden reductions)."""
     low = bounds.step(cfg.devices, cfg.pp, cfg.microbatches, cfg.ep, cfg.strategy, cfg.virtual)
     f = floor.of(cfg) if floor is not None else NO_FLOOR
     if floor is not None and f is not NO_FLOOR:
@@ -546,9 +546,9 @@ def _step_bound(cfg: Config, bounds: Bounds, floor: StepFloor | None, job: _Job,
             # none above a full:K that the plan prices where none does not fit
             # (search_floor_layers.blocks_split_floor)
             plain = StepFloor.step
-            blocks = blocks_floor(bounds, cfg, job.cap, kept["none"], kept["full"],
-                                  plain(floor, cfg, "none", busiest=False), plain(floor, cfg, "full", busiest=False))
-            least = min(least, max(blocks, plain(floor, cfg, "none", gathers), floor.blocks_step(cfg)))
+            blocks = blocks_floor(bounds, cfg, job.cap, kept["none"], kept["full"], plain(floor, cfg, "none", gathers,
+                                  False), plain(floor, cfg, "full", gathers, False))  # (the even terms, the least tail)
+            least = min(least, max(blocks, plain(floor, cfg, "none", gathers), floor.blocks_step(cfg, gathers)))
         low = max(low, least)
     return low
 
@@ -556,7 +556,7 @@ def _step_bound(cfg: Config, bounds: Bounds, floor: StepFloor | None, job: _Job,
 def _refines(cfg: Config, floor: StepFloor | None, lazy: bool) -> bool:
     """Whether ``cfg``'s bound can be refined when its turn comes: its layers' floor where the
     floors are lazy, its parameter gathers' under ZeRO-3."""
-    return floor is not None and (lazy or floor.gathered_key(cfg) is not None)
+    return floor is not None and (lazy or floor.own_key(cfg) is not None)
 
 
 def _step_bounds(work: list[Config], bounds: Bounds, floor: StepFloor | None, job: _Job,

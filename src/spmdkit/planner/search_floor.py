@@ -45,6 +45,7 @@ and that the pruned search finds the unpruned one's best with the same figures;
 
 from __future__ import annotations
 
+import functools
 import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -56,6 +57,7 @@ from spmdkit.cost.step import op_communication
 from spmdkit.planner.fold import fold_of
 from spmdkit.planner.pipeline import op_units
 from spmdkit.planner.search_bounds import pipeline_fill
+from spmdkit.planner.search_floor_tail import Tail, plan_tail
 from spmdkit.planner.search_space import Config
 from spmdkit.program.layers import layer_tags
 from spmdkit.program.plan import Plan
@@ -165,6 +167,7 @@ class StepFloor:
     dense: int = 0
     cache: dict[FloorKey, LayerFloor] = field(default_factory=dict)
     zero3: dict[ZeroKey, LayerFloor] = field(default_factory=dict)
+    tails: dict[ZeroKey, Tail | None] = field(default_factory=dict)
     plans: int = 0
 
     def key(self, cfg: Config) -> FloorKey | None:
@@ -208,6 +211,30 @@ class StepFloor:
             self.zero3[zkey] = got
         return got
 
+    def own_key(self, cfg: Config) -> ZeroKey | None:
+        """The key of ``cfg``'s layers planned on its own dp and strategy (:meth:`tail`)."""
+        key = self.key(cfg)
+        return None if key is None else (cfg.dp, key[0], key[1], key[2], cfg.strategy, key[4])
+
+    def tail(self, cfg: Config) -> Tail | None:
+        """What ``cfg``'s ranks do at least after their last backward
+        (:mod:`spmdkit.planner.search_floor_tail`: its optimizer and Megatron's unhidden gradient
+        reductions), from ``dense + 2`` of its layers planned on its own dp and strategy; None
+        where they cannot be planned so. Cached by :meth:`own_key`."""
+        okey = self.own_key(cfg)
+        if okey is None:
+            return None
+        if okey not in self.tails:
+            dp, tp, ep, cp, strategy, local = okey
+            self.plans += 1
+            try:
+                plan = self.plan_copy(Config(dp, tp, 1, strategy, "none", 1, ep, cp),
+                                      min(self.layers, self.dense + 2), local * dp)
+                self.tails[okey] = plan_tail(plan, self.device, self.dense)
+            except SpmdError:
+                self.tails[okey] = None  # (the configuration says why when planned)
+        return self.tails[okey]
+
     def _planned(self, one: Config, batch: int) -> LayerFloor:
         """``one`` planned on two shallow copies (or the model) with ``batch`` sequences,
         extrapolated to the model's depth (:data:`NO_FLOOR` where it cannot be planned)."""
@@ -227,7 +254,7 @@ class StepFloor:
         return LayerFloor(fold.at(a.work, b.work), {m: fold.at(a.rerun[m], b.rerun[m]) for m in b.rerun}, b.kept,
                           fold.at(a.exposed, b.exposed), fold.at(a.gathers, b.gathers), units)
 
-    def blocks_step(self, cfg: Config) -> float:
+    def blocks_step(self, cfg: Config, gathers: bool = False) -> float:
         """Seconds any ``full:K`` of ``cfg`` takes at least besides :func:`spmdkit.planner.search_blocks.blocks_floor`'s (0 here;
         a MoE pipeline's whole-layer split: :class:`spmdkit.planner.search_floor_layers.LayerStepFloor`)."""
         return 0.0
@@ -242,26 +269,36 @@ class StepFloor:
         also from its own layers' plan with the parameter gathers (:meth:`gathered`): with a
         pipeline the part of each group's gather the group before does not hide (a stage's
         time per microbatch), without one the gathers one after the other on the communication
-        stream (the last micro-step waits for the last). ``busiest=False``: a pipeline's even
-        term alone (affine in the work: what ``full:K``'s floor interpolates between modes;
-        :func:`busiest_rank` is convex in it, so it is not interpolated)."""
+        stream (the last micro-step waits for the last). ``gathers`` also counts the tail
+        (:meth:`tail`: each rank's optimizer and unhidden gradient reductions after its last
+        backward; without a pipeline the optimizer after the last micro-step). ``busiest=False``:
+        a pipeline's even term alone, plus the least rank's tail (affine in the work: what
+        ``full:K``'s floor interpolates between modes; :func:`busiest_rank` is convex in it, so
+        it is not interpolated)."""
         f = self.of(cfg)
+        t = self.tail(cfg) if gathers else None
         w = f.work + f.rerun.get(mode, 0.0)
         z = self.gathered(cfg) if gathers else NO_FLOOR
         if z is not NO_FLOOR and cfg.pp > 1:
             w = max(w, z.work + z.exposed + z.rerun.get(mode, 0.0))
-        if cfg.pp == 1:
+        if cfg.pp == 1:  # the optimizer's ops run after the last micro-step's buckets (step._run)
+            opt = t.optimizer(self.layers, self.dense) if t is not None else 0.0
             if z is NO_FLOOR:
-                return w * cfg.grad_accum
+                return w * cfg.grad_accum + opt
             w = max(w, z.work + z.rerun.get(mode, 0.0))
-            return w * (cfg.grad_accum - 1) + max(w, z.gathers)
-        m = max(1, cfg.microbatches)
-        even = w / cfg.pp * (m + pipeline_fill(cfg.pp, cfg.virtual))
+            return w * (cfg.grad_accum - 1) + max(w, z.gathers) + opt
+        p, v, m = cfg.pp, cfg.virtual, max(1, cfg.microbatches)
+        even = w / p * (m + pipeline_fill(p, v))
+        if t is not None:  # every rank holds v layers at least: step >= max_r finish_r + min_r tail_r
+            even += min(t.rank(r, p, v) for r in range(p))
         u = f.units.get(mode) if busiest else None
-        return even if u is None else max(even, busiest_rank(u, self.layers, cfg.pp, cfg.virtual, m))
+        if u is None:
+            return even
+        return max(even, busiest_rank(u, self.layers, p, v, m, None if t is None else functools.partial(t.rank, p=p)))
 
 
-def busiest_rank(u: Units, layers: int, p: int, v: int, m: int) -> float:
+def busiest_rank(u: Units, layers: int, p: int, v: int, m: int,
+                 tail: Callable[..., float] | None = None) -> float:
     """Seconds a 1F1B or interleaved pipeline step takes at least, whatever the split of the
     ``layers`` layers into ``p x v`` chunks (each of at least one layer, chunk ``c`` on rank
     ``c mod p``, the embedding with chunk 0, the head and the loss with the last), ``m``
@@ -285,13 +322,21 @@ def busiest_rank(u: Units, layers: int, p: int, v: int, m: int) -> float:
     rank's figure, so this greedy filling is optimal): a bound for every split the search may
     pick, even (one more layer on some rank where ``p v`` does not divide the layers) or uneven
     (``--stages auto``, a memory cap). It exceeds the even-split bound where the head (or the
-    embedding) weighs on its rank more than the layers a balanced split could take off it."""
+    embedding) weighs on its rank more than the layers a balanced split could take off it.
+
+    ``tail(r, n=...)``: what rank ``r`` holding ``n`` layers does at least after its last
+    backward (:meth:`spmdkit.planner.search_floor_tail.Tail.rank`, nondecreasing in ``n``): the
+    step is at least ``max_r`` of each rank's figure plus its tail, and the least of that over
+    the counts is reached by giving each layer to the rank whose figure with it is lowest
+    (the figures nondecreasing in the layers, this greedy choice is optimal for the largest)."""
     lam = u.layer
     spare = layers - p * v
     if spare < 0 or lam < 0:
         return 0.0
     fig = [m * (v * lam + (u.first if r == 0 else 0.0) + (u.last if r == p - 1 else 0.0))
            + (u.first + r * lam if r else 0.0) for r in range(p)]
+    if tail is not None:
+        return _with_tail(fig, m * lam, spare, v, tail)
     if lam == 0 or spare == 0:
         return max(fig)
     step = m * lam
@@ -299,6 +344,20 @@ def busiest_rank(u: Units, layers: int, p: int, v: int, m: int) -> float:
     for _ in range(spare):
         heapq.heapreplace(heap, heap[0] + step)
     return max(heap)
+
+
+def _with_tail(fig: list[float], step: float, spare: int, v: int, tail: Callable[..., float]) -> float:
+    """:func:`busiest_rank` with each rank's tail: the ``spare`` layers given one at a time to
+    the rank whose figure (its ``v`` first layers' figure ``fig``, ``step`` a layer, its tail)
+    with one more is the lowest."""
+    n = [v] * len(fig)
+    heap = [(f + step + tail(r, n=v + 1), r) for r, f in enumerate(fig)]
+    heapq.heapify(heap)
+    for _ in range(spare):
+        _val, r = heapq.heappop(heap)
+        n[r] += 1
+        heapq.heappush(heap, (fig[r] + (n[r] + 1 - v) * step + tail(r, n=n[r] + 1), r))
+    return max(f + (k - v) * step + tail(r, n=k) for r, (f, k) in enumerate(zip(fig, n)))
 
 
 __all__ = ["NO_FLOOR", "FloorKey", "ZeroKey", "LayerFloor", "StepFloor", "Units", "base_strategy", "busiest_rank",

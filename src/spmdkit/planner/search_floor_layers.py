@@ -31,6 +31,7 @@ from spmdkit.cost.memory import saved_activations
 from spmdkit.cost.step import op_communication
 from spmdkit.planner.search_bounds import Bounds
 from spmdkit.planner.search_floor import NO_FLOOR, RECOMPUTE, LayerFloor, StepFloor, _counted
+from spmdkit.planner.search_floor_tail import Held
 from spmdkit.planner.search_space import Config
 from spmdkit.program.layers import program_layers
 from spmdkit.program.plan import Plan
@@ -110,7 +111,7 @@ def _moe_room(f: MoeLayerFloor, cfg: Config, bounds: Bounds, cap: int
     return per, dense, room
 
 
-def split_floor(cfg: Config, bounds: Bounds, f: MoeLayerFloor, mode: str, cap: int) -> float:
+def split_floor(cfg: Config, bounds: Bounds, f: MoeLayerFloor, mode: str, cap: int, tail: Held | None = None) -> float:
     """A pipeline's step at least under recomputation ``mode`` from how its MoE layers can be
     split under the memory cap (0: no pipeline or no MoE layer; inf: they cannot fit).
 
@@ -136,11 +137,29 @@ def split_floor(cfg: Config, bounds: Bounds, f: MoeLayerFloor, mode: str, cap: i
     levels = split_levels(room, cfg.pp, cfg.virtual, m, len(per), min(per), f.layer_kept.get(mode, 0), len(dense),
                           min(dense, default=0.0), f.kept.get(mode, 0))
     t = f.layer_work + f.layer_rerun.get(mode, 0.0)
-    lam = f.least_layer
-    return min((min([m * c * t + r * lam] if r >= 0 else [], default=math.inf) if not held else
-                min(min([m * c * t + r * lam] if r >= 0 else [], default=math.inf),
-                    min(m * (c * t + d * lam) + q * lam for q, d in held))
-                for c, r, held in levels), default=math.inf)
+    return min((level_low(m * c * t, c, r, held, (m, cfg.pp, t, f.least_layer), tail) for c, r, held in levels),
+               default=math.inf)
+
+
+def level_low(work: float, c: int, plain: int, held: tuple[tuple[int, int], ...],
+              shape: tuple[int, float, float, float], tail: Held | None = None) -> float:
+    """The least step of the ranks that may hold the level ``c`` (:func:`split_levels`): the
+    lowest without a dense layer, ``plain`` (-1: none), working ``work`` a step on its layers,
+    after the chunks before it (``plain`` layers at least); each of ``held`` (rank, its dense
+    layers) ``m (c t + d lam)`` after its ``q`` chunks before. ``shape``: (m, p, t, lam).
+    ``tail(moe, dense, first, last)``: what the rank does at least after its last backward
+    (:meth:`spmdkit.planner.search_floor_tail.Tail.held`); a rank after ``plain`` holding the
+    level has at least the tail of a middle rank, and where ``plain`` is the first rank one
+    after it has at least one layer more before it."""
+    m, p, t, lam = shape
+    got = []
+    if plain >= 0:
+        got.append(work + plain * lam + (tail(c, 0, plain == 0, p == 1) if tail is not None else 0.0))
+        if plain == 0 and tail is not None and p > 1:
+            got[-1] = min(got[-1], work + lam + tail(c, 0, False, False))
+    got += [m * (c * t + d * lam) + q * lam + (tail(c, d, q == 0, q == p - 1) if tail is not None else 0.0)
+            for q, d in held]
+    return min(got, default=math.inf)
 
 
 #: the most dense first layers whose placements :func:`whole_layers_level` tries (beyond, their room is not counted)
@@ -219,7 +238,7 @@ def _most(left: float, f: int, s: float, u: float, full: int, uf: float, moe: in
     return every if every <= full else max(full, most(left + f * full * (u - uf), s + f * u))
 
 
-def blocks_split_floor(cfg: Config, bounds: Bounds, f: MoeLayerFloor, cap: int) -> float:
+def blocks_split_floor(cfg: Config, bounds: Bounds, f: MoeLayerFloor, cap: int, tail: Held | None = None) -> float:
     """A MoE pipeline's step at least under any ``full:K`` (Megatron's block recomputation: the
     first K layers of each chunk recomputed in full, the others keeping what no recomputation
     keeps), from how its MoE layers can be split under the memory cap (:func:`split_floor`'s
@@ -243,10 +262,7 @@ def blocks_split_floor(cfg: Config, bounds: Bounds, f: MoeLayerFloor, cap: int) 
                                            f.kept.get("none", 0), k, uf):
             # the rank holding the level: one without a dense layer reruns min(c, k) MoE layers;
             # one with d dense layers may rerun those instead (no rerun counted, their work is)
-            lam = f.least_layer
-            got = [m * (c * t + min(c, k) * r) + plain * lam] if plain >= 0 else []
-            got += [m * (c * t + d * lam) + q * lam for q, d in held]
-            best = min(best, *got)
+            best = min(best, level_low(m * (c * t + min(c, k) * r), c, plain, held, (m, p, t, f.least_layer), tail))
         if all(_most(room, min(p - q, m), s, uf, 0, uf, len(per)) <= v * k for q in range(p)):
             break  # every rank's layers all recomputed fit already: a larger K holds no more
     return best
@@ -272,18 +288,23 @@ class LayerStepFloor(StepFloor):
     bounds: Bounds | None = None
     cap: int = 0
 
-    def step(self, cfg: Config, mode: str = "none", *args: bool, **kw: bool) -> float:
-        low = super().step(cfg, mode, *args, **kw)
+    def step(self, cfg: Config, mode: str = "none", gathers: bool = False, busiest: bool = True) -> float:
+        low = super().step(cfg, mode, gathers, busiest)
         f = self.of(cfg)
         if self.bounds is None or not self.cap or not isinstance(f, MoeLayerFloor):
             return low
-        return max(low, split_floor(cfg, self.bounds, f, mode, self.cap))
+        return max(low, split_floor(cfg, self.bounds, f, mode, self.cap, self._held(cfg, gathers)))
 
-    def blocks_step(self, cfg: Config) -> float:
+    def blocks_step(self, cfg: Config, gathers: bool = False) -> float:
         f = self.of(cfg)
         if self.bounds is None or not self.cap or not isinstance(f, MoeLayerFloor):
             return 0.0
-        return blocks_split_floor(cfg, self.bounds, f, self.cap)
+        return blocks_split_floor(cfg, self.bounds, f, self.cap, self._held(cfg, gathers))
+
+    def _held(self, cfg: Config, gathers: bool) -> Held | None:
+        """The tail of a rank by what it holds, once ``cfg``'s turn has come (``gathers``)."""
+        t = self.tail(cfg) if gathers and cfg.pp > 1 else None
+        return None if t is None else t.held
 
     def of(self, cfg: Config) -> LayerFloor:
         n = copy_layers(self.dense)
@@ -303,5 +324,5 @@ class LayerStepFloor(StepFloor):
         return got
 
 
-__all__ = ["LayerStepFloor", "MoeLayerFloor", "copy_layers", "one_copy_floor", "split_floor",
+__all__ = ["LayerStepFloor", "MoeLayerFloor", "copy_layers", "level_low", "one_copy_floor", "split_floor",
            "blocks_split_floor", "split_levels", "whole_layers_level"]
