@@ -96,24 +96,28 @@ def test_each_ranks_tail_is_under_what_it_does_after_its_last_backward(cfg: Conf
 
 def test_the_busiest_rank_with_a_tail_by_hand() -> None:
     """Two ranks, four layers of 1 s a microbatch, two microbatches: without a tail the busiest
-    rank's bound is 2 x 2 + 1 = 5 s (rank 1: two layers and the chain before it). A tail of 1 s a
-    layer on rank 1 alone: 2 layers each (rank 1: 4 + 1 + 2 = 7 s) or 3 on rank 0 (6 s, rank 1
-    then 2 + 1 + 1 = 4 s): 6 s; the tail added to every rank's figure, never to one split only."""
+    rank's bound is 2 x 2 + 1 = 5 s (rank 1's two layers, then the chain before it, on rank 0).
+    Rank 1's tail follows its own last backward, not the chain: a tail of 1.5 s a layer on rank
+    1 alone gives 2 layers each max(4 + 3, 4 + 1) = 7 s or 3 on rank 0 (6 s; rank 1 then 2 +
+    max(1.5, 1) = 3.5 s): 6 s. A tail under the chain's 1 s adds nothing; rank 0's tail (0.25 s)
+    follows the chain."""
     u = Units(0.0, 0.0, 1.0)
     assert busiest_rank(u, 4, 2, 1, 2) == 5.0
-    assert busiest_rank(u, 4, 2, 1, 2, lambda r, n: float(n) if r else 0.0) == 6.0
-    assert busiest_rank(u, 4, 2, 1, 2, lambda r, n: 0.0) == 5.0
+    assert busiest_rank(u, 4, 2, 1, 2, lambda r, n: 1.5 * n if r else 0.0) == 6.0
+    assert busiest_rank(u, 4, 2, 1, 2, lambda r, n: 0.5 if r else 0.0) == 5.0
+    assert busiest_rank(u, 4, 2, 1, 2, lambda r, n: 0.0 if r else 0.25) == 5.25
 
 
 def test_the_level_holders_tail_by_hand() -> None:
     """The split floor's rank holding the level ``c`` (split_levels): rank 2 (no dense layer,
-    two layers before it) adds a middle rank's tail of ``c`` layers; where the first rank may
-    hold it, the least of its tail and a later rank's (one layer more before it)."""
+    two layers before it) adds the larger of the chain before it and a middle rank's tail of
+    ``c`` layers; where the first rank may hold it, the least of its tail and a later rank's."""
     def tail(moe: int, dense: int, first: bool, last: bool) -> float:
         return 0.0 if first else 0.5 * moe + 0.25 * dense + (1.0 if last else 0.0)
 
     shape = (4, 3, 1.0, 1.0)  # m, p, t, lam
     assert level_low(12.0, 3, 2, (), shape) == 14.0
-    assert level_low(12.0, 3, 2, (), shape, tail) == 14.0 + 1.5
+    assert level_low(12.0, 3, 2, (), shape, tail) == 12.0 + max(2.0, 1.5)
+    assert level_low(12.0, 5, 2, (), shape, tail) == 12.0 + max(2.0, 2.5)
     assert level_low(12.0, 3, 0, (), shape, tail) == 12.0  # the first rank: no reduction after it
-    assert level_low(12.0, 3, -1, ((1, 2),), shape, tail) == 4 * (3 + 2) + 1 + 1.5 + 0.5
+    assert level_low(12.0, 3, -1, ((1, 2),), shape, tail) == 4 * (3 + 2) + max(1.0, 1.5 + 0.5)

@@ -132,6 +132,8 @@ class Units:
     first: float
     last: float
     layer: float
+    #: the least work of a layer past the model's dense first layers (0: ``layer``'s; a MoE model)
+    heavy: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -294,11 +296,12 @@ class StepFloor:
         u = f.units.get(mode) if busiest else None
         if u is None:
             return even
-        return max(even, busiest_rank(u, self.layers, p, v, m, None if t is None else functools.partial(t.rank, p=p)))
+        return max(even, busiest_rank(u, self.layers, p, v, m, None if t is None else functools.partial(t.rank, p=p),
+                                      self.dense))
 
 
 def busiest_rank(u: Units, layers: int, p: int, v: int, m: int,
-                 tail: Callable[..., float] | None = None) -> float:
+                 tail: Callable[..., float] | None = None, dense: int = 0) -> float:
     """Seconds a 1F1B or interleaved pipeline step takes at least, whatever the split of the
     ``layers`` layers into ``p x v`` chunks (each of at least one layer, chunk ``c`` on rank
     ``c mod p``, the embedding with chunk 0, the head and the loss with the last), ``m``
@@ -325,18 +328,26 @@ def busiest_rank(u: Units, layers: int, p: int, v: int, m: int,
     embedding) weighs on its rank more than the layers a balanced split could take off it.
 
     ``tail(r, n=...)``: what rank ``r`` holding ``n`` layers does at least after its last
-    backward (:meth:`spmdkit.planner.search_floor_tail.Tail.rank`, nondecreasing in ``n``): the
-    step is at least ``max_r`` of each rank's figure plus its tail, and the least of that over
-    the counts is reached by giving each layer to the rank whose figure with it is lowest
-    (the figures nondecreasing in the layers, this greedy choice is optimal for the largest)."""
+    backward (:meth:`spmdkit.planner.search_floor_tail.Tail.rank`, nondecreasing in ``n``). Rank
+    ``r``'s own last backward ends ``m W_r`` after its start at the earliest, and its tail
+    follows; the chain after it (chunks ``r-1 .. 0``) ends on rank 0, whose tail (``n >= v``
+    layers) follows that: the step is at least ``m W_r + max(tail_r, sum_{c<r} W_c + tail_0)``
+    for every ``r``, and the least of the largest over the counts is reached by giving each
+    layer to the rank whose figure with it is lowest (the figures nondecreasing in the layers,
+    this greedy choice is optimal).
+
+    ``dense``: the model's first ``dense`` layers are lighter (a MoE model's), every other works
+    at least ``u.heavy``: they lie in chunks ``0 .. dense - 1`` (chunk ``c`` holds layers ``>=
+    c``), so rank ``r`` holds at most ``max(0, dense - r)`` of them and chunk ``c >= dense`` only
+    heavy ones."""
     lam = u.layer
     spare = layers - p * v
     if spare < 0 or lam < 0:
         return 0.0
+    if tail is not None or (dense and u.heavy > lam):
+        return _uneven(u, p, v, m, spare, dense, tail or (lambda r, n: 0.0))
     fig = [m * (v * lam + (u.first if r == 0 else 0.0) + (u.last if r == p - 1 else 0.0))
            + (u.first + r * lam if r else 0.0) for r in range(p)]
-    if tail is not None:
-        return _with_tail(fig, m * lam, spare, v, tail)
     if lam == 0 or spare == 0:
         return max(fig)
     step = m * lam
@@ -346,18 +357,29 @@ def busiest_rank(u: Units, layers: int, p: int, v: int, m: int,
     return max(heap)
 
 
-def _with_tail(fig: list[float], step: float, spare: int, v: int, tail: Callable[..., float]) -> float:
-    """:func:`busiest_rank` with each rank's tail: the ``spare`` layers given one at a time to
-    the rank whose figure (its ``v`` first layers' figure ``fig``, ``step`` a layer, its tail)
-    with one more is the lowest."""
-    n = [v] * len(fig)
-    heap = [(f + step + tail(r, n=v + 1), r) for r, f in enumerate(fig)]
+def _uneven(u: Units, p: int, v: int, m: int, spare: int, dense: int, tail: Callable[..., float]) -> float:
+    """:func:`busiest_rank` with heavier layers past the ``dense`` first ones and each rank's
+    tail: rank ``r`` holding ``n`` layers figures ``m`` times its layers' work (at most
+    ``max(0, dense - r)`` of them light) and its end units', then the larger of ``tail(r, n=n)``
+    and the chunks before it (one layer each, heavy past ``dense``) with rank 0's tail; the ``spare`` layers given one at a time
+    to the rank whose figure with one more is the lowest."""
+    lam, hv = u.layer, max(u.layer, u.heavy)
+    ends = [m * ((u.first if r == 0 else 0.0) + (u.last if r == p - 1 else 0.0)) for r in range(p)]
+    first = tail(0, n=v)  # rank 0's tail: at least its v layers'
+    chain = [u.first + sum(lam if c < dense else hv for c in range(r)) + first if r else 0.0 for r in range(p)]
+
+    def fig(r: int, n: int) -> float:
+        light = min(n, max(0, dense - r))
+        return ends[r] + m * (light * lam + (n - light) * hv) + max(tail(r, n=n), chain[r])
+
+    n = [v] * p
+    heap = [(fig(r, v + 1), r) for r in range(p)]
     heapq.heapify(heap)
     for _ in range(spare):
         _val, r = heapq.heappop(heap)
         n[r] += 1
-        heapq.heappush(heap, (fig[r] + (n[r] + 1 - v) * step + tail(r, n=n[r] + 1), r))
-    return max(f + (k - v) * step + tail(r, n=k) for r, (f, k) in enumerate(zip(fig, n)))
+        heapq.heappush(heap, (fig(r, n[r] + 1), r))
+    return max(fig(r, k) for r, k in enumerate(n))
 
 
 __all__ = ["NO_FLOOR", "FloorKey", "ZeroKey", "LayerFloor", "StepFloor", "Units", "base_strategy", "busiest_rank",

@@ -29,8 +29,9 @@ from spmdkit.core.errors import SpmdError
 from spmdkit.cost.devices import Device
 from spmdkit.cost.memory import saved_activations
 from spmdkit.cost.step import op_communication
+from spmdkit.planner.pipeline import op_units
 from spmdkit.planner.search_bounds import Bounds
-from spmdkit.planner.search_floor import NO_FLOOR, RECOMPUTE, LayerFloor, StepFloor, _counted
+from spmdkit.planner.search_floor import NO_FLOOR, RECOMPUTE, LayerFloor, StepFloor, Units, _counted
 from spmdkit.planner.search_floor_tail import Held
 from spmdkit.planner.search_space import Config
 from spmdkit.program.layers import program_layers
@@ -74,6 +75,11 @@ def one_copy_floor(plan: Plan, device: Device, layers: int, dense: int) -> MoeLa
             if 0 <= where[i] < n:
                 by_layer[where[i]] += own[i]
     missing = layers - n
+    unit, _n = op_units(prog)
+    by_unit = [0.0] * (n + 2)  # the pipeline's units (the embedding, the layers, the head), as stages are cut
+    for i, t in enumerate(own):
+        by_unit[unit[i] + 1] += t
+    units: dict[str, Units] = {}
     rerun: dict[str, float] = {}
     kept: dict[str, int] = {}
     layer_rerun: dict[str, float] = {}
@@ -86,10 +92,14 @@ def one_copy_floor(plan: Plan, device: Device, layers: int, dense: int) -> MoeLa
             if 0 <= where[j] < n:
                 again[where[j]] += own[j]
         layer_rerun[mode] = min(again[dense:])
+        per = list(by_unit)
+        for j in ops:
+            per[unit[j] + 1] += own[j]
+        units[mode] = Units(per[0], per[-1], min(per[1:-1]), min(per[1 + dense:-1]))
         rerun[mode] = sum(own[j] for j in ops) + missing * layer_rerun[mode]
         kept[mode] = min((b for lay, b in saved.per_layer.items() if lay in tags), default=0)
         layer_kept[mode] = min(saved.per_layer.get(t, 0) for t in lay.tags[dense:])
-    return MoeLayerFloor(sum(own) + missing * min(by_layer[dense:]), rerun, kept, layer_work=min(by_layer[dense:]),
+    return MoeLayerFloor(sum(own) + missing * min(by_layer[dense:]), rerun, kept, units=units, layer_work=min(by_layer[dense:]),
                          layer_rerun=layer_rerun, layer_kept=layer_kept, least_layer=min(by_layer))
 
 
@@ -148,17 +158,22 @@ def level_low(work: float, c: int, plain: int, held: tuple[tuple[int, int], ...]
     after the chunks before it (``plain`` layers at least); each of ``held`` (rank, its dense
     layers) ``m (c t + d lam)`` after its ``q`` chunks before. ``shape``: (m, p, t, lam).
     ``tail(moe, dense, first, last)``: what the rank does at least after its last backward
-    (:meth:`spmdkit.planner.search_floor_tail.Tail.held`); a rank after ``plain`` holding the
-    level has at least the tail of a middle rank, and where ``plain`` is the first rank one
-    after it has at least one layer more before it."""
+    (:meth:`spmdkit.planner.search_floor_tail.Tail.held`): the chain before it ends on rank 0
+    after the rank's own last backward, its tail after that backward, so the larger of the two
+    counts (:func:`spmdkit.planner.search_floor.busiest_rank`'s argument; rank 0's tail left
+    out); a rank after ``plain`` holding the level has at least the tail of a middle rank, and
+    where ``plain`` is the first rank one after it has at least one layer more before it."""
     m, p, t, lam = shape
+
+    def after(q: int, moe: int, dense: int, first: bool, last: bool) -> float:
+        return max(q * lam, tail(moe, dense, first, last)) if tail is not None else q * lam
+
     got = []
     if plain >= 0:
-        got.append(work + plain * lam + (tail(c, 0, plain == 0, p == 1) if tail is not None else 0.0))
+        got.append(work + after(plain, c, 0, plain == 0, p == 1))
         if plain == 0 and tail is not None and p > 1:
-            got[-1] = min(got[-1], work + lam + tail(c, 0, False, False))
-    got += [m * (c * t + d * lam) + q * lam + (tail(c, d, q == 0, q == p - 1) if tail is not None else 0.0)
-            for q, d in held]
+            got[-1] = min(got[-1], work + after(1, c, 0, False, False))
+    got += [m * (c * t + d * lam) + after(q, c, d, q == 0, q == p - 1) for q, d in held]
     return min(got, default=math.inf)
 
 
