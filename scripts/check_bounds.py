@@ -9,7 +9,10 @@ tail) is compared with its fastest fitting planned step (every recomputation mod
 it priced). Prints each configuration whose bound is within 5% of the best or above its step,
 the count of violations, and exits 1 on any.
 
-    PYTHONPATH=src python scripts/check_bounds.py deepseek-v3 2048 h800 batch=15360
+    PYTHONPATH=src python scripts/check_bounds.py deepseek-v3 2048 h800 batch=15360 [--main]
+
+``--main``: the search also without a MoE model's busiest rank bound (``busiest_rank`` with
+dense first layers, added with the tail): main's floor before them, which plans more.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from dataclasses import replace
 from typing import Any
 
 from spmdkit.cost.devices import load_device
-from spmdkit.planner import search
+from spmdkit.planner import search, search_floor
 from spmdkit.planner.search_floor import StepFloor
 
 
@@ -33,14 +36,19 @@ def _no_tail(self: StepFloor, cfg: Any) -> None:
 def main(argv: list[str]) -> int:
     warnings.simplefilter("ignore")
     model, devices, device = argv[0], int(argv[1]), argv[2]
-    over = {k: int(v) for k, v in (a.split("=") for a in argv[3:])}
-    tail = StepFloor.tail
+    over = {k: int(v) for k, v in (a.split("=") for a in argv[3:] if "=" in a)}
+    tail, busiest = StepFloor.tail, search_floor.busiest_rank
     StepFloor.tail = _no_tail  # type: ignore[method-assign]
+    if "--main" in argv:
+        def plain(*a: Any, **kw: Any) -> float:
+            return 0.0 if kw.get("dense", a[6] if len(a) > 6 else 0) else busiest(*a, **kw)
+
+        search_floor.busiest_rank = plain
     t0 = time.process_time()
     try:
         res = search.search_meshes(model, devices, device, overrides=over)
     finally:
-        StepFloor.tail = tail  # type: ignore[method-assign]
+        StepFloor.tail, search_floor.busiest_rank = tail, busiest  # type: ignore[method-assign]
     print(f"without the tail: {res.plans} planned, {len(res.pruned)} pruned, {time.process_time() - t0:.1f} CPU s; "
           f"best {res.best.config.label() if res.best else None} {res.best.step_s if res.best else None!r}")
     fastest: dict[Any, float] = {}

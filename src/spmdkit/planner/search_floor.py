@@ -28,6 +28,12 @@ configuration's own layers cost one device, read off the same cost model as the 
   before leaves exposed (:func:`spmdkit.cost.step.op_communication`'s prefetch, in every stage's
   time per microbatch), without one the gathers' sum (one after the other on the communication
   stream; the last micro-step waits for the last);
+- each rank's tail after its last backward (:meth:`StepFloor.tail`,
+  :mod:`spmdkit.planner.search_floor_tail`, also when its turn comes): its optimizer and
+  Megatron's one bucket of gradient reductions on the ranks after the first, from its layers
+  planned on its own ``dp`` and strategy; added to each rank's figure in :func:`busiest_rank`
+  (after its own last backward), the least of them to the even term, the optimizer to a run
+  without a pipeline;
 - the step is at least that work times the micro-steps of gradient accumulation without a
   pipeline, and with ``p`` stages (``v`` model chunks a rank) and ``m`` microbatches at least
   ``(m + (p - 1) / v) / p`` of it (the pipeline bound of :meth:`Bounds.step`, on the busiest
