@@ -32,10 +32,12 @@ first layer the least of any layer. A rank holding ``n`` layers, at most ``max(0
 them dense (the ``D`` dense layers lie in chunks ``0 .. D - 1``, chunk ``c`` on rank
 ``c mod p`` and holding layers ``>= c``), the embedding with rank 0 and the head with the last:
 :meth:`Tail.rank`. The collective time is nondecreasing in the bytes (NCCL's model: the least
-over algorithms of increasing times), so fewer bytes give a lower time.
+over algorithms of increasing times; a measured device's, the interpolation of its points, where
+their times grow with the bytes), so fewer bytes give a lower time.
 
 :func:`spmdkit.planner.search_floor.busiest_rank` adds ``Tail.rank`` to each rank's figure
-(step ``>= finish_r + tail_r`` for every ``r``); the even pipeline term adds the least rank's
+(after the rank's own last backward: ``m W_r + max(tail_r, chain before it + tail_0)``); the
+even pipeline term adds the least rank's
 tail; the MoE split floors (:mod:`spmdkit.planner.search_floor_layers`) add it to the rank
 holding the level; without a pipeline the step is at least the micro-steps' work and then the
 optimizer's ops (they run after the last backward's buckets, ``step._run``).
