@@ -121,3 +121,17 @@ def test_the_level_holders_tail_by_hand() -> None:
     assert level_low(12.0, 5, 2, (), shape, tail) == 12.0 + max(2.0, 2.5)
     assert level_low(12.0, 3, 0, (), shape, tail) == 12.0  # the first rank: no reduction after it
     assert level_low(12.0, 3, -1, ((1, 2),), shape, tail) == 4 * (3 + 2) + max(1.0, 1.5 + 0.5)
+
+
+@pytest.mark.parametrize("pair", [(Config(2, 2, 2, "megatron,sp,zero1", microbatches=4),
+                                   Config(2, 2, 2, "megatron,sp,zero1", microbatches=2)),
+                                  (Config(4, 1, 2, "dp,zero2", microbatches=2), Config(4, 1, 1, "dp,zero2"))],
+                         ids=lambda p: p[0].label())
+def test_the_tail_does_not_depend_on_the_batch(pair: tuple[Config, Config]) -> None:
+    """The tail's figures are the parameters' (gradient bytes, optimizer updates): planned on two
+    batches of a rank they are the same, which is why they are cached without it."""
+    a, b = pair
+    fa, fb = _floor_of(), _floor_of()
+    assert fa.own_key(a) != fb.own_key(b)
+    ta, tb = fa.tail(a), fb.tail(b)
+    assert (ta.layer, ta.dense_layer, ta.first, ta.last) == (tb.layer, tb.dense_layer, tb.first, tb.last)

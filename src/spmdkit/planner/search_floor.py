@@ -175,7 +175,7 @@ class StepFloor:
     dense: int = 0
     cache: dict[FloorKey, LayerFloor] = field(default_factory=dict)
     zero3: dict[ZeroKey, LayerFloor] = field(default_factory=dict)
-    tails: dict[ZeroKey, Tail | None] = field(default_factory=dict)
+    tails: dict[tuple[int, int, int, int, str], Tail | None] = field(default_factory=dict)
     plans: int = 0
 
     def key(self, cfg: Config) -> FloorKey | None:
@@ -228,20 +228,23 @@ class StepFloor:
         """What ``cfg``'s ranks do at least after their last backward
         (:mod:`spmdkit.planner.search_floor_tail`: its optimizer and Megatron's unhidden gradient
         reductions), from ``dense + 2`` of its layers planned on its own dp and strategy; None
-        where they cannot be planned so. Cached by :meth:`own_key`."""
+        where they cannot be planned so. Cached by :meth:`own_key` without the sequences a rank
+        computes at once: its figures are the parameters' (their gradients' reductions, their
+        optimizer updates), whose shardings the strategy sets whatever the batch
+        (``tests/test_search_floor_tail.py`` checks two batches give the same)."""
         okey = self.own_key(cfg)
         if okey is None:
             return None
-        if okey not in self.tails:
-            dp, tp, ep, cp, strategy, local = okey
+        dp, tp, ep, cp, strategy, local = okey
+        if okey[:5] not in self.tails:
             self.plans += 1
             try:
                 plan = self.plan_copy(Config(dp, tp, 1, strategy, "none", 1, ep, cp),
                                       min(self.layers, self.dense + 2), local * dp)
-                self.tails[okey] = plan_tail(plan, self.device, self.dense)
+                self.tails[okey[:5]] = plan_tail(plan, self.device, self.dense)
             except SpmdError:
-                self.tails[okey] = None  # (the configuration says why when planned)
-        return self.tails[okey]
+                self.tails[okey[:5]] = None  # (the configuration says why when planned)
+        return self.tails[okey[:5]]
 
     def _planned(self, one: Config, batch: int) -> LayerFloor:
         """``one`` planned on two shallow copies (or the model) with ``batch`` sequences,
@@ -350,8 +353,10 @@ def busiest_rank(u: Units, layers: int, p: int, v: int, m: int,
     spare = layers - p * v
     if spare < 0 or lam < 0:
         return 0.0
-    if tail is not None or (dense and u.heavy > lam):
-        return _uneven(u, p, v, m, spare, dense, tail or (lambda r, n: 0.0))
+    if tail is not None:
+        return _uneven(u, p, v, m, spare, dense, tail)
+    if dense and u.heavy > lam:  # (many configurations of a layer key share it)
+        return _uneven_plain(u, p, v, m, spare, dense)
     fig = [m * (v * lam + (u.first if r == 0 else 0.0) + (u.last if r == p - 1 else 0.0))
            + (u.first + r * lam if r else 0.0) for r in range(p)]
     if lam == 0 or spare == 0:
@@ -361,6 +366,12 @@ def busiest_rank(u: Units, layers: int, p: int, v: int, m: int,
     for _ in range(spare):
         heapq.heapreplace(heap, heap[0] + step)
     return max(heap)
+
+
+@functools.lru_cache(maxsize=65536)
+def _uneven_plain(u: Units, p: int, v: int, m: int, spare: int, dense: int) -> float:
+    """:func:`_uneven` without a tail."""
+    return _uneven(u, p, v, m, spare, dense, lambda r, n: 0.0)
 
 
 def _uneven(u: Units, p: int, v: int, m: int, spare: int, dense: int, tail: Callable[..., float]) -> float:
