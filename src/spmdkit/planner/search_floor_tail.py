@@ -23,7 +23,8 @@ model's own formulas:
 The figures come from the configuration's layers planned on its OWN data-parallel degree and
 strategy (ZeRO level included): one copy of ``dense + 2`` layers (:func:`spmdkit.planner.
 search_floor_layers.copy_layers`), planned when the configuration's turn comes in the search
-(like ZeRO-3's gathers), cached by (dp, tp, ep, cp, strategy, a rank's sequences). Per unit
+(like ZeRO-3's gathers), cached by (dp, tp, ep, cp, strategy): the figures are the
+parameters', which do not depend on the batch. Per unit
 (:func:`spmdkit.planner.pipeline.op_units`: the embedding, each layer, the head, as the
 pipeline's stages are cut) the optimizer ops' compute and the gradient bytes of each reduction
 (the ops' pending gradient reductions, attributed as ``stage_costs`` attributes them); a layer
