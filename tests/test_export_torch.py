@@ -492,6 +492,28 @@ def _check_gloo(result: tuple[Any, ...], mod: Any) -> None:
     assert Counter(total) == want
 
 
+def test_the_gloo_check_fails_a_wrong_run() -> None:
+    """_check_gloo (the combined gloo test's check of each case) passes a run that equals eager with
+    the plan's collectives and fails one whose loss, a gradient or a collective count is off, or
+    whose loss or gradient is NaN."""
+    from types import SimpleNamespace
+
+    from spmdkit.outputs.export_torch import FUNCOL
+
+    ag, ar = FUNCOL["all_gather"], FUNCOL["all_reduce"]
+    mod = SimpleNamespace(PLAN_COLLECTIVES={"forward": {ag: 2}, "backward": {ar: 2}},
+                          DP_COLLECTIVES={"optimizer": {"reduce_scatter": 1}}, LOSS_PARALLEL=False)
+    phases = {"forward": {ag: 2}, "backward": {ar: 2}}
+    good = (2.5, 2.5, 1e-6, "w", phases, {ag: 2, ar: 2, "reduce_scatter": 1})
+    _check_gloo(good, mod)
+    nan = float("nan")
+    for wrong in ((2.6, *good[1:]), (nan, *good[1:]), (*good[:2], 1e-3, *good[3:]), (*good[:2], nan, *good[3:]),
+                  (*good[:4], {"forward": {ag: 1}, "backward": {ar: 2}}, good[5]),
+                  (*good[:5], {ag: 2, ar: 3, "reduce_scatter": 1})):
+        with pytest.raises(AssertionError):
+            _check_gloo(wrong, mod)
+
+
 def test_exported_files_on_gloo_equal_eager(gloo_runs: dict[str, tuple[Any, Any]]) -> None:
     """Each case's exported parallelize on 4 gloo ranks: loss and every gradient equal eager's, the
     collectives the plan's. Llama under megatron,sp,fsdp; Mixtral's experts style written into the

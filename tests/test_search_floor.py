@@ -351,4 +351,4 @@ def test_a_built_model_serves_many_plans_unchanged() -> None:
             assert prog.tensors == first[key][1] and prog.ops == first[key][2]
         first[key] = (prog, dict(prog.tensors), list(prog.ops))
     # the third and the last are served again; the others built (two kept: the oldest dropped)
-    assert served == models.hits == 2 and len(models.built) == 2
+    assert served == models.built.hits == 2 and len(models.built) == 2

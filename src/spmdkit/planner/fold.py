@@ -47,6 +47,7 @@ from spmdkit.planner.pipeline import (
     reduce_gradients,
     run_schedule,
 )
+from spmdkit.planner.planning import Recent
 from spmdkit.program.layers import layer_tags
 from spmdkit.program.plan import Plan
 
@@ -130,18 +131,19 @@ class _Adds:
     layers: int
 
 
-_OC: dict[int, tuple[Plan, Device, OpComm]] = {}
+#: op_comm's values by what op_communication reads of a plan (its fields' objects and the
+#: device): a copy re-costed under another runtime (``replace(plan, runtime=...)``, the search's
+#: pricing) shares its shardings with the plan it was made from, and is priced once with it
+_OC: Recent[tuple[Plan, OpComm]] = Recent(32)
 
 
 def op_comm(plan: Plan, device: Device) -> OpComm:
-    """:func:`spmdkit.cost.step.op_communication` of a copy, once per plan and device (its modes
-    share it; the last few kept)."""
-    got = _OC.get(id(plan))
-    if got is None or got[0] is not plan or got[1] is not device:
-        if len(_OC) > 8:
-            _OC.clear()
-        got = _OC[id(plan)] = (plan, device, op_communication(plan, device))
-    return got[2]
+    """:func:`spmdkit.cost.step.op_communication` of a plan, once per plan's contents and device
+    (its modes, its full:K and the search's pricing share it; the last 32 used kept: each value
+    holds its plan, so the ids in its key are not reused while it is kept)."""
+    key = (id(plan.program), id(plan.mesh), id(plan.attrs), id(plan.ops), id(plan.reshards), id(plan.annotations),
+           id(plan.cost), id(plan.storage), plan.grad_accum, plan.runtime, id(device))
+    return _OC.get(key, lambda: (plan, op_communication(plan, device)))[1]
 
 
 def _gathered(plan: Plan, oc: OpComm, ops: set[int] | None = None) -> dict[tuple[tuple[int, ...], int], float]:

@@ -16,7 +16,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.core.mesh import ProcessMesh
@@ -87,6 +87,33 @@ def parse_cost(text: str | None, mesh: ProcessMesh) -> CostModel:
     return cost
 
 
+_V = TypeVar("_V")
+
+
+class Recent(Generic[_V]):
+    """The ``limit`` most recently used values by key: :meth:`get` makes a missing one and drops
+    the least recently used over the limit; ``hits`` counts the values served again."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.values: OrderedDict[Any, _V] = OrderedDict()
+        self.hits = 0
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def get(self, key: Any, make: Callable[[], _V]) -> _V:
+        got = self.values.get(key)
+        if got is not None:
+            self.hits += 1
+            self.values.move_to_end(key)
+            return got
+        got = self.values[key] = make()
+        if len(self.values) > self.limit:
+            self.values.popitem(last=False)
+        return got
+
+
 class BuiltModels:
     """Presets built once for many plans (a search plans the same shallow copy of a model on
     hundreds of meshes): :class:`spmdkit.models.source.Loaded` by (preset name, its sizes, a
@@ -96,36 +123,18 @@ class BuiltModels:
     the plans equal those on a fresh build), so one object serves every plan of a search."""
 
     def __init__(self, limit: int = 128, plans: int = 32) -> None:
-        self.limit = limit
-        self.built: OrderedDict[tuple[str, ModelConfig, bool], Loaded] = OrderedDict()
-        self.hits = 0
+        self.built: Recent[Loaded] = Recent(limit)
         #: the searcher's plans by what they were planned from (:meth:`plan`), the last ``plans`` kept
-        self.plans: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
-        self.plan_limit = plans
+        self.plans: Recent[Any] = Recent(plans)
 
     def plan(self, key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
         """``make()``, or what it made for ``key`` before (a frozen plan: the same shallow copy
         on the same mesh under the same strategy, asked for by two configurations)."""
-        got = self.plans.get(key)
-        if got is None:
-            got = self.plans[key] = make()
-            if len(self.plans) > self.plan_limit:
-                self.plans.popitem(last=False)
-        else:
-            self.plans.move_to_end(key)
-        return got
+        return self.plans.get(key, make)
 
     def load(self, name: str, cfg: ModelConfig, vocab_parallel_loss: bool) -> Loaded:
-        key = (name, cfg, vocab_parallel_loss)
-        got = self.built.get(key)
-        if got is not None:
-            self.hits += 1
-            self.built.move_to_end(key)
-            return got
-        got = self.built[key] = load_preset(Preset(name, cfg.layers, cfg.batch, cfg.seq), cfg, vocab_parallel_loss)
-        if len(self.built) > self.limit:
-            self.built.popitem(last=False)
-        return got
+        return self.built.get((name, cfg, vocab_parallel_loss), lambda: load_preset(
+            Preset(name, cfg.layers, cfg.batch, cfg.seq), cfg, vocab_parallel_loss))
 
 
 def plan_model(model_name: str, mesh_text: str, strategy_text: str,

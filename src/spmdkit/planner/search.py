@@ -55,6 +55,7 @@ of each configuration planned; the search prints nothing (its table: :mod:`spmdk
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 import time
@@ -68,12 +69,21 @@ from spmdkit.core.reshard import CostModel
 from spmdkit.cost.compute import guess_tokens, kernel_collectives, model_flops
 from spmdkit.cost.devices import Device, cost_model, load_device, recost
 from spmdkit.cost.memory import Memory, memory_per_device, per_microbatch_mode, with_overheads
-from spmdkit.cost.step import OpComm, StepEstimate, estimate_step, op_communication
+from spmdkit.cost.step import OpComm, StepEstimate, estimate_step
 from spmdkit.models.hf import dtype_name
 from spmdkit.models.source import import_hf_checked
 from spmdkit.models.zoo import ModelConfig, build_model, preset
 from spmdkit.planner.auto import AutoInfo, auto_plan
-from spmdkit.planner.fold import Fold, bucket_figures, bucket_sync, fold_counts, fold_of, pipeline_memory, pipeline_step
+from spmdkit.planner.fold import (
+    Fold,
+    bucket_figures,
+    bucket_sync,
+    fold_counts,
+    fold_of,
+    op_comm,
+    pipeline_memory,
+    pipeline_step,
+)
 from spmdkit.planner.fold_stages import copy_layers, deep_pipeline, stage_copy, stretch_units
 from spmdkit.planner.partition import even_split, partition
 from spmdkit.planner.pipeline import (
@@ -86,6 +96,7 @@ from spmdkit.planner.pipeline import (
     split_layers,
 )
 from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, BuiltModels, parse_size, plan_model, plan_program
+from spmdkit.planner.search_ahead import Refiner
 from spmdkit.planner.search_blocks import blocks_floor, blocks_k, blocks_mode, least_blocks, wants_blocks
 from spmdkit.planner.search_bounds import Bounds, experts_of, memory_bound, memory_why, model_bounds, pruned_why
 from spmdkit.planner.search_floor import NO_FLOOR, StepFloor
@@ -296,8 +307,8 @@ def _pipeline_candidates(cfg: Config, plan: Plan, counts: tuple[int, ...] | None
 
 
 #: a plan's pricing inputs by the plan priced (its modes and its full:K share them): (the plan,
-#: the runtime, the device, the plan under the runtime, its ops' times, one microbatch's step by mode)
-_PRICED: dict[int, tuple[Plan, Runtime, Device, Plan, OpComm, dict[str, StepEstimate]]] = {}
+#: the runtime, the device, the plan under the runtime, one microbatch's step by mode)
+_PRICED: dict[int, tuple[Plan, Runtime, Device, Plan, dict[str, StepEstimate]]] = {}
 
 
 def _pricing(plan_in: Plan, job: _Job) -> tuple[Plan, OpComm, dict[str, StepEstimate]]:
@@ -308,8 +319,8 @@ def _pricing(plan_in: Plan, job: _Job) -> tuple[Plan, OpComm, dict[str, StepEsti
         if len(_PRICED) >= 4:
             _PRICED.clear()
         plan = replace(plan_in, runtime=job.runtime)
-        got = _PRICED[id(plan_in)] = (plan_in, job.runtime, job.device, plan, op_communication(plan, job.device), {})
-    return got[3], got[4], got[5]
+        got = _PRICED[id(plan_in)] = (plan_in, job.runtime, job.device, plan, {})
+    return got[3], op_comm(got[3], job.device), got[4]
 
 
 def _batch_of(prog: Program) -> int | None:
@@ -356,7 +367,8 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
                   cost_text: str | None = None, time_limit: float = 30.0, nodes_of: int | None = None,
                   patterns: Any = None, progress: SearchProgress | None = None,
                   runtime: Runtime | None = None, reload: Callable[[int], Program] | None = None,
-                  prune: bool | None = None, fold: bool = True, micro_batch: int | None = None) -> SearchResult:
+                  prune: bool | None = None, fold: bool = True, micro_batch: int | None = None,
+                  workers: int | None = None) -> SearchResult:
     """Search ``devices`` devices for the fastest configuration of ``model`` (a preset name or a
     :class:`spmdkit.program.ir.Program`, e.g. an imported HuggingFace model) that fits in
     ``memory_cap`` bytes per device (default: ``device``'s memory). ``device``: a
@@ -377,7 +389,9 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
     accumulation, with one that many microbatches; 0: each of :data:`MICRO_BATCHES` that divides
     a rank's share is tried (and the whole share without a pipeline).
     ``fold``: a preset's configurations planned on two shallow copies and extrapolated to its
-    depth (:mod:`spmdkit.planner.fold`; exact to rounding), the best planned again whole."""
+    depth (:mod:`spmdkit.planner.fold`; exact to rounding), the best planned again whole.
+    ``workers``: processes planning a lazy search's layer floors ahead of it (0 or 1; default 1
+    where this process has two cores: :mod:`spmdkit.planner.search_ahead`; the same answer)."""
     t0 = time.perf_counter()
     dev, cap, modes, given = _search_args(devices, device, memory_cap, recompute, strategies, auto, nodes_of)
     cfg_model: ModelConfig | None = None
@@ -403,14 +417,16 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
     bounds = _bounds(model, cfg_model, job) if prune and work else None
     job = replace(job, lean=bounds is not None)
     lows: dict[Config, float] = {}
-    floor, lazy = None, False
+    floor, lazy, refiner = None, False, None
     seeds: set[Config] = set()
     if bounds is not None:  # the most promising first, so the best step found early prunes the most
         floor = _floor(model, cfg_model, job, bounds)
         lows, lazy = _step_bounds(work, bounds, floor, job, progress)
         work.sort(key=lambda c: lows.get(c, math.inf))
+        refiner = Refiner(floor, lazy, functools.partial(_step_bound, bounds=bounds, floor=floor, job=job))
         if lazy:
             seeds = set(_seeds(work, lows, bounds, floor, job))
+            refiner.start(sorted((c for c in work if c in lows), key=lambda c: (c not in seeds, lows[c])), workers, lows)
     elif len(work) > MAX_PLANS:
         raise ProgramError(f"--devices {devices}: {len(work)} configurations to plan (at most {MAX_PLANS})")
     if progress is not None:
@@ -431,13 +447,8 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
     while queue:
         tier, key, n, cfg, refined = heapq.heappop(queue)
         low = lows.get(cfg)
-        if not refined and bounds is not None and low is not None and low < best and _refines(cfg, floor, lazy):
-            if lazy and floor is not None:
-                # its layers' floor first (cached by key): its own copies (the gathers, the tail), which
-                # only raise the bound, are planned only where that does not reach the best step found
-                low = lows[cfg] = _step_bound(cfg, bounds, floor, job)
-            if low < best:
-                low = lows[cfg] = _step_bound(cfg, bounds, floor, job, gathers=True)  # now it is its turn
+        if not refined and refiner is not None and low is not None and low < best and refiner.wants(cfg):
+            low = lows[cfg] = refiner.refine(cfg, low, best)  # now it is its turn
             if low > key and tier:
                 heapq.heappush(queue, (tier, low, n, cfg, True))
                 continue
@@ -469,6 +480,8 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
                 best = min(best, c.step_s)
         if progress is not None:
             progress.advance()
+    if refiner is not None:
+        refiner.close()
     cands.sort(key=lambda c: (not c.fits, c.step_s if c.fits else c.memory, c.memory))
     if progress is not None:
         folded = len({c.config for c in cands if c.folded})
@@ -551,12 +564,6 @@ def _step_bound(cfg: Config, bounds: Bounds, floor: StepFloor | None, job: _Job,
             least = min(least, max(blocks, plain(floor, cfg, "none", gathers), floor.blocks_step(cfg, gathers)))
         low = max(low, least)
     return low
-
-
-def _refines(cfg: Config, floor: StepFloor | None, lazy: bool) -> bool:
-    """Whether ``cfg``'s bound can be refined when its turn comes: its layers' floor where the
-    floors are lazy, its parameter gathers' under ZeRO-3."""
-    return floor is not None and (lazy or floor.own_key(cfg) is not None)
 
 
 def _step_bounds(work: list[Config], bounds: Bounds, floor: StepFloor | None, job: _Job,

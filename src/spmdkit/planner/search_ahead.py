@@ -1,0 +1,201 @@
+"""A second process that computes a lazy search's bounds ahead of it (issue 30).
+
+A pruned search whose layer floors are lazy (:func:`spmdkit.planner.search._step_bounds`: more
+layer keys than it is worth planning up front; DeepSeek-V3 on 2,048 devices has 223) refines
+each configuration's bound when its turn comes (:class:`Refiner`): its layer key planned on a
+shallow copy (:meth:`spmdkit.planner.search_floor.StepFloor.of`), the pipelines' split floors,
+under ZeRO-3 its parameter gathers' copies; one after the other with the configurations it
+plans, on one core. A bound is a pure function of the configuration, so where the process has a
+second core :class:`Ahead` forks one worker that computes the bounds in the order the search
+takes the configurations and sends each back with the layer floors it planned. The search takes
+a bound from it where it has come or is being computed (it waits for it), and computes it
+itself otherwise: each configuration is claimed once, under a lock; the worker skips what the
+search has passed and what the best step found already prunes (its FLOPs bound at least the
+best: the search's best only falls, so the search will not refine it). A configuration's bound
+from its own plans (``gathers``: ZeRO-3's parameter gathers, every rank's tail) is computed by
+the worker where the first is under the best found so far (so wherever the search will need it). The strategies' notes a bound's plans
+raise in the worker are sent with it and raised when the search takes it.
+
+The search's answer, its rows and what it prunes do not depend on who computed a bound
+(``tests/test_search_ahead.py``); only the wall time does. The worker is forked (the search's
+models, bounds and floor are its memory as they were; only the bounds and floors it sends are
+pickled), exits when its work is done or the search closes the pipe (:meth:`Ahead.close`, or
+when the :class:`Ahead` is collected), and is a daemon (it dies with the search's process).
+Where ``fork`` is not available or the process has one core, none is started.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import os
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from multiprocessing.connection import Connection
+from typing import Any
+
+from spmdkit.planner.search_floor import NO_FLOOR, StepFloor
+from spmdkit.planner.search_space import Config
+
+#: a key's state in the shared array: free, planned by the search, planned by the worker
+_FREE, _SEARCH, _WORKER = 0, 1, 2
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+class Ahead:
+    """A forked process computing ``bound(cfg)`` (the search's step bound on ``floor``'s layer
+    floors, :func:`spmdkit.planner.search._step_bound`) of each of ``order`` (configurations, in
+    the order the search takes them) ahead of the search (module docstring), and sending each
+    with the layer floors it planned for it."""
+
+    def __init__(self, floor: StepFloor, order: Sequence[Config], bound: Callable[..., float],
+                 lows: Mapping[Config, float] | None = None) -> None:
+        self.floor = floor
+        self.lows = lows or {}
+        self.order = list(dict.fromkeys(order))
+        self.index = {c: i for i, c in enumerate(self.order)}
+        self.got: dict[int, tuple[float, float | None, list[Any]]] = {}
+        self.taken = self.gathered = 0  # bounds taken from the worker; of them, with the ZeRO-3 gathers
+        ctx = multiprocessing.get_context("fork")
+        self.state = ctx.RawArray("b", len(self.order))
+        self.at = ctx.RawValue("i", 0)  # the search's place in ``order``: the worker skips what it has passed
+        self.best = ctx.RawValue("d", math.inf)  # the best step the search has found
+        self.lock = ctx.Lock()
+        self.conn, child = ctx.Pipe(duplex=False)
+        self.alive = True
+        self.proc = ctx.Process(target=self._work, args=(bound, child), daemon=True, name="spmdkit-floors")
+        self.proc.start()
+        child.close()
+        weakref.finalize(self, _stop, self.proc, self.conn)
+
+    def _claim(self, i: int, who: int) -> bool:
+        with self.lock:
+            if self.state[i] != _FREE:
+                return False
+            self.state[i] = who
+            return True
+
+    def _work(self, bound: Callable[..., float], conn: Connection) -> None:
+        """The worker: each configuration's bound, in order, where the search has not claimed it;
+        its bound from its own plans too (``gathers``) where the first is under the best step
+        found so far (the search's best only falls: where the worker's is not under it, the
+        search's will not be when it gets there)."""
+        self.conn.close()
+        cache = self.floor.cache
+        try:
+            for i, cfg in enumerate(self.order):
+                if i < self.at.value or self.lows.get(cfg, -math.inf) >= self.best.value \
+                        or not self._claim(i, _WORKER):
+                    continue
+                before, had = self.floor.plans, set(cache)
+                with warnings.catch_warnings(record=True) as said:
+                    warnings.simplefilter("always")
+                    low = bound(cfg)
+                    z = bound(cfg, gathers=True) if low < self.best.value and self.floor.own_key(cfg) else None
+                new = {k: (None if v is NO_FLOOR else v) for k, v in cache.items() if k not in had}
+                conn.send((i, low, z, new, self.floor.plans - before, [(w.message, w.category) for w in said]))
+        except Exception:
+            pass  # what it has not received itself (and raises what that raises)
+        finally:
+            conn.close()
+
+    def _receive(self, block: bool) -> bool:
+        """One bound from the worker, its layer floors into the floor's cache (``block``: wait
+        for it); False when none came (the worker has ended where ``block``)."""
+        if not self.alive or not (block or self.conn.poll()):
+            return False
+        try:
+            i, low, z, new, plans, notes = self.conn.recv()
+        except (EOFError, OSError):
+            self.alive = False
+            return False
+        for k, v in new.items():
+            self.floor.cache.setdefault(k, NO_FLOOR if v is None else v)
+        self.floor.plans += plans
+        self.got[i] = (low, z, notes)
+        return True
+
+    def take(self, cfg: Config, best: float) -> tuple[float, float | None] | None:
+        """``cfg``'s bound from the worker and, where it computed it, its bound with the ZeRO-3
+        gathers (the notes their plans raised, raised now), or None: the search computes them
+        (claimed, so the worker does not). ``best``: the best step the search has found."""
+        self.best.value = best
+        while self._receive(block=False):
+            pass
+        i = self.index.get(cfg)
+        if i is None:
+            return None
+        self.at.value = i
+        if i not in self.got and self._claim(i, _SEARCH):
+            return None
+        while i not in self.got:
+            if not self._receive(block=True):
+                return None  # the worker ended without it: the search computes it
+        low, z, notes = self.got.pop(i)
+        for message, category in notes:
+            warnings.warn(message, category, stacklevel=2)
+        self.taken += 1
+        self.gathered += z is not None
+        return low, z
+
+    def close(self) -> None:
+        """Stop the worker (it may be computing bounds no one needs now)."""
+        self.alive = False
+        _stop(self.proc, self.conn)
+
+
+def _stop(proc: Any, conn: Connection) -> None:
+    conn.close()
+    if proc.is_alive():
+        proc.terminate()
+    proc.join()
+
+
+class Refiner:
+    """The search's refinement of a configuration's bound when its turn comes (``bound``: the
+    search's ``_step_bound`` on ``floor``): its layers' floor where the floors are ``lazy`` (from
+    an :class:`Ahead` where one is started), then its own plans' (``gathers``: under ZeRO-3 its
+    parameter gathers', two more shallow copies, and every rank's tail,
+    :mod:`spmdkit.planner.search_floor_tail`, one; so only where the first does not reach the
+    best step found)."""
+
+    def __init__(self, floor: StepFloor | None, lazy: bool, bound: Callable[..., float]) -> None:
+        self.floor, self.lazy, self.bound = floor, lazy, bound
+        self.ahead: Ahead | None = None
+
+    def start(self, order: Iterable[Config], workers: int | None, lows: Mapping[Config, float] | None = None) -> None:
+        """An :class:`Ahead` computing the bounds of ``order`` where ``workers`` (default: one
+        where this process may run on two cores or more) is at least 1 and ``fork`` is
+        available; else none (the search computes each itself)."""
+        n = (1 if cores() > 1 else 0) if workers is None else workers
+        if self.floor is not None and n >= 1 and "fork" in multiprocessing.get_all_start_methods():
+            self.ahead = Ahead(self.floor, list(order), self.bound, lows)
+
+    def wants(self, cfg: Config) -> bool:
+        """Whether ``cfg``'s bound can be refined."""
+        return self.floor is not None and (self.lazy or self.floor.own_key(cfg) is not None)
+
+    def refine(self, cfg: Config, low: float, best: float) -> float:
+        """``cfg``'s refined bound (``low``: its bound so far; ``best``: the best step found)."""
+        z = None
+        if self.lazy:
+            got = self.ahead.take(cfg, best) if self.ahead is not None else None
+            low, z = got if got is not None else (self.bound(cfg), None)
+        if low < best and self.floor is not None and self.floor.own_key(cfg) is not None:
+            low = z if z is not None else self.bound(cfg, gathers=True)
+        return low
+
+    def close(self) -> None:
+        if self.ahead is not None:
+            self.ahead.close()
+
+
+__all__ = ["Ahead", "Refiner", "cores"]
