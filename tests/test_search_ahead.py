@@ -71,12 +71,13 @@ def test_a_worker_where_there_are_two_cores_only(monkeypatch: pytest.MonkeyPatch
 def test_the_workers_notes_are_raised_where_the_search_takes_its_bound() -> None:
     """A bound the worker computed: its value, the layer floors it planned for it (into the
     search's cache), its notes raised when the search takes it (not when the worker made them),
-    its ZeRO-3 gathers' bound where the first is under the best; one not in its order left to the
+    its bound from its own plans (ZeRO-3's gathers, the tail) where the first is under the best
+    (the fake floor's own plans: "z" only); one not in its order left to the
     search."""
     import time
     from types import SimpleNamespace
 
-    floor = SimpleNamespace(cache={}, plans=0, gathered_key=lambda c: c if c.startswith("z") else None)
+    floor = SimpleNamespace(cache={}, plans=0, own_key=lambda c: c if c.startswith("z") else None)
 
     def bound(cfg: str, gathers: bool = False) -> float:
         if cfg not in floor.cache:

@@ -130,10 +130,18 @@ def test_bounds_are_lower_bounds_of_every_planned_configuration(searches: tuple[
     assert pipelines
 
 
-def test_pruning_keeps_the_best_and_every_fitting_configuration(searches: tuple[Any, Any]) -> None:
+def test_pruning_keeps_the_best_and_every_fitting_configuration_that_could_win(searches: tuple[Any, Any]) -> None:
+    """A fitting configuration the pruned search leaves unplanned is one its step bound shows no
+    faster than the best (since the floor's tail, search_floor_tail: ``dp=1 tp=4 megatron,sp``,
+    bound 1.01 ms, planned 1.10 ms, the best 0.94 ms)."""
     full, pruned = searches
     assert pruned.pruned and pruned.plans + len(pruned.pruned) == full.plans
-    assert {c.config for c in pruned.fitting} == {c.config for c in full.fitting}
+    kept = {c.config for c in pruned.fitting}
+    assert kept <= {c.config for c in full.fitting}
+    left = [c for c in full.fitting if c.config not in kept]
+    assert len(left) <= 3 and all(c.step_s >= full.best.step_s for c in left), [c.config.label() for c in left]
+    by_step = {cfg.label() for cfg, why in pruned.pruned if why.startswith("its step is at least")}
+    assert all(c.config.label().split(" recompute=")[0] in by_step for c in left)
     assert pruned.best is not None and full.best is not None
     assert (pruned.best.config, pruned.best.step_s) == (full.best.config, full.best.step_s)
     over = {c.config.__class__(**{**c.config.__dict__, "recompute": "none"}) for c in full.candidates if not c.fits}

@@ -538,9 +538,9 @@ def _floor(model: str | Program, mc: ModelConfig | None, job: _Job, bounds: Boun
 def _step_bound(cfg: Config, bounds: Bounds, floor: StepFloor | None, job: _Job, gathers: bool = False) -> float:
     """``cfg``'s step bound: the larger of :meth:`Bounds.step` and ``floor``'s under the least
     recomputation its memory bound allows (a mode whose kept activations cannot fit is not
-    counted; inf: none can). ``gathers``: a ZeRO-3 configuration's floor also from its own
-    layers' plan with the parameter gathers (:meth:`StepFloor.gathered`: two more shallow
-    copies, so only when its turn comes)."""
+    counted; inf: none can). ``gathers`` (its turn has come): also from its layers' plans on its
+    own dp and strategy, ZeRO-3's parameter gathers (:meth:`StepFloor.gathered`) and each rank's
+    tail after its last backward (:meth:`StepFloor.tail`: optimizer, unhidden reductions)."""
     low = bounds.step(cfg.devices, cfg.pp, cfg.microbatches, cfg.ep, cfg.strategy, cfg.virtual)
     f = floor.of(cfg) if floor is not None else NO_FLOOR
     if floor is not None and f is not NO_FLOOR:
@@ -559,9 +559,10 @@ def _step_bound(cfg: Config, bounds: Bounds, floor: StepFloor | None, job: _Job,
             # none above a full:K that the plan prices where none does not fit
             # (search_floor_layers.blocks_split_floor)
             plain = StepFloor.step
-            blocks = blocks_floor(bounds, cfg, job.cap, kept["none"], kept["full"], plain(floor, cfg, "none", busiest=False),
-                                  plain(floor, cfg, "full", busiest=False), f.full_peak)
-            least = min(least, max(blocks, plain(floor, cfg, "none", gathers), floor.blocks_step(cfg)))
+            blocks = blocks_floor(bounds, cfg, job.cap, kept["none"], kept["full"], plain(floor, cfg, "none", gathers,
+                                  False), plain(floor, cfg, "full", gathers, False),  # (the even terms, the least tail)
+                                  f.full_peak)
+            least = min(least, max(blocks, plain(floor, cfg, "none", gathers), floor.blocks_step(cfg, gathers)))
         low = max(low, least)
     return low
 

@@ -11,9 +11,9 @@ takes the configurations and sends each back with the layer floors it planned. T
 a bound from it where it has come or is being computed (it waits for it), and computes it
 itself otherwise: each configuration is claimed once, under a lock; the worker skips what the
 search has passed and what the best step found already prunes (its FLOPs bound at least the
-best: the search's best only falls, so the search will not refine it). A ZeRO-3
-configuration's bound with its gathers is computed by the worker where the first is under the
-best found so far (so wherever the search will need it). The strategies' notes a bound's plans
+best: the search's best only falls, so the search will not refine it). A configuration's bound
+from its own plans (``gathers``: ZeRO-3's parameter gathers, every rank's tail) is computed by
+the worker where the first is under the best found so far (so wherever the search will need it). The strategies' notes a bound's plans
 raise in the worker are sent with it and raised when the search takes it.
 
 The search's answer, its rows and what it prunes do not depend on who computed a bound
@@ -85,7 +85,7 @@ class Ahead:
 
     def _work(self, bound: Callable[..., float], conn: Connection) -> None:
         """The worker: each configuration's bound, in order, where the search has not claimed it;
-        a ZeRO-3 configuration's with its gathers too where the first is under the best step
+        its bound from its own plans too (``gathers``) where the first is under the best step
         found so far (the search's best only falls: where the worker's is not under it, the
         search's will not be when it gets there)."""
         self.conn.close()
@@ -99,7 +99,7 @@ class Ahead:
                 with warnings.catch_warnings(record=True) as said:
                     warnings.simplefilter("always")
                     low = bound(cfg)
-                    z = bound(cfg, gathers=True) if low < self.best.value and self.floor.gathered_key(cfg) else None
+                    z = bound(cfg, gathers=True) if low < self.best.value and self.floor.own_key(cfg) else None
                 new = {k: (None if v is NO_FLOOR else v) for k, v in cache.items() if k not in had}
                 conn.send((i, low, z, new, self.floor.plans - before, [(w.message, w.category) for w in said]))
         except Exception:
@@ -162,8 +162,10 @@ def _stop(proc: Any, conn: Connection) -> None:
 class Refiner:
     """The search's refinement of a configuration's bound when its turn comes (``bound``: the
     search's ``_step_bound`` on ``floor``): its layers' floor where the floors are ``lazy`` (from
-    an :class:`Ahead` where one is started), then under ZeRO-3 its parameter gathers' (two more
-    shallow copies each, so only where the first does not reach the best step found)."""
+    an :class:`Ahead` where one is started), then its own plans' (``gathers``: under ZeRO-3 its
+    parameter gathers', two more shallow copies, and every rank's tail,
+    :mod:`spmdkit.planner.search_floor_tail`, one; so only where the first does not reach the
+    best step found)."""
 
     def __init__(self, floor: StepFloor | None, lazy: bool, bound: Callable[..., float]) -> None:
         self.floor, self.lazy, self.bound = floor, lazy, bound
@@ -179,7 +181,7 @@ class Refiner:
 
     def wants(self, cfg: Config) -> bool:
         """Whether ``cfg``'s bound can be refined."""
-        return self.floor is not None and (self.lazy or self.floor.gathered_key(cfg) is not None)
+        return self.floor is not None and (self.lazy or self.floor.own_key(cfg) is not None)
 
     def refine(self, cfg: Config, low: float, best: float) -> float:
         """``cfg``'s refined bound (``low``: its bound so far; ``best``: the best step found)."""
@@ -187,7 +189,7 @@ class Refiner:
         if self.lazy:
             got = self.ahead.take(cfg, best) if self.ahead is not None else None
             low, z = got if got is not None else (self.bound(cfg), None)
-        if low < best and self.floor is not None and self.floor.gathered_key(cfg) is not None:
+        if low < best and self.floor is not None and self.floor.own_key(cfg) is not None:
             low = z if z is not None else self.bound(cfg, gathers=True)
         return low
 

@@ -28,6 +28,12 @@ configuration's own layers cost one device, read off the same cost model as the 
   before leaves exposed (:func:`spmdkit.cost.step.op_communication`'s prefetch, in every stage's
   time per microbatch), without one the gathers' sum (one after the other on the communication
   stream; the last micro-step waits for the last);
+- each rank's tail after its last backward (:meth:`StepFloor.tail`,
+  :mod:`spmdkit.planner.search_floor_tail`, also when its turn comes): its optimizer and
+  Megatron's one bucket of gradient reductions on the ranks after the first, from its layers
+  planned on its own ``dp`` and strategy; added to each rank's figure in :func:`busiest_rank`
+  (after its own last backward), the least of them to the even term, the optimizer to a run
+  without a pipeline;
 - the step is at least that work times the micro-steps of gradient accumulation without a
   pipeline, and with ``p`` stages (``v`` model chunks a rank) and ``m`` microbatches at least
   ``(m + (p - 1) / v) / p`` of it (the pipeline bound of :meth:`Bounds.step`, on the busiest
@@ -45,6 +51,7 @@ and that the pruned search finds the unpruned one's best with the same figures;
 
 from __future__ import annotations
 
+import functools
 import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -56,6 +63,7 @@ from spmdkit.cost.step import op_communication
 from spmdkit.planner.fold import fold_of
 from spmdkit.planner.pipeline import op_units
 from spmdkit.planner.search_bounds import pipeline_fill
+from spmdkit.planner.search_floor_tail import Tail, plan_tail
 from spmdkit.planner.search_space import Config
 from spmdkit.program.layers import layer_tags, program_layers
 from spmdkit.program.plan import Plan
@@ -149,6 +157,8 @@ class Units:
     first: float
     last: float
     layer: float
+    #: the least work of a layer past the model's dense first layers (0: ``layer``'s; a MoE model)
+    heavy: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -187,6 +197,7 @@ class StepFloor:
     dense: int = 0
     cache: dict[FloorKey, LayerFloor] = field(default_factory=dict)
     zero3: dict[ZeroKey, LayerFloor] = field(default_factory=dict)
+    tails: dict[tuple[int, int, int, int, str], Tail | None] = field(default_factory=dict)
     plans: int = 0
 
     def key(self, cfg: Config) -> FloorKey | None:
@@ -230,6 +241,33 @@ class StepFloor:
             self.zero3[zkey] = got
         return got
 
+    def own_key(self, cfg: Config) -> ZeroKey | None:
+        """The key of ``cfg``'s layers planned on its own dp and strategy (:meth:`tail`)."""
+        key = self.key(cfg)
+        return None if key is None else (cfg.dp, key[0], key[1], key[2], cfg.strategy, key[4])
+
+    def tail(self, cfg: Config) -> Tail | None:
+        """What ``cfg``'s ranks do at least after their last backward
+        (:mod:`spmdkit.planner.search_floor_tail`: its optimizer and Megatron's unhidden gradient
+        reductions), from ``dense + 2`` of its layers planned on its own dp and strategy; None
+        where they cannot be planned so. Cached by :meth:`own_key` without the sequences a rank
+        computes at once: its figures are the parameters' (their gradients' reductions, their
+        optimizer updates), whose shardings the strategy sets whatever the batch
+        (``tests/test_search_floor_tail.py`` checks two batches give the same)."""
+        okey = self.own_key(cfg)
+        if okey is None:
+            return None
+        dp, tp, ep, cp, strategy, local = okey
+        if okey[:5] not in self.tails:
+            self.plans += 1
+            try:
+                plan = self.plan_copy(Config(dp, tp, 1, strategy, "none", 1, ep, cp),
+                                      min(self.layers, self.dense + 2), local * dp)
+                self.tails[okey[:5]] = plan_tail(plan, self.device, self.dense)
+            except SpmdError:
+                self.tails[okey[:5]] = None  # (the configuration says why when planned)
+        return self.tails[okey[:5]]
+
     def _planned(self, one: Config, batch: int) -> LayerFloor:
         """``one`` planned on two shallow copies (or the model) with ``batch`` sequences,
         extrapolated to the model's depth (:data:`NO_FLOOR` where it cannot be planned)."""
@@ -250,7 +288,7 @@ class StepFloor:
                           fold.at(a.exposed, b.exposed), fold.at(a.gathers, b.gathers), units,
                           min(a.full_peak, b.full_peak))
 
-    def blocks_step(self, cfg: Config) -> float:
+    def blocks_step(self, cfg: Config, gathers: bool = False) -> float:
         """Seconds any ``full:K`` of ``cfg`` takes at least besides :func:`spmdkit.planner.search_blocks.blocks_floor`'s (0 here;
         a MoE pipeline's whole-layer split: :class:`spmdkit.planner.search_floor_layers.LayerStepFloor`)."""
         return 0.0
@@ -265,26 +303,37 @@ class StepFloor:
         also from its own layers' plan with the parameter gathers (:meth:`gathered`): with a
         pipeline the part of each group's gather the group before does not hide (a stage's
         time per microbatch), without one the gathers one after the other on the communication
-        stream (the last micro-step waits for the last). ``busiest=False``: a pipeline's even
-        term alone (affine in the work: what ``full:K``'s floor interpolates between modes;
-        :func:`busiest_rank` is convex in it, so it is not interpolated)."""
+        stream (the last micro-step waits for the last). ``gathers`` also counts the tail
+        (:meth:`tail`: each rank's optimizer and unhidden gradient reductions after its last
+        backward; without a pipeline the optimizer after the last micro-step). ``busiest=False``:
+        a pipeline's even term alone, plus the least rank's tail (affine in the work: what
+        ``full:K``'s floor interpolates between modes; :func:`busiest_rank` is convex in it, so
+        it is not interpolated)."""
         f = self.of(cfg)
+        t = self.tail(cfg) if gathers else None
         w = f.work + f.rerun.get(mode, 0.0)
         z = self.gathered(cfg) if gathers else NO_FLOOR
         if z is not NO_FLOOR and cfg.pp > 1:
             w = max(w, z.work + z.exposed + z.rerun.get(mode, 0.0))
-        if cfg.pp == 1:
+        if cfg.pp == 1:  # the optimizer's ops run after the last micro-step's buckets (step._run)
+            opt = t.optimizer(self.layers, self.dense) if t is not None else 0.0
             if z is NO_FLOOR:
-                return w * cfg.grad_accum
+                return w * cfg.grad_accum + opt
             w = max(w, z.work + z.rerun.get(mode, 0.0))
-            return w * (cfg.grad_accum - 1) + max(w, z.gathers)
-        m = max(1, cfg.microbatches)
-        even = w / cfg.pp * (m + pipeline_fill(cfg.pp, cfg.virtual))
+            return w * (cfg.grad_accum - 1) + max(w, z.gathers) + opt
+        p, v, m = cfg.pp, cfg.virtual, max(1, cfg.microbatches)
+        even = w / p * (m + pipeline_fill(p, v))
+        if t is not None:  # every rank holds v layers at least: step >= max_r finish_r + min_r tail_r
+            even += min(t.rank(r, p, v) for r in range(p))
         u = f.units.get(mode) if busiest else None
-        return even if u is None else max(even, busiest_rank(u, self.layers, cfg.pp, cfg.virtual, m))
+        if u is None:
+            return even
+        return max(even, busiest_rank(u, self.layers, p, v, m, None if t is None else functools.partial(t.rank, p=p),
+                                      self.dense))
 
 
-def busiest_rank(u: Units, layers: int, p: int, v: int, m: int) -> float:
+def busiest_rank(u: Units, layers: int, p: int, v: int, m: int,
+                 tail: Callable[..., float] | None = None, dense: int = 0) -> float:
     """Seconds a 1F1B or interleaved pipeline step takes at least, whatever the split of the
     ``layers`` layers into ``p x v`` chunks (each of at least one layer, chunk ``c`` on rank
     ``c mod p``, the embedding with chunk 0, the head and the loss with the last), ``m``
@@ -308,11 +357,29 @@ def busiest_rank(u: Units, layers: int, p: int, v: int, m: int) -> float:
     rank's figure, so this greedy filling is optimal): a bound for every split the search may
     pick, even (one more layer on some rank where ``p v`` does not divide the layers) or uneven
     (``--stages auto``, a memory cap). It exceeds the even-split bound where the head (or the
-    embedding) weighs on its rank more than the layers a balanced split could take off it."""
+    embedding) weighs on its rank more than the layers a balanced split could take off it.
+
+    ``tail(r, n=...)``: what rank ``r`` holding ``n`` layers does at least after its last
+    backward (:meth:`spmdkit.planner.search_floor_tail.Tail.rank`, nondecreasing in ``n``). Rank
+    ``r``'s own last backward ends ``m W_r`` after its start at the earliest, and its tail
+    follows; the chain after it (chunks ``r-1 .. 0``) ends on rank 0, whose tail (``n >= v``
+    layers) follows that: the step is at least ``m W_r + max(tail_r, sum_{c<r} W_c + tail_0)``
+    for every ``r``, and the least of the largest over the counts is reached by giving each
+    layer to the rank whose figure with it is lowest (the figures nondecreasing in the layers,
+    this greedy choice is optimal).
+
+    ``dense``: the model's first ``dense`` layers are lighter (a MoE model's), every other works
+    at least ``u.heavy``: they lie in chunks ``0 .. dense - 1`` (chunk ``c`` holds layers ``>=
+    c``), so rank ``r`` holds at most ``max(0, dense - r)`` of them and chunk ``c >= dense`` only
+    heavy ones."""
     lam = u.layer
     spare = layers - p * v
     if spare < 0 or lam < 0:
         return 0.0
+    if tail is not None:
+        return _uneven(u, p, v, m, spare, dense, tail)
+    if dense and u.heavy > lam:  # (many configurations of a layer key share it)
+        return _uneven_plain(u, p, v, m, spare, dense)
     fig = [m * (v * lam + (u.first if r == 0 else 0.0) + (u.last if r == p - 1 else 0.0))
            + (u.first + r * lam if r else 0.0) for r in range(p)]
     if lam == 0 or spare == 0:
@@ -322,6 +389,37 @@ def busiest_rank(u: Units, layers: int, p: int, v: int, m: int) -> float:
     for _ in range(spare):
         heapq.heapreplace(heap, heap[0] + step)
     return max(heap)
+
+
+@functools.lru_cache(maxsize=65536)
+def _uneven_plain(u: Units, p: int, v: int, m: int, spare: int, dense: int) -> float:
+    """:func:`_uneven` without a tail."""
+    return _uneven(u, p, v, m, spare, dense, lambda r, n: 0.0)
+
+
+def _uneven(u: Units, p: int, v: int, m: int, spare: int, dense: int, tail: Callable[..., float]) -> float:
+    """:func:`busiest_rank` with heavier layers past the ``dense`` first ones and each rank's
+    tail: rank ``r`` holding ``n`` layers figures ``m`` times its layers' work (at most
+    ``max(0, dense - r)`` of them light) and its end units', then the larger of ``tail(r, n=n)``
+    and the chunks before it (one layer each, heavy past ``dense``) with rank 0's tail; the ``spare`` layers given one at a time
+    to the rank whose figure with one more is the lowest."""
+    lam, hv = u.layer, max(u.layer, u.heavy)
+    ends = [m * ((u.first if r == 0 else 0.0) + (u.last if r == p - 1 else 0.0)) for r in range(p)]
+    first = tail(0, n=v)  # rank 0's tail: at least its v layers'
+    chain = [u.first + sum(lam if c < dense else hv for c in range(r)) + first if r else 0.0 for r in range(p)]
+
+    def fig(r: int, n: int) -> float:
+        light = min(n, max(0, dense - r))
+        return ends[r] + m * (light * lam + (n - light) * hv) + max(tail(r, n=n), chain[r])
+
+    n = [v] * p
+    heap = [(fig(r, v + 1), r) for r in range(p)]
+    heapq.heapify(heap)
+    for _ in range(spare):
+        _val, r = heapq.heappop(heap)
+        n[r] += 1
+        heapq.heappush(heap, (fig(r, n[r] + 1), r))
+    return max(fig(r, k) for r, k in enumerate(n))
 
 
 __all__ = ["NO_FLOOR", "FloorKey", "ZeroKey", "LayerFloor", "StepFloor", "Units", "base_strategy", "busiest_rank",

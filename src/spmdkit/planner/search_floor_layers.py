@@ -23,14 +23,17 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from spmdkit.core.errors import SpmdError
 from spmdkit.cost.devices import Device
 from spmdkit.cost.memory import saved_activations
 from spmdkit.cost.step import op_communication
+from spmdkit.planner.pipeline import op_units
 from spmdkit.planner.search_bounds import GROW, Bounds
-from spmdkit.planner.search_floor import NO_FLOOR, RECOMPUTE, LayerFloor, StepFloor, _counted, layer_peak
+from spmdkit.planner.search_floor import NO_FLOOR, RECOMPUTE, LayerFloor, StepFloor, Units, _counted, layer_peak
+from spmdkit.planner.search_floor_tail import Held
 from spmdkit.planner.search_space import Config
 from spmdkit.program.layers import program_layers
 from spmdkit.program.plan import Plan
@@ -75,6 +78,11 @@ def one_copy_floor(plan: Plan, device: Device, layers: int, dense: int) -> MoeLa
             if 0 <= where[i] < n:
                 by_layer[where[i]] += own[i]
     missing = layers - n
+    unit, _n = op_units(prog)
+    by_unit = [0.0] * (n + 2)  # the pipeline's units (the embedding, the layers, the head), as stages are cut
+    for i, t in enumerate(own):
+        by_unit[unit[i] + 1] += t
+    units: dict[str, Units] = {}
     rerun: dict[str, float] = {}
     kept: dict[str, int] = {}
     layer_rerun: dict[str, float] = {}
@@ -90,13 +98,16 @@ def one_copy_floor(plan: Plan, device: Device, layers: int, dense: int) -> MoeLa
         if mode == "full":
             peak, least_rerun = layer_peak(plan, saved), min(again)
         layer_rerun[mode] = min(again[dense:])
+        per = list(by_unit)
+        for j in ops:
+            per[unit[j] + 1] += own[j]
+        units[mode] = Units(per[0], per[-1], min(per[1:-1]), min(per[1 + dense:-1]))
         rerun[mode] = sum(own[j] for j in ops) + missing * layer_rerun[mode]
         kept[mode] = min((b for lay, b in saved.per_layer.items() if lay in tags), default=0)
         layer_kept[mode] = min(saved.per_layer.get(t, 0) for t in lay.tags[dense:])
-    return MoeLayerFloor(sum(own) + missing * min(by_layer[dense:]), rerun, kept, full_peak=peak,
-                         layer_work=min(by_layer[dense:]),
-                         layer_rerun=layer_rerun, layer_kept=layer_kept, least_layer=min(by_layer),
-                         least_rerun=least_rerun)
+    return MoeLayerFloor(sum(own) + missing * min(by_layer[dense:]), rerun, kept, units=units, full_peak=peak,
+                         layer_work=min(by_layer[dense:]), layer_rerun=layer_rerun, layer_kept=layer_kept,
+                         least_layer=min(by_layer), least_rerun=least_rerun)
 
 
 def _moe_room(f: MoeLayerFloor, cfg: Config, bounds: Bounds, cap: int
@@ -117,7 +128,7 @@ def _moe_room(f: MoeLayerFloor, cfg: Config, bounds: Bounds, cap: int
     return per, dense, room
 
 
-def split_floor(cfg: Config, bounds: Bounds, f: MoeLayerFloor, mode: str, cap: int) -> float:
+def split_floor(cfg: Config, bounds: Bounds, f: MoeLayerFloor, mode: str, cap: int, tail: Held | None = None) -> float:
     """A pipeline's step at least under recomputation ``mode`` from how its MoE layers can be
     split under the memory cap (0: no pipeline or no MoE layer; inf: they cannot fit).
 
@@ -146,11 +157,43 @@ def split_floor(cfg: Config, bounds: Bounds, f: MoeLayerFloor, mode: str, cap: i
     levels = split_levels(room, cfg.pp, cfg.virtual, m, len(per), min(per), GROW * f.layer_kept.get(mode, 0),
                           len(dense), min(dense, default=0.0), GROW * f.kept.get(mode, 0), 0, 0.0, flights, peak)
     t = f.layer_work + f.layer_rerun.get(mode, 0.0)
-    lam = f.least_layer
-    return min((min([m * c * t + r * lam] if r >= 0 else [], default=math.inf) if not held else
-                min(min([m * c * t + r * lam] if r >= 0 else [], default=math.inf),
-                    min(m * (c * t + d * lam) + q * lam for q, d in held))
-                for c, r, held in levels), default=math.inf)
+    return min((level_low(m * c * t, c, r, held, (m, cfg.pp, t, f.least_layer), tail) for c, r, held in levels),
+               default=math.inf)
+
+
+def _held_rerun(c: int, k: int, v: int, least: float, d: int) -> float:
+    """What a rank holding the level's ``c`` MoE layers and ``d`` dense ones recomputes at least a
+    microbatch under full:``k`` (:func:`_recomputed` of its layers, each the least rerun)."""
+    return _recomputed(c + d, k, v) * least
+
+
+def level_low(work: float, c: int, plain: int, held: tuple[tuple[int, int], ...],
+              shape: tuple[int, float, float, float], tail: Held | None = None,
+              rerun: Callable[[int], float] | None = None) -> float:
+    """The least step of the ranks that may hold the level ``c`` (:func:`split_levels`): the
+    lowest without a dense layer, ``plain`` (-1: none), working ``work`` a step on its layers,
+    after the chunks before it (``plain`` layers at least); each of ``held`` (rank, its dense
+    layers) ``m (c t + d lam)`` after its ``q`` chunks before. ``shape``: (m, p, t, lam).
+    ``tail(moe, dense, first, last)``: what the rank does at least after its last backward
+    (:meth:`spmdkit.planner.search_floor_tail.Tail.held`): the chain before it ends on rank 0
+    after the rank's own last backward, its tail after that backward, so the larger of the two
+    counts (:func:`spmdkit.planner.search_floor.busiest_rank`'s argument; rank 0's tail left
+    out); a rank after ``plain`` holding the level has at least the tail of a middle rank, and
+    where ``plain`` is the first rank one after it has at least one layer more before it.
+    ``rerun(d)``: what a rank holding ``d`` dense layers recomputes at least a microbatch (full:K)."""
+    m, p, t, lam = shape
+
+    def after(q: int, moe: int, dense: int, first: bool, last: bool) -> float:
+        return max(q * lam, tail(moe, dense, first, last)) if tail is not None else q * lam
+
+    got = []
+    if plain >= 0:
+        got.append(work + after(plain, c, 0, plain == 0, p == 1))
+        if plain == 0 and tail is not None and p > 1:
+            got[-1] = min(got[-1], work + after(1, c, 0, False, False))
+    got += [m * (c * t + d * lam + (rerun(d) if rerun is not None else 0.0)) + after(q, c, d, q == 0, q == p - 1)
+            for q, d in held]
+    return min(got, default=math.inf)
 
 
 #: the most dense first layers whose placements :func:`whole_layers_level` tries (beyond, their room is not counted)
@@ -238,7 +281,7 @@ def _most(left: float, f: float, s: float, u: float, full: int, uf: float, moe: 
     return every if every <= full else max(full, most(left + f * full * (u - uf), s + f * u))
 
 
-def blocks_split_floor(cfg: Config, bounds: Bounds, f: MoeLayerFloor, cap: int) -> float:
+def blocks_split_floor(cfg: Config, bounds: Bounds, f: MoeLayerFloor, cap: int, tail: Held | None = None) -> float:
     """A MoE pipeline's step at least under any ``full:K`` (Megatron's block recomputation: the
     first K layers of each chunk recomputed in full, the others keeping what no recomputation
     keeps), from how its MoE layers can be split under the memory cap (:func:`split_floor`'s
@@ -267,10 +310,8 @@ def blocks_split_floor(cfg: Config, bounds: Bounds, f: MoeLayerFloor, cap: int) 
             # the rank holding the level: each of its v chunks holds a layer and recomputes its first
             # k, so at least v - 1 + min(k, c - v + 1) of its c layers (one chunk holding all but v - 1):
             # MoE layers on a rank without a dense layer, any layers on one with d dense layers
-            lam = f.least_layer
-            got = [m * (c * t + _recomputed(c, k, v) * r) + plain * lam] if plain >= 0 else []
-            got += [m * (c * t + d * lam + _recomputed(c + d, k, v) * f.least_rerun) + q * lam for q, d in held]
-            best = min(best, *got)
+            best = min(best, level_low(m * (c * t + _recomputed(c, k, v) * r), c, plain, held, (m, p, t, f.least_layer),
+                                       tail, functools.partial(_held_rerun, c, k, v, f.least_rerun)))
         if all(_most(room, min(p - q, m), s, uf, 0, uf, len(per)) <= v * k for q in range(p)):
             break  # every rank's layers all recomputed fit already: a larger K holds no more
     return best
@@ -303,18 +344,23 @@ class LayerStepFloor(StepFloor):
     bounds: Bounds | None = None
     cap: int = 0
 
-    def step(self, cfg: Config, mode: str = "none", *args: bool, **kw: bool) -> float:
-        low = super().step(cfg, mode, *args, **kw)
+    def step(self, cfg: Config, mode: str = "none", gathers: bool = False, busiest: bool = True) -> float:
+        low = super().step(cfg, mode, gathers, busiest)
         f = self.of(cfg)
         if self.bounds is None or not self.cap or not isinstance(f, MoeLayerFloor):
             return low
-        return max(low, split_floor(cfg, self.bounds, f, mode, self.cap))
+        return max(low, split_floor(cfg, self.bounds, f, mode, self.cap, self._held(cfg, gathers)))
 
-    def blocks_step(self, cfg: Config) -> float:
+    def blocks_step(self, cfg: Config, gathers: bool = False) -> float:
         f = self.of(cfg)
         if self.bounds is None or not self.cap or not isinstance(f, MoeLayerFloor):
             return 0.0
-        return blocks_split_floor(cfg, self.bounds, f, self.cap)
+        return blocks_split_floor(cfg, self.bounds, f, self.cap, self._held(cfg, gathers))
+
+    def _held(self, cfg: Config, gathers: bool) -> Held | None:
+        """The tail of a rank by what it holds, once ``cfg``'s turn has come (``gathers``)."""
+        t = self.tail(cfg) if gathers and cfg.pp > 1 else None
+        return None if t is None else t.held
 
     def of(self, cfg: Config) -> LayerFloor:
         n = copy_layers(self.dense)
@@ -334,5 +380,5 @@ class LayerStepFloor(StepFloor):
         return got
 
 
-__all__ = ["LayerStepFloor", "MoeLayerFloor", "copy_layers", "one_copy_floor", "split_floor",
+__all__ = ["LayerStepFloor", "MoeLayerFloor", "copy_layers", "level_low", "one_copy_floor", "split_floor",
            "blocks_split_floor", "split_levels", "whole_layers_level"]

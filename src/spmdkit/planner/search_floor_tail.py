@@ -1,0 +1,164 @@
+"""The step floor's tail: what a rank does after its last backward (issue 30).
+
+:class:`spmdkit.planner.search_floor.StepFloor` bounds a pipeline's step by each rank's work in
+the schedule, ``done_r``'s schedule part. The pipeline's step (``pipeline._step_times``) is
+``max_r (done_r + t_r + o_r)``: rank ``r``'s last backward ends at ``finish_r``; its gradient
+reductions end at ``done_r >= finish_r``; ``t_r`` its tied parameters' all-reduce and ``o_r``
+its optimizer (:func:`spmdkit.planner.stage_costs.stage_costs`: its optimizer ops' times, and
+the part of the distributed optimizer's parameter gathers its next forward does not hide).
+Two parts of that tail no schedule hides, and this module bounds them from below with the cost
+model's own formulas:
+
+- the optimizer: each optimizer op's compute (:func:`spmdkit.cost.step.op_communication`, the
+  time ``stage_costs`` sums into ``optimizer_s``) on the parameters the rank holds, under the
+  configuration's ZeRO level and degrees;
+- Megatron-Core's pipeline ranks after the first (``framework`` megatron, ``r > 0``) reduce
+  their gradients in ONE bucket launched at the end of their last backward
+  (:func:`spmdkit.planner.stage_costs.reduce_gradients` with ``single``): ``done_r`` is
+  ``finish_r`` plus the time of that bucket, :class:`spmdkit.cost.step.Reducer`'s time of each
+  (reduction, mesh dims, dtype) group's bytes one after the other. The first rank's buckets run
+  under its backward (counted as 0 here), as do a run without a pipeline's (the last bucket's
+  part is not counted either: which gradients it holds depends on the bucket sizes).
+
+The figures come from the configuration's layers planned on its OWN data-parallel degree and
+strategy (ZeRO level included): one copy of ``dense + 2`` layers (:func:`spmdkit.planner.
+search_floor_layers.copy_layers`), planned when the configuration's turn comes in the search
+(like ZeRO-3's gathers), cached by (dp, tp, ep, cp, strategy): the figures are the
+parameters', which do not depend on the batch. Per unit
+(:func:`spmdkit.planner.pipeline.op_units`: the embedding, each layer, the head, as the
+pipeline's stages are cut) the optimizer ops' compute and the gradient bytes of each reduction
+(the ops' pending gradient reductions, attributed as ``stage_costs`` attributes them); a layer
+of the repeated kind counts the least of the copy's two such layers (per reduction), a dense
+first layer the least of any layer. A rank holding ``n`` layers, at most ``max(0, D - r)`` of
+them dense (the ``D`` dense layers lie in chunks ``0 .. D - 1``, chunk ``c`` on rank
+``c mod p`` and holding layers ``>= c``), the embedding with rank 0 and the head with the last:
+:meth:`Tail.rank`. The collective time is nondecreasing in the bytes (NCCL's model: the least
+over algorithms of increasing times; a measured device's, the interpolation of its points, where
+their times grow with the bytes), so fewer bytes give a lower time.
+
+:func:`spmdkit.planner.search_floor.busiest_rank` adds ``Tail.rank`` to each rank's figure
+(after the rank's own last backward: ``m W_r + max(tail_r, chain before it + tail_0)``); the
+even pipeline term adds the least rank's
+tail; the MoE split floors (:mod:`spmdkit.planner.search_floor_layers`) add it to the rank
+holding the level; without a pipeline the step is at least the micro-steps' work and then the
+optimizer's ops (they run after the last backward's buckets, ``step._run``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from spmdkit.core.reshard import Step
+from spmdkit.cost.devices import Device
+from spmdkit.cost.step import Reducer, op_communication
+from spmdkit.planner.pipeline import op_units
+from spmdkit.program.plan import Plan
+
+#: a gradient reduction group: (kind, mesh dims, reduce type, dtype)
+GradKey = tuple[str, tuple[int, ...], str, str]
+#: the tail's figures are sums taken in another order than the plan's (and extrapolated from a
+#: copy): this much of them is left out, so that rounding never lifts a bound over its step
+SLACK = 1e-9
+#: :meth:`Tail.held`: (layers of the repeated kind, dense layers, the first rank, the last) -> seconds
+Held = Callable[[int, int, bool, bool], float]
+
+
+@dataclass(frozen=True)
+class UnitTail:
+    """One unit's tail figures (one layer, the embedding or the head): its optimizer ops'
+    compute (s) and its gradients' bytes by reduction group (with a Step of that group)."""
+
+    opt: float = 0.0
+    grads: tuple[tuple[GradKey, Step, int], ...] = ()
+
+    def bytes_of(self) -> dict[GradKey, tuple[Step, int]]:
+        return {k: (s, b) for k, s, b in self.grads}
+
+
+def _least(units: list[UnitTail]) -> UnitTail:
+    """The least of ``units``, group by group (a group some unit lacks: 0 bytes, left out)."""
+    if not units:
+        return UnitTail()
+    maps = [u.bytes_of() for u in units]
+    keys = [k for k in maps[0] if all(k in m for m in maps[1:])]
+    return UnitTail(min(u.opt for u in units), tuple((k, maps[0][k][0], min(m[k][1] for m in maps)) for k in keys))
+
+
+@dataclass
+class Tail:
+    """A configuration's tail figures (module docstring); ``plan`` the copy they come from (its
+    mesh, links and runtime time the buckets, :class:`spmdkit.cost.step.Reducer`)."""
+
+    plan: Plan = field(repr=False)
+    layer: UnitTail
+    dense_layer: UnitTail
+    first: UnitTail
+    last: UnitTail
+    dense: int = 0
+    #: Megatron-Core: the ranks after the first reduce in one bucket after their last backward
+    single: bool = True
+    _memo: dict[tuple[int, int, bool, bool], float] = field(default_factory=dict, repr=False)
+
+    def optimizer(self, layers: int, dense: int = 0) -> float:
+        """The optimizer ops' seconds of a run without a pipeline (every unit on the device)."""
+        return ((layers - dense) * self.layer.opt + dense * self.dense_layer.opt
+                + self.first.opt + self.last.opt) * (1.0 - SLACK)
+
+    def rank(self, r: int, p: int, n: int) -> float:
+        """Seconds rank ``r`` of ``p`` spends at least after its last backward holding ``n``
+        layers (module docstring)."""
+        d = min(n, max(0, self.dense - r))
+        return self.held(n - d, d, r == 0, r == p - 1)
+
+    def held(self, moe: int, dense: int, first: bool, last: bool) -> float:
+        """The tail of a rank holding ``moe`` layers of the repeated kind and ``dense`` others,
+        the embedding (``first``: the first rank, whose buckets run under its backward) and
+        the head (``last``)."""
+        key = (moe, dense, first, last)
+        got = self._memo.get(key)
+        if got is None:
+            got = moe * self.layer.opt + dense * self.dense_layer.opt
+            got += (self.first.opt if first else 0.0) + (self.last.opt if last else 0.0)
+            if self.single and not first:
+                got += self._reduced(moe, dense, last)
+            got *= 1.0 - SLACK
+            self._memo[key] = got
+        return got
+
+    def _reduced(self, moe: int, dense: int, last: bool) -> float:
+        """The one bucket's time (:func:`spmdkit.planner.stage_costs.reduce_gradients`, ``single``)."""
+        total: dict[GradKey, tuple[Step, int]] = {}
+        for unit, times in ((self.layer, moe), (self.dense_layer, dense), (self.last, 1 if last else 0)):
+            for k, s, b in unit.grads if times else ():
+                total[k] = (s, total.get(k, (s, 0))[1] + times * b)
+        red = Reducer(self.plan, single=True)
+        for (_kind, _dims, _rt, dtype), (s, size) in total.items():
+            red.add(dtype, s, size, 0.0)
+        return red.flush(0.0)
+
+
+def plan_tail(plan: Plan, device: Device, dense: int) -> Tail:
+    """The :class:`Tail` of ``plan``, a configuration's copy of ``dense + 2`` layers (or fewer:
+    the whole model) planned on its own dp and strategy."""
+    oc = op_communication(plan, device)
+    prog = plan.program
+    unit, n = op_units(prog)
+    opt = [0.0] * (n + 2)
+    grads: list[dict[GradKey, tuple[Step, int]]] = [{} for _ in range(n + 2)]
+    for i, op in enumerate(prog.ops):
+        u = unit[i] + 1
+        if op.phase == "optimizer":
+            opt[u] += oc.compute[i]
+        for dt, st, size in oc.pending.get(i, ()):
+            key = (st.kind, st.mesh_dims, st.reduce_type or "sum", dt)
+            had = grads[u].get(key)
+            grads[u][key] = (st, size + (had[1] if had else 0))
+    units = [UnitTail(o, tuple((k, s, b) for k, (s, b) in g.items())) for o, g in zip(opt, grads)]
+    layers = units[1:-1]
+    rep = layers[dense:] if len(layers) > dense else layers
+    return Tail(plan, _least(rep), _least(layers), units[0], units[-1], dense,
+                plan.runtime.framework == "megatron")
+
+
+__all__ = ["GradKey", "Held", "Tail", "UnitTail", "plan_tail"]

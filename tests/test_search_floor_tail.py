@@ -1,0 +1,137 @@
+"""The step floor's tail (planner/search_floor_tail.py): what each rank does after its last
+backward (its optimizer, Megatron's gradient reductions after the last backward on the ranks
+after the first), read from the configuration's own layers' plan: the gradients' bytes by hand,
+the optimizer as the plan prices it, each rank's tail never above what the planned pipeline
+does after that rank's last backward, and the floor with it never above a planned step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from spmdkit.cost.devices import load_device
+from spmdkit.planner.search import Config, _floor, _Job, _model_sizes, config_candidates
+from spmdkit.planner.search_floor import Units, busiest_rank
+from spmdkit.planner.search_floor_layers import level_low
+from spmdkit.planner.stage_costs import reduce_gradients
+
+MODEL = "llama3-8b"
+OVER = {"layers": 4, "batch": 8, "seq": 512}
+#: llama3-8b's layer: q, k, v, o (4096 x (4096 + 2 x 1024 + 4096)), the MLP (3 x 4096 x 14336), two norms
+LAYER_PARAMS = 4096 * (4096 + 2 * 1024 + 4096) + 3 * 4096 * 14336 + 2 * 4096
+EMBEDDING = 128256 * 4096
+
+
+def _floor_of(model: str = MODEL, over: dict[str, int] | None = None, device: str = "h100") -> Any:
+    mc, sizes = _model_sizes(model, over or OVER)
+    dev = load_device(device)
+    job = _Job(dev, sizes.tokens, ["none", "selective", "full"], dev.memory_bytes, None, None, None, 30.0)
+    floor = _floor(model, mc, job)
+    assert floor is not None
+    return floor
+
+
+def test_a_layers_gradients_and_optimizer_by_hand() -> None:
+    """ZeRO-1 on dp=4 (one reduce-scatter group): a layer's gradients are its parameters in
+    bf16 (the Reducer reduces them in fp32), the embedding's and the head's (with the final
+    norm) theirs; the optimizer halves from dp=4 to dp=8 (its states sharded over dp)."""
+    floor = _floor_of()
+    t = floor.tail(Config(4, 1, 2, "dp,zero1", microbatches=2))
+    assert [(k[0], k[1], b) for k, _s, b in t.layer.grads] == [("reduce_scatter", (0,), 2 * LAYER_PARAMS)]
+    assert [b for _k, _s, b in t.first.grads] == [2 * EMBEDDING]
+    assert [b for _k, _s, b in t.last.grads] == [2 * (EMBEDDING + 4096)]
+    t8 = floor.tail(Config(8, 1, 1, "dp,zero1"))
+    assert t.layer.opt > 0 and t8.layer.opt == pytest.approx(t.layer.opt / 2, rel=0.02)
+    # tensor parallelism halves a layer's reduced bytes but for the replicated norms (sp's all-reduce over tp)
+    tp = floor.tail(Config(2, 2, 2, "megatron,sp,zero1", microbatches=4))
+    got = {k[0]: b for k, _s, b in tp.layer.grads}
+    assert got == {"reduce_scatter": LAYER_PARAMS + 2 * 4096, "all_reduce": 4 * 4096}
+
+
+@pytest.mark.parametrize("cfg", [Config(8, 1, 1, "dp,zero1"), Config(8, 1, 1, "dp,zero3"),
+                                 Config(4, 2, 1, "megatron,sp,zero2", grad_accum=2)], ids=lambda c: c.label())
+def test_without_a_pipeline_the_tail_is_the_plans_optimizer(cfg: Config) -> None:
+    """Without a pipeline the optimizer's ops run after the last micro-step: the floor adds
+    exactly the plan's optimizer compute (to 1e-9: the tail's slack), never more."""
+    floor = _floor_of()
+    got = config_candidates(MODEL, cfg, "h100", OVER)
+    opt = got[0].estimate.compute_s["optimizer"]
+    t = floor.tail(cfg)
+    assert opt > 0 and t.optimizer(4) == pytest.approx(opt, rel=1e-8) and t.optimizer(4) <= opt
+    for c in got:
+        rc = c.config.recompute
+        assert floor.step(cfg, rc, gathers=True) - floor.step(cfg, rc) == pytest.approx(
+            opt, rel=1e-6) or "zero3" in cfg.strategy
+        assert floor.step(cfg, rc, gathers=True) <= c.step_s
+
+
+PIPES = [Config(4, 1, 2, "dp,zero1", microbatches=2), Config(2, 2, 2, "megatron,sp,zero1", microbatches=4, virtual=2),
+         Config(2, 1, 4, "dp,zero2", microbatches=4), Config(2, 2, 2, "megatron,sp,zero3", microbatches=4)]
+
+
+@pytest.mark.parametrize("cfg", PIPES, ids=lambda c: c.label())
+def test_each_ranks_tail_is_under_what_it_does_after_its_last_backward(cfg: Config) -> None:
+    """Rank r's tail (its layers as the plan splits them) is at most its gradient reductions'
+    end after its last backward plus its optimizer (pipeline._step_times); on a rank after the
+    first its reduction part is the plan's one bucket (the layers all alike: equal)."""
+    floor = _floor_of()
+    t = floor.tail(cfg)
+    p, v = cfg.pp, cfg.virtual
+    for c in config_candidates(MODEL, cfg, "h100", OVER):
+        e = c.estimate
+        for r in range(p):
+            mine = [e.stages[ch * p + r] for ch in range(v)]
+            end = e.run.finish_s[r]
+            done, _b = reduce_gradients(c.plan, [(end, *g[1:]) for s in mine for g in s.grads], end, r > 0)
+            n = sum(e.counts[ch * p + r] for ch in range(v))
+            o = sum(s.optimizer_s for s in mine)
+            tail = t.rank(r, p, n)
+            assert 0 < tail <= done - end + o, (r, tail, done - end, o)
+            if r > 0:  # the bucket exactly: the tail is not overcounted, nor left out
+                opt = n * t.layer.opt + (t.last.opt if r == p - 1 else 0.0)
+                assert tail - opt * (1 - 1e-9) == pytest.approx(done - end, rel=1e-6)
+        assert floor.step(cfg, c.config.recompute, gathers=True) <= c.step_s
+
+
+def test_the_busiest_rank_with_a_tail_by_hand() -> None:
+    """Two ranks, four layers of 1 s a microbatch, two microbatches: without a tail the busiest
+    rank's bound is 2 x 2 + 1 = 5 s (rank 1's two layers, then the chain before it, on rank 0).
+    Rank 1's tail follows its own last backward, not the chain: a tail of 1.5 s a layer on rank
+    1 alone gives 2 layers each max(4 + 3, 4 + 1) = 7 s or 3 on rank 0 (6 s; rank 1 then 2 +
+    max(1.5, 1) = 3.5 s): 6 s. A tail under the chain's 1 s adds nothing; rank 0's tail (0.25 s)
+    follows the chain."""
+    u = Units(0.0, 0.0, 1.0)
+    assert busiest_rank(u, 4, 2, 1, 2) == 5.0
+    assert busiest_rank(u, 4, 2, 1, 2, lambda r, n: 1.5 * n if r else 0.0) == 6.0
+    assert busiest_rank(u, 4, 2, 1, 2, lambda r, n: 0.5 if r else 0.0) == 5.0
+    assert busiest_rank(u, 4, 2, 1, 2, lambda r, n: 0.0 if r else 0.25) == 5.25
+
+
+def test_the_level_holders_tail_by_hand() -> None:
+    """The split floor's rank holding the level ``c`` (split_levels): rank 2 (no dense layer,
+    two layers before it) adds the larger of the chain before it and a middle rank's tail of
+    ``c`` layers; where the first rank may hold it, the least of its tail and a later rank's."""
+    def tail(moe: int, dense: int, first: bool, last: bool) -> float:
+        return 0.0 if first else 0.5 * moe + 0.25 * dense + (1.0 if last else 0.0)
+
+    shape = (4, 3, 1.0, 1.0)  # m, p, t, lam
+    assert level_low(12.0, 3, 2, (), shape) == 14.0
+    assert level_low(12.0, 3, 2, (), shape, tail) == 12.0 + max(2.0, 1.5)
+    assert level_low(12.0, 5, 2, (), shape, tail) == 12.0 + max(2.0, 2.5)
+    assert level_low(12.0, 3, 0, (), shape, tail) == 12.0  # the first rank: no reduction after it
+    assert level_low(12.0, 3, -1, ((1, 2),), shape, tail) == 4 * (3 + 2) + max(1.0, 1.5 + 0.5)
+
+
+@pytest.mark.parametrize("pair", [(Config(2, 2, 2, "megatron,sp,zero1", microbatches=4),
+                                   Config(2, 2, 2, "megatron,sp,zero1", microbatches=2)),
+                                  (Config(4, 1, 2, "dp,zero2", microbatches=2), Config(4, 1, 1, "dp,zero2"))],
+                         ids=lambda p: p[0].label())
+def test_the_tail_does_not_depend_on_the_batch(pair: tuple[Config, Config]) -> None:
+    """The tail's figures are the parameters' (gradient bytes, optimizer updates): planned on two
+    batches of a rank they are the same, which is why they are cached without it."""
+    a, b = pair
+    fa, fb = _floor_of(), _floor_of()
+    assert fa.own_key(a) != fb.own_key(b)
+    ta, tb = fa.tail(a), fb.tail(b)
+    assert (ta.layer, ta.dense_layer, ta.first, ta.last) == (tb.layer, tb.dense_layer, tb.first, tb.last)
