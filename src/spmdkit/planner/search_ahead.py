@@ -38,8 +38,10 @@ from typing import Any
 from spmdkit.planner.search_floor import NO_FLOOR, StepFloor
 from spmdkit.planner.search_space import Config
 
-#: a key's state in the shared array: free, planned by the search, planned by the worker
+#: a configuration's state in the shared array: free, computed by the search, by the worker
 _FREE, _SEARCH, _WORKER = 0, 1, 2
+#: how far past its place the search looks for a bound to compute while it waits for the worker
+LOOKAHEAD = 64
 
 
 def cores() -> int:
@@ -58,12 +60,14 @@ class Ahead:
 
     def __init__(self, floor: StepFloor, order: Sequence[Config], bound: Callable[..., float],
                  lows: Mapping[Config, float] | None = None) -> None:
-        self.floor = floor
+        self.floor, self.bound = floor, bound
         self.lows = lows or {}
         self.order = list(dict.fromkeys(order))
         self.index = {c: i for i, c in enumerate(self.order)}
         self.got: dict[int, tuple[float, float | None, list[Any]]] = {}
-        self.taken = self.gathered = 0  # bounds taken from the worker; of them, with the ZeRO-3 gathers
+        #: bounds taken from the worker; of them, with the configuration's own plans; computed by the
+        #: search ahead of its place while the worker computed the one it waited for
+        self.taken = self.gathered = self.meanwhile = 0
         ctx = multiprocessing.get_context("fork")
         self.state = ctx.RawArray("b", len(self.order))
         self.at = ctx.RawValue("i", 0)  # the search's place in ``order``: the worker skips what it has passed
@@ -96,16 +100,31 @@ class Ahead:
                         or not self._claim(i, _WORKER):
                     continue
                 before, had = self.floor.plans, set(cache)
-                with warnings.catch_warnings(record=True) as said:
-                    warnings.simplefilter("always")
-                    low = bound(cfg)
-                    z = bound(cfg, gathers=True) if low < self.best.value and self.floor.own_key(cfg) else None
+                low, z, notes = self._one(cfg, bound)
                 new = {k: (None if v is NO_FLOOR else v) for k, v in cache.items() if k not in had}
-                conn.send((i, low, z, new, self.floor.plans - before, [(w.message, w.category) for w in said]))
+                conn.send((i, low, z, new, self.floor.plans - before, notes))
         except Exception:
             pass  # what it has not received itself (and raises what that raises)
         finally:
             conn.close()
+
+    def _one(self, cfg: Config, bound: Callable[..., float]) -> tuple[float, float | None, list[Any]]:
+        """``cfg``'s bound, its bound from its own plans where the first is under the best found so
+        far, and the notes their plans raised."""
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            low = bound(cfg)
+            z = bound(cfg, gathers=True) if low < self.best.value and self.floor.own_key(cfg) else None
+        return low, z, [(w.message, w.category) for w in said]
+
+    def _next_free(self, j: int) -> int | None:
+        """The first configuration after ``j`` (within :data:`LOOKAHEAD`) that neither has claimed
+        and whose bound so far is under the best found, claimed for the search."""
+        for k in range(j + 1, min(j + 1 + LOOKAHEAD, len(self.order))):
+            if self.state[k] == _FREE and self.lows.get(self.order[k], -math.inf) < self.best.value \
+                    and self._claim(k, _SEARCH):
+                return k
+        return None
 
     def _receive(self, block: bool) -> bool:
         """One bound from the worker, its layer floors into the floor's cache (``block``: wait
@@ -136,8 +155,16 @@ class Ahead:
         self.at.value = i
         if i not in self.got and self._claim(i, _SEARCH):
             return None
-        while i not in self.got:
-            if not self._receive(block=True):
+        j = i
+        while i not in self.got:  # the worker is computing it: the next ones meanwhile, then wait
+            nxt = self._next_free(j)
+            if nxt is not None:
+                j = nxt
+                self.got[j] = self._one(self.order[j], self.bound)
+                self.meanwhile += 1
+                while self._receive(block=False):
+                    pass
+            elif not self._receive(block=True):
                 return None  # the worker ended without it: the search computes it
         low, z, notes = self.got.pop(i)
         for message, category in notes:
