@@ -82,6 +82,9 @@ _WORKER = textwrap.dedent('''
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
 
+    sys.path.insert(0, sys.argv[3])  # tests/: test_reshard's random dist attrs
+    from test_reshard import _rand_attr
+
     dist.init_process_group("gloo", init_method="env://")
     rank = dist.get_rank()
     def run(mesh_shape):
@@ -91,16 +94,7 @@ _WORKER = textwrap.dedent('''
         rng = np.random.default_rng(7)
 
         def rand_attr(ndim):
-            dm = [-1] * ndim
-            partial = []
-            for d in range(mesh.ndim):
-                u = r.random()
-                if u < 0.5:
-                    i = r.randrange(ndim)
-                    dm[i] = d if dm[i] == -1 else (*entry_dims(dm[i]), d)
-                elif u < 0.7:
-                    partial.append(d)
-            return TensorDistAttr(mesh, dm, partial)
+            return _rand_attr(r, mesh, ndim)
 
         kinds = set()
         bad = []
@@ -176,7 +170,7 @@ def test_every_reshard_step_runs_as_real_collectives(tmp_path: Path) -> None:
     script = tmp_path / "worker.py"
     script.write_text(_WORKER)
     shapes = [[2, 2], [4]]
-    got = _launch(script, json.dumps(shapes), "120")
+    got = _launch(script, json.dumps(shapes), "120", str(Path(__file__).parent))
     assert sorted(got) == sorted(json.dumps(m) for m in shapes)
     for shape, out in got.items():
         assert out["bad"] == [], shape
