@@ -21,7 +21,9 @@ The search's answer, its rows and what it prunes do not depend on who computed a
 models, bounds and floor are its memory as they were; only the bounds and floors it sends are
 pickled), exits when its work is done or the search closes the pipe (:meth:`Ahead.close`, or
 when the :class:`Ahead` is collected), and is a daemon (it dies with the search's process).
-Where ``fork`` is not available or the process has one core, none is started.
+Where ``fork`` is not available or the process has one core, none is started; a caller whose
+other threads may hold locks when it searches (``fork`` copies only the calling thread) passes
+``workers=0``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
+import signal
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -93,6 +96,7 @@ class Ahead:
         found so far (the search's best only falls: where the worker's is not under it, the
         search's will not be when it gets there)."""
         self.conn.close()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the search's to handle (it stops the worker)
         cache = self.floor.cache
         try:
             for i, cfg in enumerate(self.order):
