@@ -31,7 +31,9 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
+import queue
 import signal
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -98,6 +100,11 @@ class Ahead:
         self.conn.close()
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the search's to handle (it stops the worker)
         cache = self.floor.cache
+        # sent by a thread: a full pipe (the search planning a configuration for seconds, not
+        # reading) must not stop the worker computing
+        out: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        feeder = threading.Thread(target=_feed, args=(out, conn), daemon=True)
+        feeder.start()
         try:
             for i, cfg in enumerate(self.order):
                 if i < self.at.value or self.lows.get(cfg, -math.inf) >= self.best.value \
@@ -106,10 +113,12 @@ class Ahead:
                 before, had = self.floor.plans, set(cache)
                 low, z, notes = self._one(cfg, bound)
                 new = {k: (None if v is NO_FLOOR else v) for k, v in cache.items() if k not in had}
-                conn.send((i, low, z, new, self.floor.plans - before, notes))
+                out.put((i, low, z, new, self.floor.plans - before, notes))
         except Exception:
             pass  # what it has not received itself (and raises what that raises)
         finally:
+            out.put(None)
+            feeder.join()
             conn.close()
 
     def _one(self, cfg: Config, bound: Callable[..., float]) -> tuple[float, float | None, list[Any]]:
@@ -181,6 +190,16 @@ class Ahead:
         """Stop the worker (it may be computing bounds no one needs now)."""
         self.alive = False
         _stop(self.proc, self.conn)
+
+
+def _feed(out: queue.SimpleQueue[Any], conn: Connection) -> None:
+    """The worker's sender: each item of ``out`` through ``conn`` until None (or the search has
+    closed the pipe)."""
+    try:
+        for item in iter(out.get, None):
+            conn.send(item)
+    except (BrokenPipeError, OSError):
+        pass
 
 
 def _stop(proc: Any, conn: Connection) -> None:
