@@ -8,8 +8,8 @@
 ``cases`` writes a fixed JSON-lines case file (INTERFACE.md) and, beside it, a fixtures folder
 (``OUT.fixtures/``: program JSON files and HF configs that ``plan --program`` / ``plan --hf`` read).
 It is run once, on the tree before the refactor, and is the one part that imports that tree's
-internals (``spmdkit.sim.cases`` for generated cases, ``spmdkit.graph`` and ``spmdkit.hf`` for the
-program fixtures), in a child process whose PYTHONPATH is ``--tree``/src.
+internals (``spmdkit.sim.cases`` for generated cases, ``spmdkit.program`` and ``spmdkit.models``
+for the program fixtures; ``spmdkit.graph`` and ``spmdkit.hf`` on a tree from before issue 25), in a child process whose PYTHONPATH is ``--tree``/src.
 
 ``snapshot`` drives a tree through its command line only (``python -m spmdkit ...``, or
 ``spmdkit.cli.main(argv)`` in worker processes whose PYTHONPATH is DIR/src, one fresh working
@@ -567,8 +567,12 @@ HF_SMALL = {"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 4,
 
 def _write_program_fixtures(fix: Path) -> dict[str, Any]:
     """Program JSON files (zoo programs, a hand-built MLP, broken ones, imported HF models) and HF configs."""
-    from spmdkit.graph.program import ProgramBuilder
-    from spmdkit.graph.zoo import build_model, preset
+    try:  # the layout since the redesign (issue 25), else the one before it
+        from spmdkit.models.zoo import build_model, preset
+        from spmdkit.program.ir import ProgramBuilder
+    except ImportError:
+        from spmdkit.graph.program import ProgramBuilder
+        from spmdkit.graph.zoo import build_model, preset
 
     man: dict[str, Any] = {"programs": {}, "hf": {}, "notes": []}
     b = ProgramBuilder("mlp")
@@ -594,7 +598,10 @@ def _write_program_fixtures(fix: Path) -> dict[str, Any]:
     progs["broken-shape"] = json.dumps(d)
     try:
         import transformers  # noqa: F401
-        from spmdkit.hf import import_hf
+        try:
+            from spmdkit.models.hf import import_hf
+        except ImportError:
+            from spmdkit.hf import import_hf
         for name, (cls, cfg) in HF_MODELS.items():
             try:
                 prog, _m, _kw = import_hf(cls, cfg, dtype="float32", training=True)
