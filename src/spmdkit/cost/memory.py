@@ -69,10 +69,12 @@ from spmdkit.core.errors import ProgramError
 from spmdkit.cost.context import regathers, ring_buffers
 from spmdkit.cost.memory_cp import allgather_buffers
 from spmdkit.cost.moe import plan_loads
+from spmdkit.engine.memo import memo_table
 from spmdkit.program.ir import Op, Program, flat_refs
 from spmdkit.program.plan import Plan, Reshard
 
-_NUMEL: dict[tuple[TensorDistAttr, tuple[int, ...]], int] = {}
+#: local_numel's memo (emptied with the engine's memo tables, as cost.compute's op costs are)
+_NUMEL: dict[tuple[TensorDistAttr, tuple[int, ...]], int] = memo_table()
 
 
 def local_numel(attr: TensorDistAttr, shape: tuple[int, ...]) -> int:
