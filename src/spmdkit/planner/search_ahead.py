@@ -13,8 +13,10 @@ itself otherwise: each configuration is claimed once, under a lock; the worker s
 search has passed and what the best step found already prunes (its FLOPs bound at least the
 best: the search's best only falls, so the search will not refine it). A configuration's bound
 from its own plans (``gathers``: ZeRO-3's parameter gathers, every rank's tail) is computed by
-the worker where the first is under the best found so far (so wherever the search will need it). The strategies' notes a bound's plans
-raise in the worker are sent with it and raised when the search takes it.
+the worker where the first is under the best found so far (so wherever the search will need
+it). The strategies' notes a bound's plans raise in the worker are sent with it and raised when
+the search takes it. While the worker computes the bound the search waits for, the search
+computes the next free ones itself (within :data:`LOOKAHEAD`).
 
 The search's answer, its rows and what it prunes do not depend on who computed a bound
 (``tests/test_search_ahead.py``); only the wall time does. The worker is forked (the search's
@@ -70,8 +72,9 @@ class Ahead:
         self.order = list(dict.fromkeys(order))
         self.index = {c: i for i, c in enumerate(self.order)}
         self.got: dict[int, tuple[float, float | None, list[Any]]] = {}
-        #: bounds taken from the worker; of them, with the configuration's own plans; computed by the
-        #: search ahead of its place while the worker computed the one it waited for
+        #: bounds the search took from here (the worker's, and those it computed ahead of its
+        #: place while the worker computed the one it waited for: ``meanwhile``); of them, those
+        #: with the configuration's own plans
         self.taken = self.gathered = self.meanwhile = 0
         ctx = multiprocessing.get_context("fork")
         self.state = ctx.RawArray("b", len(self.order))
@@ -156,9 +159,10 @@ class Ahead:
         return True
 
     def take(self, cfg: Config, best: float) -> tuple[float, float | None] | None:
-        """``cfg``'s bound from the worker and, where it computed it, its bound with the ZeRO-3
-        gathers (the notes their plans raised, raised now), or None: the search computes them
-        (claimed, so the worker does not). ``best``: the best step the search has found."""
+        """``cfg``'s bound from the worker and, where it computed it, its bound from its own plans
+        (``gathers``: ZeRO-3's gathers, each rank's tail; the notes their plans raised, raised
+        now), or None: the search computes them (claimed, so the worker does not). ``best``: the
+        best step the search has found."""
         self.best.value = best
         while self._receive(block=False):
             pass
