@@ -4,10 +4,13 @@ Notation (letters; ``1`` a size-1 axis)::
 
     moe_combine            th, sk, sk -> sh          (x, combine_weights, scatter_index -> y)
                            t replicated; y partial SUM over the mesh dims of k; h replicated
-                           where k is sharded (as Paddle)
+                           where k is sharded (as Paddle). ``local_rows``: t keeps its sharding
+                           and y is partial SUM over its mesh dims too
     moe_combine_grad       th, sk, sk, sh -> th, sk, sk   (x, combine_weights, scatter_index, grad_y ->
                            grad_x, grad_combine_weights, grad_scatter_index); t, k replicated;
-                           grad_x partial SUM over s, grad_combine_weights partial SUM over h
+                           grad_x partial SUM over s, grad_combine_weights partial SUM over h.
+                           ``local_rows``: t keeps its sharding (grad_x too), grad_combine_weights
+                           partial SUM over its mesh dims
     moe_gate_dispatch      sh, se, e -> ech, sk, ks, e, sk   (x, gate_logits, corr_bias -> y,
                            combine_weights, scatter_index, expert_offset, expert_id); only h may
                            stay sharded (s, e, k, c replicated); nothing partial
@@ -28,6 +31,14 @@ before it, so s (and the capacity axis) stay replicated, and the top-k over expe
 expert, so e stays replicated. The combine weights are the gate values of the chosen experts
 (``gate_logits[i, expert_id[i, k]]``, chosen by ``gate_logits + corr_bias``); the grad kernel
 scatters grad_combine_weights back to those experts.
+
+``local_rows`` (spmdkit's, default False; Paddle has no such attribute) is what the vocab-parallel
+embedding does with its table's rows: a rank holding a block of x's rows (its first row's global
+index from the simulator's ``localize`` hook, the torch kernel the same) sums only the rows it
+holds, its share of y, and writes only their gradient. The planner sets it where that is cheaper
+than gathering the rows (the rule's ``choice`` fact, :mod:`spmdkit.planner.propagate`): experts'
+rows that come back sharded over tp (ETP = 1 without ``sp``, docs/experts.md) are combined where
+they are and y is reduced once, instead of the rows being all-gathered.
 
 Deviations from Paddle 3.3.1 (``docs/deviations.md`` ``moe-amp-*``): moe_combine's x rows
 replicated (Paddle shards them with s) and y partial over k's own mesh dim (Paddle always names
@@ -67,13 +78,18 @@ def _b(nd: int, labels: list[str], skip: tuple[int, ...] = ()) -> list[str]:
     return [x if i in skip else lead + x for i, x in enumerate(labels)]
 
 
-def _combine(nd: int) -> Notation:
-    return Notation(_b(nd, ["th", "sk", "sk"]), _b(nd, ["sh"]), replicated="t", coshard=Coshard.LARGEST)
-
-
-def _combine_grad(nd: int) -> Notation:
-    return Notation(_b(nd, ["th", "sk", "sk", "sh"]), _b(nd, ["th", "sk", "sk"]), replicated="tk",
+def _combine(nd: int, local_rows: bool = False) -> Notation:
+    """``local_rows``: x's row axis t keeps its sharding (each rank sums the rows it holds: y
+    partial SUM over t's mesh dims, as the vocab-parallel embedding's rows); else t replicated."""
+    return Notation(_b(nd, ["th", "sk", "sk"]), _b(nd, ["sh"]), replicated="" if local_rows else "t",
                     coshard=Coshard.LARGEST)
+
+
+def _combine_grad(nd: int, local_rows: bool = False) -> Notation:
+    """``local_rows``: t keeps its sharding (each rank writes the gradient of its own rows;
+    grad_combine_weights, without t, partial SUM over its mesh dims); else t replicated."""
+    return Notation(_b(nd, ["th", "sk", "sk", "sh"]), _b(nd, ["th", "sk", "sk"]),
+                    replicated="k" if local_rows else "tk", coshard=Coshard.LARGEST)
 
 
 def _dispatch_grad(nd: int) -> Notation:
@@ -153,15 +169,18 @@ def _experts(op: str, gate_logits: DistTensorSpec, k: int) -> None:
 
 
 declare(
-    "moe_combine", "x: T, combine_weights: T, scatter_index: T",
-    Way(_combine, key="x", shapes=_COMBINE_SHAPES, letters=True, post=_combine_post, check=_combine_ranks,
+    "moe_combine", "x: T, combine_weights: T, scatter_index: T, local_rows: bool = False",
+    Way(_combine, key="x, local_rows", shapes=_COMBINE_SHAPES, letters=True, post=_combine_post, check=_combine_ranks,
         paddle="MoECombineInferSpmd", doc="moe_combine (MoECombineInferSpmd): rows of x replicated (gathered "
-        "through scatter_index), s and h follow the inputs; y partial SUM over k's mesh dims."),
-    grad=Way(_combine_grad, key="x", shapes=_COMBINE_SHAPES + "; grad_y: ... _ _",
+        "through scatter_index; with local_rows kept sharded, y partial SUM over their mesh dims), s and h follow "
+        "the inputs; y partial SUM over k's mesh dims."),
+    grad=Way(_combine_grad, key="x, local_rows", shapes=_COMBINE_SHAPES + "; grad_y: ... _ _",
              letters=True, post=_combine_grad_post, check=_combine_grad_ranks, paddle="MoECombineGradInferSpmd",
-             doc="moe_combine_grad (MoECombineGradInferSpmd): x rows and k replicated; grad_x scatters the rows a "
-                 "rank holds (partial SUM over s), grad_combine_weights sums over h (partial SUM over h)."),
-    grad_signature="x: T, combine_weights: T, scatter_index: T, grad_y: T", grad_name="moe_combine_grad",
+             doc="moe_combine_grad (MoECombineGradInferSpmd): x rows (unless local_rows) and k replicated; grad_x "
+                 "scatters the rows a rank holds (partial SUM over s), grad_combine_weights sums over h (partial SUM "
+                 "over h) and, with local_rows, over the rows' mesh dims."),
+    grad_signature="x: T, combine_weights: T, scatter_index: T, grad_y: T, local_rows: bool = False",
+    grad_name="moe_combine_grad",
 )  # fmt: skip
 declare(
     "moe_gate_dispatch", "x: T, gate_logits: T, corr_bias: T?, k: int, capacity: int, use_pad: bool, "

@@ -15,7 +15,9 @@ batch, the tokens and the top-k choices (no Python loop over tokens).
   grad_combine_weights to the chosen experts.
 - ``moe_combine`` gathers x's rows through scatter_index and sums them weighted; its grad scatters
   ``grad_y * w`` back to the rows (``scatter_add``), sums ``grad_y * x[scatter_index]`` over h and
-  gives a zero grad_scatter_index (an index has no gradient).
+  gives a zero grad_scatter_index (an index has no gradient). A rank holding a block of the rows
+  (``local_rows``; its first row's global index from the reference's ``localize`` hook) sums and
+  writes only the rows it holds: its share of the sum.
 """
 
 from __future__ import annotations
@@ -52,30 +54,48 @@ def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 # -- moe_combine -----------------------------------------------------------------------------------
 
 
-def _combine(x: torch.Tensor, w: torch.Tensor, si: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return (torch.einsum("bskh,bsk->bsh", _rows(x, si), w.to(x.dtype)),)
+def _own(x: torch.Tensor, si: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each global row index of ``si`` as a row of this rank's x [B, T_local, H], clamped where the
+    rank does not hold it; whether it holds it): its rows are ``[start, start + T_local)``."""
+    idx = si - start
+    ok = (idx >= 0) & (idx < x.shape[1])
+    return torch.where(ok, idx, torch.zeros_like(idx)), ok
 
 
-def _combine_grad(x: torch.Tensor, w: torch.Tensor, si: torch.Tensor, gy: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _combine(x: torch.Tensor, w: torch.Tensor, si: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, ...]:
+    idx, ok = _own(x, si, start)
+    if x.shape[1] == 0:
+        return (torch.zeros((*si.shape[:2], x.shape[-1]), dtype=x.dtype, device=x.device),)
+    return (torch.einsum("bskh,bsk->bsh", _rows(x, idx), (w * ok).to(x.dtype)),)
+
+
+def _combine_grad(x: torch.Tensor, w: torch.Tensor, si: torch.Tensor, gy: torch.Tensor, start: int = 0
+                  ) -> tuple[torch.Tensor, ...]:
     b, s, k = si.shape
     h = x.shape[-1]
-    contrib = (gy[:, :, None, :] * w.to(gy.dtype)[:, :, :, None]).reshape(b, s * k, h)
+    idx, ok = _own(x, si, start)
+    wk = (w * ok).to(gy.dtype)
+    contrib = (gy[:, :, None, :] * wk[:, :, :, None]).reshape(b, s * k, h)
     gx = torch.zeros(x.shape, dtype=gy.dtype, device=gy.device)
-    gx.scatter_add_(1, si.reshape(b, s * k, 1).expand(-1, -1, h), contrib)
-    gw = torch.einsum("bskh,bsh->bsk", _rows(x, si).to(gy.dtype), gy).to(w.dtype)
+    if x.shape[1] == 0:
+        return gx.to(x.dtype), torch.zeros_like(w), torch.zeros(si.shape, dtype=w.dtype, device=w.device)
+    gx.scatter_add_(1, idx.reshape(b, s * k, 1).expand(-1, -1, h), contrib)
+    gw = (torch.einsum("bskh,bsh->bsk", _rows(x, idx).to(gy.dtype), gy) * ok).to(w.dtype)
     return gx.to(x.dtype), gw, torch.zeros(si.shape, dtype=w.dtype, device=w.device)
 
 
 @register("moe_combine")
 def _k_combine(a: Args, c: Ctx) -> tuple[Any, ...]:
-    return _batched(_combine, 2, floating(a["x"]), floating(a["combine_weights"]),
+    start = int(a.get("_row_start", 0))
+    return _batched(lambda x, w, si: _combine(x, w, si, start), 2, floating(a["x"]), floating(a["combine_weights"]),
                     tensor(a["scatter_index"]).to(torch.int64))
 
 
 @register("moe_combine_grad")
 def _k_combine_grad(a: Args, c: Ctx) -> tuple[Any, ...]:
-    return _batched(_combine_grad, 2, floating(a["x"]), floating(a["combine_weights"]),
-                    tensor(a["scatter_index"]).to(torch.int64), floating(a["grad_y"]))
+    start = int(a.get("_row_start", 0))
+    return _batched(lambda x, w, si, gy: _combine_grad(x, w, si, gy, start), 2, floating(a["x"]),
+                    floating(a["combine_weights"]), tensor(a["scatter_index"]).to(torch.int64), floating(a["grad_y"]))
 
 
 # -- moe_gate_dispatch -----------------------------------------------------------------------------

@@ -4,7 +4,10 @@ moe_gate_dispatch and their grads.
 ``moe_combine``: ``y[i] = sum_k x[scatter_index[i, k]] * combine_weights[i, k]`` with global row
 indices (``prepare`` folds scatter_index into x's rows); its grad scatters ``grad_y * w`` back to
 x's rows (``grad_x``), sums ``grad_y * x[scatter_index]`` over h (``grad_combine_weights``) and
-gives a zero ``grad_scatter_index`` (an index has no gradient).
+gives a zero ``grad_scatter_index`` (an index has no gradient). A rank holding a block of x's
+rows (``local_rows``: the ``localize`` hook gives it the global index of its first row) sums,
+and writes the gradient of, only the rows it holds: its y and grad_combine_weights are its
+share of the sum (the rule answers them partial SUM over the rows' mesh dims).
 
 ``moe_gate_dispatch``: one global dispatch in ``use_pad`` layout. The experts of a token are the
 top k of ``gate_logits + corr_bias`` (group-limited with ``groups`` > 1: among the experts of its
@@ -24,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from spmdkit.sim.cases import GENERATORS, TGen, rand_size
+from spmdkit.sim.mesh import local_slices
 from spmdkit.sim.reference import Arrays, Ctx, Reference, register_reference
 
 
@@ -48,23 +52,55 @@ def _batched(fn: Any, *arrays: np.ndarray, rank: int = 2) -> tuple[np.ndarray, .
     return tuple(np.stack([r[i] for r in rows]) for i in range(len(rows[0]))) if rows else ()
 
 
-def _combine2(x: np.ndarray, w: np.ndarray, si: np.ndarray) -> tuple[np.ndarray]:
-    return (np.einsum("skh,sk->sh", x[si], w),)
+def _own(x: np.ndarray, si: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the local row of each global index in ``si``, 0 where this rank does not hold it; whether
+    it holds it): a rank holding rows ``[start, start + len(x))`` of x (``local_rows``)."""
+    idx = si - start
+    ok = (idx >= 0) & (idx < x.shape[0])
+    return np.where(ok, idx, 0), ok
 
 
-def _combine(a: Arrays, c: Ctx) -> tuple[Any, ...]:
-    return _batched(_combine2, _f(a["x"]), _f(a["combine_weights"]), _i(a["scatter_index"]))
+def _combine2(x: np.ndarray, w: np.ndarray, si: np.ndarray, start: int = 0) -> tuple[np.ndarray]:
+    if not x.shape[0]:
+        return (np.zeros((si.shape[0], x.shape[1])),)
+    idx, ok = _own(x, si, start)
+    return (np.einsum("skh,sk->sh", x[idx], w * ok),)
 
 
-def _combine_grad2(x: np.ndarray, w: np.ndarray, si: np.ndarray, gy: np.ndarray) -> tuple[np.ndarray, ...]:
+def _combine_grad2(x: np.ndarray, w: np.ndarray, si: np.ndarray, gy: np.ndarray, start: int = 0
+                   ) -> tuple[np.ndarray, ...]:
     gx = np.zeros_like(x)
-    np.add.at(gx, si.reshape(-1), (gy[:, None, :] * w[:, :, None]).reshape(si.size, x.shape[1]))
-    gw = np.einsum("skh,sh->sk", x[si], gy)
+    if not x.shape[0]:
+        return gx, np.zeros(si.shape), np.zeros(si.shape)
+    idx, ok = _own(x, si, start)
+    np.add.at(gx, idx[ok], (gy[:, None, :] * w[:, :, None])[ok])
+    gw = np.einsum("skh,sh->sk", x[idx], gy) * ok
     return gx, gw, np.zeros(si.shape)
 
 
+def _rows_start(c: Ctx) -> int:
+    """The global index of the first row of x a rank holds (x's row axis, -2, sharded under
+    ``local_rows``; 0 for the global run and for rows held whole)."""
+    attr, shape = c.in_attrs.get("x"), c.shapes.get("x")
+    if c.is_global or c.coords is None or attr is None or shape is None or len(shape) < 2:
+        return 0
+    return int(local_slices(attr, shape, c.coords)[-2].start)
+
+
+def _localize_rows(a: Arrays, c: Ctx) -> Arrays:
+    return {**a, "_row_start": _rows_start(c)}
+
+
+def _combine(a: Arrays, c: Ctx) -> tuple[Any, ...]:
+    start = int(a.get("_row_start", 0))
+    return _batched(lambda x, w, si: _combine2(x, w, si, start), _f(a["x"]), _f(a["combine_weights"]),
+                    _i(a["scatter_index"]))
+
+
 def _combine_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
-    return _batched(_combine_grad2, _f(a["x"]), _f(a["combine_weights"]), _i(a["scatter_index"]), _f(a["grad_y"]))
+    start = int(a.get("_row_start", 0))
+    return _batched(lambda x, w, si, gy: _combine_grad2(x, w, si, gy, start), _f(a["x"]), _f(a["combine_weights"]),
+                    _i(a["scatter_index"]), _f(a["grad_y"]))
 
 
 def _prep_combine(a: Arrays) -> None:
@@ -73,10 +109,11 @@ def _prep_combine(a: Arrays) -> None:
 
 
 register_reference(Reference("moe_combine", _combine, ("x", "combine_weights", "scatter_index"), ("y",),
-                             "moe_combine", domains={"scatter_index": "int"}, prepare=_prep_combine))
+                             "moe_combine", domains={"scatter_index": "int"}, prepare=_prep_combine,
+                             localize=_localize_rows))
 register_reference(Reference("moe_combine_grad", _combine_grad, ("x", "combine_weights", "scatter_index", "grad_y"),
                              ("grad_x", "grad_combine_weights", "grad_scatter_index"), "moe_combine_grad",
-                             domains={"scatter_index": "int"}, prepare=_prep_combine))
+                             domains={"scatter_index": "int"}, prepare=_prep_combine, localize=_localize_rows))
 
 # -- moe_gate_dispatch -----------------------------------------------------------------------------
 
@@ -175,7 +212,8 @@ register_reference(Reference("moe_gate_dispatch_grad", _dispatch_grad,
 def _g_combine(r: random.Random, m: list[int], ref: Reference) -> dict[str, Any]:
     s, k, h = rand_size(r, m), r.randint(1, 3), rand_size(r, m)
     rows = s * k if r.random() < 0.7 else rand_size(r, m)
-    return {"x": TGen((rows, h)), "combine_weights": TGen((s, k)), "scatter_index": TGen((s, k), "int")}
+    return {"x": TGen((rows, h)), "combine_weights": TGen((s, k)), "scatter_index": TGen((s, k), "int"),
+            "local_rows": r.random() < 0.5}
 
 
 def _g_combine_grad(r: random.Random, m: list[int], ref: Reference) -> dict[str, Any]:
