@@ -277,7 +277,10 @@ def test_an_hf_mixtral_plans_etp1_as_the_catalog_model() -> None:
     """`plan --hf MixtralForCausalLM` (the published config, 1 layer, seq 64, batch 4) on ep=2 x
     tp=2 with etp=1: its expert stacks whole over (tp, ep), its layer's collectives (kind, mesh
     dims, bytes) those of `--model mixtral-8x7b`: the all-to-alls at half ETP = tp's bytes, the
-    rows all-gathered over tp once each way."""
+    rows all-gathered over tp before the forward's moe_combine (top-2: the gather of 2 rows a
+    token costs what the all-reduce of the output would, the planner keeps the gather) and the
+    dispatched tokens' gradient gathered over tp; moe_combine_grad works on the rows each tp rank
+    holds (local_rows), its combine weights' gradient [2, 64, 2] all-reduced over tp."""
     from pathlib import Path
 
     from spmdkit.planner.planning import plan_hf, plan_preset
@@ -293,6 +296,10 @@ def test_an_hf_mixtral_plans_etp1_as_the_catalog_model() -> None:
         per = [collections.Counter((p.program.ops[r.op_index].phase, s.kind, s.mesh_dims, s.bytes_per_rank)
                                    for r, s in p.collectives() if re.search(r"layers?[. ]0\b", p.program.ops[r.op_index].layer or "")
                                    and p.program.ops[r.op_index].phase != "optimizer") for p in (hp, cp)]
+        if "etp=1" in st:  # the combine weights' gradient, partial over tp (moe_combine_grad on the rows each
+            # tp rank holds): HF's in float32 (its router's dtype), the catalog's in bf16
+            assert per[0].pop(("backward", "all_reduce", (1,), 2 * 64 * 2 * 4)) == 1
+            assert per[1].pop(("backward", "all_reduce", (1,), 2 * 64 * 2 * 2)) == 1
         assert per[0] == per[1], st
         got[st] = per[0]
         if "etp=1" in st:
@@ -360,3 +367,46 @@ def test_chunks_only_under_sp_and_etp1() -> None:
         model, plan, _ = plan_model(json.dumps({**MOE, "layers": 1}), "dp=2,ep=2,tp=2", st)
         assert model.config.moe_chunks == chunks, st
         assert len(plan.program.tensors["layers.0.dispatch"].shape) == (5 if chunks > 1 else 4)
+
+
+# -- without sp: moe_combine on the rows each tp rank holds (local_rows) where that is cheaper ------------
+
+
+def _combines(plan: Any) -> list[tuple[str, Any]]:
+    return [(o.op.rule, o.op.attrs.get("local_rows", False)) for o in plan.ops if o.op.rule.startswith("moe_combine")]
+
+
+def test_without_sp_the_planner_combines_the_rows_where_they_are_when_cheaper() -> None:
+    """ETP = 1 without sp, batch 16 x seq 4096, bf16, dp=2 x ep=4 x tp=2, one layer: the experts'
+    rows come back over ep sharded over tp (each tp rank its own experts'). Qwen3-30B-A3B (top 8
+    of 128, capacity 4096 x 8 / 128 = 256, rows [2, 128 x 256, 2048] a rank): gathering them over
+    tp is half of 256 MiB = 128 MiB; moe_combine on each rank's rows (local_rows) leaves its
+    output [2, 4096, 2048] partial, one all-reduce of 32 MiB, and the combine weights' gradient
+    [2, 4096, 8] partial (an all-reduce of 128 KiB). Mixtral-8x7B (top 2): the gather (64 MiB)
+    costs what the all-reduce of the output would (64 MiB) and takes one step less, so the
+    forward keeps it; its backward works on the rows each rank holds (the gathered copy is not
+    kept, a 32 KiB all-reduce of the weights' gradient instead)."""
+    over = {"layers": 1, "batch": 16, "seq": 4096}
+    _, q, _ = plan_model("qwen3-30b-a3b", "dp=2,ep=4,tp=2", "dp,ep,megatron,etp=1", over)
+    assert _combines(q) == [("moe_combine", True), ("moe_combine_grad", True)]
+    got = {k: n for k, n in _per_layer(q, "layers.0.").items() if k[2] == "tp" and "attn" not in k[3]}
+    assert got == {("forward", "all_reduce", "tp", "moe_out", 2 * 4096 * 2048 * 2): 1,
+                   ("backward", "all_reduce", "tp", "dispatch.weights.grad", 2 * 4096 * 8 * 2): 1,
+                   ("backward", "all_gather", "tp", "dispatch.grad.sum", 2 * 128 * 256 * 2048 * 2 // 2): 1}
+    _, m, _ = plan_model("mixtral-8x7b", "dp=2,ep=4,tp=2", "dp,ep,megatron,etp=1", over)
+    assert _combines(m) == [("moe_combine", False), ("moe_combine_grad", True)]
+    rows = 2 * 8 * 1024 * 4096 * 2  # [2, 8 x 1024, 4096] bf16 a rank
+    got = {k: n for k, n in _per_layer(m, "layers.0.").items() if k[2] == "tp" and "attn" not in k[3]}
+    assert got == {("forward", "all_gather", "tp", "experts.rows", rows // 2): 1,
+                   ("backward", "all_reduce", "tp", "dispatch.weights.grad", 2 * 4096 * 2 * 2): 1,
+                   ("backward", "all_gather", "tp", "dispatch.grad.sum", rows // 2): 1}
+
+
+def test_local_rows_is_the_planners_choice_not_the_programs() -> None:
+    """The program's moe_combine ops keep local_rows unset; the plan records the call it chose
+    (its OpPlan's op), and the rule under it answers y partial over tp."""
+    _, q, _ = plan_model("qwen3-30b-a3b", "dp=2,ep=4,tp=2", "dp,ep,megatron,etp=1",
+                         {"layers": 1, "batch": 16, "seq": 4096})
+    i = next(o.index for o in q.ops if o.op.rule == "moe_combine")
+    assert "local_rows" not in q.program.ops[i].attrs and q.ops[i].op.attrs["local_rows"] is True
+    assert dict(q.ops[i].outputs[0].partial) == {2: "sum"}

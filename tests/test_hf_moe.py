@@ -324,6 +324,36 @@ def test_run_hf_moe_equals_torch_eager(name: str, mesh: str, strategy: str, over
     assert {("all_reduce", 0), over} <= kinds
 
 
+#: a Qwen3-MoE with top 8 of 16 experts, wide enough (hidden 256, seq 256) that combining each tp
+#: rank's rows where they are costs less than gathering them (tests/test_etp.py, local_rows)
+QWEN3_TOP8 = dict(T, num_hidden_layers=1, hidden_size=256, intermediate_size=512, max_position_embeddings=256,
+                  num_experts=16, num_experts_per_tok=8, moe_intermediate_size=32, norm_topk_prob=True)
+
+
+def test_run_hf_moe_combining_the_rows_where_they_are_equals_torch_eager() -> None:
+    """`spmdkit run --hf` (torch kernels) on ep=2 x tp=2, etp=1 without sp: the experts whole over
+    ep x tp, the rows back over ep stay sharded over tp and moe_combine sums each rank's own
+    (local_rows): its output all-reduced over tp, no all-gather of the rows; moe_combine_grad
+    writes each rank's rows' gradient, the combine weights' gradient all-reduced over tp. The
+    loss and every gradient equal torch eager of the HF model."""
+    p = subprocess.run([sys.executable, "-m", "spmdkit", "run", "--json", "--timeout", "120", "--warmup", "0",
+                        "--hf", "Qwen3MoeForCausalLM", "--hf-config", json.dumps(QWEN3_TOP8), "--mesh", "ep=2,tp=2",
+                        "--strategy", "ep,megatron,etp=1", "--batch", "4", "--seq", "256"], capture_output=True,
+                       text=True, env=dict(os.environ, PYTHONPATH=str(ROOT / "src")), timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    rep = json.loads(p.stdout.strip().splitlines()[-1])
+    assert rep["ok"] and rep["collectives_match"] and not rep["failures"] and rep["nonfinite"] == 0
+    assert rep["kernels"] == "torch" and rep["world_size"] == 4
+    eager = rep["eager"]
+    assert eager["dtype"] == "float32" and not eager["failures"] and eager["max_rel_error"] <= 1e-5
+    assert rep["loss"] == pytest.approx(eager["loss"], rel=1e-5)
+    tp = Counter((c["kind"], c["tensor"]) for c in rep["collectives"] if c["mesh_dim"] == 1)
+    assert not [t for k, t in tp if k == "all_gather" and "rows" in t]
+    assert tp[("all_reduce", "reshape_2")] == 1  # moe_combine's partial output, reshaped to [B, S, H]
+    assert tp[("all_reduce", "moe_experts.weights_norm.grad")] == 1
+    assert {c["kind"] for c in rep["collectives"] if c["mesh_dim"] == 0} == {"all_to_all", "all_reduce"}
+
+
 #: DeepSeek-V3's architecture at scaled widths (MLA, 1 dense layer first, 8 routed experts top 2,
 #: 1 shared, sigmoid routing with a correction bias), its config as HF's config.json
 DS_SCALED = {"model_type": "deepseek_v3", "vocab_size": 512, "hidden_size": 256, "intermediate_size": 512,

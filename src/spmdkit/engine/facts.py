@@ -17,7 +17,10 @@ and, beside each, the op's other facts with :func:`facts`:
   shapes and attributes: data-dependent sizes, kernel workspace);
 * ``grad_like``: for a grad rule without a ``shape``, the tensor parameter each output has the
   shape of, where deriving it from the base rule's signature does not say
-  (:mod:`spmdkit.program.shapes`).
+  (:mod:`spmdkit.program.shapes`);
+* ``choice``: an attribute the planner sets, ``(name, values)``: the rule answers otherwise
+  under each value and the kernel computes every such answer (moe_combine's ``local_rows``); the
+  propagation keeps the cheapest (:mod:`spmdkit.planner.propagate`).
 
 Shape functions take and answer the types of :mod:`spmdkit.engine.outshape`.
 
@@ -166,6 +169,7 @@ class OpFacts:
     collectives: ClassAllReduces | None = None
     outputs: tuple[str, ...] | None = None
     ring: RingPass | None = None
+    choice: tuple[str, tuple[Any, ...]] | None = None
 
 
 _FACTS: dict[str, OpFacts] = {}
@@ -175,7 +179,8 @@ def facts(*names: str, shape: Callable[..., Any] | None = None, cost: CostFn | N
           grad: str | None = None, wrt: tuple[str, ...] | None = None,
           grad_reads: tuple[tuple[str, str], ...] | None = None, unchecked: str | None = None,
           grad_like: tuple[str, ...] | None = None, collectives: ClassAllReduces | None = None,
-          outputs: tuple[str, ...] | None = None, ring: RingPass | None = None) -> None:
+          outputs: tuple[str, ...] | None = None, ring: RingPass | None = None,
+          choice: tuple[str, tuple[Any, ...]] | None = None) -> None:
     """Declare facts of the rules ``names`` (a fact given again for a name replaces the earlier one;
     facts not given keep what an earlier call declared)."""
     if not names:
@@ -189,7 +194,8 @@ def facts(*names: str, shape: Callable[..., Any] | None = None, cost: CostFn | N
                                grad_like if grad_like is not None else old.grad_like,
                                collectives if collectives is not None else old.collectives,
                                outputs if outputs is not None else old.outputs,
-                               ring if ring is not None else old.ring)
+                               ring if ring is not None else old.ring,
+                               choice if choice is not None else old.choice)
 
 
 def facts_of(name: str) -> OpFacts:

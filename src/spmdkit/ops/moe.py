@@ -243,6 +243,8 @@ facts("moe_gate_dispatch", shape=_dispatch_shape, grad="moe_gate_dispatch_grad",
       unchecked="y is checked in the padded layout only (the rule's rank-3 answer, [E, capacity, H])")
 facts("moe_gate_dispatch_grad", shape=_dispatch_grad_shape)
 facts("moe_combine_grad", grad_like=("x", "combine_weights", "scatter_index"))
+# the planner combines the rows where they are (local_rows) where that is cheaper than gathering them
+facts("moe_combine", "moe_combine_grad", choice=("local_rows", (False, True)))
 
 
 # -- cost: the routing is memory-bound (Megatron-Core's alltoall token dispatcher: top-k, the

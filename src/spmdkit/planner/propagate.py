@@ -41,6 +41,7 @@ copy is freed after use), and the optimizer-phase ops read the stored shard.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -49,7 +50,9 @@ from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel, ReshardPlan, merge_groups, plan_reshard
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
+from spmdkit.engine.axes import unpartial
 from spmdkit.engine.cache_keys import UNCACHEABLE, value_key
+from spmdkit.engine.facts import facts_of
 from spmdkit.engine.memo import gc_paused, memo_enabled
 from spmdkit.engine.registry import get_rule, is_reverse, output_params
 from spmdkit.planner.fuse import infer_fused
@@ -194,6 +197,22 @@ def _program_calls(program: Program) -> tuple[list[_OpCall], dict[str, int]]:
     return calls, readers
 
 
+def _choice_calls(program: Program) -> dict[int, list[_OpCall]]:
+    """Per op whose rule declares a ``choice`` fact (an attribute the planner sets,
+    :mod:`spmdkit.engine.facts`): the op's calls under each other value of that attribute."""
+    shapes = {n: t.shape for n, t in program.tensors.items()}
+    out: dict[int, list[_OpCall]] = {}
+    for i, op in enumerate(program.ops):
+        ch = facts_of(get_rule(op.rule).name).choice
+        if ch is not None:
+            name, values = ch
+            alts = [_OpCall(replace(op, attrs={**op.attrs, name: v}), shapes) for v in values
+                    if v != op.attrs.get(name, values[0])]
+            if alts:
+                out[i] = alts
+    return out
+
+
 def _parse_annotations(prog: Program, mesh: ProcessMesh,
                        annotations: Mapping[str, Any] | None, what: str = "annotation") -> dict[str, TensorDistAttr]:
     out: dict[str, TensorDistAttr] = {}
@@ -269,6 +288,10 @@ class _Propagation:
         # the ops' calls and how many ops read each tensor: functions of the program alone, made
         # once per program (read only here) and shared by every plan of it
         self.calls, self.readers = program.derived("propagate.calls", _program_calls)
+        # ops whose rule has an attribute the planner sets: the calls under its other values, and
+        # the one each op's last forward answer came from
+        self.alts: dict[int, list[_OpCall]] = program.derived("propagate.choices", _choice_calls)
+        self.picked: dict[int, _OpCall] = {}
         # outputs that overwrite one of their op's inputs in place: held in that input's dist attr
         self.tied: dict[int, dict[str, str]] = {}
         for i, c in enumerate(self.calls):
@@ -406,6 +429,31 @@ class _Propagation:
             return res  # the reverse rule has no answer here: the forward one stands
         return alt if self.price(c, alt, targets) <= self.price(c, res, targets) else res
 
+    # -- an attribute the planner sets: the cheapest answer
+
+    def choose(self, i: int, c: _OpCall, res: SpmdResult) -> SpmdResult:
+        """The cheapest of op ``i``'s answers under each value of its rule's ``choice`` attribute,
+        by (time, bytes) of the reshards of its inputs from how they are held plus the reduction
+        of its partial outputs (the readers reduce them; ties: the op's own value); the call it
+        came from is kept for the plan."""
+        best, best_cost = (c, res), self.price_reduced(c, res)
+        for alt in self.alts[i]:
+            got = self.run(i, alt, False)
+            cost = self.price_reduced(alt, got)
+            if cost < best_cost:
+                best, best_cost = (alt, got), cost
+        self.picked[i] = best[0]
+        return best[1]
+
+    def price_reduced(self, c: _OpCall, res: SpmdResult) -> tuple[float, int]:
+        t, b = self.price(c, res, {})
+        for v, a in zip(c.op.outputs, res.outputs):
+            for n, x in zip(flat_refs(v), _flat_attrs(a)):
+                if n is not None and x is not None and x.partial:
+                    rp = self.plan_of(n, x, unpartial(x))
+                    t, b = t + rp.time_s, b + rp.bytes_per_rank
+        return t, b
+
     # -- the sweeps
 
     def sweeps(self, progress: Callable[[int, int], None] | None) -> tuple[list[SpmdResult | None], int]:
@@ -442,6 +490,8 @@ class _Propagation:
                     results.append(None)
                     continue
             res = self.run(i, c, False)
+            if i in self.alts:
+                res = self.choose(i, c, res)
             if i in tied:
                 res = self.in_place(i, c, res)
             results.append(res)
@@ -502,7 +552,7 @@ class _Propagation:
         final: dict[str, TensorDistAttr] = {n: a for n, a in attrs.items() if a is not None}
         final.update(self.store)
         built = _PlanBuilder(self, final)
-        op_plans = [built.op_plan(i, c, got if got is not None else self.run(i, c, False))
+        op_plans = [built.op_plan(i, self.picked.get(i, c), got if got is not None else self.run(i, c, False))
                     for (i, c), got in zip(enumerate(self.calls), results)]
         return Plan(program, mesh, final, op_plans, built.reshards, built.held, rounds, self.cost, dict(self.store),
                     grad_accum)

@@ -163,6 +163,8 @@ def expert_marks(prog: Any, mesh: ProcessMesh, dm: Any, dp: int | None, ep: int,
         d[0], d[1 + c] = (dp if dp is not None else -1), e
         r = dm(lay.rows)
         r[0] = b
+        if fold is not None and not c:  # ETP = 1 routed whole: the rows as the all-to-all over ep leaves
+            r[1] = fold  # them, each tp rank its own experts' (moe_combine gathers them or combines them there)
         if own:
             r[1] = fold
             x = dm(lay.chunks)
