@@ -384,8 +384,9 @@ def test_without_sp_the_planner_combines_the_rows_where_they_are_when_cheaper() 
     output [2, 4096, 2048] partial, one all-reduce of 32 MiB, and the combine weights' gradient
     [2, 4096, 8] partial (an all-reduce of 128 KiB). Mixtral-8x7B (top 2): the gather (64 MiB)
     costs what the all-reduce of the output would (64 MiB) and takes one step less, so the
-    forward keeps it; its backward works on the rows each rank holds (the gathered copy is not
-    kept, a 32 KiB all-reduce of the weights' gradient instead)."""
+    forward keeps it; the backward, which the forward's gathered copy does not reach (the memory
+    model does not hold a reshard's copy to the backward), works on the rows each rank holds: a
+    32 KiB all-reduce of the weights' gradient instead of a 64 MiB gather."""
     over = {"layers": 1, "batch": 16, "seq": 4096}
     _, q, _ = plan_model("qwen3-30b-a3b", "dp=2,ep=4,tp=2", "dp,ep,megatron,etp=1", over)
     assert _combines(q) == [("moe_combine", True), ("moe_combine_grad", True)]

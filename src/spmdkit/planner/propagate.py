@@ -435,7 +435,10 @@ class _Propagation:
         """The cheapest of op ``i``'s answers under each value of its rule's ``choice`` attribute,
         by (time, bytes) of the reshards of its inputs from how they are held plus the reduction
         of its partial outputs (the readers reduce them; ties: the op's own value); the call it
-        came from is kept for the plan."""
+        came from is kept for the plan. An input a forward reader gathered is priced again for a
+        backward one: the memory model does not hold a reshard's copy to the backward
+        (:func:`spmdkit.cost.memory.activation_deltas`), so its reader gathers it again or
+        takes the other answer."""
         best, best_cost = (c, res), self.price_reduced(c, res)
         for alt in self.alts[i]:
             got = self.run(i, alt, False)
