@@ -382,18 +382,23 @@ def test_without_sp_the_planner_combines_the_rows_where_they_are_when_cheaper() 
     of 128, capacity 4096 x 8 / 128 = 256, rows [2, 128 x 256, 2048] a rank): gathering them over
     tp is half of 256 MiB = 128 MiB; moe_combine on each rank's rows (local_rows) leaves its
     output [2, 4096, 2048] partial, one all-reduce of 32 MiB, and the combine weights' gradient
-    [2, 4096, 8] partial (an all-reduce of 128 KiB). Mixtral-8x7B (top 2): the gather (64 MiB)
+    [2, 4096, 8] partial (an all-reduce of 128 KiB). The backward mirrors the dispatch the same
+    way: the dispatched tokens' gradient [2, 128, 256, 2048] comes back over ep sharded over tp
+    and moe_gate_dispatch_grad (local_experts) sums each rank's own experts' slots into a partial
+    gradient of the tokens [2, 4096, 2048], all-reduced (32 MiB), instead of gathering the slots
+    (128 MiB). Mixtral-8x7B (top 2): the gather (64 MiB)
     costs what the all-reduce of the output would (64 MiB) and takes one step less, so the
     forward keeps it; the backward, which the forward's gathered copy does not reach (the memory
     model does not hold a reshard's copy to the backward), works on the rows each rank holds: a
-    32 KiB all-reduce of the weights' gradient instead of a 64 MiB gather."""
+    32 KiB all-reduce of the weights' gradient instead of a 64 MiB gather; its dispatched tokens'
+    gradient is gathered (64 MiB, one step less than the all-reduce of as many bytes)."""
     over = {"layers": 1, "batch": 16, "seq": 4096}
     _, q, _ = plan_model("qwen3-30b-a3b", "dp=2,ep=4,tp=2", "dp,ep,megatron,etp=1", over)
     assert _combines(q) == [("moe_combine", True), ("moe_combine_grad", True)]
     got = {k: n for k, n in _per_layer(q, "layers.0.").items() if k[2] == "tp" and "attn" not in k[3]}
     assert got == {("forward", "all_reduce", "tp", "moe_out", 2 * 4096 * 2048 * 2): 1,
                    ("backward", "all_reduce", "tp", "dispatch.weights.grad", 2 * 4096 * 8 * 2): 1,
-                   ("backward", "all_gather", "tp", "dispatch.grad.sum", 2 * 128 * 256 * 2048 * 2 // 2): 1}
+                   ("backward", "all_reduce", "tp", "mlp_norm.out.grad", 2 * 4096 * 2048 * 2): 1}
     _, m, _ = plan_model("mixtral-8x7b", "dp=2,ep=4,tp=2", "dp,ep,megatron,etp=1", over)
     assert _combines(m) == [("moe_combine", False), ("moe_combine_grad", True)]
     rows = 2 * 8 * 1024 * 4096 * 2  # [2, 8 x 1024, 4096] bf16 a rank

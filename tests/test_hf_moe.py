@@ -334,8 +334,10 @@ def test_run_hf_moe_combining_the_rows_where_they_are_equals_torch_eager() -> No
     """`spmdkit run --hf` (torch kernels) on ep=2 x tp=2, etp=1 without sp: the experts whole over
     ep x tp, the rows back over ep stay sharded over tp and moe_combine sums each rank's own
     (local_rows): its output all-reduced over tp, no all-gather of the rows; moe_combine_grad
-    writes each rank's rows' gradient, the combine weights' gradient all-reduced over tp. The
-    loss and every gradient equal torch eager of the HF model."""
+    writes each rank's rows' gradient, the combine weights' gradient all-reduced over tp;
+    moe_gate_dispatch_grad sums each rank's own experts' slots (local_experts), the tokens'
+    gradient all-reduced over tp instead of the slots gathered. The loss and every gradient equal
+    torch eager of the HF model."""
     p = subprocess.run([sys.executable, "-m", "spmdkit", "run", "--json", "--timeout", "120", "--warmup", "0",
                         "--hf", "Qwen3MoeForCausalLM", "--hf-config", json.dumps(QWEN3_TOP8), "--mesh", "ep=2,tp=2",
                         "--strategy", "ep,megatron,etp=1", "--batch", "4", "--seq", "256"], capture_output=True,
@@ -348,9 +350,10 @@ def test_run_hf_moe_combining_the_rows_where_they_are_equals_torch_eager() -> No
     assert eager["dtype"] == "float32" and not eager["failures"] and eager["max_rel_error"] <= 1e-5
     assert rep["loss"] == pytest.approx(eager["loss"], rel=1e-5)
     tp = Counter((c["kind"], c["tensor"]) for c in rep["collectives"] if c["mesh_dim"] == 1)
-    assert not [t for k, t in tp if k == "all_gather" and "rows" in t]
+    assert not [t for k, t in tp if k == "all_gather"]  # neither the rows nor the slots' gradient
     assert tp[("all_reduce", "reshape_2")] == 1  # moe_combine's partial output, reshaped to [B, S, H]
     assert tp[("all_reduce", "moe_experts.weights_norm.grad")] == 1
+    assert tp[("all_reduce", "moe_route.tokens.grad")] == 1  # moe_gate_dispatch_grad's partial grad_x
     assert {c["kind"] for c in rep["collectives"] if c["mesh_dim"] == 0} == {"all_to_all", "all_reduce"}
 
 

@@ -16,7 +16,8 @@ Notation (letters; ``1`` a size-1 axis)::
                            stay sharded (s, e, k, c replicated); nothing partial
     moe_gate_dispatch_grad sk, ks, sk, ech, sk -> sh, se   (combine_weights, scatter_index, expert_id,
                            grad_y, grad_combine_weights -> grad_x, grad_gate_logits); k, e, c
-                           replicated; nothing partial
+                           replicated; nothing partial. ``local_experts``: e keeps its sharding
+                           (``-> sh, sf``, f replicated), grad_x partial SUM over e's mesh dims
 
 What the data-dependent rules assume. ``scatter_index`` holds *global* row indices:
 moe_combine gathers rows of x through it (``y[i] = sum_k x[scatter_index[i, k]] *
@@ -38,7 +39,10 @@ index from the simulator's ``localize`` hook, the torch kernel the same) sums on
 holds, its share of y, and writes only their gradient. The planner sets it where that is cheaper
 than gathering the rows (the rule's ``choice`` fact, :mod:`spmdkit.planner.propagate`): experts'
 rows that come back sharded over tp (ETP = 1 without ``sp``, docs/experts.md) are combined where
-they are and y is reduced once, instead of the rows being all-gathered.
+they are and y is reduced once, instead of the rows being all-gathered. ``local_experts``
+(moe_gate_dispatch_grad, likewise) mirrors it in the backward: a rank holding a block of the
+experts' slots of grad_y (its first expert from the ``localize`` hook) gathers only those into
+its share of grad_x; grad_gate_logits reads no slot and is whole on every rank.
 
 Deviations from Paddle 3.3.1 (``docs/deviations.md`` ``moe-amp-*``): moe_combine's x rows
 replicated (Paddle shards them with s) and y partial over k's own mesh dim (Paddle always names
@@ -92,9 +96,31 @@ def _combine_grad(nd: int, local_rows: bool = False) -> Notation:
                     replicated="k" if local_rows else "tk", coshard=Coshard.LARGEST)
 
 
-def _dispatch_grad(nd: int) -> Notation:
+def _dispatch_grad(nd: int, local_experts: bool = False) -> Notation:
+    """``local_experts``: grad_y's expert axis e keeps its sharding (each rank gathers the slots of
+    the experts it holds: grad_x partial SUM over e's mesh dims); grad_gate_logits' expert axis is
+    its own letter f, replicated (it reads no slot). Else e replicated."""
+    if local_experts:
+        return Notation(_b(nd, ["sk", "ks", "sk", "ech", "sk"]), _b(nd, ["sh", "sf"]), replicated="kcf",
+                        coshard=Coshard.LARGEST)
     return Notation(_b(nd, ["sk", "ks", "sk", "ech", "sk"]), _b(nd, ["sh", "se"]), replicated="keck",
                     coshard=Coshard.LARGEST)
+
+
+def _local_experts_post(ins: Any, outs: Any, combine_weights: DistTensorSpec, scatter_index: DistTensorSpec,
+                        expert_id: DistTensorSpec, grad_y: DistTensorSpec, grad_combine_weights: DistTensorSpec,
+                        k: int, capacity: int, use_pad: bool, groups: int = 1, topk_groups: int = 1,
+                        local_experts: bool = False) -> Answer:
+    """grad_x partial over the mesh dims of the experts a rank holds (local_experts), nothing
+    else partial (grad_gate_logits reads no slot: whole on every rank)."""
+    if not local_experts:
+        return _no_partial(ins, outs)
+    gx, ggl = outs
+    e = ins[3].dims_mapping[-3]
+    dims = set() if e == -1 else {e} if isinstance(e, int) else set(e)
+    part = tuple((d, r) for d, r in gx.partial if d in dims) if gx is not None else ()
+    return ins, (None if gx is None else TensorDistAttr.unchecked(gx.mesh, gx.dims_mapping, part),
+                 None if ggl is None else unpartial(ggl))
 
 
 def _dispatch(nd: int, corr_bias: int) -> Notation:
@@ -190,13 +216,15 @@ declare(
         post=_no_partial,
         paddle="MoEGateDispatchInferSpmd", doc="moe_gate_dispatch (MoEGateDispatchInferSpmd): one global "
         "dispatch: only h keeps its sharding (x -> y); nothing partial."),
-    grad=Way(_dispatch_grad, key="combine_weights", letters=True, post=_no_partial, require=_DISPATCH_ATTRS,
+    grad=Way(_dispatch_grad, key="combine_weights, local_experts", letters=True, post=_local_experts_post,
+             require=_DISPATCH_ATTRS,
              shapes="combine_weights: ... _ _; scatter_index: ... _ _; expert_id: ... _ _; grad_y: ... _ _ _; "
                     "grad_combine_weights: ... _ _", check=_dispatch_grad_ranks, paddle="MoEGateDispatchGradInferSpmd",
              doc="moe_gate_dispatch_grad (MoEGateDispatchGradInferSpmd): s and h follow the inputs; k, e and c "
                  "replicated (grad_x gathers rows of grad_y through scatter_index); nothing partial."),
     grad_signature="combine_weights: T, scatter_index: T, expert_id: T, grad_y: T, grad_combine_weights: T, "
-                   "k: int, capacity: int, use_pad: bool, groups: int = 1, topk_groups: int = 1",
+                   "k: int, capacity: int, use_pad: bool, groups: int = 1, topk_groups: int = 1, "
+                   "local_experts: bool = False",
     grad_name="moe_gate_dispatch_grad",
 )  # fmt: skip
 
@@ -245,6 +273,8 @@ facts("moe_gate_dispatch_grad", shape=_dispatch_grad_shape)
 facts("moe_combine_grad", grad_like=("x", "combine_weights", "scatter_index"))
 # the planner combines the rows where they are (local_rows) where that is cheaper than gathering them
 facts("moe_combine", "moe_combine_grad", choice=("local_rows", (False, True)))
+# and the dispatched tokens' gradient from the experts' slots each rank holds (local_experts)
+facts("moe_gate_dispatch_grad", choice=("local_experts", (False, True)))
 
 
 # -- cost: the routing is memory-bound (Megatron-Core's alltoall token dispatcher: top-k, the

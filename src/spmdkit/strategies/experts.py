@@ -179,6 +179,8 @@ def expert_marks(prog: Any, mesh: ProcessMesh, dm: Any, dp: int | None, ep: int,
             g[0] = b
             if own:
                 g[1] = fold
+            elif fold is not None and not c:  # routed whole: the slots as the all-to-all over ep leaves them,
+                g[1] = fold  # each tp rank its own experts' (moe_gate_dispatch_grad gathers them or reads its own)
         if lay.grad_rows is not None:
             g = dm(lay.grad_rows)
             g[0], g[1 + c] = (dp if dp is not None else -1), e

@@ -11,7 +11,8 @@ batch, the tokens and the top-k choices (no Python loop over tokens).
   of the choices by expert), a choice past ``capacity`` is dropped (combine weight 0, scatter
   index 0); ``expert_offset`` counts every choice, dropped ones included, cumulatively.
 - ``moe_gate_dispatch_grad``: a choice is kept where its combine weight is > 0 (the reference's
-  test); grad_x sums grad_y's rows of the kept slots, grad_gate_logits scatters
+  test); grad_x sums grad_y's rows of the kept slots (a rank holding a block of the experts,
+  ``local_experts``, those of its own experts: its share), grad_gate_logits scatters
   grad_combine_weights to the chosen experts.
 - ``moe_combine`` gathers x's rows through scatter_index and sums them weighted; its grad scatters
   ``grad_y * w`` back to the rows (``scatter_add``), sums ``grad_y * x[scatter_index]`` over h and
@@ -149,18 +150,22 @@ def dispatch(x: torch.Tensor, gl: torch.Tensor, cb: torch.Tensor | None, k: int,
     return (y.reshape(b, e, cap, h), cw, si.reshape(b, k, s), torch.cumsum(count, 1), eid)
 
 
-def dispatch_grad(cw: torch.Tensor, si: torch.Tensor, eid: torch.Tensor, gy: torch.Tensor, gcw: torch.Tensor
-                  ) -> tuple[torch.Tensor, ...]:
-    """(grad_x [B, S, H], grad_gate_logits [B, S, E]) of each batch row."""
+def dispatch_grad(cw: torch.Tensor, si: torch.Tensor, eid: torch.Tensor, gy: torch.Tensor, gcw: torch.Tensor,
+                  start: int = 0, experts: int | None = None) -> tuple[torch.Tensor, ...]:
+    """(grad_x [B, S, H], grad_gate_logits [B, S, E]) of each batch row; a rank holding the slots
+    of experts ``[start, start + E_local)`` of grad_y (``local_experts``) gathers only those,
+    grad_gate_logits (no slot read) has every one of the ``experts`` columns."""
     b, e, cap, h = gy.shape
     s = cw.shape[1]
+    slot = si.transpose(1, 2) - start * cap
     kept = cw > 0
     if cap == 0:
         kept = torch.zeros_like(kept)
-    rows = _rows(gy.reshape(b, e * cap, h), si.transpose(1, 2).clamp(0, max(e * cap - 1, 0))) if cap else \
+    own = kept & (slot >= 0) & (slot < e * cap)
+    rows = _rows(gy.reshape(b, e * cap, h), slot.clamp(0, max(e * cap - 1, 0))) if cap and e else \
         torch.zeros((b, s, cw.shape[2], h), dtype=gy.dtype, device=gy.device)
-    gx = torch.where(kept[..., None], rows, torch.zeros_like(rows)).sum(2)
-    ggl = torch.zeros((b, s, e), dtype=gcw.dtype, device=gcw.device)
+    gx = torch.where(own[..., None], rows, torch.zeros_like(rows)).sum(2)
+    ggl = torch.zeros((b, s, e if experts is None else experts), dtype=gcw.dtype, device=gcw.device)
     ggl.scatter_add_(2, eid, torch.where(kept, gcw, torch.zeros_like(gcw)))
     return gx, ggl
 
@@ -176,5 +181,8 @@ def _k_dispatch(a: Args, c: Ctx) -> tuple[Any, ...]:
 
 @register("moe_gate_dispatch_grad")
 def _k_dispatch_grad(a: Args, c: Ctx) -> tuple[Any, ...]:
-    return _batched(dispatch_grad, 2, floating(a["combine_weights"]), tensor(a["scatter_index"]).to(torch.int64),
+    start, experts = int(a.get("_expert_start", 0)), a.get("_experts")
+    n = None if experts is None else int(experts)
+    return _batched(lambda cw, si, eid, gy, gcw: dispatch_grad(cw, si, eid, gy, gcw, start, n), 2,
+                    floating(a["combine_weights"]), tensor(a["scatter_index"]).to(torch.int64),
                     tensor(a["expert_id"]).to(torch.int64), floating(a["grad_y"]), floating(a["grad_combine_weights"]))

@@ -167,23 +167,37 @@ def _dispatch(a: Arrays, c: Ctx) -> tuple[Any, ...]:
 
 
 def _dispatch_grad(a: Arrays, c: Ctx) -> tuple[Any, ...]:
-    return _batched(_dispatch_grad2, _f(a["combine_weights"]), _i(a["scatter_index"]), _i(a["expert_id"]),
-                    _f(a["grad_y"]), _f(a["grad_combine_weights"]))
+    start, experts = int(a.get("_expert_start", 0)), a.get("_experts")
+    return _batched(lambda cw, si, eid, gy, gcw: _dispatch_grad2(cw, si, eid, gy, gcw, start, experts),
+                    _f(a["combine_weights"]), _i(a["scatter_index"]), _i(a["expert_id"]), _f(a["grad_y"]),
+                    _f(a["grad_combine_weights"]))
 
 
-def _dispatch_grad2(cw: np.ndarray, si: np.ndarray, eid: np.ndarray, gy: np.ndarray, gcw: np.ndarray
-                    ) -> tuple[np.ndarray, ...]:
+def _dispatch_grad2(cw: np.ndarray, si: np.ndarray, eid: np.ndarray, gy: np.ndarray, gcw: np.ndarray,
+                    start: int = 0, experts: int | None = None) -> tuple[np.ndarray, ...]:
+    """A rank holding the slots of experts ``[start, start + len(gy))`` (``local_experts``) gathers
+    only those into grad_x; grad_gate_logits reads no slot: whole (``experts`` columns)."""
     e, cap, h = gy.shape
     s, k = cw.shape
     gx = np.zeros((s, h))
-    ggl = np.zeros((s, e))
+    ggl = np.zeros((s, e if experts is None else int(experts)))
     for kk in range(k):
         for i in range(s):
             if cw[i, kk] > 0 and cap > 0:
-                slot = int(si[kk, i])
-                gx[i] += gy[slot // cap, slot % cap]
+                slot = int(si[kk, i]) - start * cap
+                if 0 <= slot < e * cap:
+                    gx[i] += gy[slot // cap, slot % cap]
                 ggl[i, int(eid[i, kk])] += gcw[i, kk]
     return gx, ggl
+
+
+def _localize_experts(a: Arrays, c: Ctx) -> Arrays:
+    """The global index of the first expert of grad_y a rank holds (its expert axis, -3, sharded
+    under ``local_experts``) and the number of experts."""
+    attr, shape = c.in_attrs.get("grad_y"), c.shapes.get("grad_y")
+    if c.is_global or c.coords is None or attr is None or shape is None or len(shape) < 3:
+        return a
+    return {**a, "_expert_start": int(local_slices(attr, shape, c.coords)[-3].start), "_experts": int(shape[-3])}
 
 
 def _prep_dispatch_grad(a: Arrays) -> None:
@@ -203,7 +217,7 @@ register_reference(Reference("moe_gate_dispatch_grad", _dispatch_grad,
                              ("combine_weights", "scatter_index", "expert_id", "grad_y", "grad_combine_weights"),
                              ("grad_x", "grad_gate_logits"), "moe_gate_dispatch_grad",
                              domains={"combine_weights": "pos", "scatter_index": "int", "expert_id": "int"},
-                             prepare=_prep_dispatch_grad))
+                             prepare=_prep_dispatch_grad, localize=_localize_experts))
 
 
 # -- case generators ----------------------------------------------------------------------------
@@ -240,7 +254,8 @@ def _g_dispatch_grad(r: random.Random, m: list[int], ref: Reference) -> dict[str
     s, h, e, k, cap = _dispatch_sizes(r, m)
     return {"combine_weights": TGen((s, k), "pos"), "scatter_index": TGen((k, s), "int"),
             "expert_id": TGen((s, k), "int"), "grad_y": TGen((e, cap, h)), "grad_combine_weights": TGen((s, k)),
-            "k": k, "capacity": cap, "use_pad": r.random() < 0.9}
+            "k": k, "capacity": cap, "use_pad": r.random() < 0.9, "groups": 1, "topk_groups": 1,
+            "local_experts": r.random() < 0.5}
 
 
 GENERATORS.update({
