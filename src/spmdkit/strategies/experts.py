@@ -145,7 +145,10 @@ def expert_marks(prog: Any, mesh: ProcessMesh, dm: Any, dp: int | None, ep: int,
     tokens ``[dp, ep, -1, -1]`` and the rows back at the batch entry, the gradients as their
     mirrors (module docstring). ``fold`` (ETP = 1: the tp mesh dim) spreads the experts over the
     co-shard ``(tp, ep)`` instead: the stacks, the dispatched tokens and the rows' gradient
-    ``[dp, (tp, ep), ...]`` (:func:`expert_entry`). Returns the expert stacks (their gradients
+    ``[dp, (tp, ep), ...]`` (:func:`expert_entry`); routed whole (no chunks), the rows and the
+    dispatched tokens' gradient keep their expert axis over tp, as the all-to-all over ep leaves
+    them (the planner gathers them or has moe_combine / moe_gate_dispatch_grad read each rank's
+    own: ``local_rows``, ``local_experts``). Returns the expert stacks (their gradients
     reduce over ``dp`` only; ZeRO shards their states over ``dp``). The batch of the data inputs
     is the caller's."""
     b = batch_entry(dp, ep)
