@@ -66,6 +66,7 @@ from spmdkit.strategies.experts import (
     check_ep,
     check_etp,
     chunk_inputs,
+    chunk_outputs,
     ep_dim,
     expert_fold,
     expert_marks,
@@ -247,7 +248,8 @@ def annotate(model: Model, mesh: ProcessMesh, strategy: Iterable[str],
     if ep is not None:
         layers = moe_layers(prog)
         check_ep(mesh, layers, ep, model.config.batch, dp, fold)
-        experts = expert_marks(prog, mesh, dm, dp, ep, layers, fold)
+        experts = expert_marks(prog, mesh, dm, dp, ep, layers, fold,
+                               mesh.dim_index("cp") if "cp" in st else None)  # under cp: each cp rank routes its own chunk
     batch = batch_entry(dp, ep)  # data parallel over dp (x ep: outside the experts, as Megatron folds them)
 
     if batch != -1:
@@ -268,7 +270,10 @@ def annotate(model: Model, mesh: ProcessMesh, strategy: Iterable[str],
     cp = cp_marks(model, mesh, dm, st, batch, tp)
     optimizer_layouts(prog, mesh, model.optimizer, out, st, dp, user, ep, experts)
     if "sp" in st and tp is not None:
-        for n in model.residual:
+        # the residual stream, and under cp the MoE output back from the cp chunks (whole over tp
+        # with ETP = tp: sliced onto the stream's co-shard, not the stream gathered for the add)
+        back = chunk_outputs(prog) if cp is not None else []
+        for n in [*model.residual, *back]:
             d = dm(n)
             d[1] = tp if cp is None else (cp, tp)  # under cp: the cp rank's chunk split again over tp
             d[0] = batch
