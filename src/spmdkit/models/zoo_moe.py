@@ -44,12 +44,14 @@ false: none of these ops (the HF importer's programs, which compute no aux loss 
 compare with that).
 
 Routed in chunks (``moe_chunks`` T > 1: ``--strategy megatron,sp,ep,etp=1`` builds it with T = tp,
-Megatron's ETP = 1 token path where each tp rank dispatches its own sequence-parallel shard):
+Megatron's ETP = 1 token path where each tp rank dispatches its own sequence-parallel shard; a model
+built for cp with T = cp, or cp x tp on that path: each cp rank routes its own tokens):
 ``x`` reshaped to ``layers.<i>.chunks`` [B, T, S/T, H]; the router, the dispatch (capacity per
 chunk of S/T tokens), the experts ([B, T, E, C, H]) and the combine on it, each chunk on its own
 (the moe ops' chunk axis); the output reshaped back to [B, S, H] (``moe_out.seq``). The aux
 loss sums the chunks' counts (``aux.fs``) and averages their mean gate values (``aux.pc`` [B, T,
-E], then ``aux.p``), the sequence's loss as without chunks.
+E], then ``aux.p``), the sequence's loss as without chunks; under cp each token's share is
+computed on the chunks (``aux.chunks`` [B, T, S/T, 1]) and put back on the sequence (``aux``).
 
 Megatron (tensor parallel, no expert parallelism: issue 28): the experts' gate / up stacks are
 column-parallel (their moe_ffn axis sharded), the down stack row-parallel, as Megatron-Core runs

@@ -27,6 +27,12 @@ own sequence shard ``[B, T, S/T, H]`` (chunk axis over tp), the experts are co-s
 tp)`` and the dispatch and combine are one all-to-all each over the ep x tp group, with no tp
 collective around the experts.
 
+Under cp (docs/experts.md "Under cp") the model is routed in cp chunks (cp x tp on the ETP = 1
+token path), each cp rank its own tokens; :func:`expert_marks` keeps the chunk axis over cp on
+every MoE tensor, so the all-to-alls over ep carry each rank's own tokens and nothing moves over
+cp around a MoE layer (Megatron-Core's experts see no cp: ep and the expert-data-parallel group
+are carved out of the dp x cp ranks).
+
 The ops outside the experts see the batch co-sharded ``(dp, ep)``; the planner asks their rules on
 the mesh with the two dims fused (:mod:`spmdkit.planner.fuse`), so no rule gathers it. Dense
 parameters' gradients come out partial over ``dp`` and ``ep`` (reduced over both), the experts'

@@ -30,7 +30,7 @@
   docs/context.md): the sequence of every activation outside attention split over ``cp``,
   attention by ``cp_attention`` (``cp-attention=allgather|ring|alltoall`` and
   ``cp-balance=zigzag|none`` items, added by ``--cp-attention`` / ``--cp-balance``); gradients
-  reduced over dp x cp, ZeRO's states sharded over it.
+  reduced over dp x cp, ZeRO's states sharded over it; a MoE model routed one chunk a cp rank.
 - ``zero1`` / ``zero2`` (``zero``) / ``zero3`` (``fsdp``): ZeRO over ``dp``
   (:func:`optimizer_layouts`): optimizer states (moments, fp32 master weights) sharded on
   their first axis not already sharded that ``dp`` divides, or where none does unevenly on
