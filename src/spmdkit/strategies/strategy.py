@@ -354,8 +354,10 @@ def optimizer_layouts(prog: Any, mesh: ProcessMesh, optimizer: Mapping[str, tupl
         base = list(pin.dims_mapping) if pin is not None else list(out.get(p, [-1] * len(prog.tensors[p].shape)))
         for s in (*states, *new_states):
             out[s] = list(base)
-        zd = (zero_dims(mesh, dp, ep, p in experts) if cp is None or ep is not None else cp_zero_dims(mesh, dp, cp)) \
-            if stage and states else None
+        # under cp: over dp x cp (Megatron's data-parallel group with cp), an expert stack's too
+        # (its expert-data-parallel group); a dense parameter's with ep over (dp, ep) as without cp
+        zd = (zero_dims(mesh, dp, ep, p in experts) if cp is None or (ep is not None and p not in experts)
+              else cp_zero_dims(mesh, dp, cp)) if stage and states else None
         if zd is None:
             continue
         axis = zero_axis(prog.tensors[p].shape, base, zd[1])
