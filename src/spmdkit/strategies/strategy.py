@@ -343,7 +343,8 @@ def optimizer_layouts(prog: Any, mesh: ProcessMesh, optimizer: Mapping[str, tupl
     states are not annotated: propagation holds an in-place output as the tensor it overwrites.
     With expert parallelism (``ep``: its mesh dim; ``experts``: the expert stacks) a dense
     parameter's states are sharded over the data-parallel ranks ``(dp, ep)``, an expert stack's
-    over ``dp`` alone (:func:`spmdkit.strategies.experts.zero_dims`).
+    over ``dp`` alone (:func:`spmdkit.strategies.experts.zero_dims`), over ``(dp, cp)`` under cp
+    (its expert-data-parallel group).
     Returns the stored layout of each ZeRO-3 parameter (``propagate(storage=...)``)."""
     stage = zero_stage(strategy)
     cp = mesh.dim_index("cp") if "cp" in set(strategy) and "cp" in mesh.dim_names else None
