@@ -156,7 +156,7 @@ def expert_marks(prog: Any, mesh: ProcessMesh, dm: Any, dp: int | None, ep: int,
     cp chunks, each cp rank its own tokens): the chunk axis stays over ``cp`` on every MoE
     tensor, so the all-to-alls over ep carry each cp rank's own tokens (:func:`chunk_entries`).
     Returns the expert stacks (their gradients reduce over ``dp`` (x ``cp``) only; ZeRO shards
-    their states over ``dp``). The batch of the data inputs is the caller's."""
+    their states over ``dp`` (x ``cp``)). The batch of the data inputs is the caller's."""
     b = batch_entry(dp, ep)
     experts: set[str] = set()
     lays = layers if layers is not None else moe_layers(prog)
