@@ -444,44 +444,46 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
     queue = [(0 if cfg in seeds else 1, lows.get(cfg, math.inf), n, cfg, bounds is None)
              for n, cfg in enumerate(work)]
     heapq.heapify(queue)
-    while queue:
-        tier, key, n, cfg, refined = heapq.heappop(queue)
-        low = lows.get(cfg)
-        if not refined and refiner is not None and low is not None and low < best and refiner.wants(cfg):
-            low = lows[cfg] = refiner.refine(cfg, low, best)  # now it is its turn
-            if low > key and tier:
-                heapq.heappush(queue, (tier, low, n, cfg, True))
+    try:  # the worker stops however the loop ends (a refusal, Ctrl-C)
+        while queue:
+            tier, key, n, cfg, refined = heapq.heappop(queue)
+            low = lows.get(cfg)
+            if not refined and refiner is not None and low is not None and low < best and refiner.wants(cfg):
+                low = lows[cfg] = refiner.refine(cfg, low, best)  # now it is its turn
+                if low > key and tier:
+                    heapq.heappush(queue, (tier, low, n, cfg, True))
+                    continue
+            if progress is not None:
+                progress.update(note=cfg.label())
+            why = pruned_why(cfg, bounds, cap, best, low) if bounds is not None else None
+            if why is not None:
+                pruned.append((cfg, why))
+                if progress is not None:
+                    progress.advance()
                 continue
-        if progress is not None:
-            progress.update(note=cfg.label())
-        why = pruned_why(cfg, bounds, cap, best, low) if bounds is not None else None
-        if why is not None:
-            pruned.append((cfg, why))
+            planned += 1
+            if planned > MAX_PLANS:
+                raise ProgramError(f"--devices {devices}: more than {MAX_PLANS} configurations to plan after the "
+                                   "bounds")
+            t1 = time.perf_counter()
+            k = len(cands)
+            try:
+                if isinstance(model, Program):
+                    cands += _plan_program_config(cfg, model, job, sizes, reload)
+                else:
+                    assert cfg_model is not None
+                    cands += _plan_preset_config(cfg, str(model), cfg_model, replace(job, best=best))
+            except SpmdError as exc:
+                refused.append((cfg, " ".join(str(exc).split())[:300]))
+            for c in cands[k:]:
+                c.plan_s = time.perf_counter() - t1
+                if c.fits:
+                    best = min(best, c.step_s)
             if progress is not None:
                 progress.advance()
-            continue
-        planned += 1
-        if planned > MAX_PLANS:
-            raise ProgramError(f"--devices {devices}: more than {MAX_PLANS} configurations to plan after the "
-                               "bounds")
-        t1 = time.perf_counter()
-        k = len(cands)
-        try:
-            if isinstance(model, Program):
-                cands += _plan_program_config(cfg, model, job, sizes, reload)
-            else:
-                assert cfg_model is not None
-                cands += _plan_preset_config(cfg, str(model), cfg_model, replace(job, best=best))
-        except SpmdError as exc:
-            refused.append((cfg, " ".join(str(exc).split())[:300]))
-        for c in cands[k:]:
-            c.plan_s = time.perf_counter() - t1
-            if c.fits:
-                best = min(best, c.step_s)
-        if progress is not None:
-            progress.advance()
-    if refiner is not None:
-        refiner.close()
+    finally:
+        if refiner is not None:
+            refiner.close()
     cands.sort(key=lambda c: (not c.fits, c.step_s if c.fits else c.memory, c.memory))
     if progress is not None:
         folded = len({c.config for c in cands if c.folded})
