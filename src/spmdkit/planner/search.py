@@ -68,7 +68,7 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel
 from spmdkit.cost.compute import guess_tokens, kernel_collectives, model_flops
 from spmdkit.cost.devices import Device, cost_model, load_device, recost
-from spmdkit.cost.memory import Memory, memory_per_device, per_microbatch_mode, with_overheads
+from spmdkit.cost.memory import Memory, memory_per_device, per_microbatch_mode
 from spmdkit.cost.step import OpComm, StepEstimate, estimate_step
 from spmdkit.models.hf import dtype_name
 from spmdkit.models.source import import_hf_checked
@@ -85,7 +85,7 @@ from spmdkit.planner.fold import (
     pipeline_step,
 )
 from spmdkit.planner.fold_stages import copy_layers, deep_pipeline, stage_copy, stretch_units
-from spmdkit.planner.partition import even_split, partition
+from spmdkit.planner.partition import balanced_split, even_split
 from spmdkit.planner.pipeline import (
     PipelineEstimate,
     PipelineSpec,
@@ -719,22 +719,21 @@ def _blocks(cfg: Config, got: list[Candidate], counts: tuple[int, ...] | None, j
 
 def _split(cfg: Config, p: _Planned, job: _Job, layers: int, dense: int | None = None) -> tuple[int, ...] | None:
     """Layers per virtual stage of ``cfg`` (None without a pipeline): even where they divide, else
-    :func:`spmdkit.planner.partition.partition`'s split (the slowest stage as fast as it can be,
-    each rank within the memory cap; ``refine=False``) of the per-layer costs of ``p``'s plan,
-    the full model's or (``dense`` given) a shallow copy's stretched to ``layers``."""
+    balanced by predicted time as ``spmdkit plan`` splits them (:func:`spmdkit.planner.pipeline.
+    auto_counts`: each layer's forward and backward, the embedding on the first stage, the head on
+    the last; memory aside) from the per-layer costs of ``p``'s plan, the full model's or
+    (``dense`` given) a shallow copy's stretched to ``layers``."""
     if cfg.pp == 1:
         return None
     even = _counts(layers, cfg)
     if even is not None:
         return even
     plan = replace(p.plan, runtime=job.runtime)
-    full = parse_mesh(cfg.mesh_text)
-    link = _link_cost(full, job, p.full_cost).links[full.dim_index("pp")]
-    u = plan_unit_costs(plan, cfg.pp, job.device, "none", (link.alpha_s, link.beta_s_per_byte))
+    u = plan_unit_costs(plan, cfg.pp, job.device, "none", oc=op_comm(plan, job.device))
     if dense is not None:
         u = stretch_units(u, layers, dense)
-    cap = job.cap - with_overheads(0, 0, 0, 0, 0, plan, cfg.pp).runtime_overhead
-    return partition(u, cfg.pp, cfg.virtual, cfg.microbatches, _spec(cfg).schedule, cap, refine=False).counts
+    t = [f + b for f, b in zip(u.forward_s, u.backward_s)]
+    return balanced_split(t[1:-1], cfg.pp * cfg.virtual, t[0], t[-1])
 
 
 def _in_full(c: Candidate, name: str, mc: ModelConfig, job: _Job) -> Candidate:
@@ -757,7 +756,7 @@ def _folded_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> list[C
     if fold is None or fold.layers_a + fold.layers_b >= big:
         return None  # two copies would plan as many layers as the model (a deep pipeline's stages)
     a = _preset_plan(cfg, name, mc, job, fold.layers_a)
-    if big % n:  # the full model's partition, from the copy's per-layer costs
+    if big % n:  # the full model's split, from the copy's per-layer costs
         counts = _split(cfg, a, job, big, dense)
         assert counts is not None
         fold = fold_of(counts, dense)
