@@ -347,7 +347,9 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
         batches = {prog.tensors[n].shape[0] for n in data_inputs(prog) if prog.tensors[n].shape}
         fold = expert_fold(mesh, st)  # etp=1: the experts over ep x tp, each whole
         check_ep(mesh, layers, ep, max(batches) if batches else None, dp, fold)
-        experts = expert_marks(prog, mesh, dm, dp, ep, layers, fold)
+        # under cp the importer routes each sequence in cp chunks (models/hf.py): kept over cp
+        cpd = mesh.dim_index("cp") if "cp" in st and "cp" in mesh.dim_names else None
+        experts = expert_marks(prog, mesh, dm, dp, ep, layers, fold, cpd)
     if dp is not None or ep is not None:
         _shard_batch(prog, mesh, dm, dp, ep)
     # cp: the call's sequence over cp, attention cp_attention's (an import traced for cp: models/hf_cp.py)
