@@ -21,10 +21,10 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from conftest import ROOT  # noqa: E402
-from spmdkit.models.hf import import_hf  # noqa: E402
-from spmdkit.planner.planning import plan_hf  # noqa: E402
-from spmdkit.sim.verify_plan import verify_hf  # noqa: E402
+from conftest import ROOT
+from spmdkit.models.hf import import_hf
+from spmdkit.planner.planning import plan_hf
+from spmdkit.sim.verify_plan import verify_hf
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
