@@ -23,6 +23,7 @@ pytest.importorskip("transformers")
 
 from conftest import ROOT
 from spmdkit.models.hf import import_hf
+from spmdkit.models.source import moe_note
 from spmdkit.planner.planning import plan_hf
 from spmdkit.sim.verify_plan import verify_hf
 
@@ -59,6 +60,8 @@ def test_the_import_routes_in_one_chunk_a_cp_rank() -> None:
     assert prog.tensors[d.outputs[0]].shape == (2, 2, 4, 8, 32)
     assert prog.tensors[d.inputs["x"]].shape == (2, 2, 8, 32)
     assert not [n for n, t in prog.tensors.items() if t.shape == (32, 32) and t.kind == "activation"]  # [B x S, H]
+    assert "capacity 8 tokens an expert a chunk (each sequence routed in 2 chunks, one a cp rank) (dropless)" in \
+        moe_note(prog)
     plain, _m, _kw = import_hf("MixtralForCausalLM", json.dumps(MIXTRAL), batch=2, seq=16)
     d = next(op for op in plain.ops if op.rule == "moe_gate_dispatch")
     assert plain.tensors[d.outputs[0]].shape == (2, 4, 16, 32)
