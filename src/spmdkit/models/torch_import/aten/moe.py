@@ -13,6 +13,11 @@
   parameters ``[E, in, out]`` by the importer), ``swiglu`` (or the activation times up),
   ``@ [E, F, H]`` (``down_proj``), reshape to ``[B, E x C, H]``, ``moe_combine``.
 
+Routed in chunks (``spmdkit::moe_route``'s ``chunks`` > 1: an import for context parallelism,
+:func:`spmdkit.models.hf.import_hf`), each sequence's tokens are viewed as ``[B, T, S / T, H]``
+and every tensor above has the lead axes ``[B, T]``: each chunk (a cp rank's tokens) routed on
+its own with the capacity of a chunk, as the zoo's ``moe_chunks`` (:mod:`spmdkit.models.zoo_moe`).
+
 DeepSeek-V3's group-limited top-k (the experts of the ``topk_group`` best of ``n_group`` groups)
 is the dispatch's ``groups`` / ``topk_groups`` (its kernels pick among those groups' experts, and
 the cost model counts the nodes a token reaches by them). What differs from HF: tokens past an expert's capacity are dropped (none with the capacity
@@ -67,7 +72,9 @@ def _route(c: ImportContext) -> Any:
         t *= s
     b = batch if batch > 0 and t % batch == 0 else 1
     s = t // b
-    n = int(c.args[12]) if len(c.args) > 12 and s % int(c.args[12]) == 0 else 1  # the chunks a sequence
+    n = int(c.args[12]) if len(c.args) > 12 else 1  # the chunks a sequence is routed in (cp)
+    if s % n:  # the capacity was sized for a chunk (torch_import.moe.lowered_moe)
+        raise c.unsupported(f"a sequence of {s} tokens does not split into the {n} chunks its MoE block is routed in")
     lead = (b,) if n == 1 else (b, n)  # routed in chunks (cp): [B, T, S / T, H], each chunk on its own
     x3 = tokens = _as(c, x, (*lead, s // n, h))
     if c.dtype(x3) != c.dtype(w):  # DeepSeek-V3: the router in float32
@@ -136,7 +143,8 @@ def _experts(c: ImportContext) -> Any:
         a = _activation(c, u, rule, approx, (*lead, e, cap, f), dt)
     dn = c.emit1("matmul", {"x": a, "y": down.parts[0]}, (c.fresh("down"), (*lead, e, cap, h), dt))
     rows = c.reshape(dn, (*lead, e * cap, h), c.fresh("rows"))
-    (sit,) = c.emit_nograd("transpose", {"x": si}, [(c.fresh("dispatch.index.t"), (*lead, s, k), "int64")], perm=(0, 2, 1) if r.chunks == 1 else (0, 1, 3, 2))
+    perm = (0, 2, 1) if r.chunks == 1 else (0, 1, 3, 2)
+    (sit,) = c.emit_nograd("transpose", {"x": si}, [(c.fresh("dispatch.index.t"), (*lead, s, k), "int64")], perm=perm)
     same = tuple(xs) == (*lead, s, h)
     out = c.emit1("moe_combine", {"x": rows, "combine_weights": cw, "scatter_index": sit},
                   (c.name if same else c.fresh("combined"), (*lead, s, h), dt))
