@@ -103,8 +103,27 @@ def test_collectives_by_hand(mesh: str) -> None:
     assert {d for n, d in grads.items() if ".experts." not in n} == {every}
 
 
+@pytest.mark.parametrize(("mesh", "strategy"), [
+    ("cp=2,ep=2", "cp,ep"), ("dp=1,cp=2,tp=2", "megatron,cp"), ("dp=1,cp=2,tp=2", "megatron,sp,cp"),
+    ("cp=2,ep=2,tp=2", "cp,ep,megatron,etp=1"),
+])
+def test_nothing_moves_over_cp_but_attention_s(mesh: str, strategy: str) -> None:
+    """Over cp only attention's k and v (and their gradients), the loss' scalars and the
+    parameters' gradients: under sp the MoE block's tokens are gathered over tp alone (before
+    the fix of the sp marks: over cp x tp, 3 x the bytes), under ep the all-to-alls over ep."""
+    _p, _m, _kw, plan = plan_hf("MixtralForCausalLM", MIXTRAL, mesh, strategy, "float32", 4, 16)
+    cp = plan.mesh.dim_index("cp")
+    prog = plan.program
+    params = {n for n, t in prog.tensors.items() if t.kind == "parameter"}
+    moved = {r.tensor for r in plan.reshards if not r.shared and any(cp in s.mesh_dims for s in r.plan.steps
+                                                                      if s.bytes_per_rank)}
+    assert {n for n in moved if not n.startswith("scaled_dot_product_attention") and prog.tensors[n].shape
+            and n.removesuffix(".grad") not in params} == set()
+
+
 @pytest.mark.parametrize(("model", "mesh", "strategy"), [
     ("MixtralForCausalLM", "cp=2,ep=2", "cp,ep"),
+    ("MixtralForCausalLM", "dp=1,cp=2,tp=2", "megatron,sp,cp"),
     ("MixtralForCausalLM", "dp=2,cp=2,ep=2", "dp,cp,ep,cp-attention=ring"),
     ("MixtralForCausalLM", "dp=1,cp=2,tp=2", "megatron,cp"),
     ("MixtralForCausalLM", "cp=2,ep=2,tp=2", "cp,ep,megatron,etp=1"),
