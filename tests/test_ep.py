@@ -154,6 +154,37 @@ def test_a_group_of_two_mesh_dims_reduces_and_gathers_as_one_collective() -> Non
         assert merge_groups(single, [], shape, 4, cost) == single
 
 
+def test_a_group_of_three_mesh_dims_reduces_and_gathers_as_one_collective() -> None:
+    """A dense gradient under dp, cp and ep (the group (dp, cp, ep): Megatron's dense
+    data-parallel group) is one all-reduce over the 16 ranks, not one over dp x cp and one over
+    ep; a reduce-scatter onto its (dp, cp, ep) shard and the all-gather back are one each; the
+    longest group wins over a pair inside it; a reduce-scatter in another order than the
+    group's is left alone; each runs as one collective per mesh dim on an executor."""
+    mesh = ProcessMesh([2, 2, 4], dim_names=["dp", "cp", "ep"])
+    shape, size = [32, 32], 32 * 32 * 4
+    cost = CostModel.default(mesh)
+    part = TensorDistAttr(mesh, [-1, -1], partial=[0, 1, 2])
+    shard = TensorDistAttr(mesh, [(0, 1, 2), -1])
+    rep = TensorDistAttr(mesh, [-1, -1])
+    groups = [(0, 1), (0, 1, 2)]
+    for src, dst, kind, nbytes in ((part, rep, "all_reduce", 2 * 15 * size // 16), (part, shard, "reduce_scatter",
+                                   15 * size // 16), (shard, rep, "all_gather", 15 * size // 16)):
+        single = plan_reshard(src, dst, shape, 4, cost)
+        assert len(single.steps) == 3
+        (one,) = merge_groups(single, groups, shape, 4, cost).steps
+        assert (one.kind, one.mesh_dims, one.bytes_per_rank) == (kind, (0, 1, 2), nbytes)
+        assert one.time_s == cost.collective_time(kind, (0, 1, 2), size, mesh.shape)
+        assert [(s.kind, s.mesh_dims, s.src, s.dst) for s in single_dim_steps(one)] == [
+            (s.kind, s.mesh_dims, s.src, s.dst) for s in single.steps]
+        # a pair alone: the pair merged, the third dim its own collective (the gather minor first)
+        pair = [(1, 2), (0,)] if kind == "all_gather" else [(0, 1), (2,)]
+        assert [s.mesh_dims for s in merge_groups(single, [pair[0]], shape, 4, cost).steps] == pair
+    # a group in another order: a reduce-scatter is not its co-shard; an all-reduce is (any order)
+    scatter, reduce = (plan_reshard(part, dst, shape, 4, cost) for dst in (shard, rep))
+    assert [s.mesh_dims for s in merge_groups(scatter, [(2, 1, 0)], shape, 4, cost).steps] == [(0,), (1,), (2,)]
+    assert [s.mesh_dims for s in merge_groups(reduce, [(2, 1, 0)], shape, 4, cost).steps] == [(0, 1, 2)]
+
+
 # -- tiny plans ------------------------------------------------------------------------------------
 
 

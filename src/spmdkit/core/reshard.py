@@ -223,52 +223,64 @@ def single_dim_steps(step: Step) -> tuple[Step, ...]:
     return tuple(out)
 
 
-def merge_groups(plan: ReshardPlan, groups: Sequence[tuple[int, int]], shape: Sequence[int], itemsize: int,
+def merge_groups(plan: ReshardPlan, groups: Sequence[tuple[int, ...]], shape: Sequence[int], itemsize: int,
                  cost: CostModel) -> ReshardPlan:
-    """``plan`` with two consecutive collectives of one kind over the mesh dims of a group
-    ``(a, b)`` (an all-reduce over both, a reduce-scatter over ``a`` then ``b`` onto one axis, an
-    all-gather over ``b`` then ``a`` off one, an all-to-all over each in either order off one
-    axis or onto one: Megatron's ETP = 1 token dispatch over the ep x tp group) made one
-    collective over the group's ``|a| x |b|`` ranks, its bytes and time those of one ring (one
-    all-to-all) over them."""
+    """``plan`` with consecutive collectives of one kind over the mesh dims of a group (two or
+    more dims: an all-reduce over each, a reduce-scatter over them major first onto one axis, an
+    all-gather over them minor first off one, an all-to-all over each in any order off one axis
+    or onto one: Megatron's ETP = 1 token dispatch over the ep x tp group) made one collective
+    over the group's ranks, its bytes and time those of one ring (one all-to-all) over them. The
+    longest group that matches wins: a dense gradient partial over ``dp``, ``cp`` and ``ep`` is
+    one all-reduce over the three (``(dp, cp, ep)``), not one over dp x cp and one over ep."""
     steps = list(plan.steps)
     if len(steps) < 2 or not groups:
         return plan
     ms = steps[0].src.mesh.shape
+    sizes = sorted({len(g) for g in groups if len(g) > 1}, reverse=True)
     out: list[Step] = []
     i = 0
     while i < len(steps):
-        s = steps[i]
-        t = steps[i + 1] if i + 1 < len(steps) else None
-        pair = None
-        if t is not None and s.kind == t.kind and s.reduce_type == t.reduce_type \
-                and (s.tensor_axis == t.tensor_axis or s.kind == "all_to_all") \
-                and len(s.mesh_dims) == 1 and len(t.mesh_dims) == 1 and s.bytes_per_rank and t.bytes_per_rank:
-            x, y = s.mesh_dims[0], t.mesh_dims[0]
-            if s.kind == "all_reduce" and ((x, y) in groups or (y, x) in groups):
-                pair = (x, y)  # the steps' own order: one dim after the other, as an executor replans it
-            elif s.kind == "reduce_scatter" and (x, y) in groups:
-                pair = (x, y)
-            elif s.kind == "all_gather" and (y, x) in groups:
-                pair = (y, x)
-            elif s.kind == "all_to_all" and ((x, y) in groups or (y, x) in groups) and (
-                    s.dst_axis == t.dst_axis or s.tensor_axis == t.tensor_axis):
-                pair = (x, y)  # the steps' order (single_dim_steps moves them so again)
-        if pair is None:
-            out.append(s)
+        run, dims = next(((steps[i:i + k], d) for k in sizes
+                          if (d := _group_of(steps[i:i + k], k, groups)) is not None), ([steps[i]], None))
+        if dims is None:
+            out.append(steps[i])
             i += 1
             continue
-        n = ms[pair[0]] * ms[pair[1]]
+        s, t = run[0], run[-1]
+        n = math.prod(ms[d] for d in dims)
         if s.kind == "all_gather":
-            size = local_bytes(t.dst.dims_mapping, shape, ms, itemsize)  # type: ignore[union-attr]
+            size = local_bytes(t.dst.dims_mapping, shape, ms, itemsize)
             b = round((n - 1) / n * size)
         else:
             size = local_bytes(s.src.dims_mapping, shape, ms, itemsize)
             b = round((2 if s.kind == "all_reduce" else 1) * (n - 1) / n * size)
-        out.append(Step(s.kind, pair, s.tensor_axis, b, cost.collective_time(s.kind, pair, size, ms), s.src,
-                        t.dst, t.dst_axis if s.kind == "all_to_all" else None, s.reduce_type))  # type: ignore[union-attr]
-        i += 2
+        out.append(Step(s.kind, dims, s.tensor_axis, b, cost.collective_time(s.kind, dims, size, ms), s.src,
+                        t.dst, t.dst_axis if s.kind == "all_to_all" else None, s.reduce_type))
+        i += len(run)
     return ReshardPlan(tuple(out))
+
+
+def _group_of(run: Sequence[Step], k: int, groups: Sequence[tuple[int, ...]]) -> tuple[int, ...] | None:
+    """The mesh dims of the one collective ``run`` (``k`` consecutive steps) makes over a group
+    of ``groups`` (:func:`merge_groups`), or None: the steps' own order (one dim after the
+    other, as an executor replans it: :func:`single_dim_steps`), an all-gather's major first."""
+    if len(run) < k:
+        return None
+    s = run[0]
+    if any(t.kind != s.kind or t.reduce_type != s.reduce_type or len(t.mesh_dims) != 1 or not t.bytes_per_rank
+           for t in run):
+        return None
+    if s.kind == "all_to_all":
+        if len({t.dst_axis for t in run}) > 1 and len({t.tensor_axis for t in run}) > 1:
+            return None
+    elif any(t.tensor_axis != s.tensor_axis for t in run):
+        return None
+    dims = tuple(t.mesh_dims[0] for t in run)
+    if s.kind in ("all_reduce", "all_to_all"):
+        return dims if any(len(g) == k and set(g) == set(dims) for g in groups) else None
+    if s.kind == "all_gather":
+        dims = dims[::-1]
+    return dims if dims in groups else None
 
 
 def _slice_major(st: _State, want: list[int], target: int, d: int, steps: list[Step]) -> None:

@@ -266,7 +266,8 @@ def import_hf(class_name: str, config: Any, *, batch: int = 2, seq: int = 16, dt
     capacity factor; None imports the blocks as HF computes them. ``cp``: (ranks, variant, balance)
     of context parallelism: the call traced in the cp ranks' token order with ``cp_attention``
     (:mod:`spmdkit.models.hf_cp`; the keyword inputs returned are that call's, torch eager's the
-    program's ``eager_kwargs``). ``opts`` go to :func:`spmdkit.models.torch_import.import_module`
+    program's ``eager_kwargs``), its MoE blocks routed in ``cp`` chunks of the sequence, one a
+    cp rank (the capacity per chunk), as the zoo's are. ``opts`` go to :func:`spmdkit.models.torch_import.import_module`
     (``fallback``, ``optimizer``, ...)."""
     from spmdkit.models.torch_import import cp_mapping, import_module
 
@@ -284,6 +285,7 @@ def import_hf(class_name: str, config: Any, *, batch: int = 2, seq: int = 16, dt
     if cp is not None:  # the tokens in the cp ranks' order, attention at their positions (models/hf_cp.py)
         kw, q_pos, k_pos = cp_call(model, kw, cp, pad)
         opts["mapping"] = {**(opts.get("mapping") or {}), **cp_mapping(q_pos, k_pos, cp[1], cp[2], masked)}
+        opts["moe_chunks"] = cp[0]  # each cp rank routes its own tokens (the zoo's moe_chunks)
     if moe == "auto":
         moe = "dropless" if weights is True else "uniform"
     record = None

@@ -161,12 +161,14 @@ def moe_note(prog: Program) -> str:
     if not blocks:
         return ""
     caps = sorted({int(op.attrs.get("capacity", 0)) for op in prog.ops if op.rule == "moe_gate_dispatch"})
-    seq = next((prog.tensors[op.input_names()[0]].shape[-2] for op in prog.ops if op.rule == "moe_gate_dispatch"), 0)
+    x = next((prog.tensors[op.input_names()[0]].shape for op in prog.ops if op.rule == "moe_gate_dispatch"), (0, 0))
+    seq = x[-2]
     b = blocks[0]
     how = "dropless" if caps == [seq] else f"{seq} tokens x top {b.top_k} / {b.num_experts} experts"
+    each = "a sequence" if len(x) < 4 else f"a chunk (each sequence routed in {x[1]} chunks, one a cp rank)"
     line = (f"note: MoE: {len(blocks)} block(s) lowered to moe_gate_dispatch -> experts [E, in, out] -> "
             f"moe_combine ({b.num_experts} experts, top {b.top_k}; {b.routing.describe()}); capacity "
-            f"{', '.join(map(str, caps))} tokens an expert a sequence ({how})")
+            f"{', '.join(map(str, caps))} tokens an expert {each} ({how})")
     r = b.routing
     if r.groups > 1 and r.topk_group < r.groups:
         line += ("; the group-limited top-k is planned as a top-k over every expert (the same shapes, FLOPs "

@@ -250,11 +250,12 @@ def propagate(
     progress: Callable[[int, int], None] | None = None,
     storage: Mapping[str, Any] | None = None,
     grad_accum: int = 1,
-    groups: Sequence[tuple[int, int]] = (),
+    groups: Sequence[tuple[int, ...]] = (),
 ) -> Plan:
-    """Every tensor's dist attr and the reshards of ``program`` on ``mesh``; ``groups``: pairs of
-    mesh dims whose consecutive collectives of one kind run as one over both (besides those
-    annotated as one co-shard: context parallelism's gradient reduction over dp x cp); ``annotations``:
+    """Every tensor's dist attr and the reshards of ``program`` on ``mesh``; ``groups``: tuples of
+    mesh dims whose consecutive collectives of one kind run as one over all of them (besides
+    those annotated as one co-shard: context parallelism's gradient reduction over dp x cp, a
+    dense one over dp x cp x ep with ep; :func:`spmdkit.core.reshard.merge_groups`); ``annotations``:
     tensor name -> TensorDistAttr (or a dims_mapping list) that never changes; ``storage``:
     tensor -> the dist attr it is stored in, gathered to its (annotated) dist attr before the
     forward and the backward readers (ZeRO-3); ``grad_accum``: the plan's gradient
@@ -262,7 +263,7 @@ def propagate(
     ``progress(done, total)`` is called as the sweeps go."""
     prop = _Propagation(program, mesh, annotations, cost, storage)
     if groups:
-        prop.groups = sorted({*prop.groups, *((int(a), int(b)) for a, b in groups)})
+        prop.groups = sorted({*prop.groups, *(tuple(int(d) for d in g) for g in groups)})
     results, rounds = prop.sweeps(progress)
     return prop.plan(results, rounds, grad_accum)
 
@@ -282,8 +283,8 @@ class _Propagation:
         self.cost = cost or CostModel.default(mesh)
         # mesh dims annotated as one co-shard (expert parallelism's batch over (dp, ep)): one
         # group of ranks, whose reductions and gathers run as one collective over both
-        self.groups = sorted({(e[0], e[1]) for a in self.fixed.values() for e in a.dims_mapping
-                              if isinstance(e, tuple) and len(e) == 2})
+        self.groups: list[tuple[int, ...]] = sorted({e for a in self.fixed.values() for e in a.dims_mapping
+                                                     if isinstance(e, tuple) and len(e) > 1})
         self.attrs: dict[str, TensorDistAttr | None] = {n: None for n in program.tensors}
         self.attrs.update(self.fixed)
         self.specs = _Specs(program, mesh)

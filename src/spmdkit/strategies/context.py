@@ -20,6 +20,7 @@ same: ``cp-attention=ring`` and ``cp-balance=none`` items (the CLI's ``--cp-atte
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -117,25 +118,42 @@ def auto_config(cfg: ModelConfig | None, mesh: ProcessMesh, items: Iterable[str]
     return built
 
 
-def cp_groups(mesh: ProcessMesh, strategy: Iterable[str]) -> list[tuple[int, int]]:
-    """The mesh-dim pairs whose reductions run as one collective under cp: ``(dp, cp)`` (a
+def cp_groups(mesh: ProcessMesh, strategy: Iterable[str]) -> list[tuple[int, ...]]:
+    """The mesh-dim groups whose reductions run as one collective under cp: ``(dp, cp)`` (a
     parameter's gradient, partial over both, all-reduced over the dp x cp ranks at once, as
-    Megatron-Core's data-parallel group with context parallelism spans them); none without
-    both dims."""
+    Megatron-Core's data-parallel group with context parallelism spans them) and, with ``ep``,
+    :func:`data_dims` (a dense parameter's gradient, partial over dp, cp and ep, reduced once
+    over them all: Megatron-Core carves ep out of the dp x cp ranks, and its dense data-parallel
+    group is every one of them; an expert stack's stays over dp x cp, its expert-data-parallel
+    group); none without cp or with one dim alone."""
     st = set(strategy)
-    if "cp" not in st or "cp" not in mesh.dim_names or "dp" not in st or "dp" not in mesh.dim_names:
+    if "cp" not in st or "cp" not in mesh.dim_names:
         return []
-    return [(mesh.dim_index("dp"), mesh.dim_index("cp"))]
+    dp = mesh.dim_index("dp") if "dp" in st and "dp" in mesh.dim_names else None
+    ep = mesh.dim_index("ep") if "ep" in st and "ep" in mesh.dim_names else None
+    cp = mesh.dim_index("cp")
+    out: list[tuple[int, ...]] = [(dp, cp)] if dp is not None else []
+    if ep is not None:
+        out.append(data_dims(dp, cp, ep))
+    return out
 
 
-def zero_dims(mesh: ProcessMesh, dp: int | None, cp: int) -> tuple[Any, int]:
+def data_dims(dp: int | None, cp: int, ep: int | None) -> tuple[int, ...]:
+    """The mesh dims of a dense parameter's data-parallel group under cp, major first: ``(dp,
+    cp)``, with ``ep`` ``(dp, cp, ep)`` (``dp`` left out without a dp dim)."""
+    return tuple(d for d in (dp, cp, ep) if d is not None)
+
+
+def zero_dims(mesh: ProcessMesh, dp: int | None, cp: int, ep: int | None = None) -> tuple[Any, int]:
     """(the entry, the ranks) ZeRO shards a parameter's states over under cp: the data-parallel
     ranks times the cp ranks ``(dp, cp)`` (Megatron-Core's distributed optimizer shards over
     dp x cp: every one of them holds the whole parameter and reduces its gradient), ``cp`` alone
-    without a dp dim."""
-    if dp is None:
-        return cp, mesh.shape[cp]
-    return (dp, cp), mesh.shape[dp] * mesh.shape[cp]
+    without a dp dim; a dense parameter's under ``ep`` (its mesh dim; None for an expert stack)
+    over ``(dp, cp, ep)`` (:func:`data_dims`: the gradient reduce-scattered and the parameter
+    all-gathered once over them all)."""
+    dims = data_dims(dp, cp, ep)
+    n = math.prod(mesh.shape[d] for d in dims)
+    return (dims[0] if len(dims) == 1 else dims), n
 
 
 def cp_problem(cfg: ModelConfig, cp: int, tp: int) -> str | None:
@@ -248,4 +266,4 @@ def hf_cp_marks(prog: Any, mesh: ProcessMesh, dm: Any, st: set[str], data: Itera
     return cp
 
 
-__all__ = ["DEFAULTS", "OPTIONS", "auto_config", "check_options", "config_for", "cp_groups", "cp_marks", "cp_problem", "hf_cp", "hf_cp_marks", "moe_chunks", "options", "parse_option", "zero_dims"]
+__all__ = ["DEFAULTS", "OPTIONS", "auto_config", "check_options", "config_for", "cp_groups", "cp_marks", "cp_problem", "data_dims", "hf_cp", "hf_cp_marks", "moe_chunks", "options", "parse_option", "zero_dims"]

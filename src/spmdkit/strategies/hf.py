@@ -347,7 +347,9 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
         batches = {prog.tensors[n].shape[0] for n in data_inputs(prog) if prog.tensors[n].shape}
         fold = expert_fold(mesh, st)  # etp=1: the experts over ep x tp, each whole
         check_ep(mesh, layers, ep, max(batches) if batches else None, dp, fold)
-        experts = expert_marks(prog, mesh, dm, dp, ep, layers, fold)
+        # under cp the importer routes each sequence in cp chunks (models/hf.py): kept over cp
+        cpd = mesh.dim_index("cp") if "cp" in st and "cp" in mesh.dim_names else None
+        experts = expert_marks(prog, mesh, dm, dp, ep, layers, fold, cpd)
     if dp is not None or ep is not None:
         _shard_batch(prog, mesh, dm, dp, ep)
     # cp: the call's sequence over cp, attention cp_attention's (an import traced for cp: models/hf_cp.py)
@@ -666,13 +668,19 @@ def _sequence_parallel(prog: Program, mesh: ProcessMesh, sharded: Mapping[str, s
     # a MoE block as Megatron and torchtitan run it under tp: its tokens gathered before the router
     # (every tp rank routes the whole sequence, each expert split over tp; their gradient
     # reduce-scattered back), its output returned to sequence shards (its gradient gathered)
-    # (a block with a shared expert, whose column layers gather the same tokens, is left as it was)
+    # (a block with a shared expert, whose column layers gather the same tokens, is left as it was);
+    # under cp gathered over tp only: the sequence ([B, S, H]) or the chunks ([B, cp, S / cp, H]:
+    # routed in cp chunks, each cp rank its own tokens) kept over cp
     for moe_in, moe_out in moe_ends(prog, moe_projections(prog)):
         if not moe_in or set(moe_in) & set(gather):
             continue
         for m in (*moe_in, *moe_out):
             for t in (m, *grads_of(m)):
-                dm(t)[0] = dp if dp is not None else -1
+                d = dm(t)
+                d[0] = dp if dp is not None else -1
+                shape = prog.tensors[t].shape
+                if cp is not None and (len(shape) == 3 or (len(shape) == 4 and shape[1] == mesh.shape[cp])):
+                    d[1] = cp
         for g in grads_of(moe_in[-1]):
             shard_seq(g)
         shard_seq(moe_out[-1])

@@ -343,8 +343,10 @@ def optimizer_layouts(prog: Any, mesh: ProcessMesh, optimizer: Mapping[str, tupl
     states are not annotated: propagation holds an in-place output as the tensor it overwrites.
     With expert parallelism (``ep``: its mesh dim; ``experts``: the expert stacks) a dense
     parameter's states are sharded over the data-parallel ranks ``(dp, ep)``, an expert stack's
-    over ``dp`` alone (:func:`spmdkit.strategies.experts.zero_dims`), over ``(dp, cp)`` under cp
-    (its expert-data-parallel group).
+    over ``dp`` alone (:func:`spmdkit.strategies.experts.zero_dims`); under cp a dense
+    parameter's over ``(dp, cp, ep)`` (Megatron-Core's dense data-parallel group), an expert
+    stack's over ``(dp, cp)`` (its expert-data-parallel group:
+    :func:`spmdkit.strategies.context.zero_dims`).
     Returns the stored layout of each ZeRO-3 parameter (``propagate(storage=...)``)."""
     stage = zero_stage(strategy)
     cp = mesh.dim_index("cp") if "cp" in set(strategy) and "cp" in mesh.dim_names else None
@@ -356,9 +358,9 @@ def optimizer_layouts(prog: Any, mesh: ProcessMesh, optimizer: Mapping[str, tupl
         for s in (*states, *new_states):
             out[s] = list(base)
         # under cp: over dp x cp (Megatron's data-parallel group with cp), an expert stack's too
-        # (its expert-data-parallel group); a dense parameter's with ep over (dp, ep) as without cp
-        zd = (zero_dims(mesh, dp, ep, p in experts) if cp is None or (ep is not None and p not in experts)
-              else cp_zero_dims(mesh, dp, cp)) if stage and states else None
+        # (its expert-data-parallel group); a dense parameter's with ep over dp x cp x ep
+        zd = (zero_dims(mesh, dp, ep, p in experts) if cp is None
+              else cp_zero_dims(mesh, dp, cp, None if p in experts else ep)) if stage and states else None
         if zd is None:
             continue
         axis = zero_axis(prog.tensors[p].shape, base, zd[1])

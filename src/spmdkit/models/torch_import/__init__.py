@@ -125,7 +125,7 @@ def import_module(module: Any, args: Sequence[Any] = (), kwargs: Mapping[str, An
                   loss: Any = None, mapping: Mapping[Any, Hook | str] | None = None, fallback: str = "error",
                   buffers: str = "input", optimizer: str | None = "adamw", decompose: bool = False,
                   repeat_layers: bool = False, moe: str | float | None = "dropless",
-                  fuse: bool = False) -> ImportedProgram:
+                  fuse: bool = False, moe_chunks: int = 1) -> ImportedProgram:
     """The module's step as a validated spmdkit Program (see the module docstring), for the
     call ``module(*args, **kwargs)`` (the example inputs: their shapes and dtypes are the
     program's; a HuggingFace model takes ``input_ids=``, ``attention_mask=``, ``labels=``, ...).
@@ -144,7 +144,9 @@ def import_module(module: Any, args: Sequence[Any] = (), kwargs: Mapping[str, An
     ``moe``: HF's MoE blocks lowered to the zoo's MoE ops (:mod:`.moe`) with this capacity per
     expert and sequence (``"dropless"``: every token, the module's own values; ``"uniform"``: the
     zoo's ``ceil(seq x top_k / experts)``; a float: that times the capacity factor), or None:
-    imported as HF computes them (its grouped matmul: every expert on every token); ``fuse``:
+    imported as HF computes them (its grouped matmul: every expert on every token);
+    ``moe_chunks``: each sequence routed in that many chunks, each on its own (its capacity per
+    chunk: context parallelism's, one chunk a cp rank); ``fuse``:
     RMSNorm and SwiGLU spelt out in ATen ops become the zoo's fused ops (:mod:`.fuse`)."""
     modes = {m: m.training for m in module.modules()} if isinstance(module, torch.nn.Module) else {}
     kwargs = hf_call_kwargs(module, kwargs)
@@ -157,7 +159,7 @@ def import_module(module: Any, args: Sequence[Any] = (), kwargs: Mapping[str, An
     blocks: list[Block] = []
     with contextlib.ExitStack() as stack:
         if moe is not None and isinstance(module, torch.nn.Module):
-            blocks = stack.enter_context(lowered_moe(module, _tokens(args, kwargs), moe))
+            blocks = stack.enter_context(lowered_moe(module, _tokens(args, kwargs), moe, chunks=moe_chunks))
         try:
             if repeat_layers and isinstance(module, torch.nn.Module):
                 prog = _import_repeated(module, tuple(args), kwargs, (decompose, fuse),

@@ -146,7 +146,7 @@ def _act(x: torch.Tensor, act: str, approximate: bool) -> torch.Tensor:
 @torch.library.custom_op("spmdkit::moe_route", mutates_args=())
 def moe_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, score: str, bias_used: bool,
               norm: bool, scale: float, groups: int, topk_group: int, top_k: int, batch: int,
-              weights_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              weights_dtype: torch.dtype, chunks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     r = Routing(score, bias_used, norm, scale, groups, topk_group)
     logits, w, idx = route(x, weight, bias, r, top_k)
     return logits, w.to(weights_dtype), idx
@@ -155,7 +155,7 @@ def moe_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
 @moe_route.register_fake
 def _moe_route_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, score: str, bias_used: bool,
                     norm: bool, scale: float, groups: int, topk_group: int, top_k: int, batch: int,
-                    weights_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    weights_dtype: torch.dtype, chunks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     t = math.prod(x.shape[:-1])
     logits = x.new_empty((t, weight.shape[0]), dtype=weight.dtype)
     return logits, x.new_empty((t, top_k), dtype=weights_dtype), x.new_empty((t, top_k), dtype=torch.int64)
@@ -346,10 +346,12 @@ def _weights_dtype(router: torch.nn.Module, dtype: torch.dtype, h: int) -> torch
 
 @contextlib.contextmanager
 def lowered_moe(module: torch.nn.Module, tokens: tuple[int, int], capacity: str | float = "uniform",
-                blocks: list[Block] | None = None) -> Iterator[list[Block]]:
+                blocks: list[Block] | None = None, chunks: int = 1) -> Iterator[list[Block]]:
     """Within: the routers and experts of ``module``'s MoE blocks call the custom ops (see the
     module docstring) for a batch of ``tokens`` = (sequences, tokens each); ``capacity``: as
-    :func:`capacity_of`. Yields the blocks."""
+    :func:`capacity_of`, per routed chunk; ``chunks``: each sequence routed in that many chunks
+    of its tokens, each on its own (context parallelism: one a cp rank, the tokens traced in
+    the cp ranks' order: :func:`spmdkit.models.hf.import_hf`). Yields the blocks."""
     found = moe_blocks(module) if blocks is None else blocks
     named = dict(module.named_modules())
     batch, seq = tokens
@@ -358,9 +360,9 @@ def lowered_moe(module: torch.nn.Module, tokens: tuple[int, int], capacity: str 
         for b in found:
             router, experts = named[b.router], named[b.experts]
             wname = next(n for n, p in router.named_parameters(recurse=False) if p.dim() == 2)
-            cap = capacity_of(capacity, seq, b.top_k, b.num_experts)
+            cap = capacity_of(capacity, seq // chunks, b.top_k, b.num_experts)
             wdt = _weights_dtype(router, next(experts.parameters()).dtype, getattr(router, wname).shape[1])
-            router.forward = types.MethodType(_route_call(b, wname, batch, wdt), router)
+            router.forward = types.MethodType(_route_call(b, wname, batch, wdt, chunks), router)
             experts.forward = types.MethodType(_experts_call(b, cap), experts)
             saved += [router, experts]
         yield found
@@ -369,13 +371,13 @@ def lowered_moe(module: torch.nn.Module, tokens: tuple[int, int], capacity: str 
             m.__dict__.pop("forward", None)
 
 
-def _route_call(b: Block, wname: str, batch: int, wdt: torch.dtype) -> Any:
+def _route_call(b: Block, wname: str, batch: int, wdt: torch.dtype, chunks: int) -> Any:
     r = b.routing
 
     def forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> Any:
         bias = getattr(self, b.bias_name) if b.bias_name else None
         return torch.ops.spmdkit.moe_route(hidden_states, getattr(self, wname), bias, r.score, r.bias, r.norm,
-                                           r.scale, r.groups, r.topk_group, b.top_k, batch, wdt)
+                                           r.scale, r.groups, r.topk_group, b.top_k, batch, wdt, chunks)
     return forward
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from spmdkit.models.torch_import.context import Hook, ImportContext, norm_dim
+from spmdkit.models.torch_import.context import Hook, ImportContext, norm_dim, packet
 
 #: the ATen views, each a ``reshape`` to the node's output shape
 VIEWS = {"aten.view", "aten.reshape", "aten._unsafe_view", "aten.flatten", "aten.unflatten", "aten.view_as",
@@ -18,11 +18,22 @@ def to_out_shape(rule: str) -> Hook:
     def conv(c: ImportContext) -> Any:
         x = c.args[0]
         shp = c.out_shape()
-        if tuple(c.shape(x)) == shp:
+        if tuple(c.shape(x)) == shp or (rule == "reshape" and _chunked_moe_only(c)):
             return c.tensor(x)
         return c.emit1(rule, {"x": x}, shape=shp)
 
     return conv
+
+
+def _chunked_moe_only(c: ImportContext) -> bool:
+    """Whether the view's only readers are a MoE block's router and experts routed in chunks
+    (``spmdkit::moe_route`` with chunks > 1: context parallelism, :mod:`.moe`): they take the
+    tokens as they are and view them into the chunks themselves (HF's flat ``[B x S, H]``
+    would mix the rows of a batch shard and a cp shard, which no sharding holds as a block)."""
+    users = list(c.node.users)
+    kinds = {packet(u.target) for u in users}
+    return bool(users) and kinds <= {"spmdkit.moe_route", "spmdkit.moe_experts"} and any(
+        packet(u.target) == "spmdkit.moe_route" and len(u.args) > 12 and int(u.args[12]) > 1 for u in users)
 
 
 _view = to_out_shape("reshape")
