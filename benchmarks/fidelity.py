@@ -159,6 +159,8 @@ def _recompute(row: dict[str, Any], assume: list[str]) -> str:
         assume.append("no activation recomputation (not stated)")
         return "none"
     rc = str(rc)
+    if rc.startswith("selective:"):  # Megatron-Core's --recompute-modules: which modules, not the attention core
+        raise Unsupported(f"recompute modules ({rc.split(':', 1)[1].strip()}: Megatron-Core --recompute-modules)")
     if rc.startswith("selective"):
         if "microbatch-level" in rc:
             return "microbatch"  # Korthikanti App. C: --recompute microbatch (a pipeline's mode)
@@ -245,6 +247,11 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
     device, mem_gib = _device(row, tmp)
     tp, pp, dp = int(par["tp"]), int(par["pp"]), int(par["dp"])
     ep = int(par.get("ep") or 1) if m.get("moe") else 1
+    etp1 = m.get("moe") and par.get("etp") == 1 and tp > 1
+    if etp1:  # ETP = 1: an expert group is tp x ep ranks (Megatron folds ep out of dp x tp): the ep mesh dim is ep / tp
+        if ep % tp:
+            raise Unsupported(f"ETP = 1 with EP {ep} not a multiple of TP {tp}")
+        ep //= tp
     cp = int(par.get("cp") or 1)
     gpus = tp * pp * dp * ep * cp
     mb = par.get("micro_batch") or par.get("local_batch")
@@ -276,7 +283,7 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
     strategy, framework = _strategy(row, assume)
     recompute = _recompute(row, assume)
     if ep > 1:  # Megatron-Core's folding: the experts over ep, the rest data parallel over dp x ep
-        strategy = strategy.replace("dp", "dp,ep", 1)
+        strategy = strategy.replace("dp", "dp,ep", 1) + (",etp=1" if etp1 else "")
     if cp > 1:
         strategy = _with_cp(strategy, _cp_attention(row, framework, assume))
     # the ranks as both frameworks lay them out: tp innermost, then cp (Megatron-Core's
@@ -318,7 +325,9 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
         if v > 1:
             argv += ["--schedule", "interleaved", "--virtual-stages", str(v)]
         n = pp * v
-        if layers % n:
+        if par.get("stages"):  # the run's own layout (Megatron's embedding and loss counted as layers)
+            argv += ["--stages", ",".join(str(k) for k in par["stages"])]
+        elif layers % n:
             argv += ["--stages", ",".join(str(k) for k in _split(layers, n, framework))]
             assume.append(f"{layers} layers split {'/'.join(str(k) for k in _split(layers, n, framework))} "
                           f"over {n} stages")
@@ -659,7 +668,11 @@ def markdown(results: list[dict[str, Any]], unsupported: dict[str, list[str]], s
                 "the loss on bf16 logits (`--framework automodel`, docs/devices.md \"Memory\"); the experts stay",
                 "out of FSDP (ep covers every rank of a stage). The configs set `enable_deepep` and",
                 "`fake_balanced_gate` (token t to experts t k .. t k + k - 1): `--moe-dispatcher deepep",
-                "--moe-routing balanced` (docs/devices.md \"Mixture of experts\").", ""]
+                "--moe-routing balanced` (docs/devices.md \"Mixture of experts\"). The `megatron_moe_zoo` rows are",
+                "Megatron-Core's own (Megatron-MoE-ModelZoo's Qwen3-235B-A22B table on 256 H100s): ETP = 1",
+                "(`--strategy dp,ep,megatron,sp,zero1,etp=1`, the experts over ep x tp), the distributed optimizer,",
+                "`--tp-comm-overlap`, the model's dropless router (`--moe-routing topk`), DeepEP or NCCL's",
+                "all-to-all, the pipeline split with the embedding and the loss counted as layers.", ""]
         out += [f"- {line}" for line in summary_lines(ms)[:1] + summary_lines(ms)[3:]]
         out += ["", "| run | unit | measured | predicted | ratio | memory GiB (measured) | fits |", "|---|---|---|---|---|---|---|"]
         for r in mres:

@@ -128,3 +128,14 @@ def test_console_script_runs() -> None:
     exe = Path(sys.executable).parent / "spmdkit"
     p = subprocess.run([str(exe), "infer", "--batch"], input="nope\n", capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and json.loads(p.stdout)["error"] == "CaseFormatError"
+
+
+def test_ctrl_c_is_one_line_not_a_traceback(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import spmdkit.cli as cli
+
+    def interrupted(*args: object, **kw: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_cmd_plan", interrupted)
+    rc, out, err = run(["plan", "--model", "tiny-llama", "--mesh", "dp=2"], capsys)
+    assert (rc, out, err) == (130, "", "spmdkit: plan: interrupted\n")

@@ -6,8 +6,9 @@ Megatron-Core (``router.py`` ``_apply_aux_loss`` / ``_apply_seq_aux_loss``,
 the tokens the rank holds only, so each rank's loss is its share and no activation moves for it.
 spmdkit's cp model computes each token's share ``sum_i f_i p_si`` (zoo_moe): the counts are the
 dispatch's (which holds the sequence's routing), the probabilities stay on the rank's tokens and
-the shares sit beside the token losses on a new axis: the aux loss adds no collective (before:
-``P`` all-reduced over cp per layer and the token losses all-gathered for the loss's concat)."""
+the shares sit beside the token losses on a new axis (before: ``P`` all-reduced over cp per layer
+and the token losses all-gathered for the loss's concat). Since each cp rank routes its own chunk
+(tests/test_moe_cp.py) the counts are the chunks' summed: one all-reduce of ``[B, E]`` over cp."""
 
 from __future__ import annotations
 
@@ -40,12 +41,17 @@ def _issued(plan: Any) -> collections.Counter[tuple[str, str, str]]:
 
 
 @pytest.mark.parametrize(("mesh", "strategy"), [("dp=2,cp=2", "dp,cp"), ("cp=2,tp=2", "megatron,sp,cp")])
-def test_the_aux_loss_adds_no_collective_under_cp(mesh: str, strategy: str) -> None:
+def test_the_aux_loss_reduces_only_the_counts_under_cp(mesh: str, strategy: str) -> None:
+    """Each cp rank routes its own chunk (tests/test_moe_cp.py): the sequence's counts are the
+    chunks' summed, one all-reduce of [B, E] over cp a MoE layer (Megatron's all-reduce of
+    tokens_per_expert); nothing else of the aux loss moves."""
     _, plan, _ = plan_model(MOE, mesh, strategy)
     prog = plan.program
     assert prog.tensors["layers.0.aux"].shape == (4, 8, 1) and prog.tensors["loss.terms"].shape == (4, 8, 3)
+    assert prog.tensors["layers.0.aux.chunks"].shape == (4, 2, 4, 1)  # each token's share, on the cp chunks
     issued = _issued(plan)
-    assert not [k for k in issued if "aux" in k[0] or k[0] in ("loss.terms", "loss")], issued
+    aux = {k: n for k, n in issued.items() if "aux" in k[0] or k[0] in ("loss.terms", "loss")}
+    assert aux == {("aux.f3", "all_reduce", "cp"): 2}, issued
     # the token losses and each layer's shares stay on the sequence the rank holds
     assert plan.attrs["loss.terms"].dims_mapping[1] == plan.attrs["layers.0.aux"].dims_mapping[1] != -1
     rep = simulate_plan(plan)

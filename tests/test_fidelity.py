@@ -68,6 +68,27 @@ def test_cp_runs_expressed_as_their_sources_ran_them() -> None:
             assert case.gpus == row["hardware"]["num_gpus"]
 
 
+def test_megatron_moe_rows_expressed_as_their_source_ran_them() -> None:
+    """Megatron-MoE-ModelZoo's Qwen3-235B rows: ETP = 1 folds the table's EP out of dp x tp (EP 8 at
+    TP 4: an ep mesh dim of 2, the table's EDP 4 as dp: 256 GPUs), the pipeline split with the
+    embedding and the loss counted as layers (3 a virtual stage: 2, 3 x 30, 2), the model's own
+    router; a run that recomputes Megatron-Core's --recompute-modules is named unsupported, not
+    planned as the attention core's selective recomputation."""
+    rows = {r["id"]: r for r in json.loads(FID.MOE_RUNS.read_text()) if r["id"].startswith("megatron_moe_zoo")}
+    with tempfile.TemporaryDirectory() as d:
+        case = FID.express(rows["megatron_moe_zoo_h100_bf16_qwen3_235b_tp4_pp8_ep8"], Path(d))
+        a = case.argv
+        assert a[a.index("--mesh") + 1] == "pp=8,dp=4,ep=2,tp=4" and case.gpus == 256
+        assert set(a[a.index("--strategy") + 1].split(",")) == {"dp", "ep", "megatron", "sp", "zero1", "etp=1"}
+        assert a[a.index("--stages") + 1] == ",".join(["2"] + ["3"] * 30 + ["2"])
+        assert a[a.index("--microbatches") + 1] == "256" and a[a.index("--batch") + 1] == "2048"
+        assert a[a.index("--moe-routing") + 1] == "topk" and a[a.index("--recompute") + 1] == "none"
+        assert "--tp-comm-overlap" in a
+        for rid in ("megatron_moe_zoo_h100_bf16_qwen3_235b_tp2_pp8_ep32", "megatron_moe_zoo_h100_bf16_qwen3_235b_tp2_pp32_ep8_a2a"):
+            with pytest.raises(FID.Unsupported, match=r"recompute modules \(layernorm, moe_act"):
+                FID.express(rows[rid], Path(d))
+
+
 def _params(row: dict[str, Any]) -> float:
     with tempfile.TemporaryDirectory() as d:
         case = FID.express(row, Path(d))

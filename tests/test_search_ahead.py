@@ -104,3 +104,16 @@ def test_the_workers_notes_are_raised_where_the_search_takes_its_bound() -> None
     finally:
         got.close()
     assert not got.proc.is_alive()
+
+
+def test_the_worker_stops_when_the_search_is_interrupted(helpers: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C (or a refusal) in the middle of the planning loop: the worker is stopped there, not
+    left computing bounds for a search that has ended (the CLI prints one line for Ctrl-C)."""
+    def interrupted(*args: Any, **kw: Any) -> Any:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(search_mod, "_plan_preset_config", interrupted)
+    monkeypatch.setattr(search_mod, "_plan_program_config", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        search_meshes(MOE_KV, 8, "h100", memory_cap="1.56GB", prune=True, workers=1)
+    assert len(helpers) == 1 and not helpers[0].proc.is_alive()

@@ -202,6 +202,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return rc
     except BrokenPipeError:
         return 0
+    except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback (a search's worker is stopped by its close)
+        print(f"spmdkit: {ns.command}: interrupted", file=sys.stderr)
+        return 130
     except OSError as exc:
         print(f"spmdkit: {exc}", file=sys.stderr)
         return 1

@@ -101,7 +101,8 @@ class ModelConfig:
     #: MoE: > 1 routes each sequence in this many chunks of ``seq / moe_chunks`` tokens, each on
     #: its own (capacity per chunk): Megatron's ETP = 1 token path, where each tp rank dispatches
     #: its own sequence-parallel shard (``--strategy megatron,sp,ep,etp=1`` builds it with tp
-    #: chunks; :mod:`spmdkit.models.zoo_moe`, docs/experts.md)
+    #: chunks; :mod:`spmdkit.models.zoo_moe`, docs/experts.md); under cp each cp rank its own
+    #: tokens (cp chunks, cp x tp on that path)
     moe_chunks: int = 1
 
     @property

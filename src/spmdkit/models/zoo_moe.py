@@ -44,12 +44,14 @@ false: none of these ops (the HF importer's programs, which compute no aux loss 
 compare with that).
 
 Routed in chunks (``moe_chunks`` T > 1: ``--strategy megatron,sp,ep,etp=1`` builds it with T = tp,
-Megatron's ETP = 1 token path where each tp rank dispatches its own sequence-parallel shard):
+Megatron's ETP = 1 token path where each tp rank dispatches its own sequence-parallel shard; a model
+built for cp with T = cp, or cp x tp on that path: each cp rank routes its own tokens):
 ``x`` reshaped to ``layers.<i>.chunks`` [B, T, S/T, H]; the router, the dispatch (capacity per
 chunk of S/T tokens), the experts ([B, T, E, C, H]) and the combine on it, each chunk on its own
 (the moe ops' chunk axis); the output reshaped back to [B, S, H] (``moe_out.seq``). The aux
 loss sums the chunks' counts (``aux.fs``) and averages their mean gate values (``aux.pc`` [B, T,
-E], then ``aux.p``), the sequence's loss as without chunks.
+E], then ``aux.p``), the sequence's loss as without chunks; under cp each token's share is
+computed on the chunks (``aux.chunks`` [B, T, S/T, 1]) and put back on the sequence (``aux``).
 
 Megatron (tensor parallel, no expert parallelism: issue 28): the experts' gate / up stacks are
 column-parallel (their moe_ffn axis sharded), the down stack row-parallel, as Megatron-Core runs
@@ -148,14 +150,22 @@ def _aux_per_token(t: Tape, cfg: ModelConfig, m: Model, p: str, probs: str, f: s
     dispatch holds the whole sequence's routing); the probabilities stay on the tokens the rank
     holds, so the loss needs no reduction of ``P`` over cp and no gather of the token losses, as
     Megatron-Core computes it (``switch_load_balancing_loss_func``: ``tokens_per_expert``
-    all-reduced over the tp x cp group, ``probs`` summed over the rank's tokens only)."""
+    all-reduced over the tp x cp group, ``probs`` summed over the rank's tokens only). Routed in
+    cp chunks (each cp rank its own tokens) the counts are the chunks' summed (``aux.fs``): the
+    one reduction, of ``[B, E]`` over cp, Megatron's all-reduce of ``tokens_per_expert``."""
     B, S, E = cfg.batch, cfg.seq, cfg.experts
-    (f3,) = t.b.op("reshape", {"x": f}, [(p + "aux.f3", [B, 1, E], "float32")], shape=(B, 1, E))
+    lead = [B] if cfg.moe_chunks == 1 else [B, cfg.moe_chunks]  # routed in chunks: the shares on the chunks
+    s = S // cfg.moe_chunks
+    ones = [1] * len(lead)
+    (f3,) = t.b.op("reshape", {"x": f}, [(p + "aux.f3", [B, *ones, E], "float32")], shape=(B, *ones, E))
     p32: str | None = probs
     if cfg.dtype != "float32":
-        (p32,) = t.op("cast", {"x": probs}, [(p + "aux.p32", [B, S, E], "float32")], dtype="float32")
-    (fp,) = t.op("multiply", {"x": f3, "y": p32}, [(p + "aux.fp", [B, S, E], "float32")])
-    (a,) = t.op("sum", {"x": fp}, [(p + "aux", [B, S, 1], "float32")], axis=(2,), keep_dim=True)
+        (p32,) = t.op("cast", {"x": probs}, [(p + "aux.p32", [*lead, s, E], "float32")], dtype="float32")
+    (fp,) = t.op("multiply", {"x": f3, "y": p32}, [(p + "aux.fp", [*lead, s, E], "float32")])
+    name = p + ("aux" if len(lead) == 1 else "aux.chunks")
+    (a,) = t.op("sum", {"x": fp}, [(name, [*lead, s, 1], "float32")], axis=(len(lead) + 1,), keep_dim=True)
+    if len(lead) > 1:  # back on the sequence, beside the token losses (each rank's own tokens: no move)
+        (a,) = t.op("reshape", {"x": a}, [(p + "aux", [B, S, 1], "float32")], shape=(B, S, 1))
     assert a is not None
     m.aux.append(a)
     return a

@@ -67,7 +67,7 @@ def stretch_units(u: UnitCosts, layers: int, dense: int = 0) -> UnitCosts:
     """A shallow copy's per-unit costs (:func:`spmdkit.planner.pipeline.plan_unit_costs`: the
     embedding, its layers, the head) as the full model's ``layers``: the embedding, the first
     ``dense + 1`` layers and the last as they are, the layer after them repeated in between (as
-    :func:`spmdkit.planner.fold.full_layer_costs`), for :func:`spmdkit.planner.partition.partition`."""
+    :func:`spmdkit.planner.fold.full_layer_costs`), for the search's split of the full model (``search._split``)."""
     k = dense + 2  # the unit of the repeated layer
     if u.layers < dense + 3:
         raise ValueError("stretch_units: the copy has too few layers to repeat one")

@@ -68,7 +68,7 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel
 from spmdkit.cost.compute import guess_tokens, kernel_collectives, model_flops
 from spmdkit.cost.devices import Device, cost_model, load_device, recost
-from spmdkit.cost.memory import Memory, memory_per_device, per_microbatch_mode, with_overheads
+from spmdkit.cost.memory import Memory, memory_per_device, per_microbatch_mode
 from spmdkit.cost.step import OpComm, StepEstimate, estimate_step, op_communication
 from spmdkit.models.hf import dtype_name
 from spmdkit.models.source import import_hf_checked
@@ -84,7 +84,7 @@ from spmdkit.planner.fold import (
     pipeline_step,
 )
 from spmdkit.planner.fold_stages import copy_layers, deep_pipeline, stage_copy, stretch_units
-from spmdkit.planner.partition import even_split, partition
+from spmdkit.planner.partition import balanced_split, even_split
 from spmdkit.planner.pipeline import (
     PipelineEstimate,
     PipelineSpec,
@@ -443,44 +443,46 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
     queue = [(0 if cfg in seeds else 1, lows.get(cfg, math.inf), n, cfg, bounds is None)
              for n, cfg in enumerate(work)]
     heapq.heapify(queue)
-    while queue:
-        tier, key, n, cfg, refined = heapq.heappop(queue)
-        low = lows.get(cfg)
-        if not refined and refiner is not None and low is not None and low < best and refiner.wants(cfg):
-            low = lows[cfg] = refiner.refine(cfg, low, best)  # now it is its turn
-            if low > key and tier:
-                heapq.heappush(queue, (tier, low, n, cfg, True))
+    try:  # the worker stops however the loop ends (a refusal, Ctrl-C)
+        while queue:
+            tier, key, n, cfg, refined = heapq.heappop(queue)
+            low = lows.get(cfg)
+            if not refined and refiner is not None and low is not None and low < best and refiner.wants(cfg):
+                low = lows[cfg] = refiner.refine(cfg, low, best)  # now it is its turn
+                if low > key and tier:
+                    heapq.heappush(queue, (tier, low, n, cfg, True))
+                    continue
+            if progress is not None:
+                progress.update(note=cfg.label())
+            why = pruned_why(cfg, bounds, cap, best, low) if bounds is not None else None
+            if why is not None:
+                pruned.append((cfg, why))
+                if progress is not None:
+                    progress.advance()
                 continue
-        if progress is not None:
-            progress.update(note=cfg.label())
-        why = pruned_why(cfg, bounds, cap, best, low) if bounds is not None else None
-        if why is not None:
-            pruned.append((cfg, why))
+            planned += 1
+            if planned > MAX_PLANS:
+                raise ProgramError(f"--devices {devices}: more than {MAX_PLANS} configurations to plan after the "
+                                   "bounds")
+            t1 = time.perf_counter()
+            k = len(cands)
+            try:
+                if isinstance(model, Program):
+                    cands += _plan_program_config(cfg, model, job, sizes, reload)
+                else:
+                    assert cfg_model is not None
+                    cands += _plan_preset_config(cfg, str(model), cfg_model, replace(job, best=best))
+            except SpmdError as exc:
+                refused.append((cfg, " ".join(str(exc).split())[:300]))
+            for c in cands[k:]:
+                c.plan_s = time.perf_counter() - t1
+                if c.fits:
+                    best = min(best, c.step_s)
             if progress is not None:
                 progress.advance()
-            continue
-        planned += 1
-        if planned > MAX_PLANS:
-            raise ProgramError(f"--devices {devices}: more than {MAX_PLANS} configurations to plan after the "
-                               "bounds")
-        t1 = time.perf_counter()
-        k = len(cands)
-        try:
-            if isinstance(model, Program):
-                cands += _plan_program_config(cfg, model, job, sizes, reload)
-            else:
-                assert cfg_model is not None
-                cands += _plan_preset_config(cfg, str(model), cfg_model, replace(job, best=best))
-        except SpmdError as exc:
-            refused.append((cfg, " ".join(str(exc).split())[:300]))
-        for c in cands[k:]:
-            c.plan_s = time.perf_counter() - t1
-            if c.fits:
-                best = min(best, c.step_s)
-        if progress is not None:
-            progress.advance()
-    if refiner is not None:
-        refiner.close()
+    finally:
+        if refiner is not None:
+            refiner.close()
     cands.sort(key=lambda c: (not c.fits, c.step_s if c.fits else c.memory, c.memory))
     if progress is not None:
         folded = len({c.config for c in cands if c.folded})
@@ -716,22 +718,21 @@ def _blocks(cfg: Config, got: list[Candidate], counts: tuple[int, ...] | None, j
 
 def _split(cfg: Config, p: _Planned, job: _Job, layers: int, dense: int | None = None) -> tuple[int, ...] | None:
     """Layers per virtual stage of ``cfg`` (None without a pipeline): even where they divide, else
-    :func:`spmdkit.planner.partition.partition`'s split (the slowest stage as fast as it can be,
-    each rank within the memory cap; ``refine=False``) of the per-layer costs of ``p``'s plan,
-    the full model's or (``dense`` given) a shallow copy's stretched to ``layers``."""
+    balanced by predicted time as ``spmdkit plan`` splits them (:func:`spmdkit.planner.pipeline.
+    auto_counts`: each layer's forward and backward, the embedding on the first stage, the head on
+    the last; memory aside) from the per-layer costs of ``p``'s plan, the full model's or
+    (``dense`` given) a shallow copy's stretched to ``layers``."""
     if cfg.pp == 1:
         return None
     even = _counts(layers, cfg)
     if even is not None:
         return even
     plan = replace(p.plan, runtime=job.runtime)
-    full = parse_mesh(cfg.mesh_text)
-    link = _link_cost(full, job, p.full_cost).links[full.dim_index("pp")]
-    u = plan_unit_costs(plan, cfg.pp, job.device, "none", (link.alpha_s, link.beta_s_per_byte))
+    u = plan_unit_costs(plan, cfg.pp, job.device, "none")
     if dense is not None:
         u = stretch_units(u, layers, dense)
-    cap = job.cap - with_overheads(0, 0, 0, 0, 0, plan, cfg.pp).runtime_overhead
-    return partition(u, cfg.pp, cfg.virtual, cfg.microbatches, _spec(cfg).schedule, cap, refine=False).counts
+    t = [f + b for f, b in zip(u.forward_s, u.backward_s)]
+    return balanced_split(t[1:-1], cfg.pp * cfg.virtual, t[0], t[-1])
 
 
 def _in_full(c: Candidate, name: str, mc: ModelConfig, job: _Job) -> Candidate:
@@ -754,7 +755,7 @@ def _folded_config(cfg: Config, name: str, mc: ModelConfig, job: _Job) -> list[C
     if fold is None or fold.layers_a + fold.layers_b >= big:
         return None  # two copies would plan as many layers as the model (a deep pipeline's stages)
     a = _preset_plan(cfg, name, mc, job, fold.layers_a)
-    if big % n:  # the full model's partition, from the copy's per-layer costs
+    if big % n:  # the full model's split, from the copy's per-layer costs
         counts = _split(cfg, a, job, big, dense)
         assert counts is not None
         fold = fold_of(counts, dense)

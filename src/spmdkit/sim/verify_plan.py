@@ -26,6 +26,7 @@ from spmdkit.planner.propagate import propagate
 from spmdkit.planner.search import Candidate
 from spmdkit.program.plan import Plan
 from spmdkit.sim.plan import SimReport, loss_name, simulate_plan, source_values
+from spmdkit.strategies.context import moe_chunks
 from spmdkit.strategies.strategy import parse_mesh, tp_problem
 
 
@@ -121,6 +122,7 @@ def verify_auto(plan: Plan, model_name: str, cost_text: str | None = None, layer
         ncp = plan.mesh.shape[plan.mesh.dim_index("cp")]
         tcfg = tcfg.with_(cp=ncp, cp_attention=cp_op.attrs["variant"], cp_balance=cp_op.attrs["balance"],
                           seq=_lcm(tcfg.seq, 2 * ncp))
+        tcfg = tcfg.with_(moe_chunks=moe_chunks(tcfg, ncp))  # a MoE model: each cp rank routes its own tokens
         tiny += f" built for cp={ncp}"
     vocab_parallel = any(op.rule == "c_softmax_with_cross_entropy" for op in plan.program.ops)
     tmodel = build_model(tcfg, vocab_parallel_loss=vocab_parallel, check_rules=False)

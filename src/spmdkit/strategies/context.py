@@ -69,12 +69,22 @@ def check_options(items: Iterable[str], mesh: ProcessMesh) -> None:
 
 def config_for(cfg: ModelConfig, mesh: ProcessMesh, strategy: Iterable[str]) -> ModelConfig:
     """The zoo config built for the strategy: ``cp`` (the mesh's cp size), the variant and the
-    balance set where ``cp`` is asked for; ``cfg`` otherwise."""
+    balance set where ``cp`` is asked for, a MoE model routed in cp chunks (:func:`moe_chunks`);
+    ``cfg`` otherwise."""
     st = tuple(strategy)
     if "cp" not in st:
         return cfg
     variant, balance = options(st)
-    return cfg.with_(cp=mesh.shape[mesh.dim_index("cp")], cp_attention=variant, cp_balance=balance)
+    n = mesh.shape[mesh.dim_index("cp")]
+    return cfg.with_(cp=n, cp_attention=variant, cp_balance=balance, moe_chunks=moe_chunks(cfg, n))
+
+
+def moe_chunks(cfg: ModelConfig, cp: int) -> int:
+    """The chunks a MoE model routes each sequence in under ``cp`` ranks: ``cp`` (each cp rank
+    routes its own tokens, as Megatron-Core's router and dispatcher see only the rank's share of
+    the sequence; under the zig-zag balance a rank's chunk is its two pieces, side by side),
+    where the sequence splits so; ``cfg``'s own otherwise (a dense model: 1)."""
+    return cp if cfg.experts and cp > 1 and cfg.seq % cp == 0 else cfg.moe_chunks
 
 
 def auto_config(cfg: ModelConfig | None, mesh: ProcessMesh, items: Iterable[str],
@@ -238,4 +248,4 @@ def hf_cp_marks(prog: Any, mesh: ProcessMesh, dm: Any, st: set[str], data: Itera
     return cp
 
 
-__all__ = ["DEFAULTS", "OPTIONS", "auto_config", "check_options", "config_for", "cp_groups", "cp_marks", "cp_problem", "hf_cp", "hf_cp_marks", "options", "parse_option", "zero_dims"]
+__all__ = ["DEFAULTS", "OPTIONS", "auto_config", "check_options", "config_for", "cp_groups", "cp_marks", "cp_problem", "hf_cp", "hf_cp_marks", "moe_chunks", "options", "parse_option", "zero_dims"]

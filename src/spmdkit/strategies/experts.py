@@ -27,6 +27,12 @@ own sequence shard ``[B, T, S/T, H]`` (chunk axis over tp), the experts are co-s
 tp)`` and the dispatch and combine are one all-to-all each over the ep x tp group, with no tp
 collective around the experts.
 
+Under cp (docs/experts.md "Under cp") the model is routed in cp chunks (cp x tp on the ETP = 1
+token path), each cp rank its own tokens; :func:`expert_marks` keeps the chunk axis over cp on
+every MoE tensor, so the all-to-alls over ep carry each rank's own tokens and nothing moves over
+cp around a MoE layer (Megatron-Core's experts see no cp: ep and the expert-data-parallel group
+are carved out of the dp x cp ranks).
+
 The ops outside the experts see the batch co-sharded ``(dp, ep)``; the planner asks their rules on
 the mesh with the two dims fused (:mod:`spmdkit.planner.fuse`), so no rule gathers it. Dense
 parameters' gradients come out partial over ``dp`` and ``ep`` (reduced over both), the experts'
@@ -138,49 +144,69 @@ def check_ep(mesh: ProcessMesh, layers: list[MoeLayer], ep: int, batch: int | No
 
 
 def expert_marks(prog: Any, mesh: ProcessMesh, dm: Any, dp: int | None, ep: int,
-                 layers: list[MoeLayer] | None = None, fold: int | None = None) -> frozenset[str]:
+                 layers: list[MoeLayer] | None = None, fold: int | None = None,
+                 cp: int | None = None) -> frozenset[str]:
     """Mark the MoE tensors of ``prog`` in ``dm`` (:class:`spmdkit.strategies.strategy.Marks`:
     tensor -> dims_mapping, edited in place) for expert parallelism over mesh dim ``ep`` (batch
     over ``dp`` too where it is not None): each expert stack's axis 0 over ``ep``, the dispatched
     tokens ``[dp, ep, -1, -1]`` and the rows back at the batch entry, the gradients as their
     mirrors (module docstring). ``fold`` (ETP = 1: the tp mesh dim) spreads the experts over the
     co-shard ``(tp, ep)`` instead: the stacks, the dispatched tokens and the rows' gradient
-    ``[dp, (tp, ep), ...]`` (:func:`expert_entry`). Returns the expert stacks (their gradients
-    reduce over ``dp`` only; ZeRO shards their states over ``dp``). The batch of the data inputs
-    is the caller's."""
+    ``[dp, (tp, ep), ...]`` (:func:`expert_entry`). ``cp`` (the cp mesh dim; the model routed in
+    cp chunks, each cp rank its own tokens): the chunk axis stays over ``cp`` on every MoE
+    tensor, so the all-to-alls over ep carry each cp rank's own tokens (:func:`chunk_entries`).
+    Returns the expert stacks (their gradients reduce over ``dp`` (x ``cp``) only; ZeRO shards
+    their states over ``dp`` (x ``cp``)). The batch of the data inputs is the caller's."""
     b = batch_entry(dp, ep)
     experts: set[str] = set()
     lays = layers if layers is not None else moe_layers(prog)
-    chunked = fold is not None and any(lay.chunks is not None for lay in lays)
-    e = expert_entry(ep, fold, chunked)
+    tokens = [chunk_entries(mesh, prog.tensors[lay.chunks].shape[1], fold, cp) for lay in lays
+              if lay.chunks is not None]
+    e = expert_entry(ep, fold, any(t[0] != t[1] and fold is not None for t in tokens))
     for lay in lays:
         for p in lay.stacks:
             dm(p)[0] = e
             experts.add(p)
         c = 1 if lay.chunks is not None else 0  # the chunk axis after the batch
-        own = c and fold is not None  # each tp rank routes its own sequence-parallel chunk
+        own, kept = chunk_entries(mesh, prog.tensors[lay.chunks].shape[1], fold, cp) if c else (-1, -1)
         d = dm(lay.dispatched)
         d[0], d[1 + c] = (dp if dp is not None else -1), e
         r = dm(lay.rows)
         r[0] = b
-        if own:
-            r[1] = fold
+        if c:  # the chunks: each rank's own tokens (own), those the experts' side keeps (kept)
+            d[1] = kept
+            r[1] = own
             x = dm(lay.chunks)
-            x[0], x[1] = b, fold
+            x[0], x[1] = b, own
             for n in chunk_means(prog, lay):  # the aux loss' per-chunk means, their grads: kept on the chunks
                 for m in (n, n + ".grad"):
                     if m in prog.tensors:
                         g = dm(m)
-                        g[0], g[1] = b, fold
+                        g[0], g[1] = b, own
         if lay.grad_dispatched is not None:
             g = dm(lay.grad_dispatched)
             g[0] = b
-            if own:
-                g[1] = fold
+            if c:
+                g[1] = own
         if lay.grad_rows is not None:
             g = dm(lay.grad_rows)
             g[0], g[1 + c] = (dp if dp is not None else -1), e
+            if c:
+                g[1] = kept
     return frozenset(experts)
+
+
+def chunk_entries(mesh: ProcessMesh, chunks: int, fold: int | None, cp: int | None) -> tuple[Entry, Entry]:
+    """(the chunk axis' entry where each rank holds its own tokens, its entry on the experts'
+    side of the all-to-all) of a layer routed in ``chunks`` chunks a sequence: ``cp`` chunks
+    over ``cp`` on both sides (the all-to-all over ep leaves them where they are); with ETP = 1
+    (``fold``, the tp dim) and ``chunks`` = cp x tp (or tp without cp: Megatron's token path),
+    ``(cp, tp)`` (``tp``), the tp share moved onto the experts by the all-to-all (``cp`` kept:
+    ``-1`` without cp)."""
+    n = mesh.shape[cp] if cp is not None else 1
+    if fold is not None and chunks == n * mesh.shape[fold]:
+        return (fold if cp is None else (cp, fold)), (-1 if cp is None else cp)
+    return (cp, cp) if cp is not None and chunks == n else (-1, -1)
 
 
 def expert_entry(ep: int, fold: int | None = None, chunked: bool = False) -> Entry:
@@ -210,12 +236,23 @@ def parse_etp(item: str) -> str | None:
 
 
 def chunk_means(prog: Any, lay: MoeLayer) -> list[str]:
-    """The outputs of the forward reductions over the tokens of a chunk (axis 2) of the gate
-    values a layer routed in chunks dispatches by (the load-balancing loss' per-chunk means)."""
-    gates = {op.inputs.get("gate_logits") for op in prog.ops if op.rule == "moe_gate_dispatch"
+    """The load-balancing loss' tensors on the chunks of a layer routed in chunks: the outputs of
+    the forward ``cast`` / ``multiply`` / ``mean`` / ``sum`` (not over the batch or the chunk
+    axis) reached from the gate values it dispatches by, of rank 3 or more (the per-chunk means
+    ``[B, T, E]``; under cp each token's share ``[B, T, S/T, 1]`` and its factors)."""
+    front = {op.inputs.get("gate_logits") for op in prog.ops if op.rule == "moe_gate_dispatch"
              and op.outputs[0] == lay.dispatched}
-    return [op.outputs[0] for op in prog.ops if op.phase == "forward" and op.rule in ("mean", "sum")
-            and op.inputs.get("x") in gates and tuple(op.attrs.get("axis", ())) == (2,)]
+    out: list[str] = []
+    for op in prog.ops:
+        if op.phase != "forward" or op.rule not in ("cast", "multiply", "mean", "sum") or not front & set(
+                op.input_names()):
+            continue
+        y = op.outputs[0]
+        if {0, 1} & set(op.attrs.get("axis", ()) or ()) or y is None or len(prog.tensors[y].shape) < 3:
+            continue
+        front.add(y)
+        out.append(y)
+    return out
 
 
 def chunk_inputs(prog: Any, layers: list[MoeLayer]) -> frozenset[str]:
@@ -235,16 +272,28 @@ def chunk_inputs(prog: Any, layers: list[MoeLayer]) -> frozenset[str]:
     return frozenset(n for n, r in readers.items() if r == {True})
 
 
+def chunk_outputs(prog: Any) -> list[str]:
+    """The outputs of MoE layers routed in chunks put back on the sequence: the forward
+    ``reshape`` of a ``moe_combine``'s output ``[B, T, S/T, H]`` to ``[B, S, H]``."""
+    combined = {op.outputs[0] for op in prog.ops if op.rule == "moe_combine" and op.phase == "forward"}
+    return [op.outputs[0] for op in prog.ops if op.rule == "reshape" and op.phase == "forward"
+            and op.inputs.get("x") in combined and len(prog.tensors[op.outputs[0]].shape) == 3]
+
+
 def config_for(cfg: Any, mesh: ProcessMesh, strategy: Any) -> Any:
     """The zoo config (:class:`spmdkit.models.zoo_config.ModelConfig`) built for the strategy:
-    under ``megatron,sp,ep,etp=1`` (no cp) a MoE model routes each sequence in ``tp`` chunks
+    under ``megatron,sp,ep,etp=1`` a MoE model routes each sequence in ``tp`` chunks
     (``moe_chunks``), one a tp rank, as Megatron's ETP = 1 token path has each rank dispatch its
-    own sequence-parallel shard over the ep x tp group; ``cfg`` otherwise."""
+    own sequence-parallel shard over the ep x tp group; under cp (the model already routed in
+    ``cp`` chunks, :func:`spmdkit.strategies.context.moe_chunks`) each cp chunk split again in
+    ``tp``: ``cp x tp`` chunks, one a rank of the (cp, tp) co-shard of the sequence; ``cfg``
+    otherwise."""
     st = set(strategy)
-    if not cfg.experts or not {"megatron", "sp", "ep", "etp=1"} <= st or "cp" in st or cfg.cp > 1:
+    if not cfg.experts or not {"megatron", "sp", "ep", "etp=1"} <= st:
         return cfg
     tp = mesh.shape[mesh.dim_index("tp")] if "tp" in mesh.dim_names else 1
-    return cfg.with_(moe_chunks=tp) if tp > 1 and cfg.seq % tp == 0 else cfg
+    chunks = tp * (cfg.moe_chunks if cfg.cp > 1 else 1)
+    return cfg.with_(moe_chunks=chunks) if tp > 1 and cfg.seq % chunks == 0 else cfg
 
 
 def check_etp(items: list[str], mesh: ProcessMesh) -> None:
@@ -283,5 +332,5 @@ def ep_dim(mesh: ProcessMesh, strategy: Mapping[str, Any] | Any) -> int | None:
     return mesh.dim_index("ep") if "ep" in set(strategy) else None
 
 
-__all__ = ["MoeLayer", "batch_entry", "check_ep", "check_etp", "chunk_inputs", "config_for", "ep_dim", "expert_entry", "expert_fold", "expert_marks",
+__all__ = ["MoeLayer", "batch_entry", "check_ep", "check_etp", "chunk_entries", "chunk_inputs", "chunk_outputs", "config_for", "ep_dim", "expert_entry", "expert_fold", "expert_marks",
            "moe_layers", "parse_etp", "zero_dims"]

@@ -30,7 +30,7 @@
   docs/context.md): the sequence of every activation outside attention split over ``cp``,
   attention by ``cp_attention`` (``cp-attention=allgather|ring|alltoall`` and
   ``cp-balance=zigzag|none`` items, added by ``--cp-attention`` / ``--cp-balance``); gradients
-  reduced over dp x cp, ZeRO's states sharded over it.
+  reduced over dp x cp, ZeRO's states sharded over it; a MoE model routed one chunk a cp rank.
 - ``zero1`` / ``zero2`` (``zero``) / ``zero3`` (``fsdp``): ZeRO over ``dp``
   (:func:`optimizer_layouts`): optimizer states (moments, fp32 master weights) sharded on
   their first axis not already sharded that ``dp`` divides, or where none does unevenly on
@@ -66,6 +66,7 @@ from spmdkit.strategies.experts import (
     check_ep,
     check_etp,
     chunk_inputs,
+    chunk_outputs,
     ep_dim,
     expert_fold,
     expert_marks,
@@ -247,7 +248,8 @@ def annotate(model: Model, mesh: ProcessMesh, strategy: Iterable[str],
     if ep is not None:
         layers = moe_layers(prog)
         check_ep(mesh, layers, ep, model.config.batch, dp, fold)
-        experts = expert_marks(prog, mesh, dm, dp, ep, layers, fold)
+        experts = expert_marks(prog, mesh, dm, dp, ep, layers, fold,
+                               mesh.dim_index("cp") if "cp" in st else None)  # under cp: each cp rank routes its own chunk
     batch = batch_entry(dp, ep)  # data parallel over dp (x ep: outside the experts, as Megatron folds them)
 
     if batch != -1:
@@ -268,7 +270,10 @@ def annotate(model: Model, mesh: ProcessMesh, strategy: Iterable[str],
     cp = cp_marks(model, mesh, dm, st, batch, tp)
     optimizer_layouts(prog, mesh, model.optimizer, out, st, dp, user, ep, experts)
     if "sp" in st and tp is not None:
-        for n in model.residual:
+        # the residual stream, and under cp the MoE output back from the cp chunks (whole over tp
+        # with ETP = tp: sliced onto the stream's co-shard, not the stream gathered for the add)
+        back = chunk_outputs(prog) if cp is not None else []
+        for n in [*model.residual, *back]:
             d = dm(n)
             d[1] = tp if cp is None else (cp, tp)  # under cp: the cp rank's chunk split again over tp
             d[0] = batch
@@ -338,7 +343,8 @@ def optimizer_layouts(prog: Any, mesh: ProcessMesh, optimizer: Mapping[str, tupl
     states are not annotated: propagation holds an in-place output as the tensor it overwrites.
     With expert parallelism (``ep``: its mesh dim; ``experts``: the expert stacks) a dense
     parameter's states are sharded over the data-parallel ranks ``(dp, ep)``, an expert stack's
-    over ``dp`` alone (:func:`spmdkit.strategies.experts.zero_dims`).
+    over ``dp`` alone (:func:`spmdkit.strategies.experts.zero_dims`), over ``(dp, cp)`` under cp
+    (its expert-data-parallel group).
     Returns the stored layout of each ZeRO-3 parameter (``propagate(storage=...)``)."""
     stage = zero_stage(strategy)
     cp = mesh.dim_index("cp") if "cp" in set(strategy) and "cp" in mesh.dim_names else None
@@ -349,8 +355,10 @@ def optimizer_layouts(prog: Any, mesh: ProcessMesh, optimizer: Mapping[str, tupl
         base = list(pin.dims_mapping) if pin is not None else list(out.get(p, [-1] * len(prog.tensors[p].shape)))
         for s in (*states, *new_states):
             out[s] = list(base)
-        zd = (zero_dims(mesh, dp, ep, p in experts) if cp is None or ep is not None else cp_zero_dims(mesh, dp, cp)) \
-            if stage and states else None
+        # under cp: over dp x cp (Megatron's data-parallel group with cp), an expert stack's too
+        # (its expert-data-parallel group); a dense parameter's with ep over (dp, ep) as without cp
+        zd = (zero_dims(mesh, dp, ep, p in experts) if cp is None or (ep is not None and p not in experts)
+              else cp_zero_dims(mesh, dp, cp)) if stage and states else None
         if zd is None:
             continue
         axis = zero_axis(prog.tensors[p].shape, base, zd[1])

@@ -44,8 +44,11 @@ def _batched(fn: Any, *arrays: np.ndarray, rank: int = 2) -> tuple[np.ndarray, .
     dispatched / combined on its own), stacked."""
     if arrays[0].ndim == rank:
         return tuple(fn(*arrays))
+    if not arrays[0].shape[0]:  # no row (a rank's empty piece): the outputs of one, none of them
+        one = _batched(fn, *(np.zeros(a.shape[1:], a.dtype) for a in arrays), rank=rank)
+        return tuple(np.zeros((0, *np.shape(o))) for o in one)
     rows = [_batched(fn, *(a[b] for a in arrays), rank=rank) for b in range(arrays[0].shape[0])]
-    return tuple(np.stack([r[i] for r in rows]) for i in range(len(rows[0]))) if rows else ()
+    return tuple(np.stack([r[i] for r in rows]) for i in range(len(rows[0])))
 
 
 def _combine2(x: np.ndarray, w: np.ndarray, si: np.ndarray) -> tuple[np.ndarray]:
@@ -150,12 +153,13 @@ def _dispatch_grad2(cw: np.ndarray, si: np.ndarray, eid: np.ndarray, gy: np.ndar
 
 
 def _prep_dispatch_grad(a: Arrays) -> None:
-    """Index inputs of a real dispatch with the case's shapes (k <= E by the generator)."""
-    s, k = np.shape(a["combine_weights"])
-    e, cap, _ = np.shape(a["grad_y"])
+    """Index inputs of a real dispatch with the case's shapes (k <= E by the generator), each
+    batch row (and chunk) its own dispatch."""
+    *lead, s, k = np.shape(a["combine_weights"])
+    e, cap, _ = np.shape(a["grad_y"])[-3:]
     rng = np.random.default_rng(1000 * s + 10 * k + e)
-    gl = rng.uniform(0.5, 2.0, size=(s, e))
-    _, cw, si, _, eid = dispatch(np.zeros((s, 1)), gl, None, int(k), int(cap))
+    gl = rng.uniform(0.5, 2.0, size=(*lead, s, e))
+    _, cw, si, _, eid = _batched(lambda x, g: dispatch(x, g, None, int(k), int(cap)), np.zeros((*lead, s, 1)), gl)
     a["combine_weights"], a["scatter_index"], a["expert_id"] = cw, si, eid
 
 
@@ -205,9 +209,22 @@ def _g_dispatch_grad(r: random.Random, m: list[int], ref: Reference) -> dict[str
             "k": k, "capacity": cap, "use_pad": r.random() < 0.9}
 
 
+def _leading(gen: Any) -> Any:
+    """``gen`` with, in 2 cases of 3, leading axes on every tensor but corr_bias: a batch axis
+    (spmdkit's zoo: each sequence routed on its own), or a batch and a chunk axis (each
+    sequence routed in chunks: Megatron's ETP = 1 token path over tp, each cp rank's own tokens
+    under cp), each of one size across the tensors."""
+    def wrapped(r: random.Random, m: list[int], ref: Reference) -> dict[str, Any]:
+        spec = gen(r, m, ref)
+        lead = (rand_size(r, m), rand_size(r, m))[:r.choice((0, 1, 2))]
+        return {n: TGen((*lead, *v.shape), v.domain) if isinstance(v, TGen) and n != "corr_bias" else v
+                for n, v in spec.items()}
+    return wrapped
+
+
 GENERATORS.update({
-    "moe_combine": _g_combine,
-    "moe_combine_grad": _g_combine_grad,
-    "moe_gate_dispatch": _g_dispatch,
-    "moe_gate_dispatch_grad": _g_dispatch_grad,
+    "moe_combine": _leading(_g_combine),
+    "moe_combine_grad": _leading(_g_combine_grad),
+    "moe_gate_dispatch": _leading(_g_dispatch),
+    "moe_gate_dispatch_grad": _leading(_g_dispatch_grad),
 })

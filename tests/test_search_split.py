@@ -1,0 +1,50 @@
+"""An uneven pipeline's split in the search: the layers that do not divide into the stages are split
+as ``spmdkit plan`` splits them (balanced by predicted time: pipeline.auto_counts), the same split
+for every recomputation mode, so the search prices a configuration as the command plans it; before,
+the search split them once under the memory cap as no recomputation holds them and priced full
+recomputation (and full:K) on that split, too slow."""
+
+from __future__ import annotations
+
+import io
+import json
+from contextlib import redirect_stdout
+
+import pytest
+
+from spmdkit.cli import main
+from spmdkit.planner.search import Config, config_candidates
+
+MODEL = "llama3-8b"
+OVER = {"layers": 13, "batch": 8, "seq": 4096}   # 13 layers on 4 stages: uneven
+CFG = Config(2, 1, 4, "dp,zero1", microbatches=4)
+CAP = "25GiB"   # under the time-balanced split's bytes without recomputation (26.8 GiB)
+
+
+def _cli(recompute: str) -> dict:
+    out = io.StringIO()
+    with redirect_stdout(out):
+        rc = main(["plan", "--model", MODEL, "--layers", "13", "--batch", "8", "--seq", "4096", "--mesh", "pp=4,dp=2",
+                   "--strategy", "dp,zero1", "--microbatches", "4", "--device", "h100", "--recompute", recompute,
+                   "--json"])
+    assert rc == 0
+    return json.loads(out.getvalue())
+
+
+@pytest.mark.parametrize("fold", [False, True])
+def test_an_uneven_pipeline_is_priced_as_the_plan_command_plans_it(fold: bool) -> None:
+    got = {c.config.recompute: c for c in config_candidates(MODEL, CFG, "h100", OVER, fold=fold, memory_cap=CAP)}
+    for rc in ("none", "full"):
+        cli = _cli(rc)
+        c = got[rc]
+        assert c.estimate.counts == tuple(cli["pipeline"]["layers_per_stage"]) == (4, 4, 4, 1)
+        assert c.step_s == pytest.approx(cli["pipeline"]["step_overlap_s"], rel=1e-9)
+        assert c.memory == pytest.approx(cli["memory"]["device_total"], rel=1e-9)
+    # without recomputation the command's split is over the cap; full recomputation fits, and so
+    # does full:1 on the same split, the fastest that fits: 0.2792 s (main split the layers
+    # 3,4,4,2 under the cap for every mode: none 0.2827 s, full 0.3374 s and no full:K)
+    assert not got["none"].fits and got["full"].fits
+    assert got["full"].step_s == pytest.approx(0.32242446300542943, rel=1e-9)
+    best = min((c for c in got.values() if c.fits), key=lambda c: c.step_s)
+    assert best.config.recompute == "full:1" and best.estimate.counts == (4, 4, 4, 1)
+    assert best.step_s == pytest.approx(0.27922456460958706, rel=1e-9)
