@@ -5,18 +5,26 @@ forgotten when a program is rebuilt; the pipeline schedule's simulation keeps it
 
 from __future__ import annotations
 
+import copy
+import gc
 import json
 import pickle
+import weakref
+from dataclasses import fields, replace
 
 import pytest
 
+import spmdkit.cost.step as step_mod
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.cost.devices import preset_device
 from spmdkit.cost.step import estimate_step
+from spmdkit.engine.memo import Recent
 from spmdkit.models.zoo import build_model, config_from_json, preset
+from spmdkit.ops import clear_cache, set_cache_enabled
 from spmdkit.planner import propagate as prop_mod
 from spmdkit.planner.fuse import Fusion
+from spmdkit.planner.planning import plan_model
 from spmdkit.planner.schedules import run_schedule
 from spmdkit.planner.stage_costs import stage_costs
 from spmdkit.program.ir import Op, Program
@@ -136,15 +144,13 @@ def test_a_plan_timed_again_after_others_is_not_costed_again(monkeypatch: pytest
     """The ops' costs of the last few (plan, device) pairs are kept: timing a plan again after
     another one (the search's step, then its stages, then the bound's copy) costs its ops once,
     and each caller gets the same figures with sums of its own."""
-    import spmdkit.cost.step as step_mod
-
     model = _model()
     a, b = _plan(model, "dp=2,tp=2", "megatron"), _plan(model, "dp=4", "dp")
     dev = preset_device("h100")
     computed: list[int] = []
     real = step_mod._compute_ops
     monkeypatch.setattr(step_mod, "_compute_ops", lambda p, d: computed.append(1) or real(p, d))
-    monkeypatch.setattr(step_mod, "_LAST", [])
+    monkeypatch.setattr(step_mod, "_LAST", Recent(8))
     first = step_mod._compute(a, dev)
     step_mod._compute(b, dev)
     again = step_mod._compute(a, dev)
@@ -152,7 +158,64 @@ def test_a_plan_timed_again_after_others_is_not_costed_again(monkeypatch: pytest
     assert again.times == first.times and again.by_phase == first.by_phase and again.by_phase is not first.by_phase
     assert again.flops == first.flops > 0
     step_mod._compute(b, preset_device("a100-80gb"))  # another device: another pair
-    for _ in range(step_mod._KEPT - 1):  # a pushed out by as many other pairs as are kept
+    for _ in range(8 - 1):  # a pushed out by as many other pairs as are kept
         step_mod._compute(_plan(model, "dp=2", "dp"), dev)
     step_mod._compute(a, dev)
-    assert len(computed) == 3 + step_mod._KEPT
+    assert len(computed) == 3 + 8
+
+
+def _fresh(oc):  # type: ignore[no-untyped-def]
+    return (oc.compute, oc.wait, oc.pending, oc.costs, oc.param_gathers, oc.prefetch_exposed, oc.gathers_s)
+
+
+def test_op_communication_is_computed_once_per_plan_contents_and_device() -> None:
+    """op_communication keeps its answers by what it reads of a plan (every field but ``rounds``)
+    and the device: an equal plan (a copy sharing every field, the search's re-pricing) is served
+    the object computed first; a plan differing in any field it reads, or another device, is
+    computed afresh, and each answer equals one computed without the cache."""
+    plan = plan_model("tiny-llama", "dp=2,tp=2", "megatron,sp,zero3", {"layers": 2})[1]
+    dev = preset_device("h100")
+    first = step_mod.op_communication(plan, dev)
+    assert _fresh(first) == _fresh(step_mod._op_communication(plan, dev)) and first.gathers_s > 0
+    assert step_mod.op_communication(plan, dev) is first
+    assert step_mod.op_communication(replace(plan, rounds=plan.rounds + 1), dev) is first  # not read
+    assert step_mod.op_communication(replace(plan, runtime=replace(plan.runtime)), dev) is first  # by value
+    m = plan.mesh  # meshes are interned: an equal one is the same object
+    changed = {"grad_accum": 2, "runtime": replace(plan.runtime, tp_comm_overlap=True),
+               "mesh": ProcessMesh(list(m.shape), list(m.process_ids), ["a", "b"])}
+    for f in fields(plan):
+        if f.name == "rounds":
+            continue
+        other = replace(plan, **{f.name: changed.get(f.name, copy.copy(getattr(plan, f.name)))})
+        got = step_mod.op_communication(other, dev)
+        assert got is not first, f.name
+        assert _fresh(got) == _fresh(step_mod._op_communication(other, dev)), f.name
+    # the TP overlap changes the answer: a cache keyed without the runtime would serve a wrong one
+    overlap = step_mod.op_communication(replace(plan, runtime=changed["runtime"]), dev)
+    assert overlap.wait != first.wait
+    a100 = step_mod.op_communication(plan, preset_device("a100-80gb"))
+    assert a100 is not first and a100.compute != first.compute
+
+
+def test_op_communication_keeps_its_plans_alive_and_is_reached_by_the_memo_switch() -> None:
+    """An answer holds its plan (so the ids in its key are not another plan's while it is kept);
+    spmdkit.ops.clear_cache() empties the cache, and with the caches off every call computes."""
+    plan = _plan(_model(), "dp=2,tp=2", "megatron")
+    dev = preset_device("h100")
+    tmp = replace(plan, attrs=dict(plan.attrs))
+    ref = weakref.ref(tmp)
+    step_mod.op_communication(tmp, dev)
+    assert [v[:2] for v in step_mod._OC.values.values() if v[0] is tmp] == [(tmp, dev)]
+    del tmp
+    gc.collect()
+    assert ref() is not None
+    clear_cache()
+    gc.collect()
+    assert ref() is None and len(step_mod._OC) == 0
+    set_cache_enabled(False)
+    try:
+        assert step_mod.op_communication(plan, dev) is not step_mod.op_communication(plan, dev)
+        assert len(step_mod._OC) == 0
+    finally:
+        set_cache_enabled(True)
+    assert step_mod.op_communication(plan, dev) is step_mod.op_communication(plan, dev)

@@ -259,3 +259,34 @@ def test_memo_stores_on_the_second_call_and_is_bypassed_when_off() -> None:
     double(5)
     double(5)
     assert len(calls) == n + 2
+
+
+def test_recent_keeps_the_most_recently_used_and_is_reached_by_clear_cache_and_the_switch() -> None:
+    """engine.memo.Recent (the op_communication, step compute, fusion, MoE and built-model memos):
+    the ``limit`` most recently used values, a value served again moved to the front; emptied by
+    spmdkit.ops.clear_cache() (also one an object owns); with the caches off every get makes."""
+    from spmdkit.engine.memo import Recent
+    from spmdkit.ops import set_cache_enabled
+
+    made: list[str] = []
+
+    def make(k: str) -> str:
+        made.append(k)
+        return k.upper()
+
+    r: Recent[str] = Recent(2)
+    assert [r.get(k, lambda k=k: make(k)) for k in "abab"] == ["A", "B", "A", "B"]
+    assert made == ["a", "b"] and r.hits == 2 and len(r) == 2
+    r.get("a", lambda: make("a"))  # a used last: c pushes b out
+    r.get("c", lambda: make("c"))
+    assert list(r.values) == ["a", "c"]
+    r.get("b", lambda: make("b"))
+    assert made == ["a", "b", "c", "b"] and list(r.values) == ["c", "b"]
+    clear_cache()
+    assert len(r) == 0
+    set_cache_enabled(False)
+    try:
+        assert r.get("d", lambda: make("d")) == r.get("d", lambda: make("d")) == "D"
+        assert made[-2:] == ["d", "d"] and len(r) == 0
+    finally:
+        set_cache_enabled(True)

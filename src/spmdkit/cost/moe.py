@@ -50,6 +50,7 @@ from spmdkit.core.errors import ProgramError
 from spmdkit.core.reshard import Step
 from spmdkit.cost.collectives import NcclCostModel, buffer_bytes, deduplicated_all_to_all, time_of
 from spmdkit.engine.facts import LocalOp, OpCost
+from spmdkit.engine.memo import Recent
 from spmdkit.program.ir import Program, flat_refs
 from spmdkit.program.plan import Plan
 from spmdkit.program.runtime import Runtime
@@ -80,13 +81,16 @@ class MoeLayer:
         return self.capacity * self.experts > math.ceil(self.tokens * self.top_k)
 
 
-_MEMO: dict[int, tuple[Program, list[MoeLayer], dict[str, int]]] = {}
+#: _scan's answers by the program's id (the value keeps the program)
+_MEMO: Recent[tuple[Program, list[MoeLayer], dict[str, int]]] = Recent(16)
 
 
 def _scan(prog: Program) -> tuple[list[MoeLayer], dict[str, int]]:
-    got = _MEMO.get(id(prog))
-    if got is not None and got[0] is prog:
-        return got[1], got[2]
+    got = _MEMO.get(id(prog), lambda: (prog, *_scan_layers(prog)))
+    return got[1], got[2]
+
+
+def _scan_layers(prog: Program) -> tuple[list[MoeLayer], dict[str, int]]:
     readers: dict[str, list[int]] = {}
     for i, op in enumerate(prog.ops):
         if op.phase == "forward":
@@ -132,9 +136,6 @@ def _scan(prog: Program) -> tuple[list[MoeLayer], dict[str, int]]:
         base, sep, _ = n.partition(".grad")
         if sep and base in owner and n not in owner:
             owner[n] = owner[base]
-    if len(_MEMO) > 16:
-        _MEMO.clear()
-    _MEMO[id(prog)] = (prog, layers, owner)
     return layers, owner
 
 
@@ -260,19 +261,13 @@ def grouped(c: OpCost, lop: LocalOp) -> OpCost:
     return replace(c, gemms=tuple(out))
 
 
-_LOADS: dict[int, tuple[Plan, dict[str, float]]] = {}
+#: plan_loads' answers by the plan's id (the value keeps the plan)
+_LOADS: Recent[tuple[Plan, dict[str, float]]] = Recent(16)
 
 
 def plan_loads(plan: Plan) -> dict[str, float]:
     """:func:`busiest_load` memoised per plan (a plan is frozen)."""
-    got = _LOADS.get(id(plan))
-    if got is not None and got[0] is plan:
-        return got[1]
-    out = busiest_load(plan)
-    if len(_LOADS) > 16:
-        _LOADS.clear()
-    _LOADS[id(plan)] = (plan, out)
-    return out
+    return _LOADS.get(id(plan), lambda: (plan, busiest_load(plan)))[1]
 
 
 def _expert_ops(prog: Program) -> list[tuple[dict[str, list[str]], list[str | None]] | None]:

@@ -34,7 +34,7 @@ from spmdkit.cost.devices import Device
 from spmdkit.cost.memory import rerun_points, saved_activations
 from spmdkit.cost.moe import expert_all_to_all, plan_loads
 from spmdkit.engine.facts import OpCost
-from spmdkit.engine.memo import gc_paused
+from spmdkit.engine.memo import Recent, gc_paused
 from spmdkit.ops._cost import numel
 from spmdkit.program.plan import Plan, Reshard
 from spmdkit.program.runtime import FSDP2
@@ -226,25 +226,17 @@ class _Compute:
     memory_bound: int = 0
 
 
-#: the last (plan, device, its compute), most recent first: the step and a pipeline's stages time
-#: the same plan on the same device one after the other, and a search times a plan again after
-#: a few others (DeepSeek-V3's search at bf6b6e1: 858 computes of 572 plans, 3-4 times each for 110
-#: of them); a Plan is frozen and not changed once built
-_LAST: list[tuple[Plan, Device, _Compute]] = []
-_KEPT = 8
+#: the last (plan, device, its compute) by the pair's ids (the value keeps them): the step and a
+#: pipeline's stages time the same plan on the same device one after the other, and a search
+#: times a plan again after a few others (DeepSeek-V3's search at bf6b6e1: 858 computes of 572
+#: plans, 3-4 times each for 110 of them); a Plan is frozen and not changed once built
+_LAST: Recent[tuple[Plan, Device, _Compute]] = Recent(8)
 
 
 def _compute(plan: Plan, device: Device) -> _Compute:
     """Every op's cost and time on ``device`` (each caller gets its own sums to add to)."""
-    for k, (p, d, c) in enumerate(_LAST):
-        if p is plan and d is device:
-            if k:
-                _LAST.insert(0, _LAST.pop(k))
-            return replace(c, by_phase=dict(c.by_phase), uncovered=dict(c.uncovered))
-    out = _compute_ops(plan, device)
-    _LAST.insert(0, (plan, device, replace(out, by_phase=dict(out.by_phase), uncovered=dict(out.uncovered))))
-    del _LAST[_KEPT:]
-    return out
+    c = _LAST.get((id(plan), id(device)), lambda: (plan, device, _compute_ops(plan, device)))[2]
+    return replace(c, by_phase=dict(c.by_phase), uncovered=dict(c.uncovered))
 
 
 def _compute_ops(plan: Plan, device: Device) -> _Compute:
@@ -702,10 +694,27 @@ class OpComm:
     gathers_s: float = 0.0
 
 
-@gc_paused
+#: op_communication's values by what it reads of a plan (every field but ``rounds``: the
+#: objects' ids, the gradient accumulation and the runtime by value) and the device's id; each
+#: value holds its plan and device, so the ids in its key are not reused while it is kept. A copy
+#: re-costed under another runtime (``replace(plan, runtime=...)``, the search's pricing) shares
+#: its shardings with the plan it was made from, and is priced once with it
+_OC: Recent[tuple[Plan, Device, OpComm]] = Recent(32)
+
+
 def op_communication(plan: Plan, device: Device) -> OpComm:
     """:class:`OpComm` of ``plan`` on ``device``: the step's communication model
-    (:func:`estimate_step`) per op, the FSDP prefetch as ``max(0, gather - the group before)``."""
+    (:func:`estimate_step`) per op, the FSDP prefetch as ``max(0, gather - the group before)``;
+    computed once per plan's contents and device (the last 32 kept: the search's layer floor,
+    its tail, a pipeline's unit costs and its folded stages read the same plan's). Callers only
+    read the returned object."""
+    key = (id(plan.program), id(plan.mesh), id(plan.attrs), id(plan.ops), id(plan.reshards), id(plan.annotations),
+           id(plan.cost), id(plan.storage), plan.grad_accum, plan.runtime, id(device))
+    return _OC.get(key, lambda: (plan, device, _op_communication(plan, device)))[2]
+
+
+@gc_paused
+def _op_communication(plan: Plan, device: Device) -> OpComm:
     comp = _compute(plan, device)
     comm = _communication(plan, comp, device)
     comm.rs_tax = ub_sm_tax(plan.runtime.framework, device.rates.sms)

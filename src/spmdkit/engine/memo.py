@@ -3,20 +3,27 @@
 Rules and the engine memoize pure functions keyed by what a call depends on (mappings,
 shapes, attributes). ``spmdkit.ops.set_cache_enabled(False)`` turns every such table off
 together with the rule result cache, so that an "uncached" call computes its answer from
-scratch (the benchmark's uncached figure means exactly that).
+scratch (the benchmark's uncached figure means exactly that). Three kinds: :func:`memo` (a
+decorator, keyed by the arguments), :func:`memo_table` (a plain dict, its key and bound kept by
+hand) and :class:`Recent` (the most recently used values by a key the caller makes, bounded).
 """
 
 from __future__ import annotations
 
 import gc
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from functools import wraps
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
+_V = TypeVar("_V")
 
 _enabled = True
 _tables: list[Any] = []
+#: every :class:`Recent` made (held weakly: one an object owns goes with it)
+_recents: weakref.WeakSet[Recent[Any]] = weakref.WeakSet()
 
 
 def set_memo_enabled(enabled: bool) -> None:
@@ -31,6 +38,8 @@ def memo_enabled() -> bool:
 def clear_memo() -> None:
     for t in _tables:
         t.cache_clear()
+    for r in list(_recents):
+        r.cache_clear()
 
 
 _MISS = object()
@@ -90,6 +99,46 @@ def memo_table() -> dict[Any, Any]:
     t = _Table()
     _tables.append(t)
     return t
+
+
+class Recent(Generic[_V]):
+    """The ``limit`` most recently used values by key, for a memo kept by hand: :meth:`get` makes
+    a missing one and drops the least recently used over the limit; ``hits`` counts the values
+    served again. Emptied with every memo table by :func:`clear_memo`
+    (``spmdkit.ops.clear_cache()``); while memo tables are off (``set_cache_enabled(False)``)
+    :meth:`get` makes every value afresh and keeps none. A key of object ids is sound only while
+    those objects live: keep them in the value (an entry is dropped whole)."""
+
+    __slots__ = ("__weakref__", "hits", "limit", "values")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.values: OrderedDict[Any, _V] = OrderedDict()
+        self.hits = 0
+        _recents.add(self)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def get(self, key: Any, make: Callable[[], _V]) -> _V:
+        """The value kept for ``key``, else ``make()`` (kept, the least recently used dropped
+        beyond ``limit``)."""
+        if not _enabled:
+            return make()
+        values = self.values
+        got = values.get(key, _MISS)
+        if got is not _MISS:
+            self.hits += 1
+            values.move_to_end(key)
+            return got  # type: ignore[return-value]
+        got = values[key] = make()
+        if len(values) > self.limit:
+            values.popitem(last=False)
+        return got
+
+    def cache_clear(self) -> None:
+        self.values.clear()
+
 
 def gc_paused(fn: F) -> F:
     """``@gc_paused``: the cyclic garbage collector paused while ``fn`` runs (and resumed after,

@@ -47,7 +47,6 @@ from spmdkit.planner.pipeline import (
     reduce_gradients,
     run_schedule,
 )
-from spmdkit.planner.planning import Recent
 from spmdkit.program.layers import layer_tags
 from spmdkit.program.plan import Plan
 
@@ -131,21 +130,6 @@ class _Adds:
     layers: int
 
 
-#: op_comm's values by what op_communication reads of a plan (its fields' objects and the
-#: device): a copy re-costed under another runtime (``replace(plan, runtime=...)``, the search's
-#: pricing) shares its shardings with the plan it was made from, and is priced once with it
-_OC: Recent[tuple[Plan, OpComm]] = Recent(32)
-
-
-def op_comm(plan: Plan, device: Device) -> OpComm:
-    """:func:`spmdkit.cost.step.op_communication` of a plan, once per plan's contents and device
-    (its modes, its full:K and the search's pricing share it; the last 32 used kept: each value
-    holds its plan, so the ids in its key are not reused while it is kept)."""
-    key = (id(plan.program), id(plan.mesh), id(plan.attrs), id(plan.ops), id(plan.reshards), id(plan.annotations),
-           id(plan.cost), id(plan.storage), plan.grad_accum, plan.runtime, id(device))
-    return _OC.get(key, lambda: (plan, op_communication(plan, device)))[1]
-
-
 def _gathered(plan: Plan, oc: OpComm, ops: set[int] | None = None) -> dict[tuple[tuple[int, ...], int], float]:
     """Megatron's distributed optimizer's parameter all-gathers (of ``ops``; all): bytes by
     (mesh dims, itemsize), as :func:`spmdkit.cost.step.param_gather_time` sums them."""
@@ -173,7 +157,7 @@ def _adds(plan: Plan, est: StepEstimate) -> _Adds | None:
     """``est``'s gradient reductions (None: no timeline)."""
     if len(est.timeline) != len(plan.program.ops):
         return None
-    oc = op_comm(plan, est.device)
+    oc = op_communication(plan, est.device)
     unit, n = op_units(plan.program)
     items: list[tuple[int, str, Step, int, str, float]] = []
     fb = None
@@ -217,7 +201,7 @@ def bucket_figures(fold: Fold, plan_a: Plan, est_a: StepEstimate, plan_b: Plan, 
     copy's buckets: the gathers and the reductions queue on one stream, and where they outrun a
     layer's backward the queue grows with the depth, which two shallow copies do not show
     (llama3-405b dp=2048 tp=8 megatron,sp,zero3 on 16,384 devices: 8.48 s folded, 11.72 s whole)."""
-    if op_comm(plan_b, est_b.device).gathers_s > 0:
+    if op_communication(plan_b, est_b.device).gathers_s > 0:
         return None
     a, b = _adds(plan_a, est_a), _adds(plan_b, est_b)
     if a is None or b is None:
@@ -243,8 +227,8 @@ def bucket_figures(fold: Fold, plan_a: Plan, est_a: StepEstimate, plan_b: Plan, 
     red = _replay(plan_b, out, fb_full)
     fwd_a = est_a.compute_s.get("forward", 0.0) / plan_a.grad_accum
     fwd_b = est_b.compute_s.get("forward", 0.0) / plan_b.grad_accum
-    ga, gb, gf = gather_exposed(fold, plan_b, _gathered(plan_a, op_comm(plan_a, est_a.device)),
-                                _gathered(plan_b, op_comm(plan_b, est_b.device)), fwd_a, fwd_b)
+    ga, gb, gf = gather_exposed(fold, plan_b, _gathered(plan_a, op_communication(plan_a, est_a.device)),
+                                _gathered(plan_b, op_communication(plan_b, est_b.device)), fwd_a, fwd_b)
     return (sum(x.time_s for x in red.buckets), _end(red, fb_full) - fb_full + gf, _end(red_a, a.fb) - a.fb + ga,
             _end(red_b, b.fb) - b.fb + gb)
 
@@ -331,7 +315,7 @@ def _pipeline_overlap(fold: Fold, plan_a: Plan, est_a: PipelineEstimate, est_b: 
     last = {k: (s0, s1) for _r, kind, k, i, s0, s1 in run.units if kind == "B" and i == m - 1}
     index = {t: n for n, t in enumerate(layer_tags(plan_b.program))}
     single_ranks = plan_b.runtime.framework == "megatron"
-    oc_a, oc_b = op_comm(plan_a, device), op_comm(plan_b, device)
+    oc_a, oc_b = op_communication(plan_a, device), op_communication(plan_b, device)
     st_a, st_b = op_stages(plan_a.program, est_a.counts), op_stages(plan_b.program, est_b.counts)
     out = []
     lo = 0
@@ -430,5 +414,5 @@ def _close(x: float, y: float) -> bool:
     return abs(x - y) <= 1e-12 * max(abs(x), abs(y), 1e-30)
 
 
-__all__ = ["bucket_sync", "FOLD_LAYERS", "op_comm", "Fold", "balanced_counts", "bucket_figures", "fold_counts", "fold_of", "full_layer_costs", "pipeline_memory",
+__all__ = ["bucket_sync", "FOLD_LAYERS", "Fold", "balanced_counts", "bucket_figures", "fold_counts", "fold_of", "full_layer_costs", "pipeline_memory",
            "pipeline_step"]

@@ -26,7 +26,7 @@ from dataclasses import replace
 
 from spmdkit.cost.devices import Device
 from spmdkit.cost.memory import MICROBATCH, per_microbatch_mode, recompute_layers
-from spmdkit.planner.fold import op_comm
+from spmdkit.cost.step import op_communication
 from spmdkit.planner.partition import UnitCosts
 from spmdkit.planner.pipeline import PipelineEstimate, PipelineSpec, block_layers, estimate_pipeline, op_stages
 from spmdkit.planner.stage_costs import stage_costs
@@ -91,7 +91,7 @@ def deep_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...], devic
     if got is None or recompute == MICROBATCH:
         return None
     copy, where = got
-    oc = op_comm(plan, device)  # once for every recomputation mode of the copy
+    oc = op_communication(plan, device)  # once for every recomputation mode of the copy
     k = recompute_layers(recompute)
     cs = stage_costs(plan, op_stages(plan.program, copy), copy, device, per_microbatch_mode(recompute), oc,
                      block_layers(plan.program, copy, k) if k else None)

@@ -37,7 +37,7 @@ from typing import Any
 from spmdkit.core.dist_attr import Partial, TensorDistAttr, dims_entry, entry_dims
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
-from spmdkit.engine.memo import memo_table
+from spmdkit.engine.memo import Recent
 
 
 def _specs(args: Sequence[Any]) -> list[DistTensorSpec]:
@@ -86,16 +86,6 @@ def fused_pair(args: Sequence[Any]) -> tuple[int, int] | None:
     return pair
 
 
-def _kept(table: dict[Any, Any], key: Any, limit: int, make: Callable[[Any], Any]) -> Any:
-    """``make(key)``, kept in ``table`` (emptied when it holds more than ``limit``)."""
-    got = table.get(key)
-    if got is None:
-        if len(table) > limit:
-            table.clear()
-        got = table[key] = make(key)
-    return got
-
-
 class Fusion:
     """The real mesh, the fused one (``a`` and ``b`` one dim, at ``a``'s place) and the maps."""
 
@@ -110,19 +100,19 @@ class Fusion:
         self.to = [d - (d > b) for d in range(mesh.ndim)]  # real dim -> fused dim (b: unused)
         self.back = [d for d in range(mesh.ndim) if d != b]  # fused dim -> real dim
         # each map is a function of the dist attr alone: the repeated layers map few, once each
-        self._in: dict[TensorDistAttr, TensorDistAttr] = {}
-        self._out: dict[TensorDistAttr, TensorDistAttr] = {}
+        self._in: Recent[TensorDistAttr] = Recent(4096)
+        self._out: Recent[TensorDistAttr] = Recent(4096)
 
     @staticmethod
     def of(mesh: ProcessMesh, a: int, b: int) -> Fusion:
         """The fusion of ``a`` and ``b`` on ``mesh``, made once (with its maps' memos)."""
-        return _kept(_FUSIONS, (mesh, a, b), 64, lambda k: Fusion(*k))  # type: ignore[no-any-return]
+        return _FUSIONS.get((mesh, a, b), lambda: Fusion(mesh, a, b))
 
     def attr_in(self, attr: TensorDistAttr) -> TensorDistAttr:
-        return _kept(self._in, attr, 4096, self._attr_in)  # type: ignore[no-any-return]
+        return self._in.get(attr, lambda: self._attr_in(attr))
 
     def attr_out(self, attr: TensorDistAttr) -> TensorDistAttr:
-        return _kept(self._out, attr, 4096, self._attr_out)  # type: ignore[no-any-return]
+        return self._out.get(attr, lambda: self._attr_out(attr))
 
     def _attr_in(self, attr: TensorDistAttr) -> TensorDistAttr:
         dm = []
@@ -161,7 +151,7 @@ class Fusion:
 
 
 #: fusions by (mesh, a, b), each with its maps' memos (emptied with the engine's memo tables)
-_FUSIONS: dict[tuple[ProcessMesh, int, int], Fusion] = memo_table()
+_FUSIONS: Recent[Fusion] = Recent(64)
 
 
 def minor_elsewhere(args: Sequence[Any]) -> tuple[int, int] | None:

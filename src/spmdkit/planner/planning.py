@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import math
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel
+from spmdkit.engine.memo import Recent
 from spmdkit.models.hf import dtype_name
 from spmdkit.models.source import Loaded, Preset, import_hf_checked, load_preset
 from spmdkit.models.zoo import Model, ModelConfig, preset
@@ -85,33 +85,6 @@ def parse_cost(text: str | None, mesh: ProcessMesh) -> CostModel:
             raise ProgramError(f"--cost {clip_repr(text)}: latency and bandwidth must be finite numbers, the "
                                f"bandwidth > 0 (e.g. tp=5us/150GB)")
     return cost
-
-
-_V = TypeVar("_V")
-
-
-class Recent(Generic[_V]):
-    """The ``limit`` most recently used values by key: :meth:`get` makes a missing one and drops
-    the least recently used over the limit; ``hits`` counts the values served again."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.values: OrderedDict[Any, _V] = OrderedDict()
-        self.hits = 0
-
-    def __len__(self) -> int:
-        return len(self.values)
-
-    def get(self, key: Any, make: Callable[[], _V]) -> _V:
-        got = self.values.get(key)
-        if got is not None:
-            self.hits += 1
-            self.values.move_to_end(key)
-            return got
-        got = self.values[key] = make()
-        if len(self.values) > self.limit:
-            self.values.popitem(last=False)
-        return got
 
 
 class BuiltModels:

@@ -69,7 +69,7 @@ from spmdkit.core.reshard import CostModel
 from spmdkit.cost.compute import guess_tokens, kernel_collectives, model_flops
 from spmdkit.cost.devices import Device, cost_model, load_device, recost
 from spmdkit.cost.memory import Memory, memory_per_device, per_microbatch_mode
-from spmdkit.cost.step import OpComm, StepEstimate, estimate_step
+from spmdkit.cost.step import OpComm, StepEstimate, estimate_step, op_communication
 from spmdkit.models.hf import dtype_name
 from spmdkit.models.source import import_hf_checked
 from spmdkit.models.zoo import ModelConfig, build_model, preset
@@ -80,7 +80,6 @@ from spmdkit.planner.fold import (
     bucket_sync,
     fold_counts,
     fold_of,
-    op_comm,
     pipeline_memory,
     pipeline_step,
 )
@@ -320,7 +319,7 @@ def _pricing(plan_in: Plan, job: _Job) -> tuple[Plan, OpComm, dict[str, StepEsti
             _PRICED.clear()
         plan = replace(plan_in, runtime=job.runtime)
         got = _PRICED[id(plan_in)] = (plan_in, job.runtime, job.device, plan, {})
-    return got[3], op_comm(got[3], job.device), got[4]
+    return got[3], op_communication(got[3], job.device), got[4]
 
 
 def _batch_of(prog: Program) -> int | None:
@@ -729,7 +728,7 @@ def _split(cfg: Config, p: _Planned, job: _Job, layers: int, dense: int | None =
     if even is not None:
         return even
     plan = replace(p.plan, runtime=job.runtime)
-    u = plan_unit_costs(plan, cfg.pp, job.device, "none", oc=op_comm(plan, job.device))
+    u = plan_unit_costs(plan, cfg.pp, job.device, "none")
     if dense is not None:
         u = stretch_units(u, layers, dense)
     t = [f + b for f, b in zip(u.forward_s, u.backward_s)]
