@@ -62,6 +62,12 @@ def test_regions_are_found_by_structure() -> None:
              for m in ("layernorm", "moe_act")}
     assert rules["layernorm"] == [["fused_rms_norm"]] * (2 * L)
     assert rules["moe_act"] == [["swiglu"]] * L
+    # MLA's q_norm / kv_norm normalise latents, not the residual stream: not input / pre-MLP norms
+    mla = build_model(DENSE.with_(kv_heads=A, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=16),
+                      check_rules=False).program
+    assert sum(op.rule == "fused_rms_norm" and op.phase == "forward" for op in mla.ops) == 4 * L + 1
+    assert [[mla.ops[i].output_names()[0] for i in r] for r in recompute_regions(mla, "selective:layernorm")] == \
+        [[f"layers.{k}.{n}.out"] for k in range(L) for n in ("attn_norm", "mlp_norm")]
     block = recompute_regions(prog, "selective:moe")
     assert len(block) == L and all(prog.ops[r[-1]].rule == "moe_combine" for r in block)
     assert {"moe_gate_dispatch", "moe_combine", "softmax"} <= {prog.ops[i].rule for i in block[0]}
