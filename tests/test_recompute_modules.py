@@ -53,6 +53,10 @@ def test_each_module_saves_its_outputs_bytes() -> None:
     # the whole MoE block: the layer keeps what the dense layer keeps with its MLP recomputed
     assert _total(moe, "selective:moe") == _total(dense, "selective:mlp")
     assert _total(moe, "selective:moe,moe_act") == _total(moe, "selective:moe")  # moe_act is inside moe
+    for plan, modes in ((dense, ("layernorm", "mlp", "core_attn")), (moe, ("layernorm", "moe", "moe_act"))):
+        full = _total(plan, "full")
+        for m in modes:  # between full (each layer's input only) and none
+            assert full < _total(plan, f"selective:{m}") < _total(plan, "none"), m
 
 
 def test_regions_are_found_by_structure() -> None:
@@ -89,6 +93,9 @@ def test_the_step_runs_the_module_forward_again(cfg: ModelConfig, mode: str) -> 
     assert est.recompute_flops_per_device == pytest.approx(again, rel=1e-12)
     assert est.flops_per_device == pytest.approx(none.flops_per_device + again, rel=1e-12)
     assert est.compute_s["recompute"] > 0 and est.step_overlap_s > none.step_overlap_s
+    full = estimate_step(plan, dev, S * B, "full")
+    assert full.recompute_flops_per_device > est.recompute_flops_per_device
+    assert full.step_overlap_s > est.step_overlap_s
     if mode == "selective:layernorm":  # exactly the norms' forward FLOPs again
         norms = [j for j, op in enumerate(plan.program.ops) if op.phase == "forward" and op.rule == "fused_rms_norm"
                  and op.layer.startswith("layer ")]
