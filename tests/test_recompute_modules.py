@@ -53,6 +53,9 @@ def test_each_module_saves_its_outputs_bytes() -> None:
     # the whole MoE block: the layer keeps what the dense layer keeps with its MLP recomputed
     assert _total(moe, "selective:moe") == _total(dense, "selective:mlp")
     assert _total(moe, "selective:moe,moe_act") == _total(moe, "selective:moe")  # moe_act is inside moe
+    shared = _plan(MOE.with_(shared_experts=1))  # one shared expert of f: its gate, up and swiglu
+    assert _total(shared, "none") - _total(shared, "selective:shared_experts") == MLP
+    assert _total(shared, "selective:moe,shared_experts") == _total(shared, "selective:moe")
     for plan, modes in ((dense, ("layernorm", "mlp", "core_attn")), (moe, ("layernorm", "moe", "moe_act"))):
         full = _total(plan, "full")
         for m in modes:  # between full (each layer's input only) and none
@@ -105,7 +108,8 @@ def test_the_step_runs_the_module_forward_again(cfg: ModelConfig, mode: str) -> 
 
 def test_refusals_name_the_module() -> None:
     with pytest.raises(ProgramError, match=r"--recompute selective:layernorm,mla_up_proj: module 'mla_up_proj' is not "
-                                           r"built; expected modules among core_attn, layernorm, mlp, moe, moe_act"):
+                                           r"built; expected modules among core_attn, layernorm, mlp, moe, moe_act, "
+                                           r"shared_experts"):
         check_recompute("selective:layernorm,mla_up_proj")
     with pytest.raises(ProgramError, match=r"module 'attn' is not a module; expected modules among"):
         check_recompute("selective:attn")
@@ -113,6 +117,9 @@ def test_refusals_name_the_module() -> None:
         check_recompute("selective:")
     with pytest.raises(ProgramError, match=r"selective:moe_act: module 'moe_act': no numbered layer has an expert"):
         recompute_regions(_plan(DENSE).program, "selective:moe_act")
+    with pytest.raises(ProgramError, match=r"selective:shared_experts: module 'shared_experts': no numbered layer "
+                                           r"has shared experts"):
+        recompute_regions(_plan(MOE).program, "selective:shared_experts")
     with pytest.raises(ProgramError, match=r"selective:mlp: module 'mlp': no numbered layer has a dense MLP"):
         recompute_regions(_plan(MOE).program, "selective:mlp")
     assert check_recompute("selective:layernorm,moe_act", pipeline=True) == "selective:layernorm,moe_act"

@@ -27,11 +27,15 @@ in a numbered layer's forward ops by structure (rules, parameters, the MoE ops),
   TEGroupedMLP / SequentialMLP, megatron/core/transformer/moe/experts.py, under
   ``CheckpointWithoutOutput``): the ops between an expert matmul (a parameter of rank >= 3,
   the experts' stacked weights) and the next one.
+- ``shared_experts``: the MoE layer's shared experts (SharedExpertMLP,
+  megatron/core/transformer/moe/shared_experts.py, ``tensor_parallel.checkpoint`` of its forward
+  where ``shared_experts`` is named): the MoE block's ops that neither feed the MoE ops (the
+  router) nor are fed by them or by the router.
 
 A region's outputs are not kept and its inputs are; regions of one layer that share an op or
 feed one another are merged (``layernorm`` with ``mlp`` / ``moe``: the norm's output is the
-MLP's input, which Megatron's checkpoints then hold as no tensor). ``mla_up_proj`` and
-``shared_experts`` are not built: :func:`recompute_modules` refuses them by name. A named
+MLP's input, which Megatron's checkpoints then hold as no tensor). ``mla_up_proj`` is not
+built: :func:`recompute_modules` refuses it by name. A named
 module that no layer has (``moe_act`` of a dense model) is refused, not ignored.
 """
 
@@ -41,9 +45,9 @@ from spmdkit.core.errors import ProgramError
 from spmdkit.program.ir import Program
 
 #: the modules of ``selective:M1,M2,...`` (Megatron-Core's recompute_modules that are built)
-MODULES = ("core_attn", "layernorm", "mlp", "moe", "moe_act")
+MODULES = ("core_attn", "layernorm", "mlp", "moe", "moe_act", "shared_experts")
 #: Megatron-Core's other recompute_modules, not built here
-NOT_BUILT = ("mla_up_proj", "shared_experts")
+NOT_BUILT = ("mla_up_proj",)
 #: the normalisation rules (a layer's norms)
 NORMS = frozenset({"layer_norm", "rms_norm", "fused_rms_norm"})
 #: the ops only a MoE block has
@@ -51,7 +55,8 @@ MOE_OPS = frozenset({"moe_gate_dispatch", "moe_combine"})
 _PREFIX = "selective:"
 _WHAT = {"core_attn": "an attention core", "layernorm": "a norm of the residual stream",
          "mlp": "a dense MLP (a layer with MoE ops has moe)", "moe": "a MoE block (moe_gate_dispatch, moe_combine)",
-         "moe_act": "an expert activation (between expert matmuls, weights of rank >= 3)"}
+         "moe_act": "an expert activation (between expert matmuls, weights of rank >= 3)",
+         "shared_experts": "shared experts (MoE-block ops apart from the routing)"}
 
 
 def recompute_modules(mode: object) -> tuple[str, ...] | None:
@@ -147,6 +152,25 @@ def _expert_act(prog: Program, block: list[int]) -> list[int]:
     return sorted(act)
 
 
+def _shared(prog: Program, block: list[int]) -> list[int]:
+    """The ops of a MoE ``block`` apart from its routing: those that feed no MoE op (the router
+    does) and read nothing a MoE op or the router made (the combine, the aux loss do)."""
+    need = {n for i in block if prog.ops[i].rule in MOE_OPS for n in prog.ops[i].input_names()}
+    routing = set()
+    for i in reversed(block):
+        if prog.ops[i].rule in MOE_OPS or any(n in need for n in prog.ops[i].output_names()):
+            routing.add(i)
+            need.update(prog.ops[i].input_names())
+    fed = {n for i in routing for n in prog.ops[i].output_names()}
+    out = []
+    for i in block:
+        if i in routing or any(n in fed for n in prog.ops[i].input_names()):
+            fed.update(prog.ops[i].output_names())
+        else:
+            out.append(i)
+    return out
+
+
 def _merged(prog: Program, parts: list[list[int]]) -> list[list[int]]:
     """``parts`` with those that share an op or feed one another merged (op indices sorted)."""
     def outs(s: set[int]) -> set[str]:
@@ -186,7 +210,8 @@ def module_regions(prog: Program, groups: list[list[int]], modules: tuple[str, .
                  "layernorm": [[i] for i in norms],
                  "mlp": [block] if block and not moe else [],
                  "moe": [block] if moe else [],
-                 "moe_act": [_expert_act(prog, block)] if moe else []}
+                 "moe_act": [_expert_act(prog, block)] if moe else [],
+                 "shared_experts": [_shared(prog, block)] if moe else []}
         chosen = []
         for m in modules:
             got = [p for p in parts[m] if p]
