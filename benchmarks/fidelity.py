@@ -47,6 +47,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from spmdkit.cli import main as spmdkit_main
+from spmdkit.core.errors import ProgramError
+from spmdkit.cost.recompute_modules import recompute_modules
 
 #: the published runs (a copy of the team's shared calibration set; benchmarks/data/published-runs.md)
 RUNS = Path(__file__).resolve().parent / "data" / "published-runs.json"
@@ -159,8 +161,13 @@ def _recompute(row: dict[str, Any], assume: list[str]) -> str:
         assume.append("no activation recomputation (not stated)")
         return "none"
     rc = str(rc)
-    if rc.startswith("selective:"):  # Megatron-Core's --recompute-modules: which modules, not the attention core
-        raise Unsupported(f"recompute modules ({rc.split(':', 1)[1].strip()}: Megatron-Core --recompute-modules)")
+    if rc.startswith("selective:"):  # Megatron-Core's --recompute-modules: --recompute selective:M1,M2
+        mode = "selective:" + ",".join(m.strip() for m in rc.split(":", 1)[1].split(","))
+        try:
+            recompute_modules(mode)
+        except ProgramError as e:
+            raise Unsupported(f"recompute modules ({rc.split(':', 1)[1].strip()}): {e}") from None
+        return mode
     if rc.startswith("selective"):
         if "microbatch-level" in rc:
             return "microbatch"  # Korthikanti App. C: --recompute microbatch (a pipeline's mode)

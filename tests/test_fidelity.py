@@ -72,8 +72,9 @@ def test_megatron_moe_rows_expressed_as_their_source_ran_them() -> None:
     """Megatron-MoE-ModelZoo's Qwen3-235B rows: ETP = 1 folds the table's EP out of dp x tp (EP 8 at
     TP 4: an ep mesh dim of 2, the table's EDP 4 as dp: 256 GPUs), the pipeline split with the
     embedding and the loss counted as layers (3 a virtual stage: 2, 3 x 30, 2), the model's own
-    router; a run that recomputes Megatron-Core's --recompute-modules is named unsupported, not
-    planned as the attention core's selective recomputation."""
+    router; a run that recomputes Megatron-Core's --recompute-modules layernorm moe_act is planned
+    with --recompute selective:layernorm,moe_act (not as the attention core's selective
+    recomputation), one with a module not built is named unsupported."""
     rows = {r["id"]: r for r in json.loads(FID.MOE_RUNS.read_text()) if r["id"].startswith("megatron_moe_zoo")}
     with tempfile.TemporaryDirectory() as d:
         case = FID.express(rows["megatron_moe_zoo_h100_bf16_qwen3_235b_tp4_pp8_ep8"], Path(d))
@@ -85,8 +86,12 @@ def test_megatron_moe_rows_expressed_as_their_source_ran_them() -> None:
         assert a[a.index("--moe-routing") + 1] == "topk" and a[a.index("--recompute") + 1] == "none"
         assert "--tp-comm-overlap" in a
         for rid in ("megatron_moe_zoo_h100_bf16_qwen3_235b_tp2_pp8_ep32", "megatron_moe_zoo_h100_bf16_qwen3_235b_tp2_pp32_ep8_a2a"):
-            with pytest.raises(FID.Unsupported, match=r"recompute modules \(layernorm, moe_act"):
-                FID.express(rows[rid], Path(d))
+            a = FID.express(rows[rid], Path(d)).argv
+            assert a[a.index("--recompute") + 1] == "selective:layernorm,moe_act"
+        row = dict(rows["megatron_moe_zoo_h100_bf16_qwen3_235b_tp2_pp8_ep32"], recompute="selective: layernorm, mla_up_proj")
+        with pytest.raises(FID.Unsupported, match=r"recompute modules \(layernorm, mla_up_proj\): --recompute "
+                                                  r"selective:layernorm,mla_up_proj: module 'mla_up_proj' is not built"):
+            FID.express(row, Path(d))
 
 
 def _params(row: dict[str, Any]) -> float:

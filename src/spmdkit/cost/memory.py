@@ -14,7 +14,7 @@ so one layer's gathered parameters are live at a time, once in the forward and o
 backward. With gradient accumulation (``plan.grad_accum`` > 1) a gradient that ZeRO holds
 reduce-scattered is held unreduced until the step's one reduction.
 
-``recompute`` (``none``, ``selective``, ``full``; :func:`saved_activations`): a
+``recompute`` (``none``, ``selective``, ``selective:M1,M2``, ``full``; :func:`saved_activations`): a
 forward activation that a recomputed region makes and the backward reads lives from its
 producer to its last forward reader, and again from the first backward op that reads any of
 the region's tensors (the region is run again right before it) to its last reader. A tensor
@@ -47,6 +47,8 @@ Recomputation (``recompute``):
   score-sized tensor; Megatron-Core still checkpoints it (``recompute_modules`` core_attn):
   the fused kernel runs again in the backward and its output and statistics are not kept.
   Under torchtitan, its op-level policy instead (the flash kernel's outputs saved).
+- ``selective:M1,M2,...``: Megatron-Core's ``--recompute-modules`` (core_attn, layernorm, mlp,
+  moe, moe_act), each module's forward ops in each layer: :mod:`spmdkit.cost.recompute_modules`.
 - ``full``: every transformer layer (the ops of a layer group whose label has a number:
   ``layer 3`` of a preset, ``model.layers.3`` of an imported HF model) is run again in the
   backward; only the tensors a layer reads from before it (its input) are kept. A program
@@ -69,6 +71,7 @@ from spmdkit.core.errors import ProgramError
 from spmdkit.cost.context import regathers, ring_buffers
 from spmdkit.cost.memory_cp import allgather_buffers
 from spmdkit.cost.moe import plan_loads
+from spmdkit.cost.recompute_modules import MODULES, module_regions, op_sac, recompute_modules
 from spmdkit.engine.memo import memo_table
 from spmdkit.program.ir import Op, Program, flat_refs
 from spmdkit.program.plan import Plan, Reshard
@@ -233,9 +236,10 @@ def check_recompute(mode: str, pipeline: bool = False) -> str:
     if mode == MICROBATCH:
         raise ProgramError(f"--recompute {MICROBATCH}: microbatch-level recomputation applies to a pipeline "
                            f"(give --mesh with a pp dim)")
-    if mode not in RECOMPUTE:
+    if mode not in RECOMPUTE and recompute_modules(mode) is None:
         shown = repr(mode[:40]) if isinstance(mode, str) else type(mode).__name__
-        raise ProgramError(f"--recompute {shown}: expected one of {', '.join((*RECOMPUTE, MICROBATCH))}")
+        raise ProgramError(f"--recompute {shown}: expected one of {', '.join((*RECOMPUTE, MICROBATCH))} or "
+                           f"selective:M1,M2 (modules {', '.join(MODULES)})")
     return mode
 
 
@@ -271,43 +275,20 @@ def _layer_groups(prog: Program, fwd: list[int], mode: str) -> list[list[int]]:
     return list(groups.values())
 
 
-#: the ops whose outputs torchtitan's op-level selective checkpointing saves (besides every
-#: other linear layer's matmul): the attention kernels
-_SAC_SAVED = frozenset({"flash_attention"})
-
-
-def _op_sac(prog: Program, layer: list[int]) -> list[int]:
-    """torchtitan's op-level selective activation checkpointing (``selective_ac_option = "op"``,
-    torchtitan/models/llama/parallelize_llama.py): a layer keeps the outputs of its attention
-    kernel and of its 1st, 3rd, 5th ... linear-layer matmul (``aten.mm``; every second one is
-    recomputed) and runs everything else again in the backward."""
-    region: list[int] = []
-    mm = 0
-    for i in layer:
-        op = prog.ops[i]
-        y = op.inputs.get("y")
-        if op.rule == "matmul" and isinstance(y, str) and prog.tensors[y].kind == "parameter":
-            mm += 1
-            if mm % 2 == 1:
-                continue
-        elif op.rule in _SAC_SAVED:
-            continue
-        region.append(i)
-    return region
-
-
 def recompute_regions(prog: Program, mode: str, framework: str = "megatron") -> list[list[int]]:
     """The forward ops run again in the backward, as regions (op indices in program order):
     one per attention core (``selective``; under ``framework`` torchtitan, its op-level policy:
-    :func:`_op_sac`) or per transformer layer (``full``); none for ``none``."""
+    :func:`~spmdkit.cost.recompute_modules.op_sac`), per transformer layer (``full``) or per
+    named module (``selective:M1,M2``: :mod:`spmdkit.cost.recompute_modules`); none for ``none``."""
     check_recompute(mode)
     fwd = [i for i, op in enumerate(prog.ops) if op.phase == "forward"]
     if mode == "none":
         return []
     if mode == "full":
         return _layer_groups(prog, fwd, mode)
-    if framework == "torchtitan":
-        return [r for r in (_op_sac(prog, g) for g in _layer_groups(prog, fwd, mode)) if r]
+    mods = recompute_modules(mode)
+    if framework == "torchtitan" and mods is None:
+        return [r for r in (op_sac(prog, g) for g in _layer_groups(prog, fwd, mode)) if r]
     regions: list[list[int]] = []
     region: list[int] | None = None
     made: set[str] = set()
@@ -334,6 +315,8 @@ def recompute_regions(prog: Program, mode: str, framework: str = "megatron") -> 
             region = None
         else:
             made.update(op.output_names())
+    if mods is not None:  # Megatron-Core's recompute_modules (spmdkit.cost.recompute_modules)
+        return module_regions(prog, _layer_groups(prog, fwd, mode), mods, regions, mode)
     return regions
 
 
