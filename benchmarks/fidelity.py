@@ -333,6 +333,9 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
             argv += ["--schedule", "interleaved", "--virtual-stages", str(v)]
         n = pp * v
         if par.get("stages"):  # the run's own layout (Megatron's embedding and loss counted as layers)
+            if 0 in par["stages"]:
+                raise Unsupported("a pipeline stage without a decoder layer (Megatron's embedding-only or "
+                                  "loss-only stage)")
             argv += ["--stages", ",".join(str(k) for k in par["stages"])]
         elif layers % n:
             argv += ["--stages", ",".join(str(k) for k in _split(layers, n, framework))]
