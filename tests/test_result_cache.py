@@ -282,6 +282,13 @@ def test_recent_keeps_the_most_recently_used_and_is_reached_by_clear_cache_and_t
     assert list(r.values) == ["a", "c"]
     r.get("b", lambda: make("b"))
     assert made == ["a", "b", "c", "b"] and list(r.values) == ["c", "b"]
+    # known: the look-up alone (no refresh of the order, no count)
+    assert r.known("c") == "C" and r.known("a") is None and list(r.values) == ["c", "b"] and r.hits == 3
+    set_cache_enabled(False)
+    try:
+        assert r.known("c") is None  # off: nothing kept before is served
+    finally:
+        set_cache_enabled(True)
     clear_cache()
     assert len(r) == 0
     set_cache_enabled(False)

@@ -136,6 +136,12 @@ class Recent(Generic[_V]):
             values.popitem(last=False)
         return got
 
+    def known(self, key: Any) -> _V | None:
+        """The value kept for ``key``, or None: a hot path's look-up, without :meth:`get`'s
+        refresh of its place (a value read only so is the first dropped when the limit is met)
+        or its count; None while memo tables are off, as :meth:`get` keeps none then."""
+        return self.values.get(key) if _enabled else None
+
     def cache_clear(self) -> None:
         self.values.clear()
 

@@ -109,10 +109,12 @@ class Fusion:
         return _FUSIONS.get((mesh, a, b), lambda: Fusion(mesh, a, b))
 
     def attr_in(self, attr: TensorDistAttr) -> TensorDistAttr:
-        return self._in.get(attr, lambda: self._attr_in(attr))
+        got = self._in.known(attr)  # hundreds of thousands of calls a search: the look-up alone first
+        return got if got is not None else self._in.get(attr, lambda: self._attr_in(attr))
 
     def attr_out(self, attr: TensorDistAttr) -> TensorDistAttr:
-        return self._out.get(attr, lambda: self._attr_out(attr))
+        got = self._out.known(attr)
+        return got if got is not None else self._out.get(attr, lambda: self._attr_out(attr))
 
     def _attr_in(self, attr: TensorDistAttr) -> TensorDistAttr:
         dm = []
