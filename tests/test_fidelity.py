@@ -90,9 +90,9 @@ def test_megatron_moe_rows_expressed_as_their_source_ran_them() -> None:
         # pp=32 x vpp=3 at one layer a virtual stage: the first holds the embedding alone, the last the loss
         with pytest.raises(FID.Unsupported, match="a pipeline stage without a decoder layer"):
             FID.express(rows["megatron_moe_zoo_h100_bf16_qwen3_235b_tp2_pp32_ep8_a2a"], Path(d))
-        row = dict(rows["megatron_moe_zoo_h100_bf16_qwen3_235b_tp2_pp8_ep32"], recompute="selective: layernorm, mla_up_proj")
-        with pytest.raises(FID.Unsupported, match=r"recompute modules \(layernorm, mla_up_proj\): --recompute "
-                                                  r"selective:layernorm,mla_up_proj: module 'mla_up_proj' is not built"):
+        row = dict(rows["megatron_moe_zoo_h100_bf16_qwen3_235b_tp2_pp8_ep32"], recompute="selective: layernorm, qkv_proj")
+        with pytest.raises(FID.Unsupported, match=r"recompute modules \(layernorm, qkv_proj\): --recompute "
+                                                  r"selective:layernorm,qkv_proj: module 'qkv_proj' is not a module"):
             FID.express(row, Path(d))
 
 

@@ -106,11 +106,55 @@ def test_the_step_runs_the_module_forward_again(cfg: ModelConfig, mode: str) -> 
         assert est.recompute_flops_per_device == pytest.approx(sum(op_cost(plan, j).flops for j in norms), rel=1e-12)
 
 
+#: a DeepSeek-like MLA: q through a 32-wide latent, kv through a 16-wide one, heads of 16 + 8 (rope), v of 16
+MLA = DENSE.with_(kv_heads=A, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=16)
+DN, DR, DV = H // A, 8, 16
+#: mla_up_proj: the attention kernel's q and k ([b, s, heads, dn + dr]) and v ([b, s, heads, dv]),
+#: bf16, are not kept; k's rope part before its rope ([b, s, dr], the checkpoint's k_pos_emb) is
+MLA_UP = L * (2 * B * S * A * (DN + DR) * 2 + B * S * A * DV * 2 - B * S * DR * 2)
+
+
+def test_mla_up_proj() -> None:
+    plan = _plan(MLA)
+    prog = plan.program
+    none = _total(plan, "none")
+    assert none - _total(plan, "selective:mla_up_proj") == MLA_UP == 31744
+    # with the MLP: two regions a layer that do not touch, the savings add up
+    assert none - _total(plan, "selective:mla_up_proj,mlp") == MLA_UP + MLP
+    assert none - _total(plan, "selective:mlp") == MLP
+    regions = recompute_regions(prog, "selective:mla_up_proj")
+    assert len(regions) == L
+    for r in regions:  # from the up projections (of the latent norms' outputs) to the concats, the kernel's q and k
+        rules = [prog.ops[i].rule for i in r]
+        assert rules.count("matmul") == 2 and rules.count("fused_rotary_position_embedding") == 2
+        assert rules.count("concat") == 2 and "flash_attention" not in rules and "fused_rms_norm" not in rules
+        ups = [prog.ops[i].inputs["x"] for i in r if prog.ops[i].rule == "matmul"]
+        assert [prog.ops[next(j for j, o in enumerate(prog.ops) if x in o.output_names())].rule for x in ups] == \
+            ["fused_rms_norm"] * 2
+    # the core attention too: the regions feed it, one region a layer
+    assert len(recompute_regions(prog, "selective:mla_up_proj,core_attn")) == L
+    mp = _plan(MLA, "tp=2", "megatron,sp")
+    dev = load_device("h100")
+    base, est = estimate_step(mp, dev, S * B, "none"), estimate_step(mp, dev, S * B, "selective:mla_up_proj")
+    again = sum(op_cost(mp, j).flops for r in recompute_regions(mp.program, "selective:mla_up_proj") for j in r)
+    ups = [j for j, op in enumerate(mp.program.ops) if op.phase == "forward" and op.layer.startswith("layer ")
+           and op.rule == "matmul" and op.output_names()[0].split(".")[-1] in ("q", "kv")]
+    assert len(ups) == 2 * L and again > sum(op_cost(mp, j).flops for j in ups) > 0
+    assert est.recompute_flops_per_device == pytest.approx(again, rel=1e-12)
+    assert est.flops_per_device == pytest.approx(base.flops_per_device + again, rel=1e-12)
+
+
 def test_refusals_name_the_module() -> None:
-    with pytest.raises(ProgramError, match=r"--recompute selective:layernorm,mla_up_proj: module 'mla_up_proj' is not "
-                                           r"built; expected modules among core_attn, layernorm, mlp, moe, moe_act, "
-                                           r"shared_experts"):
-        check_recompute("selective:layernorm,mla_up_proj")
+    with pytest.raises(ProgramError, match=r"--recompute selective:layernorm,mla_up_projection: module "
+                                           r"'mla_up_projection' is not a module; expected modules among core_attn, "
+                                           r"layernorm, mlp, moe, moe_act, shared_experts, mla_up_proj"):
+        check_recompute("selective:layernorm,mla_up_projection")
+    with pytest.raises(ProgramError, match=r"selective:mla_up_proj,mlp: module 'mla_up_proj': no numbered layer has "
+                                           r"an MLA up projection"):
+        recompute_regions(_plan(DENSE).program, "selective:mla_up_proj,mlp")
+    eager = _plan(ModelConfig("gpt2", L, H, A, A, F, V, S, B, "bfloat16")).program  # eager attention, layer norms
+    with pytest.raises(ProgramError, match=r"module 'mla_up_proj': no numbered layer"):
+        recompute_regions(eager, "selective:mla_up_proj")
     with pytest.raises(ProgramError, match=r"module 'attn' is not a module; expected modules among"):
         check_recompute("selective:attn")
     with pytest.raises(ProgramError, match=r"module '' is not a module"):

@@ -31,11 +31,22 @@ in a numbered layer's forward ops by structure (rules, parameters, the MoE ops),
   megatron/core/transformer/moe/shared_experts.py, ``tensor_parallel.checkpoint`` of its forward
   where ``shared_experts`` is named): the MoE block's ops that neither feed the MoE ops (the
   router) nor are fed by them or by the router.
+- ``mla_up_proj``: MLA's up projections to the attention kernel (MLASelfAttention's
+  ``recompute_up_proj``, megatron/core/transformer/multi_latent_attention.py,
+  ``get_query_key_value_tensors``: ``qkv_up_checkpoint = tensor_parallel.CheckpointWithoutOutput()``
+  runs its ``qkv_up_proj_and_rope_apply(q_compressed, kv_compressed, k_pos_emb, ...)``: the q
+  and kv up projections, the splits of q / kv per head, the rope of q's and k's rotary parts,
+  k's rope part expanded to the heads and the concats, whose query / key / value it does not
+  keep): the ops on a path to the attention kernel's inputs back from the kernel, stopping at
+  the norms (the latent norms and the input norm stay outside, as the ``q_layernorm`` /
+  ``kv_layernorm`` applied before the checkpoint) and at the op that makes a norm's input (the
+  split of the kv latent from k's rope part: k_pos_emb is the checkpoint's input); found where
+  such a path holds a ``matmul`` of a latent norm's output (a norm not of the residual stream)
+  by a parameter: an up projection. The latents and k_pos_emb are kept, q, k and v are not.
 
 A region's outputs are not kept and its inputs are; regions of one layer that share an op or
 feed one another are merged (``layernorm`` with ``mlp`` / ``moe``: the norm's output is the
-MLP's input, which Megatron's checkpoints then hold as no tensor). ``mla_up_proj`` is not
-built: :func:`recompute_modules` refuses it by name. A named
+MLP's input, which Megatron's checkpoints then hold as no tensor). A named
 module that no layer has (``moe_act`` of a dense model) is refused, not ignored.
 """
 
@@ -45,9 +56,9 @@ from spmdkit.core.errors import ProgramError
 from spmdkit.program.ir import Program
 
 #: the modules of ``selective:M1,M2,...`` (Megatron-Core's recompute_modules that are built)
-MODULES = ("core_attn", "layernorm", "mlp", "moe", "moe_act", "shared_experts")
-#: Megatron-Core's other recompute_modules, not built here
-NOT_BUILT = ("mla_up_proj",)
+MODULES = ("core_attn", "layernorm", "mlp", "moe", "moe_act", "shared_experts", "mla_up_proj")
+#: Megatron-Core's other recompute_modules, not built here (none now)
+NOT_BUILT: tuple[str, ...] = ()
 #: the normalisation rules (a layer's norms)
 NORMS = frozenset({"layer_norm", "rms_norm", "fused_rms_norm"})
 #: the ops only a MoE block has
@@ -56,7 +67,8 @@ _PREFIX = "selective:"
 _WHAT = {"core_attn": "an attention core", "layernorm": "a norm of the residual stream",
          "mlp": "a dense MLP (a layer with MoE ops has moe)", "moe": "a MoE block (moe_gate_dispatch, moe_combine)",
          "moe_act": "an expert activation (between expert matmuls, weights of rank >= 3)",
-         "shared_experts": "shared experts (MoE-block ops apart from the routing)"}
+         "shared_experts": "shared experts (MoE-block ops apart from the routing)",
+         "mla_up_proj": "an MLA up projection (a matmul of a latent norm's output feeding the attention kernel)"}
 
 
 def recompute_modules(mode: object) -> tuple[str, ...] | None:
@@ -171,6 +183,26 @@ def _shared(prog: Program, block: list[int]) -> list[int]:
     return out
 
 
+def _mla_up(prog: Program, layer: list[int], made_by: dict[str, int], norms: list[int], core: list[int]) -> list[int]:
+    """MLA's up projections to the attention kernel (``core[0]``; module docstring): the layer's
+    ops on a path back from the kernel's inputs, stopping at the norms and at the ops that make a
+    norm's input; [] where none of them is a ``matmul`` of a latent norm's output by a parameter."""
+    if not core:
+        return []
+    latent = {i for i in layer if prog.ops[i].rule in NORMS and i not in norms}
+    stop = latent | set(norms) | {made_by[n] for i in latent for n in prog.ops[i].input_names() if n in made_by}
+    latent_out = {prog.ops[i].output_names()[0] for i in latent}
+    need = set(prog.ops[core[0]].input_names())
+    region = []
+    for i in reversed([j for j in layer if j < core[0]]):
+        if i not in stop and any(n in need for n in prog.ops[i].output_names()):
+            region.append(i)
+            need.update(prog.ops[i].input_names())
+    up = any(prog.ops[i].rule == "matmul" and prog.ops[i].inputs.get("x") in latent_out
+             and prog.tensors[str(prog.ops[i].inputs.get("y"))].kind == "parameter" for i in region)
+    return sorted(region) if up else []
+
+
 def _merged(prog: Program, parts: list[list[int]]) -> list[list[int]]:
     """``parts`` with those that share an op or feed one another merged (op indices sorted)."""
     def outs(s: set[int]) -> set[str]:
@@ -206,12 +238,14 @@ def module_regions(prog: Program, groups: list[list[int]], modules: tuple[str, .
         block = _ffn_block(prog, layer, norms[1]) if len(norms) >= 2 else []
         moe = any(prog.ops[i].rule in MOE_OPS for i in block)
         members = set(layer)
-        parts = {"core_attn": [r for r in cores if r[0] in members],
+        core = [r for r in cores if r[0] in members]
+        parts = {"core_attn": core,
                  "layernorm": [[i] for i in norms],
                  "mlp": [block] if block and not moe else [],
                  "moe": [block] if moe else [],
                  "moe_act": [_expert_act(prog, block)] if moe else [],
-                 "shared_experts": [_shared(prog, block)] if moe else []}
+                 "shared_experts": [_shared(prog, block)] if moe else [],
+                 "mla_up_proj": [_mla_up(prog, layer, made_by, norms, core[0] if core else [])]}
         chosen = []
         for m in modules:
             got = [p for p in parts[m] if p]
