@@ -166,7 +166,7 @@ def test_bad_recompute_and_dropout_are_program_errors(capsys: pytest.CaptureFixt
     assert rc == 2
     assert err.strip().splitlines() == ["spmdkit plan: ProgramError: --recompute 'partial': expected one of none, "
                                         "selective, full, microbatch or selective:M1,M2 (modules core_attn, "
-                                        "layernorm, mlp, moe, moe_act, shared_experts)"]
+                                        "layernorm, mlp, moe, moe_act, shared_experts, mla_up_proj)"]
 
 
 def test_cli_recompute_reports_memory_and_time(capsys: pytest.CaptureFixture[str]) -> None:

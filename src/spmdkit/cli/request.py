@@ -362,7 +362,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recompute", default=None, metavar="none|selective|selective:M1,M2|full|full:K|microbatch",
                    help="activation recomputation: selective (the attention core, Korthikanti et al. 2022); "
                         "selective:M1,M2 (Megatron-Core's --recompute-modules: the named modules of each layer "
-                        "run again, among core_attn, layernorm, mlp, moe, moe_act, shared_experts); "
+                        "run again, among core_attn, layernorm, mlp, moe, moe_act, shared_experts, mla_up_proj); "
                         "full (every layer, only its input kept); full:K (a pipeline: the first K layers of each "
                         "stage, Megatron-LM's --recompute-method block --recompute-num-layers K); microbatch (a "
                         "pipeline: every activation of "

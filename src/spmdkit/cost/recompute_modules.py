@@ -55,10 +55,8 @@ from __future__ import annotations
 from spmdkit.core.errors import ProgramError
 from spmdkit.program.ir import Program
 
-#: the modules of ``selective:M1,M2,...`` (Megatron-Core's recompute_modules that are built)
+#: the modules of ``selective:M1,M2,...`` (Megatron-Core's recompute_modules, every one)
 MODULES = ("core_attn", "layernorm", "mlp", "moe", "moe_act", "shared_experts", "mla_up_proj")
-#: Megatron-Core's other recompute_modules, not built here (none now)
-NOT_BUILT: tuple[str, ...] = ()
 #: the normalisation rules (a layer's norms)
 NORMS = frozenset({"layer_norm", "rms_norm", "fused_rms_norm"})
 #: the ops only a MoE block has
@@ -79,8 +77,7 @@ def recompute_modules(mode: object) -> tuple[str, ...] | None:
     names = [m.strip() for m in mode[len(_PREFIX):].split(",")]
     for m in names:
         if m not in MODULES:
-            why = "not built" if m in NOT_BUILT else "not a module"
-            raise ProgramError(f"--recompute {mode[:80]}: module {m[:40]!r} is {why}; expected modules among "
+            raise ProgramError(f"--recompute {mode[:80]}: module {m[:40]!r} is not a module; expected modules among "
                                f"{', '.join(MODULES)} (Megatron-Core's --recompute-modules)")
     return tuple(dict.fromkeys(names))
 
@@ -259,4 +256,4 @@ def module_regions(prog: Program, groups: list[list[int]], modules: tuple[str, .
     return regions
 
 
-__all__ = ["MODULES", "MOE_OPS", "NORMS", "NOT_BUILT", "module_regions", "op_sac", "recompute_modules"]
+__all__ = ["MODULES", "MOE_OPS", "NORMS", "module_regions", "op_sac", "recompute_modules"]
