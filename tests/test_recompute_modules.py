@@ -133,13 +133,23 @@ def test_mla_up_proj() -> None:
             ["fused_rms_norm"] * 2
     # the core attention too: the regions feed it, one region a layer
     assert len(recompute_regions(prog, "selective:mla_up_proj,core_attn")) == L
+    # without q_lora_rank (DeepSeek-V2-Lite) q is projected from the input norm's output inside the
+    # checkpoint (Megatron's linear_q_proj): the region reads that norm, so it merges with layernorm's
+    lite = _plan(MLA.with_(q_lora_rank=0))
+    r = recompute_regions(lite.program, "selective:mla_up_proj")[0]
+    assert [lite.program.ops[i].inputs["x"] for i in r if lite.program.ops[i].rule == "matmul"] == \
+        ["layers.0.attn_norm.out", "layers.0.kv_norm.out"]
+    assert _total(lite, "none") - _total(lite, "selective:mla_up_proj") == MLA_UP
+    assert len(recompute_regions(lite.program, "selective:layernorm,mla_up_proj")) == 2 * L
     mp = _plan(MLA, "tp=2", "megatron,sp")
     dev = load_device("h100")
     base, est = estimate_step(mp, dev, S * B, "none"), estimate_step(mp, dev, S * B, "selective:mla_up_proj")
     again = sum(op_cost(mp, j).flops for r in recompute_regions(mp.program, "selective:mla_up_proj") for j in r)
     ups = [j for j, op in enumerate(mp.program.ops) if op.phase == "forward" and op.layer.startswith("layer ")
            and op.rule == "matmul" and op.output_names()[0].split(".")[-1] in ("q", "kv")]
-    assert len(ups) == 2 * L and again > sum(op_cost(mp, j).flops for j in ups) > 0
+    # the up projections at TP 2: 2bs(32 x a(dn + dr) + 16 x a(dn + dv)) / 2 a layer; the ropes 3 FLOPs an element
+    assert len(ups) == 2 * L and sum(op_cost(mp, j).flops for j in ups) == L * B * S * (32 * A * 24 + 16 * A * 32)
+    assert again == L * (B * S * (32 * A * 24 + 16 * A * 32) + 3 * B * S * DR + 3 * B * S * (A // 2) * DR) == 332288
     assert est.recompute_flops_per_device == pytest.approx(again, rel=1e-12)
     assert est.flops_per_device == pytest.approx(base.flops_per_device + again, rel=1e-12)
 
