@@ -197,19 +197,15 @@ def _program_calls(program: Program) -> tuple[list[_OpCall], dict[str, int]]:
     return calls, readers
 
 
-#: per rule name (as programs spell it): its ``choice`` fact, read once per rule
-_CHOICE: dict[str, Any] = {}
-
-
 def _choice_calls(program: Program) -> dict[int, list[_OpCall]]:
     """Per op whose rule declares a ``choice`` fact (an attribute the planner sets,
-    :mod:`spmdkit.engine.facts`): the op's calls under each other value of that attribute."""
+    :mod:`spmdkit.engine.facts`): the op's calls under each other value of that attribute (made
+    once per program: ``Program.derived``)."""
     shapes = {n: t.shape for n, t in program.tensors.items()}
     out: dict[int, list[_OpCall]] = {}
+    choices = {r: facts_of(get_rule(r).name).choice for r in {op.rule for op in program.ops}}
     for i, op in enumerate(program.ops):
-        ch = _CHOICE.get(op.rule, _CHOICE)
-        if ch is _CHOICE:
-            ch = _CHOICE[op.rule] = facts_of(get_rule(op.rule).name).choice
+        ch = choices[op.rule]
         if ch is not None:
             name, values = ch
             alts = [_OpCall(replace(op, attrs={**op.attrs, name: v}), shapes) for v in values
