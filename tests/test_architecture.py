@@ -1,6 +1,6 @@
 """The house's rules, read from the source (docs/architecture.md): the floors in the order a plan is
 made, imports only downward, no import circle, small files and functions, package imports at
-module level, ``exec`` only in the engine's code generator."""
+module level, ``exec`` only in the engine's code generator, no memo by object id kept by hand."""
 
 from __future__ import annotations
 
@@ -169,6 +169,23 @@ def test_exec_only_in_the_code_generator() -> None:
                 if name != CODEGEN:
                     found.append(f"{path.relative_to(SRC)}:{node.lineno} {node.func.id}")
     assert not found, f"exec / eval outside {CODEGEN}: {found}"
+
+
+def _id_memos(tree: ast.Module) -> Iterator[tuple[int, str]]:
+    """Module-level dicts keyed by int and made empty (``X: dict[int, ...] = {}``): a memo by object
+    id kept by hand, which no ``clear_cache`` empties and whose ids outlive their objects (the house
+    keeps such memos in ``spmdkit.engine.memo.Recent``)."""
+    for node in tree.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and \
+                isinstance(node.value, ast.Dict) and not node.value.keys and \
+                ast.unparse(node.annotation).replace(" ", "").startswith("dict[int,"):
+            yield node.lineno, node.target.id
+
+
+def test_no_memo_by_id_kept_by_hand() -> None:
+    found = [f"{path.relative_to(SRC)}:{line} {n}" for path, tree in SOURCES.values() for line, n in _id_memos(tree)]
+    assert not found, f"module-level dicts by int key (use spmdkit.engine.memo.Recent): {found}"
+    assert [n for _, n in _id_memos(ast.parse("_M: dict[int, tuple[int, str]] = {}\n"))] == ["_M"]
 
 
 @pytest.mark.parametrize("bad", ["from spmdkit.cli.plan import main\n", "def f():\n    import spmdkit.planner.auto\n"])

@@ -37,9 +37,10 @@ from spmdkit.cost.context import CP_RULES, cp_op_cost
 from spmdkit.cost.eager import eager_cost
 from spmdkit.cost.loss import loss_cost
 from spmdkit.cost.moe import active_share, expert_op_cost
+from spmdkit.cost.recompute_modules import NORMS
 from spmdkit.engine.cache_keys import UNCACHEABLE, value_key
 from spmdkit.engine.facts import LocalOp, LocalTensor, OpCost, declared, facts_of
-from spmdkit.engine.memo import memo_enabled, memo_table
+from spmdkit.engine.memo import Recent, memo_enabled, memo_table
 from spmdkit.engine.registry import get_rule
 from spmdkit.ops._cost import lookup, no_kernel, numel
 from spmdkit.ops.matmul import gemm_dims, k_of
@@ -161,7 +162,7 @@ FP8_GEMMS = frozenset({"matmul", "matmul_grad", "linear_v2", "linear_v2_grad", "
                        "fused_gemm_epilogue_grad"})
 #: the ops whose output Transformer Engine writes in fp8 itself (LayerNormLinear / LayerNormMLP fuse
 #: the norm and the activation with the cast): a GEMM reading one pays no separate input cast
-FP8_FUSED_PRODUCERS = frozenset({"layer_norm", "fused_rms_norm", "rms_norm", "gelu", "swiglu", "squared_relu"})
+FP8_FUSED_PRODUCERS = NORMS | {"gelu", "swiglu", "squared_relu"}
 _WEIGHT_PARAMS = ("y", "weight")
 _INPUT_PARAMS = ("x", "input")
 
@@ -176,7 +177,8 @@ class Fp8Layers:
     casts_input: frozenset[int]
 
 
-_FP8_MEMO: dict[int, tuple[Program, Fp8Layers]] = {}
+#: fp8_layers by program (id; the program kept in the value, so the id stays its own)
+_FP8_MEMO: Recent[tuple[Program, Fp8Layers]] = Recent(16)
 
 
 def _operand(prog: Program, op: Any, params: tuple[str, ...], kind: str | None) -> str | None:
@@ -194,9 +196,10 @@ def fp8_layers(prog: Program) -> Fp8Layers:
     parameter matmul of the forward, the embedding table itself when tied); and the forward ops
     that cast their input (once per activation; none where a norm or activation wrote it, through
     views). Memoised per program."""
-    got = _FP8_MEMO.get(id(prog))
-    if got is not None and got[0] is prog:
-        return got[1]
+    return _FP8_MEMO.get(id(prog), lambda: (prog, _fp8_layers(prog)))[1]
+
+
+def _fp8_layers(prog: Program) -> Fp8Layers:
     producer: dict[str, Any] = {}
     for op in prog.ops:
         for o in op.output_names():
@@ -222,11 +225,7 @@ def fp8_layers(prog: Program) -> Fp8Layers:
             src = producer.get(v) if v else None
         if src is None or _canonical(src.rule) not in FP8_FUSED_PRODUCERS:
             casts.add(i)
-    out = Fp8Layers(weights, frozenset(casts))
-    if len(_FP8_MEMO) > 16:
-        _FP8_MEMO.clear()
-    _FP8_MEMO[id(prog)] = (prog, out)
-    return out
+    return Fp8Layers(weights, frozenset(casts))
 
 
 def fp8_weights(prog: Program) -> frozenset[str]:

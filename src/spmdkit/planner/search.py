@@ -70,6 +70,7 @@ from spmdkit.cost.compute import guess_tokens, kernel_collectives, model_flops
 from spmdkit.cost.devices import Device, cost_model, load_device, recost
 from spmdkit.cost.memory import Memory, memory_per_device, per_microbatch_mode
 from spmdkit.cost.step import OpComm, StepEstimate, estimate_step, op_communication
+from spmdkit.engine.memo import Recent
 from spmdkit.models.hf import dtype_name
 from spmdkit.models.source import import_hf_checked
 from spmdkit.models.zoo import ModelConfig, build_model, preset
@@ -307,18 +308,14 @@ def _pipeline_candidates(cfg: Config, plan: Plan, counts: tuple[int, ...] | None
 
 #: a plan's pricing inputs by the plan priced (its modes and its full:K share them): (the plan,
 #: the runtime, the device, the plan under the runtime, one microbatch's step by mode)
-_PRICED: dict[int, tuple[Plan, Runtime, Device, Plan, dict[str, StepEstimate]]] = {}
+_PRICED: Recent[tuple[Plan, Runtime, Device, Plan, dict[str, StepEstimate]]] = Recent(4)
 
 
 def _pricing(plan_in: Plan, job: _Job) -> tuple[Plan, OpComm, dict[str, StepEstimate]]:
     """``plan_in`` under the search's runtime, its ops' times on the device, and the steps of one
     microbatch already priced, once per plan (the last few kept)."""
-    got = _PRICED.get(id(plan_in))
-    if got is None or got[0] is not plan_in or got[1] != job.runtime or got[2] is not job.device:
-        if len(_PRICED) >= 4:
-            _PRICED.clear()
-        plan = replace(plan_in, runtime=job.runtime)
-        got = _PRICED[id(plan_in)] = (plan_in, job.runtime, job.device, plan, {})
+    got = _PRICED.get((id(plan_in), job.runtime, id(job.device)),
+                      lambda: (plan_in, job.runtime, job.device, replace(plan_in, runtime=job.runtime), {}))
     return got[3], op_communication(got[3], job.device), got[4]
 
 

@@ -163,15 +163,16 @@ def expert_marks(prog: Any, mesh: ProcessMesh, dm: Any, dp: int | None, ep: int,
     b = batch_entry(dp, ep)
     experts: set[str] = set()
     lays = layers if layers is not None else moe_layers(prog)
-    tokens = [chunk_entries(mesh, prog.tensors[lay.chunks].shape[1], fold, cp) for lay in lays
-              if lay.chunks is not None]
-    e = expert_entry(ep, fold, any(t[0] != t[1] and fold is not None for t in tokens))
-    for lay in lays:
+    # each chunked layer's (own, kept) entries, made once: the expert entry reads them all
+    tokens = {i: chunk_entries(mesh, prog.tensors[lay.chunks].shape[1], fold, cp) for i, lay in enumerate(lays)
+              if lay.chunks is not None}
+    e = expert_entry(ep, fold, any(t[0] != t[1] and fold is not None for t in tokens.values()))
+    for i, lay in enumerate(lays):
         for p in lay.stacks:
             dm(p)[0] = e
             experts.add(p)
         c = 1 if lay.chunks is not None else 0  # the chunk axis after the batch
-        own, kept = chunk_entries(mesh, prog.tensors[lay.chunks].shape[1], fold, cp) if c else (-1, -1)
+        own, kept = tokens.get(i, (-1, -1))
         d = dm(lay.dispatched)
         d[0], d[1 + c] = (dp if dp is not None else -1), e
         r = dm(lay.rows)
