@@ -776,10 +776,12 @@ def markdown(results: list[dict[str, Any]], unsupported: dict[str, list[str]], s
                 "out of FSDP (ep covers every rank of a stage). The configs set `enable_deepep` and",
                 "`fake_balanced_gate` (token t to experts t k .. t k + k - 1): `--moe-dispatcher deepep",
                 "--moe-routing balanced` (docs/devices.md \"Mixture of experts\"). The `megatron_moe_zoo` rows are",
-                "Megatron-Core's own (Megatron-MoE-ModelZoo's Qwen3-235B-A22B table on 256 H100s): ETP = 1",
-                "(`--strategy dp,ep,megatron,sp,zero1,etp=1`, the experts over ep x tp), the distributed optimizer,",
-                "`--tp-comm-overlap`, the model's dropless router (`--moe-routing topk`), DeepEP or NCCL's",
-                "all-to-all, the pipeline split with the embedding and the loss counted as layers.", ""]
+                "Megatron-Core's own (Megatron-MoE-ModelZoo's Qwen3 table, H100s): ETP = 1",
+                "(`--strategy dp,ep,megatron,sp,zero1,etp=1`, the experts over ep x tp), the distributed optimizer",
+                "(no `--tp-comm-overlap`: the zoo's scripts of the time set none), the model's router (dropless or",
+                "forced balance: `--moe-routing topk`), DeepEP or NCCL's all-to-all, the pipeline split with the",
+                "embedding and the loss counted as layers; its long-context rows (seq 16k-128k, cp 1-8) give TFLOP/s",
+                "per GPU only: Megatron-Core's MoE FLOP count (`megatron_core_moe_flops`) over the predicted step.", ""]
         out += [f"- {line}" for line in summary_lines(ms)[:1] + summary_lines(ms)[3:]]
         out += ["", "| run | unit | measured | predicted | ratio | memory GiB (measured) | fits |", "|---|---|---|---|---|---|---|"]
         for r in mres:
