@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from spmdkit.cli import main as spmdkit_main
 from spmdkit.core.errors import ProgramError
 from spmdkit.cost.recompute_modules import recompute_modules
+from spmdkit.models.catalog import config_fields
 
 #: the published runs (a copy of the team's shared calibration set; benchmarks/data/published-runs.md)
 RUNS = Path(__file__).resolve().parent / "data" / "published-runs.json"
@@ -56,6 +57,10 @@ RUNS = Path(__file__).resolve().parent / "data" / "published-runs.json"
 #: row's ``model.moe.catalog`` names the spmdkit catalog entry with its shapes)
 MOE_RUNS = Path(__file__).resolve().parent / "data" / "moe-runs.json"
 GIB = 1024**3
+
+
+#: architectures (a phrase of a row's ``model.arch``) the planner cannot build, and the feature named
+MISSING_ARCH = {"Gated DeltaNet": "Gated DeltaNet linear-attention layers (Qwen3-Next's hybrid attention)"}
 
 
 class Unsupported(Exception):
@@ -192,7 +197,11 @@ def _cp_attention(row: dict[str, Any], framework: str, assume: list[str]) -> str
     all-gathered once, asynchronously under the local block, dK / dV passed back round a ring
     in fp32; load-balanced (zig-zag). NeMo 24.07 (Megatron-Core 0.8, before its ``cp_comm_type``
     option) runs Transformer Engine's default, the p2p ring: KV blocks sent peer to peer under
-    the block computations, load-balanced."""
+    the block computations, load-balanced. A row's ``parallelism.cp_attention`` is taken as it
+    stands (its ``inferences`` give the source)."""
+    stated = row["parallelism"].get("cp_attention")
+    if stated:  # the row's own (its inferences say from where)
+        return str(stated)
     if framework == "torchtitan":
         assume.append("cp attention: torch context_parallel's all-gather rotation (its default, "
                       "_RotateMethod.ALL_GATHER), zig-zag balanced")
@@ -248,8 +257,14 @@ def _nemo_states(row: dict[str, Any], assume: list[str]) -> list[str]:
 def express(row: dict[str, Any], tmp: Path) -> Case:
     """The command line of ``row``, or Unsupported naming the missing feature."""
     m, par = row["model"], row["parallelism"]
+    for feature, what in MISSING_ARCH.items():
+        if feature in str(m.get("arch") or ""):
+            raise Unsupported(what)
     if m.get("moe") and not (isinstance(m["moe"], dict) and m["moe"].get("catalog")):
         raise Unsupported("mixture of experts without a catalog architecture")
+    if par.get("ep_comm_overlap"):
+        raise Unsupported("the experts' dispatch and combine overlapped with another microbatch's computation "
+                          "(Megatron-Core --overlap-moe-expert-parallel-comm, 1F1B A2A overlap)")
     assume: list[str] = []
     device, mem_gib = _device(row, tmp)
     tp, pp, dp = int(par["tp"]), int(par["pp"]), int(par["dp"])
@@ -261,6 +276,10 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
         ep //= tp
     cp = int(par.get("cp") or 1)
     gpus = tp * pp * dp * ep * cp
+    if etp1 and cp > 1 and gpus != int(row["hardware"]["num_gpus"]):
+        # Megatron's expert group of ETP = 1 is the next EP ranks in tp-cp-dp order: past tp, cp ranks
+        raise Unsupported(f"ETP = 1 with an expert group (EP {ep * tp}) wider than TP {tp} x the data-parallel "
+                          f"ranks: Megatron folds it over context-parallel ranks, spmdkit's ep out of dp only")
     mb = par.get("micro_batch") or par.get("local_batch")
     gb = par.get("global_batch")
     if par.get("micro_batch") is None and par.get("local_batch") and pp > 1:
@@ -296,6 +315,12 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
     # the ranks as both frameworks lay them out: tp innermost, then cp (Megatron-Core's
     # tp-cp-ep-dp-pp order; torchtitan's mesh pp, dp_shard, cp, tp)
     dims = (("pp", pp), ("dp", dp), ("ep", ep), ("cp", cp), ("tp", tp))
+    if etp1 and cp > 1 and ep > 1:
+        # ETP = 1: Megatron's expert group is EP consecutive ranks (TP x CP ranks, one node), which
+        # the ep mesh dim can only share with tp: ep inside cp keeps the group's ranks together
+        dims = (("pp", pp), ("dp", dp), ("cp", cp), ("ep", ep), ("tp", tp))
+        assume.append("ETP = 1 under cp: the ep mesh dim inside cp (Megatron's expert group is EP consecutive "
+                      "ranks, tp x cp ones; spmdkit's ep cannot share cp's ranks, so the cp ring spans ep x tp)")
     argv = ["plan", "--mesh", ",".join(f"{k}={v}" for k, v in dims if (k not in ("pp", "ep", "cp") or v > 1)),
             "--strategy", strategy, "--device", device, "--precision", _precision(row), "--framework", framework,
             "--recompute", recompute, "--json"]
@@ -383,6 +408,10 @@ def _metric(row: dict[str, Any], meas: dict[str, Any]) -> tuple[str, float]:
     if "tokens_per_sec_per_gpu" in meas:
         return "tokens_per_sec_per_gpu", float(meas["tokens_per_sec_per_gpu"])
     if "tflops_per_gpu" in meas:
+        defined = str(meas.get("flops_definition") or "")
+        if row["model"].get("moe") and not defined.startswith("Megatron-Core"):
+            # a MoE run's FLOPs are counted one way here: Megatron-Core's (megatron_core_moe_flops)
+            raise Unsupported(f"MoE TFLOP/s by another FLOP definition ({defined[:60] or 'not stated'})")
         return "tflops_per_gpu", float(meas["tflops_per_gpu"])
     if "mfu_pct" in meas:
         return "mfu_pct", float(meas["mfu_pct"])
@@ -414,6 +443,73 @@ def megatron_core_flops(row: dict[str, Any]) -> float:
     gated = 1.5 if _arch(row)["activation"] == "swiglu" else 1.0
     return 12.0 * gb * s * l_ * h * h * ((1 + kv / heads + s / h) + m["ffn_hidden"] / h * gated
                                          + v / (2 * l_ * h))
+
+
+def _padded_vocab(v: int, tp: int, divisible_by: int) -> int:
+    """Megatron's padded vocabulary: ``v`` rounded up to a multiple of ``divisible_by x tp``
+    (``--make-vocab-size-divisible-by``, 128 by default)."""
+    step = divisible_by * tp
+    return -(-v // step) * step
+
+
+def megatron_core_moe_flops(row: dict[str, Any]) -> float:
+    """Megatron-Core's FLOPs of one iteration of a MoE (or MLA) GPT, as ``num_floating_point_operations``
+    counts them in NVIDIA/Megatron-LM ``megatron/training/training.py`` (its ``transformer_flops``) at
+    1e057005 (2025-05-24, the Megatron-MoE-ModelZoo table's ``main(1e057005)``; unchanged to
+    bb216765, 2025-10-30). Every GEMM counts 3 times (forward, data and weight gradients) at 2 FLOPs
+    a multiply-add, per token of the ``global_batch x seq_len`` of the iteration (no recomputation):
+
+    - attention with GQA: per layer ``12 h^2 p (1 + g/n + s/(2h))`` with ``p = n d / h`` (the query
+      width over the hidden: ``--kv-channels`` d may differ from h / n) and the causal half of the
+      score and value products (``s/(2h)``); the norms (qk-norm included) are not counted;
+    - MLA (DeepSeek's ``multi_latent_attention``): per layer 6 x (the q down and up projections
+      ``r_q (h + n (d_qk + d_rope) + 1)``, or ``h n (d_qk + d_rope)`` without ``q_lora_rank``; the kv
+      down and up ``r_kv (h + n (d_qk + d_v) + 1)``; the shared rope key ``h d_rope``; the output
+      ``n d_v h``; the causal core ``s n (d_qk + d_rope) / 2 + s n d_v / 2``);
+    - the MLPs: per layer ``12 h x`` width, the width scaled by 3/2 with SwiGLU: the dense MLP's
+      ``ffn`` on the first ``dense_layers`` layers, and on a MoE layer the ``top_k`` routed experts'
+      ``top_k x moe_ffn`` plus the shared experts' width (``shared_experts x moe_ffn``, Megatron's
+      ``moe_shared_expert_intermediate_size``); the router and the permutations are not counted;
+    - multi-token prediction (``model.moe.mtp_layers``, Megatron's ``--mtp-num-layers``): each MTP
+      module one more layer of the last layer's kind (attention and MLP), plus ``6 (3h + 2h^2)``
+      for its norms and its projection of ``[h, h]`` concatenated;
+    - the output layer ``6 h V`` once per prediction (``mtp_layers + 1``), ``V`` padded to a multiple
+      of ``make_vocab_size_divisible_by x tp`` (``model.vocab_divisible_by``, Megatron's 128 by
+      default).
+
+    The shapes are the spmdkit catalog entry's (``model.moe.catalog``: the architecture the run is
+    planned with); the sequence, batch, tp and MTP depth are the run's."""
+    m, par = row["model"], row["parallelism"]
+    fields = config_fields(str(m["moe"]["catalog"]))
+    if fields is None:
+        raise Unsupported(f"FLOP count: no catalog model {m['moe']['catalog']!r}")
+    b, s = int(par["global_batch"]), int(m["seq_len"])
+    h, n, layers = int(fields["hidden"]), int(fields["heads"]), int(fields["layers"])
+    dense = int(fields.get("dense_layers") or 0) if fields.get("experts") else layers
+    mtp = int(m["moe"].get("mtp_layers") or 0)
+    last_moe = dense < layers
+    n_layers, n_moe = layers + mtp, (layers - dense) + (mtp if last_moe else 0)
+    n_dense = n_layers - n_moe
+    act = fields.get("activation") or ("swiglu" if fields.get("arch") == "llama" else "gelu")
+    gated = 1.5 if act == "swiglu" else 1.0
+    moe_ffn = int(fields.get("moe_ffn") or fields["ffn"])
+    width = gated * (int(fields["ffn"]) * n_dense
+                     + (moe_ffn * int(fields.get("top_k") or 0) + moe_ffn * int(fields.get("shared_experts") or 0))
+                     * n_moe)
+    mlp = 12.0 * h * width
+    if fields.get("kv_lora_rank"):  # MLA
+        dq, dr, dv = int(fields["head_dim"]), int(fields["qk_rope_head_dim"]), int(fields["v_head_dim"])
+        rq, rkv = int(fields.get("q_lora_rank") or 0), int(fields["kv_lora_rank"])
+        q = rq * (h + n * (dq + dr) + 1) if rq else h * n * (dq + dr)
+        per = q + rkv * (h + n * (dq + dv) + 1) + h * dr + n * dv * h + s * n * (dq + dr) / 2 + s * n * dv / 2
+        attn = 6.0 * n_layers * per
+    else:
+        g = int(fields.get("kv_heads") or n)
+        p = int(fields.get("head_dim") or h // n) * n / h
+        attn = 12.0 * n_layers * h * h * (1 + g / n + s / h / 2) * p
+    vocab = _padded_vocab(int(fields["vocab"]), int(par["tp"]), int(m.get("vocab_divisible_by") or 128))
+    extra = 6.0 * mtp * (3 * h + 2 * h * h) + 6.0 * h * vocab * (mtp + 1)
+    return b * s * (mlp + attn + extra)
 
 
 # -- running ----------------------------------------------------------------------------------------
@@ -494,7 +590,8 @@ def predict(case: Case) -> tuple[float, float]:
         m = row["model"]
         return row["parallelism"]["global_batch"] * m["seq_len"] / step / case.gpus, mem
     if metric == "tflops_per_gpu":
-        f = narayanan_flops(row) if row["id"].startswith("narayanan21") else megatron_core_flops(row)
+        f = narayanan_flops(row) if row["id"].startswith("narayanan21") else \
+            megatron_core_moe_flops(row) if row["model"].get("moe") else megatron_core_flops(row)
         return f / step / case.gpus / 1e12, mem
     if metric == "mfu_pct":
         return 100 * korthikanti_model_flops(row) / (step * case.gpus * 312e12), mem
@@ -679,10 +776,12 @@ def markdown(results: list[dict[str, Any]], unsupported: dict[str, list[str]], s
                 "out of FSDP (ep covers every rank of a stage). The configs set `enable_deepep` and",
                 "`fake_balanced_gate` (token t to experts t k .. t k + k - 1): `--moe-dispatcher deepep",
                 "--moe-routing balanced` (docs/devices.md \"Mixture of experts\"). The `megatron_moe_zoo` rows are",
-                "Megatron-Core's own (Megatron-MoE-ModelZoo's Qwen3-235B-A22B table on 256 H100s): ETP = 1",
-                "(`--strategy dp,ep,megatron,sp,zero1,etp=1`, the experts over ep x tp), the distributed optimizer,",
-                "`--tp-comm-overlap`, the model's dropless router (`--moe-routing topk`), DeepEP or NCCL's",
-                "all-to-all, the pipeline split with the embedding and the loss counted as layers.", ""]
+                "Megatron-Core's own (Megatron-MoE-ModelZoo's Qwen3 table, H100s): ETP = 1",
+                "(`--strategy dp,ep,megatron,sp,zero1,etp=1`, the experts over ep x tp), the distributed optimizer",
+                "(no `--tp-comm-overlap`: the zoo's scripts of the time set none), the model's router (dropless or",
+                "forced balance: `--moe-routing topk`), DeepEP or NCCL's all-to-all, the pipeline split with the",
+                "embedding and the loss counted as layers; its long-context rows (seq 16k-128k, cp 1-8) give TFLOP/s",
+                "per GPU only: Megatron-Core's MoE FLOP count (`megatron_core_moe_flops`) over the predicted step.", ""]
         out += [f"- {line}" for line in summary_lines(ms)[:1] + summary_lines(ms)[3:]]
         out += ["", "| run | unit | measured | predicted | ratio | memory GiB (measured) | fits |", "|---|---|---|---|---|---|---|"]
         for r in mres:

@@ -84,7 +84,7 @@ def test_megatron_moe_rows_expressed_as_their_source_ran_them() -> None:
         assert a[a.index("--stages") + 1] == ",".join(["2"] + ["3"] * 30 + ["2"])
         assert a[a.index("--microbatches") + 1] == "256" and a[a.index("--batch") + 1] == "2048"
         assert a[a.index("--moe-routing") + 1] == "topk" and a[a.index("--recompute") + 1] == "none"
-        assert "--tp-comm-overlap" in a
+        assert "--tp-comm-overlap" not in a  # neither the yaml nor the sbatch script of c1ad0b5 sets it
         a = FID.express(rows["megatron_moe_zoo_h100_bf16_qwen3_235b_tp2_pp8_ep32"], Path(d)).argv
         assert a[a.index("--recompute") + 1] == "selective:layernorm,moe_act"
         # pp=32 x vpp=3 at one layer a virtual stage: the first holds the embedding alone, the last the loss
@@ -180,3 +180,93 @@ def test_breakdown_sums_to_the_step() -> None:
     assert line.startswith(f"    step {b['step']:.3f} s (measured {pred / case.measured * b['step']:.3f} s): compute ")
     p = {"pipeline": {"step_overlap_s": 2.5, "pipeline_s": 2.0, "bubble_s": 0.25}}
     assert FID.breakdown(p) == {"pipeline": 2.0, "bubble": 0.25, "after_pipeline": 0.5, "step": 2.5}
+
+
+MOE_ROWS: dict[str, dict[str, Any]] = {r["id"]: r for r in json.loads(FID.MOE_RUNS.read_text())}
+
+
+def test_megatron_moe_flops_reproduce_the_zoo_tflops() -> None:
+    """Megatron-Core's MoE FLOP count (training.py ``num_floating_point_operations`` at 1e057005)
+    over the step and the GPUs gives the Megatron-MoE-ModelZoo table's Per GPU TF on every Qwen3-235B
+    row with both figures: within the rounding of the step (0.1 s) and of the TF (1) for the rows run
+    on main(1e057005), within 0.6% for those of the moe_dev branch (f3e6c5, not public); e.g.
+    tp4_pp8_ep8: 1.2418e18 / (29.0 s x 256) = 167.3 (167)."""
+    both = [r for r in MOE_ROWS.values() if r["id"].startswith("megatron_moe_zoo") and r["model"]["moe"]["catalog"]
+            and {"step_time_s", "tflops_per_gpu"} <= set(r["measured"])]
+    assert len(both) == 5
+    for r in both:
+        flops, gpus = FID.megatron_core_moe_flops(r), r["hardware"]["num_gpus"]
+        step, tf = r["measured"]["step_time_s"], r["measured"]["tflops_per_gpu"]
+        if "main(1e057005)" in r["source"]["source_row"]:
+            lo, hi = flops / ((step + 0.05) * gpus) / 1e12, flops / ((step - 0.05) * gpus) / 1e12
+            assert lo - 0.5 <= tf <= hi + 0.5, (r["id"], lo, hi, tf)
+        else:
+            assert flops / (step * gpus) / 1e12 == pytest.approx(tf, rel=0.006), r["id"]
+    # by hand, per token: 94 layers of 12 h (top-8 x 1536 x 3/2 SwiGLU) + 12 h^2 (1 + 4/64 + s/(2h)) x
+    # (64 x 128 / h) GQA attention, and the untied output layer 6 h V (V = 151936: 1187 x 128)
+    r = MOE_ROWS["megatron_moe_zoo_h100_bf16_qwen3_235b_tp4_pp8_ep8"]
+    per_token = 12 * 94 * 4096 * 18432 + 12 * 94 * 4096**2 * (1 + 4 / 64 + 4096 / 8192) * 2 + 6 * 4096 * 151936
+    assert FID.megatron_core_moe_flops(r) == pytest.approx(2048 * 4096 * per_token, rel=1e-12)
+    # the vocabulary padded as Megatron pads it: to 128 x tp by default (151936 -> 152064 at tp 4)
+    r2 = {**r, "model": {k: v for k, v in r["model"].items() if k != "vocab_divisible_by"}}
+    assert FID.megatron_core_moe_flops(r2) - FID.megatron_core_moe_flops(r) == \
+        pytest.approx(2048 * 4096 * 6 * 4096 * 128, rel=1e-9)
+
+
+def test_megatron_moe_flops_of_mla_dense_layers_and_mtp() -> None:
+    """DeepSeek-V3 (MLA, 3 dense layers, one shared expert) with one MTP layer, by hand: the MTP layer
+    counts as a 62nd layer of the last layer's kind (MoE), plus its norms and projection and a second
+    output layer; MLA's terms per layer: the q down and up projections with its norm, the kv down and
+    up with theirs, the shared rope key, the output projection and the causal core."""
+    r = MOE_ROWS["automodel_h100_bf16_deepseek_v3_256gpu"]
+    r = {**r, "model": {**r["model"], "moe": {**r["model"]["moe"], "mtp_layers": 1}},
+         "parallelism": {**r["parallelism"], "global_batch": 1}}
+    h, s = 7168, 4096
+    mla = (1536 * (h + 128 * 192 + 1) + 512 * (h + 128 * 256 + 1) + h * 64 + 128 * 128 * h
+           + s * 128 * 192 / 2 + s * 128 * 128 / 2)
+    mlp = 12 * h * 1.5 * (18432 * 3 + (2048 * 8 + 2048) * 59)
+    want = s * (mlp + 6 * 62 * mla + 6 * (3 * h + 2 * h * h) + 6 * h * 129280 * 2)
+    assert FID.megatron_core_moe_flops(r) == pytest.approx(want, rel=1e-12)
+
+
+def test_megatron_moe_tflops_rows_are_planned_with_the_moe_count() -> None:
+    """The long-context rows (TF/GPU only) are planned at their sequence and cp, and their prediction
+    is the MoE count over the predicted step; rows with features spmdkit lacks are named; a MoE
+    TFLOP/s of another definition is refused rather than compared with Megatron's count."""
+    with tempfile.TemporaryDirectory() as d:
+        c1 = FID.express(MOE_ROWS["megatron_moe_zoo_h100_bf16_qwen3_235b_seq16k_tp4_cp1_pp8_ep8_forced"], Path(d))
+        a = c1.argv
+        assert c1.metric == "tflops_per_gpu" and c1.measured == 295 and c1.gpus == 256
+        assert a[a.index("--mesh") + 1] == "pp=8,dp=4,ep=2,tp=4" and a[a.index("--seq") + 1] == "16384"
+        assert a[a.index("--microbatches") + 1] == "32" and a[a.index("--batch") + 1] == "256"
+        assert a[a.index("--recompute") + 1] == "selective:layernorm,moe" and "--tp-comm-overlap" not in a
+        c2 = FID.express(MOE_ROWS["megatron_moe_zoo_h100_bf16_qwen3_235b_seq32k_tp4_cp2_pp8_ep8_dropless"], Path(d))
+        a = c2.argv
+        assert a[a.index("--mesh") + 1] == "pp=8,dp=2,cp=2,ep=2,tp=4" and c2.gpus == 256 and c2.measured == 277
+        assert {"cp", "cp-attention=ring", "etp=1"} <= set(a[a.index("--strategy") + 1].split(","))
+        assert a[a.index("--microbatches") + 1] == "64"
+        fsdp = FID.express(MOE_ROWS["megatron_moe_zoo_h100_bf16_qwen3_235b_tp2_ep8_fsdp"], Path(d)).argv
+        assert fsdp[fsdp.index("--mesh") + 1] == "dp=32,ep=4,tp=2" and "zero3" in fsdp[fsdp.index("--strategy") + 1]
+        assert fsdp[fsdp.index("--framework") + 1] == "megatron" and fsdp[fsdp.index("--grad-accum") + 1] == "4"
+        for rid, match in (("qwen3_235b_seq128k_tp4_cp8_pp8_ep8_forced",
+                            r"ETP = 1 with an expert group \(EP 8\) wider than TP 4"),
+                           ("qwen3_235b_tp2_pp8_ep32_1f1b_overlap", "--overlap-moe-expert-parallel-comm"),
+                           ("qwen3_next_80b_a3b_tp1_pp4_ep32", "Gated DeltaNet")):
+            with pytest.raises(FID.Unsupported, match=match):
+                FID.express(MOE_ROWS[f"megatron_moe_zoo_h100_bf16_{rid}"], Path(d))
+        other = dict(MOE_ROWS["automodel_h100_bf16_qwen3_30b_a3b"])
+        other["measured"] = {"tflops_per_gpu": 277, "flops_definition": "NeMo AutoModel 'Model TFLOPs/sec/GPU'"}
+        with pytest.raises(FID.Unsupported, match="MoE TFLOP/s by another FLOP definition"):
+            FID.express(other, Path(d))
+    step = 10.0
+    gib = float(2**30)
+    fake = {"pipeline": {"step_overlap_s": step, "pipeline_s": 9.0, "bubble_s": 0.5,
+                         "devices": [{"memory": {"reserved": 60 * gib, "device_total": 62 * gib}}]}}
+    orig = FID.run_cli
+    try:
+        FID.run_cli = lambda argv: fake
+        pred, mem = FID.predict(c1)
+    finally:
+        FID.run_cli = orig
+    assert pred == pytest.approx(FID.megatron_core_moe_flops(c1.row) / step / 256 / 1e12, rel=1e-12)
+    assert mem == 60.0 and c1.device_need_gib == 62.0
