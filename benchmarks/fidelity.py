@@ -358,9 +358,8 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
             argv += ["--schedule", "interleaved", "--virtual-stages", str(v)]
         n = pp * v
         if par.get("stages"):  # the run's own layout (Megatron's embedding and loss counted as layers)
-            if 0 in par["stages"]:
-                raise Unsupported("a pipeline stage without a decoder layer (Megatron's embedding-only or "
-                                  "loss-only stage)")
+            if 0 in par["stages"][1:-1]:  # Megatron-Core's embedding-only first / loss-only last stage are planned
+                raise Unsupported("a middle pipeline stage without a decoder layer")
             argv += ["--stages", ",".join(str(k) for k in par["stages"])]
         elif layers % n:
             argv += ["--stages", ",".join(str(k) for k in _split(layers, n, framework))]

@@ -144,7 +144,7 @@ def test_verify_with_pp(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.parametrize("argv,needle", [
     (["--model", "llama-7b", "--mesh", "pp=3,tp=2", "--stages", "11,11,11"],
-     "--stages 11,11,11: must be 3 counts >= 1 summing to the model's 32 layers"),
+     "--stages 11,11,11: must be 3 counts summing to the model's 32 layers (they sum to 33)"),
     (["--model", "llama-7b", "--mesh", "pp=4,tp=2", "--batch", "10", "--microbatches", "4"],
      "--microbatches 4: does not divide the batch 10"),
     (["--model", "tiny-llama", "--mesh", "pp=4,tp=2"], "2 layers cannot fill 4 stages"),

@@ -150,15 +150,10 @@ def split_layers(n_layers: int, spec: PipelineSpec, balance: Callable[[int], tup
     the planned costs, :func:`auto_counts`), or refused without one."""
     n = spec.pp * spec.virtual
     what = f"pp={spec.pp}" + (f" x {spec.virtual} virtual stages" if spec.virtual > 1 else "")
+    if spec.stages is not None:
+        return _given_stages(spec.stages, n_layers, n, what)
     if n_layers < n:
         raise ProgramError(f"--mesh {what}: {n_layers} layers cannot fill {n} stages (each needs at least one layer)")
-    if spec.stages is not None:
-        if len(spec.stages) != n:
-            raise ProgramError(f"--stages: {len(spec.stages)} stage sizes given, {what} has {n} stages")
-        if sum(spec.stages) != n_layers or min(spec.stages) < 1:
-            raise ProgramError(f"--stages {','.join(map(str, spec.stages))}: must be {n} counts >= 1 summing to "
-                               f"the model's {n_layers} layers")
-        return spec.stages
     if n_layers % n:
         if balance is not None:
             return balance(n)
@@ -167,24 +162,54 @@ def split_layers(n_layers: int, spec: PipelineSpec, balance: Callable[[int], tup
     return (n_layers // n,) * n
 
 
-def op_units(prog: Program) -> tuple[list[int], int]:
+def _given_stages(counts: tuple[int, ...], n_layers: int, n: int, what: str) -> tuple[int, ...]:
+    """``--stages`` checked: ``n`` counts summing to the model's layers, each at least one but
+    the first and the last virtual stage's, which may be 0 (Megatron-Core's embedding-only
+    first stage and loss-only last stage: ``--pipeline-model-parallel-layout "E|t*3|...|L"``,
+    ``--account-for-embedding-in-pipeline-split``); a stage with nothing in the middle is not
+    what Megatron-Core builds."""
+    text = ",".join(map(str, counts))
+    if len(counts) != n:
+        raise ProgramError(f"--stages: {len(counts)} stage sizes given, {what} has {n} stages")
+    if not any(counts):
+        raise ProgramError(f"--stages {text}: no stage holds a decoder layer (only the first and the last stage "
+                           f"may be 0)")
+    if sum(counts) != n_layers:
+        raise ProgramError(f"--stages {text}: must be {n} counts summing to the model's {n_layers} layers "
+                           f"(they sum to {sum(counts)})")
+    for k, c in enumerate(counts):
+        if c == 0 and 0 < k < n - 1:
+            raise ProgramError(f"--stages {text}: stage {k} (of 0..{n - 1}) holds no layer; only the first stage "
+                               f"(the embedding alone) and the last (the final norm, the head and the loss alone) "
+                               f"may be 0, a middle stage needs at least one decoder layer")
+    return counts
+
+
+def op_units(prog: Program, ends: bool = False) -> tuple[list[int], int]:
     """(each op's layer, the count of layers): the index in :func:`layer_tags` of its label; -1
     for the embedding (``embedding``, and an unnumbered op before the first layer's); the count
     for the head (``head``); an optimizer update its parameter's; any other op the unit of the
     op before it (the final norm, the head and the loss follow the last layer; in the backward,
-    the embedding's gradient follows the first layer's). Found once per program (the caller's list
-    is its own copy)."""
-    unit, n = prog.derived("pipeline.op_units", _op_units)
+    the embedding's gradient follows the first layer's). ``ends`` (a split whose first or last
+    stage holds no layer: :func:`op_stages`): an unnumbered op after the last layer's forward
+    or before the first of the layers' backward ops is the head's (the count), one after the
+    last of the layers' backward ops the embedding's (-1), as an imported model's
+    ``model.norm`` and ``lm_head`` and its embedding's gradient. Found once per program (the
+    caller's list is its own copy)."""
+    unit, n = prog.derived("pipeline.op_units_ends" if ends else "pipeline.op_units",
+                           lambda pr: _op_units(pr, ends))
     return list(unit), n
 
 
-def _op_units(prog: Program) -> tuple[list[int], int]:
+def _op_units(prog: Program, ends: bool = False) -> tuple[list[int], int]:
     index = {t: k for k, t in enumerate(layer_tags(prog))}
     n = len(index)
+    numbered = {ph: [i for i, op in enumerate(prog.ops) if op.phase == ph and op.layer in index]
+                for ph in ("forward", "backward")} if ends else {}
     out: list[int] = []
     param_unit: dict[str, int] = {}
     prev = -1
-    for op in prog.ops:
+    for i, op in enumerate(prog.ops):
         tag = op.layer
         u = index.get(tag)
         if u is None:
@@ -194,6 +219,10 @@ def _op_units(prog: Program) -> tuple[list[int], int]:
                 u = n
             elif op.phase == "optimizer":
                 u = next((param_unit[x] for x in op.input_names() if x in param_unit), prev)
+            elif numbered.get(op.phase):
+                got = numbered[op.phase]
+                u = (n if i > got[-1] else prev) if op.phase == "forward" else (
+                    n if i < got[0] else -1 if i > got[-1] else prev)
             else:
                 u = prev
         if op.phase == "forward":
@@ -207,7 +236,10 @@ def _op_units(prog: Program) -> tuple[list[int], int]:
 
 def op_stages(prog: Program, counts: tuple[int, ...], units: tuple[list[int], int] | None = None) -> list[int]:
     """The virtual stage of every op (:func:`op_units`: the embedding with the first stage, the
-    head and the loss with the last, an optimizer update with its parameter's stage)."""
+    head and the loss with the last, an optimizer update with its parameter's stage). A first
+    or last stage of no layer holds the embedding or the head alone (``op_units(ends=True)``)."""
+    if counts and (counts[0] == 0 or counts[-1] == 0):
+        units = op_units(prog, ends=True)
     unit, n_layers = units if units is not None else op_units(prog)
     last = len(counts) - 1
     of_layer: list[int] = []
