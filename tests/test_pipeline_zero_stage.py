@@ -169,3 +169,37 @@ def test_cli_json_of_an_embedding_only_first_stage(capsys: pytest.CaptureFixture
     pp = json.loads(out)["pipeline"]
     assert pp["layers_per_stage"] == [0, 2, 2, 0] and [s["layers"] for s in pp["stages"]] == [0, 2, 2, 0]
     assert pp["step_overlap_s"] > pp["pipeline_s"] > 0
+
+
+LLAMA = {"num_key_value_heads": 2, "num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
+         "intermediate_size": 64, "vocab_size": 128, "max_position_embeddings": 64}
+
+
+def test_an_imported_models_norm_head_and_embedding_gradient_go_to_the_empty_ends(
+        tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
+    """An HF model labels its final norm and head by module (``model.norm``, ``lm_head``), not
+    ``head``: they follow the last layer, so without ``op_units(ends=True)`` they would stay on the
+    stage before an empty last stage (and the embedding's gradient on the stage after an empty first
+    one). The export's stages follow the plan's: its 4-rank 1F1B run on gloo trains as eager
+    (tests/test_run_torch_engine.py)."""
+    pytest.importorskip("transformers")
+    path = f"{tmp_path}/pp.py"
+    rc = main(["plan", "--hf", "LlamaForCausalLM", "--hf-config", json.dumps(LLAMA), "--mesh", "pp=4,tp=1",
+               "--strategy", "megatron", "--microbatches", "4", "--schedule", "1f1b", "--stages", "0,1,1,0", "--json",
+               "--device", "h100", "--export", "torch", path])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    stages = json.loads(cap.out)["pipeline"]["stages"]
+    # fp32: the embedding [128, 32] on the first stage; the final norm [32] and the head [128, 32] on the last
+    assert [s["parameters"] for s in stages] == [128 * 32 * 4, stages[1]["parameters"], stages[1]["parameters"],
+                                                 (32 + 128 * 32) * 4]
+    # the hidden states sent on every boundary: a microbatch of 2 sequences of 16, [2, 16, 32] fp32
+    assert [s["send_bytes"] for s in stages] == [2 * 16 * 32 * 4] * 3 + [0]
+    assert [s["send_grad_bytes"] for s in stages] == [0] + [2 * 16 * 32 * 4] * 3
+    assert stages[0]["stash_bytes"] == 0 and stages[3]["stash_bytes"] > 0
+    # the embedding's gradient (after the first layer's backward) on the first stage; the head's forward and
+    # backward on the last
+    assert stages[0]["backward_s"] > 0 and stages[3]["forward_s"] > 0 and stages[3]["backward_s"] > 0
+    text = open(path).read()
+    assert ("PIPELINE = {'stages': [['model.embed_tokens'], ['model.layers.0'], ['model.layers.1'], "
+            "['model.norm', 'lm_head']]") in text

@@ -140,6 +140,26 @@ def test_llama_pp_tp_pipeline_trains_as_eager(tmp_path: Path) -> None:
     assert all(m["optimizer"] >= 2 * m["parameters"] for m in rep["memory"])
 
 
+def test_llama_pipeline_with_empty_end_stages_trains_as_eager(tmp_path: Path) -> None:
+    """pp=4, --stages 0,1,1,0 (Megatron-Core's embedding-only first and loss-only last stage), 1F1B over
+    4 microbatches: rank 0 holds the embedding alone, rank 3 the final norm and the head; the losses
+    equal eager's and the collectives the plan's (tp=1: only the last stage's vocab-parallel loss's 3
+    all-reduces, per microbatch)."""
+    cfg = {**LLAMA, "num_hidden_layers": 2}
+    path = _real_export(tmp_path, "pp0.py", "pp=4,tp=1", ["--microbatches", "4", "--schedule", "1f1b",
+                                                          "--stages", "0,1,1,0"], cfg)
+    p = _launch("--torch-plan", str(path), "--json", "--steps", "2", config=cfg)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    rep = json.loads(p.stdout.strip().splitlines()[-1])
+    assert rep["ok"] and rep["pipeline"]["stages"] == [["model.embed_tokens"], ["model.layers.0"],
+                                                       ["model.layers.1"], ["model.norm", "lm_head"]]
+    for s in rep["steps"]:
+        assert abs(s["loss"] - s["eager_loss"]) <= 2e-5 * max(1.0, abs(s["eager_loss"])), s
+        assert s["collectives"] == [{}, {}, {}, {"all_reduce": 4 * 3}]
+    # fp32: the embedding [128, 32] alone on rank 0, the final norm [32] and the head [128, 32] on rank 3
+    assert [m["parameters"] for m in rep["memory"]][::3] == [128 * 32 * 4, (32 + 128 * 32) * 4]
+
+
 GPT2_PP = {"n_layer": 2, "n_embd": 32, "n_head": 4, "vocab_size": 128, "n_positions": 64}
 
 
