@@ -72,9 +72,10 @@ def test_megatron_moe_rows_expressed_as_their_source_ran_them() -> None:
     """Megatron-MoE-ModelZoo's Qwen3-235B rows: ETP = 1 folds the table's EP out of dp x tp (EP 8 at
     TP 4: an ep mesh dim of 2, the table's EDP 4 as dp: 256 GPUs), the pipeline split with the
     embedding and the loss counted as layers (3 a virtual stage: 2, 3 x 30, 2), the model's own
-    router; a run that recomputes Megatron-Core's --recompute-modules layernorm moe_act is planned
-    with --recompute selective:layernorm,moe_act (not as the attention core's selective
-    recomputation), one with a module not built is named unsupported."""
+    router (the pp=32 x 3 row at one layer a virtual stage: 0, 1 x 94, 0, the embedding and the loss
+    stages of their own; a 0 in the middle unsupported); a run that recomputes Megatron-Core's
+    --recompute-modules layernorm moe_act is planned with --recompute selective:layernorm,moe_act (not
+    as the attention core's selective recomputation), one with a module not built is named unsupported."""
     rows = {r["id"]: r for r in json.loads(FID.MOE_RUNS.read_text()) if r["id"].startswith("megatron_moe_zoo")}
     with tempfile.TemporaryDirectory() as d:
         case = FID.express(rows["megatron_moe_zoo_h100_bf16_qwen3_235b_tp4_pp8_ep8"], Path(d))
@@ -88,8 +89,14 @@ def test_megatron_moe_rows_expressed_as_their_source_ran_them() -> None:
         a = FID.express(rows["megatron_moe_zoo_h100_bf16_qwen3_235b_tp2_pp8_ep32"], Path(d)).argv
         assert a[a.index("--recompute") + 1] == "selective:layernorm,moe_act"
         # pp=32 x vpp=3 at one layer a virtual stage: the first holds the embedding alone, the last the loss
-        with pytest.raises(FID.Unsupported, match="a pipeline stage without a decoder layer"):
-            FID.express(rows["megatron_moe_zoo_h100_bf16_qwen3_235b_tp2_pp32_ep8_a2a"], Path(d))
+        deep = rows["megatron_moe_zoo_h100_bf16_qwen3_235b_tp2_pp32_ep8_a2a"]
+        a = FID.express(deep, Path(d)).argv
+        assert a[a.index("--stages") + 1] == ",".join(["0"] + ["1"] * 94 + ["0"])
+        assert a[a.index("--virtual-stages") + 1] == "3" and a[a.index("--mesh") + 1].startswith("pp=32,")
+        # a stage of no layer in the middle is not what Megatron-Core builds
+        middle = [1] * 47 + [0] + [1] * 47 + [0]
+        with pytest.raises(FID.Unsupported, match="a middle pipeline stage without a decoder layer"):
+            FID.express(dict(deep, parallelism={**deep["parallelism"], "stages": middle}), Path(d))
         row = dict(rows["megatron_moe_zoo_h100_bf16_qwen3_235b_tp2_pp8_ep32"], recompute="selective: layernorm, qkv_proj")
         with pytest.raises(FID.Unsupported, match=r"recompute modules \(layernorm, qkv_proj\): --recompute "
                                                   r"selective:layernorm,qkv_proj: module 'qkv_proj' is not a module"):
