@@ -22,6 +22,7 @@ from spmdkit.planner.pipeline import (
     PipelineSpec,
     estimate_pipeline,
     op_stages,
+    op_units,
     plan_pipeline,
     plan_unit_costs,
     split_layers,
@@ -99,8 +100,6 @@ def test_end_stage_memory_is_hand_counted(ends: tuple[PipelineEstimate, object])
 
 
 def _units(plan: object) -> list[int]:
-    from spmdkit.planner.pipeline import op_units
-
     return op_units(plan.program)[0]  # type: ignore[attr-defined]
 
 

@@ -407,7 +407,8 @@ def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--virtual-stages", dest="virtual_stages", metavar="V",
                    help="interleaved 1F1B: model chunks per device (default 2 with --schedule interleaved)")
     p.add_argument("--stages", metavar="N,N,...|auto",
-                   help="layers per (virtual) stage, in order, e.g. 20,20,20,20 (default: an even split); auto: "
+                   help="layers per (virtual) stage, in order, e.g. 20,20,20,20 (default: an even split); the first "
+                        "and the last may be 0 (Megatron-Core's embedding-only / loss-only stage: 0,20,20,0); auto: "
                         "the split whose slowest stage is fastest within each rank's memory (docs/pipeline.md)")
 
 

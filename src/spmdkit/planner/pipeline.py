@@ -5,7 +5,8 @@ stages (``p * v`` virtual stages with ``--virtual-stages v``): evenly by default
 cost where they do not divide (:func:`auto_counts`: Llama 3.1 405B's 126 layers on 16 stages
 7, 8 x 14, 7), or as ``--stages 20,20,20,20``. The embedding goes with the first stage, the
 final norm, LM head and loss with the last; a parameter's optimizer update with the stage of
-the parameter. Every model source is cut the same way (:func:`plan_pipeline_source`): its
+the parameter. The first and the last (virtual) stage may hold no layer (``--stages 0,20,20,0``:
+Megatron-Core's embedding-only first and loss-only last stage; a middle stage may not). Every model source is cut the same way (:func:`plan_pipeline_source`): its
 layers are the op labels that end in a number (a preset's ``layer 3``, an imported model's
 ``model.layers.3``, a program file's own), :func:`op_units`.
 
