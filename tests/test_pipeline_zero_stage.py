@@ -16,7 +16,9 @@ import pytest
 
 from spmdkit.cli import main
 from spmdkit.core.errors import ProgramError
+from spmdkit.cost.compute import model_flops
 from spmdkit.cost.devices import preset_device
+from spmdkit.planner.fold_stages import deep_pipeline, stage_copy
 from spmdkit.planner.pipeline import (
     PipelineEstimate,
     PipelineSpec,
@@ -202,3 +204,29 @@ def test_an_imported_models_norm_head_and_embedding_gradient_go_to_the_empty_end
     text = open(path).read()
     assert ("PIPELINE = {'stages': [['model.embed_tokens'], ['model.layers.0'], ['model.layers.1'], "
             "['model.norm', 'lm_head']]") in text
+
+
+@pytest.mark.parametrize("counts,v,copy,where", [
+    ((0, 2, 2, 2, 2, 0), 1, (0, 2, 2, 0), (0, 1, 1, 1, 2, 3)),
+    ((0,) + (1,) * 6 + (0,), 2, (0, 1, 1, 0), (0, 1, 1, 1, 1, 1, 2, 3)),
+])
+def test_a_deep_pipeline_with_empty_ends_folds_exactly(counts: tuple[int, ...], v: int, copy: tuple[int, ...],
+                                                       where: tuple[int, ...]) -> None:
+    """planner.fold_stages prices a deep pipeline from a shallow copy: before an empty last stage the
+    stage holding the model's last layer is kept as it is (the last layer's ops are not a middle
+    layer's: one op fewer in its backward), so the copy's step and memory are the whole pipeline's."""
+    assert stage_copy(counts) == (copy, where)
+    p, dev = len(counts) // v, preset_device("h100")
+    args = {"microbatches": 2 * p, "stages": ",".join(map(str, counts)), "virtual": v}
+    _m, plan, spec, c, _s = plan_pipeline("llama-7b", f"pp={p},tp=2", "megatron", args, {"layers": sum(counts), "seq": 512})
+    tokens = 2 * p * 8 * 512
+    whole = estimate_pipeline(plan, spec, c, dev, tokens=tokens)
+    _m2, small, _s2, _c2, _t2 = plan_pipeline("llama-7b", f"pp={len(copy)},tp=2", "megatron",
+                                              {"microbatches": 2, "stages": ",".join(map(str, copy))},
+                                              {"layers": sum(copy), "seq": 512})
+    deep = deep_pipeline(small, spec, counts, dev, (20e-6, 1 / 25e9), tokens, plan.mesh.size * p, "none",
+                         model_flops(plan, 8 * 512)[0])
+    assert deep is not None
+    assert deep.step_overlap_s == pytest.approx(whole.step_overlap_s, rel=1e-12)
+    assert [m.device_total for m in deep.memory] == [m.device_total for m in whole.memory]
+    assert [st.backward_s for st in deep.stages] == pytest.approx([st.backward_s for st in whole.stages], rel=1e-12)

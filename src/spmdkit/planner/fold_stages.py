@@ -37,8 +37,10 @@ def stage_copy(counts: tuple[int, ...], dense: int = 0) -> tuple[tuple[int, ...]
     """(the shallow copy's layers per virtual stage: the first, one middle stage of each distinct
     count in order, the last; each full virtual stage's copy stage), or None where the copy
     would not be shallower (fewer than 3 stages, no middle count repeated) or reach the last
-    stage. Where ``dense`` layers of another kind come first (a MoE model's dense ones: 3 of
-    DeepSeek-V3's, which a pipeline of 1-2 layers a stage spreads over two), every stage up to
+    stage (with a last stage of no layer, Megatron-Core's loss-only one, the stage before it is
+    kept too: it holds the model's last layer). Where ``dense`` layers of another kind come
+    first (a MoE model's dense ones: 3 of DeepSeek-V3's, which a pipeline of 1-2 layers a stage
+    spreads over two), every stage up to
     the one holding the first layer of the repeated kind is kept as it is (the first of them
     reads a dense layer's output, the others a layer of its own kind's: ``fold.fold_of`` keeps
     the same ``dense + 1`` layers); the middle stages after them hold the repeated kind only."""
@@ -47,13 +49,17 @@ def stage_copy(counts: tuple[int, ...], dense: int = 0) -> tuple[tuple[int, ...]
     while start < dense + (dense > 0) and head < n:
         start += counts[head]
         head += 1
-    if n < 3 or head >= n - 1:
+    # the stages kept at the end: the last, and before a last stage of no layer (the loss alone) the
+    # stage holding the model's last layer (its ops are not a middle layer's)
+    tail = 2 if counts and counts[-1] == 0 else 1
+    if n < 3 or head >= n - tail:
         return None
-    mids = list(dict.fromkeys(counts[head:-1]))
-    copy = (*counts[:head], *mids, counts[-1])
+    mids = list(dict.fromkeys(counts[head:n - tail]))
+    copy = (*counts[:head], *mids, *counts[n - tail:])
     if len(copy) >= n:
         return None
-    where = (*range(head), *(head + mids.index(c) for c in counts[head:-1]), len(copy) - 1)
+    where = (*range(head), *(head + mids.index(c) for c in counts[head:n - tail]),
+             *range(len(copy) - tail, len(copy)))
     return copy, where
 
 
