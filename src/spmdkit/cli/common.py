@@ -30,6 +30,7 @@ from spmdkit.outputs.html import save_html
 from spmdkit.planner.planning import clip_repr, parse_size, plan_preset, plan_program
 from spmdkit.program.plan import Plan
 from spmdkit.strategies.context import hf_cp
+from spmdkit.strategies.experts import tp_chunks
 from spmdkit.strategies.strategy import parse_mesh, parse_strategy
 
 
@@ -69,7 +70,8 @@ def plan_source(source: ModelSource, mesh_text: str, strategy_text: str | None, 
         strategy_text = strategy_text or "megatron"
         mesh = parse_mesh(mesh_text)
         st = parse_strategy(strategy_text, mesh)  # refuse a bad mesh / strategy before importing
-        source = replace(source, cp=hf_cp(mesh, st))  # cp: traced in the cp ranks' token order
+        # cp: traced in the cp ranks' token order; megatron,sp,ep,etp=1: routed one chunk a tp rank
+        source = replace(source, cp=hf_cp(mesh, st), tp_chunks=tp_chunks(mesh, st))
     loaded = load(source)
     _prog, plan = plan_program(loaded.program, mesh_text, strategy_text, user, patterns, cost_text, grad_accum)
     return loaded, plan, time.perf_counter() - t0

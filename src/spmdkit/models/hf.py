@@ -249,7 +249,7 @@ def example_inputs(model: Any, batch: int = 2, seq: int = 16, *, labels: bool = 
 def import_hf(class_name: str, config: Any, *, batch: int = 2, seq: int = 16, dtype: str = "float32",
               training: bool = True, pad: int = 0, seed: int = 0, weights: bool | None = True,
               repeat: bool | None = None, moe: str | float | None = "auto",
-              cp: tuple[int, str, str] | None = None, **opts: Any
+              cp: tuple[int, str, str] | None = None, tp_chunks: int = 1, **opts: Any
               ) -> tuple[Any, Any, dict[str, Any]]:
     """``build`` + ``example_inputs`` + ``import_module``: (program, model, keyword inputs).
 
@@ -267,7 +267,10 @@ def import_hf(class_name: str, config: Any, *, batch: int = 2, seq: int = 16, dt
     of context parallelism: the call traced in the cp ranks' token order with ``cp_attention``
     (:mod:`spmdkit.models.hf_cp`; the keyword inputs returned are that call's, torch eager's the
     program's ``eager_kwargs``), its MoE blocks routed in ``cp`` chunks of the sequence, one a
-    cp rank (the capacity per chunk), as the zoo's are. ``opts`` go to :func:`spmdkit.models.torch_import.import_module`
+    cp rank (the capacity per chunk), as the zoo's are. ``tp_chunks``: each sequence (under cp each
+    cp rank's share) routed in that many chunks more, one a tp rank (``--strategy
+    megatron,sp,ep,etp=1``: Megatron's ETP = 1 token path, each tp rank routing its own sequence
+    shard; :func:`spmdkit.strategies.experts.tp_chunks`). ``opts`` go to :func:`spmdkit.models.torch_import.import_module`
     (``fallback``, ``optimizer``, ...)."""
     from spmdkit.models.torch_import import cp_mapping, import_module
 
@@ -285,7 +288,13 @@ def import_hf(class_name: str, config: Any, *, batch: int = 2, seq: int = 16, dt
     if cp is not None:  # the tokens in the cp ranks' order, attention at their positions (models/hf_cp.py)
         kw, q_pos, k_pos = cp_call(model, kw, cp, pad)
         opts["mapping"] = {**(opts.get("mapping") or {}), **cp_mapping(q_pos, k_pos, cp[1], cp[2], masked)}
-        opts["moe_chunks"] = cp[0]  # each cp rank routes its own tokens (the zoo's moe_chunks)
+    chunks = (cp[0] if cp is not None else 1) * tp_chunks
+    if tp_chunks > 1 and seq % chunks:
+        raise ProgramError(f"--strategy megatron,sp,ep,etp=1: each rank routes its own tokens, the sequence of {seq} "
+                           f"tokens split into {'cp x tp' if cp is not None else 'tp'} = {chunks} chunks; it does "
+                           f"not split evenly")
+    if chunks > 1:  # each cp (x tp) rank routes its own tokens (the zoo's moe_chunks)
+        opts["moe_chunks"] = chunks
     if moe == "auto":
         moe = "dropless" if weights is True else "uniform"
     record = None
@@ -294,6 +303,9 @@ def import_hf(class_name: str, config: Any, *, batch: int = 2, seq: int = 16, dt
             prog = import_module(model, (), kw, training=training, repeat_layers=repeat, moe=moe, fuse=True, **opts)
     if record is None or record.unsafe:
         prog = import_module(model, (), kw, training=training, repeat_layers=repeat, moe=moe, fuse=True, **opts)
+    if chunks > 1:
+        prog.moe_chunks_by = " x ".join(w for w, n in (("cp", cp[0] if cp is not None else 1), ("tp", tp_chunks))
+                                        if n > 1)
     if cp is not None:
         check_cp(prog, model, record, masked)
         prog.eager_kwargs = natural

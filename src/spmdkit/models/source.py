@@ -67,6 +67,9 @@ class HFModel:
     #: context parallelism's (ranks, variant, balance): the step traced in the cp ranks' token
     #: order with cp_attention (:mod:`spmdkit.models.hf_cp`); None without cp
     cp: tuple[int, str, str] | None = None
+    #: each sequence (each cp share) routed in this many chunks more, one a tp rank (``--strategy
+    #: megatron,sp,ep,etp=1``: :func:`spmdkit.strategies.experts.tp_chunks`); 1: not
+    tp_chunks: int = 1
 
 
 ModelSource = Preset | ProgramFile | HFModel
@@ -165,7 +168,8 @@ def moe_note(prog: Program) -> str:
     seq = x[-2]
     b = blocks[0]
     how = "dropless" if caps == [seq] else f"{seq} tokens x top {b.top_k} / {b.num_experts} experts"
-    each = "a sequence" if len(x) < 4 else f"a chunk (each sequence routed in {x[1]} chunks, one a cp rank)"
+    by = getattr(prog, "moe_chunks_by", "") or "cp"
+    each = "a sequence" if len(x) < 4 else f"a chunk (each sequence routed in {x[1]} chunks, one a {by} rank)"
     line = (f"note: MoE: {len(blocks)} block(s) lowered to moe_gate_dispatch -> experts [E, in, out] -> "
             f"moe_combine ({b.num_experts} experts, top {b.top_k}; {b.routing.describe()}); capacity "
             f"{', '.join(map(str, caps))} tokens an expert {each} ({how})")
@@ -187,7 +191,8 @@ def fallback_ops(prog: Program) -> list[str]:
 
 def import_hf_checked(class_name: str, config: Any, batch: int, seq: int, dtype: str,
                       weights: bool | None = None, fallback: str = "error",
-                      pad: int = 0, cp: tuple[int, str, str] | None = None) -> tuple[Program, Any, dict[str, Any]]:
+                      pad: int = 0, cp: tuple[int, str, str] | None = None,
+                      tp_chunks: int = 1) -> tuple[Program, Any, dict[str, Any]]:
     """:func:`spmdkit.models.hf.import_hf` (``dtype`` a dtype name), its errors on a model that does not
     import given as one ProgramError naming ``--hf``. ``weights``: as ``import_hf``'s; by default
     a small model is built with its weights (``spmdkit run`` runs it) and a larger one is imported
@@ -197,7 +202,7 @@ def import_hf_checked(class_name: str, config: Any, batch: int, seq: int, dtype:
         warnings.filterwarnings("ignore", message="torch import: no mapping")  # the title names them
         try:
             return import_hf(class_name, config, batch=batch, seq=seq, dtype=dtype, weights=weights,
-                             fallback=fallback, pad=pad, cp=cp)
+                             fallback=fallback, pad=pad, cp=cp, tp_chunks=tp_chunks)
         except SpmdError:
             raise
         except (ValueError, TypeError, RuntimeError, IndexError, KeyError) as exc:
@@ -221,7 +226,7 @@ def load(source: ModelSource, *, vocab_parallel_loss: bool = False) -> Loaded:
     if isinstance(source, ProgramFile):
         return Loaded(source, load_program(source.path), f"program {source.path}")
     prog, module, kw = import_hf_checked(source.class_name, source.config, source.batch, source.seq, source.dtype,
-                                         source.weights, source.fallback, source.pad, source.cp)
+                                         source.weights, source.fallback, source.pad, source.cp, source.tp_chunks)
     return Loaded(source, prog, hf_title(source, prog), module=module, inputs=kw)
 
 

@@ -30,6 +30,7 @@ from spmdkit.program.plan import Plan
 from spmdkit.strategies.context import config_for as cp_config
 from spmdkit.strategies.context import cp_groups, hf_cp
 from spmdkit.strategies.experts import config_for as ep_config
+from spmdkit.strategies.experts import tp_chunks
 from spmdkit.strategies.hf import (
     annotate_program,
     megatron_program,
@@ -197,7 +198,8 @@ def plan_hf(class_name: str, config: Any, mesh_text: str, strategy_text: str | N
     assert b is not None and sq is not None
     mesh = parse_mesh(mesh_text)
     st = parse_strategy(strategy_text or "megatron", mesh)  # refuse a bad mesh / strategy before importing
-    prog, model, kw = import_hf_checked(class_name, config, b, sq, dt, fallback=fallback, cp=hf_cp(mesh, st))
+    prog, model, kw = import_hf_checked(class_name, config, b, sq, dt, fallback=fallback, cp=hf_cp(mesh, st),
+                                        tp_chunks=tp_chunks(mesh, st))
     prog, plan = plan_program(prog, mesh_text, strategy_text or "megatron", user, patterns, cost_text, grad_accum)
     return prog, model, kw, plan
 

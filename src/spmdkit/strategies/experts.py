@@ -304,6 +304,17 @@ def config_for(cfg: Any, mesh: ProcessMesh, strategy: Any) -> Any:
     return cfg.with_(moe_chunks=chunks) if tp > 1 and cfg.seq % chunks == 0 else cfg
 
 
+def tp_chunks(mesh: ProcessMesh, strategy: Any) -> int:
+    """The chunks an imported (``--hf``) model's MoE blocks route each sequence (each cp rank's
+    share) in beyond cp's (:func:`spmdkit.models.hf.import_hf`'s ``tp_chunks``): under
+    ``megatron,sp,ep,etp=1`` the tp size, one chunk a tp rank (Megatron's ETP = 1 token path, as
+    :func:`config_for` builds a zoo model); 1 otherwise."""
+    st = set(strategy)
+    if not {"megatron", "sp", "ep", "etp=1"} <= st or "tp" not in mesh.dim_names:
+        return 1
+    return int(mesh.shape[mesh.dim_index("tp")])
+
+
 def check_etp(items: list[str], mesh: ProcessMesh) -> None:
     """``etp=1`` needs ``ep`` and ``megatron`` in the strategy (and their mesh dims)."""
     if "etp=1" not in items:
@@ -341,4 +352,4 @@ def ep_dim(mesh: ProcessMesh, strategy: Mapping[str, Any] | Any) -> int | None:
 
 
 __all__ = ["MoeLayer", "batch_entry", "check_ep", "check_etp", "chunk_entries", "chunk_inputs", "chunk_outputs", "config_for", "ep_dim", "expert_entry", "expert_fold", "expert_marks",
-           "moe_layers", "parse_etp", "zero_dims"]
+           "moe_layers", "parse_etp", "tp_chunks", "zero_dims"]

@@ -84,17 +84,25 @@ import math
 import re
 import warnings
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from spmdkit.core.dist_attr import TensorDistAttr
+from spmdkit.core.dist_attr import Entry, TensorDistAttr
 from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.program.ir import Op, Program, Tensor
 from spmdkit.program.plan import Plan
 from spmdkit.strategies.context import hf_cp_marks
-from spmdkit.strategies.experts import batch_entry, check_ep, ep_dim, expert_fold, expert_marks, moe_layers
+from spmdkit.strategies.experts import (
+    batch_entry,
+    check_ep,
+    chunk_entries,
+    ep_dim,
+    expert_fold,
+    expert_marks,
+    moe_layers,
+)
 from spmdkit.strategies.hf_fused import (
     fused_parts,
     namer,
@@ -340,9 +348,6 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
     ep = ep_dim(mesh, st)
     experts: frozenset[str] = frozenset()
     if ep is not None:  # expert parallelism found in the program (strategies.experts), as for the zoo
-        if "sp" in st:
-            raise ProgramError("--strategy ep,sp: sequence parallelism with expert parallelism is planned for "
-                               "catalog and zoo models only, not yet for an imported program")
         layers = moe_layers(prog)
         batches = {prog.tensors[n].shape[0] for n in data_inputs(prog) if prog.tensors[n].shape}
         fold = expert_fold(mesh, st)  # etp=1: the experts over ep x tp, each whole
@@ -376,7 +381,7 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
         warn_replicated(prog, sharded, user_pats)
         sharded = {k: v for k, v in sharded.items() if v not in (KV_REPLICATED, LOW_RANK)}
         if "sp" in st:
-            _sequence_parallel(prog, mesh, sharded, dm, dp, tp, cp)
+            _sequence_parallel(prog, mesh, sharded, dm, batch_entry(dp, ep), tp, cp, expert_fold(mesh, st))
     optimizer_layouts(prog, mesh, optimizer_of(prog), out, st, dp, user, ep, experts)
     attrs = {n: TensorDistAttr(mesh, d) for n, d in out.items()}
     attrs.update(user_attrs(prog, mesh, user))
@@ -551,7 +556,7 @@ def warn_replicated(prog: Program, sharded: Mapping[str, str], user_pats: list[t
 
 
 def _sequence_parallel(prog: Program, mesh: ProcessMesh, sharded: Mapping[str, str], dm: Any,
-                       dp: int | None, tp: int, cp: int | None = None) -> None:
+                       batch_dims: Entry, tp: int, cp: int | None = None, fold: int | None = None) -> None:
     """Megatron sequence parallel on an imported program: the residual stream (the outputs of
     the adds that take a row-parallel layer's output, and of the vocab-parallel embeddings)
     sharded on its sequence axis (1) over tp, so the row layers' partial outputs are
@@ -559,8 +564,12 @@ def _sequence_parallel(prog: Program, mesh: ProcessMesh, sharded: Mapping[str, s
     column-parallel layers and of the LM head are gathered (sequence whole), and so are the
     gradients of the row layers' outputs in the backward step. Under ``cp`` (its mesh dim) the
     residual is co-sharded ``(cp, tp)`` on its sequence (the cp rank's share split again over tp)
-    and the gathered tensors stay on their cp share, as the zoo's (docs/context.md)."""
+    and the gathered tensors stay on their cp share, as the zoo's (docs/context.md).
+    ``batch_dims``: the batch axis' entry (``dp``, or ``(dp, ep)`` with expert parallelism:
+    :func:`spmdkit.strategies.experts.batch_entry`); ``fold``: the tp dim the experts are folded
+    over (ETP = 1), the MoE blocks then routed one chunk a tp rank (:func:`_moe_sequence_parallel`)."""
     size = mesh.shape[tp]
+    lead = [d for d in ((batch_dims,) if isinstance(batch_dims, int) else batch_dims) if d != -1]
     fwd = [(i, op) for i, op in enumerate(prog.ops) if op.phase == "forward"]
     readers = forward_readers(prog)
     seq: list[str] = []
@@ -620,27 +629,27 @@ def _sequence_parallel(prog: Program, mesh: ProcessMesh, sharded: Mapping[str, s
     # is cut over tp in the flattened order, batch-major: with 2 or more sequences per dp rank
     # that tp divides, the [batch, seq, hidden] tensors are cut on the batch axis to match (each
     # rank still holds 1/tp of the tokens; Megatron's [seq, batch] layout flattens seq-major)
-    local = max(batch) // (mesh.shape[dp] if dp is not None else 1) if batch else 1
+    local = max(batch) // math.prod(mesh.shape[d] for d in lead) if batch else 1
     by_batch = cp is None and local > 1 and local % size == 0 and any(flat(prog.tensors[n].shape) for n in (*seq, *row_out))
 
     def shard_seq(n: str) -> None:
         shape = prog.tensors[n].shape
         if len(shape) == 3 and by_batch and shape[0] == max(batch):
-            dm(n)[0] = [dp, tp] if dp is not None else tp
+            dm(n)[0] = [*lead, tp] if lead else tp
             return
         if flat(shape):
             # tokens flattened ([batch * seq, hidden], GPT-2's Conv1D): batch over dp, then seq over tp
             if (shape[0] // max(batch)) % size:
                 raise ProgramError(f"--strategy sp: {n} has {shape[0] // max(batch)} tokens per sequence, not "
                                    f"divisible by tp={size}")
-            dm(n)[0] = [dp, tp] if dp is not None else tp
+            dm(n)[0] = [*lead, tp] if lead else tp
             return
         if len(shape) != 3:
             return
         if shape[1] % size:
             raise ProgramError(f"--strategy sp: {n} has sequence length {shape[1]}, not divisible by tp={size}")
         d = dm(n)
-        d[0], d[1] = (dp if dp is not None else -1), (tp if cp is None else [cp, tp])
+        d[0], d[1] = batch_dims, (tp if cp is None else [cp, tp])
 
     for n in seq:
         # the residual stream and its gradient, sequence-sharded
@@ -651,8 +660,8 @@ def _sequence_parallel(prog: Program, mesh: ProcessMesh, sharded: Mapping[str, s
         shard_seq(n)  # its gradient stays gathered: the row layer's weight gradient reads it whole
     for n in gather:
         d = dm(n)
-        if dp is not None and d:
-            d[0] = dp
+        if lead and d:
+            d[0] = batch_dims
         if cp is not None and len(d) == 3:
             d[1] = cp
         # the summed gradient of a gathered input: reduce-scattered back to sequence shards
@@ -665,25 +674,47 @@ def _sequence_parallel(prog: Program, mesh: ProcessMesh, sharded: Mapping[str, s
         total = n + ".grad.sum" if n + ".grad.sum" in gs else (n + ".grad" if n + ".grad" in gs else None)
         if total is not None:
             shard_seq(total)
-    # a MoE block as Megatron and torchtitan run it under tp: its tokens gathered before the router
-    # (every tp rank routes the whole sequence, each expert split over tp; their gradient
-    # reduce-scattered back), its output returned to sequence shards (its gradient gathered)
-    # (a block with a shared expert, whose column layers gather the same tokens, is left as it was);
-    # under cp gathered over tp only: the sequence ([B, S, H]) or the chunks ([B, cp, S / cp, H]:
-    # routed in cp chunks, each cp rank its own tokens) kept over cp
+    _moe_sequence_parallel(prog, mesh, dm, batch_dims, tp, cp, fold, frozenset(gather), shard_seq, grads_of)
+
+
+def _moe_sequence_parallel(prog: Program, mesh: ProcessMesh, dm: Any, batch_dims: Entry, tp: int, cp: int | None,
+                           fold: int | None, gathered: frozenset[str], shard_seq: Callable[[str], None],
+                           grads_of: Callable[[str], list[str]]) -> None:
+    """The MoE blocks (:func:`spmdkit.strategies.hf_moe.moe_ends`) under ``sp`` (a block with a
+    shared expert, whose column layers gather the same tokens, left as it was):
+
+    - routed whole, or in cp chunks only (ETP = tp), as Megatron and torchtitan run one under tp:
+      its tokens gathered before the router (every tp rank routes the whole sequence, each expert
+      split over tp; their gradient reduce-scattered back), its output returned to sequence shards
+      (its gradient gathered); under cp gathered over tp only: the sequence ([B, S, H]) or the
+      chunks ([B, cp, S / cp, H]: each cp rank its own tokens) kept over cp;
+    - routed one chunk a tp rank (ETP = 1, ``fold``: Megatron's token path): nothing gathered,
+      the block's ``[B, S, H]`` ends and their gradients sequence-sharded as the residual stream
+      and the chunks ``[B, T, S / T, H]`` on each rank's own chunk
+      (:func:`spmdkit.strategies.experts.chunk_entries`): the tokens go to the experts by the
+      all-to-all over the ep x tp group alone."""
     for moe_in, moe_out in moe_ends(prog, moe_projections(prog)):
-        if not moe_in or set(moe_in) & set(gather):
+        if not moe_in or set(moe_in) & gathered:
             continue
+        shape = prog.tensors[moe_in[0]].shape
+        own = chunk_entries(mesh, shape[1], fold, cp)[0] if len(shape) == 4 else -1
+        mine = fold is not None and fold in ((own,) if isinstance(own, int) else own)
         for m in (*moe_in, *moe_out):
             for t in (m, *grads_of(m)):
-                d = dm(t)
-                d[0] = dp if dp is not None else -1
                 shape = prog.tensors[t].shape
-                if cp is not None and (len(shape) == 3 or (len(shape) == 4 and shape[1] == mesh.shape[cp])):
+                if mine and len(shape) == 3:
+                    shard_seq(t)
+                    continue
+                d = dm(t)
+                d[0] = batch_dims
+                if mine and len(shape) == 4:
+                    d[1] = own
+                elif cp is not None and (len(shape) == 3 or (len(shape) == 4 and shape[1] == mesh.shape[cp])):
                     d[1] = cp
-        for g in grads_of(moe_in[-1]):
-            shard_seq(g)
-        shard_seq(moe_out[-1])
+        if not mine:
+            for g in grads_of(moe_in[-1]):
+                shard_seq(g)
+            shard_seq(moe_out[-1])
 
 
 # -- the vocab-parallel loss ---------------------------------------------------------------------

@@ -81,6 +81,9 @@ class ImportedProgram(Program):
         #: context-parallel import traces the tokens in zig-zag order: eager runs them in order;
         #: :mod:`spmdkit.models.hf_cp`)
         self.eager_kwargs: dict[str, Any] | None = None
+        #: the ranks whose tokens each routed chunk of the MoE blocks is (``cp``, ``tp``, ``cp x
+        #: tp``: :func:`spmdkit.models.hf.import_hf`); empty where each sequence is routed whole
+        self.moe_chunks_by: str = ""
 
     def input_path(self, name: str) -> str:
         """Where an ``input`` tensor comes from in the call: ``args[0]``, ``kwargs['input_ids']``."""
