@@ -1,0 +1,217 @@
+"""Imported (``--hf``) MoE models under sequence parallelism with expert parallelism:
+``--strategy megatron,sp,ep,etp=1`` (Megatron-Core's usual MoE layout) and ``megatron,sp,ep``
+(ETP = tp), docs/experts.md "ETP = 1".
+
+With ETP = 1 the import routes each sequence in tp chunks (cp x tp under cp: ``import_hf``'s
+``tp_chunks``, as the zoo's ``moe_chunks``): each tp rank routes its own S / tp tokens of the
+sequence-parallel residual stream, one all-to-all over the ep x tp group dispatches them and one
+brings the rows back; nothing moves over tp around the experts. Tiny Mixtral / Qwen3-MoE (hidden
+32, 4 experts top-2, float32), counted by hand and against the zoo model of the same config."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import warnings
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from conftest import ROOT
+from spmdkit.core.errors import ProgramError
+from spmdkit.models.hf import import_hf
+from spmdkit.models.source import moe_note
+from spmdkit.planner.planning import plan_hf, plan_model
+from spmdkit.sim.verify_plan import verify_hf
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+MIXTRAL = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "num_local_experts": 4,
+           "num_experts_per_tok": 2}
+QWEN3 = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+         "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 64, "num_experts": 4,
+         "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True}
+MODELS = {"MixtralForCausalLM": ("mixtral", MIXTRAL), "Qwen3MoeForCausalLM": ("qwen3_moe", QWEN3)}
+
+
+def _collectives(plan: Any) -> collections.Counter[tuple[str, str, str, str, int]]:
+    """(phase, kind, mesh dims, tensor, bytes a rank sends) of every collective of the plan but
+    the loss' scalars."""
+    names = plan.mesh.dim_names
+    got: collections.Counter[tuple[str, str, str, str, int]] = collections.Counter()
+    for r, s in plan.collectives():
+        if plan.program.tensors[r.tensor].shape:
+            got[(plan.program.ops[r.op_index].phase, s.kind, "x".join(names[d] for d in s.mesh_dims), r.tensor,
+                 s.bytes_per_rank)] += 1
+    return got
+
+
+def _plan(model: str, mesh: str, strategy: str) -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return plan_hf(model, MODELS[model][1], mesh, strategy, "float32", 4, 16)[3]
+
+
+def test_the_import_routes_in_one_chunk_a_tp_rank() -> None:
+    """tp_chunks=2 at seq 16: the dispatch [B, 2, E, C, H] with the dropless capacity of a chunk (8
+    tokens), named in the note; under cp=2 the chunks are cp x tp = 4; a sequence that does not
+    split into them is refused in one line."""
+    prog, _m, _kw = import_hf("MixtralForCausalLM", json.dumps(MIXTRAL), batch=2, seq=16, tp_chunks=2)
+    d = next(op for op in prog.ops if op.rule == "moe_gate_dispatch")
+    assert prog.tensors[d.outputs[0]].shape == (2, 2, 4, 8, 32)
+    assert "capacity 8 tokens an expert a chunk (each sequence routed in 2 chunks, one a tp rank) (dropless)" in \
+        moe_note(prog)
+    prog, _m, _kw = import_hf("MixtralForCausalLM", json.dumps(MIXTRAL), batch=2, seq=16, tp_chunks=2,
+                              cp=(2, "allgather", "zigzag"))
+    d = next(op for op in prog.ops if op.rule == "moe_gate_dispatch")
+    assert prog.tensors[d.outputs[0]].shape == (2, 4, 4, 4, 32)
+    assert "(each sequence routed in 4 chunks, one a cp x tp rank)" in moe_note(prog)
+    with pytest.raises(ProgramError, match=r"^--strategy megatron,sp,ep,etp=1: each rank routes its own tokens, the "
+                                           r"sequence of 12 tokens split into cp x tp = 8 chunks; it does not split "
+                                           r"evenly$"):
+        import_hf("MixtralForCausalLM", json.dumps(MIXTRAL), batch=2, seq=12, tp_chunks=4,
+                  cp=(2, "allgather", "zigzag"))
+
+
+def test_etp1_collectives_by_hand() -> None:
+    """Mixtral, batch 4, seq 16, ep=2 x tp=2, megatron + sp + ETP = 1 (capacity uniform: ceil(8 x
+    2 / 4) = 4 a chunk of 8 tokens). A rank holds [2, 8, 32] of the residual stream (2,048 B) and
+    dispatches its own chunk into [2, 1, 4, 4, 32] slots (4,096 B) sent by one all-to-all over the
+    ep x tp group (3 / 4 of it: 3,072 B); the rows come back the same way; no tp collective around
+    the experts (the MoE block's tokens are not gathered, its output not reduced). Over tp only
+    attention's sp pair each way, the embedding's reduce-scatter and the final norm's gather."""
+    got = _collectives(_plan("MixtralForCausalLM", "ep=2,tp=2", "megatron,sp,ep,etp=1"))
+    res, a2a = 2 * 8 * 32 * 4 // 2 * 2, 3 * (2 * 1 * 4 * 4 * 32 * 4) // 4
+    assert {k: n for k, n in got.items() if k[0] != "optimizer"} == {
+        ("forward", "reduce_scatter", "tp", "embedding", res): 1,
+        ("forward", "all_gather", "tp", "mul_4", res): 1,  # the attention norm's output
+        ("forward", "reduce_scatter", "tp", "linear_3", res): 1,  # o_proj's
+        ("forward", "all_to_all", "epxtp", "moe_experts.dispatch", a2a): 1,
+        ("forward", "all_to_all", "tpxep", "moe_experts.rows", a2a): 1,
+        ("forward", "all_gather", "tp", "rms_norm_default", res): 1,  # the final norm, before the head
+        ("backward", "reduce_scatter", "tp", "rms_norm_default.grad", res): 1,
+        ("backward", "all_to_all", "epxtp", "moe_experts.rows.grad", a2a): 1,
+        ("backward", "all_to_all", "tpxep", "moe_experts.dispatch.grad.sum", a2a): 1,
+        ("backward", "all_gather", "tp", "linear_3.grad", res): 1,
+        ("backward", "reduce_scatter", "tp", "mul_4.grad.sum", res): 1,
+        ("backward", "all_gather", "tp", "embedding.grad.sum", res): 1,
+    }
+    grads = {k[3]: k[2] for k in got if k[0] == "optimizer"}
+    assert not [n for n in grads if ".experts." in n]  # experts: EDP = dp, no dp dim
+    assert grads["model.layers.0.self_attn.q_proj.weight.grad"] == "ep"
+    assert grads["model.layers.0.input_layernorm.weight.grad"] == "epxtp"  # partial over tp under sp
+
+
+@pytest.mark.parametrize(("model", "mesh"), [
+    ("MixtralForCausalLM", "ep=2,tp=2"), ("Qwen3MoeForCausalLM", "dp=2,ep=2,tp=2"), ("MixtralForCausalLM",
+                                                                                     "cp=2,ep=2,tp=2"),
+])
+def test_etp1_collectives_equal_the_zoo_model_s(model: str, mesh: str) -> None:
+    """Every collective (kind, mesh dims, bytes a rank sends; forward, backward and the gradients)
+    of the import equals the zoo model's built from the same HF config under the same mesh and
+    strategy, but the zoo's load-balancing loss statistics (HF computes no aux loss without
+    output_router_logits) and the gradients of Qwen3's q / k norms (the zoo's llama has none):
+    the tensors are named otherwise, the collectives are the same."""
+    strategy = "megatron,sp,ep,etp=1" + (",cp" if "cp" in mesh else "")
+    hf = _collectives(_plan(model, mesh, strategy))
+    kind, cfg = MODELS[model]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _m, zp, _s = plan_model(json.dumps({**cfg, "model_type": kind, "torch_dtype": "float32"}), mesh, strategy,
+                                {"batch": 4, "seq": 16})
+    zoo = _collectives(zp)
+
+    def shape(c: collections.Counter[tuple[str, str, str, str, int]]) -> collections.Counter[tuple[str, str, str, int]]:
+        out: collections.Counter[tuple[str, str, str, int]] = collections.Counter()
+        for (ph, k, dims, t, b), n in c.items():
+            if not re.search(r"\.aux\b|_attn\.[qk]_norm\.", t):
+                out[(ph, k, dims, b)] += n
+        return out
+
+    assert shape(hf) == shape(zoo)
+    assert sum(n for k, n in shape(hf).items() if k[1] == "all_to_all") == 4  # dispatch, rows, each way
+    assert {k[2] for k in hf if k[1] == "all_to_all"} == {"epxtp", "tpxep"}
+
+
+def test_etp_tp_collectives_by_hand() -> None:
+    """megatron + sp + ep without etp=1 (ETP = tp, each expert split over tp; routed whole): the
+    MoE block's tokens gathered over tp (2,048 B), the dispatch ([2, 4, 8, 32] a rank, capacity
+    ceil(16 x 2 / 4) = 8) one all-to-all over ep (half of 8,192 B), the experts' row-parallel rows
+    all-reduced over tp (2 x (2 - 1) / 2 x 8,192 B) before the all-to-all back, the output sliced
+    back onto the sequence. Backward: the output's gradient gathered over tp (2,048 B; the zoo
+    all-reduces the rows' gradient instead, 8,192 B), the dispatch gradient all-reduced over tp."""
+    got = _collectives(_plan("MixtralForCausalLM", "ep=2,tp=2", "megatron,sp,ep"))
+    moe = {k: n for k, n in got.items() if k[3].startswith(("mul_10", "moe_", "reshape_2"))}
+    assert moe == {
+        ("forward", "all_gather", "tp", "mul_10", 2048): 1,
+        ("forward", "all_to_all", "ep", "moe_experts.dispatch", 4096): 1,
+        ("forward", "all_reduce", "tp", "moe_experts.rows", 8192): 1,
+        ("forward", "all_to_all", "ep", "moe_experts.rows", 4096): 1,
+        ("backward", "all_gather", "tp", "reshape_2.grad", 2048): 1,
+        ("backward", "all_to_all", "ep", "moe_experts.rows.grad", 4096): 1,
+        ("backward", "all_reduce", "tp", "moe_experts.dispatch.grad.sum", 8192): 1,
+        ("backward", "all_to_all", "ep", "moe_experts.dispatch.grad.sum", 4096): 1,
+    }
+
+
+@pytest.mark.parametrize(("model", "mesh", "strategy"), [
+    ("MixtralForCausalLM", "ep=2,tp=2", "megatron,sp,ep,etp=1"),
+    ("Qwen3MoeForCausalLM", "dp=2,ep=2,tp=2", "megatron,sp,ep,etp=1"),
+    ("MixtralForCausalLM", "cp=2,ep=2,tp=2", "megatron,sp,ep,etp=1,cp"),
+    ("MixtralForCausalLM", "ep=2,tp=2", "megatron,sp,ep"),
+])
+def test_verify_simulates_equal(model: str, mesh: str, strategy: str) -> None:
+    """--verify's check: the tiny import simulated rank by rank against the unsharded step (loss,
+    every gradient, every update)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        v = verify_hf(model, MODELS[model][1], mesh, strategy)
+    assert v["ok"] and v["checked"] > 200, v["text"]
+
+
+def test_refusals() -> None:
+    """What is still refused, one line each: ep x tp not dividing the experts (ETP = 1), a
+    sequence tp does not divide (sp)."""
+    with pytest.raises(ProgramError, match=r"^--mesh ep=4,tp=2: with etp=1 the experts are spread over ep x tp = 8 "
+                                           r"ranks, which does not divide the model's 4 experts; an ep x tp of 2 or "
+                                           r"4 does$"):
+        _plan("MixtralForCausalLM", "ep=4,tp=2", "megatron,sp,ep,etp=1")
+    with pytest.raises(ProgramError, match=r"^--strategy megatron,sp,ep,etp=1: each rank routes its own tokens, the "
+                                           r"sequence of 15 tokens split into tp = 2 chunks; it does not split "
+                                           r"evenly$"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plan_hf("MixtralForCausalLM", MIXTRAL, "ep=2,tp=2", "megatron,sp,ep,etp=1", "float32", 4, 15)
+    with pytest.raises(ProgramError, match=r"^--strategy sp: .* has sequence length 15, not divisible by tp=2$"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plan_hf("MixtralForCausalLM", MIXTRAL, "ep=2,tp=2", "megatron,sp,ep", "float32", 4, 15)
+
+
+def test_run_on_gloo_equals_torch_eager() -> None:
+    """`spmdkit run` on 4 gloo processes (ep=2 x tp=2, megatron + sp + ETP = 1, 2 layers,
+    dropless): the loss and every parameter gradient equal torch eager's step of the HF model;
+    every MoE collective an all-to-all (the merged ep x tp one run over ep and tp), none gathers a
+    MoE tensor over tp."""
+    cfg = json.dumps({**QWEN3, "num_hidden_layers": 2})
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    p = subprocess.run([sys.executable, "-m", "spmdkit", "run", "--hf", "Qwen3MoeForCausalLM", "--hf-config", cfg,
+                        "--mesh", "ep=2,tp=2", "--strategy", "megatron,sp,ep,etp=1", "--seq", "16", "--batch", "4",
+                        "--json", "--warmup", "0", "--timeout", "200"], capture_output=True, text=True, env=env,
+                       timeout=500)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rep = json.loads(p.stdout.strip().splitlines()[-1])
+    assert rep["world_size"] == 4 and rep["ok"] and rep["collectives_match"] and not rep["failures"], rep["failures"]
+    eager = rep["eager"]
+    assert eager["dtype"] == "float32" and eager["checked"] >= 20 and not eager["failures"], eager
+    assert eager["max_rel_error"] <= 1e-5
+    assert rep["loss"] == pytest.approx(eager["loss"], rel=1e-5)
+    moe = collections.Counter((c["kind"], c["mesh_dim"]) for c in rep["collectives"] if c["tensor"].startswith("moe_"))
+    assert moe == {("all_to_all", 0): 8, ("all_to_all", 1): 8}  # 2 layers x 4 all-to-alls over ep x tp, each 2
