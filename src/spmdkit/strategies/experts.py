@@ -25,7 +25,8 @@ ETP = 1 (``etp=1``: :func:`expert_fold`) spreads the experts over ``ep x tp``. W
 is routed in tp chunks (:func:`config_for`: Megatron's token path): each tp rank dispatches its
 own sequence shard ``[B, T, S/T, H]`` (chunk axis over tp), the experts are co-sharded ``(ep,
 tp)`` and the dispatch and combine are one all-to-all each over the ep x tp group, with no tp
-collective around the experts.
+collective around the experts. An imported (``--hf``) model is routed so at its import
+(:func:`tp_chunks`, :func:`spmdkit.models.hf.import_hf`).
 
 Under cp (docs/experts.md "Under cp") the model is routed in cp chunks (cp x tp on the ETP = 1
 token path), each cp rank its own tokens; :func:`expert_marks` keeps the chunk axis over cp on

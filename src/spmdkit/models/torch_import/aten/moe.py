@@ -13,10 +13,11 @@
   parameters ``[E, in, out]`` by the importer), ``swiglu`` (or the activation times up),
   ``@ [E, F, H]`` (``down_proj``), reshape to ``[B, E x C, H]``, ``moe_combine``.
 
-Routed in chunks (``spmdkit::moe_route``'s ``chunks`` > 1: an import for context parallelism,
-:func:`spmdkit.models.hf.import_hf`), each sequence's tokens are viewed as ``[B, T, S / T, H]``
-and every tensor above has the lead axes ``[B, T]``: each chunk (a cp rank's tokens) routed on
-its own with the capacity of a chunk, as the zoo's ``moe_chunks`` (:mod:`spmdkit.models.zoo_moe`).
+Routed in chunks (``spmdkit::moe_route``'s ``chunks`` > 1: an import for context parallelism or
+for ETP = 1 under sp, :func:`spmdkit.models.hf.import_hf`), each sequence's tokens are viewed as
+``[B, T, S / T, H]`` and every tensor above has the lead axes ``[B, T]``: each chunk (a cp, tp or
+cp x tp rank's tokens) routed on its own with the capacity of a chunk, as the zoo's
+``moe_chunks`` (:mod:`spmdkit.models.zoo_moe`).
 
 DeepSeek-V3's group-limited top-k (the experts of the ``topk_group`` best of ``n_group`` groups)
 is the dispatch's ``groups`` / ``topk_groups`` (its kernels pick among those groups' experts, and
@@ -50,7 +51,7 @@ class Routed:
     tokens: tuple[Name, Name]  # the router's input and its [B, S, H] view
     groups: int = 1  # group-limited top-k: the top_k among the experts of the topk_groups best of groups
     topk_groups: int = 1
-    chunks: int = 1  # each sequence routed in that many chunks (cp): the lead axes [B, T], S / T tokens a chunk
+    chunks: int = 1  # each sequence routed in that many chunks (cp, tp): the lead axes [B, T], S / T tokens a chunk
 
 
 @dataclass(frozen=True)
@@ -72,10 +73,10 @@ def _route(c: ImportContext) -> Any:
         t *= s
     b = batch if batch > 0 and t % batch == 0 else 1
     s = t // b
-    n = int(c.args[12]) if len(c.args) > 12 else 1  # the chunks a sequence is routed in (cp)
+    n = int(c.args[12]) if len(c.args) > 12 else 1  # the chunks a sequence is routed in (cp, tp)
     if s % n:  # the capacity was sized for a chunk (torch_import.moe.lowered_moe)
         raise c.unsupported(f"a sequence of {s} tokens does not split into the {n} chunks its MoE block is routed in")
-    lead = (b,) if n == 1 else (b, n)  # routed in chunks (cp): [B, T, S / T, H], each chunk on its own
+    lead = (b,) if n == 1 else (b, n)  # routed in chunks (cp, tp): [B, T, S / T, H], each chunk on its own
     x3 = tokens = _as(c, x, (*lead, s // n, h))
     if c.dtype(x3) != c.dtype(w):  # DeepSeek-V3: the router in float32
         x3 = c.emit1("cast", {"x": x3}, (c.fresh("tokens_f"), (*lead, s // n, h), c.dtype(w)), dtype=c.dtype(w))
