@@ -10,46 +10,23 @@ Mixtral / Qwen3-MoE (hidden 32, 4 experts top-2, float32)."""
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import subprocess
 import sys
-from typing import Any
 
 import pytest
 
 pytest.importorskip("transformers")
 
 from conftest import ROOT
+from hf_moe_helpers import MIXTRAL, QWEN3, collectives
 from spmdkit.models.hf import import_hf
 from spmdkit.models.source import moe_note
 from spmdkit.planner.planning import plan_hf
 from spmdkit.sim.verify_plan import verify_hf
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
-
-MIXTRAL = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "num_local_experts": 4,
-           "num_experts_per_tok": 2}
-QWEN3 = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-         "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 64, "num_experts": 4,
-         "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True}
-
-
-def _collectives(plan: Any) -> collections.Counter[tuple[str, str, str, str, int]]:
-    """(phase, kind, mesh dims, tensor, bytes a rank sends) of every collective of the plan."""
-    names = plan.mesh.dim_names
-    got: collections.Counter[tuple[str, str, str, str, int]] = collections.Counter()
-    for r in plan.reshards:
-        if r.shared:
-            continue
-        for s in r.plan.steps:
-            if s.kind != "slice" and s.bytes_per_rank:
-                got[(plan.program.ops[r.op_index].phase, s.kind, "x".join(names[d] for d in s.mesh_dims), r.tensor,
-                     s.bytes_per_rank)] += 1
-    return got
-
 
 def test_the_import_routes_in_one_chunk_a_cp_rank() -> None:
     """cp=2 at seq 16: the dispatch [B, 2, E, C, H] with the dropless capacity of a chunk (8
@@ -83,7 +60,7 @@ def test_collectives_by_hand(mesh: str) -> None:
     kv = 4 // (dp * 2) * 8 * 2 * 8 * 4  # k / v [B / (dp x ep), S / cp, 2 kv heads, 8] float32, half sent
     every = "x".join(n for n in plan.mesh.dim_names)
     edp = "dpxcp" if dp == 2 else "cp"
-    got = _collectives(plan)
+    got = collectives(plan)
     acts = {k: v for k, v in got.items() if k[0] != "optimizer"}
     assert acts == {
         ("forward", "all_gather", "cp", "scaled_dot_product_attention.k", kv): 1,

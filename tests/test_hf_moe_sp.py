@@ -24,6 +24,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from conftest import ROOT
+from hf_moe_helpers import MIXTRAL, QWEN3, collectives
 from spmdkit.core.errors import ProgramError
 from spmdkit.models.hf import import_hf
 from spmdkit.models.source import moe_note
@@ -32,25 +33,7 @@ from spmdkit.sim.verify_plan import verify_hf
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
-MIXTRAL = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "num_local_experts": 4,
-           "num_experts_per_tok": 2}
-QWEN3 = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-         "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 64, "num_experts": 4,
-         "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True}
 MODELS = {"MixtralForCausalLM": ("mixtral", MIXTRAL), "Qwen3MoeForCausalLM": ("qwen3_moe", QWEN3)}
-
-
-def _collectives(plan: Any) -> collections.Counter[tuple[str, str, str, str, int]]:
-    """(phase, kind, mesh dims, tensor, bytes a rank sends) of every collective of the plan but
-    the loss' scalars."""
-    names = plan.mesh.dim_names
-    got: collections.Counter[tuple[str, str, str, str, int]] = collections.Counter()
-    for r, s in plan.collectives():
-        if plan.program.tensors[r.tensor].shape:
-            got[(plan.program.ops[r.op_index].phase, s.kind, "x".join(names[d] for d in s.mesh_dims), r.tensor,
-                 s.bytes_per_rank)] += 1
-    return got
 
 
 def _plan(model: str, mesh: str, strategy: str) -> Any:
@@ -87,7 +70,7 @@ def test_etp1_collectives_by_hand() -> None:
     ep x tp group (3 / 4 of it: 3,072 B); the rows come back the same way; no tp collective around
     the experts (the MoE block's tokens are not gathered, its output not reduced). Over tp only
     attention's sp pair each way, the embedding's reduce-scatter and the final norm's gather."""
-    got = _collectives(_plan("MixtralForCausalLM", "ep=2,tp=2", "megatron,sp,ep,etp=1"))
+    got = collectives(_plan("MixtralForCausalLM", "ep=2,tp=2", "megatron,sp,ep,etp=1"), scalars=False)
     res, a2a = 2 * 8 * 32 * 4 // 2 * 2, 3 * (2 * 1 * 4 * 4 * 32 * 4) // 4
     assert {k: n for k, n in got.items() if k[0] != "optimizer"} == {
         ("forward", "reduce_scatter", "tp", "embedding", res): 1,
@@ -120,13 +103,13 @@ def test_etp1_collectives_equal_the_zoo_model_s(model: str, mesh: str) -> None:
     output_router_logits) and the gradients of Qwen3's q / k norms (the zoo's llama has none):
     the tensors are named otherwise, the collectives are the same."""
     strategy = "megatron,sp,ep,etp=1" + (",cp" if "cp" in mesh else "")
-    hf = _collectives(_plan(model, mesh, strategy))
+    hf = collectives(_plan(model, mesh, strategy), scalars=False)
     kind, cfg = MODELS[model]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _m, zp, _s = plan_model(json.dumps({**cfg, "model_type": kind, "torch_dtype": "float32"}), mesh, strategy,
                                 {"batch": 4, "seq": 16})
-    zoo = _collectives(zp)
+    zoo = collectives(zp, scalars=False)
 
     def shape(c: collections.Counter[tuple[str, str, str, str, int]]) -> collections.Counter[tuple[str, str, str, int]]:
         out: collections.Counter[tuple[str, str, str, int]] = collections.Counter()
@@ -147,7 +130,7 @@ def test_etp_tp_collectives_by_hand() -> None:
     all-reduced over tp (2 x (2 - 1) / 2 x 8,192 B) before the all-to-all back, the output sliced
     back onto the sequence. Backward: the output's gradient gathered over tp (2,048 B; the zoo
     all-reduces the rows' gradient instead, 8,192 B), the dispatch gradient all-reduced over tp."""
-    got = _collectives(_plan("MixtralForCausalLM", "ep=2,tp=2", "megatron,sp,ep"))
+    got = collectives(_plan("MixtralForCausalLM", "ep=2,tp=2", "megatron,sp,ep"))
     moe = {k: n for k, n in got.items() if k[3].startswith(("mul_10", "moe_", "reshape_2"))}
     assert moe == {
         ("forward", "all_gather", "tp", "mul_10", 2048): 1,

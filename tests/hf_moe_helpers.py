@@ -1,0 +1,26 @@
+"""What the tests of imported (``--hf``) MoE models under cp, sp and ep share: tiny Mixtral /
+Qwen3-MoE configs (hidden 32, 4 experts top-2) and a plan's collectives as rows to count."""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+MIXTRAL = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "num_local_experts": 4,
+           "num_experts_per_tok": 2}
+QWEN3 = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+         "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 64, "num_experts": 4,
+         "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True}
+
+
+def collectives(plan: Any, scalars: bool = True) -> collections.Counter[tuple[str, str, str, str, int]]:
+    """(phase, kind, mesh dims, tensor, bytes a rank sends) of every collective of the plan; without
+    ``scalars`` those of 0-d tensors (the loss' sum and count) left out."""
+    names = plan.mesh.dim_names
+    got: collections.Counter[tuple[str, str, str, str, int]] = collections.Counter()
+    for r, s in plan.collectives():
+        if scalars or plan.program.tensors[r.tensor].shape:
+            got[(plan.program.ops[r.op_index].phase, s.kind, "x".join(names[d] for d in s.mesh_dims), r.tensor,
+                 s.bytes_per_rank)] += 1
+    return got
