@@ -23,7 +23,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from conftest import ROOT
+from conftest import ROOT, cli_stdout
 from hf_moe_helpers import MIXTRAL, QWEN3, collectives
 from spmdkit.core.errors import ProgramError
 from spmdkit.models.hf import import_hf
@@ -154,6 +154,21 @@ def test_verify_simulates_equal(model: str, mesh: str, strategy: str) -> None:
         warnings.simplefilter("ignore")
         v = verify_hf(model, MODELS[model][1], mesh, strategy)
     assert v["ok"] and v["checked"] > 200, v["text"]
+
+
+def test_pipeline_plan_routes_in_tp_chunks() -> None:
+    """`spmdkit plan --hf` with a pp dim (the pipeline's own import): each stage's MoE layer
+    routed one chunk a tp rank, its all-to-alls over the ep x tp group (imported routed whole it
+    would slice the slots over tp and send them over ep)."""
+    cfg = json.dumps({**MIXTRAL, "num_hidden_layers": 2})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rc, out = cli_stdout("plan", "--hf", "MixtralForCausalLM", "--hf-config", cfg, "--mesh", "pp=2,ep=2,tp=2",
+                             "--strategy", "megatron,sp,ep,etp=1", "--batch", "8", "--seq", "16")
+    assert rc == 0
+    assert "(each sequence routed in 2 chunks, one a tp rank)" in out
+    a2a = [line for line in out.splitlines() if "all-to-all" in line and "moe_experts" in line]
+    assert len(a2a) == 4 and all(" over epxtp " in line or " over tpxep " in line for line in a2a), a2a
 
 
 def test_refusals() -> None:

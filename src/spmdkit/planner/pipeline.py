@@ -69,6 +69,7 @@ from spmdkit.cost.memory import (
 )
 from spmdkit.cost.step import OpComm, op_communication
 from spmdkit.models.source import HFModel, Loaded, ModelSource, Preset, ProgramFile, load
+from spmdkit.strategies.experts import tp_chunks
 from spmdkit.models.zoo import Model, preset
 from spmdkit.planner.partition import UnitCosts, balanced_split, even_split, partition, simulate_split, stage_loads
 from spmdkit.planner.pipeline_memory import TORCH_SCHEDULES, ChunkBytes, torch_order, torch_rank_memory
@@ -772,8 +773,10 @@ def plan_pipeline_source(source: ModelSource, mesh_text: str, strategy_text: str
     else:
         if isinstance(source, HFModel):
             _check_batch(source.batch, m)
-            parse_strategy(strategy or "megatron", parse_mesh(sub))  # a bad mesh / strategy before importing
-            source = replace(source, batch=source.batch // m)
+            sm = parse_mesh(sub)
+            st = parse_strategy(strategy or "megatron", sm)  # a bad mesh / strategy before importing
+            # megatron,sp,ep,etp=1: each sequence routed one chunk a tp rank (Megatron's token path)
+            source = replace(source, batch=source.batch // m, tp_chunks=tp_chunks(sm, st))
         loaded = load(source)
         layers = len(layer_tags(loaded.program))
         if layers == 0:
