@@ -69,7 +69,6 @@ from spmdkit.cost.memory import (
 )
 from spmdkit.cost.step import OpComm, op_communication
 from spmdkit.models.source import HFModel, Loaded, ModelSource, Preset, ProgramFile, load
-from spmdkit.strategies.experts import tp_chunks
 from spmdkit.models.zoo import Model, preset
 from spmdkit.planner.partition import UnitCosts, balanced_split, even_split, partition, simulate_split, stage_loads
 from spmdkit.planner.pipeline_memory import TORCH_SCHEDULES, ChunkBytes, torch_order, torch_rank_memory
@@ -90,6 +89,7 @@ from spmdkit.planner.stage_costs import StageCost, reduce_gradients, stage_costs
 from spmdkit.program.ir import Program
 from spmdkit.program.layers import layer_tags
 from spmdkit.program.plan import Plan
+from spmdkit.strategies.experts import tp_chunks
 from spmdkit.strategies.strategy import parse_mesh, parse_strategy
 
 MAX_MICROBATCHES = 1 << 16
