@@ -28,7 +28,7 @@ from hf_moe_helpers import MIXTRAL, QWEN3, collectives
 from spmdkit.core.errors import ProgramError
 from spmdkit.models.hf import import_hf
 from spmdkit.models.source import moe_note
-from spmdkit.planner.planning import plan_hf, plan_model
+from spmdkit.planner.planning import plan_hf, plan_model, plan_program
 from spmdkit.sim.verify_plan import verify_hf
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
@@ -173,7 +173,8 @@ def test_pipeline_plan_routes_in_tp_chunks() -> None:
 
 def test_refusals() -> None:
     """What is still refused, one line each: ep x tp not dividing the experts (ETP = 1), a
-    sequence tp does not divide (sp)."""
+    sequence the chunks or tp do not divide, a program not routed in the tp chunks ETP = 1 with
+    sp needs (imported once without a strategy, as the --devices search does)."""
     with pytest.raises(ProgramError, match=r"^--mesh ep=4,tp=2: with etp=1 the experts are spread over ep x tp = 8 "
                                            r"ranks, which does not divide the model's 4 experts; an ep x tp of 2 or "
                                            r"4 does$"):
@@ -184,6 +185,13 @@ def test_refusals() -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             plan_hf("MixtralForCausalLM", MIXTRAL, "ep=2,tp=2", "megatron,sp,ep,etp=1", "float32", 4, 15)
+    prog, _m, _kw = import_hf("MixtralForCausalLM", json.dumps(MIXTRAL), batch=4, seq=16, weights=False)
+    with pytest.raises(ProgramError, match=r"^--strategy megatron,sp,ep,etp=1: each tp rank routes its own tokens "
+                                           r"\(Megatron's token path\), 2 chunks a sequence on this mesh; the program "
+                                           r"routes each sequence whole \(import it for the strategy: spmdkit plan "
+                                           r"--hf does, import_hf\(tp_chunks=2\)\)$"):
+        plan_program(prog, "ep=2,tp=2", "megatron,sp,ep,etp=1")  # a program imported once (the --devices search)
+    plan_program(prog, "ep=2,tp=2", "megatron,sp,ep")  # ETP = tp routes each sequence whole: planned
     with pytest.raises(ProgramError, match=r"^--strategy sp: .* has sequence length 15, not divisible by tp=2$"):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -316,6 +316,26 @@ def tp_chunks(mesh: ProcessMesh, strategy: Any) -> int:
     return int(mesh.shape[mesh.dim_index("tp")])
 
 
+def check_tp_chunks(prog: Any, mesh: ProcessMesh, strategy: Any, layers: list[MoeLayer]) -> None:
+    """ProgramError naming ``--strategy megatron,sp,ep,etp=1`` where an imported program's MoE
+    layers are not routed in the chunks the strategy needs (:func:`tp_chunks`, times cp's under
+    ``cp``): Megatron's token path has each tp rank route its own sequence shard, which the program
+    must be traced for (``spmdkit plan --hf`` imports it so; a program routed whole would be planned
+    otherwise than it says)."""
+    st = set(strategy)
+    n = tp_chunks(mesh, st)
+    if n == 1:
+        return
+    want = n * (mesh.shape[mesh.dim_index("cp")] if "cp" in st and "cp" in mesh.dim_names else 1)
+    for lay in layers:
+        got = prog.tensors[lay.chunks].shape[1] if lay.chunks is not None else 1
+        if got != want:
+            how = "each sequence whole" if got == 1 else f"each sequence in {got} chunks"
+            raise ProgramError(f"--strategy megatron,sp,ep,etp=1: each tp rank routes its own tokens (Megatron's "
+                               f"token path), {want} chunks a sequence on this mesh; the program routes {how} "
+                               f"(import it for the strategy: spmdkit plan --hf does, import_hf(tp_chunks={n}))")
+
+
 def check_etp(items: list[str], mesh: ProcessMesh) -> None:
     """``etp=1`` needs ``ep`` and ``megatron`` in the strategy (and their mesh dims)."""
     if "etp=1" not in items:
@@ -352,5 +372,5 @@ def ep_dim(mesh: ProcessMesh, strategy: Mapping[str, Any] | Any) -> int | None:
     return mesh.dim_index("ep") if "ep" in set(strategy) else None
 
 
-__all__ = ["MoeLayer", "batch_entry", "check_ep", "check_etp", "chunk_entries", "chunk_inputs", "chunk_outputs", "config_for", "ep_dim", "expert_entry", "expert_fold", "expert_marks",
+__all__ = ["MoeLayer", "batch_entry", "check_ep", "check_etp", "check_tp_chunks", "chunk_entries", "chunk_inputs", "chunk_outputs", "config_for", "ep_dim", "expert_entry", "expert_fold", "expert_marks",
            "moe_layers", "parse_etp", "tp_chunks", "zero_dims"]

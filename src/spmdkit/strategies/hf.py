@@ -101,6 +101,7 @@ from spmdkit.strategies.context import hf_cp_marks
 from spmdkit.strategies.experts import (
     batch_entry,
     check_ep,
+    check_tp_chunks,
     chunk_entries,
     ep_dim,
     expert_fold,
@@ -356,6 +357,7 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
         batches = {prog.tensors[n].shape[0] for n in data_inputs(prog) if prog.tensors[n].shape}
         fold = expert_fold(mesh, st)  # etp=1: the experts over ep x tp, each whole
         check_ep(mesh, layers, ep, max(batches) if batches else None, dp, fold)
+        check_tp_chunks(prog, mesh, st, layers)  # etp=1 with sp: traced one chunk a tp rank (models/hf.py)
         # under cp the importer routes each sequence in cp chunks (models/hf.py): kept over cp
         cpd = mesh.dim_index("cp") if "cp" in st and "cp" in mesh.dim_names else None
         experts = expert_marks(prog, mesh, dm, dp, ep, layers, fold, cpd)
