@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from spmdkit.cli import main as spmdkit_main
 from spmdkit.core.errors import ProgramError
 from spmdkit.cost.recompute_modules import recompute_modules
+from spmdkit.engine.memo import gc_paused
 from spmdkit.models.catalog import config_fields
 
 #: the published runs (a copy of the team's shared calibration set; benchmarks/data/published-runs.md)
@@ -514,6 +515,7 @@ def megatron_core_moe_flops(row: dict[str, Any]) -> float:
 # -- running ----------------------------------------------------------------------------------------
 
 
+@gc_paused  # (the CLI pauses it while it plans; its JSON, parsed here, is as large: 30,000 tensors)
 def run_cli(argv: list[str]) -> dict[str, Any]:
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

@@ -65,6 +65,12 @@ def test_program_json_round_trip() -> None:
     (lambda d: d["tensors"][3].update(shape=[8, 32, 1]), "makes a 2-D tensor"),
     (lambda d: d["ops"][0]["inputs"].update(z="x"), "no tensor parameter 'z'"),
     (lambda d: d["ops"][0]["attrs"].update(alpha=1), "no attribute 'alpha'"),
+    # each op checked, also after an op of the same rule passed (validate keeps each rule's parameters once)
+    (lambda d: d["ops"][2]["inputs"].update(z="a"), r"op 2 \(fc2\): rule matmul has no tensor parameter 'z' \(x: T, y: T, trans_x"),
+    (lambda d: d["ops"][2]["inputs"].update(trans_x="a"), r"op 2 \(fc2\): rule matmul has no tensor parameter 'trans_x'"),
+    (lambda d: d["ops"][2]["attrs"].update(y=1), r"op 2 \(fc2\): rule matmul has no attribute 'y' \(x: T, y: T, trans_x"),
+    (lambda d: d["ops"][2]["inputs"].pop("y"), r"op 2 \(fc2\): missing tensor argument 'y' of rule matmul$"),
+    (lambda d: d["ops"][2].update(rule="matmulx"), r"op 2 \(fc2\): .*no SPMD rule named .matmulx."),
     (lambda d: d.update(version=7), "version 7 is not supported"),
     (lambda d: d.update(format="onnx"), "'format' must be"),
     (lambda d: d["tensors"][0].update(kind="weights"), "unknown kind"),

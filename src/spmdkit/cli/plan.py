@@ -34,6 +34,7 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel
 from spmdkit.cost.devices import Device, cost_model, load_device
 from spmdkit.cost.memory import check_recompute, memory_per_device
+from spmdkit.engine.memo import gc_paused
 from spmdkit.models.source import HFModel, ModelSource, Preset, ProgramFile, load, load_preset
 from spmdkit.models.zoo import model_label
 from spmdkit.outputs.export import check_target
@@ -71,19 +72,29 @@ def run_plan(req: PlanRequest, out: TextIO) -> int:
             with fitted(out, width) as fout:
                 if devices:  # the outer search: cli/devices.py
                     return run_devices(req, fout)
-                req = resolve_mesh_batch(req)  # --global-batch / --micro-batch as the planner's flags
-                if wants_pipeline(req):  # a pp mesh dim: cli/pipeline.py, planner/pipeline.py
-                    if req.outputs.export and req.outputs.export[0] != "torch":
-                        raise ProgramError(f"--export {req.outputs.export[0]}: does not apply to a pipeline (pp) "
-                                           f"plan (--export torch does)")
-                    return run_pipeline_plan(req, fout)
-                return _run_plan(req, fout)
+                return _plan_one(resolve_mesh_batch(req), fout)  # --global-batch / --micro-batch resolved
     except SpmdError as exc:
         msg = " ".join(str(exc).split())
         if len(msg) > 500:
             msg = msg[:500] + "..."
         print(f"spmdkit plan: {type(exc).__name__}: {msg}", file=sys.stderr)
         return 2
+
+
+@gc_paused
+def _plan_one(req: PlanRequest, out: TextIO) -> int:
+    """One plan, flat or a pipeline (a ``pp`` mesh dim: cli/pipeline.py, planner/pipeline.py), with
+    the cyclic garbage collector paused from the model's build to the last line written
+    (:func:`spmdkit.engine.memo.gc_paused`): the stages' costing, the memory model and the
+    ``--json`` encoding allocate hundreds of thousands of containers that live on, and each burst
+    otherwise walks the whole heap (with the memo tables of the plans before it in a long-lived
+    process), about half of a 100-layer pipeline's planning time."""
+    if wants_pipeline(req):
+        if req.outputs.export and req.outputs.export[0] != "torch":
+            raise ProgramError(f"--export {req.outputs.export[0]}: does not apply to a pipeline (pp) "
+                               f"plan (--export torch does)")
+        return run_pipeline_plan(req, out)
+    return _run_plan(req, out)
 
 
 # -- the model's flags -----------------------------------------------------------------------------

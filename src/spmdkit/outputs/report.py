@@ -290,8 +290,17 @@ def plan_json(plan: Plan, memory: Memory | None = None, extra: dict[str, Any] | 
               estimate: StepEstimate | None = None) -> dict[str, Any]:
     prog = plan.program
     mem = memory or memory_per_device(plan)
-    tensors = {n: {"shape": list(t.shape), "dtype": t.dtype, "kind": t.kind, **encode_attr(plan.attrs[n]),
-                   "placements": placements(plan.attrs[n])} for n, t in prog.tensors.items()}
+    attrs = plan.attrs
+    #: per distinct dist attr its fields, encoded once (most of a model's tensors share a few;
+    #: entries share the encoded lists, as nothing but ``json.dumps`` reads this answer)
+    encoded: dict[TensorDistAttr, dict[str, Any]] = {}
+    tensors = {}
+    for n, tensor in prog.tensors.items():
+        a = attrs[n]
+        e = encoded.get(a)
+        if e is None:
+            e = encoded[a] = {**encode_attr(a), "placements": placements(a)}
+        tensors[n] = {"shape": list(tensor.shape), "dtype": tensor.dtype, "kind": tensor.kind, **e}
     reshards = []
     for r in plan.reshards:
         op = prog.ops[r.op_index]

@@ -32,7 +32,7 @@ import json
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.errors import ProgramError, ShapeMismatchError, SpmdError
@@ -278,6 +278,21 @@ class Program:
         return first, last
 
     # -- validation ---------------------------------------------------------------------------
+    @staticmethod
+    def _bad_params(i: int, op: Op, rule: Any) -> NoReturn:
+        """:meth:`validate`'s error for an op naming a parameter its rule does not have (an
+        input that is not a tensor parameter, an attribute that is not an attribute)."""
+        where = f"op {i} ({op.name or op.rule})"
+        params = {p.name: p for p in rule.forward.params}
+        for k in op.inputs:
+            if k not in params or not params[k].is_tensor:
+                raise ProgramError(f"{where}: rule {rule.name} has no tensor parameter {k!r} "
+                                   f"({rule.forward.describe()})")
+        for k in op.attrs:
+            if k not in params or params[k].is_tensor:
+                raise ProgramError(f"{where}: rule {rule.name} has no attribute {k!r} ({rule.forward.describe()})")
+        raise AssertionError(where)
+
     def validate(self, mesh: ProcessMesh | None = None, rules: bool = True) -> None:
         """Raise :class:`ProgramError` (naming the op and what is wrong) unless every op names a
         registered rule with its parameters bound, every input is a program input / parameter
@@ -295,25 +310,29 @@ class Program:
         produced: set[str] = {t.name for t in self.tensors.values()
                               if t.kind in ("input", "parameter", "optimizer_state") and not t.inplace_of}
         made_by: dict[str, str] = {}
+        #: per rule name: (the rule, its tensor parameters, its attributes, its required tensors)
+        by_rule: dict[str, tuple[Any, frozenset[str], frozenset[str], tuple[str, ...]]] = {}
         for i, op in enumerate(self.ops):
-            where = f"op {i} ({op.name or op.rule})"
             if op.phase not in PHASES:
-                raise ProgramError(f"{where}: unknown phase {op.phase!r}")
-            try:
-                rule = get_rule(op.rule)
-            except SpmdError as exc:
-                raise ProgramError(f"{where}: {exc}") from None
-            params = {p.name: p for p in rule.forward.params}
-            for k in op.inputs:
-                if k not in params or not params[k].is_tensor:
-                    raise ProgramError(f"{where}: rule {rule.name} has no tensor parameter {k!r} "
-                                       f"({rule.forward.describe()})")
-            for k in op.attrs:
-                if k not in params or params[k].is_tensor:
-                    raise ProgramError(f"{where}: rule {rule.name} has no attribute {k!r} ({rule.forward.describe()})")
-            for p in rule.forward.params:
-                if p.is_tensor and p.required and p.kind != "T?" and op.inputs.get(p.name) is None:
-                    raise ProgramError(f"{where}: missing tensor argument {p.name!r} of rule {rule.name}")
+                raise ProgramError(f"op {i} ({op.name or op.rule}): unknown phase {op.phase!r}")
+            known = by_rule.get(op.rule)
+            if known is None:
+                try:
+                    rule = get_rule(op.rule)
+                except SpmdError as exc:
+                    raise ProgramError(f"op {i} ({op.name or op.rule}): {exc}") from None
+                fps = rule.forward.params
+                known = by_rule[op.rule] = (
+                    rule, frozenset(p.name for p in fps if p.is_tensor), frozenset(p.name for p in fps if not p.is_tensor),
+                    tuple(p.name for p in fps if p.is_tensor and p.required and p.kind != "T?"))
+            rule, tensor_params, attr_params, required = known
+            if not (tensor_params.issuperset(op.inputs) and attr_params.issuperset(op.attrs)):
+                self._bad_params(i, op, rule)
+            for pn in required:
+                if op.inputs.get(pn) is None:
+                    raise ProgramError(f"op {i} ({op.name or op.rule}): missing tensor argument {pn!r} of rule "
+                                       f"{rule.name}")
+            where = f"op {i} ({op.name or op.rule})"
             for n in op.input_names():
                 if n not in self.tensors:
                     raise ProgramError(f"{where}: input {n!r} is not a tensor of the program")
