@@ -27,7 +27,10 @@ for the backward* when a backward op reads its values. Some grad rules read a fo
 for its shape only (``add_grad``'s x and y, ``reshape_grad``'s x_shape, ...:
 :data:`SHAPE_ONLY`); those reads keep nothing. Each kept tensor is counted once, in the
 layer of the earliest layer's backward op that reads it (a layer's input belongs to the
-layer whose norm reads it), at its local size under the plan (the largest shard).
+layer whose norm reads it), at its local size under the plan (the largest shard). Under
+Megatron-LM, the experts' output rows a ``moe_combine``'s backward reads for the routing
+weights' gradient are not kept: Megatron-Core weights the tokens by the probabilities in the
+experts' activation (:func:`spmdkit.cost.moe.combine_rows_unkept`).
 
 A tensor held gathered by an all-gather right after its producer (sequence parallel's
 normalised activations, which the column-parallel projections read whole) is kept as the
@@ -70,7 +73,7 @@ from spmdkit.core.dist_attr import TensorDistAttr, entry_dims, largest_shard
 from spmdkit.core.errors import ProgramError
 from spmdkit.cost.context import regathers, ring_buffers
 from spmdkit.cost.memory_cp import allgather_buffers
-from spmdkit.cost.moe import plan_loads
+from spmdkit.cost.moe import combine_rows_unkept, plan_loads
 from spmdkit.cost.recompute_modules import MODULES, module_regions, op_sac, recompute_modules
 from spmdkit.engine.memo import memo_table
 from spmdkit.program.ir import Op, Program, flat_refs
@@ -407,7 +410,7 @@ def saved_activations(plan: Plan, recompute: str = "none", only: Collection[str]
     reads = value_reads(prog)
     # layer of a kept tensor: that of the last backward op reading it (the earliest layer)
     layer_of = {n: prog.ops[ix[-1]].layer for n, ix in reads.items()}
-    kept = set(reads)
+    kept = set(reads) - combine_rows_unkept(plan, reads)  # Megatron-Core's experts weight by the probs
     regions = recompute_regions(prog, recompute, plan.runtime.framework)
     if only is not None:
         regions = [r for r in regions if prog.ops[r[0]].layer in only]
@@ -482,16 +485,18 @@ def recompute_inputs(plan: Plan, saved: ActivationMemory) -> dict[str, int]:
 
 def spans_with_recompute(plan: Plan, saved: ActivationMemory) -> dict[str, list[tuple[int, int, int]]]:
     """Tensor -> [(first op, last op, bytes)] live intervals for the tensors whose life
-    recomputation, a backward re-gather or an fp8 stash (:func:`fp8_stashed`) splits
-    (:func:`memory_per_device`); other tensors live from their producer to the last op that
+    recomputation, a backward re-gather or an fp8 stash (:func:`fp8_stashed`) splits, or that
+    Megatron-Core does not keep (:func:`spmdkit.cost.moe.combine_rows_unkept`: to their last
+    forward reader) (:func:`memory_per_device`); other tensors live from their producer to the last op that
     reads their values."""
     prog = plan.program
     out: dict[str, list[tuple[int, int, int]]] = {}
     fp8 = fp8_stashed(plan)
-    if not saved.recomputed and not saved.regathered and not fp8:
+    reads = value_reads(prog)
+    unkept = combine_rows_unkept(plan, reads)
+    if not saved.recomputed and not saved.regathered and not fp8 and not unkept:
         return out
     made_at, last, fwd_last = value_spans(prog)
-    reads = value_reads(prog)
     kept = {n for lst in saved.tensors.values() for n, _ in lst}
     load = plan_loads(plan)
 
@@ -521,6 +526,8 @@ def spans_with_recompute(plan: Plan, saved: ActivationMemory) -> dict[str, list[
         if back <= e + 1:
             continue
         out[n] = [(a, e, full), (e + 1, back - 1, size(n, shards[n], True)), (back, last.get(n, back), full)]
+    for n in unkept:  # not kept for the backward: lives to its last forward reader
+        out[n] = [(made_at[n], max(fwd_last.get(n, made_at[n]), made_at[n]), size(n))]
     for n in kept & fp8 - regathered:  # held as its fp8 cast between its last forward reader and the backward
         a = made_at[n]
         e = max(fwd_last.get(n, a), a)

@@ -270,6 +270,29 @@ def plan_loads(plan: Plan) -> dict[str, float]:
     return _LOADS.get(id(plan), lambda: (plan, busiest_load(plan)))[1]
 
 
+def combine_rows_unkept(plan: Plan, reads: dict[str, list[int]]) -> frozenset[str]:
+    """Under ``--framework megatron``: the experts' output rows that a ``moe_combine``'s backward
+    alone reads (``reads``: :func:`spmdkit.cost.memory.value_reads`), for the combine weights'
+    gradient. Megatron-Core keeps no such tensor: its experts multiply the routing probabilities
+    in their activation (``megatron/core/transformer/moe/experts.py``,
+    ``activation_func_with_probs``, since 2659630721 of 2025-04-09, "Memory efficient token
+    permutation"), so the probabilities' gradient reads the activation's input (the fc1 output,
+    kept for the activation's backward or, under ``moe_act`` recomputation, to run it again),
+    and the unpermute after the combine all-to-all (``token_dispatcher.py``,
+    ``MoEAlltoAllTokenDispatcher.token_unpermutation``: ``unpermute`` without probs) keeps
+    nothing. Such rows live to their last forward reader. Empty under other frameworks."""
+    if plan.runtime.framework != "megatron":
+        return frozenset()
+    prog = plan.program
+    out: set[str] = set()
+    for op in prog.ops:
+        x = op.inputs.get("x") if op.rule == "moe_combine_grad" else None
+        if isinstance(x, str) and x in reads and all(
+                prog.ops[i].rule == "moe_combine_grad" and prog.ops[i].inputs.get("x") == x for i in reads[x]):
+            out.add(x)
+    return frozenset(out)
+
+
 def _expert_ops(prog: Program) -> list[tuple[dict[str, list[str]], list[str | None]] | None]:
     """Per op of ``prog``: where it is part of an expert computation (it makes or reads one of
     :func:`expert_tensors`, and is not a routing op ``moe_*``), the tensor names behind its
@@ -370,5 +393,5 @@ def expert_all_to_all(plan: Plan, tensor: str, s: Step) -> float:
     return deduplicated_all_to_all(net, nvl, g, plan.cost.fabric)
 
 
-__all__ = ["MoeLayer", "active_share", "busiest_load", "ep_degree", "expert_all_to_all", "expert_op_cost",
+__all__ = ["MoeLayer", "active_share", "busiest_load", "combine_rows_unkept", "ep_degree", "expert_all_to_all", "expert_op_cost",
            "expert_tensors", "grouped", "loaded", "moe_layers", "plan_loads", "rank_load", "reached"]
