@@ -19,11 +19,14 @@ from spmdkit.core.errors import ProgramError
 from spmdkit.cost.compute import op_cost
 from spmdkit.cost.memory import (
     LOSS_BYTES,
+    activation_deltas,
     held_for_the_step,
     loss_spans,
     makes_no_copy,
     memory_per_device,
     saved_activations,
+    spans_with_recompute,
+    value_spans,
 )
 from spmdkit.cost.moe import moe_layers
 from spmdkit.execute.single import global_step
@@ -63,15 +66,47 @@ def test_one_moe_layer_keeps_what_megatron_keeps_by_hand() -> None:
         "experts.gate": recv * F * 2,  # fc1's output: SwiGLU's input
         "experts.up": recv * F * 2,
         "experts.swiglu": recv * F * 2,  # fc2's input
-        "experts.rows": tok * K * H * 2,  # the expert outputs back: the gate weights' gradient
     }
     got = {n[len(p):]: b for n, b in saved.items() if n[len(p):] in want}
     assert got == want
     assert recv == tok * K  # uniform routing, dropless: as many copies received as sent
-    # the padded buffer is held once: no other kept tensor of the expert computation
+    # the padded buffer is held once: no other kept tensor of the expert computation (the
+    # expert outputs back are not kept: test_megatron_keeps_no_expert_rows_for_the_gate_gradient)
     layer = moe_layers(plan.program)[0]
     assert {n for n in saved if n in layer.tensors} == {p + k for k in ("dispatch", "experts.gate", "experts.up",
-                                                                         "experts.swiglu", "experts.rows")}
+                                                                         "experts.swiglu")}
+
+
+def test_megatron_keeps_no_expert_rows_for_the_gate_gradient() -> None:
+    """The expert outputs back after the return all-to-all ([tokens x top_k, H] a rank) are
+    what the gate weights' gradient reads where the combine weights them (torchtitan); Megatron-
+    Core weights the tokens by the probabilities in the experts' activation (experts.py,
+    activation_func_with_probs) and unpermutes without them, so it keeps none: every other kept
+    tensor the same, the rows live from the reshape that makes them to the combine alone."""
+    plan = _plan()
+    titan = replace(plan, runtime=replace(plan.runtime, framework="torchtitan"))
+    rows = "layers.0.experts.rows"
+    mega = saved_activations(plan, "none")
+    kept = dict(mega.tensors["layer 0"])
+    both = dict(saved_activations(titan, "none").tensors["layer 0"])
+    assert rows not in kept
+    assert both.pop(rows) == S * K * H * 2  # the rank's 64 tokens x top-2 rows of H, bf16
+    assert both == kept
+    made_at, _last, fwd_last = value_spans(plan.program)
+    assert plan.program.ops[fwd_last[rows]].rule == "moe_combine"
+    assert spans_with_recompute(plan, mega)[rows] == [(made_at[rows], fwd_last[rows], S * K * H * 2)]
+    assert rows not in spans_with_recompute(titan, saved_activations(titan, "none"))
+    # the step's activation curve: each layer's rows no longer held from the forward to the
+    # backward, so where the backward starts (every layer's stash held) 3 layers hold 3 rows less
+    three = _plan(layers=3)
+    titan3 = replace(three, runtime=replace(three.runtime, framework="torchtitan"))
+    start = next(i for i, op in enumerate(three.program.ops) if op.phase == "backward")
+
+    def live(pl):  # type: ignore[no-untyped-def]
+        d = activation_deltas(pl, saved_activations(pl, "none"))[0]
+        return sum(b for i, b in d.items() if i <= start)
+
+    assert live(titan3) - live(three) == 3 * S * K * H * 2
 
 
 def test_a_capacity_factor_pads_the_buffers_and_only_them() -> None:
@@ -87,7 +122,7 @@ def test_a_capacity_factor_pads_the_buffers_and_only_them() -> None:
     padded = propagate(loaded.program, mesh, annotate(loaded.model, mesh, parse_strategy("dp,ep", mesh)))
     assert moe_layers(padded.program)[0].capacity == 2 * C
     got = dict(saved_activations(padded, "none").tensors["layer 0"])
-    for n in ("dispatch", "experts.gate", "experts.up", "experts.swiglu", "experts.rows"):
+    for n in ("dispatch", "experts.gate", "experts.up", "experts.swiglu"):
         assert got["layers.0." + n] == 2 * base["layers.0." + n], n
     for n in ("router.probs", "dispatch.weights", "dispatch.index", "mlp_norm.out"):
         assert got["layers.0." + n] == base["layers.0." + n], n
@@ -159,9 +194,12 @@ def test_automodel_loss_holds_the_bf16_nll_gradient() -> None:
     mem = {fw: memory_per_device(replace(plan, runtime=Runtime("bf16", fw))) for fw in ("megatron", "torchtitan",
                                                                                           "automodel")}
     # Megatron's fp32 softmax (+2) is held from the loss to its backward, AutoModel's bf16 nll
-    # gradient (+2) at the backward only: the same peak there, 2 bytes a logit less before it
-    assert mem["automodel"].curve[j] == mem["megatron"].curve[j]
-    assert [mem["megatron"].curve[k] - mem["automodel"].curve[k] for k in (i, j - 1)] == [2 * elems] * 2
+    # gradient (+2) at the backward only: the same there, 2 bytes a logit less before it, but
+    # for the layer's expert rows that Megatron-Core keeps not (the gate weights' gradient:
+    # test_megatron_keeps_no_expert_rows_for_the_gate_gradient)
+    rows = S * K * H * 2
+    assert mem["automodel"].curve[j] == mem["megatron"].curve[j] + rows
+    assert [mem["megatron"].curve[k] + rows - mem["automodel"].curve[k] for k in (i, j - 1)] == [2 * elems] * 2
     # torchtitan: 2 held, 4 more at the loss, 8 more at its backward
     assert [mem["torchtitan"].curve[k] - mem["automodel"].curve[k] for k in (i, j)] == [6 * elems, 8 * elems]
 
