@@ -1,6 +1,6 @@
 """The memory of MoE layers and of NeMo AutoModel's runs (spmdkit.cost.memory): what one MoE
 layer keeps for the backward by hand (Megatron-Core's alltoall dispatcher keeps the same
-tensors), no copy counted for a ZeRO-3 gather over an expert-data-parallel dim of one rank, and
+tensors; not the expert rows back, which torchtitan keeps for the gate weights' gradient), no copy counted for a ZeRO-3 gather over an expert-data-parallel dim of one rank, and
 ``--framework automodel``'s bytes per parameter (bf16 parameters, gradients and Adam moments) and
 loss. The auxiliary load-balancing loss of the zoo's MoE layers (models/zoo_moe.py): its ops,
 no collective added, dense programs unchanged, its cost and kept tensors."""
