@@ -113,3 +113,14 @@ def test_zero1_accum_is_unchanged() -> None:
     assert d["totals"]["backward"]["bytes_per_rank"] == 40416
     assert d["step"]["step_overlap_s"] == pytest.approx(0.0016883877540323138, rel=1e-9)
     assert d["step"]["comm_s"]["gradient_buckets"] == pytest.approx(8.512266666666665e-06, rel=1e-9)
+
+
+@pytest.mark.parametrize(("framework", "said"), [("megatron", "ZeRO's gradients reduce-scattered in each"),
+                                                 ("automodel", "gradients reduced once")])
+def test_the_report_says_when_the_gradients_are_reduced(framework: str, said: str) -> None:
+    out = io.StringIO()
+    with redirect_stdout(out):
+        rc = main(["plan", "--model", "tiny-llama", "--mesh", "dp=4", "--strategy", "zero3", "--grad-accum", "4",
+                   "--framework", framework, "--device", "h100", "--wide"])
+    assert rc == 0
+    assert f"4 micro-steps accumulated, {said})" in out.getvalue()

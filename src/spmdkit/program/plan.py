@@ -104,6 +104,14 @@ class Plan:
         pg = self.param_grads() if param_grads is None else param_grads
         return r.tensor in pg and reduces_each_microstep(self.runtime.framework, 2, pipeline=False)
 
+    def microstep_reductions(self) -> list[Reshard]:
+        """The reshards that reduce a parameter gradient in every micro-step
+        (:meth:`reduced_each_microstep`); none without gradient accumulation."""
+        if self.grad_accum == 1:
+            return []
+        pg = self.param_grads()
+        return [r for r in self.reshards if self.reduced_each_microstep(r, pg)]
+
     def collectives(self, phase: str | None = None) -> list[tuple[Reshard, Step]]:
         """(reshard, step) for every communicating step (shared reshards and free local steps
         left out), optionally of one phase (forward / backward / optimizer)."""

@@ -78,7 +78,7 @@ def reduces_each_microstep(framework: str, zero: int, pipeline: bool) -> bool:
     shard between micro-steps, rather than accumulating it unreduced and reducing it once, in
     the last micro-step's backward. ``zero``: the ZeRO level (2 and 3 hold the gradient
     reduce-scattered); ``pipeline``: the step runs on a pipeline schedule (``pp`` > 1).
-    docs/memory.md, "Gradient accumulation under ZeRO", has the sources:
+    docs/devices.md ("Memory", "Gradient accumulation under ZeRO") has the sources:
 
     - ZeRO-0/1 (DDP, Megatron-Core's DDP and distributed optimizer, FSDP2's replicate): once,
       in the last micro-step (``no_sync``; Megatron's ``ParamAndGradBucketGroup.is_last_microbatch``),
