@@ -191,7 +191,7 @@ def test_grad_accum_counts_memory_and_step(capsys: pytest.CaptureFixture[str]) -
 
     def totals(strategy: str, k: int) -> dict[str, Any]:
         rc = main(["plan", "--model", "llama-7b", "--layers", "2", "--mesh", "dp=8", "--strategy", strategy,
-                   "--grad-accum", str(k), "--json"])
+                   "--grad-accum", str(k), "--framework", "automodel", "--json"])
         assert rc == 0
         d = json.loads(capsys.readouterr().out)
         assert d["grad_accum"] == k
@@ -199,18 +199,21 @@ def test_grad_accum_counts_memory_and_step(capsys: pytest.CaptureFixture[str]) -
 
     n = 9 * 2 + 3  # parameters of a 2-layer llama
     one, four = totals("zero3", 1), totals("zero3", 4)
-    # parameters gathered in every micro-step; gradients reduce-scattered once per step
+    # parameters gathered in every micro-step; gradients reduce-scattered once per step (AutoModel's
+    # set_requires_gradient_sync(is_optim_step); Megatron-FSDP and torchtitan: tests/test_zero_accum.py)
     assert one["forward"]["collectives"] == {"all_gather": n}
     assert four["forward"]["collectives"] == {"all_gather": 4 * n}
     assert four["backward"]["collectives"] == {"all_gather": 4 * n, "reduce_scatter": n}
     assert four["forward"]["bytes_per_rank"] == 4 * one["forward"]["bytes_per_rank"]
-    # the gradients wait unreduced (whole) for the step's one reduction: 8x the shard
-    assert four["memory"]["gradients"] == 8 * one["memory"]["gradients"]
+    # the gradients wait unreduced (whole, in FSDP2's fp32 reduce dtype) for the step's one
+    # reduction: 8x the bf16 shard's elements, 2x its bytes each
+    assert four["memory"]["gradients"] == 16 * one["memory"]["gradients"]
     assert four["memory"]["parameters"] == one["memory"]["parameters"]
     dp1, dp4 = totals("dp", 1), totals("dp", 4)
     assert dp4["optimizer"] == dp1["optimizer"] and dp4["memory"] == dp1["memory"]
 
     _, plan, _ = plan_model("llama-7b", "dp=8", "zero2", {"layers": 2})
+    plan = replace(plan, runtime=Runtime(framework="automodel"))
     dev = preset_device("h100")
     e1 = estimate_step(plan, dev, 32768)
     plan = replace(plan, grad_accum=3)

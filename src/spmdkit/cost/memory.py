@@ -12,7 +12,10 @@ ZeRO-3 / FSDP (a plan's ``storage``): a parameter counts at its stored shard; th
 phase gathers lives over its layer's ops of that phase (from the layer's first op to its last),
 so one layer's gathered parameters are live at a time, once in the forward and once in the
 backward. With gradient accumulation (``plan.grad_accum`` > 1) a gradient that ZeRO holds
-reduce-scattered is held unreduced until the step's one reduction.
+reduce-scattered is held at its shard where the framework reduce-scatters it every micro-step
+(:meth:`spmdkit.program.plan.Plan.reduced_each_microstep`: Megatron-FSDP, torchtitan's FSDP2),
+and unreduced until the step's one reduction where it does not (NeMo AutoModel's
+``set_requires_gradient_sync(is_optim_step)``).
 
 ``recompute`` (``none``, ``selective``, ``selective:M1,M2``, ``full``; :func:`saved_activations`): a
 forward activation that a recomputed region makes and the backward reads lives from its
@@ -624,7 +627,7 @@ def held_for_the_step(plan: Plan) -> dict[str, tuple[int, int, int]]:
     one device, as ``plan.runtime.framework`` allocates them (:func:`_bytes_per_element`), each
     at its local shard: the parameter as stored (ZeRO-3 / FSDP: its shard), the gradient as
     held (ZeRO-2: reduce-scattered; with gradient accumulation the unreduced gradient, which
-    is accumulated), the states as the optimizer lays them out (ZeRO: sharded over dp).
+    is accumulated, unless the framework reduce-scatters it every micro-step), the states as the optimizer lays them out (ZeRO: sharded over dp).
     ``--precision fp8`` under Megatron-LM: Transformer Engine's fp8 copy of each linear
     weight and its transpose, one byte an element each. An update without Adam moments
     (sgd), and a parameter without an update, count the program's own tensors."""
@@ -637,8 +640,9 @@ def held_for_the_step(plan: Plan) -> dict[str, tuple[int, int, int]]:
 
     unreduced: dict[str, int] = {}
     if plan.grad_accum > 1:
+        pg = plan.param_grads()
         for r in plan.reshards:
-            if r.output:
+            if r.output and not plan.reduced_each_microstep(r, pg):
                 unreduced[r.tensor] = max(unreduced.get(r.tensor, 0), numel(r.tensor, r.src))
     linear = set()
     if rt.fp8 and rt.framework == "megatron":

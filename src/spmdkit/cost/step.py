@@ -125,7 +125,8 @@ class StepEstimate:
     #: hold the compute stream: tensor-parallel ones not overlapped, their overlap's exposed
     #: chunk, collectives inside kernels, a prefetched gather waited for, ring attention's
     #: exposed transfers; every micro-step), ``gradient_buckets`` (the data-parallel reductions
-    #: still running after the last backward), ``param_gathers`` (Megatron's distributed
+    #: still running after the last backward, and after each earlier one where the framework
+    #: reduce-scatters every micro-step), ``param_gathers`` (Megatron's distributed
     #: optimizer all-gathers the first forward does not cover), ``regathers`` (the backward's
     #: all-gathers of kept shards, sequence parallelism's norm outputs, and the collectives of
     #: recomputed ops, less what their dgrad GEMM covers); they sum to :attr:`exposed_comm_s`
@@ -356,6 +357,9 @@ class _Comm:
     under: dict[int, tuple[float, int]] = field(default_factory=dict)
     #: a TP reduce-scatter's SM share taken from the GEMM it overlaps (:func:`ub_sm_tax`)
     rs_tax: float = 0.0
+    #: the gradient reductions of ``pending`` the framework runs in every micro-step's backward,
+    #: not only the last one's (:meth:`spmdkit.program.plan.Plan.reduced_each_microstep`)
+    pending_each: dict[int, list[_Pending]] = field(default_factory=dict)
     #: torch's async TP: the seconds op i waits on the fused all-gather-matmuls /
     #: matmul-reduce-scatters beyond their GEMMs (:mod:`spmdkit.cost.async_tp`)
     fused: dict[int, float] = field(default_factory=dict)
@@ -451,6 +455,8 @@ def _communication(plan: Plan, comp: _Compute, device: Device) -> _Comm:
                 if s.kind == "all_reduce" and set(s.mesh_dims) <= rs_grads.get(r.tensor, frozenset()):
                     s = replace(s, kind="reduce_scatter")  # Megatron's distributed optimizer
                 out.pending.setdefault(producer.get(r.tensor, i), []).append((t.dtype, s, size))
+                if plan.grad_accum > 1 and plan.reduced_each_microstep(r, param_grads):
+                    out.pending_each.setdefault(producer.get(r.tensor, i), []).append((t.dtype, s, size))
                 continue
             out.by_phase[prog.ops[i].phase] += s.time_s
             n = math.prod(plan.mesh.shape[d] for d in s.mesh_dims)
@@ -629,10 +635,13 @@ class _Run:
     tail_s: float = 0.0
 
 
-def _run(plan: Plan, comp: _Compute, comm: _Comm, rerun: _Rerun, kern_by_op: dict[int, float]) -> _Run:
+def _run(plan: Plan, comp: _Compute, comm: _Comm, rerun: _Rerun, kern_by_op: dict[int, float],
+         pending: dict[int, list[_Pending]] | None = None) -> _Run:
     """The ops in program order; a stored parameters' group all-gather is issued on the
     communication stream when the group before its own starts (FSDP's prefetch of the next
-    block, forward and backward), and its first reader waits for it."""
+    block, forward and backward), and its first reader waits for it. ``pending``: the gradient
+    reductions this micro-step runs (default every one, the last micro-step's)."""
+    pending = comm.pending if pending is None else pending
     red = Reducer(plan)
     clock = 0.0
     serial_compute = 0.0
@@ -666,7 +675,7 @@ def _run(plan: Plan, comp: _Compute, comm: _Comm, rerun: _Rerun, kern_by_op: dic
         timeline.append((i, clock, blocked, rerun.extra_at.get(i, 0.0), times[i]))
         clock += blocked + times[i] + rerun.extra_at.get(i, 0.0)
         serial_compute += times[i]
-        for dt, s, size in comm.pending.get(i, []):
+        for dt, s, size in pending.get(i, []):
             red.add(dt, s, size, clock, op.layer)
     if not flushed:
         fb = clock
@@ -768,6 +777,11 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
     compute, comm_s = comp.by_phase, comm.by_phase
     flops, mflops, nbytes, matmul_s = comp.flops + rerun.flops, comp.model_flops, comp.bytes, comp.matmul_s
     run = _run(plan, comp, comm, rerun, kern_by_op)
+    accum = plan.grad_accum
+    # the micro-steps before the last, where the framework reduce-scatters gradients in every
+    # micro-step's backward (ZeRO-2/3 under Megatron-FSDP, torchtitan): those reductions only
+    early = _run(plan, comp, comm, rerun, kern_by_op, comm.pending_each) if accum > 1 and comm.pending_each \
+        else None
     clock = run.clock
     gathers_exposed = 0.0
     if comm.param_gathers:
@@ -777,6 +791,8 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
         gathers_exposed = max(0.0, gathers - compute["forward"])
         clock += gathers_exposed
     grad_sync = sum(b.time_s for b in run.buckets)
+    if early is not None:
+        grad_sync += (accum - 1) * sum(b.time_s for b in early.buckets)
     kern_total = sum(k.time_s for k in kern)
     # the rings of recomputed forward ops run again (their exposed part is in comm_s["recompute"])
     again = [rg for rg in rings if rg.op_index in rerun.ops]
@@ -785,15 +801,16 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
     serial = (run.serial_compute + compute.get("recompute", 0.0) + sum(comm_s.values()) + kern_total + grad_sync
               + ring_comm - sum(rg.exposed_s for rg in again))
     mf, n_params, att = model_flops(plan, tokens or 0)
-    accum = plan.grad_accum
     if accum > 1:
         # gradient accumulation: accum - 1 more forward and backward passes (each with its
-        # recomputation) before the one above, whose backward overlaps the step's only gradient
-        # reductions
+        # recomputation) before the one above, whose backward overlaps the step's gradient
+        # reductions; where the framework reduce-scatters every micro-step (``early``), each of
+        # those passes overlaps its own, and what they leave past its backward delays the next
+        # micro-step (its parameter gathers queue behind them on the communication stream)
         phases = ("forward", "backward", "recompute")
         serial += (accum - 1) * (sum(compute.get(ph, 0.0) + comm_s.get(ph, 0.0) for ph in phases) + kern_total
                                  + ring_comm - sum(rg.exposed_s for rg in again))
-        clock += (accum - 1) * run.fb_s
+        clock += (accum - 1) * (run.fb_s if early is None else early.fb_s + early.tail_s)
         ring_comm *= accum
         ring_exposed *= accum
         for ph in phases:
@@ -823,9 +840,12 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
     est.cp_imbalance = max((causal_imbalance(c.ranks, c.balanced, c.causal) for c in cps if c.variant != "alltoall"),
                            default=1.0)
     est.cp = max((c.ranks for c in cps), default=1)
-    blocking = accum * sum(b for _i, _t, b, _r, _c in run.timeline)
-    est.exposed_s = {"blocking": blocking, "gradient_buckets": run.tail_s, "param_gathers": gathers_exposed,
-                     "regathers": est.exposed_comm_s - blocking - run.tail_s - gathers_exposed}
+    before = run if early is None else early  # the micro-steps before the last
+    blocking = sum(b for _i, _t, b, _r, _c in run.timeline) \
+        + (accum - 1) * sum(b for _i, _t, b, _r, _c in before.timeline)
+    tail = run.tail_s + (accum - 1) * (early.tail_s if early is not None else 0.0)
+    est.exposed_s = {"blocking": blocking, "gradient_buckets": tail, "param_gathers": gathers_exposed,
+                     "regathers": est.exposed_comm_s - blocking - tail - gathers_exposed}
     return est
 
 

@@ -547,8 +547,9 @@ def _step_section(plan: Plan, est: Any, assumed: str | None, pipe: Any) -> str:
     rows += (f"<tr><td>gradient buckets</td><td>-</td><td>{fmt_time(est.grad_sync_s)}</td></tr>"
              f"<tr><td>collectives inside ops</td><td>-</td><td>{fmt_time(est.kernel_comm_s)}</td></tr>")
     note = f' <b>{_e(assumed)}</b>' if assumed else ""
-    accum = (f" One of the {plan.grad_accum} micro-steps is drawn (the gradients are reduced after the last)."
-             if plan.grad_accum > 1 else "")
+    when = "every one reduce-scatters its ZeRO gradients" if plan.microstep_reductions() else \
+        "the gradients are reduced after the last"
+    accum = f" One of the {plan.grad_accum} micro-steps is drawn ({when})." if plan.grad_accum > 1 else ""
     one = " One microbatch through the whole program on the stages' sub-mesh:" if pipe is not None else ""
     out = (f'<section id="step"><h2>Predicted step</h2><p>{_e(one)} On {_e(est.device.name)}: '
            f'{fmt_time(est.step_overlap_s)} with the gradient reductions overlapping the backward '

@@ -261,7 +261,8 @@ def write_report(plan: Plan, out: TextIO, title: str = "", memory: Memory | None
         b, t = _phase_comm(plan, kernel, phase)
         rows.append([phase or "step", ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())) or "-",
                      fmt_bytes(b), fmt_time(t)])
-    accum = f"; {plan.grad_accum} micro-steps accumulated, gradients reduced once" if plan.grad_accum > 1 else ""
+    each = "ZeRO's gradients reduce-scattered in each" if plan.microstep_reductions() else "gradients reduced once"
+    accum = f"; {plan.grad_accum} micro-steps accumulated, {each}" if plan.grad_accum > 1 else ""
     how = "NCCL's algorithms on the device's links, spmdkit.cost.collectives" if isinstance(plan.cost, NcclCostModel) \
         else "alpha-beta estimate, spmdkit.core.reshard"
     print_table(f"Communication per training step ({how}{accum})",

@@ -22,7 +22,9 @@ Then every op gets its (virtual) stage from its ``layer`` tag, and per stage thi
 sums, for one microbatch: the forward and backward time (each op's roofline time from
 :func:`spmdkit.cost.compute.op_cost`, plus the blocking reshards and the collectives
 inside its ops), the gradient reductions of its parameters (once per step: gradients are
-accumulated over the microbatches and reduced after the last one), the optimizer time, the
+accumulated over the microbatches and reduced after the last one; Megatron-FSDP's ZeRO-2/3
+reduce-scatters in every microbatch are not timed, though its gradients are held at their shard:
+docs/devices.md, "Gradient accumulation under ZeRO"), the optimizer time, the
 activations sent to the next stage in the forward and their gradients sent back in the
 backward (local bytes under the plan, timed on the ``pp`` link of the device's cost model),
 and its memory. The schedule (GPipe, 1F1B, interleaved 1F1B) is then run as an event

@@ -27,6 +27,7 @@ from spmdkit.cost.step import Bucket, OpComm, Reducer, op_communication, param_g
 from spmdkit.planner.zero_bubble import weight_shares, weight_stash
 from spmdkit.program.ir import Program
 from spmdkit.program.plan import Plan
+from spmdkit.program.runtime import reduces_each_microstep
 
 
 @dataclass
@@ -184,9 +185,11 @@ def _held_for_the_step(plan: Plan, stages: list[int], out: list[StageCost],
     # torchtitan under a pipeline keeps FSDP2's parameters gathered over the microbatches
     # (parallelize_llama.apply_fsdp: reshard_after_forward=False when pp is enabled) and
     # torch.distributed.pipelining accumulates their gradients unsharded until the last
-    # microbatch (set_requires_gradient_sync(False)), in the fp32 reduce dtype
+    # microbatch (set_requires_gradient_sync(False)), in the fp32 reduce dtype (the rule:
+    # runtime.reduces_each_microstep; Megatron-FSDP's, reduced every microbatch, stay at their shard)
     gathered: dict[str, tuple[int, int]] = {}
-    if plan.runtime.fsdp2:  # AutoModel too (reshard_after_forward=not pp_enabled)
+    if plan.runtime.fsdp2 and not reduces_each_microstep(plan.runtime.framework, 3, pipeline=True):
+        # AutoModel too (reshard_after_forward=not pp_enabled)
         for r in plan.reshards:
             if r.tensor in plan.storage and r.tensor not in gathered and not makes_no_copy(plan, r):
                 t = prog.tensors[r.tensor]

@@ -12,7 +12,7 @@ from spmdkit.core.dist_attr import TensorDistAttr
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel, ReshardPlan, Step
 from spmdkit.program.ir import Op, Program
-from spmdkit.program.runtime import Runtime
+from spmdkit.program.runtime import Runtime, reduces_each_microstep
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,8 @@ class Plan:
     #: tensors stored otherwise than their readers get them (ZeRO-3): name -> stored dist attr
     storage: dict[str, TensorDistAttr] = field(default_factory=dict)
     #: gradient accumulation: forward and backward run this many times per step, the parameter
-    #: gradients are accumulated and reduced once (``--grad-accum``, an input of the planning)
+    #: gradients are accumulated and reduced once, or reduce-scattered every micro-step where
+    #: the framework does (:meth:`reduced_each_microstep`; ``--grad-accum``, an input of the planning)
     grad_accum: int = 1
     #: how the step runs beyond its shardings (precision, framework, TP overlap): ``--precision``,
     #: ``--framework``, ``--tp-comm-overlap``; read by the cost model
@@ -83,12 +84,33 @@ class Plan:
 
     def repeats(self, r: Reshard, param_grads: frozenset[str] | None = None) -> int:
         """How many times per step reshard ``r`` runs: ``grad_accum`` times in the forward and
-        the backward, except a parameter gradient's (reduced once, after accumulation); once in
-        the optimizer."""
+        the backward, except a parameter gradient's reduction (reduced once, after accumulation,
+        unless :meth:`reduced_each_microstep`); once in the optimizer."""
         if self.grad_accum == 1 or self.program.ops[r.op_index].phase == "optimizer":
             return 1
         pg = self.param_grads() if param_grads is None else param_grads
-        return 1 if r.tensor in pg else self.grad_accum
+        if r.tensor not in pg or self.reduced_each_microstep(r, pg):
+            return self.grad_accum
+        return 1
+
+    def reduced_each_microstep(self, r: Reshard, param_grads: frozenset[str] | None = None) -> bool:
+        """Reshard ``r`` reduce-scatters a parameter gradient right after the op that makes it
+        (ZeRO-2 / ZeRO-3: the gradient held at its shard) and the framework does that in every
+        micro-step's backward (:func:`spmdkit.program.runtime.reduces_each_microstep`, no
+        pipeline: a pipeline's stages apply the rule themselves); otherwise a gradient is
+        accumulated unreduced over the micro-steps and reduced in the last one."""
+        if not r.output or not any(s.kind == "reduce_scatter" for s in r.plan.steps):
+            return False
+        pg = self.param_grads() if param_grads is None else param_grads
+        return r.tensor in pg and reduces_each_microstep(self.runtime.framework, 2, pipeline=False)
+
+    def microstep_reductions(self) -> list[Reshard]:
+        """The reshards that reduce a parameter gradient in every micro-step
+        (:meth:`reduced_each_microstep`); none without gradient accumulation."""
+        if self.grad_accum == 1:
+            return []
+        pg = self.param_grads()
+        return [r for r in self.reshards if self.reduced_each_microstep(r, pg)]
 
     def collectives(self, phase: str | None = None) -> list[tuple[Reshard, Step]]:
         """(reshard, step) for every communicating step (shared reshards and free local steps

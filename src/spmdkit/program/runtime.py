@@ -71,6 +71,34 @@ ROUTINGS = ("topk", "balanced")
 #: the frameworks that shard with FSDP2 (their overlaps and pipelines alike)
 FSDP2 = frozenset({"torchtitan", "automodel"})
 
+
+def reduces_each_microstep(framework: str, zero: int, pipeline: bool) -> bool:
+    """Whether ``framework`` reduces a parameter gradient in every micro-step's backward under
+    gradient accumulation (``--grad-accum``, or a pipeline's microbatches), holding it at its
+    shard between micro-steps, rather than accumulating it unreduced and reducing it once, in
+    the last micro-step's backward. ``zero``: the ZeRO level (2 and 3 hold the gradient
+    reduce-scattered); ``pipeline``: the step runs on a pipeline schedule (``pp`` > 1).
+    docs/devices.md ("Memory", "Gradient accumulation under ZeRO") has the sources:
+
+    - ZeRO-0/1 (DDP, Megatron-Core's DDP and distributed optimizer, FSDP2's replicate): once,
+      in the last micro-step (``no_sync``; Megatron's ``ParamAndGradBucketGroup.is_last_microbatch``),
+      the gradient accumulated whole.
+    - ``megatron`` ZeRO-2/3 (Megatron-FSDP ``optim_grads`` / ``optim_grads_params``): every
+      backward, pipeline or not (``_post_backward``: ``grad_reduce_every_bprop``; its ``no_sync``
+      "For grads shard mode there will actually always be gradient sync happening").
+    - ``torchtitan`` ZeRO-2/3 (FSDP2's ``fully_shard``): every backward without a pipeline
+      (``Trainer.train_step`` calls ``forward_backward_step`` per micro-batch and never
+      ``set_requires_gradient_sync(False)``); once under a pipeline
+      (``torch.distributed.pipelining``'s ``backward_maybe_with_nosync`` turns the sync off
+      until the last backward).
+    - ``automodel`` (FSDP2): once (``get_sync_ctx``: ``set_requires_gradient_sync(is_optim_step)``;
+      under a pipeline, torch's pipelining as above)."""
+    if zero < 2:
+        return False
+    if framework == "megatron":
+        return True
+    return framework == "torchtitan" and not pipeline
+
 #: a program dtype -> the precision it computes in
 _OF_DTYPE = {"float32": "fp32", "float64": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -219,4 +247,5 @@ def parse_moe_histogram(text: str | None) -> tuple[float, ...] | None:
     return tuple(float(v) for v in obj)
 
 
-__all__ = ["DISPATCHERS", "FRAMEWORKS", "ROUTINGS", "FSDP2", "PRECISIONS", "Runtime", "parse_moe_histogram", "parse_moe_skew", "parse_precision"]
+__all__ = ["DISPATCHERS", "FRAMEWORKS", "ROUTINGS", "FSDP2", "PRECISIONS", "Runtime", "parse_moe_histogram", "parse_moe_skew", "parse_precision",
+           "reduces_each_microstep"]
