@@ -80,8 +80,8 @@ def _fuses(specs: Sequence[DistTensorSpec], a: int, b: int) -> bool:
                 i = ds.index(a) if a in ds else -1
                 if i >= 0 and i + 1 < len(ds) and ds[i + 1] == b:
                     continue  # the co-shard itself
-                if i < 0 or i + 1 < len(ds) or a in pt or b not in pt:
-                    return False  # b without a, a inside an entry, or a alone and not partial over b alone
+                if i < 0 or i + 1 < len(ds) or a in pt:
+                    return False  # b without a, a inside an entry, or a alone and partial over a
                 alone = True
         if not alone and ((a in pt) != (b in pt) or (a in pt and pt[a] != pt[b])):
             return False  # partial over one of the two only

@@ -1,0 +1,183 @@
+"""A MoE model under ``dp,ep,megatron,sp,cp``: the residual stream holds two co-shards.
+
+With data parallelism folded over ``dp x ep`` and the sequence over ``cp x tp`` (sp under cp),
+the residual stream is ``[(dp, ep), (cp, tp), H]``. The planner asks a rule on the mesh with
+each co-shard fused into one dim (:mod:`spmdkit.planner.fuse`); it used to fuse the first (the
+batch) only, so the rules read the sequence's ``(cp, tp)`` as its largest dim and every norm, add
+and MoE op around the experts gathered the sequence over cp x tp and sliced it again (Qwen3-235B
+on dp=4 x cp=2 x ep=2 x tp=4: the forward's all_gather x19, 52 ms; docs/experts.md, "Under cp").
+Now each co-shard is fused on its own, and the MoE layer's collectives with dp are those without
+it. Tiny MoE (hidden 16, seq 8, 4 experts top-2, float32; batch 4 over dp x ep = 4: one sequence
+a rank)."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from spmd_helpers import T
+from spmdkit.core.mesh import ProcessMesh
+from spmdkit.engine.registry import get_rule
+from spmdkit.planner.fuse import fused_pairs, infer_fused
+from spmdkit.planner.planning import plan_model
+from spmdkit.sim.plan import simulate_plan
+from spmdkit.sim.verify_plan import tiny_for_mesh
+from test_moe_cp import MOE, _per_layer
+
+ROOT = Path(__file__).resolve().parents[1]
+MESH = "dp=2,cp=2,ep=2,tp=2"
+ETP1 = "dp,ep,megatron,sp,cp,etp=1"
+ETPTP = "dp,ep,megatron,sp,cp"
+
+
+def test_each_co_shard_is_fused_on_its_own() -> None:
+    """layer_norm on x [(dp, ep), (cp, tp), H] (dp=2 x cp=2 x ep=2 x tp=4): asked plainly the
+    rule reads each co-shard as its largest dim; on the mesh with both pairs fused it keeps both,
+    on x, the output, the mean and the variance."""
+    m = ProcessMesh([2, 2, 2, 4], dim_names=["dp", "cp", "ep", "tp"])
+    x = T(m, [4, 32, 16], [(0, 2), (1, 3), -1])
+    w = T(m, [16], [-1])
+    args = [x, w, w, 1e-5, 2]
+    assert fused_pairs(args) == ((0, 2), (1, 3))
+    rule = get_rule("layer_norm").infer_forward
+    assert rule(*args).inputs[0].dims_mapping != ((0, 2), (1, 3), -1)  # Paddle's rule, unchanged
+    res = infer_fused(rule, args, m)
+    assert res.inputs[0].dims_mapping == ((0, 2), (1, 3), -1)
+    assert res.outputs[0].dims_mapping == ((0, 2), (1, 3), -1)
+    assert all(o.dims_mapping == ((0, 2), (1, 3)) for o in res.outputs[1:])
+
+
+def test_a_tensor_on_the_major_dim_alone_is_read_as_the_co_shard() -> None:
+    """The add of the residual stream [(dp, ep), (cp, tp), H] and a tensor on cp alone, whole
+    over tp (the MoE output's gradient under ETP = tp: every tp rank routed the cp rank's
+    tokens): both are asked on the co-shard, the second sliced over tp where it is (no
+    collective), rather than the co-shard read as tp and the stream gathered over cp."""
+    m = ProcessMesh([2, 2, 2, 4], dim_names=["dp", "cp", "ep", "tp"])
+    x = T(m, [4, 32, 16], [(0, 2), (1, 3), -1])
+    y = T(m, [4, 32, 16], [(0, 2), 1, -1])
+    assert fused_pairs([x, y]) == ((0, 2), (1, 3))
+    res = infer_fused(get_rule("add").infer_forward, [x, y], m)
+    assert [a.dims_mapping for a in res.inputs] == [((0, 2), (1, 3), -1)] * 2
+    assert res.outputs[0].dims_mapping == ((0, 2), (1, 3), -1)
+
+
+def _moe(counts: collections.Counter[tuple[str, str, str, str, int]]) -> dict[Any, int]:
+    return dict(counts)
+
+
+def test_etp1_with_dp_is_megatron_s_token_path_on_the_cp_x_tp_chunks() -> None:
+    """dp=2 x cp=2 x ep=2 x tp=2, ETP = 1: a rank holds one sequence's (cp, tp) quarter of the
+    residual stream (2 tokens), routes it on its own (capacity 2 x 2 / 4 = 1: the slots [1, 1, 4,
+    1, 16], 256 B) and sends 3/4 of them by one all-to-all over the ep x tp group (192 B), the
+    rows back the same way; the backward mirrors both. Nothing else around the experts: the norm
+    before the router reads the sequence-sharded stream; over cp only attention's (k, v gathered
+    and their gradients reduce-scattered, 64 B each) and the counts' all-reduce over cp x tp ([1,
+    1, 1, 4] float32: 2 x 3/4 x 16 B = 24 B); over tp only sp's around attention (the normalised
+    stream gathered, the projection's output reduce-scattered, 128 B each way). Before: the
+    sequence gathered over cp x tp before each norm and the router, the dispatch sent from copies
+    replicated over tp (256 B), the rows all-gathered over tp before the combine."""
+    _, plan, _ = plan_model(json.dumps({**MOE, "layers": 1}), MESH, ETP1)
+    assert _moe(_per_layer(plan, "layers.0.")) == {
+        ("forward", "all_gather", "tp", "attn_norm.out", 128): 1,
+        ("forward", "all_gather", "cp", "k_rope", 64): 1,
+        ("forward", "all_gather", "cp", "v4", 64): 1,
+        ("forward", "reduce_scatter", "tp", "attn_out", 128): 1,
+        ("forward", "all_to_all", "epxtp", "dispatch", 192): 1,
+        ("forward", "all_reduce", "cpxtp", "aux.f3", 24): 1,
+        ("forward", "all_to_all", "tpxep", "experts.rows", 192): 1,
+        ("backward", "all_to_all", "epxtp", "experts.rows.grad", 192): 1,
+        ("backward", "all_to_all", "tpxep", "dispatch.grad.sum", 192): 1,
+        ("backward", "all_gather", "tp", "attn_out.grad", 128): 1,
+        ("backward", "reduce_scatter", "cp", "k_rope.grad", 64): 1,
+        ("backward", "reduce_scatter", "cp", "v4.grad", 64): 1,
+        ("backward", "reduce_scatter", "tp", "attn_norm.out.grad.sum", 128): 1,
+    }
+    dp, cp, ep, tp = (plan.mesh.dim_index(d) for d in ("dp", "cp", "ep", "tp"))
+    for t in ("resid1", "mlp_norm.out", "moe_out.seq", "resid2"):
+        assert plan.attrs[f"layers.0.{t}"].dims_mapping == ((dp, ep), (cp, tp), -1), t
+    assert plan.attrs["layers.0.chunks"].dims_mapping == ((dp, ep), (cp, tp), -1, -1)
+    assert plan.attrs["layers.0.dispatch"].dims_mapping == (dp, cp, (ep, tp), -1, -1)
+
+
+def test_etp_tp_with_dp_gathers_the_tokens_over_tp_alone() -> None:
+    """dp=2 x cp=2 x ep=2 x tp=2, ETP = tp: every tp rank routes its cp rank's 4 tokens (the
+    normalised stream gathered over tp, 128 B, as before attention), the slots [1, 2 / 2, 4, 2,
+    16] (512 B) all-to-all over ep (256 B), the experts' rows all-reduced over tp (2 x 1/2 x 512
+    B) and sent back over ep; the MoE output sliced onto the stream's co-shard. Backward: its
+    gradient gathered over tp alone (128 B; before over cp x tp, 384 B, and sliced over cp), the
+    mirrors of the two all-to-alls and the all-reduce, and the norm's backward on the sequence's
+    co-shard (before: its input, inverse rms and the stream's gradient gathered over tp, five
+    gathers). Nothing over cp but attention's and the counts'."""
+    _, plan, _ = plan_model(json.dumps({**MOE, "layers": 1}), MESH, ETPTP)
+    assert _moe(_per_layer(plan, "layers.0.")) == {
+        ("forward", "all_gather", "tp", "attn_norm.out", 128): 1,
+        ("forward", "all_gather", "cp", "k_rope", 64): 1,
+        ("forward", "all_gather", "cp", "v4", 64): 1,
+        ("forward", "reduce_scatter", "tp", "attn_out", 128): 1,
+        ("forward", "all_gather", "tp", "mlp_norm.out", 128): 1,
+        ("forward", "all_to_all", "ep", "dispatch", 256): 1,
+        ("forward", "all_reduce", "cp", "aux.f3", 16): 1,
+        ("forward", "all_reduce", "tp", "experts.rows", 512): 1,
+        ("forward", "all_to_all", "ep", "experts.rows", 256): 1,
+        ("backward", "all_gather", "tp", "moe_out.seq.grad", 128): 1,
+        ("backward", "all_to_all", "ep", "experts.rows.grad", 256): 1,
+        ("backward", "all_reduce", "tp", "dispatch.grad.sum", 512): 1,
+        ("backward", "all_to_all", "ep", "dispatch.grad.sum", 256): 1,
+        ("backward", "all_gather", "tp", "attn_out.grad", 128): 1,
+        ("backward", "reduce_scatter", "cp", "k_rope.grad", 64): 1,
+        ("backward", "reduce_scatter", "cp", "v4.grad", 64): 1,
+        ("backward", "reduce_scatter", "tp", "attn_norm.out.grad.sum", 128): 1,
+    }
+    dp, cp, ep = (plan.mesh.dim_index(d) for d in ("dp", "cp", "ep"))
+    assert plan.attrs["layers.0.chunks"].dims_mapping == ((dp, ep), cp, -1, -1)
+
+
+@pytest.mark.parametrize("strategy", [ETP1, ETPTP])
+def test_the_moe_layer_moves_with_dp_what_it_moves_without(strategy: str) -> None:
+    """The same layer on cp=2 x ep=2 x tp=2 at batch 2 (one sequence a rank, as dp=2 at batch 4)
+    sends the same collectives of the same bytes: dp only adds ranks holding other sequences."""
+    _, with_dp, _ = plan_model(json.dumps({**MOE, "layers": 1}), MESH, strategy)
+    _, without, _ = plan_model(json.dumps({**MOE, "layers": 1, "batch": 2}), "cp=2,ep=2,tp=2",
+                               strategy.removeprefix("dp,"))
+    assert _per_layer(with_dp, "layers.0.") == _per_layer(without, "layers.0.")
+
+
+@pytest.mark.parametrize("strategy", [ETP1, ETPTP])
+def test_verify_simulates_the_plans_with_dp(strategy: str) -> None:
+    """--verify's check on 16 ranks: the tiny model built for the mesh, simulated against the
+    unsharded step (loss, every gradient, every update)."""
+    tiny = tiny_for_mesh(json.dumps({k: v for k, v in MOE.items() if k != "batch"}), MESH, strategy)
+    _, plan, _ = plan_model(tiny, MESH, strategy)
+    rep = simulate_plan(plan)
+    assert rep.ok and rep.checked > 300, rep.failures[:3]
+
+
+def test_the_reproducer_gathers_nothing_over_cp_around_the_experts() -> None:
+    """Qwen3-235B-A22B, one layer, seq 32768, batch 16 on dp=4 x cp=2 x ep=2 x tp=4 (ETP = 1,
+    ring attention, the megatron framework): the forward's collectives are sp's (the stream
+    gathered over tp before attention and the head, 192 MiB each; the row-parallel outputs
+    reduce-scattered), the MoE layer's all-to-alls over ep x tp of each rank's own tokens (448
+    MiB each way: the rank's [1, 1, 128, 256, 4096] bf16 slots x 7/8) and the counts'
+    all-reduce; the load-balancing shares stay on the co-shard (the token losses beside them
+    sliced over tp). Before: all_gather x19 (10.16 GiB a rank, 52.2 ms) and the dispatch of 896
+    MiB."""
+    p = subprocess.run([sys.executable, "-m", "spmdkit", "plan", "--model", "qwen3-235b-a22b", "--layers", "1",
+                        "--seq", "32768", "--batch", "16", "--mesh", "dp=4,cp=2,ep=2,tp=4", "--strategy",
+                        "dp,ep,megatron,sp,cp,zero1,cp-attention=ring,etp=1", "--framework", "megatron",
+                        "--device", "h100", "--json"], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
+    assert p.returncode == 0, p.stderr[-2000:]
+    rep = json.loads(p.stdout)
+    fwd = [r for r in rep["reshards"] if r["phase"] == "forward"]
+    gathers = sorted((r["tensor"], s["mesh_dims"]) for r in fwd for s in r["steps"] if s["kind"] == "all_gather")
+    tp = [3]  # the mesh dim
+    assert gathers == [("final_norm.out", tp), ("layers.0.attn_norm.out", tp)]
+    a2a = {r["tensor"]: s["bytes_per_rank"] for r in fwd for s in r["steps"] if s["kind"] == "all_to_all"}
+    assert a2a == {"layers.0.dispatch": 448 << 20, "layers.0.experts.rows": 448 << 20}
