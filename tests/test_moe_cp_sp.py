@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from conftest import run_json
 from spmd_helpers import T
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.engine.registry import get_rule
@@ -181,3 +182,37 @@ def test_the_reproducer_gathers_nothing_over_cp_around_the_experts() -> None:
     assert gathers == [("final_norm.out", tp), ("layers.0.attn_norm.out", tp)]
     a2a = {r["tensor"]: s["bytes_per_rank"] for r in fwd for s in r["steps"] if s["kind"] == "all_to_all"}
     assert a2a == {"layers.0.dispatch": 448 << 20, "layers.0.experts.rows": 448 << 20}
+
+
+@pytest.mark.parametrize(("mesh", "strategy"), [("cp=2,ep=2,tp=2", "ep,megatron,sp,cp"),
+                                                ("dp=2,cp=2,tp=2", "dp,megatron,sp,cp")])
+def test_etp_tp_backward_gathers_the_moe_output_s_gradient_over_tp_alone(mesh: str, strategy: str) -> None:
+    """ETP = tp with one co-shard (no dp, or no ep): the backward gathers the MoE output's
+    gradient over tp alone before it goes back into the cp chunks (before: over cp x tp, then
+    sliced over cp) and runs the norm's backward on the sequence's co-shard (before: its input,
+    inverse rms and the stream's gradient gathered over tp, five gathers); nothing over cp but
+    attention's and the counts'."""
+    _, plan, _ = plan_model(json.dumps({**MOE, "layers": 1}), mesh, strategy)
+    got = _per_layer(plan, "layers.0.")
+    gathers = {(k[2], k[3]) for k in got if k[0] == "backward" and k[1] == "all_gather"}
+    assert gathers == {("tp", "moe_out.seq.grad"), ("tp", "attn_out.grad")}
+    over_cp = {k[3] for k in got if "cp" in k[2].split("x")}
+    assert over_cp == {"k_rope", "v4", "k_rope.grad", "v4.grad", "aux.f3"}
+
+
+def test_run_etp_tp_on_cp_x_ep_x_tp_on_gloo_equals_the_single_process_step() -> None:
+    """8 gloo processes (cp=2 x ep=2 x tp=2, megatron + sp, ETP = tp), float32: loss and every
+    gradient and update equal the single-process step and the ranks' collectives are the plan's:
+    the MoE output's gradient gathered over tp alone, the tensors on cp alone sliced onto the
+    (cp, tp) co-shard where they are; over cp only attention's, the counts' and the gradients'."""
+    rep = run_json("--model-config", json.dumps({**MOE, "layers": 1}), "--mesh", "cp=2,ep=2,tp=2",
+                   "--strategy", "ep,megatron,sp,cp")
+    assert rep["world_size"] == 8 and rep["backend"] == "gloo"
+    assert rep["ok"] and rep["collectives_match"] and not rep["failures"] and rep["nonfinite"] == 0, rep["failures"]
+    assert rep["loss"] == pytest.approx(rep["reference_loss"], rel=1e-6)
+    coll = rep["collectives"]
+    assert {(c["kind"], c["mesh_dim"]) for c in coll if c["tensor"] == "layers.0.moe_out.seq.grad"} == {
+        ("all_gather", 2)}
+    over_cp = {c["tensor"].removeprefix("layers.0.") for c in coll if c["mesh_dim"] == 0
+               and not (c["kind"] == "all_reduce" and c["tensor"].endswith(".grad"))}
+    assert over_cp == {"k_rope", "v4", "k_rope.grad", "v4.grad", "aux.f3"}
