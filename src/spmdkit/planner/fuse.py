@@ -20,7 +20,9 @@ soundness (the planner reshards each input from how it is held to what the answe
   projection's output: sequence over cp, partial over tp) is read on the fused mesh
   as if it held the co-shard: the answer asks it reduce-scattered over ``b`` onto the co-shard, as
   Megatron's sequence parallelism does, instead of the co-shard read as its largest dim (which,
-  with tp > cp, keeps the sequence over tp alone and gathers it over cp).
+  with tp > cp, keeps the sequence over tp alone and gathers it over cp). So is one that holds
+  ``a`` alone and is whole over ``b`` (a MoE output under ETP = tp: every tp rank routed the cp
+  rank's tokens): the answer asks it sliced over ``b`` where it is.
 - An op whose other tensors hold ``b`` alone on an axis of their own (the vocab-parallel
   embedding's weight beside the co-sharded gradient) is asked on the real mesh with the co-shard
   read as ``a`` alone (:class:`Trim`): ``b`` is gathered from the sequence, ``a`` kept.
@@ -69,11 +71,12 @@ def _coshards(specs: Sequence[DistTensorSpec]) -> list[tuple[int, int]]:
 
 def _fuses(specs: Sequence[DistTensorSpec], a: int, b: int) -> bool:
     """The tensors hold ``a`` and ``b`` only as the co-shard ``(a, b)`` (and partial over both or
-    neither, with one reduce type) or as ``a`` alone on an axis and partial over ``b`` alone."""
+    neither, with one reduce type) or as ``a`` alone on an axis (and partial over ``b`` alone or
+    over neither)."""
     for s in specs:
         attr = s.dist_attr
         pt = attr.partial_status
-        alone = False  # the tensor holds a alone on an axis (and is partial over b alone)
+        alone = False  # the tensor holds a alone on an axis (partial over b alone, or over neither)
         for e in attr.dims_mapping:
             ds = entry_dims(e)
             if a in ds or b in ds:
@@ -113,8 +116,8 @@ def _pairs(args: Sequence[Any]) -> tuple[tuple[tuple[int, int], ...], tuple[tupl
 def fused_pairs(args: Sequence[Any]) -> tuple[tuple[int, int], ...]:
     """The co-shards ``(a, b)`` whose mesh dims the rule's tensor arguments hold only as that
     co-shard (and partial over both or neither, with one reduce type) or as ``a`` alone on an
-    axis and partial over ``b`` alone (read as the co-shard: its reduction over ``b`` becomes a
-    reduce-scatter onto it); empty where there is none. Several co-shards (the batch over ``(dp,
+    axis, partial over ``b`` alone or whole (read as the co-shard: its reduction over ``b``
+    becomes a reduce-scatter onto it, or it is sliced over ``b``); empty where there is none. Several co-shards (the batch over ``(dp,
     ep)`` and the sequence over ``(cp, tp)``) are fused together, each pair on its own."""
     return _pairs(args)[0]
 
