@@ -18,7 +18,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -30,7 +29,7 @@ from spmdkit.planner.fuse import fused_pairs, infer_fused
 from spmdkit.planner.planning import plan_model
 from spmdkit.sim.plan import simulate_plan
 from spmdkit.sim.verify_plan import tiny_for_mesh
-from test_moe_cp import MOE, _per_layer
+from test_moe_cp import MOE, _per_layer, etp1_moe
 
 ROOT = Path(__file__).resolve().parents[1]
 MESH = "dp=2,cp=2,ep=2,tp=2"
@@ -69,8 +68,19 @@ def test_a_tensor_on_the_major_dim_alone_is_read_as_the_co_shard() -> None:
     assert res.outputs[0].dims_mapping == ((0, 2), (1, 3), -1)
 
 
-def _moe(counts: collections.Counter[tuple[str, str, str, str, int]]) -> dict[Any, int]:
-    return dict(counts)
+#: the layer's collectives around attention on dp=2 x cp=2 x ep=2 x tp=2 (a rank's [1, 2, 16]
+#: float32 share of the stream: 128 B): sp's all-gather before the projections and reduce-scatter
+#: after, cp's k and v gathered (64 B each), and their mirrors in the backward
+SP_ATTENTION = collections.Counter({
+    ("forward", "all_gather", "tp", "attn_norm.out", 128): 1,
+    ("forward", "all_gather", "cp", "k_rope", 64): 1,
+    ("forward", "all_gather", "cp", "v4", 64): 1,
+    ("forward", "reduce_scatter", "tp", "attn_out", 128): 1,
+    ("backward", "all_gather", "tp", "attn_out.grad", 128): 1,
+    ("backward", "reduce_scatter", "cp", "k_rope.grad", 64): 1,
+    ("backward", "reduce_scatter", "cp", "v4.grad", 64): 1,
+    ("backward", "reduce_scatter", "tp", "attn_norm.out.grad.sum", 128): 1,
+})
 
 
 def test_etp1_with_dp_is_megatron_s_token_path_on_the_cp_x_tp_chunks() -> None:
@@ -85,21 +95,7 @@ def test_etp1_with_dp_is_megatron_s_token_path_on_the_cp_x_tp_chunks() -> None:
     sequence gathered over cp x tp before each norm and the router, the dispatch sent from copies
     replicated over tp (256 B), the rows all-gathered over tp before the combine."""
     _, plan, _ = plan_model(json.dumps({**MOE, "layers": 1}), MESH, ETP1)
-    assert _moe(_per_layer(plan, "layers.0.")) == {
-        ("forward", "all_gather", "tp", "attn_norm.out", 128): 1,
-        ("forward", "all_gather", "cp", "k_rope", 64): 1,
-        ("forward", "all_gather", "cp", "v4", 64): 1,
-        ("forward", "reduce_scatter", "tp", "attn_out", 128): 1,
-        ("forward", "all_to_all", "epxtp", "dispatch", 192): 1,
-        ("forward", "all_reduce", "cpxtp", "aux.f3", 24): 1,
-        ("forward", "all_to_all", "tpxep", "experts.rows", 192): 1,
-        ("backward", "all_to_all", "epxtp", "experts.rows.grad", 192): 1,
-        ("backward", "all_to_all", "tpxep", "dispatch.grad.sum", 192): 1,
-        ("backward", "all_gather", "tp", "attn_out.grad", 128): 1,
-        ("backward", "reduce_scatter", "cp", "k_rope.grad", 64): 1,
-        ("backward", "reduce_scatter", "cp", "v4.grad", 64): 1,
-        ("backward", "reduce_scatter", "tp", "attn_norm.out.grad.sum", 128): 1,
-    }
+    assert _per_layer(plan, "layers.0.") == SP_ATTENTION + etp1_moe(192, 24)
     dp, cp, ep, tp = (plan.mesh.dim_index(d) for d in ("dp", "cp", "ep", "tp"))
     for t in ("resid1", "mlp_norm.out", "moe_out.seq", "resid2"):
         assert plan.attrs[f"layers.0.{t}"].dims_mapping == ((dp, ep), (cp, tp), -1), t
@@ -117,11 +113,7 @@ def test_etp_tp_with_dp_gathers_the_tokens_over_tp_alone() -> None:
     co-shard (before: its input, inverse rms and the stream's gradient gathered over tp, five
     gathers). Nothing over cp but attention's and the counts'."""
     _, plan, _ = plan_model(json.dumps({**MOE, "layers": 1}), MESH, ETPTP)
-    assert _moe(_per_layer(plan, "layers.0.")) == {
-        ("forward", "all_gather", "tp", "attn_norm.out", 128): 1,
-        ("forward", "all_gather", "cp", "k_rope", 64): 1,
-        ("forward", "all_gather", "cp", "v4", 64): 1,
-        ("forward", "reduce_scatter", "tp", "attn_out", 128): 1,
+    assert _per_layer(plan, "layers.0.") == SP_ATTENTION + collections.Counter({
         ("forward", "all_gather", "tp", "mlp_norm.out", 128): 1,
         ("forward", "all_to_all", "ep", "dispatch", 256): 1,
         ("forward", "all_reduce", "cp", "aux.f3", 16): 1,
@@ -131,11 +123,7 @@ def test_etp_tp_with_dp_gathers_the_tokens_over_tp_alone() -> None:
         ("backward", "all_to_all", "ep", "experts.rows.grad", 256): 1,
         ("backward", "all_reduce", "tp", "dispatch.grad.sum", 512): 1,
         ("backward", "all_to_all", "ep", "dispatch.grad.sum", 256): 1,
-        ("backward", "all_gather", "tp", "attn_out.grad", 128): 1,
-        ("backward", "reduce_scatter", "cp", "k_rope.grad", 64): 1,
-        ("backward", "reduce_scatter", "cp", "v4.grad", 64): 1,
-        ("backward", "reduce_scatter", "tp", "attn_norm.out.grad.sum", 128): 1,
-    }
+    })
     dp, cp, ep = (plan.mesh.dim_index(d) for d in ("dp", "cp", "ep"))
     assert plan.attrs["layers.0.chunks"].dims_mapping == ((dp, ep), cp, -1, -1)
 
