@@ -112,7 +112,7 @@ def test_etp1_under_cp_is_megatron_s_token_path_on_the_cp_x_tp_chunks() -> None:
     tokens (capacity 1), a rank's chunk its (cp, tp) share of the residual stream; one all-to-all
     over the ep x tp group each way (a rank's [2, 1, 4, 1, 16] slots: 3/4 of 512 B), nothing over
     cp but attention's and the counts (now over the cp x tp chunks), no tp collective around the
-    experts; the token losses sliced onto the load-balancing shares' (cp, tp) co-shard beside them."""
+    experts; the load-balancing shares [B, S, 1] gathered over tp beside the token losses (16 B)."""
     _, plan, _ = plan_model(json.dumps({**MOE, "layers": 1}), "cp=2,ep=2,tp=2", "cp,ep,megatron,sp,etp=1")
     moe = {k: n for k, n in _per_layer(plan, "layers.0.").items() if not k[3].startswith(("attn", "k_rope", "v4"))}
     assert moe == etp1_moe(384, 48)

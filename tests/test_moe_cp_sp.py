@@ -54,18 +54,28 @@ def test_each_co_shard_is_fused_on_its_own() -> None:
     assert all(o.dims_mapping == ((0, 2), (1, 3)) for o in res.outputs[1:])
 
 
-def test_a_tensor_on_the_major_dim_alone_is_read_as_the_co_shard() -> None:
+def test_a_tensor_on_the_major_dim_alone_whole_over_the_minor_is_not_fused() -> None:
     """The add of the residual stream [(dp, ep), (cp, tp), H] and a tensor on cp alone, whole
-    over tp (the MoE output's gradient under ETP = tp: every tp rank routed the cp rank's
-    tokens): both are asked on the co-shard, the second sliced over tp where it is (no
-    collective), rather than the co-shard read as tp and the stream gathered over cp."""
+    over tp: the (cp, tp) pair is not fused (read as the co-shard, a co-shard a rule made in
+    passing would spread over the plan, every such tensor sliced onto it: an imported
+    DeepSeek-V3 under megatron had its batch over (dp, tp) everywhere); the batch's is. Where
+    the strategy wants such a tensor on the co-shard it marks it (next test)."""
     m = ProcessMesh([2, 2, 2, 4], dim_names=["dp", "cp", "ep", "tp"])
     x = T(m, [4, 32, 16], [(0, 2), (1, 3), -1])
     y = T(m, [4, 32, 16], [(0, 2), 1, -1])
-    assert fused_pairs([x, y]) == ((0, 2), (1, 3))
-    res = infer_fused(get_rule("add").infer_forward, [x, y], m)
-    assert [a.dims_mapping for a in res.inputs] == [((0, 2), (1, 3), -1)] * 2
-    assert res.outputs[0].dims_mapping == ((0, 2), (1, 3), -1)
+    assert fused_pairs([x, y]) == ((0, 2),)
+
+
+def test_etp_tp_marks_the_routed_norm_output_s_gradient_on_the_co_shard() -> None:
+    """ETP = tp under cp: the gradient of the norm output the chunks read comes back whole over
+    tp; the strategy marks it on the stream's co-shard (a slice where it is), so the norm's
+    backward runs on the rank's own tokens, and the MoE output's gradient on cp alone (gathered
+    over tp before the chunks)."""
+    _, plan, _ = plan_model(json.dumps({**MOE, "layers": 1}), MESH, ETPTP)
+    dp, cp, ep, tp = (plan.mesh.dim_index(d) for d in ("dp", "cp", "ep", "tp"))
+    assert plan.attrs["layers.0.mlp_norm.out.grad"].dims_mapping == ((dp, ep), (cp, tp), -1)
+    assert plan.attrs["layers.0.moe_out.seq.grad"].dims_mapping == ((dp, ep), cp, -1)
+    assert plan.attrs["layers.0.mlp_norm.out"].dims_mapping == ((dp, ep), cp, -1)
 
 
 #: the layer's collectives around attention on dp=2 x cp=2 x ep=2 x tp=2 (a rank's [1, 2, 16]
@@ -153,10 +163,9 @@ def test_the_reproducer_gathers_nothing_over_cp_around_the_experts() -> None:
     ring attention, the megatron framework): the forward's collectives are sp's (the stream
     gathered over tp before attention and the head, 192 MiB each; the row-parallel outputs
     reduce-scattered), the MoE layer's all-to-alls over ep x tp of each rank's own tokens (448
-    MiB each way: the rank's [1, 1, 128, 256, 4096] bf16 slots x 7/8) and the counts'
-    all-reduce; the load-balancing shares stay on the co-shard (the token losses beside them
-    sliced over tp). Before: all_gather x19 (10.16 GiB a rank, 52.2 ms) and the dispatch of 896
-    MiB."""
+    MiB each way: the rank's [1, 1, 128, 256, 4096] bf16 slots x 7/8), the counts' all-reduce
+    and the load-balancing shares gathered over tp beside the token losses (96 KiB). Before:
+    all_gather x19 (10.16 GiB a rank, 52.2 ms) and the dispatch of 896 MiB."""
     p = subprocess.run([sys.executable, "-m", "spmdkit", "plan", "--model", "qwen3-235b-a22b", "--layers", "1",
                         "--seq", "32768", "--batch", "16", "--mesh", "dp=4,cp=2,ep=2,tp=4", "--strategy",
                         "dp,ep,megatron,sp,cp,zero1,cp-attention=ring,etp=1", "--framework", "megatron",
@@ -167,7 +176,7 @@ def test_the_reproducer_gathers_nothing_over_cp_around_the_experts() -> None:
     fwd = [r for r in rep["reshards"] if r["phase"] == "forward"]
     gathers = sorted((r["tensor"], s["mesh_dims"]) for r in fwd for s in r["steps"] if s["kind"] == "all_gather")
     tp = [3]  # the mesh dim
-    assert gathers == [("final_norm.out", tp), ("layers.0.attn_norm.out", tp)]
+    assert gathers == [("final_norm.out", tp), ("layers.0.attn_norm.out", tp), ("layers.0.aux", tp)]
     a2a = {r["tensor"]: s["bytes_per_rank"] for r in fwd for s in r["steps"] if s["kind"] == "all_to_all"}
     assert a2a == {"layers.0.dispatch": 448 << 20, "layers.0.experts.rows": 448 << 20}
 
@@ -191,8 +200,8 @@ def test_etp_tp_backward_gathers_the_moe_output_s_gradient_over_tp_alone(mesh: s
 def test_run_etp_tp_on_cp_x_ep_x_tp_on_gloo_equals_the_single_process_step() -> None:
     """8 gloo processes (cp=2 x ep=2 x tp=2, megatron + sp, ETP = tp), float32: loss and every
     gradient and update equal the single-process step and the ranks' collectives are the plan's:
-    the MoE output's gradient gathered over tp alone, the tensors on cp alone sliced onto the
-    (cp, tp) co-shard where they are; over cp only attention's, the counts' and the gradients'."""
+    the MoE output's gradient gathered over tp alone, the norm output's gradient sliced onto the
+    (cp, tp) co-shard where it is; over cp only attention's, the counts' and the gradients'."""
     rep = run_json("--model-config", json.dumps({**MOE, "layers": 1}), "--mesh", "cp=2,ep=2,tp=2",
                    "--strategy", "ep,megatron,sp,cp")
     assert rep["world_size"] == 8 and rep["backend"] == "gloo"

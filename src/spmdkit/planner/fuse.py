@@ -20,9 +20,10 @@ soundness (the planner reshards each input from how it is held to what the answe
   projection's output: sequence over cp, partial over tp) is read on the fused mesh
   as if it held the co-shard: the answer asks it reduce-scattered over ``b`` onto the co-shard, as
   Megatron's sequence parallelism does, instead of the co-shard read as its largest dim (which,
-  with tp > cp, keeps the sequence over tp alone and gathers it over cp). So is one that holds
-  ``a`` alone and is whole over ``b`` (a MoE output under ETP = tp: every tp rank routed the cp
-  rank's tokens): the answer asks it sliced over ``b`` where it is.
+  with tp > cp, keeps the sequence over tp alone and gathers it over cp). One that holds ``a``
+  alone and is whole over ``b`` is not: read as the co-shard, a co-shard a rule made in passing
+  (the batch over ``(dp, tp)`` in an imported attention) would spread over the whole plan, each
+  such tensor sliced onto it. Where the strategy wants one on the co-shard it marks it so.
 - An op whose other tensors hold ``b`` alone on an axis of their own (the vocab-parallel
   embedding's weight beside the co-sharded gradient) is asked on the real mesh with the co-shard
   read as ``a`` alone (:class:`Trim`): ``b`` is gathered from the sequence, ``a`` kept.
@@ -71,20 +72,19 @@ def _coshards(specs: Sequence[DistTensorSpec]) -> list[tuple[int, int]]:
 
 def _fuses(specs: Sequence[DistTensorSpec], a: int, b: int) -> bool:
     """The tensors hold ``a`` and ``b`` only as the co-shard ``(a, b)`` (and partial over both or
-    neither, with one reduce type) or as ``a`` alone on an axis (and partial over ``b`` alone or
-    over neither)."""
+    neither, with one reduce type) or as ``a`` alone on an axis and partial over ``b`` alone."""
     for s in specs:
         attr = s.dist_attr
         pt = attr.partial_status
-        alone = False  # the tensor holds a alone on an axis (partial over b alone, or over neither)
+        alone = False  # the tensor holds a alone on an axis (and is partial over b alone)
         for e in attr.dims_mapping:
             ds = entry_dims(e)
             if a in ds or b in ds:
                 i = ds.index(a) if a in ds else -1
                 if i >= 0 and i + 1 < len(ds) and ds[i + 1] == b:
                     continue  # the co-shard itself
-                if i < 0 or i + 1 < len(ds) or a in pt:
-                    return False  # b without a, a inside an entry, or a alone and partial over a
+                if i < 0 or i + 1 < len(ds) or a in pt or b not in pt:
+                    return False  # b without a, a inside an entry, or a alone and not partial over b alone
                 alone = True
         if not alone and ((a in pt) != (b in pt) or (a in pt and pt[a] != pt[b])):
             return False  # partial over one of the two only
@@ -116,8 +116,8 @@ def _pairs(args: Sequence[Any]) -> tuple[tuple[tuple[int, int], ...], tuple[tupl
 def fused_pairs(args: Sequence[Any]) -> tuple[tuple[int, int], ...]:
     """The co-shards ``(a, b)`` whose mesh dims the rule's tensor arguments hold only as that
     co-shard (and partial over both or neither, with one reduce type) or as ``a`` alone on an
-    axis, partial over ``b`` alone or whole (read as the co-shard: its reduction over ``b``
-    becomes a reduce-scatter onto it, or it is sliced over ``b``); empty where there is none. Several co-shards (the batch over ``(dp,
+    axis and partial over ``b`` alone (read as the co-shard: its reduction over ``b`` becomes a
+    reduce-scatter onto it); empty where there is none. Several co-shards (the batch over ``(dp,
     ep)`` and the sequence over ``(cp, tp)``) are fused together, each pair on its own."""
     return _pairs(args)[0]
 

@@ -273,7 +273,12 @@ def annotate(model: Model, mesh: ProcessMesh, strategy: Iterable[str],
         # the residual stream, and under cp the MoE output back from the cp chunks (whole over tp
         # with ETP = tp: sliced onto the stream's co-shard, not the stream gathered for the add)
         back = chunk_outputs(prog) if cp is not None else []
-        for n in [*model.residual, *back]:
+        # with ETP = tp the gradient of a norm output only the cp chunks read comes back whole over
+        # tp (every tp rank routed the cp rank's tokens): sliced onto the co-shard where it is, the
+        # norm's backward on the rank's own tokens (not the stream gathered over tp for it)
+        routed = [g for x in chunk_inputs(prog, layers or moe_layers(prog)) if (g := x + ".grad") in prog.tensors] \
+            if cp is not None and fold is None else []
+        for n in [*model.residual, *back, *routed]:
             d = dm(n)
             d[1] = tp if cp is None else (cp, tp)  # under cp: the cp rank's chunk split again over tp
             d[0] = batch
