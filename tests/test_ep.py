@@ -30,7 +30,7 @@ from spmdkit.cost.step import estimate_step
 from spmdkit.engine.registry import get_rule
 from spmdkit.models.params import count_params, parameters
 from spmdkit.models.zoo import preset
-from spmdkit.planner.fuse import fused_pair, infer_fused
+from spmdkit.planner.fuse import fused_pairs, infer_fused
 from spmdkit.planner.planning import plan_model
 from spmdkit.sim.verify_plan import verify_strategy
 from spmdkit.strategies.experts import moe_layers
@@ -105,7 +105,7 @@ def test_a_rule_on_a_co_sharded_batch_answers_on_the_fused_mesh() -> None:
     w = DistTensorSpec([32], TensorDistAttr(mesh, [-1]))
     args = [x, w, w, 1e-5, 2]
     fwd = get_rule("layer_norm").infer_forward
-    assert fused_pair(args) == (0, 1)
+    assert fused_pairs(args) == ((0, 1),)
     plain = fwd(*args)
     assert plain.inputs[0].dims_mapping[0] != (0, 1)
     fused = infer_fused(fwd, args, mesh)
@@ -113,9 +113,9 @@ def test_a_rule_on_a_co_sharded_batch_answers_on_the_fused_mesh() -> None:
     assert fused.outputs[0].dims_mapping == ((0, 1), -1, -1)
     assert all(o.dims_mapping[0] == (0, 1) for o in fused.outputs[1:])
     # a tensor holding ep alone (an expert stack) keeps the rule on the real mesh
-    assert fused_pair([x, DistTensorSpec([4, 32, 32], TensorDistAttr(mesh, [1, -1, -1]))]) is None
+    assert fused_pairs([x, DistTensorSpec([4, 32, 32], TensorDistAttr(mesh, [1, -1, -1]))]) == ()
     # partial over one of the two only: not fused
-    assert fused_pair([x, DistTensorSpec([32], TensorDistAttr(mesh, [-1], partial=[0]))]) is None
+    assert fused_pairs([x, DistTensorSpec([32], TensorDistAttr(mesh, [-1], partial=[0]))]) == ()
 
 
 def test_the_token_exchange_is_one_all_to_all_over_ep() -> None:

@@ -113,9 +113,9 @@ def test_a_plan_on_a_program_another_plan_warmed_equals_one_on_a_fresh_build(moe
 
 def test_a_fusion_is_made_once_and_maps_as_a_fresh_one() -> None:
     mesh = ProcessMesh([2, 4, 2], dim_names=["dp", "ep", "tp"])
-    f = Fusion.of(mesh, 0, 1)
-    assert Fusion.of(mesh, 0, 1) is f and Fusion.of(mesh, 1, 2) is not f
-    fresh = Fusion(mesh, 0, 1)
+    f = Fusion.of(mesh, ((0, 1),))
+    assert Fusion.of(mesh, ((0, 1),)) is f and Fusion.of(mesh, ((1, 2),)) is not f
+    fresh = Fusion(mesh, ((0, 1),))
     for dm, partial in [([(0, 1), -1], None), ([-1, 2], {0: "sum", 1: "sum"}), ([0, -1], None)]:
         a = TensorDistAttr(mesh, dm, partial)
         for _ in range(2):  # the second answer from the memo

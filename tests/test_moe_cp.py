@@ -42,6 +42,19 @@ def _per_layer(plan: Any, prefix: str) -> collections.Counter[tuple[str, str, st
     return got
 
 
+def etp1_moe(slots: int, counts: int) -> collections.Counter[tuple[str, str, str, str, int]]:
+    """The collectives of a MoE layer on Megatron's ETP = 1 token path under cp x tp (bytes a
+    rank sends): one all-to-all over the ep x tp group each way, forward and backward, of
+    ``slots`` bytes, and the counts' all-reduce over cp x tp of ``counts``."""
+    return collections.Counter({
+        ("forward", "all_to_all", "epxtp", "dispatch", slots): 1,
+        ("forward", "all_to_all", "tpxep", "experts.rows", slots): 1,
+        ("forward", "all_reduce", "cpxtp", "aux.f3", counts): 1,
+        ("backward", "all_to_all", "epxtp", "experts.rows.grad", slots): 1,
+        ("backward", "all_to_all", "tpxep", "dispatch.grad.sum", slots): 1,
+    })
+
+
 @pytest.mark.parametrize(("mesh", "strategy", "chunks"), [
     ("dp=2,cp=2", "dp,cp", 2), ("cp=2,ep=2", "cp,ep", 2), ("cp=2,ep=2,tp=2", "cp,ep,megatron,sp", 2),
     ("cp=2,ep=2,tp=2", "cp,ep,megatron,etp=1", 2), ("cp=2,ep=2,tp=2", "cp,ep,megatron,sp,etp=1", 4),
@@ -102,13 +115,7 @@ def test_etp1_under_cp_is_megatron_s_token_path_on_the_cp_x_tp_chunks() -> None:
     experts; the load-balancing shares [B, S, 1] gathered over tp beside the token losses (16 B)."""
     _, plan, _ = plan_model(json.dumps({**MOE, "layers": 1}), "cp=2,ep=2,tp=2", "cp,ep,megatron,sp,etp=1")
     moe = {k: n for k, n in _per_layer(plan, "layers.0.").items() if not k[3].startswith(("attn", "k_rope", "v4"))}
-    assert moe == {
-        ("forward", "all_to_all", "epxtp", "dispatch", 384): 1,
-        ("forward", "all_to_all", "tpxep", "experts.rows", 384): 1,
-        ("forward", "all_reduce", "cpxtp", "aux.f3", 48): 1,
-        ("backward", "all_to_all", "epxtp", "experts.rows.grad", 384): 1,
-        ("backward", "all_to_all", "tpxep", "dispatch.grad.sum", 384): 1,
-    }
+    assert moe == etp1_moe(384, 48)
     cp, ep, tp = (plan.mesh.dim_index(d) for d in ("cp", "ep", "tp"))
     assert plan.attrs["layers.0.chunks"].dims_mapping == (ep, (cp, tp), -1, -1)
     assert plan.attrs["layers.0.dispatch"].dims_mapping == (-1, cp, (ep, tp), -1, -1)

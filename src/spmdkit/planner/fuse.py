@@ -20,13 +20,22 @@ soundness (the planner reshards each input from how it is held to what the answe
   projection's output: sequence over cp, partial over tp) is read on the fused mesh
   as if it held the co-shard: the answer asks it reduce-scattered over ``b`` onto the co-shard, as
   Megatron's sequence parallelism does, instead of the co-shard read as its largest dim (which,
-  with tp > cp, keeps the sequence over tp alone and gathers it over cp).
+  with tp > cp, keeps the sequence over tp alone and gathers it over cp). One that holds ``a``
+  alone and is whole over ``b`` is not: read as the co-shard, a co-shard a rule made in passing
+  (the batch over ``(dp, tp)`` in an imported attention) would spread over the whole plan, each
+  such tensor sliced onto it. Where the strategy wants one on the co-shard it marks it so.
 - An op whose other tensors hold ``b`` alone on an axis of their own (the vocab-parallel
   embedding's weight beside the co-sharded gradient) is asked on the real mesh with the co-shard
   read as ``a`` alone (:class:`Trim`): ``b`` is gathered from the sequence, ``a`` kept.
 
 An op that holds ``a`` or ``b`` otherwise (the experts: batch over ``dp``, experts over ``ep``)
 is asked on the real mesh as before.
+
+Each co-shard is judged on its own, and every one that qualifies is fused (or trimmed) in the
+same question: under ``--strategy dp,ep,megatron,sp,cp`` the residual stream is ``[(dp, ep), (cp,
+tp), H]``, two co-shards. Fusing only the first (the batch) left the rule reading the sequence's
+``(cp, tp)`` as its largest dim, so every norm, add and MoE op around the experts gathered the
+sequence over cp (or tp) and sliced it again (docs/experts.md, "Under cp": two co-shards).
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from spmdkit.core.dist_attr import Partial, TensorDistAttr, dims_entry, entry_dims
+from spmdkit.core.dist_attr import Entry, Partial, TensorDistAttr, dims_entry, entry_dims
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.spec import DistTensorSpec, SpmdResult
 from spmdkit.engine.memo import Recent
@@ -50,24 +59,20 @@ def _specs(args: Sequence[Any]) -> list[DistTensorSpec]:
     return out
 
 
-def _coshard(specs: Sequence[DistTensorSpec]) -> tuple[int, int] | None:
+def _coshards(specs: Sequence[DistTensorSpec]) -> list[tuple[int, int]]:
+    """The co-shards ``(a, b)`` (an entry's first two mesh dims) the tensors hold, in the order
+    met, each once."""
+    out: list[tuple[int, int]] = []
     for s in specs:
         for e in s.dist_attr.dims_mapping:
-            if isinstance(e, tuple) and len(e) >= 2:
-                return e[0], e[1]
-    return None
+            if isinstance(e, tuple) and len(e) >= 2 and (e[0], e[1]) not in out:
+                out.append((e[0], e[1]))
+    return out
 
 
-def fused_pair(args: Sequence[Any]) -> tuple[int, int] | None:
-    """The mesh dims ``(a, b)`` the rule's tensor arguments hold only as the co-shard ``(a, b)``
-    (and partial over both or neither, with one reduce type) or as ``a`` alone on an axis and
-    partial over ``b`` alone (read as the co-shard: its reduction over ``b`` becomes a
-    reduce-scatter onto it), or None (no co-shard, or one of the two held otherwise)."""
-    specs = _specs(args)
-    pair = _coshard(specs)
-    if pair is None:
-        return None
-    a, b = pair
+def _fuses(specs: Sequence[DistTensorSpec], a: int, b: int) -> bool:
+    """The tensors hold ``a`` and ``b`` only as the co-shard ``(a, b)`` (and partial over both or
+    neither, with one reduce type) or as ``a`` alone on an axis and partial over ``b`` alone."""
     for s in specs:
         attr = s.dist_attr
         pt = attr.partial_status
@@ -79,34 +84,67 @@ def fused_pair(args: Sequence[Any]) -> tuple[int, int] | None:
                 if i >= 0 and i + 1 < len(ds) and ds[i + 1] == b:
                     continue  # the co-shard itself
                 if i < 0 or i + 1 < len(ds) or a in pt or b not in pt:
-                    return None  # b without a, a inside an entry, or a alone and not partial over b alone
+                    return False  # b without a, a inside an entry, or a alone and not partial over b alone
                 alone = True
         if not alone and ((a in pt) != (b in pt) or (a in pt and pt[a] != pt[b])):
-            return None  # partial over one of the two only
-    return pair
+            return False  # partial over one of the two only
+    return True
+
+
+def _pairs(args: Sequence[Any]) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
+    """(the co-shards the rule is asked with fused, those it is asked with trimmed to their major
+    dim) of the rule's tensor arguments: each co-shard on its own (the batch over ``(dp, ep)``
+    and the sequence over ``(cp, tp)`` of one tensor are two, each fused), a co-shard sharing a
+    mesh dim with one taken before it left as it is."""
+    specs = _specs(args)
+    fuse: list[tuple[int, int]] = []
+    trim: list[tuple[int, int]] = []
+    used: set[int] = set()
+    for a, b in _coshards(specs):
+        if a in used or b in used:
+            continue
+        if _fuses(specs, a, b):
+            fuse.append((a, b))
+        elif _minor_elsewhere(specs, a, b):
+            trim.append((a, b))
+        else:
+            continue
+        used.update((a, b))
+    return tuple(fuse), tuple(trim)
+
+
+def fused_pairs(args: Sequence[Any]) -> tuple[tuple[int, int], ...]:
+    """The co-shards ``(a, b)`` whose mesh dims the rule's tensor arguments hold only as that
+    co-shard (and partial over both or neither, with one reduce type) or as ``a`` alone on an
+    axis and partial over ``b`` alone (read as the co-shard: its reduction over ``b`` becomes a
+    reduce-scatter onto it); empty where there is none. Several co-shards (the batch over ``(dp,
+    ep)`` and the sequence over ``(cp, tp)``) are fused together, each pair on its own."""
+    return _pairs(args)[0]
 
 
 class Fusion:
-    """The real mesh, the fused one (``a`` and ``b`` one dim, at ``a``'s place) and the maps."""
+    """The real mesh, the fused one (each pair ``(a, b)`` one dim, at ``a``'s place) and the maps."""
 
-    def __init__(self, mesh: ProcessMesh, a: int, b: int) -> None:
-        self.mesh, self.a, self.b = mesh, a, b
+    def __init__(self, mesh: ProcessMesh, pairs: tuple[tuple[int, int], ...]) -> None:
+        self.mesh, self.pairs = mesh, pairs
+        minor = {b for _, b in pairs}
+        self.minor = {a: b for a, b in pairs}  # major -> minor
         shape = list(mesh.shape)
         names = list(mesh.dim_names)
-        shape[a] *= shape[b]
-        names[a] = f"{names[a]}x{names[b]}"
-        del shape[b], names[b]
-        self.fused = ProcessMesh(shape, dim_names=names)
-        self.to = [d - (d > b) for d in range(mesh.ndim)]  # real dim -> fused dim (b: unused)
-        self.back = [d for d in range(mesh.ndim) if d != b]  # fused dim -> real dim
+        for a, b in pairs:
+            shape[a] *= shape[b]
+            names[a] = f"{names[a]}x{names[b]}"
+        self.back = [d for d in range(mesh.ndim) if d not in minor]  # fused dim -> real dim
+        self.fused = ProcessMesh([shape[d] for d in self.back], dim_names=[names[d] for d in self.back])
+        self.to = [d - sum(m < d for m in minor) for d in range(mesh.ndim)]  # real dim -> fused dim (a minor: unused)
         # each map is a function of the dist attr alone: the repeated layers map few, once each
         self._in: Recent[TensorDistAttr] = Recent(4096)
         self._out: Recent[TensorDistAttr] = Recent(4096)
 
     @staticmethod
-    def of(mesh: ProcessMesh, a: int, b: int) -> Fusion:
-        """The fusion of ``a`` and ``b`` on ``mesh``, made once (with its maps' memos)."""
-        return _FUSIONS.get((mesh, a, b), lambda: Fusion(mesh, a, b))
+    def of(mesh: ProcessMesh, pairs: tuple[tuple[int, int], ...]) -> Fusion:
+        """The fusion of ``pairs`` on ``mesh``, made once (with its maps' memos)."""
+        return _FUSIONS.get((mesh, pairs), lambda: Fusion(mesh, pairs))
 
     def attr_in(self, attr: TensorDistAttr) -> TensorDistAttr:
         got = self._in.known(attr)  # hundreds of thousands of calls a search: the look-up alone first
@@ -117,25 +155,20 @@ class Fusion:
         return got if got is not None else self._out.get(attr, lambda: self._attr_out(attr))
 
     def _attr_in(self, attr: TensorDistAttr) -> TensorDistAttr:
-        dm = []
-        for e in attr.dims_mapping:
-            ds = [self.to[d] for d in entry_dims(e) if d != self.b]
-            dm.append(dims_entry(ds))
-        pt: Partial = tuple((self.to[d], r) for d, r in attr.partial if d != self.b)
+        to, minor = self.to, self.minor.values()
+        dm = [dims_entry([to[d] for d in entry_dims(e) if d not in minor]) for e in attr.dims_mapping]
+        pt: Partial = tuple((to[d], r) for d, r in attr.partial if d not in minor)
         return TensorDistAttr.unchecked(self.fused, tuple(dm), pt)
 
+    def _real(self, d: int) -> tuple[int, ...]:
+        """The real mesh dims of fused dim ``d``: a pair's two, major first, or the one."""
+        r = self.back[d]
+        return (r, self.minor[r]) if r in self.minor else (r,)
+
     def _attr_out(self, attr: TensorDistAttr) -> TensorDistAttr:
-        a, b = self.a, self.b
-        dm = []
-        for e in attr.dims_mapping:
-            ds: list[int] = []
-            for d in entry_dims(e):
-                ds.extend((a, b) if self.back[d] == a else (self.back[d],))
-            dm.append(dims_entry(ds))
-        pt: list[tuple[int, Any]] = []
-        for d, r in attr.partial:
-            pt.extend(((a, r), (b, r)) if self.back[d] == a else ((self.back[d], r),))
-        return TensorDistAttr.unchecked(self.mesh, tuple(dm), tuple(sorted(pt)))
+        dm = [dims_entry([r for d in entry_dims(e) for r in self._real(d)]) for e in attr.dims_mapping]
+        pt = sorted((r, t) for d, t in attr.partial for r in self._real(d))
+        return TensorDistAttr.unchecked(self.mesh, tuple(dm), tuple(pt))
 
     def arg_in(self, x: Any) -> Any:
         if isinstance(x, DistTensorSpec):
@@ -152,19 +185,14 @@ class Fusion:
         return x
 
 
-#: fusions by (mesh, a, b), each with its maps' memos (emptied with the engine's memo tables)
+#: fusions by (mesh, pairs), each with its maps' memos (emptied with the engine's memo tables)
 _FUSIONS: Recent[Fusion] = Recent(64)
 
 
-def minor_elsewhere(args: Sequence[Any]) -> tuple[int, int] | None:
-    """The co-shard ``(a, b)`` of a tensor argument where another holds ``b`` alone on an axis of
-    its own (a tensor-parallel weight beside the sequence co-sharded ``(cp, tp)``), ``a`` only in
-    the co-shard or alone; or None."""
-    specs = _specs(args)
-    pair = _coshard(specs)
-    if pair is None:
-        return None
-    a, b = pair
+def _minor_elsewhere(specs: Sequence[DistTensorSpec], a: int, b: int) -> bool:
+    """A tensor holds ``b`` alone on an axis of its own (a tensor-parallel weight beside the
+    sequence co-sharded ``(cp, tp)``), and every tensor ``a`` only in the co-shard ``(a, b)`` or
+    alone (and ``b`` only there or alone)."""
     elsewhere = False
     for s in specs:
         for e in s.dist_attr.dims_mapping:
@@ -174,24 +202,24 @@ def minor_elsewhere(args: Sequence[Any]) -> tuple[int, int] | None:
             if ds == (b,):
                 elsewhere = True
             elif a in ds or b in ds:
-                return None
-    return pair if elsewhere else None
+                return False
+    return elsewhere
 
 
 class Trim:
-    """The co-shard ``(a, b)`` read as ``a`` alone: an op whose other tensors hold ``b`` on an
-    axis of their own is asked with ``b`` gathered from the co-sharded axis (Megatron's sequence
-    parallelism: the sequence all-gathered over tp before a tensor-parallel op), rather than the
-    co-shard read as its largest dim (which, with tp > cp, keeps the sequence over tp and gathers
-    it over cp)."""
+    """Each co-shard ``(a, b)`` of ``pairs`` read as ``a`` alone: an op whose other tensors hold
+    ``b`` on an axis of their own is asked with ``b`` gathered from the co-sharded axis
+    (Megatron's sequence parallelism: the sequence all-gathered over tp before a tensor-parallel
+    op), rather than the co-shard read as its largest dim (which, with tp > cp, keeps the sequence
+    over tp and gathers it over cp)."""
 
-    def __init__(self, a: int, b: int) -> None:
-        self.a, self.b = a, b
+    def __init__(self, pairs: tuple[tuple[int, int], ...]) -> None:
+        self.major: dict[tuple[int, ...], Entry] = {(a, b): a for a, b in pairs}
 
     def arg_in(self, x: Any) -> Any:
         if isinstance(x, DistTensorSpec):
             attr = x.dist_attr
-            dm = tuple(self.a if entry_dims(e) == (self.a, self.b) else e for e in attr.dims_mapping)
+            dm = tuple(self.major.get(entry_dims(e), e) for e in attr.dims_mapping)
             if dm == attr.dims_mapping:
                 return x
             return DistTensorSpec(x.shape, TensorDistAttr.unchecked(attr.mesh, dm, attr.partial))
@@ -202,17 +230,18 @@ class Trim:
 
 def infer_fused(fn: Callable[..., SpmdResult], args: Sequence[Any], mesh: ProcessMesh) -> SpmdResult:
     """``fn(*args)`` (a rule's infer function), on the fused mesh where the tensors hold two mesh
-    dims only as one co-shard (:func:`fused_pair`), else as it is."""
-    pair = fused_pair(args)
-    if pair is None:
-        trim = minor_elsewhere(args)
-        if trim is not None:
-            t = Trim(*trim)
-            return fn(*[t.arg_in(x) for x in args])
+    dims only as one co-shard (:func:`fused_pairs`: each such pair fused), with the co-shards
+    whose minor dim another tensor holds alone read as their major dim (:class:`Trim`), else as
+    it is."""
+    fuse, trim = _pairs(args)
+    if trim:
+        t = Trim(trim)
+        args = [t.arg_in(x) for x in args]
+    if not fuse:
         return fn(*args)
-    f = Fusion.of(mesh, *pair)
+    f = Fusion.of(mesh, fuse)
     res = fn(*[f.arg_in(x) for x in args])
     return SpmdResult([f.res_out(x) for x in res.inputs], [f.res_out(x) for x in res.outputs])
 
 
-__all__ = ["Fusion", "Trim", "fused_pair", "infer_fused", "minor_elsewhere"]
+__all__ = ["Fusion", "Trim", "fused_pairs", "infer_fused"]

@@ -273,18 +273,26 @@ def annotate(model: Model, mesh: ProcessMesh, strategy: Iterable[str],
         # the residual stream, and under cp the MoE output back from the cp chunks (whole over tp
         # with ETP = tp: sliced onto the stream's co-shard, not the stream gathered for the add)
         back = chunk_outputs(prog) if cp is not None else []
-        for n in [*model.residual, *back]:
+        # with ETP = tp the gradient of a norm output only the cp chunks read comes back whole over
+        # tp (every tp rank routed the cp rank's tokens): sliced onto the co-shard where it is, the
+        # norm's backward on the rank's own tokens (not the stream gathered over tp for it)
+        routed = [g for x in chunk_inputs(prog, layers or moe_layers(prog)) if (g := x + ".grad") in prog.tensors] \
+            if cp is not None and fold is None else []
+        for n in [*model.residual, *back, *routed]:
             d = dm(n)
             d[1] = tp if cp is None else (cp, tp)  # under cp: the cp rank's chunk split again over tp
             d[0] = batch
         # gathered copies: the normalised activations the column-parallel projections read (not
         # those only a MoE layer routed in chunks reads: each tp rank routes its own tokens), and
         # (backward) the gradients of the row-parallel projections' outputs (not the experts':
-        # their rows go back to the tokens by all-to-all first)
+        # their rows go back to the tokens by all-to-all first) and, with ETP = tp, of the MoE
+        # output back from the cp chunks (every tp rank routed the cp rank's tokens: gathered
+        # over tp alone, not the co-shard read whole into the chunks)
         own = chunk_inputs(prog, layers) if ep is not None and fold is not None else frozenset()
         for n in [*(x for x in model.norm_outputs if x not in own),
                   *(g for r in model.row_outputs if (g := r + ".grad") in prog.tensors
-                    and (ep is None or len(prog.tensors[g].shape) == 3))]:
+                    and (ep is None or len(prog.tensors[g].shape) == 3)),
+                  *(g for r in back if fold is None and (g := r + ".grad") in prog.tensors)]:
             d = dm(n)
             d[0] = batch
             if cp is not None:
