@@ -297,12 +297,11 @@ def config_for(cfg: Any, mesh: ProcessMesh, strategy: Any) -> Any:
     ``cp`` chunks, :func:`spmdkit.strategies.context.moe_chunks`) each cp chunk split again in
     ``tp``: ``cp x tp`` chunks, one a rank of the (cp, tp) co-shard of the sequence; ``cfg``
     otherwise."""
-    st = set(strategy)
-    if not cfg.experts or not {"megatron", "sp", "ep", "etp=1"} <= st:
+    tp = tp_chunks(mesh, strategy)  # the tp size under megatron,sp,ep,etp=1, else 1
+    if not cfg.experts or tp == 1:
         return cfg
-    tp = mesh.shape[mesh.dim_index("tp")] if "tp" in mesh.dim_names else 1
     chunks = tp * (cfg.moe_chunks if cfg.cp > 1 else 1)
-    return cfg.with_(moe_chunks=chunks) if tp > 1 and cfg.seq % chunks == 0 else cfg
+    return cfg.with_(moe_chunks=chunks) if cfg.seq % chunks == 0 else cfg
 
 
 def tp_chunks(mesh: ProcessMesh, strategy: Any) -> int:
