@@ -284,6 +284,29 @@ def test_failure_line_names_torchruns_root_cause(tmp_path: Path) -> None:
     assert _failure_line(str(tmp_path), log, 1) == "rank 3 failed: ValueError: x; torchrun ended every rank (exit 1)"
 
 
+def test_failure_line_names_the_rank_whose_own_error_came_first(tmp_path: Path) -> None:
+    """torchrun may observe first a peer that lost its connection to the failing rank (CI saw rank
+    3's gloo error named for rank 2's RuntimeError): the rank with an error of its own is named."""
+    import os
+
+    from spmdkit.execute.torchrun import _failure_line
+
+    log = ("Root Cause (first observed failure):\n[0]:\n  rank      : 3 (local_rank: 3)\n  exitcode  : 1 (pid: 1)\n"
+           "  error_file: <N/A>\n  traceback : To enable traceback see: ...\n")
+    (tmp_path / "error.3").write_text("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] "
+                                      "Connection closed by peer [127.0.0.1]:12345\n")
+    assert _failure_line(str(tmp_path), log, 1).startswith("rank 3 failed: RuntimeError: [../third_party/gloo")
+    (tmp_path / "error.2").write_text("RuntimeError: rank two cannot place lm_head\n")
+    os.utime(tmp_path / "error.2", ns=(1, 1))  # written after the peer's, still named
+    assert _failure_line(str(tmp_path), log, 1) == ("rank 2 failed: RuntimeError: rank two cannot place lm_head; "
+                                                   "torchrun ended every rank (exit 1)")
+    (tmp_path / "error.2").unlink()
+    killed = log.replace("exitcode  : 1", "exitcode  : -9").replace("To enable traceback see: ...",
+                                                                  "Signal 9 (SIGKILL) received by PID 1")
+    (tmp_path / "error.3").rename(tmp_path / "error.1")
+    assert _failure_line(str(tmp_path), killed, 1) == "rank 3 failed: killed by SIGKILL; torchrun ended every rank (exit 1)"
+
+
 @pytest.mark.parametrize(("args", "line"), [
     (["--model", "tiny-llama"], "spmdkit run: --engine torch runs an --hf model"),
     (["--hf", "LlamaForCausalLM"], "spmdkit run: --hf needs --hf-config FILE|JSON (the model's config)"),

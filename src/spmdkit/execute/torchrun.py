@@ -163,10 +163,22 @@ def _errors_suffix(folder: str) -> str:
     return f"; rank {errs[0][1]}: {errs[0][2]}" if errs else ""
 
 
+# A rank's error that only says a peer went away (gloo's or NCCL's words): it follows the failure
+# that ended that peer, and torchrun may observe it first.
+_PEER_LOST = re.compile(r"Connection (?:closed|reset) by peer|Broken pipe|communicator was aborted|"
+                        r"remote process exited", re.I)
+
+
 def _failure_line(folder: str, log: str, rc: int) -> str:
-    """One line: the rank torchrun names as the root cause (its first observed failure) and its
-    error, else the first rank that wrote one, else torchrun's own last words."""
-    errs = {r: line for _t, r, line in _rank_errors(folder)}
+    """One line: the first rank that wrote an error of its own (not a peer's lost connection), else
+    the rank torchrun names as the root cause (its first observed failure: a rank killed by a
+    signal writes nothing), else the first rank that wrote any error, else torchrun's own last
+    words."""
+    written = _rank_errors(folder)
+    errs = {r: line for _t, r, line in written}
+    own = [(r, line) for _t, r, line in written if not _PEER_LOST.search(line)]
+    if own:
+        return f"rank {own[0][0]} failed: {own[0][1]}; torchrun ended every rank (exit {rc})"
     root = re.search(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", log, re.S)
     if root:
         rank, code = int(root.group(1)), int(root.group(2))
@@ -175,9 +187,8 @@ def _failure_line(folder: str, log: str, rc: int) -> str:
             sig = re.search(r"Signal (\d+) \((\w+)\) received", log[root.start():])
             why = f"killed by {sig.group(2)}" if sig else f"exit {code}, no error written"
         return f"rank {rank} failed: {why}; torchrun ended every rank (exit {rc})"
-    if errs:
-        rank = _rank_errors(folder)[0][1]
-        return f"rank {rank} failed: {errs[rank]}; torchrun ended every rank (exit {rc})"
+    if written:
+        return f"rank {written[0][1]} failed: {written[0][2]}; torchrun ended every rank (exit {rc})"
     lines = [ln.strip() for ln in log.splitlines() if ln.strip() and not ln.lstrip().startswith(("File ", "^", "~"))]
     return f"torchrun failed (exit {rc}): {lines[-1][:400] if lines else 'no output'}"
 
