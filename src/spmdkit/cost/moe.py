@@ -280,10 +280,15 @@ def combine_rows_unkept(plan: Plan, reads: dict[str, list[int]]) -> frozenset[st
     kept for the activation's backward or, under ``moe_act`` recomputation, to run it again),
     and the unpermute after the combine all-to-all (``token_dispatcher.py``,
     ``MoEAlltoAllTokenDispatcher.token_unpermutation``: ``unpermute`` without probs) keeps
-    nothing. Such rows live to their last forward reader. Empty under other frameworks."""
+    nothing. Such rows live to their last forward reader. Empty under other frameworks. A table
+    of the program alone (``reads`` is made from it), made once per program."""
     if plan.runtime.framework != "megatron":
         return frozenset()
-    prog = plan.program
+    return plan.program.derived(  # type: ignore[no-any-return]
+        "moe.combine_rows_unkept", lambda prog: _combine_rows_read_alone(prog, reads))
+
+
+def _combine_rows_read_alone(prog: Program, reads: dict[str, list[int]]) -> frozenset[str]:
     out: set[str] = set()
     for op in prog.ops:
         x = op.inputs.get("x") if op.rule == "moe_combine_grad" else None
