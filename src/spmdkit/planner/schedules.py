@@ -218,25 +218,6 @@ def run_schedule(schedule: str, p: int, v: int, m: int, fwd: list[float], bwd: l
     # the end of each forward / backward unit done, at [virtual stage x m + microbatch]
     done_f: list[float | None] = [None] * (n * m)
     done_b: list[float | None] = [None] * (n * m)
-
-    def ready(kind: str, k: int, at: int) -> float | None:
-        """When unit (kind, k) of microbatch slot ``at`` may start as far as other stages go."""
-        if kind == "F":
-            d = 0.0 if k == 0 else done_f[at - m]  # the forward of the stage before
-            return None if d is None else d + (sf[k - 1] if k else 0.0)
-        if kind == "W":
-            return done_b[at]
-        if k == n - 1:
-            return done_f[at]
-        d = done_b[at + m]  # the backward of the stage after
-        return None if d is None else d + sb[k]
-
-    def after(kind: str, k: int) -> float:
-        """The send a blocking sender waits on after unit (kind, k)."""
-        if not blocking_sends or kind == "W":
-            return 0.0
-        return (sf[k] if k < n - 1 else 0.0) if kind == "F" else (sb[k - 1] if k > 0 else 0.0)
-
     pos = [0] * p
     free = [0.0] * p
     last_b = [0.0] * p
@@ -246,15 +227,16 @@ def run_schedule(schedule: str, p: int, v: int, m: int, fwd: list[float], bwd: l
     while remaining:
         progressed = False
         for r in range(p):
-            while pos[r] < len(orders[r]):
-                step = orders[r][pos[r]:pos[r] + (2 if pos[r] in pairs[r] else 1)]
-                deps = [ready(kind, k, k * m + i) for kind, k, i in step]
-                if any(d is None for d in deps):
-                    break
-                start = max([free[r], *(d for d in deps if d is not None)])
-                if len(step) == 2:  # a merged forward and backward (a2a is given)
-                    (_f, kf, i_f), (_b, kb, i_b) = step
+            order, merge = orders[r], pairs[r]
+            while pos[r] < len(order):
+                if merge and pos[r] in merge:  # a merged forward and backward (a2a is given)
+                    (_f, kf, i_f), (_b, kb, i_b) = order[pos[r]], order[pos[r] + 1]
+                    d_f = _dep("F", kf, kf * m + i_f, m, n, done_f, done_b, sf, sb)
+                    d_b = _dep("B", kb, kb * m + i_b, m, n, done_f, done_b, sf, sb)
+                    if d_f is None or d_b is None:
+                        break
                     assert a2a is not None
+                    start = max(free[r], d_f, d_b)
                     (af, _x), (_y, ab) = a2a[kf], a2a[kb]
                     dur = max(af, bwd[kb] - ab) + max(ab, fwd[kf] - af)
                     hidden[r] += fwd[kf] + bwd[kb] - dur
@@ -262,26 +244,56 @@ def run_schedule(schedule: str, p: int, v: int, m: int, fwd: list[float], bwd: l
                     free[r] = start + dur
                     units += [(r, "F", kf, i_f, start, cut), (r, "B", kb, i_b, cut, free[r])]
                     done_f[kf * m + i_f] = done_b[kb * m + i_b] = free[r]
-                    free[r] += after("F", kf) + after("B", kb)
                     last_b[r] = dur
-                else:
-                    kind, k, i = step[0]
-                    dur = fwd[k] if kind == "F" else wt[k] if kind == "W" else bwd[k]
-                    free[r] = start + dur
-                    units.append((r, kind, k, i, start, free[r]))
-                    if kind == "F":
-                        done_f[k * m + i] = free[r]
-                    elif kind == "B":
-                        done_b[k * m + i] = free[r]
-                        last_b[r] = dur
-                    free[r] += after(kind, k)
-                pos[r] += len(step)
-                remaining -= len(step)
+                    if blocking_sends:
+                        free[r] += (sf[kf] if kf < n - 1 else 0.0) + (sb[kb - 1] if kb > 0 else 0.0)
+                    pos[r] += 2
+                    remaining -= 2
+                    progressed = True
+                    continue
+                kind, k, i = order[pos[r]]
+                at = k * m + i
+                dep = _dep(kind, k, at, m, n, done_f, done_b, sf, sb)
+                if dep is None:
+                    break
+                dur = fwd[k] if kind == "F" else bwd[k] if kind == "B" else wt[k]
+                start = max(free[r], dep)
+                free[r] = start + dur
+                units.append((r, kind, k, i, start, free[r]))
+                if kind == "F":
+                    done_f[at] = free[r]
+                elif kind == "B":
+                    done_b[at] = free[r]
+                if blocking_sends and kind != "W":
+                    free[r] += (sf[k] if k < n - 1 else 0.0) if kind == "F" else (sb[k - 1] if k > 0 else 0.0)
+                if kind == "B":
+                    last_b[r] = dur
+                pos[r] += 1
+                remaining -= 1
                 progressed = True
         if not progressed:  # cannot happen for the three schedules; never loop forever
             raise ProgramError(f"--schedule {schedule}: the schedule deadlocks (p={p}, v={v}, m={m})")
     busy = [m * sum(fwd[c * p + r] + bwd[c * p + r] + wt[c * p + r] for c in range(v)) - hidden[r] for r in range(p)]
     return ScheduleRun(free, busy, last_b, units, hidden if a2a is not None else [])
+
+
+def _dep(kind: str, k: int, at: int, m: int, n: int, done_f: list[float | None], done_b: list[float | None],
+         sf: list[float], sb: list[float]) -> float | None:
+    """When unit ``kind`` of virtual stage ``k`` at slot ``at`` (``k m`` + its microbatch) may
+    start as far as the other stages go (:func:`run_schedule`), None while its input is not made:
+    a forward after the stage before's forward and its send, a backward after the stage after's
+    backward and its send back (the last stage's after its own forward), a W after its B."""
+    if kind == "F":
+        if k == 0:
+            return 0.0
+        d = done_f[at - m]
+        return None if d is None else d + sf[k - 1]
+    if kind == "W":
+        return done_b[at]
+    if k == n - 1:
+        return done_f[at]
+    d = done_b[at + m]
+    return None if d is None else d + sb[k]
 
 
 def bubble_formula(schedule: str, p: int, v: int, m: int, times: tuple[float, float, float] | None = None) -> float:
