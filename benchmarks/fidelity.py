@@ -263,9 +263,6 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
             raise Unsupported(what)
     if m.get("moe") and not (isinstance(m["moe"], dict) and m["moe"].get("catalog")):
         raise Unsupported("mixture of experts without a catalog architecture")
-    if par.get("ep_comm_overlap"):
-        raise Unsupported("the experts' dispatch and combine overlapped with another microbatch's computation "
-                          "(Megatron-Core --overlap-moe-expert-parallel-comm, 1F1B A2A overlap)")
     assume: list[str] = []
     device, mem_gib = _device(row, tmp)
     tp, pp, dp = int(par["tp"]), int(par["pp"]), int(par["dp"])
@@ -337,6 +334,8 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
         argv.append("--tp-comm-overlap")
     if nemo is not None and nemo[2]:
         argv.append("--cross-entropy-fusion")
+    if par.get("ep_comm_overlap"):  # Megatron-Core's --overlap-moe-expert-parallel-comm (1F1B A2A overlap)
+        argv.append("--ep-comm-overlap")
     if pp > 1 and row["id"].startswith(("narayanan21", "korthikanti22")):
         # Megatron-LM of 2021-2022 (megatron/p2p_communication.py): batch_isend_irecv, req.wait()
         # and torch.cuda.synchronize() after every exchange; overlap_p2p_comm came in 2023-05

@@ -268,12 +268,16 @@ def test_megatron_moe_tflops_rows_are_planned_with_the_moe_count() -> None:
         assert a[a.index("--mesh") + 1] == "pp=8,dp=2,cp=2,ep=2,tp=4" and c2.gpus == 256 and c2.measured == 277
         assert {"cp", "cp-attention=ring", "etp=1"} <= set(a[a.index("--strategy") + 1].split(","))
         assert a[a.index("--microbatches") + 1] == "64"
+        # --overlap-moe-expert-parallel-comm: the same layout as the row without it, plus --ep-comm-overlap
+        over = FID.express(MOE_ROWS["megatron_moe_zoo_h100_bf16_qwen3_235b_tp2_pp8_ep32_1f1b_overlap"], Path(d)).argv
+        base = FID.express(MOE_ROWS["megatron_moe_zoo_h100_bf16_qwen3_235b_tp2_pp8_ep32"], Path(d)).argv
+        assert "--ep-comm-overlap" in over and "--ep-comm-overlap" not in base
+        assert [a for a in over if a != "--ep-comm-overlap"] == base
         fsdp = FID.express(MOE_ROWS["megatron_moe_zoo_h100_bf16_qwen3_235b_tp2_ep8_fsdp"], Path(d)).argv
         assert fsdp[fsdp.index("--mesh") + 1] == "dp=32,ep=4,tp=2" and "zero3" in fsdp[fsdp.index("--strategy") + 1]
         assert fsdp[fsdp.index("--framework") + 1] == "megatron" and fsdp[fsdp.index("--grad-accum") + 1] == "4"
         for rid, match in (("qwen3_235b_seq128k_tp4_cp8_pp8_ep8_forced",
                             r"ETP = 1 with an expert group \(EP 8\) wider than TP 4"),
-                           ("qwen3_235b_tp2_pp8_ep32_1f1b_overlap", "--overlap-moe-expert-parallel-comm"),
                            ("qwen3_next_80b_a3b_tp1_pp4_ep32", "Gated DeltaNet")):
             with pytest.raises(FID.Unsupported, match=match):
                 FID.express(MOE_ROWS[f"megatron_moe_zoo_h100_bf16_{rid}"], Path(d))

@@ -1,7 +1,7 @@
 """How a plan's step runs beyond its shardings: the precision of the GEMMs, the framework whose
 memory and overlap conventions apply, and whether tensor-parallel communication overlaps the
 GEMMs. A plan carries one (:attr:`spmdkit.program.plan.Plan.runtime`); the CLI sets it from
-``--precision``, ``--framework`` and ``--tp-comm-overlap``. Standard library only.
+``--precision``, ``--framework``, ``--tp-comm-overlap`` and ``--ep-comm-overlap``. Standard library only.
 
 - ``precision``: ``fp32``, ``bf16``, ``fp16`` or ``fp8``. ``fp8`` is Transformer Engine's (and
   torchao's float8 linears'): the GEMMs of the linear layers run on the fp8 tensor cores, their
@@ -15,6 +15,10 @@ GEMMs. A plan carries one (:attr:`spmdkit.program.plan.Plan.runtime`); the CLI s
   upcast, Transformer Engine's attention). :data:`FSDP2` names the FSDP2 ones.
 - ``tp_comm_overlap``: the tensor-parallel all-gathers and reduce-scatters run under the GEMMs
   that consume or produce them (Megatron's ``--tp-comm-overlap``, torch's async TP).
+- ``ep_comm_overlap``: Megatron-Core's ``--overlap-moe-expert-parallel-comm`` (with
+  ``--delay-wgrad-compute``): in the interleaved pipeline's steady state a forward and another
+  microbatch's backward run as one merged step, each one's expert-parallel all-to-alls under
+  the other's computation (:mod:`spmdkit.planner.schedules`, docs/experts.md).
 - ``grad_dtype``: ``fp32`` or ``bf16``, the dtype the framework accumulates and reduces the
   gradients in (Megatron-LM's ``--accumulate-allreduce-grads-in-fp32``, Megatron-Core's
   ``grad_reduce_in_fp32``, NeMo's ``optim.grad_sync_dtype``); None: the framework's default
@@ -119,6 +123,7 @@ class Runtime:
     moe_routing: str = "topk"
     ce_fusion: bool = False
     p2p_overlap: bool = True
+    ep_comm_overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.moe_dispatcher not in DISPATCHERS:
@@ -182,6 +187,8 @@ class Runtime:
             out["ce_fusion"] = True
         if not self.p2p_overlap:
             out["p2p_overlap"] = False
+        if self.ep_comm_overlap:
+            out["ep_comm_overlap"] = True
         return out
 
 
