@@ -268,6 +268,11 @@ def test_megatron_moe_tflops_rows_are_planned_with_the_moe_count() -> None:
         assert a[a.index("--mesh") + 1] == "pp=8,dp=2,cp=2,ep=2,tp=4" and c2.gpus == 256 and c2.measured == 277
         assert {"cp", "cp-attention=ring", "etp=1"} <= set(a[a.index("--strategy") + 1].split(","))
         assert a[a.index("--microbatches") + 1] == "64"
+        assert "--moe-skew" not in a  # the rows' routing skew is not modelled (docs/experts.md, "Routing skew")
+        dropless = MOE_ROWS["megatron_moe_zoo_h100_bf16_qwen3_235b_seq32k_tp4_cp2_pp8_ep8_dropless"]
+        skewed = dict(dropless, parallelism={**dropless["parallelism"], "moe_skew": "aux-loss"})
+        a = FID.express(skewed, Path(d)).argv
+        assert a[a.index("--moe-skew") + 1] == "aux-loss"
         fsdp = FID.express(MOE_ROWS["megatron_moe_zoo_h100_bf16_qwen3_235b_tp2_ep8_fsdp"], Path(d)).argv
         assert fsdp[fsdp.index("--mesh") + 1] == "dp=32,ep=4,tp=2" and "zero3" in fsdp[fsdp.index("--strategy") + 1]
         assert fsdp[fsdp.index("--framework") + 1] == "megatron" and fsdp[fsdp.index("--grad-accum") + 1] == "4"
