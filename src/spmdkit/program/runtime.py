@@ -75,7 +75,7 @@ ROUTINGS = ("topk", "balanced")
 SKEW_FIGURES: dict[str, tuple[float, str]] = {
     "aux-loss": (1.52, "Wang et al. 2024, 'Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-Experts' "
                        "(arXiv 2408.15664), Table 2: MaxVio_global 0.52 of the auxiliary-loss-controlled 3B MoE "
-                       "(64 routed experts, top-6), over the validation set"),
+                       "(64 routed experts, top-6, alpha 0.001), over the validation set"),
     "r1-decode": (11.948, "NVIDIA/TensorRT-LLM docs/source/blogs/tech_blog/blog4_Scaling_Expert_Parallelism_in_"
                           "TensorRT-LLM.md, Table 1 'No EPLB': DeepSeek-R1 serving a machine-translation dataset on "
                           "EP 32, the hottest expert 10.948 x more routed tokens than the mean (per layer and "
