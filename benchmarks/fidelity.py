@@ -327,6 +327,8 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
         argv += ["--moe-dispatcher", str(par["dispatcher"])]
     if par.get("routing"):
         argv += ["--moe-routing", str(par["routing"])]
+    if par.get("moe_skew"):  # the routing skew of the run's router: a number or a published figure's name
+        argv += ["--moe-skew", str(par["moe_skew"])]
     if framework == "torchtitan":  # training.compile: Inductor's fused blocks, or eager PyTorch ops
         argv.append("--compile" if par.get("torch_compile") else "--no-compile")
     overlaps = str(par.get("overlaps") or "")

@@ -343,9 +343,12 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cross-entropy-fusion", dest="ce_fusion", action="store_true",
                    help="framework megatron: the loss as Megatron's --cross-entropy-loss-fusion runs it (NeMo's "
                         "cross_entropy_loss_fusion: fewer passes over the fp32 logits; default off, as in Megatron-LM)")
-    p.add_argument("--moe-skew", dest="moe_skew", metavar="F",
+    p.add_argument("--moe-skew", dest="moe_skew", metavar="F|NAME",
                    help="mixture of experts: the busiest expert receives F x the mean tokens (the others share the "
-                        "rest); under expert parallelism the step waits for the busiest ep rank (default 1: uniform)")
+                        "rest); under expert parallelism the step waits for the busiest ep rank (default 1: uniform); "
+                        "NAME: a published figure, aux-loss (1.52: an auxiliary-loss router's MaxVio over a "
+                        "validation set, Wang et al. 2024) or r1-decode (11.948: DeepSeek-R1's hottest expert per "
+                        "layer and iteration, TensorRT-LLM's wide-EP blog); docs/experts.md")
     p.add_argument("--moe-histogram", dest="moe_histogram", metavar="FILE|JSON",
                    help="mixture of experts: measured tokens per expert, a JSON list (one number per expert) or a "
                         "file holding one, instead of --moe-skew")

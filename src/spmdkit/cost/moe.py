@@ -15,7 +15,8 @@ docs/devices.md, "Mixture of experts".
   (many experts, top-k of few tokens) as the slower GEMM it is.
 - Load imbalance (:func:`rank_load`): uniform routing gives every expert ``tokens x top_k / E``;
   ``--moe-skew F`` gives the busiest expert ``F`` times that and the others an even share of the
-  rest, ``--moe-histogram`` the measured tokens per expert. Experts sit on the ep ranks in
+  rest (``--moe-skew NAME``: a published ``F``, :data:`spmdkit.program.runtime.SKEW_FIGURES`),
+  ``--moe-histogram`` the measured tokens per expert. Experts sit on the ep ranks in
   contiguous blocks of ``E / ep`` (Megatron-Core's ``local_expert_indices``); the step waits
   for the busiest ep rank, whose load over the mean is ``rho = max_r sum_{e in r} n_e / (sum_e
   n_e / ep)``; with one skewed expert ``rho = (F + (E/ep - 1) (E - F) / (E - 1)) / (E/ep)``
@@ -53,7 +54,7 @@ from spmdkit.engine.facts import LocalOp, OpCost
 from spmdkit.engine.memo import Recent
 from spmdkit.program.ir import Program, flat_refs
 from spmdkit.program.plan import Plan
-from spmdkit.program.runtime import Runtime
+from spmdkit.program.runtime import Runtime, skew_label
 
 
 @dataclass(frozen=True)
@@ -190,7 +191,7 @@ def rank_load(rt: Runtime, experts: int, top_k: int, ep: int) -> float:
         return max(ranks) / (sum(ranks) / ep)
     f = rt.moe_skew
     if f > experts / top_k + 1e-9:
-        raise ProgramError(f"--moe-skew {f:g}: an expert receives at most every token once, {experts / top_k:g} x "
+        raise ProgramError(f"--moe-skew {skew_label(f)}: an expert receives at most every token once, {experts / top_k:g} x "
                            f"the mean ({experts} experts, top-{top_k})")
     if f == 1.0 or ep <= 1 or experts % ep or experts <= 1:
         return 1.0
