@@ -54,8 +54,8 @@ def run_devices(req: PlanRequest, out: TextIO) -> int:
         loaded = load(source)
         model, what = loaded.program, loaded.title
 
-        def reload(b: int) -> Program:  # the pipelines' microbatches: the model traced again at b sequences
-            return load(replace(source, batch=b)).program
+        def reload(b: int, chunks: int) -> Program:  # a pipeline's microbatch (b sequences); etp=1's tp chunks
+            return load(replace(source, batch=b, tp_chunks=chunks)).program
 
     elif m.program:
         loaded = load(program_source(m, layers, batch, seq))
