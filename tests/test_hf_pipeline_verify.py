@@ -52,3 +52,22 @@ def test_a_wrong_microbatch_weighting_is_caught(monkeypatch: pytest.MonkeyPatch)
     v = verify_plan.verify_pipeline_hf("LlamaForCausalLM", LLAMA, "pp=2,tp=2", parse_spec(2), "megatron")
     assert v["stages_in_order"] and v["failures"] == []
     assert not v["losses_agree"] and not v["ok"] and "average to the whole batch's loss: NO" in v["text"]
+
+
+def test_hf_pipeline_verify_checks_the_plan_s_split(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--stages 0,2,2,0`` (an embedding-only first stage, a loss-only last one: the ops cut by
+    ``op_units(ends=True)``): --verify simulates the tiny model split as the plan is, 4 layers 0, 2,
+    2, 0 (it simulated its own even split, 1 a stage, before), the stages in order and every tensor
+    equal; a middle split the layers do not divide evenly (--stages 1,3 of 4) likewise."""
+    cfg = json.dumps({**LLAMA, "num_hidden_layers": 4})
+    for mesh, stages, want in (("pp=4,tp=2", "0,2,2,0", [0, 2, 2, 0]), ("pp=2,dp=2", "1,3", [1, 3])):
+        rc, out, err = _run(["plan", "--hf", "LlamaForCausalLM", "--hf-config", cfg, "--mesh", mesh, "--strategy",
+                             "megatron" if "tp" in mesh else "dp", "--stages", stages, "--microbatches", "2",
+                             "--seq", "64", "--json", "--verify"], capsys)
+        assert rc == 0, err
+        got = json.loads(out)
+        v = got["verify"]
+        assert got["pipeline"]["layers_per_stage"] == want
+        assert f"with 4 layers in {len(want)} pipeline stages split {', '.join(map(str, want))} (" in v["text"]
+        assert v["layers_per_stage"] == want and v["layers"] == 4, v["text"]
+        assert v["ok"] and v["stages_in_order"] and v["losses_agree"] and v["failures"] == []
