@@ -261,8 +261,8 @@ def test_devices_traces_the_model_once_per_batch_and_routing() -> None:
     """The search over an --hf MoE imports the model again once per (sequences, tp chunks) it
     needs, not once per candidate: ETP = 1's ZeRO stages share the flat import routed in tp chunks
     (8 sequences, 2 chunks), the pipelines' microbatches of 2 sequences one import routed whole
-    (ETP = tp) and one in tp chunks (ETP = 1), ep=2 x tp=4 one in 4 chunks; ETP = tp's flat
-    configurations plan the program as first imported. Every etp=1 configuration planned on a program routed in 2 chunks."""
+    (ETP = tp) and one in tp chunks (ETP = 1); ETP = tp's flat configurations plan the program as
+    first imported, and so does ETP = 1 on ep=2 x tp=4, which 4 experts refuse. Every etp=1 configuration planned on a program routed in 2 chunks."""
     from dataclasses import replace
 
     from spmdkit.models.source import HFModel, load
@@ -279,8 +279,8 @@ def test_devices_traces_the_model_once_per_batch_and_routing() -> None:
         warnings.simplefilter("ignore")
         res = search_meshes(load(src).program, 8, "h100", recompute=["none"], reload=reload,
                             strategies=["megatron,sp,ep,etp=1", "megatron,sp,ep,etp=1,zero1", "megatron,sp,ep"])
-    assert sorted(traced) == [(2, 1), (2, 2), (8, 2), (8, 4)]
-    # ep=2 x tp=4 traced in 4 chunks, then refused for what it is, not for its routing
+    assert sorted(traced) == [(2, 1), (2, 2), (8, 2)]
+    # ep=2 x tp=4 not traced in 4 chunks: refused for what it is (its experts), not for its routing
     assert {why for c, why in res.refused if (c.ep, c.tp) == (2, 4) and "etp=1" in c.strategy} == {
         "--mesh ep=2,tp=4: with etp=1 the experts are spread over ep x tp = 8 ranks, which does not divide the "
         "model's 4 experts; an ep x tp of 2 or 4 does"}

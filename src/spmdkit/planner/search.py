@@ -946,7 +946,7 @@ def _plan_program_config(cfg: Config, prog: Program, job: _Job, sizes: _Sizes,
                          reload: Reload | None) -> list[Candidate]:
     full_cost, cost_text = job.cost_text, pp_cost_text(job.cost_text, None)  # pp= times the sends only
     info = None
-    prog, micro = program_for(cfg, prog, sizes.batch, reload)  # a microbatch's step; etp=1 routed in tp chunks
+    prog, micro = program_for(cfg, prog, sizes, reload)  # a microbatch's step; etp=1 routed in tp chunks
     title = f"mesh {cfg.mesh_text}; {cfg.strategy}{micro}"
     if cfg.strategy == "auto":
         plan, info = _auto(prog, cfg, job, cost_text)

@@ -123,17 +123,22 @@ def _cached(reload: Reload) -> Reload:
     return get
 
 
-def program_for(cfg: Config, prog: Program, batch: int | None, reload: Reload | None) -> tuple[Program, str]:
+def program_for(cfg: Config, prog: Program, sizes: _Sizes, reload: Reload | None) -> tuple[Program, str]:
     """The program ``cfg`` is planned on and what its title says of it (the microbatches, the MoE
-    routing): ``prog`` (traced at ``batch`` sequences, each routed whole), or with ``reload`` the
-    model traced again at a pipeline's microbatch (``batch / m`` sequences) and, under
+    routing): ``prog`` (traced at ``sizes.batch`` sequences, each routed whole), or with ``reload``
+    the model traced again at a pipeline's microbatch (``batch / m`` sequences) and, under
     ``megatron,sp,ep,etp=1``, routed in tp chunks (Megatron's ETP = 1 token path,
     :func:`spmdkit.strategies.experts.tp_chunks`), as ``spmdkit plan --hf --strategy`` imports it
-    for the same layout. Without ``reload`` (a program file) ``prog`` as it is: a strategy it was
-    not traced for is refused when planned (:func:`spmdkit.strategies.experts.check_tp_chunks`)."""
+    for the same layout; not where ep x tp does not divide the experts (planning refuses that
+    for the experts whatever the routing, so it is not traced for). Without ``reload`` (a program
+    file) ``prog`` as it is: a strategy it was not traced for is refused when planned
+    (:func:`spmdkit.strategies.experts.check_tp_chunks`)."""
+    batch = sizes.batch
     if reload is None or not batch:
         return prog, ""
     chunks = 1 if cfg.strategy == "auto" else tp_chunks(_sub_mesh(cfg), cfg.strategy.split(","))
+    if sizes.experts % (cfg.ep * cfg.tp):
+        chunks = 1  # check_ep refuses ETP = 1 here before the routing is looked at
     micro = cfg.pp > 1 and cfg.microbatches > 1
     if not micro and chunks == 1:
         return prog, ""
