@@ -71,3 +71,20 @@ def test_hf_pipeline_verify_checks_the_plan_s_split(capsys: pytest.CaptureFixtur
         assert f"with 4 layers in {len(want)} pipeline stages split {', '.join(map(str, want))} (" in v["text"]
         assert v["layers_per_stage"] == want and v["layers"] == 4, v["text"]
         assert v["ok"] and v["stages_in_order"] and v["losses_agree"] and v["failures"] == []
+
+
+def test_devices_verify_of_an_hf_pipeline_checks_its_split(capsys: pytest.CaptureFixture[str]) -> None:
+    """``plan --hf --devices 2 --verify`` whose best is a pipeline (a 5-layer Llama under a memory
+    cap only pp=2 fits, 1.14 GiB against dp's 1.52): the verdict is the pipeline check on the split
+    the search priced (3, 2), not the strategy on one stage's sub-mesh (before: 1 rank, no stages)."""
+    cfg = json.dumps({**LLAMA, "num_hidden_layers": 5})
+    rc, out, err = _run(["plan", "--hf", "LlamaForCausalLM", "--hf-config", cfg, "--devices", "2", "--strategy", "dp",
+                         "--recompute", "none", "--seq", "64", "--batch", "4", "--memory", "1.3GiB", "--json",
+                         "--verify"], capsys)
+    assert rc == 0, err
+    got = json.loads(out)
+    assert "best of 2 devices: mesh pp=2,dp=1,tp=1; dp" in got["title"]
+    split = got["pipeline"]["layers_per_stage"]
+    v = got["verify"]
+    assert "with 5 layers in 2 pipeline stages split 3, 2 (" in v["text"] and split == [3, 2]
+    assert v["layers_per_stage"] == split and v["ok"] and v["stages_in_order"] and v["losses_agree"]

@@ -158,11 +158,31 @@ def verify_config(best: Candidate, model_name: str, cost_text: str | None = None
     if cfg.strategy == "auto":
         return verify_auto(best.plan, model_name, cost_text)
     if cfg.pp > 1:  # the split planned (an uneven one where the layers do not divide)
-        counts = getattr(best.estimate, "counts", None)
-        spec = parse_spec(cfg.pp, microbatches=cfg.pp if cfg.virtual > 1 else 1,
-                          virtual=cfg.virtual if cfg.virtual > 1 else None)
+        spec, counts = _best_pipeline(best)
         return verify_pipeline(model_name, cfg.mesh_text, spec, cfg.strategy, counts)
     return verify_strategy(model_name, cfg.mesh_text, cfg.strategy, cost_text)
+
+
+def verify_config_hf(best: Candidate, class_name: str, config: Any, patterns: Any = None,
+                     cost_text: str | None = None, fallback: str = "error") -> dict[str, Any]:
+    """``--verify`` of the search's best configuration of an ``--hf`` model, as
+    :func:`verify_config` a preset's: its strategy on its mesh at a tiny config (:func:`verify_hf`)
+    or, with pp, the pipeline check of :func:`verify_pipeline_hf` on the split planned."""
+    cfg = best.config
+    if cfg.pp > 1:
+        spec, counts = _best_pipeline(best)
+        return verify_pipeline_hf(class_name, config, cfg.mesh_text, spec, cfg.strategy, patterns, fallback,
+                                  counts=counts)
+    return verify_hf(class_name, config, cfg.sub_mesh_text, cfg.strategy, patterns, cost_text, fallback=fallback)
+
+
+def _best_pipeline(best: Candidate) -> tuple[PipelineSpec, tuple[int, ...] | None]:
+    """The search's best pipeline configuration as --verify simulates it: its schedule (1F1B, or
+    interleaved over its virtual stages) and the layers per virtual stage it was priced with."""
+    cfg = best.config
+    spec = parse_spec(cfg.pp, microbatches=cfg.pp if cfg.virtual > 1 else 1,
+                      virtual=cfg.virtual if cfg.virtual > 1 else None)
+    return spec, getattr(best.estimate, "counts", None)
 
 
 
@@ -325,7 +345,7 @@ def verify_hf(class_name: str, config: Any, mesh_text: str, strategy_text: str |
             "failures": [list(f) for f in rep.failures], "loss": rep.loss, "text": "\n".join(lines)}
 
 
-__all__ = ["tiny_for_mesh", "tiny_hf_config", "verify_auto", "verify_config", "verify_hf", "verify_pipeline", "verify_strategy"]
+__all__ = ["tiny_for_mesh", "tiny_hf_config", "verify_auto", "verify_config", "verify_config_hf", "verify_hf", "verify_pipeline", "verify_strategy"]
 
 
 def _tiny_layers(tiny: dict[str, Any], layers: int) -> dict[str, Any]:
