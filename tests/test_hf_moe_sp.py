@@ -218,3 +218,76 @@ def test_run_on_gloo_equals_torch_eager() -> None:
     assert rep["loss"] == pytest.approx(eager["loss"], rel=1e-5)
     moe = collections.Counter((c["kind"], c["mesh_dim"]) for c in rep["collectives"] if c["tensor"].startswith("moe_"))
     assert moe == {("all_to_all", 0): 8, ("all_to_all", 1): 8}  # 2 layers x 4 all-to-alls over ep x tp, each 2
+
+
+# -- the search (--devices) ----------------------------------------------------------------------------
+
+MIXTRAL2 = json.dumps({**MIXTRAL, "num_hidden_layers": 2})
+
+
+def _json(*argv: str) -> dict[str, Any]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rc, out = cli_stdout("plan", "--hf", "MixtralForCausalLM", "--hf-config", MIXTRAL2, "--batch", "8", "--seq",
+                             "16", "--recompute", "none", "--json", *argv)
+    assert rc == 0, out[-2000:]
+    return dict(json.loads(out))
+
+
+def test_devices_plans_etp1_routed_in_tp_chunks_as_strategy_does() -> None:
+    """`plan --hf --devices 8`: ETP = 1 with sp (megatron,sp,ep,etp=1) is planned, not refused as
+    routed whole: flat (dp=2 x ep=2 x tp=2) and as a pipeline (pp=2, 4 microbatches of 2), each
+    predicted exactly as `plan --hf --mesh ... --strategy` of the same layout predicts it (the step
+    and the memory per device); the best's title names the routing."""
+    got = _json("--devices", "8", "--strategy", "megatron,sp,ep,etp=1")
+    s = got["search"]
+    assert not [r for r in s["refused"] if "routes each sequence whole" in r["reason"]], s["refused"]
+    rows = {(r["dp"], r["ep"], r["tp"], r["pp"]): r for r in s["top"]}
+    assert {(2, 2, 2, 1), (1, 2, 2, 2)} <= set(rows), sorted(rows)
+    assert "each sequence routed in 2 chunks, one a tp rank" in got["title"]
+    flat = _json("--mesh", "dp=2,ep=2,tp=2", "--strategy", "megatron,sp,ep,etp=1", "--device", "h100")
+    assert rows[(2, 2, 2, 1)]["step_s"] == pytest.approx(flat["step"]["step_overlap_s"], rel=1e-12)
+    assert rows[(2, 2, 2, 1)]["memory_per_device"] == flat["memory"]["device_total"]
+    assert "(each sequence routed in 2 chunks, one a tp rank)" in flat["title"]
+    pipe = _json("--mesh", "pp=2,dp=1,ep=2,tp=2", "--strategy", "megatron,sp,ep,etp=1", "--microbatches", "4",
+                 "--device", "h100")
+    assert rows[(1, 2, 2, 2)]["microbatches"] == 4
+    assert rows[(1, 2, 2, 2)]["step_s"] == pytest.approx(pipe["pipeline"]["step_overlap_s"], rel=1e-12)
+    assert rows[(1, 2, 2, 2)]["memory_per_device"] == max(d["memory"]["device_total"]
+                                                          for d in pipe["pipeline"]["devices"])
+
+
+def test_devices_traces_the_model_once_per_batch_and_routing() -> None:
+    """The search over an --hf MoE imports the model again once per (sequences, tp chunks) it
+    needs, not once per candidate: ETP = 1's ZeRO stages share the flat import routed in tp chunks
+    (8 sequences, 2 chunks), the pipelines' microbatches of 2 sequences one import routed whole
+    (ETP = tp) and one in tp chunks (ETP = 1); ETP = tp's flat configurations plan the program as
+    first imported, and so does ETP = 1 on ep=2 x tp=4, which 4 experts refuse. Every etp=1 configuration planned on a program routed in 2 chunks."""
+    from dataclasses import replace
+
+    from spmdkit.models.source import HFModel, load
+    from spmdkit.planner.search import search_meshes
+
+    src = HFModel("MixtralForCausalLM", MIXTRAL2, "float32", 8, 16, weights=False)
+    traced: list[tuple[int, int]] = []
+
+    def reload(b: int, chunks: int) -> Any:
+        traced.append((b, chunks))
+        return load(replace(src, batch=b, tp_chunks=chunks)).program
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = search_meshes(load(src).program, 8, "h100", recompute=["none"], reload=reload,
+                            strategies=["megatron,sp,ep,etp=1", "megatron,sp,ep,etp=1,zero1", "megatron,sp,ep"])
+    assert sorted(traced) == [(2, 1), (2, 2), (8, 2)]
+    # ep=2 x tp=4 not traced in 4 chunks: refused for what it is (its experts), not for its routing
+    assert {why for c, why in res.refused if (c.ep, c.tp) == (2, 4) and "etp=1" in c.strategy} == {
+        "--mesh ep=2,tp=4: with etp=1 the experts are spread over ep x tp = 8 ranks, which does not divide the "
+        "model's 4 experts; an ep x tp of 2 or 4 does"}
+    etp = [c for c in res.candidates if "etp=1" in c.config.strategy]
+    assert {(c.config.dp, c.config.ep, c.config.tp, c.config.pp, c.config.strategy) for c in etp} == {
+        (d, 2, 2, p, "megatron,sp,ep,etp=1" + z) for d, p in ((2, 1), (1, 2)) for z in ("", ",zero1")}
+    for c in etp:
+        d = next(op for op in c.plan.program.ops if op.rule == "moe_gate_dispatch")
+        assert c.plan.program.tensors[d.outputs[0]].shape[1] == 2  # [B, T, E, C, H]: one chunk a tp rank
+    assert not [why for _c, why in res.refused if "etp=1" in why and "whole" in why]

@@ -54,8 +54,8 @@ def run_devices(req: PlanRequest, out: TextIO) -> int:
         loaded = load(source)
         model, what = loaded.program, loaded.title
 
-        def reload(b: int) -> Program:  # the pipelines' microbatches: the model traced again at b sequences
-            return load(replace(source, batch=b)).program
+        def reload(b: int, chunks: int) -> Program:  # a pipeline's microbatch (b sequences); etp=1's tp chunks
+            return load(replace(source, batch=b, tp_chunks=chunks)).program
 
     elif m.program:
         loaded = load(program_source(m, layers, batch, seq))
@@ -78,11 +78,11 @@ def run_devices(req: PlanRequest, out: TextIO) -> int:
             raise ProgramError("--verify: simulates a preset, catalog or --hf model's strategy; it does not apply to "
                                "the --auto plan of an --hf model")
         require_simulator()
-        from spmdkit.sim.verify_plan import verify_config, verify_hf  # (needs numpy)
+        from spmdkit.sim.verify_plan import verify_config, verify_config_hf  # (needs numpy)
 
-        if m.hf is not None and m.hf_config is not None:  # its strategy on the (stages') mesh at a tiny config
-            verdict = verify_hf(m.hf, m.hf_config, best.config.sub_mesh_text, best.config.strategy, patterns,
-                                pp_cost_text(req.links.cost, None), fallback=m.fallback or "error")
+        if m.hf is not None and m.hf_config is not None:  # its strategy (its pipeline's split) at a tiny config
+            verdict = verify_config_hf(best, m.hf, m.hf_config, patterns, pp_cost_text(req.links.cost, None),
+                                       m.fallback or "error")
         else:
             verdict = verify_config(best, str(model), req.links.cost)
     title = f"{what}; best of {n} devices: {best.title}" if best is not None else what

@@ -94,7 +94,7 @@ def run_pipeline_plan(req: PlanRequest, out: TextIO) -> int:
 
         if isinstance(source, HFModel):
             verdict = verify_pipeline_hf(source.class_name, source.config, req.mesh_text, spec, strategy,
-                                         parse_tp_plan(m.tp_plan), source.fallback)
+                                         parse_tp_plan(m.tp_plan), source.fallback, counts=est.counts)
         else:
             verdict = verify_pipeline(m.model, req.mesh_text, spec, strategy or "megatron", est.counts)
     hint = bubble_hint(plan, est)

@@ -239,13 +239,13 @@ def _op_units(prog: Program, ends: bool = False) -> tuple[list[int], int]:
     return out, n
 
 
-def op_stages(prog: Program, counts: tuple[int, ...], units: tuple[list[int], int] | None = None) -> list[int]:
-    """The virtual stage of every op (:func:`op_units`: the embedding with the first stage, the
-    head and the loss with the last, an optimizer update with its parameter's stage). A first
-    or last stage of no layer holds the embedding or the head alone (``op_units(ends=True)``)."""
-    if counts and (counts[0] == 0 or counts[-1] == 0):
-        units = op_units(prog, ends=True)
-    unit, n_layers = units if units is not None else op_units(prog)
+def op_stages(prog: Program, counts: tuple[int, ...]) -> list[int]:
+    """The virtual stage of every op of ``prog`` split ``counts`` layers a stage, from the ops'
+    units it reads itself (:func:`op_units`, found once per program: the embedding with the first
+    stage, the head and the loss with the last, an optimizer update with its parameter's stage);
+    where the first or last stage holds no layer (a count of 0) from ``op_units(ends=True)``, so
+    that stage holds the embedding or the head alone."""
+    unit, n_layers = op_units(prog, ends=bool(counts) and (counts[0] == 0 or counts[-1] == 0))
     last = len(counts) - 1
     of_layer: list[int] = []
     for s, c in enumerate(counts):
@@ -409,7 +409,7 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | 
             times = [a + b for a, b in zip(oc.compute, oc.wait)] if oc is not None else None
             counts = split_layers(units[1], spec, balance=lambda n: auto_counts(plan, n, times, units))
             note = split_note(counts, units[1], spec, times is not None)
-        stages = op_stages(plan.program, counts, units)
+        stages = op_stages(plan.program, counts)
         k = recompute_layers(recompute)
         costs = stage_costs(plan, stages, counts, device, per_microbatch_mode(recompute), oc,
                             block_layers(plan.program, counts, k) if k else None)

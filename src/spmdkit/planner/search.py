@@ -37,9 +37,9 @@ a strategy cannot take, the search finding no solution in its time limit) is kep
 ``--annotate`` pins in a search index the mesh ``dp, tp`` (dims 0 and 1; a pipeline's pp dim
 holds no tensor). The global batch is the preset's (``--batch``); with pp it is split into the
 microbatches, so every configuration trains the same tokens per step. A program (imported or
-from a file) is planned as it was traced; with ``reload`` (an HF model: the program imported
-again at a batch) its pipelines are in microbatches as a preset's, without it (a program
-file) a pipeline runs the program's step as one microbatch.
+from a file) is planned as it was traced; with ``reload`` (an HF model imported again at a batch
+and a routing) its pipelines are in microbatches and ``etp=1`` routed in tp chunks as a preset's;
+without it (a program file) a pipeline runs the program's step as one microbatch.
 
 Layer folding (:mod:`spmdkit.planner.fold`, ``fold=True``): a preset's configuration is planned
 and priced on two shallow copies of the model and its step, memory, communication and
@@ -105,6 +105,7 @@ from spmdkit.planner.search_space import (
     LONG_SEQ,
     MICRO_BATCHES,
     Config,
+    Reload,
     _applicable_modes,
     _cached,
     _Sizes,
@@ -115,6 +116,7 @@ from spmdkit.planner.search_space import (
     factorizations,
     hand_strategies,
     parse_memory,
+    program_for,
 )
 from spmdkit.program.ir import Program
 from spmdkit.program.layers import layer_tags
@@ -362,7 +364,7 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
                   overrides: Mapping[str, int | None] | None = None, pins: Mapping[str, Any] | None = None,
                   cost_text: str | None = None, time_limit: float = 30.0, nodes_of: int | None = None,
                   patterns: Any = None, progress: SearchProgress | None = None,
-                  runtime: Runtime | None = None, reload: Callable[[int], Program] | None = None,
+                  runtime: Runtime | None = None, reload: Reload | None = None,
                   prune: bool | None = None, fold: bool = True, micro_batch: int | None = None,
                   workers: int | None = None) -> SearchResult:
     """Search ``devices`` devices for the fastest configuration of ``model`` (a preset name or a
@@ -374,7 +376,7 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
     ``recompute``: the modes to try (default all three). ``progress``: told of each
     configuration planned (:class:`SearchProgress`; default none). ``runtime``: precision,
     framework and TP overlap every plan is priced with (:class:`spmdkit.program.runtime.Runtime`).
-    ``reload``: a program ``model`` traced again at a batch (the pipelines' microbatches).
+    ``reload``: ``model`` traced again at (a batch, tp chunks) (:data:`search_space.Reload`).
     ``prune``: leave unplanned the configurations whose lower bounds
     (:mod:`spmdkit.planner.search_bounds`) show they cannot fit or cannot beat the best step
     found, and price a planned one's recomputation modes from full to none, stopping at the
@@ -941,13 +943,11 @@ def _counts(layers: int, cfg: Config) -> tuple[int, ...] | None:
 
 
 def _plan_program_config(cfg: Config, prog: Program, job: _Job, sizes: _Sizes,
-                         reload: Callable[[int], Program] | None) -> list[Candidate]:
+                         reload: Reload | None) -> list[Candidate]:
     full_cost, cost_text = job.cost_text, pp_cost_text(job.cost_text, None)  # pp= times the sends only
     info = None
-    title = f"mesh {cfg.mesh_text}; {cfg.strategy}"
-    if cfg.pp > 1 and cfg.microbatches > 1 and reload is not None and sizes.batch:
-        prog = reload(sizes.batch // cfg.microbatches)  # one microbatch's step
-        title += f"; {cfg.microbatches} microbatches of {sizes.batch // cfg.microbatches}"
+    prog, micro = program_for(cfg, prog, sizes, reload)  # a microbatch's step; etp=1 routed in tp chunks
+    title = f"mesh {cfg.mesh_text}; {cfg.strategy}{micro}"
     if cfg.strategy == "auto":
         plan, info = _auto(prog, cfg, job, cost_text)
         title += _auto_title(info)

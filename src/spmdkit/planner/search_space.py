@@ -20,6 +20,7 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.cost.memory import recompute_regions
 from spmdkit.models.zoo import ModelConfig
 from spmdkit.program.ir import Program
+from spmdkit.strategies.experts import tp_chunks
 from spmdkit.strategies.strategy import parse_mesh, parse_strategy, tp_problem
 
 #: the sequence length from which a preset's search also splits the sequence over a ``cp`` dim
@@ -103,16 +104,48 @@ def parse_memory(text: Any) -> int:
     return int(v)
 
 
-def _cached(reload: Callable[[int], Program]) -> Callable[[int], Program]:
-    """``reload`` tracing the program once per batch."""
-    done: dict[int, Program] = {}
+#: an imported program traced again: (sequences, tp chunks) -> the program at that batch, its MoE
+#: blocks routing each sequence in that many chunks (:func:`spmdkit.strategies.experts.tp_chunks`;
+#: 1: whole), as ``spmdkit plan --hf`` imports it for one configuration
+Reload = Callable[[int, int], Program]
 
-    def get(batch: int) -> Program:
-        if batch not in done:
-            done[batch] = reload(batch)
-        return done[batch]
+
+def _cached(reload: Reload) -> Reload:
+    """``reload`` tracing the program once per (batch, tp chunks): the configurations that share a
+    microbatch and a routing share one import (tracing is slow)."""
+    done: dict[tuple[int, int], Program] = {}
+
+    def get(batch: int, chunks: int) -> Program:
+        if (batch, chunks) not in done:
+            done[(batch, chunks)] = reload(batch, chunks)
+        return done[(batch, chunks)]
 
     return get
+
+
+def program_for(cfg: Config, prog: Program, sizes: _Sizes, reload: Reload | None) -> tuple[Program, str]:
+    """The program ``cfg`` is planned on and what its title says of it (the microbatches, the MoE
+    routing): ``prog`` (traced at ``sizes.batch`` sequences, each routed whole), or with ``reload``
+    the model traced again at a pipeline's microbatch (``batch / m`` sequences) and, under
+    ``megatron,sp,ep,etp=1``, routed in tp chunks (Megatron's ETP = 1 token path,
+    :func:`spmdkit.strategies.experts.tp_chunks`), as ``spmdkit plan --hf --strategy`` imports it
+    for the same layout; not where ep x tp does not divide the experts (planning refuses that
+    for the experts whatever the routing, so it is not traced for). Without ``reload`` (a program
+    file) ``prog`` as it is: a strategy it was not traced for is refused when planned
+    (:func:`spmdkit.strategies.experts.check_tp_chunks`)."""
+    batch = sizes.batch
+    if reload is None or not batch:
+        return prog, ""
+    chunks = 1 if cfg.strategy == "auto" else tp_chunks(_sub_mesh(cfg), cfg.strategy.split(","))
+    if sizes.experts % (cfg.ep * cfg.tp):
+        chunks = 1  # check_ep refuses ETP = 1 here before the routing is looked at
+    micro = cfg.pp > 1 and cfg.microbatches > 1
+    if not micro and chunks == 1:
+        return prog, ""
+    b = batch // cfg.microbatches if micro else batch
+    note = (f"; {cfg.microbatches} microbatches of {b}" if micro else "") + \
+        (f"; each sequence routed in {chunks} chunks, one a tp rank" if chunks > 1 else "")
+    return reload(b, chunks), note
 
 
 def _applicable_modes(prog: Program, modes: list[str], given: bool) -> list[str]:
@@ -293,6 +326,6 @@ def _sub_mesh(cfg: Config) -> ProcessMesh:
     return parse_mesh(cfg.sub_mesh_text)
 
 
-__all__ = ["LONG_SEQ", "MICRO_BATCHES", "VIRTUAL", "Config", "context_degrees", "expert_degrees", "factorizations",
+__all__ = ["LONG_SEQ", "MICRO_BATCHES", "VIRTUAL", "Config", "Reload", "context_degrees", "expert_degrees", "factorizations",
            "parse_memory",
-           "hand_strategies"]
+           "hand_strategies", "program_for"]

@@ -158,11 +158,31 @@ def verify_config(best: Candidate, model_name: str, cost_text: str | None = None
     if cfg.strategy == "auto":
         return verify_auto(best.plan, model_name, cost_text)
     if cfg.pp > 1:  # the split planned (an uneven one where the layers do not divide)
-        counts = getattr(best.estimate, "counts", None)
-        spec = parse_spec(cfg.pp, microbatches=cfg.pp if cfg.virtual > 1 else 1,
-                          virtual=cfg.virtual if cfg.virtual > 1 else None)
+        spec, counts = _best_pipeline(best)
         return verify_pipeline(model_name, cfg.mesh_text, spec, cfg.strategy, counts)
     return verify_strategy(model_name, cfg.mesh_text, cfg.strategy, cost_text)
+
+
+def verify_config_hf(best: Candidate, class_name: str, config: Any, patterns: Any = None,
+                     cost_text: str | None = None, fallback: str = "error") -> dict[str, Any]:
+    """``--verify`` of the search's best configuration of an ``--hf`` model, as
+    :func:`verify_config` a preset's: its strategy on its mesh at a tiny config (:func:`verify_hf`)
+    or, with pp, the pipeline check of :func:`verify_pipeline_hf` on the split planned."""
+    cfg = best.config
+    if cfg.pp > 1:
+        spec, counts = _best_pipeline(best)
+        return verify_pipeline_hf(class_name, config, cfg.mesh_text, spec, cfg.strategy, patterns, fallback,
+                                  counts=counts)
+    return verify_hf(class_name, config, cfg.sub_mesh_text, cfg.strategy, patterns, cost_text, fallback=fallback)
+
+
+def _best_pipeline(best: Candidate) -> tuple[PipelineSpec, tuple[int, ...] | None]:
+    """The search's best pipeline configuration as --verify simulates it: its schedule (1F1B, or
+    interleaved over its virtual stages) and the layers per virtual stage it was priced with."""
+    cfg = best.config
+    spec = parse_spec(cfg.pp, microbatches=cfg.pp if cfg.virtual > 1 else 1,
+                      virtual=cfg.virtual if cfg.virtual > 1 else None)
+    return spec, getattr(best.estimate, "counts", None)
 
 
 
@@ -185,6 +205,19 @@ def _pipeline_text(label: str, shape: tuple[Any, ...], failures: list[tuple[str,
     return "\n".join(lines)
 
 
+def _tiny_split(spec: PipelineSpec, counts: tuple[int, ...] | None) -> tuple[int, tuple[int, ...]]:
+    """(layers, layers per virtual stage) of the tiny model a pipeline --verify simulates: the
+    plan's ``counts`` where they are uneven (``--stages`` with empty end stages or uneven middle
+    ones, ``--stages auto``, a balanced split: the tiny model has the plan's layers, split as the
+    plan splits them), else ``pp * v`` layers (at least 2), one a stage."""
+    n = spec.pp * spec.virtual
+    if counts is not None and len(counts) == n and len(set(counts)) > 1:
+        return sum(counts), tuple(counts)
+    layers = max(2, n)
+    return layers, split_layers(layers, PipelineSpec(spec.pp, 1, spec.schedule, spec.virtual,
+                                                     tuple(even_split(layers, n)) if layers % n else None))
+
+
 def verify_pipeline(model_name: str, mesh_text: str, spec: PipelineSpec, strategy: str,
                     counts: tuple[int, ...] | None = None) -> dict[str, Any]:
     """``--verify`` of a pipeline plan of the preset ``model_name`` on ``mesh_text`` (with its pp
@@ -198,12 +231,7 @@ def verify_pipeline(model_name: str, mesh_text: str, spec: PipelineSpec, strateg
     _pp, sub = sub_mesh_text(parse_mesh(mesh_text))
     tiny = tiny_for_mesh(tiny_like(preset(model_name).with_(dropout=0.0)), sub, strategy)
     n = spec.pp * spec.virtual
-    if counts is not None and len(counts) == n and len(set(counts)) > 1:
-        layers = sum(counts)  # the plan's uneven split
-    else:
-        layers = max(2, n)
-        counts = split_layers(layers, PipelineSpec(spec.pp, 1, spec.schedule, spec.virtual,
-                                                   tuple(even_split(layers, n)) if layers % n else None))
+    layers, counts = _tiny_split(spec, counts)
     with warnings.catch_warnings():  # the tiny model's notes are not the user's model's
         warnings.simplefilter("ignore", UserWarning)
         model, plan, _ = plan_model(tiny, sub, strategy, {"layers": layers})
@@ -317,7 +345,7 @@ def verify_hf(class_name: str, config: Any, mesh_text: str, strategy_text: str |
             "failures": [list(f) for f in rep.failures], "loss": rep.loss, "text": "\n".join(lines)}
 
 
-__all__ = ["tiny_for_mesh", "tiny_hf_config", "verify_auto", "verify_config", "verify_hf", "verify_pipeline", "verify_strategy"]
+__all__ = ["tiny_for_mesh", "tiny_hf_config", "verify_auto", "verify_config", "verify_config_hf", "verify_hf", "verify_pipeline", "verify_strategy"]
 
 
 def _tiny_layers(tiny: dict[str, Any], layers: int) -> dict[str, Any]:
@@ -332,10 +360,14 @@ def _all_counted(labels: Any) -> Any:
 
 
 def verify_pipeline_hf(class_name: str, config: Any, mesh_text: str, spec: PipelineSpec, strategy: str | None,
-                       patterns: Any = None, fallback: str = "error", seq: int = 16) -> dict[str, Any]:
+                       patterns: Any = None, fallback: str = "error", seq: int = 16,
+                       counts: tuple[int, ...] | None = None) -> dict[str, Any]:
     """``plan --hf --verify`` with a pp dim, as :func:`verify_pipeline` checks a preset's: the HF
-    class at :func:`tiny_hf_config`'s size with ``pp * v`` layers (at least 2), planned on the
-    stages' sub-mesh under the same strategy; its ops are checked to run stage after stage
+    class at :func:`tiny_hf_config`'s size with ``pp * v`` layers (at least 2), one a stage, or
+    with ``counts`` (the plan's layers per virtual stage) where they are uneven (``--stages
+    0,...,0``: an embedding-only first / loss-only last stage, cut by ``op_units(ends=True)``;
+    ``--stages auto``, a balanced split) the plan's layers split as the plan splits them,
+    planned on the stages' sub-mesh under the same strategy; its ops are checked to run stage after stage
     (forward 0..n-1, backward n-1..0); 2 microbatches are simulated, each on its half of a batch
     (every tensor against its unsharded step), and their losses compared with the whole batch's
     unsharded loss: HF's loss is the mean over the counted tokens, so the labels carry no ignored
@@ -343,10 +375,8 @@ def verify_pipeline_hf(class_name: str, config: Any, mesh_text: str, spec: Pipel
     microbatches' (their sum for a summed loss)."""
     _pp, sub = sub_mesh_text(parse_mesh(mesh_text))
     n = spec.pp * spec.virtual
-    layers = max(2, n)
+    layers, counts = _tiny_split(spec, counts)
     tiny = _tiny_layers(tiny_hf_config(load_config(config)), layers)
-    counts = split_layers(layers, PipelineSpec(spec.pp, 1, spec.schedule, spec.virtual,
-                                               tuple(even_split(layers, n)) if layers % n else None))
     b = max(2, parse_mesh(sub).size)
     n_mb = 2
     with warnings.catch_warnings():  # the tiny model's notes are not the user's model's
@@ -382,7 +412,8 @@ def verify_pipeline_hf(class_name: str, config: Any, mesh_text: str, spec: Pipel
     checked = sum(r.checked for r in reps)
     how = "average" if mean else "sum"
     text = _pipeline_text(f"{class_name} at a tiny config", (layers, n, ordered, sub, n_mb, b, plan.mesh.size, checked),
-                          failures, (how, agree, total, ref.loss))
-    return {"ok": ok, "model": class_name, "config": tiny, "layers": layers, "stages_in_order": ordered,
+                          failures, (how, agree, total, ref.loss), counts)
+    return {"ok": ok, "model": class_name, "config": tiny, "layers": layers, "layers_per_stage": list(counts),
+            "stages_in_order": ordered,
             "microbatches": n_mb, "losses_agree": agree, "checked": checked,
             "failures": [list(f) for f in failures], "loss": total, "text": text}
