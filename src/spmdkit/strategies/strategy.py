@@ -58,18 +58,17 @@ from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.core.mesh import MAX_MESH_RANKS, ProcessMesh
 from spmdkit.models.zoo import Model, ModelConfig
 from spmdkit.strategies.context import check_options as check_cp_options
-from spmdkit.strategies.context import cp_marks
+from spmdkit.strategies.context import cp_marks, seq_dims, seq_entry
 from spmdkit.strategies.context import parse_option as parse_cp_option
-from spmdkit.strategies.context import seq_dims, seq_entry
 from spmdkit.strategies.context import zero_dims as cp_zero_dims
 from spmdkit.strategies.experts import (
     batch_entry,
     check_ep,
     check_etp,
-    ep_from_cp,
     chunk_inputs,
     chunk_outputs,
     ep_dim,
+    ep_from_cp,
     expert_fold,
     expert_marks,
     moe_layers,
