@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 
 from conftest import run_json
+from hf_moe_helpers import MIXTRAL
 from spmd_helpers import T
+from spmdkit.cli.common import mesh_dp
 from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.cost.context import cp_ops, ring_costs
@@ -101,8 +103,8 @@ def test_the_batch_is_over_dp_alone() -> None:
     """With a dp dim (dp=2 x cp=2 x ep=2 x tp=2, batch 2: one sequence a dp rank) the batch is
     over dp only and the sequence over (cp, ep, tp); a dense gradient is one all-reduce over dp x
     cp x ep, an expert's over dp x cp (EDP = 4)."""
-    model, plan, _ = plan_model(json.dumps({**QWEN, "batch": 2}), "dp=2,cp=2,ep=2,tp=2",
-                                "dp,megatron,sp,ep,etp=1,cp,ep-from=cp")
+    _, plan, _ = plan_model(json.dumps({**QWEN, "batch": 2}), "dp=2,cp=2,ep=2,tp=2",
+                            "dp,megatron,sp,ep,etp=1,cp,ep-from=cp")
     dp, cp, ep, tp = (plan.mesh.dim_index(d) for d in ("dp", "cp", "ep", "tp"))
     assert plan.attrs["layers.0.resid1"].dims_mapping == (dp, (cp, ep, tp), -1)
     assert plan.attrs["layers.0.dispatch"].dims_mapping == (dp, cp, (tp, ep), -1, -1)
@@ -140,13 +142,15 @@ def test_refusals(mesh: str, strategy: str, match: str) -> None:
 
 
 def test_ep_from_dp_is_the_default_and_an_imported_model_is_refused() -> None:
-    """``ep-from=dp`` adds nothing (the batch over (dp, ep), as without it); an imported (--hf)
-    program is refused by name (its cp_attention is traced for the cp dim alone)."""
+    """``ep-from=dp`` adds nothing (the batch over (dp, ep), as without it); with ``ep-from=cp`` a
+    catalog model's default batch is one sequence a dp rank (not a dp x ep one); an imported
+    (--hf) program is refused by name (its cp_attention is traced for the cp dim alone)."""
     _, a, _ = plan_model(json.dumps({**MOE, "layers": 1}), "cp=2,ep=2", "cp,ep,ep-from=dp")
     _, b, _ = plan_model(json.dumps({**MOE, "layers": 1}), "cp=2,ep=2", "cp,ep")
     assert a.attrs["layers.0.resid1"].dims_mapping == b.attrs["layers.0.resid1"].dims_mapping == (1, 0, -1)
-    from hf_moe_helpers import MIXTRAL
-    with pytest.raises(ProgramError, match="ep-from=cp: .* catalog and zoo models only"):
+    assert mesh_dp("cp=4,ep=2,tp=4", "megatron,sp,ep,cp,ep-from=cp") == 1  # a catalog model's default batch
+    assert mesh_dp("cp=4,ep=2,tp=4", "megatron,sp,ep,cp") == 2
+    with pytest.raises(ProgramError, match=r"ep-from=cp: .* catalog and zoo models only"):
         plan_hf("MixtralForCausalLM", MIXTRAL, "cp=2,ep=2", "cp,ep,ep-from=cp", "float32", 2, 16)
 
 
