@@ -34,6 +34,12 @@ every MoE tensor, so the all-to-alls over ep carry each rank's own tokens and no
 cp around a MoE layer (Megatron-Core's experts see no cp: ep and the expert-data-parallel group
 are carved out of the dp x cp ranks).
 
+With ``ep-from=cp`` (:func:`ep_from_cp`: Megatron-Core's expert group taking cp ranks where tp x
+dp is narrower than it) ep is carved from the cp ranks instead: outside the experts the sequence
+is over ``(cp, ep)`` (``(cp, ep, tp)`` under sp) and the batch over ``dp`` alone, the chunks
+``(cp, ep)`` (x tp) give ep (and tp) to the experts by the dispatch, cp kept; the gradients as
+under cp (an expert's over dp x cp, a dense one over dp x cp x ep).
+
 The ops outside the experts see the batch co-sharded ``(dp, ep)``; the planner asks their rules on
 the mesh with the two dims fused (:mod:`spmdkit.planner.fuse`), so no rule gathers it. Dense
 parameters' gradients come out partial over ``dp`` and ``ep`` (reduced over both), the experts'

@@ -31,6 +31,10 @@
   attention by ``cp_attention`` (``cp-attention=allgather|ring|alltoall`` and
   ``cp-balance=zigzag|none`` items, added by ``--cp-attention`` / ``--cp-balance``); gradients
   reduced over dp x cp, ZeRO's states sharded over it; a MoE model routed one chunk a cp rank.
+- ``ep-from=cp`` (with ``ep`` and ``cp``): the expert group carved from the context-parallel
+  ranks, not the data-parallel ones (Megatron-Core's folding where tp x dp is narrower than its
+  expert group): outside the experts ``ep`` is one more cp dim (the sequence over ``(cp, ep)``,
+  the batch over ``dp`` alone); ``ep-from=dp`` is the default and adds nothing.
 - ``zero1`` / ``zero2`` (``zero``) / ``zero3`` (``fsdp``): ZeRO over ``dp``
   (:func:`optimizer_layouts`): optimizer states (moments, fp32 master weights) sharded on
   their first axis not already sharded that ``dp`` divides, or where none does unevenly on
