@@ -61,17 +61,17 @@ def test_a_three_dim_co_shard_is_fused_as_nested_pairs() -> None:
 #: all-to-all over the ep x tp group each way, forward and backward; the counts [1, 1, 8] (32 B)
 #: all-reduced over the 16 ranks (2 x 15/16 x 32 B). Nothing else: ring attention passes its kv
 #: blocks inside the kernel.
-QWEN_LAYER = collections.Counter({
-    ("forward", "all_gather", "tp", "attn_norm.out", 384): 1,
-    ("forward", "reduce_scatter", "tp", "attn_out", 384): 1,
-    ("forward", "all_to_all", "tpxep", "dispatch", 448): 1,
-    ("forward", "all_to_all", "epxtp", "experts.rows", 448): 1,
-    ("forward", "all_reduce", "cpxepxtp", "aux.f3", 60): 1,
-    ("backward", "all_gather", "tp", "attn_out.grad", 384): 1,
-    ("backward", "all_to_all", "tpxep", "experts.rows.grad", 448): 1,
-    ("backward", "all_to_all", "epxtp", "dispatch.grad.sum", 448): 1,
-    ("backward", "reduce_scatter", "tp", "attn_norm.out.grad.sum", 384): 1,
-})
+QWEN_LAYER = collections.Counter([
+    ("forward", "all_gather", "tp", "attn_norm.out", 384),
+    ("forward", "reduce_scatter", "tp", "attn_out", 384),
+    ("forward", "all_to_all", "tpxep", "dispatch", 448),
+    ("forward", "all_to_all", "epxtp", "experts.rows", 448),
+    ("forward", "all_reduce", "cpxepxtp", "aux.f3", 60),
+    ("backward", "all_gather", "tp", "attn_out.grad", 384),
+    ("backward", "all_to_all", "tpxep", "experts.rows.grad", 448),
+    ("backward", "all_to_all", "epxtp", "dispatch.grad.sum", 448),
+    ("backward", "reduce_scatter", "tp", "attn_norm.out.grad.sum", 384),
+])
 
 
 def test_the_plan_s_collectives_on_16_ranks_by_hand() -> None:
