@@ -119,14 +119,17 @@ def test_the_batch_is_over_dp_alone() -> None:
     ("dp=2,cp=2,ep=2,tp=2", "dp,megatron,sp,ep,etp=1,cp,ep-from=cp"),
     ("cp=2,ep=2,tp=2", "megatron,sp,ep,cp,ep-from=cp"),
     ("cp=2,ep=2", "ep,cp,ep-from=cp"),
+    ("cp=2,ep=4,tp=2", "megatron,sp,ep,etp=1,cp,ep-from=cp,cp-attention=ring"),
 ])
 def test_verify_simulates_the_plans(mesh: str, strategy: str) -> None:
     """--verify's check: the tiny model built for the mesh (ETP = 1 and ETP = tp, with and
-    without tp or dp, ring attention and ZeRO-1), simulated against the unsharded step (loss,
-    every gradient, every update)."""
+    without tp or dp, ring attention and ZeRO-1; its sequence grown for the cp x ep ranks: on
+    cp=2 x ep=4 x tp=2 to 32 tokens, 2 x 8 zig-zag pieces x tp), simulated against the unsharded
+    step (loss, every gradient, every update)."""
     tiny = tiny_for_mesh(json.dumps({k: v for k, v in MOE.items() if k != "batch"}), mesh, strategy)
     model, plan, _ = plan_model(tiny, mesh, strategy)
-    assert model.config.cp == 4  # cp x ep
+    m = plan.mesh
+    assert model.config.cp == m.shape[m.dim_index("cp")] * m.shape[m.dim_index("ep")]  # cp x ep
     rep = simulate_plan(plan)
     assert rep.ok and rep.checked > 300, rep.failures[:3]
 
