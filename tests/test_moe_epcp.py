@@ -24,8 +24,10 @@ from spmdkit.cli.common import mesh_dp
 from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.cost.context import cp_ops, ring_costs
+from spmdkit.cost.devices import DEVICES
 from spmdkit.engine.registry import get_rule
 from spmdkit.planner.fuse import infer_fused
+from spmdkit.planner.pipeline import estimate_pipeline, plan_pipeline
 from spmdkit.planner.planning import plan_hf, plan_model
 from spmdkit.sim.plan import simulate_plan
 from spmdkit.sim.verify_plan import tiny_for_mesh
@@ -177,3 +179,21 @@ def test_run_on_cp_x_ep_x_tp_on_gloo_equals_the_single_process_step() -> None:
     experts = {(c["tensor"], c["kind"], c["mesh_dim"]) for c in coll if ".experts.w_" in c["tensor"]}
     assert experts == {(f"layers.0.experts.w_{w}.grad", "all_reduce", 0) for w in ("gate", "up", "down")}
     assert {c["mesh_dim"] for c in coll if c["tensor"] == "layers.0.wq.grad"} == {0, 1}
+
+
+@pytest.mark.parametrize(("mesh", "strategy", "batch", "want"), [
+    ("pp=2,cp=2,ep=2,tp=2", "megatron,sp,ep,etp=1,cp,ep-from=cp", 2, (4, 2, 4)),
+    ("pp=2,cp=2,ep=2,tp=2", "megatron,sp,ep,cp", 4, (2, 2, 4)),
+    ("pp=2,dp=2,cp=2,ep=2,tp=2", "dp,ep,megatron,sp,cp,etp=1", 8, (4, 4, 8)),
+])
+def test_the_moe_memory_breakdown_reads_its_divisors_from_the_layouts(mesh: str, strategy: str, batch: int,
+                                                                      want: tuple[int, int, int]) -> None:
+    """The pipeline's MoE memory breakdown names (the ranks the experts are split over, EDP, the
+    dense data-parallel ranks) as the plan lays the parameters out: ep x tp under ETP = 1, EDP
+    times the cp ranks, the dense group cp x ep with ep-from=cp. Before it read the mesh's ep and
+    dp dims alone (2, 1, 2 for the first: each expert stack's elements divided by 2, not 4)."""
+    cfg = json.dumps({**QWEN, "layers": 2})
+    _, plan, spec, _, _ = plan_pipeline(cfg, mesh, strategy, {"microbatches": 2}, {"batch": batch})
+    dev = DEVICES["h100"]
+    est = estimate_pipeline(plan, spec, None, dev, (dev.inter.alpha_s, 1 / dev.inter.bytes_per_s), batch * 32, 16)
+    assert est.moe is not None and (est.moe.ep, est.moe.edp, est.moe.dense_dp) == want
