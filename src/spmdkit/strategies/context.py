@@ -194,8 +194,9 @@ def cp_problem(cfg: ModelConfig, cp: int, tp: int) -> str | None:
 
 def cp_marks(model: Model, mesh: ProcessMesh, dm: Any, st: set[str], batch: Any, tp: int | None) -> Any:
     """Annotate the sequence inputs over ``cp`` (``dm``: the strategy's marks); the sequence's
-    entry (the cp mesh dim, ``(cp, ep)`` with ``ep-from=cp``: :func:`seq_dims`), None without cp. ProgramError naming ``--mesh`` / ``--cp-attention`` where the model cannot
-    be split (:func:`cp_problem`)."""
+    entry (the cp mesh dim, ``(cp, ep)`` with ``ep-from=cp``: :func:`seq_dims`), None without
+    cp. ProgramError naming ``--mesh`` / ``--cp-attention`` where the model cannot be split
+    (:func:`cp_problem`)."""
     if "cp" not in st:
         return None
     dims = seq_dims(mesh, st)

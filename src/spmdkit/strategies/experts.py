@@ -169,8 +169,8 @@ def expert_marks(prog: Any, mesh: ProcessMesh, dm: Any, dp: int | None, ep: int,
     the all-to-alls over ep carry each cp rank's own tokens (:func:`chunk_entries`). ``from_cp``
     (``ep-from=cp``, :func:`ep_from_cp`): ep carved from the cp ranks, the batch over ``dp`` alone
     and the chunks over ``(cp, ep)`` (x tp), ep (and tp) moved onto the experts by the dispatch,
-    cp kept. Returns the expert stacks (their gradients reduce over ``dp`` (x ``cp``) only; ZeRO shards their states
-    over ``dp`` (x ``cp``)). The batch of the data inputs is the caller's."""
+    cp kept. Returns the expert stacks (their gradients reduce over ``dp`` (x ``cp``) only; ZeRO
+    shards their states over ``dp`` (x ``cp``)). The batch of the data inputs is the caller's."""
     b = batch_entry(dp, None if from_cp else ep)
     experts: set[str] = set()
     lays = layers if layers is not None else moe_layers(prog)
