@@ -263,9 +263,6 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
             raise Unsupported(what)
     if m.get("moe") and not (isinstance(m["moe"], dict) and m["moe"].get("catalog")):
         raise Unsupported("mixture of experts without a catalog architecture")
-    if par.get("ep_comm_overlap"):
-        raise Unsupported("the experts' dispatch and combine overlapped with another microbatch's computation "
-                          "(Megatron-Core --overlap-moe-expert-parallel-comm, 1F1B A2A overlap)")
     assume: list[str] = []
     device, mem_gib = _device(row, tmp)
     tp, pp, dp = int(par["tp"]), int(par["pp"]), int(par["dp"])
@@ -338,6 +335,8 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
         argv += ["--moe-dispatcher", str(par["dispatcher"])]
     if par.get("routing"):
         argv += ["--moe-routing", str(par["routing"])]
+    if par.get("moe_skew"):  # the routing skew of the run's router: a number or a published figure's name
+        argv += ["--moe-skew", str(par["moe_skew"])]
     if framework == "torchtitan":  # training.compile: Inductor's fused blocks, or eager PyTorch ops
         argv.append("--compile" if par.get("torch_compile") else "--no-compile")
     overlaps = str(par.get("overlaps") or "")
@@ -345,6 +344,8 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
         argv.append("--tp-comm-overlap")
     if nemo is not None and nemo[2]:
         argv.append("--cross-entropy-fusion")
+    if par.get("ep_comm_overlap"):  # Megatron-Core's --overlap-moe-expert-parallel-comm (1F1B A2A overlap)
+        argv.append("--ep-comm-overlap")
     if pp > 1 and row["id"].startswith(("narayanan21", "korthikanti22")):
         # Megatron-LM of 2021-2022 (megatron/p2p_communication.py): batch_isend_irecv, req.wait()
         # and torch.cuda.synchronize() after every exchange; overlap_p2p_comm came in 2023-05

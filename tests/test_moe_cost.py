@@ -25,7 +25,7 @@ from spmdkit.models.source import Preset, load_preset
 from spmdkit.models.zoo import preset
 from spmdkit.planner.planning import plan_preset
 from spmdkit.planner.propagate import propagate
-from spmdkit.program.runtime import Runtime, parse_moe_histogram, parse_moe_skew
+from spmdkit.program.runtime import SKEW_FIGURES, Runtime, parse_moe_histogram, parse_moe_skew
 from spmdkit.strategies.strategy import annotate, parse_mesh, parse_strategy
 
 # Mixtral's shapes, one layer, short sequences: E = 8, top-2, H = 4096, F = 14336, C = S x 2 / 8
@@ -152,6 +152,53 @@ def test_skew_validation_and_the_plan_time_checks() -> None:
         rank_load(Runtime(moe_skew=5.0), E, K, 2)
     with pytest.raises(ProgramError, match=r"^--moe-histogram: 3 experts given; the model's MoE layers have 8$"):
         rank_load(Runtime(moe_histogram=(1.0, 2.0, 3.0)), E, K, 2)
+
+
+def test_named_skew_figures_and_their_rank_load() -> None:
+    """--moe-skew NAME: the published figures of docs/experts.md ("Routing skew"), case ignored.
+    aux-loss (1 + MaxVio_global 0.52, Wang et al. 2024 Table 2) on Qwen3-235B's 128 experts of
+    top-8: ep x tp = 8 ranks of 16 experts, rho = (1.52 + 15 x 126.48 / 127) / 16; ep 32 (4 a
+    rank) 1.127. r1-decode (1 + 10.948, TensorRT-LLM's blog, Table 1) at the blog's own layout
+    (DeepSeek-R1, 256 experts, top-8, EP 32: 8 a rank) gives 2.331 by the one-hot-expert rule,
+    9 % under the busiest rank the blog measured, 1 + 1.564 (two hot experts shared rank 13)."""
+    assert parse_moe_skew("aux-loss") == 1.52 and parse_moe_skew(" R1-Decode ") == 11.948
+    assert set(SKEW_FIGURES) == {"aux-loss", "r1-decode"}
+    assert "2408.15664" in SKEW_FIGURES["aux-loss"][1] and "blog4" in SKEW_FIGURES["r1-decode"][1]
+    aux = Runtime(moe_skew=parse_moe_skew("aux-loss"))
+    assert rank_load(aux, 128, 8, 8) == pytest.approx((1.52 + 15 * 126.48 / 127) / 16, rel=1e-12)
+    assert rank_load(aux, 128, 8, 8) == pytest.approx(1.02866, abs=1e-5)
+    assert rank_load(aux, 128, 8, 32) == pytest.approx(1.12693, abs=1e-5)
+    r1 = rank_load(Runtime(moe_skew=parse_moe_skew("r1-decode")), 256, 8, 32)
+    assert r1 == pytest.approx((11.948 + 7 * 244.052 / 255) / 8, rel=1e-12)
+    assert r1 == pytest.approx(2.33093, abs=1e-5) and 0.9 < r1 / 2.564 < 1.0
+    with pytest.raises(ProgramError) as e:
+        parse_moe_skew("typical")
+    assert str(e.value) == ("--moe-skew 'typical': expected a number >= 1 (the busiest expert's tokens over the mean) "
+                            "or a published figure: aux-loss, r1-decode")
+    with pytest.raises(ProgramError) as e:
+        rank_load(Runtime(moe_skew=parse_moe_skew("r1-decode")), E, K, 2)
+    assert str(e.value) == ("--moe-skew r1-decode (11.948): an expert receives at most every token once, 4 x the "
+                            "mean (8 experts, top-2)")
+
+
+def test_cli_named_skew_is_its_number(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``spmdkit plan --moe-skew aux-loss`` plans what ``--moe-skew 1.52`` does (Mixtral, one
+    layer, ep=4: 4 ranks of 2 experts, rho = (1.52 + 6.48 / 7) / 2 = 1.2229), slower
+    than uniform routing; an unknown name exits 2 naming the flag and the figures."""
+    base = [sys.executable, "-m", "spmdkit", "plan", "--model", "mixtral-8x7b", "--layers", "1", "--seq", "256",
+            "--batch", "8", "--mesh", "dp=2,ep=4", "--strategy", "dp,ep", "--device", "h100", "--json"]
+
+    def step(*extra: str) -> float:
+        r = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        return float(json.loads(r.stdout)["step"]["step_overlap_s"])
+
+    assert rank_load(Runtime(moe_skew=1.52), E, K, 4) == pytest.approx(1.22286, abs=1e-5)
+    uniform, named, number = step(), step("--moe-skew", "aux-loss"), step("--moe-skew", "1.52")
+    assert named == number and named > uniform
+    r = subprocess.run([*base, "--moe-skew", "typical"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--moe-skew 'typical': expected a number >= 1" in r.stderr
+    assert "or a published figure: aux-loss, r1-decode" in r.stderr
 
 
 def test_cli_names_a_bad_histogram_with_exit_2(tmp_path) -> None:  # type: ignore[no-untyped-def]

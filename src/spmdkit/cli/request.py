@@ -78,6 +78,7 @@ class Links:
     moe_routing: str | None = None
     ce_fusion: bool = False
     p2p_overlap: bool = True
+    ep_comm_overlap: bool = False
 
     def runtime(self) -> Runtime:
         """The runtime flags (``--precision``, ``--framework``, ``--tp-comm-overlap``, the MoE,
@@ -90,7 +91,8 @@ class Links:
                        grad_dtype=_state_dtype(self.grad_dtype), optimizer_dtype=_state_dtype(self.optimizer_dtype),
                        compile=self.compile, moe_dispatcher=(self.moe_dispatcher or "alltoall").strip().lower(),
                        moe_routing=(self.moe_routing or "topk").strip().lower(),
-                       ce_fusion=self.ce_fusion, p2p_overlap=self.p2p_overlap)
+                       ce_fusion=self.ce_fusion, p2p_overlap=self.p2p_overlap,
+                       ep_comm_overlap=self.ep_comm_overlap)
 
 
 def _state_dtype(text: str | None) -> str | None:
@@ -241,7 +243,8 @@ def plan_request(ns: argparse.Namespace) -> PlanRequest:
                     framework=ns.framework, tp_comm_overlap=ns.tp_comm_overlap, moe_skew=ns.moe_skew,
                     moe_histogram=ns.moe_histogram, grad_dtype=ns.grad_dtype,
                     optimizer_dtype=ns.optimizer_dtype, compile=ns.compile, moe_dispatcher=ns.moe_dispatcher,
-                    moe_routing=ns.moe_routing, ce_fusion=ns.ce_fusion, p2p_overlap=ns.p2p_overlap),
+                    moe_routing=ns.moe_routing, ce_fusion=ns.ce_fusion, p2p_overlap=ns.p2p_overlap,
+                    ep_comm_overlap=ns.ep_comm_overlap),
         grad_accum=ns.grad_accum, recompute=ns.recompute, verify=ns.verify,
         global_batch=ns.global_batch, micro_batch=ns.micro_batch,
         search=SearchArgs(auto=ns.auto, time_limit=ns.auto_time_limit, memory=ns.memory, explain=ns.explain),
@@ -331,15 +334,22 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp-comm-overlap", dest="tp_comm_overlap", action="store_true",
                    help="tensor-parallel all-gathers and reduce-scatters overlap the GEMMs (Megatron's "
                         "--tp-comm-overlap, torch async TP)")
+    p.add_argument("--ep-comm-overlap", dest="ep_comm_overlap", action="store_true",
+                   help="mixture of experts, interleaved pipeline: a forward and another microbatch's backward run "
+                        "as one merged step, each one's expert-parallel all-to-alls under the other's computation "
+                        "(Megatron-Core's --overlap-moe-expert-parallel-comm with --delay-wgrad-compute)")
     p.add_argument("--no-p2p-overlap", dest="p2p_overlap", action="store_false",
                    help="pipeline: every stage-to-stage send blocks its sender (Megatron-LM before 2023, "
                         "--no-overlap-p2p-communication); default: the interleaved schedule's sends overlap compute")
     p.add_argument("--cross-entropy-fusion", dest="ce_fusion", action="store_true",
                    help="framework megatron: the loss as Megatron's --cross-entropy-loss-fusion runs it (NeMo's "
                         "cross_entropy_loss_fusion: fewer passes over the fp32 logits; default off, as in Megatron-LM)")
-    p.add_argument("--moe-skew", dest="moe_skew", metavar="F",
+    p.add_argument("--moe-skew", dest="moe_skew", metavar="F|NAME",
                    help="mixture of experts: the busiest expert receives F x the mean tokens (the others share the "
-                        "rest); under expert parallelism the step waits for the busiest ep rank (default 1: uniform)")
+                        "rest); under expert parallelism the step waits for the busiest ep rank (default 1: uniform); "
+                        "NAME: a published figure, aux-loss (1.52: an auxiliary-loss router's MaxVio over a "
+                        "validation set, Wang et al. 2024) or r1-decode (11.948: DeepSeek-R1's hottest expert per "
+                        "layer and iteration, TensorRT-LLM's wide-EP blog); docs/experts.md")
     p.add_argument("--moe-histogram", dest="moe_histogram", metavar="FILE|JSON",
                    help="mixture of experts: measured tokens per expert, a JSON list (one number per expert) or a "
                         "file holding one, instead of --moe-skew")

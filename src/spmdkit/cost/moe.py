@@ -15,7 +15,8 @@ docs/devices.md, "Mixture of experts".
   (many experts, top-k of few tokens) as the slower GEMM it is.
 - Load imbalance (:func:`rank_load`): uniform routing gives every expert ``tokens x top_k / E``;
   ``--moe-skew F`` gives the busiest expert ``F`` times that and the others an even share of the
-  rest, ``--moe-histogram`` the measured tokens per expert. Experts sit on the ep ranks in
+  rest (``--moe-skew NAME``: a published ``F``, :data:`spmdkit.program.runtime.SKEW_FIGURES`),
+  ``--moe-histogram`` the measured tokens per expert. Experts sit on the ep ranks in
   contiguous blocks of ``E / ep`` (Megatron-Core's ``local_expert_indices``); the step waits
   for the busiest ep rank, whose load over the mean is ``rho = max_r sum_{e in r} n_e / (sum_e
   n_e / ep)``; with one skewed expert ``rho = (F + (E/ep - 1) (E - F) / (E - 1)) / (E/ep)``
@@ -53,7 +54,7 @@ from spmdkit.engine.facts import LocalOp, OpCost
 from spmdkit.engine.memo import Recent
 from spmdkit.program.ir import Program, flat_refs
 from spmdkit.program.plan import Plan
-from spmdkit.program.runtime import Runtime
+from spmdkit.program.runtime import Runtime, skew_label
 
 
 @dataclass(frozen=True)
@@ -190,7 +191,7 @@ def rank_load(rt: Runtime, experts: int, top_k: int, ep: int) -> float:
         return max(ranks) / (sum(ranks) / ep)
     f = rt.moe_skew
     if f > experts / top_k + 1e-9:
-        raise ProgramError(f"--moe-skew {f:g}: an expert receives at most every token once, {experts / top_k:g} x "
+        raise ProgramError(f"--moe-skew {skew_label(f)}: an expert receives at most every token once, {experts / top_k:g} x "
                            f"the mean ({experts} experts, top-{top_k})")
     if f == 1.0 or ep <= 1 or experts % ep or experts <= 1:
         return 1.0
@@ -280,10 +281,15 @@ def combine_rows_unkept(plan: Plan, reads: dict[str, list[int]]) -> frozenset[st
     kept for the activation's backward or, under ``moe_act`` recomputation, to run it again),
     and the unpermute after the combine all-to-all (``token_dispatcher.py``,
     ``MoEAlltoAllTokenDispatcher.token_unpermutation``: ``unpermute`` without probs) keeps
-    nothing. Such rows live to their last forward reader. Empty under other frameworks."""
+    nothing. Such rows live to their last forward reader. Empty under other frameworks. A table
+    of the program alone (``reads`` is made from it), made once per program."""
     if plan.runtime.framework != "megatron":
         return frozenset()
-    prog = plan.program
+    return plan.program.derived(  # type: ignore[no-any-return]
+        "moe.combine_rows_unkept", lambda prog: _combine_rows_read_alone(prog, reads))
+
+
+def _combine_rows_read_alone(prog: Program, reads: dict[str, list[int]]) -> frozenset[str]:
     out: set[str] = set()
     for op in prog.ops:
         x = op.inputs.get("x") if op.rule == "moe_combine_grad" else None

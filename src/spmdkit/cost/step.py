@@ -32,7 +32,7 @@ from spmdkit.cost.context import (
 )
 from spmdkit.cost.devices import Device
 from spmdkit.cost.memory import rerun_points, saved_activations
-from spmdkit.cost.moe import expert_all_to_all, plan_loads
+from spmdkit.cost.moe import expert_all_to_all, expert_tensors, plan_loads
 from spmdkit.engine.facts import OpCost
 from spmdkit.engine.memo import Recent, gc_paused
 from spmdkit.ops._cost import numel
@@ -363,6 +363,9 @@ class _Comm:
     #: torch's async TP: the seconds op i waits on the fused all-gather-matmuls /
     #: matmul-reduce-scatters beyond their GEMMs (:mod:`spmdkit.cost.async_tp`)
     fused: dict[int, float] = field(default_factory=dict)
+    #: the part of ``blocking`` that is a MoE layer's expert-parallel all-to-all (its tokens
+    #: dispatched or combined, or their gradients): op -> seconds (``--ep-comm-overlap``)
+    ep_a2a: dict[int, float] = field(default_factory=dict)
 
     def exposed(self, i: int, times: list[float]) -> float:
         """Seconds op i waits on its blocking and TP-overlapped collectives (a reduce-scatter's
@@ -433,6 +436,7 @@ def _communication(plan: Plan, comp: _Compute, device: Device) -> _Comm:
     rs_grads = distributed_optimizer_grads(plan)
     moe_a2a = bool(plan_loads(plan)) or plan.runtime.moe_dispatcher != "alltoall"
     under = gather_overlaps(plan)
+    experts = expert_tensors(prog)
     again = regathers(plan)  # allgather attention's K / V gathered again for its grad
     readers: dict[str, list[int]] = {}
     if overlap_tp:
@@ -491,6 +495,8 @@ def _communication(plan: Plan, comp: _Compute, device: Device) -> _Comm:
                 out.tp.setdefault(i, []).append((s.time_s, gemm, n, s.kind))
             else:
                 out.blocking[i] = out.blocking.get(i, 0.0) + s.time_s
+                if s.kind == "all_to_all" and r.tensor in experts:
+                    out.ep_a2a[i] = out.ep_a2a.get(i, 0.0) + s.time_s
     for g, per in gathers.items():
         secs = sum(time_of(plan.cost, "all_gather", dims, b, plan.mesh.shape) for dims, b in per.items())
         out.prefetch[g] = (secs, out.prefetch[g][1])
@@ -701,6 +707,8 @@ class OpComm:
     #: did not hide (op -> seconds), and the seconds of every group's gather together
     prefetch_exposed: dict[int, float] = field(default_factory=dict)
     gathers_s: float = 0.0
+    #: the part of ``wait`` that is an expert-parallel all-to-all (op -> seconds; ``_Comm.ep_a2a``)
+    ep_a2a: dict[int, float] = field(default_factory=dict)
 
 
 #: op_communication's values by what it reads of a plan (every field but ``rounds``: the
@@ -743,7 +751,7 @@ def _op_communication(plan: Plan, device: Device) -> OpComm:
             wait[first] += e
             exposed[first] = exposed.get(first, 0.0) + e
     return OpComm(comp.times, wait, comm.pending, comp.costs, comm.param_gathers, exposed,
-                  sum(secs for secs, _first in comm.prefetch.values()))
+                  sum(secs for secs, _first in comm.prefetch.values()), comm.ep_a2a)
 
 
 @gc_paused

@@ -57,6 +57,12 @@ def write_pipeline(est: PipelineEstimate, out: TextIO) -> None:
     out.write(f"pipeline: {fmt_time(run.pipeline_s)} for {m} microbatches; busiest device works "
               f"{fmt_time(max(run.busy_s))}; bubble {fmt_time(run.bubble_s)} = {100 * run.bubble_fraction:.1f}% "
               f"(formula {100 * f:.1f}%)\n")
+    if run.hidden_s:
+        r = max(range(p), key=lambda d: run.busy_s[d])
+        a2a = sum(m * (st.a2a_forward_s + st.a2a_backward_s) for st in est.stages[r::p])
+        out.write(f"ep all-to-all overlap (--ep-comm-overlap): the steady state's merged forwards and backwards hide "
+                  f"{fmt_time(run.hidden_s[r])} of the busiest device's {fmt_time(a2a)} of expert all-to-alls "
+                  f"(one more warm-up forward per device)\n")
     out.write(f"step time: {fmt_time(est.step_serial_s)} serial, {fmt_time(est.step_overlap_s)} with the gradient "
               f"reductions overlapping the last backward\n")
     if est.tokens:

@@ -72,6 +72,7 @@ from spmdkit.cost.memory import (
 from spmdkit.cost.step import OpComm, op_communication
 from spmdkit.models.source import HFModel, Loaded, ModelSource, Preset, ProgramFile, load
 from spmdkit.models.zoo import Model, preset
+from spmdkit.planner.ep_overlap import check_ep_comm_overlap
 from spmdkit.planner.partition import UnitCosts, balanced_split, even_split, partition, simulate_split, stage_loads
 from spmdkit.planner.pipeline_memory import TORCH_SCHEDULES, ChunkBytes, torch_order, torch_rank_memory
 from spmdkit.planner.pipeline_moe import MoeMemory, moe_memory
@@ -360,6 +361,8 @@ class PipelineEstimate:
             out["moe_memory"] = self.moe.to_json()
         if "microbatch_recompute" in self.extra:
             out["microbatch_recompute"] = self.extra["microbatch_recompute"]
+        if self.run is not None and self.run.hidden_s:
+            out["ep_comm_overlap"] = {"extra_warmup_forwards": 1, "hidden_s": self.run.hidden_s}
         if self.run is not None:
             out.update({"pipeline_s": self.run.pipeline_s, "bubble_s": self.run.bubble_s,
                         "bubble_fraction": self.run.bubble_fraction, "busy_s": self.run.busy_s,
@@ -393,6 +396,7 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | 
     from a shallow copy of the model; ``plan`` then the copy's, no MoE split, no ``microbatch``
     recomputation) and ``flops``: the model FLOPs of one microbatch of the full model."""
     p, v, m = spec.pp, spec.virtual, spec.microbatches
+    check_ep_comm_overlap(plan, spec.schedule, recompute)
     if spec.auto and counts is None:
         return stages_auto(plan, spec, device, pp_link, tokens, ranks, recompute_forward, recompute)
     note = None
@@ -418,7 +422,8 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | 
     tied_s = [tied(sum(costs[c * p + r].tied_bytes for c in range(v))) for r in range(p)]
     send_f = [send(costs[k].send_bytes) if k < n - 1 else 0.0 for k in range(n)]
     send_b = [send(costs[k + 1].send_grad_bytes) if k < n - 1 else 0.0 for k in range(n)]
-    flight = [in_flight(spec.schedule, p, v, m, r) for r in range(p)]
+    overlap = plan.runtime.ep_comm_overlap  # one more warm-up forward (planner.schedules)
+    flight = [in_flight(spec.schedule, p, v, m, r, int(overlap)) for r in range(p)]
     pend = [weight_pending(spec.schedule, p, m, r) for r in range(p)]
     walk = recompute != MICROBATCH and torch_pipelining(plan, spec.schedule, p)
     mems = []
@@ -452,7 +457,8 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | 
     bwd = [c.backward_s - (c.weight_s if zb else 0.0) + c.recompute_s * recomputed[j % p]
            + (c.forward_s if recompute_forward else 0.0) for j, c in enumerate(costs)]
     est.inputs = ScheduleInputs([c.forward_s for c in costs], bwd, send_f, send_b,
-                                None if plan.runtime.p2p_overlap else True, [c.weight_s for c in costs] if zb else None)
+                                None if plan.runtime.p2p_overlap else True, [c.weight_s for c in costs] if zb else None,
+                                [(c.a2a_forward_s, c.a2a_backward_s) for c in costs] if overlap else None)
     run = est.run = est.inputs.run(spec.schedule, p, v, m)
     est.step_serial_s, est.step_overlap_s = _step_times(plan, spec, costs, run, tied_s)
     mb_tokens = tokens // m if tokens else 0

@@ -22,6 +22,25 @@ With equal stages, free sends and ``m >= p`` its bubble is ``(p-1)(T_F + T_B - T
 a third of it where the three are equal; device ``r`` keeps 1F1B's
 ``p - r`` microbatches of activations in flight and the ``r`` deferred W's inputs, at most
 ``p`` microbatches on any device, 1F1B's peak (its first device).
+
+Expert-parallel all-to-all overlap (``--ep-comm-overlap``: Megatron-Core's
+``--overlap-moe-expert-parallel-comm`` with ``--delay-wgrad-compute``, interleaved schedule
+only). Megatron-Core's interleaved schedule then runs one more warm-up forward on every device
+(``get_pp_rank_microbatches``: the forward and backward of each steady-state step must belong to
+different microbatches) and runs each steady-state forward and backward as ONE merged step
+(``combined_1f1b_schedule_for_interleaved_pipelining``), layer by layer: the backward's combine
+all-to-all runs while the forward computes attention, the two dispatches while the two expert
+MLPs (and the backward's deferred weight gradients) compute, the forward's combine while the
+backward computes attention (``TransformerLayerSchedulePlan.run``, module
+``megatron.core.models.common.model_chunk_schedule_plan``); the all-to-alls run on their own
+stream. :func:`run_schedule` times a merged step of a forward with all-to-all time ``a_F`` and
+other work ``o_F`` and a backward with ``a_B`` and ``o_B`` as ``max(a_F, o_B) + max(a_B, o_F)``
+(each one's all-to-alls hidden under the other's work, up to that work; the sum ``a_F + o_F +
+a_B + o_B`` without the overlap); both its outputs leave when it ends. The warm-up forwards and
+the cool-down backwards have no partner and run as before. A device holds one more model chunk
+of activations (the extra warm-up forward); the merged step's own forward builds its
+activations while its partner's backward frees its own, layer by layer, so the peak count adds
+nothing more (an upper bound: the merged forward is counted whole, at its working peak).
 """
 
 from __future__ import annotations
@@ -35,8 +54,9 @@ SCHEDULE_ALIASES = {"interleaved-1f1b": "interleaved", "interleaved1f1b": "inter
                     "GPipe": "gpipe", "zbh1": "zb-h1", "ZB-H1": "zb-h1", "zb1p": "zb-h1"}
 
 
-def schedule_order(schedule: str, p: int, v: int, m: int, r: int) -> list[tuple[str, int, int]]:
-    """Device ``r``'s work in order: ("F" | "B", virtual stage, microbatch)."""
+def schedule_order(schedule: str, p: int, v: int, m: int, r: int, extra_warm: int = 0) -> list[tuple[str, int, int]]:
+    """Device ``r``'s work in order: ("F" | "B", virtual stage, microbatch). ``extra_warm``:
+    the interleaved schedule's additional warm-up forwards (1 under the all-to-all overlap)."""
     if schedule == "gpipe":
         return [("F", r, i) for i in range(m)] + [("B", r, i) for i in range(m)]
     if schedule == "1f1b":
@@ -55,11 +75,17 @@ def schedule_order(schedule: str, p: int, v: int, m: int, r: int) -> list[tuple[
             chunk = v - 1 - chunk
         return chunk * p + r, (k // (p * v)) * p + k % p
 
-    warm = min((p - r - 1) * 2 + (v - 1) * p, total)
+    warm = interleaved_warmup(p, v, m, r, extra_warm)
     order = [("F", *unit(k, True)) for k in range(warm)]
     for j in range(total - warm):
         order += [("F", *unit(warm + j, True)), ("B", *unit(j, False))]
     return order + [("B", *unit(k, False)) for k in range(total - warm, total)]
+
+
+def interleaved_warmup(p: int, v: int, m: int, r: int, extra_warm: int = 0) -> int:
+    """Device ``r``'s warm-up forwards under the interleaved schedule (Megatron-LM's count, plus
+    ``extra_warm``), at most its ``m v`` forwards."""
+    return min((p - r - 1) * 2 + (v - 1) * p + extra_warm, m * v)
 
 
 def _zb_h1_order(p: int, m: int, r: int) -> list[tuple[str, int, int]]:
@@ -103,13 +129,14 @@ def weight_pending(schedule: str, p: int, m: int, r: int) -> int:
     return held_counts(_zb_h1_order(p, m, r))[1]
 
 
-def in_flight(schedule: str, p: int, v: int, m: int, r: int) -> float:
-    """Microbatches of a whole stage whose activations device ``r`` holds at its peak."""
+def in_flight(schedule: str, p: int, v: int, m: int, r: int, extra_warm: int = 0) -> float:
+    """Microbatches of a whole stage whose activations device ``r`` holds at its peak
+    (``extra_warm``: the interleaved schedule's additional warm-up forwards)."""
     if schedule == "gpipe":
         return float(m)
     if schedule in ("1f1b", "zb-h1"):
         return float(min(p - r, m))
-    return min((p - r - 1) * 2 + (v - 1) * p + 1, m * v) / v
+    return min((p - r - 1) * 2 + (v - 1) * p + 1 + extra_warm, m * v) / v
 
 
 @dataclass
@@ -117,8 +144,11 @@ class ScheduleRun:
     finish_s: list[float]   # per device: the end of its last backward
     busy_s: list[float]     # per device: its own forward + backward work
     last_backward_s: list[float]
-    #: every unit run: (device, "F" | "B" | "W", virtual stage, microbatch, start s, end s)
+    #: every unit run: (device, "F" | "B" | "W", virtual stage, microbatch, start s, end s); a
+    #: merged forward and backward (the all-to-all overlap) as its two shares of the merged step
     units: list[tuple[int, str, int, int, float, float]] = field(default_factory=list, repr=False)
+    #: per device: the all-to-all seconds its merged steps hid (the overlap; else empty)
+    hidden_s: list[float] = field(default_factory=list)
 
     @property
     def pipeline_s(self) -> float:
@@ -147,15 +177,19 @@ class ScheduleInputs:
     send_b: list[float]
     blocking_sends: bool | None = None
     weight: list[float] | None = None
+    #: per virtual stage: the expert all-to-all seconds of its forward and its backward, where
+    #: the steady state merges them (``--ep-comm-overlap``: :func:`run_schedule`)
+    a2a: list[tuple[float, float]] | None = None
 
     def run(self, schedule: str, p: int, v: int, m: int) -> ScheduleRun:
         return run_schedule(schedule, p, v, m, self.fwd, self.bwd, self.send_f, self.send_b,
-                            self.blocking_sends, weight=self.weight)
+                            self.blocking_sends, weight=self.weight, a2a=self.a2a)
 
 
 def run_schedule(schedule: str, p: int, v: int, m: int, fwd: list[float], bwd: list[float],
                  send_f: list[float] | None = None, send_b: list[float] | None = None,
-                 blocking_sends: bool | None = None, weight: list[float] | None = None) -> ScheduleRun:
+                 blocking_sends: bool | None = None, weight: list[float] | None = None,
+                 a2a: list[tuple[float, float]] | None = None) -> ScheduleRun:
     """Simulate the schedule: ``fwd[k]`` / ``bwd[k]`` the time of virtual stage ``k`` for one
     microbatch, ``send_f[k]`` / ``send_b[k]`` the time to send its output activations to stage
     ``k+1`` / the gradients of its inputs to ``k-1`` (``send_b[k]`` is stage ``k+1``'s send back
@@ -164,47 +198,65 @@ def run_schedule(schedule: str, p: int, v: int, m: int, fwd: list[float], bwd: l
     the exchange); the interleaved schedule overlaps its sends with the next unit's compute
     (Megatron's ``overlap_p2p_comm``), so there only the receiver waits. ZB-H1: ``bwd[k]`` is
     the input gradient (B) alone and ``weight[k]`` the weight gradient (W), run after it on
-    the same device in the schedule's order."""
+    the same device in the schedule's order. ``a2a`` (interleaved only): per virtual stage the
+    expert all-to-all seconds inside ``fwd[k]`` and ``bwd[k]``; one more warm-up forward per
+    device and each steady-state forward and backward run as one merged step (module docstring)."""
+    if a2a is not None and schedule != "interleaved":
+        raise ProgramError(f"--ep-comm-overlap: merges the steady-state forward and backward of the interleaved "
+                           f"schedule; --schedule {schedule} has none to merge (give --schedule interleaved)")
     if blocking_sends is None:
         blocking_sends = schedule != "interleaved"
     n = p * v
     sf = send_f or [0.0] * n
     sb = send_b or [0.0] * n
     wt = weight or [0.0] * n
-    orders = [schedule_order(schedule, p, v, m, r) for r in range(p)]
+    extra = 1 if a2a is not None else 0
+    orders = [schedule_order(schedule, p, v, m, r, extra) for r in range(p)]
+    # the first position of each merged pair on each device (the steady state's F, B)
+    pairs = [set(range(w, len(orders[r]) - w, 2)) if a2a is not None else set()
+             for r, w in enumerate(interleaved_warmup(p, v, m, r, extra) for r in range(p))]
     # the end of each forward / backward unit done, at [virtual stage x m + microbatch]
     done_f: list[float | None] = [None] * (n * m)
     done_b: list[float | None] = [None] * (n * m)
     pos = [0] * p
     free = [0.0] * p
     last_b = [0.0] * p
+    hidden = [0.0] * p
     units: list[tuple[int, str, int, int, float, float]] = []
     remaining = sum(len(o) for o in orders)
     while remaining:
         progressed = False
         for r in range(p):
-            while pos[r] < len(orders[r]):
-                kind, k, i = orders[r][pos[r]]
+            order, merge = orders[r], pairs[r]
+            while pos[r] < len(order):
+                if merge and pos[r] in merge:  # a merged forward and backward (a2a is given)
+                    (_f, kf, i_f), (_b, kb, i_b) = order[pos[r]], order[pos[r] + 1]
+                    d_f = _dep("F", kf, kf * m + i_f, m, n, done_f, done_b, sf, sb)
+                    d_b = _dep("B", kb, kb * m + i_b, m, n, done_f, done_b, sf, sb)
+                    if d_f is None or d_b is None:
+                        break
+                    assert a2a is not None
+                    start = max(free[r], d_f, d_b)
+                    (af, _x), (_y, ab) = a2a[kf], a2a[kb]
+                    dur = max(af, bwd[kb] - ab) + max(ab, fwd[kf] - af)
+                    hidden[r] += fwd[kf] + bwd[kb] - dur
+                    cut = start + dur * fwd[kf] / (fwd[kf] + bwd[kb]) if fwd[kf] + bwd[kb] > 0 else start
+                    free[r] = start + dur
+                    units += [(r, "F", kf, i_f, start, cut), (r, "B", kb, i_b, cut, free[r])]
+                    done_f[kf * m + i_f] = done_b[kb * m + i_b] = free[r]
+                    last_b[r] = dur
+                    if blocking_sends:
+                        free[r] += (sf[kf] if kf < n - 1 else 0.0) + (sb[kb - 1] if kb > 0 else 0.0)
+                    pos[r] += 2
+                    remaining -= 2
+                    progressed = True
+                    continue
+                kind, k, i = order[pos[r]]
                 at = k * m + i
-                dep: float | None
-                if kind == "F":
-                    if k == 0:
-                        dep = 0.0
-                    else:
-                        d = done_f[at - m]  # the forward of the stage before
-                        dep = None if d is None else d + sf[k - 1]
-                    dur = fwd[k]
-                elif kind == "W":
-                    dep, dur = done_b[at], wt[k]
-                else:
-                    if k == n - 1:
-                        dep = done_f[at]
-                    else:
-                        d = done_b[at + m]  # the backward of the stage after
-                        dep = None if d is None else d + sb[k]
-                    dur = bwd[k]
+                dep = _dep(kind, k, at, m, n, done_f, done_b, sf, sb)
                 if dep is None:
                     break
+                dur = fwd[k] if kind == "F" else bwd[k] if kind == "B" else wt[k]
                 start = max(free[r], dep)
                 free[r] = start + dur
                 units.append((r, kind, k, i, start, free[r]))
@@ -221,8 +273,27 @@ def run_schedule(schedule: str, p: int, v: int, m: int, fwd: list[float], bwd: l
                 progressed = True
         if not progressed:  # cannot happen for the three schedules; never loop forever
             raise ProgramError(f"--schedule {schedule}: the schedule deadlocks (p={p}, v={v}, m={m})")
-    busy = [m * sum(fwd[c * p + r] + bwd[c * p + r] + wt[c * p + r] for c in range(v)) for r in range(p)]
-    return ScheduleRun(free, busy, last_b, units)
+    busy = [m * sum(fwd[c * p + r] + bwd[c * p + r] + wt[c * p + r] for c in range(v)) - hidden[r] for r in range(p)]
+    return ScheduleRun(free, busy, last_b, units, hidden if a2a is not None else [])
+
+
+def _dep(kind: str, k: int, at: int, m: int, n: int, done_f: list[float | None], done_b: list[float | None],
+         sf: list[float], sb: list[float]) -> float | None:
+    """When unit ``kind`` of virtual stage ``k`` at slot ``at`` (``k m`` + its microbatch) may
+    start as far as the other stages go (:func:`run_schedule`), None while its input is not made:
+    a forward after the stage before's forward and its send, a backward after the stage after's
+    backward and its send back (the last stage's after its own forward), a W after its B."""
+    if kind == "F":
+        if k == 0:
+            return 0.0
+        d = done_f[at - m]
+        return None if d is None else d + sf[k - 1]
+    if kind == "W":
+        return done_b[at]
+    if k == n - 1:
+        return done_f[at]
+    d = done_b[at + m]
+    return None if d is None else d + sb[k]
 
 
 def bubble_formula(schedule: str, p: int, v: int, m: int, times: tuple[float, float, float] | None = None) -> float:

@@ -48,6 +48,10 @@ class StageCost:
     stash_bytes: int = 0      # what one microbatch keeps for the backward
     recompute_s: float = 0.0  # the forward ops --recompute runs again in the backward
     weight_s: float = 0.0     # the part of backward_s that makes the weight gradients (ZB-H1's W)
+    #: the parts of forward_s / backward_s that wait on the experts' all-to-alls over ep (dispatch
+    #: and combine; --ep-comm-overlap hides them under another microbatch's computation)
+    a2a_forward_s: float = 0.0
+    a2a_backward_s: float = 0.0
     wstash_bytes: int = 0     # what one microbatch keeps from its input gradients to its W
     working_peak: int = 0     # the liveness peak of one microbatch through the stage
     #: torchtitan's FSDP2 under a pipeline: the stage's parameters held gathered (16-bit) and
@@ -327,8 +331,10 @@ def _stage_times(plan: Plan, stages: list[int], out: list[StageCost], oc: OpComm
         sc.flops += c.flops
         if op.phase == "forward":
             sc.forward_s += t
+            sc.a2a_forward_s += oc.ep_a2a.get(i, 0.0)
         elif op.phase == "backward":
             sc.backward_s += t
+            sc.a2a_backward_s += oc.ep_a2a.get(i, 0.0)
             sc.weight_s += t * shares.get(i, 0.0)
         else:
             sc.optimizer_s += t

@@ -279,10 +279,9 @@ class Program:
 
     # -- validation ---------------------------------------------------------------------------
     @staticmethod
-    def _bad_params(i: int, op: Op, rule: Any) -> NoReturn:
-        """:meth:`validate`'s error for an op naming a parameter its rule does not have (an
-        input that is not a tensor parameter, an attribute that is not an attribute)."""
-        where = f"op {i} ({op.name or op.rule})"
+    def _bad_params(where: str, op: Op, rule: Any) -> NoReturn:
+        """:meth:`validate`'s error for the op at ``where`` naming a parameter its rule does not
+        have (an input that is not a tensor parameter, an attribute that is not an attribute)."""
         params = {p.name: p for p in rule.forward.params}
         for k in op.inputs:
             if k not in params or not params[k].is_tensor:
@@ -313,26 +312,25 @@ class Program:
         #: per rule name: (the rule, its tensor parameters, its attributes, its required tensors)
         by_rule: dict[str, tuple[Any, frozenset[str], frozenset[str], tuple[str, ...]]] = {}
         for i, op in enumerate(self.ops):
+            where = f"op {i} ({op.name or op.rule})"
             if op.phase not in PHASES:
-                raise ProgramError(f"op {i} ({op.name or op.rule}): unknown phase {op.phase!r}")
+                raise ProgramError(f"{where}: unknown phase {op.phase!r}")
             known = by_rule.get(op.rule)
             if known is None:
                 try:
                     rule = get_rule(op.rule)
                 except SpmdError as exc:
-                    raise ProgramError(f"op {i} ({op.name or op.rule}): {exc}") from None
+                    raise ProgramError(f"{where}: {exc}") from None
                 fps = rule.forward.params
                 known = by_rule[op.rule] = (
                     rule, frozenset(p.name for p in fps if p.is_tensor), frozenset(p.name for p in fps if not p.is_tensor),
                     tuple(p.name for p in fps if p.is_tensor and p.required and p.kind != "T?"))
             rule, tensor_params, attr_params, required = known
             if not (tensor_params.issuperset(op.inputs) and attr_params.issuperset(op.attrs)):
-                self._bad_params(i, op, rule)
+                self._bad_params(where, op, rule)
             for pn in required:
                 if op.inputs.get(pn) is None:
-                    raise ProgramError(f"op {i} ({op.name or op.rule}): missing tensor argument {pn!r} of rule "
-                                       f"{rule.name}")
-            where = f"op {i} ({op.name or op.rule})"
+                    raise ProgramError(f"{where}: missing tensor argument {pn!r} of rule {rule.name}")
             for n in op.input_names():
                 if n not in self.tensors:
                     raise ProgramError(f"{where}: input {n!r} is not a tensor of the program")

@@ -1,7 +1,7 @@
 """How a plan's step runs beyond its shardings: the precision of the GEMMs, the framework whose
 memory and overlap conventions apply, and whether tensor-parallel communication overlaps the
 GEMMs. A plan carries one (:attr:`spmdkit.program.plan.Plan.runtime`); the CLI sets it from
-``--precision``, ``--framework`` and ``--tp-comm-overlap``. Standard library only.
+``--precision``, ``--framework``, ``--tp-comm-overlap`` and ``--ep-comm-overlap``. Standard library only.
 
 - ``precision``: ``fp32``, ``bf16``, ``fp16`` or ``fp8``. ``fp8`` is Transformer Engine's (and
   torchao's float8 linears'): the GEMMs of the linear layers run on the fp8 tensor cores, their
@@ -15,6 +15,10 @@ GEMMs. A plan carries one (:attr:`spmdkit.program.plan.Plan.runtime`); the CLI s
   upcast, Transformer Engine's attention). :data:`FSDP2` names the FSDP2 ones.
 - ``tp_comm_overlap``: the tensor-parallel all-gathers and reduce-scatters run under the GEMMs
   that consume or produce them (Megatron's ``--tp-comm-overlap``, torch's async TP).
+- ``ep_comm_overlap``: Megatron-Core's ``--overlap-moe-expert-parallel-comm`` (with
+  ``--delay-wgrad-compute``): in the interleaved pipeline's steady state a forward and another
+  microbatch's backward run as one merged step, each one's expert-parallel all-to-alls under
+  the other's computation (:mod:`spmdkit.planner.schedules`, docs/experts.md).
 - ``grad_dtype``: ``fp32`` or ``bf16``, the dtype the framework accumulates and reduces the
   gradients in (Megatron-LM's ``--accumulate-allreduce-grads-in-fp32``, Megatron-Core's
   ``grad_reduce_in_fp32``, NeMo's ``optim.grad_sync_dtype``); None: the framework's default
@@ -30,8 +34,9 @@ GEMMs. A plan carries one (:attr:`spmdkit.program.plan.Plan.runtime`); the CLI s
   its sender, as Megatron-LM's ``batch_isend_irecv`` + ``torch.cuda.synchronize()`` of 2021-2022.
 - ``moe_skew`` / ``moe_histogram``: how unevenly a mixture-of-experts router spreads the tokens
   (``--moe-skew F``: the busiest expert receives F x the mean, the others share the rest evenly;
-  ``--moe-histogram``: tokens per expert as measured); uniform (1.0, None) by default.
-  :mod:`spmdkit.cost.moe` turns them into the load of the busiest expert-parallel rank.
+  ``--moe-skew NAME``: a published figure of :data:`SKEW_FIGURES`; ``--moe-histogram``: tokens
+  per expert as measured); uniform (1.0, None) by default. :mod:`spmdkit.cost.moe` turns them
+  into the load of the busiest expert-parallel rank.
 - ``moe_dispatcher``: how the tokens reach the experts of other ranks (``--moe-dispatcher``):
   ``alltoall`` (NCCL's all-to-all: Megatron-Core's ``alltoall`` dispatcher, torch's
   ``all_to_all_single``; a token goes to each rank holding one of its experts, across nodes too)
@@ -68,6 +73,18 @@ FRAMEWORKS = ("megatron", "torchtitan", "automodel")
 DISPATCHERS = ("alltoall", "deepep")
 #: ``--moe-routing`` values (module docstring)
 ROUTINGS = ("topk", "balanced")
+#: ``--moe-skew NAME``: published per-expert load imbalances, the busiest expert's tokens over the
+#: mean (``1 + MaxVio``, ``1 + (max - mean) / mean``), and where each is from (docs/experts.md,
+#: "Routing skew: the published figures")
+SKEW_FIGURES: dict[str, tuple[float, str]] = {
+    "aux-loss": (1.52, "Wang et al. 2024, 'Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-Experts' "
+                       "(arXiv 2408.15664), Table 2: MaxVio_global 0.52 of the auxiliary-loss-controlled 3B MoE "
+                       "(64 routed experts, top-6, alpha 0.001), over the validation set"),
+    "r1-decode": (11.948, "NVIDIA/TensorRT-LLM docs/source/blogs/tech_blog/blog4_Scaling_Expert_Parallelism_in_"
+                          "TensorRT-LLM.md, Table 1 'No EPLB': DeepSeek-R1 serving a machine-translation dataset on "
+                          "EP 32, the hottest expert 10.948 x more routed tokens than the mean (per layer and "
+                          "iteration, averaged)"),
+}
 #: the frameworks that shard with FSDP2 (their overlaps and pipelines alike)
 FSDP2 = frozenset({"torchtitan", "automodel"})
 
@@ -119,6 +136,7 @@ class Runtime:
     moe_routing: str = "topk"
     ce_fusion: bool = False
     p2p_overlap: bool = True
+    ep_comm_overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.moe_dispatcher not in DISPATCHERS:
@@ -182,6 +200,8 @@ class Runtime:
             out["ce_fusion"] = True
         if not self.p2p_overlap:
             out["p2p_overlap"] = False
+        if self.ep_comm_overlap:
+            out["ep_comm_overlap"] = True
         return out
 
 
@@ -218,16 +238,27 @@ def _check_histogram(h: Any) -> None:
 
 
 def parse_moe_skew(text: str | None) -> float:
-    """``--moe-skew F``: a number >= 1 (ProgramError naming the flag); 1.0 when not given."""
+    """``--moe-skew F|NAME``: a number >= 1 or the name of one of :data:`SKEW_FIGURES` (case
+    ignored), as the busiest expert's tokens over the mean (ProgramError naming the flag); 1.0
+    when not given."""
     if text is None:
         return 1.0
+    figure = SKEW_FIGURES.get(text.strip().lower())
+    if figure is not None:
+        return figure[0]
     try:
         f = float(text)
     except ValueError:
         raise ProgramError(f"--moe-skew {text[:40]!r}: expected a number >= 1 (the busiest expert's tokens over "
-                           f"the mean)") from None
+                           f"the mean) or a published figure: {', '.join(SKEW_FIGURES)}") from None
     _check_skew(f)
     return f
+
+
+def skew_label(f: float) -> str:
+    """How messages name the skew ``f``: ``NAME (F)`` for a figure of :data:`SKEW_FIGURES`, else ``F``."""
+    name = next((n for n, (v, _) in SKEW_FIGURES.items() if v == f), None)
+    return f"{name} ({f:g})" if name else f"{f:g}"
 
 
 def parse_moe_histogram(text: str | None) -> tuple[float, ...] | None:
@@ -247,5 +278,5 @@ def parse_moe_histogram(text: str | None) -> tuple[float, ...] | None:
     return tuple(float(v) for v in obj)
 
 
-__all__ = ["DISPATCHERS", "FRAMEWORKS", "ROUTINGS", "FSDP2", "PRECISIONS", "Runtime", "parse_moe_histogram", "parse_moe_skew", "parse_precision",
-           "reduces_each_microstep"]
+__all__ = ["DISPATCHERS", "FRAMEWORKS", "ROUTINGS", "FSDP2", "PRECISIONS", "SKEW_FIGURES", "Runtime", "parse_moe_histogram",
+           "parse_moe_skew", "parse_precision", "reduces_each_microstep", "skew_label"]
