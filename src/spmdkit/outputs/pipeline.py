@@ -77,8 +77,8 @@ def write_moe_memory(mm: MoeMemory, out: TextIO) -> None:
     (:class:`spmdkit.planner.pipeline_moe.MoeMemory`)."""
     local = mm.expert_elements // max(1, mm.ep)
     out.write(f"MoE memory of pipeline rank {mm.rank} ({mm.layers} layers, {mm.moe_layers} with {mm.experts} experts; "
-              f"experts over ep={mm.ep}, their states over edp = dp = {mm.edp}, the rest data parallel over "
-              f"dp x ep = {mm.dense_dp}):\n")
+              f"experts over ep={mm.ep}, their states over edp = {mm.edp}, the rest data parallel over "
+              f"{mm.dense_dp}):\n")
     rows = [["parameters", fmt_bytes(mm.expert_parameters), fmt_bytes(mm.dense_parameters)],
             ["gradients", fmt_bytes(mm.expert_gradients), fmt_bytes(mm.dense_gradients)],
             ["optimizer states", fmt_bytes(mm.expert_states), fmt_bytes(mm.dense_states)]]
