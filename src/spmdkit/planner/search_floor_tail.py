@@ -96,7 +96,8 @@ class Tail:
     first: UnitTail
     last: UnitTail
     dense: int = 0
-    #: Megatron-Core: the ranks after the first reduce in one bucket after their last backward
+    #: Megatron-Core DDP: the ranks after the first reduce in one bucket after their last backward
+    #: (not Megatron-FSDP's ZeRO-2/3, whose every microbatch reduces under its backward)
     single: bool = True
     _memo: dict[tuple[int, int, bool, bool], float] = field(default_factory=dict, repr=False)
 
@@ -158,7 +159,7 @@ def plan_tail(plan: Plan, device: Device, dense: int) -> Tail:
     layers = units[1:-1]
     rep = layers[dense:] if len(layers) > dense else layers
     return Tail(plan, _least(rep), _least(layers), units[0], units[-1], dense,
-                plan.runtime.framework == "megatron")
+                plan.runtime.framework == "megatron" and not oc.each)
 
 
 __all__ = ["GradKey", "Held", "Tail", "UnitTail", "plan_tail"]
