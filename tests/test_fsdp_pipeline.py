@@ -8,10 +8,13 @@ under ZeRO"). Llama-7b's 4 layers on ``pp=2, dp=64`` (h100, 64 sequences of 256 
 
 from __future__ import annotations
 
+import io
 import itertools
+from contextlib import redirect_stdout
 
 import pytest
 
+from spmdkit.cli import main
 from spmdkit.planner.pipeline import PipelineEstimate
 from spmdkit.planner.search import Candidate, Config, config_candidates
 from spmdkit.planner.stage_costs import reduce_gradients
@@ -78,3 +81,15 @@ def test_early_reductions_queue_on_one_stream() -> None:
     two, bs = reduce_gradients(plan, [], 0.0, early=[(0.0, 1e-3, s.each), (1e-3, 2e-3, s.each)])
     assert two == pytest.approx(alone + busy) and len(bs) == 2 * len(buckets)
     assert all(b.start_s >= a.start_s + a.time_s - 1e-15 for a, b in itertools.pairwise(bs))
+
+
+@pytest.mark.parametrize(("strategy", "when"), [
+    ("megatron,zero2", "121.07 ms with the gradient reductions overlapping each microbatch's backward (Megatron-FSDP"),
+    ("megatron,zero1", "43.47 ms with the gradient reductions overlapping the last backward"),
+])
+def test_the_report_says_when_the_gradients_are_reduced(strategy: str, when: str) -> None:
+    out = io.StringIO()
+    with redirect_stdout(out):
+        rc = main(["plan", "--model", "llama-7b", "--layers", "4", "--mesh", "pp=2,dp=64,tp=1", "--strategy", strategy,
+                   "--microbatches", "16", "--batch", "1024", "--seq", "256", "--device", "h100"])
+    assert rc == 0 and when in out.getvalue()
