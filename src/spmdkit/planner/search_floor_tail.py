@@ -18,7 +18,15 @@ model's own formulas:
   ``finish_r`` plus the time of that bucket, :class:`spmdkit.cost.step.Reducer`'s time of each
   (reduction, mesh dims, dtype) group's bytes one after the other. The first rank's buckets run
   under its backward (counted as 0 here), as do a run without a pipeline's (the last bucket's
-  part is not counted either: which gradients it holds depends on the bucket sizes).
+  part is not counted either: which gradients it holds depends on the bucket sizes). Not
+  Megatron-FSDP's (ZeRO-2/3 under the megatron framework): its every rank reduce-scatters in
+  every microbatch's backward, in buckets under it;
+- Megatron-FSDP's per-microbatch reductions (:meth:`Tail.stream`): the rank holding the most
+  layers (``ceil(layers / p)`` at least) queues ``m`` microbatches' of them on its stream
+  before its optimizer; each microbatch's counted as one bucket a group, no slower than the
+  framework's buckets where the collective time is subadditive in the bytes (NCCL's model,
+  the least over algorithms of affine times, and the alpha-beta ring are; a measured device's
+  interpolated points need not be: none counted there).
 
 The figures come from the configuration's layers planned on its OWN data-parallel degree and
 strategy (ZeRO level included): one copy of ``dense + 2`` layers (:func:`spmdkit.planner.
