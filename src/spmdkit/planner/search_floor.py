@@ -326,7 +326,8 @@ class StepFloor:
         if t is not None:  # every rank holds v layers at least: step >= max_r finish_r + min_r tail_r
             even += min(t.rank(r, p, v) for r in range(p))
         # Megatron-FSDP: the busiest rank (ceil(layers / p) of them at least) reduces them in each microbatch
-        stream = t.stream(m, -(-self.layers // p)) if t is not None and busiest else 0.0
+        stream = t.stream(m, -(-self.layers // p), -(-(self.layers - self.dense) // p)) \
+            if t is not None and busiest else 0.0
         u = f.units.get(mode) if busiest else None
         if u is None:
             return max(even, stream)

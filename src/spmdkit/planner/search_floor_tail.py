@@ -22,7 +22,8 @@ model's own formulas:
   Megatron-FSDP's (ZeRO-2/3 under the megatron framework): its every rank reduce-scatters in
   every microbatch's backward, in buckets under it;
 - Megatron-FSDP's per-microbatch reductions (:meth:`Tail.stream`): the rank holding the most
-  layers (``ceil(layers / p)`` at least) queues ``m`` microbatches' of them on its stream
+  layers (``ceil(layers / p)`` at least, and one rank ``ceil((layers - dense) / p)`` of the
+  repeated kind) queues ``m`` microbatches' of them on its stream
   before its optimizer; each microbatch's counted as one bucket a group, no slower than the
   framework's buckets where the collective time is subadditive in the bytes (NCCL's model,
   the least over algorithms of affine times, and the alpha-beta ring are; a measured device's
@@ -142,8 +143,9 @@ class Tail:
             self._memo[key] = got
         return got
 
-    def stream(self, m: int, n: int) -> float:
-        """Seconds a pipeline rank holding ``n`` layers takes at least from its first microbatch's
+    def stream(self, m: int, n: int, heavy: int = 0) -> float:
+        """Seconds a pipeline rank holding ``n`` layers (``heavy`` of them of the repeated kind, a
+        MoE model's past its dense ones) takes at least from its first microbatch's
         backward to its optimizer's end under Megatron-FSDP (0 without per-microbatch reductions):
         its ``m`` microbatches' reductions of ``n`` layers of the least kind one after the other
         on its stream (each microbatch's in one bucket a group: no slower than in several where
@@ -154,7 +156,8 @@ class Tail:
         fabric = getattr(self.plan.cost, "fabric", None)
         if fabric is not None and fabric.measured:
             return 0.0
-        return max(self._stream(m, self.dense_layer, n), self._stream(m, self.first, 1), self._stream(m, self.last, 1))
+        return max(self._stream(m, self.dense_layer, n), self._stream(m, self.layer, heavy),
+                   self._stream(m, self.first, 1), self._stream(m, self.last, 1))
 
     def _stream(self, m: int, unit: UnitTail, n: int) -> float:
         if not unit.each or n <= 0:
