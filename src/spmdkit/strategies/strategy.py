@@ -326,8 +326,9 @@ def annotate(model: Model, mesh: ProcessMesh, strategy: Iterable[str],
 
 
 def zero_stage(strategy: Iterable[str]) -> int:
-    """The ZeRO stage a strategy asks for (0: none)."""
-    st = set(strategy)
+    """The ZeRO stage a strategy asks for (0: none); its parts as given or by their aliases
+    (``zero`` = zero2, ``fsdp`` = zero3)."""
+    st = {_ALIASES.get(s, s) for s in strategy}
     return max((int(s[4]) for s in st if s in ("zero1", "zero2", "zero3")), default=0)
 
 
