@@ -12,7 +12,15 @@ docs/devices.md, "Mixture of experts".
   Megatron-Core's / torch's grouped GEMM, one GEMM per local expert over every token it
   received from every sequence (``M = B x C``), so tiles quantise once per expert, not per
   sequence: the GEMM-efficiency model (:mod:`spmdkit.cost.rates`) prices a small per-expert M
-  (many experts, top-k of few tokens) as the slower GEMM it is.
+  (many experts, top-k of few tokens) as the slower GEMM it is. The local experts' GEMMs are ONE
+  kernel (:func:`spmdkit.cost.rates.grouped_tile_utilisation`): each expert's rows padded to the
+  tile, the tiles of all of them in one grid over the SMs, the rows each expert of the busiest ep
+  rank receives (:class:`ExpertRows`): the skew rule's hot expert and even rest or the
+  histogram's counts as they are (:func:`busiest_experts`), under ``--moe-routing topk`` each
+  count binomial over the tokens (a token picks a given expert with chance ``top_k / E``) and
+  its tiles expected under a normal approximation, under ``balanced`` (or a capacity factor above
+  1, or a histogram) exact. The weight gradient's K is the rows: its time, linear in K under
+  the model (``K / (K + K0)``), is the mean expert's.
 - Load imbalance (:func:`rank_load`): uniform routing gives every expert ``tokens x top_k / E``;
   ``--moe-skew F`` gives the busiest expert ``F`` times that and the others an even share of the
   rest (``--moe-skew NAME``: a published ``F``, :data:`spmdkit.program.runtime.SKEW_FIGURES`),
