@@ -237,7 +237,9 @@ class ExpertRows:
         GEMM's M): expert e's count ``n_e ~ Binomial(T, f_e k / E)`` with ``T = mu E / k`` the
         tokens the ep group routes (``mu = mean / rho``, the uniform mean), so ``E[n_e] = mu f_e``
         and ``var = mu f_e (1 - f_e k / E)``."""
-        fs = self.factors if self.factors is not None and sum(n for _, n in self.factors) == local else ((1.0, local),)
+        fs = self.factors if self.factors is not None and sum(n for _, n in self.factors) == local else ()
+        if sum(f * n for f, n in fs) <= 0.0:  # not this rank's experts, or none of them loaded
+            fs = ((1.0, local),)
         mu = mean * local / sum(f * n for f, n in fs)
         return tuple((mu * f, math.sqrt(max(0.0, mu * f * (1.0 - f * self.share))) if self.share else 0.0, n) for f, n in fs)
 
