@@ -274,10 +274,17 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
         ep //= tp
     cp = int(par.get("cp") or 1)
     gpus = tp * pp * dp * ep * cp
-    if etp1 and cp > 1 and gpus != int(row["hardware"]["num_gpus"]):
-        # Megatron's expert group of ETP = 1 is the next EP ranks in tp-cp-dp order: past tp, cp ranks
-        raise Unsupported(f"ETP = 1 with an expert group (EP {ep * tp}) wider than TP {tp} x the data-parallel "
-                          f"ranks: Megatron folds it over context-parallel ranks, spmdkit's ep out of dp only")
+    from_cp = bool(etp1 and cp > 1 and gpus != int(row["hardware"]["num_gpus"]))
+    if from_cp:
+        # Megatron's expert group of ETP = 1 is the next EP ranks in tp-cp-dp order: past tp and
+        # with no data-parallel rank to take, cp ranks: the ep mesh dim carved from cp (ep-from=cp)
+        if cp % ep or tp * pp * dp * cp != int(row["hardware"]["num_gpus"]):
+            raise Unsupported(f"ETP = 1 with an expert group (EP {ep * tp}) wider than TP {tp} x the data-parallel "
+                              f"ranks and not carved from the {cp} context-parallel ranks")
+        cp //= ep
+        gpus = tp * pp * dp * ep * cp
+        assume.append(f"ETP = 1, EP {ep * tp} wider than TP {tp} x DP {dp}: the expert group takes {ep} of the cp "
+                      f"ranks (--strategy ...,ep-from=cp: the sequence over cp x ep = {cp} x {ep})")
     mb = par.get("micro_batch") or par.get("local_batch")
     gb = par.get("global_batch")
     if par.get("micro_batch") is None and par.get("local_batch") and pp > 1:
@@ -308,17 +315,18 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
     recompute = _recompute(row, assume)
     if ep > 1:  # Megatron-Core's folding: the experts over ep, the rest data parallel over dp x ep
         strategy = strategy.replace("dp", "dp,ep", 1) + (",etp=1" if etp1 else "")
-    if cp > 1:
-        strategy = _with_cp(strategy, _cp_attention(row, framework, assume))
+    if cp > 1 or from_cp:
+        strategy = _with_cp(strategy, _cp_attention(row, framework, assume)) + (",ep-from=cp" if from_cp else "")
     # the ranks as both frameworks lay them out: tp innermost, then cp (Megatron-Core's
     # tp-cp-ep-dp-pp order; torchtitan's mesh pp, dp_shard, cp, tp)
     dims = (("pp", pp), ("dp", dp), ("ep", ep), ("cp", cp), ("tp", tp))
-    if etp1 and cp > 1 and ep > 1:
+    if etp1 and (cp > 1 or from_cp) and ep > 1:
         # ETP = 1: Megatron's expert group is EP consecutive ranks (TP x CP ranks, one node), which
         # the ep mesh dim can only share with tp: ep inside cp keeps the group's ranks together
         dims = (("pp", pp), ("dp", dp), ("cp", cp), ("ep", ep), ("tp", tp))
-        assume.append("ETP = 1 under cp: the ep mesh dim inside cp (Megatron's expert group is EP consecutive "
-                      "ranks, tp x cp ones; spmdkit's ep cannot share cp's ranks, so the cp ring spans ep x tp)")
+        if not from_cp:
+            assume.append("ETP = 1 under cp: the ep mesh dim inside cp (Megatron's expert group is EP consecutive "
+                          "ranks, tp x cp ones; spmdkit's ep cannot share cp's ranks, so the cp ring spans ep x tp)")
     argv = ["plan", "--mesh", ",".join(f"{k}={v}" for k, v in dims if (k not in ("pp", "ep", "cp") or v > 1)),
             "--strategy", strategy, "--device", device, "--precision", _precision(row), "--framework", framework,
             "--recompute", recompute, "--json"]
@@ -344,7 +352,7 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
         argv.append("--no-p2p-overlap")
         assume.append("pipeline sends block (Megatron-LM 2021-2022: torch.cuda.synchronize() after each "
                       "batch_isend_irecv)")
-    dpe = dp * ep  # the data-parallel ranks (ep folded into them; cp ranks share their sequences)
+    dpe = dp * (1 if from_cp else ep)  # the data-parallel ranks (ep folded into them unless carved from cp)
     accum = (gb // (dpe * mb)) if gb else 1
     if gb and gb % (dpe * mb):
         raise Unsupported(f"global batch {gb} not a multiple of dp x micro-batch {dpe * mb}")

@@ -281,11 +281,15 @@ def test_megatron_moe_tflops_rows_are_planned_with_the_moe_count() -> None:
         fsdp = FID.express(MOE_ROWS["megatron_moe_zoo_h100_bf16_qwen3_235b_tp2_ep8_fsdp"], Path(d)).argv
         assert fsdp[fsdp.index("--mesh") + 1] == "dp=32,ep=4,tp=2" and "zero3" in fsdp[fsdp.index("--strategy") + 1]
         assert fsdp[fsdp.index("--framework") + 1] == "megatron" and fsdp[fsdp.index("--grad-accum") + 1] == "4"
-        for rid, match in (("qwen3_235b_seq128k_tp4_cp8_pp8_ep8_forced",
-                            r"ETP = 1 with an expert group \(EP 8\) wider than TP 4"),
-                           ("qwen3_next_80b_a3b_tp1_pp4_ep32", "Gated DeltaNet")):
-            with pytest.raises(FID.Unsupported, match=match):
-                FID.express(MOE_ROWS[f"megatron_moe_zoo_h100_bf16_{rid}"], Path(d))
+        # 128k: tp 4 x cp 8, dp 1, EP 8 (ETP 1): the expert group takes 2 of the cp ranks (ep-from=cp)
+        c3 = FID.express(MOE_ROWS["megatron_moe_zoo_h100_bf16_qwen3_235b_seq128k_tp4_cp8_pp8_ep8_dropless"], Path(d))
+        a = c3.argv
+        assert c3.gpus == 256 and c3.measured == 357 and a[a.index("--mesh") + 1] == "pp=8,dp=1,cp=4,ep=2,tp=4"
+        assert {"ep", "etp=1", "cp", "cp-attention=ring", "ep-from=cp"} <= set(a[a.index("--strategy") + 1].split(","))
+        assert a[a.index("--batch") + 1] == "256" and a[a.index("--microbatches") + 1] == "256"
+        assert "ep-from=cp" not in c2.argv[c2.argv.index("--strategy") + 1]  # cp=2: ep from the dp ranks
+        with pytest.raises(FID.Unsupported, match="Gated DeltaNet"):
+            FID.express(MOE_ROWS["megatron_moe_zoo_h100_bf16_qwen3_next_80b_a3b_tp1_pp4_ep32"], Path(d))
         other = dict(MOE_ROWS["automodel_h100_bf16_qwen3_30b_a3b"])
         other["measured"] = {"tflops_per_gpu": 277, "flops_definition": "NeMo AutoModel 'Model TFLOPs/sec/GPU'"}
         with pytest.raises(FID.Unsupported, match="MoE TFLOP/s by another FLOP definition"):

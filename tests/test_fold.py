@@ -175,3 +175,17 @@ def test_moe_deep_pipelines_whose_dense_layers_span_stages_fold_exactly(cfg: Con
     """The dense layers over the first two stages (DeepSeek-V3 on pp=32): folded by stage, the
     same step, memory, communication, MFU and collectives as planned whole, every mode."""
     assert _same(DENSE3, {"batch": 32, "layers": 32}, cfg) == layers
+
+
+@pytest.mark.parametrize(("over", "cfg", "layers", "step"), [
+    ({"batch": 128, "layers": 12}, Config(16, 1, 2, "dp,zero2", microbatches=8), 6, 0.185135),  # two copies
+    ({"batch": 32, "layers": 24}, Config(8, 1, 8, "dp,zero2", microbatches=4), 9, 0.069402),     # by stage
+])
+def test_megatron_fsdp_pipelines_fold_exactly(over: dict[str, int], cfg: Config, layers: int, step: float) -> None:
+    """Megatron-FSDP's ZeRO-2 reduce-scatters in every microbatch's backward (StageCost.each),
+    replayed on each rank of the folded pipeline (fold._pipeline_overlap) as on the pipeline
+    planned whole (pipeline._step_times): the same figures, every mode. Both bound by the
+    reductions (seq 128, dp 16 / 8: 0.0722 and 0.0429 s reduced once)."""
+    over = {"seq": 128, **over}
+    assert _same("llama3-8b", over, cfg) == layers
+    assert config_candidates("llama3-8b", cfg, overrides=over)[0].step_s == pytest.approx(step, abs=1e-6)

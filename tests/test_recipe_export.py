@@ -70,8 +70,6 @@ def test_megatron_arguments_and_a_pipeline_recipe() -> None:
 @pytest.mark.parametrize(("extra", "message"), [
     (("--export-recipe", "yaml", "x.yaml"), "--export-recipe 'yaml': one of torchtitan, megatron, json"),
     (("--export-recipe", "json", "/no/such/dir/r.json"), "--export-recipe '/no/such/dir/r.json': is in no existing"),
-    (("--strategy", "dp,zero3", "--export-recipe", "megatron", "args.txt"),
-     "--export-recipe megatron: the best recipe shards parameters (ZeRO-3 / FSDP"),
 ])
 def test_refused_in_one_line(extra: tuple[str, ...], message: str, tmp_path: Path,
                              monkeypatch: pytest.MonkeyPatch) -> None:
@@ -99,3 +97,44 @@ def test_an_interleaved_recipe() -> None:
     pairs = dict(itertools.pairwise(megatron_args(r).replace("\\\n", "").split()))
     assert pairs["--num-virtual-stages-per-pipeline-rank"] == "2" and pairs["--pipeline-model-parallel-size"] == "2"
     assert tomllib.loads(torchtitan_toml(r))["parallelism"]["pipeline_parallel_schedule"] == "Interleaved1F1B"
+
+
+@pytest.mark.parametrize(("strategy", "zero", "flags"), [
+    ("megatron,sp,zero1", 1, ["--use-distributed-optimizer"]),
+    ("megatron,sp,zero2", 2, ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads",
+                              "--ckpt-format", "fsdp_dtensor", "--init-model-with-meta-device"]),
+    ("megatron,sp,zero3", 3, ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+                              "--ckpt-format", "fsdp_dtensor", "--init-model-with-meta-device"]),
+    ("megatron,sp", 0, []),
+])
+def test_megatron_zero_is_what_the_plan_models(strategy: str, zero: int, flags: list[str]) -> None:
+    """ZeRO-1: Megatron-Core's distributed optimizer (the gradients reduced once); ZeRO-2 / 3:
+    Megatron-FSDP's optim_grads / optim_grads_params (the gradients held at their shard and
+    reduce-scattered in every microbatch, as the pipeline's step times them), never both."""
+    c = next(x for x in config_candidates("llama3-8b", Config(2, 2, 2, strategy, microbatches=8),
+                                          overrides={"layers": 4, "batch": 16, "seq": 512})
+             if x.config.recompute == "none")
+    r = recipe(c, "llama3-8b", 16, 512, 4)
+    assert r["zero"] == zero
+    args = megatron_args(r).replace("\\\n", "").split()
+    zero_flags = {"--use-distributed-optimizer", "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+                  "--ckpt-format", "--init-model-with-meta-device"}
+    got = [a for i, a in enumerate(args) if a in zero_flags or (i and args[i - 1] in zero_flags and
+                                                                 not a.startswith("--"))]
+    assert got == flags
+    est = c.estimate
+    assert any(s.each for s in est.stages) == (zero >= 2)  # type: ignore[union-attr]
+
+
+def test_a_zero3_and_an_aliased_recipe_from_the_cli(tmp_path: Path) -> None:
+    """``--strategy dp,zero3`` exports Megatron-FSDP's optim_grads_params (it was refused);
+    ``fsdp`` (zero3's alias) is ZeRO-3 in the recipe, not none."""
+    f = tmp_path / "args.txt"
+    rc, _out, err = _cli(*SEARCH, "--strategy", "dp,zero3", "--export-recipe", "megatron", str(f))
+    assert rc == 0, err
+    pairs = dict(itertools.pairwise(f.read_text().replace("\\\n", "").split()))
+    assert pairs["--data-parallel-sharding-strategy"] == "optim_grads_params" and "--use-megatron-fsdp" in pairs
+    j = tmp_path / "r.json"
+    assert _cli(*SEARCH, "--strategy", "megatron,sp,fsdp", "--export-recipe", "json", str(j))[0] == 0
+    assert json.loads(j.read_text())["zero"] == 3
+    assert tomllib.loads(torchtitan_toml(json.loads(j.read_text())))["parallelism"]["data_parallel_replicate_degree"] == 1

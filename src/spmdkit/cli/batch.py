@@ -54,7 +54,7 @@ def resolve_mesh_batch(req: PlanRequest) -> PlanRequest:
                           f"trains {b} x {k} = {b * k:,} sequences; for {b} sequences per optimizer step give "
                           f"--global-batch {b} (and --micro-batch)", UserWarning, stacklevel=2)
         return req
-    dp = mesh_dp(req.mesh_text)
+    dp = mesh_dp(req.mesh_text, req.strategy)
     pipeline = "pp" in parse_mesh(req.mesh_text).dim_names
     micro = mb if mb is not None else (1 if pipeline else g // dp if g % dp == 0 else None)
     if micro is None or g % (micro * dp):

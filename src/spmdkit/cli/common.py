@@ -46,13 +46,15 @@ def catalog_batch(model: str | None, dp: int, batch: int | None) -> int | None:
     return -(-preset(model).batch // dp) * dp
 
 
-def mesh_dp(mesh_text: str) -> int:
+def mesh_dp(mesh_text: str, strategy_text: str | None = None) -> int:
     """The data-parallel ranks of the mesh: its ``dp`` dim times its ``ep`` dim (expert
     parallelism is carved out of data parallelism: outside the experts the batch is split over
-    ``dp x ep``); 1 without either."""
+    ``dp x ep``), the ``dp`` dim alone where ``strategy_text`` carves ep from the cp ranks
+    (``ep-from=cp``: outside the experts ep splits the sequence); 1 without either."""
     mesh = parse_mesh(mesh_text)
     sizes = dict(zip(mesh.dim_names, mesh.shape))
-    return sizes.get("dp", 1) * sizes.get("ep", 1)
+    from_cp = "ep-from=cp" in {s.strip() for s in (strategy_text or "").split(",")}
+    return sizes.get("dp", 1) * (1 if from_cp else sizes.get("ep", 1))
 
 
 def plan_source(source: ModelSource, mesh_text: str, strategy_text: str | None, user: dict[str, Any],

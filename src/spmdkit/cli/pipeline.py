@@ -130,7 +130,7 @@ def _source(req: PlanRequest, microbatches: int) -> ModelSource:
         return src if batch else replace(src, batch=src.batch * microbatches)
     if m.program:
         return program_source(m, layers, batch, seq)
-    return Preset(m.model, layers, catalog_batch(m.model, mesh_dp(req.mesh_text), batch), seq)
+    return Preset(m.model, layers, catalog_batch(m.model, mesh_dp(req.mesh_text, req.strategy), batch), seq)
 
 
 def _title(got: PipelinePlan, source: ModelSource, spec: PipelineSpec) -> str:

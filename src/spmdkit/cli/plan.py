@@ -134,7 +134,7 @@ def _run_plan(req: PlanRequest, out: TextIO) -> int:
     batch = parse_size("--batch", req.batch, MAX_SIZE)
     seq = parse_size("--seq", req.seq, MAX_SIZE)
     grad_accum = parse_size("--grad-accum", req.grad_accum, 1 << 20) or 1
-    batch = catalog_batch(req.model.model, mesh_dp(req.mesh_text), batch)
+    batch = catalog_batch(req.model.model, mesh_dp(req.mesh_text, req.strategy), batch)
     if req.search.auto:
         return _run_auto(req, out, recompute, user, Preset(req.model.model, layers, batch, seq), grad_accum)
     source, patterns = _strategy_source(req, layers, batch, seq)

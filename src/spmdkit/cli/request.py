@@ -295,7 +295,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                         "(graph/auto_search.py); prints the top configurations and the best plan")
     p.add_argument("--strategy", default=None,
                    help="comma list of dp, megatron (tp), sp, ep (MoE experts over an ep mesh dim, tokens over dp x ep; "
-                        "with megatron, etp=1: each expert whole, the experts over ep x tp), "
+                        "with megatron, etp=1: each expert whole, the experts over ep x tp; with cp, ep-from=cp: the ep "
+                        "ranks carved from cp, the sequence over cp x ep), "
                         "cp (the sequence over a cp mesh dim: context parallelism), zero1, "
                         "zero2 (zero), zero3 (fsdp); default megatron (= dp,megatron) for a preset or --hf, none for --program")
     _add_cp_arguments(p)
@@ -450,7 +451,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                                            "row (default 0)")
     p.add_argument("--mesh", default="dp=2,tp=2", help="named mesh dims, e.g. dp=2,tp=2 (default)")
     p.add_argument("--strategy", help="comma list of dp, megatron (tp), sp, ep (MoE experts over an ep mesh dim; etp=1: "
-                                      "over ep x tp, each whole), cp "
+                                      "over ep x tp, each whole; ep-from=cp: ep carved from the cp ranks), cp "
                                       "(the sequence over a cp mesh dim), zero1, zero2 "
                                       "(zero), zero3 (fsdp); default megatron (--program: none, its --annotate pins alone)")
     _add_cp_arguments(p)

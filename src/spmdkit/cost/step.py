@@ -360,6 +360,9 @@ class _Comm:
     #: the gradient reductions of ``pending`` the framework runs in every micro-step's backward,
     #: not only the last one's (:meth:`spmdkit.program.plan.Plan.reduced_each_microstep`)
     pending_each: dict[int, list[_Pending]] = field(default_factory=dict)
+    #: (op, index in ``pending[op]``) of the reductions a pipeline's stages run in every
+    #: microbatch's backward (``reduced_each_microstep`` with ``pipeline``: Megatron-FSDP's)
+    pipeline_each: set[tuple[int, int]] = field(default_factory=set)
     #: torch's async TP: the seconds op i waits on the fused all-gather-matmuls /
     #: matmul-reduce-scatters beyond their GEMMs (:mod:`spmdkit.cost.async_tp`)
     fused: dict[int, float] = field(default_factory=dict)
@@ -458,9 +461,12 @@ def _communication(plan: Plan, comp: _Compute, device: Device) -> _Comm:
                 size = numel(local_shape(t.shape, s.src)) * t.itemsize
                 if s.kind == "all_reduce" and set(s.mesh_dims) <= rs_grads.get(r.tensor, frozenset()):
                     s = replace(s, kind="reduce_scatter")  # Megatron's distributed optimizer
-                out.pending.setdefault(producer.get(r.tensor, i), []).append((t.dtype, s, size))
+                j = producer.get(r.tensor, i)
+                out.pending.setdefault(j, []).append((t.dtype, s, size))
                 if plan.grad_accum > 1 and plan.reduced_each_microstep(r, param_grads):
-                    out.pending_each.setdefault(producer.get(r.tensor, i), []).append((t.dtype, s, size))
+                    out.pending_each.setdefault(j, []).append((t.dtype, s, size))
+                if plan.reduced_each_microstep(r, param_grads, pipeline=True):
+                    out.pipeline_each.add((j, len(out.pending[j]) - 1))
                 continue
             out.by_phase[prog.ops[i].phase] += s.time_s
             n = math.prod(plan.mesh.shape[d] for d in s.mesh_dims)
@@ -579,6 +585,7 @@ class Reducer:
         self.open: dict[tuple[Any, ...], list[Any]] = {}  # key -> [tensors, bytes, ready, cap, layer]
         self.free = 0.0  # when the communication stream is free
         self.first_cap = FIRST_BUCKET_BYTES
+        self.launched: list[float] = []  # when each of ``buckets`` was launched
 
     def _time(self, kind: str, dims: tuple[int, ...], size: int) -> float:
         return time_of(self.cost, kind, dims, size, self.mesh.shape)
@@ -601,6 +608,7 @@ class Reducer:
         start = max(now, self.free)
         self.free = start + dur
         self.buckets.append(Bucket(kind, dims, rt, tensors, size, ready, start, dur))
+        self.launched.append(now)
 
     def add(self, dtype: str, s: Step, size: int, now: float, layer: str = "") -> None:
         """A gradient of ``size`` bytes (its own dtype) ready at ``now``, made in ``layer``."""
@@ -709,6 +717,9 @@ class OpComm:
     gathers_s: float = 0.0
     #: the part of ``wait`` that is an expert-parallel all-to-all (op -> seconds; ``_Comm.ep_a2a``)
     ep_a2a: dict[int, float] = field(default_factory=dict)
+    #: (op, index in ``pending[op]``) of the reductions a pipeline's stages run in every
+    #: microbatch's backward, not only the last one's (Megatron-FSDP's ZeRO-2/3 reduce-scatters)
+    each: frozenset[tuple[int, int]] = frozenset()
 
 
 #: op_communication's values by what it reads of a plan (every field but ``rounds``: the
@@ -751,7 +762,8 @@ def _op_communication(plan: Plan, device: Device) -> OpComm:
             wait[first] += e
             exposed[first] = exposed.get(first, 0.0) + e
     return OpComm(comp.times, wait, comm.pending, comp.costs, comm.param_gathers, exposed,
-                  sum(secs for secs, _first in comm.prefetch.values()), comm.ep_a2a)
+                  sum(secs for secs, _first in comm.prefetch.values()), comm.ep_a2a,
+                  frozenset(comm.pipeline_each))
 
 
 @gc_paused

@@ -136,23 +136,31 @@ class Rank:
 
     def ring_pass_t(self, ts: list[torch.Tensor], mesh_dims: tuple[int, ...]) -> list[torch.Tensor]:
         """A ring kernel's own step (``Ctx.comm.ring_pass``: ring attention's kv blocks): each
-        tensor sent to the next rank of the mesh dim's group and received from the previous one
-        (send / recv), timed as communication and recorded apart from the plan's reshards."""
-        if len(mesh_dims) != 1:
-            raise ProgramError(f"spmdkit run: a ring over mesh dims {list(mesh_dims)}: the executor rings over one "
-                               f"mesh dim")
+        tensor sent to the next rank of the group of ``mesh_dims`` and received from the previous
+        one (send / recv), timed as communication and recorded apart from the plan's reshards.
+        Over several mesh dims (a sequence co-sharded ``(cp, ep)``: ``ep-from=cp``) the ring runs
+        round their ranks in the co-shard's order, major dim first."""
+        if not mesh_dims:
+            return ts
         d = mesh_dims[0]
-        n = self.mesh.shape[d]
+        n = 1
+        at = 0  # this rank's place in the co-shard: (i_a, i_b, ...) read major first
+        coords = list(self.coords)
+        for m in mesh_dims:
+            n *= self.mesh.shape[m]
+            at = at * self.mesh.shape[m] + coords[m]
         if n == 1:
             return ts
         t0 = self._clock()
-        coords = list(self.coords)
 
         def rank_at(i: int) -> int:
-            want = [*coords[:d], i % n, *coords[d + 1:]]
+            want = list(coords)
+            i %= n
+            for m in reversed(mesh_dims):
+                want[m], i = i % self.mesh.shape[m], i // self.mesh.shape[m]
             return next(r for r in range(self.mesh.size) if list(self.mesh.coords(r)) == want)
 
-        nxt, prv = rank_at(coords[d] + 1), rank_at(coords[d] - 1)
+        nxt, prv = rank_at(at + 1), rank_at(at - 1)
         outs = [torch.empty_like(t) for t in ts]
         ops = []
         for t, o in zip(ts, outs):

@@ -63,8 +63,10 @@ def write_pipeline(est: PipelineEstimate, out: TextIO) -> None:
         out.write(f"ep all-to-all overlap (--ep-comm-overlap): the steady state's merged forwards and backwards hide "
                   f"{fmt_time(run.hidden_s[r])} of the busiest device's {fmt_time(a2a)} of expert all-to-alls "
                   f"(one more warm-up forward per device)\n")
+    when = "each microbatch's backward (Megatron-FSDP: its ZeRO gradients reduce-scattered in every one)" \
+        if any(c.each for c in est.stages) else "the last backward"
     out.write(f"step time: {fmt_time(est.step_serial_s)} serial, {fmt_time(est.step_overlap_s)} with the gradient "
-              f"reductions overlapping the last backward\n")
+              f"reductions overlapping {when}\n")
     if est.tokens:
         out.write(f"tokens/s: {est.tokens_per_s or 0:,.0f} ({est.tokens} tokens per step); MFU "
                   f"{100 * (est.mfu or 0):.1f}% ({est.tflops_per_gpu or 0:.0f} model TFLOP/s per GPU over "
@@ -77,8 +79,8 @@ def write_moe_memory(mm: MoeMemory, out: TextIO) -> None:
     (:class:`spmdkit.planner.pipeline_moe.MoeMemory`)."""
     local = mm.expert_elements // max(1, mm.ep)
     out.write(f"MoE memory of pipeline rank {mm.rank} ({mm.layers} layers, {mm.moe_layers} with {mm.experts} experts; "
-              f"experts over ep={mm.ep}, their states over edp = dp = {mm.edp}, the rest data parallel over "
-              f"dp x ep = {mm.dense_dp}):\n")
+              f"experts over ep={mm.ep}, their states over edp = {mm.edp}, the rest data parallel over "
+              f"{mm.dense_dp}):\n")
     rows = [["parameters", fmt_bytes(mm.expert_parameters), fmt_bytes(mm.dense_parameters)],
             ["gradients", fmt_bytes(mm.expert_gradients), fmt_bytes(mm.dense_gradients)],
             ["optimizer states", fmt_bytes(mm.expert_states), fmt_bytes(mm.dense_states)]]

@@ -4,10 +4,15 @@ sequence, ``[activation_checkpoint]``), Megatron-LM's command-line arguments, or
 
 The batch: ``global`` sequences per optimizer step; a micro-batch is the sequences one
 data-parallel rank (``dp x ep``; cp ranks share theirs) runs in one forward/backward: with a
-pipeline ``global / (microbatches x dp)``, without one ``global / (grad_accum x dp)``. ZeRO: 3 is
-FSDP (torchtitan's ``data_parallel_shard_degree``; Megatron-LM has no ZeRO-3: its arguments are
-refused for it), 1 and 2 Megatron's distributed optimizer (torchtitan: FSDP2 shards whatever
-the level, so a ZeRO-1 / 2 recipe is exported as FSDP there, which holds less, never more).
+pipeline ``global / (microbatches x dp)``, without one ``global / (grad_accum x dp)``. ZeRO, as
+the plan models each framework (docs/devices.md, "Gradient accumulation under ZeRO"): Megatron-LM's
+1 is its distributed optimizer (``--use-distributed-optimizer``: the gradients accumulated whole,
+reduced once a step), 2 and 3 Megatron-FSDP (``--use-megatron-fsdp
+--data-parallel-sharding-strategy optim_grads`` / ``optim_grads_params``, with the
+``--ckpt-format fsdp_dtensor`` it requires and ``--init-model-with-meta-device``: the gradients
+held at their shard, reduce-scattered in every microbatch's backward); torchtitan's FSDP
+(``data_parallel_shard_degree``) for 1-3 (FSDP2 shards whatever the level, so a ZeRO-1 / 2
+recipe is exported as FSDP there, which holds less, never more).
 Recomputation ``full:K`` (the first K layers of each pipeline stage, the search's least K that
 fits: :mod:`spmdkit.planner.search_blocks`) is Megatron-LM's ``--recompute-granularity full
 --recompute-method block --recompute-num-layers K``; torchtitan's ``[activation_checkpoint]``
@@ -25,12 +30,16 @@ from spmdkit.core.errors import ProgramError
 from spmdkit.cost.memory import recompute_layers
 from spmdkit.io.atomic import output_problem, write_atomic
 from spmdkit.planner.search import Candidate
+from spmdkit.strategies.strategy import zero_stage
 
 KINDS = ("torchtitan", "megatron", "json")
+#: ZeRO level -> Megatron-FSDP's ``--data-parallel-sharding-strategy`` (the gradients sharded, and
+#: the parameters too); ZeRO-1 is Megatron-Core's distributed optimizer, not Megatron-FSDP's ``optim``
+MEGATRON_FSDP = {2: "optim_grads", 3: "optim_grads_params"}
 
 
 def _zero(strategy: str) -> int:
-    return max((int(p[4]) for p in strategy.split(",") if p in ("zero1", "zero2", "zero3")), default=0)
+    return zero_stage(p.strip() for p in strategy.split(","))
 
 
 def recipe(c: Candidate, model: str, global_batch: int, seq: int, layers: int) -> dict[str, Any]:
@@ -94,10 +103,6 @@ def torchtitan_toml(r: dict[str, Any]) -> str:
 
 def megatron_args(r: dict[str, Any]) -> str:
     """Megatron-LM's (``pretrain_gpt.py``) parallelism, batch and recomputation arguments."""
-    if r["zero"] == 3:
-        raise ProgramError(f"--export-recipe megatron: the best recipe shards parameters (ZeRO-3 / FSDP, "
-                           f"{r['strategy']}), which Megatron-LM's arguments do not express; give --strategy without "
-                           "zero3, or --export-recipe torchtitan")
     args = [f"--tensor-model-parallel-size {r['tp']}", f"--pipeline-model-parallel-size {r['pp']}",
             f"--context-parallel-size {r['cp']}", f"--expert-model-parallel-size {r['ep']}",
             f"--micro-batch-size {r['micro_batch']}", f"--global-batch-size {r['global_batch']}",
@@ -106,7 +111,10 @@ def megatron_args(r: dict[str, Any]) -> str:
         args.append(f"--num-virtual-stages-per-pipeline-rank {r['virtual_stages']}")
     if r["sequence_parallel"]:
         args.append("--sequence-parallel")
-    if r["zero"] >= 1:
+    if r["zero"] >= 2:  # Megatron-FSDP (megatron/training/arguments.py; megatron/core/distributed/README.md)
+        args += ["--use-megatron-fsdp", f"--data-parallel-sharding-strategy {MEGATRON_FSDP[r['zero']]}",
+                 "--ckpt-format fsdp_dtensor", "--init-model-with-meta-device"]
+    elif r["zero"] == 1:
         args.append("--use-distributed-optimizer")
     if r["recompute"] == "selective":
         args.append("--recompute-granularity selective")
@@ -149,5 +157,5 @@ def check_recipe_target(kind: str, path: str) -> None:
         raise ProgramError(f"--export-recipe {path[:200]!r}: {why}")
 
 
-__all__ = ["KINDS", "check_recipe_target", "megatron_args", "recipe", "recipe_warning", "torchtitan_toml",
+__all__ = ["KINDS", "MEGATRON_FSDP", "check_recipe_target", "megatron_args", "recipe", "recipe_warning", "torchtitan_toml",
            "write_recipe"]

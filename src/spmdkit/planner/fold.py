@@ -47,6 +47,7 @@ from spmdkit.planner.pipeline import (
     reduce_gradients,
     run_schedule,
 )
+from spmdkit.planner.stage_costs import Grad
 from spmdkit.program.layers import layer_tags
 from spmdkit.program.plan import Plan
 
@@ -314,7 +315,9 @@ def _pipeline_overlap(fold: Fold, plan_a: Plan, est_a: PipelineEstimate, est_b: 
     m = est_b.spec.microbatches
     last = {k: (s0, s1) for _r, kind, k, i, s0, s1 in run.units if kind == "B" and i == m - 1}
     index = {t: n for n, t in enumerate(layer_tags(plan_b.program))}
-    single_ranks = plan_b.runtime.framework == "megatron"
+    # Megatron-Core DDP's one bucket on the ranks after the first; Megatron-FSDP's (reductions in
+    # every microbatch: StageCost.each) in buckets under each backward on every rank
+    single_ranks = plan_b.runtime.framework == "megatron" and not any(c.each for c in est_b.stages)
     oc_a, oc_b = op_communication(plan_a, device), op_communication(plan_b, device)
     st_a, st_b = op_stages(plan_a.program, est_a.counts), op_stages(plan_b.program, est_b.counts)
     out = []
@@ -325,22 +328,35 @@ def _pipeline_overlap(fold: Fold, plan_a: Plan, est_a: PipelineEstimate, est_b: 
         ga, gb, gf = gather_exposed(fold, plan_b, by_a, by_b, ca.forward_s, cb.forward_s)
         hi = lo + fold.b[r]
         bw = fold.at(ca.backward_s, cb.backward_s)
-        items: list[Item] = [(index.get(lay, hi if lay == "head" else -1), dt, st, size, lay, f * cb.backward_s)
-                             for f, dt, st, size, lay in cb.grads]
-        full = _stretch(items, hi - 2, fold.d - 1, 0.0, cb.backward_s - ca.backward_s) if fold.d else items
-        if full is None:
+        full, each = (_stretched(fold, hi, ca, cb, index, g) for g in (cb.grads, cb.each))
+        if full is None or each is None:
             return None
         fin = run.finish_s[r]
         start, end = last.get(r, (fin, fin))
         grads = [(start + (t / bw if bw > 0 else 1.0) * (end - start), dt, st, size, lay)
                  for _u, dt, st, size, lay, t in full]
-        done, _b = reduce_gradients(plan_b, grads, fin, single_ranks and r > 0)
+        # the microbatches before the last reduce the stage's `each` under their own backward
+        mine = [(t / bw if bw > 0 else 1.0, dt, st, size, lay) for _u, dt, st, size, lay, t in each]
+        early = [(s0, s1, mine) for rr, kind, _k, i, s0, s1 in run.units
+                 if rr == r and kind == "B" and i < m - 1] if mine else None
+        done, _b = reduce_gradients(plan_b, grads, fin, single_ranks and r > 0, early)
         # a tied parameter's copies all-reduced among their stages after the reductions
         # (planner.pipeline._step_times): the embedding and the head, as many bytes in both copies
         tied = fold.at(est_a.tied_s[r], est_b.tied_s[r]) if est_a.tied_s and est_b.tied_s else 0.0
         out.append(done + tied + fold.at(ca.optimizer_s - ga, cb.optimizer_s - gb) + gf)
         lo = hi
     return max(out)
+
+
+def _stretched(fold: Fold, hi: int, ca: StageCost, cb: StageCost, index: dict[str, int],
+               grads: list[Grad]) -> list[Item] | None:
+    """Copy b's stage's gradient reductions ``grads`` (:attr:`StageCost.grads` or ``each``) as
+    the full model's stage makes them, at seconds into its backward (:func:`_stretch`)."""
+    items: list[Item] = [(index.get(lay, hi if lay == "head" else -1), dt, st, size, lay, f * cb.backward_s)
+                         for f, dt, st, size, lay in grads]
+    if not fold.d or not items:
+        return items
+    return _stretch(items, hi - 2, fold.d - 1, 0.0, cb.backward_s - ca.backward_s)
 
 
 def _stretched_peak(deltas: dict[int, int], unit: list[int], rep: int, r: int) -> int:

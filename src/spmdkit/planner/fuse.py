@@ -240,7 +240,9 @@ def infer_fused(fn: Callable[..., SpmdResult], args: Sequence[Any], mesh: Proces
     if not fuse:
         return fn(*args)
     f = Fusion.of(mesh, fuse)
-    res = fn(*[f.arg_in(x) for x in args])
+    # a co-shard of three dims ((cp, ep, tp): ep carved from the cp ranks, under sp) is a pair on
+    # the fused mesh ((cp x ep, tp)): asked again there, each level one fewer mesh dim
+    res = infer_fused(fn, [f.arg_in(x) for x in args], f.fused)
     return SpmdResult([f.res_out(x) for x in res.inputs], [f.res_out(x) for x in res.outputs])
 
 

@@ -22,9 +22,9 @@ Then every op gets its (virtual) stage from its ``layer`` tag, and per stage thi
 sums, for one microbatch: the forward and backward time (each op's roofline time from
 :func:`spmdkit.cost.compute.op_cost`, plus the blocking reshards and the collectives
 inside its ops), the gradient reductions of its parameters (once per step: gradients are
-accumulated over the microbatches and reduced after the last one; Megatron-FSDP's ZeRO-2/3
-reduce-scatters in every microbatch are not timed, though its gradients are held at their shard:
-docs/devices.md, "Gradient accumulation under ZeRO"), the optimizer time, the
+accumulated over the microbatches and reduced after the last one; Megatron-FSDP's ZeRO-2/3,
+which holds them at their shard, reduce-scatters them in every microbatch's backward:
+``StageCost.each``, docs/devices.md, "Gradient accumulation under ZeRO"), the optimizer time, the
 activations sent to the next stage in the forward and their gradients sent back in the
 backward (local bytes under the plan, timed on the ``pp`` link of the device's cost model),
 and its memory. The schedule (GPipe, 1F1B, interleaved 1F1B) is then run as an event
@@ -88,7 +88,7 @@ from spmdkit.planner.schedules import (
     schedule_order,
     weight_pending,
 )
-from spmdkit.planner.stage_costs import StageCost, reduce_gradients, stage_costs
+from spmdkit.planner.stage_costs import Grad, StageCost, reduce_gradients, stage_costs
 from spmdkit.program.ir import Program
 from spmdkit.program.layers import layer_tags
 from spmdkit.program.plan import Plan
@@ -684,12 +684,21 @@ def _step_times(plan: Plan, spec: PipelineSpec, costs: list[StageCost], run: Sch
     ends when the slowest device is done (the optimizer's gradient norm spans every stage). A
     tied parameter's copies (``tied_s``) are all-reduced after the device's gradient reductions,
     before its optimizer (Megatron-LM's ``finalize_model_grads``: the data-parallel reduction,
-    then the embedding group's all-reduce)."""
+    then the embedding group's all-reduce). Megatron-FSDP's ZeRO-2/3 (``StageCost.each``):
+    every microbatch's backward launches its stage's reduce-scatters in buckets as it makes the
+    gradients, on every rank, queued on the rank's one communication stream under the work
+    after it (:func:`spmdkit.planner.stage_costs.reduce_gradients`'s ``early``); the serial
+    step adds the ``m - 1`` earlier microbatches' reductions."""
     p, v = spec.pp, spec.virtual
     last: dict[int, tuple[float, float]] = {}
-    for _r, kind, k, i, start, end in run.units:
-        if kind == ("W" if spec.schedule == "zb-h1" else "B") and i == spec.microbatches - 1:
-            last[k] = (start, end)
+    early: list[list[tuple[float, float, list[Grad]]]] = [[] for _ in range(p)]
+    each = any(c.each for c in costs)  # Megatron-FSDP: every rank's buckets under its backwards
+    for r, kind, k, i, start, end in run.units:
+        if kind == ("W" if spec.schedule == "zb-h1" else "B"):
+            if i == spec.microbatches - 1:
+                last[k] = (start, end)
+            elif costs[k].each:
+                early[r].append((start, end, costs[k].each))
     serial, overlap = [], []
     for r in range(p):
         grads: list[tuple[float, str, Step, int, str]] = []
@@ -700,8 +709,9 @@ def _step_times(plan: Plan, spec: PipelineSpec, costs: list[StageCost], run: Sch
                       for f, dt, st, size, layer in costs[k].grads]
         o = sum(costs[c * p + r].optimizer_s for c in range(v))
         g = sum(costs[c * p + r].grad_sync_s for c in range(v))
-        single = plan.runtime.framework == "megatron" and r > 0
-        done, _b = reduce_gradients(plan, grads, run.finish_s[r], single)
+        g += sum((spec.microbatches - 1) * costs[c * p + r].each_s for c in range(v))
+        single = plan.runtime.framework == "megatron" and r > 0 and not each
+        done, _b = reduce_gradients(plan, grads, run.finish_s[r], single, early[r])
         t = tied_s[r] if tied_s else 0.0
         serial.append(run.finish_s[r] + g + t + o)
         overlap.append(done + t + o)

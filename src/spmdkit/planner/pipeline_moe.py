@@ -5,9 +5,10 @@ For a plan whose program has expert stacks ``[E, in, out]`` (:func:`spmdkit.stra
 into what its stages' experts hold and what the rest (attention, dense and shared MLPs, router,
 norms, embedding / head) holds, as the framework allocates them
 (:func:`spmdkit.cost.memory.held_for_the_step`), with the figures that divide them: the expert
-elements of the rank's layers (global), ``ep`` (experts a rank holds: ``E / ep`` of each stack),
-the expert data-parallel ranks (EDP = ``dp``, over which ZeRO shards the expert states) and the
-dense data-parallel ranks (``dp x ep``, over which ZeRO shards the dense states); and the
+elements of the rank's layers (global), ``ep`` (experts a rank holds: ``E / ep`` of each stack;
+ep x tp under ETP = 1), the expert data-parallel ranks (EDP = ``dp``, dp x cp under cp, over
+which ZeRO shards the expert states) and the dense data-parallel ranks (``dp x ep``, x cp under
+cp, over which ZeRO shards the dense states), read from the parameters' layouts; and the
 activations as one microbatch's working peak plus the stash of each other microbatch in flight.
 DeepSeek-V3 on ``pp=16,dp=2,ep=64`` (docs/search.md): a rank of 4 MoE layers holds
 ``4 x 256 x 3 x 7168 x 2048 / 64`` expert elements, 2 bytes each.
@@ -15,10 +16,12 @@ DeepSeek-V3 on ``pp=16,dp=2,ep=64`` (docs/search.md): a rank of 4 MoE layers hol
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from spmdkit.core.dist_attr import entry_dims
 from spmdkit.cost.memory import Memory, held_for_the_step
 from spmdkit.program.plan import Plan
 from spmdkit.strategies.experts import moe_layers
@@ -80,15 +83,31 @@ def moe_memory(plan: Plan, stages: Sequence[int], counts: Sequence[int], p: int,
         acc[0], acc[1], acc[2] = acc[0] + pb, acc[1] + gb, acc[2] + sb
         if n in stacks:
             elements += prog.tensors[n].numel
-    mesh = plan.mesh
-    ep = mesh.shape[mesh.dim_index("ep")] if "ep" in mesh.dim_names else 1
-    dp = mesh.shape[mesh.dim_index("dp")] if "dp" in mesh.dim_names else 1
+    ep, edp, dense = _divisors(plan, stacks)
     moe_ops = {i for i, op in enumerate(prog.ops) if op.rule == "moe_gate_dispatch" and op.phase == "forward"}
     n_moe = sum(1 for i in moe_ops if stages[i] % p == r)
     stash = sum(costs[s].stash_bytes for s in mine)
     work = max(costs[s].working_peak for s in mine)
-    return MoeMemory(r, sum(counts[s] for s in mine), n_moe, layers[0].experts, ep, dp, dp * ep, elements,
+    return MoeMemory(r, sum(counts[s] for s in mine), n_moe, layers[0].experts, ep, edp, dense, elements,
                      ex[0], ex[1], ex[2], de[0], de[1], de[2], in_flight[r], work, stash, mems[r].activation_peak)
+
+
+def _divisors(plan: Plan, stacks: set[str]) -> tuple[int, int, int]:
+    """(the ranks an expert stack's experts are split over, the ranks holding the same experts,
+    the ranks holding the same shard of a dense parameter), read from the plan's layouts of the
+    parameters: ep (ep x tp under ETP = 1); EDP = dp (dp x cp under cp); dp x ep (x cp: with
+    ``ep-from=cp`` the dense data-parallel group is every rank but tp's)."""
+    mesh = plan.mesh
+
+    def split(names: Sequence[str]) -> set[int]:
+        return {d for n in names if n in plan.attrs for e in plan.attrs[n].dims_mapping for d in entry_dims(e)}
+
+    stack = sorted(stacks)[0]
+    ep = math.prod(mesh.shape[d] for d in entry_dims(plan.attrs[stack].dims_mapping[0]))
+    edp = mesh.size // math.prod(mesh.shape[d] for d in split([stack]))
+    dense = [n for n, t in plan.program.tensors.items() if t.kind == "parameter" and n not in stacks
+             and not t.inplace_of]
+    return ep, edp, mesh.size // math.prod(mesh.shape[d] for d in split(dense))
 
 
 __all__ = ["MoeMemory", "moe_memory"]

@@ -325,11 +325,14 @@ class StepFloor:
         even = w / p * (m + pipeline_fill(p, v))
         if t is not None:  # every rank holds v layers at least: step >= max_r finish_r + min_r tail_r
             even += min(t.rank(r, p, v) for r in range(p))
+        # Megatron-FSDP: the busiest rank (ceil(layers / p) of them at least) reduces them in each microbatch
+        stream = t.stream(m, -(-self.layers // p), -(-(self.layers - self.dense) // p)) \
+            if t is not None and busiest else 0.0
         u = f.units.get(mode) if busiest else None
         if u is None:
-            return even
-        return max(even, busiest_rank(u, self.layers, p, v, m, None if t is None else functools.partial(t.rank, p=p),
-                                      self.dense))
+            return max(even, stream)
+        return max(even, stream, busiest_rank(u, self.layers, p, v, m,
+                                              None if t is None else functools.partial(t.rank, p=p), self.dense))
 
 
 def busiest_rank(u: Units, layers: int, p: int, v: int, m: int,

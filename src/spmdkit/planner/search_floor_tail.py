@@ -18,7 +18,16 @@ model's own formulas:
   ``finish_r`` plus the time of that bucket, :class:`spmdkit.cost.step.Reducer`'s time of each
   (reduction, mesh dims, dtype) group's bytes one after the other. The first rank's buckets run
   under its backward (counted as 0 here), as do a run without a pipeline's (the last bucket's
-  part is not counted either: which gradients it holds depends on the bucket sizes).
+  part is not counted either: which gradients it holds depends on the bucket sizes). Not
+  Megatron-FSDP's (ZeRO-2/3 under the megatron framework): its every rank reduce-scatters in
+  every microbatch's backward, in buckets under it;
+- Megatron-FSDP's per-microbatch reductions (:meth:`Tail.stream`): the rank holding the most
+  layers (``ceil(layers / p)`` at least, and one rank ``ceil((layers - dense) / p)`` of the
+  repeated kind) queues ``m`` microbatches' of them on its stream
+  before its optimizer; each microbatch's counted as one bucket a group, no slower than the
+  framework's buckets where the collective time is subadditive in the bytes (NCCL's model,
+  the least over algorithms of affine times, and the alpha-beta ring are; a measured device's
+  interpolated points need not be: none counted there).
 
 The figures come from the configuration's layers planned on its OWN data-parallel degree and
 strategy (ZeRO level included): one copy of ``dense + 2`` layers (:func:`spmdkit.planner.
@@ -71,18 +80,25 @@ class UnitTail:
 
     opt: float = 0.0
     grads: tuple[tuple[GradKey, Step, int], ...] = ()
+    #: those of ``grads`` reduced in every microbatch's backward (Megatron-FSDP's: ``OpComm.each``)
+    each: tuple[tuple[GradKey, Step, int], ...] = ()
 
     def bytes_of(self) -> dict[GradKey, tuple[Step, int]]:
         return {k: (s, b) for k, s, b in self.grads}
+
+
+def _least_of(groups: list[tuple[tuple[GradKey, Step, int], ...]]) -> tuple[tuple[GradKey, Step, int], ...]:
+    maps = [{k: (s, b) for k, s, b in g} for g in groups]
+    keys = [k for k in maps[0] if all(k in m for m in maps[1:])]
+    return tuple((k, maps[0][k][0], min(m[k][1] for m in maps)) for k in keys)
 
 
 def _least(units: list[UnitTail]) -> UnitTail:
     """The least of ``units``, group by group (a group some unit lacks: 0 bytes, left out)."""
     if not units:
         return UnitTail()
-    maps = [u.bytes_of() for u in units]
-    keys = [k for k in maps[0] if all(k in m for m in maps[1:])]
-    return UnitTail(min(u.opt for u in units), tuple((k, maps[0][k][0], min(m[k][1] for m in maps)) for k in keys))
+    return UnitTail(min(u.opt for u in units), _least_of([u.grads for u in units]),
+                    _least_of([u.each for u in units]))
 
 
 @dataclass
@@ -96,7 +112,8 @@ class Tail:
     first: UnitTail
     last: UnitTail
     dense: int = 0
-    #: Megatron-Core: the ranks after the first reduce in one bucket after their last backward
+    #: Megatron-Core DDP: the ranks after the first reduce in one bucket after their last backward
+    #: (not Megatron-FSDP's ZeRO-2/3, whose every microbatch reduces under its backward)
     single: bool = True
     _memo: dict[tuple[int, int, bool, bool], float] = field(default_factory=dict, repr=False)
 
@@ -126,6 +143,30 @@ class Tail:
             self._memo[key] = got
         return got
 
+    def stream(self, m: int, n: int, heavy: int = 0) -> float:
+        """Seconds a pipeline rank holding ``n`` layers (``heavy`` of them of the repeated kind, a
+        MoE model's past its dense ones) takes at least from its first microbatch's
+        backward to its optimizer's end under Megatron-FSDP (0 without per-microbatch reductions):
+        its ``m`` microbatches' reductions of ``n`` layers of the least kind one after the other
+        on its stream (each microbatch's in one bucket a group: no slower than in several where
+        the collective time is subadditive in the bytes, as NCCL's model is, the least of
+        affine times over algorithms, and the alpha-beta ring; not a measured device's
+        interpolated points: 0 there), then the optimizer of those layers. The first rank's
+        embedding and the last rank's head alike, whatever layers they hold: the most of the three."""
+        fabric = getattr(self.plan.cost, "fabric", None)
+        if fabric is not None and fabric.measured:
+            return 0.0
+        return max(self._stream(m, self.dense_layer, n), self._stream(m, self.layer, heavy),
+                   self._stream(m, self.first, 1), self._stream(m, self.last, 1))
+
+    def _stream(self, m: int, unit: UnitTail, n: int) -> float:
+        if not unit.each or n <= 0:
+            return 0.0
+        red = Reducer(self.plan, single=True)
+        for (_kind, _dims, _rt, dtype), s, b in unit.each:
+            red.add(dtype, s, n * b, 0.0)
+        return (m * red.flush(0.0) + n * unit.opt) * (1.0 - SLACK)
+
     def _reduced(self, moe: int, dense: int, last: bool) -> float:
         """The one bucket's time (:func:`spmdkit.planner.stage_costs.reduce_gradients`, ``single``)."""
         total: dict[GradKey, tuple[Step, int]] = {}
@@ -146,19 +187,22 @@ def plan_tail(plan: Plan, device: Device, dense: int) -> Tail:
     unit, n = op_units(prog)
     opt = [0.0] * (n + 2)
     grads: list[dict[GradKey, tuple[Step, int]]] = [{} for _ in range(n + 2)]
+    each: list[dict[GradKey, tuple[Step, int]]] = [{} for _ in range(n + 2)]
     for i, op in enumerate(prog.ops):
         u = unit[i] + 1
         if op.phase == "optimizer":
             opt[u] += oc.compute[i]
-        for dt, st, size in oc.pending.get(i, ()):
+        for q, (dt, st, size) in enumerate(oc.pending.get(i, ())):
             key = (st.kind, st.mesh_dims, st.reduce_type or "sum", dt)
-            had = grads[u].get(key)
-            grads[u][key] = (st, size + (had[1] if had else 0))
-    units = [UnitTail(o, tuple((k, s, b) for k, (s, b) in g.items())) for o, g in zip(opt, grads)]
+            for into in (grads, each) if (i, q) in oc.each else (grads,):
+                had = into[u].get(key)
+                into[u][key] = (st, size + (had[1] if had else 0))
+    units = [UnitTail(o, tuple((k, s, b) for k, (s, b) in g.items()), tuple((k, s, b) for k, (s, b) in e.items()))
+             for o, g, e in zip(opt, grads, each)]
     layers = units[1:-1]
     rep = layers[dense:] if len(layers) > dense else layers
     return Tail(plan, _least(rep), _least(layers), units[0], units[-1], dense,
-                plan.runtime.framework == "megatron")
+                plan.runtime.framework == "megatron" and not oc.each)
 
 
 __all__ = ["GradKey", "Held", "Tail", "UnitTail", "plan_tail"]

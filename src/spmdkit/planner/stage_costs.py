@@ -8,7 +8,7 @@ and its gradient reductions (:func:`stage_costs`; the stages of
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from spmdkit.core.reshard import Step
@@ -29,6 +29,10 @@ from spmdkit.program.ir import Program
 from spmdkit.program.plan import Plan
 from spmdkit.program.runtime import reduces_each_microstep
 
+#: a gradient reduction of a stage: (share of its backward done when made, dtype, reduction,
+#: bytes, layer), :attr:`StageCost.grads`
+Grad = tuple[float, str, Step, int, str]
+
 
 @dataclass
 class StageCost:
@@ -39,6 +43,8 @@ class StageCost:
     forward_s: float = 0.0
     backward_s: float = 0.0
     grad_sync_s: float = 0.0
+    #: the seconds of ``each``'s reductions in one microbatch (serial), as ``grad_sync_s``
+    each_s: float = 0.0
     optimizer_s: float = 0.0
     send_bytes: int = 0       # activations sent to the next stage (its gradients come back alike)
     send_grad_bytes: int = 0  # gradients sent to the previous stage
@@ -66,9 +72,12 @@ class StageCost:
     #: the parameter gradients' reductions: (share of the stage's backward done when the
     #: gradient is made, its dtype, the reduction, its bytes, its layer); timed in buckets
     grads: list[tuple[float, str, Step, int, str]] = field(default_factory=list, repr=False)
+    #: those of ``grads`` the framework reduces in every microbatch's backward, not only the
+    #: last one's (Megatron-FSDP's ZeRO-2/3 reduce-scatters: ``reduced_each_microstep``)
+    each: list[tuple[float, str, Step, int, str]] = field(default_factory=list, repr=False)
 
     def to_json(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "grads"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("grads", "each")}
 
 
 def stage_costs(plan: Plan, stages: list[int], counts: tuple[int, ...], device: Device | None = None,
@@ -312,6 +321,7 @@ def _stage_times(plan: Plan, stages: list[int], out: list[StageCost], oc: OpComm
     copy (``copies``: :func:`_shared_copies`) costs its stage the same update and the same
     gradient reduction, that one at the end of its backward."""
     made: list[list[tuple[float, str, Step, int, str]]] = [[] for _ in out]
+    each: list[list[tuple[float, str, Step, int, str]]] = [[] for _ in out]
     gathers: list[list[tuple[tuple[int, ...], float, int]]] = [[] for _ in out]
     prog = plan.program
     also: dict[int, tuple[int, ...]] = {}  # op -> the other stages its update / reduction also runs on
@@ -340,8 +350,10 @@ def _stage_times(plan: Plan, stages: list[int], out: list[StageCost], oc: OpComm
             sc.optimizer_s += t
             for s in also.get(i, ()):
                 out[s].optimizer_s += t
-        for dt, st, size in oc.pending.get(i, ()):
+        for q, (dt, st, size) in enumerate(oc.pending.get(i, ())):
             made[stages[i]].append((sc.backward_s, dt, st, size, op.layer))
+            if (i, q) in oc.each:
+                each[stages[i]].append(made[stages[i]][-1])
             for s in also.get(i, ()) if op.phase != "optimizer" else ():
                 late[s].append((dt, st, size, op.layer))
         gathers[stages[i]] += oc.param_gathers.get(i, [])
@@ -350,25 +362,59 @@ def _stage_times(plan: Plan, stages: list[int], out: list[StageCost], oc: OpComm
     for sc, items in zip(out, gathers):
         # Megatron's overlap_param_gather: under the next step's first forward on the stage
         sc.optimizer_s += max(0.0, param_gather_time(plan, items) - sc.forward_s) if items else 0.0
-    for sc, grads in zip(out, made):
+    for sc, grads, mine in zip(out, made, each):
         sc.grads = [(at / sc.backward_s if sc.backward_s > 0 else 1.0, dt, st, size, layer)
                     for at, dt, st, size, layer in grads]
-        red = Reducer(plan)
-        for _f, dt, st, size, layer in sc.grads:
-            red.add(dt, st, size, 0.0, layer)
-        sc.grad_sync_s = red.flush(0.0)
+        sc.each = [(at / sc.backward_s if sc.backward_s > 0 else 1.0, dt, st, size, layer)
+                   for at, dt, st, size, layer in mine]
+        sc.grad_sync_s = _serial(plan, sc.grads)
+        sc.each_s = _serial(plan, sc.each)
+
+
+def _serial(plan: Plan, grads: list[Grad]) -> float:
+    """The seconds of ``grads``' reductions in the framework's buckets, one after the other."""
+    red = Reducer(plan)
+    for _f, dt, st, size, layer in grads:
+        red.add(dt, st, size, 0.0, layer)
+    return red.flush(0.0)
 
 
 def reduce_gradients(plan: Plan, grads: list[tuple[float, str, Step, int, str]], end: float,
-                     single: bool = False) -> tuple[float, list[Bucket]]:
+                     single: bool = False, early: list[tuple[float, float, list[Grad]]] | None = None
+                     ) -> tuple[float, list[Bucket]]:
     """One pipeline device's gradient reductions, ``grads`` as (time made, dtype, reduction,
     bytes, layer): in the framework's buckets from the time each is made, or (``single``) all
     in one bucket launched at ``end``, the end of the device's last backward; (when the last is
-    done, the buckets)."""
+    done, the buckets). ``early``: the reductions the microbatches before the last run in their
+    own backward (:attr:`StageCost.each`: Megatron-FSDP's), as (the backward's start, its end,
+    the stage's ``each``): each microbatch's in the same buckets, launched as its backward makes
+    them, all on the device's one communication stream in the order they are launched (they
+    overlap the work after them; the step waits for the last)."""
     red = Reducer(plan, single=single)
     for at, dt, st, size, layer in sorted(grads, key=lambda g: g[0]):
         red.add(dt, st, size, end if single else at, layer)
-    return red.flush(end), red.buckets
+    done = red.flush(end)
+    if not early:
+        return done, red.buckets
+    one: dict[int, Reducer] = {}  # a stage's one microbatch's buckets, launched at shares of its backward
+    launches: list[tuple[float, Bucket]] = []
+    for s0, s1, items in early:
+        mb = one.get(id(items))
+        if mb is None:
+            mb = one[id(items)] = Reducer(plan)
+            for f, dt, st, size, layer in sorted(items, key=lambda g: g[0]):
+                mb.add(dt, st, size, f, layer)
+            mb.flush(1.0)
+        launches += [(s0 + f * (s1 - s0), replace(b, ready_s=s0 + b.ready_s * (s1 - s0)))
+                     for f, b in zip(mb.launched, mb.buckets)]
+    launches += list(zip(red.launched, red.buckets))
+    launches.sort(key=lambda x: x[0])
+    free, out = 0.0, []
+    for at, b in launches:
+        start = max(at, free)
+        free = start + b.time_s
+        out.append(replace(b, start_s=start))
+    return max(end, free), out
 
 
-__all__ = ["StageCost", "reduce_gradients", "shared_parameters", "stage_costs"]
+__all__ = ["Grad", "StageCost", "reduce_gradients", "shared_parameters", "stage_costs"]

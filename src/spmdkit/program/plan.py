@@ -93,16 +93,18 @@ class Plan:
             return self.grad_accum
         return 1
 
-    def reduced_each_microstep(self, r: Reshard, param_grads: frozenset[str] | None = None) -> bool:
+    def reduced_each_microstep(self, r: Reshard, param_grads: frozenset[str] | None = None,
+                               pipeline: bool = False) -> bool:
         """Reshard ``r`` reduce-scatters a parameter gradient right after the op that makes it
         (ZeRO-2 / ZeRO-3: the gradient held at its shard) and the framework does that in every
-        micro-step's backward (:func:`spmdkit.program.runtime.reduces_each_microstep`, no
-        pipeline: a pipeline's stages apply the rule themselves); otherwise a gradient is
-        accumulated unreduced over the micro-steps and reduced in the last one."""
+        micro-step's backward (:func:`spmdkit.program.runtime.reduces_each_microstep`;
+        ``pipeline``: the plan is one microbatch's step of a pipeline's stages, whose
+        microbatches are the micro-steps); otherwise a gradient is accumulated unreduced over
+        the micro-steps and reduced in the last one."""
         if not r.output or not any(s.kind == "reduce_scatter" for s in r.plan.steps):
             return False
         pg = self.param_grads() if param_grads is None else param_grads
-        return r.tensor in pg and reduces_each_microstep(self.runtime.framework, 2, pipeline=False)
+        return r.tensor in pg and reduces_each_microstep(self.runtime.framework, 2, pipeline=pipeline)
 
     def microstep_reductions(self) -> list[Reshard]:
         """The reshards that reduce a parameter gradient in every micro-step

@@ -48,13 +48,15 @@ def tiny_for_mesh(tiny: str, mesh_text: str, strategy_text: str) -> str:
     cfg = preset(tiny)
     grown: dict[str, Any] = {}
     etp1 = "etp=1" in st and "ep" in st
+    from_cp = "ep-from=cp" in st and "ep" in st  # ep carved from the cp ranks: a cp dim outside the experts
     if "ep" in st and cfg.experts:
         ep, dp = sizes.get("ep", 1), sizes.get("dp", 1)
         spread = ep * (tp if etp1 else 1)  # etp=1: the experts over ep x tp
         if cfg.experts % spread:
             grown["experts"] = _lcm(cfg.experts, spread)
-        if cfg.batch % (dp * ep):
-            grown["batch"] = _lcm(cfg.batch, dp * ep)
+        ranks = dp * (1 if from_cp else ep)
+        if cfg.batch % ranks:
+            grown["batch"] = _lcm(cfg.batch, ranks)
     if tp_problem(cfg, tp, sp, etp1) is not None:
         kv = cfg.n_kv if cfg.n_kv % tp == 0 or tp % cfg.n_kv == 0 else _lcm(cfg.n_kv, tp)
         heads = _lcm(_lcm(cfg.heads, tp), kv)
@@ -65,7 +67,7 @@ def tiny_for_mesh(tiny: str, mesh_text: str, strategy_text: str) -> str:
         if cfg.experts and cfg.moe_ffn:
             grown["moe_ffn"] = _lcm(cfg.moe_ffn, tp)
     if "cp" in st and sizes.get("cp", 1) > 1:  # context parallel: the sequence into 2 x cp chunks (x tp under sp);
-        cp = sizes["cp"]  # alltoall: the heads and kv heads over cp x tp
+        cp = sizes["cp"] * (sizes.get("ep", 1) if from_cp else 1)  # alltoall: the heads and kv heads over cp x tp
         seq = _lcm(grown.get("seq", cfg.seq), 2 * cp * (tp if sp else 1))
         if seq != cfg.seq:
             grown["seq"] = seq

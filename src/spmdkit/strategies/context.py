@@ -76,8 +76,27 @@ def config_for(cfg: ModelConfig, mesh: ProcessMesh, strategy: Iterable[str]) -> 
     if "cp" not in st:
         return cfg
     variant, balance = options(st)
-    n = mesh.shape[mesh.dim_index("cp")]
+    n = math.prod(mesh.shape[d] for d in seq_dims(mesh, st))
     return cfg.with_(cp=n, cp_attention=variant, cp_balance=balance, moe_chunks=moe_chunks(cfg, n))
+
+
+def seq_dims(mesh: ProcessMesh, strategy: Iterable[str]) -> tuple[int, ...]:
+    """The mesh dims the sequence is split over outside the experts under ``cp``, major first:
+    ``(cp,)``, or ``(cp, ep)`` with ``ep-from=cp`` (the expert group carved from the cp ranks:
+    ep one more cp dim for attention and the dense parts, inside cp in rank order, so that the
+    expert group keeps consecutive ranks as Megatron-Core's does); empty without cp."""
+    st = set(strategy)
+    if "cp" not in st or "cp" not in mesh.dim_names:
+        return ()
+    cp = mesh.dim_index("cp")
+    return (cp, mesh.dim_index("ep")) if "ep-from=cp" in st and "ep" in st else (cp,)
+
+
+def seq_entry(dims: tuple[int, ...], *minor: int) -> Any:
+    """The entry of a sequence axis over ``dims`` (:func:`seq_dims`) and then ``minor`` (tp under
+    sp): one mesh dim, or their co-shard."""
+    ds = (*dims, *minor)
+    return ds[0] if len(ds) == 1 else ds
 
 
 def moe_chunks(cfg: ModelConfig, cp: int) -> int:
@@ -173,17 +192,21 @@ def cp_problem(cfg: ModelConfig, cp: int, tp: int) -> str | None:
     return None
 
 
-def cp_marks(model: Model, mesh: ProcessMesh, dm: Any, st: set[str], batch: Any, tp: int | None) -> int | None:
-    """Annotate the sequence inputs over ``cp`` (``dm``: the strategy's marks); the cp mesh dim,
-    None without cp. ProgramError naming ``--mesh`` / ``--cp-attention`` where the model cannot
-    be split (:func:`cp_problem`)."""
+def cp_marks(model: Model, mesh: ProcessMesh, dm: Any, st: set[str], batch: Any, tp: int | None) -> Any:
+    """Annotate the sequence inputs over ``cp`` (``dm``: the strategy's marks); the sequence's
+    entry (the cp mesh dim, ``(cp, ep)`` with ``ep-from=cp``: :func:`seq_dims`), None without
+    cp. ProgramError naming ``--mesh`` / ``--cp-attention`` where the model cannot be split
+    (:func:`cp_problem`)."""
     if "cp" not in st:
         return None
-    cp = mesh.dim_index("cp")
-    n = mesh.shape[cp]
+    dims = seq_dims(mesh, st)
+    cp = seq_entry(dims)  # the cp dim, or (cp, ep) with ep-from=cp
+    n = math.prod(mesh.shape[d] for d in dims)
     cfg = model.config
     if n > 1 and cfg.cp != n:
-        raise ProgramError(f"--mesh cp={n}: the model was built for cp={cfg.cp} (plan it with --strategy ...,cp)")
+        what = "cp" if len(dims) == 1 else "cp x ep"
+        raise ProgramError(f"--mesh cp={mesh.shape[dims[0]]}: the model was built for cp={cfg.cp}, not {what} = {n} "
+                           f"(plan it with --strategy ...,cp)")
     why = cp_problem(cfg, n, mesh.shape[tp] if tp is not None else 1)
     if why is not None:
         raise ProgramError(f"--mesh cp={n}: {why}")
@@ -206,7 +229,7 @@ def cp_marks(model: Model, mesh: ProcessMesh, dm: Any, st: set[str], batch: Any,
     return cp
 
 
-def _attention_marks(prog: Any, mesh: ProcessMesh, dm: Any, st: set[str], batch: Any, cp: int,
+def _attention_marks(prog: Any, mesh: ProcessMesh, dm: Any, st: set[str], batch: Any, cp: Any,
                      tp: int | None) -> None:
     """Attention's boundary held sequence-sharded: alltoall's output traded back by all-to-all,
     the grads of q, k, v back onto the sequence (allgather's partial k / v grads reduce-scattered)."""
@@ -266,4 +289,4 @@ def hf_cp_marks(prog: Any, mesh: ProcessMesh, dm: Any, st: set[str], data: Itera
     return cp
 
 
-__all__ = ["DEFAULTS", "OPTIONS", "auto_config", "check_options", "config_for", "cp_groups", "cp_marks", "cp_problem", "data_dims", "hf_cp", "hf_cp_marks", "moe_chunks", "options", "parse_option", "zero_dims"]
+__all__ = ["DEFAULTS", "OPTIONS", "auto_config", "check_options", "config_for", "cp_groups", "cp_marks", "cp_problem", "data_dims", "hf_cp", "hf_cp_marks", "moe_chunks", "options", "parse_option", "seq_dims", "seq_entry", "zero_dims"]

@@ -34,6 +34,12 @@ every MoE tensor, so the all-to-alls over ep carry each rank's own tokens and no
 cp around a MoE layer (Megatron-Core's experts see no cp: ep and the expert-data-parallel group
 are carved out of the dp x cp ranks).
 
+With ``ep-from=cp`` (:func:`ep_from_cp`: Megatron-Core's expert group taking cp ranks where tp x
+dp is narrower than it) ep is carved from the cp ranks instead: outside the experts the sequence
+is over ``(cp, ep)`` (``(cp, ep, tp)`` under sp) and the batch over ``dp`` alone, the chunks
+``(cp, ep)`` (x tp) give ep (and tp) to the experts by the dispatch, cp kept; the gradients as
+under cp (an expert's over dp x cp, a dense one over dp x cp x ep).
+
 The ops outside the experts see the batch co-sharded ``(dp, ep)``; the planner asks their rules on
 the mesh with the two dims fused (:mod:`spmdkit.planner.fuse`), so no rule gathers it. Dense
 parameters' gradients come out partial over ``dp`` and ``ep`` (reduced over both), the experts'
@@ -118,10 +124,11 @@ def batch_entry(dp: int | None, ep: int | None) -> Entry:
 
 
 def check_ep(mesh: ProcessMesh, layers: list[MoeLayer], ep: int, batch: int | None, dp: int | None,
-             fold: int | None = None) -> None:
+             fold: int | None = None, from_cp: bool = False) -> None:
     """ProgramError naming ``--strategy ep`` when the program has no MoE layer, ``--mesh`` when
     ``ep`` (with ETP = 1, ``ep x tp``: ``fold`` is the tp dim) does not divide a layer's experts
-    (with the sizes that do) or when ``dp x ep`` does not divide the batch."""
+    (with the sizes that do) or when ``dp x ep`` (``dp`` alone with ``from_cp``: ep carved from
+    the cp ranks, :func:`ep_from_cp`) does not divide the batch."""
     if not layers:
         raise ProgramError("--strategy ep: the model has no experts (no moe_gate_dispatch op): expert parallelism "
                            "needs a mixture-of-experts model")
@@ -137,16 +144,17 @@ def check_ep(mesh: ProcessMesh, layers: list[MoeLayer], ep: int, batch: int | No
                                    + (f"; an ep x tp of {some} does" if fits else ""))
             raise ProgramError(f"--mesh ep={n}: ep does not divide the model's {lay.experts} experts"
                                + (f"; an ep of {some} does" if fits else ""))
-    ranks = n * (mesh.shape[dp] if dp is not None else 1)
+    ranks = (1 if from_cp else n) * (mesh.shape[dp] if dp is not None else 1)
     if batch is not None and batch % ranks:
-        what = f"dp x ep = {mesh.shape[dp]} x {n}" if dp is not None else f"ep = {n}"
+        what = (f"dp = {mesh.shape[dp]}" if from_cp else f"dp x ep = {mesh.shape[dp]} x {n}") if dp is not None \
+            else f"ep = {n}"
         raise ProgramError(f"--batch {batch}: data parallel over {what} ranks needs a batch that is a multiple of "
                            f"{ranks} (each rank whole sequences)")
 
 
 def expert_marks(prog: Any, mesh: ProcessMesh, dm: Any, dp: int | None, ep: int,
                  layers: list[MoeLayer] | None = None, fold: int | None = None,
-                 cp: int | None = None) -> frozenset[str]:
+                 cp: int | None = None, from_cp: bool = False) -> frozenset[str]:
     """Mark the MoE tensors of ``prog`` in ``dm`` (:class:`spmdkit.strategies.strategy.Marks`:
     tensor -> dims_mapping, edited in place) for expert parallelism over mesh dim ``ep`` (batch
     over ``dp`` too where it is not None): each expert stack's axis 0 over ``ep``, the dispatched
@@ -158,16 +166,19 @@ def expert_marks(prog: Any, mesh: ProcessMesh, dm: Any, dp: int | None, ep: int,
     them (the planner gathers them or has moe_combine / moe_gate_dispatch_grad read each rank's
     own: ``local_rows``, ``local_experts``). ``cp`` (the cp mesh dim; the model routed in cp
     chunks, each cp rank its own tokens): the chunk axis stays over ``cp`` on every MoE tensor, so
-    the all-to-alls over ep carry each cp rank's own tokens (:func:`chunk_entries`). Returns the
-    expert stacks (their gradients reduce over ``dp`` (x ``cp``) only; ZeRO shards their states
-    over ``dp`` (x ``cp``)). The batch of the data inputs is the caller's."""
-    b = batch_entry(dp, ep)
+    the all-to-alls over ep carry each cp rank's own tokens (:func:`chunk_entries`). ``from_cp``
+    (``ep-from=cp``, :func:`ep_from_cp`): ep carved from the cp ranks, the batch over ``dp`` alone
+    and the chunks over ``(cp, ep)`` (x tp), ep (and tp) moved onto the experts by the dispatch,
+    cp kept. Returns the expert stacks (their gradients reduce over ``dp`` (x ``cp``) only; ZeRO
+    shards their states over ``dp`` (x ``cp``)). The batch of the data inputs is the caller's."""
+    b = batch_entry(dp, None if from_cp else ep)
     experts: set[str] = set()
     lays = layers if layers is not None else moe_layers(prog)
     # each chunked layer's (own, kept) entries, made once: the expert entry reads them all
-    tokens = {i: chunk_entries(mesh, prog.tensors[lay.chunks].shape[1], fold, cp) for i, lay in enumerate(lays)
-              if lay.chunks is not None}
-    e = expert_entry(ep, fold, any(t[0] != t[1] and fold is not None for t in tokens.values()))
+    tokens = {i: chunk_entries(mesh, prog.tensors[lay.chunks].shape[1], fold, cp, ep if from_cp else None)
+              for i, lay in enumerate(lays) if lay.chunks is not None}
+    # ep-from=cp: the chunks (cp, ep, tp) give their minor tp and then ep to the experts, (tp, ep)
+    e = expert_entry(ep, fold, not from_cp and any(t[0] != t[1] and fold is not None for t in tokens.values()))
     for i, lay in enumerate(lays):
         for p in lay.stacks:
             dm(p)[0] = e
@@ -205,17 +216,23 @@ def expert_marks(prog: Any, mesh: ProcessMesh, dm: Any, dp: int | None, ep: int,
     return frozenset(experts)
 
 
-def chunk_entries(mesh: ProcessMesh, chunks: int, fold: int | None, cp: int | None) -> tuple[Entry, Entry]:
+def chunk_entries(mesh: ProcessMesh, chunks: int, fold: int | None, cp: int | None,
+                  inner: int | None = None) -> tuple[Entry, Entry]:
     """(the chunk axis' entry where each rank holds its own tokens, its entry on the experts'
     side of the all-to-all) of a layer routed in ``chunks`` chunks a sequence: ``cp`` chunks
     over ``cp`` on both sides (the all-to-all over ep leaves them where they are); with ETP = 1
     (``fold``, the tp dim) and ``chunks`` = cp x tp (or tp without cp: Megatron's token path),
     ``(cp, tp)`` (``tp``), the tp share moved onto the experts by the all-to-all (``cp`` kept:
-    ``-1`` without cp)."""
-    n = mesh.shape[cp] if cp is not None else 1
+    ``-1`` without cp). ``inner`` (the ep dim carved from the cp ranks, ``ep-from=cp``): the
+    sequence's ranks are ``(cp, ep)``, the chunks ``(cp, ep)`` (``(cp, ep, tp)``) and the
+    dispatch moves ep (and tp) onto the experts, ``cp`` kept."""
+    seq = () if cp is None else (cp,) if inner is None else (cp, inner)
+    n = 1
+    for d in seq:
+        n *= mesh.shape[d]
     if fold is not None and chunks == n * mesh.shape[fold]:
-        return (fold if cp is None else (cp, fold)), (-1 if cp is None else cp)
-    return (cp, cp) if cp is not None and chunks == n else (-1, -1)
+        return (fold if cp is None else (*seq, fold)), (-1 if cp is None else cp)
+    return ((seq[0] if len(seq) == 1 else seq), cp) if cp is not None and chunks == n else (-1, -1)
 
 
 def expert_entry(ep: int, fold: int | None = None, chunked: bool = False) -> Entry:
@@ -335,8 +352,38 @@ def check_tp_chunks(prog: Any, mesh: ProcessMesh, strategy: Any, layers: list[Mo
                                f"(import it for the strategy: spmdkit plan --hf does, import_hf(tp_chunks={n}))")
 
 
+def parse_ep_from(item: str) -> str | None:
+    """``ep-from=cp`` -> ``"ep-from=cp"`` (the expert group carved from the context-parallel
+    ranks, :func:`ep_from_cp`); ``ep-from=dp`` -> ``""`` (the default: from the data-parallel
+    ranks, nothing to add); None where ``item`` is no ep-from item; ProgramError naming the item
+    for another value."""
+    key, eq, value = item.partition("=")
+    if not eq or key.strip() != "ep-from":
+        return None
+    value = value.strip()
+    if value in ("cp", "dp"):
+        return "ep-from=cp" if value == "cp" else ""
+    raise ProgramError(f"--strategy ep-from={value}: the ep ranks are carved from dp (the default: data parallel over "
+                       f"dp x ep outside the experts) or cp (the sequence over cp x ep outside the experts)")
+
+
+def ep_from_cp(strategy: Mapping[str, Any] | Any) -> bool:
+    """``ep-from=cp`` in the strategy (with ``ep`` and ``cp``, :func:`check_etp`): Megatron-Core's
+    expert group folded over context-parallel ranks. Outside the experts the ep dim is one more
+    cp dim (the sequence over ``(cp, ep)``, ep inside cp in rank order, attention's cp group
+    ``cp x ep``), the batch over ``dp`` alone; the experts over ep (x tp with ETP = 1), their
+    gradients reduced over ``dp x cp`` (EDP), a dense one over ``dp x cp x ep``."""
+    return "ep-from=cp" in set(strategy)
+
+
 def check_etp(items: list[str], mesh: ProcessMesh) -> None:
-    """``etp=1`` needs ``ep`` and ``megatron`` in the strategy (and their mesh dims)."""
+    """``etp=1`` needs ``ep`` and ``megatron`` in the strategy (and their mesh dims); ``ep-from=cp``
+    ``ep`` and ``cp``."""
+    if "ep-from=cp" in items:
+        for need, what in (("ep", "expert parallelism (ep)"), ("cp", "context parallelism (cp)")):
+            if need not in items:
+                raise ProgramError(f"--strategy ep-from=cp: the expert group carved from the context-parallel ranks "
+                                   f"needs {what} in --strategy")
     if "etp=1" not in items:
         return
     for need, what in (("ep", "expert parallelism (ep)"), ("megatron", "tensor parallelism (megatron)")):
@@ -371,5 +418,5 @@ def ep_dim(mesh: ProcessMesh, strategy: Mapping[str, Any] | Any) -> int | None:
     return mesh.dim_index("ep") if "ep" in set(strategy) else None
 
 
-__all__ = ["MoeLayer", "batch_entry", "check_ep", "check_etp", "check_tp_chunks", "chunk_entries", "chunk_inputs", "chunk_outputs", "config_for", "ep_dim", "expert_entry", "expert_fold", "expert_marks",
-           "moe_layers", "parse_etp", "tp_chunks", "zero_dims"]
+__all__ = ["MoeLayer", "batch_entry", "check_ep", "check_etp", "check_tp_chunks", "chunk_entries", "chunk_inputs", "chunk_outputs", "config_for", "ep_dim", "ep_from_cp", "expert_entry", "expert_fold", "expert_marks",
+           "moe_layers", "parse_ep_from", "parse_etp", "tp_chunks", "zero_dims"]

@@ -349,6 +349,10 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
     ``patterns``: the user's module-name patterns -> role for ``megatron``; ``user``:
     annotations (tensor -> dims_mapping) applied last, which win."""
     st, dp, tp = strategy_dims(mesh, strategy)
+    if "ep-from=cp" in st:
+        raise ProgramError("--strategy ep-from=cp: the expert group carved from the context-parallel ranks is planned "
+                           "for catalog and zoo models only (an imported program's cp_attention is traced for the "
+                           "cp dim alone)")
     out = dm = Marks(prog)
     ep = ep_dim(mesh, st)
     experts: frozenset[str] = frozenset()

@@ -31,6 +31,10 @@
   attention by ``cp_attention`` (``cp-attention=allgather|ring|alltoall`` and
   ``cp-balance=zigzag|none`` items, added by ``--cp-attention`` / ``--cp-balance``); gradients
   reduced over dp x cp, ZeRO's states sharded over it; a MoE model routed one chunk a cp rank.
+- ``ep-from=cp`` (with ``ep`` and ``cp``): the expert group carved from the context-parallel
+  ranks, not the data-parallel ones (Megatron-Core's folding where tp x dp is narrower than its
+  expert group): outside the experts ``ep`` is one more cp dim (the sequence over ``(cp, ep)``,
+  the batch over ``dp`` alone); ``ep-from=dp`` is the default and adds nothing.
 - ``zero1`` / ``zero2`` (``zero``) / ``zero3`` (``fsdp``): ZeRO over ``dp``
   (:func:`optimizer_layouts`): optimizer states (moments, fp32 master weights) sharded on
   their first axis not already sharded that ``dp`` divides, or where none does unevenly on
@@ -58,7 +62,7 @@ from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.core.mesh import MAX_MESH_RANKS, ProcessMesh
 from spmdkit.models.zoo import Model, ModelConfig
 from spmdkit.strategies.context import check_options as check_cp_options
-from spmdkit.strategies.context import cp_marks
+from spmdkit.strategies.context import cp_marks, seq_dims, seq_entry
 from spmdkit.strategies.context import parse_option as parse_cp_option
 from spmdkit.strategies.context import zero_dims as cp_zero_dims
 from spmdkit.strategies.experts import (
@@ -68,9 +72,11 @@ from spmdkit.strategies.experts import (
     chunk_inputs,
     chunk_outputs,
     ep_dim,
+    ep_from_cp,
     expert_fold,
     expert_marks,
     moe_layers,
+    parse_ep_from,
     parse_etp,
     zero_dims,
 )
@@ -128,6 +134,8 @@ def parse_strategy(text: str | Iterable[str], mesh: ProcessMesh) -> tuple[str, .
             continue
         opt = parse_cp_option(s)
         etp = parse_etp(s)
+        if etp is None:
+            etp = parse_ep_from(s)
         if etp is not None:
             if not etp:
                 continue
@@ -146,7 +154,7 @@ def parse_strategy(text: str | Iterable[str], mesh: ProcessMesh) -> tuple[str, .
         raise ProgramError(f"--strategy: {' and '.join(zeros)}: give one ZeRO stage")
     if zeros and "dp" not in out and (("ep" not in out and "cp" not in out) or "dp" in mesh.dim_names):
         out.insert(0, "dp")  # (with ep / cp and no dp dim: ZeRO over the ep / cp ranks)
-    check_cp_options([s for s in out if s != "etp=1"], mesh)
+    check_cp_options([s for s in out if s not in ("etp=1", "ep-from=cp")], mesh)
     check_etp(out, mesh)
     for s in out:
         if s == "cp" or "=" in s:
@@ -243,14 +251,16 @@ def annotate(model: Model, mesh: ProcessMesh, strategy: Iterable[str],
     out = dm = Marks(prog)
     ep = ep_dim(mesh, st)
     fold = expert_fold(mesh, st)  # ETP = 1: the experts over ep x tp
+    from_cp = ep_from_cp(st)  # ep-from=cp: ep one more cp dim outside the experts, not a dp one
     experts: frozenset[str] = frozenset()
     layers: list[Any] = []
     if ep is not None:
         layers = moe_layers(prog)
-        check_ep(mesh, layers, ep, model.config.batch, dp, fold)
-        experts = expert_marks(prog, mesh, dm, dp, ep, layers, fold,
-                               mesh.dim_index("cp") if "cp" in st else None)  # under cp: each cp rank routes its own chunk
-    batch = batch_entry(dp, ep)  # data parallel over dp (x ep: outside the experts, as Megatron folds them)
+        check_ep(mesh, layers, ep, model.config.batch, dp, fold, from_cp)
+        experts = expert_marks(prog, mesh, dm, dp, ep, layers, fold,  # under cp: each cp rank routes its own chunk
+                               mesh.dim_index("cp") if "cp" in st else None, from_cp)
+    # data parallel over dp (x ep: outside the experts, as Megatron folds them; not with ep-from=cp)
+    batch = batch_entry(dp, None if from_cp else ep)
 
     if batch != -1:
         for key in ("tokens", "labels", "positions"):
@@ -280,7 +290,7 @@ def annotate(model: Model, mesh: ProcessMesh, strategy: Iterable[str],
             if cp is not None and fold is None else []
         for n in [*model.residual, *back, *routed]:
             d = dm(n)
-            d[1] = tp if cp is None else (cp, tp)  # under cp: the cp rank's chunk split again over tp
+            d[1] = tp if cp is None else seq_entry(seq_dims(mesh, st), tp)  # under cp: the cp rank's chunk over tp
             d[0] = batch
         # gathered copies: the normalised activations the column-parallel projections read (not
         # those only a MoE layer routed in chunks reads: each tp rank routes its own tokens), and
@@ -316,8 +326,9 @@ def annotate(model: Model, mesh: ProcessMesh, strategy: Iterable[str],
 
 
 def zero_stage(strategy: Iterable[str]) -> int:
-    """The ZeRO stage a strategy asks for (0: none)."""
-    st = set(strategy)
+    """The ZeRO stage a strategy asks for (0: none); its parts as given or by their aliases
+    (``zero`` = zero2, ``fsdp`` = zero3)."""
+    st = {_ALIASES.get(s, s) for s in strategy}
     return max((int(s[4]) for s in st if s in ("zero1", "zero2", "zero3")), default=0)
 
 
