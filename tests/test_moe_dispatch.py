@@ -102,14 +102,17 @@ def test_deepseek_v3_dispatch_by_hand() -> None:
 
 def test_the_dispatcher_sets_the_step() -> None:
     """The step's communication follows: DeepEP under the balanced gate is faster than under
-    node-limited routing, which is faster than NCCL's all-to-all; the compute is the same."""
+    node-limited routing, which is faster than NCCL's all-to-all; the compute is the same under
+    the same routing, and the balanced gate's exact counts waste no tile on the top-k counts'
+    scatter (tests/test_grouped_gemm.py)."""
     dev = preset_device("h100")
     steps = {}
     for d, r in (("alltoall", "topk"), ("deepep", "topk"), ("deepep", "balanced")):
         est = estimate_step(_deepseek_plan(d, r), dev, 64 * 4096)
         steps[d, r] = est
     a, b, c = steps["alltoall", "topk"], steps["deepep", "topk"], steps["deepep", "balanced"]
-    assert a.compute_total_s == b.compute_total_s == c.compute_total_s
+    assert a.compute_total_s == b.compute_total_s
+    assert c.compute_total_s < a.compute_total_s
     assert a.step_overlap_s > b.step_overlap_s > c.step_overlap_s
     # 4 all-to-alls: NCCL's minus DeepEP's time, exactly
     plan_a, plan_b = _deepseek_plan("alltoall"), _deepseek_plan("deepep")

@@ -32,9 +32,11 @@ from spmdkit.cost.rates import (
     H100_RATES,
     H200_RATES,
     Rates,
+    RowGroup,
     attention_efficiency,
     clock_at_power,
     gemm_efficiency,
+    grouped_efficiency,
     measured_attention,
     measured_gemm,
     parse_rates,
@@ -107,9 +109,10 @@ class Device:
             return self.measured.hbm_gb_per_s * G
         return self.hbm_bytes_per_s * self.rates.hbm
 
-    def gemm_rate(self, key: str, batch: int, m: int, n: int, k: int) -> float:
+    def gemm_rate(self, key: str, batch: int, m: int, n: int, k: int, rows: tuple[RowGroup, ...] = ()) -> float:
         """FLOP/s of one (batch, m, n, k) GEMM of peak key ``key``: measured (interpolated), else
-        the peak times :func:`spmdkit.cost.rates.gemm_efficiency`."""
+        the peak times :func:`spmdkit.cost.rates.gemm_efficiency` (a grouped GEMM over experts of
+        unequal ``rows``: :func:`spmdkit.cost.rates.grouped_efficiency`)."""
         if self.measured is not None:
             got = measured_gemm(self.measured, key, batch * m, n, k)
             if got is not None:
@@ -119,7 +122,8 @@ class Device:
             if key == "fp8":
                 self.check_precision("fp8")
             peak = self.peak["fp32"]
-        return peak * gemm_efficiency(self.rates, key, batch, m, n, k) * self.rates.clock
+        eff = grouped_efficiency(self.rates, key, rows, n, k) if rows else gemm_efficiency(self.rates, key, batch, m, n, k)
+        return peak * eff * self.rates.clock
 
     def attention_rate(self, c: OpCost) -> float:
         """FLOP/s of a flash-attention pass (``c.attention``): measured (the nearest point), else
@@ -166,7 +170,8 @@ class Device:
             return c.flops / ((self.peak.get(key) or self.peak["fp32"]) * (self.rates.gemm.get(key) or 0.8) *
                               self.rates.clock)
         total = sum(2.0 * b * m * n * k for b, m, n, k in c.gemms)
-        t = sum(2.0 * b * m * n * k / self.gemm_rate(key, b, m, n, k) for b, m, n, k in c.gemms)
+        rows = c.grouped_rows + ((),) * (len(c.gemms) - len(c.grouped_rows))
+        t = sum(2.0 * b * m * n * k / self.gemm_rate(key, b, m, n, k, r) for (b, m, n, k), r in zip(c.gemms, rows))
         return t * (c.flops / total) if total > 0 else c.flops / self.matmul_peak(c.dtype)
 
     def op_time(self, c: OpCost) -> float:

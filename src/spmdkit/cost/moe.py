@@ -12,7 +12,15 @@ docs/devices.md, "Mixture of experts".
   Megatron-Core's / torch's grouped GEMM, one GEMM per local expert over every token it
   received from every sequence (``M = B x C``), so tiles quantise once per expert, not per
   sequence: the GEMM-efficiency model (:mod:`spmdkit.cost.rates`) prices a small per-expert M
-  (many experts, top-k of few tokens) as the slower GEMM it is.
+  (many experts, top-k of few tokens) as the slower GEMM it is. The local experts' GEMMs are ONE
+  kernel (:func:`spmdkit.cost.rates.grouped_tile_utilisation`): each expert's rows padded to the
+  tile, the tiles of all of them in one grid over the SMs, the rows each expert of the busiest ep
+  rank receives (:class:`ExpertRows`): the skew rule's hot expert and even rest or the
+  histogram's counts as they are (:func:`busiest_experts`), under ``--moe-routing topk`` each
+  count binomial over the tokens (a token picks a given expert with chance ``top_k / E``) and
+  its tiles expected under a normal approximation, under ``balanced`` (or a capacity factor above
+  1, or a histogram) exact. The weight gradient's K is the rows: its time, linear in K under
+  the model (``K / (K + K0)``), is the mean expert's.
 - Load imbalance (:func:`rank_load`): uniform routing gives every expert ``tokens x top_k / E``;
   ``--moe-skew F`` gives the busiest expert ``F`` times that and the others an even share of the
   rest (``--moe-skew NAME``: a published ``F``, :data:`spmdkit.program.runtime.SKEW_FIGURES`),
@@ -50,6 +58,7 @@ from spmdkit.core.dist_attr import entry_dims
 from spmdkit.core.errors import ProgramError
 from spmdkit.core.reshard import Step
 from spmdkit.cost.collectives import NcclCostModel, buffer_bytes, deduplicated_all_to_all, time_of
+from spmdkit.cost.rates import RowGroup
 from spmdkit.engine.facts import LocalOp, OpCost
 from spmdkit.engine.memo import Recent
 from spmdkit.program.ir import Program, flat_refs
@@ -177,26 +186,62 @@ def ep_degree(plan: Plan, layer: MoeLayer) -> int:
     return best
 
 
-def rank_load(rt: Runtime, experts: int, top_k: int, ep: int) -> float:
-    """The busiest ep rank's tokens over the mean rank's (module docstring); ProgramError naming
-    the flag where the skew or the histogram cannot describe ``experts`` experts of ``top_k``."""
+def busiest_experts(rt: Runtime, experts: int, top_k: int, ep: int) -> tuple[tuple[float, int], ...] | None:
+    """The busiest ep rank's local experts' tokens over the mean expert's, as ``(factor,
+    experts)`` groups (module docstring: the skew's hot expert and the even rest, or the
+    histogram's block of the largest sum; every expert on one rank without ep); None where uniform
+    (or the experts do not split evenly over ``ep``). ProgramError naming the flag where the skew or
+    the histogram cannot describe ``experts`` experts of ``top_k``."""
+    ep = max(1, ep)
     if rt.moe_histogram is not None:
         h = rt.moe_histogram
         if len(h) != experts:
             raise ProgramError(f"--moe-histogram: {len(h)} experts given; the model's MoE layers have {experts}")
-        if ep <= 1 or experts % ep:
-            return 1.0
-        per = experts // ep
-        ranks = [sum(h[r * per:(r + 1) * per]) for r in range(ep)]
-        return max(ranks) / (sum(ranks) / ep)
+        if experts % ep:
+            return None
+        per, mean = experts // ep, sum(h) / experts
+        busiest = max(range(ep), key=lambda r: sum(h[r * per:(r + 1) * per]))
+        return tuple((x / mean, 1) for x in h[busiest * per:(busiest + 1) * per])
     f = rt.moe_skew
     if f > experts / top_k + 1e-9:
         raise ProgramError(f"--moe-skew {skew_label(f)}: an expert receives at most every token once, {experts / top_k:g} x "
                            f"the mean ({experts} experts, top-{top_k})")
-    if f == 1.0 or ep <= 1 or experts % ep or experts <= 1:
-        return 1.0
+    if f == 1.0 or experts % ep or experts <= 1:
+        return None
     per = experts // ep
-    return (f + (per - 1) * (experts - f) / (experts - 1)) / per
+    return ((f, 1), ((experts - f) / (experts - 1), per - 1)) if per > 1 else ((f, 1),)
+
+
+def rank_load(rt: Runtime, experts: int, top_k: int, ep: int) -> float:
+    """The busiest ep rank's tokens over the mean rank's (module docstring): the mean of
+    :func:`busiest_experts` (1 without ep); ProgramError as it gives."""
+    groups = busiest_experts(rt, experts, top_k, ep)
+    if groups is None or ep <= 1:
+        return 1.0
+    return sum(f * n for f, n in groups) / sum(n for _, n in groups)
+
+
+@dataclass(frozen=True)
+class ExpertRows:
+    """How the busiest ep rank's local experts' rows spread around their mean (:func:`plan_rows`):
+    ``factors`` the :func:`busiest_experts` groups (None: every expert the mean); ``share`` the
+    chance ``top_k / E`` that a token picks one given expert under ``--moe-routing topk`` (each
+    expert's count is then binomial over the tokens, taken as normal: :meth:`groups`), 0 where the
+    counts are exact (``balanced`` routing, a measured histogram, capacity padding)."""
+
+    factors: tuple[tuple[float, int], ...] | None
+    share: float
+
+    def groups(self, mean: float, local: int) -> tuple[RowGroup, ...]:
+        """``(mean rows, sd, experts)`` of ``local`` experts whose rows average ``mean`` (the loaded
+        GEMM's M): expert e's count ``n_e ~ Binomial(T, f_e k / E)`` with ``T = mu E / k`` the
+        tokens the ep group routes (``mu = mean / rho``, the uniform mean), so ``E[n_e] = mu f_e``
+        and ``var = mu f_e (1 - f_e k / E)``."""
+        fs = self.factors if self.factors is not None and sum(n for _, n in self.factors) == local else ()
+        if sum(f * n for f, n in fs) <= 0.0:  # not this rank's experts, or none of them loaded
+            fs = ((1.0, local),)
+        mu = mean * local / sum(f * n for f, n in fs)
+        return tuple((mu * f, math.sqrt(max(0.0, mu * f * (1.0 - f * self.share))) if self.share else 0.0, n) for f, n in fs)
 
 
 def busiest_load(plan: Plan) -> dict[str, float]:
@@ -239,11 +284,13 @@ def loaded(lop: LocalOp, names_in: dict[str, list[str]], names_out: list[str | N
     return LocalOp(lop.rule, lop.attrs, ins, outs)
 
 
-def grouped(c: OpCost, lop: LocalOp) -> OpCost:
+def grouped(c: OpCost, lop: LocalOp, rows: ExpertRows | None = None) -> OpCost:
     """An expert GEMM's cost with its batched GEMMs ``(B x E_local, m, n, k)`` (x ``[B, E, C, H]``
-    by the stack y ``[E, H, F]``) run as grouped GEMMs ``(E_local, B x m, n, k)``: each local
-    expert one GEMM over all its tokens; the weight gradient ``(B x E_local, k, n, m)`` as
-    ``(E_local, k, n, B x m)`` (its K is the tokens, summed)."""
+    by the stack y ``[E, H, F]``) run as ONE grouped GEMM ``(E_local, B x m, n, k)``: each local
+    expert's rows all its tokens, its rows as ``rows`` spreads them (:meth:`ExpertRows.groups`,
+    the tiles summed over the experts: :func:`spmdkit.cost.rates.grouped_tile_utilisation`);
+    the weight gradient ``(B x E_local, k, n, m)`` as ``(E_local, k, n, B x m)`` (its K is the
+    tokens, summed; its time is linear in each expert's K, so the mean's is the sum's)."""
     y = lop.one("y")
     if not c.gemms or y is None or len(y[0]) != 3:
         return c
@@ -251,15 +298,19 @@ def grouped(c: OpCost, lop: LocalOp) -> OpCost:
     wgrad = -1
     if lop.rule.endswith("_grad") and len(lop.outs) > 1 and lop.outs[1] is not None:
         wgrad = 1 if lop.outs[0] is not None else 0
-    out = []
+    out: list[tuple[int, int, int, int]] = []
+    spread: list[tuple[RowGroup, ...]] = []
     for g, (b, m, n, k) in enumerate(c.gemms):
-        if el <= 0 or b <= el or b % el:
+        if el <= 0 or b < el or b % el:
             out.append((b, m, n, k))
+            spread.append(())
         elif g == wgrad:
             out.append((el, m, n, k * (b // el)))
+            spread.append(())
         else:
             out.append((el, m * (b // el), n, k))
-    return replace(c, gemms=tuple(out))
+            spread.append(rows.groups(m * (b // el), el) if rows is not None else ())
+    return replace(c, gemms=tuple(out), grouped_rows=tuple(spread) if any(spread) else ())
 
 
 #: plan_loads' answers by the plan's id (the value keeps the plan)
@@ -269,6 +320,28 @@ _LOADS: Recent[tuple[Plan, dict[str, float]]] = Recent(16)
 def plan_loads(plan: Plan) -> dict[str, float]:
     """:func:`busiest_load` memoised per plan (a plan is frozen)."""
     return _LOADS.get(id(plan), lambda: (plan, busiest_load(plan)))[1]
+
+
+#: plan_rows' answers by the plan's id (the value keeps the plan)
+_ROWS: Recent[tuple[Plan, list[ExpertRows]]] = Recent(16)
+
+
+def plan_rows(plan: Plan) -> list[ExpertRows]:
+    """Per MoE layer (:func:`moe_layers`): how its busiest ep rank's experts' rows spread
+    (:class:`ExpertRows`), memoised per plan."""
+    return _ROWS.get(id(plan), lambda: (plan, _expert_rows(plan)))[1]
+
+
+def _expert_rows(plan: Plan) -> list[ExpertRows]:
+    rt = plan.runtime
+    out = []
+    for layer in moe_layers(plan.program):
+        if layer.padded:  # the GEMMs run on the capacity, every expert alike
+            out.append(ExpertRows(None, 0.0))
+            continue
+        share = layer.top_k / layer.experts if rt.moe_routing == "topk" and rt.moe_histogram is None else 0.0
+        out.append(ExpertRows(busiest_experts(rt, layer.experts, layer.top_k, ep_degree(plan, layer)), share))
+    return out
 
 
 def combine_rows_unkept(plan: Plan, reads: dict[str, list[int]]) -> frozenset[str]:
@@ -299,12 +372,13 @@ def _combine_rows_read_alone(prog: Program, reads: dict[str, list[int]]) -> froz
     return frozenset(out)
 
 
-def _expert_ops(prog: Program) -> list[tuple[dict[str, list[str]], list[str | None]] | None]:
+def _expert_ops(prog: Program) -> list[tuple[dict[str, list[str]], list[str | None], int] | None]:
     """Per op of ``prog``: where it is part of an expert computation (it makes or reads one of
     :func:`expert_tensors`, and is not a routing op ``moe_*``), the tensor names behind its
-    local inputs and outputs (:func:`loaded`), else None; found once per program."""
+    local inputs and outputs (:func:`loaded`) and the index of its layer, else None; found once
+    per program."""
     owner = expert_tensors(prog)
-    out: list[tuple[dict[str, list[str]], list[str | None]] | None] = []
+    out: list[tuple[dict[str, list[str]], list[str | None], int] | None] = []
     for op in prog.ops:
         if not owner or op.rule.startswith("moe_"):
             out.append(None)
@@ -313,25 +387,25 @@ def _expert_ops(prog: Program) -> list[tuple[dict[str, list[str]], list[str | No
         names_out: list[str | None] = []
         for v in op.outputs:
             names_out += list(flat_refs(v))
-        mine = any(n in owner for ns in names_in.values() for n in ns if n) or any(n in owner for n in names_out if n)
-        out.append((names_in, names_out) if mine else None)
+        layer = next((owner[n] for n in [*(n for ns in names_in.values() for n in ns), *names_out] if n in owner), -1)
+        out.append((names_in, names_out, layer) if layer >= 0 else None)
     return out
 
 
 def expert_op_cost(plan: Plan, i: int, lop: LocalOp, cost_of: Any) -> OpCost | None:
     """The cost of op ``i`` where it is part of an expert computation (:func:`expert_tensors`):
     its tokens at the busiest ep rank's load (:func:`plan_loads`), its expert GEMMs grouped
-    (:func:`grouped`); None for any other op (and for the routing ops themselves, which run
+    (:func:`grouped`) over that rank's experts' rows (:func:`plan_rows`); None for any other op (and for the routing ops themselves, which run
     on the tokens a rank sends)."""
     names = plan.program.derived("moe.expert_ops", _expert_ops)[i]
     if names is None:
         return None
-    names_in, names_out = names
+    names_in, names_out, layer = names
     load = plan_loads(plan)
     if load:
         lop = loaded(lop, names_in, names_out, load)
     c: OpCost = cost_of(lop)
-    return grouped(c, lop) if c.matmul else c
+    return grouped(c, lop, plan_rows(plan)[layer]) if c.matmul else c
 
 
 # -- the dispatch and combine all-to-alls -----------------------------------------------------------
@@ -399,5 +473,6 @@ def expert_all_to_all(plan: Plan, tensor: str, s: Step) -> float:
     return deduplicated_all_to_all(net, nvl, g, plan.cost.fabric)
 
 
-__all__ = ["MoeLayer", "active_share", "busiest_load", "combine_rows_unkept", "ep_degree", "expert_all_to_all", "expert_op_cost",
-           "expert_tensors", "grouped", "loaded", "moe_layers", "plan_loads", "rank_load", "reached"]
+__all__ = ["ExpertRows", "MoeLayer", "active_share", "busiest_experts", "busiest_load", "combine_rows_unkept", "ep_degree", "expert_all_to_all", "expert_op_cost",
+           "expert_tensors", "grouped", "loaded", "moe_layers", "plan_loads", "plan_rows", "rank_load",
+           "reached"]

@@ -175,6 +175,40 @@ def tile_wave_utilisation(batch: int, m: int, n: int, sms: int) -> float:
     return best
 
 
+#: one group of a grouped GEMM's experts: (mean rows, standard deviation of the rows, experts)
+RowGroup = tuple[float, float, int]
+
+
+def expected_tiles(mean: float, sd: float, tm: int) -> float:
+    """The expected ``ceil(rows / tm)`` of an expert whose rows are ``mean`` exactly (``sd`` 0) or
+    a count scattered around it, taken as normal (a continuity-corrected normal approximation
+    of the count): ``sum_{j >= 0} P(rows > j tm + 1/2)``, the tiles whose first row is filled."""
+    if sd <= 0.0:
+        return float(max(0, math.ceil(mean / tm - 1e-9)))
+    lo = max(0, math.floor((mean - 8.0 * sd) / tm))
+    hi = math.ceil((mean + 8.0 * sd) / tm) + 1
+    tail = sum(0.5 * math.erfc((j * tm + 0.5 - mean) / (sd * math.sqrt(2.0))) for j in range(lo, hi))
+    return lo + tail
+
+
+@lru_cache(maxsize=4096)
+def grouped_tile_utilisation(rows: tuple[RowGroup, ...], n: int, sms: int) -> float:
+    """:func:`tile_wave_utilisation` of ONE grouped GEMM over experts of unequal rows (Megatron-Core's
+    / Transformer Engine's grouped GEMM, torch's ``_grouped_mm``): each expert's rows padded to the
+    tile, every expert's tiles in one grid over the SMs: tiles ``sum_e E[ceil(rows_e / TM)] x
+    ceil(n / TN)`` (:func:`expected_tiles`), waves over ``sms``, the useful share from the real rows
+    (``sum_e rows_e x n``), times the tile's reuse, the best tile's."""
+    useful = sum(mean * count for mean, _, count in rows) * n
+    best = 0.0
+    for tm, tn in TILES:
+        tiles = sum(expected_tiles(mean, sd, tm) * count for mean, sd, count in rows) * -(-n // tn)
+        waves = max(1, math.ceil(tiles / sms - 1e-9))
+        u = useful / (waves * sms * tm * tn) * _reuse(tm, tn)
+        if u > best:
+            best = u
+    return best
+
+
 #: ``K0`` of a dtype over bf16's: fp8's tensor cores run a tile's main loop at twice the rate, its
 #: prologue and epilogue at the same (tilelang's fp8 8192x8192xK sweep on H800: K = 2048 reaches
 #: 0.87 of K = 16384; ``K0`` = 128 would give 0.95, 256 gives 0.90)
@@ -185,11 +219,21 @@ def gemm_efficiency(rates: Rates, key: str, batch: int, m: int, n: int, k: int) 
     """The fraction of the ``key`` peak a (batch, m, n, k) GEMM reaches: the ceiling, the tile and
     wave utilisation, and ``K / (K + K0)`` (normalised to 1 at :attr:`Rates.gemm_k`, the K the
     ceiling was measured at, 2048 where not given; capped at 1)."""
+    return _ceiling_at_k(rates, key, k) * tile_wave_utilisation(max(batch, 1), max(m, 1), max(n, 1), rates.sms)
+
+
+def _ceiling_at_k(rates: Rates, key: str, k: int) -> float:
+    """The dtype's large-GEMM ceiling times ``K / (K + K0)`` (normalised at :attr:`Rates.gemm_k`)."""
     ceiling = rates.gemm.get(key) or rates.gemm.get("bf16", 0.8)
     k0 = rates.k0 * K0_SCALE.get(key, 1.0)
     kref = float(rates.gemm_k.get(key, 2048.0))
-    ksat = min(1.0, (k / (k + k0)) / (kref / (kref + k0)))
-    return ceiling * tile_wave_utilisation(max(batch, 1), max(m, 1), max(n, 1), rates.sms) * ksat
+    return ceiling * min(1.0, (k / (k + k0)) / (kref / (kref + k0)))
+
+
+def grouped_efficiency(rates: Rates, key: str, rows: tuple[RowGroup, ...], n: int, k: int) -> float:
+    """:func:`gemm_efficiency` of a grouped GEMM over experts of unequal rows (``rows``:
+    :func:`grouped_tile_utilisation`); K, the same for every expert, saturates as a GEMM's."""
+    return _ceiling_at_k(rates, key, k) * grouped_tile_utilisation(rows, max(n, 1), rates.sms)
 
 
 def attention_efficiency(rates: Rates, kernel: str, backward: bool, seq: int, head_dim: int, causal: bool) -> float:
@@ -331,6 +375,6 @@ def parse_rates(obj: Any, base: Rates, peak_keys: tuple[str, ...]) -> Rates:
     return new
 
 
-__all__ = ["A100_40_RATES", "A100_RATES", "ATTENTION_KERNELS", "H100_RATES", "H200_RATES", "HOPPER_POWER", "K0_SCALE", "TILES",
+__all__ = ["A100_40_RATES", "A100_RATES", "ATTENTION_KERNELS", "H100_RATES", "H200_RATES", "HOPPER_POWER", "K0_SCALE", "RowGroup", "TILES",
            "Rates", "attention_efficiency", "clock_at_power", "gemm_efficiency", "measured_attention", "measured_gemm", "parse_rates",
-           "tile_wave_utilisation"]
+           "expected_tiles", "grouped_efficiency", "grouped_tile_utilisation", "tile_wave_utilisation"]

@@ -107,6 +107,10 @@ class OpCost:
     #: grad's two: dx and dy); the device's GEMM efficiency is taken per shape. Empty: not GEMMs
     #: (or their shapes unknown: the large-GEMM ceiling applies)
     gemms: tuple[tuple[int, int, int, int], ...] = ()
+    #: per GEMM of ``gemms`` (where given): the experts' rows of a grouped GEMM whose M is the
+    #: tokens an expert received, as ``(mean rows, sd, experts)`` groups
+    #: (:func:`spmdkit.cost.rates.grouped_tile_utilisation`); ``()`` for a GEMM timed by its shape
+    grouped_rows: tuple[tuple[tuple[float, float, int], ...], ...] = ()
     #: a flash-attention pass: ``(backward, sequence (keys), head dim, causal)``; None otherwise
     attention: tuple[bool, int, int, bool] | None = None
     #: the framework whose attention kernel runs the pass (``Runtime.framework``, set by
