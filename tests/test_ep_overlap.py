@@ -168,3 +168,31 @@ def test_refusals_without_experts_and_under_the_search(capsys: pytest.CaptureFix
     assert "--ep-comm-overlap: overlaps the experts' all-to-alls; the model has no MoE layer" in capsys.readouterr().err
     assert main(["plan", "--devices", "8", "--model", "mixtral-8x7b", "--ep-comm-overlap"]) == 2
     assert "--ep-comm-overlap: applies to one pipeline plan" in capsys.readouterr().err
+
+
+def test_deepeps_sms_slow_the_work_beside_its_all_to_alls() -> None:
+    """Under DeepEP the merged step's work beside an all-to-all runs on the SMs DeepEP's kernels
+    leave (Megatron-Core's moe_deepep_num_sms, 20 of an H100's 132): by hand, 1 s of all-to-all
+    beside 2 s of work at 0.8 of its speed ends at 2.2 s, beside 0.5 s at 1 s (the all-to-all's
+    end); in a plan, each device's hidden seconds are F + B less the two halves at
+    (132 - 20) / 132, and fewer than NCCL's all-to-all would hide with the same stage times."""
+    from spmdkit.planner.schedules import merged_part
+
+    assert merged_part(1.0, 2.0, 0.8) == pytest.approx(2.2) and merged_part(1.0, 0.5, 0.8) == 1.0
+    assert merged_part(1.0, 2.0) == 2.0
+    d = _plan("--ep-comm-overlap", "--moe-dispatcher", "deepep", "--cost", "ep=20us/12GB")
+    pipe = d["pipeline"]
+    share = pipe["ep_comm_overlap"]["compute_share"]
+    assert share == pytest.approx(112 / 132, rel=1e-12)
+    assert _plan("--ep-comm-overlap", "--cost", "ep=20us/12GB")["pipeline"]["ep_comm_overlap"]["compute_share"] == 1.0
+    p, v, m, stages = pipe["pp"], pipe["virtual_stages"], pipe["microbatches"], pipe["stages"]
+    for r in range(p):
+        order, warm = schedule_order("interleaved", p, v, m, r, 1), interleaved_warmup(p, v, m, r, 1)
+        hid = whole = 0.0
+        for (_f, kf, _i), (_b, kb, _j) in zip(order[warm:len(order) - warm:2], order[warm + 1:len(order) - warm:2]):
+            f, b = stages[kf]["forward_s"], stages[kb]["backward_s"] + stages[kb]["recompute_s"]
+            af, ab = stages[kf]["a2a_forward_s"], stages[kb]["a2a_backward_s"]
+            hid += f + b - merged_part(af, b - ab, share) - merged_part(ab, f - af, share)
+            whole += f + b - _merged(af, ab, f, b)
+        assert pipe["ep_comm_overlap"]["hidden_s"][r] == pytest.approx(hid, rel=1e-9)
+        assert 0 < hid < whole

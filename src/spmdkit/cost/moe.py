@@ -446,6 +446,22 @@ def reached(layer: MoeLayer, nodes: int, ranks: int, routing: str = "topk") -> t
     return _spread(e, e // nodes, k), _spread(e, e // ranks, k)
 
 
+#: Streaming multiprocessors DeepEP's normal dispatch and combine kernels keep while they run:
+#: Megatron-Core's ``TransformerConfig.moe_deepep_num_sms``, 20 by default (the zoo's code of the
+#: time; later versions default to None, which keeps DeepEP v1's 20).
+DEEPEP_SMS = 20
+
+
+def a2a_compute_share(plan: Plan, sms: int) -> float:
+    """The share of a GPU of ``sms`` SMs left to other work while a MoE all-to-all runs beside it
+    (``--ep-comm-overlap``'s merged steps): under ``--moe-dispatcher deepep`` DeepEP's kernels
+    keep :data:`DEEPEP_SMS` of them, ``(sms - 20) / sms`` (0.848 on an H100's 132); 1 under
+    NCCL's all-to-all, whose channels' SMs no source states as a count (not modelled)."""
+    if plan.runtime.moe_dispatcher != "deepep" or sms <= DEEPEP_SMS:
+        return 1.0
+    return (sms - DEEPEP_SMS) / sms
+
+
 def expert_all_to_all(plan: Plan, tensor: str, s: Step) -> float:
     """Seconds of the all-to-all step ``s`` of ``tensor``: for a MoE layer's dispatched tokens,
     rows and their gradients, at the busiest ep rank's load (:func:`plan_loads`) and by

@@ -69,6 +69,7 @@ from spmdkit.cost.memory import (
     recompute_layers,
     with_overheads,
 )
+from spmdkit.cost.moe import a2a_compute_share
 from spmdkit.cost.step import OpComm, op_communication
 from spmdkit.models.source import HFModel, Loaded, ModelSource, Preset, ProgramFile, load
 from spmdkit.models.zoo import Model, preset
@@ -362,7 +363,8 @@ class PipelineEstimate:
         if "microbatch_recompute" in self.extra:
             out["microbatch_recompute"] = self.extra["microbatch_recompute"]
         if self.run is not None and self.run.hidden_s:
-            out["ep_comm_overlap"] = {"extra_warmup_forwards": 1, "hidden_s": self.run.hidden_s}
+            out["ep_comm_overlap"] = {"extra_warmup_forwards": 1, "hidden_s": self.run.hidden_s,
+                                      "compute_share": self.inputs.a2a_share if self.inputs else 1.0}
         if self.run is not None:
             out.update({"pipeline_s": self.run.pipeline_s, "bubble_s": self.run.bubble_s,
                         "bubble_fraction": self.run.bubble_fraction, "busy_s": self.run.busy_s,
@@ -458,7 +460,8 @@ def estimate_pipeline(plan: Plan, spec: PipelineSpec, counts: tuple[int, ...] | 
            + (c.forward_s if recompute_forward else 0.0) for j, c in enumerate(costs)]
     est.inputs = ScheduleInputs([c.forward_s for c in costs], bwd, send_f, send_b,
                                 None if plan.runtime.p2p_overlap else True, [c.weight_s for c in costs] if zb else None,
-                                [(c.a2a_forward_s, c.a2a_backward_s) for c in costs] if overlap else None)
+                                [(c.a2a_forward_s, c.a2a_backward_s) for c in costs] if overlap else None,
+                                a2a_compute_share(plan, device.rates.sms) if overlap else 1.0)
     run = est.run = est.inputs.run(spec.schedule, p, v, m)
     est.step_serial_s, est.step_overlap_s = _step_times(plan, spec, costs, run, tied_s)
     mb_tokens = tokens // m if tokens else 0

@@ -36,7 +36,9 @@ backward computes attention (``TransformerLayerSchedulePlan.run``, module
 stream. :func:`run_schedule` times a merged step of a forward with all-to-all time ``a_F`` and
 other work ``o_F`` and a backward with ``a_B`` and ``o_B`` as ``max(a_F, o_B) + max(a_B, o_F)``
 (each one's all-to-alls hidden under the other's work, up to that work; the sum ``a_F + o_F +
-a_B + o_B`` without the overlap); both its outputs leave when it ends. The warm-up forwards and
+a_B + o_B`` without the overlap); both its outputs leave when it ends. Under DeepEP the work
+beside an all-to-all runs on the SMs its kernels leave (:func:`merged_part`: ``max(a, o + a (1 -
+share))``). The warm-up forwards and
 the cool-down backwards have no partner and run as before. A device holds one more model chunk
 of activations (the extra warm-up forward); the merged step's own forward builds its
 activations while its partner's backward frees its own, layer by layer, so the peak count adds
@@ -80,6 +82,13 @@ def schedule_order(schedule: str, p: int, v: int, m: int, r: int, extra_warm: in
     for j in range(total - warm):
         order += [("F", *unit(warm + j, True)), ("B", *unit(j, False))]
     return order + [("B", *unit(k, False)) for k in range(total - warm, total)]
+
+
+def merged_part(a: float, o: float, share: float = 1.0) -> float:
+    """Seconds of ``a`` seconds of all-to-all run beside ``o`` seconds of other work (one half
+    of a merged step), that work at ``share`` of its speed while the all-to-all runs: it ends
+    with the all-to-all (``max(a, ...)``) or ``a (1 - share)`` after ``o``."""
+    return max(a, o + a * (1.0 - share))
 
 
 def interleaved_warmup(p: int, v: int, m: int, r: int, extra_warm: int = 0) -> int:
@@ -180,16 +189,19 @@ class ScheduleInputs:
     #: per virtual stage: the expert all-to-all seconds of its forward and its backward, where
     #: the steady state merges them (``--ep-comm-overlap``: :func:`run_schedule`)
     a2a: list[tuple[float, float]] | None = None
+    #: the share of the GPU's compute the partner's work runs at while an all-to-all of a merged
+    #: step runs (DeepEP's kernels keep SMs of their own: :func:`spmdkit.cost.moe.a2a_compute_share`)
+    a2a_share: float = 1.0
 
     def run(self, schedule: str, p: int, v: int, m: int) -> ScheduleRun:
         return run_schedule(schedule, p, v, m, self.fwd, self.bwd, self.send_f, self.send_b,
-                            self.blocking_sends, weight=self.weight, a2a=self.a2a)
+                            self.blocking_sends, weight=self.weight, a2a=self.a2a, a2a_share=self.a2a_share)
 
 
 def run_schedule(schedule: str, p: int, v: int, m: int, fwd: list[float], bwd: list[float],
                  send_f: list[float] | None = None, send_b: list[float] | None = None,
                  blocking_sends: bool | None = None, weight: list[float] | None = None,
-                 a2a: list[tuple[float, float]] | None = None) -> ScheduleRun:
+                 a2a: list[tuple[float, float]] | None = None, a2a_share: float = 1.0) -> ScheduleRun:
     """Simulate the schedule: ``fwd[k]`` / ``bwd[k]`` the time of virtual stage ``k`` for one
     microbatch, ``send_f[k]`` / ``send_b[k]`` the time to send its output activations to stage
     ``k+1`` / the gradients of its inputs to ``k-1`` (``send_b[k]`` is stage ``k+1``'s send back
@@ -200,7 +212,8 @@ def run_schedule(schedule: str, p: int, v: int, m: int, fwd: list[float], bwd: l
     the input gradient (B) alone and ``weight[k]`` the weight gradient (W), run after it on
     the same device in the schedule's order. ``a2a`` (interleaved only): per virtual stage the
     expert all-to-all seconds inside ``fwd[k]`` and ``bwd[k]``; one more warm-up forward per
-    device and each steady-state forward and backward run as one merged step (module docstring)."""
+    device and each steady-state forward and backward run as one merged step (module docstring),
+    the work under an all-to-all at ``a2a_share`` of its speed (:func:`merged_part`)."""
     if a2a is not None and schedule != "interleaved":
         raise ProgramError(f"--ep-comm-overlap: merges the steady-state forward and backward of the interleaved "
                            f"schedule; --schedule {schedule} has none to merge (give --schedule interleaved)")
@@ -238,7 +251,7 @@ def run_schedule(schedule: str, p: int, v: int, m: int, fwd: list[float], bwd: l
                     assert a2a is not None
                     start = max(free[r], d_f, d_b)
                     (af, _x), (_y, ab) = a2a[kf], a2a[kb]
-                    dur = max(af, bwd[kb] - ab) + max(ab, fwd[kf] - af)
+                    dur = merged_part(af, bwd[kb] - ab, a2a_share) + merged_part(ab, fwd[kf] - af, a2a_share)
                     hidden[r] += fwd[kf] + bwd[kb] - dur
                     cut = start + dur * fwd[kf] / (fwd[kf] + bwd[kb]) if fwd[kf] + bwd[kb] > 0 else start
                     free[r] = start + dur
@@ -311,5 +324,5 @@ def bubble_formula(schedule: str, p: int, v: int, m: int, times: tuple[float, fl
     return (p - 1) / m
 
 
-__all__ = ["SCHEDULES", "SCHEDULE_ALIASES", "ScheduleInputs", "ScheduleRun", "bubble_formula", "held_counts", "in_flight",
+__all__ = ["SCHEDULES", "SCHEDULE_ALIASES", "ScheduleInputs", "ScheduleRun", "bubble_formula", "held_counts", "in_flight", "merged_part",
            "run_schedule", "schedule_order", "weight_pending"]
