@@ -164,15 +164,9 @@ def clock_at_power(rates: Rates, watts: float, name: str) -> float:
 def tile_wave_utilisation(batch: int, m: int, n: int, sms: int) -> float:
     """The useful share of the tensor cores' work for a ``batch`` x (m x n) output cut into the
     best of :data:`TILES`: ``m·n·batch / (waves · sms · TM·TN)`` times the tile's reuse, the tile
-    that gives most (NVIDIA's guide ch. 3: tile quantisation, then wave quantisation)."""
-    best = 0.0
-    for tm, tn in TILES:
-        tiles = -(-m // tm) * -(-n // tn) * batch
-        waves = -(-tiles // sms)
-        u = (m * n * batch) / (waves * sms * tm * tn) * _reuse(tm, tn)
-        if u > best:
-            best = u
-    return best
+    that gives most (NVIDIA's guide ch. 3: tile quantisation, then wave quantisation): the
+    grouped GEMM of ``batch`` experts of exactly ``m`` rows (:func:`grouped_tile_utilisation`)."""
+    return _tile_utilisation(((float(m), 0.0, batch),), n, sms)
 
 
 #: one group of a grouped GEMM's experts: (mean rows, standard deviation of the rows, experts)
@@ -198,6 +192,11 @@ def grouped_tile_utilisation(rows: tuple[RowGroup, ...], n: int, sms: int) -> fl
     tile, every expert's tiles in one grid over the SMs: tiles ``sum_e E[ceil(rows_e / TM)] x
     ceil(n / TN)`` (:func:`expected_tiles`), waves over ``sms``, the useful share from the real rows
     (``sum_e rows_e x n``), times the tile's reuse, the best tile's."""
+    return _tile_utilisation(rows, n, sms)
+
+
+def _tile_utilisation(rows: tuple[RowGroup, ...], n: int, sms: int) -> float:
+    """:func:`grouped_tile_utilisation`'s count, each caller caching its own answers."""
     useful = sum(mean * count for mean, _, count in rows) * n
     best = 0.0
     for tm, tn in TILES:
