@@ -47,7 +47,7 @@ from spmdkit.planner.pipeline import (
     reduce_gradients,
     run_schedule,
 )
-from spmdkit.planner.stage_costs import Grad
+from spmdkit.planner.stage_costs import Grad, single_bucket_ranks
 from spmdkit.program.layers import layer_tags
 from spmdkit.program.plan import Plan
 
@@ -315,9 +315,7 @@ def _pipeline_overlap(fold: Fold, plan_a: Plan, est_a: PipelineEstimate, est_b: 
     m = est_b.spec.microbatches
     last = {k: (s0, s1) for _r, kind, k, i, s0, s1 in run.units if kind == "B" and i == m - 1}
     index = {t: n for n, t in enumerate(layer_tags(plan_b.program))}
-    # Megatron-Core DDP's one bucket on the ranks after the first; Megatron-FSDP's (reductions in
-    # every microbatch: StageCost.each) in buckets under each backward on every rank
-    single_ranks = plan_b.runtime.framework == "megatron" and not any(c.each for c in est_b.stages)
+    single_ranks = single_bucket_ranks(plan_b, est_b.stages)
     oc_a, oc_b = op_communication(plan_a, device), op_communication(plan_b, device)
     st_a, st_b = op_stages(plan_a.program, est_a.counts), op_stages(plan_b.program, est_b.counts)
     out = []

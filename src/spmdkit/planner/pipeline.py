@@ -89,7 +89,7 @@ from spmdkit.planner.schedules import (
     schedule_order,
     weight_pending,
 )
-from spmdkit.planner.stage_costs import Grad, StageCost, reduce_gradients, stage_costs
+from spmdkit.planner.stage_costs import Grad, StageCost, reduce_gradients, single_bucket_ranks, stage_costs
 from spmdkit.program.ir import Program
 from spmdkit.program.layers import layer_tags
 from spmdkit.program.plan import Plan
@@ -695,7 +695,7 @@ def _step_times(plan: Plan, spec: PipelineSpec, costs: list[StageCost], run: Sch
     p, v = spec.pp, spec.virtual
     last: dict[int, tuple[float, float]] = {}
     early: list[list[tuple[float, float, list[Grad]]]] = [[] for _ in range(p)]
-    each = any(c.each for c in costs)  # Megatron-FSDP: every rank's buckets under its backwards
+    single = single_bucket_ranks(plan, costs)
     for r, kind, k, i, start, end in run.units:
         if kind == ("W" if spec.schedule == "zb-h1" else "B"):
             if i == spec.microbatches - 1:
@@ -713,8 +713,7 @@ def _step_times(plan: Plan, spec: PipelineSpec, costs: list[StageCost], run: Sch
         o = sum(costs[c * p + r].optimizer_s for c in range(v))
         g = sum(costs[c * p + r].grad_sync_s for c in range(v))
         g += sum((spec.microbatches - 1) * costs[c * p + r].each_s for c in range(v))
-        single = plan.runtime.framework == "megatron" and r > 0 and not each
-        done, _b = reduce_gradients(plan, grads, run.finish_s[r], single, early[r])
+        done, _b = reduce_gradients(plan, grads, run.finish_s[r], single and r > 0, early[r])
         t = tied_s[r] if tied_s else 0.0
         serial.append(run.finish_s[r] + g + t + o)
         overlap.append(done + t + o)

@@ -379,6 +379,14 @@ def _serial(plan: Plan, grads: list[Grad]) -> float:
     return red.flush(0.0)
 
 
+def single_bucket_ranks(plan: Plan, costs: list[StageCost]) -> bool:
+    """Whether the pipeline ranks after the first reduce their stages' gradients in one bucket
+    launched at the end of their last backward (:func:`reduce_gradients`'s ``single``):
+    Megatron-Core DDP's, not Megatron-FSDP's (its reductions run in every microbatch's backward,
+    in buckets on every rank: :attr:`StageCost.each`), nor the FSDP2 frameworks'."""
+    return plan.runtime.framework == "megatron" and not any(c.each for c in costs)
+
+
 def reduce_gradients(plan: Plan, grads: list[tuple[float, str, Step, int, str]], end: float,
                      single: bool = False, early: list[tuple[float, float, list[Grad]]] | None = None
                      ) -> tuple[float, list[Bucket]]:
@@ -417,4 +425,4 @@ def reduce_gradients(plan: Plan, grads: list[tuple[float, str, Step, int, str]],
     return max(end, free), out
 
 
-__all__ = ["Grad", "StageCost", "reduce_gradients", "shared_parameters", "stage_costs"]
+__all__ = ["Grad", "StageCost", "reduce_gradients", "shared_parameters", "single_bucket_ranks", "stage_costs"]
