@@ -61,7 +61,7 @@ GIB = 1024**3
 
 
 #: architectures (a phrase of a row's ``model.arch``) the planner cannot build, and the feature named
-MISSING_ARCH = {"Gated DeltaNet": "Gated DeltaNet linear-attention layers (Qwen3-Next's hybrid attention)"}
+MISSING_ARCH: dict[str, str] = {}
 
 
 class Unsupported(Exception):

@@ -214,8 +214,10 @@ def test_megatron_moe_flops_reproduce_the_zoo_tflops() -> None:
     row with both figures: within the rounding of the step (0.1 s) and of the TF (1) for the rows run
     on main(1e057005), within 0.6% for those of the moe_dev branch (f3e6c5, not public); e.g.
     tp4_pp8_ep8: 1.2418e18 / (29.0 s x 256) = 167.3 (167)."""
+    # Qwen3-Next apart: the formula here counts softmax attention in every layer, not Gated DeltaNet
+    # (its row is compared by step time; this count gives it 91.0 TF/GPU to the table's 89)
     both = [r for r in MOE_ROWS.values() if r["id"].startswith("megatron_moe_zoo") and r["model"]["moe"]["catalog"]
-            and {"step_time_s", "tflops_per_gpu"} <= set(r["measured"])]
+            and {"step_time_s", "tflops_per_gpu"} <= set(r["measured"]) and "Gated DeltaNet" not in r["model"]["arch"]]
     assert len(both) == 5
     for r in both:
         flops, gpus = FID.megatron_core_moe_flops(r), r["hardware"]["num_gpus"]
@@ -288,8 +290,9 @@ def test_megatron_moe_tflops_rows_are_planned_with_the_moe_count() -> None:
         assert {"ep", "etp=1", "cp", "cp-attention=ring", "ep-from=cp"} <= set(a[a.index("--strategy") + 1].split(","))
         assert a[a.index("--batch") + 1] == "256" and a[a.index("--microbatches") + 1] == "256"
         assert "ep-from=cp" not in c2.argv[c2.argv.index("--strategy") + 1]  # cp=2: ep from the dp ranks
-        with pytest.raises(FID.Unsupported, match="Gated DeltaNet"):
-            FID.express(MOE_ROWS["megatron_moe_zoo_h100_bf16_qwen3_next_80b_a3b_tp1_pp4_ep32"], Path(d))
+        nxt = FID.express(MOE_ROWS["megatron_moe_zoo_h100_bf16_qwen3_next_80b_a3b_tp1_pp4_ep32"], Path(d)).argv
+        assert nxt[nxt.index("--model") + 1] == "qwen3-next-80b-a3b" and nxt[nxt.index("--seq") + 1] == "4096"
+        assert nxt[nxt.index("--mesh") + 1] == "pp=4,dp=1,ep=32,tp=1" and nxt[nxt.index("--virtual-stages") + 1] == "3"
         other = dict(MOE_ROWS["automodel_h100_bf16_qwen3_30b_a3b"])
         other["measured"] = {"tflops_per_gpu": 277, "flops_definition": "NeMo AutoModel 'Model TFLOPs/sec/GPU'"}
         with pytest.raises(FID.Unsupported, match="MoE TFLOP/s by another FLOP definition"):

@@ -17,7 +17,7 @@ MOE = [n for n, e in catalog.entries().items() if e.fields.get("experts")]
 
 def test_the_moe_models_are_in_the_catalog() -> None:
     assert set(MOE) == {"mixtral-8x7b", "mixtral-8x22b", "qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v2-lite",
-                        "deepseek-v3"}
+                        "deepseek-v3", "qwen3-next-80b-a3b"}
 
 
 @pytest.mark.parametrize("name", MOE)
@@ -47,7 +47,8 @@ def test_megatron_holds_moe_params_bytes_over_shards(name: str) -> None:
     """Megatron at tp (8, or what divides the heads and the kv heads) over experts as
     Megatron-Core runs them with expert-tensor-parallel = tp: each expert's gate / up split on
     its moe_ffn axis, down on its input; router, norms and MLA's down projections replicated;
-    at dense_layers + 1 layers."""
+    Gated DeltaNet's projections, filters, dt_bias and A_log split with its heads, its gated
+    norm replicated; at dense_layers + 1 layers."""
     cfg = preset(name)
     tp = next(t for t in (8, 4, 2) if cfg.heads % t == 0 and (cfg.mla or cfg.n_kv % t == 0))
     _, plan, _ = plan_preset(name, f"tp={tp}", "megatron", {"layers": cfg.dense_layers + 1, "seq": 256})
@@ -56,7 +57,7 @@ def test_megatron_holds_moe_params_bytes_over_shards(name: str) -> None:
         shape = plan.program.tensors[p].shape
         split = ".experts.w_" in p or ".shared.w_" in p or p.endswith((".wq", ".wk", ".wv", ".wo", ".w_gate",
                                                                          ".w_up", ".w_down", ".wq_b", ".wkv_b"))
-        split = split or p in ("embed", "lm_head")
+        split = split or p in ("embed", "lm_head") or (".gdn." in p and not p.endswith(".norm"))  # Gated DeltaNet
         expect += 2 * (n // tp if split else n)
         assert not split or shape[-1] % tp == 0 or shape[-2] % tp == 0
     assert memory_per_device(plan).parameters == expect

@@ -55,17 +55,19 @@ def _counts(model: Model) -> tuple[int, int, int]:
 
 
 def count_params(cfg: ModelConfig) -> ParamCount:
-    """The parameters of ``cfg`` at its full depth (built at two small depths and scaled)."""
-    first = cfg.dense_layers + 1 if cfg.experts else 1
-    if cfg.layers <= first:
+    """The parameters of ``cfg`` at its full depth (built at two small depths and scaled: one
+    more period of layers, a period of ``full_attention_interval`` layers in a hybrid model)."""
+    period = cfg.full_attention_interval or 1
+    first = (cfg.dense_layers + 1 if cfg.experts else 1) + period - 1
+    if cfg.layers <= first + period or (cfg.layers - first) % period:
         model = build_model(cfg, validate=False, check_rules=False)
         total, emb, tok = _counts(model)
         experts = sum(_expert_params(model, i) for i in range(cfg.layers) if cfg.is_moe_layer(i))
     else:
         small = build_model(cfg.with_(layers=first), validate=False, check_rules=False)
-        big = build_model(cfg.with_(layers=first + 1), validate=False, check_rules=False)
+        big = build_model(cfg.with_(layers=first + period), validate=False, check_rules=False)
         (t1, emb, tok), (t2, _, _) = _counts(small), _counts(big)
-        total = t1 + (t2 - t1) * (cfg.layers - first)
+        total = t1 + (t2 - t1) * ((cfg.layers - first) // period)
         experts = _expert_params(big, first) * (cfg.layers - cfg.dense_layers) if cfg.experts else 0
     active = total - experts + experts * cfg.top_k // cfg.experts if cfg.experts else total
     return ParamCount(total, emb, active, tok)

@@ -59,6 +59,7 @@ from spmdkit.models.zoo_layers import (
     norm,
     row_residual,
 )
+from spmdkit.models.zoo_linear import gate_attention, gated_delta_net, gdn_params, minus_one_input, record_minus_one
 from spmdkit.models.zoo_moe import aux_terms, moe_mlp
 from spmdkit.program.autodiff import Tape
 from spmdkit.program.ir import Program, ProgramBuilder, RecordedValue
@@ -91,7 +92,10 @@ _CONFIG_FIELDS = {"base": "str", "name": "str", "arch": "str", "layers": "int", 
                   "embed_norm": "bool", "experts": "count", "top_k": "int", "moe_ffn": "int?",
                   "shared_experts": "count", "dense_layers": "count", "capacity_factor": "num?", "aux_loss": "bool",
                   "expert_groups": "int", "topk_groups": "int",
-                  "q_lora_rank": "count", "kv_lora_rank": "count", "qk_rope_head_dim": "count", "v_head_dim": "int?"}
+                  "q_lora_rank": "count", "kv_lora_rank": "count", "qk_rope_head_dim": "count", "v_head_dim": "int?",
+                  "full_attention_interval": "count", "linear_key_heads": "count", "linear_value_heads": "count",
+                  "linear_key_head_dim": "count", "linear_value_head_dim": "count", "linear_conv": "int",
+                  "attention_gate": "bool", "shared_expert_gate": "bool"}
 _DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
            "fp32": "float32", "float32": "float32"}
 
@@ -200,6 +204,10 @@ def tiny_like(cfg: ModelConfig) -> str:
         variant.update({"experts": 4, "top_k": min(cfg.top_k, 2), "moe_ffn": 8,
                         "shared_experts": min(cfg.shared_experts, 1), "dense_layers": min(cfg.dense_layers, 1),
                         "capacity_factor": cfg.capacity_factor})
+    if cfg.full_attention_interval:  # hybrid Gated DeltaNet: every other layer, grouped key heads
+        variant.update({"full_attention_interval": 2, "linear_key_heads": 2, "linear_value_heads": 4,
+                        "linear_key_head_dim": 4, "linear_value_head_dim": 4, "linear_conv": min(cfg.linear_conv, 4)})
+    variant.update({k: True for k in ("attention_gate", "shared_expert_gate") if getattr(cfg, k)})
     if cfg.mla:
         variant.update({"kv_heads": None, "kv_lora_rank": 8, "q_lora_rank": 6 if cfg.q_lora_rank else 0,
                         "qk_rope_head_dim": 4, "head_dim": 4, "v_head_dim": 6 if cfg.vdim != cfg.hdim else None})
@@ -233,11 +241,16 @@ def decoder_layer(t: Tape, cfg: ModelConfig, i: int, h: str, m: Model) -> str:
     """Layer ``i`` of ``cfg`` on the residual stream ``h``; the stream after it."""
     p = f"layers.{i}."
     t.b.layer = f"layer {i}"
-    moe = cfg.is_moe_layer(i)
-    w = layer_params(t, cfg, m, p, moe)
+    moe, lin = cfg.is_moe_layer(i), cfg.is_linear_layer(i)
+    w = layer_params(t, cfg, m, p, moe, (lambda w: gdn_params(t, cfg, m, p, w)) if lin else None)
     nm = NAMES[cfg.arch]
     n1 = norm(t, cfg, m, h, p + nm["n1"], w["n1"], w["n1.b"])
-    ctx = attention(t, cfg, m, p, n1, w)
+    if lin:  # Gated DeltaNet (hybrid linear attention, zoo_linear)
+        ctx = gated_delta_net(t, cfg, m, p, n1, w)
+    else:
+        ctx = attention(t, cfg, m, p, n1, w)
+        if cfg.attention_gate:
+            ctx = gate_attention(t, cfg, p, n1, ctx, w)
     h1 = row_residual(t, cfg, m, ctx, w["o"], w.get("o.b"), p + "attn_out", h, p + "resid1")
     n2 = norm(t, cfg, m, h1, p + nm["n2"], w["n2"], w["n2.b"])
     if moe:
@@ -262,6 +275,7 @@ def build_model(cfg: ModelConfig, vocab_parallel_loss: bool = False, optimizer: 
     B, S, H, V = cfg.batch, cfg.seq, cfg.hidden, cfg.vocab
     dt = cfg.dtype
     emb, h = embed(t, cfg, m)
+    minus_one_input(t, cfg)
     labels = m.inputs["labels"]
     for i in range(cfg.layers):
         h = decoder_layer(t, cfg, i, h, m)
@@ -289,6 +303,7 @@ def build_model(cfg: ModelConfig, vocab_parallel_loss: bool = False, optimizer: 
     m.program = b.build(validate=validate, rules=check_rules)
     if cfg.cp > 1:
         record_cp_positions(cfg, m.program)
+    record_minus_one(m.program)
     return m
 
 

@@ -104,6 +104,22 @@ class ModelConfig:
     #: chunks; :mod:`spmdkit.models.zoo_moe`, docs/experts.md); under cp each cp rank its own
     #: tokens (cp chunks, cp x tp on that path)
     moe_chunks: int = 1
+    #: hybrid linear attention (Qwen3-Next): > 0 makes layer i Gated DeltaNet
+    #: (:mod:`spmdkit.models.zoo_linear`) unless ``(i + 1) % full_attention_interval == 0`` (HF's
+    #: ``full_attention_interval``; 0: every layer softmax attention)
+    full_attention_interval: int = 0
+    #: Gated DeltaNet's key (q / k) and value heads and their head dims (HF's
+    #: ``linear_num_key_heads`` / ``linear_num_value_heads`` / ``linear_key_head_dim`` /
+    #: ``linear_value_head_dim``), its short convolution's width (``linear_conv_kernel_dim``)
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv: int = 4
+    #: an output gate on softmax attention: ``attn * sigmoid(x @ w_attn_gate)`` (Qwen3-Next)
+    attention_gate: bool = False
+    #: the shared experts' output scaled by ``sigmoid(x @ w [hidden, 1])`` (Qwen2-MoE, Qwen3-Next)
+    shared_expert_gate: bool = False
 
     @property
     def act(self) -> str:
@@ -145,6 +161,11 @@ class ModelConfig:
         """Layer ``i`` has routed experts (past the first dense_layers)."""
         return self.experts > 0 and i >= self.dense_layers
 
+    def is_linear_layer(self, i: int) -> bool:
+        """Layer ``i`` is Gated DeltaNet (hybrid linear attention), not softmax attention."""
+        n = self.full_attention_interval
+        return n > 0 and (i + 1) % n != 0
+
     @property
     def n_kv(self) -> int:
         return self.kv_heads or self.heads
@@ -176,6 +197,33 @@ class ModelConfig:
         self._check_cp()
         self._check_moe()
         self._check_mla()
+        self._check_linear()
+
+    def _check_linear(self) -> None:
+        """Gated DeltaNet's sizes (where a layer has it); context parallelism refused with it."""
+        names = ("full_attention_interval", "linear_key_heads", "linear_value_heads", "linear_key_head_dim",
+                 "linear_value_head_dim", "linear_conv")
+        for k in names:
+            v = getattr(self, k)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ProgramError(f"model: {k} must be an integer >= 0, got {v!r}")
+        if self.shared_expert_gate and not self.shared_experts:
+            raise ProgramError("model: shared_expert_gate needs shared_experts >= 1")
+        if self.attention_gate and (self.mla or self.attn != "flash"):
+            raise ProgramError("model: attention_gate is modelled on flash attention without MLA")
+        if not self.full_attention_interval:
+            return
+        if min(getattr(self, k) for k in names[1:]) < 1:
+            raise ProgramError(f"model: full_attention_interval {self.full_attention_interval} (Gated DeltaNet "
+                               f"layers) needs {', '.join(names[1:])} >= 1")
+        if self.linear_value_heads % self.linear_key_heads:
+            raise ProgramError(f"model: linear_value_heads {self.linear_value_heads} is not a multiple of "
+                               f"linear_key_heads {self.linear_key_heads}")
+        if self.cp > 1:
+            raise ProgramError(f"gated_delta_rule: --mesh cp={self.cp} (context parallelism) is refused: the "
+                               f"recurrence carries its state along the whole sequence (Megatron-Core's "
+                               f"GatedDeltaNet has no context parallelism: '# TODO: support CP'); shard the batch "
+                               f"(dp) or the heads (tp, sp) instead")
 
     def _check_variants(self) -> None:
         for k in ("head_dim", "moe_ffn", "v_head_dim"):

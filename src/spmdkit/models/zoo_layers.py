@@ -28,6 +28,7 @@ BLOOM, Gemma, DeepSeek). Its variants:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from spmdkit.models.zoo_config import Model, ModelConfig
@@ -250,9 +251,11 @@ def attention(t: Tape, cfg: ModelConfig, m: Model, p: str, x: str, w: dict[str, 
     return _flash_core(t, cfg, m, p, q, k, v)
 
 
-def layer_params(t: Tape, cfg: ModelConfig, m: Model, p: str, moe: bool) -> dict[str, Any]:
+def layer_params(t: Tape, cfg: ModelConfig, m: Model, p: str, moe: bool,
+                 mixer: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """A layer's parameters (short name -> program name) with their roles, in the order the
-    arch has always declared them (norm, attention, norm, MLP)."""
+    arch has always declared them (norm, attention, norm, MLP); ``mixer``: declares another
+    token mixer's in place of attention's (Gated DeltaNet: :func:`spmdkit.models.zoo_linear.gdn_params`)."""
     H, F, dt, nm = cfg.hidden, cfg.ffn, cfg.dtype, NAMES[cfg.arch]
     nh, nkv, hd = cfg.heads, cfg.n_kv, cfg.hdim
     w: dict[str, Any] = {}
@@ -266,7 +269,9 @@ def layer_params(t: Tape, cfg: ModelConfig, m: Model, p: str, moe: bool) -> dict
 
     w["n1"], w["n1.b"] = norm_params(t, cfg, m, p + nm["n1"], H)
     qkvb = cfg.qkv_bias or cfg.linear_bias
-    if cfg.mla:
+    if mixer is not None:
+        mixer(w)
+    elif cfg.mla:
         dn, dr, dv, r, qr = cfg.hdim, cfg.qk_rope_head_dim, cfg.vdim, cfg.kv_lora_rank, cfg.q_lora_rank
         if qr:
             par("wq_a", [H, qr], "replicated")
@@ -283,6 +288,8 @@ def layer_params(t: Tape, cfg: ModelConfig, m: Model, p: str, moe: bool) -> dict
         par("k", [H, nkv * hd], "column", qkvb)
         par("v", [H, nkv * hd], "column", qkvb)
         par("o", [nh * hd, H], "row", cfg.linear_bias)
+        if cfg.attention_gate:
+            par("attn_gate", [H, nh * hd], "column")
     w["n2"], w["n2.b"] = norm_params(t, cfg, m, p + nm["n2"], H)
     if not moe:
         lb = cfg.linear_bias

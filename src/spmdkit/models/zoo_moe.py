@@ -15,7 +15,9 @@ Per MoE layer, on the normalised residual stream ``x`` [B, S, H]:
   ``6 x active parameters x tokens`` (top_k experts a token);
 - ``moe_combine``: each token's expert outputs weighted by its gate values and summed;
 - ``shared_experts`` > 0: a dense MLP of width ``shared_experts x moe_ffn`` on every token
-  (``shared.w_gate`` / ``shared.w_up`` / ``shared.w_down``) added to the output.
+  (``shared.w_gate`` / ``shared.w_up`` / ``shared.w_down``) added to the output; with
+  ``shared_expert_gate`` scaled first by ``sigmoid(x @ shared.expert_gate)`` (``[hidden, 1]``, role
+  router: replicated).
 
 The auxiliary load-balancing loss (``aux_loss``, on by default; Switch Transformer / Mixtral's
 ``E x sum_i f_i P_i``, computed per sequence as Megatron-Core's ``seq_aux_loss`` and DeepSeek-V3's
@@ -99,6 +101,8 @@ def moe_params(t: Tape, cfg: ModelConfig, m: Model, p: str) -> dict[str, str]:
             par("s.gate", "shared.w_gate", [H, Fs], "column")
         par("s.up", "shared.w_up", [H, Fs], "column")
         par("s.down", "shared.w_down", [Fs, H], "row")
+        if cfg.shared_expert_gate:
+            par("s.gate_w", "shared.expert_gate", [H, 1], "router")
     return w
 
 
@@ -235,6 +239,12 @@ def moe_mlp(t: Tape, cfg: ModelConfig, m: Model, p: str, x: str, h: str) -> str:
         sact = mlp_act(t, cfg, x, {"gate": w.get("s.gate"), "up": w["s.up"]}, _NAMES, p + "shared.")
         sdown = linear(t, cfg, sact, w["s.down"], None, p + "shared.down")
         m.row_outputs.append(sdown)
+        if cfg.shared_expert_gate:  # scaled by sigmoid(x @ w [H, 1]) (Qwen2-MoE, Qwen3-Next)
+            gl = linear(t, cfg, x, w["s.gate_w"], None, p + "shared.expert_gate.logit")
+            (gs,) = t.op("sigmoid", {"x": gl}, [(p + "shared.expert_gate.sigmoid", [B, S, 1], dt)])
+            (gated,) = t.op("multiply", {"x": sdown, "y": gs}, [(p + "shared.gated", [B, S, H], dt)])
+            assert gated is not None
+            sdown = gated
         (out,) = t.op("add", {"x": out, "y": sdown}, [(p + "moe_out.sum", [B, S, H], dt)])
     (r,) = t.op("add", {"x": h, "y": out}, [(p + "resid2", [B, S, H], dt)])
     assert r is not None

@@ -86,6 +86,8 @@ declare(
     Way(lambda *_: gdr_notation("forward"), shapes=_GDR_SHAPES, require=_GDR_REQUIRE,
         doc="gated_delta_rule: batch and heads sharded, the sequence and head dims replicated (the recurrence "
             "runs along the whole sequence)."),
+    reverse=Way(lambda *_: gdr_notation("forward"), shapes=_GDR_SHAPES, require=_GDR_REQUIRE,
+                doc="gated_delta_rule: the inputs from out and wy (batch and heads)."),
     outputs="out: T, wy: T",
 )  # fmt: skip
 declare(
@@ -101,12 +103,17 @@ def _act(activation: str) -> None:
         raise InvalidAttributeError(f"activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
 
 
+def _conv_notation(*_: Any) -> Notation:
+    return Notation(["bsc", "wc"], ["bsc"], replicated="sw", coshard=Coshard.KEEP)
+
+
 _CONV_ATTRS = "activation: str = 'silu'"
 declare(
     "causal_conv1d", "x: T, weight: T, " + _CONV_ATTRS,
-    Way(lambda *_: Notation(["bsc", "wc"], ["bsc"], replicated="sw", coshard=Coshard.KEEP),
-        shapes="x: b s c; weight: w c", check=_act,
+    Way(_conv_notation, shapes="x: b s c; weight: w c", check=_act,
         doc="causal_conv1d: batch and channels sharded, the sequence and the filter width replicated."),
+    reverse=Way(_conv_notation, shapes="x: b s c; weight: w c", check=_act,
+                doc="causal_conv1d: x and the filters from out (batch and channels)."),
     outputs="out: T",
 )  # fmt: skip
 declare(

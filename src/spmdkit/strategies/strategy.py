@@ -179,9 +179,9 @@ def strategy_dims(mesh: ProcessMesh, strategy: Iterable[str]) -> tuple[set[str],
 def tp_problem(cfg: ModelConfig, tp: int, sp: bool = False, etp1: bool = False) -> str | None:
     """Why Megatron's tensor parallelism over ``tp`` ranks cannot split the zoo model ``cfg``
     evenly, or None: the attention heads, the MLP's hidden size (each expert's too), the
-    vocabulary (the embedding and the head are vocab-parallel) and, under sequence
-    parallelism, the sequence must each be a multiple of ``tp``; the kv heads a multiple of
-    ``tp`` or a divisor of it (fewer kv heads than ``tp``: :func:`tp_notes`). An uneven
+    vocabulary (the embedding and the head are vocab-parallel), Gated DeltaNet's key heads and,
+    under sequence parallelism, the sequence must each be a multiple of ``tp``; the kv heads a
+    multiple of ``tp`` or a divisor of it (fewer kv heads than ``tp``: :func:`tp_notes`). An uneven
     fallback would gather whole tensors where Megatron shards them: refused instead. ``etp1``
     (ETP = 1): the routed experts stay whole, only the shared experts' width (``shared_experts x
     moe_ffn``) is split."""
@@ -199,7 +199,9 @@ def tp_problem(cfg: ModelConfig, tp: int, sp: bool = False, etp1: bool = False) 
               (shared, f"shared experts' FFN width {shared}"),
               (cfg.vocab, f"vocabulary of {cfg.vocab} (Megatron pads it to a multiple of tp: give a padded "
                           f"vocab in --model-config)"),
-              (cfg.seq if sp else None, f"sequence of {cfg.seq} tokens that sequence parallel splits")]
+              (cfg.seq if sp else None, f"sequence of {cfg.seq} tokens that sequence parallel splits"),
+              (cfg.linear_key_heads if cfg.full_attention_interval else None,
+               f"{cfg.linear_key_heads} Gated DeltaNet key heads")]
     for n, what in counts:
         if n is not None and n % tp:
             fits = [d for d in range(2, min(n, 128) + 1) if n % d == 0][:8]
