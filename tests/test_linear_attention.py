@@ -61,13 +61,27 @@ def test_conv_channels_sharded_weight_grad_partial() -> None:
     assert tuple(r.outputs[1].partial_dims) == (0,)  # summed over the batch's mesh dim
 
 
-@pytest.mark.parametrize(("rule", "mode"), [("gated_delta_rule", "forward"), ("gated_delta_rule_grad", "forward"),
-                                            ("causal_conv1d", "forward"), ("causal_conv1d_grad", "forward")])
+@pytest.mark.parametrize(("rule", "mode"), [("gated_delta_rule", "forward"), ("gated_delta_rule", "backward"),
+                                            ("gated_delta_rule_grad", "forward"), ("causal_conv1d", "forward"),
+                                            ("causal_conv1d", "backward"), ("causal_conv1d_grad", "forward")])
 def test_sound_on_generated_cases(rule: str, mode: str) -> None:
     rep = verify_rule(rule, n=80, seed=11, mode=mode)
     assert rep.cases == 80 and rep.skipped == 0, rep.first_skipped
     assert rep.unsound == 0, rep.first_unsound
     assert rep.sound == 80
+
+
+def test_reverse_lays_the_inputs_out_from_the_outputs() -> None:
+    """The reverse rules (the planner lays an unannotated parameter out by them: the filters take
+    the output's channels, not the optimizer's ZeRO shards): heads / channels and batch from the
+    outputs, the sequence replicated."""
+    x, w = T(M22, [2, 8, 6], [-1, -1, -1]), T(M22, [4, 6], [-1, -1])
+    r = CONV.infer_backward(x, w, T(M22, [2, 8, 6], [0, -1, 1]), "silu")
+    assert dms(r.inputs) == [(0, -1, 1), (-1, 1)]
+    q, g = T(M22, [2, 8, 4, 3], [-1] * 4), T(M22, [2, 8, 4], [-1] * 3)
+    out, wy = T(M22, [2, 8, 4, 5], [0, 1, -1, -1]), T(M22, [2, 8, 4, 64], [0, -1, 1, -1])
+    r = GDR.infer_backward(q, q, T(M22, [2, 8, 4, 5], [-1] * 4), g, g, out, wy, 0.0, 64, True)
+    assert dms(r.inputs) == [(0, -1, 1, -1)] * 3 + [(0, -1, 1)] * 2
 
 
 def test_a_sequence_sharded_answer_is_unsound() -> None:
