@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from spmd_helpers import R, T, dms
+from spmd_helpers import R, T, dms, numeric_grad
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.engine.facts import LocalOp, facts_of
@@ -133,16 +133,6 @@ def test_reference_equals_hf_torch_fallbacks() -> None:
         assert np.allclose(out, rec.numpy(), atol=2e-6)
 
 
-def _num_grad(f: Any, x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
-    g = np.zeros_like(x)
-    for i in np.ndindex(x.shape):
-        xp, xm = x.copy(), x.copy()
-        xp[i] += eps
-        xm[i] -= eps
-        g[i] = (f(xp) - f(xm)) / (2 * eps)
-    return g
-
-
 @pytest.mark.parametrize(("l2", "scale"), [(True, 0.0), (False, 0.7)])
 def test_gdr_grad_is_the_gradient(l2: bool, scale: float) -> None:
     rng = np.random.default_rng(1)
@@ -151,10 +141,10 @@ def test_gdr_grad_is_the_gradient(l2: bool, scale: float) -> None:
     fwd = get_reference("gated_delta_rule")
     got = get_reference("gated_delta_rule_grad").run({**a, "wy": np.zeros((2, 5, 2, 2)), "out_grad": og}, CTX)
     for name, gr in zip(("q", "k", "v", "g", "beta"), got):
-        def f(x: np.ndarray, name: str = name) -> float:
-            return float((fwd.run({**a, name: x}, CTX)[0] * og).sum())
+        def f(x: np.ndarray, name: str = name) -> np.ndarray:
+            return np.asarray(fwd.run({**a, name: x}, CTX)[0])
 
-        assert np.allclose(gr, _num_grad(f, a[name]), atol=1e-7), name
+        assert np.allclose(gr, numeric_grad(f, a[name], og), atol=1e-7), name
 
 
 @pytest.mark.parametrize("act", ["silu", "none"])
@@ -171,10 +161,10 @@ def test_conv_equals_torch_and_grad_is_the_gradient(act: str) -> None:
     assert np.allclose(out, conv.transpose(1, 2).numpy(), atol=1e-12)
     got = get_reference("causal_conv1d_grad").run({**a, "out_grad": og}, CTX)
     for name, gr in zip(("x", "weight"), got):
-        def f(v: np.ndarray, name: str = name) -> float:
-            return float((get_reference("causal_conv1d").run({**a, name: v}, CTX)[0] * og).sum())
+        def f(v: np.ndarray, name: str = name) -> np.ndarray:
+            return np.asarray(get_reference("causal_conv1d").run({**a, name: v}, CTX)[0])
 
-        assert np.allclose(gr, _num_grad(f, a[name]), atol=1e-7), name
+        assert np.allclose(gr, numeric_grad(f, a[name], og), atol=1e-7), name
 
 
 def test_wy_is_the_chunk_inverse() -> None:

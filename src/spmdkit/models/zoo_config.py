@@ -108,13 +108,15 @@ class ModelConfig:
     #: (:mod:`spmdkit.models.zoo_linear`) unless ``(i + 1) % full_attention_interval == 0`` (HF's
     #: ``full_attention_interval``; 0: every layer softmax attention)
     full_attention_interval: int = 0
-    #: Gated DeltaNet's key (q / k) and value heads and their head dims (HF's
-    #: ``linear_num_key_heads`` / ``linear_num_value_heads`` / ``linear_key_head_dim`` /
-    #: ``linear_value_head_dim``), its short convolution's width (``linear_conv_kernel_dim``)
+    #: Gated DeltaNet's key heads: q and k (HF's ``linear_num_key_heads``)
     linear_key_heads: int = 0
+    #: its value heads, a multiple of the key heads (``linear_num_value_heads``)
     linear_value_heads: int = 0
+    #: the q / k head size (``linear_key_head_dim``)
     linear_key_head_dim: int = 0
+    #: the v head size (``linear_value_head_dim``)
     linear_value_head_dim: int = 0
+    #: the short causal convolution's width (``linear_conv_kernel_dim``)
     linear_conv: int = 4
     #: an output gate on softmax attention: ``attn * sigmoid(x @ w_attn_gate)`` (Qwen3-Next)
     attention_gate: bool = False
