@@ -108,3 +108,15 @@ def test_the_tiny_hybrid_model_simulates_sharded(mesh: str, strategy: str) -> No
     rep = simulate_plan(plan)
     assert rep.ok and rep.checked > 400, rep.failures[:3]
     assert {"gated_delta_rule", "gated_delta_rule_grad", "causal_conv1d_grad"} <= {op.rule for op in plan.program.ops}
+
+
+def test_spmdkit_run_executes_the_tiny_hybrid_model() -> None:
+    """``spmdkit run`` on 4 gloo ranks (dp 2 x tp 2, megatron with sp) with the torch kernels:
+    gated_delta_rule and causal_conv1d and their grads on each rank's heads, every tensor against
+    its op run unsharded, the collectives the plan's."""
+    pytest.importorskip("torch")
+    from conftest import run_json
+    from spmdkit.models.zoo import tiny_like
+
+    rep = run_json("--model-config", tiny_like(preset(NAME)), "--mesh", "dp=2,tp=2", "--strategy", "megatron,sp")
+    assert rep["world_size"] == 4 and rep["ok"] and rep["collectives_match"] and not rep["failures"]
