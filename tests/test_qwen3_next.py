@@ -120,3 +120,31 @@ def test_spmdkit_run_executes_the_tiny_hybrid_model() -> None:
 
     rep = run_json("--model-config", tiny_like(preset(NAME)), "--mesh", "dp=2,tp=2", "--strategy", "megatron,sp")
     assert rep["world_size"] == 4 and rep["ok"] and rep["collectives_match"] and not rep["failures"]
+
+
+#: Qwen/Qwen3-Next-80B-A3B-Instruct's config.json (its keys that set the shapes, as published)
+HF_CONFIG = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "decoder_sparse_step": 1,
+             "full_attention_interval": 4, "head_dim": 256, "hidden_act": "silu", "hidden_size": 2048,
+             "intermediate_size": 5120, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+             "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_value_head_dim": 128,
+             "max_position_embeddings": 262144, "mlp_only_layers": [], "moe_intermediate_size": 512,
+             "norm_topk_prob": True, "num_attention_heads": 16, "num_experts": 512, "num_experts_per_tok": 10,
+             "num_hidden_layers": 48, "num_key_value_heads": 2, "partial_rotary_factor": 0.25,
+             "shared_expert_intermediate_size": 512, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+             "vocab_size": 151936}
+
+
+def test_the_hf_config_maps_to_the_catalog_entry() -> None:
+    """``--model-config config.json`` of Qwen3-Next: the catalog's model at the config's context
+    (max_position_embeddings), the partial rotary embedding named as not modelled; a layer_types
+    the interval does not make is refused by name."""
+    from spmdkit.core.errors import ProgramError
+    from spmdkit.models.hf_config import hf_fields
+    from spmdkit.models.zoo import ModelConfig
+
+    with pytest.warns(UserWarning, match=r"not modelled: partial_rotary_factor 0.25 \(rope on the whole head\)"):
+        f = hf_fields(HF_CONFIG)
+    assert ModelConfig(**f) == preset(NAME).with_(name="Qwen3NextForCausalLM (HF config)", seq=262144)
+    odd = {**HF_CONFIG, "layer_types": ["linear_attention", "full_attention"] * 24}
+    with pytest.raises(ProgramError, match="HF key 'layer_types'"):
+        hf_fields(odd)

@@ -4,7 +4,8 @@
 :func:`is_hf_config` tells one from a zoo config (``model_type``, ``architectures`` or HF's key
 names); :func:`hf_fields` maps it: the sizes, the kv heads, the head size, the activation and
 its gating, the norm, the positions, the biases, tied embeddings, the MoE experts (routed,
-shared, top-k, dense layers first) and the MLA ranks, per ``model_type``. ``seq`` is the
+shared, top-k, dense layers first), the MLA ranks and Qwen3-Next's Gated DeltaNet layers
+(``qwen3_next``), per ``model_type``. ``seq`` is the
 config's ``max_position_embeddings`` (the longest context it was made for), ``batch`` 1, the
 dtype its ``torch_dtype`` (bf16 where it names none).
 
@@ -57,6 +58,11 @@ _KEYS = {
     "qwen3_moe": "use_sliding_window sliding_window max_window_layers num_experts num_local_experts num_experts_per_tok "
                  "moe_intermediate_size decoder_sparse_step mlp_only_layers norm_topk_prob router_aux_loss_coef "
                  "output_router_logits layer_types",
+    "qwen3_next": "use_sliding_window sliding_window full_attention_interval layer_types linear_conv_kernel_dim "
+                  "linear_key_head_dim linear_value_head_dim linear_num_key_heads linear_num_value_heads num_experts num_experts_per_tok "
+                  "moe_intermediate_size shared_expert_intermediate_size decoder_sparse_step mlp_only_layers "
+                  "norm_topk_prob router_aux_loss_coef output_router_logits partial_rotary_factor "
+                  "mtp_num_hidden_layers mtp_use_dedicated_embeddings",
     "deepseek_v2": "n_routed_experts n_shared_experts num_experts_per_tok moe_intermediate_size first_k_dense_replace "
                    "moe_layer_freq q_lora_rank kv_lora_rank qk_nope_head_dim qk_rope_head_dim v_head_dim "
                    "routed_scaling_factor topk_method n_group topk_group scoring_func norm_topk_prob aux_loss_alpha "
@@ -88,14 +94,15 @@ _NOT_COMMON = {"gpt2": "hidden_size num_hidden_layers num_attention_heads num_ke
 
 #: HF's default context per model type (where max_position_embeddings is not given)
 _SEQ = {"llama": 2048, "mistral": 131072, "mixtral": 131072, "qwen2": 32768, "qwen2_moe": 32768, "qwen3": 32768,
-        "qwen3_moe": 32768, "deepseek_v2": 2048, "deepseek_v3": 4096, "gemma": 8192, "gemma2": 8192,
+        "qwen3_moe": 32768, "qwen3_next": 32768, "deepseek_v2": 2048, "deepseek_v3": 4096, "gemma": 8192, "gemma2": 8192,
         "gemma3_text": 131072, "phi3": 4096, "nemotron": 4096, "gpt2": 1024, "bloom": 2048}
 #: the activation of each model type (gated, the arch's default swiglu: None)
 _GELU_GATED = ("gemma", "gemma2", "gemma3_text")
 _TIED = ("gemma", "gemma2", "gemma3_text", "gpt2", "bloom")
 _ARCH_OF_CLASS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
                   "Qwen2ForCausalLM": "qwen2", "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3ForCausalLM": "qwen3",
-                  "Qwen3MoeForCausalLM": "qwen3_moe", "DeepseekV2ForCausalLM": "deepseek_v2",
+                  "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen3NextForCausalLM": "qwen3_next",
+                  "DeepseekV2ForCausalLM": "deepseek_v2",
                   "DeepseekV3ForCausalLM": "deepseek_v3", "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2",
                   "Gemma3ForCausalLM": "gemma3_text", "Phi3ForCausalLM": "phi3", "NemotronForCausalLM": "nemotron",
                   "GPT2LMHeadModel": "gpt2", "BloomForCausalLM": "bloom"}
@@ -194,17 +201,19 @@ def _experts(r: _Reader, notes: list[str]) -> dict[str, Any]:
     mt, obj = r.mt, r.obj
     if mt == "mixtral":
         return {"experts": r.size("num_local_experts"), "top_k": r.size("num_experts_per_tok")}
-    if mt in ("qwen2_moe", "qwen3_moe"):
+    if mt in ("qwen2_moe", "qwen3_moe", "qwen3_next"):
         out: dict[str, Any] = {"experts": r.size("num_experts", "num_local_experts"), "top_k": r.size("num_experts_per_tok"),
                                "moe_ffn": r.size("moe_intermediate_size")}
-        if mt == "qwen2_moe":
+        if mt in ("qwen2_moe", "qwen3_next"):
             shared = r.size("shared_expert_intermediate_size", default=0, low=0)
             if shared % out["moe_ffn"]:
                 raise ProgramError(f"--model-config: HF key 'shared_expert_intermediate_size' {shared} is not a "
                                    f"multiple of moe_intermediate_size {out['moe_ffn']} (spmdkit's shared experts "
                                    f"are each moe_ffn wide)")
             out["shared_experts"] = shared // out["moe_ffn"]
-            if shared:
+            if shared and mt == "qwen3_next":
+                out["shared_expert_gate"] = True
+            elif shared:
                 notes.append("the shared expert's sigmoid gate")
         dense = obj.get("mlp_only_layers") or []
         if not isinstance(dense, list) or dense != list(range(len(dense))):
@@ -230,6 +239,27 @@ def _mla(r: _Reader) -> dict[str, Any]:
     return {"q_lora_rank": r.size("q_lora_rank", default=0, low=0), "kv_lora_rank": r.size("kv_lora_rank"),
             "head_dim": r.size("qk_nope_head_dim"), "qk_rope_head_dim": r.size("qk_rope_head_dim"),
             "v_head_dim": r.size("v_head_dim"), "kv_heads": None}
+
+
+def _hybrid(r: _Reader, layers: int, notes: list[str]) -> dict[str, Any]:
+    """Qwen3-Next's Gated DeltaNet layers (every layer but each ``full_attention_interval``-th),
+    the gated attention of the others; its partial rotary embedding and MTP layers noted."""
+    n = r.size("full_attention_interval", default=4)
+    lt = r.obj.get("layer_types")
+    want = ["linear_attention" if (i + 1) % n else "full_attention" for i in range(layers)]
+    if lt is not None and lt != want:
+        raise ProgramError(f"--model-config: HF key 'layer_types': spmdkit models Gated DeltaNet layers with full "
+                           f"attention every full_attention_interval-th layer ({n}: {want[:n]} repeated)")
+    prf = r.obj.get("partial_rotary_factor", 0.25)
+    if prf != 1:
+        notes.append(f"partial_rotary_factor {str(prf)[:20]} (rope on the whole head)")
+    if r.size("mtp_num_hidden_layers", default=0, low=0):
+        notes.append(f"mtp_num_hidden_layers {r.obj['mtp_num_hidden_layers']} (multi-token prediction)")
+    return {"full_attention_interval": n, "linear_key_heads": r.size("linear_num_key_heads", default=16),
+            "linear_value_heads": r.size("linear_num_value_heads", default=32),
+            "linear_key_head_dim": r.size("linear_key_head_dim", default=128),
+            "linear_value_head_dim": r.size("linear_value_head_dim", default=128),
+            "linear_conv": r.size("linear_conv_kernel_dim", default=4), "attention_gate": True}
 
 
 def _not_modelled(r: _Reader, seq: int) -> list[str]:
@@ -299,8 +329,10 @@ def hf_fields(obj: Mapping[str, Any]) -> dict[str, Any]:
         f["qkv_bias"] = mt in ("qwen2", "qwen2_moe") or r.flag("attention_bias", False)
         if mt == "nemotron":
             f["norm"] = "layer"
-    if mt in ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"):
+    if mt in ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "deepseek_v2", "deepseek_v3"):
         f.update(_experts(r, notes))
+    if mt == "qwen3_next":
+        f.update(_hybrid(r, layers, notes))
     if mt.startswith("deepseek"):
         f.update(_mla(r))
     notes.extend(_not_modelled(r, seq))
