@@ -10,10 +10,13 @@ where ``ep x tp`` divides the experts), each cp variant, each ZeRO stage, ``ep-f
 
 from __future__ import annotations
 
+import itertools
 import json
+import tomllib
 
 from spmdkit.cost.devices import DEVICES
-from spmdkit.planner.search import _bounds, _Job, _model_sizes, _work, search_meshes
+from spmdkit.outputs.recipe import megatron_args, recipe, torchtitan_toml
+from spmdkit.planner.search import _bounds, _Job, _model_sizes, _work, config_candidates, search_meshes
 from spmdkit.planner.search_space import CP_VARIANTS, Config, context_degrees, ep_from_cp_degrees, hand_strategies
 from spmdkit.program.runtime import Runtime
 
@@ -108,3 +111,26 @@ def test_the_search_plans_them_and_their_bounds_hold() -> None:
         cf = c.config
         assert b.memory(cf.dp * cf.cp, cf.ep, cf.tp, cf.pp, cf.strategy, cf.microbatches) <= c.memory, cf.label()
         assert b.step(cf.devices, cf.pp, cf.microbatches, cf.ep, cf.strategy, cf.virtual) <= c.step_s, cf.label()
+
+
+def test_the_recipe_of_an_ep_from_cp_configuration() -> None:
+    """--export-recipe of dp=1 x cp=4 x ep=2 x tp=2 (ETP = 1, ep from cp) at batch 2: the batch
+    over dp alone (micro-batch 2, not 2 / (dp x ep) = 1), the frameworks' context-parallel degree
+    the 8 ranks a sequence is split over, the expert group ep x tp = 4 with ETP 1 (before: CP 4,
+    EP 2 and the experts tensor-parallel, another layout)."""
+    cfg = Config(1, 2, 1, "megatron,sp,ep,etp=1,cp,cp-attention=ring,ep-from=cp", ep=2, cp=4)
+    c = next(x for x in config_candidates(MOE, cfg, overrides={"batch": 2}) if x.config.recompute == "none")
+    r = recipe(c, "moe", 2, 16384, 2)
+    assert (r["micro_batch"], r["context_parallel"], r["expert_parallel"], r["expert_tensor_parallel"]) == (2, 8, 4, 1)
+    pairs = dict(itertools.pairwise(megatron_args(r).replace("\\\n", "").split()))
+    assert (pairs["--context-parallel-size"], pairs["--expert-model-parallel-size"],
+            pairs["--expert-tensor-parallel-size"], pairs["--micro-batch-size"]) == ("8", "4", "1", "2")
+    par = tomllib.loads(torchtitan_toml(r))["parallelism"]
+    assert (par["context_parallel_degree"], par["expert_parallel_degree"], par["expert_tensor_parallel_degree"]) == \
+        (8, 4, 1)
+    plain = next(x for x in config_candidates(MOE, Config(2, 2, 1, "megatron,sp,ep", ep=2), overrides={
+        "batch": 4, "seq": 256}) if x.config.recompute == "none")  # ETP = tp, ep from dp: as before
+    r = recipe(plain, "moe", 4, 256, 2)
+    assert (r["micro_batch"], r["context_parallel"], r["expert_parallel"], r["expert_tensor_parallel"]) == (1, 1, 2, 2)
+    assert "--expert-tensor-parallel-size" not in megatron_args(r)
+    assert "expert_tensor_parallel_degree" not in tomllib.loads(torchtitan_toml(r))["parallelism"]
