@@ -24,3 +24,14 @@ def collectives(plan: Any, scalars: bool = True) -> collections.Counter[tuple[st
             got[(plan.program.ops[r.op_index].phase, s.kind, "x".join(names[d] for d in s.mesh_dims), r.tensor,
                  s.bytes_per_rank)] += 1
     return got
+
+
+def equals_eager(rep: dict[str, Any], world: int) -> None:
+    """``spmdkit run --hf --json``'s report ``rep`` on ``world`` gloo ranks: every tensor equal to
+    its op run unsharded, the ranks' collectives the plan's, and the loss and every parameter
+    gradient equal to torch eager's step (float32)."""
+    assert rep["world_size"] == world and rep["ok"] and rep["collectives_match"] and not rep["failures"], \
+        rep["failures"]
+    eager = rep["eager"]
+    assert eager["checked"] >= 20 and not eager["failures"], eager
+    assert abs(rep["loss"] - eager["loss"]) <= 1e-5 * abs(eager["loss"])

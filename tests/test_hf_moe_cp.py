@@ -105,10 +105,17 @@ def test_nothing_moves_over_cp_but_attention_s(mesh: str, strategy: str) -> None
     ("MixtralForCausalLM", "dp=1,cp=2,tp=2", "megatron,cp"),
     ("MixtralForCausalLM", "cp=2,ep=2,tp=2", "cp,ep,megatron,etp=1"),
     ("Qwen3MoeForCausalLM", "cp=2,ep=2", "cp,ep"),
+    # the expert group carved from the cp ranks: traced for cp x ep (tests/test_hf_moe_epcp.py)
+    ("MixtralForCausalLM", "cp=2,ep=2", "cp,ep,ep-from=cp"),
+    ("MixtralForCausalLM", "dp=2,cp=2,ep=2", "dp,cp,ep,ep-from=cp,cp-attention=ring"),
+    ("MixtralForCausalLM", "cp=2,ep=2,tp=2", "cp,ep,megatron,sp,ep-from=cp"),
+    ("MixtralForCausalLM", "cp=2,ep=2,tp=2", "cp,ep,megatron,sp,etp=1,ep-from=cp,zero1"),
+    ("Qwen3MoeForCausalLM", "cp=2,ep=2,tp=2", "cp,ep,megatron,sp,etp=1,ep-from=cp,cp-attention=ring"),
+    ("Qwen3MoeForCausalLM", "cp=2,ep=2", "cp,ep,ep-from=cp,cp-attention=alltoall"),
 ])
 def test_verify_simulates_equal(model: str, mesh: str, strategy: str) -> None:
-    """--verify's check: the tiny import routed in cp chunks, simulated against the unsharded
-    step (loss, every gradient, every update)."""
+    """--verify's check: the tiny import routed in cp (cp x ep with ep-from=cp) chunks, simulated
+    against the unsharded step (loss, every gradient, every update)."""
     v = verify_hf(model, QWEN3 if model.startswith("Qwen") else MIXTRAL, mesh, strategy)
     assert v["ok"] and v["checked"] > 200, v["text"]
 

@@ -7,24 +7,21 @@ tokens in the zig-zag order of ``cp x ep`` ranks, each MoE block routed in ``cp 
 cp dim (the call's sequence over ``(cp, ep)``, the batch over dp alone, attention's kv gathered
 over cp x ep), the dispatch moves ep (and tp) onto the experts with cp kept, an expert's gradient
 reduces over dp x cp (EDP), a dense one over every rank. Tiny Mixtral / Qwen3-MoE (hidden 32, 4
-experts top-2, float32)."""
+experts top-2, float32); --verify's simulation of six ep-from=cp meshes is in
+tests/test_hf_moe_cp.py."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 pytest.importorskip("transformers")
 
-from conftest import ROOT
-from hf_moe_helpers import MIXTRAL, QWEN3, collectives
+from conftest import run_json
+from hf_moe_helpers import MIXTRAL, collectives, equals_eager
 from spmdkit.core.errors import ProgramError
 from spmdkit.planner.planning import plan_hf
-from spmdkit.sim.verify_plan import verify_hf
 from spmdkit.strategies.context import hf_cp
 from spmdkit.strategies.strategy import parse_mesh
 
@@ -112,21 +109,6 @@ def test_etp1_groups_on_dp_cp_ep_tp() -> None:
     assert groups("model.layers.0.input_layernorm.weight.grad") == {"dpxcpxep", "tp"}
 
 
-@pytest.mark.parametrize(("model", "mesh", "strategy"), [
-    ("MixtralForCausalLM", "cp=2,ep=2", "cp,ep,ep-from=cp"),
-    ("MixtralForCausalLM", "dp=2,cp=2,ep=2", "dp,cp,ep,ep-from=cp,cp-attention=ring"),
-    ("MixtralForCausalLM", "cp=2,ep=2,tp=2", "cp,ep,megatron,sp,ep-from=cp"),
-    ("MixtralForCausalLM", "cp=2,ep=2,tp=2", "cp,ep,megatron,sp,etp=1,ep-from=cp,zero1"),
-    ("Qwen3MoeForCausalLM", "cp=2,ep=2,tp=2", "cp,ep,megatron,sp,etp=1,ep-from=cp,cp-attention=ring"),
-    ("Qwen3MoeForCausalLM", "cp=2,ep=2", "cp,ep,ep-from=cp,cp-attention=alltoall"),
-])
-def test_verify_simulates_equal(model: str, mesh: str, strategy: str) -> None:
-    """--verify's check: the tiny import traced for cp x ep ranks, simulated against the
-    unsharded step (loss, every gradient, every update)."""
-    v = verify_hf(model, QWEN3 if model.startswith("Qwen") else MIXTRAL, mesh, strategy)
-    assert v["ok"] and v["checked"] > 200, v["text"]
-
-
 def test_a_sequence_the_cp_x_ep_ranks_do_not_split_is_refused() -> None:
     """seq 8 on cp=2 x ep=4: 8 tokens cannot make 2 x 8 zig-zag chunks; the message names the
     mesh's cp and ep (before the fix of the message: ``--mesh cp=8``, a dim the mesh has not)."""
@@ -140,18 +122,9 @@ def test_run_on_gloo_equals_torch_eager() -> None:
     every tensor equal to its op run unsharded, the loss and every parameter gradient equal to
     torch eager's step on the tokens in natural order; each all-to-all over ep, an expert's
     gradient all-reduced over cp alone, a dense one over cp and ep."""
-    cfg = json.dumps({**MIXTRAL, "num_hidden_layers": 2})
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    p = subprocess.run([sys.executable, "-m", "spmdkit", "run", "--hf", "MixtralForCausalLM", "--hf-config", cfg,
-                        "--mesh", "cp=2,ep=2", "--strategy", "cp,ep,ep-from=cp", "--seq", "8", "--batch", "1",
-                        "--json", "--warmup", "0", "--timeout", "200"], capture_output=True, text=True, env=env,
-                       timeout=500)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    rep = json.loads(p.stdout.strip().splitlines()[-1])
-    assert rep["world_size"] == 4 and rep["ok"] and rep["collectives_match"] and not rep["failures"], rep["failures"]
-    eager = rep["eager"]
-    assert eager["checked"] >= 20 and not eager["failures"], eager
-    assert rep["loss"] == pytest.approx(eager["loss"], rel=1e-5)
+    rep = run_json("--hf", "MixtralForCausalLM", "--hf-config", json.dumps({**MIXTRAL, "num_hidden_layers": 2}),
+                   "--mesh", "cp=2,ep=2", "--strategy", "cp,ep,ep-from=cp", "--seq", "8", "--batch", "1")
+    equals_eager(rep, 4)
     coll = rep["collectives"]
     assert {(c["kind"], c["mesh_dim"]) for c in coll if c["tensor"].startswith("moe_experts")} == {("all_to_all", 1)}
     assert {c["mesh_dim"] for c in coll if c["tensor"] == "model.layers.1.mlp.experts.down_proj_t.grad"} == {0}

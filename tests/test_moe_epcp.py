@@ -139,6 +139,10 @@ def test_verify_simulates_the_plans(mesh: str, strategy: str) -> None:
     ("cp=2,ep=2", "ep,ep-from=cp", r"--strategy ep-from=cp: .* needs context parallelism \(cp\)"),
     ("cp=2,ep=2", "cp,ep-from=cp", r"--strategy ep-from=cp: .* needs expert parallelism \(ep\)"),
     ("cp=2,ep=2", "cp,ep,ep-from=tp", r"--strategy ep-from=tp: the ep ranks are carved from dp .* or cp"),
+    # the mesh's own dims named (before: "--mesh cp=4", a cp dim the mesh has not)
+    ("cp=2,ep=2", "cp,ep,ep-from=cp,cp-attention=alltoall", r"^--mesh cp=2,ep=2 \(ep-from=cp: the sequence over cp x "
+     r"ep = 4\): --cp-attention alltoall moves the sequence onto the heads: cp x tp = 4 does not divide the model's 2 "
+     r"kv heads$"),
 ])
 def test_refusals(mesh: str, strategy: str, match: str) -> None:
     with pytest.raises(ProgramError, match=match):

@@ -92,6 +92,15 @@ def seq_dims(mesh: ProcessMesh, strategy: Iterable[str]) -> tuple[int, ...]:
     return (cp, mesh.dim_index("ep")) if "ep-from=cp" in st and "ep" in st else (cp,)
 
 
+def _seq_mesh(mesh: ProcessMesh, dims: tuple[int, ...]) -> str:
+    """``cp=N`` of a message, ``cp=C,ep=E (ep-from=cp: the sequence over cp x ep = N)`` where
+    the sequence is split over both (:func:`seq_dims`)."""
+    sizes = [mesh.shape[d] for d in dims]
+    if len(dims) == 1:
+        return f"cp={sizes[0]}"
+    return f"cp={sizes[0]},ep={sizes[1]} (ep-from=cp: the sequence over cp x ep = {math.prod(sizes)})"
+
+
 def seq_entry(dims: tuple[int, ...], *minor: int) -> Any:
     """The entry of a sequence axis over ``dims`` (:func:`seq_dims`) and then ``minor`` (tp under
     sp): one mesh dim, or their co-shard."""
@@ -209,7 +218,7 @@ def cp_marks(model: Model, mesh: ProcessMesh, dm: Any, st: set[str], batch: Any,
                            f"(plan it with --strategy ...,cp)")
     why = cp_problem(cfg, n, mesh.shape[tp] if tp is not None else 1)
     if why is not None:
-        raise ProgramError(f"--mesh cp={n}: {why}")
+        raise ProgramError(f"--mesh {_seq_mesh(mesh, dims)}: {why}")
     prog = model.program
     ins = model.inputs
     for key in ("tokens", "labels", "positions"):
@@ -294,7 +303,8 @@ def hf_cp_marks(prog: Any, mesh: ProcessMesh, dm: Any, st: set[str], data: Itera
             for t, what in (("q", "attention heads"), ("k", "kv heads")):
                 h = prog.tensors[op.inputs[t]].shape[2]
                 if h % size:
-                    raise ProgramError(f"--mesh cp={n}: --cp-attention alltoall moves the sequence onto the heads: "
+                    raise ProgramError(f"--mesh {_seq_mesh(mesh, dims)}: --cp-attention alltoall moves the sequence "
+                                       f"onto the heads: "
                                        f"cp x tp = {size} does not divide the model's {h} {what}")
         dm(op.inputs["q_positions"])[0] = -1 if variant == "alltoall" else cp
         dm(op.inputs["k_positions"])[0] = cp if variant == "ring" else -1
