@@ -35,3 +35,24 @@ def equals_eager(rep: dict[str, Any], world: int) -> None:
     eager = rep["eager"]
     assert eager["checked"] >= 20 and not eager["failures"], eager
     assert abs(rep["loss"] - eager["loss"]) <= 1e-5 * abs(eager["loss"])
+
+
+def cp_moe_rows(seq: str, every: str, kv: int, a2a: int, ranks: int) -> dict[tuple[str, str, str, str, int], int]:
+    """The activations' collectives (:func:`collectives` without the optimizer's) of a one-layer
+    Mixtral import under cp and ep, all-gather attention: k and v gathered over the sequence's
+    group ``seq`` (``kv`` bytes a rank sends) and their gradients reduce-scattered back, the
+    dispatch and the rows one all-to-all each over ep (``a2a``) both ways, the loss' two float32
+    scalars all-reduced over ``every`` (``ranks`` ranks)."""
+    loss = 2 * (ranks - 1) * 4 // ranks
+    return {
+        ("forward", "all_gather", seq, "scaled_dot_product_attention.k", kv): 1,
+        ("forward", "all_gather", seq, "scaled_dot_product_attention.v", kv): 1,
+        ("forward", "all_to_all", "ep", "moe_experts.dispatch", a2a): 1,
+        ("forward", "all_to_all", "ep", "moe_experts.rows", a2a): 1,
+        ("forward", "all_reduce", every, "cross_entropy_loss.loss_sum", loss): 1,
+        ("forward", "all_reduce", every, "cross_entropy_loss.count", loss): 1,
+        ("backward", "all_to_all", "ep", "moe_experts.rows.grad", a2a): 1,
+        ("backward", "all_to_all", "ep", "moe_experts.dispatch.grad.sum", a2a): 1,
+        ("backward", "reduce_scatter", seq, "scaled_dot_product_attention.k.grad", kv): 1,
+        ("backward", "reduce_scatter", seq, "scaled_dot_product_attention.v.grad", kv): 1,
+    }
