@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from conftest import ROOT
-from hf_moe_helpers import MIXTRAL, QWEN3, collectives
+from hf_moe_helpers import MIXTRAL, QWEN3, collectives, cp_moe_rows
 from spmdkit.models.hf import import_hf
 from spmdkit.models.source import moe_note
 from spmdkit.planner.planning import plan_hf
@@ -62,18 +62,7 @@ def test_collectives_by_hand(mesh: str) -> None:
     edp = "dpxcp" if dp == 2 else "cp"
     got = collectives(plan)
     acts = {k: v for k, v in got.items() if k[0] != "optimizer"}
-    assert acts == {
-        ("forward", "all_gather", "cp", "scaled_dot_product_attention.k", kv): 1,
-        ("forward", "all_gather", "cp", "scaled_dot_product_attention.v", kv): 1,
-        ("forward", "all_to_all", "ep", "moe_experts.dispatch", a2a): 1,
-        ("forward", "all_to_all", "ep", "moe_experts.rows", a2a): 1,
-        ("forward", "all_reduce", every, "cross_entropy_loss.loss_sum", 2 * (plan.mesh.size - 1) * 4 // plan.mesh.size): 1,
-        ("forward", "all_reduce", every, "cross_entropy_loss.count", 2 * (plan.mesh.size - 1) * 4 // plan.mesh.size): 1,
-        ("backward", "all_to_all", "ep", "moe_experts.rows.grad", a2a): 1,
-        ("backward", "all_to_all", "ep", "moe_experts.dispatch.grad.sum", a2a): 1,
-        ("backward", "reduce_scatter", "cp", "scaled_dot_product_attention.k.grad", kv): 1,
-        ("backward", "reduce_scatter", "cp", "scaled_dot_product_attention.v.grad", kv): 1,
-    }
+    assert acts == cp_moe_rows("cp", every, kv, a2a, plan.mesh.size)
     grads = {k[3]: k[2] for k in got if k[0] == "optimizer"}
     assert {n: d for n, d in grads.items() if ".experts." in n} == {
         f"model.layers.0.mlp.experts.{w}.grad": edp for w in ("gate_up_proj_gate", "gate_up_proj_up", "down_proj_t")}
@@ -105,10 +94,17 @@ def test_nothing_moves_over_cp_but_attention_s(mesh: str, strategy: str) -> None
     ("MixtralForCausalLM", "dp=1,cp=2,tp=2", "megatron,cp"),
     ("MixtralForCausalLM", "cp=2,ep=2,tp=2", "cp,ep,megatron,etp=1"),
     ("Qwen3MoeForCausalLM", "cp=2,ep=2", "cp,ep"),
+    # the expert group carved from the cp ranks: traced for cp x ep (tests/test_hf_moe_epcp.py)
+    ("MixtralForCausalLM", "cp=2,ep=2", "cp,ep,ep-from=cp"),
+    ("MixtralForCausalLM", "dp=2,cp=2,ep=2", "dp,cp,ep,ep-from=cp,cp-attention=ring"),
+    ("MixtralForCausalLM", "cp=2,ep=2,tp=2", "cp,ep,megatron,sp,ep-from=cp"),
+    ("MixtralForCausalLM", "cp=2,ep=2,tp=2", "cp,ep,megatron,sp,etp=1,ep-from=cp,zero1"),
+    ("Qwen3MoeForCausalLM", "cp=2,ep=2,tp=2", "cp,ep,megatron,sp,etp=1,ep-from=cp,cp-attention=ring"),
+    ("Qwen3MoeForCausalLM", "cp=2,ep=2", "cp,ep,ep-from=cp,cp-attention=alltoall"),
 ])
 def test_verify_simulates_equal(model: str, mesh: str, strategy: str) -> None:
-    """--verify's check: the tiny import routed in cp chunks, simulated against the unsharded
-    step (loss, every gradient, every update)."""
+    """--verify's check: the tiny import routed in cp (cp x ep with ep-from=cp) chunks, simulated
+    against the unsharded step (loss, every gradient, every update)."""
     v = verify_hf(model, QWEN3 if model.startswith("Qwen") else MIXTRAL, mesh, strategy)
     assert v["ok"] and v["checked"] > 200, v["text"]
 

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 from conftest import run_json
-from hf_moe_helpers import MIXTRAL
 from spmd_helpers import T
 from spmdkit.cli.common import mesh_dp
 from spmdkit.core.errors import ProgramError
@@ -28,7 +27,7 @@ from spmdkit.cost.devices import DEVICES
 from spmdkit.engine.registry import get_rule
 from spmdkit.planner.fuse import infer_fused
 from spmdkit.planner.pipeline import estimate_pipeline, plan_pipeline
-from spmdkit.planner.planning import plan_hf, plan_model
+from spmdkit.planner.planning import plan_model
 from spmdkit.sim.plan import simulate_plan
 from spmdkit.sim.verify_plan import tiny_for_mesh
 from test_moe_cp import MOE, _grad_steps, _per_layer
@@ -140,23 +139,25 @@ def test_verify_simulates_the_plans(mesh: str, strategy: str) -> None:
     ("cp=2,ep=2", "ep,ep-from=cp", r"--strategy ep-from=cp: .* needs context parallelism \(cp\)"),
     ("cp=2,ep=2", "cp,ep-from=cp", r"--strategy ep-from=cp: .* needs expert parallelism \(ep\)"),
     ("cp=2,ep=2", "cp,ep,ep-from=tp", r"--strategy ep-from=tp: the ep ranks are carved from dp .* or cp"),
+    # the mesh's own dims named (before: "--mesh cp=4", a cp dim the mesh has not)
+    ("cp=2,ep=2", "cp,ep,ep-from=cp,cp-attention=alltoall", r"^--mesh cp=2,ep=2 \(ep-from=cp: the sequence over cp x "
+     r"ep = 4\): --cp-attention alltoall moves the sequence onto the heads: cp x tp = 4 does not divide the model's 2 "
+     r"kv heads$"),
 ])
 def test_refusals(mesh: str, strategy: str, match: str) -> None:
     with pytest.raises(ProgramError, match=match):
         plan_model(json.dumps({**MOE, "layers": 1}), mesh, strategy)
 
 
-def test_ep_from_dp_is_the_default_and_an_imported_model_is_refused() -> None:
+def test_ep_from_dp_is_the_default() -> None:
     """``ep-from=dp`` adds nothing (the batch over (dp, ep), as without it); with ``ep-from=cp`` a
-    catalog model's default batch is one sequence a dp rank (not a dp x ep one); an imported
-    (--hf) program is refused by name (its cp_attention is traced for the cp dim alone)."""
+    catalog model's default batch is one sequence a dp rank (not a dp x ep one). (An imported
+    --hf program is planned too: tests/test_hf_moe_epcp.py.)"""
     _, a, _ = plan_model(json.dumps({**MOE, "layers": 1}), "cp=2,ep=2", "cp,ep,ep-from=dp")
     _, b, _ = plan_model(json.dumps({**MOE, "layers": 1}), "cp=2,ep=2", "cp,ep")
     assert a.attrs["layers.0.resid1"].dims_mapping == b.attrs["layers.0.resid1"].dims_mapping == (1, 0, -1)
     assert mesh_dp("cp=4,ep=2,tp=4", "megatron,sp,ep,cp,ep-from=cp") == 1  # a catalog model's default batch
     assert mesh_dp("cp=4,ep=2,tp=4", "megatron,sp,ep,cp") == 2
-    with pytest.raises(ProgramError, match=r"ep-from=cp: .* catalog and zoo models only"):
-        plan_hf("MixtralForCausalLM", MIXTRAL, "cp=2,ep=2", "cp,ep,ep-from=cp", "float32", 2, 16)
 
 
 def test_run_on_cp_x_ep_x_tp_on_gloo_equals_the_single_process_step() -> None:

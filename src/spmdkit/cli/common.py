@@ -73,7 +73,7 @@ def plan_source(source: ModelSource, mesh_text: str, strategy_text: str | None, 
         mesh = parse_mesh(mesh_text)
         st = parse_strategy(strategy_text, mesh)  # refuse a bad mesh / strategy before importing
         # cp: traced in the cp ranks' token order; megatron,sp,ep,etp=1: routed one chunk a tp rank
-        source = replace(source, cp=hf_cp(mesh, st), tp_chunks=tp_chunks(mesh, st))
+        source = replace(source, cp=hf_cp(mesh, st, source.seq), tp_chunks=tp_chunks(mesh, st))
     loaded = load(source)
     _prog, plan = plan_program(loaded.program, mesh_text, strategy_text, user, patterns, cost_text, grad_accum)
     return loaded, plan, time.perf_counter() - t0

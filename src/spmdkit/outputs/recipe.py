@@ -3,7 +3,8 @@ KIND FILE``): a torchtitan job config (TOML: ``[parallelism]`` degrees, ``[train
 sequence, ``[activation_checkpoint]``), Megatron-LM's command-line arguments, or JSON.
 
 The batch: ``global`` sequences per optimizer step; a micro-batch is the sequences one
-data-parallel rank (``dp x ep``; cp ranks share theirs) runs in one forward/backward: with a
+data-parallel rank (``dp x ep``, ``dp`` alone with ``ep-from=cp``; cp ranks share theirs) runs in
+one forward/backward: with a
 pipeline ``global / (microbatches x dp)``, without one ``global / (grad_accum x dp)``. ZeRO, as
 the plan models each framework (docs/devices.md, "Gradient accumulation under ZeRO"): Megatron-LM's
 1 is its distributed optimizer (``--use-distributed-optimizer``: the gradients accumulated whole,
@@ -12,7 +13,11 @@ reduced once a step), 2 and 3 Megatron-FSDP (``--use-megatron-fsdp
 ``--ckpt-format fsdp_dtensor`` it requires and ``--init-model-with-meta-device``: the gradients
 held at their shard, reduce-scattered in every microbatch's backward); torchtitan's FSDP
 (``data_parallel_shard_degree``) for 1-3 (FSDP2 shards whatever the level, so a ZeRO-1 / 2
-recipe is exported as FSDP there, which holds less, never more).
+recipe is exported as FSDP there, which holds less, never more). The frameworks' context-parallel
+degree is the ranks a sequence is split over (``cp x ep`` with ``ep-from=cp``: Megatron-Core and
+torchtitan carve the expert group from them), their expert-parallel degree the expert group
+(``ep x tp`` under ETP = 1, written with ``--expert-tensor-parallel-size 1`` /
+``expert_tensor_parallel_degree = 1``).
 Recomputation ``full:K`` (the first K layers of each pipeline stage, the search's least K that
 fits: :mod:`spmdkit.planner.search_blocks`) is Megatron-LM's ``--recompute-granularity full
 --recompute-method block --recompute-num-layers K``; torchtitan's ``[activation_checkpoint]``
@@ -45,11 +50,16 @@ def _zero(strategy: str) -> int:
 def recipe(c: Candidate, model: str, global_batch: int, seq: int, layers: int) -> dict[str, Any]:
     """The recipe's figures: degrees, batch, recomputation, ZeRO level, the prediction."""
     cf = c.config
-    ranks = cf.dp * cf.ep
+    ranks = cf.batch_ranks  # dp x ep (dp alone with ep-from=cp)
     steps = cf.microbatches if cf.pp > 1 else cf.grad_accum
     micro = global_batch // (steps * ranks)
     parts = cf.strategy.split(",")
+    etp1 = "etp=1" in parts and cf.tp > 1
     return {"model": model, "devices": cf.devices, "dp": cf.dp, "tp": cf.tp, "pp": cf.pp, "cp": cf.cp, "ep": cf.ep,
+            # the frameworks' degrees: CP the ranks a sequence is split over (cp x ep with ep-from=cp:
+            # the expert group carved from them), EP the expert group (ep x tp under ETP = 1)
+            "ep_from_cp": cf.ep_from_cp, "context_parallel": cf.cp * (cf.ep if cf.ep_from_cp else 1),
+            "expert_parallel": cf.ep * (cf.tp if etp1 else 1), "expert_tensor_parallel": 1 if etp1 else cf.tp,
             "sequence_parallel": "sp" in parts, "zero": _zero(cf.strategy), "strategy": cf.strategy,
             "recompute": cf.recompute, "recompute_num_layers": recompute_layers(cf.recompute),
             "global_batch": global_batch, "micro_batch": micro, "seq": seq,
@@ -82,8 +92,10 @@ def torchtitan_toml(r: dict[str, Any]) -> str:
                      "seq_len": r["seq"]},
         "parallelism": {"data_parallel_replicate_degree": 1 if fsdp else r["dp"],
                         "data_parallel_shard_degree": r["dp"] if fsdp else 1,
-                        "tensor_parallel_degree": r["tp"], "context_parallel_degree": r["cp"],
-                        "pipeline_parallel_degree": r["pp"], "expert_parallel_degree": r["ep"]},
+                        "tensor_parallel_degree": r["tp"], "context_parallel_degree": r["context_parallel"],
+                        "pipeline_parallel_degree": r["pp"], "expert_parallel_degree": r["expert_parallel"],
+                        **({"expert_tensor_parallel_degree": 1} if r["expert_tensor_parallel"] == 1 < r["tp"]
+                           and r["ep"] > 1 else {})},
         # full:K has no torchtitan form (no count of layers per stage): every layer (recipe_warning)
         "activation_checkpoint": {"mode": "full" if r.get("recompute_num_layers") else r["recompute"],
                                   **({"selective_ac_option": "op"}
@@ -104,9 +116,11 @@ def torchtitan_toml(r: dict[str, Any]) -> str:
 def megatron_args(r: dict[str, Any]) -> str:
     """Megatron-LM's (``pretrain_gpt.py``) parallelism, batch and recomputation arguments."""
     args = [f"--tensor-model-parallel-size {r['tp']}", f"--pipeline-model-parallel-size {r['pp']}",
-            f"--context-parallel-size {r['cp']}", f"--expert-model-parallel-size {r['ep']}",
+            f"--context-parallel-size {r['context_parallel']}", f"--expert-model-parallel-size {r['expert_parallel']}",
             f"--micro-batch-size {r['micro_batch']}", f"--global-batch-size {r['global_batch']}",
             f"--seq-length {r['seq']}", f"--num-layers {r['layers']}"]
+    if r["ep"] > 1 and r["expert_tensor_parallel"] == 1 < r["tp"]:  # ETP = 1: each expert whole
+        args.append("--expert-tensor-parallel-size 1")
     if r.get("virtual_stages") and r["virtual_stages"] > 1:
         args.append(f"--num-virtual-stages-per-pipeline-rank {r['virtual_stages']}")
     if r["sequence_parallel"]:

@@ -198,7 +198,7 @@ def plan_hf(class_name: str, config: Any, mesh_text: str, strategy_text: str | N
     assert b is not None and sq is not None
     mesh = parse_mesh(mesh_text)
     st = parse_strategy(strategy_text or "megatron", mesh)  # refuse a bad mesh / strategy before importing
-    prog, model, kw = import_hf_checked(class_name, config, b, sq, dt, fallback=fallback, cp=hf_cp(mesh, st),
+    prog, model, kw = import_hf_checked(class_name, config, b, sq, dt, fallback=fallback, cp=hf_cp(mesh, st, sq),
                                         tp_chunks=tp_chunks(mesh, st))
     prog, plan = plan_program(prog, mesh_text, strategy_text or "megatron", user, patterns, cost_text, grad_accum)
     return prog, model, kw, plan

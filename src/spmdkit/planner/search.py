@@ -603,14 +603,14 @@ def _seeds(work: list[Config], lows: dict[Config, float], bounds: Bounds, floor:
 
 def _pins_for(cfg: Config, pins: Mapping[str, Any] | None) -> dict[str, Any]:
     """``--annotate``'s pins (mesh dims 0 = dp, 1 = tp) on ``cfg``'s sub-mesh: with an ep or a cp
-    dim (``dp, ep, tp`` / ``dp, cp, tp``) tp is dim 2."""
+    dim (``dp, ep, tp`` / ``dp, cp, tp``) tp is dim 2, with both (ep-from=cp) dim 3."""
     if (cfg.ep == 1 and cfg.cp == 1) or not pins:
         return dict(pins or {})
 
     def dim(d: Any) -> Any:
         if isinstance(d, list):
             return [dim(x) for x in d]
-        return 2 if d == 1 else d
+        return 1 + (cfg.ep > 1) + (cfg.cp > 1) if d == 1 else d  # tp: the sub-mesh's last dim
 
     return {n: (dim(v) if isinstance(v, list) else v) for n, v in pins.items()}
 

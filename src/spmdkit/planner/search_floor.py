@@ -204,7 +204,7 @@ class StepFloor:
         if cfg.strategy == "auto":
             return None
         local = self.batch // (cfg.microbatches * cfg.grad_accum * cfg.dp)
-        if local < 1 or local % cfg.ep:
+        if local < 1 or (local % cfg.ep and not cfg.ep_from_cp):  # (ep-from=cp: the batch over dp alone)
             return None
         return (cfg.tp, cfg.ep, cfg.cp, base_strategy(cfg.strategy), local)
 

@@ -48,10 +48,22 @@ class Config:
     virtual: int = 1
 
     @property
+    def ep_from_cp(self) -> bool:
+        """The expert group carved from the cp ranks (``ep-from=cp`` in the strategy): outside the
+        experts ep is one more cp dim, the batch over dp alone."""
+        return "ep-from=cp" in self.strategy.split(",")
+
+    @property
+    def batch_ranks(self) -> int:
+        """The ranks the global batch is split over: ``dp x ep`` (``dp`` with ``ep-from=cp``)."""
+        return self.dp * (1 if self.ep_from_cp else self.ep)
+
+    @property
     def sub_mesh_text(self) -> str:
-        """The mesh the shardings are planned on (without pp)."""
-        return (f"dp={self.dp}," + (f"ep={self.ep}," if self.ep > 1 else "") + (f"cp={self.cp}," if self.cp > 1 else "")
-                + f"tp={self.tp}")
+        """The mesh the shardings are planned on (without pp); with ``ep-from=cp`` ep inside cp
+        in rank order (Megatron-Core's expert group of consecutive ranks)."""
+        ep, cp = (f"ep={self.ep}," if self.ep > 1 else ""), (f"cp={self.cp}," if self.cp > 1 else "")
+        return f"dp={self.dp}," + (cp + ep if self.ep_from_cp else ep + cp) + f"tp={self.tp}"
 
     @property
     def mesh_text(self) -> str:
@@ -181,7 +193,7 @@ def factorizations(n: int, pipeline: bool = True) -> list[tuple[int, int, int]]:
 CP_VARIANTS = (",cp", ",cp,cp-attention=ring", ",cp,cp-attention=alltoall")
 
 
-def hand_strategies(dp: int, tp: int, ep: int = 1, cp: int = 1, experts: int = 0) -> list[str]:
+def hand_strategies(dp: int, tp: int, ep: int = 1, cp: int = 1, experts: int = 0, from_cp: bool = False) -> list[str]:
     """The hand strategies a (dp, tp) sub-mesh can take (ZeRO only where dp > 1); with ``ep``
     > 1 (a ``dp x ep x tp`` sub-mesh) the same with expert parallelism (``,ep``; megatron's
     experts tensor-parallel over tp: ETP = TP), ZeRO where the data-parallel ranks ``dp x ep``
@@ -190,13 +202,18 @@ def hand_strategies(dp: int, tp: int, ep: int = 1, cp: int = 1, experts: int = 0
     ``,cp,cp-attention=alltoall``; a variant the heads refuse is kept among the refused), ZeRO
     where ``dp x cp`` (the ranks that reduce the gradients) are more than one. With ``experts``
     (the routed experts; 0: not given) that ``ep x tp`` divides, tp > 1 also offers ETP = 1
-    (``megatron,sp,ep,etp=1``: each expert whole over the ep x tp ranks, docs/experts.md)."""
+    (``megatron,sp,ep,etp=1``: each expert whole over the ep x tp ranks, docs/experts.md). ``from_cp``
+    (ep carved from the cp ranks, :func:`ep_from_cp_degrees`): ETP = 1 alone (``dp,ep`` on tp = 1,
+    ``megatron,sp,ep,etp=1`` where ``ep x tp`` divides the experts), each cp variant,
+    ``,ep-from=cp``."""
     zeros = ["", ",zero1", ",zero2", ",zero3"] if dp * ep * cp > 1 else [""]
     bases = ["dp"] if tp == 1 else ["megatron", "megatron,sp"]
     if ep > 1:
         bases = [b + ",ep" for b in bases]
         if tp > 1 and experts and experts % (ep * tp) == 0:
             bases.append("megatron,sp,ep,etp=1")
+        if from_cp:
+            bases = [b + ",ep-from=cp" for b in bases if tp == 1 or "etp=1" in b]
     if cp > 1:
         bases = [b + v for b in bases for v in CP_VARIANTS]
     return [b + z for b in bases for z in zeros]
@@ -210,6 +227,19 @@ def context_degrees(dp_total: int, seq: int | None) -> list[int]:
     if seq is not None and seq >= LONG_SEQ:
         out += [c for c in range(2, dp_total + 1) if dp_total % c == 0 and seq % (2 * c) == 0]
     return out
+
+
+def ep_from_cp_degrees(dp_total: int, seq: int | None, experts: int) -> list[tuple[int, int]]:
+    """(ep, cp) of the expert group carved from the context-parallel ranks (``ep-from=cp``): for
+    each cp degree ``c`` > 1 of :func:`context_degrees` whose data-parallel ranks ``d = dp_total / c``
+    are too few for an expert group ``e`` > 1 (``e > d``: Megatron-Core folds the expert group
+    from the data-parallel ranks first, then the cp ranks) that divides ``c`` (leaving a cp dim of
+    at least 2) and the experts, the ep dim ``e`` and the cp dim ``c / e``: the sequence is split
+    over ``c`` ranks outside the experts as without ep. Empty for a dense model."""
+    if not experts:
+        return []
+    return [(e, c // e) for c in context_degrees(dp_total, seq) if c > 1 for e in expert_degrees(c, experts)
+            if 1 < e < c and e > dp_total // c]
 
 
 def expert_degrees(dp_total: int, experts: int) -> list[int]:
@@ -263,28 +293,33 @@ def _work(devices: int, pipeline: bool, sizes: _Sizes, given: list[str] | None,
             continue
         # ep = 1 and cp = 1 first: a dense model's meshes at a short sequence as they were; a batch dp
         # does not divide may still split over dp x cp (the cp ranks share their sequences)
-        degrees = [(e, c) for e in expert_degrees(dpt, sizes.experts) for c in (context_degrees(dpt, seq) if e == 1 else [1])]
-        for ep, cp in degrees:
+        degrees = [(e, c, False) for e in expert_degrees(dpt, sizes.experts)
+                   for c in (context_degrees(dpt, seq) if e == 1 else [1])]
+        # then the expert group carved from the cp ranks where dp is too small for it (ep-from=cp)
+        degrees += [(e, c, True) for e, c in ep_from_cp_degrees(dpt, seq, sizes.experts)]
+        for ep, cp, from_cp in degrees:
             dp = dpt // ep // cp
-            if batch is not None and batch % (dp * ep):
+            ranks = dp if from_cp else dp * ep  # the batch's ranks (ep-from=cp: dp alone)
+            if batch is not None and batch % ranks:
                 continue
-            m = (batch // (dp * ep)) if (pp > 1 and batch and sizes.microbatches) else 1
-            steps = [(m, 1)] if sizes.micro is None or batch is None else _micro_steps(batch, dp * ep, pp, sizes.micro)
+            m = (batch // ranks) if (pp > 1 and batch and sizes.microbatches) else 1
+            steps = [(m, 1)] if sizes.micro is None or batch is None else _micro_steps(batch, ranks, pp, sizes.micro)
             if not steps:
                 refused.append((Config(dp, tp, pp, "*", "none", m, ep, cp), f"--micro-batch {sizes.micro} x "
-                                f"{dp * ep} data-parallel ranks does not divide the global batch {batch}"))
+                                f"{ranks} data-parallel ranks does not divide the global batch {batch}"))
                 continue
-            names = list(given) if given is not None else hand_strategies(dp, tp, ep, cp, sizes.experts)
-            if auto:
+            names = list(given) if given is not None else hand_strategies(dp, tp, ep, cp, sizes.experts, from_cp)
+            if auto and not from_cp:  # (the exact search chooses shardings on a mesh, not where ep is carved from)
                 names.append("auto")
             for s, (m, accum) in ((s, st) for st in steps for s in names):
                 cfg = Config(dp, tp, pp, s, "none", m, ep, cp, accum)
                 if s != "auto":
                     parts = s.split(",")
                     if (tp == 1 and "megatron" in parts) or ((ep > 1) != ("ep" in parts)) \
-                            or (ep > 1 and tp > 1 and "megatron" not in parts) or ((cp > 1) != ("cp" in parts)):
+                            or (ep > 1 and tp > 1 and "megatron" not in parts) or ((cp > 1) != ("cp" in parts)) \
+                            or from_cp != ("ep-from=cp" in parts):
                         continue  # megatron over tp=1 is dp; ep over ep=1 is dp; an idle ep or tp dim repeats work;
-                        # the strategies go to the meshes of their own cp
+                        # the strategies go to the meshes of their own cp (and their own ep-from)
                     try:
                         parse_strategy(s, _sub_mesh(cfg))
                     except ProgramError as exc:
@@ -326,6 +361,7 @@ def _sub_mesh(cfg: Config) -> ProcessMesh:
     return parse_mesh(cfg.sub_mesh_text)
 
 
-__all__ = ["LONG_SEQ", "MICRO_BATCHES", "VIRTUAL", "Config", "Reload", "context_degrees", "expert_degrees", "factorizations",
+__all__ = ["LONG_SEQ", "MICRO_BATCHES", "VIRTUAL", "Config", "Reload", "context_degrees", "ep_from_cp_degrees",
+           "expert_degrees", "factorizations",
            "parse_memory",
            "hand_strategies", "program_for"]

@@ -92,6 +92,15 @@ def seq_dims(mesh: ProcessMesh, strategy: Iterable[str]) -> tuple[int, ...]:
     return (cp, mesh.dim_index("ep")) if "ep-from=cp" in st and "ep" in st else (cp,)
 
 
+def _seq_mesh(mesh: ProcessMesh, dims: tuple[int, ...]) -> str:
+    """``cp=N`` of a message, ``cp=C,ep=E (ep-from=cp: the sequence over cp x ep = N)`` where
+    the sequence is split over both (:func:`seq_dims`)."""
+    sizes = [mesh.shape[d] for d in dims]
+    if len(dims) == 1:
+        return f"cp={sizes[0]}"
+    return f"cp={sizes[0]},ep={sizes[1]} (ep-from=cp: the sequence over cp x ep = {math.prod(sizes)})"
+
+
 def seq_entry(dims: tuple[int, ...], *minor: int) -> Any:
     """The entry of a sequence axis over ``dims`` (:func:`seq_dims`) and then ``minor`` (tp under
     sp): one mesh dim, or their co-shard."""
@@ -209,7 +218,7 @@ def cp_marks(model: Model, mesh: ProcessMesh, dm: Any, st: set[str], batch: Any,
                            f"(plan it with --strategy ...,cp)")
     why = cp_problem(cfg, n, mesh.shape[tp] if tp is not None else 1)
     if why is not None:
-        raise ProgramError(f"--mesh cp={n}: {why}")
+        raise ProgramError(f"--mesh {_seq_mesh(mesh, dims)}: {why}")
     prog = model.program
     ins = model.inputs
     for key in ("tokens", "labels", "positions"):
@@ -244,27 +253,40 @@ def _attention_marks(prog: Any, mesh: ProcessMesh, dm: Any, st: set[str], batch:
                 d[0], d[1], d[2] = batch, cp, heads if heads is not None and h % mesh.shape[heads] == 0 else -1
 
 
-def hf_cp(mesh: ProcessMesh, strategy: Iterable[str]) -> tuple[int, str, str] | None:
+def hf_cp(mesh: ProcessMesh, strategy: Iterable[str], seq: int | None = None) -> tuple[int, str, str] | None:
     """(cp ranks, variant, balance) an imported (``--hf``) model is traced for
-    (:func:`spmdkit.models.hf.import_hf`'s ``cp``): None without ``cp`` in the strategy or a cp
-    mesh dim of more than one rank."""
+    (:func:`spmdkit.models.hf.import_hf`'s ``cp``; with ``ep-from=cp`` the cp x ep ranks the
+    sequence is split over, :func:`seq_dims`): None without ``cp`` in the strategy or a cp mesh
+    dim of more than one rank. ProgramError naming the mesh where ``seq`` (when given) does not
+    split into the cp x ep ranks' chunks (without ep-from=cp the import says it of cp alone)."""
     st = tuple(strategy)
     if "cp" not in st or "cp" not in mesh.dim_names or mesh.shape[mesh.dim_index("cp")] < 2:
         return None
-    return (mesh.shape[mesh.dim_index("cp")], *options(st))
+    dims = seq_dims(mesh, st)
+    n = math.prod(mesh.shape[d] for d in dims)
+    variant, balance = options(st)
+    chunks = 2 * n if balance == "zigzag" else n
+    if seq is not None and len(dims) > 1 and seq % chunks:
+        cp, ep = (mesh.shape[d] for d in dims)
+        raise ProgramError(f"--mesh cp={cp},ep={ep} with --strategy ep-from=cp: the sequence of {seq} tokens does not "
+                           f"split into {'2 x ' if balance == 'zigzag' else ''}cp x ep = {chunks} chunks (the "
+                           f"sequence is split over the cp x ep ranks outside the experts)")
+    return (n, variant, balance)
 
 
 def hf_cp_marks(prog: Any, mesh: ProcessMesh, dm: Any, st: set[str], data: Iterable[str], batch: Any,
-                tp: int | None) -> int | None:
+                tp: int | None) -> Any:
     """``cp_marks`` of an imported program (``import_hf(cp=...)``: its attention ``cp_attention``,
     its call in the cp ranks' token order): the sequence axis (1) of the call's inputs ``data``
-    over ``cp``, the positions of each ``cp_attention`` as its variant reads them, attention's
-    boundary as the zoo's. ProgramError naming the mesh where the program has no cp_attention of
-    that many ranks' order, or alltoall's heads do not divide."""
+    over ``cp`` (``(cp, ep)`` with ``ep-from=cp``: :func:`seq_dims`), the positions of each
+    ``cp_attention`` as its variant reads them, attention's boundary as the zoo's; returns the
+    sequence's entry (:func:`seq_entry`). ProgramError naming the mesh where the program has no
+    cp_attention of that many ranks' order, or alltoall's heads do not divide."""
     if "cp" not in st:
         return None
-    cp = mesh.dim_index("cp")
-    n = mesh.shape[cp]
+    dims = seq_dims(mesh, st)
+    cp = seq_entry(dims)  # the cp dim, or (cp, ep) with ep-from=cp
+    n = math.prod(mesh.shape[d] for d in dims)
     ops = [op for op in prog.ops if op.rule == "cp_attention"]
     if n > 1 and not ops:
         raise ProgramError(f"--mesh cp={n}: the imported program has no cp_attention (import it with cp: "
@@ -281,7 +303,8 @@ def hf_cp_marks(prog: Any, mesh: ProcessMesh, dm: Any, st: set[str], data: Itera
             for t, what in (("q", "attention heads"), ("k", "kv heads")):
                 h = prog.tensors[op.inputs[t]].shape[2]
                 if h % size:
-                    raise ProgramError(f"--mesh cp={n}: --cp-attention alltoall moves the sequence onto the heads: "
+                    raise ProgramError(f"--mesh {_seq_mesh(mesh, dims)}: --cp-attention alltoall moves the sequence "
+                                       f"onto the heads: "
                                        f"cp x tp = {size} does not divide the model's {h} {what}")
         dm(op.inputs["q_positions"])[0] = -1 if variant == "alltoall" else cp
         dm(op.inputs["k_positions"])[0] = cp if variant == "ring" else -1

@@ -335,7 +335,7 @@ def tp_chunks(mesh: ProcessMesh, strategy: Any) -> int:
 def check_tp_chunks(prog: Any, mesh: ProcessMesh, strategy: Any, layers: list[MoeLayer]) -> None:
     """ProgramError naming ``--strategy megatron,sp,ep,etp=1`` where an imported program's MoE
     layers are not routed in the chunks the strategy needs (:func:`tp_chunks`, times cp's under
-    ``cp``): Megatron's token path has each tp rank route its own sequence shard, which the program
+    ``cp``, cp x ep's with ``ep-from=cp``): Megatron's token path has each tp rank route its own sequence shard, which the program
     must be traced for (``spmdkit plan --hf`` imports it so; a program routed whole would be planned
     otherwise than it says)."""
     st = set(strategy)
@@ -343,6 +343,8 @@ def check_tp_chunks(prog: Any, mesh: ProcessMesh, strategy: Any, layers: list[Mo
     if n == 1:
         return
     want = n * (mesh.shape[mesh.dim_index("cp")] if "cp" in st and "cp" in mesh.dim_names else 1)
+    if ep_from_cp(st) and "cp" in st and "ep" in mesh.dim_names:  # the sequence over cp x ep outside the experts
+        want *= mesh.shape[mesh.dim_index("ep")]
     for lay in layers:
         got = prog.tensors[lay.chunks].shape[1] if lay.chunks is not None else 1
         if got != want:

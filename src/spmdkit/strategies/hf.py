@@ -104,6 +104,7 @@ from spmdkit.strategies.experts import (
     check_tp_chunks,
     chunk_entries,
     ep_dim,
+    ep_from_cp,
     expert_fold,
     expert_marks,
     moe_layers,
@@ -349,27 +350,26 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
     ``patterns``: the user's module-name patterns -> role for ``megatron``; ``user``:
     annotations (tensor -> dims_mapping) applied last, which win."""
     st, dp, tp = strategy_dims(mesh, strategy)
-    if "ep-from=cp" in st:
-        raise ProgramError("--strategy ep-from=cp: the expert group carved from the context-parallel ranks is planned "
-                           "for catalog and zoo models only (an imported program's cp_attention is traced for the "
-                           "cp dim alone)")
     out = dm = Marks(prog)
     ep = ep_dim(mesh, st)
+    # ep-from=cp: ep one more cp dim outside the experts (the import traced for cp x ep ranks:
+    # context.hf_cp), the batch over dp alone
+    from_cp = ep_from_cp(st)
+    bep = None if from_cp else ep  # the ep dim the batch is split over
     experts: frozenset[str] = frozenset()
     if ep is not None:  # expert parallelism found in the program (strategies.experts), as for the zoo
         layers = moe_layers(prog)
         batches = {prog.tensors[n].shape[0] for n in data_inputs(prog) if prog.tensors[n].shape}
         fold = expert_fold(mesh, st)  # etp=1: the experts over ep x tp, each whole
-        check_ep(mesh, layers, ep, max(batches) if batches else None, dp, fold)
+        check_ep(mesh, layers, ep, max(batches) if batches else None, dp, fold, from_cp)
         check_tp_chunks(prog, mesh, st, layers)  # etp=1 with sp: traced one chunk a tp rank (models/hf.py)
-        # under cp the importer routes each sequence in cp chunks (models/hf.py): kept over cp
+        # under cp the importer routes each sequence in cp (x ep) chunks (models/hf.py): kept over cp
         cpd = mesh.dim_index("cp") if "cp" in st and "cp" in mesh.dim_names else None
-        experts = expert_marks(prog, mesh, dm, dp, ep, layers, fold, cpd)
-    if dp is not None or ep is not None:
-        _shard_batch(prog, mesh, dm, dp, ep)
-    # cp: the call's sequence over cp, attention cp_attention's (an import traced for cp: models/hf_cp.py)
-    cp = hf_cp_marks(prog, mesh, dm, st, data_inputs(prog), batch_entry(dp, ep) if dp is not None or ep is not None
-                     else -1, tp)
+        experts = expert_marks(prog, mesh, dm, dp, ep, layers, fold, cpd, from_cp)
+    if dp is not None or bep is not None:
+        _shard_batch(prog, mesh, dm, dp, bep)
+    # cp: the call's sequence over cp (x ep), attention cp_attention's (an import traced for cp: models/hf_cp.py)
+    cp = hf_cp_marks(prog, mesh, dm, st, data_inputs(prog), batch_entry(dp, bep), tp)
     if tp is not None:
         for n in data_inputs(prog):  # every tp rank reads the whole batch (not a sequence shard of it)
             dm(n)
@@ -391,7 +391,7 @@ def annotate_program(prog: Program, mesh: ProcessMesh, strategy: Iterable[str],
         warn_replicated(prog, sharded, user_pats)
         sharded = {k: v for k, v in sharded.items() if v not in (KV_REPLICATED, LOW_RANK)}
         if "sp" in st:
-            _sequence_parallel(prog, mesh, sharded, dm, batch_entry(dp, ep), tp, cp, expert_fold(mesh, st))
+            _sequence_parallel(prog, mesh, sharded, dm, batch_entry(dp, bep), tp, cp, expert_fold(mesh, st))
     optimizer_layouts(prog, mesh, optimizer_of(prog), out, st, dp, user, ep, experts)
     attrs = {n: TensorDistAttr(mesh, d) for n, d in out.items()}
     attrs.update(user_attrs(prog, mesh, user))
@@ -566,15 +566,16 @@ def warn_replicated(prog: Program, sharded: Mapping[str, str], user_pats: list[t
 
 
 def _sequence_parallel(prog: Program, mesh: ProcessMesh, sharded: Mapping[str, str], dm: Any,
-                       batch_dims: Entry, tp: int, cp: int | None = None, fold: int | None = None) -> None:
+                       batch_dims: Entry, tp: int, cp: Entry | None = None, fold: int | None = None) -> None:
     """Megatron sequence parallel on an imported program: the residual stream (the outputs of
     the adds that take a row-parallel layer's output, and of the vocab-parallel embeddings)
     sharded on its sequence axis (1) over tp, so the row layers' partial outputs are
     reduce-scattered into it and the norms between run on sequence shards; the inputs of the
     column-parallel layers and of the LM head are gathered (sequence whole), and so are the
-    gradients of the row layers' outputs in the backward step. Under ``cp`` (its mesh dim) the
-    residual is co-sharded ``(cp, tp)`` on its sequence (the cp rank's share split again over tp)
-    and the gathered tensors stay on their cp share, as the zoo's (docs/context.md).
+    gradients of the row layers' outputs in the backward step. Under ``cp`` (the sequence's entry:
+    the cp mesh dim, or ``(cp, ep)`` with ``ep-from=cp``) the residual is co-sharded ``(cp, tp)``
+    (``(cp, ep, tp)``) on its sequence (the cp rank's share split again over tp) and the gathered
+    tensors stay on their cp share, as the zoo's (docs/context.md).
     ``batch_dims``: the batch axis' entry (``dp``, or ``(dp, ep)`` with expert parallelism:
     :func:`spmdkit.strategies.experts.batch_entry`); ``fold``: the tp dim the experts are folded
     over (ETP = 1), the MoE blocks then routed one chunk a tp rank (:func:`_moe_sequence_parallel`)."""
@@ -659,7 +660,7 @@ def _sequence_parallel(prog: Program, mesh: ProcessMesh, sharded: Mapping[str, s
         if shape[1] % size:
             raise ProgramError(f"--strategy sp: {n} has sequence length {shape[1]}, not divisible by tp={size}")
         d = dm(n)
-        d[0], d[1] = batch_dims, (tp if cp is None else [cp, tp])
+        d[0], d[1] = batch_dims, (tp if cp is None else [*_dims(cp), tp])
 
     for n in seq:
         # the residual stream and its gradient, sequence-sharded
@@ -687,7 +688,12 @@ def _sequence_parallel(prog: Program, mesh: ProcessMesh, sharded: Mapping[str, s
     _moe_sequence_parallel(prog, mesh, dm, batch_dims, tp, cp, fold, frozenset(gather), shard_seq, grads_of)
 
 
-def _moe_sequence_parallel(prog: Program, mesh: ProcessMesh, dm: Any, batch_dims: Entry, tp: int, cp: int | None,
+def _dims(entry: Entry) -> tuple[int, ...]:
+    """The mesh dims of a sharded entry (one dim or a co-shard), major first."""
+    return (entry,) if isinstance(entry, int) else tuple(entry)
+
+
+def _moe_sequence_parallel(prog: Program, mesh: ProcessMesh, dm: Any, batch_dims: Entry, tp: int, cp: Entry | None,
                            fold: int | None, gathered: frozenset[str], shard_seq: Callable[[str], None],
                            grads_of: Callable[[str], list[str]]) -> None:
     """The MoE blocks (:func:`spmdkit.strategies.hf_moe.moe_ends`) under ``sp`` (a block with a
@@ -702,12 +708,16 @@ def _moe_sequence_parallel(prog: Program, mesh: ProcessMesh, dm: Any, batch_dims
       the block's ``[B, S, H]`` ends and their gradients sequence-sharded as the residual stream
       and the chunks ``[B, T, S / T, H]`` on each rank's own chunk
       (:func:`spmdkit.strategies.experts.chunk_entries`): the tokens go to the experts by the
-      all-to-all over the ep x tp group alone."""
+      all-to-all over the ep x tp group alone.
+
+    ``cp``: the sequence's entry (``(cp, ep)`` with ``ep-from=cp``: the chunks one a cp x ep rank)."""
+    seq = _dims(cp) if cp is not None else ()
+    ranks = math.prod(mesh.shape[d] for d in seq)
     for moe_in, moe_out in moe_ends(prog, moe_projections(prog)):
         if not moe_in or set(moe_in) & gathered:
             continue
         shape = prog.tensors[moe_in[0]].shape
-        own = chunk_entries(mesh, shape[1], fold, cp)[0] if len(shape) == 4 else -1
+        own = chunk_entries(mesh, shape[1], fold, *(seq[:2] if seq else (None,)))[0] if len(shape) == 4 else -1
         mine = fold is not None and fold in ((own,) if isinstance(own, int) else own)
         for m in (*moe_in, *moe_out):
             for t in (m, *grads_of(m)):
@@ -719,7 +729,7 @@ def _moe_sequence_parallel(prog: Program, mesh: ProcessMesh, dm: Any, batch_dims
                 d[0] = batch_dims
                 if mine and len(shape) == 4:
                     d[1] = own
-                elif cp is not None and (len(shape) == 3 or (len(shape) == 4 and shape[1] == mesh.shape[cp])):
+                elif cp is not None and (len(shape) == 3 or (len(shape) == 4 and shape[1] == ranks)):
                     d[1] = cp
         if not mine:
             for g in grads_of(moe_in[-1]):
