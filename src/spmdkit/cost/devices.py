@@ -123,7 +123,15 @@ class Device:
                 self.check_precision("fp8")
             peak = self.peak["fp32"]
         eff = grouped_efficiency(self.rates, key, rows, n, k) if rows else gemm_efficiency(self.rates, key, batch, m, n, k)
-        return peak * eff * self.rates.clock
+        return peak * eff * self.tensor_clock
+
+    @property
+    def tensor_clock(self) -> float:
+        """What scales every modelled tensor-core rate (GEMMs, flash attention): the clock under a
+        power limit times the share of the microbenchmarked rates sustained through training
+        (:attr:`spmdkit.cost.rates.Rates.clock`, :attr:`~spmdkit.cost.rates.Rates.sustained`);
+        measured rates (``spmdkit calibrate``) are taken as they are."""
+        return self.rates.clock * self.rates.sustained
 
     def attention_rate(self, c: OpCost) -> float:
         """FLOP/s of a flash-attention pass (``c.attention``): measured (the nearest point), else
@@ -138,7 +146,7 @@ class Device:
                 return got
         kernel = self.rates.attention_kernel.get(c.framework or "megatron", "")
         return self.matmul_peak(c.dtype) * attention_efficiency(self.rates, kernel, backward, seq, hd, causal) * \
-            self.rates.clock
+            self.tensor_clock
 
     @property
     def vector_peak(self) -> float:
@@ -168,7 +176,7 @@ class Device:
             if key == "fp8":
                 self.check_precision("fp8")
             return c.flops / ((self.peak.get(key) or self.peak["fp32"]) * (self.rates.gemm.get(key) or 0.8) *
-                              self.rates.clock)
+                              self.tensor_clock)
         total = sum(2.0 * b * m * n * k for b, m, n, k in c.gemms)
         rows = c.grouped_rows + ((),) * (len(c.gemms) - len(c.grouped_rows))
         t = sum(2.0 * b * m * n * k / self.gemm_rate(key, b, m, n, k, r) for (b, m, n, k), r in zip(c.gemms, rows))

@@ -80,13 +80,18 @@ class Rates:
     #: the sustained tensor-core clock as a fraction of the one the rates were measured at (the
     #: board's rated power): 1, or less under a power limit (:func:`clock_at_power`)
     clock: float = 1.0
+    #: the share of the microbenchmarked tensor-core rates (``gemm``, ``attention``: short timed
+    #: loops) a GPU sustains through training steps, its board power held at the limit so its
+    #: clock settles lower: 1 where the published runs show no gap (A100); calibrated on the
+    #: published runs of the GPU where they do (:data:`HOPPER_SUSTAINED`, docs/devices.md)
+    sustained: float = 1.0
     #: (board power W, tensor-core peak at that power / the rated one) of the GPU's own SKUs,
     #: NVIDIA's datasheets; :func:`clock_at_power` interpolates them. Empty: not known
     power_points: tuple[tuple[float, float], ...] = ()
     gemm_k: Mapping[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {"sms": self.sms, "gemm": dict(self.gemm), "clock": self.clock,
+        return {"sms": self.sms, "gemm": dict(self.gemm), "clock": self.clock, "sustained": self.sustained,
                 "attention": {k: {"fwd": f, "bwd": b} for k, (f, b) in self.attention.items()},
                 "attention_kernel": dict(self.attention_kernel), "hbm": self.hbm, "launch_us": self.launch_s * 1e6,
                 "k0": self.k0, "s0": self.s0, "d0": self.d0, "power_points": [list(p) for p in self.power_points],
@@ -130,13 +135,18 @@ _CUDNN_H100 = (595 / 989.5 / (16384 / (16384 + 256)), 516 / 989.5 / (16384 / (16
 #: benchmark (benchmarks/llama3_h100_202412_torchtitan.md, footnote 2) puts its 500 W H100s
 #: "between SXM and NVL" for the same reason.
 HOPPER_POWER = ((400.0, 835.5 / 989.5), (700.0, 1.0))
+#: the share of mamf-finder's and the attention papers' H100 rates sustained through training
+#: steps (:attr:`Rates.sustained`), calibrated on the published H100 runs (docs/devices.md,
+#: "Sustained rates")
+HOPPER_SUSTAINED = 0.79
 H100_RATES = Rates(132, {"bf16": _H100_GEMM, "fp16": _H100_GEMM, "tf32": _H100_GEMM, "fp32": 0.95, "fp8": _H100_FP8},
                    {"fa2": _FA2_H100, "cudnn": _CUDNN_H100}, {"megatron": "cudnn", "torchtitan": "fa2"},
-                   hbm=0.90, power_points=HOPPER_POWER, gemm_k=_H100_GEMM_K)
+                   hbm=0.90, power_points=HOPPER_POWER, gemm_k=_H100_GEMM_K,
+                   sustained=HOPPER_SUSTAINED)
 #: H200 SXM5: the H100's GPU (132 SMs, the same peaks) with HBM3e at 4.8 TB/s; its larger power
 #: budget holds clocks a little better (GH200 0.83): the H100's fractions, HBM ~0.88.
 H200_RATES = Rates(132, H100_RATES.gemm, H100_RATES.attention, H100_RATES.attention_kernel, hbm=0.88,
-                   power_points=HOPPER_POWER, gemm_k=_H100_GEMM_K)
+                   power_points=HOPPER_POWER, gemm_k=_H100_GEMM_K, sustained=HOPPER_SUSTAINED)
 
 
 def clock_at_power(rates: Rates, watts: float, name: str) -> float:
@@ -279,8 +289,8 @@ def measured_attention(measured: Measured, key: str, backward: bool, seq: int, h
 
 # -- a device file's "efficiency" object ----------------------------------------------------------
 
-_FIELDS = ("sms", "gemm", "attention", "attention_kernel", "hbm", "launch_us", "k0", "s0", "d0", "clock", "power_points",
-           "gemm_k")
+_FIELDS = ("sms", "gemm", "attention", "attention_kernel", "hbm", "launch_us", "k0", "s0", "d0", "clock", "sustained",
+           "power_points", "gemm_k")
 
 
 def _frac(where: str, v: Any) -> float:
@@ -353,8 +363,9 @@ def parse_rates(obj: Any, base: Rates, peak_keys: tuple[str, ...]) -> Rates:
         got["attention_kernel"] = {**base.attention_kernel, **ak}
     if "hbm" in obj:
         got["hbm"] = _frac("hbm", obj["hbm"])
-    if "clock" in obj:
-        got["clock"] = _frac("clock", obj["clock"])
+    for key in ("clock", "sustained"):
+        if key in obj:
+            got[key] = _frac(key, obj[key])
     if "power_points" in obj:
         pp = obj["power_points"]
         if not isinstance(pp, list) or not all(isinstance(p, list) and len(p) == 2 for p in pp):
@@ -374,6 +385,6 @@ def parse_rates(obj: Any, base: Rates, peak_keys: tuple[str, ...]) -> Rates:
     return new
 
 
-__all__ = ["A100_40_RATES", "A100_RATES", "ATTENTION_KERNELS", "H100_RATES", "H200_RATES", "HOPPER_POWER", "K0_SCALE", "RowGroup", "TILES",
+__all__ = ["A100_40_RATES", "A100_RATES", "ATTENTION_KERNELS", "H100_RATES", "H200_RATES", "HOPPER_POWER", "HOPPER_SUSTAINED", "K0_SCALE", "RowGroup", "TILES",
            "Rates", "attention_efficiency", "clock_at_power", "gemm_efficiency", "measured_attention", "measured_gemm", "parse_rates",
            "expected_tiles", "grouped_efficiency", "grouped_tile_utilisation", "tile_wave_utilisation"]
