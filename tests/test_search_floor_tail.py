@@ -145,8 +145,8 @@ def test_the_tail_does_not_depend_on_the_batch(pair: tuple[Config, Config]) -> N
 def test_megatron_fsdp_pipelines_floor_counts_each_microbatchs_reductions() -> None:
     """Megatron-FSDP (zero2 / zero3, the megatron framework) reduce-scatters every microbatch: the
     busiest rank (6 of llama3-8b's 12 layers on pp=2) queues 8 microbatches of them on its stream
-    before its optimizer (Tail.stream), 0.1105 s, where the schedule's floor says 0.0351 s; never
-    above a planned step (0.185 s and up); the distributed optimizer (zero1) reduces once: no such term."""
+    before its optimizer (Tail.stream), 0.1105 s, where the schedule's floor says 0.0396 s; never
+    above a planned step (0.186 s and up); the distributed optimizer (zero1) reduces once: no such term."""
     over = {"layers": 12, "batch": 128, "seq": 128}
     floor = _floor_of(MODEL, over)
     for cfg in (Config(16, 1, 2, "dp,zero2", microbatches=8), Config(16, 1, 2, "dp,zero3", microbatches=8),
@@ -156,5 +156,5 @@ def test_megatron_fsdp_pipelines_floor_counts_each_microbatchs_reductions() -> N
     z2 = Config(16, 1, 2, "dp,zero2", microbatches=8)
     assert floor.tail(z2).stream(8, 6) == pytest.approx(0.110495, abs=1e-6)
     assert floor.step(z2, "none", gathers=True) == pytest.approx(0.110495, abs=1e-6)
-    assert floor.step(z2, "none") == pytest.approx(0.035121, abs=1e-6)  # without the tail
+    assert floor.step(z2, "none") == pytest.approx(0.039570, abs=1e-6)  # without the tail
     assert floor.tail(Config(16, 1, 2, "dp,zero1", microbatches=8)).stream(8, 6) == 0.0
