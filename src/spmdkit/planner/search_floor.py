@@ -34,6 +34,10 @@ configuration's own layers cost one device, read off the same cost model as the 
   planned on its own ``dp`` and strategy; added to each rank's figure in :func:`busiest_rank`
   (after its own last backward), the least of them to the even term, the optimizer to a run
   without a pipeline;
+- a Megatron-FSDP pipeline's reduce-scatters in every microbatch (:meth:`StepFloor.stream`):
+  a rank's ``m`` microbatches of them on its communication stream, none before its first
+  backward (the first microbatch's forward through the model, under the search's even split
+  the backward of the chunks above rank 0's highest);
 - the step is at least that work times the micro-steps of gradient accumulation without a
   pipeline, and with ``p`` stages (``v`` model chunks a rank) and ``m`` microbatches at least
   ``(m + (p - 1) / v) / p`` of it (the pipeline bound of :meth:`Bounds.step`, on the busiest

@@ -27,7 +27,10 @@ model's own formulas:
   before its optimizer; each microbatch's counted as one bucket a group, no slower than the
   framework's buckets where the collective time is subadditive in the bytes (NCCL's model,
   the least over algorithms of affine times, and the alpha-beta ring are; a measured device's
-  interpolated points need not be: none counted there).
+  interpolated points need not be: none counted there); none of them starts before the rank's
+  first backward, which waits for the first microbatch's forward through every chunk and its
+  backward through the chunks above the rank's highest (:meth:`spmdkit.planner.search_floor.
+  StepFloor.stream`).
 
 The figures come from the configuration's layers planned on its OWN data-parallel degree and
 strategy (ZeRO level included): one copy of ``dense + 2`` layers (:func:`spmdkit.planner.
