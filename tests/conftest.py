@@ -23,13 +23,15 @@ def pytest_configure(config: pytest.Config) -> None:
 
     - spmdkit's sources compiled to bytecode. Hundreds of those processes import most of ``src``;
       where ``PYTHONDONTWRITEBYTECODE`` is set (as on this project's machines) none of them wrote
-      the ``__pycache__`` it compiled, so every one compiled the package again (about 0.5 CPU s a
-      rank). Python checks each file's bytecode against its source's modification time, so an
-      edited source is compiled afresh as before.
+      the ``__pycache__`` it compiled, so every one compiled the package again (a ``spmdkit
+      run`` rank: 3.2 -> 2.2 CPU s). Python checks each file's bytecode against its source's
+      modification time, so an edited source is compiled afresh as before.
     - ``OMP_NUM_THREADS=1`` unless it is set: the suite runs one test per core (``-n 2``) and
       each gloo job several ranks, so torch's second intra-op thread only waited, spinning, for
-      a core that was busy (test_hf.py: 32 -> 26 CPU s). torchrun's workers ran on one already
-      (``spmdkit.execute.torchrun``)."""
+      a core that was busy (test_hf.py with test_torch_kernels.py: 7 to 12% fewer CPU s).
+      torchrun's workers ran on one already (``spmdkit.execute.torchrun``).
+
+    docs/architecture.md, "The suite's CPU time", has the measurements."""
     if hasattr(config, "workerinput"):  # an xdist worker: its controller did it
         return
     import compileall
