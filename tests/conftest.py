@@ -16,6 +16,31 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """What the suite's processes share, set once before any test process starts (the xdist
+    workers, each ``spmdkit run`` and its ranks, torchrun's workers, the CLI subprocesses all
+    inherit it):
+
+    - spmdkit's sources compiled to bytecode. Hundreds of those processes import most of ``src``;
+      where ``PYTHONDONTWRITEBYTECODE`` is set (as on this project's machines) none of them wrote
+      the ``__pycache__`` it compiled, so every one compiled the package again (a ``spmdkit
+      run`` rank: 3.2 -> 2.2 CPU s). Python checks each file's bytecode against its source's
+      modification time, so an edited source is compiled afresh as before.
+    - ``OMP_NUM_THREADS=1`` unless it is set: the suite runs one test per core (``-n 2``) and
+      each gloo job several ranks, so torch's second intra-op thread only waited, spinning, for
+      a core that was busy (test_hf.py with test_torch_kernels.py: 7 to 12% fewer CPU s).
+      torchrun's workers ran on one already (``spmdkit.execute.torchrun``).
+
+    docs/architecture.md, "The suite's CPU time", has the measurements."""
+    if hasattr(config, "workerinput"):  # an xdist worker: its controller did it
+        return
+    import compileall
+
+    for d in ("src", "benchmarks", "scripts"):
+        compileall.compile_dir(str(ROOT / d), quiet=2)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
 def run_cli_line(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
     """``spmdkit run ARGS`` in-process: (exit status, the last stderr line); never a traceback."""
     from spmdkit.cli import main

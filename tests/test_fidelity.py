@@ -309,3 +309,26 @@ def test_megatron_moe_tflops_rows_are_planned_with_the_moe_count() -> None:
         FID.run_cli = orig
     assert pred == pytest.approx(FID.megatron_core_moe_flops(c1.row) / step / 256 / 1e12, rel=1e-12)
     assert mem == 60.0 and c1.device_need_gib == 62.0
+
+
+def test_a_command_is_planned_once_per_evaluation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """evaluate plans each command once: the Megatron-MoE zoo's forced and dropless rows of a
+    sequence length are one command (the planner routes both alike), so the second reads the first's
+    plan; torchtitan's rows at another power limit write another device file under one name, so
+    they are two commands. (test_moe_docs_are_current: the figures so read are those published.)"""
+    gib = float(2**30)
+    fake = {"pipeline": {"step_overlap_s": 10.0, "pipeline_s": 9.0, "bubble_s": 0.5,
+                         "devices": [{"memory": {"reserved": 60 * gib, "device_total": 62 * gib}}]}}
+    planned: list[list[str]] = []
+    monkeypatch.setattr(FID, "run_cli", lambda argv: planned.append(argv) or fake)
+    zoo = "megatron_moe_zoo_h100_bf16_qwen3_235b_seq16k_tp4_cp1_pp8_ep8_"
+    pair = [MOE_ROWS[zoo + "forced"], MOE_ROWS[zoo + "dropless"]]
+    results, unsupported = FID.evaluate(pair)
+    assert not unsupported and len(planned) == 1 and [r["id"] for r in results] == [zoo + "forced", zoo + "dropless"]
+    assert results[0]["predicted"] == results[1]["predicted"] and results[1]["breakdown"]["step"] == 10.0
+    assert results[0]["breakdown"] is not results[1]["breakdown"]
+    titan = next(r for r in ROWS if "96GB" in r["hardware"]["gpu"])
+    capped = dict(titan, hardware={**titan["hardware"], "gpu": titan["hardware"]["gpu"].replace("500 W", "400 W")})
+    planned.clear()
+    FID.evaluate([titan, capped, titan])
+    assert len(planned) == 2 and planned[0] == planned[1]  # one argv, two device files

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.conftest import ROOT, run_cli_line
+from tests.conftest import ROOT, cli_stdout, run_cli_line
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -38,14 +38,13 @@ ALL_REDUCES = 3 + 3 + 3 + 2
 
 def _real_export(tmp_path: Path, name: str = "plan.py", mesh: str = "dp=2,tp=2", extra: list[str] | None = None,
                  config: dict[str, int] = LLAMA, cls: str = "LlamaForCausalLM") -> Path:
-    """``spmdkit plan --export torch`` of the Llama's megatron plan (1 layer, dp=2 x tp=2 by default)."""
+    """``spmdkit plan --export torch`` of the Llama's megatron plan (1 layer, dp=2 x tp=2 by default),
+    in this process (torch and transformers are loaded here already; the launches below start the CLI)."""
     path = tmp_path / name
-    p = subprocess.run([sys.executable, "-m", "spmdkit", "plan", "--hf", cls, "--hf-config",
-                        json.dumps(config), "--mesh", mesh, *(["--strategy", "megatron"] if "--auto" not in (extra or [])
-                                                             else []), *(extra or []), "--export",
-                        "torch", str(path)], capture_output=True, text=True,
-                       env=dict(os.environ, PYTHONPATH=str(ROOT / "src")), timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
+    rc, _ = cli_stdout("plan", "--hf", cls, "--hf-config", json.dumps(config), "--mesh", mesh,
+                       *(["--strategy", "megatron"] if "--auto" not in (extra or []) else []), *(extra or []),
+                       "--export", "torch", str(path))
+    assert rc == 0 and path.is_file()
     return path
 
 

@@ -117,3 +117,25 @@ def test_the_worker_stops_when_the_search_is_interrupted(helpers: list[Any], mon
     with pytest.raises(KeyboardInterrupt):
         search_meshes(MOE_KV, 8, "h100", memory_cap="1.56GB", prune=True, workers=1)
     assert len(helpers) == 1 and not helpers[0].proc.is_alive()
+
+
+def test_least_refined_takes_the_least_refined_bounds_refining_only_those_that_come_first() -> None:
+    """search._seeds' pick: best first on the bounds so far, each refined when it comes first and
+    taken when it comes first refined (a ZeRO-2 twin whose reduce-scatters in every microbatch
+    lift its bound from 1.0 to 5.0 gives way to the ZeRO-1 configurations of bounds 2.0 and 3.0);
+    ties in the order given; a configuration never reached is not refined."""
+    from spmdkit.planner.search_space import Config
+
+    a, b, c, d = (Config(8, 1, 2, s, microbatches=4, ep=2) for s in ("dp,ep,zero2", "dp,ep,zero1", "dp,ep", "dp"))
+    lows = {a: 1.0, b: 2.0, c: 3.0, d: 3.0}
+    refined = {a: 5.0, b: 2.5, c: 3.0, d: 1.0}  # (a refinement below the bound so far keeps it)
+    asked: list[Config] = []
+
+    def refine(cfg: Config) -> float:
+        asked.append(cfg)
+        return refined[cfg]
+
+    got = search_ahead.least_refined([a, b, c, d], lows, refine, 2)
+    assert got == [b, c] and asked == [a, b, c]
+    assert lows == {a: 5.0, b: 2.5, c: 3.0, d: 3.0}
+    assert search_ahead.least_refined([a, b, c, d], dict(lows), lambda cfg: lows[cfg], 4) == [b, c, d, a]

@@ -337,9 +337,11 @@ def test_deepseek_v3s_etp1_pipelines_floor_counts_whole_layers() -> None:
     assert floor.step(cfg, "none") <= best.step_s
     assert all(floor.step(cfg, c.config.recompute) <= c.step_s for c in got if c.fits)
     # with its own layers' tail: the stream of 240 microbatches' reduce-scatters of the 4 MoE
-    # layers the busiest rank holds at least (search_floor_tail.Tail.stream), under every step
+    # layers the busiest rank holds at least (search_floor_tail.Tail.stream), under every step;
+    # none before the first microbatch's forward through the model (StepFloor.stream): 117.161 s
+    # without it, 117.743 s with it (117.670 before the sustained share: the forward grows by 1/0.79)
     own = floor.step(cfg, "none", gathers=True)
-    assert own == pytest.approx(117.161, abs=1e-3) and own <= min(c.step_s for c in got)
+    assert own == pytest.approx(117.743, abs=1e-3) and own <= min(c.step_s for c in got)
     inter = Config(16, 2, 16, V3_ETP1, microbatches=240, ep=4, virtual=2)
     low = floor.blocks_step(inter)
     assert 0 < low < math.inf

@@ -155,6 +155,48 @@ def test_megatron_fsdp_pipelines_floor_counts_each_microbatchs_reductions() -> N
             assert floor.step(cfg, c.config.recompute, gathers=True) <= c.step_s
     z2 = Config(16, 1, 2, "dp,zero2", microbatches=8)
     assert floor.tail(z2).stream(8, 6) == pytest.approx(0.110495, abs=1e-6)
-    assert floor.step(z2, "none", gathers=True) == pytest.approx(0.110495, abs=1e-6)
+    # and the first microbatch's forward and the backward of stage 1 before rank 0's first reduction
+    assert floor.step(z2, "none", gathers=True) == pytest.approx(0.116903, abs=1e-6)
     assert floor.step(z2, "none") == pytest.approx(0.039570, abs=1e-6)  # without the tail
     assert floor.tail(Config(16, 1, 2, "dp,zero1", microbatches=8)).stream(8, 6) == 0.0
+
+
+#: ZeRO-2/3 pipelines of several shapes: pp 2 and 4, interleaved, even and uneven splits (12
+#: layers on 8 chunks), dp and megatron,sp, m from 2 to 16
+FSDP_PIPELINES = [Config(16, 1, 2, "dp,zero2", microbatches=8), Config(8, 1, 4, "dp,zero2", microbatches=16),
+                  Config(8, 2, 2, "megatron,sp,zero2", microbatches=8, virtual=2),
+                  Config(4, 2, 4, "megatron,sp,zero3", microbatches=4, virtual=2),
+                  Config(8, 1, 4, "dp,zero3", microbatches=2), Config(8, 1, 2, "dp,zero3", microbatches=16, virtual=3),
+                  Config(4, 1, 4, "dp,zero2", microbatches=8, virtual=2)]
+
+
+@pytest.mark.parametrize("cfg", FSDP_PIPELINES, ids=lambda c: c.label())
+def test_megatron_fsdp_pipelines_floor_never_above_the_planned_step(cfg: Config) -> None:
+    """StepFloor.stream (the first microbatch's forward, under an even split the backward of the
+    chunks above rank 0's highest, then a rank's m microbatches' reduce-scatters and its
+    optimizer) and the floor with it stay under every mode's planned step."""
+    over = {"layers": 12, "batch": 128, "seq": 128}
+    floor = _floor_of(MODEL, over)
+    f, t = floor.of(cfg), floor.tail(cfg)
+    assert floor.stream(cfg, f, t) > 0.0
+    for c in config_candidates(MODEL, cfg, "h100", over):
+        assert floor.stream(cfg, f, t) <= c.step_s
+        assert floor.step(cfg, c.config.recompute, gathers=True) <= c.step_s
+
+
+def test_the_stream_waits_for_the_first_backward() -> None:
+    """dp=16 pp=2 zero2, 12 layers (6 a stage, even): rank 0's reductions start no earlier than the
+    first microbatch's forward through both stages and stage 1's backward (6 layers' and the
+    head's); on 12 layers over pp=2 x vp=4 (8 chunks, uneven) only the forward is counted."""
+    over = {"layers": 12, "batch": 128, "seq": 128}
+    floor = _floor_of(MODEL, over)
+    cfg = Config(16, 1, 2, "dp,zero2", microbatches=8)
+    f, t = floor.of(cfg), floor.tail(cfg)
+    b = f.backward
+    assert f.forward == pytest.approx(0.0031218, abs=1e-7) and b.layer == pytest.approx(0.0003895, abs=1e-7)
+    assert b.last == pytest.approx(0.0009500, abs=1e-7)
+    want = t.stream(8, 6, 6, last=False) + f.forward + 6 * b.layer + b.last
+    assert floor.stream(cfg, f, t) == pytest.approx(want, rel=1e-8)
+    assert floor.stream(cfg, f, t) == pytest.approx(0.116903, abs=1e-6)
+    uneven = Config(16, 1, 2, "dp,zero2", microbatches=8, virtual=4)
+    assert floor.stream(uneven, floor.of(uneven), t) == pytest.approx(t.stream(8, 6, 6) + f.forward, rel=1e-8)

@@ -17,6 +17,8 @@ datasheet peaks. Standard library only. docs/devices.md, "Achievable rates".
 - A power limit below the board's rated power (``clock``, a device file's ``power_limit_w``:
   :func:`clock_at_power`): the tensor cores' sustained clock, hence every GEMM and attention
   rate, scaled by the rated tensor-core peak NVIDIA gives the same GPU at that power.
+- The share of those microbenchmarked rates sustained through training steps (``sustained``):
+  calibrated on the published H100 runs (:data:`HOPPER_SUSTAINED`; A100: 1).
 - Every kernel takes at least ``launch_s`` (an eager framework issues one kernel per op; a
   kernel shorter than the launch rate leaves the GPU waiting on the host).
 - :class:`spmdkit.cost.measured.Measured` (``spmdkit calibrate``) overrides the model:

@@ -96,7 +96,7 @@ from spmdkit.planner.pipeline import (
     split_layers,
 )
 from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, BuiltModels, parse_size, plan_model, plan_program
-from spmdkit.planner.search_ahead import Refiner
+from spmdkit.planner.search_ahead import Refiner, least_refined
 from spmdkit.planner.search_blocks import blocks_floor, blocks_k, blocks_mode, least_blocks, wants_blocks
 from spmdkit.planner.search_bounds import Bounds, experts_of, memory_bound, memory_why, model_bounds, pruned_why
 from spmdkit.planner.search_floor import NO_FLOOR, StepFloor
@@ -591,14 +591,14 @@ def _seeds(work: list[Config], lows: dict[Config, float], bounds: Bounds, floor:
     parallelism and with ZeRO-1 or ZeRO-2 (``dp,ep,zero1``: the DeepSeek-V3 report's family, few
     layer keys, their optimizer states over dp and their memory low; ``dp,ep,zero2`` its twin of
     the same layers, which holds less), the :data:`SEEDS` of lowest bound, of two equal bounds the
-    one whose memory bound is lower first (the more likely to fit: DeepSeek-V3's ZeRO-1 pp=32 ep=2
-    does not, its ZeRO-2 twin does), their floors computed now (``lows`` updated). The order
-    changes no result: a configuration is pruned only where its bound is at least a step planned."""
+    one whose memory bound is lower first (DeepSeek-V3's ZeRO-1 pp=32 ep=2 does not fit, its twin
+    does), their floors computed now (``lows`` updated), the least refined with their own plans
+    (search_ahead.least_refined: a ZeRO-2 twin's reduce-scatters sort it later); the order changes only what is pruned."""
     family = [c for c in work if c in lows and c.tp == 1 and c.cp == 1 and c.ep > 1 and c.pp > 1
               and c.strategy in ("dp,ep,zero1", "dp,ep,zero2")]
-    for c in family:
-        lows[c] = _step_bound(c, bounds, floor, job)
-    return sorted(family, key=lambda c: (lows[c], memory_bound(c, bounds)))[:SEEDS]
+    lows.update({c: _step_bound(c, bounds, floor, job) for c in family})
+    return least_refined(sorted(family, key=lambda c: (lows[c], memory_bound(c, bounds))), lows,
+                         functools.partial(_step_bound, bounds=bounds, floor=floor, job=job, gathers=True), SEEDS)
 
 
 def _pins_for(cfg: Config, pins: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -30,6 +30,7 @@ other threads may hold locks when it searches (``fork`` copies only the calling 
 
 from __future__ import annotations
 
+import heapq
 import math
 import multiprocessing
 import os
@@ -252,4 +253,25 @@ class Refiner:
             self.ahead.close()
 
 
-__all__ = ["Ahead", "Refiner", "cores"]
+def least_refined(order: Sequence[Config], lows: dict[Config, float], refine: Callable[[Config], float],
+                  n: int) -> list[Config]:
+    """The ``n`` configurations of ``order`` of least refined bound: best first on ``lows`` (ties
+    in ``order``'s order), each refined (``refine``: its bound from its own plans, ``lows``
+    updated to the larger) when it comes first, taken when it comes first refined. Each taken
+    one's refined bound is no more than any other's (a bound only rises when refined), and only
+    those that come first are refined (a search's seeds: :func:`spmdkit.planner.search._seeds`)."""
+    heap = [(lows[c], i, False) for i, c in enumerate(order)]
+    heapq.heapify(heap)
+    out: list[Config] = []
+    while heap and len(out) < n:
+        _low, i, done = heapq.heappop(heap)
+        c = order[i]
+        if done:
+            out.append(c)
+            continue
+        lows[c] = max(lows[c], refine(c))
+        heapq.heappush(heap, (lows[c], i, True))
+    return out
+
+
+__all__ = ["Ahead", "Refiner", "cores", "least_refined"]

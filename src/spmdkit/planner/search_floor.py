@@ -34,6 +34,10 @@ configuration's own layers cost one device, read off the same cost model as the 
   planned on its own ``dp`` and strategy; added to each rank's figure in :func:`busiest_rank`
   (after its own last backward), the least of them to the even term, the optimizer to a run
   without a pipeline;
+- a Megatron-FSDP pipeline's reduce-scatters in every microbatch (:meth:`StepFloor.stream`):
+  a rank's ``m`` microbatches of them on its communication stream, none before its first
+  backward (the first microbatch's forward through the model, under the search's even split
+  the backward of the chunks above rank 0's highest);
 - the step is at least that work times the micro-steps of gradient accumulation without a
   pipeline, and with ``p`` stages (``v`` model chunks a rank) and ``m`` microbatches at least
   ``(m + (p - 1) / v) / p`` of it (the pipeline bound of :meth:`Bounds.step`, on the busiest
@@ -63,7 +67,7 @@ from spmdkit.cost.step import op_communication
 from spmdkit.planner.fold import fold_of
 from spmdkit.planner.pipeline import op_units
 from spmdkit.planner.search_bounds import pipeline_fill
-from spmdkit.planner.search_floor_tail import Tail, plan_tail
+from spmdkit.planner.search_floor_tail import SLACK, Tail, plan_tail
 from spmdkit.planner.search_space import Config
 from spmdkit.program.layers import layer_tags, program_layers
 from spmdkit.program.plan import Plan
@@ -107,13 +111,14 @@ def _work(plan: Plan, device: Device) -> LayerFloor:
     prog = plan.program
     unit, n_layers = op_units(prog)
     own = [0.0] * len(prog.ops)
-    exposed = 0.0
+    exposed = forward = 0.0
     for i, op in enumerate(prog.ops):
         if op.phase in ("forward", "backward"):
             c = oc.costs[i]
             e = oc.prefetch_exposed.get(i, 0.0)
             exposed += e
             own[i] = (oc.compute[i] if _counted(plan, i, c.matmul, c.attention is not None) else 0.0) + oc.wait[i] - e
+            forward += own[i] if op.phase == "forward" else 0.0
     rerun: dict[str, float] = {}
     kept: dict[str, int] = {}
     units: dict[str, Units] = {}
@@ -130,7 +135,11 @@ def _work(plan: Plan, device: Device) -> LayerFloor:
         for i, t in enumerate(own):
             per[unit[i] + 1] += t + (t if i in again else 0.0)
         units[mode] = Units(per[0], per[-1], min(per[1:-1], default=0.0))
-    return LayerFloor(sum(own), rerun, kept, exposed, oc.gathers_s, units, peak)
+    back = [0.0] * (n_layers + 2)  # the backward's part by unit, no recomputation
+    for i, t in enumerate(own):
+        back[unit[i] + 1] += t if prog.ops[i].phase == "backward" else 0.0
+    return LayerFloor(sum(own), rerun, kept, exposed, oc.gathers_s, units, peak, forward,
+                      Units(back[0], back[-1], min(back[1:-1], default=0.0)))
 
 
 def layer_peak(plan: Plan, saved: ActivationMemory) -> int:
@@ -177,6 +186,11 @@ class LayerFloor:
     #: the least working peak of a numbered layer alone recomputed in full (bytes, one
     #: microbatch on one device: :func:`layer_peak`), 0 where not known
     full_peak: int = 0
+    #: the part of ``work`` in the forward (s, one microbatch through the whole model on one
+    #: device): what a pipeline's first backward waits for at least (:meth:`StepFloor.stream`)
+    forward: float = 0.0
+    #: the part of ``units["none"]`` in the backward (s, one microbatch on one device, by unit)
+    backward: Units = Units(0.0, 0.0, 0.0)
 
 
 NO_FLOOR = LayerFloor(0.0, {}, {})
@@ -286,7 +300,9 @@ class StepFloor:
                  for m, u in b.units.items()}
         return LayerFloor(fold.at(a.work, b.work), {m: fold.at(a.rerun[m], b.rerun[m]) for m in b.rerun}, b.kept,
                           fold.at(a.exposed, b.exposed), fold.at(a.gathers, b.gathers), units,
-                          min(a.full_peak, b.full_peak))
+                          min(a.full_peak, b.full_peak), fold.at(a.forward, b.forward),
+                          Units(b.backward.first, b.backward.last,
+                                min(b.backward.layer, (b.work - b.forward) - (a.work - a.forward))))
 
     def blocks_step(self, cfg: Config, gathers: bool = False) -> float:
         """Seconds any ``full:K`` of ``cfg`` takes at least besides :func:`spmdkit.planner.search_blocks.blocks_floor`'s (0 here;
@@ -325,14 +341,54 @@ class StepFloor:
         even = w / p * (m + pipeline_fill(p, v))
         if t is not None:  # every rank holds v layers at least: step >= max_r finish_r + min_r tail_r
             even += min(t.rank(r, p, v) for r in range(p))
-        # Megatron-FSDP: the busiest rank (ceil(layers / p) of them at least) reduces them in each microbatch
-        stream = t.stream(m, -(-self.layers // p), -(-(self.layers - self.dense) // p)) \
-            if t is not None and busiest else 0.0
+        stream = self.stream(cfg, f, t) if t is not None and busiest else 0.0
         u = f.units.get(mode) if busiest else None
         if u is None:
             return max(even, stream)
         return max(even, stream, busiest_rank(u, self.layers, p, v, m,
                                               None if t is None else functools.partial(t.rank, p=p), self.dense))
+
+
+    def stream(self, cfg: Config, f: LayerFloor, t: Tail) -> float:
+        """Seconds a Megatron-FSDP pipeline (ZeRO-2/3 under the megatron framework: every
+        microbatch's backward reduce-scatters its stage's gradients, :attr:`spmdkit.planner.
+        stage_costs.StageCost.each`) takes at least for its per-microbatch reductions (0 for
+        another configuration, or on a measured device's links: :meth:`Tail.stream`).
+
+        Each rank queues its ``m`` microbatches' reduce-scatters on its one communication stream,
+        each launched during that microbatch's backward on the rank
+        (:func:`spmdkit.planner.stage_costs.reduce_gradients`'s ``early``; the last microbatch's
+        in the framework's buckets during its backward), and the step waits for the last
+        (``pipeline._step_times``, ``fold._pipeline_overlap``: ``done_r`` then the tied
+        all-reduce and the optimizer). So the step is at least rank ``r``'s first backward's start
+        plus its reductions' time (:meth:`Tail.stream`: at least ``m`` times its layers' gradients
+        in one bucket a group, then its optimizer). That first backward is of the rank's highest
+        chunk ``c = (v - 1) p + r`` for the first microbatch (1F1B and interleaved: the backwards
+        of a chunk in microbatch order, a rank's highest chunk first), which starts after that
+        microbatch's forward through every chunk (``f.forward``, its ops' own time: the schedule
+        runs each forward for ``fwd[k]``, the stage's ops' times, plus the sends; the first
+        microbatch's forwards all lie in the warm-up, never merged under --ep-comm-overlap) and
+        its backward through the chunks above ``c``. Without knowing the split, the rank holding
+        ``ceil(layers / p)`` layers may be the last (nothing above it): ``f.forward`` plus its
+        stream. Where ``p v`` divides the layers the search prices the even split
+        (``search._counts``): each chunk holds ``k = layers / (p v)`` layers, rank 0 (``v k``
+        of them) waits for the backward of the ``p - 1`` chunks above its highest, each at least
+        ``k`` of the least layer's backward (``f.backward``), the last also the head's; not
+        under --ep-comm-overlap (a steady-state backward merged with a forward may take less
+        than its ops' time: ``schedules.merged_part``)."""
+        p, v, m = cfg.pp, cfg.virtual, max(1, cfg.microbatches)
+        n = -(-self.layers // p)
+        low = t.stream(m, n, -(-(self.layers - self.dense) // p))
+        if low <= 0.0:
+            return 0.0
+        low += f.forward * (1.0 - SLACK)
+        if self.layers % (p * v) or t.plan.runtime.ep_comm_overlap:
+            return low
+        k, b = self.layers // (p * v), f.backward
+        # rank 0: chunks 0, p, .. (v - 1) p, the dense first layers among theirs
+        dense = sum(max(0, min(self.dense, c * p * k + k) - c * p * k) for c in range(v))
+        above = (p - 1) * k * b.layer + b.last
+        return max(low, t.stream(m, n, n - dense, last=False) + (f.forward + above) * (1.0 - SLACK))
 
 
 def busiest_rank(u: Units, layers: int, p: int, v: int, m: int,

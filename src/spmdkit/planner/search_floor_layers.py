@@ -71,17 +71,25 @@ def one_copy_floor(plan: Plan, device: Device, layers: int, dense: int) -> MoeLa
         raise ValueError(f"one_copy_floor: the copy has {len(lay.tags)} layers, not {n}")
     own = [0.0] * len(prog.ops)
     by_layer = [0.0] * n
+    forward, fwd_layer = 0.0, [0.0] * n  # the forward's part (the whole copy's, by layer)
     for i, op in enumerate(prog.ops):
         if op.phase in ("forward", "backward"):
             c = oc.costs[i]
             own[i] = (oc.compute[i] if _counted(plan, i, c.matmul, c.attention is not None) else 0.0) + oc.wait[i]
             if 0 <= where[i] < n:
                 by_layer[where[i]] += own[i]
+            if op.phase == "forward":
+                forward += own[i]
+                if 0 <= where[i] < n:
+                    fwd_layer[where[i]] += own[i]
     missing = layers - n
     unit, _n = op_units(prog)
     by_unit = [0.0] * (n + 2)  # the pipeline's units (the embedding, the layers, the head), as stages are cut
     for i, t in enumerate(own):
         by_unit[unit[i] + 1] += t
+    back = [0.0] * (n + 2)
+    for i, t in enumerate(own):
+        back[unit[i] + 1] += t if prog.ops[i].phase == "backward" else 0.0
     units: dict[str, Units] = {}
     rerun: dict[str, float] = {}
     kept: dict[str, int] = {}
@@ -106,6 +114,8 @@ def one_copy_floor(plan: Plan, device: Device, layers: int, dense: int) -> MoeLa
         kept[mode] = min((b for lay, b in saved.per_layer.items() if lay in tags), default=0)
         layer_kept[mode] = min(saved.per_layer.get(t, 0) for t in lay.tags[dense:])
     return MoeLayerFloor(sum(own) + missing * min(by_layer[dense:]), rerun, kept, units=units, full_peak=peak,
+                         forward=forward + missing * min(fwd_layer[dense:]),
+                         backward=Units(back[0], back[-1], min(back[1:-1]), min(back[1 + dense:-1])),
                          layer_work=min(by_layer[dense:]), layer_rerun=layer_rerun, layer_kept=layer_kept,
                          least_layer=min(by_layer), least_rerun=least_rerun)
 

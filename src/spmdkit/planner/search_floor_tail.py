@@ -27,7 +27,10 @@ model's own formulas:
   before its optimizer; each microbatch's counted as one bucket a group, no slower than the
   framework's buckets where the collective time is subadditive in the bytes (NCCL's model,
   the least over algorithms of affine times, and the alpha-beta ring are; a measured device's
-  interpolated points need not be: none counted there).
+  interpolated points need not be: none counted there); none of them starts before the rank's
+  first backward, which waits for the first microbatch's forward through every chunk and its
+  backward through the chunks above the rank's highest (:meth:`spmdkit.planner.search_floor.
+  StepFloor.stream`).
 
 The figures come from the configuration's layers planned on its OWN data-parallel degree and
 strategy (ZeRO level included): one copy of ``dense + 2`` layers (:func:`spmdkit.planner.
@@ -62,6 +65,7 @@ from spmdkit.core.reshard import Step
 from spmdkit.cost.devices import Device
 from spmdkit.cost.step import Reducer, op_communication
 from spmdkit.planner.pipeline import op_units
+from spmdkit.planner.stage_costs import single_bucket_ranks
 from spmdkit.program.plan import Plan
 
 #: a gradient reduction group: (kind, mesh dims, reduce type, dtype)
@@ -113,7 +117,8 @@ class Tail:
     last: UnitTail
     dense: int = 0
     #: Megatron-Core DDP: the ranks after the first reduce in one bucket after their last backward
-    #: (not Megatron-FSDP's ZeRO-2/3, whose every microbatch reduces under its backward)
+    #: (not Megatron-FSDP's ZeRO-2/3, whose every microbatch reduces under its backward:
+    #: :func:`spmdkit.planner.stage_costs.single_bucket_ranks`)
     single: bool = True
     _memo: dict[tuple[int, int, bool, bool], float] = field(default_factory=dict, repr=False)
 
@@ -143,7 +148,7 @@ class Tail:
             self._memo[key] = got
         return got
 
-    def stream(self, m: int, n: int, heavy: int = 0) -> float:
+    def stream(self, m: int, n: int, heavy: int = 0, last: bool = True) -> float:
         """Seconds a pipeline rank holding ``n`` layers (``heavy`` of them of the repeated kind, a
         MoE model's past its dense ones) takes at least from its first microbatch's
         backward to its optimizer's end under Megatron-FSDP (0 without per-microbatch reductions):
@@ -152,12 +157,13 @@ class Tail:
         the collective time is subadditive in the bytes, as NCCL's model is, the least of
         affine times over algorithms, and the alpha-beta ring; not a measured device's
         interpolated points: 0 there), then the optimizer of those layers. The first rank's
-        embedding and the last rank's head alike, whatever layers they hold: the most of the three."""
+        embedding and the last rank's head alike, whatever layers they hold: the most of the three
+        (``last=False``: the first rank's, without the head's)."""
         fabric = getattr(self.plan.cost, "fabric", None)
         if fabric is not None and fabric.measured:
             return 0.0
         return max(self._stream(m, self.dense_layer, n), self._stream(m, self.layer, heavy),
-                   self._stream(m, self.first, 1), self._stream(m, self.last, 1))
+                   self._stream(m, self.first, 1), self._stream(m, self.last, 1) if last else 0.0)
 
     def _stream(self, m: int, unit: UnitTail, n: int) -> float:
         if not unit.each or n <= 0:
@@ -201,8 +207,7 @@ def plan_tail(plan: Plan, device: Device, dense: int) -> Tail:
              for o, g, e in zip(opt, grads, each)]
     layers = units[1:-1]
     rep = layers[dense:] if len(layers) > dense else layers
-    return Tail(plan, _least(rep), _least(layers), units[0], units[-1], dense,
-                plan.runtime.framework == "megatron" and not oc.each)
+    return Tail(plan, _least(rep), _least(layers), units[0], units[-1], dense, single_bucket_ranks(plan, oc))
 
 
 __all__ = ["GradKey", "Held", "Tail", "UnitTail", "plan_tail"]

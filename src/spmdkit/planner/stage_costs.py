@@ -379,12 +379,14 @@ def _serial(plan: Plan, grads: list[Grad]) -> float:
     return red.flush(0.0)
 
 
-def single_bucket_ranks(plan: Plan, costs: list[StageCost]) -> bool:
+def single_bucket_ranks(plan: Plan, costs: list[StageCost] | OpComm) -> bool:
     """Whether the pipeline ranks after the first reduce their stages' gradients in one bucket
     launched at the end of their last backward (:func:`reduce_gradients`'s ``single``):
     Megatron-Core DDP's, not Megatron-FSDP's (its reductions run in every microbatch's backward,
-    in buckets on every rank: :attr:`StageCost.each`), nor the FSDP2 frameworks'."""
-    return plan.runtime.framework == "megatron" and not any(c.each for c in costs)
+    in buckets on every rank: :attr:`StageCost.each`, from ``op_communication``'s
+    :attr:`OpComm.each`, which ``costs`` may be), nor the FSDP2 frameworks'."""
+    each = bool(costs.each) if isinstance(costs, OpComm) else any(c.each for c in costs)
+    return plan.runtime.framework == "megatron" and not each
 
 
 def reduce_gradients(plan: Plan, grads: list[tuple[float, str, Step, int, str]], end: float,
