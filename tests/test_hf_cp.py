@@ -120,3 +120,16 @@ def test_run_on_gloo_equals_torch_eager(model: str, variant: str) -> None:
     eager = rep["eager"]
     assert eager["checked"] >= 20 and not eager["failures"], eager
     assert rep["loss"] == pytest.approx(eager["loss"], rel=1e-5)
+
+
+def test_an_hf_pipeline_with_cp_is_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    """cp on an --hf model under a pipeline is not built: refused naming the mesh and why (it said
+    before that the program had no cp_attention and to import it with cp, which the user had asked)."""
+    from spmdkit.cli import main
+
+    rc = main(["plan", "--hf", "LlamaForCausalLM", "--hf-config", json.dumps(LLAMA), "--mesh", "pp=2,dp=1,cp=2",
+               "--strategy", "cp", "--seq", "16", "--batch", "4"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "Traceback" not in err
+    assert ("--mesh pp=2,dp=1,cp=2: context parallelism of an --hf model in a pipeline is not built (the stages are "
+            "imported without cp's token order)") in err

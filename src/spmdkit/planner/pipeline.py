@@ -93,6 +93,7 @@ from spmdkit.planner.stage_costs import Grad, StageCost, reduce_gradients, singl
 from spmdkit.program.ir import Program
 from spmdkit.program.layers import layer_tags
 from spmdkit.program.plan import Plan
+from spmdkit.strategies.context import hf_cp
 from spmdkit.strategies.experts import tp_chunks
 from spmdkit.strategies.strategy import parse_mesh, parse_strategy
 
@@ -795,6 +796,10 @@ def plan_pipeline_source(source: ModelSource, mesh_text: str, strategy_text: str
             _check_batch(source.batch, m)
             sm = parse_mesh(sub)
             st = parse_strategy(strategy or "megatron", sm)  # a bad mesh / strategy before importing
+            if hf_cp(sm, st, source.seq) is not None:
+                raise ProgramError(f"--mesh {mesh_text}: context parallelism of an --hf model in a pipeline is not "
+                                   f"built (the stages are imported without cp's token order); plan it without pp, "
+                                   f"or plan a catalog / --model-config model with pp and cp")
             # megatron,sp,ep,etp=1: each sequence routed one chunk a tp rank (Megatron's token path)
             source = replace(source, batch=source.batch // m, tp_chunks=tp_chunks(sm, st))
         loaded = load(source)
