@@ -26,21 +26,25 @@ def _f(x: Any) -> torch.Tensor:
     return t if t.dtype == torch.float64 else t.to(torch.float32)
 
 
+def _gdr_qk(a: Args, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k as the kernel reads them (l2-normalised, q scaled)."""
+    qs, ks = gdr_inputs(TLA, q, k, float(a.get("scale", 0.0)), bool(a.get("qk_l2norm", True)))
+    return qs, ks
+
+
 def _gdr_out(a: Args, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
              beta: torch.Tensor) -> torch.Tensor:
-    qs, ks = gdr_inputs(TLA, q, k, float(a.get("scale", 0.0)), bool(a.get("qk_l2norm", True)))
-    out: torch.Tensor = gdr_forward(TLA, qs, ks, v, g, beta)[0]
+    out: torch.Tensor = gdr_forward(TLA, *_gdr_qk(a, q, k), v, g, beta)[0]
     return out
 
 
 @register("gated_delta_rule")
 def _k_gdr(a: Args, c: Ctx) -> tuple[Any, ...]:
-    q = tensor(a["q"])
     qf, kf, vf, gf, bf = (_f(a[n]) for n in ("q", "k", "v", "g", "beta"))
-    out = _gdr_out(a, qf, kf, vf, gf, bf)
-    _, ks = gdr_inputs(TLA, qf, kf, float(a.get("scale", 0.0)), bool(a.get("qk_l2norm", True)))
+    qs, ks = _gdr_qk(a, qf, kf)  # once for the output and the chunk inverses
+    out = gdr_forward(TLA, qs, ks, vf, gf, bf)[0]
     wy = gdr_wy(TLA, ks, gf, bf, int(a.get("chunk_size", 64)))
-    return out.to(tensor(a["v"]).dtype), wy.to(q.dtype)
+    return out.to(tensor(a["v"]).dtype), wy.to(tensor(a["q"]).dtype)
 
 
 @register("gated_delta_rule_grad")
