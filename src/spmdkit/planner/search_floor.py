@@ -69,6 +69,7 @@ from spmdkit.planner.pipeline import op_units
 from spmdkit.planner.search_bounds import pipeline_fill
 from spmdkit.planner.search_floor_tail import SLACK, Tail, plan_tail
 from spmdkit.planner.search_space import Config
+from spmdkit.program.ir import Program
 from spmdkit.program.layers import layer_tags, program_layers
 from spmdkit.program.plan import Plan
 
@@ -135,11 +136,20 @@ def _work(plan: Plan, device: Device) -> LayerFloor:
         for i, t in enumerate(own):
             per[unit[i] + 1] += t + (t if i in again else 0.0)
         units[mode] = Units(per[0], per[-1], min(per[1:-1], default=0.0))
-    back = [0.0] * (n_layers + 2)  # the backward's part by unit, no recomputation
-    for i, t in enumerate(own):
-        back[unit[i] + 1] += t if prog.ops[i].phase == "backward" else 0.0
+    back = backward_by_unit(plan.program, own, unit, n_layers)
     return LayerFloor(sum(own), rerun, kept, exposed, oc.gathers_s, units, peak, forward,
                       Units(back[0], back[-1], min(back[1:-1], default=0.0)))
+
+
+def backward_by_unit(prog: Program, own: list[float], unit: list[int], n_layers: int) -> list[float]:
+    """``own`` (seconds by op) of the backward's ops summed by pipeline unit (:func:`spmdkit.
+    planner.pipeline.op_units`: the embedding, the ``n_layers`` layers, the head), no
+    recomputation: what :attr:`LayerFloor.backward` is read from."""
+    back = [0.0] * (n_layers + 2)
+    for i, t in enumerate(own):
+        if prog.ops[i].phase == "backward":
+            back[unit[i] + 1] += t
+    return back
 
 
 def layer_peak(plan: Plan, saved: ActivationMemory) -> int:
@@ -481,5 +491,5 @@ def _uneven(u: Units, p: int, v: int, m: int, spare: int, dense: int, tail: Call
     return max(fig(r, k) for r, k in enumerate(n))
 
 
-__all__ = ["NO_FLOOR", "FloorKey", "ZeroKey", "LayerFloor", "StepFloor", "Units", "base_strategy", "busiest_rank",
+__all__ = ["NO_FLOOR", "FloorKey", "ZeroKey", "LayerFloor", "StepFloor", "Units", "backward_by_unit", "base_strategy", "busiest_rank",
            "per_device_work"]

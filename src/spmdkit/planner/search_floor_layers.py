@@ -32,7 +32,16 @@ from spmdkit.cost.memory import saved_activations
 from spmdkit.cost.step import op_communication
 from spmdkit.planner.pipeline import op_units
 from spmdkit.planner.search_bounds import GROW, Bounds
-from spmdkit.planner.search_floor import NO_FLOOR, RECOMPUTE, LayerFloor, StepFloor, Units, _counted, layer_peak
+from spmdkit.planner.search_floor import (
+    NO_FLOOR,
+    RECOMPUTE,
+    LayerFloor,
+    StepFloor,
+    Units,
+    _counted,
+    backward_by_unit,
+    layer_peak,
+)
 from spmdkit.planner.search_floor_tail import Held
 from spmdkit.planner.search_space import Config
 from spmdkit.program.layers import program_layers
@@ -87,9 +96,7 @@ def one_copy_floor(plan: Plan, device: Device, layers: int, dense: int) -> MoeLa
     by_unit = [0.0] * (n + 2)  # the pipeline's units (the embedding, the layers, the head), as stages are cut
     for i, t in enumerate(own):
         by_unit[unit[i] + 1] += t
-    back = [0.0] * (n + 2)
-    for i, t in enumerate(own):
-        back[unit[i] + 1] += t if prog.ops[i].phase == "backward" else 0.0
+    back = backward_by_unit(prog, own, unit, n)
     units: dict[str, Units] = {}
     rerun: dict[str, float] = {}
     kept: dict[str, int] = {}
