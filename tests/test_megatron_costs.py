@@ -137,6 +137,20 @@ def test_nemo_runs_take_their_launcher_config(tmp_path: Path) -> None:
     assert fid.nemo_launcher(rows["megatronlm_h100_2024_1.7b"], []) is None
 
 
+def test_nemo_gpt3_175b_runs_take_their_own_launcher_configs(tmp_path: Path) -> None:
+    # the 512-GPU run (GBS 2048, MBS 2) is gpt3/175b_mlperf.yaml: userbuffers TP overlap, dropout 0.0;
+    # the 128-GPU run (GBS 256, MBS 1) is examples/training/gpt/h100/175b_fp8_16node.sh over gpt3/175b
+    # (ub_tp_comm_overlap false, dropout 0.1)
+    fid = _bench()
+    rows: dict[str, dict[str, Any]] = {r["id"]: r for r in json.loads(fid.RUNS.read_text())}
+    big = fid.express(rows["nemo2407_h100_fp8_gpt3_175b_512gpu"], tmp_path)
+    small = fid.express(rows["nemo2407_h100_fp8_gpt3_175b_128gpu"], tmp_path)
+    cfg = [json.loads(c.argv[c.argv.index("--model-config") + 1]) for c in (big, small)]
+    assert "--tp-comm-overlap" in big.argv and "dropout" not in cfg[0]
+    assert "--tp-comm-overlap" not in small.argv and cfg[1]["dropout"] == 0.1
+    assert any("175b_mlperf.yaml" in a for a in big.assumptions)
+
+
 # -- Transformer Engine's userbuffers: a reduce-scatter's SMs taken from its GEMM ------------------
 
 
