@@ -1,0 +1,86 @@
+"""torch's context_parallel as torchtitan runs an allgather cp attention
+(spmdkit.cost.context_torch): K / V after repeat_kv, all-gathered under the local block, the
+backward's fp32 dK / dV ring, the fp32 merges; hand-computed from the shapes."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from tests.test_cp_cost import CP, H100, HK, B, D, H, S, _plan
+
+from spmdkit.cost.collectives import time_of
+from spmdkit.cost.compute import op_cost
+from spmdkit.cost.context import ring_exposed
+from spmdkit.cost.context_torch import local_qkv, torch_cp_costs, torch_cp_exposed
+from spmdkit.cost.step import estimate_step
+from spmdkit.program.runtime import Runtime
+
+
+def test_the_walk_of_the_two_streams_by_hand() -> None:
+    # forward: the all-gather under step 0 only
+    assert torch_cp_exposed(3e-3, 0.0, 1e-3, 4, backward=False) == pytest.approx(2e-3)
+    assert torch_cp_exposed(0.5e-3, 0.0, 1e-3, 4, backward=False) == 0.0
+    # backward, gather hidden: each dK / dV send (2 ms) under the next step (1 ms), the last under none
+    assert torch_cp_exposed(0.5e-3, 2e-3, 1e-3, 4, backward=True) == pytest.approx(3 * 1e-3 + 2e-3)
+    assert torch_cp_exposed(0.5e-3, 2e-3, 1e-3, 4, True) == pytest.approx(ring_exposed(2e-3, 1e-3, 3, tail=1))
+    # a slow gather delays step 1 and queues the first send behind it on the one stream
+    assert torch_cp_exposed(3e-3, 2e-3, 1e-3, 4, backward=True) == pytest.approx(2e-3 + 3 * 1e-3 + 2e-3)
+    # sends shorter than a step: only the last one shows
+    assert torch_cp_exposed(0.5e-3, 0.4e-3, 1e-3, 4, backward=True) == pytest.approx(0.4e-3)
+    assert torch_cp_exposed(3e-3, 2e-3, 1e-3, 1, backward=True) == 0.0
+
+
+def test_repeated_kv_gather_and_dkv_ring_by_hand() -> None:
+    te = _plan("allgather")
+    tt = replace(te, runtime=Runtime(framework="torchtitan"))
+    local = S // CP
+    x = local_qkv(tt, 0)
+    assert (x.q, x.kv, x.rep, x.itemsize) == (B * local * H * D, 2 * B * local * HK * D, H // HK, 2)
+    est = estimate_step(tt, H100)
+    costs = torch_cp_costs(tt, [est.timeline[0][4], est.timeline[1][4]])
+    fwd, bwd = costs[0], costs[1]
+    # torchtitan's repeat_kv: the gathered K and V carry the query heads (H = 8, not HK = 2)
+    gathered = CP * 2 * B * local * H * D * 2
+    assert fwd.gather_bytes == bwd.gather_bytes == gathered == 4 * sum(
+        r.plan.steps[0].bytes_per_rank * CP // (CP - 1) for r in te.reshards
+        if r.op_index == 0 and r.tensor in ("k", "v"))  # the plan's: the un-repeated heads
+    g = time_of(tt.cost, "all_gather", (0,), gathered, tt.mesh.shape)
+    assert fwd.gather_s == pytest.approx(g) and fwd.dkv_bytes == 0
+    # the backward: cp sends of the fp32 dK and dV (torch.cat of both, convert_to_f32), not a reduce-scatter
+    dkv = 2 * B * local * H * D * 4
+    assert bwd.dkv_bytes == dkv
+    d = time_of(tt.cost, "send_recv", (0,), dkv, tt.mesh.shape)
+    assert bwd.dkv_s == pytest.approx(d) and bwd.comm_s == pytest.approx(g + CP * d)
+    # on the step: the plan's un-repeated gathers and reduce-scatters replaced by these
+    assert est.comm_s["forward"] == pytest.approx(g)
+    assert est.comm_s["backward"] == pytest.approx(g + CP * d)
+    assert est.timeline[0][2] == pytest.approx(torch_cp_exposed(g, 0.0, est.timeline[0][4] / CP, CP, False))
+    assert 0 < est.timeline[1][2] == pytest.approx(torch_cp_exposed(g, d, est.timeline[1][4] / CP, CP, True))
+    # Transformer Engine's: the plan's reshards, blocking
+    est_te = estimate_step(te, H100)
+    assert est_te.comm_s["backward"] == pytest.approx(sum(r.plan.time_s for r in te.reshards if r.op_index == 1))
+
+
+def test_merges_by_hand() -> None:
+    # 2,048 tokens a rank: Q = 2048 x 8 x 64 elements, K + V = 2048 x 2 x 64 x 2, repeated 4 x; bf16
+    # (2 bytes), the accumulators fp32 (4); the last rank: 3 full-query steps after the first
+    te = _plan("allgather")
+    tt = replace(te, runtime=Runtime(framework="torchtitan"))
+    q, kv, kvr = 2048 * 8 * 64, 2048 * 2 * 64 * 2, 4 * 2048 * 2 * 64 * 2
+    fwd = ((kv + kvr) * 2  # repeat_kv
+           + 2 * kvr * 2  # key / value .contiguous()
+           + 3 * 2 * kvr * 2  # torch.cat([key, value]) at steps 0..2
+           + 2 * q * 6  # out.to(fp32) at step 0, the result .to(bf16)
+           + 3 * (q * 6 + 8 * q * 4))  # each later step: the cast, 3 unfused fp32 passes (8 accesses)
+    bwd = ((kvr + kv) * 2  # repeat_kv's backward
+           + (q + kvr) * 4  # zeros_like(fp32) of dQ, dK, dV
+           + 2 * kvr * 2 + 3 * 2 * kvr * 2  # contiguous, the kv rotater's cats
+           + kvr * 10 + q * 10  # step 0: fp32 += bf16 for dK / dV and dQ
+           + 3 * (kvr * 5 + 2 * kvr * 4 + q * 10)  # later: _partial_update (half added, the cat), dQ added
+           + 4 * 2 * kvr * 4  # torch.cat of the fp32 dK / dV sent, every step
+           + (q + kvr) * 6)  # the casts back
+    assert (fwd, bwd) == (170_917_888, 282_066_944)
+    for i, want in ((0, fwd), (1, bwd)):
+        assert op_cost(tt, i).cast_bytes - op_cost(te, i).cast_bytes == pytest.approx(want)
+        assert H100.op_time(op_cost(tt, i)) - H100.op_time(op_cost(te, i)) >= want / H100.hbm_rate * 0.999
