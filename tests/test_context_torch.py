@@ -84,3 +84,16 @@ def test_merges_by_hand() -> None:
     for i, want in ((0, fwd), (1, bwd)):
         assert op_cost(tt, i).cast_bytes - op_cost(te, i).cast_bytes == pytest.approx(want)
         assert H100.op_time(op_cost(tt, i)) - H100.op_time(op_cost(te, i)) >= want / H100.hbm_rate * 0.999
+
+
+def test_step_kernels_sequence() -> None:
+    # torch launches cp flash kernels per op: step 0 causal over the rank's 2 chunks of S / 2cp
+    # tokens, the others non-causal over one chunk: each at the rate of a S / 2cp sequence
+    te = _plan("allgather")
+    tt = replace(te, runtime=Runtime(framework="torchtitan"))
+    for i in (0, 1):
+        assert op_cost(te, i).attention[1:] == (S, D, True)  # the gathered keys, one kernel
+        assert op_cost(tt, i).attention[1:] == (S // CP, D, True)
+        assert op_cost(tt, i).flops == op_cost(te, i).flops
+        assert H100.attention_rate(op_cost(tt, i)) < H100.attention_rate(op_cost(te, i))
+

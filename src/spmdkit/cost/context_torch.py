@@ -30,7 +30,8 @@ values', both in the activations' dtype):
 :func:`torch_cp_costs` gives each such op its all-gather (over the cp mesh dims, by the plan's
 cost model: across nodes where the cp ranks are, as under tp = 8), its dK / dV ring and what
 stays exposed (:func:`torch_cp_exposed`); :func:`merge_bytes` the memory-bound passes, timed at
-the device's HBM rate as the op's ``cast_bytes`` (:func:`with_merges`). The plan's own K / V
+the device's HBM rate as the op's ``cast_bytes``, and its flash kernels at the step's sequence
+(:func:`torch_cp_op_cost`). The plan's own K / V
 all-gathers and dK / dV reduce-scatters of such an op (of the un-repeated heads) are replaced by
 these (:mod:`spmdkit.cost.step`).
 """
@@ -118,15 +119,23 @@ def merge_bytes(x: LocalQKV, cp: int, backward: bool) -> float:
     return float(repeat + zeros + contiguous + cats + adds + sends + casts)
 
 
-def with_merges(plan: Plan, i: int, c: OpCost) -> OpCost:
-    """``c`` with the memory-bound passes (:func:`merge_bytes`) torch's context_parallel runs
-    around allgather cp attention op ``i`` under ``--framework torchtitan``, timed at the
-    device's HBM rate as separate kernels (``cast_bytes``); ``c`` itself elsewhere."""
+def torch_cp_op_cost(plan: Plan, i: int, c: OpCost) -> OpCost:
+    """``c`` (allgather cp attention op ``i``'s cost, :func:`spmdkit.cost.context.cp_op_cost`) as
+    torch's context_parallel runs it under ``--framework torchtitan``: ``cp`` flash kernels, not
+    one over the gathered keys. Under the zig-zag balance step 0 is causal over the rank's two
+    chunks and every later step non-causal over one chunk of keys (all queries) or two (the
+    second half of the queries): each kernel's sequence is half the local tokens, as the
+    attention pass of a causal op over the local keys prices it (``attention``'s sequence the
+    gathered keys / cp). With the memory-bound passes (:func:`merge_bytes`) timed at the device's
+    HBM rate as separate kernels (``cast_bytes``). ``c`` itself elsewhere."""
     cp = cp_op(plan, i)
     if plan.runtime.framework != TORCH_CP or cp is None or cp.variant != "allgather" or cp.ranks <= 1:
         return c
     extra = merge_bytes(local_qkv(plan, i), cp.ranks, plan.program.ops[i].phase == "backward")
-    return replace(c, cast_bytes=c.cast_bytes + extra)
+    att = c.attention
+    if att is not None:
+        att = (att[0], max(1, att[1] // cp.ranks), att[2], att[3])
+    return replace(c, cast_bytes=c.cast_bytes + extra, attention=att)
 
 
 def torch_cp_exposed(gather_s: float, dkv_s: float, step_s: float, cp: int, backward: bool) -> float:
@@ -204,4 +213,4 @@ def torch_cp_costs(plan: Plan, times: Sequence[float]) -> dict[int, TorchCpCost]
 
 
 __all__ = ["LocalQKV", "TORCH_CP", "TorchCpCost", "local_qkv", "merge_bytes", "torch_cp_costs", "torch_cp_exposed",
-           "torch_cp_ops", "with_merges"]
+           "torch_cp_op_cost", "torch_cp_ops"]
