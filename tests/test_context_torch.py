@@ -4,6 +4,7 @@ backward's fp32 dK / dV ring, the fp32 merges; hand-computed from the shapes."""
 
 from __future__ import annotations
 
+import io
 from dataclasses import replace
 
 import pytest
@@ -14,6 +15,7 @@ from spmdkit.cost.compute import op_cost
 from spmdkit.cost.context import ring_exposed
 from spmdkit.cost.context_torch import local_qkv, torch_cp_costs, torch_cp_exposed
 from spmdkit.cost.step import estimate_step
+from spmdkit.outputs.report import write_estimate
 from spmdkit.program.runtime import Runtime
 
 
@@ -57,8 +59,16 @@ def test_repeated_kv_gather_and_dkv_ring_by_hand() -> None:
     assert est.comm_s["backward"] == pytest.approx(g + CP * d)
     assert est.timeline[0][2] == pytest.approx(torch_cp_exposed(g, 0.0, est.timeline[0][4] / CP, CP, False))
     assert 0 < est.timeline[1][2] == pytest.approx(torch_cp_exposed(g, d, est.timeline[1][4] / CP, CP, True))
+    # reported: --json and the report's line
+    j = est.to_json()["torch_context_parallel"]
+    assert j["ops"] == 2 and j["backward"]["dkv_bytes"] == dkv and j["forward"]["gather_bytes"] == gathered
+    text = io.StringIO()
+    write_estimate(est, text)
+    assert f"torch context_parallel over cp={CP}: K and V after repeat_kv (x4) all-gathered, 16.00 MiB" \
+        in text.getvalue() and f"the backward's fp32 dK / dV ring: {CP} sends of 8.00 MiB" in text.getvalue()
     # Transformer Engine's: the plan's reshards, blocking
     est_te = estimate_step(te, H100)
+    assert est_te.to_json()["torch_context_parallel"] is None
     assert est_te.comm_s["backward"] == pytest.approx(sum(r.plan.time_s for r in te.reshards if r.op_index == 1))
 
 

@@ -1,7 +1,7 @@
 """torch's context_parallel as torchtitan runs it, on the timeline: an allgather cp attention
 under ``--framework torchtitan``. Standard library only. docs/devices.md, "Context parallelism".
 
-torchtitan (9dec370, 2024-12-26: ``torchtitan/models/llama/model.py``, ``Attention.forward``)
+torchtitan (9dec370, 2024-12-26: its Llama ``model.py``, ``Attention.forward``)
 calls ``repeat_kv`` on K and V before ``F.scaled_dot_product_attention``, so torch's
 ``context_parallel`` (``_RotateMethod.ALL_GATHER``, ``experimental.context_parallel_rotate_method
 = "allgather"``) sees K and V with the query heads: ``n_rep`` = query heads / KV heads times the

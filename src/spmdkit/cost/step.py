@@ -109,6 +109,10 @@ class StepEstimate:
     #: micro-steps included)
     ring_comm_s: float = 0.0
     ring_exposed_s: float = 0.0
+    #: torch's context_parallel's allgather attention ops (``--framework torchtitan``; one
+    #: micro-step): the gathers of K / V with the query heads, the dK / dV ring, what stays exposed
+    #: (:mod:`spmdkit.cost.context_torch`)
+    torch_cp: list[TorchCpCost] = field(default_factory=list)
     #: causal cp attention without the zig-zag balance: the busiest cp rank's attention over the
     #: mean (1: balanced, :func:`spmdkit.cost.context.causal_imbalance`)
     cp_imbalance: float = 1.0
@@ -175,6 +179,12 @@ class StepEstimate:
                 "comm_s": {**self.comm_s, "inside_ops": self.kernel_comm_s, "gradient_buckets": self.grad_sync_s,
                            **({"ring_attention": self.ring_comm_s} if self.rings else {})},
                 "ring_attention": self.ring_json(), "cp_imbalance": self.cp_imbalance,
+                "torch_context_parallel": {"ops": len(self.torch_cp),
+                                           "forward": next((u.to_json() for u in self.torch_cp
+                                                            if u.phase == "forward"), None),
+                                           "backward": next((u.to_json() for u in self.torch_cp
+                                                             if u.phase == "backward"), None)}
+                if self.torch_cp else None,
                 "comm_total_s": self.comm_total_s, "step_serial_s": self.step_serial_s,
                 "step_overlap_s": self.step_overlap_s, "exposed_comm_s": self.exposed_comm_s,
                 "exposed_s": dict(self.exposed_s),
@@ -848,6 +858,7 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
     est.regathers = rerun.regathers
     est.timeline = run.timeline
     est.rings, est.ring_comm_s, est.ring_exposed_s = rings, ring_comm, ring_exposed
+    est.torch_cp = list(comm.under.values())
     cps = cp_ops(plan)
     est.cp_imbalance = max((causal_imbalance(c.ranks, c.balanced, c.causal) for c in cps if c.variant != "alltoall"),
                            default=1.0)
