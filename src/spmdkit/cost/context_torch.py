@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from spmdkit.core.dist_attr import TensorDistAttr, largest_shard
@@ -180,9 +180,7 @@ class TorchCpCost:
     exposed_s: float
 
     def to_json(self) -> dict[str, Any]:
-        return {"op_index": self.op_index, "phase": self.phase, "cp": self.cp, "rep": self.rep,
-                "gather_bytes": self.gather_bytes, "gather_s": self.gather_s, "dkv_bytes": self.dkv_bytes,
-                "dkv_s": self.dkv_s, "step_s": self.step_s, "comm_s": self.comm_s, "exposed_s": self.exposed_s}
+        return asdict(self)
 
 
 def torch_cp_ops(plan: Plan) -> list[CpOp]:
