@@ -96,6 +96,24 @@ def test_merges_by_hand() -> None:
         assert H100.op_time(op_cost(tt, i)) - H100.op_time(op_cost(te, i)) >= want / H100.hbm_rate * 0.999
 
 
+def test_merges_compiled_by_hand() -> None:
+    # --compile: torchtitan compiles each block with fullgraph=True, the ring traced into it;
+    # Inductor fuses each pointwise chain (each tensor read and written once) and drops the
+    # rotater's unused cats after the first
+    te = _plan("allgather")
+    tt = replace(te, runtime=Runtime(framework="torchtitan", compile=True))
+    q, kv, kvr = 2048 * 8 * 64, 2048 * 2 * 64 * 2, 4 * 2048 * 2 * 64 * 2
+    fwd = ((kv + 2 * kvr) * 2  # repeat_kv, contiguous and the first cat: one kernel
+           + 3 * (4 + 4 + 2) * q)  # each later step: the fp32 output read and written, the step's read
+    bwd = (3 * kvr * 2  # contiguous and the first cat
+           + (2 + 4) * (kvr + q)  # step 0: the gradients into fp32
+           + 3 * ((4 + 4 + 1) * kvr + (4 + 4 + 2) * q)  # later: dK / dV received, half added, sent; dQ
+           + 4 * kvr + 2 * kv + 6 * q)  # the last dK / dV cast and summed over the repeats; dQ cast
+    assert (fwd, bwd) == (40_894_464, 135_266_304)
+    for i, want in ((0, fwd), (1, bwd)):
+        assert op_cost(tt, i).cast_bytes - op_cost(te, i).cast_bytes == pytest.approx(want)
+
+
 def test_step_kernels_sequence() -> None:
     # torch launches cp flash kernels per op: step 0 causal over the rank's 2 chunks of S / 2cp
     # tokens, the others non-causal over one chunk: each at the rate of a S / 2cp sequence

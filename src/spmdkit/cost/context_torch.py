@@ -29,7 +29,9 @@ values', both in the activations' dtype):
 
 :func:`torch_cp_costs` gives each such op its all-gather (over the cp mesh dims, by the plan's
 cost model: across nodes where the cp ranks are, as under tp = 8), its dK / dV ring and what
-stays exposed (:func:`torch_cp_exposed`); :func:`merge_bytes` the memory-bound passes, timed at
+stays exposed (:func:`torch_cp_exposed`); :func:`merge_bytes` the memory-bound passes (op by op
+as written without ``--compile``; under it, torchtitan's ``torch.compile(block, fullgraph=True)``
+traces the ring into the block's graph and Inductor fuses each pointwise chain), timed at
 the device's HBM rate as the op's ``cast_bytes``, and its flash kernels at the step's sequence
 (:func:`torch_cp_op_cost`). The plan's own K / V
 all-gathers and dK / dV reduce-scatters of such an op (of the un-repeated heads) are replaced by
@@ -91,11 +93,18 @@ def local_qkv(plan: Plan, i: int) -> LocalQKV:
     return LocalQKV(q, k + v, rep, item)
 
 
-def merge_bytes(x: LocalQKV, cp: int, backward: bool) -> float:
+def merge_bytes(x: LocalQKV, cp: int, backward: bool, eager: bool = True) -> float:
     """Bytes the busiest cp rank's memory-bound passes read and write in one allgather cp
     attention op (module docstring) on ``x``'s shapes: the activations in ``x.itemsize`` bytes,
     the accumulators in fp32 (``convert_to_f32``). The busiest rank is the last: every step
-    after the first is a full-query one, merged whole (zig-zag ``i <= rank``)."""
+    after the first is a full-query one, merged whole (zig-zag ``i <= rank``), and in the
+    backward adds its step's dK / dV to the first half (``_partial_update``). ``eager``: each
+    PyTorch op its own kernel (torchtitan without ``--compile``); else torchtitan's
+    ``torch.compile(block, fullgraph=True)`` traces the ring into the block's graph (the functional
+    collectives are traceable) and Inductor runs each chain of pointwise ops and ``torch.cat`` as
+    one kernel, the rotater's unused ``torch.cat`` after the first dropped."""
+    if not eager:
+        return _compiled_merge_bytes(x, cp, backward)
     a, f = x.itemsize, 4
     q, kv, rest = x.q, x.rep_kv, cp - 1
     contiguous = 2 * kv * a  # key.contiguous(), value.contiguous() of the transposed repeat
@@ -119,6 +128,25 @@ def merge_bytes(x: LocalQKV, cp: int, backward: bool) -> float:
     return float(repeat + zeros + contiguous + cats + adds + sends + casts)
 
 
+def _compiled_merge_bytes(x: LocalQKV, cp: int, backward: bool) -> float:
+    """:func:`merge_bytes` under ``--compile``: one kernel per chain, each tensor read and
+    written once."""
+    a, f = x.itemsize, 4
+    q, kv, rest = x.q, x.rep_kv, cp - 1
+    if not backward:
+        # repeat_kv, .contiguous() and the rotater's first cat: the KV heads read, the repeated
+        # K, V and their cat written; each later step's merge: the fp32 output read and written,
+        # the step's output read (step 0's cast and the cast back fused into the first and last)
+        return float((x.kv + 2 * kv) * a + rest * (2 * f + a) * q)
+    # .contiguous() and the first cat; step 0's gradients cast into the fp32 accumulators (the
+    # zeros folded); each later step: the received fp32 dK / dV read, half of the step's added,
+    # the next cat written, and dQ read, added and written; the last received dK / dV cast back
+    # and summed over the repeats (repeat_kv's backward), dQ cast back
+    first = 3 * kv * a + (a + f) * (kv + q)
+    later = rest * ((2 * f + a / 2) * kv + (2 * f + a) * q)
+    return float(first + later + f * kv + a * x.kv + (f + a) * q)
+
+
 def torch_cp_op_cost(plan: Plan, i: int, c: OpCost) -> OpCost:
     """``c`` (allgather cp attention op ``i``'s cost, :func:`spmdkit.cost.context.cp_op_cost`) as
     torch's context_parallel runs it under ``--framework torchtitan``: ``cp`` flash kernels, not
@@ -131,7 +159,7 @@ def torch_cp_op_cost(plan: Plan, i: int, c: OpCost) -> OpCost:
     cp = cp_op(plan, i)
     if plan.runtime.framework != TORCH_CP or cp is None or cp.variant != "allgather" or cp.ranks <= 1:
         return c
-    extra = merge_bytes(local_qkv(plan, i), cp.ranks, plan.program.ops[i].phase == "backward")
+    extra = merge_bytes(local_qkv(plan, i), cp.ranks, plan.program.ops[i].phase == "backward", plan.runtime.eager)
     att = c.attention
     if att is not None:
         att = (att[0], max(1, att[1] // cp.ranks), att[2], att[3])
