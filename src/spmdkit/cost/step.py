@@ -439,7 +439,7 @@ def _communication(plan: Plan, comp: _Compute, device: Device) -> _Comm:
     torch_tp = overlap_tp and plan.runtime.framework in FSDP2  # torch's async TP (micro-pipeline TP)
     rs_grads = distributed_optimizer_grads(plan)
     moe_a2a = bool(plan_loads(plan)) or plan.runtime.moe_dispatcher != "alltoall"
-    under = {c.index for c in torch_cp_ops(plan)}  # torch's context_parallel gathers K / V itself
+    under = {c.index: set(c.dims) for c in torch_cp_ops(plan)}  # torch's context_parallel gathers K / V itself
     experts = expert_tensors(prog)
     again = regathers(plan)  # allgather attention's K / V gathered again for its grad
     readers: dict[str, list[int]] = {}
@@ -469,8 +469,8 @@ def _communication(plan: Plan, comp: _Compute, device: Device) -> _Comm:
                 if plan.reduced_each_microstep(r, param_grads, pipeline=True):
                     out.pipeline_each.add((j, len(out.pending[j]) - 1))
                 continue
-            if i in under and s.kind in ("all_gather", "reduce_scatter"):
-                continue  # the un-repeated K / V and dK / dV: torch's own below
+            if i in under and s.kind in ("all_gather", "reduce_scatter") and set(s.mesh_dims) <= under[i]:
+                continue  # the un-repeated K / V and dK / dV over cp: torch's own below
             out.by_phase[prog.ops[i].phase] += s.time_s
             n = math.prod(plan.mesh.shape[d] for d in s.mesh_dims)
             if s.kind == "all_gather" and r.tensor in plan.storage and not r.output and t.kind == "parameter":
