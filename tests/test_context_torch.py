@@ -14,6 +14,7 @@ from spmdkit.cost.collectives import time_of
 from spmdkit.cost.compute import op_cost
 from spmdkit.cost.context import ring_exposed
 from spmdkit.cost.context_torch import local_qkv, torch_cp_costs, torch_cp_exposed
+from spmdkit.cost.devices import cost_model, recost
 from spmdkit.cost.step import estimate_step
 from spmdkit.outputs.report import write_estimate
 from spmdkit.program.runtime import Runtime
@@ -124,4 +125,19 @@ def test_step_kernels_sequence() -> None:
         assert op_cost(tt, i).attention[1:] == (S // CP, D, True)
         assert op_cost(tt, i).flops == op_cost(te, i).flops
         assert H100.attention_rate(op_cost(tt, i)) < H100.attention_rate(op_cost(te, i))
+
+
+def test_cp_ranks_across_nodes_use_the_network() -> None:
+    # tp filling a node (Llama 3.1 405B's tp = 8) puts the cp ranks on other nodes: the gather and
+    # the dK / dV sends go over the network, by the plan's cost model (one rank a node here)
+    tt = replace(_plan("allgather"), runtime=Runtime(framework="torchtitan"))
+    apart = recost(tt, cost_model(tt.mesh, H100, 1))
+    times = [1e-3, 3e-3]
+    near, far = torch_cp_costs(tt, times), torch_cp_costs(apart, times)
+    assert apart.cost.group((0,)).nodes == CP and tt.cost.group((0,)).nodes == 1
+    for i in (0, 1):
+        assert far[i].gather_bytes == near[i].gather_bytes and far[i].dkv_bytes == near[i].dkv_bytes
+        want = time_of(apart.cost, "all_gather", (0,), far[i].gather_bytes, apart.mesh.shape)
+        assert far[i].gather_s == pytest.approx(want) and want > 2 * near[i].gather_s
+    assert far[1].dkv_s > 2 * near[1].dkv_s
 
