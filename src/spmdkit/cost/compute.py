@@ -34,6 +34,7 @@ from spmdkit.core.errors import SpmdError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel
 from spmdkit.cost.context import CP_RULES, cp_op_cost
+from spmdkit.cost.context_torch import torch_cp_op_cost
 from spmdkit.cost.eager import eager_cost
 from spmdkit.cost.loss import loss_cost
 from spmdkit.cost.moe import active_share, expert_op_cost
@@ -266,7 +267,7 @@ def op_cost(plan: Plan, i: int) -> OpCost:
     lop = local_op(plan.program, i, opp.required, opp.outputs, plan.attrs)
     c = expert_op_cost(plan, i, lop, cost_of) or cost_of(lop)
     if opp.op.rule in CP_RULES:
-        c = cp_op_cost(plan, i, c)
+        c = torch_cp_op_cost(plan, i, cp_op_cost(plan, i, c))  # under torchtitan: torch's context_parallel
     rt = plan.runtime
     if c.attention is not None and rt.framework == "torchtitan":  # AutoModel runs TE's attention, as Megatron
         c = replace(c, framework=rt.framework)

@@ -18,10 +18,10 @@ A cp attention op holds q, k, v sharded on their sequence axis over the ``cp`` m
   K and V all-gathered over cp before the attention (a reshard of the plan, cheap with GQA: hk
   heads), the local queries attend at their global positions; the backward reduce-scatters dK /
   dV. Transformer Engine runs the all-gather before the kernel ("not async, cannot be
-  overlapped"), so it blocks; torch's context_parallel (``_RotateMethod.ALL_GATHER``, its
-  default since torch 2.6) issues it asynchronously and computes the local block meanwhile:
-  under ``--framework torchtitan`` the all-gather overlaps ``1/cp`` of the attention
-  (:func:`allgather_exposed`).
+  overlapped"), so it blocks. torch's context_parallel (``_RotateMethod.ALL_GATHER``) runs
+  something else: K and V after torchtitan's ``repeat_kv`` gathered asynchronously under the
+  local block, the backward's dK / dV passed round a ring, fp32 merges per step
+  (:mod:`spmdkit.cost.context_torch`, under ``--framework torchtitan``).
 - **alltoall** (DeepSpeed-Ulysses, Jacobs et al. 2023): reshards only (q, k, v and the output
   all-to-all'ed between sequence and heads, forward and backward), blocking, as the plan's
   reshards already price them.
@@ -82,15 +82,6 @@ def ring_exposed(comm_s: float, compute_s: float, transfers: int, tail: int = 0)
     with one step's compute of ``compute_s``, leaves exposed: ``transfers x max(0, comm -
     compute)``, plus ``tail`` transfers under no compute (the backward's last dK / dV block)."""
     return max(0, transfers) * max(0.0, comm_s - compute_s) + max(0, tail) * comm_s
-
-
-def allgather_exposed(gather_s: float, attention_s: float, cp: int, overlapped: bool) -> float:
-    """The exposed part of the KV all-gather before an allgather attention of ``attention_s``:
-    all of it when it blocks (Transformer Engine), else ``max(0, gather - attention / cp)`` (torch
-    computes the local block while it runs)."""
-    if not overlapped or cp <= 1:
-        return gather_s
-    return max(0.0, gather_s - attention_s / cp)
 
 
 @dataclass(frozen=True)
@@ -267,15 +258,6 @@ def ring_buffers(plan: Plan) -> dict[int, int]:
     return out
 
 
-def gather_overlaps(plan: Plan) -> dict[int, int]:
-    """Op index -> cp ranks of the allgather attention ops (forward and grad) whose K / V
-    all-gathers (and the grad's dK / dV reduce-scatters) run under the local block (torch's
-    context_parallel: ``--framework torchtitan``); Transformer Engine's block (none)."""
-    if plan.runtime.framework != "torchtitan":
-        return {}
-    return {c.index: c.ranks for c in cp_ops(plan) if c.variant == "allgather" and c.ranks > 1}
-
-
 def regathers(plan: Plan) -> frozenset[int]:
     """Indices in ``plan.reshards`` of the K / V all-gathers an allgather attention's grad reads
     shared with its forward's: both frameworks keep the local K and V and gather them again for
@@ -289,5 +271,5 @@ def regathers(plan: Plan) -> frozenset[int]:
 
 
 __all__ = ["CP_ATTENTION", "CP_RULES", "CpOp", "GRAD_ACCUM_ITEMSIZE", "cp_op", "cp_op_cost", "cp_ops",
-           "gather_overlaps", "regathers", "ring_buffers", "ring_costs", "RingCost", "allgather_exposed", "causal_imbalance", "kv_block_bytes", "rank_blocks",
+           "regathers", "ring_buffers", "ring_costs", "RingCost", "causal_imbalance", "kv_block_bytes", "rank_blocks",
            "ring_cost", "ring_exposed"]

@@ -27,22 +27,8 @@ un-repeated heads, ``cp`` x the local k and v): :func:`allgather_buffers` is the
 
 from __future__ import annotations
 
-import math
-
-from spmdkit.core.dist_attr import TensorDistAttr, largest_shard
-from spmdkit.cost.context import cp_ops
+from spmdkit.cost.context_torch import local_qkv, torch_cp_ops
 from spmdkit.program.plan import Plan
-
-
-def _local(plan: Plan, i: int, name: str) -> tuple[int, tuple[int, ...]]:
-    """(local bytes, global shape) of op ``i``'s input ``name`` as it is made (the sequence's
-    ``1/cp`` shard: the op's own requirement of k and v is the plan's gathered copy)."""
-    prog = plan.program
-    n = prog.ops[i].inputs[name]
-    t = prog.tensors[n]
-    a = plan.attrs.get(n)
-    shape = largest_shard(a.dims_mapping, t.shape, a.mesh.shape) if isinstance(a, TensorDistAttr) else t.shape
-    return math.prod(shape) * t.itemsize, t.shape
 
 
 def torch_allgather_bytes(q: int, k: int, v: int, rep: int, cp: int, backward: bool) -> int:
@@ -61,19 +47,13 @@ def allgather_buffers(plan: Plan) -> dict[int, int]:
     """Op index -> bytes torch's context_parallel holds while that allgather cp attention op (or
     its grad) runs beyond what the plan counts (its gathered un-repeated K and V), under
     ``--framework torchtitan``; empty under the other frameworks."""
-    if plan.runtime.framework != "torchtitan":
-        return {}
     out: dict[int, int] = {}
-    for cp in cp_ops(plan):
-        if cp.variant != "allgather" or cp.ranks <= 1:
-            continue
+    for cp in torch_cp_ops(plan):
         i = cp.index
-        q, qs = _local(plan, i, "q")
-        k, ks = _local(plan, i, "k")
-        v, _ = _local(plan, i, "v")
-        rep = max(1, qs[2] // ks[2]) if len(qs) > 2 and len(ks) > 2 and ks[2] > 0 else 1
+        x = local_qkv(plan, i)
+        q, kv = x.q * x.itemsize, x.kv * x.itemsize
         backward = plan.program.ops[i].phase == "backward"
-        out[i] = max(0, torch_allgather_bytes(q, k, v, rep, cp.ranks, backward) - cp.ranks * (k + v))
+        out[i] = max(0, torch_allgather_bytes(q, kv, 0, x.rep, cp.ranks, backward) - cp.ranks * kv)
     return out
 
 

@@ -21,15 +21,8 @@ from spmdkit.cost.async_tp import fused_exposed, fused_window, reduce_partials_s
 from spmdkit.cost.band import error_band
 from spmdkit.cost.collectives import buffer_bytes, time_of
 from spmdkit.cost.compute import KernelCollective, kernel_collectives, local_shape, model_flops, op_cost
-from spmdkit.cost.context import (
-    RingCost,
-    allgather_exposed,
-    causal_imbalance,
-    cp_ops,
-    gather_overlaps,
-    regathers,
-    ring_costs,
-)
+from spmdkit.cost.context import RingCost, causal_imbalance, cp_ops, regathers, ring_costs
+from spmdkit.cost.context_torch import TorchCpCost, torch_cp_costs, torch_cp_ops
 from spmdkit.cost.devices import Device
 from spmdkit.cost.memory import rerun_points, saved_activations
 from spmdkit.cost.moe import expert_all_to_all, expert_tensors, plan_loads
@@ -116,6 +109,10 @@ class StepEstimate:
     #: micro-steps included)
     ring_comm_s: float = 0.0
     ring_exposed_s: float = 0.0
+    #: torch's context_parallel's allgather attention ops (``--framework torchtitan``; one
+    #: micro-step): the gathers of K / V with the query heads, the dK / dV ring, what stays exposed
+    #: (:mod:`spmdkit.cost.context_torch`)
+    torch_cp: list[TorchCpCost] = field(default_factory=list)
     #: causal cp attention without the zig-zag balance: the busiest cp rank's attention over the
     #: mean (1: balanced, :func:`spmdkit.cost.context.causal_imbalance`)
     cp_imbalance: float = 1.0
@@ -182,6 +179,12 @@ class StepEstimate:
                 "comm_s": {**self.comm_s, "inside_ops": self.kernel_comm_s, "gradient_buckets": self.grad_sync_s,
                            **({"ring_attention": self.ring_comm_s} if self.rings else {})},
                 "ring_attention": self.ring_json(), "cp_imbalance": self.cp_imbalance,
+                "torch_context_parallel": {"ops": len(self.torch_cp),
+                                           "forward": next((u.to_json() for u in self.torch_cp
+                                                            if u.phase == "forward"), None),
+                                           "backward": next((u.to_json() for u in self.torch_cp
+                                                             if u.phase == "backward"), None)}
+                if self.torch_cp else None,
                 "comm_total_s": self.comm_total_s, "step_serial_s": self.step_serial_s,
                 "step_overlap_s": self.step_overlap_s, "exposed_comm_s": self.exposed_comm_s,
                 "exposed_s": dict(self.exposed_s),
@@ -352,9 +355,9 @@ class _Comm:
     #: the distributed optimizer's all-gathers of updated parameters (Megatron: op -> (mesh
     #: dims, bytes, itemsize)), overlapped with the next step's forward
     param_gathers: dict[int, list[tuple[tuple[int, ...], float, int]]] = field(default_factory=dict)
-    #: a cp attention's K / V all-gathers run under its local block (torch's context_parallel):
-    #: op -> (seconds, cp ranks)
-    under: dict[int, tuple[float, int]] = field(default_factory=dict)
+    #: an allgather cp attention under torch's context_parallel: its own all-gather and dK / dV
+    #: ring in place of the plan's reshards (:mod:`spmdkit.cost.context_torch`): op -> its cost
+    under: dict[int, TorchCpCost] = field(default_factory=dict)
     #: a TP reduce-scatter's SM share taken from the GEMM it overlaps (:func:`ub_sm_tax`)
     rs_tax: float = 0.0
     #: the gradient reductions of ``pending`` the framework runs in every micro-step's backward,
@@ -377,9 +380,7 @@ class _Comm:
         for c, j, n, kind in self.tp.get(i, ()):
             t += overlap_exposed(c, times[j], n, self.rs_tax if kind == "reduce_scatter" else 0.0)
         u = self.under.get(i)
-        if u is not None:
-            t += allgather_exposed(u[0], times[i], u[1], True)
-        return t
+        return t + (u.exposed_s if u is not None else 0.0)
 
 
 def _producers(plan: Plan) -> dict[str, int]:
@@ -438,7 +439,7 @@ def _communication(plan: Plan, comp: _Compute, device: Device) -> _Comm:
     torch_tp = overlap_tp and plan.runtime.framework in FSDP2  # torch's async TP (micro-pipeline TP)
     rs_grads = distributed_optimizer_grads(plan)
     moe_a2a = bool(plan_loads(plan)) or plan.runtime.moe_dispatcher != "alltoall"
-    under = gather_overlaps(plan)
+    under = {c.index: set(c.dims) for c in torch_cp_ops(plan)}  # torch's context_parallel gathers K / V itself
     experts = expert_tensors(prog)
     again = regathers(plan)  # allgather attention's K / V gathered again for its grad
     readers: dict[str, list[int]] = {}
@@ -468,6 +469,8 @@ def _communication(plan: Plan, comp: _Compute, device: Device) -> _Comm:
                 if plan.reduced_each_microstep(r, param_grads, pipeline=True):
                     out.pipeline_each.add((j, len(out.pending[j]) - 1))
                 continue
+            if i in under and s.kind in ("all_gather", "reduce_scatter") and set(s.mesh_dims) <= under[i]:
+                continue  # the un-repeated K / V and dK / dV over cp: torch's own below
             out.by_phase[prog.ops[i].phase] += s.time_s
             n = math.prod(plan.mesh.shape[d] for d in s.mesh_dims)
             if s.kind == "all_gather" and r.tensor in plan.storage and not r.output and t.kind == "parameter":
@@ -480,10 +483,6 @@ def _communication(plan: Plan, comp: _Compute, device: Device) -> _Comm:
                     and s.kind == "all_gather" and t.kind == "parameter":
                 out.param_gathers.setdefault(i, []).append((s.mesh_dims, buffer_bytes(s.kind, s.bytes_per_rank, n),
                                                             t.itemsize))
-                continue
-            if i in under and s.kind in ("all_gather", "reduce_scatter"):
-                secs, _n = out.under.get(i, (0.0, under[i]))
-                out.under[i] = (secs + s.time_s, under[i])
                 continue
             gemm = -1
             tp_act = s.kind in ("all_gather", "reduce_scatter") and t.kind in ("activation", "gradient") \
@@ -506,6 +505,9 @@ def _communication(plan: Plan, comp: _Compute, device: Device) -> _Comm:
     for g, per in gathers.items():
         secs = sum(time_of(plan.cost, "all_gather", dims, b, plan.mesh.shape) for dims, b in per.items())
         out.prefetch[g] = (secs, out.prefetch[g][1])
+    out.under = torch_cp_costs(plan, comp.times)
+    for i, u in out.under.items():
+        out.by_phase[prog.ops[i].phase] += u.comm_s
     return out
 
 
@@ -856,6 +858,7 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
     est.regathers = rerun.regathers
     est.timeline = run.timeline
     est.rings, est.ring_comm_s, est.ring_exposed_s = rings, ring_comm, ring_exposed
+    est.torch_cp = list(comm.under.values())
     cps = cp_ops(plan)
     est.cp_imbalance = max((causal_imbalance(c.ranks, c.balanced, c.causal) for c in cps if c.variant != "alltoall"),
                            default=1.0)

@@ -353,6 +353,24 @@ def write_rings(est: StepEstimate, out: TextIO) -> None:
                  f" under {fmt_time(bwd.get('step_compute_s', 0.0))}" if bwd else "") + "\n")
 
 
+def write_torch_cp(est: StepEstimate, out: TextIO) -> None:
+    """torch's context_parallel's allgather attention (``--framework torchtitan``): the K / V
+    all-gather with the query heads, the backward's dK / dV ring (spmdkit.cost.context_torch)."""
+    fwd = next((u for u in est.torch_cp if u.phase == "forward"), None)
+    bwd = next((u for u in est.torch_cp if u.phase == "backward"), None)
+    first = fwd or bwd
+    if first is None:
+        return
+    text = (f"torch context_parallel over cp={first.cp}: K and V after repeat_kv (x{first.rep}) all-gathered, "
+            f"{fmt_bytes(first.gather_bytes)} in {fmt_time(first.gather_s)} under a {fmt_time(first.step_s)} "
+            f"local block, {fmt_time(fwd.exposed_s if fwd else 0.0)} exposed a forward op")
+    if bwd is not None:
+        text += (f"; the backward's fp32 dK / dV ring: {bwd.cp} sends of {fmt_bytes(bwd.dkv_bytes)} in "
+                 f"{fmt_time(bwd.dkv_s)} each under {fmt_time(bwd.step_s)} steps, {fmt_time(bwd.exposed_s)} "
+                 f"exposed a backward op")
+    out.write(text + "\n")
+
+
 def write_estimate(est: StepEstimate, out: TextIO) -> None:
     """The predicted step (spmdkit.cost.step.estimate_step) as a table and a few lines."""
     d = est.device
@@ -379,6 +397,8 @@ def write_estimate(est: StepEstimate, out: TextIO) -> None:
               f"reductions overlapped with the backward ({fmt_time(exposed)} of communication exposed)\n")
     if est.rings:
         write_rings(est, out)
+    if est.torch_cp:
+        write_torch_cp(est, out)
     if est.cp_imbalance > 1.0:
         out.write(f"causal imbalance: without the zig-zag balance the last cp rank computes {est.cp_imbalance:.2f} x "
                   f"the mean attention (every rank waits for it); the zig-zag balance evens it\n")
