@@ -2,8 +2,9 @@
 LONG_SEQ tokens the search splits dp into dp x cp as for a preset, each cp configuration planned on
 the model traced again for its cp layout (the zig-zag token order, cp_attention of its variant:
 models/hf_cp.py), so the best plan equals ``plan --hf --mesh ... --strategy ...,cp`` of the same
-layout; a pipeline with cp and ``--auto`` on a cp mesh are refused by name. Tiny Llama / Mixtral
-(hidden 64 / 32) traced at 16,384 tokens (an import of 0.3-0.5 s)."""
+layout; with ``--auto`` the exact search on a cp mesh runs on the model imported for cp as
+``plan --hf --auto --mesh ...,cp=N`` does; a pipeline with cp is refused by name. Tiny Llama /
+Mixtral (hidden 64 / 32) traced at 16,384 tokens (an import of 0.3-0.5 s)."""
 
 from __future__ import annotations
 
@@ -18,10 +19,15 @@ pytest.importorskip("transformers")
 
 from conftest import cli_stdout
 from hf_moe_helpers import MIXTRAL
+from spmdkit.cost.devices import cost_model, load_device
+from spmdkit.models.hf import import_hf
 from spmdkit.models.source import HFModel, load
+from spmdkit.planner.auto import auto_plan
 from spmdkit.planner.search import search_meshes
-from spmdkit.planner.search_space import CP_VARIANTS, HF_AUTO_CP, LONG_SEQ, _work, hand_strategies, program_sizes
+from spmdkit.planner.search_space import CP_VARIANTS, LONG_SEQ, _work, hand_strategies, program_sizes
+from spmdkit.sim.plan import simulate_plan
 from spmdkit.strategies.context import hf_pipeline_refusal
+from spmdkit.strategies.strategy import parse_mesh
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
@@ -29,6 +35,9 @@ LLAMA = json.dumps({"hidden_size": 64, "intermediate_size": 128, "num_hidden_lay
                     "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": LONG_SEQ})
 MOE = json.dumps({**MIXTRAL, "max_position_embeddings": LONG_SEQ})
 SEQ = str(LONG_SEQ)
+#: the simulated one: 1 layer, hidden 32, 64 tokens
+SMALL = json.dumps({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+                           "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 64})
 
 
 def _json(cls: str, config: str, batch: int, *argv: str) -> dict[str, Any]:
@@ -75,8 +84,8 @@ def test_a_pipeline_with_cp_is_refused_by_name(llama: dict[str, Any]) -> None:
 
 
 def test_the_space_is_the_presets_each_variant_traced_for_its_own() -> None:
-    """The hand strategies of a cp mesh are the preset's (each CP_VARIANT, ZeRO over dp x cp), --auto on
-    a cp mesh refused by name; under LONG_SEQ tokens no cp at all. Each planned configuration's program
+    """The hand strategies of a cp mesh are the preset's (each CP_VARIANT, ZeRO over dp x cp) and auto;
+    under LONG_SEQ tokens no cp at all. Each planned configuration's program
     was traced for its variant (one import per cp layout)."""
     src = HFModel("LlamaForCausalLM", LLAMA, "float32", 2, LONG_SEQ, weights=False)
     prog = load(src).program
@@ -88,9 +97,9 @@ def test_the_space_is_the_presets_each_variant_traced_for_its_own() -> None:
         if c.cp > 1:
             cp[(c.dp, c.cp, c.tp)].add(c.strategy)
     assert set(cp) == {(2, 2, 1), (1, 4, 1), (1, 2, 2)}
-    assert cp[(2, 2, 1)] == set(hand_strategies(2, 1, 1, 2)) and len(cp[(2, 2, 1)]) == 4 * len(CP_VARIANTS)
-    assert cp[(1, 2, 2)] == set(hand_strategies(1, 2, 1, 2))  # alltoall kept: the heads refuse it when planned
-    assert {(c.dp, c.cp, c.tp) for c, why in refused if why == HF_AUTO_CP} == set(cp)
+    assert cp[(2, 2, 1)] == {*hand_strategies(2, 1, 1, 2), "auto"} and len(cp[(2, 2, 1)]) == 4 * len(CP_VARIANTS) + 1
+    assert cp[(1, 2, 2)] == {*hand_strategies(1, 2, 1, 2), "auto"}  # alltoall kept: the heads refuse it when planned
+    assert not [c for c, _why in refused if c.cp > 1]
     short = program_sizes(load(replace(src, seq=LONG_SEQ // 2)).program, 2, None, 0, True)
     assert all(c.cp == 1 for c in _work(4, True, short, None, True)[0])
 
@@ -122,3 +131,47 @@ def test_moe_ep_from_cp_equals_the_hand_plan() -> None:
     assert found["title"].endswith("; traced for cp over 4 ranks (allgather, zigzag)")
     hand = _json("MixtralForCausalLM", MOE, 1, "--mesh", "dp=1,cp=2,ep=2,tp=1", "--strategy", strategy)
     _same_as_by_hand(found, hand)
+
+
+def test_auto_on_a_cp_mesh_searches_the_cp_import_as_plan_auto_does() -> None:
+    """--devices --auto, one sequence on 2 devices: dp=2 cannot take it, tp=2 and dp=1 x cp=2 can, the latter searched on the
+    model imported for cp (allgather, zig-zag), its shardings those of ``plan --hf --auto --mesh
+    dp=1,cp=2,tp=1``. Before: --auto on a cp mesh refused an --hf model."""
+    src = HFModel("LlamaForCausalLM", LLAMA, "float32", 1, LONG_SEQ, weights=False)
+    traced: list[Any] = []
+
+    def reload(b: int, chunks: int, trace: Any) -> Any:
+        traced.append((b, chunks, trace))
+        return load(replace(src, batch=b, tp_chunks=chunks, cp=trace)).program
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = search_meshes(load(src).program, 2, "h100", auto=True, strategies=[], recompute=["none"],
+                            pipeline=False, reload=reload, time_limit=20)
+    assert traced == [(1, 1, (2, "allgather", "zigzag"))]
+    got = {c.config.sub_mesh_text: c for c in res.candidates}
+    assert sorted(got) == ["dp=1,cp=2,tp=1", "dp=1,tp=2"] and {c.config.strategy for c in got.values()} == {"auto"}
+    found = got["dp=1,cp=2,tp=1"].plan
+    assert any(op.rule == "cp_attention" for op in found.program.ops)
+    hand = _json("LlamaForCausalLM", LLAMA, 1, "--mesh", "dp=1,cp=2,tp=1", "--auto")
+    assert {n: list(a.dims_mapping) for n, a in found.attrs.items()} == \
+        {n: t["dims_mapping"] for n, t in hand["tensors"].items()}
+    assert hand["step"]["cp"] == 2
+    # at 16,384 tokens the search splits the sequence of attention's query over cp (mesh dim 1)
+    q = next(op for op in found.program.ops if op.rule == "cp_attention").inputs["q"]
+    assert found.attrs[q].dims_mapping == (-1, 1, -1, -1)
+
+
+@pytest.mark.parametrize("variant", ["allgather", "ring"])
+def test_an_auto_plan_of_the_cp_import_simulates_equal(variant: str) -> None:
+    """The exact search on an import traced for cp, its attention pinned split over cp (the output's
+    sequence and the query positions): the plan simulates equal to the unsharded step."""
+    mesh = parse_mesh("cp=2")
+    prog, _m, _kw = import_hf("LlamaForCausalLM", SMALL, batch=1, seq=64, cp=(2, variant, "zigzag"))
+    op = next(op for op in prog.ops if op.rule == "cp_attention")
+    dev = load_device("h100")
+    plan, _info = auto_plan(prog, mesh, {op.outputs[0]: [-1, 0, -1, -1], op.inputs["q_positions"]: [0]},
+                           cost=cost_model(mesh, dev), device=dev, time_limit=20)
+    assert plan.attrs[op.inputs["q"]].dims_mapping == (-1, 0, -1, -1)
+    rep = simulate_plan(plan)
+    assert rep.ok and rep.checked == 216, rep.failures[:3]

@@ -29,11 +29,6 @@ from spmdkit.strategies.strategy import parse_mesh, parse_strategy, tp_problem
 #: (context parallelism: Llama 3 trained from 8k with cp from 16k up; torchtitan and NeMo from 16k-32k)
 LONG_SEQ = 16384
 
-#: why an imported model's search has no exact search on a cp mesh (``plan --auto --mesh cp=..``
-#: refuses an --hf model the same: strategies.context.auto_config)
-HF_AUTO_CP = ("--auto on a cp mesh: the exact search splits the sequence of a model built with cp_attention; an "
-              "--hf model's program is traced for cp by a strategy's variant only (the hand ,cp strategies are "
-              "searched)")
 
 
 @dataclass(frozen=True)
@@ -167,7 +162,7 @@ def program_for(cfg: Config, prog: Program, sizes: _Sizes, reload: Reload | None
     chunks = 1 if cfg.strategy == "auto" else tp_chunks(_sub_mesh(cfg), parts)
     if sizes.experts % (cfg.ep * cfg.tp):
         chunks = 1  # check_ep refuses ETP = 1 here before the routing is looked at
-    cp = None if cfg.strategy == "auto" else hf_cp(_sub_mesh(cfg), parts, sizes.seq)
+    cp = hf_cp(_sub_mesh(cfg), ["cp"] if cfg.strategy == "auto" else parts, sizes.seq)  # auto: as plan --hf --auto
     micro = cfg.pp > 1 and cfg.microbatches > 1
     if not micro and chunks == 1 and cp is None:
         return prog, ""
@@ -346,9 +341,7 @@ def _work(devices: int, pipeline: bool, sizes: _Sizes, given: list[str] | None,
                                 f"{ranks} data-parallel ranks does not divide the global batch {batch}"))
                 continue
             names = list(given) if given is not None else hand_strategies(dp, tp, ep, cp, sizes.experts, from_cp)
-            if auto and not from_cp and cp > 1 and sizes.config is None:
-                refused.append((Config(dp, tp, pp, "auto", "none", m, ep, cp), HF_AUTO_CP))
-            elif auto and not from_cp:  # (the exact search chooses shardings on a mesh, not where ep is carved from)
+            if auto and not from_cp:  # (the exact search chooses shardings on a mesh, not where ep is carved from)
                 names.append("auto")
             for s, (m, accum) in ((s, st) for st in steps for s in names):
                 cfg = Config(dp, tp, pp, s, "none", m, ep, cp, accum)
@@ -400,7 +393,7 @@ def _sub_mesh(cfg: Config) -> ProcessMesh:
     return parse_mesh(cfg.sub_mesh_text)
 
 
-__all__ = ["LONG_SEQ", "MICRO_BATCHES", "VIRTUAL", "Config", "Reload", "context_degrees", "ep_from_cp_degrees", "CpTrace", "HF_AUTO_CP", "program_sizes",
+__all__ = ["LONG_SEQ", "MICRO_BATCHES", "VIRTUAL", "Config", "Reload", "context_degrees", "ep_from_cp_degrees", "CpTrace", "program_sizes",
            "expert_degrees", "factorizations",
            "parse_memory",
            "hand_strategies", "program_for"]
