@@ -23,7 +23,7 @@ from spmdkit.cost.devices import cost_model, load_device
 from spmdkit.models.hf import import_hf
 from spmdkit.models.source import HFModel, load
 from spmdkit.planner.auto import auto_plan
-from spmdkit.planner.search import search_meshes
+from spmdkit.planner.search import SearchResult, search_meshes
 from spmdkit.planner.search_space import CP_VARIANTS, LONG_SEQ, _work, hand_strategies, program_sizes
 from spmdkit.sim.plan import simulate_plan
 from spmdkit.strategies.context import hf_pipeline_refusal
@@ -54,6 +54,21 @@ def _same_as_by_hand(found: dict[str, Any], hand: dict[str, Any]) -> None:
     """The search's best plan is the hand plan: the same step, shardings, reshards and memory."""
     for key in ("mesh", "step", "tensors", "reshards", "totals", "kernel_collectives", "memory"):
         assert found[key] == hand[key], key
+
+
+def _search(src: HFModel, **kw: Any) -> tuple[SearchResult, list[Any]]:
+    """``src``'s search on 2 devices without a pipeline (recompute none), and the (batch, tp chunks,
+    cp) of each import its reload traced, as ``plan --devices`` reloads an --hf model."""
+    traced: list[Any] = []
+
+    def reload(b: int, chunks: int, trace: Any) -> Any:
+        traced.append((b, chunks, trace))
+        return load(replace(src, batch=b, tp_chunks=chunks, cp=trace)).program
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = search_meshes(load(src).program, 2, "h100", recompute=["none"], pipeline=False, reload=reload, **kw)
+    return res, traced
 
 
 @pytest.fixture(scope="module")
@@ -103,16 +118,7 @@ def test_the_space_is_the_presets_each_variant_traced_for_its_own() -> None:
     short = program_sizes(load(replace(src, seq=LONG_SEQ // 2)).program, 2, None, 0, True)
     assert all(c.cp == 1 for c in _work(4, True, short, None, True)[0])
 
-    traced: list[Any] = []
-
-    def reload(b: int, chunks: int, trace: Any) -> Any:
-        traced.append((b, chunks, trace))
-        return load(replace(src, batch=b, tp_chunks=chunks, cp=trace)).program
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        res = search_meshes(prog, 2, "h100", recompute=["none"], pipeline=False, reload=reload,
-                            strategies=["dp,cp", "dp,cp,cp-attention=ring", "dp,cp,cp-attention=alltoall"])
+    res, traced = _search(src, strategies=["dp,cp", "dp,cp,cp-attention=ring", "dp,cp,cp-attention=alltoall"])
     assert traced == [(2, 1, (2, v, "zigzag")) for v in ("allgather", "ring", "alltoall")]
     assert [c.config.strategy for c in res.candidates if c.config.cp == 2] and not res.refused
     for c in res.candidates:
@@ -134,20 +140,11 @@ def test_moe_ep_from_cp_equals_the_hand_plan() -> None:
 
 
 def test_auto_on_a_cp_mesh_searches_the_cp_import_as_plan_auto_does() -> None:
-    """--devices --auto, one sequence on 2 devices: dp=2 cannot take it, tp=2 and dp=1 x cp=2 can, the latter searched on the
-    model imported for cp (allgather, zig-zag), its shardings those of ``plan --hf --auto --mesh
-    dp=1,cp=2,tp=1``. Before: --auto on a cp mesh refused an --hf model."""
+    """--devices --auto, one sequence on 2 devices: dp=2 cannot take it, tp=2 and dp=1 x cp=2 can, the
+    latter searched on the model imported for cp (allgather, zig-zag), its shardings those of ``plan
+    --hf --auto --mesh dp=1,cp=2,tp=1``. Before: --auto on a cp mesh refused an --hf model."""
     src = HFModel("LlamaForCausalLM", LLAMA, "float32", 1, LONG_SEQ, weights=False)
-    traced: list[Any] = []
-
-    def reload(b: int, chunks: int, trace: Any) -> Any:
-        traced.append((b, chunks, trace))
-        return load(replace(src, batch=b, tp_chunks=chunks, cp=trace)).program
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        res = search_meshes(load(src).program, 2, "h100", auto=True, strategies=[], recompute=["none"],
-                            pipeline=False, reload=reload, time_limit=20)
+    res, traced = _search(src, auto=True, strategies=[], time_limit=20)
     assert traced == [(1, 1, (2, "allgather", "zigzag"))]
     got = {c.config.sub_mesh_text: c for c in res.candidates}
     assert sorted(got) == ["dp=1,cp=2,tp=1", "dp=1,tp=2"] and {c.config.strategy for c in got.values()} == {"auto"}
