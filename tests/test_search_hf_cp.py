@@ -73,7 +73,7 @@ def _search(src: HFModel, **kw: Any) -> tuple[SearchResult, list[Any]]:
 
 @pytest.fixture(scope="module")
 def llama() -> dict[str, Any]:
-    return _json("LlamaForCausalLM", LLAMA, 2, "--devices", "4", "--strategy", "dp,cp")
+    return _json("LlamaForCausalLM", LLAMA, 2, "--devices", "4", "--strategy", "dp,cp", "--verify")
 
 
 def test_the_search_splits_the_sequence_and_equals_the_hand_plan(llama: dict[str, Any]) -> None:
@@ -88,6 +88,8 @@ def test_the_search_splits_the_sequence_and_equals_the_hand_plan(llama: dict[str
     assert llama["step"]["step_overlap_s"] == top[("dp=2,cp=2,tp=1", "dp,cp")] and llama["step"]["cp"] == 2
     # the sequence over cp: a rank's tokens are 1/4 of the batch's (dp 2 x cp 2)
     assert llama["tensors"]["input_ids"]["dims_mapping"] == [0, 1]
+    # --verify: the best layout simulated at a tiny config (the import traced for cp there too)
+    assert llama["verify"]["ok"] and llama["verify"]["checked"] > 300, llama["verify"]["text"]
 
 
 def test_a_pipeline_with_cp_is_refused_by_name(llama: dict[str, Any]) -> None:
