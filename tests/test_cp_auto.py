@@ -1,7 +1,8 @@
 """``plan --auto`` on a mesh with a cp dim: the preset is built with cp_attention (its positions
 recorded in zig-zag order) so the exact search may split the sequence over cp, and ``--verify``
-simulates the searched shardings on the tiny model built the same way; an imported model and a
-strategy item that is no cp option are refused in one line."""
+simulates the searched shardings on the tiny model built the same way; a program file and a
+strategy item that is no cp option are refused in one line (an --hf model is imported for cp:
+tests/test_search_hf_cp.py)."""
 
 from __future__ import annotations
 
@@ -46,10 +47,12 @@ def test_auto_config_builds_the_variant_asked_and_refuses_what_it_cannot() -> No
         auto_config(preset("tiny-llama"), parse_mesh("dp=2"), ["cp-attention=ring"], None)
     assert str(e.value) == ("--cp-attention ring: context parallelism is not asked for (--auto splits the sequence on "
                             "a cp mesh dim of more than one rank)")
+    # an --hf model is imported for cp instead (no zoo config): tests/test_search_hf_cp.py
+    assert auto_config(None, mesh, ["cp-attention=ring"], "--hf") is None
     with pytest.raises(ProgramError) as e:
-        auto_config(None, mesh, [], "--hf")
-    assert str(e.value) == ("--auto --mesh cp=2: context parallelism needs the model built with cp_attention; an --hf "
-                            "model is not (plan it with --strategy ...,cp)")
+        auto_config(None, mesh, [], "--program")
+    assert str(e.value) == ("--auto --mesh cp=2: context parallelism needs the model built or imported with "
+                            "cp_attention; a --program file is not (give the preset, catalog or --hf model)")
     with pytest.raises(ProgramError) as e:
         auto_config(preset("tiny-llama"), parse_mesh("cp=8"), [], None)
     assert str(e.value) == ("--mesh cp=8: the sequence of 8 tokens does not split into 2 x cp = 16 chunks (the zig-zag "

@@ -271,7 +271,8 @@ def test_devices_traces_the_model_once_per_batch_and_routing() -> None:
     src = HFModel("MixtralForCausalLM", MIXTRAL2, "float32", 8, 16, weights=False)
     traced: list[tuple[int, int]] = []
 
-    def reload(b: int, chunks: int) -> Any:
+    def reload(b: int, chunks: int, cp: Any) -> Any:
+        assert cp is None  # 16 tokens: no cp tried
         traced.append((b, chunks))
         return load(replace(src, batch=b, tp_chunks=chunks)).program
 

@@ -253,7 +253,8 @@ def test_devices_searches_pipelines_of_an_hf_model(hf_and_preset: Any) -> None:
     src = HFModel("LlamaForCausalLM", json.dumps(TINY_LLAMA_HF), "float32", 4, 8)
     traced: list[int] = []
 
-    def reload(b: int, chunks: int) -> Any:
+    def reload(b: int, chunks: int, cp: Any) -> Any:
+        assert cp is None  # 8 tokens: no cp tried
         traced.append(b)
         assert chunks == 1  # dp only: routed whole (a dense model has no MoE block)
         return load(replace(src, batch=b)).program

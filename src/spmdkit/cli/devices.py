@@ -28,6 +28,7 @@ from spmdkit.planner.bubble import BubbleHint, bubble_hint
 from spmdkit.planner.pipeline import PipelineEstimate, pp_cost_text
 from spmdkit.planner.planning import MAX_SIZE, parse_cost, parse_size
 from spmdkit.planner.search import Candidate, SearchResult, search_meshes
+from spmdkit.planner.search_space import CpTrace
 from spmdkit.program.ir import Program
 from spmdkit.strategies.strategy import MAX_RANKS, parse_mesh
 
@@ -54,8 +55,9 @@ def run_devices(req: PlanRequest, out: TextIO) -> int:
         loaded = load(source)
         model, what = loaded.program, loaded.title
 
-        def reload(b: int, chunks: int) -> Program:  # a pipeline's microbatch (b sequences); etp=1's tp chunks
-            return load(replace(source, batch=b, tp_chunks=chunks)).program
+        def reload(b: int, chunks: int, cp: CpTrace) -> Program:
+            # a pipeline's microbatch (b sequences); etp=1's tp chunks; a cp mesh's token order (as plan_source)
+            return load(replace(source, batch=b, tp_chunks=chunks, cp=cp)).program
 
     elif m.program:
         loaded = load(program_source(m, layers, batch, seq))

@@ -46,6 +46,7 @@ from spmdkit.planner.auto import AutoInfo, auto_plan
 from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, parse_cost, parse_size
 from spmdkit.planner.search import parse_memory
 from spmdkit.strategies.context import auto_config as auto_cp_config
+from spmdkit.strategies.context import hf_cp
 from spmdkit.strategies.strategy import parse_mesh
 
 
@@ -237,9 +238,12 @@ def _run_auto(req: PlanRequest, out: TextIO, recompute: str, user: dict[str, Any
     mesh = parse_mesh(req.mesh_text)
     t0 = time.perf_counter()
     source = _auto_source(req, sizes)
-    # on a cp mesh a preset is built with cp_attention (the search then splits the sequence over cp)
+    # on a cp mesh a preset is built with cp_attention, an --hf model imported for cp (the search then
+    # splits the sequence over cp)
     cp_cfg = auto_cp_config(sizes.config() if isinstance(source, Preset) else None, mesh, items,
                             "--hf" if m.hf is not None else "--program" if m.program else None)
+    if isinstance(source, HFModel):
+        source = replace(source, cp=hf_cp(mesh, ["cp", *items], source.seq))
     # a preset with the vocab-parallel loss: its rule also takes the class axis whole (the plain loss)
     loaded = load_preset(source, cp_cfg, True) if isinstance(source, Preset) and cp_cfg is not None else \
         load(source, vocab_parallel_loss=True)

@@ -93,7 +93,7 @@ from spmdkit.planner.stage_costs import Grad, StageCost, reduce_gradients, singl
 from spmdkit.program.ir import Program
 from spmdkit.program.layers import layer_tags
 from spmdkit.program.plan import Plan
-from spmdkit.strategies.context import hf_cp
+from spmdkit.strategies.context import hf_cp, hf_pipeline_refusal
 from spmdkit.strategies.experts import tp_chunks
 from spmdkit.strategies.strategy import parse_mesh, parse_strategy
 
@@ -797,9 +797,7 @@ def plan_pipeline_source(source: ModelSource, mesh_text: str, strategy_text: str
             sm = parse_mesh(sub)
             st = parse_strategy(strategy or "megatron", sm)  # a bad mesh / strategy before importing
             if hf_cp(sm, st, source.seq) is not None:
-                raise ProgramError(f"--mesh {mesh_text}: context parallelism of an --hf model in a pipeline is not "
-                                   f"built (the stages are imported without cp's token order); plan it without pp, "
-                                   f"or plan a catalog / --model-config model with pp and cp")
+                raise ProgramError(hf_pipeline_refusal(mesh_text))
             # megatron,sp,ep,etp=1: each sequence routed one chunk a tp rank (Megatron's token path)
             source = replace(source, batch=source.batch // m, tp_chunks=tp_chunks(sm, st))
         loaded = load(source)

@@ -21,11 +21,12 @@ the allocated peak, the caching allocator's reserve, the CUDA context and NCCL's
 configuration whose memory per device is over the cap (the device's memory by default) is
 rejected; the others are ranked by predicted step time.
 
-Context parallelism: for a preset whose sequence is :data:`LONG_SEQ` tokens or more, each
-data-parallel degree (without ep) is also split into ``dp x cp`` (:func:`context_degrees`: cp
+Context parallelism: for a preset (or an --hf model, traced again for each cp layout) whose
+sequence is :data:`LONG_SEQ` tokens or more, each data-parallel degree (without ep) is also split into ``dp x cp`` (:func:`context_degrees`: cp
 dividing it, the sequence into ``2 cp`` zig-zag chunks; the mesh ``dp=D,cp=C,tp=T``) with the hand
 strategies plus ``,cp`` and, with ``auto``, the exact search on the model built with
-``cp_attention``; a shorter sequence searches exactly the meshes it did before.
+``cp_attention`` (an --hf model: imported for cp, allgather; no pipeline with cp, refused by
+name); a shorter sequence searches exactly the meshes it did before.
 
 Which factorisations are tried: dp divides the global batch (each rank a whole number of
 sequences), tp divides the attention heads (Megatron's requirement; a preset only), pp is at
@@ -37,8 +38,8 @@ a strategy cannot take, the search finding no solution in its time limit) is kep
 ``--annotate`` pins in a search index the mesh ``dp, tp`` (dims 0 and 1; a pipeline's pp dim
 holds no tensor). The global batch is the preset's (``--batch``); with pp it is split into the
 microbatches, so every configuration trains the same tokens per step. A program (imported or
-from a file) is planned as it was traced; with ``reload`` (an HF model imported again at a batch
-and a routing) its pipelines are in microbatches and ``etp=1`` routed in tp chunks as a preset's;
+from a file) is planned as it was traced; with ``reload`` (an HF model imported again at a batch,
+a routing and a cp layout) its pipelines are in microbatches and ``etp=1`` routed in tp chunks as a preset's;
 without it (a program file) a pipeline runs the program's step as one microbatch.
 
 Layer folding (:mod:`spmdkit.planner.fold`, ``fold=True``): a preset's configuration is planned
@@ -117,12 +118,12 @@ from spmdkit.planner.search_space import (
     hand_strategies,
     parse_memory,
     program_for,
+    program_sizes,
 )
 from spmdkit.program.ir import Program
 from spmdkit.program.layers import layer_tags
 from spmdkit.program.plan import Plan
 from spmdkit.program.runtime import Runtime
-from spmdkit.strategies.hf import data_inputs
 from spmdkit.strategies.strategy import MAX_RANKS, parse_mesh
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -321,12 +322,6 @@ def _pricing(plan_in: Plan, job: _Job) -> tuple[Plan, OpComm, dict[str, StepEsti
     return got[3], op_communication(got[3], job.device), got[4]
 
 
-def _batch_of(prog: Program) -> int | None:
-    ins = data_inputs(prog)
-    shapes = [prog.tensors[n].shape for n in ins if prog.tensors[n].shape]
-    return shapes[0][0] if shapes else None
-
-
 def _model_sizes(model: str, overrides: Mapping[str, int | None] | None) -> tuple[ModelConfig, _Sizes]:
     """The preset ``model`` with ``--layers`` / ``--batch`` / ``--seq`` applied, and its sizes."""
     cfg = preset(str(model))
@@ -376,7 +371,7 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
     ``recompute``: the modes to try (default all three). ``progress``: told of each
     configuration planned (:class:`SearchProgress`; default none). ``runtime``: precision,
     framework and TP overlap every plan is priced with (:class:`spmdkit.program.runtime.Runtime`).
-    ``reload``: ``model`` traced again at (a batch, tp chunks) (:data:`search_space.Reload`).
+    ``reload``: ``model`` traced again at (a batch, tp chunks, cp) (:data:`search_space.Reload`).
     ``prune``: leave unplanned the configurations whose lower bounds
     (:mod:`spmdkit.planner.search_bounds`) show they cannot fit or cannot beat the best step
     found, and price a planned one's recomputation modes from full to none, stopping at the
@@ -396,8 +391,7 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
     if isinstance(model, Program):
         layers = len(layer_tags(model))
         pipeline = pipeline and layers > 1
-        sizes = _Sizes(_batch_of(model), guess_tokens(model), None, layers or None, reload is not None,
-                       experts=experts_of(model))
+        sizes = program_sizes(model, layers, guess_tokens(model), experts_of(model), reload is not None)
         modes = _applicable_modes(model, modes, recompute is not None)
         if reload is not None:
             reload = _cached(reload)

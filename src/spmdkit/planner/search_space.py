@@ -20,12 +20,15 @@ from spmdkit.core.mesh import ProcessMesh
 from spmdkit.cost.memory import recompute_regions
 from spmdkit.models.zoo import ModelConfig
 from spmdkit.program.ir import Program
+from spmdkit.strategies.context import hf_cp, hf_pipeline_refusal
 from spmdkit.strategies.experts import tp_chunks
+from spmdkit.strategies.hf import data_inputs
 from spmdkit.strategies.strategy import parse_mesh, parse_strategy, tp_problem
 
 #: the sequence length from which a preset's search also splits the sequence over a ``cp`` dim
 #: (context parallelism: Llama 3 trained from 8k with cp from 16k up; torchtitan and NeMo from 16k-32k)
 LONG_SEQ = 16384
+
 
 
 @dataclass(frozen=True)
@@ -116,21 +119,26 @@ def parse_memory(text: Any) -> int:
     return int(v)
 
 
-#: an imported program traced again: (sequences, tp chunks) -> the program at that batch, its MoE
-#: blocks routing each sequence in that many chunks (:func:`spmdkit.strategies.experts.tp_chunks`;
-#: 1: whole), as ``spmdkit plan --hf`` imports it for one configuration
-Reload = Callable[[int, int], Program]
+#: context parallelism an import is traced for: (cp ranks, variant, balance) as
+#: :func:`spmdkit.strategies.context.hf_cp` gives it (None: no cp, the tokens in order)
+CpTrace = tuple[int, str, str] | None
+
+#: an imported program traced again: (sequences, tp chunks, cp) -> the program at that batch, its
+#: MoE blocks routing each sequence in that many chunks (:func:`spmdkit.strategies.experts.tp_chunks`;
+#: 1: whole), in the cp ranks' token order with cp_attention where ``cp`` is given
+#: (:mod:`spmdkit.models.hf_cp`), as ``spmdkit plan --hf`` imports it for one configuration
+Reload = Callable[[int, int, CpTrace], Program]
 
 
 def _cached(reload: Reload) -> Reload:
-    """``reload`` tracing the program once per (batch, tp chunks): the configurations that share a
-    microbatch and a routing share one import (tracing is slow)."""
-    done: dict[tuple[int, int], Program] = {}
+    """``reload`` tracing the program once per (batch, tp chunks, cp): the configurations that share
+    a microbatch, a routing and a cp layout share one import (tracing is slow)."""
+    done: dict[tuple[int, int, CpTrace], Program] = {}
 
-    def get(batch: int, chunks: int) -> Program:
-        if (batch, chunks) not in done:
-            done[(batch, chunks)] = reload(batch, chunks)
-        return done[(batch, chunks)]
+    def get(batch: int, chunks: int, cp: CpTrace) -> Program:
+        if (batch, chunks, cp) not in done:
+            done[(batch, chunks, cp)] = reload(batch, chunks, cp)
+        return done[(batch, chunks, cp)]
 
     return get
 
@@ -142,22 +150,27 @@ def program_for(cfg: Config, prog: Program, sizes: _Sizes, reload: Reload | None
     ``megatron,sp,ep,etp=1``, routed in tp chunks (Megatron's ETP = 1 token path,
     :func:`spmdkit.strategies.experts.tp_chunks`), as ``spmdkit plan --hf --strategy`` imports it
     for the same layout; not where ep x tp does not divide the experts (planning refuses that
-    for the experts whatever the routing, so it is not traced for). Without ``reload`` (a program
-    file) ``prog`` as it is: a strategy it was not traced for is refused when planned
-    (:func:`spmdkit.strategies.experts.check_tp_chunks`)."""
+    for the experts whatever the routing, so it is not traced for); on a cp mesh (a ``,cp``
+    strategy) traced in the cp ranks' token order with cp_attention of the strategy's variant
+    (:func:`spmdkit.strategies.context.hf_cp`). Without ``reload`` (a program file) ``prog`` as it
+    is: a strategy it was not traced for is refused when planned
+    (:func:`spmdkit.strategies.experts.check_tp_chunks`, :func:`spmdkit.strategies.context.hf_cp_marks`)."""
     batch = sizes.batch
     if reload is None or not batch:
         return prog, ""
-    chunks = 1 if cfg.strategy == "auto" else tp_chunks(_sub_mesh(cfg), cfg.strategy.split(","))
+    parts = cfg.strategy.split(",")
+    chunks = 1 if cfg.strategy == "auto" else tp_chunks(_sub_mesh(cfg), parts)
     if sizes.experts % (cfg.ep * cfg.tp):
         chunks = 1  # check_ep refuses ETP = 1 here before the routing is looked at
+    cp = hf_cp(_sub_mesh(cfg), ["cp"] if cfg.strategy == "auto" else parts, sizes.seq)  # auto: as plan --hf --auto
     micro = cfg.pp > 1 and cfg.microbatches > 1
-    if not micro and chunks == 1:
+    if not micro and chunks == 1 and cp is None:
         return prog, ""
     b = batch // cfg.microbatches if micro else batch
     note = (f"; {cfg.microbatches} microbatches of {b}" if micro else "") + \
-        (f"; each sequence routed in {chunks} chunks, one a tp rank" if chunks > 1 else "")
-    return reload(b, chunks), note
+        (f"; each sequence routed in {chunks} chunks, one a tp rank" if chunks > 1 else "") + \
+        (f"; traced for cp over {cp[0]} ranks ({cp[1]}, {cp[2]})" if cp is not None else "")
+    return reload(b, chunks, cp), note
 
 
 def _applicable_modes(prog: Program, modes: list[str], given: bool) -> list[str]:
@@ -266,6 +279,21 @@ class _Sizes:
     #: --micro-batch: sequences per data-parallel rank in one micro-step (None: the whole share
     #: without a pipeline, one sequence a microbatch with one)
     micro: int | None = None
+    #: an imported model's sequence, where it can be traced again for cp (a preset's: its config's)
+    seq: int | None = None
+    #: refuse a pipeline with cp (an --hf model: :func:`spmdkit.strategies.context.hf_pipeline_refusal`)
+    no_cp_pipeline: bool = False
+
+
+def program_sizes(prog: Program, layers: int, tokens: int | None, experts: int, reloads: bool) -> _Sizes:
+    """The sizes of an imported or a program file's search: the batch its call was traced at (its
+    data inputs' first axis); with ``reloads`` (an --hf model traced again per configuration)
+    pipelines in microbatches, its sequence (the inputs' second axis: cp tried from
+    :data:`LONG_SEQ`) and no pipeline with cp (:func:`spmdkit.strategies.context.hf_pipeline_refusal`)."""
+    shapes = [prog.tensors[n].shape for n in data_inputs(prog) if prog.tensors[n].shape]
+    batch = shapes[0][0] if shapes else None
+    seq = shapes[0][1] if reloads and shapes and len(shapes[0]) > 1 else None
+    return _Sizes(batch, tokens, None, layers or None, reloads, experts=experts, seq=seq, no_cp_pipeline=reloads)
 
 
 def _work(devices: int, pipeline: bool, sizes: _Sizes, given: list[str] | None,
@@ -275,7 +303,7 @@ def _work(devices: int, pipeline: bool, sizes: _Sizes, given: list[str] | None,
     work: list[Config] = []
     refused: list[tuple[Config, str]] = []
     batch = sizes.batch
-    seq = sizes.config.seq if sizes.config is not None else None
+    seq = sizes.config.seq if sizes.config is not None else sizes.seq
     for dpt, tp, pp in factorizations(devices, pipeline):
         why = None
         uneven = batch is not None and batch % dpt != 0
@@ -303,6 +331,10 @@ def _work(devices: int, pipeline: bool, sizes: _Sizes, given: list[str] | None,
             if batch is not None and batch % ranks:
                 continue
             m = (batch // ranks) if (pp > 1 and batch and sizes.microbatches) else 1
+            if pp > 1 and cp > 1 and sizes.no_cp_pipeline:
+                cfg = Config(dp, tp, pp, "*", "none", m, ep, cp)
+                refused.append((cfg, hf_pipeline_refusal(cfg.mesh_text)))
+                continue
             steps = [(m, 1)] if sizes.micro is None or batch is None else _micro_steps(batch, ranks, pp, sizes.micro)
             if not steps:
                 refused.append((Config(dp, tp, pp, "*", "none", m, ep, cp), f"--micro-batch {sizes.micro} x "
@@ -361,7 +393,7 @@ def _sub_mesh(cfg: Config) -> ProcessMesh:
     return parse_mesh(cfg.sub_mesh_text)
 
 
-__all__ = ["LONG_SEQ", "MICRO_BATCHES", "VIRTUAL", "Config", "Reload", "context_degrees", "ep_from_cp_degrees",
+__all__ = ["LONG_SEQ", "MICRO_BATCHES", "VIRTUAL", "Config", "Reload", "context_degrees", "ep_from_cp_degrees", "CpTrace", "program_sizes",
            "expert_degrees", "factorizations",
            "parse_memory",
            "hand_strategies", "program_for"]

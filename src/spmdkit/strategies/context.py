@@ -122,8 +122,10 @@ def auto_config(cfg: ModelConfig | None, mesh: ProcessMesh, items: Iterable[str]
     built with ``cp_attention`` (the variant and balance of ``items``, cp's option items:
     ``--cp-attention`` / ``--cp-balance``) so that the search may split the sequence over cp;
     ``cfg`` without one. ProgramError naming the flag: a strategy item that is no cp option
-    (``--auto`` chooses the shardings), an ``imported`` model (``--hf`` / ``--program``: not built
-    with cp_attention; ``cfg`` None), a model the variant cannot split (:func:`cp_problem`)."""
+    (``--auto`` chooses the shardings), a ``--program`` file (not built with cp_attention), a
+    model the variant cannot split (:func:`cp_problem`). An ``--hf`` model (``cfg`` None) gives
+    None: it is imported for cp instead (:func:`hf_cp` of ``["cp", *items]``, the search then
+    splitting the sequence of the traced program)."""
     st = list(items)
     other = [s for s in st if parse_option(s) is None]
     if other:
@@ -135,9 +137,12 @@ def auto_config(cfg: ModelConfig | None, mesh: ProcessMesh, items: Iterable[str]
             raise ProgramError(f"--{k} {v}: context parallelism is not asked for (--auto splits the sequence on a "
                                f"cp mesh dim of more than one rank)")
         return cfg
+    if imported == "--hf":
+        return None
     if imported is not None or cfg is None:
-        raise ProgramError(f"--auto --mesh cp={n}: context parallelism needs the model built with cp_attention; an "
-                           f"{imported} model is not (plan it with --strategy ...,cp)")
+        raise ProgramError(f"--auto --mesh cp={n}: context parallelism needs the model built or imported with "
+                           f"cp_attention; {'a ' + imported + ' file' if imported else 'this model'} is not (give the "
+                           f"preset, catalog or --hf model)")
     built = config_for(cfg, mesh, ["cp", *st])
     tp = mesh.shape[mesh.dim_index("tp")] if "tp" in mesh.dim_names else 1
     why = cp_problem(built, n, tp)
@@ -274,6 +279,15 @@ def hf_cp(mesh: ProcessMesh, strategy: Iterable[str], seq: int | None = None) ->
     return (n, variant, balance)
 
 
+def hf_pipeline_refusal(mesh_text: str) -> str:
+    """Why an ``--hf`` model is not planned in a pipeline with cp (``--mesh pp=..,cp=..``, and the
+    ``--devices`` search's pp x cp configurations of one): the stages are imported without cp's
+    token order (imported with it, the pipeline's --verify gives NaN losses)."""
+    return (f"--mesh {mesh_text}: context parallelism of an --hf model in a pipeline is not built (the stages are "
+            f"imported without cp's token order); plan it without pp, or plan a catalog / --model-config model "
+            f"with pp and cp")
+
+
 def hf_cp_marks(prog: Any, mesh: ProcessMesh, dm: Any, st: set[str], data: Iterable[str], batch: Any,
                 tp: int | None) -> Any:
     """``cp_marks`` of an imported program (``import_hf(cp=...)``: its attention ``cp_attention``,
@@ -312,4 +326,4 @@ def hf_cp_marks(prog: Any, mesh: ProcessMesh, dm: Any, st: set[str], data: Itera
     return cp
 
 
-__all__ = ["DEFAULTS", "OPTIONS", "auto_config", "check_options", "config_for", "cp_groups", "cp_marks", "cp_problem", "data_dims", "hf_cp", "hf_cp_marks", "moe_chunks", "options", "parse_option", "seq_dims", "seq_entry", "zero_dims"]
+__all__ = ["DEFAULTS", "OPTIONS", "auto_config", "check_options", "config_for", "cp_groups", "cp_marks", "cp_problem", "data_dims", "hf_cp", "hf_cp_marks", "hf_pipeline_refusal", "moe_chunks", "options", "parse_option", "seq_dims", "seq_entry", "zero_dims"]
