@@ -13,7 +13,8 @@ docs/devices.md, "Mixture of experts".
   received from every sequence (``M = B x C``), so tiles quantise once per expert, not per
   sequence: the GEMM-efficiency model (:mod:`spmdkit.cost.rates`) prices a small per-expert M
   (many experts, top-k of few tokens) as the slower GEMM it is. The local experts' GEMMs are ONE
-  kernel (:func:`spmdkit.cost.rates.grouped_tile_utilisation`): each expert's rows padded to the
+  kernel (:func:`spmdkit.cost.rates.grouped_tile_utilisation`; under Megatron-Core one per
+  round of :data:`TE_GEMM_STREAMS` experts, :func:`gemm_streams`): each expert's rows padded to the
   tile, the tiles of all of them in one grid over the SMs, the rows each expert of the busiest ep
   rank receives (:class:`ExpertRows`): the skew rule's hot expert and even rest or the
   histogram's counts as they are (:func:`busiest_experts`), under ``--moe-routing topk`` each
@@ -33,6 +34,8 @@ docs/devices.md, "Mixture of experts".
   deliver and return its tokens carry ``rho`` times the tokens; with a capacity factor above 1
   the buffers are padded to the capacity (the GEMMs run on the padded rows, tokens past it
   are dropped) and skew changes nothing.
+- Megatron-Core's alltoall dispatcher sorts the delivered rows by local expert and back
+  (:func:`sorted_by_expert`): one more pass over the rows in each routing op.
 - The dispatch and combine all-to-alls (:func:`expert_all_to_all`): under ``--moe-dispatcher
   alltoall`` (NCCL's all-to-all) a rank sends each of a token's ``top_k`` copies to the rank of
   its expert, so ``(N - 1) / N`` of them cross the network when the ep group spans ``N`` nodes.
