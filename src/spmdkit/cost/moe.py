@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Any
 
 from spmdkit.core.dist_attr import entry_dims
@@ -304,15 +305,16 @@ def gemm_streams(framework: str) -> int:
     return TE_GEMM_STREAMS if framework == "megatron" else 0
 
 
+@lru_cache(maxsize=4096)
 def _rounds(entry: tuple[int, int, int, int], spread: tuple[RowGroup, ...], streams: int, wgrad: bool
-            ) -> list[tuple[tuple[int, int, int, int], tuple[RowGroup, ...]]]:
+            ) -> tuple[tuple[tuple[int, int, int, int], tuple[RowGroup, ...]], ...]:
     """One grouped GEMM ``entry`` ``(experts, m, n, k)`` (:func:`grouped`) as the rounds of
     ``streams`` experts that run at once (:func:`gemm_streams`), in expert order: each round its
     own GEMM entry over its experts (M the round's mean rows an expert; the weight gradient's K
     stays the mean expert's) with the rows ``spread`` gives them."""
     el = entry[0]
     if streams <= 0 or el <= streams:
-        return [(entry, spread)]
+        return ((entry, spread),)
     if spread:
         experts = [(m, sd) for m, sd, n in spread for _ in range(n)]
     else:
@@ -331,7 +333,7 @@ def _rounds(entry: tuple[int, int, int, int], spread: tuple[RowGroup, ...], stre
                 groups.append((m, sd, 1))
         mean = sum(m for m, _ in part) / len(part)
         out.append(((len(part), max(1, round(mean)), entry[2], entry[3]), tuple(groups) if spread else ()))
-    return out
+    return tuple(out)
 
 
 def grouped(c: OpCost, lop: LocalOp, rows: ExpertRows | None = None, streams: int = 0) -> OpCost:
