@@ -109,3 +109,47 @@ def test_a_plans_expert_gemm_carries_its_rows() -> None:
     u_bal = grouped_tile_utilisation(bal.grouped_rows[0], 14336, 132)
     u_hist = grouped_tile_utilisation(hist.grouped_rows[0], 14336, 132)
     assert dev.op_time(hist) / dev.op_time(bal) == pytest.approx(hist.flops / bal.flops * u_bal / u_hist, rel=1e-9)
+
+
+def _qwen_expert_gemm(framework: str):  # type: ignore[no-untyped-def]
+    """Qwen3-30B-A3B (128 experts, top-8, expert width 768, hidden 2048) on ep=8, one sequence of
+    512 a rank under the balanced gate: 16 local experts of exactly 8 x 512 x 8 / 128 = 256 rows."""
+    plan = plan_preset("qwen3-30b-a3b", "ep=8", "ep", {"layers": 1, "seq": 512, "batch": 8})[1]
+    p = replace(plan, runtime=Runtime(framework=framework, moe_routing="balanced"))
+    i = next(i for i, op in enumerate(p.program.ops)
+             if op.phase == "forward" and op.rule == "matmul" and any("experts" in n and "gate" in n for n in op.input_names()))
+    return op_cost(p, i)
+
+
+def test_megatron_runs_the_experts_in_rounds_of_four_streams() -> None:
+    """Transformer Engine's GroupedLinear (Megatron-Core's TEGroupedMLP, TE 2.3-2.7) issues one
+    cuBLAS GEMM an expert, expert i on compute stream i % 4: the 16 local experts run as 4 rounds
+    of 4, each round's tiles one grid. By hand (128 x 64 tiles the best for a round): a round is
+    4 x 2 x 12 = 96 tiles, one wave of 132, useful 4 x 256 x 768 / (132 x 128 x 64) x reuse 2/3 =
+    0.4848; one grid over all 16 (torchtitan's torch._grouped_mm) 96 tiles of 256 x 128, one wave,
+    0.7273. The four rounds take 0.7273 / 0.4848 = 1.5 x the one grid's time."""
+    mg, tt = _qwen_expert_gemm("megatron"), _qwen_expert_gemm("torchtitan")
+    assert tt.gemms == ((16, 256, 768, 2048),) and tt.grouped_rows == (((256.0, 0.0, 16),),)
+    assert mg.gemms == ((4, 256, 768, 2048),) * 4 and mg.grouped_rows == (((256.0, 0.0, 4),),) * 4
+    u4, u16 = tile_wave_utilisation(4, 256, 768, SMS), tile_wave_utilisation(16, 256, 768, SMS)
+    assert u4 == pytest.approx(4 * 256 * 768 / (132 * 128 * 64) * (128 * 64 / 192) / 64, abs=1e-12)
+    assert u16 == pytest.approx(16 * 256 * 768 / (132 * 256 * 128), abs=1e-12)
+    dev = preset_device("h100")
+    assert dev.op_time(mg) / dev.op_time(tt) == pytest.approx(u16 / u4, rel=1e-9)
+    assert u16 / u4 == pytest.approx(1.5, abs=1e-12)
+
+
+def test_rounds_keep_the_hot_expert_in_the_first() -> None:
+    """--moe-skew's busiest rank (the hot expert first, then the even rest) over 16 local
+    experts: the first round holds the hot expert and three of the rest, the others four of the
+    rest each; a round's GEMM has its own experts' mean rows."""
+    plan = plan_preset("qwen3-30b-a3b", "ep=8", "ep", {"layers": 1, "seq": 512, "batch": 8})[1]
+    p = replace(plan, runtime=Runtime(moe_skew=2.0, moe_routing="balanced"))
+    i = next(i for i, op in enumerate(p.program.ops)
+             if op.phase == "forward" and op.rule == "matmul" and any("experts" in n and "gate" in n for n in op.input_names()))
+    c = op_cost(p, i)
+    assert len(c.gemms) == 4 and [len(r) for r in c.grouped_rows] == [2, 1, 1, 1]
+    (hot, _, one), (rest, _, three) = c.grouped_rows[0]
+    assert (one, three) == (1, 3) and hot == pytest.approx(2 * rest * 127 / 126, rel=1e-9)
+    assert all(r == ((rest, 0.0, 4),) for r in c.grouped_rows[1:])
+    assert [g[1] for g in c.gemms] == [round((hot + 3 * rest) / 4)] + [round(rest)] * 3  # each round's mean rows

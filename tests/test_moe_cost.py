@@ -65,12 +65,17 @@ def test_expert_gemm_flops_by_hand() -> None:
 
 def test_expert_gemms_are_grouped_per_expert() -> None:
     """[B, E, C, H] x [E, H, F] runs as E GEMMs of B x C tokens each (not B x E of C); the
-    weight gradient's K is the tokens."""
+    weight gradient's K is the tokens. torch's grouped GEMM (torchtitan) is one grid over the 8
+    experts; Megatron-Core's (TE's GroupedLinear: a cuBLAS GEMM an expert on 4 streams) two
+    rounds of 4 (spmdkit.cost.moe.gemm_streams)."""
     plan = _plan()
+    tt = replace(plan, runtime=Runtime(framework="torchtitan"))
     gate = next(i for i in _expert_ops(plan) if STACKS[0] in plan.program.ops[i].input_names())
-    assert op_cost(plan, gate).gemms == ((E, 2 * 64, F, H),)
+    assert op_cost(tt, gate).gemms == ((E, 2 * 64, F, H),)
+    assert op_cost(plan, gate).gemms == ((4, 2 * 64, F, H),) * 2
     grad = next(i for i in _expert_ops(plan, "backward") if "layers.0.experts.w_gate" in plan.program.ops[i].input_names())
-    assert op_cost(plan, grad).gemms == ((E, 2 * 64, H, F), (E, H, F, 2 * 64))
+    assert op_cost(tt, grad).gemms == ((E, 2 * 64, H, F), (E, H, F, 2 * 64))
+    assert op_cost(plan, grad).gemms == ((4, 2 * 64, H, F),) * 2 + ((4, H, F, 2 * 64),) * 2
 
 
 def test_routing_ops_cost_their_bytes() -> None:

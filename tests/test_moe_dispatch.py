@@ -102,8 +102,8 @@ def test_deepseek_v3_dispatch_by_hand() -> None:
 
 def test_the_dispatcher_sets_the_step() -> None:
     """The step's communication follows: DeepEP under the balanced gate is faster than under
-    node-limited routing, which is faster than NCCL's all-to-all; the compute is the same under
-    the same routing, and the balanced gate's exact counts waste no tile on the top-k counts'
+    node-limited routing, which is faster than NCCL's all-to-all; the compute differs under
+    the same routing by the alltoall dispatcher's sorts alone, and the balanced gate's exact counts waste no tile on the top-k counts'
     scatter (tests/test_grouped_gemm.py)."""
     dev = preset_device("h100")
     steps = {}
@@ -111,7 +111,11 @@ def test_the_dispatcher_sets_the_step() -> None:
         est = estimate_step(_deepseek_plan(d, r), dev, 64 * 4096)
         steps[d, r] = est
     a, b, c = steps["alltoall", "topk"], steps["deepep", "topk"], steps["deepep", "balanced"]
-    assert a.compute_total_s == b.compute_total_s
+    # Megatron-Core's alltoall dispatcher sorts the rows by local expert (4 a rank) after the
+    # dispatch and back before the combine, and their gradients: 4 passes (read and write) over a
+    # rank's [1, 256, 128, 7168] bf16 buffer (spmdkit.cost.moe.sorted_by_expert); DeepEP none
+    buf = 256 * 128 * 7168 * 2
+    assert a.compute_total_s - b.compute_total_s == pytest.approx(4 * 2 * buf / dev.hbm_rate, rel=1e-9)
     assert c.compute_total_s < a.compute_total_s
     assert a.step_overlap_s > b.step_overlap_s > c.step_overlap_s
     # 4 all-to-alls: NCCL's minus DeepEP's time, exactly
@@ -209,3 +213,34 @@ def test_the_step_bound_with_all_to_alls_is_a_lower_bound(dispatcher: str, routi
             eps += 1
             assert b.all_to_all(cf.devices, cf.ep, cf.strategy) > 0
     assert eps >= 4
+
+
+def _routing_costs(mesh: str, strategy: str, model: str, rt: Runtime) -> dict[str, list[Any]]:
+    from spmdkit.cost.compute import op_cost
+    plan = replace(plan_preset(model, mesh, strategy, {"layers": 1, "seq": 512, "batch": 8})[1], runtime=rt)
+    out: dict[str, list[Any]] = {}
+    for i, op in enumerate(plan.program.ops):
+        if op.rule.startswith("moe_") and op.rule in ("moe_gate_dispatch", "moe_combine", "moe_gate_dispatch_grad",
+                                                      "moe_combine_grad"):
+            out.setdefault(op.rule, []).append(op_cost(plan, i))
+    return out
+
+
+def test_the_alltoall_dispatcher_sorts_the_rows_by_local_expert() -> None:
+    """Megatron-Core's MoEAlltoAllTokenDispatcher with 16 local experts (Qwen3-30B-A3B on ep=8):
+    the rows sorted by local expert after the dispatch all-to-all and back before the combine's
+    (sort_chunks_by_idxs), and their gradients likewise: each routing op one more kernel and one
+    more read and write of the rank's rows, [1, 128, 32, 2048] bf16 (512 tokens x top-8 / 128
+    experts = 32 a slot) = 16 MiB, against DeepEP's; Mixtral on ep=8 (one expert a rank) and
+    torchtitan's runtime: none."""
+    rows = 128 * 32 * 2048 * 2
+    a2a = _routing_costs("ep=8", "ep", "qwen3-30b-a3b", Runtime())
+    deep = _routing_costs("ep=8", "ep", "qwen3-30b-a3b", Runtime(moe_dispatcher="deepep"))
+    assert sorted(a2a) == ["moe_combine", "moe_combine_grad", "moe_gate_dispatch", "moe_gate_dispatch_grad"]
+    for rule in a2a:
+        (a,), (d,) = a2a[rule], deep[rule]
+        assert (a.bytes - d.bytes, a.kernels - d.kernels) == (2 * rows, 1), rule
+    one = _routing_costs("ep=8", "ep", "mixtral-8x7b", Runtime())
+    assert one == _routing_costs("ep=8", "ep", "mixtral-8x7b", Runtime(moe_dispatcher="deepep"))
+    tt = _routing_costs("ep=8", "ep", "qwen3-30b-a3b", Runtime(framework="torchtitan"))
+    assert tt == _routing_costs("ep=8", "ep", "qwen3-30b-a3b", Runtime(framework="torchtitan", moe_dispatcher="deepep"))

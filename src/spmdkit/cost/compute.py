@@ -37,7 +37,7 @@ from spmdkit.cost.context import CP_RULES, cp_op_cost
 from spmdkit.cost.context_torch import torch_cp_op_cost
 from spmdkit.cost.eager import eager_cost
 from spmdkit.cost.loss import loss_cost
-from spmdkit.cost.moe import active_share, expert_op_cost
+from spmdkit.cost.moe import active_share, expert_op_cost, sorted_by_expert
 from spmdkit.cost.recompute_modules import NORMS
 from spmdkit.engine.cache_keys import UNCACHEABLE, value_key
 from spmdkit.engine.facts import LocalOp, LocalTensor, OpCost, declared, facts_of
@@ -265,7 +265,7 @@ def op_cost(plan: Plan, i: int) -> OpCost:
     softmax cross-entropy over the logits as the framework runs it (:func:`spmdkit.cost.loss.loss_cost`)."""
     opp = plan.ops[i]
     lop = local_op(plan.program, i, opp.required, opp.outputs, plan.attrs)
-    c = expert_op_cost(plan, i, lop, cost_of) or cost_of(lop)
+    c = expert_op_cost(plan, i, lop, cost_of) or sorted_by_expert(plan, i, lop, cost_of(lop))
     if opp.op.rule in CP_RULES:
         c = torch_cp_op_cost(plan, i, cp_op_cost(plan, i, c))  # under torchtitan: torch's context_parallel
     rt = plan.runtime

@@ -13,7 +13,8 @@ docs/devices.md, "Mixture of experts".
   received from every sequence (``M = B x C``), so tiles quantise once per expert, not per
   sequence: the GEMM-efficiency model (:mod:`spmdkit.cost.rates`) prices a small per-expert M
   (many experts, top-k of few tokens) as the slower GEMM it is. The local experts' GEMMs are ONE
-  kernel (:func:`spmdkit.cost.rates.grouped_tile_utilisation`): each expert's rows padded to the
+  kernel (:func:`spmdkit.cost.rates.grouped_tile_utilisation`; under Megatron-Core one per
+  round of :data:`TE_GEMM_STREAMS` experts, :func:`gemm_streams`): each expert's rows padded to the
   tile, the tiles of all of them in one grid over the SMs, the rows each expert of the busiest ep
   rank receives (:class:`ExpertRows`): the skew rule's hot expert and even rest or the
   histogram's counts as they are (:func:`busiest_experts`), under ``--moe-routing topk`` each
@@ -33,6 +34,8 @@ docs/devices.md, "Mixture of experts".
   deliver and return its tokens carry ``rho`` times the tokens; with a capacity factor above 1
   the buffers are padded to the capacity (the GEMMs run on the padded rows, tokens past it
   are dropped) and skew changes nothing.
+- Megatron-Core's alltoall dispatcher sorts the delivered rows by local expert and back
+  (:func:`sorted_by_expert`): one more pass over the rows in each routing op.
 - The dispatch and combine all-to-alls (:func:`expert_all_to_all`): under ``--moe-dispatcher
   alltoall`` (NCCL's all-to-all) a rank sends each of a token's ``top_k`` copies to the rank of
   its expert, so ``(N - 1) / N`` of them cross the network when the ep group spans ``N`` nodes.
@@ -52,6 +55,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Any
 
 from spmdkit.core.dist_attr import entry_dims
@@ -284,13 +288,63 @@ def loaded(lop: LocalOp, names_in: dict[str, list[str]], names_out: list[str | N
     return LocalOp(lop.rule, lop.attrs, ins, outs)
 
 
-def grouped(c: OpCost, lop: LocalOp, rows: ExpertRows | None = None) -> OpCost:
+#: Compute streams Transformer Engine's ``GroupedLinear`` spreads a grouped GEMM's experts over
+#: (TE 2.3-2.7, the Megatron-Core of 2025: ``nvte_multi_stream_cublas_gemm`` in
+#: ``transformer_engine/common/gemm/cublaslt_gemm.cu`` issues ONE cuBLAS GEMM per expert, expert
+#: ``i`` on compute stream ``i % 4``; ``num_compute_streams = 4`` in ``common/util/multi_stream.cpp``).
+#: A single cuBLASLt grouped GEMM came to TE in 2026 (b9f401314, #2502).
+TE_GEMM_STREAMS = 4
+
+
+def gemm_streams(framework: str) -> int:
+    """How many of a grouped GEMM's local experts share the SMs at once under ``framework``:
+    Megatron-Core's ``TEGroupedMLP`` (:data:`TE_GEMM_STREAMS`: one cuBLAS GEMM an expert on 4
+    streams, so the experts run in rounds of 4, each round's tiles one grid); 0 (every local
+    expert's tiles in ONE grid) under torchtitan (``torch._grouped_mm``) and AutoModel
+    (``grouped_gemm.ops.gmm``, a CUTLASS grouped kernel)."""
+    return TE_GEMM_STREAMS if framework == "megatron" else 0
+
+
+@lru_cache(maxsize=4096)
+def _rounds(entry: tuple[int, int, int, int], spread: tuple[RowGroup, ...], streams: int, wgrad: bool
+            ) -> tuple[tuple[tuple[int, int, int, int], tuple[RowGroup, ...]], ...]:
+    """One grouped GEMM ``entry`` ``(experts, m, n, k)`` (:func:`grouped`) as the rounds of
+    ``streams`` experts that run at once (:func:`gemm_streams`), in expert order: each round its
+    own GEMM entry over its experts (M the round's mean rows an expert; the weight gradient's K
+    stays the mean expert's) with the rows ``spread`` gives them."""
+    el = entry[0]
+    if streams <= 0 or el <= streams:
+        return ((entry, spread),)
+    if spread:
+        experts = [(m, sd) for m, sd, n in spread for _ in range(n)]
+    else:
+        experts = [(float(entry[1]), 0.0)] * el
+    out: list[tuple[tuple[int, int, int, int], tuple[RowGroup, ...]]] = []
+    for a in range(0, el, streams):
+        part = experts[a:a + streams]
+        if wgrad:
+            out.append(((len(part), entry[1], entry[2], entry[3]), ()))
+            continue
+        groups: list[RowGroup] = []
+        for m, sd in part:
+            if groups and groups[-1][:2] == (m, sd):
+                groups[-1] = (m, sd, groups[-1][2] + 1)
+            else:
+                groups.append((m, sd, 1))
+        mean = sum(m for m, _ in part) / len(part)
+        out.append(((len(part), max(1, round(mean)), entry[2], entry[3]), tuple(groups) if spread else ()))
+    return tuple(out)
+
+
+def grouped(c: OpCost, lop: LocalOp, rows: ExpertRows | None = None, streams: int = 0) -> OpCost:
     """An expert GEMM's cost with its batched GEMMs ``(B x E_local, m, n, k)`` (x ``[B, E, C, H]``
     by the stack y ``[E, H, F]``) run as ONE grouped GEMM ``(E_local, B x m, n, k)``: each local
     expert's rows all its tokens, its rows as ``rows`` spreads them (:meth:`ExpertRows.groups`,
     the tiles summed over the experts: :func:`spmdkit.cost.rates.grouped_tile_utilisation`);
     the weight gradient ``(B x E_local, k, n, m)`` as ``(E_local, k, n, B x m)`` (its K is the
-    tokens, summed; its time is linear in each expert's K, so the mean's is the sum's)."""
+    tokens, summed; its time is linear in each expert's K, so the mean's is the sum's). With
+    ``streams`` (:func:`gemm_streams`) the local experts run in rounds of that many, one grid a
+    round (:func:`_rounds`)."""
     y = lop.one("y")
     if not c.gemms or y is None or len(y[0]) != 3:
         return c
@@ -304,12 +358,15 @@ def grouped(c: OpCost, lop: LocalOp, rows: ExpertRows | None = None) -> OpCost:
         if el <= 0 or b < el or b % el:
             out.append((b, m, n, k))
             spread.append(())
-        elif g == wgrad:
-            out.append((el, m, n, k * (b // el)))
-            spread.append(())
+            continue
+        sp: tuple[RowGroup, ...] = ()
+        if g == wgrad:
+            entry = (el, m, n, k * (b // el))
         else:
-            out.append((el, m * (b // el), n, k))
-            spread.append(rows.groups(m * (b // el), el) if rows is not None else ())
+            entry, sp = (el, m * (b // el), n, k), (rows.groups(m * (b // el), el) if rows is not None else ())
+        for e, r in _rounds(entry, sp, streams, g == wgrad):
+            out.append(e)
+            spread.append(r)
     return replace(c, gemms=tuple(out), grouped_rows=tuple(spread) if any(spread) else ())
 
 
@@ -405,7 +462,62 @@ def expert_op_cost(plan: Plan, i: int, lop: LocalOp, cost_of: Any) -> OpCost | N
     if load:
         lop = loaded(lop, names_in, names_out, load)
     c: OpCost = cost_of(lop)
-    return grouped(c, lop, plan_rows(plan)[layer]) if c.matmul else c
+    return grouped(c, lop, plan_rows(plan)[layer], gemm_streams(plan.runtime.framework)) if c.matmul else c
+
+
+#: The routing ops whose rows Megatron-Core's ``alltoall`` dispatcher sorts by local expert, and
+#: where those rows are: ``(input name, or None for the op's first output)``
+#: (:func:`sorted_by_expert`)
+_SORTED: dict[str, str | None] = {"moe_gate_dispatch": None, "moe_combine": "x", "moe_gate_dispatch_grad": "grad_y",
+                                  "moe_combine_grad": None}
+
+
+def _layer_of(prog: Program, i: int) -> int:
+    """The MoE layer (:func:`moe_layers`) whose routing op ``i`` is: the forward dispatch's own
+    index, else the layer owning one of its tensors (:func:`expert_tensors`); -1 if none."""
+    layers, owner = _scan(prog)
+    for li, layer in enumerate(layers):
+        if layer.dispatch == i:
+            return li
+    op = prog.ops[i]
+    for n in [*op.input_names(), *op.output_names()]:
+        if n in owner:
+            return owner[n]
+    return -1
+
+
+def sorted_by_expert(plan: Plan, i: int, lop: LocalOp, c: OpCost) -> OpCost:
+    """A routing op's cost under ``--moe-dispatcher alltoall`` (Megatron-Core's
+    ``MoEAlltoAllTokenDispatcher``, ``megatron/core/transformer/moe/token_dispatcher.py`` at
+    1e057005) with more than one local expert: the rows an all-to-all delivers arrive grouped by
+    source rank, so ``token_permutation`` sorts them by local expert after the dispatch
+    all-to-all (``sort_chunks_by_idxs``, "Permutation 2") and ``token_unpermutation`` sorts them
+    back before the combine's ("Unpermutation 2"), each one more pass over the rows (read and
+    written, one kernel: TE's ``moe_sort_chunks_by_index`` under ``--moe-permute-fusion``); their
+    backward sorts the gradients the same way. The dispatch and the combine ops carry the forward
+    passes, their gradients' ops the backward's, on the rows the busiest rank holds
+    (:func:`plan_loads`). DeepEP (``flex``) permutes once on the receiving side, the pass the
+    routing ops already count; one local expert needs no sort, and without expert parallelism
+    no all-to-all is planned (the permutation the dispatch counts already orders the rows by
+    expert). The routing probabilities sorted
+    beside the rows (4 bytes a row against ``2 H``) are not counted. ``c`` unchanged otherwise."""
+    op = plan.program.ops[i]
+    where = _SORTED.get(op.rule, "")
+    if where == "" or plan.runtime.moe_dispatcher != "alltoall" or plan.runtime.framework != "megatron":
+        return c
+    li = _layer_of(plan.program, i)
+    if li < 0:
+        return c
+    layer = moe_layers(plan.program)[li]
+    ep = ep_degree(plan, layer)
+    if ep <= 1 or layer.experts // ep <= 1:
+        return c
+    name: Any = (op.output_names() or [""])[0] if where is None else op.inputs.get(where)
+    t = (lop.outs[0] if lop.outs else None) if where is None else lop.one(where)
+    if t is None:
+        return c
+    rows = math.prod(t[0]) * t[1] * plan_loads(plan).get(name if isinstance(name, str) else "", 1.0)
+    return replace(c, bytes=c.bytes + 2.0 * rows, kernels=c.kernels + 1)
 
 
 # -- the dispatch and combine all-to-alls -----------------------------------------------------------
@@ -490,5 +602,5 @@ def expert_all_to_all(plan: Plan, tensor: str, s: Step) -> float:
 
 
 __all__ = ["ExpertRows", "MoeLayer", "active_share", "busiest_experts", "busiest_load", "combine_rows_unkept", "ep_degree", "expert_all_to_all", "expert_op_cost",
-           "expert_tensors", "grouped", "loaded", "moe_layers", "plan_loads", "plan_rows", "rank_load",
-           "reached"]
+           "expert_tensors", "gemm_streams", "grouped", "loaded", "moe_layers", "plan_loads", "plan_rows", "rank_load",
+           "reached", "sorted_by_expert"]
