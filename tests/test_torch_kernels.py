@@ -96,6 +96,35 @@ def test_an_op_without_a_torch_kernel_is_refused_by_name(capsys: pytest.CaptureF
     assert rc == 2 and "--warmup -1: must be at least 0" in line, line
 
 
+def test_the_launchers_list_of_kernel_names_is_the_table(tmp_path: Path) -> None:
+    """spmdkit.execute.kernel_names.KERNEL_NAMES (what the launcher checks plans against, without
+    torch) is exactly the kernel table's names; a kernel registered under a name not listed is
+    refused as its module is imported; ``spmdkit run``'s launcher refuses cummax before any rank
+    starts in a process that never imports torch, where tiny-llama's plan passes the check."""
+    from spmdkit.execute.kernel_names import KERNEL_NAMES
+    from spmdkit.execute.kernels import KERNELS
+    from spmdkit.execute.kernels._common import register
+
+    assert KERNEL_NAMES == frozenset(KERNELS) and len(KERNEL_NAMES) > 300
+    with pytest.raises(SpmdError, match=r"torch kernel cummax: not in spmdkit.execute.kernel_names.KERNEL_NAMES"):
+        register("add", "cummax")
+    assert "cummax" not in KERNELS
+    b = ProgramBuilder("t")
+    x = b.tensor("x", (4, 3), "float32", "input")
+    b.op("cummax", {"x": x}, [("m", (4, 3), "float32"), ("i", (4, 3), "int64")], axis=0)
+    (tmp_path / "p.json").write_text(b.build().dumps())
+    code = ("import sys; from spmdkit.execute.kernel_names import check_kernels; from spmdkit.cli import main; "
+            "from spmdkit.planner.planning import plan_model; "
+            "check_kernels(plan_model('tiny-llama', 'dp=2,tp=2', 'megatron', {'layers': 1})[1].program); "
+            f"rc = main(['run', '--kernels', 'torch', '--program', {str(tmp_path / 'p.json')!r}, '--mesh', 'dp=2', "
+            "'--annotate', 'x=[0,-1]']); print(rc, 'torch' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env=dict(env, PYTHONPATH=str(ROOT / "src")))
+    assert p.returncode == 0 and p.stdout.splitlines()[-1] == "2 False", p.stdout[-500:] + p.stderr[-2000:]
+    assert "no torch kernel for cummax (op " in p.stderr.strip().splitlines()[-1]
+
+
 def test_the_dtype_check_fails_on_a_wrong_value_and_on_nan() -> None:
     """check_torch: within the dtype's tolerance of each tensor's scale passes, beyond fails, a NaN never passes."""
     from spmdkit.execute.check import RunReport, check_torch

@@ -23,6 +23,7 @@ from spmdkit.cli.request import HF_BATCH, HF_SEQ, RunRequest
 from spmdkit.cli.run_torch import run_torch_command
 from spmdkit.core.errors import ProgramError
 from spmdkit.cost.devices import load_device
+from spmdkit.execute.kernel_names import check_kernels
 from spmdkit.execute.launch import (
     EXIT_PORT_IN_USE,
     EXIT_RANK_FAILED,
@@ -238,9 +239,7 @@ def _plan_hf_step(req: RunRequest, user: dict[str, Any]) -> _Step:
 
 def _check_kernels_and_device(req: RunRequest, plan: Plan) -> None:
     """--kernels torch: every op has a torch kernel; --device: a known device (both before any rank starts)."""
-    if req.kernels == "torch":
-        from spmdkit.execute.kernels import check_kernels  # (imports torch)
-
+    if req.kernels == "torch":  # (by the names of the kernels: the launcher imports no torch)
         try:
             check_kernels(plan.program)
         except ProgramError as exc:

@@ -26,8 +26,9 @@ what its reference computes on the same pieces. A kernel that communicates
 (``c_softmax_with_cross_entropy``) all-reduces through ``Ctx.comm`` on torch tensors.
 
 A rule without a kernel here is refused by name (:func:`missing_kernels`,
-:class:`NoTorchKernelError`): there is no silent fallback to numpy. :func:`kernel_names` lists
-every rule (and alias) that has one.
+:class:`NoTorchKernelError`; :mod:`spmdkit.execute.kernel_names`, which lists the names without
+importing torch for ``spmdkit run``'s launcher): there is no silent fallback to numpy.
+:func:`kernel_names` lists every rule (and alias) that has one.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ from importlib import import_module
 from typing import Any
 
 from spmdkit.engine.registry import by_rule_name
-from spmdkit.execute.kernels._common import DTYPES, KERNELS, Args, Kernel, NoTorchKernelError
-from spmdkit.program.ir import Program
+from spmdkit.execute.kernel_names import NoTorchKernelError, check_kernels, missing_kernels
+from spmdkit.execute.kernels._common import DTYPES, KERNELS, Args, Kernel
 from spmdkit.sim.reference import Ctx, Reference
 
 #: the family modules, each imported (its kernels registered) in name order
@@ -54,34 +55,6 @@ def get_kernel(name: str) -> Kernel | None:
 def kernel_names() -> list[str]:
     """Every rule name with a torch kernel (aliases included)."""
     return sorted(KERNELS)
-
-
-#: rule -> (attribute, what): a kernel that exists but not for this attribute set true
-_UNSUPPORTED = {"flash_attention": ("return_softmax", "flash_attention with return_softmax")}
-
-
-def missing_kernels(program: Program) -> dict[str, str]:
-    """Rules of ``program`` with no torch kernel, or none for the attributes an op sets
-    ("flash_attention with return_softmax"): -> the first op that uses it."""
-    out: dict[str, str] = {}
-    fallbacks = getattr(program, "fallbacks", None) or {}  # an imported op torch itself runs
-    for i, op in enumerate(program.ops):
-        if i in fallbacks:
-            continue
-        bad = _UNSUPPORTED.get(op.rule)
-        key = bad[1] if bad is not None and op.attrs.get(bad[0]) else op.rule
-        if (get_kernel(op.rule) is None or key != op.rule) and key not in out:
-            out[key] = op.name
-    return out
-
-
-def check_kernels(program: Program) -> None:
-    """Raise :class:`NoTorchKernelError` naming every op whose rule has no torch kernel."""
-    miss = missing_kernels(program)
-    if miss:
-        names = ", ".join(f"{r} (op {o})" for r, o in sorted(miss.items()))
-        raise NoTorchKernelError(f"--kernels torch: no torch kernel for {names}; run with --kernels numpy "
-                                 f"(spmdkit's float64 numpy references) instead")
 
 
 def run_kernel(ref: Reference, kernel: Kernel, args: Args, ctx: Ctx) -> tuple[Any, ...]:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from spmdkit.core.errors import ProgramError
+from spmdkit.execute.kernel_names import KERNEL_NAMES, NoTorchKernelError
 from spmdkit.sim.reference import ArrayLib, Ctx
 
 Args = dict[str, Any]
@@ -28,11 +29,14 @@ DTYPES: dict[str, torch.dtype] = {
 KERNELS: dict[str, Kernel] = {}
 
 
-class NoTorchKernelError(ProgramError):
-    """An op of the program has no torch kernel (``--kernels numpy`` runs it)."""
-
-
 def register(*names: str) -> Callable[[Kernel], Kernel]:
+    """The decorator that enters a kernel in :data:`KERNELS` under ``names``, each listed in
+    :data:`spmdkit.execute.kernel_names.KERNEL_NAMES` (what the launcher checks plans against)."""
+    unlisted = [n for n in names if n not in KERNEL_NAMES]
+    if unlisted:
+        raise ProgramError(f"torch kernel {', '.join(unlisted)}: not in spmdkit.execute.kernel_names.KERNEL_NAMES; "
+                           f"list it there (spmdkit run's launcher checks kernels against that list)")
+
     def deco(fn: Kernel) -> Kernel:
         for n in names:
             KERNELS[n] = fn
