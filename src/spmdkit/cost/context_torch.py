@@ -157,7 +157,7 @@ def torch_cp_op_cost(plan: Plan, i: int, c: OpCost) -> OpCost:
     gathered keys / cp). With the memory-bound passes (:func:`merge_bytes`) timed at the device's
     HBM rate as separate kernels (``cast_bytes``). ``c`` itself elsewhere."""
     cp = cp_op(plan, i)
-    if plan.runtime.framework != TORCH_CP or cp is None or cp.variant != "allgather" or cp.ranks <= 1:
+    if cp is None or not runs_torch_cp(plan, cp):
         return c
     extra = merge_bytes(local_qkv(plan, i), cp.ranks, plan.program.ops[i].phase == "backward", plan.runtime.eager)
     att = c.attention
@@ -211,19 +211,26 @@ class TorchCpCost:
         return asdict(self)
 
 
+def runs_torch_cp(plan: Plan, cp: CpOp) -> bool:
+    """Whether torch's context_parallel runs cp attention op ``cp``: an allgather one whose
+    sequence is split, under ``--framework torchtitan``."""
+    return plan.runtime.framework == TORCH_CP and cp.variant == "allgather" and cp.ranks > 1
+
+
 def torch_cp_ops(plan: Plan) -> list[CpOp]:
-    """The allgather cp attention ops torch's context_parallel runs (``--framework torchtitan``)."""
+    """The allgather cp attention ops torch's context_parallel runs (:func:`runs_torch_cp`)."""
     if plan.runtime.framework != TORCH_CP:
         return []
-    return [c for c in cp_ops(plan) if c.variant == "allgather" and c.ranks > 1]
+    return [c for c in cp_ops(plan) if runs_torch_cp(plan, c)]
 
 
-def torch_cp_costs(plan: Plan, times: Sequence[float]) -> dict[int, TorchCpCost]:
+def torch_cp_costs(plan: Plan, times: Sequence[float], ops: Sequence[CpOp] | None = None) -> dict[int, TorchCpCost]:
     """Op index -> :class:`TorchCpCost` of every allgather cp attention op under
-    ``--framework torchtitan``, ``times[i]`` op i's compute (``cp`` steps); the all-gather and
-    the sends timed over the op's cp mesh dims by the plan's cost model."""
+    ``--framework torchtitan`` (``ops``: :func:`torch_cp_ops`, where the caller has them),
+    ``times[i]`` op i's compute (``cp`` steps); the all-gather and the sends timed over the op's
+    cp mesh dims by the plan's cost model."""
     out: dict[int, TorchCpCost] = {}
-    for cp in torch_cp_ops(plan):
+    for cp in torch_cp_ops(plan) if ops is None else ops:
         i = cp.index
         x = local_qkv(plan, i)
         backward = plan.program.ops[i].phase == "backward"
@@ -238,5 +245,5 @@ def torch_cp_costs(plan: Plan, times: Sequence[float]) -> dict[int, TorchCpCost]
     return out
 
 
-__all__ = ["LocalQKV", "TORCH_CP", "TorchCpCost", "local_qkv", "merge_bytes", "torch_cp_costs", "torch_cp_exposed",
-           "torch_cp_op_cost", "torch_cp_ops"]
+__all__ = ["LocalQKV", "TORCH_CP", "TorchCpCost", "local_qkv", "merge_bytes", "runs_torch_cp", "torch_cp_costs",
+           "torch_cp_exposed", "torch_cp_op_cost", "torch_cp_ops"]

@@ -148,6 +148,10 @@ class StepEstimate:
                 "forward": next((r.to_json() for r in self.rings if r.phase == "forward"), None),
                 "backward": next((r.to_json() for r in self.rings if r.phase == "backward"), None)}
 
+    def torch_cp_op(self, phase: str) -> TorchCpCost | None:
+        """The first of :attr:`torch_cp` in ``phase`` (forward or backward; None: none)."""
+        return next((u for u in self.torch_cp if u.phase == phase), None)
+
     @property
     def exposed_comm_s(self) -> float:
         return self.step_overlap_s - self.compute_total_s
@@ -180,10 +184,8 @@ class StepEstimate:
                            **({"ring_attention": self.ring_comm_s} if self.rings else {})},
                 "ring_attention": self.ring_json(), "cp_imbalance": self.cp_imbalance,
                 "torch_context_parallel": {"ops": len(self.torch_cp),
-                                           "forward": next((u.to_json() for u in self.torch_cp
-                                                            if u.phase == "forward"), None),
-                                           "backward": next((u.to_json() for u in self.torch_cp
-                                                             if u.phase == "backward"), None)}
+                                           **{p: u.to_json() if (u := self.torch_cp_op(p)) else None
+                                              for p in ("forward", "backward")}}
                 if self.torch_cp else None,
                 "comm_total_s": self.comm_total_s, "step_serial_s": self.step_serial_s,
                 "step_overlap_s": self.step_overlap_s, "exposed_comm_s": self.exposed_comm_s,
@@ -439,7 +441,8 @@ def _communication(plan: Plan, comp: _Compute, device: Device) -> _Comm:
     torch_tp = overlap_tp and plan.runtime.framework in FSDP2  # torch's async TP (micro-pipeline TP)
     rs_grads = distributed_optimizer_grads(plan)
     moe_a2a = bool(plan_loads(plan)) or plan.runtime.moe_dispatcher != "alltoall"
-    under = {c.index: set(c.dims) for c in torch_cp_ops(plan)}  # torch's context_parallel gathers K / V itself
+    torch_cps = torch_cp_ops(plan)
+    under = {c.index: set(c.dims) for c in torch_cps}  # torch's context_parallel gathers K / V itself
     experts = expert_tensors(prog)
     again = regathers(plan)  # allgather attention's K / V gathered again for its grad
     readers: dict[str, list[int]] = {}
@@ -505,7 +508,7 @@ def _communication(plan: Plan, comp: _Compute, device: Device) -> _Comm:
     for g, per in gathers.items():
         secs = sum(time_of(plan.cost, "all_gather", dims, b, plan.mesh.shape) for dims, b in per.items())
         out.prefetch[g] = (secs, out.prefetch[g][1])
-    out.under = torch_cp_costs(plan, comp.times)
+    out.under = torch_cp_costs(plan, comp.times, torch_cps)
     for i, u in out.under.items():
         out.by_phase[prog.ops[i].phase] += u.comm_s
     return out

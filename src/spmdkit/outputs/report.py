@@ -356,8 +356,7 @@ def write_rings(est: StepEstimate, out: TextIO) -> None:
 def write_torch_cp(est: StepEstimate, out: TextIO) -> None:
     """torch's context_parallel's allgather attention (``--framework torchtitan``): the K / V
     all-gather with the query heads, the backward's dK / dV ring (spmdkit.cost.context_torch)."""
-    fwd = next((u for u in est.torch_cp if u.phase == "forward"), None)
-    bwd = next((u for u in est.torch_cp if u.phase == "backward"), None)
+    fwd, bwd = est.torch_cp_op("forward"), est.torch_cp_op("backward")
     first = fwd or bwd
     if first is None:
         return

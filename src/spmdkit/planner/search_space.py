@@ -30,7 +30,6 @@ from spmdkit.strategies.strategy import parse_mesh, parse_strategy, tp_problem
 LONG_SEQ = 16384
 
 
-
 @dataclass(frozen=True)
 class Config:
     """One point of the outer search. ``ep`` > 1: expert parallelism carved out of data
@@ -158,11 +157,11 @@ def program_for(cfg: Config, prog: Program, sizes: _Sizes, reload: Reload | None
     batch = sizes.batch
     if reload is None or not batch:
         return prog, ""
-    parts = cfg.strategy.split(",")
-    chunks = 1 if cfg.strategy == "auto" else tp_chunks(_sub_mesh(cfg), parts)
+    parts, sub = cfg.strategy.split(","), _sub_mesh(cfg)
+    chunks = 1 if cfg.strategy == "auto" else tp_chunks(sub, parts)
     if sizes.experts % (cfg.ep * cfg.tp):
         chunks = 1  # check_ep refuses ETP = 1 here before the routing is looked at
-    cp = hf_cp(_sub_mesh(cfg), ["cp"] if cfg.strategy == "auto" else parts, sizes.seq)  # auto: as plan --hf --auto
+    cp = hf_cp(sub, ["cp"] if cfg.strategy == "auto" else parts, sizes.seq)  # auto: as plan --hf --auto
     micro = cfg.pp > 1 and cfg.microbatches > 1
     if not micro and chunks == 1 and cp is None:
         return prog, ""
