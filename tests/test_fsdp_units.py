@@ -73,3 +73,13 @@ def test_torchtitan_reduce_scatters_the_root_gradients_last_in_one_bucket() -> N
     assert root.start_s == pytest.approx(max(root.ready_s, est.buckets[-2].start_s + est.buckets[-2].time_s))
     assert opt[1] == pytest.approx(root.start_s + root.time_s)
     assert est.exposed_s["gradient_buckets"] == pytest.approx(root.start_s + root.time_s - root.ready_s)
+
+
+def test_a_tied_embedding_is_gathered_and_reduced_once_in_the_root() -> None:
+    dev = preset_device("h100")
+    _, plan, _ = plan_model('{"base": "llama-7b", "layers": 2, "tied_embeddings": true}', "dp=8", "zero3")
+    plan = replace(recost(plan, cost_model(plan.mesh, dev)), runtime=Runtime(framework="torchtitan"))
+    units = torchtitan_units(plan, _communication(plan, _compute(plan, dev), dev))
+    assert units[0] == (pytest.approx(_ag(EMB + NORM)), 0)  # the table once, with the final norm
+    root = estimate_step(plan, dev, 8 * 4096).buckets[-1]
+    assert (root.tensors, root.bytes) == (2, 4 * (EMB + NORM))

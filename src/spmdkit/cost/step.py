@@ -383,8 +383,8 @@ class _Comm:
     #: the part of ``blocking`` that is a MoE layer's expert-parallel all-to-all (its tokens
     #: dispatched or combined, or their gradients): op -> seconds (``--ep-comm-overlap``)
     ep_a2a: dict[int, float] = field(default_factory=dict)
-    #: the bytes of each layer group's stored-parameter all-gathers by mesh dims (``prefetch``'s)
-    gathers: dict[int, dict[tuple[int, ...], float]] = field(default_factory=dict)
+    #: each layer group's stored-parameter all-gathers (``prefetch``'s): (tensor, mesh dims) -> bytes
+    gathers: dict[int, dict[tuple[str, tuple[int, ...]], float]] = field(default_factory=dict)
 
     def exposed(self, i: int, times: list[float]) -> float:
         """Seconds op i waits on its blocking and TP-overlapped collectives (a reduce-scatter's
@@ -446,7 +446,7 @@ def _communication(plan: Plan, comp: _Compute, device: Device) -> _Comm:
     out = _Comm({}, {}, {"forward": 0.0, "backward": 0.0, "optimizer": 0.0})
     producer = _producers(plan)
     groups = layer_groups(plan)
-    gathers: dict[int, dict[tuple[int, ...], float]] = {}
+    gathers: dict[int, dict[tuple[str, tuple[int, ...]], float]] = {}
     param_grads = plan.param_grads()
     overlap_tp = plan.runtime.tp_comm_overlap
     torch_tp = overlap_tp and plan.runtime.framework in FSDP2  # torch's async TP (micro-pipeline TP)
@@ -489,7 +489,8 @@ def _communication(plan: Plan, comp: _Compute, device: Device) -> _Comm:
             n = math.prod(plan.mesh.shape[d] for d in s.mesh_dims)
             if s.kind == "all_gather" and r.tensor in plan.storage and not r.output and t.kind == "parameter":
                 per = gathers.setdefault(groups[i], {})
-                per[s.mesh_dims] = per.get(s.mesh_dims, 0.0) + buffer_bytes(s.kind, s.bytes_per_rank, n)
+                key = (r.tensor, s.mesh_dims)
+                per[key] = per.get(key, 0.0) + buffer_bytes(s.kind, s.bytes_per_rank, n)
                 first = out.prefetch.get(groups[i], (0.0, i))[1]
                 out.prefetch[groups[i]] = (0.0, min(first, i))
                 continue
@@ -525,9 +526,13 @@ def _communication(plan: Plan, comp: _Compute, device: Device) -> _Comm:
     return out
 
 
-def _gather_s(plan: Plan, per: dict[tuple[int, ...], float]) -> float:
-    """Seconds of one unit's parameter all-gathers (bytes by mesh dims), one after the other."""
-    return sum(time_of(plan.cost, "all_gather", dims, b, plan.mesh.shape) for dims, b in per.items())
+def _gather_s(plan: Plan, per: dict[tuple[str, tuple[int, ...]], float]) -> float:
+    """Seconds of one unit's parameter all-gathers ((tensor, mesh dims) -> bytes): one flat
+    all-gather per mesh dims, one after the other."""
+    by: dict[tuple[int, ...], float] = {}
+    for (_name, dims), b in per.items():
+        by[dims] = by.get(dims, 0.0) + b
+    return sum(time_of(plan.cost, "all_gather", dims, b, plan.mesh.shape) for dims, b in by.items())
 
 
 def torchtitan_units(plan: Plan, comm: _Comm) -> dict[int, tuple[float, int]]:
@@ -535,7 +540,8 @@ def torchtitan_units(plan: Plan, comm: _Comm) -> dict[int, tuple[float, int]]:
     the root's parameters (the embedding's, the final norm's and the output's) in one all-gather
     before the first op, kept through the backward (no gather of the head's forward or of the root's
     backward groups), and the last transformer block's kept from its forward to its backward (no
-    gather of its backward group). Other frameworks, and a program without a root group: unchanged."""
+    gather of its backward group). A parameter the root's groups share (a tied embedding and output)
+    is gathered once. Other frameworks, and a program without a root group: unchanged."""
     if plan.runtime.framework != "torchtitan" or not comm.prefetch:
         return comm.prefetch
     groups = layer_groups(plan)
@@ -549,10 +555,10 @@ def torchtitan_units(plan: Plan, comm: _Comm) -> dict[int, tuple[float, int]]:
     blocks = [g for g in comm.prefetch if tag[g][1] == "forward" and tag[g][0] not in ROOT_LAYERS]
     last = (tag[max(blocks)][0], "backward") if blocks else None
     out = {g: v for g, v in comm.prefetch.items() if g not in root and tag[g] != last}
-    merged: dict[tuple[int, ...], float] = {}
+    merged: dict[tuple[str, tuple[int, ...]], float] = {}
     for g in fwd:
-        for dims, b in comm.gathers.get(g, {}).items():
-            merged[dims] = merged.get(dims, 0.0) + b
+        for key, b in comm.gathers.get(g, {}).items():
+            merged[key] = max(merged.get(key, 0.0), b)
     out[fwd[0]] = (_gather_s(plan, merged), comm.prefetch[fwd[0]][1])
     return dict(sorted(out.items()))
 
