@@ -44,6 +44,15 @@ MEGATRON_BUCKET_PARAMS_PER_DP = 1_000_000
 #: accumulate_allreduce_grads_in_fp32 for bf16 (megatron/training/arguments.py), torchtitan's
 #: FSDP2 MixedPrecisionPolicy has reduce_dtype = mixed_precision_reduce = float32
 _REDUCE_ITEMSIZE = {"bfloat16": 4}
+#: the parts of a model torchtitan's root FSDP2 module holds (the zoo's layer tags of
+#: tok_embeddings, and of norm and output): torchtitan ``apply_fsdp`` (parallelize_llama.py, at
+#: 9dec370) calls ``fully_shard`` on each transformer block, the last one with
+#: ``reshard_after_forward=False`` ("FSDP would prefetch it immediately"), then on the model; FSDP2
+#: does not reshard the root after forward (``FSDPState._lazy_init``: "For the root, do not reshard
+#: after forward ... post_forward_mesh_info = None"), and reduce-scatters its gradients in the
+#: backward's final callback (``_root_post_backward_final_callback``: its inputs, the token ids,
+#: have no gradient to trigger its post-backward hook)
+ROOT_LAYERS = ("embedding", "head")
 
 
 @dataclass(frozen=True)
@@ -374,6 +383,8 @@ class _Comm:
     #: the part of ``blocking`` that is a MoE layer's expert-parallel all-to-all (its tokens
     #: dispatched or combined, or their gradients): op -> seconds (``--ep-comm-overlap``)
     ep_a2a: dict[int, float] = field(default_factory=dict)
+    #: each layer group's stored-parameter all-gathers (``prefetch``'s): (tensor, mesh dims) -> bytes
+    gathers: dict[int, dict[tuple[str, tuple[int, ...]], float]] = field(default_factory=dict)
 
     def exposed(self, i: int, times: list[float]) -> float:
         """Seconds op i waits on its blocking and TP-overlapped collectives (a reduce-scatter's
@@ -435,7 +446,7 @@ def _communication(plan: Plan, comp: _Compute, device: Device) -> _Comm:
     out = _Comm({}, {}, {"forward": 0.0, "backward": 0.0, "optimizer": 0.0})
     producer = _producers(plan)
     groups = layer_groups(plan)
-    gathers: dict[int, dict[tuple[int, ...], float]] = {}
+    gathers: dict[int, dict[tuple[str, tuple[int, ...]], float]] = {}
     param_grads = plan.param_grads()
     overlap_tp = plan.runtime.tp_comm_overlap
     torch_tp = overlap_tp and plan.runtime.framework in FSDP2  # torch's async TP (micro-pipeline TP)
@@ -478,7 +489,8 @@ def _communication(plan: Plan, comp: _Compute, device: Device) -> _Comm:
             n = math.prod(plan.mesh.shape[d] for d in s.mesh_dims)
             if s.kind == "all_gather" and r.tensor in plan.storage and not r.output and t.kind == "parameter":
                 per = gathers.setdefault(groups[i], {})
-                per[s.mesh_dims] = per.get(s.mesh_dims, 0.0) + buffer_bytes(s.kind, s.bytes_per_rank, n)
+                key = (r.tensor, s.mesh_dims)
+                per[key] = per.get(key, 0.0) + buffer_bytes(s.kind, s.bytes_per_rank, n)
                 first = out.prefetch.get(groups[i], (0.0, i))[1]
                 out.prefetch[groups[i]] = (0.0, min(first, i))
                 continue
@@ -506,12 +518,49 @@ def _communication(plan: Plan, comp: _Compute, device: Device) -> _Comm:
                 if s.kind == "all_to_all" and r.tensor in experts:
                     out.ep_a2a[i] = out.ep_a2a.get(i, 0.0) + s.time_s
     for g, per in gathers.items():
-        secs = sum(time_of(plan.cost, "all_gather", dims, b, plan.mesh.shape) for dims, b in per.items())
-        out.prefetch[g] = (secs, out.prefetch[g][1])
+        out.prefetch[g] = (_gather_s(plan, per), out.prefetch[g][1])
+    out.gathers = gathers
     out.under = torch_cp_costs(plan, comp.times, torch_cps)
     for i, u in out.under.items():
         out.by_phase[prog.ops[i].phase] += u.comm_s
     return out
+
+
+def _gather_s(plan: Plan, per: dict[tuple[str, tuple[int, ...]], float]) -> float:
+    """Seconds of one unit's parameter all-gathers ((tensor, mesh dims) -> bytes): one flat
+    all-gather per mesh dims, one after the other."""
+    by: dict[tuple[int, ...], float] = {}
+    for (_name, dims), b in per.items():
+        by[dims] = by.get(dims, 0.0) + b
+    return sum(time_of(plan.cost, "all_gather", dims, b, plan.mesh.shape) for dims, b in by.items())
+
+
+def torchtitan_units(plan: Plan, comm: _Comm) -> dict[int, tuple[float, int]]:
+    """``comm.prefetch`` as torchtitan's FSDP2 units gather in a flat step (:data:`ROOT_LAYERS`):
+    the root's parameters (the embedding's, the final norm's and the output's) in one all-gather
+    before the first op, kept through the backward (no gather of the head's forward or of the root's
+    backward groups), and the last transformer block's kept from its forward to its backward (no
+    gather of its backward group). A parameter the root's groups share (a tied embedding and output)
+    is gathered once. Other frameworks, and a program without a root group: unchanged."""
+    if plan.runtime.framework != "torchtitan" or not comm.prefetch:
+        return comm.prefetch
+    groups = layer_groups(plan)
+    tag: dict[int, tuple[str, str]] = {}
+    for i, op in enumerate(plan.program.ops):
+        tag.setdefault(groups[i], (op.layer, op.phase))
+    root = sorted(g for g in comm.prefetch if tag[g][0] in ROOT_LAYERS)
+    fwd = [g for g in root if tag[g][1] == "forward"]
+    if not fwd:
+        return comm.prefetch
+    blocks = [g for g in comm.prefetch if tag[g][1] == "forward" and tag[g][0] not in ROOT_LAYERS]
+    last = (tag[max(blocks)][0], "backward") if blocks else None
+    out = {g: v for g, v in comm.prefetch.items() if g not in root and tag[g] != last}
+    merged: dict[tuple[str, tuple[int, ...]], float] = {}
+    for g in fwd:
+        for key, b in comm.gathers.get(g, {}).items():
+            merged[key] = max(merged.get(key, 0.0), b)
+    out[fwd[0]] = (_gather_s(plan, merged), comm.prefetch[fwd[0]][1])
+    return dict(sorted(out.items()))
 
 
 @dataclass
@@ -608,7 +657,7 @@ class Reducer:
 
     def _launch(self, key: tuple[Any, ...], now: float) -> None:
         tensors, size, ready, _cap, _layer = self.open.pop(key)
-        kind, dims, rt, _dt = key
+        kind, dims, rt, _dt, _root = key
         dur = self._time(kind, dims, size)
         start = max(now, self.free)
         self.free = start + dur
@@ -616,12 +665,16 @@ class Reducer:
         self.launched.append(now)
 
     def add(self, dtype: str, s: Step, size: int, now: float, layer: str = "") -> None:
-        """A gradient of ``size`` bytes (its own dtype) ready at ``now``, made in ``layer``."""
-        key = (s.kind, s.mesh_dims, s.reduce_type or "sum", dtype)
+        """A gradient of ``size`` bytes (its own dtype) ready at ``now``, made in ``layer``
+        (torchtitan: a :data:`ROOT_LAYERS` gradient waits in the root's bucket for the end)."""
+        fsdp = self.framework in FSDP2 and s.kind == "reduce_scatter"
+        root = fsdp and self.framework == "torchtitan" and layer in ROOT_LAYERS
+        block = (s.kind, s.mesh_dims, s.reduce_type or "sum", dtype, False)
+        key = (*block[:4], root)
+        b = self.open.get(block)
+        if b is not None and fsdp and b[4] != layer:
+            self._launch(block, b[2])  # the previous layer's gradients are all made
         b = self.open.get(key)
-        if b is not None and self.framework in FSDP2 and s.kind == "reduce_scatter" and b[4] != layer:
-            self._launch(key, b[2])  # the previous layer's gradients are all made
-            b = None
         itemsize = self.reduce_itemsize.get(dtype, 0)
         if itemsize:
             size = size * itemsize // 2
@@ -635,7 +688,7 @@ class Reducer:
 
     def flush(self, now: float) -> float:
         """Launch every open bucket (the end of the backward); the time the last one is done."""
-        for key in list(self.open):
+        for key in sorted(self.open, key=lambda k: k[4]):  # the root's (torchtitan) last
             self._launch(key, now)
         return max(now, self.free)
 
@@ -658,9 +711,11 @@ def _run(plan: Plan, comp: _Compute, comm: _Comm, rerun: _Rerun, kern_by_op: dic
          pending: dict[int, list[_Pending]] | None = None) -> _Run:
     """The ops in program order; a stored parameters' group all-gather is issued on the
     communication stream when the group before its own starts (FSDP's prefetch of the next
-    block, forward and backward), and its first reader waits for it. ``pending``: the gradient
-    reductions this micro-step runs (default every one, the last micro-step's)."""
+    block, forward and backward; torchtitan's units: :func:`torchtitan_units`), and its first
+    reader waits for it. ``pending``: the gradient reductions this micro-step runs (default every
+    one, the last micro-step's)."""
     pending = comm.pending if pending is None else pending
+    prefetch = torchtitan_units(plan, comm)
     red = Reducer(plan)
     clock = 0.0
     serial_compute = 0.0
@@ -668,9 +723,9 @@ def _run(plan: Plan, comp: _Compute, comm: _Comm, rerun: _Rerun, kern_by_op: dic
     flushed = False
     fb = tail = 0.0
     times = comp.times
-    groups = layer_groups(plan) if comm.prefetch else []
-    order = sorted(comm.prefetch)
-    first_of = {first: g for g, (_t, first) in comm.prefetch.items()}
+    groups = layer_groups(plan) if prefetch else []
+    order = sorted(prefetch)
+    first_of = {first: g for g, (_t, first) in prefetch.items()}
     done: dict[int, float] = {}
     for i, op in enumerate(plan.program.ops):
         if op.phase == "optimizer" and not flushed:
@@ -685,7 +740,7 @@ def _run(plan: Plan, comp: _Compute, comm: _Comm, rerun: _Rerun, kern_by_op: dic
             k = bisect.bisect_left(order, h)
             for nxt in order[k:k + 2] if k < len(order) and order[k] == h else order[k:k + 1]:
                 if nxt not in done:
-                    done[nxt] = max(clock, red.free) + comm.prefetch[nxt][0]
+                    done[nxt] = max(clock, red.free) + prefetch[nxt][0]
                     red.free = done[nxt]
         mine = first_of.get(i)
         if mine is not None:
@@ -875,5 +930,6 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
     return est
 
 
-__all__ = ["BUCKET_BYTES", "FIRST_BUCKET_BYTES", "MEGATRON_BUCKET_PARAMS", "Bucket", "OpComm", "Reducer", "StepEstimate",
-           "dgrad_time", "estimate_step", "is_grad_sync", "UB_COMM_SMS", "layer_groups", "op_communication", "overlap_exposed", "param_gather_time", "tp_overlap_exposed", "ub_sm_tax"]
+__all__ = ["BUCKET_BYTES", "FIRST_BUCKET_BYTES", "MEGATRON_BUCKET_PARAMS", "ROOT_LAYERS", "Bucket", "OpComm", "Reducer",
+           "StepEstimate", "dgrad_time", "estimate_step", "is_grad_sync", "UB_COMM_SMS", "layer_groups", "op_communication",
+           "overlap_exposed", "param_gather_time", "torchtitan_units", "tp_overlap_exposed", "ub_sm_tax"]
