@@ -564,12 +564,25 @@ def _memory_gib(d: dict[str, Any], key: str = "reserved") -> float:
     return float(d["memory"][key]) / GIB
 
 
-def _phase_s(d: dict[str, Any]) -> float:
-    """Forward + backward (compute, communication, recomputation) of a one-microbatch flat plan."""
+def _phase_s(d: dict[str, Any], phases: tuple[str, ...] = ("forward", "backward", "recompute")) -> float:
+    """Compute and communication of ``phases`` (default forward + backward + recomputation) of a
+    one-microbatch flat plan; the collectives inside ops (the loss's) with the forward."""
     st = d["step"]
     c, k = st["compute_s"], st["comm_s"]
-    return sum(float(c.get(p, 0.0)) + float(k.get(p, 0.0)) for p in ("forward", "backward", "recompute")) \
-        + float(k.get("inside_ops", 0.0))
+    return sum(float(c.get(p, 0.0)) + float(k.get(p, 0.0)) for p in phases) \
+        + (float(k.get("inside_ops", 0.0)) if "forward" in phases else 0.0)
+
+
+#: Table 4's halves: its forward, and its backward with the recomputation run in it
+LAYER_HALVES = {"layer_forward_ms": ("forward",), "layer_backward_ms": ("backward", "recompute")}
+
+
+def layer_line(b: dict[str, float], measured: dict[str, Any]) -> str:
+    """A Table 4 run's predicted layer forward and backward (``b``: :data:`LAYER_HALVES`, ms)
+    beside the measured ones."""
+    parts = [f"{k.removeprefix('layer_').removesuffix('_ms')} {v:.2f} ms (measured {measured[k]:g})"
+             for k, v in b.items()]
+    return "    layer " + ", ".join(parts)
 
 
 def breakdown(d: dict[str, Any]) -> dict[str, float]:
@@ -609,7 +622,9 @@ def _planned(argv: list[str], argv2: list[str] | None) -> dict[str, Any]:
     got = {"memory": _memory_gib(d), "device_total": _memory_gib(d, "device_total"), "breakdown": breakdown(d),
            "step": _step(d)[0]}
     if argv2 is not None:
-        got["layer_s"] = _phase_s(run_cli(argv2)) - _phase_s(d)
+        d2 = run_cli(argv2)
+        got["layer_s"] = _phase_s(d2) - _phase_s(d)
+        got["layer_halves"] = {k: 1e3 * (_phase_s(d2, ph) - _phase_s(d, ph)) for k, ph in LAYER_HALVES.items()}
     return got
 
 
@@ -629,6 +644,7 @@ def predict(case: Case, planned: dict[tuple[str, ...], dict[str, Any]] | None = 
     case.breakdown = dict(got["breakdown"])
     if metric == "layer_combined_ms":
         assert case.argv2 is not None
+        case.breakdown = dict(got["layer_halves"])
         return 1e3 * got["layer_s"], mem
     step = got["step"]
     if metric == "step_time_s":
@@ -747,7 +763,8 @@ def evaluate(rows: list[dict[str, Any]], show_argv: bool = False, out: Any = Non
             if show_argv:
                 say("    spmdkit " + " ".join(_quote(x) for x in case.argv))
             if show_breakdown:
-                say(breakdown_line(case.breakdown, ratio if case.metric != "layer_combined_ms" else None))
+                say(layer_line(case.breakdown, row["measured"]) if case.metric == "layer_combined_ms"
+                    else breakdown_line(case.breakdown, ratio))
     return results, unsupported
 
 
@@ -883,7 +900,8 @@ def main() -> int:
     ap.add_argument("--show-argv", action="store_true", help="print each run's command line")
     ap.add_argument("--breakdown", action="store_true",
                     help="print where each run's predicted step goes (compute, exposed communication by kind; "
-                         "a pipeline's schedule, bubble and what runs after it) and the measured step")
+                         "a pipeline's schedule, bubble and what runs after it) and the measured step; a Table 4 "
+                         "layer's forward and backward halves beside the measured ones")
     a = ap.parse_args()
     runs = a.runs or [str(RUNS)]
     rows = [r for f in runs for r in json.loads(Path(f).read_text())]

@@ -205,6 +205,29 @@ def test_breakdown_sums_to_the_step() -> None:
     assert FID.breakdown(p) == {"pipeline": 2.0, "bubble": 0.25, "after_pipeline": 0.5, "step": 2.5}
 
 
+def test_table4_rows_split_their_layer_into_forward_and_backward() -> None:
+    """Korthikanti et al. 2022 Table 4 gives a layer's forward and backward apart: ``--breakdown`` prints
+    both halves beside them, and they sum to the combined prediction; full recomputation runs the
+    forward again inside the backward, so its forward half is the baseline's and its backward half
+    is the baseline's plus that forward (Table 4: 7.7 ms forward both, 11.9 -> 19.5 backward)."""
+    got = {}
+    for rid in ("korthikanti22_t4_22b_layer_baseline_no_recompute", "korthikanti22_t4_22b_layer_baseline_full_recompute"):
+        row = next(r for r in ROWS if r["id"] == rid)
+        with tempfile.TemporaryDirectory() as d:
+            case = FID.express(row, Path(d))
+        pred, _ = FID.predict(case)
+        b = case.breakdown
+        assert set(b) == {"layer_forward_ms", "layer_backward_ms"}
+        assert b["layer_forward_ms"] + b["layer_backward_ms"] == pytest.approx(pred, rel=1e-9)
+        line = FID.layer_line(b, row["measured"])
+        assert line == (f"    layer forward {b['layer_forward_ms']:.2f} ms (measured {row['measured']['layer_forward_ms']:g}), "
+                        f"backward {b['layer_backward_ms']:.2f} ms (measured {row['measured']['layer_backward_ms']:g})")
+        got[rid.rsplit("_", 2)[-2]] = b
+    assert got["full"]["layer_forward_ms"] == pytest.approx(got["no"]["layer_forward_ms"], rel=1e-9)
+    assert got["full"]["layer_backward_ms"] == pytest.approx(
+        got["no"]["layer_backward_ms"] + got["no"]["layer_forward_ms"], rel=0.01)
+
+
 MOE_ROWS: dict[str, dict[str, Any]] = {r["id"]: r for r in json.loads(FID.MOE_RUNS.read_text())}
 
 
