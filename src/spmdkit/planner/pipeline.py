@@ -626,7 +626,8 @@ def _torch_rank(plan: Plan, costs: list[StageCost], schedule: str, p: int, v: in
     """Rank ``r``'s memory walked over torch's order of its units
     (:func:`spmdkit.planner.pipeline_memory.torch_rank_memory`) and the whole-stage microbatches
     it holds then; None where torch's schedule cannot run it. A stage's received activations
-    live in its receive buffers, so they leave its stash and working peak."""
+    live in its receive buffers, so they leave its stash and working peak; FSDP2's side-stream
+    pools join the allocator's reserve."""
     order = torch_order(schedule, p, v, m, r)
     if order is None:
         return None
@@ -640,11 +641,12 @@ def _torch_rank(plan: Plan, costs: list[StageCost], schedule: str, p: int, v: in
         out = s.send_bytes if k < n - 1 else logits
         chunks.append(ChunkBytes(max(0, s.stash_bytes - got), max(0, s.working_peak - got), s.parameters,
                                  s.optimizer_states, s.gradients, s.unsharded_parameters, s.unsharded_gradients,
-                                 got, out, s.send_bytes if k < n - 1 else 0))
+                                 got, out, s.send_bytes if k < n - 1 else 0, s.gather_pool))
     peak = torch_rank_memory(chunks, order, m)
     mine = [costs[c * p + r] for c in range(v)]
     peak_op = max(mine, key=lambda c: c.working_peak).peak_op
-    mem = with_overheads(peak.parameters, peak.gradients, peak.optimizer_states, peak.activations, peak_op, plan, p)
+    mem = with_overheads(peak.parameters, peak.gradients, peak.optimizer_states, peak.activations, peak_op, plan, p,
+                         pools=peak.pools)
     return mem, peak.in_flight
 
 
