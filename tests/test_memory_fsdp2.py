@@ -5,9 +5,12 @@ stream's sharded gradients, reserved beside the default stream's blocks; their b
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
+from spmdkit.cost.devices import preset_device
 from spmdkit.cost.memory import ALLOCATOR_RESERVE, memory_per_device
 from spmdkit.cost.memory_fsdp2 import copy_in_pool, gather_sizes, gathered_numels, pair_peak, param_groups
+from spmdkit.planner.pipeline import estimate_pipeline, plan_pipeline
 from spmdkit.planner.pipeline_memory import ChunkBytes, torch_rank_memory
 from spmdkit.planner.planning import plan_model
 from spmdkit.program.runtime import Runtime
@@ -80,15 +83,15 @@ def test_walk_reserves_the_sharded_gradients_of_stages_not_done() -> None:
     assert late.unit == ("B", 0, 0) and late.gradients == 80 + 5 and late.pools == 6 + 9 + 5
 
 
-def test_torchtitan_pipeline_reserves_fsdp2_pools() -> None:
-    from spmdkit.cost.devices import preset_device
-    from spmdkit.planner.pipeline import estimate_pipeline, plan_pipeline
-
+def _pipeline(framework: str) -> Any:
     _m, plan, spec, counts, _ = plan_pipeline("tiny-llama", "pp=2,dp=2", "dp,zero3",
                                               {"microbatches": 4, "schedule": "1f1b", "virtual": None},
                                               {"layers": 4, "batch": 8})
-    plan = replace(plan, runtime=Runtime(framework="torchtitan"))
-    est = estimate_pipeline(plan, spec, counts, preset_device("h100"))
+    return estimate_pipeline(replace(plan, runtime=Runtime(framework=framework)), spec, counts, preset_device("h100"))
+
+
+def test_torchtitan_pipeline_reserves_fsdp2_pools() -> None:
+    est = _pipeline("torchtitan")
     # each stage a model chunk of 2 layers and its root group (stage 0: the embedding, 4096 B; stage
     # 1: the final norm and the head, 4160 B): two layers' buffers (2 x 9344) are the most in a row
     for s, m, root in zip(est.stages, est.memory, (64 * 16 * 4, (16 + 16 * 64) * 4)):
@@ -97,3 +100,15 @@ def test_torchtitan_pipeline_reserves_fsdp2_pools() -> None:
         # gradients (fp32, dp = 2) stay in the reduce-scatter pool
         assert m.allocator_reserve == round(ALLOCATOR_RESERVE * m.activation_peak) + s.gradients + s.gather_pool
     assert est.stages[0].gradients == (64 * 16 + 2 * LAYER) * 4 // 2
+
+
+def test_automodel_pipeline_reserves_the_copy_in_pools() -> None:
+    # AutoModel's pipelines keep Megatron-LM's count (the sharded gradients allocated beside the
+    # unsharded ones all step): only the copy-in pools join the reserve; Megatron-LM's none
+    est = _pipeline("automodel")
+    for s, m in zip(est.stages, est.memory):
+        assert s.gather_pool == 2 * LAYER * 4
+        assert m.allocator_reserve == round(ALLOCATOR_RESERVE * m.activation_peak) + s.gather_pool
+    mega = _pipeline("megatron")
+    assert all(s.gather_pool == 0 for s in mega.stages)
+    assert all(m.allocator_reserve == round(ALLOCATOR_RESERVE * m.activation_peak) for m in mega.memory)

@@ -597,7 +597,9 @@ def _rank_memory(plan: Plan, mine: list[StageCost], flight: float, p: int, v: in
     the stash of the others. ``kept`` > 0 (microbatch-level recomputation): that many units
     keep every activation (``whole``: the stages without recomputation), the working one
     among them; the others keep ``mine``'s stash. ``pending``: microbatches whose weight
-    gradients are still to run (ZB-H1's deferred W's), each keeping the stages' ``wstash``."""
+    gradients are still to run (ZB-H1's deferred W's), each keeping the stages' ``wstash``.
+    FSDP2's all-gather copy-in pools (AutoModel's: :mod:`spmdkit.cost.memory_fsdp2`) join the
+    reserve; its sharded gradients are counted allocated, with the unsharded ones."""
     stash = sum(c.stash_bytes for c in mine)
     units = max(1, round(flight * v))
     if kept and whole is not None:
@@ -612,7 +614,8 @@ def _rank_memory(plan: Plan, mine: list[StageCost], flight: float, p: int, v: in
     up = sum(c.unsharded_parameters for c in mine) if p > 1 else 0
     ug = sum(c.unsharded_gradients for c in mine) if p > 1 else 0
     return with_overheads(sum(c.parameters for c in mine) + up, sum(c.gradients for c in mine) + ug,
-                          sum(c.optimizer_states for c in mine), act, peak_op, plan, p)
+                          sum(c.optimizer_states for c in mine), act, peak_op, plan, p,
+                          pools=sum(c.gather_pool for c in mine))
 
 
 def torch_pipelining(plan: Plan, schedule: str, p: int) -> bool:
