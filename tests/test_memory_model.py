@@ -232,7 +232,8 @@ def test_torchtitan_llama3_8b_peak_memory(row: tuple[str, int, int, int, str, bo
     logs as its memory) within 10% of the measured one."""
     _name, dp, local, seq, recompute, float8, measured = row
     cfg = ModelConfig("llama", 32, 4096, 32, 8, 14336, 128256, seq, dp * local, "bfloat16")
-    plan = _plan(cfg, f"dp={dp}", "fsdp", Runtime("fp8" if float8 else "bf16", "torchtitan"), vocab_parallel=False)
+    plan = _plan(cfg, f"dp={dp}", "fsdp", Runtime("fp8" if float8 else "bf16", "torchtitan", compile=True),
+                 vocab_parallel=False)
     mem = memory_per_device(plan, recompute)
     assert mem.reserved / GiB == pytest.approx(measured, rel=0.10)
 

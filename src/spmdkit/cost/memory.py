@@ -15,7 +15,8 @@ backward. With gradient accumulation (``plan.grad_accum`` > 1) a gradient that Z
 reduce-scattered is held at its shard where the framework reduce-scatters it every micro-step
 (:meth:`spmdkit.program.plan.Plan.reduced_each_microstep`: Megatron-FSDP, torchtitan's FSDP2),
 and unreduced until the step's one reduction where it does not (NeMo AutoModel's
-``set_requires_gradient_sync(is_optim_step)``).
+``set_requires_gradient_sync(is_optim_step)``). What FSDP2 allocates on its own streams stays
+reserved in their pools (:mod:`spmdkit.cost.memory_fsdp2`): :attr:`Memory.allocator_reserve`.
 
 ``recompute`` (``none``, ``selective``, ``selective:M1,M2``, ``full``; :func:`saved_activations`): a
 forward activation that a recomputed region makes and the backward reads lives from its
@@ -76,11 +77,12 @@ from spmdkit.core.dist_attr import TensorDistAttr, entry_dims, largest_shard
 from spmdkit.core.errors import ProgramError
 from spmdkit.cost.context import regathers, ring_buffers
 from spmdkit.cost.memory_cp import allgather_buffers
+from spmdkit.cost.memory_fsdp2 import copy_in_pool, makes_no_copy
 from spmdkit.cost.moe import combine_rows_unkept, plan_loads
 from spmdkit.cost.recompute_modules import MODULES, module_regions, op_sac, recompute_modules
 from spmdkit.engine.memo import memo_table
 from spmdkit.program.ir import Op, Program, flat_refs
-from spmdkit.program.plan import Plan, Reshard
+from spmdkit.program.plan import Plan
 
 #: local_numel's memo (emptied with the engine's memo tables, as cost.compute's op costs are)
 _NUMEL: dict[tuple[TensorDistAttr, tuple[int, ...]], int] = memo_table()
@@ -612,16 +614,6 @@ def state_bytes(framework: str, precision: str, grad_dtype: str | None = None,
     return pb, gb, sb
 
 
-def makes_no_copy(plan: Plan, r: Reshard) -> bool:
-    """``r`` changes only mesh dims of one rank (a ZeRO-3 gather of an expert stack over an
-    expert-data-parallel dim of size 1): the local tensor is the same, no bytes move and the
-    framework makes no copy (FSDP2 leaves such a parameter out: AutoModel's ``ignored_params``;
-    a layout change over a mesh dim of size 1, ``dp=1``'s batch entry, alike)."""
-    shape = plan.program.tensors[r.tensor].shape
-    return (not r.plan.bytes_per_rank and local_numel(r.src, shape) == local_numel(r.dst, shape)
-            and not any(s.bytes_per_rank for s in r.plan.steps))
-
-
 def held_for_the_step(plan: Plan) -> dict[str, tuple[int, int, int]]:
     """Parameter -> (parameter, gradient, optimizer-state bytes) it holds for the whole step on
     one device, as ``plan.runtime.framework`` allocates them (:func:`_bytes_per_element`), each
@@ -731,11 +723,14 @@ class Memory:
 
 
 def with_overheads(parameters: int, gradients: int, states: int, activations: int, peak_op: int, plan: Plan,
-                   pp: int = 1, saved: ActivationMemory | None = None, curve: tuple[int, ...] = ()) -> Memory:
+                   pp: int = 1, saved: ActivationMemory | None = None, curve: tuple[int, ...] = (),
+                   pools: int = 0) -> Memory:
     """A :class:`Memory` with the allocator's reserve (:data:`ALLOCATOR_RESERVE` of the
-    activation peak) and the CUDA context and NCCL buffers (:func:`communicators`) added."""
+    activation peak, and ``pools``: bytes other streams' pools hold reserved, FSDP2's:
+    :mod:`spmdkit.cost.memory_fsdp2`, :mod:`spmdkit.planner.pipeline_memory`) and the CUDA
+    context and NCCL buffers (:func:`communicators`) added."""
     return Memory(parameters, gradients, states, activations, peak_op, saved, curve,
-                  round(ALLOCATOR_RESERVE * activations),
+                  round(ALLOCATOR_RESERVE * activations) + pools,
                   CUDA_CONTEXT_BYTES + NCCL_BYTES_PER_GROUP * communicators(plan, pp), plan.runtime.framework)
 
 
@@ -975,7 +970,7 @@ def memory_per_device(plan: Plan, recompute: str = "none") -> Memory:
     states = sum(b[2] for b in held.values())
     (deltas,) = activation_deltas(plan, saved)
     peak, at, curve = peak_of(deltas, len(prog.ops))
-    return with_overheads(params, grads, states, peak, at, plan, 1, saved, tuple(curve))
+    return with_overheads(params, grads, states, peak, at, plan, 1, saved, tuple(curve), copy_in_pool(plan))
 
 
 __all__ = ["ALLOCATOR_RESERVE", "CUDA_CONTEXT_BYTES", "LOSS_BYTES", "LOSS_PARALLEL_BYTES", "LOSS_RULES", "loss_bytes", "MICROBATCH", "loss_spans",

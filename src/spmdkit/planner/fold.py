@@ -413,7 +413,8 @@ def pipeline_memory(fold: Fold, est_a: PipelineEstimate, plan_b: Plan, est_b: Pi
 
 def _rank_total(ca: StageCost, cb: StageCost, d: int, act: int, plan: Plan, p: int) -> int:
     """A rank's bytes (:func:`spmdkit.planner.pipeline._rank_memory`, one stage a rank) with
-    what its stage holds for the step ``d`` layers past copy a's and ``act`` bytes of activations."""
+    what its stage holds for the step ``d`` layers past copy a's and ``act`` bytes of activations;
+    FSDP2's copy-in pool is copy b's (two blocks, or the root group and a block, at any depth)."""
     def held(f: str) -> int:
         va: int = getattr(ca, f)
         vb: int = getattr(cb, f)
@@ -421,7 +422,7 @@ def _rank_total(ca: StageCost, cb: StageCost, d: int, act: int, plan: Plan, p: i
 
     up, ug = (held("unsharded_parameters"), held("unsharded_gradients")) if p > 1 else (0, 0)
     return with_overheads(held("parameters") + up, held("gradients") + ug, held("optimizer_states"), act,
-                          cb.peak_op, plan, p).device_total
+                          cb.peak_op, plan, p, pools=cb.gather_pool).device_total
 
 
 def _close(x: float, y: float) -> bool:

@@ -597,7 +597,9 @@ def _rank_memory(plan: Plan, mine: list[StageCost], flight: float, p: int, v: in
     the stash of the others. ``kept`` > 0 (microbatch-level recomputation): that many units
     keep every activation (``whole``: the stages without recomputation), the working one
     among them; the others keep ``mine``'s stash. ``pending``: microbatches whose weight
-    gradients are still to run (ZB-H1's deferred W's), each keeping the stages' ``wstash``."""
+    gradients are still to run (ZB-H1's deferred W's), each keeping the stages' ``wstash``.
+    FSDP2's all-gather copy-in pools (AutoModel's: :mod:`spmdkit.cost.memory_fsdp2`) join the
+    reserve; its sharded gradients are counted allocated, with the unsharded ones."""
     stash = sum(c.stash_bytes for c in mine)
     units = max(1, round(flight * v))
     if kept and whole is not None:
@@ -612,7 +614,8 @@ def _rank_memory(plan: Plan, mine: list[StageCost], flight: float, p: int, v: in
     up = sum(c.unsharded_parameters for c in mine) if p > 1 else 0
     ug = sum(c.unsharded_gradients for c in mine) if p > 1 else 0
     return with_overheads(sum(c.parameters for c in mine) + up, sum(c.gradients for c in mine) + ug,
-                          sum(c.optimizer_states for c in mine), act, peak_op, plan, p)
+                          sum(c.optimizer_states for c in mine), act, peak_op, plan, p,
+                          pools=sum(c.gather_pool for c in mine))
 
 
 def torch_pipelining(plan: Plan, schedule: str, p: int) -> bool:
@@ -626,7 +629,8 @@ def _torch_rank(plan: Plan, costs: list[StageCost], schedule: str, p: int, v: in
     """Rank ``r``'s memory walked over torch's order of its units
     (:func:`spmdkit.planner.pipeline_memory.torch_rank_memory`) and the whole-stage microbatches
     it holds then; None where torch's schedule cannot run it. A stage's received activations
-    live in its receive buffers, so they leave its stash and working peak."""
+    live in its receive buffers, so they leave its stash and working peak; FSDP2's side-stream
+    pools join the allocator's reserve."""
     order = torch_order(schedule, p, v, m, r)
     if order is None:
         return None
@@ -640,11 +644,12 @@ def _torch_rank(plan: Plan, costs: list[StageCost], schedule: str, p: int, v: in
         out = s.send_bytes if k < n - 1 else logits
         chunks.append(ChunkBytes(max(0, s.stash_bytes - got), max(0, s.working_peak - got), s.parameters,
                                  s.optimizer_states, s.gradients, s.unsharded_parameters, s.unsharded_gradients,
-                                 got, out, s.send_bytes if k < n - 1 else 0))
+                                 got, out, s.send_bytes if k < n - 1 else 0, s.gather_pool))
     peak = torch_rank_memory(chunks, order, m)
     mine = [costs[c * p + r] for c in range(v)]
     peak_op = max(mine, key=lambda c: c.working_peak).peak_op
-    mem = with_overheads(peak.parameters, peak.gradients, peak.optimizer_states, peak.activations, peak_op, plan, p)
+    mem = with_overheads(peak.parameters, peak.gradients, peak.optimizer_states, peak.activations, peak_op, plan, p,
+                         pools=peak.pools)
     return mem, peak.in_flight
 
 

@@ -26,6 +26,21 @@ unit by unit (:func:`torch_rank_memory`):
   pytorch/pytorch#153383, 2025-05, kept it on the last stage only); every backward's input
   gradient in its receive buffer's ``.grad`` until the next step's ``clear_runtime_states``
   (pytorch/pytorch#164329, 2025-10, released it after the send).
+- **FSDP2's side-stream pools** (reserved, not allocated: ``torch.cuda.max_memory_reserved``,
+  what torchtitan logs). The caching allocator reuses a freed block only for the stream it was
+  allocated on (``CUDACachingAllocator``: a block's free-list key is its stream; under
+  torchtitan's ``expandable_segments:True`` a segment per stream), so what FSDP2 allocates on
+  its own streams stays reserved there. ``foreach_reduce`` allocates the reduce-scatter output,
+  of which the sharded gradients are views, on the reduce-scatter stream (pytorch/pytorch#129721,
+  2024-06, moved the input to the default stream and kept the output there: "we iteratively
+  allocate them through backward and free them altogether after optimizer"): the sharded
+  gradients freed by the next step's ``zero_grad`` stay reserved in that pool while the stage's
+  unsharded ones are accumulated, so a stage whose last backward has not run reserves its
+  sharded gradients' bytes too. ``foreach_all_gather`` allocates the all-gather output (one
+  FSDP group's gathered parameters, flat) on the all-gather copy-in stream, and the forward
+  defers freeing it to the next group's all-gather (``FSDPCommContext.all_gather_state``): two
+  consecutive groups' outputs in that pool, one pool per model chunk (each chunk is an FSDP
+  root with its own streams): :mod:`spmdkit.cost.memory_fsdp2`.
 
 Schedules (``torch/distributed/pipelining/schedules.py``): ``Schedule1F1B``: ``min(m, p - r)``
 forwards, then one backward and one forward until the forwards are done, then the backwards;
@@ -60,6 +75,7 @@ class ChunkBytes:
     input_bytes: int    # one microbatch's received activations (0 on the first stage)
     output_bytes: int   # one microbatch's output (the next stage's input; the logits on the last)
     grad_recv_bytes: int  # one microbatch's output gradients received (0 on the last stage)
+    gather_pool: int = 0  # FSDP2's all-gather copy-in pool: two consecutive groups' gathered parameters
 
 
 @dataclass(frozen=True)
@@ -73,6 +89,7 @@ class RankPeak:
     buffers: int        # of which the pipelining buffers
     unit: tuple[str, int, int]  # (F | B, local stage, microbatch)
     in_flight: float    # whole-stage microbatches held then (stash units over the rank's stages)
+    pools: int = 0      # FSDP2's side-stream pools: reserved, not allocated (module docstring)
 
 
 def torch_order(schedule: str, p: int, v: int, m: int, r: int) -> list[tuple[str, int, int]] | None:
@@ -129,11 +146,13 @@ def torch_rank_memory(chunks: Sequence[ChunkBytes], order: Sequence[tuple[str, i
     its last backward, its unsharded gradients from its first backward to its last and its
     sharded ones after, the stash of the microbatches in flight, the unit's working peak, and the
     stage's buffers (receive buffers for ``m`` microbatches, the outputs and input gradients of
-    the units done)."""
+    the units done); the side-stream pools (reserved: :attr:`RankPeak.pools`) count towards the
+    fullest unit."""
     v = len(chunks)
     const_p = sum(c.parameters for c in chunks)
     states = sum(c.states for c in chunks)
     recv = sum(m * (c.input_bytes + c.grad_recv_bytes) for c in chunks)
+    copy_in = sum(c.gather_pool for c in chunks)
     held = 0        # stash units held (microbatches forwarded and not backwarded, over the stages)
     held_bytes = 0  # their stash
     fwd_done, bwd_done = [0] * v, [0] * v
@@ -149,10 +168,11 @@ def torch_rank_memory(chunks: Sequence[ChunkBytes], order: Sequence[tuple[str, i
         params = const_p + sum(chunks[i].unsharded_parameters for i in range(v) if gathered[i] and not finished[i])
         grads = sum(chunks[i].unsharded_gradients for i in range(v) if started[i] and not finished[i])
         grads += sum(chunks[i].gradients for i in range(v) if finished[i])
-        total = params + grads + states + act + buf
+        pools = copy_in + sum(chunks[i].gradients for i in range(v) if not finished[i])
+        total = params + grads + states + act + buf + pools
         if total > best_total:
             best_total = total
-            best = RankPeak(params, grads, states, act + buf, buf, (kind, c, j), (held + (kind == "F")) / v)
+            best = RankPeak(params, grads, states, act + buf, buf, (kind, c, j), (held + (kind == "F")) / v, pools)
         if kind == "F":
             held, held_bytes = held + 1, held_bytes + ch.stash
             fwd_done[c] += 1

@@ -19,10 +19,10 @@ from spmdkit.cost.memory import (
     all_value_inputs,
     held_for_the_step,
     local_numel,
-    makes_no_copy,
     peak_of,
     saved_activations,
 )
+from spmdkit.cost.memory_fsdp2 import gather_sizes, gathered_numels, pair_peak
 from spmdkit.cost.step import Bucket, OpComm, Reducer, op_communication, param_gather_time
 from spmdkit.planner.zero_bubble import weight_shares, weight_stash
 from spmdkit.program.ir import Program
@@ -64,6 +64,9 @@ class StageCost:
     #: their gradients accumulated unsharded (fp32) over the microbatches
     unsharded_parameters: int = 0
     unsharded_gradients: int = 0
+    #: what FSDP2's all-gather copy-in stream keeps reserved for the stage (its model chunk's root):
+    #: two consecutive groups' gathered parameters (:func:`spmdkit.cost.memory_fsdp2.pair_peak`)
+    gather_pool: int = 0
     peak_op: int = 0
     flops: float = 0.0
     #: the local gradient bytes of the parameters it holds a copy of that other stages read too (a tied
@@ -203,15 +206,12 @@ def _held_for_the_step(plan: Plan, stages: list[int], out: list[StageCost],
     gathered: dict[str, tuple[int, int]] = {}
     if plan.runtime.fsdp2 and not reduces_each_microstep(plan.runtime.framework, 3, pipeline=True):
         # AutoModel too (reshard_after_forward=not pp_enabled)
-        for r in plan.reshards:
-            if r.tensor in plan.storage and r.tensor not in gathered and not makes_no_copy(plan, r):
-                t = prog.tensors[r.tensor]
-                n = local_numel(r.dst, t.shape)
-                gathered[r.tensor] = (n * t.itemsize, n * 4)
+        gathered = {nm: (n * prog.tensors[nm].itemsize, n * 4) for nm, n in gathered_numels(plan).items()}
     grads, updated, not_updated = prog.derived("stage_costs.held", _step_reads)
     for i in range(len(prog.ops)):
         out[stages[i]].ops += 1
     param_grads = {nm: stages[i] for nm, i in grads}
+    mine: dict[int, dict[str, int]] = {}  # stage -> its gathered parameters' bytes
     for nm, i in updated:
         s = stages[i]
         p, g, st = held.get(nm) or (nbytes(nm), 0, 0)
@@ -220,6 +220,10 @@ def _held_for_the_step(plan: Plan, stages: list[int], out: list[StageCost],
         out[s].optimizer_states += st
         out[s].unsharded_parameters += gathered.get(nm, (0, 0))[0]
         out[s].unsharded_gradients += gathered.get(nm, (0, 0))[1]
+        if nm in gathered:
+            mine.setdefault(s, {})[nm] = gathered[nm][0]
+    for s, got in mine.items():  # each stage's model chunk is an FSDP2 root with its own streams
+        out[s].gather_pool = pair_peak(gather_sizes(prog, got))
     for nm, i in not_updated:  # a parameter without an update
         out[stages[i]].parameters += nbytes(nm)
     return param_grads
