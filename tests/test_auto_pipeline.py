@@ -5,15 +5,13 @@ refusals of what does not apply. Tiny models, 2 layers."""
 
 from __future__ import annotations
 
-import io
 import json
-from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from spmdkit.cli import main
+from conftest import cli_stdout
 from spmdkit.models.zoo import build_model, preset
 from spmdkit.planner.search import Config, config_candidates
 
@@ -22,18 +20,11 @@ TINY_LLAMA_HF = {"hidden_size": 16, "intermediate_size": 32, "num_attention_head
                  "num_hidden_layers": 2, "vocab_size": 64, "max_position_embeddings": 64}
 
 
-def _cli(*args: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with redirect_stdout(out), redirect_stderr(err):
-        rc = main(list(args))
-    return rc, out.getvalue(), err.getvalue()
-
-
 @pytest.fixture(scope="module")
 def planned() -> dict[str, Any]:
-    rc, out, err = _cli("plan", "--model", "tiny-llama", "--batch", "8", "--seq", "64", "--microbatches", "2",
-                        "--mesh", "pp=2,dp=2", "--auto", "--device", "h100", "--json")
-    assert rc == 0, err
+    rc, out = cli_stdout("plan", "--model", "tiny-llama", "--batch", "8", "--seq", "64", "--microbatches", "2",
+                         "--mesh", "pp=2,dp=2", "--auto", "--device", "h100", "--json")
+    assert rc == 0
     return dict(json.loads(out))
 
 
@@ -60,12 +51,12 @@ def test_plan_auto_pp_json_and_title(planned: dict[str, Any]) -> None:
     assert "strategy" not in planned["title"] and planned["title"].endswith("; pipeline pp=2")
 
 
-def test_plan_auto_pp_program_and_explain(tmp_path: Path) -> None:
+def test_plan_auto_pp_program_and_explain(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     prog = build_model(preset("tiny-llama"), check_rules=False).program
     f = tmp_path / "p.json"
     f.write_text(json.dumps(prog.to_json()))
-    rc, out, err = _cli("plan", "--program", str(f), "--mesh", "pp=2,dp=2", "--auto", "--explain")
-    assert rc == 0, err
+    rc, out = cli_stdout("plan", "--program", str(f), "--mesh", "pp=2,dp=2", "--auto", "--explain")
+    assert rc == 0, capsys.readouterr().err
     assert out.startswith(f"program {f}, 2 layers, 1 microbatches of its step; --auto (HiGHS Optimal")
     assert "layers per stage 1,1" in out and "--explain: per layer" in out
 
@@ -83,7 +74,8 @@ def test_plan_auto_pp_program_and_explain(tmp_path: Path) -> None:
       "--tp-plan", '{"*.q_proj": "column"}'],
      "ProgramError: --tp-plan: does not apply with --auto"),
 ])
-def test_plan_auto_pp_refusals(args: list[str], msg: str) -> None:
-    rc, out, err = _cli("plan", *args, "--auto")
+def test_plan_auto_pp_refusals(args: list[str], msg: str, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out = cli_stdout("plan", *args, "--auto")
+    err = capsys.readouterr().err
     assert rc == 2 and out == ""
     assert err.startswith(f"spmdkit plan: {msg}"), err
