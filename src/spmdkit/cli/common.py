@@ -27,6 +27,7 @@ from spmdkit.models.zoo import ModelConfig, preset
 from spmdkit.outputs.export import export_plan
 from spmdkit.outputs.export_torch import export_torch
 from spmdkit.outputs.html import save_html
+from spmdkit.planner.auto import AutoInfo
 from spmdkit.planner.planning import clip_repr, parse_size, plan_preset, plan_program
 from spmdkit.program.plan import Plan
 from spmdkit.strategies.context import hf_cp
@@ -169,4 +170,15 @@ def strategy_notes(command: str) -> Iterator[None]:
         yield
 
 
-__all__ = ["auto_time_limit", "catalog_batch", "export_plan_file", "mesh_dp", "plan_source", "step_estimate", "strategy_notes", "write_html"]
+def auto_json(info: AutoInfo, cap: int | None) -> dict[str, Any]:
+    """The ``--json`` "auto" block of an ``--auto`` plan, flat or a pipeline's (``cap``: ``--memory``)."""
+    return {"status": info.status, "gap": info.gap, "solve_seconds": info.solve_s,
+            "objective_seconds": info.objective_s, "candidates": info.candidates,
+            "variables": info.variables, "realized": info.realized, "merged_elementwise": info.merged,
+            "folded_layers": info.folded, "merged_ops": info.merged_ops,
+            "layers_folded": info.folded_layers, "candidates_seconds": info.candidates_s,
+            "memory_cap": cap, "memory_counted": info.memory_bytes,
+            "explain": [e.to_json() for e in info.explain]}
+
+
+__all__ = ["auto_json", "auto_time_limit", "catalog_batch", "export_plan_file", "mesh_dp", "plan_source", "step_estimate", "strategy_notes", "write_html"]

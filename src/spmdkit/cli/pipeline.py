@@ -13,7 +13,15 @@ from dataclasses import replace
 from typing import Any, TextIO
 
 from spmdkit.cli.checks import check_one_model, hf_source, parse_annotations, parse_tp_plan, program_source
-from spmdkit.cli.common import catalog_batch, mesh_dp, require_simulator, step_estimate, write_html
+from spmdkit.cli.common import (
+    auto_json,
+    auto_time_limit,
+    catalog_batch,
+    mesh_dp,
+    require_simulator,
+    step_estimate,
+    write_html,
+)
 from spmdkit.cli.request import Links, PlanRequest
 from spmdkit.core.errors import ProgramError
 from spmdkit.core.mesh import ProcessMesh
@@ -24,7 +32,8 @@ from spmdkit.models.source import HFModel, ModelSource, Preset, ProgramFile
 from spmdkit.models.zoo import model_label
 from spmdkit.outputs.export_torch import export_torch
 from spmdkit.outputs.pipeline import bubble_line, write_pipeline
-from spmdkit.outputs.report import plan_json, write_report
+from spmdkit.outputs.report import explain_table, plan_json, write_report
+from spmdkit.planner.auto.stage import StageSearch, auto_title
 from spmdkit.planner.bubble import bubble_hint
 from spmdkit.planner.pipeline import (
     PipelinePlan,
@@ -64,25 +73,26 @@ def run_pipeline_plan(req: PlanRequest, out: TextIO) -> int:
     source = _source(req, spec.microbatches)
     if req.verify and isinstance(source, ProgramFile):
         raise ProgramError("--verify: simulates a preset, catalog or --hf model; it does not apply to --program")
-    got = plan_pipeline_source(source, req.mesh_text, req.strategy, spec_args, user, req.links.cost,
-                               parse_tp_plan(m.tp_plan))
-    full_links = replace(req.links, cost=pp_cost_text(req.links.cost, full))
-    plan, _est = step_estimate(full_links, got.plan, None, per_microbatch_mode(recompute), timed=bool(req.outputs.html))
     device = None
     if req.links.device:
         device = load_device(str(req.links.device))
         if req.links.nodes_of:
             device = replace(device, ranks_per_node=int(req.links.nodes_of))
+    got = plan_pipeline_source(source, req.mesh_text, req.strategy, spec_args, user, req.links.cost,
+                               parse_tp_plan(m.tp_plan), _stage_search(req, device))
+    full_links = replace(req.links, cost=pp_cost_text(req.links.cost, full))
+    plan, _est = step_estimate(full_links, got.plan, None, per_microbatch_mode(recompute), timed=bool(req.outputs.html))
     est = estimate_pipeline(plan, spec, got.counts, device, _pp_link(req.links, full, device), got.tokens, full.size,
                             recompute=recompute)
     worst = max(range(spec.pp), key=lambda r: est.memory[r].device_total)
-    strategy = req.strategy or ("megatron" if not isinstance(source, ProgramFile) else None)
-    title = (_title(got, source, spec) + (f"; strategy {strategy}" if strategy else "") + f"; pipeline pp={spec.pp}"
+    strategy = req.strategy or ("megatron" if not isinstance(source, ProgramFile) and not got.auto else None)
+    title = (_title(got, source, spec) + (f"; strategy {strategy}" if strategy and not got.auto else "")
+             + (f"; --auto{auto_title(got.auto)}" if got.auto else "") + f"; pipeline pp={spec.pp}"
              + (f"; recompute {req.recompute}" if req.recompute not in (None, "none") else ""))
     if isinstance(source, HFModel):  # the import's warning and note lines, below the first
         title = "\n".join([title, *got.loaded.title.split("\n")[1:]])
     config = got.loaded.model.config if got.loaded.model is not None else None
-    write_html(req, plan, title, est.memory[worst], _est, config, pipeline=est)
+    write_html(req, plan, title, est.memory[worst], _est, config, pipeline=est, auto=got.auto)
     if req.outputs.export:  # --export torch (cli/plan.py refuses the others)
         counts = got.counts or auto_counts(got.plan, spec.pp * spec.virtual)
         export_torch(got.plan, req.outputs.export[1], shlex.join(["spmdkit", *req.argv]) if req.argv else "",
@@ -103,6 +113,8 @@ def run_pipeline_plan(req: PlanRequest, out: TextIO) -> int:
                                  "bubble_hint": hint.to_json() if hint is not None else None}
         if verdict is not None:
             extra["verify"] = verdict
+        if got.auto is not None:
+            extra["auto"] = auto_json(got.auto, None)
         out.write(json.dumps(plan_json(plan, est.memory[worst], extra)) + "\n")
     else:
         if est.note:
@@ -112,9 +124,32 @@ def run_pipeline_plan(req: PlanRequest, out: TextIO) -> int:
         write_pipeline(est, out)
         if hint is not None:
             out.write(bubble_line(hint))
+        if got.auto is not None and got.auto.explain:
+            out.write("\n" + explain_table(got.auto.explain) + "\n")
         if verdict is not None:
             out.write("\n" + verdict["text"] + "\n")
     return 0 if verdict is None or verdict["ok"] else 1
+
+
+def _stage_search(req: PlanRequest, device: Device | None) -> StageSearch | None:
+    """``--auto`` on a pipeline: the stages' shardings searched on the sub-mesh without pp
+    (:func:`spmdkit.planner.auto.stage.auto_stage`, as ``--devices --auto`` plans its pipelines);
+    None without ``--auto``. ProgramError naming the flags that do not apply to it."""
+    if not req.search.auto:
+        return None
+    if req.strategy is not None and not req.strategy.strip(", "):
+        raise ProgramError("--strategy: does not apply with --auto (the search chooses the shardings)")
+    if req.model.tp_plan:
+        raise ProgramError("--tp-plan: does not apply with --auto (the search chooses the shardings)")
+    if req.search.memory is not None:
+        raise ProgramError("--memory: --auto on a pipeline (--mesh with pp) takes no cap: the search plans one "
+                           "microbatch of the whole model, and a stage holds its own layers and the microbatches "
+                           "in flight (the pipeline's memory is reported per stage; plan without pp for a capped search)")
+    if req.verify:
+        raise ProgramError("--verify: checks a flat --auto plan (its tiny model simulated); the stages of a pipeline "
+                           "(--mesh with pp) planned by --auto are not simulated (give --strategy, or plan without pp)")
+    nodes = parse_size("--nodes-of", req.links.nodes_of, 1 << 20)
+    return StageSearch(device, nodes, auto_time_limit(req.search.time_limit), req.search.explain)
 
 
 def _source(req: PlanRequest, microbatches: int) -> ModelSource:

@@ -16,6 +16,7 @@ from typing import Any, TextIO
 from spmdkit.cli.batch import resolve_mesh_batch
 from spmdkit.cli.checks import check_one_model, hf_source, parse_annotations, parse_tp_plan, program_source
 from spmdkit.cli.common import (
+    auto_json,
     auto_time_limit,
     catalog_batch,
     export_plan_file,
@@ -42,7 +43,7 @@ from spmdkit.outputs.html import check_html_path
 from spmdkit.outputs.progress import Progress
 from spmdkit.outputs.report import explain_table, plan_json, write_report
 from spmdkit.outputs.tables import fitted, terminal_width
-from spmdkit.planner.auto import AutoInfo, auto_plan
+from spmdkit.planner.auto import auto_plan
 from spmdkit.planner.planning import MAX_LAYERS, MAX_SIZE, parse_cost, parse_size
 from spmdkit.planner.search import parse_memory
 from spmdkit.strategies.context import auto_config as auto_cp_config
@@ -273,7 +274,7 @@ def _run_auto(req: PlanRequest, out: TextIO, recompute: str, user: dict[str, Any
 
         verdict = verify_auto(plan, m.model, req.links.cost)
     if req.outputs.json:
-        extra: dict[str, Any] = {"title": title, "plan_seconds": secs, "auto": _auto_json(info, cap)}
+        extra: dict[str, Any] = {"title": title, "plan_seconds": secs, "auto": auto_json(info, cap)}
         if verdict is not None:
             extra["verify"] = verdict
         out.write(json.dumps(plan_json(plan, mem, extra, est)) + "\n")
@@ -284,16 +285,6 @@ def _run_auto(req: PlanRequest, out: TextIO, recompute: str, user: dict[str, Any
         if verdict is not None:
             out.write("\n" + verdict["text"] + "\n")
     return 0 if verdict is None or verdict["ok"] else 1
-
-
-def _auto_json(info: AutoInfo, cap: int | None) -> dict[str, Any]:
-    return {"status": info.status, "gap": info.gap, "solve_seconds": info.solve_s,
-            "objective_seconds": info.objective_s, "candidates": info.candidates,
-            "variables": info.variables, "realized": info.realized, "merged_elementwise": info.merged,
-            "folded_layers": info.folded, "merged_ops": info.merged_ops,
-            "layers_folded": info.folded_layers, "candidates_seconds": info.candidates_s,
-            "memory_cap": cap, "memory_counted": info.memory_bytes,
-            "explain": [e.to_json() for e in info.explain]}
 
 
 __all__ = ["run_plan"]

@@ -71,8 +71,10 @@ from spmdkit.cost.memory import (
 )
 from spmdkit.cost.moe import a2a_compute_share
 from spmdkit.cost.step import OpComm, op_communication
-from spmdkit.models.source import HFModel, Loaded, ModelSource, Preset, ProgramFile, load
+from spmdkit.models.source import HFModel, Loaded, ModelSource, Preset, ProgramFile, load, load_preset
 from spmdkit.models.zoo import Model, preset
+from spmdkit.planner.auto import AutoInfo
+from spmdkit.planner.auto.stage import StageSearch, auto_stage
 from spmdkit.planner.ep_overlap import check_ep_comm_overlap
 from spmdkit.planner.partition import UnitCosts, balanced_split, even_split, partition, simulate_split, stage_loads
 from spmdkit.planner.pipeline_memory import TORCH_SCHEDULES, ChunkBytes, torch_order, torch_rank_memory
@@ -93,6 +95,7 @@ from spmdkit.planner.stage_costs import Grad, StageCost, reduce_gradients, singl
 from spmdkit.program.ir import Program
 from spmdkit.program.layers import layer_tags
 from spmdkit.program.plan import Plan
+from spmdkit.strategies.context import auto_config as auto_cp_config
 from spmdkit.strategies.context import hf_cp, hf_pipeline_refusal
 from spmdkit.strategies.experts import tp_chunks
 from spmdkit.strategies.strategy import parse_mesh, parse_strategy
@@ -759,6 +762,8 @@ class PipelinePlan:
     #: sequences per microbatch and per step
     microbatch: int | None = None
     batch: int | None = None
+    #: the exact search's report where the stages' shardings are searched (``--auto``)
+    auto: AutoInfo | None = None
 
 
 def _no_layers(prog: Program, pp: int) -> ProgramError:
@@ -770,19 +775,23 @@ def _no_layers(prog: Program, pp: int) -> ProgramError:
 
 def plan_pipeline_source(source: ModelSource, mesh_text: str, strategy_text: str | None, spec_args: dict[str, Any],
                          user: dict[str, Any] | None = None, cost_text: str | None = None,
-                         patterns: Any = None) -> PipelinePlan:
+                         patterns: Any = None, auto: StageSearch | None = None) -> PipelinePlan:
     """A pipeline of ``source`` on ``mesh_text`` (its ``pp`` dim): a preset (its sizes
     overridden as ``source`` says; without a batch each microbatch is the preset's batch), an
     HF model (``source.batch`` the whole step's, cut into the microbatches) or a program file
     (the step of one microbatch as it is). Each is cut into stages by its ops' layer labels
-    (:func:`op_stages`), the same way."""
+    (:func:`op_stages`), the same way. ``auto``: the stages' shardings chosen by the exact search
+    on the sub-mesh (:func:`spmdkit.planner.auto.stage.auto_stage`, as the ``--devices`` search's
+    ``auto`` configurations), ``strategy_text`` then only cp's options (``--cp-attention`` ...)."""
     t0 = time.perf_counter()
     mesh = parse_mesh(mesh_text)
     pp, sub = sub_mesh_text(mesh)
     spec = parse_spec(pp, **spec_args)
     m = spec.microbatches
     cost = pp_cost_text(cost_text, mesh)
-    strategy = strategy_text or ("megatron" if not isinstance(source, ProgramFile) else None)
+    strategy = strategy_text or ("megatron" if not isinstance(source, ProgramFile) and auto is None else None)
+    sm = parse_mesh(sub)
+    info = None
     if isinstance(source, Preset):
         cfg = preset(source.name)
         layers = parse_size("--layers", source.layers, MAX_LAYERS) or cfg.layers
@@ -791,7 +800,16 @@ def plan_pipeline_source(source: ModelSource, mesh_text: str, strategy_text: str
         split_layers(layers, spec, balance=lambda n: (1,) * n)  # a bad --stages refused before planning
         _check_batch(batch, m)
         over = {"layers": layers, "batch": batch // m, "seq": source.seq}
-        loaded, plan, _ = plan_preset(source.name, sub, strategy or "megatron", over, user, cost)
+        if auto is not None:  # built as the --devices search builds an auto stage (planner/search.py):
+            # on a cp sub-mesh with cp_attention, the loss vocab-parallel where there is a tp dim
+            built = auto_cp_config(cfg.with_(**{k: v for k, v in over.items() if v is not None}), sm,
+                                   _items(strategy_text), None)
+            assert built is not None
+            tp = sm.shape[sm.dim_index("tp")] if "tp" in sm.dim_names else 1
+            loaded = load_preset(replace(source, layers=layers, batch=built.batch), built, vocab_parallel_loss=tp > 1)
+            plan, info = auto_stage(loaded.program, sm, user, auto, cost)
+        else:
+            loaded, plan, _ = plan_preset(source.name, sub, strategy or "megatron", over, user, cost)
         assert loaded.model is not None
         c = loaded.model.config
         tokens: int | None = c.batch * c.seq * m
@@ -799,25 +817,35 @@ def plan_pipeline_source(source: ModelSource, mesh_text: str, strategy_text: str
     else:
         if isinstance(source, HFModel):
             _check_batch(source.batch, m)
-            sm = parse_mesh(sub)
-            st = parse_strategy(strategy or "megatron", sm)  # a bad mesh / strategy before importing
+            # a bad mesh / strategy before importing; --auto splits the sequence on any cp dim of 2 ranks or more
+            st = ["cp"] if auto is not None else parse_strategy(strategy or "megatron", sm)
             if hf_cp(sm, st, source.seq) is not None:
                 raise ProgramError(hf_pipeline_refusal(mesh_text))
             # megatron,sp,ep,etp=1: each sequence routed one chunk a tp rank (Megatron's token path)
             source = replace(source, batch=source.batch // m, tp_chunks=tp_chunks(sm, st))
+        if auto is not None:  # the refusals of a strategy or a cp mesh as the flat --auto gives them
+            auto_cp_config(None, sm, _items(strategy_text), "--hf" if isinstance(source, HFModel) else "--program")
         loaded = load(source)
         layers = len(layer_tags(loaded.program))
         if layers == 0:
             raise _no_layers(loaded.program, pp)
         split_layers(layers, spec, balance=lambda n: (1,) * n)
-        _prog, plan = plan_program(loaded.program, sub, strategy, user, patterns, cost)
+        if auto is not None:
+            plan, info = auto_stage(loaded.program, sm, user, auto, cost)
+        else:
+            _prog, plan = plan_program(loaded.program, sub, strategy, user, patterns, cost)
         one = guess_tokens(plan.program)
         tokens = one * m if one else None
         mb = _batch_of(plan.program)
     even = layers % (spec.pp * spec.virtual) == 0
     counts = split_layers(layers, spec) if (even or spec.stages) and not spec.auto else None
     return PipelinePlan(loaded, plan, spec, layers, counts, time.perf_counter() - t0, tokens, mb,
-                        mb * m if mb else None)
+                        mb * m if mb else None, info)
+
+
+def _items(strategy_text: str | None) -> list[str]:
+    """``--strategy``'s items (with ``--auto``: cp's options alone, :func:`auto_cp_config` says)."""
+    return [s.strip() for s in (strategy_text or "").split(",") if s.strip()]
 
 
 def _check_batch(batch: int, m: int) -> None:

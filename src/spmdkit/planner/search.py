@@ -68,14 +68,15 @@ from spmdkit.core.errors import ProgramError, SpmdError
 from spmdkit.core.mesh import ProcessMesh
 from spmdkit.core.reshard import CostModel
 from spmdkit.cost.compute import guess_tokens, kernel_collectives, model_flops
-from spmdkit.cost.devices import Device, cost_model, load_device, recost
+from spmdkit.cost.devices import Device, load_device, recost
 from spmdkit.cost.memory import Memory, memory_per_device, per_microbatch_mode
 from spmdkit.cost.step import OpComm, StepEstimate, estimate_step, op_communication
 from spmdkit.engine.memo import Recent
 from spmdkit.models.hf import dtype_name
 from spmdkit.models.source import import_hf_checked
 from spmdkit.models.zoo import ModelConfig, build_model, preset
-from spmdkit.planner.auto import AutoInfo, auto_plan
+from spmdkit.planner.auto import AutoInfo
+from spmdkit.planner.auto.stage import StageSearch, auto_stage, auto_title, link_cost
 from spmdkit.planner.fold import (
     Fold,
     bucket_figures,
@@ -239,10 +240,7 @@ class _Job:
 
 def _link_cost(mesh: ProcessMesh, job: _Job, cost_text: str | None) -> CostModel:
     """The device's links on ``mesh``, ``cost_text`` (``--cost``) on top."""
-    cost = cost_model(mesh, job.device, job.nodes_of)
-    if cost_text:
-        cost = CostModel.parse(cost_text, mesh, base=cost)
-    return cost
+    return link_cost(mesh, job.device, job.nodes_of, cost_text)
 
 
 def collectives_of(plan: Plan) -> int:
@@ -610,14 +608,9 @@ def _pins_for(cfg: Config, pins: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 def _auto(prog: Program, cfg: Config, job: _Job, cost_text: str | None) -> tuple[Plan, AutoInfo]:
-    mesh = _sub_mesh(cfg)
-    return auto_plan(prog, mesh, _pins_for(cfg, job.pins), cost=_link_cost(mesh, job, cost_text),
-                     time_limit=job.time_limit,
-                     device=job.device)
-
-
-def _auto_title(info: AutoInfo) -> str:
-    return f" (HiGHS {info.status}, gap {info.gap:.2%}, solve {info.solve_s:.2f} s, realised {info.realized})"
+    """The exact search on ``cfg``'s stage (planner/auto/stage.py, as ``plan --auto`` on a pp mesh)."""
+    return auto_stage(prog, _sub_mesh(cfg), _pins_for(cfg, job.pins), StageSearch(job.device, job.nodes_of,
+                                                                                  job.time_limit), cost_text)
 
 
 @dataclass(frozen=True)
@@ -646,7 +639,7 @@ def _preset_plan(cfg: Config, name: str, mc: ModelConfig, job: _Job, layers: int
         built = mc.with_(**over, **({"cp": cfg.cp} if cfg.cp > 1 else {}))
         model = build_model(built, vocab_parallel_loss=cfg.tp > 1, check_rules=False)
         plan, info = _auto(model.program, cfg, job, cost_text)
-        title += _auto_title(info)
+        title += auto_title(info)
         return _Planned(recost(plan, _link_cost(plan.mesh, job, cost_text)), title, info, full_cost)
     pins = _pins_for(cfg, job.pins)
 
@@ -944,7 +937,7 @@ def _plan_program_config(cfg: Config, prog: Program, job: _Job, sizes: _Sizes,
     title = f"mesh {cfg.mesh_text}; {cfg.strategy}{micro}"
     if cfg.strategy == "auto":
         plan, info = _auto(prog, cfg, job, cost_text)
-        title += _auto_title(info)
+        title += auto_title(info)
     else:
         _p, plan = plan_program(prog, cfg.sub_mesh_text, cfg.strategy, _pins_for(cfg, job.pins), job.patterns, cost_text)
     plan = recost(plan, _link_cost(plan.mesh, job, cost_text))
