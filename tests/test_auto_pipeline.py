@@ -73,6 +73,10 @@ def test_plan_auto_pp_program_and_explain(tmp_path: Path, capsys: pytest.Capture
     (["--hf", "LlamaForCausalLM", "--hf-config", json.dumps(TINY_LLAMA_HF), "--seq", "8", "--mesh", "pp=2,dp=2",
       "--tp-plan", '{"*.q_proj": "column"}'],
      "ProgramError: --tp-plan: does not apply with --auto"),
+    # the flat --auto too (it ignored --tp-plan)
+    (["--hf", "LlamaForCausalLM", "--hf-config", json.dumps(TINY_LLAMA_HF), "--seq", "8", "--mesh", "dp=2",
+      "--tp-plan", '{"*.q_proj": "column"}'],
+     "ProgramError: --tp-plan: does not apply with --auto"),
 ])
 def test_plan_auto_pp_refusals(args: list[str], msg: str, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out = cli_stdout("plan", *args, "--auto")

@@ -233,6 +233,8 @@ def _run_auto(req: PlanRequest, out: TextIO, recompute: str, user: dict[str, Any
     if req.strategy is not None and not items:
         raise ProgramError("--strategy: does not apply with --auto (the search chooses the shardings)")
     check_one_model(m)
+    if m.tp_plan:
+        raise ProgramError("--tp-plan: does not apply with --auto (the search chooses the shardings)")
     if req.verify and (m.hf is not None or m.program):
         raise ProgramError(f"--verify: simulates a preset model; it does not apply to {'--hf' if m.hf else '--program'}")
     limit = auto_time_limit(req.search.time_limit)
