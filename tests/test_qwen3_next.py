@@ -131,7 +131,7 @@ HF_CONFIG = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_nex
              "norm_topk_prob": True, "num_attention_heads": 16, "num_experts": 512, "num_experts_per_tok": 10,
              "num_hidden_layers": 48, "num_key_value_heads": 2, "partial_rotary_factor": 0.25,
              "shared_expert_intermediate_size": 512, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-             "vocab_size": 151936}
+             "vocab_size": 151936, "mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False}
 
 
 def test_the_hf_config_maps_to_the_catalog_entry() -> None:
