@@ -318,8 +318,8 @@ def head_loss(t: Tape, cfg: ModelConfig, m: Model, x: str, head: str, labels: st
     (``c_softmax_with_cross_entropy`` where the head is vocab-parallel): the token losses [B, S, 1]
     (``p + "loss.token"``)."""
     B, S, V, dt = cfg.batch, cfg.seq, cfg.vocab, cfg.dtype
-    (logits,) = t.op("matmul", {"x": x, "y": head}, [(p + "logits", [B, S, V], dt)],
-                     **({"trans_y": True} if cfg.tied_embeddings else {}))
+    tied: dict[str, Any] = {"trans_y": True} if cfg.tied_embeddings else {}
+    (logits,) = t.op("matmul", {"x": x, "y": head}, [(p + "logits", [B, S, V], dt)], **tied)
     rule = "c_softmax_with_cross_entropy" if m.vocab_parallel_loss else "cross_entropy_with_softmax"
     _, loss_tok = t.op(rule, {"x": logits, "label": labels},
                        [(p + "softmax", [B, S, V], dt), (p + "loss.token", [B, S, 1], "float32")])
