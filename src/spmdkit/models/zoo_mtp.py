@@ -1,6 +1,6 @@
 """The zoo's multi-token-prediction (MTP) modules, as DeepSeek-V3 trained them (technical report,
 arXiv 2412.19437, section 2.2: depth D = 1) and as Megatron-Core builds them
-(``megatron/core/transformer/multi_token_prediction.py``, ``MultiTokenPredictionLayer``;
+(NVIDIA/Megatron-LM at d98e8a6, ``megatron/core/transformer/multi_token_prediction.py``, ``MultiTokenPredictionLayer``;
 Qwen3-Next's ``mtp_num_hidden_layers 1`` is ``--mtp-num-layers 1`` there).
 
 Module ``k`` (0 .. ``mtp_layers - 1``) predicts the token ``k + 2`` ahead of each position from
