@@ -94,6 +94,8 @@ def test_a_pipeline_all_reduces_the_embeddings_copies() -> None:
 @pytest.mark.parametrize(("model", "mesh", "strategy"), [
     ("deepseek-v3", "dp=2,tp=2", "megatron,sp"),
     ("deepseek-v3", "dp=2,ep=2", "dp,ep,zero1"),
+    ("deepseek-v3", "dp=2,cp=2", "dp,cp"),
+    ("deepseek-v3", "dp=2,tp=2,ep=2", "megatron,sp,ep,etp=1"),
     ("qwen3-next-80b-a3b", "dp=2,ep=2", "dp,ep"),
     (TINY, "tp=2", "megatron"),
 ])
