@@ -397,14 +397,27 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
     metric, value = _metric(row, meas)
     case = Case(row, argv, metric, value, assume, gpus=gpus, device_memory_gib=mem_gib,
                 memory_measured_gib=meas.get("memory_gib_max"))
-    if m.get("moe"):  # the catalog's architecture (MoE, MLA) at the run's sequence length
-        case.argv = [*argv, "--model", str(m["moe"]["catalog"]), "--seq", str(m["seq_len"])]
+    if m.get("moe"):  # the catalog's architecture (MoE, MLA) at the run's sequence length and MTP depth
+        case.argv = [*argv, "--model", _moe_model(m), "--seq", str(m["seq_len"])]
     elif metric.startswith("layer_"):
         case.argv = [*argv, "--model-config", json.dumps({**cfg, "layers": 1})]
         case.argv2 = [*argv, "--model-config", json.dumps({**cfg, "layers": 2})]
     else:
         case.argv = [*argv, "--model-config", json.dumps(cfg)]
     return case
+
+
+def _moe_model(m: dict[str, Any]) -> str:
+    """The ``--model`` of a MoE row: its catalog entry, with the run's multi-token-prediction depth
+    (``model.moe.mtp_layers``, Megatron's ``--mtp-num-layers``; 0 where the row states none: the
+    catalog's deepseek-v3 has DeepSeek's MTP module, which NeMo AutoModel's DeepseekV3ForCausalLM
+    does not build) as a config over it where the two differ."""
+    name = str(m["moe"]["catalog"])
+    fields = config_fields(name)
+    mtp = int(m["moe"].get("mtp_layers") or 0)
+    if fields is None or int(fields.get("mtp_layers") or 0) == mtp:
+        return name
+    return json.dumps({"base": name, "name": name, "mtp_layers": mtp}, separators=(",", ":"))
 
 
 def _split(layers: int, n: int, framework: str) -> list[int]:

@@ -306,12 +306,14 @@ def test_mixtral_8x7b_plan(mesh: str, strategy: str, batch: int) -> None:
 ])
 def test_qwen3_moe_and_deepseek_v3_plans(name: str, mesh: str, strategy: str, batch: int) -> None:
     """Qwen3-30B-A3B (48 MoE layers) and DeepSeek-V3 (3 dense layers first, 58 MoE layers with a
-    shared expert, MLA) at seq 4096: 2 + 2 all-to-alls per MoE layer, no other collective before
+    shared expert, MLA, and its MTP module's MoE layer: 59) at seq 4096: 2 + 2 all-to-alls per MoE
+    layer, no other collective before
     the gradient reduction; every expert stack over ep; under zero1 the dense optimizer states
     over dp x ep and the experts' over dp."""
     model, plan, _ = plan_model(name, mesh, strategy, {"batch": batch, "seq": 4096})
     n = _moe_layer_count(model.config)
     assert n == {"qwen3-30b-a3b": 48, "deepseek-v3": 58}[name]
+    n += model.config.mtp_layers  # the MTP module's layer is MoE as the last layer is (models/zoo_mtp.py)
     c = _counts(plan)
     assert c[("forward", "all_to_all", "ep")] == 2 * n and c[("backward", "all_to_all", "ep")] == 2 * n
     assert not [k for k in c if k[0] == "forward" and k[1] != "all_to_all"]

@@ -133,8 +133,8 @@ QWEN25_72B = _published("qwen2.5-72b")
 @pytest.mark.parametrize(("hf", "name", "seq", "notes"), [
     (LLAMA3_8B, "llama3-8b", 8192, []),
     (MIXTRAL_8X7B, "mixtral-8x7b", 32768, []),
-    (DEEPSEEK_V3, "deepseek-v3", 163840, ["num_nextn_predict_layers 1 (multi-token prediction)",
-                                          "quantization_config"]),
+    # num_nextn_predict_layers 1 is the catalog's mtp_layers 1 (models/zoo_mtp.py), not a note
+    (DEEPSEEK_V3, "deepseek-v3", 163840, ["quantization_config"]),
     (QWEN25_72B, "qwen2.5-72b", 131072, []),
 ])
 def test_a_real_config_json_is_the_catalog_model(hf: dict, name: str, seq: int, notes: list[str]) -> None:
@@ -150,6 +150,7 @@ def test_a_real_config_json_is_the_catalog_model(hf: dict, name: str, seq: int, 
     assert cfg.seq == seq
     label = hf["architectures"][0] + " (HF config)"
     assert cfg == preset(name).with_(seq=seq, name=label)
+    assert cfg.mtp_layers == hf.get("num_nextn_predict_layers", 0) and "nextn" not in said
 
 
 def test_hf_config_maps_the_variants() -> None:

@@ -30,7 +30,9 @@ def test_moe_parameter_counts_match_the_published_figures(name: str) -> None:
 def test_active_parameters_by_hand() -> None:
     """Mixtral 8x7B: per layer attention 4096 x (4096 + 2 x 1024 + 4096), two of eight experts of
     3 x 4096 x 14336, the router 4096 x 8 and two RMS norms; embeddings 2 x 32000 x 4096 and the
-    final norm. DeepSeek-V3: 256 routed experts of 3 x 7168 x 2048 in 58 layers, 8 a token."""
+    final norm. DeepSeek-V3: 256 routed experts of 3 x 7168 x 2048 in 58 layers and the MTP module's
+    MoE layer, 8 a token; the MTP module (models/zoo_mtp.py) 11.61B beside the 671.03B: eh_proj
+    [2 x 7168, 7168], its 3 norms and one MLA + MoE layer (the embedding and the head shared)."""
     attn, expert, router, norms = 4096 * (4096 + 2048 + 4096), 3 * 4096 * 14336, 4096 * 8, 2 * 4096
     layer_total = attn + 8 * expert + router + norms
     emb = 2 * 32000 * 4096 + 4096
@@ -38,8 +40,14 @@ def test_active_parameters_by_hand() -> None:
     assert pc.total == 32 * layer_total + emb
     assert pc.active == 32 * (layer_total - 6 * expert) + emb
     v3 = count_params(preset("deepseek-v3"))
-    assert v3.total - v3.active == 58 * (256 - 8) * 3 * 7168 * 2048
-    assert v3.token_embedding == 129280 * 7168
+    H = 7168
+    assert v3.total - v3.active == (58 + 1) * (256 - 8) * 3 * H * 2048
+    assert v3.token_embedding == 129280 * H
+    mla = H * 1536 + 1536 * 128 * 192 + H * (512 + 64) + 512 * 128 * (128 + 128) + 128 * 128 * H + 1536 + 512
+    moe_layer = mla + 2 * H + H * 256 + 256 * 3 * H * 2048 + 3 * H * 2048  # norms, router, routed, shared
+    assert v3.mtp == 2 * H * H + 3 * H + moe_layer == 11_610_067_968
+    assert v3.total - v3.mtp == 671_026_404_352  # the report's 671B: the main model
+    assert v3.total == 682_636_472_320
 
 
 @pytest.mark.parametrize("name", MOE)
@@ -58,6 +66,8 @@ def test_megatron_holds_moe_params_bytes_over_shards(name: str) -> None:
         split = ".experts.w_" in p or ".shared.w_" in p or p.endswith((".wq", ".wk", ".wv", ".wo", ".w_gate",
                                                                          ".w_up", ".w_down", ".wq_b", ".wkv_b"))
         split = split or p in ("embed", "lm_head") or (".gdn." in p and not p.endswith(".norm"))  # Gated DeltaNet
+        # the MTP module's projection, column-parallel, and its layer's attention gate (zoo_mtp)
+        split = split or p.endswith((".eh_proj", ".attn_gate"))
         expect += 2 * (n // tp if split else n)
         assert not split or shape[-1] % tp == 0 or shape[-2] % tp == 0
     assert memory_per_device(plan).parameters == expect

@@ -64,9 +64,11 @@ def test_deduplicated_all_to_all_by_hand() -> None:
 
 
 def _deepseek_plan(dispatcher: str, routing: str = "topk"):  # type: ignore[no-untyped-def]
-    """DeepSeek-V3's first MoE layer (4 layers: 3 dense first), one sequence of 4096 tokens per
-    rank on ep=64 (8 DGX H100 nodes), timed by H100's NCCL model."""
-    plan = plan_preset("deepseek-v3", "ep=64", "ep", {"layers": 4, "seq": 4096, "batch": 64})[1]
+    """DeepSeek-V3's first MoE layer (4 layers: 3 dense first; its MTP module left out: one MoE
+    layer), one sequence of 4096 tokens per rank on ep=64 (8 DGX H100 nodes), timed by H100's NCCL
+    model."""
+    main = '{"base":"deepseek-v3","name":"deepseek-v3","mtp_layers":0}'
+    plan = plan_preset(main, "ep=64", "ep", {"layers": 4, "seq": 4096, "batch": 64})[1]
     dev = preset_device("h100")
     return replace(plan, cost=cost_model(plan.mesh, dev), runtime=Runtime(moe_dispatcher=dispatcher,
                                                                             moe_routing=routing))
@@ -128,8 +130,10 @@ def test_deepseek_v3_routing_groups_from_the_catalog_and_hf() -> None:
     cfg = preset("deepseek-v3")
     assert (cfg.expert_groups, cfg.topk_groups) == (8, 4)
     plan = plan_preset("deepseek-v3", "ep=8", "ep", {"layers": 4, "seq": 64, "batch": 8})[1]
-    (layer,) = moe_layers(plan.program)
-    assert (layer.experts, layer.top_k, layer.groups, layer.topk_groups) == (256, 8, 8, 4)
+    layers = moe_layers(plan.program)  # layer 3's and the MTP module's (models/zoo_mtp.py)
+    assert len(layers) == 2
+    for layer in layers:
+        assert (layer.experts, layer.top_k, layer.groups, layer.topk_groups) == (256, 8, 8, 4)
     hf = {"model_type": "deepseek_v3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
           "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 128, "n_routed_experts": 16,
           "num_experts_per_tok": 4, "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1,

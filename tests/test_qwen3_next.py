@@ -30,21 +30,27 @@ def _by_hand() -> dict[str, int]:
     expert = 3 * H * FE
     moe = E * expert + H * E + 3 * H * FE + H
     layers = 36 * gdn + 12 * attn + L * (moe + 2 * H)
-    total = layers + 2 * V * H + H
-    return {"gdn": gdn, "attn": attn, "total": total, "active": total - L * (E - K) * expert,
+    # the MTP layer (mtp_num_hidden_layers 1, models/zoo_mtp.py): eh_proj [2H, H], enorm, hnorm and its final
+    # norm, one gated attention + MoE layer; the embedding and the head shared
+    mtp = 2 * H * H + 3 * H + attn + moe + 2 * H
+    total = layers + 2 * V * H + H + mtp
+    return {"gdn": gdn, "attn": attn, "mtp": mtp, "total": total, "active": total - (L + 1) * (E - K) * expert,
             "embedding": 2 * V * H}
 
 
 def test_parameters_by_hand_and_against_the_published_figures() -> None:
-    """80B total (HF model card): 79.67B counted, 0.41% under; 3B activated: 3.87B with the
-    embeddings, 3.25B without (the card's one-digit figure; 3.25B rounds to it)."""
+    """80B total (HF model card, the main model): 79.67B counted, 0.41% under, and the MTP layer's
+    1.65B beside (81.32B built); 3B activated: 3.87B with the embeddings, 3.25B without (the card's
+    one-digit figure; 3.25B rounds to it), and the MTP layer's 0.07B beside."""
     want = _by_hand()
     pc = count_params(preset(NAME))
-    assert pc.total == want["total"] == 79_674_385_152
-    assert pc.active == want["active"] == 3_874_923_264
+    assert pc.total == want["total"] == 81_324_856_064
+    assert pc.mtp == want["mtp"] == 1_650_470_912
+    assert pc.active == want["active"] == 3_946_238_720
+    assert pc.total - pc.mtp == 79_674_385_152 and pc.active - pc.mtp_active == 3_874_923_264
     assert pc.embedding == want["embedding"]
-    assert abs(pc.total / 80e9 - 1) < 0.02
-    assert round((pc.active - pc.embedding) / 1e9) == 3
+    assert abs((pc.total - pc.mtp) / 80e9 - 1) < 0.02
+    assert round((pc.active - pc.mtp_active - pc.embedding) / 1e9) == 3
     e = catalog.lookup(NAME)
     assert e is not None and mismatches(e, pc) == []
 
@@ -58,7 +64,9 @@ def test_the_hybrid_layout() -> None:
     ops = [(op.rule, op.outputs[0]) for op in m.program.ops]
     gdr = [o for r, o in ops if r == "gated_delta_rule"]
     assert gdr == ["layers.0.gdn.core", "layers.1.gdn.core", "layers.2.gdn.core"]
-    assert [o for r, o in ops if r == "flash_attention"] == ["layers.3.attn"]
+    # the 4th layer's and the MTP layer's (softmax attention, gated: models/zoo_mtp.py)
+    assert [o for r, o in ops if r == "flash_attention"] == ["layers.3.attn", "mtp.0.attn"]
+    assert "mtp.0.attn.gated" in m.program.tensors
     assert m.program.tensors["layers.0.gdn.core"].shape == (1, 128, 32, 128)
     assert "layers.3.attn.gated" in m.program.tensors and "layers.0.shared.gated" in m.program.tensors
 
@@ -131,7 +139,7 @@ HF_CONFIG = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_nex
              "norm_topk_prob": True, "num_attention_heads": 16, "num_experts": 512, "num_experts_per_tok": 10,
              "num_hidden_layers": 48, "num_key_value_heads": 2, "partial_rotary_factor": 0.25,
              "shared_expert_intermediate_size": 512, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-             "vocab_size": 151936}
+             "vocab_size": 151936, "mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False}
 
 
 def test_the_hf_config_maps_to_the_catalog_entry() -> None:

@@ -237,7 +237,12 @@ def test_a_pruned_etp1_pipeline_search_keeps_the_exhaustive_best(monkeypatch: py
 def test_deepseek_v3_on_2048_h800_fits_with_a_breakdown_checked_by_hand() -> None:
     """pp=16, dp=2, ep=64, ZeRO-1 (DeepSeek-V3 technical report, section 3.2), its batch of
     15,360 sequences as 120 microbatches of 128 (one sequence per data-parallel rank), layers
-    recomputed: each category of the fullest rank from the catalog figures."""
+    recomputed: each category of the fullest rank from the catalog figures. With the model's
+    multi-token-prediction module (mtp_layers 1, models/zoo_mtp.py) the fullest rank is the last
+    one (before it: rank 1, 25.41 GiB; now 29.97 GiB): its 2 layers, the MTP module (a MoE layer,
+    eh_proj and 3 norms, recomputed as Megatron-Core does under full granularity), the final norm,
+    the head, and its copy of the embedding the MTP module reads (its gradient all-reduced with
+    the first stage's, its update on the first stage)."""
     _model, plan, spec, _counts, _ = plan_pipeline("deepseek-v3", "pp=16,dp=2,ep=64", "dp,ep,zero1",
                                                   {"microbatches": 120}, {"batch": 15360})
     dev = DEVICES["h800"]
@@ -246,14 +251,14 @@ def test_deepseek_v3_on_2048_h800_fits_with_a_breakdown_checked_by_hand() -> Non
     mm = est.moe
     assert mm is not None and (mm.ep, mm.edp, mm.dense_dp, mm.experts) == (64, 2, 128, 256)
     assert max(m.device_total for m in est.memory) <= 80 * 2**30
-    H, E, F, HD = 7168, 256, 2048, 18432
+    H, E, F, V, S = 7168, 256, 2048, 129280, 4096
     attention = (H * 1536 + 1536 * 128 * 192 + H * (512 + 64) + 512 * 128 * (128 + 128) + 128 * 128 * H
                  + 1536 + 512 + 2 * H)                     # MLA, its norms and the layer's two norms
-    dense_layer = attention + 3 * H * HD                   # the first 3 layers: a dense SwiGLU MLP
     moe_layer = attention + H * E + 3 * H * F              # router, one shared expert
+    mtp_own = 2 * H * H + 3 * H                            # eh_proj [2H, H], enorm, hnorm, its final norm
+    assert (mm.rank, mm.layers, mm.moe_layers, mm.in_flight) == (15, 2, 3, 1.0)  # 2 layers + the MTP's MoE
     expert = mm.moe_layers * E * 3 * H * F                 # the routed experts of the rank's layers
-    assert mm.rank not in (0, 15)                          # no embedding, no head
-    dense = (mm.layers - mm.moe_layers) * dense_layer + mm.moe_layers * moe_layer
+    dense = mm.moe_layers * moe_layer + mtp_own + H + H * V  # + the final norm and the head
     assert mm.expert_elements == expert
     assert mm.expert_parameters == expert // 64 * 2        # bf16, E / ep experts a rank
     assert mm.expert_gradients == expert // 64 * 4         # Megatron's fp32 main gradients
@@ -261,9 +266,14 @@ def test_deepseek_v3_on_2048_h800_fits_with_a_breakdown_checked_by_hand() -> Non
     assert mm.expert_states == expert // 64 * 12 // 2 + 3 * mm.moe_layers * 8
     assert mm.dense_parameters == dense * 2 and mm.dense_gradients == dense * 4
     assert mm.dense_states == pytest.approx(dense * 12 / 128, rel=1e-3)  # over dp x ep, uneven axes rounded up
-    assert mm.stash == mm.layers * 4096 * H * 2            # full recompute: each layer's input, one sequence
+    # full recompute: each layer's input and the MTP module's (its embedding lookup; the final norm's output,
+    # read by the head too, and its float32 statistics), and each head's softmax [S, V] (the model's and the MTP's)
+    assert mm.stash == 2 * S * H * 2 + 2 * S * H * 2 + S * 4 + 2 * S * V * 2
     assert mm.activations == mm.working_peak + round((mm.in_flight - 1) * mm.stash)
-    assert est.memory[mm.rank].parameters == mm.expert_parameters + mm.dense_parameters
+    copy = V * H  # the embedding's copy on the last stage (tied: planner.stage_costs.shared_parameters)
+    assert est.memory[mm.rank].parameters == mm.expert_parameters + mm.dense_parameters + copy * 2
+    assert est.memory[mm.rank].gradients == mm.expert_gradients + mm.dense_gradients + copy * 4
+    assert est.tied_s[0] == est.tied_s[15] > 0 and not any(est.tied_s[1:15])
 
 
 def test_the_dtensor_export_states_what_torch_cannot_express() -> None:

@@ -301,6 +301,20 @@ def test_split_levels_count_the_working_peak_by_hand() -> None:
 
 
 V3_ETP1 = "megatron,sp,ep,etp=1,zero2"
+#: DeepSeek-V3 without its multi-token-prediction module (the catalog's has it: models/zoo_mtp.py)
+V3_MAIN = '{"base":"deepseek-v3","name":"deepseek-v3","mtp_layers":0}'
+
+
+def _mtp_floor_under_its_steps(cfg: Config, job: Any) -> None:
+    """The catalog's DeepSeek-V3 (with its MTP module on the last stage): each mode's floor under
+    every step of ``cfg`` that fits."""
+    from spmdkit.planner.search import _bounds
+
+    mc, _sizes = _model_sizes("deepseek-v3", V3)
+    floor = _floor("deepseek-v3", mc, job, _bounds("deepseek-v3", mc, job))
+    assert floor is not None
+    got = [c for c in config_candidates("deepseek-v3", cfg, "h800", V3) if c.fits]
+    assert got and all(floor.step(cfg, c.config.recompute) <= c.step_s for c in got)
 
 
 def test_deepseek_v3s_etp1_pipelines_floor_counts_whole_layers() -> None:
@@ -321,17 +335,20 @@ def test_deepseek_v3s_etp1_pipelines_floor_counts_whole_layers() -> None:
     alltoall dispatcher's sorts by local expert, spmdkit.cost.moe, the floor to 28.73 s, ``none``
     to 120.18 s and full:1 to 120.33 s); and every
     full:K of the interleaved ``dp=16
-    ep=4 tp=2 pp=16 vp=2`` stays above its block split floor."""
+    ep=4 tp=2 pp=16 vp=2`` stays above its block split floor. These figures are the main model's
+    (``mtp_layers`` 0: they predate the catalog's MTP module); with the module, every mode's floor
+    stays under each step that fits (the module rides in the head's unit of the last stage)."""
     from spmdkit.planner.search import _bounds
 
-    mc, sizes = _model_sizes("deepseek-v3", V3)
+    mc, sizes = _model_sizes(V3_MAIN, V3)
     dev = load_device("h800")
     job = _Job(dev, sizes.tokens, ["none", "selective", "full"], dev.memory_bytes, None, None, None, 30.0)
-    floor = _floor("deepseek-v3", mc, job, _bounds("deepseek-v3", mc, job))
+    floor = _floor(V3_MAIN, mc, job, _bounds(V3_MAIN, mc, job))
     assert floor is not None
     cfg = Config(32, 2, 16, V3_ETP1, microbatches=240, ep=2)
+    _mtp_floor_under_its_steps(cfg, job)
     assert floor.step(cfg, "none") == pytest.approx(28.726, abs=1e-3)
-    got = config_candidates("deepseek-v3", cfg, "h800", V3)
+    got = config_candidates(V3_MAIN, cfg, "h800", V3)
     none = next(c for c in got if c.config.recompute == "none")
     assert not none.fits and none.estimate.counts == (2,) + (4,) * 14 + (3,)
     assert floor.step(cfg, "none") <= none.step_s == pytest.approx(120.179, abs=1e-3)
@@ -349,7 +366,7 @@ def test_deepseek_v3s_etp1_pipelines_floor_counts_whole_layers() -> None:
     inter = Config(16, 2, 16, V3_ETP1, microbatches=240, ep=4, virtual=2)
     low = floor.blocks_step(inter)
     assert 0 < low < math.inf
-    blocks = [x for x in config_candidates("deepseek-v3", inter, "h800", V3) if x.config.recompute.startswith("full:")]
+    blocks = [x for x in config_candidates(V3_MAIN, inter, "h800", V3) if x.config.recompute.startswith("full:")]
     assert [x.config.recompute for x in blocks] == ["full:1"] and blocks[0].fits
     assert 23.0 < low <= blocks[0].step_s, (low, blocks[0].step_s)
 

@@ -361,12 +361,15 @@ def _matmul_params(prog: Program, tokens: int = 0) -> int:
     share = active_share(prog)
     read_by: dict[str, set[str]] = {}
     rows: dict[str, int] = {}
-    for op in prog.ops:
+    uses: dict[str, int] = {}  # a weight multiplied twice a token counts twice: a multi-token-prediction
+    for op in prog.ops:       # module's pass through the shared head (Megatron's "(mtp_num_layers + 1)")
         if op.phase != "forward":
             continue
         for n in op.input_names():
             read_by.setdefault(n, set()).add(op.rule)
         y = op.inputs.get("y")
+        if op.rule == "matmul" and isinstance(y, str):
+            uses[y] = uses.get(y, 0) + 1
         if op.rule == "matmul" and isinstance(y, str) and len(prog.tensors[y].shape) >= 3 and op.output_names():
             out = prog.tensors[op.output_names()[0]]
             rows[y] = rows.get(y, 0) + out.numel // max(out.shape[-1], 1)
@@ -383,7 +386,7 @@ def _matmul_params(prog: Program, tokens: int = 0) -> int:
             if t.name in rows and tokens > 0 and rules == {"matmul"}:
                 n_params += round(t.numel * rows[t.name] / (t.shape[0] * tokens))
                 continue
-            n_params += t.numel
+            n_params += t.numel * max(1, uses.get(t.name, 0) if len(t.shape) == 2 else 1)
     return n_params
 
 

@@ -243,7 +243,8 @@ def _mla(r: _Reader) -> dict[str, Any]:
 
 def _hybrid(r: _Reader, layers: int, notes: list[str]) -> dict[str, Any]:
     """Qwen3-Next's Gated DeltaNet layers (every layer but each ``full_attention_interval``-th),
-    the gated attention of the others; its partial rotary embedding and MTP layers noted."""
+    the gated attention of the others, its MTP layers (``mtp_num_hidden_layers``); its partial
+    rotary embedding noted."""
     n = r.size("full_attention_interval", default=4)
     lt = r.obj.get("layer_types")
     want = ["linear_attention" if (i + 1) % n else "full_attention" for i in range(layers)]
@@ -253,9 +254,9 @@ def _hybrid(r: _Reader, layers: int, notes: list[str]) -> dict[str, Any]:
     prf = r.obj.get("partial_rotary_factor", 0.25)
     if prf != 1:
         notes.append(f"partial_rotary_factor {str(prf)[:20]} (rope on the whole head)")
-    if r.size("mtp_num_hidden_layers", default=0, low=0):
-        notes.append(f"mtp_num_hidden_layers {r.obj['mtp_num_hidden_layers']} (multi-token prediction)")
-    return {"full_attention_interval": n, "linear_key_heads": r.size("linear_num_key_heads", default=16),
+    if r.flag("mtp_use_dedicated_embeddings", False):
+        notes.append("mtp_use_dedicated_embeddings (the MTP layer planned with the shared embedding)")
+    return {"mtp_layers": r.size("mtp_num_hidden_layers", default=0, low=0),"full_attention_interval": n, "linear_key_heads": r.size("linear_num_key_heads", default=16),
             "linear_value_heads": r.size("linear_num_value_heads", default=32),
             "linear_key_head_dim": r.size("linear_key_head_dim", default=128),
             "linear_value_head_dim": r.size("linear_value_head_dim", default=128),
@@ -277,8 +278,6 @@ def _not_modelled(r: _Reader, seq: int) -> list[str]:
         notes.append("mlp_bias (the MLP's biases)")
     if obj.get("attention_bias") and r.mt not in ("qwen2", "qwen2_moe"):
         notes.append("attention_bias on o_proj (the q/k/v biases are modelled)")
-    if obj.get("num_nextn_predict_layers"):
-        notes.append(f"num_nextn_predict_layers {str(obj['num_nextn_predict_layers'])[:20]} (multi-token prediction)")
     if obj.get("use_bidirectional_attention"):
         notes.append("use_bidirectional_attention (planned causal)")
     if obj.get("apply_residual_connection_post_layernorm"):
@@ -335,6 +334,7 @@ def hf_fields(obj: Mapping[str, Any]) -> dict[str, Any]:
         f.update(_hybrid(r, layers, notes))
     if mt.startswith("deepseek"):
         f.update(_mla(r))
+        f["mtp_layers"] = r.size("num_nextn_predict_layers", default=0, low=0)  # DeepSeek-V3's MTP depth D
     notes.extend(_not_modelled(r, seq))
     if notes:
         warnings.warn(f"--model-config: {f['name']}: not modelled: {'; '.join(notes)}", UserWarning, stacklevel=2)

@@ -3,7 +3,10 @@ tables and the LM head) and, for a MoE model, active (what one token's forward u
 
 The layers of a zoo model past its first ``dense_layers`` are alike, so the count builds
 ``dense_layers + 1`` and ``dense_layers + 2`` layers (each a second at most) and scales the
-difference to the model's depth: the count of a 671B model without building its 61 layers.
+difference to the model's depth: the count of a 671B model without building its 61 layers. The
+multi-token-prediction modules (``mtp_layers``) are in the total and counted apart too
+(``ParamCount.mtp``): DeepSeek-V3 is 671.03B and its MTP module 11.61B (682.64B), the report's
+"14B" counting the checkpoint's own copies of the embedding and the head (2 x 0.93B) beside.
 """
 
 from __future__ import annotations
@@ -29,6 +32,11 @@ class ParamCount:
     active: int
     #: the token embedding table (part of ``embedding``; the LM head too where tied)
     token_embedding: int = 0
+    #: the multi-token-prediction modules' own parameters (part of ``total``; their embedding
+    #: and head are the model's: :mod:`spmdkit.models.zoo_mtp`)
+    mtp: int = 0
+    #: the part of ``mtp`` one token's forward uses (part of ``active``)
+    mtp_active: int = 0
 
     @property
     def non_embedding(self) -> int:
@@ -40,10 +48,10 @@ def parameters(prog: Program) -> dict[str, int]:
     return {n: t.numel for n, t in prog.tensors.items() if t.kind == "parameter" and not t.inplace_of}
 
 
-def _expert_params(model: Model, layer: int) -> int:
-    """The routed experts' parameters in layer ``layer`` of ``model`` (the stacks
-    ``layers.<i>.experts.*``, one slice an expert; the shared experts and the router apart)."""
-    prefix = f"layers.{layer}.experts."
+def _prefixed(model: Model, prefix: str) -> int:
+    """The parameters of ``model`` whose names start with ``prefix``: ``layers.<i>.experts.``, the
+    routed experts of layer i (the stacks, one slice an expert; the shared experts and the router
+    apart); ``mtp.``, the multi-token-prediction modules'; ``mtp.<k>.experts.``, module k's experts."""
     return sum(n for p, n in parameters(model.program).items() if p.startswith(prefix))
 
 
@@ -62,23 +70,29 @@ def count_params(cfg: ModelConfig) -> ParamCount:
     if cfg.layers <= first + period or (cfg.layers - first) % period:
         model = build_model(cfg, validate=False, check_rules=False)
         total, emb, tok = _counts(model)
-        experts = sum(_expert_params(model, i) for i in range(cfg.layers) if cfg.is_moe_layer(i))
+        experts = sum(_prefixed(model, f"layers.{i}.experts.") for i in range(cfg.layers) if cfg.is_moe_layer(i))
     else:
         small = build_model(cfg.with_(layers=first), validate=False, check_rules=False)
         big = build_model(cfg.with_(layers=first + period), validate=False, check_rules=False)
         (t1, emb, tok), (t2, _, _) = _counts(small), _counts(big)
         total = t1 + (t2 - t1) * ((cfg.layers - first) // period)
-        experts = _expert_params(big, first) * (cfg.layers - cfg.dense_layers) if cfg.experts else 0
+        experts = _prefixed(big, f"layers.{first}.experts.") * (cfg.layers - cfg.dense_layers) if cfg.experts else 0
+        model = small
+    mtp = _prefixed(model, "mtp.")
+    mtp_experts = sum(_prefixed(model, f"mtp.{k}.experts.") for k in range(cfg.mtp_layers))
+    experts += mtp_experts
     active = total - experts + experts * cfg.top_k // cfg.experts if cfg.experts else total
-    return ParamCount(total, emb, active, tok)
+    mtp_active = mtp - mtp_experts + mtp_experts * cfg.top_k // cfg.experts if cfg.experts else mtp
+    return ParamCount(total, emb, active, tok, mtp, mtp_active)
 
 
 def as_published(entry: Entry, count: ParamCount) -> dict[str, int]:
     """The figures ``entry`` publishes, as ``count`` gives them (its active count without the
-    token embedding where the source counts it so)."""
-    active = count.active - (count.token_embedding if entry.active_without_token_embedding else 0)
-    got = {"total": count.total, "active": active, "embedding": count.embedding,
-           "non_embedding": count.non_embedding}
+    token embedding where the source counts it so), the multi-token-prediction modules left out:
+    the sources count the main model (DeepSeek-V3's 671B / 37B, "14B of the MTP module" beside)."""
+    active = count.active - count.mtp_active - (count.token_embedding if entry.active_without_token_embedding else 0)
+    got = {"total": count.total - count.mtp, "active": active, "embedding": count.embedding,
+           "non_embedding": count.non_embedding - count.mtp}
     return {k: got[k] for k in entry.published}
 
 

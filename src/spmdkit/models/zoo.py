@@ -61,6 +61,7 @@ from spmdkit.models.zoo_layers import (
 )
 from spmdkit.models.zoo_linear import gate_attention, gated_delta_net, gdn_params, minus_one_input, record_minus_one
 from spmdkit.models.zoo_moe import aux_terms, moe_mlp
+from spmdkit.models.zoo_mtp import mtp_modules
 from spmdkit.program.autodiff import Tape
 from spmdkit.program.ir import Program, ProgramBuilder, RecordedValue
 
@@ -95,7 +96,7 @@ _CONFIG_FIELDS = {"base": "str", "name": "str", "arch": "str", "layers": "int", 
                   "q_lora_rank": "count", "kv_lora_rank": "count", "qk_rope_head_dim": "count", "v_head_dim": "int?",
                   "full_attention_interval": "count", "linear_key_heads": "count", "linear_value_heads": "count",
                   "linear_key_head_dim": "count", "linear_value_head_dim": "count", "linear_conv": "int",
-                  "attention_gate": "bool", "shared_expert_gate": "bool"}
+                  "attention_gate": "bool", "shared_expert_gate": "bool", "mtp_layers": "count"}
 _DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
            "fp32": "float32", "float32": "float32"}
 
@@ -189,8 +190,8 @@ def config_json(cfg: ModelConfig) -> str:
 def tiny_like(cfg: ModelConfig) -> str:
     """The tiny model of ``cfg``'s architecture (``--verify`` simulates it): a tiny preset, or,
     where ``cfg`` has a variant (activation, attention, tied embeddings, grouped kv heads, head
-    size, norm, positions, biases, embedding norm, experts, MLA), a config of the tiny preset's
-    sizes with that variant (4 experts of width 8, MLA ranks 8 / 6, rope part 4)."""
+    size, norm, positions, biases, embedding norm, experts, MLA, MTP), a config of the tiny preset's
+    sizes with that variant (4 experts of width 8, MLA ranks 8 / 6, rope part 4, one MTP module)."""
     base = "tiny-llama" if cfg.arch == "llama" else "tiny-gpt-dropout" if cfg.dropout else "tiny-gpt2"
     tiny = PRESETS[base]
     # grouped kv heads: tiny-llama has them already; a grouped gpt2 gets half as many kv heads
@@ -208,6 +209,8 @@ def tiny_like(cfg: ModelConfig) -> str:
         variant.update({"full_attention_interval": 2, "linear_key_heads": 2, "linear_value_heads": 4,
                         "linear_key_head_dim": 4, "linear_value_head_dim": 4, "linear_conv": min(cfg.linear_conv, 4)})
     variant.update({k: True for k in ("attention_gate", "shared_expert_gate") if getattr(cfg, k)})
+    if cfg.mtp_layers:  # one multi-token-prediction module (zoo_mtp)
+        variant["mtp_layers"] = 1
     if cfg.mla:
         variant.update({"kv_heads": None, "kv_lora_rank": 8, "q_lora_rank": 6 if cfg.q_lora_rank else 0,
                         "qk_rope_head_dim": 4, "head_dim": 4, "v_head_dim": 6 if cfg.vdim != cfg.hdim else None})
@@ -237,11 +240,19 @@ def preset(name: str) -> ModelConfig:
 
 
 
-def decoder_layer(t: Tape, cfg: ModelConfig, i: int, h: str, m: Model) -> str:
-    """Layer ``i`` of ``cfg`` on the residual stream ``h``; the stream after it."""
-    p = f"layers.{i}."
-    t.b.layer = f"layer {i}"
-    moe, lin = cfg.is_moe_layer(i), cfg.is_linear_layer(i)
+def decoder_layer(t: Tape, cfg: ModelConfig, i: int, h: str, m: Model, mtp: int | None = None) -> str:
+    """Layer ``i`` of ``cfg`` on the residual stream ``h``; the stream after it. ``mtp`` = k: the
+    transformer layer of multi-token-prediction module k instead (:mod:`spmdkit.models.zoo_mtp`:
+    parameters ``mtp.<k>.*``, its ops labelled ``mtp[k]``, softmax attention, MoE where the model's
+    last layer is)."""
+    if mtp is None:
+        p = f"layers.{i}."
+        t.b.layer = f"layer {i}"
+        moe, lin = cfg.is_moe_layer(i), cfg.is_linear_layer(i)
+    else:
+        p = f"mtp.{mtp}."
+        t.b.layer = f"mtp[{mtp}]"
+        moe, lin = cfg.is_moe_layer(cfg.layers - 1), False
     w = layer_params(t, cfg, m, p, moe, (lambda w: gdn_params(t, cfg, m, p, w)) if lin else None)
     nm = NAMES[cfg.arch]
     n1 = norm(t, cfg, m, h, p + nm["n1"], w["n1"], w["n1.b"])
@@ -272,7 +283,7 @@ def build_model(cfg: ModelConfig, vocab_parallel_loss: bool = False, optimizer: 
     b = ProgramBuilder(f"{cfg.arch} {cfg.layers} layers")
     t = Tape(b)
     m = Model(cfg, Program([], []), {}, [], [], {}, vocab_parallel_loss=vocab_parallel_loss)
-    B, S, H, V = cfg.batch, cfg.seq, cfg.hidden, cfg.vocab
+    H, V = cfg.hidden, cfg.vocab
     dt = cfg.dtype
     emb, h = embed(t, cfg, m)
     minus_one_input(t, cfg)
@@ -280,18 +291,12 @@ def build_model(cfg: ModelConfig, vocab_parallel_loss: bool = False, optimizer: 
     for i in range(cfg.layers):
         h = decoder_layer(t, cfg, i, h, m)
     nf = final_norm(t, cfg, m, h)
-    if cfg.tied_embeddings:  # the head is the embedding table, transposed
-        (logits,) = t.op("matmul", {"x": nf, "y": emb}, [("logits", [B, S, V], dt)], trans_y=True)
-    else:
-        head = t.param("lm_head", [H, V], dt)
+    head = emb if cfg.tied_embeddings else t.param("lm_head", [H, V], dt)  # tied: the table, transposed
+    if not cfg.tied_embeddings:
         m.roles[head] = "head"
-        (logits,) = t.op("matmul", {"x": nf, "y": head}, [("logits", [B, S, V], dt)])
-    if vocab_parallel_loss:
-        _, loss_tok = t.op("c_softmax_with_cross_entropy", {"x": logits, "label": labels},
-                           [("softmax", [B, S, V], dt), ("loss.token", [B, S, 1], "float32")])
-    else:
-        _, loss_tok = t.op("cross_entropy_with_softmax", {"x": logits, "label": labels},
-                           [("softmax", [B, S, V], dt), ("loss.token", [B, S, 1], "float32")])
+    loss_tok = head_loss(t, cfg, m, nf, head, labels, "")
+    if cfg.mtp_layers:  # the multi-token-prediction modules, their token losses beside the model's
+        loss_tok = mtp_modules(t, cfg, m, nf, emb, head, loss_tok, decoder_layer, head_loss)
     # the loss is the sum of the token losses (a mean differs by a constant factor and shards alike)
     if m.aux and loss_tok:  # MoE: the per-sequence load-balancing losses summed with the token losses (zoo_moe)
         loss_tok = aux_terms(t, m, loss_tok)
@@ -305,6 +310,21 @@ def build_model(cfg: ModelConfig, vocab_parallel_loss: bool = False, optimizer: 
         record_cp_positions(cfg, m.program)
     record_minus_one(m.program)
     return m
+
+
+def head_loss(t: Tape, cfg: ModelConfig, m: Model, x: str, head: str, labels: str, p: str) -> str:
+    """The LM head ``head`` (``[hidden, vocab]``, or the tied ``[vocab, hidden]`` embedding,
+    transposed) on the normalised ``x`` and the cross entropy against ``labels``
+    (``c_softmax_with_cross_entropy`` where the head is vocab-parallel): the token losses [B, S, 1]
+    (``p + "loss.token"``)."""
+    B, S, V, dt = cfg.batch, cfg.seq, cfg.vocab, cfg.dtype
+    tied: dict[str, Any] = {"trans_y": True} if cfg.tied_embeddings else {}
+    (logits,) = t.op("matmul", {"x": x, "y": head}, [(p + "logits", [B, S, V], dt)], **tied)
+    rule = "c_softmax_with_cross_entropy" if m.vocab_parallel_loss else "cross_entropy_with_softmax"
+    _, loss_tok = t.op(rule, {"x": logits, "label": labels},
+                       [(p + "softmax", [B, S, V], dt), (p + "loss.token", [B, S, 1], "float32")])
+    assert loss_tok is not None
+    return loss_tok
 
 
 def record_cp_positions(cfg: ModelConfig, prog: Program) -> None:

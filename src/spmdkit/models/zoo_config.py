@@ -122,6 +122,11 @@ class ModelConfig:
     attention_gate: bool = False
     #: the shared experts' output scaled by ``sigmoid(x @ w [hidden, 1])`` (Qwen2-MoE, Qwen3-Next)
     shared_expert_gate: bool = False
+    #: multi-token-prediction modules (DeepSeek-V3's depth D, Megatron-Core's ``--mtp-num-layers``,
+    #: HF's ``num_nextn_predict_layers`` / ``mtp_num_hidden_layers``): each one more transformer
+    #: layer predicting one token further ahead through the shared embedding and head
+    #: (:mod:`spmdkit.models.zoo_mtp`; 0: none)
+    mtp_layers: int = 0
 
     @property
     def act(self) -> str:
@@ -209,6 +214,9 @@ class ModelConfig:
             v = getattr(self, k)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ProgramError(f"model: {k} must be an integer >= 0, got {v!r}")
+        v = self.mtp_layers
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ProgramError(f"model: mtp_layers must be an integer >= 0, got {v!r}")
         if self.shared_expert_gate and not self.shared_experts:
             raise ProgramError("model: shared_expert_gate needs shared_experts >= 1")
         if self.attention_gate and (self.mla or self.attn != "flash"):
@@ -344,6 +352,15 @@ class Model:
     vocab_parallel_loss: bool = False
     #: MoE with ``aux_loss``: each MoE layer's per-sequence load-balancing losses [batch, 1]
     aux: list[str] = field(default_factory=list)
+
+    def token_inputs(self) -> list[str]:
+        """The inputs laid out as the tokens, [batch, seq, ...]: the tokens, the labels, the learned
+        positions, and each multi-token-prediction module's shifted tokens and labels (what data
+        and context parallelism split with the batch and the sequence)."""
+        keys = ["tokens", "labels", "positions"]
+        for k in range(self.config.mtp_layers):
+            keys += [f"mtp.{k}.tokens", f"mtp.{k}.labels"]
+        return [self.inputs[k] for k in keys if k in self.inputs]
 
 
 

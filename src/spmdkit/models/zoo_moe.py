@@ -176,18 +176,19 @@ def _aux_per_token(t: Tape, cfg: ModelConfig, m: Model, p: str, probs: str, f: s
 
 
 def aux_terms(t: Tape, m: Model, loss_tok: str) -> str:
-    """The token losses [B, S, 1] and the MoE layers' load-balancing losses ``m.aux`` ([B, 1]
+    """The token losses [B, S, 1] (or [B, S, 1 + mtp_layers] with the MTP modules') and the MoE layers' load-balancing losses ``m.aux`` ([B, 1]
     each) as one tensor [B, S + MoE layers] whose sum is the step's loss: each batch row keeps
     its sequence's terms, so the sum is partial over the data-parallel dims as the token losses'
     alone is (an ``add`` of two partial scalars would reduce each first), and every MoE layer
     has the same ops (the report groups layers by them)."""
     B, S, n = m.config.batch, m.config.seq, len(m.aux)
+    j = t.b.get(loss_tok).shape[-1]  # 1, or 1 + mtp_layers: the MTP modules' token losses beside (zoo_mtp)
     if m.config.cp > 1:  # each a token's share [B, S, 1]: side by side on a new axis, the sequence left split
-        (terms,) = t.op("concat", {"x": (loss_tok, *m.aux)}, [("loss.terms", [B, S, 1 + n], "float32")], axis=2)
+        (terms,) = t.op("concat", {"x": (loss_tok, *m.aux)}, [("loss.terms", [B, S, j + n], "float32")], axis=2)
         assert terms is not None
         return terms
-    (lt,) = t.op("reshape", {"x": loss_tok}, [("loss.token2d", [B, S], "float32")], shape=(B, S))
-    (terms,) = t.op("concat", {"x": (lt, *m.aux)}, [("loss.terms", [B, S + n], "float32")], axis=1)
+    (lt,) = t.op("reshape", {"x": loss_tok}, [("loss.token2d", [B, S * j], "float32")], shape=(B, S * j))
+    (terms,) = t.op("concat", {"x": (lt, *m.aux)}, [("loss.terms", [B, S * j + n], "float32")], axis=1)
     assert terms is not None
     return terms
 

@@ -247,7 +247,7 @@ def verify_pipeline(model_name: str, mesh_text: str, spec: PipelineSpec, strateg
     _, whole, _ = plan_model(tiny, "dp=1", "none", {"layers": layers, "batch": b * n_mb})
     vals = source_values(whole.program, 0)
     ref = simulate_plan(whole, values=vals)  # one rank: the unsharded step of the whole batch
-    batched = {model.inputs[k] for k in ("tokens", "labels", "positions") if k in model.inputs}
+    batched = set(model.token_inputs())
     reps = []
     for i in range(n_mb):
         mine = {k: (v[i * b:(i + 1) * b] if k in batched else v) for k, v in vals.items()}

@@ -226,10 +226,8 @@ def cp_marks(model: Model, mesh: ProcessMesh, dm: Any, st: set[str], batch: Any,
         raise ProgramError(f"--mesh {_seq_mesh(mesh, dims)}: {why}")
     prog = model.program
     ins = model.inputs
-    for key in ("tokens", "labels", "positions"):
-        name = ins.get(key)
-        if name is not None:
-            dm(name)[1] = cp
+    for tok in model.token_inputs():
+        dm(tok)[1] = cp
     for key in ("sin", "cos"):
         name = ins.get(key)
         if name is not None:

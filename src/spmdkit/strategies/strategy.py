@@ -265,10 +265,8 @@ def annotate(model: Model, mesh: ProcessMesh, strategy: Iterable[str],
     batch = batch_entry(dp, None if from_cp else ep)
 
     if batch != -1:
-        for key in ("tokens", "labels", "positions"):
-            n = model.inputs.get(key)
-            if n is not None:
-                dm(n)[0] = batch
+        for n in model.token_inputs():
+            dm(n)[0] = batch
     if tp is not None:
         check_tp(model, mesh, tp, st)
         for p, role in model.roles.items():
