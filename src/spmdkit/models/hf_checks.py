@@ -239,6 +239,21 @@ def _check_uses(s: _Schema, cfg: Mapping[str, Any], values: Mapping[str, Any]) -
                            f"turns pairs of features")
 
 
+#: The config keys of a multi-token-prediction depth (DeepSeek-V3, Qwen3-Next): transformers'
+#: modeling code builds none of those layers (it drops their weights on load).
+MTP_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
+
+
+def _check_mtp(s: _Schema, cfg: Mapping[str, Any]) -> None:
+    """A warning for a positive MTP depth: the traced model has no such layers."""
+    for k in MTP_KEYS:
+        n = cfg.get(k)
+        if _is_int(n) and n > 0:
+            warnings.warn(f"--hf-config: {k} {n}: the HF model builds no multi-token-prediction layers, so the "
+                          f"plan has none (a catalog model or --model-config with this config plans them)",
+                          UserWarning, stacklevel=3)
+
+
 def check_hf_config(cfg_cls: type, cfg: Mapping[str, Any]) -> None:
     """ProgramError (one line naming the key) for a config ``cfg`` (the keys given) that
     ``cfg_cls`` would reject, build into a traceback or silently complete with its defaults;
@@ -248,6 +263,7 @@ def check_hf_config(cfg_cls: type, cfg: Mapping[str, Any]) -> None:
     values = _check_sizes(s, cfg)
     _check_shapes(s, cfg, values)
     _check_uses(s, cfg, values)
+    _check_mtp(s, cfg)
     try:
         cfg_cls(**cfg)
     except Exception as exc:  # transformers' and huggingface_hub's own checks, whatever their class
