@@ -251,6 +251,13 @@ def test_models_lists_the_catalog(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["models", "--wide", "gemma"]) == 0
     out = capsys.readouterr().out
     assert "gemma2-9b" in out and "9.24B" in out and "llama" not in out
+    # the MTP module apart from the count the report states (671B, 37B active)
+    assert main(["models", "--wide", "deepseek-v3", "--json"]) == 0
+    (v3,) = json.loads(capsys.readouterr().out)
+    assert (v3["params"]["mtp"], v3["params"]["total"] - v3["params"]["mtp"]) == (11_610_067_968, 671_026_404_352)
+    assert main(["models", "--wide", "deepseek-v3"]) == 0
+    out = capsys.readouterr().out
+    assert "671.03B + 11.61B MTP" in out and "37.55B + 0.69B MTP" in out and "682.64B" not in out
     assert main(["models", "nosuchmodel"]) == 2
     assert "no catalog model matches 'nosuchmodel'" in capsys.readouterr().err
 

@@ -65,12 +65,19 @@ def model_rows(filters: list[str] | None = None) -> list[dict[str, Any]]:
         try:
             pc = count_params(preset(name))
             row["params"] = {"total": pc.total, "active": pc.active, "embedding": pc.embedding,
-                             "non_embedding": pc.non_embedding, "token_embedding": pc.token_embedding}
+                             "non_embedding": pc.non_embedding, "token_embedding": pc.token_embedding,
+                             "mtp": pc.mtp, "mtp_active": pc.mtp_active}
             row["matches_published"] = not mismatches(e, pc)
         except SpmdError as exc:  # an architecture this build of the zoo does not build
             row["error"] = str(exc)
         out.append(row)
     return out
+
+
+def _with_mtp(n: int, mtp: int) -> str:
+    """A count with its multi-token-prediction modules apart (published figures leave them out):
+    ``671.03B + 11.61B MTP``."""
+    return f"{billions(n - mtp)} + {billions(mtp)} MTP" if mtp else billions(n)
 
 
 def _published(row: dict[str, Any]) -> str:
@@ -94,8 +101,8 @@ def run_models(ns: argparse.Namespace, out: TextIO | None = None) -> int:
     for r in rows:
         c = preset(r["name"])
         p = r["params"]
-        total = billions(p["total"]) if p else f"not built: {r['error']}"
-        active = billions(p["active"]) if p and c.experts else "-"
+        total = _with_mtp(p["total"], p["mtp"]) if p else f"not built: {r['error']}"
+        active = _with_mtp(p["active"], p["mtp_active"]) if p and c.experts else "-"
         table.append([r["name"] + "".join(f" ({a})" for a in r["aliases"]), r["family"], str(c.layers),
                       str(c.hidden), _heads(c), _experts(c), total, active, _published(r), str(c.seq), r["source"]])
     title = (f"{len(rows)} published architectures (--model NAME; params counted from the built training step; "
