@@ -27,6 +27,7 @@ A failure is one line in ``OUT/error.RANK`` and exit status 1; torchrun then end
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import importlib.machinery
 import importlib.util
 import json
@@ -398,6 +399,7 @@ def _one_line(exc: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     warnings.simplefilter("ignore")
+    faulthandler.enable()  # a rank killed by SIGABRT / SIGSEGV leaves its Python stacks in its stderr
     with open(args[0], encoding="utf-8") as f:
         spec = json.load(f)
     rank = os.environ.get("RANK", "?")
