@@ -362,6 +362,27 @@ def test_failure_of_a_killed_rank_quotes_the_end_of_its_stderr(tmp_path: Path) -
     assert _failure_line(str(tmp_path), log, 1) == "rank 3 failed: ValueError: x; torchrun ended every rank (exit 1)"
 
 
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_worker_ends_without_the_interpreters_teardown(tmp_path: Path, fails: bool) -> None:
+    """Run as the program, the worker ends its process once it has written rank 0's result (or its
+    error line) and flushed its output: an exit handler never runs (the interpreter's teardown,
+    with gloo's threads alive, is skipped), the exit status is the rank's."""
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"out": str(tmp_path)}))
+    fake = "raise ValueError('no model')" if fails else "return {'facts': 1}"
+    code = ("import atexit, sys\nimport spmdkit.execute.torch_engine as te\n"
+            f"def run(spec):\n    print('ran', flush=True)\n    {fake}\n"
+            "te.run = run\natexit.register(print, 'teardown')\n"
+            f"sys.argv = ['worker', {str(spec)!r}]\nte.main()\nprint('main returned')\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT / "src"), RANK="0"))
+    assert (p.returncode, p.stdout) == ((1, "ran\n") if fails else (0, "ran\n")), p.stderr[-2000:]
+    if fails:
+        assert (tmp_path / "error.0").read_text() == "ValueError: no model\n"
+    else:
+        assert json.loads((tmp_path / "result.json").read_text()) == {"facts": 1}
+
+
 @pytest.mark.parametrize(("args", "line"), [
     (["--model", "tiny-llama"], "spmdkit run: --engine torch runs an --hf model"),
     (["--hf", "LlamaForCausalLM"], "spmdkit run: --hf needs --hf-config FILE|JSON (the model's config)"),
