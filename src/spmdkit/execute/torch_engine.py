@@ -411,9 +411,10 @@ def _end_process(rc: int) -> None:
     written and closed: ``result.json`` atomically, or ``error.RANK``). The interpreter's teardown
     would run with gloo's C++ threads still alive: the DeviceMesh's sub-groups outlive
     ``destroy_process_group`` (4 ``pt_gloo_runloop`` and 2 ``gloo_tcp_loop`` threads on every rank
-    of a 2-D mesh, counted in /proc/self/task after it), and it frees torch's objects one by one,
-    C++ destructors included; a rank was killed by SIGABRT at random in the suite's runs. Nothing
-    of the rank's is left for an exit handler (CPU seconds saved: docs/torch.md)."""
+    of a 2-D mesh, counted in /proc/self/task after it), and it killed a rank at random: SIGABRT,
+    ``terminate called without an active exception`` with the main thread past its last Python
+    frame (a pipeline's last rank, 2 of about 105 launches under load: docs/export.md). Nothing
+    of the rank's is left for an exit handler; the teardown's CPU is saved too."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(rc)
