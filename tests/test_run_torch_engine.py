@@ -5,7 +5,8 @@ Each launch starts 4 worker processes (about a minute on 2 cores), so the suite 
 set: Llama dp=2 x tp=2 megatron whose 3 steps' losses equal torch eager's and whose collectives
 equal the export's; an export without the dp gradient reduction (the check fails: exit 1, the
 losses and collectives named); an export that raises on one rank (exit 1, one line naming the
-rank and its error, every rank ended, no hang); the pipelines: Llama and GPT-2 (its tied wte held on
+rank and its error, every rank ended, no hang); an export that aborts one rank (killed by
+SIGABRT, the rank's last stderr lines quoted); the pipelines: Llama and GPT-2 (its tied wte held on
 both stages, the copies' gradients all-reduced) at pp=2 x tp=2. The rest are checked without launching: the
 report's arithmetic, the names of the collectives, the failure line read from torchrun's
 output, the refusals before torchrun starts."""
