@@ -5,7 +5,8 @@ Each launch starts 4 worker processes (about a minute on 2 cores), so the suite 
 set: Llama dp=2 x tp=2 megatron whose 3 steps' losses equal torch eager's and whose collectives
 equal the export's; an export without the dp gradient reduction (the check fails: exit 1, the
 losses and collectives named); an export that raises on one rank (exit 1, one line naming the
-rank and its error, every rank ended, no hang); the pipelines: Llama and GPT-2 (its tied wte held on
+rank and its error, every rank ended, no hang); an export that aborts one rank (killed by
+SIGABRT, the rank's last stderr lines quoted); the pipelines: Llama and GPT-2 (its tied wte held on
 both stages, the copies' gradients all-reduced) at pp=2 x tp=2. The rest are checked without launching: the
 report's arithmetic, the names of the collectives, the failure line read from torchrun's
 output, the refusals before torchrun starts."""
@@ -229,6 +230,26 @@ def test_a_rank_that_raises_ends_the_job_with_one_line(tmp_path: Path) -> None:
     assert time.monotonic() - t0 < 240  # the others did not wait out --timeout 60 in a collective
 
 
+def test_a_rank_killed_by_sigabrt_leaves_its_last_stderr_lines_in_the_failure(tmp_path: Path) -> None:
+    """A rank that aborts (a C++ ``terminate``, here ``os.abort()`` after its message) writes no
+    error of its own: the failure names the signal, then quotes the end of the rank's stderr
+    (torchrun's ``--redirects`` file): the C++ message, faulthandler's ``Fatal Python error`` and
+    the Python stack of the abort (the export's line, under ``load_export``)."""
+    path = _real_export(tmp_path)
+    path.write_text(path.read_text() + "\nimport os as _os\nimport sys as _sys\n\nif _os.environ['RANK'] == '2':\n"
+                    "    _sys.stderr.write('terminate called after throwing an instance of gloo::EnforceNotMet\\n')\n"
+                    "    _os.abort()\n")
+    p = _launch("--torch-plan", str(path), timeout=300)
+    assert p.returncode == 1 and p.stdout == ""
+    lines = p.stderr.strip().splitlines()
+    assert lines[0] == ("spmdkit run: rank 2 failed: killed by SIGABRT; torchrun ended every rank (exit 1); its "
+                        "stderr ended:"), p.stderr[-3000:]
+    assert lines[1:3] == ["  | terminate called after throwing an instance of gloo::EnforceNotMet",
+                          "  | Fatal Python error: Aborted"], p.stderr[-3000:]
+    assert any(ln.startswith(f'  |   File "{path}", line ') for ln in lines)
+    assert any(ln.endswith(" in load_export") for ln in lines)
+
+
 # -- without launching -------------------------------------------------------------------------
 
 
@@ -278,7 +299,8 @@ def test_failure_line_names_torchruns_root_cause(tmp_path: Path) -> None:
     log = ("Root Cause (first observed failure):\n[0]:\n  time      : now\n  host      : localhost\n"
            "  rank      : 3 (local_rank: 3)\n  exitcode  : -9 (pid: 1)\n  error_file: <N/A>\n"
            "  traceback : Signal 9 (SIGKILL) received by PID 1\n")
-    assert _failure_line(str(tmp_path), log, 1) == "rank 3 failed: killed by SIGKILL; torchrun ended every rank (exit 1)"
+    assert _failure_line(str(tmp_path), log, 1) == ("rank 3 failed: killed by SIGKILL; torchrun ended every rank "
+                                                    "(exit 1)\n  (rank 3 wrote nothing to stderr)")
     (tmp_path / "error.3").write_text("ValueError: x\n")
     assert _failure_line(str(tmp_path), log, 1) == "rank 3 failed: ValueError: x; torchrun ended every rank (exit 1)"
 
@@ -303,7 +325,63 @@ def test_failure_line_names_the_rank_whose_own_error_came_first(tmp_path: Path) 
     killed = log.replace("exitcode  : 1", "exitcode  : -9").replace("To enable traceback see: ...",
                                                                   "Signal 9 (SIGKILL) received by PID 1")
     (tmp_path / "error.3").rename(tmp_path / "error.1")
-    assert _failure_line(str(tmp_path), killed, 1) == "rank 3 failed: killed by SIGKILL; torchrun ended every rank (exit 1)"
+    assert _failure_line(str(tmp_path), killed, 1) == ("rank 3 failed: killed by SIGKILL; torchrun ended every rank "
+                                                    "(exit 1)\n  (rank 3 wrote nothing to stderr)")
+
+
+def test_failure_of_a_killed_rank_quotes_the_end_of_its_stderr(tmp_path: Path) -> None:
+    """A rank killed by a signal: its stderr's last lines follow the failure line, from a few lines
+    before faulthandler's last ``Fatal Python error`` (the C++ message is above it), its list of
+    extension modules left out; a rank that wrote nothing is said so. A rank with an error of its
+    own stays one line."""
+    from spmdkit.execute.torchrun import _failure_line, rank_stderr_tail
+
+    log = ("Root Cause (first observed failure):\n[0]:\n  rank      : 3 (local_rank: 3)\n  exitcode  : -6 (pid: 1)\n"
+           "  error_file: <N/A>\n  traceback : Signal 6 (SIGABRT) received by PID 1\n")
+    assert _failure_line(str(tmp_path), log, 1) == ("rank 3 failed: killed by SIGABRT; torchrun ended every rank (exit 1)"
+                                                   "\n  (rank 3 wrote nothing to stderr)")
+    rank3 = tmp_path / "logs" / "run_x" / "attempt_0" / "3"
+    rank3.mkdir(parents=True)
+    (tmp_path / "logs" / "run_x" / "attempt_0" / "2").mkdir()
+    (tmp_path / "logs" / "run_x" / "attempt_0" / "2" / "stderr.log").write_text("rank two's line\n")
+    said = [f"warning {i}" for i in range(40)] + [
+        "terminate called after throwing an instance of 'gloo::EnforceNotMet'",
+        "  what():  [enforce fail at pair.cc:446] op.preamble.length <= op.nbytes. 16 vs 8", "",
+        "Fatal Python error: Aborted", "", "Thread 0x1 (most recent call first):", '  File "x.py", line 3 in f',
+        "Extension modules: torch._C, numpy (total: 2)"]
+    (rank3 / "stderr.log").write_text("\n".join(said) + "\n")
+    got = _failure_line(str(tmp_path), log, 1).splitlines()
+    assert got == ["rank 3 failed: killed by SIGABRT; torchrun ended every rank (exit 1); its stderr ended:",
+                   "  | warning 38", "  | warning 39", "  | terminate called after throwing an instance of "
+                   "'gloo::EnforceNotMet'", "  |   what():  [enforce fail at pair.cc:446] op.preamble.length <= "
+                   "op.nbytes. 16 vs 8", "  | Fatal Python error: Aborted", "  | Thread 0x1 (most recent call first):",
+                   '  |   File "x.py", line 3 in f']
+    (rank3 / "stderr.log").write_text("\n".join(f"line {i}" for i in range(100)) + "\n")
+    assert rank_stderr_tail(str(tmp_path), 3, 3) == ["line 97", "line 98", "line 99"]
+    assert len(_failure_line(str(tmp_path), log, 1).splitlines()) == 1 + 25
+    (tmp_path / "error.3").write_text("ValueError: x\n")
+    assert _failure_line(str(tmp_path), log, 1) == "rank 3 failed: ValueError: x; torchrun ended every rank (exit 1)"
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_worker_ends_without_the_interpreters_teardown(tmp_path: Path, fails: bool) -> None:
+    """Run as the program, the worker ends its process once it has written rank 0's result (or its
+    error line) and flushed its output: an exit handler never runs (the interpreter's teardown,
+    with gloo's threads alive, is skipped), the exit status is the rank's."""
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"out": str(tmp_path)}))
+    fake = "raise ValueError('no model')" if fails else "return {'facts': 1}"
+    code = ("import atexit, sys\nimport spmdkit.execute.torch_engine as te\n"
+            f"def run(spec):\n    print('ran', flush=True)\n    {fake}\n"
+            "te.run = run\natexit.register(print, 'teardown')\n"
+            f"sys.argv = ['worker', {str(spec)!r}]\nte.main()\nprint('main returned')\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT / "src"), RANK="0"))
+    assert (p.returncode, p.stdout) == ((1, "ran\n") if fails else (0, "ran\n")), p.stderr[-2000:]
+    if fails:
+        assert (tmp_path / "error.0").read_text() == "ValueError: no model\n"
+    else:
+        assert json.loads((tmp_path / "result.json").read_text()) == {"facts": 1}
 
 
 @pytest.mark.parametrize(("args", "line"), [

@@ -1,12 +1,14 @@
 """``spmdkit run --engine torch``'s launcher: torch's own (no torch import here).
 
 :func:`launch_torchrun` writes the run's spec to a private folder, starts
-``python -m torch.distributed.run --standalone --nproc-per-node N --max-restarts 0
--m spmdkit.execute.torch_engine SPEC`` (torchrun: its rendezvous, its worker processes, its fault
-handling: when a worker fails torchrun ends the others) and reads what the workers left: rank 0's
-``result.json``, or each failed rank's one-line ``error.RANK``. A failure becomes one line
-(:class:`TorchrunFailed`); a job still running ``deadline`` seconds after its start is ended
-(its whole process group) and named as such.
+``python -m torch.distributed.run --standalone --nproc-per-node N --max-restarts 0 ... --log-dir
+LOGS --redirects 3 -m spmdkit.execute.torch_engine SPEC`` (torchrun: its rendezvous, its worker
+processes, its fault handling: when a worker fails torchrun ends the others) and reads what the
+workers left: rank 0's ``result.json``, or each failed rank's one-line ``error.RANK``, or, of a
+rank killed by a signal (a C++ abort), the last lines of its stderr (torchrun's ``--redirects 3``
+files, in the same folder). A failure becomes one line (:class:`TorchrunFailed`), those lines
+after it; a job still running ``deadline`` seconds after its start is ended (its whole process
+group) and named as such.
 
 :func:`torch_report` turns rank 0's facts into the report (every step's loss against torch
 eager's, every rank's collectives against the export's ``PLAN_COLLECTIVES``, each rank's memory);
@@ -16,6 +18,7 @@ eager's, every rank's collectives against the export's ``PLAN_COLLECTIVES``, eac
 from __future__ import annotations
 
 import ast
+import glob
 import json
 import os
 import re
@@ -38,7 +41,8 @@ MEMORY_NOTE = ("max RSS: the process's peak resident memory (Python, torch's lib
 
 
 class TorchrunFailed(Exception):
-    """The job failed: one line naming the rank and its error."""
+    """The job failed: one line naming the rank and its error; for a rank killed by a signal (no
+    error of its own written) the last lines of its stderr follow (:func:`rank_stderr_tail`)."""
 
 
 def export_mesh(path: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -71,10 +75,14 @@ def export_mesh(path: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
     return dims, shape
 
 
-def torchrun_command(nproc: int, spec_path: str) -> list[str]:
-    """The command line that starts the job (torchrun, run as a module of this Python)."""
+def torchrun_command(nproc: int, spec_path: str, log_dir: str) -> list[str]:
+    """The command line that starts the job (torchrun, run as a module of this Python). Each
+    worker's stdout and stderr go to torchrun's files under ``log_dir`` (``--redirects 3``:
+    ``LOG_DIR/RUN_ID/attempt_0/LOCAL_RANK/stderr.log``), where the launcher reads what a rank
+    killed by a signal last wrote (:func:`rank_stderr_tail`)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-            "--max-restarts", "0", "--monitor-interval", "0.1", "-m", WORKER, spec_path]
+            "--max-restarts", "0", "--monitor-interval", "0.1", "--log-dir", log_dir, "--redirects", "3",
+            "-m", WORKER, spec_path]
 
 
 def _pythonpath() -> str:
@@ -93,7 +101,7 @@ def launch_torchrun(spec: dict[str, Any], nproc: int, deadline: float) -> dict[s
         path = os.path.join(folder, "spec.json")
         with open(path, "w", encoding="utf-8") as f:
             json.dump(spec, f)
-        cmd = torchrun_command(nproc, path)
+        cmd = torchrun_command(nproc, path, os.path.join(folder, "logs"))
         env = dict(os.environ, PYTHONPATH=_pythonpath(), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(v, None)
@@ -110,10 +118,13 @@ def launch_torchrun(spec: dict[str, Any], nproc: int, deadline: float) -> dict[s
         if rc != 0 or not os.path.isfile(result):
             if os.environ.get("SPMDKIT_TRACEBACK"):  # the workers' tracebacks (they print them then)
                 sys.stderr.write(text)
+                for r in range(nproc):
+                    sys.stderr.write(f"-- rank {r}'s stderr --\n" + "\n".join(rank_stderr_tail(folder, r, 10**6))
+                                     + "\n")
             raise TorchrunFailed(_failure_line(folder, text, rc))
         with open(result, encoding="utf-8") as f:
             got: dict[str, Any] = json.load(f)
-        got["command"] = " ".join(["python", *cmd[1:-1], "SPEC.json"])
+        got["command"] = " ".join(["python", *torchrun_command(nproc, "SPEC.json", "LOGS")[1:]])
         return got
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -169,11 +180,30 @@ _PEER_LOST = re.compile(r"Connection (?:closed|reset) by peer|Broken pipe|commun
                         r"remote process exited", re.I)
 
 
+#: how many of its last stderr lines the failure report quotes of a rank that wrote no error
+STDERR_LINES = 25
+
+
+def rank_stderr_tail(folder: str, rank: int, n: int = STDERR_LINES) -> list[str]:
+    """The last ``n`` non-blank lines (each cut to 300 characters) of what ``rank`` wrote to its
+    stderr (torchrun's ``--redirects`` file under ``FOLDER/logs``; its Python traceback, a C++
+    ``terminate called ...`` / ``what():``, faulthandler's ``Fatal Python error`` and stacks).
+    Where faulthandler wrote, the lines start a few before its last ``Fatal Python error`` (the
+    C++ message precedes it). Empty when the rank wrote nothing."""
+    lines: list[str] = []
+    for path in sorted(glob.glob(os.path.join(glob.escape(folder), "logs", "*", "attempt_*", str(rank), "stderr.log"))):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines += [ln.rstrip()[:300] for ln in f if ln.strip() and not ln.startswith("Extension modules:")]
+    fatal = [i for i, ln in enumerate(lines) if ln.startswith("Fatal Python error")]
+    start = max(0, fatal[-1] - 4) if fatal else len(lines) - n
+    return lines[max(0, start):][:n]
+
+
 def _failure_line(folder: str, log: str, rc: int) -> str:
     """One line: the first rank that wrote an error of its own (not a peer's lost connection), else
     the rank torchrun names as the root cause (its first observed failure: a rank killed by a
-    signal writes nothing), else the first rank that wrote any error, else torchrun's own last
-    words."""
+    signal writes nothing; then the last lines of its stderr follow, indented), else the first
+    rank that wrote any error, else torchrun's own last words."""
     written = _rank_errors(folder)
     errs = {r: line for _t, r, line in written}
     own = [(r, line) for _t, r, line in written if not _PEER_LOST.search(line)]
@@ -183,10 +213,14 @@ def _failure_line(folder: str, log: str, rc: int) -> str:
     if root:
         rank, code = int(root.group(1)), int(root.group(2))
         why = errs.get(rank)
+        tail = ""
         if why is None:
             sig = re.search(r"Signal (\d+) \((\w+)\) received", log[root.start():])
             why = f"killed by {sig.group(2)}" if sig else f"exit {code}, no error written"
-        return f"rank {rank} failed: {why}; torchrun ended every rank (exit {rc})"
+            said = rank_stderr_tail(folder, rank)
+            tail = "".join(f"\n  | {ln}" for ln in said) if said else f"\n  (rank {rank} wrote nothing to stderr)"
+            tail = f"; its stderr ended:{tail}" if said else tail
+        return f"rank {rank} failed: {why}; torchrun ended every rank (exit {rc}){tail}"
     if written:
         return f"rank {written[0][1]} failed: {written[0][2]}; torchrun ended every rank (exit {rc})"
     lines = [ln.strip() for ln in log.splitlines() if ln.strip() and not ln.lstrip().startswith(("File ", "^", "~"))]
