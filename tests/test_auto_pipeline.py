@@ -37,8 +37,9 @@ def test_plan_auto_pp_is_what_devices_auto_plans(planned: dict[str, Any]) -> Non
     got = {n: t["dims_mapping"] for n, t in planned["tensors"].items()}
     want = {n: list(a.dims_mapping) for n, a in best.plan.attrs.items()}
     assert got == want
-    # not the all-replicated plan: 107 of its 350 tensors split over dp
-    assert sum(any(x >= 0 for x in dm) for dm in got.values()) >= 100
+    # not the all-replicated plan: 59 of its tensors split over dp (the vocab-parallel loss built on
+    # every mesh, as the flat --auto builds it)
+    assert sum(any(x >= 0 for x in dm) for dm in got.values()) >= 50
     assert planned["pipeline"]["step_overlap_s"] == pytest.approx(best.step_s, rel=1e-9)
     assert planned["pipeline"]["pp"] == 2 and planned["pipeline"]["microbatches"] == 2
 

@@ -801,12 +801,11 @@ def plan_pipeline_source(source: ModelSource, mesh_text: str, strategy_text: str
         _check_batch(batch, m)
         over = {"layers": layers, "batch": batch // m, "seq": source.seq}
         if auto is not None:  # built as the --devices search builds an auto stage (planner/search.py):
-            # on a cp sub-mesh with cp_attention, the loss vocab-parallel where there is a tp dim
+            # on a cp sub-mesh with cp_attention, the loss vocab-parallel (the search splits it or not)
             built = auto_cp_config(cfg.with_(**{k: v for k, v in over.items() if v is not None}), sm,
                                    _items(strategy_text), None)
             assert built is not None
-            tp = sm.shape[sm.dim_index("tp")] if "tp" in sm.dim_names else 1
-            loaded = load_preset(replace(source, layers=layers, batch=built.batch), built, vocab_parallel_loss=tp > 1)
+            loaded = load_preset(replace(source, layers=layers, batch=built.batch), built, vocab_parallel_loss=True)
             plan, info = auto_stage(loaded.program, sm, user, auto, cost)
         else:
             loaded, plan, _ = plan_preset(source.name, sub, strategy or "megatron", over, user, cost)

@@ -637,7 +637,9 @@ def _preset_plan(cfg: Config, name: str, mc: ModelConfig, job: _Job, layers: int
         # on a cp mesh the model is built with cp_attention (its default variant, allgather): the
         # exact search then chooses where the sequence is split over cp
         built = mc.with_(**over, **({"cp": cfg.cp} if cfg.cp > 1 else {}))
-        model = build_model(built, vocab_parallel_loss=cfg.tp > 1, check_rules=False)
+        # the vocab-parallel loss, as the flat --auto builds it: its rule also takes the class axis
+        # whole, so the search may split the vocabulary over any dim or none
+        model = build_model(built, vocab_parallel_loss=True, check_rules=False)
         plan, info = _auto(model.program, cfg, job, cost_text)
         title += auto_title(info)
         return _Planned(recost(plan, _link_cost(plan.mesh, job, cost_text)), title, info, full_cost)
