@@ -66,37 +66,22 @@ Recomputation (``recompute``):
 
 from __future__ import annotations
 
-import math
 import re
 import weakref
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from spmdkit.core.dist_attr import TensorDistAttr, entry_dims, largest_shard
+from spmdkit.core.dist_attr import TensorDistAttr, entry_dims
 from spmdkit.core.errors import ProgramError
 from spmdkit.cost.context import regathers, ring_buffers
 from spmdkit.cost.memory_cp import allgather_buffers
 from spmdkit.cost.memory_fsdp2 import copy_in_pool, makes_no_copy
 from spmdkit.cost.moe import combine_rows_unkept, plan_loads
 from spmdkit.cost.recompute_modules import MODULES, module_regions, op_sac, recompute_modules
-from spmdkit.engine.memo import memo_table
+from spmdkit.cost.shards import local_numel
 from spmdkit.program.ir import Op, Program, flat_refs
 from spmdkit.program.plan import Plan
-
-#: local_numel's memo (emptied with the engine's memo tables, as cost.compute's op costs are)
-_NUMEL: dict[tuple[TensorDistAttr, tuple[int, ...]], int] = memo_table()
-
-
-def local_numel(attr: TensorDistAttr, shape: tuple[int, ...]) -> int:
-    """Elements of the largest local shard (uneven splits: the first, largest, piece); memoised
-    (a model repeats few (dist attr, shape) pairs)."""
-    got = _NUMEL.get((attr, shape))
-    if got is None:
-        if len(_NUMEL) > 100_000:
-            _NUMEL.clear()
-        got = _NUMEL[(attr, shape)] = math.prod(largest_shard(attr.dims_mapping, shape, attr.mesh.shape))
-    return got
 
 
 @dataclass(frozen=True)

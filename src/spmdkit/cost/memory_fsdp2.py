@@ -20,18 +20,12 @@ streams of its own.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from itertools import pairwise
 
-from spmdkit.core.dist_attr import largest_shard
+from spmdkit.cost.shards import local_numel
 from spmdkit.program.ir import Program
 from spmdkit.program.plan import Plan, Reshard
-
-
-def _numel(r: Reshard, dst: bool, shape: tuple[int, ...]) -> int:
-    a = r.dst if dst else r.src
-    return math.prod(largest_shard(a.dims_mapping, shape, a.mesh.shape))
 
 
 def makes_no_copy(plan: Plan, r: Reshard) -> bool:
@@ -40,7 +34,7 @@ def makes_no_copy(plan: Plan, r: Reshard) -> bool:
     framework makes no copy (FSDP2 leaves such a parameter out: AutoModel's ``ignored_params``;
     a layout change over a mesh dim of size 1, ``dp=1``'s batch entry, alike)."""
     shape = plan.program.tensors[r.tensor].shape
-    return (not r.plan.bytes_per_rank and _numel(r, False, shape) == _numel(r, True, shape)
+    return (not r.plan.bytes_per_rank and local_numel(r.src, shape) == local_numel(r.dst, shape)
             and not any(s.bytes_per_rank for s in r.plan.steps))
 
 
@@ -50,7 +44,7 @@ def gathered_numels(plan: Plan) -> dict[str, int]:
     out: dict[str, int] = {}
     for r in plan.reshards:
         if r.tensor in plan.storage and r.tensor not in out and not makes_no_copy(plan, r):
-            out[r.tensor] = _numel(r, True, plan.program.tensors[r.tensor].shape)
+            out[r.tensor] = local_numel(r.dst, plan.program.tensors[r.tensor].shape)
     return out
 
 
