@@ -32,7 +32,7 @@ from spmdkit.planner.planning import clip_repr, parse_size, plan_preset, plan_pr
 from spmdkit.program.plan import Plan
 from spmdkit.strategies.context import hf_cp
 from spmdkit.strategies.experts import tp_chunks
-from spmdkit.strategies.strategy import parse_mesh, parse_strategy
+from spmdkit.strategies.strategy import parse_mesh, parse_strategy, strategy_items
 
 
 def catalog_batch(model: str | None, dp: int, batch: int | None) -> int | None:
@@ -170,6 +170,18 @@ def strategy_notes(command: str) -> Iterator[None]:
         yield
 
 
+def auto_items(req: PlanRequest) -> list[str]:
+    """``--strategy``'s items with ``--auto`` (cp's options alone; the search checks them), flat or a
+    pipeline's. ProgramError for a ``--strategy`` with no item or a ``--tp-plan``: the search chooses
+    the shardings."""
+    items = strategy_items(req.strategy)
+    if req.strategy is not None and not items:
+        raise ProgramError("--strategy: does not apply with --auto (the search chooses the shardings)")
+    if req.model.tp_plan:
+        raise ProgramError("--tp-plan: does not apply with --auto (the search chooses the shardings)")
+    return items
+
+
 def auto_json(info: AutoInfo, cap: int | None) -> dict[str, Any]:
     """The ``--json`` "auto" block of an ``--auto`` plan, flat or a pipeline's (``cap``: ``--memory``)."""
     return {"status": info.status, "gap": info.gap, "solve_seconds": info.solve_s,
@@ -181,4 +193,4 @@ def auto_json(info: AutoInfo, cap: int | None) -> dict[str, Any]:
             "explain": [e.to_json() for e in info.explain]}
 
 
-__all__ = ["auto_json", "auto_time_limit", "catalog_batch", "export_plan_file", "mesh_dp", "plan_source", "step_estimate", "strategy_notes", "write_html"]
+__all__ = ["auto_items", "auto_json", "auto_time_limit", "catalog_batch", "export_plan_file", "mesh_dp", "plan_source", "step_estimate", "strategy_notes", "write_html"]

@@ -14,6 +14,7 @@ from typing import Any, TextIO
 
 from spmdkit.cli.checks import check_one_model, hf_source, parse_annotations, parse_tp_plan, program_source
 from spmdkit.cli.common import (
+    auto_items,
     auto_json,
     auto_time_limit,
     catalog_batch,
@@ -137,10 +138,7 @@ def _stage_search(req: PlanRequest, device: Device | None) -> StageSearch | None
     None without ``--auto``. ProgramError naming the flags that do not apply to it."""
     if not req.search.auto:
         return None
-    if req.strategy is not None and not req.strategy.strip(", "):
-        raise ProgramError("--strategy: does not apply with --auto (the search chooses the shardings)")
-    if req.model.tp_plan:
-        raise ProgramError("--tp-plan: does not apply with --auto (the search chooses the shardings)")
+    auto_items(req)  # its --strategy and --tp-plan refusals (cp's options are checked with the model)
     if req.search.memory is not None:
         raise ProgramError("--memory: --auto on a pipeline (--mesh with pp) takes no cap: the search plans one "
                            "microbatch of the whole model, and a stage holds its own layers and the microbatches "

@@ -16,6 +16,7 @@ from typing import Any, TextIO
 from spmdkit.cli.batch import resolve_mesh_batch
 from spmdkit.cli.checks import check_one_model, hf_source, parse_annotations, parse_tp_plan, program_source
 from spmdkit.cli.common import (
+    auto_items,
     auto_json,
     auto_time_limit,
     catalog_batch,
@@ -229,12 +230,8 @@ def _run_auto(req: PlanRequest, out: TextIO, recompute: str, user: dict[str, Any
     """``--auto``: the searched plan of a preset, a --program file or an --hf model (planner/auto/);
     ``--verify``: a preset's plan checked on its tiny model (sim/verify_plan.verify_auto)."""
     m = req.model
-    items = [s.strip() for s in req.strategy.split(",") if s.strip()] if req.strategy is not None else []
-    if req.strategy is not None and not items:
-        raise ProgramError("--strategy: does not apply with --auto (the search chooses the shardings)")
+    items = auto_items(req)
     check_one_model(m)
-    if m.tp_plan:
-        raise ProgramError("--tp-plan: does not apply with --auto (the search chooses the shardings)")
     if req.verify and (m.hf is not None or m.program):
         raise ProgramError(f"--verify: simulates a preset model; it does not apply to {'--hf' if m.hf else '--program'}")
     limit = auto_time_limit(req.search.time_limit)

@@ -98,7 +98,7 @@ from spmdkit.program.plan import Plan
 from spmdkit.strategies.context import auto_config as auto_cp_config
 from spmdkit.strategies.context import hf_cp, hf_pipeline_refusal
 from spmdkit.strategies.experts import tp_chunks
-from spmdkit.strategies.strategy import parse_mesh, parse_strategy
+from spmdkit.strategies.strategy import parse_mesh, parse_strategy, strategy_items
 
 MAX_MICROBATCHES = 1 << 16
 #: The most (virtual stage, microbatch) pairs a schedule simulates (about a second of Python).
@@ -803,7 +803,7 @@ def plan_pipeline_source(source: ModelSource, mesh_text: str, strategy_text: str
         if auto is not None:  # built as the --devices search builds an auto stage (planner/search.py):
             # on a cp sub-mesh with cp_attention, the loss vocab-parallel (the search splits it or not)
             built = auto_cp_config(cfg.with_(**{k: v for k, v in over.items() if v is not None}), sm,
-                                   _items(strategy_text), None)
+                                   strategy_items(strategy_text), None)
             assert built is not None
             loaded = load_preset(replace(source, layers=layers, batch=built.batch), built, vocab_parallel_loss=True)
             plan, info = auto_stage(loaded.program, sm, user, auto, cost)
@@ -823,7 +823,7 @@ def plan_pipeline_source(source: ModelSource, mesh_text: str, strategy_text: str
             # megatron,sp,ep,etp=1: each sequence routed one chunk a tp rank (Megatron's token path)
             source = replace(source, batch=source.batch // m, tp_chunks=tp_chunks(sm, st))
         if auto is not None:  # the refusals of a strategy or a cp mesh as the flat --auto gives them
-            auto_cp_config(None, sm, _items(strategy_text), "--hf" if isinstance(source, HFModel) else "--program")
+            auto_cp_config(None, sm, strategy_items(strategy_text), "--hf" if isinstance(source, HFModel) else "--program")
         loaded = load(source)
         layers = len(layer_tags(loaded.program))
         if layers == 0:
@@ -840,11 +840,6 @@ def plan_pipeline_source(source: ModelSource, mesh_text: str, strategy_text: str
     counts = split_layers(layers, spec) if (even or spec.stages) and not spec.auto else None
     return PipelinePlan(loaded, plan, spec, layers, counts, time.perf_counter() - t0, tokens, mb,
                         mb * m if mb else None, info)
-
-
-def _items(strategy_text: str | None) -> list[str]:
-    """``--strategy``'s items (with ``--auto``: cp's options alone, :func:`auto_cp_config` says)."""
-    return [s.strip() for s in (strategy_text or "").split(",") if s.strip()]
 
 
 def _check_batch(batch: int, m: int) -> None:

@@ -125,8 +125,15 @@ def parse_mesh(text: str) -> ProcessMesh:
     return ProcessMesh(sizes, dim_names=names)
 
 
+def strategy_items(text: str | Iterable[str] | None) -> list[str]:
+    """``--strategy``'s items: ``text`` split on commas (or its items), each stripped, the empty
+    ones dropped (``None``: none)."""
+    return [s.strip() for s in ((text or "").split(",") if isinstance(text, str) or text is None else text)
+            if s.strip()]
+
+
 def parse_strategy(text: str | Iterable[str], mesh: ProcessMesh) -> tuple[str, ...]:
-    items = [s.strip() for s in (text.split(",") if isinstance(text, str) else text) if s.strip()]
+    items = strategy_items(text)
     out: list[str] = []
     for s in items:
         s = _ALIASES.get(s, s)
@@ -430,4 +437,4 @@ def user_attrs(prog: Any, mesh: ProcessMesh, user: Mapping[str, Any] | None) -> 
     return attrs
 
 
-__all__ = ["MAX_RANKS", "STRATEGIES", "annotate", "check_tp", "tp_notes", "tp_problem", "optimizer_layouts", "parse_mesh", "parse_strategy", "user_attrs", "zero3_storage", "zero_axis", "zero_stage"]
+__all__ = ["MAX_RANKS", "STRATEGIES", "annotate", "check_tp", "tp_notes", "tp_problem", "optimizer_layouts", "parse_mesh", "parse_strategy", "strategy_items", "user_attrs", "zero3_storage", "zero_axis", "zero_stage"]
