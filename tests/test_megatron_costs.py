@@ -236,3 +236,31 @@ def test_megatron_32b_data_parallel_tail_by_hand() -> None:
     assert exposed >= nic - step["compute_total_s"] / 4
     # so the step is past the published 0.892 s (459.6 TFLOP/s) by more than 10% at mb = 1
     assert step["step_overlap_s"] > 1.1 * 0.892
+
+
+def test_fused_weight_gradient_accumulates_into_fp32_main_grad_by_hand() -> None:
+    # llama-7b's w_down at tp=2 (local [5504, 4096]) over 2 x 128 tokens: Megatron's gradient
+    # accumulation fusion has its wgrad GEMM (4096 x 5504 over K = 256) read and write the fp32
+    # main_grad, 8 bytes an element, besides its bf16 operands x [256, 5504] and dy [256, 4096]
+    _, plan, _ = plan_model("llama-7b", "tp=2", "megatron", {"layers": 1, "seq": 128, "batch": 2, "vocab": 1024})
+    i = next(j for j, op in enumerate(plan.program.ops) if op.rule == "matmul_grad" and op.inputs["y"] == "layers.0.w_down")
+    elems = 5504 * 4096
+    wbytes = 2 * (5504 * 256 + 256 * 4096) + 8 * elems
+    fused = op_cost(plan, i)
+    assert (fused.wgrad_gemms, fused.wgrad_bytes) == (1, wbytes) == (1, 185_270_272)
+    torch_side = op_cost(replace(plan, runtime=Runtime(framework="torchtitan")), i)  # FSDP2 writes a bf16 gradient
+    assert (torch_side.wgrad_gemms, torch_side.wgrad_bytes) == (0, 0.0)
+    assert fused.bytes == torch_side.bytes - 2 * elems + 8 * elems
+    # the wgrad kernel is bound by that traffic: 185.3 MB at 3.015 TB/s = 61.4 us, against its
+    # 11.5 GFLOPs at the GEMM rate; the dgrad (the op's other GEMM) keeps the rest of the bytes
+    bw = 3.35e12 * 0.90
+    assert wbytes / bw == pytest.approx(61.45e-6, rel=1e-3)
+    tw = H100.compute_time(replace(fused, gemms=fused.gemms[1:], flops=2.0 * 5504 * 4096 * 256))
+    assert tw < wbytes / bw
+    td = H100.compute_time(fused) - tw
+    assert H100.op_time(fused) == pytest.approx(max(td, (fused.bytes - wbytes) / bw) + wbytes / bw)
+    assert H100.op_time(fused) > H100.op_time(torch_side) + 30e-6
+    # Megatron-FSDP (ZeRO-3 here) reduce-scatters the gradient at its producer: no fusion there
+    _, z3, _ = plan_model("llama-7b", "dp=2,tp=2", "dp,megatron,zero3", {"layers": 1, "seq": 128, "batch": 4, "vocab": 1024})
+    j = next(k for k, op in enumerate(z3.program.ops) if op.rule == "matmul_grad" and op.inputs["y"] == "layers.0.w_down")
+    assert op_cost(z3, j).wgrad_bytes == 0.0

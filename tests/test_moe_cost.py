@@ -78,6 +78,21 @@ def test_expert_gemms_are_grouped_per_expert() -> None:
     assert op_cost(plan, grad).gemms == ((4, 2 * 64, H, F),) * 2 + ((4, H, F, 2 * 64),) * 2
 
 
+def test_expert_weight_gradient_accumulates_into_fp32_main_grad() -> None:
+    """Under Megatron-Core (TE's GroupedLinear with ``fuse_wgrad_accumulation``) each expert's
+    wgrad GEMM reads and writes its fp32 main_grad: the two rounds of wgrad GEMMs are the op's last
+    two, their bytes the 8 experts' [H, F] gradients at 8 bytes and their bf16 operands (x [128, H]
+    and dy [128, F] an expert); FSDP2 (torchtitan) writes a bf16 gradient: not counted so."""
+    plan = _plan()
+    grad = next(i for i in _expert_ops(plan, "backward") if "layers.0.experts.w_gate" in plan.program.ops[i].input_names())
+    c = op_cost(plan, grad)
+    assert c.wgrad_gemms == 2
+    assert c.wgrad_bytes == 8 * E * H * F + 2 * E * (H * 128 + 128 * F)
+    tt = op_cost(replace(plan, runtime=Runtime(framework="torchtitan")), grad)
+    assert (tt.wgrad_gemms, tt.wgrad_bytes) == (0, 0.0)
+    assert c.bytes - tt.bytes == (8 - 2) * E * H * F
+
+
 def test_routing_ops_cost_their_bytes() -> None:
     """moe_gate_dispatch: x read once per chosen expert, the padded [E, C, H] written, the gate
     read twice, the index tensors three times; 5 kernels."""

@@ -255,6 +255,59 @@ def _fp8(prog: Program, i: int, lop: LocalOp, c: OpCost) -> OpCost:
     return replace(c, fp8=True, cast_bytes=4.0 * elems)
 
 
+#: bytes of an fp32 main gradient element that a fused weight-gradient GEMM reads and writes
+#: (``accumulate=True`` into ``main_grad``: :func:`fused_wgrad`)
+MAIN_GRAD_BYTES = 8.0
+
+#: _grads_sharded_at_producer's answers by the plan's id (the value keeps the plan)
+_SHARDED: Recent[tuple[Plan, frozenset[str]]] = Recent(16)
+
+
+def _grads_sharded_at_producer(plan: Plan) -> frozenset[str]:
+    """The gradients reduce-scattered right after the op that makes them (ZeRO-2 / ZeRO-3:
+    Megatron-FSDP's ``optim_grads`` / ``optim_grads_params``), memoised per plan."""
+    return _SHARDED.get(id(plan), lambda: (plan, frozenset(
+        r.tensor for r in plan.reshards if r.output and any(s.kind == "reduce_scatter" for s in r.plan.steps))))[1]
+
+
+def fused_wgrad(plan: Plan, i: int, lop: LocalOp, c: OpCost) -> OpCost:
+    """``c`` of a linear layer's backward under ``--framework megatron`` with its weight-gradient
+    GEMMs accumulating into the fp32 ``main_grad`` (Megatron-LM's ``--gradient-accumulation-fusion``,
+    on unless ``--no-gradient-accumulation-fusion``: ``megatron/training/arguments.py`` at 1e057005;
+    Transformer Engine's ``fuse_wgrad_accumulation``, which Megatron-Core's TE layers set from it,
+    ``TEGroupedLinear`` too: ``megatron/core/extensions/transformer_engine.py``): the wgrad GEMM
+    writes ``main_grad`` with ``accumulate=True`` (TE v2.6, c90a7207,
+    ``transformer_engine/pytorch/module/grouped_linear.py``: ``wgrad_list = main_grads``,
+    ``general_grouped_gemm(..., accumulate=accumulate_wgrad_into_param_main_grad)``; the linear
+    modules alike), so its epilogue reads and writes 4 + 4 bytes a weight element
+    (:data:`MAIN_GRAD_BYTES`) where a bf16 gradient is written once (2). The wgrad GEMMs are
+    then timed as their own kernels (:meth:`spmdkit.cost.devices.Device.op_time`): a GEMM of
+    few rows (an expert's tokens) over a large weight is bound by that traffic. Not where the
+    gradient is reduce-scattered at its producer (ZeRO-2 / 3: Megatron-FSDP's ``optim_grads`` /
+    ``optim_grads_params`` assert the fusion off, ``validate_args``), nor under other frameworks
+    (FSDP2 writes the gradient in the compute dtype). The first microbatch's GEMM overwrites
+    ``main_grad`` (``not is_first_microbatch``): counted as the others."""
+    if plan.runtime.framework != "megatron" or not c.matmul or not c.gemms or len(lop.outs) < 2:
+        return c
+    op = plan.program.ops[i]
+    if not op.rule.endswith("_grad") or _canonical(op.rule) not in FP8_GEMMS or lop.outs[1] is None:
+        return c
+    w = _operand(plan.program, op, _WEIGHT_PARAMS, "parameter")
+    wt = lop.one("y") or lop.one("weight")
+    names = [n for v in op.outputs for n in flat_refs(v)]
+    if w is None or wt is None or len(names) < 2 or names[1] in _grads_sharded_at_producer(plan):
+        return c
+    wgemms = len(c.gemms) // 2 if lop.outs[0] is not None else len(c.gemms)
+    if wgemms <= 0:
+        return c
+    elems = numel(wt[0])
+    size = 1 if c.fp8 else wt[1]  # under --precision fp8 the wgrad GEMM reads the fp8 copies
+    operands = sum(b * (m * k + k * n) for b, m, n, k in c.gemms[-wgemms:]) * size
+    written = numel(lop.outs[1][0]) * lop.outs[1][1]
+    wbytes = operands + MAIN_GRAD_BYTES * elems
+    return replace(c, bytes=c.bytes - written + MAIN_GRAD_BYTES * elems, wgrad_gemms=wgemms, wgrad_bytes=wbytes)
+
+
 def op_cost(plan: Plan, i: int) -> OpCost:
     """The cost of op ``i`` of ``plan`` on one device (see the module docstring), with what the
     plan's runtime changes: a linear layer's GEMMs in fp8 under ``--precision fp8``
@@ -273,6 +326,7 @@ def op_cost(plan: Plan, i: int) -> OpCost:
         c = replace(c, framework=rt.framework)
     if rt.fp8 and c.matmul:
         c = _fp8(plan.program, i, lop, c)
+    c = fused_wgrad(plan, i, lop, c)
     if rt.framework == "torchtitan":  # its model code's eager ops (and, under --compile, the loss and repeat_kv)
         c = eager_cost(lop, c, rt.eager)
     return loss_cost(_canonical(opp.op.rule), lop, c, rt.framework, rt.ce_fusion)
@@ -443,5 +497,5 @@ def guess_tokens(program: Program) -> int | None:
 
 
 __all__ = ["COSTED", "FP8_FUSED_PRODUCERS", "FP8_GEMMS", "Fp8Layers", "KernelCollective", "cost_of", "fp8_layers",
-           "fp8_weights", "guess_tokens", "kernel_collectives", "local_op", "local_shape",
+           "fp8_weights", "fused_wgrad", "guess_tokens", "kernel_collectives", "local_op", "local_shape",
            "model_flops", "op_cost", "op_kernel_collectives"]

@@ -182,15 +182,30 @@ class Device:
         t = sum(2.0 * b * m * n * k / self.gemm_rate(key, b, m, n, k, r) for (b, m, n, k), r in zip(c.gemms, rows))
         return t * (c.flops / total) if total > 0 else c.flops / self.matmul_peak(c.dtype)
 
+    def _wgrad_time(self, c: OpCost) -> float:
+        """The compute time of ``c``'s weight-gradient GEMMs (its last ``wgrad_gemms``), their share
+        of :meth:`compute_time`."""
+        key = "fp8" if c.fp8 else self._key(c.dtype)
+        rows = c.grouped_rows + ((),) * (len(c.gemms) - len(c.grouped_rows))
+        ts = [2.0 * b * m * n * k / self.gemm_rate(key, b, m, n, k, r) for (b, m, n, k), r in zip(c.gemms, rows)]
+        total = sum(ts)
+        return self.compute_time(c) * sum(ts[-c.wgrad_gemms:]) / total if total > 0 else 0.0
+
     def op_time(self, c: OpCost) -> float:
         """The time of an op's cost on this device, the one place it is computed:
         ``max(compute_time, bytes / hbm_rate)`` (:meth:`compute_time`, :attr:`hbm_rate`), the fp8
         casts' bytes after it (memory-bound kernels of their own), and at least the launch floor
-        per kernel (a view runs none: 0)."""
+        per kernel (a view runs none: 0). Weight-gradient GEMMs that accumulate into an fp32
+        main gradient (``c.wgrad_bytes``) are kernels of their own: ``max(their compute,
+        wgrad_bytes / hbm_rate)`` after ``max(the rest's compute, the rest's bytes / hbm_rate)``."""
         if c.kernels == 0:
             return 0.0
         bw = self.hbm_rate
-        t = max(self.compute_time(c), c.bytes / bw)
+        if c.wgrad_bytes > 0 and 0 < c.wgrad_gemms <= len(c.gemms):
+            tw = self._wgrad_time(c)
+            t = max(self.compute_time(c) - tw, (c.bytes - c.wgrad_bytes) / bw) + max(tw, c.wgrad_bytes / bw)
+        else:
+            t = max(self.compute_time(c), c.bytes / bw)
         kernels = max(c.kernels, len(c.gemms))
         if c.cast_bytes:
             t += c.cast_bytes / bw

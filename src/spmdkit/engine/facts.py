@@ -122,6 +122,12 @@ class OpCost:
     cast_bytes: float = 0.0
     #: kernels the op launches (0: a view, metadata only)
     kernels: int = 1
+    #: the weight-gradient GEMMs, the last ``wgrad_gemms`` of ``gemms``, run as kernels of their
+    #: own whose epilogue reads and writes the fp32 main gradient (Megatron's gradient
+    #: accumulation fusion: :func:`spmdkit.cost.compute.fused_wgrad`); ``wgrad_bytes`` (part of
+    #: ``bytes``) their operands and that gradient. 0: the op timed as one kernel
+    wgrad_gemms: int = 0
+    wgrad_bytes: float = 0.0
 
 
 #: a family's cost function
