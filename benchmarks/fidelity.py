@@ -366,16 +366,6 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
         argv.append("--no-p2p-overlap")
         assume.append("pipeline sends block (Megatron-LM 2021-2022: torch.cuda.synchronize() after each "
                       "batch_isend_irecv)")
-    if row["id"].startswith("korthikanti22") or "DDP impl: local" in str(par.get("zero") or ""):
-        # Megatron-LM of 2021-2022's local DDP (its default --DDP-impl): train_step all-reduces the
-        # gradients once forward_backward_func returns (megatron/training.py at de7dc40f88, 35a3fa8b7c)
-        argv.append("--no-grad-overlap")
-        assume.append("gradients all-reduced after the backward (Megatron-LM 2021-2022's local DDP)")
-    if row["id"].startswith("narayanan21"):
-        # examples/sc21/CONFIG.sh (de7dc40f88) runs --fp16 without --accumulate-allreduce-grads-in-fp32
-        # (then off by default): the gradients are held and all-reduced in the 16-bit parameters' dtype
-        argv += ["--grad-dtype", "bf16"]
-        assume.append("16-bit gradients, reduced as held (sc21 CONFIG.sh: no --accumulate-allreduce-grads-in-fp32)")
     dpe = dp * (1 if from_cp else ep)  # the data-parallel ranks (ep folded into them unless carved from cp)
     accum = (gb // (dpe * mb)) if gb else 1
     if gb and gb % (dpe * mb):
