@@ -36,7 +36,6 @@ from spmdkit.core.reshard import CostModel
 from spmdkit.cost.context import CP_RULES, cp_op_cost
 from spmdkit.cost.context_torch import torch_cp_op_cost
 from spmdkit.cost.eager import eager_cost
-from spmdkit.cost.fusion import fused_ops
 from spmdkit.cost.loss import loss_cost
 from spmdkit.cost.moe import active_share, expert_op_cost, sorted_by_expert
 from spmdkit.cost.optimizer_step import megatron_update_cost
@@ -268,17 +267,12 @@ def op_cost(plan: Plan, i: int) -> OpCost:
     update as Megatron's optimizer step runs it (:func:`spmdkit.cost.optimizer_step.megatron_update_cost`)."""
     opp = plan.ops[i]
     lop = local_op(plan.program, i, opp.required, opp.outputs, plan.attrs)
-    rt = plan.runtime
-    fused = fused_ops(plan.program, rt.framework)
-    if i in fused.free:  # another op's kernel runs it (spmdkit.cost.fusion)
-        return OpCost(0.0, 0.0, 0.0, False, lop.dtype(), kernels=0)
     c = expert_op_cost(plan, i, lop, cost_of) or sorted_by_expert(plan, i, lop, cost_of(lop))
     if opp.op.rule in CP_RULES:
         c = torch_cp_op_cost(plan, i, cp_op_cost(plan, i, c))  # under torchtitan: torch's context_parallel
+    rt = plan.runtime
     if c.attention is not None and rt.framework == "torchtitan":  # AutoModel runs TE's attention, as Megatron
         c = replace(c, framework=rt.framework)
-    if i in fused.masks:  # the dropout's kernel writes its mask too
-        c = replace(c, bytes=c.bytes + lop.out_numel * fused.masks[i])
     if rt.fp8 and c.matmul:
         c = _fp8(plan.program, i, lop, c)
     if rt.framework == "megatron" and opp.op.phase == "optimizer":  # its optimizer step's passes

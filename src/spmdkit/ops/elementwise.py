@@ -30,10 +30,10 @@ from spmdkit.core.dist_attr import ReduceType, TensorDistAttr, entry_dims
 from spmdkit.core.errors import InvalidAttributeError, ShapeMismatchError
 from spmdkit.core.spec import DistTensorSpec
 from spmdkit.engine.declare import Answer, PartialIn, Way, declare, ones
-from spmdkit.engine.facts import LocalOp, OpCost, facts
+from spmdkit.engine.facts import facts
 from spmdkit.engine.notation import BROADCAST, Coshard, Notation, UnitAxes, letters_for
 from spmdkit.engine.outshape import Args, Expect, broadcast, same
-from spmdkit.ops._cost import by_bytes, fill, numel, one_per_element
+from spmdkit.ops._cost import by_bytes, fill, one_per_element
 
 _make = TensorDistAttr.unchecked
 Attrs = tuple[TensorDistAttr, ...]
@@ -281,33 +281,9 @@ for _n in ("add", "multiply", "subtract", "divide", "elementwise_pow"):
 
 #: memory-bound: every input read and output written once, one nominal FLOP per output element
 facts(*UNARY_OPS, *BINARY_OPS, *(f"{n}_grad" for names in UNARY_GRADS.values() for n in names.split()),
-      *(f"{n}_grad" for n in BINARY_GRADS if n != "add"), "multiply", "cast", "cast_grad", "pow_grad", "divide_grad", "dropout_grad",
+      *(f"{n}_grad" for n in BINARY_GRADS), "multiply", "cast", "cast_grad", "pow_grad", "divide_grad", "dropout_grad",
       cost=one_per_element)
 facts("fill", cost=fill)
-
-
-def _add_grad_cost(c: LocalOp) -> OpCost:
-    """``add_grad`` as torch's autograd runs it: no kernel where a gradient has out_grad's shape
-    and dtype (``derivatives.yaml``: ``add.Tensor`` passes ``grad`` itself to self and other,
-    ``maybe_multiply`` returns it for alpha 1); a broadcast operand's gradient is summed to its
-    shape (the engine's ``at::sum_to``), another dtype's cast to it (``validate_outputs``):
-    out_grad read, the gradient written, one kernel each."""
-    og = c.one("out_grad")
-    if og is None:
-        return one_per_element(c)
-    n_og = numel(og[0])
-    flops = moved = 0.0
-    kernels = 0
-    for o in c.outs:
-        if o is None or (numel(o[0]) == n_og and o[1] == og[1]):
-            continue
-        flops += n_og
-        moved += n_og * og[1] + numel(o[0]) * o[1]
-        kernels += 1
-    return OpCost(flops, flops, moved, False, c.dtype(), kernels=kernels)
-
-
-facts("add_grad", cost=_add_grad_cost)
 #: nominal FLOPs per output element of the activations that cost more than one
 facts("gelu", cost=by_bytes(8))
 facts("gelu_grad", cost=by_bytes(10))
