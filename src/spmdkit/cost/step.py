@@ -713,10 +713,11 @@ def _run(plan: Plan, comp: _Compute, comm: _Comm, rerun: _Rerun, kern_by_op: dic
     communication stream when the group before its own starts (FSDP's prefetch of the next
     block, forward and backward; torchtitan's units: :func:`torchtitan_units`), and its first
     reader waits for it. ``pending``: the gradient reductions this micro-step runs (default every
-    one, the last micro-step's)."""
+    one, the last micro-step's); without ``Runtime.grad_overlap`` all of them in one buffer after
+    the backward (Megatron-LM 2021-2022's local DDP)."""
     pending = comm.pending if pending is None else pending
     prefetch = torchtitan_units(plan, comm)
-    red = Reducer(plan)
+    red = Reducer(plan, single=not plan.runtime.grad_overlap)
     clock = 0.0
     serial_compute = 0.0
     timeline: list[tuple[int, float, float, float, float]] = []

@@ -700,7 +700,9 @@ def _step_times(plan: Plan, spec: PipelineSpec, costs: list[StageCost], run: Sch
     every microbatch's backward launches its stage's reduce-scatters in buckets as it makes the
     gradients, on every rank, queued on the rank's one communication stream under the work
     after it (:func:`spmdkit.planner.stage_costs.reduce_gradients`'s ``early``); the serial
-    step adds the ``m - 1`` earlier microbatches' reductions."""
+    step adds the ``m - 1`` earlier microbatches' reductions. Without ``Runtime.grad_overlap``
+    every rank reduces in one bucket after its last backward (Megatron-LM 2021-2022's local
+    DDP: ``allreduce_gradients()`` once the schedule returns)."""
     p, v = spec.pp, spec.virtual
     last: dict[int, tuple[float, float]] = {}
     early: list[list[tuple[float, float, list[Grad]]]] = [[] for _ in range(p)]
@@ -722,7 +724,8 @@ def _step_times(plan: Plan, spec: PipelineSpec, costs: list[StageCost], run: Sch
         o = sum(costs[c * p + r].optimizer_s for c in range(v))
         g = sum(costs[c * p + r].grad_sync_s for c in range(v))
         g += sum((spec.microbatches - 1) * costs[c * p + r].each_s for c in range(v))
-        done, _b = reduce_gradients(plan, grads, run.finish_s[r], single and r > 0, early[r])
+        one = (single and r > 0) or not plan.runtime.grad_overlap  # --no-grad-overlap: after the backward
+        done, _b = reduce_gradients(plan, grads, run.finish_s[r], one, early[r])
         t = tied_s[r] if tied_s else 0.0
         serial.append(run.finish_s[r] + g + t + o)
         overlap.append(done + t + o)

@@ -32,6 +32,11 @@ GEMMs. A plan carries one (:attr:`spmdkit.program.plan.Plan.runtime`); the CLI s
 - ``p2p_overlap``: the interleaved pipeline's sends overlap the next unit's compute (Megatron's
   ``overlap_p2p_comm``, on by default since 2023); off (``--no-p2p-overlap``): every send blocks
   its sender, as Megatron-LM's ``batch_isend_irecv`` + ``torch.cuda.synchronize()`` of 2021-2022.
+- ``grad_overlap``: the data-parallel gradient reductions run in buckets under the backward that
+  makes them (Megatron-Core's ``--overlap-grad-reduce``, torch DDP, FSDP2); off
+  (``--no-grad-overlap``): every gradient in one buffer per dtype, reduced after the last backward
+  (Megatron-LM 2021-2022's local DDP: ``train_step`` calls ``allreduce_gradients()`` once
+  ``forward_backward_func`` returns; megatron/training at de7dc40f88 and 35a3fa8b7c).
 - ``moe_skew`` / ``moe_histogram``: how unevenly a mixture-of-experts router spreads the tokens
   (``--moe-skew F``: the busiest expert receives F x the mean, the others share the rest evenly;
   ``--moe-skew NAME``: a published figure of :data:`SKEW_FIGURES`; ``--moe-histogram``: tokens
@@ -137,6 +142,7 @@ class Runtime:
     ce_fusion: bool = False
     p2p_overlap: bool = True
     ep_comm_overlap: bool = False
+    grad_overlap: bool = True
 
     def __post_init__(self) -> None:
         if self.moe_dispatcher not in DISPATCHERS:
@@ -200,6 +206,8 @@ class Runtime:
             out["ce_fusion"] = True
         if not self.p2p_overlap:
             out["p2p_overlap"] = False
+        if not self.grad_overlap:
+            out["grad_overlap"] = False
         if self.ep_comm_overlap:
             out["ep_comm_overlap"] = True
         return out
