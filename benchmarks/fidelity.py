@@ -196,7 +196,9 @@ def _cp_attention(row: dict[str, Any], framework: str, assume: list[str]) -> str
     torch's ``context_parallel``, whose ``_cp_options.rotate_method`` defaults to
     ``_RotateMethod.ALL_GATHER`` (torch/distributed/tensor/experimental/_attention.py): K and V
     all-gathered once, asynchronously under the local block, dK / dV passed back round a ring
-    in fp32; load-balanced (zig-zag). NeMo 24.07 (Megatron-Core 0.8, before its ``cp_comm_type``
+    in fp32; load-balanced (zig-zag: ``_cp_options.enable_load_balance`` is True by default, its
+    ``_RoundRobinLoadBalancer`` giving rank ``i`` chunks ``i`` and ``2cp-1-i``; torchtitan 9dec370
+    leaves it). NeMo 24.07 (Megatron-Core 0.8, before its ``cp_comm_type``
     option) runs Transformer Engine's default, the p2p ring: KV blocks sent peer to peer under
     the block computations, load-balanced. A row's ``parallelism.cp_attention`` is taken as it
     stands (its ``inferences`` give the source)."""

@@ -34,6 +34,26 @@ def test_the_walk_of_the_two_streams_by_hand() -> None:
     assert torch_cp_exposed(3e-3, 2e-3, 1e-3, 1, backward=True) == 0.0
 
 
+def test_compiled_ring_waits_where_it_issues_by_hand() -> None:
+    # --compile: traced, funcol's _maybe_wrap_tensor calls wait_tensor at once and Inductor leaves
+    # it there (reorder_for_compute_comm_overlap is off): nothing of the ring overlaps a step
+    assert torch_cp_exposed(0.5e-3, 0.0, 1e-3, 4, backward=False) == 0.0  # eager: under step 0
+    assert torch_cp_exposed(0.5e-3, 0.0, 1e-3, 4, backward=False, traced=True) == pytest.approx(0.5e-3)
+    assert torch_cp_exposed(0.5e-3, 0.4e-3, 1e-3, 4, backward=True) == pytest.approx(0.4e-3)  # eager
+    assert torch_cp_exposed(0.5e-3, 0.4e-3, 1e-3, 4, backward=True, traced=True) == pytest.approx(2.1e-3)
+    assert torch_cp_exposed(3e-3, 2e-3, 1e-3, 1, backward=True, traced=True) == 0.0  # no ring
+    # on the step of a plan under --compile: each op waits on all of its communication
+    tt = replace(_plan("allgather"), runtime=Runtime(framework="torchtitan", compile=True))
+    est = estimate_step(tt, H100)
+    local = S // CP
+    g = time_of(tt.cost, "all_gather", (0,), CP * 2 * B * local * H * D * 2, tt.mesh.shape)
+    d = time_of(tt.cost, "send_recv", (0,), 2 * B * local * H * D * 4, tt.mesh.shape)
+    assert est.timeline[0][2] == pytest.approx(g)
+    assert est.timeline[1][2] == pytest.approx(g + CP * d)
+    j = est.to_json()["torch_context_parallel"]
+    assert j["forward"]["exposed_s"] == pytest.approx(g) and j["backward"]["exposed_s"] == pytest.approx(g + CP * d)
+
+
 def test_repeated_kv_gather_and_dkv_ring_by_hand() -> None:
     te = _plan("allgather")
     tt = replace(te, runtime=Runtime(framework="torchtitan"))

@@ -27,9 +27,20 @@ values', both in the activations' dtype):
   reduce-scatter. Per step ``grad_key += grad_key_`` (fp32 += bf16; ``_partial_update``'s add and
   ``torch.cat`` on the ranks' first-half steps), the same for dQ, and the casts back at the end.
 
+Eager (torchtitan without ``--compile``) ``funcol`` returns an ``AsyncCollectiveTensor`` waited
+for at its first use, which gives the overlap above. Under ``--compile`` the ring is traced into
+the block's graph (below), and traced, ``torch/distributed/_functional_collectives.py``'s
+``_maybe_wrap_tensor`` calls ``wait_tensor`` at once ("wait happens immediately, which generally
+forces an early sync", pytorch/pytorch#94440); Inductor moves a wait later only in
+``comms.reorder_compute_and_comm_for_overlap`` (pytorch/pytorch#108091: "greedily moves waits as
+late as possible"), run only under ``config.reorder_for_compute_comm_overlap``, False by default,
+which torchtitan 9dec370 does not set (it sets ``_micro_pipeline_tp`` alone, for async TP). So
+compiled, the gather is waited for before step 0 and each dK / dV send before the next step:
+none of it overlaps.
+
 :func:`torch_cp_costs` gives each such op its all-gather (over the cp mesh dims, by the plan's
 cost model: across nodes where the cp ranks are, as under tp = 8), its dK / dV ring and what
-stays exposed (:func:`torch_cp_exposed`); :func:`merge_bytes` the memory-bound passes (op by op
+stays exposed (:func:`torch_cp_exposed`; all of it under ``--compile``); :func:`merge_bytes` the memory-bound passes (op by op
 as written without ``--compile``; under it, torchtitan's ``torch.compile(block, fullgraph=True)``
 traces the ring into the block's graph and Inductor fuses each pointwise chain), timed at
 the device's HBM rate as the op's ``cast_bytes``, and its flash kernels at the step's sequence
@@ -166,14 +177,23 @@ def torch_cp_op_cost(plan: Plan, i: int, c: OpCost) -> OpCost:
     return replace(c, cast_bytes=c.cast_bytes + extra, attention=att)
 
 
-def torch_cp_exposed(gather_s: float, dkv_s: float, step_s: float, cp: int, backward: bool) -> float:
+def torch_cp_exposed(gather_s: float, dkv_s: float, step_s: float, cp: int, backward: bool,
+                     traced: bool = False) -> float:
     """Seconds an allgather cp attention of ``cp`` steps of ``step_s`` waits on its
     communication under torch's context_parallel: the all-gather (``gather_s``) runs under step
     0 and step 1 waits for it; in the backward the dK / dV sends (``dkv_s`` each, on the same
     communication stream, after the gather) are issued after each step and waited for after the
-    next one, the last after none. A two-stream walk of that order."""
+    next one, the last after none. A two-stream walk of that order.
+
+    ``traced``: the ring compiled into the block's graph (torchtitan's ``--compile``): traced, a
+    functional collective is waited for where it is issued (``_maybe_wrap_tensor`` calls
+    ``wait_tensor`` at once; the wait moves later only under Inductor's
+    ``reorder_for_compute_comm_overlap``, off by default and not set by torchtitan): every
+    transfer exposed, the gather and in the backward the ``cp`` sends."""
     if cp <= 1:
         return 0.0
+    if traced:
+        return gather_s + (cp * dkv_s if backward else 0.0)
     comm = gather_s  # the communication stream's clock
     clock = step_s  # step 0
     if backward:
@@ -240,8 +260,9 @@ def torch_cp_costs(plan: Plan, times: Sequence[float], ops: Sequence[CpOp] | Non
         d = time_of(plan.cost, "send_recv", cp.dims, dkv, plan.mesh.shape) if backward else 0.0
         step = times[i] / cp.ranks
         comm = g + cp.ranks * d
+        exposed = torch_cp_exposed(g, d, step, cp.ranks, backward, traced=not plan.runtime.eager)
         out[i] = TorchCpCost(i, "backward" if backward else "forward", cp.ranks, x.rep, gathered, g, dkv, d, step,
-                             comm, torch_cp_exposed(g, d, step, cp.ranks, backward))
+                             comm, exposed)
     return out
 
 
