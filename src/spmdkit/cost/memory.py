@@ -859,7 +859,7 @@ def activation_deltas(plan: Plan, saved: ActivationMemory, group_of: list[int] |
         add(g, 0, root, nbytes(n, dst))
     for i, size in ring_buffers(plan).items():  # ring attention's KV (and dK / dV) blocks in flight
         add(grp[i], i, i, size)
-    shared = shared_gathers(plan, rerun_points(plan, saved)[0]) if torch_cp_ops(plan) else {}
+    shared = shared_gathers(plan, rerun_points(plan, saved)[0]) if torch_cp_ops(plan) and not plan.runtime.eager else {}
     for i, size in allgather_buffers(plan, shared).items():  # torch context_parallel's gathered K / V, accumulators
         add(grp[i], i, i, size)
     for i, (a, size) in shared.items():  # under --compile: the recomputed forward's gather, held to the grad
