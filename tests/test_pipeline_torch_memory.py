@@ -11,7 +11,7 @@ import pytest
 
 from spmdkit.cost import memory as mem
 from spmdkit.cost.devices import preset_device
-from spmdkit.cost.memory_cp import allgather_buffers, torch_allgather_bytes
+from spmdkit.cost.memory_cp import allgather_buffers, shared_gathers, torch_allgather_bytes
 from spmdkit.planner.pipeline import estimate_pipeline, plan_pipeline
 from spmdkit.planner.pipeline_memory import ChunkBytes, torch_order, torch_rank_memory
 from spmdkit.planner.planning import plan_model
@@ -163,7 +163,42 @@ def test_allgather_buffers_on_a_cp_plan(monkeypatch: pytest.MonkeyPatch) -> None
     assert fwd == 16384 + 16384 + 2 * 16384 + 3 * q - 4 * k
     # they raise the curve at their ops by that much, and nowhere else
     with_torch = mem.memory_per_device(titan, "none").curve
-    monkeypatch.setattr(mem, "allgather_buffers", lambda plan: {})
+    monkeypatch.setattr(mem, "allgather_buffers", lambda plan, shared=None: {})
     base = mem.memory_per_device(titan, "none").curve
     assert [a - b for a, b in zip(with_torch, base)] == [got.get(j, 0) for j in range(len(base))]
 
+
+
+def test_compiled_grad_shares_the_recomputed_forward_gather(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torchtitan --compile, full recomputation: AOTAutograd's CSE makes the grad's gathered K / V
+    # and contiguous copies the recomputed forward's, held from the layer's rerun to the grad
+    small = {"layers": 2, "hidden": 128, "heads": 4, "kv_heads": 2, "ffn": 256, "vocab": 4096, "seq": 64, "batch": 1}
+    plan = plan_model("llama-7b", "cp=2", "cp", small)[1]
+    eager = replace(plan, runtime=Runtime(framework="torchtitan"))
+    titan = replace(plan, runtime=Runtime(framework="torchtitan", compile=True))
+    saved = mem.saved_activations(titan, "full")
+    rerun = mem.rerun_points(titan, saved)[0]
+    assert shared_gathers(eager, rerun) == {}  # eager: the recomputation's gather is freed, the grad gathers again
+    assert shared_gathers(titan, mem.rerun_points(titan, mem.saved_activations(titan, "none"))[0]) == {}
+    got = shared_gathers(titan, rerun)
+    ops = titan.program.ops
+    assert len(got) == 2 and all(ops[i].rule == "cp_attention_grad" for i in got)
+    kv = 16384  # repeated local K + V: 2 x (1 x 32 x 4 x 32) x 2 bytes
+    for i, (a, size) in got.items():
+        assert size == (2 + 1) * kv  # the gathered buffer of cp = 2 and the contiguous copies
+        # from where the layer runs again (its forward attention with it), before its MLP's grads
+        assert any(ops[f].rule == "cp_attention" and ops[f].layer == ops[i].layer for f in rerun[a])
+        assert a < min(j for j, op in enumerate(ops) if op.rule == "swiglu_grad" and op.layer == ops[i].layer) < i
+    # the grad's own buffers lose the cat, the copies and the gathered buffer: (cp + 2) x K + V
+    own = allgather_buffers(titan, got)
+    for i in got:
+        assert own[i] == torch_allgather_bytes(8192, 4096, 4096, 2, 2, True) - 4 * kv - 2 * 8192 == 90112
+    with_shared = mem.memory_per_device(titan, "full").curve
+    monkeypatch.setattr(mem, "shared_gathers", lambda plan, rerun: {})
+    base = mem.memory_per_device(titan, "full").curve
+    want = [0] * len(base)
+    for i, (a, size) in got.items():
+        for j in range(a, i + 1):
+            want[j] += size
+        want[i] -= 4 * kv
+    assert [x - y for x, y in zip(with_shared, base)] == want

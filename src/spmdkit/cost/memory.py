@@ -75,7 +75,8 @@ from typing import Any
 from spmdkit.core.dist_attr import TensorDistAttr, entry_dims
 from spmdkit.core.errors import ProgramError
 from spmdkit.cost.context import regathers, ring_buffers
-from spmdkit.cost.memory_cp import allgather_buffers
+from spmdkit.cost.context_torch import torch_cp_ops
+from spmdkit.cost.memory_cp import allgather_buffers, shared_gathers
 from spmdkit.cost.memory_fsdp2 import copy_in_pool, makes_no_copy
 from spmdkit.cost.moe import combine_rows_unkept, plan_loads
 from spmdkit.cost.recompute_modules import MODULES, module_regions, op_sac, recompute_modules
@@ -858,8 +859,11 @@ def activation_deltas(plan: Plan, saved: ActivationMemory, group_of: list[int] |
         add(g, 0, root, nbytes(n, dst))
     for i, size in ring_buffers(plan).items():  # ring attention's KV (and dK / dV) blocks in flight
         add(grp[i], i, i, size)
-    for i, size in allgather_buffers(plan).items():  # torch context_parallel's gathered K / V, accumulators
+    shared = shared_gathers(plan, rerun_points(plan, saved)[0]) if torch_cp_ops(plan) and not plan.runtime.eager else {}
+    for i, size in allgather_buffers(plan, shared).items():  # torch context_parallel's gathered K / V, accumulators
         add(grp[i], i, i, size)
+    for i, (a, size) in shared.items():  # under --compile: the recomputed forward's gather, held to the grad
+        add(grp[i], a, i, size)
     for i, j, elems in loss_spans(plan):
         held, fwd, bwd = loss_bytes(plan, i)
         add(grp[i], i, j, held * elems)
