@@ -184,14 +184,15 @@ LOSSES = frozenset({"cross_entropy_with_softmax", "cross_entropy_with_softmax_gr
 
 def eager_cost(c: LocalOp, cost: OpCost, eager: bool) -> OpCost:
     """``cost`` (the fused op's) with what torchtitan runs beyond it: the eager chain of a fused
-    op (:data:`EAGER`) when ``eager``; the fp32 loss and GQA's ``repeat_kv`` either way."""
+    op (:data:`EAGER`) when ``eager``; the fp32 loss, GQA's ``repeat_kv`` and the foreach
+    optimizer's passes (:data:`FOREACH`) either way."""
     rule = c.rule
     extra, kernels = 0.0, 0
     fn = EAGER.get(rule) if eager else None
     if fn is not None:
         b, k = fn(c)
         extra, kernels = max(0.0, b - cost.bytes), max(0, k - cost.kernels)
-    elif rule in FOREACH:
+    elif rule in FOREACH:  # its kernels launch once for many parameters: the op's kernel count stays
         b, _k = FOREACH[rule](c)
         extra = max(0.0, b - cost.bytes)
     elif rule in LOSSES:
