@@ -628,13 +628,8 @@ class Reducer:
     torch's 1 MiB first bucket then 25 MiB. bf16 gradients are reduced in fp32. Used by
     :func:`estimate_step` and by the pipeline (:mod:`spmdkit.planner.pipeline`)."""
 
-    def __init__(self, plan: Plan, single: bool = False, hbm_rate: float = 0.0) -> None:
+    def __init__(self, plan: Plan, single: bool = False) -> None:
         self.single = single  # every gradient in one bucket (Megatron's pipeline ranks > 0)
-        #: FSDP2's reduce-scatter copy-in (``foreach_reduce_scatter_copy_in``: the unsharded
-        #: gradients read and written in the reduce dtype) on the compute stream, at this HBM rate
-        #: (0: not timed); ``blocked`` the compute seconds it took since last read
-        self.hbm_rate = hbm_rate if plan.runtime.framework in FSDP2 else 0.0
-        self.blocked = 0.0
         self.mesh = plan.mesh
         self.cost = plan.cost
         self.framework = plan.runtime.framework
@@ -661,13 +656,9 @@ class Reducer:
         return cap
 
     def _launch(self, key: tuple[Any, ...], now: float) -> None:
-        tensors, size, ready, _cap, _layer, held = self.open.pop(key)
+        tensors, size, ready, _cap, _layer = self.open.pop(key)
         kind, dims, rt, _dt, _root = key
         dur = self._time(kind, dims, size)
-        if self.hbm_rate > 0 and kind == "reduce_scatter":
-            copy_in = (held + size) / self.hbm_rate
-            self.blocked += copy_in
-            now += copy_in
         start = max(now, self.free)
         self.free = start + dur
         self.buckets.append(Bucket(kind, dims, rt, tensors, size, ready, start, dur))
@@ -685,14 +676,12 @@ class Reducer:
             self._launch(block, b[2])  # the previous layer's gradients are all made
         b = self.open.get(key)
         itemsize = self.reduce_itemsize.get(dtype, 0)
-        held = size
         if itemsize:
             size = size * itemsize // 2
         if b is None:
-            b = self.open[key] = [0, 0, now, self._cap(s.kind, s.mesh_dims, itemsize or 2), layer, 0]
+            b = self.open[key] = [0, 0, now, self._cap(s.kind, s.mesh_dims, itemsize or 2), layer]
         b[0] += 1
         b[1] += size
-        b[5] += held
         b[2] = now
         if b[1] >= b[3]:
             self._launch(key, now)
@@ -700,9 +689,7 @@ class Reducer:
     def flush(self, now: float) -> float:
         """Launch every open bucket (the end of the backward); the time the last one is done."""
         for key in sorted(self.open, key=lambda k: k[4]):  # the root's (torchtitan) last
-            before = self.blocked
             self._launch(key, now)
-            now += self.blocked - before
         return max(now, self.free)
 
 
@@ -718,35 +705,10 @@ class _Run:
     fb_s: float = 0.0
     #: the buckets still running after the last backward (the optimizer waits for them)
     tail_s: float = 0.0
-    #: FSDP2's copy-out of each gathered unit and copy-in of each reduce-scatter, on the compute
-    #: stream, by phase (:func:`_copy_out`, :class:`Reducer`); in ``serial_compute`` and ``timeline``
-    copies: dict[str, float] = field(default_factory=dict)
-
-
-def _copy_out(plan: Plan, comm: _Comm, prefetch: dict[int, tuple[float, int]], hbm_rate: float) -> dict[int, float]:
-    """FSDP2's all-gather copy-out (``foreach_all_gather_copy_out``: ``split_with_sizes_copy`` of
-    the gathered buffer into the unsharded parameters, on the compute stream) of each unit that
-    gathers: its bytes read and written at ``hbm_rate``; the root's merged unit (torchtitan) its
-    groups' tensors once."""
-    if hbm_rate <= 0 or plan.runtime.framework not in FSDP2:
-        return {}
-    out: dict[int, float] = {}
-    merged: dict[tuple[str, tuple[int, ...]], float] = {}
-    groups = layer_groups(plan)
-    tag = {groups[i]: (op.layer, op.phase) for i, op in reversed(list(enumerate(plan.program.ops)))}
-    titan_root = [g for g in comm.gathers if plan.runtime.framework == "torchtitan" and tag[g][0] in ROOT_LAYERS
-                  and tag[g][1] == "forward"]
-    for g in titan_root:
-        for key, b in comm.gathers[g].items():
-            merged[key] = max(merged.get(key, 0.0), b)
-    for g in prefetch:
-        per = merged if titan_root and g == min(titan_root) else comm.gathers.get(g, {})
-        out[g] = 2 * sum(per.values()) / hbm_rate
-    return out
 
 
 def _run(plan: Plan, comp: _Compute, comm: _Comm, rerun: _Rerun, kern_by_op: dict[int, float],
-         pending: dict[int, list[_Pending]] | None = None, hbm_rate: float = 0.0) -> _Run:
+         pending: dict[int, list[_Pending]] | None = None) -> _Run:
     """The ops in program order; a stored parameters' group all-gather is issued on the
     communication stream when the group before its own starts (FSDP's prefetch of the next
     block, forward and backward; torchtitan's units: :func:`torchtitan_units`), and its first
@@ -754,9 +716,7 @@ def _run(plan: Plan, comp: _Compute, comm: _Comm, rerun: _Rerun, kern_by_op: dic
     one, the last micro-step's)."""
     pending = comm.pending if pending is None else pending
     prefetch = torchtitan_units(plan, comm)
-    red = Reducer(plan, hbm_rate=hbm_rate)
-    copy_out = _copy_out(plan, comm, prefetch, hbm_rate)
-    copies: dict[str, float] = {}
+    red = Reducer(plan)
     clock = 0.0
     serial_compute = 0.0
     timeline: list[tuple[int, float, float, float, float]] = []
@@ -772,10 +732,7 @@ def _run(plan: Plan, comp: _Compute, comm: _Comm, rerun: _Rerun, kern_by_op: dic
             fb = clock
             clock = red.flush(clock)
             flushed = True
-            tail = clock - fb - red.blocked  # the copy-ins of the buckets it launched: compute
-            copies["backward"] = copies.get("backward", 0.0) + red.blocked
-            serial_compute += red.blocked
-            red.blocked = 0.0
+            tail = clock - fb
         wait = 0.0
         if groups and (i == 0 or groups[i] != groups[i - 1]):
             # a group starts: its own gather if not yet issued, then the next group's (prefetch)
@@ -786,29 +743,19 @@ def _run(plan: Plan, comp: _Compute, comm: _Comm, rerun: _Rerun, kern_by_op: dic
                     done[nxt] = max(clock, red.free) + prefetch[nxt][0]
                     red.free = done[nxt]
         mine = first_of.get(i)
-        copy = 0.0
         if mine is not None:
             wait = max(0.0, done.get(mine, clock) - clock)
-            copy = copy_out.get(mine, 0.0)
         blocked = wait + comm.exposed(i, times) + kern_by_op.get(i, 0.0)
-        start = clock
-        clock += blocked + times[i] + copy + rerun.extra_at.get(i, 0.0)
+        timeline.append((i, clock, blocked, rerun.extra_at.get(i, 0.0), times[i]))
+        clock += blocked + times[i] + rerun.extra_at.get(i, 0.0)
+        serial_compute += times[i]
         for dt, s, size in pending.get(i, []):
             red.add(dt, s, size, clock, op.layer)
-        copy += red.blocked  # FSDP2's reduce-scatter copy-in after the op that made the gradients
-        clock += red.blocked
-        red.blocked = 0.0
-        timeline.append((i, start, blocked, rerun.extra_at.get(i, 0.0), times[i] + copy))
-        serial_compute += times[i] + copy
-        if copy:
-            copies[op.phase] = copies.get(op.phase, 0.0) + copy
     if not flushed:
         fb = clock
         clock = red.flush(clock)
-        tail = clock - fb - red.blocked
-        copies["backward"] = copies.get("backward", 0.0) + red.blocked
-        serial_compute += red.blocked
-    return _Run(clock, serial_compute, timeline, red.buckets, fb, tail, copies)
+        tail = clock - fb
+    return _Run(clock, serial_compute, timeline, red.buckets, fb, tail)
 
 
 @dataclass
@@ -909,13 +856,11 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
     rerun = _rerun(plan, recompute, comp, comm, kern_by_op)
     compute, comm_s = comp.by_phase, comm.by_phase
     flops, mflops, nbytes, matmul_s = comp.flops + rerun.flops, comp.model_flops, comp.bytes, comp.matmul_s
-    run = _run(plan, comp, comm, rerun, kern_by_op, hbm_rate=device.hbm_rate)
-    for ph, t in run.copies.items():
-        compute[ph] = compute.get(ph, 0.0) + t
+    run = _run(plan, comp, comm, rerun, kern_by_op)
     accum = plan.grad_accum
     # the micro-steps before the last, where the framework reduce-scatters gradients in every
     # micro-step's backward (ZeRO-2/3 under Megatron-FSDP, torchtitan): those reductions only
-    early = _run(plan, comp, comm, rerun, kern_by_op, comm.pending_each, device.hbm_rate) if accum > 1 and comm.pending_each \
+    early = _run(plan, comp, comm, rerun, kern_by_op, comm.pending_each) if accum > 1 and comm.pending_each \
         else None
     clock = run.clock
     gathers_exposed = 0.0
