@@ -333,9 +333,11 @@ def test_overlapped_step_no_worse_than_hand_strategies() -> None:
     tokens = cfg.batch * cfg.seq
 
     def step(p: Any) -> float:
-        # torch DDP's buckets (1 MiB, then 25 MiB: the torchtitan framework's replicate): a one-layer
-        # model's gradients fit one Megatron bucket of 40M parameters, which overlaps nothing
-        ddp = dataclasses.replace(p, runtime=Runtime(framework="torchtitan"))
+        # torch DDP's buckets (1 MiB, then 25 MiB: an FSDP2 framework's replicate): a one-layer
+        # model's gradients fit one Megatron bucket of 40M parameters, which overlaps nothing. AutoModel,
+        # not torchtitan: its optimizer is the fused update the search costs (torchtitan's foreach AdamW
+        # is not, spmdkit.cost.eager.FOREACH)
+        ddp = dataclasses.replace(p, runtime=Runtime(framework="automodel"))
         return float(estimate_step(ddp, dev, tokens).step_overlap_s)
 
     plan, _ = auto_plan(prog, mesh, {"tokens": [0, -1]}, cost_model(mesh, dev, None), time_limit=30, device=dev)

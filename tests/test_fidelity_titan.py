@@ -86,6 +86,22 @@ def test_torchtitans_loss_and_repeat_kv_either_way(titan: Any) -> None:
             assert op_cost(titan, i).cast_bytes == 0  # Megatron: GQA in the kernel
 
 
+def test_torchtitans_foreach_adamw_by_hand_either_way(titan: Any) -> None:
+    ops = _ops(titan, "adamw")
+    assert ops
+    for i in ops:
+        lop = local_op(titan.program, i, titan.ops[i].required, titan.ops[i].outputs, titan.attrs)
+        e = lop.one("master_param")[0]  # type: ignore[index]
+        n = e[0] * (e[1] if len(e) > 1 else 1)
+        # torch's _multi_tensor_adamw on the fp32 shard, its fp32 gradient and fp32 moments: mul_ 4+4 |
+        # lerp_ 4+4+4 | mul_ 4+4 | addcmul_ 4+4+4 | sqrt 4+4 | div_ 4+4 | add_ 4+4 | addcdiv_ 4+4+4+4 = 80
+        for rt in (_with(titan), _with(titan, compile=True)):
+            assert op_cost(rt, i).bytes == 80 * n
+        # Megatron's fused Adam: one pass, bf16 param and gradient, fp32 moments and master read and
+        # written (2+2+4+4+4 in, 2+4+4+4 out) and five fp32 scalars (lr, the beta powers in and out)
+        assert op_cost(titan, i).bytes == 30 * n + 20
+
+
 def test_eager_step_is_slower_by_the_extra_traffic(titan: Any) -> None:
     dev = DEVICES["h100"]
     eager = estimate_step(_with(titan), dev, recompute="none")

@@ -53,7 +53,8 @@ def test_once_where_the_framework_reduces_once() -> None:
     """torchtitan's FSDP2 under torch's pipelining and a single microbatch reduce once: no
     reduction runs before the last microbatch."""
     _c, tt = _one("megatron,zero2", framework="torchtitan")
-    assert not any(s.each for s in tt.stages) and tt.step_overlap_s == pytest.approx(0.059279, abs=1e-6)
+    # 0.059279 s before torch's foreach AdamW (80 bytes an element, not the fused 30: spmdkit.cost.eager)
+    assert not any(s.each for s in tt.stages) and tt.step_overlap_s == pytest.approx(0.059406, abs=1e-6)
     _c, single = _one("megatron,zero2", m=1)
     assert single.step_overlap_s == pytest.approx(0.014411, abs=1e-6)
 

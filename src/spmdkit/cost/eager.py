@@ -30,7 +30,10 @@ compiled region is each transformer block and these sit outside it or outside In
   (the gradient and the output read, a row sum, the write) and the cast back;
 - grouped-query attention's ``repeat_kv``: K and V expanded to the query heads and copied
   (``expand(...).reshape(...)``) before ``scaled_dot_product_attention``, their gradients
-  summed back over the repeats in the backward.
+  summed back over the repeats in the backward;
+- the optimizer, torch's foreach AdamW (``build_optimizers``: ``"foreach": not fused``,
+  ``--optimizer.fused`` off): eight HBM passes of ``_multi_tensor_adamw`` (:data:`FOREACH`), not
+  the fused update's one.
 """
 
 from __future__ import annotations
@@ -146,6 +149,34 @@ def _repeat_kv(c: LocalOp, backward: bool) -> tuple[float, int]:
     return float(2 * (kv + full)), 2  # K and V: read kv, write the repeated (backward: the reverse)
 
 
+def _foreach_adamw(c: LocalOp) -> tuple[float, int]:
+    """torch's ``_multi_tensor_adamw`` (``AdamW(foreach=True)``, torchtitan's default), one pass
+    over HBM per foreach op: the update runs on the sharded parameter (``master_param`` where the
+    program keeps one, else ``param``) and its gradient in that dtype (FSDP2 casts the reduced
+    gradient to the sharded parameter's), the moments in their own dtype; the temporary
+    ``sqrt(v)`` in v's."""
+    p = _first(c, "master_param", "param")
+    m, v = _first(c, "moment1"), _first(c, "moment2")
+    if p is None or m is None or v is None:
+        return 0.0, 0
+    e, pb = p
+    mb, vb = m[1], v[1]
+    per = (2 * pb                # _foreach_mul_(params, 1 - lr * weight_decay)
+           + 2 * mb + pb         # _foreach_lerp_(exp_avgs, grads, 1 - beta1)
+           + 2 * vb              # _foreach_mul_(exp_avg_sqs, beta2)
+           + 2 * vb + pb         # _foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+           + 2 * vb              # _foreach_sqrt(exp_avg_sqs): a new tensor
+           + 2 * vb + 2 * vb     # _foreach_div_(.., bias_correction2_sqrt), _foreach_add_(.., eps)
+           + 2 * pb + mb + vb)   # _foreach_addcdiv_(params, exp_avgs, denom, step_size)
+    return float(per * e), 8
+
+
+#: torch's foreach optimizers, as torchtitan builds them whatever ``--compile`` says
+#: (``build_optimizers``: ``"fused": fused, "foreach": not fused``, ``--optimizer.fused`` off;
+#: its compiled regions are the transformer blocks only)
+FOREACH = {"adamw": _foreach_adamw}
+
+
 #: the losses torchtitan computes as ``cross_entropy(pred.float())`` (loss_parallel under TP)
 LOSSES = frozenset({"cross_entropy_with_softmax", "cross_entropy_with_softmax_grad", "c_softmax_with_cross_entropy",
                     "c_softmax_with_cross_entropy_grad"})
@@ -153,13 +184,17 @@ LOSSES = frozenset({"cross_entropy_with_softmax", "cross_entropy_with_softmax_gr
 
 def eager_cost(c: LocalOp, cost: OpCost, eager: bool) -> OpCost:
     """``cost`` (the fused op's) with what torchtitan runs beyond it: the eager chain of a fused
-    op (:data:`EAGER`) when ``eager``; the fp32 loss and GQA's ``repeat_kv`` either way."""
+    op (:data:`EAGER`) when ``eager``; the fp32 loss, GQA's ``repeat_kv`` and the foreach
+    optimizer's passes (:data:`FOREACH`) either way."""
     rule = c.rule
     extra, kernels = 0.0, 0
     fn = EAGER.get(rule) if eager else None
     if fn is not None:
         b, k = fn(c)
         extra, kernels = max(0.0, b - cost.bytes), max(0, k - cost.kernels)
+    elif rule in FOREACH:  # its kernels launch once for many parameters: the op's kernel count stays
+        b, _k = FOREACH[rule](c)
+        extra = max(0.0, b - cost.bytes)
     elif rule in LOSSES:
         b, k = _loss(c, rule.endswith("_grad"))
         extra, kernels = max(0.0, b - cost.bytes), max(0, k - cost.kernels)
@@ -173,4 +208,4 @@ def eager_cost(c: LocalOp, cost: OpCost, eager: bool) -> OpCost:
     return replace(cost, bytes=cost.bytes + extra, kernels=cost.kernels + kernels)
 
 
-__all__ = ["EAGER", "LOSSES", "eager_cost"]
+__all__ = ["EAGER", "FOREACH", "LOSSES", "eager_cost"]
