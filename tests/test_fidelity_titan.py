@@ -97,9 +97,10 @@ def test_torchtitans_foreach_adamw_by_hand_either_way(titan: Any) -> None:
         # lerp_ 4+4+4 | mul_ 4+4 | addcmul_ 4+4+4 | sqrt 4+4 | div_ 4+4 | add_ 4+4 | addcdiv_ 4+4+4+4 = 80
         for rt in (_with(titan), _with(titan, compile=True)):
             assert op_cost(rt, i).bytes == 80 * n
-        # Megatron's fused Adam: one pass, bf16 param and gradient, fp32 moments and master read and
-        # written (2+2+4+4+4 in, 2+4+4+4 out) and five fp32 scalars (lr, the beta powers in and out)
-        assert op_cost(titan, i).bytes == 30 * n + 20
+        # Megatron: not torch's foreach AdamW but its mixed-precision optimizer step's passes (grad norm 4,
+        # fused Adam on the fp32 copies 28, copy back to bf16 6, zeroing the bf16 grad buffer 4:
+        # spmdkit.cost.optimizer_step, tests/test_optimizer_step.py), a few fp32 scalars beside
+        assert op_cost(titan, i).bytes == pytest.approx(42 * n, abs=40)
 
 
 def test_eager_step_is_slower_by_the_extra_traffic(titan: Any) -> None:
