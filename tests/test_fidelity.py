@@ -71,9 +71,10 @@ def test_cp_runs_expressed_as_their_sources_ran_them() -> None:
 def test_megatron_moe_rows_expressed_as_their_source_ran_them() -> None:
     """Megatron-MoE-ModelZoo's Qwen3-235B rows: ETP = 1 folds the table's EP out of dp x tp (EP 8 at
     TP 4: an ep mesh dim of 2, the table's EDP 4 as dp: 256 GPUs), the pipeline split with the
-    embedding and the loss counted as layers (3 a virtual stage: 2, 3 x 30, 2), the model's own
-    router (the pp=32 x 3 row at one layer a virtual stage: 0, 1 x 94, 0, the embedding and the loss
-    stages of their own; a 0 in the middle unsupported); a run that recomputes Megatron-Core's
+    embedding and the loss counted as layers (3 a virtual stage: 2, 3 x 30, 2), uniform top-k
+    routing (run_235b.sh at 31c5686: --moe-router-force-load-balancing) (the pp=32 x 3 row at one
+    layer a virtual stage: 0, 1 x 94, 0, the embedding and the loss stages of their own; a 0 in the
+    middle unsupported); a run that recomputes Megatron-Core's
     --recompute-modules layernorm moe_act is planned with --recompute selective:layernorm,moe_act (not
     as the attention core's selective recomputation), one with a module not built is named unsupported."""
     rows = {r["id"]: r for r in json.loads(FID.MOE_RUNS.read_text()) if r["id"].startswith("megatron_moe_zoo")}
@@ -298,11 +299,12 @@ def test_megatron_moe_tflops_rows_are_planned_with_the_moe_count() -> None:
         base = FID.express(MOE_ROWS["megatron_moe_zoo_h100_bf16_qwen3_235b_tp2_pp8_ep32"], Path(d)).argv
         assert "--ep-comm-overlap" in over and "--ep-comm-overlap" not in base
         assert [x for x in over if x != "--ep-comm-overlap"] == base
-        assert "--moe-skew" not in a  # the rows' routing skew is not modelled (docs/experts.md, "Routing skew")
-        dropless = MOE_ROWS["megatron_moe_zoo_h100_bf16_qwen3_235b_seq32k_tp4_cp2_pp8_ep8_dropless"]
-        skewed = dict(dropless, parallelism={**dropless["parallelism"], "moe_skew": "aux-loss"})
-        a = FID.express(skewed, Path(d)).argv
-        assert a[a.index("--moe-skew") + 1] == "aux-loss"
+        # the dropless rows route the data with the model's aux-loss router (--moe-aux-loss-coeff 1e-3): the
+        # published figure at that coefficient; every other row forces the balance or fakes it
+        # (docs/experts.md, "Routing skew")
+        assert a[a.index("--moe-skew") + 1] == "aux-loss" and "--moe-skew" not in c1.argv
+        skewed = {r for r in MOE_ROWS if "moe_skew" in MOE_ROWS[r]["parallelism"]}
+        assert skewed == {r for r in MOE_ROWS if r.endswith("_dropless")} and len(skewed) == 4
         fsdp = FID.express(MOE_ROWS["megatron_moe_zoo_h100_bf16_qwen3_235b_tp2_ep8_fsdp"], Path(d)).argv
         assert fsdp[fsdp.index("--mesh") + 1] == "dp=32,ep=4,tp=2" and "zero3" in fsdp[fsdp.index("--strategy") + 1]
         assert fsdp[fsdp.index("--framework") + 1] == "megatron" and fsdp[fsdp.index("--grad-accum") + 1] == "4"
@@ -334,22 +336,36 @@ def test_megatron_moe_tflops_rows_are_planned_with_the_moe_count() -> None:
     assert mem == 60.0 and c1.device_need_gib == 62.0
 
 
+def test_dropless_rows_are_predicted_slower_than_forced_balance() -> None:
+    """The 16k rows: one layout, forced balance (random router logits, 295 TF/GPU) and the model's
+    aux-loss router (237): the latter planned with --moe-skew aux-loss is predicted slower (its busiest
+    of the 8 expert ranks (1.52 + 15 x 126.48 / 127) / 16 = 1.0287 x the mean), where without the
+    skew both were the same plan (285.0 TF/GPU)."""
+    rows = [MOE_ROWS[f"megatron_moe_zoo_h100_bf16_qwen3_235b_seq16k_tp4_cp1_pp8_ep8_{k}"] for k in ("forced", "dropless")]
+    with tempfile.TemporaryDirectory() as d:
+        forced, dropless = (FID.predict(FID.express(r, Path(d)))[0] for r in rows)
+    assert dropless < forced * 0.995 and dropless > forced * 0.95
+
+
 def test_a_command_is_planned_once_per_evaluation(monkeypatch: pytest.MonkeyPatch) -> None:
-    """evaluate plans each command once: the Megatron-MoE zoo's forced and dropless rows of a
-    sequence length are one command (the planner routes both alike), so the second reads the first's
-    plan; torchtitan's rows at another power limit write another device file under one name, so
-    they are two commands. (test_moe_docs_are_current: the figures so read are those published.)"""
+    """evaluate plans each command once: a row evaluated twice reads the first's plan; the
+    Megatron-MoE zoo's forced and dropless rows of a sequence length are two commands (the dropless
+    one's --moe-skew aux-loss); torchtitan's rows at another power limit write another device file
+    under one name, so they are two commands. (test_moe_docs_are_current: the figures so read are
+    those published.)"""
     gib = float(2**30)
     fake = {"pipeline": {"step_overlap_s": 10.0, "pipeline_s": 9.0, "bubble_s": 0.5,
                          "devices": [{"memory": {"reserved": 60 * gib, "device_total": 62 * gib}}]}}
     planned: list[list[str]] = []
     monkeypatch.setattr(FID, "run_cli", lambda argv: planned.append(argv) or fake)
     zoo = "megatron_moe_zoo_h100_bf16_qwen3_235b_seq16k_tp4_cp1_pp8_ep8_"
-    pair = [MOE_ROWS[zoo + "forced"], MOE_ROWS[zoo + "dropless"]]
-    results, unsupported = FID.evaluate(pair)
-    assert not unsupported and len(planned) == 1 and [r["id"] for r in results] == [zoo + "forced", zoo + "dropless"]
-    assert results[0]["predicted"] == results[1]["predicted"] and results[1]["breakdown"]["step"] == 10.0
-    assert results[0]["breakdown"] is not results[1]["breakdown"]
+    rows = [MOE_ROWS[zoo + "forced"], MOE_ROWS[zoo + "dropless"], MOE_ROWS[zoo + "forced"]]
+    results, unsupported = FID.evaluate(rows)
+    assert not unsupported and len(planned) == 2 and [r["id"] for r in results] == [zoo + k for k in
+                                                                                   ("forced", "dropless", "forced")]
+    assert [x for x in planned[1] if x not in ("--moe-skew", "aux-loss")] == planned[0]
+    assert results[0]["predicted"] == results[2]["predicted"] and results[2]["breakdown"]["step"] == 10.0
+    assert results[0]["breakdown"] is not results[2]["breakdown"]
     titan = next(r for r in ROWS if "96GB" in r["hardware"]["gpu"])
     capped = dict(titan, hardware={**titan["hardware"], "gpu": titan["hardware"]["gpu"].replace("500 W", "400 W")})
     planned.clear()
