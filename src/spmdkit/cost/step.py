@@ -22,9 +22,10 @@ from spmdkit.cost.band import error_band
 from spmdkit.cost.collectives import buffer_bytes, time_of
 from spmdkit.cost.compute import KernelCollective, kernel_collectives, local_shape, model_flops, op_cost
 from spmdkit.cost.context import RingCost, causal_imbalance, cp_ops, regathers, ring_costs
-from spmdkit.cost.context_torch import TorchCpCost, torch_cp_costs, torch_cp_ops
+from spmdkit.cost.context_torch import TorchCpCost, local_qkv, shared_copy_bytes, torch_cp_costs, torch_cp_ops
 from spmdkit.cost.devices import Device
 from spmdkit.cost.memory import rerun_points, saved_activations
+from spmdkit.cost.memory_cp import shared_gathers
 from spmdkit.cost.moe import expert_all_to_all, expert_tensors, plan_loads
 from spmdkit.engine.facts import OpCost
 from spmdkit.engine.memo import Recent, gc_paused
@@ -576,12 +577,14 @@ class _Rerun:
     regathers: int = 0
 
 
-def _rerun(plan: Plan, recompute: str, comp: _Compute, comm: _Comm, kern_by_op: dict[int, float]) -> _Rerun:
+def _rerun(plan: Plan, points: tuple[dict[int, list[int]], dict[int, list[int]]], comp: _Compute, comm: _Comm,
+           kern_by_op: dict[int, float]) -> _Rerun:
     """The recomputed forward ops (with their forward collectives) run again before the first
     op that reads their outputs (``comp.by_phase["recompute"]``, ``comm.by_phase["recompute"]``);
     a tensor kept as its producer's shard is all-gathered again there (``comm.by_phase["backward"]``),
-    under Megatron overlapped with that op's dgrad GEMM (:func:`dgrad_time`)."""
-    rerun, regather = rerun_points(plan, saved_activations(plan, recompute))
+    under Megatron overlapped with that op's dgrad GEMM (:func:`dgrad_time`). ``points``:
+    :func:`spmdkit.cost.memory.rerun_points`."""
+    rerun, regather = points
     out = _Rerun()
     for at, idx in rerun.items():
         for j in idx:
@@ -605,6 +608,46 @@ def _rerun(plan: Plan, recompute: str, comp: _Compute, comm: _Comm, kern_by_op: 
             if plan.runtime.framework == "megatron" else secs
         out.extra_at[at] = out.extra_at.get(at, 0.0) + exposed
     return out
+
+
+def shared_gather_costs(plan: Plan, device: Device, costs: list[OpCost], under: dict[int, TorchCpCost],
+                        rerun: dict[int, list[int]]) -> dict[int, tuple[OpCost, float, TorchCpCost]]:
+    """Allgather cp attention grad op -> (its cost, its time on ``device``, its
+    :class:`TorchCpCost`) where its K / V all-gather is its recomputed forward's (``rerun``:
+    :func:`spmdkit.cost.memory.rerun_points`' first map; the ops
+    :func:`spmdkit.cost.memory_cp.shared_gathers` names, under ``--compile`` with the attention
+    recomputed: AOTAutograd's CSE of the joint graph merges the grad's gather, contiguous copies
+    and cat into the recomputed forward's): without its own all-gather
+    (:meth:`TorchCpCost.without_gather`) and those copies (:func:`shared_copy_bytes`). The
+    recomputed forward still runs (and waits for) its gather; the memory model holds that buffer
+    from the rerun to the grad (:func:`spmdkit.cost.memory.activation_deltas`): one mechanism."""
+    out: dict[int, tuple[OpCost, float, TorchCpCost]] = {}
+    if not under or plan.runtime.eager:
+        return out
+    for i in shared_gathers(plan, rerun):
+        u = under.get(i)
+        if u is None:
+            continue
+        c = replace(costs[i], cast_bytes=max(0.0, costs[i].cast_bytes - shared_copy_bytes(local_qkv(plan, i))))
+        out[i] = (c, device.op_time(c), u.without_gather())
+    return out
+
+
+def _share_gathers(plan: Plan, device: Device, comp: _Compute, comm: _Comm, rerun: dict[int, list[int]]) -> None:
+    """:func:`shared_gather_costs` into ``comp`` (its lists copied: :func:`_compute` caches them)
+    and ``comm``."""
+    cut = shared_gather_costs(plan, device, comp.costs, comm.under, rerun)
+    if not cut:
+        return
+    comp.costs, comp.times = list(comp.costs), list(comp.times)
+    for i, (c, t, u) in cut.items():
+        ph = plan.program.ops[i].phase
+        comp.by_phase[ph] += t - comp.times[i]
+        if c.matmul:
+            comp.matmul_s += t - comp.times[i]
+        comp.costs[i], comp.times[i] = c, t
+        comm.by_phase[ph] -= comm.under[i].comm_s - u.comm_s
+        comm.under[i] = u
 
 
 def dgrad_time(c: OpCost, t: float) -> float:
@@ -781,6 +824,8 @@ class OpComm:
     #: (op, index in ``pending[op]``) of the reductions a pipeline's stages run in every
     #: microbatch's backward, not only the last one's (Megatron-FSDP's ZeRO-2/3 reduce-scatters)
     each: frozenset[tuple[int, int]] = frozenset()
+    #: torch's context_parallel's allgather attention ops (``_Comm.under``; their exposed part in ``wait``)
+    under: dict[int, TorchCpCost] = field(default_factory=dict)
 
 
 #: op_communication's values by what it reads of a plan (every field but ``rounds``: the
@@ -824,7 +869,7 @@ def _op_communication(plan: Plan, device: Device) -> OpComm:
             exposed[first] = exposed.get(first, 0.0) + e
     return OpComm(comp.times, wait, comm.pending, comp.costs, comm.param_gathers, exposed,
                   sum(secs for secs, _first in comm.prefetch.values()), comm.ep_a2a,
-                  frozenset(comm.pipeline_each))
+                  frozenset(comm.pipeline_each), comm.under)
 
 
 @gc_paused
@@ -854,7 +899,9 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
     rings = ring_costs(plan, comp.times)
     for rg in rings:  # the ring's exposed transfers wait inside the op, as a kernel's collective
         kern_by_op[rg.op_index] = kern_by_op.get(rg.op_index, 0.0) + rg.exposed_s
-    rerun = _rerun(plan, recompute, comp, comm, kern_by_op)
+    points = rerun_points(plan, saved_activations(plan, recompute))
+    _share_gathers(plan, device, comp, comm, points[0])
+    rerun = _rerun(plan, points, comp, comm, kern_by_op)
     compute, comm_s = comp.by_phase, comm.by_phase
     flops, mflops, nbytes, matmul_s = comp.flops + rerun.flops, comp.model_flops, comp.bytes, comp.matmul_s
     run = _run(plan, comp, comm, rerun, kern_by_op)
@@ -933,4 +980,4 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
 
 __all__ = ["BUCKET_BYTES", "FIRST_BUCKET_BYTES", "MEGATRON_BUCKET_PARAMS", "ROOT_LAYERS", "Bucket", "OpComm", "Reducer",
            "StepEstimate", "dgrad_time", "estimate_step", "is_grad_sync", "UB_COMM_SMS", "layer_groups", "op_communication",
-           "overlap_exposed", "param_gather_time", "torchtitan_units", "tp_overlap_exposed", "ub_sm_tax"]
+           "overlap_exposed", "param_gather_time", "shared_gather_costs", "torchtitan_units", "tp_overlap_exposed", "ub_sm_tax"]
