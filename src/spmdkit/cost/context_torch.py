@@ -46,7 +46,11 @@ traces the ring into the block's graph and Inductor fuses each pointwise chain),
 the device's HBM rate as the op's ``cast_bytes``, and its flash kernels at the step's sequence
 (:func:`torch_cp_op_cost`). The plan's own K / V
 all-gathers and dK / dV reduce-scatters of such an op (of the un-repeated heads) are replaced by
-these (:mod:`spmdkit.cost.step`).
+these (:mod:`spmdkit.cost.step`). Under ``--compile`` with the attention recomputed the grad's
+all-gather, ``contiguous()`` copies and first ``torch.cat`` are its recomputed forward's
+(AOTAutograd's CSE of the joint graph: :func:`spmdkit.cost.memory_cp.shared_gathers`): the grad
+is priced without them (:meth:`TorchCpCost.without_gather`, :func:`shared_copy_bytes`,
+:func:`spmdkit.cost.step.shared_gather_costs`).
 """
 
 from __future__ import annotations
