@@ -577,14 +577,14 @@ class _Rerun:
     regathers: int = 0
 
 
-def _rerun(plan: Plan, points: tuple[dict[int, list[int]], dict[int, list[int]]], comp: _Compute, comm: _Comm,
-           kern_by_op: dict[int, float]) -> _Rerun:
+def _rerun(plan: Plan, recompute: str, comp: _Compute, comm: _Comm, kern_by_op: dict[int, float],
+           points: tuple[dict[int, list[int]], dict[int, list[int]]] | None = None) -> _Rerun:
     """The recomputed forward ops (with their forward collectives) run again before the first
     op that reads their outputs (``comp.by_phase["recompute"]``, ``comm.by_phase["recompute"]``);
     a tensor kept as its producer's shard is all-gathered again there (``comm.by_phase["backward"]``),
     under Megatron overlapped with that op's dgrad GEMM (:func:`dgrad_time`). ``points``:
-    :func:`spmdkit.cost.memory.rerun_points`."""
-    rerun, regather = points
+    :func:`spmdkit.cost.memory.rerun_points` of ``recompute``, where the caller has them."""
+    rerun, regather = points or rerun_points(plan, saved_activations(plan, recompute))
     out = _Rerun()
     for at, idx in rerun.items():
         for j in idx:
@@ -901,7 +901,7 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
         kern_by_op[rg.op_index] = kern_by_op.get(rg.op_index, 0.0) + rg.exposed_s
     points = rerun_points(plan, saved_activations(plan, recompute))
     _share_gathers(plan, device, comp, comm, points[0])
-    rerun = _rerun(plan, points, comp, comm, kern_by_op)
+    rerun = _rerun(plan, recompute, comp, comm, kern_by_op, points)
     compute, comm_s = comp.by_phase, comm.by_phase
     flops, mflops, nbytes, matmul_s = comp.flops + rerun.flops, comp.model_flops, comp.bytes, comp.matmul_s
     run = _run(plan, comp, comm, rerun, kern_by_op)
