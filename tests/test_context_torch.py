@@ -10,8 +10,8 @@ from dataclasses import replace
 import pytest
 from tests.test_cp_cost import CP, H100, HK, B, D, H, S, _plan
 
+from spmdkit.cost import context_shared
 from spmdkit.cost import memory as mem
-from spmdkit.cost import step as step_mod
 from spmdkit.cost.collectives import time_of
 from spmdkit.cost.compute import op_cost
 from spmdkit.cost.context import ring_exposed
@@ -21,6 +21,7 @@ from spmdkit.cost.memory_cp import shared_gathers
 from spmdkit.cost.step import estimate_step
 from spmdkit.outputs.report import write_estimate
 from spmdkit.planner.planning import plan_model
+from spmdkit.planner.search_floor import per_device_work
 from spmdkit.planner.stage_costs import stage_costs
 from spmdkit.program.runtime import Runtime
 
@@ -206,7 +207,10 @@ def test_compiled_grad_shares_the_recomputed_gather_in_time_by_hand(monkeypatch:
     # a pipeline's stage times the same way: its backward less a gather and the copies per layer
     stages = [0] * len(ops)
     got = stage_costs(titan, stages, (2,), dev, "full")[0].backward_s
-    monkeypatch.setattr(step_mod, "shared_gathers", lambda plan, rerun: {})
+    # and the search's floor over the modes: below the full mode's (the most it shares)
+    work = per_device_work(titan, dev)
+    monkeypatch.setattr(context_shared, "shared_gathers", lambda plan, rerun: {})
     base = stage_costs(titan, stages, (2,), dev, "full")[0].backward_s
     assert base - got == pytest.approx(2 * (g + 3 * kvr / dev.hbm_rate))
+    assert per_device_work(titan, dev) - work == pytest.approx(2 * (g + 3 * kvr / dev.hbm_rate))
     assert estimate_step(titan, dev, None, "full").comm_s["backward"] == pytest.approx(2 * (g + 2 * d))

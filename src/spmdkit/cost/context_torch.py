@@ -50,7 +50,7 @@ these (:mod:`spmdkit.cost.step`). Under ``--compile`` with the attention recompu
 all-gather, ``contiguous()`` copies and first ``torch.cat`` are its recomputed forward's
 (AOTAutograd's CSE of the joint graph: :func:`spmdkit.cost.memory_cp.shared_gathers`): the grad
 is priced without them (:meth:`TorchCpCost.without_gather`, :func:`shared_copy_bytes`,
-:func:`spmdkit.cost.step.shared_gather_costs`).
+:func:`spmdkit.cost.context_shared.shared_gather_costs`).
 """
 
 from __future__ import annotations

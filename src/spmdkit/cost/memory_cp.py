@@ -39,7 +39,7 @@ grad's last step (:func:`shared_gathers`), across the layer's MLP backward, inst
 each pass alone. (Before pytorch/pytorch#147561, 2025-02, the partitioner recomputed
 collectives in a checkpointed region like any op; torchtitan 9dec370 ran torch 1963fc8.) The
 step's time drops the grad's own gather and copies under the same predicate
-(:func:`spmdkit.cost.step.shared_gather_costs`).
+(:func:`spmdkit.cost.context_shared.shared_gather_costs`).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -22,10 +23,10 @@ from spmdkit.cost.band import error_band
 from spmdkit.cost.collectives import buffer_bytes, time_of
 from spmdkit.cost.compute import KernelCollective, kernel_collectives, local_shape, model_flops, op_cost
 from spmdkit.cost.context import RingCost, causal_imbalance, cp_ops, regathers, ring_costs
-from spmdkit.cost.context_torch import TorchCpCost, local_qkv, shared_copy_bytes, torch_cp_costs, torch_cp_ops
+from spmdkit.cost.context_shared import shared_gather_costs
+from spmdkit.cost.context_torch import TorchCpCost, torch_cp_costs, torch_cp_ops
 from spmdkit.cost.devices import Device
 from spmdkit.cost.memory import rerun_points, saved_activations
-from spmdkit.cost.memory_cp import shared_gathers
 from spmdkit.cost.moe import expert_all_to_all, expert_tensors, plan_loads
 from spmdkit.engine.facts import OpCost
 from spmdkit.engine.memo import Recent, gc_paused
@@ -610,26 +611,23 @@ def _rerun(plan: Plan, recompute: str, comp: _Compute, comm: _Comm, kern_by_op: 
     return out
 
 
-def shared_gather_costs(plan: Plan, device: Device, costs: list[OpCost], under: dict[int, TorchCpCost],
-                        rerun: dict[int, list[int]]) -> dict[int, tuple[OpCost, float, TorchCpCost]]:
-    """Allgather cp attention grad op -> (its cost, its time on ``device``, its
-    :class:`TorchCpCost`) where its K / V all-gather is its recomputed forward's (``rerun``:
-    :func:`spmdkit.cost.memory.rerun_points`' first map; the ops
-    :func:`spmdkit.cost.memory_cp.shared_gathers` names, under ``--compile`` with the attention
-    recomputed: AOTAutograd's CSE of the joint graph merges the grad's gather, contiguous copies
-    and cat into the recomputed forward's): without its own all-gather
-    (:meth:`TorchCpCost.without_gather`) and those copies (:func:`shared_copy_bytes`). The
-    recomputed forward still runs (and waits for) its gather; the memory model holds that buffer
-    from the rerun to the grad (:func:`spmdkit.cost.memory.activation_deltas`): one mechanism."""
-    out: dict[int, tuple[OpCost, float, TorchCpCost]] = {}
-    if not under or plan.runtime.eager:
+def shared_gather_savings(plan: Plan, device: Device, oc: OpComm, rerun: dict[int, list[int]]) -> dict[int, float]:
+    """Op -> the seconds :func:`shared_gather_costs` takes off its time in ``oc`` (its compute
+    and the communication it waits on), where the backward runs the forward again at ``rerun``."""
+    cut = shared_gather_costs(plan, device, oc.costs, oc.under, rerun)
+    return {i: oc.compute[i] - t + oc.under[i].exposed_s - u.exposed_s for i, (_c, t, u) in cut.items()}
+
+
+def least_shared_gather_times(plan: Plan, device: Device, oc: OpComm, modes: Iterable[str]) -> dict[int, float]:
+    """Op -> the most :func:`shared_gather_savings` of any of the recomputation ``modes``: a
+    floor over the modes (``spmdkit.planner.search_floor``) takes it off the op's ``oc`` time,
+    so it stays below each mode's."""
+    out: dict[int, float] = {}
+    if not oc.under or plan.runtime.eager:
         return out
-    for i in shared_gathers(plan, rerun):
-        u = under.get(i)
-        if u is None:
-            continue
-        c = replace(costs[i], cast_bytes=max(0.0, costs[i].cast_bytes - shared_copy_bytes(local_qkv(plan, i))))
-        out[i] = (c, device.op_time(c), u.without_gather())
+    for mode in modes:
+        for i, s in shared_gather_savings(plan, device, oc, rerun_points(plan, saved_activations(plan, mode))[0]).items():
+            out[i] = max(out.get(i, 0.0), s)
     return out
 
 
@@ -980,4 +978,4 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
 
 __all__ = ["BUCKET_BYTES", "FIRST_BUCKET_BYTES", "MEGATRON_BUCKET_PARAMS", "ROOT_LAYERS", "Bucket", "OpComm", "Reducer",
            "StepEstimate", "dgrad_time", "estimate_step", "is_grad_sync", "UB_COMM_SMS", "layer_groups", "op_communication",
-           "overlap_exposed", "param_gather_time", "shared_gather_costs", "torchtitan_units", "tp_overlap_exposed", "ub_sm_tax"]
+           "least_shared_gather_times", "overlap_exposed", "param_gather_time", "shared_gather_savings", "torchtitan_units", "tp_overlap_exposed", "ub_sm_tax"]

@@ -24,7 +24,7 @@ from spmdkit.cost.memory import (
     saved_activations,
 )
 from spmdkit.cost.memory_fsdp2 import gather_sizes, gathered_numels, pair_peak
-from spmdkit.cost.step import Bucket, OpComm, Reducer, op_communication, param_gather_time, shared_gather_costs
+from spmdkit.cost.step import Bucket, OpComm, Reducer, op_communication, param_gather_time, shared_gather_savings
 from spmdkit.planner.zero_bubble import weight_shares, weight_stash
 from spmdkit.program.ir import Program
 from spmdkit.program.plan import Plan
@@ -114,9 +114,8 @@ def stage_costs(plan: Plan, stages: list[int], counts: tuple[int, ...], device: 
         oc = oc or op_communication(plan, device)
         # under --compile, a recomputed allgather cp attention's grad shares its K / V gather
         # (held in memory by activation_deltas above): one mechanism, in the times too
-        cut = shared_gather_costs(plan, device, oc.costs, oc.under, rerun_points(plan, saved)[0]) if oc.under else {}
-        _stage_times(plan, stages, out, oc, {j for r in saved.recomputed for j in r}, shares, copies,
-                     {i: t + oc.wait[i] - (oc.under[i].exposed_s - u.exposed_s) for i, (_c, t, u) in cut.items()})
+        cut = shared_gather_savings(plan, device, oc, rerun_points(plan, saved)[0]) if oc.under else {}
+        _stage_times(plan, stages, out, oc, {j for r in saved.recomputed for j in r}, shares, copies, cut)
     return out
 
 
@@ -329,8 +328,8 @@ def _stage_times(plan: Plan, stages: list[int], out: list[StageCost], oc: OpComm
     model), its gradient reductions (where in its backward each gradient is made) and their
     time in buckets (:class:`spmdkit.cost.step.Reducer`), on ``device``. A shared parameter's
     copy (``copies``: :func:`_shared_copies`) costs its stage the same update and the same
-    gradient reduction, that one at the end of its backward. ``shared``: op -> its compute and
-    wait, where they are not ``oc``'s (:func:`spmdkit.cost.step.shared_gather_costs`)."""
+    gradient reduction, that one at the end of its backward. ``shared``: op -> the seconds its
+    compute and wait are less than ``oc``'s (:func:`spmdkit.cost.step.shared_gather_savings`)."""
     shared = shared or {}
     made: list[list[tuple[float, str, Step, int, str]]] = [[] for _ in out]
     each: list[list[tuple[float, str, Step, int, str]]] = [[] for _ in out]
@@ -346,7 +345,7 @@ def _stage_times(plan: Plan, stages: list[int], out: list[StageCost], oc: OpComm
     late: list[list[tuple[str, Step, int, str]]] = [[] for _ in out]
     for i, op in enumerate(prog.ops):
         c = oc.costs[i]
-        t = shared[i] if i in shared else oc.compute[i] + oc.wait[i]
+        t = oc.compute[i] + oc.wait[i] - shared.get(i, 0.0)
         sc = out[stages[i]]
         if i in rerun:
             sc.recompute_s += t
