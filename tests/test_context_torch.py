@@ -10,13 +10,19 @@ from dataclasses import replace
 import pytest
 from tests.test_cp_cost import CP, H100, HK, B, D, H, S, _plan
 
+from spmdkit.cost import context_shared
+from spmdkit.cost import memory as mem
 from spmdkit.cost.collectives import time_of
 from spmdkit.cost.compute import op_cost
 from spmdkit.cost.context import ring_exposed
 from spmdkit.cost.context_torch import local_qkv, torch_cp_costs, torch_cp_exposed
-from spmdkit.cost.devices import cost_model, recost
+from spmdkit.cost.devices import cost_model, preset_device, recost
+from spmdkit.cost.memory_cp import shared_gathers
 from spmdkit.cost.step import estimate_step
 from spmdkit.outputs.report import write_estimate
+from spmdkit.planner.planning import plan_model
+from spmdkit.planner.search_floor import per_device_work
+from spmdkit.planner.stage_costs import stage_costs
 from spmdkit.program.runtime import Runtime
 
 
@@ -161,3 +167,50 @@ def test_cp_ranks_across_nodes_use_the_network() -> None:
         assert far[i].gather_s == pytest.approx(want) and want > 2 * near[i].gather_s
     assert far[1].dkv_s > 2 * near[1].dkv_s
 
+
+
+def test_compiled_grad_shares_the_recomputed_gather_in_time_by_hand(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torchtitan --compile, full recomputation: AOTAutograd's CSE merges the grad's K / V gather,
+    # contiguous copies and cat into the recomputed forward's (memory_cp.shared_gathers, which the
+    # memory model holds from the rerun to the grad); the step prices them once, in the rerun
+    small = {"layers": 2, "hidden": 512, "heads": 8, "kv_heads": 2, "ffn": 1024, "vocab": 4096, "seq": 16384,
+             "batch": 1}
+    plan = plan_model("llama-7b", "cp=2", "cp", small)[1]
+    titan = replace(plan, runtime=Runtime(framework="torchtitan", compile=True))
+    dev = preset_device("h100")
+    ops = titan.program.ops
+    shared = shared_gathers(titan, mem.rerun_points(titan, mem.saved_activations(titan, "full"))[0])
+    assert len(shared) == 2 and all(ops[i].rule == "cp_attention_grad" for i in shared)
+    # 8192 local tokens, K and V repeated to 8 heads of 64, bf16: 16 MiB; gathered over cp = 2: 32 MiB;
+    # the fp32 dK / dV sent: 32 MiB; the grad's contiguous copies and cat (read, 2 written): 48 MiB
+    kvr = 8192 * 8 * 64 * 2 * 2
+    g = time_of(titan.cost, "all_gather", (0,), 2 * kvr, titan.mesh.shape)
+    d = time_of(titan.cost, "send_recv", (0,), 2 * kvr, titan.mesh.shape)
+    est = estimate_step(titan, dev, None, "full")
+    by_op = {u.op_index: u for u in est.torch_cp}
+    for i in shared:
+        u = by_op[i]
+        assert (u.gather_bytes, u.gather_s, u.dkv_bytes) == (0, 0.0, 2 * kvr)
+        assert u.comm_s == pytest.approx(2 * d) and u.exposed_s == pytest.approx(2 * d)
+        assert est.timeline[i][2] == pytest.approx(2 * d)  # the dK / dV sends alone, each waited for
+        c = op_cost(titan, i)
+        assert est.timeline[i][4] == dev.op_time(replace(c, cast_bytes=c.cast_bytes - 3 * kvr))
+        assert dev.op_time(c) - est.timeline[i][4] == pytest.approx(3 * kvr / dev.hbm_rate)
+    assert all(u.gather_bytes == 2 * kvr for u in est.torch_cp if u.phase == "forward")
+    assert est.comm_s["recompute"] == pytest.approx(2 * g)  # the recomputed forwards' gathers stay, exposed
+    assert est.comm_s["backward"] == pytest.approx(2 * 2 * d)
+    # not recomputed, or eager: the grad gathers again itself
+    none = estimate_step(titan, dev, None, "none")
+    assert none.comm_s["backward"] == pytest.approx(2 * (g + 2 * d))
+    eager = estimate_step(replace(plan, runtime=Runtime(framework="torchtitan")), dev, None, "full")
+    assert all(u.gather_bytes == 2 * kvr for u in eager.torch_cp)
+    # a pipeline's stage times the same way: its backward less a gather and the copies per layer
+    stages = [0] * len(ops)
+    got = stage_costs(titan, stages, (2,), dev, "full")[0].backward_s
+    # and the search's floor over the modes: below the full mode's (the most it shares)
+    work = per_device_work(titan, dev)
+    monkeypatch.setattr(context_shared, "shared_gathers", lambda plan, rerun: {})
+    base = stage_costs(titan, stages, (2,), dev, "full")[0].backward_s
+    assert base - got == pytest.approx(2 * (g + 3 * kvr / dev.hbm_rate))
+    assert per_device_work(titan, dev) - work == pytest.approx(2 * (g + 3 * kvr / dev.hbm_rate))
+    assert estimate_step(titan, dev, None, "full").comm_s["backward"] == pytest.approx(2 * (g + 2 * d))

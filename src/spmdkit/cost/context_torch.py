@@ -46,7 +46,11 @@ traces the ring into the block's graph and Inductor fuses each pointwise chain),
 the device's HBM rate as the op's ``cast_bytes``, and its flash kernels at the step's sequence
 (:func:`torch_cp_op_cost`). The plan's own K / V
 all-gathers and dK / dV reduce-scatters of such an op (of the un-repeated heads) are replaced by
-these (:mod:`spmdkit.cost.step`).
+these (:mod:`spmdkit.cost.step`). Under ``--compile`` with the attention recomputed the grad's
+all-gather, ``contiguous()`` copies and first ``torch.cat`` are its recomputed forward's
+(AOTAutograd's CSE of the joint graph: :func:`spmdkit.cost.memory_cp.shared_gathers`): the grad
+is priced without them (:meth:`TorchCpCost.without_gather`, :func:`shared_copy_bytes`,
+:func:`spmdkit.cost.context_shared.shared_gather_costs`).
 """
 
 from __future__ import annotations
@@ -208,6 +212,16 @@ def torch_cp_exposed(gather_s: float, dkv_s: float, step_s: float, cp: int, back
     return max(0.0, clock - cp * step_s)
 
 
+def shared_copy_bytes(x: LocalQKV) -> int:
+    """Bytes of the memory-bound passes an allgather cp attention grad on ``x``'s shapes does not
+    run when its K / V gather is its recomputed forward's (under ``--compile`` with the attention
+    recomputed: AOTAutograd's CSE of the joint graph, :func:`spmdkit.cost.memory_cp.shared_gathers`):
+    ``key.contiguous()``, ``value.contiguous()`` and the rotater's first ``torch.cat``, one
+    Inductor kernel that reads the repeated K / V and writes the copies and the cat
+    (:func:`_compiled_merge_bytes`' first ``3 KV``); the recomputed forward runs them, once."""
+    return 3 * x.rep_kv * x.itemsize
+
+
 @dataclass(frozen=True)
 class TorchCpCost:
     """One allgather cp attention op under torch's context_parallel: its all-gather of the
@@ -229,6 +243,13 @@ class TorchCpCost:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    def without_gather(self) -> TorchCpCost:
+        """This backward op with its all-gather shared with the recomputed forward's (under
+        ``--compile``: :func:`shared_copy_bytes`): the ``cp`` dK / dV sends alone, each waited
+        for where it is issued (traced: :func:`torch_cp_exposed`)."""
+        return replace(self, gather_bytes=0, gather_s=0.0, comm_s=self.comm_s - self.gather_s,
+                       exposed_s=torch_cp_exposed(0.0, self.dkv_s, self.step_s, self.cp, True, traced=True))
 
 
 def runs_torch_cp(plan: Plan, cp: CpOp) -> bool:
@@ -266,5 +287,5 @@ def torch_cp_costs(plan: Plan, times: Sequence[float], ops: Sequence[CpOp] | Non
     return out
 
 
-__all__ = ["LocalQKV", "TORCH_CP", "TorchCpCost", "local_qkv", "merge_bytes", "runs_torch_cp", "torch_cp_costs",
-           "torch_cp_exposed", "torch_cp_op_cost", "torch_cp_ops"]
+__all__ = ["LocalQKV", "TORCH_CP", "TorchCpCost", "local_qkv", "merge_bytes", "runs_torch_cp", "shared_copy_bytes",
+           "torch_cp_costs", "torch_cp_exposed", "torch_cp_op_cost", "torch_cp_ops"]

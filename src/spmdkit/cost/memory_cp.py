@@ -37,7 +37,9 @@ contiguous copies (``(cp + 1) (K + V)``) are then the grad's: made when the laye
 (its forward attention before the MLP's backward, which reads its output) and held until the
 grad's last step (:func:`shared_gathers`), across the layer's MLP backward, instead of living in
 each pass alone. (Before pytorch/pytorch#147561, 2025-02, the partitioner recomputed
-collectives in a checkpointed region like any op; torchtitan 9dec370 ran torch 1963fc8.)
+collectives in a checkpointed region like any op; torchtitan 9dec370 ran torch 1963fc8.) The
+step's time drops the grad's own gather and copies under the same predicate
+(:func:`spmdkit.cost.context_shared.shared_gather_costs`).
 """
 
 from __future__ import annotations

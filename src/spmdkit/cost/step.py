@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -22,6 +23,7 @@ from spmdkit.cost.band import error_band
 from spmdkit.cost.collectives import buffer_bytes, time_of
 from spmdkit.cost.compute import KernelCollective, kernel_collectives, local_shape, model_flops, op_cost
 from spmdkit.cost.context import RingCost, causal_imbalance, cp_ops, regathers, ring_costs
+from spmdkit.cost.context_shared import shared_gather_costs
 from spmdkit.cost.context_torch import TorchCpCost, torch_cp_costs, torch_cp_ops
 from spmdkit.cost.devices import Device
 from spmdkit.cost.memory import rerun_points, saved_activations
@@ -576,12 +578,14 @@ class _Rerun:
     regathers: int = 0
 
 
-def _rerun(plan: Plan, recompute: str, comp: _Compute, comm: _Comm, kern_by_op: dict[int, float]) -> _Rerun:
+def _rerun(plan: Plan, recompute: str, comp: _Compute, comm: _Comm, kern_by_op: dict[int, float],
+           points: tuple[dict[int, list[int]], dict[int, list[int]]] | None = None) -> _Rerun:
     """The recomputed forward ops (with their forward collectives) run again before the first
     op that reads their outputs (``comp.by_phase["recompute"]``, ``comm.by_phase["recompute"]``);
     a tensor kept as its producer's shard is all-gathered again there (``comm.by_phase["backward"]``),
-    under Megatron overlapped with that op's dgrad GEMM (:func:`dgrad_time`)."""
-    rerun, regather = rerun_points(plan, saved_activations(plan, recompute))
+    under Megatron overlapped with that op's dgrad GEMM (:func:`dgrad_time`). ``points``:
+    :func:`spmdkit.cost.memory.rerun_points` of ``recompute``, where the caller has them."""
+    rerun, regather = points or rerun_points(plan, saved_activations(plan, recompute))
     out = _Rerun()
     for at, idx in rerun.items():
         for j in idx:
@@ -605,6 +609,43 @@ def _rerun(plan: Plan, recompute: str, comp: _Compute, comm: _Comm, kern_by_op: 
             if plan.runtime.framework == "megatron" else secs
         out.extra_at[at] = out.extra_at.get(at, 0.0) + exposed
     return out
+
+
+def shared_gather_savings(plan: Plan, device: Device, oc: OpComm, rerun: dict[int, list[int]]) -> dict[int, float]:
+    """Op -> the seconds :func:`shared_gather_costs` takes off its time in ``oc`` (its compute
+    and the communication it waits on), where the backward runs the forward again at ``rerun``."""
+    cut = shared_gather_costs(plan, device, oc.costs, oc.under, rerun)
+    return {i: oc.compute[i] - t + oc.under[i].exposed_s - u.exposed_s for i, (_c, t, u) in cut.items()}
+
+
+def least_shared_gather_times(plan: Plan, device: Device, oc: OpComm, modes: Iterable[str]) -> dict[int, float]:
+    """Op -> the most :func:`shared_gather_savings` of any of the recomputation ``modes``: a
+    floor over the modes (``spmdkit.planner.search_floor``) takes it off the op's ``oc`` time,
+    so it stays below each mode's."""
+    out: dict[int, float] = {}
+    if not oc.under or plan.runtime.eager:
+        return out
+    for mode in modes:
+        for i, s in shared_gather_savings(plan, device, oc, rerun_points(plan, saved_activations(plan, mode))[0]).items():
+            out[i] = max(out.get(i, 0.0), s)
+    return out
+
+
+def _share_gathers(plan: Plan, device: Device, comp: _Compute, comm: _Comm, rerun: dict[int, list[int]]) -> None:
+    """:func:`shared_gather_costs` into ``comp`` (its lists copied: :func:`_compute` caches them)
+    and ``comm``."""
+    cut = shared_gather_costs(plan, device, comp.costs, comm.under, rerun)
+    if not cut:
+        return
+    comp.costs, comp.times = list(comp.costs), list(comp.times)
+    for i, (c, t, u) in cut.items():
+        ph = plan.program.ops[i].phase
+        comp.by_phase[ph] += t - comp.times[i]
+        if c.matmul:
+            comp.matmul_s += t - comp.times[i]
+        comp.costs[i], comp.times[i] = c, t
+        comm.by_phase[ph] -= comm.under[i].comm_s - u.comm_s
+        comm.under[i] = u
 
 
 def dgrad_time(c: OpCost, t: float) -> float:
@@ -781,6 +822,8 @@ class OpComm:
     #: (op, index in ``pending[op]``) of the reductions a pipeline's stages run in every
     #: microbatch's backward, not only the last one's (Megatron-FSDP's ZeRO-2/3 reduce-scatters)
     each: frozenset[tuple[int, int]] = frozenset()
+    #: torch's context_parallel's allgather attention ops (``_Comm.under``; their exposed part in ``wait``)
+    under: dict[int, TorchCpCost] = field(default_factory=dict)
 
 
 #: op_communication's values by what it reads of a plan (every field but ``rounds``: the
@@ -824,7 +867,7 @@ def _op_communication(plan: Plan, device: Device) -> OpComm:
             exposed[first] = exposed.get(first, 0.0) + e
     return OpComm(comp.times, wait, comm.pending, comp.costs, comm.param_gathers, exposed,
                   sum(secs for secs, _first in comm.prefetch.values()), comm.ep_a2a,
-                  frozenset(comm.pipeline_each))
+                  frozenset(comm.pipeline_each), comm.under)
 
 
 @gc_paused
@@ -854,7 +897,9 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
     rings = ring_costs(plan, comp.times)
     for rg in rings:  # the ring's exposed transfers wait inside the op, as a kernel's collective
         kern_by_op[rg.op_index] = kern_by_op.get(rg.op_index, 0.0) + rg.exposed_s
-    rerun = _rerun(plan, recompute, comp, comm, kern_by_op)
+    points = rerun_points(plan, saved_activations(plan, recompute))
+    _share_gathers(plan, device, comp, comm, points[0])
+    rerun = _rerun(plan, recompute, comp, comm, kern_by_op, points)
     compute, comm_s = comp.by_phase, comm.by_phase
     flops, mflops, nbytes, matmul_s = comp.flops + rerun.flops, comp.model_flops, comp.bytes, comp.matmul_s
     run = _run(plan, comp, comm, rerun, kern_by_op)
@@ -933,4 +978,4 @@ def estimate_step(plan: Plan, device: Device, tokens: int | None = None, recompu
 
 __all__ = ["BUCKET_BYTES", "FIRST_BUCKET_BYTES", "MEGATRON_BUCKET_PARAMS", "ROOT_LAYERS", "Bucket", "OpComm", "Reducer",
            "StepEstimate", "dgrad_time", "estimate_step", "is_grad_sync", "UB_COMM_SMS", "layer_groups", "op_communication",
-           "overlap_exposed", "param_gather_time", "torchtitan_units", "tp_overlap_exposed", "ub_sm_tax"]
+           "least_shared_gather_times", "overlap_exposed", "param_gather_time", "shared_gather_savings", "torchtitan_units", "tp_overlap_exposed", "ub_sm_tax"]

@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 from spmdkit.core.errors import SpmdError
 from spmdkit.cost.devices import Device
 from spmdkit.cost.memory import ActivationMemory, activation_deltas, peak_of, saved_activations
-from spmdkit.cost.step import op_communication
+from spmdkit.cost.step import least_shared_gather_times, op_communication
 from spmdkit.planner.fold import fold_of
 from spmdkit.planner.pipeline import op_units
 from spmdkit.planner.search_bounds import pipeline_fill
@@ -113,12 +113,14 @@ def _work(plan: Plan, device: Device) -> LayerFloor:
     unit, n_layers = op_units(prog)
     own = [0.0] * len(prog.ops)
     exposed = forward = 0.0
+    shared = least_shared_gather_times(plan, device, oc, RECOMPUTE)  # a compiled cp grad's gather, under a mode
     for i, op in enumerate(prog.ops):
         if op.phase in ("forward", "backward"):
             c = oc.costs[i]
             e = oc.prefetch_exposed.get(i, 0.0)
             exposed += e
             own[i] = (oc.compute[i] if _counted(plan, i, c.matmul, c.attention is not None) else 0.0) + oc.wait[i] - e
+            own[i] = max(0.0, own[i] - shared.get(i, 0.0))
             forward += own[i] if op.phase == "forward" else 0.0
     rerun: dict[str, float] = {}
     kept: dict[str, int] = {}

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from spmdkit.core.errors import SpmdError
 from spmdkit.cost.devices import Device
 from spmdkit.cost.memory import saved_activations
-from spmdkit.cost.step import op_communication
+from spmdkit.cost.step import least_shared_gather_times, op_communication
 from spmdkit.planner.pipeline import op_units
 from spmdkit.planner.search_bounds import GROW, Bounds
 from spmdkit.planner.search_floor import (
@@ -81,10 +81,12 @@ def one_copy_floor(plan: Plan, device: Device, layers: int, dense: int) -> MoeLa
     own = [0.0] * len(prog.ops)
     by_layer = [0.0] * n
     forward, fwd_layer = 0.0, [0.0] * n  # the forward's part (the whole copy's, by layer)
+    shared = least_shared_gather_times(plan, device, oc, RECOMPUTE)  # a compiled cp grad's gather, under a mode
     for i, op in enumerate(prog.ops):
         if op.phase in ("forward", "backward"):
             c = oc.costs[i]
             own[i] = (oc.compute[i] if _counted(plan, i, c.matmul, c.attention is not None) else 0.0) + oc.wait[i]
+            own[i] = max(0.0, own[i] - shared.get(i, 0.0))
             if 0 <= where[i] < n:
                 by_layer[where[i]] += own[i]
             if op.phase == "forward":

@@ -20,10 +20,11 @@ from spmdkit.cost.memory import (
     held_for_the_step,
     local_numel,
     peak_of,
+    rerun_points,
     saved_activations,
 )
 from spmdkit.cost.memory_fsdp2 import gather_sizes, gathered_numels, pair_peak
-from spmdkit.cost.step import Bucket, OpComm, Reducer, op_communication, param_gather_time
+from spmdkit.cost.step import Bucket, OpComm, Reducer, op_communication, param_gather_time, shared_gather_savings
 from spmdkit.planner.zero_bubble import weight_shares, weight_stash
 from spmdkit.program.ir import Program
 from spmdkit.program.plan import Plan
@@ -110,8 +111,11 @@ def stage_costs(plan: Plan, stages: list[int], counts: tuple[int, ...], device: 
     for s, b in enumerate(weight_stash(plan, stages, len(out), saved, shares, nbytes)):
         out[s].wstash_bytes = b
     if device is not None:
-        _stage_times(plan, stages, out, oc or op_communication(plan, device), {j for r in saved.recomputed for j in r},
-                     shares, copies)
+        oc = oc or op_communication(plan, device)
+        # under --compile, a recomputed allgather cp attention's grad shares its K / V gather
+        # (held in memory by activation_deltas above): one mechanism, in the times too
+        cut = shared_gather_savings(plan, device, oc, rerun_points(plan, saved)[0]) if oc.under else {}
+        _stage_times(plan, stages, out, oc, {j for r in saved.recomputed for j in r}, shares, copies, cut)
     return out
 
 
@@ -317,13 +321,16 @@ def _stash_and_sends(plan: Plan, stages: list[int], out: list[StageCost], nbytes
 
 
 def _stage_times(plan: Plan, stages: list[int], out: list[StageCost], oc: OpComm, rerun: set[int],
-                 shares: dict[int, float], copies: dict[str, tuple[str | None, tuple[int, ...]]]) -> None:
+                 shares: dict[int, float], copies: dict[str, tuple[str | None, tuple[int, ...]]],
+                 shared: dict[int, float] | None = None) -> None:
     """Each stage's forward, backward, recomputation and optimizer times (each op's compute and
     the communication it waits on: :func:`spmdkit.cost.step.op_communication`, the step's own
     model), its gradient reductions (where in its backward each gradient is made) and their
     time in buckets (:class:`spmdkit.cost.step.Reducer`), on ``device``. A shared parameter's
     copy (``copies``: :func:`_shared_copies`) costs its stage the same update and the same
-    gradient reduction, that one at the end of its backward."""
+    gradient reduction, that one at the end of its backward. ``shared``: op -> the seconds its
+    compute and wait are less than ``oc``'s (:func:`spmdkit.cost.step.shared_gather_savings`)."""
+    shared = shared or {}
     made: list[list[tuple[float, str, Step, int, str]]] = [[] for _ in out]
     each: list[list[tuple[float, str, Step, int, str]]] = [[] for _ in out]
     gathers: list[list[tuple[tuple[int, ...], float, int]]] = [[] for _ in out]
@@ -338,7 +345,7 @@ def _stage_times(plan: Plan, stages: list[int], out: list[StageCost], oc: OpComm
     late: list[list[tuple[str, Step, int, str]]] = [[] for _ in out]
     for i, op in enumerate(prog.ops):
         c = oc.costs[i]
-        t = oc.compute[i] + oc.wait[i]
+        t = oc.compute[i] + oc.wait[i] - shared.get(i, 0.0)
         sc = out[stages[i]]
         if i in rerun:
             sc.recompute_s += t
