@@ -368,6 +368,13 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
         argv.append("--no-p2p-overlap")
         assume.append("pipeline sends block (Megatron-LM 2021-2022: torch.cuda.synchronize() after each "
                       "batch_isend_irecv)")
+    if par["tp"] > 1 and row["id"].startswith("narayanan21"):
+        # Megatron-LM at de7dc40f88 (2021-08, the sc21 scripts): the column-parallel linear's
+        # backward all-reduce blocks (copy_to_tensor_model_parallel_region); the async one beside
+        # the wgrad GEMM came in 16c90445e7 (2021-09, async_tensor_model_parallel_allreduce)
+        argv.append("--no-async-tp-allreduce")
+        assume.append("tp all-reduce of the input gradient blocks (Megatron-LM 2021-08: no "
+                      "async_tensor_model_parallel_allreduce)")
     dpe = dp * (1 if from_cp else ep)  # the data-parallel ranks (ep folded into them unless carved from cp)
     accum = (gb // (dpe * mb)) if gb else 1
     if gb and gb % (dpe * mb):
