@@ -379,6 +379,12 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
     accum = (gb // (dpe * mb)) if gb else 1
     if gb and gb % (dpe * mb):
         raise Unsupported(f"global batch {gb} not a multiple of dp x micro-batch {dpe * mb}")
+    if accum > 1 and row["id"].startswith("narayanan21"):
+        # Megatron-LM at de7dc40f88 predates --gradient-accumulation-fusion (83b1e42f30, 2022-02):
+        # its weight gradients accumulate in param.grad through autograd, microbatch by microbatch
+        argv.append("--no-wgrad-fusion")
+        assume.append("weight gradients added into param.grad each microbatch (Megatron-LM 2021-08: no "
+                      "gradient accumulation fusion)")
     if pp > 1:
         argv += ["--batch", str(dpe * mb * accum), "--microbatches", str(accum)]
         v = par.get("vp_chunks") or 1

@@ -320,3 +320,20 @@ def test_no_async_tp_allreduce_flag() -> None:
     assert on["comm_s"] == off["comm_s"]  # the same collectives, fewer of their seconds exposed
     hidden = off["step_overlap_s"] - on["step_overlap_s"]
     assert 0 < hidden <= on["comm_s"]["backward"]
+
+
+def test_unfused_wgrad_adds_into_param_grad_as_a_kernel_of_its_own() -> None:
+    """--no-wgrad-fusion (Megatron-LM before 83b1e42f30, 2022-02): the wgrad GEMM writes the bf16
+    gradient and autograd's AccumulateGrad adds it into param.grad (read 2, write 1 element), a
+    memory-bound kernel after the op's GEMMs; with the fusion the GEMM accumulates into main_grad."""
+    _, plan, _ = plan_model("llama-7b", "tp=2", "megatron", {"layers": 1, "seq": 128, "batch": 2})
+    ops = plan.program.ops
+    i = next(j for j, op in enumerate(ops) if op.rule == "matmul_grad" and "layers.0.w_up.grad" in op.output_names())
+    assert plan.program.tensors["layers.0.w_up"].dtype == "bfloat16"
+    fused = op_cost(replace(plan, runtime=Runtime(framework="megatron")), i)
+    unfused = op_cost(replace(plan, runtime=Runtime(framework="megatron", wgrad_fusion=False)), i)
+    elems = 4096 * (11008 // 2)  # w_up [4096, 11008], column-parallel over tp = 2
+    assert unfused.cast_bytes == 3 * 2 * elems and fused.cast_bytes == 0
+    assert unfused.wgrad_bytes == 0 and fused.wgrad_bytes > 0  # one GEMM kernel pair, then the add
+    assert H100.op_time(unfused) == pytest.approx(H100.op_time(replace(unfused, cast_bytes=0.0))
+                                                  + 6 * elems / H100.hbm_rate)

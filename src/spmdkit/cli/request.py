@@ -81,6 +81,7 @@ class Links:
     ep_comm_overlap: bool = False
     grad_overlap: bool = True
     tp_allreduce_overlap: bool = True
+    wgrad_fusion: bool = True
 
     def runtime(self) -> Runtime:
         """The runtime flags (``--precision``, ``--framework``, ``--tp-comm-overlap``, the MoE,
@@ -95,7 +96,7 @@ class Links:
                        moe_routing=(self.moe_routing or "topk").strip().lower(),
                        ce_fusion=self.ce_fusion, p2p_overlap=self.p2p_overlap,
                        ep_comm_overlap=self.ep_comm_overlap, grad_overlap=self.grad_overlap,
-                       tp_allreduce_overlap=self.tp_allreduce_overlap)
+                       tp_allreduce_overlap=self.tp_allreduce_overlap, wgrad_fusion=self.wgrad_fusion)
 
 
 def _state_dtype(text: str | None) -> str | None:
@@ -248,7 +249,7 @@ def plan_request(ns: argparse.Namespace) -> PlanRequest:
                     optimizer_dtype=ns.optimizer_dtype, compile=ns.compile, moe_dispatcher=ns.moe_dispatcher,
                     moe_routing=ns.moe_routing, ce_fusion=ns.ce_fusion, p2p_overlap=ns.p2p_overlap,
                     ep_comm_overlap=ns.ep_comm_overlap, grad_overlap=ns.grad_overlap,
-                    tp_allreduce_overlap=ns.tp_allreduce_overlap),
+                    tp_allreduce_overlap=ns.tp_allreduce_overlap, wgrad_fusion=ns.wgrad_fusion),
         grad_accum=ns.grad_accum, recompute=ns.recompute, verify=ns.verify,
         global_batch=ns.global_batch, micro_batch=ns.micro_batch,
         search=SearchArgs(auto=ns.auto, time_limit=ns.auto_time_limit, memory=ns.memory, explain=ns.explain),
@@ -352,6 +353,10 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="framework megatron: the backward's tensor-parallel all-reduce of a column-parallel linear's "
                         "input gradient blocks after its weight-gradient GEMM (Megatron-LM before September 2021); "
                         "default: it runs beside that GEMM (async_tensor_model_parallel_allreduce)")
+    p.add_argument("--no-wgrad-fusion", dest="wgrad_fusion", action="store_false",
+                   help="framework megatron: the weight gradient is written in the weight's dtype and added into "
+                        "param.grad by autograd every microbatch (Megatron-LM before 2022-02); default: accumulated "
+                        "into the fp32 main_grad by its GEMM (--gradient-accumulation-fusion)")
     p.add_argument("--cross-entropy-fusion", dest="ce_fusion", action="store_true",
                    help="framework megatron: the loss as Megatron's --cross-entropy-loss-fusion runs it (NeMo's "
                         "cross_entropy_loss_fusion: fewer passes over the fp32 logits; default off, as in Megatron-LM)")
