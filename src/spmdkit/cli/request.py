@@ -350,13 +350,11 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="the data-parallel gradient reduction runs after the last backward, all in one buffer per "
                         "dtype (Megatron-LM 2021-2022's local DDP); default: in buckets under the backward")
     p.add_argument("--no-async-tp-allreduce", dest="tp_allreduce_overlap", action="store_false",
-                   help="framework megatron: the backward's tensor-parallel all-reduce of a column-parallel linear's "
-                        "input gradient blocks after its weight-gradient GEMM (Megatron-LM before September 2021); "
-                        "default: it runs beside that GEMM (async_tensor_model_parallel_allreduce)")
+                   help="framework megatron: the backward's tp all-reduce of a column-parallel input gradient blocks "
+                        "(Megatron-LM before 2021-09); default: it runs beside the wgrad GEMM (async all-reduce)")
     p.add_argument("--no-wgrad-fusion", dest="wgrad_fusion", action="store_false",
-                   help="framework megatron: the weight gradient is written in the weight's dtype and added into "
-                        "param.grad by autograd every microbatch (Megatron-LM before 2022-02); default: accumulated "
-                        "into the fp32 main_grad by its GEMM (--gradient-accumulation-fusion)")
+                   help="framework megatron: autograd adds each microbatch's weight gradient into param.grad "
+                        "(Megatron-LM before 2022-02); default: its GEMM accumulates into the fp32 main_grad")
     p.add_argument("--cross-entropy-fusion", dest="ce_fusion", action="store_true",
                    help="framework megatron: the loss as Megatron's --cross-entropy-loss-fusion runs it (NeMo's "
                         "cross_entropy_loss_fusion: fewer passes over the fp32 logits; default off, as in Megatron-LM)")
