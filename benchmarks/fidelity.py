@@ -368,10 +368,23 @@ def express(row: dict[str, Any], tmp: Path) -> Case:
         argv.append("--no-p2p-overlap")
         assume.append("pipeline sends block (Megatron-LM 2021-2022: torch.cuda.synchronize() after each "
                       "batch_isend_irecv)")
+    if par["tp"] > 1 and row["id"].startswith("narayanan21"):
+        # Megatron-LM at de7dc40f88 (2021-08, the sc21 scripts): the column-parallel linear's
+        # backward all-reduce blocks (copy_to_tensor_model_parallel_region); the async one beside
+        # the wgrad GEMM came in 16c90445e7 (2021-09, async_tensor_model_parallel_allreduce)
+        argv.append("--no-async-tp-allreduce")
+        assume.append("tp all-reduce of the input gradient blocks (Megatron-LM 2021-08: no "
+                      "async_tensor_model_parallel_allreduce)")
     dpe = dp * (1 if from_cp else ep)  # the data-parallel ranks (ep folded into them unless carved from cp)
     accum = (gb // (dpe * mb)) if gb else 1
     if gb and gb % (dpe * mb):
         raise Unsupported(f"global batch {gb} not a multiple of dp x micro-batch {dpe * mb}")
+    if accum > 1 and row["id"].startswith("narayanan21"):
+        # Megatron-LM at de7dc40f88 predates --gradient-accumulation-fusion (83b1e42f30, 2022-02):
+        # its weight gradients accumulate in param.grad through autograd, microbatch by microbatch
+        argv.append("--no-wgrad-fusion")
+        assume.append("weight gradients added into param.grad each microbatch (Megatron-LM 2021-08: no "
+                      "gradient accumulation fusion)")
     if pp > 1:
         argv += ["--batch", str(dpe * mb * accum), "--microbatches", str(accum)]
         v = par.get("vp_chunks") or 1

@@ -5,7 +5,9 @@ and NeMo 24.07's recipes as its launcher configs set them (benchmarks/fidelity.p
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import sys
 from dataclasses import replace
@@ -264,3 +266,74 @@ def test_fused_weight_gradient_accumulates_into_fp32_main_grad_by_hand() -> None
     _, z3, _ = plan_model("llama-7b", "dp=2,tp=2", "dp,megatron,zero3", {"layers": 1, "seq": 128, "batch": 4, "vocab": 1024})
     j = next(k for k, op in enumerate(z3.program.ops) if op.rule == "matmul_grad" and op.inputs["y"] == "layers.0.w_down")
     assert op_cost(z3, j).wgrad_bytes == 0.0
+
+
+def test_async_dgrad_allreduce_hides_under_the_wgrad_gemms() -> None:
+    """Megatron-LM's async_tensor_model_parallel_allreduce (megatron/mpu/layers at 16c90445e7,
+    LinearWithGradAccumulationAndAsyncAllreduce.backward): the column-parallel linear's input
+    gradient is all-reduced over tp while its weight-gradient GEMM runs, so only
+    max(0, all-reduce - wgrad) blocks; q, k, v are one linear there (their dgrads summed)."""
+    _, plan, _ = plan_model("llama-7b", "tp=8", "megatron", {"layers": 1, "seq": 2048, "batch": 1})
+    plan = recost(plan, cost_model(plan.mesh, H100))
+    ops = plan.program.ops
+    comp = st._compute(replace(plan, runtime=Runtime(framework="megatron")), H100)
+    got = {}
+    for key, rt in (("on", Runtime(framework="megatron")),
+                    ("off", Runtime(framework="megatron", tp_allreduce_overlap=False)),
+                    ("titan", Runtime(framework="torchtitan"))):
+        got[key] = st._communication(replace(plan, runtime=rt), comp, H100).blocking
+
+    def made_by(name: str) -> int:
+        return next(i for i, op in enumerate(ops) if name in op.output_names())
+
+    cases = {"layers.0.attn_norm.out.grad.sum": ("layers.0.attn_norm.out.grad", "layers.0.attn_norm.out.grad1",
+                                                 "layers.0.attn_norm.out.grad2"),
+             "layers.0.mlp_norm.out.grad.sum": ("layers.0.mlp_norm.out.grad", "layers.0.mlp_norm.out.grad1")}
+    for summed, parts in cases.items():
+        at = next(i for i, op in enumerate(ops) if op.phase == "backward" and summed in op.input_names()
+                  and op.rule != "add_n")
+        ar = sum(r.plan.time_s for r in plan.reshards if r.op_index == at and r.tensor == summed)
+        gemms = [made_by(p) for p in parts]
+        assert all(ops[g].rule == "matmul_grad" for g in gemms)
+        wgrad = sum(0.5 * comp.times[g] for g in gemms)  # dW = X^T dY: half of each GEMM backward
+        assert ar > 0 and wgrad > 0
+        assert got["off"][at] == pytest.approx(ar) and got["titan"][at] == pytest.approx(ar)
+        assert got["on"][at] == pytest.approx(max(0.0, ar - wgrad))
+        assert got["on"][at] < ar
+    # the forward's all-reduces (row-parallel outputs) block either way
+    fwd = [i for i in got["off"] if ops[i].phase == "forward"]
+    assert fwd and all(got["on"][i] == pytest.approx(got["off"][i]) for i in fwd)
+
+
+def test_no_async_tp_allreduce_flag() -> None:
+    """--no-async-tp-allreduce: the backward's tp all-reduces block again (the 2021 rows use it); what
+    the default hides is at most the backward's tp communication."""
+    args = ["plan", "--model", "tiny-llama", "--mesh", "tp=2", "--strategy", "megatron", "--framework", "megatron",
+            "--device", "h100", "--json"]
+    outs = []
+    for extra in ([], ["--no-async-tp-allreduce"]):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            assert main(args + extra) == 0
+        outs.append(json.loads(buf.getvalue()))
+    on, off = outs[0]["step"], outs[1]["step"]
+    assert on["comm_s"] == off["comm_s"]  # the same collectives, fewer of their seconds exposed
+    hidden = off["step_overlap_s"] - on["step_overlap_s"]
+    assert 0 < hidden <= on["comm_s"]["backward"]
+
+
+def test_unfused_wgrad_adds_into_param_grad_as_a_kernel_of_its_own() -> None:
+    """--no-wgrad-fusion (Megatron-LM before 83b1e42f30, 2022-02): the wgrad GEMM writes the bf16
+    gradient and autograd's AccumulateGrad adds it into param.grad (read 2, write 1 element), a
+    memory-bound kernel after the op's GEMMs; with the fusion the GEMM accumulates into main_grad."""
+    _, plan, _ = plan_model("llama-7b", "tp=2", "megatron", {"layers": 1, "seq": 128, "batch": 2})
+    ops = plan.program.ops
+    i = next(j for j, op in enumerate(ops) if op.rule == "matmul_grad" and "layers.0.w_up.grad" in op.output_names())
+    assert plan.program.tensors["layers.0.w_up"].dtype == "bfloat16"
+    fused = op_cost(replace(plan, runtime=Runtime(framework="megatron")), i)
+    unfused = op_cost(replace(plan, runtime=Runtime(framework="megatron", wgrad_fusion=False)), i)
+    elems = 4096 * (11008 // 2)  # w_up [4096, 11008], column-parallel over tp = 2
+    assert unfused.cast_bytes == 3 * 2 * elems and fused.cast_bytes == 0
+    assert unfused.wgrad_bytes == 0 and fused.wgrad_bytes > 0  # one GEMM kernel pair, then the add
+    assert H100.op_time(unfused) == pytest.approx(H100.op_time(replace(unfused, cast_bytes=0.0))
+                                                  + 6 * elems / H100.hbm_rate)

@@ -80,6 +80,8 @@ class Links:
     p2p_overlap: bool = True
     ep_comm_overlap: bool = False
     grad_overlap: bool = True
+    tp_allreduce_overlap: bool = True
+    wgrad_fusion: bool = True
 
     def runtime(self) -> Runtime:
         """The runtime flags (``--precision``, ``--framework``, ``--tp-comm-overlap``, the MoE,
@@ -93,7 +95,8 @@ class Links:
                        compile=self.compile, moe_dispatcher=(self.moe_dispatcher or "alltoall").strip().lower(),
                        moe_routing=(self.moe_routing or "topk").strip().lower(),
                        ce_fusion=self.ce_fusion, p2p_overlap=self.p2p_overlap,
-                       ep_comm_overlap=self.ep_comm_overlap, grad_overlap=self.grad_overlap)
+                       ep_comm_overlap=self.ep_comm_overlap, grad_overlap=self.grad_overlap,
+                       tp_allreduce_overlap=self.tp_allreduce_overlap, wgrad_fusion=self.wgrad_fusion)
 
 
 def _state_dtype(text: str | None) -> str | None:
@@ -245,7 +248,8 @@ def plan_request(ns: argparse.Namespace) -> PlanRequest:
                     moe_histogram=ns.moe_histogram, grad_dtype=ns.grad_dtype,
                     optimizer_dtype=ns.optimizer_dtype, compile=ns.compile, moe_dispatcher=ns.moe_dispatcher,
                     moe_routing=ns.moe_routing, ce_fusion=ns.ce_fusion, p2p_overlap=ns.p2p_overlap,
-                    ep_comm_overlap=ns.ep_comm_overlap, grad_overlap=ns.grad_overlap),
+                    ep_comm_overlap=ns.ep_comm_overlap, grad_overlap=ns.grad_overlap,
+                    tp_allreduce_overlap=ns.tp_allreduce_overlap, wgrad_fusion=ns.wgrad_fusion),
         grad_accum=ns.grad_accum, recompute=ns.recompute, verify=ns.verify,
         global_batch=ns.global_batch, micro_batch=ns.micro_batch,
         search=SearchArgs(auto=ns.auto, time_limit=ns.auto_time_limit, memory=ns.memory, explain=ns.explain),
@@ -345,6 +349,12 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-grad-overlap", dest="grad_overlap", action="store_false",
                    help="the data-parallel gradient reduction runs after the last backward, all in one buffer per "
                         "dtype (Megatron-LM 2021-2022's local DDP); default: in buckets under the backward")
+    p.add_argument("--no-async-tp-allreduce", dest="tp_allreduce_overlap", action="store_false",
+                   help="framework megatron: the backward's tp all-reduce of a column-parallel input gradient blocks "
+                        "(Megatron-LM before 2021-09); default: it runs beside the wgrad GEMM (async all-reduce)")
+    p.add_argument("--no-wgrad-fusion", dest="wgrad_fusion", action="store_false",
+                   help="framework megatron: autograd adds each microbatch's weight gradient into param.grad "
+                        "(Megatron-LM before 2022-02); default: its GEMM accumulates into the fp32 main_grad")
     p.add_argument("--cross-entropy-fusion", dest="ce_fusion", action="store_true",
                    help="framework megatron: the loss as Megatron's --cross-entropy-loss-fusion runs it (NeMo's "
                         "cross_entropy_loss_fusion: fewer passes over the fp32 logits; default off, as in Megatron-LM)")

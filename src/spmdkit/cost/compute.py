@@ -260,6 +260,10 @@ def _fp8(prog: Program, i: int, lop: LocalOp, c: OpCost) -> OpCost:
 #: (``accumulate=True`` into ``main_grad``: :func:`fused_wgrad`)
 MAIN_GRAD_BYTES = 8.0
 
+#: gradient elements an unfused accumulation moves per weight element: ``param.grad`` and the new
+#: gradient read, ``param.grad`` written (:func:`fused_wgrad` under ``--no-wgrad-fusion``)
+ACCUMULATE_GRAD_READS_WRITES = 3
+
 #: _grads_sharded_at_producer's answers by the plan's id (the value keeps the plan)
 _SHARDED: Recent[tuple[Plan, frozenset[str]]] = Recent(16)
 
@@ -287,7 +291,13 @@ def fused_wgrad(plan: Plan, i: int, lop: LocalOp, c: OpCost) -> OpCost:
     gradient is reduce-scattered at its producer (ZeRO-2 / 3: Megatron-FSDP's ``optim_grads`` /
     ``optim_grads_params`` assert the fusion off, ``validate_args``), nor under other frameworks
     (FSDP2 writes the gradient in the compute dtype). The first microbatch's GEMM overwrites
-    ``main_grad`` (``not is_first_microbatch``): counted as the others."""
+    ``main_grad`` (``not is_first_microbatch``): counted as the others. Without the fusion
+    (``Runtime.wgrad_fusion`` off, ``--no-wgrad-fusion``: Megatron-LM before 83b1e42f30, 2022-02,
+    e.g. de7dc40f88 with ``--DDP-impl local`` and no contiguous buffers, or torch DDP) the GEMM
+    writes the gradient in the weight's dtype and autograd's ``AccumulateGrad`` adds it into
+    ``param.grad`` in place (``variable_grad += new_grad``): a memory-bound kernel of its own
+    reading two and writing one gradient element (:data:`ACCUMULATE_GRAD_READS_WRITES`), every
+    microbatch's backward (the first, which only stores it, counted as the others)."""
     if plan.runtime.framework != "megatron" or not c.matmul or not c.gemms or len(lop.outs) < 2:
         return c
     op = plan.program.ops[i]
@@ -302,6 +312,8 @@ def fused_wgrad(plan: Plan, i: int, lop: LocalOp, c: OpCost) -> OpCost:
     if wgemms <= 0:
         return c
     elems = numel(wt[0])
+    if not plan.runtime.wgrad_fusion:  # autograd adds the GEMM's gradient into param.grad: a kernel of its own
+        return replace(c, cast_bytes=c.cast_bytes + ACCUMULATE_GRAD_READS_WRITES * wt[1] * elems)
     size = 1 if c.fp8 else wt[1]  # under --precision fp8 the wgrad GEMM reads the fp8 copies
     operands = sum(b * (m * k + k * n) for b, m, n, k in c.gemms[-wgemms:]) * size
     written = numel(lop.outs[1][0]) * lop.outs[1][1]

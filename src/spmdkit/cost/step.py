@@ -406,6 +406,40 @@ def _producers(plan: Plan) -> dict[str, int]:
     return producer
 
 
+#: the backward rules of GEMMs with a weight: the input's gradient and the weight's, one GEMM each
+#: of the same FLOPs (``dX = dY W^T``, ``dW = X^T dY``; spmdkit.planner.zero_bubble.GEMM_GRADS)
+WGRAD_RULES = frozenset({"matmul_grad", "bmm_grad", "linear_v2_grad", "fused_gemm_epilogue_grad"})
+
+
+def dgrad_wgrad_s(plan: Plan, times: list[float], tensor: str, producer: dict[str, int],
+                  wgrads: frozenset[str]) -> float:
+    """The seconds of the weight-gradient GEMMs a tensor-parallel all-reduce of the input
+    gradient ``tensor`` runs beside under Megatron's ``async_tensor_model_parallel_allreduce``
+    (megatron/mpu/layers ``LinearWithGradAccumulationAndAsyncAllreduce.backward`` from 16c90445e7:
+    the dgrad GEMM, ``all_reduce(grad_input, async_op=True)``, the wgrad GEMM, ``handle.wait()``):
+    half of each GEMM backward that made ``tensor`` (or the partial input gradients an ``add_n``
+    summed into it: q, k and v are one linear in Megatron) and a weight's gradient (``wgrads``);
+    0 where no such GEMM made it."""
+    prog = plan.program
+    j = producer.get(tensor, -1)
+    if j < 0:
+        return 0.0
+    made = [j]
+    if prog.ops[j].rule == "add_n":
+        made = [producer[n] for n in prog.ops[j].input_names() if n in producer]
+    return sum(0.5 * times[k] for k in made if prog.ops[k].phase == "backward" and prog.ops[k].rule in WGRAD_RULES
+               and any(n in wgrads for n in prog.ops[k].output_names()))
+
+
+def _partial_wgrads(plan: Plan, param_grads: frozenset[str]) -> frozenset[str]:
+    """The parameter gradients and the partial ones an ``add_n`` sums into one (a tied weight's)."""
+    out = set(param_grads)
+    for op in reversed(plan.program.ops):
+        if op.phase == "backward" and op.rule == "add_n" and any(n in out for n in op.output_names()):
+            out.update(op.input_names())
+    return frozenset(out)
+
+
 def _adjacent_gemm(plan: Plan, comp: _Compute, tensor: str, i: int, producer: dict[str, int],
                    readers: dict[str, list[int]]) -> int:
     """The GEMM a TP collective of ``tensor`` (at op ``i``) overlaps: op i, the op that made the
@@ -452,6 +486,8 @@ def _communication(plan: Plan, comp: _Compute, device: Device) -> _Comm:
     param_grads = plan.param_grads()
     overlap_tp = plan.runtime.tp_comm_overlap
     torch_tp = overlap_tp and plan.runtime.framework in FSDP2  # torch's async TP (micro-pipeline TP)
+    async_ar = plan.runtime.framework == "megatron" and plan.runtime.tp_allreduce_overlap
+    wgrads = _partial_wgrads(plan, param_grads) if async_ar else frozenset()
     rs_grads = distributed_optimizer_grads(plan)
     moe_a2a = bool(plan_loads(plan)) or plan.runtime.moe_dispatcher != "alltoall"
     torch_cps = torch_cp_ops(plan)
@@ -501,6 +537,12 @@ def _communication(plan: Plan, comp: _Compute, device: Device) -> _Comm:
                 out.param_gathers.setdefault(i, []).append((s.mesh_dims, buffer_bytes(s.kind, s.bytes_per_rank, n),
                                                             t.itemsize))
                 continue
+            if async_ar and s.kind == "all_reduce" and t.kind == "gradient" and r.tensor not in param_grads \
+                    and prog.ops[i].phase == "backward":
+                w = dgrad_wgrad_s(plan, comp.times, r.tensor, producer, wgrads)
+                if w > 0:  # Megatron's async dgrad all-reduce beside its wgrad GEMMs
+                    out.blocking[i] = out.blocking.get(i, 0.0) + max(0.0, s.time_s - w)
+                    continue
             gemm = -1
             tp_act = s.kind in ("all_gather", "reduce_scatter") and t.kind in ("activation", "gradient") \
                 and r.tensor not in param_grads

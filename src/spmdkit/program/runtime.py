@@ -37,6 +37,15 @@ GEMMs. A plan carries one (:attr:`spmdkit.program.plan.Plan.runtime`); the CLI s
   (``--no-grad-overlap``): every gradient in one buffer per dtype, reduced after the last backward
   (Megatron-LM 2021-2022's local DDP: ``train_step`` calls ``allreduce_gradients()`` once
   ``forward_backward_func`` returns; megatron/training at de7dc40f88 and 35a3fa8b7c).
+- ``tp_allreduce_overlap``: under ``--framework megatron``, the backward's tensor-parallel
+  all-reduce of a column-parallel linear's input gradient runs beside the GEMMs of its weight
+  gradient (Megatron-LM's ``async_tensor_model_parallel_allreduce``, on by default since
+  16c90445e7, 2021-09; Megatron-Core's ``allreduce_dgrad``); off (``--no-async-tp-allreduce``):
+  it blocks after them, as Megatron-LM of August 2021 (de7dc40f88) ran it.
+- ``wgrad_fusion``: under ``--framework megatron``, the weight-gradient GEMM accumulates into the
+  fp32 ``main_grad`` (``--gradient-accumulation-fusion``, from 83b1e42f30, 2022-02); off
+  (``--no-wgrad-fusion``): it writes the gradient and autograd adds it into ``param.grad``, a
+  memory-bound kernel a microbatch (Megatron-LM of 2021: :func:`spmdkit.cost.compute.fused_wgrad`).
 - ``moe_skew`` / ``moe_histogram``: how unevenly a mixture-of-experts router spreads the tokens
   (``--moe-skew F``: the busiest expert receives F x the mean, the others share the rest evenly;
   ``--moe-skew NAME``: a published figure of :data:`SKEW_FIGURES`; ``--moe-histogram``: tokens
@@ -143,6 +152,8 @@ class Runtime:
     p2p_overlap: bool = True
     ep_comm_overlap: bool = False
     grad_overlap: bool = True
+    tp_allreduce_overlap: bool = True
+    wgrad_fusion: bool = True
 
     def __post_init__(self) -> None:
         if self.moe_dispatcher not in DISPATCHERS:
@@ -208,6 +219,10 @@ class Runtime:
             out["p2p_overlap"] = False
         if not self.grad_overlap:
             out["grad_overlap"] = False
+        if not self.tp_allreduce_overlap:
+            out["tp_allreduce_overlap"] = False
+        if not self.wgrad_fusion:
+            out["wgrad_fusion"] = False
         if self.ep_comm_overlap:
             out["ep_comm_overlap"] = True
         return out
