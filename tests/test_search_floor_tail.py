@@ -35,14 +35,16 @@ def _floor_of(model: str = MODEL, over: dict[str, int] | None = None, device: st
 def test_a_layers_gradients_and_optimizer_by_hand() -> None:
     """ZeRO-1 on dp=4 (one reduce-scatter group): a layer's gradients are its parameters in
     bf16 (the Reducer reduces them in fp32), the embedding's and the head's (with the final
-    norm) theirs; the optimizer halves from dp=4 to dp=8 (its states sharded over dp)."""
+    norm) theirs; the optimizer shrinks from dp=4 to dp=8 (its states sharded over dp)."""
     floor = _floor_of()
     t = floor.tail(Config(4, 1, 2, "dp,zero1", microbatches=2))
     assert [(k[0], k[1], b) for k, _s, b in t.layer.grads] == [("reduce_scatter", (0,), 2 * LAYER_PARAMS)]
     assert [b for _k, _s, b in t.first.grads] == [2 * EMBEDDING]
     assert [b for _k, _s, b in t.last.grads] == [2 * (EMBEDDING + 4096)]
     t8 = floor.tail(Config(8, 1, 1, "dp,zero1"))
-    assert t.layer.opt > 0 and t8.layer.opt == pytest.approx(t.layer.opt / 2, rel=0.02)
+    # its passes over the states' shard halve; Megatron's zeroing of the whole gradient buffer does
+    # not (spmdkit.cost.optimizer_step: 0.667 of dp=4's, where it was half before that buffer was counted)
+    assert t.layer.opt > 0 and t.layer.opt / 2 < t8.layer.opt < 0.7 * t.layer.opt
     # tensor parallelism halves a layer's reduced bytes but for the replicated norms (sp's all-reduce over tp)
     tp = floor.tail(Config(2, 2, 2, "megatron,sp,zero1", microbatches=4))
     got = {k[0]: b for k, _s, b in tp.layer.grads}
@@ -145,7 +147,7 @@ def test_the_tail_does_not_depend_on_the_batch(pair: tuple[Config, Config]) -> N
 def test_megatron_fsdp_pipelines_floor_counts_each_microbatchs_reductions() -> None:
     """Megatron-FSDP (zero2 / zero3, the megatron framework) reduce-scatters every microbatch: the
     busiest rank (6 of llama3-8b's 12 layers on pp=2) queues 8 microbatches of them on its stream
-    before its optimizer (Tail.stream), 0.1105 s, where the schedule's floor says 0.0396 s; never
+    before its optimizer (Tail.stream), 0.1111 s, where the schedule's floor says 0.0396 s; never
     above a planned step (0.186 s and up); the distributed optimizer (zero1) reduces once: no such term."""
     over = {"layers": 12, "batch": 128, "seq": 128}
     floor = _floor_of(MODEL, over)
@@ -154,9 +156,10 @@ def test_megatron_fsdp_pipelines_floor_counts_each_microbatchs_reductions() -> N
         for c in config_candidates(MODEL, cfg, "h100", over):
             assert floor.step(cfg, c.config.recompute, gathers=True) <= c.step_s
     z2 = Config(16, 1, 2, "dp,zero2", microbatches=8)
-    assert floor.tail(z2).stream(8, 6) == pytest.approx(0.110495, abs=1e-6)
+    # 0.110495 / 0.116903 s before Megatron's optimizer-step passes (spmdkit.cost.optimizer_step)
+    assert floor.tail(z2).stream(8, 6) == pytest.approx(0.111112, abs=1e-6)
     # and the first microbatch's forward and the backward of stage 1 before rank 0's first reduction
-    assert floor.step(z2, "none", gathers=True) == pytest.approx(0.116903, abs=1e-6)
+    assert floor.step(z2, "none", gathers=True) == pytest.approx(0.117521, abs=1e-6)
     assert floor.step(z2, "none") == pytest.approx(0.039570, abs=1e-6)  # without the tail
     assert floor.tail(Config(16, 1, 2, "dp,zero1", microbatches=8)).stream(8, 6) == 0.0
 
@@ -197,6 +200,6 @@ def test_the_stream_waits_for_the_first_backward() -> None:
     assert b.last == pytest.approx(0.0009500, abs=1e-7)
     want = t.stream(8, 6, 6, last=False) + f.forward + 6 * b.layer + b.last
     assert floor.stream(cfg, f, t) == pytest.approx(want, rel=1e-8)
-    assert floor.stream(cfg, f, t) == pytest.approx(0.116903, abs=1e-6)
+    assert floor.stream(cfg, f, t) == pytest.approx(0.117521, abs=1e-6)  # 0.116903 before the optimizer passes
     uneven = Config(16, 1, 2, "dp,zero2", microbatches=8, virtual=4)
     assert floor.stream(uneven, floor.of(uneven), t) == pytest.approx(t.stream(8, 6, 6) + f.forward, rel=1e-8)

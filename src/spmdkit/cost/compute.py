@@ -297,8 +297,10 @@ def fused_wgrad(plan: Plan, i: int, lop: LocalOp, c: OpCost) -> OpCost:
     writes the gradient in the weight's dtype and autograd's ``AccumulateGrad`` adds it into
     ``param.grad`` in place (``variable_grad += new_grad``): a memory-bound kernel of its own
     reading two and writing one gradient element (:data:`ACCUMULATE_GRAD_READS_WRITES`), every
-    microbatch's backward (the first, which only stores it, counted as the others)."""
-    if plan.runtime.framework != "megatron" or not c.matmul or not c.gemms or len(lop.outs) < 2:
+    microbatch's backward (the first, which only stores it, counted as the others). None of it in a
+    search floor's stand-in plan (``Runtime.lower_bound``: ZeRO-2/3 run neither)."""
+    rt = plan.runtime
+    if rt.framework != "megatron" or rt.lower_bound or not c.matmul or not c.gemms or len(lop.outs) < 2:
         return c
     op = plan.program.ops[i]
     if not op.rule.endswith("_grad") or _canonical(op.rule) not in FP8_GEMMS or lop.outs[1] is None:

@@ -474,7 +474,9 @@ def search_meshes(model: str | Program, devices: int, device: Device | str = "h1
     finally:
         if refiner is not None:
             refiner.close()
-    cands.sort(key=lambda c: (not c.fits, c.step_s if c.fits else c.memory, c.memory))
+    # equal steps (to 12 digits: a folded plan's and its whole twin's agree to 1e-9, not to the last bit)
+    # rank by memory, so folding never reorders ties
+    cands.sort(key=lambda c: (not c.fits, float(f"{c.step_s:.12g}") if c.fits else c.memory, c.memory))
     if progress is not None:
         folded = len({c.config for c in cands if c.folded})
         progress.phase(f"planned {planned} configurations ({folded} folded), {len(pruned)} pruned by bounds, "
@@ -518,7 +520,9 @@ def _floor(model: str | Program, mc: ModelConfig | None, job: _Job, bounds: Boun
         return None
 
     def plan_copy(cfg: Config, layers: int, batch: int) -> Plan:
-        return replace(_preset_plan(cfg, str(model), mc.with_(batch=batch), job, layers).plan, runtime=job.runtime)
+        # priced as a bound of every ZeRO level of the strategy (Runtime.lower_bound)
+        return replace(_preset_plan(cfg, str(model), mc.with_(batch=batch), job, layers).plan,
+                       runtime=replace(job.runtime, lower_bound=True))
 
     dense = mc.dense_layers if mc.experts else 0
     # a MoE model with dense first layers: each layer key on one copy, its work by layer

@@ -46,6 +46,11 @@ GEMMs. A plan carries one (:attr:`spmdkit.program.plan.Plan.runtime`); the CLI s
   fp32 ``main_grad`` (``--gradient-accumulation-fusion``, from 83b1e42f30, 2022-02); off
   (``--no-wgrad-fusion``): it writes the gradient and autograd adds it into ``param.grad``, a
   memory-bound kernel a microbatch (Megatron-LM of 2021: :func:`spmdkit.cost.compute.fused_wgrad`).
+- ``lower_bound``: the plan stands in for every ZeRO level of its strategy in a search's step
+  floor (:mod:`spmdkit.planner.search_floor` plans the strategy without ZeRO on one data-parallel
+  rank): what only some levels pay is left out, so the floor stays under each (the weight
+  gradient's accumulation into ``main_grad`` or ``param.grad``, which Megatron-FSDP's ZeRO-2/3 do
+  not run). Not a user option; not in the plan's JSON.
 - ``moe_skew`` / ``moe_histogram``: how unevenly a mixture-of-experts router spreads the tokens
   (``--moe-skew F``: the busiest expert receives F x the mean, the others share the rest evenly;
   ``--moe-skew NAME``: a published figure of :data:`SKEW_FIGURES`; ``--moe-histogram``: tokens
@@ -154,6 +159,7 @@ class Runtime:
     grad_overlap: bool = True
     tp_allreduce_overlap: bool = True
     wgrad_fusion: bool = True
+    lower_bound: bool = False
 
     def __post_init__(self) -> None:
         if self.moe_dispatcher not in DISPATCHERS:
